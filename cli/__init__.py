@@ -1,0 +1,1 @@
+"""Thin command-line entry points (installed as `toymlx_cli`)."""

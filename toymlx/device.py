@@ -1,0 +1,101 @@
+"""Device selection and the CPU BLAS fix-up.
+
+On Linux the `mlx[cpu]` wheel links the netlib reference BLAS (~5 GFLOPS). Loading an
+optimised BLAS with global symbol visibility *before* `mlx.core` is imported makes MLX's
+matmuls use it instead (~33x faster). `toymlx/__init__.py` calls `preload_blas()` first
+thing, so importing anything from toymlx is enough.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+import warnings
+
+_BLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+    "/usr/local/lib/libopenblas.so.0",
+)
+_BLAS_FIX = (
+    "toymlx: no optimised BLAS found, MLX's CPU matmuls will use the reference BLAS "
+    "(about 30x slower). Fix: `sudo apt-get install libopenblas0-pthread` "
+    "(Debian/Ubuntu) or set TOYMLX_BLAS=/path/to/libopenblas.so.0"
+)
+
+_blas: dict = {"name": "unknown", "path": None}
+_warned = False
+
+
+def preload_blas() -> dict:
+    """Load OpenBLAS globally before mlx.core is imported (Linux only); return what was used."""
+    global _warned
+    if _blas["path"] is not None or _blas["name"] != "unknown":
+        return dict(_blas)
+    if sys.platform == "darwin":
+        _blas.update(name="accelerate")
+        return dict(_blas)
+    if sys.platform != "linux" or os.environ.get("TOYMLX_BLAS") == "reference":
+        _blas.update(name="reference")
+        return dict(_blas)
+    if "mlx.core" in sys.modules:
+        # Too late to change which BLAS MLX binds to; report honestly.
+        _blas.update(name="reference (mlx imported before toymlx)")
+        return dict(_blas)
+    candidates = [os.environ["TOYMLX_BLAS"]] if os.environ.get("TOYMLX_BLAS") else []
+    candidates += list(_BLAS_CANDIDATES)
+    for path in candidates:
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            _blas.update(name="openblas", path=path)
+            return dict(_blas)
+    _blas.update(name="reference")
+    if not _warned:
+        warnings.warn(_BLAS_FIX, stacklevel=2)
+        _warned = True
+    return dict(_blas)
+
+
+def select_device(name: str = "auto"):
+    """Make `name` (auto|gpu|cpu) MLX's default device and return it."""
+    import mlx.core as mx
+
+    if name not in ("auto", "gpu", "cpu"):
+        raise ValueError(f"--device: expected one of auto, gpu, cpu; found {name!r}")
+    has_gpu = mx.is_available(mx.gpu)
+    if name == "gpu" and not has_gpu:
+        raise ValueError("--device gpu: MLX has no GPU backend on this machine; use --device cpu")
+    dev = mx.gpu if (name == "gpu" or (name == "auto" and has_gpu)) else mx.cpu
+    mx.set_default_device(dev)
+    return dev
+
+
+def backend_info() -> dict:
+    """What actually runs the math: for run_start events and benchmarks."""
+    import mlx.core as mx
+
+    dev = mx.default_device()
+    info: dict = {"device": "gpu" if dev == mx.gpu else "cpu", "mlx": mx.__version__}
+    if dev == mx.gpu:
+        info["kind"] = "metal" if sys.platform == "darwin" else "cuda"
+        try:
+            info["name"] = mx.device_info().get("device_name")
+        except Exception:  # device_info is backend-specific
+            pass
+    else:
+        info["kind"] = "cpu"
+        info["blas"] = _blas["name"]
+        if _blas["path"]:
+            info["blas_path"] = _blas["path"]
+        info["cpu"] = platform.processor() or platform.machine()
+        info["cores"] = os.cpu_count()
+    return info

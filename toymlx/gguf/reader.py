@@ -1,0 +1,302 @@
+"""A validated GGUF parser.
+
+Every count, length, type and offset in the header is checked against the file before it is
+used, so a hostile or truncated file ends in one `GGUFError` naming the file, the key or
+tensor, and the expected and found values. MLX's own reader (`mx.load`) segfaults on
+float64 metadata and decodes Q4_K wrongly, so tensor data is decoded here with numpy
+(exact for F32/F16/BF16, `gguf.quants.dequantize` for quantized types).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+MAGIC = b"GGUF"
+MAX_DIMS = 4
+DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types (gguf spec numbering).
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = (
+    range(13)
+)
+_SCALAR = {
+    UINT8: np.dtype("<u1"), INT8: np.dtype("<i1"), UINT16: np.dtype("<u2"), INT16: np.dtype("<i2"),
+    UINT32: np.dtype("<u4"), INT32: np.dtype("<i4"), FLOAT32: np.dtype("<f4"), BOOL: np.dtype("u1"),
+    UINT64: np.dtype("<u8"), INT64: np.dtype("<i8"), FLOAT64: np.dtype("<f8"),
+}
+TYPE_NAMES = {UINT8: "uint8", INT8: "int8", UINT16: "uint16", INT16: "int16", UINT32: "uint32",
+              INT32: "int32", FLOAT32: "float32", BOOL: "bool", STRING: "string", ARRAY: "array",
+              UINT64: "uint64", INT64: "int64", FLOAT64: "float64"}
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be used; the message is one line naming file, key and values."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    """numpy order: GGML ne reversed, so a weight is (out, in)."""
+    type: GGMLQuantizationType
+    offset: int
+    """Absolute byte offset of the data in the file."""
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return self.type.name
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class _Cursor:
+    def __init__(self, buf, path: str):
+        self.buf, self.pos, self.path, self.size = buf, 0, path, len(buf)
+
+    def fail(self, what: str, expected: str, found: str) -> GGUFError:
+        return GGUFError(f"{self.path}: {what}: expected {expected}, found {found}")
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail(what, f"{n} more bytes at offset {self.pos}",
+                            f"end of file at {self.size} (file truncated?)")
+        out = memoryview(self.buf)[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def u32(self, what: str) -> int:
+        return struct.unpack("<I", self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack("<Q", self.take(8, what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"{what} (string length)")
+        raw = self.take(n, f"{what} (string of {n} bytes)")
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(what, "UTF-8 text", f"invalid byte at position {e.start}") from None
+
+
+def _read_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any, int, int | None]:
+    """Return (value, type, array element type)."""
+    if vtype in _SCALAR:
+        dt = _SCALAR[vtype]
+        v = np.frombuffer(c.take(dt.itemsize, f"value of {key!r}"), dtype=dt)[0]
+        if vtype == BOOL:
+            return bool(v), vtype, None
+        return (float(v) if dt.kind == "f" else int(v)), vtype, None
+    if vtype == STRING:
+        return c.string(f"value of {key!r}"), vtype, None
+    if vtype == ARRAY:
+        if depth:
+            raise c.fail(f"value of {key!r}", "an array of scalars or strings", "nested array")
+        etype = c.u32(f"array type of {key!r}")
+        n = c.u64(f"array length of {key!r}")
+        if etype in _SCALAR:
+            dt = _SCALAR[etype]
+            if n > (c.size - c.pos) // dt.itemsize:
+                raise c.fail(f"array length of {key!r}", f"at most {(c.size - c.pos) // dt.itemsize}"
+                             " elements (bytes left in file)", str(n))
+            arr = np.frombuffer(c.take(n * dt.itemsize, f"array {key!r}"), dtype=dt)
+            if etype == BOOL:
+                return [bool(x) for x in arr], vtype, etype
+            return arr.tolist(), vtype, etype
+        if etype == STRING:
+            if n > (c.size - c.pos) // 8:
+                raise c.fail(f"array length of {key!r}", f"at most {(c.size - c.pos) // 8} strings "
+                             "(bytes left in file)", str(n))
+            return [c.string(f"{key}[{i}]") for i in range(n)], vtype, etype
+        raise c.fail(f"array type of {key!r}", "a known GGUF value type (0-12, not array)",
+                     str(etype))
+    raise c.fail(f"value type of {key!r}", "a known GGUF value type 0-12", str(vtype))
+
+
+class GGUFFile:
+    """A parsed GGUF header plus lazy, exact access to tensor data."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    raise GGUFError(f"{self.path}: file: expected a GGUF file, found an empty file")
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise GGUFError(f"{self.path}: file: expected an existing GGUF file, found nothing "
+                            "at that path") from None
+        except IsADirectoryError:
+            raise GGUFError(f"{self.path}: file: expected a GGUF file, found a directory") from None
+        except PermissionError:
+            raise GGUFError(f"{self.path}: file: expected a readable file, found permission "
+                            "denied") from None
+        self.metadata: dict[str, Any] = {}
+        self.metadata_types: dict[str, tuple[int, int | None]] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._parse()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> GGUFFile:
+        return cls(path)
+
+    def _parse(self) -> None:
+        c = _Cursor(self._mm, self.path)
+        magic = bytes(c.take(4, "magic"))
+        if magic != MAGIC:
+            raise GGUFError(f"{self.path}: magic: expected b'GGUF', found {magic!r} (not a GGUF file)")
+        self.version = c.u32("version")
+        if self.version not in (2, 3):
+            raise c.fail("version", "2 or 3", str(self.version))
+        n_tensors = c.u64("tensor count")
+        n_kv = c.u64("metadata count")
+        # Each key/value takes at least 8+4 bytes, each tensor info at least 8+4+8+4+8.
+        if n_kv > c.size // 12:
+            raise c.fail("metadata count", f"at most {c.size // 12} for a {c.size}-byte file",
+                         str(n_kv))
+        if n_tensors > c.size // 32:
+            raise c.fail("tensor count", f"at most {c.size // 32} for a {c.size}-byte file",
+                         str(n_tensors))
+        for i in range(n_kv):
+            key = c.string(f"metadata key #{i}")
+            vtype = c.u32(f"value type of {key!r}")
+            value, t, et = _read_value(c, vtype, key)
+            if key in self.metadata:
+                raise c.fail(f"metadata key {key!r}", "unique keys", "a duplicate")
+            self.metadata[key] = value
+            self.metadata_types[key] = (t, et)
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1) or align > 1 << 20:
+            raise c.fail("general.alignment", "a power of two", repr(align))
+        self.alignment = align
+        infos = []
+        for i in range(n_tensors):
+            name = c.string(f"tensor #{i} name")
+            n_dims = c.u32(f"tensor {name!r} n_dims")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise c.fail(f"tensor {name!r} n_dims", f"1..{MAX_DIMS}", str(n_dims))
+            ne = [c.u64(f"tensor {name!r} dim {d}") for d in range(n_dims)]
+            ttype = c.u32(f"tensor {name!r} type")
+            offset = c.u64(f"tensor {name!r} offset")
+            try:
+                qtype = GGMLQuantizationType(ttype)
+            except ValueError:
+                raise c.fail(f"tensor {name!r} type", "a known GGML type", str(ttype)) from None
+            if qtype not in GGML_QUANT_SIZES:
+                raise c.fail(f"tensor {name!r} type", "a GGML type with a known size", qtype.name)
+            infos.append((name, ne, qtype, offset))
+        data_start = -(-c.pos // align) * align
+        for name, ne, qtype, offset in infos:
+            if any(d == 0 for d in ne) or any(d > 1 << 40 for d in ne):
+                raise GGUFError(f"{self.path}: tensor {name!r} shape: expected dims in 1..2^40, "
+                                f"found ne={ne}")
+            block, tsize = GGML_QUANT_SIZES[qtype]
+            if ne[0] % block:
+                raise GGUFError(f"{self.path}: tensor {name!r} shape: expected first dim a "
+                                f"multiple of {block} for {qtype.name}, found {ne[0]}")
+            n = int(np.prod(ne, dtype=object))
+            nbytes = n // block * tsize
+            start = data_start + offset
+            if offset % align:
+                raise GGUFError(f"{self.path}: tensor {name!r} offset: expected a multiple of "
+                                f"{align}, found {offset}")
+            if start + nbytes > c.size:
+                raise GGUFError(f"{self.path}: tensor {name!r} data: expected {nbytes} bytes at "
+                                f"offset {start}, found file end at {c.size} (file truncated?)")
+            if name in self.tensors:
+                raise GGUFError(f"{self.path}: tensor {name!r}: expected unique names, "
+                                "found a duplicate")
+            self.tensors[name] = TensorInfo(name, tuple(int(d) for d in reversed(ne)), qtype,
+                                            start, nbytes)
+        self.data_start = data_start
+
+    # ---- metadata helpers -------------------------------------------------------------
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    @property
+    def has_float64_metadata(self) -> bool:
+        return any(t == FLOAT64 or et == FLOAT64 for t, et in self.metadata_types.values())
+
+    def get(self, key: str, kind: type | tuple = (int, float), default: Any = ...) -> Any:
+        """The value of `key`, checked to be of `kind`; GGUFError when missing or mistyped."""
+        if key not in self.metadata:
+            if default is ...:
+                raise GGUFError(f"{self.path}: metadata key {key!r}: expected present, "
+                                "found missing")
+            return default
+        v = self.metadata[key]
+        if not isinstance(v, kind) or (kind != bool and isinstance(v, bool) and bool not in
+                                       (kind if isinstance(kind, tuple) else (kind,))):
+            want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+            raise GGUFError(f"{self.path}: metadata key {key!r}: expected {want}, "
+                            f"found {type(v).__name__} {v!r:.60}")
+        return v
+
+    # ---- tensor data ------------------------------------------------------------------
+    def raw(self, name: str) -> np.ndarray:
+        info = self._info(name)
+        return np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def _info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise GGUFError(f"{self.path}: tensor {name!r}: expected present, found missing")
+        return self.tensors[name]
+
+    def load(self, name: str, dtype=np.float32) -> np.ndarray:
+        """Tensor `name` decoded to `dtype` in numpy (out, in) order; exact for float types."""
+        info = self._info(name)
+        raw = self.raw(name)
+        t = info.type
+        T = GGMLQuantizationType
+        if t == T.F32:
+            out = raw.view("<f4")
+        elif t == T.F16:
+            out = raw.view("<f2")
+        elif t == T.BF16:
+            out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        elif t == T.F64:
+            out = raw.view("<f8")
+        elif t in (T.I8, T.I16, T.I32, T.I64):
+            out = raw.view({T.I8: "i1", T.I16: "<i2", T.I32: "<i4", T.I64: "<i8"}[t])
+        else:
+            from gguf.quants import dequantize
+
+            block, tsize = GGML_QUANT_SIZES[t]
+            row_bytes = info.shape[-1] // block * tsize
+            try:
+                out = dequantize(raw.reshape(-1, row_bytes), t)
+            except NotImplementedError:
+                raise GGUFError(f"{self.path}: tensor {name!r} type: expected a type gguf-py can "
+                                f"dequantize, found {t.name}") from None
+        return np.asarray(out.reshape(info.shape), dtype=dtype)
+
+    def close(self) -> None:
+        try:
+            self._mm.close()
+        except BufferError:  # a numpy view is still alive; the map closes when it is freed
+            pass
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The metadata of a GGUF file as plain Python values (validated, never via mx.load)."""
+    return dict(GGUFFile(Path(path)).metadata)

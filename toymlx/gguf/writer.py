@@ -1,0 +1,153 @@
+"""The one GGUF writer: typed metadata, aligned tensor data, written atomically.
+
+A file is written to a temporary name in the same folder, fsynced, then renamed over the
+target, so a crash at any instant leaves either the old file or the complete new one.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from toymlx.gguf.reader import (ARRAY, BOOL, DEFAULT_ALIGNMENT, FLOAT32, INT32, STRING, UINT32,
+                                UINT64, _SCALAR, INT64)
+
+# Keys whose GGUF type llama.cpp checks and that Python values cannot express on their own.
+KNOWN_TYPES: dict[str, tuple[int, int | None]] = {
+    "tokenizer.ggml.token_type": (ARRAY, INT32),
+    "tokenizer.ggml.scores": (ARRAY, FLOAT32),
+    "tokenizer.ggml.merges": (ARRAY, STRING),
+    "tokenizer.ggml.tokens": (ARRAY, STRING),
+}
+_NP_TYPES = {np.dtype("float32"): GGMLQuantizationType.F32,
+             np.dtype("float16"): GGMLQuantizationType.F16,
+             np.dtype("int8"): GGMLQuantizationType.I8,
+             np.dtype("int16"): GGMLQuantizationType.I16,
+             np.dtype("int32"): GGMLQuantizationType.I32}
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """Already-encoded tensor bytes (e.g. Q8_0 from gguf.quants.quantize) with its numpy shape."""
+
+    type: GGMLQuantizationType
+    data: np.ndarray
+    shape: tuple[int, ...]
+
+
+def _infer_type(key: str, value: Any) -> tuple[int, int | None]:
+    if key in KNOWN_TYPES:
+        return KNOWN_TYPES[key]
+    if isinstance(value, bool):
+        return BOOL, None
+    if isinstance(value, (int, np.integer)):
+        if 0 <= value < 2**32:
+            return UINT32, None
+        return (UINT64 if value >= 0 else (INT32 if value >= -(2**31) else INT64)), None
+    if isinstance(value, (float, np.floating)):
+        return FLOAT32, None
+    if isinstance(value, str):
+        return STRING, None
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return ARRAY, UINT32
+        et, _ = _infer_type("", value[0])
+        if et == UINT32 and any(isinstance(x, int) and x < 0 for x in value):
+            et = INT32
+        return ARRAY, et
+    raise TypeError(f"GGUF metadata {key!r}: expected str, bool, int, float or list, "
+                    f"found {type(value).__name__}")
+
+
+def _pack_string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _pack_value(vtype: int, etype: int | None, value: Any) -> bytes:
+    if vtype == STRING:
+        return _pack_string(value)
+    if vtype == ARRAY:
+        head = struct.pack("<IQ", etype, len(value))
+        if etype == STRING:
+            return head + b"".join(_pack_string(s) for s in value)
+        return head + np.asarray(value).astype(_SCALAR[etype]).tobytes()
+    return np.asarray(value).astype(_SCALAR[vtype]).tobytes()
+
+
+def _pad(f: BinaryIO, align: int) -> None:
+    f.write(b"\0" * (-f.tell() % align))
+
+
+def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
+               tensors: dict[str, np.ndarray | QuantTensor],
+               types: dict[str, tuple[int, int | None]] | None = None,
+               alignment: int = DEFAULT_ALIGNMENT) -> Path:
+    """Write a GGUF v3 file atomically; `types` overrides inferred metadata value types."""
+    path = Path(path)
+    types = dict(types or {})
+    kv = []
+    for key, value in metadata.items():
+        vt, et = types.get(key) or _infer_type(key, value)
+        kv.append(struct.pack("<Q", len(key.encode())) + key.encode() + struct.pack("<I", vt)
+                  + _pack_value(vt, et, value))
+    infos, blobs, offset = [], [], 0
+    for name, t in tensors.items():
+        if isinstance(t, QuantTensor):
+            qtype, shape, data = t.type, tuple(t.shape), np.ascontiguousarray(t.data)
+        else:
+            arr = np.ascontiguousarray(t)
+            if arr.dtype not in _NP_TYPES:
+                raise TypeError(f"GGUF tensor {name!r}: expected float32/float16/int, "
+                                f"found {arr.dtype}")
+            qtype, shape, data = _NP_TYPES[arr.dtype], arr.shape, arr
+        block, tsize = GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(shape)) // block * tsize
+        if data.nbytes != nbytes:
+            raise ValueError(f"GGUF tensor {name!r}: expected {nbytes} bytes for {qtype.name} "
+                             f"{shape}, found {data.nbytes}")
+        ne = list(reversed(shape))
+        infos.append(_pack_string(name) + struct.pack("<I", len(ne))
+                     + struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", qtype, offset))
+        blobs.append(data)
+        offset += nbytes + (-nbytes % alignment)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
+            for item in kv + infos:
+                f.write(item)
+            _pad(f, alignment)
+            for data in blobs:
+                f.write(memoryview(data).cast("B"))
+                _pad(f, alignment)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""Model architectures, written in mlx.nn. Nothing here imports the rest of toymlx."""

@@ -1,0 +1,23 @@
+"""The recipes: each a short module with a `Config` dataclass and `build(cfg) -> Task`.
+
+`RECIPES` is the only registry; modules are imported lazily so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+RECIPES: dict[str, str] = {
+    "from-scratch": "toymlx.recipes.from_scratch",
+    "warm-start": "toymlx.recipes.warm_start",
+    "lora": "toymlx.recipes.lora",
+    "vit-tiny": "toymlx.recipes.vit_tiny",
+}
+
+
+def get_recipe(name: str) -> ModuleType:
+    """The recipe module for `name`, or a ValueError listing the known ones."""
+    if name not in RECIPES:
+        raise ValueError(f"--recipe: expected one of {', '.join(RECIPES)}; found {name!r}")
+    return importlib.import_module(RECIPES[name])

@@ -1,0 +1,114 @@
+"""Pieces the language-model recipes share: model options, text data, and the Llama task."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from toymlx.data.text import TokenData, read_text
+from toymlx.losses import lm_loss
+from toymlx.models.llama import PRESETS, Llama, LlamaArgs
+from toymlx.trainer import Task, TrainConfig
+
+DEFAULT_CORPUS = "python-docs"
+
+
+@dataclass
+class LlamaOptions:
+    """Shape of the Llama to train: a preset, with any field overridden."""
+
+    preset: Literal["tiny", "smollm2-135m", "smollm2-360m"] = "tiny"
+    """Starting shape: tiny (4x256), or the SmolLM2-135M / 360M shapes."""
+    d_model: int | None = None
+    """Hidden width (default: the preset's)."""
+    n_layers: int | None = None
+    """Number of blocks (default: the preset's)."""
+    n_heads: int | None = None
+    """Query heads (default: the preset's)."""
+    n_kv_heads: int | None = None
+    """Key/value heads, < n_heads for GQA (default: the preset's)."""
+    ffn_dim: int | None = None
+    """SwiGLU width (default: the preset's)."""
+    context: int | None = None
+    """Context length written into checkpoints (default: the preset's)."""
+    rope_base: float | None = None
+    """RoPE base (default: the preset's)."""
+    tie_embeddings: bool | None = None
+    """Share the embedding and output matrices (default: the preset's)."""
+
+    def build_args(self, vocab_size: int) -> LlamaArgs:
+        over = {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "preset" and getattr(self, f.name) is not None}
+        args = PRESETS[self.preset](vocab_size=vocab_size, **over)
+        args.validate()
+        return args
+
+
+@dataclass
+class TextData:
+    """Text to train on."""
+
+    path: str | None = None
+    """A UTF-8 text file; default: the Python documentation topics that CPython ships."""
+    val_fraction: float = 0.1
+    """Fraction of the tokens, taken from the end, held out for validation."""
+
+
+def default_corpus() -> tuple[str, str]:
+    """Real human-written text present on every Python install: pydoc's topic pages."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k].strip() for k in sorted(topics))
+    return text, "python-docs (pydoc_data.topics, the Python documentation's topic pages)"
+
+
+def load_token_data(data: TextData, tokenizer, seq_len: int) -> TokenData:
+    if data.path is None:
+        text, source = default_corpus()
+        return TokenData.from_ids(tokenizer.encode(text), seq_len, data.val_fraction, source)
+    read_text(data.path)  # clear errors for missing, empty or non-UTF-8 files
+    return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction)
+
+
+def llama_model_info(args: LlamaArgs) -> dict[str, Any]:
+    info = {"arch": "llama", "vocab": args.vocab_size}
+    info.update({k: v for k, v in asdict(args).items() if k != "vocab_size"})
+    info["head_dim"] = args.hd
+    return info
+
+
+def check_seq_len(seq_len: int, args: LlamaArgs) -> None:
+    if seq_len < 1 or seq_len > args.context:
+        raise ValueError(f"--seq-len: expected 1..{args.context} (the model context), "
+                         f"found {seq_len}")
+
+
+def lm_task(recipe: str, cfg: TrainConfig, seq_len: int, model: Llama, data: TokenData,
+            save, load, config_info: dict[str, Any], model_info: dict[str, Any]) -> Task:
+    """A Task training `model` on `data` with next-token cross-entropy."""
+    if cfg.batch_size < 1:
+        raise ValueError(f"--batch-size: expected >= 1, found {cfg.batch_size}")
+    val = data.val_batches(cfg.batch_size, seq_len, max(cfg.eval_batches, 1))
+    return Task(
+        recipe=recipe, model=model, loss_fn=lm_loss,
+        train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, seq_len, cfg.grad_accum),
+        val_batches=val, save=save, load=load, model_info=model_info,
+        config_info={"context": seq_len, "seq_len": seq_len, "data_source": data.source,
+                     "train_tokens": int(data.train.size), "val_tokens": int(data.val.size),
+                     **config_info},
+        unit="tokens", count=lambda b: int(np.sum(b["mask"])))
+
+
+def load_weights_from_gguf(path: Path, model) -> None:
+    """Resume helper: overwrite `model`'s llama weights with a toymlx checkpoint's."""
+    import mlx.core as mx
+
+    from toymlx.gguf.llama import expected_shapes, gguf_to_toy
+    from toymlx.gguf.reader import GGUFFile
+
+    g = GGUFFile(path)
+    weights = [(gguf_to_toy(n), mx.array(g.load(n))) for n in expected_shapes(model.args)]
+    model.load_weights(weights, strict=False)

@@ -1,0 +1,45 @@
+"""Recipe `from-scratch`: a randomly initialised Llama trained on a text file.
+
+Bytes are the vocabulary (256 byte tokens plus <unk>, <s>, </s>), stored in each checkpoint
+as a llama.cpp "llama" tokenizer, so the checkpoints run in llama.cpp as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toymlx.gguf.llama import write_llama
+from toymlx.models.llama import Llama
+from toymlx.recipes.common import (LlamaOptions, TextData, check_seq_len, lm_task,
+                                   llama_model_info, load_token_data, load_weights_from_gguf)
+from toymlx.tokenizer import byte_tokenizer
+from toymlx.trainer import Task, TrainConfig
+
+
+@dataclass
+class Config(TrainConfig):
+    """toymlx-train --recipe from-scratch: train a small Llama from random init."""
+
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    model: LlamaOptions = field(default_factory=LlamaOptions)
+    data: TextData = field(default_factory=TextData)
+
+
+def build(cfg: Config) -> Task:
+    import mlx.core as mx
+
+    tok = byte_tokenizer()
+    args = cfg.model.build_args(tok.vocab_size)
+    check_seq_len(cfg.seq_len, args)
+    data = load_token_data(cfg.data, tok, cfg.seq_len)
+    mx.random.seed(cfg.seed)
+    model = Llama(args)
+    tok_meta = tok.to_metadata()
+
+    def save(path: Path, m: Llama, extra: dict) -> None:
+        write_llama(path, m, tok_meta, extra, name="toymlx from-scratch")
+
+    return lm_task("from-scratch", cfg, cfg.seq_len, model, data, save, load_weights_from_gguf,
+                   config_info={"tokenizer": "bytes"}, model_info=llama_model_info(args))

@@ -1,0 +1,330 @@
+"""The training loop every recipe shares, around one compiled step.
+
+A recipe builds a `Task` (model, loss, batches, how to save and load a checkpoint); `train`
+runs it: one `mx.compile`d `value_and_grad` step with the model, optimizer and random state
+as its declared state, gradient accumulation over a leading micro-batch axis, data-parallel
+gradient sums over `mx.distributed` ranks, warm-up + cosine LR, clipping, periodic validation,
+checkpoints on a schedule and at the end, and the run bundle's events.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from toymlx import checkpoint as ck
+from toymlx.device import backend_info
+from toymlx.events import SCHEMA, EventLog, git_info, host_info, now_iso
+from toymlx.schedule import lr_at
+
+
+@dataclass
+class TrainConfig:
+    """Options of the shared training loop (every recipe has them)."""
+
+    steps: int = 200
+    """Optimizer steps to train for (the schedule's length)."""
+    batch_size: int = 16
+    """Sequences or images per micro-batch (global, over all data-parallel ranks)."""
+    grad_accum: int = 1
+    """Micro-batches whose gradients are summed into one optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after warm-up."""
+    warmup: int = 20
+    """Steps of linear warm-up from lr/warmup to lr."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine decay, as a fraction of lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 turns clipping off)."""
+    eval_every: int = 50
+    """Steps between validation passes (0: only at the end)."""
+    eval_batches: int = 8
+    """Most validation batches per pass."""
+    checkpoint_every: int = 100
+    """Steps between GGUF checkpoints (0: only the final one)."""
+    seed: int = 0
+    """Seed for initialisation, data order and dropout."""
+    compile: bool = True
+    """Run the step under mx.compile (--no-compile: eager, same losses)."""
+    device: Literal["auto", "gpu", "cpu"] = "auto"
+    """Where MLX runs: auto picks the GPU when MLX has one."""
+    runs_root: str = "runs"
+    """Folder that holds run bundles."""
+    run_id: str | None = None
+    """Name of this run's bundle (default: timestamp + recipe)."""
+    resume: str | None = None
+    """Continue the run bundle at this path from its latest checkpoint."""
+    overwrite: bool = False
+    """Allow replacing an existing run bundle with the same run id."""
+    stop_at: int | None = None
+    """Stop (checkpointed, resumable) after this step, as if interrupted."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class Task:
+    """What a recipe hands the loop."""
+
+    recipe: str
+    model: nn.Module
+    loss_fn: Callable[[nn.Module, dict], tuple[mx.array, mx.array]]
+    """(model, micro-batch) -> (mean loss, count); pure, compiled."""
+    train_batch: Callable[[int], dict[str, np.ndarray]]
+    """step index (0-based) -> global batch with a leading (accum,) axis; pure in the step."""
+    val_batches: list[dict[str, np.ndarray]]
+    save: Callable[[Path, nn.Module, dict[str, Any]], None]
+    """Write the checkpoint file for this model (extra metadata given)."""
+    load: Callable[[Path, nn.Module], None]
+    """Load a checkpoint written by `save` back into the model (for resume)."""
+    model_info: dict[str, Any]
+    config_info: dict[str, Any] = field(default_factory=dict)
+    metrics_fn: Callable[[nn.Module, dict], dict[str, mx.array]] | None = None
+    """(model, batch) -> sums incl. "n" (default: loss-weighted sums); eval only."""
+    unit: str = "tokens"
+    """What the loss counts, for throughput ("tokens" or "images")."""
+    count: Callable[[dict[str, np.ndarray]], int] | None = None
+    prefix: str = "step_"
+    """Checkpoint file prefix under weights/."""
+    checkpoint_meta: Callable[[], dict[str, Any]] | None = None
+
+
+def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
+    sched = partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
+                    min_ratio=cfg.min_lr_ratio)
+    kw = dict(learning_rate=sched, betas=[cfg.beta1, cfg.beta2], eps=1e-8)
+    decay = optim.AdamW(weight_decay=cfg.weight_decay, **kw)
+    no_decay = optim.AdamW(weight_decay=0.0, **kw)
+    return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
+
+
+def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: Any) -> Callable:
+    """The one training step: value_and_grad, accumulation, all-reduce, clip, update."""
+    model = task.model
+    loss_and_grad = nn.value_and_grad(model, task.loss_fn)
+    distributed = world is not None and world.size() > 1
+
+    def step(batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        accum = next(iter(batch.values())).shape[0]
+        loss_sum, n_sum, grads = mx.array(0.0), mx.array(0.0), None
+        for i in range(accum):
+            micro = {k: v[i] for k, v in batch.items()}
+            (loss, n), g = loss_and_grad(model, micro)
+            n = n.astype(mx.float32)
+            g = tree_map(lambda x: x * n, g)
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            loss_sum, n_sum = loss_sum + loss * n, n_sum + n
+        if distributed:
+            grads = tree_map(lambda x: mx.distributed.all_sum(x, group=world), grads)
+            loss_sum = mx.distributed.all_sum(loss_sum, group=world)
+            n_sum = mx.distributed.all_sum(n_sum, group=world)
+        grads = tree_map(lambda x: x / n_sum, grads)
+        if cfg.grad_clip > 0:
+            grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
+        else:
+            norm = mx.sqrt(sum(mx.sum(x * x) for _, x in tree_flatten(grads)))
+        optimizer.update(model, grads)
+        return loss_sum / n_sum, norm
+
+    if not cfg.compile:
+        return step
+    state = [model.state, optimizer.state, mx.random.state]
+    return mx.compile(step, inputs=state, outputs=state)
+
+
+def evaluate(task: Task, max_batches: int | None = None) -> dict[str, float]:
+    """Validation metrics over the task's held-out batches (count-weighted)."""
+    totals: dict[str, float] = {}
+    fn = task.metrics_fn or _loss_metrics(task.loss_fn)
+    for b in task.val_batches[:max_batches]:
+        for i in range(next(iter(b.values())).shape[0]):  # the leading micro-batch axis
+            sums = fn(task.model, {k: mx.array(v[i]) for k, v in b.items()})
+            mx.eval(sums)
+            for k, v in sums.items():
+                totals[k] = totals.get(k, 0.0) + float(v.item())
+    n = totals.pop("n", 0.0) or 1.0
+    out = {("val_loss" if k == "loss" else k): v / n for k, v in totals.items()}
+    return out
+
+
+def _loss_metrics(loss_fn):
+    def fn(model, batch):
+        loss, n = loss_fn(model, batch)
+        n = n.astype(mx.float32)
+        return {"loss": loss * n, "n": n}
+    return fn
+
+
+def _shard(batch: dict[str, np.ndarray], world: Any) -> dict[str, np.ndarray]:
+    """This rank's slice of a global batch (axis 1 is the batch axis under accum)."""
+    if world is None or world.size() == 1:
+        return batch
+    r, n = world.rank(), world.size()
+    out = {}
+    for k, v in batch.items():
+        if v.shape[1] % n:
+            raise ValueError(f"--batch-size: expected a multiple of the {n} data-parallel "
+                             f"ranks, found {v.shape[1]}")
+        per = v.shape[1] // n
+        out[k] = v[:, r * per:(r + 1) * per]
+    return out
+
+
+class _Stop(Exception):
+    pass
+
+
+def optimizer_state_arrays(optimizer: optim.Optimizer) -> dict[str, mx.array]:
+    return {"opt." + k: v for k, v in tree_flatten(optimizer.state)}
+
+
+def restore_optimizer(optimizer: optim.Optimizer, arrays: dict[str, mx.array]) -> None:
+    flat = [(k[len("opt."):], v) for k, v in arrays.items() if k.startswith("opt.")]
+    optimizer.state = tree_unflatten(flat)
+
+
+def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any],
+          world: Any = None, resume_from: Path | None = None) -> dict[str, Any]:
+    """Run the loop; returns the run_end event. Rank 0 alone writes the bundle."""
+    rank0 = world is None or world.rank() == 0
+    model = task.model
+    weights = run_dir / "weights"
+    log = EventLog(run_dir / "events.jsonl", enabled=rank0)
+    optimizer = make_optimizer(cfg)
+    optimizer.init(model.trainable_parameters())
+    start_step = 0
+    if resume_from is not None:
+        task.load(resume_from, model)
+        arrays, meta = ck.load_state(ck.state_path(resume_from))
+        restore_optimizer(optimizer, arrays)
+        mx.random.state[0] = arrays["rng"]
+        start_step = int(meta["step"])
+        if rank0:
+            ck.clean_temporaries(weights)
+    mx.eval(model.parameters(), optimizer.state)
+    n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    n_total = sum(v.size for _, v in tree_flatten(model.parameters()))
+
+    log.emit("run_start", schema=SCHEMA, started_at=now_iso(), run_id=run_dir.name,
+             phase="train", recipe=task.recipe, host=host_info(), backend=backend_info(),
+             git=git_info(), model={**task.model_info, "n_params": n_total,
+                                    "n_trainable": n_trainable},
+             config={**run_config, **task.config_info},
+             world_size=1 if world is None else world.size(),
+             resumed_from=None if resume_from is None else str(resume_from),
+             start_step=start_step)
+
+    step_fn = make_step(task, optimizer, cfg, world)
+    last_ckpt = start_step if resume_from is not None else None
+    state = {"step": start_step, "loss": float("nan")}
+
+    def write_ckpt(step: int) -> Path | None:
+        nonlocal last_ckpt
+        if not rank0 or last_ckpt == step:
+            return None
+        arrays = optimizer_state_arrays(optimizer)
+        arrays["rng"] = mx.random.state[0]
+        extra = {"general.step": step, "general.run_id": run_dir.name}
+        if task.checkpoint_meta:
+            extra.update(task.checkpoint_meta())
+        path = ck.save_checkpoint(weights, task.prefix, step,
+                                  lambda p: task.save(p, model, extra),
+                                  arrays, {"step": step, "recipe": task.recipe})
+        last_ckpt = step
+        log.emit("checkpoint", step=step, path=str(path.relative_to(run_dir)))
+        return path
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, on_sigterm) if rank0 else None
+    bar = None
+    if rank0 and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start_step, desc=task.recipe, unit="step",
+                   dynamic_ncols=True, file=sys.stderr)
+    reason, message, exit_code = "completed", None, 0
+    t_first = None
+    try:
+        count = task.count or (lambda b: int(np.prod(next(iter(b.values())).shape[:2])))
+        for s in range(start_step, cfg.steps):
+            t0 = time.perf_counter()
+            global_batch = task.train_batch(s)
+            n_items = count(global_batch)
+            batch = {k: mx.array(v) for k, v in _shard(global_batch, world).items()}
+            loss, gnorm = step_fn(batch)
+            mx.eval(loss, gnorm, model.state, optimizer.state)
+            dt = time.perf_counter() - t0
+            t_first = t_first if t_first is not None else dt
+            loss_v = float(loss.item())
+            state.update(step=s + 1, loss=loss_v)
+            lr = lr_at(s, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+            if not math.isfinite(loss_v):
+                reason, exit_code = "diverged", 2
+                message = (f"loss became {loss_v} at step {s + 1} (lr {lr:.3g}); stopped "
+                           f"without checkpointing the bad weights; last good checkpoint: "
+                           f"step {last_ckpt}")
+                state["step"] = s  # the weights of step s+1 are bad
+                raise _Stop
+            rate = n_items / dt
+            log.emit("step", step=s + 1, loss=loss_v, lr=lr, grad_norm=float(gnorm.item()),
+                     **{f"{task.unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4)})
+            if bar is not None:
+                bar.set_postfix_str(f"loss {loss_v:.4f} lr {lr:.2e} {rate:,.0f} {task.unit}/s")
+                bar.update(1)
+            done = s + 1
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                metrics = evaluate(task, cfg.eval_batches)
+                log.emit("eval", step=done, **metrics)
+                if bar is not None:
+                    bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}"
+                                                           for k, v in metrics.items()))
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+                write_ckpt(done)
+            if cfg.stop_at is not None and done >= cfg.stop_at and done < cfg.steps:
+                reason = "stopped"
+                raise _Stop
+        write_ckpt(state["step"])
+    except _Stop:
+        if reason == "stopped":
+            write_ckpt(state["step"])
+    except KeyboardInterrupt:
+        reason, exit_code = "interrupted", 130
+        message = f"interrupted after step {state['step']}; resume with --resume {run_dir}"
+        write_ckpt(state["step"])
+    except Exception as e:
+        reason, exit_code = "error", 1
+        message = f"{type(e).__name__}: {e}"
+        log.emit("run_end", reason=reason, final_step=state["step"], final_loss=state["loss"],
+                 exit_code=exit_code, message=message)
+        log.close()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    end = log.emit("run_end", reason=reason, final_step=state["step"], final_loss=state["loss"],
+                   exit_code=exit_code, message=message, first_step_s=t_first,
+                   peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))
+    log.close()
+    return end
