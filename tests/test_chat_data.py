@@ -1,0 +1,402 @@
+"""Tests for toymlx.data.chat: file formats, one-line errors, loss masks, rows and batches."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import ClassVar
+
+import jinja2
+import numpy as np
+import pytest
+
+from toymlx.data.chat import (
+    DataError,
+    Example,
+    SFTData,
+    load_examples,
+    pack_or_pad,
+    sft_batch,
+    sft_val_batches,
+    split_examples,
+    tokenize_example,
+)
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+S, E = 258, 259  # <|im_start|>, <|im_end|>
+
+
+class FakeTokenizer:
+    """UTF-8 bytes as ids 0..255 plus four single-id special tokens; Jinja chat template."""
+
+    specials: ClassVar[dict[str, int]] = {"<s>": 256, "</s>": 257, "<|im_start|>": S, "<|im_end|>": E}
+    bos_id, eos_id, vocab_size = 256, 257, 260
+
+    def __init__(self, chat_template: str | None = CHATML, add_bos: bool = True) -> None:
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) else []
+        for part in re.split("(" + "|".join(map(re.escape, self.specials)) + ")", text):
+            ids.extend([self.specials[part]] if part in self.specials else part.encode())
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        names = {v: k for k, v in self.specials.items()}
+        out, buf = [], bytearray()
+        for i in ids:
+            if i in names:
+                out.append(buf.decode() + names[i])
+                buf = bytearray()
+            else:
+                buf.append(i)
+        return "".join(out) + buf.decode()
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        template = jinja2.Environment().from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def b(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def write(tmp_path, name: str, content: str):
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------- loading
+
+
+def test_jsonl_parses_each_shape_with_line_numbers(tmp_path):
+    lines = [
+        json.dumps({"text": "hello", "id": 7}),  # extra keys are ignored
+        "",
+        json.dumps({"prompt": "2+2?", "completion": "4"}),
+        json.dumps({"messages": [{"role": "system", "content": ""},
+                                 {"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "yo", "name": "x"}]}),
+    ]
+    path = write(tmp_path, "train.jsonl", "\n".join(lines) + "\n")
+    ex = load_examples(path)
+    assert [e.kind for e in ex] == ["text", "completion", "messages"]
+    assert [e.source for e in ex] == [f"{path}:1", f"{path}:3", f"{path}:4"]
+    assert ex[0].text == "hello"
+    assert (ex[1].prompt, ex[1].completion) == ("2+2?", "4")
+    assert ex[2].messages == ({"role": "system", "content": ""}, {"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "yo"})
+
+
+def test_plain_text_splits_documents_at_blank_lines(tmp_path):
+    path = write(tmp_path, "notes.txt", "para one\nline two\n\n  \n\npara two\r\n")
+    ex = load_examples(path)
+    assert [(e.kind, e.text, e.source) for e in ex] == [
+        ("text", "para one\nline two", f"{path}:1"), ("text", "para two", f"{path}:6")]
+
+
+def test_json_array_file_with_line_numbers(tmp_path):
+    content = '[\n  {"text": "a"},\n  {"prompt": "p",\n   "completion": "c"}\n]\n'
+    path = write(tmp_path, "data.json", content)
+    ex = load_examples(path)
+    assert [(e.kind, e.source) for e in ex] == [("text", f"{path}:2"), ("completion", f"{path}:3")]
+    bad = write(tmp_path, "bad.json", '[\n  {"text": "a"},\n  {"text": 5}\n]\n')
+    with pytest.raises(DataError, match=re.escape(f"{bad}:3: expected \"text\" to be a string")):
+        load_examples(bad)
+    trailing = write(tmp_path, "trail.json", '[{"text": "a"}] x')
+    with pytest.raises(DataError, match=re.escape(f"{trailing}:1: bad JSON")):
+        load_examples(trailing)
+    # A .json file that is not an array is read as JSON lines.
+    assert load_examples(write(tmp_path, "lines.json", '{"text": "a"}\n{"text": "b"}'))[1].text == "b"
+
+
+MALFORMED = [
+    ('{bad json', ["bad JSON", "expected one object per line"]),
+    ('[1, 2]', ["expected a JSON object", "found array [1, 2]"]),
+    ('"just a string"', ["expected a JSON object", "found string"]),
+    ('{"foo": 1}', ["expected one of", "found keys ['foo']"]),
+    ('{}', ["expected one of", "found an empty object"]),
+    ('{"text": "a", "messages": []}', ["expected only one of", "found keys ['messages', 'text']"]),
+    ('{"text": 3}', ['expected "text" to be a string, found number 3']),
+    ('{"text": "  "}', ['expected "text" to be a non-empty string']),
+    ('{"prompt": "a"}', ['expected both "prompt" and "completion"', "found keys ['prompt']"]),
+    ('{"prompt": "a", "completion": null}', ['"completion" to be a string, found null']),
+    ('{"prompt": ["a"], "completion": "b"}', ['"prompt" to be a string, found array']),
+    ('{"messages": []}', ['"messages" to be a non-empty array', "found array []"]),
+    ('{"messages": "hi"}', ['"messages" to be a non-empty array', 'found string "hi"']),
+    ('{"messages": [{"role": "bot", "content": "x"}]}',
+     ["messages[0].role to be one of system, user, assistant, tool", 'found string "bot"']),
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "user"}]}',
+     ['messages[1] to be an object with "role" and "content"', "found object with keys ['role']"]),
+    ('{"messages": [{"role": "user", "content": 5}]}',
+     ['"messages[0].content" to be a string, found number 5']),
+]
+
+
+@pytest.mark.parametrize("bad_line, expected", MALFORMED)
+def test_malformed_line_names_file_line_and_expectation(tmp_path, bad_line, expected):
+    path = write(tmp_path, "train.jsonl", '{"text": "fine"}\n\n' + bad_line + "\n")
+    with pytest.raises(DataError) as err:
+        load_examples(path)
+    msg = str(err.value)
+    assert isinstance(err.value, ValueError)
+    assert msg.startswith(f"{path}:3: ")
+    assert "\n" not in msg
+    for part in expected:
+        assert part in msg
+
+
+def test_file_level_errors(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"train\.jsonl: not valid UTF-8 at byte offset 28 \(line 2"):
+        load_examples(path)
+    with pytest.raises(DataError, match=r"empty\.jsonl: empty file"):
+        load_examples(write(tmp_path, "empty.jsonl", ""))
+    with pytest.raises(DataError, match=r"arr\.json: no examples"):
+        load_examples(write(tmp_path, "arr.json", "[ ]"))
+
+
+def test_split_examples_last_fraction():
+    ex = [Example(f"f:{i}", text=str(i)) for i in range(10)]
+    train, val = split_examples(ex, 0.2)
+    assert [e.text for e in train] == [str(i) for i in range(8)]
+    assert [e.text for e in val] == ["8", "9"]
+    assert split_examples(ex[:1], 0.1) == ([ex[0]], [])
+    with pytest.raises(DataError, match="none for training"):
+        split_examples(ex[:1], 0.9)
+
+
+# ------------------------------------------------------------------------- tokenizing
+
+
+def test_text_example_gets_bos_and_eos_all_trained():
+    ids, mask = tokenize_example(Example("f:1", text="hi"), FakeTokenizer(), mask_prompt=True)
+    assert ids == [256, 104, 105, 257]
+    assert mask == [1, 1, 1, 1]
+    ids, _ = tokenize_example(Example("f:1", text="hi"), FakeTokenizer(add_bos=False), True)
+    assert ids == [104, 105, 257]
+
+
+def test_prompt_completion_without_template_trains_completion_only():
+    tok = FakeTokenizer(chat_template=None)
+    ex = Example("f:1", prompt="ab", completion="cd")
+    ids, mask = tokenize_example(ex, tok, mask_prompt=True)
+    assert ids == [256, 97, 98, 99, 100, 257]
+    assert mask == [0, 0, 0, 1, 1, 1]  # BOS and prompt not trained; completion and EOS are
+    assert tokenize_example(ex, tok, mask_prompt=False) == (ids, [1] * 6)
+
+
+def test_prompt_completion_with_template_hand_computed_positions():
+    ids, mask = tokenize_example(Example("f:1", prompt="ab", completion="cd"), FakeTokenizer(),
+                                 mask_prompt=True)
+    # <S>user\nab<E>\n<S>assistant\ncd<E>\n : header "<S>assistant\n" is indices 10..20.
+    expected = [S, *b("user\nab"), E, 10, S, *b("assistant\n"), *b("cd"), E, 10]
+    assert ids == expected and len(ids) == 25
+    assert [i for i, m in enumerate(mask) if m] == [21, 22, 23, 24]  # c, d, <E>, \n
+    assert [ids[i] for i in (21, 22, 23)] == [ord("c"), ord("d"), E]
+
+
+def test_messages_mask_covers_exactly_assistant_turns():
+    tok = FakeTokenizer()
+    msgs = ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"},
+            {"role": "assistant", "content": "done"})
+    ids, mask = tokenize_example(Example("f:1", messages=msgs), tok, mask_prompt=True)
+    pieces = [  # (text, trained)
+        ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+         + "<|im_start|>assistant\n", 0),
+        ("yo<|im_end|>\n", 1),
+        ("<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("done<|im_end|>\n", 1),
+    ]
+    assert ids == [i for text, _ in pieces for i in tok.encode(text, add_bos=False)]
+    assert mask == [t for text, t in pieces for _ in tok.encode(text, add_bos=False)]
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert tok.decode(trained) == "yo<|im_end|>\ndone<|im_end|>\n"
+    assert sum(mask) == (2 + 2) + (4 + 2)  # "yo", "done", each + <E> + \n
+    assert tokenize_example(Example("f:1", messages=msgs), tok, False) == (ids, [1] * len(ids))
+
+
+def test_trailing_user_turn_is_not_trained():
+    msgs = ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"})
+    ids, mask = tokenize_example(Example("f:1", messages=msgs), FakeTokenizer(), True)
+    assert FakeTokenizer().decode([i for i, m in zip(ids, mask, strict=True) if m]) == (
+        "b<|im_end|>\n")
+    assert mask[-1] == 0
+
+
+def _completion(p: str) -> Example:
+    return Example("f:1", prompt=p, completion="answer!")
+
+
+def _chat(p: str) -> Example:
+    return Example("f:1", messages=({"role": "user", "content": p},
+                                    {"role": "assistant", "content": "answer!"}))
+
+
+@pytest.mark.parametrize("make, tok", [
+    (_completion, FakeTokenizer()),
+    (_completion, FakeTokenizer(chat_template=None)),
+    (_chat, FakeTokenizer()),
+])
+def test_prompt_tokens_never_change_counted_positions(make, tok):
+    base_ids, base_mask = tokenize_example(make("what is up"), tok, mask_prompt=True)
+    for prompt in ("WHAT IS UP", "xxxxxxxxxx", "what_is_up"):  # same length, other tokens
+        ids, mask = tokenize_example(make(prompt), tok, mask_prompt=True)
+        assert mask == base_mask
+        changed = [i for i, (x, y) in enumerate(zip(ids, base_ids, strict=True)) if x != y]
+        assert changed and all(base_mask[i] == 0 for i in changed)
+    # A longer prompt shifts the span but trains the same tokens.
+    ids, mask = tokenize_example(make("a much longer prompt than before"), tok, mask_prompt=True)
+    assert sum(mask) == sum(base_mask) == len(b("answer!")) + (1 if tok.chat_template is None
+                                                               else 2)
+    assert [i for i, m in zip(ids, mask, strict=True) if m] == [
+        i for i, m in zip(base_ids, base_mask, strict=True) if m]
+
+
+def test_messages_errors_name_the_example():
+    msgs = ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"})
+    with pytest.raises(DataError, match=r"^d\.jsonl:4: 'messages' examples need .* chat template"):
+        tokenize_example(Example("d.jsonl:4", messages=msgs), FakeTokenizer(None), True)
+    # A generation prompt that is not what an assistant turn starts with cannot be located.
+    odd = CHATML.replace("{% if add_generation_prompt %}<|im_start|>assistant",
+                         "{% if add_generation_prompt %}<|im_start|>bot")
+    with pytest.raises(DataError, match=r"^d\.jsonl:4: .*inconsistently.*mask_prompt=False"):
+        tokenize_example(Example("d.jsonl:4", messages=msgs), FakeTokenizer(odd), True)
+    ids, mask = tokenize_example(Example("d.jsonl:4", messages=msgs), FakeTokenizer(odd), False)
+    assert sum(mask) == len(ids)
+    raising = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(DataError, match=r"^d\.jsonl:4: chat template failed"):
+        tokenize_example(Example("d.jsonl:4", messages=msgs), FakeTokenizer(raising), True)
+
+
+# ------------------------------------------------------------------------- rows
+
+
+def test_padding_mode_rows_truncation_and_zero_mask_padding():
+    short = ([1, 2, 3], [0, 1, 1])
+    long = (list(range(10, 22)), [1] * 12)  # 12 tokens > seq_len + 1
+    rows = pack_or_pad([short, long], seq_len=8, pad_id=99, pack=False)
+    assert {k: (v.shape, v.dtype) for k, v in rows.items()} == {
+        "inputs": ((2, 8), np.int32), "targets": ((2, 8), np.int32), "mask": ((2, 8), np.float32)}
+    np.testing.assert_array_equal(rows["inputs"][0], [1, 2, 3, 99, 99, 99, 99, 99])
+    np.testing.assert_array_equal(rows["targets"][0], [2, 3, 99, 99, 99, 99, 99, 99])
+    np.testing.assert_array_equal(rows["mask"][0], [1, 1, 0, 0, 0, 0, 0, 0])
+    assert (rows["mask"][rows["targets"] == 99] == 0).all()  # every padding target is masked
+    np.testing.assert_array_equal(rows["inputs"][1], range(10, 18))
+    np.testing.assert_array_equal(rows["targets"][1], range(11, 19))  # cut after 9 tokens
+    np.testing.assert_array_equal(rows["mask"][1], np.ones(8))
+
+
+def test_rows_without_trained_targets_are_dropped():
+    rows = pack_or_pad([([1, 2, 3], [1, 0, 0]), ([4, 5], [0, 1])], 4, 0, pack=False)
+    np.testing.assert_array_equal(rows["inputs"], [[4, 5, 0, 0]])
+    empty = pack_or_pad([([1], [1])], 4, 0, pack=True)
+    assert empty["inputs"].shape == (0, 4)
+
+
+def test_packing_keeps_every_token_once():
+    tok = FakeTokenizer()
+    texts = ["a", "hello there", "x" * 30, "end of it"]
+    seqs = [tokenize_example(Example("f", text=t), tok, True) for t in texts]
+    stream = [i for ids, _ in seqs for i in ids]
+    rows = pack_or_pad(seqs, seq_len=8, pad_id=0, pack=True)
+    n = len(stream)  # 3 + 13 + 32 + 11 = 59 -> ceil(58 / 8) = 8 rows
+    assert n == 59 and rows["inputs"].shape == (8, 8)
+    flat_targets = rows["targets"].reshape(-1)
+    assert [rows["inputs"][0, 0], *flat_targets[: n - 1]] == stream
+    np.testing.assert_array_equal(rows["inputs"][1:, 0], rows["targets"][:-1, -1])  # overlap 1
+    flat_mask = rows["mask"].reshape(-1)
+    np.testing.assert_array_equal(flat_mask[n - 1 :], 0)  # tail padding
+    starts = np.cumsum([0] + [len(ids) for ids, _ in seqs[:-1]])[1:]  # later examples' BOS
+    np.testing.assert_array_equal(flat_mask[starts - 1], 0)
+    assert flat_mask.sum() == n - 1 - len(starts)
+
+
+def test_packing_keeps_prompt_masks_on_targets():
+    tok = FakeTokenizer(chat_template=None)
+    seqs = [tokenize_example(Example("f", prompt="q" * 5, completion=c), tok, True)
+            for c in ("aa", "bbbb")]
+    rows = pack_or_pad(seqs, seq_len=4, pad_id=0, pack=True)
+    trained = rows["targets"][rows["mask"] > 0].tolist()
+    assert trained == [*b("aa"), 257, *b("bbbb"), 257]
+    assert rows["mask"].sum() == sum(sum(m[1:]) for _, m in seqs)
+
+
+# ------------------------------------------------------------------------- batches
+
+
+def _numbered_rows(n: int, seq_len: int = 4) -> dict[str, np.ndarray]:
+    inputs = np.repeat(np.arange(n, dtype=np.int32)[:, None], seq_len, axis=1)
+    return {"inputs": inputs, "targets": inputs + 1, "mask": np.ones((n, seq_len), np.float32)}
+
+
+def test_sft_batch_pure_and_epoch_complete():
+    rows = _numbered_rows(12)
+    batch = sft_batch(rows, step=0, seed=3, batch_size=3, accum=2)
+    assert {k: v.shape for k, v in batch.items()} == {k: (2, 3, 4) for k in rows}
+    again = sft_batch(rows, step=0, seed=3, batch_size=3, accum=2)
+    for key in batch:
+        np.testing.assert_array_equal(batch[key], again[key])
+    ids = [sft_batch(rows, s, 3, 3, 2)["inputs"][..., 0].ravel().tolist() for s in range(4)]
+    assert ids[0] != ids[1]
+    assert sorted(ids[0] + ids[1]) == list(range(12))  # epoch 0: every row once
+    assert sorted(ids[2] + ids[3]) == list(range(12))  # epoch 1 likewise
+    assert ids[0] + ids[1] != ids[2] + ids[3]
+    other_seed = sft_batch(rows, 0, 4, 3, 2)["inputs"][..., 0].ravel().tolist()
+    assert other_seed != ids[0]
+    # A batch larger than the data spans epochs and still counts every row per epoch.
+    big = sft_batch(_numbered_rows(5), 0, 0, batch_size=10)["inputs"][0, :, 0].tolist()
+    assert sorted(big) == sorted(list(range(5)) * 2)
+
+
+def test_sft_val_batches_fixed_and_padded():
+    rows = _numbered_rows(5)
+    batches = sft_val_batches(rows, batch_size=2, max_batches=10)
+    assert len(batches) == 3 and batches[0]["inputs"].shape == (1, 2, 4)
+    assert [b["inputs"][0, :, 0].tolist() for b in batches] == [[0, 1], [2, 3], [4, 0]]
+    np.testing.assert_array_equal(batches[2]["mask"][0, 1], 0)
+    assert [b["inputs"][0, :, 0].tolist() for b in sft_val_batches(rows, 2, 1)] == [[0, 1]]
+
+
+def test_sft_data_from_file(tmp_path):
+    lines = [json.dumps({"prompt": f"q{i}", "completion": "a" * (i + 1)}) for i in range(10)]
+    path = write(tmp_path, "train.jsonl", "\n".join(lines))
+    tok = FakeTokenizer(chat_template=None)
+    data = SFTData.from_file(path, tok, seq_len=8, val_fraction=0.2)
+    assert data.train["inputs"].shape == (8, 8) and data.val["inputs"].shape == (2, 8)
+    # q_i + completion of i+1 + EOS, BOS first: 1 + 2 + (i + 1) + 1 > 9 for i >= 5
+    assert data.n_truncated == 3
+    assert data.batch(0, 0, 4, 2)["inputs"].shape == (2, 4, 8)
+    assert len(data.val_batches(4, 10)) == 1
+    packed = SFTData.from_file(path, tok, seq_len=8, pack=True, val_fraction=0.2)
+    assert packed.n_truncated == 0 and packed.train["mask"].sum() == sum(i + 2 for i in range(8))
+    hopeless = write(tmp_path, "long.jsonl", json.dumps({"prompt": "p" * 20, "completion": "c"}))
+    with pytest.raises(DataError, match=r"long\.jsonl: no training example has a trained token"):
+        SFTData.from_file(hopeless, tok, seq_len=8, val_fraction=0.0)
+
+
+SMOLLM2_TEMPLATE = (  # SmolLM2-Instruct's template: a default system turn when none is given
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_smollm2_template_default_system_turn_is_not_trained():
+    tok = FakeTokenizer(SMOLLM2_TEMPLATE, add_bos=False)
+    ids, mask = tokenize_example(Example("f:1", prompt="hi", completion="hello"), tok, True)
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n")
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "hello<|im_end|>\n"
+    assert mask == [0] * (len(ids) - 7) + [1] * 7

@@ -1,0 +1,190 @@
+"""Tests for toymlx.data.text: split sizes, window alignment, determinism, fixed validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from toymlx.data.text import DataError, TokenData, lm_batch, read_text, val_batches
+
+
+class ByteEncoder:
+    """UTF-8 bytes as ids, with an optional BOS of 256."""
+
+    bos_id = 256
+
+    def __init__(self, add_bos: bool = False) -> None:
+        self.add_bos = add_bos
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        bos = self.add_bos if add_bos is None else add_bos
+        return ([self.bos_id] if bos else []) + list(text.encode("utf-8"))
+
+
+# ------------------------------------------------------------------------- read_text
+
+
+def test_read_text_rejects_empty_and_whitespace_files(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.txt: empty file"):
+        read_text(empty)
+    blank = tmp_path / "blank.txt"
+    blank.write_bytes(b" \n\n\t")
+    with pytest.raises(DataError, match=r"blank\.txt: file has only whitespace"):
+        read_text(blank)
+
+
+def test_read_text_names_byte_offset_of_bad_utf8(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"hello\nw\xe9rld")  # latin-1 e-acute at byte 7, line 2
+    with pytest.raises(DataError) as err:
+        read_text(path)
+    msg = str(err.value)
+    assert "latin1.txt" in msg and "byte offset 7" in msg and "line 2" in msg and "0xe9" in msg
+    assert "\n" not in msg
+
+
+def test_read_text_strips_bom_and_keeps_text(tmp_path):
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufeffh\u00e9\n".encode())
+    assert read_text(path) == "h\u00e9\n"
+
+
+def test_read_text_missing_file(tmp_path):
+    with pytest.raises(DataError, match="nope.txt: cannot read"):
+        read_text(tmp_path / "nope.txt")
+
+
+# ------------------------------------------------------------------------- split
+
+
+def test_split_sizes_last_fraction_is_validation():
+    data = TokenData.from_ids(np.arange(1000), seq_len=8)
+    assert data.train.dtype == np.int32 and data.val.dtype == np.int32
+    assert (len(data.train), len(data.val)) == (900, 100)
+    np.testing.assert_array_equal(data.train, np.arange(900))
+    np.testing.assert_array_equal(data.val, np.arange(900, 1000))
+    assert len(TokenData.from_ids(np.arange(100), 8, val_fraction=0.29).val) == 29  # not 28
+    assert len(TokenData.from_ids(np.arange(1000), 8, val_fraction=0.25).val) == 250
+    no_val = TokenData.from_ids(np.arange(20), 8, val_fraction=0.0)
+    assert (len(no_val.train), len(no_val.val)) == (20, 0)
+    assert no_val.val_batches(4, 8, 10) == []
+
+
+def test_split_too_short_errors_name_source_and_sizes():
+    with pytest.raises(DataError) as err:
+        TokenData.from_ids(np.arange(50), seq_len=8, source="tiny.txt")
+    msg = str(err.value)
+    assert msg.startswith("tiny.txt: validation split") and "has 5 tokens" in msg
+    assert "seq_len+1 = 9" in msg
+    with pytest.raises(DataError, match=r"tiny.txt: training split has 8 tokens .* = 9"):
+        TokenData.from_ids(np.arange(8), seq_len=8, val_fraction=0.0, source="tiny.txt")
+    with pytest.raises(DataError, match="val_fraction"):
+        TokenData.from_ids(np.arange(50), seq_len=8, val_fraction=1.0)
+
+
+def test_from_file_encodes_and_names_file_in_errors(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("abcdefghij" * 10, encoding="utf-8")
+    data = TokenData.from_file(path, ByteEncoder(add_bos=True), seq_len=8)
+    assert (len(data.train), len(data.val)) == (91, 10)  # 101 ids with BOS
+    assert data.train[0] == 256 and data.train[1] == ord("a")
+    assert data.describe() == {"source": str(path), "train_tokens": 91, "val_tokens": 10}
+    short = tmp_path / "short.txt"
+    short.write_text("abc", encoding="utf-8")
+    with pytest.raises(DataError, match=r"short\.txt: training split has 3 tokens"):
+        TokenData.from_file(short, ByteEncoder(), seq_len=8)
+
+
+# ------------------------------------------------------------------------- lm_batch
+
+
+def test_lm_batch_shapes_and_shifted_targets():
+    tokens = np.arange(1000, dtype=np.int32)
+    batch = lm_batch(tokens, step=3, seed=7, batch_size=3, seq_len=8, accum=2)
+    for key, dtype in (("inputs", np.int32), ("targets", np.int32), ("mask", np.float32)):
+        assert batch[key].shape == (2, 3, 8) and batch[key].dtype == dtype
+    np.testing.assert_array_equal(batch["targets"][..., :-1], batch["inputs"][..., 1:])
+    np.testing.assert_array_equal(batch["targets"], batch["inputs"] + 1)  # contiguous windows
+    np.testing.assert_array_equal(batch["mask"], np.ones((2, 3, 8)))
+
+
+def test_lm_batch_is_pure_in_seed_and_step():
+    tokens = np.arange(5000, dtype=np.int32)
+    a = lm_batch(tokens, 5, 0, 4, 16, 2)
+    b = lm_batch(tokens.copy(), 5, 0, 4, 16, 2)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+    assert not np.array_equal(a["inputs"], lm_batch(tokens, 6, 0, 4, 16, 2)["inputs"])
+    assert not np.array_equal(a["inputs"], lm_batch(tokens, 5, 1, 4, 16, 2)["inputs"])
+    # Independent of what else was drawn before: step 5 after step 4 is still step 5.
+    lm_batch(tokens, 4, 0, 4, 16, 2)
+    np.testing.assert_array_equal(a["inputs"], lm_batch(tokens, 5, 0, 4, 16, 2)["inputs"])
+
+
+def test_lm_batch_reaches_every_start_including_the_last():
+    tokens = np.arange(20, dtype=np.int32)  # starts 0..11 with seq_len 8
+    starts = {int(s) for step in range(200) for s in lm_batch(tokens, step, 0, 4, 8)["inputs"][
+        ..., 0].ravel()}
+    assert starts == set(range(12))
+
+
+def test_lm_batch_errors():
+    with pytest.raises(DataError, match=r"corpus: training split has 8 tokens .* = 9"):
+        lm_batch(np.arange(8), 0, 0, 1, 8, source="corpus")
+    with pytest.raises(DataError, match="batch_size must be a positive integer"):
+        lm_batch(np.arange(100), 0, 0, 0, 8)
+    with pytest.raises(DataError, match="step and seed"):
+        lm_batch(np.arange(100), -1, 0, 1, 8)
+
+
+def test_token_data_batches_use_only_their_split():
+    data = TokenData.from_ids(np.arange(1000), seq_len=8)
+    for step in range(20):
+        assert data.batch(step, 0, 8, 8)["targets"].max() < 900
+    for batch in data.val_batches(4, 8, 100):
+        real = batch["mask"] > 0
+        assert batch["inputs"][real].min() >= 900
+
+
+# ------------------------------------------------------------------------- val_batches
+
+
+def test_val_batches_cover_split_evenly_without_overlap():
+    tokens = np.arange(101, dtype=np.int32)  # 10 windows of 10 targets
+    batches = val_batches(tokens, batch_size=4, seq_len=10, max_batches=10)
+    assert len(batches) == 3
+    for b in batches:
+        assert {k: v.shape for k, v in b.items()} == {k: (1, 4, 10) for k in b}
+    np.testing.assert_array_equal([b["mask"][0, :, 0] for b in batches],
+                                  [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(batches[2]["inputs"][0, 2:], 0)
+    starts = np.concatenate([b["inputs"][0, :, 0] for b in batches])[:10]
+    np.testing.assert_array_equal(starts, np.arange(0, 100, 10))
+    targets = np.concatenate([b["targets"][b["mask"] > 0] for b in batches])
+    np.testing.assert_array_equal(np.sort(targets), np.arange(1, 101))  # each once
+
+
+def test_val_batches_spread_when_capped_and_fixed():
+    tokens = np.arange(1001, dtype=np.int32)
+    batches = val_batches(tokens, batch_size=2, seq_len=10, max_batches=2)
+    starts = np.concatenate([b["inputs"][0, :, 0] for b in batches])
+    np.testing.assert_array_equal(starts, [0, 330, 660, 990])  # first to last, evenly
+    again = val_batches(tokens, batch_size=2, seq_len=10, max_batches=2)
+    for b1, b2 in zip(batches, again, strict=True):
+        for key in b1:
+            np.testing.assert_array_equal(b1[key], b2[key])
+
+
+@pytest.mark.parametrize("n, seq_len, batch_size, max_batches",
+                         [(9, 8, 1, 1), (17, 8, 3, 5), (250, 7, 4, 3), (1000, 16, 5, 7)])
+def test_val_batches_targets_never_overlap(n, seq_len, batch_size, max_batches):
+    batches = val_batches(np.arange(n, dtype=np.int32), batch_size, seq_len, max_batches)
+    targets = np.concatenate([b["targets"][b["mask"] > 0] for b in batches])
+    assert len(targets) == len(set(targets.tolist())) > 0
+    assert len(batches) <= max_batches
+    np.testing.assert_array_equal(
+        np.concatenate([b["targets"] for b in batches])[..., :-1],
+        np.concatenate([b["inputs"] for b in batches])[..., 1:],
+    )

@@ -1,0 +1,473 @@
+"""Supervised fine-tuning data: example files -> token ids + loss masks -> fixed-length rows.
+
+File formats (`load_examples`):
+- `.jsonl` (and `.json`): one JSON object per line, the three shapes mlx-lm's LoRA trainer
+  reads: `{"text": ...}`, `{"prompt": ..., "completion": ...}` and
+  `{"messages": [{"role": ..., "content": ...}, ...]}`. Other keys are ignored; blank lines
+  are skipped. A `.json` file may instead hold one JSON array of such objects.
+- any other file is plain UTF-8 text split into documents at blank lines (a line with only
+  whitespace counts as blank). Each document becomes one `{"text": ...}` example, which is
+  what the same paragraphs written as JSONL would give; to train on a whole file as one
+  stream, use `toymlx.data.text` instead (or `pack=True` here).
+
+Loss masks (`tokenize_example`): `loss_mask[j] == 1` means token `ids[j]` is trained as a
+TARGET, i.e. the loss counts the prediction of `ids[j]` from `ids[:j]`. Rows built from an
+example use `inputs = ids[:-1]`, `targets = ids[1:]`, `mask = loss_mask[1:]`.
+
+Chat-template spans are found by rendering message prefixes as strings (see
+`_tokenize_messages`) and tokenizing the conversation piece by piece at those string
+boundaries, so the span edges are exact even where a BPE tokenizer would merge across them.
+Rendered templates are encoded with `add_bos=False`, as Hugging Face does
+(`add_special_tokens=False`): templates that want a BOS write it themselves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from toymlx.data.text import DataError, read_text
+
+__all__ = [
+    "DataError",
+    "Example",
+    "SFTData",
+    "load_examples",
+    "pack_or_pad",
+    "sft_batch",
+    "sft_val_batches",
+    "split_examples",
+    "tokenize_example",
+]
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
+
+
+class ChatTokenizer(Protocol):
+    """The part of `toymlx.tokenizer.Tokenizer` this module needs."""
+
+    eos_id: int
+    chat_template: str | None
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training example; exactly one of `text`, `prompt`+`completion`, `messages` is set."""
+
+    source: str
+    """`path:line` where the example starts, for error messages"""
+    text: str | None = None
+    prompt: str | None = None
+    completion: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+    @property
+    def kind(self) -> str:
+        """`"text"`, `"completion"` or `"messages"`."""
+        if self.text is not None:
+            return "text"
+        return "completion" if self.prompt is not None else "messages"
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _found(value: Any) -> str:
+    kind = {type(None): "null", bool: "boolean", int: "number", float: "number",
+            str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+    if isinstance(value, dict):
+        return f"object with keys {sorted(value)}"
+    text = json.dumps(value, ensure_ascii=False)
+    return f"{kind} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+def _parse_record(obj: Any, where: str) -> Example:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object {SHAPES}, found {_found(obj)}")
+    shapes = [s for s, keys in (("text", ("text",)), ("prompt/completion", ("prompt", "completion")),
+                                ("messages", ("messages",))) if any(k in obj for k in keys)]
+    if len(shapes) != 1:
+        found = f"keys {sorted(obj)}" if obj else "an empty object"
+        qualifier = "one of" if not shapes else "only one of"
+        raise DataError(f"{where}: expected {qualifier} {SHAPES}, found {found}")
+
+    def string(key: str, value: Any, non_empty: bool) -> str:
+        if not isinstance(value, str):
+            raise DataError(f'{where}: expected "{key}" to be a string, found {_found(value)}')
+        if non_empty and not value.strip():
+            raise DataError(f'{where}: expected "{key}" to be a non-empty string, found {value!r}')
+        return value
+
+    if shapes[0] == "text":
+        return Example(where, text=string("text", obj["text"], non_empty=True))
+    if shapes[0] == "prompt/completion":
+        missing = [k for k in ("prompt", "completion") if k not in obj]
+        if missing:
+            raise DataError(
+                f'{where}: expected both "prompt" and "completion", found keys {sorted(obj)}'
+            )
+        return Example(where, prompt=string("prompt", obj["prompt"], non_empty=False),
+                       completion=string("completion", obj["completion"], non_empty=True))
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f'{where}: expected "messages" to be a non-empty array of '
+                        f'{{"role", "content"}} objects, found {_found(messages)}')
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f'{where}: expected messages[{j}] to be an object with "role" and '
+                            f'"content", found {_found(m)}')
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: expected messages[{j}].role to be one of "
+                            f"{', '.join(ROLES)}, found {_found(m['role'])}")
+        out.append({"role": m["role"], "content": string(f"messages[{j}].content", m["content"],
+                                                         non_empty=False)})
+    return Example(where, messages=tuple(out))
+
+
+def _json_array(path: Path, text: str) -> list[Example]:
+    """Parse a top-level JSON array element by element, so errors can give line numbers."""
+    decoder = json.JSONDecoder()
+
+    def line(pos: int) -> int:
+        return text.count("\n", 0, pos) + 1
+
+    pos = text.index("[") + 1
+    examples: list[Example] = []
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos < len(text) and text[pos] == "]" and not examples:
+            pos += 1
+            break
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: bad JSON ({e.msg} at column {e.colno}); "
+                            f"expected an array of objects {SHAPES}") from None
+        examples.append(_parse_record(obj, f"{path}:{line(pos)}"))
+        pos = end
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos < len(text) and text[pos] == ",":
+            pos += 1
+            continue
+        if pos < len(text) and text[pos] == "]":
+            pos += 1
+            break
+        found = repr(text[pos:pos + 10]) if pos < len(text) else "end of file"
+        raise DataError(f"{path}:{line(pos)}: bad JSON; expected ',' or ']' after "
+                        f"array item {len(examples)}, found {found}")
+    if text[pos:].strip():
+        raise DataError(f"{path}:{line(pos)}: bad JSON; expected nothing after the final ']', "
+                        f"found {text[pos:].strip()[:10]!r}")
+    return examples
+
+
+def load_examples(path: str | Path) -> list[Example]:
+    """Read a `.jsonl`/`.json` example file or a plain-text file (documents at blank lines)."""
+    path = Path(path)
+    text = read_text(path)
+    examples: list[Example] = []
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        start, block = 0, []
+        for lineno, raw in enumerate(text.split("\n") + [""], start=1):
+            if raw.strip():
+                start = start or lineno
+                block.append(raw.rstrip("\r"))
+            elif block:
+                examples.append(Example(f"{path}:{start}", text="\n".join(block)))
+                start, block = 0, []
+        return examples
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        examples = _json_array(path, text)
+    else:
+        for lineno, raw in enumerate(text.split("\n"), start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno}); "
+                                f"expected one object per line {SHAPES}") from None
+            examples.append(_parse_record(obj, f"{path}:{lineno}"))
+    if not examples:
+        raise DataError(f"{path}: no examples; expected objects {SHAPES}")
+    return examples
+
+
+def split_examples(
+    examples: Sequence[Example], val_fraction: float = 0.1
+) -> tuple[list[Example], list[Example]]:
+    """Fixed split: the last `round(n * val_fraction)` examples are validation."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    n_val = round(len(examples) * val_fraction)
+    if len(examples) - n_val < 1:
+        raise DataError(f"{len(examples)} examples leave none for training at "
+                        f"val_fraction={val_fraction}; add examples or lower val_fraction")
+    return list(examples[: len(examples) - n_val]), list(examples[len(examples) - n_val :])
+
+
+# ------------------------------------------------------------------------- tokenizing
+
+
+def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, str]], gen: bool,
+            source: str) -> str:
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=gen)
+    # Templates fail in many ways (Jinja errors, their own raise_exception(), a KeyError on a
+    # missing field); all of them mean this example cannot be rendered.
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{source}: chat template failed on {len(messages)} message(s): "
+                        f"{type(e).__name__}: {e}") from None
+
+
+def _tokenize_messages(
+    messages: Sequence[dict[str, str]], tokenizer: ChatTokenizer, mask_prompt: bool, source: str
+) -> tuple[list[int], list[int]]:
+    """Render with the chat template; train only assistant turns when `mask_prompt`.
+
+    Assistant turn i spans the characters from the end of
+    `render(messages[:i], add_generation_prompt=True)` (so the header announcing the
+    assistant is not trained) to the end of `render(messages[:i+1], False)` (so its content
+    and end-of-turn token are). Both renders must be string prefixes of the full render;
+    a template that rewrites earlier turns (e.g. stripping reasoning) fails loudly here.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{source}: 'messages' examples need a tokenizer with a chat template, "
+                        f"and this one has none; use 'text' or 'prompt'/'completion' examples")
+    full = _render(tokenizer, messages, False, source)
+    if not mask_prompt:
+        ids = list(tokenizer.encode(full, add_bos=False))
+        return ids, [1] * len(ids)
+    spans: list[tuple[int, int]] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], True, source)
+        upto = _render(tokenizer, messages[: i + 1], False, source)
+        prev_end = spans[-1][1] if spans else 0
+        if not (full.startswith(before) and full.startswith(upto)
+                and prev_end <= len(before) <= len(upto)):
+            raise DataError(f"{source}: chat template renders message prefixes inconsistently, "
+                            f"so assistant turn messages[{i}] cannot be located; "
+                            f"set mask_prompt=False to train on the whole conversation")
+        spans.append((len(before), len(upto)))
+    cuts = sorted({0, len(full), *(c for span in spans for c in span)})
+    ids: list[int] = []
+    mask: list[int] = []
+    for a, b in itertools.pairwise(cuts):
+        piece = tokenizer.encode(full[a:b], add_bos=False)
+        trained = any(s <= a and b <= e for s, e in spans)
+        ids.extend(piece)
+        mask.extend([int(trained)] * len(piece))
+    return ids, mask
+
+
+def tokenize_example(
+    example: Example, tokenizer: ChatTokenizer, mask_prompt: bool
+) -> tuple[list[int], list[int]]:
+    """Token ids and a same-length target loss mask (1 = train on predicting this token).
+
+    - text: `encode(text)` (the tokenizer's default BOS) + EOS, all trained.
+    - prompt/completion: with a chat template, the conversation user=prompt,
+      assistant=completion; without one, `encode(prompt)` + `encode(completion)` + EOS,
+      tokenized separately so the boundary is exact. `mask_prompt` trains the completion
+      (and EOS) only.
+    - messages: the chat template; `mask_prompt` trains assistant turns only (content and
+      end-of-turn tokens, not the header that announces the assistant).
+    """
+    if example.text is not None:
+        ids = list(tokenizer.encode(example.text)) + [tokenizer.eos_id]
+        return ids, [1] * len(ids)
+    if example.prompt is not None:
+        assert example.completion is not None
+        if getattr(tokenizer, "chat_template", None):
+            messages = ({"role": "user", "content": example.prompt},
+                        {"role": "assistant", "content": example.completion})
+            return _tokenize_messages(messages, tokenizer, mask_prompt, example.source)
+        prompt = list(tokenizer.encode(example.prompt)) if example.prompt else []
+        completion = list(tokenizer.encode(example.completion, add_bos=False))
+        completion.append(tokenizer.eos_id)
+        return prompt + completion, [int(not mask_prompt)] * len(prompt) + [1] * len(completion)
+    assert example.messages is not None
+    return _tokenize_messages(example.messages, tokenizer, mask_prompt, example.source)
+
+
+# ------------------------------------------------------------------------------- rows
+
+
+def pack_or_pad(
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+    seq_len: int,
+    pad_id: int,
+    pack: bool = False,
+) -> dict[str, np.ndarray]:
+    """Fixed-length rows `{"inputs", "targets"}` int32 and `"mask"` float32, each `(N, seq_len)`.
+
+    `sequences` are `(ids, loss_mask)` pairs from `tokenize_example`.
+    - padding (`pack=False`): one example per row, cut to its first `seq_len + 1` tokens
+      (the end is dropped), padded with `pad_id` under mask 0.
+    - packing (`pack=True`): all examples concatenated in order and cut into rows of
+      `seq_len + 1` tokens that overlap by one, so every token after the first is a target
+      exactly once; the tail row is padded. The first token of each example gets mask 0:
+      predicting a new document from the previous one's EOS is not something to learn.
+      Attention still crosses example boundaries inside a row (no block-diagonal mask).
+    Rows with no trained target are dropped in both modes: they cost compute, and a
+    micro-batch of only such rows would have zero tokens to average over.
+    """
+    if seq_len < 1:
+        raise DataError(f"seq_len must be a positive integer, got {seq_len}")
+    for ids, mask in sequences:
+        if len(ids) != len(mask):
+            raise ValueError(f"ids and loss_mask differ in length: {len(ids)} vs {len(mask)}")
+    seqs = [(np.asarray(i, np.int64), np.asarray(m, np.float32)) for i, m in sequences if len(i)]
+    width = seq_len + 1
+    if pack and seqs:
+        ids = np.concatenate([i for i, _ in seqs])
+        mask = np.concatenate([m for _, m in seqs])
+        starts = np.cumsum([0] + [len(i) for i, _ in seqs[:-1]])
+        mask[starts] = 0.0
+        n_rows = math.ceil((len(ids) - 1) / seq_len)
+        total = n_rows * seq_len + 1
+        ids = np.concatenate([ids, np.full(total - len(ids), pad_id, np.int64)])
+        mask = np.concatenate([mask, np.zeros(total - len(mask), np.float32)])
+        index = np.arange(n_rows)[:, None] * seq_len + np.arange(width)  # (N, T+1)
+        windows, wmask = ids[index], mask[index]
+    else:
+        windows = np.full((len(seqs), width), pad_id, np.int64)  # (N, T+1)
+        wmask = np.zeros((len(seqs), width), np.float32)
+        for r, (i, m) in enumerate(seqs):
+            windows[r, : min(len(i), width)] = i[:width]
+            wmask[r, : min(len(m), width)] = m[:width]
+    keep = wmask[:, 1:].sum(axis=1) > 0
+    return {
+        "inputs": windows[keep, :-1].astype(np.int32),  # (N, T)
+        "targets": windows[keep, 1:].astype(np.int32),  # (N, T)
+        "mask": wmask[keep, 1:],  # (N, T), on target positions
+    }
+
+
+def sft_batch(
+    rows: dict[str, np.ndarray], step: int, seed: int, batch_size: int, accum: int = 1
+) -> dict[str, np.ndarray]:
+    """Rows for one optimizer step, `(accum, batch_size, seq_len)`, a pure function of (seed, step).
+
+    Rows are drawn by epochs: global draw `g = step * accum * batch_size + k` takes row
+    `perm_e[g % N]` of the permutation `default_rng([seed, e]).permutation(N)` for epoch
+    `e = g // N`, so each row is seen once per epoch and resume needs only the step.
+    """
+    n = len(rows["inputs"])
+    if n == 0:
+        raise DataError("no training rows to draw batches from")
+    if batch_size < 1 or accum < 1 or step < 0 or seed < 0:
+        raise DataError(f"need batch_size, accum >= 1 and step, seed >= 0, got "
+                        f"batch_size={batch_size}, accum={accum}, step={step}, seed={seed}")
+    draws = step * accum * batch_size + np.arange(accum * batch_size)
+    epochs = draws // n
+    index = np.empty_like(draws)
+    for e in np.unique(epochs):
+        sel = epochs == e
+        index[sel] = np.random.default_rng([seed, int(e)]).permutation(n)[draws[sel] % n]
+    index = index.reshape(accum, batch_size)
+    return {k: v[index] for k, v in rows.items()}  # (A, B, T)
+
+
+def sft_val_batches(
+    rows: dict[str, np.ndarray], batch_size: int, max_batches: int
+) -> list[dict[str, np.ndarray]]:
+    """The first `max_batches * batch_size` rows in file order, as `(1, batch_size, T)` batches.
+
+    A short last batch is filled with mask-0 rows so every batch has the same shape.
+    """
+    n = min(len(rows["inputs"]), max_batches * batch_size)
+    n_batches = math.ceil(n / batch_size)
+    out = []
+    for b in range(n_batches):
+        batch = {}
+        for k, v in rows.items():
+            chunk = v[b * batch_size : min((b + 1) * batch_size, n)]
+            fill = np.zeros((batch_size - len(chunk),) + v.shape[1:], v.dtype)
+            batch[k] = np.concatenate([chunk, fill])[None]  # (1, B, T)
+        out.append(batch)
+    return out
+
+
+@dataclass(frozen=True)
+class SFTData:
+    """Train and validation rows for fine-tuning, built once from example files."""
+
+    train: dict[str, np.ndarray]
+    """Training rows, each array `(N, seq_len)`"""
+    val: dict[str, np.ndarray]
+    """Validation rows, each array `(M, seq_len)`; M may be 0"""
+    source: str
+    """The file(s) the examples came from"""
+    n_truncated: int = 0
+    """Padding mode: examples longer than seq_len + 1 tokens whose end was cut off"""
+
+    @classmethod
+    def from_examples(
+        cls,
+        train: Sequence[Example],
+        val: Sequence[Example],
+        tokenizer: ChatTokenizer,
+        seq_len: int,
+        mask_prompt: bool = True,
+        pack: bool = False,
+        source: str = "<examples>",
+    ) -> SFTData:
+        """Tokenize and build rows; the pad id is the tokenizer's EOS (always under mask 0)."""
+        tr = [tokenize_example(e, tokenizer, mask_prompt) for e in train]
+        va = [tokenize_example(e, tokenizer, mask_prompt) for e in val]
+        pad = tokenizer.eos_id
+        rows = pack_or_pad(tr, seq_len, pad, pack)
+        if len(rows["inputs"]) == 0:
+            raise DataError(f"{source}: no training example has a trained token within its "
+                            f"first seq_len+1 = {seq_len + 1} tokens; raise seq_len, shorten "
+                            f"prompts, or set mask_prompt=False")
+        n_truncated = 0 if pack else sum(len(ids) > seq_len + 1 for ids, _ in tr)
+        return cls(rows, pack_or_pad(va, seq_len, pad, pack), source, n_truncated)
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | Path,
+        tokenizer: ChatTokenizer,
+        seq_len: int,
+        mask_prompt: bool = True,
+        pack: bool = False,
+        val_fraction: float = 0.1,
+        val_path: str | Path | None = None,
+    ) -> SFTData:
+        """Load `path`; validation is `val_path` if given, else the last `val_fraction` of it."""
+        examples = load_examples(path)
+        if val_path is not None:
+            train, val = examples, load_examples(val_path)
+        else:
+            train, val = split_examples(examples, val_fraction)
+        source = str(path) if val_path is None else f"{path} + {val_path}"
+        return cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack, source)
+
+    def batch(self, step: int, seed: int, batch_size: int, accum: int = 1) -> dict[str, np.ndarray]:
+        """`sft_batch` over the training rows."""
+        return sft_batch(self.train, step, seed, batch_size, accum)
+
+    def val_batches(self, batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:
+        """`sft_val_batches` over the validation rows."""
+        return sft_val_batches(self.val, batch_size, max_batches)
