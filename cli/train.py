@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         from toymlx.runs import config_from_dict
 
         default = config_from_dict(module.Config, saved)
+        # A resumed run continues to the end unless told otherwise on this command line.
+        default.stop_at, default.resume, default.overwrite = None, resume, False
     cfg = tyro.cli(module.Config, args=rest, default=default,
                    prog=f"toymlx-train --recipe {recipe}", description=module.__doc__)
     from toymlx.run import run_training

@@ -105,6 +105,9 @@ class Task:
     prefix: str = "step_"
     """Checkpoint file prefix under weights/."""
     checkpoint_meta: Callable[[], dict[str, Any]] | None = None
+    optimizer: Callable[[TrainConfig], optim.Optimizer] | None = None
+    """Build the optimizer (default: `make_optimizer`); lets a recipe give a parameter group
+    its own schedule, as a pure function of the optimizer step."""
 
 
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
@@ -188,6 +191,11 @@ def _shard(batch: dict[str, np.ndarray], world: Any) -> dict[str, np.ndarray]:
     return out
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The random seed of optimizer step `step` (0-based) of a run seeded `seed`."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint64)[0] >> 1)
+
+
 class _Stop(Exception):
     pass
 
@@ -208,14 +216,13 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
     model = task.model
     weights = run_dir / "weights"
     log = EventLog(run_dir / "events.jsonl", enabled=rank0)
-    optimizer = make_optimizer(cfg)
+    optimizer = (task.optimizer or make_optimizer)(cfg)
     optimizer.init(model.trainable_parameters())
     start_step = 0
     if resume_from is not None:
         task.load(resume_from, model)
         arrays, meta = ck.load_state(ck.state_path(resume_from))
         restore_optimizer(optimizer, arrays)
-        mx.random.state[0] = arrays["rng"]
         start_step = int(meta["step"])
         if rank0:
             ck.clean_temporaries(weights)
@@ -241,7 +248,6 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
         if not rank0 or last_ckpt == step:
             return None
         arrays = optimizer_state_arrays(optimizer)
-        arrays["rng"] = mx.random.state[0]
         extra = {"general.step": step, "general.run_id": run_dir.name}
         if task.checkpoint_meta:
             extra.update(task.checkpoint_meta())
@@ -271,6 +277,9 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
             global_batch = task.train_batch(s)
             n_items = count(global_batch)
             batch = {k: mx.array(v) for k, v in _shard(global_batch, world).items()}
+            # Randomness (dropout) is a pure function of (seed, step), like the data, so a
+            # resumed run draws exactly what an uninterrupted one would.
+            mx.random.seed(step_seed(cfg.seed, s))
             loss, gnorm = step_fn(batch)
             mx.eval(loss, gnorm, model.state, optimizer.state)
             dt = time.perf_counter() - t0

@@ -1,0 +1,62 @@
+"""The Llama forward against an independent float64 numpy forward, and model presets."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from reference import forward, load_reference
+from toymlx.gguf.llama import load_llama
+from toymlx.models.llama import Llama, smollm2_135m, smollm2_360m, tiny
+
+
+def test_stories260k_matches_float64_numpy(stories_path):
+    model, g = load_llama(stories_path)
+    hp, w = load_reference(stories_path)
+    rng = np.random.default_rng(0)
+    tokens = [1] + rng.integers(3, 512, size=47).tolist()
+    ref = forward(hp, w, tokens)
+    got = np.array(model(mx.array([tokens]))[0], dtype=np.float64)
+    assert got.shape == ref.shape == (48, 512)
+    assert np.abs(got - ref).max() < 1e-4
+
+
+def test_stories260k_greedy_continuation_is_english(stories_path):
+    model, g = load_llama(stories_path)
+    vocab = g.metadata["tokenizer.ggml.tokens"]
+    ids = [1] + [vocab.index(p) for p in ("▁Once", "▁upon", "▁a", "▁time")]
+    cache = model.make_cache()
+    logits = model(mx.array([ids]), cache=cache)
+    out = []
+    for _ in range(12):
+        nxt = int(mx.argmax(logits[0, -1]).item())
+        out.append(nxt)
+        logits = model(mx.array([[nxt]]), cache=cache)
+    text = "".join(vocab[i] for i in out).replace("▁", " ")
+    assert text.startswith(", there was a little girl named Lily"), text
+
+
+def test_kv_cache_matches_full_forward(stories_path):
+    model, _ = load_llama(stories_path)
+    tokens = mx.array([[1, 403, 407, 261, 378, 13, 100, 200]])
+    full = model(tokens)
+    cache = model.make_cache()
+    step = [model(tokens[:, :5], cache=cache)]
+    for t in range(5, 8):
+        step.append(model(tokens[:, t:t + 1], cache=cache))
+    assert mx.abs(mx.concatenate(step, axis=1) - full).max().item() < 1e-5
+
+
+def _n_params(args) -> int:
+    m = Llama(args)
+    return sum(v.size for _, v in tree_flatten(m.parameters()))
+
+
+def test_presets():
+    assert smollm2_135m().d_model == 576 and smollm2_135m().n_kv_heads == 3
+    assert smollm2_360m().n_layers == 32 and smollm2_360m().ffn_dim == 2560
+    # SmolLM2-135M has 134,515,008 parameters (tied embeddings).
+    assert _n_params(smollm2_135m()) == 134_515_008
+    out = Llama(tiny())(mx.array([[1, 2, 3]]))
+    assert out.shape == (1, 3, 259)

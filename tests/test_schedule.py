@@ -1,0 +1,33 @@
+"""The LR schedule: linear warm-up, cosine to a floor; Python and mlx give the same values."""
+
+import math
+
+import mlx.core as mx
+import pytest
+
+from toymlx.schedule import lr_at
+
+
+def test_warmup_peak_and_end():
+    lr, warm, total, floor = 1e-3, 10, 110, 0.1
+    assert lr_at(0, lr, warm, total, floor) == pytest.approx(1e-4)  # first update: lr/warmup
+    assert lr_at(4, lr, warm, total, floor) == pytest.approx(5e-4)
+    assert lr_at(9, lr, warm, total, floor) == pytest.approx(1e-3)  # end of warm-up: peak
+    assert lr_at(10, lr, warm, total, floor) == pytest.approx(1e-3)  # cosine starts at peak
+    mid = 10 + (total - 1 - 10) / 2
+    assert lr_at(mid, lr, warm, total, floor) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
+    assert lr_at(total - 1, lr, warm, total, floor) == pytest.approx(1e-4)  # the floor
+    assert lr_at(total + 50, lr, warm, total, floor) == pytest.approx(1e-4)  # stays there
+
+
+def test_monotone_after_warmup_and_no_warmup():
+    vals = [lr_at(s, 1.0, 5, 50, 0.0) for s in range(50)]
+    assert all(a >= b for a, b in zip(vals[5:], vals[6:]))
+    assert lr_at(0, 2.0, 0, 10, 0.5) == pytest.approx(2.0)
+    assert lr_at(9, 2.0, 0, 10, 0.5) == pytest.approx(1.0)
+
+
+def test_mlx_matches_python():
+    for s in (0, 3, 9, 10, 37, 109):
+        got = lr_at(mx.array(s), 1e-3, 10, 110, 0.1).item()
+        assert math.isclose(got, lr_at(s, 1e-3, 10, 110, 0.1), rel_tol=1e-6)

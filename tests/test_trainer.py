@@ -1,0 +1,114 @@
+"""The shared loop through the real from-scratch recipe: determinism, compile == eager,
+exact resume, checkpoint round trip, and the run bundle's events."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from toymlx.checkpoint import list_checkpoints, resolve_latest
+from toymlx.events import read_events
+from toymlx.gguf.llama import load_llama
+from toymlx.gguf.reader import GGUFFile
+from toymlx_cli.train import main
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4",
+        "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--seq-len", "32",
+        "--batch-size", "4", "--eval-batches", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def text_file(shared_data: Path) -> str:
+    return str(shared_data / "text" / "tinyshakespeare.txt")
+
+
+def _run(tmp: Path, run_id: str, *extra: str, data: str) -> Path:
+    args = ["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root", str(tmp),
+            "--run-id", run_id, *extra]
+    assert main(args) == 0
+    return tmp / run_id
+
+
+def _losses(run: Path) -> list[float]:
+    return [e["loss"] for e in read_events(run) if e["event"] == "step"]
+
+
+def test_same_seed_same_losses_and_compile_equals_eager(tmp_path, text_file):
+    a = _losses(_run(tmp_path, "a", "--steps", "6", data=text_file))
+    b = _losses(_run(tmp_path, "b", "--steps", "6", data=text_file))
+    eager = _losses(_run(tmp_path, "c", "--steps", "6", "--no-compile", data=text_file))
+    assert len(a) == 6
+    assert a == b  # bit-identical on the same machine
+    np.testing.assert_allclose(eager, a, rtol=1e-5, atol=1e-6)
+    assert a[-1] < a[0]
+
+
+def test_resume_is_exact(tmp_path, text_file):
+    common = ["--steps", "8", "--checkpoint-every", "4", "--eval-every", "4"]
+    full = _losses(_run(tmp_path, "full", *common, data=text_file))
+    part = _run(tmp_path, "part", *common, "--stop-at", "4", data=text_file)
+    assert resolve_latest(part).name == "step_4.gguf"
+    assert main(["--resume", str(part), "--no-progress"]) == 0
+    resumed = _losses(part)
+    assert len(resumed) == 8
+    np.testing.assert_allclose(resumed, full, rtol=0, atol=1e-6)
+    starts = [e for e in read_events(part) if e["event"] == "run_start"]
+    assert [s["start_step"] for s in starts] == [0, 4]
+
+
+def test_bundle_events_and_checkpoints(tmp_path, text_file):
+    rid = 'odd "id" \\ ünï'
+    run = _run(tmp_path, rid, "--steps", "5", "--checkpoint-every", "2", "--eval-every", "2",
+               data=text_file)
+    lines = (run / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    evs = [json.loads(x) for x in lines]
+    kinds = [e["event"] for e in evs]
+    assert kinds[0] == "run_start" and kinds.count("run_start") == 1
+    assert kinds[-1] == "run_end" and kinds.count("run_end") == 1
+    start, end = evs[0], evs[-1]
+    assert start["schema"] == "toy/v1" and start["run_id"] == rid and start["phase"] == "train"
+    assert {"name", "os", "arch"} <= start["host"].keys()
+    assert start["backend"]["kind"] in ("cpu", "metal", "cuda")
+    assert start["model"]["arch"] == "llama" and start["model"]["d_model"] == 32
+    assert start["config"]["steps"] == 5 and start["config"]["context"] == 32
+    steps = [e for e in evs if e["event"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    assert all({"loss", "lr", "t", "tokens_per_s"} <= s.keys() for s in steps)
+    assert [e["step"] for e in evs if e["event"] == "eval"] == [2, 4, 5]
+    assert [e["step"] for e in evs if e["event"] == "checkpoint"] == [2, 4, 5]
+    assert end["reason"] == "completed" and end["final_step"] == 5 and end["exit_code"] == 0
+    assert end["final_loss"] == steps[-1]["loss"]
+    assert [s for s, _ in list_checkpoints(run / "weights")] == [2, 4, 5]
+    latest = run / "weights" / "latest"
+    assert latest.is_symlink() and not Path(latest.readlink()).is_absolute()
+    assert resolve_latest(run).name == "step_5.gguf"
+    g = GGUFFile(resolve_latest(run))
+    assert g.metadata["general.architecture"] == "llama"
+    assert g.metadata["general.step"] == 5 and g.metadata["general.run_id"] == rid
+    assert g.metadata["toy.checkpoint_format"] == "toy/gguf-v1"
+    assert "output.weight" not in g.tensors  # tied
+    assert g.metadata["toy.n_params_written"] == sum(t.n_elements for t in g.tensors.values())
+    assert g.metadata["tokenizer.ggml.model"] == "llama"
+
+
+def test_checkpoint_round_trip_identical_logits(tmp_path, text_file):
+    from toymlx.recipes import from_scratch
+    from toymlx.trainer import train
+
+    for tie in (True, False):
+        cfg = from_scratch.Config(steps=3, batch_size=4, seq_len=32, progress=False,
+                                  eval_batches=1)
+        cfg.model.d_model, cfg.model.n_layers, cfg.model.ffn_dim = 32, 2, 64
+        cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.tie_embeddings = 4, 2, tie
+        cfg.data.path = text_file
+        task = from_scratch.build(cfg)
+        run = tmp_path / f"rt{tie}"
+        train(task, cfg, run, {})
+        loaded, g = load_llama(resolve_latest(run))
+        assert ("output.weight" in g.tensors) == (not tie)
+        x = mx.array([[1, 5, 9, 200, 17, 3, 88]])
+        assert mx.array_equal(loaded(x), task.model(x)).item()
