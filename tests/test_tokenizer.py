@@ -1,0 +1,390 @@
+"""toymlx.tokenizer against llama.cpp's own tokenizer test vectors and known ids."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from toymlx.tokenizer import BYTE_OFFSET, Tokenizer, TokenizerError, byte_tokenizer, encode_bytes_np
+
+SEP = "\n__ggml_vocab_test__\n"
+
+
+def read_vectors(vocab: Path) -> list[tuple[str, list[int]]]:
+    """`<vocab>.inp` / `.out` split exactly as llama.cpp's tests/test-tokenizer-0.cpp does."""
+    raw = Path(str(vocab) + ".inp").read_bytes().decode("utf-8")
+    cases, pos = [], 0
+    while pos < len(raw):
+        nxt = raw.find(SEP, pos)
+        if nxt < 0:
+            cases.append(raw[pos:])
+            break
+        cases.append(raw[pos:nxt])
+        pos = nxt + len(SEP)
+    out = Path(str(vocab) + ".out").read_bytes().decode("utf-8")
+    lines = out.split("\n")
+    if out.endswith("\n"):
+        lines.pop()  # std::getline yields no empty last line
+    assert len(lines) == len(cases)
+    return [(c, [int(x) for x in line.strip().split()]) for c, line in zip(cases, lines)]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(shared_data: Path) -> Path:
+    return shared_data / "tokenizers"
+
+
+@pytest.fixture(scope="module")
+def gpt2(tok_dir: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(tok_dir / "ggml-vocab-gpt-2.gguf")
+
+
+@pytest.fixture(scope="module")
+def spm(tok_dir: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(tok_dir / "ggml-vocab-llama-spm.gguf")
+
+
+@pytest.fixture(scope="module")
+def smol(tok_dir: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(tok_dir / "ggml-vocab-smollm2.gguf")
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(stories_path)
+
+
+@pytest.fixture(scope="module")
+def bt() -> Tokenizer:
+    return byte_tokenizer()
+
+
+# ------------------------------------------------------------------ llama.cpp test vectors
+@pytest.mark.parametrize("name,fixture", [("ggml-vocab-gpt-2.gguf", "gpt2"),
+                                          ("ggml-vocab-llama-spm.gguf", "spm")])
+def test_llama_cpp_vectors_all_match(request, tok_dir, name, fixture):
+    tok = request.getfixturevalue(fixture)
+    cases = read_vectors(tok_dir / name)
+    assert len(cases) == 46
+    # test-tokenizer-0 calls common_tokenize(ctx, text, add_special=false, parse_special=false)
+    failed = [(text, want, got) for text, want in cases
+              if (got := tok.encode(text, add_bos=False, parse_special=False)) != want]
+    assert failed == [], f"{len(failed)} of {len(cases)} cases differ: {failed[:3]}"
+    matched = len(cases) - len(failed)
+    assert matched == 46
+    # and every case decodes back to its text
+    assert [t for t, w in cases if tok.decode(w) != t] == []
+
+
+def test_vector_spot_checks(gpt2, spm):
+    assert gpt2.encode("Hello world") == [15496, 995]
+    assert gpt2.encode(" Hello world") == [18435, 995]
+    assert gpt2.encode("   ") == [220, 220, 220]
+    # SPM: llama.cpp prefixes a space to each raw-text fragment, then "▁"-escapes spaces
+    assert spm.encode("Hello world", add_bos=False) == [15043, 3186]
+    assert spm.encode(" ", add_bos=False) == [259]
+    assert spm.encode("", add_bos=False) == []
+    assert spm.encode("") == [1]
+
+
+# ------------------------------------------------------------------ flags, specials
+def test_defaults_per_model_type(gpt2, spm, smol, stories):
+    assert (gpt2.model, gpt2.pre, gpt2.add_bos) == ("gpt2", "gpt-2", False)
+    assert (gpt2.bos_id, gpt2.eos_id, gpt2.vocab_size) == (50256, 50256, 50257)
+    assert (spm.model, spm.add_bos, spm.add_space_prefix) == ("llama", True, True)
+    assert (spm.bos_id, spm.eos_id, spm.unk_id, spm.vocab_size) == (1, 2, 0, 32000)
+    assert (smol.pre, smol.add_bos, smol.bos_id, smol.eos_id) == ("smollm", False, 1, 2)
+    # stories260K has no add_bos_token key: llama.cpp's "llama" default is true
+    assert (stories.add_bos, stories.add_space_prefix, stories.vocab_size) == (True, True, 512)
+    assert smol.eog_ids == frozenset({0, 2})  # <|endoftext|>, <|im_end|>
+
+
+def test_parse_special(gpt2, spm):
+    assert gpt2.encode("a<|endoftext|>b") == [64, 50256, 65]
+    plain = gpt2.encode("a<|endoftext|>b", parse_special=False)
+    assert 50256 not in plain and gpt2.decode(plain) == "a<|endoftext|>b"
+    # after a special token llama.cpp's SPM prefixes a space again
+    assert spm.encode("<s>Hi", add_bos=False) == [1] + spm.encode("Hi", add_bos=False)
+    assert spm.encode("Hi</s>", add_bos=False) == spm.encode("Hi", add_bos=False) + [2]
+    assert 1 not in spm.encode("<s>Hi", add_bos=False, parse_special=False)
+    assert spm.encode("x", add_eos=True) == [1, 921, 2]
+
+
+def test_decode_skips_specials(smol, spm):
+    ids = smol.encode("<|im_start|>user\nhi<|im_end|>\n")
+    assert ids == [1, 4093, 198, 6004, 2, 198]
+    assert smol.decode(ids) == "user\nhi\n"
+    assert smol.decode(ids, skip_special=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    text = "<s> a </s> b"
+    ids = spm.encode(text, add_bos=False)
+    assert ids[0] == 1 and ids.count(2) == 1
+    assert spm.decode(ids, skip_special=False) == text
+    assert spm.decode(ids) == " a  b"
+    assert spm.decode(spm.encode(text), skip_special=False) == "<s>" + text
+    with pytest.raises(ValueError, match="32000"):
+        spm.decode([32000])
+
+
+# ------------------------------------------------------------------ stories260K (SPM, 512)
+def test_stories_once_upon_a_time(stories):
+    ids = stories.encode("Once upon a time")
+    assert ids == [1, 403, 407, 261, 378]
+    assert [stories.token_text(i) for i in ids] == ["<s>", "▁Once", "▁upon", "▁a", "▁time"]
+    assert stories.decode(ids) == "Once upon a time"
+    text = "Lily saw a big red ball. She said, \"Wow!\"\n\nThe end. 123 Zürich"
+    assert stories.decode(stories.encode(text)) == text
+
+
+# ------------------------------------------------------------------ SmolLM2 (gpt2 / smollm)
+ROUND_TRIP = [
+    "Hello world",
+    "plain ASCII, with punctuation: (a) [b] {c}; 'quotes' \"double\"!?",
+    "  leading and trailing spaces  ",
+    "tabs\tand\t\ttabs, newlines\n\n\nand\r\nCRLF",
+    "multiple     spaces    here",
+    "Ünïcödé: café, naïve, Straße, Ελληνικά, русский, 日本語, 한국어, عربى",
+    "emoji 🦙😀👍🏽 and ZWJ 👩‍👩‍👧",
+    "def f(x):\n    return {k: v ** 2 for k, v in x.items()}  # comment\n",
+    "numbers 1234567890 3.14159 -42 1e-5 0xFF",
+    "I'm sure you'll see they've done it; we'd've",
+    "",
+    " ",
+    "\n",
+]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_smollm2_round_trip(smol, text):
+    ids = smol.encode(text)
+    assert all(0 <= i < 49152 for i in ids)
+    assert smol.decode(ids) == text
+
+
+def test_smollm2_known_ids(smol):
+    # smollm pre-tokenizer isolates every digit; ids cross-checked with llama.cpp
+    assert smol.encode("Hello world") == [19556, 905]
+    assert smol.encode("12345") == [33, 34, 35, 36, 37]
+    assert smol.encode("  multiple") == [216, 2701]
+
+
+def test_smollm2_chat_template(smol):
+    assert smol.chat_template is not None and "<|im_start|>" in smol.chat_template
+    text = smol.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                    "Hugging Face<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    text = smol.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Hi"},
+                                     {"role": "assistant", "content": "Hello!"}],
+                                    add_generation_prompt=False)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\nHello!<|im_end|>\n")
+    ids = smol.encode(text)
+    assert ids.count(1) == 3 and ids.count(2) == 3
+
+
+def test_no_chat_template_is_a_clear_error(spm):
+    assert spm.chat_template is None
+    with pytest.raises(TokenizerError, match="tokenizer.chat_template: expected"):
+        spm.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# ------------------------------------------------------------------ byte tokenizer
+def test_byte_tokenizer_ids(bt):
+    assert (bt.vocab_size, bt.bos_id, bt.eos_id, bt.unk_id) == (259, 1, 2, 0)
+    assert bt.is_byte_tokenizer and bt.add_bos and not bt.add_space_prefix
+    assert bt.encode("Hi é") == [1, 75, 108, 35, 198, 172]
+    assert bt.encode("Hi", add_bos=False) == [75, 108]
+    text = "byte\x00\x7f\n ünï 🦙"
+    want = [1] + [b + BYTE_OFFSET for b in text.encode("utf-8")]
+    assert bt.encode(text) == want
+    assert bt.decode(want) == text
+    arr = bt.encode_np(text)
+    assert arr.dtype == np.int32 and arr.tolist() == want
+    assert encode_bytes_np(text).tolist() == want
+    assert encode_bytes_np(text.encode("utf-8"), add_bos=False).tolist() == want[1:]
+
+
+def test_byte_tokenizer_random_round_trip(bt):
+    rng = random.Random(0)
+    for _ in range(50):
+        text = "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x3000),
+                                       rng.randrange(0x1F300, 0x1F600)]))
+                       for _ in range(rng.randrange(0, 64)))
+        ids = bt.encode(text)
+        assert len(ids) == 1 + len(text.encode("utf-8"))
+        assert bt.decode(ids) == text
+    assert bt.decode([1, 75, 2, 108]) == "Hi"
+    assert bt.decode([1, 75, 2, 108], skip_special=False) == "<s>H</s>i"
+
+
+def test_byte_tokenizer_fast_on_a_megabyte(bt, shared_data):
+    text = (shared_data / "text" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    t0 = time.perf_counter()
+    ids = bt.encode(text)
+    elapsed = time.perf_counter() - t0
+    assert len(ids) == 1 + len(text.encode("utf-8")) == 1_115_395
+    assert elapsed < 0.5
+    assert bt.decode(ids) == text
+
+
+def test_byte_tokenizer_metadata(bt):
+    meta = bt.to_metadata()
+    assert meta["tokenizer.ggml.model"] == "llama"
+    toks, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    assert toks[:4] == ["<unk>", "<s>", "</s>", "<0x00>"] and toks[-1] == "<0xFF>"
+    assert len(toks) == len(types) == len(meta["tokenizer.ggml.scores"]) == 259
+    assert types[:3] == [2, 3, 3] and types[BYTE_OFFSET + 0x0A] == 6
+    # llama.cpp turns spaces into "▁" before lookup, so the space byte is the "▁" token
+    assert (toks[BYTE_OFFSET + 0x20], types[BYTE_OFFSET + 0x20]) == ("▁", 1)
+    assert toks[BYTE_OFFSET + 0x0A] == "<0x0A>"  # llama.cpp's linefeed lookup
+    assert all(type(t) is int for t in types)
+    assert all(type(s) is float and s == 0.0 for s in meta["tokenizer.ggml.scores"])
+    assert meta["tokenizer.ggml.add_bos_token"] is True
+    assert meta["tokenizer.ggml.add_space_prefix"] is False
+    assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]) == (1, 2)
+    again = Tokenizer.from_metadata(meta)
+    assert again.is_byte_tokenizer and again.to_metadata() == meta
+    for text in ["Hello, world!", "ünï 🦙\n", ""]:
+        assert again.encode(text) == bt.encode(text)
+
+
+def test_byte_tokenizer_through_a_gguf_file(bt, tmp_path):
+    from toymlx.gguf.writer import write_gguf
+
+    path = tmp_path / "bytes.gguf"
+    write_gguf(path, {"general.architecture": "llama", **bt.to_metadata()}, {})
+    again = Tokenizer.from_gguf(path)
+    assert again.to_metadata() == bt.to_metadata()
+    assert again.encode("round trip ✓") == bt.encode("round trip ✓")
+
+
+# ------------------------------------------------------------------ metadata round trips
+@pytest.mark.parametrize("fixture", ["gpt2", "spm", "smol", "stories"])
+def test_to_metadata_round_trip(request, fixture):
+    tok = request.getfixturevalue(fixture)
+    meta = tok.to_metadata()
+    assert all(k.startswith("tokenizer.") for k in meta)
+    assert meta["tokenizer.ggml.tokens"] == [tok.token_text(i) for i in range(tok.vocab_size)]
+    assert all(type(t) is int for t in meta["tokenizer.ggml.token_type"])
+    if "tokenizer.ggml.scores" in meta:
+        assert all(type(s) is float for s in meta["tokenizer.ggml.scores"])
+    again = Tokenizer.from_metadata(meta)
+    assert again.to_metadata() == meta
+    text = "Round-trip: Hello, wörld! 12345\n  <s> <|im_end|>"
+    assert again.encode(text) == tok.encode(text)
+
+
+def test_smollm2_metadata_keys(smol):
+    meta = smol.to_metadata()
+    assert len(meta["tokenizer.ggml.merges"]) == 48900
+    assert meta["tokenizer.ggml.pre"] == "smollm"
+    assert meta["tokenizer.ggml.add_bos_token"] is False
+    assert meta["tokenizer.chat_template"] == smol.chat_template
+
+
+def test_gguf_py_fallback_reader(stories_path):
+    from toymlx.gguf.reader import read_metadata
+    from toymlx.tokenizer import _read_metadata_gguf_py
+
+    slow, fast = _read_metadata_gguf_py(stories_path), read_metadata(stories_path)
+    keys = [k for k in fast if k.startswith("tokenizer.")]
+    assert keys and {k: slow[k] for k in keys} == {k: fast[k] for k in keys}
+
+
+# ------------------------------------------------------------------ errors
+def _spm_meta(**changes):
+    meta = byte_tokenizer().to_metadata()
+    meta.update(changes)
+    return {k: v for k, v in meta.items() if v is not None}
+
+
+@pytest.mark.parametrize("changes,pattern", [
+    ({"tokenizer.ggml.tokens": None},
+     r"^x\.gguf: tokenizer\.ggml\.tokens: expected a non-empty list .*found missing key$"),
+    ({"tokenizer.ggml.scores": None},
+     r"^x\.gguf: tokenizer\.ggml\.scores: expected a list of 259 floats, found missing key$"),
+    ({"tokenizer.ggml.scores": [0.0] * 10},
+     r"^x\.gguf: tokenizer\.ggml\.scores: expected 259 entries \(one per token\), found 10$"),
+    ({"tokenizer.ggml.token_type": [1] * 300},
+     r"^x\.gguf: tokenizer\.ggml\.token_type: expected 259 entries .*found 300$"),
+    ({"tokenizer.ggml.model": "bert"},
+     r"^x\.gguf: tokenizer\.ggml\.model: expected one of \['gpt2', 'llama'\], found 'bert'$"),
+    ({"tokenizer.ggml.model": None},
+     r"^x\.gguf: tokenizer\.ggml\.model: expected one of .*found missing key$"),
+    ({"tokenizer.ggml.bos_token_id": 999},
+     r"^x\.gguf: tokenizer\.ggml\.bos_token_id: expected a token id below 259, found 999$"),
+    ({"tokenizer.ggml.tokens": ["a", "a"] + [f"b{i}" for i in range(257)]},
+     r"^x\.gguf: tokenizer\.ggml\.tokens: expected unique token strings, found 'a' at ids 0 "),
+    ({"tokenizer.ggml.add_bos_token": "yes"},
+     r"^x\.gguf: tokenizer\.ggml\.add_bos_token: expected a bool, found 'yes'$"),
+])
+def test_bad_metadata_errors(changes, pattern):
+    with pytest.raises(TokenizerError, match=pattern) as info:
+        Tokenizer.from_metadata(_spm_meta(**changes), source="x.gguf")
+    assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+
+
+def test_gpt2_errors(smol):
+    meta = smol.to_metadata()
+    no_merges = {k: v for k, v in meta.items() if k != "tokenizer.ggml.merges"}
+    with pytest.raises(TokenizerError, match=r"^f\.gguf: tokenizer\.ggml\.merges: expected "
+                                             r"a list of 'left right' merge strings, found "
+                                             r"missing key$"):
+        Tokenizer.from_metadata(no_merges, source="f.gguf")
+    with pytest.raises(TokenizerError, match=r"tokenizer\.ggml\.pre: expected one of \['default"
+                                             r"', 'gpt-2', .*'smollm'.*found 'qwen9'$"):
+        Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "qwen9"}, source="f.gguf")
+    # no pre key: llama.cpp falls back to its "default" regexes
+    default = Tokenizer.from_metadata({k: v for k, v in meta.items() if k != "tokenizer.ggml.pre"})
+    assert default.pre == "default"
+    # ids from llama.cpp on this vocabulary without its pre key
+    assert default.encode("Hello world!!") == [19556, 905, 10095]
+    assert default.encode("Pay $12345, ok?!") == [25017, 216, 20, 33, 34, 35, 36, 37, 28, 10907,
+                                                   17593]
+
+
+def test_from_gguf_names_the_file(tmp_path):
+    from toymlx.gguf.writer import write_gguf
+
+    path = tmp_path / "nomodel.gguf"
+    meta = byte_tokenizer().to_metadata()
+    del meta["tokenizer.ggml.model"]
+    write_gguf(path, {"general.architecture": "llama", **meta}, {})
+    with pytest.raises(TokenizerError, match=rf"^{path}: tokenizer\.ggml\.model: expected"):
+        Tokenizer.from_gguf(path)
+
+
+# ------------------------------------------------------------------ llama.cpp itself (interop)
+@pytest.mark.interop
+def test_against_llama_cpp(shared_data, tmp_path):
+    """Random text tokenized by llama.cpp (llama-cpp-python, vocab_only) and by us."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from toymlx.gguf.writer import write_gguf
+
+    bytes_path = tmp_path / "bytes.gguf"
+    write_gguf(bytes_path, {"general.architecture": "llama", "llama.context_length": 64,
+                            "llama.embedding_length": 64, "llama.block_count": 1,
+                            "llama.feed_forward_length": 64, "llama.attention.head_count": 8,
+                            "llama.attention.layer_norm_rms_epsilon": 1e-5,
+                            **byte_tokenizer().to_metadata()}, {})
+    paths = [shared_data / "tokenizers" / "ggml-vocab-gpt-2.gguf",
+             shared_data / "tokenizers" / "ggml-vocab-llama-spm.gguf",
+             shared_data / "tokenizers" / "ggml-vocab-smollm2.gguf",
+             shared_data / "models" / "stories260K.gguf", bytes_path]
+    alphabet = (list("abcdefXYZ0123456789 \t\n.,!?'\"-()<>/|$+=^~") + list("éßЖ中日🦙€“’\u00a0▁")
+                + ["'s", "'ll", "  ", "\n\n", "<s>", "</s>", "<|im_start|>", "<|endoftext|>",
+                   " the", "ing"])
+    rng = random.Random(1)
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(200)]
+    for path in paths:
+        ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        tok = Tokenizer.from_gguf(path)
+        for text in texts:
+            for special in (False, True):
+                want = ref.tokenize(text.encode("utf-8"), add_bos=True, special=special)
+                assert tok.encode(text, parse_special=special) == want, (path.name, text)
