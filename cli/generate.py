@@ -1,0 +1,157 @@
+"""toymlx-generate --model PATH.gguf|runs/<id> --prompt "...": stream a model's continuation."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
+
+PROG = "toymlx-generate"
+
+
+@dataclass
+class Args:
+    """Generate text from a llama GGUF (toymlx checkpoint or llama.cpp model) with MLX."""
+
+    model: str
+    """A llama-architecture GGUF file, or a run directory (its weights/latest is used)."""
+    prompt: str = ""
+    """Text to continue (with --chat: the user's message)."""
+    max_tokens: int = 128
+    """Most new tokens to generate (generation also stops at the end-of-sequence token)."""
+    temperature: float = 0.7
+    """Sampling temperature; 0 is greedy (always the most likely token)."""
+    top_p: float = 0.9
+    """Nucleus sampling: draw only from the most likely tokens holding this much probability."""
+    seed: int = 0
+    """Seed for sampling, so a run can be repeated exactly."""
+    chat: bool = False
+    """Render the prompt as a user message with the GGUF's chat template."""
+    system: str | None = None
+    """With --chat: an optional system message placed before the user's."""
+    adapter: str | None = None
+    """A LoRA adapter GGUF (or a LoRA run directory) to apply on top of --model."""
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+    """Where MLX runs: auto picks the GPU when MLX has one."""
+
+
+class UsageError(ValueError):
+    """Bad user input; reported as one line on stderr with exit status 2."""
+
+
+def apply_adapter(model, path: str):
+    """Apply a LoRA adapter through toymlx.lora.apply_adapter, when that exists."""
+    try:
+        from toymlx import lora
+    except ImportError:
+        lora = None
+    fn = getattr(lora, "apply_adapter", None)
+    if fn is None:
+        raise UsageError(f"{path}: --adapter: expected toymlx.lora.apply_adapter to be available, "
+                         "found it missing in this install (LoRA adapters are not supported yet)")
+    out = fn(model, path)
+    return model if out is None else out
+
+
+def prompt_ids(tokenizer, args: Args) -> list[int]:
+    """Token ids of the prompt: plain text, or the chat template rendered with a user turn."""
+    if not args.chat:
+        ids = tokenizer.encode(args.prompt)
+        if not ids:
+            raise UsageError("--prompt: expected text (this tokenizer adds no BOS token), "
+                             "found an empty prompt")
+        return ids
+    if not tokenizer.chat_template:
+        raise UsageError(f"{args.model}: --chat: expected a GGUF with tokenizer.chat_template, "
+                         "found none (drop --chat to continue plain text)")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    # A template that writes the BOS token itself must not get a second one from encode.
+    bos = tokenizer.bos_id
+    ids = tokenizer.encode(text)
+    if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    return ids
+
+
+def stream(model, tokenizer, ids: list[int], args: Args, out=None) -> tuple[str, int]:
+    """Write the continuation to `out` (stdout) as it is produced; return (text, token count)."""
+    from toymlx.generate import generate
+
+    out = sys.stdout if out is None else out
+
+    # Decoding prompt + new tokens and printing the part after the prompt's own decoding keeps
+    # word-initial spaces that a tokenizer drops at the start of a text, and re-decoding the
+    # growing list lets a multi-byte character split over tokens print once it is complete.
+    base = tokenizer.decode(ids)
+    new: list[int] = []
+    shown = ""
+    for tok in generate(model, tokenizer, ids, args.max_tokens, args.temperature, args.top_p,
+                        args.seed):
+        new.append(tok)
+        text = _continuation(tokenizer, ids, new, base)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            continue
+        if len(text) > len(shown):
+            out.write(text[len(shown):])
+            out.flush()
+            shown = text
+    text = _continuation(tokenizer, ids, new, base)
+    if len(text) > len(shown):
+        out.write(text[len(shown):])
+    if text and not text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+    return text, len(new)
+
+
+def _continuation(tokenizer, ids: list[int], new: list[int], base: str) -> str:
+    full = tokenizer.decode(ids + new)
+    return full[len(base):] if full.startswith(base) else tokenizer.decode(new)
+
+
+def run(args: Args) -> int:
+    from toymlx.device import select_device
+    from toymlx.generate import load_for_generation
+
+    if args.max_tokens < 0:
+        raise UsageError(f"--max-tokens: expected >= 0, found {args.max_tokens}")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature: expected >= 0, found {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise UsageError(f"--top-p: expected in (0, 1], found {args.top_p}")
+    select_device(args.device)
+    model, tokenizer = load_for_generation(args.model)
+    if args.adapter:
+        model = apply_adapter(model, args.adapter)
+    ids = prompt_ids(tokenizer, args)
+    t0 = time.perf_counter()
+    _, n = stream(model, tokenizer, ids, args)
+    dt = time.perf_counter() - t0
+    print(f"{PROG}: {len(ids)} prompt + {n} new tokens in {dt:.2f} s "
+          f"({n / dt if dt > 0 else 0:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tyro
+
+    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv, prog=PROG,
+                    description=Args.__doc__)
+    try:
+        return run(args)
+    except (ValueError, OSError, KeyError) as e:  # GGUFError is a ValueError
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

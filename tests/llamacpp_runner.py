@@ -1,0 +1,111 @@
+"""llama.cpp (through llama-cpp-python) in a child process, for the interop tests.
+
+llama-cpp-python can segfault on a malformed file instead of raising, so every call here runs
+this file as a script with `sys.executable` and exchanges data through files: a crash then
+fails the one test that caused it, with llama.cpp's stderr in the message.
+
+Script use:
+    python llamacpp_runner.py logits MODEL TOKENS.json OUT.npy
+    python llamacpp_runner.py tokenize MODEL TEXTS.json OUT.json [--no-bos] [--special]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SCRIPT = Path(__file__).resolve()
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp failed or crashed in the child process."""
+
+
+def _run(args: list[str], timeout: float) -> dict:
+    r = subprocess.run([sys.executable, str(SCRIPT), *args], check=False, capture_output=True, text=True,
+                       timeout=timeout)
+    if r.returncode != 0:
+        how = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        raise LlamaCppError(f"llama.cpp child process failed ({how}): "
+                            f"{(r.stderr or r.stdout).strip()[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def llamacpp_logits(model: str | Path, tokens: list[int], timeout: float = 600) -> tuple[
+        np.ndarray, dict]:
+    """llama.cpp's logits (T, V) float32 for `tokens` with an f32 KV cache, flash attn off."""
+    with tempfile.TemporaryDirectory(prefix="toymlx-llamacpp-") as d:
+        tok, out = Path(d) / "tokens.json", Path(d) / "logits.npy"
+        tok.write_text(json.dumps([int(t) for t in tokens]))
+        info = _run(["logits", str(model), str(tok), str(out)], timeout)
+        return np.load(out), info
+
+
+def llamacpp_tokenize(model: str | Path, texts: list[str], add_bos: bool = True,
+                      special: bool = False, timeout: float = 300) -> list[list[int]]:
+    """llama.cpp's token ids for each text (`Llama.tokenize(text.encode(), add_bos, special)`)."""
+    with tempfile.TemporaryDirectory(prefix="toymlx-llamacpp-") as d:
+        src, out = Path(d) / "texts.json", Path(d) / "ids.json"
+        src.write_text(json.dumps(texts))
+        flags = ([] if add_bos else ["--no-bos"]) + (["--special"] if special else [])
+        _run(["tokenize", str(model), str(src), str(out), *flags], timeout)
+        return json.loads(out.read_text())
+
+
+# ---- child side -------------------------------------------------------------------------
+def _child_logits(model: str, tokens_path: str, out_path: str) -> dict:
+    from llama_cpp import Llama
+
+    tokens = json.loads(Path(tokens_path).read_text())
+    n = len(tokens)
+    t0 = time.perf_counter()
+    llm = Llama(model_path=model, logits_all=True, n_ctx=max(n, 64), n_batch=max(n, 64),
+                n_ubatch=max(n, 64), type_k=0, type_v=0, flash_attn=False, n_threads=2,
+                n_threads_batch=2, verbose=False)
+    t1 = time.perf_counter()
+    llm.eval(tokens)
+    t2 = time.perf_counter()
+    logits = np.array(llm.scores[:n], dtype=np.float32)  # (T, V)
+    np.save(out_path, logits)
+    return {"load_s": t1 - t0, "eval_s": t2 - t1, "n_tokens": n, "n_vocab": llm.n_vocab()}
+
+
+def _child_tokenize(model: str, texts_path: str, out_path: str, add_bos: bool,
+                    special: bool) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model, vocab_only=True, verbose=False)
+    texts = json.loads(Path(texts_path).read_text())
+    ids = [llm.tokenize(t.encode("utf-8"), add_bos=add_bos, special=special) for t in texts]
+    Path(out_path).write_text(json.dumps(ids))
+    return {"n_texts": len(texts)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    lg = sub.add_parser("logits")
+    tk = sub.add_parser("tokenize")
+    for s in (lg, tk):
+        s.add_argument("model")
+        s.add_argument("src")
+        s.add_argument("out")
+    tk.add_argument("--no-bos", action="store_true")
+    tk.add_argument("--special", action="store_true")
+    a = p.parse_args()
+    if a.cmd == "logits":
+        info = _child_logits(a.model, a.src, a.out)
+    else:
+        info = _child_tokenize(a.model, a.src, a.out, not a.no_bos, a.special)
+    print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()

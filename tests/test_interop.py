@@ -1,0 +1,226 @@
+"""toymlx against llama.cpp (llama-cpp-python): logits, tokenizers, the real SmolLM2.
+
+Every llama.cpp call runs in a child process (tests/llamacpp_runner.py), so a segfault on a
+bad file fails one test instead of killing pytest. llama.cpp runs with an f32 KV cache and
+flash attention off, the configuration in which it matches an exact fp32 forward. Each test
+prints the figures it measured (run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from llamacpp_runner import llamacpp_logits, llamacpp_tokenize
+from smollm import smollm_gguf  # noqa: F401  (session fixture)
+
+from toymlx.checkpoint import resolve_latest
+from toymlx.generate import load_for_generation
+from toymlx.gguf.reader import GGUFFile
+from toymlx.gguf.writer import write_gguf
+
+pytestmark = pytest.mark.interop
+
+TOL = 1e-4
+TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
+        "the park with her friends. One day, she saw a big red ball under a tree.")
+VARIED = [
+    "",
+    "hello",
+    "Hello, world! 123 + 456 = 579.",
+    "  leading and   multiple spaces, trailing  ",
+    "tabs\tand\nnewlines\n\nand a blank line\r\nand CRLF",
+    "Unicode: héllo wörld, naïve café, Ünïcödé",
+    "日本語のテキスト and 中文, Ελληνικά, русский",
+    "emoji 🙂🚀 and symbols ✓ ∑ → ©",
+    "def f(x):\n    return x ** 2  # code\n",
+    "\n starts with a newline",
+    " Once upon a time",
+]
+
+
+def report(what: str, **figures) -> None:
+    """Print one measured figure set (collected into docs/RESULTS.md by hand)."""
+    print(f"\n[interop] {what}: " + json.dumps(figures, default=float))
+
+
+def toy_logits(model, ids: list[int]) -> np.ndarray:
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))  # (T, V)
+
+
+def compare_logits(path: Path, what: str, ids: list[int], model=None) -> float:
+    """Max abs difference between llama.cpp's and toymlx's logits for `ids` on `path`."""
+    if model is None:
+        model, _ = load_for_generation(path)
+    t0 = time.perf_counter()
+    mine = toy_logits(model, ids)
+    t_toy = time.perf_counter() - t0
+    ref, info = llamacpp_logits(path, ids)
+    assert ref.shape == mine.shape, (ref.shape, mine.shape)
+    diff = float(np.abs(ref - mine).max())
+    top1 = float((ref.argmax(-1) == mine.argmax(-1)).mean())
+    report(what, n_tokens=len(ids), max_abs_diff=diff, logit_scale=float(np.abs(ref).max()),
+           top1_agreement=top1, toymlx_forward_s=round(t_toy, 3),
+           llamacpp_eval_s=round(info["eval_s"], 3))
+    return diff
+
+
+# ---- from-scratch checkpoints made by really running toymlx-train ------------------------
+SHAPE = ["--model.d-model", "64", "--model.n-layers", "2", "--model.ffn-dim", "160",
+         "--model.context", "256"]
+RUNS = {
+    "mha-tied": ["--model.n-heads", "4", "--model.n-kv-heads", "4"],
+    "gqa-tied": ["--model.n-heads", "4", "--model.n-kv-heads", "2"],
+    "gqa-untied": ["--model.n-heads", "8", "--model.n-kv-heads", "2",
+                   "--model.tie-embeddings", "False"],
+}
+
+
+@pytest.fixture(scope="session")
+def train_run(tmp_path_factory, shared_data):
+    """Train a tiny from-scratch run on first request (cached per name); return its folder."""
+    root = tmp_path_factory.mktemp("runs")
+    done: dict[str, Path] = {}
+
+    def run(name: str) -> Path:
+        if name in done:
+            return done[name]
+        cmd = [sys.executable, "-m", "toymlx_cli.train", "--recipe", "from-scratch",
+               "--runs-root", str(root), "--run-id", name, "--steps", "40", "--batch-size", "8",
+               "--seq-len", "64", "--lr", "1e-2", "--warmup", "2", "--eval-every", "0",
+               "--eval-batches", "1", "--checkpoint-every", "0", "--no-compile",
+               "--no-progress", "--data.path", str(shared_data / "text" / "tinystories_sample.txt"),
+               *SHAPE, *RUNS[name]]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"toymlx-train failed for {name}:\n{r.stderr[-3000:]}"
+        wall = round(time.perf_counter() - t0, 2)
+        report(f"toymlx-train from-scratch {name}", train_wall_s=wall)
+        done[name] = root / name
+        return done[name]
+
+    return run
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_from_scratch_checkpoint_logits_match_llamacpp(train_run, name):
+    run = train_run(name)
+    ckpt = resolve_latest(run)
+    g = GGUFFile(ckpt)
+    tied = "untied" not in name
+    assert ("output.weight" in g.tensors) == (not tied)
+    heads = g.metadata["llama.attention.head_count"]
+    kv = g.metadata["llama.attention.head_count_kv"]
+    assert (kv < heads) == name.startswith("gqa")
+    model, tok = load_for_generation(run)  # the run directory itself, as --model takes it
+    ids = tok.encode(TEXT)[:64]
+    assert len(ids) >= 32
+    diff = compare_logits(ckpt, f"from-scratch {name} ({heads} heads / {kv} kv, "
+                          f"{'tied' if tied else 'untied'}) logits", ids, model)
+    assert diff <= TOL
+
+
+def test_from_scratch_byte_tokenizer_matches_llamacpp(train_run):
+    ckpt = resolve_latest(train_run("mha-tied"))
+    _, tok = load_for_generation(ckpt)
+    check_tokenizer(ckpt, tok, VARIED, "from-scratch byte tokenizer")
+
+
+# ---- stories260K (a llama2.c model converted by llama.cpp's own tools) --------------------
+def test_stories_logits_match_llamacpp(stories_path):
+    model, tok = load_for_generation(stories_path)
+    ids = tok.encode(TEXT)
+    assert len(ids) >= 32
+    assert compare_logits(stories_path, "stories260K logits", ids, model) <= TOL
+
+
+def test_stories_tokenizer_matches_llamacpp(stories_path):
+    _, tok = load_for_generation(stories_path)
+    check_tokenizer(stories_path, tok, VARIED + [TEXT], "stories260K tokenizer")
+
+
+def check_tokenizer(path: Path, tok, texts: list[str], what: str, special: bool = False) -> None:
+    """toymlx's ids equal llama.cpp's for every text, with and without BOS."""
+    bad = []
+    for add_bos in (True, False):
+        ref = llamacpp_tokenize(path, texts, add_bos=add_bos, special=special)
+        for text, want in zip(texts, ref):
+            got = tok.encode(text, add_bos=None if add_bos else False)
+            if got != want:
+                bad.append(f"add_bos={add_bos} {text!r}: toymlx {got[:24]} llama.cpp {want[:24]}")
+    report(what, texts=len(texts), mismatches=len(bad))
+    assert not bad, "\n".join(bad)
+
+
+# ---- the real SmolLM2-135M-Instruct -------------------------------------------------------
+@pytest.fixture(scope="session")
+def smollm_f32(smollm_gguf, tmp_path_factory):  # noqa: F811
+    """An F32 copy of the Q4_1 weights: every tensor dequantized by gguf-py, metadata kept."""
+    g = GGUFFile(smollm_gguf)
+    tensors = {name: g.load(name, np.float32) for name in g.tensors}
+    meta = dict(g.metadata)
+    meta["general.file_type"] = 0  # ALL_F32
+    out = tmp_path_factory.mktemp("smollm") / "SmolLM2-135M-Instruct.F32.gguf"
+    write_gguf(out, meta, tensors, types=g.metadata_types)
+    assert "output.weight" not in tensors  # tied embeddings
+    del tensors
+    yield out
+    out.unlink(missing_ok=True)  # 540 MB; pytest keeps the last few temp folders
+
+
+def real_text_ids(tok, shared_data: Path, n: int) -> list[int]:
+    text = (shared_data / "text" / "tinystories_sample.txt").read_text(encoding="utf-8")
+    text = text.replace("<|endoftext|>", "\n\n")
+    ids = tok.encode(text)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+@pytest.mark.smollm
+def test_smollm_f32_copy_logits_match_llamacpp(smollm_f32, shared_data):
+    model, tok = load_for_generation(smollm_f32)
+    ids = real_text_ids(tok, shared_data, 64)
+    diff = compare_logits(smollm_f32, "SmolLM2-135M-Instruct F32 copy logits", ids, model)
+    assert diff <= TOL
+
+
+@pytest.mark.smollm
+def test_smollm_q4_1_top1_agreement(smollm_gguf, shared_data):  # noqa: F811
+    model, tok = load_for_generation(smollm_gguf)
+    ids = real_text_ids(tok, shared_data, 384)
+    mine = toy_logits(model, ids)
+    ref, info = llamacpp_logits(smollm_gguf, ids)
+    top1 = float((ref.argmax(-1) == mine.argmax(-1)).mean())
+    report("SmolLM2-135M-Instruct Q4_1 (toymlx dequantized fp32 vs llama.cpp)",
+           positions=len(ids), top1_agreement=top1, max_abs_diff=float(np.abs(ref - mine).max()),
+           llamacpp_eval_s=round(info["eval_s"], 3))
+    assert top1 >= 0.90
+
+
+@pytest.mark.smollm
+def test_smollm_tokenizer_matches_llamacpp(smollm_gguf):  # noqa: F811
+    _, tok = load_for_generation(smollm_gguf)
+    check_tokenizer(smollm_gguf, tok, VARIED + [TEXT], "SmolLM2 tokenizer (plain text)")
+    chat = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in VARIED[1:5]]
+    check_tokenizer(smollm_gguf, tok, chat, "SmolLM2 tokenizer (chat template, special)",
+                    special=True)
+
+
+@pytest.mark.smollm
+def test_smollm_chat_generation_knows_paris(smollm_gguf):  # noqa: F811
+    cmd = [sys.executable, "-m", "toymlx_cli.generate", "--model", str(smollm_gguf), "--chat",
+           "--prompt", "What is the capital of France?", "--max-tokens", "30",
+           "--temperature", "0"]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr[-2000:]
+    report("toymlx-generate SmolLM2 Q4_1 --chat", wall_s=round(wall, 2), output=r.stdout.strip(),
+           stats=r.stderr.strip().splitlines()[-1])
+    assert "Paris" in r.stdout
