@@ -1,0 +1,187 @@
+"""Vision Transformer (ViT, Dosovitskiy et al. 2020) in mlx.nn, shaped like timm's.
+
+Images come in channels-last, `(B, H, W, C)` float32. The patch embedding is a reshape plus a
+Linear whose weight is `(d_model, patch * patch * channels)`, flattened in `(ph, pw, c)` order.
+That is exactly MLX's `nn.Conv2d` weight `(d_model, ph, pw, c)` reshaped to 2-D, and a timm/PyTorch
+conv weight `(d_model, c, ph, pw)` after `.transpose(0, 2, 3, 1).reshape(d_model, -1)`.
+
+Parameter names map one-to-one onto the CLIP-style vision names in gguf-py (`v.` prefix):
+`patch_embed` -> `patch_embd`, `cls_token` (d,) -> `class_embd`, `pos_embed` (1+N, d) ->
+`position_embd`, `layers.N` -> `blk.N`, `attn_norm` -> `ln1`, `attn.{q,k,v,o}_proj` ->
+`attn_{q,k,v,out}`, `ffn_norm` -> `ln2`, `mlp.{up,down}_proj` -> `ffn_{up,down}`,
+`norm` -> `post_ln`; `head` is the classifier. timm's fused `qkv` weight `(3d, d)` splits
+into q, k, v in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+from mlx import nn
+
+_GELU = {"erf": nn.gelu, "tanh": nn.gelu_approx, "fast": nn.gelu_fast_approx}
+
+
+@dataclass(frozen=True)
+class ViTArgs:
+    image_size: int = 28
+    """Height and width of the (square) input images, in pixels."""
+    patch_size: int = 4
+    """Side of the square patches; must divide image_size."""
+    channels: int = 1
+    """Colour channels of the input (1 for grey, 3 for RGB)."""
+    d_model: int = 192
+    """Token width."""
+    n_layers: int = 12
+    """Number of transformer blocks."""
+    n_heads: int = 3
+    """Attention heads; must divide d_model."""
+    mlp_dim: int = 768
+    """Hidden width of each block's GELU MLP."""
+    num_classes: int = 10
+    """Number of output classes (rows of the head)."""
+    norm_eps: float = 1e-6
+    """LayerNorm epsilon (timm uses 1e-6)."""
+    gelu: str = "erf"
+    """MLP activation: "erf" (exact, as timm), "tanh" or "fast" (x*sigmoid(1.702x), about 2x
+    faster on MLX's Linux CPU but a different function: keep "erf" for timm weights)."""
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when the shape is inconsistent."""
+        for name in ("image_size", "patch_size", "channels", "d_model", "n_layers", "n_heads",
+                     "mlp_dim", "num_classes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name}: expected > 0, found {getattr(self, name)}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"model.patch_size: expected a divisor of image_size="
+                             f"{self.image_size}, found {self.patch_size}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model: expected a multiple of n_heads={self.n_heads}, "
+                             f"found {self.d_model}")
+        if self.gelu not in _GELU:
+            raise ValueError(f"model.gelu: expected one of {', '.join(_GELU)}, found {self.gelu!r}")
+
+
+def vit_tiny(**kw) -> ViTArgs:
+    """timm `vit_tiny_patch16_224`: 224x224 RGB, 16x16 patches, 1000 classes (5,717,416 params)."""
+    base = ViTArgs(image_size=224, patch_size=16, channels=3, num_classes=1000)
+    return replace(base, **kw)
+
+
+def vit_tiny_28(**kw) -> ViTArgs:
+    """The Tiny body on 28x28 grey images (MNIST, Fashion-MNIST): 4x4 patches, 49 tokens + cls."""
+    return replace(ViTArgs(image_size=28, patch_size=4, channels=1, num_classes=10), **kw)
+
+
+def vit_tiny_8(**kw) -> ViTArgs:
+    """The Tiny body on 8x8 grey images (UCI digits): 2x2 patches, 16 tokens + cls."""
+    return replace(ViTArgs(image_size=8, patch_size=2, channels=1, num_classes=10), **kw)
+
+
+PRESETS = {"vit-tiny": vit_tiny, "vit-tiny-28": vit_tiny_28, "vit-tiny-8": vit_tiny_8}
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ViTArgs):
+        super().__init__()
+        self.n_heads, self.hd = a.n_heads, a.head_dim
+        self.scale = a.head_dim ** -0.5
+        self.q_proj = nn.Linear(a.d_model, a.d_model)
+        self.k_proj = nn.Linear(a.d_model, a.d_model)
+        self.v_proj = nn.Linear(a.d_model, a.d_model)
+        self.o_proj = nn.Linear(a.d_model, a.d_model)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
+        k = self.k_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
+        v = self.v_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)  # (B,H,T,hd)
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,D)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ViTArgs):
+        super().__init__()
+        self.up_proj = nn.Linear(a.d_model, a.mlp_dim)
+        self.down_proj = nn.Linear(a.mlp_dim, a.d_model)
+        self.act = _GELU[a.gelu]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ViTArgs):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(a.d_model, eps=a.norm_eps)
+        self.attn = Attention(a)
+        self.ffn_norm = nn.LayerNorm(a.d_model, eps=a.norm_eps)
+        self.mlp = MLP(a)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.ffn_norm(x))
+
+
+class ViT(nn.Module):
+    def __init__(self, args: ViTArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        a = args
+        self.patch_embed = nn.Linear(a.patch_size * a.patch_size * a.channels, a.d_model)
+        self.cls_token = mx.zeros((a.d_model,))
+        self.pos_embed = mx.zeros((1 + a.n_patches, a.d_model))
+        self.layers = [Block(a) for _ in range(a.n_layers)]
+        self.norm = nn.LayerNorm(a.d_model, eps=a.norm_eps)
+        self.head = nn.Linear(a.d_model, a.num_classes)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # timm's default ("init_weights_vit_timm"): trunc_normal_(std=.02) for every Linear weight
+        # and the position and class embeddings; zero biases; LayerNorms at (1, 0). timm cuts at
+        # +-2 absolute, i.e. +-100 std, so that is a plain N(0, .02) (a cut at +-2 std would
+        # shrink the std to .0176).
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        def init(path: str, w: mx.array) -> mx.array:
+            if path.endswith("norm.weight"):
+                return w
+            if path.endswith(".bias"):
+                return mx.zeros_like(w)
+            return mx.random.normal(w.shape, scale=0.02)
+
+        self.update(tree_unflatten([(k, init(k, v)) for k, v in tree_flatten(self.parameters())]))
+
+    def patchify(self, images: mx.array) -> mx.array:
+        """(B, H, W, C) -> (B, N, p*p*C): patches row-major, features flattened (ph, pw, c)."""
+        a = self.args
+        if images.ndim != 4 or tuple(images.shape[1:]) != (a.image_size, a.image_size, a.channels):
+            raise ValueError(
+                f"ViT input: expected (B, {a.image_size}, {a.image_size}, {a.channels}) images, "
+                f"found {tuple(images.shape)}; set --model.image_size/--model.channels to match "
+                "the data")
+        B, p, g = images.shape[0], a.patch_size, a.image_size // a.patch_size
+        x = images.reshape(B, g, p, g, p, a.channels)  # (B, gh, ph, gw, pw, C)
+        x = x.transpose(0, 1, 3, 2, 4, 5)  # (B, gh, gw, ph, pw, C)
+        return x.reshape(B, g * g, p * p * a.channels)  # (B, N, p*p*C)
+
+    def __call__(self, images: mx.array) -> mx.array:
+        x = self.patch_embed(self.patchify(images))  # (B, N, D)
+        cls = mx.broadcast_to(self.cls_token, (x.shape[0], 1, x.shape[2]))  # (B, 1, D)
+        x = mx.concatenate([cls, x], axis=1) + self.pos_embed  # (B, 1+N, D)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x[:, 0])  # (B, D): only the cls token reaches the head
+        return self.head(x)  # (B, num_classes)
