@@ -37,6 +37,14 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from toymlx.launch import rank_status
+
+    with rank_status() as status:  # under toymlx-launch: report how this rank ended
+        status.code = _main(argv)
+    return status.code
+
+
+def _main(argv: list[str] | None) -> int:
     import tyro
 
     from toymlx.recipes import get_recipe

@@ -30,6 +30,7 @@ _BLAS_FIX = (
 )
 
 _blas: dict = {"name": "unknown", "path": None}
+_loaded: dict = {}  # the CDLL handle, to ask OpenBLAS its thread count
 _warned = False
 
 
@@ -50,10 +51,15 @@ def preload_blas() -> dict:
         return dict(_blas)
     candidates = [os.environ["TOYMLX_BLAS"]] if os.environ.get("TOYMLX_BLAS") else []
     candidates += list(_BLAS_CANDIDATES)
+    local = _ranks_on_this_host()
+    if local > 1 and "OPENBLAS_NUM_THREADS" not in os.environ:
+        # data-parallel ranks on one host would each start a BLAS thread per core; OpenBLAS
+        # reads this once, when it is loaded just below
+        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
     for path in candidates:
         if os.path.exists(path):
             try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                _loaded["lib"] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
             _blas.update(name="openblas", path=path)
@@ -63,6 +69,26 @@ def preload_blas() -> dict:
         warnings.warn(_BLAS_FIX, stacklevel=2)
         _warned = True
     return dict(_blas)
+
+
+def _ranks_on_this_host() -> int:
+    """Data-parallel ranks the launcher started on this host (mlx.launch ring hostfile or
+    Open MPI), read from the environment before mlx is imported; 1 when not launched."""
+    env = os.environ
+    if env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "").isdigit():
+        return int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    path, rank = env.get("MLX_HOSTFILE"), env.get("MLX_RANK", "")
+    if not path or not rank.isdigit():
+        return 1
+    try:
+        import json
+
+        with open(path) as f:
+            hosts = json.load(f)  # ring: one list of "ip:port" per rank
+        mine = hosts[int(rank)][0].rsplit(":", 1)[0]
+        return sum(1 for h in hosts if h and h[0].rsplit(":", 1)[0] == mine)
+    except (OSError, ValueError, IndexError, TypeError, AttributeError):
+        return 1
 
 
 def select_device(name: str = "auto"):
@@ -96,6 +122,9 @@ def backend_info() -> dict:
         info["blas"] = _blas["name"]
         if _blas["path"]:
             info["blas_path"] = _blas["path"]
+        get_threads = getattr(_loaded.get("lib"), "openblas_get_num_threads", None)
+        if get_threads is not None:
+            info["blas_threads"] = int(get_threads())
         info["cpu"] = platform.processor() or platform.machine()
         info["cores"] = os.cpu_count()
     return info

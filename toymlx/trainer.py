@@ -119,6 +119,23 @@ def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
 
 
+def _all_sum(grads: Any, loss_sum: mx.array, n_sum: mx.array,
+             world: Any) -> tuple[Any, mx.array, mx.array]:
+    """Sums over the ranks in ONE all_sum of everything concatenated: an all_sum per tensor
+    pays a round trip each (2 ranks on loopback: 0.66-0.97 s steps against 0.095 s)."""
+    leaves: list[mx.array] = []
+    tree_map(leaves.append, grads)
+    parts = [x.reshape(-1) for x in leaves] + [loss_sum.reshape(1), n_sum.reshape(1)]
+    total = mx.distributed.all_sum(mx.concatenate(parts), group=world)
+    offsets = np.cumsum([0] + [x.size for x in leaves]).tolist()
+    it = iter(range(len(leaves)))
+
+    def back(x: mx.array) -> mx.array:  # the same traversal order as above
+        i = next(it)
+        return total[offsets[i]:offsets[i + 1]].reshape(x.shape).astype(x.dtype)
+    return tree_map(back, grads), total[offsets[-1]], total[offsets[-1] + 1]
+
+
 def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: Any) -> Callable:
     """The one training step: value_and_grad, accumulation, all-reduce, clip, update."""
     model = task.model
@@ -136,9 +153,7 @@ def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: A
             grads = g if grads is None else tree_map(mx.add, grads, g)
             loss_sum, n_sum = loss_sum + loss * n, n_sum + n
         if distributed:
-            grads = tree_map(lambda x: mx.distributed.all_sum(x, group=world), grads)
-            loss_sum = mx.distributed.all_sum(loss_sum, group=world)
-            n_sum = mx.distributed.all_sum(n_sum, group=world)
+            grads, loss_sum, n_sum = _all_sum(grads, loss_sum, n_sum, world)
         grads = tree_map(lambda x: x / n_sum, grads)
         if cfg.grad_clip > 0:
             grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
@@ -200,6 +215,16 @@ class _Stop(Exception):
     pass
 
 
+def _named(step: int | None) -> str:
+    return "none" if step is None else f"step {step}"
+
+
+def _finite(model: nn.Module) -> bool:
+    """Whether every trainable parameter is finite (one reduction, checked before writing)."""
+    flags = [mx.all(mx.isfinite(v)) for _, v in tree_flatten(model.trainable_parameters())]
+    return bool(mx.all(mx.stack(flags)).item()) if flags else True
+
+
 def optimizer_state_arrays(optimizer: optim.Optimizer) -> dict[str, mx.array]:
     return {"opt." + k: v for k, v in tree_flatten(optimizer.state)}
 
@@ -220,7 +245,7 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
     optimizer.init(model.trainable_parameters())
     start_step = 0
     if resume_from is not None:
-        task.load(resume_from, model)
+        ck.load_checked(task.load, resume_from, model)
         arrays, meta = ck.load_state(ck.state_path(resume_from))
         restore_optimizer(optimizer, arrays)
         start_step = int(meta["step"])
@@ -243,9 +268,20 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
     last_ckpt = start_step if resume_from is not None else None
     state = {"step": start_step, "loss": float("nan")}
 
-    def write_ckpt(step: int) -> Path | None:
-        nonlocal last_ckpt
-        if not rank0 or last_ckpt == step:
+    def write_ckpt(step: int) -> Path | bool | None:
+        """The checkpoint of `step`; False (and reason "diverged") if its weights are bad."""
+        nonlocal last_ckpt, reason, exit_code, message
+        if last_ckpt == step:
+            return None
+        # A finite loss does not prove finite weights: the update after it can overflow
+        # (huge lr times weight decay). Bad weights are never written.
+        if not _finite(model):
+            reason, exit_code = "diverged", 2
+            message = (f"weights became non-finite at step {step}; stopped without "
+                       f"checkpointing them; last good checkpoint: {_named(last_ckpt)}")
+            state["step"] = step - 1
+            return False
+        if not rank0:
             return None
         arrays = optimizer_state_arrays(optimizer)
         extra = {"general.step": step, "general.run_id": run_dir.name}
@@ -258,10 +294,24 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
         log.emit("checkpoint", step=step, path=str(path.relative_to(run_dir)))
         return path
 
+    mid_step = [False]  # True while the weights are between two steps
+    pending: list[int] = []
+
     def on_sigterm(signum, frame):
+        # Mid-step the weights are already (lazily) the next step's: let the step finish and
+        # stop at its end, so the final checkpoint holds exactly the step it is named after.
+        # A second signal stops at once.
+        if mid_step[0] and not pending:
+            pending.append(signum)
+            return
         raise KeyboardInterrupt
 
-    old_term = signal.signal(signal.SIGTERM, on_sigterm) if rank0 else None
+    # Data parallel: a rank blocked in an all_sum whose peer died never returns to Python, so
+    # a Python handler would never run and mlx.launch would wait on it forever; keep SIGTERM's
+    # default (exit) there and leave a torn bundle that --resume continues.
+    solo = world is None or world.size() == 1
+    old_term = signal.signal(signal.SIGTERM, on_sigterm) if rank0 and solo else None
+    old_int = signal.signal(signal.SIGINT, on_sigterm) if rank0 and solo else None
     bar = None
     if rank0 and cfg.progress:
         from tqdm import tqdm
@@ -270,6 +320,7 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
                    dynamic_ncols=True, file=sys.stderr)
     reason, message, exit_code = "completed", None, 0
     t_first = None
+    last_eval: dict[str, float] = {}
     try:
         count = task.count or (lambda b: int(np.prod(next(iter(b.values())).shape[:2])))
         for s in range(start_step, cfg.steps):
@@ -280,46 +331,62 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
             # Randomness (dropout) is a pure function of (seed, step), like the data, so a
             # resumed run draws exactly what an uninterrupted one would.
             mx.random.seed(step_seed(cfg.seed, s))
+            mid_step[0] = True
             loss, gnorm = step_fn(batch)
             mx.eval(loss, gnorm, model.state, optimizer.state)
             dt = time.perf_counter() - t0
             t_first = t_first if t_first is not None else dt
-            loss_v = float(loss.item())
+            loss_v, gnorm_v = float(loss.item()), float(gnorm.item())
             state.update(step=s + 1, loss=loss_v)
+            mid_step[0] = False
             lr = lr_at(s, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-            if not math.isfinite(loss_v):
+            # A non-finite gradient norm with a finite loss has already made the update NaN.
+            bad = next(((w, v) for w, v in (("loss", loss_v), ("gradient norm", gnorm_v))
+                        if not math.isfinite(v)), None)
+            if bad is not None:
                 reason, exit_code = "diverged", 2
-                message = (f"loss became {loss_v} at step {s + 1} (lr {lr:.3g}); stopped "
+                message = (f"{bad[0]} became {bad[1]} at step {s + 1} (lr {lr:.3g}); stopped "
                            f"without checkpointing the bad weights; last good checkpoint: "
-                           f"step {last_ckpt}")
+                           f"{_named(last_ckpt)}")
                 state["step"] = s  # the weights of step s+1 are bad
                 raise _Stop
             rate = n_items / dt
-            log.emit("step", step=s + 1, loss=loss_v, lr=lr, grad_norm=float(gnorm.item()),
+            log.emit("step", step=s + 1, loss=loss_v, lr=lr, grad_norm=gnorm_v,
                      **{f"{task.unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4)})
             if bar is not None:
-                bar.set_postfix_str(f"loss {loss_v:.4f} lr {lr:.2e} {rate:,.0f} {task.unit}/s")
+                acc = f" val_acc {last_eval['accuracy']:.3f}" if "accuracy" in last_eval else ""
+                bar.set_postfix_str(f"loss {loss_v:.4f}{acc} lr {lr:.2e} "
+                                    f"{rate:,.0f} {task.unit}/s")
                 bar.update(1)
             done = s + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
                 metrics = evaluate(task, cfg.eval_batches)
+                last_eval = metrics
                 log.emit("eval", step=done, **metrics)
                 if bar is not None:
                     bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}"
                                                            for k, v in metrics.items()))
-            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-                write_ckpt(done)
+            due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+            if due and write_ckpt(done) is False:
+                raise _Stop
+            if pending:
+                raise KeyboardInterrupt
             if cfg.stop_at is not None and done >= cfg.stop_at and done < cfg.steps:
                 reason = "stopped"
                 raise _Stop
-        write_ckpt(state["step"])
+        if write_ckpt(state["step"]) is False:
+            raise _Stop
     except _Stop:
         if reason == "stopped":
             write_ckpt(state["step"])
     except KeyboardInterrupt:
         reason, exit_code = "interrupted", 130
-        message = f"interrupted after step {state['step']}; resume with --resume {run_dir}"
-        write_ckpt(state["step"])
+        if mid_step[0]:  # the weights belong to no step: keep the last checkpoint
+            message = (f"interrupted during step {state['step'] + 1} (its update is dropped); "
+                       f"resume with --resume {run_dir} from {_named(last_ckpt)}")
+        else:
+            message = f"interrupted after step {state['step']}; resume with --resume {run_dir}"
+            write_ckpt(state["step"])
     except Exception as e:
         reason, exit_code = "error", 1
         message = f"{type(e).__name__}: {e}"
@@ -332,6 +399,8 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
             bar.close()
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+        if old_int is not None:
+            signal.signal(signal.SIGINT, old_int)
     end = log.emit("run_end", reason=reason, final_step=state["step"], final_loss=state["loss"],
                    exit_code=exit_code, message=message, first_step_s=t_first,
                    peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))

@@ -1,0 +1,47 @@
+"""toymlx-launch -n N -- toymlx-train ...: mlx.launch that fails when any rank fails."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from toymlx.launch import launch
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command: list[str] = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, command = argv[:k], argv[k + 1:]
+    p = argparse.ArgumentParser(
+        prog="toymlx-launch", allow_abbrev=False,
+        usage="toymlx-launch [-n N] [--hosts H] [--grace S] -- COMMAND ...",
+        description="Run COMMAND (e.g. toymlx-train --recipe ...) as N data-parallel ranks "
+                    "through mlx.launch. Unlike mlx.launch, the exit status is 0 only if every "
+                    "rank exited 0; when one rank fails the others are stopped after --grace "
+                    "seconds instead of waiting on a collective that never completes.")
+    p.add_argument("-n", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--hosts", help="comma-separated hosts for mlx.launch (default: this one)")
+    p.add_argument("--backend", default="ring", help="mlx.launch backend (default ring)")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds the other ranks get to end after one fails (default 10)")
+    p.add_argument("--status-dir", help="where ranks report how they ended (default: a "
+                                        "temporary folder; use a shared one across hosts)")
+    p.add_argument("--port", type=int, help="first ring port (default: a free one on this "
+                                           "host; mlx.launch's own default is 32323)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment for every rank (repeatable)")
+    args = p.parse_args(argv)
+    try:
+        return launch(args.n, command, hosts=args.hosts, backend=args.backend, grace=args.grace,
+                      status_dir=args.status_dir, env=args.env, port=args.port)
+    except ValueError as e:
+        print(f"toymlx-launch: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

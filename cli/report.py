@@ -1,0 +1,41 @@
+"""toymlx-report RUN_OR_SWEEP_DIR... [--out report.png|report.html]: curves and a summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from toymlx import report
+
+    p = argparse.ArgumentParser(
+        prog="toymlx-report", allow_abbrev=False,
+        description="Draw training loss, validation and learning-rate curves of run bundles "
+                    "side by side, with a summary table (also printed).")
+    p.add_argument("dirs", nargs="+", metavar="RUN_OR_SWEEP_DIR",
+                   help="run bundles (runs/<id>), or sweep folders holding run bundles")
+    p.add_argument("--out", default="report.png",
+                   help="report.png (curves + table panel) or report.html (self-contained); "
+                        "default report.png")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        dirs = report.expand_dirs(args.dirs)
+        rows = report.sort_rows(report.summarize(dirs))
+        params = report.add_params(rows)
+        print(report.format_table(rows, params))
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--out: drawing needs matplotlib; pip install 'toymlx[report]'") \
+                from None
+        out = report.render(dirs, args.out, rows, params)
+    except (ValueError, OSError) as e:
+        print(f"toymlx-report: error: {e}", file=sys.stderr)
+        return 2
+    print(f"toymlx-report: wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Data parallelism over 2 ranks on loopback (mlx.launch, ring backend), through toymlx-launch:
+the same losses as one process with the same global batch, one writer of the run bundle, and
+a failing rank that fails the launch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from toymlx_cli.train import main as train_main
+
+from toymlx.events import read_events
+from toymlx.launch import _free_port_base
+from toymlx.trainer import _shard
+
+ARGS = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "2",
+        "--seq-len", "32", "--batch-size", "4", "--grad-accum", "2", "--steps", "20",
+        "--eval-every", "10", "--eval-batches", "2", "--no-progress"]
+LAUNCH = [sys.executable, "-m", "toymlx_cli.launch", "-n", "2", "--"]
+TRAIN = [sys.executable, "-m", "toymlx_cli.train"]
+
+# rank 1 raises at its 4th step, while rank 0 waits for it in the gradient all_sum
+FAIL_RANK1 = """
+import os, sys
+import toymlx
+import toymlx.trainer as t
+if os.environ.get("MLX_RANK") == "1":
+    seed = t.step_seed
+    def step_seed(s0, step):
+        if step == 3:
+            raise RuntimeError("injected failure on rank 1")
+        return seed(s0, step)
+    t.step_seed = step_seed
+from toymlx_cli.train import main
+sys.exit(main())
+"""
+
+
+class _World:
+    def __init__(self, rank: int, size: int):
+        self._r, self._n = rank, size
+
+    def rank(self) -> int:
+        return self._r
+
+    def size(self) -> int:
+        return self._n
+
+
+def test_each_rank_gets_its_own_slice_of_the_global_batch():
+    batch = {"inputs": np.arange(2 * 4 * 3).reshape(2, 4, 3)}  # (accum, B, T)
+    parts = [_shard(batch, _World(r, 2))["inputs"] for r in range(2)]
+    assert parts[0].shape == parts[1].shape == (2, 2, 3)
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1), batch["inputs"])
+    with pytest.raises(ValueError, match="--batch-size: expected a multiple of the 3"):
+        _shard(batch, _World(0, 3))
+
+
+def _launch(tmp: Path, cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def _losses(run: Path) -> list[float]:
+    return [e["loss"] for e in read_events(run) if e["event"] == "step"]
+
+
+def _check_parity(tmp_path: Path, extra: list[str]) -> None:
+    root = tmp_path / "runs"
+    assert train_main([*ARGS, *extra, "--runs-root", str(root), "--run-id", "one"]) == 0
+    p = _launch(tmp_path, [*LAUNCH, *TRAIN, *ARGS, *extra, "--runs-root", str(root)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    (dp,) = [d for d in root.iterdir() if d.name != "one"]  # the shared default run id
+
+    one, two = _losses(root / "one"), _losses(dp)
+    assert len(one) == len(two) == 20
+    np.testing.assert_allclose(two, one, atol=1e-4, rtol=0)
+    ev = read_events(dp)
+    lines = (dp / "events.jsonl").read_text().splitlines()
+    assert len(lines) == len(set(lines)) == len(ev)  # no line written twice
+    starts = [e for e in ev if e["event"] == "run_start"]
+    assert len(starts) == 1 and starts[0]["world_size"] == 2
+    assert [e["step"] for e in ev if e["event"] == "step"] == list(range(1, 21))
+    assert [e["event"] for e in ev].count("run_end") == 1 and ev[-1]["reason"] == "completed"
+    if starts[0]["backend"].get("blas") == "openblas":  # ranks share the cores
+        assert starts[0]["backend"]["blas_threads"] == 1
+    # rank 0 alone writes the bundle: its files and nothing else
+    files = sorted(str(f.relative_to(dp)) for f in dp.rglob("*"))
+    assert files == ["config.json", "events.jsonl", "weights", "weights/latest",
+                     "weights/step_20.gguf", "weights/step_20.state.safetensors"]
+
+
+def test_two_ranks_match_one_process_eager(tmp_path):
+    _check_parity(tmp_path, ["--no-compile"])
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process_compiled(tmp_path):
+    """The compiled step with its all_sums (a cold g++ cache took 4.5 min on 2 busy cores)."""
+    _check_parity(tmp_path, [])
+
+
+def test_a_failing_rank_fails_the_launch(tmp_path):
+    script = tmp_path / "fail_rank1.py"
+    script.write_text(FAIL_RANK1)
+    root = tmp_path / "runs"
+    args = [*ARGS, "--no-compile", "--runs-root", str(root)]
+    p = _launch(tmp_path, [*LAUNCH, sys.executable, str(script), *args, "--run-id", "w"])
+    assert p.returncode == 1
+    assert "toymlx-launch: rank 1: exit code 1: RuntimeError: injected failure on rank 1" \
+        in p.stderr
+    assert "toymlx-launch: failed: 2 of 2 ranks did not finish cleanly" in p.stderr
+    _check_rank0_did_not_complete(root / "w")
+
+
+def _check_rank0_did_not_complete(run: Path) -> None:
+    """Rank 0 either sees the ring connection drop (run_end "error") or, blocked in the
+    all_sum, is stopped by mlx.launch (a torn bundle); --resume continues both."""
+    ends = [e for e in read_events(run) if e["event"] == "run_end"]
+    assert ends == [] or (ends[0]["reason"] == "error"
+                          and "connection to a peer was lost" in ends[0]["message"]), ends
+
+
+
+@pytest.mark.slow
+def test_plain_mlx_launch_exits_0_on_a_failed_rank_without_hanging(tmp_path):
+    """Why toymlx-launch exists: mlx.launch reports success whatever its ranks do. With
+    SIGTERM left at its default under data parallelism, it no longer hangs on a rank blocked
+    in the all_sum."""
+    script = tmp_path / "fail_rank1.py"
+    script.write_text(FAIL_RANK1)
+    root = tmp_path / "runs"
+    code = ("import sys; from mlx._distributed_utils.launch import main; "
+            "sys.argv[0] = 'mlx.launch'; main()")
+    mlx_launch = [sys.executable, "-c", code, "--backend", "ring", "-n", "2",
+                  "-p", str(_free_port_base(2)), "--"]
+    p = _launch(tmp_path, [*mlx_launch, sys.executable, str(script), *ARGS, "--no-compile",
+                           "--runs-root", str(root), "--run-id", "m"], timeout=120)
+    assert p.returncode == 0 and "Node with rank 1 exited with code 1" in p.stderr
+    _check_rank0_did_not_complete(root / "m")

@@ -1,0 +1,123 @@
+"""Reports: summaries of torn, resumed, eval-less and image-classifier bundles, and a real
+sweep drawn to PNG and HTML."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from toymlx_cli.report import main as report_main
+
+from toymlx import report, sweep
+from toymlx.events import EventLog
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--seq-len", "32", "--batch-size",
+        "4", "--steps", "8", "--eval-every", "4", "--eval-batches", "2", "--no-compile"]
+
+
+def _bundle(path: Path, segments: list[list[tuple[str, dict]]], torn_tail: bool = False,
+            config: dict | None = None) -> Path:
+    """A bundle with the given events, one EventLog per process segment."""
+    path.mkdir(parents=True)
+    if config is not None:
+        (path / "config.json").write_text(json.dumps({"recipe": "from-scratch",
+                                                      "config": config}))
+    for seg in segments:
+        log = EventLog(path / "events.jsonl")
+        for kind, fields in seg:
+            log.emit(kind, **fields)
+        log.close()
+    if torn_tail:
+        with open(path / "events.jsonl", "a") as f:
+            f.write('{"event": "step", "step": 99, "lo')
+    return path
+
+
+def _steps(a: int, b: int, loss0: float = 5.0, unit: str = "tokens") -> list[tuple[str, dict]]:
+    return [("step", {"step": s, "loss": loss0 - 0.1 * s, "lr": 1e-3,
+                      f"{unit}_per_s": 1000.0 + s}) for s in range(a, b + 1)]
+
+
+def test_torn_resumed_and_eval_less_bundles(tmp_path):
+    start = ("run_start", {"recipe": "from-scratch", "config": {"steps": 8}, "world_size": 1,
+                           "start_step": 0})
+    torn = _bundle(tmp_path / "torn", [[start, *_steps(1, 3), ("eval", {"step": 2,
+                                                                        "val_loss": 4.5})]],
+                   torn_tail=True, config={"steps": 8, "lr": 1e-3})
+    # crashed after step 6, resumed from the step-4 checkpoint: steps 5-6 were redone
+    resumed = _bundle(tmp_path / "resumed", [
+        [start, *_steps(1, 6), ("eval", {"step": 4, "val_loss": 4.0}),
+         ("eval", {"step": 6, "val_loss": 3.0})],
+        [("run_start", {**start[1], "start_step": 4}), *_steps(5, 8, loss0=6.0),
+         ("eval", {"step": 8, "val_loss": 3.5}),
+         ("run_end", {"reason": "completed", "message": None})]],
+        config={"steps": 8, "lr": 2e-3})
+    no_eval = _bundle(tmp_path / "no_eval", [[start, *_steps(1, 2)]],
+                      config={"steps": 8, "lr": 3e-3})
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps({"recipe": "from-scratch",
+                                                   "config": {"steps": 8, "lr": 4e-3}}))
+    rows = {r["run"]: r for r in report.summarize([torn, resumed, no_eval, empty])}
+
+    assert rows["torn"]["status"] == "torn" and rows["torn"]["step"] == 3
+    assert rows["torn"]["best"] == rows["torn"]["final"] == 4.5
+    # the redone steps replace the first segment's; its step-6 eval no longer counts
+    r = rows["resumed"]
+    assert r["status"] == "completed" and r["step"] == 8
+    assert r["final_loss"] == pytest.approx(6.0 - 0.8)
+    assert (r["best"], r["best_step"], r["final"], r["final_step"]) == (3.5, 8, 3.5, 8)
+    assert r["throughput"] == pytest.approx(1004.5)  # median of steps 1-4 and 5-8
+    assert rows["no_eval"]["best"] is None and rows["no_eval"]["status"] == "torn"
+    assert rows["empty"]["status"] == "empty" and rows["empty"]["step"] == 0
+
+    ordered = report.sort_rows(list(rows.values()))
+    assert [x["run"] for x in ordered] == ["resumed", "torn", "no_eval", "empty"]
+    params = report.add_params(ordered)
+    assert params == ["lr"]  # the one config key that differs
+    text = report.format_table(ordered, params)
+    assert text.splitlines()[0].split()[:3] == ["run", "lr", "status"]
+
+
+def test_accuracy_is_the_metric_of_classifier_runs(tmp_path):
+    run = _bundle(tmp_path / "vit", [[
+        ("run_start", {"recipe": "vit-tiny", "config": {"steps": 4}}),
+        *_steps(1, 4, unit="images"),
+        ("eval", {"step": 2, "val_loss": 1.0, "accuracy": 0.9}),
+        ("eval", {"step": 4, "val_loss": 0.8, "accuracy": 0.85})]])
+    r = report.summarize_run(run)
+    assert (r["metric"], r["best"], r["best_step"], r["final"]) == ("accuracy", 0.9, 2, 0.85)
+    assert r["unit"] == "images/s"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_of_a_sweep_renders_png_and_html(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the report extra: pip install 'toymlx[report]'")
+    specs = sweep.grid(TINY, {"lr": [1e-3, 4e-3]}, recipe="from-scratch")
+    result = sweep.run_sweep("from-scratch", specs, tmp_path, workers=2, sweep_id="sw",
+                             progress=False)
+    assert result.ok
+    png = tmp_path / "sw" / "report.png"
+    w, h = _png_size(png)
+    assert w > 1000 and h > 400 and png.stat().st_size > 30_000
+    assert [r["run"] for r in result.rows] == ["lr=0.004", "lr=0.001"]  # best val_loss first
+    assert result.params == ["lr"]
+
+    # a torn bundle next to the sweep: drawn and listed, not an error
+    torn = _bundle(tmp_path / "torn", [[("run_start", {"recipe": "from-scratch",
+                                                       "config": {"steps": 8}}),
+                                        *_steps(1, 3)]], torn_tail=True)
+    out = tmp_path / "r.html"
+    assert report_main([str(tmp_path / "sw"), str(torn), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert page.count("<tr") == 4 and "data:image/png;base64," in page
+    printed = capsys.readouterr().out
+    assert "lr=0.004" in printed and "torn" in printed
+    assert report_main([str(tmp_path / "nothing-here")]) == 2

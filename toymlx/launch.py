@@ -1,0 +1,215 @@
+"""Data-parallel launches that fail when a rank fails: a wrapper around `mlx.launch`.
+
+`mlx.launch` exits 0 whatever its ranks do, and a rank whose peer died can block in an
+`all_sum` forever. `launch(n, command)` runs `mlx.launch` in its own session and hands every
+rank `TOYMLX_RANK_STATUS=<dir>`; `rank_status()` (around `toymlx-train`'s main) writes
+`<dir>/rank<r>.start` (pid, host) when a rank starts and `<dir>/rank<r>.exit` (its exit code
+and error) when it ends, however it ends short of being killed. The launch succeeds only if
+every rank wrote exit code 0. A rank that reports failure, or whose process is gone without
+a report (killed, segfault), fails the launch: the other ranks get `grace` seconds to end,
+then the whole session is terminated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+STATUS_ENV = "TOYMLX_RANK_STATUS"
+_SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
+           "rank failed")
+
+
+def _rank() -> int | None:
+    for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(k, "").isdigit():
+            return int(os.environ[k])
+    return None
+
+
+def _write(path: Path, record: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+@dataclass
+class RankStatus:
+    code: int = 1
+    """The exit code to report (set it to the command's return value)."""
+
+
+@contextmanager
+def rank_status() -> Iterator[RankStatus]:
+    """Under `launch`, record this rank's start and how it ended; a no-op otherwise."""
+    folder, rank = os.environ.get(STATUS_ENV), _rank()
+    status = RankStatus()
+    if not folder or rank is None:
+        yield status
+        return
+    base = Path(folder) / f"rank{rank}"
+    _write(base.with_suffix(".start"), {"pid": os.getpid(), "host": socket.gethostname()})
+    error = None
+    try:
+        yield status
+    except SystemExit as e:
+        status.code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
+    except KeyboardInterrupt:
+        status.code, error = 130, "KeyboardInterrupt"
+        raise
+    except BaseException as e:
+        status.code, error = 1, f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        _write(base.with_suffix(".exit"), {"code": status.code, "error": error})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _mlx_launch() -> list[str]:
+    exe = Path(sys.executable).with_name("mlx.launch")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("mlx.launch")
+    if found:
+        return [found]
+    code = ("import sys; sys.argv[0] = 'mlx.launch'; "
+            "from mlx._distributed_utils.launch import main; main()")
+    return [sys.executable, "-c", code]
+
+
+def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | None, str]]:
+    """rank -> (exit code or None, why) for each failed rank, from the status files; with
+    `final`, a rank that left no exit report counts as failed."""
+    out: dict[int, tuple[int | None, str]] = {}
+    host = socket.gethostname()
+    for r in range(n):
+        end = _read(status_dir / f"rank{r}.exit")
+        if end is not None:
+            code = end.get("code")
+            if code != 0:
+                out[r] = (code, f"exit code {code}" + (f": {end['error']}"
+                                                       if end.get("error") else ""))
+            continue
+        start = _read(status_dir / f"rank{r}.start")
+        gone = (start is not None and start.get("host") == host
+                and not _alive(int(start.get("pid", 0))))
+        if gone and _read(status_dir / f"rank{r}.exit") is None:  # it may have just reported
+            out[r] = (None, _SILENT)
+        elif final and _read(status_dir / f"rank{r}.exit") is None:
+            out[r] = (None, "never reported starting" if start is None else _SILENT)
+    return out
+
+
+def _free_port_base(n: int) -> int:
+    """A port P with P..P+n-1 free on this host (the ring backend listens on one per rank),
+    so two launches on one machine do not collide on mlx.launch's fixed default."""
+    for _ in range(50):
+        base = random.randint(20000, 60000 - n)
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    return 32323
+
+
+def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
+           backend: str = "ring", grace: float = 10.0, status_dir: str | None = None,
+           env: Sequence[str] = (), port: int | None = None,
+           stream: TextIO | None = None) -> int:
+    """Run `command` as `n` ranks through mlx.launch; 0 only if every rank exited 0."""
+    stream = stream or sys.stderr
+    if n < 1:
+        raise ValueError(f"-n: expected >= 1 ranks, found {n}")
+    if not command:
+        raise ValueError("command: expected the command each rank runs, found none")
+    own = status_dir is None
+    folder = Path(tempfile.mkdtemp(prefix="toymlx-launch-") if own else status_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("rank*.*"):
+        old.unlink()
+    if port is None and backend == "ring" and not hosts:
+        port = _free_port_base(n)
+    cmd = [*_mlx_launch(), "--backend", backend, "-n", str(n),
+           *(["--hosts", hosts] if hosts else []), *(["-p", str(port)] if port else []),
+           "--env", f"{STATUS_ENV}={folder}",
+           *[a for e in env for a in ("--env", e)], "--", *command]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    failed_at = None
+    try:
+        while proc.poll() is None:
+            if failed_at is None:
+                bad = failures(folder, n, final=False)
+                if bad:
+                    failed_at = time.time()
+                    r, (_, why) = min(bad.items())
+                    stream.write(f"toymlx-launch: rank {r} failed ({why}); the other ranks get "
+                                 f"{grace:g} s to end\n")
+                    stream.flush()
+            elif time.time() - failed_at > grace:
+                _kill(proc)
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        _kill(proc, signal.SIGINT, wait=30.0)
+        raise
+    finally:
+        proc.wait()
+    bad = failures(folder, n, final=True)
+    if own:
+        shutil.rmtree(folder, ignore_errors=True)
+    if not bad:
+        return 0
+    for r, (_, why) in sorted(bad.items()):
+        stream.write(f"toymlx-launch: rank {r}: {why}\n")
+    stream.write(f"toymlx-launch: failed: {len(bad)} of {n} ranks did not finish cleanly\n")
+    stream.flush()
+    codes = [c for c, _ in bad.values() if isinstance(c, int) and 0 < c < 256]
+    return codes[0] if codes else 1
+
+
+def _kill(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait: float = 5.0) -> None:
+    """Signal the launcher's whole session (it and every rank), then SIGKILL what is left."""
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

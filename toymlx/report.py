@@ -1,0 +1,424 @@
+"""Summaries and plots of run bundles: the code `toymlx-report` and `toymlx-sweep` share.
+
+`summarize(run_dirs)` reads each bundle's `events.jsonl` (torn, resumed, eval-less or missing
+bundles included) into one flat row per run; `render(run_dirs, out)` draws the training loss,
+validation metric and learning-rate curves side by side, with the summary table, to a PNG or a
+self-contained HTML page. matplotlib is imported only when drawing (the `report` extra).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import math
+import os
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from toymlx.events import read_events
+
+SWEEP_FILE = "sweep.json"
+# config.json keys that name where or how a run was started, not what was trained
+_NOT_PARAMS = {"run_id", "runs_root", "resume", "overwrite", "progress", "stop_at"}
+# metric -> True when higher is better
+METRICS = {"val_loss": False, "accuracy": True}
+
+
+def _series(events: list[dict], kind: str) -> list[dict]:
+    """Events of `kind` by step, as the finished bundle tells them: when a resumed segment
+    starts at step S, what an earlier segment logged after S was redone, so it is dropped."""
+    out: dict[int, dict] = {}
+    for e in events:
+        if e["event"] == "run_start":
+            start = int(e.get("start_step") or 0)
+            out = {s: v for s, v in out.items() if s <= start}
+        elif e["event"] == kind and isinstance(e.get("step"), int):
+            out[e["step"]] = e
+    return [out[s] for s in sorted(out)]
+
+
+def _num(v: Any) -> float | None:
+    """A finite float from an event field (NaN/inf are stored as strings), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"model": {"d_model": 32}} -> {"model.d_model": 32}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _status(events: list[dict]) -> tuple[str, str | None]:
+    """completed | error | diverged | interrupted | stopped | torn | empty, and its message."""
+    status, message = "empty", None
+    for e in events:
+        if e["event"] == "run_start":
+            status, message = "torn", None
+        elif e["event"] == "run_end":
+            status, message = e.get("reason", "unknown"), e.get("message")
+    return status, message
+
+
+def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """One run bundle as a flat summary row (see `summarize`)."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir) if run_dir.is_dir() else []
+    status, message = _status(events)
+    if not run_dir.exists():
+        status = "missing"
+    starts = [e for e in events if e["event"] == "run_start"]
+    config: dict[str, Any] = {}
+    recipe = starts[-1].get("recipe") if starts else None
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+        config, recipe = saved.get("config", {}), recipe or saved.get("recipe")
+    except (OSError, ValueError):
+        if starts:
+            config = starts[-1].get("config", {})
+    steps = [e for e in _series(events, "step") if _num(e.get("loss")) is not None]
+    evals = _series(events, "eval")
+    metric = ("accuracy" if any(_num(e.get("accuracy")) is not None for e in evals)
+              else "val_loss")
+    scored = [(e["step"], _num(e.get(metric))) for e in evals]
+    scored = [(s, v) for s, v in scored if v is not None]
+    best = (max if METRICS[metric] else min)(scored, key=lambda sv: sv[1]) if scored else None
+    rate_key = next((k for e in steps for k in e if k.endswith("_per_s")), None)
+    rates = [e[rate_key] for e in steps if _num(e.get(rate_key)) is not None] if rate_key else []
+    # wall time: each process's event clock starts at 0, so add up the segments' last clocks
+    wall, seg = 0.0, 0.0
+    for e in events:
+        if e["event"] == "run_start":
+            wall, seg = wall + seg, 0.0
+        seg = max(seg, _num(e.get("t")) or 0.0)
+    wall += seg
+    end = next((e for e in reversed(events) if e["event"] == "run_end"), {})
+    return {
+        "run": run_dir.name,
+        "path": str(run_dir),
+        "recipe": recipe,
+        "status": status,
+        "message": message,
+        "step": steps[-1]["step"] if steps else 0,
+        "steps": config.get("steps"),
+        "final_loss": _num(steps[-1]["loss"]) if steps else None,
+        "metric": metric,
+        "best": best[1] if best else None,
+        "best_step": best[0] if best else None,
+        "final": scored[-1][1] if scored else None,
+        "final_step": scored[-1][0] if scored else None,
+        "throughput": statistics.median(rates) if rates else None,
+        "unit": rate_key.replace("_per_s", "/s") if rate_key else None,
+        "wall_s": round(wall, 2) if events else None,
+        "world_size": starts[-1].get("world_size", 1) if starts else None,
+        "peak_memory_mb": end.get("peak_memory_mb"),
+        "config": flatten(config),
+    }
+
+
+def summarize(run_dirs: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
+    """Flat summary rows, one per bundle, in the order given.
+
+    Each row: run, path, recipe, status (completed / error / diverged / interrupted / stopped
+    / torn: no run_end / empty: no events / missing), message, step reached, steps planned,
+    final_loss, metric (val_loss, or accuracy when the eval events carry it), best and
+    best_step, final and final_step of that metric (None without eval), throughput (median of
+    the step events' tokens/s or images/s) and unit, wall_s (summed over resumed segments),
+    world_size, peak_memory_mb, and config (config.json flattened to dotted keys).
+    """
+    return [summarize_run(d) for d in run_dirs]
+
+
+def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Best first by each row's best metric (val_loss ascending, accuracy descending):
+    completed runs, then the others (torn, diverged, ...), then rows without a metric, each
+    group in metric order (given order among equals)."""
+    def key(r):
+        if r.get("best") is None:
+            return (2, False, 0.0)
+        sign = -1.0 if METRICS.get(r["metric"], False) else 1.0
+        return (0 if r["status"] == "completed" else 1, r["metric"] != "val_loss",
+                sign * r["best"])
+    return sorted(rows, key=key)
+
+
+def expand_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """Run bundles named by `paths`: each is a bundle, or a folder of bundles (a sweep)."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if _is_bundle(p):
+            out.append(p)
+        elif p.is_dir():
+            names = _sweep_order(p)
+            subs = [p / n for n in names] if names else sorted(
+                (c for c in p.iterdir() if _is_bundle(c)), key=lambda c: c.name)
+            if not subs:
+                raise ValueError(f"{p}: expected a run bundle (events.jsonl or config.json) or a "
+                                 "folder of run bundles, found neither")
+            out.extend(subs)
+        else:
+            raise ValueError(f"{p}: expected a run bundle or sweep folder, found "
+                             f"{'a file' if p.exists() else 'nothing'}")
+    return out
+
+
+def _is_bundle(p: Path) -> bool:
+    return (p / "events.jsonl").is_file() or (p / "config.json").is_file()
+
+
+def _sweep_order(p: Path) -> list[str]:
+    try:
+        return [r["name"] for r in json.loads((p / SWEEP_FILE).read_text())["runs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def sweep_params(run_dirs: Sequence[Path]) -> dict[str, dict[str, Any]]:
+    """run path -> its swept values, for bundles that belong to a sweep (sweep.json beside)."""
+    out: dict[str, dict[str, Any]] = {}
+    for parent in {Path(d).parent for d in run_dirs}:
+        try:
+            runs = json.loads((parent / SWEEP_FILE).read_text())["runs"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for r in runs:
+            out[str(parent / r["name"])] = r.get("params", {})
+    return out
+
+
+def add_params(rows: list[dict[str, Any]]) -> list[str]:
+    """Give each row a `params` dict (its sweep values, else the config keys that differ
+    between the rows) and return the parameter names in column order."""
+    swept = sweep_params([Path(r["path"]) for r in rows])
+    if rows and all(r["path"] in swept for r in rows):
+        names: list[str] = []
+        for r in rows:
+            r["params"] = swept[r["path"]]
+            names += [k for k in r["params"] if k not in names]
+        return names
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r["config"] if k not in keys and k not in _NOT_PARAMS]
+    names = [k for k in keys
+             if len({json.dumps(r["config"].get(k), sort_keys=True) for r in rows}) > 1]
+    for r in rows:
+        r["params"] = {k: r["config"].get(k) for k in names}
+    return names
+
+
+def run_label(row: dict[str, Any]) -> str:
+    """A short legend label: the swept values, else the run folder name."""
+    p = row.get("params") or {}
+    return " ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v)}" for k, v in p.items()) or row["run"]
+
+
+COLUMNS = ["status", "step", "final_loss", "metric", "best", "best_step", "final", "throughput",
+           "unit", "wall_s"]
+
+
+def table_rows(rows: list[dict[str, Any]], params: list[str]) -> tuple[list[str], list[list[Any]]]:
+    """Header and cells of the summary table: run, parameters, then the figures."""
+    header = ["run", *params, *COLUMNS]
+    cells = [[r["run"], *[r.get("params", {}).get(k) for k in params],
+              *[r.get(c) for c in COLUMNS]] for r in rows]
+    return header, cells
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if abs(v) >= 1e6:
+            return f"{v:.3g}"
+        if abs(v) >= 1e4:
+            return f"{v:,.0f}"
+        return f"{v:.4g}" if v == 0 or abs(v) >= 1e-3 else f"{v:.3g}"
+    return str(v)
+
+
+def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
+    """The summary as aligned plain text."""
+    header, cells = table_rows(rows, params)
+    text = [header] + [[_fmt(v) for v in row] for row in cells]
+    widths = [max(len(r[i]) for r in text) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in text]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_summary(rows: list[dict[str, Any]], params: list[str], out_dir: Path) -> None:
+    """summary.csv (the table, full precision) and summary.jsonl (every field) in out_dir."""
+    header, cells = table_rows(rows, params)
+    header += ["message", "path"]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    for r, row in zip(rows, cells):
+        w.writerow(["" if v is None else v for v in [*row, r.get("message"), r["path"]]])
+    _atomic_write(out_dir / "summary.csv", buf.getvalue())
+    lines = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows)
+    _atomic_write(out_dir / "summary.jsonl", lines)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _curves(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    events = read_events(run_dir) if Path(run_dir).is_dir() else []
+    steps, evals = _series(events, "step"), _series(events, "eval")
+    out = {"loss": [], "lr": [], "val_loss": [], "accuracy": []}
+    for e in steps:
+        for k in ("loss", "lr"):
+            if _num(e.get(k)) is not None:
+                out[k].append((e["step"], float(e[k])))
+    for e in evals:
+        for k in ("val_loss", "accuracy"):
+            if _num(e.get(k)) is not None:
+                out[k].append((e["step"], float(e[k])))
+    return out
+
+
+def _ema(ys: list[float], span: int) -> list[float]:
+    a, out, m = 2.0 / (span + 1), [], ys[0]
+    for y in ys:
+        m = a * y + (1 - a) * m
+        out.append(m)
+    return out
+
+
+def figure(rows: list[dict[str, Any]], params: list[str], table: bool = True):
+    """A matplotlib Figure: loss, validation metric and LR curves side by side, and (with
+    `table`) the summary table below them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_rows = len(rows)
+    table_h = 0.32 * (n_rows + 1) + 0.4 if table else 0.0
+    fig = plt.figure(figsize=(16, 4.6 + table_h), dpi=110)
+    grid = fig.add_gridspec(2 if table else 1, 3, height_ratios=[4.6, table_h] if table else [1],
+                            hspace=0.35, wspace=0.25)
+    ax_loss, ax_val, ax_lr = (fig.add_subplot(grid[0, i]) for i in range(3))
+    colors = plt.get_cmap("tab10" if n_rows <= 10 else "tab20")
+    labels = [run_label(r) for r in rows]
+    if len(set(labels)) < len(labels):
+        labels = [r["run"] if lab == r["run"] else f"{r['run']}: {lab}"
+                  for r, lab in zip(rows, labels)]
+    metrics = {r["metric"] for r in rows if r.get("best") is not None}
+    lr_curves: list[list[tuple[int, float]]] = []
+    for i, r in enumerate(rows):
+        c = colors(i % colors.N)
+        cur = _curves(r["path"])
+        label = labels[i] + ("" if r["status"] == "completed" else f" [{r['status']}]")
+        if cur["loss"]:
+            xs, ys = zip(*cur["loss"])
+            if len(ys) >= 20:
+                ax_loss.plot(xs, ys, color=c, alpha=0.25, lw=0.8)
+                ax_loss.plot(xs, _ema(list(ys), max(5, len(ys) // 20)), color=c, lw=1.6,
+                             label=label)
+            else:
+                ax_loss.plot(xs, ys, color=c, lw=1.4, label=label)
+        else:
+            ax_loss.plot([], [], color=c, label=label + " (no steps)")
+        metric = r["metric"]
+        if cur[metric]:
+            xs, ys = zip(*cur[metric])
+            ax_val.plot(xs, ys, color=c, lw=1.4, marker="o", ms=3.5)
+        lr_curves.append(cur["lr"])
+        if cur["lr"]:
+            xs, ys = zip(*cur["lr"])
+            ax_lr.plot(xs, ys, color=c, lw=1.4)
+    ax_loss.set_title("training loss")
+    ax_val.set_title("validation: " + " / ".join(sorted(metrics) or ["(no eval events)"]))
+    ax_lr.set_title("learning rate")
+    for ax in (ax_loss, ax_val, ax_lr):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    peaks = [max(y for _, y in c) for c in lr_curves if c]
+    if peaks and min(peaks) > 0 and max(peaks) / min(peaks) > 10:
+        ax_lr.set_yscale("log")  # peak LRs a decade or more apart: keep the small ones visible
+    else:
+        ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax_loss.legend(fontsize=8, loc="upper right")
+    if table:
+        ax_t = fig.add_subplot(grid[1, :])
+        ax_t.axis("off")
+        header, cells = table_rows(rows, params)
+        t = ax_t.table(cellText=[[_fmt(v) for v in row] for row in cells], colLabels=header,
+                       loc="upper center", cellLoc="center")
+        t.auto_set_font_size(False)
+        t.set_fontsize(8)
+        t.scale(1, 1.25)
+        for (ri, _), cell in t.get_celld().items():
+            if ri == 0:
+                cell.set_facecolor("#e8e8e8")
+            elif ri - 1 < n_rows:
+                cell.get_text().set_color(colors((ri - 1) % colors.N))
+    return fig
+
+
+def render(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
+           rows: list[dict[str, Any]] | None = None,
+           params: list[str] | None = None) -> Path:
+    """Write the report of `run_dirs` to `out` (.png: curves + table panel; .html: curves
+    and an HTML table, self-contained); returns the path written."""
+    out = Path(out)
+    if out.suffix.lower() not in (".png", ".html", ".htm"):
+        raise ValueError(f"--out: expected a .png or .html file name, found {out.name!r}")
+    if rows is None:
+        rows = sort_rows(summarize(run_dirs))
+    if params is None:
+        params = add_params(rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import matplotlib.pyplot as plt
+
+    if out.suffix.lower() == ".png":
+        fig = figure(rows, params, table=True)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
+        fig.savefig(tmp, bbox_inches="tight")
+        plt.close(fig)
+        os.replace(tmp, out)
+        return out
+    fig = figure(rows, params, table=False)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    _atomic_write(out, _html(rows, params, base64.b64encode(buf.getvalue()).decode()))
+    return out
+
+
+def _html(rows: list[dict[str, Any]], params: list[str], png_b64: str) -> str:
+    header, cells = table_rows(rows, params)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = ""
+    for r, row in zip(rows, cells):
+        tds = "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row)
+        title = html.escape(r.get("message") or r["path"], quote=True)
+        body += f'<tr title="{title}">{tds}</tr>\n'
+    return (
+        "<!doctype html>\n<html><head><meta charset='utf-8'><title>toymlx report</title>\n"
+        "<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;"
+        "font-size:13px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+        "th{background:#eee}img{max-width:100%}</style></head><body>\n"
+        f"<h2>toymlx report: {len(rows)} run(s)</h2>\n"
+        f"<img alt='loss, validation and learning-rate curves' "
+        f"src='data:image/png;base64,{png_b64}'>\n"
+        f"<table><tr>{head}</tr>\n{body}</table>\n"
+        "<p>best/final: the validation metric (val_loss: lower is better; accuracy: higher is "
+        "better); throughput: median over step events; hover a row for its path or error."
+        "</p>\n</body></html>\n")

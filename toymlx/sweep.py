@@ -1,0 +1,804 @@
+"""Hyper-parameter sweeps: run specs from a grid or random draws, run as `toymlx-train`
+subprocesses in parallel workers, resumable, shardable over machines sharing a runs folder.
+
+    specs = grid(["--steps", "200"], {"lr": [1e-3, 3e-3], "model.d_model": [64, 128]})
+    result = run_sweep("from-scratch", specs, root="runs", workers=2)
+
+Every combination is its own run bundle, `<root>/<sweep_id>/<run name>`, named from its
+values. A sweep folder also holds `sweep.json` (the specs), `logs/<run>.log` (each run's
+output), `.locks/` (one lock file per run, so machines sharing the folder never run one run
+twice), `.status/` (exit codes), and at the end `summary.csv`, `summary.jsonl` and
+`report.png`. Starting the same sweep again skips completed runs, resumes torn or
+interrupted ones from their latest checkpoint, and retries failed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import random as _random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from toymlx import report
+
+RESERVED = ("--recipe", "--run-id", "--runs-root", "--resume", "--overwrite")
+"""Flags the sweep sets on each run itself."""
+HEARTBEAT_S = 30.0
+"""How often a running run's lock file is touched."""
+
+
+# ---------------------------------------------------------------- specs
+
+@dataclass(frozen=True)
+class LogUniform:
+    """Random-search distribution: log-uniform on [lo, hi], rounded to 3 significant digits."""
+
+    lo: float
+    hi: float
+
+    def sample(self, rng: _random.Random) -> float:
+        return _round3(math.exp(rng.uniform(math.log(self.lo), math.log(self.hi))))
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Random-search distribution: uniform on [lo, hi], rounded to 3 significant digits."""
+
+    lo: float
+    hi: float
+
+    def sample(self, rng: _random.Random) -> float:
+        return _round3(rng.uniform(self.lo, self.hi))
+
+
+@dataclass(frozen=True)
+class IntUniform:
+    """Random-search distribution: an integer in [lo, hi], both included."""
+
+    lo: int
+    hi: int
+
+    def sample(self, rng: _random.Random) -> int:
+        return rng.randint(self.lo, self.hi)
+
+
+def _round3(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a sweep: its folder name, swept values, and `toymlx-train` flags."""
+
+    name: str
+    params: dict[str, Any] = field(hash=False)
+    args: tuple[str, ...]
+    """Flags for toymlx-train: the base options, then the swept values (no --recipe,
+    --run-id, --runs-root: the sweep adds those)."""
+
+
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*")
+
+
+def key_to_flag(key: str) -> str:
+    """Config key to command-line flag: `model.d_model` -> `--model.d-model`."""
+    if not _KEY.fullmatch(key):
+        raise ValueError(f"--grid {key!r}: expected an option name such as lr or lora.rank")
+    return "--" + key.replace("_", "-")
+
+
+def value_args(key: str, value: Any, flag_bool: bool = True) -> list[str]:
+    """The flags that set `key` to `value` (plain bools as --x / --no-x, as tyro spells them)."""
+    flag = key_to_flag(key)
+    if isinstance(value, bool) and flag_bool:
+        head, _, last = flag[2:].rpartition(".")
+        return [f"--{head + '.' if head else ''}{'' if value else 'no-'}{last}"]
+    if isinstance(value, (list, tuple)):
+        return [flag, *(_arg_str(v) for v in value)]
+    return [flag, _arg_str(value)]
+
+
+def _arg_str(v: Any) -> str:
+    return repr(v) if isinstance(v, float) else "None" if v is None else str(v)
+
+
+def _name_str(v: Any) -> str:
+    if isinstance(v, float):
+        short = f"{v:g}"
+        return short if float(short) == v else repr(v)
+    if isinstance(v, (list, tuple)):
+        return "+".join(_name_str(x) for x in v)
+    return str(v)
+
+
+def run_name(params: Mapping[str, Any]) -> str:
+    """Folder name of a run from its swept values: `lr=0.0003_lora.rank=8` (stable)."""
+    name = "_".join(f"{k}={_name_str(v)}" for k, v in params.items()) or "base"
+    name = re.sub(r"[^A-Za-z0-9._=+-]", "-", name)
+    if len(name) > 100:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        name = f"{name[:90]}-{digest}"
+    return name
+
+
+def _field_types(recipe: str | None) -> dict[str, Any]:
+    """Dotted option key -> type annotation, for every field of the recipe's Config."""
+    if recipe is None:
+        return {}
+    from toymlx.recipes import get_recipe
+
+    out: dict[str, Any] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                walk(t, f"{prefix}{f.name}.")
+            else:
+                out[f"{prefix}{f.name}"] = t
+    walk(get_recipe(recipe).Config, "")
+    return out
+
+
+def _norm_key(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _check_key(key: str, types: dict[str, Any], recipe: str | None) -> None:
+    key_to_flag(key)
+    if types and _norm_key(key) not in types:
+        close = [k for k in types if k.rsplit(".", 1)[-1] == _norm_key(key).rsplit(".", 1)[-1]]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"--grid {key}: expected an option of recipe {recipe}, found no option "
+                         f"{key_to_flag(key)}{hint}")
+
+
+def _flags(key: str, value: Any, types: dict[str, Any]) -> list[str]:
+    t = types.get(_norm_key(key))
+    return value_args(key, value, flag_bool=t is None or t is bool)
+
+
+def _base_args(base: Sequence[str] | Mapping[str, Any], types: dict[str, Any],
+               recipe: str | None) -> list[str]:
+    if isinstance(base, Mapping):
+        out: list[str] = []
+        for k, v in base.items():
+            _check_key(k, types, recipe)
+            out += _flags(k, v, types)
+        base = out
+    base = [str(a) for a in base]
+    for a in base:
+        if a.split("=", 1)[0] in RESERVED:
+            raise ValueError(f"{a.split('=', 1)[0]}: the sweep sets this for each run; remove it "
+                             "from the options passed through")
+    return base
+
+
+def _check_no_clash(base: list[str], keys: Sequence[str]) -> None:
+    given = {a.split("=", 1)[0] for a in base if a.startswith("--")}
+    for k in keys:
+        flag = key_to_flag(k)
+        head, _, last = flag[2:].rpartition(".")
+        neg = f"--{head + '.' if head else ''}no-{last}"
+        if flag in given or neg in given:
+            raise ValueError(f"{flag}: given both as a fixed option and in the sweep; keep one")
+
+
+def _make_specs(base: list[str], combos: list[dict[str, Any]],
+                types: dict[str, Any]) -> list[RunSpec]:
+    specs, seen = [], {}
+    for params in combos:
+        args = list(base)
+        for k, v in params.items():
+            args += _flags(k, v, types)
+        spec = RunSpec(run_name(params), dict(params), tuple(args))
+        if spec.name in seen:
+            raise ValueError(f"sweep: values {seen[spec.name]} and {params} give the same run "
+                             f"name {spec.name!r}; make the values distinct")
+        seen[spec.name] = params
+        specs.append(spec)
+    return specs
+
+
+def grid(base_args: Sequence[str] | Mapping[str, Any], axes: Mapping[str, Sequence[Any]],
+         recipe: str | None = None) -> list[RunSpec]:
+    """Every combination of `axes` ({"lr": [1e-4, 3e-4], "lora.rank": [4, 8]}) on top of
+    `base_args` (toymlx-train flags, or a {key: value} dict), first key slowest. With
+    `recipe`, keys are checked against its options (and typed bools spelled right)."""
+    types = _field_types(recipe)
+    base = _base_args(base_args, types, recipe)
+    for k in axes:
+        _check_key(k, types, recipe)
+    _check_no_clash(base, list(axes))
+    values = []
+    for k, vs in axes.items():
+        vs = list(vs) if isinstance(vs, (list, tuple, range)) else [vs]
+        if not vs:
+            raise ValueError(f"--grid {k}: expected at least one value, found none")
+        values.append(vs)
+    combos = [dict(zip(axes, c)) for c in itertools.product(*values)]
+    return _make_specs(base, combos, types)
+
+
+def random(base_args: Sequence[str] | Mapping[str, Any], space: Mapping[str, Any], n: int,
+           seed: int = 0, recipe: str | None = None) -> list[RunSpec]:
+    """`n` distinct random draws from `space` (each value a list to choose from, or a
+    LogUniform / Uniform / IntUniform), deterministic in `seed`; fewer if the space is smaller."""
+    if n < 1:
+        raise ValueError(f"--random: expected >= 1 runs, found {n}")
+    types = _field_types(recipe)
+    base = _base_args(base_args, types, recipe)
+    for k in space:
+        _check_key(k, types, recipe)
+    _check_no_clash(base, list(space))
+    rng = _random.Random(seed)
+    combos: dict[str, dict[str, Any]] = {}
+    for _ in range(100 * n):
+        if len(combos) == n:
+            break
+        params = {}
+        for k, dist in space.items():
+            if hasattr(dist, "sample"):
+                params[k] = dist.sample(rng)
+            else:
+                choices = list(dist) if isinstance(dist, (list, tuple, range)) else [dist]
+                params[k] = rng.choice(choices)
+        combos.setdefault(run_name(params), params)
+    return _make_specs(base, list(combos.values()), types)
+
+
+def parse_axis(text: str, recipe: str | None = None) -> tuple[str, Any]:
+    """`--grid` text to (key, values): `lr=1e-4,3e-4` -> ("lr", [0.0001, 0.0003]);
+    `lr=log:1e-4:1e-2`, `x=uniform:0:1`, `x=int:4:16` -> a distribution (for --random).
+    Values are typed by the recipe's option types when the recipe is known."""
+    key, sep, vals = text.partition("=")
+    key = key.strip()
+    if not sep or not key or not vals.strip():
+        raise ValueError(f"--grid {text!r}: expected KEY=V1,V2,... (e.g. lr=1e-4,3e-4)")
+    types = _field_types(recipe)
+    _check_key(key, types, recipe)
+    m = re.fullmatch(r"(log|uniform|int):([^:]+):([^:]+)", vals.strip())
+    if m:
+        kind, lo, hi = m.groups()
+        try:
+            if kind == "int":
+                dist: Any = IntUniform(int(lo), int(hi))
+            else:
+                dist = (LogUniform if kind == "log" else Uniform)(float(lo), float(hi))
+        except ValueError:
+            raise ValueError(f"--grid {text!r}: expected {kind}:LO:HI with numbers") from None
+        if dist.lo > dist.hi or (kind == "log" and dist.lo <= 0):
+            raise ValueError(f"--grid {text!r}: expected 0 < LO <= HI" if kind == "log"
+                             else f"--grid {text!r}: expected LO <= HI")
+        return key, dist
+    t = types.get(_norm_key(key))
+    return key, [_parse_value(v.strip(), t, key) for v in vals.split(",")]
+
+
+def _parse_value(s: str, t: Any, key: str) -> Any:
+    args = typing.get_args(t)
+    if s == "None" and (t is None or type(None) in args):
+        return None
+    if t is not None and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        t = inner[0] if len(inner) == 1 else None
+    if t is bool or (t is None and s.lower() in ("true", "false")):
+        if s.lower() not in ("true", "false"):
+            raise ValueError(f"--grid {key}={s}: expected true or false")
+        return s.lower() == "true"
+    for cast in ((int,) if t is int else (float,) if t is float else
+                 () if t is not None else (int, float)):
+        try:
+            return cast(s)
+        except ValueError:
+            if t is not None:
+                raise ValueError(f"--grid {key}={s}: expected a {cast.__name__}") from None
+    return s
+
+
+def default_sweep_id(recipe: str, specs: Sequence[RunSpec]) -> str:
+    """A stable id from the recipe and the specs, so the same command resumes the same sweep."""
+    blob = json.dumps([recipe, [[s.name, list(s.args)] for s in specs]])
+    return f"sweep-{recipe}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
+
+
+def shard_specs(specs: Sequence[RunSpec], shard: tuple[int, int]) -> list[RunSpec]:
+    """The runs machine `i` of `n` owns: every n-th spec from the i-th (deterministic)."""
+    i, n = shard
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"--shard: expected I/N with 0 <= I < N, found {i}/{n}")
+    return [s for k, s in enumerate(specs) if k % n == i]
+
+
+# ---------------------------------------------------------------- bundle state and locks
+
+def run_state(run_dir: Path) -> str:
+    """new | completed | diverged | failed (error) | resumable (torn, interrupted, stopped).
+
+    A diverged run is a result (that configuration blows up), not a fault: like a completed
+    one it is not run again."""
+    status = report._status(report.read_events(run_dir))[0] if run_dir.is_dir() else "empty"
+    if status in ("completed", "diverged"):
+        return status
+    if status == "error":
+        return "failed"
+    if status == "empty":
+        return "new"
+    return "resumable"
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    from toymlx.checkpoint import resolve_latest
+
+    try:
+        resolve_latest(run_dir)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_is_stale(path: Path, timeout: float) -> bool:
+    try:
+        mtime = path.stat().st_mtime
+        info = json.loads(path.read_text() or "{}")
+    except FileNotFoundError:
+        return True
+    except ValueError:  # being written right now, or garbled: judge by its age
+        info = {}
+    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
+        return not _alive(info["pid"])
+    return time.time() - mtime > timeout
+
+
+def try_lock(path: Path, timeout: float = 900.0) -> bool:
+    """Take the run's lock file (O_EXCL create); False when a live holder has it. A lock whose
+    holder on this host is gone, or that no one has touched for `timeout` s, is taken over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if not _lock_is_stale(path, timeout):
+                return False
+            # rename first: of several machines seeing the same stale lock, one wins
+            grave = path.with_name(f"{path.name}.stale-{socket.gethostname()}-{os.getpid()}")
+            try:
+                os.rename(path, grave)
+                grave.unlink()
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        return True
+    return False
+
+
+# ---------------------------------------------------------------- live view
+
+class _Tail:
+    """New complete events of a growing events.jsonl (a torn last line waits)."""
+
+    def __init__(self, path: Path, skip_existing: bool = False):
+        self.path = path
+        self.offset = path.stat().st_size if skip_existing and path.is_file() else 0
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for raw in data[:end].splitlines():
+            try:
+                ev = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and "event" in ev:
+                out.append(ev)
+        return out
+
+
+@dataclass
+class _Run:
+    spec: RunSpec
+    dir: Path
+    state: str = "pending"
+    """pending, running, done, skipped, failed, stopped, interrupted, elsewhere"""
+    proc: subprocess.Popen | None = None
+    log: Any = None
+    tail: _Tail | None = None
+    action: str = ""
+    step: int = 0
+    steps: int | None = None
+    loss: float | None = None
+    metric: str = "val_loss"
+    val: float | None = None
+    rate: float | None = None
+    unit: str = ""
+    started: float = 0.0
+    wall: float | None = None
+    message: str | None = None
+    reason: str | None = None
+    """run_end reason seen in this attempt's events"""
+    beat: float = 0.0
+
+    def absorb(self, events: list[dict]) -> None:
+        for e in events:
+            kind = e["event"]
+            if kind == "run_start":
+                self.steps = (e.get("config") or {}).get("steps", self.steps)
+                self.step = int(e.get("start_step") or 0)
+            elif kind == "step":
+                self.step = e.get("step", self.step)
+                self.loss = report._num(e.get("loss"))
+                for k, v in e.items():
+                    if k.endswith("_per_s"):
+                        self.rate, self.unit = report._num(v), k.replace("_per_s", "/s")
+            elif kind == "eval":
+                if "accuracy" in e:
+                    self.metric = "accuracy"
+                self.val = report._num(e.get(self.metric))
+            elif kind == "run_end":
+                self.reason, self.message = e.get("reason"), e.get("message")
+
+
+class _View:
+    """The live progress table: redrawn in place on a TTY, one line per change otherwise."""
+
+    def __init__(self, stream: TextIO, enabled: bool):
+        self.stream, self.enabled = stream, enabled
+        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+        self.drawn = 0
+        self.last: dict[str, str] = {}
+        self.t_draw = 0.0
+
+    def cells(self, r: _Run) -> list[str]:
+        steps = f"{r.step}/{r.steps}" if r.steps else str(r.step or "-")
+        wall = r.wall if r.wall is not None else (time.time() - r.started if r.started else None)
+        state = r.state + (f" ({r.action})" if r.action and r.state == "running" else "")
+        return [r.spec.name, state, steps, report._fmt(r.loss),
+                f"{r.metric} {report._fmt(r.val)}" if r.val is not None else "-",
+                f"{report._fmt(r.rate)} {r.unit}" if r.rate is not None else "-",
+                f"{wall:.0f}s" if wall is not None else "-"]
+
+    def update(self, runs: list[_Run], force: bool = False) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            now = time.time()
+            if not force and now - self.t_draw < 0.5:
+                return
+            self.t_draw = now
+            shown = runs
+            room = shutil.get_terminal_size((100, 40)).lines - 3
+            if len(runs) > room:  # too tall to redraw in place: the live runs, and counts
+                shown = [r for r in runs if r.state == "running"][:max(room - 1, 1)]
+            rows = [["run", "state", "step", "loss", "val", "speed", "time"]]
+            rows += [self.cells(r) for r in shown]
+            widths = [max(len(x[i]) for x in rows) for i in range(len(rows[0]))]
+            text = ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in rows]
+            if shown is not runs:
+                counts: dict[str, int] = {}
+                for r in runs:
+                    counts[r.state] = counts.get(r.state, 0) + 1
+                text.append(", ".join(f"{n} {k}" for k, n in counts.items()))
+            if self.drawn > len(text):  # a shorter table: clear the old tail too
+                text += [""] * (self.drawn - len(text))
+            up = f"\x1b[{self.drawn}F" if self.drawn else ""
+            self.stream.write(up + "".join(f"\x1b[2K{t}\n" for t in text))
+            self.stream.flush()
+            self.drawn = len(text)
+            return
+        for r in runs:  # plain lines: a run's state, or a new validation figure
+            key = f"{r.state}|{r.val}"
+            if self.last.get(r.spec.name) != key and r.state not in ("pending",):
+                self.last[r.spec.name] = key
+                c = self.cells(r)
+                self.stream.write(f"sweep: {c[0]}  {c[1]}  step {c[2]}  loss {c[3]}  {c[4]}  "
+                                  f"{c[5]}  {c[6]}\n")
+                self.stream.flush()
+
+
+# ---------------------------------------------------------------- the sweep
+
+@dataclass
+class SweepResult:
+    """What `run_sweep` did, and the summary of every run in the sweep folder."""
+
+    sweep_dir: Path
+    rows: list[dict[str, Any]]
+    """summary rows (toymlx.report.summarize plus `params`), best first"""
+    params: list[str]
+    states: dict[str, str]
+    """run name -> what this call did: done, skipped, diverged, failed, stopped, interrupted,
+    elsewhere (locked by another worker)"""
+
+    @property
+    def failed(self) -> list[str]:
+        return [n for n, s in self.states.items() if s == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and "interrupted" not in self.states.values()
+
+
+def _write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec]) -> None:
+    path = sweep_dir / report.SWEEP_FILE
+    runs: dict[str, dict] = {}
+    try:
+        old = json.loads(path.read_text())
+        if old.get("recipe") == recipe:
+            runs = {r["name"]: r for r in old.get("runs", [])}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for s in specs:
+        runs[s.name] = {"name": s.name, "params": s.params, "args": list(s.args)}
+    report._atomic_write(path, json.dumps({"recipe": recipe, "sweep_id": sweep_dir.name,
+                                           "runs": list(runs.values())}, indent=1, default=str))
+
+
+def _recorded(sweep_dir: Path, r: _Run, key: str = "state") -> Any:
+    """A field of the sweep's record of how the run's last attempt ended (None if none)."""
+    try:
+        return json.loads((sweep_dir / ".status" / f"{r.spec.name}.json").read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _last_error(log: Path) -> str | None:
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return None
+    for x in reversed(lines):
+        if x.startswith(("toymlx-train: error:", "toymlx:")):
+            return x
+    return lines[-1] if lines else None
+
+
+def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "runs",
+              workers: int = 1, shard: tuple[int, int] = (0, 1), sweep_id: str | None = None,
+              *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
+              python: str | None = None, lock_timeout: float = 900.0,
+              report_png: bool = True) -> SweepResult:
+    """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
+    time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
+    report.png). Completed (and diverged) runs are skipped, torn ones resumed, failed ones
+    retried (`retry_failed`); a failure is reported and does not stop the others."""
+    if workers < 1:
+        raise ValueError(f"--workers: expected >= 1, found {workers}")
+    if not specs:
+        raise ValueError("sweep: expected at least one run, found none")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError("sweep: run names repeat; give each run distinct values")
+    mine = shard_specs(specs, shard)
+    stream = stream or sys.stderr
+    sweep_id = sweep_id or default_sweep_id(recipe, specs)
+    if "/" in sweep_id or sweep_id in ("", ".", ".."):
+        raise ValueError(f"--sweep-id: expected a single folder name, found {sweep_id!r}")
+    sweep_dir = Path(root) / sweep_id
+    for sub in ("logs", ".locks", ".status"):
+        (sweep_dir / sub).mkdir(parents=True, exist_ok=True)
+    _write_sweep_file(sweep_dir, recipe, specs)
+    stream.write(f"sweep {sweep_dir}: {len(specs)} runs, {len(mine)} on this shard "
+                 f"({shard[0]}/{shard[1]}), {workers} worker(s)\n")
+    python = python or sys.executable
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # K runs share the cores: give each run's BLAS its share instead of all of them
+    env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
+    runs = [_Run(s, sweep_dir / s.name) for s in mine]
+    view = _View(stream, progress)
+    stopping = {"signal": None}
+
+    def on_signal(signum, frame):
+        stopping["signal"] = signum
+
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, on_signal)
+        except ValueError:  # not the main thread: no signal handling
+            pass
+
+    def lock_path(r: _Run) -> Path:
+        return sweep_dir / ".locks" / f"{r.spec.name}.lock"
+
+    def start(r: _Run) -> None:
+        if not try_lock(lock_path(r), lock_timeout):
+            r.state = "elsewhere"
+            return
+        state = run_state(r.dir)
+        if state in ("completed", "diverged"):
+            r.state = "skipped"
+            r.absorb(report.read_events(r.dir))
+            r.wall = report.summarize_run(r.dir)["wall_s"]
+            lock_path(r).unlink(missing_ok=True)
+            return
+        if not retry_failed and (state == "failed" or _recorded(sweep_dir, r) == "failed"):
+            r.state = "failed"  # as recorded by the bundle, or by the sweep if it has none
+            r.absorb(report.read_events(r.dir))
+            r.message = r.message or _recorded(sweep_dir, r, "message")
+            lock_path(r).unlink(missing_ok=True)
+            return
+        if state == "resumable" and _has_checkpoint(r.dir):
+            r.action = "resume"
+            cmd = ["--resume", str(r.dir), "--no-progress"]
+        else:
+            r.action = "restart" if r.dir.exists() else "start"
+            if r.dir.exists():  # failed, or torn before its first checkpoint: start afresh
+                shutil.rmtree(r.dir)
+            cmd = ["--recipe", recipe, "--runs-root", str(sweep_dir), "--run-id", r.spec.name,
+                   "--no-progress", *r.spec.args]
+        log_path = sweep_dir / "logs" / f"{r.spec.name}.log"
+        r.log = open(log_path, "ab")  # noqa: SIM115  (open for the run's lifetime)
+        r.log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {r.action}: toymlx-train "
+                    f"{' '.join(cmd)}\n".encode())
+        r.log.flush()
+        # a resumed run's history is shown, but its outcome is read from what it adds
+        r.tail = _Tail(r.dir / "events.jsonl", skip_existing=True)
+        if r.action == "resume":
+            r.absorb(report.read_events(r.dir))
+        r.reason, r.message = None, None
+        r.proc = subprocess.Popen([python, "-m", "toymlx_cli.train", *cmd], stdout=r.log,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                  start_new_session=True)
+        r.state, r.started, r.beat = "running", time.time(), time.time()
+
+    def finish(r: _Run) -> None:
+        code = r.proc.wait()
+        r.log.close()
+        r.absorb(r.tail.read())
+        r.wall = time.time() - r.started
+        reason = r.reason
+        if code == 0 and reason == "completed":
+            r.state = "done"
+        elif code == 0 and reason == "stopped":
+            r.state = "stopped"
+        elif reason == "diverged":
+            r.state = "diverged"
+        elif reason == "interrupted" or code in (130, -signal.SIGINT):
+            r.state = "interrupted"
+        else:
+            r.state = "failed"
+            r.message = r.message or _last_error(sweep_dir / "logs" / f"{r.spec.name}.log") \
+                or f"exit code {code}"
+        report._atomic_write(sweep_dir / ".status" / f"{r.spec.name}.json", json.dumps({
+            "state": r.state, "exit_code": code, "message": r.message, "wall_s": r.wall,
+            "host": socket.gethostname(), "finished_at": time.time()}))
+        lock_path(r).unlink(missing_ok=True)
+
+    try:
+        pending = list(runs)
+        while True:
+            active = [r for r in runs if r.state == "running"]
+            while pending and len(active) < workers and stopping["signal"] is None:
+                r = pending.pop(0)
+                start(r)
+                if r.state == "running":
+                    active.append(r)
+            if not active:
+                break
+            now = time.time()
+            for r in active:
+                r.absorb(r.tail.read())
+                if now - r.beat > HEARTBEAT_S:
+                    os.utime(lock_path(r))
+                    r.beat = now
+                if r.proc.poll() is not None:
+                    finish(r)
+            if stopping["signal"] is not None:
+                _stop_children([r for r in runs if r.state == "running"], stream)
+                for r in runs:
+                    if r.state == "running":
+                        finish(r)
+                break
+            view.update(runs)
+            time.sleep(0.25)
+        view.update(runs, force=True)
+    finally:
+        for r in runs:  # only on an unexpected error in the loop itself
+            if r.state == "running" and r.proc is not None and r.proc.poll() is None:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+                r.proc.wait()
+                lock_path(r).unlink(missing_ok=True)
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+    result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
+    result.states = {r.spec.name: r.state for r in runs}
+    for r in runs:
+        if r.state in ("failed", "diverged"):
+            stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
+                         f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
+        elif r.state == "elsewhere":
+            stream.write(f"sweep: {r.spec.name}: locked by another worker "
+                         f"({lock_path(r)}); skipped here\n")
+    if stopping["signal"] is not None:
+        stream.write("sweep: interrupted; run the same command again to resume\n")
+    return result
+
+
+def _stop_children(active: list[_Run], stream: TextIO, grace: float = 120.0) -> None:
+    """Ask each run to stop (SIGINT: checkpoint + run_end interrupted), then force."""
+    stream.write(f"sweep: stopping {len(active)} run(s) (they checkpoint first)...\n")
+    for r in active:
+        try:
+            os.killpg(r.proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + grace
+    for r in active:
+        try:
+            r.proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(r.proc.pid, signal.SIGKILL)
+            r.proc.wait()
+
+
+def summarize_sweep(sweep_dir: str | os.PathLike, report_png: bool = True,
+                    stream: TextIO | None = None) -> SweepResult:
+    """Summary of every run listed in sweep_dir/sweep.json: printed, written as summary.csv
+    and summary.jsonl (best first), and drawn as report.png when matplotlib is installed."""
+    sweep_dir = Path(sweep_dir)
+    stream = stream or sys.stderr
+    names = report._sweep_order(sweep_dir)
+    rows = report.summarize([sweep_dir / n for n in names])
+    for r in rows:  # runs that failed before writing a bundle: the sweep's own record
+        if r["status"] in ("missing", "empty"):
+            try:
+                st = json.loads((sweep_dir / ".status" / f"{r['run']}.json").read_text())
+            except (OSError, ValueError):
+                r["status"] = "pending" if r["status"] == "missing" else r["status"]
+                continue
+            if st.get("state") == "failed":
+                r["status"], r["message"] = "failed", st.get("message")
+                r["wall_s"] = round(st["wall_s"], 2) if st.get("wall_s") else None
+    rows = report.sort_rows(rows)
+    params = report.add_params(rows)
+    report.write_summary(rows, params, sweep_dir)
+    print(report.format_table(rows, params), flush=True)
+    if report_png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            stream.write("sweep: matplotlib is not installed (pip install 'toymlx[report]'); "
+                         "no report.png\n")
+        else:
+            report.render([Path(r["path"]) for r in rows], sweep_dir / "report.png", rows,
+                          params)
+    stream.write(f"sweep: summary in {sweep_dir / 'summary.csv'}\n")
+    return SweepResult(sweep_dir, rows, params, {})
