@@ -39,8 +39,11 @@ def save_state(path: Path, arrays: dict[str, Any], meta: dict[str, Any]) -> None
 
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.safetensors")
     try:
-        mx.save_safetensors(str(tmp), arrays, metadata={"toy": json.dumps(meta)})
-        with open(tmp, "rb+") as f:
+        # Through a Python file, so a full disk raises OSError(ENOSPC) like every other
+        # write of the bundle (MLX's own file writer raises a bare RuntimeError).
+        with open(tmp, "wb") as f:
+            mx.save_safetensors(f, arrays, metadata={"toy": json.dumps(meta)})
+            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -48,14 +51,44 @@ def save_state(path: Path, arrays: dict[str, Any], meta: dict[str, Any]) -> None
         raise
 
 
+class ResumeError(ValueError):
+    """A checkpoint or its resume state that cannot continue this run; one line naming it."""
+
+
 def load_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     import mlx.core as mx
 
     if not path.exists():
-        raise FileNotFoundError(f"{path}: resume state: expected present beside the checkpoint, "
-                                "found missing")
-    arrays, meta = mx.load(str(path), return_metadata=True)
-    return arrays, json.loads(meta["toy"])
+        raise ResumeError(f"{path}: resume state: expected present beside the checkpoint, "
+                          "found missing")
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        return arrays, json.loads(meta["toy"])
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise ResumeError(f"{path}: resume state: expected a toymlx state file, found "
+                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                          ) from None
+
+
+def load_checked(load: Callable[[Path, Any], None], path: Path, model: Any) -> None:
+    """`load(path, model)` for resume, then ResumeError unless every parameter kept its shape.
+
+    Recipes load with `strict=False` (MLX then checks no shapes), so a checkpoint of another
+    shape would otherwise slip in and fail later inside a matmul, naming no file.
+    """
+    from mlx.utils import tree_flatten
+
+    before = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    try:
+        load(path, model)
+    except ValueError as e:  # GGUFError and friends already name the file
+        raise ResumeError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
+    after = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    for k, shape in before.items():
+        if after.get(k) != shape:
+            raise ResumeError(f"{path}: parameter {k!r} shape: expected {shape} (this run's "
+                              f"model), found {after.get(k)}; was the model shape changed on "
+                              "--resume?")
 
 
 def save_checkpoint(weights: Path, prefix: str, step: int, write: Callable[[Path], None],

@@ -45,6 +45,14 @@ class EventLog:
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", encoding="utf-8")
+            # A crash mid-emit leaves a torn last line; end it, or the first event appended
+            # on resume (its run_start) would be glued to it and skipped by read_events.
+            if self._f.tell():
+                with open(self.path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    torn = f.read(1) != b"\n"
+                if torn:
+                    self._f.write("\n")
 
     def emit(self, kind: str, **fields: Any) -> dict:
         ev = {"event": kind, "t": round(time.time() - self.t0, 4), **_clean(fields)}

@@ -37,6 +37,23 @@ def validate_train_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--stop-at: expected >= 1, found {cfg.stop_at}")
 
 
+def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
+    """--batch-size against the training set the task reports (a batch must fit in it)."""
+    if "train_tokens" in info and "seq_len" in info:
+        n = (info["train_tokens"] - 1) // info["seq_len"]
+        what = f"{n} windows of --seq-len {info['seq_len']} in {info['train_tokens']} tokens"
+    elif "train_rows" in info:
+        n, what = info["train_rows"], f"{info['train_rows']} rows"
+    elif "train_images" in info:
+        n, what = info["train_images"], f"{info['train_images']} images"
+    else:
+        return
+    if batch_size > n:
+        raise ValueError(f"--batch-size: expected at most {n} (the training split of "
+                         f"{info.get('data_source', 'the data')} holds {what}), found "
+                         f"{batch_size}; use a smaller --batch-size or more data")
+
+
 def init_distributed() -> Any:
     """The mx.distributed group when launched by mlx.launch with >1 ranks, else None."""
     if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_HOSTFILE")):
@@ -51,7 +68,7 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
     """Run one recipe with a parsed config; returns the process exit code."""
     from toymlx import checkpoint as ck
     from toymlx.device import select_device
-    from toymlx.runs import RunError, default_run_id, prepare_run_dir, save_config
+    from toymlx.runs import RunError, check_resume, prepare_run_dir, save_config
     from toymlx.trainer import train
 
     created: Path | None = None
@@ -74,9 +91,14 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
             else:
                 run_dir = Path(cfg.runs_root) / run_id
             cfg.run_id = run_id
-        if rank0:
+        if rank0 and resume_from is None:
             save_config(run_dir, recipe, cfg)
         task = module.build(cfg)
+        check_batch_fits(cfg.batch_size, task.config_info)
+        if resume_from is not None:  # checked before config.json is replaced
+            check_resume(run_dir, recipe, task.model_info)
+            if rank0:
+                save_config(run_dir, recipe, cfg)
     except (ValueError, OSError, KeyError) as e:
         if created is not None and not any(p.is_file() for p in created.rglob("*")
                                            if p.name != "config.json"):
@@ -86,12 +108,17 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
     try:
         end = train(task, cfg, run_dir, _public_config(cfg), world=world,
                     resume_from=resume_from)
-    except RunError as e:
+    except (RunError, ck.ResumeError) as e:
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"toymlx-train: error: {run_dir}: could not write the run bundle ({e}); earlier "
-              "checkpoints are intact", file=sys.stderr)
+        try:
+            kept = (f"earlier checkpoints are intact (weights/latest -> "
+                    f"{os.readlink(run_dir / 'weights' / ck.LATEST)})")
+        except OSError:
+            kept = "no checkpoint was completed"
+        print(f"toymlx-train: error: {run_dir}: could not write the run bundle ({e}); {kept}",
+              file=sys.stderr)
         return 1
     if rank0:
         _final_line(task, run_dir, end)

@@ -86,3 +86,23 @@ def load_config(run_dir: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     except (OSError, ValueError, KeyError) as e:
         raise RunError(f"{p}: --resume: expected the run's saved config, found "
                        f"{type(e).__name__}: {e}") from None
+
+
+def check_resume(run_dir: str | os.PathLike, recipe: str, model_info: dict[str, Any]) -> None:
+    """RunError unless the bundle was trained by `recipe` with this model shape."""
+    from toymlx.events import read_events
+
+    saved_recipe, _ = load_config(run_dir)
+    if saved_recipe != recipe:
+        raise RunError(f"{run_dir}: --resume: expected a run of recipe {recipe!r}, found a "
+                       f"{saved_recipe!r} run")
+    start = next((e for e in read_events(run_dir) if e.get("event") == "run_start"), None)
+    if start is None:  # nothing recorded: the checkpoint load still checks every shape
+        return
+    was = {k: v for k, v in start.get("model", {}).items() if k not in ("n_params", "n_trainable")}
+    now = json.loads(json.dumps(model_info, default=str))
+    for k in sorted(set(was) | set(now)):
+        if was.get(k) != now.get(k):
+            raise RunError(f"{run_dir}: --resume: model {k}: expected {was.get(k)!r} (the run's), "
+                           f"found {now.get(k)!r}; a resumed run keeps its model (start a new "
+                           "run to change it)")

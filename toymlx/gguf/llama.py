@@ -7,6 +7,7 @@ RoPE layout, so no tensor is ever permuted or split into heads.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
@@ -72,12 +73,26 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     if "token_embd.weight" not in g.tensors:
         raise GGUFError(f"{g.path}: tensor 'token_embd.weight': expected present, found missing")
     vocab = g.tensors["token_embd.weight"].shape[0]
+    # Bound every size before it is used: a block count of 2**40 would otherwise spin in
+    # expected_shapes, and MLX's RMSNorm rejects eps <= 0 with a message naming no file.
+    n_layers = g.get(k + "block_count", int)
+    most = len(g.tensors) // len(_BLOCK)
+    if not 1 <= n_layers <= most:
+        raise GGUFError(f"{g.path}: metadata key 'llama.block_count': expected 1..{most} "
+                        f"({len(_BLOCK)} tensors per block, {len(g.tensors)} in the file), "
+                        f"found {n_layers}")
+    context = g.get(k + "context_length", int)
+    rope_base = float(g.get(k + "rope.freq_base", (int, float), 10000.0))
+    norm_eps = float(g.get(k + "attention.layer_norm_rms_epsilon", (int, float)))
+    for key, v in (("context_length", context), ("rope.freq_base", rope_base),
+                   ("attention.layer_norm_rms_epsilon", norm_eps)):
+        if not (math.isfinite(v) and v > 0):
+            raise GGUFError(f"{g.path}: metadata key 'llama.{key}': expected a finite value "
+                            f"> 0, found {v!r}")
     args = LlamaArgs(
-        vocab_size=vocab, d_model=d, n_layers=g.get(k + "block_count", int),
+        vocab_size=vocab, d_model=d, n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=g.get(k + "feed_forward_length", int),
-        context=g.get(k + "context_length", int),
-        rope_base=float(g.get(k + "rope.freq_base", (int, float), 10000.0)),
-        norm_eps=float(g.get(k + "attention.layer_norm_rms_epsilon", (int, float))),
+        context=context, rope_base=rope_base, norm_eps=norm_eps,
         tie_embeddings="output.weight" not in g.tensors,
         head_dim=None if head_dim == d // n_heads else head_dim)
     try:

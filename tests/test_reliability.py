@@ -1,0 +1,366 @@
+"""Runs that go wrong: divergence, a full or unwritable disk, and bad configuration.
+
+Each must end with one clear line (and for configuration, exit code 2 before any training),
+and never leave a bad or half-written checkpoint behind `weights/latest`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from toymlx_cli.train import main
+
+from toymlx.checkpoint import list_checkpoints, load_state, resolve_latest, state_path
+from toymlx.events import read_events
+from toymlx.gguf import writer
+from toymlx.gguf.llama import load_llama
+from toymlx.gguf.reader import GGUFFile
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
+        "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
+        "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--eval-every", "0",
+        "--no-compile", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def data(shared_data: Path) -> str:
+    return str(shared_data / "text" / "tinystories_sample.txt")
+
+
+def train(tmp: Path, run_id: str, *extra: str, data: str, recipe: str = "from-scratch") -> int:
+    return main(["--recipe", recipe, *TINY, "--data.path", data, "--runs-root", str(tmp),
+                 "--run-id", run_id, *extra])
+
+
+def error_line(capsys) -> str:
+    """The one `toymlx-train: error:` line the run printed (and nothing traceback-like)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("toymlx-train: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def finite_checkpoint(path: Path) -> bool:
+    g = GGUFFile(path)
+    return all(np.isfinite(g.load(n)).all() for n in g.tensors)
+
+
+def assert_bundle_intact(run: Path) -> int:
+    """latest and every checkpoint load, each with its state; no temporaries; latest's step."""
+    latest = resolve_latest(run)
+    load_llama(latest)
+    for _, p in list_checkpoints(run / "weights"):
+        load_llama(p)
+        load_state(state_path(p))
+        assert finite_checkpoint(p), p
+    assert not list((run / "weights").glob(".*tmp-*")), list((run / "weights").iterdir())
+    return int(latest.name[len("step_"):-len(".gguf")])
+
+
+# ---- divergence ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra", [
+    ["--lr", "1e6", "--grad-clip", "0"],  # NaN gradients at step 2 while its loss is finite
+    ["--lr", "1e30"],
+    ["--lr", "1e3", "--warmup", "3", "--grad-clip", "0"],  # diverges a few steps in
+])
+def test_divergence_stops_before_writing_bad_weights(tmp_path, capsys, data, extra):
+    rc = train(tmp_path, "d", "--steps", "40", "--warmup", "0", "--checkpoint-every", "1",
+               *extra, data=data)
+    assert rc != 0
+    run = tmp_path / "d"
+    end = read_events(run)[-1]
+    assert end["event"] == "run_end" and end["reason"] == "diverged", end
+    steps = [e["step"] for e in read_events(run) if e["event"] == "step"]
+    bad = end["final_step"] + 1  # the step whose update went non-finite
+    assert f"at step {bad}" in end["message"], end["message"]
+    assert end["exit_code"] == rc
+    last_good = assert_bundle_intact(run)  # every checkpoint on disk is finite
+    assert last_good == end["final_step"] and f"step {last_good}" in end["message"]
+    assert not (run / "weights" / f"step_{bad}.gguf").exists()
+    assert steps[-1] <= bad
+    out = capsys.readouterr().err
+    assert "diverged" in out and f"at step {bad}" in out
+
+
+def test_overflowing_weights_are_never_written(tmp_path, capsys, data):
+    """lr * weight decay overflows float32: the weights go inf while step 1's loss and
+    gradients are finite; the checkpoint of step 1 must be refused."""
+    rc = train(tmp_path, "w", "--steps", "5", "--lr", "1e38", "--weight-decay", "100",
+               "--warmup", "0", "--checkpoint-every", "1", data=data)
+    assert rc == 2
+    run = tmp_path / "w"
+    end = read_events(run)[-1]
+    assert end["reason"] == "diverged" and "weights became non-finite at step 1" in end["message"]
+    assert "last good checkpoint: none" in end["message"]
+    assert not list_checkpoints(run / "weights")
+
+
+# ---- a disk that fills up or refuses writes mid-run -------------------------------------------------
+class _FullDisk:
+    """A file whose writes fail with ENOSPC after `budget` bytes (a filling disk)."""
+
+    def __init__(self, f, budget: int):
+        self.f, self.budget = f, budget
+
+    def write(self, b) -> int:
+        n = len(memoryview(b).cast("B"))
+        if n > self.budget:
+            self.f.write(bytes(memoryview(b).cast("B")[: self.budget]))
+            self.budget = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.budget -= n
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("where", ["gguf-write", "gguf-rename", "state", "latest-link"])
+def test_disk_full_mid_run_keeps_earlier_checkpoints(tmp_path, capsys, monkeypatch, data, where):
+    """The 3rd checkpoint hits ENOSPC at one point of its write: the run ends with one line,
+    exit 1, and checkpoints 1-2 (and `latest` -> 2) are untouched."""
+    import os as _os
+
+    import toymlx.checkpoint as ck
+
+    calls = {"n": 0}
+    real_open, real_replace, real_symlink = open, _os.replace, _os.symlink
+
+    def fail(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "gguf-write":
+        def fake_open(path, mode="r", *a, **k):
+            f = real_open(path, mode, *a, **k)
+            if "w" in mode and ".gguf.tmp-" in str(path):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    return _FullDisk(f, 1000)
+            return f
+        monkeypatch.setattr(writer, "open", fake_open, raising=False)
+    elif where == "gguf-rename":
+        def fake_replace(src, dst):
+            if str(dst).endswith(".gguf"):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    fail()
+            return real_replace(src, dst)
+        monkeypatch.setattr(writer.os, "replace", fake_replace)
+    elif where == "state":
+        real_save = ck.save_state
+
+        def fake_save(path, arrays, meta):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                fail()
+            return real_save(path, arrays, meta)
+        monkeypatch.setattr(ck, "save_state", fake_save)
+    else:
+        def fake_symlink(src, dst, *a, **k):
+            if "latest" in str(dst):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    fail()
+            return real_symlink(src, dst, *a, **k)
+        monkeypatch.setattr(ck.os, "symlink", fake_symlink)
+    rc = train(tmp_path, "full", "--steps", "10", "--checkpoint-every", "1", data=data)
+    monkeypatch.undo()
+    assert rc == 1
+    line = error_line(capsys)
+    assert "No space left on device" in line
+    assert "earlier checkpoints are intact (weights/latest -> step_2.gguf)" in line
+    run = tmp_path / "full"
+    assert assert_bundle_intact(run) == 2
+    end = read_events(run)[-1]
+    assert end["event"] == "run_end" and end["reason"] == "error" and end["final_step"] == 3
+    # and the run resumes from step 2 once there is room again
+    assert main(["--resume", str(run), "--steps", "4", "--no-progress"]) == 0
+    assert [e["start_step"] for e in read_events(run) if e["event"] == "run_start"] == [0, 2]
+
+
+def _mount_tmpfs(where: Path, size: str, ro: bool = False) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if ro else "")
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
+                       capture_output=True, check=False, text=True)
+    return p.returncode == 0
+
+
+def _umount(where: Path) -> None:
+    subprocess.run(["umount", str(where)], capture_output=True, check=False)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toymlx_cli.train", *args], capture_output=True, check=False,
+                          text=True, timeout=600)
+
+
+def test_real_full_disk(tmp_path, data, monkeypatch):
+    """A real 1 MiB tmpfs fills up after a few checkpoints (root only; elsewhere the same
+    failure is injected at the writer instead)."""
+    mnt = tmp_path / "small"
+    if not _mount_tmpfs(mnt, "1m"):  # not root / no mount: inject ENOSPC instead (no skip)
+        monkeypatch.setattr(writer.os, "replace", lambda *a: (_ for _ in ()).throw(
+            OSError(errno.ENOSPC, "No space left on device")))
+        assert train(tmp_path, "inj", "--steps", "5", "--checkpoint-every", "1", data=data) == 1
+        return
+    try:
+        p = _cli("--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root", str(mnt),
+                 "--run-id", "r", "--steps", "200", "--checkpoint-every", "1")
+        assert p.returncode == 1, p.stderr[-3000:]
+        assert "Traceback" not in p.stderr, p.stderr[-3000:]
+        err = [ln for ln in p.stderr.splitlines() if ln.startswith("toymlx-train: error:")]
+        assert len(err) == 1 and "No space left on device" in err[0], p.stderr[-3000:]
+        run = mnt / "r"
+        step = assert_bundle_intact(run)
+        assert step >= 1
+        # free room (drop the oldest checkpoints) and resume from latest
+        for s, ckpt in list_checkpoints(run / "weights")[:-1]:
+            ckpt.unlink()
+            state_path(ckpt).unlink()
+        q = _cli("--resume", str(run), "--steps", str(step + 1), "--no-progress")
+        assert q.returncode == 0, q.stderr[-3000:]
+        starts = [e for e in read_events(run) if e["event"] == "run_start"]
+        assert starts[-1]["start_step"] == step
+    finally:
+        _umount(mnt)
+
+
+def test_runs_folder_turns_unwritable_mid_run(tmp_path, data, monkeypatch, capsys):
+    """weights/ is made immutable (chattr +i: refuses root too) after a few checkpoints: one
+    line, exit 1, earlier checkpoints intact, and the run resumes once it is writable again.
+    Where chattr is unavailable, EPERM is injected at the writer instead."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if subprocess.run(["chattr", "+i", str(probe)], capture_output=True, check=False).returncode:
+        monkeypatch.setattr(writer.os, "replace", lambda *a: (_ for _ in ()).throw(
+            PermissionError(errno.EPERM, "Operation not permitted")))
+        assert train(tmp_path, "inj", "--steps", "5", "--checkpoint-every", "1", data=data) == 1
+        assert "Operation not permitted" in error_line(capsys)
+        return
+    subprocess.run(["chattr", "-i", str(probe)], check=True)
+    weights = tmp_path / "r" / "weights"
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "toymlx_cli.train", "--recipe", "from-scratch",
+                              *TINY, "--data.path", data, "--runs-root", str(tmp_path),
+                              "--run-id", "r", "--steps", "100000", "--checkpoint-every", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        while not (weights / "step_3.gguf").exists():
+            assert p.poll() is None, p.stderr.read()[-3000:]
+        subprocess.run(["chattr", "+i", str(weights)], check=True)
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 1 and "Traceback" not in err, err[-3000:]
+        lines = [ln for ln in err.splitlines() if ln.startswith("toymlx-train: error:")]
+        assert len(lines) == 1 and "Operation not permitted" in lines[0], err[-3000:]
+        assert "earlier checkpoints are intact" in lines[0]
+        step = resolve_latest(tmp_path / "r").name
+        subprocess.run(["chattr", "-i", str(weights)], check=True)
+        n = assert_bundle_intact(tmp_path / "r")
+        assert step == f"step_{n}.gguf" and n >= 2  # 3 if the link swap got through
+        q = _cli("--resume", str(tmp_path / "r"), "--steps", str(n + 2), "--no-progress")
+        assert q.returncode == 0, q.stderr[-3000:]
+    finally:
+        subprocess.run(["chattr", "-i", str(weights)], capture_output=True, check=False)
+
+
+def test_unwritable_runs_root_fails_before_training(tmp_path, capsys, data):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    rc = train(blocker / "runs", "x", "--steps", "2", data=data)
+    assert rc == 2
+    line = error_line(capsys)
+    assert str(blocker) in line and "--runs-root" in line
+    ro = tmp_path / "ro"
+    if _mount_tmpfs(ro, "64k", ro=True):  # a read-only filesystem stops root too
+        try:
+            rc = train(ro, "x", "--steps", "2", data=data)
+            assert rc == 2
+            line = error_line(capsys)
+            assert "Read-only file system" in line and str(ro) in line
+            assert not list(ro.iterdir())
+        finally:
+            _umount(ro)
+
+
+# ---- bad configuration: one line, exit 2, nothing trained -------------------------------------------
+@pytest.mark.parametrize("extra,flag", [
+    (["--steps", "0"], "--steps"),
+    (["--steps", "-3"], "--steps"),
+    (["--model.context", "64", "--seq-len", "128"], "--seq-len"),
+    (["--batch-size", "4096"], "--batch-size"),
+    (["--lr", "0"], "--lr"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every"),
+    (["--data.path", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+])
+def test_bad_config_is_one_line_exit_2(tmp_path, capsys, data, extra, flag):
+    rc = train(tmp_path, "bad", "--steps", "3", *extra, data=data)
+    assert rc == 2
+    line = error_line(capsys)
+    assert flag in line, line
+    assert not (tmp_path / "bad").exists()  # nothing left behind
+
+
+def test_unknown_recipe(capsys):
+    assert main(["--recipe", "no-such-recipe", "--steps", "1"]) == 2
+    line = error_line(capsys)
+    assert "--recipe" in line and "no-such-recipe" in line
+
+
+def _digest(run: Path) -> dict[str, str]:
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_reused_run_id_never_overwrites(tmp_path, capsys, data):
+    assert train(tmp_path, "r", "--steps", "2", data=data) == 0
+    run = tmp_path / "r"
+    before = _digest(run)
+    capsys.readouterr()
+    assert train(tmp_path, "r", "--steps", "3", data=data) == 2
+    line = error_line(capsys)
+    assert "already exists" in line and "--resume" in line and "--overwrite" in line
+    assert _digest(run) == before
+    assert train(tmp_path, "r", "--steps", "3", "--overwrite", data=data) == 0
+    assert [e["start_step"] for e in read_events(run) if e["event"] == "run_start"] == [0]
+    assert resolve_latest(run).name == "step_3.gguf"
+
+
+def test_resume_with_another_recipe_or_shape_is_refused(tmp_path, capsys, data, stories_path):
+    assert train(tmp_path, "r", "--steps", "2", data=data) == 0
+    run = tmp_path / "r"
+    before = _digest(run)
+    capsys.readouterr()
+    assert main(["--recipe", "lora", "--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert "'from-scratch'" in line and "lora" in line
+    assert main(["--resume", str(run), "--model.d-model", "64", "--steps", "4"]) == 2
+    line = error_line(capsys)
+    assert "d_model" in line and "32" in line and "64" in line
+    assert main(["--resume", str(tmp_path / "nothing-here")]) == 2
+    error_line(capsys)
+    assert _digest(run) == before  # config.json was not rewritten by the refused resumes
+    assert main(["--resume", str(run), "--steps", "3", "--no-progress"]) == 0
+
+
+def test_lora_bad_options(tmp_path, capsys, stories_path):
+    base = ["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
+            "--run-id", "l", "--steps", "1", "--no-progress", "--no-compile"]
+    for extra, flag in [(["--lora.rank", "0"], "--lora.rank"),
+                        (["--lora.targets", "q,nope"], "--lora.targets"),
+                        (["--lora.layers", "99"], "--lora.layers")]:
+        assert main([*base, *extra]) == 2
+        assert flag in error_line(capsys)
+        assert not (tmp_path / "l").exists()
