@@ -57,9 +57,12 @@ def _infer_type(key: str, value: Any) -> tuple[int, int | None]:
     if isinstance(value, (list, tuple)):
         if not value:
             return ARRAY, UINT32
+        if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in value):
+            lo, hi = min(value), max(value)
+            if lo >= 0:
+                return ARRAY, (UINT32 if hi < 2**32 else UINT64)
+            return ARRAY, (INT32 if lo >= -(2**31) and hi < 2**31 else INT64)
         et, _ = _infer_type("", value[0])
-        if et == UINT32 and any(isinstance(x, int) and x < 0 for x in value):
-            et = INT32
         return ARRAY, et
     raise TypeError(f"GGUF metadata {key!r}: expected str, bool, int, float or list, "
                     f"found {type(value).__name__}")
@@ -77,8 +80,8 @@ def _pack_value(vtype: int, etype: int | None, value: Any) -> bytes:
         head = struct.pack("<IQ", etype, len(value))
         if etype == STRING:
             return head + b"".join(_pack_string(s) for s in value)
-        return head + np.asarray(value).astype(_SCALAR[etype]).tobytes()
-    return np.asarray(value).astype(_SCALAR[vtype]).tobytes()
+        return head + np.asarray(value, dtype=_SCALAR[etype]).tobytes()
+    return np.asarray(value, dtype=_SCALAR[vtype]).tobytes()
 
 
 def _pad(f: BinaryIO, align: int) -> None:
