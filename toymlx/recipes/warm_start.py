@@ -1,0 +1,174 @@
+"""Recipe `warm-start`: a new Llama whose token table starts from a donor GGUF's.
+
+The student embeds tokens at the donor's width through the donor's `token_embd.weight` and a
+learned lens (donor width x student width) into its own width; everything else starts from
+random init. It uses the donor's tokenizer, and its checkpoints are plain llama GGUFs with the
+lens folded into `token_embd.weight` (see toymlx/warm.py; the unfolded table and lens for
+resume live in `step_N.warm.safetensors` beside each checkpoint).
+
+`--warm.init random` keeps everything (shape, vocabulary, tokenizer, lens rule, optimizer, the
+rest of the init) and replaces only the donor table's values by Gaussian noise of the same RMS:
+the from-scratch baseline that isolates what the donor's table contributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from toymlx import warm
+from toymlx.gguf.llama import write_llama
+from toymlx.gguf.reader import GGUFError
+from toymlx.recipes.common import (
+    LlamaOptions,
+    TextData,
+    check_seq_len,
+    llama_model_info,
+    lm_task,
+    load_token_data,
+)
+from toymlx.tokenizer import Tokenizer
+from toymlx.trainer import Task, TrainConfig
+
+
+@dataclass
+class WarmOptions:
+    """How the donor's table is brought into the student."""
+
+    lens: Literal["pca", "random", "identity"] = "pca"
+    """Initial lens: pca (the table's top principal directions), random (a random orthonormal
+    projection), identity (only when student and donor widths are equal)."""
+    init: Literal["donor", "random"] = "donor"
+    """Table values: donor, or random (Gaussian noise of the donor table's RMS: a baseline)."""
+    freeze_embeddings: int = 0
+    """Keep the table fixed for the first K steps (0: never, -1: the whole run)."""
+    vocab: int | None = None
+    """Use the first N tokens of the donor's vocabulary and table (default: all)."""
+
+
+@dataclass
+class Config(TrainConfig):
+    """toymlx-train --recipe warm-start: a new Llama with a donor GGUF's token table."""
+
+    donor: str | None = None
+    """Llama GGUF whose token_embd.weight and tokenizer the student starts from (required)."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    model: LlamaOptions = field(default_factory=LlamaOptions)
+    """Student shape; its vocabulary is the donor's."""
+    data: TextData = field(default_factory=TextData)
+    warm: WarmOptions = field(default_factory=WarmOptions)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no file; the donor itself is checked when it is read."""
+    if not cfg.donor:
+        raise ValueError("--donor: expected a llama GGUF to take the token table from, "
+                         "found none")
+    if cfg.warm.freeze_embeddings < -1:
+        raise ValueError(f"--warm.freeze-embeddings: expected -1, 0 or a step count, "
+                         f"found {cfg.warm.freeze_embeddings}")
+    if cfg.warm.vocab is not None and cfg.warm.vocab < 1:
+        raise ValueError(f"--warm.vocab: expected >= 1, found {cfg.warm.vocab}")
+
+
+def donor_tokenizer(donor: warm.Donor, vocab: int) -> Tokenizer:
+    """The donor's tokenizer cut to its first `vocab` tokens (merges into cut tokens dropped)."""
+    meta = donor.metadata
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise GGUFError(f"{donor.path}: metadata key 'tokenizer.ggml.tokens': expected a "
+                        "token list (the student uses the donor's tokenizer), found missing")
+    if len(tokens) < vocab:
+        raise GGUFError(f"{donor.path}: metadata key 'tokenizer.ggml.tokens': expected at "
+                        f"least {vocab} tokens (rows of token_embd.weight), found {len(tokens)}")
+    meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    if vocab < len(tokens):
+        for k in ("tokens", "scores", "token_type"):
+            if isinstance(meta.get(f"tokenizer.ggml.{k}"), list):
+                meta[f"tokenizer.ggml.{k}"] = meta[f"tokenizer.ggml.{k}"][:vocab]
+        kept = set(tokens[:vocab])
+        if "tokenizer.ggml.merges" in meta:
+            meta["tokenizer.ggml.merges"] = [
+                m for m in meta["tokenizer.ggml.merges"]
+                if all(p in kept for p in m.split(" ", 1)) and m.replace(" ", "", 1) in kept]
+        for k, v in list(meta.items()):
+            if k.endswith("_token_id") and isinstance(v, int) and vocab <= v < 2**32 - 1:
+                raise ValueError(f"--warm.vocab: expected more than {k}={v} tokens, found {vocab}")
+    return Tokenizer.from_metadata(meta)
+
+
+def make_optimizer(cfg: Config):
+    """AdamW groups as usual, the table's with an LR that is 0 for the first K steps.
+
+    A pure function of the optimizer step inside the one compiled step: with lr 0, AdamW leaves
+    the table bit-identical (decay included) while its moments still track its gradients.
+    """
+    import mlx.core as mx
+    import mlx.optimizers as optim
+
+    from toymlx.schedule import lr_at
+
+    k = cfg.warm.freeze_embeddings
+    sched = partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
+                    min_ratio=cfg.min_lr_ratio)
+
+    def gated(step):
+        return mx.where(step >= k, sched(step), 0.0)
+
+    kw = {"betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
+    groups = [optim.AdamW(learning_rate=gated, weight_decay=cfg.weight_decay, **kw),
+              optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay, **kw),
+              optim.AdamW(learning_rate=sched, weight_decay=0.0, **kw)]
+    return optim.MultiOptimizer(groups, [lambda path, w: path == "embed.weight",
+                                         lambda path, w: w.ndim >= 2])
+
+
+def build(cfg: Config) -> Task:
+    import mlx.core as mx
+
+    validate(cfg)
+    w = cfg.warm
+    donor = warm.read_donor(cfg.donor, w.vocab)
+    tok = donor_tokenizer(donor, donor.table.shape[0])
+    vocab = tok.vocab_size
+    table = donor.table[:vocab]
+    args = cfg.model.build_args(vocab)
+    check_seq_len(cfg.seq_len, args)
+    rng = np.random.default_rng([cfg.seed, 0x5741524D])  # apart from the model's init stream
+    if w.init == "random":
+        table = rng.normal(0.0, warm.rms(table), table.shape).astype(np.float32)
+    lens = warm.make_lens(w.lens, table, args.d_model, rng)
+    data = load_token_data(cfg.data, tok, cfg.seq_len)
+    top = int(max(data.train.max(initial=0), data.val.max(initial=0)))
+    if top >= vocab:
+        raise ValueError(f"--warm.vocab: expected every token id of {data.source} below "
+                         f"{vocab}, found {top}; use a larger --warm.vocab")
+    mx.random.seed(cfg.seed)
+    model = warm.WarmLlama(args, donor.width)
+    model.set_embedding(table, lens)
+    if w.freeze_embeddings == -1:
+        model.embed.freeze(keys=["weight"])
+    tok_meta = tok.to_metadata()
+    info = {"donor": donor.path, "donor_width": donor.width, "donor_tensor_type":
+            donor.tensor_type, "lens": w.lens, "init": w.init,
+            "freeze_embeddings": w.freeze_embeddings, "vocab": vocab}
+    meta = {"toy.warm.donor": donor.path, "toy.warm.donor_width": donor.width,
+            "toy.warm.lens": w.lens, "toy.warm.init": w.init}
+
+    def save(path: Path, m: warm.WarmLlama, extra: dict) -> None:
+        warm.save_warm_state(path, m, {**info, "step": extra.get("general.step")})
+        write_llama(path, m, tok_meta, {**meta, **extra}, name="toymlx warm-start",
+                    tensors=warm.folded_tensors(m))
+
+    task = lm_task("warm-start", cfg, cfg.seq_len, model, data, save, warm.load_warm_checkpoint,
+                   config_info={"tokenizer": f"donor ({donor.path})", **info},
+                   model_info={**llama_model_info(args), "donor_width": donor.width,
+                               "lens": w.lens})
+    if w.freeze_embeddings > 0:
+        task.optimizer = make_optimizer
+    return task
