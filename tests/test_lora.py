@@ -1,0 +1,385 @@
+"""LoRA on a tiny random Llama: exact step 0, counts, fuse, adapter GGUF, masking, the recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
+from mlx import nn
+from mlx.utils import tree_flatten
+
+from toymlx.data.chat import SFTData, load_examples, split_examples
+from toymlx.gguf.llama import write_llama
+from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.writer import QuantTensor, write_gguf
+from toymlx.lora import (
+    LoRALinear,
+    apply_adapter,
+    apply_lora,
+    fuse,
+    gguf_to_mlx_quant,
+    load_adapter,
+    load_adapter_weights,
+    load_base,
+    lora_layers,
+    resolve_base_dtype,
+    write_adapter,
+    write_merged,
+)
+from toymlx.losses import lm_loss
+from toymlx.models.llama import Llama, tiny
+from toymlx.tokenizer import Tokenizer, byte_tokenizer
+
+CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+ARGS = tiny(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, context=256)
+TOKENS = mx.array([[1, 72, 101, 108, 108, 111, 35, 120, 44, 200, 3, 17]])
+
+
+def tok_meta() -> dict:
+    meta = byte_tokenizer().to_metadata()
+    meta["tokenizer.chat_template"] = CHATML
+    return meta
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A random tiny Llama with a byte tokenizer and a chat template, as an F32 GGUF."""
+    mx.random.seed(3)
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_llama(path, Llama(ARGS), tok_meta(), name="tiny test llama")
+    return path
+
+
+def base(path: Path, dtype: str = "float32") -> Llama:
+    model, g = load_base(path, dtype)
+    g.close()
+    return model
+
+
+def randomize_b(model: nn.Module, seed: int = 0, std: float = 0.3) -> None:
+    """Give every adapter a non-zero B so the update changes the logits."""
+    mx.random.seed(seed)
+    for m in lora_layers(model).values():
+        m.lora_b = mx.random.normal(m.lora_b.shape) * std
+    mx.eval(model.parameters())
+
+
+def test_step0_logits_equal_base_exactly(tiny_gguf):
+    model = base(tiny_gguf)
+    before = model(TOKENS)
+    apply_lora(model, "q,k,v,o,gate,up,down", rank=4, alpha=8.0)
+    after = model(TOKENS)
+    assert mx.array_equal(before, after).item()
+    assert all(float(mx.abs(m.lora_a).max()) > 0 for m in lora_layers(model).values())
+
+
+def test_trainable_count_q_only(tiny_gguf):
+    model = apply_lora(base(tiny_gguf), "q", rank=8, alpha=16.0)
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    d = ARGS.d_model
+    assert sum(v.size for v in trainable.values()) == ARGS.n_layers * 8 * (d + d) == 3072
+    assert sorted(trainable) == sorted(f"layers.{i}.attn.q_proj.lora_{x}"
+                                       for i in range(3) for x in "ab")
+    m = lora_layers(model)["layers.0.attn.q_proj"]
+    assert m.lora_a.shape == (8, d) and m.lora_b.shape == (d, 8) and m.scale == 2.0
+
+
+def test_targets_and_last_layers(tiny_gguf):
+    model = apply_lora(base(tiny_gguf), ("k", "down"), layers=2, rank=2, alpha=2.0)
+    assert list(lora_layers(model)) == ["layers.1.attn.k_proj", "layers.1.mlp.down_proj",
+                                        "layers.2.attn.k_proj", "layers.2.mlp.down_proj"]
+    n = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    kv = ARGS.n_kv_heads * ARGS.hd
+    assert n == 2 * 2 * ((64 + kv) + (ARGS.ffn_dim + 64))
+
+
+def test_unknown_target_and_bad_layers_name_the_flag(tiny_gguf):
+    model = base(tiny_gguf)
+    with pytest.raises(ValueError, match=r"--lora\.targets: expected a comma list of q, k, v, o, "
+                                         r"gate, up, down; found unknown target 'qq'"):
+        apply_lora(model, "q,qq")
+    with pytest.raises(ValueError, match=r"--lora\.layers: expected 1\.\.3"):
+        apply_lora(model, "q", layers=4)
+    assert not lora_layers(model)
+
+
+def test_fuse_matches_lora_forward(tiny_gguf):
+    model = apply_lora(base(tiny_gguf), "q,v,o,up", rank=4, alpha=8.0)
+    randomize_b(model)
+    want = model(TOKENS)
+    plain = model(TOKENS)
+    fuse(model)
+    assert not lora_layers(model)
+    assert all(type(m) is nn.Linear for p, m in model.named_modules() if p.endswith("_proj"))
+    got = model(TOKENS)
+    assert mx.abs(got - want).max().item() < 1e-5
+    assert mx.abs(plain - base(tiny_gguf)(TOKENS)).max().item() > 1e-2  # the update is real
+
+
+def test_adapter_gguf_round_trip(tiny_gguf, tmp_path):
+    model = apply_lora(base(tiny_gguf), "q,k,gate", rank=4, alpha=8.0)
+    randomize_b(model)
+    want = model(TOKENS)
+    path = write_adapter(tmp_path / "a.gguf", model, {"general.architecture": "llama",
+                                                      "general.name": "tiny"},
+                         {"general.step": 7})
+    g = GGUFFile(path)
+    assert g.metadata["general.type"] == "adapter"
+    assert g.metadata["general.architecture"] == "llama"
+    assert g.metadata["adapter.type"] == "lora"
+    assert g.metadata["adapter.lora.alpha"] == 8.0
+    assert g.metadata_types["adapter.lora.alpha"][0] == 6  # GGUF float32
+    assert g.tensors["blk.0.attn_q.weight.lora_a"].shape == (4, 64)
+    assert g.tensors["blk.0.attn_q.weight.lora_b"].shape == (64, 4)
+    assert g.tensors["blk.2.attn_k.weight.lora_b"].shape == (ARGS.n_kv_heads * ARGS.hd, 4)
+    assert g.tensors["blk.1.ffn_gate.weight.lora_a"].shape == (4, 64)
+    assert {t.type.name for t in g.tensors.values()} == {"F32"}
+    assert len(g.tensors) == 3 * 3 * 2
+    ad = load_adapter(path)
+    m = lora_layers(model)["layers.1.attn.k_proj"]
+    np.testing.assert_array_equal(ad.pairs["blk.1.attn_k.weight"][0], np.array(m.lora_a))
+    np.testing.assert_array_equal(ad.pairs["blk.1.attn_k.weight"][1], np.array(m.lora_b))
+    # a fresh base + the file computes exactly what the trained model did
+    other = apply_adapter(base(tiny_gguf), path)
+    assert mx.array_equal(other(TOKENS), want).item()
+    # resume: the file's tensors go back into an identically configured model
+    resumed = apply_lora(base(tiny_gguf), "q,k,gate", rank=4, alpha=8.0)
+    load_adapter_weights(resumed, path)
+    assert mx.array_equal(resumed(TOKENS), want).item()
+
+
+def test_adapter_errors(tiny_gguf, tmp_path):
+    with pytest.raises(GGUFError, match=r"'general\.type': expected 'adapter' \(a LoRA adapter "
+                                        r"GGUF\), found None \(a model"):
+        load_adapter(tiny_gguf)
+    model = apply_lora(base(tiny_gguf), "q", rank=2)
+    good = write_adapter(tmp_path / "good.gguf", model, {"general.architecture": "llama"})
+    wrong_arch = write_adapter(tmp_path / "arch.gguf", model, {"general.architecture": "gpt2"})
+    with pytest.raises(GGUFError, match=r"'general\.architecture': expected 'llama' \(the base "
+                                        r"model's\), found 'gpt2'"):
+        apply_adapter(base(tiny_gguf), wrong_arch)
+    # an adapter trained on a wider model does not fit this base
+    mx.random.seed(1)
+    wide = Llama(tiny(d_model=96, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96))
+    wide_path = write_adapter(tmp_path / "wide.gguf", apply_lora(wide, "q", rank=2),
+                              {"general.architecture": "llama"})
+    with pytest.raises(GGUFError, match=r"blk\.0\.attn_q\.weight.*expected \(r, 64\) and "
+                                        r"\(64, r\).*found \(2, 96\) and \(96, 2\)"):
+        apply_adapter(base(tiny_gguf), wide_path)
+    deep = write_adapter(tmp_path / "deep.gguf",
+                         apply_lora(Llama(tiny(d_model=64, n_layers=5, n_heads=4, n_kv_heads=2,
+                                               ffn_dim=96)), "q", layers=1, rank=2),
+                         {"general.architecture": "llama"})
+    with pytest.raises(GGUFError, match=r"blk\.4\.attn_q\.weight\.lora_a'.*3-block base"):
+        apply_adapter(base(tiny_gguf), deep)
+    # a run directory resolves to weights/latest
+    run = tmp_path / "run"
+    (run / "weights").mkdir(parents=True)
+    (run / "weights" / "adapter_step_1.gguf").write_bytes(good.read_bytes())
+    (run / "weights" / "latest").symlink_to("adapter_step_1.gguf")
+    assert len(lora_layers(apply_adapter(base(tiny_gguf), run))) == 3
+    # one half of a pair missing
+    g = GGUFFile(good)
+    tensors = {n: g.load(n) for n in g.tensors if n != "blk.1.attn_q.weight.lora_b"}
+    write_gguf(tmp_path / "half.gguf", dict(g.metadata), tensors)
+    with pytest.raises(GGUFError, match=r"'blk\.1\.attn_q\.weight\.lora_b': expected present"):
+        load_adapter(tmp_path / "half.gguf")
+
+
+def test_quantized_base_holds_gguf_blocks_exactly(tiny_gguf, tmp_path):
+    """Q4_0/Q4_1/Q8_0 projections become MLX triplets that dequantize to the file's values."""
+    g = GGUFFile(tiny_gguf)
+    kinds = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+    tensors = {}
+    for i, (name, info) in enumerate(g.tensors.items()):
+        w = g.load(name)
+        if name.startswith("blk.") and w.ndim == 2:
+            t = kinds[i % 3]
+            tensors[name] = QuantTensor(t, quantize(w, t), w.shape)
+        else:
+            tensors[name] = w
+    qpath = write_gguf(tmp_path / "q.gguf", dict(g.metadata), tensors)
+    qg = GGUFFile(qpath)
+    for name in [n for n in qg.tensors if n.startswith("blk.") and n.endswith("_q.weight")]:
+        w, s, b, bits = gguf_to_mlx_quant(qg, name)
+        deq = mx.dequantize(mx.array(w), mx.array(s), mx.array(b), group_size=32, bits=bits)
+        np.testing.assert_array_equal(np.array(deq), qg.load(name))
+    flt, qnt = base(qpath, "float32"), base(qpath, "quantized")
+    assert isinstance(qnt.layers[0].attn.q_proj, nn.QuantizedLinear)
+    assert mx.abs(flt(TOKENS) - qnt(TOKENS)).max().item() < 1e-4
+    # LoRA wraps a quantized projection as well, and step 0 is still the base
+    before = qnt(TOKENS)
+    apply_lora(qnt, "q,v", rank=4)
+    assert mx.array_equal(qnt(TOKENS), before).item()
+    assert resolve_base_dtype("auto", qg, on_gpu=True) == "quantized"
+    assert resolve_base_dtype("auto", qg, on_gpu=False) == "float32"
+    with pytest.raises(ValueError, match=r"--base-dtype quantized: .*found blk\.0\.attn_q\.weight "
+                                         r"is F32; use --base-dtype float32"):
+        resolve_base_dtype("quantized", g, on_gpu=False)
+
+
+def test_merged_export_matches_lora_forward(tiny_gguf, tmp_path):
+    model = apply_lora(base(tiny_gguf), "q,k,v,o,gate,up,down", rank=4, alpha=8.0)
+    randomize_b(model, std=0.1)
+    want = model(TOKENS)
+    ad = write_adapter(tmp_path / "a.gguf", model, {"general.architecture": "llama"})
+    out = write_merged(tmp_path / "merged.gguf", tiny_gguf, ad, "f32")
+    g = GGUFFile(out)
+    assert g.metadata["tokenizer.chat_template"] == CHATML
+    assert g.metadata["general.file_type"] == 0 and g.metadata["toy.merged_adapter"] == "a.gguf"
+    assert mx.abs(base(out)(TOKENS) - want).max().item() < 1e-5
+    q8 = write_merged(tmp_path / "merged_q8.gguf", tiny_gguf, ad, "q8_0")
+    assert GGUFFile(q8).tensors["blk.0.attn_q.weight"].type.name == "Q8_0"
+    assert GGUFFile(q8).tensors["blk.0.attn_norm.weight"].type.name == "F32"
+    assert mx.abs(base(q8)(TOKENS) - want).max().item() < 0.05
+
+
+def test_masking_with_the_real_loss(tiny_gguf, tmp_path):
+    """mask_prompt: prompt and padding labels never change the loss; answer labels do."""
+    tok = Tokenizer.from_metadata(GGUFFile(tiny_gguf).metadata)
+    model = apply_lora(base(tiny_gguf), "q", rank=4)
+    randomize_b(model)
+    examples = [{"prompt": "What is 2+2?", "completion": "Four."},
+                {"messages": [{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "Name a colour"},
+                              {"role": "assistant", "content": "Teal"},
+                              {"role": "user", "content": "Another"},
+                              {"role": "assistant", "content": "Mauve"}]}]
+    path = tmp_path / "ex.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    train, _ = split_examples(load_examples(path), 0.0)
+    data = SFTData.from_examples(train, [], tok, seq_len=160, mask_prompt=True)
+    batch = {k: v for k, v in data.train.items()}  # (2, 160): one padded example per row
+    mask = batch["mask"]
+    completion = "Four.</s>", "Teal</s>", "Mauve</s>"
+    assert int(mask.sum()) == sum(len(tok.encode(c, add_bos=False)) for c in completion)
+    assert (mask[:, -10:] == 0).all()  # the tail of both rows is padding
+
+    def loss(b):
+        out, n = lm_loss(model, {k: mx.array(v) for k, v in b.items()})
+        return out.item(), n.item()
+
+    ref, n = loss(batch)
+    assert n == mask.sum()
+    rng = np.random.default_rng(0)
+    off = np.argwhere(mask == 0)
+    for r, t in off[rng.choice(len(off), 12, replace=False)]:
+        changed = {k: v.copy() for k, v in batch.items()}
+        changed["targets"][r, t] = (changed["targets"][r, t] + 37) % 259
+        assert loss(changed) == (ref, n)
+    # padding inputs after the end cannot reach earlier positions (causal attention)
+    pad = {k: v.copy() for k, v in batch.items()}
+    last = np.max(np.nonzero(mask[0])[0])
+    pad["inputs"][0, last + 1:] = rng.integers(3, 259, 160 - last - 1)
+    assert loss(pad) == (ref, n)
+    on = np.argwhere(mask == 1)[0]
+    changed = {k: v.copy() for k, v in batch.items()}
+    changed["targets"][on[0], on[1]] = (changed["targets"][on[0], on[1]] + 37) % 259
+    assert loss(changed)[0] != ref
+
+
+def _train(argv: list[str]) -> int:
+    from toymlx_cli.train import main
+
+    return main(argv)
+
+
+def test_recipe_writes_adapters_and_resumes(tiny_gguf, tmp_path):
+    common = ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+              "--steps", "6", "--batch-size", "2", "--seq-len", "64", "--lr", "1e-2",
+              "--warmup", "1", "--eval-every", "3", "--eval-batches", "2",
+              "--checkpoint-every", "3", "--lora.targets", "q,v", "--lora.rank", "4",
+              "--no-progress", "--no-compile"]
+    assert _train(common + ["--run-id", "full"]) == 0
+    full = tmp_path / "full"
+    names = sorted(p.name for p in (full / "weights").iterdir())
+    assert names == ["adapter_step_3.gguf", "adapter_step_3.state.safetensors",
+                     "adapter_step_6.gguf", "adapter_step_6.state.safetensors", "latest"]
+    assert (full / "weights" / "latest").resolve().name == "adapter_step_6.gguf"
+    events = [json.loads(line) for line in (full / "events.jsonl").read_text().splitlines()]
+    start = events[0]
+    assert start["model"]["n_trainable"] == 3 * 4 * ((64 + 64) + (64 + 32))
+    assert start["model"]["lora_targets"] == "q,v" and start["model"]["base_dtype"] == "float32"
+    assert start["config"]["base_dtype_resolved"] == "float32"
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    assert len(losses) == 6 and all(np.isfinite(losses))
+    ad = load_adapter(full)
+    assert ad.alpha == 16.0 and ad.metadata["general.step"] == 6
+    assert np.abs(ad.pairs["blk.2.attn_v.weight"][1]).max() > 0  # B has moved off zero
+
+    # interrupted at step 3, then resumed: the same adapter as the uninterrupted run
+    assert _train(common + ["--run-id", "cut", "--stop-at", "3"]) == 0
+    cut = tmp_path / "cut"
+    assert (cut / "weights" / "latest").resolve().name == "adapter_step_3.gguf"
+    assert _train(["--resume", str(cut), "--no-progress"]) == 0
+    assert (cut / "weights" / "latest").resolve().name == "adapter_step_6.gguf"
+    resumed = load_adapter(cut)
+    for name, (a, b) in ad.pairs.items():
+        np.testing.assert_allclose(resumed.pairs[name][0], a, atol=1e-6)
+        np.testing.assert_allclose(resumed.pairs[name][1], b, atol=1e-6)
+    cut_losses = [json.loads(x) for x in (cut / "events.jsonl").read_text().splitlines()]
+    assert [e["loss"] for e in cut_losses if e["event"] == "step"] == pytest.approx(losses,
+                                                                                   abs=1e-5)
+
+
+def test_recipe_requires_base(tmp_path, capsys):
+    rc = _train(["--recipe", "lora", "--runs-root", str(tmp_path), "--no-progress"])
+    assert rc == 2
+    assert "--base: expected the path of a llama GGUF" in capsys.readouterr().err
+    rc = _train(["--recipe", "lora", "--base", str(tmp_path / "nope.gguf"),
+                 "--runs-root", str(tmp_path), "--no-progress"])
+    assert rc == 2 and "nope.gguf: --base: expected an existing GGUF file" in \
+        capsys.readouterr().err
+
+
+def test_lora_linear_wraps_with_from_base():
+    mx.random.seed(0)
+    lin = nn.Linear(32, 16, bias=True)
+    m = LoRALinear.from_base(lin, rank=2, alpha=6.0, dropout=0.0)
+    assert m.scale == 3.0 and m.lora_a.shape == (2, 32) and m.lora_b.shape == (16, 2)
+    x = mx.random.normal((5, 32))
+    assert mx.array_equal(m(x), lin(x)).item()
+    m.lora_b = mx.ones((16, 2))
+    fused = m.fuse()
+    assert isinstance(fused, nn.Linear) and "bias" in fused
+    assert mx.abs(fused(x) - m(x)).max().item() < 1e-5
+
+
+def test_export_cli(tiny_gguf, tmp_path, capsys):
+    from toymlx_cli.export import main as export
+
+    model = apply_lora(base(tiny_gguf), "q,down", rank=4, alpha=8.0)
+    randomize_b(model, std=0.1)
+    want = model(TOKENS)
+    run = tmp_path / "run"
+    (run / "weights").mkdir(parents=True)
+    write_adapter(run / "weights" / "adapter_step_5.gguf", model, {"general.architecture": "llama"})
+    (run / "weights" / "latest").symlink_to("adapter_step_5.gguf")
+    merged = tmp_path / "merged.gguf"
+    assert export(["--base", str(tiny_gguf), "--adapter", str(run), "--fuse",
+                   "--out", str(merged)]) == 0
+    assert GGUFFile(merged).metadata["general.file_type"] == 0  # F32 by default
+    assert mx.abs(base(merged)(TOKENS) - want).max().item() < 1e-5
+    copy = tmp_path / "adapter.gguf"
+    assert export(["--base", str(tiny_gguf), "--adapter", str(run), "--out", str(copy)]) == 0
+    assert copy.read_bytes() == (run / "weights" / "adapter_step_5.gguf").read_bytes()
+    f16 = tmp_path / "base-f16.gguf"
+    assert export(["--base", str(tiny_gguf), "--out", str(f16), "--dtype", "f16"]) == 0
+    g = GGUFFile(f16)
+    assert g.tensors["blk.1.ffn_up.weight"].type.name == "F16"
+    assert g.metadata["general.file_type"] == 1
+    assert g.metadata["tokenizer.ggml.tokens"] == GGUFFile(tiny_gguf).metadata[
+        "tokenizer.ggml.tokens"]
+    capsys.readouterr()
+    assert export(["--base", str(tiny_gguf), "--fuse", "--out", str(tmp_path / "x.gguf")]) == 2
+    assert "--fuse: expected --adapter" in capsys.readouterr().err
+    assert export(["--base", str(tiny_gguf), "--adapter", str(tiny_gguf), "--fuse",
+                   "--out", str(tmp_path / "x.gguf")]) == 2
+    assert "metadata key 'general.type': expected 'adapter'" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()

@@ -1,0 +1,520 @@
+"""LoRA: low-rank adapters on a frozen Llama, and llama.cpp's LoRA adapter GGUF format.
+
+`LoRALinear` adds `scale * B (A x)` to a frozen projection (a float `nn.Linear` or an
+`nn.QuantizedLinear`). `lora_a` is `(r, n_in)` and `lora_b` `(n_out, r)`: the orientation
+PEFT and llama.cpp store, so an adapter file needs no transpose. `lora_b` starts at zero, so
+step 0 computes exactly the base model; `scale = alpha / rank` is computed in
+`LoRALinear.__init__` and nowhere else (llama.cpp applies the same `alpha / r`).
+
+Adapter GGUF (what llama.cpp's `llama_adapter_lora_init` checks): `general.type = "adapter"`,
+`general.architecture` = the base's, `adapter.type = "lora"`, `adapter.lora.alpha` (float32;
+0 means scale 1), and per adapted weight `<base tensor>.lora_a` (r, n_in) and `.lora_b`
+(n_out, r), F32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+from mlx import nn
+
+from toymlx.gguf.llama import (
+    args_from_gguf,
+    expected_shapes,
+    gguf_to_toy,
+    llama_tensors,
+    toy_to_gguf,
+)
+from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
+from toymlx.gguf.writer import QuantTensor, write_gguf
+from toymlx.models.llama import Llama
+
+TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj",
+                           "o": "attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                           "down": "mlp.down_proj"}
+"""--lora.targets short names -> projection paths inside a Llama block."""
+
+GROUP_SIZE = 32
+"""GGUF's Q4_0/Q4_1/Q8_0 block size, which MLX's affine quantization reproduces exactly."""
+_EXACT_QUANTS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                 GGMLQuantizationType.Q8_0)
+
+
+def base_dims(linear: nn.Module) -> tuple[int, int]:
+    """(n_out, n_in) of a float or quantized linear layer."""
+    if isinstance(linear, nn.QuantizedLinear):
+        n_out, packed = linear.weight.shape
+        return n_out, packed * 32 // linear.bits
+    if isinstance(linear, nn.Linear):
+        return tuple(linear.weight.shape)
+    raise TypeError(f"LoRA: expected nn.Linear or nn.QuantizedLinear, found {type(linear).__name__}")
+
+
+def base_weight(linear: nn.Module) -> mx.array:
+    """The (n_out, n_in) weight of a float or quantized linear, dequantized if need be."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return mx.dequantize(linear.weight, linear.scales, linear.biases,
+                             group_size=linear.group_size, bits=linear.bits)
+    return linear.weight
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear plus a trainable low-rank update: y = W x + (alpha/r) B (A dropout(x))."""
+
+    @classmethod
+    def from_base(cls, linear: nn.Module, rank: int = 8, alpha: float = 16.0,
+                  dropout: float = 0.0) -> LoRALinear:
+        """Wrap an existing (float or quantized) linear layer."""
+        return cls(linear, rank, alpha, dropout)
+
+    def __init__(self, linear: nn.Module, rank: int = 8, alpha: float = 16.0,
+                 dropout: float = 0.0):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"--lora.rank: expected >= 1, found {rank}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"--lora.dropout: expected in [0, 1), found {dropout}")
+        n_out, n_in = base_dims(linear)
+        self.linear = linear
+        self.dropout = nn.Dropout(dropout)
+        self.rank, self.alpha = int(rank), float(alpha)
+        self.scale = self.alpha / self.rank  # the one place LoRA's scale is computed
+        # PEFT's init: A ~ U(-1/sqrt(n_in), 1/sqrt(n_in)), B = 0, so the update starts at zero.
+        bound = 1.0 / math.sqrt(n_in)
+        self.lora_a = mx.random.uniform(-bound, bound, (rank, n_in))  # (r, in)
+        self.lora_b = mx.zeros((n_out, rank))  # (out, r)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        z = (self.dropout(x) @ self.lora_a.T) * self.scale  # (..., r)
+        return y + (z @ self.lora_b.T).astype(y.dtype)  # (..., out)
+
+    def delta(self) -> mx.array:
+        """The dense update scale * B A, (n_out, n_in)."""
+        return self.scale * (self.lora_b @ self.lora_a)
+
+    def fuse(self) -> nn.Linear:
+        """A plain nn.Linear computing W + scale * B A (float32 when the base is quantized)."""
+        w = base_weight(self.linear)
+        dtype = mx.float32 if isinstance(self.linear, nn.QuantizedLinear) else w.dtype
+        n_out, n_in = base_dims(self.linear)
+        has_bias = "bias" in self.linear
+        fused = nn.Linear(n_in, n_out, bias=has_bias)
+        fused.weight = (w.astype(mx.float32) + self.delta()).astype(dtype)
+        if has_bias:
+            fused.bias = self.linear.bias
+        return fused
+
+
+# ---- applying, listing and fusing -------------------------------------------------------
+def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
+    """Short target names from "q,k,v" or a sequence; ValueError names --lora.targets."""
+    items = targets.split(",") if isinstance(targets, str) else list(targets)
+    names = [t.strip() for t in items if t.strip()]
+    allowed = ", ".join(TARGETS)
+    if not names:
+        raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
+                         f"{targets!r}")
+    bad = [t for t in names if t not in TARGETS]
+    if bad:
+        raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
+                         f"unknown target {bad[0]!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def target_blocks(n_layers: int, layers: int | None) -> range:
+    """Indices of the last `layers` blocks (all when None); ValueError names --lora.layers."""
+    if layers is None:
+        return range(n_layers)
+    if not 1 <= layers <= n_layers:
+        raise ValueError(f"--lora.layers: expected 1..{n_layers} (the base's block count) or "
+                         f"unset for all, found {layers}")
+    return range(n_layers - layers, n_layers)
+
+
+def _get(model: nn.Module, path: str) -> nn.Module:
+    obj: Any = model
+    for part in path.split("."):
+        obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part)
+    return obj
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(_get(model, parent), leaf, module)
+
+
+def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int | None = None,
+               rank: int = 8, alpha: float = 16.0, dropout: float = 0.0) -> Llama:
+    """Freeze `model` and wrap the chosen projections of the last `layers` blocks in LoRA."""
+    names = parse_targets(targets)
+    blocks = target_blocks(len(model.layers), layers)
+    model.freeze()
+    for i in blocks:
+        for t in names:
+            path = f"layers.{i}.{TARGETS[t]}"
+            base = _get(model, path)
+            if isinstance(base, LoRALinear):
+                raise TypeError(f"{path}: expected a plain projection, found one already "
+                                "wrapped in LoRA")
+            _set(model, path, LoRALinear.from_base(base, rank, alpha, dropout))
+    return model
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every LoRALinear in `model` by its module path (`layers.3.attn.q_proj`), in order."""
+    found = [(p, m) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
+    return dict(sorted(found, key=lambda pm: _order(pm[0])))
+
+
+def _order(path: str) -> tuple:
+    parts = path.split(".")
+    if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
+        rest = ".".join(parts[2:])
+        kinds = list(TARGETS.values())
+        return (0, int(parts[1]), kinds.index(rest) if rest in kinds else len(kinds), rest)
+    return (1, 0, 0, path)
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Replace every LoRALinear in `model` by the plain Linear W + scale B A; return `model`."""
+    for path, m in lora_layers(model).items():
+        _set(model, path, m.fuse())
+    return model
+
+
+# ---- quantized or float base models -----------------------------------------------------
+def projection_types(g: GGUFFile) -> dict[str, str]:
+    """GGML type name of every 2-D block projection in a llama GGUF, by tensor name."""
+    return {n: t.type.name for n, t in g.tensors.items()
+            if n.startswith("blk.") and len(t.shape) == 2}
+
+
+def resolve_base_dtype(choice: str, g: GGUFFile, on_gpu: bool) -> str:
+    """float32 / float16 / quantized for --base-dtype (auto: quantized only on the GPU).
+
+    MLX's quantized matmul is ~40x slower than dequantize + fp32 on the CPU but the fast path
+    on Metal, and it holds GGUF's Q4_0/Q4_1/Q8_0 blocks exactly (same 32-value groups).
+    """
+    exact = all(GGMLQuantizationType[t] in _EXACT_QUANTS for t in projection_types(g).values())
+    if choice == "auto":
+        return "quantized" if on_gpu and exact else "float32"
+    if choice == "quantized" and not exact:
+        bad = next(f"{n} is {t}" for n, t in projection_types(g).items()
+                   if GGMLQuantizationType[t] not in _EXACT_QUANTS)
+        raise ValueError(f"--base-dtype quantized: {g.path}: expected Q4_0, Q4_1 or Q8_0 "
+                         f"projections (the types MLX holds exactly), found {bad}; use "
+                         "--base-dtype float32")
+    if choice not in ("quantized", "float32", "float16"):
+        raise ValueError(f"--base-dtype: expected auto, quantized, float32 or float16, "
+                         f"found {choice!r}")
+    return choice
+
+
+def gguf_to_mlx_quant(g: GGUFFile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(packed uint32, scales, biases, bits) of a Q4_0/Q4_1/Q8_0 tensor: exact MLX affine form.
+
+    GGUF blocks of 32 values become MLX groups of 32: Q8_0 `d*q` (q int8) is `d*(q+128) - 128d`,
+    Q4_0 `d*(q-8)` is `d*q - 8d`, Q4_1 `d*q + m`. Each block's 4-bit nibbles hold value j in
+    the low and j+16 in the high half of byte j; MLX packs value i of a word at bit bits*i.
+    """
+    info = g.tensors[name]
+    n_out, n_in = info.shape
+    raw = g.raw(name)
+    nb = n_in // GROUP_SIZE
+    T = GGMLQuantizationType
+    if info.type == T.Q8_0:
+        blk = raw.reshape(n_out, nb, 34)
+        d = blk[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, nb)
+        q = blk[..., 2:].copy().view(np.int8).astype(np.int32) + 128  # (out, nb, 32)
+        bits, bias = 8, -128.0 * d
+    elif info.type in (T.Q4_0, T.Q4_1):
+        size = 18 if info.type == T.Q4_0 else 20
+        blk = raw.reshape(n_out, nb, size)
+        d = blk[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, nb)
+        qs = blk[..., size - 16:]  # (out, nb, 16)
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int32)  # (out, nb, 32)
+        bits = 4
+        bias = (-8.0 * d if info.type == T.Q4_0
+                else blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    else:
+        raise GGUFError(f"{g.path}: tensor {name!r} type: expected Q4_0, Q4_1 or Q8_0 to keep "
+                        f"quantized, found {info.type.name}")
+    per = 32 // bits
+    q = q.astype(np.uint32).reshape(n_out, n_in // per, per)  # (out, in/per, per)
+    packed = np.zeros((n_out, n_in // per), np.uint32)
+    for i in range(per):
+        packed |= q[..., i] << np.uint32(bits * i)
+    return packed, d, bias.astype(np.float32), bits
+
+
+def load_base(path: str | os.PathLike, dtype: str = "float32") -> tuple[Llama, GGUFFile]:
+    """A llama GGUF as a Llama: float32/float16 (exact dequantisation) or quantized projections.
+
+    Quantized keeps every Q4_0/Q4_1/Q8_0 block projection as an nn.QuantizedLinear holding
+    the file's own blocks (see `gguf_to_mlx_quant`); embeddings and norms are float32.
+    """
+    g = GGUFFile(path)
+    args = args_from_gguf(g)
+    model = Llama(args)  # its random init is lazy and never computed: every weight is replaced
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    quantized = dtype == "quantized"
+    weights = []
+    for name in expected_shapes(args):
+        key = gguf_to_toy(name)
+        if quantized and name.startswith("blk.") and len(g.tensors[name].shape) == 2:
+            w, s, b, bits = gguf_to_mlx_quant(g, name)
+            n_out, n_in = g.tensors[name].shape
+            q = nn.QuantizedLinear(n_in, n_out, bias=False, group_size=GROUP_SIZE, bits=bits)
+            q.weight, q.scales, q.biases = mx.array(w), mx.array(s), mx.array(b)
+            _set(model, key[: -len(".weight")], q)
+            continue
+        weights.append((key, mx.array(g.load(name, np.float32 if "norm" in name else np_dtype))))
+    model.load_weights(weights, strict=False)
+    mx.eval(model.parameters())
+    return model, g
+
+
+# ---- the llama.cpp adapter GGUF -----------------------------------------------------------
+def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> Path:
+    """Write the model's LoRA layers as a llama.cpp LoRA adapter GGUF (F32), atomically."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("write_adapter: expected a model with LoRA layers (apply_lora), "
+                         "found none")
+    alphas = {m.alpha for m in layers.values()}
+    if len(alphas) != 1:
+        raise ValueError(f"write_adapter: expected one lora alpha for every layer (the file "
+                         f"holds one adapter.lora.alpha), found {sorted(alphas)}")
+    tensors: dict[str, np.ndarray] = {}
+    short = {v: k for k, v in TARGETS.items()}
+    kinds, blocks = [], []
+    for p, m in layers.items():
+        name = toy_to_gguf(p + ".weight")
+        tensors[name + ".lora_a"] = np.asarray(m.lora_a.astype(mx.float32))  # (r, in)
+        tensors[name + ".lora_b"] = np.asarray(m.lora_b.astype(mx.float32))  # (out, r)
+        _, i, rest = p.split(".", 2)
+        kinds.append(short.get(rest, rest))
+        blocks.append(int(i))
+    arch = base_meta.get("general.architecture", "llama")
+    meta = {
+        "general.type": "adapter",
+        "general.architecture": arch,
+        "general.name": f"{base_meta.get('general.name', arch)} LoRA",
+        "adapter.type": "lora",
+        "adapter.lora.alpha": float(alphas.pop()),
+        "toy.lora.rank": int(max(m.rank for m in layers.values())),
+        "toy.lora.targets": ",".join(dict.fromkeys(kinds)),
+        "toy.lora.blocks": f"{min(blocks)}-{max(blocks)}",
+    }
+    meta.update(extra or {})
+    return write_gguf(path, meta, tensors)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter read from GGUF: base tensor name -> (A (r, n_in), B (n_out, r))."""
+
+    path: str
+    arch: str
+    alpha: float
+    pairs: dict[str, tuple[np.ndarray, np.ndarray]]
+    metadata: dict[str, Any]
+
+
+def resolve_adapter_path(path_or_run_dir: str | os.PathLike) -> Path:
+    """An adapter GGUF as given, or the one `weights/latest` names in a LoRA run directory."""
+    from toymlx.checkpoint import resolve_latest
+
+    p = Path(path_or_run_dir)
+    if p.is_dir():
+        return resolve_latest(p)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: --adapter: expected an adapter GGUF or a LoRA run "
+                                "directory, found nothing at that path")
+    return p
+
+
+def load_adapter(path: str | os.PathLike) -> Adapter:
+    """Read and check a llama.cpp LoRA adapter GGUF (one-line GGUFError when it is not one)."""
+    path = resolve_adapter_path(path)
+    g = GGUFFile(path)
+    meta = g.metadata
+    kind = meta.get("general.type")
+    if kind != "adapter":
+        hint = (" (a model; pass it as the base and the adapter separately)" if kind == "model"
+                or "tokenizer.ggml.tokens" in meta else "")
+        raise GGUFError(f"{path}: metadata key 'general.type': expected 'adapter' (a LoRA "
+                        f"adapter GGUF), found {kind!r}{hint}")
+    if meta.get("adapter.type") != "lora":
+        raise GGUFError(f"{path}: metadata key 'adapter.type': expected 'lora', found "
+                        f"{meta.get('adapter.type')!r}")
+    alpha = g.get("adapter.lora.alpha", (int, float), 0.0)
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for name in g.tensors:
+        base, _, half = name.rpartition(".")
+        if half not in ("lora_a", "lora_b"):
+            if name.endswith("_norm.weight"):  # llama.cpp ignores these too
+                continue
+            raise GGUFError(f"{path}: tensor {name!r}: expected a name ending in .lora_a or "
+                            ".lora_b, found another suffix")
+        arr = g.load(name, np.float32)
+        if arr.ndim != 2:
+            raise GGUFError(f"{path}: tensor {name!r}: expected 2 dimensions, found shape "
+                            f"{arr.shape}")
+        halves.setdefault(base, {})[half] = arr.copy()
+    pairs = {}
+    for base, h in halves.items():
+        if len(h) != 2:
+            missing = "lora_b" if "lora_a" in h else "lora_a"
+            raise GGUFError(f"{path}: tensor '{base}.{missing}': expected present (pair of "
+                            f"'{base}.{'lora_a' if missing == 'lora_b' else 'lora_b'}'), "
+                            "found missing")
+        a, b = h["lora_a"], h["lora_b"]
+        if a.shape[0] != b.shape[1]:
+            raise GGUFError(f"{path}: tensor '{base}.lora_b' shape: expected (n_out, "
+                            f"{a.shape[0]}) to match lora_a's rank, found {b.shape}")
+        pairs[base] = (a, b)
+    if not pairs:
+        raise GGUFError(f"{path}: tensors: expected lora_a/lora_b pairs, found none")
+    arch = meta.get("general.architecture")
+    g.close()
+    return Adapter(str(path), str(arch), float(alpha), pairs, dict(meta))
+
+
+def _adapter_targets(model: nn.Module, ad: Adapter) -> dict[str, tuple[str, np.ndarray,
+                                                                       np.ndarray]]:
+    """Adapter tensor name -> (module path, A, B), every shape checked against the base."""
+    out = {}
+    for name, (a, b) in ad.pairs.items():
+        key = gguf_to_toy(name)
+        try:
+            module = _get(model, key[: -len(".weight")]) if key else None
+        except (AttributeError, IndexError, KeyError):
+            module = None
+        if isinstance(module, LoRALinear):
+            module = module.linear
+        if not isinstance(module, (nn.Linear, nn.QuantizedLinear)) or key == "embed.weight":
+            raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection weight "
+                            f"of the base (blk.N.attn_q/k/v/output, ffn_gate/up/down), found "
+                            f"no such weight in a {len(model.layers)}-block base")
+        n_out, n_in = base_dims(module)
+        if a.shape[1] != n_in or b.shape[0] != n_out:
+            raise GGUFError(f"{ad.path}: tensor '{name}.lora_a'/'.lora_b' shapes: expected "
+                            f"(r, {n_in}) and ({n_out}, r) to fit the base's {name} "
+                            f"({n_out}, {n_in}), found {a.shape} and {b.shape} (wrong base?)")
+        out[name] = (key[: -len(".weight")], a, b)
+    return out
+
+
+def _check_arch(ad: Adapter, arch: str) -> None:
+    if ad.arch != arch:
+        raise GGUFError(f"{ad.path}: metadata key 'general.architecture': expected {arch!r} "
+                        f"(the base model's), found {ad.arch!r}")
+
+
+def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike,
+                  arch: str = "llama") -> Llama:
+    """Wrap `model`'s projections with the adapter's LoRA layers (a file or a run directory)."""
+    ad = load_adapter(path_or_run_dir)
+    _check_arch(ad, arch)
+    for path, a, b in _adapter_targets(model, ad).values():
+        base = _get(model, path)
+        if isinstance(base, LoRALinear):
+            raise TypeError(f"{path}: expected a plain projection, found one already "
+                            "wrapped in LoRA (apply one adapter per model)")
+        rank = a.shape[0]
+        # llama.cpp: alpha 0 (or absent) means scale 1, i.e. alpha = r.
+        m = LoRALinear.from_base(base, rank, ad.alpha or float(rank))
+        m.lora_a, m.lora_b = mx.array(a), mx.array(b)
+        _set(model, path, m)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
+                         arch: str = "llama") -> None:
+    """Resume: copy an adapter file's A and B into the model's existing LoRA layers.
+
+    The file must hold exactly the model's LoRA layers with the same ranks and alpha.
+    """
+    ad = load_adapter(path)
+    _check_arch(ad, arch)
+    have = {toy_to_gguf(p + ".weight"): m for p, m in lora_layers(model).items()}
+    if set(have) != set(ad.pairs):
+        extra = sorted(set(ad.pairs) - set(have))
+        missing = sorted(set(have) - set(ad.pairs))
+        raise GGUFError(f"{ad.path}: tensors: expected LoRA pairs for exactly the model's "
+                        f"{len(have)} adapted weights, found {len(ad.pairs)} (missing "
+                        f"{missing[:2]}, unexpected {extra[:2]})")
+    targets = _adapter_targets(model, ad)
+    for name, (_, a, b) in targets.items():
+        m = have[name]
+        if a.shape[0] != m.rank or (ad.alpha or a.shape[0]) != m.alpha:
+            raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected rank {m.rank} and "
+                            f"alpha {m.alpha} (this run's), found rank {a.shape[0]} and alpha "
+                            f"{ad.alpha}")
+        m.lora_a, m.lora_b = mx.array(a), mx.array(b)
+    mx.eval(model.parameters())
+
+
+# ---- merged model export ------------------------------------------------------------------
+EXPORT_DTYPES = ("f32", "f16", "q8_0")
+_FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
+
+
+def default_export_dtype(g: GGUFFile) -> str:
+    """q8_0 when every block projection of the base is Q8_0, else f32."""
+    types = set(projection_types(g).values())
+    return "q8_0" if types == {"Q8_0"} else "f32"
+
+
+def encode_tensor(name: str, w: np.ndarray, dtype: str) -> np.ndarray | QuantTensor:
+    """A float32 tensor in the export type; 1-D tensors (norms) always stay F32."""
+    if w.ndim < 2 or dtype == "f32":
+        return np.ascontiguousarray(w, np.float32)
+    if dtype == "f16":
+        return np.ascontiguousarray(w, np.float16)
+    from gguf.quants import quantize
+
+    if w.shape[-1] % GROUP_SIZE:
+        raise ValueError(f"--dtype q8_0: tensor {name!r}: expected rows a multiple of "
+                         f"{GROUP_SIZE} values, found shape {w.shape}; use --dtype f16 or f32")
+    return QuantTensor(GGMLQuantizationType.Q8_0,
+                       quantize(np.ascontiguousarray(w, np.float32), GGMLQuantizationType.Q8_0),
+                       tuple(w.shape))
+
+
+def write_merged(out: str | os.PathLike, base: str | os.PathLike,
+                 adapter: str | os.PathLike | None = None, dtype: str | None = None) -> Path:
+    """Write `base` (+ `adapter` fused into its weights) as a full llama GGUF at `dtype`.
+
+    Every metadata key of the base (tokenizer, chat template, hyperparameters) is kept with
+    its original GGUF type; general.file_type follows the new tensor types.
+    """
+    model, g = load_base(base, "float32")
+    dtype = dtype or default_export_dtype(g)
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype: expected one of {', '.join(EXPORT_DTYPES)}, found {dtype!r}")
+    skip = ("general.alignment", "general.file_type")
+    meta = {k: v for k, v in g.metadata.items() if k not in skip}
+    types = {k: t for k, t in g.metadata_types.items() if k not in skip}
+    meta["general.file_type"] = _FILE_TYPE[dtype]
+    types["general.file_type"] = (UINT32, None)
+    if adapter is not None:
+        ad_path = resolve_adapter_path(adapter)
+        apply_adapter(model, ad_path, g.metadata.get("general.architecture", "llama"))
+        fuse(model)
+        meta["toy.merged_adapter"] = ad_path.name
+    g.close()
+    tensors = {n: encode_tensor(n, w, dtype) for n, w in llama_tensors(model).items()}
+    return write_gguf(out, meta, tensors, types=types)

@@ -1,0 +1,167 @@
+"""Recipe `lora`: fine-tune low-rank adapters on a frozen llama GGUF with chat/SFT data.
+
+The base model and its tokenizer and chat template come from `--base` (any llama GGUF;
+quantized files are dequantized exactly, or kept quantized with `--base-dtype quantized`).
+Checkpoints are llama.cpp LoRA adapter GGUFs, `weights/adapter_step_N.gguf`, usable as
+`llama-cli --lora`, `toymlx-generate --adapter`, or merged by `toymlx-export --fuse`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import mlx.core as mx
+import numpy as np
+
+from toymlx.data.chat import SFTData
+from toymlx.gguf.reader import GGUFFile
+from toymlx.lora import (
+    apply_lora,
+    load_adapter_weights,
+    load_base,
+    parse_targets,
+    projection_types,
+    resolve_base_dtype,
+    target_blocks,
+    write_adapter,
+)
+from toymlx.losses import lm_loss
+from toymlx.recipes.common import check_seq_len, llama_model_info
+from toymlx.tokenizer import Tokenizer
+from toymlx.trainer import Task, TrainConfig
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "fixtures" / "python_qa" / "python_qa.jsonl"
+
+
+@dataclass
+class LoRAOptions:
+    """Which projections get adapters, and their size."""
+
+    rank: int = 8
+    """Rank r of each adapter (A is (r, n_in), B is (n_out, r))."""
+    alpha: float = 16.0
+    """Adapters are scaled by alpha / rank (llama.cpp applies the same)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training."""
+    targets: str = "q"
+    """Comma list of projections to adapt: q, k, v, o, gate, up, down."""
+    layers: int | None = None
+    """Adapt only the last N blocks (default: all)."""
+
+
+@dataclass
+class ChatDataOptions:
+    """Supervised fine-tuning examples (JSONL: text, prompt/completion or messages)."""
+
+    path: str | None = None
+    """Example file; default: fixtures/python_qa/python_qa.jsonl (Python stdlib Q&A)."""
+    mask_prompt: bool = True
+    """Train on the answers only (prompts and chat headers get no loss)."""
+    pack: bool = True
+    """Concatenate examples into full rows (--data.no-pack: one padded example per row; on a
+    CPU every padded position costs as much as a real one)."""
+    val_fraction: float = 0.1
+    """Fraction of the examples, from the end of the file, held out for validation."""
+
+
+@dataclass
+class Config(TrainConfig):
+    """toymlx-train --recipe lora --base MODEL.gguf: train LoRA adapters on a frozen model."""
+
+    base: str | None = None
+    """The llama GGUF to adapt (required); its tokenizer and chat template are used."""
+    base_dtype: Literal["auto", "quantized", "float32", "float16"] = "auto"
+    """Frozen base weights: auto = float32 on CPU, kept quantized (Q4_0/Q4_1/Q8_0) on GPU."""
+    seq_len: int = 256
+    """Tokens per training row (longer examples are cut)."""
+    lora: LoRAOptions = field(default_factory=LoRAOptions)
+    data: ChatDataOptions = field(default_factory=ChatDataOptions)
+    steps: int = 100
+    """Optimizer steps to train for (the schedule's length)."""
+    batch_size: int = 4
+    """Rows per micro-batch."""
+    lr: float = 2e-4
+    """Peak learning rate, reached after warm-up."""
+    warmup: int = 10
+    """Steps of linear warm-up."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay on the adapter matrices."""
+    eval_every: int = 25
+    """Steps between validation passes (0: only at the end)."""
+    checkpoint_every: int = 50
+    """Steps between adapter checkpoints (0: only the final one)."""
+
+
+def validate(cfg: Config) -> None:
+    """Check the LoRA options before anything is loaded; ValueError names the flag."""
+    if not cfg.base:
+        raise ValueError("--base: expected the path of a llama GGUF to adapter-train, found "
+                         "none (e.g. --base SmolLM2-135M-Instruct.Q4_1.gguf)")
+    if not Path(cfg.base).is_file():
+        raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
+                         f"{'a directory' if Path(cfg.base).is_dir() else 'nothing'}")
+    parse_targets(cfg.lora.targets)
+    if cfg.lora.rank < 1:
+        raise ValueError(f"--lora.rank: expected >= 1, found {cfg.lora.rank}")
+    if cfg.lora.alpha <= 0:
+        raise ValueError(f"--lora.alpha: expected > 0, found {cfg.lora.alpha}")
+    if not 0.0 <= cfg.lora.dropout < 1.0:
+        raise ValueError(f"--lora.dropout: expected in [0, 1), found {cfg.lora.dropout}")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ValueError(f"--data.val-fraction: expected in [0, 1), found "
+                         f"{cfg.data.val_fraction}")
+
+
+def build(cfg: Config) -> Task:
+    validate(cfg)
+    mx.random.seed(cfg.seed)
+    with GGUFFile(cfg.base) as g:
+        dtype = resolve_base_dtype(cfg.base_dtype, g,
+                                   mx.default_device().type == mx.DeviceType.gpu)
+        types = "/".join(sorted(set(projection_types(g).values())))
+    model, g = load_base(cfg.base, dtype)
+    meta = dict(g.metadata)
+    g.close()
+    args = model.args
+    check_seq_len(cfg.seq_len, args)
+    target_blocks(args.n_layers, cfg.lora.layers)  # --lora.layers checked against the base
+    tok = Tokenizer.from_metadata(meta)
+    data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
+                             cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction)
+    targets = parse_targets(cfg.lora.targets)
+    apply_lora(model, targets, cfg.lora.layers, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
+    base_meta = {"general.architecture": meta.get("general.architecture", "llama"),
+                 "general.name": meta.get("general.name", Path(cfg.base).stem)}
+
+    def save(path: Path, m, extra: dict) -> None:
+        write_adapter(path, m, base_meta, {**extra, "toy.base": Path(cfg.base).name})
+
+    info = llama_model_info(args)
+    info.update(base=str(cfg.base), base_name=base_meta["general.name"], base_type=types,
+                base_dtype=dtype, lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
+                lora_targets=",".join(targets), lora_layers=cfg.lora.layers or args.n_layers)
+    # n_params and n_trainable are added by the trainer to run_start's model record
+    return Task(
+        recipe="lora", model=model, loss_fn=lm_loss,
+        train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
+        val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches), save=save,
+        load=lambda path, m: load_adapter_weights(m, path), model_info=info,
+        config_info={"base_dtype_resolved": dtype, "data_source": data.source,
+                     "train_rows": len(data.train["inputs"]), "val_rows": len(data.val["inputs"]),
+                     "train_target_tokens": int(data.train["mask"].sum()),
+                     "n_truncated": data.n_truncated},
+        metrics_fn=eval_metrics, unit="tokens", count=lambda b: int(np.sum(b["mask"])),
+        prefix="adapter_step_")
+
+
+def eval_metrics(model, batch: dict) -> dict:
+    """Validation sums with dropout off (the shared loop never leaves training mode)."""
+    model.eval()
+    try:
+        loss, n = lm_loss(model, batch)
+    finally:
+        model.train()
+    n = n.astype(mx.float32)
+    return {"loss": loss * n, "n": n}
