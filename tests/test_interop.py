@@ -224,3 +224,22 @@ def test_smollm_chat_generation_knows_paris(smollm_gguf):  # noqa: F811
     report("toymlx-generate SmolLM2 Q4_1 --chat", wall_s=round(wall, 2), output=r.stdout.strip(),
            stats=r.stderr.strip().splitlines()[-1])
     assert "Paris" in r.stdout
+
+
+# ---- warm-start: the folded export is a plain llama model llama.cpp runs ------------------
+def test_warm_start_checkpoint_logits_match_llamacpp(stories_path, shared_data, tmp_path):
+    from toymlx_cli.train import main
+
+    args = ["--recipe", "warm-start", "--donor", str(stories_path), "--model.d-model", "32",
+            "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
+            "--model.ffn-dim", "64", "--seq-len", "64", "--batch-size", "4", "--steps", "6",
+            "--data.path", str(shared_data / "text" / "tinyshakespeare.txt"),
+            "--runs-root", str(tmp_path), "--run-id", "warm", "--no-progress"]
+    assert main(args) == 0
+    ckpt = resolve_latest(tmp_path / "warm")
+    g = GGUFFile(ckpt)
+    assert g.tensors["token_embd.weight"].shape == (512, 32)  # table @ lens, folded
+    model, tok = load_for_generation(ckpt)
+    ids = tok.encode(TEXT)
+    assert compare_logits(ckpt, "warm-start (pca lens, width 64 -> 32) logits", ids,
+                          model) <= TOL
