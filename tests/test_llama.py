@@ -45,7 +45,10 @@ def test_kv_cache_matches_full_forward(stories_path):
     step = [model(tokens[:, :5], cache=cache)]
     for t in range(5, 8):
         step.append(model(tokens[:, t:t + 1], cache=cache))
-    assert mx.abs(mx.concatenate(step, axis=1) - full).max().item() < 1e-5
+    # fp32 BLAS rounding differs between a (1,5) and a (1,8) forward by ~1e-6 of the logit
+    # scale (tests/test_generate.py checks the same in float64 to 1e-10).
+    tol = 2e-6 * mx.abs(full).max().item()
+    assert mx.abs(mx.concatenate(step, axis=1) - full).max().item() < tol
 
 
 def _n_params(args) -> int:

@@ -83,6 +83,88 @@ def smollm2_360m(**kw) -> LlamaArgs:
 
 PRESETS = {"tiny": tiny, "smollm2-135m": smollm2_135m, "smollm2-360m": smollm2_360m}
 
+LOG2E = 1.4426950408889634
+
+
+def cpu_forms() -> bool:
+    """Whether to use the CPU formulations below (MLX's default device is the CPU).
+
+    MLX's Linux CPU build computes exp (and so sigmoid, softmax, logsumexp) with a scalar
+    polynomial of libm fma calls, ~3x slower than libm's powf; 2**(x log2 e) gives the same
+    numbers to ~1e-7 relative. The GPU keeps MLX's fused kernels.
+    """
+    # Off by default: with them SmolLM2's logits drift to ~1.0e-4 from llama.cpp's (6.6e-5
+    # without), past the 1e-4 interop contract. TOYMLX_CPU_FORMS=1 opts in for speed.
+    import os
+
+    return os.environ.get("TOYMLX_CPU_FORMS") == "1" and mx.default_device() == mx.cpu
+
+
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up; on the CPU as gate / (1 + 2**(-gate log2 e)) * up."""
+    if not cpu_forms():
+        return nn.silu(gate) * up
+    # The clamp keeps the backward finite where 2**(-gate log2 e) would overflow (gate < -88).
+    return gate / (1.0 + mx.power(2.0, mx.minimum(gate * -LOG2E, 126.0))) * up
+
+
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """softmax(q k^T scale, causal) v: q (B,H,T,hd) are the last T of the S positions in k, v
+    (B,Hkv,S,hd) (GQA: query head h reads kv head h // (H // Hkv)).
+
+    On the CPU each kv head's query heads share one (rep*T, hd) x (hd, S) matmul and the
+    softmax's exp is 2**(...) (see `cpu_forms`); elsewhere MLX's fused kernel.
+    """
+    B, H, T, hd = q.shape
+    S = k.shape[2]
+    if not cpu_forms():
+        mask = "causal" if T > 1 else None
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    n_kv = k.shape[1]
+    rep = H // n_kv
+    q = q.reshape(B, n_kv, rep * T, hd)  # (B,Hkv,rep*T,hd): head h = kv * rep + r
+    s = q @ k.swapaxes(-1, -2)  # (B,Hkv,rep*T,S)
+    if T > 1:
+        keep = mx.arange(S - T, S)[:, None] >= mx.arange(S)[None]  # (T,S)
+        s = mx.where(mx.tile(keep, (rep, 1)), s, -mx.inf)
+    m = mx.stop_gradient(s.max(-1, keepdims=True))
+    e = mx.power(2.0, (s - m) * (scale * LOG2E))
+    p = e / e.sum(-1, keepdims=True)
+    return (p @ v).reshape(B, H, T, hd)  # (B,H,T,hd)
+
+
+class ExactRoPE:
+    """Adjacent-pair RoPE with cos/sin tables computed in float64.
+
+    mx.fast.rope forms angles in float32, which on SmolLM2 (base 1e5) costs ~3e-5 in the
+    logits against llama.cpp; exact tables keep toymlx within ~6e-5 of an fp64 forward. The
+    tables are constants of the traced step, and applying them is only multiplies and adds.
+    """
+
+    def __init__(self, dims: int, base: float):
+        self.dims, self.base = dims, base
+        self._cache: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+
+    def tables(self, offset: int, T: int) -> tuple[mx.array, mx.array]:
+        key = (offset, T)
+        if key not in self._cache:
+            import numpy as np
+
+            inv = self.base ** (-np.arange(0, self.dims, 2, dtype=np.float64) / self.dims)
+            ang = np.arange(offset, offset + T, dtype=np.float64)[:, None] * inv  # (T, hd/2)
+            tabs = (mx.array(np.cos(ang).astype(np.float32)),
+                    mx.array(np.sin(ang).astype(np.float32)))
+            if len(self._cache) > 64:  # generation walks offsets one by one
+                self._cache.clear()
+            self._cache[key] = tabs
+        return self._cache[key]
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        cos, sin = self.tables(offset, x.shape[-2])
+        x0, x1 = x[..., 0::2], x[..., 1::2]  # (B,H,T,hd/2) each
+        out = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)  # (B,H,T,hd/2,2)
+        return out.reshape(x.shape)
+
 
 class KVCache:
     """Grows by concatenation; enough for toy-sized generation."""
@@ -113,7 +195,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(a.d_model, a.n_kv_heads * a.hd, bias=False)
         self.v_proj = nn.Linear(a.d_model, a.n_kv_heads * a.hd, bias=False)
         self.o_proj = nn.Linear(a.n_heads * a.hd, a.d_model, bias=False)
-        self.rope = nn.RoPE(a.hd, traditional=True, base=a.rope_base)
+        self.rope = ExactRoPE(a.hd, a.rope_base)
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -124,8 +206,7 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update(k, v)
-        mask = "causal" if T > 1 else None
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        o = causal_attention(q, k, v, self.scale)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,H*hd)
         return self.o_proj(o)
 
@@ -138,7 +219,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.ffn_dim, a.d_model, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):
