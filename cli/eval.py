@@ -54,7 +54,8 @@ def evaluate(args: Args) -> dict:
     from toymlx.checkpoint import resolve_latest
     from toymlx.device import select_device
     from toymlx.gguf.reader import GGUFFile
-    from toymlx.trainer import Task, evaluate as run_eval
+    from toymlx.trainer import Task
+    from toymlx.trainer import evaluate as run_eval
 
     select_device(args.device)
     path = Path(args.model)
@@ -78,7 +79,7 @@ def evaluate(args: Args) -> dict:
         task = Task("eval", model, classify_loss, lambda s: {}, data.val_batches(
             args.batch_size, pad_last=True), None, None, {}, metrics_fn=classify_metrics)
         m = run_eval(task)
-        return {"model": str(path), "data": data.source, "images": int(len(data.val_y)), **m}
+        return {"model": str(path), "data": data.source, "images": len(data.val_y), **m}
     if arch == "llama":
         from toymlx.data.text import TokenData
         from toymlx.gguf.llama import load_llama

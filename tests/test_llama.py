@@ -5,14 +5,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-
 from reference import forward, load_reference
+
 from toymlx.gguf.llama import load_llama
 from toymlx.models.llama import Llama, smollm2_135m, smollm2_360m, tiny
 
 
 def test_stories260k_matches_float64_numpy(stories_path):
-    model, g = load_llama(stories_path)
+    model, _ = load_llama(stories_path)
     hp, w = load_reference(stories_path)
     rng = np.random.default_rng(0)
     tokens = [1] + rng.integers(3, 512, size=47).tolist()

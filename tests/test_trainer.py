@@ -9,12 +9,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from toymlx_cli.train import main
 
 from toymlx.checkpoint import list_checkpoints, resolve_latest
 from toymlx.events import read_events
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
-from toymlx_cli.train import main
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--seq-len", "32",

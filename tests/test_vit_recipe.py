@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from toymlx_cli.train import main
 
 from toymlx.checkpoint import resolve_latest
 from toymlx.events import read_events
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.vit import load_vit
-from toymlx_cli.train import main
 
 SMALL = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
          "--model.mlp-dim", "64", "--batch-size", "16", "--no-progress", "--warmup", "2"]

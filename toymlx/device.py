@@ -115,7 +115,7 @@ def backend_info() -> dict:
         info["kind"] = "metal" if sys.platform == "darwin" else "cuda"
         try:
             info["name"] = mx.device_info().get("device_name")
-        except Exception:  # device_info is backend-specific
+        except Exception:  # noqa: BLE001, S110 -- device_info is backend-specific, optional
             pass
     else:
         info["kind"] = "cpu"

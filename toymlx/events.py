@@ -13,8 +13,9 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 SCHEMA = "toy/v1"
 
@@ -44,7 +45,7 @@ class EventLog:
         self._f = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "a", encoding="utf-8")
+            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- held for the run
             # A crash mid-emit leaves a torn last line; end it, or the first event appended
             # on resume (its run_start) would be glued to it and skipped by read_events.
             if self._f.tell():

@@ -13,15 +13,16 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from toymlx import checkpoint as ck
@@ -113,7 +114,7 @@ class Task:
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     sched = partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
                     min_ratio=cfg.min_lr_ratio)
-    kw = dict(learning_rate=sched, betas=[cfg.beta1, cfg.beta2], eps=1e-8)
+    kw = {"learning_rate": sched, "betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
     decay = optim.AdamW(weight_decay=cfg.weight_decay, **kw)
     no_decay = optim.AdamW(weight_decay=0.0, **kw)
     return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
@@ -149,7 +150,7 @@ def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: A
             micro = {k: v[i] for k, v in batch.items()}
             (loss, n), g = loss_and_grad(model, micro)
             n = n.astype(mx.float32)
-            g = tree_map(lambda x: x * n, g)
+            g = tree_map(lambda x, n=n: x * n, g)
             grads = g if grads is None else tree_map(mx.add, grads, g)
             loss_sum, n_sum = loss_sum + loss * n, n_sum + n
         if distributed:

@@ -290,7 +290,7 @@ class GGUFFile:
         except BufferError:  # a numpy view is still alive; the map closes when it is freed
             pass
 
-    def __enter__(self) -> GGUFFile:
+    def __enter__(self) -> GGUFFile:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc) -> None:

@@ -15,8 +15,18 @@ from typing import Any, BinaryIO
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from toymlx.gguf.reader import (ARRAY, BOOL, DEFAULT_ALIGNMENT, FLOAT32, INT32, STRING, UINT32,
-                                UINT64, _SCALAR, INT64)
+from toymlx.gguf.reader import (
+    _SCALAR,
+    ARRAY,
+    BOOL,
+    DEFAULT_ALIGNMENT,
+    FLOAT32,
+    INT32,
+    INT64,
+    STRING,
+    UINT32,
+    UINT64,
+)
 
 # Keys whose GGUF type llama.cpp checks and that Python values cannot express on their own.
 KNOWN_TYPES: dict[str, tuple[int, int | None]] = {
@@ -126,8 +136,7 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
     try:
         with open(tmp, "wb") as f:
             f.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
-            for item in kv + infos:
-                f.write(item)
+            f.writelines(kv + infos)
             _pad(f, alignment)
             for data in blobs:
                 f.write(memoryview(data).cast("B"))

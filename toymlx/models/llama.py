@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,15 @@ from pathlib import Path
 
 from toymlx.gguf.llama import write_llama
 from toymlx.models.llama import Llama
-from toymlx.recipes.common import (LlamaOptions, TextData, check_seq_len, lm_task,
-                                   llama_model_info, load_token_data, load_weights_from_gguf)
+from toymlx.recipes.common import (
+    LlamaOptions,
+    TextData,
+    check_seq_len,
+    llama_model_info,
+    lm_task,
+    load_token_data,
+    load_weights_from_gguf,
+)
 from toymlx.tokenizer import byte_tokenizer
 from toymlx.trainer import Task, TrainConfig
 
