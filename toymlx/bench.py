@@ -778,13 +778,16 @@ def run_dp(workload: str, ranks: int = 2, rounds: int = 3, steps: int = 3,
     from toymlx.launch import launch
 
     folder = Path(tempfile.mkdtemp(prefix="toymlx-dp-"))
-    code = ("import sys; from toymlx.bench import dp_worker; "
-            "dp_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])")
+    script = folder / "worker.py"  # a file: mlx.launch does not carry `-c` code intact
+    script.write_text("import sys\nfrom toymlx.bench import dp_worker\n"
+                      "from toymlx.launch import rank_status\n\nwith rank_status() as status:\n"
+                      "    dp_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])\n"
+                      "    status.code = 0\n")
     res: dict[str, Any] = {"workload": workload, "ranks": ranks, "single": [], "dp": []}
     for r in range(rounds):
         for kind in (("single", "dp") if r % 2 == 0 else ("dp", "single")):
             out = folder / f"{kind}{r}"
-            cmd = [sys.executable, "-c", code, workload, str(steps), str(out)]
+            cmd = [sys.executable, str(script), workload, str(steps), str(out)]
             if kind == "single":
                 subprocess.run(cmd, check=True)
                 reports = [json.loads(Path(f"{out}.rank0").read_text())]
