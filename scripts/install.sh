@@ -11,4 +11,4 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libopenblas0-pthread
   fi
 fi
-python3 -m pip install -q -e ".[test]${TOYMLX_EXTRAS:+,$TOYMLX_EXTRAS}"
+python3 -m pip install -q -e ".[test${TOYMLX_EXTRAS:+,$TOYMLX_EXTRAS}]"
