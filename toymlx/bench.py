@@ -164,24 +164,24 @@ def build_toymlx_model(w: Workload, seed: int = 0) -> nn.Module:
 
 
 class _ReferenceForms:
-    """While active, the model and loss trace with MLX's own ops (no CPU formulations)."""
+    """While active, the model and loss trace with MLX's own ops (`toymlx.fastmath` off)."""
 
     def __enter__(self):
-        from toymlx.models import llama
+        from toymlx import fastmath
 
-        self.saved, llama.cpu_forms = llama.cpu_forms, lambda: False
+        self.saved, fastmath.enabled = fastmath.enabled, lambda: False
 
     def __exit__(self, *exc):
-        from toymlx.models import llama
+        from toymlx import fastmath
 
-        llama.cpu_forms = self.saved
+        fastmath.enabled = self.saved
 
 
 class ToymlxVariant(Variant):
     """toymlx's own training path: Task -> make_optimizer -> make_step, as train() runs it.
 
-    `reference=True` traces the same step with MLX's own silu / attention / cross-entropy
-    (toymlx before its CPU formulations) for a same-run before/after comparison."""
+    `reference=True` traces the same step with MLX's own exp / silu / GELU / softmax /
+    cross-entropy (`toymlx.fastmath` off) for a same-run before/after comparison."""
 
     name = "toymlx"
 
@@ -464,6 +464,86 @@ def _torch_modules():
 
 
 class TorchVariant(Variant):
+    """The PyTorch step (`TorchStep`) in its own process, driven step by step from this one.
+
+    Not in this process: toymlx loads OpenBLAS with global symbols before MLX, and PyTorch's
+    CPU attention kernels then call OpenBLAS's threaded sgemm from inside their OpenMP threads
+    (fwd+bwd of a SmolLM2-135M attention: 465 ms against 20 ms in a clean process). The child
+    runs with TOYMLX_BLAS=reference so it never loads OpenBLAS.
+    """
+
+    name = "torch"
+    uses_mlx = False
+
+    def __init__(self, w: Workload, weights: dict[str, np.ndarray], batch: dict[str, np.ndarray],
+                 threads: int | None = None):
+        import multiprocessing as mp
+
+        if threads is not None:
+            self.name = f"torch{threads}t"
+        self.folder = Path(tempfile.mkdtemp(prefix="toymlx-torch-"))
+        np.savez(self.folder / "weights.npz", **weights)
+        np.savez(self.folder / "batch.npz", **batch)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        saved = os.environ.get("TOYMLX_BLAS")
+        os.environ["TOYMLX_BLAS"] = "reference"  # the child inherits it at spawn
+        try:
+            self.proc = ctx.Process(target=_torch_worker, args=(child, w, str(self.folder),
+                                                                threads), daemon=True)
+            self.proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop("TOYMLX_BLAS", None)
+            else:
+                os.environ["TOYMLX_BLAS"] = saved
+        self._reply()
+        self.gnorm0: float | None = None
+        self.last_cpu: float | None = None
+
+    def step(self, s: int) -> float:
+        self.conn.send(s)
+        loss, gnorm, self.last_cpu = self._reply()
+        if self.gnorm0 is None:
+            self.gnorm0 = gnorm
+        return loss
+
+    def first_grad_norm(self) -> float | None:
+        return self.gnorm0
+
+    def _reply(self) -> Any:
+        kind, payload = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"PyTorch worker failed:\n{payload}")
+        return payload
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=60)
+        for f in self.folder.iterdir():
+            f.unlink()
+        self.folder.rmdir()
+
+
+def _torch_worker(conn, w: Workload, folder: str, threads: int | None) -> None:
+    """Child side of TorchVariant: build, then one step per request; reply (loss, |g|, cpu s)."""
+    import traceback
+
+    try:
+        weights = dict(np.load(Path(folder) / "weights.npz"))
+        batch = dict(np.load(Path(folder) / "batch.npz"))
+        step = TorchStep(w, weights, batch, threads)
+        del weights
+        conn.send(("ok", None))
+        while (s := conn.recv()) is not None:
+            c = time.process_time()
+            loss = step.step(s)
+            conn.send(("ok", (loss, step.last_norm, time.process_time() - c)))
+    except Exception:  # noqa: BLE001  (whatever failed, the parent must hear of it)
+        conn.send(("error", traceback.format_exc()))
+
+
+class TorchStep(Variant):
     """The same model and step in eager PyTorch on the CPU: AdamW (fused), same decay groups,
     gradient clipping."""
 
@@ -527,8 +607,9 @@ class TorchVariant(Variant):
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
+        self.last_norm = float(norm)
         if self.gnorm0 is None:
-            self.gnorm0 = float(norm)
+            self.gnorm0 = self.last_norm
         return float(loss.detach())
 
     def first_grad_norm(self) -> float | None:
@@ -642,7 +723,7 @@ def run_workload(w: Workload, rounds: int, warmup: int, which: tuple[str, ...],
             t, c = time.perf_counter(), time.process_time()
             v.step(s)
             this[v.name] = time.perf_counter() - t
-            cpu[v.name] = time.process_time() - c
+            cpu[v.name] = getattr(v, "last_cpu", None) or time.process_time() - c
             results[v.name].times_s.append(this[v.name])
             results[v.name].cpu_s.append(cpu[v.name])
             if v.uses_mlx:
@@ -657,6 +738,9 @@ def run_workload(w: Workload, rounds: int, warmup: int, which: tuple[str, ...],
         log(f"  {w.name} round {r + 1}/{rounds}: " +
             "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in this.items()) +
             f"  (sgemm mlx {sgemm['mlx'][-1]:.0f} GFLOPS)")
+    for v in variants:
+        if hasattr(v, "close"):
+            v.close()
     flops = train_flops(w)
     load = os.getloadavg()[0]
     sg_mlx = statistics.median(sgemm["mlx"])
@@ -687,8 +771,13 @@ def probe_memory(workload: str, variant: str, steps: int = 3) -> dict[str, float
     import gc
 
     w = next(x for x in workloads() if x.name == workload)
-    variants, _ = build_variants(w, (variant,))
-    v = variants[0]
+    if variant.startswith("torch"):  # in this (probe) process, not in a grandchild
+        weights = mlx_params_np(build_toymlx_model(w))
+        mx.clear_cache()
+        v: Variant = TorchStep(w, weights, make_batch(w), 1 if variant == "torch1t" else None)
+        del weights
+    else:
+        v = build_variants(w, (variant,))[0][0]
     v.step(0)
     gc.collect()
     mx.clear_cache()
@@ -933,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--impl", nargs="*", default=["toymlx", "torch", "mlx-lm"],
-                   help="toymlx, toymlx-ref (MLX's own ops: toymlx before its CPU formulations), torch, "
+                   help="toymlx, toymlx-ref (MLX's own elementwise ops: toymlx.fastmath off), torch, "
                         "torch1t (PyTorch on one thread), mlx-lm")
     p.add_argument("--dp", type=int, default=0, metavar="N",
                    help="also time N data-parallel ranks (one BLAS thread each) against one "

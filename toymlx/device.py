@@ -110,7 +110,10 @@ def backend_info() -> dict:
     import mlx.core as mx
 
     dev = mx.default_device()
-    info: dict = {"device": "gpu" if dev == mx.gpu else "cpu", "mlx": mx.__version__}
+    from toymlx import fastmath
+
+    info: dict = {"device": "gpu" if dev == mx.gpu else "cpu", "mlx": mx.__version__,
+                  "elementwise_math": fastmath.describe()}
     if dev == mx.gpu:
         info["kind"] = "metal" if sys.platform == "darwin" else "cuda"
         try:

@@ -5,26 +5,18 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx import nn
 
-from toymlx.models import llama as _llama
-
-LOG2E = 1.4426950408889634
+from toymlx import fastmath
 
 
 def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
     """Per-position cross-entropy over the last axis (no reduction).
 
-    On the CPU, logsumexp is spelt out with 2**(x log2 e) (MLX's Linux CPU exp is ~3x slower
-    than powf) and the max held constant, so the backward reuses the forward's
-    exponentials instead of recomputing a softmax: one transcendental pass over the vocab
-    instead of two. Same values to ~1e-7 relative; the GPU keeps MLX's fused kernel (the
-    switch is `toymlx.models.llama.cpu_forms`).
+    Where `toymlx.fastmath` is on (the CPU) it is logsumexp - picked logit with the vectorised
+    exp, whose backward reuses nothing but the logits and the result; elsewhere MLX's kernel.
     """
-    if not _llama.cpu_forms():
-        return nn.losses.cross_entropy(logits, targets, reduction="none")
-    m = mx.stop_gradient(logits.max(-1, keepdims=True))  # (..., 1)
-    s = mx.power(2.0, (logits - m) * LOG2E).sum(-1)  # (...)
-    picked = mx.take_along_axis(logits, targets[..., None], -1)[..., 0]  # (...)
-    return mx.log(s) + m[..., 0] - picked
+    if fastmath.enabled():
+        return fastmath.cross_entropy(logits, targets)
+    return nn.losses.cross_entropy(logits, targets, reduction="none")
 
 
 def lm_loss(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
@@ -39,7 +31,7 @@ def lm_loss(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.
 def classify_loss(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
     """Cross-entropy of class logits, averaged over the batch."""
     logits = model(batch["images"])  # (B, classes)
-    ce = nn.losses.cross_entropy(logits, batch["labels"], reduction="mean")
+    ce = cross_entropy(logits, batch["labels"]).mean()
     return ce, mx.array(batch["labels"].shape[0], dtype=mx.float32)
 
 
@@ -49,6 +41,6 @@ def classify_metrics(model: nn.Module, batch: dict[str, mx.array]) -> dict[str, 
     labels = batch["labels"]
     valid = (labels >= 0).astype(mx.float32)
     safe = mx.maximum(labels, 0)
-    ce = nn.losses.cross_entropy(logits, safe, reduction="none")
+    ce = cross_entropy(logits, safe)
     correct = (mx.argmax(logits, axis=-1) == safe).astype(mx.float32)
     return {"loss": (ce * valid).sum(), "accuracy": (correct * valid).sum(), "n": valid.sum()}

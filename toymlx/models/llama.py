@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 from mlx import nn
 
+from toymlx import fastmath
+
 
 @dataclass(frozen=True)
 class LlamaArgs:
@@ -83,54 +85,24 @@ def smollm2_360m(**kw) -> LlamaArgs:
 
 PRESETS = {"tiny": tiny, "smollm2-135m": smollm2_135m, "smollm2-360m": smollm2_360m}
 
-LOG2E = 1.4426950408889634
-
-
-def cpu_forms() -> bool:
-    """Whether to use the CPU formulations below (MLX's default device is the CPU).
-
-    MLX's Linux CPU build computes exp (and so sigmoid, softmax, logsumexp) with a scalar
-    polynomial of libm fma calls, ~3x slower than libm's powf; 2**(x log2 e) gives the same
-    numbers to ~1e-7 relative. The GPU keeps MLX's fused kernels.
-    """
-    # Off by default: with them SmolLM2's logits drift to ~1.0e-4 from llama.cpp's (6.6e-5
-    # without), past the 1e-4 interop contract. TOYMLX_CPU_FORMS=1 opts in for speed.
-    import os
-
-    return os.environ.get("TOYMLX_CPU_FORMS") == "1" and mx.default_device() == mx.cpu
-
-
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """silu(gate) * up; on the CPU as gate / (1 + 2**(-gate log2 e)) * up."""
-    if not cpu_forms():
-        return nn.silu(gate) * up
-    # The clamp keeps the backward finite where 2**(-gate log2 e) would overflow (gate < -88).
-    return gate / (1.0 + mx.power(2.0, mx.minimum(gate * -LOG2E, 126.0))) * up
+    """silu(gate) * up (SwiGLU); on the CPU through `toymlx.fastmath` (same values, ~4x faster)."""
+    if fastmath.enabled():
+        return fastmath.silu(gate) * up
+    return nn.silu(gate) * up
 
 
 def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
     """softmax(q k^T scale, causal) v: q (B,H,T,hd) are the last T of the S positions in k, v
     (B,Hkv,S,hd) (GQA: query head h reads kv head h // (H // Hkv)).
 
-    On the CPU each kv head's query heads share one (rep*T, hd) x (hd, S) matmul and the
-    softmax's exp is 2**(...) (see `cpu_forms`); elsewhere MLX's fused kernel.
+    MLX's fused kernel, except where `toymlx.fastmath` is on (the CPU): there the explicit form
+    with its vectorised softmax.
     """
-    B, H, T, hd = q.shape
-    S = k.shape[2]
-    if not cpu_forms():
-        mask = "causal" if T > 1 else None
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    n_kv = k.shape[1]
-    rep = H // n_kv
-    q = q.reshape(B, n_kv, rep * T, hd)  # (B,Hkv,rep*T,hd): head h = kv * rep + r
-    s = q @ k.swapaxes(-1, -2)  # (B,Hkv,rep*T,S)
-    if T > 1:
-        keep = mx.arange(S - T, S)[:, None] >= mx.arange(S)[None]  # (T,S)
-        s = mx.where(mx.tile(keep, (rep, 1)), s, -mx.inf)
-    m = mx.stop_gradient(s.max(-1, keepdims=True))
-    e = mx.power(2.0, (s - m) * (scale * LOG2E))
-    p = e / e.sum(-1, keepdims=True)
-    return (p @ v).reshape(B, H, T, hd)  # (B,H,T,hd)
+    if fastmath.enabled():
+        return fastmath.attention(q, k, v, scale, causal=True)
+    mask = "causal" if q.shape[2] > 1 else None
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 class ExactRoPE:

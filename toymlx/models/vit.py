@@ -20,7 +20,16 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 from mlx import nn
 
+from toymlx import fastmath
+
 _GELU = {"erf": nn.gelu, "tanh": nn.gelu_approx, "fast": nn.gelu_fast_approx}
+
+
+def _activation(name: str):
+    """The MLP's GELU; the exact (erf) one through `toymlx.fastmath` where that is on."""
+    if name == "erf":
+        return lambda x: fastmath.gelu(x) if fastmath.enabled() else nn.gelu(x)
+    return _GELU[name]
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
         k = self.k_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
         v = self.v_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)  # (B,H,T,hd)
+        if fastmath.enabled():  # (B,H,T,hd)
+            o = fastmath.attention(q, k, v, self.scale)
+        else:
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,D)
         return self.o_proj(o)
 
@@ -115,7 +127,7 @@ class MLP(nn.Module):
         super().__init__()
         self.up_proj = nn.Linear(a.d_model, a.mlp_dim)
         self.down_proj = nn.Linear(a.mlp_dim, a.d_model)
-        self.act = _GELU[a.gelu]
+        self.act = _activation(a.gelu)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(self.act(self.up_proj(x)))

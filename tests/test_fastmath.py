@@ -1,0 +1,228 @@
+"""`toymlx.fastmath` (the CPU's default elementwise math) gives the same numbers.
+
+Each function is checked against a float64 numpy reference (values and gradients over the
+whole float range, including the overflow and -inf edges), and each place the models use it
+(toymlx/models/llama.py `silu_mul`, `causal_attention`; toymlx/models/vit.py GELU and
+attention; toymlx/losses.py `cross_entropy`) against MLX's own op on the same inputs.
+Tolerances: a few float32 ulp for elementwise values; 1e-5 of the largest magnitude for
+attention and whole-model gradients; every result must be finite where the exact one is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx import nn
+from mlx.utils import tree_flatten
+
+from toymlx import fastmath as fm
+from toymlx.losses import classify_loss, cross_entropy, lm_loss
+from toymlx.models.llama import Llama, causal_attention, silu_mul, tiny
+from toymlx.models.vit import ViT, vit_tiny_8
+
+
+@pytest.fixture(autouse=True)
+def on_cpu():
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(old)
+
+
+@pytest.fixture(autouse=True)
+def _fast_math_on(monkeypatch):
+    """The forms under test are on (they are by default on the CPU); tests turn them off for
+    the reference side with TOYMLX_FAST_MATH=0."""
+    monkeypatch.setenv("TOYMLX_FAST_MATH", "1")
+
+
+def test_enabled_follows_device_and_env(monkeypatch):
+    monkeypatch.delenv("TOYMLX_FAST_MATH")
+    assert fm.enabled() and fm.describe() == "toymlx-vectorised"  # default device: the CPU
+    monkeypatch.setenv("TOYMLX_FAST_MATH", "0")
+    assert not fm.enabled() and fm.describe() == "mlx"
+
+
+EDGES = [-math.inf, -1e4, -104.0, -88.0, -87.5, -87.3, -20.0, -1e-3, -1e-30, 0.0, 1e-30, 1e-3,
+         0.5, 20.0, 88.5, 88.8, 104.0, 1e4, math.inf]
+
+
+def grid() -> np.ndarray:
+    """Float32 inputs: a dense sweep of [-100, 100], random normals and the edges."""
+    rng = np.random.default_rng(0)
+    return np.concatenate([np.linspace(-100, 100, 200001), rng.standard_normal(20000) * 5,
+                           EDGES]).astype(np.float32)
+
+
+def test_exp_matches_float64_to_two_ulp_and_saturates():
+    x = grid()
+    got = np.array(fm.exp(mx.array(x)))
+    with np.errstate(over="ignore"):
+        ref = np.exp(x.astype(np.float64))
+    inside = (x >= fm._EXP_LO) & (x <= fm._EXP_HI)
+    rel = np.abs(got[inside] - ref[inside]) / ref[inside]
+    assert rel.max() < 2.4e-7, rel.max()  # 2 ulp (numpy's float32 exp: 2.0e-7 on these)
+    low, high = (np.exp(np.float64(np.float32(b))) for b in (fm._EXP_LO, fm._EXP_HI))
+    np.testing.assert_allclose(got[x < fm._EXP_LO], low, rtol=2.4e-7)  # -inf included
+    np.testing.assert_allclose(got[x > fm._EXP_HI], high, rtol=2.4e-7)  # finite, not inf
+    assert low < 3e-38 and np.isfinite(got).all()
+    g = np.array(mx.grad(lambda v: fm.exp(v).sum())(mx.array(x[np.abs(x) < 80])))
+    np.testing.assert_allclose(g, np.exp(x[np.abs(x) < 80].astype(np.float64)), rtol=2.4e-7)
+
+
+def _erf64(x: np.ndarray) -> np.ndarray:
+    return np.vectorize(math.erf)(x.astype(np.float64))
+
+
+def test_erf_and_gelu_match_float64():
+    x = grid()
+    err = np.abs(np.array(fm.erf(mx.array(x))) - _erf64(x)).max()
+    mlx_err = np.abs(np.array(mx.erf(mx.array(x))) - _erf64(x)).max()  # 5.3e-7 here
+    assert err < 4e-7 and err <= mlx_err, (err, mlx_err)
+    x = x[np.isfinite(x)]
+    x64 = x.astype(np.float64)
+    cdf = 0.5 * (1 + _erf64(x64 / math.sqrt(2)))
+    ref = x64 * cdf
+    got = np.array(fm.gelu(mx.array(x)))
+    assert (np.abs(got - ref) <= 2.4e-7 * np.abs(ref) + 2e-7 * np.maximum(np.abs(x64), 1) * (
+        x64 < 0)).all()
+    dref = cdf + x64 * np.exp(-x64 ** 2 / 2) / math.sqrt(2 * math.pi)
+    g = np.array(mx.grad(lambda v: fm.gelu(v).sum())(mx.array(x)))
+    np.testing.assert_allclose(g, dref, rtol=0, atol=5e-7)
+    ours = np.array(fm.gelu(mx.array(x)))
+    mlx = np.array(nn.gelu(mx.array(x)))
+    assert np.abs(ours - ref).max() <= 4 * max(np.abs(mlx - ref).max(), 1e-7)
+
+
+def test_sigmoid_matches_float64():
+    x = grid()
+    x = x[np.isfinite(x)]
+    with np.errstate(over="ignore"):
+        ref = 1 / (1 + np.exp(-x.astype(np.float64)))
+    got = np.array(fm.sigmoid(mx.array(x)))
+    np.testing.assert_allclose(got, ref, rtol=4e-7, atol=1e-38)
+    g = np.array(mx.grad(lambda v: fm.sigmoid(v).sum())(mx.array(x)))
+    # s (1 - s) in float32, as MLX's own sigmoid backward: good to ~eps absolute
+    np.testing.assert_allclose(g, ref * (1 - ref), rtol=0, atol=1.5e-7)
+
+
+@pytest.mark.parametrize("rows", [[0.0, -math.inf, 1.0, 2.0], [-1e4, 1e4, 0.0, 3.0],
+                                  [5.0, 5.0, 5.0, 5.0]])
+def test_softmax_and_logsumexp_rows(rows):
+    x = np.array(rows, np.float32)[None]
+    x64 = x.astype(np.float64)
+    m = x64.max(-1, keepdims=True)
+    e = np.exp(x64 - m)
+    np.testing.assert_allclose(np.array(fm.softmax(mx.array(x))), e / e.sum(-1, keepdims=True),
+                               rtol=3e-7, atol=1e-30)
+    np.testing.assert_allclose(np.array(fm.logsumexp(mx.array(x)))[:, 0], np.log(e.sum(-1)) + m[:, 0],
+                               rtol=3e-7)
+    # all -inf: exp saturates at e**-86.5, so a tiny value stands in for log(0)
+    assert np.array(fm.logsumexp(mx.array([[-math.inf, -math.inf]])))[0, 0] < -85
+
+
+def value_and_grads(f, args):
+    """f(*args) and the gradients of sum(f(*args) * w) for a fixed random w."""
+    out = f(*args)
+    w = mx.random.normal(out.shape, key=mx.random.key(7))
+    grads = mx.grad(lambda *a: (f(*a) * w).sum(), argnums=list(range(len(args))))(*args)
+    grads = grads if isinstance(grads, (list, tuple)) else [grads]
+    mx.eval(out, grads)
+    return np.array(out), [np.array(g) for g in grads]
+
+
+def close(a: np.ndarray, b: np.ndarray, rel: float) -> None:
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+    np.testing.assert_allclose(a, b, rtol=0, atol=rel * max(np.abs(b).max(), 1e-30))
+
+
+def test_silu_mul_equals_nn_silu():
+    mx.random.seed(0)
+    extremes = mx.array([-1e4, -200.0, -89.0, -88.0, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0,
+                         89.0, 200.0, 1e4])
+    g = mx.concatenate([mx.random.normal((3000,)) * 4, extremes])
+    u = mx.random.normal(g.shape)
+    got, got_g = value_and_grads(silu_mul, (g, u))
+    ref, ref_g = value_and_grads(lambda a, b: nn.silu(a) * b, (g, u))
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-7)
+    for a, b in zip(got_g, ref_g):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("B, H, Hkv, T, hd", [(2, 8, 4, 33, 16), (2, 9, 3, 17, 8),
+                                              (1, 4, 4, 20, 8), (1, 6, 1, 9, 4)])
+@pytest.mark.parametrize("sharp", [1.0, 30.0])
+def test_causal_attention_equals_fast_sdpa(B, H, Hkv, T, hd, sharp):
+    mx.random.seed(1)
+    q = mx.random.normal((B, H, T, hd)) * sharp  # sharp: near one-hot attention rows
+    k = mx.random.normal((B, Hkv, T, hd))
+    v = mx.random.normal((B, Hkv, T, hd))
+    scale = hd ** -0.5
+    got, got_g = value_and_grads(lambda a, b, c: causal_attention(a, b, c, scale), (q, k, v))
+    ref, ref_g = value_and_grads(
+        lambda a, b, c: mx.fast.scaled_dot_product_attention(a, b, c, scale=scale,
+                                                             mask="causal"), (q, k, v))
+    close(got, ref, 1e-5)
+    for a, b in zip(got_g, ref_g):
+        close(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3, -1e3])
+def test_cross_entropy_equals_nn_cross_entropy(offset):
+    mx.random.seed(2)
+    logits = mx.random.normal((3, 5, 4099)) * 6 + offset
+    targets = mx.random.randint(0, 4099, (3, 5))
+    got, (got_g,) = value_and_grads(lambda x: cross_entropy(x, targets), (logits,))
+    ref, (ref_g,) = value_and_grads(
+        lambda x: nn.losses.cross_entropy(x, targets, reduction="none"), (logits,))
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
+    close(got_g, ref_g, 1e-5)
+
+
+def test_llama_loss_and_grads_equal_reference_forms(monkeypatch):
+    """The whole lm_loss (fast forms) against the model with MLX's ops and nn cross_entropy."""
+    mx.random.seed(3)
+    model = Llama(tiny(d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=160))
+    rng = np.random.default_rng(0)
+    toks = mx.array(rng.integers(0, 259, (3, 25)).astype(np.int32))
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
+             "mask": mx.array((rng.random((3, 24)) < 0.8).astype(np.float32))}
+
+    def ref_loss(m, b):
+        ce = nn.losses.cross_entropy(m(b["inputs"]), b["targets"], reduction="none")
+        return (ce * b["mask"]).sum() / b["mask"].sum(), b["mask"].sum()
+
+    (loss, _), grads = nn.value_and_grad(model, lm_loss)(model, batch)
+    mx.eval(loss, grads)
+    monkeypatch.setenv("TOYMLX_FAST_MATH", "0")
+    (ref, _), ref_grads = nn.value_and_grad(model, ref_loss)(model, batch)
+    mx.eval(ref, ref_grads)
+    assert abs(loss.item() - ref.item()) <= 2e-6 * abs(ref.item())
+    ref_flat = dict(tree_flatten(ref_grads))
+    for name, g in tree_flatten(grads):
+        close(np.array(g), np.array(ref_flat[name]), 1e-5)
+
+
+def test_vit_loss_and_grads_equal_reference_forms(monkeypatch):
+    """ViT's GELU, attention and classification loss: fastmath on against MLX's ops."""
+    mx.random.seed(4)
+    model = ViT(vit_tiny_8(n_layers=2, d_model=48, mlp_dim=96))
+    rng = np.random.default_rng(1)
+    batch = {"images": mx.array(rng.standard_normal((16, 8, 8, 1)).astype(np.float32) * 2),
+             "labels": mx.array(rng.integers(0, 10, 16).astype(np.int32))}
+    (loss, _), grads = nn.value_and_grad(model, classify_loss)(model, batch)
+    mx.eval(loss, grads)
+    monkeypatch.setenv("TOYMLX_FAST_MATH", "0")
+    (ref, _), ref_grads = nn.value_and_grad(model, classify_loss)(model, batch)
+    mx.eval(ref, ref_grads)
+    assert abs(loss.item() - ref.item()) <= 2e-6 * abs(ref.item())
+    ref_flat = {k: np.array(v) for k, v in tree_flatten(ref_grads)}
+    top = max(np.abs(v).max() for v in ref_flat.values())
+    for name, g in tree_flatten(grads):  # gradients that are 0 in exact math are ~1e-11 noise
+        b = ref_flat[name]
+        np.testing.assert_allclose(np.array(g), b, rtol=0, atol=1e-5 * max(np.abs(b).max(),
+                                                                           1e-4 * top))
