@@ -39,11 +39,41 @@ def _fast_math_on(monkeypatch):
     monkeypatch.setenv("TOYMLX_FAST_MATH", "1")
 
 
-def test_enabled_follows_device_and_env(monkeypatch):
+def test_enabled_in_the_train_step_on_cpu_and_by_env(monkeypatch):
     monkeypatch.delenv("TOYMLX_FAST_MATH")
-    assert fm.enabled() and fm.describe() == "toymlx-vectorised"  # default device: the CPU
+    assert not fm.enabled()  # forward-only code keeps MLX's ops
+    with fm.train_step():
+        assert fm.enabled()  # the default device here is the CPU
+    assert not fm.enabled() and fm.describe() == "toymlx-vectorised"
     monkeypatch.setenv("TOYMLX_FAST_MATH", "0")
-    assert not fm.enabled() and fm.describe() == "mlx"
+    with fm.train_step():
+        assert not fm.enabled()
+    assert fm.describe() == "mlx"
+    monkeypatch.setenv("TOYMLX_FAST_MATH", "1")
+    assert fm.enabled()
+
+
+def test_compiled_train_step_traces_with_fast_math(monkeypatch):
+    """make_step's step runs its forward and backward inside fastmath.train_step()."""
+    from toymlx import trainer
+
+    seen = []
+    monkeypatch.delenv("TOYMLX_FAST_MATH")
+    model = ViT(vit_tiny_8(n_layers=1, d_model=24, n_heads=2, mlp_dim=32))
+
+    def loss_fn(m, b):
+        seen.append(fm.enabled())
+        return classify_loss(m, b)
+
+    task = trainer.Task(recipe="t", model=model, loss_fn=loss_fn, train_batch=None,
+                        val_batches=[], save=None, load=None, model_info={}, config_info={})
+    cfg = trainer.TrainConfig(steps=1, batch_size=4, compile=True)
+    import mlx.optimizers as optim
+
+    step = trainer.make_step(task, optim.AdamW(1e-3), cfg, None)
+    batch = {"images": mx.zeros((1, 4, 8, 8, 1)), "labels": mx.zeros((1, 4), mx.int32)}
+    mx.eval(step(batch))
+    assert seen == [True] and not fm.enabled()
 
 
 EDGES = [-math.inf, -1e4, -104.0, -88.0, -87.5, -87.3, -20.0, -1e-3, -1e-30, 0.0, 1e-30, 1e-3,

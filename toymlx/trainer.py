@@ -26,6 +26,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from toymlx import checkpoint as ck
+from toymlx import fastmath
 from toymlx.device import backend_info
 from toymlx.events import SCHEMA, EventLog, git_info, host_info, now_iso
 from toymlx.schedule import lr_at
@@ -148,7 +149,8 @@ def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: A
         loss_sum, n_sum, grads = mx.array(0.0), mx.array(0.0), None
         for i in range(accum):
             micro = {k: v[i] for k, v in batch.items()}
-            (loss, n), g = loss_and_grad(model, micro)
+            with fastmath.train_step():  # the CPU's vectorised exp/GELU/softmax while tracing
+                (loss, n), g = loss_and_grad(model, micro)
             n = n.astype(mx.float32)
             g = tree_map(lambda x, n=n: x * n, g)
             grads = g if grads is None else tree_map(mx.add, grads, g)
