@@ -4,6 +4,7 @@ a failing rank that fails the launch."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,5 +140,9 @@ def test_plain_mlx_launch_exits_0_on_a_failed_rank_without_hanging(tmp_path):
                   "-p", str(_free_port_base(2)), "--"]
     p = _launch(tmp_path, [*mlx_launch, sys.executable, str(script), *ARGS, "--no-compile",
                            "--runs-root", str(root), "--run-id", "m"], timeout=120)
-    assert p.returncode == 0 and "Node with rank 1 exited with code 1" in p.stderr
+    # Which rank mlx.launch sees fail first is a race: rank 1 raising (code 1), or rank 0
+    # erroring in its all_sum (code 1) before rank 1 is stopped (code -15). Either way the
+    # launch itself says 0.
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert re.search(r"Node with rank [01] exited with code 1\b", p.stderr), p.stderr[-2000:]
     _check_rank0_did_not_complete(root / "m")
