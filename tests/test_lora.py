@@ -312,6 +312,13 @@ def test_recipe_writes_adapters_and_resumes(tiny_gguf, tmp_path):
     ad = load_adapter(full)
     assert ad.alpha == 16.0 and ad.metadata["general.step"] == 6
     assert np.abs(ad.pairs["blk.2.attn_v.weight"][1]).max() > 0  # B has moved off zero
+    # the run folder is a model for generation: its base (from config.json) + its adapter
+    from toymlx.generate import load_for_generation
+
+    run_model, _ = load_for_generation(full)
+    by_hand = apply_adapter(base(tiny_gguf), full / "weights" / "latest")
+    np.testing.assert_array_equal(np.array(run_model(TOKENS)), np.array(by_hand(TOKENS)))
+    assert np.abs(np.array(run_model(TOKENS)) - np.array(base(tiny_gguf)(TOKENS))).max() > 1e-4
 
     # interrupted at step 3, then resumed: the same adapter as the uninterrupted run
     assert _train(common + ["--run-id", "cut", "--stop-at", "3"]) == 0

@@ -82,8 +82,25 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
     return p
 
 
+def _lora_run_base(path: str | os.PathLike) -> str | None:
+    """The `--base` a LoRA run was trained on (its config.json), when `path` is in a run."""
+    import json
+
+    p = Path(path)
+    for run_dir in (p, p.parent.parent):  # the run folder, or a file in its weights/
+        cfg = run_dir / "config.json"
+        if cfg.is_file():
+            try:
+                base = json.loads(cfg.read_text())["config"]["base"]
+            except (ValueError, KeyError, TypeError):
+                return None
+            return str(base) if base else None
+    return None
+
+
 def load_for_generation(path: str | os.PathLike) -> tuple[Llama, Any]:
-    """(model, tokenizer) from a llama GGUF or a run directory (its `weights/latest`)."""
+    """(model, tokenizer) from a llama GGUF or a run directory (its `weights/latest`); a LoRA
+    run's adapter comes with the base model it was trained on."""
     from toymlx.gguf.llama import args_from_gguf, load_llama
     from toymlx.tokenizer import Tokenizer
 
@@ -91,9 +108,16 @@ def load_for_generation(path: str | os.PathLike) -> tuple[Llama, Any]:
     g = GGUFFile(gguf_path)
     if g.metadata.get("general.type") == "adapter":
         base = g.metadata.get("toy.base")
+        g.close()
+        base = _lora_run_base(path) or base
+        if isinstance(base, str) and Path(base).is_file():  # a LoRA run: its base + adapter
+            from toymlx.lora import apply_adapter
+
+            model, tokenizer = load_for_generation(base)
+            return apply_adapter(model, gguf_path), tokenizer
         raise GGUFError(f"{gguf_path}: metadata key 'general.type': expected a model, found a "
                         "LoRA adapter (pass its base model as --model and this as --adapter"
-                        + (f"; its base was {base})" if base else ")"))
+                        + (f"; its base {base} is not a file here)" if base else ")"))
     args_from_gguf(g)  # architecture, hyperparameters and tensor shapes, before any loading
     if "tokenizer.ggml.tokens" not in g.metadata:
         raise GGUFError(f"{gguf_path}: metadata key 'tokenizer.ggml.tokens': expected a "
