@@ -256,3 +256,21 @@ def test_vit_loss_and_grads_equal_reference_forms(monkeypatch):
         b = ref_flat[name]
         np.testing.assert_allclose(np.array(g), b, rtol=0, atol=1e-5 * max(np.abs(b).max(),
                                                                            1e-4 * top))
+
+
+@pytest.mark.parametrize("T, S, block", [(150, 150, 64), (70, 70, 16), (5, 40, 2), (64, 64, 64)])
+def test_block_causal_attention_equals_fast_sdpa(T, S, block):
+    """Query blocks that see only their visible keys give the full causal attention (T < S:
+    the queries are the last T positions, as with a cache)."""
+    mx.random.seed(5)
+    q = mx.random.normal((2, 6, T, 8)) * 3
+    k = mx.random.normal((2, 2, S, 8))
+    v = mx.random.normal((2, 2, S, 8))
+    got, got_g = value_and_grads(lambda a, b, c: fm.attention(a, b, c, 0.3, True, block),
+                                 (q, k, v))
+    ref, ref_g = value_and_grads(
+        lambda a, b, c: mx.fast.scaled_dot_product_attention(a, b, c, scale=0.3, mask="causal"),
+        (q, k, v))
+    close(got, ref, 1e-5)
+    for a, b in zip(got_g, ref_g):
+        close(a, b, 1e-5)
