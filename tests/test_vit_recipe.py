@@ -70,3 +70,66 @@ def test_vit_round_trip_and_eager_equals_compiled(tmp_path):
     la = [e["loss"] for e in read_events(tmp_path / "a") if e["event"] == "step"]
     lb = [e["loss"] for e in read_events(tmp_path / "b") if e["event"] == "step"]
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-6)
+
+
+def _np_ce(logits: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Cross-entropy of float64 logits against target distributions (rows)."""
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return -(target * logp).sum(-1)
+
+
+class _Fixed:
+    """A 'model' that returns fixed logits whatever the images."""
+
+    def __init__(self, logits):
+        self.logits = mx.array(logits)
+
+    def __call__(self, images):
+        return self.logits
+
+
+def test_label_smoothing_and_mixup_loss_against_numpy():
+    from toymlx.recipes.vit_tiny import smoothed_loss
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((6, 10)) * 3).astype(np.float32)
+    y, y2 = rng.integers(0, 10, 6), rng.integers(0, 10, 6)
+    lam = np.full(6, 0.3, np.float32)
+    eye = np.eye(10)
+    eps = 0.1
+    smooth = lambda t: (1 - eps) * eye[t] + eps / 10
+    model = _Fixed(logits)
+    batch = {"images": mx.zeros((6, 8, 8, 1)), "labels": mx.array(y.astype(np.int32))}
+    got, n = smoothed_loss(eps)(model, batch)
+    want = _np_ce(logits.astype(np.float64), smooth(y)).mean()
+    assert abs(got.item() - want) < 1e-5 and n.item() == 6
+    batch.update(mix_labels=mx.array(y2.astype(np.int32)), mix_lam=mx.array(lam))
+    got, _ = smoothed_loss(eps)(model, batch)
+    want = _np_ce(logits.astype(np.float64), 0.3 * smooth(y) + 0.7 * smooth(y2)).mean()
+    assert abs(got.item() - want) < 1e-5
+    got0, _ = smoothed_loss(0.0)(model, {"images": batch["images"], "labels": batch["labels"]})
+    assert abs(got0.item() - _np_ce(logits.astype(np.float64), eye[y]).mean()) < 1e-5
+
+
+def test_mixup_batch_is_deterministic_and_keeps_labels():
+    from toymlx.recipes.vit_tiny import mixup_batch
+
+    rng = np.random.default_rng(1)
+    b = {"images": rng.random((2, 5, 8, 8, 1)).astype(np.float32),
+         "labels": rng.integers(0, 10, (2, 5)).astype(np.int32)}
+    m1, m2 = mixup_batch(b, 0.4, 7, 3), mixup_batch(b, 0.4, 7, 3)
+    for k in m1:
+        np.testing.assert_array_equal(m1[k], m2[k])
+    assert not np.array_equal(mixup_batch(b, 0.4, 7, 4)["mix_lam"], m1["mix_lam"])
+    np.testing.assert_array_equal(m1["labels"], b["labels"])
+    for a in range(2):
+        lam = m1["mix_lam"][a, 0]
+        assert (m1["mix_lam"][a] == lam).all() and 0 <= lam <= 1
+        assert sorted(m1["mix_labels"][a]) == sorted(b["labels"][a])  # a permutation
+        # each mixed image is lam * its own + (1 - lam) * the partner whose label it carries
+        for i in range(5):
+            j = [k for k in range(5) if np.allclose(
+                m1["images"][a, i], lam * b["images"][a, i] + (1 - lam) * b["images"][a, k],
+                atol=1e-6)]
+            assert j and m1["mix_labels"][a, i] in b["labels"][a, j]
