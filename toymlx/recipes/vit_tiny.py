@@ -53,19 +53,20 @@ class ImageData:
     where it slowed learning: 49% vs 89% held-out accuracy at step 200 on the digits)."""
     max_shift: int = 1
     """Largest augmentation shift in pixels."""
-    mixup: float = 0.0
+    mixup: float = 0.4
     """Mixup: each training batch becomes lam * x + (1 - lam) * x[perm] with the loss mixed the
-    same way, lam ~ Beta(mixup, mixup) per batch (0: off)."""
+    same way, lam ~ Beta(mixup, mixup) per batch (0: off). On the digits it took held-out
+    accuracy from 93.9% to 96.7% (600 steps; see docs/RESULTS.md)."""
 
 
 @dataclass
 class Config(TrainConfig):
     """toymlx-train --recipe vit-tiny: train a ViT-Tiny image classifier from scratch."""
 
-    steps: int = 400
+    steps: int = 600
     batch_size: int = 64
-    lr: float = 2e-4
-    warmup: int = 40
+    lr: float = 3e-4
+    warmup: int = 60
     weight_decay: float = 0.05
     beta2: float = 0.999
     eval_every: int = 100
