@@ -27,7 +27,7 @@ def test_vit_run_events_and_checkpoint(tmp_path):
     start = evs[0]
     assert start["event"] == "run_start" and evs[-1]["event"] == "run_end"
     m = start["model"]
-    assert m["arch"] == "vit" and m["image_size"] == 8 and m["patch_size"] == 2
+    assert m["arch"] == "vit" and m["image_size"] == 8 and m["patch_size"] == 4  # auto on 8x8
     assert (m["channels"], m["d_model"], m["n_layers"], m["n_heads"], m["num_classes"]) == (
         1, 32, 2, 2, 10)
     c = start["config"]
@@ -41,7 +41,7 @@ def test_vit_run_events_and_checkpoint(tmp_path):
 
     g = GGUFFile(resolve_latest(run))
     assert g.metadata["general.architecture"] == "vit"
-    for k, v in {"vit.image_size": 8, "vit.patch_size": 2, "vit.channels": 1,
+    for k, v in {"vit.image_size": 8, "vit.patch_size": 4, "vit.channels": 1,
                  "vit.embedding_length": 32, "vit.block_count": 2,
                  "vit.attention.head_count": 2, "vit.feed_forward_length": 64,
                  "vit.class_count": 10}.items():
@@ -146,3 +146,24 @@ def test_mixup_is_off_by_default_on_larger_sets(tmp_path, shared_data):
     assert read_events(run)[0]["config"]["mixup"] == 0.0
     run = _run(tmp_path, "m2", *common, "--data.mixup", "0.2")
     assert read_events(run)[0]["config"]["mixup"] == 0.2
+
+
+def test_auto_patch_size_on_8x8_and_explicit_choices_win():
+    """Preset auto trains 8x8 images with 4x4 patches (2x2 grid + cls); an explicit
+    --model.patch-size or --model.preset keeps its own patch size; other sizes keep the
+    preset's."""
+    from types import SimpleNamespace
+
+    from toymlx.data.images import load_images
+    from toymlx.recipes.vit_tiny import Config, ViTOptions, model_args
+
+    digits = load_images(None)
+    a = model_args(ViTOptions(), digits)
+    assert (a.image_size, a.patch_size, a.n_patches) == (8, 4, 4)
+    assert (a.d_model, a.n_layers, a.n_heads, a.mlp_dim) == (192, 12, 3, 768)  # Tiny body
+    assert model_args(ViTOptions(patch_size=2), digits).patch_size == 2
+    assert model_args(ViTOptions(preset="vit-tiny-8"), digits).patch_size == 2
+    rgb224 = SimpleNamespace(image_shape=(224, 224, 3), num_classes=10, source="x")
+    assert model_args(ViTOptions(), rgb224).patch_size == 16
+    c = Config()
+    assert (c.steps, c.batch_size, c.label_smoothing) == (400, 64, 0.1)

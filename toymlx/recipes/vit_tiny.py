@@ -19,15 +19,23 @@ from toymlx.losses import classify_metrics, cross_entropy
 from toymlx.models.vit import PRESETS, ViT, ViTArgs
 from toymlx.trainer import Task, TrainConfig
 
+AUTO_PATCH_8 = (8, 4)
+"""(image side, patch side): preset auto trains 8x8 images with 4x4 patches (measured faster and
+more accurate than the vit-tiny-8 preset's 2x2 patches; see ViTOptions.patch_size)."""
+
 
 @dataclass
 class ViTOptions:
     """Shape of the ViT: a preset (ViT-Tiny body 192 wide, 12 blocks, 3 heads) with overrides."""
 
     preset: Literal["auto", "vit-tiny", "vit-tiny-28", "vit-tiny-8"] = "auto"
-    """auto: vit-tiny-8 for 8x8 images, vit-tiny-28 for 28x28, vit-tiny for 224x224."""
+    """auto: vit-tiny-8 (with 4x4 patches) for 8x8 images, vit-tiny-28 for 28x28, vit-tiny for
+    224x224."""
     patch_size: int | None = None
-    """Patch side in pixels (default: the preset's)."""
+    """Patch side in pixels. Default: 4 for 8x8 images under preset auto (a 2x2 grid, 4 tokens +
+    cls: on the digits 96.7-100% held-out over seeds 0-4 in 400 steps at 0.19-0.23 s/step,
+    against 96.1-98.3% in 600 steps at 0.59 s/step with the vit-tiny-8 preset's 2x2 patches;
+    docs/RESULTS.md), else the preset's."""
     d_model: int | None = None
     """Embedding width (default 192)."""
     n_layers: int | None = None
@@ -64,7 +72,7 @@ class ImageData:
 class Config(TrainConfig):
     """toymlx-train --recipe vit-tiny: train a ViT-Tiny image classifier from scratch."""
 
-    steps: int = 600
+    steps: int = 400
     batch_size: int = 64
     lr: float = 3e-4
     warmup: int = 60
@@ -131,6 +139,8 @@ def model_args(opts: ViTOptions, data: ImageSet) -> ViTArgs:
         preset = {8: "vit-tiny-8", 28: "vit-tiny-28", 224: "vit-tiny"}.get(h, "vit-tiny-28")
     over = {f.name: getattr(opts, f.name) for f in fields(opts)
             if f.name != "preset" and getattr(opts, f.name) is not None}
+    if opts.preset == "auto" and h == AUTO_PATCH_8[0] and "patch_size" not in over:
+        over["patch_size"] = AUTO_PATCH_8[1]
     args = replace(PRESETS[preset](), image_size=h, channels=c, num_classes=data.num_classes,
                    **over)
     if h != w:
