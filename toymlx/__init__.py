@@ -1,7 +1,8 @@
 """toymlx: train and fine-tune small models with MLX, exchange them with llama.cpp as GGUF."""
 
-from toymlx.device import preload_blas as _preload_blas
+from toymlx import device as _device
 
-_preload_blas()  # must precede the first `import mlx.core`
+_device.preload_blas()  # must precede the first `import mlx.core`
+_device._malloc_mode[0] = _device.tune_malloc()
 
 __version__ = "0.1.0"

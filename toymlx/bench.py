@@ -469,7 +469,8 @@ class TorchVariant(Variant):
     Not in this process: toymlx loads OpenBLAS with global symbols before MLX, and PyTorch's
     CPU attention kernels then call OpenBLAS's threaded sgemm from inside their OpenMP threads
     (fwd+bwd of a SmolLM2-135M attention: 465 ms against 20 ms in a clean process). The child
-    runs with TOYMLX_BLAS=reference so it never loads OpenBLAS.
+    runs with TOYMLX_BLAS=reference so it never loads OpenBLAS, and with TOYMLX_MALLOC=default
+    so that it keeps glibc's malloc settings, as a plain PyTorch process has them.
     """
 
     name = "torch"
@@ -486,17 +487,20 @@ class TorchVariant(Variant):
         np.savez(self.folder / "batch.npz", **batch)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        saved = os.environ.get("TOYMLX_BLAS")
-        os.environ["TOYMLX_BLAS"] = "reference"  # the child inherits it at spawn
+        # the child inherits these at spawn: no OpenBLAS, and glibc's own malloc settings
+        child_env = {"TOYMLX_BLAS": "reference", "TOYMLX_MALLOC": "default"}
+        saved = {k: os.environ.get(k) for k in child_env}
+        os.environ.update(child_env)
         try:
             self.proc = ctx.Process(target=_torch_worker, args=(child, w, str(self.folder),
                                                                 threads), daemon=True)
             self.proc.start()
         finally:
-            if saved is None:
-                os.environ.pop("TOYMLX_BLAS", None)
-            else:
-                os.environ["TOYMLX_BLAS"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self._reply()
         self.gnorm0: float | None = None
         self.last_cpu: float | None = None

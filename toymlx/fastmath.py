@@ -39,6 +39,7 @@ _EXP_LO, _EXP_HI = -86.5, 88.72283  # exp saturates outside: e**-86.5 = 2.7e-38 
 # smallest normal is 1.2e-38) and e**88.72283 = 3.4e38 (float32's largest finite)
 _EXP_P = (5.0000001201e-1, 1.6666665459e-1, 4.1665795894e-2, 8.3334519073e-3,
           1.3981999507e-3, 1.9875691500e-4)  # Cephes expf: e^r = 1 + r + r^2 P(r)
+_EXP_2P = tuple(2.0 * c for c in _EXP_P)  # exact doubling, in float32 too
 _ERF_A = (-1.60960333262415e-02, -2.95459980854025e-03, -7.34990630326855e-04,
           -5.69250639462346e-05, -2.10102402082508e-06, 2.77068142495902e-08,
           -2.72614225801306e-10)  # numerator, odd powers x^1 .. x^13
@@ -103,12 +104,15 @@ def _bits(value: float) -> int:
 _SIGN, _MAGNITUDE = -(2**31), 2**31 - 1
 
 
-def _clamp(x: mx.array, lo: float, hi: float) -> mx.array:
-    """x clamped to [lo, hi] (lo < 0 < hi) on its bits: a float's magnitude orders like its bits
-    read as an integer, and integer min has no NaN test (MLX's float min/max/where do, and that
-    keeps g++ from vectorising a fused loop). The two views also end the fused kernel here.
-    NaN is clamped too (to lo or hi): callers keep NaN alive through another path."""
+def _clamp(x: mx.array, lo: float, hi: float, negate: bool = False) -> mx.array:
+    """x (or -x with `negate`) clamped to [lo, hi] (lo < 0 < hi) on its bits: a float's
+    magnitude orders like its bits read as an integer, and integer min has no NaN test (MLX's
+    float min/max/where do, and that keeps g++ from vectorising a fused loop). The two views
+    also end the fused kernel here. NaN is clamped too (to lo or hi): callers keep NaN alive
+    through another path."""
     b = mx.view(x, mx.int32)
+    if negate:
+        b = mx.bitwise_xor(b, _SIGN)
     sign = mx.bitwise_and(b, _SIGN)
     bound = _bits(hi) + mx.bitwise_and(mx.right_shift(b, 31), _bits(-lo) - _bits(hi))
     return mx.view(mx.bitwise_or(sign, mx.minimum(mx.bitwise_and(b, _MAGNITUDE), bound)),
@@ -116,28 +120,47 @@ def _clamp(x: mx.array, lo: float, hi: float) -> mx.array:
 
 
 def _kernel_end(x: mx.array) -> mx.array:
-    """x, ending `mx.compile`'s fused kernel here (two free views). It fuses at most 11
-    levels of ops into one kernel and otherwise splits at places of its own choosing, into
-    more and non-contiguous loops; cutting the chain ourselves keeps each part one fast loop."""
+    """x, ending `mx.compile`'s fused kernel here (two free views).
+
+    Why it matters: `mx.compile` fuses at most 11 levels of ops into one kernel; an operand
+    met deeper than that (typically the broadcast of a constant) becomes an input of the
+    kernel, and one broadcast input switches the whole kernel to its strided loop, which g++
+    does not vectorise (3-10x slower). Every kernel here is kept within 10 levels, and a caller
+    may stack at most `_EXP_SLACK` levels on top of `_exp`'s result."""
     return mx.view(mx.view(x, mx.int32), mx.float32)
 
 
-def _exp(x: mx.array) -> mx.array:
-    """e**x in float32 from adds, multiplies and bit operations (no autodiff of its own);
-    saturates outside [_EXP_LO, _EXP_HI] (so -inf gives 2.7e-38, not 0)."""
-    x = _clamp(x, _EXP_LO, _EXP_HI)
+_EXP_SLACK = 2
+"""Levels of ops a caller may put above `_exp(...)` in the same fused kernel."""
+
+
+def _exp(x: mx.array, negate: bool = False, clamp: bool = True) -> mx.array:
+    """e**x (e**-x with `negate`) in float32 from adds, multiplies and bit operations (no
+    autodiff of its own); saturates outside [_EXP_LO, _EXP_HI] (so -inf gives 2.7e-38, not 0).
+    `clamp=False` is for callers that already keep x inside (one memory pass less).
+
+    Four fused loops: the clamp, the reduced argument r, the scale 2**(n-1) assembled in the
+    exponent bits, and the polynomial (which the caller's next `_EXP_SLACK` levels join)."""
+    if clamp:
+        x = _clamp(x, _EXP_LO, _EXP_HI, negate)
+    elif negate:
+        x = -x
     n = (x * LOG2E + _ROUND) - _ROUND  # nearest integer to x / ln2, in [-125, 128]
     r = _kernel_end((x - n * _LN2_HI) - n * _LN2_LO)  # |r| <= ln2 / 2, exact to a few ulp
-    # 2**(n-1) from its exponent bits, times 2 below: n reaches 128 at the top of the range
-    half_two_n = mx.view(mx.left_shift(n.astype(mx.int32) + 126, 23), mx.float32)
+    # The same n again, formed differently so that mx.compile does not share (and so
+    # materialise) it between the two loops; (y - R) + R rounds exactly like (y + R) - R.
+    n_int = (((x * (2 * LOG2E)) * 0.5 - _ROUND) + _ROUND).astype(mx.int32)
+    # 2**(n-1) from its exponent bits: n reaches 128 at the top of the range
+    half_two_n = mx.view(mx.left_shift(n_int + 126, 23), mx.float32)
     r2 = r * r
-    p = ((_EXP_P[0] + _EXP_P[1] * r) + r2 * (_EXP_P[2] + _EXP_P[3] * r)
-         + (r2 * r2) * (_EXP_P[4] + _EXP_P[5] * r))  # Estrin: depth 4 instead of 6
-    return (((1.0 + r) + r2 * p) * half_two_n) * 2.0
+    q = _EXP_2P  # 2 * Cephes' coefficients: 2 e^r = (2 + 2r) + r^2 (2 P(r)), bit for bit
+    p = ((q[0] + q[1] * r) + r2 * (q[2] + q[3] * r)) + (r2 * r2) * (q[4] + q[5] * r)
+    return ((2.0 + 2.0 * r) + r2 * p) * half_two_n  # depth 8 down to its deepest constant
 
 
 def _erf(x: mx.array) -> mx.array:
-    """erf(x) in float32 as x P(x^2) / Q(x^2) on [-4, 4] (+-1 beyond, to float32 precision)."""
+    """erf(x) in float32 as x P(x^2) / Q(x^2) on [-4, 4] (+-1 beyond, to float32 precision:
+    the rational is exactly +-1 at +-4)."""
     x = _clamp(x, -4.0, 4.0)
     z = x * x
     z2 = z * z
@@ -146,7 +169,7 @@ def _erf(x: mx.array) -> mx.array:
     p = ((a[0] + a[1] * z) + z2 * (a[2] + a[3] * z)) + z4 * ((a[4] + a[5] * z) + z2 * a[6])
     b = _ERF_B
     q = ((b[0] + b[1] * z) + z2 * (b[2] + b[3] * z)) + z4 * b[4]
-    return x * p / q
+    return x * p / q  # depth 8 down to its deepest constant
 
 
 @mx.custom_function
@@ -169,13 +192,14 @@ def erf(x: mx.array) -> mx.array:
 @erf.vjp
 def _erf_vjp(primals, cotangent, output):
     x = _only(primals)
-    return (cotangent * (2.0 / math.sqrt(math.pi)) * _exp(-(x * x)),)
+    x = _clamp(x, -10.0, 10.0)  # e**-100 is 0 in float32 anyway; keeps -x^2 in exp's range
+    return ((cotangent * (2.0 / math.sqrt(math.pi))) * _exp(-(x * x), clamp=False),)
 
 
 @mx.custom_function
 def sigmoid(x: mx.array) -> mx.array:
     """1 / (1 + e**-x), elementwise."""
-    return 1.0 / (1.0 + _exp(-x))
+    return 1.0 / (1.0 + _exp(x, negate=True))
 
 
 @sigmoid.vjp
@@ -186,28 +210,29 @@ def _sigmoid_vjp(primals, cotangent, output):
 @mx.custom_function
 def silu(x: mx.array) -> mx.array:
     """x * sigmoid(x) (SwiGLU's gate), elementwise."""
-    return x / (1.0 + _exp(-x))
+    return x / (1.0 + _exp(x, negate=True))
 
 
 @silu.vjp
 def _silu_vjp(primals, cotangent, output):
     x = _only(primals)
-    s = 1.0 / (1.0 + _exp(-x))
+    s = _kernel_end(1.0 / (1.0 + _exp(x, negate=True)))
     return (cotangent * (s + output * (1.0 - s)),)
 
 
 @mx.custom_function
 def gelu(x: mx.array) -> mx.array:
     """x * Phi(x) = x / 2 * (1 + erf(x / sqrt 2)): the exact GELU (timm's, `nn.gelu`)."""
-    return 0.5 * x * (1.0 + _erf(x * _SQRT1_2))
+    return (0.5 * x) * (1.0 + _erf(x * _SQRT1_2))
 
 
 @gelu.vjp
 def _gelu_vjp(primals, cotangent, output):
     x = _only(primals)
-    cdf = _kernel_end(0.5 * (1.0 + _erf(x * _SQRT1_2)))
-    x_pdf = _kernel_end(x * (_INV_SQRT_2PI * _exp(-0.5 * (x * x))))
-    return (cotangent * (cdf + x_pdf),)
+    cdf = _kernel_end(0.5 + 0.5 * _erf(x * _SQRT1_2))
+    xe = _clamp(x, -13.0, 13.0)  # -x^2/2 >= -84.5: inside exp's range (e**-84.5 ~ 0 here)
+    pdf = _exp((xe * xe) * -0.5, clamp=False)  # Phi'(x) sqrt(2 pi)
+    return (cotangent * cdf + ((cotangent * x) * _INV_SQRT_2PI) * pdf,)
 
 
 @mx.custom_function
