@@ -43,9 +43,18 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from toymlx.device import use_blas_threads
 from toymlx.losses import classify_loss, lm_loss
 from toymlx.models.llama import Llama, LlamaArgs, smollm2_135m, smollm2_360m, tiny
-from toymlx.trainer import Task, TrainConfig, make_optimizer, make_step, step_seed
+from toymlx.trainer import (
+    Task,
+    TrainConfig,
+    make_optimizer,
+    make_step,
+    step_blas_threads,
+    step_seed,
+    step_streams,
+)
 
 MB = 2**20
 
@@ -209,6 +218,7 @@ class ToymlxVariant(Variant):
         self.optimizer.init(model.trainable_parameters())
         mx.eval(model.parameters(), self.optimizer.state)
         self.step_fn = make_step(self.task, self.optimizer, self.cfg, world)
+        self.step_threads = step_blas_threads(step_streams(self.cfg, world))
         self.gnorm0: float | None = None
 
     def step(self, s: int) -> float:
@@ -221,7 +231,8 @@ class ToymlxVariant(Variant):
         batch = {k: mx.array(v) for k, v in self.task.train_batch(s).items()}
         mx.random.seed(step_seed(self.cfg.seed, s))
         loss, gnorm = self.step_fn(batch)
-        mx.eval(loss, gnorm, self.model.state, self.optimizer.state)
+        with use_blas_threads(self.step_threads):  # as train() evaluates the step
+            mx.eval(loss, gnorm, self.model.state, self.optimizer.state)
         if self.gnorm0 is None:
             self.gnorm0 = float(gnorm.item())
         return float(loss.item())

@@ -8,6 +8,7 @@ thing, so importing anything from toymlx is enough.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -96,6 +97,29 @@ def tune_malloc() -> str:
     ok = mallopt(m_mmap_threshold, _MALLOC_LIMITS["mmap_threshold"])
     ok &= mallopt(m_trim_threshold, _MALLOC_LIMITS["trim_threshold"])
     return "glibc-retain" if ok else "default"
+
+
+def blas_threads() -> int | None:
+    """OpenBLAS's thread count now, or None where toymlx does not control the BLAS (macOS's
+    Accelerate, the reference BLAS)."""
+    get = getattr(_loaded.get("lib"), "openblas_get_num_threads", None)
+    return int(get()) if get is not None else None
+
+
+@contextlib.contextmanager
+def use_blas_threads(n: int | None):
+    """Within: OpenBLAS runs each call on `n` threads (no-op for None or where toymlx does not
+    control the BLAS). MLX reads it when a matmul runs, so wrap the evaluation, not the trace."""
+    lib = _loaded.get("lib")
+    before = blas_threads()
+    if n is None or before is None or n == before:
+        yield
+        return
+    lib.openblas_set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        lib.openblas_set_num_threads(before)
 
 
 def _ranks_on_this_host() -> int:

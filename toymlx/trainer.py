@@ -10,6 +10,7 @@ checkpoints on a schedule and at the end, and the run bundle's events.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from toymlx import checkpoint as ck
-from toymlx import fastmath
+from toymlx import device, fastmath
 from toymlx.device import backend_info
 from toymlx.events import SCHEMA, EventLog, git_info, host_info, now_iso
 from toymlx.schedule import lr_at
@@ -80,6 +81,11 @@ class TrainConfig:
     """Stop (checkpointed, resumable) after this step, as if interrupted."""
     progress: bool = True
     """Show a progress bar."""
+    cpu_streams: int = 0
+    """MLX CPU streams that each run a slice of every micro-batch in parallel, with the BLAS
+    threads shared out between them (MLX runs elementwise work on one thread per stream).
+    0: auto (2 where MLX computes on a CPU with 2+ cores and toymlx controls its BLAS
+    threads, else 1)."""
 
 
 @dataclass
@@ -138,23 +144,51 @@ def _all_sum(grads: Any, loss_sum: mx.array, n_sum: mx.array,
     return tree_map(back, grads), total[offsets[-1]], total[offsets[-1] + 1]
 
 
+def step_streams(cfg: TrainConfig, world: Any = None) -> int:
+    """How many CPU streams `make_step` splits each micro-batch over (see cpu_streams)."""
+    if cfg.cpu_streams < 0:
+        raise ValueError(f"--cpu-streams: expected >= 0, found {cfg.cpu_streams}")
+    if mx.default_device() != mx.cpu or (world is not None and world.size() > 1):
+        return 1
+    if cfg.cpu_streams:
+        return cfg.cpu_streams
+    return 2 if (os.cpu_count() or 1) >= 2 and device.blas_threads() is not None else 1
+
+
+def step_blas_threads(n_streams: int) -> int | None:
+    """BLAS threads per call while a step with `n_streams` streams is evaluated (None: leave
+    them as they are): the cores shared out, so the streams' matmuls do not oversubscribe."""
+    total = device.blas_threads()
+    return None if n_streams == 1 or total is None else max(1, total // n_streams)
+
+
 def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: Any) -> Callable:
-    """The one training step: value_and_grad, accumulation, all-reduce, clip, update."""
+    """The one training step: value_and_grad, accumulation, all-reduce, clip, update.
+
+    On one stream it is a single `mx.compile`d function. With `n` CPU streams
+    (`step_streams`) each micro-batch is cut into n equal slices along its batch axis; the
+    slices' forward and backward run concurrently, one compiled `value_and_grad` per stream,
+    and a compiled update sums their gradients weighted by their counts, exactly as gradient
+    accumulation does. (Separate compiled functions because `mx.compile` merges equal
+    subexpressions across streams, and a stream that reads the other's constants gets
+    unvectorised kernels.) A micro-batch that does not split evenly runs on one stream."""
     model = task.model
     loss_and_grad = nn.value_and_grad(model, task.loss_fn)
     distributed = world is not None and world.size() > 1
+    n_streams = step_streams(cfg, world)
 
-    def step(batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
-        accum = next(iter(batch.values())).shape[0]
-        loss_sum, n_sum, grads = mx.array(0.0), mx.array(0.0), None
-        for i in range(accum):
-            micro = {k: v[i] for k, v in batch.items()}
-            with fastmath.train_step():  # the CPU's vectorised exp/GELU/softmax while tracing
-                (loss, n), g = loss_and_grad(model, micro)
-            n = n.astype(mx.float32)
-            g = tree_map(lambda x, n=n: x * n, g)
-            grads = g if grads is None else tree_map(mx.add, grads, g)
-            loss_sum, n_sum = loss_sum + loss * n, n_sum + n
+    def weighted_grads(micro: dict[str, mx.array]) -> tuple[mx.array, mx.array, Any]:
+        params = model.trainable_parameters()
+        with fastmath.train_step():  # the CPU's vectorised math while tracing
+            (loss, n), g = loss_and_grad(model, micro)
+        model.update(params)  # value_and_grad leaves its tracers in the model
+        n = n.astype(mx.float32)
+        return loss * n, n, tree_map(lambda x: x * n, g)
+
+    def finish(parts: list[tuple[mx.array, mx.array, Any]]) -> tuple[mx.array, mx.array]:
+        loss_sum, n_sum, grads = parts[0]
+        for ls, n, g in parts[1:]:
+            loss_sum, n_sum, grads = loss_sum + ls, n_sum + n, tree_map(mx.add, grads, g)
         if distributed:
             grads, loss_sum, n_sum = _all_sum(grads, loss_sum, n_sum, world)
         grads = tree_map(lambda x: x / n_sum, grads)
@@ -165,10 +199,33 @@ def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: A
         optimizer.update(model, grads)
         return loss_sum / n_sum, norm
 
-    if not cfg.compile:
-        return step
+    def step(batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        accum = next(iter(batch.values())).shape[0]
+        return finish([weighted_grads({k: v[i] for k, v in batch.items()})
+                       for i in range(accum)])
+
     state = [model.state, optimizer.state, mx.random.state]
-    return mx.compile(step, inputs=state, outputs=state)
+    if n_streams == 1:
+        return mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
+
+    streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
+    per_stream = [mx.compile(lambda m: weighted_grads(m), inputs=model.state)
+                  if cfg.compile else weighted_grads for _ in streams]
+    update = (mx.compile(finish, inputs=state, outputs=state) if cfg.compile else finish)
+    whole = mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
+
+    def split_step(batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        accum, size = next(iter(batch.values())).shape[:2]
+        if size % n_streams:
+            return whole(batch)
+        k, parts = size // n_streams, []
+        for i in range(accum):
+            for j, (st, fn) in enumerate(zip(streams, per_stream)):
+                with mx.stream(st):
+                    parts.append(fn({key: v[i, j * k:(j + 1) * k] for key, v in batch.items()}))
+        return update(parts)
+
+    return split_step
 
 
 def evaluate(task: Task, max_batches: int | None = None) -> dict[str, float]:
@@ -258,16 +315,21 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
     n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     n_total = sum(v.size for _, v in tree_flatten(model.parameters()))
 
+    step_fn = make_step(task, optimizer, cfg, world)
+    n_streams = step_streams(cfg, world)
+    step_threads = step_blas_threads(n_streams)
     log.emit("run_start", schema=SCHEMA, started_at=now_iso(), run_id=run_dir.name,
              phase="train", recipe=task.recipe, host=host_info(), backend=backend_info(),
-             git=git_info(), model={**task.model_info, "n_params": n_total,
+             git=git_info(), step_parallelism={"cpu_streams": n_streams,
+                                               "blas_threads": step_threads
+                                               or device.blas_threads()},
+             model={**task.model_info, "n_params": n_total,
                                     "n_trainable": n_trainable},
              config={**run_config, **task.config_info},
              world_size=1 if world is None else world.size(),
              resumed_from=None if resume_from is None else str(resume_from),
              start_step=start_step)
 
-    step_fn = make_step(task, optimizer, cfg, world)
     last_ckpt = start_step if resume_from is not None else None
     state = {"step": start_step, "loss": float("nan")}
 
@@ -336,7 +398,8 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
             mx.random.seed(step_seed(cfg.seed, s))
             mid_step[0] = True
             loss, gnorm = step_fn(batch)
-            mx.eval(loss, gnorm, model.state, optimizer.state)
+            with device.use_blas_threads(step_threads):
+                mx.eval(loss, gnorm, model.state, optimizer.state)
             dt = time.perf_counter() - t0
             t_first = t_first if t_first is not None else dt
             loss_v, gnorm_v = float(loss.item()), float(gnorm.item())

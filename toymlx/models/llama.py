@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx import nn
 
 from toymlx import fastmath
+from toymlx.models.norms import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -197,9 +198,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(a.d_model, eps=a.norm_eps)
+        self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps)
         self.attn = Attention(a)
-        self.ffn_norm = nn.RMSNorm(a.d_model, eps=a.norm_eps)
+        self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps)
         self.mlp = MLP(a)
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
@@ -214,7 +215,7 @@ class Llama(nn.Module):
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.d_model)
         self.layers = [Block(args) for _ in range(args.n_layers)]
-        self.norm = nn.RMSNorm(args.d_model, eps=args.norm_eps)
+        self.norm = RMSNorm(args.d_model, eps=args.norm_eps)
         if not args.tie_embeddings:
             self.output = nn.Linear(args.d_model, args.vocab_size, bias=False)
         self._init_weights()

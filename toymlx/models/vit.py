@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx import nn
 
 from toymlx import fastmath
+from toymlx.models.norms import LayerNorm
 
 _GELU = {"erf": nn.gelu, "tanh": nn.gelu_approx, "fast": nn.gelu_fast_approx}
 
@@ -136,9 +137,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, a: ViTArgs):
         super().__init__()
-        self.attn_norm = nn.LayerNorm(a.d_model, eps=a.norm_eps)
+        self.attn_norm = LayerNorm(a.d_model, eps=a.norm_eps)
         self.attn = Attention(a)
-        self.ffn_norm = nn.LayerNorm(a.d_model, eps=a.norm_eps)
+        self.ffn_norm = LayerNorm(a.d_model, eps=a.norm_eps)
         self.mlp = MLP(a)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -156,7 +157,7 @@ class ViT(nn.Module):
         self.cls_token = mx.zeros((a.d_model,))
         self.pos_embed = mx.zeros((1 + a.n_patches, a.d_model))
         self.layers = [Block(a) for _ in range(a.n_layers)]
-        self.norm = nn.LayerNorm(a.d_model, eps=a.norm_eps)
+        self.norm = LayerNorm(a.d_model, eps=a.norm_eps)
         self.head = nn.Linear(a.d_model, a.num_classes)
         self._init_weights()
 
