@@ -112,3 +112,60 @@ def test_checkpoint_round_trip_identical_logits(tmp_path, text_file):
         assert ("output.weight" in g.tensors) == (not tie)
         x = mx.array([[1, 5, 9, 200, 17, 3, 88]])
         assert mx.array_equal(loaded(x), task.model(x)).item()
+
+
+def test_cpu_streams_split_equals_one_stream_and_records_it(tmp_path, text_file):
+    """Slices of the batch on 2 CPU streams = gradient accumulation of the slices: the same
+    losses as one stream (to float32 summation order); run_start says what ran."""
+    one = _run(tmp_path, "one", "--steps", "5", "--cpu-streams", "1", data=text_file)
+    two = _run(tmp_path, "two", "--steps", "5", "--cpu-streams", "2", data=text_file)
+    np.testing.assert_allclose(_losses(two), _losses(one), rtol=1e-5, atol=1e-6)
+    assert _losses(two) != _losses(one)  # really another summation order
+    start = read_events(two)[0]
+    assert start["step_parallelism"]["cpu_streams"] == 2
+    assert read_events(one)[0]["step_parallelism"]["cpu_streams"] == 1
+    if start["backend"].get("blas") == "openblas":  # threads shared out between the streams
+        assert start["step_parallelism"]["blas_threads"] == max(
+            1, start["backend"]["blas_threads"] // 2)
+
+
+def test_dropout_draws_a_new_mask_each_step_on_every_stream():
+    """The per-stream compiled steps thread MLX's random state: with dropout the compiled
+    2-stream step matches the eager one step after step (a baked-in key would repeat step 1's
+    mask and drift from the eager losses)."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    from toymlx import trainer
+    from toymlx.trainer import step_seed
+
+    def run(compile: bool) -> list[float]:
+        mx.random.seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 4))
+        mx.eval(model.parameters())
+
+        def loss_fn(m, b):
+            return nn.losses.cross_entropy(m(b["x"]), b["y"], reduction="mean"), mx.array(
+                b["y"].size)
+
+        task = trainer.Task(recipe="t", model=model, loss_fn=loss_fn, train_batch=None,
+                            val_batches=[], save=None, load=None, model_info={})
+        cfg = trainer.TrainConfig(steps=4, batch_size=8, compile=compile, cpu_streams=2,
+                                  lr=1e-2, warmup=1)
+        opt = trainer.make_optimizer(cfg)
+        opt.init(model.trainable_parameters())
+        step = trainer.make_step(task, opt, cfg, None)
+        rng = np.random.default_rng(1)
+        batch = {"x": mx.array(rng.standard_normal((1, 8, 16)).astype(np.float32)),
+                 "y": mx.array(rng.integers(0, 4, (1, 8)).astype(np.int32))}
+        out = []
+        for s in range(4):
+            mx.random.seed(step_seed(0, s))
+            loss, _ = step(batch)
+            mx.eval(loss, model.state, opt.state)
+            out.append(float(loss.item()))
+        return out
+
+    compiled, eager = run(True), run(False)
+    np.testing.assert_allclose(compiled, eager, rtol=1e-5)
+    assert len(set(compiled)) == 4

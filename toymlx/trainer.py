@@ -209,7 +209,9 @@ def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: A
         return mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
 
     streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
-    per_stream = [mx.compile(lambda m: weighted_grads(m), inputs=model.state)
+    rng = [mx.random.state]  # dropout draws: a pure function of the step's seed, as above
+    per_stream = [mx.compile(lambda m: weighted_grads(m), inputs=[model.state, rng],
+                             outputs=rng)
                   if cfg.compile else weighted_grads for _ in streams]
     update = (mx.compile(finish, inputs=state, outputs=state) if cfg.compile else finish)
     whole = mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
