@@ -133,8 +133,7 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
     """The per-stream compiled steps thread MLX's random state: with dropout the compiled
     2-stream step matches the eager one step after step (a baked-in key would repeat step 1's
     mask and drift from the eager losses)."""
-    import mlx.nn as nn
-    import mlx.optimizers as optim
+    from mlx import nn
 
     from toymlx import trainer
     from toymlx.trainer import step_seed
