@@ -375,3 +375,34 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """RMSNorm over the last axis (as `mx.fast.rms_norm`), with its row sum as a BLAS
     matrix-vector product and a hand-written backward."""
     return _rms_norm_fn(float(eps))(x, weight)[0]
+
+
+@mx.custom_function
+def _linear(x: mx.array, w: mx.array) -> mx.array:
+    return x @ w.T
+
+
+@_linear.vjp
+def _linear_vjp(primals, cotangent, output):
+    x, w = primals
+    g2 = cotangent.reshape(-1, w.shape[0])
+    return cotangent @ w, g2.T @ x.reshape(-1, w.shape[1])
+
+
+@mx.custom_function
+def _linear_bias(x: mx.array, w: mx.array, b: mx.array) -> mx.array:
+    return mx.addmm(b, x, w.T)
+
+
+@_linear_bias.vjp
+def _linear_bias_vjp(primals, cotangent, output):
+    x, w, _ = primals
+    g2 = cotangent.reshape(-1, w.shape[0])
+    return cotangent @ w, g2.T @ x.reshape(-1, w.shape[1]), g2.sum(0)
+
+
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """x @ weight.T (+ bias), as `nn.Linear`, whose weight gradient comes out of its matmul
+    row-major like the weight (autodiff of `weight.T` gives the transposed, column-major
+    view, and the optimizer's fused update then runs MLX's strided, unvectorised loop)."""
+    return _linear(x, weight) if bias is None else _linear_bias(x, weight, bias)

@@ -35,6 +35,7 @@ from toymlx.gguf.llama import (
 )
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
+from toymlx.models.layers import Linear
 from toymlx.models.llama import Llama
 
 TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj",
@@ -102,12 +103,12 @@ class LoRALinear(nn.Module):
         return self.scale * (self.lora_b @ self.lora_a)
 
     def fuse(self) -> nn.Linear:
-        """A plain nn.Linear computing W + scale * B A (float32 when the base is quantized)."""
+        """A plain linear (toymlx's `nn.Linear`) computing W + scale * B A (float32 when the base is quantized)."""
         w = base_weight(self.linear)
         dtype = mx.float32 if isinstance(self.linear, nn.QuantizedLinear) else w.dtype
         n_out, n_in = base_dims(self.linear)
         has_bias = "bias" in self.linear
-        fused = nn.Linear(n_in, n_out, bias=has_bias)
+        fused = Linear(n_in, n_out, bias=has_bias)
         fused.weight = (w.astype(mx.float32) + self.delta()).astype(dtype)
         if has_bias:
             fused.bias = self.linear.bias

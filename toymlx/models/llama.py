@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx import nn
 
 from toymlx import fastmath
-from toymlx.models.norms import RMSNorm
+from toymlx.models.layers import Linear, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -164,10 +164,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = a.n_heads, a.n_kv_heads, a.hd
         self.scale = a.hd ** -0.5
-        self.q_proj = nn.Linear(a.d_model, a.n_heads * a.hd, bias=False)
-        self.k_proj = nn.Linear(a.d_model, a.n_kv_heads * a.hd, bias=False)
-        self.v_proj = nn.Linear(a.d_model, a.n_kv_heads * a.hd, bias=False)
-        self.o_proj = nn.Linear(a.n_heads * a.hd, a.d_model, bias=False)
+        self.q_proj = Linear(a.d_model, a.n_heads * a.hd, bias=False)
+        self.k_proj = Linear(a.d_model, a.n_kv_heads * a.hd, bias=False)
+        self.v_proj = Linear(a.d_model, a.n_kv_heads * a.hd, bias=False)
+        self.o_proj = Linear(a.n_heads * a.hd, a.d_model, bias=False)
         self.rope = ExactRoPE(a.hd, a.rope_base)
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
@@ -187,9 +187,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(a.d_model, a.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(a.d_model, a.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(a.ffn_dim, a.d_model, bias=False)
+        self.gate_proj = Linear(a.d_model, a.ffn_dim, bias=False)
+        self.up_proj = Linear(a.d_model, a.ffn_dim, bias=False)
+        self.down_proj = Linear(a.ffn_dim, a.d_model, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -217,7 +217,7 @@ class Llama(nn.Module):
         self.layers = [Block(args) for _ in range(args.n_layers)]
         self.norm = RMSNorm(args.d_model, eps=args.norm_eps)
         if not args.tie_embeddings:
-            self.output = nn.Linear(args.d_model, args.vocab_size, bias=False)
+            self.output = Linear(args.d_model, args.vocab_size, bias=False)
         self._init_weights()
 
     def _init_weights(self) -> None:

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx import nn
 
 from toymlx import fastmath
-from toymlx.models.norms import LayerNorm
+from toymlx.models.layers import LayerNorm, Linear
 
 _GELU = {"erf": nn.gelu, "tanh": nn.gelu_approx, "fast": nn.gelu_fast_approx}
 
@@ -105,10 +105,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.hd = a.n_heads, a.head_dim
         self.scale = a.head_dim ** -0.5
-        self.q_proj = nn.Linear(a.d_model, a.d_model)
-        self.k_proj = nn.Linear(a.d_model, a.d_model)
-        self.v_proj = nn.Linear(a.d_model, a.d_model)
-        self.o_proj = nn.Linear(a.d_model, a.d_model)
+        self.q_proj = Linear(a.d_model, a.d_model)
+        self.k_proj = Linear(a.d_model, a.d_model)
+        self.v_proj = Linear(a.d_model, a.d_model)
+        self.o_proj = Linear(a.d_model, a.d_model)
 
     def __call__(self, x: mx.array) -> mx.array:
         B, T, _ = x.shape
@@ -126,8 +126,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: ViTArgs):
         super().__init__()
-        self.up_proj = nn.Linear(a.d_model, a.mlp_dim)
-        self.down_proj = nn.Linear(a.mlp_dim, a.d_model)
+        self.up_proj = Linear(a.d_model, a.mlp_dim)
+        self.down_proj = Linear(a.mlp_dim, a.d_model)
         self.act = _activation(a.gelu)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -153,12 +153,12 @@ class ViT(nn.Module):
         args.validate()
         self.args = args
         a = args
-        self.patch_embed = nn.Linear(a.patch_size * a.patch_size * a.channels, a.d_model)
+        self.patch_embed = Linear(a.patch_size * a.patch_size * a.channels, a.d_model)
         self.cls_token = mx.zeros((a.d_model,))
         self.pos_embed = mx.zeros((1 + a.n_patches, a.d_model))
         self.layers = [Block(a) for _ in range(a.n_layers)]
         self.norm = LayerNorm(a.d_model, eps=a.norm_eps)
-        self.head = nn.Linear(a.d_model, a.num_classes)
+        self.head = Linear(a.d_model, a.num_classes)
         self._init_weights()
 
     def _init_weights(self) -> None:
