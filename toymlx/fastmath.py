@@ -241,12 +241,12 @@ def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis (-inf entries give 0 to within 3e-38; a row of all -inf is
     uniform, where the exact softmax gives NaN)."""
     e = _exp(x - mx.stop_gradient(x.max(-1, keepdims=True)))
-    return e * (1.0 / e.sum(-1, keepdims=True))
+    return e * (1.0 / _row_sum(e))
 
 
 @softmax.vjp
 def _softmax_vjp(primals, cotangent, output):
-    return (output * (cotangent - (cotangent * output).sum(-1, keepdims=True)),)
+    return (output * (cotangent - _row_sum(cotangent * output)),)
 
 
 @mx.custom_function
@@ -254,7 +254,7 @@ def logsumexp(x: mx.array) -> mx.array:
     """log(sum(e**x)) over the last axis (kept as a size-1 axis)."""
     m = x.max(-1, keepdims=True)
     m = mx.where(mx.isinf(m), 0.0, m)  # all -inf rows: about -86 (saturated exp), not NaN
-    return mx.log(_exp(x - m).sum(-1, keepdims=True)) + m
+    return mx.log(_row_sum(_exp(x - m))) + m
 
 
 @logsumexp.vjp
