@@ -155,6 +155,30 @@ def step_streams(cfg: TrainConfig, world: Any = None) -> int:
     return 2 if (os.cpu_count() or 1) >= 2 and device.blas_threads() is not None else 1
 
 
+def _stream_homes(model: nn.Module, streams: list) -> dict[tuple[int, ...], Any]:
+    """A stream for each trainable parameter shape, balancing the parameter counts: a shape's
+    parameters share one stream, because `mx.compile` merges equal broadcasts across streams
+    and a kernel fed another stream's broadcast runs unvectorised."""
+    sizes: dict[tuple[int, ...], int] = {}
+    for _, p in tree_flatten(model.trainable_parameters()):
+        sizes[tuple(p.shape)] = sizes.get(tuple(p.shape), 0) + p.size
+    load, home = [0] * len(streams), {}
+    for shape, n in sorted(sizes.items(), key=lambda kv: -kv[1]):
+        i = load.index(min(load))
+        home[shape], load[i] = streams[i], load[i] + n
+    return home
+
+
+def _spread_optimizer(optimizer: optim.Optimizer, on_home: Callable) -> None:
+    """Run each parameter's optimizer update on its home stream (MultiOptimizer's parts too)."""
+    for o in getattr(optimizer, "optimizers", [optimizer]):
+        if getattr(o, "_toymlx_spread", False):
+            continue
+        inner = o.apply_single
+        o.apply_single = lambda g, p, st, inner=inner: on_home(lambda p_: inner(g, p_, st))(p)
+        o._toymlx_spread = True
+
+
 def step_blas_threads(n_streams: int) -> int | None:
     """BLAS threads per call while a step with `n_streams` streams is evaluated (None: leave
     them as they are): the cores shared out, so the streams' matmuls do not oversubscribe."""
@@ -209,11 +233,37 @@ def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: A
         return mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
 
     streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
+    home = _stream_homes(model, streams)
+
+    def on_home(fn: Callable) -> Callable:
+        def run(x: mx.array, *rest: Any) -> mx.array:
+            with mx.stream(home.get(tuple(x.shape), streams[0])):
+                return fn(x, *rest)
+        return run
+
+    _spread_optimizer(optimizer, on_home)
+
+    def finish_spread(parts: list[tuple[mx.array, mx.array, Any]]) -> tuple[mx.array, mx.array]:
+        """`finish` with each parameter's sum, clip and update on its home stream."""
+        loss_sum, n_sum = parts[0][0], parts[0][1]
+        for ls, n, _ in parts[1:]:
+            loss_sum, n_sum = loss_sum + ls, n_sum + n
+        grads = tree_map(on_home(lambda *gs: sum(gs[1:], gs[0]) / n_sum),
+                         *[g for _, _, g in parts])
+        sq = [on_home(lambda g: (g * g).sum())(g) for _, g in tree_flatten(grads)]
+        norm = mx.sqrt(sum(sq[1:], sq[0]))
+        if cfg.grad_clip > 0:  # as optim.clip_grad_norm
+            scale = mx.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
+            grads = tree_map(on_home(lambda g: g * scale), grads)
+        optimizer.update(model, grads)
+        return loss_sum / n_sum, norm
+
     rng = [mx.random.state]  # dropout draws: a pure function of the step's seed, as above
     per_stream = [mx.compile(lambda m: weighted_grads(m), inputs=[model.state, rng],
                              outputs=rng)
                   if cfg.compile else weighted_grads for _ in streams]
-    update = (mx.compile(finish, inputs=state, outputs=state) if cfg.compile else finish)
+    update = (mx.compile(finish_spread, inputs=state, outputs=state) if cfg.compile
+              else finish_spread)
     whole = mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
 
     def split_step(batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
