@@ -303,6 +303,7 @@ def test_unwritable_runs_root_fails_before_training(tmp_path, capsys, data):
     (["--batch-size", "4096"], "--batch-size"),
     (["--lr", "0"], "--lr"),
     (["--checkpoint-every", "-1"], "--checkpoint-every"),
+    (["--cpu-streams", "-1"], "--cpu-streams"),
     (["--data.path", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
 ])
 def test_bad_config_is_one_line_exit_2(tmp_path, capsys, data, extra, flag):

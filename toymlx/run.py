@@ -29,6 +29,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
         ("--eval-batches", cfg.eval_batches >= 1, ">= 1", cfg.eval_batches),
         ("--checkpoint-every", cfg.checkpoint_every >= 0, ">= 0", cfg.checkpoint_every),
         ("--seed", cfg.seed >= 0, ">= 0", cfg.seed),
+        ("--cpu-streams", cfg.cpu_streams >= 0, ">= 0 (0: auto)", cfg.cpu_streams),
     ]
     for flag, ok, want, found in checks:
         if not ok:
