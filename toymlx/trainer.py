@@ -2,9 +2,11 @@
 
 A recipe builds a `Task` (model, loss, batches, how to save and load a checkpoint); `train`
 runs it: one `mx.compile`d `value_and_grad` step with the model, optimizer and random state
-as its declared state, gradient accumulation over a leading micro-batch axis, data-parallel
-gradient sums over `mx.distributed` ranks, warm-up + cosine LR, clipping, periodic validation,
-checkpoints on a schedule and at the end, and the run bundle's events.
+as its declared state (on a multi-core CPU: the same, one compiled `value_and_grad` per
+MLX CPU stream on a slice of each micro-batch, see `make_step`), gradient accumulation over a
+leading micro-batch axis, data-parallel gradient sums over `mx.distributed` ranks, warm-up +
+cosine LR, clipping, periodic validation, checkpoints on a schedule and at the end, and the
+run bundle's events.
 """
 
 from __future__ import annotations
