@@ -51,3 +51,36 @@ def test_freed_buffers_are_reused_not_faulted_in_again():
     # step's pages
     assert plain["faults"] > 10_000, plain
     assert tuned["faults"] < plain["faults"] / 10, (tuned, plain)
+
+
+def test_gguf_load_keeps_one_copy_resident(tmp_path):
+    """load_llama copies each tensor into MLX and drops the file mapping's pages of it, so a
+    model's weights are resident once (plus one tensor), not twice (mapping + copy)."""
+    import mlx.core as mx
+
+    from toymlx.gguf.llama import write_llama
+    from toymlx.models.llama import Llama, tiny
+
+    mx.random.seed(0)
+    model = Llama(tiny(d_model=512, ffn_dim=2048, n_layers=6))  # ~100 MB in 4 MB tensors
+    mx.eval(model.parameters())
+    path = tmp_path / "big.gguf"
+    write_llama(str(path), model, {}, name="t")
+    size_mb = path.stat().st_size / 2**20
+    probe = f"""
+import json
+from pathlib import Path
+import toymlx
+import mlx.core as mx
+from toymlx.gguf.llama import load_llama
+def st(k):
+    return next(int(x.split()[1]) / 1024 for x in Path('/proc/self/status').read_text().splitlines() if x.startswith(k + ':'))
+base = st('VmRSS'); Path('/proc/self/clear_refs').write_text('5')
+m, g = load_llama({str(path)!r})
+print(json.dumps({{"grown_mb": st('VmHWM') - base}}))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True)
+    grown = json.loads(out.stdout.strip().splitlines()[-1])["grown_mb"]
+    assert size_mb > 90
+    assert grown < 1.3 * size_mb, (grown, size_mb)  # twice the file before

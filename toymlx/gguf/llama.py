@@ -137,7 +137,10 @@ def load_llama(path: str | os.PathLike, dtype=np.float32) -> tuple[Llama, GGUFFi
     g = GGUFFile(path)
     args = args_from_gguf(g)
     model = Llama(args)
-    weights = [(gguf_to_toy(n), mx.array(g.load(n, dtype))) for n in expected_shapes(args)]
+    weights = []
+    for n in expected_shapes(args):
+        weights.append((gguf_to_toy(n), mx.array(g.load(n, dtype))))  # a copy, made now
+        g.release(n)  # so the mapping's pages of it leave this process's memory
     model.load_weights(weights, strict=True)
     mx.eval(model.parameters())
     return model, g

@@ -284,6 +284,17 @@ class GGUFFile:
                                 f"dequantize, found {t.name}") from None
         return np.asarray(out.reshape(info.shape), dtype=dtype)
 
+    def release(self, name: str) -> None:
+        """Drop tensor `name`'s pages of the file mapping from this process (they stay in the
+        page cache and fault back in if read again): a loader that has copied a tensor into
+        MLX calls this, so a whole model is not resident twice (mapping + copy)."""
+        info = self._info(name)
+        page = mmap.PAGESIZE
+        start = info.offset // page * page
+        end = min(-(-(info.offset + info.nbytes) // page) * page, len(self._mm))
+        if end > start and hasattr(self._mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         try:
             self._mm.close()
