@@ -15,6 +15,6 @@ if _sys.platform.startswith("linux"):
 from toymlx import device as _device
 
 _device.preload_blas()  # must precede the first `import mlx.core`
-_device._malloc_mode[0] = _device.tune_malloc()
+_device.tune_malloc()
 
 __version__ = "0.1.0"

@@ -33,7 +33,7 @@ _BLAS_FIX = (
 _blas: dict = {"name": "unknown", "path": None}
 _loaded: dict = {}  # the CDLL handle, to ask OpenBLAS its thread count
 _warned = False
-_malloc_mode = ["default"]
+_malloc_mode = "default"  # what tune_malloc() set: "glibc-retain" or "default"
 
 
 def preload_blas() -> dict:
@@ -86,17 +86,18 @@ def tune_malloc() -> str:
     activations in again: ~48,000 faults a step on ViT-Tiny 28x28 (a 10th of the step in the
     kernel). With these two thresholds raised the same buffers are reused (~400 faults a step)
     and the step is 10-15% faster; the cost is that the process keeps its peak heap."""
+    global _malloc_mode
     if sys.platform != "linux" or os.environ.get("TOYMLX_MALLOC") == "default":
-        return "default"
+        return _malloc_mode
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
-        return "default"  # not glibc (musl has no mallopt)
+        return _malloc_mode  # not glibc (musl has no mallopt)
     m_trim_threshold, m_mmap_threshold = -1, -3
     ok = mallopt(m_mmap_threshold, _MALLOC_LIMITS["mmap_threshold"])
     ok &= mallopt(m_trim_threshold, _MALLOC_LIMITS["trim_threshold"])
-    return "glibc-retain" if ok else "default"
+    _malloc_mode = "glibc-retain" if ok else "default"
+    return _malloc_mode
 
 
 def blas_threads() -> int | None:
@@ -179,7 +180,7 @@ def backend_info() -> dict:
         get_threads = getattr(_loaded.get("lib"), "openblas_get_num_threads", None)
         if get_threads is not None:
             info["blas_threads"] = int(get_threads())
-        info["malloc"] = _malloc_mode[0]
+        info["malloc"] = _malloc_mode
         info["cpu"] = platform.processor() or platform.machine()
         info["cores"] = os.cpu_count()
     return info

@@ -202,6 +202,17 @@ def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: A
     loss_and_grad = nn.value_and_grad(model, task.loss_fn)
     distributed = world is not None and world.size() > 1
     n_streams = step_streams(cfg, world)
+    streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
+    home = _stream_homes(model, streams) if n_streams > 1 else {}
+
+    def on_home(fn: Callable) -> Callable:
+        """fn, run on the home stream of its first argument's shape (if it has one)."""
+        def run(x: mx.array, *rest: Any) -> mx.array:
+            if tuple(x.shape) not in home:
+                return fn(x, *rest)
+            with mx.stream(home[tuple(x.shape)]):
+                return fn(x, *rest)
+        return run
 
     def weighted_grads(micro: dict[str, mx.array]) -> tuple[mx.array, mx.array, Any]:
         params = model.trainable_parameters()
@@ -212,16 +223,20 @@ def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: A
         return loss * n, n, tree_map(lambda x: x * n, g)
 
     def finish(parts: list[tuple[mx.array, mx.array, Any]]) -> tuple[mx.array, mx.array]:
-        loss_sum, n_sum, grads = parts[0]
-        for ls, n, g in parts[1:]:
-            loss_sum, n_sum, grads = loss_sum + ls, n_sum + n, tree_map(mx.add, grads, g)
+        """Sum the parts as accumulation does, all-reduce, clip, update; each parameter's
+        work on its home stream (`on_home`; one stream: where it is)."""
+        loss_sum, n_sum = parts[0][0], parts[0][1]
+        for ls, n, _ in parts[1:]:
+            loss_sum, n_sum = loss_sum + ls, n_sum + n
+        grads = tree_map(on_home(lambda *gs: sum(gs[1:], gs[0])), *[g for _, _, g in parts])
         if distributed:
             grads, loss_sum, n_sum = _all_sum(grads, loss_sum, n_sum, world)
-        grads = tree_map(lambda x: x / n_sum, grads)
-        if cfg.grad_clip > 0:
-            grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
-        else:
-            norm = mx.sqrt(sum(mx.sum(x * x) for _, x in tree_flatten(grads)))
+        grads = tree_map(on_home(lambda g: g / n_sum), grads)
+        sq = [on_home(lambda g: (g * g).sum())(g) for _, g in tree_flatten(grads)]
+        norm = mx.sqrt(sum(sq[1:], sq[0]))
+        if cfg.grad_clip > 0:  # as optim.clip_grad_norm
+            scale = mx.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
+            grads = tree_map(on_home(lambda g: g * scale), grads)
         optimizer.update(model, grads)
         return loss_sum / n_sum, norm
 
@@ -234,38 +249,14 @@ def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: A
     if n_streams == 1:
         return mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
 
-    streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
-    home = _stream_homes(model, streams)
-
-    def on_home(fn: Callable) -> Callable:
-        def run(x: mx.array, *rest: Any) -> mx.array:
-            with mx.stream(home.get(tuple(x.shape), streams[0])):
-                return fn(x, *rest)
-        return run
-
     _spread_optimizer(optimizer, on_home)
-
-    def finish_spread(parts: list[tuple[mx.array, mx.array, Any]]) -> tuple[mx.array, mx.array]:
-        """`finish` with each parameter's sum, clip and update on its home stream."""
-        loss_sum, n_sum = parts[0][0], parts[0][1]
-        for ls, n, _ in parts[1:]:
-            loss_sum, n_sum = loss_sum + ls, n_sum + n
-        grads = tree_map(on_home(lambda *gs: sum(gs[1:], gs[0]) / n_sum),
-                         *[g for _, _, g in parts])
-        sq = [on_home(lambda g: (g * g).sum())(g) for _, g in tree_flatten(grads)]
-        norm = mx.sqrt(sum(sq[1:], sq[0]))
-        if cfg.grad_clip > 0:  # as optim.clip_grad_norm
-            scale = mx.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
-            grads = tree_map(on_home(lambda g: g * scale), grads)
-        optimizer.update(model, grads)
-        return loss_sum / n_sum, norm
-
+    # one compiled function per stream (distinct callables: mx.compile caches traces per
+    # function, and each stream's trace must keep its own stream)
     rng = [mx.random.state]  # dropout draws: a pure function of the step's seed, as above
     per_stream = [mx.compile(lambda m: weighted_grads(m), inputs=[model.state, rng],
                              outputs=rng)
                   if cfg.compile else weighted_grads for _ in streams]
-    update = (mx.compile(finish_spread, inputs=state, outputs=state) if cfg.compile
-              else finish_spread)
+    update = mx.compile(finish, inputs=state, outputs=state) if cfg.compile else finish
     whole = mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
 
     def split_step(batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
