@@ -55,6 +55,7 @@ def test_enabled_in_the_train_step_on_cpu_and_by_env(monkeypatch):
 
 def test_compiled_train_step_traces_with_fast_math(monkeypatch):
     """make_step's step runs its forward and backward inside fastmath.train_step()."""
+    from toymlx import step as step_mod
     from toymlx import trainer
 
     seen = []
@@ -70,11 +71,11 @@ def test_compiled_train_step_traces_with_fast_math(monkeypatch):
     cfg = trainer.TrainConfig(steps=1, batch_size=4, compile=True)
     import mlx.optimizers as optim
 
-    step = trainer.make_step(task, optim.AdamW(1e-3), cfg, None)
+    step = step_mod.make_step(task, optim.AdamW(1e-3), cfg, None)
     batch = {"images": mx.zeros((1, 4, 8, 8, 1)), "labels": mx.zeros((1, 4), mx.int32)}
     mx.eval(step(batch))
     # traced once per CPU stream that a slice of the batch runs on
-    assert seen == [True] * trainer.step_streams(cfg) and not fm.enabled()
+    assert seen == [True] * step_mod.step_streams(cfg) and not fm.enabled()
 
 
 EDGES = [-math.inf, -1e4, -104.0, -88.0, -87.5, -87.3, -20.0, -1e-3, -1e-30, 0.0, 1e-30, 1e-3,

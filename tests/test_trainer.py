@@ -135,6 +135,7 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
     mask and drift from the eager losses)."""
     from mlx import nn
 
+    from toymlx import step as step_mod
     from toymlx import trainer
     from toymlx.trainer import step_seed
 
@@ -153,7 +154,7 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
                                   lr=1e-2, warmup=1)
         opt = trainer.make_optimizer(cfg)
         opt.init(model.trainable_parameters())
-        step = trainer.make_step(task, opt, cfg, None)
+        step = step_mod.make_step(task, opt, cfg, None)
         rng = np.random.default_rng(1)
         batch = {"x": mx.array(rng.standard_normal((1, 8, 16)).astype(np.float32)),
                  "y": mx.array(rng.integers(0, 4, (1, 8)).astype(np.int32))}

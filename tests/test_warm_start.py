@@ -21,8 +21,9 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
 from toymlx.recipes import warm_start as ws
 from toymlx.recipes.common import LlamaOptions, TextData
+from toymlx.step import make_step
 from toymlx.tokenizer import byte_tokenizer
-from toymlx.trainer import make_step, train
+from toymlx.trainer import train
 
 W32 = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
 W32_FLAGS = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4",
