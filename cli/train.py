@@ -37,10 +37,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from toymlx.device import setup_process
     from toymlx.launch import rank_status
-
-    setup_process()  # before MLX evaluates anything
 
     with rank_status() as status:  # under toymlx-launch: report how this rank ended
         status.code = _main(argv)

@@ -76,11 +76,13 @@ def init_distributed() -> Any:
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
     """Run one recipe with a parsed config; returns the process exit code."""
     from toymlx import checkpoint as ck
-    from toymlx.device import select_device
+    from toymlx.device import select_device, setup_process
     from toymlx.models.ops import check_checkpointable
     from toymlx.runs import RunError, check_resume, prepare_run_dir, save_config
     from toymlx.trainer import train
 
+    # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
+    setup_process(wide_evaluation=not cfg.grad_checkpoint)
     created: Path | None = None
     try:
         validate_train_config(cfg)

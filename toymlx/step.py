@@ -103,13 +103,23 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, grad_clip: float, 
         optimizer.update(model, grads)
         model.update(tree_map(lambda new, old: mx.where(ok, new, old),
                               model.trainable_parameters(), params))
-        optimizer.state = tree_map(lambda new, old: mx.where(ok, new, old), optimizer.state,
-                                   opt_state)
+        _keep_where(ok, optimizer.state, opt_state)
         out.update(skipped=mx.logical_not(ok), loss_scale=scale.state["scale"])
         scale.advance(ok)
         return out
 
     return update
+
+
+def _keep_where(ok: mx.array, state: Any, before: Any) -> None:
+    """Each array of the (nested) optimizer state: the new value where `ok`, else the one in
+    `before`; assigned in place, because the compiled step holds on to these containers."""
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    for k, v in list(items):
+        if isinstance(v, mx.array):
+            state[k] = mx.where(ok, v, before[k])
+        else:
+            _keep_where(ok, v, before[k])
 
 
 def make_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,

@@ -244,7 +244,7 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
     model = task.model
     weights = run_dir / "weights"
     log = EventLog(run_dir / "events.jsonl", enabled=rank0)
-    device.setup_process()
+    device.setup_process(wide_evaluation=not cfg.grad_checkpoint)
     optimizer = (task.optimizer or make_optimizer)(cfg)
     optimizer.init(model.trainable_parameters())
     # float16 gradients underflow without a loss scale (see LossScale)
