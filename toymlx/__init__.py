@@ -4,4 +4,12 @@ from toymlx import device as _device
 
 _device.preload_blas()  # must precede the first `import mlx.core` (see toymlx.device)
 
+try:
+    import mlx.core as _mx  # noqa: F401
+except ImportError as _e:  # no backend library (Linux: mlx without its [cpu]/[cuda] extra)
+    raise ImportError(
+        f"toymlx: MLX cannot load ({_e}). On Linux MLX needs a backend: "
+        "pip install 'toymlx[cpu]', or 'toymlx[cuda]' for an NVIDIA GPU with CUDA 13 drivers "
+        "('toymlx[cuda12]' for CUDA 12); install only one of them") from None
+
 __version__ = "0.1.0"

@@ -4,7 +4,7 @@ Weights are `(out, in)`; RoPE rotates adjacent pairs (x[2i], x[2i+1]) as llama.c
 arch "llama", so GGUF q/k weights are used as stored and never permuted. Query head h reads
 kv head h // (n_heads // n_kv_heads). The math runs through the `Ops` the model is built with
 (`toymlx.models.ops`): `Llama(args)` computes with MLX's own ops in float32, the trainer builds
-it with the run's `Ops`. Generation uses mlx-lm's KV cache (`mlx_lm.models.cache.KVCache`).
+it with the run's `Ops`. Generation uses mlx-lm's KV cache (`make_cache`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import KVCache
 
 from toymlx.models.layers import Linear, RMSNorm
 from toymlx.models.ops import EXACT, Ops
@@ -187,6 +186,9 @@ class Llama(nn.Module):
             h = self.ops.block(layer, h) if cache is None else layer(h, cache[i])
         return self.unembed(self.norm(h))  # (B,T,V)
 
-    def make_cache(self) -> list[KVCache]:
+    def make_cache(self) -> list[Any]:
         """One mlx-lm KV cache per block, for generation."""
+        # imported here: mlx_lm's package imports transformers (~1.5 s), which training skips
+        from mlx_lm.models.cache import KVCache
+
         return [KVCache() for _ in self.layers]
