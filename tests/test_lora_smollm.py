@@ -254,3 +254,26 @@ def test_one_fact_is_answered_by_toymlx_generate_and_llamacpp(smollm_gguf, tok, 
     print(f"\nbefore: {before!r}\ntoymlx-generate --adapter: {out.strip()!r}\n"
           f"llama.cpp (Q4_1 base + adapter): {reply!r}")
     assert FACT_A in reply
+
+
+@pytest.mark.smollm
+def test_bf16_lora_on_the_real_smollm2_runs(smollm_gguf, tmp_path):  # noqa: F811
+    """--dtype bfloat16 on the CPU: the frozen base held in bfloat16, the adapters float32; a
+    few steps whose losses stay within 0.05 nats of the same float32 run's."""
+    from toymlx_cli.train import main
+
+    common = ["--recipe", "lora", "--base", str(smollm_gguf), "--device", "cpu", "--steps", "3",
+              "--batch-size", "1", "--seq-len", "64", "--eval-every", "0", "--eval-batches", "1",
+              "--no-progress", "--runs-root", str(tmp_path)]
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main([*common, "--run-id", dtype, "--dtype", dtype]) == 0
+        events = read_events(tmp_path / dtype)
+        losses[dtype] = [e["loss"] for e in events if e.get("kind", e.get("event")) == "step"]
+        start = events[0]
+        assert start["math"]["dtype"] == dtype
+        assert start["model"]["base_dtype"] == dtype and start["model"]["n_trainable"] < 1e6
+    gap = np.abs(np.array(losses["bfloat16"]) - np.array(losses["float32"]))
+    print(f"SmolLM2-135M LoRA, bf16 vs float32 on the CPU, 3 steps: losses "
+          f"{np.round(losses['bfloat16'], 4).tolist()} vs {np.round(losses['float32'], 4).tolist()}")
+    assert len(losses["bfloat16"]) == 3 and gap.max() < 0.05
