@@ -85,10 +85,10 @@ PRECISION_RUNS = {  # (training dtype, checkpoint tensor type) -> extra flags
     "bf16-trained-bf16": ["--dtype", "bfloat16", "--save-dtype", "bf16"],
     "f32-trained-f16": ["--save-dtype", "f16"],
 }
-SAVE_TOL = {"f32": TOL, "f16": 5e-3, "bf16": 5e-2}
+SAVE_TOL = {"f32": TOL, "f16": 2e-3, "bf16": 2e-2}
 """llama.cpp's CPU matmuls round the activations to the weights' type (F16 and BF16 weights
 get F16 and BF16 activations), which an exact forward of the same weights does not; those
-margins are what that rounding costs (measured: see the printed figures / docs/RESULTS.md)."""
+margins are ~3x what that rounding cost here (F16 6.4e-4, BF16 7.9e-3; docs/RESULTS.md)."""
 
 
 @pytest.fixture(scope="session")

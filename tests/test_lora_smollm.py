@@ -277,3 +277,31 @@ def test_bf16_lora_on_the_real_smollm2_runs(smollm_gguf, tmp_path):  # noqa: F81
     print(f"SmolLM2-135M LoRA, bf16 vs float32 on the CPU, 3 steps: losses "
           f"{np.round(losses['bfloat16'], 4).tolist()} vs {np.round(losses['float32'], 4).tolist()}")
     assert len(losses["bfloat16"]) == 3 and gap.max() < 0.05
+
+
+@pytest.mark.interop
+def test_base_weight_forms_against_llamacpp_on_the_f32_copy(smollm_gguf, f32_base, tok,  # noqa: F811
+                                                            tmp_path):
+    """How far each way of holding a LoRA base lands from llama.cpp's logits on an exact F32
+    copy of the same weights: kept quantized (Q4_1's blocks exactly: float32 rounding only),
+    and rounded to bfloat16 and computed in bfloat16 (the GPU's route for K-quants and other
+    types MLX cannot hold exactly)."""
+    from toymlx.models.ops import Ops
+
+    tokens = prompt_tokens(tok, "Which Python function returns the length of a list?")
+    x = mx.array([tokens])
+    ref = llamacpp(tmp_path, f32_base, tokens=tokens)["logits"]
+    forms = {"quantized (Q4_1 blocks), float32 compute": load_llama(smollm_gguf,
+                                                                   weights="quantized")[0],
+             "bfloat16 weights, bfloat16 compute": load_llama(
+                 smollm_gguf, Ops(dtype="bfloat16"), weights="bfloat16")[0]}
+    errs = {}
+    for what, model in forms.items():
+        got = np.array(model(x)[0].astype(mx.float32))
+        errs[what] = (float(np.abs(got - ref).max()),
+                      float((got.argmax(-1) == ref.argmax(-1)).mean()))
+        print(f"SmolLM2-135M base {what} vs llama.cpp on the F32 copy ({len(tokens)} tokens): "
+              f"max |diff| {errs[what][0]:.3g} (logits up to {np.abs(ref).max():.1f}), "
+              f"top-1 agreement {errs[what][1]:.3f}")
+    assert errs["quantized (Q4_1 blocks), float32 compute"][0] < 1e-3
+    assert errs["bfloat16 weights, bfloat16 compute"][1] >= 0.9
