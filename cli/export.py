@@ -36,6 +36,7 @@ class Args:
 
 
 def run(args: Args) -> int:
+    from toymlx.atomic import atomic_open
     from toymlx.lora import apply_adapter, load_base, resolve_adapter_path, write_merged
 
     out = Path(args.out)
@@ -50,9 +51,8 @@ def run(args: Args) -> int:
         model, g = load_base(args.base, "float32")
         apply_adapter(model, src, g.metadata.get("general.architecture", "llama"))
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        shutil.copyfile(src, tmp)
-        tmp.replace(out)
+        with open(src, "rb") as f, atomic_open(out) as g:
+            shutil.copyfileobj(f, g)
         what = f"adapter {src}"
     else:
         write_merged(out, args.base, args.adapter, args.dtype)

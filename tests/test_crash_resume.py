@@ -70,8 +70,10 @@ def test_resume_after_a_torn_event_line(tmp_path, shared_data):
     events.write_bytes(raw[: last + (len(raw) - last) // 2])  # the run_end line, torn
     assert main(["--resume", str(run), "--no-progress"]) == 0
     ev = read_events(run)
-    starts = [e for e in ev if e["event"] == "run_start"]
-    assert [s["start_step"] for s in starts] == [0, 3]
+    assert [e["event"] for e in ev].count("run_start") == 1
+    (res,) = [e for e in ev if e["event"] == "resume"]
+    assert res["from_step"] == 3 and res["previous_end"] == "torn"  # its run_end was torn
+    assert [e["step"] for e in ev if e["event"] == "step"] == [1, 2, 3, 4, 5, 6]
     assert ev[-1]["event"] == "run_end" and ev[-1]["reason"] == "completed"
     assert ev[-1]["final_step"] == 6
     load_llama(resolve_latest(run))

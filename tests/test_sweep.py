@@ -17,6 +17,7 @@ from toymlx_cli.sweep import main as sweep_main
 
 from toymlx import sweep
 from toymlx.events import read_events
+from toymlx.lock import LockHeld, acquire
 
 # eager steps: no g++ JIT on a cold cache (compile == eager is tested in test_trainer)
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--seq-len", "32", "--batch-size",
@@ -89,20 +90,34 @@ def test_shards_partition_the_runs():
         sweep.shard_specs(specs, (3, 3))
 
 
-def test_lock_is_exclusive_and_stale_locks_are_taken_over(tmp_path):
-    lock = tmp_path / "locks" / "run.lock"
-    assert sweep.try_lock(lock)
-    assert not sweep.try_lock(lock)  # held by this live process
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    info = json.loads(lock.read_text())
-    lock.write_text(json.dumps({**info, "pid": int(dead)}))
-    assert sweep.try_lock(lock)  # its holder on this host is gone
-    other = {"host": "another-machine", "pid": 1}
-    lock.write_text(json.dumps(other))
-    assert not sweep.try_lock(lock, timeout=60)  # fresh, held elsewhere
-    os.utime(lock, (0, 0))
-    assert sweep.try_lock(lock, timeout=60)  # no heartbeat for ages: stale
+HOLD = """
+import sys, time
+from toymlx.lock import acquire
+lock = acquire(sys.argv[1], "test")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_lock_is_owned_by_a_live_process_and_dies_with_it(tmp_path):
+    """The lock is an flock: another process is refused (told who holds it) while its holder
+    lives, and takes it over the moment the holder is SIGKILLed, with no stale state left."""
+    path = tmp_path / "locks" / "run.lock"
+    path.parent.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockHeld, match=rf"test: in use by process {holder.pid} \(.*-c"):
+            acquire(path, "test")
+    finally:
+        holder.kill()
+        holder.wait()
+    with acquire(path, "test") as lock:  # dead holder: free at once
+        with pytest.raises(LockHeld, match=f"process {os.getpid()}"):
+            acquire(path, "test")  # a second holder in this very process is refused too
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert not path.exists() and lock is not None  # released and removed
 
 
 # ---------------------------------------------------------------- real sweeps
@@ -179,8 +194,9 @@ def test_torn_run_is_resumed_from_its_checkpoint(tmp_path):
                              report_png=False)
     assert second.states == {"lr=0.002": "done"}
     events = read_events(run)
-    starts = [e for e in events if e["event"] == "run_start"]
-    assert [s["start_step"] for s in starts] == [0, 5]
+    assert [e["event"] for e in events].count("run_start") == 1
+    assert [e["from_step"] for e in events if e["event"] == "resume"] == [5]
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, 11))
     assert events[-1]["reason"] == "completed"
     assert "resume: toymlx-train --resume" in (tmp_path / "t" / "logs" / "lr=0.002.log").read_text()
 

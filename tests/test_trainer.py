@@ -56,8 +56,12 @@ def test_resume_is_exact(tmp_path, text_file):
     resumed = _losses(part)
     assert len(resumed) == 8
     np.testing.assert_allclose(resumed, full, rtol=0, atol=1e-6)
-    starts = [e for e in read_events(part) if e["event"] == "run_start"]
-    assert [s["start_step"] for s in starts] == [0, 4]
+    # one run, as toy/v1 reads it: one run_start, each step once, the resume recorded
+    kinds = [e["event"] for e in read_events(part)]
+    assert kinds.count("run_start") == 1 and kinds.count("run_end") == 1
+    assert [e["step"] for e in read_events(part) if e["event"] == "step"] == list(range(1, 9))
+    (res,) = [e for e in read_events(part) if e["event"] == "resume"]
+    assert res["from_step"] == 4 and res["previous_end"] == "stopped"
 
 
 def test_bundle_events_and_checkpoints(tmp_path, text_file):
