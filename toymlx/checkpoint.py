@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from toymlx import atomic
@@ -132,6 +133,15 @@ def open_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                           f"{meta.get('general.step')} in the GGUF and {state.get('step')} in "
                           f"{state_path(ckpt).name}")
     return arrays, meta
+
+
+def nonfinite_tensor(path: Path) -> str | None:
+    """The name of the first tensor of a GGUF holding NaN or inf, None if all are finite."""
+    with GGUFFile(path) as g:
+        for name in g.tensors:
+            if not np.isfinite(g.load(name)).all():
+                return name
+    return None
 
 
 def load_checked(load: Callable[[Path, Any], None], path: Path, model: Any) -> None:

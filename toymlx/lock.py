@@ -34,7 +34,7 @@ class LockHeld(ValueError):
         self.holder = holder
         pid = holder.get("pid", "?")
         cmd = str(holder.get("command") or "unknown command")
-        cmd = cmd if len(cmd) <= 160 else cmd[:157] + "..."
+        cmd = cmd if len(cmd) <= 600 else cmd[:597] + "..."
         where = holder.get("host")
         super().__init__(
             f"{what}: in use by process {pid} ({cmd})"

@@ -165,8 +165,9 @@ def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
     kw = {}
     for k, v in d.items():
         if k not in names:
-            raise RunError(f"{source}: key {prefix + k!r}: expected one of the options of this "
-                           f"recipe ({', '.join(names)}), found an unknown key")
+            raise RunError(f"{source}: key {prefix + k!r}: expected an option of this recipe, "
+                           "found an unknown key (written for another recipe, or by a newer "
+                           "toymlx?)")
         try:
             kw[k] = _coerce(hints[k], v, prefix + k, source)
         except _Mismatch as m:
@@ -296,7 +297,7 @@ def plan_resume(run_dir: Path, from_text: str | None, steps_before: int) -> Resu
             ckpt = ck.resolve_latest(run_dir)
         except FileNotFoundError as e:
             if ck.list_checkpoints(weights):  # a dangling or missing link, files present
-                raise ck.ResumeError(f"{e}; {_intact_hint(run_dir, None)}") from None
+                raise ck.ResumeError(f"{e}; {intact_hint(run_dir, None)}") from None
             lost = _steps_logged(run_dir)
             raise RunError(f"{run_dir}: --resume: found no checkpoint: the run stopped at step "
                            f"{lost}, before its first checkpoint ({lost} steps lost); start it "
@@ -310,11 +311,13 @@ def plan_resume(run_dir: Path, from_text: str | None, steps_before: int) -> Resu
     try:
         arrays, _ = ck.open_checkpoint(ckpt)
     except ck.ResumeError as e:
-        raise ck.ResumeError(f"{e}; {_intact_hint(run_dir, step)}") from None
+        raise ck.ResumeError(f"{e}; {intact_hint(run_dir, step)}") from None
     return Resume(step, ckpt, state=arrays, steps_before=steps_before)
 
 
-def _intact_hint(run_dir: Path, below: int | None) -> str:
+def intact_hint(run_dir: Path, below: int | None) -> str:
+    """Where to go on from when a checkpoint (at step `below`) cannot be used: the newest
+    intact one before it, as the command that resumes from it."""
     step = ck.newest_intact(run_dir / "weights", below)
     if step is None:
         return (f"no intact checkpoint is left: start over with toymlx-train --resume {run_dir} "

@@ -34,7 +34,7 @@ from toymlx import device
 from toymlx.device import backend_info
 from toymlx.events import SCHEMA, EventLog, git_info, host_info, kind_of, now_iso, read_events
 from toymlx.gguf.writer import DIGEST_KEY
-from toymlx.runs import Resume
+from toymlx.runs import Resume, intact_hint
 from toymlx.schedule import lr_at
 from toymlx.step import make_step, step_blas_threads, step_streams
 
@@ -454,16 +454,22 @@ class _Loop:
         self.step = good_step
         r, suspect = self.resume, ""
         if r is not None and r.checkpoint is not None and good_step == r.step:
+            suspect = f", the first step after resuming from {r.checkpoint.name}"
             try:
                 _, meta = ck.open_checkpoint(r.checkpoint)
-                suspect = (f", the first step after resuming from {r.checkpoint.name} "
-                           + ("(checked: intact, so the cause is the run's own settings)"
-                              if DIGEST_KEY in meta else
-                              "(which carries no checksum to check: if the learning rate is "
-                              "not the cause, resume from an earlier one with --from step_N)"))
+                bad = ck.nonfinite_tensor(r.checkpoint)
             except ck.ResumeError as e:
-                suspect = (f", the first step after resuming from a checkpoint that is damaged "
-                           f"({e}): resume from an earlier one with --from step_N")
+                meta, bad, suspect = {}, None, f"{suspect}, which is damaged ({e})"
+            hint = intact_hint(self.run_dir, r.step)
+            if bad is not None:
+                suspect += f", which holds non-finite weights ({bad}): {hint}"
+            elif "damaged" in suspect:
+                suspect += f": {hint}"
+            elif DIGEST_KEY not in meta:
+                suspect += (", which carries no checksum to check it by: if the learning rate "
+                            f"is not the cause, {hint}")
+            else:
+                suspect += " (checked: intact and finite, so the cause is the run's settings)"
         self._end("diverged", 2, f"{what}{suspect}; stopped without checkpointing the bad "
                   f"weights; last good checkpoint: {_named(self.ckpt.last)}")
 
