@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import signal
 import sys
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
@@ -36,11 +38,20 @@ def _usage() -> str:
             "Start here: toymlx-train --recipe vit-tiny\n")
 
 
+def _ignore_late_signals() -> None:
+    """At exit, after the run ended: Python puts SIGINT/SIGTERM back to the system default while
+    it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code lost)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     from toymlx.launch import rank_status
     from toymlx.lifeline import watch_parent
 
     watch_parent()  # started by toymlx-sweep / toymlx-launch: stop when that parent dies
+    atexit.unregister(_ignore_late_signals)  # once, however often main runs in one process
+    atexit.register(_ignore_late_signals)
     with rank_status() as status:  # under toymlx-launch: report how this rank ended
         try:
             status.code = _main(argv)

@@ -120,3 +120,63 @@ def test_signal_mid_step_checkpoints_the_step_it_names(tmp_path, shared_data, un
     resumed = [e["loss"] for e in read_events(tmp_path / "part") if e["event"] == "step"]
     assert len(resumed) == 600
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted)) <= 1e-6
+
+
+MID = ["--recipe", "from-scratch", "--model.d-model", "256", "--model.n-layers", "3",
+       "--model.n-heads", "4", "--model.n-kv-heads", "2", "--model.ffn-dim", "768",
+       "--model.context", "64", "--seq-len", "32", "--batch-size", "2", "--eval-every", "0",
+       "--no-compile", "--no-progress", "--steps", "100000", "--checkpoint-every", "4"]
+
+
+@pytest.mark.parametrize("second", ["at-once", "mid-write", "after-0.2s"])
+def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_data, second):
+    """Ctrl-C twice: the first stops after the step in flight and writes a final checkpoint,
+    the second skips that checkpoint if it has not begun, or lets a begun one finish (2.5M
+    parameters: ~30 MB written, so `mid-write` lands inside it). Every way: exit 130, no
+    traceback, run_end last, and `latest` a verified checkpoint the run resumes from."""
+    from toymlx.checkpoint import open_checkpoint
+
+    run = tmp_path / "r"
+    exe = Path(sys.executable).parent / "toymlx-train"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "toymlx_cli.train"]
+    p = subprocess.Popen(cmd + MID + ["--data.path", str(shared_data / "text" /
+                                                          "tinyshakespeare.txt"),
+                                      "--runs-root", str(tmp_path), "--run-id", "r"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not (run / "weights" / "step_4.gguf").exists():
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 300
+        time.sleep(0.01)
+    time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    caught = None
+    if second == "at-once":
+        p.send_signal(signal.SIGINT)
+    elif second == "after-0.2s":
+        time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+    else:
+        while p.poll() is None and caught is None:
+            if any(".tmp-" in f.name for f in (run / "weights").iterdir()):
+                p.send_signal(signal.SIGINT)
+                caught = time.monotonic()
+            time.sleep(0.0005)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    end = read_events(run)[-1]
+    assert end["event"] == "run_end" and end["reason"] == "interrupted", end
+    latest = resolve_latest(run)
+    open_checkpoint(latest)
+    step = int(latest.name[len("step_"):-len(".gguf")])
+    if "skipped its checkpoint" in end["message"]:
+        assert step < end["final_step"] and step % 4 == 0
+    else:
+        assert step == end["final_step"]
+    if second == "mid-write":
+        assert caught is not None, "the final checkpoint write was never seen in flight"
+        assert step == end["final_step"]  # a write begun is finished
+    assert not [f for f in (run / "weights").iterdir() if ".tmp-" in f.name]
+    assert main(["--resume", str(run), "--steps", str(end["final_step"] + 1)]) == 0
+    assert read_events(run)[-1]["final_step"] == end["final_step"] + 1

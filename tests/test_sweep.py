@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,84 @@ def test_two_machines_over_one_folder_run_each_run_once(tmp_path):
         assert [e["event"] for e in events].count("run_start") == 1
         assert events[-1]["reason"] == "completed"
     assert not list((tmp_path / "two" / ".locks").iterdir())  # every lock released
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process under `pid` (pgrep -P, on Linux and macOS alike)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,
+                         check=False).stdout.split()
+    kids = [int(x) for x in out]
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a container's pid 1 may never reap an orphan)."""
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True,
+                         check=False).stdout.strip()
+    return bool(out) and not out.startswith("Z")
+
+
+def test_a_killed_sweep_leaves_no_children_and_its_rerun_gives_clean_bundles(tmp_path):
+    """Issue 17 case 1: `kill -9` of a sweep once left its runs training with parent 1, and the
+    re-run resumed them a second time (two run_starts, 190 steps for 150). Now the children
+    stop (checkpoint, run_end) when the sweep dies, and the re-run gives each bundle one
+    run_start, each step once and one run_end."""
+    cmd = [sys.executable, "-m", "toymlx_cli.sweep", "--recipe", "from-scratch", "--grid",
+           "lr=1e-3,3e-3", "--grid", "seed=1,2", "--workers", "2", "--runs-root",
+           str(tmp_path), "--sweep-id", "k", "--no-progress", "--no-report", *TINY,
+           "--steps", "100", "--checkpoint-every", "10", "--eval-every", "50"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    root = tmp_path / "k"
+    t0 = time.monotonic()
+    while len(list(root.glob("*/weights/step_10.gguf"))) < 2:
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 120
+        time.sleep(0.05)
+    children = _descendants(p.pid)
+    assert len(children) == 2
+    p.kill()
+    p.wait()
+    t0 = time.monotonic()
+    while any(_running(c) for c in children):
+        assert time.monotonic() - t0 < 60, "a run outlived its killed sweep"
+        time.sleep(0.1)
+    stopped = [d for d in root.iterdir() if (d / "events.jsonl").exists()]
+    assert len(stopped) == 2
+    for d in stopped:  # each saw its sweep die, finished its step and checkpointed
+        end = read_events(d)[-1]
+        assert end["event"] == "run_end" and end["reason"] == "interrupted", end
+        assert f"step_{end['final_step']}.gguf" == os.readlink(d / "weights" / "latest")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for d in sorted(p for p in root.iterdir() if (p / "config.json").exists()):
+        ev = read_events(d)
+        kinds = [e["event"] for e in ev]
+        assert kinds.count("run_start") == 1 and kinds[0] == "run_start", d
+        assert kinds.count("run_end") == 1 and ev[-1]["reason"] == "completed", d
+        assert [e["step"] for e in ev if e["event"] == "step"] == list(range(1, 101)), d
+        assert kinds.count("resume") == (1 if d in stopped else 0), d
+    rows = {r["run"]: r for r in _csv(root / "summary.csv")}
+    assert len(rows) == 4 and {r["status"] for r in rows.values()} == {"completed"}
+    assert {int(r["step"]) for r in rows.values()} == {100}
+
+
+def test_a_run_another_process_owns_is_left_alone(tmp_path):
+    """The sweep never touches a bundle some live process still owns (here: holds its lock)."""
+    specs = sweep.grid([*TINY, "--steps", "4"], {"lr": [2e-3]})
+    run = tmp_path / "o" / "lr=0.002"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
+                                 report_png=False)
+        assert result.states == {"lr=0.002": "elsewhere"}
+        assert (run / "config.json").read_text() == "{}"  # untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
+                             report_png=False)
+    assert result.states == {"lr=0.002": "done"}  # started over (--overwrite) once free
