@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_errors import error_line
 from toymlx_cli.train import main
 
 from toymlx import checkpoint as ck
@@ -46,14 +47,6 @@ def run(tmp_path, twenty) -> Path:
     return out
 
 
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("toymlx-train: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def test_checkpoints_carry_checksums_and_a_shared_id(run):
     for step, path in ck.list_checkpoints(run / "weights"):
         arrays, meta = ck.open_checkpoint(path)
@@ -73,7 +66,7 @@ def test_overwritten_tensor_data_is_named_with_the_intact_one(run, capsys):
         f.seek(start + 64)
         f.write(b"\xff" * 4096)
     assert main(["--resume", str(run)]) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert f"{path}: tensor data: expected sha256 " in line and "the file is damaged" in line
     assert line.endswith(f"the newest intact checkpoint is step_15: toymlx-train --resume "
                          f"{run} --from step_15")
@@ -90,7 +83,7 @@ def test_a_truncated_checkpoint_is_named(run, capsys):
     path = run / "weights" / "step_20.gguf"
     path.write_bytes(path.read_bytes()[:-1000])
     assert main(["--resume", str(run)]) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert str(path) in line and "truncated" in line and "--from step_15" in line
 
 
@@ -99,7 +92,7 @@ def test_a_state_file_of_another_checkpoint_is_named(run, capsys):
     w = run / "weights"
     shutil.copy(w / "step_5.state.safetensors", w / "step_20.state.safetensors")
     assert main(["--resume", str(run)]) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert f"{w / 'step_20.state.safetensors'}: checkpoint id: expected " in line
     assert "the state file of another checkpoint (step 5)" in line
     assert line.endswith(f"--resume {run} --from step_15")
@@ -112,7 +105,7 @@ def test_a_damaged_state_file_is_named(run, capsys):
     raw[-100:] = b"\x7f" * 100  # inside the last array's bytes
     state.write_bytes(bytes(raw))
     assert main(["--resume", str(run)]) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert f"{state}: array data: expected sha256" in line and "--from step_15" in line
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_errors import error_line
 from toymlx_cli.train import main
 
 from toymlx import atomic
@@ -37,15 +38,6 @@ def data(shared_data: Path) -> str:
 def train(tmp: Path, run_id: str, *extra: str, data: str, recipe: str = "from-scratch") -> int:
     return main(["--recipe", recipe, *TINY, "--data.path", data, "--runs-root", str(tmp),
                  "--run-id", run_id, *extra])
-
-
-def error_line(capsys) -> str:
-    """The one `toymlx-train: error:` line the run printed (and nothing traceback-like)."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("toymlx-train: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def finite_checkpoint(path: Path) -> bool:

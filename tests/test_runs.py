@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_errors import error_line
 from toymlx_cli.train import main
 
 from toymlx.checkpoint import list_checkpoints
@@ -42,14 +43,6 @@ def data(shared_data: Path) -> str:
 def _digest(run: Path) -> dict[str, str]:
     return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(run.rglob("*")) if p.is_file()}
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("toymlx-train: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -92,7 +85,7 @@ def test_a_second_writer_of_a_live_bundle_is_refused(tmp_path, data, capsys):
                      ["--resume", str(run), "--lr", "1e-3", "--steps", "150"],
                      [*fresh, "--overwrite"], fresh):
             assert main(argv) == 2
-            line = _error_line(capsys)
+            line = error_line(capsys)
             assert f"{run}: run bundle: in use by process {p.pid} (" in line, line
             assert "toymlx_cli.train" in line and "--run-id live2" in line, line
         assert (run / "config.json").read_bytes() == config
@@ -144,7 +137,7 @@ def test_resume_with_a_changed_option_is_refused(tmp_path, stopped, capsys, data
             "root": repr(str(stopped.parent))}
     before = _digest(run)
     assert main(["--resume", str(run), flag, given.format(**fill)]) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert f"--resume: {flag}: expected the run's saved {key} = {saved.format(**fill)}" in line
     assert given.format(**fill) in line and "start a new run" in line
     assert _digest(run) == before  # nothing written, config.json least of all
@@ -196,7 +189,7 @@ def test_a_broken_config_json_is_one_line(tmp_path, stopped, capsys, edit, want)
     new = edit(saved)
     (run / "config.json").write_text(new if isinstance(new, str) else json.dumps(new))
     assert main(["--resume", str(run)]) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert f"{run / 'config.json'}: " in line and want in line, line
 
 
@@ -212,13 +205,13 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, data, ca
     p.wait()
     lost = max(e["step"] for e in read_events(run) if e["event"] == "step")
     assert main(["--resume", str(run)]) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert (f"found no checkpoint: the run stopped at step {lost}, before its first checkpoint "
             f"({lost} steps lost)") in line
     command = f"toymlx-train --resume {run} --from step_0"
     assert line.endswith(command), line
     assert main(fresh[:-4] + ["--steps", "3"]) == 2  # the run id is taken ...
-    assert f"--resume {run} --from step_0 to start it over" in _error_line(capsys)  # ... said
+    assert f"--resume {run} --from step_0 to start it over" in error_line(capsys)  # ... said
     assert main([*command.split()[1:], "--steps", "6"]) == 0  # the command it gave, shortened
     ev = _one_run(run)
     (res,) = [e for e in ev if e["event"] == "resume"]

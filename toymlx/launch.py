@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TextIO
 
 from toymlx import atomic
-from toymlx.lifeline import PARENT_ENV, child_env, watch_parent
+from toymlx.lifeline import PARENT_ENV, alive, child_env, watch_parent
 
 STATUS_ENV = "TOYMLX_RANK_STATUS"
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
@@ -84,16 +84,6 @@ def rank_status() -> Iterator[RankStatus]:
         _write(base.with_suffix(".exit"), {"code": status.code, "error": error})
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -129,7 +119,7 @@ def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | Non
             continue
         start = _read(status_dir / f"rank{r}.start")
         gone = (start is not None and start.get("host") == host
-                and not _alive(int(start.get("pid", 0))))
+                and not alive(int(start.get("pid", 0))))
         if gone and _read(status_dir / f"rank{r}.exit") is None:  # it may have just reported
             out[r] = (None, _SILENT)
         elif final and _read(status_dir / f"rank{r}.exit") is None:

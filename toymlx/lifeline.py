@@ -27,7 +27,8 @@ def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie counts; see `watch_parent`)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -62,7 +63,7 @@ def watch_parent(on_loss: Callable[[], None] | None = None, every: float = 0.5) 
     def gone() -> bool:
         # A killed parent stays a zombie (kill(pid, 0) succeeds) until its own parent reaps
         # it, but we are re-parented at once: for a direct child that is the quicker sign.
-        return (direct and os.getppid() != parent) or not _alive(parent)
+        return (direct and os.getppid() != parent) or not alive(parent)
 
     if gone():  # it died before we got here (so before the kernel could be told)
         act()
