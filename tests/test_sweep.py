@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -278,23 +279,28 @@ def test_a_killed_sweep_leaves_no_children_and_its_rerun_gives_clean_bundles(tmp
     assert {int(r["step"]) for r in rows.values()} == {100}
 
 
-def test_a_run_another_process_owns_is_left_alone(tmp_path):
-    """The sweep never touches a bundle some live process still owns (here: holds its lock)."""
-    specs = sweep.grid([*TINY, "--steps", "4"], {"lr": [2e-3]})
-    run = tmp_path / "o" / "lr=0.002"
+def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
+    """The sweep never touches a bundle some live process still owns (here: holds its lock).
+    It waits up to `busy_wait` seconds for the owner, as for a killed sweep's child writing
+    its last checkpoint, then leaves the run to it; an owner that ends in time is followed."""
+    specs = sweep.grid([*TINY, "--steps", "4"], {"lr": [2e-3], "seed": [1, 2]})
+    run = tmp_path / "o" / "lr=0.002_seed=1"
     run.mkdir(parents=True)
     (run / "config.json").write_text("{}")
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / ".lock")],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
         result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
-                                 report_png=False)
-        assert result.states == {"lr=0.002": "elsewhere"}
+                                 report_png=False, busy_wait=2.0)
+        assert result.states == {"lr=0.002_seed=1": "elsewhere", "lr=0.002_seed=2": "done"}
+        assert time.monotonic() - t0 >= 2.0
         assert (run / "config.json").read_text() == "{}"  # untouched
+        threading.Timer(1.0, holder.kill).start()  # the owner ends while the sweep waits
+        result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
+                                 report_png=False, busy_wait=60.0)
+        assert result.states == {"lr=0.002_seed=1": "done", "lr=0.002_seed=2": "skipped"}
     finally:
         holder.kill()
         holder.wait()
-    result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
-                             report_png=False)
-    assert result.states == {"lr=0.002": "done"}  # started over (--overwrite) once free

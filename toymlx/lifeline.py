@@ -4,8 +4,9 @@
 parent in `TOYMLX_PARENT_PID`; a child calls `watch_parent()` first thing. When that parent
 dies, however it dies (SIGKILL included), the child is told at once: on Linux the kernel sends
 it SIGTERM (PR_SET_PDEATHSIG); elsewhere (macOS, or a shell standing between the two) a thread
-that polls the parent does the same, or calls `on_loss`. Either way exactly once. `toymlx-train` treats that SIGTERM as a stop: it finishes the step in
-flight, writes a final checkpoint and `run_end`, and exits; a re-run then resumes it.
+that polls the parent does the same, or calls `on_loss`; either way exactly once.
+`toymlx-train` treats that SIGTERM as a stop: it finishes the step in flight, writes a final
+checkpoint and `run_end`, and exits; a re-run then resumes it.
 """
 
 from __future__ import annotations

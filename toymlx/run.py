@@ -160,6 +160,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig,
     rank0 = world is None or world.rank() == 0
     if cfg.resume:
         run_dir = Path(cfg.resume)
+        runs.read_config(run_dir)  # a bundle folder, before anything is created in it
         if rank0:
             owned.enter_context(runs.lock_run(run_dir))
         resume = _plan_resume(recipe, cfg, run_dir)

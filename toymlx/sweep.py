@@ -397,7 +397,7 @@ class _Run:
     spec: RunSpec
     dir: Path
     state: str = "pending"
-    """pending, running, done, skipped, failed, stopped, interrupted, elsewhere"""
+    """pending, waiting, running, done, skipped, failed, stopped, interrupted, elsewhere"""
     proc: subprocess.Popen | None = None
     lock: Lock | None = None
     """This sweep's claim on the run, held while its child trains."""
@@ -416,6 +416,9 @@ class _Run:
     message: str | None = None
     reason: str | None = None
     """run_end reason seen in this attempt's events"""
+    wait_until: float = 0.0
+    retry_at: float = 0.0
+    """While "waiting" for another process to release the bundle: until when, and when next."""
 
     def absorb(self, events: list[dict]) -> None:
         for e in events:
@@ -568,9 +571,11 @@ class _Runner:
     own process group so that a terminal's Ctrl-C reaches it once, forwarded from here."""
 
     def __init__(self, recipe: str, sweep_dir: Path, runs: list[_Run], workers: int,
-                 retry_failed: bool, python: str, view: _View, stream: TextIO):
+                 retry_failed: bool, busy_wait: float, python: str, view: _View,
+                 stream: TextIO):
         self.recipe, self.sweep_dir, self.runs, self.workers = recipe, sweep_dir, runs, workers
-        self.retry_failed, self.python, self.view, self.stream = retry_failed, python, view, stream
+        self.retry_failed, self.busy_wait = retry_failed, busy_wait
+        self.python, self.view, self.stream = python, view, stream
         self.env = child_env(dict(os.environ, PYTHONUNBUFFERED="1"))
         # K runs share the cores: give each run's BLAS its share instead of all of them
         self.env.setdefault("OPENBLAS_NUM_THREADS",
@@ -592,12 +597,18 @@ class _Runner:
             pending = list(self.runs)
             while True:
                 active = [r for r in self.runs if r.state == "running"]
-                while pending and len(active) < self.workers and not self.signals:
-                    r = pending.pop(0)
+                for r in list(pending):
+                    if len(active) >= self.workers or self.signals:
+                        break
+                    if r.retry_at > time.time():
+                        continue
+                    pending.remove(r)
                     self._start(r)
                     if r.state == "running":
                         active.append(r)
-                if not active:
+                    elif r.state == "waiting":
+                        pending.append(r)
+                if not active and (not pending or self.signals):
                     break
                 for r in active:
                     r.absorb(r.tail.read())
@@ -620,15 +631,24 @@ class _Runner:
         return self.sweep_dir / ".locks" / f"{r.spec.name}.lock"
 
     def _claim(self, r: _Run) -> bool:
-        """Take this sweep's lock on the run, and check no process (a killed sweep's child, a
-        user's toymlx-train) still owns its bundle; else the run is left to them."""
+        """Take this sweep's lock on the run (else another sweep runs it: "elsewhere"), and
+        check that no process owns its bundle. One that does (a killed sweep's child writing its
+        last checkpoint, a user's toymlx-train) is waited for up to `busy_wait` seconds
+        ("waiting"), then left to it ("elsewhere")."""
         try:
             r.lock = acquire(self._lock_path(r), f"sweep run {r.spec.name}")
+        except LockHeld as e:
+            r.state, r.message = "elsewhere", str(e)
+            return False
+        try:
             if (r.dir / LOCK_FILE).exists():
                 acquire(r.dir / LOCK_FILE, f"{r.dir}: run bundle").release()
         except LockHeld as e:
             r.release()
-            r.state, r.message = "elsewhere", str(e)
+            now = time.time()
+            r.wait_until = r.wait_until or now + self.busy_wait
+            r.state = "waiting" if now < r.wait_until else "elsewhere"
+            r.message, r.retry_at = str(e), now + 1.0
             return False
         return True
 
@@ -642,7 +662,8 @@ class _Runner:
             r.wall = report.summarize_run(r.dir)["wall_s"]
             r.release()
             return
-        if not self.retry_failed and (state == "failed" or _recorded(self.sweep_dir, r) == "failed"):
+        failed = state == "failed" or _recorded(self.sweep_dir, r) == "failed"
+        if not self.retry_failed and failed:
             r.state = "failed"  # as recorded by the bundle, or by the sweep if it has none
             r.absorb(read_events(r.dir))
             r.message = r.message or _recorded(self.sweep_dir, r, "message")
@@ -717,12 +738,13 @@ class _Runner:
 def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "runs",
               workers: int = 1, shard: tuple[int, int] = (0, 1), sweep_id: str | None = None,
               *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
-              python: str | None = None, report_png: bool = True) -> SweepResult:
+              python: str | None = None, report_png: bool = True,
+              busy_wait: float = 60.0) -> SweepResult:
     """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
     time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
     report.png). Completed (and diverged) runs are skipped, torn ones resumed, failed ones
-    retried (`retry_failed`), runs another process owns left alone; a failure is reported
-    and does not stop the others."""
+    retried (`retry_failed`); a run whose bundle another process owns is waited for up to
+    `busy_wait` seconds, then left to it. A failure is reported and does not stop the others."""
     if workers < 1:
         raise ValueError(f"--workers: expected >= 1, found {workers}")
     if not specs:
@@ -742,7 +764,7 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     stream.write(f"sweep {sweep_dir}: {len(specs)} runs, {len(mine)} on this shard "
                  f"({shard[0]}/{shard[1]}), {workers} worker(s)\n")
     runs = [_Run(s, sweep_dir / s.name) for s in mine]
-    interrupted = _Runner(recipe, sweep_dir, runs, workers, retry_failed,
+    interrupted = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
                           python or sys.executable, _View(stream, progress), stream).run()
 
     result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
