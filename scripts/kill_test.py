@@ -111,7 +111,7 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
     """The invariants after a kill; AssertionError naming what broke."""
     import toymlx  # noqa: F401
     from toymlx.checkpoint import list_checkpoints, load_state, resolve_latest, state_path
-    from toymlx.events import read_events
+    from toymlx.events import kind_of, read_events
     from toymlx.gguf.llama import load_llama
 
     weights = run / "weights"
@@ -131,9 +131,9 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
     top = max(s for s, _ in found)
     assert top - step in (0, 1), f"latest is step {step}, newest checkpoint step {top}"
     events = read_events(run)
-    kinds = [e["event"] for e in events]
+    kinds = [kind_of(e) for e in events]
     assert kinds.count("run_start") <= 1 and kinds[:1] in ([], ["run_start"]), "run_start"
-    steps = [e["step"] for e in events if e["event"] == "step"]
+    steps = [e["step"] for e in events if kind_of(e) == "step"]
     assert steps == list(range(1, len(steps) + 1)), f"steps not 1..N once: {steps[-12:]}"
     raw = (run / "events.jsonl").read_bytes().split(b"\n")
     garbage = 0
@@ -149,9 +149,9 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
 
 
 def resumes(run: Path) -> list[dict]:
-    from toymlx.events import read_events
+    from toymlx.events import kind_of, read_events
 
-    return [e for e in read_events(run) if e["event"] == "resume"]
+    return [e for e in read_events(run) if kind_of(e) == "resume"]
 
 
 def kill_test(kills: int, seed: int, root: Path) -> dict:

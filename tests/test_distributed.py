@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from toymlx_cli.train import main as train_main
 
-from toymlx.events import read_events
+from toymlx.events import kind_of, read_events
 from toymlx.launch import _free_port_base
 from toymlx.trainer import _shard
 
@@ -161,7 +161,7 @@ def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
                           "--run-id", "dp"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
-    while not any(e["event"] == "step" and e["step"] >= 3 for e in read_events(root / "dp")):
+    while not any(kind_of(e) == "step" and e["step"] >= 3 for e in read_events(root / "dp")):
         assert p.poll() is None, p.stderr.read()[-3000:]
         assert time.monotonic() - t0 < 180
         time.sleep(0.1)

@@ -19,7 +19,7 @@ from toymlx_cli.train import main
 
 from toymlx import atomic
 from toymlx.checkpoint import list_checkpoints, open_checkpoint, resolve_latest, state_path
-from toymlx.events import read_events
+from toymlx.events import kind_of, read_events
 from toymlx.gguf import writer
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
@@ -184,8 +184,8 @@ def test_disk_full_mid_run_keeps_earlier_checkpoints(tmp_path, capsys, monkeypat
     assert end["event"] == "run_end" and end["reason"] == "error" and end["final_step"] == 3
     # and the run resumes from step 2 once there is room again
     assert main(["--resume", str(run), "--steps", "4", "--no-progress"]) == 0
-    assert [e["from_step"] for e in read_events(run) if e["event"] == "resume"] == [2]
-    assert [e["step"] for e in read_events(run) if e["event"] == "step"] == [1, 2, 3, 4]
+    assert [e["from_step"] for e in read_events(run) if kind_of(e) == "resume"] == [2]
+    assert [e["step"] for e in read_events(run) if kind_of(e) == "step"] == [1, 2, 3, 4]
 
 
 def _mount_tmpfs(where: Path, size: str, ro: bool = False) -> bool:
@@ -230,7 +230,7 @@ def test_real_full_disk(tmp_path, data, monkeypatch):
             state_path(ckpt).unlink()
         q = _cli("--resume", str(run), "--steps", str(step + 1), "--no-progress")
         assert q.returncode == 0, q.stderr[-3000:]
-        resumes = [e for e in read_events(run) if e["event"] == "resume"]
+        resumes = [e for e in read_events(run) if kind_of(e) == "resume"]
         assert resumes[-1]["from_step"] == step
     finally:
         _umount(mnt)

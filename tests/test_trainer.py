@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from toymlx_cli.train import main
 
 from toymlx.checkpoint import list_checkpoints, resolve_latest
-from toymlx.events import read_events
+from toymlx.events import kind_of, read_events
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 
@@ -58,10 +58,10 @@ def test_resume_is_exact(tmp_path, text_file):
     assert len(resumed) == 8
     np.testing.assert_allclose(resumed, full, rtol=0, atol=1e-6)
     # one run, as toy/v1 reads it: one run_start, each step once, the resume recorded
-    kinds = [e["event"] for e in read_events(part)]
+    kinds = [kind_of(e) for e in read_events(part)]
     assert kinds.count("run_start") == 1 and kinds.count("run_end") == 1
-    assert [e["step"] for e in read_events(part) if e["event"] == "step"] == list(range(1, 9))
-    (res,) = [e for e in read_events(part) if e["event"] == "resume"]
+    assert [e["step"] for e in read_events(part) if kind_of(e) == "step"] == list(range(1, 9))
+    (res,) = [e for e in read_events(part) if kind_of(e) == "resume"]
     assert res["from_step"] == 4 and res["previous_end"] == "stopped"
 
 
