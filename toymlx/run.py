@@ -23,8 +23,9 @@ import mlx.core as mx
 
 from toymlx import checkpoint as ck
 from toymlx import runs
-from toymlx.device import select_device
+from toymlx.device import on_gpu, select_device, setup_process
 from toymlx.events import kind_of, read_events
+from toymlx.models.ops import Ops, check_checkpointable, training_ops
 from toymlx.recipes import get_recipe
 from toymlx.trainer import Task, TrainConfig, train
 
@@ -80,6 +81,12 @@ def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
                          f"{batch_size}; use a smaller --batch-size or more data")
 
 
+def run_ops(cfg: TrainConfig) -> Ops:
+    """The math a run's model computes with (`--dtype`, `--kernels`, `--grad-checkpoint` on the
+    selected device): chosen here, once, and handed to the recipe's `build`."""
+    return training_ops(on_gpu(), cfg.dtype, cfg.kernels, cfg.grad_checkpoint)
+
+
 def init_distributed() -> Any:
     """The mx.distributed group when launched by mlx.launch with >1 ranks, else None."""
     if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_HOSTFILE")):
@@ -118,6 +125,8 @@ class _Prepared:
 
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
     """Run one recipe with a parsed config; returns the process exit code."""
+    # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
+    setup_process(wide_evaluation=not cfg.grad_checkpoint)
     with contextlib.ExitStack() as owned:  # the bundle's lock, held until training has ended
         try:
             run = _prepare(recipe, module, cfg, owned)
@@ -156,6 +165,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig,
     if hasattr(module, "validate"):
         module.validate(cfg)
     select_device(cfg.device)
+    ops = run_ops(cfg)
     world = init_distributed()
     rank0 = world is None or world.rank() == 0
     if cfg.resume:
@@ -173,7 +183,9 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig,
     try:
         if rank0 and resume is None:
             runs.save_config(run_dir, recipe, cfg)
-        task = module.build(cfg)
+        task = module.build(cfg, ops)
+        if ops.grad_checkpoint:
+            check_checkpointable(task.model)
         check_batch_fits(cfg.batch_size, task.config_info)
         if resume is not None:
             runs.check_resume(run_dir, recipe, task.model_info)

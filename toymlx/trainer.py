@@ -1,8 +1,9 @@
 """The training loop every recipe shares, around one compiled step.
 
 A recipe builds a `Task` (model, loss, batches, how to save and load a checkpoint); `train`
-runs it: the step from `toymlx.step.make_step` (gradient accumulation, data-parallel sums,
-clipping, AdamW with warm-up + cosine LR), periodic validation in eval mode, checkpoints on a
+runs it: the step from `training_step` (`toymlx.step.make_step`: gradient accumulation,
+data-parallel sums, clipping, AdamW with warm-up + cosine LR; on a multi-core CPU spread over
+streams by `toymlx.cpu_streams`), periodic validation in eval mode, checkpoints on a
 schedule and at the end through a `Checkpointer` (verified, with retention), the run bundle's
 events (run_end from one place), and SIGINT/SIGTERM as requests to stop (`StopSignals`).
 """
@@ -30,13 +31,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from toymlx import checkpoint as ck
-from toymlx import device
+from toymlx import cpu_streams, device
 from toymlx.device import backend_info
 from toymlx.events import SCHEMA, EventLog, git_info, host_info, kind_of, now_iso, read_events
 from toymlx.gguf.writer import DIGEST_KEY
 from toymlx.runs import Resume, intact_hint
 from toymlx.schedule import lr_at
-from toymlx.step import make_step, step_blas_threads, step_streams
+from toymlx.step import LossScale, make_step
 
 
 @dataclass
@@ -100,6 +101,19 @@ class TrainConfig:
     threads shared out between them (MLX runs elementwise work on one thread per stream).
     0: auto (2 where MLX computes on a CPU with 2+ cores and toymlx controls its BLAS
     threads, else 1)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Activations' dtype: auto is bfloat16 on a GPU and float32 on the CPU (MLX's half
+    precision CPU kernels are ~25x slower). Trainable weights and AdamW's moments stay
+    float32; float16 trains with a dynamic loss scale."""
+    save_dtype: Literal["f32", "f16", "bf16"] = "f32"
+    """Tensor type of the matrices in checkpoint GGUFs (norms stay F32); with f16/bf16 the
+    resume state also keeps the float32 weights, so resume stays exact."""
+    grad_checkpoint: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them: less
+    memory for long sequences, about one more forward pass of time."""
+    kernels: Literal["auto", "mlx", "vectorised"] = "auto"
+    """Whose elementwise kernels the model trains with: auto is toymlx's vectorised CPU forms
+    (toymlx.fastmath) for float32 on the CPU, MLX's own elsewhere."""
 
 
 @dataclass
@@ -199,13 +213,42 @@ def _finite(model: nn.Module) -> bool:
     return bool(mx.all(mx.stack(flags)).item()) if flags else True
 
 
-def optimizer_state_arrays(optimizer: optim.Optimizer) -> dict[str, mx.array]:
-    return {"opt." + k: v for k, v in tree_flatten(optimizer.state)}
+def training_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,
+                  cfg: TrainConfig, world: Any = None, scale: LossScale | None = None
+                  ) -> tuple[Callable, int]:
+    """(step, CPU streams) of this run: `toymlx.step.make_step`, or on a multi-core CPU the same
+    spread over streams (`toymlx.cpu_streams`). Build it after the optimizer state is final
+    (resume): the compiled step holds on to the state's containers."""
+    n = cpu_streams.stream_count(cfg.cpu_streams, world, scaled=scale is not None)
+    if n > 1:
+        return cpu_streams.make_stream_step(model, loss_fn, optimizer, n, cfg.grad_clip,
+                                            cfg.compile), n
+    return make_step(model, loss_fn, optimizer, cfg.grad_clip, world, cfg.compile, scale), 1
 
 
-def restore_optimizer(optimizer: optim.Optimizer, arrays: dict[str, mx.array]) -> None:
-    flat = [(k[len("opt."):], v) for k, v in arrays.items() if k.startswith("opt.")]
-    optimizer.state = tree_unflatten(flat)
+def resume_arrays(optimizer: optim.Optimizer, scale: LossScale | None, model: nn.Module,
+                  exact_weights: bool) -> dict[str, mx.array]:
+    """What a checkpoint's resume state holds besides the GGUF: the optimizer state, the loss
+    scale, and (when the GGUF rounds them: --save-dtype f16/bf16) the float32 weights."""
+    arrays = {"opt." + k: v for k, v in tree_flatten(optimizer.state)}
+    if scale is not None:
+        arrays.update({"scale." + k: v for k, v in scale.state.items()})
+    if exact_weights:
+        arrays.update({"param." + k: v for k, v in tree_flatten(model.trainable_parameters())})
+    return arrays
+
+
+def restore_resume_arrays(arrays: dict[str, mx.array], optimizer: optim.Optimizer,
+                          scale: LossScale | None, model: nn.Module) -> None:
+    """Put `resume_arrays`' contents back (after the GGUF itself was loaded into the model)."""
+    def part(prefix: str) -> list[tuple[str, mx.array]]:
+        return [(k[len(prefix):], v) for k, v in arrays.items() if k.startswith(prefix)]
+
+    optimizer.state = tree_unflatten(part("opt."))
+    if scale is not None and part("scale."):
+        scale.state.update(dict(part("scale.")))
+    if part("param."):
+        model.update(tree_unflatten(part("param.")))
 
 
 class StopSignals:
@@ -236,9 +279,10 @@ class Checkpointer:
     """Writes one run's checkpoints (weights, optimizer state, one id shared by both), applies
     the retention policy (--keep-last, --keep-best) and emits the `checkpoint` events."""
 
-    def __init__(self, task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, run_dir: Path,
-                 log: EventLog, write: bool, last: int | None):
-        self.task, self.optimizer, self.cfg, self.log, self.write = task, optimizer, cfg, log, write
+    def __init__(self, task: Task, optimizer: optim.Optimizer, scale: LossScale | None,
+                 cfg: TrainConfig, run_dir: Path, log: EventLog, write: bool, last: int | None):
+        self.task, self.optimizer, self.scale, self.cfg = task, optimizer, scale, cfg
+        self.log, self.write = log, write
         self.run_dir, self.weights = run_dir, run_dir / "weights"
         self.last = last
         """The step of the newest checkpoint (None: none yet)."""
@@ -263,7 +307,8 @@ class Checkpointer:
         model = self.task.model
         path = ck.save_checkpoint(self.weights, self.task.prefix, step,
                                   lambda p: self.task.save(p, model, extra),
-                                  optimizer_state_arrays(self.optimizer),
+                                  resume_arrays(self.optimizer, self.scale, model,
+                                                exact_weights=self.cfg.save_dtype != "f32"),
                                   {"step": step, "recipe": self.task.recipe,
                                    "checkpoint_id": ckpt_id})
         removed = []
@@ -285,18 +330,21 @@ class _Loop:
         self.resume = resume
         self.rank0 = world is None or world.rank() == 0
         self.model = task.model
+        device.setup_process(wide_evaluation=not cfg.grad_checkpoint)
         self.optimizer = (task.optimizer or make_optimizer)(cfg)
         self.optimizer.init(self.model.trainable_parameters())
+        # float16 gradients underflow without a loss scale (see LossScale)
+        self.scale = LossScale() if self.model.ops.dtype == "float16" else None
         self.start = 0
         if resume is not None and resume.checkpoint is not None:
             ck.load_checked(task.load, resume.checkpoint, self.model)
-            restore_optimizer(self.optimizer, resume.state)
+            restore_resume_arrays(resume.state, self.optimizer, self.scale, self.model)
             self.start = resume.step
         mx.eval(self.model.parameters(), self.optimizer.state)
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0)
-        self.ckpt = Checkpointer(task, self.optimizer, cfg, run_dir, self.log, self.rank0,
-                                 self.start if self.start else None)
+        self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
+                                 self.rank0, self.start if self.start else None)
         self.count = task.count or (lambda b: int(np.prod(next(iter(b.values())).shape[:2])))
         self.step, self.loss = self.start, float("nan")
         """The last step whose update is in the weights, and its loss."""
@@ -305,8 +353,10 @@ class _Loop:
         self.last_eval: dict[str, float] = {}
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
-        step_fn = make_step(self.task, self.optimizer, self.cfg, self.world)
-        threads = self._announce(run_config)
+        # after the resume restored the optimizer state: the compiled step holds its containers
+        step_fn, n_streams = training_step(self.model, self.task.loss_fn, self.optimizer,
+                                           self.cfg, self.world, self.scale)
+        threads = self._announce(run_config, n_streams)
         # Data parallel: a rank blocked in an all_sum whose peer died never returns to Python,
         # so a handler would never run and mlx.launch would wait on it forever; keep SIGTERM's
         # default (exit) there and leave a torn bundle that --resume continues.
@@ -331,11 +381,10 @@ class _Loop:
     def _end(self, reason: str, exit_code: int, message: str | None) -> None:
         self.reason, self.exit_code, self.message = reason, exit_code, message
 
-    def _announce(self, run_config: dict[str, Any]) -> int | None:
+    def _announce(self, run_config: dict[str, Any], n_streams: int) -> int | None:
         """run_start (a fresh run, or a resumed one whose events lack it), then the resume
         event; returns the BLAS threads the step runs with."""
-        n_streams = step_streams(self.cfg, self.world)
-        threads = step_blas_threads(n_streams)
+        threads = cpu_streams.step_blas_threads(n_streams)
         r = self.resume
         if r is None or not r.has_start:
             n_trainable = sum(v.size for _, v in tree_flatten(self.model.trainable_parameters()))
@@ -343,7 +392,7 @@ class _Loop:
             self.log.emit(
                 "run_start", schema=SCHEMA, started_at=now_iso(), run_id=self.run_dir.name,
                 phase="train", recipe=self.task.recipe, host=host_info(), backend=backend_info(),
-                git=git_info(), step_parallelism={"cpu_streams": n_streams, "blas_threads":
+                math=self.model.ops.describe(), git=git_info(), step_parallelism={"cpu_streams": n_streams, "blas_threads":
                                                   threads or device.blas_threads()},
                 model={**self.task.model_info, "n_params": n_total, "n_trainable": n_trainable},
                 config={**run_config, **self.task.config_info},
@@ -394,21 +443,27 @@ class _Loop:
         # Randomness (dropout) is a pure function of (seed, step), like the data, so a
         # resumed run draws exactly what an uninterrupted one would.
         mx.random.seed(step_seed(self.cfg.seed, s))
-        loss, gnorm = step_fn(batch)
+        out = step_fn(batch)
         with device.use_blas_threads(threads):
-            mx.eval(loss, gnorm, self.model.state, self.optimizer.state)
+            mx.eval(out, self.model.state, self.optimizer.state)
         dt = time.perf_counter() - t0
         self.t_first = dt if self.t_first is None else self.t_first
-        self.loss, gnorm_v = float(loss.item()), float(gnorm.item())
+        self.loss, gnorm_v = float(out["loss"].item()), float(out["grad_norm"].item())
+        # float16: an overflowing step was skipped (nothing changed but the loss scale)
+        scaled = {"loss_scale": float(out["loss_scale"].item()),
+                  "skipped": bool(out["skipped"].item())} if self.scale is not None else {}
         lr = lr_at(s, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio)
-        # A non-finite gradient norm with a finite loss has already made the update NaN.
-        for what, v in (("loss", self.loss), ("gradient norm", gnorm_v)):
+        # A non-finite gradient norm with a finite loss has already made the update NaN
+        # (unless the loss scale skipped that update).
+        checked = (("loss", self.loss),) if scaled.get("skipped") else (
+            ("loss", self.loss), ("gradient norm", gnorm_v))
+        for what, v in checked:
             if not math.isfinite(v):
                 self._diverged(f"{what} became {v} at step {s + 1} (lr {lr:.3g})", s)
                 return False
         self.step = s + 1
         rate = n_items / dt
-        self.log.emit("step", step=s + 1, loss=self.loss, lr=lr, grad_norm=gnorm_v,
+        self.log.emit("step", step=s + 1, loss=self.loss, lr=lr, grad_norm=gnorm_v, **scaled,
                       **{f"{self.task.unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4)})
         if bar is not None:
             acc = (f" val_acc {self.last_eval['accuracy']:.3f}" if "accuracy" in self.last_eval
