@@ -63,8 +63,9 @@ def write(version):
         if version == 1:
             target.write_bytes(b"an earlier export")
             return
-        from toymlx.lora import apply_lora, load_base, write_adapter
-        model, g = load_base(stories, "float32")
+        from toymlx.gguf.llama import load_llama
+        from toymlx.lora import apply_lora, write_adapter
+        model, g = load_llama(stories)
         apply_lora(model, ["q"], None, 2, 4.0, 0.0)
         os.replace = real_replace  # the adapter it exports is not the file under test
         write_adapter(d / "adapter.gguf", model, {"general.architecture": "llama"})

@@ -143,6 +143,9 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
         except (runs.RunError, ck.ResumeError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 2
+        except ValueError as e:  # bad input met mid-run (an image that fails to decode)
+            print(f"toymlx-train: error: {e}", file=sys.stderr)
+            return 1
         except OSError as e:
             try:
                 kept = (f"earlier checkpoints are intact (weights/latest -> "
@@ -188,7 +191,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig,
             check_checkpointable(task.model)
         check_batch_fits(cfg.batch_size, task.config_info)
         if resume is not None:
-            runs.check_resume(run_dir, recipe, task.model_info)
+            runs.check_resume(run_dir, recipe, task.model_info, ops.dtype)
             if rank0:
                 runs.rewind(run_dir, resume)
     except BaseException:

@@ -33,7 +33,7 @@ RUN_LOCAL = frozenset({
     "resume", "from_step", "overwrite",  # which bundle and checkpoint to continue
     "stop_at", "progress",  # this process's stopping point and display
     "eval_every", "checkpoint_every", "keep_last", "keep_best",  # cadence and retention only
-    "device", "compile", "cpu_streams",  # where and how the same math runs
+    "device", "compile", "cpu_streams", "grad_checkpoint",  # where and how the same math runs
 })
 """Options a resume may change: none of them changes what is trained. Any other option
 (data, model, seed, batch, sequence length, schedule, optimizer, dtype, and any option added
@@ -240,8 +240,10 @@ def check_unchanged(run_dir: Path, saved: Any, given: Any) -> None:
                    "start a new run to change it")
 
 
-def check_resume(run_dir: str | os.PathLike, recipe: str, model_info: dict[str, Any]) -> None:
-    """RunError unless the bundle was trained by `recipe` with this model shape."""
+def check_resume(run_dir: str | os.PathLike, recipe: str, model_info: dict[str, Any],
+                 dtype: str | None = None) -> None:
+    """RunError unless the bundle was trained by `recipe` with this model shape (and compute
+    `dtype`: `--dtype auto` resolves by device, and --device may change on resume)."""
     saved_recipe, _ = read_config(run_dir)
     if saved_recipe != recipe:
         raise RunError(f"{run_dir}: --resume: expected a run of recipe {recipe!r}, found a "
@@ -249,6 +251,11 @@ def check_resume(run_dir: str | os.PathLike, recipe: str, model_info: dict[str, 
     start = next((e for e in ev.read_events(run_dir) if ev.kind_of(e) == "run_start"), None)
     if start is None:  # nothing recorded: the checkpoint load still checks every shape
         return
+    trained = (start.get("math") or {}).get("dtype")
+    if dtype is not None and trained is not None and trained != dtype:
+        raise RunError(f"{run_dir}: --resume: compute dtype: expected {trained} (the run's), found "
+                       f"{dtype} (--dtype auto on this device); resume it on a device where "
+                       "it resolves the same")
     was = {k: v for k, v in start.get("model", {}).items() if k not in ("n_params", "n_trainable")}
     now = json.loads(json.dumps(model_info, default=str))
     for k in sorted(set(was) | set(now)):
