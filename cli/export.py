@@ -36,6 +36,7 @@ class Args:
 
 
 def run(args: Args) -> int:
+    from toymlx.atomic import atomic_open
     from toymlx.gguf.llama import load_llama
     from toymlx.lora import apply_adapter, resolve_adapter_path, write_merged
 
@@ -51,9 +52,8 @@ def run(args: Args) -> int:
         model, g = load_llama(args.base)
         apply_adapter(model, src, g.metadata.get("general.architecture", "llama"))
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        shutil.copyfile(src, tmp)
-        tmp.replace(out)
+        with open(src, "rb") as f, atomic_open(out) as dst:
+            shutil.copyfileobj(f, dst)
         what = f"adapter {src}"
     else:
         write_merged(out, args.base, args.adapter, args.dtype)

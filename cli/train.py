@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import signal
 import sys
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
@@ -36,11 +38,26 @@ def _usage() -> str:
             "Start here: toymlx-train --recipe vit-tiny\n")
 
 
+def _ignore_late_signals() -> None:
+    """At exit, after the run ended: Python puts SIGINT/SIGTERM back to the system default while
+    it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code lost)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     from toymlx.launch import rank_status
+    from toymlx.lifeline import watch_parent
 
+    watch_parent()  # started by toymlx-sweep / toymlx-launch: stop when that parent dies
+    atexit.unregister(_ignore_late_signals)  # once, however often main runs in one process
+    atexit.register(_ignore_late_signals)
     with rank_status() as status:  # under toymlx-launch: report how this rank ended
-        status.code = _main(argv)
+        try:
+            status.code = _main(argv)
+        except KeyboardInterrupt:  # Ctrl-C while parsing or importing: no traceback
+            print("toymlx-train: interrupted", file=sys.stderr)
+            status.code = 130
     return status.code
 
 
@@ -48,36 +65,32 @@ def _main(argv: list[str] | None) -> int:
     import tyro
 
     from toymlx.recipes import get_recipe
-    from toymlx.runs import RunError, load_config
+    from toymlx.run import load_saved_run, run_training
+    from toymlx.runs import RunError
 
     argv = sys.argv[1:] if argv is None else argv
     recipe, resume, rest = _split_recipe(argv)
-    saved = None
+    default = None
     try:
         if resume:
-            saved_recipe, saved = load_config(resume)
+            saved_recipe, module, default = load_saved_run(resume)
             if recipe and recipe != saved_recipe:
                 raise RunError(f"{resume}: --resume: expected a run of recipe {recipe!r}, found "
                                f"a {saved_recipe!r} run")
             recipe = saved_recipe
-        if recipe is None:
+            # The saved options are the defaults; run_training refuses any change that is not
+            # run-local. A resumed run continues to the end unless told otherwise here.
+            default.stop_at, default.resume, default.overwrite = None, resume, False
+        elif recipe is None:
             print(_usage(), file=sys.stderr if "--help" not in argv else sys.stdout)
             return 0 if ("--help" in argv or "-h" in argv) else 2
-        module = get_recipe(recipe)
-    except (RunError, ValueError) as e:
+        else:
+            module = get_recipe(recipe)
+    except ValueError as e:  # RunError, LockHeld and an unknown --recipe are ValueErrors
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
-    default = None
-    if saved is not None:
-        from toymlx.runs import config_from_dict
-
-        default = config_from_dict(module.Config, saved)
-        # A resumed run continues to the end unless told otherwise on this command line.
-        default.stop_at, default.resume, default.overwrite = None, resume, False
     cfg = tyro.cli(module.Config, args=rest, default=default,
                    prog=f"toymlx-train --recipe {recipe}", description=module.__doc__)
-    from toymlx.run import run_training
-
     return run_training(recipe, module, cfg)
 
 

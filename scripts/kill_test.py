@@ -14,11 +14,11 @@ load, first step). After each kill the bundle must hold:
 - every `step_*.gguf` present loads, and has its state file (state is written first);
 - `events.jsonl` reads with read_events, with at most one torn line per kill.
 
-The next cycle resumes the run with `--resume`, and its run_start must show start_step equal
-to the step `latest` named when it was launched. A final resume with a few more steps must
-complete. Before the loop, one run is killed before its first checkpoint: `--resume` then
-fails with a one-line error, reusing the run id fails without `--overwrite`, and with it the
-run starts over.
+The next cycle resumes the run with `--resume`, and its `resume` event must show from_step
+equal to the step `latest` named when it was launched; the bundle keeps one run_start and each
+step once. A final resume with a few more steps must complete. Before the loop, one run is
+killed before its first checkpoint: `--resume` then fails with a one-line error, reusing the
+run id fails without `--overwrite`, and with it the run starts over.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
     """The invariants after a kill; AssertionError naming what broke."""
     import toymlx  # noqa: F401
     from toymlx.checkpoint import list_checkpoints, load_state, resolve_latest, state_path
-    from toymlx.events import read_events
+    from toymlx.events import kind_of, read_events
     from toymlx.gguf.llama import load_llama
 
     weights = run / "weights"
@@ -131,6 +131,10 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
     top = max(s for s, _ in found)
     assert top - step in (0, 1), f"latest is step {step}, newest checkpoint step {top}"
     events = read_events(run)
+    kinds = [kind_of(e) for e in events]
+    assert kinds.count("run_start") <= 1 and kinds[:1] in ([], ["run_start"]), "run_start"
+    steps = [e["step"] for e in events if kind_of(e) == "step"]
+    assert steps == list(range(1, len(steps) + 1)), f"steps not 1..N once: {steps[-12:]}"
     raw = (run / "events.jsonl").read_bytes().split(b"\n")
     garbage = 0
     for line in raw:
@@ -144,10 +148,10 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
     return {"latest": step, "n_ckpt": len(found), "events": len(events), "torn": garbage}
 
 
-def run_starts(run: Path) -> list[dict]:
-    from toymlx.events import read_events
+def resumes(run: Path) -> list[dict]:
+    from toymlx.events import kind_of, read_events
 
-    return [e for e in read_events(run) if e["event"] == "run_start"]
+    return [e for e in read_events(run) if kind_of(e) == "resume"]
 
 
 def kill_test(kills: int, seed: int, root: Path) -> dict:
@@ -193,7 +197,7 @@ def kill_test(kills: int, seed: int, root: Path) -> dict:
     for k in range(kills - 1):
         # the first launch must complete a checkpoint before its kill; then every mode in turn
         mode = r.choice(MODES[1:3]) if k == 0 else MODES[(k + offset) % len(MODES)]
-        n_starts = len(run_starts(run)) if run.exists() else 0
+        n_resumes = len(resumes(run)) if run.exists() else 0
         p = launch(cmd, log)
         seen = wait_and_kill(p, run / "weights", mode, r)
         out["kills_made"] += 1
@@ -204,12 +208,11 @@ def kill_test(kills: int, seed: int, root: Path) -> dict:
             assert "exited" not in seen, f"trainer exited by itself ({seen.get('exited')})"
             if seen.get("tmp_left"):
                 out["mid_write"] += 1
-            starts = run_starts(run)
-            if len(starts) > n_starts:  # the launch got as far as run_start
-                got = starts[-1]["start_step"]
-                assert got == expect_start, f"run_start start_step {got}, latest was " \
-                                            f"{expect_start}"
-                out["resumes_checked"] += 1 if k else 0  # k == 0 is the fresh start
+            res = resumes(run)
+            if k and len(res) > n_resumes:  # the resume got as far as its resume event
+                got = res[-1]["from_step"]
+                assert got == expect_start, f"resume from_step {got}, latest was {expect_start}"
+                out["resumes_checked"] += 1
                 cycle["start_step"] = got
             state = check_bundle(run, out["kills_made"])
             cycle.update(state)
@@ -231,11 +234,11 @@ def kill_test(kills: int, seed: int, root: Path) -> dict:
         target = expect_start + 3
         q = subprocess.run(train_cmd() + ["--resume", str(run), "--steps", str(target)],
                            capture_output=True, check=False, text=True)
-        starts = run_starts(run)
+        res = resumes(run)
         from toymlx.events import read_events
 
         end = [e for e in read_events(run) if e["event"] == "run_end"]
-        final = {"rc": q.returncode, "start_step": starts[-1]["start_step"] if starts else None,
+        final = {"rc": q.returncode, "start_step": res[-1]["from_step"] if res else None,
                  "expected_start": expect_start,
                  "end": {k: end[-1].get(k) for k in ("reason", "final_step")} if end else None}
         out["final_resume"] = final

@@ -20,7 +20,7 @@ import pytest
 from toymlx_cli.train import main
 
 from toymlx.checkpoint import list_checkpoints, resolve_latest
-from toymlx.events import read_events
+from toymlx.events import kind_of, read_events
 from toymlx.gguf.llama import load_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,8 +70,10 @@ def test_resume_after_a_torn_event_line(tmp_path, shared_data):
     events.write_bytes(raw[: last + (len(raw) - last) // 2])  # the run_end line, torn
     assert main(["--resume", str(run), "--no-progress"]) == 0
     ev = read_events(run)
-    starts = [e for e in ev if e["event"] == "run_start"]
-    assert [s["start_step"] for s in starts] == [0, 3]
+    assert [kind_of(e) for e in ev].count("run_start") == 1
+    (res,) = [e for e in ev if kind_of(e) == "resume"]
+    assert res["from_step"] == 3 and res["previous_end"] == "torn"  # its run_end was torn
+    assert [e["step"] for e in ev if kind_of(e) == "step"] == [1, 2, 3, 4, 5, 6]
     assert ev[-1]["event"] == "run_end" and ev[-1]["reason"] == "completed"
     assert ev[-1]["final_step"] == 6
     load_llama(resolve_latest(run))
@@ -118,3 +120,68 @@ def test_signal_mid_step_checkpoints_the_step_it_names(tmp_path, shared_data, un
     resumed = [e["loss"] for e in read_events(tmp_path / "part") if e["event"] == "step"]
     assert len(resumed) == 600
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted)) <= 1e-6
+
+
+MID = ["--recipe", "from-scratch", "--model.d-model", "256", "--model.n-layers", "3",
+       "--model.n-heads", "4", "--model.n-kv-heads", "2", "--model.ffn-dim", "768",
+       "--model.context", "64", "--seq-len", "32", "--batch-size", "2", "--eval-every", "0",
+       "--no-compile", "--no-progress", "--steps", "100000"]
+
+
+@pytest.mark.parametrize("second", ["at-once", "mid-write", "after-0.2s"])
+def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_data, second):
+    """Ctrl-C twice: the first stops after the step in flight and writes a final checkpoint,
+    the second skips that checkpoint if it has not begun, or lets a begun one finish (2.5M
+    parameters: ~30 MB written, so `mid-write` lands inside it). Every way: exit 130, no
+    traceback, run_end last, and `latest` a verified checkpoint the run resumes from."""
+    from toymlx.checkpoint import open_checkpoint
+
+    run = tmp_path / "r"
+    exe = Path(sys.executable).parent / "toymlx-train"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "toymlx_cli.train"]
+    # mid-write: no periodic checkpoint, so the one written after the first Ctrl-C is the
+    # final one, always; else one every 4 steps for the skipped final one to fall back on
+    every = "1000000" if second == "mid-write" else "4"
+    p = subprocess.Popen(cmd + MID + ["--checkpoint-every", every, "--data.path",
+                                      str(shared_data / "text" / "tinyshakespeare.txt"),
+                                      "--runs-root", str(tmp_path), "--run-id", "r"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    ready = ((lambda: any(kind_of(e) == "step" and e["step"] >= 4 for e in read_events(run)))
+             if second == "mid-write" else (run / "weights" / "step_4.gguf").exists)
+    while not ready():
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 300
+        time.sleep(0.01)
+    time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    caught = None
+    if second == "at-once":
+        p.send_signal(signal.SIGINT)
+    elif second == "after-0.2s":
+        time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+    else:
+        while p.poll() is None and caught is None:
+            if any(".tmp-" in f.name for f in (run / "weights").iterdir()):
+                p.send_signal(signal.SIGINT)
+                caught = time.monotonic()
+            time.sleep(0.0005)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    end = read_events(run)[-1]
+    assert kind_of(end) == "run_end" and end["reason"] == "interrupted", end
+    latest = resolve_latest(run)
+    open_checkpoint(latest)
+    step = int(latest.name[len("step_"):-len(".gguf")])
+    if "skipped its checkpoint" in end["message"]:
+        assert step < end["final_step"] and step % 4 == 0
+    else:
+        assert step == end["final_step"]
+    if second == "mid-write":
+        assert caught is not None, "the final checkpoint write was never seen in flight"
+        assert step == end["final_step"]  # a write begun is finished
+    assert not [f for f in (run / "weights").iterdir() if ".tmp-" in f.name]
+    assert main(["--resume", str(run), "--steps", str(end["final_step"] + 1)]) == 0
+    assert read_events(run)[-1]["final_step"] == end["final_step"] + 1

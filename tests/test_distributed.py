@@ -4,16 +4,18 @@ a failing rank that fails the launch."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from toymlx_cli.train import main as train_main
 
-from toymlx.events import read_events
+from toymlx.events import kind_of, read_events
 from toymlx.launch import _free_port_base
 from toymlx.trainer import _shard
 
@@ -146,3 +148,36 @@ def test_plain_mlx_launch_exits_0_on_a_failed_rank_without_hanging(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert re.search(r"Node with rank [01] exited with code 1\b", p.stderr), p.stderr[-2000:]
     _check_rank0_did_not_complete(root / "m")
+
+
+def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
+    """Issue 17 case 1: `kill -9` of toymlx-launch once left both ranks training with nothing
+    watching them. Now mlx.launch (run tied to toymlx-launch) ends its session, and each rank,
+    tied to mlx.launch, stops too."""
+    status = tmp_path / "status"
+    root = tmp_path / "runs"
+    p = subprocess.Popen([*LAUNCH[:-1], "--status-dir", str(status), "--", *TRAIN, *ARGS,
+                          "--no-compile", "--steps", "100000", "--runs-root", str(root),
+                          "--run-id", "dp"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not any(kind_of(e) == "step" and e["step"] >= 3 for e in read_events(root / "dp")):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 180
+        time.sleep(0.1)
+    ranks = [json.loads((status / f"rank{r}.start").read_text())["pid"] for r in range(2)]
+    launcher = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
+                                               text=True, check=False).stdout.split()]
+    assert len(launcher) == 1 and all(_running(r) for r in ranks)
+    p.kill()
+    p.wait()
+    t0 = time.monotonic()
+    while any(_running(x) for x in [*launcher, *ranks]):
+        assert time.monotonic() - t0 < 30, "a rank outlived its killed launcher"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True,
+                         check=False).stdout.strip()
+    return bool(out) and not out.startswith("Z")

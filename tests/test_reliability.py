@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_errors import error_line
 from toymlx_cli.train import main
 
-from toymlx.checkpoint import list_checkpoints, load_state, resolve_latest, state_path
-from toymlx.events import read_events
+from toymlx import atomic
+from toymlx.checkpoint import list_checkpoints, open_checkpoint, resolve_latest, state_path
+from toymlx.events import kind_of, read_events
 from toymlx.gguf import writer
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
@@ -38,29 +40,23 @@ def train(tmp: Path, run_id: str, *extra: str, data: str, recipe: str = "from-sc
                  "--run-id", run_id, *extra])
 
 
-def error_line(capsys) -> str:
-    """The one `toymlx-train: error:` line the run printed (and nothing traceback-like)."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("toymlx-train: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def finite_checkpoint(path: Path) -> bool:
     g = GGUFFile(path)
     return all(np.isfinite(g.load(n)).all() for n in g.tensors)
 
 
 def assert_bundle_intact(run: Path) -> int:
-    """latest and every checkpoint load, each with its state; no temporaries; latest's step."""
+    """latest and every checkpoint load and verify, each with its state; no temporaries and no
+    state file without its GGUF; latest's step."""
     latest = resolve_latest(run)
     load_llama(latest)
     for _, p in list_checkpoints(run / "weights"):
         load_llama(p)
-        load_state(state_path(p))
+        open_checkpoint(p)  # checksums of both files, and their shared id
         assert finite_checkpoint(p), p
     assert not list((run / "weights").glob(".*tmp-*")), list((run / "weights").iterdir())
+    for st in (run / "weights").glob("*.state.safetensors"):
+        assert st.with_name(st.name[: -len(".state.safetensors")] + ".gguf").exists(), st
     return int(latest.name[len("step_"):-len(".gguf")])
 
 
@@ -150,7 +146,7 @@ def test_disk_full_mid_run_keeps_earlier_checkpoints(tmp_path, capsys, monkeypat
                 if calls["n"] == 3:
                     return _FullDisk(f, 1000)
             return f
-        monkeypatch.setattr(writer, "open", fake_open, raising=False)
+        monkeypatch.setattr(atomic, "open", fake_open, raising=False)
     elif where == "gguf-rename":
         def fake_replace(src, dst):
             if str(dst).endswith(".gguf"):
@@ -188,7 +184,8 @@ def test_disk_full_mid_run_keeps_earlier_checkpoints(tmp_path, capsys, monkeypat
     assert end["event"] == "run_end" and end["reason"] == "error" and end["final_step"] == 3
     # and the run resumes from step 2 once there is room again
     assert main(["--resume", str(run), "--steps", "4", "--no-progress"]) == 0
-    assert [e["start_step"] for e in read_events(run) if e["event"] == "run_start"] == [0, 2]
+    assert [e["from_step"] for e in read_events(run) if kind_of(e) == "resume"] == [2]
+    assert [e["step"] for e in read_events(run) if kind_of(e) == "step"] == [1, 2, 3, 4]
 
 
 def _mount_tmpfs(where: Path, size: str, ro: bool = False) -> bool:
@@ -233,8 +230,8 @@ def test_real_full_disk(tmp_path, data, monkeypatch):
             state_path(ckpt).unlink()
         q = _cli("--resume", str(run), "--steps", str(step + 1), "--no-progress")
         assert q.returncode == 0, q.stderr[-3000:]
-        starts = [e for e in read_events(run) if e["event"] == "run_start"]
-        assert starts[-1]["start_step"] == step
+        resumes = [e for e in read_events(run) if kind_of(e) == "resume"]
+        assert resumes[-1]["from_step"] == step
     finally:
         _umount(mnt)
 

@@ -10,13 +10,16 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from toymlx_cli.sweep import main as sweep_main
 
 from toymlx import sweep
-from toymlx.events import read_events
+from toymlx.events import kind_of, read_events
+from toymlx.lock import LockHeld, acquire
 
 # eager steps: no g++ JIT on a cold cache (compile == eager is tested in test_trainer)
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--seq-len", "32", "--batch-size",
@@ -89,20 +92,34 @@ def test_shards_partition_the_runs():
         sweep.shard_specs(specs, (3, 3))
 
 
-def test_lock_is_exclusive_and_stale_locks_are_taken_over(tmp_path):
-    lock = tmp_path / "locks" / "run.lock"
-    assert sweep.try_lock(lock)
-    assert not sweep.try_lock(lock)  # held by this live process
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    info = json.loads(lock.read_text())
-    lock.write_text(json.dumps({**info, "pid": int(dead)}))
-    assert sweep.try_lock(lock)  # its holder on this host is gone
-    other = {"host": "another-machine", "pid": 1}
-    lock.write_text(json.dumps(other))
-    assert not sweep.try_lock(lock, timeout=60)  # fresh, held elsewhere
-    os.utime(lock, (0, 0))
-    assert sweep.try_lock(lock, timeout=60)  # no heartbeat for ages: stale
+HOLD = """
+import sys, time
+from toymlx.lock import acquire
+lock = acquire(sys.argv[1], "test")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_lock_is_owned_by_a_live_process_and_dies_with_it(tmp_path):
+    """The lock is an flock: another process is refused (told who holds it) while its holder
+    lives, and takes it over the moment the holder is SIGKILLed, with no stale state left."""
+    path = tmp_path / "locks" / "run.lock"
+    path.parent.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockHeld, match=rf"test: in use by process {holder.pid} \(.*-c"):
+            acquire(path, "test")
+    finally:
+        holder.kill()
+        holder.wait()
+    with acquire(path, "test") as lock:  # dead holder: free at once
+        with pytest.raises(LockHeld, match=f"process {os.getpid()}"):
+            acquire(path, "test")  # a second holder in this very process is refused too
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert not path.exists() and lock is not None  # released and removed
 
 
 # ---------------------------------------------------------------- real sweeps
@@ -179,8 +196,9 @@ def test_torn_run_is_resumed_from_its_checkpoint(tmp_path):
                              report_png=False)
     assert second.states == {"lr=0.002": "done"}
     events = read_events(run)
-    starts = [e for e in events if e["event"] == "run_start"]
-    assert [s["start_step"] for s in starts] == [0, 5]
+    assert [kind_of(e) for e in events].count("run_start") == 1
+    assert [e["from_step"] for e in events if kind_of(e) == "resume"] == [5]
+    assert [e["step"] for e in events if kind_of(e) == "step"] == list(range(1, 11))
     assert events[-1]["reason"] == "completed"
     assert "resume: toymlx-train --resume" in (tmp_path / "t" / "logs" / "lr=0.002.log").read_text()
 
@@ -200,3 +218,89 @@ def test_two_machines_over_one_folder_run_each_run_once(tmp_path):
         assert [e["event"] for e in events].count("run_start") == 1
         assert events[-1]["reason"] == "completed"
     assert not list((tmp_path / "two" / ".locks").iterdir())  # every lock released
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process under `pid` (pgrep -P, on Linux and macOS alike)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,
+                         check=False).stdout.split()
+    kids = [int(x) for x in out]
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a container's pid 1 may never reap an orphan)."""
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True,
+                         check=False).stdout.strip()
+    return bool(out) and not out.startswith("Z")
+
+
+def test_a_killed_sweep_leaves_no_children_and_its_rerun_gives_clean_bundles(tmp_path):
+    """Issue 17 case 1: `kill -9` of a sweep once left its runs training with parent 1, and the
+    re-run resumed them a second time (two run_starts, 190 steps for 150). Now the children
+    stop (checkpoint, run_end) when the sweep dies, and the re-run gives each bundle one
+    run_start, each step once and one run_end."""
+    cmd = [sys.executable, "-m", "toymlx_cli.sweep", "--recipe", "from-scratch", "--grid",
+           "lr=1e-3,3e-3", "--grid", "seed=1", "--workers", "2", "--runs-root",
+           str(tmp_path), "--sweep-id", "k", "--no-progress", "--no-report", *TINY,
+           "--steps", "100", "--checkpoint-every", "10", "--eval-every", "50"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    root = tmp_path / "k"
+    t0 = time.monotonic()
+    while len(list(root.glob("*/weights/step_10.gguf"))) < 2:
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 120
+        time.sleep(0.05)
+    children = _descendants(p.pid)
+    assert len(children) == 2
+    p.kill()
+    p.wait()
+    t0 = time.monotonic()
+    while any(_running(c) for c in children):
+        assert time.monotonic() - t0 < 60, "a run outlived its killed sweep"
+        time.sleep(0.1)
+    stopped = [d for d in root.iterdir() if (d / "events.jsonl").exists()]
+    assert len(stopped) == 2
+    for d in stopped:  # each saw its sweep die, finished its step and checkpointed
+        end = read_events(d)[-1]
+        assert kind_of(end) == "run_end" and end["reason"] == "interrupted", end
+        assert f"step_{end['final_step']}.gguf" == os.readlink(d / "weights" / "latest")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for d in sorted(p for p in root.iterdir() if (p / "config.json").exists()):
+        ev = read_events(d)
+        kinds = [kind_of(e) for e in ev]
+        assert kinds.count("run_start") == 1 and kinds[0] == "run_start", d
+        assert kinds.count("run_end") == 1 and ev[-1]["reason"] == "completed", d
+        assert [e["step"] for e in ev if kind_of(e) == "step"] == list(range(1, 101)), d
+        assert kinds.count("resume") == (1 if d in stopped else 0), d
+    rows = {r["run"]: r for r in _csv(root / "summary.csv")}
+    assert len(rows) == 2 and {r["status"] for r in rows.values()} == {"completed"}
+    assert {int(r["step"]) for r in rows.values()} == {100}
+
+
+def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
+    """The sweep never touches a bundle some live process still owns (here: holds its lock).
+    It waits up to `busy_wait` seconds for the owner, as for a killed sweep's child writing
+    its last checkpoint, then leaves the run to it; an owner that ends in time is followed."""
+    specs = sweep.grid([*TINY, "--steps", "4"], {"lr": [2e-3], "seed": [1, 2]})
+    run = tmp_path / "o" / "lr=0.002_seed=1"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
+                                 report_png=False, busy_wait=2.0)
+        assert result.states == {"lr=0.002_seed=1": "elsewhere", "lr=0.002_seed=2": "done"}
+        assert time.monotonic() - t0 >= 2.0
+        assert (run / "config.json").read_text() == "{}"  # untouched
+        threading.Timer(1.0, holder.kill).start()  # the owner ends while the sweep waits
+        result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
+                                 report_png=False, busy_wait=60.0)
+        assert result.states == {"lr=0.002_seed=1": "done", "lr=0.002_seed=2": "skipped"}
+    finally:
+        holder.kill()
+        holder.wait()

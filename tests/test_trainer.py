@@ -9,10 +9,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from toymlx_cli.train import main
 
 from toymlx.checkpoint import list_checkpoints, resolve_latest
-from toymlx.events import read_events
+from toymlx.events import kind_of, read_events
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.run import run_ops
@@ -57,8 +58,12 @@ def test_resume_is_exact(tmp_path, text_file):
     resumed = _losses(part)
     assert len(resumed) == 8
     np.testing.assert_allclose(resumed, full, rtol=0, atol=1e-6)
-    starts = [e for e in read_events(part) if e["event"] == "run_start"]
-    assert [s["start_step"] for s in starts] == [0, 4]
+    # one run, as toy/v1 reads it: one run_start, each step once, the resume recorded
+    kinds = [kind_of(e) for e in read_events(part)]
+    assert kinds.count("run_start") == 1 and kinds.count("run_end") == 1
+    assert [e["step"] for e in read_events(part) if kind_of(e) == "step"] == list(range(1, 9))
+    (res,) = [e for e in read_events(part) if kind_of(e) == "resume"]
+    assert res["from_step"] == 4 and res["previous_end"] == "stopped"
 
 
 def test_bundle_events_and_checkpoints(tmp_path, text_file):
@@ -167,3 +172,46 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
     compiled, eager = run(True), run(False)
     np.testing.assert_allclose(compiled, eager, rtol=1e-5)
     assert len(set(compiled)) == 4
+
+
+def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
+    """With dropout 0.5, evaluation is deterministic (any random seed) and equals a float64
+    forward without dropout, while training-mode forwards still drop; the mode is restored."""
+    from mlx import nn
+
+    from toymlx import trainer
+
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
+    mx.eval(model.parameters())
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 16, 6)).astype(np.float32)  # (accum, B, in)
+    y = rng.integers(0, 3, (1, 16)).astype(np.int32)
+
+    def loss_fn(m, b):
+        return nn.losses.cross_entropy(m(b["x"]), b["y"], reduction="mean"), mx.array(b["y"].size)
+
+    task = trainer.Task(recipe="t", model=model, loss_fn=loss_fn, train_batch=None,
+                        val_batches=[{"x": x, "y": y}], save=None, load=None, model_info={})
+    got = []
+    for seed in (1, 2, 3):
+        mx.random.seed(seed)
+        got.append(trainer.evaluate(task)["val_loss"])
+        assert model.training  # back in training mode
+    w = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(model.parameters())}
+    h = x[0].astype(np.float64) @ w["layers.0.weight"].T + w["layers.0.bias"]
+    logits = h @ w["layers.2.weight"].T + w["layers.2.bias"]
+    logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+        - logits.max(1, keepdims=True)
+    want = -logp[np.arange(16), y[0]].mean()
+    assert got[0] == got[1] == got[2]
+    np.testing.assert_allclose(got[0], want, rtol=1e-5)
+    train_losses = []
+    for seed in (1, 2):
+        mx.random.seed(seed)
+        train_losses.append(float(loss_fn(model, {"x": mx.array(x[0]), "y": mx.array(y[0])})[0]))
+    assert train_losses[0] != train_losses[1]  # training still drops, differently per seed
+    assert all(abs(t - want) > 1e-4 for t in train_losses)
+    model.eval()
+    trainer.evaluate(task)
+    assert not model.training  # a model evaluated in eval mode stays there

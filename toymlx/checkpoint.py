@@ -1,74 +1,147 @@
-"""Checkpoint files in a run bundle: atomic writes, the `latest` link, and resume state.
+"""Checkpoint files in a run bundle: writing, verifying, choosing one to resume from, retention.
 
 Layout under `runs/<id>/weights/`: `<prefix><step>.gguf` (the model or adapter), beside it
-`<prefix><step>.state.safetensors` (optimizer moments, random state, step) for exact resume,
-and `latest`, a relative symlink to the newest GGUF. The state is written before the GGUF and
-the link is swapped last, each by rename, so at any instant `latest` names a complete file
-whose state is also complete.
+`<prefix><step>.state.safetensors` (optimizer state, step) for exact resume, any other
+`<prefix><step>.*` side file a recipe writes, and `latest`, a relative symlink to the newest
+GGUF. The state is written before the GGUF and the link is swapped last, each atomically, so at
+any instant `latest` names a complete file whose state is also complete; a write that fails
+removes what it had written, so no state file is ever left without its GGUF.
+
+The GGUF records the SHA-256 of its tensor data (`toy.tensor_sha256`, written by
+`gguf.writer`) and the state file that of its arrays; both carry one id for the step
+(`toy.checkpoint_id`). `open_checkpoint` checks all three, so a damaged file or a state file of
+another checkpoint is named instead of resumed.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from toymlx.gguf.writer import fsync_dir
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from toymlx import atomic
+from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.writer import DIGEST_KEY, data_digest
 
 LATEST = "latest"
-
-
-def state_path(ckpt: Path) -> Path:
-    return ckpt.with_name(ckpt.name[: -len(".gguf")] + ".state.safetensors")
-
-
-def update_latest(weights: Path, target: Path) -> None:
-    """Point `weights/latest` at `target` (relative), replacing it atomically."""
-    tmp = weights / f".{LATEST}.tmp-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    os.symlink(target.name, tmp)
-    os.replace(tmp, weights / LATEST)
-    fsync_dir(weights)
-
-
-def save_state(path: Path, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Write resume state atomically (safetensors: arrays plus a JSON metadata string)."""
-    import mlx.core as mx
-
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.safetensors")
-    try:
-        # Through a Python file, so a full disk raises OSError(ENOSPC) like every other
-        # write of the bundle (MLX's own file writer raises a bare RuntimeError).
-        with open(tmp, "wb") as f:
-            mx.save_safetensors(f, arrays, metadata={"toy": json.dumps(meta)})
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+ID_KEY = "toy.checkpoint_id"
+"""GGUF metadata key (and `checkpoint_id` in the state): the id the pair of files shares."""
+SUPERSEDED = "superseded"
+"""weights/ subfolder for checkpoints past the step a resume went back to."""
+_STEP = re.compile(r"(?:\w+?_)?step_(\d+)\.gguf")
 
 
 class ResumeError(ValueError):
     """A checkpoint or its resume state that cannot continue this run; one line naming it."""
 
 
-def load_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    import mlx.core as mx
+def state_path(ckpt: Path) -> Path:
+    return ckpt.with_name(ckpt.name[: -len(".gguf")] + ".state.safetensors")
 
+
+def companions(ckpt: Path) -> list[Path]:
+    """The files that belong to checkpoint `ckpt` besides itself (state, side files)."""
+    stem = ckpt.name[: -len(".gguf")]
+    return sorted(p for p in ckpt.parent.glob(f"{glob.escape(stem)}.*") if p != ckpt)
+
+
+def update_latest(weights: Path, target: Path) -> None:
+    """Point `weights/latest` at `target` (relative), replacing it atomically."""
+    atomic.symlink(target.name, weights / LATEST)
+
+
+def arrays_digest(arrays: dict[str, Any]) -> str:
+    """SHA-256 over the arrays' names, dtypes, shapes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for k in sorted(arrays):
+        a = mx.contiguous(arrays[k])
+        digest.update(f"{k}|{a.dtype}|{tuple(a.shape)}|".encode())
+        digest.update(memoryview(a).cast("B"))
+    return digest.hexdigest()
+
+
+def save_state(path: Path, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Write resume state atomically: arrays plus JSON metadata (with their digest)."""
+    mx.eval(list(arrays.values()))
+    meta = {**meta, "sha256": arrays_digest(arrays)}
+    # Through a Python file, so a full disk raises OSError(ENOSPC) like every other write of
+    # the bundle (MLX's own file writer raises a bare RuntimeError).
+    with atomic.atomic_open(path) as f:
+        mx.save_safetensors(f, arrays, metadata={"toy": json.dumps(meta)})
+
+
+def load_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(arrays, metadata) of a state file; ResumeError naming it if missing or damaged."""
     if not path.exists():
         raise ResumeError(f"{path}: resume state: expected present beside the checkpoint, "
                           "found missing")
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
-        return arrays, json.loads(meta["toy"])
+        meta = json.loads(meta["toy"])
     except (ValueError, RuntimeError, KeyError) as e:
         raise ResumeError(f"{path}: resume state: expected a toymlx state file, found "
                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                           ) from None
+    want = meta.get("sha256")
+    if want is not None:
+        got = arrays_digest(arrays)
+        if got != want:
+            raise ResumeError(f"{path}: array data: expected sha256 {want[:16]} (recorded when "
+                              f"it was written), found {got[:16]}: the file is damaged")
+    return arrays, meta
+
+
+def verify_gguf(path: Path) -> dict[str, Any]:
+    """The GGUF's metadata, after checking its tensor data against `toy.tensor_sha256`
+    (files without the key, written by older versions, are only parsed)."""
+    try:
+        with GGUFFile(path) as g:
+            meta, start = dict(g.metadata), g.data_start
+    except GGUFError as e:
+        raise ResumeError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
+    want = meta.get(DIGEST_KEY)
+    if isinstance(want, str):
+        got = data_digest(path, start)
+        if got != want:
+            raise ResumeError(f"{path}: tensor data: expected sha256 {want[:16]} (recorded when "
+                              f"it was written), found {got[:16]}: the file is damaged")
+    return meta
+
+
+def open_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state arrays, GGUF metadata) of a checkpoint whose GGUF, state file and shared id all
+    check out; ResumeError naming the file that does not."""
+    meta = verify_gguf(ckpt)
+    arrays, state = load_state(state_path(ckpt))
+    gid, sid = meta.get(ID_KEY), state.get("checkpoint_id")
+    if (gid is not None or sid is not None) and gid != sid:
+        raise ResumeError(f"{state_path(ckpt)}: checkpoint id: expected {gid} (that of "
+                          f"{ckpt.name}), found {sid}: the state file of another checkpoint "
+                          f"(step {state.get('step')})")
+    step = checkpoint_step(ckpt)
+    if state.get("step") != step or meta.get("general.step", step) != step:
+        raise ResumeError(f"{ckpt}: step: expected {step} (its name), found "
+                          f"{meta.get('general.step')} in the GGUF and {state.get('step')} in "
+                          f"{state_path(ckpt).name}")
+    return arrays, meta
+
+
+def nonfinite_tensor(path: Path) -> str | None:
+    """The name of the first tensor of a GGUF holding NaN or inf, None if all are finite."""
+    with GGUFFile(path) as g:
+        for name in g.tensors:
+            if not np.isfinite(g.load(name)).all():
+                return name
+    return None
 
 
 def load_checked(load: Callable[[Path, Any], None], path: Path, model: Any) -> None:
@@ -77,8 +150,6 @@ def load_checked(load: Callable[[Path, Any], None], path: Path, model: Any) -> N
     Recipes load with `strict=False` (MLX then checks no shapes), so a checkpoint of another
     shape would otherwise slip in and fail later inside a matmul, naming no file.
     """
-    from mlx.utils import tree_flatten
-
     before = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     try:
         load(path, model)
@@ -94,13 +165,34 @@ def load_checked(load: Callable[[Path, Any], None], path: Path, model: Any) -> N
 
 def save_checkpoint(weights: Path, prefix: str, step: int, write: Callable[[Path], None],
                     state_arrays: dict[str, Any], state_meta: dict[str, Any]) -> Path:
-    """State, then model file, then link: the order that keeps `latest` always valid."""
+    """State, then model file, then link: the order that keeps `latest` always valid. On any
+    failure (a full disk) every file of this checkpoint is removed again."""
     weights.mkdir(parents=True, exist_ok=True)
     ckpt = weights / f"{prefix}{step}.gguf"
-    save_state(state_path(ckpt), state_arrays, state_meta)
-    write(ckpt)
-    update_latest(weights, ckpt)
+    try:
+        save_state(state_path(ckpt), state_arrays, state_meta)
+        write(ckpt)
+        update_latest(weights, ckpt)
+    except BaseException:
+        if _latest_target(weights) != ckpt.name:
+            remove_checkpoint(ckpt)
+        raise
     return ckpt
+
+
+def remove_checkpoint(ckpt: Path) -> None:
+    """Delete a checkpoint: the GGUF first (from then on it is no checkpoint), then its side
+    files; a crash in between leaves side files that `clean_temporaries` removes."""
+    ckpt.unlink(missing_ok=True)
+    for p in companions(ckpt):
+        p.unlink(missing_ok=True)
+
+
+def _latest_target(weights: Path) -> str | None:
+    try:
+        return os.readlink(weights / LATEST)
+    except OSError:
+        return None
 
 
 def resolve_latest(run_dir: str | os.PathLike) -> Path:
@@ -121,20 +213,110 @@ def resolve_latest(run_dir: str | os.PathLike) -> Path:
     return found[-1][1]
 
 
+def checkpoint_step(ckpt: Path) -> int | None:
+    m = _STEP.fullmatch(ckpt.name)
+    return int(m.group(1)) if m else None
+
+
 def list_checkpoints(weights: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint in `weights`, oldest first."""
     out = []
     for p in weights.glob("*.gguf") if weights.is_dir() else []:
-        m = re.fullmatch(r"(?:\w+?_)?step_(\d+)\.gguf", p.name)
-        if m:
-            out.append((int(m.group(1)), p))
+        step = checkpoint_step(p)
+        if step is not None:
+            out.append((step, p))
     return sorted(out)
 
 
 def clean_temporaries(weights: Path) -> int:
-    """Remove files a killed writer left behind; return how many."""
-    n = 0
-    for p in weights.glob(".*.tmp-*") if weights.is_dir() else []:
+    """Remove what killed writers left behind (temporaries, side files of a checkpoint whose
+    GGUF was never written or was being removed); return how many. Only while holding the run."""
+    if not weights.is_dir():
+        return 0
+    left = [p for p in weights.iterdir() if atomic.TMP_TAG in p.name and p.name[0] == "."]
+    have = {p.name[: -len(".gguf")] for _, p in list_checkpoints(weights)}
+    for p in weights.iterdir():
+        m = re.fullmatch(r"((?:\w+?_)?step_\d+)\.\w+\.safetensors", p.name)
+        if m and m.group(1) not in have:
+            left.append(p)
+    for p in left:
         p.unlink(missing_ok=True)
-        n += 1
-    return n
+    return len(left)
+
+
+def newest_intact(weights: Path, below: int | None = None) -> int | None:
+    """The step of the newest checkpoint (below step `below`) that `open_checkpoint` accepts."""
+    for step, path in reversed(list_checkpoints(weights)):
+        if below is not None and step >= below:
+            continue
+        try:
+            open_checkpoint(path)
+        except ResumeError:
+            continue
+        return step
+    return None
+
+
+def find_checkpoint(weights: Path, step: int) -> Path:
+    """The checkpoint of `step` in `weights`; ResumeError listing the ones there are."""
+    for s, p in list_checkpoints(weights):
+        if s == step:
+            return p
+    have = ", ".join(f"step_{s}" for s, _ in list_checkpoints(weights)) or "none"
+    raise ResumeError(f"{weights}: --from: expected one of the checkpoints ({have}, or step_0 "
+                      f"to start over), found no step_{step}")
+
+
+def parse_from(text: str) -> int:
+    """`--from` text (`step_N`, `adapter_step_N.gguf`, `N`) to a step."""
+    m = re.fullmatch(r"(?:\w+?_)?(?:step_)?(\d+)(?:\.gguf)?", text.strip())
+    if not m:
+        raise ValueError(f"--from: expected a checkpoint such as step_20 (or 20), found {text!r}")
+    return int(m.group(1))
+
+
+def set_aside_after(weights: Path, step: int) -> list[int]:
+    """Move checkpoints past `step` (with their side files) into weights/superseded/ and point
+    `latest` at `step`'s (or remove it for step 0): a resume from `step` rewrites that future.
+    Returns the steps moved."""
+    moved = []
+    keep = next((p for s, p in list_checkpoints(weights) if s == step), None)
+    if keep is not None:
+        update_latest(weights, keep)
+    elif (weights / LATEST).is_symlink():
+        (weights / LATEST).unlink()
+    for s, p in list_checkpoints(weights):
+        if s > step:
+            aside = weights / SUPERSEDED
+            aside.mkdir(exist_ok=True)
+            for f in (p, *companions(p)):
+                os.replace(f, aside / f.name)
+            moved.append(s)
+    if moved:
+        atomic.fsync_dir(weights)
+    return moved
+
+
+def retained(steps: Iterable[int], latest: int | None, keep_last: int, keep_best: int,
+             scores: dict[int, float]) -> set[int]:
+    """The checkpoint steps a retention policy keeps: the `keep_last` newest, the `keep_best`
+    with the lowest validation loss in `scores`, and always `latest`."""
+    steps = sorted(steps)
+    keep = set(steps[-keep_last:]) if keep_last else set()
+    scored = sorted((scores[s], s) for s in steps if s in scores)
+    keep |= {s for _, s in scored[:keep_best]}
+    if latest is not None:
+        keep.add(latest)
+    return keep
+
+
+def prune(weights: Path, keep: set[int]) -> list[int]:
+    """Remove every checkpoint whose step is not in `keep` (never the one `latest` names);
+    returns the steps removed."""
+    latest = _latest_target(weights)
+    removed = []
+    for s, p in list_checkpoints(weights):
+        if s not in keep and p.name != latest:
+            remove_checkpoint(p)
+            removed.append(s)
+    return removed

@@ -1,7 +1,9 @@
 """The run bundle's event log: `runs/<run_id>/events.jsonl`, written only through here.
 
 One JSON object per line, flushed and fsynced per event, so a crash loses at most the line
-being written. Readers skip a torn last line.
+being written. Readers skip a torn last line. A resume first cuts the log back to its
+checkpoint (`cut_back`), so a run killed and resumed any number of times still reads as one
+run: one run_start, each step once, at most one run_end, and `t` never going back.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import platform
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from toymlx import atomic
 
 SCHEMA = "toy/v1"
 
@@ -38,10 +43,10 @@ def _clean(v: Any) -> Any:
 class EventLog:
     """Append-only writer of one run's events."""
 
-    def __init__(self, path: str | os.PathLike, enabled: bool = True):
+    def __init__(self, path: str | os.PathLike, enabled: bool = True, t_offset: float = 0.0):
         self.path = Path(path)
         self.enabled = enabled
-        self.t0 = time.time()
+        self.t0 = time.time() - t_offset  # a resumed run's clock goes on from its last event
         self._f = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,6 +93,81 @@ def iter_events(path: str | os.PathLike) -> Iterator[dict]:
                 continue
             if isinstance(ev, dict) and "event" in ev:
                 yield ev
+
+
+SUPERSEDED = "events.superseded.jsonl"
+"""Beside events.jsonl: the lines a resume took out of it, appended in their order."""
+_STEPPED = ("step", "eval", "checkpoint")
+
+
+@dataclass
+class Cut:
+    """What `cut_back` did to a bundle's events."""
+
+    dropped: int
+    """Lines moved to events.superseded.jsonl (events past the step, the old run_end, torn
+    lines, and the extra run_starts of bundles written before resume events existed)."""
+    previous_end: str
+    """The dropped run_end's reason, or "torn" when the run had none (it was killed)."""
+    t: float
+    """The latest `t` of any event, kept or dropped: the resumed clock starts there."""
+    kept: list[dict]
+    """The events that remain."""
+
+
+def kind_of(ev: dict) -> str | None:
+    """An event's type, under `kind` (toy/v1) or `event` (bundles of older toymlx versions)."""
+    return ev.get("kind", ev.get("event"))
+
+
+def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
+    """Rewrite a bundle's events.jsonl, atomically, as the run stood at the checkpoint of
+    `step`: the `step`/`eval`/`checkpoint` events past it, `resume` events from past it, and
+    the run_end go to events.superseded.jsonl. A resumed run then reads as one run: one
+    run_start, each step once, one run_end (toy/v1)."""
+    path = Path(run_dir) / "events.jsonl"
+    raw = path.read_bytes().splitlines(keepends=True) if path.exists() else []
+    parsed: list[dict | None] = []
+    for line in raw:
+        try:
+            ev = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            ev = None
+        parsed.append(ev if isinstance(ev, dict) and kind_of(ev) else None)
+    drop = [ev is None for ev in parsed]
+
+    def back_to(k: int, upto: int) -> None:  # drop what lies past step k among lines < upto
+        for i in range(upto):
+            ev = parsed[i]
+            if ev is None or drop[i]:
+                continue
+            kind, s = kind_of(ev), ev.get("step")
+            if (kind == "run_end" or (kind in _STEPPED and isinstance(s, int) and s > k)
+                    or (kind == "resume" and int(ev.get("from_step") or 0) > k)):
+                drop[i] = True
+
+    starts = 0
+    for i, ev in enumerate(parsed):
+        if ev is None:
+            continue
+        if kind_of(ev) == "run_start":
+            starts += 1
+            if starts > 1:  # an older toymlx's resume: a second run_start from its start_step
+                back_to(int(ev.get("start_step") or 0), i)
+                drop[i] = True
+    back_to(step, len(parsed))
+    ends = [ev for ev, d in zip(parsed, drop) if ev is not None and d and kind_of(ev) == "run_end"]
+    times = [ev["t"] for ev in parsed if ev is not None and isinstance(ev.get("t"), (int, float))]
+    gone = [line if line.endswith(b"\n") else line + b"\n" for line, d in zip(raw, drop) if d]
+    if gone:  # first the copy, then the cut: a crash in between duplicates, never loses
+        with open(path.with_name(SUPERSEDED), "ab") as f:
+            f.writelines(gone)
+            f.flush()
+            os.fsync(f.fileno())
+        atomic.write_bytes(path, b"".join(line for line, d in zip(raw, drop) if not d))
+    return Cut(dropped=len(gone), previous_end=ends[-1].get("reason", "unknown") if ends
+               else "torn", t=max(times, default=0.0),
+               kept=[ev for ev, d in zip(parsed, drop) if ev is not None and not d])
 
 
 def host_info() -> dict:

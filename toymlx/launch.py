@@ -8,6 +8,11 @@ and error) when it ends, however it ends short of being killed. The launch succe
 every rank wrote exit code 0. A rank that reports failure, or whose process is gone without
 a report (killed, segfault), fails the launch: the other ranks get `grace` seconds to end,
 then the whole session is terminated.
+
+`mlx.launch` runs as `python -m toymlx.launch` (`_mlx_launch_child`), tied to `toymlx-launch`
+by `toymlx.lifeline`: if `toymlx-launch` dies, even by SIGKILL, the launcher terminates its
+session, and each rank, tied to the launcher the same way, stops too. No rank trains on with
+nothing watching it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from toymlx import atomic
+from toymlx.lifeline import PARENT_ENV, alive, child_env, watch_parent
+
 STATUS_ENV = "TOYMLX_RANK_STATUS"
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
            "rank failed")
@@ -41,9 +49,7 @@ def _rank() -> int | None:
 
 
 def _write(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(record))
 
 
 @dataclass
@@ -78,16 +84,6 @@ def rank_status() -> Iterator[RankStatus]:
         _write(base.with_suffix(".exit"), {"code": status.code, "error": error})
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -95,16 +91,17 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def _mlx_launch() -> list[str]:
-    exe = Path(sys.executable).with_name("mlx.launch")
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("mlx.launch")
-    if found:
-        return [found]
-    code = ("import sys; sys.argv[0] = 'mlx.launch'; "
-            "from mlx._distributed_utils.launch import main; main()")
-    return [sys.executable, "-c", code]
+def _mlx_launch_child() -> None:
+    """`mlx.launch` (arguments from sys.argv) in this process, which stops with its whole
+    session when the `toymlx-launch` that started it dies; its ranks watch it in turn."""
+    from mlx._distributed_utils.launch import main  # mlx.launch's own entry point
+
+    def end_session() -> None:
+        os.killpg(os.getpgrp(), signal.SIGTERM)  # we lead the session: every rank, and us
+    watch_parent(end_session)
+    os.environ[PARENT_ENV] = str(os.getpid())  # the ranks are our children
+    sys.argv[0] = "mlx.launch"
+    main()
 
 
 def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | None, str]]:
@@ -122,7 +119,7 @@ def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | Non
             continue
         start = _read(status_dir / f"rank{r}.start")
         gone = (start is not None and start.get("host") == host
-                and not _alive(int(start.get("pid", 0))))
+                and not alive(int(start.get("pid", 0))))
         if gone and _read(status_dir / f"rank{r}.exit") is None:  # it may have just reported
             out[r] = (None, _SILENT)
         elif final and _read(status_dir / f"rank{r}.exit") is None:
@@ -162,11 +159,11 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
         old.unlink()
     if port is None and backend == "ring" and not hosts:
         port = _free_port_base(n)
-    cmd = [*_mlx_launch(), "--backend", backend, "-n", str(n),
+    cmd = [sys.executable, "-m", "toymlx.launch", "--backend", backend, "-n", str(n),
            *(["--hosts", hosts] if hosts else []), *(["-p", str(port)] if port else []),
            "--env", f"{STATUS_ENV}={folder}",
            *[a for e in env for a in ("--env", e)], "--", *command]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, env=child_env())
     failed_at = None
     try:
         while proc.poll() is None:
@@ -213,3 +210,7 @@ def _kill(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait: float = 5.0) 
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+if __name__ == "__main__":
+    _mlx_launch_child()

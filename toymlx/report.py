@@ -20,7 +20,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from toymlx.events import read_events
+from toymlx import atomic
+from toymlx.events import kind_of, read_events
 
 SWEEP_FILE = "sweep.json"
 # config.json keys that name where or how a run was started, not what was trained
@@ -42,7 +43,7 @@ def _series(events: list[dict], kind: str) -> list[dict]:
     return [out[s] for s in sorted(out)]
 
 
-def _num(v: Any) -> float | None:
+def number(v: Any) -> float | None:
     """A finite float from an event field (NaN/inf are stored as strings), else None."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
@@ -60,13 +61,14 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _status(events: list[dict]) -> tuple[str, str | None]:
-    """completed | error | diverged | interrupted | stopped | torn | empty, and its message."""
+def run_status(events: list[dict]) -> tuple[str, str | None]:
+    """completed | error | diverged | interrupted | stopped | torn | empty, and its message,
+    of a bundle's events (`torn`: started or resumed, and no run_end since)."""
     status, message = "empty", None
     for e in events:
-        if e["event"] == "run_start":
+        if kind_of(e) in ("run_start", "resume"):
             status, message = "torn", None
-        elif e["event"] == "run_end":
+        elif kind_of(e) == "run_end":
             status, message = e.get("reason", "unknown"), e.get("message")
     return status, message
 
@@ -75,7 +77,7 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     """One run bundle as a flat summary row (see `summarize`)."""
     run_dir = Path(run_dir)
     events = read_events(run_dir) if run_dir.is_dir() else []
-    status, message = _status(events)
+    status, message = run_status(events)
     if not run_dir.exists():
         status = "missing"
     starts = [e for e in events if e["event"] == "run_start"]
@@ -87,23 +89,27 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     except (OSError, ValueError):
         if starts:
             config = starts[-1].get("config", {})
-    steps = [e for e in _series(events, "step") if _num(e.get("loss")) is not None]
+    steps = [e for e in _series(events, "step") if number(e.get("loss")) is not None]
     evals = _series(events, "eval")
-    metric = ("accuracy" if any(_num(e.get("accuracy")) is not None for e in evals)
+    metric = ("accuracy" if any(number(e.get("accuracy")) is not None for e in evals)
               else "val_loss")
-    scored = [(e["step"], _num(e.get(metric))) for e in evals]
+    scored = [(e["step"], number(e.get(metric))) for e in evals]
     scored = [(s, v) for s, v in scored if v is not None]
     best = (max if METRICS[metric] else min)(scored, key=lambda sv: sv[1]) if scored else None
     rate_key = next((k for e in steps for k in e if k.endswith("_per_s")), None)
-    rates = [e[rate_key] for e in steps if _num(e.get(rate_key)) is not None] if rate_key else []
+    rates = [e[rate_key] for e in steps if number(e.get(rate_key)) is not None] if rate_key else []
     # wall time: each process's event clock starts at 0, so add up the segments' last clocks
     wall, seg = 0.0, 0.0
     for e in events:
         if e["event"] == "run_start":
             wall, seg = wall + seg, 0.0
-        seg = max(seg, _num(e.get("t")) or 0.0)
+        seg = max(seg, number(e.get("t")) or 0.0)
     wall += seg
     end = next((e for e in reversed(events) if e["event"] == "run_end"), {})
+    # a resume that extended the run records its new length (config.json is never rewritten)
+    planned = next((e["steps"] for e in reversed(events)
+                    if kind_of(e) == "resume" and isinstance(e.get("steps"), int)),
+                   config.get("steps"))
     return {
         "run": run_dir.name,
         "path": str(run_dir),
@@ -111,8 +117,8 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "status": status,
         "message": message,
         "step": steps[-1]["step"] if steps else 0,
-        "steps": config.get("steps"),
-        "final_loss": _num(steps[-1]["loss"]) if steps else None,
+        "steps": planned,
+        "final_loss": number(steps[-1]["loss"]) if steps else None,
         "metric": metric,
         "best": best[1] if best else None,
         "best_step": best[0] if best else None,
@@ -160,7 +166,7 @@ def expand_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
         if _is_bundle(p):
             out.append(p)
         elif p.is_dir():
-            names = _sweep_order(p)
+            names = sweep_order(p)
             subs = [p / n for n in names] if names else sorted(
                 (c for c in p.iterdir() if _is_bundle(c)), key=lambda c: c.name)
             if not subs:
@@ -177,7 +183,8 @@ def _is_bundle(p: Path) -> bool:
     return (p / "events.jsonl").is_file() or (p / "config.json").is_file()
 
 
-def _sweep_order(p: Path) -> list[str]:
+def sweep_order(p: Path) -> list[str]:
+    """The run names of the sweep folder `p` in sweep.json's order ([] without one)."""
     try:
         return [r["name"] for r in json.loads((p / SWEEP_FILE).read_text())["runs"]]
     except (OSError, ValueError, KeyError, TypeError):
@@ -220,7 +227,7 @@ def add_params(rows: list[dict[str, Any]]) -> list[str]:
 def run_label(row: dict[str, Any]) -> str:
     """A short legend label: the swept values, else the run folder name."""
     p = row.get("params") or {}
-    return " ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v)}" for k, v in p.items()) or row["run"]
+    return " ".join(f"{k.rsplit('.', 1)[-1]}={fmt(v)}" for k, v in p.items()) or row["run"]
 
 
 COLUMNS = ["status", "step", "final_loss", "metric", "best", "best_step", "final", "throughput",
@@ -235,7 +242,8 @@ def table_rows(rows: list[dict[str, Any]], params: list[str]) -> tuple[list[str]
     return header, cells
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any) -> str:
+    """A table cell: "-" for None, floats to 4 significant digits (large ones grouped)."""
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -250,7 +258,7 @@ def _fmt(v: Any) -> str:
 def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
     """The summary as aligned plain text."""
     header, cells = table_rows(rows, params)
-    text = [header] + [[_fmt(v) for v in row] for row in cells]
+    text = [header] + [[fmt(v) for v in row] for row in cells]
     widths = [max(len(r[i]) for r in text) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in text]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -266,15 +274,9 @@ def write_summary(rows: list[dict[str, Any]], params: list[str], out_dir: Path) 
     w.writerow(header)
     for r, row in zip(rows, cells):
         w.writerow(["" if v is None else v for v in [*row, r.get("message"), r["path"]]])
-    _atomic_write(out_dir / "summary.csv", buf.getvalue())
+    atomic.write_text(out_dir / "summary.csv", buf.getvalue())
     lines = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows)
-    _atomic_write(out_dir / "summary.jsonl", lines)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_text(out_dir / "summary.jsonl", lines)
 
 
 def _curves(run_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -283,11 +285,11 @@ def _curves(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     out = {"loss": [], "lr": [], "val_loss": [], "accuracy": []}
     for e in steps:
         for k in ("loss", "lr"):
-            if _num(e.get(k)) is not None:
+            if number(e.get(k)) is not None:
                 out[k].append((e["step"], float(e[k])))
     for e in evals:
         for k in ("val_loss", "accuracy"):
-            if _num(e.get(k)) is not None:
+            if number(e.get(k)) is not None:
                 out[k].append((e["step"], float(e[k])))
     return out
 
@@ -359,7 +361,7 @@ def figure(rows: list[dict[str, Any]], params: list[str], table: bool = True):
         ax_t = fig.add_subplot(grid[1, :])
         ax_t.axis("off")
         header, cells = table_rows(rows, params)
-        t = ax_t.table(cellText=[[_fmt(v) for v in row] for row in cells], colLabels=header,
+        t = ax_t.table(cellText=[[fmt(v) for v in row] for row in cells], colLabels=header,
                        loc="upper center", cellLoc="center")
         t.auto_set_font_size(False)
         t.set_fontsize(8)
@@ -389,16 +391,17 @@ def render(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
 
     if out.suffix.lower() == ".png":
         fig = figure(rows, params, table=True)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
-        fig.savefig(tmp, bbox_inches="tight")
-        plt.close(fig)
-        os.replace(tmp, out)
+        try:
+            with atomic.atomic_open(out) as f:
+                fig.savefig(f, format="png", bbox_inches="tight")
+        finally:
+            plt.close(fig)
         return out
     fig = figure(rows, params, table=False)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
     plt.close(fig)
-    _atomic_write(out, _html(rows, params, base64.b64encode(buf.getvalue()).decode()))
+    atomic.write_text(out, _html(rows, params, base64.b64encode(buf.getvalue()).decode()))
     return out
 
 
@@ -407,7 +410,7 @@ def _html(rows: list[dict[str, Any]], params: list[str], png_b64: str) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = ""
     for r, row in zip(rows, cells):
-        tds = "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row)
+        tds = "".join(f"<td>{html.escape(fmt(v))}</td>" for v in row)
         title = html.escape(r.get("message") or r["path"], quote=True)
         body += f'<tr title="{title}">{tds}</tr>\n'
     return (

@@ -1,17 +1,33 @@
-"""From a parsed config to a finished run: checks, device, run folder, task, loop."""
+"""From a parsed config to a finished run: checks, device, the owned run folder, task, loop.
+
+    toymlx-train --recipe R ...      fresh: own runs/<id> (a lock for the process's life),
+                                     write config.json once, build, train
+    toymlx-train --resume RUN ...    own RUN, check the options against its config.json, pick
+                                     and verify the checkpoint, build, cut the bundle back to
+                                     that checkpoint, train on (a `resume` event, no new run_start)
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from toymlx.device import on_gpu
-from toymlx.models.ops import Ops, training_ops
-from toymlx.trainer import TrainConfig
+import mlx.core as mx
+
+from toymlx import checkpoint as ck
+from toymlx import runs
+from toymlx.device import on_gpu, select_device, setup_process
+from toymlx.events import kind_of, read_events
+from toymlx.models.ops import Ops, check_checkpointable, training_ops
+from toymlx.recipes import get_recipe
+from toymlx.trainer import Task, TrainConfig, train
 
 
 def validate_train_config(cfg: TrainConfig) -> None:
@@ -30,6 +46,8 @@ def validate_train_config(cfg: TrainConfig) -> None:
         ("--eval-every", cfg.eval_every >= 0, ">= 0", cfg.eval_every),
         ("--eval-batches", cfg.eval_batches >= 1, ">= 1", cfg.eval_batches),
         ("--checkpoint-every", cfg.checkpoint_every >= 0, ">= 0", cfg.checkpoint_every),
+        ("--keep-last", cfg.keep_last >= 0, ">= 0 (0: keep every checkpoint)", cfg.keep_last),
+        ("--keep-best", cfg.keep_best >= 0, ">= 0", cfg.keep_best),
         ("--seed", cfg.seed >= 0, ">= 0", cfg.seed),
         ("--cpu-streams", cfg.cpu_streams >= 0, ">= 0 (0: auto)", cfg.cpu_streams),
     ]
@@ -38,6 +56,12 @@ def validate_train_config(cfg: TrainConfig) -> None:
             raise ValueError(f"{flag}: expected {want}, found {found}")
     if cfg.stop_at is not None and cfg.stop_at < 1:
         raise ValueError(f"--stop-at: expected >= 1, found {cfg.stop_at}")
+    if cfg.from_step is not None and not cfg.resume:
+        raise ValueError("--from: expected with --resume RUN (it picks that run's checkpoint), "
+                         "found no --resume")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("--overwrite: replaces a bundle with a new run, so it cannot go with "
+                         "--resume; give one of them")
 
 
 def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
@@ -67,114 +91,152 @@ def init_distributed() -> Any:
     """The mx.distributed group when launched by mlx.launch with >1 ranks, else None."""
     if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_HOSTFILE")):
         return None
-    import mlx.core as mx
-
     world = mx.distributed.init()
     return world if world.size() > 1 else None
 
 
-def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
-    """Run one recipe with a parsed config; returns the process exit code."""
-    from toymlx import checkpoint as ck
-    from toymlx.device import select_device, setup_process
-    from toymlx.models.ops import check_checkpointable
-    from toymlx.runs import RunError, check_resume, prepare_run_dir, save_config
-    from toymlx.trainer import train
-
-    # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
-    setup_process(wide_evaluation=not cfg.grad_checkpoint)
-    created: Path | None = None
+def load_saved_run(run_dir: str | os.PathLike) -> tuple[str, ModuleType, TrainConfig]:
+    """(recipe, its module, the configuration) a bundle was started with (steps as its last
+    resume extended them), validated like command-line input: RunError naming config.json."""
+    recipe, saved = runs.read_config(run_dir)
+    source = str(Path(run_dir) / runs.CONFIG_FILE)
+    try:
+        module = get_recipe(recipe)
+    except ValueError as e:
+        raise runs.RunError(f"{source}: key 'recipe': {e}") from None
+    cfg = runs.config_from_dict(module.Config, saved, source)
+    cfg.steps = runs.saved_steps(run_dir, cfg.steps)
     try:
         validate_train_config(cfg)
         if hasattr(module, "validate"):
             module.validate(cfg)
-        select_device(cfg.device)
-        ops = run_ops(cfg)
-        world = init_distributed()
-        rank0 = world is None or world.rank() == 0
-        resume_from = None
-        if cfg.resume:
-            run_dir = Path(cfg.resume)
-            resume_from = ck.resolve_latest(run_dir)
-        else:
-            run_id = cfg.run_id or _shared_run_id(recipe, world)
-            if rank0:
-                run_dir = prepare_run_dir(cfg.runs_root, run_id, cfg.overwrite)
-                created = run_dir
-            else:
-                run_dir = Path(cfg.runs_root) / run_id
-            cfg.run_id = run_id
-        if rank0 and resume_from is None:
-            save_config(run_dir, recipe, cfg)
+    except ValueError as e:
+        raise runs.RunError(f"{source}: {e}") from None
+    return recipe, module, cfg
+
+
+@dataclass
+class _Prepared:
+    run_dir: Path
+    task: Task
+    world: Any
+    resume: runs.Resume | None
+
+
+def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
+    """Run one recipe with a parsed config; returns the process exit code."""
+    # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
+    setup_process(wide_evaluation=not cfg.grad_checkpoint)
+    with contextlib.ExitStack() as owned:  # the bundle's lock, held until training has ended
+        try:
+            run = _prepare(recipe, module, cfg, owned)
+        except (ValueError, OSError, KeyError) as e:
+            print(f"toymlx-train: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("toymlx-train: interrupted before the first step; nothing was trained",
+                  file=sys.stderr)
+            return 130
+        try:
+            end = train(run.task, cfg, run.run_dir, _public_config(cfg), world=run.world,
+                        resume=run.resume)
+        except (runs.RunError, ck.ResumeError) as e:
+            print(f"toymlx-train: error: {e}", file=sys.stderr)
+            return 2
+        except ValueError as e:  # bad input met mid-run (an image that fails to decode)
+            print(f"toymlx-train: error: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:
+            try:
+                kept = (f"earlier checkpoints are intact (weights/latest -> "
+                        f"{os.readlink(run.run_dir / 'weights' / ck.LATEST)})")
+            except OSError:
+                kept = "no checkpoint was completed"
+            print(f"toymlx-train: error: {run.run_dir}: could not write the run bundle ({e}); "
+                  f"{kept}", file=sys.stderr)
+            return 1
+    if run.world is None or run.world.rank() == 0:
+        _final_line(run.run_dir, end)
+    return int(end["exit_code"])
+
+
+def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig,
+             owned: contextlib.ExitStack) -> _Prepared:
+    """Everything before the first step, the bundle owned (locked) through `owned`; raises
+    ValueError/OSError with one line when something is off, leaving no new bundle behind."""
+    validate_train_config(cfg)
+    if hasattr(module, "validate"):
+        module.validate(cfg)
+    select_device(cfg.device)
+    ops = run_ops(cfg)
+    world = init_distributed()
+    rank0 = world is None or world.rank() == 0
+    if cfg.resume:
+        run_dir = Path(cfg.resume)
+        runs.read_config(run_dir)  # a bundle folder, before anything is created in it
+        if rank0:
+            owned.enter_context(runs.lock_run(run_dir))
+        resume = _plan_resume(recipe, cfg, run_dir)
+    else:
+        resume, cfg.run_id = None, cfg.run_id or _shared_run_id(recipe, world)
+        run_dir = Path(cfg.runs_root) / cfg.run_id
+        if rank0:
+            run_dir, lock = runs.prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite)
+            owned.enter_context(lock)
+    try:
+        if rank0 and resume is None:
+            runs.save_config(run_dir, recipe, cfg)
         task = module.build(cfg, ops)
         if ops.grad_checkpoint:
             check_checkpointable(task.model)
         check_batch_fits(cfg.batch_size, task.config_info)
-        if resume_from is not None:  # checked before config.json is replaced
-            check_resume(run_dir, recipe, task.model_info)
+        if resume is not None:
+            runs.check_resume(run_dir, recipe, task.model_info, ops.dtype)
             if rank0:
-                save_config(run_dir, recipe, cfg)
-    except (ValueError, OSError, KeyError) as e:
-        if created is not None and not any(p.is_file() for p in created.rglob("*")
-                                           if p.name != "config.json"):
-            shutil.rmtree(created, ignore_errors=True)
-        print(f"toymlx-train: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        end = train(task, cfg, run_dir, _public_config(cfg), world=world,
-                    resume_from=resume_from)
-    except (RunError, ck.ResumeError) as e:
-        print(f"toymlx-train: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        try:
-            kept = (f"earlier checkpoints are intact (weights/latest -> "
-                    f"{os.readlink(run_dir / 'weights' / ck.LATEST)})")
-        except OSError:
-            kept = "no checkpoint was completed"
-        print(f"toymlx-train: error: {run_dir}: could not write the run bundle ({e}); {kept}",
-              file=sys.stderr)
-        return 1
-    if rank0:
-        _final_line(task, run_dir, end)
-    return int(end["exit_code"])
+                runs.rewind(run_dir, resume)
+    except BaseException:
+        if rank0 and resume is None:  # ours, and nothing of a run in it yet
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return _Prepared(run_dir, task, world, resume)
+
+
+def _plan_resume(recipe: str, cfg: TrainConfig, run_dir: Path) -> runs.Resume:
+    """The checkpoint `--resume` continues from, after checking that `cfg` keeps the saved
+    configuration (only --steps and run-local options may differ)."""
+    saved_recipe, _, saved = load_saved_run(run_dir)
+    if saved_recipe != recipe:
+        raise runs.RunError(f"{run_dir}: --resume: expected a run of recipe {recipe!r}, found a "
+                            f"{saved_recipe!r} run")
+    runs.check_unchanged(run_dir, saved, cfg)
+    resume = runs.plan_resume(run_dir, cfg.from_step, saved.steps)
+    if cfg.steps <= resume.step:
+        raise runs.RunError(f"{run_dir}: --steps: expected more than the checkpoint's step "
+                            f"{resume.step} to train on, found {cfg.steps} (pass --steps N to "
+                            "extend the run)")
+    return resume
 
 
 def _public_config(cfg: TrainConfig) -> dict[str, Any]:
-    from toymlx.runs import config_to_dict
-
-    d = config_to_dict(cfg)
-    for k in ("progress",):
-        d.pop(k, None)
+    d = asdict(cfg)
+    d.pop("progress", None)
     return d
 
 
 def _shared_run_id(recipe: str, world: Any) -> str:
     """One default run id for all ranks: rank 0's clock, broadcast by an all_sum."""
-    import time
-
     if world is None:
-        return _unique(recipe)
-    import mlx.core as mx
-
+        return runs.default_run_id(recipe)
     t = int(time.time()) if world.rank() == 0 else 0
     t = int(mx.distributed.all_sum(mx.array(t, dtype=mx.int64), group=world).item())
     return f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(t))}-{recipe}"
 
 
-def _unique(recipe: str) -> str:
-    from toymlx.runs import default_run_id
-
-    return default_run_id(recipe)
-
-
-def _final_line(task, run_dir: Path, end: dict) -> None:
-    from toymlx.events import read_events
-
-    evals = [e for e in read_events(run_dir) if e["event"] == "eval"]
+def _final_line(run_dir: Path, end: dict) -> None:
+    evals = [e for e in read_events(run_dir) if kind_of(e) == "eval"]
     last = evals[-1] if evals else {}
     figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items()
-                        if k not in ("event", "t", "step") and isinstance(v, float))
+                        if k not in ("event", "kind", "t", "step") and isinstance(v, float))
     msg = f"{end['reason']} at step {end['final_step']}"
     if end.get("message"):
         msg += f": {end['message']}"

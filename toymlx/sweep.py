@@ -6,10 +6,13 @@ subprocesses in parallel workers, resumable, shardable over machines sharing a r
 
 Every combination is its own run bundle, `<root>/<sweep_id>/<run name>`, named from its
 values. A sweep folder also holds `sweep.json` (the specs), `logs/<run>.log` (each run's
-output), `.locks/` (one lock file per run, so machines sharing the folder never run one run
-twice), `.status/` (exit codes), and at the end `summary.csv`, `summary.jsonl` and
-`report.png`. Starting the same sweep again skips completed runs, resumes torn or
-interrupted ones from their latest checkpoint, and retries failed ones.
+output), `.locks/` (one `flock` per run while a sweep runs it, so two sweeps, or machines
+sharing the folder over a filesystem with locks such as NFS, never run one run twice; the lock
+dies with its holder), `.status/` (exit codes), and at the end `summary.csv`, `summary.jsonl`
+and `report.png`. Each run is a `toymlx-train` child tied to the sweep: if the sweep is
+killed, its children checkpoint and stop. Starting the same sweep again skips completed runs,
+resumes torn or interrupted ones from their latest checkpoint, retries failed ones, and leaves
+alone any run whose bundle another live process still owns.
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from toymlx import report
+from toymlx import atomic, report
+from toymlx.checkpoint import resolve_latest
+from toymlx.events import kind_of, read_events
+from toymlx.lifeline import child_env
+from toymlx.lock import LOCK_FILE, Lock, LockHeld, acquire
 
-RESERVED = ("--recipe", "--run-id", "--runs-root", "--resume", "--overwrite")
+RESERVED = ("--recipe", "--run-id", "--runs-root", "--resume", "--from", "--overwrite")
 """Flags the sweep sets on each run itself."""
-HEARTBEAT_S = 30.0
-"""How often a running run's lock file is touched."""
 
 
 # ---------------------------------------------------------------- specs
@@ -326,14 +331,14 @@ def shard_specs(specs: Sequence[RunSpec], shard: tuple[int, int]) -> list[RunSpe
     return [s for k, s in enumerate(specs) if k % n == i]
 
 
-# ---------------------------------------------------------------- bundle state and locks
+# ---------------------------------------------------------------- bundle state
 
 def run_state(run_dir: Path) -> str:
     """new | completed | diverged | failed (error) | resumable (torn, interrupted, stopped).
 
     A diverged run is a result (that configuration blows up), not a fault: like a completed
     one it is not run again."""
-    status = report._status(report.read_events(run_dir))[0] if run_dir.is_dir() else "empty"
+    status = report.run_status(read_events(run_dir))[0] if run_dir.is_dir() else "empty"
     if status in ("completed", "diverged"):
         return status
     if status == "error":
@@ -344,8 +349,6 @@ def run_state(run_dir: Path) -> str:
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-    from toymlx.checkpoint import resolve_latest
-
     try:
         resolve_latest(run_dir)
         return True
@@ -353,66 +356,25 @@ def _has_checkpoint(run_dir: Path) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _lock_is_stale(path: Path, timeout: float) -> bool:
-    try:
-        mtime = path.stat().st_mtime
-        info = json.loads(path.read_text() or "{}")
-    except FileNotFoundError:
-        return True
-    except ValueError:  # being written right now, or garbled: judge by its age
-        info = {}
-    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
-        return not _alive(info["pid"])
-    return time.time() - mtime > timeout
-
-
-def try_lock(path: Path, timeout: float = 900.0) -> bool:
-    """Take the run's lock file (O_EXCL create); False when a live holder has it. A lock whose
-    holder on this host is gone, or that no one has touched for `timeout` s, is taken over."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            if not _lock_is_stale(path, timeout):
-                return False
-            # rename first: of several machines seeing the same stale lock, one wins
-            grave = path.with_name(f"{path.name}.stale-{socket.gethostname()}-{os.getpid()}")
-            try:
-                os.rename(path, grave)
-                grave.unlink()
-            except FileNotFoundError:
-                pass
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        return True
-    return False
-
-
 # ---------------------------------------------------------------- live view
 
 class _Tail:
-    """New complete events of a growing events.jsonl (a torn last line waits)."""
+    """New complete events of a growing events.jsonl (a torn last line waits). A file replaced
+    by a resume (cut back to its checkpoint) is read again from its start."""
 
     def __init__(self, path: Path, skip_existing: bool = False):
         self.path = path
-        self.offset = path.stat().st_size if skip_existing and path.is_file() else 0
+        self.ino, self.offset = None, 0
+        if skip_existing and path.is_file():
+            st = path.stat()
+            self.ino, self.offset = st.st_ino, st.st_size
 
     def read(self) -> list[dict]:
         try:
             with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self.ino or st.st_size < self.offset:
+                    self.ino, self.offset = st.st_ino, 0
                 f.seek(self.offset)
                 data = f.read()
         except OSError:
@@ -425,7 +387,7 @@ class _Tail:
                 ev = json.loads(raw)
             except ValueError:
                 continue
-            if isinstance(ev, dict) and "event" in ev:
+            if isinstance(ev, dict) and kind_of(ev):
                 out.append(ev)
         return out
 
@@ -435,8 +397,10 @@ class _Run:
     spec: RunSpec
     dir: Path
     state: str = "pending"
-    """pending, running, done, skipped, failed, stopped, interrupted, elsewhere"""
+    """pending, waiting, running, done, skipped, failed, stopped, interrupted, elsewhere"""
     proc: subprocess.Popen | None = None
+    lock: Lock | None = None
+    """This sweep's claim on the run, held while its child trains."""
     log: Any = None
     tail: _Tail | None = None
     action: str = ""
@@ -452,26 +416,36 @@ class _Run:
     message: str | None = None
     reason: str | None = None
     """run_end reason seen in this attempt's events"""
-    beat: float = 0.0
+    wait_until: float = 0.0
+    retry_at: float = 0.0
+    """While "waiting" for another process to release the bundle: until when, and when next."""
 
     def absorb(self, events: list[dict]) -> None:
         for e in events:
-            kind = e["event"]
+            kind = kind_of(e)
             if kind == "run_start":
                 self.steps = (e.get("config") or {}).get("steps", self.steps)
                 self.step = int(e.get("start_step") or 0)
+            elif kind == "resume":
+                self.steps = e.get("steps", self.steps)
+                self.step = int(e.get("from_step") or 0)
             elif kind == "step":
                 self.step = e.get("step", self.step)
-                self.loss = report._num(e.get("loss"))
+                self.loss = report.number(e.get("loss"))
                 for k, v in e.items():
                     if k.endswith("_per_s"):
-                        self.rate, self.unit = report._num(v), k.replace("_per_s", "/s")
+                        self.rate, self.unit = report.number(v), k.replace("_per_s", "/s")
             elif kind == "eval":
                 if "accuracy" in e:
                     self.metric = "accuracy"
-                self.val = report._num(e.get(self.metric))
+                self.val = report.number(e.get(self.metric))
             elif kind == "run_end":
                 self.reason, self.message = e.get("reason"), e.get("message")
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 class _View:
@@ -488,9 +462,9 @@ class _View:
         steps = f"{r.step}/{r.steps}" if r.steps else str(r.step or "-")
         wall = r.wall if r.wall is not None else (time.time() - r.started if r.started else None)
         state = r.state + (f" ({r.action})" if r.action and r.state == "running" else "")
-        return [r.spec.name, state, steps, report._fmt(r.loss),
-                f"{r.metric} {report._fmt(r.val)}" if r.val is not None else "-",
-                f"{report._fmt(r.rate)} {r.unit}" if r.rate is not None else "-",
+        return [r.spec.name, state, steps, report.fmt(r.loss),
+                f"{r.metric} {report.fmt(r.val)}" if r.val is not None else "-",
+                f"{report.fmt(r.rate)} {r.unit}" if r.rate is not None else "-",
                 f"{wall:.0f}s" if wall is not None else "-"]
 
     def update(self, runs: list[_Run], force: bool = False) -> None:
@@ -565,8 +539,8 @@ def _write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec]) ->
         pass
     for s in specs:
         runs[s.name] = {"name": s.name, "params": s.params, "args": list(s.args)}
-    report._atomic_write(path, json.dumps({"recipe": recipe, "sweep_id": sweep_dir.name,
-                                           "runs": list(runs.values())}, indent=1, default=str))
+    atomic.write_text(path, json.dumps({"recipe": recipe, "sweep_id": sweep_dir.name,
+                                        "runs": list(runs.values())}, indent=1, default=str))
 
 
 def _recorded(sweep_dir: Path, r: _Run, key: str = "state") -> Any:
@@ -588,15 +562,189 @@ def _last_error(log: Path) -> str | None:
     return lines[-1] if lines else None
 
 
+class _Runner:
+    """One machine's share of a sweep in flight: runs started as `toymlx-train` children,
+    `workers` at a time, watched until they end, and stopped on SIGINT/SIGTERM.
+
+    Each child is tied to this process (`lifeline`): if the sweep dies, even by SIGKILL, its
+    children stop with a final checkpoint instead of training on unwatched. A child gets its
+    own process group so that a terminal's Ctrl-C reaches it once, forwarded from here."""
+
+    def __init__(self, recipe: str, sweep_dir: Path, runs: list[_Run], workers: int,
+                 retry_failed: bool, busy_wait: float, python: str, view: _View,
+                 stream: TextIO):
+        self.recipe, self.sweep_dir, self.runs, self.workers = recipe, sweep_dir, runs, workers
+        self.retry_failed, self.busy_wait = retry_failed, busy_wait
+        self.python, self.view, self.stream = python, view, stream
+        self.env = child_env(dict(os.environ, PYTHONUNBUFFERED="1"))
+        # K runs share the cores: give each run's BLAS its share instead of all of them
+        self.env.setdefault("OPENBLAS_NUM_THREADS",
+                            str(max(1, (os.cpu_count() or 1) // workers)))
+        self.signals, self.forwarded, self.stop_by = 0, 0, None
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals += 1
+
+    def run(self) -> bool:
+        """Run every run; returns whether a signal stopped the sweep."""
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: no signal handling
+                pass
+        try:
+            pending = list(self.runs)
+            while True:
+                active = [r for r in self.runs if r.state == "running"]
+                for r in list(pending):
+                    if len(active) >= self.workers or self.signals:
+                        break
+                    if r.retry_at > time.time():
+                        continue
+                    pending.remove(r)
+                    self._start(r)
+                    if r.state == "running":
+                        active.append(r)
+                    elif r.state == "waiting":
+                        pending.append(r)
+                if not active and (not pending or self.signals):
+                    break
+                for r in active:
+                    r.absorb(r.tail.read())
+                    if r.proc.poll() is not None:
+                        self._finish(r)
+                if self.signals > self.forwarded:
+                    self._forward([r for r in self.runs if r.state == "running"])
+                elif self.stop_by is not None and time.time() > self.stop_by:
+                    self._kill([r for r in self.runs if r.state == "running"])
+                self.view.update(self.runs)
+                time.sleep(0.25)
+            self.view.update(self.runs, force=True)
+        finally:
+            self._kill([r for r in self.runs if r.state == "running"])  # on an error here
+            for sig, h in old.items():
+                signal.signal(sig, h)
+        return self.signals > 0
+
+    def _lock_path(self, r: _Run) -> Path:
+        return self.sweep_dir / ".locks" / f"{r.spec.name}.lock"
+
+    def _claim(self, r: _Run) -> bool:
+        """Take this sweep's lock on the run (else another sweep runs it: "elsewhere"), and
+        check that no process owns its bundle. One that does (a killed sweep's child writing its
+        last checkpoint, a user's toymlx-train) is waited for up to `busy_wait` seconds
+        ("waiting"), then left to it ("elsewhere")."""
+        try:
+            r.lock = acquire(self._lock_path(r), f"sweep run {r.spec.name}")
+        except LockHeld as e:
+            r.state, r.message = "elsewhere", str(e)
+            return False
+        try:
+            if (r.dir / LOCK_FILE).exists():
+                acquire(r.dir / LOCK_FILE, f"{r.dir}: run bundle").release()
+        except LockHeld as e:
+            r.release()
+            now = time.time()
+            r.wait_until = r.wait_until or now + self.busy_wait
+            r.state = "waiting" if now < r.wait_until else "elsewhere"
+            r.message, r.retry_at = str(e), now + 1.0
+            return False
+        return True
+
+    def _start(self, r: _Run) -> None:
+        if not self._claim(r):
+            return
+        state = run_state(r.dir)
+        if state in ("completed", "diverged"):
+            r.state = "skipped"
+            r.absorb(read_events(r.dir))
+            r.wall = report.summarize_run(r.dir)["wall_s"]
+            r.release()
+            return
+        failed = state == "failed" or _recorded(self.sweep_dir, r) == "failed"
+        if not self.retry_failed and failed:
+            r.state = "failed"  # as recorded by the bundle, or by the sweep if it has none
+            r.absorb(read_events(r.dir))
+            r.message = r.message or _recorded(self.sweep_dir, r, "message")
+            r.release()
+            return
+        if state == "resumable" and _has_checkpoint(r.dir):
+            r.action = "resume"
+            cmd = ["--resume", str(r.dir), "--no-progress"]
+        else:  # new, failed, or stopped before its first checkpoint: start (over)
+            r.action = "restart" if r.dir.exists() else "start"
+            cmd = ["--recipe", self.recipe, "--runs-root", str(self.sweep_dir), "--run-id",
+                   r.spec.name, "--no-progress", *r.spec.args,
+                   *(["--overwrite"] if r.dir.exists() else [])]
+        log_path = self.sweep_dir / "logs" / f"{r.spec.name}.log"
+        r.log = open(log_path, "ab")  # noqa: SIM115  (open for the run's lifetime)
+        r.log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {r.action}: toymlx-train "
+                    f"{' '.join(cmd)}\n".encode())
+        r.log.flush()
+        # a resumed run's history is shown, but its outcome is read from what it adds
+        r.tail = _Tail(r.dir / "events.jsonl", skip_existing=True)
+        if r.action == "resume":
+            r.absorb(read_events(r.dir))
+        r.reason, r.message = None, None
+        r.proc = subprocess.Popen([self.python, "-m", "toymlx_cli.train", *cmd], stdout=r.log,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env=self.env, start_new_session=True)
+        r.state, r.started = "running", time.time()
+
+    def _finish(self, r: _Run) -> None:
+        code = r.proc.wait()
+        r.log.close()
+        r.absorb(r.tail.read())
+        r.wall = time.time() - r.started
+        reason = r.reason
+        if code == 0 and reason == "completed":
+            r.state = "done"
+        elif code == 0 and reason == "stopped":
+            r.state = "stopped"
+        elif reason == "diverged":
+            r.state = "diverged"
+        elif reason == "interrupted" or code in (130, -signal.SIGINT):
+            r.state = "interrupted"
+        else:
+            r.state = "failed"
+            r.message = r.message or _last_error(self.sweep_dir / "logs" /
+                                                 f"{r.spec.name}.log") or f"exit code {code}"
+        atomic.write_text(self.sweep_dir / ".status" / f"{r.spec.name}.json", json.dumps({
+            "state": r.state, "exit_code": code, "message": r.message, "wall_s": r.wall,
+            "host": socket.gethostname(), "finished_at": time.time()}))
+        r.release()
+
+    def _forward(self, active: list[_Run], grace: float = 120.0) -> None:
+        """Pass each new signal on (SIGINT: the run checkpoints and ends; a second one skips
+        that checkpoint); after `grace` seconds the rest are killed."""
+        if not self.forwarded:
+            self.stream.write(f"sweep: stopping {len(active)} run(s) (they checkpoint first)...\n")
+            self.stop_by = time.time() + grace
+        self.forwarded = self.signals
+        for r in active:
+            try:
+                os.killpg(r.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+    def _kill(self, active: list[_Run]) -> None:
+        for r in active:
+            if r.proc.poll() is None:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            self._finish(r)
+
+
 def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "runs",
               workers: int = 1, shard: tuple[int, int] = (0, 1), sweep_id: str | None = None,
               *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
-              python: str | None = None, lock_timeout: float = 900.0,
-              report_png: bool = True) -> SweepResult:
+              python: str | None = None, report_png: bool = True,
+              busy_wait: float = 60.0) -> SweepResult:
     """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
     time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
     report.png). Completed (and diverged) runs are skipped, torn ones resumed, failed ones
-    retried (`retry_failed`); a failure is reported and does not stop the others."""
+    retried (`retry_failed`); a run whose bundle another process owns is waited for up to
+    `busy_wait` seconds, then left to it. A failure is reported and does not stop the others."""
     if workers < 1:
         raise ValueError(f"--workers: expected >= 1, found {workers}")
     if not specs:
@@ -615,128 +763,9 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     _write_sweep_file(sweep_dir, recipe, specs)
     stream.write(f"sweep {sweep_dir}: {len(specs)} runs, {len(mine)} on this shard "
                  f"({shard[0]}/{shard[1]}), {workers} worker(s)\n")
-    python = python or sys.executable
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # K runs share the cores: give each run's BLAS its share instead of all of them
-    env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-
     runs = [_Run(s, sweep_dir / s.name) for s in mine]
-    view = _View(stream, progress)
-    stopping = {"signal": None}
-
-    def on_signal(signum, frame):
-        stopping["signal"] = signum
-
-    old = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            old[sig] = signal.signal(sig, on_signal)
-        except ValueError:  # not the main thread: no signal handling
-            pass
-
-    def lock_path(r: _Run) -> Path:
-        return sweep_dir / ".locks" / f"{r.spec.name}.lock"
-
-    def start(r: _Run) -> None:
-        if not try_lock(lock_path(r), lock_timeout):
-            r.state = "elsewhere"
-            return
-        state = run_state(r.dir)
-        if state in ("completed", "diverged"):
-            r.state = "skipped"
-            r.absorb(report.read_events(r.dir))
-            r.wall = report.summarize_run(r.dir)["wall_s"]
-            lock_path(r).unlink(missing_ok=True)
-            return
-        if not retry_failed and (state == "failed" or _recorded(sweep_dir, r) == "failed"):
-            r.state = "failed"  # as recorded by the bundle, or by the sweep if it has none
-            r.absorb(report.read_events(r.dir))
-            r.message = r.message or _recorded(sweep_dir, r, "message")
-            lock_path(r).unlink(missing_ok=True)
-            return
-        if state == "resumable" and _has_checkpoint(r.dir):
-            r.action = "resume"
-            cmd = ["--resume", str(r.dir), "--no-progress"]
-        else:
-            r.action = "restart" if r.dir.exists() else "start"
-            if r.dir.exists():  # failed, or torn before its first checkpoint: start afresh
-                shutil.rmtree(r.dir)
-            cmd = ["--recipe", recipe, "--runs-root", str(sweep_dir), "--run-id", r.spec.name,
-                   "--no-progress", *r.spec.args]
-        log_path = sweep_dir / "logs" / f"{r.spec.name}.log"
-        r.log = open(log_path, "ab")  # noqa: SIM115  (open for the run's lifetime)
-        r.log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {r.action}: toymlx-train "
-                    f"{' '.join(cmd)}\n".encode())
-        r.log.flush()
-        # a resumed run's history is shown, but its outcome is read from what it adds
-        r.tail = _Tail(r.dir / "events.jsonl", skip_existing=True)
-        if r.action == "resume":
-            r.absorb(report.read_events(r.dir))
-        r.reason, r.message = None, None
-        r.proc = subprocess.Popen([python, "-m", "toymlx_cli.train", *cmd], stdout=r.log,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                  start_new_session=True)
-        r.state, r.started, r.beat = "running", time.time(), time.time()
-
-    def finish(r: _Run) -> None:
-        code = r.proc.wait()
-        r.log.close()
-        r.absorb(r.tail.read())
-        r.wall = time.time() - r.started
-        reason = r.reason
-        if code == 0 and reason == "completed":
-            r.state = "done"
-        elif code == 0 and reason == "stopped":
-            r.state = "stopped"
-        elif reason == "diverged":
-            r.state = "diverged"
-        elif reason == "interrupted" or code in (130, -signal.SIGINT):
-            r.state = "interrupted"
-        else:
-            r.state = "failed"
-            r.message = r.message or _last_error(sweep_dir / "logs" / f"{r.spec.name}.log") \
-                or f"exit code {code}"
-        report._atomic_write(sweep_dir / ".status" / f"{r.spec.name}.json", json.dumps({
-            "state": r.state, "exit_code": code, "message": r.message, "wall_s": r.wall,
-            "host": socket.gethostname(), "finished_at": time.time()}))
-        lock_path(r).unlink(missing_ok=True)
-
-    try:
-        pending = list(runs)
-        while True:
-            active = [r for r in runs if r.state == "running"]
-            while pending and len(active) < workers and stopping["signal"] is None:
-                r = pending.pop(0)
-                start(r)
-                if r.state == "running":
-                    active.append(r)
-            if not active:
-                break
-            now = time.time()
-            for r in active:
-                r.absorb(r.tail.read())
-                if now - r.beat > HEARTBEAT_S:
-                    os.utime(lock_path(r))
-                    r.beat = now
-                if r.proc.poll() is not None:
-                    finish(r)
-            if stopping["signal"] is not None:
-                _stop_children([r for r in runs if r.state == "running"], stream)
-                for r in runs:
-                    if r.state == "running":
-                        finish(r)
-                break
-            view.update(runs)
-            time.sleep(0.25)
-        view.update(runs, force=True)
-    finally:
-        for r in runs:  # only on an unexpected error in the loop itself
-            if r.state == "running" and r.proc is not None and r.proc.poll() is None:
-                os.killpg(r.proc.pid, signal.SIGKILL)
-                r.proc.wait()
-                lock_path(r).unlink(missing_ok=True)
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    interrupted = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
+                          python or sys.executable, _View(stream, progress), stream).run()
 
     result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
     result.states = {r.spec.name: r.state for r in runs}
@@ -745,28 +774,10 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
             stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
                          f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
         elif r.state == "elsewhere":
-            stream.write(f"sweep: {r.spec.name}: locked by another worker "
-                         f"({lock_path(r)}); skipped here\n")
-    if stopping["signal"] is not None:
+            stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
+    if interrupted:
         stream.write("sweep: interrupted; run the same command again to resume\n")
     return result
-
-
-def _stop_children(active: list[_Run], stream: TextIO, grace: float = 120.0) -> None:
-    """Ask each run to stop (SIGINT: checkpoint + run_end interrupted), then force."""
-    stream.write(f"sweep: stopping {len(active)} run(s) (they checkpoint first)...\n")
-    for r in active:
-        try:
-            os.killpg(r.proc.pid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
-    deadline = time.time() + grace
-    for r in active:
-        try:
-            r.proc.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            os.killpg(r.proc.pid, signal.SIGKILL)
-            r.proc.wait()
 
 
 def summarize_sweep(sweep_dir: str | os.PathLike, report_png: bool = True,
@@ -775,7 +786,7 @@ def summarize_sweep(sweep_dir: str | os.PathLike, report_png: bool = True,
     and summary.jsonl (best first), and drawn as report.png when matplotlib is installed."""
     sweep_dir = Path(sweep_dir)
     stream = stream or sys.stderr
-    names = report._sweep_order(sweep_dir)
+    names = report.sweep_order(sweep_dir)
     rows = report.summarize([sweep_dir / n for n in names])
     for r in rows:  # runs that failed before writing a bundle: the sweep's own record
         if r["status"] in ("missing", "empty"):

@@ -1,36 +1,41 @@
 """The training loop every recipe shares, around one compiled step.
 
 A recipe builds a `Task` (model, loss, batches, how to save and load a checkpoint); `train`
-runs it: one `mx.compile`d `value_and_grad` step with the model, optimizer and random state
-as its declared state (on a multi-core CPU: the same, one compiled `value_and_grad` per
-MLX CPU stream on a slice of each micro-batch, see `make_step`), gradient accumulation over a
-leading micro-batch axis, data-parallel gradient sums over `mx.distributed` ranks, warm-up +
-cosine LR, clipping, periodic validation, checkpoints on a schedule and at the end, and the
-run bundle's events.
+runs it: the step from `training_step` (`toymlx.step.make_step`: gradient accumulation,
+data-parallel sums, clipping, AdamW with warm-up + cosine LR; on a multi-core CPU spread over
+streams by `toymlx.cpu_streams`), periodic validation in eval mode, checkpoints on a
+schedule and at the end through a `Checkpointer` (verified, with retention), the run bundle's
+events (run_end from one place), and SIGINT/SIGTERM as requests to stop (`StopSignals`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
+import tyro
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
+from tqdm import tqdm
 
 from toymlx import checkpoint as ck
 from toymlx import cpu_streams, device
 from toymlx.device import backend_info
-from toymlx.events import SCHEMA, EventLog, git_info, host_info, now_iso
+from toymlx.events import SCHEMA, EventLog, git_info, host_info, kind_of, now_iso, read_events
+from toymlx.gguf.writer import DIGEST_KEY
+from toymlx.runs import Resume, intact_hint
 from toymlx.schedule import lr_at
 from toymlx.step import LossScale, make_step
 
@@ -65,6 +70,10 @@ class TrainConfig:
     """Most validation batches per pass."""
     checkpoint_every: int = 100
     """Steps between GGUF checkpoints (0: only the final one)."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints (0: every one); the one `latest` names always stays."""
+    keep_best: int = 0
+    """Also keep the N checkpoints with the lowest validation loss (evaluated at their step)."""
     seed: int = 0
     """Seed for initialisation, data order and dropout."""
     compile: bool = True
@@ -76,7 +85,11 @@ class TrainConfig:
     run_id: str | None = None
     """Name of this run's bundle (default: timestamp + recipe)."""
     resume: str | None = None
-    """Continue the run bundle at this path from its latest checkpoint."""
+    """Continue the run bundle at this path from its latest checkpoint, with its saved
+    configuration (only --steps and run-local options such as --eval-every may change)."""
+    from_step: Annotated[str | None, tyro.conf.arg(name="from")] = None
+    """With --resume: the checkpoint to continue from instead of the latest (step_N, or
+    step_0 to start the run over from its saved configuration)."""
     overwrite: bool = False
     """Allow replacing an existing run bundle with the same run id."""
     stop_at: int | None = None
@@ -143,18 +156,23 @@ def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
 
 
 def evaluate(task: Task, max_batches: int | None = None) -> dict[str, float]:
-    """Validation metrics over the task's held-out batches (count-weighted)."""
+    """Validation metrics over the task's held-out batches (count-weighted), in eval mode
+    (dropout off); the model's mode is restored afterwards."""
     totals: dict[str, float] = {}
     fn = task.metrics_fn or _loss_metrics(task.loss_fn)
-    for b in task.val_batches[:max_batches]:
-        for i in range(next(iter(b.values())).shape[0]):  # the leading micro-batch axis
-            sums = fn(task.model, {k: mx.array(v[i]) for k, v in b.items()})
-            mx.eval(sums)
-            for k, v in sums.items():
-                totals[k] = totals.get(k, 0.0) + float(v.item())
+    was_training = task.model.training
+    task.model.eval()
+    try:
+        for b in task.val_batches[:max_batches]:
+            for i in range(next(iter(b.values())).shape[0]):  # the leading micro-batch axis
+                sums = fn(task.model, {k: mx.array(v[i]) for k, v in b.items()})
+                mx.eval(sums)
+                for k, v in sums.items():
+                    totals[k] = totals.get(k, 0.0) + float(v.item())
+    finally:
+        task.model.train(was_training)
     n = totals.pop("n", 0.0) or 1.0
-    out = {("val_loss" if k == "loss" else k): v / n for k, v in totals.items()}
-    return out
+    return {("val_loss" if k == "loss" else k): v / n for k, v in totals.items()}
 
 
 def _loss_metrics(loss_fn):
@@ -183,10 +201,6 @@ def _shard(batch: dict[str, np.ndarray], world: Any) -> dict[str, np.ndarray]:
 def step_seed(seed: int, step: int) -> int:
     """The random seed of optimizer step `step` (0-based) of a run seeded `seed`."""
     return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint64)[0] >> 1)
-
-
-class _Stop(Exception):
-    pass
 
 
 def _named(step: int | None) -> str:
@@ -237,188 +251,285 @@ def restore_resume_arrays(arrays: dict[str, mx.array], optimizer: optim.Optimize
         model.update(tree_unflatten(part("param.")))
 
 
-def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any],
-          world: Any = None, resume_from: Path | None = None) -> dict[str, Any]:
-    """Run the loop; returns the run_end event. Rank 0 alone writes the bundle."""
-    rank0 = world is None or world.rank() == 0
-    model = task.model
-    weights = run_dir / "weights"
-    log = EventLog(run_dir / "events.jsonl", enabled=rank0)
-    device.setup_process(wide_evaluation=not cfg.grad_checkpoint)
-    optimizer = (task.optimizer or make_optimizer)(cfg)
-    optimizer.init(model.trainable_parameters())
-    # float16 gradients underflow without a loss scale (see LossScale)
-    scale = LossScale() if model.ops.dtype == "float16" else None
-    start_step = 0
-    if resume_from is not None:
-        ck.load_checked(task.load, resume_from, model)
-        arrays, meta = ck.load_state(ck.state_path(resume_from))
-        restore_resume_arrays(arrays, optimizer, scale, model)
-        start_step = int(meta["step"])
-        if rank0:
-            ck.clean_temporaries(weights)
-    mx.eval(model.parameters(), optimizer.state)
-    n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-    n_total = sum(v.size for _, v in tree_flatten(model.parameters()))
+class StopSignals:
+    """SIGINT and SIGTERM as requests to stop, counted. The handler only counts: no signal ever
+    raises into a step or a checkpoint write, so none ends in a traceback or a half-done write.
+    The loop stops after the step in flight and writes a final checkpoint; a second signal
+    skips that checkpoint if it has not begun (one being written is finished)."""
 
-    step_fn, n_streams = training_step(model, task.loss_fn, optimizer, cfg, world, scale)
-    step_threads = cpu_streams.step_blas_threads(n_streams)
-    log.emit("run_start", schema=SCHEMA, started_at=now_iso(), run_id=run_dir.name,
-             phase="train", recipe=task.recipe, host=host_info(), backend=backend_info(),
-             math=model.ops.describe(), git=git_info(), step_parallelism={"cpu_streams": n_streams,
-                                               "blas_threads": step_threads
-                                               or device.blas_threads()},
-             model={**task.model_info, "n_params": n_total,
-                                    "n_trainable": n_trainable},
-             config={**run_config, **task.config_info},
-             world_size=1 if world is None else world.size(),
-             resumed_from=None if resume_from is None else str(resume_from),
-             start_step=start_step)
+    def __init__(self, enabled: bool):
+        self.enabled, self.count = enabled, 0
+        self._old: dict[int, Any] = {}
 
-    last_ckpt = start_step if resume_from is not None else None
-    state = {"step": start_step, "loss": float("nan")}
+    def _count(self, signum: int, frame: Any) -> None:
+        self.count += 1
 
-    def write_ckpt(step: int) -> Path | bool | None:
-        """The checkpoint of `step`; False (and reason "diverged") if its weights are bad."""
-        nonlocal last_ckpt, reason, exit_code, message
-        if last_ckpt == step:
-            return None
+    def __enter__(self) -> StopSignals:  # noqa: PYI034
+        if self.enabled:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._count)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class Checkpointer:
+    """Writes one run's checkpoints (weights, optimizer state, one id shared by both), applies
+    the retention policy (--keep-last, --keep-best) and emits the `checkpoint` events."""
+
+    def __init__(self, task: Task, optimizer: optim.Optimizer, scale: LossScale | None,
+                 cfg: TrainConfig, run_dir: Path, log: EventLog, write: bool, last: int | None):
+        self.task, self.optimizer, self.scale, self.cfg = task, optimizer, scale, cfg
+        self.log, self.write = log, write
+        self.run_dir, self.weights = run_dir, run_dir / "weights"
+        self.last = last
+        """The step of the newest checkpoint (None: none yet)."""
+        self.scores = {e["step"]: e["val_loss"] for e in read_events(run_dir)
+                       if kind_of(e) == "eval" and isinstance(e.get("val_loss"), float)
+                       } if write and cfg.keep_best else {}
+        """step -> validation loss there, for --keep-best."""
+
+    def score(self, step: int, metrics: dict[str, float]) -> None:
+        if isinstance(metrics.get("val_loss"), float) and math.isfinite(metrics["val_loss"]):
+            self.scores[step] = metrics["val_loss"]
+
+    def save(self, step: int) -> None:
+        """Write the checkpoint of `step` (rank 0; the others only follow along)."""
+        self.last = step
+        if not self.write:
+            return
+        ckpt_id = uuid.uuid4().hex
+        extra = {"general.step": step, "general.run_id": self.run_dir.name, ck.ID_KEY: ckpt_id}
+        if self.task.checkpoint_meta:
+            extra.update(self.task.checkpoint_meta())
+        model = self.task.model
+        path = ck.save_checkpoint(self.weights, self.task.prefix, step,
+                                  lambda p: self.task.save(p, model, extra),
+                                  resume_arrays(self.optimizer, self.scale, model,
+                                                exact_weights=self.cfg.save_dtype != "f32"),
+                                  {"step": step, "recipe": self.task.recipe,
+                                   "checkpoint_id": ckpt_id})
+        removed = []
+        if self.cfg.keep_last or self.cfg.keep_best:
+            steps = [s for s, _ in ck.list_checkpoints(self.weights)]
+            removed = ck.prune(self.weights, ck.retained(steps, step, self.cfg.keep_last,
+                                                         self.cfg.keep_best, self.scores))
+        self.log.emit("checkpoint", step=step, path=str(path.relative_to(self.run_dir)),
+                      **({"removed": removed} if removed else {}))
+
+
+class _Loop:
+    """One run of the loop: the step reached, how the run ends, and the pieces acting on them.
+    `run` emits run_start (or a resume event), trains, and emits run_end from one place."""
+
+    def __init__(self, task: Task, cfg: TrainConfig, run_dir: Path, world: Any,
+                 resume: Resume | None):
+        self.task, self.cfg, self.run_dir, self.world = task, cfg, run_dir, world
+        self.resume = resume
+        self.rank0 = world is None or world.rank() == 0
+        self.model = task.model
+        device.setup_process(wide_evaluation=not cfg.grad_checkpoint)
+        self.optimizer = (task.optimizer or make_optimizer)(cfg)
+        self.optimizer.init(self.model.trainable_parameters())
+        # float16 gradients underflow without a loss scale (see LossScale)
+        self.scale = LossScale() if self.model.ops.dtype == "float16" else None
+        self.start = 0
+        if resume is not None and resume.checkpoint is not None:
+            ck.load_checked(task.load, resume.checkpoint, self.model)
+            restore_resume_arrays(resume.state, self.optimizer, self.scale, self.model)
+            self.start = resume.step
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
+                            t_offset=resume.t if resume is not None else 0.0)
+        self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
+                                 self.rank0, self.start if self.start else None)
+        self.count = task.count or (lambda b: int(np.prod(next(iter(b.values())).shape[:2])))
+        self.step, self.loss = self.start, float("nan")
+        """The last step whose update is in the weights, and its loss."""
+        self.reason, self.exit_code, self.message = "completed", 0, None
+        self.t_first: float | None = None
+        self.last_eval: dict[str, float] = {}
+
+    def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
+        # after the resume restored the optimizer state: the compiled step holds its containers
+        step_fn, n_streams = training_step(self.model, self.task.loss_fn, self.optimizer,
+                                           self.cfg, self.world, self.scale)
+        threads = self._announce(run_config, n_streams)
+        # Data parallel: a rank blocked in an all_sum whose peer died never returns to Python,
+        # so a handler would never run and mlx.launch would wait on it forever; keep SIGTERM's
+        # default (exit) there and leave a torn bundle that --resume continues.
+        solo = self.world is None or self.world.size() == 1
+        with StopSignals(self.rank0 and solo) as stop, self._progress() as bar:
+            try:
+                self._train(step_fn, threads, stop, bar)
+            except KeyboardInterrupt:  # where Python's own SIGINT handler is left (ranks)
+                self._end("interrupted", 130, f"interrupted during step {self.step + 1}; resume "
+                          f"with --resume {self.run_dir} from {_named(self.ckpt.last)}")
+            except BaseException as e:
+                self._end("error", 1, f"{type(e).__name__}: {e}")
+                raise
+            finally:
+                end = self.log.emit("run_end", reason=self.reason, final_step=self.step,
+                                    final_loss=self.loss, exit_code=self.exit_code,
+                                    message=self.message, first_step_s=self.t_first,
+                                    peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))
+                self.log.close()
+        return end
+
+    def _end(self, reason: str, exit_code: int, message: str | None) -> None:
+        self.reason, self.exit_code, self.message = reason, exit_code, message
+
+    def _announce(self, run_config: dict[str, Any], n_streams: int) -> int | None:
+        """run_start (a fresh run, or a resumed one whose events lack it), then the resume
+        event; returns the BLAS threads the step runs with."""
+        threads = cpu_streams.step_blas_threads(n_streams)
+        r = self.resume
+        if r is None or not r.has_start:
+            n_trainable = sum(v.size for _, v in tree_flatten(self.model.trainable_parameters()))
+            n_total = sum(v.size for _, v in tree_flatten(self.model.parameters()))
+            self.log.emit(
+                "run_start", schema=SCHEMA, started_at=now_iso(), run_id=self.run_dir.name,
+                phase="train", recipe=self.task.recipe, host=host_info(), backend=backend_info(),
+                math=self.model.ops.describe(), git=git_info(), step_parallelism={"cpu_streams": n_streams, "blas_threads":
+                                                  threads or device.blas_threads()},
+                model={**self.task.model_info, "n_params": n_total, "n_trainable": n_trainable},
+                config={**run_config, **self.task.config_info},
+                world_size=1 if self.world is None else self.world.size(), start_step=self.start)
+        if r is not None:
+            self.log.emit(
+                "resume", started_at=now_iso(), from_step=r.step, steps=self.cfg.steps,
+                **({"previous_steps": r.steps_before} if r.steps_before != self.cfg.steps else {}),
+                checkpoint=None if r.checkpoint is None else str(
+                    r.checkpoint.relative_to(self.run_dir)),
+                dropped_events=r.dropped, previous_end=r.previous_end,
+                **({"set_aside": r.set_aside} if r.set_aside else {}),
+                host=host_info(), backend=backend_info(), git=git_info(),
+                world_size=1 if self.world is None else self.world.size())
+        return threads
+
+    def _progress(self) -> Any:
+        if not (self.rank0 and self.cfg.progress):
+            return contextlib.nullcontext(None)
+        return tqdm(total=self.cfg.steps, initial=self.start, desc=self.task.recipe, unit="step",
+                    dynamic_ncols=True, file=sys.stderr)
+
+    def _train(self, step_fn: Callable, threads: int | None, stop: StopSignals, bar: Any) -> None:
+        cfg = self.cfg
+        for s in range(self.start, cfg.steps):
+            if not self._step(step_fn, threads, s, bar):
+                return
+            done = s + 1
+            if not stop.count and ((cfg.eval_every and done % cfg.eval_every == 0)
+                                   or done == cfg.steps):
+                self._evaluate(done, bar)
+            due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+            if due and not self._checkpoint(done):
+                return
+            if stop.count:
+                return self._interrupted(stop)
+            if cfg.stop_at is not None and cfg.stop_at <= done < cfg.steps:
+                self.reason = "stopped"
+                break
+        self._checkpoint(self.step)
+
+    def _step(self, step_fn: Callable, threads: int | None, s: int, bar: Any) -> bool:
+        """Optimizer step `s` (0-based) and its event; False if the run diverged in it."""
+        t0 = time.perf_counter()
+        global_batch = self.task.train_batch(s)
+        n_items = self.count(global_batch)
+        batch = {k: mx.array(v) for k, v in _shard(global_batch, self.world).items()}
+        # Randomness (dropout) is a pure function of (seed, step), like the data, so a
+        # resumed run draws exactly what an uninterrupted one would.
+        mx.random.seed(step_seed(self.cfg.seed, s))
+        out = step_fn(batch)
+        with device.use_blas_threads(threads):
+            mx.eval(out, self.model.state, self.optimizer.state)
+        dt = time.perf_counter() - t0
+        self.t_first = dt if self.t_first is None else self.t_first
+        self.loss, gnorm_v = float(out["loss"].item()), float(out["grad_norm"].item())
+        # float16: an overflowing step was skipped (nothing changed but the loss scale)
+        scaled = {"loss_scale": float(out["loss_scale"].item()),
+                  "skipped": bool(out["skipped"].item())} if self.scale is not None else {}
+        lr = lr_at(s, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio)
+        # A non-finite gradient norm with a finite loss has already made the update NaN
+        # (unless the loss scale skipped that update).
+        checked = (("loss", self.loss),) if scaled.get("skipped") else (
+            ("loss", self.loss), ("gradient norm", gnorm_v))
+        for what, v in checked:
+            if not math.isfinite(v):
+                self._diverged(f"{what} became {v} at step {s + 1} (lr {lr:.3g})", s)
+                return False
+        self.step = s + 1
+        rate = n_items / dt
+        self.log.emit("step", step=s + 1, loss=self.loss, lr=lr, grad_norm=gnorm_v, **scaled,
+                      **{f"{self.task.unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4)})
+        if bar is not None:
+            acc = (f" val_acc {self.last_eval['accuracy']:.3f}" if "accuracy" in self.last_eval
+                   else "")
+            bar.set_postfix_str(f"loss {self.loss:.4f}{acc} lr {lr:.2e} "
+                                f"{rate:,.0f} {self.task.unit}/s")
+            bar.update(1)
+        return True
+
+    def _evaluate(self, step: int, bar: Any) -> None:
+        metrics = evaluate(self.task, self.cfg.eval_batches)
+        self.last_eval = metrics
+        self.ckpt.score(step, metrics)
+        self.log.emit("eval", step=step, **metrics)
+        if bar is not None:
+            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+    def _checkpoint(self, step: int) -> bool:
+        """The checkpoint of `step`, unless written; False (the run diverged) if the weights
+        are not finite."""
+        if self.ckpt.last == step or step == 0:
+            return True
         # A finite loss does not prove finite weights: the update after it can overflow
         # (huge lr times weight decay). Bad weights are never written.
-        if not _finite(model):
-            reason, exit_code = "diverged", 2
-            message = (f"weights became non-finite at step {step}; stopped without "
-                       f"checkpointing them; last good checkpoint: {_named(last_ckpt)}")
-            state["step"] = step - 1
+        if not _finite(self.model):
+            self._diverged(f"weights became non-finite at step {step}", step - 1)
             return False
-        if not rank0:
-            return None
-        arrays = resume_arrays(optimizer, scale, model, exact_weights=cfg.save_dtype != "f32")
-        extra = {"general.step": step, "general.run_id": run_dir.name}
-        if task.checkpoint_meta:
-            extra.update(task.checkpoint_meta())
-        path = ck.save_checkpoint(weights, task.prefix, step,
-                                  lambda p: task.save(p, model, extra),
-                                  arrays, {"step": step, "recipe": task.recipe})
-        last_ckpt = step
-        log.emit("checkpoint", step=step, path=str(path.relative_to(run_dir)))
-        return path
+        self.ckpt.save(step)
+        return True
 
-    mid_step = [False]  # True while the weights are between two steps
-    pending: list[int] = []
+    def _interrupted(self, stop: StopSignals) -> None:
+        resume = f"resume with --resume {self.run_dir}"
+        if stop.count > 1 and self.ckpt.last != self.step:
+            self._end("interrupted", 130, f"interrupted after step {self.step}; a second signal "
+                      f"skipped its checkpoint: {resume} (from {_named(self.ckpt.last)})")
+        elif self._checkpoint(self.step):
+            self._end("interrupted", 130, f"interrupted after step {self.step}; {resume}")
 
-    def on_sigterm(signum, frame):
-        # Mid-step the weights are already (lazily) the next step's: let the step finish and
-        # stop at its end, so the final checkpoint holds exactly the step it is named after.
-        # A second signal stops at once.
-        if mid_step[0] and not pending:
-            pending.append(signum)
-            return
-        raise KeyboardInterrupt
-
-    # Data parallel: a rank blocked in an all_sum whose peer died never returns to Python, so
-    # a Python handler would never run and mlx.launch would wait on it forever; keep SIGTERM's
-    # default (exit) there and leave a torn bundle that --resume continues.
-    solo = world is None or world.size() == 1
-    old_term = signal.signal(signal.SIGTERM, on_sigterm) if rank0 and solo else None
-    old_int = signal.signal(signal.SIGINT, on_sigterm) if rank0 and solo else None
-    bar = None
-    if rank0 and cfg.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start_step, desc=task.recipe, unit="step",
-                   dynamic_ncols=True, file=sys.stderr)
-    reason, message, exit_code = "completed", None, 0
-    t_first = None
-    last_eval: dict[str, float] = {}
-    try:
-        count = task.count or (lambda b: int(np.prod(next(iter(b.values())).shape[:2])))
-        for s in range(start_step, cfg.steps):
-            t0 = time.perf_counter()
-            global_batch = task.train_batch(s)
-            n_items = count(global_batch)
-            batch = {k: mx.array(v) for k, v in _shard(global_batch, world).items()}
-            # Randomness (dropout) is a pure function of (seed, step), like the data, so a
-            # resumed run draws exactly what an uninterrupted one would.
-            mx.random.seed(step_seed(cfg.seed, s))
-            mid_step[0] = True
-            out = step_fn(batch)
-            with device.use_blas_threads(step_threads):
-                mx.eval(out, model.state, optimizer.state)
-            dt = time.perf_counter() - t0
-            t_first = t_first if t_first is not None else dt
-            loss_v, gnorm_v = float(out["loss"].item()), float(out["grad_norm"].item())
-            # float16: an overflowing step was skipped (nothing changed but the loss scale)
-            scaled = {"loss_scale": float(out["loss_scale"].item()),
-                      "skipped": bool(out["skipped"].item())} if scale is not None else {}
-            state.update(step=s + 1, loss=loss_v)
-            mid_step[0] = False
-            lr = lr_at(s, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-            # A non-finite gradient norm with a finite loss has already made the update NaN
-            # (unless the loss scale skipped that update).
-            checked = (("loss", loss_v),) if scaled.get("skipped") else (
-                ("loss", loss_v), ("gradient norm", gnorm_v))
-            bad = next(((w, v) for w, v in checked if not math.isfinite(v)), None)
+    def _diverged(self, what: str, good_step: int) -> None:
+        """End as diverged with `good_step` the last step with good weights. Right after a
+        resume the checkpoint it started from is checked first: damage there, not the learning
+        rate, would explain it."""
+        self.step = good_step
+        r, suspect = self.resume, ""
+        if r is not None and r.checkpoint is not None and good_step == r.step:
+            suspect = f", the first step after resuming from {r.checkpoint.name}"
+            try:
+                _, meta = ck.open_checkpoint(r.checkpoint)
+                bad = ck.nonfinite_tensor(r.checkpoint)
+            except ck.ResumeError as e:
+                meta, bad, suspect = {}, None, f"{suspect}, which is damaged ({e})"
+            hint = intact_hint(self.run_dir, r.step)
             if bad is not None:
-                reason, exit_code = "diverged", 2
-                message = (f"{bad[0]} became {bad[1]} at step {s + 1} (lr {lr:.3g}); stopped "
-                           f"without checkpointing the bad weights; last good checkpoint: "
-                           f"{_named(last_ckpt)}")
-                state["step"] = s  # the weights of step s+1 are bad
-                raise _Stop
-            rate = n_items / dt
-            log.emit("step", step=s + 1, loss=loss_v, lr=lr, grad_norm=gnorm_v, **scaled,
-                     **{f"{task.unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4)})
-            if bar is not None:
-                acc = f" val_acc {last_eval['accuracy']:.3f}" if "accuracy" in last_eval else ""
-                bar.set_postfix_str(f"loss {loss_v:.4f}{acc} lr {lr:.2e} "
-                                    f"{rate:,.0f} {task.unit}/s")
-                bar.update(1)
-            done = s + 1
-            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-                metrics = evaluate(task, cfg.eval_batches)
-                last_eval = metrics
-                log.emit("eval", step=done, **metrics)
-                if bar is not None:
-                    bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}"
-                                                           for k, v in metrics.items()))
-            due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-            if due and write_ckpt(done) is False:
-                raise _Stop
-            if pending:
-                raise KeyboardInterrupt
-            if cfg.stop_at is not None and done >= cfg.stop_at and done < cfg.steps:
-                reason = "stopped"
-                raise _Stop
-        if write_ckpt(state["step"]) is False:
-            raise _Stop
-    except _Stop:
-        if reason == "stopped":
-            write_ckpt(state["step"])
-    except KeyboardInterrupt:
-        reason, exit_code = "interrupted", 130
-        if mid_step[0]:  # the weights belong to no step: keep the last checkpoint
-            message = (f"interrupted during step {state['step'] + 1} (its update is dropped); "
-                       f"resume with --resume {run_dir} from {_named(last_ckpt)}")
-        else:
-            message = f"interrupted after step {state['step']}; resume with --resume {run_dir}"
-            write_ckpt(state["step"])
-    except Exception as e:
-        reason, exit_code = "error", 1
-        message = f"{type(e).__name__}: {e}"
-        log.emit("run_end", reason=reason, final_step=state["step"], final_loss=state["loss"],
-                 exit_code=exit_code, message=message)
-        log.close()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
-        if old_int is not None:
-            signal.signal(signal.SIGINT, old_int)
-    end = log.emit("run_end", reason=reason, final_step=state["step"], final_loss=state["loss"],
-                   exit_code=exit_code, message=message, first_step_s=t_first,
-                   peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))
-    log.close()
-    return end
+                suspect += f", which holds non-finite weights ({bad}): {hint}"
+            elif "damaged" in suspect:
+                suspect += f": {hint}"
+            elif DIGEST_KEY not in meta:
+                suspect += (", which carries no checksum to check it by: if the learning rate "
+                            f"is not the cause, {hint}")
+            else:
+                suspect += " (checked: intact and finite, so the cause is the run's settings)"
+        self._end("diverged", 2, f"{what}{suspect}; stopped without checkpointing the bad "
+                  f"weights; last good checkpoint: {_named(self.ckpt.last)}")
+
+
+def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any],
+          world: Any = None, resume: Resume | None = None) -> dict[str, Any]:
+    """Run the loop; returns the run_end event. Rank 0 alone writes the bundle."""
+    return _Loop(task, cfg, run_dir, world, resume).run(run_config)

@@ -1,11 +1,14 @@
 """The one GGUF writer: typed metadata, aligned tensor data, written atomically.
 
-A file is written to a temporary name in the same folder, fsynced, then renamed over the
-target, so a crash at any instant leaves either the old file or the complete new one.
+A file is written through `toymlx.atomic` (a temporary in the same folder, fsynced, renamed
+over the target), so a crash at any instant leaves either the old file or the complete new one.
+Every file carries `toy.tensor_sha256`, the SHA-256 of its tensor data section (the bytes from
+the aligned data start to the end of the file), so a damaged checkpoint is found on resume.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -15,6 +18,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from toymlx.atomic import atomic_open
 from toymlx.gguf.reader import (
     ARRAY,
     BOOL,
@@ -28,6 +32,8 @@ from toymlx.gguf.reader import (
     UINT64,
 )
 
+DIGEST_KEY = "toy.tensor_sha256"
+"""Metadata key: SHA-256 (hex) of the tensor data section, written into every file."""
 # Keys whose GGUF type llama.cpp checks and that Python values cannot express on their own.
 KNOWN_TYPES: dict[str, tuple[int, int | None]] = {
     "tokenizer.ggml.token_type": (ARRAY, INT32),
@@ -137,11 +143,6 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
     """Write a GGUF v3 file atomically; `types` overrides inferred metadata value types."""
     path = Path(path)
     types = dict(types or {})
-    kv = []
-    for key, value in metadata.items():
-        vt, et = types.get(key) or _infer_type(key, value)
-        kv.append(struct.pack("<Q", len(key.encode())) + key.encode() + struct.pack("<I", vt)
-                  + _pack_value(vt, et, value))
     infos, blobs, offset = [], [], 0
     for name, t in tensors.items():
         if isinstance(t, QuantTensor):
@@ -162,36 +163,32 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
                      + struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", qtype, offset))
         blobs.append(data)
         offset += nbytes + (-nbytes % alignment)
+    digest = hashlib.sha256()
+    for data in blobs:  # the data section exactly as written below, padding included
+        digest.update(memoryview(data).cast("B"))
+        digest.update(b"\0" * (-data.nbytes % alignment))
+    kv = []
+    for key, value in {**metadata, DIGEST_KEY: digest.hexdigest()}.items():
+        vt, et = types.get(key) or _infer_type(key, value)
+        kv.append(struct.pack("<Q", len(key.encode())) + key.encode() + struct.pack("<I", vt)
+                  + _pack_value(vt, et, value))
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
-            f.writelines(kv + infos)
+    with atomic_open(path) as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
+        f.writelines(kv + infos)
+        _pad(f, alignment)
+        for data in blobs:
+            f.write(memoryview(data).cast("B"))
             _pad(f, alignment)
-            for data in blobs:
-                f.write(memoryview(data).cast("B"))
-                _pad(f, alignment)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
     return path
 
 
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def data_digest(path: str | os.PathLike, data_start: int) -> str:
+    """SHA-256 of a GGUF file's tensor data section (what `toy.tensor_sha256` records)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(data_start)
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,151 @@
+"""The one atomic writer, used by every kind of file toymlx writes: a process killed between
+the write and the rename leaves the old file intact (and its complete new temporary beside it,
+named for the writer's process, for the next run to sweep away)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toymlx import atomic
+
+# Each child writes the file once for real (the "old" file), prints its digest, then makes
+# every rename kill the process (SIGKILL: nothing runs after it) and writes it again.
+CHILD = r"""
+import hashlib, json, os, signal, sys
+from pathlib import Path
+import numpy as np
+import mlx.core as mx
+import toymlx
+from toymlx import checkpoint, events, launch, report, runs, sweep
+from toymlx.gguf.writer import write_gguf
+from toymlx.recipes import from_scratch
+
+kind, d, stories = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+target = {"gguf": d / "m.gguf", "state": d / "s.state.safetensors", "latest": d / "latest",
+          "config": d / "config.json", "summary": d / "summary.csv", "png": d / "r.png",
+          "html": d / "r.html", "rank-status": d / "rank0.start", "sweep-file": d / "sweep.json",
+          "export": d / "out.gguf", "events": d / "events.jsonl"}[kind]
+rows = report.summarize([d / "nothing"])
+params = report.add_params(rows)
+
+
+def write(version):
+    if kind == "gguf":
+        write_gguf(target, {"general.architecture": "x", "v": version},
+                   {"t": np.full(64, version, np.float32)})
+    elif kind == "state":
+        checkpoint.save_state(target, {"a": mx.full((8,), version)}, {"step": version})
+    elif kind == "latest":
+        checkpoint.update_latest(d, d / f"step_{version}.gguf")
+    elif kind == "config":
+        runs.save_config(d, "from-scratch", from_scratch.Config(steps=version))
+    elif kind == "summary":
+        rows[0]["message"] = f"v{version}"
+        report.write_summary(rows, params, d)
+    elif kind in ("png", "html"):
+        rows[0]["run"] = f"v{version}"
+        report.render([], target, rows, params)
+    elif kind == "rank-status":
+        os.environ.update(TOYMLX_RANK_STATUS=str(d), MLX_RANK="0")
+        with launch.rank_status() as st:
+            st.code = version
+    elif kind == "sweep-file":
+        specs = sweep.grid(["--steps", str(version)], {"lr": [1e-3]})
+        sweep._write_sweep_file(d, "from-scratch", specs)
+    elif kind == "export":
+        if version == 1:
+            target.write_bytes(b"an earlier export")
+            return
+        from toymlx.gguf.llama import load_llama
+        from toymlx.lora import apply_lora, write_adapter
+        model, g = load_llama(stories)
+        apply_lora(model, ["q"], None, 2, 4.0, 0.0)
+        os.replace = real_replace  # the adapter it exports is not the file under test
+        write_adapter(d / "adapter.gguf", model, {"general.architecture": "llama"})
+        os.replace = die
+        from toymlx_cli.export import main
+        main(["--base", stories, "--adapter", str(d / "adapter.gguf"), "--out", str(target)])
+    elif kind == "events":
+        if version == 1:
+            log = events.EventLog(target)
+            for s in range(1, 5):
+                log.emit("step", step=s, loss=1.0)
+            log.close()
+        else:
+            events.cut_back(d, 2)
+
+
+def die(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+real_replace = os.replace
+write(1)
+data = os.readlink(target).encode() if target.is_symlink() else target.read_bytes()
+print(hashlib.sha256(data).hexdigest(), flush=True)
+os.replace = die
+write(2)
+print("survived", flush=True)
+"""
+
+KINDS = ["gguf", "state", "latest", "config", "summary", "png", "html", "rank-status",
+         "sweep-file", "export", "events"]
+
+
+def test_killed_between_write_and_rename_every_writer_keeps_the_old_file(tmp_path,
+                                                                       stories_path):
+    procs = {}
+    for kind in KINDS:  # all at once: each child pays the imports
+        d = tmp_path / kind
+        d.mkdir()
+        procs[kind] = (d, subprocess.Popen([sys.executable, "-c", CHILD, kind, str(d),
+                                            str(stories_path)], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True))
+    problems = []
+    for kind, (d, p) in procs.items():
+        out, err = p.communicate(timeout=300)
+        lines = out.split()
+        if p.returncode != -9 or len(lines) != 1:
+            problems.append(f"{kind}: exit {p.returncode}, stdout {lines}, {err[-1500:]}")
+            continue
+        names = {"latest": "latest", "rank-status": "rank0.start", "png": "r.png",
+                 "html": "r.html", "summary": "summary.csv", "config": "config.json",
+                 "sweep-file": "sweep.json", "export": "out.gguf", "events": "events.jsonl",
+                 "gguf": "m.gguf", "state": "s.state.safetensors"}
+        target = d / names[kind]
+        data = os.readlink(target).encode() if target.is_symlink() else target.read_bytes()
+        if hashlib.sha256(data).hexdigest() != lines[0]:
+            problems.append(f"{kind}: {target.name} changed")
+        tmps = [f.name for f in d.iterdir() if f.name.startswith(f".{target.name}.tmp-")]
+        if len(tmps) != 1 or not tmps[0].endswith(f".tmp-{p.pid}"):
+            problems.append(f"{kind}: expected one temporary .{target.name}.tmp-{p.pid}, "
+                            f"found {sorted(f.name for f in d.iterdir())}")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "f.txt"
+    atomic.write_text(path, "old")
+
+    class Full(Exception):
+        pass
+
+    with pytest.raises(Full), atomic.atomic_open(path) as f:
+        f.write(b"half of the new")
+        raise Full
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+    with pytest.raises(OSError) as e:
+        atomic.write_text(tmp_path / "no-such-dir" / "x", "y")
+    assert e.value.errno == errno.ENOENT
+
+
+def test_temporaries_are_named_for_their_writer(tmp_path):
+    assert atomic.temporary(tmp_path / "a.gguf") == tmp_path / f".a.gguf.tmp-{os.getpid()}"
+    assert atomic.TMP_TAG in atomic.temporary(Path("x")).name

@@ -1,0 +1,168 @@
+"""Checkpoints that vouch for themselves, and retention: issue 17 cases 7 and 8.
+
+7. a damaged GGUF (bytes overwritten in its tensor data, or cut short) or a state file of
+   another checkpoint is named on --resume, with the newest intact checkpoint to go on from;
+   a divergence right after a resume checks that checkpoint before blaming the learning rate;
+8. --keep-last / --keep-best keep what they say (never what `latest` names).
+The disk-full half of case 8 (no state file left without its GGUF) is checked by every test
+in test_reliability.py through `assert_bundle_intact`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_errors import error_line
+from toymlx_cli.train import main
+
+from toymlx import checkpoint as ck
+from toymlx.events import kind_of, read_events
+from toymlx.gguf.reader import GGUFFile
+from toymlx.gguf.writer import DIGEST_KEY, data_digest, write_gguf
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
+        "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
+        "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--no-compile",
+        "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def twenty(tmp_path_factory, shared_data) -> Path:
+    """A run of 30 steps stopped at 20, checkpointed every 5."""
+    root = tmp_path_factory.mktemp("ck")
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path",
+                 str(shared_data / "text" / "tinystories_sample.txt"), "--runs-root", str(root),
+                 "--run-id", "r", "--steps", "30", "--stop-at", "20", "--checkpoint-every", "5",
+                 "--eval-every", "0"]) == 0
+    return root / "r"
+
+
+@pytest.fixture
+def run(tmp_path, twenty) -> Path:
+    out = tmp_path / "r"
+    shutil.copytree(twenty, out, symlinks=True)
+    return out
+
+
+def test_checkpoints_carry_checksums_and_a_shared_id(run):
+    for step, path in ck.list_checkpoints(run / "weights"):
+        arrays, meta = ck.open_checkpoint(path)
+        _, state = ck.load_state(ck.state_path(path))
+        assert meta[ck.ID_KEY] == state["checkpoint_id"] and len(state["checkpoint_id"]) == 32
+        assert meta[DIGEST_KEY] == data_digest(path, GGUFFile(path).data_start)
+        assert state["sha256"] == ck.arrays_digest(arrays) and state["step"] == step
+    ids = {ck.open_checkpoint(p)[1][ck.ID_KEY] for _, p in ck.list_checkpoints(run / "weights")}
+    assert len(ids) == 4  # one id per checkpoint
+
+
+def test_overwritten_tensor_data_is_named_with_the_intact_one(run, capsys):
+    """4 KB of 0xFF in step 20's tensor data: once accepted (and blamed on the lr)."""
+    path = run / "weights" / "step_20.gguf"
+    start = GGUFFile(path).data_start
+    with open(path, "r+b") as f:
+        f.seek(start + 64)
+        f.write(b"\xff" * 4096)
+    assert main(["--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert f"{path}: tensor data: expected sha256 " in line and "the file is damaged" in line
+    assert line.endswith(f"the newest intact checkpoint is step_15: toymlx-train --resume "
+                         f"{run} --from step_15")
+    assert main(["--resume", str(run), "--from", "step_15", "--steps", "22"]) == 0
+    ev = read_events(run)
+    assert [e["from_step"] for e in ev if kind_of(e) == "resume"] == [15]
+    assert [e["step"] for e in ev if kind_of(e) == "step"] == list(range(1, 23))
+    # the damaged step 20 was set aside (not deleted), and rewritten by the resumed run
+    assert (run / "weights" / "superseded" / "step_20.gguf").exists()
+    ck.open_checkpoint(run / "weights" / "step_20.gguf")
+
+
+def test_a_truncated_checkpoint_is_named(run, capsys):
+    path = run / "weights" / "step_20.gguf"
+    path.write_bytes(path.read_bytes()[:-1000])
+    assert main(["--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert str(path) in line and "truncated" in line and "--from step_15" in line
+
+
+def test_a_state_file_of_another_checkpoint_is_named(run, capsys):
+    """step 5's state copied over step 20's: once resumed silently with mismatched state."""
+    w = run / "weights"
+    shutil.copy(w / "step_5.state.safetensors", w / "step_20.state.safetensors")
+    assert main(["--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert f"{w / 'step_20.state.safetensors'}: checkpoint id: expected " in line
+    assert "the state file of another checkpoint (step 5)" in line
+    assert line.endswith(f"--resume {run} --from step_15")
+
+
+def test_a_damaged_state_file_is_named(run, capsys):
+    w = run / "weights"
+    state = w / "step_20.state.safetensors"
+    raw = bytearray(state.read_bytes())
+    raw[-100:] = b"\x7f" * 100  # inside the last array's bytes
+    state.write_bytes(bytes(raw))
+    assert main(["--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert f"{state}: array data: expected sha256" in line and "--from step_15" in line
+
+
+def test_divergence_right_after_resume_checks_the_checkpoint_first(run, capsys):
+    """A checkpoint whose checksum holds (rewritten with its id) but whose weights are not
+    finite: the divergence at the first resumed step names it, not the learning rate."""
+    path = run / "weights" / "step_20.gguf"
+    g = GGUFFile(path)
+    meta = {k: v for k, v in g.metadata.items() if k != DIGEST_KEY}
+    tensors = {n: g.load(n) for n in g.tensors}
+    tensors["blk.0.ffn_down.weight"] = np.full_like(tensors["blk.0.ffn_down.weight"], np.inf)
+    write_gguf(path, meta, tensors, types=g.metadata_types)
+    g.close()
+    ck.open_checkpoint(path)  # verifies: the damage is not in the bytes
+    assert main(["--resume", str(run)]) == 2
+    end = read_events(run)[-1]
+    assert end["reason"] == "diverged" and end["final_step"] == 20
+    assert "the first step after resuming from step_20.gguf" in end["message"]
+    assert "non-finite weights (blk.0.ffn_down.weight)" in end["message"]
+    assert "--from step_15" in end["message"]
+    assert "diverged" in capsys.readouterr().err
+
+
+def test_keep_last_and_keep_best_keep_what_they_say(tmp_path, shared_data):
+    root = tmp_path
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path",
+                 str(shared_data / "text" / "tinystories_sample.txt"), "--runs-root", str(root),
+                 "--run-id", "k", "--steps", "14", "--lr", "3e-2", "--warmup", "0",
+                 "--checkpoint-every", "1", "--eval-every", "1", "--keep-last", "3",
+                 "--keep-best", "2"]) == 0
+    run = root / "k"
+    ev = read_events(run)
+    val = {e["step"]: e["val_loss"] for e in ev if kind_of(e) == "eval"}
+    best = sorted(val, key=val.get)[:2]
+    have = [s for s, _ in ck.list_checkpoints(run / "weights")]
+    assert set(have) == {12, 13, 14} | set(best), (have, best, val)
+    removed = [s for e in ev if kind_of(e) == "checkpoint" for s in e.get("removed", [])]
+    assert sorted(removed + have) == list(range(1, 15))  # each removed once, nothing else
+    assert ck.resolve_latest(run).name == "step_14.gguf"
+    assert sorted(p.name for p in (run / "weights").iterdir()) == sorted(
+        ["latest"] + [f"step_{s}{x}" for s in have for x in (".gguf", ".state.safetensors")])
+
+
+def test_retention_never_removes_what_latest_names(tmp_path):
+    w = tmp_path
+    for s in (1, 2, 3):
+        (w / f"step_{s}.gguf").write_bytes(b"g")
+        (w / f"step_{s}.state.safetensors").write_bytes(b"s")
+        (w / f"step_{s}.warm.safetensors").write_bytes(b"w")
+    ck.update_latest(w, w / "step_1.gguf")  # as after a resume from step 1
+    keep = ck.retained([1, 2, 3], 3, keep_last=1, keep_best=0, scores={})
+    assert keep == {3}
+    assert ck.prune(w, keep) == [2]
+    assert sorted(p.name for p in w.iterdir()) == [
+        "latest", "step_1.gguf", "step_1.state.safetensors", "step_1.warm.safetensors",
+        "step_3.gguf", "step_3.state.safetensors", "step_3.warm.safetensors"]
+    # the best by validation loss can be old ones; unscored checkpoints are never "best"
+    scores = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.2, 5: 0.8}
+    assert ck.retained(range(1, 7), 6, keep_last=2, keep_best=2, scores=scores) == {2, 4, 5, 6}
+    assert ck.retained(range(1, 7), 6, keep_last=0, keep_best=1, scores=scores) == {2, 6}

@@ -1,0 +1,237 @@
+"""One writer per run bundle, and resumes that keep the run: issue 17 cases 2-5, run as a user
+would (real `toymlx-train` processes and signals where a second process is the point).
+
+2. a second writer (--resume, --overwrite, a fresh start) of a live bundle is refused, naming
+   the process that owns it;
+3. a resume that changes an option other than --steps (or a run-local one) is refused;
+4. a hand-broken config.json gives one line naming the key, never a traceback;
+5. a run killed before its first checkpoint says how many steps were lost and how to start it
+   over, and that command gives one clean run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli_errors import error_line
+from toymlx_cli.train import main
+
+from toymlx.checkpoint import list_checkpoints
+from toymlx.events import SUPERSEDED, kind_of, read_events
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
+        "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
+        "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--eval-every", "0",
+        "--no-compile", "--no-progress"]
+TRAIN = [sys.executable, "-m", "toymlx_cli.train"]
+
+
+@pytest.fixture(scope="module")
+def data(shared_data: Path) -> str:
+    return str(shared_data / "text" / "tinystories_sample.txt")
+
+
+def _digest(run: Path) -> dict[str, str]:
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(TRAIN + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_for_step(p: subprocess.Popen, run: Path, step: int) -> None:
+    t0 = time.monotonic()
+    while not any(kind_of(e) == "step" and e["step"] >= step for e in read_events(run)):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 120
+        time.sleep(0.05)
+
+
+def _one_run(run: Path) -> list[dict]:
+    """The events, after checking they read as one toy/v1 run: one run_start first, each step
+    once from 1, at most one run_end and last."""
+    ev = read_events(run)
+    kinds = [kind_of(e) for e in ev]
+    assert kinds[0] == "run_start" and kinds.count("run_start") == 1, kinds
+    assert kinds.count("run_end") <= 1 and ("run_end" not in kinds or kinds[-1] == "run_end")
+    steps = [e["step"] for e in ev if kind_of(e) == "step"]
+    assert steps == list(range(1, len(steps) + 1)), steps
+    return ev
+
+
+# ---- 2. two writers ------------------------------------------------------------------------
+def test_a_second_writer_of_a_live_bundle_is_refused(tmp_path, data, capsys):
+    run = tmp_path / "live2"
+    p = _start(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                str(tmp_path), "--run-id", "live2", "--steps", "100000", "--checkpoint-every",
+                "5"])
+    try:
+        _wait_for_step(p, run, 6)
+        config = (run / "config.json").read_bytes()
+        fresh = ["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                 str(tmp_path), "--run-id", "live2", "--steps", "150"]
+        for argv in (["--resume", str(run), "--steps", "150"],
+                     ["--resume", str(run), "--lr", "1e-3", "--steps", "150"],
+                     [*fresh, "--overwrite"], fresh):
+            assert main(argv) == 2
+            line = error_line(capsys)
+            assert f"{run}: run bundle: in use by process {p.pid} (" in line, line
+            assert "toymlx_cli.train" in line and "--run-id live2" in line, line
+        assert (run / "config.json").read_bytes() == config
+        assert p.poll() is None  # the owner trained on, untouched
+    finally:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    ev = _one_run(run)
+    assert ev[-1]["reason"] == "interrupted"
+    final = ev[-1]["final_step"]
+    assert [s for s, _ in list_checkpoints(run / "weights")][-1] == final
+    # once the owner is gone the bundle is free: the resume continues it
+    assert main(["--resume", str(run), "--steps", str(final + 2)]) == 0
+    ev = _one_run(run)
+    assert ev[-1]["reason"] == "completed" and ev[-1]["final_step"] == final + 2
+    assert not (run / ".lock").exists()
+
+
+# ---- 3. strict resume ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, data) -> Path:
+    """A run of 6 steps stopped (checkpointed) at step 4."""
+    root = tmp_path_factory.mktemp("strict")
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                 str(root), "--run-id", "base", "--steps", "6", "--stop-at", "4",
+                 "--checkpoint-every", "2"]) == 0
+    return root / "base"
+
+
+@pytest.mark.parametrize("flag,given,key,saved", [
+    ("--data.path", "{other}", "data.path", "{data}"),
+    ("--seq-len", "16", "seq_len", "32"),
+    ("--batch-size", "4", "batch_size", "2"),
+    ("--seed", "1", "seed", "0"),
+    ("--lr", "0.001", "lr", "0.003"),
+    ("--warmup", "3", "warmup", "20"),
+    ("--run-id", "elsewhere", "run_id", "'base'"),
+    ("--runs-root", "{other_root}", "runs_root", "{root}"),
+    ("--model.d-model", "64", "model.d_model", "32"),
+])
+def test_resume_with_a_changed_option_is_refused(tmp_path, stopped, capsys, data, flag,
+                                                 given, key, saved):
+    run = tmp_path / "base"
+    shutil.copytree(stopped, run, symlinks=True)
+    other = tmp_path / "other.txt"
+    shutil.copy(data, other)
+    fill = {"other": str(other), "data": repr(data), "other_root": str(tmp_path / "r2"),
+            "root": repr(str(stopped.parent))}
+    before = _digest(run)
+    assert main(["--resume", str(run), flag, given.format(**fill)]) == 2
+    line = error_line(capsys)
+    assert f"--resume: {flag}: expected the run's saved {key} = {saved.format(**fill)}" in line
+    assert given.format(**fill) in line and "start a new run" in line
+    assert _digest(run) == before  # nothing written, config.json least of all
+
+
+def test_resume_may_extend_steps_and_change_run_local_options(tmp_path, stopped):
+    run = tmp_path / "base"
+    shutil.copytree(stopped, run, symlinks=True)
+    config = (run / "config.json").read_bytes()
+    assert main(["--resume", str(run), "--steps", "9", "--eval-every", "3",
+                 "--checkpoint-every", "3", "--keep-last", "2"]) == 0
+    assert (run / "config.json").read_bytes() == config  # never rewritten
+    ev = _one_run(run)
+    (res,) = [e for e in ev if kind_of(e) == "resume"]
+    assert (res["from_step"], res["steps"], res["previous_steps"]) == (4, 9, 6)
+    assert res["previous_end"] == "stopped" and res["dropped_events"] == 1  # its run_end
+    assert [e["step"] for e in ev if kind_of(e) == "eval"] == [6, 9]
+    assert ev[-1]["reason"] == "completed" and ev[-1]["final_step"] == 9
+    assert [s for s, _ in list_checkpoints(run / "weights")] == [6, 9]  # --keep-last 2
+    ts = [e["t"] for e in ev]
+    assert ts == sorted(ts)  # the clock goes on from the first process's
+    # the extension is the run's length from now on: a plain resume keeps it
+    assert main(["--resume", str(run)]) == 2  # nothing left to train at 9 of 9
+    assert main(["--resume", str(run), "--steps", "10"]) == 0
+    assert [e["steps"] for e in read_events(run) if kind_of(e) == "resume"] == [9, 10]
+
+
+# ---- 4. config.json validated ---------------------------------------------------------------
+@pytest.mark.parametrize("edit,want", [
+    (lambda c: [1, 2], 'expected an object with "recipe" and "config" keys, found [1, 2] (a list)'),
+    (lambda c: {**c, "config": {**c["config"], "steps": "forty"}},
+     "key 'config.steps': expected an integer, found \"forty\" (a string)"),
+    (lambda c: {**c, "config": {**c["config"], "model": None}},
+     "key 'config.model': expected an object of options, found null (null)"),
+    (lambda c: {**c, "recipe": "vit-tiny"},
+     "key 'config.seq_len': expected an option of this recipe, found an unknown key"),
+    (lambda c: {**c, "recipe": "no-such"}, "key 'recipe': --recipe: expected one of"),
+    (lambda c: {**c, "config": {**c["config"], "lr": True}},
+     "key 'config.lr': expected a number, found true (a boolean)"),
+    (lambda c: {**c, "config": {**c["config"], "steps": -5}}, "--steps: expected >= 1"),
+    (lambda c: {**c, "config": {**c["config"], "nonsense": 1}},
+     "key 'config.nonsense': expected an option of this recipe"),
+    (lambda c: "{not json", "expected JSON, found Expecting property name"),
+])
+def test_a_broken_config_json_is_one_line(tmp_path, stopped, capsys, edit, want):
+    run = tmp_path / "base"
+    shutil.copytree(stopped, run, symlinks=True)
+    saved = json.loads((run / "config.json").read_text())
+    new = edit(saved)
+    (run / "config.json").write_text(new if isinstance(new, str) else json.dumps(new))
+    assert main(["--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert f"{run / 'config.json'}: " in line and want in line, line
+
+
+# ---- 5. killed before its first checkpoint ---------------------------------------------------
+def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, data, capsys):
+    run = tmp_path / "early"
+    fresh = ["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+             str(tmp_path), "--run-id", "early", "--steps", "100000", "--checkpoint-every",
+             "100000"]
+    p = _start(fresh)
+    _wait_for_step(p, run, 5)
+    p.kill()
+    p.wait()
+    lost = max(e["step"] for e in read_events(run) if kind_of(e) == "step")
+    assert main(["--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert (f"found no checkpoint: the run stopped at step {lost}, before its first checkpoint "
+            f"({lost} steps lost)") in line
+    command = f"toymlx-train --resume {run} --from step_0"
+    assert line.endswith(command), line
+    assert main(fresh[:-4] + ["--steps", "3"]) == 2  # the run id is taken ...
+    assert f"--resume {run} --from step_0 to start it over" in error_line(capsys)  # ... said
+    assert main([*command.split()[1:], "--steps", "6"]) == 0  # the command it gave, shortened
+    ev = _one_run(run)
+    (res,) = [e for e in ev if kind_of(e) == "resume"]
+    assert res["from_step"] == 0 and res["checkpoint"] is None and res["previous_end"] == "torn"
+    assert res["dropped_events"] >= lost
+    assert len((run / SUPERSEDED).read_text().splitlines()) == res["dropped_events"]
+    assert ev[-1]["reason"] == "completed" and ev[-1]["final_step"] == 6
+    # the same run again: steps in warm-up have the same learning rate whatever --steps is
+    first = [e["loss"] for e in read_events(run / SUPERSEDED) if kind_of(e) == "step"][:6]
+    assert [e["loss"] for e in ev if kind_of(e) == "step"][:len(first)] == first
+
+
+def test_locks_of_dead_owners_do_not_block(tmp_path, data):
+    """A SIGKILLed owner leaves its lock file behind; the kernel has already released it."""
+    run = tmp_path / "k"
+    p = _start(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                str(tmp_path), "--run-id", "k", "--steps", "100000", "--checkpoint-every", "2"])
+    _wait_for_step(p, run, 3)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert (run / ".lock").exists() and json.loads((run / ".lock").read_text())["pid"] == p.pid
+    last = list_checkpoints(run / "weights")[-1][0]
+    assert main(["--resume", str(run), "--steps", str(last + 2)]) == 0

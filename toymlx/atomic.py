@@ -1,0 +1,84 @@
+"""The one way toymlx replaces a file: write a temporary beside it, fsync, rename, fsync the folder.
+
+A crash at any instant leaves either the old file or the complete new one, never a mix: the
+temporary `.<name>.tmp-<pid>` lives in the target's folder (so the rename is atomic on one
+filesystem), the process id keeps two writers' temporaries apart, and the folder is fsynced so
+the rename itself survives a power cut. On any failure the temporary is removed and the old
+file stays as it was. `checkpoint.clean_temporaries` sweeps what a killed writer leaves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+TMP_TAG = ".tmp-"
+"""Every temporary's name holds this (`.<name>.tmp-<pid>`), so leftovers can be found."""
+
+
+def temporary(path: Path) -> Path:
+    """The temporary name this process writes `path` through."""
+    return path.with_name(f".{path.name}{TMP_TAG}{os.getpid()}")
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make a rename in `folder` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb",
+                encoding: str | None = None) -> Iterator[IO]:
+    """A file object whose contents replace `path` when the block ends without an error."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open: expected mode 'wb' or 'w', found {mode!r}")
+    path = Path(path)
+    tmp = temporary(path)
+    try:
+        with open(tmp, mode, encoding=encoding if mode == "w" else None) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Replace `path` with `data` atomically."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+    return Path(path)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Replace `path` with UTF-8 `text` atomically."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def symlink(target: str, link: str | os.PathLike) -> None:
+    """Point the symlink `link` at `target` (a name relative to its folder), atomically."""
+    link = Path(link)
+    tmp = temporary(link)
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(target, tmp)
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(link.parent)

@@ -1,0 +1,80 @@
+"""Children that do not outlive the toymlx process that started them.
+
+`toymlx-sweep` and `toymlx-launch` start their children with `child_env()`, which names the
+parent in `TOYMLX_PARENT_PID`; a child calls `watch_parent()` first thing. When that parent
+dies, however it dies (SIGKILL included), the child is told at once: on Linux the kernel sends
+it SIGTERM (PR_SET_PDEATHSIG); elsewhere (macOS, or a shell standing between the two) a thread
+that polls the parent does the same, or calls `on_loss`; either way exactly once.
+`toymlx-train` treats that SIGTERM as a stop: it finishes the step in flight, writes a final
+checkpoint and `run_end`, and exits; a re-run then resumes it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+PARENT_ENV = "TOYMLX_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) plus the variable that ties a child to this process."""
+    return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie counts; see `watch_parent`)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pdeathsig(sig: int) -> bool:
+    """Ask Linux to send `sig` to this process when its parent dies; whether it took."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def watch_parent(on_loss: Callable[[], None] | None = None, every: float = 0.5) -> bool:
+    """If this process was started with `child_env()`, act when that parent dies: `on_loss()`,
+    by default SIGTERM to this process. Returns whether a watch was set up."""
+    text = os.environ.get(PARENT_ENV, "")
+    if not text.isdigit():
+        return False
+    parent = int(text)
+    direct = os.getppid() == parent  # else a wrapper (a shell) stands between us
+    act = on_loss or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+    kernel = on_loss is None and direct and _pdeathsig(signal.SIGTERM)
+
+    def gone() -> bool:
+        # A killed parent stays a zombie (kill(pid, 0) succeeds) until its own parent reaps
+        # it, but we are re-parented at once: for a direct child that is the quicker sign.
+        return (direct and os.getppid() != parent) or not alive(parent)
+
+    if gone():  # it died before we got here (so before the kernel could be told)
+        act()
+        return True
+    if kernel:  # one SIGTERM, not two: a second one would mean "skip the final checkpoint"
+        return True
+
+    def poll() -> None:
+        while not gone():
+            time.sleep(every)
+        act()
+    threading.Thread(target=poll, name="toymlx-parent-watch", daemon=True).start()
+    return True

@@ -1,0 +1,110 @@
+"""Exclusive ownership of a file or folder, held by a live process: an OS lock (`flock`) that the
+kernel drops when its holder dies, however it dies.
+
+    with acquire(run_dir / LOCK_FILE, "run bundle " + str(run_dir)):
+        ...   # only this process writes the bundle
+
+A pid file can outlive its process (and a recycled pid can look alive); a `flock` cannot. The
+lock file holds the holder's pid, host and command line, read only to say who holds it. It is
+removed when released; a waiter that locked the removed file sees that the path no longer
+names its file and tries again, so two processes never both believe they hold it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+LOCK_FILE = ".lock"
+"""The lock file's name inside a run bundle."""
+
+
+class LockHeld(ValueError):
+    """Another live process holds the lock; the message names it (one line)."""
+
+    def __init__(self, what: str, holder: dict[str, Any]):
+        self.holder = holder
+        pid = holder.get("pid", "?")
+        cmd = str(holder.get("command") or "unknown command")
+        cmd = cmd if len(cmd) <= 600 else cmd[:597] + "..."
+        where = holder.get("host")
+        super().__init__(
+            f"{what}: in use by process {pid} ({cmd})"
+            + (f" on {where}" if where and where != socket.gethostname() else "")
+            + (f" since {holder['since']}" if holder.get("since") else "")
+            + f"; wait for it to end, or stop it first (kill -INT {pid})")
+
+
+class Lock:
+    """A held lock; `release()` (or leaving the `with` block) gives it up."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still held: see the module docstring
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Lock:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _me() -> dict[str, Any]:
+    argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
+    return {"pid": os.getpid(), "host": socket.gethostname(), "command": shlex.join(argv),
+            "since": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def holder(path: str | os.PathLike) -> dict[str, Any]:
+    """What the lock file says about its holder ({} when it says nothing readable)."""
+    try:
+        info = json.loads(Path(path).read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def acquire(path: str | os.PathLike, what: str) -> Lock:
+    """Take the exclusive lock `path` (created if missing) without waiting; LockHeld naming the
+    holder when another process has it. `what` names the locked thing in messages."""
+    path = Path(path)
+    for _ in range(20):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockHeld(what, holder(path)) from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise OSError(e.errno, f"{path}: expected a filesystem with file locks, found "
+                                       f"none ({e.strerror}); use a local folder") from None
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # released and removed by its last holder after we opened it
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_me()).encode(), 0)
+        return Lock(path, fd)
+    raise OSError(errno.EAGAIN, f"{path}: could not take the lock (it kept changing hands)")
