@@ -139,3 +139,31 @@ def test_device_gpu_without_one_says_so(bench, capsys):
     assert bench.main(["--device", "gpu"]) == 2
     assert capsys.readouterr().err == ("bench: --device gpu: MLX has no GPU backend on this "
                                        "machine; use --device cpu\n")
+
+
+@pytest.mark.slow
+def test_cpu_suite_quick_round(tmp_path):
+    """One round of the CPU suite's small workloads: PyTorch's step in its child process and
+    toymlx's with both kernel sets start from the same loss, and the table keeps its columns."""
+    out = tmp_path / "quick.json"
+    cmd = [sys.executable, str(BENCH), "--quick", "--rounds", "1", "--warm-jit", "--only",
+           "llama-4x256", "vit-tiny-28", "--impl", "toymlx", "toymlx-ref", "torch",
+           "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    info = json.loads(out.read_text())
+    assert info["suite"] == "cpu" and [w["workload"] for w in info["workloads"]] == [
+        "llama-4x256", "vit-tiny-28"]
+    for w in info["workloads"]:
+        v = w["variants"]
+        assert list(v) == ["toymlx", "toymlx-ref", "torch"]
+        losses = [x["loss0"] for x in v.values()]
+        assert max(losses) - min(losses) < 1e-5 * losses[0], (w["workload"], losses)
+        assert set(w["ratio_toymlx_over"]) == {"toymlx-ref", "torch"}
+        gflops = w["flops_per_step"] / v["toymlx"]["median_s"] / 1e9
+        assert v["toymlx"]["gflops"] == pytest.approx(gflops)
+        assert v["toymlx"]["mfu_vs_mlx_sgemm"] == pytest.approx(gflops / w["sgemm_gflops"]["mlx"])
+    header = p.stdout.splitlines()[1].split()
+    assert header == ["workload", "impl", "median", "ms", "min", "ms", "cpu", "ms", "items/s",
+                      "GFLOPS", "MFU", "1st", "step", "s", "mlx", "MB", "RSS", "MB", "loss0",
+                      "|g|0"]
