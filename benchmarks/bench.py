@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     info["table"] = table
     if a.json:
         Path(a.json).write_text(json.dumps(info, indent=1, default=float))
-    return 0
+    return 1 if any("error" in w for w in info["workloads"]) else 0
 
 
 if __name__ == "__main__":

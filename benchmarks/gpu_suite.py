@@ -225,9 +225,15 @@ def run_gpu(device: str, shapes: str = "full", dtypes: tuple[str, ...] = DTYPES,
     for w in chosen:
         for dtype in dtypes:
             log(f"{w.name} {dtype}: {', '.join(which)} x {rounds} rounds")
-            info["workloads"].append(run_workload(w, dtype, which, rounds, warmup,
-                                                  info["matmul"][dtype], torch_device,
-                                                  compile_backend, log))
+            try:
+                res = run_workload(w, dtype, which, rounds, warmup, info["matmul"][dtype],
+                                   torch_device, compile_backend, log)
+            except Exception as e:  # noqa: BLE001 -- one workload that fails (out of memory,
+                # a compiler error) must not cost the others' figures; the table shows it
+                res = {"workload": w.name, "dtype": dtype,
+                       "error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
+                log(f"  {w.name} {dtype} failed: {res['error']}")
+            info["workloads"].append(res)
             _release(torch_device)
             if partial_json:
                 Path(partial_json).write_text(json.dumps(info, indent=1, default=float))
@@ -268,6 +274,9 @@ def format_gpu_table(info: dict[str, Any]) -> str:
            f"{'loss0':>9} {'|g|0':>8}")
     lines += [hdr, "-" * len(hdr)]
     for res in info["workloads"]:
+        if "error" in res:
+            lines.append(f"{res['workload']:<20} {res['dtype']:<8} FAILED: {res['error']}")
+            continue
         for name, r in res["rows"].items():
             lines.append(
                 f"{res['workload']:<20} {res['dtype']:<8} {name:<13} {r['median_s'] * 1e3:>9.1f} "

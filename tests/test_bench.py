@@ -115,6 +115,22 @@ def test_tiny_gpu_suite_figures_arithmetic(tiny_gpu_suite):
                 [a / b for a, b in zip(toymlx, theirs)]))
 
 
+def test_a_failing_workload_is_reported_and_the_rest_still_run(tmp_path):
+    """A row that cannot be built (here an unknown torch.compile backend) fails its workload
+    only: the table says so, the exit code is 1, and the JSON keeps the others' figures."""
+    out = tmp_path / "fail.json"
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--shapes", "tiny", "--dtype",
+           "float32", "--only", "tiny-vit", "tiny-lora-q", "--rounds", "1", "--warmup", "0",
+           "--impl", "toymlx", "torch-compile", "--compile-backend", "no-such-backend",
+           "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600, cwd=REPO)
+    assert p.returncode == 1, p.stderr[-3000:]
+    groups = json.loads(out.read_text())["workloads"]
+    assert [g["workload"] for g in groups] == ["tiny-vit", "tiny-lora-q"]
+    assert all("no-such-backend" in g["error"] for g in groups), groups
+    assert p.stdout.count("FAILED:") == 2
+
+
 @pytest.fixture
 def bench(monkeypatch):
     """benchmarks/bench.py as a module (its siblings import by their plain names)."""
