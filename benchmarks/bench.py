@@ -33,7 +33,7 @@ import cpu_suite
 import gpu_suite
 from workloads import cpu_workloads, gpu_workloads
 
-from toymlx.device import select_device
+from toymlx.device import select_device, setup_process
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"bench: {problem}", file=sys.stderr)
         return 2
+    setup_process()  # as toymlx-train sets itself up, before MLX evaluates anything
     # PyTorch's OpenMP threads spin while they wait (libgomp's default): on a 2-core machine
     # that other work shares, the spinning thread holds the core its partner needs and
     # PyTorch's CPU steps take 3-5x longer than with one thread. PASSIVE waits sleep. Set

@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 from procs import MB, TorchVariant, gguf_io, proc_status, run_child, run_dp
 from rounds import Variant, first_steps, median_ratios, run_rounds
-from toymlx_step import ToymlxVariant, build_model, weights_np
+from toymlx_step import CPU_OPS, ToymlxVariant, build_model, weights_np
 from workloads import Workload, cpu_workloads, find, make_batch, train_flops
 
 from toymlx.device import backend_info
@@ -38,7 +38,7 @@ def build_variants(w: Workload, which: tuple[str, ...]) -> tuple[list[Variant], 
     out: list[Variant] = []
     builds: dict[str, float] = {}
     t = time.perf_counter()
-    model = build_model(w)
+    model = build_model(w, CPU_OPS)
     weights = weights_np(model)
     if "toymlx" in which:
         v = ToymlxVariant(w, model, batch)
@@ -49,7 +49,9 @@ def build_variants(w: Workload, which: tuple[str, ...]) -> tuple[list[Variant], 
         mx.clear_cache()
     if "toymlx-ref" in which:
         t = time.perf_counter()
-        rv = ToymlxVariant(w, build_model(w), batch, kernels="mlx", name="toymlx-ref")
+        # the same model built with MLX's own kernels instead of toymlx.fastmath's
+        rv = ToymlxVariant(w, build_model(w, replace(CPU_OPS, kernels="mlx")), batch,
+                           name="toymlx-ref")
         builds[rv.name] = time.perf_counter() - t
         out.append(rv)
     if "torch" in which:
@@ -152,7 +154,7 @@ def probe_memory(workload: str, variant: str, steps: int = 3) -> dict[str, float
     if variant.startswith("torch"):  # in this (probe) process, not in a grandchild
         from torch_step import TorchStep  # torch only in a probe of a torch variant
 
-        weights = weights_np(build_model(w))
+        weights = weights_np(build_model(w, CPU_OPS))
         mx.clear_cache()
         v: Variant = TorchStep(w, weights, make_batch(w), 1 if variant == "torch1t" else None)
         del weights
@@ -184,6 +186,8 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
         tempfile.tempdir = None
     chosen = [w for w in cpu_workloads() if (w.quick or not quick) and (not only or w.name in only)]
     info: dict[str, Any] = {"suite": "cpu", "backend": backend_info(), "quick": quick,
+                            "toymlx_ops": {"toymlx": CPU_OPS.describe(), "toymlx-ref":
+                                           replace(CPU_OPS, kernels="mlx").describe()},
                             "cold_jit": cold_jit,
                             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                             "numpy": np.__version__, "workloads": []}

@@ -14,8 +14,8 @@ model cast with `set_dtype`); PyTorch where the device is a CUDA GPU (or the CPU
   so rows sharing the process do not count each other's weights.
 
 `--shapes tiny` runs every one of these code paths at shapes a CPU trains in seconds. toymlx's
-rows trace with MLX's own kernels, as toymlx does on a GPU, on either device (toymlx.fastmath's
-CPU forms are a CPU-suite matter, and float32-only).
+rows compute with the math toymlx trains with on a GPU (`training_ops(on_gpu=True, dtype)`:
+MLX's fused kernels, float32 master weights, `mx.fast.rope`) on either device.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import mlx.core as mx
 from cpu_suite import num
 from procs import MB
 from rounds import Variant, first_steps, median_ratios, run_rounds
-from toymlx_step import ToymlxVariant, build_model, weights_np
+from toymlx_step import ToymlxVariant, build_model, gpu_ops, weights_np
 from workloads import Workload, gpu_workloads, make_batch, train_flops
 
 from toymlx.device import backend_info
@@ -96,13 +96,14 @@ def build_variants(w: Workload, which: tuple[str, ...], dtype: str, torch_device
     """The rows of `w` in `dtype` that apply to it, each built from the same weights."""
     batch = make_batch(w)
     t = time.perf_counter()
-    model = build_model(w)
+    model = build_model(w, gpu_ops(dtype))
+    # what toymlx's model holds is where every row starts (in bfloat16, a LoRA base rounded)
     weights = weights_np(model)
     shared = time.perf_counter() - t
 
     def make(name: str) -> Variant | None:
-        if name == "toymlx":  # MLX's kernels, as toymlx runs on a GPU (see the docstring)
-            return ToymlxVariant(w, model, batch, kernels="mlx", dtype=dtype)
+        if name == "toymlx":
+            return ToymlxVariant(w, model, batch)
         if name == "mlx-lm":
             if not w.lora:  # mlx-lm's trainer is a fine-tuner: its LoRA step only
                 return None
@@ -173,6 +174,7 @@ def run_workload(w: Workload, dtype: str, which: tuple[str, ...], rounds: int, w
         v.close()
     losses = [r["loss0"] for r in rows.values()]
     return {"workload": w.name, "dtype": dtype, "shape": w.describe(), "flops_per_step": flops,
+            "toymlx_ops": gpu_ops(dtype).describe(),
             "items_per_step": w.tokens, "unit": w.unit, "rounds": rounds,
             "peak_tflops": peak["peak_tflops"], "rows": rows,
             "ratio_toymlx_over": median_ratios(per_round),

@@ -43,7 +43,7 @@ class MlxLmVariant(Variant):
         model = Model(ModelArgs(model_type="llama", hidden_size=a.d_model,
                                 num_hidden_layers=a.n_layers, intermediate_size=a.ffn_dim,
                                 num_attention_heads=a.n_heads, rms_norm_eps=a.norm_eps,
-                                vocab_size=a.vocab_size, head_dim=a.hd,
+                                vocab_size=a.vocab_size, head_dim=a.head_dim,
                                 num_key_value_heads=a.n_kv_heads, rope_theta=a.rope_base,
                                 rope_traditional=True, tie_word_embeddings=a.tie_embeddings))
         model.load_weights([(to_mlx_lm(k.replace(".linear.weight", ".weight")), mx.array(v))

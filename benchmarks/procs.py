@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from rounds import Variant
-from toymlx_step import ToymlxVariant, build_model
+from toymlx_step import CPU_OPS, ToymlxVariant, build_model
 from workloads import Workload, find, make_batch
 
 from toymlx.launch import launch
@@ -32,9 +32,11 @@ MB = 2**20
 
 
 def child_code(body: str) -> str:
-    """Python source for a fresh process that can import this folder's modules, then `body`
-    (toymlx first: it loads OpenBLAS, which must precede mlx.core)."""
-    return f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport toymlx\n{body}"
+    """Python source for a fresh process set up as toymlx-train sets itself up (toymlx first:
+    it loads OpenBLAS, which must precede mlx.core), able to import this folder's modules,
+    then `body`."""
+    return (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport toymlx.device\n"
+            f"toymlx.device.setup_process()\n{body}")
 
 
 def run_child(body: str, timeout: float = 1800) -> dict:
@@ -61,8 +63,9 @@ class TorchVariant(Variant):
     Not in this process: toymlx loads OpenBLAS with global symbols before MLX, and PyTorch's
     CPU attention kernels then call OpenBLAS's threaded sgemm from inside their OpenMP threads
     (fwd+bwd of a SmolLM2-135M attention: 465 ms against 20 ms in a clean process). The child
-    runs with TOYMLX_BLAS=reference so it never loads OpenBLAS, and with TOYMLX_MALLOC=default
-    so that it keeps glibc's malloc settings, as a plain PyTorch process has them.
+    runs with TOYMLX_BLAS=reference so it never loads OpenBLAS, and never calls
+    `toymlx.device.setup_process`: it keeps glibc's malloc settings, as a plain PyTorch process
+    has them.
     """
 
     name = "torch"
@@ -77,8 +80,7 @@ class TorchVariant(Variant):
         np.savez(self.folder / "batch.npz", **batch)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        # the child inherits these at spawn: no OpenBLAS, and glibc's own malloc settings
-        child_env = {"TOYMLX_BLAS": "reference", "TOYMLX_MALLOC": "default"}
+        child_env = {"TOYMLX_BLAS": "reference"}  # the child inherits it at spawn
         saved = {k: os.environ.get(k) for k in child_env}
         os.environ.update(child_env)
         try:
@@ -174,7 +176,7 @@ def dp_worker(workload: str, steps: int, out: str) -> None:
     world = mx.distributed.init()
     world = world if world.size() > 1 else None
     w = find(workload)
-    v = ToymlxVariant(w, build_model(w), make_batch(w), world=world)
+    v = ToymlxVariant(w, build_model(w, CPU_OPS), make_batch(w), world=world)
     loss0 = v.step(0)
     v.step(1)
     wall, cpu = [], []

@@ -58,17 +58,17 @@ class Attention(nn.Module):
     def __init__(self, a: LlamaArgs, w: Workload):
         super().__init__()
         self.a = a
-        self.q_proj = linear(a.d_model, a.n_heads * a.hd, w, "q")
-        self.k_proj = linear(a.d_model, a.n_kv_heads * a.hd, w, "k")
-        self.v_proj = linear(a.d_model, a.n_kv_heads * a.hd, w, "v")
-        self.o_proj = linear(a.n_heads * a.hd, a.d_model, w, "o")
+        self.q_proj = linear(a.d_model, a.n_heads * a.head_dim, w, "q")
+        self.k_proj = linear(a.d_model, a.n_kv_heads * a.head_dim, w, "k")
+        self.v_proj = linear(a.d_model, a.n_kv_heads * a.head_dim, w, "v")
+        self.o_proj = linear(a.n_heads * a.head_dim, a.d_model, w, "o")
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
         a = self.a
-        q = self.q_proj(x).view(B, T, a.n_heads, a.hd).transpose(1, 2)  # (B,H,T,hd)
-        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.hd).transpose(1, 2)  # (B,Hkv,T,hd)
-        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.hd).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B,H,T,hd)
+        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B,Hkv,T,hd)
+        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))  # (B,T,H*hd)
@@ -107,7 +107,7 @@ class TorchLlama(nn.Module):
         self.norm = RMSNorm(a.d_model, a.norm_eps)
         if not a.tie_embeddings:
             self.output = nn.Linear(a.d_model, a.vocab_size, bias=False)
-        inv = a.rope_base ** (-torch.arange(0, a.hd, 2, dtype=torch.float32) / a.hd)
+        inv = a.rope_base ** (-torch.arange(0, a.head_dim, 2, dtype=torch.float32) / a.head_dim)
         ang = torch.arange(w.seq, dtype=torch.float32)[:, None] * inv  # (T, hd/2)
         self.register_buffer("cos", ang.cos(), persistent=False)
         self.register_buffer("sin", ang.sin(), persistent=False)
@@ -137,8 +137,8 @@ class ViTBlock(nn.Module):
             setattr(self.attn, n, nn.Linear(a.d_model, a.d_model))
         self.ffn_norm = nn.LayerNorm(a.d_model, eps=a.norm_eps)
         self.mlp = nn.Module()
-        self.mlp.up_proj = nn.Linear(a.d_model, a.mlp_dim)
-        self.mlp.down_proj = nn.Linear(a.mlp_dim, a.d_model)
+        self.mlp.up_proj = nn.Linear(a.d_model, a.ffn_dim)
+        self.mlp.down_proj = nn.Linear(a.ffn_dim, a.d_model)
         self.approx = {"erf": "none", "tanh": "tanh"}[a.gelu]
 
     def forward(self, x):

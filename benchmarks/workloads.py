@@ -78,7 +78,7 @@ def gpu_workloads(shapes: str = "full") -> list[Workload]:
         return [
             Workload("tiny-vit", "vit", batch=4,
                      vit=ViTArgs(image_size=32, patch_size=8, channels=3, d_model=64,
-                                 n_layers=2, n_heads=2, mlp_dim=128, num_classes=10)),
+                                 n_layers=2, n_heads=2, ffn_dim=128, num_classes=10)),
             Workload("tiny-lora-q", "llama", batch=2, seq=32, llama=small, **_LORA),
             Workload("tiny-lora-q-gqa3", "llama", batch=2, seq=32,
                      llama=tiny(vocab_size=512, d_model=48, n_layers=2, n_heads=3,
@@ -108,17 +108,17 @@ def train_flops(w: Workload) -> float:
     if w.kind == "vit":
         a = w.vit
         T = 1 + a.n_patches
-        per_layer = 4 * a.d_model * a.d_model + 2 * a.d_model * a.mlp_dim
+        per_layer = 4 * a.d_model * a.d_model + 2 * a.d_model * a.ffn_dim
         n = a.n_layers * per_layer + a.patch_size ** 2 * a.channels * a.d_model
         tokens = w.batch * T
         attn_fwd = 4 * w.batch * a.n_heads * T * T * a.head_dim * a.n_layers
         return 6 * n * tokens + 3 * attn_fwd + 6 * a.d_model * a.num_classes * w.batch
     a = w.llama
-    q, kv = a.n_heads * a.hd, a.n_kv_heads * a.hd
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     per_layer = a.d_model * (2 * q + 2 * kv) + 3 * a.d_model * a.ffn_dim
     n = a.n_layers * per_layer + a.vocab_size * a.d_model  # blocks + output head
     tokens = w.batch * w.seq
-    attn_fwd = 4 * w.batch * a.n_heads * w.seq * w.seq * a.hd * a.n_layers
+    attn_fwd = 4 * w.batch * a.n_heads * w.seq * w.seq * a.head_dim * a.n_layers
     if not w.lora:
         return 6 * n * tokens + 3 * attn_fwd
     # Frozen base: forward + input gradients only (4 N); the adapters train fully (6 N_lora).

@@ -37,6 +37,9 @@ class Args:
 def main(argv: list[str] | None = None) -> int:
     import tyro
 
+    from toymlx.device import setup_process
+
+    setup_process()
     args = tyro.cli(Args, args=argv, prog="toymlx-eval")
     try:
         out = evaluate(args)

@@ -46,13 +46,13 @@ def hand_flops(shape: dict) -> float:
         d, T = m["d_model"], 1 + (m["image_size"] // m["patch_size"]) ** 2
         hd = d // m["n_heads"]
         linears = [(m["patch_size"] ** 2 * m["channels"], d)] + m["n_layers"] * (
-            4 * [(d, d)] + [(d, m["mlp_dim"]), (m["mlp_dim"], d)])
+            4 * [(d, d)] + [(d, m["ffn_dim"]), (m["ffn_dim"], d)])
         fwd = sum(2 * i * o for i, o in linears) * B * T
         fwd += m["n_layers"] * m["n_heads"] * 2 * (2 * T * T * hd) * B
         fwd += 2 * d * m["num_classes"] * B  # the head, on the cls token only
         return 3 * fwd
     d, T, L, f = m["d_model"], shape["seq"], m["n_layers"], m["ffn_dim"]
-    hd = m["head_dim"] or d // m["n_heads"]
+    hd = m["key_length"] or d // m["n_heads"]
     q, kv = m["n_heads"] * hd, m["n_kv_heads"] * hd
     base = L * [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] + [(d, m["vocab_size"])]
     base_fwd = sum(2 * i * o for i, o in base) * B * T

@@ -18,10 +18,9 @@ import numpy as np
 
 from toymlx import lora, warm
 from toymlx.checkpoint import load_checked
-from toymlx.gguf.llama import args_from_gguf, load_llama
+from toymlx.gguf.llama import args_from_gguf, load_llama, load_llama_into
 from toymlx.gguf.reader import GGUFFile, read_metadata
 from toymlx.models.llama import Llama
-from toymlx.recipes.common import load_weights_from_gguf
 from toymlx.tokenizer import Tokenizer
 
 Reader = Callable[[str, str], object]
@@ -55,7 +54,7 @@ def reader_paths(seed_files: dict[str, str]) -> dict[str, Reader]:
             return "n/a"
         model = Llama(base_args[seed])
         # what trainer.train does on --resume: the recipe's load, shapes checked after
-        load_checked(load_weights_from_gguf, Path(p), model)
+        load_checked(load_llama_into, Path(p), model)
         mx.eval(model(TOKENS))
         return None
 
@@ -79,10 +78,10 @@ def reader_paths(seed_files: dict[str, str]) -> dict[str, Reader]:
         "GGUFFile+load(all tensors)": gguf_all_tensors,
         "read_metadata": lambda p, seed: read_metadata(p),
         "load_llama(+forward)": llama,
-        "resume: load_checked(load_weights_from_gguf)": resume,
+        "resume: load_checked(load_llama_into)": resume,
         "Tokenizer.from_gguf(+encode/decode)": tokenizer,
-        "lora.load_base(float32)": lambda p, seed: lora.load_base(p, "float32"),
-        "lora.load_base(quantized)": lambda p, seed: lora.load_base(p, "quantized"),
+        "load_llama(bfloat16)": lambda p, seed: load_llama(p, weights="bfloat16"),
+        "load_llama(quantized)": lambda p, seed: load_llama(p, weights="quantized"),
         "lora.load_adapter": lambda p, seed: lora.load_adapter(p),
         "lora.apply_adapter(toy base)": apply_adapter,
         "resume: load_checked(lora.load_adapter_weights)": adapter_resume,

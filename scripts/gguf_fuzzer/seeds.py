@@ -1,7 +1,7 @@
 """The seed files every case mutates: real GGUFs that toymlx reads today.
 
 A checkpoint written by a 2-step `toymlx-train --recipe from-scratch` run; the same model with
-its projections in the quantized types `lora.load_base` keeps (plus one tensor of each other
+its projections in the quantized types `load_llama(weights="quantized")` keeps (plus one tensor of each other
 type); a LoRA adapter for it written by `lora.write_adapter`; `stories260K.gguf`; and the
 llama.cpp tokenizer GGUFs from ../shared/data (cut to 1500 tokens, and whole with `full`).
 """
@@ -80,7 +80,7 @@ def _train_two_steps(runs: Path) -> Path:
 
 
 def _write_mixed_types(toy: Path, out_path: Path) -> None:
-    """`toy` with its projections in the three types lora.load_base keeps quantized, the
+    """`toy` with its projections in the three types load_llama(weights="quantized") keeps, the
     embedding in F16, and one extra tensor of each other type."""
     g = GGUFFile(toy)
     tensors = {n: g.load(n) for n in g.tensors}
