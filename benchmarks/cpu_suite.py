@@ -1,0 +1,285 @@
+"""The CPU suite: toymlx's step against PyTorch CPU (in a child process) and mlx-lm, float32.
+
+Per workload: every variant built from the same weights, its first step (with the compile),
+a warm-up, then interleaved rounds with MLX's and numpy's 2048^3 sgemm timed before each;
+medians, per-round time ratios (wall and CPU), MFU against MLX's sgemm. Optionally each
+variant's peak RSS in a fresh process, GGUF I/O at the 360M size, data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from procs import MB, TorchVariant, gguf_io, proc_status, run_child, run_dp
+from rounds import Variant, first_steps, median_ratios, run_rounds
+from toymlx_step import CPU_OPS, ToymlxVariant, build_model, weights_np
+from workloads import Workload, cpu_workloads, find, make_batch, train_flops
+
+from toymlx.device import backend_info
+
+IMPLS = ("toymlx", "toymlx-ref", "torch", "torch1t", "mlx-lm")
+DEFAULT_IMPLS = ("toymlx", "torch", "mlx-lm")
+
+
+def build_variants(w: Workload, which: tuple[str, ...]) -> tuple[list[Variant], dict]:
+    """Variants for `w` in the order they will be timed, each built from the same weights."""
+    batch = make_batch(w)
+    out: list[Variant] = []
+    builds: dict[str, float] = {}
+    t = time.perf_counter()
+    model = build_model(w, CPU_OPS)
+    weights = weights_np(model)
+    if "toymlx" in which:
+        v = ToymlxVariant(w, model, batch)
+        builds[v.name] = time.perf_counter() - t
+        out.append(v)
+    else:
+        del model
+        mx.clear_cache()
+    if "toymlx-ref" in which:
+        t = time.perf_counter()
+        # the same model built with MLX's own kernels instead of toymlx.fastmath's
+        rv = ToymlxVariant(w, build_model(w, replace(CPU_OPS, kernels="mlx")), batch,
+                           name="toymlx-ref")
+        builds[rv.name] = time.perf_counter() - t
+        out.append(rv)
+    if "torch" in which:
+        t = time.perf_counter()
+        tv = TorchVariant(w, weights, batch)
+        builds[tv.name] = time.perf_counter() - t
+        out.append(tv)
+    if "torch1t" in which:  # one thread: what PyTorch does on a machine others keep busy
+        t = time.perf_counter()
+        tv = TorchVariant(w, weights, batch, threads=1)
+        builds[tv.name] = time.perf_counter() - t
+        out.append(tv)
+    if "mlx-lm" in which and w.lora and w.kind == "llama":
+        from mlx_lm_step import MlxLmVariant  # mlx-lm is optional (the bench extra)
+
+        t = time.perf_counter()
+        lv = MlxLmVariant(w, weights, batch)
+        builds[lv.name] = time.perf_counter() - t
+        out.append(lv)
+    return out, builds
+
+
+def mlx_sgemm(n: int = 2048) -> float:
+    """GFLOPS of one n^3 float32 matmul in MLX."""
+    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+    mx.eval(a, b)
+    t = time.perf_counter()
+    mx.eval(a @ b)
+    return 2 * n ** 3 / (time.perf_counter() - t) / 1e9
+
+
+def numpy_sgemm(n: int = 2048) -> float:
+    """GFLOPS of one n^3 float32 matmul in numpy."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    t = time.perf_counter()
+    a @ b
+    return 2 * n ** 3 / (time.perf_counter() - t) / 1e9
+
+
+def run_workload(w: Workload, rounds: int, warmup: int, which: tuple[str, ...],
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Build, take the first step of each variant, warm up, then time interleaved rounds."""
+    variants, builds = build_variants(w, which)
+    results = first_steps(variants, builds, w.name, log)
+    sgemm: dict[str, list[float]] = {"mlx": [], "numpy": []}
+    cpu_rounds: list[dict[str, float]] = []
+
+    def before_round(r: int) -> str:
+        sgemm["mlx"].append(mlx_sgemm())
+        sgemm["numpy"].append(numpy_sgemm())
+        cpu_rounds.append({})
+        return f"  (sgemm mlx {sgemm['mlx'][-1]:.0f} GFLOPS)"
+
+    def timed_step(v: Variant, s: int) -> float:
+        if v.uses_mlx:
+            mx.reset_peak_memory()
+        t, c = time.perf_counter(), time.process_time()
+        v.step(s)
+        dt = time.perf_counter() - t
+        cpu = getattr(v, "last_cpu", None) or time.process_time() - c
+        res = results[v.name]
+        res.times_s.append(dt)
+        res.cpu_s.append(cpu)
+        cpu_rounds[-1][v.name] = cpu
+        if v.uses_mlx:
+            res.mlx_peak_mb = max(res.mlx_peak_mb or 0.0, mx.get_peak_memory() / MB)
+        return dt
+
+    per_round = run_rounds(variants, rounds, warmup, w.name, timed_step, before_round, log)
+    for v in variants:
+        v.close()
+    flops = train_flops(w)
+    load = os.getloadavg()[0]
+    sg_mlx = statistics.median(sgemm["mlx"])
+    sg_np = statistics.median(sgemm["numpy"])
+    out = {"workload": w.name, "flops_per_step": flops, "items_per_step": w.tokens,
+           "unit": w.unit, "rounds": rounds, "loadavg_1min_at_end": load,
+           "sgemm_gflops": {"mlx": sg_mlx, "numpy": sg_np}, "variants": {},
+           "ratio_toymlx_over": median_ratios(per_round),
+           "cpu_ratio_toymlx_over": median_ratios(cpu_rounds)}
+    for name, res in results.items():
+        med = res.median_s
+        gflops = flops / med / 1e9
+        out["variants"][name] = {
+            **{k: v for k, v in asdict(res).items() if k != "name"},
+            "median_s": med, "min_s": min(res.times_s), "max_s": max(res.times_s),
+            "median_cpu_s": statistics.median(res.cpu_s),
+            "items_per_s": w.tokens / med, "gflops": gflops,
+            "mfu_vs_mlx_sgemm": gflops / sg_mlx, "mfu_vs_numpy_sgemm": gflops / sg_np,
+        }
+    return out
+
+
+def probe_memory(workload: str, variant: str, steps: int = 3) -> dict[str, float]:
+    """Peak RSS while one variant runs `steps` steps, in a process holding only that variant
+    (run it in a child): Linux's VmHWM, reset after the build (/proc/self/clear_refs 5)."""
+    w = find(workload)
+    if variant.startswith("torch"):  # in this (probe) process, not in a grandchild
+        from torch_step import TorchStep  # torch only in a probe of a torch variant
+
+        weights = weights_np(build_model(w, CPU_OPS))
+        mx.clear_cache()
+        v: Variant = TorchStep(w, weights, make_batch(w), 1 if variant == "torch1t" else None)
+        del weights
+    else:
+        v = build_variants(w, (variant,))[0][0]
+    v.step(0)
+    gc.collect()
+    mx.clear_cache()
+    before = proc_status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    mx.reset_peak_memory()
+    for s in range(1, steps + 1):
+        v.step(s)
+    return {"rss_peak_mb": proc_status("VmHWM"), "rss_before_steps_mb": before,
+            "mlx_peak_mb": mx.get_peak_memory() / MB}
+
+
+def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | None = None,
+            warmup: int = 1, which: tuple[str, ...] = DEFAULT_IMPLS,
+            memory: bool | None = None, gguf: bool | None = None, cold_jit: bool = True,
+            partial_json: str | None = None, dp: int = 0,
+            log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every selected workload, then (optionally) child-process peak RSS and GGUF I/O."""
+    tmp = Path(tempfile.mkdtemp(prefix="toymlx-bench-"))
+    if cold_jit:
+        # mx.compile caches its g++-built kernels under $TMPDIR/mlx; a fresh TMPDIR makes the
+        # first step pay for the build, as a first run on a new machine does.
+        os.environ["TMPDIR"] = str(tmp)
+        tempfile.tempdir = None
+    chosen = [w for w in cpu_workloads() if (w.quick or not quick) and (not only or w.name in only)]
+    info: dict[str, Any] = {"suite": "cpu", "backend": backend_info(), "quick": quick,
+                            "toymlx_ops": {"toymlx": CPU_OPS.describe(), "toymlx-ref":
+                                           replace(CPU_OPS, kernels="mlx").describe()},
+                            "cold_jit": cold_jit,
+                            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                            "numpy": np.__version__, "workloads": []}
+    try:
+        import torch  # optional (the bench extra); its version and threads for the record
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        which = tuple(x for x in which if not x.startswith("torch"))
+    try:
+        import mlx_lm  # optional (the bench extra)
+
+        info["mlx_lm"] = mlx_lm.__version__
+    except ImportError:
+        which = tuple(x for x in which if x != "mlx-lm")
+    t_all = time.perf_counter()
+    for w in chosen:
+        n = rounds or (3 if quick or (w.llama is not None and w.llama.d_model >= 960) else 5)
+        log(f"{w.name}: {', '.join(which)} x {n} rounds")
+        res = run_workload(w, n, warmup, which, log)
+        mx.clear_cache()
+        info["workloads"].append(res)
+        if partial_json:
+            Path(partial_json).write_text(json.dumps(info, indent=1, default=float))
+    if memory if memory is not None else not quick:
+        for res in info["workloads"]:
+            for name in res["variants"]:
+                log(f"  peak RSS: {res['workload']} {name}")
+                probe = run_child(f"import json; from cpu_suite import probe_memory; "
+                                  f"print(json.dumps(probe_memory({res['workload']!r}, "
+                                  f"{name!r})))")
+                res["variants"][name].update(
+                    rss_peak_mb=probe["rss_peak_mb"], rss_before_steps_mb=probe["rss_before_steps_mb"])
+    for w in chosen if dp > 1 else []:
+        log(f"{w.name}: {dp} data-parallel ranks against one process")
+        info.setdefault("data_parallel", []).append(run_dp(w.name, dp, log=log))
+    if gguf if gguf is not None else not quick:
+        log("GGUF write + load at the SmolLM2-360M size")
+        info["gguf_360m"] = gguf_io(tmp)
+    info["total_s"] = time.perf_counter() - t_all
+    return info
+
+
+def format_table(info: dict[str, Any]) -> str:
+    """A plain-text table of the results."""
+    b = info["backend"]
+    lines = [(f"backend: {b.get('kind')} blas={b.get('blas')} mlx={b.get('mlx')} "
+              f"torch={info.get('torch')} ({info.get('torch_threads')} threads) "
+              f"mlx-lm={info.get('mlx_lm')} cores={b.get('cores')} "
+              f"cold_jit={info['cold_jit']} OMP_WAIT_POLICY={info.get('omp_wait_policy')}")]
+    hdr = (f"{'workload':<13} {'impl':<7} {'median ms':>9} {'min ms':>8} {'cpu ms':>8} "
+           f"{'items/s':>9} "
+           f"{'GFLOPS':>7} {'MFU':>5} {'1st step s':>10} {'mlx MB':>8} {'RSS MB':>8} "
+           f"{'loss0':>9} {'|g|0':>8}")
+    lines += [hdr, "-" * len(hdr)]
+    for res in info["workloads"]:
+        unit = "img/s" if res["unit"] == "images" else "tok/s"
+        for name, v in res["variants"].items():
+            rss = v.get("rss_peak_mb")
+            lines.append(
+                f"{res['workload']:<13} {name:<7} {v['median_s'] * 1e3:>9.0f} "
+                f"{v['min_s'] * 1e3:>8.0f} {v['median_cpu_s'] * 1e3:>8.0f} "
+                f"{v['items_per_s']:>9.0f} {v['gflops']:>7.1f} "
+                f"{v['mfu_vs_mlx_sgemm']:>5.2f} {v['first_step_s']:>10.2f} "
+                f"{num(v.get('mlx_peak_mb')):>8} {num(rss):>8} {v['loss0']:>9.5f} "
+                f"{num(v.get('grad_norm0'), '.4f'):>8}")
+        ratios = ", ".join(f"toymlx/{k} {r:.2f}x (cpu {res['cpu_ratio_toymlx_over'][k]:.2f}x)"
+                           for k, r in res["ratio_toymlx_over"].items())
+        sg = res["sgemm_gflops"]
+        lines.append(f"{'':<13} time ratio (median of per-round ratios): {ratios}; "
+                     f"{res['flops_per_step'] / 1e9:.1f} GFLOP/step, {unit}; sgemm 2048: "
+                     f"mlx {sg['mlx']:.0f}, numpy {sg['numpy']:.0f} GFLOPS; "
+                     f"load avg {res['loadavg_1min_at_end']:.1f}")
+    g = info.get("gguf_360m")
+    if g:
+        lines.append(f"GGUF 360M F32 ({g['file_mb']:.0f} MB): write {g['write']['seconds']:.1f} s "
+                     f"(peak RSS {g['write']['rss_peak_mb']:.0f} MB, "
+                     f"{g['write']['rss_before_mb']:.0f} before), "
+                     f"load {g['load']['seconds']:.1f} s (peak RSS {g['load']['rss_peak_mb']:.0f} "
+                     f"MB, {g['load']['rss_before_mb']:.0f} before)")
+    for d in info.get("data_parallel", []):
+        lines.append(f"data parallel {d['workload']}: {d['ranks']} ranks x 1 BLAS thread "
+                     f"{d['dp_median_s'] * 1e3:.0f} ms/step (cpu {d['dp_median_cpu_s'] * 1e3:.0f}) "
+                     f"vs one process {d['single_median_s'] * 1e3:.0f} ms/step (cpu "
+                     f"{d['single_median_cpu_s'] * 1e3:.0f}): dp/single {d['ratio_dp_over_single']:.2f}x,"
+                     f" |loss0 diff| {d['loss0_abs_diff']:.1e}")
+    lines.append(f"MFU: achieved GFLOPS / MLX fp32 sgemm 2048^3 in the same rounds. "
+                 f"total {info['total_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def num(x: float | None, fmt: str = ".0f") -> str:
+    """`x` formatted, or "-" when there is none."""
+    return "-" if x is None else format(x, fmt)

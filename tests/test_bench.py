@@ -1,0 +1,185 @@
+"""The benchmark (`benchmarks/bench.py`): its GPU mode's every code path on the CPU at tiny
+shapes, the figures' arithmetic, and the flags it refuses.
+
+The GPU suite runs here in a subprocess as a user runs it (`--device cpu --shapes tiny`), on
+two of its four roles (a ViT and a LoRA Llama, each in float32 and bfloat16, with mlx-lm and
+PyTorch eager and compiled beside toymlx). `torch.compile` runs with its "eager" backend:
+Dynamo traces the same function inductor would compile, in seconds instead of minutes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_gpu_suite(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "tiny.json"
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--shapes", "tiny",
+           "--only", "tiny-vit", "tiny-lora-q", "--rounds", "3", "--warmup", "0",
+           "--compile-backend", "eager", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    info = json.loads(out.read_text())
+    info["stdout"] = p.stdout
+    return info
+
+
+def hand_flops(shape: dict) -> float:
+    """Training FLOPs counted matmul by matmul: forward 2*in*out per item for every linear
+    (the patch embedding on every token, the 6N rule's convention), attention's scores and
+    values dense; a step is forward + input gradients + weight gradients = 3 forwards, or 2
+    for a frozen LoRA base whose adapters take all 3."""
+    m, B = shape["model"], shape["batch"]
+    if shape["kind"] == "vit":
+        d, T = m["d_model"], 1 + (m["image_size"] // m["patch_size"]) ** 2
+        hd = d // m["n_heads"]
+        linears = [(m["patch_size"] ** 2 * m["channels"], d)] + m["n_layers"] * (
+            4 * [(d, d)] + [(d, m["ffn_dim"]), (m["ffn_dim"], d)])
+        fwd = sum(2 * i * o for i, o in linears) * B * T
+        fwd += m["n_layers"] * m["n_heads"] * 2 * (2 * T * T * hd) * B
+        fwd += 2 * d * m["num_classes"] * B  # the head, on the cls token only
+        return 3 * fwd
+    d, T, L, f = m["d_model"], shape["seq"], m["n_layers"], m["ffn_dim"]
+    hd = m["key_length"] or d // m["n_heads"]
+    q, kv = m["n_heads"] * hd, m["n_kv_heads"] * hd
+    base = L * [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)] + [(d, m["vocab_size"])]
+    base_fwd = sum(2 * i * o for i, o in base) * B * T
+    attn_fwd = L * m["n_heads"] * 2 * (2 * T * T * hd) * B
+    assert shape["lora_targets"] == ["q"]
+    r = shape["lora_rank"]
+    lora_fwd = L * (2 * d * r + 2 * r * q) * B * T
+    return 2 * base_fwd + 3 * attn_fwd + 3 * lora_fwd if r else 3 * (base_fwd + attn_fwd)
+
+
+def test_tiny_gpu_suite_rows_and_step0_agreement(tiny_gpu_suite):
+    info = tiny_gpu_suite
+    assert info["suite"] == "gpu" and info["backend"]["kind"] == "cpu"
+    groups = {(g["workload"], g["dtype"]): g for g in info["workloads"]}
+    assert set(groups) == {(w, d) for w in ("tiny-vit", "tiny-lora-q")
+                           for d in ("float32", "bfloat16")}
+    for (w, dtype), g in groups.items():
+        want = ["toymlx"] + (["mlx-lm"] if "lora" in w else []) + ["torch", "torch-compile"]
+        assert list(g["rows"]) == want, (w, dtype)
+        losses = [r["loss0"] for r in g["rows"].values()]
+        assert g["loss0_spread"] == pytest.approx(max(losses) - min(losses))
+        f32 = groups[(w, "float32")]["rows"]["torch"]["loss0"]
+        if dtype == "float32":  # the same function of the same weights, in every implementation
+            assert g["loss0_spread"] < 2e-5 * f32, (w, losses)
+            norms = [r["grad_norm0"] for r in g["rows"].values() if r["grad_norm0"] is not None]
+            assert max(norms) - min(norms) < 1e-3 * max(norms), (w, norms)
+        else:  # bf16 rounding moves each implementation, none by a bf16 step (2**-8) or more
+            assert all(abs(x - f32) < 2 ** -8 * f32 for x in losses), (w, losses, f32)
+        assert all(name in info["stdout"] for name in g["rows"])
+
+
+def test_tiny_gpu_suite_figures_arithmetic(tiny_gpu_suite):
+    info = tiny_gpu_suite
+    assert set(info["matmul"]) == {"float32", "bfloat16"}
+    for m in info["matmul"].values():
+        assert m["n"] == 256 and set(m) >= {"mlx", "torch"}
+        for k in ("mlx", "torch"):
+            assert m[k]["tflops"] == pytest.approx(2 * 256 ** 3 / m[k]["seconds"] / 1e12)
+        assert m["peak_tflops"] == max(m["mlx"]["tflops"], m["torch"]["tflops"])
+    for g in info["workloads"]:
+        assert g["flops_per_step"] == hand_flops(g["shape"]), g["workload"]
+        peak = info["matmul"][g["dtype"]]["peak_tflops"]
+        assert g["peak_tflops"] == peak
+        for name, r in g["rows"].items():
+            assert len(r["times_s"]) == g["rounds"] == 3
+            assert r["median_s"] == statistics.median(r["times_s"])
+            tflops = g["flops_per_step"] / r["median_s"] / 1e12
+            assert r["tflops"] == pytest.approx(tflops, rel=1e-12)
+            assert r["mfu"] == pytest.approx(tflops / peak, rel=1e-12)
+            assert r["items_per_s"] == pytest.approx(g["items_per_step"] / r["median_s"])
+            if name.startswith("torch"):  # PyTorch's CPU allocations are not counted
+                assert r["peak_mb"] is None
+            else:  # its weights and optimizer state, plus the step's own allocations
+                assert r["peak_mb"] > r["resident_mb"] > 0, (g["workload"], name)
+        # each round steps every row once, so times_s[i] of two rows share round i
+        toymlx = g["rows"]["toymlx"]["times_s"]
+        for other, ratio in g["ratio_toymlx_over"].items():
+            theirs = g["rows"][other]["times_s"]
+            assert ratio == pytest.approx(statistics.median(
+                [a / b for a, b in zip(toymlx, theirs)]))
+
+
+def test_a_failing_workload_is_reported_and_the_rest_still_run(tmp_path):
+    """A row that cannot be built (here an unknown torch.compile backend) fails its workload
+    only: the table says so, the exit code is 1, and the JSON keeps the others' figures."""
+    out = tmp_path / "fail.json"
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--shapes", "tiny", "--dtype",
+           "float32", "--only", "tiny-vit", "tiny-lora-q", "--rounds", "1", "--warmup", "0",
+           "--impl", "toymlx", "torch-compile", "--compile-backend", "no-such-backend",
+           "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600, cwd=REPO)
+    assert p.returncode == 1, p.stderr[-3000:]
+    groups = json.loads(out.read_text())["workloads"]
+    assert [g["workload"] for g in groups] == ["tiny-vit", "tiny-lora-q"]
+    assert all("no-such-backend" in g["error"] for g in groups), groups
+    assert p.stdout.count("FAILED:") == 2
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """benchmarks/bench.py as a module (its siblings import by their plain names)."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    return importlib.import_module("bench")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dtype", "bfloat16"], "--dtype: the CPU suite trains in float32"),
+    (["--shapes", "tiny", "--dp", "2"], "--dp: only the CPU suite has these"),
+    (["--shapes", "tiny", "--impl", "torch1t"], "--impl: expected some of toymlx, mlx-lm"),
+    (["--only", "nope"], "--only: expected some of llama-4x256"),
+])
+def test_flags_that_do_not_fit_fail_in_one_line(bench, capsys, flags, message):
+    assert bench.main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bench: {message}") and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(mx.is_available(mx.gpu), reason="the message of a machine without a GPU")
+def test_device_gpu_without_one_says_so(bench, capsys):
+    assert bench.main(["--device", "gpu"]) == 2
+    assert capsys.readouterr().err == ("bench: --device gpu: MLX has no GPU backend on this "
+                                       "machine; use --device cpu\n")
+
+
+@pytest.mark.slow
+def test_cpu_suite_quick_round(tmp_path):
+    """One round of the CPU suite's small workloads: PyTorch's step in its child process and
+    toymlx's with both kernel sets start from the same loss, and the table keeps its columns."""
+    out = tmp_path / "quick.json"
+    cmd = [sys.executable, str(BENCH), "--quick", "--rounds", "1", "--warm-jit", "--only",
+           "llama-4x256", "vit-tiny-28", "--impl", "toymlx", "toymlx-ref", "torch",
+           "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    info = json.loads(out.read_text())
+    assert info["suite"] == "cpu" and [w["workload"] for w in info["workloads"]] == [
+        "llama-4x256", "vit-tiny-28"]
+    for w in info["workloads"]:
+        v = w["variants"]
+        assert list(v) == ["toymlx", "toymlx-ref", "torch"]
+        losses = [x["loss0"] for x in v.values()]
+        assert max(losses) - min(losses) < 1e-5 * losses[0], (w["workload"], losses)
+        assert set(w["ratio_toymlx_over"]) == {"toymlx-ref", "torch"}
+        gflops = w["flops_per_step"] / v["toymlx"]["median_s"] / 1e9
+        assert v["toymlx"]["gflops"] == pytest.approx(gflops)
+        assert v["toymlx"]["mfu_vs_mlx_sgemm"] == pytest.approx(gflops / w["sgemm_gflops"]["mlx"])
+    header = p.stdout.splitlines()[1].split()
+    assert header == ["workload", "impl", "median", "ms", "min", "ms", "cpu", "ms", "items/s",
+                      "GFLOPS", "MFU", "1st", "step", "s", "mlx", "MB", "RSS", "MB", "loss0",
+                      "|g|0"]
