@@ -147,7 +147,7 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
 def run_starts(run: Path) -> list[dict]:
     from toymlx.events import read_events
 
-    return [e for e in read_events(run) if e["event"] == "run_start"]
+    return [e for e in read_events(run) if e["kind"] == "run_start"]
 
 
 def kill_test(kills: int, seed: int, root: Path) -> dict:
@@ -234,7 +234,7 @@ def kill_test(kills: int, seed: int, root: Path) -> dict:
         starts = run_starts(run)
         from toymlx.events import read_events
 
-        end = [e for e in read_events(run) if e["event"] == "run_end"]
+        end = [e for e in read_events(run) if e["kind"] == "run_end"]
         final = {"rc": q.returncode, "start_step": starts[-1]["start_step"] if starts else None,
                  "expected_start": expect_start,
                  "end": {k: end[-1].get(k) for k in ("reason", "final_step")} if end else None}

@@ -70,9 +70,9 @@ def test_resume_after_a_torn_event_line(tmp_path, shared_data):
     events.write_bytes(raw[: last + (len(raw) - last) // 2])  # the run_end line, torn
     assert main(["--resume", str(run), "--no-progress"]) == 0
     ev = read_events(run)
-    starts = [e for e in ev if e["event"] == "run_start"]
+    starts = [e for e in ev if e["kind"] == "run_start"]
     assert [s["start_step"] for s in starts] == [0, 3]
-    assert ev[-1]["event"] == "run_end" and ev[-1]["reason"] == "completed"
+    assert ev[-1]["kind"] == "run_end" and ev[-1]["reason"] == "completed"
     assert ev[-1]["final_step"] == 6
     load_llama(resolve_latest(run))
 
@@ -87,7 +87,7 @@ def _signal_args(shared_data: Path, root: Path) -> list[str]:
 def uninterrupted(tmp_path_factory, shared_data) -> list[float]:
     root = tmp_path_factory.mktemp("sig")
     assert main([*_signal_args(shared_data, root), "--run-id", "full"]) == 0
-    return [e["loss"] for e in read_events(root / "full") if e["event"] == "step"]
+    return [e["loss"] for e in read_events(root / "full") if e["kind"] == "step"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -115,6 +115,6 @@ def test_signal_mid_step_checkpoints_the_step_it_names(tmp_path, shared_data, un
     assert end["reason"] == "interrupted" and 8 <= end["final_step"] < 600, end
     assert [s for s, _ in list_checkpoints(tmp_path / "part" / "weights")] == [end["final_step"]]
     assert main(["--resume", str(tmp_path / "part"), "--no-progress"]) == 0
-    resumed = [e["loss"] for e in read_events(tmp_path / "part") if e["event"] == "step"]
+    resumed = [e["loss"] for e in read_events(tmp_path / "part") if e["kind"] == "step"]
     assert len(resumed) == 600
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted)) <= 1e-6

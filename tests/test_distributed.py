@@ -66,7 +66,7 @@ def _launch(tmp: Path, cmd: list[str], timeout: float = 300) -> subprocess.Compl
 
 
 def _losses(run: Path) -> list[float]:
-    return [e["loss"] for e in read_events(run) if e["event"] == "step"]
+    return [e["loss"] for e in read_events(run) if e["kind"] == "step"]
 
 
 def _check_parity(tmp_path: Path, extra: list[str]) -> None:
@@ -82,10 +82,10 @@ def _check_parity(tmp_path: Path, extra: list[str]) -> None:
     ev = read_events(dp)
     lines = (dp / "events.jsonl").read_text().splitlines()
     assert len(lines) == len(set(lines)) == len(ev)  # no line written twice
-    starts = [e for e in ev if e["event"] == "run_start"]
+    starts = [e for e in ev if e["kind"] == "run_start"]
     assert len(starts) == 1 and starts[0]["world_size"] == 2
-    assert [e["step"] for e in ev if e["event"] == "step"] == list(range(1, 21))
-    assert [e["event"] for e in ev].count("run_end") == 1 and ev[-1]["reason"] == "completed"
+    assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, 21))
+    assert [e["kind"] for e in ev].count("run_end") == 1 and ev[-1]["reason"] == "completed"
     if starts[0]["backend"].get("blas") == "openblas":  # ranks share the cores
         assert starts[0]["backend"]["blas_threads"] == 1
     # rank 0 alone writes the bundle: its files and nothing else
@@ -120,7 +120,7 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
 def _check_rank0_did_not_complete(run: Path) -> None:
     """Rank 0 either sees the ring connection drop (run_end "error") or, blocked in the
     all_sum, is stopped by mlx.launch (a torn bundle); --resume continues both."""
-    ends = [e for e in read_events(run) if e["event"] == "run_end"]
+    ends = [e for e in read_events(run) if e["kind"] == "run_end"]
     assert ends == [] or (ends[0]["reason"] == "error"
                           and "connection to a peer was lost" in ends[0]["message"]), ends
 

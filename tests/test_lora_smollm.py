@@ -166,8 +166,8 @@ def test_lora_training_lowers_validation_loss(smollm_gguf, tmp_path):  # noqa: F
     end = train(task, cfg, run, _public_config(cfg))
     wall = time.perf_counter() - t0
     events = read_events(run)
-    evals = [e for e in events if e["event"] == "eval"]
-    steps = [e for e in events if e["event"] == "step"]
+    evals = [e for e in events if e["kind"] == "eval"]
+    steps = [e for e in events if e["kind"] == "step"]
     after = evals[-1]["val_loss"]
     tps = float(np.median([e["tokens_per_s"] for e in steps[1:]]))
     rows = cfg.batch_size * cfg.seq_len

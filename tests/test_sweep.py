@@ -24,7 +24,7 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--seq-len", "32", "--
 
 
 def _evals(run: Path) -> list[float]:
-    return [e["val_loss"] for e in read_events(run) if e["event"] == "eval"]
+    return [e["val_loss"] for e in read_events(run) if e["kind"] == "eval"]
 
 
 def _csv(path: Path) -> list[dict[str, str]]:
@@ -173,13 +173,13 @@ def test_torn_run_is_resumed_from_its_checkpoint(tmp_path):
     assert first.states == {"lr=0.002": "stopped"}
     run = tmp_path / "t" / "lr=0.002"
     lines = (run / "events.jsonl").read_bytes().splitlines(keepends=True)
-    assert json.loads(lines[-1])["event"] == "run_end"
+    assert json.loads(lines[-1])["kind"] == "run_end"
     (run / "events.jsonl").write_bytes(b"".join(lines[:-1]) + lines[-1][:20])  # torn, no end
     second = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="t", progress=False,
                              report_png=False)
     assert second.states == {"lr=0.002": "done"}
     events = read_events(run)
-    starts = [e for e in events if e["event"] == "run_start"]
+    starts = [e for e in events if e["kind"] == "run_start"]
     assert [s["start_step"] for s in starts] == [0, 5]
     assert events[-1]["reason"] == "completed"
     assert "resume: toymlx-train --resume" in (tmp_path / "t" / "logs" / "lr=0.002.log").read_text()
@@ -197,6 +197,6 @@ def test_two_machines_over_one_folder_run_each_run_once(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     for lr in ("0.001", "0.002", "0.003"):
         events = read_events(tmp_path / "two" / f"lr={lr}")
-        assert [e["event"] for e in events].count("run_start") == 1
+        assert [e["kind"] for e in events].count("run_start") == 1
         assert events[-1]["reason"] == "completed"
     assert not list((tmp_path / "two" / ".locks").iterdir())  # every lock released

@@ -34,7 +34,7 @@ def _run(tmp: Path, run_id: str, *extra: str, data: str) -> Path:
 
 
 def _losses(run: Path) -> list[float]:
-    return [e["loss"] for e in read_events(run) if e["event"] == "step"]
+    return [e["loss"] for e in read_events(run) if e["kind"] == "step"]
 
 
 def test_same_seed_same_losses_and_compile_equals_eager(tmp_path, text_file):
@@ -56,7 +56,7 @@ def test_resume_is_exact(tmp_path, text_file):
     resumed = _losses(part)
     assert len(resumed) == 8
     np.testing.assert_allclose(resumed, full, rtol=0, atol=1e-6)
-    starts = [e for e in read_events(part) if e["event"] == "run_start"]
+    starts = [e for e in read_events(part) if e["kind"] == "run_start"]
     assert [s["start_step"] for s in starts] == [0, 4]
 
 
@@ -66,7 +66,7 @@ def test_bundle_events_and_checkpoints(tmp_path, text_file):
                data=text_file)
     lines = (run / "events.jsonl").read_text(encoding="utf-8").splitlines()
     evs = [json.loads(x) for x in lines]
-    kinds = [e["event"] for e in evs]
+    kinds = [e["kind"] for e in evs]
     assert kinds[0] == "run_start" and kinds.count("run_start") == 1
     assert kinds[-1] == "run_end" and kinds.count("run_end") == 1
     start, end = evs[0], evs[-1]
@@ -75,11 +75,11 @@ def test_bundle_events_and_checkpoints(tmp_path, text_file):
     assert start["backend"]["kind"] in ("cpu", "metal", "cuda")
     assert start["model"]["arch"] == "llama" and start["model"]["d_model"] == 32
     assert start["config"]["steps"] == 5 and start["config"]["context"] == 32
-    steps = [e for e in evs if e["event"] == "step"]
+    steps = [e for e in evs if e["kind"] == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     assert all({"loss", "lr", "t", "tokens_per_s"} <= s.keys() for s in steps)
-    assert [e["step"] for e in evs if e["event"] == "eval"] == [2, 4, 5]
-    assert [e["step"] for e in evs if e["event"] == "checkpoint"] == [2, 4, 5]
+    assert [e["step"] for e in evs if e["kind"] == "eval"] == [2, 4, 5]
+    assert [e["step"] for e in evs if e["kind"] == "checkpoint"] == [2, 4, 5]
     assert end["reason"] == "completed" and end["final_step"] == 5 and end["exit_code"] == 0
     assert end["final_loss"] == steps[-1]["loss"]
     assert [s for s, _ in list_checkpoints(run / "weights")] == [2, 4, 5]

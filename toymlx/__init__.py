@@ -17,4 +17,4 @@ from toymlx import device as _device
 _device.preload_blas()  # must precede the first `import mlx.core`
 _device.tune_malloc()
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -34,10 +34,10 @@ def _series(events: list[dict], kind: str) -> list[dict]:
     starts at step S, what an earlier segment logged after S was redone, so it is dropped."""
     out: dict[int, dict] = {}
     for e in events:
-        if e["event"] == "run_start":
+        if e["kind"] == "run_start":
             start = int(e.get("start_step") or 0)
             out = {s: v for s, v in out.items() if s <= start}
-        elif e["event"] == kind and isinstance(e.get("step"), int):
+        elif e["kind"] == kind and isinstance(e.get("step"), int):
             out[e["step"]] = e
     return [out[s] for s in sorted(out)]
 
@@ -64,9 +64,9 @@ def _status(events: list[dict]) -> tuple[str, str | None]:
     """completed | error | diverged | interrupted | stopped | torn | empty, and its message."""
     status, message = "empty", None
     for e in events:
-        if e["event"] == "run_start":
+        if e["kind"] == "run_start":
             status, message = "torn", None
-        elif e["event"] == "run_end":
+        elif e["kind"] == "run_end":
             status, message = e.get("reason", "unknown"), e.get("message")
     return status, message
 
@@ -78,7 +78,7 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     status, message = _status(events)
     if not run_dir.exists():
         status = "missing"
-    starts = [e for e in events if e["event"] == "run_start"]
+    starts = [e for e in events if e["kind"] == "run_start"]
     config: dict[str, Any] = {}
     recipe = starts[-1].get("recipe") if starts else None
     try:
@@ -99,11 +99,11 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     # wall time: each process's event clock starts at 0, so add up the segments' last clocks
     wall, seg = 0.0, 0.0
     for e in events:
-        if e["event"] == "run_start":
+        if e["kind"] == "run_start":
             wall, seg = wall + seg, 0.0
         seg = max(seg, _num(e.get("t")) or 0.0)
     wall += seg
-    end = next((e for e in reversed(events) if e["event"] == "run_end"), {})
+    end = next((e for e in reversed(events) if e["kind"] == "run_end"), {})
     return {
         "run": run_dir.name,
         "path": str(run_dir),

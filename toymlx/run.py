@@ -157,10 +157,10 @@ def _unique(recipe: str) -> str:
 def _final_line(task, run_dir: Path, end: dict) -> None:
     from toymlx.events import read_events
 
-    evals = [e for e in read_events(run_dir) if e["event"] == "eval"]
+    evals = [e for e in read_events(run_dir) if e["kind"] == "eval"]
     last = evals[-1] if evals else {}
     figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items()
-                        if k not in ("event", "t", "step") and isinstance(v, float))
+                        if k not in ("kind", "t", "step") and isinstance(v, float))
     msg = f"{end['reason']} at step {end['final_step']}"
     if end.get("message"):
         msg += f": {end['message']}"

@@ -96,7 +96,7 @@ def check_resume(run_dir: str | os.PathLike, recipe: str, model_info: dict[str, 
     if saved_recipe != recipe:
         raise RunError(f"{run_dir}: --resume: expected a run of recipe {recipe!r}, found a "
                        f"{saved_recipe!r} run")
-    start = next((e for e in read_events(run_dir) if e.get("event") == "run_start"), None)
+    start = next((e for e in read_events(run_dir) if e["kind"] == "run_start"), None)
     if start is None:  # nothing recorded: the checkpoint load still checks every shape
         return
     was = {k: v for k, v in start.get("model", {}).items() if k not in ("n_params", "n_trainable")}

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from toymlx import report
+from toymlx.events import parse_event
 
 RESERVED = ("--recipe", "--run-id", "--runs-root", "--resume", "--overwrite")
 """Flags the sweep sets on each run itself."""
@@ -419,15 +420,8 @@ class _Tail:
             return []
         end = data.rfind(b"\n") + 1
         self.offset += end
-        out = []
-        for raw in data[:end].splitlines():
-            try:
-                ev = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(ev, dict) and "event" in ev:
-                out.append(ev)
-        return out
+        events = (parse_event(raw) for raw in data[:end].splitlines())
+        return [ev for ev in events if ev is not None]
 
 
 @dataclass
@@ -456,7 +450,7 @@ class _Run:
 
     def absorb(self, events: list[dict]) -> None:
         for e in events:
-            kind = e["event"]
+            kind = e["kind"]
             if kind == "run_start":
                 self.steps = (e.get("config") or {}).get("steps", self.steps)
                 self.step = int(e.get("start_step") or 0)

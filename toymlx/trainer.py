@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from toymlx import checkpoint as ck
 from toymlx import device
 from toymlx.device import backend_info
-from toymlx.events import SCHEMA, EventLog, git_info, host_info, now_iso
+from toymlx.events import EventLog, git_info, host_info
 from toymlx.schedule import lr_at
 from toymlx.step import make_step, step_blas_threads, step_streams
 
@@ -219,8 +219,8 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
     step_fn = make_step(task, optimizer, cfg, world)
     n_streams = step_streams(cfg, world)
     step_threads = step_blas_threads(n_streams)
-    log.emit("run_start", schema=SCHEMA, started_at=now_iso(), run_id=run_dir.name,
-             phase="train", recipe=task.recipe, host=host_info(), backend=backend_info(),
+    log.emit("run_start", run_id=run_dir.name, recipe=task.recipe, host=host_info(),
+             backend=backend_info(),
              git=git_info(), step_parallelism={"cpu_streams": n_streams,
                                                "blas_threads": step_threads
                                                or device.blas_threads()},
@@ -232,7 +232,7 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
              start_step=start_step)
 
     last_ckpt = start_step if resume_from is not None else None
-    state = {"step": start_step, "loss": float("nan")}
+    state = {"step": start_step}
 
     def write_ckpt(step: int) -> Path | bool | None:
         """The checkpoint of `step`; False (and reason "diverged") if its weights are bad."""
@@ -304,7 +304,7 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
             dt = time.perf_counter() - t0
             t_first = t_first if t_first is not None else dt
             loss_v, gnorm_v = float(loss.item()), float(gnorm.item())
-            state.update(step=s + 1, loss=loss_v)
+            state["step"] = s + 1
             mid_step[0] = False
             lr = lr_at(s, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
             # A non-finite gradient norm with a finite loss has already made the update NaN.
@@ -357,8 +357,8 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
     except Exception as e:
         reason, exit_code = "error", 1
         message = f"{type(e).__name__}: {e}"
-        log.emit("run_end", reason=reason, final_step=state["step"], final_loss=state["loss"],
-                 exit_code=exit_code, message=message)
+        log.emit("run_end", reason=reason, final_step=state["step"],
+                 final_loss=log.loss_at(state["step"]), exit_code=exit_code, message=message)
         log.close()
         raise
     finally:
@@ -368,8 +368,8 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
             signal.signal(signal.SIGTERM, old_term)
         if old_int is not None:
             signal.signal(signal.SIGINT, old_int)
-    end = log.emit("run_end", reason=reason, final_step=state["step"], final_loss=state["loss"],
-                   exit_code=exit_code, message=message, first_step_s=t_first,
-                   peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))
+    end = log.emit("run_end", reason=reason, final_step=state["step"],
+                   final_loss=log.loss_at(state["step"]), exit_code=exit_code, message=message,
+                   first_step_s=t_first, peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))
     log.close()
     return end
