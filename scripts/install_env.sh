@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# The work behind scripts/install.sh, in its own strict bash (install.sh is what users source
+# or run): choose the Python environment, install toymlx into it, and print the
+# environment's folder as the only line on stdout (everything else goes to stderr).
+#
+# The environment: the active virtual environment ($VIRTUAL_ENV) or conda env
+# ($CONDA_PREFIX) if there is one; otherwise .venv in the checkout, created (or reused) from
+# a Python >= 3.10: $TOYMLX_PYTHON if set, else python3, python3.14 ... python3.10 on PATH,
+# then Homebrew's and python.org's. System Pythons (Debian's, Homebrew's) are externally
+# managed (PEP 668): toymlx is never pip-installed into them.
+#
+# Linux with apt: Debian's OpenBLAS (MLX's CPU wheel otherwise uses the reference BLAS,
+# ~30x slower on matmuls) and, where the chosen Python lacks venv/ensurepip (Debian and
+# Ubuntu ship them apart), python3.X-venv; as root, or through sudo.
+# macOS: MLX needs Apple Silicon, macOS >= 13.5 and a native (arm64) Python.
+#
+# Re-runs are quick: pip runs again only when pyproject.toml, TOYMLX_EXTRAS or the checkout
+# changed since the last install into that environment (or toymlx no longer imports there).
+set -euo pipefail
+exec 3>&1 1>&2
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OS=$(uname -s)
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# stderr explicitly: these also run inside $(...)
+say() { echo "toymlx: $*" >&2; }
+die() { echo "toymlx: error: $*" >&2; exit 1; }
+
+# "X.Y.Z ARCH" of a Python, or nothing if it does not run.
+py_info() {
+  "$1" -c 'import platform, sys; print("%d.%d.%d" % sys.version_info[:3], platform.machine())' \
+    2>/dev/null || true
+}
+
+# Why a Python cannot host toymlx (empty when it can).
+py_unfit() {
+  local info
+  info=$(py_info "$1")
+  [ -n "$info" ] || { echo "does not run"; return; }
+  local version=${info% *} arch=${info#* }
+  local major=${version%%.*} minor
+  minor=${version#*.}; minor=${minor%%.*}
+  if [ "$major" -lt 3 ] || { [ "$major" -eq 3 ] && [ "$minor" -lt 10 ]; }; then
+    echo "is Python $version; toymlx needs 3.10 or newer"
+  elif [ "$OS" = Darwin ] && [ "$arch" != arm64 ]; then
+    echo "is an $arch Python (Rosetta or Intel); MLX needs a native arm64 one"
+  fi
+}
+
+check_platform() {
+  if [ "$OS" = Darwin ]; then
+    [ "$(sysctl -n hw.optional.arm64 2>/dev/null || echo 0)" = 1 ] ||
+      die "MLX runs only on Apple Silicon Macs (M1 or later); this Mac has an Intel CPU"
+    local v
+    v=$(sw_vers -productVersion)
+    local major=${v%%.*} minor
+    minor=${v#*.}; minor=${minor%%.*}
+    if [ "$major" -lt 13 ] || { [ "$major" -eq 13 ] && [ "$minor" -lt 5 ]; }; then
+      die "MLX needs macOS 13.5 or later; this Mac runs macOS $v: update macOS, then re-run"
+    fi
+  fi
+}
+
+# Install Debian packages, as root or through sudo; otherwise fail naming the command.
+apt_install() {
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || die "missing Debian packages: $*; run as root: apt-get install -y $*"
+    sudo=(sudo)
+  fi
+  say "installing Debian packages: $* (${sudo[*]:-as root})"
+  local apt=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -y -qq)
+  # fresh machines have no package lists: update only when the first try fails
+  if ! "${apt[@]}" install "$@" >/dev/null 2>&1; then
+    "${apt[@]}" update && "${apt[@]}" install "$@" ||
+      die "could not install Debian packages $*; run: sudo apt-get update && sudo apt-get install -y $*"
+  fi
+}
+
+# Debian packages this machine lacks: OpenBLAS, and the venv module of Python $1 (if given).
+debian_needs() {
+  [ "$OS" = Linux ] && command -v apt-get >/dev/null || return 0
+  if ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+    echo libopenblas0-pthread
+  fi
+  if [ -n "${1:-}" ] && ! "$1" -c 'import ensurepip, venv' 2>/dev/null; then
+    local real
+    real=$(readlink -f "$(command -v "$1")")
+    case $real in
+      /usr/bin/python3.*) echo "${real#/usr/bin/}-venv" ;;  # python3.11 -> python3.11-venv
+      *) die "$1 ($real) has no venv module; install one that has, or set TOYMLX_PYTHON" ;;
+    esac
+  fi
+}
+
+find_python() {
+  if [ -n "${TOYMLX_PYTHON:-}" ]; then
+    local why
+    why=$(py_unfit "$TOYMLX_PYTHON")
+    [ -z "$why" ] || die "TOYMLX_PYTHON=$TOYMLX_PYTHON $why"
+    echo "$TOYMLX_PYTHON"
+    return
+  fi
+  local candidates=(python3 python3.14 python3.13 python3.12 python3.11 python3.10) c rejected=()
+  if [ "$OS" = Darwin ]; then
+    for c in 14 13 12 11 10; do
+      candidates+=("/opt/homebrew/bin/python3.$c"
+                   "/Library/Frameworks/Python.framework/Versions/3.$c/bin/python3")
+    done
+  fi
+  for c in "${candidates[@]}"; do
+    local path
+    path=$(command -v "$c" 2>/dev/null) || continue
+    # macOS's /usr/bin/python3 is 3.9, and without the Xcode tools it opens an install dialog
+    if [ "$OS" = Darwin ] && [ "$path" = /usr/bin/python3 ]; then continue; fi
+    local why
+    why=$(py_unfit "$path")
+    if [ -z "$why" ]; then echo "$path"; return; fi
+    rejected+=("$path $why")
+  done
+  local found=""
+  [ ${#rejected[@]} -eq 0 ] || found=" (found: $(IFS=';'; echo "${rejected[*]}"))"
+  if [ "$OS" = Darwin ]; then
+    die "no native Python 3.10+ found$found; install one (brew install python@3.12, or python.org's installer) and re-run, or set TOYMLX_PYTHON=/path/to/python3"
+  fi
+  die "no Python 3.10+ found$found; install one (e.g. apt-get install python3, pyenv) and re-run, or set TOYMLX_PYTHON=/path/to/python3"
+}
+
+# The environment to install into: the active one, else .venv (created or reused).
+choose_env() {
+  if [ -n "${VIRTUAL_ENV:-}" ] || [ -n "${CONDA_PREFIX:-}" ]; then
+    local prefix=${VIRTUAL_ENV:-$CONDA_PREFIX} name
+    name=$([ -n "${VIRTUAL_ENV:-}" ] && echo "virtual environment" || echo "conda env")
+    [ -x "$prefix/bin/python" ] ||
+      die "the active $name $prefix has no bin/python; deactivate it, or re-create it"
+    local why
+    why=$(py_unfit "$prefix/bin/python")
+    [ -z "$why" ] || die "the active $name $prefix $why; deactivate it (toymlx then makes .venv) or use one with Python 3.10+"
+    local apt
+    apt=$(debian_needs)
+    [ -z "$apt" ] || apt_install $apt
+    say "installing into the active $name $prefix"
+    ENV=$prefix
+    return
+  fi
+  ENV=$ROOT/.venv
+  local py=""
+  [ -z "${TOYMLX_PYTHON:-}" ] || py=$(find_python)  # checked before .venv is touched
+  if [ -e "$ENV/bin/python" ] || [ -L "$ENV/bin/python" ]; then
+    local why
+    why=$(py_unfit "$ENV/bin/python")
+    if [ -n "$py" ] && [ -z "$why" ]; then
+      local want have
+      want=$(py_info "$py"); have=$(py_info "$ENV/bin/python")
+      [ "${want%.* *}" = "${have%.* *}" ] || why="is ${have% *}, not TOYMLX_PYTHON's ${want% *}"
+    fi
+    if [ -z "$why" ]; then
+      local apt
+      apt=$(debian_needs)
+      [ -z "$apt" ] || apt_install $apt
+      say "using $ENV (Python $(py_info "$ENV/bin/python" | cut -d' ' -f1))"
+      return
+    fi
+    say "re-creating $ENV: its Python $why"
+    rm -rf "$ENV"
+  elif [ -e "$ENV" ]; then
+    die "$ENV exists but is not a virtual environment (no bin/python); move it away and re-run"
+  fi
+  local apt
+  [ -n "$py" ] || py=$(find_python)
+  apt=$(debian_needs "$py")
+  [ -z "$apt" ] || apt_install $apt
+  say "creating $ENV with $py (Python $(py_info "$py" | cut -d' ' -f1))"
+  if ! "$py" -m venv "$ENV"; then
+    rm -rf "$ENV"  # a venv without pip would be reused and fail later
+    die "$py -m venv $ENV failed (see above)"
+  fi
+}
+
+# pip install -e the checkout, unless the last install into $ENV was of this same state.
+install_toymlx() {
+  local spec=".[test${TOYMLX_EXTRAS:+,$TOYMLX_EXTRAS}]" stamp="$ENV/.toymlx-install" want
+  want=$(printf 'checkout %s\nspec %s\npython %s\n' "$ROOT" "$spec" "$(py_info "$ENV/bin/python")"
+         cat pyproject.toml)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$ENV/bin/toymlx-train" ] &&
+     [ "$("$ENV/bin/python" -I -c 'import toymlx; print(toymlx.__file__)' 2>/dev/null)" = \
+       "$ROOT/toymlx/__init__.py" ]; then
+    say "toymlx is installed in $ENV and pyproject.toml is unchanged: nothing to do"
+    return
+  fi
+  rm -f "$stamp"
+  say "pip install -e '$spec' into $ENV"
+  "$ENV/bin/python" -m pip install -e "$spec" || die "pip install -e '$spec' failed (see above)"
+  printf '%s\n' "$want" >"$stamp"
+}
+
+check_platform
+choose_env
+install_toymlx
+echo "$ENV" >&3
