@@ -72,34 +72,38 @@ apt_install() {
   say "installing Debian packages: $* (${sudo[*]:-as root})"
   local apt=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -y -qq)
   # fresh machines have no package lists: update only when the first try fails
-  if ! "${apt[@]}" install "$@" >/dev/null 2>&1; then
-    "${apt[@]}" update && "${apt[@]}" install "$@" ||
-      die "could not install Debian packages $*; run: sudo apt-get update && sudo apt-get install -y $*"
+  if "${apt[@]}" install "$@" >/dev/null 2>&1; then return; fi
+  if ! { "${apt[@]}" update && "${apt[@]}" install "$@"; }; then
+    die "could not install Debian packages $*; run: sudo apt-get update && sudo apt-get install -y $*"
   fi
 }
 
-# Debian packages this machine lacks: OpenBLAS, and the venv module of Python $1 (if given).
-debian_needs() {
-  [ "$OS" = Linux ] && command -v apt-get >/dev/null || return 0
+# Install what this machine lacks from Debian: OpenBLAS, and the venv module of Python $1
+# (if given; Debian and Ubuntu ship it apart, as python3.X-venv).
+debian_packages() {
+  if [ "$OS" != Linux ] || ! command -v apt-get >/dev/null; then return 0; fi
+  local need=()
   if ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
-    echo libopenblas0-pthread
+    need+=(libopenblas0-pthread)
   fi
   if [ -n "${1:-}" ] && ! "$1" -c 'import ensurepip, venv' 2>/dev/null; then
     local real
-    real=$(readlink -f "$(command -v "$1")")
+    real=$(readlink -f "$1")
     case $real in
-      /usr/bin/python3.*) echo "${real#/usr/bin/}-venv" ;;  # python3.11 -> python3.11-venv
+      /usr/bin/python3.*) need+=("${real#/usr/bin/}-venv") ;;  # python3.11 -> python3.11-venv
       *) die "$1 ($real) has no venv module; install one that has, or set TOYMLX_PYTHON" ;;
     esac
   fi
+  if [ ${#need[@]} -gt 0 ]; then apt_install "${need[@]}"; fi
 }
 
 find_python() {
   if [ -n "${TOYMLX_PYTHON:-}" ]; then
-    local why
-    why=$(py_unfit "$TOYMLX_PYTHON")
+    local path why
+    path=$(command -v "$TOYMLX_PYTHON") || die "TOYMLX_PYTHON=$TOYMLX_PYTHON: no such command"
+    why=$(py_unfit "$path")
     [ -z "$why" ] || die "TOYMLX_PYTHON=$TOYMLX_PYTHON $why"
-    echo "$TOYMLX_PYTHON"
+    echo "$path"
     return
   fi
   local candidates=(python3 python3.14 python3.13 python3.12 python3.11 python3.10) c rejected=()
@@ -122,6 +126,9 @@ find_python() {
   local found=""
   [ ${#rejected[@]} -eq 0 ] || found=" (found: $(IFS=';'; echo "${rejected[*]}"))"
   if [ "$OS" = Darwin ]; then
+    if [ "$(sysctl -n sysctl.proc_translated 2>/dev/null || echo 0)" = 1 ]; then
+      found+="; this terminal runs under Rosetta (x86_64): open one without it, or run arch -arm64 zsh"
+    fi
     die "no native Python 3.10+ found$found; install one (brew install python@3.12, or python.org's installer) and re-run, or set TOYMLX_PYTHON=/path/to/python3"
   fi
   die "no Python 3.10+ found$found; install one (e.g. apt-get install python3, pyenv) and re-run, or set TOYMLX_PYTHON=/path/to/python3"
@@ -137,9 +144,7 @@ choose_env() {
     local why
     why=$(py_unfit "$prefix/bin/python")
     [ -z "$why" ] || die "the active $name $prefix $why; deactivate it (toymlx then makes .venv) or use one with Python 3.10+"
-    local apt
-    apt=$(debian_needs)
-    [ -z "$apt" ] || apt_install $apt
+    debian_packages
     say "installing into the active $name $prefix"
     ENV=$prefix
     return
@@ -156,9 +161,7 @@ choose_env() {
       [ "${want%.* *}" = "${have%.* *}" ] || why="is ${have% *}, not TOYMLX_PYTHON's ${want% *}"
     fi
     if [ -z "$why" ]; then
-      local apt
-      apt=$(debian_needs)
-      [ -z "$apt" ] || apt_install $apt
+      debian_packages
       say "using $ENV (Python $(py_info "$ENV/bin/python" | cut -d' ' -f1))"
       return
     fi
@@ -167,10 +170,8 @@ choose_env() {
   elif [ -e "$ENV" ]; then
     die "$ENV exists but is not a virtual environment (no bin/python); move it away and re-run"
   fi
-  local apt
   [ -n "$py" ] || py=$(find_python)
-  apt=$(debian_needs "$py")
-  [ -z "$apt" ] || apt_install $apt
+  debian_packages "$py"
   say "creating $ENV with $py (Python $(py_info "$py" | cut -d' ' -f1))"
   if ! "$py" -m venv "$ENV"; then
     rm -rf "$ENV"  # a venv without pip would be reused and fail later
