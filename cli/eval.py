@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--version" in argv:
         print(version_text())
         return 0
+    from toymlx.device import setup_process
+
+    setup_process()
     args = tyro.cli(Args, args=argv, prog="toymlx-eval")
     try:
         out = evaluate(args)

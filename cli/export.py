@@ -33,12 +33,13 @@ class Args:
     """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest)."""
     fuse: bool = False
     """Merge the adapter into the base weights (a full model for llama.cpp without --lora)."""
-    dtype: Literal["f32", "f16", "q8_0"] | None = None
+    dtype: Literal["f32", "f16", "bf16", "q8_0"] | None = None
     """Tensor type of the written model's matrices (default: f32, or q8_0 for a Q8_0 base)."""
 
 
 def run(args: Args) -> int:
-    from toymlx.lora import apply_adapter, load_base, resolve_adapter_path, write_merged
+    from toymlx.gguf.llama import load_llama
+    from toymlx.lora import apply_adapter, resolve_adapter_path, write_merged
 
     out = Path(args.out)
     if args.fuse and not args.adapter:
@@ -49,7 +50,7 @@ def run(args: Args) -> int:
             raise ValueError("--dtype: only applies to a written model (with --fuse or "
                              "without --adapter); an adapter is written as F32")
         src = resolve_adapter_path(args.adapter)
-        model, g = load_base(args.base, "float32")
+        model, g = load_llama(args.base)
         apply_adapter(model, src, g.metadata.get("general.architecture", "llama"))
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp")

@@ -28,6 +28,12 @@ class Args:
     """Sampling temperature; 0 is greedy (always the most likely token)."""
     top_p: float = 0.9
     """Nucleus sampling: draw only from the most likely tokens holding this much probability."""
+    top_k: int = 0
+    """Draw only from the k most likely tokens (0: off)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one (0: off)."""
+    repetition_penalty: float | None = None
+    """Divide the logits of the last 20 tokens by this (above 1 discourages repeats)."""
     seed: int = 0
     """Seed for sampling, so a run can be repeated exactly."""
     chat: bool = False
@@ -42,20 +48,6 @@ class Args:
 
 class UsageError(ValueError):
     """Bad user input; reported as one line on stderr with exit status 2."""
-
-
-def apply_adapter(model, path: str):
-    """Apply a LoRA adapter through toymlx.lora.apply_adapter, when that exists."""
-    try:
-        from toymlx import lora
-    except ImportError:
-        lora = None
-    fn = getattr(lora, "apply_adapter", None)
-    if fn is None:
-        raise UsageError(f"{path}: --adapter: expected toymlx.lora.apply_adapter to be available, "
-                         "found it missing in this install (LoRA adapters are not supported yet)")
-    out = fn(model, path)
-    return model if out is None else out
 
 
 def prompt_ids(tokenizer, args: Args) -> list[int]:
@@ -93,7 +85,7 @@ def stream(model, tokenizer, ids: list[int], args: Args, out=None) -> tuple[str,
     new: list[int] = []
     shown = ""
     for tok in generate(model, tokenizer, ids, args.max_tokens, args.temperature, args.top_p,
-                        args.seed):
+                        args.seed, args.top_k, args.min_p, args.repetition_penalty):
         new.append(tok)
         text = _continuation(tokenizer, ids, new, base)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
@@ -119,6 +111,7 @@ def _continuation(tokenizer, ids: list[int], new: list[int], base: str) -> str:
 def run(args: Args) -> int:
     from toymlx.device import select_device
     from toymlx.generate import load_for_generation
+    from toymlx.lora import apply_adapter
 
     if args.max_tokens < 0:
         raise UsageError(f"--max-tokens: expected >= 0, found {args.max_tokens}")
@@ -129,7 +122,7 @@ def run(args: Args) -> int:
     select_device(args.device)
     model, tokenizer = load_for_generation(args.model)
     if args.adapter:
-        model = apply_adapter(model, args.adapter)
+        apply_adapter(model, args.adapter)
     ids = prompt_ids(tokenizer, args)
     t0 = time.perf_counter()
     _, n = stream(model, tokenizer, ids, args)
@@ -146,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--version" in argv:
         print(version_text())
         return 0
+    from toymlx.device import setup_process
+
+    setup_process()
     args = tyro.cli(Args, args=argv, prog=PROG,
                     description=Args.__doc__)
     try:

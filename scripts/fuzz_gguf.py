@@ -648,7 +648,7 @@ def build_seeds(folder: Path, full: bool = True) -> dict[str, str]:
     meta = dict(g.metadata)
     types = dict(g.metadata_types)
     tensors = {n: g.load(n) for n in g.tensors}
-    # Projections in the three types lora.load_base keeps quantized; the rest elsewhere.
+    # Projections in the three types load_llama(weights="quantized") keeps quantized; the rest elsewhere.
     plan = {"attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.Q8_0,
             "ffn_gate": T.Q4_1, "ffn_up": T.Q4_0, "ffn_down": T.Q8_0, "token_embd": T.F16}
     out: dict = {}
@@ -826,8 +826,7 @@ def reader_paths() -> tuple[dict, dict[str, str]]:
 
     try:
         from toymlx.checkpoint import load_checked
-        from toymlx.gguf.llama import args_from_gguf
-        from toymlx.recipes.common import load_weights_from_gguf
+        from toymlx.gguf.llama import args_from_gguf, load_llama_into
 
         base_args: dict = {}
 
@@ -843,13 +842,13 @@ def reader_paths() -> tuple[dict, dict[str, str]]:
 
             model = Llama(base_args[seed])
             # what trainer.train does on --resume: the recipe's load, shapes checked after
-            load_checked(load_weights_from_gguf, Path(p), model)
+            load_checked(load_llama_into, Path(p), model)
             import mlx.core as mx
             mx.eval(model(mx.array([[1, 2, 3]])))
 
-        paths["resume: load_checked(load_weights_from_gguf)"] = resume
+        paths["resume: load_checked(load_llama_into)"] = resume
     except ImportError as e:
-        missing["resume: load_checked(load_weights_from_gguf)"] = str(e)
+        missing["resume: load_checked(load_llama_into)"] = str(e)
 
     try:
         from toymlx.tokenizer import Tokenizer
@@ -865,9 +864,10 @@ def reader_paths() -> tuple[dict, dict[str, str]]:
 
     try:
         from toymlx import lora
+        from toymlx.gguf.llama import load_llama
 
-        paths["lora.load_base(float32)"] = lambda p, seed: lora.load_base(p, "float32")
-        paths["lora.load_base(quantized)"] = lambda p, seed: lora.load_base(p, "quantized")
+        paths["load_llama(bfloat16)"] = lambda p, seed: load_llama(p, weights="bfloat16")
+        paths["load_llama(quantized)"] = lambda p, seed: load_llama(p, weights="quantized")
         paths["lora.load_adapter"] = lambda p, seed: lora.load_adapter(p)
 
         def apply(p, seed):

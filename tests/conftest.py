@@ -25,3 +25,15 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def stories_path(shared_data: Path) -> Path:
     return shared_data / "models" / "stories260K.gguf"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need MLX's GPU (Metal or CUDA): skipped, and said so, without one."""
+    import mlx.core as mx
+
+    if mx.is_available(mx.gpu):
+        return
+    skip = pytest.mark.skip(reason="needs MLX's GPU (Metal or CUDA); this MLX has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,4 +1,5 @@
-"""CPU set-up done at import: the malloc settings that keep MLX's buffers in the process."""
+"""Process set-up (`toymlx.device.setup_process`): the malloc settings that keep MLX's buffers in
+the process; and GGUF loading that keeps one copy of the weights resident."""
 
 import json
 import subprocess
@@ -10,7 +11,9 @@ _PROBE = """
 import json, os
 import toymlx
 import mlx.core as mx
-from toymlx.device import backend_info
+from toymlx.device import backend_info, setup_process
+
+setup_process()
 
 def faults():
     return int(open("/proc/self/stat").read().split()[9])  # minor page faults

@@ -212,7 +212,7 @@ def test_no_step_completed_writes_a_null_final_loss(tmp_path, data):
 
 def test_vit_and_lora_bundles_are_toy_v1(tmp_path, stories_path):
     assert main(["--recipe", "vit-tiny", "--model.d-model", "32", "--model.n-layers", "1",
-                 "--model.n-heads", "2", "--model.mlp-dim", "64", "--batch-size", "16",
+                 "--model.n-heads", "2", "--model.ffn-dim", "64", "--batch-size", "16",
                  "--steps", "2", "--no-compile", "--no-progress", "--runs-root", str(tmp_path),
                  "--run-id", "v"]) == 0
     assert main(["--recipe", "lora", "--base", str(stories_path), "--steps", "2",

@@ -1,9 +1,10 @@
-"""`toymlx.fastmath` (the CPU's default elementwise math) gives the same numbers.
+"""`toymlx.fastmath` (the CPU training step's elementwise math) gives the same numbers.
 
 Each function is checked against a float64 numpy reference (values and gradients over the
-whole float range, including the overflow and -inf edges), and each place the models use it
-(toymlx/models/llama.py `silu_mul`, `causal_attention`; toymlx/models/vit.py GELU and
-attention; toymlx/losses.py `cross_entropy`) against MLX's own op on the same inputs.
+whole float range, including the overflow and -inf edges), and each `Ops` method the models
+call (`toymlx.models.ops`: silu_mul, attention, gelu, cross_entropy, the norms, linear) with
+kernels "vectorised" against the same method with MLX's kernels, and whole models built with
+either `Ops` against each other.
 Tolerances: a few float32 ulp for elementwise values; 1e-5 of the largest magnitude for
 attention and whole-model gradients; every result must be finite where the exact one is.
 """
@@ -19,9 +20,12 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from toymlx import fastmath as fm
-from toymlx.losses import classify_loss, cross_entropy, lm_loss
-from toymlx.models.llama import Llama, causal_attention, silu_mul, tiny
+from toymlx.losses import classify_loss, lm_loss
+from toymlx.models.llama import Llama, tiny
+from toymlx.models.ops import Ops
 from toymlx.models.vit import ViT, vit_tiny_8
+
+FAST, MLX = Ops(kernels="vectorised"), Ops()
 
 
 @pytest.fixture(autouse=True)
@@ -32,50 +36,22 @@ def on_cpu():
     mx.set_default_device(old)
 
 
-@pytest.fixture(autouse=True)
-def _fast_math_on(monkeypatch):
-    """The forms under test are on (they are by default on the CPU); tests turn them off for
-    the reference side with TOYMLX_FAST_MATH=0."""
-    monkeypatch.setenv("TOYMLX_FAST_MATH", "1")
+def test_a_model_runs_the_math_it_was_built_with():
+    """The kernels are the model's, chosen at construction: every layer holds the same Ops,
+    and a forward pass through either gives the same logits."""
+    mx.random.seed(0)
+    fast = ViT(vit_tiny_8(n_layers=1, d_model=24, n_heads=2, ffn_dim=32), FAST)
+    ref = ViT(fast.args, MLX)
+    ref.update(fast.parameters())
+    held = {m.ops for _, m in fast.named_modules() if hasattr(m, "ops")}
+    assert held == {FAST} and {m.ops for _, m in ref.named_modules() if hasattr(m, "ops")} == {MLX}
+    x = mx.random.normal((3, 8, 8, 1))
+    close(np.array(fast(x)), np.array(ref(x)), 1e-5)
 
 
-def test_enabled_in_the_train_step_on_cpu_and_by_env(monkeypatch):
-    monkeypatch.delenv("TOYMLX_FAST_MATH")
-    assert not fm.enabled()  # forward-only code keeps MLX's ops
-    with fm.train_step():
-        assert fm.enabled()  # the default device here is the CPU
-    assert not fm.enabled() and fm.describe() == "toymlx-vectorised"
-    monkeypatch.setenv("TOYMLX_FAST_MATH", "0")
-    with fm.train_step():
-        assert not fm.enabled()
-    assert fm.describe() == "mlx"
-    monkeypatch.setenv("TOYMLX_FAST_MATH", "1")
-    assert fm.enabled()
-
-
-def test_compiled_train_step_traces_with_fast_math(monkeypatch):
-    """make_step's step runs its forward and backward inside fastmath.train_step()."""
-    from toymlx import step as step_mod
-    from toymlx import trainer
-
-    seen = []
-    monkeypatch.delenv("TOYMLX_FAST_MATH")
-    model = ViT(vit_tiny_8(n_layers=1, d_model=24, n_heads=2, mlp_dim=32))
-
-    def loss_fn(m, b):
-        seen.append(fm.enabled())
-        return classify_loss(m, b)
-
-    task = trainer.Task(recipe="t", model=model, loss_fn=loss_fn, train_batch=None,
-                        val_batches=[], save=None, load=None, model_info={}, config_info={})
-    cfg = trainer.TrainConfig(steps=1, batch_size=4, compile=True)
-    import mlx.optimizers as optim
-
-    step = step_mod.make_step(task, optim.AdamW(1e-3), cfg, None)
-    batch = {"images": mx.zeros((1, 4, 8, 8, 1)), "labels": mx.zeros((1, 4), mx.int32)}
-    mx.eval(step(batch))
-    # traced once per CPU stream that a slice of the batch runs on
-    assert seen == [True] * step_mod.step_streams(cfg) and not fm.enabled()
+def test_vectorised_kernels_need_float32():
+    with pytest.raises(ValueError, match="float32"):
+        Ops(kernels="vectorised", dtype="bfloat16")
 
 
 EDGES = [-math.inf, -1e4, -104.0, -88.0, -87.5, -87.3, -20.0, -1e-3, -1e-30, 0.0, 1e-30, 1e-3,
@@ -177,7 +153,7 @@ def test_silu_mul_equals_nn_silu():
                          89.0, 200.0, 1e4])
     g = mx.concatenate([mx.random.normal((3000,)) * 4, extremes])
     u = mx.random.normal(g.shape)
-    got, got_g = value_and_grads(silu_mul, (g, u))
+    got, got_g = value_and_grads(FAST.silu_mul, (g, u))
     ref, ref_g = value_and_grads(lambda a, b: nn.silu(a) * b, (g, u))
     np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-7)
     for a, b in zip(got_g, ref_g):
@@ -194,7 +170,7 @@ def test_causal_attention_equals_fast_sdpa(B, H, Hkv, T, hd, sharp):
     k = mx.random.normal((B, Hkv, T, hd))
     v = mx.random.normal((B, Hkv, T, hd))
     scale = hd ** -0.5
-    got, got_g = value_and_grads(lambda a, b, c: causal_attention(a, b, c, scale), (q, k, v))
+    got, got_g = value_and_grads(lambda a, b, c: FAST.attention(a, b, c, scale, True), (q, k, v))
     ref, ref_g = value_and_grads(
         lambda a, b, c: mx.fast.scaled_dot_product_attention(a, b, c, scale=scale,
                                                              mask="causal"), (q, k, v))
@@ -208,17 +184,19 @@ def test_cross_entropy_equals_nn_cross_entropy(offset):
     mx.random.seed(2)
     logits = mx.random.normal((3, 5, 4099)) * 6 + offset
     targets = mx.random.randint(0, 4099, (3, 5))
-    got, (got_g,) = value_and_grads(lambda x: cross_entropy(x, targets), (logits,))
+    got, (got_g,) = value_and_grads(lambda x: FAST.cross_entropy(x, targets), (logits,))
     ref, (ref_g,) = value_and_grads(
         lambda x: nn.losses.cross_entropy(x, targets, reduction="none"), (logits,))
     np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
     close(got_g, ref_g, 1e-5)
 
 
-def test_llama_loss_and_grads_equal_reference_forms(monkeypatch):
+def test_llama_loss_and_grads_equal_reference_forms():
     """The whole lm_loss (fast forms) against the model with MLX's ops and nn cross_entropy."""
     mx.random.seed(3)
-    model = Llama(tiny(d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=160))
+    model = Llama(tiny(d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=160), FAST)
+    ref_model = Llama(model.args, MLX)
+    ref_model.update(model.parameters())
     rng = np.random.default_rng(0)
     toks = mx.array(rng.integers(0, 259, (3, 25)).astype(np.int32))
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
@@ -230,8 +208,7 @@ def test_llama_loss_and_grads_equal_reference_forms(monkeypatch):
 
     (loss, _), grads = nn.value_and_grad(model, lm_loss)(model, batch)
     mx.eval(loss, grads)
-    monkeypatch.setenv("TOYMLX_FAST_MATH", "0")
-    (ref, _), ref_grads = nn.value_and_grad(model, ref_loss)(model, batch)
+    (ref, _), ref_grads = nn.value_and_grad(ref_model, ref_loss)(ref_model, batch)
     mx.eval(ref, ref_grads)
     assert abs(loss.item() - ref.item()) <= 2e-6 * abs(ref.item())
     ref_flat = dict(tree_flatten(ref_grads))
@@ -239,17 +216,18 @@ def test_llama_loss_and_grads_equal_reference_forms(monkeypatch):
         close(np.array(g), np.array(ref_flat[name]), 1e-5)
 
 
-def test_vit_loss_and_grads_equal_reference_forms(monkeypatch):
-    """ViT's GELU, attention and classification loss: fastmath on against MLX's ops."""
+def test_vit_loss_and_grads_equal_reference_forms():
+    """ViT's GELU, attention and classification loss: fastmath's forms against MLX's ops."""
     mx.random.seed(4)
-    model = ViT(vit_tiny_8(n_layers=2, d_model=48, mlp_dim=96))
+    model = ViT(vit_tiny_8(n_layers=2, d_model=48, ffn_dim=96), FAST)
+    ref_model = ViT(model.args, MLX)
+    ref_model.update(model.parameters())
     rng = np.random.default_rng(1)
     batch = {"images": mx.array(rng.standard_normal((16, 8, 8, 1)).astype(np.float32) * 2),
              "labels": mx.array(rng.integers(0, 10, 16).astype(np.int32))}
     (loss, _), grads = nn.value_and_grad(model, classify_loss)(model, batch)
     mx.eval(loss, grads)
-    monkeypatch.setenv("TOYMLX_FAST_MATH", "0")
-    (ref, _), ref_grads = nn.value_and_grad(model, classify_loss)(model, batch)
+    (ref, _), ref_grads = nn.value_and_grad(ref_model, classify_loss)(ref_model, batch)
     mx.eval(ref, ref_grads)
     assert abs(loss.item() - ref.item()) <= 2e-6 * abs(ref.item())
     ref_flat = {k: np.array(v) for k, v in tree_flatten(ref_grads)}

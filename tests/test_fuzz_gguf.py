@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from toymlx.checkpoint import ResumeError, load_checked
-from toymlx.gguf.llama import load_llama, write_llama
+from toymlx.gguf.llama import load_llama, load_llama_into, write_llama
 from toymlx.gguf.reader import (
     ARRAY,
     BOOL,
@@ -45,7 +45,6 @@ from toymlx.gguf.reader import (
 )
 from toymlx.gguf.writer import write_gguf
 from toymlx.models.llama import Llama, LlamaArgs
-from toymlx.recipes.common import load_weights_from_gguf
 from toymlx.tokenizer import Tokenizer, byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,10 +73,10 @@ def test_fuzz_batch_every_reader_path(tmp_path, shared_data):
     assert s["cases"] == 400
     # Skip no reader silently: every module that exists must be covered.
     need = ["GGUFFile+load(all tensors)", "read_metadata", "load_llama(+forward)",
-            "resume: load_checked(load_weights_from_gguf)",
+            "resume: load_checked(load_llama_into)",
             "Tokenizer.from_gguf(+encode/decode)"]
     if (REPO / "toymlx" / "lora.py").exists():
-        need += ["lora.load_base(float32)", "lora.load_base(quantized)", "lora.load_adapter",
+        need += ["load_llama(bfloat16)", "load_llama(quantized)", "lora.load_adapter",
                  "lora.apply_adapter(toy base)",
                  "resume: load_checked(lora.load_adapter_weights)"]
     if (REPO / "toymlx" / "warm.py").exists():
@@ -258,9 +257,9 @@ def test_float64_metadata_loads_everywhere_without_mx_load(tmp_path, tiny_model,
     np.testing.assert_array_equal(np.array(m64(x)), np.array(m32(x)))
     tok = Tokenizer.from_gguf(f64)
     assert tok.decode(tok.encode("float64 ok")) == "float64 ok"
-    from toymlx import lora, warm
+    from toymlx import warm
 
-    lora.load_base(f64)
+    load_llama(f64, weights="bfloat16")
     assert warm.read_donor(f64).table.shape == (259, 32)
 
 
@@ -274,9 +273,9 @@ def test_resume_rejects_a_checkpoint_of_another_shape(tmp_path, tiny_model):
     write_gguf(bad, dict(g.metadata), tensors, types=dict(g.metadata_types))
     model = Llama(TINY)
     with pytest.raises(ResumeError) as e:
-        load_checked(load_weights_from_gguf, bad, model)
-    assert clean(e.value, bad) and "layers.0.attn.v_proj.weight" in str(e.value)
-    load_checked(load_weights_from_gguf, path, Llama(TINY))  # the right shape loads
+        load_checked(load_llama_into, bad, model)
+    assert clean(e.value, bad) and "blk.0.attn_v.weight" in str(e.value)
+    load_checked(load_llama_into, path, Llama(TINY))  # the right shape loads
 
 
 def test_truncated_and_bitflipped_real_model(tmp_path, stories_path):

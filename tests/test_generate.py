@@ -14,7 +14,7 @@ import pytest
 from toymlx_cli import generate as cli
 
 from toymlx.checkpoint import update_latest
-from toymlx.generate import generate, load_for_generation, sample_token
+from toymlx.generate import generate, load_for_generation
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.writer import write_gguf
 
@@ -127,13 +127,35 @@ def test_sampling_is_seeded_and_top_p_narrows(stories):
     # A nucleus smaller than the top token's probability is greedy decoding.
     assert list(generate(model, tok, prompt, 8, temperature=1.0, top_p=1e-6)) == \
         EXPECTED_GREEDY[:8]
-    rng = np.random.default_rng(0)
-    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    draws = [sample_token(logits, 1.0, 0.7, rng) for _ in range(400)]
-    assert set(draws) == {0, 1}  # 0.5 + 0.3 reaches 0.7; tokens 2 and 3 are cut
-    assert sample_token(logits, 0.0, 0.1, rng) == 0
     with pytest.raises(ValueError, match="top-p"):
         next(generate(model, tok, prompt, 1, temperature=1.0, top_p=0.0))
+
+
+class FixedDistribution:
+    """A 'model' whose next-token probabilities are always [0.5, 0.3, 0.15, 0.05]."""
+
+    args = type("Args", (), {"context": 10_000})()
+
+    def make_cache(self):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache()]
+
+    def __call__(self, tokens, cache=None):
+        p = mx.array([0.5, 0.3, 0.15, 0.05])
+        return mx.broadcast_to(mx.log(p), (*tokens.shape, 4))
+
+
+@pytest.mark.parametrize("kw, allowed", [({"top_p": 0.7}, {0, 1}),  # 0.5 + 0.3 reach 0.7
+                                         ({"top_k": 3}, {0, 1, 2}),
+                                         ({"min_p": 0.5}, {0, 1}),  # 0.15 < 0.5 * 0.5
+                                         ({"temperature": 0.0}, {0})])
+def test_samplers_cut_the_distribution_where_they_say(kw, allowed):
+    kw = {"temperature": 1.0, **kw}
+    draws = list(generate(FixedDistribution(), None, [0], max_tokens=400, seed=1, **kw))
+    assert set(draws) == allowed and len(draws) == 400
+    if kw["temperature"] and kw.get("top_p"):  # the kept mass renormalised: 0.5 / 0.8 = 0.625
+        assert abs(draws.count(0) / 400 - 0.625) < 0.08
 
 
 def make_run_dir(root: Path, gguf: Path, step: int = 5) -> Path:
@@ -223,16 +245,6 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, stories_path, capsys):
                                                              "--temperature")):
         rc = cli.main(["--model", str(stories_path), "--prompt", "hi", *flags])
         assert rc == 2 and needle in capsys.readouterr().err
-
-
-def test_cli_adapter_hook_without_lora_support(stories_path, capsys, monkeypatch):
-    import toymlx
-
-    monkeypatch.setitem(sys.modules, "toymlx.lora", type(sys)("toymlx.lora"))  # no apply_adapter
-    monkeypatch.delattr(toymlx, "lora", raising=False)
-    rc = cli.main(["--model", str(stories_path), "--prompt", "hi", "--adapter", "a.gguf"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "apply_adapter" in err
 
 
 def test_cli_adapter_hook_calls_apply_adapter(stories_path, capsys, monkeypatch):

@@ -14,7 +14,8 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from toymlx.data.chat import SFTData, load_examples, split_examples
-from toymlx.gguf.llama import write_llama
+from toymlx.gguf.llama import load_llama, write_llama
+from toymlx.gguf.quant import gguf_to_mlx_quant
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
 from toymlx.lora import (
@@ -22,17 +23,15 @@ from toymlx.lora import (
     apply_adapter,
     apply_lora,
     fuse,
-    gguf_to_mlx_quant,
     load_adapter,
     load_adapter_weights,
-    load_base,
     lora_layers,
-    resolve_base_dtype,
     write_adapter,
     write_merged,
 )
 from toymlx.losses import lm_loss
 from toymlx.models.llama import Llama, tiny
+from toymlx.recipes.lora import resolve_base_dtype
 from toymlx.tokenizer import Tokenizer, byte_tokenizer
 
 CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
@@ -57,7 +56,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 
 def base(path: Path, dtype: str = "float32") -> Llama:
-    model, g = load_base(path, dtype)
+    model, g = load_llama(path, weights=dtype)
     g.close()
     return model
 
@@ -95,7 +94,7 @@ def test_targets_and_last_layers(tiny_gguf):
     assert list(lora_layers(model)) == ["layers.1.attn.k_proj", "layers.1.mlp.down_proj",
                                         "layers.2.attn.k_proj", "layers.2.mlp.down_proj"]
     n = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-    kv = ARGS.n_kv_heads * ARGS.hd
+    kv = ARGS.n_kv_heads * ARGS.head_dim
     assert n == 2 * 2 * ((64 + kv) + (ARGS.ffn_dim + 64))
 
 
@@ -137,7 +136,7 @@ def test_adapter_gguf_round_trip(tiny_gguf, tmp_path):
     assert g.metadata_types["adapter.lora.alpha"][0] == 6  # GGUF float32
     assert g.tensors["blk.0.attn_q.weight.lora_a"].shape == (4, 64)
     assert g.tensors["blk.0.attn_q.weight.lora_b"].shape == (64, 4)
-    assert g.tensors["blk.2.attn_k.weight.lora_b"].shape == (ARGS.n_kv_heads * ARGS.hd, 4)
+    assert g.tensors["blk.2.attn_k.weight.lora_b"].shape == (ARGS.n_kv_heads * ARGS.head_dim, 4)
     assert g.tensors["blk.1.ffn_gate.weight.lora_a"].shape == (4, 64)
     assert {t.type.name for t in g.tensors.values()} == {"F32"}
     assert len(g.tensors) == 3 * 3 * 2
@@ -217,11 +216,12 @@ def test_quantized_base_holds_gguf_blocks_exactly(tiny_gguf, tmp_path):
     before = qnt(TOKENS)
     apply_lora(qnt, "q,v", rank=4)
     assert mx.array_equal(qnt(TOKENS), before).item()
-    assert resolve_base_dtype("auto", qg, on_gpu=True) == "quantized"
-    assert resolve_base_dtype("auto", qg, on_gpu=False) == "float32"
+    assert resolve_base_dtype("auto", qg, True, "bfloat16") == "quantized"
+    assert resolve_base_dtype("auto", qg, False, "float32") == "float32"
+    assert resolve_base_dtype("auto", g, True, "bfloat16") == "bfloat16"  # F32 projections
     with pytest.raises(ValueError, match=r"--base-dtype quantized: .*found blk\.0\.attn_q\.weight "
                                          r"is F32; use --base-dtype float32"):
-        resolve_base_dtype("quantized", g, on_gpu=False)
+        resolve_base_dtype("quantized", g, False, "float32")
 
 
 def test_merged_export_matches_lora_forward(tiny_gguf, tmp_path):

@@ -22,16 +22,17 @@ from smollm import smollm_gguf  # noqa: F401  (session fixture)
 
 from toymlx.data.chat import SFTData
 from toymlx.events import read_events
+from toymlx.gguf.llama import load_llama
 from toymlx.lora import (
     apply_lora,
     fuse,
-    load_base,
     lora_layers,
     write_adapter,
     write_merged,
 )
 from toymlx.losses import lm_loss
 from toymlx.recipes import lora as recipe
+from toymlx.run import run_ops
 from toymlx.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.smollm
@@ -121,7 +122,7 @@ def random_adapter(model, seed: int = 0, std: float = 0.02) -> None:
 
 # ---- tests ------------------------------------------------------------------------------------
 def test_step0_loss_equals_base_and_trainable_count(smollm_gguf, tok):  # noqa: F811
-    model, _ = load_base(smollm_gguf, "float32")
+    model, _ = load_llama(smollm_gguf)
     data = SFTData.from_file(recipe.DEFAULT_DATA, tok, 256, mask_prompt=True, pack=True)
     batch = {k: mx.array(v[0]) for k, v in data.batch(0, 0, 4).items()}  # (4, 256)
     base_loss, n = lm_loss(model, batch)
@@ -132,7 +133,7 @@ def test_step0_loss_equals_base_and_trainable_count(smollm_gguf, tok):  # noqa: 
           f"LoRA {lora_loss.item():.6f} ({int(n.item())} target tokens)")
     n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     assert n_trainable == 30 * 8 * (576 + 576) == 276_480
-    full = apply_lora(load_base(smollm_gguf)[0], ALL, rank=8)
+    full = apply_lora(load_llama(smollm_gguf)[0], ALL, rank=8)
     kv = 3 * 64
     per_block = (576 + 576) + 2 * (576 + kv) + (576 + 576) + 2 * (576 + 1536) + (1536 + 576)
     assert sum(v.size for _, v in tree_flatten(full.trainable_parameters())) == 30 * 8 * per_block
@@ -140,8 +141,8 @@ def test_step0_loss_equals_base_and_trainable_count(smollm_gguf, tok):  # noqa: 
 
 def test_quantized_base_matches_float(smollm_gguf):  # noqa: F811
     """--base-dtype quantized keeps the Q4_1 blocks; its forward matches the dequantized one."""
-    flt, _ = load_base(smollm_gguf, "float32")
-    qnt, _ = load_base(smollm_gguf, "quantized")
+    flt, _ = load_llama(smollm_gguf)
+    qnt, _ = load_llama(smollm_gguf, weights="quantized")
     x = mx.array([[1, 504, 3458, 314, 253, 1234, 44, 986, 28, 4321, 12, 7]])
     a, b = flt(x), qnt(x)
     assert mx.abs(a - b).max().item() < 2e-3
@@ -158,7 +159,7 @@ def test_lora_training_lowers_validation_loss(smollm_gguf, tmp_path):  # noqa: F
     cfg = recipe.Config(base=str(smollm_gguf), runs_root=str(tmp_path), run_id="smol-lora",
                         progress=False, batch_size=2, seq_len=128, lr=5e-4, eval_every=50,
                         eval_batches=8)
-    task = recipe.build(cfg)
+    task = recipe.build(cfg, run_ops(cfg))
     before = evaluate(task, cfg.eval_batches)["val_loss"]
     run = tmp_path / "smol-lora"
     (run / "weights").mkdir(parents=True)
@@ -187,7 +188,7 @@ def test_lora_training_lowers_validation_loss(smollm_gguf, tmp_path):  # noqa: F
 @pytest.mark.interop
 def test_llamacpp_applies_the_adapter_like_toymlx(smollm_gguf, f32_base, tok, tmp_path):  # noqa: F811
     """The change an adapter makes to llama.cpp's logits equals the change it makes in toymlx."""
-    model, g = load_base(f32_base, "float32")
+    model, g = load_llama(f32_base)
     tokens = prompt_tokens(tok, "Which Python function returns the length of a list?")
     x = mx.array([tokens])
     base_logits = np.array(model(x)[0])
@@ -210,7 +211,7 @@ def test_llamacpp_applies_the_adapter_like_toymlx(smollm_gguf, f32_base, tok, tm
     # the fused model: toymlx and llama.cpp both compute base + adapter
     merged = write_merged(tmp_path / "merged.gguf", f32_base, adapter, "f32")
     lora_logits = base_logits + ours
-    fused, _ = load_base(merged, "float32")
+    fused, _ = load_llama(merged)
     fused_err = np.abs(np.array(fused(x)[0]) - lora_logits).max()
     cpp_fused = llamacpp(tmp_path, merged, tokens=tokens)["logits"]
     cpp_err = np.abs(cpp_fused - lora_logits).max()
@@ -253,3 +254,26 @@ def test_one_fact_is_answered_by_toymlx_generate_and_llamacpp(smollm_gguf, tok, 
     print(f"\nbefore: {before!r}\ntoymlx-generate --adapter: {out.strip()!r}\n"
           f"llama.cpp (Q4_1 base + adapter): {reply!r}")
     assert FACT_A in reply
+
+
+@pytest.mark.smollm
+def test_bf16_lora_on_the_real_smollm2_runs(smollm_gguf, tmp_path):  # noqa: F811
+    """--dtype bfloat16 on the CPU: the frozen base held in bfloat16, the adapters float32; a
+    few steps whose losses stay within 0.05 nats of the same float32 run's."""
+    from toymlx_cli.train import main
+
+    common = ["--recipe", "lora", "--base", str(smollm_gguf), "--device", "cpu", "--steps", "3",
+              "--batch-size", "1", "--seq-len", "64", "--eval-every", "0", "--eval-batches", "1",
+              "--no-progress", "--runs-root", str(tmp_path)]
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main([*common, "--run-id", dtype, "--dtype", dtype]) == 0
+        events = read_events(tmp_path / dtype)
+        losses[dtype] = [e["loss"] for e in events if e["kind"] == "step"]
+        start = events[0]
+        assert start["math"]["dtype"] == dtype
+        assert start["model"]["base_dtype"] == dtype and start["model"]["n_trainable"] < 1e6
+    gap = np.abs(np.array(losses["bfloat16"]) - np.array(losses["float32"]))
+    print(f"SmolLM2-135M LoRA, bf16 vs float32 on the CPU, 3 steps: losses "
+          f"{np.round(losses['bfloat16'], 4).tolist()} vs {np.round(losses['float32'], 4).tolist()}")
+    assert len(losses["bfloat16"]) == 3 and gap.max() < 0.05

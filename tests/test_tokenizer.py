@@ -287,11 +287,16 @@ def test_smollm2_metadata_keys(smol):
     assert meta["tokenizer.chat_template"] == smol.chat_template
 
 
-def test_gguf_py_fallback_reader(stories_path):
-    from toymlx.gguf.reader import read_metadata
-    from toymlx.tokenizer import _read_metadata_gguf_py
+def test_own_reader_agrees_with_gguf_py(stories_path):
+    """toymlx's GGUF reader gives the tokenizer the same metadata as gguf-py's GGUFReader."""
+    from gguf import GGUFReader
 
-    slow, fast = _read_metadata_gguf_py(stories_path), read_metadata(stories_path)
+    from toymlx.gguf.reader import read_metadata
+
+    reader = GGUFReader(str(stories_path), "r")
+    slow = {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")}
+    fast = read_metadata(stories_path)
     keys = [k for k in fast if k.startswith("tokenizer.")]
     assert keys and {k: slow[k] for k in keys} == {k: fast[k] for k in keys}
 

@@ -15,6 +15,7 @@ from toymlx.checkpoint import list_checkpoints, resolve_latest
 from toymlx.events import read_events
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
+from toymlx.run import run_ops
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--seq-len", "32",
@@ -105,10 +106,10 @@ def test_checkpoint_round_trip_identical_logits(tmp_path, text_file):
         cfg.model.d_model, cfg.model.n_layers, cfg.model.ffn_dim = 32, 2, 64
         cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.tie_embeddings = 4, 2, tie
         cfg.data.path = text_file
-        task = from_scratch.build(cfg)
+        task = from_scratch.build(cfg, run_ops(cfg))
         run = tmp_path / f"rt{tie}"
         train(task, cfg, run, {})
-        loaded, g = load_llama(resolve_latest(run))
+        loaded, g = load_llama(resolve_latest(run), task.model.ops)  # the same math
         assert ("output.weight" in g.tensors) == (not tie)
         x = mx.array([[1, 5, 9, 200, 17, 3, 88]])
         assert mx.array_equal(loaded(x), task.model(x)).item()
@@ -135,8 +136,8 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
     mask and drift from the eager losses)."""
     from mlx import nn
 
-    from toymlx import step as step_mod
     from toymlx import trainer
+    from toymlx.cpu_streams import make_stream_step
     from toymlx.trainer import step_seed
 
     def run(compile: bool) -> list[float]:
@@ -148,22 +149,19 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
             return nn.losses.cross_entropy(m(b["x"]), b["y"], reduction="mean"), mx.array(
                 b["y"].size)
 
-        task = trainer.Task(recipe="t", model=model, loss_fn=loss_fn, train_batch=None,
-                            val_batches=[], save=None, load=None, model_info={})
-        cfg = trainer.TrainConfig(steps=4, batch_size=8, compile=compile, cpu_streams=2,
-                                  lr=1e-2, warmup=1)
+        cfg = trainer.TrainConfig(steps=4, batch_size=8, lr=1e-2, warmup=1)
         opt = trainer.make_optimizer(cfg)
         opt.init(model.trainable_parameters())
-        step = step_mod.make_step(task, opt, cfg, None)
+        step = make_stream_step(model, loss_fn, opt, 2, compile=compile)
         rng = np.random.default_rng(1)
         batch = {"x": mx.array(rng.standard_normal((1, 8, 16)).astype(np.float32)),
                  "y": mx.array(rng.integers(0, 4, (1, 8)).astype(np.int32))}
         out = []
         for s in range(4):
             mx.random.seed(step_seed(0, s))
-            loss, _ = step(batch)
-            mx.eval(loss, model.state, opt.state)
-            out.append(float(loss.item()))
+            res = step(batch)
+            mx.eval(res, model.state, opt.state)
+            out.append(float(res["loss"].item()))
         return out
 
     compiled, eager = run(True), run(False)

@@ -28,7 +28,7 @@ def test_vit_tiny_matches_timm_parameter_count():
 def test_preset_output_shapes(preset, hw, c, classes, tokens):
     args = preset()
     assert (args.image_size, args.channels, args.num_classes) == (hw, c, classes)
-    assert (args.d_model, args.n_layers, args.n_heads, args.mlp_dim) == (192, 12, 3, 768)
+    assert (args.d_model, args.n_layers, args.n_heads, args.ffn_dim) == (192, 12, 3, 768)
     assert 1 + args.n_patches == tokens
     model = ViT(args)
     assert model.pos_embed.shape == (tokens, 192)
@@ -73,7 +73,7 @@ def test_patch_embedding_equals_strided_conv():
     # The documented flatten order (ph, pw, c) is MLX's conv weight (d, ph, pw, c) reshaped.
     mx.random.seed(1)
     args = ViTArgs(image_size=8, patch_size=2, channels=3, d_model=16, n_layers=1, n_heads=2,
-                   mlp_dim=32, num_classes=4)
+                   ffn_dim=32, num_classes=4)
     model = ViT(args)
     x = mx.random.normal((2, 8, 8, 3))
     ours = model.patch_embed(model.patchify(x))  # (B, N, D)
@@ -125,7 +125,7 @@ def numpy_vit(p: dict[str, np.ndarray], a: ViTArgs, images: np.ndarray) -> np.nd
 
 def test_forward_matches_float64_numpy():
     args = ViTArgs(image_size=8, patch_size=2, channels=2, d_model=32, n_layers=2, n_heads=4,
-                   mlp_dim=64, num_classes=5)
+                   ffn_dim=64, num_classes=5)
     model = ViT(args)
     rng = np.random.default_rng(0)
     # Every parameter random (biases, norms, head included) so none can hide a bug.
@@ -141,7 +141,7 @@ def test_forward_matches_float64_numpy():
 
 
 def test_gelu_choices_differ_slightly():
-    args = ViTArgs(image_size=8, patch_size=2, d_model=32, n_layers=1, n_heads=2, mlp_dim=64)
+    args = ViTArgs(image_size=8, patch_size=2, d_model=32, n_layers=1, n_heads=2, ffn_dim=64)
     mx.random.seed(3)
     model = ViT(args)
     x = mx.random.normal((2, 8, 8, 1))

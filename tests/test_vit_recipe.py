@@ -10,9 +10,11 @@ from toymlx.checkpoint import resolve_latest
 from toymlx.events import read_events
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.vit import load_vit
+from toymlx.models.ops import Ops
+from toymlx.run import run_ops
 
 SMALL = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
-         "--model.mlp-dim", "64", "--batch-size", "16", "--no-progress", "--warmup", "2"]
+         "--model.ffn-dim", "64", "--batch-size", "16", "--no-progress", "--warmup", "2"]
 
 
 def _run(tmp, rid, *extra):
@@ -56,17 +58,17 @@ def test_vit_round_trip_and_eager_equals_compiled(tmp_path):
     def cfg(compile_):
         c = vit_tiny.Config(steps=4, batch_size=16, warmup=2, progress=False, eval_every=0,
                             compile=compile_)
-        c.model.d_model, c.model.n_layers, c.model.n_heads, c.model.mlp_dim = 32, 2, 2, 64
+        c.model.d_model, c.model.n_layers, c.model.n_heads, c.model.ffn_dim = 32, 2, 2, 64
         return c
 
-    task = vit_tiny.build(cfg(True))
+    task = vit_tiny.build(cfg(True), run_ops(cfg(True)))
     train(task, cfg(True), tmp_path / "a", {})
-    loaded, norm, _ = load_vit(resolve_latest(tmp_path / "a"))
+    loaded, norm, _ = load_vit(resolve_latest(tmp_path / "a"), task.model.ops)  # same math
     x = mx.array(np.random.default_rng(0).normal(size=(5, 8, 8, 1)).astype(np.float32))
     assert mx.array_equal(loaded(x), task.model(x)).item()
     assert len(norm["toy.pixel_mean"]) == 1 and norm["toy.pixel_scale"] == 16.0
 
-    eager_task = vit_tiny.build(cfg(False))
+    eager_task = vit_tiny.build(cfg(False), run_ops(cfg(False)))
     train(eager_task, cfg(False), tmp_path / "b", {})
     la = [e["loss"] for e in read_events(tmp_path / "a") if e["kind"] == "step"]
     lb = [e["loss"] for e in read_events(tmp_path / "b") if e["kind"] == "step"]
@@ -82,6 +84,8 @@ def _np_ce(logits: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 class _Fixed:
     """A 'model' that returns fixed logits whatever the images."""
+
+    ops = Ops()
 
     def __init__(self, logits):
         self.logits = mx.array(logits)
@@ -160,7 +164,7 @@ def test_auto_patch_size_on_8x8_and_explicit_choices_win():
     digits = load_images(None)
     a = model_args(ViTOptions(), digits)
     assert (a.image_size, a.patch_size, a.n_patches) == (8, 4, 4)
-    assert (a.d_model, a.n_layers, a.n_heads, a.mlp_dim) == (192, 12, 3, 768)  # Tiny body
+    assert (a.d_model, a.n_layers, a.n_heads, a.ffn_dim) == (192, 12, 3, 768)  # Tiny body
     assert model_args(ViTOptions(patch_size=2), digits).patch_size == 2
     assert model_args(ViTOptions(preset="vit-tiny-8"), digits).patch_size == 2
     rgb224 = SimpleNamespace(image_shape=(224, 224, 3), num_classes=10, source="x")

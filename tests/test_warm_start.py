@@ -21,6 +21,7 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
 from toymlx.recipes import warm_start as ws
 from toymlx.recipes.common import LlamaOptions, TextData
+from toymlx.run import run_ops
 from toymlx.step import make_step
 from toymlx.tokenizer import byte_tokenizer
 from toymlx.trainer import train
@@ -71,6 +72,10 @@ def _quantized(t: np.ndarray, qtype: Q, seed: int) -> QuantTensor:
     return QuantTensor(qtype, raw.reshape(t.shape[0], -1), t.shape)
 
 
+def _build(cfg: ws.Config):
+    return ws.build(cfg, run_ops(cfg))
+
+
 def _cfg(donor, text_file: str, **kw) -> ws.Config:
     warm_kw = {k: kw.pop(k) for k in ("lens", "init", "freeze_embeddings", "vocab") if k in kw}
     model = LlamaOptions(**kw.pop("model", W32))
@@ -84,7 +89,7 @@ def _cfg(donor, text_file: str, **kw) -> ws.Config:
 # ---- bad donors: one line each, naming file, key/tensor, expected and found ----------------
 def _fails(cfg: ws.Config, *parts: str) -> str:
     with pytest.raises(ValueError) as e:
-        ws.build(cfg)
+        ws.build(cfg, run_ops(cfg))
     msg = str(e.value)
     assert "\n" not in msg
     for p in parts:
@@ -215,7 +220,7 @@ def test_identity_lens_at_equal_widths(stories_path, text_file):
     cfg = _cfg(stories_path, text_file, lens="identity",
                model={"d_model": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
                       "ffn_dim": 128})
-    task = ws.build(cfg)
+    task = ws.build(cfg, run_ops(cfg))
     m = task.model
     donor = warm.read_donor(stories_path)
     np.testing.assert_array_equal(np.array(m.lens), np.eye(64, dtype=np.float32))
@@ -226,8 +231,8 @@ def test_identity_lens_at_equal_widths(stories_path, text_file):
 
 
 def test_random_init_changes_only_the_table(stories_path, text_file):
-    a = ws.build(_cfg(stories_path, text_file)).model
-    b = ws.build(_cfg(stories_path, text_file, init="random")).model
+    a = _build(_cfg(stories_path, text_file)).model
+    b = _build(_cfg(stories_path, text_file, init="random")).model
     from mlx.utils import tree_flatten
 
     pa, pb = dict(tree_flatten(a.parameters())), dict(tree_flatten(b.parameters()))
@@ -241,7 +246,7 @@ def test_random_init_changes_only_the_table(stories_path, text_file):
 @pytest.mark.parametrize("tied", [True, False])
 def test_folded_checkpoint_matches_training_logits(tmp_path, stories_path, text_file, tied):
     cfg = _cfg(stories_path, text_file, steps=5, model={**W32, "tie_embeddings": tied})
-    task = ws.build(cfg)
+    task = ws.build(cfg, run_ops(cfg))
     run = tmp_path / "run"
     run.mkdir()
     end = train(task, cfg, run, {})
@@ -264,7 +269,7 @@ def test_folded_checkpoint_matches_training_logits(tmp_path, stories_path, text_
     donor = warm.read_donor(stories_path).table
     assert not np.array_equal(np.array(task.model.table), donor)
     # Task.load restores table and lens exactly
-    fresh = ws.build(cfg)
+    fresh = ws.build(cfg, run_ops(cfg))
     fresh.load(ckpt, fresh.model)
     for name in ("table", "lens"):
         np.testing.assert_array_equal(np.array(getattr(fresh.model, name)),
@@ -278,32 +283,32 @@ def test_folded_checkpoint_matches_training_logits(tmp_path, stories_path, text_
 
 def test_load_rejects_a_side_file_of_another_checkpoint(tmp_path, stories_path, text_file):
     cfg = _cfg(stories_path, text_file, steps=4, checkpoint_every=2)
-    task = ws.build(cfg)
+    task = ws.build(cfg, run_ops(cfg))
     run = tmp_path / "run"
     run.mkdir()
     train(task, cfg, run, {})
     w = run / "weights"
     (w / "step_2.warm.safetensors").replace(w / "step_4.warm.safetensors")
     with pytest.raises(GGUFError, match="expected to equal step_4.gguf's token_embd.weight"):
-        task.load(w / "step_4.gguf", ws.build(cfg).model)
+        task.load(w / "step_4.gguf", ws.build(cfg, run_ops(cfg)).model)
     (w / "step_4.warm.safetensors").unlink()
     with pytest.raises(ValueError, match="step_4.warm.safetensors: .*expected present"):
-        task.load(w / "step_4.gguf", ws.build(cfg).model)
+        task.load(w / "step_4.gguf", ws.build(cfg, run_ops(cfg)).model)
 
 
 @pytest.mark.parametrize("compile_", [True, False])
 def test_freezing_keeps_the_table_bit_identical(stories_path, text_file, compile_):
     k = 3
     cfg = _cfg(stories_path, text_file, steps=6, freeze_embeddings=k, compile=compile_)
-    task = ws.build(cfg)
+    task = ws.build(cfg, run_ops(cfg))
     m = task.model
     table0, lens0 = np.array(m.table), np.array(m.lens)
     opt = task.optimizer(cfg)
     opt.init(m.trainable_parameters())
-    step = make_step(task, opt, cfg, None)
+    step = make_step(m, task.loss_fn, opt, cfg.grad_clip, compile=cfg.compile)
     for s in range(cfg.steps):
-        loss, _ = step({key: mx.array(v) for key, v in task.train_batch(s).items()})
-        mx.eval(loss, m.state, opt.state)
+        out = step({key: mx.array(v) for key, v in task.train_batch(s).items()})
+        mx.eval(out, m.state, opt.state)
         frozen = np.array_equal(np.array(m.table), table0)
         assert frozen == (s + 1 <= k), f"after step {s + 1}"
         assert not np.array_equal(np.array(m.lens), lens0)
@@ -311,7 +316,7 @@ def test_freezing_keeps_the_table_bit_identical(stories_path, text_file, compile
 
 def test_freezing_whole_run(tmp_path, stories_path, text_file):
     cfg = _cfg(stories_path, text_file, steps=3, freeze_embeddings=-1)
-    task = ws.build(cfg)
+    task = ws.build(cfg, run_ops(cfg))
     table0 = np.array(task.model.table)
     run = tmp_path / "run"
     run.mkdir()
@@ -338,7 +343,7 @@ def test_resume_across_the_unfreeze_is_exact(tmp_path, stories_path, text_file):
 
 
 def test_vocab_cut(stories_path, text_file):
-    task = ws.build(_cfg(stories_path, text_file, vocab=300))
+    task = _build(_cfg(stories_path, text_file, vocab=300))
     assert task.model.table.shape == (300, 64) and task.model.args.vocab_size == 300
 
 
@@ -360,7 +365,7 @@ def test_warm_beats_random_table(tmp_path, shared_data, stories_path, student):
                        eval_every=0, checkpoint_every=0)
             run = tmp_path / f"{student}-{init}-{seed}"
             run.mkdir()
-            train(ws.build(cfg), cfg, run, {})
+            train(ws.build(cfg, run_ops(cfg)), cfg, run, {})
             evals = [e for e in read_events(run) if e["kind"] == "eval"]
             losses.append(evals[-1]["val_loss"])
     # measured (scripts/warm_vs_scratch.py, 200 steps): pca32 -0.29, identity64 -0.13 nats

@@ -15,20 +15,20 @@ here is written with only those ops:
   with a hand-written backward (`mx.custom_function`) that reuses the forward's output
   instead of differentiating the polynomials.
 
-`enabled()` decides: on in the training step when MLX computes on the CPU, off on a GPU (Metal
-and CUDA have fast fused kernels of their own) and in forward-only code; `TOYMLX_FAST_MATH=0`
-turns it off, `=1` forces it on everywhere.
+Who uses them: a model built with `Ops(kernels="vectorised")` (`toymlx.models.ops`), which the
+trainer picks for float32 training on MLX's CPU. Forward-only code keeps MLX's own ops: on
+SmolLM2-135M their logits sit 6.6e-5 from llama.cpp's against 1.04e-4 with these forms, although
+each form here is the more accurate one per element (float32 rounding that happens to cancel
+better with MLX's sigmoid), and the interop contract is 1e-4. Metal and CUDA have fast fused
+kernels of their own.
 The chains are kept shallow (Estrin's scheme) because `mx.compile` fuses at most 11 levels of
 ops into one kernel.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
-import threading
 
 import mlx.core as mx
 import numpy as np
@@ -48,48 +48,6 @@ _ERF_B = (-1.42647390514189e-02, -7.37332916720468e-03, -1.68282697438203e-03,
           -2.13374055278905e-04, -1.45660718464996e-05)  # denominator, even powers x^0 .. x^8
 _SQRT1_2 = 0.7071067811865476
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
-
-_in_train_step = threading.local()
-
-
-@contextlib.contextmanager
-def train_step():
-    """Inside: the training step is being traced, and these forms are on where MLX computes
-    on the CPU. `toymlx.trainer.make_step` wraps its step in this."""
-    before = getattr(_in_train_step, "on", False)
-    _in_train_step.on = True
-    try:
-        yield
-    finally:
-        _in_train_step.on = before
-
-
-def _cpu() -> bool:
-    return mx.default_device() == mx.cpu
-
-
-def enabled() -> bool:
-    """Whether the models use these forms now: inside the training step on the CPU, unless
-    TOYMLX_FAST_MATH says otherwise ("0": never, "1": everywhere, the GPU included).
-
-    Forward-only uses (generation, evaluation, export checks) keep MLX's own ops: on
-    SmolLM2-135M their logits sit 5.8e-5 from an fp64 forward and 6.6e-5 from llama.cpp's,
-    against 9.7e-5 and 1.04e-4 with these forms, although each form here is the more accurate
-    one per element (the model-level difference is float32 rounding that happens to cancel
-    better with MLX's sigmoid); the 1e-4 interop contract keeps that margin.
-    """
-    flag = os.environ.get("TOYMLX_FAST_MATH")
-    if flag in ("0", "1"):
-        return flag == "1"
-    return getattr(_in_train_step, "on", False) and _cpu()
-
-
-def describe() -> str:
-    """What run_start records: the elementwise math of the training step."""
-    flag = os.environ.get("TOYMLX_FAST_MATH")
-    on = flag == "1" or (flag != "0" and _cpu())
-    return "toymlx-vectorised" if on else "mlx"
 
 
 def _only(primals):

@@ -1,78 +1,68 @@
-"""Text generation with a Llama's KV cache, and loading a model to generate from.
+"""Text generation from a Llama, and loading a model to generate from.
 
-The prompt is run through the model once (prefill, filling the per-layer KV cache); every
-later step feeds only the newest token. Temperature 0 is greedy (argmax); otherwise the
-next token is drawn from the softmax at `temperature`, restricted to the smallest set of
-tokens whose probability mass reaches `top_p` (nucleus sampling), with a numpy generator
-seeded by `seed` so a run is reproducible.
+The decoding loop is mlx-lm's (`mlx_lm.generate.generate_step`: chunked prefill into the
+per-layer KV caches, then one token at a time with the next step computed while the current
+token is handed out) and so are the samplers (`mlx_lm.sample_utils`: temperature, top-p,
+min-p, top-k, repetition penalty); toymlx adds the stopping rules (end-of-sequence token, the
+trained context) and seeds MLX's generator so a run repeats exactly.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from toymlx.checkpoint import resolve_latest
+from toymlx.gguf.llama import args_from_gguf, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.lora import apply_adapter
 from toymlx.models.llama import Llama
-
-
-def sample_token(logits: np.ndarray, temperature: float, top_p: float,
-                 rng: np.random.Generator) -> int:
-    """One token id from a (vocab,) logits vector: argmax at temperature 0, else nucleus."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        # Keep every token whose preceding mass is below top_p (always at least the top one).
-        keep = order[: int(np.searchsorted(cum, top_p, side="left")) + 1]
-        q = p[keep] / p[keep].sum()
-        return int(keep[rng.choice(len(keep), p=q)])
-    return int(rng.choice(len(p), p=p))
+from toymlx.tokenizer import Tokenizer
 
 
 def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens: int = 128,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> Iterator[int]:
-    """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before eos."""
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
+             min_p: float = 0.0, repetition_penalty: float | None = None) -> Iterator[int]:
+    """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before eos and at the
+    model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples."""
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"--top-p: expected in (0, 1], found {top_p}")
     if temperature < 0:
         raise ValueError(f"--temperature: expected >= 0, found {temperature}")
+    if top_k < 0:
+        raise ValueError(f"--top-k: expected >= 0 (0: off), found {top_k}")
+    if not 0.0 <= min_p < 1.0:
+        raise ValueError(f"--min-p: expected in [0, 1) (0: off), found {min_p}")
+    if repetition_penalty is not None and repetition_penalty <= 0:
+        raise ValueError(f"--repetition-penalty: expected > 0, found {repetition_penalty}")
+    # past the trained context the model's output is meaningless
+    budget = min(max_tokens, model.args.context - len(prompt_ids))
+    if budget <= 0:
+        return
     eos = getattr(tokenizer, "eos_id", None)
-    context = model.args.context
-    rng = np.random.default_rng(seed)
-    cache = model.make_cache()
-    x = mx.array([list(prompt_ids)], dtype=mx.int32)  # (1, T)
-    n = len(prompt_ids)
-    for _ in range(max_tokens):
-        if n >= context:  # past the trained context the model's output is meaningless
-            return
-        logits = model(x, cache=cache)[0, -1]  # (V,)
-        if temperature <= 0:
-            tok = int(mx.argmax(logits).item())
-        else:
-            tok = sample_token(np.array(logits.astype(mx.float32)), temperature, top_p, rng)
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=temperature, top_p=top_p if top_p < 1.0 else 0.0,
+                           min_p=min_p, top_k=top_k)
+    processors = make_logits_processors(repetition_penalty=repetition_penalty)
+    steps = generate_step(mx.array(list(prompt_ids), dtype=mx.int32), model,
+                          max_tokens=budget, sampler=sampler, logits_processors=processors)
+    for tok, _ in steps:
         if eos is not None and tok == eos:
             return
-        yield tok
-        x = mx.array([[tok]], dtype=mx.int32)  # (1, 1)
-        n += 1
+        yield int(tok)
 
 
 def resolve_model_path(path: str | os.PathLike) -> Path:
     """A GGUF path as given, or the checkpoint `weights/latest` names in a run directory."""
-    from toymlx.checkpoint import resolve_latest
-
     p = Path(path)
     if p.is_dir():
         return resolve_latest(p)
@@ -84,8 +74,6 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
 
 def _lora_run_base(path: str | os.PathLike) -> str | None:
     """The `--base` a LoRA run was trained on (its config.json), when `path` is in a run."""
-    import json
-
     p = Path(path)
     for run_dir in (p, p.parent.parent):  # the run folder, or a file in its weights/
         cfg = run_dir / "config.json"
@@ -101,9 +89,6 @@ def _lora_run_base(path: str | os.PathLike) -> str | None:
 def load_for_generation(path: str | os.PathLike) -> tuple[Llama, Any]:
     """(model, tokenizer) from a llama GGUF or a run directory (its `weights/latest`); a LoRA
     run's adapter comes with the base model it was trained on."""
-    from toymlx.gguf.llama import args_from_gguf, load_llama
-    from toymlx.tokenizer import Tokenizer
-
     gguf_path = resolve_model_path(path)
     g = GGUFFile(gguf_path)
     if g.metadata.get("general.type") == "adapter":
@@ -111,8 +96,6 @@ def load_for_generation(path: str | os.PathLike) -> tuple[Llama, Any]:
         g.close()
         base = _lora_run_base(path) or base
         if isinstance(base, str) and Path(base).is_file():  # a LoRA run: its base + adapter
-            from toymlx.lora import apply_adapter
-
             model, tokenizer = load_for_generation(base)
             return apply_adapter(model, gguf_path), tokenizer
         raise GGUFError(f"{gguf_path}: metadata key 'general.type': expected a model, found a "

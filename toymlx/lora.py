@@ -23,31 +23,21 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from gguf.constants import GGMLQuantizationType
 from mlx import nn
 
-from toymlx.gguf.llama import (
-    args_from_gguf,
-    expected_shapes,
-    gguf_to_toy,
-    llama_tensors,
-    toy_to_gguf,
-)
+from toymlx.checkpoint import resolve_latest
+from toymlx.gguf.llama import gguf_to_toy, llama_tensors, load_llama, toy_to_gguf
+from toymlx.gguf.quant import projection_types
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
-from toymlx.gguf.writer import QuantTensor, write_gguf
-from toymlx.models.layers import Linear
+from toymlx.gguf.writer import FILE_TYPE, SAVE_DTYPES, encode_tensor, write_gguf
+from toymlx.models.layers import Linear, replace_submodule, submodule
 from toymlx.models.llama import Llama
+from toymlx.models.ops import EXACT
 
 TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj",
                            "o": "attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
                            "down": "mlp.down_proj"}
 """--lora.targets short names -> projection paths inside a Llama block."""
-
-GROUP_SIZE = 32
-"""GGUF's Q4_0/Q4_1/Q8_0 block size, which MLX's affine quantization reproduces exactly."""
-_EXACT_QUANTS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-                 GGMLQuantizationType.Q8_0)
-
 
 def base_dims(linear: nn.Module) -> tuple[int, int]:
     """(n_out, n_in) of a float or quantized linear layer."""
@@ -108,7 +98,7 @@ class LoRALinear(nn.Module):
         dtype = mx.float32 if isinstance(self.linear, nn.QuantizedLinear) else w.dtype
         n_out, n_in = base_dims(self.linear)
         has_bias = "bias" in self.linear
-        fused = Linear(n_in, n_out, bias=has_bias)
+        fused = Linear(n_in, n_out, bias=has_bias, ops=getattr(self.linear, "ops", EXACT))
         fused.weight = (w.astype(mx.float32) + self.delta()).astype(dtype)
         if has_bias:
             fused.bias = self.linear.bias
@@ -141,18 +131,6 @@ def target_blocks(n_layers: int, layers: int | None) -> range:
     return range(n_layers - layers, n_layers)
 
 
-def _get(model: nn.Module, path: str) -> nn.Module:
-    obj: Any = model
-    for part in path.split("."):
-        obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part)
-    return obj
-
-
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(_get(model, parent), leaf, module)
-
-
 def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int | None = None,
                rank: int = 8, alpha: float = 16.0, dropout: float = 0.0) -> Llama:
     """Freeze `model` and wrap the chosen projections of the last `layers` blocks in LoRA."""
@@ -162,11 +140,11 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
     for i in blocks:
         for t in names:
             path = f"layers.{i}.{TARGETS[t]}"
-            base = _get(model, path)
+            base = submodule(model, path)
             if isinstance(base, LoRALinear):
                 raise TypeError(f"{path}: expected a plain projection, found one already "
                                 "wrapped in LoRA")
-            _set(model, path, LoRALinear.from_base(base, rank, alpha, dropout))
+            replace_submodule(model, path, LoRALinear.from_base(base, rank, alpha, dropout))
     return model
 
 
@@ -188,106 +166,16 @@ def _order(path: str) -> tuple:
 def fuse(model: nn.Module) -> nn.Module:
     """Replace every LoRALinear in `model` by the plain Linear W + scale B A; return `model`."""
     for path, m in lora_layers(model).items():
-        _set(model, path, m.fuse())
+        replace_submodule(model, path, m.fuse())
     return model
 
 
 # ---- quantized or float base models -----------------------------------------------------
-def projection_types(g: GGUFFile) -> dict[str, str]:
-    """GGML type name of every 2-D block projection in a llama GGUF, by tensor name."""
-    return {n: t.type.name for n, t in g.tensors.items()
-            if n.startswith("blk.") and len(t.shape) == 2}
-
-
-def resolve_base_dtype(choice: str, g: GGUFFile, on_gpu: bool) -> str:
-    """float32 / float16 / quantized for --base-dtype (auto: quantized only on the GPU).
-
-    MLX's quantized matmul is ~40x slower than dequantize + fp32 on the CPU but the fast path
-    on Metal, and it holds GGUF's Q4_0/Q4_1/Q8_0 blocks exactly (same 32-value groups).
-    """
-    exact = all(GGMLQuantizationType[t] in _EXACT_QUANTS for t in projection_types(g).values())
-    if choice == "auto":
-        return "quantized" if on_gpu and exact else "float32"
-    if choice == "quantized" and not exact:
-        bad = next(f"{n} is {t}" for n, t in projection_types(g).items()
-                   if GGMLQuantizationType[t] not in _EXACT_QUANTS)
-        raise ValueError(f"--base-dtype quantized: {g.path}: expected Q4_0, Q4_1 or Q8_0 "
-                         f"projections (the types MLX holds exactly), found {bad}; use "
-                         "--base-dtype float32")
-    if choice not in ("quantized", "float32", "float16"):
-        raise ValueError(f"--base-dtype: expected auto, quantized, float32 or float16, "
-                         f"found {choice!r}")
-    return choice
-
-
-def gguf_to_mlx_quant(g: GGUFFile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(packed uint32, scales, biases, bits) of a Q4_0/Q4_1/Q8_0 tensor: exact MLX affine form.
-
-    GGUF blocks of 32 values become MLX groups of 32: Q8_0 `d*q` (q int8) is `d*(q+128) - 128d`,
-    Q4_0 `d*(q-8)` is `d*q - 8d`, Q4_1 `d*q + m`. Each block's 4-bit nibbles hold value j in
-    the low and j+16 in the high half of byte j; MLX packs value i of a word at bit bits*i.
-    """
-    info = g.tensors[name]
-    n_out, n_in = info.shape
-    raw = g.raw(name)
-    nb = n_in // GROUP_SIZE
-    T = GGMLQuantizationType
-    if info.type == T.Q8_0:
-        blk = raw.reshape(n_out, nb, 34)
-        d = blk[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, nb)
-        q = blk[..., 2:].copy().view(np.int8).astype(np.int32) + 128  # (out, nb, 32)
-        bits, bias = 8, -128.0 * d
-    elif info.type in (T.Q4_0, T.Q4_1):
-        size = 18 if info.type == T.Q4_0 else 20
-        blk = raw.reshape(n_out, nb, size)
-        d = blk[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, nb)
-        qs = blk[..., size - 16:]  # (out, nb, 16)
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int32)  # (out, nb, 32)
-        bits = 4
-        bias = (-8.0 * d if info.type == T.Q4_0
-                else blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-    else:
-        raise GGUFError(f"{g.path}: tensor {name!r} type: expected Q4_0, Q4_1 or Q8_0 to keep "
-                        f"quantized, found {info.type.name}")
-    per = 32 // bits
-    q = q.astype(np.uint32).reshape(n_out, n_in // per, per)  # (out, in/per, per)
-    packed = np.zeros((n_out, n_in // per), np.uint32)
-    for i in range(per):
-        packed |= q[..., i] << np.uint32(bits * i)
-    return packed, d, bias.astype(np.float32), bits
-
-
-def load_base(path: str | os.PathLike, dtype: str = "float32") -> tuple[Llama, GGUFFile]:
-    """A llama GGUF as a Llama: float32/float16 (exact dequantisation) or quantized projections.
-
-    Quantized keeps every Q4_0/Q4_1/Q8_0 block projection as an nn.QuantizedLinear holding
-    the file's own blocks (see `gguf_to_mlx_quant`); embeddings and norms are float32.
-    """
-    g = GGUFFile(path)
-    args = args_from_gguf(g)
-    model = Llama(args)  # its random init is lazy and never computed: every weight is replaced
-    np_dtype = np.float16 if dtype == "float16" else np.float32
-    quantized = dtype == "quantized"
-    weights = []
-    for name in expected_shapes(args):
-        key = gguf_to_toy(name)
-        if quantized and name.startswith("blk.") and len(g.tensors[name].shape) == 2:
-            w, s, b, bits = gguf_to_mlx_quant(g, name)
-            n_out, n_in = g.tensors[name].shape
-            q = nn.QuantizedLinear(n_in, n_out, bias=False, group_size=GROUP_SIZE, bits=bits)
-            q.weight, q.scales, q.biases = mx.array(w), mx.array(s), mx.array(b)
-            _set(model, key[: -len(".weight")], q)
-            continue
-        weights.append((key, mx.array(g.load(name, np.float32 if "norm" in name else np_dtype))))
-    model.load_weights(weights, strict=False)
-    mx.eval(model.parameters())
-    return model, g
-
-
 # ---- the llama.cpp adapter GGUF -----------------------------------------------------------
 def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str, Any],
-                  extra: dict[str, Any] | None = None) -> Path:
-    """Write the model's LoRA layers as a llama.cpp LoRA adapter GGUF (F32), atomically."""
+                  extra: dict[str, Any] | None = None, dtype: str = "f32") -> Path:
+    """Write the model's LoRA layers as a llama.cpp LoRA adapter GGUF (matrices as `dtype`:
+    f32, f16 or bf16), atomically."""
     layers = lora_layers(model)
     if not layers:
         raise ValueError("write_adapter: expected a model with LoRA layers (apply_lora), "
@@ -318,7 +206,7 @@ def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str
         "toy.lora.blocks": f"{min(blocks)}-{max(blocks)}",
     }
     meta.update(extra or {})
-    return write_gguf(path, meta, tensors)
+    return write_gguf(path, meta, {n: encode_tensor(n, t, dtype) for n, t in tensors.items()})
 
 
 @dataclass(frozen=True)
@@ -334,8 +222,6 @@ class Adapter:
 
 def resolve_adapter_path(path_or_run_dir: str | os.PathLike) -> Path:
     """An adapter GGUF as given, or the one `weights/latest` names in a LoRA run directory."""
-    from toymlx.checkpoint import resolve_latest
-
     p = Path(path_or_run_dir)
     if p.is_dir():
         return resolve_latest(p)
@@ -399,7 +285,7 @@ def _adapter_targets(model: nn.Module, ad: Adapter) -> dict[str, tuple[str, np.n
     for name, (a, b) in ad.pairs.items():
         key = gguf_to_toy(name)
         try:
-            module = _get(model, key[: -len(".weight")]) if key else None
+            module = submodule(model, key[: -len(".weight")]) if key else None
         except (AttributeError, IndexError, KeyError):
             module = None
         if isinstance(module, LoRALinear):
@@ -429,7 +315,7 @@ def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike,
     ad = load_adapter(path_or_run_dir)
     _check_arch(ad, arch)
     for path, a, b in _adapter_targets(model, ad).values():
-        base = _get(model, path)
+        base = submodule(model, path)
         if isinstance(base, LoRALinear):
             raise TypeError(f"{path}: expected a plain projection, found one already "
                             "wrapped in LoRA (apply one adapter per model)")
@@ -437,7 +323,7 @@ def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike,
         # llama.cpp: alpha 0 (or absent) means scale 1, i.e. alpha = r.
         m = LoRALinear.from_base(base, rank, ad.alpha or float(rank))
         m.lora_a, m.lora_b = mx.array(a), mx.array(b)
-        _set(model, path, m)
+        replace_submodule(model, path, m)
     mx.eval(model.parameters())
     return model
 
@@ -469,30 +355,10 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
 
 
 # ---- merged model export ------------------------------------------------------------------
-EXPORT_DTYPES = ("f32", "f16", "q8_0")
-_FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
-
-
 def default_export_dtype(g: GGUFFile) -> str:
     """q8_0 when every block projection of the base is Q8_0, else f32."""
     types = set(projection_types(g).values())
     return "q8_0" if types == {"Q8_0"} else "f32"
-
-
-def encode_tensor(name: str, w: np.ndarray, dtype: str) -> np.ndarray | QuantTensor:
-    """A float32 tensor in the export type; 1-D tensors (norms) always stay F32."""
-    if w.ndim < 2 or dtype == "f32":
-        return np.ascontiguousarray(w, np.float32)
-    if dtype == "f16":
-        return np.ascontiguousarray(w, np.float16)
-    from gguf.quants import quantize
-
-    if w.shape[-1] % GROUP_SIZE:
-        raise ValueError(f"--dtype q8_0: tensor {name!r}: expected rows a multiple of "
-                         f"{GROUP_SIZE} values, found shape {w.shape}; use --dtype f16 or f32")
-    return QuantTensor(GGMLQuantizationType.Q8_0,
-                       quantize(np.ascontiguousarray(w, np.float32), GGMLQuantizationType.Q8_0),
-                       tuple(w.shape))
 
 
 def write_merged(out: str | os.PathLike, base: str | os.PathLike,
@@ -502,14 +368,14 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
     Every metadata key of the base (tokenizer, chat template, hyperparameters) is kept with
     its original GGUF type; general.file_type follows the new tensor types.
     """
-    model, g = load_base(base, "float32")
+    model, g = load_llama(base)
     dtype = dtype or default_export_dtype(g)
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"--dtype: expected one of {', '.join(EXPORT_DTYPES)}, found {dtype!r}")
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"--dtype: expected one of {', '.join(SAVE_DTYPES)}, found {dtype!r}")
     skip = ("general.alignment", "general.file_type")
     meta = {k: v for k, v in g.metadata.items() if k not in skip}
     types = {k: t for k, t in g.metadata_types.items() if k not in skip}
-    meta["general.file_type"] = _FILE_TYPE[dtype]
+    meta["general.file_type"] = FILE_TYPE[dtype]
     types["general.file_type"] = (UINT32, None)
     if adapter is not None:
         ad_path = resolve_adapter_path(adapter)

@@ -1,28 +1,20 @@
-"""Losses: pure functions (model, micro-batch) -> (mean loss, count)."""
+"""Losses: pure functions (model, micro-batch) -> (mean loss, count).
+
+Per-position cross-entropy comes from the model's own `Ops` (`model.ops.cross_entropy`), so the
+loss runs the same kernels and precision as the forward pass; it is float32 whatever the
+activations' dtype.
+"""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx import nn
 
-from toymlx import fastmath
-
-
-def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
-    """Per-position cross-entropy over the last axis (no reduction).
-
-    Where `toymlx.fastmath` is on (the CPU) it is logsumexp - picked logit with the vectorised
-    exp, whose backward reuses nothing but the logits and the result; elsewhere MLX's kernel.
-    """
-    if fastmath.enabled():
-        return fastmath.cross_entropy(logits, targets)
-    return nn.losses.cross_entropy(logits, targets, reduction="none")
-
 
 def lm_loss(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
     """Next-token cross-entropy averaged over the positions whose mask is 1."""
     logits = model(batch["inputs"])  # (B, T, V)
-    ce = cross_entropy(logits, batch["targets"])  # (B, T)
+    ce = model.ops.cross_entropy(logits, batch["targets"])  # (B, T) float32
     mask = batch["mask"]
     n = mask.sum()
     return (ce * mask).sum() / mx.maximum(n, 1.0), n
@@ -30,17 +22,17 @@ def lm_loss(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.
 
 def classify_loss(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
     """Cross-entropy of class logits, averaged over the batch."""
-    logits = model(batch["images"])  # (B, classes)
-    ce = cross_entropy(logits, batch["labels"]).mean()
+    logits = model(batch["images"]).astype(mx.float32)  # (B, classes)
+    ce = model.ops.cross_entropy(logits, batch["labels"]).mean()
     return ce, mx.array(batch["labels"].shape[0], dtype=mx.float32)
 
 
 def classify_metrics(model: nn.Module, batch: dict[str, mx.array]) -> dict[str, mx.array]:
     """Summed loss and correct predictions for validation (labels < 0 are padding)."""
-    logits = model(batch["images"])
+    logits = model(batch["images"]).astype(mx.float32)
     labels = batch["labels"]
     valid = (labels >= 0).astype(mx.float32)
     safe = mx.maximum(labels, 0)
-    ce = cross_entropy(logits, safe)
+    ce = model.ops.cross_entropy(logits, safe)
     correct = (mx.argmax(logits, axis=-1) == safe).astype(mx.float32)
     return {"loss": (ce * valid).sum(), "accuracy": (correct * valid).sum(), "n": valid.sum()}

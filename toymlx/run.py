@@ -9,6 +9,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from toymlx.device import on_gpu
+from toymlx.models.ops import Ops, training_ops
 from toymlx.trainer import TrainConfig
 
 
@@ -55,6 +57,12 @@ def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
                          f"{batch_size}; use a smaller --batch-size or more data")
 
 
+def run_ops(cfg: TrainConfig) -> Ops:
+    """The math a run's model computes with (`--dtype`, `--kernels`, `--grad-checkpoint` on the
+    selected device): chosen here, once, and handed to the recipe's `build`."""
+    return training_ops(on_gpu(), cfg.dtype, cfg.kernels, cfg.grad_checkpoint)
+
+
 def init_distributed() -> Any:
     """The mx.distributed group when launched by mlx.launch with >1 ranks, else None."""
     if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_HOSTFILE")):
@@ -68,16 +76,20 @@ def init_distributed() -> Any:
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
     """Run one recipe with a parsed config; returns the process exit code."""
     from toymlx import checkpoint as ck
-    from toymlx.device import select_device
+    from toymlx.device import select_device, setup_process
+    from toymlx.models.ops import check_checkpointable
     from toymlx.runs import RunError, check_resume, prepare_run_dir, save_config
     from toymlx.trainer import train
 
+    # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
+    setup_process(wide_evaluation=not cfg.grad_checkpoint)
     created: Path | None = None
     try:
         validate_train_config(cfg)
         if hasattr(module, "validate"):
             module.validate(cfg)
         select_device(cfg.device)
+        ops = run_ops(cfg)
         world = init_distributed()
         rank0 = world is None or world.rank() == 0
         resume_from = None
@@ -94,7 +106,9 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
             cfg.run_id = run_id
         if rank0 and resume_from is None:
             save_config(run_dir, recipe, cfg)
-        task = module.build(cfg)
+        task = module.build(cfg, ops)
+        if ops.grad_checkpoint:
+            check_checkpointable(task.model)
         check_batch_fits(cfg.batch_size, task.config_info)
         if resume_from is not None:  # checked before config.json is replaced
             check_resume(run_dir, recipe, task.model_info)

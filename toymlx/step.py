@@ -1,13 +1,16 @@
-"""The compiled training step: value_and_grad, gradient accumulation, all-reduce, clipping, update.
+"""The compiled training step: value_and_grad, gradient accumulation, all-reduce, clip, update.
 
-`make_step` builds it once per run; `toymlx.trainer.train` calls it once per optimizer step.
+`make_step` builds it once per run; the trainer calls it once per optimizer step with a batch
+whose leading axis holds the micro-batches, `(accum, B, ...)`. The step is one `mx.compile`d
+function whose declared state is the model, the optimizer, MLX's random state (dropout) and,
+for float16, the loss scale. On a multi-core CPU `toymlx.cpu_streams` builds the same step from
+the same two halves (`micro_batch_grads`, `make_update`), spread over MLX CPU streams.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -15,10 +18,128 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
-from toymlx import device, fastmath
+Part = tuple[mx.array, mx.array, Any]
+"""One micro-batch's (loss * n, n, gradients * n): the summands of a count-weighted mean."""
 
-if TYPE_CHECKING:  # the trainer imports this module
-    from toymlx.trainer import Task, TrainConfig
+
+class LossScale:
+    """Dynamic loss scaling for float16 training (as PyTorch's GradScaler).
+
+    float16 gradients below 6e-8 flush to zero, and a language model's mean loss over a few
+    thousand tokens has per-logit gradients of 1e-5..1e-9; so the loss is multiplied by `scale`
+    before the backward pass and the gradients divided by it after. A step whose gradients
+    overflow is skipped (weights and optimizer untouched) and the scale halved; after
+    `growth_interval` good steps in a row the scale doubles. The state is two arrays, part of
+    the compiled step's state and of every checkpoint's resume state."""
+
+    def __init__(self, init: float = 2.0**15, growth_interval: int = 500):
+        self.growth_interval = int(growth_interval)
+        self.state: dict[str, mx.array] = {"scale": mx.array(init, mx.float32),
+                                           "good_steps": mx.array(0, mx.int32)}
+
+    def advance(self, ok: mx.array) -> None:
+        """The state after a step whose gradients were finite (`ok`) or not."""
+        good = mx.where(ok, self.state["good_steps"] + 1, 0)
+        grow = good >= self.growth_interval
+        scale = self.state["scale"]
+        self.state["scale"] = mx.where(ok, mx.where(grow, scale * 2.0, scale), scale * 0.5)
+        self.state["good_steps"] = mx.where(grow, 0, good)
+
+
+def micro_batch_grads(model: nn.Module, loss_fn: Callable, scale: LossScale | None = None
+                      ) -> Callable[[dict[str, mx.array]], Part]:
+    """micro-batch -> (loss * n, n, gradients * n); with a loss scale, all three scaled by it."""
+    def scaled_loss(m: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        loss, n = loss_fn(m, batch)
+        return (loss if scale is None else loss * scale.state["scale"]), n
+
+    loss_and_grad = nn.value_and_grad(model, scaled_loss)
+
+    def grads_of(micro: dict[str, mx.array]) -> Part:
+        params = model.trainable_parameters()
+        (loss, n), g = loss_and_grad(model, micro)
+        model.update(params)  # value_and_grad leaves its tracers in the model
+        n = n.astype(mx.float32)
+        return loss * n, n, tree_map(lambda x: x * n, g)
+
+    return grads_of
+
+
+def _here(fn: Callable) -> Callable:
+    return fn
+
+
+def make_update(model: nn.Module, optimizer: optim.Optimizer, grad_clip: float, world: Any = None,
+                scale: LossScale | None = None, place: Callable[[Callable], Callable] = _here
+                ) -> Callable[[list[Part]], dict[str, mx.array]]:
+    """[Part, ...] -> the optimizer step: sum the parts as accumulation does, all-reduce over
+    data-parallel ranks, divide by the count (and the loss scale), clip the global norm, update.
+
+    `place(fn)` runs a per-parameter `fn` where the caller wants it (`toymlx.cpu_streams`: on
+    the parameter's home stream); by default where it is."""
+    distributed = world is not None and world.size() > 1
+
+    def update(parts: list[Part]) -> dict[str, mx.array]:
+        loss_sum, n_sum = parts[0][0], parts[0][1]
+        for ls, n, _ in parts[1:]:
+            loss_sum, n_sum = loss_sum + ls, n_sum + n
+        grads = tree_map(place(lambda *gs: sum(gs[1:], gs[0])), *[g for _, _, g in parts])
+        if distributed:
+            grads, loss_sum, n_sum = _all_sum(grads, loss_sum, n_sum, world)
+        denom = n_sum if scale is None else n_sum * scale.state["scale"]
+        grads = tree_map(place(lambda g: g / denom), grads)
+        sq = [place(lambda g: (g * g).sum())(g) for _, g in tree_flatten(grads)]
+        norm = mx.sqrt(sum(sq[1:], sq[0]))
+        if grad_clip > 0:  # as optim.clip_grad_norm
+            factor = mx.minimum(grad_clip / (norm + 1e-6), 1.0)
+            grads = tree_map(place(lambda g: g * factor), grads)
+        out = {"loss": loss_sum / denom, "grad_norm": norm}
+        if scale is None:
+            optimizer.update(model, grads)
+            return out
+        # float16: an overflowing step changes nothing but the scale
+        ok = mx.isfinite(norm)
+        params, opt_state = model.trainable_parameters(), tree_map(lambda x: x, optimizer.state)
+        optimizer.update(model, grads)
+        model.update(tree_map(lambda new, old: mx.where(ok, new, old),
+                              model.trainable_parameters(), params))
+        _keep_where(ok, optimizer.state, opt_state)
+        out.update(skipped=mx.logical_not(ok), loss_scale=scale.state["scale"])
+        scale.advance(ok)
+        return out
+
+    return update
+
+
+def _keep_where(ok: mx.array, state: Any, before: Any) -> None:
+    """Each array of the (nested) optimizer state: the new value where `ok`, else the one in
+    `before`; assigned in place, because the compiled step holds on to these containers."""
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    for k, v in list(items):
+        if isinstance(v, mx.array):
+            state[k] = mx.where(ok, v, before[k])
+        else:
+            _keep_where(ok, v, before[k])
+
+
+def make_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,
+              grad_clip: float = 1.0, world: Any = None, compile: bool = True,
+              scale: LossScale | None = None) -> Callable[[dict[str, mx.array]], dict]:
+    """The training step: batch (accum, B, ...) -> {"loss", "grad_norm"} (plus "skipped" and
+    "loss_scale" with a loss scale), updating the model and optimizer in place."""
+    grads_of = micro_batch_grads(model, loss_fn, scale)
+    update = make_update(model, optimizer, grad_clip, world, scale)
+
+    def step(batch: dict[str, mx.array]) -> dict[str, mx.array]:
+        accum = next(iter(batch.values())).shape[0]
+        return update([grads_of({k: v[i] for k, v in batch.items()}) for i in range(accum)])
+
+    if not compile:
+        return step
+    state = [model.state, optimizer.state, mx.random.state]
+    if scale is not None:
+        state.append(scale.state)
+    return mx.compile(step, inputs=state, outputs=state)
 
 
 def _all_sum(grads: Any, loss_sum: mx.array, n_sum: mx.array,
@@ -36,130 +157,3 @@ def _all_sum(grads: Any, loss_sum: mx.array, n_sum: mx.array,
         i = next(it)
         return total[offsets[i]:offsets[i + 1]].reshape(x.shape).astype(x.dtype)
     return tree_map(back, grads), total[offsets[-1]], total[offsets[-1] + 1]
-
-
-def step_streams(cfg: TrainConfig, world: Any = None) -> int:
-    """How many CPU streams `make_step` splits each micro-batch over (see cpu_streams)."""
-    if cfg.cpu_streams < 0:
-        raise ValueError(f"--cpu-streams: expected >= 0, found {cfg.cpu_streams}")
-    if mx.default_device() != mx.cpu or (world is not None and world.size() > 1):
-        return 1
-    if cfg.cpu_streams:
-        return cfg.cpu_streams
-    return 2 if (os.cpu_count() or 1) >= 2 and device.blas_threads() is not None else 1
-
-
-def _stream_homes(model: nn.Module, streams: list) -> dict[tuple[int, ...], Any]:
-    """A stream for each trainable parameter shape, balancing the parameter counts: a shape's
-    parameters share one stream, because `mx.compile` merges equal broadcasts across streams
-    and a kernel fed another stream's broadcast runs unvectorised."""
-    sizes: dict[tuple[int, ...], int] = {}
-    for _, p in tree_flatten(model.trainable_parameters()):
-        sizes[tuple(p.shape)] = sizes.get(tuple(p.shape), 0) + p.size
-    load, home = [0] * len(streams), {}
-    for shape, n in sorted(sizes.items(), key=lambda kv: -kv[1]):
-        i = load.index(min(load))
-        home[shape], load[i] = streams[i], load[i] + n
-    return home
-
-
-def _spread_optimizer(optimizer: optim.Optimizer, on_home: Callable) -> None:
-    """Run each parameter's optimizer update on its home stream (MultiOptimizer's parts too)."""
-    for o in getattr(optimizer, "optimizers", [optimizer]):
-        if getattr(o, "_toymlx_spread", False):
-            continue
-        inner = o.apply_single
-        o.apply_single = lambda g, p, st, inner=inner: on_home(lambda p_: inner(g, p_, st))(p)
-        o._toymlx_spread = True
-
-
-def step_blas_threads(n_streams: int) -> int | None:
-    """BLAS threads per call while a step with `n_streams` streams is evaluated (None: leave
-    them as they are): the cores shared out, so the streams' matmuls do not oversubscribe."""
-    total = device.blas_threads()
-    return None if n_streams == 1 or total is None else max(1, total // n_streams)
-
-
-def make_step(task: Task, optimizer: optim.Optimizer, cfg: TrainConfig, world: Any) -> Callable:
-    """The one training step: value_and_grad, accumulation, all-reduce, clip, update.
-
-    On one stream it is a single `mx.compile`d function. With `n` CPU streams
-    (`step_streams`) each micro-batch is cut into n equal slices along its batch axis; the
-    slices' forward and backward run concurrently, one compiled `value_and_grad` per stream,
-    and a compiled update sums their gradients weighted by their counts, exactly as gradient
-    accumulation does. (Separate compiled functions because `mx.compile` merges equal
-    subexpressions across streams, and a stream that reads the other's constants gets
-    unvectorised kernels.) A micro-batch that does not split evenly runs on one stream."""
-    model = task.model
-    loss_and_grad = nn.value_and_grad(model, task.loss_fn)
-    distributed = world is not None and world.size() > 1
-    n_streams = step_streams(cfg, world)
-    streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
-    home = _stream_homes(model, streams) if n_streams > 1 else {}
-
-    def on_home(fn: Callable) -> Callable:
-        """fn, run on the home stream of its first argument's shape (if it has one)."""
-        def run(x: mx.array, *rest: Any) -> mx.array:
-            if tuple(x.shape) not in home:
-                return fn(x, *rest)
-            with mx.stream(home[tuple(x.shape)]):
-                return fn(x, *rest)
-        return run
-
-    def weighted_grads(micro: dict[str, mx.array]) -> tuple[mx.array, mx.array, Any]:
-        params = model.trainable_parameters()
-        with fastmath.train_step():  # the CPU's vectorised math while tracing
-            (loss, n), g = loss_and_grad(model, micro)
-        model.update(params)  # value_and_grad leaves its tracers in the model
-        n = n.astype(mx.float32)
-        return loss * n, n, tree_map(lambda x: x * n, g)
-
-    def finish(parts: list[tuple[mx.array, mx.array, Any]]) -> tuple[mx.array, mx.array]:
-        """Sum the parts as accumulation does, all-reduce, clip, update; each parameter's
-        work on its home stream (`on_home`; one stream: where it is)."""
-        loss_sum, n_sum = parts[0][0], parts[0][1]
-        for ls, n, _ in parts[1:]:
-            loss_sum, n_sum = loss_sum + ls, n_sum + n
-        grads = tree_map(on_home(lambda *gs: sum(gs[1:], gs[0])), *[g for _, _, g in parts])
-        if distributed:
-            grads, loss_sum, n_sum = _all_sum(grads, loss_sum, n_sum, world)
-        grads = tree_map(on_home(lambda g: g / n_sum), grads)
-        sq = [on_home(lambda g: (g * g).sum())(g) for _, g in tree_flatten(grads)]
-        norm = mx.sqrt(sum(sq[1:], sq[0]))
-        if cfg.grad_clip > 0:  # as optim.clip_grad_norm
-            scale = mx.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
-            grads = tree_map(on_home(lambda g: g * scale), grads)
-        optimizer.update(model, grads)
-        return loss_sum / n_sum, norm
-
-    def step(batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
-        accum = next(iter(batch.values())).shape[0]
-        return finish([weighted_grads({k: v[i] for k, v in batch.items()})
-                       for i in range(accum)])
-
-    state = [model.state, optimizer.state, mx.random.state]
-    if n_streams == 1:
-        return mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
-
-    _spread_optimizer(optimizer, on_home)
-    # one compiled function per stream (distinct callables: mx.compile caches traces per
-    # function, and each stream's trace must keep its own stream)
-    rng = [mx.random.state]  # dropout draws: a pure function of the step's seed, as above
-    per_stream = [mx.compile(lambda m: weighted_grads(m), inputs=[model.state, rng],
-                             outputs=rng)
-                  if cfg.compile else weighted_grads for _ in streams]
-    update = mx.compile(finish, inputs=state, outputs=state) if cfg.compile else finish
-    whole = mx.compile(step, inputs=state, outputs=state) if cfg.compile else step
-
-    def split_step(batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
-        accum, size = next(iter(batch.values())).shape[:2]
-        if size % n_streams:
-            return whole(batch)
-        k, parts = size // n_streams, []
-        for i in range(accum):
-            for j, (st, fn) in enumerate(zip(streams, per_stream)):
-                with mx.stream(st):
-                    parts.append(fn({key: v[i, j * k:(j + 1) * k] for key, v in batch.items()}))
-        return update(parts)
-
-    return split_step

@@ -34,6 +34,8 @@ import numpy as np
 from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from toymlx.gguf.reader import read_metadata
+
 __all__ = [
     "BYTE_OFFSET",
     "SUPPORTED_MODELS",
@@ -121,24 +123,6 @@ def _describe(value: Any) -> str:
         return f"a list of {len(value)} ({inner})"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-# ------------------------------------------------------------------ reading a GGUF's metadata
-def _read_metadata_gguf_py(path: Path) -> dict[str, Any]:
-    """Fallback reader through gguf-py (slow: seconds for a large vocabulary)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path), "r")
-    return {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
-
-
-def _read_metadata(path: Path) -> dict[str, Any]:
-    try:
-        from toymlx.gguf.reader import read_metadata
-    except ImportError:  # the project's own reader is not available: use gguf-py
-        return _read_metadata_gguf_py(path)
-    return read_metadata(path)
 
 
 # ------------------------------------------------------------------ the tokenizer
@@ -232,7 +216,7 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         """Build from the `tokenizer.*` metadata of a GGUF file."""
         path = Path(path)
-        return cls(_read_metadata(path), path)
+        return cls(read_metadata(path), path)
 
     def _fail(self, key: str, expected: str, found: str):
         raise TokenizerError(f"{self.source}: {key}: expected {expected}, found {found}")

@@ -28,11 +28,11 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx import checkpoint as ck
-from toymlx import device
+from toymlx import cpu_streams, device
 from toymlx.device import backend_info
 from toymlx.events import EventLog, git_info, host_info
 from toymlx.schedule import lr_at
-from toymlx.step import make_step, step_blas_threads, step_streams
+from toymlx.step import LossScale, make_step
 
 
 @dataclass
@@ -88,6 +88,19 @@ class TrainConfig:
     threads shared out between them (MLX runs elementwise work on one thread per stream).
     0: auto (2 where MLX computes on a CPU with 2+ cores and toymlx controls its BLAS
     threads, else 1)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Activations' dtype: auto is bfloat16 on a GPU and float32 on the CPU (MLX's half
+    precision CPU kernels are ~25x slower). Trainable weights and AdamW's moments stay
+    float32; float16 trains with a dynamic loss scale."""
+    save_dtype: Literal["f32", "f16", "bf16"] = "f32"
+    """Tensor type of the matrices in checkpoint GGUFs (norms stay F32); with f16/bf16 the
+    resume state also keeps the float32 weights, so resume stays exact."""
+    grad_checkpoint: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them: less
+    memory for long sequences, about one more forward pass of time."""
+    kernels: Literal["auto", "mlx", "vectorised"] = "auto"
+    """Whose elementwise kernels the model trains with: auto is toymlx's vectorised CPU forms
+    (toymlx.fastmath) for float32 on the CPU, MLX's own elsewhere."""
 
 
 @dataclass
@@ -186,13 +199,42 @@ def _finite(model: nn.Module) -> bool:
     return bool(mx.all(mx.stack(flags)).item()) if flags else True
 
 
-def optimizer_state_arrays(optimizer: optim.Optimizer) -> dict[str, mx.array]:
-    return {"opt." + k: v for k, v in tree_flatten(optimizer.state)}
+def training_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,
+                  cfg: TrainConfig, world: Any = None, scale: LossScale | None = None
+                  ) -> tuple[Callable, int]:
+    """(step, CPU streams) of this run: `toymlx.step.make_step`, or on a multi-core CPU the same
+    spread over streams (`toymlx.cpu_streams`). Build it after the optimizer state is final
+    (resume): the compiled step holds on to the state's containers."""
+    n = cpu_streams.stream_count(cfg.cpu_streams, world, scaled=scale is not None)
+    if n > 1:
+        return cpu_streams.make_stream_step(model, loss_fn, optimizer, n, cfg.grad_clip,
+                                            cfg.compile), n
+    return make_step(model, loss_fn, optimizer, cfg.grad_clip, world, cfg.compile, scale), 1
 
 
-def restore_optimizer(optimizer: optim.Optimizer, arrays: dict[str, mx.array]) -> None:
-    flat = [(k[len("opt."):], v) for k, v in arrays.items() if k.startswith("opt.")]
-    optimizer.state = tree_unflatten(flat)
+def resume_arrays(optimizer: optim.Optimizer, scale: LossScale | None, model: nn.Module,
+                  exact_weights: bool) -> dict[str, mx.array]:
+    """What a checkpoint's resume state holds besides the GGUF: the optimizer state, the loss
+    scale, and (when the GGUF rounds them: --save-dtype f16/bf16) the float32 weights."""
+    arrays = {"opt." + k: v for k, v in tree_flatten(optimizer.state)}
+    if scale is not None:
+        arrays.update({"scale." + k: v for k, v in scale.state.items()})
+    if exact_weights:
+        arrays.update({"param." + k: v for k, v in tree_flatten(model.trainable_parameters())})
+    return arrays
+
+
+def restore_resume_arrays(arrays: dict[str, mx.array], optimizer: optim.Optimizer,
+                          scale: LossScale | None, model: nn.Module) -> None:
+    """Put `resume_arrays`' contents back (after the GGUF itself was loaded into the model)."""
+    def part(prefix: str) -> list[tuple[str, mx.array]]:
+        return [(k[len(prefix):], v) for k, v in arrays.items() if k.startswith(prefix)]
+
+    optimizer.state = tree_unflatten(part("opt."))
+    if scale is not None and part("scale."):
+        scale.state.update(dict(part("scale.")))
+    if part("param."):
+        model.update(tree_unflatten(part("param.")))
 
 
 def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any],
@@ -202,13 +244,16 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
     model = task.model
     weights = run_dir / "weights"
     log = EventLog(run_dir / "events.jsonl", enabled=rank0)
+    device.setup_process(wide_evaluation=not cfg.grad_checkpoint)
     optimizer = (task.optimizer or make_optimizer)(cfg)
     optimizer.init(model.trainable_parameters())
+    # float16 gradients underflow without a loss scale (see LossScale)
+    scale = LossScale() if model.ops.dtype == "float16" else None
     start_step = 0
     if resume_from is not None:
         ck.load_checked(task.load, resume_from, model)
         arrays, meta = ck.load_state(ck.state_path(resume_from))
-        restore_optimizer(optimizer, arrays)
+        restore_resume_arrays(arrays, optimizer, scale, model)
         start_step = int(meta["step"])
         if rank0:
             ck.clean_temporaries(weights)
@@ -216,12 +261,11 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
     n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     n_total = sum(v.size for _, v in tree_flatten(model.parameters()))
 
-    step_fn = make_step(task, optimizer, cfg, world)
-    n_streams = step_streams(cfg, world)
-    step_threads = step_blas_threads(n_streams)
+    step_fn, n_streams = training_step(model, task.loss_fn, optimizer, cfg, world, scale)
+    step_threads = cpu_streams.step_blas_threads(n_streams)
     log.emit("run_start", run_id=run_dir.name, recipe=task.recipe, host=host_info(),
              backend=backend_info(),
-             git=git_info(), step_parallelism={"cpu_streams": n_streams,
+             math=model.ops.describe(), git=git_info(), step_parallelism={"cpu_streams": n_streams,
                                                "blas_threads": step_threads
                                                or device.blas_threads()},
              model={**task.model_info, "n_params": n_total,
@@ -249,7 +293,7 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
             return False
         if not rank0:
             return None
-        arrays = optimizer_state_arrays(optimizer)
+        arrays = resume_arrays(optimizer, scale, model, exact_weights=cfg.save_dtype != "f32")
         extra = {"general.step": step, "general.run_id": run_dir.name}
         if task.checkpoint_meta:
             extra.update(task.checkpoint_meta())
@@ -298,18 +342,23 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
             # resumed run draws exactly what an uninterrupted one would.
             mx.random.seed(step_seed(cfg.seed, s))
             mid_step[0] = True
-            loss, gnorm = step_fn(batch)
+            out = step_fn(batch)
             with device.use_blas_threads(step_threads):
-                mx.eval(loss, gnorm, model.state, optimizer.state)
+                mx.eval(out, model.state, optimizer.state)
             dt = time.perf_counter() - t0
             t_first = t_first if t_first is not None else dt
-            loss_v, gnorm_v = float(loss.item()), float(gnorm.item())
+            loss_v, gnorm_v = float(out["loss"].item()), float(out["grad_norm"].item())
+            # float16: an overflowing step was skipped (nothing changed but the loss scale)
+            scaled = {"loss_scale": float(out["loss_scale"].item()),
+                      "skipped": bool(out["skipped"].item())} if scale is not None else {}
             state["step"] = s + 1
             mid_step[0] = False
             lr = lr_at(s, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-            # A non-finite gradient norm with a finite loss has already made the update NaN.
-            bad = next(((w, v) for w, v in (("loss", loss_v), ("gradient norm", gnorm_v))
-                        if not math.isfinite(v)), None)
+            # A non-finite gradient norm with a finite loss has already made the update NaN
+            # (unless the loss scale skipped that update).
+            checked = (("loss", loss_v),) if scaled.get("skipped") else (
+                ("loss", loss_v), ("gradient norm", gnorm_v))
+            bad = next(((w, v) for w, v in checked if not math.isfinite(v)), None)
             if bad is not None:
                 reason, exit_code = "diverged", 2
                 message = (f"{bad[0]} became {bad[1]} at step {s + 1} (lr {lr:.3g}); stopped "
@@ -318,7 +367,7 @@ def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any
                 state["step"] = s  # the weights of step s+1 are bad
                 raise _Stop
             rate = n_items / dt
-            log.emit("step", step=s + 1, loss=loss_v, lr=lr, grad_norm=gnorm_v,
+            log.emit("step", step=s + 1, loss=loss_v, lr=lr, grad_norm=gnorm_v, **scaled,
                      **{f"{task.unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4)})
             if bar is not None:
                 acc = f" val_acc {last_eval['accuracy']:.3f}" if "accuracy" in last_eval else ""

@@ -27,9 +27,10 @@ import numpy as np
 from mlx import nn
 
 from toymlx import checkpoint as ck
-from toymlx.gguf.llama import expected_shapes, gguf_to_toy, llama_tensors
+from toymlx.gguf.llama import llama_tensors, load_llama_weights
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.llama import Llama, LlamaArgs
+from toymlx.models.ops import EXACT, Ops
 
 LensMode = Literal["pca", "random", "identity"]
 
@@ -147,19 +148,22 @@ class LensEmbedding(nn.Module):
         """The student-width table `weight @ lens` (V, D) that the checkpoint stores."""
         return self.weight @ self.lens
 
-    def __call__(self, tokens: mx.array) -> mx.array:
-        return self.folded()[tokens]  # (B,T,D)
-
-    def as_linear(self, h: mx.array) -> mx.array:
-        return h @ self.folded().T  # (B,T,V)
 
 
 class WarmLlama(Llama):
     """A Llama whose embedding is a donor-width table plus a lens (`embed.weight`, `embed.lens`)."""
 
-    def __init__(self, args: LlamaArgs, donor_width: int):
-        super().__init__(args)
+    def __init__(self, args: LlamaArgs, donor_width: int, ops: Ops = EXACT):
+        super().__init__(args, ops)
         self.embed = LensEmbedding(args.vocab_size, donor_width, args.d_model)
+
+    def embed_tokens(self, tokens: mx.array) -> mx.array:
+        return self.ops.embed(self.embed.folded(), tokens)
+
+    def unembed(self, h: mx.array) -> mx.array:
+        if self.args.tie_embeddings:
+            return self.ops.unembed(h, self.embed.folded())
+        return self.output(h)
 
     @property
     def donor_width(self) -> int:
@@ -208,19 +212,18 @@ def save_warm_state(ckpt: Path, model: WarmLlama, meta: dict[str, Any]) -> None:
 def load_warm_checkpoint(ckpt: Path, model: WarmLlama) -> None:
     """Restore a warm checkpoint exactly: blocks from the GGUF, table and lens from the side file."""
     ckpt = Path(ckpt)
-    g = GGUFFile(ckpt)
-    names = [n for n in expected_shapes(model.args) if n != "token_embd.weight"]
-    model.load_weights([(gguf_to_toy(n), mx.array(g.load(n))) for n in names], strict=False)
     side = warm_path(ckpt)
-    arrays, _ = ck.load_state(side)
-    for key in ("table", "lens"):
-        if key not in arrays:
-            raise GGUFError(f"{side}: tensor {key!r}: expected present, found missing")
-    try:
-        model.set_embedding(np.array(arrays["table"]), np.array(arrays["lens"]))
-    except ValueError as e:
-        raise GGUFError(f"{side}: {e}") from None
-    stored = g.load("token_embd.weight")
+    with GGUFFile(ckpt) as g:
+        load_llama_weights(g, model, skip=("token_embd.weight",))
+        arrays, _ = ck.load_state(side)
+        for key in ("table", "lens"):
+            if key not in arrays:
+                raise GGUFError(f"{side}: tensor {key!r}: expected present, found missing")
+        try:
+            model.set_embedding(np.array(arrays["table"]), np.array(arrays["lens"]))
+        except ValueError as e:
+            raise GGUFError(f"{side}: {e}") from None
+        stored = g.load("token_embd.weight")
     folded = np.array(model.embed.folded())
     if stored.shape != folded.shape or not np.allclose(stored, folded, rtol=0, atol=1e-5):
         raise GGUFError(f"{side}: table @ lens: expected to equal {ckpt.name}'s "

@@ -12,11 +12,16 @@ import os
 import re
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
+from toymlx.gguf.quant import GROUP_SIZE, gguf_to_mlx_quant
 from toymlx.gguf.reader import FLOAT32, UINT32, GGUFError, GGUFFile
-from toymlx.gguf.writer import write_gguf
+from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
+from toymlx.models.layers import QuantizedLinear, replace_submodule
 from toymlx.models.llama import Llama, LlamaArgs
+from toymlx.models.ops import DTYPES, EXACT, Ops
 
 CHECKPOINT_FORMAT = "toy/gguf-v1"
 
@@ -94,7 +99,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=g.get(k + "feed_forward_length", int),
         context=context, rope_base=rope_base, norm_eps=norm_eps,
         tie_embeddings="output.weight" not in g.tensors,
-        head_dim=None if head_dim == d // n_heads else head_dim)
+        key_length=None if head_dim == d // n_heads else head_dim)
     try:
         args.validate()
     except ValueError as e:
@@ -105,7 +110,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
 
 def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
     """Every llama.cpp tensor name this shape needs, with its numpy (out, in) shape."""
-    q, kv = a.n_heads * a.hd, a.n_kv_heads * a.hd
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     shapes = {"token_embd.weight": (a.vocab_size, a.d_model), "output_norm.weight": (a.d_model,)}
     if not a.tie_embeddings:
         shapes["output.weight"] = (a.vocab_size, a.d_model)
@@ -130,20 +135,66 @@ def check_shapes(g: GGUFFile, a: LlamaArgs) -> None:
                             f"llama.* hyperparameters, found {tuple(found)}")
 
 
-def load_llama(path: str | os.PathLike, dtype=np.float32) -> tuple[Llama, GGUFFile]:
-    """A Llama with the weights of a llama-architecture GGUF (any type gguf-py decodes)."""
-    import mlx.core as mx
+WEIGHTS = ("float32", "bfloat16", "float16", "quantized")
+"""How a loaded model holds its weights: a float dtype (exact dequantisation, then rounded to
+it), or "quantized" (Q4_0/Q4_1/Q8_0 projections kept as the file's own blocks; see
+`toymlx.gguf.quant`)."""
 
+
+def load_llama(path: str | os.PathLike, ops: Ops = EXACT, weights: str = "float32"
+               ) -> tuple[Llama, GGUFFile]:
+    """A Llama that computes with `ops`, holding a llama GGUF's weights as `weights` (any
+    tensor type gguf-py decodes). The one GGUF-to-Llama loader: every recipe, generation,
+    evaluation and export go through it (or through `load_llama_weights`)."""
     g = GGUFFile(path)
-    args = args_from_gguf(g)
-    model = Llama(args)
-    weights = []
-    for n in expected_shapes(args):
-        weights.append((gguf_to_toy(n), mx.array(g.load(n, dtype))))  # a copy, made now
-        g.release(n)  # so the mapping's pages of it leave this process's memory
-    model.load_weights(weights, strict=True)
-    mx.eval(model.parameters())
+    model = Llama(args_from_gguf(g), ops)  # its random init is lazy, and replaced unevaluated
+    load_llama_weights(g, model, weights)
     return model, g
+
+
+def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
+                       skip: tuple[str, ...] = ()) -> None:
+    """Copy the file's tensors (all but `skip`) into `model`, shapes checked against its args.
+
+    Each tensor's pages of the file mapping are dropped once MLX holds its copy, so the peak
+    is the model plus one tensor, not the model twice (mapping + copy). Norms stay float32;
+    with "quantized" the other non-projection weights take the model's compute dtype."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights: expected one of {', '.join(WEIGHTS)}, found {weights!r}")
+    check_shapes(g, model.args)
+    dtype = DTYPES[model.ops.dtype if weights == "quantized" else weights]
+    loaded = []
+    for name in expected_shapes(model.args):
+        if name in skip:
+            continue
+        key = gguf_to_toy(name)
+        if weights == "quantized" and name.startswith("blk.") and len(g.tensors[name].shape) == 2:
+            replace_submodule(model, key[: -len(".weight")], _quantized_linear(g, name, model.ops))
+        else:
+            want = mx.float32 if name.endswith("norm.weight") else dtype
+            w = mx.array(g.load(name, np.float16 if want == mx.float16 else np.float32))
+            w = w if w.dtype == want else w.astype(want)
+            mx.eval(w)  # the copy made now, so the mapping's pages can go
+            loaded.append((key, w))
+        g.release(name)
+    model.load_weights(loaded, strict=False)  # every shape was checked by check_shapes
+    mx.eval(model.parameters())
+
+
+def load_llama_into(path: str | os.PathLike, model: Llama) -> None:
+    """Resume: a llama GGUF's weights into an existing model of the same shape (float32)."""
+    with GGUFFile(path) as g:
+        load_llama_weights(g, model)
+
+
+def _quantized_linear(g: GGUFFile, name: str, ops: Ops) -> QuantizedLinear:
+    """A frozen quantized projection holding tensor `name`'s own Q4_0/Q4_1/Q8_0 blocks."""
+    w, scales, biases, bits = gguf_to_mlx_quant(g, name)
+    n_out, n_in = g.tensors[name].shape
+    q = QuantizedLinear(n_in, n_out, bias=False, group_size=GROUP_SIZE, bits=bits, ops=ops)
+    q.weight, q.scales, q.biases = mx.array(w), mx.array(scales), mx.array(biases)
+    mx.eval(q.parameters())
+    return q
 
 
 def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
@@ -159,9 +210,9 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         "llama.feed_forward_length": a.ffn_dim,
         "llama.attention.head_count": a.n_heads,
         "llama.attention.head_count_kv": a.n_kv_heads,
-        "llama.attention.key_length": a.hd,
-        "llama.attention.value_length": a.hd,
-        "llama.rope.dimension_count": a.hd,
+        "llama.attention.key_length": a.head_dim,
+        "llama.attention.value_length": a.head_dim,
+        "llama.rope.dimension_count": a.head_dim,
         "llama.rope.freq_base": float(a.rope_base),
         "llama.attention.layer_norm_rms_epsilon": float(a.norm_eps),
     }
@@ -174,9 +225,6 @@ LLAMA_TYPES["general.file_type"] = (UINT32, None)
 
 def llama_tensors(model: Llama, params: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
     """llama.cpp-named float32 numpy tensors of a Llama (base weights only, no LoRA)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     flat = params if params is not None else dict(tree_flatten(model.parameters()))
     out = {}
     for name in expected_shapes(model.args):
@@ -190,12 +238,15 @@ def llama_tensors(model: Llama, params: dict[str, Any] | None = None) -> dict[st
 
 def write_llama(path: str | os.PathLike, model: Llama, tokenizer_meta: dict[str, Any],
                 extra: dict[str, Any] | None = None, name: str = "toymlx",
-                tensors: dict[str, np.ndarray] | None = None) -> None:
-    """Write a llama.cpp-loadable F32 GGUF of `model` (tied models get no output.weight)."""
+                tensors: dict[str, np.ndarray] | None = None, dtype: str = "f32") -> None:
+    """Write a llama.cpp-loadable GGUF of `model`, its matrices as `dtype` (f32, f16, bf16; norms
+    stay F32); tied models get no output.weight."""
     tensors = tensors if tensors is not None else llama_tensors(model)
     meta = llama_metadata(model.args, name)
     meta.update(tokenizer_meta)
+    meta["general.file_type"] = FILE_TYPE[dtype]
     meta["toy.checkpoint_format"] = CHECKPOINT_FORMAT
     meta["toy.n_params_written"] = int(sum(t.size for t in tensors.values()))
     meta.update(extra or {})
-    write_gguf(path, meta, tensors, types=LLAMA_TYPES)
+    write_gguf(path, meta, {n: encode_tensor(n, t, dtype) for n, t in tensors.items()},
+               types=LLAMA_TYPES)

@@ -27,7 +27,7 @@ DEFAULT_ALIGNMENT = 32
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = (
     range(13)
 )
-_SCALAR = {
+SCALAR_DTYPES = {
     UINT8: np.dtype("<u1"), INT8: np.dtype("<i1"), UINT16: np.dtype("<u2"), INT16: np.dtype("<i2"),
     UINT32: np.dtype("<u4"), INT32: np.dtype("<i4"), FLOAT32: np.dtype("<f4"), BOOL: np.dtype("u1"),
     UINT64: np.dtype("<u8"), INT64: np.dtype("<i8"), FLOAT64: np.dtype("<f8"),
@@ -92,8 +92,8 @@ class _Cursor:
 
 def _read_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any, int, int | None]:
     """Return (value, type, array element type)."""
-    if vtype in _SCALAR:
-        dt = _SCALAR[vtype]
+    if vtype in SCALAR_DTYPES:
+        dt = SCALAR_DTYPES[vtype]
         v = np.frombuffer(c.take(dt.itemsize, f"value of {key!r}"), dtype=dt)[0]
         if vtype == BOOL:
             return bool(v), vtype, None
@@ -105,8 +105,8 @@ def _read_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any, 
             raise c.fail(f"value of {key!r}", "an array of scalars or strings", "nested array")
         etype = c.u32(f"array type of {key!r}")
         n = c.u64(f"array length of {key!r}")
-        if etype in _SCALAR:
-            dt = _SCALAR[etype]
+        if etype in SCALAR_DTYPES:
+            dt = SCALAR_DTYPES[etype]
             if n > (c.size - c.pos) // dt.itemsize:
                 raise c.fail(f"array length of {key!r}", f"at most {(c.size - c.pos) // dt.itemsize}"
                              " elements (bytes left in file)", str(n))
@@ -147,10 +147,6 @@ class GGUFFile:
         self.metadata_types: dict[str, tuple[int, int | None]] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._parse()
-
-    @classmethod
-    def open(cls, path: str | os.PathLike) -> GGUFFile:
-        return cls(path)
 
     def _parse(self) -> None:
         c = _Cursor(self._mm, self.path)

@@ -25,10 +25,13 @@ import os
 import re
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from toymlx.gguf.reader import FLOAT32, GGUFError, GGUFFile
-from toymlx.gguf.writer import write_gguf
+from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
+from toymlx.models.ops import EXACT, Ops
 from toymlx.models.vit import ViT, ViTArgs
 
 CHECKPOINT_FORMAT = "toy/gguf-vit-v1"
@@ -60,24 +63,24 @@ def vit_metadata(a: ViTArgs) -> dict[str, Any]:
         "vit.image_size": a.image_size, "vit.patch_size": a.patch_size,
         "vit.channels": a.channels, "vit.embedding_length": a.d_model,
         "vit.block_count": a.n_layers, "vit.attention.head_count": a.n_heads,
-        "vit.feed_forward_length": a.mlp_dim, "vit.class_count": a.num_classes,
+        "vit.feed_forward_length": a.ffn_dim, "vit.class_count": a.num_classes,
         "vit.attention.layer_norm_epsilon": float(a.norm_eps), "vit.gelu": a.gelu,
     }
 
 
 def write_vit(path: str | os.PathLike, model: ViT, norm: dict[str, Any],
-              extra: dict[str, Any] | None = None, name: str = "toymlx vit") -> None:
-    """An F32 GGUF of the ViT with its input normalisation."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
+              extra: dict[str, Any] | None = None, name: str = "toymlx vit",
+              dtype: str = "f32") -> None:
+    """A GGUF of the ViT with its input normalisation, its matrices as `dtype` (f32, f16, bf16;
+    norms, biases and embeddings of one row stay F32)."""
     tensors = {toy_to_gguf(k): np.asarray(v.astype(mx.float32))
                for k, v in tree_flatten(model.parameters())}
     meta = {**vit_metadata(model.args), "general.name": name, **norm,
-            "toy.checkpoint_format": CHECKPOINT_FORMAT,
+            "general.file_type": FILE_TYPE[dtype], "toy.checkpoint_format": CHECKPOINT_FORMAT,
             "toy.n_params_written": int(sum(t.size for t in tensors.values())), **(extra or {})}
     types = {k: (FLOAT32, None) for k in ("vit.attention.layer_norm_epsilon", "toy.pixel_scale")}
-    write_gguf(path, meta, tensors, types=types)
+    write_gguf(path, meta, {n: encode_tensor(n, t, dtype) for n, t in tensors.items()},
+               types=types)
 
 
 def args_from_gguf(g: GGUFFile) -> ViTArgs:
@@ -90,7 +93,7 @@ def args_from_gguf(g: GGUFFile) -> ViTArgs:
         image_size=g.get(k + "image_size", int), patch_size=g.get(k + "patch_size", int),
         channels=g.get(k + "channels", int), d_model=g.get(k + "embedding_length", int),
         n_layers=g.get(k + "block_count", int), n_heads=g.get(k + "attention.head_count", int),
-        mlp_dim=g.get(k + "feed_forward_length", int), num_classes=g.get(k + "class_count", int),
+        ffn_dim=g.get(k + "feed_forward_length", int), num_classes=g.get(k + "class_count", int),
         norm_eps=float(g.get(k + "attention.layer_norm_epsilon", (int, float))),
         gelu=g.get(k + "gelu", str, "erf"))
     try:
@@ -100,14 +103,12 @@ def args_from_gguf(g: GGUFFile) -> ViTArgs:
     return args
 
 
-def load_vit(path: str | os.PathLike) -> tuple[ViT, dict[str, Any], GGUFFile]:
-    """(model, normalisation dict, file) from a toymlx ViT checkpoint; shapes checked."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
+def load_vit(path: str | os.PathLike, ops: Ops = EXACT) -> tuple[ViT, dict[str, Any], GGUFFile]:
+    """(model computing with `ops`, normalisation dict, file) from a toymlx ViT checkpoint;
+    shapes checked."""
     g = GGUFFile(path)
     args = args_from_gguf(g)
-    model = ViT(args)
+    model = ViT(args, ops)
     weights = []
     for k, v in tree_flatten(model.parameters()):
         name = toy_to_gguf(k)

@@ -16,13 +16,13 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from toymlx.gguf.reader import (
-    _SCALAR,
     ARRAY,
     BOOL,
     DEFAULT_ALIGNMENT,
     FLOAT32,
     INT32,
     INT64,
+    SCALAR_DTYPES,
     STRING,
     UINT32,
     UINT64,
@@ -49,6 +49,38 @@ class QuantTensor:
     type: GGMLQuantizationType
     data: np.ndarray
     shape: tuple[int, ...]
+
+
+SAVE_DTYPES = ("f32", "f16", "bf16", "q8_0")
+"""Tensor types toymlx writes a model's matrices in (1-D tensors, the norms, stay F32)."""
+FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
+"""general.file_type (llama_ftype) for each: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_BF16."""
+
+
+def encode_tensor(name: str, w: np.ndarray, dtype: str) -> np.ndarray | QuantTensor:
+    """A float32 tensor in GGUF tensor type `dtype` (f32, f16, bf16 or q8_0); 1-D tensors
+    (norms) always stay F32. bf16 rounds to nearest even, as llama.cpp's converter does."""
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"tensor type: expected one of {', '.join(SAVE_DTYPES)}, found {dtype!r}")
+    w = np.ascontiguousarray(w, np.float32)
+    if w.ndim < 2 or dtype == "f32":
+        return w
+    if dtype == "f16":
+        return w.astype(np.float16)
+    if dtype == "bf16":
+        u = w.view(np.uint32)
+        rounded = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+        nan = np.isnan(w)
+        if nan.any():  # keep NaN a NaN (rounding could carry it into the infinities)
+            rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+        return QuantTensor(GGMLQuantizationType.BF16, rounded, tuple(w.shape))
+    from gguf.quants import quantize  # only for q8_0 exports
+
+    if w.shape[-1] % GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]:
+        raise ValueError(f"--dtype q8_0: tensor {name!r}: expected rows a multiple of 32 "
+                         f"values, found shape {w.shape}; use --dtype f16 or f32")
+    return QuantTensor(GGMLQuantizationType.Q8_0, quantize(w, GGMLQuantizationType.Q8_0),
+                       tuple(w.shape))
 
 
 def _infer_type(key: str, value: Any) -> tuple[int, int | None]:
@@ -90,8 +122,8 @@ def _pack_value(vtype: int, etype: int | None, value: Any) -> bytes:
         head = struct.pack("<IQ", etype, len(value))
         if etype == STRING:
             return head + b"".join(_pack_string(s) for s in value)
-        return head + np.asarray(value, dtype=_SCALAR[etype]).tobytes()
-    return np.asarray(value, dtype=_SCALAR[vtype]).tobytes()
+        return head + np.asarray(value, dtype=SCALAR_DTYPES[etype]).tobytes()
+    return np.asarray(value, dtype=SCALAR_DTYPES[vtype]).tobytes()
 
 
 def _pad(f: BinaryIO, align: int) -> None:

@@ -1,36 +1,74 @@
-"""Linear, RMSNorm and LayerNorm that train through `toymlx.fastmath`'s forms where those are on.
+"""Linear, RMSNorm and LayerNorm that compute through the `Ops` they are built with.
 
-Same parameters, names and values as `mlx.nn`'s (checkpoints do not see a difference); inside
-the CPU training step they use `fastmath.linear` (weight gradients row-major, so the optimizer's
-fused update stays vectorised) and `fastmath.rms_norm` / `fastmath.layer_norm` (row sums as
-BLAS matrix-vector products, a hand-written backward: 1.4-1.5x faster fwd+bwd than MLX's
-`mx.fast` norms on the CPU, where those fall back to separate ops)."""
+Each keeps `mlx.nn`'s parameters, names and initialisation (checkpoints, LoRA wrapping and
+`nn.quantize` see an `nn.Linear`), and hands its math to `ops` (`toymlx.models.ops`), so a
+model built with `Ops(kernels="vectorised")` trains through toymlx.fastmath's forms and one
+built with `Ops()` runs MLX's own kernels, with nothing else deciding which.
+"""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx import nn
 
-from toymlx import fastmath
-
-
-class RMSNorm(nn.RMSNorm):
-    def __call__(self, x: mx.array) -> mx.array:
-        if fastmath.enabled():
-            return fastmath.rms_norm(x, self.weight, self.eps)
-        return super().__call__(x)
-
-
-class LayerNorm(nn.LayerNorm):
-    def __call__(self, x: mx.array) -> mx.array:
-        if fastmath.enabled():
-            return fastmath.layer_norm(x, getattr(self, "weight", None),
-                                       getattr(self, "bias", None), self.eps)
-        return super().__call__(x)
+from toymlx.models.ops import EXACT, Ops
 
 
 class Linear(nn.Linear):
+    """`nn.Linear` (weight (out, in), optional bias) computing `ops.linear`."""
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool = True, ops: Ops = EXACT):
+        super().__init__(input_dims, output_dims, bias=bias)
+        self.ops = ops
+
     def __call__(self, x: mx.array) -> mx.array:
-        if fastmath.enabled():
-            return fastmath.linear(x, self.weight, self.get("bias"))
-        return super().__call__(x)
+        return self.ops.linear(x, self.weight, self.get("bias"))
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` (a frozen, quantized base projection) whose output is in the
+    compute dtype: its scales stay float32, so the file's blocks are held exactly."""
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool, group_size: int,
+                 bits: int, ops: Ops = EXACT):
+        super().__init__(input_dims, output_dims, bias=bias, group_size=group_size, bits=bits)
+        self.ops = ops
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.ops.cast(super().__call__(x))
+
+
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` computing `ops.rms_norm`."""
+
+    def __init__(self, dims: int, eps: float = 1e-5, ops: Ops = EXACT):
+        super().__init__(dims, eps=eps)
+        self.ops = ops
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (affine) computing `ops.layer_norm`."""
+
+    def __init__(self, dims: int, eps: float = 1e-5, ops: Ops = EXACT):
+        super().__init__(dims, eps=eps)
+        self.ops = ops
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.ops.layer_norm(x, self.get("weight"), self.get("bias"), self.eps)
+
+
+def submodule(model: nn.Module, path: str) -> nn.Module:
+    """The module at a dotted path such as `layers.3.attn.q_proj`."""
+    obj: nn.Module = model
+    for part in path.split("."):
+        obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part)
+    return obj
+
+
+def replace_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Put `module` at a dotted path such as `layers.3.attn.q_proj`."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(submodule(model, parent) if parent else model, leaf, module)

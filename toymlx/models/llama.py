@@ -2,18 +2,22 @@
 
 Weights are `(out, in)`; RoPE rotates adjacent pairs (x[2i], x[2i+1]) as llama.cpp does for
 arch "llama", so GGUF q/k weights are used as stored and never permuted. Query head h reads
-kv head h // (n_heads // n_kv_heads).
+kv head h // (n_heads // n_kv_heads). The math runs through the `Ops` the model is built with
+(`toymlx.models.ops`): `Llama(args)` computes with MLX's own ops in float32, the trainer builds
+it with the run's `Ops`. Generation uses mlx-lm's KV cache (`make_cache`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+from mlx.utils import tree_flatten, tree_unflatten
 
-from toymlx import fastmath
 from toymlx.models.layers import Linear, RMSNorm
+from toymlx.models.ops import EXACT, Ops
 
 
 @dataclass(frozen=True)
@@ -38,19 +42,20 @@ class LlamaArgs:
     """RMSNorm epsilon (llama.attention.layer_norm_rms_epsilon)."""
     tie_embeddings: bool = True
     """Use token_embd as the output head (no output.weight)."""
-    head_dim: int | None = None
-    """Per-head width; defaults to d_model // n_heads."""
+    key_length: int | None = None
+    """Per-head width where it is not d_model // n_heads (llama.attention.key_length)."""
 
     @property
-    def hd(self) -> int:
-        return self.head_dim or self.d_model // self.n_heads
+    def head_dim(self) -> int:
+        """Per-head width of q, k and v."""
+        return self.key_length or self.d_model // self.n_heads
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the shape is inconsistent."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name}: expected > 0, found {getattr(self, name)}")
-        if self.head_dim is None and self.d_model % self.n_heads:
+        if self.key_length is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model: expected a multiple of n_heads={self.n_heads}, found {self.d_model}"
             )
@@ -59,8 +64,9 @@ class LlamaArgs:
                 f"model.n_kv_heads: expected a divisor of n_heads={self.n_heads}, "
                 f"found {self.n_kv_heads}"
             )
-        if self.hd % 2:
-            raise ValueError(f"model head_dim: expected an even number for RoPE, found {self.hd}")
+        if self.head_dim % 2:
+            raise ValueError(f"model head_dim: expected an even number for RoPE, found "
+                             f"{self.head_dim}")
 
 
 def tiny(**kw) -> LlamaArgs:
@@ -86,138 +92,69 @@ def smollm2_360m(**kw) -> LlamaArgs:
 
 PRESETS = {"tiny": tiny, "smollm2-135m": smollm2_135m, "smollm2-360m": smollm2_360m}
 
-def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """silu(gate) * up (SwiGLU); on the CPU through `toymlx.fastmath` (same values, ~4x faster)."""
-    if fastmath.enabled():
-        return fastmath.silu(gate) * up
-    return nn.silu(gate) * up
-
-
-def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """softmax(q k^T scale, causal) v: q (B,H,T,hd) are the last T of the S positions in k, v
-    (B,Hkv,S,hd) (GQA: query head h reads kv head h // (H // Hkv)).
-
-    MLX's fused kernel, except where `toymlx.fastmath` is on (the CPU): there the explicit form
-    with its vectorised softmax.
-    """
-    if fastmath.enabled():
-        return fastmath.attention(q, k, v, scale, causal=True)
-    mask = "causal" if q.shape[2] > 1 else None
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-
-class ExactRoPE:
-    """Adjacent-pair RoPE with cos/sin tables computed in float64.
-
-    mx.fast.rope forms angles in float32, which on SmolLM2 (base 1e5) costs ~3e-5 in the
-    logits against llama.cpp; exact tables keep toymlx within ~6e-5 of an fp64 forward. The
-    tables are constants of the traced step, and applying them is only multiplies and adds.
-    """
-
-    def __init__(self, dims: int, base: float):
-        self.dims, self.base = dims, base
-        self._cache: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
-
-    def tables(self, offset: int, T: int) -> tuple[mx.array, mx.array]:
-        key = (offset, T)
-        if key not in self._cache:
-            import numpy as np
-
-            inv = self.base ** (-np.arange(0, self.dims, 2, dtype=np.float64) / self.dims)
-            ang = np.arange(offset, offset + T, dtype=np.float64)[:, None] * inv  # (T, hd/2)
-            tabs = (mx.array(np.cos(ang).astype(np.float32)),
-                    mx.array(np.sin(ang).astype(np.float32)))
-            if len(self._cache) > 64:  # generation walks offsets one by one
-                self._cache.clear()
-            self._cache[key] = tabs
-        return self._cache[key]
-
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        cos, sin = self.tables(offset, x.shape[-2])
-        x0, x1 = x[..., 0::2], x[..., 1::2]  # (B,H,T,hd/2) each
-        out = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)  # (B,H,T,hd/2,2)
-        return out.reshape(x.shape)
-
-
-class KVCache:
-    """Grows by concatenation; enough for toy-sized generation."""
-
-    def __init__(self):
-        self.keys = None
-        self.values = None
-
-    @property
-    def offset(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        if self.keys is None:
-            self.keys, self.values = k, v
-        else:
-            self.keys = mx.concatenate([self.keys, k], axis=2)
-            self.values = mx.concatenate([self.values, v], axis=2)
-        return self.keys, self.values
-
-
 class Attention(nn.Module):
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, a: LlamaArgs, ops: Ops):
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = a.n_heads, a.n_kv_heads, a.hd
-        self.scale = a.hd ** -0.5
-        self.q_proj = Linear(a.d_model, a.n_heads * a.hd, bias=False)
-        self.k_proj = Linear(a.d_model, a.n_kv_heads * a.hd, bias=False)
-        self.v_proj = Linear(a.d_model, a.n_kv_heads * a.hd, bias=False)
-        self.o_proj = Linear(a.n_heads * a.hd, a.d_model, bias=False)
-        self.rope = ExactRoPE(a.hd, a.rope_base)
+        self.ops = ops
+        self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.scale = a.head_dim ** -0.5
+        self.rope_base = a.rope_base
+        self.q_proj = Linear(a.d_model, a.n_heads * a.head_dim, bias=False, ops=ops)
+        self.k_proj = Linear(a.d_model, a.n_kv_heads * a.head_dim, bias=False, ops=ops)
+        self.v_proj = Linear(a.d_model, a.n_kv_heads * a.head_dim, bias=False, ops=ops)
+        self.o_proj = Linear(a.n_heads * a.head_dim, a.d_model, bias=False, ops=ops)
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        k = self.k_proj(x).reshape(B, T, self.n_kv, self.hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
-        v = self.v_proj(x).reshape(B, T, self.n_kv, self.hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
+        hd = self.head_dim
+        q = self.q_proj(x).reshape(B, T, self.n_heads, hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
+        k = self.k_proj(x).reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
+        v = self.v_proj(x).reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        q = self.ops.rope(q, self.rope_base, offset)
+        k = self.ops.rope(k, self.rope_base, offset)
         if cache is not None:
-            k, v = cache.update(k, v)
-        o = causal_attention(q, k, v, self.scale)
+            k, v = cache.update_and_fetch(k, v)  # (B,Hkv,S,hd): every position so far
+        o = self.ops.attention(q, k, v, self.scale, causal=True)  # (B,H,T,hd)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,H*hd)
         return self.o_proj(o)
 
 
 class MLP(nn.Module):
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, a: LlamaArgs, ops: Ops):
         super().__init__()
-        self.gate_proj = Linear(a.d_model, a.ffn_dim, bias=False)
-        self.up_proj = Linear(a.d_model, a.ffn_dim, bias=False)
-        self.down_proj = Linear(a.ffn_dim, a.d_model, bias=False)
+        self.ops = ops
+        self.gate_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
+        self.up_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
+        self.down_proj = Linear(a.ffn_dim, a.d_model, bias=False, ops=ops)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, a: LlamaArgs, ops: Ops):
         super().__init__()
-        self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps)
-        self.attn = Attention(a)
-        self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps)
-        self.mlp = MLP(a)
+        self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        self.attn = Attention(a, ops)
+        self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        self.mlp = MLP(a, ops)
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         x = x + self.attn(self.attn_norm(x), cache)
         return x + self.mlp(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, ops: Ops = EXACT):
         super().__init__()
         args.validate()
-        self.args = args
+        self.args, self.ops = args, ops
         self.embed = nn.Embedding(args.vocab_size, args.d_model)
-        self.layers = [Block(args) for _ in range(args.n_layers)]
-        self.norm = RMSNorm(args.d_model, eps=args.norm_eps)
+        self.layers = [Block(args, ops) for _ in range(args.n_layers)]
+        self.norm = RMSNorm(args.d_model, eps=args.norm_eps, ops=ops)
         if not args.tie_embeddings:
-            self.output = Linear(args.d_model, args.vocab_size, bias=False)
+            self.output = Linear(args.d_model, args.vocab_size, bias=False, ops=ops)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -231,21 +168,27 @@ class Llama(nn.Module):
             s = resid_std if path.endswith(("o_proj.weight", "down_proj.weight")) else std
             return mx.random.normal(w.shape, scale=s)
 
-        from mlx.utils import tree_flatten, tree_unflatten
-
         self.update(tree_unflatten([(k, init(k, v)) for k, v in tree_flatten(self.parameters())]))
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
-        return self.embed(tokens)
+        """(B, T) token ids -> (B, T, D) rows of the token table."""
+        return self.ops.embed(self.embed.weight, tokens)
 
-    def __call__(self, tokens: mx.array, cache: list[KVCache] | None = None) -> mx.array:
-        h = self.embed_tokens(tokens)  # (B,T,D)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, None if cache is None else cache[i])
-        h = self.norm(h)
+    def unembed(self, h: mx.array) -> mx.array:
+        """(B, T, D) -> (B, T, V) logits: the tied token table, or output.weight."""
         if self.args.tie_embeddings:
-            return self.embed.as_linear(h)  # (B,T,V)
+            return self.ops.unembed(h, self.embed.weight)
         return self.output(h)
 
-    def make_cache(self) -> list[KVCache]:
+    def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+        h = self.embed_tokens(tokens)  # (B,T,D)
+        for i, layer in enumerate(self.layers):
+            h = self.ops.block(layer, h) if cache is None else layer(h, cache[i])
+        return self.unembed(self.norm(h))  # (B,T,V)
+
+    def make_cache(self) -> list[Any]:
+        """One mlx-lm KV cache per block, for generation."""
+        # imported here: mlx_lm's package imports transformers (~1.5 s), which training skips
+        from mlx_lm.models.cache import KVCache
+
         return [KVCache() for _ in self.layers]

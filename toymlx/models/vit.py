@@ -19,18 +19,12 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx import nn
+from mlx.utils import tree_flatten, tree_unflatten
 
-from toymlx import fastmath
 from toymlx.models.layers import LayerNorm, Linear
+from toymlx.models.ops import EXACT, Ops
 
-_GELU = {"erf": nn.gelu, "tanh": nn.gelu_approx, "fast": nn.gelu_fast_approx}
-
-
-def _activation(name: str):
-    """The MLP's GELU; the exact (erf) one through `toymlx.fastmath` where that is on."""
-    if name == "erf":
-        return lambda x: fastmath.gelu(x) if fastmath.enabled() else nn.gelu(x)
-    return _GELU[name]
+GELU_FORMS = ("erf", "tanh", "fast")
 
 
 @dataclass(frozen=True)
@@ -47,8 +41,8 @@ class ViTArgs:
     """Number of transformer blocks."""
     n_heads: int = 3
     """Attention heads; must divide d_model."""
-    mlp_dim: int = 768
-    """Hidden width of each block's GELU MLP."""
+    ffn_dim: int = 768
+    """Hidden width of each block's GELU MLP (timm: mlp_ratio * d_model)."""
     num_classes: int = 10
     """Number of output classes (rows of the head)."""
     norm_eps: float = 1e-6
@@ -68,7 +62,7 @@ class ViTArgs:
     def validate(self) -> None:
         """Raise ValueError naming the field when the shape is inconsistent."""
         for name in ("image_size", "patch_size", "channels", "d_model", "n_layers", "n_heads",
-                     "mlp_dim", "num_classes"):
+                     "ffn_dim", "num_classes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name}: expected > 0, found {getattr(self, name)}")
         if self.image_size % self.patch_size:
@@ -77,8 +71,9 @@ class ViTArgs:
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model: expected a multiple of n_heads={self.n_heads}, "
                              f"found {self.d_model}")
-        if self.gelu not in _GELU:
-            raise ValueError(f"model.gelu: expected one of {', '.join(_GELU)}, found {self.gelu!r}")
+        if self.gelu not in GELU_FORMS:
+            raise ValueError(f"model.gelu: expected one of {', '.join(GELU_FORMS)}, found "
+                             f"{self.gelu!r}")
 
 
 def vit_tiny(**kw) -> ViTArgs:
@@ -101,46 +96,45 @@ PRESETS = {"vit-tiny": vit_tiny, "vit-tiny-28": vit_tiny_28, "vit-tiny-8": vit_t
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ViTArgs):
+    def __init__(self, a: ViTArgs, ops: Ops):
         super().__init__()
-        self.n_heads, self.hd = a.n_heads, a.head_dim
+        self.ops = ops
+        self.n_heads, self.head_dim = a.n_heads, a.head_dim
         self.scale = a.head_dim ** -0.5
-        self.q_proj = Linear(a.d_model, a.d_model)
-        self.k_proj = Linear(a.d_model, a.d_model)
-        self.v_proj = Linear(a.d_model, a.d_model)
-        self.o_proj = Linear(a.d_model, a.d_model)
+        self.q_proj = Linear(a.d_model, a.d_model, ops=ops)
+        self.k_proj = Linear(a.d_model, a.d_model, ops=ops)
+        self.v_proj = Linear(a.d_model, a.d_model, ops=ops)
+        self.o_proj = Linear(a.d_model, a.d_model, ops=ops)
 
     def __call__(self, x: mx.array) -> mx.array:
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        k = self.k_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        v = self.v_proj(x).reshape(B, T, self.n_heads, self.hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        if fastmath.enabled():  # (B,H,T,hd)
-            o = fastmath.attention(q, k, v, self.scale)
-        else:
-            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        H, hd = self.n_heads, self.head_dim
+        q = self.q_proj(x).reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
+        k = self.k_proj(x).reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
+        v = self.v_proj(x).reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
+        o = self.ops.attention(q, k, v, self.scale, causal=False)  # (B,H,T,hd)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,D)
         return self.o_proj(o)
 
 
 class MLP(nn.Module):
-    def __init__(self, a: ViTArgs):
+    def __init__(self, a: ViTArgs, ops: Ops):
         super().__init__()
-        self.up_proj = Linear(a.d_model, a.mlp_dim)
-        self.down_proj = Linear(a.mlp_dim, a.d_model)
-        self.act = _activation(a.gelu)
+        self.ops, self.gelu = ops, a.gelu
+        self.up_proj = Linear(a.d_model, a.ffn_dim, ops=ops)
+        self.down_proj = Linear(a.ffn_dim, a.d_model, ops=ops)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.ops.gelu(self.up_proj(x), self.gelu))
 
 
 class Block(nn.Module):
-    def __init__(self, a: ViTArgs):
+    def __init__(self, a: ViTArgs, ops: Ops):
         super().__init__()
-        self.attn_norm = LayerNorm(a.d_model, eps=a.norm_eps)
-        self.attn = Attention(a)
-        self.ffn_norm = LayerNorm(a.d_model, eps=a.norm_eps)
-        self.mlp = MLP(a)
+        self.attn_norm = LayerNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        self.attn = Attention(a, ops)
+        self.ffn_norm = LayerNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        self.mlp = MLP(a, ops)
 
     def __call__(self, x: mx.array) -> mx.array:
         x = x + self.attn(self.attn_norm(x))
@@ -148,17 +142,17 @@ class Block(nn.Module):
 
 
 class ViT(nn.Module):
-    def __init__(self, args: ViTArgs):
+    def __init__(self, args: ViTArgs, ops: Ops = EXACT):
         super().__init__()
         args.validate()
-        self.args = args
+        self.args, self.ops = args, ops
         a = args
-        self.patch_embed = Linear(a.patch_size * a.patch_size * a.channels, a.d_model)
+        self.patch_embed = Linear(a.patch_size * a.patch_size * a.channels, a.d_model, ops=ops)
         self.cls_token = mx.zeros((a.d_model,))
         self.pos_embed = mx.zeros((1 + a.n_patches, a.d_model))
-        self.layers = [Block(a) for _ in range(a.n_layers)]
-        self.norm = LayerNorm(a.d_model, eps=a.norm_eps)
-        self.head = Linear(a.d_model, a.num_classes)
+        self.layers = [Block(a, ops) for _ in range(a.n_layers)]
+        self.norm = LayerNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        self.head = Linear(a.d_model, a.num_classes, ops=ops)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -166,8 +160,6 @@ class ViT(nn.Module):
         # and the position and class embeddings; zero biases; LayerNorms at (1, 0). timm cuts at
         # +-2 absolute, i.e. +-100 std, so that is a plain N(0, .02) (a cut at +-2 std would
         # shrink the std to .0176).
-        from mlx.utils import tree_flatten, tree_unflatten
-
         def init(path: str, w: mx.array) -> mx.array:
             if path.endswith("norm.weight"):
                 return w
@@ -191,10 +183,11 @@ class ViT(nn.Module):
         return x.reshape(B, g * g, p * p * a.channels)  # (B, N, p*p*C)
 
     def __call__(self, images: mx.array) -> mx.array:
-        x = self.patch_embed(self.patchify(images))  # (B, N, D)
-        cls = mx.broadcast_to(self.cls_token, (x.shape[0], 1, x.shape[2]))  # (B, 1, D)
-        x = mx.concatenate([cls, x], axis=1) + self.pos_embed  # (B, 1+N, D)
+        ops = self.ops
+        x = self.patch_embed(ops.cast(self.patchify(images)))  # (B, N, D)
+        cls = mx.broadcast_to(ops.cast(self.cls_token), (x.shape[0], 1, x.shape[2]))  # (B,1,D)
+        x = mx.concatenate([cls, x], axis=1) + ops.cast(self.pos_embed)  # (B, 1+N, D)
         for layer in self.layers:
-            x = layer(x)
+            x = ops.block(layer, x)
         x = self.norm(x[:, 0])  # (B, D): only the cls token reaches the head
         return self.head(x)  # (B, num_classes)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -76,7 +75,7 @@ def load_token_data(data: TextData, tokenizer, seq_len: int) -> TokenData:
 def llama_model_info(args: LlamaArgs) -> dict[str, Any]:
     info = {"arch": "llama", "vocab": args.vocab_size}
     info.update({k: v for k, v in asdict(args).items() if k != "vocab_size"})
-    info["head_dim"] = args.hd
+    info["head_dim"] = args.head_dim
     return info
 
 
@@ -100,15 +99,3 @@ def lm_task(recipe: str, cfg: TrainConfig, seq_len: int, model: Llama, data: Tok
                      "train_tokens": int(data.train.size), "val_tokens": int(data.val.size),
                      **config_info},
         unit="tokens", count=lambda b: int(np.sum(b["mask"])))
-
-
-def load_weights_from_gguf(path: Path, model) -> None:
-    """Resume helper: overwrite `model`'s llama weights with a toymlx checkpoint's."""
-    import mlx.core as mx
-
-    from toymlx.gguf.llama import expected_shapes, gguf_to_toy
-    from toymlx.gguf.reader import GGUFFile
-
-    g = GGUFFile(path)
-    weights = [(gguf_to_toy(n), mx.array(g.load(n))) for n in expected_shapes(model.args)]
-    model.load_weights(weights, strict=False)

@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toymlx.gguf.llama import write_llama
+import mlx.core as mx
+
+from toymlx.gguf.llama import load_llama_into, write_llama
 from toymlx.models.llama import Llama
+from toymlx.models.ops import Ops
 from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
@@ -18,7 +21,6 @@ from toymlx.recipes.common import (
     llama_model_info,
     lm_task,
     load_token_data,
-    load_weights_from_gguf,
 )
 from toymlx.tokenizer import byte_tokenizer
 from toymlx.trainer import Task, TrainConfig
@@ -34,19 +36,17 @@ class Config(TrainConfig):
     data: TextData = field(default_factory=TextData)
 
 
-def build(cfg: Config) -> Task:
-    import mlx.core as mx
-
+def build(cfg: Config, ops: Ops) -> Task:
     tok = byte_tokenizer()
     args = cfg.model.build_args(tok.vocab_size)
     check_seq_len(cfg.seq_len, args)
     data = load_token_data(cfg.data, tok, cfg.seq_len)
     mx.random.seed(cfg.seed)
-    model = Llama(args)
+    model = Llama(args, ops)
     tok_meta = tok.to_metadata()
 
     def save(path: Path, m: Llama, extra: dict) -> None:
-        write_llama(path, m, tok_meta, extra, name="toymlx from-scratch")
+        write_llama(path, m, tok_meta, extra, name="toymlx from-scratch", dtype=cfg.save_dtype)
 
-    return lm_task("from-scratch", cfg, cfg.seq_len, model, data, save, load_weights_from_gguf,
+    return lm_task("from-scratch", cfg, cfg.seq_len, model, data, save, load_llama_into,
                    config_info={"tokenizer": "bytes"}, model_info=llama_model_info(args))

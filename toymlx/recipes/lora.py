@@ -17,18 +17,19 @@ import numpy as np
 
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
+from toymlx.device import on_gpu
+from toymlx.gguf.llama import load_llama
+from toymlx.gguf.quant import EXACT_QUANTS, all_exact, projection_types
 from toymlx.gguf.reader import GGUFFile
 from toymlx.lora import (
     apply_lora,
     load_adapter_weights,
-    load_base,
     parse_targets,
-    projection_types,
-    resolve_base_dtype,
     target_blocks,
     write_adapter,
 )
 from toymlx.losses import lm_loss
+from toymlx.models.ops import Ops
 from toymlx.recipes.common import check_seq_len, llama_model_info
 from toymlx.tokenizer import Tokenizer
 from toymlx.trainer import Task, TrainConfig
@@ -73,8 +74,10 @@ class Config(TrainConfig):
 
     base: str | None = None
     """The llama GGUF to adapt (required); its tokenizer and chat template are used."""
-    base_dtype: Literal["auto", "quantized", "float32", "float16"] = "auto"
-    """Frozen base weights: auto = float32 on CPU, kept quantized (Q4_0/Q4_1/Q8_0) on GPU."""
+    base_dtype: Literal["auto", "quantized", "float32", "bfloat16", "float16"] = "auto"
+    """Frozen base weights: auto = kept quantized on a GPU where every projection is Q4_0,
+    Q4_1 or Q8_0 (MLX holds those blocks exactly), else the compute dtype (--dtype: float32 on
+    the CPU, bfloat16 on a GPU)."""
     seq_len: int = 256
     """Tokens per training row (longer examples are cut)."""
     lora: LoRAOptions = field(default_factory=LoRAOptions)
@@ -115,14 +118,31 @@ def validate(cfg: Config) -> None:
                          f"{cfg.data.val_fraction}")
 
 
-def build(cfg: Config) -> Task:
+def resolve_base_dtype(choice: str, g: GGUFFile, gpu: bool, compute_dtype: str) -> str:
+    """--base-dtype resolved: how the frozen base holds its weights (`load_llama`'s weights).
+
+    MLX's quantized matmul is ~40x slower than dequantize + fp32 on the CPU but the fast path
+    on a GPU, where it holds GGUF's Q4_0/Q4_1/Q8_0 blocks exactly (same 32-value groups); other
+    types (K-quants such as Q4_K_M) are dequantized exactly and rounded to the compute dtype.
+    """
+    if choice == "auto":
+        return "quantized" if gpu and all_exact(g) else compute_dtype
+    if choice == "quantized" and not all_exact(g):
+        bad = next(f"{n} is {t}" for n, t in projection_types(g).items()
+                   if t not in {q.name for q in EXACT_QUANTS})
+        raise ValueError(f"--base-dtype quantized: {g.path}: expected Q4_0, Q4_1 or Q8_0 "
+                         f"projections (the types MLX holds exactly), found {bad}; use "
+                         f"--base-dtype {compute_dtype}")
+    return choice
+
+
+def build(cfg: Config, ops: Ops) -> Task:
     validate(cfg)
     mx.random.seed(cfg.seed)
     with GGUFFile(cfg.base) as g:
-        dtype = resolve_base_dtype(cfg.base_dtype, g,
-                                   mx.default_device().type == mx.DeviceType.gpu)
+        dtype = resolve_base_dtype(cfg.base_dtype, g, on_gpu(), ops.dtype)
         types = "/".join(sorted(set(projection_types(g).values())))
-    model, g = load_base(cfg.base, dtype)
+    model, g = load_llama(cfg.base, ops, dtype)
     meta = dict(g.metadata)
     g.close()
     args = model.args
@@ -137,7 +157,8 @@ def build(cfg: Config) -> Task:
                  "general.name": meta.get("general.name", Path(cfg.base).stem)}
 
     def save(path: Path, m, extra: dict) -> None:
-        write_adapter(path, m, base_meta, {**extra, "toy.base": Path(cfg.base).name})
+        write_adapter(path, m, base_meta, {**extra, "toy.base": Path(cfg.base).name},
+                      dtype=cfg.save_dtype)
 
     info = llama_model_info(args)
     info.update(base=str(cfg.base), base_name=base_meta["general.name"], base_type=types,

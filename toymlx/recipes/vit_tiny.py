@@ -11,11 +11,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
+import mlx.core as mx
 import numpy as np
 
 from toymlx.data.images import ImageSet, load_images
 from toymlx.gguf.vit import load_vit, write_vit
-from toymlx.losses import classify_metrics, cross_entropy
+from toymlx.losses import classify_metrics
+from toymlx.models.ops import Ops
 from toymlx.models.vit import PRESETS, ViT, ViTArgs
 from toymlx.trainer import Task, TrainConfig
 
@@ -42,7 +44,7 @@ class ViTOptions:
     """Transformer blocks (default 12)."""
     n_heads: int | None = None
     """Attention heads (default 3)."""
-    mlp_dim: int | None = None
+    ffn_dim: int | None = None
     """MLP hidden width (default 768)."""
     gelu: Literal["erf", "tanh", "fast"] | None = None
     """GELU form: erf (timm's, exact) or the tanh / sigmoid approximations."""
@@ -90,15 +92,13 @@ class Config(TrainConfig):
 def smoothed_loss(eps: float):
     """Label-smoothed cross-entropy, optionally mixed between two label sets (mixup):
     CE with targets (1 - eps) one-hot(y) + eps / K = CE(y) + eps * (z_y - mean_k z_k)."""
-    import mlx.core as mx
-
     def loss(model, batch):
-        logits = model(batch["images"])  # (B, K)
+        logits = model(batch["images"]).astype(mx.float32)  # (B, K)
         z_mean = logits.mean(-1)
 
         def ce(labels):
             picked = mx.take_along_axis(logits, labels[:, None], -1)[:, 0]
-            return cross_entropy(logits, labels) + eps * (picked - z_mean)
+            return model.ops.cross_entropy(logits, labels) + eps * (picked - z_mean)
 
         out = ce(batch["labels"])
         if "mix_labels" in batch:  # mixup: lam (B,) per image, the same within a batch
@@ -152,9 +152,7 @@ def model_args(opts: ViTOptions, data: ImageSet) -> ViTArgs:
     return args
 
 
-def build(cfg: Config) -> Task:
-    import mlx.core as mx
-
+def build(cfg: Config, ops: Ops) -> Task:
     data = load_images(cfg.data.path, cfg.data.val_fraction, True, cfg.data.max_shift)
     data.augment = cfg.data.augment if cfg.data.augment is not None else data.image_shape[0] >= 16
     if cfg.batch_size > len(data.train_x):
@@ -162,12 +160,12 @@ def build(cfg: Config) -> Task:
                          f"images of {data.source}, found {cfg.batch_size}")
     args = model_args(cfg.model, data)
     mx.random.seed(cfg.seed)
-    model = ViT(args)
+    model = ViT(args, ops)
     norm = {"toy.pixel_scale": float(data.scale), "toy.pixel_mean": data.mean.tolist(),
             "toy.pixel_std": data.std.tolist()}
 
     def save(path: Path, m: ViT, extra: dict) -> None:
-        write_vit(path, m, norm, extra)
+        write_vit(path, m, norm, extra, dtype=cfg.save_dtype)
 
     def load(path: Path, m: ViT) -> None:
         loaded, _, _ = load_vit(path)
@@ -175,7 +173,7 @@ def build(cfg: Config) -> Task:
 
     info = {"arch": "vit", "image_size": args.image_size, "patch_size": args.patch_size,
             "channels": args.channels, "d_model": args.d_model, "n_layers": args.n_layers,
-            "n_heads": args.n_heads, "mlp_dim": args.mlp_dim, "num_classes": args.num_classes,
+            "n_heads": args.n_heads, "ffn_dim": args.ffn_dim, "num_classes": args.num_classes,
             "gelu": args.gelu}
     mixup = cfg.data.mixup
     if mixup is None:

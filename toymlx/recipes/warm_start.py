@@ -18,11 +18,13 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
+import mlx.core as mx
 import numpy as np
 
 from toymlx import warm
 from toymlx.gguf.llama import write_llama
 from toymlx.gguf.reader import GGUFError
+from toymlx.models.ops import Ops
 from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
@@ -128,9 +130,7 @@ def make_optimizer(cfg: Config):
                                          lambda path, w: w.ndim >= 2])
 
 
-def build(cfg: Config) -> Task:
-    import mlx.core as mx
-
+def build(cfg: Config, ops: Ops) -> Task:
     validate(cfg)
     w = cfg.warm
     donor = warm.read_donor(cfg.donor, w.vocab)
@@ -149,7 +149,7 @@ def build(cfg: Config) -> Task:
         raise ValueError(f"--warm.vocab: expected every token id of {data.source} below "
                          f"{vocab}, found {top}; use a larger --warm.vocab")
     mx.random.seed(cfg.seed)
-    model = warm.WarmLlama(args, donor.width)
+    model = warm.WarmLlama(args, donor.width, ops)
     model.set_embedding(table, lens)
     if w.freeze_embeddings == -1:
         model.embed.freeze(keys=["weight"])
@@ -163,7 +163,7 @@ def build(cfg: Config) -> Task:
     def save(path: Path, m: warm.WarmLlama, extra: dict) -> None:
         warm.save_warm_state(path, m, {**info, "step": extra.get("general.step")})
         write_llama(path, m, tok_meta, {**meta, **extra}, name="toymlx warm-start",
-                    tensors=warm.folded_tensors(m))
+                    tensors=warm.folded_tensors(m), dtype=cfg.save_dtype)
 
     task = lm_task("warm-start", cfg, cfg.seq_len, model, data, save, warm.load_warm_checkpoint,
                    config_info={"tokenizer": f"donor ({donor.path})", **info},

@@ -1,0 +1,67 @@
+"""GGUF's Q4_0, Q4_1 and Q8_0 blocks as MLX's affine quantization, exactly.
+
+MLX's quantized layers (`nn.QuantizedLinear`: packed uint32 weights, per-group scales and
+biases, group size 32) hold these three GGUF types bit for bit, so a quantized base model
+keeps the file's own blocks: the fast path on a GPU (MLX's quantized matmul), and half or a
+quarter of float16's memory. Every other type is dequantized by gguf-py (`GGUFFile.load`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+
+from toymlx.gguf.reader import GGUFError, GGUFFile
+
+GROUP_SIZE = 32
+"""GGUF's Q4_0/Q4_1/Q8_0 block size, which MLX's affine quantization reproduces exactly."""
+EXACT_QUANTS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+"""The GGUF types MLX's quantized layers hold exactly."""
+
+
+def projection_types(g: GGUFFile) -> dict[str, str]:
+    """GGML type name of every 2-D block projection in a llama GGUF, by tensor name."""
+    return {n: t.type.name for n, t in g.tensors.items()
+            if n.startswith("blk.") and len(t.shape) == 2}
+
+
+def all_exact(g: GGUFFile) -> bool:
+    """Whether every block projection of the file is of a type MLX holds exactly."""
+    return all(GGMLQuantizationType[t] in EXACT_QUANTS for t in projection_types(g).values())
+
+
+def gguf_to_mlx_quant(g: GGUFFile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(packed uint32, scales, biases, bits) of a Q4_0/Q4_1/Q8_0 tensor: exact MLX affine form.
+
+    GGUF blocks of 32 values become MLX groups of 32: Q8_0 `d*q` (q int8) is `d*(q+128) - 128d`,
+    Q4_0 `d*(q-8)` is `d*q - 8d`, Q4_1 `d*q + m`. Each block's 4-bit nibbles hold value j in
+    the low and j+16 in the high half of byte j; MLX packs value i of a word at bit bits*i.
+    """
+    info = g.tensors[name]
+    n_out, n_in = info.shape
+    raw = g.raw(name)
+    nb = n_in // GROUP_SIZE
+    T = GGMLQuantizationType
+    if info.type == T.Q8_0:
+        blk = raw.reshape(n_out, nb, 34)
+        d = blk[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, nb)
+        q = blk[..., 2:].copy().view(np.int8).astype(np.int32) + 128  # (out, nb, 32)
+        bits, bias = 8, -128.0 * d
+    elif info.type in (T.Q4_0, T.Q4_1):
+        size = 18 if info.type == T.Q4_0 else 20
+        blk = raw.reshape(n_out, nb, size)
+        d = blk[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, nb)
+        qs = blk[..., size - 16:]  # (out, nb, 16)
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int32)  # (out, nb, 32)
+        bits = 4
+        bias = (-8.0 * d if info.type == T.Q4_0
+                else blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    else:
+        raise GGUFError(f"{g.path}: tensor {name!r} type: expected Q4_0, Q4_1 or Q8_0 to keep "
+                        f"quantized, found {info.type.name}")
+    per = 32 // bits
+    q = q.astype(np.uint32).reshape(n_out, n_in // per, per)  # (out, in/per, per)
+    packed = np.zeros((n_out, n_in // per), np.uint32)
+    for i in range(per):
+        packed |= q[..., i] << np.uint32(bits * i)
+    return packed, d, bias.astype(np.float32), bits

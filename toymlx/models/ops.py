@@ -1,0 +1,228 @@
+"""The math a model runs, chosen once and handed to the model when it is built.
+
+A model file says *what* it computes (`self.ops.linear(x, w)`, `self.ops.attention(...)`); an
+`Ops` says *how*: whose kernels, in which dtype, RoPE from which tables, and whether each block's
+activations are kept or recomputed in the backward pass. Three choices are in use:
+
+| who | `Ops` | why |
+| --- | --- | --- |
+| forward-only code: generation, toymlx-eval, export checks | `Ops()` | MLX's own ops, float32, RoPE from float64 tables: logits within 1e-4 of llama.cpp |
+| training where MLX computes on the CPU | `Ops(kernels="vectorised")` | `toymlx.fastmath`'s forms: the Linux wheel's own exp/erf/softmax are scalar code (4-20x slower per element) |
+| training on a GPU (Metal, CUDA) | `Ops(dtype="bfloat16", exact_rope=False)` | MLX's fused `mx.fast` kernels in half precision |
+
+`training_ops` makes that choice for the trainer; a benchmark or test builds any `Ops` it wants.
+
+Mixed precision (`dtype` other than float32), as PyTorch's autocast and mlx-lm do it:
+- parameters that train stay float32: the master copy AdamW updates (its moments are float32
+  too); `linear`, `embed` and the norms cast them to `dtype` where they are used, and the
+  cast's backward hands float32 gradients back;
+- frozen parameters (a LoRA base) are stored in `dtype` by the loader, or kept quantized;
+- activations flow in `dtype`. What stays float32: the norms' statistics (MLX's fused norms
+  accumulate in float32), attention's softmax (`scaled_dot_product_attention` accumulates in
+  float32), the loss's logsumexp accumulation and every per-token loss from there on.
+- float16 needs loss scaling (its gradients underflow): `toymlx.step.LossScale`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from toymlx import fastmath
+
+Kernels = Literal["mlx", "vectorised"]
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16,
+                               "float16": mx.float16}
+
+
+@dataclass(frozen=True)
+class Ops:
+    """How a model computes: kernels, dtype, RoPE tables and activation recomputation."""
+
+    kernels: Kernels = "mlx"
+    """mlx: MLX's ops and fused `mx.fast` kernels. vectorised: `toymlx.fastmath`'s forms with
+    hand-written backward passes, for MLX's CPU (float32 only)."""
+    dtype: DType = "float32"
+    """The activations' dtype (trainable weights stay float32 and are cast where used)."""
+    exact_rope: bool = True
+    """RoPE from cos/sin tables computed in float64; False: `mx.fast.rope` (angles in
+    float32: ~3e-5 in SmolLM2's logits, nothing to training)."""
+    grad_checkpoint: bool = False
+    """Recompute each block's activations in the backward pass (`mx.checkpoint`): less memory
+    for long sequences, one more forward pass of time."""
+
+    def __post_init__(self) -> None:
+        if self.kernels not in ("mlx", "vectorised"):
+            raise ValueError(f"kernels: expected mlx or vectorised, found {self.kernels!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, found {self.dtype!r}")
+        if self.kernels == "vectorised" and self.dtype != "float32":
+            raise ValueError(f"kernels vectorised: expected dtype float32 (toymlx.fastmath's "
+                             f"forms are float32 only), found {self.dtype}; use kernels mlx")
+
+    @property
+    def mx_dtype(self) -> mx.Dtype:
+        return DTYPES[self.dtype]
+
+    def describe(self) -> dict[str, Any]:
+        """What run_start records."""
+        return asdict(self)
+
+    # ---- casts ------------------------------------------------------------------------------
+    def cast(self, x: mx.array) -> mx.array:
+        """x in the compute dtype when that is a half type; float32 Ops leave dtypes as they
+        come (so a model cast to float64 computes in float64, as the exactness tests do)."""
+        if self.dtype == "float32" or x.dtype == self.mx_dtype:
+            return x
+        return x.astype(self.mx_dtype)
+
+    # ---- the kernels ------------------------------------------------------------------------
+    def linear(self, x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+        """x @ weight.T (+ bias), weight (out, in) as `nn.Linear` stores it."""
+        if self.kernels == "vectorised":
+            # weight gradients come out row-major like the weight (see fastmath.linear)
+            return fastmath.linear(x, weight, bias)
+        x, w = self.cast(x), self.cast(weight)
+        return x @ w.T if bias is None else mx.addmm(self.cast(bias), x, w.T)
+
+    def embed(self, table: mx.array, tokens: mx.array) -> mx.array:
+        """Rows of the token table, in the compute dtype."""
+        return self.cast(table[tokens])
+
+    def unembed(self, h: mx.array, table: mx.array) -> mx.array:
+        """Logits from a tied token table: h @ table.T."""
+        return self.cast(h) @ self.cast(table).T
+
+    def rms_norm(self, x: mx.array, weight: mx.array, eps: float) -> mx.array:
+        if self.kernels == "vectorised":
+            return fastmath.rms_norm(x, weight, eps)
+        return mx.fast.rms_norm(x, self.cast(weight), eps)
+
+    def layer_norm(self, x: mx.array, weight: mx.array | None, bias: mx.array | None,
+                   eps: float) -> mx.array:
+        if self.kernels == "vectorised":
+            return fastmath.layer_norm(x, weight, bias, eps)
+        w = None if weight is None else self.cast(weight)
+        b = None if bias is None else self.cast(bias)
+        return mx.fast.layer_norm(x, w, b, eps)
+
+    def silu_mul(self, gate: mx.array, up: mx.array) -> mx.array:
+        """silu(gate) * up: SwiGLU."""
+        if self.kernels == "vectorised":
+            return fastmath.silu(gate) * up
+        return nn.silu(gate) * up
+
+    def gelu(self, x: mx.array, form: str = "erf") -> mx.array:
+        """GELU: erf (exact, timm's), tanh or fast (x * sigmoid(1.702 x))."""
+        if form == "erf":
+            return fastmath.gelu(x) if self.kernels == "vectorised" else nn.gelu(x)
+        if form == "tanh":
+            return nn.gelu_approx(x)
+        if form == "fast":
+            return nn.gelu_fast_approx(x)
+        raise ValueError(f"gelu: expected erf, tanh or fast, found {form!r}")
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
+                  causal: bool) -> mx.array:
+        """softmax(q k^T scale [causal]) v for q (B,H,T,hd), k/v (B,Hkv,S,hd); q's T rows are
+        the last T of the S positions; query head h reads kv head h // (H // Hkv)."""
+        if self.kernels == "vectorised":
+            return fastmath.attention(q, k, v, scale, causal=causal)
+        mask = "causal" if causal and q.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    def rope(self, x: mx.array, base: float, offset: int = 0) -> mx.array:
+        """Adjacent-pair RoPE (llama.cpp's for arch llama) over x (B,H,T,hd) at positions
+        offset.. offset+T-1."""
+        dims, T = x.shape[-1], x.shape[-2]
+        if not self.exact_rope:
+            return mx.fast.rope(x, dims, traditional=True, base=base, scale=1.0, offset=offset)
+        cos, sin = _rope_tables(dims, float(base), int(offset), T)
+        if x.dtype != mx.float32:
+            cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        x0, x1 = x[..., 0::2], x[..., 1::2]  # (B,H,T,hd/2) each
+        out = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)  # (B,H,T,hd/2,2)
+        return out.reshape(x.shape)
+
+    def cross_entropy(self, logits: mx.array, targets: mx.array) -> mx.array:
+        """Per-position cross-entropy over the last axis, float32, no reduction."""
+        if self.kernels == "vectorised":
+            return fastmath.cross_entropy(logits, targets)
+        picked = mx.take_along_axis(logits, targets[..., None], -1)[..., 0]
+        lse = mx.logsumexp(logits, axis=-1)  # MLX's kernel accumulates in float32
+        return _widen(lse) - _widen(picked)
+
+    def block(self, layer: nn.Module, *args: Any) -> mx.array:
+        """layer(*args), or with grad_checkpoint the same, its activations recomputed in the
+        backward pass instead of kept."""
+        if not self.grad_checkpoint:
+            return layer(*args)
+        return _checkpointed(layer)(layer.trainable_parameters(), *args)
+
+
+def _widen(x: mx.array) -> mx.array:
+    """A half-precision array as float32 (float32 and float64 as they are)."""
+    return x.astype(mx.float32) if x.dtype in (mx.bfloat16, mx.float16) else x
+
+
+EXACT = Ops()
+"""Forward-only code's math: MLX's ops in float32 with float64 RoPE tables."""
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_tables(dims: int, base: float, offset: int, T: int) -> tuple[mx.array, mx.array]:
+    """cos and sin (T, dims/2) for positions offset..offset+T-1, computed in float64: with
+    `mx.fast.rope`'s float32 angles SmolLM2's logits (base 1e5) move ~3e-5 from llama.cpp's.
+    Cached: constants of a traced step, and generation asks for one offset after another."""
+    inv = base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    ang = np.arange(offset, offset + T, dtype=np.float64)[:, None] * inv  # (T, dims/2)
+    return mx.array(np.cos(ang).astype(np.float32)), mx.array(np.sin(ang).astype(np.float32))
+
+
+def _checkpointed(layer: nn.Module) -> Callable:
+    """`mx.checkpoint` of a module's call, with its trainable parameters as explicit inputs so
+    their gradients flow through the recomputation."""
+    def call(params: dict, *args: Any) -> mx.array:
+        layer.update(params)
+        return layer(*args)
+    return mx.checkpoint(call)
+
+
+def check_checkpointable(model: nn.Module) -> None:
+    """ValueError when `--grad-checkpoint` would give wrong gradients: a recomputed block draws
+    new dropout masks (MLX's random state moves on), so dropout must be off."""
+    for path, m in model.named_modules():
+        if isinstance(m, nn.Dropout) and getattr(m, "_p_1", 1.0) < 1.0:
+            raise ValueError(f"--grad-checkpoint: expected no dropout in the model (a recomputed "
+                             f"block draws new dropout masks), found dropout "
+                             f"{1.0 - m._p_1:g} at {path or 'the model'}; set it to 0 or drop "
+                             "--grad-checkpoint")
+
+
+def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
+                 grad_checkpoint: bool = False) -> Ops:
+    """The math of a training run: `--dtype`, `--kernels` and `--grad-checkpoint` resolved.
+
+    dtype auto: bfloat16 on a GPU, float32 on the CPU (MLX's half-precision CPU kernels run
+    ~25x slower than float32's). kernels auto: vectorised on the CPU in float32, else mlx.
+    RoPE: fast on a GPU; exact tables on the CPU (as fast there, and exact)."""
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: expected auto, {', '.join(DTYPES)}; found {dtype!r}")
+    if kernels == "auto":
+        kernels = "vectorised" if not on_gpu and dtype == "float32" else "mlx"
+    elif kernels == "vectorised" and dtype != "float32":
+        raise ValueError(f"--kernels vectorised: expected --dtype float32 (toymlx.fastmath's "
+                         f"forms are float32 only), found --dtype {dtype}")
+    elif kernels not in ("mlx", "vectorised"):
+        raise ValueError(f"--kernels: expected auto, mlx or vectorised, found {kernels!r}")
+    return Ops(kernels=kernels, dtype=dtype, exact_rope=not on_gpu,
+               grad_checkpoint=grad_checkpoint)
