@@ -14,14 +14,12 @@
 # Ubuntu ship them apart), python3.X-venv; as root, or through sudo.
 # macOS: MLX needs Apple Silicon, macOS >= 13.5 and a native (arm64) Python.
 #
-# Re-runs are quick: pip runs again only when pyproject.toml, TOYMLX_EXTRAS or the checkout
+# MLX's backend: Metal on a Mac (it comes with mlx); on Linux an extra, toymlx[cpu],
+# toymlx[cuda] (CUDA 13) or toymlx[cuda12]: cuda where nvidia-smi lists a GPU (cuda12 with an
+# NVIDIA driver older than 580), else cpu; TOYMLX_BACKEND=cpu|cuda|cuda12 chooses.
+#
+# Re-runs are quick: pip runs again only when pyproject.toml, the extras or the checkout
 # changed since the last install into that environment (or toymlx no longer imports there).
-set -euo pipefail
-exec 3>&1 1>&2
-cd "$(dirname "$0")/.."
-ROOT=$PWD
-OS=$(uname -s)
-export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # stderr explicitly: these also run inside $(...)
 say() { echo "toymlx: $*" >&2; }
@@ -134,6 +132,40 @@ find_python() {
   die "no Python 3.10+ found$found; install one (e.g. apt-get install python3, pyenv) and re-run, or set TOYMLX_PYTHON=/path/to/python3"
 }
 
+# The extra that brings MLX's backend: cpu, cuda or cuda12 on Linux, nothing on a Mac.
+backend_extra() {
+  if [ "$OS" = Darwin ]; then
+    [ -z "${TOYMLX_BACKEND:-}" ] ||
+      die "TOYMLX_BACKEND=$TOYMLX_BACKEND: a Mac has one MLX backend, Metal, that comes with mlx; unset TOYMLX_BACKEND"
+    return 0
+  fi
+  if [ -n "${TOYMLX_BACKEND:-}" ]; then
+    case $TOYMLX_BACKEND in
+      cpu | cuda | cuda12) say "MLX backend: $TOYMLX_BACKEND (TOYMLX_BACKEND)"; echo "$TOYMLX_BACKEND" ;;
+      *) die "TOYMLX_BACKEND=$TOYMLX_BACKEND: expected cpu, cuda (CUDA 13) or cuda12" ;;
+    esac
+    return 0
+  fi
+  local gpu driver
+  gpu=$(nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ' || true)
+  if [ -z "$gpu" ]; then
+    say "MLX backend: cpu (no NVIDIA GPU listed by nvidia-smi; TOYMLX_BACKEND=cuda to choose)"
+    echo cpu
+    return 0
+  fi
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 || true)
+  case ${driver%%.*} in
+    '' | *[!0-9]*) driver="unknown" ;;
+  esac
+  if [ "$driver" != unknown ] && [ "${driver%%.*}" -lt 580 ]; then
+    say "MLX backend: cuda12 (${gpu%% (UUID*}; driver $driver is older than CUDA 13's 580; TOYMLX_BACKEND=cpu for the CPU)"
+    echo cuda12
+  else
+    say "MLX backend: cuda (${gpu%% (UUID*}, driver $driver; TOYMLX_BACKEND=cuda12 or cpu to choose another)"
+    echo cuda
+  fi
+}
+
 # The environment to install into: the active one, else .venv (created or reused).
 choose_env() {
   if [ -n "${VIRTUAL_ENV:-}" ] || [ -n "${CONDA_PREFIX:-}" ]; then
@@ -179,9 +211,32 @@ choose_env() {
   fi
 }
 
+# MLX's backend packages all ship mlx/lib/libmlx.so: with another one in $ENV, remove them all
+# (the chosen one too, its file may be the one overwritten) before pip installs the chosen.
+remove_other_backends() {
+  local all=(mlx-cpu mlx-cuda-13 mlx-cuda-12) chosen present
+  case ${BACKEND:-} in
+    cpu) chosen=mlx-cpu ;; cuda) chosen=mlx-cuda-13 ;; cuda12) chosen=mlx-cuda-12 ;; *) return 0 ;;
+  esac
+  present=$("$ENV/bin/python" -c 'import sys
+from importlib import metadata
+for name in sys.argv[1:]:
+    try:
+        metadata.version(name)
+        print(name)
+    except metadata.PackageNotFoundError:
+        pass' "${all[@]}")
+  if [ -n "$present" ] && [ "$present" != "$chosen" ]; then
+    say "removing MLX backends $(echo "$present" | tr '\n' ' ')before installing $chosen: they share one library file"
+    # shellcheck disable=SC2086  # one package name a line
+    "$ENV/bin/python" -m pip uninstall -y $present
+  fi
+}
+
 # pip install -e the checkout, unless the last install into $ENV was of this same state.
 install_toymlx() {
-  local spec=".[test${TOYMLX_EXTRAS:+,$TOYMLX_EXTRAS}]" stamp="$ENV/.toymlx-install" want
+  local spec=".[${BACKEND:+$BACKEND,}test${TOYMLX_EXTRAS:+,$TOYMLX_EXTRAS}]"
+  local stamp="$ENV/.toymlx-install" want
   want=$(printf 'checkout %s\nspec %s\npython %s\n' "$ROOT" "$spec" "$(py_info "$ENV/bin/python")"
          cat pyproject.toml)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$ENV/bin/toymlx-train" ] &&
@@ -191,12 +246,22 @@ install_toymlx() {
     return
   fi
   rm -f "$stamp"
+  remove_other_backends
   say "pip install -e '$spec' into $ENV"
   "$ENV/bin/python" -m pip install -e "$spec" || die "pip install -e '$spec' failed (see above)"
   printf '%s\n' "$want" >"$stamp"
 }
 
+# Sourced (the tests do, to call one function), this file only defines the functions above.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
+set -euo pipefail
+exec 3>&1 1>&2
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OS=$(uname -s)
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 check_platform
 choose_env
+BACKEND=$(backend_extra)
 install_toymlx
 echo "$ENV" >&3

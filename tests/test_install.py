@@ -50,6 +50,17 @@ def _sourced(shell: str, then: str) -> str:
             "| grep '^[<>]' | grep -v before; echo alive")
 
 
+# which of MLX's Linux backend packages an environment holds
+BACKENDS = """from importlib import metadata
+for name in ("mlx-cpu", "mlx-cuda-13", "mlx-cuda-12"):
+    try:
+        metadata.version(name)
+        print(name)
+    except metadata.PackageNotFoundError:
+        pass
+"""
+
+
 @pytest.fixture()
 def old_python(tmp_path) -> Path:
     """A `python` that answers like macOS's /usr/bin/python3 (3.9)."""
@@ -92,6 +103,46 @@ def test_run_not_sourced_exits_non_zero(old_python):
                            capture_output=True, text=True, timeout=60, check=False)
         assert r.returncode == 1 and r.stdout == "", cmd
         assert r.stderr.startswith("toymlx: error: TOYMLX_PYTHON="), (cmd, r.stderr)
+
+
+def _fake_nvidia_smi(folder: Path, gpus: str, driver: str) -> Path:
+    """An `nvidia-smi` answering -L with `gpus` and the driver query with `driver`."""
+    folder.mkdir(exist_ok=True)
+    tool = folder / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\ncase $1 in -L) printf '{gpus}' ;; *) printf '{driver}' ;; esac\n"
+                    "[ -n '" + gpus + "' ] || exit 9\n")
+    tool.chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize("os_name, gpus, driver, backend, want, message", [
+    ("Linux", "", "", None, "cpu", "MLX backend: cpu (no NVIDIA GPU listed by nvidia-smi"),
+    ("Linux", "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)\n", "580.65.06\n", None, "cuda",
+     "MLX backend: cuda (GPU 0: NVIDIA H100 80GB HBM3, driver 580.65.06"),
+    ("Linux", "GPU 0: NVIDIA A10G (UUID: GPU-2)\nGPU 1: NVIDIA A10G (UUID: GPU-3)\n",
+     "550.54.15\n550.54.15\n", None, "cuda12",
+     "MLX backend: cuda12 (GPU 0: NVIDIA A10G; driver 550.54.15 is older than CUDA 13's 580"),
+    ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "N/A\n", None, "cuda", "driver unknown"),
+    ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "580.1\n", "cpu", "cpu",
+     "MLX backend: cpu (TOYMLX_BACKEND)"),
+    ("Linux", "", "", "cuda12", "cuda12", "MLX backend: cuda12 (TOYMLX_BACKEND)"),
+    ("Linux", "", "", "rocm", None,
+     "toymlx: error: TOYMLX_BACKEND=rocm: expected cpu, cuda (CUDA 13) or cuda12"),
+    ("Darwin", "", "", None, "", None),
+    ("Darwin", "", "", "cpu", None, "toymlx: error: TOYMLX_BACKEND=cpu: a Mac has one MLX backend"),
+])
+def test_backend_follows_the_gpu_and_its_driver(tmp_path, os_name, gpus, driver, backend, want,
+                                                message):
+    tools = _fake_nvidia_smi(tmp_path / "bin", gpus, driver)
+    env = _env(PATH=f"{tools}:{SYSTEM_PATH}")
+    if backend is not None:
+        env["TOYMLX_BACKEND"] = backend
+    r = _shell("bash", f"source scripts/install_env.sh; OS={os_name}; backend_extra", REPO, env)
+    if want is None:
+        assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+    else:
+        assert r.returncode == 0 and r.stdout == (want + "\n" if want else ""), r.stdout + r.stderr
+    assert (message or "") in r.stderr and (message is not None or r.stderr == ""), r.stderr
 
 
 def test_ci_runs_the_readme_commands_as_written():
@@ -143,6 +194,10 @@ def test_fresh_install_on_the_system_python(tmp_path):
     version = subprocess.run([venv / "bin" / "toymlx-train", "--version"], capture_output=True,
                              text=True, check=True).stdout
     assert re.fullmatch(rf"toymlx {re.escape(toymlx.__version__)} \(mlx [0-9.]+\)\n", version)
+    backends = subprocess.run([venv / "bin" / "python", "-c", BACKENDS], capture_output=True,
+                              text=True, check=True).stdout.split()
+    if sys.platform.startswith("linux") and shutil.which("nvidia-smi") is None:
+        assert backends == ["mlx-cpu"], backends  # toymlx[cpu], and no other backend
     runs = list((copy / "runs").iterdir())
     evs = read_events(runs[0])
     assert len(runs) == 1 and check_toy_v1(evs) == []
@@ -170,8 +225,9 @@ def test_wheel_trains_from_any_folder_with_its_packaged_data(tmp_path, stories_p
     assert wheel.name.startswith(f"toymlx-{toymlx.__version__}-")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=300)
-    subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", wheel], check=True,
-                   timeout=1800)
+    backend = "[cpu]" if sys.platform.startswith("linux") else ""  # Metal comes with mlx
+    subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}{backend}"],
+                   check=True, timeout=1800)
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
