@@ -145,6 +145,29 @@ def test_backend_follows_the_gpu_and_its_driver(tmp_path, os_name, gpus, driver,
     assert (message or "") in r.stderr and (message is not None or r.stderr == ""), r.stderr
 
 
+@pytest.mark.parametrize("present, backend, removed", [
+    ("mlx-cpu", "cpu", None),
+    ("mlx-cuda-13", "cpu", "mlx-cuda-13"),
+    ("mlx-cpu mlx-cuda-13", "cuda", "mlx-cpu mlx-cuda-13"),  # the chosen one's file may be gone
+    ("", "cuda12", None),
+    ("mlx-cpu", "", None),  # a Mac: no backend extra, nothing to remove
+])
+def test_other_backends_are_removed_first(tmp_path, present, backend, removed):
+    """MLX's backend wheels share mlx/lib/libmlx.so: installing one beside another breaks both."""
+    env_dir, log = tmp_path / "env", tmp_path / "pip.log"
+    (env_dir / "bin").mkdir(parents=True)
+    python = env_dir / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then printf "%s\\n" {present}; '
+                      f'else echo "$@" >> {log}; fi\n')
+    python.chmod(0o755)
+    r = _shell("bash", f"source scripts/install_env.sh; ENV={env_dir}; BACKEND={backend}; "
+               "remove_other_backends", REPO, _env())
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines() if log.exists() else []
+    assert calls == ([f"-m pip uninstall -y {removed}"] if removed else []), (calls, r.stderr)
+    assert ("removing MLX backends" in r.stderr) == bool(removed)
+
+
 def test_ci_runs_the_readme_commands_as_written():
     readme = (REPO / "README.md").read_text()
     setup = readme[readme.index("## Set-up"):readme.index("\n## ", readme.index("## Set-up"))]
