@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from toymlx_cli import version_text
+
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
 
@@ -37,6 +39,10 @@ class Args:
 def main(argv: list[str] | None = None) -> int:
     import tyro
 
+    argv = sys.argv[1:] if argv is None else argv
+    if "--version" in argv:
+        print(version_text())
+        return 0
     from toymlx.device import setup_process
 
     setup_process()

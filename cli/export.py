@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from toymlx_cli import version_text
+
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
 PROG = "toymlx-export"
@@ -66,7 +68,11 @@ def run(args: Args) -> int:
 def main(argv: list[str] | None = None) -> int:
     import tyro
 
-    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv, prog=PROG,
+    argv = sys.argv[1:] if argv is None else argv
+    if "--version" in argv:
+        print(version_text())
+        return 0
+    args = tyro.cli(Args, args=argv, prog=PROG,
                     description=Args.__doc__)
     try:
         return run(args)

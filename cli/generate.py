@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from toymlx_cli import version_text
+
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
 PROG = "toymlx-generate"
@@ -133,10 +135,14 @@ def run(args: Args) -> int:
 def main(argv: list[str] | None = None) -> int:
     import tyro
 
+    argv = sys.argv[1:] if argv is None else argv
+    if "--version" in argv:
+        print(version_text())
+        return 0
     from toymlx.device import setup_process
 
     setup_process()
-    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv, prog=PROG,
+    args = tyro.cli(Args, args=argv, prog=PROG,
                     description=Args.__doc__)
     try:
         return run(args)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from toymlx_cli import version_text
+
 
 def main(argv: list[str] | None = None) -> int:
     from toymlx.launch import launch
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "host; mlx.launch's own default is 32323)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for every rank (repeatable)")
+    p.add_argument("--version", action="version", version=version_text())
     args = p.parse_args(argv)
     try:
         return launch(args.n, command, hosts=args.hosts, backend=args.backend, grace=args.grace,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from toymlx_cli import version_text
+
 
 def main(argv: list[str] | None = None) -> int:
     from toymlx import report
@@ -18,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="report.png",
                    help="report.png (curves + table panel) or report.html (self-contained); "
                         "default report.png")
+    p.add_argument("--version", action="version", version=version_text())
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         dirs = report.expand_dirs(args.dirs)

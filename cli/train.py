@@ -7,6 +7,8 @@ import atexit
 import signal
 import sys
 
+from toymlx_cli import version_text
+
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
 
@@ -35,7 +37,8 @@ def _usage() -> str:
     return ("usage: toymlx-train --recipe NAME [options]\n\nrecipes:\n"
             + "".join(f"  {n}\n" for n in RECIPES)
             + "\n`toymlx-train --recipe NAME --help` lists every option of a recipe.\n"
-            "Start here: toymlx-train --recipe vit-tiny\n")
+            "Start here: toymlx-train --recipe vit-tiny\n"
+            "toymlx-train --version prints toymlx's and MLX's versions.\n")
 
 
 def _ignore_late_signals() -> None:
@@ -69,6 +72,9 @@ def _main(argv: list[str] | None) -> int:
     from toymlx.runs import RunError
 
     argv = sys.argv[1:] if argv is None else argv
+    if "--version" in argv:
+        print(version_text())
+        return 0
     recipe, resume, rest = _split_recipe(argv)
     default = None
     try:

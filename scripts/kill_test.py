@@ -111,7 +111,7 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
     """The invariants after a kill; AssertionError naming what broke."""
     import toymlx  # noqa: F401
     from toymlx.checkpoint import list_checkpoints, load_state, resolve_latest, state_path
-    from toymlx.events import kind_of, read_events
+    from toymlx.events import read_events
     from toymlx.gguf.llama import load_llama
 
     weights = run / "weights"
@@ -131,9 +131,9 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
     top = max(s for s, _ in found)
     assert top - step in (0, 1), f"latest is step {step}, newest checkpoint step {top}"
     events = read_events(run)
-    kinds = [kind_of(e) for e in events]
+    kinds = [e["kind"] for e in events]
     assert kinds.count("run_start") <= 1 and kinds[:1] in ([], ["run_start"]), "run_start"
-    steps = [e["step"] for e in events if kind_of(e) == "step"]
+    steps = [e["step"] for e in events if e["kind"] == "step"]
     assert steps == list(range(1, len(steps) + 1)), f"steps not 1..N once: {steps[-12:]}"
     raw = (run / "events.jsonl").read_bytes().split(b"\n")
     garbage = 0
@@ -149,9 +149,9 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
 
 
 def resumes(run: Path) -> list[dict]:
-    from toymlx.events import kind_of, read_events
+    from toymlx.events import read_events
 
-    return [e for e in read_events(run) if kind_of(e) == "resume"]
+    return [e for e in read_events(run) if e["kind"] == "resume"]
 
 
 def kill_test(kills: int, seed: int, root: Path) -> dict:
@@ -237,7 +237,7 @@ def kill_test(kills: int, seed: int, root: Path) -> dict:
         res = resumes(run)
         from toymlx.events import read_events
 
-        end = [e for e in read_events(run) if e["event"] == "run_end"]
+        end = [e for e in read_events(run) if e["kind"] == "run_end"]
         final = {"rc": q.returncode, "start_step": res[-1]["from_step"] if res else None,
                  "expected_start": expect_start,
                  "end": {k: end[-1].get(k) for k in ("reason", "final_step")} if end else None}

@@ -38,7 +38,7 @@ def train_cmd() -> list[str]:
 
 
 def final_val_loss(run_dir: Path) -> float:
-    evals = [e for e in read_events(run_dir) if e["event"] == "eval"]
+    evals = [e for e in read_events(run_dir) if e["kind"] == "eval"]
     if not evals:
         raise RuntimeError(f"{run_dir}: expected eval events, found none")
     return float(evals[-1]["val_loss"])

@@ -19,7 +19,7 @@ from cli_errors import error_line
 from toymlx_cli.train import main
 
 from toymlx import checkpoint as ck
-from toymlx.events import kind_of, read_events
+from toymlx.events import read_events
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import DIGEST_KEY, data_digest, write_gguf
 
@@ -72,8 +72,8 @@ def test_overwritten_tensor_data_is_named_with_the_intact_one(run, capsys):
                          f"{run} --from step_15")
     assert main(["--resume", str(run), "--from", "step_15", "--steps", "22"]) == 0
     ev = read_events(run)
-    assert [e["from_step"] for e in ev if kind_of(e) == "resume"] == [15]
-    assert [e["step"] for e in ev if kind_of(e) == "step"] == list(range(1, 23))
+    assert [e["from_step"] for e in ev if e["kind"] == "resume"] == [15]
+    assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, 23))
     # the damaged step 20 was set aside (not deleted), and rewritten by the resumed run
     assert (run / "weights" / "superseded" / "step_20.gguf").exists()
     ck.open_checkpoint(run / "weights" / "step_20.gguf")
@@ -138,11 +138,11 @@ def test_keep_last_and_keep_best_keep_what_they_say(tmp_path, shared_data):
                  "--keep-best", "2"]) == 0
     run = root / "k"
     ev = read_events(run)
-    val = {e["step"]: e["val_loss"] for e in ev if kind_of(e) == "eval"}
+    val = {e["step"]: e["val_loss"] for e in ev if e["kind"] == "eval"}
     best = sorted(val, key=val.get)[:2]
     have = [s for s, _ in ck.list_checkpoints(run / "weights")]
     assert set(have) == {12, 13, 14} | set(best), (have, best, val)
-    removed = [s for e in ev if kind_of(e) == "checkpoint" for s in e.get("removed", [])]
+    removed = [s for e in ev if e["kind"] == "checkpoint" for s in e.get("removed", [])]
     assert sorted(removed + have) == list(range(1, 15))  # each removed once, nothing else
     assert ck.resolve_latest(run).name == "step_14.gguf"
     assert sorted(p.name for p in (run / "weights").iterdir()) == sorted(

@@ -20,7 +20,7 @@ import pytest
 from toymlx_cli.train import main
 
 from toymlx.checkpoint import list_checkpoints, resolve_latest
-from toymlx.events import kind_of, read_events
+from toymlx.events import read_events
 from toymlx.gguf.llama import load_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,11 +70,11 @@ def test_resume_after_a_torn_event_line(tmp_path, shared_data):
     events.write_bytes(raw[: last + (len(raw) - last) // 2])  # the run_end line, torn
     assert main(["--resume", str(run), "--no-progress"]) == 0
     ev = read_events(run)
-    assert [kind_of(e) for e in ev].count("run_start") == 1
-    (res,) = [e for e in ev if kind_of(e) == "resume"]
+    assert [e["kind"] for e in ev].count("run_start") == 1
+    (res,) = [e for e in ev if e["kind"] == "resume"]
     assert res["from_step"] == 3 and res["previous_end"] == "torn"  # its run_end was torn
-    assert [e["step"] for e in ev if kind_of(e) == "step"] == [1, 2, 3, 4, 5, 6]
-    assert ev[-1]["event"] == "run_end" and ev[-1]["reason"] == "completed"
+    assert [e["step"] for e in ev if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]
+    assert ev[-1]["kind"] == "run_end" and ev[-1]["reason"] == "completed"
     assert ev[-1]["final_step"] == 6
     load_llama(resolve_latest(run))
 
@@ -89,7 +89,7 @@ def _signal_args(shared_data: Path, root: Path) -> list[str]:
 def uninterrupted(tmp_path_factory, shared_data) -> list[float]:
     root = tmp_path_factory.mktemp("sig")
     assert main([*_signal_args(shared_data, root), "--run-id", "full"]) == 0
-    return [e["loss"] for e in read_events(root / "full") if e["event"] == "step"]
+    return [e["loss"] for e in read_events(root / "full") if e["kind"] == "step"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -117,7 +117,7 @@ def test_signal_mid_step_checkpoints_the_step_it_names(tmp_path, shared_data, un
     assert end["reason"] == "interrupted" and 8 <= end["final_step"] < 600, end
     assert [s for s, _ in list_checkpoints(tmp_path / "part" / "weights")] == [end["final_step"]]
     assert main(["--resume", str(tmp_path / "part"), "--no-progress"]) == 0
-    resumed = [e["loss"] for e in read_events(tmp_path / "part") if e["event"] == "step"]
+    resumed = [e["loss"] for e in read_events(tmp_path / "part") if e["kind"] == "step"]
     assert len(resumed) == 600
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted)) <= 1e-6
 
@@ -147,7 +147,7 @@ def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_data, second
                                       "--runs-root", str(tmp_path), "--run-id", "r"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
-    ready = ((lambda: any(kind_of(e) == "step" and e["step"] >= 4 for e in read_events(run)))
+    ready = ((lambda: any(e["kind"] == "step" and e["step"] >= 4 for e in read_events(run)))
              if second == "mid-write" else (run / "weights" / "step_4.gguf").exists)
     while not ready():
         assert p.poll() is None, p.stderr.read()[-3000:]
@@ -171,7 +171,7 @@ def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_data, second
     assert p.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     end = read_events(run)[-1]
-    assert kind_of(end) == "run_end" and end["reason"] == "interrupted", end
+    assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
     latest = resolve_latest(run)
     open_checkpoint(latest)
     step = int(latest.name[len("step_"):-len(".gguf")])

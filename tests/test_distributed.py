@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from toymlx_cli.train import main as train_main
 
-from toymlx.events import kind_of, read_events
+from toymlx.events import read_events
 from toymlx.launch import _free_port_base
 from toymlx.trainer import _shard
 
@@ -68,7 +68,7 @@ def _launch(tmp: Path, cmd: list[str], timeout: float = 300) -> subprocess.Compl
 
 
 def _losses(run: Path) -> list[float]:
-    return [e["loss"] for e in read_events(run) if e["event"] == "step"]
+    return [e["loss"] for e in read_events(run) if e["kind"] == "step"]
 
 
 def _check_parity(tmp_path: Path, extra: list[str]) -> None:
@@ -84,10 +84,10 @@ def _check_parity(tmp_path: Path, extra: list[str]) -> None:
     ev = read_events(dp)
     lines = (dp / "events.jsonl").read_text().splitlines()
     assert len(lines) == len(set(lines)) == len(ev)  # no line written twice
-    starts = [e for e in ev if e["event"] == "run_start"]
+    starts = [e for e in ev if e["kind"] == "run_start"]
     assert len(starts) == 1 and starts[0]["world_size"] == 2
-    assert [e["step"] for e in ev if e["event"] == "step"] == list(range(1, 21))
-    assert [e["event"] for e in ev].count("run_end") == 1 and ev[-1]["reason"] == "completed"
+    assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, 21))
+    assert [e["kind"] for e in ev].count("run_end") == 1 and ev[-1]["reason"] == "completed"
     if starts[0]["backend"].get("blas") == "openblas":  # ranks share the cores
         assert starts[0]["backend"]["blas_threads"] == 1
     # rank 0 alone writes the bundle: its files and nothing else
@@ -122,7 +122,7 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
 def _check_rank0_did_not_complete(run: Path) -> None:
     """Rank 0 either sees the ring connection drop (run_end "error") or, blocked in the
     all_sum, is stopped by mlx.launch (a torn bundle); --resume continues both."""
-    ends = [e for e in read_events(run) if e["event"] == "run_end"]
+    ends = [e for e in read_events(run) if e["kind"] == "run_end"]
     assert ends == [] or (ends[0]["reason"] == "error"
                           and "connection to a peer was lost" in ends[0]["message"]), ends
 
@@ -161,7 +161,7 @@ def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
                           "--run-id", "dp"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
-    while not any(kind_of(e) == "step" and e["step"] >= 3 for e in read_events(root / "dp")):
+    while not any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(root / "dp")):
         assert p.poll() is None, p.stderr.read()[-3000:]
         assert time.monotonic() - t0 < 180
         time.sleep(0.1)

@@ -1,22 +1,97 @@
-"""events.jsonl: one JSON object per line, torn lines tolerated, any run id valid JSON."""
+"""events.jsonl in the toy/v1 format: every event of a completed, stopped, interrupted,
+diverged and torn (killed) bundle checked against /work/shared/TOY_V1.md's table, the
+validator's own rules, and bundles written before `kind` (the `event` key) still read."""
 
+from __future__ import annotations
+
+import datetime as dt
 import json
+from pathlib import Path
 
-from toymlx.events import EventLog, kind_of, read_events
+import pytest
+from toymlx_cli.train import main
 
+import toymlx
+from toymlx.events import EventLog, read_events
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
+        "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
+        "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--no-compile",
+        "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def data(shared_data: Path) -> str:
+    return str(shared_data / "text" / "tinystories_sample.txt")
+
+
+def _args(root: Path, run_id: str, data: str, *extra: str) -> list[str]:
+    return ["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root", str(root),
+            "--run-id", run_id, *extra]
+
+
+def _steps(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["kind"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory, data) -> Path:
+    root = tmp_path_factory.mktemp("completed")
+    assert main(_args(root, "c", data, "--steps", "4", "--eval-every", "2",
+                      "--checkpoint-every", "2")) == 0
+    return root / "c"
+
+
+# ---- writing ---------------------------------------------------------------------------------
 
 def test_weird_strings_and_numbers_stay_valid_json(tmp_path):
     rid = 'run "quoted" \\back\\slash ünïcödé 🚀\n\ttab'
     log = EventLog(tmp_path / "events.jsonl")
     log.emit("run_start", run_id=rid, path=str(tmp_path / rid), loss=float("nan"))
-    log.emit("run_end", reason="completed", final_loss=float("inf"))
+    log.emit("run_end", reason="completed", grad_norm=float("inf"))
     log.close()
     lines = (tmp_path / "events.jsonl").read_text(encoding="utf-8").splitlines()
     assert len(lines) == 2
     first = json.loads(lines[0])
     assert first["run_id"] == rid and first["loss"] == "nan"
-    assert json.loads(lines[1])["final_loss"] == "inf"
+    assert json.loads(lines[1])["grad_norm"] == "inf"
 
+
+def test_emit_writes_what_toy_v1_fixes_for_each_kind(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl")
+    start = log.emit("run_start", run_id="r", git=None)
+    step = log.emit("step", step=1, loss=2.5)
+    end = log.emit("run_end", reason="completed", final_step=1, final_loss=log.loss_at(1))
+    log.close()
+    assert [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()] == [
+        start, step, end]
+    assert list(start)[:2] == ["kind", "t"] and start["kind"] == "run_start"
+    assert start["schema"] == "toy/v1" and start["phase"] == "train"
+    assert start["toymlx_version"] == toymlx.__version__
+    assert "git" not in start  # toy/v1: only when the run knows its commit
+    assert dt.datetime.fromisoformat(start["started_at"]).tzinfo is not None
+    assert step["phase"] == "train" and "event" not in step
+    assert dt.datetime.fromisoformat(end["ended_at"]) >= dt.datetime.fromisoformat(
+        start["started_at"])
+    assert end["final_loss"] == 2.5
+
+
+def test_loss_at_reads_earlier_segments_of_the_bundle(tmp_path):
+    p = tmp_path / "events.jsonl"
+    first = EventLog(p)
+    for s, loss in [(1, 3.0), (2, 2.0), (3, 1.5)]:
+        first.emit("step", step=s, loss=loss)
+    first.close()
+    again = EventLog(p)  # a resumed process: its own steps are not emitted yet
+    assert again.loss_at(2) == 2.0 and again.loss_at(3) == 1.5
+    assert again.loss_at(0) is None and again.loss_at(9) is None
+    again.emit("step", step=3, loss=1.25)  # step 3 redone after a torn resume: newest wins
+    assert again.loss_at(3) == 1.25
+    again.close()
+    assert EventLog(p, enabled=False).loss_at(3) == 1.25
+
+
+# ---- reading -----------------------------------------------------------------------------------
 
 def test_torn_last_line_is_skipped(tmp_path):
     p = tmp_path / "events.jsonl"
@@ -25,7 +100,7 @@ def test_torn_last_line_is_skipped(tmp_path):
         log.emit("step", step=i + 1, loss=1.0)
     log.close()
     with open(p, "ab") as f:
-        f.write(b'{"event": "step", "step": 4, "lo')
+        f.write(b'{"kind": "step", "step": 4, "lo')
     evs = read_events(p)
     assert [e["step"] for e in evs] == [1, 2, 3]
     assert read_events(tmp_path / "missing.jsonl") == []
@@ -52,7 +127,7 @@ def test_cut_back_leaves_one_run_with_each_step_once(tmp_path):
         f.write(b'{"event": "step", "st')
     cut = cut_back(tmp_path, 4)
     kept = read_events(tmp_path)
-    assert [kind_of(e) for e in kept] == ["run_start", "step", "step", "step", "step",
+    assert [e["kind"] for e in kept] == ["run_start", "step", "step", "step", "step",
                                           "checkpoint"]
     assert cut.dropped == 5 and cut.previous_end == "interrupted"
     assert cut.t == max(e["t"] for e in read_events(tmp_path / SUPERSEDED) + kept)
@@ -74,7 +149,7 @@ def test_cut_back_turns_an_older_toymlx_resume_into_one_run(tmp_path):
     _log(tmp_path, [seg1, seg2])
     cut = cut_back(tmp_path, 8)
     kept = read_events(tmp_path)
-    assert [kind_of(e) for e in kept].count("run_start") == 1
-    assert [e["step"] for e in kept if kind_of(e) == "step"] == list(range(1, 9))
-    assert "run_end" not in [kind_of(e) for e in kept]
+    assert [e["kind"] for e in kept].count("run_start") == 1
+    assert [e["step"] for e in kept if e["kind"] == "step"] == list(range(1, 9))
+    assert "run_end" not in [e["kind"] for e in kept]
     assert cut.previous_end == "completed" and cut.dropped == 5  # steps 5-6, run_start, 2 ends

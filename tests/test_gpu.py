@@ -21,10 +21,6 @@ from toymlx.models.ops import EXACT, training_ops
 pytestmark = pytest.mark.gpu
 
 
-def _kind(e: dict) -> str:
-    return e.get("kind", e.get("event"))
-
-
 def test_vit_tiny_trains_in_bf16_on_the_gpu(tmp_path: Path):
     """The main job on its default data with --device gpu: bfloat16 by default, MLX's kernels,
     held-out accuracy well above chance after 200 steps."""
@@ -35,7 +31,7 @@ def test_vit_tiny_trains_in_bf16_on_the_gpu(tmp_path: Path):
     assert start["backend"]["kind"] in ("metal", "cuda")
     assert start["math"] == {"kernels": "mlx", "dtype": "bfloat16", "exact_rope": False,
                              "grad_checkpoint": False}
-    acc = [e["accuracy"] for e in events if _kind(e) == "eval"][-1]
+    acc = [e["accuracy"] for e in events if e["kind"] == "eval"][-1]
     assert acc > 0.8, acc
 
 

@@ -307,7 +307,7 @@ def test_recipe_writes_adapters_and_resumes(tiny_gguf, tmp_path):
     assert start["model"]["n_trainable"] == 3 * 4 * ((64 + 64) + (64 + 32))
     assert start["model"]["lora_targets"] == "q,v" and start["model"]["base_dtype"] == "float32"
     assert start["config"]["base_dtype_resolved"] == "float32"
-    losses = [e["loss"] for e in events if e["event"] == "step"]
+    losses = [e["loss"] for e in events if e["kind"] == "step"]
     assert len(losses) == 6 and all(np.isfinite(losses))
     ad = load_adapter(full)
     assert ad.alpha == 16.0 and ad.metadata["general.step"] == 6
@@ -331,7 +331,7 @@ def test_recipe_writes_adapters_and_resumes(tiny_gguf, tmp_path):
         np.testing.assert_allclose(resumed.pairs[name][0], a, atol=1e-6)
         np.testing.assert_allclose(resumed.pairs[name][1], b, atol=1e-6)
     cut_losses = [json.loads(x) for x in (cut / "events.jsonl").read_text().splitlines()]
-    assert [e["loss"] for e in cut_losses if e["event"] == "step"] == pytest.approx(losses,
+    assert [e["loss"] for e in cut_losses if e["kind"] == "step"] == pytest.approx(losses,
                                                                                    abs=1e-5)
 
 

@@ -167,8 +167,8 @@ def test_lora_training_lowers_validation_loss(smollm_gguf, tmp_path):  # noqa: F
     end = train(task, cfg, run, _public_config(cfg))
     wall = time.perf_counter() - t0
     events = read_events(run)
-    evals = [e for e in events if e["event"] == "eval"]
-    steps = [e for e in events if e["event"] == "step"]
+    evals = [e for e in events if e["kind"] == "eval"]
+    steps = [e for e in events if e["kind"] == "step"]
     after = evals[-1]["val_loss"]
     tps = float(np.median([e["tokens_per_s"] for e in steps[1:]]))
     rows = cfg.batch_size * cfg.seq_len
@@ -269,7 +269,7 @@ def test_bf16_lora_on_the_real_smollm2_runs(smollm_gguf, tmp_path):  # noqa: F81
     for dtype in ("float32", "bfloat16"):
         assert main([*common, "--run-id", dtype, "--dtype", dtype]) == 0
         events = read_events(tmp_path / dtype)
-        losses[dtype] = [e["loss"] for e in events if e.get("kind", e.get("event")) == "step"]
+        losses[dtype] = [e["loss"] for e in events if e["kind"] == "step"]
         start = events[0]
         assert start["math"]["dtype"] == dtype
         assert start["model"]["base_dtype"] == dtype and start["model"]["n_trainable"] < 1e6

@@ -42,12 +42,8 @@ VIT = ["--model.d-model", "48", "--model.n-layers", "2", "--model.n-heads", "2",
        "--warmup", "5"]
 
 
-def _kind(e: dict) -> str:
-    return e.get("kind", e.get("event"))
-
-
 def _steps(run: Path) -> list[dict]:
-    return [e for e in read_events(run) if _kind(e) == "step"]
+    return [e for e in read_events(run) if e["kind"] == "step"]
 
 
 def _train(tmp: Path, run_id: str, recipe: str, *args: str) -> Path:
@@ -101,7 +97,7 @@ def test_bf16_vit_follows_float32(tmp_path):
             for d in ("float32", "bfloat16")}
     ref, got = ([e["loss"] for e in _steps(runs[d])] for d in ("float32", "bfloat16"))
     windows = np.abs(np.reshape(got, (3, 10)).mean(1) - np.reshape(ref, (3, 10)).mean(1))
-    val = {d: next(e["val_loss"] for e in read_events(r) if _kind(e) == "eval")
+    val = {d: next(e["val_loss"] for e in read_events(r) if e["kind"] == "eval")
            for d, r in runs.items()}
     print(f"bfloat16 vs float32, ViT on the digits, 30 steps: 10-step window gaps "
           f"{np.round(windows, 4).tolist()}, held-out {val['bfloat16']:.4f} vs "

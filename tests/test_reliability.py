@@ -19,7 +19,7 @@ from toymlx_cli.train import main
 
 from toymlx import atomic
 from toymlx.checkpoint import list_checkpoints, open_checkpoint, resolve_latest, state_path
-from toymlx.events import kind_of, read_events
+from toymlx.events import read_events
 from toymlx.gguf import writer
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
@@ -72,8 +72,8 @@ def test_divergence_stops_before_writing_bad_weights(tmp_path, capsys, data, ext
     assert rc != 0
     run = tmp_path / "d"
     end = read_events(run)[-1]
-    assert end["event"] == "run_end" and end["reason"] == "diverged", end
-    steps = [e["step"] for e in read_events(run) if e["event"] == "step"]
+    assert end["kind"] == "run_end" and end["reason"] == "diverged", end
+    steps = [e["step"] for e in read_events(run) if e["kind"] == "step"]
     bad = end["final_step"] + 1  # the step whose update went non-finite
     assert f"at step {bad}" in end["message"], end["message"]
     assert end["exit_code"] == rc
@@ -181,11 +181,11 @@ def test_disk_full_mid_run_keeps_earlier_checkpoints(tmp_path, capsys, monkeypat
     run = tmp_path / "full"
     assert assert_bundle_intact(run) == 2
     end = read_events(run)[-1]
-    assert end["event"] == "run_end" and end["reason"] == "error" and end["final_step"] == 3
+    assert end["kind"] == "run_end" and end["reason"] == "error" and end["final_step"] == 3
     # and the run resumes from step 2 once there is room again
     assert main(["--resume", str(run), "--steps", "4", "--no-progress"]) == 0
-    assert [e["from_step"] for e in read_events(run) if kind_of(e) == "resume"] == [2]
-    assert [e["step"] for e in read_events(run) if kind_of(e) == "step"] == [1, 2, 3, 4]
+    assert [e["from_step"] for e in read_events(run) if e["kind"] == "resume"] == [2]
+    assert [e["step"] for e in read_events(run) if e["kind"] == "step"] == [1, 2, 3, 4]
 
 
 def _mount_tmpfs(where: Path, size: str, ro: bool = False) -> bool:
@@ -230,7 +230,7 @@ def test_real_full_disk(tmp_path, data, monkeypatch):
             state_path(ckpt).unlink()
         q = _cli("--resume", str(run), "--steps", str(step + 1), "--no-progress")
         assert q.returncode == 0, q.stderr[-3000:]
-        resumes = [e for e in read_events(run) if kind_of(e) == "resume"]
+        resumes = [e for e in read_events(run) if e["kind"] == "resume"]
         assert resumes[-1]["from_step"] == step
     finally:
         _umount(mnt)
@@ -332,7 +332,7 @@ def test_reused_run_id_never_overwrites(tmp_path, capsys, data):
     assert "already exists" in line and "--resume" in line and "--overwrite" in line
     assert _digest(run) == before
     assert train(tmp_path, "r", "--steps", "3", "--overwrite", data=data) == 0
-    assert [e["start_step"] for e in read_events(run) if e["event"] == "run_start"] == [0]
+    assert [e["start_step"] for e in read_events(run) if e["kind"] == "run_start"] == [0]
     assert resolve_latest(run).name == "step_3.gguf"
 
 

@@ -31,7 +31,7 @@ def _bundle(path: Path, segments: list[list[tuple[str, dict]]], torn_tail: bool 
         log.close()
     if torn_tail:
         with open(path / "events.jsonl", "a") as f:
-            f.write('{"event": "step", "step": 99, "lo')
+            f.write('{"kind": "step", "step": 99, "lo')
     return path
 
 

@@ -26,7 +26,7 @@ from cli_errors import error_line
 from toymlx_cli.train import main
 
 from toymlx.checkpoint import list_checkpoints
-from toymlx.events import SUPERSEDED, kind_of, read_events
+from toymlx.events import SUPERSEDED, read_events
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
@@ -52,7 +52,7 @@ def _start(args: list[str]) -> subprocess.Popen:
 
 def _wait_for_step(p: subprocess.Popen, run: Path, step: int) -> None:
     t0 = time.monotonic()
-    while not any(kind_of(e) == "step" and e["step"] >= step for e in read_events(run)):
+    while not any(e["kind"] == "step" and e["step"] >= step for e in read_events(run)):
         assert p.poll() is None, p.stderr.read()[-3000:]
         assert time.monotonic() - t0 < 120
         time.sleep(0.05)
@@ -62,10 +62,10 @@ def _one_run(run: Path) -> list[dict]:
     """The events, after checking they read as one toy/v1 run: one run_start first, each step
     once from 1, at most one run_end and last."""
     ev = read_events(run)
-    kinds = [kind_of(e) for e in ev]
+    kinds = [e["kind"] for e in ev]
     assert kinds[0] == "run_start" and kinds.count("run_start") == 1, kinds
     assert kinds.count("run_end") <= 1 and ("run_end" not in kinds or kinds[-1] == "run_end")
-    steps = [e["step"] for e in ev if kind_of(e) == "step"]
+    steps = [e["step"] for e in ev if e["kind"] == "step"]
     assert steps == list(range(1, len(steps) + 1)), steps
     return ev
 
@@ -151,10 +151,10 @@ def test_resume_may_extend_steps_and_change_run_local_options(tmp_path, stopped)
                  "--checkpoint-every", "3", "--keep-last", "2"]) == 0
     assert (run / "config.json").read_bytes() == config  # never rewritten
     ev = _one_run(run)
-    (res,) = [e for e in ev if kind_of(e) == "resume"]
+    (res,) = [e for e in ev if e["kind"] == "resume"]
     assert (res["from_step"], res["steps"], res["previous_steps"]) == (4, 9, 6)
     assert res["previous_end"] == "stopped" and res["dropped_events"] == 1  # its run_end
-    assert [e["step"] for e in ev if kind_of(e) == "eval"] == [6, 9]
+    assert [e["step"] for e in ev if e["kind"] == "eval"] == [6, 9]
     assert ev[-1]["reason"] == "completed" and ev[-1]["final_step"] == 9
     assert [s for s, _ in list_checkpoints(run / "weights")] == [6, 9]  # --keep-last 2
     ts = [e["t"] for e in ev]
@@ -162,7 +162,7 @@ def test_resume_may_extend_steps_and_change_run_local_options(tmp_path, stopped)
     # the extension is the run's length from now on: a plain resume keeps it
     assert main(["--resume", str(run)]) == 2  # nothing left to train at 9 of 9
     assert main(["--resume", str(run), "--steps", "10"]) == 0
-    assert [e["steps"] for e in read_events(run) if kind_of(e) == "resume"] == [9, 10]
+    assert [e["steps"] for e in read_events(run) if e["kind"] == "resume"] == [9, 10]
 
 
 # ---- 4. config.json validated ---------------------------------------------------------------
@@ -203,7 +203,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, data, ca
     _wait_for_step(p, run, 5)
     p.kill()
     p.wait()
-    lost = max(e["step"] for e in read_events(run) if kind_of(e) == "step")
+    lost = max(e["step"] for e in read_events(run) if e["kind"] == "step")
     assert main(["--resume", str(run)]) == 2
     line = error_line(capsys)
     assert (f"found no checkpoint: the run stopped at step {lost}, before its first checkpoint "
@@ -214,14 +214,14 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, data, ca
     assert f"--resume {run} --from step_0 to start it over" in error_line(capsys)  # ... said
     assert main([*command.split()[1:], "--steps", "6"]) == 0  # the command it gave, shortened
     ev = _one_run(run)
-    (res,) = [e for e in ev if kind_of(e) == "resume"]
+    (res,) = [e for e in ev if e["kind"] == "resume"]
     assert res["from_step"] == 0 and res["checkpoint"] is None and res["previous_end"] == "torn"
     assert res["dropped_events"] >= lost
     assert len((run / SUPERSEDED).read_text().splitlines()) == res["dropped_events"]
     assert ev[-1]["reason"] == "completed" and ev[-1]["final_step"] == 6
     # the same run again: steps in warm-up have the same learning rate whatever --steps is
-    first = [e["loss"] for e in read_events(run / SUPERSEDED) if kind_of(e) == "step"][:6]
-    assert [e["loss"] for e in ev if kind_of(e) == "step"][:len(first)] == first
+    first = [e["loss"] for e in read_events(run / SUPERSEDED) if e["kind"] == "step"][:6]
+    assert [e["loss"] for e in ev if e["kind"] == "step"][:len(first)] == first
 
 
 def test_locks_of_dead_owners_do_not_block(tmp_path, data):

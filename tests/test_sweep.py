@@ -18,7 +18,7 @@ import pytest
 from toymlx_cli.sweep import main as sweep_main
 
 from toymlx import sweep
-from toymlx.events import kind_of, read_events
+from toymlx.events import read_events
 from toymlx.lock import LockHeld, acquire
 
 # eager steps: no g++ JIT on a cold cache (compile == eager is tested in test_trainer)
@@ -27,7 +27,7 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--seq-len", "32", "--
 
 
 def _evals(run: Path) -> list[float]:
-    return [e["val_loss"] for e in read_events(run) if e["event"] == "eval"]
+    return [e["val_loss"] for e in read_events(run) if e["kind"] == "eval"]
 
 
 def _csv(path: Path) -> list[dict[str, str]]:
@@ -190,15 +190,15 @@ def test_torn_run_is_resumed_from_its_checkpoint(tmp_path):
     assert first.states == {"lr=0.002": "stopped"}
     run = tmp_path / "t" / "lr=0.002"
     lines = (run / "events.jsonl").read_bytes().splitlines(keepends=True)
-    assert json.loads(lines[-1])["event"] == "run_end"
+    assert json.loads(lines[-1])["kind"] == "run_end"
     (run / "events.jsonl").write_bytes(b"".join(lines[:-1]) + lines[-1][:20])  # torn, no end
     second = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="t", progress=False,
                              report_png=False)
     assert second.states == {"lr=0.002": "done"}
     events = read_events(run)
-    assert [kind_of(e) for e in events].count("run_start") == 1
-    assert [e["from_step"] for e in events if kind_of(e) == "resume"] == [5]
-    assert [e["step"] for e in events if kind_of(e) == "step"] == list(range(1, 11))
+    assert [e["kind"] for e in events].count("run_start") == 1
+    assert [e["from_step"] for e in events if e["kind"] == "resume"] == [5]
+    assert [e["step"] for e in events if e["kind"] == "step"] == list(range(1, 11))
     assert events[-1]["reason"] == "completed"
     assert "resume: toymlx-train --resume" in (tmp_path / "t" / "logs" / "lr=0.002.log").read_text()
 
@@ -215,7 +215,7 @@ def test_two_machines_over_one_folder_run_each_run_once(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     for lr in ("0.001", "0.002", "0.003"):
         events = read_events(tmp_path / "two" / f"lr={lr}")
-        assert [e["event"] for e in events].count("run_start") == 1
+        assert [e["kind"] for e in events].count("run_start") == 1
         assert events[-1]["reason"] == "completed"
     assert not list((tmp_path / "two" / ".locks").iterdir())  # every lock released
 
@@ -263,16 +263,16 @@ def test_a_killed_sweep_leaves_no_children_and_its_rerun_gives_clean_bundles(tmp
     assert len(stopped) == 2
     for d in stopped:  # each saw its sweep die, finished its step and checkpointed
         end = read_events(d)[-1]
-        assert kind_of(end) == "run_end" and end["reason"] == "interrupted", end
+        assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
         assert f"step_{end['final_step']}.gguf" == os.readlink(d / "weights" / "latest")
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0, again.stderr[-3000:]
     for d in sorted(p for p in root.iterdir() if (p / "config.json").exists()):
         ev = read_events(d)
-        kinds = [kind_of(e) for e in ev]
+        kinds = [e["kind"] for e in ev]
         assert kinds.count("run_start") == 1 and kinds[0] == "run_start", d
         assert kinds.count("run_end") == 1 and ev[-1]["reason"] == "completed", d
-        assert [e["step"] for e in ev if kind_of(e) == "step"] == list(range(1, 101)), d
+        assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, 101)), d
         assert kinds.count("resume") == (1 if d in stopped else 0), d
     rows = {r["run"]: r for r in _csv(root / "summary.csv")}
     assert len(rows) == 2 and {r["status"] for r in rows.values()} == {"completed"}

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from toymlx_cli.train import main
 
 from toymlx.checkpoint import list_checkpoints, resolve_latest
-from toymlx.events import kind_of, read_events
+from toymlx.events import read_events
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.run import run_ops
@@ -36,7 +36,7 @@ def _run(tmp: Path, run_id: str, *extra: str, data: str) -> Path:
 
 
 def _losses(run: Path) -> list[float]:
-    return [e["loss"] for e in read_events(run) if e["event"] == "step"]
+    return [e["loss"] for e in read_events(run) if e["kind"] == "step"]
 
 
 def test_same_seed_same_losses_and_compile_equals_eager(tmp_path, text_file):
@@ -59,10 +59,10 @@ def test_resume_is_exact(tmp_path, text_file):
     assert len(resumed) == 8
     np.testing.assert_allclose(resumed, full, rtol=0, atol=1e-6)
     # one run, as toy/v1 reads it: one run_start, each step once, the resume recorded
-    kinds = [kind_of(e) for e in read_events(part)]
+    kinds = [e["kind"] for e in read_events(part)]
     assert kinds.count("run_start") == 1 and kinds.count("run_end") == 1
-    assert [e["step"] for e in read_events(part) if kind_of(e) == "step"] == list(range(1, 9))
-    (res,) = [e for e in read_events(part) if kind_of(e) == "resume"]
+    assert [e["step"] for e in read_events(part) if e["kind"] == "step"] == list(range(1, 9))
+    (res,) = [e for e in read_events(part) if e["kind"] == "resume"]
     assert res["from_step"] == 4 and res["previous_end"] == "stopped"
 
 
@@ -72,7 +72,7 @@ def test_bundle_events_and_checkpoints(tmp_path, text_file):
                data=text_file)
     lines = (run / "events.jsonl").read_text(encoding="utf-8").splitlines()
     evs = [json.loads(x) for x in lines]
-    kinds = [e["event"] for e in evs]
+    kinds = [e["kind"] for e in evs]
     assert kinds[0] == "run_start" and kinds.count("run_start") == 1
     assert kinds[-1] == "run_end" and kinds.count("run_end") == 1
     start, end = evs[0], evs[-1]
@@ -81,11 +81,11 @@ def test_bundle_events_and_checkpoints(tmp_path, text_file):
     assert start["backend"]["kind"] in ("cpu", "metal", "cuda")
     assert start["model"]["arch"] == "llama" and start["model"]["d_model"] == 32
     assert start["config"]["steps"] == 5 and start["config"]["context"] == 32
-    steps = [e for e in evs if e["event"] == "step"]
+    steps = [e for e in evs if e["kind"] == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     assert all({"loss", "lr", "t", "tokens_per_s"} <= s.keys() for s in steps)
-    assert [e["step"] for e in evs if e["event"] == "eval"] == [2, 4, 5]
-    assert [e["step"] for e in evs if e["event"] == "checkpoint"] == [2, 4, 5]
+    assert [e["step"] for e in evs if e["kind"] == "eval"] == [2, 4, 5]
+    assert [e["step"] for e in evs if e["kind"] == "checkpoint"] == [2, 4, 5]
     assert end["reason"] == "completed" and end["final_step"] == 5 and end["exit_code"] == 0
     assert end["final_loss"] == steps[-1]["loss"]
     assert [s for s, _ in list_checkpoints(run / "weights")] == [2, 4, 5]

@@ -27,7 +27,7 @@ def test_vit_run_events_and_checkpoint(tmp_path):
     run = _run(tmp_path, "v", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3")
     evs = read_events(run)
     start = evs[0]
-    assert start["event"] == "run_start" and evs[-1]["event"] == "run_end"
+    assert start["kind"] == "run_start" and evs[-1]["kind"] == "run_end"
     m = start["model"]
     assert m["arch"] == "vit" and m["image_size"] == 8 and m["patch_size"] == 4  # auto on 8x8
     assert (m["channels"], m["d_model"], m["n_layers"], m["n_heads"], m["num_classes"]) == (
@@ -36,10 +36,10 @@ def test_vit_run_events_and_checkpoint(tmp_path):
     assert c["steps"] == 6 and c["batch_size"] == 16 and "lr" in c and "seed" in c
     assert "context" not in c
     assert c["mixup"] == 0.4 and c["label_smoothing"] == 0.1  # the digits: < 5,000 images
-    ev = [e for e in evs if e["event"] == "eval"]
+    ev = [e for e in evs if e["kind"] == "eval"]
     assert [e["step"] for e in ev] == [3, 6]
     assert all(0.0 <= e["accuracy"] <= 1.0 and e["val_loss"] > 0 for e in ev)
-    assert all("images_per_s" in e for e in evs if e["event"] == "step")
+    assert all("images_per_s" in e for e in evs if e["kind"] == "step")
 
     g = GGUFFile(resolve_latest(run))
     assert g.metadata["general.architecture"] == "vit"
@@ -70,8 +70,8 @@ def test_vit_round_trip_and_eager_equals_compiled(tmp_path):
 
     eager_task = vit_tiny.build(cfg(False), run_ops(cfg(False)))
     train(eager_task, cfg(False), tmp_path / "b", {})
-    la = [e["loss"] for e in read_events(tmp_path / "a") if e["event"] == "step"]
-    lb = [e["loss"] for e in read_events(tmp_path / "b") if e["event"] == "step"]
+    la = [e["loss"] for e in read_events(tmp_path / "a") if e["kind"] == "step"]
+    lb = [e["loss"] for e in read_events(tmp_path / "b") if e["kind"] == "step"]
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-6)
 
 

@@ -275,7 +275,7 @@ def test_folded_checkpoint_matches_training_logits(tmp_path, stories_path, text_
         np.testing.assert_array_equal(np.array(getattr(fresh.model, name)),
                                       np.array(getattr(task.model, name)))
     np.testing.assert_array_equal(np.array(fresh.model(mx.array(batch))), want)
-    events = [e for e in read_events(run) if e["event"] == "run_start"]
+    events = [e for e in read_events(run) if e["kind"] == "run_start"]
     assert events[0]["config"]["donor"] == str(stories_path)
     assert events[0]["config"]["donor_width"] == 64
     assert events[0]["model"]["lens"] == "pca"
@@ -322,7 +322,7 @@ def test_freezing_whole_run(tmp_path, stories_path, text_file):
     run.mkdir()
     train(task, cfg, run, {})
     np.testing.assert_array_equal(np.array(task.model.table), table0)
-    start = next(e for e in read_events(run) if e["event"] == "run_start")
+    start = next(e for e in read_events(run) if e["kind"] == "run_start")
     assert start["model"]["n_trainable"] == start["model"]["n_params"] - table0.size
 
 
@@ -336,7 +336,7 @@ def test_resume_across_the_unfreeze_is_exact(tmp_path, stories_path, text_file):
     assert main(["--resume", str(tmp_path / "part"), "--no-progress"]) == 0
 
     def losses(run):
-        return [e["loss"] for e in read_events(tmp_path / run) if e["event"] == "step"]
+        return [e["loss"] for e in read_events(tmp_path / run) if e["kind"] == "step"]
 
     assert len(losses("part")) == 8
     np.testing.assert_allclose(losses("part"), losses("full"), rtol=0, atol=1e-6)
@@ -366,7 +366,7 @@ def test_warm_beats_random_table(tmp_path, shared_data, stories_path, student):
             run = tmp_path / f"{student}-{init}-{seed}"
             run.mkdir()
             train(ws.build(cfg, run_ops(cfg)), cfg, run, {})
-            evals = [e for e in read_events(run) if e["event"] == "eval"]
+            evals = [e for e in read_events(run) if e["kind"] == "eval"]
             losses.append(evals[-1]["val_loss"])
     # measured (scripts/warm_vs_scratch.py, 200 steps): pca32 -0.29, identity64 -0.13 nats
     assert all(w < r for w, r in zip(val["donor"], val["random"])), val

@@ -12,4 +12,4 @@ except ImportError as _e:  # no backend library (Linux: mlx without its [cpu]/[c
         "pip install 'toymlx[cpu]', or 'toymlx[cuda]' for an NVIDIA GPU with CUDA 13 drivers "
         "('toymlx[cuda12]' for CUDA 12); install only one of them") from None
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,9 +1,19 @@
-"""The run bundle's event log: `runs/<run_id>/events.jsonl`, written only through here.
+"""The run bundle's event log, `runs/<run_id>/events.jsonl`, in the toy/v1 format.
 
-One JSON object per line, flushed and fsynced per event, so a crash loses at most the line
-being written. Readers skip a torn last line. A resume first cuts the log back to its
-checkpoint (`cut_back`), so a run killed and resumed any number of times still reads as one
-run: one run_start, each step once, at most one run_end, and `t` never going back.
+This module owns the format: `EventLog.emit` is the only writer, `read_events`/`iter_events`
+(and `parse_event` for a reader following a growing file) the only readers, and
+`check_toy_v1` says where a bundle's events depart from it. One JSON object per line,
+flushed and fsynced per event, so a crash loses at most the line being written; readers skip
+a torn last line. A resume first cuts the log back to its checkpoint (`cut_back`), so a run
+killed and resumed any number of times still reads as one run: one run_start, each step
+once, at most one run_end, and `t` never going back (toymlx's `resume` event marks where).
+
+toy/v1 names each event's type under `kind` (`run_start`, `step`, `run_end`; toymlx adds
+`eval`, `checkpoint`, `resume`, ...). Bundles written before toymlx 0.2 named it `event`; the
+readers return those events with `kind` like any other.
+
+One departure from toy/v1, which has no value for it: where no step completed (a run stopped
+or diverged before its first step ended), run_end's `final_loss` is null.
 """
 
 from __future__ import annotations
@@ -20,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toymlx import atomic
+from toymlx import __version__, atomic
 
 SCHEMA = "toy/v1"
+_LEGACY_KIND = "event"  # what toymlx < 0.2 wrote in place of `kind`
 
 
 def _clean(v: Any) -> Any:
@@ -40,6 +51,18 @@ def _clean(v: Any) -> Any:
     return str(v)
 
 
+def _fixed(kind: str) -> dict[str, Any]:
+    """The fields toy/v1 fixes for an event of `kind` (constants and timestamps)."""
+    if kind == "run_start":
+        return {"schema": SCHEMA, "started_at": now_iso(), "phase": "train",
+                "toymlx_version": __version__}
+    if kind == "step":
+        return {"phase": "train"}
+    if kind == "run_end":
+        return {"ended_at": now_iso()}
+    return {}
+
+
 class EventLog:
     """Append-only writer of one run's events."""
 
@@ -48,6 +71,7 @@ class EventLog:
         self.enabled = enabled
         self.t0 = time.time() - t_offset  # a resumed run's clock goes on from its last event
         self._f = None
+        self._last_loss: tuple[Any, float] = (None, math.nan)  # (step, loss) last emitted
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- held for the run
@@ -61,12 +85,31 @@ class EventLog:
                     self._f.write("\n")
 
     def emit(self, kind: str, **fields: Any) -> dict:
-        ev = {"event": kind, "t": round(time.time() - self.t0, 4), **_clean(fields)}
+        """Write one event: `kind`, `t` and what toy/v1 fixes for the kind (schema, phase,
+        started_at/ended_at, toymlx_version), then the caller's fields; returns the event."""
+        loss = fields.get("loss")
+        if kind == "step" and isinstance(loss, float) and math.isfinite(loss):
+            self._last_loss = (fields.get("step"), loss)
+        if kind == "run_start" and "git" in fields and fields["git"] is None:
+            del fields["git"]  # toy/v1: `git` appears only when the run knows its commit
+        ev = {"kind": kind, "t": round(time.time() - self.t0, 4), **_fixed(kind),
+              **_clean(fields)}
         if self._f is not None:
             self._f.write(json.dumps(ev, ensure_ascii=False, allow_nan=False) + "\n")
             self._f.flush()
             os.fsync(self._f.fileno())
         return ev
+
+    def loss_at(self, step: int) -> float | None:
+        """The finite loss logged for `step` (its newest step event; earlier segments of a
+        resumed run included), None if there is none: run_end's `final_loss`."""
+        if self._last_loss[0] == step:
+            return self._last_loss[1]
+        found = None
+        for ev in iter_events(self.path):
+            if ev["kind"] == "step" and ev.get("step") == step:
+                found = ev.get("loss")
+        return found if isinstance(found, float) else None
 
     def close(self) -> None:
         if self._f is not None:
@@ -79,7 +122,24 @@ def read_events(path: str | os.PathLike) -> list[dict]:
     return list(iter_events(path))
 
 
+def parse_event(raw: bytes | str) -> dict | None:
+    """One events.jsonl line as an event with `kind` (also from the older `event` key), or
+    None for a torn, garbled or non-event line."""
+    try:
+        ev = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(ev, dict):
+        return None
+    if isinstance(ev.get("kind"), str):
+        return ev
+    if isinstance(ev.get(_LEGACY_KIND), str):
+        return {"kind": ev.pop(_LEGACY_KIND), **ev}
+    return None
+
+
 def iter_events(path: str | os.PathLike) -> Iterator[dict]:
+    """The events of a bundle folder or events.jsonl, one by one (see `read_events`)."""
     p = Path(path)
     if p.is_dir():
         p = p / "events.jsonl"
@@ -87,11 +147,8 @@ def iter_events(path: str | os.PathLike) -> Iterator[dict]:
         return
     with open(p, "rb") as f:
         for raw in f:
-            try:
-                ev = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                continue
-            if isinstance(ev, dict) and "event" in ev:
+            ev = parse_event(raw)
+            if ev is not None:
                 yield ev
 
 
@@ -115,11 +172,6 @@ class Cut:
     """The events that remain."""
 
 
-def kind_of(ev: dict) -> str | None:
-    """An event's type, under `kind` (toy/v1) or `event` (bundles of older toymlx versions)."""
-    return ev.get("kind", ev.get("event"))
-
-
 def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
     """Rewrite a bundle's events.jsonl, atomically, as the run stood at the checkpoint of
     `step`: the `step`/`eval`/`checkpoint` events past it, `resume` events from past it, and
@@ -127,13 +179,7 @@ def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
     run_start, each step once, one run_end (toy/v1)."""
     path = Path(run_dir) / "events.jsonl"
     raw = path.read_bytes().splitlines(keepends=True) if path.exists() else []
-    parsed: list[dict | None] = []
-    for line in raw:
-        try:
-            ev = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            ev = None
-        parsed.append(ev if isinstance(ev, dict) and kind_of(ev) else None)
+    parsed = [parse_event(line) for line in raw]
     drop = [ev is None for ev in parsed]
 
     def back_to(k: int, upto: int) -> None:  # drop what lies past step k among lines < upto
@@ -141,7 +187,7 @@ def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
             ev = parsed[i]
             if ev is None or drop[i]:
                 continue
-            kind, s = kind_of(ev), ev.get("step")
+            kind, s = ev["kind"], ev.get("step")
             if (kind == "run_end" or (kind in _STEPPED and isinstance(s, int) and s > k)
                     or (kind == "resume" and int(ev.get("from_step") or 0) > k)):
                 drop[i] = True
@@ -150,13 +196,13 @@ def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
     for i, ev in enumerate(parsed):
         if ev is None:
             continue
-        if kind_of(ev) == "run_start":
+        if ev["kind"] == "run_start":
             starts += 1
             if starts > 1:  # an older toymlx's resume: a second run_start from its start_step
                 back_to(int(ev.get("start_step") or 0), i)
                 drop[i] = True
     back_to(step, len(parsed))
-    ends = [ev for ev, d in zip(parsed, drop) if ev is not None and d and kind_of(ev) == "run_end"]
+    ends = [ev for ev, d in zip(parsed, drop) if ev is not None and d and ev["kind"] == "run_end"]
     times = [ev["t"] for ev in parsed if ev is not None and isinstance(ev.get("t"), (int, float))]
     gone = [line if line.endswith(b"\n") else line + b"\n" for line, d in zip(raw, drop) if d]
     if gone:  # first the copy, then the cut: a crash in between duplicates, never loses
@@ -191,3 +237,100 @@ def git_info(cwd: str | os.PathLike | None = None) -> dict | None:
 
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------- the format, checked
+
+_NUMBER, _INT, _STR, _ISO = "number", "int", "string", "ISO-8601 string"
+_REQUIRED: dict[str, dict[str, Any]] = {
+    "run_start": {"schema": SCHEMA, "t": _NUMBER, "started_at": _ISO, "run_id": _STR,
+                  "phase": "train", "host": {"name": _STR, "os": _STR, "arch": _STR},
+                  "backend": {"kind": _STR}, "model": {"arch": _STR},
+                  "config": {"steps": _INT, "lr": _NUMBER, "seed": _INT}},
+    "step": {"phase": "train", "t": _NUMBER, "step": _INT, "loss": _NUMBER},
+    "run_end": {"t": _NUMBER, "ended_at": _ISO, "reason": _STR, "final_step": _INT,
+                "final_loss": _NUMBER, "exit_code": _INT},
+}
+_MODEL = {"llama": ("vocab", "d_model", "n_layers"),
+          "vit": ("image_size", "patch_size", "d_model", "n_layers", "num_classes")}
+
+
+def _type_problem(v: Any, want: Any) -> str | None:
+    """Why `v` is not what toy/v1 wants there (a type name or a constant), None if it is."""
+    if want == _NUMBER:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    elif want == _INT:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    elif want == _STR:
+        ok = isinstance(v, str)
+    elif want == _ISO:
+        try:
+            ok = isinstance(v, str) and _dt.datetime.fromisoformat(v) is not None
+        except ValueError:
+            ok = False
+    else:
+        ok, want = v == want, json.dumps(want)
+    return None if ok else f"expected {want}, found {json.dumps(v)}"
+
+
+def _check_keys(ev: dict, spec: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, want in spec.items():
+        name = prefix + key
+        if key not in ev:
+            out.append(f"key {name!r}: missing")
+        elif isinstance(want, dict):
+            if isinstance(ev[key], dict):
+                out += _check_keys(ev[key], want, name + ".")
+            else:
+                out.append(f"key {name!r}: expected an object, found {json.dumps(ev[key])}")
+        elif (why := _type_problem(ev[key], want)) is not None:
+            out.append(f"key {name!r}: {why}")
+    return out
+
+
+def _event_problems(ev: dict) -> list[str]:
+    """Where one event departs from TOY_V1's table (keys and types)."""
+    kind = ev.get("kind")
+    if not isinstance(kind, str):
+        return [f"key 'kind': expected a string, found {json.dumps(kind)}"]
+    out = _check_keys(ev, _REQUIRED.get(kind, {}))
+    if kind == "run_start":
+        model = ev["model"] if isinstance(ev.get("model"), dict) else {}
+        config = ev["config"] if isinstance(ev.get("config"), dict) else {}
+        out += _check_keys(model, dict.fromkeys(_MODEL.get(model.get("arch"), ()), _INT),
+                           "model.")
+        if model.get("arch") == "llama":  # a language model
+            out += _check_keys(config, {"context": _INT}, "config.")
+        if "git" in ev:
+            out += (_check_keys(ev["git"], {"sha": _STR, "branch": _STR}, "git.")
+                    if isinstance(ev["git"], dict) else
+                    [f"key 'git': expected an object or no key, found {json.dumps(ev['git'])}"])
+    elif kind == "step" and isinstance(ev.get("step"), int) and ev["step"] < 1:
+        out.append(f"key 'step': expected >= 1 (1-indexed), found {ev['step']}")
+    elif kind == "run_end":
+        if "final_loss" in ev and ev["final_loss"] is None and ev.get("final_step") == 0:
+            out = [p for p in out if not p.startswith("key 'final_loss'")]
+        if ev.get("reason") == "completed" and ev.get("exit_code") != 0:
+            out.append(f"key 'exit_code': expected 0 for reason \"completed\", found "
+                       f"{json.dumps(ev.get('exit_code'))}")
+    return out
+
+
+def check_toy_v1(events: list[dict]) -> list[str]:
+    """Every way `events` (as `read_events` returns them) depart from toy/v1, one line each:
+    required keys and their types, exactly one run_start and first, at most one run_end and
+    last. An empty list means a toy/v1 reader reads the bundle as toymlx wrote it."""
+    out = [f"event {i + 1} ({ev.get('kind')}): {p}" for i, ev in enumerate(events)
+           for p in _event_problems(ev)]
+    kinds = [ev.get("kind") for ev in events]
+    if kinds.count("run_start") != 1:
+        out.append(f"run_start: expected exactly one, found {kinds.count('run_start')}")
+    elif kinds[0] != "run_start":
+        out.append(f"run_start: expected first, found at event {kinds.index('run_start') + 1}")
+    if kinds.count("run_end") > 1:
+        out.append(f"run_end: expected at most one, found {kinds.count('run_end')}")
+    elif "run_end" in kinds and kinds[-1] != "run_end":
+        out.append(f"run_end: expected last, found at event {kinds.index('run_end') + 1} of "
+                   f"{len(kinds)}")
+    return out

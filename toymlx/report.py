@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx import atomic
-from toymlx.events import kind_of, read_events
+from toymlx.events import read_events
 
 SWEEP_FILE = "sweep.json"
 # config.json keys that name where or how a run was started, not what was trained
@@ -35,10 +35,10 @@ def _series(events: list[dict], kind: str) -> list[dict]:
     starts at step S, what an earlier segment logged after S was redone, so it is dropped."""
     out: dict[int, dict] = {}
     for e in events:
-        if e["event"] == "run_start":
+        if e["kind"] == "run_start":
             start = int(e.get("start_step") or 0)
             out = {s: v for s, v in out.items() if s <= start}
-        elif e["event"] == kind and isinstance(e.get("step"), int):
+        elif e["kind"] == kind and isinstance(e.get("step"), int):
             out[e["step"]] = e
     return [out[s] for s in sorted(out)]
 
@@ -66,9 +66,9 @@ def run_status(events: list[dict]) -> tuple[str, str | None]:
     of a bundle's events (`torn`: started or resumed, and no run_end since)."""
     status, message = "empty", None
     for e in events:
-        if kind_of(e) in ("run_start", "resume"):
+        if e["kind"] in ("run_start", "resume"):
             status, message = "torn", None
-        elif kind_of(e) == "run_end":
+        elif e["kind"] == "run_end":
             status, message = e.get("reason", "unknown"), e.get("message")
     return status, message
 
@@ -80,7 +80,7 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     status, message = run_status(events)
     if not run_dir.exists():
         status = "missing"
-    starts = [e for e in events if e["event"] == "run_start"]
+    starts = [e for e in events if e["kind"] == "run_start"]
     config: dict[str, Any] = {}
     recipe = starts[-1].get("recipe") if starts else None
     try:
@@ -101,14 +101,14 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     # wall time: each process's event clock starts at 0, so add up the segments' last clocks
     wall, seg = 0.0, 0.0
     for e in events:
-        if e["event"] == "run_start":
+        if e["kind"] == "run_start":
             wall, seg = wall + seg, 0.0
         seg = max(seg, number(e.get("t")) or 0.0)
     wall += seg
-    end = next((e for e in reversed(events) if e["event"] == "run_end"), {})
+    end = next((e for e in reversed(events) if e["kind"] == "run_end"), {})
     # a resume that extended the run records its new length (config.json is never rewritten)
     planned = next((e["steps"] for e in reversed(events)
-                    if kind_of(e) == "resume" and isinstance(e.get("steps"), int)),
+                    if e["kind"] == "resume" and isinstance(e.get("steps"), int)),
                    config.get("steps"))
     return {
         "run": run_dir.name,

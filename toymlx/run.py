@@ -24,7 +24,7 @@ import mlx.core as mx
 from toymlx import checkpoint as ck
 from toymlx import runs
 from toymlx.device import on_gpu, select_device, setup_process
-from toymlx.events import kind_of, read_events
+from toymlx.events import read_events
 from toymlx.models.ops import Ops, check_checkpointable, training_ops
 from toymlx.recipes import get_recipe
 from toymlx.trainer import Task, TrainConfig, train
@@ -233,10 +233,10 @@ def _shared_run_id(recipe: str, world: Any) -> str:
 
 
 def _final_line(run_dir: Path, end: dict) -> None:
-    evals = [e for e in read_events(run_dir) if kind_of(e) == "eval"]
+    evals = [e for e in read_events(run_dir) if e["kind"] == "eval"]
     last = evals[-1] if evals else {}
     figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items()
-                        if k not in ("event", "kind", "t", "step") and isinstance(v, float))
+                        if k not in ("kind", "t", "step") and isinstance(v, float))
     msg = f"{end['reason']} at step {end['final_step']}"
     if end.get("message"):
         msg += f": {end['message']}"

@@ -205,7 +205,7 @@ def read_config(run_dir: str | os.PathLike) -> tuple[str, dict[str, Any]]:
 def saved_steps(run_dir: str | os.PathLike, config_steps: int) -> int:
     """The run's total steps: config.json's, or as the latest `resume` event extended them."""
     for e in reversed(ev.read_events(run_dir)):
-        if ev.kind_of(e) == "resume" and isinstance(e.get("steps"), int):
+        if e["kind"] == "resume" and isinstance(e.get("steps"), int):
             return e["steps"]
     return config_steps
 
@@ -248,7 +248,7 @@ def check_resume(run_dir: str | os.PathLike, recipe: str, model_info: dict[str, 
     if saved_recipe != recipe:
         raise RunError(f"{run_dir}: --resume: expected a run of recipe {recipe!r}, found a "
                        f"{saved_recipe!r} run")
-    start = next((e for e in ev.read_events(run_dir) if ev.kind_of(e) == "run_start"), None)
+    start = next((e for e in ev.read_events(run_dir) if e["kind"] == "run_start"), None)
     if start is None:  # nothing recorded: the checkpoint load still checks every shape
         return
     trained = (start.get("math") or {}).get("dtype")
@@ -286,7 +286,7 @@ class Resume:
 
 
 def _steps_logged(run_dir: Path) -> int:
-    steps = [e.get("step") for e in ev.read_events(run_dir) if ev.kind_of(e) == "step"]
+    steps = [e.get("step") for e in ev.read_events(run_dir) if e["kind"] == "step"]
     return max((s for s in steps if isinstance(s, int)), default=0)
 
 
@@ -339,7 +339,7 @@ def rewind(run_dir: Path, resume: Resume) -> None:
     `latest` to the checkpoint, and temporaries of killed writers removed."""
     cut = ev.cut_back(run_dir, resume.step)
     resume.dropped, resume.previous_end, resume.t = cut.dropped, cut.previous_end, cut.t
-    resume.has_start = any(ev.kind_of(e) == "run_start" for e in cut.kept)
+    resume.has_start = any(e["kind"] == "run_start" for e in cut.kept)
     weights = run_dir / "weights"
     weights.mkdir(exist_ok=True)
     resume.set_aside = ck.set_aside_after(weights, resume.step)

@@ -39,7 +39,7 @@ from typing import Any, TextIO
 
 from toymlx import atomic, report
 from toymlx.checkpoint import resolve_latest
-from toymlx.events import kind_of, read_events
+from toymlx.events import parse_event, read_events
 from toymlx.lifeline import child_env
 from toymlx.lock import LOCK_FILE, Lock, LockHeld, acquire
 
@@ -381,15 +381,8 @@ class _Tail:
             return []
         end = data.rfind(b"\n") + 1
         self.offset += end
-        out = []
-        for raw in data[:end].splitlines():
-            try:
-                ev = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(ev, dict) and kind_of(ev):
-                out.append(ev)
-        return out
+        events = (parse_event(raw) for raw in data[:end].splitlines())
+        return [ev for ev in events if ev is not None]
 
 
 @dataclass
@@ -422,7 +415,7 @@ class _Run:
 
     def absorb(self, events: list[dict]) -> None:
         for e in events:
-            kind = kind_of(e)
+            kind = e["kind"]
             if kind == "run_start":
                 self.steps = (e.get("config") or {}).get("steps", self.steps)
                 self.step = int(e.get("start_step") or 0)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from toymlx import checkpoint as ck
 from toymlx import cpu_streams, device
 from toymlx.device import backend_info
-from toymlx.events import SCHEMA, EventLog, git_info, host_info, kind_of, now_iso, read_events
+from toymlx.events import EventLog, git_info, host_info, now_iso, read_events
 from toymlx.gguf.writer import DIGEST_KEY
 from toymlx.runs import Resume, intact_hint
 from toymlx.schedule import lr_at
@@ -287,7 +287,7 @@ class Checkpointer:
         self.last = last
         """The step of the newest checkpoint (None: none yet)."""
         self.scores = {e["step"]: e["val_loss"] for e in read_events(run_dir)
-                       if kind_of(e) == "eval" and isinstance(e.get("val_loss"), float)
+                       if e["kind"] == "eval" and isinstance(e.get("val_loss"), float)
                        } if write and cfg.keep_best else {}
         """step -> validation loss there, for --keep-best."""
 
@@ -372,7 +372,8 @@ class _Loop:
                 raise
             finally:
                 end = self.log.emit("run_end", reason=self.reason, final_step=self.step,
-                                    final_loss=self.loss, exit_code=self.exit_code,
+                                    final_loss=self.log.loss_at(self.step),
+                                    exit_code=self.exit_code,
                                     message=self.message, first_step_s=self.t_first,
                                     peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))
                 self.log.close()
@@ -390,9 +391,9 @@ class _Loop:
             n_trainable = sum(v.size for _, v in tree_flatten(self.model.trainable_parameters()))
             n_total = sum(v.size for _, v in tree_flatten(self.model.parameters()))
             self.log.emit(
-                "run_start", schema=SCHEMA, started_at=now_iso(), run_id=self.run_dir.name,
-                phase="train", recipe=self.task.recipe, host=host_info(), backend=backend_info(),
-                math=self.model.ops.describe(), git=git_info(), step_parallelism={"cpu_streams": n_streams, "blas_threads":
+                "run_start", run_id=self.run_dir.name, recipe=self.task.recipe,
+                host=host_info(), backend=backend_info(), math=self.model.ops.describe(),
+                git=git_info(), step_parallelism={"cpu_streams": n_streams, "blas_threads":
                                                   threads or device.blas_threads()},
                 model={**self.task.model_info, "n_params": n_total, "n_trainable": n_trainable},
                 config={**run_config, **self.task.config_info},

@@ -23,10 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from toymlx.data import fixture_path
+
 SPLIT_SEED = 20240601
 """Seed of the fixed train/validation permutation (independent of the run's seed)."""
 
-DIGITS_NPZ = Path(__file__).resolve().parents[2] / "fixtures" / "digits" / "digits.npz"
+DIGITS_NPZ = fixture_path("digits", "digits.npz")
 
 _IDX_IMAGES, _IDX_LABELS = 0x00000803, 0x00000801  # ubyte data, 3 dims / 1 dim
 
@@ -133,8 +135,8 @@ def _load_raw(path: str | None) -> tuple[np.ndarray, np.ndarray, str, int | None
     """(x, y, source, n_train or None for a split by val_fraction)."""
     if path is None:
         if not DIGITS_NPZ.exists():
-            raise ImageDataError(f"{DIGITS_NPZ}: the default digits fixture is missing; run from "
-                                 "a checkout that has fixtures/ or pass --data.path")
+            raise ImageDataError(f"{DIGITS_NPZ}: the default digits data is missing from this "
+                                 "toymlx installation; reinstall toymlx or pass --data.path")
         x, y = load_npz(DIGITS_NPZ)
         return x, y, "uci-digits", None
     p = Path(path)

@@ -15,6 +15,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
+from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
 from toymlx.device import on_gpu
 from toymlx.gguf.llama import load_llama
@@ -33,7 +34,7 @@ from toymlx.recipes.common import check_seq_len, llama_model_info
 from toymlx.tokenizer import Tokenizer
 from toymlx.trainer import Task, TrainConfig
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "fixtures" / "python_qa" / "python_qa.jsonl"
+DEFAULT_DATA = fixture_path("python_qa", "python_qa.jsonl")
 
 
 @dataclass
@@ -57,7 +58,7 @@ class ChatDataOptions:
     """Supervised fine-tuning examples (JSONL: text, prompt/completion or messages)."""
 
     path: str | None = None
-    """Example file; default: fixtures/python_qa/python_qa.jsonl (Python stdlib Q&A)."""
+    """Example file; default: the Python stdlib Q&A shipped in toymlx/fixtures/python_qa/."""
     mask_prompt: bool = True
     """Train on the answers only (prompts and chat headers get no loss)."""
     pack: bool = True
@@ -169,7 +170,8 @@ def build(cfg: Config, ops: Ops) -> Task:
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
         val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches), save=save,
         load=lambda path, m: load_adapter_weights(m, path), model_info=info,
-        config_info={"base_dtype_resolved": dtype, "data_source": data.source,
+        config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,
+                     "data_source": data.source,
                      "train_rows": len(data.train["inputs"]), "val_rows": len(data.val["inputs"]),
                      "train_target_tokens": int(data.train["mask"].sum()),
                      "n_truncated": data.n_truncated},

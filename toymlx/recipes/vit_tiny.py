@@ -1,6 +1,6 @@
 """Recipe `vit-tiny`: a ViT-Tiny image classifier trained from scratch.
 
-With no arguments it trains on the UCI 8x8 handwritten digits shipped in `fixtures/digits/`;
+With no arguments it trains on the UCI 8x8 handwritten digits in `toymlx/fixtures/digits/`;
 `--data.path` takes MNIST/Fashion-MNIST IDX files (or their folder) or a `.npz` with x/y.
 The preset follows the data's image shape unless `--model.preset` says otherwise.
 """

@@ -1,0 +1,267 @@
+#!/usr/bin/env bash
+# The work behind scripts/install.sh, in its own strict bash (install.sh is what users source
+# or run): choose the Python environment, install toymlx into it, and print the
+# environment's folder as the only line on stdout (everything else goes to stderr).
+#
+# The environment: the active virtual environment ($VIRTUAL_ENV) or conda env
+# ($CONDA_PREFIX) if there is one; otherwise .venv in the checkout, created (or reused) from
+# a Python >= 3.10: $TOYMLX_PYTHON if set, else python3, python3.14 ... python3.10 on PATH,
+# then Homebrew's and python.org's. System Pythons (Debian's, Homebrew's) are externally
+# managed (PEP 668): toymlx is never pip-installed into them.
+#
+# Linux with apt: Debian's OpenBLAS (MLX's CPU wheel otherwise uses the reference BLAS,
+# ~30x slower on matmuls) and, where the chosen Python lacks venv/ensurepip (Debian and
+# Ubuntu ship them apart), python3.X-venv; as root, or through sudo.
+# macOS: MLX needs Apple Silicon, macOS >= 13.5 and a native (arm64) Python.
+#
+# MLX's backend: Metal on a Mac (it comes with mlx); on Linux an extra, toymlx[cpu],
+# toymlx[cuda] (CUDA 13) or toymlx[cuda12]: cuda where nvidia-smi lists a GPU (cuda12 with an
+# NVIDIA driver older than 580), else cpu; TOYMLX_BACKEND=cpu|cuda|cuda12 chooses.
+#
+# Re-runs are quick: pip runs again only when pyproject.toml, the extras or the checkout
+# changed since the last install into that environment (or toymlx no longer imports there).
+
+# stderr explicitly: these also run inside $(...)
+say() { echo "toymlx: $*" >&2; }
+die() { echo "toymlx: error: $*" >&2; exit 1; }
+
+# "X.Y.Z ARCH" of a Python, or nothing if it does not run.
+py_info() {
+  "$1" -c 'import platform, sys; print("%d.%d.%d" % sys.version_info[:3], platform.machine())' \
+    2>/dev/null || true
+}
+
+# Why a Python cannot host toymlx (empty when it can).
+py_unfit() {
+  local info
+  info=$(py_info "$1")
+  [ -n "$info" ] || { echo "does not run"; return; }
+  local version=${info% *} arch=${info#* }
+  local major=${version%%.*} minor
+  minor=${version#*.}; minor=${minor%%.*}
+  if [ "$major" -lt 3 ] || { [ "$major" -eq 3 ] && [ "$minor" -lt 10 ]; }; then
+    echo "is Python $version; toymlx needs 3.10 or newer"
+  elif [ "$OS" = Darwin ] && [ "$arch" != arm64 ]; then
+    echo "is an $arch Python (Rosetta or Intel); MLX needs a native arm64 one"
+  fi
+}
+
+check_platform() {
+  if [ "$OS" = Darwin ]; then
+    [ "$(sysctl -n hw.optional.arm64 2>/dev/null || echo 0)" = 1 ] ||
+      die "MLX runs only on Apple Silicon Macs (M1 or later); this Mac has an Intel CPU"
+    local v
+    v=$(sw_vers -productVersion)
+    local major=${v%%.*} minor
+    minor=${v#*.}; minor=${minor%%.*}
+    if [ "$major" -lt 13 ] || { [ "$major" -eq 13 ] && [ "$minor" -lt 5 ]; }; then
+      die "MLX needs macOS 13.5 or later; this Mac runs macOS $v: update macOS, then re-run"
+    fi
+  fi
+}
+
+# Install Debian packages, as root or through sudo; otherwise fail naming the command.
+apt_install() {
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || die "missing Debian packages: $*; run as root: apt-get install -y $*"
+    sudo=(sudo)
+  fi
+  say "installing Debian packages: $* (${sudo[*]:-as root})"
+  local apt=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -y -qq)
+  # fresh machines have no package lists: update only when the first try fails
+  if "${apt[@]}" install "$@" >/dev/null 2>&1; then return; fi
+  if ! { "${apt[@]}" update && "${apt[@]}" install "$@"; }; then
+    die "could not install Debian packages $*; run: sudo apt-get update && sudo apt-get install -y $*"
+  fi
+}
+
+# Install what this machine lacks from Debian: OpenBLAS, and the venv module of Python $1
+# (if given; Debian and Ubuntu ship it apart, as python3.X-venv).
+debian_packages() {
+  if [ "$OS" != Linux ] || ! command -v apt-get >/dev/null; then return 0; fi
+  local need=()
+  if ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+    need+=(libopenblas0-pthread)
+  fi
+  if [ -n "${1:-}" ] && ! "$1" -c 'import ensurepip, venv' 2>/dev/null; then
+    local real
+    real=$(readlink -f "$1")
+    case $real in
+      /usr/bin/python3.*) need+=("${real#/usr/bin/}-venv") ;;  # python3.11 -> python3.11-venv
+      *) die "$1 ($real) has no venv module; install one that has, or set TOYMLX_PYTHON" ;;
+    esac
+  fi
+  if [ ${#need[@]} -gt 0 ]; then apt_install "${need[@]}"; fi
+}
+
+find_python() {
+  if [ -n "${TOYMLX_PYTHON:-}" ]; then
+    local path why
+    path=$(command -v "$TOYMLX_PYTHON") || die "TOYMLX_PYTHON=$TOYMLX_PYTHON: no such command"
+    why=$(py_unfit "$path")
+    [ -z "$why" ] || die "TOYMLX_PYTHON=$TOYMLX_PYTHON $why"
+    echo "$path"
+    return
+  fi
+  local candidates=(python3 python3.14 python3.13 python3.12 python3.11 python3.10) c rejected=()
+  if [ "$OS" = Darwin ]; then
+    for c in 14 13 12 11 10; do
+      candidates+=("/opt/homebrew/bin/python3.$c"
+                   "/Library/Frameworks/Python.framework/Versions/3.$c/bin/python3")
+    done
+  fi
+  for c in "${candidates[@]}"; do
+    local path
+    path=$(command -v "$c" 2>/dev/null) || continue
+    # macOS's /usr/bin/python3 is 3.9, and without the Xcode tools it opens an install dialog
+    if [ "$OS" = Darwin ] && [ "$path" = /usr/bin/python3 ]; then continue; fi
+    local why
+    why=$(py_unfit "$path")
+    if [ -z "$why" ]; then echo "$path"; return; fi
+    rejected+=("$path $why")
+  done
+  local found=""
+  [ ${#rejected[@]} -eq 0 ] || found=" (found: $(IFS=';'; echo "${rejected[*]}"))"
+  if [ "$OS" = Darwin ]; then
+    if [ "$(sysctl -n sysctl.proc_translated 2>/dev/null || echo 0)" = 1 ]; then
+      found+="; this terminal runs under Rosetta (x86_64): open one without it, or run arch -arm64 zsh"
+    fi
+    die "no native Python 3.10+ found$found; install one (brew install python@3.12, or python.org's installer) and re-run, or set TOYMLX_PYTHON=/path/to/python3"
+  fi
+  die "no Python 3.10+ found$found; install one (e.g. apt-get install python3, pyenv) and re-run, or set TOYMLX_PYTHON=/path/to/python3"
+}
+
+# The extra that brings MLX's backend: cpu, cuda or cuda12 on Linux, nothing on a Mac.
+backend_extra() {
+  if [ "$OS" = Darwin ]; then
+    [ -z "${TOYMLX_BACKEND:-}" ] ||
+      die "TOYMLX_BACKEND=$TOYMLX_BACKEND: a Mac has one MLX backend, Metal, that comes with mlx; unset TOYMLX_BACKEND"
+    return 0
+  fi
+  if [ -n "${TOYMLX_BACKEND:-}" ]; then
+    case $TOYMLX_BACKEND in
+      cpu | cuda | cuda12) say "MLX backend: $TOYMLX_BACKEND (TOYMLX_BACKEND)"; echo "$TOYMLX_BACKEND" ;;
+      *) die "TOYMLX_BACKEND=$TOYMLX_BACKEND: expected cpu, cuda (CUDA 13) or cuda12" ;;
+    esac
+    return 0
+  fi
+  local gpu driver
+  gpu=$(nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ' || true)
+  if [ -z "$gpu" ]; then
+    say "MLX backend: cpu (no NVIDIA GPU listed by nvidia-smi; TOYMLX_BACKEND=cuda to choose)"
+    echo cpu
+    return 0
+  fi
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 || true)
+  case ${driver%%.*} in
+    '' | *[!0-9]*) driver="unknown" ;;
+  esac
+  if [ "$driver" != unknown ] && [ "${driver%%.*}" -lt 580 ]; then
+    say "MLX backend: cuda12 (${gpu%% (UUID*}; driver $driver is older than CUDA 13's 580; TOYMLX_BACKEND=cpu for the CPU)"
+    echo cuda12
+  else
+    say "MLX backend: cuda (${gpu%% (UUID*}, driver $driver; TOYMLX_BACKEND=cuda12 or cpu to choose another)"
+    echo cuda
+  fi
+}
+
+# The environment to install into: the active one, else .venv (created or reused).
+choose_env() {
+  if [ -n "${VIRTUAL_ENV:-}" ] || [ -n "${CONDA_PREFIX:-}" ]; then
+    local prefix=${VIRTUAL_ENV:-$CONDA_PREFIX} name
+    name=$([ -n "${VIRTUAL_ENV:-}" ] && echo "virtual environment" || echo "conda env")
+    [ -x "$prefix/bin/python" ] ||
+      die "the active $name $prefix has no bin/python; deactivate it, or re-create it"
+    local why
+    why=$(py_unfit "$prefix/bin/python")
+    [ -z "$why" ] || die "the active $name $prefix $why; deactivate it (toymlx then makes .venv) or use one with Python 3.10+"
+    debian_packages
+    say "installing into the active $name $prefix"
+    ENV=$prefix
+    return
+  fi
+  ENV=$ROOT/.venv
+  local py=""
+  [ -z "${TOYMLX_PYTHON:-}" ] || py=$(find_python)  # checked before .venv is touched
+  if [ -e "$ENV/bin/python" ] || [ -L "$ENV/bin/python" ]; then
+    local why
+    why=$(py_unfit "$ENV/bin/python")
+    if [ -n "$py" ] && [ -z "$why" ]; then
+      local want have
+      want=$(py_info "$py"); have=$(py_info "$ENV/bin/python")
+      [ "${want%.* *}" = "${have%.* *}" ] || why="is ${have% *}, not TOYMLX_PYTHON's ${want% *}"
+    fi
+    if [ -z "$why" ]; then
+      debian_packages
+      say "using $ENV (Python $(py_info "$ENV/bin/python" | cut -d' ' -f1))"
+      return
+    fi
+    say "re-creating $ENV: its Python $why"
+    rm -rf "$ENV"
+  elif [ -e "$ENV" ]; then
+    die "$ENV exists but is not a virtual environment (no bin/python); move it away and re-run"
+  fi
+  [ -n "$py" ] || py=$(find_python)
+  debian_packages "$py"
+  say "creating $ENV with $py (Python $(py_info "$py" | cut -d' ' -f1))"
+  if ! "$py" -m venv "$ENV"; then
+    rm -rf "$ENV"  # a venv without pip would be reused and fail later
+    die "$py -m venv $ENV failed (see above)"
+  fi
+}
+
+# MLX's backend packages all ship mlx/lib/libmlx.so: with another one in $ENV, remove them all
+# (the chosen one too, its file may be the one overwritten) before pip installs the chosen.
+remove_other_backends() {
+  local all=(mlx-cpu mlx-cuda-13 mlx-cuda-12) chosen present
+  case ${BACKEND:-} in
+    cpu) chosen=mlx-cpu ;; cuda) chosen=mlx-cuda-13 ;; cuda12) chosen=mlx-cuda-12 ;; *) return 0 ;;
+  esac
+  present=$("$ENV/bin/python" -c 'import sys
+from importlib import metadata
+for name in sys.argv[1:]:
+    try:
+        metadata.version(name)
+        print(name)
+    except metadata.PackageNotFoundError:
+        pass' "${all[@]}")
+  if [ -n "$present" ] && [ "$present" != "$chosen" ]; then
+    say "removing MLX backends $(echo "$present" | tr '\n' ' ')before installing $chosen: they share one library file"
+    # shellcheck disable=SC2086  # one package name a line
+    "$ENV/bin/python" -m pip uninstall -y $present
+  fi
+}
+
+# pip install -e the checkout, unless the last install into $ENV was of this same state.
+install_toymlx() {
+  local spec=".[${BACKEND:+$BACKEND,}test${TOYMLX_EXTRAS:+,$TOYMLX_EXTRAS}]"
+  local stamp="$ENV/.toymlx-install" want
+  want=$(printf 'checkout %s\nspec %s\npython %s\n' "$ROOT" "$spec" "$(py_info "$ENV/bin/python")"
+         cat pyproject.toml)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$ENV/bin/toymlx-train" ] &&
+     [ "$("$ENV/bin/python" -I -c 'import toymlx; print(toymlx.__file__)' 2>/dev/null)" = \
+       "$ROOT/toymlx/__init__.py" ]; then
+    say "toymlx is installed in $ENV and pyproject.toml is unchanged: nothing to do"
+    return
+  fi
+  rm -f "$stamp"
+  remove_other_backends
+  say "pip install -e '$spec' into $ENV"
+  "$ENV/bin/python" -m pip install -e "$spec" || die "pip install -e '$spec' failed (see above)"
+  printf '%s\n' "$want" >"$stamp"
+}
+
+# Sourced (the tests do, to call one function), this file only defines the functions above.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
+set -euo pipefail
+exec 3>&1 1>&2
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OS=$(uname -s)
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+check_platform
+choose_env
+BACKEND=$(backend_extra)
+install_toymlx
+echo "$ENV" >&3

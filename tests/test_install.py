@@ -1,0 +1,286 @@
+"""Set-up: scripts/install.sh sourced from bash and zsh or run, the README's commands in
+.ci/run, and (marker `install`, minutes of pip) a fresh install from a copy of the checkout
+on the system Python, and a built wheel in a fresh venv that trains with its packaged data.
+
+The fast tests here stop the installer before it installs anything (a Python it must
+refuse), so they check what a sourced script may leave in the user's shell on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import toymlx
+from toymlx.events import check_toy_v1, read_events
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEM_PATH = "/usr/bin:/bin"
+SHELLS = ["bash", pytest.param("zsh", marks=pytest.mark.skipif(
+    shutil.which("zsh") is None, reason="zsh (macOS's default shell) is not installed here"))]
+# what a shell knows about itself: variables, functions and options
+STATE = {"bash": 'declare -p | grep -v "^declare -[a-zA-Z-]* \\(BASH_[A-Z_]*\\|_\\|PIPESTATUS\\)="'
+                 "; declare -F; set -o",
+         "zsh": "typeset +; functions +; setopt"}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """A user's environment on the system Python: no active venv or conda env."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "TOYMLX_PYTHON")}
+    return {**env, "PATH": SYSTEM_PATH, **extra}
+
+
+def _shell(shell: str, script: str, cwd: Path, env: dict[str, str], timeout: float = 60):
+    return subprocess.run([shell, "-c", script], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def _sourced(shell: str, then: str) -> str:
+    """Source the installer between two snapshots of the shell's state; print the diff."""
+    return (f"before=$({STATE[shell]}); source scripts/install.sh; echo rc=$?; {then}; "
+            f"after=$({STATE[shell]}); diff <(echo \"$before\") <(echo \"$after\") "
+            "| grep '^[<>]' | grep -v before; echo alive")
+
+
+# which of MLX's Linux backend packages an environment holds
+BACKENDS = """from importlib import metadata
+for name in ("mlx-cpu", "mlx-cuda-13", "mlx-cuda-12"):
+    try:
+        metadata.version(name)
+        print(name)
+    except metadata.PackageNotFoundError:
+        pass
+"""
+
+
+@pytest.fixture()
+def old_python(tmp_path) -> Path:
+    """A `python` that answers like macOS's /usr/bin/python3 (3.9)."""
+    p = tmp_path / "python3.9"
+    p.write_text('#!/bin/sh\necho "3.9.6 arm64"\n')
+    p.chmod(0o755)
+    return p
+
+
+# ---- fast: failures leave the user's shell as it was -------------------------------------------
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_sourced_failure_returns_one_line_and_leaves_the_shell_alone(shell, old_python):
+    venv_before = (REPO / ".venv" / "bin" / "python").exists()
+    r = _shell(shell, _sourced(shell, "echo still here"), REPO,
+               _env(TOYMLX_PYTHON=str(old_python)))
+    assert r.stdout.splitlines() == ["rc=1", "still here", "alive"], r.stdout + r.stderr
+    want = f"toymlx: error: TOYMLX_PYTHON={old_python} is Python 3.9.6; toymlx needs 3.10 or newer"
+    assert r.stderr.splitlines() == [want]
+    assert (REPO / ".venv" / "bin" / "python").exists() == venv_before  # checked, then touched
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_an_active_environment_with_an_old_python_is_named(shell, tmp_path, old_python):
+    venv = tmp_path / "oldenv"
+    (venv / "bin").mkdir(parents=True)
+    shutil.copy(old_python, venv / "bin" / "python")
+    r = _shell(shell, "source scripts/install.sh && echo installed; echo rc=$?", REPO,
+               _env(VIRTUAL_ENV=str(venv)))
+    assert r.stdout.splitlines() == ["rc=1"], r.stdout + r.stderr
+    want = (f"toymlx: error: the active virtual environment {venv} is Python 3.9.6; toymlx "
+            "needs 3.10 or newer; deactivate it (toymlx then makes .venv) or use one with "
+            "Python 3.10+")
+    assert r.stderr.splitlines() == [want]
+
+
+def test_run_not_sourced_exits_non_zero(old_python):
+    for cmd in (["bash", "scripts/install.sh"], ["sh", "scripts/install.sh"]):
+        r = subprocess.run(cmd, cwd=REPO, env=_env(TOYMLX_PYTHON=str(old_python)),
+                           capture_output=True, text=True, timeout=60, check=False)
+        assert r.returncode == 1 and r.stdout == "", cmd
+        assert r.stderr.startswith("toymlx: error: TOYMLX_PYTHON="), (cmd, r.stderr)
+
+
+def _fake_nvidia_smi(folder: Path, gpus: str, driver: str) -> Path:
+    """An `nvidia-smi` answering -L with `gpus` and the driver query with `driver`."""
+    folder.mkdir(exist_ok=True)
+    tool = folder / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\ncase $1 in -L) printf '{gpus}' ;; *) printf '{driver}' ;; esac\n"
+                    "[ -n '" + gpus + "' ] || exit 9\n")
+    tool.chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize("os_name, gpus, driver, backend, want, message", [
+    ("Linux", "", "", None, "cpu", "MLX backend: cpu (no NVIDIA GPU listed by nvidia-smi"),
+    ("Linux", "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)\n", "580.65.06\n", None, "cuda",
+     "MLX backend: cuda (GPU 0: NVIDIA H100 80GB HBM3, driver 580.65.06"),
+    ("Linux", "GPU 0: NVIDIA A10G (UUID: GPU-2)\nGPU 1: NVIDIA A10G (UUID: GPU-3)\n",
+     "550.54.15\n550.54.15\n", None, "cuda12",
+     "MLX backend: cuda12 (GPU 0: NVIDIA A10G; driver 550.54.15 is older than CUDA 13's 580"),
+    ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "N/A\n", None, "cuda", "driver unknown"),
+    ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "580.1\n", "cpu", "cpu",
+     "MLX backend: cpu (TOYMLX_BACKEND)"),
+    ("Linux", "", "", "cuda12", "cuda12", "MLX backend: cuda12 (TOYMLX_BACKEND)"),
+    ("Linux", "", "", "rocm", None,
+     "toymlx: error: TOYMLX_BACKEND=rocm: expected cpu, cuda (CUDA 13) or cuda12"),
+    ("Darwin", "", "", None, "", None),
+    ("Darwin", "", "", "cpu", None, "toymlx: error: TOYMLX_BACKEND=cpu: a Mac has one MLX backend"),
+])
+def test_backend_follows_the_gpu_and_its_driver(tmp_path, os_name, gpus, driver, backend, want,
+                                                message):
+    tools = _fake_nvidia_smi(tmp_path / "bin", gpus, driver)
+    env = _env(PATH=f"{tools}:{SYSTEM_PATH}")
+    if backend is not None:
+        env["TOYMLX_BACKEND"] = backend
+    r = _shell("bash", f"source scripts/install_env.sh; OS={os_name}; backend_extra", REPO, env)
+    if want is None:
+        assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+    else:
+        assert r.returncode == 0 and r.stdout == (want + "\n" if want else ""), r.stdout + r.stderr
+    assert (message or "") in r.stderr and (message is not None or r.stderr == ""), r.stderr
+
+
+@pytest.mark.parametrize("present, backend, removed", [
+    ("mlx-cpu", "cpu", None),
+    ("mlx-cuda-13", "cpu", "mlx-cuda-13"),
+    ("mlx-cpu mlx-cuda-13", "cuda", "mlx-cpu mlx-cuda-13"),  # the chosen one's file may be gone
+    ("", "cuda12", None),
+    ("mlx-cpu", "", None),  # a Mac: no backend extra, nothing to remove
+])
+def test_other_backends_are_removed_first(tmp_path, present, backend, removed):
+    """MLX's backend wheels share mlx/lib/libmlx.so: installing one beside another breaks both."""
+    env_dir, log = tmp_path / "env", tmp_path / "pip.log"
+    (env_dir / "bin").mkdir(parents=True)
+    python = env_dir / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then printf "%s\\n" {present}; '
+                      f'else echo "$@" >> {log}; fi\n')
+    python.chmod(0o755)
+    r = _shell("bash", f"source scripts/install_env.sh; ENV={env_dir}; BACKEND={backend}; "
+               "remove_other_backends", REPO, _env())
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines() if log.exists() else []
+    assert calls == ([f"-m pip uninstall -y {removed}"] if removed else []), (calls, r.stderr)
+    assert ("removing MLX backends" in r.stderr) == bool(removed)
+
+
+def test_ci_runs_the_readme_commands_as_written():
+    readme = (REPO / "README.md").read_text()
+    setup = readme[readme.index("## Set-up"):readme.index("\n## ", readme.index("## Set-up"))]
+    commands = re.findall(r"```\n(.+?)\n```", setup)
+    assert commands == ["source scripts/install.sh && toymlx-train --recipe vit-tiny",
+                        "python3 -m pytest"]
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert "source scripts/install.sh && toymlx-train --recipe vit-tiny || exit 1" in ci
+    assert "python3 -m pytest" in ci
+    assert "export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 TOYMLX_EXTRAS=interop,report" \
+        in ci
+    assert ci.index("python3 -m pytest") > next(i for i, x in enumerate(ci) if "source" in x)
+
+
+# ---- install tier: a fresh machine's first commands --------------------------------------------
+
+def _copy_checkout(dest: Path) -> Path:
+    """The checkout's files as git would clone them (tracked and new, not ignored)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        if (REPO / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dest / f)
+    return dest
+
+
+@pytest.mark.install
+def test_fresh_install_on_the_system_python(tmp_path):
+    """The README's first command in a copy of the checkout, PATH=/usr/bin:/bin: .venv from
+    the system python3, toymlx installed editable from the copy, a few real steps; then a
+    re-run from zsh reuses it, activates it, and leaves nothing else behind."""
+    system = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version.split()[0])"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    copy = _copy_checkout(tmp_path / "toymlx")
+    r = _shell("bash", "source scripts/install.sh && toymlx-train --recipe vit-tiny --steps 5 "
+               "--no-progress && command -v python3 toymlx-train && "
+               "python3 -c 'import toymlx; print(toymlx.__file__)'", copy, _env(), timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    venv = copy / ".venv"
+    assert r.stdout.splitlines()[-3:] == [str(venv / "bin" / "python3"),
+                                          str(venv / "bin" / "toymlx-train"),
+                                          str(copy / "toymlx" / "__init__.py")]
+    py = subprocess.run([venv / "bin" / "python", "-c", "import sys; print(sys.version.split()[0])"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+    assert py == system
+    version = subprocess.run([venv / "bin" / "toymlx-train", "--version"], capture_output=True,
+                             text=True, check=True).stdout
+    assert re.fullmatch(rf"toymlx {re.escape(toymlx.__version__)} \(mlx [0-9.]+\)\n", version)
+    backends = subprocess.run([venv / "bin" / "python", "-c", BACKENDS], capture_output=True,
+                              text=True, check=True).stdout.split()
+    if sys.platform.startswith("linux") and shutil.which("nvidia-smi") is None:
+        assert backends == ["mlx-cpu"], backends  # toymlx[cpu], and no other backend
+    runs = list((copy / "runs").iterdir())
+    evs = read_events(runs[0])
+    assert len(runs) == 1 and check_toy_v1(evs) == []
+    assert [e["step"] for e in evs if e["kind"] == "step"] == [1, 2, 3, 4, 5]
+    assert evs[-1]["reason"] == "completed" and evs[0]["config"]["data_source"] == "uci-digits"
+
+    if shutil.which("zsh"):  # macOS's shell; the re-run reuses .venv and skips pip
+        r = _shell("zsh", _sourced("zsh", "command -v python3"), copy, _env(), timeout=120)
+        assert "nothing to do" in r.stderr and "rc=0" in r.stdout, r.stdout + r.stderr
+        out = r.stdout.splitlines()
+        assert out[1] == str(venv / "bin" / "python3")
+        changed = {ln.split()[1].split("=")[0] for ln in out[2:-1]}
+        assert changed <= {"VIRTUAL_ENV", "VIRTUAL_ENV_PROMPT", "_OLD_VIRTUAL_PATH",
+                           "_OLD_VIRTUAL_PS1", "deactivate"}, out
+
+
+@pytest.mark.install
+def test_wheel_trains_from_any_folder_with_its_packaged_data(tmp_path, stories_path):
+    """`pip install <wheel>` into a fresh venv, then vit-tiny and lora on their default data
+    from a folder outside the checkout."""
+    copy = _copy_checkout(tmp_path / "src")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                    tmp_path / "dist", copy], check=True, timeout=600)
+    wheel = next((tmp_path / "dist").glob("toymlx-*.whl"))
+    assert wheel.name.startswith(f"toymlx-{toymlx.__version__}-")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=300)
+    backend = "[cpu]" if sys.platform.startswith("linux") else ""  # Metal comes with mlx
+    subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}{backend}"],
+                   check=True, timeout=1800)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+    def run(*cmd: str) -> str:
+        r = subprocess.run([venv / "bin" / cmd[0], *cmd[1:]], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=900, check=False)
+        assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-3000:])
+        return r.stdout
+
+    for name in ("train", "generate", "export", "eval", "sweep", "report", "launch"):
+        assert run(f"toymlx-{name}", "--version").startswith(f"toymlx {toymlx.__version__} (mlx")
+    where = json.loads(run("python", "-c", "import json, toymlx, toymlx.data.images as i, "
+                           "toymlx.recipes.lora as l; print(json.dumps([toymlx.__file__, "
+                           "str(i.DIGITS_NPZ), str(l.DEFAULT_DATA)]))"))
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
+        "site-packages"
+    assert [Path(p) for p in where] == [site / "toymlx" / "__init__.py",
+                                        site / "toymlx" / "fixtures" / "digits" / "digits.npz",
+                                        site / "toymlx" / "fixtures" / "python_qa" /
+                                        "python_qa.jsonl"]
+
+    run("toymlx-train", "--recipe", "vit-tiny", "--steps", "5", "--no-progress", "--run-id", "v")
+    run("toymlx-train", "--recipe", "lora", "--base", str(stories_path), "--steps", "2",
+        "--batch-size", "2", "--seq-len", "64", "--eval-batches", "1", "--no-progress",
+        "--run-id", "l")
+    for rid, source, steps in (("v", "uci-digits", 5), ("l", str(where[2]), 2)):
+        evs = read_events(work / "runs" / rid)
+        assert check_toy_v1(evs) == [], rid
+        assert evs[0]["config"]["data_source"] == source
+        assert evs[0]["toymlx_version"] == toymlx.__version__
+        assert [e["step"] for e in evs if e["kind"] == "step"] == list(range(1, steps + 1))
+        assert evs[-1]["reason"] == "completed"
