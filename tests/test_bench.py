@@ -63,6 +63,7 @@ def hand_flops(shape: dict) -> float:
     return 2 * base_fwd + 3 * attn_fwd + 3 * lora_fwd if r else 3 * (base_fwd + attn_fwd)
 
 
+@pytest.mark.bench
 def test_tiny_gpu_suite_rows_and_step0_agreement(tiny_gpu_suite):
     info = tiny_gpu_suite
     assert info["suite"] == "gpu" and info["backend"]["kind"] == "cpu"
@@ -84,6 +85,7 @@ def test_tiny_gpu_suite_rows_and_step0_agreement(tiny_gpu_suite):
         assert all(name in info["stdout"] for name in g["rows"])
 
 
+@pytest.mark.bench
 def test_tiny_gpu_suite_figures_arithmetic(tiny_gpu_suite):
     info = tiny_gpu_suite
     assert set(info["matmul"]) == {"float32", "bfloat16"}
@@ -115,6 +117,7 @@ def test_tiny_gpu_suite_figures_arithmetic(tiny_gpu_suite):
                 [a / b for a, b in zip(toymlx, theirs)]))
 
 
+@pytest.mark.bench
 def test_a_failing_workload_is_reported_and_the_rest_still_run(tmp_path):
     """A row that cannot be built (here an unknown torch.compile backend) fails its workload
     only: the table says so, the exit code is 1, and the JSON keeps the others' figures."""
@@ -158,6 +161,7 @@ def test_device_gpu_without_one_says_so(bench, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_cpu_suite_quick_round(tmp_path):
     """One round of the CPU suite's small workloads: PyTorch's step in its child process and
     toymlx's with both kernel sets start from the same loss, and the table keeps its columns."""
