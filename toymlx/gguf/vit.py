@@ -16,7 +16,8 @@ Tensor names (numpy shapes, `(out, in)` for linears):
 | `output.{weight,bias}` | `head` | (classes, D), (classes,) |
 
 Input normalisation (per-channel mean/std after scaling pixels by `toy.pixel_scale`) is stored
-as `toy.pixel_mean` / `toy.pixel_std` so a checkpoint classifies raw images on its own.
+as `toy.pixel_mean` / `toy.pixel_std`, and the class names by index as `toy.class_names`, so a
+checkpoint classifies raw images on its own.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def vit_metadata(a: ViTArgs) -> dict[str, Any]:
 
 
 def write_vit(path: str | os.PathLike, model: ViT, norm: dict[str, Any],
-              extra: dict[str, Any] | None = None, name: str = "toymlx vit") -> None:
-    """An F32 GGUF of the ViT with its input normalisation."""
+              extra: dict[str, Any] | None = None, name: str = "toymlx vit",
+              class_names: list[str] | None = None) -> None:
+    """An F32 GGUF of the ViT with its input normalisation and class names."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -76,6 +78,11 @@ def write_vit(path: str | os.PathLike, model: ViT, norm: dict[str, Any],
     meta = {**vit_metadata(model.args), "general.name": name, **norm,
             "toy.checkpoint_format": CHECKPOINT_FORMAT,
             "toy.n_params_written": int(sum(t.size for t in tensors.values())), **(extra or {})}
+    if class_names:
+        if len(class_names) != model.args.num_classes:
+            raise ValueError(f"class_names: expected {model.args.num_classes} (the head's rows), "
+                             f"found {len(class_names)}")
+        meta["toy.class_names"] = [str(n) for n in class_names]
     types = {k: (FLOAT32, None) for k in ("vit.attention.layer_norm_epsilon", "toy.pixel_scale")}
     write_gguf(path, meta, tensors, types=types)
 
@@ -122,3 +129,15 @@ def load_vit(path: str | os.PathLike) -> tuple[ViT, dict[str, Any], GGUFFile]:
     norm = {k: g.metadata[k] for k in ("toy.pixel_scale", "toy.pixel_mean", "toy.pixel_std")
             if k in g.metadata}
     return model, norm, g
+
+
+def class_names(g: GGUFFile) -> list[str]:
+    """The checkpoint's class names by index (`toy.class_names`; "0", "1", ... without them)."""
+    n = g.get("vit.class_count", int)
+    names = g.metadata.get("toy.class_names")
+    if names is None:
+        return [str(i) for i in range(n)]
+    if not isinstance(names, list) or len(names) != n or not all(isinstance(s, str) for s in names):
+        raise GGUFError(f"{g.path}: metadata key 'toy.class_names': expected {n} strings (one per "
+                        f"class), found {type(names).__name__} of {len(names) if isinstance(names, list) else 1}")
+    return names

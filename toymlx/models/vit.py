@@ -56,6 +56,9 @@ class ViTArgs:
     gelu: str = "erf"
     """MLP activation: "erf" (exact, as timm), "tanh" or "fast" (x*sigmoid(1.702x), about 2x
     faster on MLX's Linux CPU but a different function: keep "erf" for timm weights)."""
+    drop_path: float = 0.0
+    """Stochastic depth in training: block i drops its residual branches per image with
+    probability drop_path * i / (n_layers - 1), as timm's drop_path_rate (0: off)."""
 
     @property
     def n_patches(self) -> int:
@@ -77,6 +80,8 @@ class ViTArgs:
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model: expected a multiple of n_heads={self.n_heads}, "
                              f"found {self.d_model}")
+        if not 0.0 <= self.drop_path < 1.0:
+            raise ValueError(f"model.drop_path: expected in [0, 1), found {self.drop_path}")
         if self.gelu not in _GELU:
             raise ValueError(f"model.gelu: expected one of {', '.join(_GELU)}, found {self.gelu!r}")
 
@@ -135,16 +140,24 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: ViTArgs):
+    def __init__(self, a: ViTArgs, drop: float = 0.0):
         super().__init__()
         self.attn_norm = LayerNorm(a.d_model, eps=a.norm_eps)
         self.attn = Attention(a)
         self.ffn_norm = LayerNorm(a.d_model, eps=a.norm_eps)
         self.mlp = MLP(a)
+        self.drop = drop
+
+    def _branch(self, y: mx.array) -> mx.array:
+        """Stochastic depth: keep each image's branch with probability 1 - drop, scaled up."""
+        if not (self.training and self.drop > 0):
+            return y
+        keep = mx.random.bernoulli(1.0 - self.drop, (y.shape[0], 1, 1))  # (B, 1, 1)
+        return y * keep.astype(y.dtype) / (1.0 - self.drop)
 
     def __call__(self, x: mx.array) -> mx.array:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.ffn_norm(x))
+        x = x + self._branch(self.attn(self.attn_norm(x)))
+        return x + self._branch(self.mlp(self.ffn_norm(x)))
 
 
 class ViT(nn.Module):
@@ -156,7 +169,8 @@ class ViT(nn.Module):
         self.patch_embed = Linear(a.patch_size * a.patch_size * a.channels, a.d_model)
         self.cls_token = mx.zeros((a.d_model,))
         self.pos_embed = mx.zeros((1 + a.n_patches, a.d_model))
-        self.layers = [Block(a) for _ in range(a.n_layers)]
+        self.layers = [Block(a, a.drop_path * i / max(a.n_layers - 1, 1))
+                       for i in range(a.n_layers)]
         self.norm = LayerNorm(a.d_model, eps=a.norm_eps)
         self.head = Linear(a.d_model, a.num_classes)
         self._init_weights()
