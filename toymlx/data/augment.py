@@ -116,57 +116,70 @@ def _smooth(x: np.ndarray) -> np.ndarray:
     return out
 
 
+GEOMETRIC = ("shear_x", "shear_y", "translate_x", "translate_y", "rotate")
+
+
+def _matrices(name: str, m: np.ndarray, h: int, w: int) -> np.ndarray:
+    """(n, 2, 3) output->input maps of a geometric op at signed magnitudes m in [-1, 1]."""
+    mat = np.zeros((len(m), 2, 3), np.float32)
+    mat[:, 0, 0] = mat[:, 1, 1] = 1.0
+    if name == "shear_x":
+        mat[:, 0, 1] = 0.3 * m
+    elif name == "shear_y":
+        mat[:, 1, 0] = 0.3 * m
+    elif name == "translate_x":
+        mat[:, 0, 2] = 0.45 * w * m
+    elif name == "translate_y":
+        mat[:, 1, 2] = 0.45 * h * m
+    else:  # rotate, up to 30 degrees
+        a = np.deg2rad(30.0 * m)
+        mat[:, 0, 0], mat[:, 0, 1] = np.cos(a), -np.sin(a)
+        mat[:, 1, 0], mat[:, 1, 1] = np.sin(a), np.cos(a)
+    return mat
+
+
+def apply_op(x: np.ndarray, name: str, m: np.ndarray) -> np.ndarray:
+    """One TrivialAugment op on every image of x, at signed magnitudes m (n,) in [-1, 1]
+    (ops without a direction use |m|), with torchvision's ranges: shear 0.3, translate 0.45 of
+    the side, rotate 30 degrees, enhance factors 1 +- 0.9, posterize 8 -> 4 bits, solarize
+    threshold 1 -> 0."""
+    m = np.asarray(m, np.float32)
+    if name == "identity":
+        return x
+    if name in GEOMETRIC:
+        return affine(x, _matrices(name, m, x.shape[1], x.shape[2]))
+    f, a = 1.0 + 0.9 * m, np.abs(m)[:, None, None, None]
+    if name == "brightness":
+        return _blend(np.zeros_like(x), x, f)
+    if name == "contrast":
+        return _blend(np.broadcast_to(_grey(x).mean(axis=(1, 2, 3), keepdims=True), x.shape), x, f)
+    if name == "color":
+        return _blend(np.broadcast_to(_grey(x), x.shape), x, f)
+    if name == "sharpness":
+        return _blend(_smooth(x), x, f)
+    if name == "posterize":  # keep the top 8 - floor(4|m|) bits of each 8-bit value
+        step = 2.0 ** np.floor(4 * a)
+        return (np.floor(np.round(x * 255) / step) * step / 255).astype(np.float32)
+    if name == "solarize":
+        return np.where(x >= 1.0 - a, 1.0 - x, x).astype(np.float32)
+    if name == "autocontrast":
+        lo = x.min(axis=(1, 2), keepdims=True)
+        hi = x.max(axis=(1, 2), keepdims=True)
+        return np.where(hi > lo, (x - lo) / np.where(hi > lo, hi - lo, 1.0), x).astype(np.float32)
+    raise ValueError(f"augment op: expected one of {', '.join(TRIVIAL_OPS)}, found {name!r}")
+
+
 def trivial_augment(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """One TrivialAugment op per image with a uniform magnitude in [0, 1] of its range."""
-    n, h, w, _ = x.shape
+    n = len(x)
     op = rng.integers(0, len(TRIVIAL_OPS), n)
     mag = rng.uniform(0.0, 1.0, n).astype(np.float32)
     sign = np.where(rng.random(n) < 0.5, -1.0, 1.0).astype(np.float32)
     out = x.copy()
-    geo = np.zeros((n, 2, 3), np.float32)
-    geo[:, 0, 0] = geo[:, 1, 1] = 1.0
-    moved = np.zeros(n, bool)
     for k, name in enumerate(TRIVIAL_OPS):
         sel = op == k
-        if not sel.any() or name == "identity":
-            continue
-        m, s = mag[sel], sign[sel]
-        if name in ("shear_x", "shear_y"):
-            geo[sel, 0 if name == "shear_x" else 1, 1 if name == "shear_x" else 0] = 0.3 * m * s
-        elif name == "translate_x":
-            geo[sel, 0, 2] = 0.45 * w * m * s
-        elif name == "translate_y":
-            geo[sel, 1, 2] = 0.45 * h * m * s
-        elif name == "rotate":
-            a = np.deg2rad(30.0 * m * s)
-            geo[sel, 0, 0], geo[sel, 0, 1] = np.cos(a), -np.sin(a)
-            geo[sel, 1, 0], geo[sel, 1, 1] = np.sin(a), np.cos(a)
-        else:
-            xs, f = x[sel], 1.0 + 0.9 * m * s
-            if name == "brightness":
-                out[sel] = _blend(np.zeros_like(xs), xs, f)
-            elif name == "contrast":
-                out[sel] = _blend(np.broadcast_to(_grey(xs).mean(axis=(1, 2, 3), keepdims=True),
-                                                  xs.shape), xs, f)
-            elif name == "color":
-                out[sel] = _blend(np.broadcast_to(_grey(xs), xs.shape), xs, f)
-            elif name == "sharpness":
-                out[sel] = _blend(_smooth(xs), xs, f)
-            elif name == "posterize":
-                levels = 2.0 ** (8 - np.floor(4 * m))[:, None, None, None]  # 8 -> 4 bits
-                out[sel] = np.floor(xs * 255 / (256 / levels)) * (256 / levels) / 255
-            elif name == "solarize":
-                t = (1.0 - m)[:, None, None, None]
-                out[sel] = np.where(xs >= t, 1.0 - xs, xs)
-            elif name == "autocontrast":
-                lo = xs.min(axis=(1, 2), keepdims=True)
-                hi = xs.max(axis=(1, 2), keepdims=True)
-                span = np.where(hi > lo, hi - lo, 1.0)
-                out[sel] = np.where(hi > lo, (xs - lo) / span, xs)
-            continue
-        moved |= sel
-    if moved.any():
-        out[moved] = affine(out[moved], geo[moved])
+        if sel.any():
+            out[sel] = apply_op(x[sel], name, mag[sel] * sign[sel])
     return out.astype(np.float32)
 
 

@@ -89,8 +89,10 @@ def decode_image(path: str | Path, size: int, channels: int) -> np.ndarray:
     return a.reshape(size, size, channels)
 
 
-def scan_image_folder(root: str | Path) -> tuple[list[Path], np.ndarray, list[str]]:
-    """(files, labels, class names) of an ImageFolder tree, in sorted order."""
+def scan_image_folder(root: str | Path, min_classes: int = 2
+                      ) -> tuple[list[Path], np.ndarray, list[str]]:
+    """(files, labels, class names) of an ImageFolder tree, in sorted order; a training set
+    needs two classes, a validation or test set (`min_classes=1`) one."""
     root = Path(root)
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not classes:
@@ -107,7 +109,7 @@ def scan_image_folder(root: str | Path) -> tuple[list[Path], np.ndarray, list[st
                                  "none; add images or remove the folder")
         files += found
         labels += [k] * len(found)
-    if len(classes) < 2:
+    if len(classes) < min_classes:
         raise ImageDataError(f"{root}: expected at least 2 class subfolders, found 1 "
                              f"({classes[0]!r}); a classifier needs two or more classes")
     return files, np.asarray(labels, np.int64), classes

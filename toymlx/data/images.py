@@ -167,6 +167,9 @@ class Raw:
 
 
 def _load_arrays(p: Path) -> Raw:
+    if is_cifar(p) or (p.is_file() and _is_pickle(p)):
+        x, y, n_train, names = load_cifar(p)
+        return Raw(x, y, str(p), n_train, names, 255.0)
     if p.is_dir():
         train, test = _idx_in_dir(p, "train"), _idx_in_dir(p, "t10k")
         if train and test:
@@ -187,9 +190,6 @@ def _load_arrays(p: Path) -> Raw:
     if "idx3" in p.name:
         x, y = load_idx(p)
         return Raw(x, y, str(p))
-    if is_cifar(p) or _is_pickle(p):
-        x, y, n_train, names = load_cifar(p)
-        return Raw(x, y, str(p), n_train, names, 255.0)
     if p.suffix.lower() in IMAGE_EXTENSIONS:
         raise ImageDataError(f"{p}: a single image: expected a data set (a folder of class "
                              "subfolders, CIFAR batches, IDX or .npz); toymlx-classify "
@@ -213,7 +213,7 @@ def _is_image_folder(p: Path) -> bool:
 
 
 def _load_raw(path: str | None, size: int | None, channels: int | None,
-              stream: bool | None, workers: int) -> Raw:
+              stream: bool | None, workers: int, min_classes: int = 2) -> Raw:
     """A source as images of one square size: arrays as stored, or a folder resized to `size`
     (default: its images' common square size, else DEFAULT_FOLDER_SIZE) and `channels`
     (default: 3 when any image has colour)."""
@@ -228,7 +228,7 @@ def _load_raw(path: str | None, size: int | None, channels: int | None,
         raise ImageDataError(f"{p}: no such file or directory")
     if not _is_image_folder(p):
         return _load_arrays(p)
-    files, y, names = scan_image_folder(p)
+    files, y, names = scan_image_folder(p, min_classes)
     colour, sizes = probe(files, workers)
     if size is None:
         (w, h), = sizes if len(sizes) == 1 else ((0, 1),)
@@ -503,7 +503,7 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
         raise ImageDataError(f"channels: expected 1 or 3, found {channels}")
     augment = augment or Augment()
     augment.validate()
-    raw = _load_raw(path, image_size, channels, stream, workers)
+    raw = _load_raw(path, image_size, channels, stream, workers, 1 if classes else 2)
     raw.x = _conform(raw.x, image_size, channels, raw.source)
     if len(raw.x) == 0:
         raise ImageDataError(f"{raw.source}: no images")
@@ -513,7 +513,7 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
     y = _map_classes(raw, names, raw.source)
     if val_path is not None:
         h, _, c = raw.x.shape[1:]
-        val = _load_raw(val_path, h, c, stream, workers)
+        val = _load_raw(val_path, h, c, stream, workers, min_classes=1)
         val.x = _conform(val.x, h, c, val.source)
         if len(val.x) == 0:
             raise ImageDataError(f"{val.source}: --data.val-path: no images")
