@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import tyro
 
@@ -18,7 +18,7 @@ PROG = "toymlx-classify"
 class Args:
     """Classify image files with a ViT checkpoint: top-k classes with probabilities."""
 
-    inputs: tyro.conf.Positional[list[str]]
+    inputs: Annotated[tyro.conf.Positional[list[str]], tyro.conf.arg(metavar="IMAGE_OR_DIR")]
     """Image files, or folders (every image below them)."""
     model: str
     """A ViT checkpoint GGUF, or a run directory (its weights/latest)."""
@@ -36,6 +36,8 @@ def run(args: Args) -> int:
     from toymlx.classify import Classifier, image_files
     from toymlx.device import select_device
 
+    if not args.inputs:
+        raise ValueError("IMAGE_OR_DIR: expected at least one image file or folder, found none")
     if args.top_k < 1:
         raise ValueError(f"--top-k: expected >= 1, found {args.top_k}")
     if args.batch_size < 1:

@@ -80,7 +80,8 @@ class ImageData:
     """Random crop: shift (of the image padded by max_shift zero pixels), resized (timm's
     RandomResizedCrop, area >= crop_scale) or none (default: shift up to 64 px, else resized)."""
     max_shift: int | None = None
-    """Largest shift in pixels per axis for crop shift (default: 1/8 of the image side)."""
+    """Largest shift in pixels per axis for crop shift (default: 2 for grey images, as for
+    MNIST; 1/8 of the side for colour ones, CIFAR's 4 at 32 px)."""
     crop_scale: float = 0.35
     """Smallest crop area for crop resized, as a fraction of the image."""
     flip: bool | None = None
@@ -153,7 +154,8 @@ def augment_for(d: ImageData, shape: tuple[int, int, int], n_train: int) -> Augm
     if not on:
         return Augment(mixup=mixup, cutmix=d.cutmix)
     crop = d.crop or ("shift" if side <= 64 else "resized")
-    return Augment(crop=crop, pad=d.max_shift if d.max_shift is not None else max(1, side // 8),
+    pad = 2 if channels == 1 else max(1, side // 8)  # MNIST's usual +-2; CIFAR's pad 4 at 32
+    return Augment(crop=crop, pad=d.max_shift if d.max_shift is not None else pad,
                    scale_min=d.crop_scale,
                    flip=d.flip if d.flip is not None else channels == 3,
                    trivial=d.trivial_augment if d.trivial_augment is not None else True,
