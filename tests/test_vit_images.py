@@ -42,7 +42,8 @@ def folder(tmp_path_factory):
 def test_image_folder_trains_resumes_exactly_classifies_and_evaluates(tmp_path, folder, capsys):
     # augmentation on (8 px: shift, TrivialAugment, flips for colour, cutmix + mixup) so the
     # resumed run must redraw every random choice exactly
-    aug = ["--data.image-size", "8", "--data.augment", "True", "--data.cutmix", "1.0",
+    aug = ["--data.image-size", "8", "--data.augment", "True", "--data.trivial-augment",
+           "--data.cutmix", "1.0",
            "--data.mixup", "0.4", "--steps", "6", "--checkpoint-every", "3", "--eval-every", "3"]
     full = _train(tmp_path, "full", folder, *aug)
     part = _train(tmp_path, "part", folder, *aug, "--stop-at", "3", "--data.workers", "0")

@@ -75,7 +75,8 @@ class ImageData:
     """1 (grey) or 3 (RGB) (default: 3 when any image has colour)."""
     augment: bool | None = None
     """Train-time augmentation at all (default: on for images of 16 px and more; on the 8x8
-    digits 1-pixel shifts slowed learning: 49% vs 89% held-out at step 200)."""
+    digits 1-pixel shifts slowed learning: 49% vs 89% held-out at step 200; on MNIST shifts of
+    2 px cost accuracy in 1,500 steps and paid off in 4,000, docs/RESULTS.md)."""
     crop: Literal["shift", "resized", "none"] | None = None
     """Random crop: shift (of the image padded by max_shift zero pixels), resized (timm's
     RandomResizedCrop, area >= crop_scale) or none (default: shift up to 64 px, else resized)."""
@@ -87,9 +88,11 @@ class ImageData:
     flip: bool | None = None
     """Random horizontal flips (default: on for colour images, off for grey ones such as
     digits, where orientation matters)."""
-    trivial_augment: bool | None = None
+    trivial_augment: bool = False
     """TrivialAugment: one random op (shear, translate, rotate, brightness, contrast, ...) of
-    random strength per image (default: on with augmentation)."""
+    random strength per image. Off by default: on MNIST it slowed learning far more than these
+    short CPU schedules can repay (69% vs 82% held-out at step 500 of 1500, with shifts in both;
+    docs/RESULTS.md); turn it on for long schedules."""
     mixup: float | None = None
     """Mixup: images mixed as lam * x + (1 - lam) * x[perm], the loss mixed the same way, lam ~
     Beta(mixup, mixup) per micro-batch (0: off). Default: 0.4 when there are fewer than 5,000
@@ -158,7 +161,7 @@ def augment_for(d: ImageData, shape: tuple[int, int, int], n_train: int) -> Augm
     return Augment(crop=crop, pad=d.max_shift if d.max_shift is not None else pad,
                    scale_min=d.crop_scale,
                    flip=d.flip if d.flip is not None else channels == 3,
-                   trivial=d.trivial_augment if d.trivial_augment is not None else True,
+                   trivial=bool(d.trivial_augment),
                    mixup=mixup, cutmix=d.cutmix)
 
 
