@@ -135,6 +135,8 @@ def test_timm_forward_equals_toymlx(exported):
     hub = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     with torch.no_grad():
         for m in (explicit, hub):
-            np.testing.assert_allclose(m(xt).numpy(), want, atol=1e-4, rtol=0)
+            got = m(xt).numpy()
+            print(f"max |timm - toymlx| logit: {np.abs(got - want).max():.2e}")
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     assert hub.pretrained_cfg["label_names"] == NAMES
     np.testing.assert_allclose(hub.pretrained_cfg["mean"], NORM["toy.pixel_mean"], rtol=1e-7)
