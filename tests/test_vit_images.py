@@ -128,3 +128,23 @@ def test_bad_image_data_one_line_error_and_nothing_left(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and str(bad) in err[0], err
     assert not (tmp_path / "runs" / "r").exists()  # nothing half-written
+
+
+def test_stochastic_depth_rates_scaling_and_eval_mode():
+    from toymlx.models.vit import ViT, ViTArgs
+
+    a = ViTArgs(image_size=8, patch_size=4, channels=1, d_model=8, n_layers=3, n_heads=2,
+                mlp_dim=16, num_classes=3, drop_path=0.4)
+    model = ViT(a)
+    assert [blk.drop for blk in model.layers] == [0.0, 0.2, 0.4]  # timm's linear rule
+    blk = model.layers[2]
+    y = mx.ones((20000, 1, 1))
+    mx.random.seed(0)
+    out = np.asarray(blk._branch(y)).ravel()
+    assert np.allclose(out[out != 0], 1 / 0.6)  # dropped, or kept and scaled by 1 / (1 - p)
+    assert abs((out == 0).mean() - 0.4) < 0.015 and abs(out.mean() - 1.0) < 0.03
+    x = mx.array(np.random.default_rng(0).normal(size=(4, 8, 8, 1)).astype(np.float32))
+    model.eval()
+    plain = ViT(ViTArgs(**{**a.__dict__, "drop_path": 0.0}))
+    plain.update(model.parameters())
+    assert mx.array_equal(model(x), plain(x)).item()  # no dropping outside training

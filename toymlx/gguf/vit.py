@@ -138,6 +138,7 @@ def class_names(g: GGUFFile) -> list[str]:
     if names is None:
         return [str(i) for i in range(n)]
     if not isinstance(names, list) or len(names) != n or not all(isinstance(s, str) for s in names):
+        found = f"{len(names)} items" if isinstance(names, list) else type(names).__name__
         raise GGUFError(f"{g.path}: metadata key 'toy.class_names': expected {n} strings (one per "
-                        f"class), found {type(names).__name__} of {len(names) if isinstance(names, list) else 1}")
+                        f"class), found {found}")
     return names
