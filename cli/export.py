@@ -17,8 +17,7 @@ PROG = "toymlx-export"
 
 @dataclass
 class Args:
-    """Write a llama GGUF for llama.cpp (a base with a LoRA adapter fused in, or re-encoded), or a
-    ViT for timm.
+    """Write a llama GGUF for llama.cpp, or a ViT for timm.
 
     --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight.
     --adapter A alone:  the adapter GGUF itself, checked against the base.
