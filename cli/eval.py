@@ -1,7 +1,8 @@
 """toymlx-eval --model runs/<id>|ckpt.gguf: evaluate a checkpoint on held-out data.
 
-A ViT checkpoint reports loss and accuracy on the validation split of its image data (or on
-every image with --split all); a llama checkpoint reports loss and perplexity on a text file.
+A ViT checkpoint reports accuracy, per-class accuracy and a confusion matrix on the validation
+split of its image data (the run's own data for a run directory; every image with --split all;
+a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+import tyro
 from toymlx_cli import version_text
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
@@ -24,8 +26,9 @@ class Args:
 
     model: str
     """A checkpoint GGUF or a run directory (uses weights/latest)."""
-    data_path: str | None = None
-    """Images (IDX/.npz; default the digits fixture) or a UTF-8 text file for a Llama."""
+    data_path: Annotated[str | None, tyro.conf.arg(aliases=("--data.path",))] = None
+    """Images (an ImageFolder, CIFAR batches, IDX, .npz; default: a run directory's own data,
+    else the digits fixture) or a UTF-8 text file for a Llama."""
     split: Literal["val", "all"] = "val"
     """Evaluate the validation split (the same fixed split training used) or every example."""
     batch_size: int = 256
@@ -34,6 +37,11 @@ class Args:
     """Llama only: tokens per window."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
+    plot: str | None = None
+    """ViT only: also write the confusion matrix as a PNG to this path (needs matplotlib, the
+    report extra)."""
+    json: bool = False
+    """ViT only: print the report as JSON (per-class accuracy and the matrix) instead of text."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,10 +58,60 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = evaluate(args)
     except (ValueError, OSError) as e:
-        print(f"toymlx-eval: error: {e}", file=sys.stderr)
+        print(f"toymlx-eval: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(json.dumps(out))
+    text = out.pop("text", None)
+    print(text if text is not None and not args.json else json.dumps(out))
     return 0
+
+
+def _run_data(run_dir: Path) -> dict:
+    """The data options a run directory was trained with ({} when it has no config.json)."""
+    from toymlx.runs import CONFIG_FILE
+
+    try:
+        return json.loads((run_dir / CONFIG_FILE).read_text())["config"].get("data", {})
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def evaluate_images(args: Args, path: Path) -> dict:
+    """Accuracy, per-class accuracy and the confusion matrix of a ViT checkpoint."""
+    from toymlx.classify import (
+        Classifier,
+        confusion,
+        format_report,
+        plot_confusion,
+        predict,
+        report,
+    )
+    from toymlx.data.images import load_images
+
+    clf = Classifier.load(path)
+    run = _run_data(Path(args.model)) if Path(args.model).is_dir() else {}
+    data_path = args.data_path if args.data_path is not None else run.get("path")
+    val_path = run.get("val_path") if args.data_path is None else None
+    data = load_images(data_path, 0.0 if args.split == "all" and not val_path else
+                       run.get("val_fraction", 0.1), val_path=val_path,
+                       image_size=clf.image_size, channels=clf.channels, classes=clf.names)
+    data.mean, data.std = clf.mean, clf.std  # the checkpoint's normalisation, not this data's
+    if not data.scale_fixed:  # arrays in the training set's own units (the digits: 0..16)
+        data.scale = clf.scale
+    batches = list(data.val_batches(args.batch_size))
+    if args.split == "all" and len(data.train_y):
+        data.val_x, data.val_y = data.train_x, data.train_y
+        batches += list(data.val_batches(args.batch_size))
+    pred, true, loss = predict(clf, batches)
+    m = confusion(pred, true, len(clf.names))
+    if args.plot:
+        plot_confusion(m, clf.names, args.plot)
+    out = {"model": str(path), "data": data.source, "split": args.split, **report(m, clf.names),
+           "val_loss": loss / max(len(true), 1)}
+    text = format_report(m, clf.names) + f"\n\nmodel {path}\ndata {data.source} ({args.split})"
+    if args.plot:
+        text += f"\nplot {args.plot}"
+    out["text"] = text
+    return out
 
 
 def evaluate(args: Args) -> dict:
@@ -72,23 +130,7 @@ def evaluate(args: Args) -> dict:
         path = resolve_latest(path)
     arch = GGUFFile(path).architecture
     if arch == "vit":
-        from toymlx.data.images import load_images
-        from toymlx.gguf.vit import load_vit
-        from toymlx.losses import classify_loss, classify_metrics
-
-        model, norm, _ = load_vit(path)
-        data = load_images(args.data_path, val_fraction=0.0 if args.split == "all" else 0.1,
-                           augment=False)
-        if args.split == "all":
-            data.val_x, data.val_y = data.train_x, data.train_y
-        if norm:  # the checkpoint's own normalisation, not this data's statistics
-            data.scale = float(norm["toy.pixel_scale"])
-            data.mean = np.asarray(norm["toy.pixel_mean"], np.float32)
-            data.std = np.asarray(norm["toy.pixel_std"], np.float32)
-        task = Task("eval", model, classify_loss, lambda s: {}, data.val_batches(
-            args.batch_size, pad_last=True), None, None, {}, metrics_fn=classify_metrics)
-        m = run_eval(task)
-        return {"model": str(path), "data": data.source, "images": len(data.val_y), **m}
+        return evaluate_images(args, path)
     if arch == "llama":
         from toymlx.data.text import TokenData
         from toymlx.gguf.llama import load_llama

@@ -1,4 +1,5 @@
-"""toymlx-export --base BASE.gguf [--adapter RUN|ADAPTER.gguf --fuse] --out OUT.gguf [--dtype]."""
+"""toymlx-export --base BASE.gguf [--adapter RUN|ADAPTER.gguf --fuse] --out OUT.gguf [--dtype],
+or toymlx-export --model runs/<vit run> --format safetensors --out DIR|FILE.safetensors."""
 
 from __future__ import annotations
 
@@ -18,17 +19,25 @@ PROG = "toymlx-export"
 
 @dataclass
 class Args:
-    """Write a llama GGUF for llama.cpp: a base with a LoRA adapter fused in, or re-encoded.
+    """Write a llama GGUF for llama.cpp, or a ViT for timm.
 
     --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight.
     --adapter A alone:  the adapter GGUF itself, checked against the base.
     no --adapter:       the base re-encoded at --dtype (e.g. an F32 copy of a Q4_1 file).
+    --model M --format safetensors: a ViT run or checkpoint in timm's vit_tiny_patch16_224
+                        layout; --out DIR writes DIR/model.safetensors + DIR/config.json
+                        (timm.create_model("local-dir:DIR", pretrained=True) loads it),
+                        --out F.safetensors the weights alone (config in its metadata).
     """
 
-    base: str
-    """The llama GGUF the adapter was trained on (its tokenizer and metadata are kept)."""
     out: str
-    """Where to write the GGUF (atomically)."""
+    """Where to write (atomically): a GGUF, or for safetensors a folder or .safetensors file."""
+    base: str | None = None
+    """The llama GGUF the adapter was trained on (its tokenizer and metadata are kept)."""
+    model: str | None = None
+    """A ViT checkpoint GGUF or run directory to export (with --format safetensors)."""
+    format: Literal["gguf", "safetensors"] = "gguf"
+    """gguf (llama.cpp) or safetensors (timm's ViT layout, from --model)."""
     adapter: str | None = None
     """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest)."""
     fuse: bool = False
@@ -37,11 +46,43 @@ class Args:
     """Tensor type of the written model's matrices (default: f32, or q8_0 for a Q8_0 base)."""
 
 
+def export_vit(args: Args) -> int:
+    from toymlx.classify import Classifier
+    from toymlx.timm_export import TIMM_ARCH, export_timm, timm_model_args
+
+    if args.base or args.adapter or args.fuse or args.dtype:
+        raise ValueError("--format safetensors: expected --model and --out only, found "
+                         "--base/--adapter/--fuse/--dtype (those are for llama GGUFs)")
+    t0 = time.perf_counter()
+    clf = Classifier.load(args.model)
+    norm = {"toy.pixel_scale": clf.scale, "toy.pixel_mean": clf.mean.tolist(),
+            "toy.pixel_std": clf.std.tolist()}
+    files = export_timm(args.out, clf.model, norm, clf.names)
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in timm_model_args(clf.model.args).items())
+    print(f"{PROG}: wrote {', '.join(map(str, files))} from {clf.path} in "
+          f"{time.perf_counter() - t0:.1f} s; load with timm.create_model({TIMM_ARCH!r}, "
+          f"{kwargs}) and load_state_dict; inputs NCHW, (pixels / 255 - mean) / std with mean "
+          f"{[round(float(v), 4) for v in clf.mean]}, std {[round(float(v), 4) for v in clf.std]}",
+          file=sys.stderr)
+    return 0
+
+
 def run(args: Args) -> int:
     from toymlx.atomic import atomic_open
     from toymlx.gguf.llama import load_llama
     from toymlx.lora import apply_adapter, resolve_adapter_path, write_merged
 
+    if args.format == "safetensors" or args.model:
+        if args.format != "safetensors":
+            raise ValueError("--model: expected with --format safetensors (a ViT for timm), "
+                             "found --format gguf; llama GGUFs are exported with --base")
+        if not args.model:
+            raise ValueError("--format safetensors: expected --model (a ViT run or checkpoint), "
+                             "found none")
+        return export_vit(args)
+    if not args.base:
+        raise ValueError("--base: expected the llama GGUF to export (or --model with --format "
+                         "safetensors for a ViT), found none")
     out = Path(args.out)
     if args.fuse and not args.adapter:
         raise ValueError("--fuse: expected --adapter (the adapter to merge), found none")

@@ -13,6 +13,7 @@ import pytest
 
 from toymlx.data.images import (
     DIGITS_NPZ,
+    Augment,
     ImageDataError,
     load_idx,
     load_images,
@@ -68,7 +69,7 @@ def test_default_split_sizes_and_disjointness():
 
 
 def test_validation_is_fixed_and_unaugmented():
-    a, b = load_images(None), load_images(None, augment=True, max_shift=2)
+    a, b = load_images(None), load_images(None, augment=Augment(crop="shift", pad=2))
     va, vb = a.val_batches(64), b.val_batches(64)
     assert [v["images"].shape for v in va] == [(1, 64, 8, 8, 1), (1, 64, 8, 8, 1), (1, 52, 8, 8, 1)]
     assert all(v["labels"].dtype == np.int32 and v["images"].dtype == np.float32 for v in va)
@@ -99,7 +100,7 @@ def test_train_batch_is_a_pure_function_of_seed_and_step():
 
 
 def test_an_epoch_visits_every_training_image_once():
-    d = load_images(None, augment=False)
+    d = load_images(None)
     n = len(d.train_x)  # 1617 = 21 * 77
     steps = [d.train_batch(s, seed=3, batch_size=77) for s in range(n // 77)]
     images = np.concatenate([b["images"].reshape(-1, 8, 8, 1) for b in steps])
@@ -112,8 +113,8 @@ def test_an_epoch_visits_every_training_image_once():
 
 
 def test_augmentation_shifts_with_zero_padding():
-    plain = load_images(None, augment=False)
-    aug = load_images(None, augment=True, max_shift=1)
+    plain = load_images(None)
+    aug = load_images(None, augment=Augment(crop="shift", pad=1))
     a = plain.train_batch(2, seed=0, batch_size=64)
     b = aug.train_batch(2, seed=0, batch_size=64)
     np.testing.assert_array_equal(a["labels"], b["labels"])  # same images, shifted

@@ -29,8 +29,9 @@ from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import encode_tensor
 from toymlx.losses import lm_loss
+from toymlx.models.layers import check_checkpointable
 from toymlx.models.llama import Llama, tiny
-from toymlx.models.ops import Ops, check_checkpointable, training_ops
+from toymlx.models.ops import Ops, training_ops
 from toymlx.step import LossScale, make_step
 
 LLAMA = ["--model.d-model", "64", "--model.n-layers", "2", "--model.n-heads", "4",

@@ -9,7 +9,7 @@ import pytest
 
 import toymlx
 
-COMMANDS = ["train", "generate", "export", "eval", "sweep", "report", "launch"]
+COMMANDS = ["train", "generate", "export", "eval", "sweep", "report", "launch", "classify"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)

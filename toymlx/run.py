@@ -25,7 +25,8 @@ from toymlx import checkpoint as ck
 from toymlx import runs
 from toymlx.device import on_gpu, select_device, setup_process
 from toymlx.events import read_events
-from toymlx.models.ops import Ops, check_checkpointable, training_ops
+from toymlx.models.layers import check_checkpointable
+from toymlx.models.ops import Ops, training_ops
 from toymlx.recipes import get_recipe
 from toymlx.trainer import Task, TrainConfig, train
 

@@ -1,29 +1,47 @@
-"""Image-classification data: digits fixture / IDX / npz -> split -> normalised batches.
+"""Image-classification data: digits fixture / IDX / npz / CIFAR / ImageFolder -> split ->
+normalised batches.
 
 Design choices:
-- Every loader returns images `(N, H, W, C)` (uint8 or float) and labels `(N,)` int64; the
-  split and the batches are numpy, and the trainer turns them into `mx.array`s.
+- Every source gives images `(N, H, W, C)` (uint8 or float) and labels `(N,)` int64: arrays in
+  memory, or for an ImageFolder too large for memory (`stream`) an `ImageFiles` list that
+  decodes the images a batch asks for. The split and the batches are numpy, and the trainer
+  turns them into `mx.array`s.
 - Pixels are scaled to [0, 1] by the set's maximum value (16 for the UCI digits, 255 for
-  MNIST), then standardised per channel with the mean/std of the training split only.
+  MNIST and decoded image files), then standardised per channel with the mean/std of the
+  training split only.
 - The train/validation split uses a fixed permutation (`SPLIT_SEED`), never the run's seed,
   so validation is identical across seeds. A directory holding both `train-*` and `t10k-*`
-  IDX pairs uses the official split instead (t10k is validation).
+  IDX pairs, or CIFAR's batches, uses the official split instead (t10k / test_batch is
+  validation); `val_path` names a separate validation set.
 - `train_batch` is a pure function of `(seed, step)`: the sample stream walks epochs, each
-  shuffled by `np.random.default_rng([seed, epoch])`; augmentation (a shift of up to
-  `max_shift` pixels with zero padding, in [0, 1] space before standardising) draws from
-  `np.random.default_rng([seed, step, 1])`. Resuming at step s needs no loader state.
+  shuffled by `np.random.default_rng([seed, epoch])`; augmentation (`toymlx.data.augment`, in
+  [0, 1] space before standardising) draws from `np.random.default_rng([seed, step, 1])`, and
+  mixup/cutmix from `[seed, step, 2]`. Resuming at step s needs no loader state, and
+  `Prefetcher` can compute the next steps' batches in background threads.
 """
 
 from __future__ import annotations
 
 import gzip
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from PIL import Image
 
+from toymlx.data import augment as A
 from toymlx.data import fixture_path
+from toymlx.data.cifar import is_cifar, load_cifar
+from toymlx.data.image_folder import (
+    IMAGE_EXTENSIONS,
+    ImageDataError,
+    ImageFiles,
+    probe,
+    scan_image_folder,
+)
 
 SPLIT_SEED = 20240601
 """Seed of the fixed train/validation permutation (independent of the run's seed)."""
@@ -33,9 +51,12 @@ DIGITS_NPZ = fixture_path("digits", "digits.npz")
 _IDX_IMAGES, _IDX_LABELS = 0x00000803, 0x00000801  # ubyte data, 3 dims / 1 dim
 
 
-class ImageDataError(ValueError):
-    """An image data file or setting cannot be used; the message is one line."""
+STREAM_ABOVE_MB = 2048
+"""An ImageFolder whose decoded training images would take more than this many MB streams from
+disk unless `stream` says otherwise."""
 
+DEFAULT_FOLDER_SIZE = 224
+"""Image side for an ImageFolder of mixed sizes when none is given (timm's ViT-Tiny input)."""
 
 def _read_bytes(path: Path) -> bytes:
     try:
@@ -131,15 +152,25 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype(np.int64)
 
 
-def _load_raw(path: str | None) -> tuple[np.ndarray, np.ndarray, str, int | None]:
-    """(x, y, source, n_train or None for a split by val_fraction)."""
-    if path is None:
-        if not DIGITS_NPZ.exists():
-            raise ImageDataError(f"{DIGITS_NPZ}: the default digits data is missing from this "
-                                 "toymlx installation; reinstall toymlx or pass --data.path")
-        x, y = load_npz(DIGITS_NPZ)
-        return x, y, "uci-digits", None
-    p = Path(path)
+@dataclass
+class Raw:
+    """One source as found: images (array or files), labels, and what it says about itself."""
+
+    x: np.ndarray | ImageFiles
+    y: np.ndarray
+    source: str
+    n_train: int | None = None
+    """Where an official split puts its first validation image (None: no split of its own)."""
+    class_names: list[str] = field(default_factory=list)
+    """Names of the classes by index, where the source has them (folders, CIFAR meta)."""
+    scale: float | None = None
+    """What divides the pixels into [0, 1] (None: the set's maximum)."""
+
+
+def _load_arrays(p: Path) -> Raw:
+    if is_cifar(p) or (p.is_file() and _is_pickle(p)):
+        x, y, n_train, names = load_cifar(p)
+        return Raw(x, y, str(p), n_train, names, 255.0)
     if p.is_dir():
         train, test = _idx_in_dir(p, "train"), _idx_in_dir(p, "t10k")
         if train and test:
@@ -147,29 +178,144 @@ def _load_raw(path: str | None) -> tuple[np.ndarray, np.ndarray, str, int | None
             if xa.shape[1:] != xb.shape[1:]:
                 raise ImageDataError(f"{test}: image size mismatch: expected {xa.shape[1:3]} "
                                      f"as in {train.name}, found {xb.shape[1:3]}")
-            return np.concatenate([xa, xb]), np.concatenate([ya, yb]), str(p), len(xa)
+            return Raw(np.concatenate([xa, xb]), np.concatenate([ya, yb]), str(p), len(xa))
         if train or test:
             x, y = load_idx(train or test)
-            return x, y, str(train or test), None
-        raise ImageDataError(f"{p}: no IDX files: expected train-images-idx3-ubyte[.gz] "
-                             "and/or t10k-images-idx3-ubyte[.gz] with their labels")
-    if not p.exists():
-        raise ImageDataError(f"{p}: no such file or directory")
+            return Raw(x, y, str(train or test))
+        raise ImageDataError(f"{p}: no images found: expected class subfolders of image files "
+                             "(ImageFolder), CIFAR python batches, or IDX files "
+                             "(train-/t10k-images-idx3-ubyte[.gz] with their labels)")
     if p.suffix == ".npz":
         x, y = load_npz(p)
-    else:
+        return Raw(x, y, str(p))
+    if "idx3" in p.name:
         x, y = load_idx(p)
-    return x, y, str(p), None
+        return Raw(x, y, str(p))
+    if p.suffix.lower() in IMAGE_EXTENSIONS:
+        raise ImageDataError(f"{p}: a single image: expected a data set (a folder of class "
+                             "subfolders, CIFAR batches, IDX or .npz); toymlx-classify "
+                             "classifies single images")
+    raise ImageDataError(f"{p}: unknown image data format: expected a folder of class "
+                         "subfolders, CIFAR python batches (folder, .tar.gz or batch file), an "
+                         "IDX *-images-idx3-ubyte[.gz] file or a .npz with x and y")
+
+
+def _is_pickle(p: Path) -> bool:
+    try:
+        with p.open("rb") as f:
+            return f.read(1) == b"\x80"  # the PROTO opcode every pickle since protocol 2 opens with
+    except OSError:
+        return False
+
+
+def _is_image_folder(p: Path) -> bool:
+    return p.is_dir() and not is_cifar(p) and not _idx_in_dir(p, "train") \
+        and not _idx_in_dir(p, "t10k") and any(d.is_dir() for d in p.iterdir())
+
+
+def _load_raw(path: str | None, size: int | None, channels: int | None,
+              stream: bool | None, workers: int, min_classes: int = 2) -> Raw:
+    """A source as images of one square size: arrays as stored, or a folder resized to `size`
+    (default: its images' common square size, else DEFAULT_FOLDER_SIZE) and `channels`
+    (default: 3 when any image has colour)."""
+    if path is None:
+        if not DIGITS_NPZ.exists():
+            raise ImageDataError(f"{DIGITS_NPZ}: the default digits data is missing from this "
+                                 "toymlx installation; reinstall toymlx or pass --data.path")
+        x, y = load_npz(DIGITS_NPZ)
+        return Raw(x, y, "uci-digits")
+    p = Path(path)
+    if not p.exists():
+        raise ImageDataError(f"{p}: no such file or directory")
+    if not _is_image_folder(p):
+        return _load_arrays(p)
+    files, y, names = scan_image_folder(p, min_classes)
+    colour, sizes = probe(files, workers)
+    if size is None:
+        (w, h), = sizes if len(sizes) == 1 else ((0, 1),)
+        size = w if w == h and w <= DEFAULT_FOLDER_SIZE else DEFAULT_FOLDER_SIZE
+    lazy = ImageFiles(files, size, channels or (3 if colour else 1))
+    if stream is None:
+        stream = np.prod(lazy.shape) / 2**20 > STREAM_ABOVE_MB
+    return Raw(lazy if stream else lazy.decode_all(workers), y, str(p), None, names, 255.0)
+
+
+def _conform(x: np.ndarray | ImageFiles, size: int | None, channels: int | None,
+             where: str) -> np.ndarray | ImageFiles:
+    """Arrays resized (shorter side, centre crop, bicubic) and converted to grey/RGB as asked."""
+    if isinstance(x, ImageFiles):
+        if (size or x.size) != x.size or (channels or x.channels) != x.channels:
+            x = ImageFiles(x.files, size or x.size, channels or x.channels)
+        return x
+    n, h, w, c = x.shape
+    if channels is not None and channels != c:
+        if c == 3 and channels == 1:
+            x = (x.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32))[..., None]
+        elif c == 1 and channels == 3:
+            x = np.repeat(x, 3, axis=-1)
+        else:
+            raise ImageDataError(f"{where}: channels: expected 1 or 3 to convert, found {c}")
+    if size is not None and (h, w) != (size, size):
+        out = np.empty((n, size, size, x.shape[-1]), np.float32)
+        for i in range(n):
+            for ch in range(x.shape[-1]):
+                im = Image.fromarray(np.asarray(x[i, :, :, ch], np.float32), mode="F")
+                s = size / min(h, w)
+                nw, nh = max(size, round(w * s)), max(size, round(h * s))
+                im = im.resize((nw, nh), Image.Resampling.BICUBIC)
+                left, top = (nw - size) // 2, (nh - size) // 2
+                out[i, :, :, ch] = np.asarray(im.crop((left, top, left + size, top + size)))
+        x = out
+    return x
+
+
+def _map_classes(raw: Raw, classes: list[str], where: str) -> np.ndarray:
+    """raw's labels re-indexed into `classes` by name (sources with names), else kept."""
+    if not raw.class_names:
+        if len(raw.y) and int(raw.y.max()) >= len(classes):
+            raise ImageDataError(f"{where}: label {int(raw.y.max())}: expected < {len(classes)} "
+                                 "(the classes of the training set or checkpoint)")
+        return raw.y
+    unknown = [n for n in raw.class_names if n not in classes]
+    if unknown:
+        raise ImageDataError(f"{where}: class {unknown[0]!r}: expected one of the "
+                             f"{len(classes)} classes {classes[:8]}{' ...' if len(classes) > 8 else ''}"
+                             ", found a class the model does not know")
+    index = np.array([classes.index(n) for n in raw.class_names], np.int64)
+    return index[raw.y]
+
+
+class Prefetcher:
+    """`fn(step)` for the next steps computed ahead by background threads.
+
+    `fn` must be a pure function of the step (as every `train_batch` is), so prefetching
+    changes no value: asking for step s returns fn(s) and queues s+1 .. s+depth (never past
+    `stop`). A step asked for out of order is computed on the spot. Errors reach the caller.
+    """
+
+    def __init__(self, fn: Callable[[int], Any], workers: int, stop: int, depth: int = 0):
+        self.fn, self.stop, self.depth = fn, stop, depth or 2 * workers
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="toymlx-data")
+        self.pending: dict[int, Future] = {}
+
+    def __call__(self, step: int) -> Any:
+        fut = self.pending.pop(step, None)
+        for s in [s for s in self.pending if s < step]:  # a jump back (resume): drop them
+            self.pending.pop(s).cancel()
+        for s in range(step + 1, min(step + 1 + self.depth, self.stop)):
+            if s not in self.pending:
+                self.pending[s] = self.pool.submit(self.fn, s)
+        return fut.result() if fut is not None else self.fn(step)
 
 
 @dataclass
 class ImageSet:
     """A train/validation split of labelled images with fixed normalisation."""
 
-    train_x: np.ndarray
+    train_x: np.ndarray | ImageFiles
     """Training images (N, H, W, C) as stored (uint8 or float32), not normalised"""
     train_y: np.ndarray
-    val_x: np.ndarray
+    val_x: np.ndarray | ImageFiles
     val_y: np.ndarray
     scale: float
     """Pixels are divided by this (the set's maximum) to land in [0, 1]"""
@@ -179,15 +325,22 @@ class ImageSet:
     """Per-channel std of the scaled training pixels, (C,)"""
     num_classes: int
     source: str = "<images>"
-    augment: bool = True
-    """Random shifts on training batches (never on validation)"""
-    max_shift: int = 1
-    """Largest shift in pixels, per axis"""
+    class_names: list[str] = field(default_factory=list)
+    """Class names by index (folder names, CIFAR's meta; "0", "1", ... for unnamed labels)"""
+    augment: Augment = field(default_factory=lambda: Augment())
+    """Training-time augmentation (never on validation)"""
+    scale_fixed: bool = False
+    """Whether `scale` is the format's (255 for decoded image files and CIFAR) rather than the
+    largest value found in the data"""
     _perms: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
         return tuple(self.train_x.shape[1:])  # (H, W, C)
+
+    @property
+    def streamed(self) -> bool:
+        return isinstance(self.train_x, ImageFiles)
 
     def normalise(self, x: np.ndarray) -> np.ndarray:
         """Stored pixels -> float32 standardised with the training statistics."""
@@ -195,25 +348,18 @@ class ImageSet:
 
     def _epoch_perm(self, seed: int, epoch: int) -> np.ndarray:
         key = (seed, epoch)
-        if key not in self._perms:  # a cache only: the result is a pure function of the key
+        perm = self._perms.get(key)
+        if perm is None:  # a cache only: the result is a pure function of the key
             if len(self._perms) > 4:
                 self._perms.clear()
-            self._perms[key] = np.random.default_rng([seed, epoch]).permutation(len(self.train_x))
-        return self._perms[key]
-
-    def _shift(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Shift each image by (dy, dx) in [-s, s]^2, filling with zeros."""
-        s = self.max_shift
-        n, h, w, _ = x.shape
-        padded = np.pad(x, ((0, 0), (s, s), (s, s), (0, 0)))  # (n, H+2s, W+2s, C)
-        dy, dx = rng.integers(-s, s + 1, size=(2, n))
-        rows = (s - dy)[:, None] + np.arange(h)  # (n, H)
-        cols = (s - dx)[:, None] + np.arange(w)  # (n, W)
-        return padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+            perm = np.random.default_rng([seed, epoch]).permutation(len(self.train_x))
+            self._perms[key] = perm
+        return perm
 
     def train_batch(self, step: int, seed: int, batch_size: int, accum: int = 1
                     ) -> dict[str, np.ndarray]:
-        """Images (accum, B, H, W, C) float32 and labels (accum, B) int32 for one step."""
+        """Images (accum, B, H, W, C) float32 and labels (accum, B) int32 for one step (with
+        `mix_labels` / `mix_lam` (accum, B) when mixup or cutmix is on)."""
         if step < 0 or seed < 0 or batch_size < 1 or accum < 1:
             raise ImageDataError(f"{self.source}: expected step, seed >= 0 and batch_size, "
                                  f"accum >= 1, found {step}, {seed}, {batch_size}, {accum}")
@@ -225,72 +371,174 @@ class ImageSet:
             sel = epochs == e
             idx[sel] = self._epoch_perm(seed, int(e))[pos[sel]]
         x = self.train_x[idx].astype(np.float32) / self.scale  # (A*B, H, W, C) in [0, 1]
-        if self.augment and self.max_shift > 0:
-            x = self._shift(x, np.random.default_rng([seed, step, 1]))
+        x = self.augment.apply(x, np.random.default_rng([seed, step, 1]))
         x = ((x - self.mean) / self.std).astype(np.float32)
-        return {"images": x.reshape(accum, batch_size, *self.image_shape),  # (A, B, H, W, C)
-                "labels": self.train_y[idx].astype(np.int32).reshape(accum, batch_size)}
+        batch = {"images": x.reshape(accum, batch_size, *self.image_shape),  # (A, B, H, W, C)
+                 "labels": self.train_y[idx].astype(np.int32).reshape(accum, batch_size)}
+        if self.augment.mixup > 0 or self.augment.cutmix > 0:
+            batch = A.mix_batch(batch, self.augment.mixup, self.augment.cutmix,
+                                np.random.default_rng([seed, step, 2]))
+        return batch
 
-    def val_batches(self, batch_size: int, pad_last: bool = False) -> list[dict[str, np.ndarray]]:
+    def val_batches(self, batch_size: int, pad_last: bool = False) -> Sequence[dict]:
         """The whole validation split in order, each batch (1, B, ...); the last may be smaller,
-        or with `pad_last` be filled with zero images labelled -1 (padding to ignore)."""
+        or with `pad_last` be filled with zero images labelled -1 (padding to ignore). Batches
+        are made when read (a streamed set decodes them then)."""
         if batch_size < 1:
             raise ImageDataError(f"batch_size: expected >= 1, found {batch_size}")
-        out = []
-        for i in range(0, len(self.val_x), batch_size):
-            x, y = self.normalise(self.val_x[i:i + batch_size]), self.val_y[i:i + batch_size]
-            if pad_last and len(y) < batch_size:
-                x = np.concatenate([x, np.zeros((batch_size - len(y), *x.shape[1:]), x.dtype)])
-                y = np.concatenate([y, np.full(batch_size - len(y), -1, y.dtype)])
-            out.append({"images": x[None], "labels": y.astype(np.int32)[None]})
-        return out
+        return _ValBatches(self, batch_size, pad_last)
 
     def describe(self) -> dict[str, Any]:
         """Sizes for logging."""
         return {"source": self.source, "train_images": len(self.train_x),
                 "val_images": len(self.val_x), "image_shape": list(self.image_shape),
-                "num_classes": self.num_classes}
+                "num_classes": self.num_classes, "streamed": self.streamed}
 
 
-def _channel_stats(x: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and std of x / scale, (C,) float32, in chunks (MNIST: no 376 MB copy)."""
+class _ValBatches(Sequence):
+    """ImageSet.val_batches: a list-like of batches built on access."""
+
+    def __init__(self, data: ImageSet, batch_size: int, pad_last: bool):
+        self.data, self.bs, self.pad = data, batch_size, pad_last
+
+    def __len__(self) -> int:
+        return (len(self.data.val_y) + self.bs - 1) // self.bs
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        d, bs = self.data, self.bs
+        x = d.normalise(d.val_x[i * bs:(i + 1) * bs])
+        y = d.val_y[i * bs:(i + 1) * bs]
+        if self.pad and len(y) < bs:
+            x = np.concatenate([x, np.zeros((bs - len(y), *x.shape[1:]), x.dtype)])
+            y = np.concatenate([y, np.full(bs - len(y), -1, y.dtype)])
+        return {"images": x[None], "labels": y.astype(np.int32)[None]}
+
+
+@dataclass(frozen=True)
+class Augment:
+    """What `ImageSet.train_batch` does to training images, in this order (see augment.py)."""
+
+    crop: Literal["none", "shift", "resized"] = "none"
+    """none; shift: a random crop of the image padded by `pad` zeros; resized: timm's
+    RandomResizedCrop with area in [scale_min, 1]."""
+    pad: int = 1
+    """Largest shift in pixels per axis (crop shift)."""
+    scale_min: float = 0.35
+    """Smallest crop area (crop resized), as a fraction of the image."""
+    flip: bool = False
+    """Random horizontal flips (off where orientation matters, as for digits)."""
+    trivial: bool = False
+    """TrivialAugment: one random op of random strength per image."""
+    mixup: float = 0.0
+    """Mixup Beta(a, a) parameter (0: off)."""
+    cutmix: float = 0.0
+    """Cutmix Beta(a, a) parameter (0: off); with mixup too, one of the two per micro-batch."""
+
+    def apply(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Crop, flip and TrivialAugment on (N, H, W, C) images in [0, 1] (not mixup)."""
+        if self.crop == "shift" and self.pad > 0:
+            x = A.pad_crop(x, self.pad, rng)
+        elif self.crop == "resized":
+            x = A.resized_crop(x, (self.scale_min, 1.0), rng)
+        if self.flip:
+            x = A.hflip(x, rng)
+        if self.trivial:
+            x = A.trivial_augment(x, rng)
+        return x
+
+    def validate(self) -> None:
+        """Raise ImageDataError naming the field when out of range."""
+        if self.pad < 0:
+            raise ImageDataError(f"pad: expected >= 0, found {self.pad}")
+        if not 0.0 < self.scale_min <= 1.0:
+            raise ImageDataError(f"scale_min: expected in (0, 1], found {self.scale_min}")
+        for name in ("mixup", "cutmix"):
+            if getattr(self, name) < 0:
+                raise ImageDataError(f"{name}: expected >= 0 (0: off), found {getattr(self, name)}")
+
+
+def _channel_stats(x: np.ndarray | ImageFiles, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and std of x / scale, (C,) float32, in chunks (MNIST: no 376 MB copy);
+    a streamed set uses a fixed sample of up to 2,000 images."""
+    idx = np.arange(len(x))
+    if isinstance(x, ImageFiles) and len(x) > 2000:
+        idx = np.sort(np.random.default_rng(SPLIT_SEED).choice(len(x), 2000, replace=False))
     s1 = np.zeros(x.shape[-1], np.float64)
     s2 = np.zeros(x.shape[-1], np.float64)
-    for i in range(0, len(x), 4096):
-        c = x[i:i + 4096].astype(np.float64) / scale
+    for i in range(0, len(idx), 4096):
+        c = x[idx[i:i + 4096]].astype(np.float64) / scale
         s1 += c.sum(axis=(0, 1, 2))
         s2 += (c * c).sum(axis=(0, 1, 2))
-    m = len(x) * x.shape[1] * x.shape[2]
+    m = len(idx) * x.shape[1] * x.shape[2]
     mean = s1 / m
     std = np.sqrt(np.maximum(s2 / m - mean * mean, 0.0))
     return mean.astype(np.float32), np.where(std > 0, std, 1.0).astype(np.float32)
 
 
-def load_images(path: str | None = None, val_fraction: float = 0.1, augment: bool = True,
-                max_shift: int = 1) -> ImageSet:
-    """Load images (None: the UCI digits fixture; an IDX file or folder; a .npz) and split them.
+def load_images(path: str | None = None, val_fraction: float = 0.1,
+                augment: Augment | None = None, *, val_path: str | None = None,
+                image_size: int | None = None, channels: int | None = None,
+                classes: list[str] | None = None, stream: bool | None = None,
+                workers: int = 2) -> ImageSet:
+    """Load images and split them (or take `val_path` as the validation set).
 
-    A folder with both train-* and t10k-* IDX pairs keeps that split and ignores val_fraction.
+    `path`: None (the UCI digits fixture), a folder of class subfolders (ImageFolder), CIFAR
+    python batches (folder, .tar.gz or one batch file), an IDX file or folder, or a .npz.
+    A folder with both train-* and t10k-* IDX pairs, or CIFAR's folder or archive, keeps its
+    official split and ignores val_fraction. `image_size` / `channels` resize and convert
+    (default: the data's own; a folder of mixed sizes: DEFAULT_FOLDER_SIZE). `classes` maps
+    labels into a given class list by name (a checkpoint's, for evaluation). `stream`: decode
+    an ImageFolder from disk per batch instead of holding it in memory (None: above
+    STREAM_ABOVE_MB). `workers`: threads that decode a folder.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ImageDataError(f"val_fraction: expected a value in [0, 1), found {val_fraction}")
-    if max_shift < 0:
-        raise ImageDataError(f"max_shift: expected >= 0, found {max_shift}")
-    x, y, source, n_train = _load_raw(path)
-    if len(x) == 0:
-        raise ImageDataError(f"{source}: no images")
-    if y.min() < 0:
-        raise ImageDataError(f"{source}: labels: expected integers >= 0, found {y.min()}")
-    if n_train is None:
-        perm = np.random.default_rng(SPLIT_SEED).permutation(len(x))
-        n_val = round(len(x) * val_fraction)
-        val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+    if image_size is not None and image_size < 1:
+        raise ImageDataError(f"image_size: expected >= 1, found {image_size}")
+    if channels not in (None, 1, 3):
+        raise ImageDataError(f"channels: expected 1 or 3, found {channels}")
+    augment = augment or Augment()
+    augment.validate()
+    raw = _load_raw(path, image_size, channels, stream, workers, 1 if classes else 2)
+    raw.x = _conform(raw.x, image_size, channels, raw.source)
+    if len(raw.x) == 0:
+        raise ImageDataError(f"{raw.source}: no images")
+    if raw.y.min() < 0:
+        raise ImageDataError(f"{raw.source}: labels: expected integers >= 0, found {raw.y.min()}")
+    names = classes or raw.class_names or [str(i) for i in range(int(raw.y.max()) + 1)]
+    y = _map_classes(raw, names, raw.source)
+    if val_path is not None:
+        h, _, c = raw.x.shape[1:]
+        val = _load_raw(val_path, h, c, stream, workers, min_classes=1)
+        val.x = _conform(val.x, h, c, val.source)
+        if len(val.x) == 0:
+            raise ImageDataError(f"{val.source}: --data.val-path: no images")
+        train_idx, val_idx = np.arange(raw.n_train or len(raw.x)), None
+        val_x, val_y = val.x, _map_classes(val, names, val.source)
     else:
-        train_idx, val_idx = np.arange(n_train), np.arange(n_train, len(x))
+        if raw.n_train is None:
+            perm = np.random.default_rng(SPLIT_SEED).permutation(len(raw.x))
+            n_val = round(len(raw.x) * val_fraction)
+            val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+        else:
+            train_idx, val_idx = np.arange(raw.n_train), np.arange(raw.n_train, len(raw.x))
+        val_x, val_y = _take(raw.x, val_idx), y[val_idx]
     if len(train_idx) == 0:
-        raise ImageDataError(f"{source}: training split is empty ({len(x)} images, "
+        raise ImageDataError(f"{raw.source}: training split is empty ({len(raw.x)} images, "
                              f"val_fraction={val_fraction})")
-    scale = float(x.max()) or 1.0
-    mean, std = _channel_stats(x[train_idx], scale)
-    return ImageSet(x[train_idx], y[train_idx], x[val_idx], y[val_idx], scale, mean, std,
-                    int(y.max()) + 1, source, augment, max_shift)
+    train_x = _take(raw.x, train_idx)
+    scale = raw.scale or float(np.max(raw.x)) or 1.0
+    mean, std = _channel_stats(train_x, scale)
+    return ImageSet(train_x, y[train_idx], val_x, val_y, scale, mean, std, len(names),
+                    raw.source, list(names), augment, raw.scale is not None)
+
+
+def _take(x: np.ndarray | ImageFiles, idx: np.ndarray) -> np.ndarray | ImageFiles:
+    if isinstance(x, ImageFiles):
+        return x.subset(idx)
+    return x if len(idx) == len(x) and (idx == np.arange(len(x))).all() else x[idx]

@@ -16,7 +16,8 @@ Tensor names (numpy shapes, `(out, in)` for linears):
 | `output.{weight,bias}` | `head` | (classes, D), (classes,) |
 
 Input normalisation (per-channel mean/std after scaling pixels by `toy.pixel_scale`) is stored
-as `toy.pixel_mean` / `toy.pixel_std` so a checkpoint classifies raw images on its own.
+as `toy.pixel_mean` / `toy.pixel_std`, and the class names by index as `toy.class_names`, so a
+checkpoint classifies raw images on its own.
 """
 
 from __future__ import annotations
@@ -70,14 +71,19 @@ def vit_metadata(a: ViTArgs) -> dict[str, Any]:
 
 def write_vit(path: str | os.PathLike, model: ViT, norm: dict[str, Any],
               extra: dict[str, Any] | None = None, name: str = "toymlx vit",
-              dtype: str = "f32") -> None:
-    """A GGUF of the ViT with its input normalisation, its matrices as `dtype` (f32, f16, bf16;
-    norms, biases and embeddings of one row stay F32)."""
+              class_names: list[str] | None = None, dtype: str = "f32") -> None:
+    """A GGUF of the ViT with its input normalisation and class names, its matrices as `dtype`
+    (f32, f16, bf16; 1-D tensors stay F32)."""
     tensors = {toy_to_gguf(k): np.asarray(v.astype(mx.float32))
                for k, v in tree_flatten(model.parameters())}
     meta = {**vit_metadata(model.args), "general.name": name, **norm,
             "general.file_type": FILE_TYPE[dtype], "toy.checkpoint_format": CHECKPOINT_FORMAT,
             "toy.n_params_written": int(sum(t.size for t in tensors.values())), **(extra or {})}
+    if class_names:
+        if len(class_names) != model.args.num_classes:
+            raise ValueError(f"class_names: expected {model.args.num_classes} (the head's rows), "
+                             f"found {len(class_names)}")
+        meta["toy.class_names"] = [str(n) for n in class_names]
     types = {k: (FLOAT32, None) for k in ("vit.attention.layer_norm_epsilon", "toy.pixel_scale")}
     write_gguf(path, meta, {n: encode_tensor(n, t, dtype) for n, t in tensors.items()},
                types=types)
@@ -123,3 +129,16 @@ def load_vit(path: str | os.PathLike, ops: Ops = EXACT) -> tuple[ViT, dict[str, 
     norm = {k: g.metadata[k] for k in ("toy.pixel_scale", "toy.pixel_mean", "toy.pixel_std")
             if k in g.metadata}
     return model, norm, g
+
+
+def class_names(g: GGUFFile) -> list[str]:
+    """The checkpoint's class names by index (`toy.class_names`; "0", "1", ... without them)."""
+    n = g.get("vit.class_count", int)
+    names = g.metadata.get("toy.class_names")
+    if names is None:
+        return [str(i) for i in range(n)]
+    if not isinstance(names, list) or len(names) != n or not all(isinstance(s, str) for s in names):
+        found = f"{len(names)} items" if isinstance(names, list) else type(names).__name__
+        raise GGUFError(f"{g.path}: metadata key 'toy.class_names': expected {n} strings (one per "
+                        f"class), found {found}")
+    return names

@@ -60,6 +60,36 @@ class LayerNorm(nn.LayerNorm):
         return self.ops.layer_norm(x, self.get("weight"), self.get("bias"), self.eps)
 
 
+class DropPath(nn.Module):
+    """Stochastic depth on a residual branch: in training each example keeps the branch with
+    probability 1 - p, scaled by 1 / (1 - p); evaluation and p = 0 pass it through."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = float(p)
+
+    def __call__(self, y: mx.array) -> mx.array:
+        if not (self.training and self.p > 0):
+            return y
+        keep = mx.random.bernoulli(1.0 - self.p, (y.shape[0],) + (1,) * (y.ndim - 1))
+        return y * keep.astype(y.dtype) / (1.0 - self.p)  # (B, 1, ..., 1) per example
+
+
+def check_checkpointable(model: nn.Module) -> None:
+    """ValueError when `--grad-checkpoint` would give wrong gradients: a recomputed block draws
+    new random masks (MLX's random state moves on), so dropout and stochastic depth must be off."""
+    for path, m in model.named_modules():
+        if isinstance(m, nn.Dropout) and getattr(m, "_p_1", 1.0) < 1.0:
+            what = f"dropout {1.0 - m._p_1:g}"
+        elif isinstance(m, DropPath) and m.p > 0:
+            what = f"stochastic depth {m.p:g}"
+        else:
+            continue
+        raise ValueError(f"--grad-checkpoint: expected no dropout or stochastic depth in the "
+                         f"model (a recomputed block draws new random masks), found {what} at "
+                         f"{path or 'the model'}; set it to 0 or drop --grad-checkpoint")
+
+
 def submodule(model: nn.Module, path: str) -> nn.Module:
     """The module at a dotted path such as `layers.3.attn.q_proj`."""
     obj: nn.Module = model

@@ -195,17 +195,6 @@ def _checkpointed(layer: nn.Module) -> Callable:
     return mx.checkpoint(call)
 
 
-def check_checkpointable(model: nn.Module) -> None:
-    """ValueError when `--grad-checkpoint` would give wrong gradients: a recomputed block draws
-    new dropout masks (MLX's random state moves on), so dropout must be off."""
-    for path, m in model.named_modules():
-        if isinstance(m, nn.Dropout) and getattr(m, "_p_1", 1.0) < 1.0:
-            raise ValueError(f"--grad-checkpoint: expected no dropout in the model (a recomputed "
-                             f"block draws new dropout masks), found dropout "
-                             f"{1.0 - m._p_1:g} at {path or 'the model'}; set it to 0 or drop "
-                             "--grad-checkpoint")
-
-
 def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
                  grad_checkpoint: bool = False) -> Ops:
     """The math of a training run: `--dtype`, `--kernels` and `--grad-checkpoint` resolved.

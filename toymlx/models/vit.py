@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from toymlx.models.layers import LayerNorm, Linear
+from toymlx.models.layers import DropPath, LayerNorm, Linear
 from toymlx.models.ops import EXACT, Ops
 
 GELU_FORMS = ("erf", "tanh", "fast")
@@ -50,6 +50,9 @@ class ViTArgs:
     gelu: str = "erf"
     """MLP activation: "erf" (exact, as timm), "tanh" or "fast" (x*sigmoid(1.702x), about 2x
     faster on MLX's Linux CPU but a different function: keep "erf" for timm weights)."""
+    drop_path: float = 0.0
+    """Stochastic depth in training: block i drops its residual branches per image with
+    probability drop_path * i / (n_layers - 1), as timm's drop_path_rate (0: off)."""
 
     @property
     def n_patches(self) -> int:
@@ -71,6 +74,8 @@ class ViTArgs:
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model: expected a multiple of n_heads={self.n_heads}, "
                              f"found {self.d_model}")
+        if not 0.0 <= self.drop_path < 1.0:
+            raise ValueError(f"model.drop_path: expected in [0, 1), found {self.drop_path}")
         if self.gelu not in GELU_FORMS:
             raise ValueError(f"model.gelu: expected one of {', '.join(GELU_FORMS)}, found "
                              f"{self.gelu!r}")
@@ -129,16 +134,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: ViTArgs, ops: Ops):
+    def __init__(self, a: ViTArgs, ops: Ops, drop_path: float = 0.0):
         super().__init__()
         self.attn_norm = LayerNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.attn = Attention(a, ops)
         self.ffn_norm = LayerNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.mlp = MLP(a, ops)
+        self.drop_path = DropPath(drop_path)
 
     def __call__(self, x: mx.array) -> mx.array:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.ffn_norm(x))
+        x = x + self.drop_path(self.attn(self.attn_norm(x)))
+        return x + self.drop_path(self.mlp(self.ffn_norm(x)))
 
 
 class ViT(nn.Module):
@@ -150,7 +156,8 @@ class ViT(nn.Module):
         self.patch_embed = Linear(a.patch_size * a.patch_size * a.channels, a.d_model, ops=ops)
         self.cls_token = mx.zeros((a.d_model,))
         self.pos_embed = mx.zeros((1 + a.n_patches, a.d_model))
-        self.layers = [Block(a, ops) for _ in range(a.n_layers)]
+        self.layers = [Block(a, ops, a.drop_path * i / max(a.n_layers - 1, 1))
+                       for i in range(a.n_layers)]
         self.norm = LayerNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.head = Linear(a.d_model, a.num_classes, ops=ops)
         self._init_weights()

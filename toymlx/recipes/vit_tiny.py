@@ -1,8 +1,10 @@
 """Recipe `vit-tiny`: a ViT-Tiny image classifier trained from scratch.
 
 With no arguments it trains on the UCI 8x8 handwritten digits in `toymlx/fixtures/digits/`;
-`--data.path` takes MNIST/Fashion-MNIST IDX files (or their folder) or a `.npz` with x/y.
-The preset follows the data's image shape unless `--model.preset` says otherwise.
+`--data.path` takes a folder of class subfolders of images (ImageFolder), CIFAR-10/100 python
+batches, MNIST/Fashion-MNIST IDX files (or their folder) or a `.npz` with x/y. The preset
+follows the data's image shape unless `--model.preset` says otherwise, and the augmentation
+follows the image and set size (`augment_for`) unless a `--data.*` flag says otherwise.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-from toymlx.data.images import ImageSet, load_images
+from toymlx.data.images import Augment, ImageSet, Prefetcher, load_images
 from toymlx.gguf.vit import load_vit, write_vit
 from toymlx.losses import classify_metrics
 from toymlx.models.ops import Ops
@@ -32,7 +34,8 @@ class ViTOptions:
 
     preset: Literal["auto", "vit-tiny", "vit-tiny-28", "vit-tiny-8"] = "auto"
     """auto: vit-tiny-8 (with 4x4 patches) for 8x8 images, vit-tiny-28 for 28x28, vit-tiny for
-    224x224."""
+    224x224, and the Tiny body with the patch whose grid is nearest 8x8 for other sizes (32 px:
+    4, 64 px: 8)."""
     patch_size: int | None = None
     """Patch side in pixels. Default: 4 for 8x8 images under preset auto (a 2x2 grid, 4 tokens +
     cls: on the digits 96.7-100% held-out over seeds 0-4 in 400 steps at 0.19-0.23 s/step,
@@ -48,26 +51,63 @@ class ViTOptions:
     """MLP hidden width (default 768)."""
     gelu: Literal["erf", "tanh", "fast"] | None = None
     """GELU form: erf (timm's, exact) or the tanh / sigmoid approximations."""
+    drop_path: float | None = None
+    """Stochastic depth: the largest rate at which a block's residual branches are dropped per
+    image in training, rising linearly from 0 at the first block (timm's drop_path_rate;
+    default 0)."""
 
 
 @dataclass
 class ImageData:
-    """Labelled images to train on."""
+    """Labelled images to train on, and what augments them (auto: chosen by image size and
+    set size; see augment_for and docs/RESULTS.md)."""
 
     path: str | None = None
-    """IDX images file or folder, or .npz with x/y; default: the UCI 8x8 digits fixture."""
+    """A folder of class subfolders of images (ImageFolder), CIFAR-10/100 python batches (folder,
+    .tar.gz or one batch file), IDX images file or folder, or .npz with x/y; default: the UCI
+    8x8 digits fixture."""
+    val_path: str | None = None
+    """A separate validation set in any of those formats (default: a fixed split of path)."""
     val_fraction: float = 0.1
-    """Fraction held out for validation (a fixed split, the same for every seed)."""
+    """Fraction held out for validation when path has no split of its own (a fixed split, the
+    same for every seed)."""
+    image_size: int | None = None
+    """Side the images are resized and centre-cropped to (default: the data's own; a folder of
+    mixed sizes: 224)."""
+    channels: Literal[1, 3] | None = None
+    """1 (grey) or 3 (RGB) (default: 3 when any image has colour)."""
     augment: bool | None = None
-    """Random shifts of up to max_shift pixels during training (default: off for 8x8 images,
-    where it slowed learning: 49% vs 89% held-out accuracy at step 200 on the digits)."""
-    max_shift: int = 1
-    """Largest augmentation shift in pixels."""
+    """Train-time augmentation at all (default: on for images of 16 px and more; on the 8x8
+    digits 1-pixel shifts slowed learning: 49% vs 89% held-out at step 200; on MNIST shifts of
+    2 px cost accuracy in 1,500 steps and paid off in 4,000, docs/RESULTS.md)."""
+    crop: Literal["shift", "resized", "none"] | None = None
+    """Random crop: shift (of the image padded by max_shift zero pixels), resized (timm's
+    RandomResizedCrop, area >= crop_scale) or none (default: shift up to 64 px, else resized)."""
+    max_shift: int | None = None
+    """Largest shift in pixels per axis for crop shift (default: 2 for grey images, as for
+    MNIST; 1/8 of the side for colour ones, CIFAR's 4 at 32 px)."""
+    crop_scale: float = 0.35
+    """Smallest crop area for crop resized, as a fraction of the image."""
+    flip: bool | None = None
+    """Random horizontal flips (default: on for colour images, off for grey ones such as
+    digits, where orientation matters)."""
+    trivial_augment: bool = False
+    """TrivialAugment: one random op (shear, translate, rotate, brightness, contrast, ...) of
+    random strength per image. Off by default: on MNIST it slowed learning far more than these
+    short CPU schedules can repay (69% vs 82% held-out at step 500 of 1500, with shifts in both;
+    docs/RESULTS.md); turn it on for long schedules."""
     mixup: float | None = None
-    """Mixup: each training batch becomes lam * x + (1 - lam) * x[perm] with the loss mixed the
-    same way, lam ~ Beta(mixup, mixup) per batch (0: off). Default: 0.4 when there are fewer
-    than 5,000 training images (the digits: 93.9% -> 96.7% held-out), else off (MNIST's 9,000
-    in 1000 steps: 94.6% with 0.4, slower to converge; see docs/RESULTS.md)."""
+    """Mixup: images mixed as lam * x + (1 - lam) * x[perm], the loss mixed the same way, lam ~
+    Beta(mixup, mixup) per micro-batch (0: off). Default: 0.4 when there are fewer than 5,000
+    training images (the digits: 93.9% -> 96.7% held-out), else off (see docs/RESULTS.md)."""
+    cutmix: float = 0.0
+    """Cutmix Beta parameter (0: off); with mixup too, one of the two per micro-batch."""
+    stream: bool | None = None
+    """Decode an image folder from disk for each batch instead of holding it in memory
+    (default: when its decoded training images exceed 2 GB)."""
+    workers: int = 2
+    """Background threads that decode and augment the next steps' batches while the step
+    runs (0: in the training thread). Batches are the same either way."""
 
 
 @dataclass
@@ -109,27 +149,50 @@ def smoothed_loss(eps: float):
     return loss
 
 
-def mixup_batch(batch: dict[str, np.ndarray], alpha: float, seed: int, step: int
-                ) -> dict[str, np.ndarray]:
-    """Mix each micro-batch with a permutation of itself; a pure function of (seed, step)."""
-    rng = np.random.default_rng([seed, step, 2])
-    x, y = batch["images"], batch["labels"]  # (A, B, H, W, C), (A, B)
-    A, B = y.shape
-    lam = rng.beta(alpha, alpha, size=A).astype(np.float32)  # one per micro-batch
-    perm = np.stack([rng.permutation(B) for _ in range(A)])  # (A, B)
-    xb = np.take_along_axis(x, perm.reshape(A, B, 1, 1, 1), axis=1)
-    lam_x = lam.reshape(A, 1, 1, 1, 1)
-    return {"images": (lam_x * x + (1 - lam_x) * xb).astype(np.float32), "labels": y,
-            "mix_labels": np.take_along_axis(y, perm, axis=1),
-            "mix_lam": np.repeat(lam[:, None], B, axis=1)}
+def augment_for(d: ImageData, shape: tuple[int, int, int], n_train: int) -> Augment:
+    """The augmentation a run gets: each field as given, else the measured default for this
+    image size and set size (docs/RESULTS.md, "vit-tiny on the images people bring")."""
+    side, channels = shape[0], shape[2]
+    on = d.augment if d.augment is not None else side >= 16
+    mixup = d.mixup if d.mixup is not None else (0.4 if n_train < 5000 else 0.0)
+    if not on:
+        return Augment(mixup=mixup, cutmix=d.cutmix)
+    crop = d.crop or ("shift" if side <= 64 else "resized")
+    pad = 2 if channels == 1 else max(1, side // 8)  # MNIST's usual +-2; CIFAR's pad 4 at 32
+    return Augment(crop=crop, pad=d.max_shift if d.max_shift is not None else pad,
+                   scale_min=d.crop_scale,
+                   flip=d.flip if d.flip is not None else channels == 3,
+                   trivial=bool(d.trivial_augment),
+                   mixup=mixup, cutmix=d.cutmix)
 
 
 def validate(cfg: Config) -> None:
     """Raise ValueError naming the flag for out-of-range options."""
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ValueError(f"--label-smoothing: expected 0 <= eps < 1, found {cfg.label_smoothing}")
-    if cfg.data.mixup is not None and cfg.data.mixup < 0:
-        raise ValueError(f"--data.mixup: expected >= 0 (0: off), found {cfg.data.mixup}")
+    d = cfg.data
+    checks = [("--data.mixup", d.mixup is None or d.mixup >= 0, ">= 0 (0: off)", d.mixup),
+              ("--data.cutmix", d.cutmix >= 0, ">= 0 (0: off)", d.cutmix),
+              ("--data.max-shift", d.max_shift is None or d.max_shift >= 0, ">= 0", d.max_shift),
+              ("--data.crop-scale", 0 < d.crop_scale <= 1, "in (0, 1]", d.crop_scale),
+              ("--data.image-size", d.image_size is None or d.image_size >= 1, ">= 1",
+               d.image_size),
+              ("--data.workers", d.workers >= 0, ">= 0", d.workers),
+              ("--model.drop-path", cfg.model.drop_path is None
+               or 0 <= cfg.model.drop_path < 1, "in [0, 1)", cfg.model.drop_path)]
+    for flag, ok, want, found in checks:
+        if not ok:
+            raise ValueError(f"{flag}: expected {want}, found {found}")
+
+
+def auto_patch(side: int) -> int:
+    """Patch side for preset auto on a size without a preset: the divisor of `side` in 2..16
+    whose grid is nearest 8x8 (32 px: 4, 64 px: 8, 96 px: 12)."""
+    options = [p for p in range(2, 17) if side % p == 0]
+    if not options:
+        raise ValueError(f"--data.image-size: expected a side with a divisor in 2..16 for the "
+                         f"patches, found {side}; pass --data.image-size or --model.patch-size")
+    return min(options, key=lambda p: (abs(side // p - 8), -p))
 
 
 def model_args(opts: ViTOptions, data: ImageSet) -> ViTArgs:
@@ -139,12 +202,15 @@ def model_args(opts: ViTOptions, data: ImageSet) -> ViTArgs:
         preset = {8: "vit-tiny-8", 28: "vit-tiny-28", 224: "vit-tiny"}.get(h, "vit-tiny-28")
     over = {f.name: getattr(opts, f.name) for f in fields(opts)
             if f.name != "preset" and getattr(opts, f.name) is not None}
-    if opts.preset == "auto" and h == AUTO_PATCH_8[0] and "patch_size" not in over:
-        over["patch_size"] = AUTO_PATCH_8[1]
-    args = replace(PRESETS[preset](), image_size=h, channels=c, num_classes=data.num_classes,
-                   **over)
+    if opts.preset == "auto" and "patch_size" not in over:
+        if h == AUTO_PATCH_8[0]:
+            over["patch_size"] = AUTO_PATCH_8[1]
+        elif h not in (28, 224):
+            over["patch_size"] = auto_patch(h)
     if h != w:
         raise ValueError(f"{data.source}: images: expected square images, found {h}x{w}")
+    args = replace(PRESETS[preset](), image_size=h, channels=c, num_classes=data.num_classes,
+                   **over)
     try:
         args.validate()
     except ValueError as e:
@@ -153,8 +219,10 @@ def model_args(opts: ViTOptions, data: ImageSet) -> ViTArgs:
 
 
 def build(cfg: Config, ops: Ops) -> Task:
-    data = load_images(cfg.data.path, cfg.data.val_fraction, True, cfg.data.max_shift)
-    data.augment = cfg.data.augment if cfg.data.augment is not None else data.image_shape[0] >= 16
+    d = cfg.data
+    data = load_images(d.path, d.val_fraction, val_path=d.val_path, image_size=d.image_size,
+                       channels=d.channels, stream=d.stream, workers=max(d.workers, 1))
+    data.augment = augment_for(d, data.image_shape, len(data.train_x))
     if cfg.batch_size > len(data.train_x):
         raise ValueError(f"--batch-size: expected at most the {len(data.train_x)} training "
                          f"images of {data.source}, found {cfg.batch_size}")
@@ -165,7 +233,7 @@ def build(cfg: Config, ops: Ops) -> Task:
             "toy.pixel_std": data.std.tolist()}
 
     def save(path: Path, m: ViT, extra: dict) -> None:
-        write_vit(path, m, norm, extra, dtype=cfg.save_dtype)
+        write_vit(path, m, norm, extra, class_names=data.class_names, dtype=cfg.save_dtype)
 
     def load(path: Path, m: ViT) -> None:
         loaded, _, _ = load_vit(path)
@@ -175,20 +243,21 @@ def build(cfg: Config, ops: Ops) -> Task:
             "channels": args.channels, "d_model": args.d_model, "n_layers": args.n_layers,
             "n_heads": args.n_heads, "ffn_dim": args.ffn_dim, "num_classes": args.num_classes,
             "gelu": args.gelu}
-    mixup = cfg.data.mixup
-    if mixup is None:
-        mixup = 0.4 if len(data.train_x) < 5000 else 0.0
+    if args.drop_path:
+        info["drop_path"] = args.drop_path
 
-    def train_batch(step: int) -> dict[str, np.ndarray]:
-        b = data.train_batch(step, cfg.seed, cfg.batch_size, cfg.grad_accum)
-        return mixup_batch(b, mixup, cfg.seed, step) if mixup > 0 else b
+    def batch_at(step: int) -> dict[str, np.ndarray]:
+        return data.train_batch(step, cfg.seed, cfg.batch_size, cfg.grad_accum)
 
+    aug = data.augment
     return Task(
         recipe="vit-tiny", model=model, loss_fn=smoothed_loss(cfg.label_smoothing),
-        train_batch=train_batch,
+        train_batch=Prefetcher(batch_at, d.workers, cfg.steps) if d.workers else batch_at,
         val_batches=data.val_batches(cfg.batch_size, pad_last=True), save=save, load=load,
-        model_info=info, config_info={"data_source": data.source, "augment": data.augment,
-                                      "mixup": mixup,
-                                      "label_smoothing": cfg.label_smoothing, **data.describe()},
+        model_info=info, config_info={
+            "data_source": data.source, "augment": aug.crop != "none" or aug.flip or aug.trivial,
+            "crop": aug.crop, "max_shift": aug.pad, "flip": aug.flip, "trivial_augment": aug.trivial,
+            "mixup": aug.mixup, "cutmix": aug.cutmix, "label_smoothing": cfg.label_smoothing,
+            "class_names": data.class_names[:100], **data.describe()},
         metrics_fn=classify_metrics, unit="images",
         count=lambda b: int(np.prod(b["labels"].shape)))

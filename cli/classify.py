@@ -1,0 +1,75 @@
+"""toymlx-classify --model runs/<id> IMAGE_OR_DIR ...: the top classes of each image, by name."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import tyro
+
+import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
+
+PROG = "toymlx-classify"
+
+
+@dataclass
+class Args:
+    """Classify image files with a ViT checkpoint: top-k classes with probabilities."""
+
+    inputs: Annotated[tyro.conf.Positional[list[str]], tyro.conf.arg(metavar="IMAGE_OR_DIR")]
+    """Image files, or folders (every image below them)."""
+    model: str
+    """A ViT checkpoint GGUF, or a run directory (its weights/latest)."""
+    top_k: int = 5
+    """How many classes to show per image."""
+    batch_size: int = 64
+    """Images per forward pass."""
+    json: bool = False
+    """One JSON object per image instead of text."""
+    device: Literal["auto", "gpu", "cpu"] = "auto"
+    """Where MLX runs."""
+
+
+def run(args: Args) -> int:
+    from toymlx.classify import Classifier, image_files
+    from toymlx.device import select_device
+
+    if not args.inputs:
+        raise ValueError("IMAGE_OR_DIR: expected at least one image file or folder, found none")
+    if args.top_k < 1:
+        raise ValueError(f"--top-k: expected >= 1, found {args.top_k}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected >= 1, found {args.batch_size}")
+    select_device(args.device)
+    clf = Classifier.load(args.model)
+    files = image_files(args.inputs)
+    for f, top in zip(files, clf.top_k(files, min(args.top_k, len(clf.names)), args.batch_size)):
+        if args.json:
+            print(json.dumps({"file": str(f), "top": [{"class": n, "probability": p}
+                                                      for n, p in top]}))
+        else:
+            print(f"{f}: " + ", ".join(f"{n} {p:.4f}" for n, p in top))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from toymlx.device import setup_process
+    from toymlx_cli import version_text
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "--version" in argv:
+        print(version_text())
+        return 0
+    setup_process()
+    args = tyro.cli(Args, args=argv, prog=PROG)
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:  # ImageDataError and GGUFError are ValueErrors
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""ImageFolder and CIFAR loading: decoding against Pillow, class names, splits, streaming,
+and one-line errors naming the bad file."""
+
+from __future__ import annotations
+
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+from image_files import CLASSES, cifar_batch, make_cifar10, make_image_folder, write_pickle
+from PIL import Image
+
+from toymlx.data.cifar import load_cifar
+from toymlx.data.image_folder import ImageDataError, ImageFiles, decode_image, scan_image_folder
+from toymlx.data.images import Augment, Prefetcher, load_images
+
+
+def test_scan_and_decode_against_pillow(tmp_path):
+    root = make_image_folder(tmp_path / "f", per_class=4)
+    files, labels, names = scan_image_folder(root)
+    assert names == list(CLASSES) and labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert [f.parent.name for f in files] == [CLASSES[k] for k in labels]
+    # A 9x20 RGB image at size 8: shorter side 9 -> 8 (width 18 by rounding), centre 8x8 crop.
+    p = tmp_path / "one.png"
+    rgb = np.random.default_rng(1).integers(0, 256, (9, 20, 3)).astype(np.uint8)
+    Image.fromarray(rgb).save(p)
+    want = np.asarray(Image.fromarray(rgb).resize((18, 8), Image.Resampling.BICUBIC)
+                      .crop((5, 0, 13, 8)))
+    np.testing.assert_array_equal(decode_image(p, 8, 3), want)
+    grey = np.asarray(Image.fromarray(rgb).convert("L").resize((18, 8), Image.Resampling.BICUBIC)
+                      .crop((5, 0, 13, 8)))
+    np.testing.assert_array_equal(decode_image(p, 8, 1)[..., 0], grey)
+
+
+def test_folder_load_colour_names_split_and_stream(tmp_path):
+    root = make_image_folder(tmp_path / "f")
+    d = load_images(str(root), 0.2, image_size=12)
+    assert d.class_names == list(CLASSES) and d.num_classes == 3
+    assert d.image_shape == (12, 12, 3)  # grey files become RGB: the set has colour
+    assert (len(d.train_x), len(d.val_x)) == (24, 6) and d.scale == 255.0 and d.scale_fixed
+    grey = load_images(str(root), 0.2, image_size=12, channels=1)
+    assert grey.image_shape == (12, 12, 1)
+    s = load_images(str(root), 0.2, Augment(crop="shift", pad=2, trivial=True, flip=True),
+                    image_size=12, stream=True)
+    d.augment = s.augment
+    assert s.streamed and isinstance(s.train_x, ImageFiles) and not d.streamed
+    np.testing.assert_array_equal(s.train_x[np.arange(24)], d.train_x)
+    for step in (0, 3):  # streamed batches equal in-memory ones, augmentation included
+        a, b = d.train_batch(step, 5, 8), s.train_batch(step, 5, 8)
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+    va, vb = list(d.val_batches(4)), list(s.val_batches(4))
+    assert len(va) == len(vb) == 2
+    np.testing.assert_array_equal(va[1]["images"], vb[1]["images"])
+
+
+def test_default_size_and_val_path_by_class_name(tmp_path):
+    root = tmp_path / "same"
+    for name in ("b", "a"):
+        (root / name).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.full((10, 10), 40 * i, np.uint8)).save(root / name / f"{i}.png")
+    d = load_images(str(root), 0.0)
+    assert d.image_shape == (10, 10, 1) and d.class_names == ["a", "b"]  # one square size: kept
+    val = tmp_path / "val" / "b"
+    val.mkdir(parents=True)
+    Image.fromarray(np.zeros((30, 20), np.uint8)).save(val / "x.png")
+    d = load_images(str(root), 0.5, val_path=str(tmp_path / "val"))
+    assert (len(d.train_x), len(d.val_x)) == (6, 1) and d.val_y.tolist() == [1]  # "b" is 1
+    assert d.val_x.shape == (1, 10, 10, 1)
+    bad = tmp_path / "val2" / "zebra"
+    bad.mkdir(parents=True)
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(bad / "z.png")
+    with pytest.raises(ImageDataError, match="class 'zebra': expected one of the 2 classes"):
+        load_images(str(root), val_path=str(tmp_path / "val2"))
+
+
+def _one_line(e: pytest.ExceptionInfo, path) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg
+    return msg
+
+
+def test_bad_files_give_one_line_errors_naming_them(tmp_path):
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    png = root / "cat" / "01.png"
+    png.write_bytes(png.read_bytes()[:-40])  # truncated
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8)
+    assert "cannot decode the image" in _one_line(e, png)
+
+    root = make_image_folder(tmp_path / "g", per_class=3)
+    fake = root / "frog" / "notes.jpg"
+    fake.write_text("this is not a picture\n")
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8)
+    assert "not an image Pillow can read" in _one_line(e, fake)
+
+    root = make_image_folder(tmp_path / "h", per_class=3)
+    (root / "empty").mkdir()
+    (root / "empty" / "README.txt").write_text("no images here")
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root))
+    assert "class folder has no images" in _one_line(e, root / "empty")
+
+    one = tmp_path / "one"
+    (one / "only").mkdir(parents=True)
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(one / "only" / "a.png")
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(one))
+    assert "expected at least 2 class subfolders, found 1 ('only')" in _one_line(e, one)
+
+
+def test_cifar10_folder_archive_and_batch_file(tmp_path):
+    folder = make_cifar10(tmp_path / "a")
+    x, y, n_train, names = load_cifar(folder)
+    assert x.shape == (36, 32, 32, 3) and n_train == 30 and names[:3] == ["airplane",
+                                                                        "automobile", "bird"]
+    first = cifar_batch(6, 1)
+    # row r of "data" is channel-planar: pixel (i, j) of channel c is data[r, c*1024 + 32*i + j]
+    assert x[0, 5, 7, 2] == first[b"data"][0, 2 * 1024 + 32 * 5 + 7]
+    assert y[:6].tolist() == first[b"labels"]
+    xa, ya, na, names_a = load_cifar(make_cifar10(tmp_path / "b", archive=True))
+    np.testing.assert_array_equal(xa, x)
+    assert (na, names_a) == (n_train, names) and np.array_equal(ya, y)
+    d = load_images(str(folder.parent / "cifar-10-batches-py"))
+    assert (len(d.train_x), len(d.val_x), d.num_classes) == (30, 6, 10)  # official split
+    assert d.class_names[9] == "truck" and d.image_shape == (32, 32, 3)
+    single = load_images(str(folder / "data_batch_2"), 0.5)  # one batch, names from the meta
+    assert (len(single.train_x), len(single.val_x)) == (3, 3) and single.class_names[0] == \
+        "airplane"
+
+
+def test_cifar100_layout(tmp_path):
+    d = tmp_path / "cifar-100-python"
+    d.mkdir()
+    write_pickle(d / "train", cifar_batch(8, 1, classes=100, fine=True))
+    write_pickle(d / "test", cifar_batch(4, 2, classes=100, fine=True))
+    write_pickle(d / "meta", {b"fine_label_names": [f"c{i}".encode() for i in range(100)],
+                              b"coarse_label_names": [b"x"] * 20})
+    with tarfile.open(tmp_path / "cifar-100-python.tar.gz", "w:gz") as tar:
+        tar.add(d, arcname="cifar-100-python")
+    s = load_images(str(tmp_path / "cifar-100-python.tar.gz"))
+    assert (len(s.train_x), len(s.val_x), s.num_classes) == (8, 4, 100)
+    assert s.class_names[42] == "c42"
+
+
+def test_cifar_pickle_that_would_run_code_is_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    p = tmp_path / "data_batch_1"
+    p.write_bytes(pickle.dumps({b"data": Evil()}, protocol=2))
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(p))
+    assert "print is not allowed" in _one_line(e, p)
+    bad = write_pickle(tmp_path / "test_batch", {b"data": np.zeros((2, 100), np.uint8),
+                                                 b"labels": [0, 1]})
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(bad))
+    assert "key 'data': expected (N, 3072) uint8 rows, found (2, 100)" in _one_line(e, bad)
+
+
+def test_prefetcher_returns_the_same_values_in_any_order():
+    calls = []
+
+    def fn(step):
+        calls.append(step)
+        return np.random.default_rng(step).random(3)
+
+    p = Prefetcher(fn, workers=2, stop=10)
+    got = [p(s) for s in (0, 1, 2, 7, 3, 9)]  # a jump, a jump back (resume), the last step
+    for s, g in zip((0, 1, 2, 7, 3, 9), got):
+        np.testing.assert_array_equal(g, np.random.default_rng(s).random(3))
+    p.pool.shutdown(wait=True)
+    assert max(calls) <= 9  # never past stop

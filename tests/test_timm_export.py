@@ -1,0 +1,142 @@
+"""`toymlx-export --format safetensors`: timm's vit_tiny_patch16_224 layout.
+
+Default tier: the written file, read back, runs through an independent float64 numpy forward
+written from timm's VisionTransformer (NCHW conv patch embedding, fused qkv, class-token
+pooling) and matches toymlx's logits. `-m timm` (needs torch, torchvision and timm): timm's own
+PyTorch forward, built both from `timm.create_model(...)` + `load_state_dict` and from the
+exported folder (`local-dir:`), matches toymlx's to 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from toymlx_cli.export import main as export_main
+
+from toymlx.gguf.vit import write_vit
+from toymlx.models.vit import ViT, ViTArgs
+from toymlx.timm_export import TIMM_ARCH, timm_model_args
+
+ARGS = ViTArgs(image_size=12, patch_size=4, channels=3, d_model=24, n_layers=2, n_heads=3,
+               ffn_dim=40, num_classes=4)
+NAMES = ["ant", "bee", "cow", "dog"]
+NORM = {"toy.pixel_scale": 255.0, "toy.pixel_mean": [0.5, 0.4, 0.3],
+        "toy.pixel_std": [0.25, 0.2, 0.3]}
+
+
+def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A safetensors file read by hand (F32 only), checking the header's offsets."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    meta = header.pop("__metadata__", {})
+    out, end = {}, 0
+    for k, v in header.items():
+        a, b = v["data_offsets"]
+        assert v["dtype"] == "F32" and a == end
+        out[k] = np.frombuffer(data[8 + n + a:8 + n + b], "<f4").reshape(v["shape"])
+        end = b
+    assert 8 + n + end == len(data)
+    return out, meta
+
+
+def timm_forward(sd: dict[str, np.ndarray], x: np.ndarray, heads: int) -> np.ndarray:
+    """timm's VisionTransformer forward in float64 numpy; x is NCHW."""
+    sd = {k: v.astype(np.float64) for k, v in sd.items()}
+    erf = np.vectorize(math.erf)
+
+    def ln(h, name):
+        mu, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+        return (h - mu) / np.sqrt(var + 1e-6) * sd[name + ".weight"] + sd[name + ".bias"]
+
+    def lin(h, name):
+        return h @ sd[name + ".weight"].T + sd[name + ".bias"]
+
+    w = sd["patch_embed.proj.weight"]  # (D, C, p, p): a stride-p conv is a patch matmul
+    d, c, p, _ = w.shape
+    b, _, hh, ww = x.shape
+    patches = x.reshape(b, c, hh // p, p, ww // p, p).transpose(0, 2, 4, 1, 3, 5)
+    h = patches.reshape(b, -1, c * p * p) @ w.reshape(d, -1).T + sd["patch_embed.proj.bias"]
+    h = np.concatenate([np.broadcast_to(sd["cls_token"], (b, 1, d)), h], 1) + sd["pos_embed"]
+    hd = d // heads
+    i = 0
+    while f"blocks.{i}.norm1.weight" in sd:
+        t = f"blocks.{i}."
+        qkv = lin(ln(h, t + "norm1"), t + "attn.qkv").reshape(b, -1, 3, heads, hd)
+        q, k, v = qkv.transpose(2, 0, 3, 1, 4)  # each (B, heads, T, hd)
+        s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        o = (s / s.sum(-1, keepdims=True)) @ v
+        h = h + lin(o.transpose(0, 2, 1, 3).reshape(b, -1, d), t + "attn.proj")
+        u = lin(ln(h, t + "norm2"), t + "mlp.fc1")
+        h = h + lin(0.5 * u * (1 + erf(u / math.sqrt(2))), t + "mlp.fc2")
+        i += 1
+    return lin(ln(h, "norm")[:, 0], "head")
+
+
+@pytest.fixture
+def exported(tmp_path):
+    mx.random.seed(3)
+    model = ViT(ARGS)
+    ckpt = tmp_path / "m.gguf"
+    write_vit(ckpt, model, NORM, class_names=NAMES)
+    assert export_main(["--model", str(ckpt), "--format", "safetensors",
+                        "--out", str(tmp_path / "timm")]) == 0
+    return model, tmp_path / "timm"
+
+
+def test_export_layout_config_and_numpy_timm_forward(exported):
+    model, out = exported
+    sd, meta = read_safetensors(out / "model.safetensors")
+    assert sd["patch_embed.proj.weight"].shape == (24, 3, 4, 4)
+    assert sd["cls_token"].shape == (1, 1, 24) and sd["pos_embed"].shape == (1, 10, 24)
+    assert sd["blocks.1.attn.qkv.weight"].shape == (72, 24) and sd["head.weight"].shape == (4, 24)
+    assert len(sd) == 4 + 12 * 2 + 4
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architecture"] == TIMM_ARCH and cfg["label_names"] == NAMES
+    assert cfg["model_args"] == {"num_classes": 4, "img_size": 12, "patch_size": 4, "in_chans": 3,
+                                 "embed_dim": 24, "depth": 2,
+                                 "mlp_ratio": 40 / 24} == timm_model_args(ARGS)
+    np.testing.assert_allclose(cfg["pretrained_cfg"]["mean"], NORM["toy.pixel_mean"], rtol=1e-7)
+    np.testing.assert_allclose(cfg["pretrained_cfg"]["std"], NORM["toy.pixel_std"], rtol=1e-7)
+    assert json.loads(meta["label_names"]) == NAMES
+    x = np.random.default_rng(0).normal(size=(5, 12, 12, 3)).astype(np.float32)  # NHWC
+    want = timm_forward(sd, x.transpose(0, 3, 1, 2).astype(np.float64), heads=3)
+    got = np.asarray(model(mx.array(x)))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_export_errors_are_one_line(tmp_path, capsys):
+    assert export_main(["--format", "safetensors", "--out", str(tmp_path / "x")]) == 2
+    assert "--format safetensors: expected --model" in capsys.readouterr().err
+    assert export_main(["--model", str(tmp_path / "nope"), "--format", "safetensors",
+                        "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope" in err[0] and not (tmp_path / "x").exists()
+
+
+@pytest.mark.timm
+def test_timm_forward_equals_toymlx(exported):
+    import timm  # the bench extra: torch, torchvision and timm
+    import torch
+    from safetensors.torch import load_file
+
+    model, out = exported
+    x = np.random.default_rng(1).normal(size=(6, 12, 12, 3)).astype(np.float32)
+    want = np.asarray(model(mx.array(x)))
+    xt = torch.from_numpy(x).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
+    explicit = timm.create_model(TIMM_ARCH, **timm_model_args(ARGS)).eval()
+    explicit.load_state_dict(load_file(out / "model.safetensors"))  # strict
+    hub = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    with torch.no_grad():
+        for m in (explicit, hub):
+            got = m(xt).numpy()
+            print(f"max |timm - toymlx| logit: {np.abs(got - want).max():.2e}")
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert hub.pretrained_cfg["label_names"] == NAMES
+    np.testing.assert_allclose(hub.pretrained_cfg["mean"], NORM["toy.pixel_mean"], rtol=1e-7)

@@ -1,0 +1,150 @@
+"""vit-tiny on image files people bring: an ImageFolder of PNG/JPEG files and CIFAR batches
+train, checkpoint, resume exactly, classify and evaluate; bad files fail cleanly."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from image_files import CLASSES, make_cifar10, make_image_folder
+from toymlx_cli.classify import main as classify_main
+from toymlx_cli.eval import main as eval_main
+from toymlx_cli.train import main as train_main
+
+from toymlx.checkpoint import resolve_latest
+from toymlx.classify import Classifier
+from toymlx.data.image_folder import decode_image
+from toymlx.events import read_events
+from toymlx.gguf.reader import GGUFFile
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
+        "--model.ffn-dim", "64", "--batch-size", "8", "--no-progress", "--warmup", "2",
+        "--lr", "1e-3"]
+
+
+def _train(tmp, rid, data, *extra) -> object:
+    assert train_main(["--recipe", "vit-tiny", *TINY, "--data.path", str(data),
+                       "--runs-root", str(tmp / "runs"), "--run-id", rid, *extra]) == 0
+    return tmp / "runs" / rid
+
+
+def _losses(run) -> list[float]:
+    return [e["loss"] for e in read_events(run) if e["event"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("imgs") / "train", per_class=10)
+
+
+def test_image_folder_trains_resumes_exactly_classifies_and_evaluates(tmp_path, folder, capsys):
+    # augmentation on (8 px: shift, TrivialAugment, flips for colour, cutmix + mixup) so the
+    # resumed run must redraw every random choice exactly
+    aug = ["--data.image-size", "8", "--data.augment", "True", "--data.trivial-augment",
+           "--data.cutmix", "1.0",
+           "--data.mixup", "0.4", "--steps", "6", "--checkpoint-every", "3", "--eval-every", "3"]
+    full = _train(tmp_path, "full", folder, *aug)
+    part = _train(tmp_path, "part", folder, *aug, "--stop-at", "3", "--data.workers", "0")
+    assert train_main(["--resume", str(part), "--no-progress"]) == 0
+    assert _losses(part) == _losses(full) and len(_losses(full)) == 6  # bit-identical
+    start = read_events(full)[0]
+    c = start["config"]
+    assert (c["crop"], c["flip"], c["trivial_augment"], c["cutmix"]) == ("shift", True, True, 1.0)
+    assert c["class_names"] == list(CLASSES) and start["model"]["channels"] == 3
+
+    ckpt = resolve_latest(full)
+    g = GGUFFile(ckpt)
+    assert g.metadata["toy.class_names"] == list(CLASSES)
+    clf = Classifier.load(full)
+    files = [folder / "cat" / "01.png", folder / "frog" / "00.png"]
+    x = np.stack([decode_image(f, 8, 3) for f in files]).astype(np.float32) / 255
+    logits = np.asarray(clf.model(mx.array((x - clf.mean) / clf.std)), np.float64)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    capsys.readouterr()
+    assert classify_main(["--model", str(full), "--top-k", "3", "--json", *map(str, files)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for row, want in zip(rows, p):
+        assert [t["class"] for t in row["top"]] == [CLASSES[k] for k in np.argsort(-want)]
+        np.testing.assert_allclose([t["probability"] for t in row["top"]], np.sort(want)[::-1],
+                                   atol=1e-5)
+    assert classify_main(["--model", str(full), str(folder / "bird")]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 10  # a folder: every image in it
+
+    plot = tmp_path / "cm.png"
+    assert eval_main(["--model", str(full), "--split", "all", "--json", "--plot",
+                      str(plot)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    m = np.array(rep["confusion"])
+    assert m.shape == (3, 3) and m.sum() == rep["images"] == 30 and m.sum(1).tolist() == [10] * 3
+    assert abs(rep["accuracy"] - np.trace(m) / 30) < 1e-12
+    for k, name in enumerate(CLASSES):
+        assert abs(rep["per_class"][name]["accuracy"] - m[k, k] / 10) < 1e-12
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    # the same numbers computed here from the classifier itself
+    every = sorted(p for p in folder.rglob("*") if p.is_file())
+    pred = np.argmax(clf.probabilities(clf.read(every)), axis=1)
+    true = np.array([CLASSES.index(f.parent.name) for f in every])
+    assert abs(rep["accuracy"] - (pred == true).mean()) < 1e-12
+    assert eval_main(["--model", str(full)]) == 0  # text: the run's own held-out split
+    text = capsys.readouterr().out
+    assert "confusion matrix" in text and text.startswith("accuracy ")
+
+
+def test_cifar_batch_file_trains_and_resumes_exactly(tmp_path):
+    batch = make_cifar10(tmp_path / "c", per_batch=12) / "data_batch_1"
+    common = ["--steps", "4", "--checkpoint-every", "2", "--eval-every", "2",
+              "--data.val-fraction", "0.25", "--model.patch-size", "8"]
+    full = _train(tmp_path, "full", batch, *common)
+    part = _train(tmp_path, "part", batch, *common, "--stop-at", "2")
+    assert train_main(["--resume", str(part), "--no-progress"]) == 0
+    assert _losses(part) == _losses(full)
+    start = read_events(full)[0]
+    assert start["config"]["class_names"][:2] == ["airplane", "automobile"]
+    assert (start["config"]["crop"], start["config"]["flip"]) == ("shift", True)  # colour 32 px
+    assert start["model"]["image_size"] == 32 and start["model"]["num_classes"] == 10
+
+
+@pytest.mark.parametrize("case", ["truncated", "text-as-jpg", "empty-class", "one-class"])
+def test_bad_image_data_one_line_error_and_nothing_left(tmp_path, capsys, case):
+    root = make_image_folder(tmp_path / "d", per_class=3)
+    bad = {"truncated": root / "cat" / "01.png", "text-as-jpg": root / "frog" / "x.jpg",
+           "empty-class": root / "zebra", "one-class": tmp_path / "one"}[case]
+    if case == "truncated":
+        bad.write_bytes(bad.read_bytes()[:-40])
+    elif case == "text-as-jpg":
+        bad.write_text("not an image")
+    elif case == "empty-class":
+        bad.mkdir()
+    else:
+        (bad / "only").mkdir(parents=True)
+        (root / "cat" / "01.png").rename(bad / "only" / "a.png")
+    data = tmp_path / "one" if case == "one-class" else root
+    capsys.readouterr()
+    code = train_main(["--recipe", "vit-tiny", *TINY, "--data.path", str(data), "--data.image-size",
+                       "8", "--runs-root", str(tmp_path / "runs"), "--run-id", "r", "--steps", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and str(bad) in err[0], err
+    assert not (tmp_path / "runs" / "r").exists()  # nothing half-written
+
+
+def test_stochastic_depth_rates_scaling_and_eval_mode():
+    from toymlx.models.vit import ViT, ViTArgs
+
+    a = ViTArgs(image_size=8, patch_size=4, channels=1, d_model=8, n_layers=3, n_heads=2,
+                ffn_dim=16, num_classes=3, drop_path=0.4)
+    model = ViT(a)
+    assert [blk.drop_path.p for blk in model.layers] == [0.0, 0.2, 0.4]  # timm's linear rule
+    blk = model.layers[2]
+    y = mx.ones((20000, 1, 1))
+    mx.random.seed(0)
+    out = np.asarray(blk.drop_path(y)).ravel()
+    assert np.allclose(out[out != 0], 1 / 0.6)  # dropped, or kept and scaled by 1 / (1 - p)
+    assert abs((out == 0).mean() - 0.4) < 0.015 and abs(out.mean() - 1.0) < 0.03
+    x = mx.array(np.random.default_rng(0).normal(size=(4, 8, 8, 1)).astype(np.float32))
+    model.eval()
+    plain = ViT(ViTArgs(**{**a.__dict__, "drop_path": 0.0}))
+    plain.update(model.parameters())
+    assert mx.array_equal(model(x), plain(x)).item()  # no dropping outside training

@@ -1,0 +1,165 @@
+"""Folders of image files (torchvision's ImageFolder layout) decoded with Pillow.
+
+`root/<class name>/**/<image>`: one subfolder per class, class indices in sorted name order
+(as torchvision and timm number them), files with an image extension in any depth below it.
+Every image is converted to grey (`L`) or RGB, its shorter side resized to the target size
+(bicubic, antialiased when shrinking) and the centre square cropped: the same preprocessing
+for training, evaluation and `toymlx-classify`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
+                    ".pgm", ".pbm")
+"""File names (lower-cased) read as images; other files in a class folder are ignored."""
+
+_GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+
+
+class ImageDataError(ValueError):
+    """An image data file or setting cannot be used; the message is one line naming it."""
+
+
+def _open(path: Path) -> Image.Image:
+    try:
+        return Image.open(path)
+    except UnidentifiedImageError:
+        raise ImageDataError(f"{path}: not an image Pillow can read: expected one of "
+                             f"{', '.join(e[1:] for e in IMAGE_EXTENSIONS)}, found "
+                             f"{_sniff(path)}; remove or replace the file") from None
+    except OSError as e:
+        raise ImageDataError(f"{path}: cannot open ({e.strerror or e})") from None
+
+
+def _sniff(path: Path) -> str:
+    try:
+        head = path.open("rb").read(16)
+    except OSError:
+        return "an unreadable file"
+    if not head:
+        return "an empty file"
+    return f"bytes {head[:8]!r}"
+
+
+def is_colour(path: Path) -> bool:
+    """Whether the file's stored mode has colour (reads the header only)."""
+    with _open(path) as im:
+        return im.mode not in _GREY_MODES
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the header."""
+    with _open(path) as im:
+        return im.size
+
+
+def decode_image(path: str | Path, size: int, channels: int) -> np.ndarray:
+    """One image file -> (size, size, channels) uint8: grey or RGB, shorter side resized to
+    `size`, centre-cropped."""
+    path = Path(path)
+    mode = "L" if channels == 1 else "RGB"
+    im = _open(path)
+    try:
+        with im:
+            im.draft(mode, (size, size))  # JPEG: decode at a reduced scale when it is larger
+            if im.mode.startswith("I;16") or im.mode in ("I", "F"):
+                a = np.asarray(im, np.float32)  # 16-bit or float grey: to 8 bits
+                im = Image.fromarray(np.clip(a / (257 if im.mode != "F" else 1 / 255), 0, 255)
+                                     .astype(np.uint8))
+            im = im.convert(mode)
+            w, h = im.size
+            s = size / min(w, h)
+            nw, nh = max(size, round(w * s)), max(size, round(h * s))
+            if (nw, nh) != (w, h):
+                im = im.resize((nw, nh), Image.Resampling.BICUBIC)
+            left, top = (nw - size) // 2, (nh - size) // 2
+            im = im.crop((left, top, left + size, top + size))
+            a = np.asarray(im, np.uint8)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        # Pillow reports a truncated or corrupt stream as OSError or SyntaxError
+        raise ImageDataError(f"{path}: cannot decode the image ({e}); remove or replace "
+                             "the file") from None
+    return a.reshape(size, size, channels)
+
+
+def scan_image_folder(root: str | Path, min_classes: int = 2
+                      ) -> tuple[list[Path], np.ndarray, list[str]]:
+    """(files, labels, class names) of an ImageFolder tree, in sorted order; a training set
+    needs two classes, a validation or test set (`min_classes=1`) one."""
+    root = Path(root)
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise ImageDataError(f"{root}: expected one subfolder of images per class, found no "
+                             "subfolders")
+    files: list[Path] = []
+    labels: list[int] = []
+    for k, name in enumerate(classes):
+        found = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
+                       and p.is_file() and not p.name.startswith("."))
+        if not found:
+            raise ImageDataError(f"{root / name}: class folder has no images: expected at least "
+                                 f"one file named *{', *'.join(IMAGE_EXTENSIONS[:3])}, ..., found "
+                                 "none; add images or remove the folder")
+        files += found
+        labels += [k] * len(found)
+    if len(classes) < min_classes:
+        raise ImageDataError(f"{root}: expected at least 2 class subfolders, found 1 "
+                             f"({classes[0]!r}); a classifier needs two or more classes")
+    return files, np.asarray(labels, np.int64), classes
+
+
+def probe(files: Sequence[Path], workers: int) -> tuple[bool, set[tuple[int, int]]]:
+    """(any colour image, the set of image sizes) from the headers of `files`."""
+    def one(p: Path) -> tuple[bool, tuple[int, int]]:
+        with _open(p) as im:
+            return im.mode not in _GREY_MODES, im.size
+
+    with ThreadPoolExecutor(max(workers, 1)) as pool:
+        got = list(pool.map(one, files, chunksize=64))
+    return any(c for c, _ in got), {s for _, s in got}
+
+
+class ImageFiles:
+    """Image files that decode when indexed: `files[idx]` -> (len(idx), size, size, C) uint8."""
+
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, files: Sequence[Path], size: int, channels: int):
+        self.files, self.size, self.channels = list(files), size, channels
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (len(self.files), self.size, self.size, self.channels)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        if isinstance(idx, slice):
+            idx = np.arange(len(self.files))[idx]
+        idx = np.atleast_1d(np.asarray(idx))
+        out = np.empty((len(idx), self.size, self.size, self.channels), np.uint8)
+        for j, i in enumerate(idx):
+            out[j] = decode_image(self.files[int(i)], self.size, self.channels)
+        return out
+
+    def subset(self, idx: np.ndarray) -> ImageFiles:
+        return ImageFiles([self.files[int(i)] for i in idx], self.size, self.channels)
+
+    def decode_all(self, workers: int) -> np.ndarray:
+        """Every image in memory, decoded by `workers` threads (Pillow releases the GIL)."""
+        out = np.empty(self.shape, np.uint8)
+
+        def one(i: int) -> None:
+            out[i] = decode_image(self.files[i], self.size, self.channels)
+
+        with ThreadPoolExecutor(max(workers, 1)) as pool:
+            list(pool.map(one, range(len(self.files)), chunksize=32))
+        return out
