@@ -55,8 +55,9 @@ def run(args: Args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from toymlx.device import setup_process
     from toymlx_cli import version_text
+
+    from toymlx.device import setup_process
 
     argv = sys.argv[1:] if argv is None else argv
     if "--version" in argv:
