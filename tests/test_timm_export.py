@@ -2,7 +2,7 @@
 
 Default tier: the written file, read back, runs through an independent float64 numpy forward
 written from timm's VisionTransformer (NCHW conv patch embedding, fused qkv, class-token
-pooling) and matches toymlx's logits. `-m timm` (needs torch, torchvision and timm): timm's own
+pooling) and matches toymlx's logits. `-m bench` (the bench extra: torch, torchvision, timm): timm's own
 PyTorch forward, built both from `timm.create_model(...)` + `load_state_dict` and from the
 exported folder (`local-dir:`), matches toymlx's to 1e-4.
 """
@@ -36,7 +36,7 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     header = json.loads(data[8:8 + n])
     meta = header.pop("__metadata__", {})
     out, end = {}, 0
-    for k, v in header.items():
+    for k, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         a, b = v["data_offsets"]
         assert v["dtype"] == "F32" and a == end
         out[k] = np.frombuffer(data[8 + n + a:8 + n + b], "<f4").reshape(v["shape"])
@@ -120,7 +120,7 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert len(err) == 1 and "nope" in err[0] and not (tmp_path / "x").exists()
 
 
-@pytest.mark.timm
+@pytest.mark.bench
 def test_timm_forward_equals_toymlx(exported):
     import timm  # the bench extra: torch, torchvision and timm
     import torch

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from toymlx.gguf.writer import fsync_dir
+from toymlx.atomic import atomic_open, write_text
 from toymlx.models.vit import ViT, ViTArgs
 
 TIMM_ARCH = "vit_tiny_patch16_224"
@@ -116,29 +115,10 @@ def timm_config(a: ViTArgs, norm: dict[str, Any], class_names: list[str]) -> dic
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray],
                       metadata: dict[str, str]) -> None:
-    """A safetensors file (F32 tensors, string metadata), written to a temporary name, fsynced
-    and renamed, so the target is either absent, the old file, or complete."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for k, v in tensors.items():
-        header[k] = {"dtype": "F32", "shape": list(v.shape),
-                     "data_offsets": [offset, offset + v.nbytes]}
-        offset += v.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format aligns the data to 8 bytes
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)) + blob)
-            for v in tensors.values():
-                f.write(v.astype("<f4").tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """A safetensors file (F32 tensors, string metadata), written atomically."""
+    with atomic_open(path) as f:
+        mx.save_safetensors(f, {k: mx.array(v, dtype=mx.float32) for k, v in tensors.items()},
+                            metadata=metadata)
 
 
 def export_timm(out: str | os.PathLike, model: ViT, norm: dict[str, Any],
@@ -158,7 +138,5 @@ def export_timm(out: str | os.PathLike, model: ViT, norm: dict[str, Any],
         return [out]
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / "model.safetensors", tensors, meta)
-    tmp = out / f".config.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, out / "config.json")
+    write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
     return [out / "model.safetensors", out / "config.json"]
