@@ -62,7 +62,7 @@ def train_rate(root: Path, size: int, workers: int, steps: int, batch: int, runs
             "--eval-batches", "1", "--data.val-fraction", "0.05", "--runs-root", str(runs),
             "--run-id", tag, "--no-progress"]
     assert train_main(args) == 0
-    rates = [e["images_per_s"] for e in read_events(runs / tag) if e["event"] == "step"]
+    rates = [e["images_per_s"] for e in read_events(runs / tag) if e["kind"] == "step"]
     return statistics.median(rates[1:])
 
 

@@ -31,7 +31,7 @@ def _train(tmp, rid, data, *extra) -> object:
 
 
 def _losses(run) -> list[float]:
-    return [e["loss"] for e in read_events(run) if e["event"] == "step"]
+    return [e["loss"] for e in read_events(run) if e["kind"] == "step"]
 
 
 @pytest.fixture(scope="module")
