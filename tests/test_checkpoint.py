@@ -20,8 +20,8 @@ from toymlx_cli.train import main
 
 from toymlx import checkpoint as ck
 from toymlx.events import read_events
-from toymlx.gguf.reader import GGUFFile
-from toymlx.gguf.writer import DIGEST_KEY, data_digest, write_gguf
+from toymlx.gguf.reader import DIGEST_KEY, GGUFFile, data_digest
+from toymlx.gguf.writer import write_gguf
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",

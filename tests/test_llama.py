@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 from reference import forward, load_reference
 
@@ -63,3 +64,21 @@ def test_presets():
     assert _n_params(smollm2_135m()) == 134_515_008
     out = Llama(tiny())(mx.array([[1, 2, 3]]))
     assert out.shape == (1, 3, 259)
+
+
+def test_loading_a_damaged_toymlx_gguf_names_it(tmp_path):
+    """A toymlx GGUF records the SHA-256 of its tensor data; load_llama checks it, so bytes
+    damaged on disk fail with one line naming the file instead of loading as other weights."""
+    from toymlx.gguf.llama import write_llama
+    from toymlx.gguf.reader import GGUFError
+    from toymlx.models.llama import Llama
+
+    path = tmp_path / "m.gguf"
+    write_llama(path, Llama(tiny(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)),
+                {})
+    load_llama(path)  # intact
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # one byte of the last tensor
+    path.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"m\.gguf: tensor data: expected sha256 .* damaged"):
+        load_llama(path)

@@ -34,7 +34,7 @@ from toymlx import checkpoint as ck
 from toymlx import cpu_streams, device
 from toymlx.device import backend_info
 from toymlx.events import EventLog, git_info, host_info, now_iso, read_events
-from toymlx.gguf.writer import DIGEST_KEY
+from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.runs import Resume, intact_hint
 from toymlx.schedule import lr_at
 from toymlx.step import LossScale, make_step

@@ -147,6 +147,7 @@ def load_llama(path: str | os.PathLike, ops: Ops = EXACT, weights: str = "float3
     tensor type gguf-py decodes). The one GGUF-to-Llama loader: every recipe, generation,
     evaluation and export go through it (or through `load_llama_weights`)."""
     g = GGUFFile(path)
+    g.verify_digest()  # a damaged toymlx checkpoint is named here, not found in the logits
     model = Llama(args_from_gguf(g), ops)  # its random init is lazy, and replaced unevaluated
     load_llama_weights(g, model, weights)
     return model, g

@@ -9,6 +9,7 @@ float64 metadata and decodes Q4_K wrongly, so tensor data is decoded here with n
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -20,6 +21,8 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
+DIGEST_KEY = "toy.tensor_sha256"
+"""Metadata key: the SHA-256 of the file's tensor data section, written by toymlx's writer."""
 MAX_DIMS = 4
 DEFAULT_ALIGNMENT = 32
 
@@ -280,6 +283,17 @@ class GGUFFile:
                                 f"dequantize, found {t.name}") from None
         return np.asarray(out.reshape(info.shape), dtype=dtype)
 
+    def verify_digest(self) -> None:
+        """GGUFError naming the file when its tensor data does not match `toy.tensor_sha256`
+        (a damaged file); files without the key (not written by toymlx) pass."""
+        want = self.metadata.get(DIGEST_KEY)
+        if not isinstance(want, str):
+            return
+        got = data_digest(self.path, self.data_start)
+        if got != want:
+            raise GGUFError(f"{self.path}: tensor data: expected sha256 {want[:16]} (recorded "
+                            f"when it was written), found {got[:16]}: the file is damaged")
+
     def release(self, name: str) -> None:
         """Drop tensor `name`'s pages of the file mapping from this process (they stay in the
         page cache and fault back in if read again): a loader that has copied a tensor into
@@ -302,6 +316,16 @@ class GGUFFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def data_digest(path: str | os.PathLike, data_start: int) -> str:
+    """SHA-256 of a GGUF file's tensor data section (what `toy.tensor_sha256` records)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(data_start)
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:

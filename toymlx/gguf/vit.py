@@ -113,6 +113,7 @@ def load_vit(path: str | os.PathLike, ops: Ops = EXACT) -> tuple[ViT, dict[str, 
     """(model computing with `ops`, normalisation dict, file) from a toymlx ViT checkpoint;
     shapes checked."""
     g = GGUFFile(path)
+    g.verify_digest()  # a damaged toymlx checkpoint is named here, not found in the logits
     args = args_from_gguf(g)
     model = ViT(args, ops)
     weights = []

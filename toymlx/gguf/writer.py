@@ -23,6 +23,7 @@ from toymlx.gguf.reader import (
     ARRAY,
     BOOL,
     DEFAULT_ALIGNMENT,
+    DIGEST_KEY,
     FLOAT32,
     INT32,
     INT64,
@@ -32,7 +33,6 @@ from toymlx.gguf.reader import (
     UINT64,
 )
 
-DIGEST_KEY = "toy.tensor_sha256"
 """Metadata key: SHA-256 (hex) of the tensor data section, written into every file."""
 # Keys whose GGUF type llama.cpp checks and that Python values cannot express on their own.
 KNOWN_TYPES: dict[str, tuple[int, int | None]] = {
@@ -182,13 +182,3 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
             f.write(memoryview(data).cast("B"))
             _pad(f, alignment)
     return path
-
-
-def data_digest(path: str | os.PathLike, data_start: int) -> str:
-    """SHA-256 of a GGUF file's tensor data section (what `toy.tensor_sha256` records)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(data_start)
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
