@@ -1,6 +1,9 @@
 """Thin command-line entry points (installed as `toymlx_cli`)."""
 
+import sys
+from collections.abc import Callable
 from importlib import metadata
+from typing import Any
 
 from toymlx import __version__
 
@@ -12,3 +15,28 @@ def version_text() -> str:
     except metadata.PackageNotFoundError:
         mlx = "not installed"
     return f"toymlx {__version__} (mlx {mlx})"
+
+
+def run_command(prog: str, args_type: type, run: Callable[[Any], int],
+                argv: list[str] | None, errors: tuple[type[Exception], ...] = (ValueError,
+                                                                           OSError)) -> int:
+    """What the forward-only commands share: `--version`, the process set-up, tyro's parse, and
+    bad input as one line `PROG: error: ...` with exit status 2 (Ctrl-C: 130)."""
+    import tyro  # here: --version answers without importing it
+
+    from toymlx.device import setup_process
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "--version" in argv:
+        print(version_text())
+        return 0
+    setup_process()
+    args = tyro.cli(args_type, args=argv, prog=prog, description=args_type.__doc__)
+    try:
+        return run(args)
+    except errors as e:  # GGUFError and ImageDataError are ValueErrors
+        print(f"{prog}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import tyro
+from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -55,21 +56,7 @@ def run(args: Args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from toymlx_cli import version_text
-
-    from toymlx.device import setup_process
-
-    argv = sys.argv[1:] if argv is None else argv
-    if "--version" in argv:
-        print(version_text())
-        return 0
-    setup_process()
-    args = tyro.cli(Args, args=argv, prog=PROG)
-    try:
-        return run(args)
-    except (ValueError, OSError) as e:  # ImageDataError and GGUFError are ValueErrors
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    return run_command(PROG, Args, run, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
-from toymlx_cli import version_text
+from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -45,21 +45,12 @@ class Args:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tyro
+    return run_command("toymlx-eval", Args, show, argv)
 
-    argv = sys.argv[1:] if argv is None else argv
-    if "--version" in argv:
-        print(version_text())
-        return 0
-    from toymlx.device import setup_process
 
-    setup_process()
-    args = tyro.cli(Args, args=argv, prog="toymlx-eval")
-    try:
-        out = evaluate(args)
-    except (ValueError, OSError) as e:
-        print(f"toymlx-eval: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+def show(args: Args) -> int:
+    """Evaluate and print: the text report (a ViT), or JSON."""
+    out = evaluate(args)
     text = out.pop("text", None)
     print(text if text is not None and not args.json else json.dumps(out))
     return 0
@@ -118,16 +109,14 @@ def evaluate(args: Args) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from toymlx.checkpoint import resolve_latest
+    from toymlx.checkpoint import checkpoint_file
     from toymlx.device import select_device
     from toymlx.gguf.reader import GGUFFile
     from toymlx.trainer import Task
     from toymlx.trainer import evaluate as run_eval
 
     select_device(args.device)
-    path = Path(args.model)
-    if path.is_dir():
-        path = resolve_latest(path)
+    path = checkpoint_file(args.model)
     arch = GGUFFile(path).architecture
     if arch == "vit":
         return evaluate_images(args, path)

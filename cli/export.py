@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from toymlx_cli import version_text
+from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -69,8 +69,9 @@ def export_vit(args: Args) -> int:
 
 def run(args: Args) -> int:
     from toymlx.atomic import atomic_open
+    from toymlx.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
-    from toymlx.lora import apply_adapter, resolve_adapter_path, write_merged
+    from toymlx.lora import apply_adapter, write_merged
 
     if args.format == "safetensors" or args.model:
         if args.format != "safetensors":
@@ -91,7 +92,7 @@ def run(args: Args) -> int:
         if args.dtype:
             raise ValueError("--dtype: only applies to a written model (with --fuse or "
                              "without --adapter); an adapter is written as F32")
-        src = resolve_adapter_path(args.adapter)
+        src = checkpoint_file(args.adapter, "--adapter")
         model, g = load_llama(args.base)
         apply_adapter(model, src, g.metadata.get("general.architecture", "llama"))
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -107,19 +108,7 @@ def run(args: Args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tyro
-
-    argv = sys.argv[1:] if argv is None else argv
-    if "--version" in argv:
-        print(version_text())
-        return 0
-    args = tyro.cli(Args, args=argv, prog=PROG,
-                    description=Args.__doc__)
-    try:
-        return run(args)
-    except (ValueError, OSError, KeyError, TypeError) as e:  # GGUFError is a ValueError
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    return run_command(PROG, Args, run, argv, (ValueError, OSError, KeyError, TypeError))
 
 
 if __name__ == "__main__":

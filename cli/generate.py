@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from toymlx_cli import version_text
+from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -133,26 +133,7 @@ def run(args: Args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tyro
-
-    argv = sys.argv[1:] if argv is None else argv
-    if "--version" in argv:
-        print(version_text())
-        return 0
-    from toymlx.device import setup_process
-
-    setup_process()
-    args = tyro.cli(Args, args=argv, prog=PROG,
-                    description=Args.__doc__)
-    try:
-        return run(args)
-    except (ValueError, OSError, KeyError) as e:  # GGUFError is a ValueError
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    return run_command(PROG, Args, run, argv, (ValueError, OSError, KeyError))
 
 
 if __name__ == "__main__":

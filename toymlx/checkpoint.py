@@ -188,6 +188,18 @@ def _latest_target(weights: Path) -> str | None:
         return None
 
 
+def checkpoint_file(path: str | os.PathLike, flag: str = "--model") -> Path:
+    """The one "file or run folder -> weights" resolver: a GGUF path as given, or the
+    checkpoint a run folder's `weights/latest` names; FileNotFoundError naming `flag`."""
+    p = Path(path)
+    if p.is_dir():
+        return resolve_latest(p)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: {flag}: expected a GGUF file or a run directory, found "
+                                "nothing at that path")
+    return p
+
+
 def resolve_latest(run_dir: str | os.PathLike) -> Path:
     """The GGUF that `run_dir/weights/latest` names (or the run dir's newest if no link)."""
     run_dir = Path(run_dir)

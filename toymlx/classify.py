@@ -16,21 +16,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from toymlx.checkpoint import resolve_latest
+from toymlx.checkpoint import checkpoint_file
 from toymlx.data.image_folder import IMAGE_EXTENSIONS, ImageDataError, decode_image
 from toymlx.gguf.vit import class_names, load_vit
 from toymlx.models.vit import ViT
-
-
-def checkpoint_path(model: str | Path) -> Path:
-    """A checkpoint GGUF, or a run directory's weights/latest."""
-    p = Path(model)
-    if p.is_dir():
-        return resolve_latest(p)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: --model: expected a checkpoint .gguf or a run directory, "
-                                "found nothing")
-    return p
 
 
 @dataclass
@@ -46,7 +35,7 @@ class Classifier:
 
     @classmethod
     def load(cls, model: str | Path) -> Classifier:
-        path = checkpoint_path(model)
+        path = checkpoint_file(model)
         vit, norm, g = load_vit(path)
         vit.eval()
         c = vit.args.channels

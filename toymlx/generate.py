@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from toymlx.checkpoint import resolve_latest
+from toymlx.checkpoint import checkpoint_file
 from toymlx.gguf.llama import args_from_gguf, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
@@ -61,17 +61,6 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
         yield int(tok)
 
 
-def resolve_model_path(path: str | os.PathLike) -> Path:
-    """A GGUF path as given, or the checkpoint `weights/latest` names in a run directory."""
-    p = Path(path)
-    if p.is_dir():
-        return resolve_latest(p)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: --model: expected a GGUF file or a run directory, "
-                                "found nothing at that path")
-    return p
-
-
 def _lora_run_base(path: str | os.PathLike) -> str | None:
     """The `--base` a LoRA run was trained on (its config.json), when `path` is in a run."""
     p = Path(path)
@@ -89,7 +78,7 @@ def _lora_run_base(path: str | os.PathLike) -> str | None:
 def load_for_generation(path: str | os.PathLike) -> tuple[Llama, Any]:
     """(model, tokenizer) from a llama GGUF or a run directory (its `weights/latest`); a LoRA
     run's adapter comes with the base model it was trained on."""
-    gguf_path = resolve_model_path(path)
+    gguf_path = checkpoint_file(path)
     g = GGUFFile(gguf_path)
     if g.metadata.get("general.type") == "adapter":
         base = g.metadata.get("toy.base")

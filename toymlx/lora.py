@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from toymlx.checkpoint import resolve_latest
+from toymlx.checkpoint import checkpoint_file
 from toymlx.gguf.llama import gguf_to_toy, llama_tensors, load_llama, toy_to_gguf
 from toymlx.gguf.quant import projection_types
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
@@ -220,20 +220,9 @@ class Adapter:
     metadata: dict[str, Any]
 
 
-def resolve_adapter_path(path_or_run_dir: str | os.PathLike) -> Path:
-    """An adapter GGUF as given, or the one `weights/latest` names in a LoRA run directory."""
-    p = Path(path_or_run_dir)
-    if p.is_dir():
-        return resolve_latest(p)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: --adapter: expected an adapter GGUF or a LoRA run "
-                                "directory, found nothing at that path")
-    return p
-
-
 def load_adapter(path: str | os.PathLike) -> Adapter:
     """Read and check a llama.cpp LoRA adapter GGUF (one-line GGUFError when it is not one)."""
-    path = resolve_adapter_path(path)
+    path = checkpoint_file(path, "--adapter")
     g = GGUFFile(path)
     meta = g.metadata
     kind = meta.get("general.type")
@@ -378,7 +367,7 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
     meta["general.file_type"] = FILE_TYPE[dtype]
     types["general.file_type"] = (UINT32, None)
     if adapter is not None:
-        ad_path = resolve_adapter_path(adapter)
+        ad_path = checkpoint_file(adapter, "--adapter")
         apply_adapter(model, ad_path, g.metadata.get("general.architecture", "llama"))
         fuse(model)
         meta["toy.merged_adapter"] = ad_path.name
