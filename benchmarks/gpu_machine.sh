@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# toymlx on a lent NVIDIA machine that has Python and CUDA but no MLX and no network.
+#
+# Here (with network):      bash benchmarks/gpu_machine.sh prepare
+#   downloads MLX's CUDA wheels and toymlx's other missing dependencies for that machine's
+#   Python, in the versions installed here, and cuts them into carries of under 30 MB:
+#   .gpu/part1 .. .gpu/partN (ignored by git), plus .gpu/MANIFEST.
+# There, one call per part, back to back (an idle machine goes back after ~30 s):
+#   bash benchmarks/gpu_machine.sh install .gpu/partK     (carry: .gpu/partK)
+#   Each call stores its part outside the working tree (laid anew every call); the call that
+#   completes the set joins the big wheel, checks its SHA-256 and installs MLX, toymlx (a wheel
+#   built by prepare) and the rest under $TOYMLX_GPU_HOME/site (default /tmp/toymlx-gpu).
+# Then, in the same call or the next:
+#   bash benchmarks/gpu_machine.sh run python3 benchmarks/bench.py --device gpu ...
+#   runs a command with that installation on PYTHONPATH (and toymlx's commands on PATH).
+#
+# The first compiled step on a fresh machine takes 1-2 minutes (MLX compiles its CUDA kernels,
+# cached under $TMPDIR/mlx for the machine's life).
+set -euo pipefail
+
+HOME_DIR=${TOYMLX_GPU_HOME:-/tmp/toymlx-gpu}
+WORK=.gpu
+PART_BYTES=30000000
+PY_VERSION=${TOYMLX_GPU_PYTHON:-3.12}
+# The lent machine's image already has numpy, transformers, tokenizers, jinja2, pillow, tqdm,
+# pyyaml, safetensors and NVIDIA's CUDA 13 libraries (../.library/device/KINDS.md)
+PACKAGES=(mlx mlx-cuda-13 mlx-lm gguf tyro docstring-parser typeguard typing-extensions)
+
+die() { echo "gpu_machine.sh: $*" >&2; exit 1; }
+
+version_here() {  # the version of a package in this environment (MLX's CUDA wheel: MLX's)
+  local name=$1
+  [[ $name == mlx-cuda-13 ]] && name=mlx
+  python3 -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" \
+    2>/dev/null || die "$name is not installed here: install toymlx first (scripts/install.sh)"
+}
+
+prepare() {
+  rm -rf "$WORK" && mkdir -p "$WORK/wheels"
+  local specs=() p
+  for p in "${PACKAGES[@]}"; do specs+=("$p==$(version_here "$p")"); done
+  echo "downloading for Python $PY_VERSION, manylinux x86_64: ${specs[*]}"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
+    --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$WORK/wheels" "${specs[@]}"
+  # toymlx itself as a wheel built here (that machine may lack setuptools)
+  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/wheels" .
+  # the big wheel travels in pieces; every other wheel rides with the first piece
+  local big
+  big=$(ls "$WORK"/wheels/mlx_cuda_13-*.whl) || die "no mlx-cuda-13 wheel was downloaded"
+  split -b "$PART_BYTES" -d -a 2 "$big" "$WORK/piece."
+  local pieces=("$WORK"/piece.*) n=0
+  for p in "${pieces[@]}"; do
+    n=$((n + 1)) && mkdir -p "$WORK/part$n" && mv "$p" "$WORK/part$n/"
+  done
+  find "$WORK/wheels" -name '*.whl' ! -name 'mlx_cuda_13-*' -exec cp {} "$WORK/part1/" \;
+  { echo "wheel $(basename "$big")"; echo "sha256 $(sha256sum "$big" | cut -d' ' -f1)"
+    echo "pieces $n"; } > "$WORK/MANIFEST"
+  for p in $(seq 1 "$n"); do cp "$WORK/MANIFEST" "$WORK/part$p/"; done
+  rm -rf "$WORK/wheels"
+  du -sh "$WORK"/part* | sed 's/^/  /'
+  echo "then one device call per part, back to back, each with carry [\".gpu/partK\"]:"
+  echo "  bash benchmarks/gpu_machine.sh install .gpu/partK"
+}
+
+install() {
+  local part=${1:?install needs the carried part folder}
+  [[ -f $part/MANIFEST ]] || die "$part/MANIFEST is missing: carry a folder made by prepare"
+  mkdir -p "$HOME_DIR/parts"
+  cp "$part"/* "$HOME_DIR/parts/"
+  local wheel sha pieces have
+  wheel=$(awk '$1 == "wheel" {print $2}' "$HOME_DIR/parts/MANIFEST")
+  sha=$(awk '$1 == "sha256" {print $2}' "$HOME_DIR/parts/MANIFEST")
+  pieces=$(awk '$1 == "pieces" {print $2}' "$HOME_DIR/parts/MANIFEST")
+  have=$(find "$HOME_DIR/parts" -name 'piece.*' | wc -l)
+  if (( have < pieces )); then
+    echo "stored $have of $pieces pieces in $HOME_DIR/parts: carry the next part now"
+    return 0
+  fi
+  cat "$HOME_DIR"/parts/piece.* > "$HOME_DIR/parts/$wheel"
+  echo "$sha  $HOME_DIR/parts/$wheel" | sha256sum -c --quiet - \
+    || die "$wheel: SHA-256 does not match $HOME_DIR/parts/MANIFEST (a piece is damaged)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+    --target "$HOME_DIR/site" "$HOME_DIR"/parts/*.whl
+  run python3 -c "import mlx.core as mx, toymlx; gpu = mx.is_available(mx.gpu); print('toymlx',
+    toymlx.__version__, 'MLX', mx.__version__, 'GPU:', gpu and mx.device_info())"
+}
+
+run() {
+  [[ -d $HOME_DIR/site/toymlx ]] || die "nothing installed under $HOME_DIR: run install first"
+  # the working tree's toymlx first, so code changed since prepare runs as it is now; the
+  # installed wheel gives the commands (toymlx-train ...) and the dependencies
+  PYTHONPATH="$PWD:$HOME_DIR/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$HOME_DIR/site/bin:$PATH" "$@"
+}
+
+case ${1:-} in
+  prepare) prepare ;;
+  install) shift; install "$@" ;;
+  run) shift; run "$@" ;;
+  *) die "usage: bash benchmarks/gpu_machine.sh prepare | install .gpu/partK | run COMMAND..." ;;
+esac
