@@ -28,10 +28,12 @@ from toymlx.events import read_events
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import encode_tensor
-from toymlx.losses import lm_loss
+from toymlx.lora import apply_lora
+from toymlx.losses import classify_loss, lm_loss
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.ops import Ops, training_ops
+from toymlx.models.vit import ViT, ViTArgs
 from toymlx.step import LossScale, make_step
 
 LLAMA = ["--model.d-model", "64", "--model.n-layers", "2", "--model.n-heads", "4",
@@ -124,6 +126,51 @@ def test_mixed_precision_keeps_float32_masters():
     assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
     moments = [v for k, v in tree_flatten(opt.state) if k.endswith(("m", "v"))]
     assert moments and {v.dtype for v in moments} == {mx.float32}
+
+
+KERNELS = ("embed", "linear", "rms_norm", "layer_norm", "rope", "attention", "silu_mul", "gelu",
+           "unembed")
+
+
+@pytest.mark.parametrize("which", ["llama-exact-rope", "llama-fast-rope", "llama-lora", "vit"])
+def test_half_precision_activations_never_widen(monkeypatch, which):
+    """In a bfloat16 forward every kernel the model asks its `Ops` for returns bfloat16: one
+    float32 operand (a RoPE table, a bias, a position embedding) would silently promote the rest
+    of the block to float32, which the final logits' dtype does not show (the next linear casts
+    back) and which costs a GPU half its speed. Only the loss is float32."""
+    seen: list[tuple[str, mx.Dtype]] = []
+
+    def spy(name: str):
+        kernel = getattr(Ops, name)
+
+        def call(self, *args, **kw):
+            out = kernel(self, *args, **kw)
+            seen.append((name, out.dtype))
+            return out
+        return call
+
+    for name in KERNELS:
+        monkeypatch.setattr(Ops, name, spy(name))
+    mx.random.seed(0)
+    ops = Ops(dtype="bfloat16", exact_rope=which != "llama-fast-rope")
+    if which == "vit":
+        model = ViT(ViTArgs(image_size=8, patch_size=4, channels=3, d_model=32, n_layers=1,
+                            n_heads=2, ffn_dim=64, num_classes=5), ops)
+        batch = {"images": mx.random.uniform(shape=(2, 8, 8, 3)), "labels": mx.array([1, 3])}
+        loss_fn = classify_loss
+    else:
+        model = Llama(tiny(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64), ops)
+        if which == "llama-lora":
+            apply_lora(model, ("q", "v", "down"))
+        tokens = mx.array(np.random.default_rng(0).integers(0, 259, (2, 17)).astype(np.int32))
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mx.ones((2, 16))}
+        loss_fn = lm_loss
+    (loss, _), grads = nn.value_and_grad(model, loss_fn)(model, batch)
+    mx.eval(loss, grads)
+    widened = sorted({name for name, dtype in seen if dtype != mx.bfloat16})
+    assert seen and not widened, f"{which}: float32 out of {widened}"
+    assert loss.dtype == mx.float32
+    assert {v.dtype for _, v in tree_flatten(grads)} == {mx.float32}  # masters' gradients
 
 
 def test_float16_loss_scale_skips_overflow_and_grows():
@@ -227,7 +274,8 @@ import numpy as np
 import toymlx
 import mlx.core as mx
 from mlx import nn
-from toymlx.losses import lm_loss
+from toymlx.lora import apply_lora
+from toymlx.losses import classify_loss, lm_loss
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.ops import Ops
 
