@@ -16,6 +16,10 @@ PyTorch rows need a CUDA build of PyTorch. The modules beside this one:
     procs.py        child processes: PyTorch's CPU step, peak RSS, GGUF I/O, data parallel
     cpu_suite.py    the CPU suite (float32, PyTorch CPU in a child process) and its table
     gpu_suite.py    the GPU suite (dtypes, torch.compile, MFU, peak memory) and its table
+
+Beside them, not part of this command: graph_census.py (the primitives one LoRA step asks MLX
+for, toymlx against mlx-lm, on any device) and gpu_machine.sh (MLX's CUDA wheels and toymlx
+onto a lent NVIDIA machine that has no network).
 """
 
 from __future__ import annotations
