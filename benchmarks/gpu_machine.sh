@@ -75,7 +75,12 @@ install() {
   pieces=$(awk '$1 == "pieces" {print $2}' "$HOME_DIR/parts/MANIFEST")
   have=$(find "$HOME_DIR/parts" -name 'piece.*' | wc -l)
   if (( have < pieces )); then
-    echo "stored $have of $pieces pieces in $HOME_DIR/parts: carry the next part now"
+    local k missing=()
+    for (( k = 1; k <= pieces; k++ )); do
+      [[ -f $HOME_DIR/parts/piece.$(printf %02d $((k - 1))) ]] || missing+=(".gpu/part$k")
+    done
+    echo "stored $have of $pieces pieces in $HOME_DIR/parts; still to carry, back to back" \
+      "(a machine idle for ~30 s goes back with them): ${missing[*]}"
     return 0
   fi
   cat "$HOME_DIR"/parts/piece.* > "$HOME_DIR/parts/$wheel"
@@ -83,6 +88,11 @@ install() {
     || die "$wheel: SHA-256 does not match $HOME_DIR/parts/MANIFEST (a piece is damaged)"
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target "$HOME_DIR/site" "$HOME_DIR"/parts/*.whl
+  # MLX's CUDA library finds NVIDIA's (cuBLAS, cuDNN, NCCL, ...) at $ORIGIN/../../nvidia, i.e.
+  # beside itself in site-packages: point that at the machine's own NVIDIA wheels
+  local nvidia
+  nvidia=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+  if [[ -n $nvidia && ! -e $HOME_DIR/site/nvidia ]]; then ln -s "$nvidia" "$HOME_DIR/site/nvidia"; fi
   run python3 -c "import mlx.core as mx, toymlx; gpu = mx.is_available(mx.gpu); print('toymlx',
     toymlx.__version__, 'MLX', mx.__version__, 'GPU:', gpu and mx.device_info())"
 }
