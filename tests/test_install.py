@@ -145,6 +145,61 @@ def test_backend_follows_the_gpu_and_its_driver(tmp_path, os_name, gpus, driver,
     assert (message or "") in r.stderr and (message is not None or r.stderr == ""), r.stderr
 
 
+def _fake_mac_tools(folder: Path, pythons: dict[str, str], arm64: str = "1",
+                    translated: str = "0", macos: str = "14.5") -> Path:
+    """Pythons answering py_info with "VERSION ARCH", and a Mac's `sysctl` and `sw_vers`."""
+    folder.mkdir(exist_ok=True)
+    tools = {name: f'echo "{info}"' for name, info in pythons.items()}
+    tools["sysctl"] = (f'case $2 in hw.optional.arm64) echo {arm64} ;; '
+                       f'sysctl.proc_translated) echo {translated} ;; *) exit 1 ;; esac')
+    tools["sw_vers"] = f"echo {macos}"
+    for name, body in tools.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize("pythons, translated, want, message", [
+    # Homebrew's python3 first on PATH, native: taken
+    ({"python3": "3.13.1 arm64"}, "0", "python3", ""),
+    # an Intel (or Rosetta) python3 is passed over for a native python3.11 further down
+    ({"python3": "3.12.4 x86_64", "python3.11": "3.11.9 arm64"}, "0", "python3.11", ""),
+    # only old or Intel Pythons, in a Rosetta terminal: named, with the way out
+    ({"python3": "3.9.6 arm64", "python3.12": "3.12.4 x86_64"}, "1", None,
+     "is Python 3.9.6; toymlx needs 3.10 or newer;"),
+])
+def test_a_mac_finds_a_native_python(tmp_path, pythons, translated, want, message):
+    """On macOS the installer takes the first Python >= 3.10 that runs natively (arm64): MLX
+    has no Intel build, and a Rosetta terminal's Pythons answer x86_64."""
+    tools = _fake_mac_tools(tmp_path / "bin", pythons, translated=translated)
+    r = _shell("bash", "source scripts/install_env.sh; OS=Darwin; find_python", REPO,
+               _env(PATH=f"{tools}:{SYSTEM_PATH}"))
+    if want is not None:
+        assert r.returncode == 0 and r.stdout == f"{tools / want}\n", r.stdout + r.stderr
+        return
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("toymlx: error: no native Python 3.10+ found")
+    assert message in err and "is an x86_64 Python (Rosetta or Intel)" in err, err
+    assert "runs under Rosetta" in err and "brew install python@3.12" in err, err
+
+
+@pytest.mark.parametrize("arm64, macos, message", [
+    ("1", "14.5", None),
+    ("1", "26.1", None),
+    ("0", "14.5", "MLX runs only on Apple Silicon Macs (M1 or later); this Mac has an Intel CPU"),
+    ("1", "13.4", "MLX needs macOS 13.5 or later; this Mac runs macOS 13.4"),
+])
+def test_a_mac_that_mlx_cannot_run_on_is_named(tmp_path, arm64, macos, message):
+    tools = _fake_mac_tools(tmp_path / "bin", {}, arm64=arm64, macos=macos)
+    r = _shell("bash", "source scripts/install_env.sh; OS=Darwin; check_platform", REPO,
+               _env(PATH=f"{tools}:{SYSTEM_PATH}"))
+    if message is None:
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+    else:
+        assert r.returncode == 1 and r.stderr.startswith(f"toymlx: error: {message}"), r.stderr
+
+
 @pytest.mark.parametrize("present, backend, removed", [
     ("mlx-cpu", "cpu", None),
     ("mlx-cuda-13", "cpu", "mlx-cuda-13"),
