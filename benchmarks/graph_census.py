@@ -31,11 +31,12 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.trainer import default_loss
 from mlx_lm_step import MlxLmVariant
-from toymlx_step import ToymlxVariant, build_model, gpu_ops, weights_np
+from toymlx_step import build_model, gpu_ops, weights_np
 from workloads import Workload, find, make_batch
 
 from toymlx.losses import lm_loss
-from toymlx.step import micro_batch_grads
+from toymlx.step import make_step, micro_batch_grads
+from toymlx.trainer import TrainConfig, make_optimizer
 
 
 def primitives(arrays: list[mx.array]) -> Counter:
@@ -51,28 +52,31 @@ def leaves(*trees: object) -> list[mx.array]:
 
 
 def census(w: Workload, dtype: str) -> dict[str, Counter]:
-    """{side/graph: primitive counts} for one model size."""
+    """{side/graph: primitive counts} for one model size. toymlx's step is `make_step`, the one
+    a GPU runs (the CPU's stream split would trace two half-batches instead)."""
     batch = make_batch(w)
     micro = {k: mx.array(v[0]) for k, v in batch.items()}
     out: dict[str, Counter] = {}
-
-    model = build_model(w, gpu_ops(dtype))
-    weights = weights_np(model)
-    loss, _, grads = micro_batch_grads(model, lm_loss)(micro)
-    out["toymlx/grad"] = primitives(leaves(loss, grads))
-    peer = MlxLmVariant(w, weights, batch, dtype=dtype)
-    tokens, lengths = mx.array(peer.tokens), mx.array(peer.lengths)
-    (loss, _), grads = nn.value_and_grad(peer.model, default_loss)(peer.model, tokens, lengths)
-    out["mlx-lm/grad"] = primitives(leaves(loss, grads))
-
-    mx.disable_compile()  # the steps below trace lazily instead of compiling
+    mx.disable_compile()  # every graph below is traced lazily instead of compiled
     try:
-        ours = ToymlxVariant(w, build_model(w, gpu_ops(dtype)), batch, compile=False)
-        res = ours.step_fn({k: mx.array(v) for k, v in batch.items()})
-        out["toymlx/step"] = primitives(leaves(res, ours.model.trainable_parameters(),
-                                               ours.optimizer.state))
+        model = build_model(w, gpu_ops(dtype))
+        weights = weights_np(model)
+        loss, _, grads = micro_batch_grads(model, lm_loss)(micro)
+        out["toymlx/grad"] = primitives(leaves(loss, grads))
+        cfg = TrainConfig(batch_size=w.batch, lr=w.lr, weight_decay=w.weight_decay)
+        optimizer = make_optimizer(cfg)
+        optimizer.init(model.trainable_parameters())
+        res = make_step(model, lm_loss, optimizer, cfg.grad_clip, compile=False)(
+            {k: mx.array(v) for k, v in batch.items()})
+        out["toymlx/step"] = primitives(leaves(res, model.trainable_parameters(),
+                                               optimizer.state))
+
         peer = MlxLmVariant(w, weights, batch, dtype=dtype)
-        loss, _, _ = peer.step_fn((mx.array(peer.tokens), mx.array(peer.lengths)), None, True)
+        tokens, lengths = mx.array(peer.tokens), mx.array(peer.lengths)
+        (loss, _), grads = nn.value_and_grad(peer.model, default_loss)(peer.model, tokens,
+                                                                       lengths)
+        out["mlx-lm/grad"] = primitives(leaves(loss, grads))
+        loss, _, _ = peer.step_fn((tokens, lengths), None, True)
         out["mlx-lm/step"] = primitives(leaves(loss, peer.model.trainable_parameters(),
                                                peer.optimizer.state))
     finally:
