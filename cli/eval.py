@@ -58,12 +58,11 @@ def show(args: Args) -> int:
 
 def _run_data(run_dir: Path) -> dict:
     """The data options a run directory was trained with ({} when it has no config.json)."""
-    from toymlx.runs import CONFIG_FILE
+    from toymlx.runs import saved_config
 
-    try:
-        return json.loads((run_dir / CONFIG_FILE).read_text())["config"].get("data", {})
-    except (OSError, ValueError, KeyError):
-        return {}
+    saved = saved_config(run_dir)
+    data = saved["config"].get("data") if saved is not None else None
+    return data if isinstance(data, dict) else {}
 
 
 def evaluate_images(args: Args, path: Path) -> dict:

@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from toymlx.atomic import atomic_open
 from toymlx.checkpoint import checkpoint_file
 from toymlx.data.image_folder import IMAGE_EXTENSIONS, ImageDataError, decode_image
 from toymlx.gguf.vit import class_names, load_vit
@@ -103,9 +104,7 @@ def predict(clf: Classifier, batches: Iterable[dict[str, np.ndarray]]
         x, y = b["images"].reshape(-1, *b["images"].shape[-3:]), b["labels"].reshape(-1)
         keep = y >= 0
         logits = clf.model(mx.array(x)).astype(mx.float32)
-        lse = mx.logsumexp(logits, axis=-1)
-        picked = mx.take_along_axis(logits, mx.array(np.maximum(y, 0))[:, None], -1)[:, 0]
-        ce = np.asarray(lse - picked)
+        ce = np.asarray(clf.model.ops.cross_entropy(logits, mx.array(np.maximum(y, 0))))
         preds.append(np.asarray(mx.argmax(logits, axis=-1))[keep])
         labels.append(y[keep])
         loss += float(ce[keep].sum())
@@ -172,8 +171,7 @@ def plot_confusion(m: np.ndarray, names: list[str], out: str | Path) -> Path:
     ax.set_title(f"accuracy {np.trace(m) / max(m.sum(), 1):.4f} on {int(m.sum())} images")
     fig.tight_layout()
     out = Path(out)
-    tmp = out.with_name(f".{out.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_open(out) as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(out)
     return out

@@ -9,7 +9,6 @@ trained context) and seeds MLX's generator so a run repeats exactly.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from toymlx.gguf.llama import args_from_gguf, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
 from toymlx.models.llama import Llama
+from toymlx.runs import CONFIG_FILE, saved_config
 from toymlx.tokenizer import Tokenizer
 
 
@@ -65,12 +65,9 @@ def _lora_run_base(path: str | os.PathLike) -> str | None:
     """The `--base` a LoRA run was trained on (its config.json), when `path` is in a run."""
     p = Path(path)
     for run_dir in (p, p.parent.parent):  # the run folder, or a file in its weights/
-        cfg = run_dir / "config.json"
-        if cfg.is_file():
-            try:
-                base = json.loads(cfg.read_text())["config"]["base"]
-            except (ValueError, KeyError, TypeError):
-                return None
+        if (run_dir / CONFIG_FILE).is_file():
+            saved = saved_config(run_dir)
+            base = saved["config"].get("base") if saved is not None else None
             return str(base) if base else None
     return None
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from toymlx import atomic
 from toymlx.events import read_events
+from toymlx.runs import saved_config
 
 SWEEP_FILE = "sweep.json"
 # config.json keys that name where or how a run was started, not what was trained
@@ -83,12 +84,11 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     starts = [e for e in events if e["kind"] == "run_start"]
     config: dict[str, Any] = {}
     recipe = starts[-1].get("recipe") if starts else None
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-        config, recipe = saved.get("config", {}), recipe or saved.get("recipe")
-    except (OSError, ValueError):
-        if starts:
-            config = starts[-1].get("config", {})
+    saved = saved_config(run_dir)
+    if saved is not None:
+        config, recipe = saved["config"], recipe or saved.get("recipe")
+    elif starts:
+        config = starts[-1].get("config", {})
     steps = [e for e in _series(events, "step") if number(e.get("loss")) is not None]
     evals = _series(events, "eval")
     metric = ("accuracy" if any(number(e.get("accuracy")) is not None for e in evals)

@@ -176,6 +176,17 @@ def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
     return cls(**kw)
 
 
+def saved_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """A run folder's config.json as saved (`recipe`, `config`, ...), or None where there is
+    none or it is not such an object: for readers that then do without it (report, eval,
+    generation). Resume reads it strictly, with one-line errors: `read_config`."""
+    try:
+        saved = json.loads((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    return saved if isinstance(saved, dict) and isinstance(saved.get("config"), dict) else None
+
+
 def read_config(run_dir: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """(recipe, config dict) saved when the run started, checked for shape (not yet types)."""
     run_dir = Path(run_dir)

@@ -346,8 +346,8 @@ class _Loop:
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
                                  self.rank0, self.start if self.start else None)
         self.count = task.count or (lambda b: int(np.prod(next(iter(b.values())).shape[:2])))
-        self.step, self.loss = self.start, float("nan")
-        """The last step whose update is in the weights, and its loss."""
+        self.step = self.start
+        """The last step whose update is in the weights."""
         self.reason, self.exit_code, self.message = "completed", 0, None
         self.t_first: float | None = None
         self.last_eval: dict[str, float] = {}
@@ -449,27 +449,27 @@ class _Loop:
             mx.eval(out, self.model.state, self.optimizer.state)
         dt = time.perf_counter() - t0
         self.t_first = dt if self.t_first is None else self.t_first
-        self.loss, gnorm_v = float(out["loss"].item()), float(out["grad_norm"].item())
+        loss, gnorm_v = float(out["loss"].item()), float(out["grad_norm"].item())
         # float16: an overflowing step was skipped (nothing changed but the loss scale)
         scaled = {"loss_scale": float(out["loss_scale"].item()),
                   "skipped": bool(out["skipped"].item())} if self.scale is not None else {}
         lr = lr_at(s, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio)
         # A non-finite gradient norm with a finite loss has already made the update NaN
         # (unless the loss scale skipped that update).
-        checked = (("loss", self.loss),) if scaled.get("skipped") else (
-            ("loss", self.loss), ("gradient norm", gnorm_v))
+        checked = (("loss", loss),) if scaled.get("skipped") else (
+            ("loss", loss), ("gradient norm", gnorm_v))
         for what, v in checked:
             if not math.isfinite(v):
                 self._diverged(f"{what} became {v} at step {s + 1} (lr {lr:.3g})", s)
                 return False
         self.step = s + 1
         rate = n_items / dt
-        self.log.emit("step", step=s + 1, loss=self.loss, lr=lr, grad_norm=gnorm_v, **scaled,
+        self.log.emit("step", step=s + 1, loss=loss, lr=lr, grad_norm=gnorm_v, **scaled,
                       **{f"{self.task.unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4)})
         if bar is not None:
             acc = (f" val_acc {self.last_eval['accuracy']:.3f}" if "accuracy" in self.last_eval
                    else "")
-            bar.set_postfix_str(f"loss {self.loss:.4f}{acc} lr {lr:.2e} "
+            bar.set_postfix_str(f"loss {loss:.4f}{acc} lr {lr:.2e} "
                                 f"{rate:,.0f} {self.task.unit}/s")
             bar.update(1)
         return True

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from toymlx.data.image_folder import ImageDataError
+from toymlx.data.image_folder import ImageDataError, read_file
 
 CIFAR10_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
 _LAYOUTS = (  # (train batches, test batch, meta file, labels key, names key)
@@ -88,13 +88,13 @@ def load_cifar(path: str | Path) -> tuple[np.ndarray, np.ndarray, int | None, li
     """
     path = Path(path)
     if path.is_file() and not path.name.endswith((".tar.gz", ".tgz")):
-        x, y = _batch(_unpickle(_read(path), str(path)), str(path))
+        x, y = _batch(_unpickle(read_file(path), str(path)), str(path))
         meta = next((path.with_name(m) for m in ("batches.meta", "meta")
                      if path.with_name(m).exists()), None)
         names = []
         if meta is not None:
             key = _LAYOUTS[0][4] if meta.name == "batches.meta" else _LAYOUTS[1][4]
-            names = _names(_unpickle(_read(meta), str(meta)), key)
+            names = _names(_unpickle(read_file(meta), str(meta)), key)
         return x, y, None, _check_names(names, y, str(path))
     files = _archive_members(path) if path.is_file() else _folder_members(path)
     for train, test, meta, _, names_key in _LAYOUTS:
@@ -121,18 +121,11 @@ def _check_names(names: list[str], y: np.ndarray, where: str) -> list[str]:
     return names
 
 
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise ImageDataError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
 def _folder_members(path: Path) -> dict[str, Any]:
     """{file name: reader} for the batch files in `path` or its one subfolder that has them."""
     for d in [path, *sorted(p for p in path.iterdir() if p.is_dir())]:
         if (d / "batches.meta").exists() or (d / "meta").exists():
-            return {p.name: (lambda p=p: _read(p)) for p in d.iterdir() if p.is_file()}
+            return {p.name: (lambda p=p: read_file(p)) for p in d.iterdir() if p.is_file()}
     return {}
 
 

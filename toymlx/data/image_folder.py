@@ -9,6 +9,7 @@ for training, evaluation and `toymlx-classify`.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +26,19 @@ _GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 
 class ImageDataError(ValueError):
     """An image data file or setting cannot be used; the message is one line naming it."""
+
+
+def read_file(path: Path) -> bytes:
+    """A data file's bytes (a `.gz` file's decompressed), or ImageDataError naming it."""
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                return f.read()
+        return path.read_bytes()
+    except OSError as e:  # includes gzip.BadGzipFile
+        raise ImageDataError(f"{path}: cannot read ({e.strerror or e})") from None
+    except EOFError:
+        raise ImageDataError(f"{path}: truncated gzip stream; re-download the file") from None
 
 
 def _open(path: Path) -> Image.Image:

@@ -22,7 +22,6 @@ Design choices:
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from toymlx.data.image_folder import (
     ImageDataError,
     ImageFiles,
     probe,
+    read_file,
     scan_image_folder,
 )
 
@@ -58,22 +58,10 @@ disk unless `stream` says otherwise."""
 DEFAULT_FOLDER_SIZE = 224
 """Image side for an ImageFolder of mixed sizes when none is given (timm's ViT-Tiny input)."""
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                return f.read()
-        return path.read_bytes()
-    except OSError as e:  # includes gzip.BadGzipFile
-        raise ImageDataError(f"{path}: cannot read ({e.strerror or e})") from None
-    except EOFError:
-        raise ImageDataError(f"{path}: truncated gzip stream; re-download the file") from None
-
-
 def read_idx(path: str | Path, magic: int) -> np.ndarray:
     """One IDX ubyte file (MNIST layout) as a uint8 array, checking magic number and size."""
     path = Path(path)
-    data = _read_bytes(path)
+    data = read_file(path)
     ndim = magic & 0xFF
     header = 4 + 4 * ndim
     what = "images" if magic == _IDX_IMAGES else "labels"

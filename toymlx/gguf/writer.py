@@ -33,7 +33,6 @@ from toymlx.gguf.reader import (
     UINT64,
 )
 
-"""Metadata key: SHA-256 (hex) of the tensor data section, written into every file."""
 # Keys whose GGUF type llama.cpp checks and that Python values cannot express on their own.
 KNOWN_TYPES: dict[str, tuple[int, int | None]] = {
     "tokenizer.ggml.token_type": (ARRAY, INT32),
