@@ -1,0 +1,78 @@
+"""llama.cpp's own source tree, as the `llama-cpp-python` source distribution on PyPI carries it.
+
+Its `vendor/llama.cpp/` holds what the interop tests need from llama.cpp besides the library:
+`convert_hf_to_gguf.py` (the converter people's GGUFs come from), `gguf-py/`, and
+`models/ggml-vocab-*.gguf` with their `.inp`/`.out` tokenizer vectors. The version fetched is
+the installed `llama-cpp-python`'s (so the converter matches the llama.cpp that runs the
+files), else 0.3.36. It is fetched once with `pip download --no-deps --no-binary :all:` into
+the cache folder ($TOYMLX_CACHE or ~/.cache/toymlx) and unpacked there; test modules import
+the fixture: `from llamacpp_source import llamacpp_source  # noqa: F401`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+DEFAULT_VERSION = "0.3.36"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TOYMLX_CACHE", Path.home() / ".cache" / "toymlx"))
+
+
+def source_version() -> str:
+    """The installed llama-cpp-python's version (its llama.cpp runs the files), else the default."""
+    try:
+        return importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return DEFAULT_VERSION
+
+
+def fetch_source(version: str | None = None, cache: Path | None = None) -> Path:
+    """`vendor/llama.cpp` of llama-cpp-python `version`, downloaded and unpacked once."""
+    version = version or source_version()
+    cache = cache or cache_dir()
+    root = cache / f"llama_cpp_python-{version}"
+    tree = root / "vendor" / "llama.cpp"
+    if (tree / "convert_hf_to_gguf.py").is_file():
+        return tree
+    sdists = cache / "sdists"
+    sdist = sdists / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.is_file():
+        sdists.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                            "--no-binary", ":all:", f"llama-cpp-python=={version}",
+                            "-d", str(sdists)], check=False, capture_output=True, text=True)
+        if r.returncode != 0 or not sdist.is_file():
+            raise RuntimeError(f"pip download llama-cpp-python=={version} (source) into {sdists} "
+                               f"failed (exit {r.returncode}): {r.stderr.strip()[-500:]}")
+    tmp = cache / f".llama_cpp_python-{version}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with tarfile.open(sdist) as t:
+        t.extractall(tmp, filter="data")
+    unpacked = tmp / f"llama_cpp_python-{version}"
+    try:
+        os.replace(unpacked, root)  # concurrent test processes never see a half-unpacked tree
+    except OSError:
+        if not (tree / "convert_hf_to_gguf.py").is_file():
+            raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tree
+
+
+@pytest.fixture(scope="session")
+def llamacpp_source() -> Path:
+    """Path of llama.cpp's source tree (`vendor/llama.cpp` of the llama-cpp-python sdist)."""
+    try:
+        return fetch_source()
+    except (RuntimeError, OSError, tarfile.TarError) as e:
+        pytest.fail(f"llama.cpp source (llama-cpp-python sdist) unavailable: {e}")
