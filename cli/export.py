@@ -1,4 +1,5 @@
 """toymlx-export --base BASE.gguf [--adapter RUN|ADAPTER.gguf --fuse] --out OUT.gguf [--dtype],
+toymlx-export --adapter runs/<lora run> --format modelfile --out DIR (an Ollama Modelfile),
 or toymlx-export --model runs/<vit run> --format safetensors --out DIR|FILE.safetensors."""
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ class Args:
     --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight.
     --adapter A alone:  the adapter GGUF itself, checked against the base.
     no --adapter:       the base re-encoded at --dtype (e.g. an F32 copy of a Q4_1 file).
+    --adapter A --format modelfile --out DIR: DIR/Modelfile for Ollama (FROM the base, ADAPTER
+                        A, the base's Ollama template and stop tokens); then
+                        `ollama create NAME -f DIR/Modelfile`.
+    A GGUF option also takes ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO[/FILE.gguf].
     --model M --format safetensors: a ViT run or checkpoint in timm's vit_tiny_patch16_224
                         layout; --out DIR writes DIR/model.safetensors + DIR/config.json
                         (timm.create_model("local-dir:DIR", pretrained=True) loads it),
@@ -33,11 +38,13 @@ class Args:
     out: str
     """Where to write (atomically): a GGUF, or for safetensors a folder or .safetensors file."""
     base: str | None = None
-    """The llama GGUF the adapter was trained on (its tokenizer and metadata are kept)."""
+    """The llama GGUF the adapter was trained on (its tokenizer and metadata are kept); with
+    --format modelfile, default: the LoRA run's --base."""
     model: str | None = None
     """A ViT checkpoint GGUF or run directory to export (with --format safetensors)."""
-    format: Literal["gguf", "safetensors"] = "gguf"
-    """gguf (llama.cpp) or safetensors (timm's ViT layout, from --model)."""
+    format: Literal["gguf", "safetensors", "modelfile"] = "gguf"
+    """gguf (llama.cpp), safetensors (timm's ViT layout, from --model), or modelfile (an Ollama
+    Modelfile in the folder --out, for --adapter)."""
     adapter: str | None = None
     """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest)."""
     fuse: bool = False
@@ -67,12 +74,28 @@ def export_vit(args: Args) -> int:
     return 0
 
 
+def export_modelfile(args: Args) -> int:
+    from toymlx.modelfile import write_modelfile
+
+    if not args.adapter or args.model or args.fuse or args.dtype:
+        raise ValueError("--format modelfile: expected --adapter (a LoRA run or adapter GGUF), "
+                         "--out DIR and optionally --base only, found "
+                         + ("no --adapter" if not args.adapter else "--model/--fuse/--dtype"))
+    path, base, adapter = write_modelfile(args.out, args.adapter, args.base)
+    print(f"{PROG}: wrote {path} (FROM {base.path}, ADAPTER {adapter}); create the Ollama "
+          f"model with: ollama create NAME -f {path}", file=sys.stderr)
+    return 0
+
+
 def run(args: Args) -> int:
     from toymlx.atomic import atomic_open
     from toymlx.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
     from toymlx.lora import apply_adapter, write_merged
+    from toymlx.model_store import resolve_model
 
+    if args.format == "modelfile":
+        return export_modelfile(args)
     if args.format == "safetensors" or args.model:
         if args.format != "safetensors":
             raise ValueError("--model: expected with --format safetensors (a ViT for timm), "
@@ -84,6 +107,7 @@ def run(args: Args) -> int:
     if not args.base:
         raise ValueError("--base: expected the llama GGUF to export (or --model with --format "
                          "safetensors for a ViT), found none")
+    base = resolve_model(args.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
     out = Path(args.out)
     if args.fuse and not args.adapter:
         raise ValueError("--fuse: expected --adapter (the adapter to merge), found none")
@@ -93,14 +117,14 @@ def run(args: Args) -> int:
             raise ValueError("--dtype: only applies to a written model (with --fuse or "
                              "without --adapter); an adapter is written as F32")
         src = checkpoint_file(args.adapter, "--adapter")
-        model, g = load_llama(args.base)
+        model, g = load_llama(base)
         apply_adapter(model, src, g.metadata.get("general.architecture", "llama"))
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(src, "rb") as f, atomic_open(out) as dst:
             shutil.copyfileobj(f, dst)
         what = f"adapter {src}"
     else:
-        write_merged(out, args.base, args.adapter, args.dtype)
+        write_merged(out, base, args.adapter, args.dtype)
         what = f"{args.base}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from toymlx import atomic
 from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.model_store import is_store_name, resolve_model
 
 LATEST = "latest"
 ID_KEY = "toy.checkpoint_id"
@@ -190,7 +191,10 @@ def _latest_target(weights: Path) -> str | None:
 
 def checkpoint_file(path: str | os.PathLike, flag: str = "--model") -> Path:
     """The one "file or run folder -> weights" resolver: a GGUF path as given, or the
-    checkpoint a run folder's `weights/latest` names; FileNotFoundError naming `flag`."""
+    checkpoint a run folder's `weights/latest` names, or a model in Ollama's or LM Studio's
+    store (`model_store`); FileNotFoundError naming `flag`."""
+    if is_store_name(path):
+        return resolve_model(path, flag)
     p = Path(path)
     if p.is_dir():
         return resolve_latest(p)

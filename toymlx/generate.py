@@ -22,6 +22,7 @@ from toymlx.checkpoint import checkpoint_file
 from toymlx.gguf.llama import args_from_gguf, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
+from toymlx.model_store import is_store_name
 from toymlx.models.llama import Llama
 from toymlx.runs import CONFIG_FILE, saved_config
 from toymlx.tokenizer import Tokenizer
@@ -81,7 +82,7 @@ def load_for_generation(path: str | os.PathLike) -> tuple[Llama, Any]:
         base = g.metadata.get("toy.base")
         g.close()
         base = _lora_run_base(path) or base
-        if isinstance(base, str) and Path(base).is_file():  # a LoRA run: its base + adapter
+        if isinstance(base, str) and (Path(base).is_file() or is_store_name(base)):
             model, tokenizer = load_for_generation(base)
             return apply_adapter(model, gguf_path), tokenizer
         raise GGUFError(f"{gguf_path}: metadata key 'general.type': expected a model, found a "

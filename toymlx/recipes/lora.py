@@ -15,6 +15,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
+from toymlx import model_store
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
 from toymlx.device import on_gpu
@@ -103,7 +104,7 @@ def validate(cfg: Config) -> None:
     if not cfg.base:
         raise ValueError("--base: expected the path of a llama GGUF to adapter-train, found "
                          "none (e.g. --base SmolLM2-135M-Instruct.Q4_1.gguf)")
-    if not Path(cfg.base).is_file():
+    if not model_store.resolve_model(cfg.base, "--base").is_file():
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
                          f"{'a directory' if Path(cfg.base).is_dir() else 'nothing'}")
     parse_targets(cfg.lora.targets)
@@ -139,10 +140,11 @@ def resolve_base_dtype(choice: str, g: GGUFFile, gpu: bool, compute_dtype: str) 
 def build(cfg: Config, ops: Ops) -> Task:
     validate(cfg)
     mx.random.seed(cfg.seed)
-    with GGUFFile(cfg.base) as g:
+    src = model_store.resolve(cfg.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
+    with GGUFFile(src.path) as g:
         dtype = resolve_base_dtype(cfg.base_dtype, g, on_gpu(), ops.dtype)
         types = "/".join(sorted(set(projection_types(g).values())))
-    model, g = load_llama(cfg.base, ops, dtype)
+    model, g = load_llama(src.path, ops, dtype)
     meta = dict(g.metadata)
     g.close()
     args = model.args
@@ -157,13 +159,16 @@ def build(cfg: Config, ops: Ops) -> Task:
                  "general.name": meta.get("general.name", Path(cfg.base).stem)}
 
     def save(path: Path, m, extra: dict) -> None:
-        write_adapter(path, m, base_meta, {**extra, "toy.base": Path(cfg.base).name},
+        base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
+        write_adapter(path, m, base_meta, {**extra, "toy.base": base_label},
                       dtype=cfg.save_dtype)
 
     info = llama_model_info(args)
     info.update(base=str(cfg.base), base_name=base_meta["general.name"], base_type=types,
                 base_dtype=dtype, lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
                 lora_targets=",".join(targets), lora_layers=cfg.lora.layers or args.n_layers)
+    if src.digest:  # a resume re-resolves the name: refused if the tag now names another blob
+        info["base_sha256"] = src.digest.removeprefix("sha256:")
     # n_params and n_trainable are added by the trainer to run_start's model record
     return Task(
         recipe="lora", model=model, loss_fn=lm_loss,
@@ -174,7 +179,7 @@ def build(cfg: Config, ops: Ops) -> Task:
                      "data_source": data.source,
                      "train_rows": len(data.train["inputs"]), "val_rows": len(data.val["inputs"]),
                      "train_target_tokens": int(data.train["mask"].sum()),
-                     "n_truncated": data.n_truncated},
+                     "n_truncated": data.n_truncated, **src.record("base")},
         unit="tokens", count=lambda b: int(np.sum(b["mask"])),
         prefix="adapter_step_")
 

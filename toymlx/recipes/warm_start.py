@@ -21,7 +21,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-from toymlx import warm
+from toymlx import model_store, warm
 from toymlx.gguf.llama import write_llama
 from toymlx.gguf.reader import GGUFError
 from toymlx.models.ops import Ops
@@ -133,7 +133,7 @@ def make_optimizer(cfg: Config):
 def build(cfg: Config, ops: Ops) -> Task:
     validate(cfg)
     w = cfg.warm
-    donor = warm.read_donor(cfg.donor, w.vocab)
+    donor = warm.read_donor(model_store.resolve_model(cfg.donor, "--donor"), w.vocab)
     tok = donor_tokenizer(donor, donor.table.shape[0])
     vocab = tok.vocab_size
     table = donor.table[:vocab]

@@ -1,0 +1,298 @@
+"""Model names in Ollama's and LM Studio's stores (fake stores laid out as each tool lays them
+out), the commands that take them, and the Ollama Modelfile of a LoRA run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from toymlx_cli import export as export_cli
+from toymlx_cli import generate as generate_cli
+from toymlx_cli.train import main as train_main
+
+from toymlx.checkpoint import checkpoint_file
+from toymlx.gguf.llama import load_llama, write_llama
+from toymlx.gguf.reader import GGUFFile
+from toymlx.lora import apply_lora, write_adapter
+from toymlx.model_store import (
+    MODEL_LAYER,
+    ModelStoreError,
+    is_store_name,
+    list_ollama,
+    parse_ollama_name,
+    resolve,
+    resolve_model,
+)
+from toymlx.modelfile import parse_modelfile, quote, write_modelfile
+from toymlx.models.llama import Llama, tiny
+from toymlx.tokenizer import byte_tokenizer
+
+MEDIA = "application/vnd.ollama.image."
+TEMPLATE = "{{ if .System }}<|system|>{{ .System }}</s>{{ end }}<|user|>{{ .Prompt }}</s>\n" \
+           "<|assistant|>{{ .Response }}</s>"
+PARAMS = {"stop": ["<|user|>"], "temperature": 0.5}
+CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def add_blob(root: Path, data: bytes) -> str:
+    """Store `data` as Ollama does (blobs/sha256-<hex of data>); its digest."""
+    hexd = hashlib.sha256(data).hexdigest()
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    (root / "blobs" / f"sha256-{hexd}").write_bytes(data)
+    return f"sha256:{hexd}"
+
+
+def add_model(root: Path, name: str, gguf: bytes | None, extra: dict[str, bytes] | None = None,
+              host: str = "registry.ollama.ai") -> Path:
+    """A manifest as `ollama pull` writes it: manifests/HOST/NS/MODEL/TAG, schema 2."""
+    _, ns, model, tag = parse_ollama_name(name)
+    layers = []
+    for kind, data in ([("model", gguf)] if gguf is not None else []) + list((extra or {}).items()):
+        layers.append({"mediaType": MEDIA + kind, "digest": add_blob(root, data),
+                       "size": len(data)})
+    config = b'{"model_format":"gguf","model_family":"llama"}'
+    doc = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+           "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
+                      "digest": add_blob(root, config), "size": len(config)},
+           "layers": layers}
+    path = root / "manifests" / host / ns / model / tag
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture
+def ollama(tmp_path, stories_path, monkeypatch) -> Path:
+    root = tmp_path / "ollama" / "models"
+    data = stories_path.read_bytes()
+    extra = {"template": TEMPLATE.encode(), "params": json.dumps(PARAMS).encode(),
+             "license": b"MIT"}
+    add_model(root, "stories", data, extra)
+    add_model(root, "stories:260k", data)
+    add_model(root, "alice/tiny:v1", data)
+    add_model(root, "nomodel", None, {"template": b"{{ .Prompt }}"})
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    return root
+
+
+@pytest.fixture
+def lmstudio(tmp_path, stories_path, monkeypatch) -> Path:
+    root = tmp_path / "lmstudio" / "models"
+    for rel in ("lmstudio-community/stories-GGUF/stories260K-Q8_0.gguf",
+                "bob/multi-GGUF/multi-Q4_0.gguf", "bob/multi-GGUF/multi-Q8_0.gguf",
+                "bob/multi-GGUF/mmproj-multi-f16.gguf"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(stories_path, root / rel)
+    monkeypatch.setenv("LMSTUDIO_MODELS", str(root))
+    return root
+
+
+def blob_of(root: Path, data: bytes) -> Path:
+    return root / "blobs" / f"sha256-{hashlib.sha256(data).hexdigest()}"
+
+
+def test_ollama_names_resolve_to_the_model_blob(ollama, stories_path):
+    blob = blob_of(ollama, stories_path.read_bytes())
+    for spec in ("ollama:stories", "ollama:stories:latest", "ollama:stories:260k",
+                 "ollama:alice/tiny:v1", "ollama:registry.ollama.ai/alice/tiny:v1",
+                 "ollama:Stories:LATEST"):
+        assert resolve_model(spec) == blob, spec
+    r = resolve("ollama:stories", "--base")
+    assert r.store == "ollama" and r.name == "stories:latest"
+    assert r.digest == "sha256:" + hashlib.sha256(stories_path.read_bytes()).hexdigest()
+    assert r.layer_text("template") == TEMPLATE and json.loads(r.layer_text("params")) == PARAMS
+    assert r.layer_text("system") is None
+    assert r.record("base") == {"base_file": str(blob), "base_store": "ollama:stories:latest",
+                                "base_sha256": r.digest[7:]}
+    assert resolve("ollama:alice/tiny:v1").name == "alice/tiny:v1"
+    assert sorted(list_ollama(ollama)) == ["alice/tiny:v1", "nomodel:latest", "stories:260k",
+                                           "stories:latest"]
+    # the one "file or run folder -> weights" resolver takes them too
+    assert checkpoint_file("ollama:stories:260k") == blob
+
+
+def test_ollama_not_found_lists_the_store(ollama, tmp_path, monkeypatch):
+    with pytest.raises(ModelStoreError) as e:
+        resolve_model("ollama:qwen2.5:7b", "--base")
+    assert str(e.value) == (f"--base ollama:qwen2.5:7b: not in Ollama's store {ollama}; it has: "
+                            "alice/tiny:v1, nomodel:latest, stories:260k, stories:latest")
+    with pytest.raises(ModelStoreError, match="not an Ollama model name"):
+        resolve_model("ollama:../../etc/passwd")
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "nowhere"))
+    with pytest.raises(ModelStoreError, match=f"no Ollama store at {tmp_path / 'nowhere'}; "):
+        resolve_model("ollama:stories")
+
+
+def test_ollama_listing_is_cut_at_twenty(tmp_path, monkeypatch):
+    root = tmp_path / "models"
+    for i in range(23):
+        add_model(root, f"m{i:02d}", None)
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    with pytest.raises(ModelStoreError) as e:
+        resolve_model("ollama:x")
+    assert str(e.value).endswith("m18:latest, m19:latest and 3 more")
+
+
+def test_ollama_manifest_without_model_layer_and_damaged_blob(ollama, stories_path):
+    with pytest.raises(ModelStoreError) as e:
+        resolve_model("ollama:nomodel", "--model")
+    assert (f"--model ollama:nomodel: {ollama / 'manifests/registry.ollama.ai/library/nomodel'}"
+            f"/latest: expected a layer of media type {MODEL_LAYER}") in str(e.value)
+    assert "found ['application/vnd.ollama.image.template']" in str(e.value)
+    (ollama / "manifests/registry.ollama.ai/library/broken").mkdir()
+    (ollama / "manifests/registry.ollama.ai/library/broken/latest").write_text("{not json")
+    with pytest.raises(ModelStoreError, match="expected an Ollama manifest"):
+        resolve_model("ollama:broken")
+    # a blob whose bytes are not what its name says is refused
+    data = stories_path.read_bytes()
+    add_model(ollama, "tampered", data)
+    blob = blob_of(ollama, data)
+    good = blob.read_bytes()
+    blob.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(ModelStoreError) as e:
+        resolve_model("ollama:tampered")
+    assert f"{blob}: expected SHA-256 {blob.name[7:]} (its name), found " in str(e.value)
+    blob.unlink()
+    with pytest.raises(ModelStoreError, match="expected the model's blob"):
+        resolve_model("ollama:tampered")
+
+
+def test_lmstudio_names(lmstudio):
+    one = lmstudio / "lmstudio-community/stories-GGUF/stories260K-Q8_0.gguf"
+    for spec in ("lmstudio:lmstudio-community/stories-GGUF",
+                 "lmstudio:lmstudio-community/stories-GGUF/stories260K-Q8_0.gguf",
+                 "lmstudio:stories260K", "lmstudio:stories260k-q8_0.gguf"):
+        assert resolve_model(spec) == one, spec
+    assert resolve_model("lmstudio:bob/multi-GGUF/multi-Q8_0.gguf") == \
+        lmstudio / "bob/multi-GGUF/multi-Q8_0.gguf"
+    assert resolve_model("lmstudio:multi-Q4") == lmstudio / "bob/multi-GGUF/multi-Q4_0.gguf"
+    r = resolve("lmstudio:multi-Q4")
+    assert r.store == "lmstudio" and r.digest is None
+    assert r.record("donor") == {"donor_file": str(lmstudio / "bob/multi-GGUF/multi-Q4_0.gguf"),
+                                 "donor_store": "lmstudio:bob/multi-GGUF/multi-Q4_0.gguf"}
+    with pytest.raises(ModelStoreError) as e:  # a repo of several GGUFs: the name picks one
+        resolve_model("lmstudio:bob/multi-GGUF", "--base")
+    assert str(e.value) == (f"--base lmstudio:bob/multi-GGUF: names 2 GGUFs in LM Studio's folder "
+                            f"{lmstudio}: bob/multi-GGUF/multi-Q4_0.gguf, bob/multi-GGUF/"
+                            "multi-Q8_0.gguf; name one, e.g. lmstudio:bob/multi-GGUF/"
+                            "multi-Q4_0.gguf")
+    with pytest.raises(ModelStoreError) as e:
+        resolve_model("lmstudio:qwen", "--base")
+    assert str(e.value) == (f"--base lmstudio:qwen: not in LM Studio's models folder {lmstudio}; "
+                            "it has: bob/multi-GGUF/multi-Q4_0.gguf, bob/multi-GGUF/"
+                            "multi-Q8_0.gguf, lmstudio-community/stories-GGUF/"
+                            "stories260K-Q8_0.gguf")
+    with pytest.raises(ModelStoreError, match="not in LM Studio"):  # projectors are no models
+        resolve_model("lmstudio:mmproj")
+
+
+def test_lmstudio_missing_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("LMSTUDIO_MODELS", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ModelStoreError) as e:
+        resolve_model("lmstudio:x/y")
+    assert str(e.value) == (f"--model lmstudio:x/y: no LM Studio models folder at "
+                            f"{tmp_path}/.lmstudio/models nor {tmp_path}/.cache/lm-studio/models;"
+                            " set LMSTUDIO_MODELS to the folder LM Studio keeps models in")
+
+
+def test_plain_paths_pass_through(tmp_path, monkeypatch):
+    assert resolve_model("some/file.gguf") == Path("some/file.gguf")
+    assert resolve("x.gguf").record("base") == {"base_file": str(Path("x.gguf").absolute())}
+    monkeypatch.chdir(tmp_path)
+    Path("ollama:odd.gguf").write_bytes(b"")  # an existing file of that name stays a file
+    assert not is_store_name("ollama:odd.gguf") and is_store_name("ollama:stories")
+    assert resolve_model("ollama:odd.gguf") == Path("ollama:odd.gguf")
+
+
+def test_generate_from_ollama_equals_the_plain_path(ollama, stories_path, capsys):
+    outs = []
+    for model in (str(stories_path), "ollama:stories"):
+        rc = generate_cli.main(["--model", model, "--prompt", "Once upon a time",
+                                "--max-tokens", "5", "--temperature", "0"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        assert "5 new tokens" in err
+        outs.append(out)
+    assert outs[0] == outs[1] and outs[0].strip()
+    rc = generate_cli.main(["--model", "ollama:nothere", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("toymlx-generate: error: --model ollama:nothere: not in "
+                                      f"Ollama's store {ollama}; it has: alice/tiny:v1")
+
+
+def test_modelfile_from_ollama_and_from_a_path(ollama, stories_path, tmp_path):
+    model, g = load_llama(stories_path)
+    g.close()
+    apply_lora(model, ("q", "v"), None, 4, 8.0, 0.0)
+    adapter = tmp_path / "ad.gguf"
+    write_adapter(adapter, model, {"general.architecture": "llama"}, {})
+
+    path, base, ad = write_modelfile(tmp_path / "out", adapter, "ollama:stories")
+    cmds = parse_modelfile(path.read_text())
+    blob = blob_of(ollama, stories_path.read_bytes())
+    assert cmds[0] == ("FROM", str(blob)) and cmds[1] == ("ADAPTER", str(adapter.resolve()))
+    assert Path(cmds[0][1]).is_file() and Path(cmds[1][1]).is_file()
+    assert ("TEMPLATE", TEMPLATE) in cmds
+    stops = [v for k, v in cmds if k == "PARAMETER stop"]
+    assert stops == ["<|user|>", "</s>"]  # the layer's, then the tokenizer's eos
+    assert ("PARAMETER temperature", "0.5") in cmds
+    assert base.digest and ad == adapter.resolve()
+
+    path, base, _ = write_modelfile(tmp_path / "out2", adapter, str(stories_path))
+    text = path.read_text()
+    assert "TEMPLATE" not in text.replace("# No TEMPLATE", "")
+    assert "# No TEMPLATE: Ollama uses the GGUF's tokenizer.chat_template" in text
+    assert parse_modelfile(text)[:2] == [("FROM", str(stories_path.absolute())),
+                                         ("ADAPTER", str(adapter.resolve()))]
+    assert quote(" a ") == '" a "' and quote('x\n"y"') == '"""x\n"y""""' and quote("<s>") == "<s>"
+
+
+def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "ollama"
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    mx.random.seed(3)
+    src = tmp_path / "tiny.gguf"
+    meta = byte_tokenizer().to_metadata()
+    meta["tokenizer.chat_template"] = CHATML
+    write_llama(src, Llama(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                                context=256)), meta, name="tiny test llama")
+    add_model(root, "tiny:1", src.read_bytes(), {"template": TEMPLATE.encode()})
+    rc = train_main(["--recipe", "lora", "--base", "ollama:tiny:1", "--runs-root",
+                     str(tmp_path / "runs"), "--run-id", "r", "--steps", "2", "--batch-size",
+                     "2", "--seq-len", "64", "--warmup", "1", "--eval-every", "0",
+                     "--checkpoint-every", "1", "--stop-at", "1", "--no-progress",
+                     "--no-compile"])
+    assert rc == 0, capsys.readouterr().err
+    run = tmp_path / "runs" / "r"
+    start = json.loads((run / "events.jsonl").read_text().splitlines()[0])
+    blob = blob_of(root, src.read_bytes())
+    assert start["config"]["base"] == "ollama:tiny:1"
+    assert start["config"]["base_file"] == str(blob)
+    assert start["config"]["base_sha256"] == blob.name[7:] == start["model"]["base_sha256"]
+    with GGUFFile(run / "weights" / "latest") as g:
+        assert g.metadata["toy.base"] == "ollama:tiny:1"
+
+    rc = export_cli.main(["--format", "modelfile", "--adapter", str(run), "--out",
+                          str(tmp_path / "mf")])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert f"ollama create NAME -f {tmp_path / 'mf' / 'Modelfile'}" in err
+    cmds = parse_modelfile((tmp_path / "mf" / "Modelfile").read_text())
+    assert cmds[0] == ("FROM", str(blob))
+    assert cmds[1] == ("ADAPTER", str((run / "weights" / "adapter_step_1.gguf").resolve()))
+    assert ("TEMPLATE", TEMPLATE) in cmds
+
+    # the tag now names another model: the resume refuses it instead of training on it
+    mx.random.seed(4)
+    write_llama(src, Llama(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                                context=256)), meta, name="tiny test llama")
+    add_model(root, "tiny:1", src.read_bytes())
+    rc = train_main(["--resume", str(run), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"model base_sha256: expected '{blob.name[7:]}'" in err, err
