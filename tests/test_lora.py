@@ -100,8 +100,8 @@ def test_targets_and_last_layers(tiny_gguf):
 
 def test_unknown_target_and_bad_layers_name_the_flag(tiny_gguf):
     model = base(tiny_gguf)
-    with pytest.raises(ValueError, match=r"--lora\.targets: expected a comma list of q, k, v, o, "
-                                         r"gate, up, down; found unknown target 'qq'"):
+    with pytest.raises(ValueError, match=r"--lora\.targets: expected a comma list of q, k, v, qkv, o, "
+                                         r"gate, up, gate_up, down; found unknown target 'qq'"):
         apply_lora(model, "q,qq")
     with pytest.raises(ValueError, match=r"--lora\.layers: expected 1\.\.3"):
         apply_lora(model, "q", layers=4)

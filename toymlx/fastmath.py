@@ -228,7 +228,7 @@ def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
-              causal: bool = False, block: int = 64) -> mx.array:
+              causal: bool = False, block: int = 64, window: int | None = None) -> mx.array:
     """softmax(q k^T scale [+ causal mask]) v for q (B,H,T,hd) and k, v (B,Hkv,S,hd), where q's
     T rows are the last T of the S positions; with GQA, query head h reads kv head
     h // (H // Hkv). Each kv head's query heads share one (rep*T, hd) x (hd, S) matmul.
@@ -237,12 +237,15 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     can see: at T = S = 256 that computes 5/8 of the score matrix, in pieces that stay in
     cache (fwd+bwd of a (8, 8, 256, 32) GQA layer: 54 ms against 136 ms in one piece and
     119 ms for MLX's fused kernel on this CPU).
+
+    `window` (causal only): a query sees only the keys fewer than `window` positions back
+    (sliding-window attention, llama.cpp's standard SWA).
     """
     B, H, T, hd = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     rep = H // n_kv
     q = q * scale
-    if not causal or T == 1:
+    if not causal or (T == 1 and (window is None or S <= window)):
         s = q.reshape(B, n_kv, rep * T, hd) @ k.swapaxes(-1, -2)  # (B,Hkv,rep*T,S)
         return (softmax(s) @ v).reshape(B, H, T, hd)  # (B,H,T,hd)
     outs = []
@@ -251,7 +254,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         end = S - T + b  # keys 0 .. end-1 are visible to some row of this block
         qb = q[:, :, a:b].reshape(B, n_kv, rep * (b - a), hd)  # head h = kv * rep + r
         s = qb @ k[:, :, :end].swapaxes(-1, -2)  # (B,Hkv,rep*(b-a),end)
-        keep = mx.arange(S - T + a, S - T + b)[:, None] >= mx.arange(end)[None]  # (b-a,end)
+        dist = mx.arange(S - T + a, S - T + b)[:, None] - mx.arange(end)[None]  # (b-a,end)
+        keep = dist >= 0 if window is None else (dist >= 0) & (dist < window)
         s = mx.where(mx.tile(keep, (rep, 1)), s, -mx.inf)
         outs.append((softmax(s) @ v[:, :, :end]).reshape(B, H, b - a, hd))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # (B,H,T,hd)

@@ -35,9 +35,11 @@ from toymlx.models.llama import Llama
 from toymlx.models.ops import EXACT
 
 TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj",
-                           "o": "attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                           "qkv": "attn.qkv_proj", "o": "attn.o_proj", "gate": "mlp.gate_proj",
+                           "up": "mlp.up_proj", "gate_up": "mlp.gate_up_proj",
                            "down": "mlp.down_proj"}
-"""--lora.targets short names -> projection paths inside a Llama block."""
+"""--lora.targets short names -> projection paths inside a decoder block (qkv and gate_up:
+phi3's fused projections, which it has instead of q, k, v and gate, up)."""
 
 def base_dims(linear: nn.Module) -> tuple[int, int]:
     """(n_out, n_in) of a float or quantized linear layer."""
@@ -136,6 +138,14 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
     """Freeze `model` and wrap the chosen projections of the last `layers` blocks in LoRA."""
     names = parse_targets(targets)
     blocks = target_blocks(len(model.layers), layers)
+    for t in names:
+        part, _, leaf = TARGETS[t].partition(".")
+        if leaf not in model.layers[0][part]:
+            have = [n for n, p in TARGETS.items()
+                    if p.partition(".")[2] in model.layers[0][p.partition(".")[0]]]
+            raise ValueError(f"--lora.targets: {t!r} is not a projection of this "
+                             f"{model.args.arch} model; expected a comma list of "
+                             f"{', '.join(have)}")
     model.freeze()
     for i in blocks:
         for t in names:
@@ -272,7 +282,7 @@ def _adapter_targets(model: nn.Module, ad: Adapter) -> dict[str, tuple[str, np.n
     """Adapter tensor name -> (module path, A, B), every shape checked against the base."""
     out = {}
     for name, (a, b) in ad.pairs.items():
-        key = gguf_to_toy(name)
+        key = gguf_to_toy(name, model.args.fused_gate_up)
         try:
             module = submodule(model, key[: -len(".weight")]) if key else None
         except (AttributeError, IndexError, KeyError):
@@ -281,7 +291,7 @@ def _adapter_targets(model: nn.Module, ad: Adapter) -> dict[str, tuple[str, np.n
             module = module.linear
         if not isinstance(module, (nn.Linear, nn.QuantizedLinear)) or key == "embed.weight":
             raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection weight "
-                            f"of the base (blk.N.attn_q/k/v/output, ffn_gate/up/down), found "
+                            f"of the base (blk.N.attn_q/k/v/qkv/output, ffn_gate/up/down), found "
                             f"no such weight in a {len(model.layers)}-block base")
         n_out, n_in = base_dims(module)
         if a.shape[1] != n_in or b.shape[0] != n_out:
@@ -371,6 +381,10 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
         apply_adapter(model, ad_path, g.metadata.get("general.architecture", "llama"))
         fuse(model)
         meta["toy.merged_adapter"] = ad_path.name
+    weights = llama_tensors(model)
+    for name in g.tensors:  # RoPE constants (rope_freqs, rope_factors_*) as the base has them
+        if name not in weights:
+            weights[name] = g.load(name, np.float32)
     g.close()
-    tensors = {n: encode_tensor(n, w, dtype) for n, w in llama_tensors(model).items()}
+    tensors = {n: encode_tensor(n, w, dtype) for n, w in weights.items()}
     return write_gguf(out, meta, tensors, types=types)

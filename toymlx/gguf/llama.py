@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -25,114 +26,298 @@ from toymlx.models.ops import DTYPES, EXACT, Ops
 
 CHECKPOINT_FORMAT = "toy/gguf-v1"
 
+
+@dataclass(frozen=True)
+class Arch:
+    """What one llama.cpp architecture is, in `LlamaArgs` switches, and which of its
+    `<arch>.*` metadata keys the loader reads (any other is refused, never ignored)."""
+
+    name: str
+    switches: dict[str, Any]
+    """LlamaArgs fields every file of this architecture has."""
+    keys: frozenset[str]
+    """The `<arch>.` keys understood beside COMMON_KEYS."""
+    rope_scaling: tuple[str, ...] = ("none", "linear")
+    """rope.scaling.type values computed as llama.cpp computes them."""
+
+
+COMMON_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length",
+    "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.dimension_count",
+    "rope.freq_base", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned", "expert_count",
+    "expert_used_count"})
+ARCHS: dict[str, Arch] = {a.name: a for a in (
+    Arch("llama", {}, frozenset()),
+    Arch("qwen2", {"rope_neox": True, "attn_bias": True}, frozenset()),
+    Arch("qwen3", {"rope_neox": True, "qk_norm": True}, frozenset()),
+    Arch("gemma3", {"rope_neox": True, "qk_norm": True, "post_norms": True, "embed_scale": True,
+                    "activation": "gelu_tanh"},
+         frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
+                    "rope.freq_base_swa", "final_logit_softcapping"})),
+    Arch("phi3", {"rope_neox": True, "fused_qkv": True, "fused_gate_up": True},
+         # llama.cpp reads phi3's sliding_window and turns it off (so does toymlx)
+         frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
+         rope_scaling=("none", "linear", "longrope")),
+)}
+"""The architectures toymlx loads, by general.architecture."""
+SUPPORTED = ", ".join(ARCHS)
+INFORMATIONAL = ("general.", "tokenizer.", "quantize.", "toy.")
+"""Metadata prefixes that describe a file without changing what its model computes."""
+
 _GLOBAL = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
            "output.weight": "output.weight"}
 _BLOCK = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj",
-          "attn_v": "attn.v_proj", "attn_output": "attn.o_proj", "ffn_norm": "ffn_norm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_BLOCK_INV = {v: k for k, v in _BLOCK.items()}
-_GGUF_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-_TOY_RE = re.compile(r"layers\.(\d+)\.(.+)\.weight")
+          "attn_v": "attn.v_proj", "attn_qkv": "attn.qkv_proj", "attn_output": "attn.o_proj",
+          "attn_q_norm": "attn.q_norm", "attn_k_norm": "attn.k_norm",
+          "post_attention_norm": "attn_post_norm", "ffn_norm": "ffn_norm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "post_ffw_norm": "ffn_post_norm"}
+_BLOCK_INV = {v: k for k, v in _BLOCK.items()} | {"mlp.gate_up_proj": "ffn_up"}
+_GGUF_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_TOY_RE = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+"""Constants of RoPE that llama.cpp files carry as tensors (not trained)."""
 
 
-def gguf_to_toy(name: str) -> str | None:
-    """toymlx parameter path for a llama.cpp tensor name (None if not a llama weight)."""
+def gguf_to_toy(name: str, fused_gate_up: bool = False) -> str | None:
+    """toymlx parameter path for a llama.cpp tensor name (None if not a decoder parameter);
+    phi3's `ffn_up` is the fused gate-and-up projection."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     m = _GGUF_RE.fullmatch(name)
     if m and m.group(2) in _BLOCK:
-        return f"layers.{m.group(1)}.{_BLOCK[m.group(2)]}.weight"
+        path = _BLOCK[m.group(2)]
+        if fused_gate_up and path == "mlp.up_proj":
+            path = "mlp.gate_up_proj"
+        return f"layers.{m.group(1)}.{path}.{m.group(3)}"
     return None
 
 
 def toy_to_gguf(path: str) -> str:
     """llama.cpp tensor name for a toymlx parameter path (LoRA wrappers' `.linear` dropped)."""
-    path = path.replace(".linear.weight", ".weight")
+    path = path.replace(".linear.weight", ".weight").replace(".linear.bias", ".bias")
     for g, t in _GLOBAL.items():
         if path == t:
             return g
     m = _TOY_RE.fullmatch(path)
     if m and m.group(2) in _BLOCK_INV:
-        return f"blk.{m.group(1)}.{_BLOCK_INV[m.group(2)]}.weight"
+        return f"blk.{m.group(1)}.{_BLOCK_INV[m.group(2)]}.{m.group(3)}"
     raise KeyError(f"no GGUF name for parameter {path!r}")
 
 
-def args_from_gguf(g: GGUFFile) -> LlamaArgs:
-    """LlamaArgs from a GGUF's `llama.*` keys, checked against its tensors."""
+def _arch_of(g: GGUFFile) -> Arch:
     arch = g.metadata.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{g.path}: metadata key 'general.architecture': expected 'llama', "
-                        f"found {arch!r}")
-    k = "llama."
+    if arch not in ARCHS:
+        raise GGUFError(f"{g.path}: metadata key 'general.architecture': expected one of "
+                        f"{SUPPORTED}, found {arch!r}")
+    return ARCHS[arch]
+
+
+def check_keys(g: GGUFFile, arch: Arch) -> None:
+    """Refuse any metadata key that would change the model and that toymlx does not read."""
+    prefix = arch.name + "."
+    for key in g.metadata:
+        if key.startswith(INFORMATIONAL):
+            continue
+        if key.startswith(prefix) and key[len(prefix):] in COMMON_KEYS | arch.keys:
+            continue
+        raise GGUFError(f"{g.path}: metadata key {key!r}: expected only keys toymlx computes "
+                        f"with ({prefix}* for {arch.name}: "
+                        f"{', '.join(sorted(COMMON_KEYS | arch.keys))}; and general.*, "
+                        f"tokenizer.*, quantize.*), found this one; not loaded, so that "
+                        "nothing is ignored")
+
+
+def _positive(g: GGUFFile, key: str, v: float) -> float:
+    if not (math.isfinite(v) and v > 0):
+        raise GGUFError(f"{g.path}: metadata key {key!r}: expected a finite value > 0, "
+                        f"found {v!r}")
+    return v
+
+
+def _rope_factors(g: GGUFFile, name: str, n: int) -> tuple[float, ...]:
+    info = g.tensors[name]
+    if tuple(info.shape) != (n,):
+        raise GGUFError(f"{g.path}: tensor {name!r} shape: expected ({n},) (rope dims / 2), "
+                        f"found {tuple(info.shape)}")
+    f = g.load(name, np.float32)
+    if not (np.isfinite(f).all() and (f > 0).all()):
+        raise GGUFError(f"{g.path}: tensor {name!r}: expected finite factors > 0, found "
+                        f"min {f.min()!r}")
+    return tuple(float(x) for x in f)
+
+
+def args_from_gguf(g: GGUFFile) -> LlamaArgs:
+    """LlamaArgs from a GGUF's `<arch>.*` keys and RoPE tensors, checked against its tensors:
+    an unknown architecture, metadata key or tensor is one GGUFError naming it."""
+    arch = _arch_of(g)
+    check_keys(g, arch)
+    k = arch.name + "."
     d = g.get(k + "embedding_length", int)
     n_heads = g.get(k + "attention.head_count", int)
     n_kv = g.get(k + "attention.head_count_kv", int, n_heads)
     if n_heads <= 0 or d <= 0 or n_kv <= 0 or n_heads % n_kv:
-        raise GGUFError(f"{g.path}: metadata key 'llama.attention.head_count_kv': expected a "
+        raise GGUFError(f"{g.path}: metadata key '{k}attention.head_count_kv': expected a "
                         f"positive divisor of head_count={n_heads}, found {n_kv}")
     head_dim = g.get(k + "attention.key_length", int, d // n_heads)
+    value_dim = g.get(k + "attention.value_length", int, head_dim)
+    if value_dim != head_dim:
+        raise GGUFError(f"{g.path}: metadata key '{k}attention.value_length': expected "
+                        f"{head_dim} (= key_length), found {value_dim}")
     rope_dims = g.get(k + "rope.dimension_count", int, head_dim)
-    if rope_dims != head_dim:
-        raise GGUFError(f"{g.path}: metadata key 'llama.rope.dimension_count': expected "
-                        f"{head_dim} (full-head RoPE), found {rope_dims}")
+    if not (0 < rope_dims <= head_dim and rope_dims % 2 == 0):
+        raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_count': expected an even "
+                        f"number in 2..{head_dim} (the head width), found {rope_dims}")
+    if not arch.switches.get("rope_neox") and rope_dims != head_dim:
+        raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_count': expected "
+                        f"{head_dim} (full-head RoPE for {arch.name}), found {rope_dims}")
+    if g.get(k + "expert_count", int, 0):
+        raise GGUFError(f"{g.path}: metadata key '{k}expert_count': expected 0 (dense models; "
+                        f"mixture-of-experts files are not supported), found "
+                        f"{g.get(k + 'expert_count', int)}")
     if "token_embd.weight" not in g.tensors:
         raise GGUFError(f"{g.path}: tensor 'token_embd.weight': expected present, found missing")
     vocab = g.tensors["token_embd.weight"].shape[0]
     # Bound every size before it is used: a block count of 2**40 would otherwise spin in
     # expected_shapes, and MLX's RMSNorm rejects eps <= 0 with a message naming no file.
     n_layers = g.get(k + "block_count", int)
-    most = len(g.tensors) // len(_BLOCK)
+    most = len(g.tensors) // 5
     if not 1 <= n_layers <= most:
-        raise GGUFError(f"{g.path}: metadata key 'llama.block_count': expected 1..{most} "
-                        f"({len(_BLOCK)} tensors per block, {len(g.tensors)} in the file), "
+        raise GGUFError(f"{g.path}: metadata key '{k}block_count': expected 1..{most} "
+                        f"(at least 5 tensors per block, {len(g.tensors)} in the file), "
                         f"found {n_layers}")
-    context = g.get(k + "context_length", int)
-    rope_base = float(g.get(k + "rope.freq_base", (int, float), 10000.0))
-    norm_eps = float(g.get(k + "attention.layer_norm_rms_epsilon", (int, float)))
-    for key, v in (("context_length", context), ("rope.freq_base", rope_base),
-                   ("attention.layer_norm_rms_epsilon", norm_eps)):
-        if not (math.isfinite(v) and v > 0):
-            raise GGUFError(f"{g.path}: metadata key 'llama.{key}': expected a finite value "
-                            f"> 0, found {v!r}")
+    context = int(_positive(g, k + "context_length", g.get(k + "context_length", int)))
+    rope_base = _positive(g, k + "rope.freq_base",
+                          float(g.get(k + "rope.freq_base", (int, float), 10000.0)))
+    norm_eps = _positive(g, k + "attention.layer_norm_rms_epsilon",
+                         float(g.get(k + "attention.layer_norm_rms_epsilon", (int, float))))
+    sw: dict[str, Any] = dict(arch.switches)
+    # RoPE scaling, as llama.cpp reads it: a linear position scale, Llama 3's per-frequency
+    # factors (the rope_freqs tensor), Phi-3's longrope (short factors at toymlx's contexts)
+    scaling = g.get(k + "rope.scaling.type", str, "none" if k + "rope.scaling.factor"
+                    not in g.metadata else "linear")
+    if scaling not in arch.rope_scaling:
+        raise GGUFError(f"{g.path}: metadata key '{k}rope.scaling.type': expected one of "
+                        f"{', '.join(arch.rope_scaling)} for {arch.name}, found {scaling!r}")
+    factor = float(g.get(k + "rope.scaling.factor", (int, float), 0.0))
+    if scaling == "linear" and factor not in (0.0, 1.0):
+        sw["rope_scale"] = 1.0 / _positive(g, k + "rope.scaling.factor", factor)
+    if "rope_freqs.weight" in g.tensors:
+        if scaling == "longrope":
+            raise GGUFError(f"{g.path}: tensor 'rope_freqs.weight': expected absent in a "
+                            "longrope file (it has rope_factors_short/long), found present")
+        sw["rope_factors"] = _rope_factors(g, "rope_freqs.weight", rope_dims // 2)
+    if scaling == "longrope":
+        sw["rope_factors"] = _rope_factors(g, "rope_factors_short.weight", rope_dims // 2)
+        _rope_factors(g, "rope_factors_long.weight", rope_dims // 2)
+        sw["rope_mscale"] = float(g.get(k + "rope.scaling.attn_factor", (int, float), 1.0))
+    if arch.name == "gemma3":
+        window = g.get(k + "attention.sliding_window", int, 0)
+        if window > 0:
+            pattern = g.metadata.get(k + "attention.sliding_window_pattern", 6)
+            if isinstance(pattern, (list, tuple)):
+                sliding = tuple(bool(x) for x in pattern)
+            elif isinstance(pattern, int) and pattern >= 0:  # llama.cpp: dense every n-th
+                sliding = tuple(pattern == 0 or i % pattern < pattern - 1
+                                for i in range(n_layers))
+            else:
+                raise GGUFError(f"{g.path}: metadata key '{k}attention.sliding_window_pattern'"
+                                f": expected an int or a bool per block, found {pattern!r}")
+            sw.update(sliding_window=window, sliding_layers=sliding,
+                      rope_base_sliding=float(g.get(k + "rope.freq_base_swa", (int, float),
+                                                    10000.0)))
+        cap = float(g.get(k + "final_logit_softcapping", (int, float), 0.0))
+        sw["final_softcap"] = cap or None
+        # llama.cpp's query scale: 1/sqrt(head width), but 1/sqrt(d/heads) for the 27B shape
+        sw["attn_scale"] = (d // n_heads if n_layers == 62 else head_dim) ** -0.5
+    if arch.name == "llama":  # llama files may carry attention biases
+        sw["attn_bias"] = "blk.0.attn_q.bias" in g.tensors
+        sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
     args = LlamaArgs(
         vocab_size=vocab, d_model=d, n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=g.get(k + "feed_forward_length", int),
         context=context, rope_base=rope_base, norm_eps=norm_eps,
         tie_embeddings="output.weight" not in g.tensors,
-        key_length=None if head_dim == d // n_heads else head_dim)
+        key_length=None if head_dim == d // n_heads else head_dim,
+        arch=arch.name, rope_dims=None if rope_dims == head_dim else rope_dims, **sw)
     try:
         args.validate()
     except ValueError as e:
         raise GGUFError(f"{g.path}: {e}") from None
-    check_shapes(g, args)
+    check_shapes(g, args, rope_tensors(scaling, "rope_freqs.weight" in g.tensors))
     return args
 
 
+def rope_tensors(scaling: str, has_freqs: bool) -> set[str]:
+    """The RoPE constant tensors a file with this rope.scaling.type carries."""
+    if scaling == "longrope":
+        return {"rope_factors_short.weight", "rope_factors_long.weight"}
+    return {"rope_freqs.weight"} if has_freqs else set()
+
+
 def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
-    """Every llama.cpp tensor name this shape needs, with its numpy (out, in) shape."""
-    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    """Every llama.cpp tensor name this model has, with its numpy (out, in) shape: the
+    parameters, then the RoPE constants its file carries."""
+    q, kv, hd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.head_dim
     shapes = {"token_embd.weight": (a.vocab_size, a.d_model), "output_norm.weight": (a.d_model,)}
     if not a.tie_embeddings:
         shapes["output.weight"] = (a.vocab_size, a.d_model)
-    per = {"attn_norm": (a.d_model,), "attn_q": (q, a.d_model), "attn_k": (kv, a.d_model),
-           "attn_v": (kv, a.d_model), "attn_output": (a.d_model, q), "ffn_norm": (a.d_model,),
-           "ffn_gate": (a.ffn_dim, a.d_model), "ffn_up": (a.ffn_dim, a.d_model),
-           "ffn_down": (a.d_model, a.ffn_dim)}
+    per: dict[str, tuple[int, ...]] = {"attn_norm.weight": (a.d_model,)}
+    if a.fused_qkv:
+        per["attn_qkv.weight"] = (q + 2 * kv, a.d_model)
+    else:
+        per.update({"attn_q.weight": (q, a.d_model), "attn_k.weight": (kv, a.d_model),
+                    "attn_v.weight": (kv, a.d_model)})
+    if a.attn_bias:
+        per.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+    per["attn_output.weight"] = (a.d_model, q)
+    if a.out_bias:
+        per["attn_output.bias"] = (a.d_model,)
+    if a.qk_norm:
+        per.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+    if a.post_norms:
+        per["post_attention_norm.weight"] = (a.d_model,)
+    per["ffn_norm.weight"] = (a.d_model,)
+    if a.fused_gate_up:
+        per["ffn_up.weight"] = (2 * a.ffn_dim, a.d_model)
+    else:
+        per.update({"ffn_gate.weight": (a.ffn_dim, a.d_model),
+                    "ffn_up.weight": (a.ffn_dim, a.d_model)})
+    per["ffn_down.weight"] = (a.d_model, a.ffn_dim)
+    if a.post_norms:
+        per["post_ffw_norm.weight"] = (a.d_model,)
     for i in range(a.n_layers):
         for n, s in per.items():
-            shapes[f"blk.{i}.{n}.weight"] = s
+            shapes[f"blk.{i}.{n}"] = s
     return shapes
 
 
-def check_shapes(g: GGUFFile, a: LlamaArgs) -> None:
-    for name, shape in expected_shapes(a).items():
+def parameter_names(a: LlamaArgs) -> dict[str, str]:
+    """llama.cpp tensor name -> toymlx parameter path, for every parameter of the model."""
+    return {n: gguf_to_toy(n, a.fused_gate_up) for n in expected_shapes(a)}
+
+
+def check_shapes(g: GGUFFile, a: LlamaArgs, rope: set[str] | None = None) -> None:
+    """Every tensor the model needs is there with its shape, and nothing else is but the
+    RoPE constants in `rope` (None: whichever the file has, already read into `a`)."""
+    want = expected_shapes(a)
+    for name, shape in want.items():
         if name not in g.tensors:
             raise GGUFError(f"{g.path}: tensor {name!r}: expected present with shape {shape}, "
                             "found missing")
         found = g.tensors[name].shape
         if tuple(found) != shape:
             raise GGUFError(f"{g.path}: tensor {name!r} shape: expected {shape} from the "
-                            f"llama.* hyperparameters, found {tuple(found)}")
+                            f"{a.arch}.* hyperparameters, found {tuple(found)}")
+    rope = set(ROPE_TENSORS) if rope is None else rope
+    for name in g.tensors:
+        if name not in want and name not in rope:
+            raise GGUFError(f"{g.path}: tensor {name!r}: expected only the tensors a "
+                            f"{a.arch} model of this shape computes with, found this one too; "
+                            "not loaded, so that nothing is ignored (supported architectures: "
+                            f"{SUPPORTED})")
 
 
 WEIGHTS = ("float32", "bfloat16", "float16", "quantized")
@@ -165,14 +350,18 @@ def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
     check_shapes(g, model.args)
     dtype = DTYPES[model.ops.dtype if weights == "quantized" else weights]
     loaded = []
-    for name in expected_shapes(model.args):
+    for name, key in parameter_names(model.args).items():
         if name in skip:
             continue
-        key = gguf_to_toy(name)
         if weights == "quantized" and name.startswith("blk.") and len(g.tensors[name].shape) == 2:
-            replace_submodule(model, key[: -len(".weight")], _quantized_linear(g, name, model.ops))
-        else:
-            want = mx.float32 if name.endswith("norm.weight") else dtype
+            bias = name.replace(".weight", ".bias")
+            replace_submodule(model, key[: -len(".weight")],
+                              _quantized_linear(g, name, model.ops, bias if bias in g.tensors
+                                                else None))
+        elif weights == "quantized" and name.endswith(".bias") and ".attn_" in name:
+            continue  # held by its quantized projection
+        else:  # norms and biases (1-D) stay float32
+            want = mx.float32 if len(g.tensors[name].shape) == 1 else dtype
             w = mx.array(g.load(name, np.float16 if want == mx.float16 else np.float32))
             w = w if w.dtype == want else w.astype(want)
             mx.eval(w)  # the copy made now, so the mapping's pages can go
@@ -188,12 +377,18 @@ def load_llama_into(path: str | os.PathLike, model: Llama) -> None:
         load_llama_weights(g, model)
 
 
-def _quantized_linear(g: GGUFFile, name: str, ops: Ops) -> QuantizedLinear:
-    """A frozen quantized projection holding tensor `name`'s own Q4_0/Q4_1/Q8_0 blocks."""
+def _quantized_linear(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
+                      ) -> QuantizedLinear:
+    """A frozen quantized projection holding tensor `name`'s own Q4_0/Q4_1/Q8_0 blocks (and
+    the float32 tensor `bias`, if given)."""
     w, scales, biases, bits = gguf_to_mlx_quant(g, name)
     n_out, n_in = g.tensors[name].shape
-    q = QuantizedLinear(n_in, n_out, bias=False, group_size=GROUP_SIZE, bits=bits, ops=ops)
+    q = QuantizedLinear(n_in, n_out, bias=bias is not None, group_size=GROUP_SIZE, bits=bits,
+                        ops=ops)
     q.weight, q.scales, q.biases = mx.array(w), mx.array(scales), mx.array(biases)
+    if bias is not None:
+        q.bias = mx.array(g.load(bias, np.float32))
+        g.release(bias)
     mx.eval(q.parameters())
     return q
 
@@ -228,11 +423,11 @@ def llama_tensors(model: Llama, params: dict[str, Any] | None = None) -> dict[st
     """llama.cpp-named float32 numpy tensors of a Llama (base weights only, no LoRA)."""
     flat = params if params is not None else dict(tree_flatten(model.parameters()))
     out = {}
-    for name in expected_shapes(model.args):
-        key = gguf_to_toy(name)
+    for name, key in parameter_names(model.args).items():
         w = flat.get(key)
         if w is None:  # a LoRA-wrapped projection keeps its base weight under `.linear`
-            w = flat[key.replace(".weight", ".linear.weight")]
+            base, _, leaf = key.rpartition(".")
+            w = flat[f"{base}.linear.{leaf}"]
         out[name] = np.asarray(w.astype(mx.float32))
     return out
 

@@ -1,8 +1,23 @@
-"""Llama in mlx.nn, in llama.cpp's GGUF conventions.
+"""The Llama-family decoder in mlx.nn, in llama.cpp's GGUF conventions.
 
-Weights are `(out, in)`; RoPE rotates adjacent pairs (x[2i], x[2i+1]) as llama.cpp does for
-arch "llama", so GGUF q/k weights are used as stored and never permuted. Query head h reads
-kv head h // (n_heads // n_kv_heads). The math runs through the `Ops` the model is built with
+One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
+(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma3 (text) and phi3. They are one
+pre-norm transformer with a handful of switches, each a field of `LlamaArgs`:
+
+| switch | llama | qwen2 | qwen3 | gemma3 | phi3 |
+| --- | --- | --- | --- | --- | --- |
+| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves |
+| q/k/v biases | optional | yes | | | |
+| per-head q/k RMSNorm before RoPE | | | yes | yes | |
+| embeddings times sqrt(d_model) | | | | yes | |
+| norms after attention and MLP too | | | | yes | |
+| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | SiLU |
+| fused projections | | | | | qkv, gate_up |
+| sliding-window layers | | | | 5 of 6 | |
+
+Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
+llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
+weight is ever permuted. Query head h reads kv head h // (n_heads // n_kv_heads). The math runs through the `Ops` the model is built with
 (`toymlx.models.ops`): `Llama(args)` computes with MLX's own ops in float32, the trainer builds
 it with the run's `Ops`. Generation uses mlx-lm's KV cache (`make_cache`).
 """
@@ -17,7 +32,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.layers import Linear, RMSNorm
-from toymlx.models.ops import EXACT, Ops
+from toymlx.models.ops import EXACT, Ops, Rope
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,45 @@ class LlamaArgs:
     """Use token_embd as the output head (no output.weight)."""
     key_length: int | None = None
     """Per-head width where it is not d_model // n_heads (llama.attention.key_length)."""
+    # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
+    arch: str = "llama"
+    """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma3 or phi3."""
+    rope_neox: bool = False
+    """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
+    rope_dims: int | None = None
+    """Rotated width per head where it is less than head_dim (rope.dimension_count)."""
+    rope_factors: tuple[float, ...] | None = None
+    """Per-frequency divisors of the RoPE angles (Llama 3's rope_freqs, Phi-3's short factors)."""
+    rope_scale: float = 1.0
+    """Position scale of RoPE (1 / rope.scaling.factor with linear scaling)."""
+    rope_mscale: float = 1.0
+    """Magnitude of RoPE's cos and sin (rope.scaling.attn_factor)."""
+    attn_bias: bool = False
+    """q, k and v projections carry biases (qwen2)."""
+    out_bias: bool = False
+    """The attention output projection carries a bias (llama files may)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before RoPE (qwen3, gemma3)."""
+    post_norms: bool = False
+    """RMSNorm of each block's attention and MLP outputs before the residual add (gemma3)."""
+    embed_scale: bool = False
+    """Token embeddings times sqrt(d_model) (gemma3)."""
+    activation: str = "silu"
+    """The gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, gemma3)."""
+    fused_qkv: bool = False
+    """q, k and v as one projection `qkv_proj` (phi3's attn_qkv)."""
+    fused_gate_up: bool = False
+    """gate and up as one projection `gate_up_proj`, gate first (phi3's ffn_up)."""
+    attn_scale: float | None = None
+    """Scale of q k^T where it is not head_dim ** -0.5."""
+    sliding_window: int | None = None
+    """Keys a sliding layer's query sees (itself included)."""
+    sliding_layers: tuple[bool, ...] | None = None
+    """Which blocks use the sliding window (gemma3: all but every sixth)."""
+    rope_base_sliding: float = 10000.0
+    """RoPE base of the sliding layers (gemma3: rope.freq_base_swa)."""
+    final_softcap: float | None = None
+    """Logits soft-capped to +-cap by cap * tanh(logits / cap) (final_logit_softcapping)."""
 
     @property
     def head_dim(self) -> int:
@@ -67,6 +121,22 @@ class LlamaArgs:
         if self.head_dim % 2:
             raise ValueError(f"model head_dim: expected an even number for RoPE, found "
                              f"{self.head_dim}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"model.activation: expected silu or gelu_tanh, found "
+                             f"{self.activation!r}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
+            raise ValueError(f"model.sliding_layers: expected {self.n_layers} entries, found "
+                             f"{len(self.sliding_layers)}")
+
+    def rope(self, layer: int) -> Rope:
+        """Block `layer`'s RoPE (gemma3's sliding layers have their own base and no scaling)."""
+        if self.is_sliding(layer):
+            return Rope(self.rope_base_sliding, self.rope_dims, self.rope_neox)
+        return Rope(self.rope_base, self.rope_dims, self.rope_neox, self.rope_factors,
+                    self.rope_scale, self.rope_mscale)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window and self.sliding_layers and self.sliding_layers[layer])
 
 
 def tiny(**kw) -> LlamaArgs:
@@ -93,29 +163,48 @@ def smollm2_360m(**kw) -> LlamaArgs:
 PRESETS = {"tiny": tiny, "smollm2-135m": smollm2_135m, "smollm2-360m": smollm2_360m}
 
 class Attention(nn.Module):
-    def __init__(self, a: LlamaArgs, ops: Ops):
+    def __init__(self, a: LlamaArgs, ops: Ops, layer: int):
         super().__init__()
         self.ops = ops
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.scale = a.head_dim ** -0.5
-        self.rope_base = a.rope_base
-        self.q_proj = Linear(a.d_model, a.n_heads * a.head_dim, bias=False, ops=ops)
-        self.k_proj = Linear(a.d_model, a.n_kv_heads * a.head_dim, bias=False, ops=ops)
-        self.v_proj = Linear(a.d_model, a.n_kv_heads * a.head_dim, bias=False, ops=ops)
-        self.o_proj = Linear(a.n_heads * a.head_dim, a.d_model, bias=False, ops=ops)
+        self.scale = a.attn_scale or a.head_dim ** -0.5
+        self.rope = a.rope(layer)
+        self.window = a.sliding_window if a.is_sliding(layer) else None
+        q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        if a.fused_qkv:
+            self.qkv_proj = Linear(a.d_model, q + 2 * kv, bias=a.attn_bias, ops=ops)
+        else:
+            self.q_proj = Linear(a.d_model, q, bias=a.attn_bias, ops=ops)
+            self.k_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
+            self.v_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
+        self.o_proj = Linear(q, a.d_model, bias=a.out_bias, ops=ops)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, eps=a.norm_eps, ops=ops)
+            self.k_norm = RMSNorm(a.head_dim, eps=a.norm_eps, ops=ops)
+        self.qk_norm = a.qk_norm
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         B, T, _ = x.shape
         hd = self.head_dim
-        q = self.q_proj(x).reshape(B, T, self.n_heads, hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        k = self.k_proj(x).reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
-        v = self.v_proj(x).reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
+        if "qkv_proj" in self:
+            q_w, kv_w = self.n_heads * hd, self.n_kv * hd
+            qkv = self.qkv_proj(x)  # (B,T,q+2kv): q, then k, then v
+            q, k, v = qkv[..., :q_w], qkv[..., q_w:q_w + kv_w], qkv[..., q_w + kv_w:]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, self.n_heads, hd)  # (B,T,H,hd)
+        k = k.reshape(B, T, self.n_kv, hd)  # (B,T,Hkv,hd)
+        if self.qk_norm:  # over each head's hd values
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(0, 2, 1, 3)  # (B,H,T,hd)
+        k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
+        v = v.reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         offset = 0 if cache is None else cache.offset
-        q = self.ops.rope(q, self.rope_base, offset)
-        k = self.ops.rope(k, self.rope_base, offset)
+        q = self.ops.rope(q, self.rope, offset)
+        k = self.ops.rope(k, self.rope, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)  # (B,Hkv,S,hd): every position so far
-        o = self.ops.attention(q, k, v, self.scale, causal=True)  # (B,H,T,hd)
+        o = self.ops.attention(q, k, v, self.scale, causal=True, window=self.window)  # (B,H,T,hd)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,H*hd)
         return self.o_proj(o)
 
@@ -124,25 +213,43 @@ class MLP(nn.Module):
     def __init__(self, a: LlamaArgs, ops: Ops):
         super().__init__()
         self.ops = ops
-        self.gate_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
-        self.up_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
+        self.activation = a.activation
+        if a.fused_gate_up:
+            self.gate_up_proj = Linear(a.d_model, 2 * a.ffn_dim, bias=False, ops=ops)
+        else:
+            self.gate_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
+            self.up_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
         self.down_proj = Linear(a.ffn_dim, a.d_model, bias=False, ops=ops)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if "gate_up_proj" in self:
+            gu = self.gate_up_proj(x)  # (B,T,2F): gate, then up
+            n = gu.shape[-1] // 2
+            gate, up = gu[..., :n], gu[..., n:]
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        act = self.ops.silu_mul if self.activation == "silu" else self.ops.gelu_mul
+        return self.down_proj(act(gate, up))
 
 
 class Block(nn.Module):
-    def __init__(self, a: LlamaArgs, ops: Ops):
+    def __init__(self, a: LlamaArgs, ops: Ops, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
-        self.attn = Attention(a, ops)
+        self.attn = Attention(a, ops, layer)
         self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.mlp = MLP(a, ops)
+        if a.post_norms:
+            self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+            self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        self.post_norms = a.post_norms
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        x = x + self.attn(self.attn_norm(x), cache)
-        return x + self.mlp(self.ffn_norm(x))
+        if not self.post_norms:
+            x = x + self.attn(self.attn_norm(x), cache)
+            return x + self.mlp(self.ffn_norm(x))
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cache))
+        return x + self.ffn_post_norm(self.mlp(self.ffn_norm(x)))
 
 
 class Llama(nn.Module):
@@ -151,7 +258,7 @@ class Llama(nn.Module):
         args.validate()
         self.args, self.ops = args, ops
         self.embed = nn.Embedding(args.vocab_size, args.d_model)
-        self.layers = [Block(args, ops) for _ in range(args.n_layers)]
+        self.layers = [Block(args, ops, i) for i in range(args.n_layers)]
         self.norm = RMSNorm(args.d_model, eps=args.norm_eps, ops=ops)
         if not args.tie_embeddings:
             self.output = Linear(args.d_model, args.vocab_size, bias=False, ops=ops)
@@ -171,14 +278,19 @@ class Llama(nn.Module):
         self.update(tree_unflatten([(k, init(k, v)) for k, v in tree_flatten(self.parameters())]))
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
-        """(B, T) token ids -> (B, T, D) rows of the token table."""
-        return self.ops.embed(self.embed.weight, tokens)
+        """(B, T) token ids -> (B, T, D) rows of the token table (times sqrt(D) for gemma3)."""
+        h = self.ops.embed(self.embed.weight, tokens)
+        return h * (self.args.d_model ** 0.5) if self.args.embed_scale else h
 
     def unembed(self, h: mx.array) -> mx.array:
-        """(B, T, D) -> (B, T, V) logits: the tied token table, or output.weight."""
+        """(B, T, D) -> (B, T, V) logits: the tied token table, or output.weight; soft-capped
+        where the model says so."""
         if self.args.tie_embeddings:
-            return self.ops.unembed(h, self.embed.weight)
-        return self.output(h)
+            logits = self.ops.unembed(h, self.embed.weight)
+        else:
+            logits = self.output(h)
+        cap = self.args.final_softcap
+        return logits if not cap else cap * mx.tanh(logits / cap)
 
     def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
         h = self.embed_tokens(tokens)  # (B,T,D)

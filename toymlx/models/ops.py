@@ -119,6 +119,10 @@ class Ops:
             return fastmath.silu(gate) * up
         return nn.silu(gate) * up
 
+    def gelu_mul(self, gate: mx.array, up: mx.array) -> mx.array:
+        """gelu_tanh(gate) * up: GeGLU as Gemma computes it (GELU's tanh form)."""
+        return nn.gelu_approx(gate) * up
+
     def gelu(self, x: mx.array, form: str = "erf") -> mx.array:
         """GELU: erf (exact, timm's), tanh or fast (x * sigmoid(1.702 x))."""
         if form == "erf":
@@ -130,26 +134,43 @@ class Ops:
         raise ValueError(f"gelu: expected erf, tanh or fast, found {form!r}")
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
-                  causal: bool) -> mx.array:
+                  causal: bool, window: int | None = None) -> mx.array:
         """softmax(q k^T scale [causal]) v for q (B,H,T,hd), k/v (B,Hkv,S,hd); q's T rows are
-        the last T of the S positions; query head h reads kv head h // (H // Hkv)."""
+        the last T of the S positions; query head h reads kv head h // (H // Hkv). `window`
+        (causal only): each query sees the keys fewer than `window` positions back."""
         if self.kernels == "vectorised":
-            return fastmath.attention(q, k, v, scale, causal=causal)
-        mask = "causal" if causal and q.shape[2] > 1 else None
+            return fastmath.attention(q, k, v, scale, causal=causal, window=window)
+        T, S = q.shape[2], k.shape[2]
+        if window is not None and S > window:
+            dist = mx.arange(S - T, S)[:, None] - mx.arange(S)[None]  # (T,S) query - key
+            mask = (dist >= 0) & (dist < window)
+        else:
+            mask = "causal" if causal and T > 1 else None
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
-    def rope(self, x: mx.array, base: float, offset: int = 0) -> mx.array:
-        """Adjacent-pair RoPE (llama.cpp's for arch llama) over x (B,H,T,hd) at positions
-        offset.. offset+T-1."""
-        dims, T = x.shape[-1], x.shape[-2]
+    def rope(self, x: mx.array, rope: Rope, offset: int = 0) -> mx.array:
+        """RoPE over x (B,H,T,hd) at positions offset.. offset+T-1, as `rope` says: the first
+        `rope.dims` of each head rotated (the rest passed through), adjacent pairs (x[2i],
+        x[2i+1]: llama.cpp's for arch llama) or halves (x[i], x[i+dims/2]: its NEOX form)."""
+        dims, T = rope.dims or x.shape[-1], x.shape[-2]
         if not self.exact_rope:
-            return mx.fast.rope(x, dims, traditional=True, base=base, scale=1.0, offset=offset)
-        cos, sin = _rope_tables(dims, float(base), int(offset), T)
+            out = mx.fast.rope(x, dims, traditional=not rope.neox,
+                               base=None if rope.factors else rope.base, scale=rope.scale,
+                               offset=offset, freqs=_rope_wavelengths(rope) if rope.factors
+                               else None)
+            return out * rope.mscale if rope.mscale != 1.0 else out
+        cos, sin = _rope_tables(rope, dims, int(offset), T)  # (T, dims/2) each
         if x.dtype != mx.float32:
             cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-        x0, x1 = x[..., 0::2], x[..., 1::2]  # (B,H,T,hd/2) each
-        out = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)  # (B,H,T,hd/2,2)
-        return out.reshape(x.shape)
+        xr, rest = (x, None) if dims == x.shape[-1] else (x[..., :dims], x[..., dims:])
+        if rope.neox:
+            x0, x1 = xr[..., : dims // 2], xr[..., dims // 2:]  # (B,H,T,dims/2) each
+            out = mx.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+        else:
+            x0, x1 = xr[..., 0::2], xr[..., 1::2]  # (B,H,T,dims/2) each
+            out = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)  # (...,dims/2,2)
+            out = out.reshape(xr.shape)
+        return out if rest is None else mx.concatenate([out, rest], axis=-1)
 
     def cross_entropy(self, logits: mx.array, targets: mx.array) -> mx.array:
         """Per-position cross-entropy over the last axis, float32, no reduction."""
@@ -176,14 +197,52 @@ EXACT = Ops()
 """Forward-only code's math: MLX's ops in float32 with float64 RoPE tables."""
 
 
+@dataclass(frozen=True)
+class Rope:
+    """One layer's rotary position embedding, as llama.cpp's `ggml_rope_ext` computes it:
+    angle_i = pos * scale * base^(-2i/dims) / factors[i] for i < dims/2, cos and sin times
+    `mscale`."""
+
+    base: float = 10000.0
+    """Frequency base (rope.freq_base; Gemma 3's sliding layers: rope.freq_base_swa)."""
+    dims: int | None = None
+    """Rotated width per head (rope.dimension_count); None: the whole head."""
+    neox: bool = False
+    """Rotate halves (x[i], x[i+dims/2]) instead of adjacent pairs (x[2i], x[2i+1])."""
+    factors: tuple[float, ...] | None = None
+    """Per-frequency divisors (Llama 3's rope_freqs tensor, Phi-3's rope_factors_short)."""
+    scale: float = 1.0
+    """Position scale (1 / rope.scaling.factor for linear scaling)."""
+    mscale: float = 1.0
+    """Magnitude of cos and sin (rope.scaling.attn_factor)."""
+
+
+def _rope_inverse_wavelengths(rope: Rope, dims: int) -> np.ndarray:
+    """scale * base^(-2i/dims) / factors[i], float64 (dims/2,)."""
+    inv = rope.base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    if rope.factors:
+        inv = inv / np.asarray(rope.factors, np.float64)
+    return inv * rope.scale
+
+
+def _rope_wavelengths(rope: Rope) -> mx.array:
+    """What `mx.fast.rope`'s `freqs` takes: base^(2i/dims) * factors[i] (its scale applied by
+    the kernel)."""
+    dims = 2 * len(rope.factors)
+    return mx.array((1.0 / _rope_inverse_wavelengths(Rope(rope.base, dims, rope.neox,
+                                                            rope.factors), dims)
+                     ).astype(np.float32))
+
+
 @functools.lru_cache(maxsize=64)
-def _rope_tables(dims: int, base: float, offset: int, T: int) -> tuple[mx.array, mx.array]:
+def _rope_tables(rope: Rope, dims: int, offset: int, T: int) -> tuple[mx.array, mx.array]:
     """cos and sin (T, dims/2) for positions offset..offset+T-1, computed in float64: with
     `mx.fast.rope`'s float32 angles SmolLM2's logits (base 1e5) move ~3e-5 from llama.cpp's.
     Cached: constants of a traced step, and generation asks for one offset after another."""
-    inv = base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
-    ang = np.arange(offset, offset + T, dtype=np.float64)[:, None] * inv  # (T, dims/2)
-    return mx.array(np.cos(ang).astype(np.float32)), mx.array(np.sin(ang).astype(np.float32))
+    ang = np.arange(offset, offset + T, dtype=np.float64)[:, None] * \
+        _rope_inverse_wavelengths(rope, dims)  # (T, dims/2)
+    cos, sin = np.cos(ang) * rope.mscale, np.sin(ang) * rope.mscale
+    return mx.array(cos.astype(np.float32)), mx.array(sin.astype(np.float32))
 
 
 def _checkpointed(layer: nn.Module) -> Callable:
