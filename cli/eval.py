@@ -119,7 +119,9 @@ def evaluate(args: Args) -> dict:
     arch = GGUFFile(path).architecture
     if arch == "vit":
         return evaluate_images(args, path)
-    if arch == "llama":
+    from toymlx.gguf.llama import ARCHS
+
+    if arch in ARCHS:
         from toymlx.data.text import TokenData
         from toymlx.gguf.llama import load_llama
         from toymlx.losses import lm_loss
@@ -137,8 +139,8 @@ def evaluate(args: Args) -> dict:
         mx.eval()
         return {"model": str(path), "data": td.source, **m,
                 "perplexity": math.exp(m["val_loss"])}
-    raise ValueError(f"{path}: metadata key 'general.architecture': expected 'vit' or 'llama', "
-                     f"found {arch!r}")
+    raise ValueError(f"{path}: metadata key 'general.architecture': expected vit or one of "
+                     f"{', '.join(ARCHS)}, found {arch!r}")
 
 
 if __name__ == "__main__":

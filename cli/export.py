@@ -118,7 +118,7 @@ def run(args: Args) -> int:
                              "without --adapter); an adapter is written as F32")
         src = checkpoint_file(args.adapter, "--adapter")
         model, g = load_llama(base)
-        apply_adapter(model, src, g.metadata.get("general.architecture", "llama"))
+        apply_adapter(model, src)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(src, "rb") as f, atomic_open(out) as dst:
             shutil.copyfileobj(f, dst)

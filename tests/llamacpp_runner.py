@@ -7,12 +7,14 @@ fails the one test that caused it, with llama.cpp's stderr in the message.
 Script use:
     python llamacpp_runner.py logits MODEL TOKENS.json OUT.npy
     python llamacpp_runner.py tokenize MODEL TEXTS.json OUT.json [--no-bos] [--special]
+    python llamacpp_runner.py quantize SRC.gguf DST.gguf TYPE    (TYPE: Q4_K_M, Q8_0, ...)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -38,14 +40,22 @@ def _run(args: list[str], timeout: float) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def llamacpp_logits(model: str | Path, tokens: list[int], timeout: float = 600) -> tuple[
-        np.ndarray, dict]:
-    """llama.cpp's logits (T, V) float32 for `tokens` with an f32 KV cache, flash attn off."""
+def llamacpp_logits(model: str | Path, tokens: list[int], timeout: float = 600,
+                    lora: str | Path | None = None) -> tuple[np.ndarray, dict]:
+    """llama.cpp's logits (T, V) float32 for `tokens` with an f32 KV cache, flash attn off;
+    with `lora`, that adapter GGUF applied at scale 1 (llama-cli's --lora)."""
     with tempfile.TemporaryDirectory(prefix="toymlx-llamacpp-") as d:
         tok, out = Path(d) / "tokens.json", Path(d) / "logits.npy"
         tok.write_text(json.dumps([int(t) for t in tokens]))
-        info = _run(["logits", str(model), str(tok), str(out)], timeout)
+        extra = ["--lora", str(lora)] if lora else []
+        info = _run(["logits", str(model), str(tok), str(out), *extra], timeout)
         return np.load(out), info
+
+
+def llamacpp_logits_lora(model: str | Path, lora: str | Path | None, tokens: list[int],
+                         timeout: float = 600) -> tuple[np.ndarray, dict]:
+    """`llamacpp_logits` with an adapter (None: the model alone)."""
+    return llamacpp_logits(model, tokens, timeout, lora=lora)
 
 
 def llamacpp_tokenize(model: str | Path, texts: list[str], add_bos: bool = True,
@@ -59,8 +69,14 @@ def llamacpp_tokenize(model: str | Path, texts: list[str], add_bos: bool = True,
         return json.loads(out.read_text())
 
 
+def quantize(src: str | Path, dst: str | Path, qtype: str, timeout: float = 600) -> dict:
+    """`llama-quantize SRC DST QTYPE`: llama.cpp's `llama_model_quantize` with its default
+    parameters and ftype LLAMA_FTYPE_MOSTLY_<QTYPE> (Q4_0, Q4_K_M, Q8_0, F16, ...)."""
+    return _run(["quantize", str(src), str(dst), qtype], timeout)
+
+
 # ---- child side -------------------------------------------------------------------------
-def _child_logits(model: str, tokens_path: str, out_path: str) -> dict:
+def _child_logits(model: str, tokens_path: str, out_path: str, lora: str | None = None) -> dict:
     from llama_cpp import Llama
 
     tokens = json.loads(Path(tokens_path).read_text())
@@ -68,7 +84,7 @@ def _child_logits(model: str, tokens_path: str, out_path: str) -> dict:
     t0 = time.perf_counter()
     llm = Llama(model_path=model, logits_all=True, n_ctx=max(n, 64), n_batch=max(n, 64),
                 n_ubatch=max(n, 64), type_k=0, type_v=0, flash_attn=False, n_threads=2,
-                n_threads_batch=2, verbose=False)
+                n_threads_batch=2, verbose=False, **({"lora_path": lora} if lora else {}))
     t1 = time.perf_counter()
     llm.eval(tokens)
     t2 = time.perf_counter()
@@ -88,6 +104,33 @@ def _child_tokenize(model: str, texts_path: str, out_path: str, add_bos: bool,
     return {"n_texts": len(texts)}
 
 
+def _child_quantize(src: str, dst: str, qtype: str) -> dict:
+    import ctypes
+
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype.upper()}", None)
+    if ftype is None:
+        raise SystemExit(f"unknown quantization type {qtype!r}: llama_cpp has no "
+                         f"LLAMA_FTYPE_MOSTLY_{qtype.upper()}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 2
+    t0 = time.perf_counter()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)  # llama.cpp's own prints go to stderr: stdout's last line stays the JSON
+    try:
+        rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    finally:
+        ctypes.CDLL(None).fflush(None)  # C's buffered stdout out to stderr before the switch back
+        os.dup2(saved, 1)
+        os.close(saved)
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize({src!r}, {dst!r}, {qtype}) returned {rc}")
+    return {"quantize_s": time.perf_counter() - t0, "ftype": int(ftype)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -97,11 +140,18 @@ def main() -> None:
         s.add_argument("model")
         s.add_argument("src")
         s.add_argument("out")
+    qz = sub.add_parser("quantize")
+    qz.add_argument("src")
+    qz.add_argument("dst")
+    qz.add_argument("qtype")
+    lg.add_argument("--lora")
     tk.add_argument("--no-bos", action="store_true")
     tk.add_argument("--special", action="store_true")
     a = p.parse_args()
     if a.cmd == "logits":
-        info = _child_logits(a.model, a.src, a.out)
+        info = _child_logits(a.model, a.src, a.out, a.lora)
+    elif a.cmd == "quantize":
+        info = _child_quantize(a.src, a.dst, a.qtype)
     else:
         info = _child_tokenize(a.model, a.src, a.out, not a.no_bos, a.special)
     print(json.dumps(info))

@@ -1,7 +1,12 @@
-"""An independent float64 numpy Llama forward, reading GGUF with gguf-py (not toymlx).
+"""An independent float64 numpy forward of llama.cpp's decoders, reading GGUF with gguf-py (not
+toymlx).
 
-Written from llama.cpp's conventions: (out, in) weights, RMSNorm, adjacent-pair RoPE,
-GQA head h -> kv head h // (n_head // n_kv), SwiGLU FFN, tied output when output.weight is absent.
+Written from llama.cpp's graph code (src/models/{llama,qwen2,qwen3,gemma3,phi3}.cpp) and its
+RoPE (`ggml_rope_ext`): (out, in) weights; RMSNorm; RoPE on adjacent pairs for arch llama and
+on halves (NEOX) for the others, angle pos * freq_scale * base^(-2i/n_rot) / factor_i, cos and
+sin times attn_factor; GQA head h -> kv head h // (n_head // n_kv); gated FFN (SiLU, or GELU's
+tanh form for gemma3; phi3's ffn_up holds gate then up); tied output when output.weight is
+absent. Each switch is read from the file the way llama.cpp reads it.
 """
 
 from __future__ import annotations
@@ -10,11 +15,15 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+NEOX = {"qwen2", "qwen3", "gemma3", "phi3"}
+
 
 def _field(r: GGUFReader, key: str, default=None):
     f = r.fields.get(key)
     if f is None:
         return default
+    if f.types[0].name == "ARRAY":
+        return [f.parts[i].item() for i in f.data]
     v = f.parts[f.data[0]]
     return v.tobytes().decode() if f.types[0].name == "STRING" else v.item()
 
@@ -22,14 +31,25 @@ def _field(r: GGUFReader, key: str, default=None):
 def load_reference(path) -> tuple[dict, dict[str, np.ndarray]]:
     r = GGUFReader(str(path))
     arch = _field(r, "general.architecture")
+    k = arch + "."
     hp = {
-        "d": _field(r, f"{arch}.embedding_length"),
-        "n_layers": _field(r, f"{arch}.block_count"),
-        "n_heads": _field(r, f"{arch}.attention.head_count"),
-        "eps": _field(r, f"{arch}.attention.layer_norm_rms_epsilon"),
-        "base": _field(r, f"{arch}.rope.freq_base", 10000.0),
+        "arch": arch,
+        "d": _field(r, k + "embedding_length"),
+        "n_layers": _field(r, k + "block_count"),
+        "n_heads": _field(r, k + "attention.head_count"),
+        "eps": _field(r, k + "attention.layer_norm_rms_epsilon"),
+        "base": _field(r, k + "rope.freq_base", 10000.0),
+        "base_swa": _field(r, k + "rope.freq_base_swa", 10000.0),
+        "window": _field(r, k + "attention.sliding_window", 0) if arch == "gemma3" else 0,
+        "pattern": _field(r, k + "attention.sliding_window_pattern", 6),
+        "softcap": _field(r, k + "final_logit_softcapping", 0.0),
+        "scaling": _field(r, k + "rope.scaling.type", "linear"),
+        "factor": _field(r, k + "rope.scaling.factor", 0.0),
+        "attn_factor": _field(r, k + "rope.scaling.attn_factor", 1.0),
     }
-    hp["n_kv"] = _field(r, f"{arch}.attention.head_count_kv", hp["n_heads"])
+    hp["n_kv"] = _field(r, k + "attention.head_count_kv", hp["n_heads"])
+    hp["hd"] = _field(r, k + "attention.key_length", hp["d"] // hp["n_heads"])
+    hp["n_rot"] = _field(r, k + "rope.dimension_count", hp["hd"])
     w = {}
     for t in r.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # ne -> numpy (out, in)
@@ -37,44 +57,114 @@ def load_reference(path) -> tuple[dict, dict[str, np.ndarray]]:
     return hp, w
 
 
-def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
-    """Logits (T, vocab) in float64."""
-    d, H, Hkv = hp["d"], hp["n_heads"], hp["n_kv"]
-    hd = d // H
+def _rms(x, g, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
+
+
+def _rope(x, pos, n_rot, base, scale, factors, mscale, neox):
+    """x (T, heads, hd): the first n_rot dims of each head rotated."""
+    inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # (n_rot/2,)
+    if factors is not None:
+        inv = inv / factors
+    ang = pos[:, None] * scale * inv[None, :]  # (T, n_rot/2)
+    cos, sin = (np.cos(ang) * mscale)[:, None], (np.sin(ang) * mscale)[:, None]
+    out = x.copy()
+    if neox:
+        a, b = x[..., : n_rot // 2], x[..., n_rot // 2: n_rot]
+        out[..., : n_rot // 2] = a * cos - b * sin
+        out[..., n_rot // 2: n_rot] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        out[..., 0:n_rot:2] = a * cos - b * sin
+        out[..., 1:n_rot:2] = a * sin + b * cos
+    return out
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_fp16_table(x):
+    """GELU as llama.cpp's CPU backend computes it (ggml-cpu/vec.h, GGML_GELU_FP16): the input
+    rounded to float16, looked up in a float16 table of GELU; 0 below -10, x above 10."""
+    y = _gelu_tanh(x.astype(np.float16).astype(np.float64)).astype(np.float16).astype(np.float64)
+    return np.where(x <= -10, 0.0, np.where(x >= 10, x, y))
+
+
+def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
+            gelu_fp16: bool = False) -> np.ndarray:
+    """Logits (T, vocab) in float64; `gelu_fp16`: GELU through llama.cpp's float16 table."""
+    arch, d, H, Hkv, hd, eps = hp["arch"], hp["d"], hp["n_heads"], hp["n_kv"], hp["hd"], hp["eps"]
     T = len(tokens)
-
-    def rms(x, g):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + hp["eps"]) * g
-
-    inv = hp["base"] ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)  # (hd/2,)
-    ang = np.arange(T)[:, None] * inv[None, :]  # (T, hd/2)
-    cos, sin = np.cos(ang), np.sin(ang)
-
-    def rope(x):  # x (T, heads, hd); rotate pairs (2i, 2i+1)
-        x0, x1 = x[..., 0::2], x[..., 1::2]
-        out = np.empty_like(x)
-        out[..., 0::2] = x0 * cos[:, None] - x1 * sin[:, None]
-        out[..., 1::2] = x0 * sin[:, None] + x1 * cos[:, None]
-        return out
+    pos = np.arange(T, dtype=np.float64)
+    neox = arch in NEOX
+    if hp["scaling"] == "longrope":
+        factors, mscale = w["rope_factors_short.weight"], hp["attn_factor"]
+    else:
+        factors, mscale = w.get("rope_freqs.weight"), 1.0
+    scale = 1.0 / hp["factor"] if hp["scaling"] == "linear" and hp["factor"] else 1.0
+    pattern = hp["pattern"]
+    n_layers = hp["n_layers"]
+    if isinstance(pattern, list):
+        swa = [bool(p) for p in pattern]
+    else:
+        swa = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+    swa = [s and hp["window"] > 0 for s in swa]
+    q_scale = 1 / np.sqrt(hd)
+    if arch == "gemma3" and n_layers == 62:
+        q_scale = 1 / np.sqrt(d / H)
 
     x = w["token_embd.weight"][tokens]  # (T, d)
-    causal = np.triu(np.full((T, T), -np.inf), 1)
-    for i in range(hp["n_layers"]):
+    if arch == "gemma3":
+        x = x * np.sqrt(d)
+    dist = pos[:, None] - pos[None, :]  # query - key
+    for i in range(n_layers):
         p = f"blk.{i}."
-        h = rms(x, w[p + "attn_norm.weight"])
-        q = rope((h @ w[p + "attn_q.weight"].T).reshape(T, H, hd))
-        k = rope((h @ w[p + "attn_k.weight"].T).reshape(T, Hkv, hd))
-        v = (h @ w[p + "attn_v.weight"].T).reshape(T, Hkv, hd)
+        h = _rms(x, w[p + "attn_norm.weight"], eps)
+        if p + "attn_qkv.weight" in w:
+            qkv = h @ w[p + "attn_qkv.weight"].T
+            q, kk, v = np.split(qkv, [H * hd, H * hd + Hkv * hd], axis=-1)
+        else:
+            q, kk, v = (h @ w[p + f"attn_{n}.weight"].T + w.get(p + f"attn_{n}.bias", 0.0)
+                        for n in "qkv")
+        q, kk, v = q.reshape(T, H, hd), kk.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
+        if p + "attn_q_norm.weight" in w:
+            q = _rms(q, w[p + "attn_q_norm.weight"], eps)
+            kk = _rms(kk, w[p + "attn_k_norm.weight"], eps)
+        if swa[i]:  # gemma3's sliding layers: their own base, no scaling
+            q = _rope(q, pos, hp["n_rot"], hp["base_swa"], 1.0, None, 1.0, neox)
+            kk = _rope(kk, pos, hp["n_rot"], hp["base_swa"], 1.0, None, 1.0, neox)
+        else:
+            q = _rope(q, pos, hp["n_rot"], hp["base"], scale, factors, mscale, neox)
+            kk = _rope(kk, pos, hp["n_rot"], hp["base"], scale, factors, mscale, neox)
+        keep = dist >= 0
+        if swa[i]:
+            keep &= dist < hp["window"]
+        mask = np.where(keep, 0.0, -np.inf)
         out = np.empty((T, H, hd))
         for hh in range(H):
             kv = hh // (H // Hkv)
-            s = q[:, hh] @ k[:, kv].T / np.sqrt(hd) + causal
+            s = q[:, hh] @ kk[:, kv].T * q_scale + mask
             s = np.exp(s - s.max(-1, keepdims=True))
             out[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
-        x = x + out.reshape(T, d) @ w[p + "attn_output.weight"].T
-        h = rms(x, w[p + "ffn_norm.weight"])
-        g = h @ w[p + "ffn_gate.weight"].T
-        x = x + ((g / (1 + np.exp(-g))) * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
-    x = rms(x, w["output_norm.weight"])
-    head = w.get("output.weight", w["token_embd.weight"])
-    return x @ head.T
+        a = out.reshape(T, H * hd) @ w[p + "attn_output.weight"].T + w.get(p + "attn_output.bias",
+                                                                            0.0)
+        if p + "post_attention_norm.weight" in w:
+            a = _rms(a, w[p + "post_attention_norm.weight"], eps)
+        x = x + a
+        h = _rms(x, w[p + "ffn_norm.weight"], eps)
+        if p + "ffn_gate.weight" in w:
+            g, u = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
+        else:  # phi3: gate and up in one tensor, gate first
+            g, u = np.split(h @ w[p + "ffn_up.weight"].T, 2, axis=-1)
+        gelu = _gelu_fp16_table if gelu_fp16 else _gelu_tanh
+        act = gelu(g) if arch == "gemma3" else g / (1 + np.exp(-g))
+        f = (act * u) @ w[p + "ffn_down.weight"].T
+        if p + "post_ffw_norm.weight" in w:
+            f = _rms(f, w[p + "post_ffw_norm.weight"], eps)
+        x = x + f
+    x = _rms(x, w["output_norm.weight"], eps)
+    logits = x @ w.get("output.weight", w["token_embd.weight"]).T
+    if hp["softcap"]:
+        logits = hp["softcap"] * np.tanh(logits / hp["softcap"])
+    return logits

@@ -226,7 +226,7 @@ def bad_inputs(tmp_path: Path, stories_path: Path) -> dict[str, tuple[Path, str]
     return {
         "missing": (tmp_path / "nope.gguf", "found nothing at that path"),
         "not a GGUF": (not_gguf, "not a GGUF file"),
-        "wrong architecture": (gpt2, "expected 'llama', found 'gpt2'"),
+        "wrong architecture": (gpt2, "expected one of llama, qwen2, qwen3, gemma3, phi3, found 'gpt2'"),
         "adapter as model": (adapter, "--adapter"),
         "run without checkpoints": (empty_run, "found no checkpoint"),
     }

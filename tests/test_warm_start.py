@@ -118,7 +118,7 @@ def test_not_gguf(tmp_path, text_file):
 
 def test_non_llama_donor(tmp_path, text_file):
     p = _donor(tmp_path / "gpt2.gguf", arch="gpt2")
-    _fails(_cfg(p, text_file), str(p), "'general.architecture'", "expected 'llama'",
+    _fails(_cfg(p, text_file), str(p), "'general.architecture'", "expected one of llama, qwen2",
            "found 'gpt2'")
 
 
@@ -164,7 +164,7 @@ def test_cli_fails_before_training(tmp_path, text_file, capsys):
                "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "expected 'llama'" in err[0] and str(p) in err[0]
+    assert len(err) == 1 and "expected one of llama" in err[0] and str(p) in err[0]
     assert not (tmp_path / "runs" / "x" / "events.jsonl").exists()
 
 

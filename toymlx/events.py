@@ -251,8 +251,11 @@ _REQUIRED: dict[str, dict[str, Any]] = {
     "run_end": {"t": _NUMBER, "ended_at": _ISO, "reason": _STR, "final_step": _INT,
                 "final_loss": _NUMBER, "exit_code": _INT},
 }
-_MODEL = {"llama": ("vocab", "d_model", "n_layers"),
+_LM = ("vocab", "d_model", "n_layers")
+_MODEL = {"llama": _LM, "qwen2": _LM, "qwen3": _LM, "gemma3": _LM, "phi3": _LM,
           "vit": ("image_size", "patch_size", "d_model", "n_layers", "num_classes")}
+"""What run_start's model carries per architecture (the language models are the decoders
+`toymlx.gguf.llama.ARCHS` loads)."""
 
 
 def _type_problem(v: Any, want: Any) -> str | None:
@@ -300,7 +303,7 @@ def _event_problems(ev: dict) -> list[str]:
         config = ev["config"] if isinstance(ev.get("config"), dict) else {}
         out += _check_keys(model, dict.fromkeys(_MODEL.get(model.get("arch"), ()), _INT),
                            "model.")
-        if model.get("arch") == "llama":  # a language model
+        if _MODEL.get(model.get("arch")) is _LM:  # a language model
             out += _check_keys(config, {"context": _INT}, "config.")
         if "git" in ev:
             out += (_check_keys(ev["git"], {"sha": _STR, "branch": _STR}, "git.")

@@ -308,11 +308,11 @@ def _check_arch(ad: Adapter, arch: str) -> None:
                         f"(the base model's), found {ad.arch!r}")
 
 
-def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike,
-                  arch: str = "llama") -> Llama:
-    """Wrap `model`'s projections with the adapter's LoRA layers (a file or a run directory)."""
+def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike) -> Llama:
+    """Wrap `model`'s projections with the adapter's LoRA layers (a file or a run directory);
+    the adapter's architecture must be the model's."""
     ad = load_adapter(path_or_run_dir)
-    _check_arch(ad, arch)
+    _check_arch(ad, model.args.arch)
     for path, a, b in _adapter_targets(model, ad).values():
         base = submodule(model, path)
         if isinstance(base, LoRALinear):
@@ -327,14 +327,13 @@ def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike,
     return model
 
 
-def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
-                         arch: str = "llama") -> None:
+def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
     """Resume: copy an adapter file's A and B into the model's existing LoRA layers.
 
     The file must hold exactly the model's LoRA layers with the same ranks and alpha.
     """
     ad = load_adapter(path)
-    _check_arch(ad, arch)
+    _check_arch(ad, model.args.arch)
     have = {toy_to_gguf(p + ".weight"): m for p, m in lora_layers(model).items()}
     if set(have) != set(ad.pairs):
         extra = sorted(set(ad.pairs) - set(have))
@@ -378,7 +377,7 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
     types["general.file_type"] = (UINT32, None)
     if adapter is not None:
         ad_path = checkpoint_file(adapter, "--adapter")
-        apply_adapter(model, ad_path, g.metadata.get("general.architecture", "llama"))
+        apply_adapter(model, ad_path)
         fuse(model)
         meta["toy.merged_adapter"] = ad_path.name
     weights = llama_tensors(model)

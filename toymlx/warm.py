@@ -27,7 +27,7 @@ import numpy as np
 from mlx import nn
 
 from toymlx import checkpoint as ck
-from toymlx.gguf.llama import llama_tensors, load_llama_weights
+from toymlx.gguf.llama import ARCHS, SUPPORTED, llama_tensors, load_llama_weights
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.ops import EXACT, Ops
@@ -53,15 +53,15 @@ def read_donor(path: str | os.PathLike, vocab: int | None = None) -> Donor:
     """The donor's table: its first `vocab` rows (default: one per tokenizer token).
 
     Raises GGUFError (one line naming file, key or tensor, expected and found) for a missing
-    or unreadable file, a non-GGUF, a non-llama architecture, no token_embd.weight, a table
-    whose width is not llama.embedding_length, or fewer rows than asked for.
+    or unreadable file, a non-GGUF, an architecture toymlx does not load, no token_embd.weight, a table
+    whose width is not <arch>.embedding_length, or fewer rows than asked for.
     """
     g = GGUFFile(path)  # missing, unreadable, not GGUF, truncated: one-line GGUFError
     arch = g.metadata.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{g.path}: metadata key 'general.architecture': expected 'llama' "
-                        f"(a llama donor), found {arch!r}")
-    width = g.get("llama.embedding_length", int)
+    if arch not in ARCHS:
+        raise GGUFError(f"{g.path}: metadata key 'general.architecture': expected one of "
+                        f"{SUPPORTED} (a decoder donor), found {arch!r}")
+    width = g.get(f"{arch}.embedding_length", int)
     name = "token_embd.weight"
     if name not in g.tensors:
         raise GGUFError(f"{g.path}: tensor {name!r}: expected present (the donor's token "
@@ -69,7 +69,7 @@ def read_donor(path: str | os.PathLike, vocab: int | None = None) -> Donor:
     info = g.tensors[name]
     if len(info.shape) != 2 or info.shape[1] != width:
         raise GGUFError(f"{g.path}: tensor {name!r} shape: expected (n_vocab, {width}) from "
-                        f"llama.embedding_length={width}, found {info.shape}")
+                        f"{arch}.embedding_length={width}, found {info.shape}")
     rows = info.shape[0]
     tokens = g.metadata.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens) if isinstance(tokens, list) else None

@@ -158,7 +158,11 @@ class Ops:
                                base=None if rope.factors else rope.base, scale=rope.scale,
                                offset=offset, freqs=_rope_wavelengths(rope) if rope.factors
                                else None)
-            return out * rope.mscale if rope.mscale != 1.0 else out
+            if rope.mscale == 1.0:
+                return out
+            if dims == x.shape[-1]:
+                return out * rope.mscale
+            return mx.concatenate([out[..., :dims] * rope.mscale, out[..., dims:]], axis=-1)
         cos, sin = _rope_tables(rope, dims, int(offset), T)  # (T, dims/2) each
         if x.dtype != mx.float32:
             cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)

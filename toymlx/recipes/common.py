@@ -73,8 +73,8 @@ def load_token_data(data: TextData, tokenizer, seq_len: int) -> TokenData:
 
 
 def llama_model_info(args: LlamaArgs) -> dict[str, Any]:
-    info = {"arch": "llama", "vocab": args.vocab_size}
-    info.update({k: v for k, v in asdict(args).items() if k != "vocab_size"})
+    info = {"arch": args.arch, "vocab": args.vocab_size}
+    info.update({k: v for k, v in asdict(args).items() if k not in ("vocab_size", "arch")})
     info["head_dim"] = args.head_dim
     return info
 

@@ -1,0 +1,117 @@
+"""Small random GGUFs of every decoder architecture toymlx loads, written the way llama.cpp's
+converter lays them out (tensor names, metadata keys, norms as stored), for tests that need
+no converter: `arch_gguf(kind, path)`.
+
+Kinds exercise every switch of the decoder: `llama3` (a rope_freqs tensor), `llama-bias`
+(attention biases, which llama files may carry), `qwen2` (q/k/v biases, NEOX RoPE), `qwen3`
+(q/k norms, a head wider than d_model / n_heads), `gemma3` (sandwich norms, GeGLU, sliding
+window layers with their own RoPE base, linear scaling on the global layers, embedding scale,
+soft-capped logits), `phi3` (fused qkv and gate_up, partial RoPE, longrope factors with an
+attention factor). The tokenizer is toymlx's byte vocabulary (259 tokens).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from toymlx.gguf.reader import FLOAT32, UINT32
+from toymlx.gguf.writer import write_gguf
+from toymlx.tokenizer import byte_metadata
+
+KINDS = ("llama", "llama3", "llama-bias", "qwen2", "qwen3", "gemma3", "phi3")
+VOCAB = 259
+
+
+def _spec(kind: str) -> dict:
+    s = {"arch": kind.split("-")[0].replace("llama3", "llama"), "d": 64, "heads": 4, "kv": 2,
+         "hd": 16, "ffn": 96, "layers": 2, "tied": True}
+    if kind == "qwen3":
+        s.update(hd=32)
+    if kind == "gemma3":
+        s.update(layers=6)
+    if kind in ("phi3", "llama"):
+        s.update(tied=False)
+    return s
+
+
+def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
+    """A random-weight GGUF of `kind` (see KINDS) at `path`."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, found {kind!r}")
+    s = _spec(kind)
+    rng = np.random.default_rng(seed)
+    arch, d, H, Hkv, hd, F = s["arch"], s["d"], s["heads"], s["kv"], s["hd"], s["ffn"]
+
+    def mat(out, inp, std=0.08):
+        return (rng.standard_normal((out, inp)) * std).astype(np.float32)
+
+    def norm(n):  # stored as llama.cpp reads it (gemma's 1 + w already added by the converter)
+        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
+    def vec(n):
+        return (0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t = {"token_embd.weight": mat(VOCAB, d, 0.5), "output_norm.weight": norm(d)}
+    if not s["tied"]:
+        t["output.weight"] = mat(VOCAB, d)
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = norm(d)
+        if arch == "phi3":
+            t[p + "attn_qkv.weight"] = mat(H * hd + 2 * Hkv * hd, d)
+        else:
+            t[p + "attn_q.weight"] = mat(H * hd, d)
+            t[p + "attn_k.weight"] = mat(Hkv * hd, d)
+            t[p + "attn_v.weight"] = mat(Hkv * hd, d)
+        if kind in ("qwen2", "llama-bias"):
+            t[p + "attn_q.bias"], t[p + "attn_k.bias"] = vec(H * hd), vec(Hkv * hd)
+            t[p + "attn_v.bias"] = vec(Hkv * hd)
+        if kind == "llama-bias":
+            t[p + "attn_output.bias"] = vec(d)
+        t[p + "attn_output.weight"] = mat(d, H * hd)
+        if arch in ("qwen3", "gemma3"):
+            t[p + "attn_q_norm.weight"], t[p + "attn_k_norm.weight"] = norm(hd), norm(hd)
+        if arch == "gemma3":
+            t[p + "post_attention_norm.weight"] = norm(d)
+        t[p + "ffn_norm.weight"] = norm(d)
+        if arch == "phi3":
+            t[p + "ffn_up.weight"] = mat(2 * F, d)
+        else:
+            t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"] = mat(F, d), mat(F, d)
+        t[p + "ffn_down.weight"] = mat(d, F)
+        if arch == "gemma3":
+            t[p + "post_ffw_norm.weight"] = norm(d)
+
+    k = arch + "."
+    meta = {"general.architecture": arch, "general.name": "toymlx test file",  # llama.cpp keys on "phi3" in names
+            "general.file_type": 0,
+            k + "context_length": 256, k + "embedding_length": d, k + "block_count": s["layers"],
+            k + "feed_forward_length": F, k + "attention.head_count": H,
+            k + "attention.head_count_kv": Hkv,
+            k + "attention.layer_norm_rms_epsilon": 1e-6, k + "rope.freq_base": 10000.0}
+    types = {"general.file_type": (UINT32, None)}
+    floats = [k + "attention.layer_norm_rms_epsilon", k + "rope.freq_base"]
+    if hd != d // H:
+        meta[k + "attention.key_length"] = meta[k + "attention.value_length"] = hd
+    if kind == "llama3":
+        t["rope_freqs.weight"] = np.array([1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0], np.float32)
+        meta[k + "rope.freq_base"] = 500000.0
+    if arch == "gemma3":
+        meta.update({k + "attention.sliding_window": 4, k + "rope.freq_base": 1000000.0,
+                     k + "rope.scaling.type": "linear", k + "rope.scaling.factor": 8.0,
+                     k + "final_logit_softcapping": 30.0})
+        floats += [k + "rope.scaling.factor", k + "final_logit_softcapping"]
+    if arch == "phi3":
+        n_rot = 12  # partial rotary: 12 of 16 dims
+        meta.update({k + "rope.dimension_count": n_rot, k + "rope.scaling.type": "longrope",
+                     k + "rope.scaling.attn_factor": 1.19,
+                     k + "rope.scaling.original_context_length": 4096})
+        floats.append(k + "rope.scaling.attn_factor")
+        t["rope_factors_short.weight"] = np.linspace(1.0, 3.0, n_rot // 2).astype(np.float32)
+        t["rope_factors_long.weight"] = np.linspace(1.0, 30.0, n_rot // 2).astype(np.float32)
+    for key in floats:
+        types[key] = (FLOAT32, None)
+    meta.update(byte_metadata())
+    return write_gguf(path, meta, t, types=types)

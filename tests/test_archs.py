@@ -1,0 +1,217 @@
+"""Every decoder architecture toymlx loads (llama incl. Llama 3's rope_freqs, qwen2, qwen3,
+gemma3, phi3): logits against an independent float64 numpy forward (tests/reference.py), the
+training kernels against the exact ones, LoRA adapters and fused exports round-tripped, and
+every unknown architecture, key or tensor refused by name. The llama.cpp comparisons of the
+same files are in the interop tier at the end.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from arch_files import KINDS, arch_gguf
+from reference import forward, load_reference
+
+from toymlx.gguf.llama import load_llama
+from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.writer import write_gguf
+from toymlx.lora import apply_lora, write_adapter, write_merged
+from toymlx.models.ops import Ops
+
+IDS = [int(x) for x in np.random.default_rng(1).integers(3, 259, 20)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("archs")
+    return {k: arch_gguf(k, d / f"{k}.gguf") for k in KINDS}
+
+
+def logits(model, ids=IDS) -> np.ndarray:
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))  # (T, V)
+
+
+def report(what: str, **figures) -> None:
+    print(f"\n[archs] {what}: " + json.dumps(figures, default=float))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_float64_reference(files, kind):
+    model, _ = load_llama(files[kind])
+    assert model.args.arch == kind.split("-")[0].replace("llama3", "llama")
+    hp, w = load_reference(files[kind])
+    ref = forward(hp, w, IDS)
+    diff = float(np.abs(logits(model) - ref).max())
+    report(kind, max_abs_diff=diff, logit_scale=float(np.abs(ref).max()))
+    assert diff < 1e-4
+
+
+def test_each_switch_changes_the_logits(files):
+    """The switches are read, not defaulted: the Llama 3 file without its rope_freqs tensor,
+    and gemma3 without its sliding window, compute other logits."""
+    model, g = load_llama(files["llama3"])
+    assert model.args.rope_factors == (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0) or \
+        np.allclose(model.args.rope_factors, (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0))
+    gemma, _ = load_llama(files["gemma3"])
+    assert gemma.args.sliding_layers == (True,) * 5 + (False,)
+    assert (gemma.args.sliding_window, gemma.args.rope_scale) == (4, 0.125)
+    phi, _ = load_llama(files["phi3"])
+    assert (phi.args.rope_dims, phi.args.rope_mscale) == (12, pytest.approx(1.19))
+    hp, w = load_reference(files["llama3"])
+    del w["rope_freqs.weight"]
+    assert np.abs(forward(hp, w, IDS) - logits(model)).max() > 0.1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_kernels_match_exact(files, kind):
+    """The CPU training Ops (vectorised kernels) and the GPU's (fast RoPE with its frequencies
+    argument) compute the same model as the exact forward."""
+    exact = logits(load_llama(files[kind])[0])
+    for ops in (Ops(kernels="vectorised"), Ops(exact_rope=False)):
+        got = logits(load_llama(files[kind], ops)[0])
+        diff = float(np.abs(got - exact).max())
+        assert diff < 2e-4, (ops, diff)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generation_cache_matches_full_forward(files, kind):
+    """Token-by-token decoding with the KV cache (sliding windows crossed) gives the full
+    forward's logits."""
+    model, _ = load_llama(files[kind])
+    full = logits(model)
+    cache = model.make_cache()
+    steps = [np.array(model(mx.array([[t]]), cache)[0, -1]) for t in IDS]
+    assert np.abs(np.stack(steps) - full).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_adapter_and_fused_export(files, kind, tmp_path):
+    """LoRA on every projection of the architecture: the adapter file re-applied to a fresh
+    base, and the fused export, compute the adapted model's logits."""
+    from toymlx.lora import TARGETS, apply_adapter
+
+    model, g = load_llama(files[kind])
+    names = [t for t, p in TARGETS.items()
+             if p.partition(".")[2] in model.layers[0][p.partition(".")[0]]]
+    fused_arch = kind == "phi3"
+    assert ("qkv" in names) == fused_arch and ("q" in names) != fused_arch
+    apply_lora(model, ",".join(names), rank=4, alpha=8.0)
+    rng = np.random.default_rng(2)
+    for layer in model.layers:
+        for m in (layer.attn, layer.mlp):
+            for name, sub in m.children().items():
+                if hasattr(sub, "lora_b"):
+                    sub.lora_b = mx.array(rng.standard_normal(sub.lora_b.shape).astype(np.float32)
+                                          * 0.05)
+    adapted = logits(model)
+    base = logits(load_llama(files[kind])[0])
+    assert np.abs(adapted - base).max() > 1e-2  # the adapter does something
+    ad = write_adapter(tmp_path / "adapter.gguf", model, dict(g.metadata))
+    again = apply_adapter(load_llama(files[kind])[0], ad)
+    assert np.abs(logits(again) - adapted).max() < 1e-5
+    merged = write_merged(tmp_path / "merged.gguf", files[kind], ad, "f32")
+    fused, mg = load_llama(merged)
+    assert set(mg.tensors) == set(GGUFFile(files[kind]).tensors)  # RoPE constants kept
+    diff = float(np.abs(logits(fused) - adapted).max())
+    report(f"{kind} lora", targets=names, fused_max_abs_diff=diff)
+    assert diff < 1e-4
+
+
+def test_phi3_targets_name_the_fused_projections(files):
+    model, _ = load_llama(files["phi3"])
+    with pytest.raises(ValueError, match=r"--lora\.targets: 'q' is not a projection of this "
+                                         r"phi3 model; expected a comma list of qkv, o, "
+                                         r"gate_up, down"):
+        apply_lora(model, "q")
+
+
+# ---- nothing is loaded and ignored --------------------------------------------------------
+def _copy(src, dst, meta_update=None, drop_meta=(), tensors_update=None):
+    g = GGUFFile(src)
+    meta = {k: v for k, v in g.metadata.items() if k not in drop_meta}
+    meta.update(meta_update or {})
+    types = {k: t for k, t in g.metadata_types.items() if k in meta}
+    tensors = {n: g.load(n, np.float32) for n in g.tensors}
+    tensors.update(tensors_update or {})
+    return write_gguf(dst, meta, tensors, types=types)
+
+
+def test_unknown_tensor_is_refused_by_name(files, tmp_path):
+    p = _copy(files["qwen2"], tmp_path / "x.gguf",
+              tensors_update={"blk.0.attn_gate.weight": np.zeros((64, 64), np.float32)})
+    with pytest.raises(GGUFError, match=r"x\.gguf: tensor 'blk\.0\.attn_gate\.weight': expected "
+                                        r"only the tensors a qwen2 model of this shape computes "
+                                        r"with, found this one too; not loaded"):
+        load_llama(p)
+
+
+def test_unknown_metadata_key_is_refused_by_name(files, tmp_path):
+    p = _copy(files["llama"], tmp_path / "x.gguf", {"llama.attention.scale": 0.5})
+    with pytest.raises(GGUFError, match=r"x\.gguf: metadata key 'llama\.attention\.scale': "
+                                        r"expected only keys toymlx computes with"):
+        load_llama(p)
+    p = _copy(files["llama"], tmp_path / "y.gguf", {"split.count": 2})
+    with pytest.raises(GGUFError, match=r"metadata key 'split\.count'"):
+        load_llama(p)
+
+
+def test_unknown_architecture_and_rope_scaling_are_refused(files, tmp_path):
+    p = _copy(files["llama"], tmp_path / "x.gguf", {"general.architecture": "mamba"})
+    with pytest.raises(GGUFError, match=r"'general\.architecture': expected one of llama, qwen2, "
+                                        r"qwen3, gemma3, phi3, found 'mamba'"):
+        load_llama(p)
+    p = _copy(files["qwen2"], tmp_path / "y.gguf", {"qwen2.rope.scaling.type": "yarn",
+                                                    "qwen2.rope.scaling.factor": 4.0})
+    with pytest.raises(GGUFError, match=r"'qwen2\.rope\.scaling\.type': expected one of none, "
+                                        r"linear for qwen2, found 'yarn'"):
+        load_llama(p)
+    # a rope_freqs tensor whose length is not rope dims / 2
+    p = _copy(files["llama3"], tmp_path / "z.gguf",
+              tensors_update={"rope_freqs.weight": np.ones(5, np.float32)})
+    with pytest.raises(GGUFError, match=r"tensor 'rope_freqs\.weight' shape: expected \(8,\)"):
+        load_llama(p)
+
+
+# ---- the same files in llama.cpp ----------------------------------------------------------
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_llamacpp(files, kind):
+    """llama.cpp (f32 KV cache, flash attention off) on the same files. gemma3's margin is
+    llama.cpp's: its CPU GELU rounds the input to float16 and reads a float16 table."""
+    from llamacpp_runner import llamacpp_logits
+
+    model, _ = load_llama(files[kind])
+    mine = logits(model)
+    ref, _ = llamacpp_logits(files[kind], IDS)
+    diff = float(np.abs(mine - ref).max())
+    top1 = float((mine.argmax(-1) == ref.argmax(-1)).mean())
+    report(f"{kind} vs llama.cpp", max_abs_diff=diff, top1=top1)
+    assert diff < (5e-3 if kind == "gemma3" else 1e-4) and top1 == 1.0
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", KINDS)
+def test_llamacpp_applies_our_adapter(files, kind, tmp_path):
+    """A LoRA adapter toymlx writes, loaded by llama.cpp with --lora, and the fused export
+    loaded by llama.cpp: both within the file's margin of toymlx's adapted forward."""
+    from llamacpp_runner import llamacpp_logits_lora
+
+    model, g = load_llama(files[kind])
+    names = "qkv,o,gate_up,down" if kind == "phi3" else "q,k,v,o,gate,up,down"
+    apply_lora(model, names, rank=4, alpha=8.0)
+    rng = np.random.default_rng(3)
+    for _, m in model.named_modules():
+        if hasattr(m, "lora_b") and not isinstance(m.lora_b, dict):
+            m.lora_b = mx.array(rng.standard_normal(m.lora_b.shape).astype(np.float32) * 0.05)
+    mine = logits(model)
+    ad = write_adapter(tmp_path / "adapter.gguf", model, dict(g.metadata))
+    ref, _ = llamacpp_logits_lora(files[kind], ad, IDS)
+    merged = write_merged(tmp_path / "merged.gguf", files[kind], ad, "f32")
+    ref_fused, _ = llamacpp_logits_lora(merged, None, IDS)
+    tol = 5e-3 if kind == "gemma3" else 1e-4
+    d_lora, d_fused = float(np.abs(mine - ref).max()), float(np.abs(mine - ref_fused).max())
+    report(f"{kind} adapter in llama.cpp", lora_max_abs_diff=d_lora, fused_max_abs_diff=d_fused)
+    assert d_lora < tol and d_fused < tol
