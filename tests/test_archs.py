@@ -215,3 +215,39 @@ def test_llamacpp_applies_our_adapter(files, kind, tmp_path):
     d_lora, d_fused = float(np.abs(mine - ref).max()), float(np.abs(mine - ref_fused).max())
     report(f"{kind} adapter in llama.cpp", lora_max_abs_diff=d_lora, fused_max_abs_diff=d_fused)
     assert d_lora < tol and d_fused < tol
+
+
+# ---- quantized files of every architecture ---------------------------------------------------
+QUANTS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def _quantized_copy(src, dst, qtype: str):
+    """Every matrix of `src` as `qtype` (gguf-py's quantizer), norms and RoPE constants F32."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from toymlx.gguf.writer import QuantTensor
+
+    t = GGMLQuantizationType[qtype]
+    g = GGUFFile(src)
+    tensors = {}
+    for n in g.tensors:
+        w = g.load(n, np.float32)
+        tensors[n] = QuantTensor(t, quantize(w, t), tuple(w.shape)) if w.ndim == 2 else w
+    return write_gguf(dst, dict(g.metadata), tensors, types=dict(g.metadata_types))
+
+
+@pytest.mark.parametrize("qtype", QUANTS)
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_quantized_files_of_every_architecture(files, kind, qtype, tmp_path):
+    """A file in each type people download that gguf-py writes: dequantized exactly (the
+    reference dequantizes the same blocks in float64); Q4_0/Q4_1/Q8_0 also held as MLX
+    quantized layers (a GPU's LoRA base) computing the same model."""
+    p = _quantized_copy(files[kind], tmp_path / f"{kind}-{qtype}.gguf", qtype)
+    hp, w = load_reference(p)
+    ref = forward(hp, w, IDS)
+    got = logits(load_llama(p)[0])
+    assert np.abs(got - ref).max() < 1e-4
+    if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        held = logits(load_llama(p, weights="quantized")[0])
+        assert np.abs(held - ref).max() < 1e-3
