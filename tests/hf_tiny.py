@@ -1,0 +1,590 @@
+"""Tiny random-weight Hugging Face checkpoints, converted to GGUF by llama.cpp's own converter.
+
+The GGUFs people download come from llama.cpp's `convert_hf_to_gguf.py` run on a Hugging Face
+checkpoint (then, often, `llama-quantize`). This module makes the same kind of file without
+downloading a model: `tiny_hf_checkpoint(kind, dir)` builds a small model with `transformers`'
+own config and model classes, fills it with seeded random weights (norm weights and biases
+random too, so a loader that drops or misreads one shows up in the logits), and saves it;
+`gguf_from_hf(dir, out)` runs the converter from llama.cpp's source tree (tests/
+llamacpp_source.py) in a child process; `llamacpp_quantize(src, dst, "Q4_K_M")` quantizes the
+result the way `llama-quantize` does (llama.cpp's `llama_model_quantize` through
+llama-cpp-python, in a child process: tests/llamacpp_runner.py). `hf_logits` gives the
+Hugging Face model's own float32 logits, a second reference beside llama.cpp's.
+
+Kinds (`KINDS`; each with a `-q` twin whose hidden size 256 and feed-forward size 512 give
+rows that K-quants can hold, for `llamacpp_quantize`):
+
+    llama          Llama 2 / TinyLlama layout: SentencePiece vocab, untied output, GQA 4/2
+    llama3         Llama 3.2 layout: byte-level BPE (pre "llama-bpe"), tied, rope_theta 5e5,
+                   "llama3" RoPE scaling (the converter writes `rope_freqs.weight`)
+    mistral        MistralForCausalLM, Mistral-Nemo style: head_dim 32 != hidden/heads,
+                   rope_theta 1e6, untied, SentencePiece vocab, no sliding window
+    qwen2          Qwen2.5 layout: q/k/v biases, tied, byte-level BPE (pre "qwen2")
+    qwen3          Qwen3 layout: q/k RMS norms, head_dim 32 with hidden 64 and 4 heads, tied
+    gemma3         Gemma 3 text (Gemma3ForCausalLM): 6 layers, sliding window 8 on layers
+                   0-4 and global attention on layer 5 (transformers' default layer_types
+                   and llama.cpp's pattern of 6 agree; the converter writes no pattern),
+                   MQA 4/1, head_dim 32, query_pre_attn_scalar = head_dim, local RoPE base
+                   1e4 / global 1e6, tied, gemma-style SentencePiece vocab
+    phi3           Phi-3-mini layout: fused qkv and gate_up, untied, SentencePiece vocab
+                   with Phi-3's special tokens, sliding_window 2047 (llama.cpp ignores it;
+                   the 40-token tests stay far inside it)
+    phi3-partial   Phi-4-mini style: partial_rotary_factor 0.75, tied
+    phi3-longrope  Phi-3-128k style: "longrope" scaling with short and long factors,
+                   original context 32, so a context above 32 uses the long factors in both
+                   llama.cpp (it decides on n_ctx, 64 in llamacpp_runner) and transformers
+                   (it decides on the sequence length: keep test sequences above 32 tokens)
+
+The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
+(32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
+gets a 512-token vocabulary cut from the real one that llama.cpp ships for tokenizer tests
+(`models/ggml-vocab-*.gguf` in the same source tree):
+
+- SentencePiece kinds (llama, mistral, gemma3, phi3*): a `tokenizer.model` holding the first
+  pieces of ggml-vocab-llama-spm.gguf / ggml-vocab-phi-3.gguf (for gemma3 behind gemma's
+  special tokens pad/eos/bos/unk/mask/start_of_turn/end_of_turn), with byte fallback, written
+  as the SentencePiece protobuf directly. The converter reads it as it reads any
+  `tokenizer.model`: no change to the converter.
+- Byte-level BPE kinds (llama3, qwen2, qwen3): a `tokenizer.json` (HF `tokenizers`) with the
+  family's 256 byte tokens, its first merges whose parts stay in the cut vocabulary, its
+  pre-tokenizer regex and a few of its special tokens. The converter identifies BPE
+  pre-tokenizers by a hash of the token ids of a fixed text; a cut vocabulary gives other ids,
+  so the hash is not recognised. The one shim (`_child_convert`): the converter's
+  `TextModel.get_vocab_base_pre` is wrapped so that, when its own table does not know the
+  hash, it returns the pre-tokenizer name the checkpoint declares in `toymlx_tiny.json`
+  ("llama-bpe" or "qwen2", the regex the tokenizer was built with). Nothing else in the
+  converter is touched: the hyperparameter, tensor-name, permutation and extra-tensor code
+  under test runs as llama.cpp ships it.
+
+Token ids for tests: `token_ids(kind, n)` gives seeded ids below the vocabulary's special
+tokens (the first is the BOS id where the family has one). Test modules import the
+fixtures with the one they use: `from hf_tiny import tiny_gguf, tiny_hf  # noqa: F401` and
+`from llamacpp_source import llamacpp_source  # noqa: F401`.
+
+Script use (the child processes):
+    python hf_tiny.py convert TREE HF_DIR OUT.gguf OUTTYPE PRE
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve()
+VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
+MANIFEST = "toymlx_tiny.json"
+BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
+              "phi3-longrope")
+KINDS = BASE_KINDS + tuple(f"{k}-q" for k in BASE_KINDS)
+# Types `llamacpp_quantize` accepts (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
+               "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",
+               "BF16")
+
+
+class ConversionError(RuntimeError):
+    """llama.cpp's converter failed in the child process."""
+
+
+# ---- the kinds --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    kind: str
+    family: str  # llama | mistral | qwen2 | qwen3 | gemma3 | phi3
+    tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2
+    hidden: int
+    ff: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int | None  # None: hidden // heads
+    tied: bool
+    extra: dict = field(default_factory=dict)
+
+
+def spec(kind: str) -> Spec:
+    """The shape and layout of `kind` (see the module docstring)."""
+    base, q = (kind[:-2], True) if kind.endswith("-q") else (kind, False)
+    if base not in BASE_KINDS:
+        raise ValueError(f"unknown tiny kind {kind!r}; expected one of {', '.join(KINDS)}")
+    h, ff = (256, 512) if q else (64, 128)
+    wide = 128 if q else 32  # head_dim that differs from hidden // heads
+    s = {"kind": kind, "hidden": h, "ff": ff, "layers": 2, "heads": 4, "kv_heads": 2,
+         "head_dim": None}
+    if base == "llama":
+        return Spec(**s, family="llama", tokenizer="spm-llama", tied=False)
+    if base == "llama3":
+        return Spec(**s, family="llama", tokenizer="bpe-llama3", tied=True)
+    if base == "mistral":
+        return Spec(**{**s, "head_dim": wide}, family="mistral", tokenizer="spm-llama",
+                    tied=False)
+    if base == "qwen2":
+        return Spec(**s, family="qwen2", tokenizer="bpe-qwen2", tied=True)
+    if base == "qwen3":
+        return Spec(**{**s, "head_dim": wide}, family="qwen3", tokenizer="bpe-qwen2", tied=True)
+    if base == "gemma3":
+        return Spec(**{**s, "layers": 6, "kv_heads": 1, "head_dim": wide}, family="gemma3",
+                    tokenizer="spm-gemma", tied=True)
+    if base == "phi3":
+        return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=False)
+    if base == "phi3-partial":
+        return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=True,
+                    extra={"partial_rotary_factor": 0.75})
+    return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=False, extra={"longrope": True})
+
+
+def _rope(theta: float, **scaling) -> dict:
+    return {"rope_type": "default", "rope_theta": theta, **scaling}
+
+
+def hf_config(sp: Spec, tok: dict):
+    """The transformers config object for `sp` (`tok`: the tokenizer's special ids)."""
+    import transformers as tf
+
+    common = {"vocab_size": VOCAB, "hidden_size": sp.hidden, "intermediate_size": sp.ff,
+              "num_hidden_layers": sp.layers, "num_attention_heads": sp.heads,
+              "num_key_value_heads": sp.kv_heads, "tie_word_embeddings": sp.tied,
+              "bos_token_id": tok.get("bos"), "eos_token_id": tok.get("eos"),
+              "pad_token_id": tok.get("pad")}
+    if sp.head_dim is not None:
+        common["head_dim"] = sp.head_dim
+    hd = sp.head_dim or sp.hidden // sp.heads
+    if sp.family == "llama":
+        if sp.tokenizer == "bpe-llama3":
+            # Llama 3.2: rope_theta 5e5 and llama3 scaling; original context 64 puts the
+            # head_dim 16 frequencies on both sides of the smooth band (factors 1, mixed, 8).
+            rope = _rope(500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=64)
+            return tf.LlamaConfig(**common, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                  rope_parameters=rope)
+        return tf.LlamaConfig(**common, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                              rope_parameters=_rope(10000.0))
+    if sp.family == "mistral":
+        return tf.MistralConfig(**common, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                sliding_window=None, rope_parameters=_rope(1000000.0))
+    if sp.family == "qwen2":
+        return tf.Qwen2Config(**common, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                              use_sliding_window=False, rope_parameters=_rope(1000000.0))
+    if sp.family == "qwen3":
+        return tf.Qwen3Config(**common, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                              attention_bias=False, use_sliding_window=False,
+                              rope_parameters=_rope(1000000.0))
+    if sp.family == "gemma3":
+        return tf.Gemma3TextConfig(
+            **common, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=8,
+            query_pre_attn_scalar=hd, hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"full_attention": _rope(1000000.0),
+                             "sliding_attention": _rope(10000.0)})
+    # phi3
+    rot = sp.extra.get("partial_rotary_factor", 1.0)
+    if sp.extra.get("longrope"):
+        n = int(hd * rot) // 2
+        g = np.random.default_rng(7)
+        rope = _rope(10000.0, rope_type="longrope",
+                     short_factor=[round(float(x), 4) for x in 1.0 + 0.5 * g.random(n)],
+                     long_factor=[round(float(x), 4) for x in 1.0 + 3.0 * g.random(n)],
+                     original_max_position_embeddings=32)
+        return tf.Phi3Config(**common, max_position_embeddings=128, rms_norm_eps=1e-5,
+                             original_max_position_embeddings=32, sliding_window=2047,
+                             rope_parameters=rope)
+    rope = _rope(10000.0, **({"partial_rotary_factor": rot} if rot != 1.0 else {}))
+    return tf.Phi3Config(**common, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                         original_max_position_embeddings=4096, sliding_window=2047,
+                         rope_parameters=rope)
+
+
+def _model_class(sp: Spec):
+    import transformers as tf
+
+    return {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
+            "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
+            "gemma3": tf.Gemma3ForCausalLM, "phi3": tf.Phi3ForCausalLM}[sp.family]
+
+
+# ---- tokenizers -------------------------------------------------------------------------
+def _vocab_gguf(tree: Path, name: str) -> dict:
+    from toymlx.gguf.reader import read_metadata
+
+    return read_metadata(tree / "models" / f"ggml-vocab-{name}.gguf")
+
+
+def _pb_varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # negative int32 as protobuf writes it: ten bytes of two's complement
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _pb_field(num: int, value) -> bytes:
+    if isinstance(value, (bool, int)):
+        return _pb_varint(num << 3) + _pb_varint(int(value))
+    if isinstance(value, float):
+        return _pb_varint(num << 3 | 5) + struct.pack("<f", value)
+    data = value.encode() if isinstance(value, str) else value
+    return _pb_varint(num << 3 | 2) + _pb_varint(len(data)) + data
+
+
+def spm_model_bytes(pieces: list[tuple[str, float, int]], *, add_dummy_prefix: bool,
+                    unk: int, bos: int, eos: int, pad: int) -> bytes:
+    """A SentencePiece BPE `ModelProto` (byte fallback) for `pieces` (text, score, type).
+
+    Types are SentencePiece's (and GGUF's): 1 normal, 2 unknown, 3 control, 4 user-defined,
+    5 unused, 6 byte. Written field by field (sentencepiece_model.proto), no protobuf needed.
+    SentencePiece finds bos/eos/pad by their text (trainer_spec.*_piece): both are written.
+    """
+    out = bytearray()
+    for text, score, ttype in pieces:
+        out += _pb_field(1, _pb_field(1, text) + _pb_field(2, float(score)) + _pb_field(3, ttype))
+    trainer = (_pb_field(3, 2) + _pb_field(4, len(pieces)) + _pb_field(35, True)
+               + _pb_field(40, unk) + _pb_field(41, bos) + _pb_field(42, eos) + _pb_field(43, pad))
+    for num, i in ((45, unk), (46, bos), (47, eos), (48, pad)):
+        if i >= 0:
+            trainer += _pb_field(num, pieces[i][0])
+    out += _pb_field(2, trainer)
+    normalizer = (_pb_field(1, "identity") + _pb_field(3, add_dummy_prefix) + _pb_field(4, False)
+                  + _pb_field(5, True))
+    out += _pb_field(3, normalizer)
+    return bytes(out)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _spm_tokenizer(tree: Path, which: str, out: Path) -> dict:
+    """tokenizer.model (+ tokenizer_config.json) of VOCAB tokens; returns the special ids."""
+    meta = _vocab_gguf(tree, "phi-3" if which == "spm-phi3" else "llama-spm")
+    toks, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]
+    types = meta["tokenizer.ggml.token_type"]
+    added: dict[int, str] = {}
+    if which == "spm-gemma":
+        head = [("<pad>", 0.0, 3), ("<eos>", 0.0, 3), ("<bos>", 0.0, 3), ("<unk>", 0.0, 2),
+                ("<mask>", 0.0, 4), ("<start_of_turn>", 0.0, 3), ("<end_of_turn>", 0.0, 3)]
+        rest = [(t, s, ty) for t, s, ty in zip(toks, scores, types, strict=True)
+                if ty in (1, 6)]  # llama's byte tokens and normal pieces, in order
+        pieces = head + rest[:VOCAB - len(head)]
+        ids = {"pad": 0, "eos": 1, "bos": 2, "unk": 3}
+        cfg = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>",
+               "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True,
+               "add_eos_token": False}
+        model = spm_model_bytes(pieces, add_dummy_prefix=False, unk=3, bos=2, eos=1, pad=0)
+    else:
+        n_added = 0
+        if which == "spm-phi3":
+            # Phi-3: tokenizer.model holds llama's 32000 pieces; its specials are added tokens
+            specials = ["<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"]
+            n_added = len(specials)
+            added = {VOCAB - n_added + i: s for i, s in enumerate(specials)}
+        n = VOCAB - n_added
+        pieces = list(zip(toks[:n], scores[:n], types[:n], strict=True))
+        ids = {"unk": 0, "bos": 1, "eos": 2}
+        cfg = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+               "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
+               "legacy": False}
+        if added:
+            ids["eos"] = next(i for i, s in added.items() if s == "<|endoftext|>")
+            cfg["eos_token"] = "<|endoftext|>"
+            cfg["added_tokens_decoder"] = {
+                str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                         "single_word": False, "special": True} for i, s in added.items()}
+        model = spm_model_bytes(pieces, add_dummy_prefix=True, unk=0, bos=1, eos=2, pad=-1)
+    (out / "tokenizer.model").write_bytes(model)
+    cfg["model_max_length"] = 4096
+    _write_json(out / "tokenizer_config.json", cfg)
+    return {**ids, "first_special": min([VOCAB, *added]) if which != "spm-gemma" else VOCAB,
+            "first_normal": 7 if which == "spm-gemma" else 3}
+
+
+LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+             r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
+    """tokenizer.json (+ tokenizer_config.json) of VOCAB tokens; returns the special ids."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+
+    if which == "bpe-llama3":
+        meta = _vocab_gguf(tree, "llama-bpe")
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                    "<|end_header_id|>", "<|eot_id|>"]
+        pat, pre = LLAMA3_PAT, "llama-bpe"
+    else:
+        meta = _vocab_gguf(tree, "qwen2")
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        pat, pre = QWEN2_PAT, "qwen2"
+    n = VOCAB - len(specials)
+    toks = meta["tokenizer.ggml.tokens"][:n]
+    vocab = {t: i for i, t in enumerate(toks)}
+    # byte-level BPE: all 256 byte symbols must be in the cut vocabulary
+    from tokenizers.pre_tokenizers import ByteLevel
+    missing = [c for c in ByteLevel.alphabet() if c not in vocab]
+    if missing:
+        raise RuntimeError(f"{which}: byte symbols {missing[:5]} beyond the first {n} tokens")
+    merges = []
+    for m in meta["tokenizer.ggml.merges"]:
+        a, b = m.split(" ")
+        if a in vocab and b in vocab and a + b in vocab:
+            merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=which == "bpe-llama3"))
+    if which == "bpe-qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pat), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    sid = {s: n + i for i, s in enumerate(specials)}
+    assert all(tok.token_to_id(s) == i for s, i in sid.items())
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+           "model_max_length": 131072,
+           "added_tokens_decoder": {str(i): {"content": s, "lstrip": False, "normalized": False,
+                                             "rstrip": False, "single_word": False,
+                                             "special": True} for s, i in sid.items()}}
+    if which == "bpe-llama3":
+        bos = sid["<|begin_of_text|>"]
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+            special_tokens=[("<|begin_of_text|>", bos)])
+        ids = {"bos": bos, "eos": sid["<|eot_id|>"]}
+        cfg.update(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    else:
+        ids = {"bos": None, "eos": sid["<|im_end|>"], "pad": sid["<|endoftext|>"]}
+        cfg.update(bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                   add_bos_token=False)
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", cfg)
+    return {**ids, "pre": pre, "first_special": n, "first_normal": 0, "merges": len(merges)}
+
+
+# ---- the checkpoint ---------------------------------------------------------------------
+def _randomize(model, seed: int, gemma: bool) -> None:
+    """Seeded weights: matrices and embeddings N(0, 0.05), biases N(0, 0.05), norm weights
+    1 + N(0, 0.1) as applied (gemma stores w with (1 + w) applied: N(0, 0.1) stored)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(0.1 * r if gemma else 1.0 + 0.1 * r)
+            else:
+                p.copy_(0.05 * r)
+
+
+def tiny_hf_checkpoint(kind: str, out_dir: str | Path, tree: str | Path | None = None,
+                       seed: int = 0) -> Path:
+    """Write a tiny random-weight HF checkpoint of `kind` (config.json, model.safetensors,
+    tokenizer files, `toymlx_tiny.json`) into `out_dir`; `tree` is llama.cpp's source tree
+    (default: tests/llamacpp_source.fetch_source()). Deterministic in (kind, seed)."""
+    import torch
+
+    if tree is None:
+        from llamacpp_source import fetch_source
+        tree = fetch_source()
+    tree, out = Path(tree), Path(out_dir)
+    sp = spec(kind)
+    out.mkdir(parents=True, exist_ok=True)
+    if sp.tokenizer.startswith("spm"):
+        tok = _spm_tokenizer(tree, sp.tokenizer, out)
+    else:
+        tok = _bpe_tokenizer(tree, sp.tokenizer, out)
+    config = hf_config(sp, tok)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = _model_class(sp)(config).to(torch.float32).eval()
+    _randomize(model, seed * 1000 + KINDS.index(kind), gemma=sp.family == "gemma3")
+    model.save_pretrained(out)
+    _write_json(out / MANIFEST, {"kind": kind, "family": sp.family, "tokenizer": sp.tokenizer,
+                                 "pre": tok.get("pre"), "seed": seed,
+                                 "special_ids": {k: tok.get(k) for k in ("bos", "eos", "pad",
+                                                                          "unk")},
+                                 "first_normal": tok["first_normal"],
+                                 "first_special": tok["first_special"], "vocab": VOCAB})
+    return out
+
+
+def manifest(hf_dir: str | Path) -> dict:
+    return json.loads((Path(hf_dir) / MANIFEST).read_text())
+
+
+def token_ids(hf_dir: str | Path, n: int = 40, seed: int = 0) -> list[int]:
+    """`n` seeded ids of ordinary tokens of the checkpoint, after its BOS where it has one."""
+    m = manifest(hf_dir)
+    g = np.random.default_rng(seed)
+    ids = g.integers(m["first_normal"], m["first_special"], size=n).tolist()
+    if m["special_ids"]["bos"] is not None:
+        ids[0] = m["special_ids"]["bos"]
+    return ids
+
+
+def hf_logits(hf_dir: str | Path, tokens: list[int]) -> np.ndarray:
+    """The HF model's own float32 logits (T, V) for `tokens` (eager attention)."""
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model(torch.tensor([tokens], dtype=torch.long)).logits[0]
+    return out.float().numpy()
+
+
+# ---- conversion -------------------------------------------------------------------------
+def gguf_from_hf(hf_dir: str | Path, out_path: str | Path, outtype: str = "f32",
+                 tree: str | Path | None = None, timeout: float = 900) -> dict:
+    """Convert `hf_dir` with llama.cpp's `convert_hf_to_gguf.py` (its own gguf-py first on
+    the path) into `out_path`; returns {"seconds", "log"}. Raises ConversionError."""
+    if tree is None:
+        from llamacpp_source import fetch_source
+        tree = fetch_source()
+    tree, hf_dir, out_path = Path(tree), Path(hf_dir), Path(out_path)
+    pre = manifest(hf_dir).get("pre") if (hf_dir / MANIFEST).is_file() else None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree / "gguf-py"), str(tree)]
+                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("NO_LOCAL_GGUF", None)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, str(SCRIPT), "convert", str(tree), str(hf_dir),
+                        str(out_path), outtype, pre or ""], check=False, capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    dt = time.perf_counter() - t0
+    if r.returncode != 0 or not out_path.is_file():
+        raise ConversionError(f"convert_hf_to_gguf.py on {hf_dir} failed (exit {r.returncode}): "
+                              f"{(r.stderr or r.stdout).strip()[-3000:]}")
+    return {"seconds": dt, "log": r.stderr}
+
+
+def _child_convert(tree: str, hf_dir: str, out: str, outtype: str, pre: str) -> None:
+    import runpy
+
+    sys.path[0:0] = [str(Path(tree) / "gguf-py"), tree]  # sys.path[0]: the converter's tree
+    from conversion import base  # the converter's own package, from `tree`
+
+    if pre:
+        known = base.TextModel.get_vocab_base_pre
+
+        def declared_pre(self, tokenizer) -> str:
+            """The converter's hash table first; the checkpoint's declared name if unknown."""
+            try:
+                return known(self, tokenizer)
+            except NotImplementedError:
+                base.logger.warning(f"toymlx hf_tiny shim: cut vocabulary, BPE pre-tokenizer "
+                                    f"taken from {MANIFEST}: {pre!r}")
+                return pre
+
+        base.TextModel.get_vocab_base_pre = declared_pre
+    converter = str(Path(tree) / "convert_hf_to_gguf.py")
+    sys.argv = [converter, hf_dir, "--outfile", out, "--outtype", outtype]
+    runpy.run_path(converter, run_name="__main__")
+
+
+# ---- what a GGUF holds ------------------------------------------------------------------
+def gguf_summary(path: str | Path) -> dict:
+    """architecture, metadata (token arrays shortened to their length and first items) and
+    tensors {name: [type, shape]} of a GGUF, read with toymlx's reader."""
+    from toymlx.gguf.reader import GGUFFile
+
+    with GGUFFile(path) as f:
+        meta = {}
+        for k, v in f.metadata.items():
+            if isinstance(v, list) and len(v) > 8:
+                v = f"[{len(v)} items: {', '.join(repr(x) for x in v[:3])}, ...]"
+            elif isinstance(v, str) and len(v) > 200:
+                v = v[:200] + "..."
+            meta[k] = v
+        tensors = {n: [t.type_name, list(t.shape)] for n, t in f.tensors.items()}
+        return {"architecture": f.architecture, "metadata": meta, "tensors": tensors}
+
+
+def tensor_layout(summary: dict) -> dict:
+    """Tensor names grouped: global ones, and block 0's with 'blk.N.' (the others repeat)."""
+    glob, block = {}, {}
+    for n, (t, shape) in summary["tensors"].items():
+        if n.startswith("blk."):
+            _, rest = n[4:].split(".", 1)
+            block.setdefault(f"blk.N.{rest}", set()).add((t, tuple(shape)))
+        else:
+            glob[n] = (t, tuple(shape))
+    return {"global": glob, "block": {k: sorted(v) for k, v in sorted(block.items())}}
+
+
+def llamacpp_quantize(src: str | Path, dst: str | Path, qtype: str, timeout: float = 600) -> dict:
+    """Quantize GGUF `src` into `dst` as `llama-quantize src dst QTYPE` does (child process);
+    returns {"seconds", "types": {tensor: type}}."""
+    from llamacpp_runner import quantize
+
+    t0 = time.perf_counter()
+    quantize(src, dst, qtype, timeout=timeout)
+    dt = time.perf_counter() - t0
+    s = gguf_summary(dst)
+    return {"seconds": dt, "types": {n: t for n, (t, _) in s["tensors"].items()}}
+
+
+# ---- fixtures ---------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory, llamacpp_source):
+    """Factory: tiny_hf(kind) -> the HF checkpoint folder (made once per session)."""
+    root = tmp_path_factory.mktemp("hf_tiny")
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = tiny_hf_checkpoint(kind, root / kind, tree=llamacpp_source)
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory, tiny_hf, llamacpp_source):
+    """Factory: tiny_gguf(kind, outtype="f32") -> the converter's GGUF (once per session);
+    tiny_gguf.seconds[(kind, outtype)] is how long the conversion took."""
+    root = tmp_path_factory.mktemp("gguf_tiny")
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(kind: str, outtype: str = "f32") -> Path:
+        key = (kind, outtype)
+        if key not in made:
+            out = root / f"{kind}-{outtype}.gguf"
+            try:
+                info = gguf_from_hf(tiny_hf(kind), out, outtype, tree=llamacpp_source)
+            except ConversionError as e:
+                pytest.fail(str(e))
+            make.seconds[key] = info["seconds"]
+            made[key] = out
+        return made[key]
+
+    make.seconds = {}
+    return make
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 7 and sys.argv[1] == "convert":
+        _child_convert(*sys.argv[2:])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} convert TREE HF_DIR OUT.gguf OUTTYPE PRE")

@@ -1,0 +1,88 @@
+"""The tiny HF checkpoints (tests/hf_tiny.py) through llama.cpp's converter, llama.cpp and HF.
+
+For each kind: llama.cpp's `convert_hf_to_gguf.py` makes the GGUF, llama.cpp loads it and
+returns finite logits of the vocabulary's width, and those logits match the Hugging Face
+model's own float32 logits on the same ids (the conversion is faithful, and there are two
+references for toymlx's loader). Quantized copies (`llamacpp_quantize`) load and stay near
+the float32 logits. Each test prints what it found: the GGUF's architecture, metadata and
+tensor names and types (run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hf_tiny import (
+    BASE_KINDS,
+    VOCAB,
+    gguf_summary,
+    hf_logits,
+    llamacpp_quantize,
+    tensor_layout,
+    tiny_gguf,  # noqa: F401  (session fixtures)
+    token_ids,
+)
+from llamacpp_runner import llamacpp_logits
+from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
+
+pytestmark = pytest.mark.interop
+
+N_TOKENS = 40  # crosses gemma3's sliding window (8) and phi3-longrope's original context (32)
+HF_TOL = 1e-4  # llama.cpp f32 against transformers f32 on O(1) logits (measured: ~1e-6)
+# gemma3: ~1e-3 from the first position on, most of it llama.cpp's GELU, which looks its
+# values up in a float16 table (emulating that in transformers leaves 2e-4); the sliding
+# window itself agrees (without it transformers moves by 0.4-1.9 after position 8)
+GELU_TOL = 5e-3
+QUANT_KINDS = ("llama-q", "qwen3-q", "gemma3-q")
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
+
+
+def report(what: str, **figures) -> None:
+    print(f"\n[hf_tiny] {what}: " + json.dumps(figures, default=str))
+
+
+@pytest.mark.parametrize("kind", BASE_KINDS + tuple(f"{k}-q" for k in BASE_KINDS))
+def test_converted_matches_llamacpp_and_hf(kind, tiny_hf, tiny_gguf):  # noqa: F811
+    hf_dir = tiny_hf(kind)
+    path = tiny_gguf(kind)
+    s = gguf_summary(path)
+    layout = tensor_layout(s)
+    report(f"{kind} gguf", architecture=s["architecture"],
+           convert_s=round(tiny_gguf.seconds[(kind, "f32")], 1),
+           size_kb=round(path.stat().st_size / 1024), metadata=s["metadata"],
+           global_tensors=layout["global"], block_tensors=layout["block"])
+    ids = token_ids(hf_dir, N_TOKENS)
+    got, info = llamacpp_logits(path, ids)
+    assert got.shape == (N_TOKENS, VOCAB) and info["n_vocab"] == VOCAB
+    assert np.isfinite(got).all()
+    ref = hf_logits(hf_dir, ids)
+    assert ref.shape == got.shape
+    diff = float(np.abs(got - ref).max())
+    report(f"{kind} logits", llamacpp_vs_hf_max_abs=diff, logit_std=float(ref.std()),
+           n_vocab=info["n_vocab"], load_s=round(info["load_s"], 2))
+    assert diff < (GELU_TOL if kind.startswith("gemma3") else HF_TOL), f"{kind}: llama.cpp and transformers differ by {diff}"
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("kind", QUANT_KINDS)
+def test_quantized_copies_load(kind, qtype, tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    src = tiny_gguf(kind)
+    dst = tmp_path / f"{kind}-{qtype}.gguf"
+    q = llamacpp_quantize(src, dst, qtype)
+    by_type: dict[str, list[str]] = {}
+    for name, t in q["types"].items():
+        by_type.setdefault(t, []).append(name.replace("blk.0.", "blk.N.")
+                                         if not name.startswith("blk.") or
+                                         name.startswith("blk.0.") else "")
+    types = {t: sorted(n for n in names if n) for t, names in by_type.items()}
+    ids = token_ids(tiny_hf(kind), N_TOKENS)
+    got, info = llamacpp_logits(dst, ids)
+    assert got.shape == (N_TOKENS, info["n_vocab"]) and np.isfinite(got).all()
+    ref, _ = llamacpp_logits(src, ids)
+    diff = float(np.abs(got - ref).max())
+    report(f"{kind} {qtype}", quantize_s=round(q["seconds"], 2),
+           size_kb=round(dst.stat().st_size / 1024), tensor_types_global_and_block0=types,
+           max_abs_vs_f32=diff, logit_std=float(ref.std()))
+    assert diff < 0.5 * float(np.abs(ref).max()) + 0.5
