@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
+from toymlx.gguf.reader import read_metadata
 from toymlx.tokenizer import BYTE_OFFSET, Tokenizer, TokenizerError, byte_tokenizer, encode_bytes_np
 
 SEP = "\n__ggml_vocab_test__\n"
@@ -100,7 +103,8 @@ def test_defaults_per_model_type(gpt2, spm, smol, stories):
     assert (smol.pre, smol.add_bos, smol.bos_id, smol.eos_id) == ("smollm", False, 1, 2)
     # stories260K has no add_bos_token key: llama.cpp's "llama" default is true
     assert (stories.add_bos, stories.add_space_prefix, stories.vocab_size) == (True, True, 512)
-    assert smol.eog_ids == frozenset({0, 2})  # <|endoftext|>, <|im_end|>
+    # <|endoftext|>, <|im_end|>, <reponame> (llama.cpp's llama_vocab_is_eog)
+    assert smol.eog_ids == frozenset({0, 2, 4})
 
 
 def test_parse_special(gpt2, spm):
@@ -318,7 +322,8 @@ def _spm_meta(**changes):
     ({"tokenizer.ggml.token_type": [1] * 300},
      r"^x\.gguf: tokenizer\.ggml\.token_type: expected 259 entries .*found 300$"),
     ({"tokenizer.ggml.model": "bert"},
-     r"^x\.gguf: tokenizer\.ggml\.model: expected one of \['gpt2', 'llama'\], found 'bert'$"),
+     (r"^x\.gguf: tokenizer\.ggml\.model: expected one of \['gpt2', 'llama', 'gemma4'\], "
+      r"found 'bert'$")),
     ({"tokenizer.ggml.model": None},
      r"^x\.gguf: tokenizer\.ggml\.model: expected one of .*found missing key$"),
     ({"tokenizer.ggml.bos_token_id": 999},
@@ -364,10 +369,196 @@ def test_from_gguf_names_the_file(tmp_path):
         Tokenizer.from_gguf(path)
 
 
+# ------------------------------------------------------------------ llama.cpp's vocab test files
+# models/ggml-vocab-<name>.gguf of llama.cpp's source tree (the llama-cpp-python sdist), with the
+# ids llama.cpp's test-tokenizer-0 expects: name -> number of vectors
+UPSTREAM = {"qwen2": 46, "llama-bpe": 46, "phi-3": 46, "gemma-4": 46, "qwen35": 50}
+
+
+@pytest.fixture(scope="module")
+def models_dir(llamacpp_source: Path) -> Path:  # noqa: F811  (the imported fixture)
+    return llamacpp_source / "models"
+
+
+@pytest.fixture(scope="module")
+def upstream(models_dir):
+    """name -> Tokenizer of llama.cpp's ggml-vocab-<name>.gguf, each built once on first use."""
+    built: dict[str, Tokenizer] = {}
+
+    def get(name: str) -> Tokenizer:
+        if name not in built:
+            built[name] = Tokenizer.from_gguf(upstream_path(models_dir, name))
+        return built[name]
+
+    return get
+
+
+def upstream_path(models: Path, name: str) -> Path:
+    return models / f"ggml-vocab-{name}.gguf"
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_vectors_all_match(upstream, models_dir, name):
+    tok = upstream(name)
+    cases = read_vectors(upstream_path(models_dir, name))
+    assert len(cases) == UPSTREAM[name]
+    failed = [(text, want, got) for text, want in cases
+              if (got := tok.encode(text, add_bos=False, parse_special=False)) != want]
+    assert failed == [], f"{len(failed)} of {len(cases)} cases differ: {failed[:3]}"
+    assert [t for t, w in cases if tok.decode(w) != t] == []
+
+
+# model, pre, add_bos, bos, eos, eog ids: as llama.cpp's llama_vocab_* functions give them
+UPSTREAM_FLAGS = {
+    "qwen2": ("gpt2", "qwen2", False, 151643, 151643, {128247, 151643, 151645}),
+    "qwen35": ("gpt2", "qwen35", False, 151643, 151643, {128247, 151643, 151645}),
+    "llama-bpe": ("gpt2", "llama-bpe", True, 128000, 128001, {128001, 128009}),
+    "phi-3": ("llama", None, True, 1, 32000, {2, 32000, 32007}),
+    "gemma-4": ("gemma4", "gemma4", True, 2, 1, {1, 50, 106}),
+}
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM_FLAGS))
+def test_upstream_flags(upstream, name):
+    tok = upstream(name)
+    model, pre, add_bos, bos, eos, eog = UPSTREAM_FLAGS[name]
+    assert (tok.model, tok.pre, tok.add_bos, tok.bos_id, tok.eos_id) == (model, pre, add_bos,
+                                                                         bos, eos)
+    assert tok.eog_ids == frozenset(eog)
+    assert tok.add_space_prefix == (model == "llama")  # SPM's default; never for BPE
+
+
+# text -> (ids with parse_special=False, ids with parse_special=True), from llama.cpp
+UPSTREAM_IDS = {
+    "qwen2": {"12345": ([16, 17, 18, 19, 20],) * 2,  # one digit per piece
+              "<|im_start|>user\nhi<|im_end|>\n": (
+                  [27, 91, 318, 4906, 91, 29, 872, 198, 6023, 27, 91, 318, 6213, 91, 397],
+                  [151644, 872, 198, 6023, 151645, 198]),
+              # "</s>" is a normal Qwen token llama.cpp makes an end-of-generation control token
+              "</s> x": ([522, 82, 29, 856], [128247, 856])},
+    "qwen35": {"résumé": ([42611, 1242, 963],) * 2},
+    "llama-bpe": {"12345": ([4513, 1774],) * 2,  # up to three digits per piece
+                  "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>": (
+                      [27, 91, 2527, 8932, 851, 91, 29, 882, 27, 91, 408, 8932, 851, 91, 1363,
+                       6151, 27, 91, 68, 354, 851, 91, 29],
+                      [128006, 882, 128007, 271, 6151, 128009])},
+    # llama.cpp strips the whitespace after Phi-3's special tokens, except <s>, <unk> and
+    # <|endoftext|> ("phi3" in general.name)
+    "phi-3": {"<|user|>\nHi<|end|>\n<|assistant|>\n": (
+                  [529, 29989, 1792, 29989, 29958, 13, 18567, 29966, 29989, 355, 29989, 29958, 13,
+                   29966, 29989, 465, 22137, 29989, 29958, 13],
+                  [32010, 6324, 32007, 32001]),
+              "a</s>  b": ([263, 829, 29879, 29958, 29871, 289], [263, 2, 289]),
+              "a<|endoftext|>  b": ([263, 29966, 29989, 355, 974, 726, 29989, 29958, 29871, 289],
+                                    [263, 32000, 259, 289])},
+    # a run of newlines that is a token stays one token; characters out of the vocabulary
+    # fall back to <0xXX>; "</s>" is a normal Gemma 4 token
+    "gemma-4": {"a\n\n\nb": ([236746, 109, 236763],) * 2,
+                "<|turn>user\nHi<turn|>\n": (
+                    [236820, 236909, 887, 236813, 2364, 107, 10979, 236820, 887, 111038, 107],
+                    [105, 2364, 107, 10979, 106, 107]),
+                "</s> x": ([954, 236751, 236813, 1123],) * 2,
+                "  two  spaces": ([138, 13498, 138, 35220],) * 2,
+                "🦙€": ([478, 397, 404, 391, 237762],) * 2},
+}
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM_IDS))
+def test_upstream_known_ids(upstream, name):
+    tok = upstream(name)
+    for text, (plain, special) in UPSTREAM_IDS[name].items():
+        assert tok.encode(text, add_bos=False, parse_special=False) == plain, text
+        assert tok.encode(text, add_bos=False, parse_special=True) == special, text
+        assert tok.decode(tok.encode(text, parse_special=False)) == text
+
+
+def test_phi3_right_strip_needs_the_model_name(upstream):
+    """llama.cpp decides Phi-3's right-stripping by general.name, which `to_metadata` (the
+    tokenizer.* keys) does not carry; a GGUF written with the name keeps it."""
+    meta = upstream("phi-3").to_metadata()
+    assert "general.name" not in meta
+    text = "<|user|>\nHi"
+    # both as llama.cpp gives them for the file written without and with general.name
+    assert Tokenizer.from_metadata(meta).encode(text) == [1, 32010, 29871, 13, 18567]
+    assert Tokenizer.from_metadata({**meta, "general.name": "Phi3"}).encode(text) == [1, 32010,
+                                                                                      6324]
+
+
+def test_gemma4_always_adds_bos(upstream):
+    meta = {**upstream("gemma-4").to_metadata(), "tokenizer.ggml.add_bos_token": False}
+    tok = Tokenizer.from_metadata(meta)
+    assert tok.add_bos and tok.encode("Hi") == [2, 10979]  # llama.cpp overrides the file
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+# renderings checked against transformers' render_jinja_template
+RENDERED = {
+    "qwen2": ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+              "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+              "<|im_start|>assistant\n"),
+    "phi-3": ("<s><|user|>\nHi there<|end|>\n<|assistant|>\nHello!<|end|>\n<|user|>\n2+2?<|end|>\n"
+              "<|assistant|>\n"),
+    "gemma-4": ("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi there<turn|>\n"
+                "<|turn>model\nHello!<turn|>\n<|turn>user\n2+2?<turn|>\n<|turn>model\n"
+                "<|channel>thought\n<channel|>"),
+}
+RENDERED["qwen35"] = RENDERED["qwen2"]
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_chat_templates(upstream, name):
+    tok = upstream(name)
+    if name not in RENDERED:
+        assert tok.chat_template is None
+        return
+    text = tok.apply_chat_template(MESSAGES)
+    assert text == RENDERED[name]
+    ids = tok.encode(text, add_bos=False)
+    # <|im_start|> / <|end|> / <|turn>: one per turn (Phi-3's template drops the system one)
+    turn, count = {"qwen2": (151644, 5), "qwen35": (151644, 5), "phi-3": (32007, 3),
+                   "gemma-4": (105, 5)}[name]
+    assert ids.count(turn) == count
+    if name != "phi-3":  # Phi-3's specials swallow the newline after them
+        assert tok.decode(ids, skip_special=False) == text
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_to_metadata_round_trip(upstream, name):
+    tok = upstream(name)
+    meta = tok.to_metadata()
+    assert all(k.startswith("tokenizer.") for k in meta)
+    again = Tokenizer.from_metadata(meta)
+    assert again.to_metadata() == meta
+    text = "Round-trip: Hello, wörld! 12345\n\n\n  <s> <|im_end|> <turn|>x 🦙"
+    for special in (False, True):
+        assert again.encode(text, parse_special=special) == tok.encode(text,
+                                                                       parse_special=special)
+    assert (again.eog_ids, again.add_bos, again.bos_id) == (tok.eog_ids, tok.add_bos, tok.bos_id)
+
+
+def test_upstream_build_time(models_dir):
+    """A 152k-token, 151k-merge vocabulary (Qwen2.5) builds in about half a second; the bound
+    leaves room for a busy machine."""
+    meta = read_metadata(upstream_path(models_dir, "qwen2"))
+    t0 = time.process_time()
+    Tokenizer.from_metadata(meta)
+    assert time.process_time() - t0 < 5.0
+
+
+def test_unknown_pre_is_refused(upstream):
+    meta = upstream("qwen2").to_metadata()
+    with pytest.raises(TokenizerError, match=r"^q\.gguf: tokenizer\.ggml\.pre: expected one of "
+                                             r"\['default', .*'qwen2', .*'qwen35', .*'gemma4'\], "
+                                             r"found 'qwen9'$"):
+        Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "qwen9"}, source="q.gguf")
+
+
 # ------------------------------------------------------------------ llama.cpp itself (interop)
 @pytest.mark.interop
-def test_against_llama_cpp(shared_data, tmp_path):
-    """Random text tokenized by llama.cpp (llama-cpp-python, vocab_only) and by us."""
+def test_against_llama_cpp(shared_data, models_dir, tmp_path):
+    """Random text tokenized by llama.cpp (llama-cpp-python, vocab_only) and by us; where
+    llama.cpp's detokenizer gives the text back, ours does too."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from toymlx.gguf.writer import write_gguf
 
@@ -381,15 +572,60 @@ def test_against_llama_cpp(shared_data, tmp_path):
              shared_data / "tokenizers" / "ggml-vocab-llama-spm.gguf",
              shared_data / "tokenizers" / "ggml-vocab-smollm2.gguf",
              shared_data / "models" / "stories260K.gguf", bytes_path]
+    paths += [upstream_path(models_dir, name) for name in UPSTREAM]
     alphabet = (list("abcdefXYZ0123456789 \t\n.,!?'\"-()<>/|$+=^~") + list("éßЖ中日🦙€“’\u00a0▁")
-                + ["'s", "'ll", "  ", "\n\n", "<s>", "</s>", "<|im_start|>", "<|endoftext|>",
-                   " the", "ing"])
+                + ["'s", "'ll", "'RE", "  ", "\n\n", "\n\n\n", "\r\n", "<s>", "</s>", "<unk>",
+                   "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|user|>", "<|end|>",
+                   "<|eot_id|>", "<|turn>", "<turn|>", "<|tool_response>", " the", "ing", "é",
+                   "\u0301", "ें", "1234"])
     rng = random.Random(1)
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(200)]
     for path in paths:
         ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        vocab = llama_cpp.llama_model_get_vocab(ref.model)
         tok = Tokenizer.from_gguf(path)
-        for text in texts:
+        extra = [tok.apply_chat_template(MESSAGES)] if tok.chat_template else []
+        for text in texts + extra:
             for special in (False, True):
                 want = ref.tokenize(text.encode("utf-8"), add_bos=True, special=special)
                 assert tok.encode(text, parse_special=special) == want, (path.name, text)
+            ids = ref.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+            if _llama_detokenize(llama_cpp, vocab, ids) == text:
+                assert tok.decode(ids) == text, (path.name, text)
+
+
+def _llama_detokenize(llama_cpp, vocab, ids: list[int]) -> str:
+    """llama.cpp's own llama_detokenize (remove_special, specials not rendered)."""
+    arr = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
+    size = 16 * len(ids) + 16
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, True, False)
+        if n >= 0:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = -n
+    raise AssertionError(f"llama_detokenize wanted {size} bytes twice")
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_specials_against_llama_cpp(upstream, models_dir, name):
+    """End-of-generation ids and every special token's text (each way of parsing) as llama.cpp
+    has them after its load-time fixes (control tokens by text, Phi-3's right-strip)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = llama_cpp.Llama(model_path=str(upstream_path(models_dir, name)), vocab_only=True,
+                          verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(ref.model)
+    tok = upstream(name)
+    n = tok.vocab_size
+    assert llama_cpp.llama_vocab_n_tokens(vocab) == n
+    assert tok.eog_ids == {i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    special = 1 | 8 | 16  # llama_token_attr: unknown, control, user-defined
+    ids = [i for i in range(n)
+           if llama_cpp.llama_vocab_get_attr(vocab, i) & special or tok.token_type(i) != 1]
+    assert ids
+    for i in ids:
+        text = f"x{tok.token_text(i)} \n y"
+        for parse in (False, True):
+            want = ref.tokenize(text.encode("utf-8"), add_bos=False, special=parse)
+            assert tok.encode(text, add_bos=False, parse_special=parse) == want, (i, parse)
