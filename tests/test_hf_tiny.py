@@ -22,10 +22,15 @@ from hf_tiny import (
     llamacpp_quantize,
     tensor_layout,
     tiny_gguf,  # noqa: F401  (session fixtures)
+    tiny_hf,  # noqa: F401
     token_ids,
 )
 from llamacpp_runner import llamacpp_logits
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
+
+from toymlx.gguf.llama import load_llama, load_llama_weights
+from toymlx.gguf.reader import GGUFFile
+from toymlx.models.llama import Llama
 
 pytestmark = pytest.mark.interop
 
@@ -63,6 +68,30 @@ def test_converted_matches_llamacpp_and_hf(kind, tiny_hf, tiny_gguf):  # noqa: F
     report(f"{kind} logits", llamacpp_vs_hf_max_abs=diff, logit_std=float(ref.std()),
            n_vocab=info["n_vocab"], load_s=round(info["load_s"], 2))
     assert diff < (GELU_TOL if kind.startswith("gemma3") else HF_TOL), f"{kind}: llama.cpp and transformers differ by {diff}"
+    # toymlx on the converter's file: against transformers (exact GELU) and llama.cpp
+    mine = toymlx_logits(path, ids, long_factors=kind.startswith("phi3-longrope"))
+    d_hf, d_cpp = float(np.abs(mine - ref).max()), float(np.abs(mine - got).max())
+    report(f"{kind} toymlx", toymlx_vs_hf_max_abs=d_hf, toymlx_vs_llamacpp_max_abs=d_cpp,
+           top1_vs_llamacpp=float((mine.argmax(-1) == got.argmax(-1)).mean()))
+    assert d_hf < HF_TOL, f"{kind}: toymlx and transformers differ by {d_hf}"
+    assert d_cpp < (GELU_TOL if kind.startswith("gemma3") else HF_TOL), \
+        f"{kind}: toymlx and llama.cpp differ by {d_cpp}"
+
+
+def toymlx_logits(path, ids, long_factors: bool = False) -> np.ndarray:
+    """toymlx's float32 logits (T, V) for `ids` on a GGUF. `long_factors`: Phi-3 longrope's
+    long factors, which llama.cpp and transformers use past the original context (toymlx
+    trains within it and uses the short ones; this checks the long ones compute the same)."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    model, g = load_llama(path)
+    if long_factors:
+        long = tuple(float(x) for x in GGUFFile(path).load("rope_factors_long.weight"))
+        model = Llama(dataclasses.replace(model.args, rope_factors=long))
+        load_llama_weights(g, model)
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
@@ -82,6 +111,14 @@ def test_quantized_copies_load(kind, qtype, tiny_hf, tiny_gguf, tmp_path):  # no
     assert got.shape == (N_TOKENS, info["n_vocab"]) and np.isfinite(got).all()
     ref, _ = llamacpp_logits(src, ids)
     diff = float(np.abs(got - ref).max())
+    # toymlx on the quantized file: llama.cpp also rounds activations to 8 bits inside its
+    # quantized matmuls, so the two differ by the quantization margin, not 1e-4
+    mine = toymlx_logits(dst, ids)
+    d_toy = float(np.abs(mine - got).max())
+    top1 = float((mine.argmax(-1) == got.argmax(-1)).mean())
+    report(f"{kind} {qtype} toymlx", toymlx_vs_llamacpp_max_abs=d_toy, top1=top1,
+           llamacpp_vs_its_f32=diff)
+    assert d_toy <= max(diff, 0.05) and top1 >= 0.9
     report(f"{kind} {qtype}", quantize_s=round(q["seconds"], 2),
            size_kb=round(dst.stat().st_size / 1024), tensor_types_global_and_block0=types,
            max_abs_vs_f32=diff, logit_std=float(ref.std()))

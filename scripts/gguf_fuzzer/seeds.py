@@ -42,6 +42,9 @@ def build_seeds(folder: Path, full: bool = True) -> dict[str, str]:
     mixed = folder / "toy-mixed-types.gguf"
     _write_mixed_types(toy, mixed)
     seeds["toy-mixed-types"] = str(mixed)
+    zoo = folder / "type-zoo.gguf"
+    _write_type_zoo(toy, zoo)
+    seeds["type-zoo"] = str(zoo)
     seeds["lora-adapter"] = str(_write_adapter(folder, toy))
     p = SHARED / "models" / "stories260K.gguf"
     if p.is_file():
@@ -80,8 +83,8 @@ def _train_two_steps(runs: Path) -> Path:
 
 
 def _write_mixed_types(toy: Path, out_path: Path) -> None:
-    """`toy` with its projections in the three types load_llama(weights="quantized") keeps, the
-    embedding in F16, and one extra tensor of each other type."""
+    """`toy` with its projections in the three types load_llama(weights="quantized") keeps and
+    the embedding in F16 (a model every loader accepts)."""
     g = GGUFFile(toy)
     tensors = {n: g.load(n) for n in g.tensors}
     plan = {"attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.Q8_0,
@@ -95,6 +98,14 @@ def _write_mixed_types(toy: Path, out_path: Path) -> None:
             out[n] = QuantTensor(kind, quantize(a, kind), a.shape)
         else:
             out[n] = a
+    write_gguf(out_path, dict(g.metadata), out, types=dict(g.metadata_types))
+
+
+def _write_type_zoo(toy: Path, out_path: Path) -> None:
+    """`toy` plus one extra tensor of each other type: the reader decodes every type, and the
+    model loaders refuse the extra tensors by name."""
+    g = GGUFFile(toy)
+    out: dict = {n: g.load(n) for n in g.tensors}
     rng = np.random.default_rng(0)
     for q in (T.BF16, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K, T.IQ4_NL, T.TQ2_0, T.MXFP4):
         x = rng.standard_normal((2, 256)).astype(np.float32)

@@ -204,15 +204,20 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     factor = float(g.get(k + "rope.scaling.factor", (int, float), 0.0))
     if scaling == "linear" and factor not in (0.0, 1.0):
         sw["rope_scale"] = 1.0 / _positive(g, k + "rope.scaling.factor", factor)
+    # phi3 files carry longrope's factors with or without rope.scaling.type = longrope
+    longrope = scaling == "longrope" or (arch.name == "phi3" and
+                                         "rope_factors_short.weight" in g.tensors)
     if "rope_freqs.weight" in g.tensors:
-        if scaling == "longrope":
+        if longrope:
             raise GGUFError(f"{g.path}: tensor 'rope_freqs.weight': expected absent in a "
                             "longrope file (it has rope_factors_short/long), found present")
         sw["rope_factors"] = _rope_factors(g, "rope_freqs.weight", rope_dims // 2)
-    if scaling == "longrope":
+    if longrope:
         sw["rope_factors"] = _rope_factors(g, "rope_factors_short.weight", rope_dims // 2)
         _rope_factors(g, "rope_factors_long.weight", rope_dims // 2)
-        sw["rope_mscale"] = float(g.get(k + "rope.scaling.attn_factor", (int, float), 1.0))
+    # llama.cpp multiplies cos and sin by rope.scaling.attn_factor whatever the scaling type
+    sw["rope_mscale"] = _positive(g, k + "rope.scaling.attn_factor", float(
+        g.get(k + "rope.scaling.attn_factor", (int, float), 1.0)))
     if arch.name == "gemma3":
         window = g.get(k + "attention.sliding_window", int, 0)
         if window > 0:
@@ -246,13 +251,13 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         args.validate()
     except ValueError as e:
         raise GGUFError(f"{g.path}: {e}") from None
-    check_shapes(g, args, rope_tensors(scaling, "rope_freqs.weight" in g.tensors))
+    check_shapes(g, args, rope_tensors(longrope, "rope_freqs.weight" in g.tensors))
     return args
 
 
-def rope_tensors(scaling: str, has_freqs: bool) -> set[str]:
-    """The RoPE constant tensors a file with this rope.scaling.type carries."""
-    if scaling == "longrope":
+def rope_tensors(longrope: bool, has_freqs: bool) -> set[str]:
+    """The RoPE constant tensors a file with (or without) longrope carries."""
+    if longrope:
         return {"rope_factors_short.weight", "rope_factors_long.weight"}
     return {"rope_freqs.weight"} if has_freqs else set()
 
