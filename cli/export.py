@@ -117,7 +117,7 @@ def run(args: Args) -> int:
             raise ValueError("--dtype: only applies to a written model (with --fuse or "
                              "without --adapter); an adapter is written as F32")
         src = checkpoint_file(args.adapter, "--adapter")
-        model, g = load_llama(base)
+        model, _ = load_llama(base)
         apply_adapter(model, src)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(src, "rb") as f, atomic_open(out) as dst:

@@ -52,7 +52,7 @@ def test_logits_match_float64_reference(files, kind):
 def test_each_switch_changes_the_logits(files):
     """The switches are read, not defaulted: the Llama 3 file without its rope_freqs tensor,
     and gemma3 without its sliding window, compute other logits."""
-    model, g = load_llama(files["llama3"])
+    model, _g = load_llama(files["llama3"])
     assert model.args.rope_factors == (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0) or \
         np.allclose(model.args.rope_factors, (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0))
     gemma, _ = load_llama(files["gemma3"])
@@ -102,7 +102,7 @@ def test_lora_adapter_and_fused_export(files, kind, tmp_path):
     rng = np.random.default_rng(2)
     for layer in model.layers:
         for m in (layer.attn, layer.mlp):
-            for name, sub in m.children().items():
+            for sub in m.children().values():
                 if hasattr(sub, "lora_b"):
                     sub.lora_b = mx.array(rng.standard_normal(sub.lora_b.shape).astype(np.float32)
                                           * 0.05)
