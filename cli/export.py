@@ -1,5 +1,5 @@
 """toymlx-export --base BASE.gguf [--adapter RUN|ADAPTER.gguf --fuse] --out OUT.gguf [--dtype],
-toymlx-export --adapter runs/<lora run> --format modelfile --out DIR (an Ollama Modelfile),
+toymlx-export --adapter runs/<lora run> --format modelfile [--fuse] --out DIR (an Ollama Modelfile),
 or toymlx-export --model runs/<vit run> --format safetensors --out DIR|FILE.safetensors."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Literal
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
+from toymlx.gguf.quantize import ExportType
 
 PROG = "toymlx-export"
 
@@ -22,11 +23,15 @@ PROG = "toymlx-export"
 class Args:
     """Write a llama GGUF for llama.cpp, or a ViT for timm.
 
-    --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight.
+    --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight, in the base's
+                        own type (a Q4_K_M base gives a Q4_K_M file) or --dtype; quantized by
+                        llama.cpp's own quantizer (llama-cpp-python), byte for byte what
+                        llama-quantize writes from the fused F32 model.
     --adapter A alone:  the adapter GGUF itself, checked against the base.
     no --adapter:       the base re-encoded at --dtype (e.g. an F32 copy of a Q4_1 file).
     --adapter A --format modelfile --out DIR: DIR/Modelfile for Ollama (FROM the base, ADAPTER
-                        A, the base's Ollama template and stop tokens); then
+                        A, the base's Ollama template and stop tokens); with --fuse, FROM the
+                        fused model written beside it (DIR/fused-TYPE.gguf); then
                         `ollama create NAME -f DIR/Modelfile`.
     A GGUF option also takes ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO[/FILE.gguf].
     --model M --format safetensors: a ViT run or checkpoint in timm's vit_tiny_patch16_224
@@ -49,8 +54,10 @@ class Args:
     """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest)."""
     fuse: bool = False
     """Merge the adapter into the base weights (a full model for llama.cpp without --lora)."""
-    dtype: Literal["f32", "f16", "bf16", "q8_0"] | None = None
-    """Tensor type of the written model's matrices (default: f32, or q8_0 for a Q8_0 base)."""
+    dtype: ExportType | None = None
+    """File type of the written model, as llama-quantize names them (default: the base's own
+    general.file_type). Without llama-cpp-python only f32, f16, bf16, q8_0, q4_0, q4_1, q5_0
+    and q5_1 (gguf-py's encoders)."""
 
 
 def export_vit(args: Args) -> int:
@@ -77,13 +84,19 @@ def export_vit(args: Args) -> int:
 def export_modelfile(args: Args) -> int:
     from toymlx.modelfile import write_modelfile
 
-    if not args.adapter or args.model or args.fuse or args.dtype:
+    if not args.adapter or args.model or (args.dtype and not args.fuse):
         raise ValueError("--format modelfile: expected --adapter (a LoRA run or adapter GGUF), "
-                         "--out DIR and optionally --base only, found "
-                         + ("no --adapter" if not args.adapter else "--model/--fuse/--dtype"))
-    path, base, adapter = write_modelfile(args.out, args.adapter, args.base)
-    print(f"{PROG}: wrote {path} (FROM {base.path}, ADAPTER {adapter}); create the Ollama "
-          f"model with: ollama create NAME -f {path}", file=sys.stderr)
+                         "--out DIR and optionally --base, --fuse and --dtype (with --fuse), "
+                         "found " + ("no --adapter" if not args.adapter else
+                                     "--model" if args.model else "--dtype without --fuse"))
+    t0 = time.perf_counter()
+    path, base, adapter, fused = write_modelfile(args.out, args.adapter, args.base,
+                                                 fuse=args.fuse, dtype=args.dtype,
+                                                 progress=True)
+    what = (f"FROM {fused} ({fused.stat().st_size / 2**20:.1f} MiB: {base.path} + {adapter} "
+            "fused)" if fused else f"FROM {base.path}, ADAPTER {adapter}")
+    print(f"{PROG}: wrote {path} ({what}) in {time.perf_counter() - t0:.1f} s; create the "
+          f"Ollama model with: ollama create NAME -f {path}", file=sys.stderr)
     return 0
 
 
@@ -124,7 +137,7 @@ def run(args: Args) -> int:
             shutil.copyfileobj(f, dst)
         what = f"adapter {src}"
     else:
-        write_merged(out, base, args.adapter, args.dtype)
+        write_merged(out, base, args.adapter, args.dtype, progress=True)
         what = f"{args.base}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -233,7 +233,7 @@ def test_modelfile_from_ollama_and_from_a_path(ollama, stories_path, tmp_path):
     adapter = tmp_path / "ad.gguf"
     write_adapter(adapter, model, {"general.architecture": "llama"}, {})
 
-    path, base, ad = write_modelfile(tmp_path / "out", adapter, "ollama:stories")
+    path, base, ad, _ = write_modelfile(tmp_path / "out", adapter, "ollama:stories")
     cmds = parse_modelfile(path.read_text())
     blob = blob_of(ollama, stories_path.read_bytes())
     assert cmds[0] == ("FROM", str(blob)) and cmds[1] == ("ADAPTER", str(adapter.resolve()))
@@ -244,7 +244,7 @@ def test_modelfile_from_ollama_and_from_a_path(ollama, stories_path, tmp_path):
     assert ("PARAMETER temperature", "0.5") in cmds
     assert base.digest and ad == adapter.resolve()
 
-    path, base, _ = write_modelfile(tmp_path / "out2", adapter, str(stories_path))
+    path, base, _, _ = write_modelfile(tmp_path / "out2", adapter, str(stories_path))
     text = path.read_text()
     assert "TEMPLATE" not in text.replace("# No TEMPLATE", "")
     assert "# No TEMPLATE: Ollama uses the GGUF's tokenizer.chat_template" in text

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from toymlx.lifeline import alive
+
 TMP_TAG = ".tmp-"
 """Every temporary's name holds this (`.<name>.tmp-<pid>`), so leftovers can be found."""
 
@@ -39,23 +41,47 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 
 
 @contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "wb",
-                encoding: str | None = None) -> Iterator[IO]:
-    """A file object whose contents replace `path` when the block ends without an error."""
-    if mode not in ("wb", "w"):
-        raise ValueError(f"atomic_open: expected mode 'wb' or 'w', found {mode!r}")
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary name for a writer that takes a file name (llama.cpp's quantizer); what it
+    wrote there replaces `path` when the block ends without an error, and is removed if not."""
     path = Path(path)
     tmp = temporary(path)
     try:
-        with open(tmp, mode, encoding=encoding if mode == "w" else None) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb",
+                encoding: str | None = None) -> Iterator[IO]:
+    """A file object whose contents replace `path` when the block ends without an error."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open: expected mode 'wb' or 'w', found {mode!r}")
+    with atomic_path(path) as tmp, open(tmp, mode, encoding=encoding if mode == "w" else None
+                                         ) as f:
+        yield f
+
+
+def remove_stale(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries of `path` (`.<name>*.tmp-<pid>`) whose writer process is gone
+    (killed mid-write); return them. Another live writer's temporaries are kept."""
+    path = Path(path)
+    stale = []
+    for p in path.parent.glob(f".{path.name}*{TMP_TAG}*"):
+        pid = p.name.rpartition(TMP_TAG)[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
+            p.unlink(missing_ok=True)
+            stale.append(p)
+    return stale
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -27,9 +27,9 @@ from mlx import nn
 
 from toymlx.checkpoint import checkpoint_file
 from toymlx.gguf.llama import gguf_to_toy, llama_tensors, load_llama, toy_to_gguf
-from toymlx.gguf.quant import projection_types
-from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
-from toymlx.gguf.writer import FILE_TYPE, SAVE_DTYPES, encode_tensor, write_gguf
+from toymlx.gguf.quantize import own_type, quantizer, write_model_gguf
+from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.writer import encode_tensor, write_gguf
 from toymlx.models.layers import Linear, replace_submodule, submodule
 from toymlx.models.llama import Llama
 from toymlx.models.ops import EXACT
@@ -353,28 +353,20 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
 
 
 # ---- merged model export ------------------------------------------------------------------
-def default_export_dtype(g: GGUFFile) -> str:
-    """q8_0 when every block projection of the base is Q8_0, else f32."""
-    types = set(projection_types(g).values())
-    return "q8_0" if types == {"Q8_0"} else "f32"
-
-
 def write_merged(out: str | os.PathLike, base: str | os.PathLike,
-                 adapter: str | os.PathLike | None = None, dtype: str | None = None) -> Path:
-    """Write `base` (+ `adapter` fused into its weights) as a full llama GGUF at `dtype`.
+                 adapter: str | os.PathLike | None = None, dtype: str | None = None,
+                 progress: bool = False) -> Path:
+    """Write `base` (+ `adapter` fused into its weights) as a full GGUF of file type `dtype`
+    (default: the base's own `general.file_type`), through `write_model_gguf`.
 
     Every metadata key of the base (tokenizer, chat template, hyperparameters) is kept with
     its original GGUF type; general.file_type follows the new tensor types.
     """
+    with GGUFFile(base) as g:
+        dtype = dtype or own_type(g)
+    quantizer(dtype)  # refused before the work, if nothing here writes this type
     model, g = load_llama(base)
-    dtype = dtype or default_export_dtype(g)
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"--dtype: expected one of {', '.join(SAVE_DTYPES)}, found {dtype!r}")
-    skip = ("general.alignment", "general.file_type")
-    meta = {k: v for k, v in g.metadata.items() if k not in skip}
-    types = {k: t for k, t in g.metadata_types.items() if k not in skip}
-    meta["general.file_type"] = FILE_TYPE[dtype]
-    types["general.file_type"] = (UINT32, None)
+    meta, types = dict(g.metadata), dict(g.metadata_types)
     if adapter is not None:
         ad_path = checkpoint_file(adapter, "--adapter")
         apply_adapter(model, ad_path)
@@ -385,5 +377,5 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
         if name not in weights:
             weights[name] = g.load(name, np.float32)
     g.close()
-    tensors = {n: encode_tensor(n, w, dtype) for n, w in weights.items()}
-    return write_gguf(out, meta, tensors, types=types)
+    del model
+    return write_model_gguf(out, meta, types, weights, dtype, progress)

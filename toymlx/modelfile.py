@@ -1,7 +1,10 @@
 """An Ollama Modelfile for a LoRA run, so `ollama create NAME -f DIR/Modelfile` serves the base
-GGUF with the run's adapter (the llama.cpp LoRA GGUF a lora run writes as its checkpoints).
+GGUF with the run's adapter (the llama.cpp LoRA GGUF a lora run writes as its checkpoints), or
+the fused model (`fuse=True`: `DIR/fused-TYPE.gguf`, the base's own type by default, written by
+`toymlx.lora.write_merged`).
 
-The file holds `FROM` (the base GGUF, absolute), `ADAPTER` (the adapter GGUF, absolute), and
+The file holds `FROM` (the base GGUF, absolute), `ADAPTER` (the adapter GGUF, absolute) or
+instead `FROM` the fused GGUF, and
 when the base came from Ollama's store its `TEMPLATE`, `SYSTEM` and `PARAMETER` layers;
 otherwise no TEMPLATE, so Ollama derives one from the GGUF's `tokenizer.chat_template`.
 `PARAMETER stop` lists the tokenizer's end-of-generation tokens. Values are quoted the way
@@ -17,6 +20,7 @@ from typing import Any
 
 from toymlx import atomic
 from toymlx.checkpoint import checkpoint_file
+from toymlx.gguf.quantize import own_type
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.model_store import Resolved, is_store_name, resolve
 from toymlx.runs import saved_config
@@ -91,12 +95,18 @@ def stop_tokens(base: Path) -> list[str]:
     return [tok.token_text(i) for i in sorted(tok.eog_ids)]
 
 
-def modelfile_text(base: Resolved, adapter_file: Path, stops: list[str]) -> str:
-    """The Modelfile for `base` + `adapter_file` (absolute paths)."""
+def modelfile_text(base: Resolved, adapter_file: Path, stops: list[str],
+                   fused: Path | None = None) -> str:
+    """The Modelfile for `base` + `adapter_file` (absolute paths), or FROM `fused` (the two
+    fused into one GGUF)."""
     lines = ["# Written by toymlx-export; create the model with: ollama create NAME -f Modelfile",
-             f"# base: {base.spec}" + (f" ({base.digest})" if base.digest else ""),
-             f"FROM {quote(str(base.path.absolute()))}",
-             f"ADAPTER {quote(str(adapter_file.absolute()))}"]
+             f"# base: {base.spec}" + (f" ({base.digest})" if base.digest else "")]
+    if fused is None:
+        lines += [f"FROM {quote(str(base.path.absolute()))}",
+                  f"ADAPTER {quote(str(adapter_file.absolute()))}"]
+    else:
+        lines += [f"# fused with the adapter {adapter_file.absolute()}",
+                  f"FROM {quote(str(fused.absolute()))}"]
     template = base.layer_text("template")
     if template is not None:
         lines.append(f'TEMPLATE """{template}"""' if '"""' not in template else
@@ -126,9 +136,11 @@ def modelfile_text(base: Resolved, adapter_file: Path, stops: list[str]) -> str:
 
 
 def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
-                    base: str | None = None) -> tuple[Path, Resolved, Path]:
+                    base: str | None = None, fuse: bool = False, dtype: str | None = None,
+                    progress: bool = False) -> tuple[Path, Resolved, Path, Path | None]:
     """Write `out_dir/Modelfile` for a LoRA run or adapter GGUF; (its path, the base, the
-    adapter file). `base` defaults to the run's `--base`."""
+    adapter file, the fused GGUF or None). `base` defaults to the run's `--base`; with `fuse`,
+    `out_dir/fused-TYPE.gguf` (type `dtype`, default the base's own) is written first."""
     adapter_file = checkpoint_file(adapter, "--adapter").resolve()
     base = base or lora_run_base(adapter, adapter_file)
     if not base:
@@ -139,11 +151,19 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
         raise FileNotFoundError(f"{base}: --base: expected an existing GGUF file, found "
                                 f"{'a directory' if src.path.is_dir() else 'nothing'}")
     check_adapter(adapter_file, src.path)
-    text = modelfile_text(src, adapter_file, stop_tokens(src.path))
+    fused = None
+    if fuse:
+        from toymlx.lora import write_merged  # MLX only when a model is fused
+
+        with GGUFFile(src.path) as g:
+            dtype = dtype or own_type(g)
+        fused = write_merged(Path(out_dir) / f"fused-{dtype}.gguf", src.path, adapter_file,
+                             dtype, progress)
+    text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused)
     path = Path(out_dir) / MODELFILE
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path, text)
-    return path, src, adapter_file
+    return path, src, adapter_file, fused
 
 
 def parse_modelfile(text: str) -> list[tuple[str, str]]:

@@ -241,4 +241,7 @@ def _final_line(run_dir: Path, end: dict) -> None:
     msg = f"{end['reason']} at step {end['final_step']}"
     if end.get("message"):
         msg += f": {end['message']}"
-    print(f"toymlx: {msg}. held-out: {figures or 'n/a'}. bundle: {run_dir}", file=sys.stderr)
+    exports = [e for e in read_events(run_dir) if e["kind"] == "export"]
+    made = f" export: {run_dir / exports[-1]['path']}." if exports else ""
+    print(f"toymlx: {msg}. held-out: {figures or 'n/a'}.{made} bundle: {run_dir}",
+          file=sys.stderr)

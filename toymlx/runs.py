@@ -34,6 +34,7 @@ RUN_LOCAL = frozenset({
     "stop_at", "progress",  # this process's stopping point and display
     "eval_every", "checkpoint_every", "keep_last", "keep_best",  # cadence and retention only
     "device", "compile", "cpu_streams", "grad_checkpoint",  # where and how the same math runs
+    "fuse_at_end",  # what is written from the final weights, beside them
 })
 """Options a resume may change: none of them changes what is trained. Any other option
 (data, model, seed, batch, sequence length, schedule, optimizer, dtype, and any option added

@@ -144,6 +144,10 @@ class Task:
     optimizer: Callable[[TrainConfig], optim.Optimizer] | None = None
     """Build the optimizer (default: `make_optimizer`); lets a recipe give a parameter group
     its own schedule, as a pure function of the optimizer step."""
+    finish: Callable[[Path], dict[str, Any]] | None = None
+    """After a completed run's final checkpoint (rank 0): write what the recipe makes of it in
+    the run folder (the lora recipe's --fuse-at-end model); returns the `export` event's
+    fields (its `path` relative to the run folder)."""
 
 
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
@@ -364,6 +368,8 @@ class _Loop:
         with StopSignals(self.rank0 and solo) as stop, self._progress() as bar:
             try:
                 self._train(step_fn, threads, stop, bar)
+                if self.reason == "completed" and self.rank0 and self.task.finish:
+                    self._finish(bar)
             except KeyboardInterrupt:  # where Python's own SIGINT handler is left (ranks)
                 self._end("interrupted", 130, f"interrupted during step {self.step + 1}; resume "
                           f"with --resume {self.run_dir} from {_named(self.ckpt.last)}")
@@ -378,6 +384,22 @@ class _Loop:
                                     peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))
                 self.log.close()
         return end
+
+    def _finish(self, bar: Any) -> None:
+        """The recipe's export of the finished run, as an `export` event; a failure (a full
+        disk) ends the run as an error that names the checkpoint, which stays intact."""
+        if bar is not None:
+            bar.write(f"training completed: writing the recipe's export of {_named(self.step)}")
+        t0 = time.perf_counter()
+        try:
+            fields = self.task.finish(self.run_dir)
+        except (OSError, ValueError) as e:
+            self._end("error", 1, f"training completed and {_named(self.step)} was written, but "
+                      f"its export failed: {' '.join(str(e).split())}; rerun the export alone "
+                      "(toymlx-export) once the cause is fixed")
+            return
+        self.log.emit("export", step=self.step, seconds=round(time.perf_counter() - t0, 2),
+                      **fields)
 
     def _end(self, reason: str, exit_code: int, message: str | None) -> None:
         self.reason, self.exit_code, self.message = reason, exit_code, message

@@ -57,16 +57,20 @@ class QuantTensor:
 
 
 SAVE_DTYPES = ("f32", "f16", "bf16", "q8_0")
-"""Tensor types toymlx writes a model's matrices in (1-D tensors, the norms, stay F32)."""
+"""Tensor types toymlx writes a checkpoint's matrices in (1-D tensors, the norms, stay F32)."""
+GGUF_PY_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+"""Tensor types `encode_tensor` writes (gguf-py's own encoders for the quantized ones); every
+other export type is llama.cpp's quantizer's (`toymlx.gguf.quantize`)."""
 FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
 """general.file_type (llama_ftype) for each: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_BF16."""
 
 
 def encode_tensor(name: str, w: np.ndarray, dtype: str) -> np.ndarray | QuantTensor:
-    """A float32 tensor in GGUF tensor type `dtype` (f32, f16, bf16 or q8_0); 1-D tensors
-    (norms) always stay F32. bf16 rounds to nearest even, as llama.cpp's converter does."""
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"tensor type: expected one of {', '.join(SAVE_DTYPES)}, found {dtype!r}")
+    """A float32 tensor in GGUF tensor type `dtype` (one of GGUF_PY_TYPES); 1-D tensors (norms)
+    always stay F32. bf16 rounds to nearest even, as llama.cpp's converter does."""
+    if dtype not in GGUF_PY_TYPES:
+        raise ValueError(f"tensor type: expected one of {', '.join(GGUF_PY_TYPES)}, found "
+                         f"{dtype!r}")
     w = np.ascontiguousarray(w, np.float32)
     if w.ndim < 2 or dtype == "f32":
         return w
@@ -79,13 +83,14 @@ def encode_tensor(name: str, w: np.ndarray, dtype: str) -> np.ndarray | QuantTen
         if nan.any():  # keep NaN a NaN (rounding could carry it into the infinities)
             rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
         return QuantTensor(GGMLQuantizationType.BF16, rounded, tuple(w.shape))
-    from gguf.quants import quantize  # only for q8_0 exports
+    from gguf.quants import quantize  # only for quantized exports
 
-    if w.shape[-1] % GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]:
-        raise ValueError(f"--dtype q8_0: tensor {name!r}: expected rows a multiple of 32 "
-                         f"values, found shape {w.shape}; use --dtype f16 or f32")
-    return QuantTensor(GGMLQuantizationType.Q8_0, quantize(w, GGMLQuantizationType.Q8_0),
-                       tuple(w.shape))
+    qtype = GGMLQuantizationType[dtype.upper()]
+    block = GGML_QUANT_SIZES[qtype][0]
+    if w.shape[-1] % block:
+        raise ValueError(f"--dtype {dtype}: tensor {name!r}: expected rows a multiple of "
+                         f"{block} values, found shape {w.shape}; use --dtype f16 or f32")
+    return QuantTensor(qtype, quantize(w, qtype), tuple(w.shape))
 
 
 def _infer_type(key: str, value: Any) -> tuple[int, int | None]:
@@ -138,8 +143,9 @@ def _pad(f: BinaryIO, align: int) -> None:
 def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
                tensors: dict[str, np.ndarray | QuantTensor],
                types: dict[str, tuple[int, int | None]] | None = None,
-               alignment: int = DEFAULT_ALIGNMENT) -> Path:
-    """Write a GGUF v3 file atomically; `types` overrides inferred metadata value types."""
+               alignment: int = DEFAULT_ALIGNMENT, digest: bool = True) -> Path:
+    """Write a GGUF v3 file atomically; `types` overrides inferred metadata value types.
+    digest=False leaves out `toy.tensor_sha256` (for a file another tool rewrites)."""
     path = Path(path)
     types = dict(types or {})
     infos, blobs, offset = [], [], 0
@@ -162,12 +168,16 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
                      + struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", qtype, offset))
         blobs.append(data)
         offset += nbytes + (-nbytes % alignment)
-    digest = hashlib.sha256()
-    for data in blobs:  # the data section exactly as written below, padding included
-        digest.update(memoryview(data).cast("B"))
-        digest.update(b"\0" * (-data.nbytes % alignment))
+    if digest:
+        sha = hashlib.sha256()
+        for data in blobs:  # the data section exactly as written below, padding included
+            sha.update(memoryview(data).cast("B"))
+            sha.update(b"\0" * (-data.nbytes % alignment))
+        metadata = {**metadata, DIGEST_KEY: sha.hexdigest()}
+    else:
+        metadata = {k: v for k, v in metadata.items() if k != DIGEST_KEY}
     kv = []
-    for key, value in {**metadata, DIGEST_KEY: digest.hexdigest()}.items():
+    for key, value in metadata.items():
         vt, et = types.get(key) or _infer_type(key, value)
         kv.append(struct.pack("<Q", len(key.encode())) + key.encode() + struct.pack("<I", vt)
                   + _pack_value(vt, et, value))

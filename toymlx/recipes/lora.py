@@ -3,7 +3,8 @@
 The base model and its tokenizer and chat template come from `--base` (any llama GGUF;
 quantized files are dequantized exactly, or kept quantized with `--base-dtype quantized`).
 Checkpoints are llama.cpp LoRA adapter GGUFs, `weights/adapter_step_N.gguf`, usable as
-`llama-cli --lora`, `toymlx-generate --adapter`, or merged by `toymlx-export --fuse`.
+`llama-cli --lora`, `toymlx-generate --adapter`, or merged by `toymlx-export --fuse`;
+`--fuse-at-end base` also writes the run's `fused-TYPE.gguf` when training completes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from toymlx.data.chat import SFTData
 from toymlx.device import on_gpu
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.quant import EXACT_QUANTS, all_exact, projection_types
+from toymlx.gguf.quantize import EXPORT_TYPES, own_type, quantizer
 from toymlx.gguf.reader import GGUFFile
 from toymlx.lora import (
     apply_lora,
@@ -28,6 +30,7 @@ from toymlx.lora import (
     parse_targets,
     target_blocks,
     write_adapter,
+    write_merged,
 )
 from toymlx.losses import lm_loss
 from toymlx.models.ops import Ops
@@ -97,6 +100,10 @@ class Config(TrainConfig):
     """Steps between validation passes (0: only at the end)."""
     checkpoint_every: int = 50
     """Steps between adapter checkpoints (0: only the final one)."""
+    fuse_at_end: Literal[("base", *EXPORT_TYPES)] | None = None  # type: ignore[valid-type]
+    """When training completes, also write <run>/fused-TYPE.gguf: the base with the final
+    adapter fused in, as `toymlx-export --fuse` writes it, in this type (base: the base's own
+    general.file_type, e.g. q4_k_m for a Q4_K_M base)."""
 
 
 def validate(cfg: Config) -> None:
@@ -108,6 +115,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
                          f"{'a directory' if Path(cfg.base).is_dir() else 'nothing'}")
     parse_targets(cfg.lora.targets)
+    if cfg.fuse_at_end:  # the type is checked now, not after training
+        with GGUFFile(model_store.resolve_model(cfg.base, "--base")) as g:
+            fuse_type(cfg.fuse_at_end, g)
     if cfg.lora.rank < 1:
         raise ValueError(f"--lora.rank: expected >= 1, found {cfg.lora.rank}")
     if cfg.lora.alpha <= 0:
@@ -117,6 +127,17 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ValueError(f"--data.val-fraction: expected in [0, 1), found "
                          f"{cfg.data.val_fraction}")
+
+
+def fuse_type(choice: str, g: GGUFFile) -> str:
+    """--fuse-at-end resolved to a file type ("base": the base's own); ValueError naming the
+    flag when nothing here writes it."""
+    dtype = own_type(g) if choice == "base" else choice
+    try:
+        quantizer(dtype)
+    except ValueError as e:
+        raise ValueError(f"--fuse-at-end {choice}: {e}") from None
+    return dtype
 
 
 def resolve_base_dtype(choice: str, g: GGUFFile, gpu: bool, compute_dtype: str) -> str:
@@ -169,6 +190,16 @@ def build(cfg: Config, ops: Ops) -> Task:
                 lora_targets=",".join(targets), lora_layers=cfg.lora.layers or args.n_layers)
     if src.digest:  # a resume re-resolves the name: refused if the tag now names another blob
         info["base_sha256"] = src.digest.removeprefix("sha256:")
+
+    def finish(run_dir: Path) -> dict:
+        """--fuse-at-end: the base + the final adapter (weights/latest) as one GGUF."""
+        with GGUFFile(src.path) as g:
+            dtype = fuse_type(cfg.fuse_at_end, g)
+        out = write_merged(run_dir / f"fused-{dtype}.gguf", src.path, run_dir, dtype,
+                           progress=cfg.progress)
+        return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
+                "bytes": out.stat().st_size}
+
     # n_params and n_trainable are added by the trainer to run_start's model record
     return Task(
         recipe="lora", model=model, loss_fn=lm_loss,
@@ -181,5 +212,5 @@ def build(cfg: Config, ops: Ops) -> Task:
                      "train_target_tokens": int(data.train["mask"].sum()),
                      "n_truncated": data.n_truncated, **src.record("base")},
         unit="tokens", count=lambda b: int(np.sum(b["mask"])),
-        prefix="adapter_step_")
+        prefix="adapter_step_", finish=finish if cfg.fuse_at_end else None)
 

@@ -1,0 +1,172 @@
+"""A model's float32 tensors -> a GGUF of any file type llama.cpp's quantizer writes.
+
+`write_model_gguf` is the one path every exported model takes (a fused LoRA, a full
+fine-tune), for every architecture: the caller hands llama.cpp-named float32 tensors and the
+metadata; the type decides who encodes them.
+- `f32`: written as it is by the one GGUF writer.
+- any other type with llama-cpp-python installed: the F32 GGUF goes to a temporary beside the
+  target, then llama.cpp's own quantizer (`llama_model_quantize`, the engine of
+  `llama-quantize`, at its default parameters) writes the final file through
+  `atomic.atomic_path`. The file then equals `llama-quantize F32.gguf OUT.gguf TYPE` byte for
+  byte: the mixtures' per-tensor choices (Q4_K_M's Q6_K `attn_v`/`ffn_down` and `output`),
+  and its fallbacks for rows that are not a multiple of 256, are llama.cpp's.
+- without llama-cpp-python: the types gguf-py encodes (`GGUF_PY_TYPES`: every matrix in that
+  type, 1-D tensors F32, as `convert_hf_to_gguf.py --outtype` does); any other type is refused
+  in one line naming the extra to install. No quantization code of toymlx's own.
+A crash, a full disk or a signal leaves nothing under the final name; temporaries carry
+`atomic.TMP_TAG`, and those of killed writers are removed by the next write of the same name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from gguf.constants import LlamaFileType
+from tqdm import tqdm
+
+from toymlx import atomic
+from toymlx.gguf.reader import DIGEST_KEY, UINT32, GGUFError, GGUFFile
+from toymlx.gguf.writer import GGUF_PY_TYPES, encode_tensor, write_gguf
+
+EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q5_1", "q5_0",
+                "q4_k_m", "q4_k_s", "q4_1", "q4_0", "q3_k_l", "q3_k_m", "q3_k_s", "q2_k",
+                "iq4_xs", "iq4_nl")
+"""File types a model is exported in: llama.cpp's file types (`llama-quantize`'s names,
+lower case) that need no importance matrix."""
+ExportType = Literal[EXPORT_TYPES]  # type: ignore[valid-type]  (tyro reads it at run time)
+INTEROP_EXTRA = 'pip install "toymlx[interop]"'
+"""What installs llama.cpp's quantizer (llama-cpp-python)."""
+_GUESSED = 1024  # llama_ftype's LLAMA_FTYPE_GUESSED flag
+_PROGRESS = re.compile(r"\[\s*(\d+)/\s*(\d+)\]")  # llama.cpp's per-tensor "[  12/ 272] name"
+
+
+def file_type(name: str) -> LlamaFileType:
+    """llama_ftype (`general.file_type`) of an export type name."""
+    return LlamaFileType.ALL_F32 if name == "f32" else LlamaFileType[f"MOSTLY_{name.upper()}"]
+
+
+def own_type(g: GGUFFile) -> str:
+    """The export type name of a GGUF's `general.file_type` (its own type, e.g. q4_k_m)."""
+    raw = g.metadata.get("general.file_type")
+    if not isinstance(raw, int):
+        raise GGUFError(f"{g.path}: metadata key 'general.file_type': expected the file's type "
+                        f"(a llama_ftype) to export in, found {raw!r}; pass --dtype")
+    try:
+        ft = LlamaFileType(raw & ~_GUESSED)
+    except ValueError:
+        ft = None
+    name = ("f32" if ft == LlamaFileType.ALL_F32 else
+            ft.name.removeprefix("MOSTLY_").lower() if ft is not None else str(raw))
+    if name not in EXPORT_TYPES:
+        raise GGUFError(f"{g.path}: metadata key 'general.file_type': its type {name} is not "
+                        f"one toymlx writes (expected one of {', '.join(EXPORT_TYPES)}); "
+                        "pass --dtype")
+    return name
+
+
+def llama_cpp_module() -> Any | None:
+    """llama-cpp-python, if installed (it carries llama.cpp's quantizer), else None."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp
+
+
+def quantizer(dtype: str) -> str:
+    """Who writes `dtype`: "toymlx" (f32), "llama.cpp" or "gguf-py"; ValueError naming
+    --dtype and the extra to install when nothing here can."""
+    if dtype not in EXPORT_TYPES:
+        raise ValueError(f"--dtype: expected one of {', '.join(EXPORT_TYPES)}, found {dtype!r}")
+    if dtype == "f32":
+        return "toymlx"
+    if llama_cpp_module() is not None:
+        return "llama.cpp"
+    if dtype in GGUF_PY_TYPES:
+        return "gguf-py"
+    raise ValueError(f"--dtype {dtype}: expected llama.cpp's quantizer for this type, found "
+                     f"llama-cpp-python not installed ({INTEROP_EXTRA}); without it toymlx "
+                     f"writes {', '.join(GGUF_PY_TYPES)}")
+
+
+def write_model_gguf(out: str | os.PathLike, metadata: dict[str, Any],
+                     types: dict[str, tuple[int, int | None]], tensors: dict[str, np.ndarray],
+                     dtype: str, progress: bool = False) -> Path:
+    """Write llama.cpp-named float32 `tensors` with `metadata` (value types `types`) as a GGUF
+    of file type `dtype`, atomically; see the module docstring for who encodes what."""
+    who = quantizer(dtype)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic.remove_stale(out)
+    drop = ("general.alignment", "general.file_type", DIGEST_KEY)
+    meta = {k: v for k, v in metadata.items() if k not in drop}
+    types = {k: t for k, t in types.items() if k not in drop}
+    types["general.file_type"] = (UINT32, None)
+    meta["general.file_type"] = int(file_type("f32" if who == "llama.cpp" else dtype))
+    if who != "llama.cpp":
+        encoded = {n: encode_tensor(n, w, dtype) for n, w in
+                   tqdm(tensors.items(), desc=f"encoding {dtype}", unit="tensor",
+                        disable=not progress or dtype == "f32", file=sys.stderr)}
+        return write_gguf(out, meta, encoded, types=types)
+    # llama.cpp quantizes from a file: the F32 model beside the target (no digest: llama.cpp
+    # copies every key, and the F32 data's digest would be wrong for the quantized data)
+    f32 = out.with_name(f".{out.name}.f32{atomic.TMP_TAG}{os.getpid()}")
+    try:
+        if progress:
+            n = sum(t.nbytes for t in tensors.values())
+            print(f"writing the F32 model ({n / 2**20:.0f} MiB) for llama.cpp's quantizer: "
+                  f"{f32}", file=sys.stderr)
+        write_gguf(f32, meta, tensors, types=types, digest=False)
+        with atomic.atomic_path(out) as tmp:
+            llama_quantize(f32, tmp, dtype, progress)
+    finally:
+        f32.unlink(missing_ok=True)
+    return out
+
+
+def llama_quantize(src: Path, dst: Path, dtype: str, progress: bool = False) -> None:
+    """`llama-quantize SRC DST TYPE` in this process (llama.cpp's default parameters); OSError
+    with llama.cpp's own message when it fails (a full disk, an unreadable file)."""
+    llama_cpp = llama_cpp_module()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(file_type(dtype))
+    lines: list[str] = []
+    bar = tqdm(desc=f"quantizing {dtype} (llama.cpp)", unit="tensor", disable=not progress,
+               file=sys.stderr)
+
+    @llama_cpp.llama_log_callback
+    def log(level: int, text: bytes, user_data: Any) -> None:
+        s = text.decode("utf-8", "replace")
+        lines.append(s)
+        del lines[:-20]  # the last lines, for the error message
+        m = _PROGRESS.match(s)
+        if m:
+            bar.total = int(m.group(2))
+            bar.update(int(m.group(1)) - bar.n)
+
+    llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
+    t0 = time.perf_counter()
+    try:
+        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst),
+                                            ctypes.byref(params))
+    finally:
+        bar.close()
+        _restore_log(llama_cpp)
+    if rc != 0:
+        why = next((s.strip() for s in reversed(lines) if "failed" in s), "".join(lines[-3:]))
+        raise OSError(f"{dst}: llama.cpp's quantizer ({dtype}) failed after "
+                      f"{time.perf_counter() - t0:.1f} s: {' '.join(why.split())}")
+
+
+def _restore_log(llama_cpp: Any) -> None:
+    """Give llama.cpp's log back to llama-cpp-python's own handler (it honours verbose=)."""
+    from llama_cpp import _logger
+
+    llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
