@@ -5,6 +5,7 @@ or toymlx-export --model runs/<vit run> --format safetensors --out DIR|FILE.safe
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -144,8 +145,16 @@ def run(args: Args) -> int:
     return 0
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # the write in flight removes its temporaries, as on Ctrl-C
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_command(PROG, Args, run, argv, (ValueError, OSError, KeyError, TypeError))
+    old = signal.signal(signal.SIGTERM, _stop)  # a kill stops an export like Ctrl-C does
+    try:
+        return run_command(PROG, Args, run, argv, (ValueError, OSError, KeyError, TypeError))
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 if __name__ == "__main__":

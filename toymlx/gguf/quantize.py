@@ -110,11 +110,22 @@ def write_model_gguf(out: str | os.PathLike, metadata: dict[str, Any],
     types = {k: t for k, t in types.items() if k not in drop}
     types["general.file_type"] = (UINT32, None)
     meta["general.file_type"] = int(file_type("f32" if who == "llama.cpp" else dtype))
-    if who != "llama.cpp":
-        encoded = {n: encode_tensor(n, w, dtype) for n, w in
-                   tqdm(tensors.items(), desc=f"encoding {dtype}", unit="tensor",
-                        disable=not progress or dtype == "f32", file=sys.stderr)}
-        return write_gguf(out, meta, encoded, types=types)
+    try:
+        if who != "llama.cpp":
+            encoded = {n: encode_tensor(n, w, dtype) for n, w in
+                       tqdm(tensors.items(), desc=f"encoding {dtype}", unit="tensor",
+                            disable=not progress or dtype == "f32", file=sys.stderr)}
+            return write_gguf(out, meta, encoded, types=types)
+        _write_with_llama_cpp(out, meta, types, tensors, dtype, progress)
+    except OSError as e:
+        raise OSError(f"{out}: could not write the {dtype} model ({e}); nothing was written "
+                      "under this name") from e
+    return out
+
+
+def _write_with_llama_cpp(out: Path, meta: dict[str, Any],
+                          types: dict[str, tuple[int, int | None]],
+                          tensors: dict[str, np.ndarray], dtype: str, progress: bool) -> None:
     # llama.cpp quantizes from a file: the F32 model beside the target (no digest: llama.cpp
     # copies every key, and the F32 data's digest would be wrong for the quantized data)
     f32 = out.with_name(f".{out.name}.f32{atomic.TMP_TAG}{os.getpid()}")
@@ -128,7 +139,6 @@ def write_model_gguf(out: str | os.PathLike, metadata: dict[str, Any],
             llama_quantize(f32, tmp, dtype, progress)
     finally:
         f32.unlink(missing_ok=True)
-    return out
 
 
 def llama_quantize(src: Path, dst: Path, dtype: str, progress: bool = False) -> None:
@@ -161,7 +171,7 @@ def llama_quantize(src: Path, dst: Path, dtype: str, progress: bool = False) -> 
         _restore_log(llama_cpp)
     if rc != 0:
         why = next((s.strip() for s in reversed(lines) if "failed" in s), "".join(lines[-3:]))
-        raise OSError(f"{dst}: llama.cpp's quantizer ({dtype}) failed after "
+        raise OSError(f"llama.cpp's quantizer ({dtype}) failed writing {dst} after "
                       f"{time.perf_counter() - t0:.1f} s: {' '.join(why.split())}")
 
 

@@ -1,0 +1,214 @@
+"""Fused exports in any file type (toymlx.gguf.quantize) on a tiny random Llama, as a user runs
+them: the base's own type as the default, gguf-py's types without llama-cpp-python (hidden from
+a child process by a shadowing package), one-line refusals, a full disk and a kill leaving
+nothing under the final name, the Modelfile FROM the fused file, and --fuse-at-end. The same
+against llama.cpp's quantizer and on SmolLM2 are in test_quantize_smollm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
+
+from toymlx.gguf.llama import load_llama, write_llama
+from toymlx.gguf.quantize import own_type, write_model_gguf
+from toymlx.gguf.reader import DIGEST_KEY, GGUFError, GGUFFile
+from toymlx.lora import apply_adapter, apply_lora, lora_layers, write_adapter, write_merged
+from toymlx.modelfile import parse_modelfile
+from toymlx.models.llama import Llama, tiny
+from toymlx.tokenizer import byte_tokenizer
+
+ARGS = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, context=128)
+TOKENS = mx.array([[1, 72, 101, 108, 108, 111, 35, 120, 44, 200, 3, 17]])
+NO_LLAMA_CPP = "raise ImportError('llama_cpp hidden by the test: an install without it')\n"
+
+
+def tiny_base(path: Path, file_type: int | None = None) -> Path:
+    """A random tiny Llama as an F32 GGUF; `file_type` overrides what general.file_type says."""
+    mx.random.seed(5)
+    extra = {} if file_type is None else {"general.file_type": file_type}
+    write_llama(path, Llama(ARGS), byte_tokenizer().to_metadata(), extra=extra, name="tiny")
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_and_run(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny base and a LoRA run folder (weights/latest) with a non-zero adapter."""
+    d = tmp_path_factory.mktemp("quant")
+    base = tiny_base(d / "tiny.gguf")
+    model, g = load_llama(base)
+    apply_lora(model, "q,v,down", rank=4, alpha=8.0)
+    mx.random.seed(1)
+    for m in lora_layers(model).values():
+        m.lora_b = mx.random.normal(m.lora_b.shape) * 0.1
+    run = d / "run"
+    (run / "weights").mkdir(parents=True)
+    write_adapter(run / "weights" / "adapter_step_4.gguf", model, dict(g.metadata))
+    (run / "weights" / "latest").symlink_to("adapter_step_4.gguf")
+    return base, run
+
+
+def export(*argv: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """toymlx-export in a child process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "toymlx_cli.export", *argv], check=False,
+                          capture_output=True, text=True, env=env, timeout=300, **kw)
+
+
+def without_llama_cpp(tmp_path: Path) -> dict:
+    """An environment whose `import llama_cpp` fails: a package of that name first on the path."""
+    shim = tmp_path / "shim" / "llama_cpp"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(NO_LLAMA_CPP)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(shim.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def test_own_type_reads_general_file_type(tmp_path):
+    assert own_type(GGUFFile(tiny_base(tmp_path / "f32.gguf"))) == "f32"
+    assert own_type(GGUFFile(tiny_base(tmp_path / "km.gguf", 15))) == "q4_k_m"
+    assert own_type(GGUFFile(tiny_base(tmp_path / "g.gguf", 3 | 1024))) == "q4_1"  # guessed
+    with pytest.raises(GGUFError, match=r"iq2_xxs.gguf: metadata key 'general.file_type': its "
+                       r"type iq2_xxs is not one toymlx writes .*; pass --dtype"):
+        own_type(GGUFFile(tiny_base(tmp_path / "iq2_xxs.gguf", 19)))
+
+
+def test_without_llama_cpp_gguf_py_types_work_and_others_are_refused(base_and_run, tmp_path):
+    """Q8_0 is gguf-py's (every matrix, bytes equal to gguf.quants.quantize of the fused F32
+    model); Q4_K_M, asked for or the base's own, is refused in one line naming the extra."""
+    base, run = base_and_run
+    env = without_llama_cpp(tmp_path)
+    f32 = write_merged(tmp_path / "fused-f32.gguf", base, run, "f32")
+    q8 = tmp_path / "fused-q8.gguf"
+    r = export("--base", str(base), "--adapter", str(run), "--fuse", "--dtype", "q8_0",
+               "--out", str(q8), env=env)
+    assert r.returncode == 0, r.stderr
+    g, ref = GGUFFile(q8), GGUFFile(f32)
+    assert g.metadata["general.file_type"] == 7 and DIGEST_KEY in g.metadata  # toymlx's writer
+    assert "general.quantization_version" not in g.metadata  # which llama.cpp would have added
+    for name in ref.tensors:
+        w = ref.load(name, np.float32)
+        if w.ndim == 1:
+            assert g.tensors[name].type.name == "F32"
+            continue
+        assert g.tensors[name].type.name == "Q8_0"
+        assert g.raw(name).tobytes() == quantize(w, GGMLQuantizationType.Q8_0).tobytes(), name
+    g.verify_digest()
+    want = np.array(load_llama(f32)[0](TOKENS))
+    assert 1e-4 < np.abs(np.array(load_llama(q8)[0](TOKENS)) - want).max() < 0.05
+    out = tmp_path / "fused-q4km.gguf"
+    r = export("--base", str(base), "--adapter", str(run), "--fuse", "--dtype", "q4_k_m",
+               "--out", str(out), env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [(
+        "toymlx-export: error: --dtype q4_k_m: expected llama.cpp's quantizer for this type, "
+        "found llama-cpp-python not installed (pip install \"toymlx[interop]\"); without it "
+        "toymlx writes f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1")]
+    km = tiny_base(tmp_path / "claims-q4_k_m.gguf", 15)  # a base whose own type is Q4_K_M
+    r = export("--base", str(km), "--adapter", str(run), "--fuse", "--out", str(out), env=env)
+    assert r.returncode == 2 and "--dtype q4_k_m: expected llama.cpp's quantizer" in r.stderr
+    assert not out.exists() and not list(tmp_path.glob(".*tmp-*"))
+
+
+def test_default_is_the_base_own_type(base_and_run, tmp_path):
+    """No --dtype: the base's general.file_type (here F32, and a base that says Q8_0)."""
+    base, run = base_and_run
+    out = write_merged(tmp_path / "a.gguf", base, run)
+    assert GGUFFile(out).metadata["general.file_type"] == 0
+    assert GGUFFile(out).tensors["blk.0.attn_q.weight"].type.name == "F32"
+    q8base = tiny_base(tmp_path / "q8.gguf", 7)
+    out = write_merged(tmp_path / "b.gguf", q8base, run)
+    assert GGUFFile(out).metadata["general.file_type"] == 7
+    assert GGUFFile(out).tensors["blk.1.ffn_down.weight"].type.name == "Q8_0"
+
+
+def _limit_file_size(limit: int):
+    def set_limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return set_limit
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q4_0"])
+def test_full_disk_leaves_nothing_under_the_final_name(base_and_run, tmp_path, dtype):
+    """A write that cannot finish (files capped below the model's size, as a full disk does):
+    exit 2, one line naming the file, the old file kept, no temporary left behind."""
+    base, run = base_and_run
+    out = tmp_path / "fused.gguf"
+    out.write_bytes(b"the previous export")
+    r = export("--base", str(base), "--adapter", str(run), "--fuse", "--dtype", dtype,
+               "--out", str(out), preexec_fn=_limit_file_size(40_000))
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"toymlx-export: error: {out}: could not write the {dtype} model (")
+    assert "File too large" in line and line.endswith("nothing was written under this name")
+    assert out.read_bytes() == b"the previous export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.gguf"]
+
+
+def test_stale_temporaries_of_a_killed_export_are_removed(base_and_run, tmp_path):
+    """What a SIGKILLed writer left (its pid gone) goes at the next write of the same name;
+    a live writer's temporary stays."""
+    base, run = base_and_run
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    out = tmp_path / "m.gguf"
+    left = [tmp_path / f".m.gguf.f32.tmp-{dead}", tmp_path / f".m.gguf.tmp-{dead}"]
+    live = tmp_path / f".m.gguf.tmp-{os.getppid()}"
+    for p in [*left, live]:
+        p.write_bytes(b"partial")
+    write_merged(out, base, run, "f32")
+    assert not any(p.exists() for p in left) and live.exists()
+    assert GGUFFile(out).metadata["toy.merged_adapter"] == "adapter_step_4.gguf"
+
+
+def test_modelfile_from_the_fused_file(base_and_run, tmp_path):
+    """--format modelfile --fuse: DIR/fused-TYPE.gguf (the base's type) and FROM it, no ADAPTER."""
+    from toymlx_cli.export import main
+
+    base, run = base_and_run
+    assert main(["--adapter", str(run), "--base", str(base), "--format", "modelfile", "--fuse",
+                 "--out", str(tmp_path / "ollama")]) == 0
+    fused = tmp_path / "ollama" / "fused-f32.gguf"
+    lines = parse_modelfile((tmp_path / "ollama" / "Modelfile").read_text())
+    assert ("FROM", str(fused.absolute())) in lines and not [c for c, _ in lines if
+                                                            c == "ADAPTER"]
+    adapted = apply_adapter(load_llama(base)[0], run)
+    diff = np.abs(np.array(load_llama(fused)[0](TOKENS)) - np.array(adapted(TOKENS))).max()
+    assert diff < 1e-5
+
+
+def test_fuse_at_end_writes_the_run_fused_model(base_and_run, tmp_path):
+    """--fuse-at-end q8_0: after the last step, <run>/fused-q8_0.gguf (an `export` event), the
+    same bytes as toymlx-export --fuse of the run's final adapter."""
+    from toymlx_cli.train import main
+
+    base, _ = base_and_run
+    assert main(["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path),
+                 "--run-id", "r", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                 "--lr", "1e-2", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1",
+                 "--lora.rank", "4", "--no-progress", "--no-compile",
+                 "--fuse-at-end", "q8_0"]) == 0
+    events = [json.loads(s) for s in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
+    ex = [e for e in events if e["kind"] == "export"]
+    assert events[-1]["kind"] == "run_end" and events[-1]["exit_code"] == 0
+    assert len(ex) == 1 and ex[0]["path"] == "fused-q8_0.gguf" and ex[0]["type"] == "q8_0"
+    fused = tmp_path / "r" / "fused-q8_0.gguf"
+    assert ex[0]["bytes"] == fused.stat().st_size
+    again = write_merged(tmp_path / "again.gguf", base, tmp_path / "r", "q8_0")
+    assert again.read_bytes() == fused.read_bytes()
+
+
+def test_write_model_gguf_refuses_an_unknown_type(tmp_path):
+    with pytest.raises(ValueError, match=r"--dtype: expected one of f32, f16, .*, found 'q4_k'"):
+        write_model_gguf(tmp_path / "x.gguf", {}, {}, {}, "q4_k")
+    assert not list(tmp_path.iterdir())
