@@ -93,7 +93,7 @@ def test_without_llama_cpp_gguf_py_types_work_and_others_are_refused(base_and_ru
                "--out", str(q8), env=env)
     assert r.returncode == 0, r.stderr
     g, ref = GGUFFile(q8), GGUFFile(f32)
-    assert g.metadata["general.file_type"] == 7 and DIGEST_KEY in g.metadata  # toymlx's writer
+    assert g.metadata["general.file_type"] == 7 and DIGEST_KEY not in g.metadata  # an export
     assert "general.quantization_version" not in g.metadata  # which llama.cpp would have added
     for name in ref.tensors:
         w = ref.load(name, np.float32)
@@ -102,7 +102,6 @@ def test_without_llama_cpp_gguf_py_types_work_and_others_are_refused(base_and_ru
             continue
         assert g.tensors[name].type.name == "Q8_0"
         assert g.raw(name).tobytes() == quantize(w, GGMLQuantizationType.Q8_0).tobytes(), name
-    g.verify_digest()
     want = np.array(load_llama(f32)[0](TOKENS))
     assert 1e-4 < np.abs(np.array(load_llama(q8)[0](TOKENS)) - want).max() < 0.05
     out = tmp_path / "fused-q4km.gguf"

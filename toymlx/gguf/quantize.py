@@ -13,8 +13,12 @@ metadata; the type decides who encodes them.
 - without llama-cpp-python: the types gguf-py encodes (`GGUF_PY_TYPES`: every matrix in that
   type, 1-D tensors F32, as `convert_hf_to_gguf.py --outtype` does); any other type is refused
   in one line naming the extra to install. No quantization code of toymlx's own.
-A crash, a full disk or a signal leaves nothing under the final name; temporaries carry
-`atomic.TMP_TAG`, and those of killed writers are removed by the next write of the same name.
+An export carries no `toy.tensor_sha256` (checkpoints do): other tools copy every key, so
+`llama-quantize` run on an F32 export would carry a digest its data no longer has, and toymlx
+would refuse the result as damaged. Without it, the F32 export is exactly the file llama.cpp
+quantizes here. A crash, a full disk or a signal leaves nothing under the final name;
+temporaries carry `atomic.TMP_TAG`, and those of killed writers are removed by the next write
+of the same name.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ def write_model_gguf(out: str | os.PathLike, metadata: dict[str, Any],
             encoded = {n: encode_tensor(n, w, dtype) for n, w in
                        tqdm(tensors.items(), desc=f"encoding {dtype}", unit="tensor",
                             disable=not progress or dtype == "f32", file=sys.stderr)}
-            return write_gguf(out, meta, encoded, types=types)
+            return write_gguf(out, meta, encoded, types=types, digest=False)
         _write_with_llama_cpp(out, meta, types, tensors, dtype, progress)
     except OSError as e:
         raise OSError(f"{out}: could not write the {dtype} model ({e}); nothing was written "
@@ -126,8 +130,7 @@ def write_model_gguf(out: str | os.PathLike, metadata: dict[str, Any],
 def _write_with_llama_cpp(out: Path, meta: dict[str, Any],
                           types: dict[str, tuple[int, int | None]],
                           tensors: dict[str, np.ndarray], dtype: str, progress: bool) -> None:
-    # llama.cpp quantizes from a file: the F32 model beside the target (no digest: llama.cpp
-    # copies every key, and the F32 data's digest would be wrong for the quantized data)
+    # llama.cpp quantizes from a file: the F32 export, beside the target
     f32 = out.with_name(f".{out.name}.f32{atomic.TMP_TAG}{os.getpid()}")
     try:
         if progress:
