@@ -26,8 +26,12 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -167,8 +171,9 @@ def llama_quantize(src: Path, dst: Path, dtype: str, progress: bool = False) -> 
     llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
     t0 = time.perf_counter()
     try:
-        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst),
-                                            ctypes.byref(params))
+        with signals_deferred():
+            rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst),
+                                                ctypes.byref(params))
     finally:
         bar.close()
         _restore_log(llama_cpp)
@@ -176,6 +181,29 @@ def llama_quantize(src: Path, dst: Path, dtype: str, progress: bool = False) -> 
         why = next((s.strip() for s in reversed(lines) if "failed" in s), "".join(lines[-3:]))
         raise OSError(f"llama.cpp's quantizer ({dtype}) failed writing {dst} after "
                       f"{time.perf_counter() - t0:.1f} s: {' '.join(why.split())}")
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held while the block runs, then delivered to their own handlers.
+
+    llama.cpp calls back into Python (its log), and a handler that raises there (Ctrl-C's
+    KeyboardInterrupt) raises inside a ctypes callback, which drops the exception: the signal
+    would be lost and the export finish as if never stopped. Held, it acts when llama.cpp
+    returns (seconds per GB of model), and the caller's cleanup then runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, lambda n, _f: got.append(n)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(got):
+            signal.raise_signal(s)
 
 
 def _restore_log(llama_cpp: Any) -> None:
