@@ -94,8 +94,16 @@ def export_modelfile(args: Args) -> int:
     path, base, adapter, fused = write_modelfile(args.out, args.adapter, args.base,
                                                  fuse=args.fuse, dtype=args.dtype,
                                                  progress=True)
-    what = (f"FROM {fused} ({fused.stat().st_size / 2**20:.1f} MiB: {base.path} + {adapter} "
-            "fused)" if fused else f"FROM {base.path}, ADAPTER {adapter}")
+    what = f"FROM {base.path}, ADAPTER {adapter}"
+    if fused:
+        from toymlx.gguf.quantize import own_type
+        from toymlx.gguf.reader import GGUFFile
+        from toymlx.lora import adapter_kept, kept_note
+
+        with GGUFFile(fused) as g:
+            dtype = own_type(g)
+        what = (f"FROM {fused} ({fused.stat().st_size / 2**20:.1f} MiB: {base.path} + {adapter} "
+                f"fused; it {kept_note(adapter_kept(fused, base.path, adapter), dtype)})")
     print(f"{PROG}: wrote {path} ({what}) in {time.perf_counter() - t0:.1f} s; create the "
           f"Ollama model with: ollama create NAME -f {path}", file=sys.stderr)
     return 0
@@ -105,7 +113,9 @@ def run(args: Args) -> int:
     from toymlx.atomic import atomic_open
     from toymlx.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
-    from toymlx.lora import apply_adapter, write_merged
+    from toymlx.gguf.quantize import own_type
+    from toymlx.gguf.reader import GGUFFile
+    from toymlx.lora import adapter_kept, apply_adapter, kept_note, write_merged
     from toymlx.model_store import resolve_model
 
     if args.format == "modelfile":
@@ -140,6 +150,10 @@ def run(args: Args) -> int:
     else:
         write_merged(out, base, args.adapter, args.dtype, progress=True)
         what = f"{args.base}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
+        if args.adapter:
+            with GGUFFile(out) as g:
+                dtype = own_type(g)
+            what += "; it " + kept_note(adapter_kept(out, base, args.adapter), dtype)
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

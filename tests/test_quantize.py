@@ -118,6 +118,28 @@ def test_without_llama_cpp_gguf_py_types_work_and_others_are_refused(base_and_ru
     assert not out.exists() and not list(tmp_path.glob(".*tmp-*"))
 
 
+def test_adapter_kept_measures_the_share_of_the_update_in_the_file(base_and_run, tmp_path):
+    """1 for the F32 fused file (float32 rounding aside), 0 for the base itself, and for a
+    file holding base + delta/2 (written by hand) one half."""
+    from toymlx.lora import adapter_kept, kept_note, load_adapter
+
+    base, run = base_and_run
+    f32 = write_merged(tmp_path / "f32.gguf", base, run, "f32")
+    assert abs(adapter_kept(f32, base, run) - 1.0) < 1e-4
+    assert adapter_kept(base, base, run) == 0.0
+    ad, g = load_adapter(run), GGUFFile(base)
+    half = {n: g.load(n, np.float32) for n in g.tensors}
+    for n in ad.pairs:
+        half[n] = (half[n] + 0.5 * ad.delta(n)).astype(np.float32)
+    write_model_gguf(tmp_path / "half.gguf", dict(g.metadata), dict(g.metadata_types), half,
+                     "f32")
+    assert abs(adapter_kept(tmp_path / "half.gguf", base, run) - 0.5) < 1e-4
+    assert kept_note(0.06, "q4_1") == (
+        "holds 6% of the adapter's change to the weights (warning: the rest is below q4_1's "
+        "rounding step; to keep the whole fine-tune, export --dtype q8_0 or f16, or run the "
+        "base with the adapter: llama-cli --lora)")
+
+
 def test_default_is_the_base_own_type(base_and_run, tmp_path):
     """No --dtype: the base's general.file_type (here F32, and a base that says Q8_0)."""
     base, run = base_and_run

@@ -4,7 +4,7 @@
 `nn.QuantizedLinear`). `lora_a` is `(r, n_in)` and `lora_b` `(n_out, r)`: the orientation
 PEFT and llama.cpp store, so an adapter file needs no transpose. `lora_b` starts at zero, so
 step 0 computes exactly the base model; `scale = alpha / rank` is computed in
-`LoRALinear.__init__` and nowhere else (llama.cpp applies the same `alpha / r`).
+`LoRALinear.scale_of` and nowhere else (llama.cpp applies the same `alpha / r`).
 
 Adapter GGUF (what llama.cpp's `llama_adapter_lora_init` checks): `general.type = "adapter"`,
 `general.architecture` = the base's, `adapter.type = "lora"`, `adapter.lora.alpha` (float32;
@@ -79,11 +79,16 @@ class LoRALinear(nn.Module):
         self.linear = linear
         self.dropout = nn.Dropout(dropout)
         self.rank, self.alpha = int(rank), float(alpha)
-        self.scale = self.alpha / self.rank  # the one place LoRA's scale is computed
+        self.scale = self.scale_of(self.rank, self.alpha)
         # PEFT's init: A ~ U(-1/sqrt(n_in), 1/sqrt(n_in)), B = 0, so the update starts at zero.
         bound = 1.0 / math.sqrt(n_in)
         self.lora_a = mx.random.uniform(-bound, bound, (rank, n_in))  # (r, in)
         self.lora_b = mx.zeros((n_out, rank))  # (out, r)
+
+    @staticmethod
+    def scale_of(rank: int, alpha: float) -> float:
+        """alpha / rank: the one place LoRA's scale is computed."""
+        return alpha / rank
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
@@ -229,6 +234,13 @@ class Adapter:
     pairs: dict[str, tuple[np.ndarray, np.ndarray]]
     metadata: dict[str, Any]
 
+    def delta(self, name: str) -> np.ndarray:
+        """The dense update scale * B A of base tensor `name`, (n_out, n_in) float64 (alpha 0
+        means scale 1, as llama.cpp reads it)."""
+        a, b = self.pairs[name]
+        r = a.shape[0]
+        return LoRALinear.scale_of(r, self.alpha or r) * (b.astype(np.float64) @ a)
+
 
 def load_adapter(path: str | os.PathLike) -> Adapter:
     """Read and check a llama.cpp LoRA adapter GGUF (one-line GGUFError when it is not one)."""
@@ -353,6 +365,38 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
 
 
 # ---- merged model export ------------------------------------------------------------------
+KEPT_WARNING = 0.5
+"""Below this share of the adapter's change kept, a fused export says so (see adapter_kept)."""
+
+
+def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
+                 adapter: str | os.PathLike) -> float:
+    """How much of an adapter's change to the weights a fused file holds: over the adapted
+    tensors, <fused - base, delta> / <delta, delta> (1: all of it). Quantizing W + delta back
+    onto the grid the base W already sits on rounds away the part of a small delta below the
+    grid's step (a short fine-tune fused into Q4_1 keeps a few percent). Weights dequantized by
+    gguf-py, sums in float64."""
+    ad = load_adapter(adapter)
+    num = den = 0.0
+    with GGUFFile(base) as g, GGUFFile(fused) as f:
+        for name in ad.pairs:
+            d = ad.delta(name)
+            e = f.load(name, np.float32).astype(np.float64) - g.load(name, np.float32)
+            num, den = num + float(np.vdot(e, d)), den + float(np.vdot(d, d))
+            f.release(name)
+            g.release(name)
+    return num / den if den else 1.0
+
+
+def kept_note(kept: float, dtype: str) -> str:
+    """What a user reads about `adapter_kept`: the share, and what to do when it is small."""
+    note = f"holds {kept:.0%} of the adapter's change to the weights"
+    if kept < KEPT_WARNING:
+        note += (f" (warning: the rest is below {dtype}'s rounding step; to keep the whole "
+                 "fine-tune, export --dtype q8_0 or f16, or run the base with the adapter: "
+                 "llama-cli --lora)")
+    return note
+
 def write_merged(out: str | os.PathLike, base: str | os.PathLike,
                  adapter: str | os.PathLike | None = None, dtype: str | None = None,
                  progress: bool = False) -> Path:

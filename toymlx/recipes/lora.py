@@ -9,6 +9,7 @@ Checkpoints are llama.cpp LoRA adapter GGUFs, `weights/adapter_step_N.gguf`, usa
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -25,7 +26,10 @@ from toymlx.gguf.quant import EXACT_QUANTS, all_exact, projection_types
 from toymlx.gguf.quantize import EXPORT_TYPES, own_type, quantizer
 from toymlx.gguf.reader import GGUFFile
 from toymlx.lora import (
+    KEPT_WARNING,
+    adapter_kept,
     apply_lora,
+    kept_note,
     load_adapter_weights,
     parse_targets,
     target_blocks,
@@ -197,8 +201,11 @@ def build(cfg: Config, ops: Ops) -> Task:
             dtype = fuse_type(cfg.fuse_at_end, g)
         out = write_merged(run_dir / f"fused-{dtype}.gguf", src.path, run_dir, dtype,
                            progress=cfg.progress)
+        kept = adapter_kept(out, src.path, run_dir)
+        if kept < KEPT_WARNING:
+            print(f"toymlx: {out} {kept_note(kept, dtype)}", file=sys.stderr)
         return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
-                "bytes": out.stat().st_size}
+                "bytes": out.stat().st_size, "adapter_kept": round(kept, 4)}
 
     # n_params and n_trainable are added by the trainer to run_start's model record
     return Task(
