@@ -20,6 +20,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 
+from toymlx.events import check_toy_v1
 from toymlx.gguf.llama import load_llama, write_llama
 from toymlx.gguf.quantize import own_type, write_model_gguf
 from toymlx.gguf.reader import DIGEST_KEY, GGUFError, GGUFFile
@@ -222,6 +223,7 @@ def test_fuse_at_end_writes_the_run_fused_model(base_and_run, tmp_path):
     events = [json.loads(s) for s in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
     ex = [e for e in events if e["kind"] == "export"]
     assert events[-1]["kind"] == "run_end" and events[-1]["exit_code"] == 0
+    assert check_toy_v1(events) == []
     assert len(ex) == 1 and ex[0]["path"] == "fused-q8_0.gguf" and ex[0]["type"] == "q8_0"
     fused = tmp_path / "r" / "fused-q8_0.gguf"
     assert ex[0]["bytes"] == fused.stat().st_size
@@ -233,3 +235,65 @@ def test_write_model_gguf_refuses_an_unknown_type(tmp_path):
     with pytest.raises(ValueError, match=r"--dtype: expected one of f32, f16, .*, found 'q4_k'"):
         write_model_gguf(tmp_path / "x.gguf", {}, {}, {}, "q4_k")
     assert not list(tmp_path.iterdir())
+
+
+# ---- llama.cpp's quantizer, every architecture (interop) -----------------------------------
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_every_architecture_fused_in_a_k_quant_mixture(kind, tmp_path):
+    """The same path for every architecture: an adapter on every projection fused into
+    Q4_K_M equals llama-quantize's output for the F32 fused export, byte for byte; llama.cpp
+    runs it, within its own Q4_K_M margin (the base quantized the same way) plus the adapter's
+    effect of its F32 logits."""
+    from arch_files import arch_gguf
+    from llamacpp_runner import llamacpp_logits, quantize
+
+    base = arch_gguf(kind, tmp_path / f"{kind}.gguf")
+    model, g = load_llama(base)
+    apply_lora(model, "qkv,o,gate_up,down" if kind == "phi3" else "q,k,v,o,gate,up,down",
+               rank=4, alpha=8.0)
+    mx.random.seed(2)
+    for m in lora_layers(model).values():
+        m.lora_b = mx.random.normal(m.lora_b.shape) * 0.05
+    ad = write_adapter(tmp_path / "adapter.gguf", model, dict(g.metadata))
+    out = write_merged(tmp_path / "fused-q4_k_m.gguf", base, ad, "q4_k_m")
+    f32 = write_merged(tmp_path / "fused-f32.gguf", base, ad, "f32")
+    ref = tmp_path / "llama-quantize.gguf"
+    quantize(f32, ref, "Q4_K_M")
+    assert GGUFFile(out).metadata["general.file_type"] == 15
+    assert out.read_bytes() == ref.read_bytes()
+    base_q = tmp_path / "base-q4_k_m.gguf"
+    quantize(base, base_q, "Q4_K_M")
+    ids = [int(x) for x in np.random.default_rng(1).integers(3, 259, 20)]
+    cpp = {k: llamacpp_logits(p, ids)[0] for k, p in
+           (("fused", out), ("fused_f32", f32), ("base_q", base_q), ("base", base))}
+
+    def mean(a: str, b: str) -> float:
+        return float(np.abs(cpp[a] - cpp[b]).mean())
+
+    margin, effect = mean("base_q", "base"), mean("fused_f32", "base")
+    print(f"\n[fuse-quant] {kind} q4_k_m: fused vs its f32 {mean('fused', 'fused_f32'):.4f}, "
+          f"base margin {margin:.4f}, adapter effect {effect:.4f}")
+    assert effect > 1e-2 and mean("fused", "fused_f32") <= margin + effect
+
+
+def test_fuse_at_end_that_cannot_write_ends_the_run_as_an_error(base_and_run, tmp_path):
+    """The fused model cannot be written (files capped, as a full disk does): the run ends
+    `error`, exit 1, naming the intact checkpoint; no fused file, no temporary."""
+    base, _ = base_and_run
+    r = subprocess.run([sys.executable, "-m", "toymlx_cli.train", "--recipe", "lora", "--base",
+                        str(base), "--runs-root", str(tmp_path), "--run-id", "r", "--steps", "2",
+                        "--batch-size", "2", "--seq-len", "32", "--eval-every", "0",
+                        "--eval-batches", "1", "--lora.rank", "4", "--no-progress",
+                        "--no-compile", "--fuse-at-end", "f32"], check=False,
+                       capture_output=True, text=True, timeout=300,
+                       preexec_fn=_limit_file_size(40_000))
+    assert r.returncode == 1, r.stderr
+    end = json.loads((tmp_path / "r" / "events.jsonl").read_text().splitlines()[-1])
+    assert end["kind"] == "run_end" and end["reason"] == "error" and end["exit_code"] == 1
+    assert end["message"].startswith("training completed and step 2 was written, but its "
+                                     f"export failed: {tmp_path / 'r' / 'fused-f32.gguf'}: "
+                                     "could not write the f32 model (")
+    assert (tmp_path / "r" / "weights" / "latest").resolve().name == "adapter_step_2.gguf"
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [
+        "config.json", "events.jsonl", "weights"]
