@@ -243,8 +243,8 @@ def test_write_model_gguf_refuses_an_unknown_type(tmp_path):
 def test_every_architecture_fused_in_a_k_quant_mixture(kind, tmp_path):
     """The same path for every architecture: an adapter on every projection fused into
     Q4_K_M equals llama-quantize's output for the F32 fused export, byte for byte; llama.cpp
-    runs it, within its own Q4_K_M margin (the base quantized the same way) plus the adapter's
-    effect of its F32 logits."""
+    runs it, its logits within 1.5 times its own Q4_K_M margin (the base quantized the same
+    way, against the base) of the F32 fused model's."""
     from arch_files import arch_gguf
     from llamacpp_runner import llamacpp_logits, quantize
 
@@ -274,7 +274,7 @@ def test_every_architecture_fused_in_a_k_quant_mixture(kind, tmp_path):
     margin, effect = mean("base_q", "base"), mean("fused_f32", "base")
     print(f"\n[fuse-quant] {kind} q4_k_m: fused vs its f32 {mean('fused', 'fused_f32'):.4f}, "
           f"base margin {margin:.4f}, adapter effect {effect:.4f}")
-    assert effect > 1e-2 and mean("fused", "fused_f32") <= margin + effect
+    assert effect > 1e-2 and mean("fused", "fused_f32") <= 1.5 * margin
 
 
 def test_fuse_at_end_that_cannot_write_ends_the_run_as_an_error(base_and_run, tmp_path):
