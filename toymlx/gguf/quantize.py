@@ -123,7 +123,8 @@ def write_model_gguf(out: str | os.PathLike, metadata: dict[str, Any],
             encoded = {n: encode_tensor(n, w, dtype) for n, w in
                        tqdm(tensors.items(), desc=f"encoding {dtype}", unit="tensor",
                             disable=not progress or dtype == "f32", file=sys.stderr)}
-            return write_gguf(out, meta, encoded, types=types, digest=False)
+            return write_gguf(out, meta, encoded, types=types, digest=False,
+                              progress=f"writing {out.name}" if progress else None)
         _write_with_llama_cpp(out, meta, types, tensors, dtype, progress)
     except OSError as e:
         raise OSError(f"{out}: could not write the {dtype} model ({e}); nothing was written "
@@ -137,11 +138,8 @@ def _write_with_llama_cpp(out: Path, meta: dict[str, Any],
     # llama.cpp quantizes from a file: the F32 export, beside the target
     f32 = out.with_name(f".{out.name}.f32{atomic.TMP_TAG}{os.getpid()}")
     try:
-        if progress:
-            n = sum(t.nbytes for t in tensors.values())
-            print(f"writing the F32 model ({n / 2**20:.0f} MiB) for llama.cpp's quantizer: "
-                  f"{f32}", file=sys.stderr)
-        write_gguf(f32, meta, tensors, types=types, digest=False)
+        write_gguf(f32, meta, tensors, types=types, digest=False,
+                   progress="writing the F32 model for llama.cpp" if progress else None)
         with atomic.atomic_path(out) as tmp:
             llama_quantize(f32, tmp, dtype, progress)
     finally:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from tqdm import tqdm
 
 from toymlx.atomic import atomic_open
 from toymlx.gguf.reader import (
@@ -143,9 +145,11 @@ def _pad(f: BinaryIO, align: int) -> None:
 def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
                tensors: dict[str, np.ndarray | QuantTensor],
                types: dict[str, tuple[int, int | None]] | None = None,
-               alignment: int = DEFAULT_ALIGNMENT, digest: bool = True) -> Path:
+               alignment: int = DEFAULT_ALIGNMENT, digest: bool = True,
+               progress: str | None = None) -> Path:
     """Write a GGUF v3 file atomically; `types` overrides inferred metadata value types.
-    digest=False leaves out `toy.tensor_sha256` (for a file another tool rewrites)."""
+    digest=False leaves out `toy.tensor_sha256` (for a file another tool rewrites); `progress`
+    names a progress bar (on stderr) over the tensor data written."""
     path = Path(path)
     types = dict(types or {})
     infos, blobs, offset = [], [], 0
@@ -183,11 +187,13 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
                   + _pack_value(vt, et, value))
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path) as f:
+    with atomic_open(path) as f, tqdm(total=offset, desc=progress, unit="B", unit_scale=True,
+                                      disable=progress is None, file=sys.stderr) as bar:
         f.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
         f.writelines(kv + infos)
         _pad(f, alignment)
         for data in blobs:
             f.write(memoryview(data).cast("B"))
             _pad(f, alignment)
+            bar.update(data.nbytes + (-data.nbytes % alignment))
     return path
