@@ -29,7 +29,7 @@ class Args:
                         llama.cpp's own quantizer (llama-cpp-python), byte for byte what
                         llama-quantize writes from the fused F32 model.
     --adapter A alone:  the adapter GGUF itself, checked against the base.
-    no --adapter:       the base re-encoded at --dtype (e.g. an F32 copy of a Q4_1 file).
+    no --adapter:       the base re-encoded at --dtype (--dtype f32: an F32 copy of a Q4_1 file).
     --adapter A --format modelfile --out DIR: DIR/Modelfile for Ollama (FROM the base, ADAPTER
                         A, the base's Ollama template and stop tokens); with --fuse, FROM the
                         fused model written beside it (DIR/fused-TYPE.gguf); then
