@@ -22,7 +22,7 @@ from gguf.quants import quantize
 
 from toymlx.events import check_toy_v1
 from toymlx.gguf.llama import load_llama, write_llama
-from toymlx.gguf.quantize import own_type, write_model_gguf
+from toymlx.gguf.quantize import EXPORT_TYPES, file_type, own_type, write_model_gguf
 from toymlx.gguf.reader import DIGEST_KEY, GGUFError, GGUFFile
 from toymlx.lora import apply_adapter, apply_lora, lora_layers, write_adapter, write_merged
 from toymlx.modelfile import parse_modelfile
@@ -297,3 +297,23 @@ def test_fuse_at_end_that_cannot_write_ends_the_run_as_an_error(base_and_run, tm
     assert (tmp_path / "r" / "weights" / "latest").resolve().name == "adapter_step_2.gguf"
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [
         "config.json", "events.jsonl", "weights"]
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("dtype", [t for t in EXPORT_TYPES if t != "f32"])
+def test_every_export_type_is_llama_quantize_s_file(base_and_run, tmp_path, dtype):
+    """Each type toymlx offers: the fused file equals llama-quantize's from the F32 fused
+    export, has that general.file_type, and toymlx reads it back (gguf-py dequantizes it) to
+    finite logits near the F32 fused model's (2-bit types included, so a loose bound)."""
+    from llamacpp_runner import quantize
+
+    base, run = base_and_run
+    out = write_merged(tmp_path / f"fused-{dtype}.gguf", base, run, dtype)
+    f32 = write_merged(tmp_path / "fused-f32.gguf", base, run, "f32")
+    ref = tmp_path / "llama-quantize.gguf"
+    quantize(f32, ref, dtype.upper())
+    assert out.read_bytes() == ref.read_bytes()
+    assert GGUFFile(out).metadata["general.file_type"] == int(file_type(dtype))
+    got = np.array(load_llama(out)[0](TOKENS))
+    want = np.array(load_llama(f32)[0](TOKENS))
+    assert np.isfinite(got).all() and np.abs(got - want).mean() < 0.5 * np.abs(want).mean()

@@ -205,7 +205,11 @@ def signals_deferred() -> Iterator[None]:
 
 
 def _restore_log(llama_cpp: Any) -> None:
-    """Give llama.cpp's log back to llama-cpp-python's own handler (it honours verbose=)."""
-    from llama_cpp import _logger
-
+    """Give llama.cpp's log back to llama-cpp-python's own handler (it honours verbose=), or
+    to llama.cpp's default (stderr) where that version has none."""
+    try:
+        from llama_cpp import _logger
+    except ImportError:
+        llama_cpp.llama_log_set(None, ctypes.c_void_p(0))
+        return
     llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
