@@ -122,6 +122,7 @@ def _continuation(tokenizer, ids: list[int], new: list[int], base: str) -> str:
 def run(args: Args) -> int:
     from toymlx.device import on_gpu, select_device
     from toymlx.generate import (
+        EngineFailed,
         LlamaCppDecoder,
         choose_engine,
         load_for_generation,
@@ -137,17 +138,26 @@ def run(args: Args) -> int:
         raise UsageError(f"--top-p: expected in (0, 1], found {args.top_p}")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
+    try:
+        if engine == "llama.cpp":
+            gguf_path, adapters = model_files(args.model, args.adapter)
+            tokenizer, model_args = load_tokenizer(gguf_path)
+            ids = prompt_ids(tokenizer, args)
+            model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
+                                    context=min(model_args.context, len(ids) + args.max_tokens))
+            t0 = time.perf_counter()
+            _, n = stream(model, tokenizer, ids, args)
+    except EngineFailed as e:  # before its first token: nothing is printed yet
+        if args.engine != "auto":
+            raise UsageError(f"--engine llama.cpp: {e}") from None
+        print(f"{PROG}: {e}; decoding with MLX instead (--engine mlx skips llama.cpp)",
+              file=sys.stderr)
+        engine = "mlx"
     if engine == "mlx":
         model, tokenizer = load_for_generation(args.model, args.adapter)
         ids = prompt_ids(tokenizer, args)
-    else:
-        gguf_path, adapters = model_files(args.model, args.adapter)
-        tokenizer, model_args = load_tokenizer(gguf_path)
-        ids = prompt_ids(tokenizer, args)
-        model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
-                                context=min(model_args.context, len(ids) + args.max_tokens))
-    t0 = time.perf_counter()
-    _, n = stream(model, tokenizer, ids, args)
+        t0 = time.perf_counter()
+        _, n = stream(model, tokenizer, ids, args)
     dt = time.perf_counter() - t0
     print(f"{PROG}: {len(ids)} prompt + {n} new tokens in {dt:.2f} s "
           f"({n / dt if dt > 0 else 0:.1f} tok/s, {engine})", file=sys.stderr)

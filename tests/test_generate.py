@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -319,3 +320,25 @@ def test_console_script_error_has_no_traceback(tmp_path):
                        check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_llamacpp_that_crashes_falls_back_to_mlx(stories_path, tmp_path):
+    """A llama.cpp build that segfaults (as one did decoding Q4_1 on an AVX-512 host): --engine
+    auto says so in one line and decodes with MLX; --engine llama.cpp is a one-line error."""
+    shim = tmp_path / "shim" / "llama_cpp"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    env = {**os.environ, "PYTHONPATH": str(shim.parent)}
+    flags = ["--model", str(stories_path), "--prompt", PROMPT, "--max-tokens", "12",
+             "--temperature", "0"]
+    exe = [sys.executable, "-m", "toymlx_cli.generate"]
+    auto = subprocess.run([*exe, *flags], capture_output=True, text=True, env=env, check=False)
+    assert auto.returncode == 0, auto.stderr
+    assert "(killed by signal 11); decoding with MLX instead" in auto.stderr
+    assert auto.stdout.startswith(", there was a little girl") and "mlx)" in auto.stderr
+    forced = subprocess.run([*exe, *flags, "--engine", "llama.cpp"], capture_output=True,
+                            text=True, env=env, check=False)
+    assert forced.returncode == 2 and forced.stdout == ""
+    want = ("toymlx-generate: error: --engine llama.cpp: llama.cpp stopped loading "
+            f"{stories_path} (killed by signal 11)")
+    assert forced.stderr.strip().splitlines() == [want]

@@ -17,7 +17,10 @@ Two engines decode the same GGUF files (`choose_engine`):
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -153,34 +156,66 @@ def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | No
     return model, tokenizer
 
 
+class EngineFailed(RuntimeError):
+    """The llama.cpp engine stopped before its first token (the caller may decode with MLX)."""
+
+
 class LlamaCppDecoder:
-    """The `llama.cpp` engine: the model file and its adapters loaded in llama.cpp, decoding
-    with the samplers `generate` takes (the repetition penalty over the last 20 tokens, as
-    mlx-lm's). Seeded: a run repeats exactly on the same llama.cpp build."""
+    """The `llama.cpp` engine: the model file and its adapter loaded in llama.cpp, in a child
+    process (`toymlx.llamacpp_decode`), decoding with the samplers `generate` takes (the
+    repetition penalty over the last 20 tokens, as mlx-lm's). Seeded: a run repeats exactly on
+    the same llama.cpp build. A child that dies before its first token raises `EngineFailed`."""
 
     def __init__(self, gguf_path: Path, adapters: Sequence[Path], context: int, seed: int = 0):
-        """`context`: the most tokens, prompt and new ones, this decoder will hold."""
-        import llama_cpp
-
+        """Start the child and load the model (`context`: the most tokens, prompt and new
+        ones, it will hold); returns once the model is loaded."""
         if len(adapters) > 1:
             raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter, found "
                              f"{len(adapters)} ({', '.join(map(str, adapters))})")
         self.context = context
-        self.llm = llama_cpp.Llama(str(gguf_path), n_ctx=context, seed=seed, verbose=False,
-                                   n_threads=os.cpu_count(), last_n_tokens_size=20,
-                                   lora_path=str(adapters[0]) if adapters else None)
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", "toymlx.llamacpp_decode"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self._send({"model": str(gguf_path), "adapter": str(adapters[0]) if adapters else None,
+                    "context": context, "seed": seed})
+        if self._line() != "ready":
+            raise EngineFailed(self._why(f"loading {gguf_path}"))
+
+    def _send(self, request: dict[str, Any]) -> None:
+        assert self.child.stdin is not None
+        try:
+            self.child.stdin.write(json.dumps(request) + "\n")
+            self.child.stdin.flush()
+        except BrokenPipeError:
+            pass  # the child is gone: its exit status says why
+
+    def _line(self) -> str:
+        assert self.child.stdout is not None
+        return self.child.stdout.readline().strip()
+
+    def _why(self, doing: str) -> str:
+        code = self.child.wait()
+        err = (self.child.stderr.read() if self.child.stderr else "").strip().splitlines()
+        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        return f"llama.cpp stopped {doing} ({how}{': ' + err[-1] if err else ''})"
 
     def generate(self, prompt_ids: Sequence[int], eos: int | None, max_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float | None = None
                  ) -> Iterator[int]:
         budget = min(max_tokens, self.context - len(prompt_ids))
-        if budget <= 0:
-            return
-        steps = self.llm.generate(list(prompt_ids), temp=temperature, top_p=top_p,
-                                  top_k=top_k, min_p=min_p,
-                                  repeat_penalty=repetition_penalty or 1.0)
-        for n, tok in enumerate(steps):
-            if (eos is not None and tok == eos) or n >= budget:
-                return
-            yield int(tok)
+        self._send({"ids": [int(i) for i in prompt_ids], "eos": eos, "budget": max(budget, 0),
+                    "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                    "min_p": min_p, "repetition_penalty": repetition_penalty or 1.0})
+        first = True
+        try:
+            while line := self._line():
+                first = False
+                yield int(line)
+            if self.child.wait() != 0:
+                why = self._why("decoding")
+                raise EngineFailed(why) if first else RuntimeError(why)
+        finally:
+            if self.child.poll() is None:
+                self.child.kill()
+                self.child.wait()
