@@ -6,7 +6,9 @@ dies, however it dies (SIGKILL included), the child is told at once: on Linux th
 it SIGTERM (PR_SET_PDEATHSIG); elsewhere (macOS, or a shell standing between the two) a thread
 that polls the parent does the same, or calls `on_loss`; either way exactly once.
 `toymlx-train` treats that SIGTERM as a stop: it finishes the step in flight, writes a final
-checkpoint and `run_end`, and exits; a re-run then resumes it.
+checkpoint and `run_end`, and exits; a re-run then resumes it. Linux repeats the signal as
+each thread of a dying multi-threaded parent exits; `parent_lost` tells a repeat from a second
+request to stop (`toymlx.trainer.StopSignals`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,25 @@ def _pdeathsig(sig: int) -> bool:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
+        return False
+
+
+def parent_lost() -> bool:
+    """Whether this process was started with `child_env()` and that parent has died (a
+    SIGTERM then is the parent-death signal, or a repeat of it)."""
+    text = os.environ.get(PARENT_ENV, "")
+    if not text.isdigit() or os.getppid() == int(text):
+        return False
+    return not alive(int(text)) or _zombie(int(text))
+
+
+def _zombie(pid: int) -> bool:
+    """Whether `pid` has died and waits to be reaped (Linux's /proc; False elsewhere, where
+    the parent-death signal is the watch thread's one SIGTERM)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] == b"Z"
+    except (OSError, IndexError):
         return False
 
 
