@@ -115,6 +115,7 @@ def verify_gguf(path: Path) -> dict[str, Any]:
 def open_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state arrays, GGUF metadata) of a checkpoint whose GGUF, state file and shared id all
     check out; ResumeError naming the file that does not."""
+    check_name(ckpt)
     meta = verify_gguf(ckpt)
     arrays, state = load_state(state_path(ckpt))
     gid, sid = meta.get(ID_KEY), state.get("checkpoint_id")

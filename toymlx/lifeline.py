@@ -56,18 +56,22 @@ def parent_lost() -> bool:
     """Whether this process was started with `child_env()` and that parent has died (a
     SIGTERM then is the parent-death signal, or a repeat of it)."""
     text = os.environ.get(PARENT_ENV, "")
-    if not text.isdigit() or os.getppid() == int(text):
-        return False
-    return not alive(int(text)) or _zombie(int(text))
+    return text.isdigit() and (not alive(int(text)) or _dying(int(text)))
 
 
-def _zombie(pid: int) -> bool:
-    """Whether `pid` has died and waits to be reaped (Linux's /proc; False elsewhere, where
-    the parent-death signal is the watch thread's one SIGTERM)."""
+_PF_EXITING = 0x4  # <linux/sched.h>: the task has begun to exit
+
+
+def _dying(pid: int) -> bool:
+    """Whether process `pid` is exiting or dead and not yet reaped (Linux's /proc; False
+    elsewhere, where the parent-death signal is the watch thread's one SIGTERM). Its main
+    thread is checked: the one that started us, whose exit sends the first signal, while the
+    process's other threads, exiting too, still keep getppid() pointing at it."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] == b"Z"
-    except (OSError, IndexError):
+            fields = f.read().rpartition(b")")[2].split()
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
         return False
 
 
