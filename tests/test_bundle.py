@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from cli_errors import error_line
+from test_runs import TINY, TRAIN
 from toymlx_cli.eval import main as eval_main
 from toymlx_cli.export import main as export_main
 from toymlx_cli.generate import main as generate_main
@@ -34,12 +35,6 @@ from toymlx_cli.train import main
 
 from toymlx.checkpoint import list_checkpoints
 from toymlx.events import read_events
-
-TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
-        "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
-        "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--eval-every", "0",
-        "--no-compile", "--no-progress"]
-TRAIN = [sys.executable, "-m", "toymlx_cli.train"]
 
 
 @pytest.fixture(scope="module")
