@@ -222,15 +222,21 @@ def test_eval_of_a_run_reads_its_own_data(tmp_path, straight, capsys):
 
 
 # ---- a checkpoint under another's name ---------------------------------------------------------
-@pytest.mark.parametrize("copied", ["gguf", "gguf and state"])
-def test_a_checkpoint_under_another_name_is_refused(tmp_path, stopped, capsys, copied):
+@pytest.mark.parametrize("copied", ["gguf", "gguf and state", "another run's"])
+def test_a_checkpoint_under_another_name_is_refused(tmp_path, stopped, straight, capsys,
+                                                    copied):
     run = _copy(stopped, tmp_path)
     w = run / "weights"
     assert [s for s, _ in list_checkpoints(w)] == [2, 4]
-    shutil.copy(w / "step_2.gguf", w / "step_4.gguf")  # cp step_2.gguf step_4.gguf
+    if copied == "another run's":  # the same step of another run: only the id tells
+        shutil.copy(straight / "weights" / "step_4.gguf", w / "step_4.gguf")
+        want = f"{w / 'step_4.gguf'}: checkpoint id: expected "
+    else:
+        shutil.copy(w / "step_2.gguf", w / "step_4.gguf")  # cp step_2.gguf step_4.gguf
+        want = (f"{w / 'step_4.gguf'}: metadata key 'general.step': expected 4 (its name), "
+                "found 2")
     if copied == "gguf and state":
         shutil.copy(w / "step_2.state.safetensors", w / "step_4.state.safetensors")
-    want = f"{w / 'step_4.gguf'}: metadata key 'general.step': expected 4 (its name), found 2"
     for prog, rc in [
         ("toymlx-eval", lambda: eval_main(["--model", str(run)])),
         ("toymlx-generate", lambda: generate_main(["--model", str(run), "--prompt", "Once"])),

@@ -225,7 +225,10 @@ def check_name(ckpt: Path) -> None:
                           f"found {meta['general.step']}: the file of another checkpoint was "
                           "put under this name")
     st = state_path(ckpt)
-    sid = _state_header(st).get("checkpoint_id") if st.exists() else None
+    state = _state_header(st) if st.exists() else {}
+    sid = state.get("checkpoint_id") if state.get("step") == step else None
+    # a state file of this step with another id: the GGUF is the stranger (a state file of
+    # another step is named by `open_checkpoint`, for a resume, the one reader that uses it)
     if meta[ID_KEY] is not None and sid is not None and sid != meta[ID_KEY]:
         raise ResumeError(f"{ckpt}: checkpoint id: expected {sid} (that of {st.name}), found "
                           f"{meta[ID_KEY]}: the file of another checkpoint was put under this "

@@ -163,8 +163,8 @@ def save_config(run_dir: Path, recipe: str, cfg: Any) -> None:
 # ---- the data a run reads --------------------------------------------------------------------
 WHOLE_DIGEST_BYTES = 64 * 2**20
 """Data up to this size is fingerprinted by the SHA-256 of all of it; larger data by its size,
-modification time and the SHA-256 of a sample (`SAMPLE_BYTES` at each of 16 evenly spaced
-places), so a resume of a run on many GB checks in well under a second."""
+newest modification time and the SHA-256 of 16 samples of `SAMPLE_BYTES`, so a resume of a
+run on many GB checks in well under a second."""
 SAMPLE_BYTES = 2**16
 
 
@@ -186,27 +186,28 @@ def _files(path: Path) -> list[Path]:
 
 
 def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
-    """What identifies a data file or folder's contents: {"bytes", "sha256"} (every byte, for
-    data up to WHOLE_DIGEST_BYTES), or {"bytes", "mtime_ns", "sample_sha256"} (larger data)."""
-    files = _files(Path(path))
+    """What identifies a data file or folder's contents: {"bytes", "sha256"} (every name and
+    byte, for data up to WHOLE_DIGEST_BYTES), or {"bytes", "mtime_ns", "sample_sha256"} for
+    larger data (every name and size, and 16 samples spread over the files and their bytes)."""
     root = Path(path)
-    size = sum(p.stat().st_size for p in files)
+    files = _files(root)
+    sizes = [p.stat().st_size for p in files]
     digest = hashlib.sha256()
-    large = size > WHOLE_DIGEST_BYTES
-    for p in files:
-        n = p.stat().st_size
-        digest.update(f"{p.relative_to(root) if p != root else ''}|{n}|".encode())
-        with open(p, "rb") as f:
-            if not large:
+    for p, n in zip(files, sizes):
+        digest.update(f"{p.relative_to(root) if p != root else ''}|{n}\n".encode())
+    large = sum(sizes) > WHOLE_DIGEST_BYTES
+    if not large:
+        for p in files:
+            with open(p, "rb") as f:
                 for block in iter(lambda f=f: f.read(2**20), b""):
                     digest.update(block)
-                continue
-            for k in range(16):
-                f.seek(max(0, (n - SAMPLE_BYTES) * k // 15))
-                digest.update(f.read(SAMPLE_BYTES))
-    if not large:
-        return {"bytes": size, "sha256": digest.hexdigest()}
-    return {"bytes": size, "mtime_ns": max((p.stat().st_mtime_ns for p in files), default=0),
+        return {"bytes": sum(sizes), "sha256": digest.hexdigest()}
+    for k in range(16):  # the k-th sample: from the k/15-th file, at k/15 of its bytes
+        i = k * (len(files) - 1) // 15
+        with open(files[i], "rb") as f:
+            f.seek(max(0, (sizes[i] - SAMPLE_BYTES) * k // 15))
+            digest.update(f.read(SAMPLE_BYTES))
+    return {"bytes": sum(sizes), "mtime_ns": max(p.stat().st_mtime_ns for p in files),
             "sample_sha256": digest.hexdigest()}
 
 
@@ -409,7 +410,7 @@ class Bundle:
         self.saved = saved
         """config.json as read (`recipe`, `config`, `data_files`)."""
         self.events = events
-        """events.jsonl as read at open (or when the bundle was last owned: `own`)."""
+        """events.jsonl as read at open (as a resume's `rewind` left it, after)."""
 
     @classmethod
     def open(cls, path: str | os.PathLike, flag: str = "--resume") -> Bundle:
@@ -446,12 +447,10 @@ class Bundle:
 
     # ---- owning it, for a resume
     def own(self) -> Lock:
-        """Take the bundle's lock (LockHeld naming the owner) and read the events as the last
-        owner left them; the caller holds the lock while it trains."""
-        lock = lock_run(self.path)
-        self.events = ev.read_events(self.path)
-        self.config.steps = _planned_steps(self.events, self.config.steps)
-        return lock
+        """Take the bundle's lock (LockHeld naming the owner); the caller holds it while it
+        trains. What `open` read stays valid: only an owner writes the bundle, one that still
+        owns it is refused here, and `rewind` cuts back the events file as it is then."""
+        return lock_run(self.path)
 
     def resume_defaults(self, given: Any) -> Any:
         """The saved configuration as the options a resume starts from: continuing to the end,
