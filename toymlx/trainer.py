@@ -41,9 +41,9 @@ from toymlx.step import LossScale, make_step
 
 
 @dataclass
-class TrainConfig(RunOptions):
-    """Options of the shared training loop (every recipe has them): what is trained, and
-    (`RunOptions`) where the run lives and how this process drives it."""
+class TrainingOptions:
+    """What the shared training loop trains (every recipe has them): a resume keeps them,
+    but for --steps, which may extend the run."""
 
     steps: int = 200
     """Optimizer steps to train for (the schedule's length)."""
@@ -79,6 +79,13 @@ class TrainConfig(RunOptions):
     kernels: Literal["auto", "mlx", "vectorised"] = "auto"
     """Whose elementwise kernels the model trains with: auto is toymlx's vectorised CPU forms
     (toymlx.fastmath) for float32 on the CPU, MLX's own elsewhere."""
+
+
+@dataclass
+class TrainConfig(RunOptions, TrainingOptions):
+    """Options of the shared training loop (every recipe has them): what is trained
+    (`TrainingOptions`, listed first), and where the run lives and how this process drives it
+    (`runs.RunOptions`, whose fields are the run-local options)."""
 
 
 def check_config(module: ModuleType, cfg: TrainConfig) -> None:
