@@ -7,6 +7,7 @@ a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -27,14 +28,15 @@ class Args:
     model: str
     """A checkpoint GGUF or a run directory (uses weights/latest)."""
     data_path: Annotated[str | None, tyro.conf.arg(aliases=("--data.path",))] = None
-    """Images (an ImageFolder, CIFAR batches, IDX, .npz; default: a run directory's own data,
-    else the digits fixture) or a UTF-8 text file for a Llama."""
+    """Images (an ImageFolder, CIFAR batches, IDX, .npz) or a UTF-8 text file for a Llama;
+    default: the data of the run --model belongs to (the same held-out split its training
+    evaluated), else the digits fixture or the Python docs."""
     split: Literal["val", "all"] = "val"
     """Evaluate the validation split (the same fixed split training used) or every example."""
     batch_size: int = 256
     """Examples per forward pass."""
-    seq_len: int = 256
-    """Llama only: tokens per window."""
+    seq_len: int | None = None
+    """Llama only: tokens per window (default: a run's own --seq-len, else 256)."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
@@ -56,13 +58,13 @@ def show(args: Args) -> int:
     return 0
 
 
-def _run_data(run_dir: Path) -> dict:
-    """The data options a run directory was trained with ({} when it has no config.json)."""
-    from toymlx.runs import saved_config
+def _run_config(model: str):
+    """The configuration of the run `--model` names (a run folder, or a checkpoint in its
+    weights/), None for a GGUF of its own: its data is what eval reads unless told otherwise."""
+    from toymlx.runs import Bundle
 
-    saved = saved_config(run_dir)
-    data = saved["config"].get("data") if saved is not None else None
-    return data if isinstance(data, dict) else {}
+    bundle = Bundle.of(model)
+    return bundle.config if bundle is not None else None
 
 
 def evaluate_images(args: Args, path: Path) -> dict:
@@ -78,7 +80,8 @@ def evaluate_images(args: Args, path: Path) -> dict:
     from toymlx.data.images import load_images
 
     clf = Classifier.load(path)
-    run = _run_data(Path(args.model)) if Path(args.model).is_dir() else {}
+    cfg = _run_config(args.model)
+    run = dataclasses.asdict(cfg.data) if cfg is not None and hasattr(cfg, "data") else {}
     data_path = args.data_path if args.data_path is not None else run.get("path")
     val_path = run.get("val_path") if args.data_path is None else None
     data = load_images(data_path, 0.0 if args.split == "all" and not val_path else
@@ -130,10 +133,14 @@ def evaluate(args: Args) -> dict:
 
         model, g = load_llama(path)
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
-        td = load_token_data(TextData(args.data_path), tok, args.seq_len)
+        cfg = _run_config(args.model)
+        data = (cfg.data if args.data_path is None and cfg is not None
+                and isinstance(getattr(cfg, "data", None), TextData) else TextData(args.data_path))
+        seq_len = args.seq_len or getattr(cfg, "seq_len", 256)
+        td = load_token_data(data, tok, seq_len)
         if args.split == "all":
             td = TokenData(td.train, np.concatenate([td.train, td.val]), td.source)
-        vb = td.val_batches(max(1, args.batch_size // 16), args.seq_len, 10**9)
+        vb = td.val_batches(max(1, args.batch_size // 16), seq_len, 10**9)
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
         m = run_eval(task)
         mx.eval()

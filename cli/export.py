@@ -92,7 +92,6 @@ def run(args: Args) -> int:
     from toymlx.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
     from toymlx.lora import apply_adapter, write_merged
-    from toymlx.model_store import resolve_model
 
     if args.format == "modelfile":
         return export_modelfile(args)
@@ -107,7 +106,7 @@ def run(args: Args) -> int:
     if not args.base:
         raise ValueError("--base: expected the llama GGUF to export (or --model with --format "
                          "safetensors for a ViT), found none")
-    base = resolve_model(args.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
+    base = checkpoint_file(args.base, "--base")  # a path, a run, or ollama:NAME / lmstudio:NAME
     out = Path(args.out)
     if args.fuse and not args.adapter:
         raise ValueError("--fuse: expected --adapter (the adapter to merge), found none")

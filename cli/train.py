@@ -42,9 +42,10 @@ def _usage() -> str:
 
 
 def _ignore_late_signals() -> None:
-    """At exit, after the run ended: Python puts SIGINT/SIGTERM back to the system default while
-    it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code lost)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    """At exit, after the run ended: Python puts the stop signals back to the system default
+    while it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code
+    lost)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -68,25 +69,25 @@ def _main(argv: list[str] | None) -> int:
     import tyro
 
     from toymlx.recipes import get_recipe
-    from toymlx.run import load_saved_run, run_training
-    from toymlx.runs import RunError
+    from toymlx.run import run_training
+    from toymlx.runs import Bundle, RunError
 
     argv = sys.argv[1:] if argv is None else argv
     if "--version" in argv:
         print(version_text())
         return 0
     recipe, resume, rest = _split_recipe(argv)
-    default = None
+    default, bundle = None, None
     try:
         if resume:
-            saved_recipe, module, default = load_saved_run(resume)
-            if recipe and recipe != saved_recipe:
+            bundle = Bundle.open(resume)
+            if recipe and recipe != bundle.recipe:
                 raise RunError(f"{resume}: --resume: expected a run of recipe {recipe!r}, found "
-                               f"a {saved_recipe!r} run")
-            recipe = saved_recipe
+                               f"a {bundle.recipe!r} run")
+            recipe, module = bundle.recipe, bundle.module
             # The saved options are the defaults; run_training refuses any change that is not
             # run-local. A resumed run continues to the end unless told otherwise here.
-            default.stop_at, default.resume, default.overwrite = None, resume, False
+            default = bundle.resume_defaults(resume)
         elif recipe is None:
             print(_usage(), file=sys.stderr if "--help" not in argv else sys.stdout)
             return 0 if ("--help" in argv or "-h" in argv) else 2
@@ -97,7 +98,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     cfg = tyro.cli(module.Config, args=rest, default=default,
                    prog=f"toymlx-train --recipe {recipe}", description=module.__doc__)
-    return run_training(recipe, module, cfg)
+    return run_training(recipe, module, cfg, bundle)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
 from toymlx.model_store import is_store_name
 from toymlx.models.llama import Llama
-from toymlx.runs import CONFIG_FILE, saved_config
+from toymlx.runs import Bundle
 from toymlx.tokenizer import Tokenizer
 
 
@@ -75,13 +75,9 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
 
 def _lora_run_base(path: str | os.PathLike) -> str | None:
     """The `--base` a LoRA run was trained on (its config.json), when `path` is in a run."""
-    p = Path(path)
-    for run_dir in (p, p.parent.parent):  # the run folder, or a file in its weights/
-        if (run_dir / CONFIG_FILE).is_file():
-            saved = saved_config(run_dir)
-            base = saved["config"].get("base") if saved is not None else None
-            return str(base) if base else None
-    return None
+    bundle = Bundle.of(path)
+    base = getattr(bundle.config, "base", None) if bundle is not None else None
+    return str(base) if base else None
 
 
 ENGINES = ("auto", "mlx", "llama.cpp")

@@ -19,7 +19,7 @@ from toymlx import atomic
 from toymlx.checkpoint import checkpoint_file
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.model_store import Resolved, is_store_name, resolve
-from toymlx.runs import saved_config
+from toymlx.runs import Bundle
 from toymlx.tokenizer import Tokenizer
 
 MODELFILE = "Modelfile"
@@ -39,11 +39,10 @@ def quote(value: str) -> str:
 def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
     """The base a LoRA adapter was trained on: its run's `--base`, else the adapter's
     `toy.base` where that is a store name or an existing file."""
-    p = Path(adapter)
-    for run_dir in (p, p.parent.parent, adapter_file.parent.parent):
-        saved = saved_config(run_dir) if (run_dir / "config.json").is_file() else None
-        if saved is not None and saved["config"].get("base"):
-            return str(saved["config"]["base"])
+    for path in (adapter, adapter_file):
+        bundle = Bundle.of(path, "--adapter")
+        if bundle is not None and getattr(bundle.config, "base", None):
+            return str(bundle.config.base)
     with GGUFFile(adapter_file) as g:
         base = g.metadata.get("toy.base")
     if isinstance(base, str) and (is_store_name(base) or Path(base).is_file()):

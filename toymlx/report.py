@@ -22,11 +22,9 @@ from typing import Any
 
 from toymlx import atomic
 from toymlx.events import read_events
-from toymlx.runs import saved_config
+from toymlx.runs import RUN_LOCAL, Bundle, RunError, saved_config
 
 SWEEP_FILE = "sweep.json"
-# config.json keys that name where or how a run was started, not what was trained
-_NOT_PARAMS = {"run_id", "runs_root", "resume", "overwrite", "progress", "stop_at"}
 # metric -> True when higher is better
 METRICS = {"val_loss": False, "accuracy": True}
 
@@ -77,14 +75,19 @@ def run_status(events: list[dict]) -> tuple[str, str | None]:
 def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     """One run bundle as a flat summary row (see `summarize`)."""
     run_dir = Path(run_dir)
-    events = read_events(run_dir) if run_dir.is_dir() else []
+    try:
+        bundle = Bundle.open(run_dir, "toymlx-report")
+        saved: dict[str, Any] | None = bundle.saved
+        events = bundle.events
+    except RunError:  # a damaged or unfinished bundle: show what its files still tell
+        saved = saved_config(run_dir)
+        events = read_events(run_dir) if run_dir.is_dir() else []
     status, message = run_status(events)
     if not run_dir.exists():
         status = "missing"
     starts = [e for e in events if e["kind"] == "run_start"]
     config: dict[str, Any] = {}
     recipe = starts[-1].get("recipe") if starts else None
-    saved = saved_config(run_dir)
     if saved is not None:
         config, recipe = saved["config"], recipe or saved.get("recipe")
     elif starts:
@@ -216,7 +219,7 @@ def add_params(rows: list[dict[str, Any]]) -> list[str]:
         return names
     keys: list[str] = []
     for r in rows:
-        keys += [k for k in r["config"] if k not in keys and k not in _NOT_PARAMS]
+        keys += [k for k in r["config"] if k not in keys and k.split(".")[0] not in RUN_LOCAL]
     names = [k for k in keys
              if len({json.dumps(r["config"].get(k), sort_keys=True) for r in rows}) > 1]
     for r in rows:
