@@ -34,6 +34,8 @@ from toymlx.models.llama import Llama, tiny
 from toymlx.recipes.lora import resolve_base_dtype
 from toymlx.tokenizer import Tokenizer, byte_tokenizer
 
+from cli_errors import error_line
+
 CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 ARGS = tiny(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, context=256)
@@ -390,3 +392,40 @@ def test_export_cli(tiny_gguf, tmp_path, capsys):
                    "--out", str(tmp_path / "x.gguf")]) == 2
     assert "metadata key 'general.type': expected 'adapter'" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
+
+
+def mlx_lm_folder(path: Path, n_train: int = 12, n_valid: int = 3, n_test: int = 4) -> Path:
+    """A data folder in mlx-lm's layout: chat records in train/valid/test.jsonl."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+        if n:
+            (path / f"{name}.jsonl").write_text("".join(json.dumps({"messages": [
+                {"role": "user", "content": f"{name} question {i}?"},
+                {"role": "assistant", "content": f"answer {i * 7 % 10}"}]}) + "\n"
+                for i in range(n)))
+    return path
+
+
+def events_of(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
+    data = mlx_lm_folder(tmp_path / "data")
+    common = ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+              "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
+              "--no-progress", "--no-compile", "--data.path", str(data)]
+    assert _train(common + ["--run-id", "folder"]) == 0
+    start = events_of(tmp_path / "folder")[0]
+    assert start["config"]["data_source"] == f"{data / 'train.jsonl'} + {data / 'valid.jsonl'}"
+    # packed rows of 64: the 12 training conversations, and the 3 of valid.jsonl (a split of
+    # train.jsonl would hold one conversation)
+    assert start["config"]["train_rows"] == 10 and start["config"]["val_rows"] == 3
+    (data / "train.jsonl").rename(data / "training.jsonl")
+    capsys.readouterr()
+    assert _train(common + ["--run-id", "bad"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {data}: data folder: expected train.jsonl (required), valid.jsonl "
+        "and test.jsonl (optional) (mlx-lm's layout), found test.jsonl, training.jsonl, "
+        "valid.jsonl")
+    assert not (tmp_path / "bad").exists()

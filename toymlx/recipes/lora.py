@@ -56,17 +56,20 @@ class LoRAOptions:
 
 @dataclass
 class ChatDataOptions:
-    """Supervised fine-tuning examples (JSONL: text, prompt/completion or messages)."""
+    """Supervised fine-tuning examples (JSONL: text, prompt/completion or messages [+ tools])."""
 
     path: str | None = None
-    """Example file; default: the Python stdlib Q&A shipped in toymlx/fixtures/python_qa/."""
+    """An example file, or a folder in mlx-lm's layout: train.jsonl, optional valid.jsonl
+    (else the split below) and test.jsonl (--test); default: the Python stdlib Q&A shipped in
+    toymlx/fixtures/python_qa/."""
     mask_prompt: bool = True
     """Train on the answers only (prompts and chat headers get no loss)."""
     pack: bool = True
     """Concatenate examples into full rows (--data.no-pack: one padded example per row; on a
     CPU every padded position costs as much as a real one)."""
     val_fraction: float = 0.1
-    """Fraction of the examples, from the end of the file, held out for validation."""
+    """Fraction of the examples, from the end of the file, held out for validation (not used
+    when a data folder has valid.jsonl)."""
 
 
 @dataclass
