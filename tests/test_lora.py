@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from cli_errors import error_line
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 from mlx import nn
@@ -33,8 +34,6 @@ from toymlx.losses import lm_loss
 from toymlx.models.llama import Llama, tiny
 from toymlx.recipes.lora import resolve_base_dtype
 from toymlx.tokenizer import Tokenizer, byte_tokenizer
-
-from cli_errors import error_line
 
 CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
