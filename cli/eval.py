@@ -2,7 +2,8 @@
 
 A ViT checkpoint reports accuracy, per-class accuracy and a confusion matrix on the validation
 split of its image data (the run's own data for a run directory; every image with --split all;
-a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file.
+a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file,
+and with --split test (a llama checkpoint or a LoRA run) on test.jsonl, as `toymlx-train --test`.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ class Args:
     data_path: Annotated[str | None, tyro.conf.arg(aliases=("--data.path",))] = None
     """Images (an ImageFolder, CIFAR batches, IDX, .npz; default: a run directory's own data,
     else the digits fixture) or a UTF-8 text file for a Llama."""
-    split: Literal["val", "all"] = "val"
-    """Evaluate the validation split (the same fixed split training used) or every example."""
+    split: Literal["val", "all", "test"] = "val"
+    """Evaluate the validation split (the same fixed split training used), every example, or
+    (a Llama or LoRA run) the test examples: a data folder's test.jsonl, or a JSONL file."""
     batch_size: int = 256
     """Examples per forward pass."""
-    seq_len: int = 256
-    """Llama only: tokens per window."""
+    seq_len: int | None = None
+    """Llama only: tokens per window or row (default: a run directory's --seq-len, else
+    256)."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
@@ -104,6 +107,40 @@ def evaluate_images(args: Args, path: Path) -> dict:
     return out
 
 
+def evaluate_test(args: Args) -> dict:
+    """Held-out loss and perplexity of a Llama checkpoint or LoRA run (base + adapter) on test
+    examples, rows built as training built them (the run's --seq-len, --data.mask-prompt and
+    --data.pack): what `toymlx-train --test` records at the end of a run."""
+    import math
+
+    from toymlx.data.chat import held_out_rows, load_examples, sft_val_batches, test_file
+    from toymlx.generate import load_for_generation
+    from toymlx.losses import lm_loss
+    from toymlx.runs import saved_config
+    from toymlx.trainer import Task
+    from toymlx.trainer import evaluate as run_eval
+
+    saved = saved_config(args.model) if Path(args.model).is_dir() else None
+    config = saved["config"] if saved is not None else {}
+    data = config.get("data") if isinstance(config.get("data"), dict) else {}
+    path = args.data_path if args.data_path is not None else data.get("path")
+    if path is None:
+        raise ValueError("--data.path: expected a data folder with test.jsonl or a JSONL file "
+                         "of test examples (--split test), found none")
+    seq_len = args.seq_len or config.get("seq_len") or 256
+    model, tok = load_for_generation(args.model)
+    f = test_file(path)
+    rows = held_out_rows(load_examples(f), tok, seq_len, data.get("mask_prompt", True),
+                         data.get("pack", True))
+    n = len(rows["inputs"])
+    bs = max(1, min(args.batch_size, n))
+    task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
+                test_batches=sft_val_batches(rows, bs, -(-n // bs)))
+    m = run_eval(task, split="test")
+    return {"model": str(args.model), "data": str(f), "split": "test", "rows": n,
+            "test_loss": m["test_loss"], "test_perplexity": math.exp(m["test_loss"])}
+
+
 def evaluate(args: Args) -> dict:
     import mlx.core as mx
     import numpy as np
@@ -115,6 +152,8 @@ def evaluate(args: Args) -> dict:
     from toymlx.trainer import evaluate as run_eval
 
     select_device(args.device)
+    if args.split == "test":
+        return evaluate_test(args)
     path = checkpoint_file(args.model)
     arch = GGUFFile(path).architecture
     if arch == "vit":
@@ -130,10 +169,11 @@ def evaluate(args: Args) -> dict:
 
         model, g = load_llama(path)
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
-        td = load_token_data(TextData(args.data_path), tok, args.seq_len)
+        seq_len = args.seq_len or 256
+        td = load_token_data(TextData(args.data_path), tok, seq_len)
         if args.split == "all":
             td = TokenData(td.train, np.concatenate([td.train, td.val]), td.source)
-        vb = td.val_batches(max(1, args.batch_size // 16), args.seq_len, 10**9)
+        vb = td.val_batches(max(1, args.batch_size // 16), seq_len, 10**9)
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
         m = run_eval(task)
         mx.eval()

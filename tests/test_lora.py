@@ -414,12 +414,48 @@ def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
     common = ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
               "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
               "--no-progress", "--no-compile", "--data.path", str(data)]
-    assert _train(common + ["--run-id", "folder"]) == 0
-    start = events_of(tmp_path / "folder")[0]
+    assert _train(common + ["--run-id", "folder", "--test"]) == 0
+    run = tmp_path / "folder"
+    events = events_of(run)
+    start = events[0]
     assert start["config"]["data_source"] == f"{data / 'train.jsonl'} + {data / 'valid.jsonl'}"
     # packed rows of 64: the 12 training conversations, and the 3 of valid.jsonl (a split of
     # train.jsonl would hold one conversation)
     assert start["config"]["train_rows"] == 10 and start["config"]["val_rows"] == 3
+    assert start["config"]["test_source"] == str(data / "test.jsonl")
+    # --test: one eval event with split test after the last step's validation, before run_end
+    assert [(e["kind"], e.get("step"), e.get("split")) for e in events[-5:]] == [
+        ("step", 2, None), ("eval", 2, None), ("checkpoint", 2, None), ("eval", 2, "test"),
+        ("run_end", None, None)]
+    test = [events[-2]]
+    assert test[0]["test_perplexity"] == pytest.approx(np.exp(test[0]["test_loss"]), rel=1e-12)
+    assert f"test_loss {test[0]['test_loss']:.4f}" in capsys.readouterr().err  # the final line
+    # the same figure by hand: base + adapter, float64 log-softmax over test.jsonl's rows
+    from toymlx.data.chat import held_out_rows
+    from toymlx.generate import load_for_generation
+
+    model, tok = load_for_generation(run)
+    rows = held_out_rows(load_examples(data / "test.jsonl"), tok, 64, True, True)
+    logits = np.array(model(mx.array(rows["inputs"])), dtype=np.float64)  # (N, T, V)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))
+    picked = np.take_along_axis(logp, rows["targets"][..., None], -1)[..., 0]  # (N, T)
+    by_hand = -(picked * rows["mask"]).sum() / rows["mask"].sum()
+    assert test[0]["test_loss"] == pytest.approx(by_hand, abs=2e-5)
+    # toymlx-eval --split test and toymlx-report show the same figures
+    from toymlx_cli.eval import main as eval_main
+
+    assert eval_main(["--model", str(run), "--split", "test", "--batch-size", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"] == len(rows["inputs"]) and out["data"] == str(data / "test.jsonl")
+    assert out["test_loss"] == pytest.approx(test[0]["test_loss"], abs=1e-5)
+    from toymlx.report import format_table, summarize_run
+
+    row = summarize_run(run)
+    assert (row["test_loss"], row["test_perplexity"]) == (test[0]["test_loss"],
+                                                          test[0]["test_perplexity"])
+    assert row["final"] == events[-4]["val_loss"]  # the validation curve keeps its last point
+    assert "test_perplexity" in format_table([row], []).splitlines()[0]
     (data / "train.jsonl").rename(data / "training.jsonl")
     capsys.readouterr()
     assert _train(common + ["--run-id", "bad"]) == 2
@@ -428,3 +464,8 @@ def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
         "and test.jsonl (optional) (mlx-lm's layout), found test.jsonl, training.jsonl, "
         "valid.jsonl")
     assert not (tmp_path / "bad").exists()
+    (data / "training.jsonl").rename(data / "train.jsonl")
+    (data / "test.jsonl").unlink()
+    assert _train(common + ["--run-id", "no-test", "--test"]) == 2
+    assert error_line(capsys) == ("toymlx-train: error: --test: expected --data.path to be a data "
+                                  f"folder with test.jsonl, found {data}")

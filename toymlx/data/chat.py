@@ -51,6 +51,7 @@ __all__ = [
     "sft_batch",
     "sft_val_batches",
     "split_examples",
+    "test_file",
     "tokenize_example",
 ]
 
@@ -260,6 +261,18 @@ def data_files(path: str | Path) -> DataFiles:
         return path / name if (path / name).is_file() else None
 
     return DataFiles(path / "train.jsonl", optional("valid.jsonl"), optional("test.jsonl"))
+
+
+def test_file(path: str | Path) -> Path:
+    """The test examples of a data path: a folder's test.jsonl, or a file itself."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    test = data_files(path).test
+    if test is None:
+        raise DataError(f"{path}: data folder: expected a test.jsonl to score, found "
+                        f"{', '.join(sorted(p.name for p in path.iterdir()))}")
+    return test
 
 
 def split_examples(

@@ -17,7 +17,7 @@ import numpy as np
 
 from toymlx import model_store
 from toymlx.data import fixture_path
-from toymlx.data.chat import SFTData
+from toymlx.data.chat import SFTData, data_files
 from toymlx.device import on_gpu
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.quant import EXACT_QUANTS, all_exact, projection_types
@@ -100,6 +100,10 @@ class Config(TrainConfig):
     """Steps between validation passes (0: only at the end)."""
     checkpoint_every: int = 50
     """Steps between adapter checkpoints (0: only the final one)."""
+    test: bool = False
+    """At the end of a completed run, score the data folder's test.jsonl: held-out loss and
+    perplexity, an `eval` event with split "test" (mlx-lm's --test; later:
+    `toymlx-eval --model RUN --split test`)."""
 
 
 def validate(cfg: Config) -> None:
@@ -117,6 +121,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--lora.alpha: expected > 0, found {cfg.lora.alpha}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ValueError(f"--lora.dropout: expected in [0, 1), found {cfg.lora.dropout}")
+    if cfg.test and (cfg.data.path is None or data_files(cfg.data.path).test is None):
+        raise ValueError(f"--test: expected --data.path to be a data folder with test.jsonl, "
+                         f"found {'no --data.path' if cfg.data.path is None else cfg.data.path}")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ValueError(f"--data.val-fraction: expected in [0, 1), found "
                          f"{cfg.data.val_fraction}")
@@ -180,9 +187,12 @@ def build(cfg: Config, ops: Ops) -> Task:
         load=lambda path, m: load_adapter_weights(m, path), model_info=info,
         config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,
                      "data_source": data.source,
+                     **({"test_source": data.test_source,
+                         "test_rows": len(data.test["inputs"])} if data.test is not None
+                        else {}),
                      "train_rows": len(data.train["inputs"]), "val_rows": len(data.val["inputs"]),
                      "train_target_tokens": int(data.train["mask"].sum()),
                      "n_truncated": data.n_truncated, **src.record("base")},
         unit="tokens", count=lambda b: int(np.sum(b["mask"])),
-        prefix="adapter_step_")
+        prefix="adapter_step_", test_batches=data.test_batches(cfg.batch_size) if cfg.test else [])
 
