@@ -526,7 +526,7 @@ def step_losses(run: Path) -> list[float]:
     return [e["loss"] for e in events_of(run) if e["kind"] == "step"]
 
 
-def test_dora_run_and_its_fused_export(tiny_gguf, tmp_path):
+def test_dora_run_and_its_fused_export(tiny_gguf, tmp_path, capsys):
     from toymlx_cli.export import main as export
 
     from toymlx.generate import load_for_generation
@@ -550,6 +550,11 @@ def test_dora_run_and_its_fused_export(tiny_gguf, tmp_path):
                    "--out", str(merged)]) == 0
     assert "adapter.type" not in GGUFFile(merged).metadata  # a plain model llama.cpp runs
     np.testing.assert_allclose(np.array(base(merged)(TOKENS)), with_adapter, atol=2e-5)
+    assert export(["--base", str(tiny_gguf), "--adapter", str(run), "--out",
+                   str(tmp_path / "x.gguf")]) == 2
+    assert "found a DoRA adapter (toymlx's own format: llama.cpp has none); add --fuse" in \
+        error_line(capsys, "toymlx-export")
+    assert not (tmp_path / "x.gguf").exists()
     # resumed from step 2: the adapter of the uninterrupted run
     assert _train([*args, "--run-id", "cut", "--stop-at", "2"]) == 0
     assert _train(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
