@@ -33,7 +33,8 @@ name that run's bundle or steer that one process."""
 MLX_LM_KEYS = {
     "model": "--base", "data": "--data.path", "fine_tune_type": "--fine-tune-type",
     "iters": "--steps", "learning_rate": "--lr", "num_layers": "--lora.layers",
-    "lora_parameters": "--lora.rank, --lora.alpha (scale x rank) and --lora.dropout",
+    "lora_parameters": "--lora.rank, --lora.alpha (scale x rank), --lora.dropout and "
+                       "--lora.targets (for keys)",
     "max_seq_length": "--seq-len", "grad_accumulation_steps": "--grad-accum",
     "steps_per_eval": "--eval-every", "val_batches": "--eval-batches",
     "save_every": "--checkpoint-every", "resume_adapter_file": "--lora.init-adapter",
@@ -241,7 +242,7 @@ def parser_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> list[st
     if path is None:
         return rest
     table = {_norm(o): a for a in parser._actions for o in a.option_strings
-             if o.startswith("--") and a.dest not in ("help", "version")}
+             if a.dest not in ("help", "version")}
     for key, value in _flatten(read_config_file(path)).items():
         if key not in table:
             raise ConfigFileError(_unknown(path, key, table, parser.prog))

@@ -147,3 +147,23 @@ def test_report_takes_a_config_file(tmp_path, data, capsys):
     assert error_line(capsys, "toymlx-report") == (
         f"toymlx-report: error: {cfg}: key 'output': expected an option of toymlx-report, found "
         "an unknown key; did you mean --out?")
+
+
+def test_sweep_passes_the_file_to_every_run_before_its_grid_values():
+    from toymlx import sweep
+
+    specs = sweep.grid(["-c", "cfg.yaml", "--steps", "3"], {"lr": [1e-3, 2e-3]},
+                       recipe="from-scratch")
+    # the runs' own -c handling puts the later flags (the grid's) over the file
+    assert [s.args for s in specs] == [("-c", "cfg.yaml", "--steps", "3", "--lr", "0.001"),
+                                       ("-c", "cfg.yaml", "--steps", "3", "--lr", "0.002")]
+
+
+def test_launch_options_from_a_config_file(tmp_path, capsys):
+    from toymlx_cli.launch import main as launch
+
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text("n: 2\ngrace: fast\n")
+    assert launch(["-c", str(cfg), "--", "true"]) == 2
+    assert error_line(capsys, "toymlx-launch") == (
+        f"toymlx-launch: error: {cfg}: key 'grace': expected a number, found \"fast\"")
