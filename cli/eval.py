@@ -2,8 +2,9 @@
 
 A ViT checkpoint reports accuracy, per-class accuracy and a confusion matrix on the validation
 split of its image data (the run's own data for a run directory; every image with --split all;
-a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file,
-and with --split test (a llama checkpoint or a LoRA run) on test.jsonl, as `toymlx-train --test`.
+a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file;
+a lora run (any --fine-tune-type) on its chat/SFT validation rows, and with --split test (a lora
+run or a llama checkpoint) on test.jsonl, as `toymlx-train --test` does.
 """
 
 from __future__ import annotations
@@ -59,12 +60,18 @@ def show(args: Args) -> int:
     return 0
 
 
-def _run_data(run_dir: Path) -> dict:
-    """The data options a run directory was trained with ({} when it has no config.json)."""
+def _run_config(model: Path) -> dict:
+    """The options a run directory was trained with and its recipe (`_recipe`); {} for a file
+    or a folder without config.json."""
     from toymlx.runs import saved_config
 
-    saved = saved_config(run_dir)
-    data = saved["config"].get("data") if saved is not None else None
+    saved = saved_config(model) if model.is_dir() else None
+    return {**saved["config"], "_recipe": saved.get("recipe")} if saved is not None else {}
+
+
+def _run_data(run_dir: Path) -> dict:
+    """The data options a run directory was trained with ({} when it has no config.json)."""
+    data = _run_config(run_dir).get("data")
     return data if isinstance(data, dict) else {}
 
 
@@ -107,38 +114,56 @@ def evaluate_images(args: Args, path: Path) -> dict:
     return out
 
 
-def evaluate_test(args: Args) -> dict:
-    """Held-out loss and perplexity of a Llama checkpoint or LoRA run (base + adapter) on test
-    examples, rows built as training built them (the run's --seq-len, --data.mask-prompt and
-    --data.pack): what `toymlx-train --test` records at the end of a run."""
+def evaluate_chat(args: Args, run: dict) -> dict:
+    """Loss and perplexity of a LoRA run (base + adapter, or a full fine-tune's checkpoint) or a
+    Llama checkpoint on chat/SFT examples, rows built as training built them (the run's
+    --seq-len, --data.mask-prompt, --data.pack): its validation rows (a data folder's
+    valid.jsonl, else the split training used), every row (--split all), or test.jsonl
+    (--split test: what `toymlx-train --test` records at the end of a run)."""
     import math
 
-    from toymlx.data.chat import held_out_rows, load_examples, sft_val_batches, test_file
+    import numpy as np
+
+    from toymlx.data.chat import (
+        SFTData,
+        held_out_rows,
+        load_examples,
+        sft_val_batches,
+        test_file,
+    )
     from toymlx.generate import load_for_generation
     from toymlx.losses import lm_loss
-    from toymlx.runs import saved_config
+    from toymlx.recipes.lora import DEFAULT_DATA
     from toymlx.trainer import Task
     from toymlx.trainer import evaluate as run_eval
 
-    saved = saved_config(args.model) if Path(args.model).is_dir() else None
-    config = saved["config"] if saved is not None else {}
-    data = config.get("data") if isinstance(config.get("data"), dict) else {}
+    data = run.get("data") if isinstance(run.get("data"), dict) else {}
     path = args.data_path if args.data_path is not None else data.get("path")
-    if path is None:
+    if path is None and args.split == "test":
         raise ValueError("--data.path: expected a data folder with test.jsonl or a JSONL file "
                          "of test examples (--split test), found none")
-    seq_len = args.seq_len or config.get("seq_len") or 256
+    seq_len = args.seq_len or run.get("seq_len") or 256
+    mask, pack = data.get("mask_prompt", True), data.get("pack", True)
     model, tok = load_for_generation(args.model)
-    f = test_file(path)
-    rows = held_out_rows(load_examples(f), tok, seq_len, data.get("mask_prompt", True),
-                         data.get("pack", True))
+    if args.split == "test":
+        f = test_file(path)
+        rows, source = held_out_rows(load_examples(f), tok, seq_len, mask, pack), str(f)
+    else:
+        sft = SFTData.from_file(path or DEFAULT_DATA, tok, seq_len, mask, pack,
+                                data.get("val_fraction", 0.1))
+        rows, source = sft.val, sft.source
+        if args.split == "all":
+            rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
     n = len(rows["inputs"])
     bs = max(1, min(args.batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
                 test_batches=sft_val_batches(rows, bs, -(-n // bs)))
-    m = run_eval(task, split="test")
-    return {"model": str(args.model), "data": str(f), "split": "test", "rows": n,
-            "test_loss": m["test_loss"], "test_perplexity": math.exp(m["test_loss"])}
+    loss = run_eval(task, split="test")["test_loss"]
+    # named as the run's events name them (test) and as a text checkpoint's report (val, all)
+    names = ("test_loss", "test_perplexity") if args.split == "test" else ("val_loss",
+                                                                          "perplexity")
+    return {"model": str(args.model), "data": source, "split": args.split, "rows": n,
+            names[0]: loss, names[1]: math.exp(loss)}
 
 
 def evaluate(args: Args) -> dict:
@@ -152,8 +177,9 @@ def evaluate(args: Args) -> dict:
     from toymlx.trainer import evaluate as run_eval
 
     select_device(args.device)
-    if args.split == "test":
-        return evaluate_test(args)
+    run = _run_config(Path(args.model))
+    if args.split == "test" or run.get("_recipe") == "lora":
+        return evaluate_chat(args, run)
     path = checkpoint_file(args.model)
     arch = GGUFFile(path).architecture
     if arch == "vit":

@@ -450,6 +450,9 @@ def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] == len(rows["inputs"]) and out["data"] == str(data / "test.jsonl")
     assert out["test_loss"] == pytest.approx(test[0]["test_loss"], abs=1e-5)
+    assert eval_main(["--model", str(run)]) == 0  # the validation rows: valid.jsonl's
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"] == 3 and out["val_loss"] == pytest.approx(events[-4]["val_loss"], abs=1e-5)
     from toymlx.report import format_table, summarize_run
 
     row = summarize_run(run)
