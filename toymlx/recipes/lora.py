@@ -86,7 +86,7 @@ class ChatDataOptions:
 
 @dataclass
 class Config(TrainConfig):
-    """toymlx-train --recipe lora --base MODEL.gguf: train LoRA adapters on a frozen model."""
+    """toymlx-train --recipe lora --base MODEL.gguf: fine-tune a model (LoRA, DoRA or full)."""
 
     base: str | None = None
     """The llama GGUF to adapt (required); its tokenizer and chat template are used."""
