@@ -2,7 +2,9 @@
 
 A ViT checkpoint reports accuracy, per-class accuracy and a confusion matrix on the validation
 split of its image data (the run's own data for a run directory; every image with --split all;
-a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file.
+a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file;
+a lora run (any --fine-tune-type) on its chat/SFT validation rows, and with --split test (a lora
+run or a llama checkpoint) on test.jsonl, as `toymlx-train --test` does.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import tyro
 from toymlx_cli import run_command
@@ -31,8 +33,9 @@ class Args:
     """Images (an ImageFolder, CIFAR batches, IDX, .npz) or a UTF-8 text file for a Llama;
     default: the data of the run --model belongs to (the same held-out split its training
     evaluated), else the digits fixture or the Python docs."""
-    split: Literal["val", "all"] = "val"
-    """Evaluate the validation split (the same fixed split training used) or every example."""
+    split: Literal["val", "all", "test"] = "val"
+    """Evaluate the validation split (the same fixed split training used), every example, or
+    (a Llama or LoRA run) the test examples: a data folder's test.jsonl, or a JSONL file."""
     batch_size: int = 256
     """Examples per forward pass."""
     seq_len: int | None = None
@@ -58,12 +61,17 @@ def show(args: Args) -> int:
     return 0
 
 
-def _run_config(model: str):
-    """The configuration of the run `--model` names (a run folder, or a checkpoint in its
-    weights/), None for a GGUF of its own: its data is what eval reads unless told otherwise."""
+def _run_bundle(model: str):
+    """The run `--model` names (a run folder, or a checkpoint in its weights/), None for a GGUF
+    of its own: its data is what eval reads unless told otherwise."""
     from toymlx.runs import Bundle
 
-    bundle = Bundle.of(model)
+    return Bundle.of(model)
+
+
+def _run_config(model: str):
+    """The configuration of the run `--model` names, None for a GGUF of its own."""
+    bundle = _run_bundle(model)
     return bundle.config if bundle is not None else None
 
 
@@ -107,6 +115,59 @@ def evaluate_images(args: Args, path: Path) -> dict:
     return out
 
 
+def evaluate_chat(args: Args, cfg: Any) -> dict:
+    """Loss and perplexity of a LoRA run (base + adapter, or a full fine-tune's checkpoint) or a
+    Llama checkpoint on chat/SFT examples, rows built as training built them (the run's
+    --seq-len, --data.mask-prompt, --data.pack): its validation rows (a data folder's
+    valid.jsonl, else the split training used), every row (--split all), or test.jsonl
+    (--split test: what `toymlx-train --test` records at the end of a run)."""
+    import math
+
+    import numpy as np
+
+    from toymlx.data.chat import (
+        SFTData,
+        held_out_rows,
+        load_examples,
+        sft_val_batches,
+        test_file,
+    )
+    from toymlx.generate import load_for_generation
+    from toymlx.losses import lm_loss
+    from toymlx.recipes.lora import DEFAULT_DATA
+    from toymlx.trainer import Task
+    from toymlx.trainer import evaluate as run_eval
+
+    data = dataclasses.asdict(cfg.data) if dataclasses.is_dataclass(getattr(cfg, "data", None)) \
+        else {}
+    path = args.data_path if args.data_path is not None else data.get("path")
+    if path is None and args.split == "test":
+        raise ValueError("--data.path: expected a data folder with test.jsonl or a JSONL file "
+                         "of test examples (--split test), found none")
+    seq_len = args.seq_len or getattr(cfg, "seq_len", None) or 256
+    mask, pack = data.get("mask_prompt", True), data.get("pack", True)
+    model, tok = load_for_generation(args.model)
+    if args.split == "test":
+        f = test_file(path)
+        rows, source = held_out_rows(load_examples(f), tok, seq_len, mask, pack), str(f)
+    else:
+        sft = SFTData.from_file(path or DEFAULT_DATA, tok, seq_len, mask, pack,
+                                data.get("val_fraction", 0.1))
+        rows, source = sft.val, sft.source
+        if args.split == "all":
+            rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
+    n = len(rows["inputs"])
+    bs = max(1, min(args.batch_size, n))
+    task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
+                test_batches=sft_val_batches(rows, bs, -(-n // bs)))
+    loss = run_eval(task, split="test")["test_loss"]
+    # named as the run's events name them (test) and as a text checkpoint's report (val, all)
+    names = ("test_loss", "test_perplexity") if args.split == "test" else ("val_loss",
+                                                                          "perplexity")
+    return {"model": str(args.model), "data": source, "split": args.split, "rows": n,
+            names[0]: loss, names[1]: math.exp(loss)}
+
+
 def evaluate(args: Args) -> dict:
     import mlx.core as mx
     import numpy as np
@@ -118,6 +179,9 @@ def evaluate(args: Args) -> dict:
     from toymlx.trainer import evaluate as run_eval
 
     select_device(args.device)
+    bundle = _run_bundle(args.model)
+    if args.split == "test" or (bundle is not None and bundle.recipe == "lora"):
+        return evaluate_chat(args, bundle.config if bundle is not None else None)
     path = checkpoint_file(args.model)
     arch = GGUFFile(path).architecture
     if arch == "vit":

@@ -22,7 +22,8 @@ PROG = "toymlx-export"
 class Args:
     """Write a llama GGUF for llama.cpp, or a ViT for timm.
 
-    --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight.
+    --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight (DoRA: that
+                        rescaled to its magnitude m per row).
     --adapter A alone:  the adapter GGUF itself, checked against the base.
     no --adapter:       the base re-encoded at --dtype (e.g. an F32 copy of a Q4_1 file).
     --adapter A --format modelfile --out DIR: DIR/Modelfile for Ollama (FROM the base, ADAPTER
@@ -46,7 +47,8 @@ class Args:
     """gguf (llama.cpp), safetensors (timm's ViT layout, from --model), or modelfile (an Ollama
     Modelfile in the folder --out, for --adapter)."""
     adapter: str | None = None
-    """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest)."""
+    """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest); a DoRA adapter
+    (--fine-tune-type dora) only with --fuse."""
     fuse: bool = False
     """Merge the adapter into the base weights (a full model for llama.cpp without --lora)."""
     dtype: Literal["f32", "f16", "bf16", "q8_0"] | None = None
@@ -91,7 +93,7 @@ def run(args: Args) -> int:
     from toymlx.atomic import atomic_open
     from toymlx.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
-    from toymlx.lora import apply_adapter, write_merged
+    from toymlx.lora import apply_adapter, load_adapter, write_merged
 
     if args.format == "modelfile":
         return export_modelfile(args)
@@ -116,6 +118,10 @@ def run(args: Args) -> int:
             raise ValueError("--dtype: only applies to a written model (with --fuse or "
                              "without --adapter); an adapter is written as F32")
         src = checkpoint_file(args.adapter, "--adapter")
+        if load_adapter(src).kind != "lora":
+            raise ValueError(f"{src}: --adapter: expected a LoRA adapter to write for llama.cpp, "
+                             "found a DoRA adapter (toymlx's own format: llama.cpp has none); "
+                             "add --fuse to write the full model llama.cpp runs")
         model, _ = load_llama(base)
         apply_adapter(model, src)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from toymlx_cli import version_text
+from toymlx_cli.config_file import CONFIG_HELP
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -34,9 +35,11 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
 def _usage() -> str:
     from toymlx.recipes import RECIPES
 
-    return ("usage: toymlx-train --recipe NAME [options]\n\nrecipes:\n"
+    return ("usage: toymlx-train --recipe NAME [-c FILE] [options]\n\nrecipes:\n"
             + "".join(f"  {n}\n" for n in RECIPES)
             + "\n`toymlx-train --recipe NAME --help` lists every option of a recipe.\n"
+            + CONFIG_HELP + " A run's config.json starts a new run with its settings:\n"
+            "  toymlx-train -c runs/<id>/config.json --run-id new\n"
             "Start here: toymlx-train --recipe vit-tiny\n"
             "toymlx-train --version prints toymlx's and MLX's versions.\n")
 
@@ -67,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     import tyro
+    from toymlx_cli.config_file import (
+        defaults_from_file,
+        read_config_file,
+        run_config,
+        split_config,
+    )
 
     from toymlx.recipes import get_recipe
     from toymlx.run import run_training
@@ -76,9 +85,18 @@ def _main(argv: list[str] | None) -> int:
     if "--version" in argv:
         print(version_text())
         return 0
-    recipe, resume, rest = _split_recipe(argv)
     default, bundle = None, None
     try:
+        config_path, argv = split_config(argv)
+        recipe, resume, rest = _split_recipe(argv)
+        options: dict = {}
+        if config_path is not None:
+            if resume:
+                raise ValueError(f"-c/--config {config_path}: a resumed run keeps its saved "
+                                 f"configuration (only --steps and run-local options may "
+                                 f"change); give either --resume or -c")
+            file_recipe, options = run_config(read_config_file(config_path))
+            recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
         if resume:
             bundle = Bundle.open(resume)
             if recipe and recipe != bundle.recipe:
@@ -93,11 +111,15 @@ def _main(argv: list[str] | None) -> int:
             return 0 if ("--help" in argv or "-h" in argv) else 2
         else:
             module = get_recipe(recipe)
+            if config_path is not None:
+                default = defaults_from_file(module.Config, options, config_path,
+                                             f"toymlx-train --recipe {recipe}")
     except ValueError as e:  # RunError, LockHeld and an unknown --recipe are ValueErrors
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
     cfg = tyro.cli(module.Config, args=rest, default=default,
-                   prog=f"toymlx-train --recipe {recipe}", description=module.__doc__)
+                   prog=f"toymlx-train --recipe {recipe}",
+                   description=f"{module.__doc__}\n\n{CONFIG_HELP}")
     return run_training(recipe, module, cfg, bundle)
 
 

@@ -172,8 +172,10 @@ def _shared_run_id(recipe: str, world: Any) -> str:
 
 def _final_line(run_dir: Path, end: dict) -> None:
     evals = [e for e in read_events(run_dir) if e["kind"] == "eval"]
-    last = evals[-1] if evals else {}
-    figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items()
+    val = [e for e in evals if e.get("split", "val") == "val"]
+    test = [e for e in evals if e.get("split") == "test"]
+    shown = {**(val[-1] if val else {}), **(test[-1] if test else {})}
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in shown.items()
                         if k not in ("kind", "t", "step") and isinstance(v, float))
     msg = f"{end['reason']} at step {end['final_step']}"
     if end.get("message"):

@@ -153,6 +153,9 @@ class Task:
     optimizer: Callable[[TrainConfig], optim.Optimizer] | None = None
     """Build the optimizer (default: `make_optimizer`); lets a recipe give a parameter group
     its own schedule, as a pure function of the optimizer step."""
+    test_batches: list[dict[str, np.ndarray]] = field(default_factory=list)
+    """Held-out test batches scored once when the run completes (an `eval` event with split
+    "test"); empty: no test (a recipe fills it for `--test`)."""
 
 
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
@@ -164,15 +167,18 @@ def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
 
 
-def evaluate(task: Task, max_batches: int | None = None) -> dict[str, float]:
-    """Validation metrics over the task's held-out batches (count-weighted), in eval mode
-    (dropout off); the model's mode is restored afterwards."""
+def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
+             ) -> dict[str, float]:
+    """Metrics over the task's validation batches (`split="test"`: its test batches),
+    count-weighted, in eval mode (dropout off; the model's mode is restored afterwards); the
+    loss is `<split>_loss`."""
     totals: dict[str, float] = {}
     fn = task.metrics_fn or _loss_metrics(task.loss_fn)
     was_training = task.model.training
     task.model.eval()
+    batches = task.test_batches if split == "test" else task.val_batches
     try:
-        for b in task.val_batches[:max_batches]:
+        for b in batches[:max_batches]:
             for i in range(next(iter(b.values())).shape[0]):  # the leading micro-batch axis
                 sums = fn(task.model, {k: mx.array(v[i]) for k, v in b.items()})
                 mx.eval(sums)
@@ -181,7 +187,7 @@ def evaluate(task: Task, max_batches: int | None = None) -> dict[str, float]:
     finally:
         task.model.train(was_training)
     n = totals.pop("n", 0.0) or 1.0
-    return {("val_loss" if k == "loss" else k): v / n for k, v in totals.items()}
+    return {(f"{split}_loss" if k == "loss" else k): v / n for k, v in totals.items()}
 
 
 def _loss_metrics(loss_fn):
@@ -386,6 +392,8 @@ class _Loop:
         with StopSignals(self.rank0 and solo) as stop, self._progress() as bar:
             try:
                 self._train(step_fn, threads, stop, bar)
+                if self.reason == "completed" and self.task.test_batches and not stop.count:
+                    self._test(bar)
             except KeyboardInterrupt:  # where Python's own SIGINT handler is left (ranks)
                 self._end("interrupted", 130, f"interrupted during step {self.step + 1}; resume "
                           f"with --resume {self.run_dir} from {_named(self.ckpt.last)}")
@@ -504,6 +512,14 @@ class _Loop:
         self.log.emit("eval", step=step, **metrics)
         if bar is not None:
             bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+    def _test(self, bar: Any) -> None:
+        """The completed run's held-out test loss and perplexity (`--test`), once at the end."""
+        metrics = evaluate(self.task, split="test")
+        metrics["test_perplexity"] = math.exp(metrics["test_loss"])
+        self.log.emit("eval", step=self.step, split="test", **metrics)
+        if bar is not None:
+            bar.write("test: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     def _checkpoint(self, step: int) -> bool:
         """The checkpoint of `step`, unless written; False (the run diverged) if the weights
