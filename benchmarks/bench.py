@@ -10,6 +10,7 @@ PyTorch rows need a CUDA build of PyTorch. The modules beside this one:
 
     workloads.py    what is trained: shapes, the batch, FLOPs
     toymlx_step.py  toymlx's side, through its public API
+    user_paths.py   what users run: the host, toymlx-train, toymlx.train, toymlx-generate
     torch_step.py   the PyTorch yardstick
     mlx_lm_step.py  the mlx-lm peer
     rounds.py       interleaved timing
@@ -70,6 +71,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "--quick)")
     p.add_argument("--gguf", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU suite: GGUF write/load at 360M (default: not --quick)")
+    p.add_argument("--user-paths", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU suite: also time what users run (toymlx-train on the real "
+                        "SmolLM2-135M at the LoRA shape, toymlx.train in a process that used "
+                        "mlx first, toymlx-generate beside llama.cpp); see user_paths.py")
     p.add_argument("--warm-jit", action="store_true",
                    help="CPU suite: keep mx.compile's kernel cache (first step without the g++ "
                         "build)")
@@ -125,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         info = cpu_suite.run_all(a.quick, a.only, a.rounds, 1 if a.warmup is None else a.warmup,
                                  tuple(a.impl or cpu_suite.DEFAULT_IMPLS), a.memory, a.gguf,
-                                 cold_jit=not a.warm_jit, partial_json=a.json, dp=a.dp, log=log)
+                                 cold_jit=not a.warm_jit, partial_json=a.json, dp=a.dp,
+                                 user_paths=a.user_paths, log=log)
         table = cpu_suite.format_table(info)
     info["argv"] = sys.argv[1:] if argv is None else argv
     print(table)

@@ -24,6 +24,7 @@ import numpy as np
 from procs import MB, TorchVariant, gguf_io, proc_status, run_child, run_dp
 from rounds import Variant, first_steps, median_ratios, run_rounds
 from toymlx_step import CPU_OPS, ToymlxVariant, build_model, weights_np
+from user_paths import format_user_paths, host_info, host_line, run_user_paths
 from workloads import Workload, cpu_workloads, find, make_batch, train_flops
 
 from toymlx.device import backend_info
@@ -175,9 +176,10 @@ def probe_memory(workload: str, variant: str, steps: int = 3) -> dict[str, float
 def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | None = None,
             warmup: int = 1, which: tuple[str, ...] = DEFAULT_IMPLS,
             memory: bool | None = None, gguf: bool | None = None, cold_jit: bool = True,
-            partial_json: str | None = None, dp: int = 0,
+            partial_json: str | None = None, dp: int = 0, user_paths: bool = True,
             log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every selected workload, then (optionally) child-process peak RSS and GGUF I/O."""
+    """Every selected workload, then (optionally) child-process peak RSS and GGUF I/O, and the
+    paths users run (`user_paths`: toymlx-train, toymlx.train after mlx, generation)."""
     tmp = Path(tempfile.mkdtemp(prefix="toymlx-bench-"))
     if cold_jit:
         # mx.compile caches its g++-built kernels under $TMPDIR/mlx; a fresh TMPDIR makes the
@@ -185,7 +187,8 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
         os.environ["TMPDIR"] = str(tmp)
         tempfile.tempdir = None
     chosen = [w for w in cpu_workloads() if (w.quick or not quick) and (not only or w.name in only)]
-    info: dict[str, Any] = {"suite": "cpu", "backend": backend_info(), "quick": quick,
+    info: dict[str, Any] = {"suite": "cpu", "host": host_info(), "backend": backend_info(),
+                            "quick": quick,
                             "toymlx_ops": {"toymlx": CPU_OPS.describe(), "toymlx-ref":
                                            replace(CPU_OPS, kernels="mlx").describe()},
                             "cold_jit": cold_jit,
@@ -228,6 +231,10 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
     if gguf if gguf is not None else not quick:
         log("GGUF write + load at the SmolLM2-360M size")
         info["gguf_360m"] = gguf_io(tmp)
+    if user_paths:
+        lora = next((r for r in info["workloads"] if r["workload"] == "lora-q-135m"), None)
+        bench_s = lora["variants"].get("toymlx", {}).get("median_s") if lora else None
+        info["user_paths"] = run_user_paths(bench_s, log)
     info["total_s"] = time.perf_counter() - t_all
     return info
 
@@ -235,7 +242,7 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
 def format_table(info: dict[str, Any]) -> str:
     """A plain-text table of the results."""
     b = info["backend"]
-    lines = [(f"backend: {b.get('kind')} blas={b.get('blas')} mlx={b.get('mlx')} "
+    lines = [host_line(info["host"]), (f"backend: {b.get('kind')} blas={b.get('blas')} mlx={b.get('mlx')} "
               f"torch={info.get('torch')} ({info.get('torch_threads')} threads) "
               f"mlx-lm={info.get('mlx_lm')} cores={b.get('cores')} "
               f"cold_jit={info['cold_jit']} OMP_WAIT_POLICY={info.get('omp_wait_policy')}")]
@@ -275,6 +282,8 @@ def format_table(info: dict[str, Any]) -> str:
                      f"vs one process {d['single_median_s'] * 1e3:.0f} ms/step (cpu "
                      f"{d['single_median_cpu_s'] * 1e3:.0f}): dp/single {d['ratio_dp_over_single']:.2f}x,"
                      f" |loss0 diff| {d['loss0_abs_diff']:.1e}")
+    if "user_paths" in info:
+        lines += format_user_paths(info["user_paths"])
     lines.append(f"MFU: achieved GFLOPS / MLX fp32 sgemm 2048^3 in the same rounds. "
                  f"total {info['total_s']:.0f} s")
     return "\n".join(lines)

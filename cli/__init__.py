@@ -20,9 +20,11 @@ def version_text() -> str:
 def run_command(prog: str, args_type: type, run: Callable[[Any], int],
                 argv: list[str] | None, errors: tuple[type[Exception], ...] = (ValueError,
                                                                            OSError)) -> int:
-    """What the forward-only commands share: `--version`, the process set-up, tyro's parse, and
-    bad input as one line `PROG: error: ...` with exit status 2 (Ctrl-C: 130)."""
+    """What the forward-only commands share: `--version`, the process set-up, `-c/--config FILE`
+    (cli/config_file.py), tyro's parse, and bad input as one line `PROG: error: ...` with exit
+    status 2 (Ctrl-C: 130)."""
     import tyro  # here: --version answers without importing it
+    from toymlx_cli.config_file import CONFIG_HELP, file_defaults
 
     from toymlx.device import setup_process
 
@@ -31,7 +33,13 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
         print(version_text())
         return 0
     setup_process()
-    args = tyro.cli(args_type, args=argv, prog=prog, description=args_type.__doc__)
+    try:
+        default, argv = file_defaults(args_type, argv, prog)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    args = tyro.cli(args_type, args=argv, prog=prog, default=default,
+                    description=f"{args_type.__doc__}\n\n{CONFIG_HELP}")
     try:
         return run(args)
     except errors as e:  # GGUFError and ImageDataError are ValueErrors

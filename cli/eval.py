@@ -2,17 +2,20 @@
 
 A ViT checkpoint reports accuracy, per-class accuracy and a confusion matrix on the validation
 split of its image data (the run's own data for a run directory; every image with --split all;
-a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file.
+a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file;
+a lora run (any --fine-tune-type) on its chat/SFT validation rows, and with --split test (a lora
+run or a llama checkpoint) on test.jsonl, as `toymlx-train --test` does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import tyro
 from toymlx_cli import run_command
@@ -27,14 +30,16 @@ class Args:
     model: str
     """A checkpoint GGUF or a run directory (uses weights/latest)."""
     data_path: Annotated[str | None, tyro.conf.arg(aliases=("--data.path",))] = None
-    """Images (an ImageFolder, CIFAR batches, IDX, .npz; default: a run directory's own data,
-    else the digits fixture) or a UTF-8 text file for a Llama."""
-    split: Literal["val", "all"] = "val"
-    """Evaluate the validation split (the same fixed split training used) or every example."""
+    """Images (an ImageFolder, CIFAR batches, IDX, .npz) or a UTF-8 text file for a Llama;
+    default: the data of the run --model belongs to (the same held-out split its training
+    evaluated), else the digits fixture or the Python docs."""
+    split: Literal["val", "all", "test"] = "val"
+    """Evaluate the validation split (the same fixed split training used), every example, or
+    (a Llama or LoRA run) the test examples: a data folder's test.jsonl, or a JSONL file."""
     batch_size: int = 256
     """Examples per forward pass."""
-    seq_len: int = 256
-    """Llama only: tokens per window."""
+    seq_len: int | None = None
+    """Llama only: tokens per window (default: a run's own --seq-len, else 256)."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
@@ -56,13 +61,18 @@ def show(args: Args) -> int:
     return 0
 
 
-def _run_data(run_dir: Path) -> dict:
-    """The data options a run directory was trained with ({} when it has no config.json)."""
-    from toymlx.runs import saved_config
+def _run_bundle(model: str):
+    """The run `--model` names (a run folder, or a checkpoint in its weights/), None for a GGUF
+    of its own: its data is what eval reads unless told otherwise."""
+    from toymlx.runs import Bundle
 
-    saved = saved_config(run_dir)
-    data = saved["config"].get("data") if saved is not None else None
-    return data if isinstance(data, dict) else {}
+    return Bundle.of(model)
+
+
+def _run_config(model: str):
+    """The configuration of the run `--model` names, None for a GGUF of its own."""
+    bundle = _run_bundle(model)
+    return bundle.config if bundle is not None else None
 
 
 def evaluate_images(args: Args, path: Path) -> dict:
@@ -78,7 +88,8 @@ def evaluate_images(args: Args, path: Path) -> dict:
     from toymlx.data.images import load_images
 
     clf = Classifier.load(path)
-    run = _run_data(Path(args.model)) if Path(args.model).is_dir() else {}
+    cfg = _run_config(args.model)
+    run = dataclasses.asdict(cfg.data) if cfg is not None and hasattr(cfg, "data") else {}
     data_path = args.data_path if args.data_path is not None else run.get("path")
     val_path = run.get("val_path") if args.data_path is None else None
     data = load_images(data_path, 0.0 if args.split == "all" and not val_path else
@@ -104,6 +115,59 @@ def evaluate_images(args: Args, path: Path) -> dict:
     return out
 
 
+def evaluate_chat(args: Args, cfg: Any) -> dict:
+    """Loss and perplexity of a LoRA run (base + adapter, or a full fine-tune's checkpoint) or a
+    Llama checkpoint on chat/SFT examples, rows built as training built them (the run's
+    --seq-len, --data.mask-prompt, --data.pack): its validation rows (a data folder's
+    valid.jsonl, else the split training used), every row (--split all), or test.jsonl
+    (--split test: what `toymlx-train --test` records at the end of a run)."""
+    import math
+
+    import numpy as np
+
+    from toymlx.data.chat import (
+        SFTData,
+        held_out_rows,
+        load_examples,
+        sft_val_batches,
+        test_file,
+    )
+    from toymlx.generate import load_for_generation
+    from toymlx.losses import lm_loss
+    from toymlx.recipes.lora import DEFAULT_DATA
+    from toymlx.trainer import Task
+    from toymlx.trainer import evaluate as run_eval
+
+    data = dataclasses.asdict(cfg.data) if dataclasses.is_dataclass(getattr(cfg, "data", None)) \
+        else {}
+    path = args.data_path if args.data_path is not None else data.get("path")
+    if path is None and args.split == "test":
+        raise ValueError("--data.path: expected a data folder with test.jsonl or a JSONL file "
+                         "of test examples (--split test), found none")
+    seq_len = args.seq_len or getattr(cfg, "seq_len", None) or 256
+    mask, pack = data.get("mask_prompt", True), data.get("pack", True)
+    model, tok = load_for_generation(args.model)
+    if args.split == "test":
+        f = test_file(path)
+        rows, source = held_out_rows(load_examples(f), tok, seq_len, mask, pack), str(f)
+    else:
+        sft = SFTData.from_file(path or DEFAULT_DATA, tok, seq_len, mask, pack,
+                                data.get("val_fraction", 0.1))
+        rows, source = sft.val, sft.source
+        if args.split == "all":
+            rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
+    n = len(rows["inputs"])
+    bs = max(1, min(args.batch_size, n))
+    task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
+                test_batches=sft_val_batches(rows, bs, -(-n // bs)))
+    loss = run_eval(task, split="test")["test_loss"]
+    # named as the run's events name them (test) and as a text checkpoint's report (val, all)
+    names = ("test_loss", "test_perplexity") if args.split == "test" else ("val_loss",
+                                                                          "perplexity")
+    return {"model": str(args.model), "data": source, "split": args.split, "rows": n,
+            names[0]: loss, names[1]: math.exp(loss)}
+
+
 def evaluate(args: Args) -> dict:
     import mlx.core as mx
     import numpy as np
@@ -115,6 +179,9 @@ def evaluate(args: Args) -> dict:
     from toymlx.trainer import evaluate as run_eval
 
     select_device(args.device)
+    bundle = _run_bundle(args.model)
+    if args.split == "test" or (bundle is not None and bundle.recipe == "lora"):
+        return evaluate_chat(args, bundle.config if bundle is not None else None)
     path = checkpoint_file(args.model)
     arch = GGUFFile(path).architecture
     if arch == "vit":
@@ -130,10 +197,14 @@ def evaluate(args: Args) -> dict:
 
         model, g = load_llama(path)
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
-        td = load_token_data(TextData(args.data_path), tok, args.seq_len)
+        cfg = _run_config(args.model)
+        data = (cfg.data if args.data_path is None and cfg is not None
+                and isinstance(getattr(cfg, "data", None), TextData) else TextData(args.data_path))
+        seq_len = args.seq_len or getattr(cfg, "seq_len", 256)
+        td = load_token_data(data, tok, seq_len)
         if args.split == "all":
             td = TokenData(td.train, np.concatenate([td.train, td.val]), td.source)
-        vb = td.val_batches(max(1, args.batch_size // 16), args.seq_len, 10**9)
+        vb = td.val_batches(max(1, args.batch_size // 16), seq_len, 10**9)
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
         m = run_eval(task)
         mx.eval()

@@ -24,10 +24,11 @@ PROG = "toymlx-export"
 class Args:
     """Write a llama GGUF for llama.cpp, or a ViT for timm.
 
-    --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight, in the base's
-                        own type (a Q4_K_M base gives a Q4_K_M file) or --dtype; quantized by
-                        llama.cpp's own quantizer (llama-cpp-python), byte for byte what
-                        llama-quantize writes from the fused F32 model.
+    --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight (DoRA: that
+                        rescaled to its magnitude m per row), in the base's own type (a Q4_K_M
+                        base gives a Q4_K_M file) or --dtype; quantized by llama.cpp's own
+                        quantizer (llama-cpp-python), byte for byte what llama-quantize writes
+                        from the fused F32 model.
     --adapter A alone:  the adapter GGUF itself, checked against the base.
     no --adapter:       the base re-encoded at --dtype (--dtype f32: an F32 copy of a Q4_1 file).
     --adapter A --format modelfile --out DIR: DIR/Modelfile for Ollama (FROM the base, ADAPTER
@@ -52,7 +53,8 @@ class Args:
     """gguf (llama.cpp), safetensors (timm's ViT layout, from --model), or modelfile (an Ollama
     Modelfile in the folder --out, for --adapter)."""
     adapter: str | None = None
-    """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest)."""
+    """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest); a DoRA adapter
+    (--fine-tune-type dora) only with --fuse."""
     fuse: bool = False
     """Merge the adapter into the base weights (a full model for llama.cpp without --lora)."""
     dtype: ExportType | None = None
@@ -115,8 +117,7 @@ def run(args: Args) -> int:
     from toymlx.gguf.llama import load_llama
     from toymlx.gguf.quantize import own_type
     from toymlx.gguf.reader import GGUFFile
-    from toymlx.lora import adapter_kept, apply_adapter, kept_note, write_merged
-    from toymlx.model_store import resolve_model
+    from toymlx.lora import adapter_kept, apply_adapter, kept_note, load_adapter, write_merged
 
     if args.format == "modelfile":
         return export_modelfile(args)
@@ -131,7 +132,7 @@ def run(args: Args) -> int:
     if not args.base:
         raise ValueError("--base: expected the llama GGUF to export (or --model with --format "
                          "safetensors for a ViT), found none")
-    base = resolve_model(args.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
+    base = checkpoint_file(args.base, "--base")  # a path, a run, or ollama:NAME / lmstudio:NAME
     out = Path(args.out)
     if args.fuse and not args.adapter:
         raise ValueError("--fuse: expected --adapter (the adapter to merge), found none")
@@ -141,6 +142,10 @@ def run(args: Args) -> int:
             raise ValueError("--dtype: only applies to a written model (with --fuse or "
                              "without --adapter); an adapter is written as F32")
         src = checkpoint_file(args.adapter, "--adapter")
+        if load_adapter(src).kind != "lora":
+            raise ValueError(f"{src}: --adapter: expected a LoRA adapter to write for llama.cpp, "
+                             "found a DoRA adapter (toymlx's own format: llama.cpp has none); "
+                             "add --fuse to write the full model llama.cpp runs")
         model, _ = load_llama(base)
         apply_adapter(model, src)
         out.parent.mkdir(parents=True, exist_ok=True)

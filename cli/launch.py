@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from toymlx_cli import version_text
+from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for every rank (repeatable)")
     p.add_argument("--version", action="version", version=version_text())
-    args = p.parse_args(argv)
+    p.epilog = CONFIG_HELP
     try:
+        args = p.parse_args(parser_defaults(p, argv))
         return launch(args.n, command, hosts=args.hosts, backend=args.backend, grace=args.grace,
                       status_dir=args.status_dir, env=args.env, port=args.port)
     except ValueError as e:

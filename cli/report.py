@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from toymlx_cli import version_text
+from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="report.png (curves + table panel) or report.html (self-contained); "
                         "default report.png")
     p.add_argument("--version", action="version", version=version_text())
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    p.epilog = CONFIG_HELP
     try:
+        args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))
         dirs = report.expand_dirs(args.dirs)
         rows = report.sort_rows(report.summarize(dirs))
         params = report.add_params(rows)

@@ -11,7 +11,8 @@ import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
 EPILOG = """\
 Every other option is passed to each run as in toymlx-train (after a `--`, options
-that the sweep also has, such as --seed, go to the runs too). Grid keys are option names:
+that the sweep also has, such as --seed, go to the runs too); so is -c/--config FILE, whose
+options every run takes, with the grid's values over them. Grid keys are option names:
 lr -> --lr, lora.rank -> --lora.rank, model.d_model -> --model.d-model.
 
 examples:

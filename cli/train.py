@@ -8,6 +8,7 @@ import signal
 import sys
 
 from toymlx_cli import version_text
+from toymlx_cli.config_file import CONFIG_HELP
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -34,17 +35,20 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
 def _usage() -> str:
     from toymlx.recipes import RECIPES
 
-    return ("usage: toymlx-train --recipe NAME [options]\n\nrecipes:\n"
+    return ("usage: toymlx-train --recipe NAME [-c FILE] [options]\n\nrecipes:\n"
             + "".join(f"  {n}\n" for n in RECIPES)
             + "\n`toymlx-train --recipe NAME --help` lists every option of a recipe.\n"
+            + CONFIG_HELP + " A run's config.json starts a new run with its settings:\n"
+            "  toymlx-train -c runs/<id>/config.json --run-id new\n"
             "Start here: toymlx-train --recipe vit-tiny\n"
             "toymlx-train --version prints toymlx's and MLX's versions.\n")
 
 
 def _ignore_late_signals() -> None:
-    """At exit, after the run ended: Python puts SIGINT/SIGTERM back to the system default while
-    it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code lost)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    """At exit, after the run ended: Python puts the stop signals back to the system default
+    while it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code
+    lost)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -66,38 +70,57 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     import tyro
+    from toymlx_cli.config_file import (
+        defaults_from_file,
+        read_config_file,
+        run_config,
+        split_config,
+    )
 
     from toymlx.recipes import get_recipe
-    from toymlx.run import load_saved_run, run_training
-    from toymlx.runs import RunError
+    from toymlx.run import run_training
+    from toymlx.runs import Bundle, RunError
 
     argv = sys.argv[1:] if argv is None else argv
     if "--version" in argv:
         print(version_text())
         return 0
-    recipe, resume, rest = _split_recipe(argv)
-    default = None
+    default, bundle = None, None
     try:
+        config_path, argv = split_config(argv)
+        recipe, resume, rest = _split_recipe(argv)
+        options: dict = {}
+        if config_path is not None:
+            if resume:
+                raise ValueError(f"-c/--config {config_path}: a resumed run keeps its saved "
+                                 f"configuration (only --steps and run-local options may "
+                                 f"change); give either --resume or -c")
+            file_recipe, options = run_config(read_config_file(config_path))
+            recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
         if resume:
-            saved_recipe, module, default = load_saved_run(resume)
-            if recipe and recipe != saved_recipe:
+            bundle = Bundle.open(resume)
+            if recipe and recipe != bundle.recipe:
                 raise RunError(f"{resume}: --resume: expected a run of recipe {recipe!r}, found "
-                               f"a {saved_recipe!r} run")
-            recipe = saved_recipe
+                               f"a {bundle.recipe!r} run")
+            recipe, module = bundle.recipe, bundle.module
             # The saved options are the defaults; run_training refuses any change that is not
             # run-local. A resumed run continues to the end unless told otherwise here.
-            default.stop_at, default.resume, default.overwrite = None, resume, False
+            default = bundle.resume_defaults(resume)
         elif recipe is None:
             print(_usage(), file=sys.stderr if "--help" not in argv else sys.stdout)
             return 0 if ("--help" in argv or "-h" in argv) else 2
         else:
             module = get_recipe(recipe)
+            if config_path is not None:
+                default = defaults_from_file(module.Config, options, config_path,
+                                             f"toymlx-train --recipe {recipe}")
     except ValueError as e:  # RunError, LockHeld and an unknown --recipe are ValueErrors
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
     cfg = tyro.cli(module.Config, args=rest, default=default,
-                   prog=f"toymlx-train --recipe {recipe}", description=module.__doc__)
-    return run_training(recipe, module, cfg)
+                   prog=f"toymlx-train --recipe {recipe}",
+                   description=f"{module.__doc__}\n\n{CONFIG_HELP}")
+    return run_training(recipe, module, cfg, bundle)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -168,7 +169,7 @@ def test_cpu_suite_quick_round(tmp_path):
     out = tmp_path / "quick.json"
     cmd = [sys.executable, str(BENCH), "--quick", "--rounds", "1", "--warm-jit", "--only",
            "llama-4x256", "vit-tiny-28", "--impl", "toymlx", "toymlx-ref", "torch",
-           "--json", str(out)]
+           "--no-user-paths", "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     info = json.loads(out.read_text())
@@ -183,7 +184,41 @@ def test_cpu_suite_quick_round(tmp_path):
         gflops = w["flops_per_step"] / v["toymlx"]["median_s"] / 1e9
         assert v["toymlx"]["gflops"] == pytest.approx(gflops)
         assert v["toymlx"]["mfu_vs_mlx_sgemm"] == pytest.approx(gflops / w["sgemm_gflops"]["mlx"])
-    header = p.stdout.splitlines()[1].split()
+    assert p.stdout.startswith("host: ") and info["host"]["cores"] == os.cpu_count()
+    header = p.stdout.splitlines()[2].split()
     assert header == ["workload", "impl", "median", "ms", "min", "ms", "cpu", "ms", "items/s",
                       "GFLOPS", "MFU", "1st", "step", "s", "mlx", "MB", "RSS", "MB", "loss0",
                       "|g|0"]
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+@pytest.mark.smollm
+def test_cpu_suite_times_what_users_run(tmp_path):
+    """The rows users run: toymlx-train on the real SmolLM2 at the LoRA shape, toymlx.train in
+    a process that imported and used mlx and mlx_lm first (the 10-40x reference-BLAS cliff
+    fails this), toymlx-generate beside llama.cpp, and the host they ran on."""
+    out = tmp_path / "users.json"
+    cmd = [sys.executable, str(BENCH), "--quick", "--rounds", "1", "--warm-jit", "--only",
+           "lora-q-135m", "--impl", "toymlx", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3000, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    info = json.loads(out.read_text())
+    u, host = info["user_paths"], info["host"]
+    assert host["cpu"] and host["blas"] == info["backend"]["blas"]
+    assert host["versions"]["mlx"] and host["versions"]["llama-cpp-python"]
+    assert u["train_command"]["blas"] == u["train_entry_after_mlx"]["blas"] == host["blas"]
+    assert u["entry_over_command"] == pytest.approx(
+        u["train_entry_after_mlx"]["median_step_s"] / u["train_command"]["median_step_s"])
+    assert u["entry_over_command"] < 1.5, u
+    bench_s = info["workloads"][0]["variants"]["toymlx"]["median_s"]
+    assert u["command_over_bench_step"] == pytest.approx(
+        u["train_command"]["median_step_s"] / bench_s)
+    for mode in ("greedy", "sampled"):
+        row = u["generation"][mode]
+        cpp = row["llama.cpp"]["tok_per_s"]
+        assert row["toymlx-generate"]["engine"] == "llama.cpp"
+        assert row["toymlx-generate --engine mlx"]["engine"] == "mlx"
+        for k in ("toymlx-generate", "toymlx-generate --engine mlx"):
+            assert row[k]["over_llamacpp"] == pytest.approx(row[k]["tok_per_s"] / cpp)
+    assert "toymlx.train after mlx" in p.stdout and "generate greedy" in p.stdout

@@ -14,6 +14,7 @@ from toymlx.data.chat import (
     DataError,
     Example,
     SFTData,
+    data_files,
     load_examples,
     pack_or_pad,
     sft_batch,
@@ -56,9 +57,10 @@ class FakeTokenizer:
                 buf.append(i)
         return "".join(out) + buf.decode()
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kw) -> str:
         template = jinja2.Environment().from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **kw)
 
 
 def b(text: str) -> list[int]:
@@ -400,3 +402,78 @@ def test_smollm2_template_default_system_turn_is_not_trained():
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n")
     assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "hello<|im_end|>\n"
     assert mask == [0] * (len(ids) - 7) + [1] * 7
+
+
+def test_data_folder_in_mlx_lm_layout(tmp_path):
+    """train.jsonl / valid.jsonl / test.jsonl: each file is its split, none cut from another."""
+    tok = FakeTokenizer(chat_template=None)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name, n in (("train", 6), ("valid", 2), ("test", 3)):
+        write(folder, f"{name}.jsonl", "".join(
+            json.dumps({"prompt": f"{name}{i}", "completion": "ab"}) + "\n" for i in range(n)))
+    data = SFTData.from_file(folder, tok, seq_len=16, val_fraction=0.5)
+    assert data.train["inputs"].shape == (6, 16) and data.val["inputs"].shape == (2, 16)
+    assert data.test["inputs"].shape == (3, 16) and data.test_source == str(folder / "test.jsonl")
+    assert data.source == f"{folder / 'train.jsonl'} + {folder / 'valid.jsonl'}"
+    # the first test row is BOS + "test0" + "ab" + EOS, completion and EOS trained
+    assert tok.decode(data.test["targets"][0, :8].tolist()) == "test0ab</s>"
+    assert data.test["mask"][0].sum() == 3
+    assert [b["inputs"].shape for b in data.test_batches(2)] == [(1, 2, 16), (1, 2, 16)]
+    # without valid.jsonl: the split of train.jsonl; without test.jsonl: no test rows
+    (folder / "valid.jsonl").unlink()
+    (folder / "test.jsonl").unlink()
+    data = SFTData.from_file(folder, tok, seq_len=16, val_fraction=0.5)
+    assert data.train["inputs"].shape == (3, 16) and data.val["inputs"].shape == (3, 16)
+    assert data.test is None and data.test_batches(4) == []
+
+
+def test_data_folder_without_train_jsonl_is_one_line(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write(folder, "training.jsonl", "{}")
+    write(folder, "valid.jsonl", "{}")
+    with pytest.raises(DataError) as e:
+        data_files(folder)
+    assert str(e.value) == (f"{folder}: data folder: expected train.jsonl (required), "
+                            "valid.jsonl and test.jsonl (optional) (mlx-lm's layout), found "
+                            "training.jsonl, valid.jsonl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="found an empty folder"):
+        data_files(tmp_path / "empty")
+
+
+TOOLS_TEMPLATE = (  # a template that lists the tools first, as Qwen2.5's and Llama 3.1's do
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}call {{ c.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_field_reaches_the_template(tmp_path):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    record = {"messages": [{"role": "user", "content": "Weather?"},
+                           {"role": "assistant", "tool_calls": [call]},
+                           {"role": "tool", "name": "get_weather", "content": "sun"},
+                           {"role": "assistant", "content": "Sunny."}], "tools": [tool]}
+    path = write(tmp_path, "tools.jsonl", json.dumps(record) + "\n")
+    (ex,) = load_examples(path)
+    assert ex.tools == (tool,) and ex.messages[1] == {"role": "assistant", "content": "",
+                                                      "tool_calls": [call]}
+    tok = FakeTokenizer(TOOLS_TEMPLATE, add_bos=False)
+    ids, mask = tokenize_example(ex, tok, mask_prompt=True)
+    assert tok.decode(ids) == ("<|im_start|>system\nget_weather;<|im_end|>\n<|im_start|>user\n"
+                               "Weather?<|im_end|>\n<|im_start|>assistant\ncall get_weather"
+                               "<|im_end|>\n<|im_start|>tool\nsun<|im_end|>\n<|im_start|>"
+                               "assistant\nSunny.<|im_end|>\n")
+    trained = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert trained == "call get_weather<|im_end|>\nSunny.<|im_end|>\n"
+    with pytest.raises(DataError, match=r'tools\.jsonl:1: "tools": expected a chat template '
+                                        r"that renders tools, found one that never reads them"):
+        tokenize_example(ex, FakeTokenizer(CHATML), mask_prompt=True)
+    bad = write(tmp_path, "bad.jsonl", json.dumps({**record, "tools": "get_weather"}))
+    with pytest.raises(DataError, match=r'bad\.jsonl:1: expected "tools" to be an array of '
+                                        r"function objects, found string"):
+        load_examples(bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -247,17 +248,70 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, stories_path, capsys):
         assert rc == 2 and needle in capsys.readouterr().err
 
 
-def test_cli_adapter_hook_calls_apply_adapter(stories_path, capsys, monkeypatch):
-    seen = []
-    fake = type(sys)("toymlx.lora")
-    fake.apply_adapter = lambda model, path: seen.append((type(model).__name__, path))
-    monkeypatch.setitem(sys.modules, "toymlx.lora", fake)
-    import toymlx
+@pytest.fixture(scope="module")
+def stories_adapter(stories_path, tmp_path_factory) -> Path:
+    """A LoRA adapter for stories260K on q and v with random B (so it changes the output)."""
+    from toymlx.lora import apply_lora, lora_layers, write_adapter
 
-    monkeypatch.setattr(toymlx, "lora", fake, raising=False)
-    rc = cli.main(["--model", str(stories_path), "--prompt", PROMPT, "--adapter", "ad.gguf",
-                   "--max-tokens", "2", "--temperature", "0"])
-    assert rc == 0 and seen == [("Llama", "ad.gguf")]
+    model = apply_lora(load_llama(stories_path)[0], "q,v", rank=4, alpha=8.0)
+    mx.random.seed(3)
+    for m in lora_layers(model).values():
+        m.lora_b = 0.05 * mx.random.normal(m.lora_b.shape)
+    return write_adapter(tmp_path_factory.mktemp("ad") / "ad.gguf", model,
+                         {"general.architecture": "llama"})
+
+
+def cli_tokens(args: list[str], capsys) -> tuple[str, str]:
+    rc = cli.main(args)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out, err
+
+
+def test_cli_adapter_changes_the_continuation_as_apply_adapter_does(stories_path,
+                                                                   stories_adapter, capsys):
+    from toymlx.lora import apply_adapter
+
+    model, tok = load_for_generation(stories_path)
+    plain = tok.decode(list(generate(model, tok, tok.encode(PROMPT), 24)))
+    adapted = apply_adapter(load_for_generation(stories_path)[0], stories_adapter)
+    want = tok.decode(list(generate(adapted, tok, tok.encode(PROMPT), 24)))
+    assert want != plain  # the adapter is real
+    out, err = cli_tokens(["--model", str(stories_path), "--adapter", str(stories_adapter),
+                           "--prompt", PROMPT, "--max-tokens", "24", "--temperature", "0",
+                           "--engine", "mlx"], capsys)
+    assert out.rstrip("\n") == want and "mlx)" in err
+
+
+def test_engine_llamacpp_without_llama_cpp_python_is_one_line(monkeypatch):
+    import importlib.util
+
+    from toymlx.generate import choose_engine
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert choose_engine("auto", on_gpu=False) == "mlx"
+    with pytest.raises(ValueError, match=r"pip install 'toymlx\[interop\]'"):
+        choose_engine("llama.cpp", on_gpu=False)
+    assert choose_engine("auto", on_gpu=True) == "mlx"
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("adapter", [False, True])
+def test_llamacpp_engine_decodes_what_mlx_decodes(stories_path, stories_adapter, adapter,
+                                                  capsys):
+    """Greedy: the same 48 tokens from both engines (stories260K in F32, with and without a LoRA
+    adapter); sampled: the llama.cpp engine repeats itself for one seed."""
+    flags = ["--model", str(stories_path), "--prompt", PROMPT, "--max-tokens", "48"]
+    flags += ["--adapter", str(stories_adapter)] if adapter else []
+    mlx_out, _ = cli_tokens([*flags, "--temperature", "0", "--engine", "mlx"], capsys)
+    cpp_out, err = cli_tokens([*flags, "--temperature", "0", "--engine", "llama.cpp"], capsys)
+    assert "llama.cpp)" in err
+    assert cpp_out == mlx_out
+    sampled = [cli_tokens([*flags, "--temperature", "1.0", "--seed", "5", "--engine",
+                           "llama.cpp"], capsys)[0] for _ in range(2)]
+    assert sampled[0] == sampled[1] != cpp_out
 
 
 def test_console_script_error_has_no_traceback(tmp_path):
@@ -266,3 +320,25 @@ def test_console_script_error_has_no_traceback(tmp_path):
                        check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_llamacpp_that_crashes_falls_back_to_mlx(stories_path, tmp_path):
+    """A llama.cpp build that segfaults (as one did decoding Q4_1 on an AVX-512 host): --engine
+    auto says so in one line and decodes with MLX; --engine llama.cpp is a one-line error."""
+    shim = tmp_path / "shim" / "llama_cpp"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    env = {**os.environ, "PYTHONPATH": str(shim.parent)}
+    flags = ["--model", str(stories_path), "--prompt", PROMPT, "--max-tokens", "12",
+             "--temperature", "0"]
+    exe = [sys.executable, "-m", "toymlx_cli.generate"]
+    auto = subprocess.run([*exe, *flags], capture_output=True, text=True, env=env, check=False)
+    assert auto.returncode == 0, auto.stderr
+    assert "(killed by signal 11); decoding with MLX instead" in auto.stderr
+    assert auto.stdout.startswith(", there was a little girl") and "mlx)" in auto.stderr
+    forced = subprocess.run([*exe, *flags, "--engine", "llama.cpp"], capture_output=True,
+                            text=True, env=env, check=False)
+    assert forced.returncode == 2 and forced.stdout == ""
+    want = ("toymlx-generate: error: --engine llama.cpp: llama.cpp stopped loading "
+            f"{stories_path} (killed by signal 11)")
+    assert forced.stderr.strip().splitlines() == [want]

@@ -269,3 +269,63 @@ def test_warm_start_checkpoint_logits_match_llamacpp(stories_path, shared_data, 
     ids = tok.encode(TEXT)
     assert compare_logits(ckpt, "warm-start (pca lens, width 64 -> 32) logits", ids,
                           model) <= TOL
+
+
+# ---- lora recipe: --fine-tune-type full and dora on stories260K --------------------------
+def _stories_folder(root: Path, shared_data: Path) -> Path:
+    """An mlx-lm data folder of text examples (stories260K has no chat template)."""
+    text = (shared_data / "text" / "tinyshakespeare.txt").read_text()
+    paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 40][:60]
+    folder = root / "data"
+    folder.mkdir()
+    for name, part in (("train", paras[:48]), ("valid", paras[48:54]), ("test", paras[54:])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": p}) + "\n"
+                                                      for p in part))
+    return folder
+
+
+def test_full_fine_tune_checkpoint_logits_match_llamacpp(stories_path, shared_data, tmp_path):
+    """--fine-tune-type full of stories260K: a step_N.gguf llama.cpp loads, with its logits
+    equal to toymlx's, and every weight moved off the base."""
+    from toymlx_cli.train import main
+
+    args = ["--recipe", "lora", "--fine-tune-type", "full", "--base", str(stories_path),
+            "--data.path", str(_stories_folder(tmp_path, shared_data)), "--seq-len", "64",
+            "--batch-size", "4", "--steps", "6", "--lr", "3e-3", "--warmup", "1", "--test",
+            "--runs-root", str(tmp_path), "--run-id", "full", "--no-progress"]
+    assert main(args) == 0
+    ckpt = resolve_latest(tmp_path / "full")
+    assert ckpt.name == "step_6.gguf"
+    g, b = GGUFFile(ckpt), GGUFFile(stories_path)
+    assert g.metadata["tokenizer.ggml.model"] == "llama" and sorted(g.tensors) == sorted(b.tensors)
+    assert np.abs(g.load("blk.4.ffn_down.weight", np.float32)
+                  - b.load("blk.4.ffn_down.weight", np.float32)).max() > 1e-3
+    model, tok = load_for_generation(tmp_path / "full")
+    ids = tok.encode(TEXT)
+    base_model, _ = load_for_generation(stories_path)
+    assert np.abs(toy_logits(model, ids) - toy_logits(base_model, ids)).max() > 1e-2
+    assert compare_logits(ckpt, "lora recipe --fine-tune-type full (stories260K) logits", ids,
+                          model) <= TOL
+
+
+def test_dora_fused_export_logits_match_llamacpp(stories_path, shared_data, tmp_path):
+    """--fine-tune-type dora: llama.cpp runs the fused export with the logits of toymlx's
+    base + DoRA adapter."""
+    from toymlx_cli.export import main as export
+    from toymlx_cli.train import main
+
+    args = ["--recipe", "lora", "--fine-tune-type", "dora", "--base", str(stories_path),
+            "--data.path", str(_stories_folder(tmp_path, shared_data)), "--seq-len", "64",
+            "--batch-size", "4", "--steps", "6", "--lr", "1e-2", "--warmup", "1",
+            "--lora.targets", "q,v,o,down", "--runs-root", str(tmp_path), "--run-id", "dora",
+            "--no-progress"]
+    assert main(args) == 0
+    model, tok = load_for_generation(tmp_path / "dora")  # base + the DoRA adapter, in toymlx
+    merged = tmp_path / "merged.gguf"
+    assert export(["--base", str(stories_path), "--adapter", str(tmp_path / "dora"), "--fuse",
+                   "--out", str(merged)]) == 0
+    ids = tok.encode(TEXT)
+    base_model, _ = load_for_generation(stories_path)
+    assert np.abs(toy_logits(model, ids) - toy_logits(base_model, ids)).max() > 1e-2
+    assert compare_logits(merged, "lora recipe --fine-tune-type dora, fused export (stories260K) "
+                          "vs toymlx base + DoRA adapter", ids, model) <= TOL

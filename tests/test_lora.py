@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from cli_errors import error_line
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 from mlx import nn
@@ -19,6 +20,7 @@ from toymlx.gguf.quant import gguf_to_mlx_quant
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
 from toymlx.lora import (
+    DoRALinear,
     LoRALinear,
     apply_adapter,
     apply_lora,
@@ -390,3 +392,240 @@ def test_export_cli(tiny_gguf, tmp_path, capsys):
                    "--out", str(tmp_path / "x.gguf")]) == 2
     assert "metadata key 'general.type': expected 'adapter'" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
+
+
+def mlx_lm_folder(path: Path, n_train: int = 12, n_valid: int = 3, n_test: int = 4) -> Path:
+    """A data folder in mlx-lm's layout: chat records in train/valid/test.jsonl."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+        if n:
+            (path / f"{name}.jsonl").write_text("".join(json.dumps({"messages": [
+                {"role": "user", "content": f"{name} question {i}?"},
+                {"role": "assistant", "content": f"answer {i * 7 % 10}"}]}) + "\n"
+                for i in range(n)))
+    return path
+
+
+def events_of(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
+    data = mlx_lm_folder(tmp_path / "data")
+    common = ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+              "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
+              "--no-progress", "--no-compile", "--data.path", str(data)]
+    assert _train(common + ["--run-id", "folder", "--test"]) == 0
+    run = tmp_path / "folder"
+    events = events_of(run)
+    start = events[0]
+    assert start["config"]["data_source"] == f"{data / 'train.jsonl'} + {data / 'valid.jsonl'}"
+    # packed rows of 64: the 12 training conversations, and the 3 of valid.jsonl (a split of
+    # train.jsonl would hold one conversation)
+    assert start["config"]["train_rows"] == 10 and start["config"]["val_rows"] == 3
+    assert start["config"]["test_source"] == str(data / "test.jsonl")
+    # --test: one eval event with split test after the last step's validation, before run_end
+    assert [(e["kind"], e.get("step"), e.get("split")) for e in events[-5:]] == [
+        ("step", 2, None), ("eval", 2, None), ("checkpoint", 2, None), ("eval", 2, "test"),
+        ("run_end", None, None)]
+    test = [events[-2]]
+    assert test[0]["test_perplexity"] == pytest.approx(np.exp(test[0]["test_loss"]), rel=1e-12)
+    assert f"test_loss {test[0]['test_loss']:.4f}" in capsys.readouterr().err  # the final line
+    # the same figure by hand: base + adapter, float64 log-softmax over test.jsonl's rows
+    from toymlx.data.chat import held_out_rows
+    from toymlx.generate import load_for_generation
+
+    model, tok = load_for_generation(run)
+    rows = held_out_rows(load_examples(data / "test.jsonl"), tok, 64, True, True)
+    logits = np.array(model(mx.array(rows["inputs"])), dtype=np.float64)  # (N, T, V)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))
+    picked = np.take_along_axis(logp, rows["targets"][..., None], -1)[..., 0]  # (N, T)
+    by_hand = -(picked * rows["mask"]).sum() / rows["mask"].sum()
+    assert test[0]["test_loss"] == pytest.approx(by_hand, abs=2e-5)
+    # toymlx-eval --split test and toymlx-report show the same figures
+    from toymlx_cli.eval import main as eval_main
+
+    assert eval_main(["--model", str(run), "--split", "test", "--batch-size", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"] == len(rows["inputs"]) and out["data"] == str(data / "test.jsonl")
+    assert out["test_loss"] == pytest.approx(test[0]["test_loss"], abs=1e-5)
+    assert eval_main(["--model", str(run)]) == 0  # the validation rows: valid.jsonl's
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"] == 3 and out["val_loss"] == pytest.approx(events[-4]["val_loss"], abs=1e-5)
+    from toymlx.report import format_table, summarize_run
+
+    row = summarize_run(run)
+    assert (row["test_loss"], row["test_perplexity"]) == (test[0]["test_loss"],
+                                                          test[0]["test_perplexity"])
+    assert row["final"] == events[-4]["val_loss"]  # the validation curve keeps its last point
+    assert "test_perplexity" in format_table([row], []).splitlines()[0]
+    (data / "train.jsonl").rename(data / "training.jsonl")
+    capsys.readouterr()
+    assert _train(common + ["--run-id", "bad"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {data}: data folder: expected train.jsonl (required), valid.jsonl "
+        "and test.jsonl (optional) (mlx-lm's layout), found test.jsonl, training.jsonl, "
+        "valid.jsonl")
+    assert not (tmp_path / "bad").exists()
+    (data / "training.jsonl").rename(data / "train.jsonl")
+    (data / "test.jsonl").unlink()
+    assert _train(common + ["--run-id", "no-test", "--test"]) == 2
+    assert error_line(capsys) == ("toymlx-train: error: --test: expected --data.path to be a data "
+                                  f"folder with test.jsonl, found {data}")
+
+
+# ---- DoRA -----------------------------------------------------------------------------------
+def test_dora_linear_against_float64_and_its_fuse():
+    """y = m / ||W + s B A||_row * (W x + s B A x) + bias, in float64 numpy; step 0 = the base."""
+    mx.random.seed(1)
+    lin = nn.Linear(24, 10, bias=True)
+    d = DoRALinear.from_base(lin, rank=3, alpha=6.0)
+    x = mx.random.normal((4, 24))
+    assert mx.array_equal(d(x), lin(x)).item()  # m = ||W||_row: exactly the base at step 0
+    d.lora_b = mx.random.normal((10, 3)) * 0.5
+    d.m = d.m * mx.linspace(0.5, 1.5, 10)
+    w, bias, a, b, m = (np.array(t, dtype=np.float64) for t in
+                        (lin.weight, lin.bias, d.lora_a, d.lora_b, d.m))
+    adapted = w + 2.0 * b @ a
+    want = (np.array(x, np.float64) @ adapted.T) * (m / np.linalg.norm(adapted, axis=1)) + bias
+    np.testing.assert_allclose(np.array(d(x)), want, atol=2e-5)
+    fused = d.fuse()
+    assert isinstance(fused, nn.Linear) and not isinstance(fused, LoRALinear)
+    np.testing.assert_allclose(np.array(fused(x)), want, atol=2e-5)
+    # m, A and B train; the base weight does not (frozen by apply_lora in a model)
+    grads = nn.value_and_grad(d, lambda xx: d(xx).sum())(x)[1]
+    assert {"m", "lora_a", "lora_b"} <= set(grads)
+
+
+def test_dora_adapter_file_round_trip(tiny_gguf, tmp_path):
+    model = apply_lora(base(tiny_gguf), "q,down", rank=4, alpha=8.0, kind="dora")
+    randomize_b(model, std=0.1)
+    for m in lora_layers(model).values():
+        m.m = m.m * 1.1
+    want = np.array(model(TOKENS))
+    path = write_adapter(tmp_path / "dora.gguf", model, {"general.architecture": "llama"})
+    ad = load_adapter(path)
+    assert ad.kind == "dora" and ad.metadata["adapter.type"] == "dora"
+    assert ad.magnitudes["blk.1.ffn_down.weight"].shape == (64,)
+    other = apply_adapter(base(tiny_gguf), path)
+    assert all(isinstance(m, DoRALinear) for m in lora_layers(other).values())
+    np.testing.assert_array_equal(np.array(other(TOKENS)), want)
+    # a LoRA run cannot take a DoRA file's weights, nor the other way round
+    with pytest.raises(GGUFError, match=r"'adapter.type': expected 'lora' \(this run's "
+                                        r"--fine-tune-type\), found 'dora'"):
+        load_adapter_weights(apply_lora(base(tiny_gguf), "q,down", rank=4, alpha=8.0), path)
+
+
+# ---- the recipe's --fine-tune-type and --lora.init-adapter ---------------------------------
+def recipe_args(tiny_gguf: Path, root: Path, data: Path, *more: str) -> list[str]:
+    return ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(root),
+            "--data.path", str(data), "--steps", "4", "--batch-size", "2", "--seq-len", "64",
+            "--lr", "1e-2", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1",
+            "--checkpoint-every", "2", "--no-progress", "--no-compile", *more]
+
+
+def step_losses(run: Path) -> list[float]:
+    return [e["loss"] for e in events_of(run) if e["kind"] == "step"]
+
+
+def test_dora_run_and_its_fused_export(tiny_gguf, tmp_path, capsys):
+    from toymlx_cli.export import main as export
+
+    from toymlx.generate import load_for_generation
+
+    data = mlx_lm_folder(tmp_path / "data")
+    args = recipe_args(tiny_gguf, tmp_path, data, "--fine-tune-type", "dora",
+                       "--lora.targets", "q,v,down", "--lora.rank", "4")
+    assert _train([*args, "--run-id", "dora"]) == 0
+    run = tmp_path / "dora"
+    start = events_of(run)[0]
+    # A, B and m per adapted weight: q (64 -> 64), v (64 -> 32), down (96 -> 64), 3 blocks
+    assert start["model"]["n_trainable"] == 3 * (4 * (64 + 64) + 64 + 4 * (64 + 32) + 32
+                                                 + 4 * (96 + 64) + 64)
+    ad = load_adapter(run)
+    assert ad.kind == "dora" and ad.metadata["general.step"] == 4
+    model, _ = load_for_generation(run)  # base + the DoRA adapter
+    with_adapter = np.array(model(TOKENS))
+    assert np.abs(with_adapter - np.array(base(tiny_gguf)(TOKENS))).max() > 1e-3
+    merged = tmp_path / "merged.gguf"
+    assert export(["--base", str(tiny_gguf), "--adapter", str(run), "--fuse",
+                   "--out", str(merged)]) == 0
+    assert "adapter.type" not in GGUFFile(merged).metadata  # a plain model llama.cpp runs
+    np.testing.assert_allclose(np.array(base(merged)(TOKENS)), with_adapter, atol=2e-5)
+    assert export(["--base", str(tiny_gguf), "--adapter", str(run), "--out",
+                   str(tmp_path / "x.gguf")]) == 2
+    assert "found a DoRA adapter (toymlx's own format: llama.cpp has none); add --fuse" in \
+        error_line(capsys, "toymlx-export")
+    assert not (tmp_path / "x.gguf").exists()
+    # resumed from step 2: the adapter of the uninterrupted run
+    assert _train([*args, "--run-id", "cut", "--stop-at", "2"]) == 0
+    assert _train(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
+    assert step_losses(tmp_path / "cut") == step_losses(run)
+    resumed = load_adapter(tmp_path / "cut")
+    for name, m in ad.magnitudes.items():
+        np.testing.assert_array_equal(resumed.magnitudes[name], m)
+
+
+def test_full_fine_tune_writes_full_ggufs_and_resumes_exactly(tiny_gguf, tmp_path):
+    data = mlx_lm_folder(tmp_path / "data")
+    args = recipe_args(tiny_gguf, tmp_path, data, "--fine-tune-type", "full")
+    assert _train([*args, "--run-id", "full"]) == 0
+    run = tmp_path / "full"
+    names = sorted(p.name for p in (run / "weights").iterdir())
+    assert names == ["latest", "step_2.gguf", "step_2.state.safetensors", "step_4.gguf",
+                     "step_4.state.safetensors"]
+    start = events_of(run)[0]
+    trained = base(tiny_gguf)
+    assert start["model"]["n_trainable"] == start["model"]["n_params"] == sum(
+        v.size for _, v in tree_flatten(trained.parameters()))
+    ckpt = run / "weights" / "step_4.gguf"
+    g, b = GGUFFile(ckpt), GGUFFile(tiny_gguf)
+    assert g.metadata["tokenizer.chat_template"] == CHATML  # the base's metadata, kept
+    assert g.metadata["tokenizer.ggml.tokens"] == b.metadata["tokenizer.ggml.tokens"]
+    assert g.metadata["general.step"] == 4 and sorted(g.tensors) == sorted(b.tensors)
+    moved = {n for n in b.tensors
+             if np.abs(g.load(n, np.float32) - b.load(n, np.float32)).max() > 1e-4}
+    assert {"token_embd.weight", "blk.0.attn_q.weight", "blk.2.ffn_down.weight",
+            "blk.1.attn_norm.weight"} <= moved  # every kind of weight trained
+    # a resumed run gives the same losses and bit-identical weights
+    assert _train([*args, "--run-id", "cut", "--stop-at", "2"]) == 0
+    assert _train(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
+    assert step_losses(tmp_path / "cut") == step_losses(run)
+    c = GGUFFile(tmp_path / "cut" / "weights" / "step_4.gguf")
+    for n in b.tensors:
+        np.testing.assert_array_equal(c.load(n, np.float32), g.load(n, np.float32))
+
+
+def test_run_starts_from_an_adapter(tiny_gguf, tmp_path, capsys):
+    from toymlx.data.chat import SFTData
+
+    data = mlx_lm_folder(tmp_path / "data")
+    args = recipe_args(tiny_gguf, tmp_path, data, "--lora.targets", "q,v", "--lora.rank", "4")
+    assert _train([*args, "--run-id", "first"]) == 0
+    first = tmp_path / "first" / "weights" / "adapter_step_4.gguf"
+    assert _train([*args, "--run-id", "second", "--lora.init-adapter",
+                   str(tmp_path / "first")]) == 0
+    # step 1's loss is the first adapter's on step 1's batch (the loss before the update)
+    model = apply_adapter(base(tiny_gguf), first)
+    tok = Tokenizer.from_metadata(GGUFFile(tiny_gguf).metadata)
+    batch = SFTData.from_file(data, tok, 64, True, True).batch(0, 0, 2)
+    loss, _ = lm_loss(model, {k: mx.array(v[0]) for k, v in batch.items()})
+    assert step_losses(tmp_path / "second")[0] == pytest.approx(loss.item(), abs=1e-5)
+    assert step_losses(tmp_path / "second")[0] < step_losses(tmp_path / "first")[0] - 0.1
+    capsys.readouterr()
+    assert _train([*args, "--run-id", "r8", "--lora.rank", "8", "--lora.init-adapter",
+                   str(first)]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {first}: tensor 'blk.0.attn_q.weight.lora_a': expected rank 8 and "
+        "alpha 16.0 (this run's), found rank 4 and alpha 16.0")
+    assert _train([*args, "--run-id", "kq", "--lora.targets", "k,q", "--lora.init-adapter",
+                   str(first)]) == 2
+    assert "tensors: expected LoRA pairs for exactly the model's 6 adapted weights" in \
+        error_line(capsys)
+    assert _train([*args, "--run-id", "model", "--lora.init-adapter", str(tiny_gguf)]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {tiny_gguf}: metadata key 'general.type': expected 'adapter' (a "
+        "LoRA adapter GGUF), found None (a model; pass it as the base and the adapter "
+        "separately)")
+    assert not any((tmp_path / n).exists() for n in ("r8", "kq", "model"))

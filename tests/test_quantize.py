@@ -131,7 +131,7 @@ def test_adapter_kept_measures_the_share_of_the_update_in_the_file(base_and_run,
     ad, g = load_adapter(run), GGUFFile(base)
     half = {n: g.load(n, np.float32) for n in g.tensors}
     for n in ad.pairs:
-        half[n] = (half[n] + 0.5 * ad.delta(n)).astype(np.float32)
+        half[n] = (half[n] + 0.5 * ad.delta(n, half[n])).astype(np.float32)
     write_model_gguf(tmp_path / "half.gguf", dict(g.metadata), dict(g.metadata_types), half,
                      "f32")
     assert abs(adapter_kept(tmp_path / "half.gguf", base, run) - 0.5) < 1e-4
@@ -209,25 +209,34 @@ def test_modelfile_from_the_fused_file(base_and_run, tmp_path):
     assert diff < 1e-5
 
 
-def test_fuse_at_end_writes_the_run_fused_model(base_and_run, tmp_path):
-    """--fuse-at-end q8_0: after the last step, <run>/fused-q8_0.gguf (an `export` event), the
-    same bytes as toymlx-export --fuse of the run's final adapter."""
+@pytest.mark.parametrize("kind", ["lora", "dora", "full"])
+def test_fuse_at_end_writes_the_run_fused_model(tmp_path, kind):
+    """--fuse-at-end base on a base whose own type is Q8_0: after the last step,
+    <run>/fused-q8_0.gguf (an `export` event), the same bytes as toymlx-export --fuse of the
+    run's final adapter (full: of its final checkpoint, whose export defaults to the type of
+    the base it was trained from)."""
     from toymlx_cli.train import main
 
-    base, _ = base_and_run
-    assert main(["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path),
-                 "--run-id", "r", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
-                 "--lr", "1e-2", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1",
-                 "--lora.rank", "4", "--no-progress", "--no-compile",
-                 "--fuse-at-end", "q8_0"]) == 0
-    events = [json.loads(s) for s in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
+    base = tiny_base(tmp_path / "q8.gguf", 7)
+    assert main(["--recipe", "lora", "--fine-tune-type", kind, "--base", str(base),
+                 "--runs-root", str(tmp_path), "--run-id", "r", "--steps", "2",
+                 "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2", "--warmup", "1",
+                 "--eval-every", "0", "--eval-batches", "1", "--lora.rank", "4",
+                 "--no-progress", "--no-compile", "--fuse-at-end", "base"]) == 0
+    run = tmp_path / "r"
+    events = [json.loads(s) for s in (run / "events.jsonl").read_text().splitlines()]
     ex = [e for e in events if e["kind"] == "export"]
     assert events[-1]["kind"] == "run_end" and events[-1]["exit_code"] == 0
     assert check_toy_v1(events) == []
     assert len(ex) == 1 and ex[0]["path"] == "fused-q8_0.gguf" and ex[0]["type"] == "q8_0"
-    fused = tmp_path / "r" / "fused-q8_0.gguf"
+    fused = run / "fused-q8_0.gguf"
     assert ex[0]["bytes"] == fused.stat().st_size
-    again = write_merged(tmp_path / "again.gguf", base, tmp_path / "r", "q8_0")
+    if kind == "full":
+        assert "adapter_kept" not in ex[0]
+        again = write_merged(tmp_path / "again.gguf", run, None)
+    else:
+        assert 0.9 < ex[0]["adapter_kept"] <= 1.1
+        again = write_merged(tmp_path / "again.gguf", base, run)
     assert again.read_bytes() == fused.read_bytes()
 
 

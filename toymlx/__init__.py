@@ -13,3 +13,7 @@ except ImportError as _e:  # no backend library (Linux: mlx without its [cpu]/[c
         "('toymlx[cuda12]' for CUDA 12); install only one of them") from None
 
 __version__ = "0.2.0"
+
+from toymlx.api import train  # the Python entry point (toymlx.api)
+
+__all__ = ["__version__", "train"]

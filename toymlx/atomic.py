@@ -4,7 +4,7 @@ A crash at any instant leaves either the old file or the complete new one, never
 temporary `.<name>.tmp-<pid>` lives in the target's folder (so the rename is atomic on one
 filesystem), the process id keeps two writers' temporaries apart, and the folder is fsynced so
 the rename itself survives a power cut. On any failure the temporary is removed and the old
-file stays as it was. `checkpoint.clean_temporaries` sweeps what a killed writer leaves.
+file stays as it was; an OSError (a full disk, a file-size limit) names the target file. `checkpoint.clean_temporaries` sweeps what a killed writer leaves.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         finally:
             os.close(fd)
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise named(e, path) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -82,6 +85,13 @@ def remove_stale(path: str | os.PathLike) -> list[Path]:
             p.unlink(missing_ok=True)
             stale.append(p)
     return stale
+
+
+def named(e: OSError, path: str | os.PathLike) -> OSError:
+    """`e` naming the file it failed on: a write's ENOSPC or EFBIG names none by itself."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror or str(e), str(path))
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -15,6 +15,7 @@ another checkpoint is named instead of resumed.
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -114,6 +115,7 @@ def verify_gguf(path: Path) -> dict[str, Any]:
 def open_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state arrays, GGUF metadata) of a checkpoint whose GGUF, state file and shared id all
     check out; ResumeError naming the file that does not."""
+    check_name(ckpt)
     meta = verify_gguf(ckpt)
     arrays, state = load_state(state_path(ckpt))
     gid, sid = meta.get(ID_KEY), state.get("checkpoint_id")
@@ -191,35 +193,110 @@ def _latest_target(weights: Path) -> str | None:
 
 def checkpoint_file(path: str | os.PathLike, flag: str = "--model") -> Path:
     """The one "file or run folder -> weights" resolver: a GGUF path as given, or the
-    checkpoint a run folder's `weights/latest` names, or a model in Ollama's or LM Studio's
-    store (`model_store`); FileNotFoundError naming `flag`."""
+    checkpoint of a run folder (`latest_checkpoint`), or a model in Ollama's or LM Studio's
+    store (`model_store`); FileNotFoundError naming `flag`, ResumeError (one line) for a broken
+    `latest` or a checkpoint whose recorded step or id disagrees with its name."""
     if is_store_name(path):
         return resolve_model(path, flag)
     p = Path(path)
     if p.is_dir():
-        return resolve_latest(p)
-    if not p.exists():
+        p = latest_checkpoint(p)[0]
+    elif not p.exists():
         raise FileNotFoundError(f"{p}: {flag}: expected a GGUF file or a run directory, found "
                                 "nothing at that path")
+    check_name(p)
     return p
 
 
+def check_name(ckpt: Path) -> None:
+    """ResumeError unless a checkpoint named `<prefix>step_N.gguf` records step N (and, with its
+    state file beside it, the same checkpoint id): a file copied over another is refused, not
+    read under the other's name. Reads metadata only; other files pass."""
+    step = checkpoint_step(ckpt)
+    if step is None:
+        return
+    try:
+        with GGUFFile(ckpt) as g:
+            meta = {k: g.metadata.get(k) for k in ("general.step", ID_KEY)}
+    except GGUFError:
+        return  # not a GGUF: the loader says so, naming the file
+    if meta["general.step"] is not None and meta["general.step"] != step:
+        raise ResumeError(f"{ckpt}: metadata key 'general.step': expected {step} (its name), "
+                          f"found {meta['general.step']}: the file of another checkpoint was "
+                          "put under this name")
+    st = state_path(ckpt)
+    state = _state_header(st) if st.exists() else {}
+    sid = state.get("checkpoint_id") if state.get("step") == step else None
+    # a state file of this step with another id: the GGUF is the stranger (a state file of
+    # another step is named by `open_checkpoint`, for a resume, the one reader that uses it)
+    if meta[ID_KEY] is not None and sid is not None and sid != meta[ID_KEY]:
+        raise ResumeError(f"{ckpt}: checkpoint id: expected {sid} (that of {st.name}), found "
+                          f"{meta[ID_KEY]}: the file of another checkpoint was put under this "
+                          "name")
+
+
+def _state_header(path: Path) -> dict[str, Any]:
+    """A state file's toymlx metadata from its safetensors header alone ({} if unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(n, 2**24)))
+        meta = json.loads(header.get("__metadata__", {}).get("toy", "{}"))
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def resolve_latest(run_dir: str | os.PathLike) -> Path:
-    """The GGUF that `run_dir/weights/latest` names (or the run dir's newest if no link)."""
+    """The checkpoint a run folder continues from (`latest_checkpoint`, without the why)."""
+    return latest_checkpoint(run_dir)[0]
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
+    """(the checkpoint `run_dir/weights/latest` names, None), or where that link is missing or
+    names a file that is gone (a run killed between writing a checkpoint and linking it), (the
+    newest intact checkpoint, why it was taken). ResumeError (one line) for a link that cannot
+    be read, loops, or points outside the run's weights/; FileNotFoundError for no checkpoint."""
     run_dir = Path(run_dir)
     weights = run_dir / "weights"
     link = weights / LATEST
-    if link.is_symlink() or link.exists():
-        target = link.resolve()
-        if not target.exists():
-            raise FileNotFoundError(f"{link}: expected a link to an existing checkpoint, "
-                                    f"found a dangling link to {os.readlink(link)}")
-        return target
+    try:
+        target = os.readlink(link)
+    except FileNotFoundError:
+        target = None
+    except OSError as e:
+        what = "a file, not a link" if e.errno == errno.EINVAL else e.strerror
+        raise ResumeError(f"{link}: expected a link to a step_N.gguf of this run, found {what}; "
+                          f"remove it, and the newest intact checkpoint is used") from None
+    if target is not None:
+        ckpt = weights / target
+        inside = (os.path.realpath(ckpt.parent) == os.path.realpath(weights)
+                  and checkpoint_step(ckpt) is not None)
+        if not inside:
+            try:
+                os.stat(link)
+                loop = False
+            except OSError as e:
+                loop = e.errno == errno.ELOOP
+            raise ResumeError(f"{link}: expected a link to a step_N.gguf of this run, found "
+                              f"{'a symlink loop through ' if loop else 'one to '}{target}; "
+                              "remove it, and the newest intact checkpoint is used")
+        ckpt = weights / ckpt.name
+        if ckpt.is_file():
+            return ckpt, None
+        why = f"{link} names {target}, which is gone"
+    else:
+        why = f"{link} is missing"
     found = list_checkpoints(weights)
     if not found:
         raise FileNotFoundError(f"{run_dir}: expected a run bundle with weights/latest, "
                                 "found no checkpoint")
-    return found[-1][1]
+    step = newest_intact(weights)
+    if step is None:
+        raise ResumeError(f"{run_dir}: {why}, and no checkpoint in {weights} is intact "
+                          f"({', '.join(p.name for _, p in found)})")
+    return weights / found[[s for s, _ in found].index(step)][1].name, \
+        f"{why}: took the newest intact checkpoint, step_{step}"
 
 
 def checkpoint_step(ckpt: Path) -> int | None:

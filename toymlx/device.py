@@ -7,8 +7,13 @@ Two steps, in this order:
    matmuls use it instead (~33x faster).
 2. `setup_process()`, a named call each command-line entry point makes first thing, and
    `toymlx.trainer.train` makes again (a no-op the second time): MLX's graph-evaluation width
-   (read by MLX's first evaluation) and glibc malloc's thresholds. `backend_info()` records
-   what is in effect in run_start.
+   (read by MLX's first evaluation), glibc malloc's thresholds and the folder that keeps MLX's
+   compiled CPU kernels across reboots (`persist_kernels`). `backend_info()` records what is
+   in effect in run_start.
+
+A process that imported `mlx.core` before toymlx is too late for step 1 (and, if it evaluated
+anything, for the width): `setup_process` then says so in one line, and `toymlx.train` (the
+Python entry point, `toymlx.api`) trains in a fresh child process instead.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import ctypes
 import json
 import os
 import platform
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 _BLAS_CANDIDATES = (
@@ -45,6 +52,12 @@ breadth-first order queues one slice's ops long before the other's, and with at 
 in flight the other stream then waits (2 streams: 1.08x slower than 1 at MLX's default width,
 0.90x at full width). Linux only: on macOS the step runs on the GPU or on one stream."""
 
+LATE_IMPORT = "reference (mlx imported before toymlx)"
+_LATE_FIX = (
+    "toymlx: mlx.core was imported before toymlx, so MLX's CPU matmuls use its reference BLAS "
+    "in this process (a training step 10-40x slower). Fix: train with toymlx.train(...), which "
+    "runs in a fresh process, or import toymlx before mlx / mlx_lm")
+
 _MALLOC_LIMITS = {"mmap_threshold": 1 << 30, "trim_threshold": 1 << 31}
 """glibc malloc settings while toymlx runs: blocks up to 1 GiB come from the heap, and up to
 2 GiB of freed heap stays with the process."""
@@ -59,6 +72,7 @@ class _ProcessState:
     blas_lib: Any = None  # the CDLL, to ask OpenBLAS its thread count
     malloc: str = "default"
     bfs_max_width: str | None = None
+    kernel_cache: str | None = None
     set_up: bool = False
 
 
@@ -75,7 +89,7 @@ def preload_blas() -> dict:
     elif sys.platform != "linux" or os.environ.get("TOYMLX_BLAS") == "reference":
         p.blas = "reference"
     elif "mlx.core" in sys.modules:
-        p.blas = "reference (mlx imported before toymlx)"  # too late to change MLX's BLAS
+        p.blas = LATE_IMPORT  # too late to change MLX's BLAS: setup_process says so
     else:
         _load_openblas(p)
     return {"name": p.blas, "path": p.blas_path}
@@ -117,6 +131,75 @@ def setup_process(wide_evaluation: bool = True) -> None:
         os.environ.setdefault("MLX_BFS_MAX_WIDTH", BFS_MAX_WIDTH)
     p.bfs_max_width = os.environ.get("MLX_BFS_MAX_WIDTH")
     p.malloc = tune_malloc()
+    p.kernel_cache = persist_kernels()
+    if p.blas == LATE_IMPORT:
+        warnings.warn(_LATE_FIX, stacklevel=2)
+
+
+def _keep_new_kernels(mlx_dir: Path, kept: Path) -> None:
+    """Copy the kernels MLX built in its own temporary folder that `kept` lacks (each through
+    a temporary name, so a reader never sees half a library)."""
+    try:
+        kept.mkdir(parents=True, exist_ok=True)
+        have = {p.name for p in kept.iterdir()}
+        for lib in mlx_dir.glob("*.so"):
+            if lib.name not in have:
+                tmp = kept / f".partial-{os.getpid()}"  # MLX's names fill NAME_MAX already
+                shutil.copyfile(lib, tmp)
+                os.replace(tmp, kept / lib.name)
+    except OSError:
+        pass  # a cache: MLX compiles what it lacks
+
+
+def kernel_cache_dir() -> Path:
+    """Where toymlx keeps MLX's compiled CPU kernels: `$XDG_CACHE_HOME/toymlx/mlx-kernels/<mlx
+    version>` (default `~/.cache/...`)."""
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "toymlx" / "mlx-kernels" / mx.__version__
+
+
+def _cxx_temp_dir() -> Path:
+    """The folder C++'s `std::filesystem::temp_directory_path()` gives MLX on POSIX."""
+    for var in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
+    return Path("/tmp")
+
+
+def persist_kernels() -> str | None:
+    """Keep MLX's JIT-compiled CPU kernels across reboots; return the folder in use.
+
+    MLX compiles each fused elementwise kernel of a compiled step with the system C++ compiler
+    (about 0.8 s each; ViT-Tiny's first step builds ~50, 40 s on 2 cores) into
+    `$TMPDIR/mlx/<version>/cpu`, and looks there before compiling. Most Linux systems empty
+    /tmp at every reboot. Where that folder does not exist yet, this makes it a link to
+    `kernel_cache_dir()/cpu`, so MLX writes and finds its kernels there; where it already
+    exists (a real folder), MLX keeps using it and the kernels it holds are copied into the
+    kept folder for after the next reboot. The kernels are named after their code, so a stale one is never
+    used for another. Not on macOS (Metal kernels are MLX's own) and `TOYMLX_KERNEL_CACHE=off`
+    leaves MLX's folder alone."""
+    if sys.platform != "linux" or os.environ.get("TOYMLX_KERNEL_CACHE") == "off":
+        return None
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    mlx_dir = _cxx_temp_dir() / "mlx" / mx.__version__ / "cpu"
+    kept = kernel_cache_dir() / "cpu"
+    if mlx_dir.is_symlink() or mlx_dir.exists():
+        if mlx_dir.is_dir() and not mlx_dir.is_symlink():
+            _keep_new_kernels(mlx_dir, kept)
+        return str(mlx_dir.resolve()) if mlx_dir.exists() else None
+    try:
+        kept.mkdir(parents=True, exist_ok=True)
+        mlx_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = mlx_dir.with_name(f".cpu.{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(kept, target_is_directory=True)
+        os.replace(tmp, mlx_dir)  # another process may have made it meanwhile: same link
+    except OSError:
+        return str(mlx_dir) if mlx_dir.is_dir() else None  # MLX makes its own folder
+    return str(kept)
 
 
 def tune_malloc() -> str:
@@ -216,6 +299,8 @@ def backend_info() -> dict:
                 cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
     if p.blas_path:
         info["blas_path"] = p.blas_path
+    if p.kernel_cache:
+        info["kernel_cache"] = p.kernel_cache
     if blas_threads() is not None:
         info["blas_threads"] = blas_threads()
     return info

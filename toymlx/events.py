@@ -95,9 +95,12 @@ class EventLog:
         ev = {"kind": kind, "t": round(time.time() - self.t0, 4), **_fixed(kind),
               **_clean(fields)}
         if self._f is not None:
-            self._f.write(json.dumps(ev, ensure_ascii=False, allow_nan=False) + "\n")
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            try:
+                self._f.write(json.dumps(ev, ensure_ascii=False, allow_nan=False) + "\n")
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            except OSError as e:
+                raise atomic.named(e, self.path) from None
         return ev
 
     def loss_at(self, step: int) -> float | None:

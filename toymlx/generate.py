@@ -1,15 +1,26 @@
 """Text generation from a Llama, and loading a model to generate from.
 
-The decoding loop is mlx-lm's (`mlx_lm.generate.generate_step`: chunked prefill into the
-per-layer KV caches, then one token at a time with the next step computed while the current
-token is handed out) and so are the samplers (`mlx_lm.sample_utils`: temperature, top-p,
-min-p, top-k, repetition penalty); toymlx adds the stopping rules (end-of-sequence token, the
-trained context) and seeds MLX's generator so a run repeats exactly.
+Two engines decode the same GGUF files (`choose_engine`):
+- `mlx`: the decoding loop is mlx-lm's (`mlx_lm.generate.generate_step`: chunked prefill into
+  the per-layer KV caches, then one token at a time with the next step computed while the
+  current token is handed out) and so are the samplers (`mlx_lm.sample_utils`: temperature,
+  top-p, min-p, top-k, repetition penalty); toymlx adds the stopping rules (end-of-sequence
+  token, the trained context) and seeds MLX's generator so a run repeats exactly.
+- `llama.cpp` (llama-cpp-python, the `interop` extra): the same files, adapters and samplers in
+  llama.cpp. Decoding one token reads every weight once; on a CPU MLX multiplies float32
+  weights through its BLAS's sgemm (~6 GB/s of weights on 2 cores, ~12 tok/s for SmolLM2-135M)
+  and its quantized CPU matmul is slower still, while llama.cpp reads the file's own 4-bit
+  blocks with SIMD dot products (3-6x faster). `auto` takes llama.cpp where MLX computes on
+  the CPU and llama-cpp-python is installed, else MLX (a Mac's GPU, CUDA).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +35,7 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
 from toymlx.model_store import is_store_name
 from toymlx.models.llama import Llama
-from toymlx.runs import CONFIG_FILE, saved_config
+from toymlx.runs import Bundle
 from toymlx.tokenizer import Tokenizer
 
 
@@ -64,40 +75,143 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
 
 def _lora_run_base(path: str | os.PathLike) -> str | None:
     """The `--base` a LoRA run was trained on (its config.json), when `path` is in a run."""
-    p = Path(path)
-    for run_dir in (p, p.parent.parent):  # the run folder, or a file in its weights/
-        if (run_dir / CONFIG_FILE).is_file():
-            saved = saved_config(run_dir)
-            base = saved["config"].get("base") if saved is not None else None
-            return str(base) if base else None
-    return None
+    bundle = Bundle.of(path)
+    base = getattr(bundle.config, "base", None) if bundle is not None else None
+    return str(base) if base else None
 
 
-def load_for_generation(path: str | os.PathLike) -> tuple[Llama, Any]:
-    """(model, tokenizer) from a llama GGUF or a run directory (its `weights/latest`); a LoRA
-    run's adapter comes with the base model it was trained on."""
+ENGINES = ("auto", "mlx", "llama.cpp")
+_NO_LLAMACPP = ("--engine llama.cpp: expected llama-cpp-python, found it not installed "
+                "(pip install 'toymlx[interop]')")
+
+
+def choose_engine(name: str, on_gpu: bool) -> str:
+    """`mlx` or `llama.cpp` for `--engine name` (see the module's docstring for `auto`)."""
+    if name not in ENGINES:
+        raise ValueError(f"--engine: expected one of {', '.join(ENGINES)}; found {name!r}")
+    has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
+    if name == "llama.cpp" and not has_llamacpp:
+        raise ValueError(_NO_LLAMACPP)
+    if name == "auto":
+        return "llama.cpp" if (has_llamacpp and not on_gpu) else "mlx"
+    return name
+
+
+def model_files(path: str | os.PathLike, adapter: str | os.PathLike | None = None
+                ) -> tuple[Path, list[Path]]:
+    """The files a `--model` (and `--adapter`) name: the model GGUF, and the LoRA adapter GGUFs
+    on top of it in order. A LoRA run or adapter file comes with the base it was trained on."""
     gguf_path = checkpoint_file(path)
+    adapters = [checkpoint_file(adapter, "--adapter")] if adapter is not None else []
     g = GGUFFile(gguf_path)
-    if g.metadata.get("general.type") == "adapter":
-        base = g.metadata.get("toy.base")
+    kind, base = g.metadata.get("general.type"), g.metadata.get("toy.base")
+    g.close()
+    if kind != "adapter":
+        return gguf_path, adapters
+    base = _lora_run_base(path) or base
+    if isinstance(base, str) and (Path(base).is_file() or is_store_name(base)):
+        model, under = model_files(base)
+        return model, [*under, gguf_path, *adapters]
+    raise GGUFError(f"{gguf_path}: metadata key 'general.type': expected a model, found a "
+                    "LoRA adapter (pass its base model as --model and this as --adapter"
+                    + (f"; its base {base} is not a file here)" if base else ")"))
+
+
+def load_tokenizer(gguf_path: Path) -> tuple[Tokenizer, Any]:
+    """The GGUF's own tokenizer and its `LlamaArgs`, after checking its architecture and
+    shapes (no weights read)."""
+    g = GGUFFile(gguf_path)
+    try:
+        args = args_from_gguf(g)  # architecture, hyperparameters and tensor shapes
+        if "tokenizer.ggml.tokens" not in g.metadata:
+            raise GGUFError(f"{gguf_path}: metadata key 'tokenizer.ggml.tokens': expected a "
+                            "tokenizer in the GGUF, found missing")
+        tokenizer = Tokenizer.from_metadata(g.metadata, source=gguf_path)
+    finally:
         g.close()
-        base = _lora_run_base(path) or base
-        if isinstance(base, str) and (Path(base).is_file() or is_store_name(base)):
-            model, tokenizer = load_for_generation(base)
-            return apply_adapter(model, gguf_path), tokenizer
-        raise GGUFError(f"{gguf_path}: metadata key 'general.type': expected a model, found a "
-                        "LoRA adapter (pass its base model as --model and this as --adapter"
-                        + (f"; its base {base} is not a file here)" if base else ")"))
-    args_from_gguf(g)  # architecture, hyperparameters and tensor shapes, before any loading
-    if "tokenizer.ggml.tokens" not in g.metadata:
-        raise GGUFError(f"{gguf_path}: metadata key 'tokenizer.ggml.tokens': expected a "
-                        "tokenizer in the GGUF, found missing")
-    tokenizer = Tokenizer.from_metadata(g.metadata, source=gguf_path)
-    g.close()
-    model, g = load_llama(gguf_path)
-    g.close()
-    if tokenizer.vocab_size > model.args.vocab_size:
+    if tokenizer.vocab_size > args.vocab_size:
         raise GGUFError(f"{gguf_path}: tensor 'token_embd.weight': expected at least "
                         f"{tokenizer.vocab_size} rows (the tokenizer's vocabulary), found "
-                        f"{model.args.vocab_size}")
+                        f"{args.vocab_size}")
+    return tokenizer, args
+
+
+def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | None = None
+                        ) -> tuple[Llama, Any]:
+    """(model, tokenizer) in MLX from a llama-family GGUF or a run directory (its
+    `weights/latest`), with the LoRA adapter a run trained (and `adapter`) applied."""
+    gguf_path, adapters = model_files(path, adapter)
+    if len(adapters) > 1:
+        raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter on {path}, found "
+                         f"{path} is a LoRA run already (give its base as --model)")
+    tokenizer, _ = load_tokenizer(gguf_path)
+    model, g = load_llama(gguf_path)
+    g.close()
+    for a in adapters:
+        apply_adapter(model, a)
     return model, tokenizer
+
+
+class EngineFailed(RuntimeError):
+    """The llama.cpp engine stopped before its first token (the caller may decode with MLX)."""
+
+
+class LlamaCppDecoder:
+    """The `llama.cpp` engine: the model file and its adapter loaded in llama.cpp, in a child
+    process (`toymlx.llamacpp_decode`), decoding with the samplers `generate` takes (the
+    repetition penalty over the last 20 tokens, as mlx-lm's). Seeded: a run repeats exactly on
+    the same llama.cpp build. A child that dies before its first token raises `EngineFailed`."""
+
+    def __init__(self, gguf_path: Path, adapters: Sequence[Path], context: int, seed: int = 0):
+        """Start the child and load the model (`context`: the most tokens, prompt and new
+        ones, it will hold); returns once the model is loaded."""
+        if len(adapters) > 1:
+            raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter, found "
+                             f"{len(adapters)} ({', '.join(map(str, adapters))})")
+        self.context = context
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", "toymlx.llamacpp_decode"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self._send({"model": str(gguf_path), "adapter": str(adapters[0]) if adapters else None,
+                    "context": context, "seed": seed})
+        if self._line() != "ready":
+            raise EngineFailed(self._why(f"loading {gguf_path}"))
+
+    def _send(self, request: dict[str, Any]) -> None:
+        assert self.child.stdin is not None
+        try:
+            self.child.stdin.write(json.dumps(request) + "\n")
+            self.child.stdin.flush()
+        except BrokenPipeError:
+            pass  # the child is gone: its exit status says why
+
+    def _line(self) -> str:
+        assert self.child.stdout is not None
+        return self.child.stdout.readline().strip()
+
+    def _why(self, doing: str) -> str:
+        code = self.child.wait()
+        err = (self.child.stderr.read() if self.child.stderr else "").strip().splitlines()
+        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        return f"llama.cpp stopped {doing} ({how}{': ' + err[-1] if err else ''})"
+
+    def generate(self, prompt_ids: Sequence[int], eos: int | None, max_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 min_p: float = 0.0, repetition_penalty: float | None = None
+                 ) -> Iterator[int]:
+        budget = min(max_tokens, self.context - len(prompt_ids))
+        self._send({"ids": [int(i) for i in prompt_ids], "eos": eos, "budget": max(budget, 0),
+                    "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                    "min_p": min_p, "repetition_penalty": repetition_penalty or 1.0})
+        first = True
+        try:
+            while line := self._line():
+                first = False
+                yield int(line)
+            if self.child.wait() != 0:
+                why = self._why("decoding")
+                raise EngineFailed(why) if first else RuntimeError(why)
+        finally:
+            if self.child.poll() is None:
+                self.child.kill()
+                self.child.wait()

@@ -6,7 +6,9 @@ dies, however it dies (SIGKILL included), the child is told at once: on Linux th
 it SIGTERM (PR_SET_PDEATHSIG); elsewhere (macOS, or a shell standing between the two) a thread
 that polls the parent does the same, or calls `on_loss`; either way exactly once.
 `toymlx-train` treats that SIGTERM as a stop: it finishes the step in flight, writes a final
-checkpoint and `run_end`, and exits; a re-run then resumes it.
+checkpoint and `run_end`, and exits; a re-run then resumes it. Linux repeats the signal as
+each thread of a dying multi-threaded parent exits; `parent_lost` tells a repeat from a second
+request to stop (`toymlx.trainer.StopSignals`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,29 @@ def _pdeathsig(sig: int) -> bool:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
+        return False
+
+
+def parent_lost() -> bool:
+    """Whether this process was started with `child_env()` and that parent has died (a
+    SIGTERM then is the parent-death signal, or a repeat of it)."""
+    text = os.environ.get(PARENT_ENV, "")
+    return text.isdigit() and (not alive(int(text)) or _dying(int(text)))
+
+
+_PF_EXITING = 0x4  # <linux/sched.h>: the task has begun to exit
+
+
+def _dying(pid: int) -> bool:
+    """Whether process `pid` is exiting or dead and not yet reaped (Linux's /proc; False
+    elsewhere, where the parent-death signal is the watch thread's one SIGTERM). Its main
+    thread is checked: the one that started us, whose exit sends the first signal, while the
+    process's other threads, exiting too, still keep getppid() pointing at it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
         return False
 
 

@@ -10,6 +10,13 @@ Adapter GGUF (what llama.cpp's `llama_adapter_lora_init` checks): `general.type 
 `general.architecture` = the base's, `adapter.type = "lora"`, `adapter.lora.alpha` (float32;
 0 means scale 1), and per adapted weight `<base tensor>.lora_a` (r, n_in) and `.lora_b`
 (n_out, r), F32.
+
+DoRA (`DoRALinear`, Liu et al. 2024, as mlx-lm's `--fine-tune-type dora`): the same A and B plus
+a trained magnitude per output row, `m * (W + scale B A) / ||W + scale B A||_row`. llama.cpp has
+no DoRA adapter format, so a DoRA adapter is a toymlx adapter GGUF: the same layout with
+`adapter.type = "dora"` (which llama.cpp refuses rather than misreads) and `<base>.dora_m`
+(n_out,) per pair; toymlx reads it (`load_adapter`, `apply_adapter`) and `write_merged` fuses it
+into a plain GGUF that llama.cpp runs.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ from mlx import nn
 
 from toymlx.checkpoint import checkpoint_file
 from toymlx.gguf.llama import gguf_to_toy, llama_tensors, load_llama, toy_to_gguf
-from toymlx.gguf.quantize import own_type, quantizer, write_model_gguf
-from toymlx.gguf.reader import GGUFError, GGUFFile
-from toymlx.gguf.writer import encode_tensor, write_gguf
+from toymlx.gguf.quantize import BASE_FILE_TYPE, export_type, quantizer, write_model_gguf
+from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
+from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
 from toymlx.models.layers import Linear, replace_submodule, submodule
 from toymlx.models.llama import Llama
 from toymlx.models.ops import EXACT
@@ -112,6 +119,48 @@ class LoRALinear(nn.Module):
         return fused
 
 
+class DoRALinear(LoRALinear):
+    """LoRA with a learned magnitude per output row:
+    y = m / ||W + scale B A||_row * (W x + scale B (A dropout(x))) + bias.
+
+    `m` starts at ||W||_row, so step 0 computes the base exactly. The row norm is held constant
+    in the backward pass (`stop_gradient`, the DoRA paper's and mlx-lm's choice): it saves the
+    norm's gradient through the full (n_out, n_in) weight; m, A and B are all trained.
+    """
+
+    def __init__(self, linear: nn.Module, rank: int = 8, alpha: float = 16.0,
+                 dropout: float = 0.0):
+        super().__init__(linear, rank, alpha, dropout)
+        self.m = mx.linalg.norm(base_weight(linear).astype(mx.float32), axis=1)  # (out,)
+
+    def _adapted(self) -> mx.array:
+        """W + scale B A in float32, (n_out, n_in)."""
+        return base_weight(self.linear).astype(mx.float32) + self.delta()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        bias = self.linear.bias if "bias" in self.linear else None
+        if bias is not None:
+            y = y - bias  # the magnitude rescales W x + scale B A x, not the bias
+        z = (self.dropout(x) @ self.lora_a.T) * self.scale  # (..., r)
+        y = y + (z @ self.lora_b.T).astype(y.dtype)  # (..., out)
+        norm = mx.stop_gradient(mx.linalg.norm(self._adapted(), axis=1))  # (out,)
+        y = (self.m / norm).astype(y.dtype) * y
+        return y if bias is None else y + bias
+
+    def fuse(self) -> nn.Linear:
+        """A plain linear computing the same: (m / ||W + scale B A||_row) (W + scale B A)."""
+        fused = super().fuse()
+        w = self._adapted()
+        fused.weight = ((self.m / mx.linalg.norm(w, axis=1))[:, None] * w).astype(
+            fused.weight.dtype)
+        return fused
+
+
+ADAPTER_KINDS: dict[str, type[LoRALinear]] = {"lora": LoRALinear, "dora": DoRALinear}
+"""An adapter file's `adapter.type` -> the layer that computes it."""
+
+
 # ---- applying, listing and fusing -------------------------------------------------------
 def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
     """Short target names from "q,k,v" or a sequence; ValueError names --lora.targets."""
@@ -139,8 +188,11 @@ def target_blocks(n_layers: int, layers: int | None) -> range:
 
 
 def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int | None = None,
-               rank: int = 8, alpha: float = 16.0, dropout: float = 0.0) -> Llama:
-    """Freeze `model` and wrap the chosen projections of the last `layers` blocks in LoRA."""
+               rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
+               kind: str = "lora") -> Llama:
+    """Freeze `model` and wrap the chosen projections of the last `layers` blocks in LoRA
+    (`kind="dora"`: DoRA)."""
+    layer = ADAPTER_KINDS[kind]
     names = parse_targets(targets)
     blocks = target_blocks(len(model.layers), layers)
     for t in names:
@@ -159,7 +211,7 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
             if isinstance(base, LoRALinear):
                 raise TypeError(f"{path}: expected a plain projection, found one already "
                                 "wrapped in LoRA")
-            replace_submodule(model, path, LoRALinear.from_base(base, rank, alpha, dropout))
+            replace_submodule(model, path, layer.from_base(base, rank, alpha, dropout))
     return model
 
 
@@ -190,11 +242,16 @@ def fuse(model: nn.Module) -> nn.Module:
 def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str, Any],
                   extra: dict[str, Any] | None = None, dtype: str = "f32") -> Path:
     """Write the model's LoRA layers as a llama.cpp LoRA adapter GGUF (matrices as `dtype`:
-    f32, f16 or bf16), atomically."""
+    f32, f16 or bf16), atomically; DoRA layers as toymlx's DoRA adapter GGUF."""
     layers = lora_layers(model)
     if not layers:
         raise ValueError("write_adapter: expected a model with LoRA layers (apply_lora), "
                          "found none")
+    kinds_used = {k for k, c in ADAPTER_KINDS.items() for m in layers.values() if type(m) is c}
+    if len(kinds_used) != 1:
+        raise ValueError(f"write_adapter: expected one kind of adapter layer, found "
+                         f"{sorted(kinds_used)}")
+    kind = kinds_used.pop()
     alphas = {m.alpha for m in layers.values()}
     if len(alphas) != 1:
         raise ValueError(f"write_adapter: expected one lora alpha for every layer (the file "
@@ -206,6 +263,8 @@ def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str
         name = toy_to_gguf(p + ".weight")
         tensors[name + ".lora_a"] = np.asarray(m.lora_a.astype(mx.float32))  # (r, in)
         tensors[name + ".lora_b"] = np.asarray(m.lora_b.astype(mx.float32))  # (out, r)
+        if kind == "dora":
+            tensors[name + ".dora_m"] = np.asarray(m.m.astype(mx.float32))  # (out,)
         _, i, rest = p.split(".", 2)
         kinds.append(short.get(rest, rest))
         blocks.append(int(i))
@@ -214,7 +273,7 @@ def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str
         "general.type": "adapter",
         "general.architecture": arch,
         "general.name": f"{base_meta.get('general.name', arch)} LoRA",
-        "adapter.type": "lora",
+        "adapter.type": kind,
         "adapter.lora.alpha": float(alphas.pop()),
         "toy.lora.rank": int(max(m.rank for m in layers.values())),
         "toy.lora.targets": ",".join(dict.fromkeys(kinds)),
@@ -233,13 +292,22 @@ class Adapter:
     alpha: float
     pairs: dict[str, tuple[np.ndarray, np.ndarray]]
     metadata: dict[str, Any]
+    kind: str = "lora"
+    """`adapter.type`: lora (llama.cpp's), or dora (toymlx's: with `magnitudes`)"""
+    magnitudes: dict[str, np.ndarray] | None = None
+    """DoRA: base tensor name -> m (n_out,)"""
 
-    def delta(self, name: str) -> np.ndarray:
-        """The dense update scale * B A of base tensor `name`, (n_out, n_in) float64 (alpha 0
-        means scale 1, as llama.cpp reads it)."""
+    def delta(self, name: str, w: np.ndarray) -> np.ndarray:
+        """What the adapter adds to base tensor `name` (weights `w`), (n_out, n_in) float64:
+        scale * B A (alpha 0 means scale 1, as llama.cpp reads it); DoRA rescales W + that to
+        its magnitude m per row, as `DoRALinear.fuse` does."""
         a, b = self.pairs[name]
         r = a.shape[0]
-        return LoRALinear.scale_of(r, self.alpha or r) * (b.astype(np.float64) @ a)
+        d = LoRALinear.scale_of(r, self.alpha or r) * (b.astype(np.float64) @ a)
+        if self.kind != "dora":
+            return d
+        v = w.astype(np.float64) + d
+        return self.magnitudes[name][:, None] / np.linalg.norm(v, axis=1)[:, None] * v - w
 
 
 def load_adapter(path: str | os.PathLike) -> Adapter:
@@ -253,25 +321,38 @@ def load_adapter(path: str | os.PathLike) -> Adapter:
                 or "tokenizer.ggml.tokens" in meta else "")
         raise GGUFError(f"{path}: metadata key 'general.type': expected 'adapter' (a LoRA "
                         f"adapter GGUF), found {kind!r}{hint}")
-    if meta.get("adapter.type") != "lora":
-        raise GGUFError(f"{path}: metadata key 'adapter.type': expected 'lora', found "
-                        f"{meta.get('adapter.type')!r}")
+    kind = meta.get("adapter.type")
+    if kind not in ADAPTER_KINDS:
+        raise GGUFError(f"{path}: metadata key 'adapter.type': expected 'lora' (or toymlx's "
+                        f"'dora'), found {kind!r}")
     alpha = g.get("adapter.lora.alpha", (int, float), 0.0)
     halves: dict[str, dict[str, np.ndarray]] = {}
+    suffixes = ("lora_a", "lora_b", "dora_m") if kind == "dora" else ("lora_a", "lora_b")
     for name in g.tensors:
         base, _, half = name.rpartition(".")
-        if half not in ("lora_a", "lora_b"):
+        if half not in suffixes:
             if name.endswith("_norm.weight"):  # llama.cpp ignores these too
                 continue
-            raise GGUFError(f"{path}: tensor {name!r}: expected a name ending in .lora_a or "
-                            ".lora_b, found another suffix")
+            raise GGUFError(f"{path}: tensor {name!r}: expected a name ending in "
+                            f"{' or '.join('.' + x for x in suffixes)}, found another suffix")
         arr = g.load(name, np.float32)
+        if half == "dora_m":
+            halves.setdefault(base, {})[half] = arr.copy()
+            continue
         if arr.ndim != 2:
             raise GGUFError(f"{path}: tensor {name!r}: expected 2 dimensions, found shape "
                             f"{arr.shape}")
         halves.setdefault(base, {})[half] = arr.copy()
-    pairs = {}
+    pairs, magnitudes = {}, {}
     for base, h in halves.items():
+        if kind == "dora":
+            m = h.pop("dora_m", None)
+            if m is None or (len(h) == 2 and m.shape != (h["lora_b"].shape[0],)):
+                raise GGUFError(f"{path}: tensor '{base}.dora_m': expected shape "
+                                f"({h['lora_b'].shape[0] if 'lora_b' in h else 'n_out'},) "
+                                f"(a DoRA magnitude per output row), found "
+                                f"{'missing' if m is None else m.shape}")
+            magnitudes[base] = m
         if len(h) != 2:
             missing = "lora_b" if "lora_a" in h else "lora_a"
             raise GGUFError(f"{path}: tensor '{base}.{missing}': expected present (pair of "
@@ -286,7 +367,8 @@ def load_adapter(path: str | os.PathLike) -> Adapter:
         raise GGUFError(f"{path}: tensors: expected lora_a/lora_b pairs, found none")
     arch = meta.get("general.architecture")
     g.close()
-    return Adapter(str(path), str(arch), float(alpha), pairs, dict(meta))
+    return Adapter(str(path), str(arch), float(alpha), pairs, dict(meta), kind,
+                   magnitudes if kind == "dora" else None)
 
 
 def _adapter_targets(model: nn.Module, ad: Adapter) -> dict[str, tuple[str, np.ndarray,
@@ -325,28 +407,36 @@ def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike) -> Llama:
     the adapter's architecture must be the model's."""
     ad = load_adapter(path_or_run_dir)
     _check_arch(ad, model.args.arch)
-    for path, a, b in _adapter_targets(model, ad).values():
+    for name, (path, a, b) in _adapter_targets(model, ad).items():
         base = submodule(model, path)
         if isinstance(base, LoRALinear):
             raise TypeError(f"{path}: expected a plain projection, found one already "
                             "wrapped in LoRA (apply one adapter per model)")
         rank = a.shape[0]
         # llama.cpp: alpha 0 (or absent) means scale 1, i.e. alpha = r.
-        m = LoRALinear.from_base(base, rank, ad.alpha or float(rank))
+        m = ADAPTER_KINDS[ad.kind].from_base(base, rank, ad.alpha or float(rank))
         m.lora_a, m.lora_b = mx.array(a), mx.array(b)
+        if ad.magnitudes is not None:
+            m.m = mx.array(ad.magnitudes[name])
         replace_submodule(model, path, m)
     mx.eval(model.parameters())
     return model
 
 
 def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
-    """Resume: copy an adapter file's A and B into the model's existing LoRA layers.
+    """Copy an adapter file's A and B (and DoRA's m) into the model's existing LoRA layers:
+    resume, or a new run started from an adapter (`--lora.init-adapter`).
 
-    The file must hold exactly the model's LoRA layers with the same ranks and alpha.
+    The file must hold exactly the model's LoRA layers, of the same kind, ranks and alpha.
     """
     ad = load_adapter(path)
     _check_arch(ad, model.args.arch)
     have = {toy_to_gguf(p + ".weight"): m for p, m in lora_layers(model).items()}
+    kind = next((k for k, c in ADAPTER_KINDS.items()
+                 if any(type(m) is c for m in have.values())), "lora")
+    if ad.kind != kind:
+        raise GGUFError(f"{ad.path}: metadata key 'adapter.type': expected {kind!r} (this "
+                        f"run's --fine-tune-type), found {ad.kind!r}")
     if set(have) != set(ad.pairs):
         extra = sorted(set(ad.pairs) - set(have))
         missing = sorted(set(have) - set(ad.pairs))
@@ -361,6 +451,11 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
                             f"alpha {m.alpha} (this run's), found rank {a.shape[0]} and alpha "
                             f"{ad.alpha}")
         m.lora_a, m.lora_b = mx.array(a), mx.array(b)
+        if ad.magnitudes is not None:
+            if ad.magnitudes[name].shape != m.m.shape:
+                raise GGUFError(f"{ad.path}: tensor '{name}.dora_m': expected shape "
+                                f"{m.m.shape}, found {ad.magnitudes[name].shape}")
+            m.m = mx.array(ad.magnitudes[name])
     mx.eval(model.parameters())
 
 
@@ -380,8 +475,9 @@ def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
     num = den = 0.0
     with GGUFFile(base) as g, GGUFFile(fused) as f:
         for name in ad.pairs:
-            d = ad.delta(name)
-            e = f.load(name, np.float32).astype(np.float64) - g.load(name, np.float32)
+            w = g.load(name, np.float32)
+            d = ad.delta(name, w)
+            e = f.load(name, np.float32).astype(np.float64) - w
             num, den = num + float(np.vdot(e, d)), den + float(np.vdot(d, d))
             f.release(name)
             g.release(name)
@@ -400,26 +496,55 @@ def kept_note(kept: float, dtype: str) -> str:
 def write_merged(out: str | os.PathLike, base: str | os.PathLike,
                  adapter: str | os.PathLike | None = None, dtype: str | None = None,
                  progress: bool = False) -> Path:
-    """Write `base` (+ `adapter` fused into its weights) as a full GGUF of file type `dtype`
-    (default: the base's own `general.file_type`), through `write_model_gguf`.
-
-    Every metadata key of the base (tokenizer, chat template, hyperparameters) is kept with
-    its original GGUF type; general.file_type follows the new tensor types.
-    """
+    """Write `base` (+ `adapter`, LoRA or DoRA, fused into its weights) as a full GGUF of file
+    type `dtype` (default: the base's own, `export_type`), through `write_model_gguf`; `base` may
+    be a full fine-tune's run folder (its latest checkpoint)."""
+    base = checkpoint_file(base, "--base")
     with GGUFFile(base) as g:
-        dtype = dtype or own_type(g)
+        dtype = dtype or export_type(g)
     quantizer(dtype)  # refused before the work, if nothing here writes this type
     model, g = load_llama(base)
-    meta, types = dict(g.metadata), dict(g.metadata_types)
+    extra = {}
     if adapter is not None:
         ad_path = checkpoint_file(adapter, "--adapter")
         apply_adapter(model, ad_path)
         fuse(model)
-        meta["toy.merged_adapter"] = ad_path.name
-    weights = llama_tensors(model)
-    for name in g.tensors:  # RoPE constants (rope_freqs, rope_factors_*) as the base has them
-        if name not in weights:
-            weights[name] = g.load(name, np.float32)
-    g.close()
+        extra["toy.merged_adapter"] = ad_path.name
+    try:
+        meta, types, weights = like_base(g, model, extra)
+    finally:
+        g.close()
     del model
     return write_model_gguf(out, meta, types, weights, dtype, progress)
+
+
+def like_base(g: GGUFFile, model: Llama, extra: dict[str, Any] | None = None
+              ) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]], dict[str, np.ndarray]]:
+    """(metadata, their GGUF types, float32 tensors) of `model` as a file of the base `g`'s kind:
+    every metadata key of the base (tokenizer, chat template, hyperparameters) with its original
+    GGUF type, `extra` added, and the base's other tensors (RoPE constants: rope_freqs,
+    rope_factors_*); the writer sets general.file_type."""
+    skip = ("general.alignment", "general.file_type", BASE_FILE_TYPE)
+    meta = {k: v for k, v in g.metadata.items() if k not in skip}
+    types = {k: t for k, t in g.metadata_types.items() if k not in skip}
+    meta.update(extra or {})
+    weights = llama_tensors(model)
+    for name in g.tensors:  # RoPE constants as the base has them
+        if name not in weights:
+            weights[name] = g.load(name, np.float32)
+    return meta, types, weights
+
+
+def write_like_base(out: str | os.PathLike, g: GGUFFile, model: Llama, dtype: str,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """A full fine-tune's checkpoint: `model` as a GGUF of the base `g`'s kind (`like_base`),
+    matrices in `dtype` (f32/f16/bf16), with the tensor digest a resume verifies, and the base's
+    general.file_type as `toy.base_file_type` (its export defaults to that type)."""
+    meta, types, weights = like_base(g, model, extra)
+    meta["general.file_type"] = FILE_TYPE[dtype]
+    types["general.file_type"] = (UINT32, None)
+    base_type = g.metadata.get(BASE_FILE_TYPE, g.metadata.get("general.file_type"))
+    if isinstance(base_type, int):
+        meta[BASE_FILE_TYPE], types[BASE_FILE_TYPE] = base_type, (UINT32, None)
+    tensors = {n: encode_tensor(n, w, dtype) for n, w in weights.items()}
+    return write_gguf(out, meta, tensors, types=types)

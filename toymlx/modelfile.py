@@ -20,10 +20,10 @@ from typing import Any
 
 from toymlx import atomic
 from toymlx.checkpoint import checkpoint_file
-from toymlx.gguf.quantize import own_type
+from toymlx.gguf.quantize import export_type
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.model_store import Resolved, is_store_name, resolve
-from toymlx.runs import saved_config
+from toymlx.runs import Bundle
 from toymlx.tokenizer import Tokenizer
 
 MODELFILE = "Modelfile"
@@ -43,11 +43,10 @@ def quote(value: str) -> str:
 def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
     """The base a LoRA adapter was trained on: its run's `--base`, else the adapter's
     `toy.base` where that is a store name or an existing file."""
-    p = Path(adapter)
-    for run_dir in (p, p.parent.parent, adapter_file.parent.parent):
-        saved = saved_config(run_dir) if (run_dir / "config.json").is_file() else None
-        if saved is not None and saved["config"].get("base"):
-            return str(saved["config"]["base"])
+    for path in (adapter, adapter_file):
+        bundle = Bundle.of(path, "--adapter")
+        if bundle is not None and getattr(bundle.config, "base", None):
+            return str(bundle.config.base)
     with GGUFFile(adapter_file) as g:
         base = g.metadata.get("toy.base")
     if isinstance(base, str) and (is_store_name(base) or Path(base).is_file()):
@@ -156,7 +155,7 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
         from toymlx.lora import write_merged  # MLX only when a model is fused
 
         with GGUFFile(src.path) as g:
-            dtype = dtype or own_type(g)
+            dtype = dtype or export_type(g)
         fused = write_merged(Path(out_dir) / f"fused-{dtype}.gguf", src.path, adapter_file,
                              dtype, progress)
     text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused)

@@ -22,11 +22,9 @@ from typing import Any
 
 from toymlx import atomic
 from toymlx.events import read_events
-from toymlx.runs import saved_config
+from toymlx.runs import RUN_LOCAL, Bundle, RunError, saved_config
 
 SWEEP_FILE = "sweep.json"
-# config.json keys that name where or how a run was started, not what was trained
-_NOT_PARAMS = {"run_id", "runs_root", "resume", "overwrite", "progress", "stop_at"}
 # metric -> True when higher is better
 METRICS = {"val_loss": False, "accuracy": True}
 
@@ -39,9 +37,18 @@ def _series(events: list[dict], kind: str) -> list[dict]:
         if e["kind"] == "run_start":
             start = int(e.get("start_step") or 0)
             out = {s: v for s, v in out.items() if s <= start}
-        elif e["kind"] == kind and isinstance(e.get("step"), int):
+        elif (e["kind"] == kind and isinstance(e.get("step"), int)
+              and e.get("split", "val") != "test"):  # a test score is no point of a curve
             out[e["step"]] = e
     return [out[s] for s in sorted(out)]
+
+
+def test_scores(events: list[dict]) -> dict[str, float]:
+    """The run's held-out test figures (`--test`: the `eval` event with split "test" a completed
+    run ends with), {} without one."""
+    tests = [e for e in events if e["kind"] == "eval" and e.get("split") == "test"]
+    return {k: tests[-1][k] for k in TEST_COLUMNS if number(tests[-1].get(k)) is not None
+            } if tests else {}
 
 
 def number(v: Any) -> float | None:
@@ -77,14 +84,19 @@ def run_status(events: list[dict]) -> tuple[str, str | None]:
 def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     """One run bundle as a flat summary row (see `summarize`)."""
     run_dir = Path(run_dir)
-    events = read_events(run_dir) if run_dir.is_dir() else []
+    try:
+        bundle = Bundle.open(run_dir, "toymlx-report")
+        saved: dict[str, Any] | None = bundle.saved
+        events = bundle.events
+    except RunError:  # a damaged or unfinished bundle: show what its files still tell
+        saved = saved_config(run_dir)
+        events = read_events(run_dir) if run_dir.is_dir() else []
     status, message = run_status(events)
     if not run_dir.exists():
         status = "missing"
     starts = [e for e in events if e["kind"] == "run_start"]
     config: dict[str, Any] = {}
     recipe = starts[-1].get("recipe") if starts else None
-    saved = saved_config(run_dir)
     if saved is not None:
         config, recipe = saved["config"], recipe or saved.get("recipe")
     elif starts:
@@ -124,6 +136,7 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "best_step": best[0] if best else None,
         "final": scored[-1][1] if scored else None,
         "final_step": scored[-1][0] if scored else None,
+        **test_scores(events),
         "throughput": statistics.median(rates) if rates else None,
         "unit": rate_key.replace("_per_s", "/s") if rate_key else None,
         "wall_s": round(wall, 2) if events else None,
@@ -139,7 +152,8 @@ def summarize(run_dirs: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     Each row: run, path, recipe, status (completed / error / diverged / interrupted / stopped
     / torn: no run_end / empty: no events / missing), message, step reached, steps planned,
     final_loss, metric (val_loss, or accuracy when the eval events carry it), best and
-    best_step, final and final_step of that metric (None without eval), throughput (median of
+    best_step, final and final_step of that metric (None without eval), test_loss and
+    test_perplexity where the run has a test score (`--test`), throughput (median of
     the step events' tokens/s or images/s) and unit, wall_s (summed over resumed segments),
     world_size, peak_memory_mb, and config (config.json flattened to dotted keys).
     """
@@ -216,7 +230,7 @@ def add_params(rows: list[dict[str, Any]]) -> list[str]:
         return names
     keys: list[str] = []
     for r in rows:
-        keys += [k for k in r["config"] if k not in keys and k not in _NOT_PARAMS]
+        keys += [k for k in r["config"] if k not in keys and k.split(".")[0] not in RUN_LOCAL]
     names = [k for k in keys
              if len({json.dumps(r["config"].get(k), sort_keys=True) for r in rows}) > 1]
     for r in rows:
@@ -234,11 +248,18 @@ COLUMNS = ["status", "step", "final_loss", "metric", "best", "best_step", "final
            "unit", "wall_s"]
 
 
+TEST_COLUMNS = ["test_loss", "test_perplexity"]
+"""Shown after `final` when a run has them (`--test`)."""
+
+
 def table_rows(rows: list[dict[str, Any]], params: list[str]) -> tuple[list[str], list[list[Any]]]:
     """Header and cells of the summary table: run, parameters, then the figures."""
-    header = ["run", *params, *COLUMNS]
+    columns = list(COLUMNS)
+    if any(r.get("test_loss") is not None for r in rows):
+        columns[columns.index("final") + 1:columns.index("final") + 1] = TEST_COLUMNS
+    header = ["run", *params, *columns]
     cells = [[r["run"], *[r.get("params", {}).get(k) for k in params],
-              *[r.get(c) for c in COLUMNS]] for r in rows]
+              *[r.get(c) for c in columns]] for r in rows]
     return header, cells
 
 

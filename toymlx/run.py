@@ -2,7 +2,8 @@
 
     toymlx-train --recipe R ...      fresh: own runs/<id> (a lock for the process's life),
                                      write config.json once, build, train
-    toymlx-train --resume RUN ...    own RUN, check the options against its config.json, pick
+    toymlx-train --resume RUN ...    own RUN (`runs.Bundle`, opened once), check the options and
+                                     the data against its config.json, pick
                                      and verify the checkpoint, build, cut the bundle back to
                                      that checkpoint, train on (a `resume` event, no new run_start)
 """
@@ -27,42 +28,7 @@ from toymlx.device import on_gpu, select_device, setup_process
 from toymlx.events import read_events
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
-from toymlx.recipes import get_recipe
-from toymlx.trainer import Task, TrainConfig, train
-
-
-def validate_train_config(cfg: TrainConfig) -> None:
-    """Every shared option checked up front; ValueError names the flag."""
-    checks = [
-        ("--steps", cfg.steps >= 1, ">= 1", cfg.steps),
-        ("--batch-size", cfg.batch_size >= 1, ">= 1", cfg.batch_size),
-        ("--grad-accum", cfg.grad_accum >= 1, ">= 1", cfg.grad_accum),
-        ("--lr", cfg.lr > 0, "> 0", cfg.lr),
-        ("--warmup", cfg.warmup >= 0, ">= 0", cfg.warmup),
-        ("--min-lr-ratio", 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]", cfg.min_lr_ratio),
-        ("--weight-decay", cfg.weight_decay >= 0, ">= 0", cfg.weight_decay),
-        ("--beta1", 0 <= cfg.beta1 < 1, "in [0, 1)", cfg.beta1),
-        ("--beta2", 0 <= cfg.beta2 < 1, "in [0, 1)", cfg.beta2),
-        ("--grad-clip", cfg.grad_clip >= 0, ">= 0", cfg.grad_clip),
-        ("--eval-every", cfg.eval_every >= 0, ">= 0", cfg.eval_every),
-        ("--eval-batches", cfg.eval_batches >= 1, ">= 1", cfg.eval_batches),
-        ("--checkpoint-every", cfg.checkpoint_every >= 0, ">= 0", cfg.checkpoint_every),
-        ("--keep-last", cfg.keep_last >= 0, ">= 0 (0: keep every checkpoint)", cfg.keep_last),
-        ("--keep-best", cfg.keep_best >= 0, ">= 0", cfg.keep_best),
-        ("--seed", cfg.seed >= 0, ">= 0", cfg.seed),
-        ("--cpu-streams", cfg.cpu_streams >= 0, ">= 0 (0: auto)", cfg.cpu_streams),
-    ]
-    for flag, ok, want, found in checks:
-        if not ok:
-            raise ValueError(f"{flag}: expected {want}, found {found}")
-    if cfg.stop_at is not None and cfg.stop_at < 1:
-        raise ValueError(f"--stop-at: expected >= 1, found {cfg.stop_at}")
-    if cfg.from_step is not None and not cfg.resume:
-        raise ValueError("--from: expected with --resume RUN (it picks that run's checkpoint), "
-                         "found no --resume")
-    if cfg.resume and cfg.overwrite:
-        raise ValueError("--overwrite: replaces a bundle with a new run, so it cannot go with "
-                         "--resume; give one of them")
+from toymlx.trainer import Task, TrainConfig, check_config, train
 
 
 def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
@@ -96,26 +62,6 @@ def init_distributed() -> Any:
     return world if world.size() > 1 else None
 
 
-def load_saved_run(run_dir: str | os.PathLike) -> tuple[str, ModuleType, TrainConfig]:
-    """(recipe, its module, the configuration) a bundle was started with (steps as its last
-    resume extended them), validated like command-line input: RunError naming config.json."""
-    recipe, saved = runs.read_config(run_dir)
-    source = str(Path(run_dir) / runs.CONFIG_FILE)
-    try:
-        module = get_recipe(recipe)
-    except ValueError as e:
-        raise runs.RunError(f"{source}: key 'recipe': {e}") from None
-    cfg = runs.config_from_dict(module.Config, saved, source)
-    cfg.steps = runs.saved_steps(run_dir, cfg.steps)
-    try:
-        validate_train_config(cfg)
-        if hasattr(module, "validate"):
-            module.validate(cfg)
-    except ValueError as e:
-        raise runs.RunError(f"{source}: {e}") from None
-    return recipe, module, cfg
-
-
 @dataclass
 class _Prepared:
     run_dir: Path
@@ -124,13 +70,15 @@ class _Prepared:
     resume: runs.Resume | None
 
 
-def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
-    """Run one recipe with a parsed config; returns the process exit code."""
+def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
+                 bundle: runs.Bundle | None = None) -> int:
+    """Run one recipe with a parsed config (with `bundle`, the opened run `--resume` continues);
+    returns the process exit code."""
     # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
     setup_process(wide_evaluation=not cfg.grad_checkpoint)
     with contextlib.ExitStack() as owned:  # the bundle's lock, held until training has ended
         try:
-            run = _prepare(recipe, module, cfg, owned)
+            run = _prepare(recipe, module, cfg, bundle, owned)
         except (ValueError, OSError, KeyError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 2
@@ -138,6 +86,8 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
             print("toymlx-train: interrupted before the first step; nothing was trained",
                   file=sys.stderr)
             return 130
+        if run.resume is not None and run.resume.note:
+            print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
         try:
             end = train(run.task, cfg, run.run_dir, _public_config(cfg), world=run.world,
                         resume=run.resume)
@@ -161,23 +111,24 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig) -> int:
     return int(end["exit_code"])
 
 
-def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig,
+def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bundle | None,
              owned: contextlib.ExitStack) -> _Prepared:
     """Everything before the first step, the bundle owned (locked) through `owned`; raises
     ValueError/OSError with one line when something is off, leaving no new bundle behind."""
-    validate_train_config(cfg)
-    if hasattr(module, "validate"):
-        module.validate(cfg)
+    check_config(module, cfg)
+    if cfg.resume and bundle is None:
+        bundle = runs.Bundle.open(cfg.resume)
     select_device(cfg.device)
     ops = run_ops(cfg)
     world = init_distributed()
     rank0 = world is None or world.rank() == 0
-    if cfg.resume:
-        run_dir = Path(cfg.resume)
-        runs.read_config(run_dir)  # a bundle folder, before anything is created in it
+    if bundle is not None:
+        run_dir = bundle.path
         if rank0:
-            owned.enter_context(runs.lock_run(run_dir))
-        resume = _plan_resume(recipe, cfg, run_dir)
+            owned.enter_context(bundle.own())
+        bundle.check_options(recipe, cfg)
+        bundle.check_data()
+        resume = bundle.plan_resume(cfg.from_step, cfg.steps)
     else:
         resume, cfg.run_id = None, cfg.run_id or _shared_run_id(recipe, world)
         run_dir = Path(cfg.runs_root) / cfg.run_id
@@ -185,37 +136,23 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig,
             run_dir, lock = runs.prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite)
             owned.enter_context(lock)
     try:
-        if rank0 and resume is None:
+        if rank0 and bundle is None:
             runs.save_config(run_dir, recipe, cfg)
         task = module.build(cfg, ops)
         if ops.grad_checkpoint:
             check_checkpointable(task.model)
         check_batch_fits(cfg.batch_size, task.config_info)
-        if resume is not None:
-            runs.check_resume(run_dir, recipe, task.model_info, ops.dtype)
+        if bundle is not None and resume is not None:
+            bundle.check_model(task.model_info, ops.dtype)
             if rank0:
-                runs.rewind(run_dir, resume)
+                bundle.rewind(resume)
+            else:
+                resume.kept = bundle.events
     except BaseException:
-        if rank0 and resume is None:  # ours, and nothing of a run in it yet
+        if rank0 and bundle is None:  # ours, and nothing of a run in it yet
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     return _Prepared(run_dir, task, world, resume)
-
-
-def _plan_resume(recipe: str, cfg: TrainConfig, run_dir: Path) -> runs.Resume:
-    """The checkpoint `--resume` continues from, after checking that `cfg` keeps the saved
-    configuration (only --steps and run-local options may differ)."""
-    saved_recipe, _, saved = load_saved_run(run_dir)
-    if saved_recipe != recipe:
-        raise runs.RunError(f"{run_dir}: --resume: expected a run of recipe {recipe!r}, found a "
-                            f"{saved_recipe!r} run")
-    runs.check_unchanged(run_dir, saved, cfg)
-    resume = runs.plan_resume(run_dir, cfg.from_step, saved.steps)
-    if cfg.steps <= resume.step:
-        raise runs.RunError(f"{run_dir}: --steps: expected more than the checkpoint's step "
-                            f"{resume.step} to train on, found {cfg.steps} (pass --steps N to "
-                            "extend the run)")
-    return resume
 
 
 def _public_config(cfg: TrainConfig) -> dict[str, Any]:
@@ -230,13 +167,15 @@ def _shared_run_id(recipe: str, world: Any) -> str:
         return runs.default_run_id(recipe)
     t = int(time.time()) if world.rank() == 0 else 0
     t = int(mx.distributed.all_sum(mx.array(t, dtype=mx.int64), group=world).item())
-    return f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(t))}-{recipe}"
+    return runs.default_run_id(recipe, t)
 
 
 def _final_line(run_dir: Path, end: dict) -> None:
     evals = [e for e in read_events(run_dir) if e["kind"] == "eval"]
-    last = evals[-1] if evals else {}
-    figures = ", ".join(f"{k} {v:.4f}" for k, v in last.items()
+    val = [e for e in evals if e.get("split", "val") == "val"]
+    test = [e for e in evals if e.get("split") == "test"]
+    shown = {**(val[-1] if val else {}), **(test[-1] if test else {})}
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in shown.items()
                         if k not in ("kind", "t", "step") and isinstance(v, float))
     msg = f"{end['reason']} at step {end['final_step']}"
     if end.get("message"):

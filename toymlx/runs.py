@@ -1,16 +1,26 @@
-"""Run-bundle folders: naming, ownership, the saved config, and what a resume may change.
+"""Run bundles: where a run lives, its options, and the one object every reader opens it by.
 
-A bundle has one writer: the training process holds `<bundle>/.lock` (`toymlx.lock`) for its
-life, so a second `toymlx-train` on the same bundle (a fresh start, `--overwrite`, `--resume`)
-fails with one line naming the first. `config.json` is written once, when the run starts; it is
-read back like any other input (every key checked against the recipe's options), and a resume
-must not change it: the only option that may differ is `--steps` (recorded in the `resume`
-event), besides the run-local ones in `RUN_LOCAL`.
+A bundle is `<runs_root>/<run_id>/`: `config.json` (written once, when the run starts),
+`events.jsonl` (`toymlx.events`), `weights/` (`toymlx.checkpoint`) and, while a process trains
+into it, `.lock` (`toymlx.lock`: one writer, so a second `toymlx-train` on the bundle fails with
+one line naming the first).
+
+- `RunOptions` are the options of where a run lives and how this process drives it; none of
+  them changes what is trained, so a resume may change any of them except the two that name
+  the bundle. Every other option (the training configuration) must equal the saved one; only
+  `--steps` may extend the run (recorded in the `resume` event).
+- `Bundle.open(path)` reads and checks `config.json` once (every key present and typed, the
+  recipe's own checks), and the events once; training (`toymlx.run`), toymlx-eval, -generate,
+  -export, -report and the sweep all open a run this way. For a resume it then plans where to
+  continue (`plan_resume`: the checkpoint verified, `latest` missing or dangling falling back to
+  the newest intact one), checks the model and the data files against what the run recorded,
+  and cuts the bundle back to that checkpoint (`rewind`), handing the loop a finished `Resume`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -20,7 +30,10 @@ import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from types import ModuleType
+from typing import Annotated, Any, Literal
+
+import tyro
 
 from toymlx import atomic
 from toymlx import checkpoint as ck
@@ -28,25 +41,75 @@ from toymlx import events as ev
 from toymlx.lock import LOCK_FILE, Lock, acquire
 
 CONFIG_FILE = "config.json"
-RUN_LOCAL = frozenset({
-    "steps",  # extends (or shortens) the run; recorded in the resume event
-    "resume", "from_step", "overwrite",  # which bundle and checkpoint to continue
-    "stop_at", "progress",  # this process's stopping point and display
-    "eval_every", "checkpoint_every", "keep_last", "keep_best",  # cadence and retention only
-    "device", "compile", "cpu_streams", "grad_checkpoint",  # where and how the same math runs
-    "fuse_at_end",  # what is written from the final weights, beside them
-})
-"""Options a resume may change: none of them changes what is trained. Any other option
-(data, model, seed, batch, sequence length, schedule, optimizer, dtype, and any option added
-later) must equal the saved one."""
+DATA_FILES_KEY = "data_files"
+"""config.json's top-level key (beside "recipe" and "config") with the fingerprint of each data
+file or folder the run read, taken when it started (`fingerprint`)."""
+
+
+@dataclass
+class RunOptions:
+    """Where a run lives and how this process drives it (every recipe's Config has them). None
+    changes what is trained, so a resume may change any of them, except `runs_root` and `run_id`,
+    which name the bundle (`BUNDLE_NAME`)."""
+
+    eval_every: int = 50
+    """Steps between validation passes (0: only at the end)."""
+    checkpoint_every: int = 100
+    """Steps between GGUF checkpoints (0: only the final one)."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints (0: every one); the one `latest` names always stays."""
+    keep_best: int = 0
+    """Also keep the N checkpoints with the lowest validation loss (evaluated at their step)."""
+    compile: bool = True
+    """Run the step under mx.compile (--no-compile: eager, same losses)."""
+    device: Literal["auto", "gpu", "cpu"] = "auto"
+    """Where MLX runs: auto picks the GPU when MLX has one."""
+    runs_root: str = "runs"
+    """Folder that holds run bundles."""
+    run_id: str | None = None
+    """Name of this run's bundle (default: timestamp + recipe)."""
+    resume: str | None = None
+    """Continue the run bundle at this path from its latest checkpoint, with its saved
+    configuration (only --steps and run-local options such as --eval-every may change)."""
+    from_step: Annotated[str | None, tyro.conf.arg(name="from")] = None
+    """With --resume: the checkpoint to continue from instead of the latest (step_N, or
+    step_0 to start the run over from its saved configuration)."""
+    overwrite: bool = False
+    """Allow replacing an existing run bundle with the same run id."""
+    stop_at: int | None = None
+    """Stop (checkpointed, resumable) after this step, as if interrupted."""
+    progress: bool = True
+    """Show a progress bar."""
+    cpu_streams: int = 0
+    """MLX CPU streams that each run a slice of every micro-batch in parallel, with the BLAS
+    threads shared out between them (MLX runs elementwise work on one thread per stream).
+    0: auto (2 where MLX computes on a CPU with 2+ cores and toymlx controls its BLAS
+    threads, else 1)."""
+    grad_checkpoint: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them: less
+    memory for long sequences, about one more forward pass of time."""
+
+
+RUN_LOCAL = frozenset(f.name for f in dataclasses.fields(RunOptions))
+"""The run-local option keys: the fields of `RunOptions` (the one list; do not repeat it)."""
+BUNDLE_NAME = ("runs_root", "run_id")
+"""The run-local options that name the bundle: on --resume they must be the bundle's own."""
+BUNDLE_PICK = ("runs_root", "run_id", "resume", "from_step", "overwrite")
+"""The run-local options that pick the bundle and its checkpoint (a sweep sets them per run)."""
 
 
 class RunError(ValueError):
     """A run folder that cannot be used as asked; one line naming the path."""
 
 
-def default_run_id(recipe: str) -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{recipe}"
+def default_run_id(recipe: str, t: float | None = None) -> str:
+    """The run id of a run started at time `t` (default: now) without --run-id."""
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(t))}-{recipe}"
+
+
+def flag_name(key: str) -> str:
+    """Dotted option key to its command-line flag: model.d_model -> --model.d-model."""
+    return "--from" if key == "from_step" else "--" + key.replace("_", "-")
 
 
 def lock_run(run_dir: Path) -> Lock:
@@ -90,9 +153,72 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
 
 
 def save_config(run_dir: Path, recipe: str, cfg: Any) -> None:
-    """Write config.json (once, when the run starts)."""
+    """Write config.json (once, when the run starts): the recipe, every option, and the
+    fingerprints of the data files the options name."""
     atomic.write_text(run_dir / CONFIG_FILE, json.dumps(
-        {"recipe": recipe, "config": dataclasses.asdict(cfg)}, indent=2, ensure_ascii=False))
+        {"recipe": recipe, "config": dataclasses.asdict(cfg), DATA_FILES_KEY: data_files(cfg)},
+        indent=2, ensure_ascii=False))
+
+
+# ---- the data a run reads --------------------------------------------------------------------
+WHOLE_DIGEST_BYTES = 64 * 2**20
+"""Data up to this size is fingerprinted by the SHA-256 of all of it; larger data by its size,
+newest modification time and the SHA-256 of 16 samples of `SAMPLE_BYTES`, so a resume of a
+run on many GB checks in well under a second."""
+SAMPLE_BYTES = 2**16
+
+
+def data_paths(cfg: Any) -> dict[str, str]:
+    """The data files or folders a configuration names: the `data.path`-like options (`path`,
+    `*_path` under `data`) that are set, by dotted key."""
+    data = getattr(cfg, "data", None)
+    if not dataclasses.is_dataclass(data):
+        return {}
+    return {f"data.{f.name}": v for f in dataclasses.fields(data)
+            if (f.name == "path" or f.name.endswith("_path"))
+            and isinstance(v := getattr(data, f.name), str)}
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return [path]
+
+
+def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
+    """What identifies a data file or folder's contents: {"bytes", "sha256"} (every name and
+    byte, for data up to WHOLE_DIGEST_BYTES), or {"bytes", "mtime_ns", "sample_sha256"} for
+    larger data (every name and size, and 16 samples spread over the files and their bytes)."""
+    root = Path(path)
+    files = _files(root)
+    sizes = [p.stat().st_size for p in files]
+    digest = hashlib.sha256()
+    for p, n in zip(files, sizes):
+        digest.update(f"{p.relative_to(root) if p != root else ''}|{n}\n".encode())
+    large = sum(sizes) > WHOLE_DIGEST_BYTES
+    if not large:
+        for p in files:
+            with open(p, "rb") as f:
+                for block in iter(lambda f=f: f.read(2**20), b""):
+                    digest.update(block)
+        return {"bytes": sum(sizes), "sha256": digest.hexdigest()}
+    for k in range(16):  # the k-th sample: from the k/15-th file, at k/15 of its bytes
+        i = k * (len(files) - 1) // 15
+        with open(files[i], "rb") as f:
+            f.seek(max(0, (sizes[i] - SAMPLE_BYTES) * k // 15))
+            digest.update(f.read(SAMPLE_BYTES))
+    return {"bytes": sum(sizes), "mtime_ns": max(p.stat().st_mtime_ns for p in files),
+            "sample_sha256": digest.hexdigest()}
+
+
+def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
+    """{dotted key: {"path", and its `fingerprint`}} of the data the options name (existing
+    files and folders; a recipe reports a missing one itself, when it loads it)."""
+    out = {}
+    for key, path in data_paths(cfg).items():
+        if Path(path).exists():
+            out[key] = {"path": path, **fingerprint(path)}
+    return out
 
 
 # ---- reading config.json back --------------------------------------------------------------
@@ -156,11 +282,13 @@ def _coerce(t: Any, v: Any, key: str, source: str) -> Any:
     return v
 
 
+
 def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
                      prefix: str = "config.") -> Any:
     """Rebuild a (nested) config dataclass from its saved dict, every value checked against
-    its field's type; RunError naming `source`, the key, the expected and the found value.
-    Keys left out take their defaults (a bundle of an older toymlx lacks newer options)."""
+    its field's type, every option present; RunError naming `source`, the key, the expected and
+    the found value. config.json is written whole when a run starts, so a missing key is damage:
+    taking its default would train another run under this one's name."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kw = {}
@@ -173,32 +301,26 @@ def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
             kw[k] = _coerce(hints[k], v, prefix + k, source)
         except _Mismatch as m:
             raise RunError(f"{source}: key {prefix + k!r}: expected {m.expected}, found "
-                           f"{_found(v)}; fix it, or remove the key to take its default") from None
+                           f"{_found(v)}; fix it to the run's value") from None
+    missing = [k for k in names if k not in d]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise RunError(f"{source}: key {prefix + missing[0]!r}: expected the run's saved "
+                       f"{flag_name(missing[0])} value, found no key{more}; put it back as the "
+                       "run's run_start event records it")
     return cls(**kw)
 
 
-def saved_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """A run folder's config.json as saved (`recipe`, `config`, ...), or None where there is
-    none or it is not such an object: for readers that then do without it (report, eval,
-    generation). Resume reads it strictly, with one-line errors: `read_config`."""
-    try:
-        saved = json.loads((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return None
-    return saved if isinstance(saved, dict) and isinstance(saved.get("config"), dict) else None
-
-
-def read_config(run_dir: str | os.PathLike) -> tuple[str, dict[str, Any]]:
-    """(recipe, config dict) saved when the run started, checked for shape (not yet types)."""
-    run_dir = Path(run_dir)
+def _read_config(run_dir: Path, flag: str) -> dict[str, Any]:
+    """config.json as saved, checked for shape (not yet types): recipe, config, data_files."""
     p = run_dir / CONFIG_FILE
     if not run_dir.is_dir():
-        raise RunError(f"{run_dir}: --resume: expected a run bundle folder, found "
+        raise RunError(f"{run_dir}: {flag}: expected a run bundle folder, found "
                        f"{'a file' if run_dir.exists() else 'nothing'}")
     try:
         saved = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise RunError(f"{p}: --resume: expected the run's saved config, found no file (a run "
+        raise RunError(f"{p}: {flag}: expected the run's saved config, found no file (a run "
                        "folder of toymlx-train has one)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RunError(f"{p}: expected a readable UTF-8 file, found {e}") from None
@@ -211,15 +333,21 @@ def read_config(run_dir: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     if not isinstance(saved.get("recipe"), str):
         raise RunError(f"{p}: key 'recipe': expected a recipe name, found "
                        f"{_found(saved.get('recipe'))}")
-    return saved["recipe"], saved["config"]
+    if not isinstance(saved.get(DATA_FILES_KEY, {}), dict):
+        raise RunError(f"{p}: key {DATA_FILES_KEY!r}: expected an object, found "
+                       f"{_found(saved[DATA_FILES_KEY])}")
+    return saved
 
 
-def saved_steps(run_dir: str | os.PathLike, config_steps: int) -> int:
-    """The run's total steps: config.json's, or as the latest `resume` event extended them."""
-    for e in reversed(ev.read_events(run_dir)):
-        if e["kind"] == "resume" and isinstance(e.get("steps"), int):
-            return e["steps"]
-    return config_steps
+def saved_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """config.json as saved, unchecked, or None where there is none or it is not an object
+    with a "config" object: for a summary of a bundle that `Bundle.open` refuses (toymlx-report
+    shows what it can of a damaged run). Everything else opens bundles with `Bundle.open`."""
+    try:
+        saved = json.loads((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    return saved if isinstance(saved, dict) and isinstance(saved.get("config"), dict) else None
 
 
 def _options(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -229,52 +357,6 @@ def _options(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield from _options(v, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", v
-
-
-def flag_name(key: str) -> str:
-    """Dotted option key to its command-line flag: model.d_model -> --model.d-model."""
-    return "--from" if key == "from_step" else "--" + key.replace("_", "-")
-
-
-def check_unchanged(run_dir: Path, saved: Any, given: Any) -> None:
-    """RunError unless `given` keeps every option of the saved run outside RUN_LOCAL."""
-    was = dict(_options(saved))
-    changed = [(k, was.get(k), v) for k, v in _options(given)
-               if k.split(".")[0] not in RUN_LOCAL and was.get(k) != v]
-    if not changed:
-        return
-    k, old, new = changed[0]
-    more = (f" (and {len(changed) - 1} more: {', '.join(flag_name(c[0]) for c in changed[1:])})"
-            if len(changed) > 1 else "")
-    raise RunError(f"{run_dir}: --resume: {flag_name(k)}: expected the run's saved {k} = "
-                   f"{old!r}, found {new!r}{more}; a resumed run keeps its configuration "
-                   "(only --steps and run-local options such as --eval-every may change): "
-                   "start a new run to change it")
-
-
-def check_resume(run_dir: str | os.PathLike, recipe: str, model_info: dict[str, Any],
-                 dtype: str | None = None) -> None:
-    """RunError unless the bundle was trained by `recipe` with this model shape (and compute
-    `dtype`: `--dtype auto` resolves by device, and --device may change on resume)."""
-    saved_recipe, _ = read_config(run_dir)
-    if saved_recipe != recipe:
-        raise RunError(f"{run_dir}: --resume: expected a run of recipe {recipe!r}, found a "
-                       f"{saved_recipe!r} run")
-    start = next((e for e in ev.read_events(run_dir) if e["kind"] == "run_start"), None)
-    if start is None:  # nothing recorded: the checkpoint load still checks every shape
-        return
-    trained = (start.get("math") or {}).get("dtype")
-    if dtype is not None and trained is not None and trained != dtype:
-        raise RunError(f"{run_dir}: --resume: compute dtype: expected {trained} (the run's), found "
-                       f"{dtype} (--dtype auto on this device); resume it on a device where "
-                       "it resolves the same")
-    was = {k: v for k, v in start.get("model", {}).items() if k not in ("n_params", "n_trainable")}
-    now = json.loads(json.dumps(model_info, default=str))
-    for k in sorted(set(was) | set(now)):
-        if was.get(k) != now.get(k):
-            raise RunError(f"{run_dir}: --resume: model {k}: expected {was.get(k)!r} (the run's), "
-                           f"found {now.get(k)!r}; a resumed run keeps its model (start a new "
-                           "run to change it)")
 
 
 # ---- where a resume continues ---------------------------------------------------------------
@@ -289,49 +371,19 @@ class Resume:
     """The checkpoint's verified optimizer state arrays."""
     steps_before: int = 0
     """The run's total steps before this resume."""
+    note: str | None = None
+    """Why this checkpoint and not the one `latest` names (it was missing or dangling)."""
     dropped: int = 0
     previous_end: str = "torn"
     t: float = 0.0
-    has_start: bool = True
-    """Whether the kept events hold the run's run_start."""
+    kept: list[dict] = field(default_factory=list, repr=False)
+    """The events the bundle keeps (cut back to `step`)."""
     set_aside: list[int] = field(default_factory=list)
 
-
-def _steps_logged(run_dir: Path) -> int:
-    steps = [e.get("step") for e in ev.read_events(run_dir) if e["kind"] == "step"]
-    return max((s for s in steps if isinstance(s, int)), default=0)
-
-
-def plan_resume(run_dir: Path, from_text: str | None, steps_before: int) -> Resume:
-    """The checkpoint to continue from (`--from`, else the one `latest` names), verified;
-    RunError or ResumeError (one line, with the command that works) when there is none."""
-    weights = run_dir / "weights"
-    if from_text is not None:
-        step = ck.parse_from(from_text)
-        if step == 0:
-            return Resume(0, None, steps_before=steps_before)
-        ckpt = ck.find_checkpoint(weights, step)
-    else:
-        try:
-            ckpt = ck.resolve_latest(run_dir)
-        except FileNotFoundError as e:
-            if ck.list_checkpoints(weights):  # a dangling or missing link, files present
-                raise ck.ResumeError(f"{e}; {intact_hint(run_dir, None)}") from None
-            lost = _steps_logged(run_dir)
-            raise RunError(f"{run_dir}: --resume: found no checkpoint: the run stopped at step "
-                           f"{lost}, before its first checkpoint ({lost} steps lost); start it "
-                           f"over with its saved configuration: toymlx-train --resume {run_dir} "
-                           "--from step_0") from None
-        step = ck.checkpoint_step(ckpt)
-        if step is None or ckpt.parent != weights.resolve():
-            raise ck.ResumeError(f"{weights / ck.LATEST}: expected a link to a step_N.gguf of "
-                                 f"this run, found one to {ckpt}")
-        ckpt = weights / ckpt.name
-    try:
-        arrays, _ = ck.open_checkpoint(ckpt)
-    except ck.ResumeError as e:
-        raise ck.ResumeError(f"{e}; {intact_hint(run_dir, step)}") from None
-    return Resume(step, ckpt, state=arrays, steps_before=steps_before)
+    @property
+    def has_start(self) -> bool:
+        """Whether the kept events hold the run's run_start."""
+        return any(e["kind"] == "run_start" for e in self.kept)
 
 
 def intact_hint(run_dir: Path, below: int | None) -> str:
@@ -345,14 +397,186 @@ def intact_hint(run_dir: Path, below: int | None) -> str:
            f"--from step_{step}"
 
 
-def rewind(run_dir: Path, resume: Resume) -> None:
-    """Cut the bundle back to `resume.step` (only while owning it, just before training): the
-    events past it to events.superseded.jsonl, later checkpoints to weights/superseded/,
-    `latest` to the checkpoint, and temporaries of killed writers removed."""
-    cut = ev.cut_back(run_dir, resume.step)
-    resume.dropped, resume.previous_end, resume.t = cut.dropped, cut.previous_end, cut.t
-    resume.has_start = any(e["kind"] == "run_start" for e in cut.kept)
-    weights = run_dir / "weights"
-    weights.mkdir(exist_ok=True)
-    resume.set_aside = ck.set_aside_after(weights, resume.step)
-    ck.clean_temporaries(weights)
+# ---- the bundle ------------------------------------------------------------------------------
+class Bundle:
+    """One run bundle, opened once: its saved configuration (read and checked once), its
+    events, its checkpoints. `Bundle.open` is how every reader and the resume open a run."""
+
+    def __init__(self, path: Path, recipe: str, module: ModuleType, config: Any,
+                 saved: dict[str, Any], events: list[dict]):
+        self.path, self.recipe, self.module = path, recipe, module
+        self.config = config
+        """The recipe's Config as the run was started, `steps` as its last resume extended it."""
+        self.saved = saved
+        """config.json as read (`recipe`, `config`, `data_files`)."""
+        self.events = events
+        """events.jsonl as read at open (as a resume's `rewind` left it, after)."""
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, flag: str = "--resume") -> Bundle:
+        """Read a run folder's config.json (strictly: RunError naming the file and the key, as
+        for command-line input; `flag` names the option that gave the folder) and its events."""
+        from toymlx.recipes import get_recipe
+        from toymlx.trainer import check_config
+
+        path = Path(path)
+        saved = _read_config(path, flag)
+        source = str(path / CONFIG_FILE)
+        try:
+            module = get_recipe(saved["recipe"])
+        except ValueError as e:
+            raise RunError(f"{source}: key 'recipe': {e}") from None
+        cfg = config_from_dict(module.Config, saved["config"], source)
+        events = ev.read_events(path)
+        cfg.steps = _planned_steps(events, cfg.steps)
+        try:
+            check_config(module, cfg)
+        except ValueError as e:
+            raise RunError(f"{source}: {e}") from None
+        return cls(path, saved["recipe"], module, cfg, saved, events)
+
+    @classmethod
+    def of(cls, path: str | os.PathLike, flag: str = "--model") -> Bundle | None:
+        """The bundle a run folder, or a checkpoint file in its weights/, belongs to; None for
+        a path outside any run (a GGUF of its own)."""
+        p = Path(path)
+        for run_dir in (p, p.parent.parent) if p.parent.name == "weights" else (p,):
+            if (run_dir / CONFIG_FILE).is_file():
+                return cls.open(run_dir, flag)
+        return None
+
+    # ---- owning it, for a resume
+    def own(self) -> Lock:
+        """Take the bundle's lock (LockHeld naming the owner); the caller holds it while it
+        trains. What `open` read stays valid: only an owner writes the bundle, one that still
+        owns it is refused here, and `rewind` cuts back the events file as it is then."""
+        return lock_run(self.path)
+
+    def resume_defaults(self, given: Any) -> Any:
+        """The saved configuration as the options a resume starts from: continuing to the end,
+        into this bundle."""
+        cfg = dataclasses.replace(self.config)
+        cfg.stop_at, cfg.resume, cfg.overwrite = None, str(given), False
+        return cfg
+
+    def check_options(self, recipe: str, given: Any) -> None:
+        """RunError unless `given` (a resume's options) keeps the run's recipe and every saved
+        option but --steps and the run-local ones (the bundle's name included)."""
+        if recipe != self.recipe:
+            raise RunError(f"{self.path}: --resume: expected a run of recipe {recipe!r}, found "
+                           f"a {self.recipe!r} run")
+        was = dict(_options(self.config))
+        changed = [(k, was.get(k), v) for k, v in _options(given)
+                   if k != "steps" and (k.split(".")[0] not in RUN_LOCAL or k in BUNDLE_NAME)
+                   and was.get(k) != v]
+        if not changed:
+            return
+        k, old, new = changed[0]
+        more = (f" (and {len(changed) - 1} more: "
+                f"{', '.join(flag_name(c[0]) for c in changed[1:])})" if len(changed) > 1 else "")
+        raise RunError(f"{self.path}: --resume: {flag_name(k)}: expected the run's saved {k} = "
+                       f"{old!r}, found {new!r}{more}; a resumed run keeps its configuration "
+                       "(only --steps and run-local options such as --eval-every may change): "
+                       "start a new run to change it")
+
+    def check_data(self) -> None:
+        """RunError naming the file unless every data file the run recorded at its start
+        still has the contents it had (its fingerprint)."""
+        for key, rec in self.saved.get(DATA_FILES_KEY, {}).items():
+            path = rec.get("path") if isinstance(rec, dict) else None
+            if not isinstance(path, str):
+                raise RunError(f"{self.path / CONFIG_FILE}: key '{DATA_FILES_KEY}.{key}': "
+                               f"expected a path and its fingerprint, found {_found(rec)}")
+            if not Path(path).exists():
+                raise RunError(f"{path}: {flag_name(key)}: expected the run's data "
+                               f"({rec.get('bytes')} bytes when it started), found nothing "
+                               "there; put it back to resume")
+            now = fingerprint(path)
+            was = {k: rec.get(k) for k in now}
+            if now != was:
+                what = ("its size" if now["bytes"] != was["bytes"] else "its contents")
+                raise RunError(f"{path}: {flag_name(key)}: expected the data the run started "
+                               f"on ({was['bytes']} bytes, {_fp(was)}), found {what} changed "
+                               f"({now['bytes']} bytes, {_fp(now)}); a resumed run trains on "
+                               "its own data: restore it, or start a new run on this data")
+
+    def plan_resume(self, from_text: str | None, steps: int) -> Resume:
+        """The checkpoint to continue from (`--from`, else the one `latest` names), verified;
+        RunError or ResumeError (one line, with the command that works) when there is none."""
+        weights = self.path / "weights"
+        note = None
+        if from_text is not None:
+            step = ck.parse_from(from_text)
+            if step == 0:
+                return self._check_steps(Resume(0, None, steps_before=self.config.steps), steps)
+            ckpt = ck.find_checkpoint(weights, step)
+        else:
+            if not ck.list_checkpoints(weights):
+                lost = max((e["step"] for e in self.events
+                            if e["kind"] == "step" and isinstance(e.get("step"), int)), default=0)
+                raise RunError(f"{self.path}: --resume: found no checkpoint: the run stopped at "
+                               f"step {lost}, before its first checkpoint ({lost} steps lost); "
+                               "start it over with its saved configuration: toymlx-train "
+                               f"--resume {self.path} --from step_0")
+            ckpt, note = ck.latest_checkpoint(self.path)
+            step = ck.checkpoint_step(ckpt)
+        try:
+            arrays, _ = ck.open_checkpoint(ckpt)
+        except ck.ResumeError as e:
+            raise ck.ResumeError(f"{e}; {intact_hint(self.path, step)}") from None
+        return self._check_steps(Resume(step, ckpt, state=arrays, steps_before=self.config.steps,
+                                        note=note), steps)
+
+    def _check_steps(self, resume: Resume, steps: int) -> Resume:
+        if steps <= resume.step:
+            raise RunError(f"{self.path}: --steps: expected more than the checkpoint's step "
+                           f"{resume.step} to train on, found {steps} (pass --steps N to "
+                           "extend the run)")
+        return resume
+
+    def check_model(self, model_info: dict[str, Any], dtype: str | None = None) -> None:
+        """RunError unless the model built now has the run's shape (and compute `dtype`:
+        `--dtype auto` resolves by device, and --device may change on resume)."""
+        start = next((e for e in self.events if e["kind"] == "run_start"), None)
+        if start is None:  # nothing recorded: the checkpoint load still checks every shape
+            return
+        trained = (start.get("math") or {}).get("dtype")
+        if dtype is not None and trained is not None and trained != dtype:
+            raise RunError(f"{self.path}: --resume: compute dtype: expected {trained} (the "
+                           f"run's), found {dtype} (--dtype auto on this device); resume it on "
+                           "a device where it resolves the same")
+        was = {k: v for k, v in start.get("model", {}).items()
+               if k not in ("n_params", "n_trainable")}
+        now = json.loads(json.dumps(model_info, default=str))
+        for k in sorted(set(was) | set(now)):
+            if was.get(k) != now.get(k):
+                raise RunError(f"{self.path}: --resume: model {k}: expected {was.get(k)!r} (the "
+                               f"run's), found {now.get(k)!r}; a resumed run keeps its model "
+                               "(start a new run to change it)")
+
+    def rewind(self, resume: Resume) -> None:
+        """Cut the bundle back to `resume.step` (only while owning it, just before training):
+        the events past it to events.superseded.jsonl, later checkpoints to
+        weights/superseded/, `latest` to the checkpoint, and temporaries of killed writers
+        removed."""
+        cut = ev.cut_back(self.path, resume.step)
+        resume.dropped, resume.previous_end, resume.t = cut.dropped, cut.previous_end, cut.t
+        resume.kept = cut.kept
+        self.events = cut.kept
+        weights = self.path / "weights"
+        weights.mkdir(exist_ok=True)
+        resume.set_aside = ck.set_aside_after(weights, resume.step)
+        ck.clean_temporaries(weights)
+
+
+def _fp(rec: dict[str, Any]) -> str:
+    d = rec.get("sha256") or rec.get("sample_sha256")
+    return f"sha256 {str(d)[:12]}" if d else "no digest"
+
+
+def _planned_steps(events: list[dict], config_steps: int) -> int:
+    """The run's total steps: config.json's, or as the latest `resume` event extended them."""
+    for e in reversed(events):
+        if e["kind"] == "resume" and isinstance(e.get("steps"), int):
+            return e["steps"]
+    return config_steps

@@ -42,8 +42,9 @@ from toymlx.checkpoint import resolve_latest
 from toymlx.events import parse_event, read_events
 from toymlx.lifeline import child_env
 from toymlx.lock import LOCK_FILE, Lock, LockHeld, acquire
+from toymlx.runs import BUNDLE_PICK, flag_name
 
-RESERVED = ("--recipe", "--run-id", "--runs-root", "--resume", "--from", "--overwrite")
+RESERVED = ("--recipe", *(flag_name(k) for k in BUNDLE_PICK))
 """Flags the sweep sets on each run itself."""
 
 
@@ -104,7 +105,7 @@ def key_to_flag(key: str) -> str:
     """Config key to command-line flag: `model.d_model` -> `--model.d-model`."""
     if not _KEY.fullmatch(key):
         raise ValueError(f"--grid {key!r}: expected an option name such as lr or lora.rank")
-    return "--" + key.replace("_", "-")
+    return flag_name(key)
 
 
 def value_args(key: str, value: Any, flag_bool: bool = True) -> list[str]:

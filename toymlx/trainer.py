@@ -20,29 +20,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import ModuleType
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-import tyro
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from toymlx import checkpoint as ck
-from toymlx import cpu_streams, device
+from toymlx import cpu_streams, device, lifeline
 from toymlx.device import backend_info
-from toymlx.events import EventLog, git_info, host_info, now_iso, read_events
+from toymlx.events import EventLog, git_info, host_info, now_iso
 from toymlx.gguf.reader import DIGEST_KEY
-from toymlx.runs import Resume, intact_hint
+from toymlx.runs import Resume, RunOptions, intact_hint
 from toymlx.schedule import lr_at
 from toymlx.step import LossScale, make_step
 
 
 @dataclass
-class TrainConfig:
-    """Options of the shared training loop (every recipe has them)."""
+class TrainingOptions:
+    """What the shared training loop trains (every recipe has them): a resume keeps them,
+    but for --steps, which may extend the run."""
 
     steps: int = 200
     """Optimizer steps to train for (the schedule's length)."""
@@ -64,43 +65,10 @@ class TrainConfig:
     """AdamW second-moment decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 turns clipping off)."""
-    eval_every: int = 50
-    """Steps between validation passes (0: only at the end)."""
     eval_batches: int = 8
     """Most validation batches per pass."""
-    checkpoint_every: int = 100
-    """Steps between GGUF checkpoints (0: only the final one)."""
-    keep_last: int = 0
-    """Keep only the newest N checkpoints (0: every one); the one `latest` names always stays."""
-    keep_best: int = 0
-    """Also keep the N checkpoints with the lowest validation loss (evaluated at their step)."""
     seed: int = 0
     """Seed for initialisation, data order and dropout."""
-    compile: bool = True
-    """Run the step under mx.compile (--no-compile: eager, same losses)."""
-    device: Literal["auto", "gpu", "cpu"] = "auto"
-    """Where MLX runs: auto picks the GPU when MLX has one."""
-    runs_root: str = "runs"
-    """Folder that holds run bundles."""
-    run_id: str | None = None
-    """Name of this run's bundle (default: timestamp + recipe)."""
-    resume: str | None = None
-    """Continue the run bundle at this path from its latest checkpoint, with its saved
-    configuration (only --steps and run-local options such as --eval-every may change)."""
-    from_step: Annotated[str | None, tyro.conf.arg(name="from")] = None
-    """With --resume: the checkpoint to continue from instead of the latest (step_N, or
-    step_0 to start the run over from its saved configuration)."""
-    overwrite: bool = False
-    """Allow replacing an existing run bundle with the same run id."""
-    stop_at: int | None = None
-    """Stop (checkpointed, resumable) after this step, as if interrupted."""
-    progress: bool = True
-    """Show a progress bar."""
-    cpu_streams: int = 0
-    """MLX CPU streams that each run a slice of every micro-batch in parallel, with the BLAS
-    threads shared out between them (MLX runs elementwise work on one thread per stream).
-    0: auto (2 where MLX computes on a CPU with 2+ cores and toymlx controls its BLAS
-    threads, else 1)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Activations' dtype: auto is bfloat16 on a GPU and float32 on the CPU (MLX's half
     precision CPU kernels are ~25x slower). Trainable weights and AdamW's moments stay
@@ -108,12 +76,53 @@ class TrainConfig:
     save_dtype: Literal["f32", "f16", "bf16"] = "f32"
     """Tensor type of the matrices in checkpoint GGUFs (norms stay F32); with f16/bf16 the
     resume state also keeps the float32 weights, so resume stays exact."""
-    grad_checkpoint: bool = False
-    """Recompute each block's activations in the backward pass instead of keeping them: less
-    memory for long sequences, about one more forward pass of time."""
     kernels: Literal["auto", "mlx", "vectorised"] = "auto"
     """Whose elementwise kernels the model trains with: auto is toymlx's vectorised CPU forms
     (toymlx.fastmath) for float32 on the CPU, MLX's own elsewhere."""
+
+
+@dataclass
+class TrainConfig(RunOptions, TrainingOptions):
+    """Options of the shared training loop (every recipe has them): what is trained
+    (`TrainingOptions`, listed first), and where the run lives and how this process drives it
+    (`runs.RunOptions`, whose fields are the run-local options)."""
+
+
+def check_config(module: ModuleType, cfg: TrainConfig) -> None:
+    """Every option checked up front, the shared ones here and the rest by the recipe's
+    `validate`: ValueError naming the flag (for command-line input and config.json alike)."""
+    checks = [
+        ("--steps", cfg.steps >= 1, ">= 1", cfg.steps),
+        ("--batch-size", cfg.batch_size >= 1, ">= 1", cfg.batch_size),
+        ("--grad-accum", cfg.grad_accum >= 1, ">= 1", cfg.grad_accum),
+        ("--lr", cfg.lr > 0, "> 0", cfg.lr),
+        ("--warmup", cfg.warmup >= 0, ">= 0", cfg.warmup),
+        ("--min-lr-ratio", 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]", cfg.min_lr_ratio),
+        ("--weight-decay", cfg.weight_decay >= 0, ">= 0", cfg.weight_decay),
+        ("--beta1", 0 <= cfg.beta1 < 1, "in [0, 1)", cfg.beta1),
+        ("--beta2", 0 <= cfg.beta2 < 1, "in [0, 1)", cfg.beta2),
+        ("--grad-clip", cfg.grad_clip >= 0, ">= 0", cfg.grad_clip),
+        ("--eval-every", cfg.eval_every >= 0, ">= 0", cfg.eval_every),
+        ("--eval-batches", cfg.eval_batches >= 1, ">= 1", cfg.eval_batches),
+        ("--checkpoint-every", cfg.checkpoint_every >= 0, ">= 0", cfg.checkpoint_every),
+        ("--keep-last", cfg.keep_last >= 0, ">= 0 (0: keep every checkpoint)", cfg.keep_last),
+        ("--keep-best", cfg.keep_best >= 0, ">= 0", cfg.keep_best),
+        ("--seed", cfg.seed >= 0, ">= 0", cfg.seed),
+        ("--cpu-streams", cfg.cpu_streams >= 0, ">= 0 (0: auto)", cfg.cpu_streams),
+    ]
+    for flag, ok, want, found in checks:
+        if not ok:
+            raise ValueError(f"{flag}: expected {want}, found {found}")
+    if cfg.stop_at is not None and cfg.stop_at < 1:
+        raise ValueError(f"--stop-at: expected >= 1, found {cfg.stop_at}")
+    if cfg.from_step is not None and not cfg.resume:
+        raise ValueError("--from: expected with --resume RUN (it picks that run's checkpoint), "
+                         "found no --resume")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("--overwrite: replaces a bundle with a new run, so it cannot go with "
+                         "--resume; give one of them")
+    if hasattr(module, "validate"):
+        module.validate(cfg)
 
 
 @dataclass
@@ -144,6 +153,9 @@ class Task:
     optimizer: Callable[[TrainConfig], optim.Optimizer] | None = None
     """Build the optimizer (default: `make_optimizer`); lets a recipe give a parameter group
     its own schedule, as a pure function of the optimizer step."""
+    test_batches: list[dict[str, np.ndarray]] = field(default_factory=list)
+    """Held-out test batches scored once when the run completes (an `eval` event with split
+    "test"); empty: no test (a recipe fills it for `--test`)."""
     finish: Callable[[Path], dict[str, Any]] | None = None
     """After a completed run's final checkpoint (rank 0): write what the recipe makes of it in
     the run folder (the lora recipe's --fuse-at-end model); returns the `export` event's
@@ -159,15 +171,18 @@ def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
 
 
-def evaluate(task: Task, max_batches: int | None = None) -> dict[str, float]:
-    """Validation metrics over the task's held-out batches (count-weighted), in eval mode
-    (dropout off); the model's mode is restored afterwards."""
+def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
+             ) -> dict[str, float]:
+    """Metrics over the task's validation batches (`split="test"`: its test batches),
+    count-weighted, in eval mode (dropout off; the model's mode is restored afterwards); the
+    loss is `<split>_loss`."""
     totals: dict[str, float] = {}
     fn = task.metrics_fn or _loss_metrics(task.loss_fn)
     was_training = task.model.training
     task.model.eval()
+    batches = task.test_batches if split == "test" else task.val_batches
     try:
-        for b in task.val_batches[:max_batches]:
+        for b in batches[:max_batches]:
             for i in range(next(iter(b.values())).shape[0]):  # the leading micro-batch axis
                 sums = fn(task.model, {k: mx.array(v[i]) for k, v in b.items()})
                 mx.eval(sums)
@@ -176,7 +191,7 @@ def evaluate(task: Task, max_batches: int | None = None) -> dict[str, float]:
     finally:
         task.model.train(was_training)
     n = totals.pop("n", 0.0) or 1.0
-    return {("val_loss" if k == "loss" else k): v / n for k, v in totals.items()}
+    return {(f"{split}_loss" if k == "loss" else k): v / n for k, v in totals.items()}
 
 
 def _loss_metrics(loss_fn):
@@ -256,21 +271,33 @@ def restore_resume_arrays(arrays: dict[str, mx.array], optimizer: optim.Optimize
 
 
 class StopSignals:
-    """SIGINT and SIGTERM as requests to stop, counted. The handler only counts: no signal ever
-    raises into a step or a checkpoint write, so none ends in a traceback or a half-done write.
-    The loop stops after the step in flight and writes a final checkpoint; a second signal
-    skips that checkpoint if it has not begun (one being written is finished)."""
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session) as requests to stop,
+    counted. The handler only counts: no signal ever raises into a step or a checkpoint write,
+    so none ends in a traceback or a half-done write. The loop stops after the step in flight
+    and writes a final checkpoint; a second request skips that checkpoint if it has not begun
+    (one being written is finished).
+
+    The death of the parent that started this process (`toymlx.lifeline`) is one request,
+    however many SIGTERMs it brings: Linux sends the parent-death signal again as each thread of
+    a multi-threaded parent exits, and those repeats must not skip the final checkpoint."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self, enabled: bool):
         self.enabled, self.count = enabled, 0
+        self.parent_lost = False
         self._old: dict[int, Any] = {}
 
     def _count(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and lifeline.parent_lost():
+            if self.parent_lost:
+                return
+            self.parent_lost = True
         self.count += 1
 
     def __enter__(self) -> StopSignals:  # noqa: PYI034
         if self.enabled:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in self.SIGNALS:
                 self._old[sig] = signal.signal(sig, self._count)
         return self
 
@@ -284,16 +311,16 @@ class Checkpointer:
     the retention policy (--keep-last, --keep-best) and emits the `checkpoint` events."""
 
     def __init__(self, task: Task, optimizer: optim.Optimizer, scale: LossScale | None,
-                 cfg: TrainConfig, run_dir: Path, log: EventLog, write: bool, last: int | None):
+                 cfg: TrainConfig, run_dir: Path, log: EventLog, write: bool, last: int | None,
+                 kept: list[dict]):
         self.task, self.optimizer, self.scale, self.cfg = task, optimizer, scale, cfg
         self.log, self.write = log, write
         self.run_dir, self.weights = run_dir, run_dir / "weights"
         self.last = last
         """The step of the newest checkpoint (None: none yet)."""
-        self.scores = {e["step"]: e["val_loss"] for e in read_events(run_dir)
-                       if e["kind"] == "eval" and isinstance(e.get("val_loss"), float)
-                       } if write and cfg.keep_best else {}
-        """step -> validation loss there, for --keep-best."""
+        self.scores = {e["step"]: e["val_loss"] for e in kept
+                       if e["kind"] == "eval" and isinstance(e.get("val_loss"), float)}
+        """step -> validation loss there (the bundle's events a resume kept), for --keep-best."""
 
     def score(self, step: int, metrics: dict[str, float]) -> None:
         if isinstance(metrics.get("val_loss"), float) and math.isfinite(metrics["val_loss"]):
@@ -348,7 +375,8 @@ class _Loop:
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0)
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
-                                 self.rank0, self.start if self.start else None)
+                                 self.rank0, self.start if self.start else None,
+                                 resume.kept if resume is not None else [])
         self.count = task.count or (lambda b: int(np.prod(next(iter(b.values())).shape[:2])))
         self.step = self.start
         """The last step whose update is in the weights."""
@@ -368,6 +396,8 @@ class _Loop:
         with StopSignals(self.rank0 and solo) as stop, self._progress() as bar:
             try:
                 self._train(step_fn, threads, stop, bar)
+                if self.reason == "completed" and self.task.test_batches and not stop.count:
+                    self._test(bar)
                 if self.reason == "completed" and self.rank0 and self.task.finish:
                     self._finish(bar)
             except KeyboardInterrupt:  # where Python's own SIGINT handler is left (ranks)
@@ -427,6 +457,7 @@ class _Loop:
                 checkpoint=None if r.checkpoint is None else str(
                     r.checkpoint.relative_to(self.run_dir)),
                 dropped_events=r.dropped, previous_end=r.previous_end,
+                **({"note": r.note} if r.note else {}),
                 **({"set_aside": r.set_aside} if r.set_aside else {}),
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
@@ -503,6 +534,14 @@ class _Loop:
         self.log.emit("eval", step=step, **metrics)
         if bar is not None:
             bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+    def _test(self, bar: Any) -> None:
+        """The completed run's held-out test loss and perplexity (`--test`), once at the end."""
+        metrics = evaluate(self.task, split="test")
+        metrics["test_perplexity"] = math.exp(metrics["test_loss"])
+        self.log.emit("eval", step=self.step, split="test", **metrics)
+        if bar is not None:
+            bar.write("test: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     def _checkpoint(self, step: int) -> bool:
         """The checkpoint of `step`, unless written; False (the run diverged) if the weights

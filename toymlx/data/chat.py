@@ -3,8 +3,12 @@
 File formats (`load_examples`):
 - `.jsonl` (and `.json`): one JSON object per line, the three shapes mlx-lm's LoRA trainer
   reads: `{"text": ...}`, `{"prompt": ..., "completion": ...}` and
-  `{"messages": [{"role": ..., "content": ...}, ...]}`. Other keys are ignored; blank lines
-  are skipped. A `.json` file may instead hold one JSON array of such objects.
+  `{"messages": [{"role": ..., "content": ...}, ...]}`, the last optionally with mlx-lm's
+  `"tools": [...]` (handed to a chat template that takes `tools`; assistant messages may
+  carry `tool_calls`, tool messages `name` and `tool_call_id`). Other keys are ignored; blank lines are skipped. A
+  `.json` file may instead hold one JSON array of such objects.
+- a folder in mlx-lm's layout (`data_files`): `train.jsonl`, optional `valid.jsonl` and
+  `test.jsonl`.
 - any other file is plain UTF-8 text split into documents at blank lines (a line with only
   whitespace counts as blank). Each document becomes one `{"text": ...}` example, which is
   what the same paragraphs written as JSONL would give; to train on a whole file as one
@@ -23,6 +27,7 @@ Rendered templates are encoded with `add_bos=False`, as Hugging Face does
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -37,17 +42,21 @@ from toymlx.data.text import DataError, read_text
 
 __all__ = [
     "DataError",
+    "DataFiles",
     "Example",
     "SFTData",
+    "data_files",
     "load_examples",
     "pack_or_pad",
     "sft_batch",
     "sft_val_batches",
     "split_examples",
+    "test_file",
     "tokenize_example",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
+TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("name", "tool_call_id")}
 SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
 
 
@@ -60,7 +69,7 @@ class ChatTokenizer(Protocol):
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str: ...
 
 
@@ -73,7 +82,9 @@ class Example:
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+    """mlx-lm's `tools` beside `messages`: function schemas the chat template renders"""
 
     @property
     def kind(self) -> str:
@@ -126,17 +137,27 @@ def _parse_record(obj: Any, where: str) -> Example:
     if not isinstance(messages, list) or not messages:
         raise DataError(f'{where}: expected "messages" to be a non-empty array of '
                         f'{{"role", "content"}} objects, found {_found(messages)}')
+    tools = obj.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f'{where}: expected "tools" to be an array of function objects, found '
+                        f"{_found(tools)}")
     out = []
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        # an assistant turn that only calls tools may leave its content out (mlx-lm's format)
+        if not isinstance(m, dict) or "role" not in m or (
+                "content" not in m and "tool_calls" not in m):
             raise DataError(f'{where}: expected messages[{j}] to be an object with "role" and '
                             f'"content", found {_found(m)}')
         if m["role"] not in ROLES:
             raise DataError(f"{where}: expected messages[{j}].role to be one of "
                             f"{', '.join(ROLES)}, found {_found(m['role'])}")
-        out.append({"role": m["role"], "content": string(f"messages[{j}].content", m["content"],
-                                                         non_empty=False)})
-    return Example(where, messages=tuple(out))
+        msg = {"role": m["role"], "content": string(f"messages[{j}].content",
+                                                    m.get("content", ""), non_empty=False)}
+        # mlx-lm's tool-use fields, for the template to render; other keys are ignored
+        msg.update({k: m[k] for k in TOOL_KEYS.get(m["role"], ()) if k in m})
+        out.append(msg)
+    return Example(where, messages=tuple(out), tools=tuple(tools) if tools else None)
 
 
 def _json_array(path: Path, text: str) -> list[Example]:
@@ -210,6 +231,50 @@ def load_examples(path: str | Path) -> list[Example]:
     return examples
 
 
+@dataclass(frozen=True)
+class DataFiles:
+    """The example files of one data path: a single file, or an mlx-lm data folder."""
+
+    train: Path
+    valid: Path | None = None
+    """Validation examples (None: the last `val_fraction` of `train`)"""
+    test: Path | None = None
+    """Held-out test examples (`--test`), if any"""
+
+
+FOLDER_LAYOUT = "train.jsonl (required), valid.jsonl and test.jsonl (optional)"
+
+
+def data_files(path: str | Path) -> DataFiles:
+    """A file as itself, or an mlx-lm data folder (`FOLDER_LAYOUT`); DataError names what a
+    folder without train.jsonl holds."""
+    path = Path(path)
+    if not path.is_dir():
+        return DataFiles(path)
+    found = sorted(p.name for p in path.iterdir())
+    if not (path / "train.jsonl").is_file():
+        shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        raise DataError(f"{path}: data folder: expected {FOLDER_LAYOUT} (mlx-lm's layout), "
+                        f"found {shown or 'an empty folder'}")
+
+    def optional(name: str) -> Path | None:
+        return path / name if (path / name).is_file() else None
+
+    return DataFiles(path / "train.jsonl", optional("valid.jsonl"), optional("test.jsonl"))
+
+
+def test_file(path: str | Path) -> Path:
+    """The test examples of a data path: a folder's test.jsonl, or a file itself."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    test = data_files(path).test
+    if test is None:
+        raise DataError(f"{path}: data folder: expected a test.jsonl to score, found "
+                        f"{', '.join(sorted(p.name for p in path.iterdir()))}")
+    return test
+
+
 def split_examples(
     examples: Sequence[Example], val_fraction: float = 0.1
 ) -> tuple[list[Example], list[Example]]:
@@ -226,10 +291,11 @@ def split_examples(
 # ------------------------------------------------------------------------- tokenizing
 
 
-def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, str]], gen: bool,
-            source: str) -> str:
+def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], gen: bool,
+            source: str, tools: Sequence[dict[str, Any]] | None = None) -> str:
+    extra = {"tools": list(tools)} if tools else {}
     try:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=gen)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=gen, **extra)
     # Templates fail in many ways (Jinja errors, their own raise_exception(), a KeyError on a
     # missing field); all of them mean this example cannot be rendered.
     except Exception as e:  # noqa: BLE001
@@ -237,8 +303,21 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, str]], gen: b
                         f"{type(e).__name__}: {e}") from None
 
 
+def template_takes_tools(template: str) -> bool:
+    """Whether a Jinja chat template reads the `tools` variable (so a `tools` field is shown
+    to the model rather than silently dropped)."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateError:
+        return False  # the render reports the template's own error
+
+
 def _tokenize_messages(
-    messages: Sequence[dict[str, str]], tokenizer: ChatTokenizer, mask_prompt: bool, source: str
+    messages: Sequence[dict[str, Any]], tokenizer: ChatTokenizer, mask_prompt: bool, source: str,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Render with the chat template; train only assistant turns when `mask_prompt`.
 
@@ -251,7 +330,11 @@ def _tokenize_messages(
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{source}: 'messages' examples need a tokenizer with a chat template, "
                         f"and this one has none; use 'text' or 'prompt'/'completion' examples")
-    full = _render(tokenizer, messages, False, source)
+    if tools and not template_takes_tools(tokenizer.chat_template):
+        raise DataError(f'{source}: "tools": expected a chat template that renders tools, found '
+                        f"one that never reads them (they would be dropped); remove the "
+                        f'"tools" field or use a base whose template takes tools')
+    full = _render(tokenizer, messages, False, source, tools)
     if not mask_prompt:
         ids = list(tokenizer.encode(full, add_bos=False))
         return ids, [1] * len(ids)
@@ -259,8 +342,8 @@ def _tokenize_messages(
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], True, source)
-        upto = _render(tokenizer, messages[: i + 1], False, source)
+        before = _render(tokenizer, messages[:i], True, source, tools)
+        upto = _render(tokenizer, messages[: i + 1], False, source, tools)
         prev_end = spans[-1][1] if spans else 0
         if not (full.startswith(before) and full.startswith(upto)
                 and prev_end <= len(before) <= len(upto)):
@@ -306,7 +389,8 @@ def tokenize_example(
         completion.append(tokenizer.eos_id)
         return prompt + completion, [int(not mask_prompt)] * len(prompt) + [1] * len(completion)
     assert example.messages is not None
-    return _tokenize_messages(example.messages, tokenizer, mask_prompt, example.source)
+    return _tokenize_messages(example.messages, tokenizer, mask_prompt, example.source,
+                              example.tools)
 
 
 # ------------------------------------------------------------------------------- rows
@@ -410,7 +494,8 @@ def sft_val_batches(
 
 @dataclass(frozen=True)
 class SFTData:
-    """Train and validation rows for fine-tuning, built once from example files."""
+    """Train, validation and (optional) test rows for fine-tuning, built once from example
+    files."""
 
     train: dict[str, np.ndarray]
     """Training rows, each array `(N, seq_len)`"""
@@ -420,6 +505,9 @@ class SFTData:
     """The file(s) the examples came from"""
     n_truncated: int = 0
     """Padding mode: examples longer than seq_len + 1 tokens whose end was cut off"""
+    test: dict[str, np.ndarray] | None = None
+    """Held-out test rows (a data folder's test.jsonl), None without a test file"""
+    test_source: str | None = None
 
     @classmethod
     def from_examples(
@@ -434,15 +522,14 @@ class SFTData:
     ) -> SFTData:
         """Tokenize and build rows; the pad id is the tokenizer's EOS (always under mask 0)."""
         tr = [tokenize_example(e, tokenizer, mask_prompt) for e in train]
-        va = [tokenize_example(e, tokenizer, mask_prompt) for e in val]
-        pad = tokenizer.eos_id
-        rows = pack_or_pad(tr, seq_len, pad, pack)
+        rows = pack_or_pad(tr, seq_len, tokenizer.eos_id, pack)
         if len(rows["inputs"]) == 0:
             raise DataError(f"{source}: no training example has a trained token within its "
                             f"first seq_len+1 = {seq_len + 1} tokens; raise seq_len, shorten "
                             f"prompts, or set mask_prompt=False")
         n_truncated = 0 if pack else sum(len(ids) > seq_len + 1 for ids, _ in tr)
-        return cls(rows, pack_or_pad(va, seq_len, pad, pack), source, n_truncated)
+        return cls(rows, held_out_rows(val, tokenizer, seq_len, mask_prompt, pack), source,
+                   n_truncated)
 
     @classmethod
     def from_file(
@@ -455,14 +542,22 @@ class SFTData:
         val_fraction: float = 0.1,
         val_path: str | Path | None = None,
     ) -> SFTData:
-        """Load `path`; validation is `val_path` if given, else the last `val_fraction` of it."""
-        examples = load_examples(path)
+        """Load `path` (a file, or an mlx-lm data folder: `data_files`); validation is
+        `val_path` or the folder's valid.jsonl if given, else the last `val_fraction` of the
+        training file; a folder's test.jsonl becomes `test`."""
+        files = data_files(path)
+        val_path = val_path if val_path is not None else files.valid
+        examples = load_examples(files.train)
         if val_path is not None:
             train, val = examples, load_examples(val_path)
         else:
             train, val = split_examples(examples, val_fraction)
-        source = str(path) if val_path is None else f"{path} + {val_path}"
-        return cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack, source)
+        source = str(files.train) if val_path is None else f"{files.train} + {val_path}"
+        data = cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack, source)
+        if files.test is None:
+            return data
+        test = held_out_rows(load_examples(files.test), tokenizer, seq_len, mask_prompt, pack)
+        return dataclasses.replace(data, test=test, test_source=str(files.test))
 
     def batch(self, step: int, seed: int, batch_size: int, accum: int = 1) -> dict[str, np.ndarray]:
         """`sft_batch` over the training rows."""
@@ -471,3 +566,17 @@ class SFTData:
     def val_batches(self, batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:
         """`sft_val_batches` over the validation rows."""
         return sft_val_batches(self.val, batch_size, max_batches)
+
+    def test_batches(self, batch_size: int) -> list[dict[str, np.ndarray]]:
+        """Every test row as `(1, batch_size, T)` batches ([] without a test file)."""
+        if self.test is None:
+            return []
+        return sft_val_batches(self.test, batch_size, math.ceil(len(self.test["inputs"])
+                                                                / batch_size))
+
+
+def held_out_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: int,
+                  mask_prompt: bool = True, pack: bool = False) -> dict[str, np.ndarray]:
+    """Rows of validation or test examples, built as the training rows are."""
+    seqs = [tokenize_example(e, tokenizer, mask_prompt) for e in examples]
+    return pack_or_pad(seqs, seq_len, tokenizer.eos_id, pack)

@@ -35,6 +35,8 @@ class Encoder(Protocol):
 def read_text(path: str | Path) -> str:
     """Read a whole file as UTF-8 text, with one-line errors for empty and non-UTF-8 files."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: expected a UTF-8 text file, found a directory")
     try:
         data = path.read_bytes()
     except OSError as e:

@@ -60,12 +60,18 @@ def file_type(name: str) -> LlamaFileType:
     return LlamaFileType.ALL_F32 if name == "f32" else LlamaFileType[f"MOSTLY_{name.upper()}"]
 
 
-def own_type(g: GGUFFile) -> str:
-    """The export type name of a GGUF's `general.file_type` (its own type, e.g. q4_k_m)."""
-    raw = g.metadata.get("general.file_type")
+BASE_FILE_TYPE = "toy.base_file_type"
+"""Metadata key of a full fine-tune's checkpoints: general.file_type of the file it was trained
+from, the type its export defaults to."""
+
+
+def own_type(g: GGUFFile, key: str = "general.file_type") -> str:
+    """The export type name of a GGUF's `general.file_type` (its own type, e.g. q4_k_m), or of
+    another llama_ftype key."""
+    raw = g.metadata.get(key)
     if not isinstance(raw, int):
-        raise GGUFError(f"{g.path}: metadata key 'general.file_type': expected the file's type "
-                        f"(a llama_ftype) to export in, found {raw!r}; pass --dtype")
+        raise GGUFError(f"{g.path}: metadata key {key!r}: expected the file's type (a "
+                        f"llama_ftype) to export in, found {raw!r}; pass --dtype")
     try:
         ft = LlamaFileType(raw & ~_GUESSED)
     except ValueError:
@@ -73,10 +79,15 @@ def own_type(g: GGUFFile) -> str:
     name = ("f32" if ft == LlamaFileType.ALL_F32 else
             ft.name.removeprefix("MOSTLY_").lower() if ft is not None else str(raw))
     if name not in EXPORT_TYPES:
-        raise GGUFError(f"{g.path}: metadata key 'general.file_type': its type {name} is not "
-                        f"one toymlx writes (expected one of {', '.join(EXPORT_TYPES)}); "
-                        "pass --dtype")
+        raise GGUFError(f"{g.path}: metadata key {key!r}: its type {name} is not one toymlx "
+                        f"writes (expected one of {', '.join(EXPORT_TYPES)}); pass --dtype")
     return name
+
+
+def export_type(g: GGUFFile) -> str:
+    """The type an export of `g` defaults to: the file's own, or for a full fine-tune's
+    checkpoint the type of the file it was trained from (`toy.base_file_type`)."""
+    return own_type(g, BASE_FILE_TYPE if BASE_FILE_TYPE in g.metadata else "general.file_type")
 
 
 def llama_cpp_module() -> Any | None:

@@ -1,10 +1,19 @@
-"""Recipe `lora`: fine-tune low-rank adapters on a frozen llama GGUF with chat/SFT data.
+"""Recipe `lora`: fine-tune a llama GGUF with chat/SFT data: LoRA, DoRA or every weight.
 
 The base model and its tokenizer and chat template come from `--base` (any llama GGUF;
 quantized files are dequantized exactly, or kept quantized with `--base-dtype quantized`).
-Checkpoints are llama.cpp LoRA adapter GGUFs, `weights/adapter_step_N.gguf`, usable as
-`llama-cli --lora`, `toymlx-generate --adapter`, or merged by `toymlx-export --fuse`;
-`--fuse-at-end base` also writes the run's `fused-TYPE.gguf` when training completes.
+`--fine-tune-type` (mlx-lm's flag and values):
+- lora (default): checkpoints are llama.cpp LoRA adapter GGUFs, `weights/adapter_step_N.gguf`,
+  usable as `llama-cli --lora`, `toymlx-generate --adapter`, or merged by `toymlx-export --fuse`.
+- dora: DoRA adapters (LoRA plus a trained magnitude per output row). llama.cpp has no DoRA
+  adapter format: checkpoints are toymlx adapter GGUFs (`adapter.type` dora) that toymlx reads;
+  for llama.cpp, export them fused (`toymlx-export --base B --adapter RUN --fuse`).
+- full: every weight of the base is trained, in float32 (a quantized base is dequantized);
+  checkpoints are full GGUFs with the base's metadata, `weights/step_N.gguf`, that llama.cpp
+  loads as they are, as from-scratch's are.
+`--fuse-at-end base` (or a type) also writes the run's `fused-TYPE.gguf` when training
+completes: the base with the final adapter fused in (full: the final weights), in the base's
+own type.
 """
 
 from __future__ import annotations
@@ -19,11 +28,11 @@ import numpy as np
 
 from toymlx import model_store
 from toymlx.data import fixture_path
-from toymlx.data.chat import SFTData
+from toymlx.data.chat import SFTData, data_files
 from toymlx.device import on_gpu
-from toymlx.gguf.llama import load_llama
+from toymlx.gguf.llama import CHECKPOINT_FORMAT, load_llama, load_llama_into
 from toymlx.gguf.quant import EXACT_QUANTS, all_exact, projection_types
-from toymlx.gguf.quantize import EXPORT_TYPES, own_type, quantizer
+from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
 from toymlx.gguf.reader import GGUFFile
 from toymlx.lora import (
     KEPT_WARNING,
@@ -34,6 +43,7 @@ from toymlx.lora import (
     parse_targets,
     target_blocks,
     write_adapter,
+    write_like_base,
     write_merged,
 )
 from toymlx.losses import lm_loss
@@ -58,34 +68,45 @@ class LoRAOptions:
     targets: str = "q"
     """Comma list of projections to adapt: q, k, v, o, gate, up, down."""
     layers: int | None = None
-    """Adapt only the last N blocks (default: all)."""
+    """Adapt only the last N blocks (default: all; mlx-lm's --num-layers)."""
+    init_adapter: str | None = None
+    """Start the adapters from this adapter GGUF (toymlx's, or llama.cpp's LoRA format; a run
+    folder: its latest) instead of B = 0: a new run, checked against the base and these
+    options (mlx-lm's --resume-adapter-file)."""
 
 
 @dataclass
 class ChatDataOptions:
-    """Supervised fine-tuning examples (JSONL: text, prompt/completion or messages)."""
+    """Supervised fine-tuning examples (JSONL: text, prompt/completion or messages [+ tools])."""
 
     path: str | None = None
-    """Example file; default: the Python stdlib Q&A shipped in toymlx/fixtures/python_qa/."""
+    """An example file, or a folder in mlx-lm's layout: train.jsonl, optional valid.jsonl
+    (else the split below) and test.jsonl (--test); default: the Python stdlib Q&A shipped in
+    toymlx/fixtures/python_qa/."""
     mask_prompt: bool = True
     """Train on the answers only (prompts and chat headers get no loss)."""
     pack: bool = True
     """Concatenate examples into full rows (--data.no-pack: one padded example per row; on a
     CPU every padded position costs as much as a real one)."""
     val_fraction: float = 0.1
-    """Fraction of the examples, from the end of the file, held out for validation."""
+    """Fraction of the examples, from the end of the file, held out for validation (not used
+    when a data folder has valid.jsonl)."""
 
 
 @dataclass
 class Config(TrainConfig):
-    """toymlx-train --recipe lora --base MODEL.gguf: train LoRA adapters on a frozen model."""
+    """toymlx-train --recipe lora --base MODEL.gguf: fine-tune a model (LoRA, DoRA or full)."""
 
     base: str | None = None
     """The llama GGUF to adapt (required); its tokenizer and chat template are used."""
+    fine_tune_type: Literal["lora", "dora", "full"] = "lora"
+    """lora: llama.cpp LoRA adapters; dora: DoRA adapters (no llama.cpp format: toymlx adapter
+    GGUFs, exported fused by toymlx-export --fuse); full: every weight, checkpoints full GGUFs
+    (the --lora.* options do not apply)."""
     base_dtype: Literal["auto", "quantized", "float32", "bfloat16", "float16"] = "auto"
     """Frozen base weights: auto = kept quantized on a GPU where every projection is Q4_0,
     Q4_1 or Q8_0 (MLX holds those blocks exactly), else the compute dtype (--dtype: float32 on
-    the CPU, bfloat16 on a GPU)."""
+    the CPU, bfloat16 on a GPU). A full fine-tune trains float32 weights (auto or float32)."""
     seq_len: int = 256
     """Tokens per training row (longer examples are cut)."""
     lora: LoRAOptions = field(default_factory=LoRAOptions)
@@ -104,10 +125,15 @@ class Config(TrainConfig):
     """Steps between validation passes (0: only at the end)."""
     checkpoint_every: int = 50
     """Steps between adapter checkpoints (0: only the final one)."""
+    test: bool = False
+    """At the end of a completed run, score the data folder's test.jsonl: held-out loss and
+    perplexity, an `eval` event with split "test" (mlx-lm's --test; later:
+    `toymlx-eval --model RUN --split test`)."""
     fuse_at_end: Literal[("base", *EXPORT_TYPES)] | None = None  # type: ignore[valid-type]
     """When training completes, also write <run>/fused-TYPE.gguf: the base with the final
-    adapter fused in, as `toymlx-export --fuse` writes it, in this type (base: the base's own
-    general.file_type, e.g. q4_k_m for a Q4_K_M base)."""
+    adapter fused in (--fine-tune-type full: the final weights), as `toymlx-export --fuse`
+    writes it, in this type (base: the base's own general.file_type, e.g. q4_k_m for a Q4_K_M
+    base)."""
 
 
 def validate(cfg: Config) -> None:
@@ -128,6 +154,16 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--lora.alpha: expected > 0, found {cfg.lora.alpha}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ValueError(f"--lora.dropout: expected in [0, 1), found {cfg.lora.dropout}")
+    if cfg.fine_tune_type == "full" and cfg.base_dtype not in ("auto", "float32"):
+        raise ValueError(f"--base-dtype: expected auto or float32 with --fine-tune-type full "
+                         f"(trained weights are float32), found {cfg.base_dtype}")
+    if cfg.fine_tune_type == "full" and cfg.lora.init_adapter:
+        raise ValueError("--lora.init-adapter: expected with --fine-tune-type lora or dora, "
+                         "found full (fuse the adapter into the base with toymlx-export --fuse, "
+                         "and fine-tune that)")
+    if cfg.test and (cfg.data.path is None or data_files(cfg.data.path).test is None):
+        raise ValueError(f"--test: expected --data.path to be a data folder with test.jsonl, "
+                         f"found {'no --data.path' if cfg.data.path is None else cfg.data.path}")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ValueError(f"--data.val-fraction: expected in [0, 1), found "
                          f"{cfg.data.val_fraction}")
@@ -136,7 +172,7 @@ def validate(cfg: Config) -> None:
 def fuse_type(choice: str, g: GGUFFile) -> str:
     """--fuse-at-end resolved to a file type ("base": the base's own); ValueError naming the
     flag when nothing here writes it."""
-    dtype = own_type(g) if choice == "base" else choice
+    dtype = export_type(g) if choice == "base" else choice
     try:
         quantizer(dtype)
     except ValueError as e:
@@ -165,42 +201,65 @@ def resolve_base_dtype(choice: str, g: GGUFFile, gpu: bool, compute_dtype: str) 
 def build(cfg: Config, ops: Ops) -> Task:
     validate(cfg)
     mx.random.seed(cfg.seed)
+    full = cfg.fine_tune_type == "full"
     src = model_store.resolve(cfg.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
     with GGUFFile(src.path) as g:
-        dtype = resolve_base_dtype(cfg.base_dtype, g, on_gpu(), ops.dtype)
+        dtype = "float32" if full else resolve_base_dtype(cfg.base_dtype, g, on_gpu(), ops.dtype)
         types = "/".join(sorted(set(projection_types(g).values())))
     model, g = load_llama(src.path, ops, dtype)
     meta = dict(g.metadata)
     g.close()
     args = model.args
     check_seq_len(cfg.seq_len, args)
-    target_blocks(args.n_layers, cfg.lora.layers)  # --lora.layers checked against the base
     tok = Tokenizer.from_metadata(meta)
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction)
-    targets = parse_targets(cfg.lora.targets)
-    apply_lora(model, targets, cfg.lora.layers, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
     base_meta = {"general.architecture": meta.get("general.architecture", "llama"),
                  "general.name": meta.get("general.name", Path(cfg.base).stem)}
-
-    def save(path: Path, m, extra: dict) -> None:
-        base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
-        write_adapter(path, m, base_meta, {**extra, "toy.base": base_label},
-                      dtype=cfg.save_dtype)
-
+    base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
     info = llama_model_info(args)
     info.update(base=str(cfg.base), base_name=base_meta["general.name"], base_type=types,
-                base_dtype=dtype, lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
-                lora_targets=",".join(targets), lora_layers=cfg.lora.layers or args.n_layers)
+                base_dtype=dtype)
+    if full:
+        def save(path: Path, m, extra: dict) -> None:
+            with GGUFFile(src.path) as base:
+                write_like_base(path, base, m, cfg.save_dtype,
+                                {**extra, "toy.base": base_label,
+                                 "toy.checkpoint_format": CHECKPOINT_FORMAT})
+
+        load, prefix = load_llama_into, "step_"
+    else:
+        target_blocks(args.n_layers, cfg.lora.layers)  # --lora.layers checked against the base
+        targets = parse_targets(cfg.lora.targets)
+        apply_lora(model, targets, cfg.lora.layers, cfg.lora.rank, cfg.lora.alpha,
+                   cfg.lora.dropout, kind=cfg.fine_tune_type)
+        if cfg.lora.init_adapter:
+            load_adapter_weights(model, cfg.lora.init_adapter)
+
+        def save(path: Path, m, extra: dict) -> None:
+            write_adapter(path, m, base_meta, {**extra, "toy.base": base_label},
+                          dtype=cfg.save_dtype)
+
+        def load(path: Path, m) -> None:
+            load_adapter_weights(m, path)
+
+        prefix = "adapter_step_"
+        info.update(lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
+                    lora_targets=",".join(targets), lora_layers=cfg.lora.layers or args.n_layers)
     if src.digest:  # a resume re-resolves the name: refused if the tag now names another blob
         info["base_sha256"] = src.digest.removeprefix("sha256:")
 
     def finish(run_dir: Path) -> dict:
-        """--fuse-at-end: the base + the final adapter (weights/latest) as one GGUF."""
+        """--fuse-at-end: the base + the final adapter (weights/latest) as one GGUF; a full
+        fine-tune's final checkpoint re-encoded (`write_merged` either way)."""
         with GGUFFile(src.path) as g:
             dtype = fuse_type(cfg.fuse_at_end, g)
-        out = write_merged(run_dir / f"fused-{dtype}.gguf", src.path, run_dir, dtype,
-                           progress=cfg.progress)
+        out = run_dir / f"fused-{dtype}.gguf"
+        if full:
+            write_merged(out, run_dir, None, dtype, progress=cfg.progress)
+            return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
+                    "bytes": out.stat().st_size}
+        write_merged(out, src.path, run_dir, dtype, progress=cfg.progress)
         kept = adapter_kept(out, src.path, run_dir)
         if kept < KEPT_WARNING:
             print(f"toymlx: {out} {kept_note(kept, dtype)}", file=sys.stderr)
@@ -212,12 +271,15 @@ def build(cfg: Config, ops: Ops) -> Task:
         recipe="lora", model=model, loss_fn=lm_loss,
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
         val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches), save=save,
-        load=lambda path, m: load_adapter_weights(m, path), model_info=info,
+        load=load, model_info=info,
         config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,
                      "data_source": data.source,
+                     **({"test_source": data.test_source,
+                         "test_rows": len(data.test["inputs"])} if data.test is not None
+                        else {}),
                      "train_rows": len(data.train["inputs"]), "val_rows": len(data.val["inputs"]),
                      "train_target_tokens": int(data.train["mask"].sum()),
                      "n_truncated": data.n_truncated, **src.record("base")},
         unit="tokens", count=lambda b: int(np.sum(b["mask"])),
-        prefix="adapter_step_", finish=finish if cfg.fuse_at_end else None)
-
+        prefix=prefix, test_batches=data.test_batches(cfg.batch_size) if cfg.test else [],
+        finish=finish if cfg.fuse_at_end else None)

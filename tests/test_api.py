@@ -1,0 +1,84 @@
+"""The Python entry point `toymlx.train` (toymlx.api): the command's flags from keyword options,
+and the command's speed in a process that imported and used MLX before toymlx (the 40x cliff of
+MLX's reference BLAS on Linux)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from toymlx.api import option_flags
+from toymlx.events import read_events
+
+MATMUL_HEAVY = {"model": {"d_model": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4,
+                          "ffn_dim": 768, "context": 128},
+                "seq_len": 128, "batch_size": 8, "steps": 6, "eval_every": 0, "eval_batches": 1,
+                "checkpoint_every": 0, "progress": False}
+"""A from-scratch run whose step is mostly sgemm: ~4 s a step on the reference BLAS, ~0.2 s on
+OpenBLAS (2 cores)."""
+
+
+def test_options_are_spelled_as_the_commands_flags():
+    assert option_flags({"seq_len": 64, "data": {"path": Path("a b.txt"), "shuffle": False},
+                         "compile": True, "run_id": None, "lora_targets": ["q", "v"]}) == [
+        "--seq-len", "64", "--data.path", "a b.txt", "--data.no-shuffle", "--compile",
+        "--lora-targets", "q", "v"]
+
+
+def test_a_bad_option_is_the_commands_one_line_error(tmp_path):
+    import toymlx
+
+    with pytest.raises(ValueError, match="no-such-flag"):
+        toymlx.train("from-scratch", no_such_flag=1, runs_root=str(tmp_path), echo=False)
+
+
+def _median_step(run: Path) -> float:
+    times = [e["step_time_s"] for e in read_events(run) if e["kind"] == "step"][1:]
+    return statistics.median(times)  # the first step (compiles) apart
+
+
+def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tmp_path,
+                                                                              shared_data):
+    """A script that imported mlx.core and mlx_lm and evaluated an array first, then trains with
+    toymlx.train: same BLAS as the command, and a step within 1.5x of the command's (the cliff is
+    10-40x); a run made in that process itself would use the reference BLAS and says so."""
+    data = str(shared_data / "text" / "tinystories_sample.txt")
+    opts = {**MATMUL_HEAVY, "data": {"path": data}, "runs_root": str(tmp_path)}
+    script = textwrap.dedent(f"""
+        import json, warnings
+        import mlx.core as mx
+        import mlx_lm  # noqa: F401
+        mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
+        import toymlx
+        from toymlx.device import setup_process
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            setup_process()
+        print("WARNED", json.dumps([str(w.message) for w in caught]))
+        toymlx.train("from-scratch", run_id="entry", echo=False, **json.loads({json.dumps(
+            json.dumps(opts))}))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    warned = json.loads(p.stdout.split("WARNED ", 1)[1].splitlines()[0])
+    assert any("toymlx.train" in w for w in warned), warned
+
+    from toymlx.api import option_flags as flags
+
+    cmd = [sys.executable, "-m", "toymlx_cli.train", "--recipe", "from-scratch",
+           *flags({**opts, "run_id": "command"})]
+    assert subprocess.run(cmd, capture_output=True, cwd=tmp_path, timeout=600,
+                          check=False).returncode == 0
+    entry, command = tmp_path / "entry", tmp_path / "command"
+    backends = [next(e for e in read_events(r) if e["kind"] == "run_start")["backend"]
+                for r in (entry, command)]
+    assert backends[0]["blas"] == backends[1]["blas"], backends
+    ratio = _median_step(entry) / _median_step(command)
+    assert ratio < 1.5, f"toymlx.train's step is {ratio:.1f}x the command's"

@@ -1,0 +1,290 @@
+"""One run bundle, opened once (`toymlx.runs.Bundle`): issue 23's ways a bundle still lost or
+mixed a run, each run as a user would (real `toymlx-*` commands, files, signals, processes).
+
+B1. `latest` missing or dangling: the resume (by a relative path too) takes the newest intact
+    checkpoint and says so; eval and generate use it.
+B2. a `latest` symlink loop: one line, exit 2, for --resume, toymlx-eval and toymlx-generate.
+B3. a key missing from config.json: one line naming the file and the key, nothing trained.
+B4. a sweep child whose multi-threaded parent is killed gets the parent-death SIGTERM more than
+    once; it still writes its final checkpoint.
+and: the data file changed under its name is refused on resume, naming it; toymlx-eval reads
+the run's own data; a checkpoint file put under another's name is refused by every reader;
+SIGHUP stops a run like SIGTERM; a write that hits the file-size limit names the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from cli_errors import error_line
+from test_runs import TINY, TRAIN
+from toymlx_cli.eval import main as eval_main
+from toymlx_cli.export import main as export_main
+from toymlx_cli.generate import main as generate_main
+from toymlx_cli.train import main
+
+from toymlx.checkpoint import list_checkpoints
+from toymlx.events import read_events
+
+
+@pytest.fixture(scope="module")
+def data(shared_data: Path) -> str:
+    return str(shared_data / "text" / "tinystories_sample.txt")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data) -> Path:
+    """6 steps without a stop: the losses a resumed run must repeat bit for bit."""
+    root = tmp_path_factory.mktemp("straight")
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                 str(root), "--run-id", "s", "--steps", "6", "--checkpoint-every", "2"]) == 0
+    return root / "s"
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, data) -> Path:
+    """The same run stopped (checkpointed) at step 4, on its own copy of the data."""
+    root = tmp_path_factory.mktemp("stopped")
+    shutil.copy(data, root / "data.txt")
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(root / "data.txt"),
+                 "--runs-root", str(root), "--run-id", "b", "--steps", "6", "--stop-at", "4",
+                 "--checkpoint-every", "2"]) == 0
+    return root / "b"
+
+
+def _copy(stopped: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "b"
+    shutil.copytree(stopped, run, symlinks=True)
+    return run
+
+
+def _losses(run: Path) -> list[float]:
+    return [e["loss"] for e in read_events(run) if e["kind"] == "step"]
+
+
+# ---- B1 ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("latest", ["missing", "dangling"])
+def test_a_missing_or_dangling_latest_resumes_from_the_newest_intact_checkpoint(
+        tmp_path, stopped, straight, monkeypatch, capsys, latest):
+    """A run SIGKILLed the moment its checkpoint landed has step_N and its state, and no
+    `latest` (or one naming a file that is gone); `--resume runs/X` by a relative path took the
+    fallback for a foreign link (rc 2) on main."""
+    run = _copy(stopped, tmp_path)
+    link = run / "weights" / "latest"
+    link.unlink()
+    if latest == "dangling":
+        os.symlink("step_6.gguf", link)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--resume", "b"]) == 0
+    assert (f"weights/latest {'is missing' if latest == 'missing' else 'names step_6.gguf'}"
+            in capsys.readouterr().err)
+    (res,) = [e for e in read_events(run) if e["kind"] == "resume"]
+    assert res["from_step"] == 4 and "took the newest intact checkpoint, step_4" in res["note"]
+    assert _losses(run) == _losses(straight)  # bit-exact, as if never stopped
+    assert os.readlink(link) == "step_6.gguf"
+
+
+def test_a_missing_latest_is_read_by_eval(tmp_path, stopped, capsys):
+    run = _copy(stopped, tmp_path)
+    (run / "weights" / "latest").unlink()
+    assert eval_main(["--model", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == str(run / "weights" / "step_4.gguf")
+
+
+# ---- B2 ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prog,command", [
+    ("toymlx-train", lambda run: main(["--resume", str(run)])),
+    ("toymlx-eval", lambda run: eval_main(["--model", str(run)])),
+    ("toymlx-generate", lambda run: generate_main(["--model", str(run), "--prompt", "Once"])),
+])
+def test_a_latest_symlink_loop_is_one_line(tmp_path, stopped, capsys, prog, command):
+    run = _copy(stopped, tmp_path)
+    link = run / "weights" / "latest"
+    link.unlink()
+    os.symlink("latest", link)  # ln -sfn latest runs/X/weights/latest
+    assert command(run) == 2
+    line = error_line(capsys, prog)
+    assert f"{link}: expected a link to a step_N.gguf of this run, found a symlink loop" in line
+
+
+# ---- B3 ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path,key", [
+    (["lr"], "config.lr"), (["seed"], "config.seed"), (["data"], "config.data"),
+    (["model", "d_model"], "config.model.d_model"), (["data", "path"], "config.data.path"),
+])
+def test_a_key_missing_from_config_json_is_named(tmp_path, stopped, capsys, path, key):
+    run = _copy(stopped, tmp_path)
+    saved = json.loads((run / "config.json").read_text())
+    d = saved["config"]
+    for k in path[:-1]:
+        d = d[k]
+    del d[path[-1]]
+    (run / "config.json").write_text(json.dumps(saved))
+    events = (run / "events.jsonl").read_bytes()
+    assert main(["--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert f"{run / 'config.json'}: key {key!r}: expected the run's saved" in line, line
+    assert "found no key" in line
+    assert (run / "events.jsonl").read_bytes() == events  # nothing trained
+
+
+# ---- B4 ---------------------------------------------------------------------------------------
+PARENT = textwrap.dedent("""
+    import hashlib, subprocess, sys, threading
+    from toymlx.lifeline import child_env
+    # A multi-threaded parent, like a sweep: as it dies, Linux hands the child to each of its
+    # still running threads in turn, and sends the parent-death signal again each time.
+    def spin(buf=b"x" * 2**24):
+        while True:
+            hashlib.sha256(buf).digest()  # outside the GIL: the threads really run
+    child = subprocess.Popen(sys.argv[1:], env=child_env(), stdout=subprocess.DEVNULL)
+    print(child.pid, flush=True)
+    sys.stdin.readline()  # once the child trains
+    for _ in range(4):
+        threading.Thread(target=spin, daemon=True).start()
+    print("spinning", flush=True)
+    child.wait()
+""")
+
+
+def test_a_killed_parent_s_repeated_sigterms_do_not_skip_the_final_checkpoint(tmp_path, data):
+    run = tmp_path / "c"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, *TRAIN, "--recipe", "from-scratch", *TINY,
+         "--data.path", data, "--runs-root", str(tmp_path), "--run-id", "c", "--steps",
+         "100000", "--checkpoint-every", "1000", "--grad-accum", "8"],  # steps longer than
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # the signals' spread (13 ms)
+    parent.stdout.readline()  # the child's pid: it is started
+    while not any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(run)):
+        assert parent.poll() is None
+        time.sleep(0.02)
+    parent.stdin.write("go\n")
+    parent.stdin.flush()
+    assert parent.stdout.readline() == "spinning\n"
+    parent.kill()
+    parent.wait()
+    t0 = time.monotonic()
+    while read_events(run)[-1]["kind"] != "run_end":  # the child, now the init's, ends
+        assert time.monotonic() - t0 < 120, "the child outlived its killed parent"
+        time.sleep(0.05)
+    end = read_events(run)[-1]
+    assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
+    assert "second signal" not in end["message"], end["message"]
+    assert os.readlink(run / "weights" / "latest") == f"step_{end['final_step']}.gguf"
+
+
+# ---- the data file -----------------------------------------------------------------------------
+@pytest.mark.parametrize("change", ["append", "same size"])
+def test_a_changed_data_file_is_refused_on_resume(tmp_path, stopped, straight, capsys, change):
+    run = _copy(stopped, tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    path = Path(config["config"]["data"]["path"])
+    assert config["data_files"]["data.path"]["path"] == str(path)
+    kept = path.read_bytes()
+    try:
+        path.write_bytes(kept + b" and more." if change == "append"
+                         else kept.replace(b"Once", b"Twice", 1).replace(b"upon", b"upn", 1))
+        assert main(["--resume", str(run)]) == 2
+        line = error_line(capsys)
+        assert line.startswith(f"toymlx-train: error: {path}: --data.path: expected the data "
+                               f"the run started on ({len(kept)} bytes"), line
+        assert "a resumed run trains on its own data" in line
+    finally:
+        path.write_bytes(kept)
+    assert main(["--resume", str(run)]) == 0  # its own data back: the same run goes on
+    assert _losses(run) == _losses(straight)
+
+
+# ---- toymlx-eval reads the run's data -------------------------------------------------------------
+def test_eval_of_a_run_reads_its_own_data(tmp_path, straight, capsys):
+    """The run's final validation pass (all of its held-out windows) and toymlx-eval of the run
+    report the same loss on the same text; before, eval read the Python docs."""
+    run = tmp_path / "e"
+    data = json.loads((straight / "config.json").read_text())["config"]["data"]["path"]
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                 str(tmp_path), "--run-id", "e", "--steps", "3", "--eval-batches",
+                 "1000"]) == 0
+    capsys.readouterr()
+    final = [e for e in read_events(run) if e["kind"] == "eval"][-1]["val_loss"]
+    assert eval_main(["--model", str(run)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["data"] == data
+    assert out["val_loss"] == pytest.approx(final, rel=1e-5)
+
+
+# ---- a checkpoint under another's name ---------------------------------------------------------
+@pytest.mark.parametrize("copied", ["gguf", "gguf and state", "another run's"])
+def test_a_checkpoint_under_another_name_is_refused(tmp_path, stopped, straight, capsys,
+                                                    copied):
+    run = _copy(stopped, tmp_path)
+    w = run / "weights"
+    assert [s for s, _ in list_checkpoints(w)] == [2, 4]
+    if copied == "another run's":  # the same step of another run: only the id tells
+        shutil.copy(straight / "weights" / "step_4.gguf", w / "step_4.gguf")
+        want = f"{w / 'step_4.gguf'}: checkpoint id: expected "
+    else:
+        shutil.copy(w / "step_2.gguf", w / "step_4.gguf")  # cp step_2.gguf step_4.gguf
+        want = (f"{w / 'step_4.gguf'}: metadata key 'general.step': expected 4 (its name), "
+                "found 2")
+    if copied == "gguf and state":
+        shutil.copy(w / "step_2.state.safetensors", w / "step_4.state.safetensors")
+    for prog, rc in [
+        ("toymlx-eval", lambda: eval_main(["--model", str(run)])),
+        ("toymlx-generate", lambda: generate_main(["--model", str(run), "--prompt", "Once"])),
+        ("toymlx-export", lambda: export_main(["--base", str(run), "--out",
+                                               str(tmp_path / "x.gguf")])),
+        ("toymlx-train", lambda: main(["--resume", str(run)])),
+    ]:
+        assert rc() == 2, prog
+        line = error_line(capsys, prog)
+        assert want in line and "the file of another checkpoint was put under this name" in line
+    assert not (tmp_path / "x.gguf").exists()
+
+
+# ---- SIGHUP -----------------------------------------------------------------------------------
+def test_sighup_ends_a_run_like_sigterm(tmp_path, data):
+    """A closed terminal or ssh session: the run finishes its step, checkpoints, ends with
+    run_end, and resumes; on main SIGHUP killed it with no run_end."""
+    run = tmp_path / "h"
+    p = subprocess.Popen([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data,
+                          "--runs-root", str(tmp_path), "--run-id", "h", "--steps", "100000",
+                          "--checkpoint-every", "1000"], stderr=subprocess.PIPE, text=True)
+    while not any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(run)):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        time.sleep(0.02)
+    p.send_signal(signal.SIGHUP)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    end = read_events(run)[-1]
+    assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
+    assert os.readlink(run / "weights" / "latest") == f"step_{end['final_step']}.gguf"
+    assert main(["--resume", str(run), "--steps", str(end["final_step"] + 1)]) == 0
+
+
+# ---- write errors name the file -----------------------------------------------------------------
+def test_a_file_size_limit_names_the_file(tmp_path, data):
+    """`ulimit -f`: the first checkpoint's state file passes the limit (EFBIG, errno 27)."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+    r = subprocess.run([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data,
+                        "--runs-root", str(tmp_path), "--run-id", "f", "--steps", "4",
+                        "--checkpoint-every", "2"], preexec_fn=limit, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 1, r.stderr[-2000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("toymlx-train: error:")]
+    run = tmp_path / "f"
+    assert (f"[Errno 27] File too large: '{run / 'weights' / 'step_2.state.safetensors'}'"
+            in line), line
+    assert line.endswith("no checkpoint was completed"), line
+    assert not list((run / "weights").iterdir())  # nothing half-written left behind

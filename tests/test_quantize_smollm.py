@@ -1,0 +1,194 @@
+"""The file people run, given back: a LoRA trained on SmolLM2-135M-Instruct (Q4_1, and a
+Q4_K_M copy llama.cpp's quantizer makes), fused in the base's own type by `toymlx-export
+--fuse` with no type given, and `--dtype q4_k_m` from the Q4_1 base.
+
+Each fused file is checked against `llama-quantize` (llama.cpp's `llama_model_quantize` in a
+child process) run on the F32 fused export: every tensor's type and bytes equal, every
+metadata key equal, the whole file equal; its size against the base's; and llama.cpp's logits on it against its
+logits on the F32 fused model (f32 KV cache, flash attention off). The margin: llama.cpp on a
+quantized file differs from the same model in F32 by its own rounding of the weights (and of
+the activations, to 8 bits) -- `base_margin`, measured on the base (the quantized base vs its
+F32 copy) -- and re-quantizing a fine-tune onto a 4-bit grid can round away at most the
+fine-tune's own effect (`effect`, F32 fused vs F32 base): the fused file's logits stay within
+`base_margin + effect` of the F32 fused model's, and the figures are printed for
+docs/RESULTS.md, with the share of the adapter's update each file holds (`adapter_kept`). Last, a killed export (SIGTERM, SIGKILL) leaves nothing under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llamacpp_runner import llamacpp_logits, quantize
+from smollm import smollm_gguf  # noqa: F401  (session fixture)
+
+from toymlx.gguf.reader import DIGEST_KEY, GGUFFile
+from toymlx.lora import adapter_kept, kept_note, write_merged
+from toymlx.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.smollm, pytest.mark.interop]
+
+TEXT = ("What does Python's functools.lru_cache do, and when should I avoid it?",
+        "It caches the results of a function so that repeated calls with the same arguments")
+
+
+def export(*argv: str) -> str:
+    """toymlx-export in a child process, as a user runs it."""
+    r = subprocess.run([sys.executable, "-m", "toymlx_cli.export", *argv], check=False,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stderr.strip().splitlines()[-1]
+
+
+def train(base: Path, runs: Path, run_id: str) -> Path:
+    """A LoRA trained a few steps on `base` (toymlx-train in a child process)."""
+    r = subprocess.run([sys.executable, "-m", "toymlx_cli.train", "--recipe", "lora",
+                        "--base", str(base), "--runs-root", str(runs), "--run-id", run_id,
+                        "--steps", "4", "--batch-size", "2", "--seq-len", "96", "--lr", "2e-3",
+                        "--warmup", "1", "--lora.targets", "q,v,o,down", "--eval-every", "0",
+                        "--eval-batches", "1", "--no-progress"],
+                       check=False, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return runs / run_id
+
+
+@pytest.fixture(scope="module")
+def work(smollm_gguf, tmp_path_factory) -> dict:  # noqa: F811
+    """The Q4_1 base, its F32 copy, a Q4_K_M base made from that by llama.cpp, a LoRA run on
+    each, and the evaluation tokens (a chat prompt and the start of an answer)."""
+    d = tmp_path_factory.mktemp("fusequant")
+    f32 = write_merged(d / "base-f32.gguf", smollm_gguf, None, "f32")
+    q4km = d / "base-q4_k_m.gguf"
+    quantize(f32, q4km, "Q4_K_M")
+    tok = Tokenizer.from_gguf(smollm_gguf)
+    text = tok.apply_chat_template([{"role": "user", "content": TEXT[0]}], True) + TEXT[1]
+    return {"dir": d, "q4_1": smollm_gguf, "f32": f32, "q4_k_m": q4km,
+            "run_q4_1": train(smollm_gguf, d / "runs", "q4_1"),
+            "run_q4_k_m": train(q4km, d / "runs", "q4_k_m"),
+            "ids": tok.encode(text, add_bos=False)}
+
+
+def mean_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
+    """(mean |a - b|, max |a - b|, top-1 agreement) of two (T, V) logit arrays."""
+    d = np.abs(a - b)
+    return float(d.mean()), float(d.max()), float((a.argmax(-1) == b.argmax(-1)).mean())
+
+
+def check_fused(work: dict, base: Path, run: Path, dtype: str | None, qtype: str,
+                base_q: Path) -> dict:
+    """Fuse `run` into `base` (at `dtype`, None: no --dtype), and check the file against
+    llama-quantize's from the F32 fused export, and its logits; returns the figures."""
+    d = work["dir"]
+    name = f"{base.stem}-{dtype or 'own'}"
+    out = d / f"{name}.gguf"
+    t0 = time.perf_counter()
+    said = export("--base", str(base), "--adapter", str(run), "--fuse", "--out", str(out),
+                  *(["--dtype", dtype] if dtype else []))
+    seconds = time.perf_counter() - t0
+    kept = adapter_kept(out, base, run)
+    assert f"it {kept_note(kept, qtype.lower())} in " in said
+    f32 = d / f"{name}-f32.gguf"
+    export("--base", str(base), "--adapter", str(run), "--fuse", "--dtype", "f32",
+           "--out", str(f32))
+    ref = d / f"{name}-llama-quantize.gguf"
+    quantize(f32, ref, qtype)
+    mine, theirs = GGUFFile(out), GGUFFile(ref)
+    assert mine.metadata["general.file_type"] == theirs.metadata["general.file_type"]
+    assert list(mine.tensors) == list(theirs.tensors)
+    for t in mine.tensors:
+        assert mine.tensors[t].type == theirs.tensors[t].type, t
+        assert mine.raw(t).tobytes() == theirs.raw(t).tobytes(), t
+    assert theirs.metadata == mine.metadata and DIGEST_KEY not in mine.metadata
+    assert out.read_bytes() == ref.read_bytes()
+    ids = work["ids"]
+    cpp = {k: llamacpp_logits(p, ids)[0] for k, p in
+           (("fused", out), ("fused_f32", f32), ("base_q", base_q), ("base_f32", work["f32"]))}
+    figures = {"type": qtype, "bytes": out.stat().st_size, "base_bytes": base.stat().st_size,
+               "export_s": round(seconds, 1), "types": _type_counts(out),
+               "adapter_kept": round(kept, 3)}
+    for key, (a, b) in {"fused_vs_f32": ("fused", "fused_f32"),
+                        "base_margin": ("base_q", "base_f32"),
+                        "effect": ("fused_f32", "base_f32"),
+                        "fused_vs_base_q": ("fused", "base_q")}.items():
+        figures[key] = [round(x, 4) for x in mean_diff(cpp[a], cpp[b])]
+    print(f"\n[fuse-quant] {name}: {json.dumps(figures)}")
+    m_fused, m_base, effect = (figures[k][0] for k in ("fused_vs_f32", "base_margin", "effect"))
+    assert m_fused <= m_base + effect  # mean |logits| difference, llama.cpp on both
+    assert figures["fused_vs_f32"][2] >= 0.85  # top-1 agreement with the F32 fused model
+    return figures
+
+
+def test_q4_1_base_fused_with_no_type_is_q4_1(work):
+    """The issue's case: no --dtype on a Q4_1 base gives a Q4_1 file of the base's size."""
+    f = check_fused(work, work["q4_1"], work["run_q4_1"], None, "Q4_1", work["q4_1"])
+    assert abs(f["bytes"] - f["base_bytes"]) <= 0.01 * f["base_bytes"]
+    assert f["types"] == _type_counts(work["q4_1"])  # the base's own layout
+    # W + delta re-quantized onto the Q4_1 grid W sits on: most of a short fine-tune rounds
+    # away, and the export says so (the q8_0 file keeps it)
+    assert f["adapter_kept"] < 0.5
+    q8 = work["dir"] / "q4_1-q8_0.gguf"
+    export("--base", str(work["q4_1"]), "--adapter", str(work["run_q4_1"]), "--fuse",
+           "--dtype", "q8_0", "--out", str(q8))
+    assert adapter_kept(q8, work["q4_1"], work["run_q4_1"]) > 0.9
+
+
+def test_q4_k_m_base_fused_with_no_type_is_q4_k_m(work):
+    """A Q4_K_M base (llama.cpp's quantizer made it from the F32 copy): Q4_K_M back, the same
+    per-tensor mixture and size as the base."""
+    f = check_fused(work, work["q4_k_m"], work["run_q4_k_m"], None, "Q4_K_M", work["q4_k_m"])
+    assert abs(f["bytes"] - f["base_bytes"]) <= 0.01 * f["base_bytes"]
+    assert f["types"] == _type_counts(work["q4_k_m"])
+
+
+def test_dtype_q4_k_m_from_the_q4_1_base(work):
+    """--dtype q4_k_m on a Q4_1 base's fine-tune: llama.cpp's mixture, bytes equal to
+    llama-quantize's; the margin measured on the base quantized the same way."""
+    base_q = work["dir"] / "base-q4_1-to-q4_k_m.gguf"
+    quantize(work["f32"], base_q, "Q4_K_M")
+    f = check_fused(work, work["q4_1"], work["run_q4_1"], "q4_k_m", "Q4_K_M", base_q)
+    assert f["types"] == _type_counts(base_q)
+
+
+def _type_counts(path: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for t in GGUFFile(path).tensors.values():
+        counts[t.type.name] = counts.get(t.type.name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _start_and_wait_for_quantizer(work: dict, out: Path) -> subprocess.Popen:
+    """toymlx-export started, and returned once llama.cpp is writing its temporary."""
+    p = subprocess.Popen([sys.executable, "-m", "toymlx_cli.export", "--base", str(work["q4_1"]),
+                          "--adapter", str(work["run_q4_1"]), "--fuse", "--dtype", "q4_k_m",
+                          "--out", str(out)], stderr=subprocess.PIPE, text=True)
+    tmp = out.with_name(f".{out.name}.tmp-{p.pid}")
+    while not tmp.exists():
+        assert p.poll() is None, p.stderr.read()[-2000:]
+        time.sleep(0.05)
+    return p
+
+
+def test_killed_export_leaves_nothing_under_the_final_name(work, tmp_path):
+    """SIGTERM while llama.cpp quantizes: exit 130, no file, no temporary. SIGKILL: no file;
+    its temporaries go at the next export of that name, which succeeds."""
+    out = tmp_path / "fused.gguf"
+    p = _start_and_wait_for_quantizer(work, out)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=600) == 130
+    assert not list(tmp_path.iterdir())
+    p = _start_and_wait_for_quantizer(work, out)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    left = sorted(q.name for q in tmp_path.iterdir())
+    assert left == [f".fused.gguf.f32.tmp-{p.pid}", f".fused.gguf.tmp-{p.pid}"]
+    export("--base", str(work["q4_1"]), "--adapter", str(work["run_q4_1"]), "--fuse",
+           "--dtype", "q4_k_m", "--out", str(out))
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["fused.gguf"]
+    assert GGUFFile(out).metadata["general.file_type"] == 15
