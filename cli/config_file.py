@@ -215,7 +215,7 @@ def defaults_from_file(cls: type, options: dict[str, Any], source: str, prog: st
                                                        dataclasses.field(default=None))
                                                       for f in fields])
     try:
-        checked = config_from_dict(given, nested, source, prefix="")
+        checked = config_from_dict(given, nested, source, prefix="", complete=False)
     except RunError as e:
         raise ConfigFileError(str(e)) from None
     kw = {f.name: getattr(checked, f.name) if f.name in nested else

@@ -138,6 +138,18 @@ def test_a_key_missing_from_config_json_is_named(tmp_path, stopped, capsys, path
     assert (run / "events.jsonl").read_bytes() == events  # nothing trained
 
 
+def test_a_bundle_written_before_config_format_2_still_resumes(tmp_path, stopped, straight):
+    """A config.json without `format` (toymlx before this check) lacks the options added since:
+    they take their defaults, which keep the old behaviour, and the run resumes exactly."""
+    run = _copy(stopped, tmp_path)
+    saved = json.loads((run / "config.json").read_text())
+    del saved["format"]
+    del saved["config"]["compile"]  # as if written before the option existed (default True)
+    (run / "config.json").write_text(json.dumps(saved))
+    assert main(["--resume", str(run)]) == 0
+    assert _losses(run) == _losses(straight)
+
+
 # ---- B4 ---------------------------------------------------------------------------------------
 PARENT = textwrap.dedent("""
     import hashlib, subprocess, sys, threading

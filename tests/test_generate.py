@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import shutil
@@ -342,3 +343,26 @@ def test_a_llamacpp_that_crashes_falls_back_to_mlx(stories_path, tmp_path):
     want = ("toymlx-generate: error: --engine llama.cpp: llama.cpp stopped loading "
             f"{stories_path} (killed by signal 11)")
     assert forced.stderr.strip().splitlines() == [want]
+
+
+def test_a_dora_adapter_decodes_in_mlx(stories_path, tmp_path, capsys):
+    """llama.cpp has no DoRA adapters: --engine auto decodes a DoRA adapter with MLX (one line
+    says why) and gives what apply_adapter gives; --engine llama.cpp refuses in one line."""
+    from toymlx.lora import apply_adapter, apply_lora, lora_layers, write_adapter
+
+    model = apply_lora(load_llama(stories_path)[0], "q,v", rank=4, alpha=8.0, kind="dora")
+    mx.random.seed(4)
+    for m in lora_layers(model).values():
+        m.lora_b = 0.05 * mx.random.normal(m.lora_b.shape)
+    path = write_adapter(tmp_path / "dora.gguf", model, {"general.architecture": "llama"})
+    adapted, tok = load_for_generation(stories_path)
+    want = tok.decode(list(generate(apply_adapter(adapted, path), tok, tok.encode(PROMPT), 16)))
+    flags = ["--model", str(stories_path), "--adapter", str(path), "--prompt", PROMPT,
+             "--max-tokens", "16", "--temperature", "0"]
+    out, err = cli_tokens(flags, capsys)
+    assert out.rstrip("\n") == want and "mlx)" in err
+    assert cli.main([*flags, "--engine", "llama.cpp"]) == 2
+    forced = capsys.readouterr().err
+    if importlib.util.find_spec("llama_cpp") is not None:  # else: the engine is not installed
+        assert "llama.cpp reads only lora adapters, found 'dora'" in err
+        assert "found 'dora'" in forced

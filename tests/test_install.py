@@ -258,10 +258,23 @@ def test_fresh_install_on_the_system_python(tmp_path):
     system = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version.split()[0])"],
                             capture_output=True, text=True, check=True).stdout.strip()
     copy = _copy_checkout(tmp_path / "toymlx")
-    r = _shell("bash", "source scripts/install.sh && toymlx-train --recipe vit-tiny --steps 5 "
+    # a fresh machine: no kernel cache yet, and a /tmp that the first run then finds empty, as
+    # after a reboot (the installer built MLX's kernels for the main job into the cache)
+    cache, tmp = tmp_path / "cache", tmp_path / "tmp"
+    tmp.mkdir()
+    r = _shell("bash", f"source scripts/install.sh && rm -rf {tmp}/mlx && "
+               "toymlx-train --recipe vit-tiny --steps 5 "
                "--no-progress && command -v python3 toymlx-train && "
-               "python3 -c 'import toymlx; print(toymlx.__file__)'", copy, _env(), timeout=1800)
+               "python3 -c 'import toymlx; print(toymlx.__file__)'", copy,
+               _env(XDG_CACHE_HOME=str(cache), TMPDIR=str(tmp)), timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    if sys.platform.startswith("linux"):  # Linux's CPU backend: the kernels built at install
+        assert "building MLX's CPU kernels for the main job" in r.stderr
+        kernels = list((cache / "toymlx" / "mlx-kernels").glob("*/cpu/*.so"))
+        built = list((cache / "toymlx" / "mlx-kernels").glob("*/vit-tiny.built"))
+        assert kernels and len(built) == 1
+        # the main job then compiled nothing: every .so is older than the marker
+        assert max(k.stat().st_mtime for k in kernels) <= built[0].stat().st_mtime
     venv = copy / ".venv"
     assert r.stdout.splitlines()[-3:] == [str(venv / "bin" / "python3"),
                                           str(venv / "bin" / "toymlx-train"),

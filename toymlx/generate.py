@@ -168,6 +168,14 @@ class LlamaCppDecoder:
         if len(adapters) > 1:
             raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter, found "
                              f"{len(adapters)} ({', '.join(map(str, adapters))})")
+        for a in adapters:
+            g = GGUFFile(a)
+            kind = g.metadata.get("adapter.type", "lora")
+            g.close()
+            if kind != "lora":
+                raise EngineFailed(f"{a}: metadata key 'adapter.type': llama.cpp reads only "
+                                   f"lora adapters, found {kind!r} (fuse it with toymlx-export "
+                                   "--fuse to run it in llama.cpp)")
         self.context = context
         self.child = subprocess.Popen(
             [sys.executable, "-m", "toymlx.llamacpp_decode"], stdin=subprocess.PIPE,

@@ -152,12 +152,19 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
     return run_dir, lock
 
 
+CONFIG_FORMAT = 2
+"""config.json's `format`. 2 (toymlx 0.2 on): every option is written, so a missing key is
+damage and refused. A config.json without `format` (written before) is read as it was then: an
+option it lacks (one added since) takes its default, which keeps the old behaviour. An option
+added from now on must bump this and be let off for older formats here."""
+
+
 def save_config(run_dir: Path, recipe: str, cfg: Any) -> None:
     """Write config.json (once, when the run starts): the recipe, every option, and the
     fingerprints of the data files the options name."""
     atomic.write_text(run_dir / CONFIG_FILE, json.dumps(
-        {"recipe": recipe, "config": dataclasses.asdict(cfg), DATA_FILES_KEY: data_files(cfg)},
-        indent=2, ensure_ascii=False))
+        {"format": CONFIG_FORMAT, "recipe": recipe, "config": dataclasses.asdict(cfg),
+         DATA_FILES_KEY: data_files(cfg)}, indent=2, ensure_ascii=False))
 
 
 # ---- the data a run reads --------------------------------------------------------------------
@@ -234,14 +241,14 @@ def _found(v: Any) -> str:
     return f"{text if len(text) <= 40 else text[:37] + '...'} ({kind})"
 
 
-def _coerce(t: Any, v: Any, key: str, source: str) -> Any:
+def _coerce(t: Any, v: Any, key: str, source: str, complete: bool = True) -> Any:
     """`v` as the annotation `t` wants it; _Mismatch (what was expected) if it cannot be."""
     origin, args = typing.get_origin(t), typing.get_args(t)
     if origin in (typing.Union, types.UnionType):
         wants = []
         for a in args:
             try:
-                return _coerce(a, v, key, source)
+                return _coerce(a, v, key, source, complete)
             except _Mismatch as m:
                 wants.append(m.expected)
         raise _Mismatch(" or ".join(wants))
@@ -255,7 +262,7 @@ def _coerce(t: Any, v: Any, key: str, source: str) -> Any:
         raise _Mismatch("one of " + ", ".join(json.dumps(a) for a in args))
     if dataclasses.is_dataclass(t):
         if isinstance(v, dict):
-            return config_from_dict(t, v, source, key + ".")
+            return config_from_dict(t, v, source, key + ".", complete)
         raise _Mismatch("an object of options")
     if t is bool:
         if isinstance(v, bool):
@@ -277,18 +284,19 @@ def _coerce(t: Any, v: Any, key: str, source: str) -> Any:
         if not isinstance(v, list):
             raise _Mismatch("a list")
         inner = args[0] if args else Any
-        items = [_coerce(inner, x, key, source) for x in v] if inner is not Any else list(v)
+        items = [_coerce(inner, x, key, source, complete) for x in v] if inner is not Any else list(v)
         return tuple(items) if origin is tuple else items
     return v
 
 
 
 def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
-                     prefix: str = "config.") -> Any:
+                     prefix: str = "config.", complete: bool = True) -> Any:
     """Rebuild a (nested) config dataclass from its saved dict, every value checked against
     its field's type, every option present; RunError naming `source`, the key, the expected and
     the found value. config.json is written whole when a run starts, so a missing key is damage:
-    taking its default would train another run under this one's name."""
+    taking its default would train another run under this one's name. `complete=False` (a
+    config file given with -c, which sets only some options) lets the others take defaults."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kw = {}
@@ -298,12 +306,14 @@ def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
                            "found an unknown key (written for another recipe, or by a newer "
                            "toymlx?)")
         try:
-            kw[k] = _coerce(hints[k], v, prefix + k, source)
+            kw[k] = _coerce(hints[k], v, prefix + k, source, complete)
         except _Mismatch as m:
             raise RunError(f"{source}: key {prefix + k!r}: expected {m.expected}, found "
-                           f"{_found(v)}; fix it to the run's value") from None
+                           f"{_found(v)}; " + ("fix it to the run's value" if complete else
+                                               "fix it, or remove the key to take its default")
+                           ) from None
     missing = [k for k in names if k not in d]
-    if missing:
+    if missing and complete:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise RunError(f"{source}: key {prefix + missing[0]!r}: expected the run's saved "
                        f"{flag_name(missing[0])} value, found no key{more}; put it back as the "
@@ -426,7 +436,8 @@ class Bundle:
             module = get_recipe(saved["recipe"])
         except ValueError as e:
             raise RunError(f"{source}: key 'recipe': {e}") from None
-        cfg = config_from_dict(module.Config, saved["config"], source)
+        written_whole = saved.get("format", 1) >= CONFIG_FORMAT  # see CONFIG_FORMAT
+        cfg = config_from_dict(module.Config, saved["config"], source, complete=written_whole)
         events = ev.read_events(path)
         cfg.steps = _planned_steps(events, cfg.steps)
         try:
