@@ -288,3 +288,25 @@ def test_mlx_lm_peer_computes_the_same_model(bench, arch):
     assert toy_loss == pytest.approx(peer_loss, rel=1e-5)
     assert toy_loss == pytest.approx(ref, rel=1e-5) and peer_loss == pytest.approx(ref, rel=1e-5)
     assert toy.first_grad_norm() == pytest.approx(peer_gnorm, rel=1e-5)
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("arch,change,named", [
+    # Gemma 3 1B's width: mlx-lm scales the embeddings by sqrt(1152) rounded to bfloat16 (34.0),
+    # llama.cpp and toymlx by 33.941 (float32)
+    ("gemma3", {"d_model": 1152}, "d_model=1152"),
+    ("gemma3", {"final_softcap": 30.0}, "final_softcap=30.0"),
+    # Phi-3's longrope: llama.cpp uses the short factors within the original context, mlx-lm's
+    # SuScaledRoPE always the long ones
+    ("phi3", {"rope_factors": (1.0,) * 24, "rope_mscale": 1.19}, "rope_factors=(1.0"),
+    ("qwen2", {"key_length": 128}, "key_length=128"),
+])
+def test_mlx_lm_peer_refuses_what_it_computes_otherwise(bench, arch, change, named):
+    from mlx_lm_step import model_config
+    from workloads import arch_shape
+
+    from toymlx.models.llama import smollm2_135m
+
+    with pytest.raises(ValueError, match=r"mlx-lm's \w+ computes these LlamaArgs switches") as e:
+        model_config(replace(arch_shape(arch, smollm2_135m(), 128), **change))
+    assert named in str(e.value)
