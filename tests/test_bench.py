@@ -283,8 +283,11 @@ def test_mlx_lm_peer_computes_the_same_model(bench, arch):
     peer_gnorm = peer.grad_norm()
     toy_loss, peer_loss = toy.step(0), peer.step(0)
     ref = _reference_loss(w.llama, weights, peer.tokens, w.lora_alpha / w.lora_rank)
-    print(f"{arch}: loss toymlx {toy_loss:.7f} mlx-lm {peer_loss:.7f} fp64 {ref:.7f}; "
-          f"|g| toymlx {toy.first_grad_norm():.7f} mlx-lm {peer_gnorm:.7f}")
+    rel = lambda x, y: abs(x - y) / abs(y)
+    print(f"{arch}: loss toymlx {toy_loss:.7f} mlx-lm {peer_loss:.7f} fp64 {ref:.7f} (relative: "
+          f"toymlx/mlx-lm {rel(toy_loss, peer_loss):.1e}, toymlx/fp64 {rel(toy_loss, ref):.1e}, "
+          f"mlx-lm/fp64 {rel(peer_loss, ref):.1e}); |g| toymlx {toy.first_grad_norm():.7f} "
+          f"mlx-lm {peer_gnorm:.7f} (relative {rel(toy.first_grad_norm(), peer_gnorm):.1e})")
     assert toy_loss == pytest.approx(peer_loss, rel=1e-5)
     assert toy_loss == pytest.approx(ref, rel=1e-5) and peer_loss == pytest.approx(ref, rel=1e-5)
     assert toy.first_grad_norm() == pytest.approx(peer_gnorm, rel=1e-5)
