@@ -246,7 +246,8 @@ def format_table(info: dict[str, Any]) -> str:
               f"torch={info.get('torch')} ({info.get('torch_threads')} threads) "
               f"mlx-lm={info.get('mlx_lm')} cores={b.get('cores')} "
               f"cold_jit={info['cold_jit']} OMP_WAIT_POLICY={info.get('omp_wait_policy')}")]
-    hdr = (f"{'workload':<13} {'impl':<7} {'median ms':>9} {'min ms':>8} {'cpu ms':>8} "
+    wn = max([13] + [len(r["workload"]) for r in info["workloads"]])  # the name column
+    hdr = (f"{'workload':<{wn}} {'impl':<7} {'median ms':>9} {'min ms':>8} {'cpu ms':>8} "
            f"{'items/s':>9} "
            f"{'GFLOPS':>7} {'MFU':>5} {'1st step s':>10} {'mlx MB':>8} {'RSS MB':>8} "
            f"{'loss0':>9} {'|g|0':>8}")
@@ -256,7 +257,7 @@ def format_table(info: dict[str, Any]) -> str:
         for name, v in res["variants"].items():
             rss = v.get("rss_peak_mb")
             lines.append(
-                f"{res['workload']:<13} {name:<7} {v['median_s'] * 1e3:>9.0f} "
+                f"{res['workload']:<{wn}} {name:<7} {v['median_s'] * 1e3:>9.0f} "
                 f"{v['min_s'] * 1e3:>8.0f} {v['median_cpu_s'] * 1e3:>8.0f} "
                 f"{v['items_per_s']:>9.0f} {v['gflops']:>7.1f} "
                 f"{v['mfu_vs_mlx_sgemm']:>5.2f} {v['first_step_s']:>10.2f} "
@@ -265,7 +266,7 @@ def format_table(info: dict[str, Any]) -> str:
         ratios = ", ".join(f"toymlx/{k} {r:.2f}x (cpu {res['cpu_ratio_toymlx_over'][k]:.2f}x)"
                            for k, r in res["ratio_toymlx_over"].items())
         sg = res["sgemm_gflops"]
-        lines.append(f"{'':<13} time ratio (median of per-round ratios): {ratios}; "
+        lines.append(f"{'':<{wn}} time ratio (median of per-round ratios): {ratios}; "
                      f"{res['flops_per_step'] / 1e9:.1f} GFLOP/step, {unit}; sgemm 2048: "
                      f"mlx {sg['mlx']:.0f}, numpy {sg['numpy']:.0f} GFLOPS; "
                      f"load avg {res['loadavg_1min_at_end']:.1f}")

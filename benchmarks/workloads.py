@@ -7,10 +7,11 @@ and is credited with the same work.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from toymlx.gguf.llama import ARCHS
 from toymlx.models.llama import LlamaArgs, smollm2_135m, smollm2_360m, tiny
 from toymlx.models.vit import ViTArgs, vit_tiny, vit_tiny_28
 
@@ -57,8 +58,32 @@ class Workload:
 _LORA = {"lora_rank": 8, "lr": 2e-4, "weight_decay": 0.0}
 
 
+def arch_shape(arch: str, base: LlamaArgs, window: int) -> LlamaArgs:
+    """`base`'s shape computed as llama.cpp's `arch` (qwen2, qwen3, gemma3, phi3): the switches
+    every file of it has (toymlx.gguf.llama.ARCHS), and those a real checkpoint sets: Gemma 3's
+    sliding window (`window` keys) on five blocks of six, own RoPE base there, linear scaling 8
+    on the global blocks; Phi-4-mini's partial RoPE (3/4 of each head)."""
+    a = replace(base, arch=arch, **ARCHS[arch].switches)
+    if arch == "gemma3":
+        a = replace(a, sliding_window=window, rope_base=1e6, rope_base_sliding=1e4,
+                    rope_scale=1 / 8, sliding_layers=tuple(i % 6 < 5 for i in range(a.n_layers)))
+    if arch == "phi3":
+        a = replace(a, rope_dims=a.head_dim * 3 // 4)
+    return a
+
+
+def arch_workloads(base: LlamaArgs, batch: int, seq: int, prefix: str, quick: bool = False
+                   ) -> list[Workload]:
+    """LoRA r8 on the query projection of each architecture beyond llama at `base`'s shape
+    (phi3 has only the fused `qkv`); gemma3's window is half the sequence, so it masks."""
+    return [Workload(f"{prefix}-{arch}", "llama", batch=batch, seq=seq,
+                     llama=arch_shape(arch, base, seq // 2), quick=quick,
+                     lora_targets=("qkv",) if arch == "phi3" else ("q",), **_LORA)
+            for arch in ("qwen2", "qwen3", "gemma3", "phi3")]
+
+
 def cpu_workloads() -> list[Workload]:
-    """The CPU suite (the 360M ones are outside --quick)."""
+    """The CPU suite (the 360M ones and the other architectures are outside --quick)."""
     return [
         Workload("llama-4x256", "llama", batch=8, seq=256, llama=tiny()),
         Workload("vit-tiny-28", "vit", batch=64, vit=vit_tiny_28()),
@@ -66,6 +91,7 @@ def cpu_workloads() -> list[Workload]:
         Workload("scratch-360m", "llama", batch=4, seq=256, llama=smollm2_360m(), quick=False),
         Workload("lora-q-360m", "llama", batch=4, seq=256, llama=smollm2_360m(), quick=False,
                  **_LORA),
+        *arch_workloads(smollm2_135m(), batch=4, seq=256, prefix="lora-135m"),
     ]
 
 
@@ -123,7 +149,8 @@ def train_flops(w: Workload) -> float:
         return 6 * n * tokens + 3 * attn_fwd
     # Frozen base: forward + input gradients only (4 N); the adapters train fully (6 N_lora).
     dims = {"q": (a.d_model, q), "k": (a.d_model, kv), "v": (a.d_model, kv),
-            "o": (q, a.d_model), "gate": (a.d_model, a.ffn_dim), "up": (a.d_model, a.ffn_dim),
+            "qkv": (a.d_model, q + 2 * kv), "o": (q, a.d_model), "gate": (a.d_model, a.ffn_dim),
+            "up": (a.d_model, a.ffn_dim), "gate_up": (a.d_model, 2 * a.ffn_dim),
             "down": (a.ffn_dim, a.d_model)}
     n_lora = a.n_layers * sum(w.lora_rank * (i + o) for i, o in (dims[t] for t in w.lora_targets))
     return 4 * n * tokens + 6 * n_lora * tokens + 3 * attn_fwd

@@ -15,9 +15,11 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,3 +224,92 @@ def test_cpu_suite_times_what_users_run(tmp_path):
         for k in ("toymlx-generate", "toymlx-generate --engine mlx"):
             assert row[k]["over_llamacpp"] == pytest.approx(row[k]["tok_per_s"] / cpp)
     assert "toymlx.train after mlx" in p.stdout and "generate greedy" in p.stdout
+
+
+def _reference_loss(a, weights: dict, tokens: np.ndarray, scale: float) -> float:
+    """Mean next-token cross-entropy of tests/reference.py's float64 forward of llama.cpp's
+    graph, on the same weights with the adapters folded in (W + scale B A)."""
+    from reference import forward
+
+    from toymlx.gguf.llama import toy_to_gguf
+
+    w = {toy_to_gguf(k): v.astype(np.float64) for k, v in weights.items() if ".lora_" not in k}
+    for k in [k for k in weights if k.endswith(".lora_a")]:
+        base = toy_to_gguf(k.replace(".lora_a", ".linear.weight"))
+        w[base] = w[base] + scale * (weights[k.replace("lora_a", "lora_b")].astype(np.float64)
+                                     @ weights[k].astype(np.float64))
+    hp = {"arch": a.arch, "d": a.d_model, "n_layers": a.n_layers, "n_heads": a.n_heads,
+          "n_kv": a.n_kv_heads, "hd": a.head_dim, "n_rot": a.rope_dims or a.head_dim,
+          "eps": a.norm_eps, "base": a.rope_base, "base_swa": a.rope_base_sliding,
+          "window": a.sliding_window or 0, "pattern": 6, "softcap": a.final_softcap or 0.0,
+          "scaling": "linear", "factor": 1 / a.rope_scale if a.rope_scale != 1 else 0.0,
+          "attn_factor": 1.0}
+    losses = []
+    for row in tokens:  # (T+1,)
+        z = forward(hp, w, list(row[:-1]))  # (T, V)
+        z = z - z.max(-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        losses.append(-logp[np.arange(len(row) - 1), row[1:]])
+    return float(np.mean(losses))
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_mlx_lm_peer_computes_the_same_model(bench, arch):
+    """The CPU suite's mlx-lm rows train the same function as toymlx's: each architecture's
+    workload switches at a tiny shape, one set of weights (norms and adapters random, so the
+    gemma norm offset and the adapters' orientation count) in toymlx's decoder and in mlx-lm's
+    model class: step-0 loss and gradient norm equal, and the loss equal to the float64
+    forward of llama.cpp's graph (tests/reference.py)."""
+    from mlx_lm_step import MlxLmVariant
+    from toymlx_step import CPU_OPS, ToymlxVariant, build_model, weights_np
+    from workloads import arch_workloads, make_batch
+
+    from toymlx.models.llama import tiny
+
+    base = tiny(vocab_size=512, d_model=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                context=128)
+    ws = arch_workloads(base, batch=2, seq=32, prefix="tiny")
+    ws.append(replace(ws[0], name="tiny-llama", llama=base))  # LoRA on q, as the others
+    w = next(x for x in ws if x.llama.arch == arch)
+    rng = np.random.default_rng(1)
+    model = build_model(w, CPU_OPS)
+    weights = {k: (1 + 0.2 * rng.standard_normal(v.shape) if k.endswith("norm.weight") else
+                   0.05 * rng.standard_normal(v.shape) if k.endswith("lora_b") else v
+                   ).astype(np.float32) for k, v in weights_np(model).items()}
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()])
+    batch = make_batch(w)
+    toy, peer = ToymlxVariant(w, model, batch), MlxLmVariant(w, weights, batch)
+    peer_gnorm = peer.grad_norm()
+    toy_loss, peer_loss = toy.step(0), peer.step(0)
+    ref = _reference_loss(w.llama, weights, peer.tokens, w.lora_alpha / w.lora_rank)
+    rel = lambda x, y: abs(x - y) / abs(y)
+    print(f"{arch}: loss toymlx {toy_loss:.7f} mlx-lm {peer_loss:.7f} fp64 {ref:.7f} (relative: "
+          f"toymlx/mlx-lm {rel(toy_loss, peer_loss):.1e}, toymlx/fp64 {rel(toy_loss, ref):.1e}, "
+          f"mlx-lm/fp64 {rel(peer_loss, ref):.1e}); |g| toymlx {toy.first_grad_norm():.7f} "
+          f"mlx-lm {peer_gnorm:.7f} (relative {rel(toy.first_grad_norm(), peer_gnorm):.1e})")
+    assert toy_loss == pytest.approx(peer_loss, rel=1e-5)
+    assert toy_loss == pytest.approx(ref, rel=1e-5) and peer_loss == pytest.approx(ref, rel=1e-5)
+    assert toy.first_grad_norm() == pytest.approx(peer_gnorm, rel=1e-5)
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("arch,change,named", [
+    # Gemma 3 1B's width: mlx-lm scales the embeddings by sqrt(1152) rounded to bfloat16 (34.0),
+    # llama.cpp and toymlx by 33.941 (float32)
+    ("gemma3", {"d_model": 1152}, "d_model=1152"),
+    ("gemma3", {"final_softcap": 30.0}, "final_softcap=30.0"),
+    # Phi-3's longrope: llama.cpp uses the short factors within the original context, mlx-lm's
+    # SuScaledRoPE always the long ones
+    ("phi3", {"rope_factors": (1.0,) * 24, "rope_mscale": 1.19}, "rope_factors=(1.0"),
+    ("qwen2", {"key_length": 128}, "key_length=128"),
+])
+def test_mlx_lm_peer_refuses_what_it_computes_otherwise(bench, arch, change, named):
+    from mlx_lm_step import model_config
+    from workloads import arch_shape
+
+    from toymlx.models.llama import smollm2_135m
+
+    with pytest.raises(ValueError, match=r"mlx-lm's \w+ computes these LlamaArgs switches") as e:
+        model_config(replace(arch_shape(arch, smollm2_135m(), 128), **change))
+    assert named in str(e.value)
