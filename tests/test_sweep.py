@@ -264,7 +264,8 @@ def test_a_killed_sweep_leaves_no_children_and_its_rerun_gives_clean_bundles(tmp
     for d in stopped:  # each saw its sweep die, finished its step and checkpointed
         end = read_events(d)[-1]
         assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
-        assert f"step_{end['final_step']}.gguf" == os.readlink(d / "weights" / "latest")
+        assert f"step_{end['final_step']}.gguf" == os.readlink(d / "weights" / "latest"), (
+            read_events(d)[-4:], sorted(x.name for x in (d / "weights").iterdir()))
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0, again.stderr[-3000:]
     for d in sorted(p for p in root.iterdir() if (p / "config.json").exists()):
