@@ -8,7 +8,7 @@ point in a process that used MLX first, and `toymlx-generate` beside llama.cpp.
   script in its own process; the median step from its events, the first step apart.
 - `train_entry_after_mlx`: the same run through `toymlx.train` from a process that imported
   `mlx.core` and `mlx_lm` and evaluated an array first (a notebook, any mlx-lm script).
-- `generation`: `toymlx-generate` (its default engine, and `--engine mlx`) and llama.cpp
+- `generation`: `toymlx-generate` (its default engine, MLX, and `--engine llama.cpp`) and llama.cpp
   (llama-cpp-python, the same file, prompt and token count, all cores), greedy and sampled,
   tokens/s from the first token asked for to the last.
 
@@ -162,19 +162,21 @@ def _toymlx_generate(gguf: Path, n: int, temp: float, top_p: float, engine: str 
 
 
 def generation(gguf: Path, n: int = 128) -> dict[str, Any]:
-    """toymlx-generate (default engine, and MLX's) and llama.cpp, greedy and sampled."""
+    """toymlx-generate (its default engine, MLX, and llama.cpp's) and llama.cpp itself, greedy
+    and sampled."""
     from toymlx.generate import load_tokenizer
 
     ids = load_tokenizer(gguf)[0].encode(PROMPT)
     out: dict[str, Any] = {"prompt_tokens": len(ids), "max_tokens": n}
     for mode, temp, top_p in (("greedy", 0.0, 1.0), ("sampled", 0.7, 0.9)):
         row = {"toymlx-generate": _toymlx_generate(gguf, n, temp, top_p, None),
-               "toymlx-generate --engine mlx": _toymlx_generate(gguf, n, temp, top_p, "mlx")}
+               "toymlx-generate --engine llama.cpp": _toymlx_generate(gguf, n, temp, top_p,
+                                                                      "llama.cpp")}
         p = subprocess.run([sys.executable, "-c", _LLAMACPP, str(gguf), json.dumps(ids), str(n),
                             str(temp), str(top_p)], capture_output=True, text=True, check=False)
         if p.returncode == 0:
             row["llama.cpp"] = json.loads(p.stdout.strip().splitlines()[-1])
-            for k in ("toymlx-generate", "toymlx-generate --engine mlx"):
+            for k in ("toymlx-generate", "toymlx-generate --engine llama.cpp"):
                 row[k]["over_llamacpp"] = row[k]["tok_per_s"] / row["llama.cpp"]["tok_per_s"]
         else:
             row["llama.cpp"] = {"error": p.stderr.strip()[-300:]}

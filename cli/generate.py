@@ -44,10 +44,11 @@ class Args:
     """A LoRA adapter GGUF (or a LoRA run directory) to apply on top of --model."""
     device: Literal["auto", "cpu", "gpu"] = "auto"
     """Where MLX runs: auto picks the GPU when MLX has one."""
-    engine: Literal["auto", "mlx", "llama.cpp"] = "auto"
-    """What decodes: auto is llama.cpp (llama-cpp-python, the interop extra) where MLX
-    computes on the CPU and it is installed (3-6x faster there: it reads the file's own
-    quantized blocks), else MLX. Same files, adapters and samplers either way."""
+    engine: Literal["mlx", "llama.cpp", "auto"] = "mlx"
+    """What decodes: MLX (toymlx's own numerics); llama.cpp (llama-cpp-python, the interop
+    extra: 3-6x faster on a CPU, as llama.cpp computes the file, quantized arithmetic included);
+    auto: llama.cpp where MLX computes on the CPU and it is installed (else, or if it fails
+    to start, MLX). Same files, adapters and samplers."""
 
 
 class UsageError(ValueError):

@@ -219,9 +219,9 @@ def test_cpu_suite_times_what_users_run(tmp_path):
     for mode in ("greedy", "sampled"):
         row = u["generation"][mode]
         cpp = row["llama.cpp"]["tok_per_s"]
-        assert row["toymlx-generate"]["engine"] == "llama.cpp"
-        assert row["toymlx-generate --engine mlx"]["engine"] == "mlx"
-        for k in ("toymlx-generate", "toymlx-generate --engine mlx"):
+        assert row["toymlx-generate"]["engine"] == "mlx"
+        assert row["toymlx-generate --engine llama.cpp"]["engine"] == "llama.cpp"
+        for k in ("toymlx-generate", "toymlx-generate --engine llama.cpp"):
             assert row[k]["over_llamacpp"] == pytest.approx(row[k]["tok_per_s"] / cpp)
     assert "toymlx.train after mlx" in p.stdout and "generate greedy" in p.stdout
 

@@ -326,3 +326,35 @@ def test_every_export_type_is_llama_quantize_s_file(base_and_run, tmp_path, dtyp
     got = np.array(load_llama(out)[0](TOKENS))
     want = np.array(load_llama(f32)[0](TOKENS))
     assert np.isfinite(got).all() and np.abs(got - want).mean() < 0.5 * np.abs(want).mean()
+
+
+def test_a_file_without_its_file_type_exports_in_the_type_of_its_matrices(stories_path,
+                                                                        smollm_like_q8):
+    """As llama.cpp's loader guesses: stories260K (no general.file_type, F32 matrices) -> f32;
+    the same with Q8_0 matrices and the key removed -> q8_0."""
+    assert "general.file_type" not in GGUFFile(stories_path).metadata
+    assert own_type(GGUFFile(stories_path)) == "f32"
+    assert own_type(GGUFFile(smollm_like_q8)) == "q8_0"
+
+
+
+@pytest.fixture
+def smollm_like_q8(stories_path, tmp_path) -> Path:
+    """stories260K's tensors with its matrices in Q8_0 where rows allow (gguf-py; most of
+    them) and no general.file_type."""
+    import gguf
+
+    src, out = GGUFFile(stories_path), tmp_path / "q8.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    for name, t in src.tensors.items():
+        arr = src.load(name)
+        if len(t.shape) >= 2 and t.shape[-1] % 32 == 0:  # Q8_0's blocks (the FFN's 172 stay)
+            w.add_tensor(name, quantize(arr, GGMLQuantizationType.Q8_0),
+                         raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

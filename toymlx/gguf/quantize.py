@@ -69,6 +69,8 @@ def own_type(g: GGUFFile, key: str = "general.file_type") -> str:
     """The export type name of a GGUF's `general.file_type` (its own type, e.g. q4_k_m), or of
     another llama_ftype key."""
     raw = g.metadata.get(key)
+    if raw is None and key == "general.file_type":
+        raw = _guessed_file_type(g)
     if not isinstance(raw, int):
         raise GGUFError(f"{g.path}: metadata key {key!r}: expected the file's type (a "
                         f"llama_ftype) to export in, found {raw!r}; pass --dtype")
@@ -82,6 +84,25 @@ def own_type(g: GGUFFile, key: str = "general.file_type") -> str:
         raise GGUFError(f"{g.path}: metadata key {key!r}: its type {name} is not one toymlx "
                         f"writes (expected one of {', '.join(EXPORT_TYPES)}); pass --dtype")
     return name
+
+
+_K_MIXTURE = {"Q2_K": "MOSTLY_Q2_K", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M",
+              "Q5_K": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K"}
+
+
+def _guessed_file_type(g: GGUFFile) -> int | None:
+    """A llama_ftype for a file without `general.file_type` (older or hand-made files), as
+    llama.cpp's loader guesses one: the tensor type most of its matrices have (a K-quant as its
+    _M mixture), flagged as guessed; None when that type is no file type."""
+    counts: dict[str, int] = {}
+    for t in g.tensors.values():
+        if len(t.shape) >= 2:
+            counts[t.type.name] = counts.get(t.type.name, 0) + 1
+    if not counts:
+        return None
+    most = max(counts, key=lambda k: counts[k])
+    name = "ALL_F32" if most == "F32" else _K_MIXTURE.get(most, f"MOSTLY_{most}")
+    return int(LlamaFileType[name]) | _GUESSED if name in LlamaFileType.__members__ else None
 
 
 def export_type(g: GGUFFile) -> str:
