@@ -4,7 +4,8 @@ Two steps, in this order:
 1. `preload_blas()`, at import (`toymlx/__init__.py`), because it must precede the first
    `import mlx.core`: on Linux the `mlx[cpu]` wheel links the netlib reference BLAS
    (~5 GFLOPS); an optimised BLAS loaded with global symbol visibility first makes MLX's
-   matmuls use it instead (~33x faster).
+   matmuls use it instead (~33x faster), with `toymlx.gemv_forward` in front of it (one-row
+   products, a decoded token's, through sgemv).
 2. `setup_process()`, a named call each command-line entry point makes first thing, and
    `toymlx.trainer.train` makes again (a no-op the second time): MLX's graph-evaluation width
    (read by MLX's first evaluation), glibc malloc's thresholds and the folder that keeps MLX's
@@ -29,6 +30,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from toymlx import gemv_forward
 
 _BLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -73,6 +76,8 @@ class _ProcessState:
     malloc: str = "default"
     bfs_max_width: str | None = None
     kernel_cache: str | None = None
+    gemv_forward: str | None = None
+    """Whether one-row matmuls go to OpenBLAS's sgemv (`toymlx.gemv_forward`): on, off (why)."""
     set_up: bool = False
 
 
@@ -106,9 +111,12 @@ def _load_openblas(p: _ProcessState) -> None:
     for path in candidates:
         if os.path.exists(path):
             try:
-                p.blas_lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)  # loads at all?
             except OSError:
                 continue
+            # ahead of OpenBLAS in the global scope, so MLX's cblas_sgemm resolves to it
+            p.gemv_forward = gemv_forward.install(path)
+            p.blas_lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             p.blas, p.blas_path = "openblas", path
             return
     p.blas = "reference"
@@ -301,6 +309,8 @@ def backend_info() -> dict:
         info["blas_path"] = p.blas_path
     if p.kernel_cache:
         info["kernel_cache"] = p.kernel_cache
+    if p.gemv_forward:
+        info["gemv_forward"] = p.gemv_forward
     if blas_threads() is not None:
         info["blas_threads"] = blas_threads()
     return info

@@ -8,9 +8,9 @@ Two engines decode the same GGUF files (`choose_engine`):
   token, the trained context) and seeds MLX's generator so a run repeats exactly.
 - `llama.cpp` (llama-cpp-python, the `interop` extra): the same files, adapters and samplers in
   llama.cpp. Decoding one token reads every weight once; on a CPU MLX multiplies float32
-  weights through its BLAS's sgemm (~6 GB/s of weights on 2 cores, ~12 tok/s for SmolLM2-135M)
-  and its quantized CPU matmul is slower still, while llama.cpp reads the file's own 4-bit
-  blocks with SIMD dot products (3-6x faster). It also computes as llama.cpp does, quantized
+  weights (through OpenBLAS's sgemv, `toymlx.gemv_forward`: ~20 GB/s on 2 cores, ~24 tok/s for
+  SmolLM2-135M on an AMD EPYC Zen 4) and its quantized CPU matmul is slower still, while
+  llama.cpp reads the file's own 4-bit blocks with SIMD dot products (~2x faster there). It also computes as llama.cpp does, quantized
   activations included: on SmolLM2-135M's Q4_1 file llama.cpp answers "What is the capital of
   France?" with French nonsense where its F32 copy and toymlx (the Q4_1 weights dequantized)
   answer "Paris", which is why MLX stays the default. `auto` takes llama.cpp where MLX computes
