@@ -9,7 +9,7 @@ Needs the benchmark extras: `pip install -e .[bench]` (PyTorch, mlx-lm); the GPU
 PyTorch rows need a CUDA build of PyTorch. The modules beside this one:
 
     workloads.py    what is trained: shapes, the batch, FLOPs
-    toymlx_step.py  toymlx's side, through its public API
+    toymlx_step.py  toymlx's side: each workload's recipe-built Task, stepped as train() does
     user_paths.py   what users run: the host, toymlx-train, toymlx.train, toymlx-generate
     torch_step.py   the PyTorch yardstick
     mlx_lm_step.py  the mlx-lm peer

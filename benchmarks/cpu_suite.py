@@ -1,6 +1,7 @@
 """The CPU suite: toymlx's step against PyTorch CPU (in a child process) and mlx-lm, float32.
 
-Per workload: every variant built from the same weights, its first step (with the compile),
+Per workload: every variant built from the same weights (those of the Task the workload's recipe
+builds, `toymlx_step.build_task`), its first step (with the compile),
 a warm-up, then interleaved rounds with MLX's and numpy's 2048^3 sgemm timed before each;
 medians, per-round time ratios (wall and CPU), MFU against MLX's sgemm. Optionally each
 variant's peak RSS in a fresh process, GGUF I/O at the 360M size, data-parallel ranks.
@@ -23,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from procs import MB, TorchVariant, gguf_io, proc_status, run_child, run_dp
 from rounds import Variant, first_steps, median_ratios, run_rounds
-from toymlx_step import CPU_OPS, ToymlxVariant, build_model, weights_np
+from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs, weights_np
 from user_paths import format_user_paths, host_info, host_line, run_user_paths
 from workloads import Workload, cpu_workloads, find, make_batch, train_flops
 
@@ -33,25 +34,28 @@ IMPLS = ("toymlx", "toymlx-ref", "torch", "torch1t", "mlx-lm")
 DEFAULT_IMPLS = ("toymlx", "torch", "mlx-lm")
 
 
-def build_variants(w: Workload, which: tuple[str, ...]) -> tuple[list[Variant], dict]:
-    """Variants for `w` in the order they will be timed, each built from the same weights."""
+def build_variants(w: Workload, which: tuple[str, ...], inputs: Path
+                   ) -> tuple[list[Variant], dict]:
+    """Variants for `w` in the order they will be timed, each from the same weights: those of
+    the Task that `w`'s recipe builds (`toymlx_step.build_task`) from `inputs`
+    (`toymlx_step.recipe_inputs`)."""
     batch = make_batch(w)
     out: list[Variant] = []
     builds: dict[str, float] = {}
     t = time.perf_counter()
-    model = build_model(w, CPU_OPS)
-    weights = weights_np(model)
+    task, cfg = build_task(w, CPU_OPS, inputs)
+    weights = weights_np(task.model)
     if "toymlx" in which:
-        v = ToymlxVariant(w, model, batch)
+        v = ToymlxVariant(task, cfg, batch)
         builds[v.name] = time.perf_counter() - t
         out.append(v)
     else:
-        del model
+        del task
         mx.clear_cache()
     if "toymlx-ref" in which:
         t = time.perf_counter()
-        # the same model built with MLX's own kernels instead of toymlx.fastmath's
-        rv = ToymlxVariant(w, build_model(w, replace(CPU_OPS, kernels="mlx")), batch,
+        # the same recipe's Task computing with MLX's own kernels instead of toymlx.fastmath's
+        rv = ToymlxVariant(*build_task(w, replace(CPU_OPS, kernels="mlx"), inputs), batch,
                            name="toymlx-ref")
         builds[rv.name] = time.perf_counter() - t
         out.append(rv)
@@ -97,7 +101,8 @@ def numpy_sgemm(n: int = 2048) -> float:
 def run_workload(w: Workload, rounds: int, warmup: int, which: tuple[str, ...],
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Build, take the first step of each variant, warm up, then time interleaved rounds."""
-    variants, builds = build_variants(w, which)
+    with recipe_inputs(w) as inputs:  # written once; the built variants no longer read them
+        variants, builds = build_variants(w, which, inputs)
     results = first_steps(variants, builds, w.name, log)
     sgemm: dict[str, list[float]] = {"mlx": [], "numpy": []}
     cpu_rounds: list[dict[str, float]] = []
@@ -152,15 +157,16 @@ def probe_memory(workload: str, variant: str, steps: int = 3) -> dict[str, float
     """Peak RSS while one variant runs `steps` steps, in a process holding only that variant
     (run it in a child): Linux's VmHWM, reset after the build (/proc/self/clear_refs 5)."""
     w = find(workload)
-    if variant.startswith("torch"):  # in this (probe) process, not in a grandchild
-        from torch_step import TorchStep  # torch only in a probe of a torch variant
+    with recipe_inputs(w) as inputs:
+        if variant.startswith("torch"):  # in this (probe) process, not in a grandchild
+            from torch_step import TorchStep  # torch only in a probe of a torch variant
 
-        weights = weights_np(build_model(w, CPU_OPS))
-        mx.clear_cache()
-        v: Variant = TorchStep(w, weights, make_batch(w), 1 if variant == "torch1t" else None)
-        del weights
-    else:
-        v = build_variants(w, (variant,))[0][0]
+            weights = weights_np(build_task(w, CPU_OPS, inputs)[0].model)
+            mx.clear_cache()
+            v: Variant = TorchStep(w, weights, make_batch(w), 1 if variant == "torch1t" else None)
+            del weights
+        else:
+            v = build_variants(w, (variant,), inputs)[0][0]
     v.step(0)
     gc.collect()
     mx.clear_cache()

@@ -1,8 +1,9 @@
 """The GPU suite: GPU-sized workloads at float32 and bfloat16 against mlx-lm and PyTorch.
 
-Rows for each workload and dtype, all from the same weights (their step-0 losses side by
-side): toymlx; mlx-lm's LoRA step on the LoRA workloads, on the same device and dtype (its
-model cast with `set_dtype`); PyTorch where the device is a CUDA GPU (or the CPU, with
+Rows for each workload and dtype, all from the same weights (those of the Task the workload's
+recipe builds, `toymlx_step.build_task`; their step-0 losses side by side): toymlx; mlx-lm's
+LoRA step on the LoRA workloads, on the same device and dtype (its model cast with
+`set_dtype`); PyTorch where the device is a CUDA GPU (or the CPU, with
 --device cpu): bf16 autocast, fused AdamW, SDPA, eager and under `torch.compile`.
 
 - TFLOPS = the workload's training FLOPs / the row's median step time.
@@ -32,7 +33,7 @@ import mlx.core as mx
 from cpu_suite import num
 from procs import MB
 from rounds import Variant, first_steps, median_ratios, run_rounds
-from toymlx_step import ToymlxVariant, build_model, gpu_ops, weights_np
+from toymlx_step import ToymlxVariant, build_task, gpu_ops, recipe_inputs, weights_np
 from workloads import Workload, gpu_workloads, make_batch, train_flops
 
 from toymlx.device import backend_info
@@ -92,18 +93,19 @@ def matmul_peak(dtype: str, n: int, torch_device: str | None, reps: int = 10) ->
 
 
 def build_variants(w: Workload, which: tuple[str, ...], dtype: str, torch_device: str | None,
-                   compile_backend: str) -> tuple[list[Variant], dict[str, float]]:
-    """The rows of `w` in `dtype` that apply to it, each built from the same weights."""
+                   compile_backend: str, inputs: Path) -> tuple[list[Variant], dict[str, float]]:
+    """The rows of `w` in `dtype` that apply to it, each built from the same weights: those of
+    the Task that `w`'s recipe builds (`toymlx_step.build_task`) from `inputs`."""
     batch = make_batch(w)
     t = time.perf_counter()
-    model = build_model(w, gpu_ops(dtype))
+    task, cfg = build_task(w, gpu_ops(dtype), inputs)
     # what toymlx's model holds is where every row starts (in bfloat16, a LoRA base rounded)
-    weights = weights_np(model)
+    weights = weights_np(task.model)
     shared = time.perf_counter() - t
 
     def make(name: str) -> Variant | None:
         if name == "toymlx":
-            return ToymlxVariant(w, model, batch)
+            return ToymlxVariant(task, cfg, batch)
         if name == "mlx-lm":
             if not w.lora:  # mlx-lm's trainer is a fine-tuner: its LoRA step only
                 return None
@@ -129,10 +131,10 @@ def build_variants(w: Workload, which: tuple[str, ...], dtype: str, torch_device
 
 def run_workload(w: Workload, dtype: str, which: tuple[str, ...], rounds: int, warmup: int,
                  peak: dict[str, Any], torch_device: str | None, compile_backend: str,
-                 log: Callable[[str], None] = print) -> dict[str, Any]:
-    """One workload in one dtype: first steps, warm-up, interleaved rounds; per row its
-    median, TFLOPS, MFU and peak memory."""
-    variants, builds = build_variants(w, which, dtype, torch_device, compile_backend)
+                 inputs: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """One workload in one dtype (its recipe's inputs in `inputs`): first steps, warm-up,
+    interleaved rounds; per row its median, TFLOPS, MFU and peak memory."""
+    variants, builds = build_variants(w, which, dtype, torch_device, compile_backend, inputs)
     tag = f"{w.name} {dtype}"
     results = first_steps(variants, builds, tag, log)
     meters: dict[str, Memory] = {v.name: MLX_MEMORY for v in variants if v.uses_mlx}
@@ -225,20 +227,22 @@ def run_gpu(device: str, shapes: str = "full", dtypes: tuple[str, ...] = DTYPES,
             f"{k} {info['matmul'][dtype][k]['tflops']:.3g} TFLOPS" for k in ("mlx", "torch")
             if k in info["matmul"][dtype]))
     for w in chosen:
-        for dtype in dtypes:
-            log(f"{w.name} {dtype}: {', '.join(which)} x {rounds} rounds")
-            try:
-                res = run_workload(w, dtype, which, rounds, warmup, info["matmul"][dtype],
-                                   torch_device, compile_backend, log)
-            except Exception as e:  # noqa: BLE001 -- one workload that fails (out of memory,
-                # a compiler error) must not cost the others' figures; the table shows it
-                res = {"workload": w.name, "dtype": dtype,
-                       "error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
-                log(f"  {w.name} {dtype} failed: {res['error']}")
-            info["workloads"].append(res)
-            _release(torch_device)
-            if partial_json:
-                Path(partial_json).write_text(json.dumps(info, indent=1, default=float))
+        with recipe_inputs(w) as inputs:  # written once for every dtype
+            for dtype in dtypes:
+                log(f"{w.name} {dtype}: {', '.join(which)} x {rounds} rounds")
+                try:
+                    res = run_workload(w, dtype, which, rounds, warmup, info["matmul"][dtype],
+                                       torch_device, compile_backend, inputs, log)
+                except Exception as e:  # noqa: BLE001 -- one workload that fails (out of
+                    # memory, a compiler error) must not cost the others' figures; the table
+                    # shows it
+                    res = {"workload": w.name, "dtype": dtype,
+                           "error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
+                    log(f"  {w.name} {dtype} failed: {res['error']}")
+                info["workloads"].append(res)
+                _release(torch_device)
+                if partial_json:
+                    Path(partial_json).write_text(json.dumps(info, indent=1, default=float))
     info["total_s"] = time.perf_counter() - t_all
     return info
 

@@ -4,12 +4,13 @@
     python benchmarks/graph_census.py --only lora-q-360m-8x512 --dtype float32
 
 A speed comparison needs the GPU; which operations each step asks MLX for does not. This
-builds the workload's model twice (toymlx's `Ops` for a GPU in the given dtype; mlx-lm's llama
-with its LoRA layers, as the benchmark does), traces one step without compiling it, and counts
-the primitives in the lazy graph (`mx.export_to_dot`). Width does not change the graph, so the
-model is narrowed to a small vocabulary and a short batch; the count per transformer block is
-the difference between a 2-block and a 1-block model. Two graphs per side: the forward and
-backward pass alone (loss and gradients), and the whole step (with the optimizer update).
+builds the workload's model twice (the lora recipe's Task, computing with toymlx's `Ops` for a
+GPU in the given dtype; mlx-lm's llama with its LoRA layers, as the benchmark does), traces one
+step without compiling it, and counts the primitives in the lazy graph (`mx.export_to_dot`).
+Width does not change the graph, so the model is narrowed to a small vocabulary and a short
+batch; the count per transformer block is the difference between a 2-block and a 1-block model.
+Two graphs per side: the forward and backward pass alone (loss and gradients), and the whole
+step (with the optimizer update).
 On a CPU, `mx.fast` kernels that have no CPU form show up as their fallback primitives, the
 same ones on both sides.
 """
@@ -31,12 +32,11 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.trainer import default_loss
 from mlx_lm_step import MlxLmVariant
-from toymlx_step import build_model, gpu_ops, weights_np
+from toymlx_step import build_task, gpu_ops, recipe_inputs, weights_np
 from workloads import Workload, find, make_batch
 
-from toymlx.losses import lm_loss
 from toymlx.step import make_step, micro_batch_grads
-from toymlx.trainer import TrainConfig, make_optimizer
+from toymlx.trainer import make_optimizer
 
 
 def primitives(arrays: list[mx.array]) -> Counter:
@@ -52,21 +52,23 @@ def leaves(*trees: object) -> list[mx.array]:
 
 
 def census(w: Workload, dtype: str) -> dict[str, Counter]:
-    """{side/graph: primitive counts} for one model size. toymlx's step is `make_step`, the one
-    a GPU runs (the CPU's stream split would trace two half-batches instead)."""
+    """{side/graph: primitive counts} for one model size. toymlx's model and loss are the lora
+    recipe's Task (`toymlx_step.build_task`); its step is `make_step`, the one a GPU runs (the
+    CPU's stream split would trace two half-batches instead)."""
     batch = make_batch(w)
     micro = {k: mx.array(v[0]) for k, v in batch.items()}
     out: dict[str, Counter] = {}
     mx.disable_compile()  # every graph below is traced lazily instead of compiled
     try:
-        model = build_model(w, gpu_ops(dtype))
+        with recipe_inputs(w) as inputs:
+            task, cfg = build_task(w, gpu_ops(dtype), inputs, compile=False)
+        model = task.model
         weights = weights_np(model)
-        loss, _, grads = micro_batch_grads(model, lm_loss)(micro)
+        loss, _, grads = micro_batch_grads(model, task.loss_fn)(micro)
         out["toymlx/grad"] = primitives(leaves(loss, grads))
-        cfg = TrainConfig(batch_size=w.batch, lr=w.lr, weight_decay=w.weight_decay)
         optimizer = make_optimizer(cfg)
         optimizer.init(model.trainable_parameters())
-        res = make_step(model, lm_loss, optimizer, cfg.grad_clip, compile=False)(
+        res = make_step(model, task.loss_fn, optimizer, cfg.grad_clip, compile=False)(
             {k: mx.array(v) for k, v in batch.items()})
         out["toymlx/step"] = primitives(leaves(res, model.trainable_parameters(),
                                                optimizer.state))

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from rounds import Variant
-from toymlx_step import CPU_OPS, ToymlxVariant, build_model
+from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs
 from workloads import Workload, find, make_batch
 
 from toymlx.launch import launch
@@ -171,12 +171,13 @@ def gguf_io(folder: Path) -> dict[str, Any]:
 
 
 # ---- one data-parallel rank per core against one process ------------------------------------
-def dp_worker(workload: str, steps: int, out: str) -> None:
-    """Time `steps` warm steps of toymlx's step on this rank's share of the batch (a child)."""
+def dp_worker(workload: str, steps: int, out: str, inputs: str) -> None:
+    """Time `steps` warm steps of toymlx's step on this rank's share of the batch (a child),
+    its Task built from the recipe inputs in folder `inputs`."""
     world = mx.distributed.init()
     world = world if world.size() > 1 else None
     w = find(workload)
-    v = ToymlxVariant(w, build_model(w, CPU_OPS), make_batch(w), world=world)
+    v = ToymlxVariant(*build_task(w, CPU_OPS, Path(inputs)), make_batch(w), world=world)
     loss0 = v.step(0)
     v.step(1)
     wall, cpu = [], []
@@ -198,26 +199,30 @@ def run_dp(workload: str, ranks: int = 2, rounds: int = 3, steps: int = 3,
     script = folder / "worker.py"  # a file: mlx.launch does not carry `-c` code intact
     script.write_text(child_code(
         "from procs import dp_worker\nfrom toymlx.launch import rank_status\n\nwith rank_status() as status:\n"
-        "    dp_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])\n"
+        "    dp_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])\n"
         "    status.code = 0\n"))
     res: dict[str, Any] = {"workload": workload, "ranks": ranks, "single": [], "dp": []}
-    for r in range(rounds):
-        for kind in (("single", "dp") if r % 2 == 0 else ("dp", "single")):
-            out = folder / f"{kind}{r}"
-            cmd = [sys.executable, str(script), workload, str(steps), str(out)]
-            if kind == "single":
-                subprocess.run(cmd, check=True)
-                reports = [json.loads(Path(f"{out}.rank0").read_text())]
-            else:
-                if launch(ranks, cmd, env=["OPENBLAS_NUM_THREADS=1"]) != 0:
-                    raise RuntimeError(f"data-parallel launch of {workload} failed")
-                reports = [json.loads(Path(f"{out}.rank{i}").read_text()) for i in range(ranks)]
-            walls = [max(x) for x in zip(*(p["wall"] for p in reports))]  # slowest rank
-            cpus = [sum(x) for x in zip(*(p["cpu"] for p in reports))]  # all ranks
-            res[kind].append({"loss0": reports[0]["loss0"], "grad_norm0": reports[0]["grad_norm0"],
-                              "wall": walls, "cpu": cpus})
-            log(f"  dp {workload} {kind}: step {statistics.median(walls) * 1e3:.0f} ms wall, "
-                f"{statistics.median(cpus) * 1e3:.0f} ms cpu, loss0 {reports[0]['loss0']:.6f}")
+    with recipe_inputs(find(workload)) as inputs:  # written once, read by every launch
+        for r in range(rounds):
+            for kind in (("single", "dp") if r % 2 == 0 else ("dp", "single")):
+                out = folder / f"{kind}{r}"
+                cmd = [sys.executable, str(script), workload, str(steps), str(out), str(inputs)]
+                if kind == "single":
+                    subprocess.run(cmd, check=True)
+                    reports = [json.loads(Path(f"{out}.rank0").read_text())]
+                else:
+                    if launch(ranks, cmd, env=["OPENBLAS_NUM_THREADS=1"]) != 0:
+                        raise RuntimeError(f"data-parallel launch of {workload} failed")
+                    reports = [json.loads(Path(f"{out}.rank{i}").read_text())
+                               for i in range(ranks)]
+                walls = [max(x) for x in zip(*(p["wall"] for p in reports))]  # slowest rank
+                cpus = [sum(x) for x in zip(*(p["cpu"] for p in reports))]  # all ranks
+                res[kind].append({"loss0": reports[0]["loss0"],
+                                  "grad_norm0": reports[0]["grad_norm0"], "wall": walls,
+                                  "cpu": cpus})
+                log(f"  dp {workload} {kind}: step {statistics.median(walls) * 1e3:.0f} ms wall, "
+                    f"{statistics.median(cpus) * 1e3:.0f} ms cpu, loss0 "
+                    f"{reports[0]['loss0']:.6f}")
     for kind in ("single", "dp"):
         res[kind + "_median_s"] = statistics.median(x for r in res[kind] for x in r["wall"])
         res[kind + "_median_cpu_s"] = statistics.median(x for r in res[kind] for x in r["cpu"])

@@ -2,7 +2,9 @@
 
 A workload is a model shape, a batch shape and an optimizer setting. Its batch and its FLOP
 count are pure functions of the workload, so every implementation trains on the same numbers
-and is credited with the same work.
+and is credited with the same work. toymlx's model of it is the one its recipe builds
+(`toymlx_step.build_task` checks the shape), so a Llama trained from random init has the
+from-scratch recipe's byte vocabulary (`BYTES`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 from toymlx.gguf.llama import ARCHS
 from toymlx.models.llama import LlamaArgs, smollm2_135m, smollm2_360m, tiny
 from toymlx.models.vit import ViTArgs, vit_tiny, vit_tiny_28
+from toymlx.tokenizer import byte_tokenizer
 
 
 @dataclass(frozen=True)
@@ -56,17 +59,21 @@ class Workload:
 
 
 _LORA = {"lora_rank": 8, "lr": 2e-4, "weight_decay": 0.0}
+BYTES = byte_tokenizer().vocab_size
+"""The from-scratch recipe's vocabulary (bytes): a model trained from random init has it."""
 
 
 def arch_shape(arch: str, base: LlamaArgs, window: int) -> LlamaArgs:
     """`base`'s shape computed as llama.cpp's `arch` (qwen2, qwen3, gemma3, phi3): the switches
     every file of it has (toymlx.gguf.llama.ARCHS), and those a real checkpoint sets: Gemma 3's
     sliding window (`window` keys) on five blocks of six, own RoPE base there, linear scaling 8
-    on the global blocks; Phi-4-mini's partial RoPE (3/4 of each head)."""
+    on the global blocks, queries scaled by head_dim ** -0.5 (as its files load); Phi-4-mini's
+    partial RoPE (3/4 of each head)."""
     a = replace(base, arch=arch, **ARCHS[arch].switches)
     if arch == "gemma3":
         a = replace(a, sliding_window=window, rope_base=1e6, rope_base_sliding=1e4,
-                    rope_scale=1 / 8, sliding_layers=tuple(i % 6 < 5 for i in range(a.n_layers)))
+                    rope_scale=1 / 8, sliding_layers=tuple(i % 6 < 5 for i in range(a.n_layers)),
+                    attn_scale=a.head_dim ** -0.5)
     if arch == "phi3":
         a = replace(a, rope_dims=a.head_dim * 3 // 4)
     return a
@@ -88,7 +95,8 @@ def cpu_workloads() -> list[Workload]:
         Workload("llama-4x256", "llama", batch=8, seq=256, llama=tiny()),
         Workload("vit-tiny-28", "vit", batch=64, vit=vit_tiny_28()),
         Workload("lora-q-135m", "llama", batch=4, seq=256, llama=smollm2_135m(), **_LORA),
-        Workload("scratch-360m", "llama", batch=4, seq=256, llama=smollm2_360m(), quick=False),
+        Workload("scratch-360m", "llama", batch=4, seq=256, llama=smollm2_360m(vocab_size=BYTES),
+                 quick=False),
         Workload("lora-q-360m", "llama", batch=4, seq=256, llama=smollm2_360m(), quick=False,
                  **_LORA),
         *arch_workloads(smollm2_135m(), batch=4, seq=256, prefix="lora-135m"),
@@ -109,13 +117,15 @@ def gpu_workloads(shapes: str = "full") -> list[Workload]:
             Workload("tiny-lora-q-gqa3", "llama", batch=2, seq=32,
                      llama=tiny(vocab_size=512, d_model=48, n_layers=2, n_heads=3,
                                 n_kv_heads=1, ffn_dim=96, context=128), **_LORA),
-            Workload("tiny-scratch", "llama", batch=2, seq=64, llama=small),
+            Workload("tiny-scratch", "llama", batch=2, seq=64,
+                     llama=replace(small, vocab_size=BYTES)),
         ]
     return [
         Workload("vit-tiny-224", "vit", batch=128, vit=vit_tiny()),
         Workload("lora-q-135m-8x512", "llama", batch=8, seq=512, llama=smollm2_135m(), **_LORA),
         Workload("lora-q-360m-8x512", "llama", batch=8, seq=512, llama=smollm2_360m(), **_LORA),
-        Workload("scratch-360m-8x1024", "llama", batch=8, seq=1024, llama=smollm2_360m()),
+        Workload("scratch-360m-8x1024", "llama", batch=8, seq=1024,
+                 llama=smollm2_360m(vocab_size=BYTES)),
     ]
 
 

@@ -8,6 +8,7 @@ same files are in the interop tier at the end.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -15,11 +16,13 @@ import pytest
 from arch_files import KINDS, arch_gguf
 from reference import forward, load_reference
 
-from toymlx.gguf.llama import load_llama
+from toymlx.gguf.llama import llama_metadata, load_llama, write_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import write_gguf
 from toymlx.lora import apply_lora, write_adapter, write_merged
+from toymlx.models.llama import Llama
 from toymlx.models.ops import Ops
+from toymlx.tokenizer import byte_metadata
 
 IDS = [int(x) for x in np.random.default_rng(1).integers(3, 259, 20)]
 
@@ -128,6 +131,49 @@ def test_phi3_targets_name_the_fused_projections(files):
         apply_lora(model, "q")
 
 
+# ---- toymlx writes every architecture it loads ---------------------------------------------
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "phi3"])
+def test_write_llama_round_trips_every_architecture(files, kind, tmp_path):
+    """write_llama of a loaded model (its `<arch>.*` keys and RoPE constants from the args):
+    the file loads back as the same args, tensors and logits."""
+    model, g = load_llama(files[kind])
+    write_llama(tmp_path / "w.gguf", model, byte_metadata())
+    again, g2 = load_llama(tmp_path / "w.gguf")
+    assert again.args == model.args
+    assert set(g2.tensors) == set(g.tensors)
+    assert g2.metadata["general.architecture"] == model.args.arch
+    assert np.array_equal(logits(again), logits(model))
+
+
+def _plain_phi3(files) -> Llama:
+    """The phi3 file's model without longrope (partial RoPE, fused projections kept)."""
+    model, _ = load_llama(files["phi3"])
+    plain = Llama(replace(model.args, rope_factors=None, rope_mscale=1.0))
+    plain.update(model.parameters())
+    return plain
+
+
+def test_write_llama_says_phi3_and_refuses_what_no_file_says(files, tmp_path):
+    """phi3 with partial RoPE round-trips; longrope (toymlx holds only the short factors) and
+    a switch the architecture does not have are refused by field, before anything is written."""
+    model, _ = load_llama(files["phi3"])
+    with pytest.raises(ValueError, match=r"expected a shape a phi3 GGUF can say, found "
+                                         r"rope_factors \(phi3 files carry longrope's short and "
+                                         r"long factors"):
+        write_llama(tmp_path / "x.gguf", model, byte_metadata())
+    plain = _plain_phi3(files)
+    write_llama(tmp_path / "p.gguf", plain, byte_metadata())
+    again, _ = load_llama(tmp_path / "p.gguf")
+    assert again.args == plain.args and again.args.rope_dims == 12
+    assert np.array_equal(logits(again), logits(plain))
+    bad = replace(plain.args, arch="llama", rope_neox=False, fused_qkv=False,
+                  fused_gate_up=False, qk_norm=True, rope_dims=None)
+    with pytest.raises(ValueError, match=r"found qk_norm=True \(llama files compute with "
+                                         r"False\)$"):
+        llama_metadata(bad)
+    assert not (tmp_path / "x.gguf").exists()
+
+
 # ---- nothing is loaded and ignored --------------------------------------------------------
 def _copy(src, dst, meta_update=None, drop_meta=(), tensors_update=None):
     g = GGUFFile(src)
@@ -190,6 +236,22 @@ def test_logits_match_llamacpp(files, kind):
     top1 = float((mine.argmax(-1) == ref.argmax(-1)).mean())
     report(f"{kind} vs llama.cpp", max_abs_diff=diff, top1=top1)
     assert diff < (5e-3 if kind == "gemma3" else 1e-4) and top1 == 1.0
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_llamacpp_reads_what_write_llama_writes(files, kind, tmp_path):
+    """The files write_llama writes of every architecture (phi3 without longrope) compute in
+    llama.cpp what they compute in toymlx, within the margins of the converter's files."""
+    from llamacpp_runner import llamacpp_logits
+
+    model = _plain_phi3(files) if kind == "phi3" else load_llama(files[kind])[0]
+    write_llama(tmp_path / "w.gguf", model, byte_metadata())
+    mine = logits(model)
+    ref, _ = llamacpp_logits(tmp_path / "w.gguf", IDS)
+    diff = float(np.abs(mine - ref).max())
+    report(f"{kind} written vs llama.cpp", max_abs_diff=diff)
+    assert diff < (5e-3 if kind == "gemma3" else 1e-4)
 
 
 @pytest.mark.interop

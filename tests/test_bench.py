@@ -262,7 +262,7 @@ def test_mlx_lm_peer_computes_the_same_model(bench, arch):
     model class: step-0 loss and gradient norm equal, and the loss equal to the float64
     forward of llama.cpp's graph (tests/reference.py)."""
     from mlx_lm_step import MlxLmVariant
-    from toymlx_step import CPU_OPS, ToymlxVariant, build_model, weights_np
+    from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs, weights_np
     from workloads import arch_workloads, make_batch
 
     from toymlx.models.llama import tiny
@@ -273,13 +273,14 @@ def test_mlx_lm_peer_computes_the_same_model(bench, arch):
     ws.append(replace(ws[0], name="tiny-llama", llama=base))  # LoRA on q, as the others
     w = next(x for x in ws if x.llama.arch == arch)
     rng = np.random.default_rng(1)
-    model = build_model(w, CPU_OPS)
+    with recipe_inputs(w) as inputs:
+        task, cfg = build_task(w, CPU_OPS, inputs)
     weights = {k: (1 + 0.2 * rng.standard_normal(v.shape) if k.endswith("norm.weight") else
                    0.05 * rng.standard_normal(v.shape) if k.endswith("lora_b") else v
-                   ).astype(np.float32) for k, v in weights_np(model).items()}
-    model.load_weights([(k, mx.array(v)) for k, v in weights.items()])
+                   ).astype(np.float32) for k, v in weights_np(task.model).items()}
+    task.model.load_weights([(k, mx.array(v)) for k, v in weights.items()])
     batch = make_batch(w)
-    toy, peer = ToymlxVariant(w, model, batch), MlxLmVariant(w, weights, batch)
+    toy, peer = ToymlxVariant(task, cfg, batch), MlxLmVariant(w, weights, batch)
     peer_gnorm = peer.grad_norm()
     toy_loss, peer_loss = toy.step(0), peer.step(0)
     ref = _reference_loss(w.llama, weights, peer.tokens, w.lora_alpha / w.lora_rank)
@@ -313,3 +314,42 @@ def test_mlx_lm_peer_refuses_what_it_computes_otherwise(bench, arch, change, nam
     with pytest.raises(ValueError, match=r"mlx-lm's \w+ computes these LlamaArgs switches") as e:
         model_config(replace(arch_shape(arch, smollm2_135m(), 128), **change))
     assert named in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["tiny-scratch", "tiny-vit", "tiny-lora-q"])
+def test_toymlx_row_is_the_first_step_of_toymlx_train(bench, tmp_path, name):
+    """The benchmark's toymlx row cannot drift from what users run: the workload's recipe
+    Config (`toymlx_step.build_task`), run by toymlx-train for one step (`-c` its config.json),
+    gives the loss, gradient norm and updated weights that the benchmark's variant (the same
+    Task, stepped by `ToymlxVariant`) gives on the same batch (the recipe's step-0 batch, which
+    the benchmark swaps for the workload's), to the last bit; one workload per recipe."""
+    from mlx.utils import tree_flatten
+    from toymlx_cli.train import main
+    from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs
+    from workloads import find
+
+    from toymlx import runs
+    from toymlx.events import read_events
+
+    w = find(name)
+    with recipe_inputs(w) as inputs:
+        task, cfg = build_task(w, CPU_OPS, inputs)
+        runs.save_config(inputs, task.recipe, cfg)
+        assert main(["-c", str(inputs / runs.CONFIG_FILE), "--runs-root", str(tmp_path),
+                     "--run-id", "r", "--stop-at", "1"]) == 0
+        row = ToymlxVariant(task, cfg, task.train_batch(0))
+        loss = row.step(0)
+        events = read_events(tmp_path / "r" / "events.jsonl")
+        step = next(e for e in events if e["kind"] == "step")
+        saved = next(e for e in events if e["kind"] == "checkpoint")
+        trained, _ = build_task(w, CPU_OPS, inputs)
+        trained.load(tmp_path / "r" / saved["path"], trained.model)
+    ours = dict(tree_flatten(task.model.trainable_parameters()))
+    theirs = dict(tree_flatten(trained.model.trainable_parameters()))
+    diff = max(float(mx.abs(ours[k] - theirs[k]).max()) for k in ours)
+    print(f"{name} ({task.recipe}): loss toymlx-train {step['loss']!r} bench {loss!r}; |g| "
+          f"toymlx-train {step['grad_norm']!r} bench {row.first_grad_norm()!r}; "
+          f"{len(ours)} trained tensors, max |diff| {diff}")
+    assert set(ours) == set(theirs) and ours
+    assert (loss, row.first_grad_norm()) == (step["loss"], step["grad_norm"])
+    assert diff == 0.0

@@ -1,11 +1,13 @@
 """The training loop every recipe shares, around one compiled step.
 
 A recipe builds a `Task` (model, loss, batches, how to save and load a checkpoint); `train`
-runs it: the step from `training_step` (`toymlx.step.make_step`: gradient accumulation,
-data-parallel sums, clipping, AdamW with warm-up + cosine LR; on a multi-core CPU spread over
-streams by `toymlx.cpu_streams`), periodic validation in eval mode, checkpoints on a
-schedule and at the end through a `Checkpointer` (verified, with retention), the run bundle's
-events (run_end from one place), and SIGINT/SIGTERM as requests to stop (`StopSignals`).
+runs it: each optimizer step taken by a `Stepper` (the step from `training_step`,
+`toymlx.step.make_step`: gradient accumulation, data-parallel sums, clipping, AdamW with
+warm-up + cosine LR; on a multi-core CPU spread over streams by `toymlx.cpu_streams`; the
+benchmark steps its toymlx rows through the same `Stepper`), periodic validation in eval mode,
+checkpoints on a schedule and at the end through a `Checkpointer` (verified, with retention),
+the run bundle's events (run_end from one place), and SIGINT/SIGTERM as requests to stop
+(`StopSignals`).
 """
 
 from __future__ import annotations
@@ -245,6 +247,48 @@ def training_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimize
     return make_step(model, loss_fn, optimizer, cfg.grad_clip, world, cfg.compile, scale), 1
 
 
+class Stepper:
+    """Optimizer steps of a task taken exactly as `train` takes them (the loop and the benchmark
+    both step through it): the optimizer (the task's, else `make_optimizer`) initialised on the
+    trainable parameters, the float16 loss scale, and, once `build` has run, the compiled step
+    of `training_step` with the BLAS threads it evaluates under."""
+
+    def __init__(self, task: Task, cfg: TrainConfig, world: Any = None):
+        self.task, self.cfg, self.world, self.model = task, cfg, world, task.model
+        self.optimizer = (task.optimizer or make_optimizer)(cfg)
+        self.optimizer.init(self.model.trainable_parameters())
+        # float16 gradients underflow without a loss scale (see LossScale)
+        self.scale = LossScale() if self.model.ops.dtype == "float16" else None
+        self.n_streams: int | None = None
+        """CPU streams the built step spreads over (None: not built yet)."""
+        self.blas_threads: int | None = None
+        """BLAS threads per call while the step is evaluated (None: left as they are)."""
+        self._fn: Callable | None = None
+
+    def build(self) -> None:
+        """Evaluate the weights and optimizer state and build the compiled step. Call it after a
+        resume has restored the optimizer state: the compiled step holds on to its containers."""
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        self._fn, self.n_streams = training_step(self.model, self.task.loss_fn, self.optimizer,
+                                                 self.cfg, self.world, self.scale)
+        self.blas_threads = cpu_streams.step_blas_threads(self.n_streams)
+
+    def step(self, s: int, global_batch: dict[str, np.ndarray]) -> dict[str, mx.array]:
+        """Optimizer step `s` (0-based) on `global_batch` (this rank's shard of it), evaluated
+        with the model and optimizer state; returns the step's outputs (loss, grad_norm, and the
+        loss scale's with float16)."""
+        if self._fn is None:
+            raise RuntimeError("Stepper.step: expected build() to have run, found no step")
+        batch = {k: mx.array(v) for k, v in _shard(global_batch, self.world).items()}
+        # Randomness (dropout) is a pure function of (seed, step), like the data, so a
+        # resumed run draws exactly what an uninterrupted one would.
+        mx.random.seed(step_seed(self.cfg.seed, s))
+        out = self._fn(batch)
+        with device.use_blas_threads(self.blas_threads):
+            mx.eval(out, self.model.state, self.optimizer.state)
+        return out
+
+
 def resume_arrays(optimizer: optim.Optimizer, scale: LossScale | None, model: nn.Module,
                   exact_weights: bool) -> dict[str, mx.array]:
     """What a checkpoint's resume state holds besides the GGUF: the optimizer state, the loss
@@ -362,16 +406,15 @@ class _Loop:
         self.rank0 = world is None or world.rank() == 0
         self.model = task.model
         device.setup_process(wide_evaluation=not cfg.grad_checkpoint)
-        self.optimizer = (task.optimizer or make_optimizer)(cfg)
-        self.optimizer.init(self.model.trainable_parameters())
-        # float16 gradients underflow without a loss scale (see LossScale)
-        self.scale = LossScale() if self.model.ops.dtype == "float16" else None
+        self.stepper = Stepper(task, cfg, world)
+        self.optimizer, self.scale = self.stepper.optimizer, self.stepper.scale
         self.start = 0
         if resume is not None and resume.checkpoint is not None:
             ck.load_checked(task.load, resume.checkpoint, self.model)
             restore_resume_arrays(resume.state, self.optimizer, self.scale, self.model)
             self.start = resume.step
-        mx.eval(self.model.parameters(), self.optimizer.state)
+        # after the resume restored the optimizer state: the compiled step holds its containers
+        self.stepper.build()
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0)
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
@@ -385,17 +428,14 @@ class _Loop:
         self.last_eval: dict[str, float] = {}
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
-        # after the resume restored the optimizer state: the compiled step holds its containers
-        step_fn, n_streams = training_step(self.model, self.task.loss_fn, self.optimizer,
-                                           self.cfg, self.world, self.scale)
-        threads = self._announce(run_config, n_streams)
+        self._announce(run_config)
         # Data parallel: a rank blocked in an all_sum whose peer died never returns to Python,
         # so a handler would never run and mlx.launch would wait on it forever; keep SIGTERM's
         # default (exit) there and leave a torn bundle that --resume continues.
         solo = self.world is None or self.world.size() == 1
         with StopSignals(self.rank0 and solo) as stop, self._progress() as bar:
             try:
-                self._train(step_fn, threads, stop, bar)
+                self._train(stop, bar)
                 if self.reason == "completed" and self.task.test_batches and not stop.count:
                     self._test(bar)
                 if self.reason == "completed" and self.rank0 and self.task.finish:
@@ -434,19 +474,18 @@ class _Loop:
     def _end(self, reason: str, exit_code: int, message: str | None) -> None:
         self.reason, self.exit_code, self.message = reason, exit_code, message
 
-    def _announce(self, run_config: dict[str, Any], n_streams: int) -> int | None:
+    def _announce(self, run_config: dict[str, Any]) -> None:
         """run_start (a fresh run, or a resumed one whose events lack it), then the resume
-        event; returns the BLAS threads the step runs with."""
-        threads = cpu_streams.step_blas_threads(n_streams)
-        r = self.resume
+        event."""
+        r, st = self.resume, self.stepper
         if r is None or not r.has_start:
             n_trainable = sum(v.size for _, v in tree_flatten(self.model.trainable_parameters()))
             n_total = sum(v.size for _, v in tree_flatten(self.model.parameters()))
             self.log.emit(
                 "run_start", run_id=self.run_dir.name, recipe=self.task.recipe,
                 host=host_info(), backend=backend_info(), math=self.model.ops.describe(),
-                git=git_info(), step_parallelism={"cpu_streams": n_streams, "blas_threads":
-                                                  threads or device.blas_threads()},
+                git=git_info(), step_parallelism={"cpu_streams": st.n_streams, "blas_threads":
+                                                  st.blas_threads or device.blas_threads()},
                 model={**self.task.model_info, "n_params": n_total, "n_trainable": n_trainable},
                 config={**run_config, **self.task.config_info},
                 world_size=1 if self.world is None else self.world.size(), start_step=self.start)
@@ -461,7 +500,6 @@ class _Loop:
                 **({"set_aside": r.set_aside} if r.set_aside else {}),
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
-        return threads
 
     def _progress(self) -> Any:
         if not (self.rank0 and self.cfg.progress):
@@ -469,10 +507,10 @@ class _Loop:
         return tqdm(total=self.cfg.steps, initial=self.start, desc=self.task.recipe, unit="step",
                     dynamic_ncols=True, file=sys.stderr)
 
-    def _train(self, step_fn: Callable, threads: int | None, stop: StopSignals, bar: Any) -> None:
+    def _train(self, stop: StopSignals, bar: Any) -> None:
         cfg = self.cfg
         for s in range(self.start, cfg.steps):
-            if not self._step(step_fn, threads, s, bar):
+            if not self._step(s, bar):
                 return
             done = s + 1
             if not stop.count and ((cfg.eval_every and done % cfg.eval_every == 0)
@@ -488,18 +526,12 @@ class _Loop:
                 break
         self._checkpoint(self.step)
 
-    def _step(self, step_fn: Callable, threads: int | None, s: int, bar: Any) -> bool:
+    def _step(self, s: int, bar: Any) -> bool:
         """Optimizer step `s` (0-based) and its event; False if the run diverged in it."""
         t0 = time.perf_counter()
         global_batch = self.task.train_batch(s)
         n_items = self.count(global_batch)
-        batch = {k: mx.array(v) for k, v in _shard(global_batch, self.world).items()}
-        # Randomness (dropout) is a pure function of (seed, step), like the data, so a
-        # resumed run draws exactly what an uninterrupted one would.
-        mx.random.seed(step_seed(self.cfg.seed, s))
-        out = step_fn(batch)
-        with device.use_blas_threads(threads):
-            mx.eval(out, self.model.state, self.optimizer.state)
+        out = self.stepper.step(s, global_batch)
         dt = time.perf_counter() - t0
         self.t_first = dt if self.t_first is None else self.t_first
         loss, gnorm_v = float(out["loss"].item()), float(out["grad_norm"].item())

@@ -18,7 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from toymlx.gguf.quant import GROUP_SIZE, gguf_to_mlx_quant
-from toymlx.gguf.reader import FLOAT32, UINT32, GGUFError, GGUFFile
+from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
 from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
 from toymlx.models.layers import QuantizedLinear, replace_submodule
 from toymlx.models.llama import Llama, LlamaArgs
@@ -398,30 +398,103 @@ def _quantized_linear(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
     return q
 
 
+_SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "post_norms", "embed_scale", "activation",
+             "fused_qkv", "fused_gate_up")
+"""LlamaArgs fields that an architecture fixes (`Arch.switches`; LlamaArgs' default where it
+does not name them)."""
+
+
+def _loaded_attn_scale(a: LlamaArgs) -> float:
+    """The query scale `args_from_gguf` gives a file of this shape (see there)."""
+    if a.arch == "gemma3" and a.n_layers == 62:
+        return (a.d_model // a.n_heads) ** -0.5
+    return a.head_dim ** -0.5
+
+
+def unwritable(a: LlamaArgs) -> list[str]:
+    """The fields of `a` that no GGUF of its architecture says, so that `args_from_gguf` (and
+    llama.cpp) would read another model: each as "field=value (why)"; empty: `a` is writable."""
+    if a.arch not in ARCHS:
+        return [f"arch={a.arch!r} (expected one of {SUPPORTED})"]
+    arch, plain, out = ARCHS[a.arch], LlamaArgs(), []
+    for k in _SWITCHES:
+        want = arch.switches.get(k, getattr(plain, k))
+        if getattr(a, k) != want and not (k == "attn_bias" and a.arch == "llama"):
+            out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
+    if a.out_bias and a.arch != "llama":
+        out.append("out_bias=True (only llama files carry an attention output bias)")
+    if a.rope_dims is not None and a.rope_dims != a.head_dim and not a.rope_neox:
+        out.append(f"rope_dims={a.rope_dims} ({a.arch} rotates the whole head)")
+    if a.rope_factors is not None and a.arch != "llama":
+        out.append("rope_factors (phi3 files carry longrope's short and long factors, and a "
+                   "model holds only the short ones)" if a.arch == "phi3" else
+                   "rope_factors (only llama files carry a rope_freqs tensor)")
+    if a.rope_mscale != 1.0 and "rope.scaling.attn_factor" not in arch.keys:
+        out.append(f"rope_mscale={a.rope_mscale} ({a.arch} files have no rope.scaling."
+                   "attn_factor)")
+    if (a.attn_scale or a.head_dim ** -0.5) != _loaded_attn_scale(a):
+        out.append(f"attn_scale={a.attn_scale} ({a.arch} files of this shape scale queries by "
+                   f"{_loaded_attn_scale(a)})")
+    if a.arch == "gemma3" and a.sliding_window:
+        if a.sliding_layers != _gemma3_sliding(a.n_layers):
+            out.append(f"sliding_layers={a.sliding_layers!r} (llama.cpp's gemma3 slides every "
+                       "block but each sixth)")
+    else:
+        if a.sliding_window is not None and a.arch != "gemma3":
+            out.append(f"sliding_window={a.sliding_window} (only gemma3 files say it)")
+        if a.sliding_layers is not None:
+            out.append(f"sliding_layers={a.sliding_layers!r} (only gemma3 files with a sliding "
+                       "window say it)")
+    if a.rope_base_sliding != 10000.0:
+        out.append(f"rope_base_sliding={a.rope_base_sliding} (llama.cpp's gemma3 fixes 10000)")
+    if a.final_softcap is not None and a.arch != "gemma3":
+        out.append(f"final_softcap={a.final_softcap} (only gemma3 files say it)")
+    return out
+
+
+def _gemma3_sliding(n_layers: int) -> tuple[bool, ...]:
+    """llama.cpp's gemma3 blocks: sliding, but every sixth global."""
+    return tuple(i % 6 < 5 for i in range(n_layers))
+
+
 def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
-    """The general.* and llama.* keys llama.cpp needs for this shape."""
-    return {
-        "general.architecture": "llama",
+    """The general.* and `<arch>.*` keys llama.cpp needs for this shape, which `args_from_gguf`
+    reads back as `a`; ValueError naming the fields no file of the architecture says."""
+    bad = unwritable(a)
+    if bad:
+        raise ValueError(f"model args: expected a shape a {a.arch} GGUF can say, found "
+                         f"{'; '.join(bad)}")
+    k = a.arch + "."
+    meta: dict[str, Any] = {
+        "general.architecture": a.arch,
         "general.name": name,
         "general.file_type": 0,  # all F32
-        "llama.vocab_size": a.vocab_size,
-        "llama.context_length": a.context,
-        "llama.embedding_length": a.d_model,
-        "llama.block_count": a.n_layers,
-        "llama.feed_forward_length": a.ffn_dim,
-        "llama.attention.head_count": a.n_heads,
-        "llama.attention.head_count_kv": a.n_kv_heads,
-        "llama.attention.key_length": a.head_dim,
-        "llama.attention.value_length": a.head_dim,
-        "llama.rope.dimension_count": a.head_dim,
-        "llama.rope.freq_base": float(a.rope_base),
-        "llama.attention.layer_norm_rms_epsilon": float(a.norm_eps),
+        k + "vocab_size": a.vocab_size,
+        k + "context_length": a.context,
+        k + "embedding_length": a.d_model,
+        k + "block_count": a.n_layers,
+        k + "feed_forward_length": a.ffn_dim,
+        k + "attention.head_count": a.n_heads,
+        k + "attention.head_count_kv": a.n_kv_heads,
+        k + "attention.key_length": a.head_dim,
+        k + "attention.value_length": a.head_dim,
+        k + "rope.dimension_count": a.rope_dims or a.head_dim,
+        k + "rope.freq_base": float(a.rope_base),
+        k + "attention.layer_norm_rms_epsilon": float(a.norm_eps),
     }
+    if a.rope_scale != 1.0:
+        meta[k + "rope.scaling.type"] = "linear"
+        meta[k + "rope.scaling.factor"] = 1.0 / a.rope_scale
+    if a.rope_mscale != 1.0:
+        meta[k + "rope.scaling.attn_factor"] = float(a.rope_mscale)
+    if a.sliding_window:  # the blocks that slide and their RoPE base are llama.cpp's own
+        meta[k + "attention.sliding_window"] = a.sliding_window
+    if a.final_softcap is not None:
+        meta[k + "final_logit_softcapping"] = float(a.final_softcap)
+    return meta
 
 
-LLAMA_TYPES = {k: (FLOAT32, None) for k in ("llama.rope.freq_base",
-                                             "llama.attention.layer_norm_rms_epsilon")}
-LLAMA_TYPES["general.file_type"] = (UINT32, None)
+LLAMA_TYPES = {"general.file_type": (UINT32, None)}
 
 
 def llama_tensors(model: Llama, params: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
@@ -440,8 +513,9 @@ def llama_tensors(model: Llama, params: dict[str, Any] | None = None) -> dict[st
 def write_llama(path: str | os.PathLike, model: Llama, tokenizer_meta: dict[str, Any],
                 extra: dict[str, Any] | None = None, name: str = "toymlx",
                 tensors: dict[str, np.ndarray] | None = None, dtype: str = "f32") -> None:
-    """Write a llama.cpp-loadable GGUF of `model`, its matrices as `dtype` (f32, f16, bf16; norms
-    stay F32); tied models get no output.weight."""
+    """Write a llama.cpp-loadable GGUF of `model` in its architecture (`llama_metadata`), its
+    matrices as `dtype` (f32, f16, bf16; norms stay F32); tied models get no output.weight, a
+    model with RoPE factors gets them as `rope_freqs.weight` (Llama 3's)."""
     tensors = tensors if tensors is not None else llama_tensors(model)
     meta = llama_metadata(model.args, name)
     meta.update(tokenizer_meta)
@@ -449,5 +523,7 @@ def write_llama(path: str | os.PathLike, model: Llama, tokenizer_meta: dict[str,
     meta["toy.checkpoint_format"] = CHECKPOINT_FORMAT
     meta["toy.n_params_written"] = int(sum(t.size for t in tensors.values()))
     meta.update(extra or {})
+    if model.args.rope_factors is not None:  # a constant, not a parameter
+        tensors = {**tensors, "rope_freqs.weight": np.array(model.args.rope_factors, np.float32)}
     write_gguf(path, meta, {n: encode_tensor(n, t, dtype) for n, t in tensors.items()},
                types=LLAMA_TYPES)
