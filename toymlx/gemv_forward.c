@@ -1,11 +1,11 @@
-/* A cblas_sgemm in front of OpenBLAS's that sends one-row and one-column products to
- * cblas_sgemv (toymlx/gemv_forward.py builds and loads it; the reasons are there).
+/* A cblas_sgemm in front of OpenBLAS's that sends one-row products to cblas_sgemv
+ * (toymlx/gemv_forward.py builds and loads it; the reasons are there).
  *
- * C = alpha op(A) op(B) + beta C, row-major:
- *   M == 1: C's one row  = alpha op(B)^T a + beta c, a = A's one row of op(A)
- *   N == 1: C's one column = alpha op(A) b + beta c,   b = op(B)'s one column
- * Everything else (column-major calls, M and N both above 1) goes to OpenBLAS's cblas_sgemm
- * unchanged. With beta == 0 gemm never reads C (MLX hands it uninitialised memory), while
+ * C = alpha op(A) op(B) + beta C, row-major, M == 1:
+ *   C's one row = alpha op(B)^T a + beta c, a = op(A)'s one row
+ * Everything else goes to OpenBLAS's cblas_sgemm unchanged: column-major calls, and one-column
+ * products (N == 1: the row sums of toymlx.fastmath's norms), where single-threaded sgemv, as
+ * the CPU-stream step runs it, was no faster than sgemm on short rows. With beta == 0 gemm never reads C (MLX hands it uninitialised memory), while
  * sgemv scales y by beta first, and 0 * NaN is NaN: C is zeroed here before. */
 #include <dlfcn.h>
 #include <string.h>
@@ -38,29 +38,16 @@ unsigned long toymlx_gemv_forward_count(void) {
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C,
                  int ldc) {
-    if (order == ROW_MAJOR && K > 0 && (M == 1) != (N == 1)) {
+    if (order == ROW_MAJOR && M == 1 && N > 1 && K > 0) {
         __atomic_fetch_add(&forwarded, 1, __ATOMIC_RELAXED);
-        if (M == 1) {
-            /* a: A's row (NO_TRANS: 1 x K, contiguous) or column (TRANS: K x 1, stride lda);
-             * op(B)^T is B itself (TRANS: N x K) or B transposed (NO_TRANS: K x N). */
-            if (beta == 0.0f) memset(C, 0, (size_t)N * sizeof(float));
-            int inc_a = trans_a == NO_TRANS ? 1 : lda;
-            if (trans_b == TRANS)
-                real_sgemv(ROW_MAJOR, NO_TRANS, N, K, alpha, B, ldb, A, inc_a, beta, C, 1);
-            else
-                real_sgemv(ROW_MAJOR, TRANS, K, N, alpha, B, ldb, A, inc_a, beta, C, 1);
-        } else {
-            /* b: op(B)'s column (NO_TRANS: K x 1, stride ldb; TRANS: 1 x K, contiguous);
-             * op(A) is A (NO_TRANS: M x K) or A transposed (TRANS: K x M); C's column has
-             * stride ldc. */
-            if (beta == 0.0f)
-                for (int i = 0; i < M; i++) C[(size_t)i * ldc] = 0.0f;
-            int inc_b = trans_b == NO_TRANS ? ldb : 1;
-            if (trans_a == NO_TRANS)
-                real_sgemv(ROW_MAJOR, NO_TRANS, M, K, alpha, A, lda, B, inc_b, beta, C, ldc);
-            else
-                real_sgemv(ROW_MAJOR, TRANS, K, M, alpha, A, lda, B, inc_b, beta, C, ldc);
-        }
+        /* a: A's row (NO_TRANS: 1 x K, contiguous) or column (TRANS: K x 1, stride lda);
+         * op(B)^T is B itself (TRANS: N x K) or B transposed (NO_TRANS: K x N). */
+        if (beta == 0.0f) memset(C, 0, (size_t)N * sizeof(float));
+        int inc_a = trans_a == NO_TRANS ? 1 : lda;
+        if (trans_b == TRANS)
+            real_sgemv(ROW_MAJOR, NO_TRANS, N, K, alpha, B, ldb, A, inc_a, beta, C, 1);
+        else
+            real_sgemv(ROW_MAJOR, TRANS, K, N, alpha, B, ldb, A, inc_a, beta, C, 1);
         return;
     }
     real_sgemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);

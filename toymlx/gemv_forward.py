@@ -7,9 +7,9 @@ backend sends every float32 matmul to `cblas_sgemm`, and OpenBLAS 0.3.21 (Debian
 on an AMD EPYC Zen 4 (2 cores): SmolLM2-135M's 49152 x 576 output product 23.6 -> 5.6 ms,
 1536 x 576 273 -> 180 us; `toymlx-generate` on SmolLM2-135M 17.0 -> 24.3 tokens/s. Newer
 OpenBLAS releases forward such calls themselves (GEMM_GEMV_FORWARD); this does the same for
-the one the system has.
+the one the system has, one-row products only.
 
-How: `gemv_forward.c` defines a `cblas_sgemm` that hands one-row and one-column products to
+How: `gemv_forward.c` defines a `cblas_sgemm` that hands one-row products (M = 1) to
 `cblas_sgemv` and everything else to OpenBLAS's `cblas_sgemm`. `install` compiles it once with
 the system C compiler (MLX's CPU backend needs one for its own kernels) into the toymlx
 cache, points it at OpenBLAS and loads it with global symbol visibility ahead of OpenBLAS, so
@@ -94,5 +94,5 @@ def install(blas_path: str) -> str:
 
 
 def forwarded_count() -> int | None:
-    """How many products went to sgemv in this process (None: the forwarder is not in use)."""
+    """How many one-row products went to sgemv in this process (None: the forwarder is not in use)."""
     return None if _lib is None else int(_lib.toymlx_gemv_forward_count())
