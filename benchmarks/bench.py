@@ -51,10 +51,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", nargs="+", choices=gpu_suite.DTYPES, default=None,
                    help="GPU suite: the dtypes to run (default: float32 bfloat16)")
     p.add_argument("--quick", action="store_true",
-                   help="CPU suite: the three small workloads, 3 rounds; GPU suite: 3 rounds")
+                   help="CPU suite: the three small workloads, 4 rounds; GPU suite: 3 rounds")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--only", nargs="*", help="workload names")
-    p.add_argument("--rounds", type=int)
+    p.add_argument("--rounds", type=int,
+                   help="timed rounds; the order alternates, so an even count lets each "
+                        "implementation go first equally often (CPU default: 4 quick, else 6)")
     p.add_argument("--warmup", type=int, help="untimed steps before the rounds (CPU 1, GPU 2)")
     p.add_argument("--impl", nargs="*",
                    help="CPU suite: toymlx, toymlx-ref (MLX's own elementwise ops: "

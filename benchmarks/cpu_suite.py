@@ -215,7 +215,7 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
         which = tuple(x for x in which if x != "mlx-lm")
     t_all = time.perf_counter()
     for w in chosen:
-        n = rounds or (3 if quick or (w.llama is not None and w.llama.d_model >= 960) else 5)
+        n = rounds or (4 if quick or (w.llama is not None and w.llama.d_model >= 960) else 6)
         log(f"{w.name}: {', '.join(which)} x {n} rounds")
         res = run_workload(w, n, warmup, which, log)
         mx.clear_cache()

@@ -76,7 +76,15 @@ def run_rounds(variants: list[Variant], rounds: int, warmup: int, tag: str,
     """`warmup` untimed steps of each variant, then `rounds` interleaved rounds of
     `timed_step(variant, step)` (which returns the step's seconds and records what else it
     measures); `before_round(r)` runs first in each round and returns a note for its log line.
-    Returns each round's {variant: seconds}."""
+    Returns each round's {variant: seconds}.
+
+    The order alternates between rounds, so with an even count each variant goes first in half
+    of them: on an AMD EPYC Zen 4 the first slot of a round (right after `before_round`'s sgemm
+    probes) took 30-60 ms longer for toymlx and PyTorch alike on a 350-850 ms step, and an odd
+    count (5) tilted the median ratio by up to 7% against whoever went first more often."""
+    if rounds % 2 and len(variants) > 1:
+        log(f"  {tag}: {rounds} rounds is odd, so {variants[0].name} goes first once more than "
+            "the others (the first slot is slower); an even count balances the order")
     for i in range(warmup):
         for v in variants:
             v.step(1 + i)
