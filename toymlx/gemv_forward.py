@@ -59,7 +59,8 @@ def build() -> Path:
     tmp = lib.with_name(f".{lib.name}.{os.getpid()}")  # concurrent builders each rename theirs
     try:
         done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE),
-                               "-ldl"], capture_output=True, text=True, timeout=120)
+                               "-ldl"], check=False, capture_output=True, text=True,
+                              timeout=120)
         if done.returncode != 0:
             raise OSError(f"{cc} failed: {' '.join(done.stderr.split())[:300]}")
         os.replace(tmp, lib)
