@@ -352,3 +352,5 @@ def test_wheel_trains_from_any_folder_with_its_packaged_data(tmp_path, stories_p
         assert evs[0]["toymlx_version"] == toymlx.__version__
         assert [e["step"] for e in evs if e["kind"] == "step"] == list(range(1, steps + 1))
         assert evs[-1]["reason"] == "completed"
+        if sys.platform.startswith("linux"):  # the packaged C source compiled and in front
+            assert evs[0]["backend"]["gemv_forward"] == "on", evs[0]["backend"]
