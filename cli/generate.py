@@ -46,9 +46,9 @@ class Args:
     """Where MLX runs: auto picks the GPU when MLX has one."""
     engine: Literal["mlx", "llama.cpp", "auto"] = "mlx"
     """What decodes: MLX (toymlx's own numerics); llama.cpp (llama-cpp-python, the interop
-    extra: 3-6x faster on a CPU, as llama.cpp computes the file, quantized arithmetic included);
-    auto: llama.cpp where MLX computes on the CPU and it is installed (else, or if it fails
-    to start, MLX). Same files, adapters and samplers."""
+    extra: about 2x faster on a CPU, as llama.cpp computes the file, quantized arithmetic
+    included); auto: llama.cpp where MLX computes on the CPU and it is installed (else, or if
+    it fails to start, MLX). Same files, adapters and samplers."""
 
 
 class UsageError(ValueError):

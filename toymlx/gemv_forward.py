@@ -70,7 +70,7 @@ def build() -> Path:
 
 
 def install(blas_path: str) -> str:
-    """Put the forwarder in front of the OpenBLAS at `blas_path` (loaded or not yet); call it
+    """Put the forwarder in front of the OpenBLAS at `blas_path` (its init dlopens it); call it
     before `mlx.core` is imported and before OpenBLAS is loaded with global visibility. Returns
     what `backend_info` records: "on", or "off (<reason>)"."""
     global _lib
@@ -82,7 +82,6 @@ def install(blas_path: str) -> str:
         return "off (TOYMLX_GEMV_FORWARD=off)"
     try:
         path = build()
-        ctypes.CDLL(blas_path, mode=ctypes.RTLD_LOCAL)  # loaded, for the forwarder's dlopen
         local = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
         if local.toymlx_gemv_forward_init(blas_path.encode()) != 0:
             return f"off ({blas_path} lacks cblas_sgemm or cblas_sgemv)"

@@ -224,9 +224,8 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
             pattern = g.metadata.get(k + "attention.sliding_window_pattern", 6)
             if isinstance(pattern, (list, tuple)):
                 sliding = tuple(bool(x) for x in pattern)
-            elif isinstance(pattern, int) and pattern >= 0:  # llama.cpp: dense every n-th
-                sliding = tuple(pattern == 0 or i % pattern < pattern - 1
-                                for i in range(n_layers))
+            elif isinstance(pattern, int) and pattern >= 0:
+                sliding = _sliding_blocks(n_layers, pattern)
             else:
                 raise GGUFError(f"{g.path}: metadata key '{k}attention.sliding_window_pattern'"
                                 f": expected an int or a bool per block, found {pattern!r}")
@@ -235,8 +234,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
                                                     10000.0)))
         cap = float(g.get(k + "final_logit_softcapping", (int, float), 0.0))
         sw["final_softcap"] = cap or None
-        # llama.cpp's query scale: 1/sqrt(head width), but 1/sqrt(d/heads) for the 27B shape
-        sw["attn_scale"] = (d // n_heads if n_layers == 62 else head_dim) ** -0.5
+        sw["attn_scale"] = _gemma3_query_scale(d, n_heads, n_layers, head_dim)
     if arch.name == "llama":  # llama files may carry attention biases
         sw["attn_bias"] = "blk.0.attn_q.bias" in g.tensors
         sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
@@ -404,10 +402,22 @@ _SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "post_norms", "embed_scale", "
 does not name them)."""
 
 
+def _sliding_blocks(n_layers: int, pattern: int = 6) -> tuple[bool, ...]:
+    """llama.cpp's gemma3 blocks for `sliding_window_pattern` n: sliding, but every n-th block
+    dense (0: every block slides); its gemma3 fixes n = 6."""
+    return tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers))
+
+
+def _gemma3_query_scale(d_model: int, n_heads: int, n_layers: int, head_dim: int) -> float:
+    """llama.cpp's gemma3 query scale: 1/sqrt(head width), but 1/sqrt(d/heads) for the 27B
+    shape (62 blocks)."""
+    return (d_model // n_heads if n_layers == 62 else head_dim) ** -0.5
+
+
 def _loaded_attn_scale(a: LlamaArgs) -> float:
-    """The query scale `args_from_gguf` gives a file of this shape (see there)."""
-    if a.arch == "gemma3" and a.n_layers == 62:
-        return (a.d_model // a.n_heads) ** -0.5
+    """The query scale `args_from_gguf` gives a file of this shape."""
+    if a.arch == "gemma3":
+        return _gemma3_query_scale(a.d_model, a.n_heads, a.n_layers, a.head_dim)
     return a.head_dim ** -0.5
 
 
@@ -436,7 +446,7 @@ def unwritable(a: LlamaArgs) -> list[str]:
         out.append(f"attn_scale={a.attn_scale} ({a.arch} files of this shape scale queries by "
                    f"{_loaded_attn_scale(a)})")
     if a.arch == "gemma3" and a.sliding_window:
-        if a.sliding_layers != _gemma3_sliding(a.n_layers):
+        if a.sliding_layers != _sliding_blocks(a.n_layers):
             out.append(f"sliding_layers={a.sliding_layers!r} (llama.cpp's gemma3 slides every "
                        "block but each sixth)")
     else:
@@ -450,11 +460,6 @@ def unwritable(a: LlamaArgs) -> list[str]:
     if a.final_softcap is not None and a.arch != "gemma3":
         out.append(f"final_softcap={a.final_softcap} (only gemma3 files say it)")
     return out
-
-
-def _gemma3_sliding(n_layers: int) -> tuple[bool, ...]:
-    """llama.cpp's gemma3 blocks: sliding, but every sixth global."""
-    return tuple(i % 6 < 5 for i in range(n_layers))
 
 
 def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
