@@ -47,7 +47,7 @@ def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tm
                                                                               shared_data):
     """A script that imported mlx.core and mlx_lm and evaluated an array first, then trains with
     toymlx.train: same BLAS as the command, and a step within 1.5x of the command's (the cliff is
-    10-40x); a run made in that process itself would use the reference BLAS and says so."""
+    10-40x). The script's own MLX is switched to OpenBLAS too, silently (toymlx.blas_rebind)."""
     data = str(shared_data / "text" / "tinystories_sample.txt")
     opts = {**MATMUL_HEAVY, "data": {"path": data}, "runs_root": str(tmp_path)}
     script = textwrap.dedent(f"""
@@ -55,12 +55,13 @@ def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tm
         import mlx.core as mx
         import mlx_lm  # noqa: F401
         mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
-        import toymlx
-        from toymlx.device import setup_process
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            import toymlx
+            from toymlx.device import backend_info, setup_process
             setup_process()
         print("WARNED", json.dumps([str(w.message) for w in caught]))
+        print("BACKEND", json.dumps(backend_info()))
         toymlx.train("from-scratch", run_id="entry", echo=False, **json.loads({json.dumps(
             json.dumps(opts))}))
     """)
@@ -68,7 +69,9 @@ def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tm
                        cwd=tmp_path, timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     warned = json.loads(p.stdout.split("WARNED ", 1)[1].splitlines()[0])
-    assert any("toymlx.train" in w for w in warned), warned
+    assert not any("BLAS" in w for w in warned), warned
+    own = json.loads(p.stdout.split("BACKEND ", 1)[1].splitlines()[0])
+    assert own["blas"] == "openblas" and "rewritten" in own["blas_rebound"], own
 
     from toymlx.api import option_flags as flags
 

@@ -12,9 +12,13 @@ Two steps, in this order:
    compiled CPU kernels across reboots (`persist_kernels`). `backend_info()` records what is
    in effect in run_start.
 
-A process that imported `mlx.core` before toymlx is too late for step 1 (and, if it evaluated
-anything, for the width): `setup_process` then says so in one line, and `toymlx.train` (the
-Python entry point, `toymlx.api`) trains in a fresh child process instead.
+A process that imported `mlx.core` before toymlx (an mlx-lm user's script) gets the same BLAS
+another way: step 1 then loads OpenBLAS and rewrites the BLAS entries of the loaded MLX's
+linkage table (`toymlx.blas_rebind`), so its matmuls, toymlx's and the script's own, go to
+OpenBLAS from then on; `backend_info()["blas_rebound"]` says so. Where that cannot be done,
+importing toymlx warns in one line. Such a process is still too late for the evaluation width
+if it evaluated anything, which is why `toymlx.train` (the Python entry point, `toymlx.api`)
+trains in a fresh child process.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toymlx import gemv_forward
+from toymlx import blas_rebind, gemv_forward
 
 _BLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -57,9 +61,10 @@ in flight the other stream then waits (2 streams: 1.08x slower than 1 at MLX's d
 
 LATE_IMPORT = "reference (mlx imported before toymlx)"
 _LATE_FIX = (
-    "toymlx: mlx.core was imported before toymlx, so MLX's CPU matmuls use its reference BLAS "
-    "in this process (a training step 10-40x slower). Fix: train with toymlx.train(...), which "
-    "runs in a fresh process, or import toymlx before mlx / mlx_lm")
+    "toymlx: mlx.core was imported before toymlx and its BLAS could not be switched ({why}), "
+    "so MLX's CPU matmuls use its reference BLAS in this process (a training step 10-40x "
+    "slower). Fix: import toymlx before mlx / mlx_lm, or train with toymlx.train(...), which "
+    "runs in a fresh process")
 
 _MALLOC_LIMITS = {"mmap_threshold": 1 << 30, "trim_threshold": 1 << 31}
 """glibc malloc settings while toymlx runs: blocks up to 1 GiB come from the heap, and up to
@@ -78,6 +83,8 @@ class _ProcessState:
     kernel_cache: str | None = None
     gemv_forward: str | None = None
     """Whether one-row matmuls go to OpenBLAS's sgemv (`toymlx.gemv_forward`): on, off (why)."""
+    blas_rebound: str | None = None
+    """Set where mlx.core was loaded before toymlx: what `toymlx.blas_rebind` switched."""
     set_up: bool = False
 
 
@@ -93,11 +100,34 @@ def preload_blas() -> dict:
         p.blas = "accelerate"
     elif sys.platform != "linux" or os.environ.get("TOYMLX_BLAS") == "reference":
         p.blas = "reference"
-    elif "mlx.core" in sys.modules:
-        p.blas = LATE_IMPORT  # too late to change MLX's BLAS: setup_process says so
     else:
+        late = "mlx.core" in sys.modules
         _load_openblas(p)
+        if late and p.blas == "openblas":
+            _rebind_loaded_mlx(p)
     return {"name": p.blas, "path": p.blas_path}
+
+
+def _rebind_loaded_mlx(p: _ProcessState) -> None:
+    """mlx.core is loaded already: point its BLAS and LAPACK calls at the OpenBLAS just loaded
+    (`cblas_sgemm` at the gemv forwarder where that is on), or warn that it stays slow."""
+    forwarder = gemv_forward.sgemm_address()
+
+    def target(name: str) -> int | None:
+        if not (name.startswith("cblas_") or (name.endswith("_") and name[0] != "_")):
+            return None  # libc, libstdc++: not the BLAS's business
+        if name == "cblas_sgemm" and forwarder:
+            return forwarder
+        return ctypes.cast(getattr(p.blas_lib, name, None), ctypes.c_void_p).value
+
+    try:
+        names = blas_rebind.rebind("libmlx.so", target)
+    except OSError as e:
+        p.blas, p.blas_rebound = LATE_IMPORT, f"failed: {e}"
+        warnings.warn(_LATE_FIX.format(why=e), stacklevel=4)
+        return
+    p.blas_rebound = (f"{len(names)} BLAS/LAPACK functions of libmlx.so rewritten "
+                      "(mlx.core was imported before toymlx)")
 
 
 def _load_openblas(p: _ProcessState) -> None:
@@ -140,8 +170,6 @@ def setup_process(wide_evaluation: bool = True) -> None:
     p.bfs_max_width = os.environ.get("MLX_BFS_MAX_WIDTH")
     p.malloc = tune_malloc()
     p.kernel_cache = persist_kernels()
-    if p.blas == LATE_IMPORT:
-        warnings.warn(_LATE_FIX, stacklevel=2)
 
 
 def _keep_new_kernels(mlx_dir: Path, kept: Path) -> None:
@@ -311,6 +339,8 @@ def backend_info() -> dict:
         info["kernel_cache"] = p.kernel_cache
     if p.gemv_forward:
         info["gemv_forward"] = p.gemv_forward
+    if p.blas_rebound:
+        info["blas_rebound"] = p.blas_rebound
     if blas_threads() is not None:
         info["blas_threads"] = blas_threads()
     return info
