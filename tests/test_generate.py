@@ -160,6 +160,49 @@ def test_samplers_cut_the_distribution_where_they_say(kw, allowed):
         assert abs(draws.count(0) / 400 - 0.625) < 0.08
 
 
+def _nucleus_fp64(logprobs: np.ndarray, top_p: float, rounding: float) -> range:
+    """How many tokens top-p may keep: in float64, the tokens whose strictly more likely tokens
+    hold less than top_p of the mass, give or take cuts within `rounding` (relative) of top_p,
+    where float32 sums over the vocabulary may land either side."""
+    probs = np.sort(np.exp(logprobs.astype(np.float64)))[::-1]
+    above = np.cumsum(probs) - probs
+    wanted = top_p * probs.sum()
+    return range(int((above < wanted * (1 - rounding)).sum()),
+                 int((above < wanted * (1 + rounding)).sum()) + 1)
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0, 4.0, 8.0])
+def test_cpu_top_p_keeps_the_nucleus_mlx_lm_keeps_and_draws_the_same_token(scale):
+    """toymlx's CPU top-p (the most likely 256 tokens first, the whole vocabulary sorted only
+    where they hold less than top_p: scales 0.5 and 2 here) against a float64 nucleus and
+    mlx-lm's apply_top_p, on SmolLM2-sized vocabularies: both keep the float64 nucleus up to
+    float32 rounding of the mass (3e-4), nearly always exactly the same tokens, and then draw the
+    same token for a seed."""
+    from mlx_lm.sample_utils import apply_top_p
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+    from toymlx.generate import make_sampler, top_p_cut
+
+    rng = np.random.default_rng(int(scale * 10))
+    same = cases = 0
+    for case in range(12):
+        x = mx.array((rng.standard_normal((1, 49152)) * scale).astype(np.float32))
+        logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        for top_p in (0.5, 0.9, 0.95):
+            band = _nucleus_fp64(np.array(logprobs)[0], top_p, rounding=3e-4)
+            ours, theirs = top_p_cut(logprobs, top_p), apply_top_p(logprobs, top_p)
+            assert int(mx.isfinite(ours).sum()) in band and int(mx.isfinite(theirs).sum()) in band
+            cases += 1
+            if not mx.array_equal(ours, theirs):
+                continue
+            same += 1
+            mx.random.seed(case)
+            want = mlx_lm_sampler(temp=0.7, top_p=top_p)(logprobs).item()
+            mx.random.seed(case)
+            assert make_sampler(0.7, top_p, 0.0, 0, checked_on_host=True)(logprobs).item() == want
+    assert same >= 0.9 * cases
+
+
 def make_run_dir(root: Path, gguf: Path, step: int = 5) -> Path:
     run = root / "runs" / "demo"
     weights = run / "weights"
