@@ -8,9 +8,10 @@ point in a process that used MLX first, and `toymlx-generate` beside llama.cpp.
   script in its own process; the median step from its events, the first step apart.
 - `train_entry_after_mlx`: the same run through `toymlx.train` from a process that imported
   `mlx.core` and `mlx_lm` and evaluated an array first (a notebook, any mlx-lm script).
-- `generation`: `toymlx-generate` (its default engine, MLX, and `--engine llama.cpp`) and llama.cpp
-  (llama-cpp-python, the same file, prompt and token count, all cores), greedy and sampled,
-  tokens/s from the first token asked for to the last.
+- `generation`: `toymlx-generate` (its default engine, MLX, and `--engine llama.cpp`),
+  `toymlx.generate.generate` in a script that imported and used mlx and mlx_lm first, and
+  llama.cpp (llama-cpp-python, the same file, prompt and token count, all cores), greedy and
+  sampled, tokens/s from the first token asked for to the last.
 
 Each runs in fresh processes, so this process's state cannot help or hurt them.
 """
@@ -161,6 +162,34 @@ def _toymlx_generate(gguf: Path, n: int, temp: float, top_p: float, engine: str 
     return {"tokens": int(m[1]), "tok_per_s": float(m[2]), "engine": m[3]}
 
 
+_GENERATE_AFTER_MLX = """
+import json, sys, time
+import mlx.core as mx
+import mlx_lm  # noqa: F401
+mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))  # MLX used before toymlx is imported
+import toymlx  # noqa: F401
+from toymlx.device import backend_info
+from toymlx.generate import generate, load_for_generation
+path, prompt, n, temp, top_p = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), \
+    float(sys.argv[5])
+model, tok = load_for_generation(path)
+ids = tok.encode(prompt)
+t = time.perf_counter()
+got = sum(1 for _ in generate(model, tok, ids, n, temp, top_p))
+print(json.dumps({"tokens": got, "tok_per_s": got / (time.perf_counter() - t),
+                  "blas": backend_info()["blas"]}))
+"""
+
+
+def _generate_after_mlx(gguf: Path, n: int, temp: float, top_p: float) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, "-c", _GENERATE_AFTER_MLX, str(gguf), PROMPT, str(n),
+                        str(temp), str(top_p)], capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"toymlx.generate after mlx failed ({p.returncode}): "
+                           f"{p.stderr[-1000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def generation(gguf: Path, n: int = 128) -> dict[str, Any]:
     """toymlx-generate (its default engine, MLX, and llama.cpp's) and llama.cpp itself, greedy
     and sampled."""
@@ -171,12 +200,14 @@ def generation(gguf: Path, n: int = 128) -> dict[str, Any]:
     for mode, temp, top_p in (("greedy", 0.0, 1.0), ("sampled", 0.7, 0.9)):
         row = {"toymlx-generate": _toymlx_generate(gguf, n, temp, top_p, None),
                "toymlx-generate --engine llama.cpp": _toymlx_generate(gguf, n, temp, top_p,
-                                                                      "llama.cpp")}
+                                                                      "llama.cpp"),
+               "toymlx.generate after mlx": _generate_after_mlx(gguf, n, temp, top_p)}
         p = subprocess.run([sys.executable, "-c", _LLAMACPP, str(gguf), json.dumps(ids), str(n),
                             str(temp), str(top_p)], capture_output=True, text=True, check=False)
         if p.returncode == 0:
             row["llama.cpp"] = json.loads(p.stdout.strip().splitlines()[-1])
-            for k in ("toymlx-generate", "toymlx-generate --engine llama.cpp"):
+            for k in ("toymlx-generate", "toymlx-generate --engine llama.cpp",
+                      "toymlx.generate after mlx"):
                 row[k]["over_llamacpp"] = row[k]["tok_per_s"] / row["llama.cpp"]["tok_per_s"]
         else:
             row["llama.cpp"] = {"error": p.stderr.strip()[-300:]}
@@ -214,7 +245,8 @@ def format_user_paths(u: dict[str, Any]) -> list[str]:
         for k, v in row.items():
             if "tok_per_s" in v:
                 ratio = f" = {v['over_llamacpp']:.2f}x llama.cpp" if "over_llamacpp" in v else ""
-                eng = f" [{v['engine']}]" if "engine" in v else ""
+                eng = f" [{v['engine']}]" if "engine" in v else (
+                    f" [BLAS {v['blas']}]" if "blas" in v else "")
                 cells.append(f"{k}{eng} {v['tok_per_s']:.1f} tok/s{ratio}")
         lines.append(f"generate {mode} ({g['prompt_tokens']} prompt + {g['max_tokens']} "
                      f"tokens): " + "; ".join(cells))

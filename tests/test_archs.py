@@ -91,6 +91,28 @@ def test_generation_cache_matches_full_forward(files, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_compiled_decoding_is_the_eager_model_bit_for_bit(files, kind):
+    """generate's CPU decoder (CompiledDecode: each block's start and finish traced once, the
+    KV cache and attention eager) against the model itself: a prompt, then token by token past
+    the sliding windows, the same logits to the bit; and weights changed after the steps were
+    traced (an adapter applied) are the ones used."""
+    from mlx.utils import tree_map
+
+    from toymlx.generate import CompiledDecode
+
+    model, _ = load_llama(files[kind])
+    decoder = CompiledDecode(model)
+    eager, traced = model.make_cache(), decoder.make_cache()
+    prompt, rest = mx.array([IDS[:4]]), IDS[4:]
+    assert mx.array_equal(model(prompt, eager), decoder(prompt, traced))
+    for t in rest:
+        want, got = model(mx.array([[t]]), eager), decoder(mx.array([[t]]), traced)
+        assert mx.array_equal(want, got), (kind, t, float(mx.abs(want - got).max()))
+    model.update(tree_map(lambda w: w * 1.5, model.parameters()))
+    assert mx.array_equal(model(mx.array([[7]]), eager), decoder(mx.array([[7]]), traced))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_lora_adapter_and_fused_export(files, kind, tmp_path):
     """LoRA on every projection of the architecture: the adapter file re-applied to a fresh
     base, and the fused export, compute the adapted model's logits."""

@@ -4,22 +4,26 @@ Two engines decode the same GGUF files (`choose_engine`):
 - `mlx`: the decoding loop is mlx-lm's (`mlx_lm.generate.generate_step`: chunked prefill into
   the per-layer KV caches, then one token at a time with the next step computed while the
   current token is handed out) and so are the samplers (`mlx_lm.sample_utils`: temperature,
-  top-p, min-p, top-k, repetition penalty), with top-p found faster on the CPU (`make_sampler`);
-  toymlx adds the stopping rules (end-of-sequence token, the trained context) and seeds MLX's
-  generator so a run repeats exactly.
+  top-p, min-p, top-k, repetition penalty). toymlx adds the stopping rules (end-of-sequence
+  token, the trained context), seeds MLX's generator so a run repeats exactly, and, where MLX
+  computes on the CPU, two things that cut a decoded token's fixed costs without changing what
+  it computes: the one-token steps traced (`CompiledDecode`: the same logits, bit for bit) and
+  top-p found among the most likely tokens before sorting all (`make_sampler`).
 - `llama.cpp` (llama-cpp-python, the `interop` extra): the same files, adapters and samplers in
   llama.cpp. Decoding one token reads every weight once; on a CPU MLX multiplies float32
-  weights (through OpenBLAS's sgemv, `toymlx.gemv_forward`: ~20 GB/s on 2 cores, ~24 tok/s for
-  SmolLM2-135M on an AMD EPYC Zen 4) and its quantized CPU matmul is slower still, while
-  llama.cpp reads the file's own 4-bit blocks with SIMD dot products (~2x faster there). It also computes as llama.cpp does, quantized
-  activations included: on SmolLM2-135M's Q4_1 file llama.cpp answers "What is the capital of
-  France?" with French nonsense where its F32 copy and toymlx (the Q4_1 weights dequantized)
-  answer "Paris", which is why MLX stays the default. `auto` takes llama.cpp where MLX computes
-  on the CPU and llama-cpp-python is installed, else MLX (a Mac's GPU, CUDA).
+  weights (through OpenBLAS's sgemv, `toymlx.gemv_forward`: ~22 GB/s on 2 cores, 24 of a
+  SmolLM2-135M token's 33 ms on an AMD EPYC Zen 4) and its quantized CPU matmul is slower
+  still, while llama.cpp reads the file's own 4-bit blocks with SIMD dot products. It also
+  computes as llama.cpp does, quantized activations included: on SmolLM2-135M's Q4_1 file
+  llama.cpp answers "What is the capital of France?" with French nonsense where its F32 copy
+  and toymlx (the Q4_1 weights dequantized) answer "Paris", which is why MLX stays the
+  default. `auto` takes llama.cpp where MLX computes on the CPU and llama-cpp-python is
+  installed, else MLX (a Mac's GPU, CUDA).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -68,14 +72,64 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
         return
     eos = getattr(tokenizer, "eos_id", None)
     mx.random.seed(seed)
-    sampler = make_sampler(temperature, top_p, min_p, top_k, checked_on_host=not on_gpu())
+    cpu = not on_gpu()
+    sampler = make_sampler(temperature, top_p, min_p, top_k, checked_on_host=cpu)
     processors = make_logits_processors(repetition_penalty=repetition_penalty)
-    steps = generate_step(mx.array(list(prompt_ids), dtype=mx.int32), model,
+    decoder = CompiledDecode(model) if cpu and CompiledDecode.fits(model) else model
+    steps = generate_step(mx.array(list(prompt_ids), dtype=mx.int32), decoder,
                           max_tokens=budget, sampler=sampler, logits_processors=processors)
     for tok, _ in steps:
         if eos is not None and tok == eos:
             return
         yield int(tok)
+
+
+class CompiledDecode:
+    """A Llama for `generate_step` whose one-token steps run each block's `start` and `finish`
+    as traced functions (`mx.compile`); prompts (several tokens) go to the model as they are.
+
+    Why: a decoded token of SmolLM2-135M is 3,317 MLX primitives, and on a CPU each costs about
+    4 us to schedule whatever it computes (about 13 ms of a 37 ms token on a 2-core AMD EPYC
+    Zen 4), and Python builds the graph anew for every token. Traced, the elementwise chains
+    (norms, RoPE, SwiGLU, residuals) are fused and the graph is replayed without Python. What
+    stays eager is what changes shape with every token: the KV cache and the attention over it.
+    The logits are the eager model's, bit for bit (tests/test_generate.py).
+
+    The blocks' parameters are inputs of the traced functions (`inputs=block.state`), not
+    constants: weights changed or adapters applied after the first step are used. RoPE comes
+    from float64 tables handed in per position (`Ops.rope_tables`), so the model's Ops must be
+    exact_rope (`fits`); generation's are."""
+
+    def __init__(self, model: Llama):
+        if not self.fits(model):
+            raise ValueError("CompiledDecode: expected a Llama with exact_rope Ops")
+        self.model = model
+        self.args = model.args
+        # the position reaches `start` only through its tables (an int would be a constant of
+        # the trace, traced again at every position)
+        self._start = [mx.compile(functools.partial(b.start, offset=0), inputs=b.state)
+                       for b in model.layers]
+        self._finish = [mx.compile(b.finish, inputs=b.state) for b in model.layers]
+
+    @staticmethod
+    def fits(model: Any) -> bool:
+        """A toymlx Llama computing RoPE from tables (the compiled steps take them as inputs)."""
+        return isinstance(model, Llama) and model.ops.exact_rope
+
+    def make_cache(self) -> list[Any]:
+        return self.model.make_cache()
+
+    def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+        if cache is None or tokens.shape[-1] != 1:
+            return self.model(tokens, cache)
+        model = self.model
+        h = model.embed_tokens(tokens)  # (B,1,D)
+        for i, block in enumerate(model.layers):
+            offset = cache[i].offset
+            tables = model.ops.rope_tables(block.attn.rope, block.attn.head_dim, offset, 1)
+            q, k, v = self._start[i](h, tables=tables)
+            h = self._finish[i](h, block.attn.attend(q, k, v, cache[i]))
+        return model.unembed(model.norm(h))
 
 
 TOP_P_CANDIDATES = 256

@@ -32,7 +32,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.layers import Linear, RMSNorm
-from toymlx.models.ops import EXACT, Ops, Rope
+from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,14 @@ class Attention(nn.Module):
         self.qk_norm = a.qk_norm
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        offset = 0 if cache is None else cache.offset
+        return self.o_proj(self.attend(*self.qkv(x, offset), cache))
+
+    def qkv(self, x: mx.array, offset: int, tables: RopeTables | None = None
+            ) -> tuple[mx.array, mx.array, mx.array]:
+        """q (B,H,T,hd), k and v (B,Hkv,T,hd) of x (B,T,D) at positions offset..offset+T-1:
+        projected, q and k normed (qk_norm) and rotated (`tables`: that position's RoPE tables,
+        `Ops.rope_tables`, for a step traced once and called at every position)."""
         B, T, _ = x.shape
         hd = self.head_dim
         if "qkv_proj" in self:
@@ -199,14 +207,18 @@ class Attention(nn.Module):
         q = q.transpose(0, 2, 1, 3)  # (B,H,T,hd)
         k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         v = v.reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
-        offset = 0 if cache is None else cache.offset
-        q = self.ops.rope(q, self.rope, offset)
-        k = self.ops.rope(k, self.rope, offset)
+        q = self.ops.rope(q, self.rope, offset, tables)
+        k = self.ops.rope(k, self.rope, offset, tables)
+        return q, k, v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: Any = None) -> mx.array:
+        """(B,T,H*hd): attention over `cache`'s positions with k, v appended (or over k, v
+        alone), before o_proj."""
+        B, _, T, _ = q.shape
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)  # (B,Hkv,S,hd): every position so far
         o = self.ops.attention(q, k, v, self.scale, causal=True, window=self.window)  # (B,H,T,hd)
-        o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,H*hd)
-        return self.o_proj(o)
+        return o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,H*hd)
 
 
 class MLP(nn.Module):
@@ -245,11 +257,24 @@ class Block(nn.Module):
         self.post_norms = a.post_norms
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        if not self.post_norms:
-            x = x + self.attn(self.attn_norm(x), cache)
-            return x + self.mlp(self.ffn_norm(x))
-        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cache))
-        return x + self.ffn_post_norm(self.mlp(self.ffn_norm(x)))
+        offset = 0 if cache is None else cache.offset
+        return self.finish(x, self.attn.attend(*self.start(x, offset), cache))
+
+    # A block in three parts, so that a one-token decoding step can trace the two whose shapes
+    # stay the same at every position (toymlx.generate.CompiledDecode):
+    # start (norm, q/k/v, RoPE) -> attn.attend (the KV cache, attention) -> finish.
+    def start(self, x: mx.array, offset: int, tables: RopeTables | None = None
+              ) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v of the normed x (`Attention.qkv`)."""
+        return self.attn.qkv(self.attn_norm(x), offset, tables)
+
+    def finish(self, x: mx.array, o: mx.array) -> mx.array:
+        """The block's output from its input x and the attention's `o` (before o_proj): both
+        residual branches, the MLP's included."""
+        a = self.attn.o_proj(o)
+        x = x + (self.attn_post_norm(a) if self.post_norms else a)
+        m = self.mlp(self.ffn_norm(x))
+        return x + (self.ffn_post_norm(m) if self.post_norms else m)
 
 
 class Llama(nn.Module):

@@ -148,11 +148,24 @@ class Ops:
             mask = "causal" if causal and T > 1 else None
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
-    def rope(self, x: mx.array, rope: Rope, offset: int = 0) -> mx.array:
+    def rope_tables(self, rope: Rope, head_dim: int, offset: int, T: int) -> RopeTables:
+        """cos and sin (T, dims/2) of positions offset..offset+T-1 (float64-computed, cached),
+        for `rope(..., tables=)`; exact_rope only."""
+        if not self.exact_rope:
+            raise ValueError("rope tables: expected exact_rope=True (mx.fast.rope computes "
+                             "its own angles)")
+        return _rope_tables(rope, rope.dims or head_dim, int(offset), T)
+
+    def rope(self, x: mx.array, rope: Rope, offset: int = 0,
+             tables: RopeTables | None = None) -> mx.array:
         """RoPE over x (B,H,T,hd) at positions offset.. offset+T-1, as `rope` says: the first
         `rope.dims` of each head rotated (the rest passed through), adjacent pairs (x[2i],
-        x[2i+1]: llama.cpp's for arch llama) or halves (x[i], x[i+dims/2]: its NEOX form)."""
+        x[2i+1]: llama.cpp's for arch llama) or halves (x[i], x[i+dims/2]: its NEOX form).
+        `tables` (`rope_tables`, exact_rope only): those positions' cos and sin, given as
+        arrays so a traced function takes them as inputs instead of baking one offset in."""
         dims, T = rope.dims or x.shape[-1], x.shape[-2]
+        if tables is not None and not self.exact_rope:
+            raise ValueError("rope: tables need exact_rope=True")
         if not self.exact_rope:
             out = mx.fast.rope(x, dims, traditional=not rope.neox,
                                base=None if rope.factors else rope.base, scale=rope.scale,
@@ -163,7 +176,7 @@ class Ops:
             if dims == x.shape[-1]:
                 return out * rope.mscale
             return mx.concatenate([out[..., :dims] * rope.mscale, out[..., dims:]], axis=-1)
-        cos, sin = _rope_tables(rope, dims, int(offset), T)  # (T, dims/2) each
+        cos, sin = tables or _rope_tables(rope, dims, int(offset), T)  # (T, dims/2) each
         if x.dtype != mx.float32:
             cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         xr, rest = (x, None) if dims == x.shape[-1] else (x[..., :dims], x[..., dims:])
@@ -199,6 +212,10 @@ def _widen(x: mx.array) -> mx.array:
 
 EXACT = Ops()
 """Forward-only code's math: MLX's ops in float32 with float64 RoPE tables."""
+
+
+RopeTables = tuple[mx.array, mx.array]
+"""cos and sin (T, dims/2) of T positions (`Ops.rope_tables`)."""
 
 
 @dataclass(frozen=True)
