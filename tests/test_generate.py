@@ -181,7 +181,7 @@ def test_cpu_top_p_keeps_the_nucleus_mlx_lm_keeps_and_draws_the_same_token(scale
     from mlx_lm.sample_utils import apply_top_p
     from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 
-    from toymlx.generate import make_sampler, top_p_cut
+    from toymlx.sampling import make_sampler, top_p_cut
 
     rng = np.random.default_rng(int(scale * 10))
     same = cases = 0
@@ -201,6 +201,97 @@ def test_cpu_top_p_keeps_the_nucleus_mlx_lm_keeps_and_draws_the_same_token(scale
             mx.random.seed(case)
             assert make_sampler(0.7, top_p, 0.0, 0, checked_on_host=True)(logprobs).item() == want
     assert same >= 0.9 * cases
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 40},
+                                {"top_p": 0.95, "min_p": 0.02, "top_k": 100}])
+def test_the_sampler_chain_draws_mlx_lms_tokens(kw):
+    """toymlx.sampling against mlx_lm.sample_utils, same log-probabilities and seed: the same
+    token, for every filter and their chain (top-p sorted as mlx-lm sorts, host-checked where
+    the cut is clear of float32 rounding: these distributions are peaked)."""
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+    from toymlx.sampling import make_sampler
+
+    rng = np.random.default_rng(7)
+    theirs = mlx_lm_sampler(temp=0.8, top_p=kw.get("top_p", 0.0), min_p=kw.get("min_p", 0.0),
+                            top_k=kw.get("top_k", 0))
+    for checked in (False, True):
+        ours = make_sampler(0.8, kw.get("top_p", 1.0), kw.get("min_p", 0.0), kw.get("top_k", 0),
+                            checked_on_host=checked)
+        for case in range(20):
+            x = mx.array((rng.standard_normal((1, 4096)) * 6).astype(np.float32))
+            logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+            mx.random.seed(case)
+            want = theirs(logprobs).item()
+            mx.random.seed(case)
+            assert ours(logprobs).item() == want, (kw, checked, case)
+
+
+def test_repetition_penalty_is_mlx_lms():
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    from toymlx.sampling import repetition_penalty
+
+    rng = np.random.default_rng(3)
+    logits = mx.array(rng.standard_normal((1, 300)).astype(np.float32))
+    tokens = mx.array(rng.integers(0, 300, 45), dtype=mx.int32)
+    want = make_repetition_penalty(1.3, 20)(tokens, mx.array(logits))
+    got = repetition_penalty(1.3)(tokens, mx.array(logits))
+    assert mx.array_equal(got, want) and not mx.array_equal(got, logits)
+
+
+def test_kv_cache_returns_what_mlx_lms_returns():
+    """Prompt chunks and single tokens, across the 256-position growth steps."""
+    from mlx_lm.models.cache import KVCache as MlxLmCache
+
+    from toymlx.models.kv_cache import KVCache
+
+    rng = np.random.default_rng(0)
+    ours, theirs = KVCache(), MlxLmCache()
+    for T in (5, 300, 1, 1, 207, 1, 40):
+        k, v = (mx.array(rng.standard_normal((1, 2, T, 8)).astype(np.float32)) for _ in "kv")
+        got, want = ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)
+        assert ours.offset == theirs.offset
+        assert all(mx.array_equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0},
+                                      {"temperature": 0.9, "top_p": 0.95,
+                                       "repetition_penalty": 1.2}])
+def test_decoding_gives_mlx_lms_generate_step_tokens(stories, sampling):
+    """toymlx's decoding loop (prefill in chunks, one token at a time, the penalty's recent
+    tokens) against mlx_lm.generate.generate_step with mlx-lm's sampler and processors, on
+    stories260K with a prompt longer than the prefill chunk: the same tokens."""
+    import toymlx.generate as G
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+    model, tok = stories
+    prompt = tok.encode(PROMPT + " there was a little girl named Lily. She liked to play.") * 3
+    temp, top_p = sampling["temperature"], sampling.get("top_p", 1.0)
+    penalty = sampling.get("repetition_penalty")
+    mx.random.seed(11)
+    want = [int(t) for t, _ in generate_step(
+        mx.array(prompt, dtype=mx.int32), model, max_tokens=40, prefill_step_size=16,
+        sampler=mlx_lm_sampler(temp=temp, top_p=top_p if top_p < 1 else 0.0),
+        logits_processors=make_logits_processors(repetition_penalty=penalty))]
+    chunk, G.PREFILL_CHUNK = G.PREFILL_CHUNK, 16
+    try:
+        got = list(G.generate(model, None, prompt, 40, seed=11, **sampling))
+    finally:
+        G.PREFILL_CHUNK = chunk
+    assert got == want
+
+
+def test_generation_does_not_import_mlx_lm_or_transformers():
+    """What makes toymlx-generate start in about a second: nothing of mlx-lm's package."""
+    code = ("import sys, toymlx.generate, toymlx_cli.generate; "
+            "print(sorted(m for m in ('mlx_lm', 'transformers', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
 
 
 def make_run_dir(root: Path, gguf: Path, step: int = 5) -> Path:

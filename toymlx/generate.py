@@ -1,14 +1,15 @@
 """Text generation from a Llama, and loading a model to generate from.
 
 Two engines decode the same GGUF files (`choose_engine`):
-- `mlx`: the decoding loop is mlx-lm's (`mlx_lm.generate.generate_step`: chunked prefill into
-  the per-layer KV caches, then one token at a time with the next step computed while the
-  current token is handed out) and so are the samplers (`mlx_lm.sample_utils`: temperature,
-  top-p, min-p, top-k, repetition penalty). toymlx adds the stopping rules (end-of-sequence
-  token, the trained context), seeds MLX's generator so a run repeats exactly, and, where MLX
-  computes on the CPU, two things that cut a decoded token's fixed costs without changing what
-  it computes: the one-token steps traced (`CompiledDecode`: the same logits, bit for bit) and
-  top-p found among the most likely tokens before sorting all (`make_sampler`).
+- `mlx`: the decoding loop (`decode`) and the samplers (`toymlx.sampling`: temperature, top-p,
+  min-p, top-k, repetition penalty) are mlx-lm's, rewritten here so that `toymlx-generate` does
+  not import mlx-lm's package (transformers, and PyTorch where installed: 1.2-5 s before the
+  first token); they give mlx-lm's tokens for the same seed. toymlx adds the stopping rules
+  (end-of-sequence token, the trained context), seeds MLX's generator so a run repeats
+  exactly, and, where MLX computes on the CPU, cuts a decoded token's fixed costs without
+  changing what it computes: the one-token steps traced (`CompiledDecode`: the same logits,
+  bit for bit) and top-p found among the most likely tokens before sorting all
+  (`toymlx.sampling.make_sampler`).
 - `llama.cpp` (llama-cpp-python, the `interop` extra): the same files, adapters and samplers in
   llama.cpp. Decoding one token reads every weight once; on a CPU MLX multiplies float32
   weights (through OpenBLAS's sgemv, `toymlx.gemv_forward`: ~22 GB/s on 2 cores, 24 of a
@@ -34,9 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm import sample_utils
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_logits_processors
 
 from toymlx.checkpoint import checkpoint_file
 from toymlx.device import on_gpu
@@ -46,14 +44,19 @@ from toymlx.lora import apply_adapter
 from toymlx.model_store import is_store_name
 from toymlx.models.llama import Llama
 from toymlx.runs import Bundle
+from toymlx.sampling import make_sampler, repetition_penalty
 from toymlx.tokenizer import Tokenizer
+
+PREFILL_CHUNK = 2048
+"""Prompt tokens put through the model at a time before decoding (mlx-lm's prefill step)."""
 
 
 def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
              min_p: float = 0.0, repetition_penalty: float | None = None) -> Iterator[int]:
     """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before eos and at the
-    model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples."""
+    model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples
+    (`toymlx.sampling`)."""
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
     if not 0.0 < top_p <= 1.0:
@@ -74,18 +77,62 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     mx.random.seed(seed)
     cpu = not on_gpu()
     sampler = make_sampler(temperature, top_p, min_p, top_k, checked_on_host=cpu)
-    processors = make_logits_processors(repetition_penalty=repetition_penalty)
+    penalty = _penalty(repetition_penalty)
     decoder = CompiledDecode(model) if cpu and CompiledDecode.fits(model) else model
-    steps = generate_step(mx.array(list(prompt_ids), dtype=mx.int32), decoder,
-                          max_tokens=budget, sampler=sampler, logits_processors=processors)
-    for tok, _ in steps:
+    for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty):
         if eos is not None and tok == eos:
             return
-        yield int(tok)
+        yield tok
+
+
+def _penalty(factor: float | None):
+    return None if factor is None or factor == 1.0 else repetition_penalty(factor)
+
+
+def decode(model: Any, prompt_ids: list[int], max_tokens: int,
+           sampler: Callable[[mx.array], mx.array],
+           penalty: Callable[[mx.array, mx.array], mx.array] | None = None) -> Iterator[int]:
+    """`max_tokens` token ids after the prompt, as mlx-lm's `generate_step` makes them: the
+    prompt but its last token into the KV caches `PREFILL_CHUNK` at a time, then one token at
+    a time, each step's graph built (and sent to the device) while the previous token is
+    handed out. `penalty(recent tokens, logits)`: mlx-lm's repetition penalty."""
+    cache = model.make_cache()
+    prompt = mx.array(prompt_ids, dtype=mx.int32)
+    recent = prompt[-20:] if penalty else None  # what the penalty looks at (its context: 20)
+    done = 0
+    while len(prompt_ids) - done > 1:
+        n = min(PREFILL_CHUNK, len(prompt_ids) - done - 1)
+        model(prompt[None, done:done + n], cache)
+        mx.eval([c.state for c in cache])
+        done += n
+        mx.clear_cache()
+
+    def step(tokens: mx.array) -> mx.array:
+        nonlocal recent
+        logits = model(tokens[None], cache)[:, -1, :]  # (1, V)
+        if penalty is not None:
+            logits = penalty(recent, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = sampler(logprobs)  # (1,)
+        if penalty is not None:
+            recent = mx.concatenate([recent, token])[-20:]
+        return token
+
+    token = step(prompt[done:])
+    mx.async_eval(token)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            following = step(token)
+            mx.async_eval(following)
+        yield int(token.item())
+        if n % 256 == 255:
+            mx.clear_cache()
+        if n + 1 < max_tokens:
+            token = following
 
 
 class CompiledDecode:
-    """A Llama for `generate_step` whose one-token steps run each block's `start` and `finish`
+    """A Llama for `decode` whose one-token steps run each block's `start` and `finish`
     as traced functions (`mx.compile`); prompts (several tokens) go to the model as they are.
 
     Why: a decoded token of SmolLM2-135M is 3,317 MLX primitives, and on a CPU each costs about
@@ -130,53 +177,6 @@ class CompiledDecode:
             q, k, v = self._start[i](h, tables=tables)
             h = self._finish[i](h, block.attn.attend(q, k, v, cache[i]))
         return model.unembed(model.norm(h))
-
-
-TOP_P_CANDIDATES = 256
-"""How many of the most likely tokens `make_sampler`'s CPU top-p looks at before sorting all."""
-
-
-def make_sampler(temperature: float, top_p: float, min_p: float, top_k: int,
-                 checked_on_host: bool) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampler chain: top-p, min-p, top-k on the log-probabilities, then a draw at
-    `temperature` (0: greedy). Only how top-p finds its cut differs where `checked_on_host`:
-    the same tokens are kept, and so the same token drawn for the same seed, but where the cut
-    falls within float32 rounding of the summed mass (1 cut in 900 on random 49,152-token
-    distributions kept one boundary token more or less than mlx-lm's, both within rounding of
-    the float64 nucleus).
-
-    mlx-lm's top-p sorts the whole vocabulary every token: 4.3 ms of SmolLM2's 49,152 on a
-    2-core AMD EPYC Zen 4, a tenth of a decoded token. The nucleus is nearly always among the
-    few hundred most likely tokens: this takes the `TOP_P_CANDIDATES` largest (`mx.topk`,
-    0.5 ms), and where their mass reaches top-p (checked on the host: one scalar, read once
-    the logits are computed) the cut is among them; otherwise it sorts everything as mlx-lm
-    does. The check waits for the token's logits, which undoes mlx-lm's overlap of building
-    the next step's graph with computing this one: nothing on a CPU, where the same cores do
-    both, but the GPU's idle time on Metal and CUDA, whose sort is cheap anyway: pass
-    `checked_on_host=False` there (`generate` does) for mlx-lm's own top-p."""
-    if temperature == 0 or not checked_on_host or top_p >= 1.0:
-        return sample_utils.make_sampler(temp=temperature, top_p=top_p if top_p < 1.0 else 0.0,
-                                         min_p=min_p, top_k=top_k)
-    rest = sample_utils.make_sampler(temp=temperature, min_p=min_p, top_k=top_k)
-    return lambda logprobs: rest(top_p_cut(logprobs, top_p))
-
-
-def top_p_cut(logprobs: mx.array, top_p: float) -> mx.array:
-    """`mlx_lm.sample_utils.apply_top_p`'s result (tokens outside the nucleus at -inf), from the
-    `TOP_P_CANDIDATES` most likely tokens where they hold the nucleus (see `make_sampler`).
-    Kept, as there: every token whose strictly more likely tokens hold less than `top_p` of the
-    mass, and every token tied with the least likely of those."""
-    if logprobs.shape[-1] <= TOP_P_CANDIDATES:
-        return sample_utils.apply_top_p(logprobs, top_p)
-    best = mx.sort(mx.topk(logprobs, TOP_P_CANDIDATES, axis=-1), axis=-1)[..., ::-1]
-    probs = mx.exp(best.astype(mx.float32))
-    above = mx.cumsum(probs, axis=-1, inclusive=False)  # mass of the strictly more likely ones
-    wanted = top_p * mx.exp(logprobs.astype(mx.float32)).sum(axis=-1, keepdims=True)
-    if not bool(mx.all(above[..., -1:] + probs[..., -1:] >= wanted)):
-        return sample_utils.apply_top_p(logprobs, top_p)  # a flat distribution: sort it all
-    kept = (above < wanted).sum(axis=-1, keepdims=True)
-    cut = mx.take_along_axis(best, kept - 1, axis=-1)
-    return mx.where(logprobs < cut, -float("inf"), logprobs)
 
 
 def _lora_run_base(path: str | os.PathLike) -> str | None:

@@ -19,7 +19,7 @@ Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter 
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
 weight is ever permuted. Query head h reads kv head h // (n_heads // n_kv_heads). The math runs through the `Ops` the model is built with
 (`toymlx.models.ops`): `Llama(args)` computes with MLX's own ops in float32, the trainer builds
-it with the run's `Ops`. Generation uses mlx-lm's KV cache (`make_cache`).
+it with the run's `Ops`. Generation keeps keys and values in `models/kv_cache.py` (`make_cache`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from toymlx.models.kv_cache import KVCache
 from toymlx.models.layers import Linear, RMSNorm
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
 
@@ -323,9 +324,6 @@ class Llama(nn.Module):
             h = self.ops.block(layer, h) if cache is None else layer(h, cache[i])
         return self.unembed(self.norm(h))  # (B,T,V)
 
-    def make_cache(self) -> list[Any]:
-        """One mlx-lm KV cache per block, for generation."""
-        # imported here: mlx_lm's package imports transformers (~1.5 s), which training skips
-        from mlx_lm.models.cache import KVCache
-
+    def make_cache(self) -> list[KVCache]:
+        """One KV cache per block, for generation."""
         return [KVCache() for _ in self.layers]
