@@ -263,10 +263,11 @@ def test_decoding_gives_mlx_lms_generate_step_tokens(stories, sampling):
     """toymlx's decoding loop (prefill in chunks, one token at a time, the penalty's recent
     tokens) against mlx_lm.generate.generate_step with mlx-lm's sampler and processors, on
     stories260K with a prompt longer than the prefill chunk: the same tokens."""
-    import toymlx.generate as G
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_logits_processors
     from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+    import toymlx.generate as G
 
     model, tok = stories
     prompt = tok.encode(PROMPT + " there was a little girl named Lily. She liked to play.") * 3
