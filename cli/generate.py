@@ -46,8 +46,8 @@ class Args:
     """Where MLX runs: auto picks the GPU when MLX has one."""
     engine: Literal["mlx", "llama.cpp", "auto"] = "mlx"
     """What decodes: MLX (toymlx's own numerics); llama.cpp (llama-cpp-python, the interop
-    extra: about 2x faster on a CPU, as llama.cpp computes the file, quantized arithmetic
-    included); auto: llama.cpp where MLX computes on the CPU and it is installed (else, or if
+    extra: 2-4x faster on a CPU, reading the file's quantized weights and computing with
+    quantized arithmetic); auto: llama.cpp where MLX computes on the CPU and it is installed (else, or if
     it fails to start, MLX). Same files, adapters and samplers."""
 
 
