@@ -21,7 +21,8 @@ class Args:
     model: str
     """A llama-architecture GGUF file, or a run directory (its weights/latest is used)."""
     prompt: str = ""
-    """Text to continue (with --chat: the user's message)."""
+    """Text to continue (with --chat: the user's message; --chat without it: a conversation
+    typed turn by turn, as mlx_lm.chat)."""
     max_tokens: int = 128
     """Most new tokens to generate (generation also stops at the end-of-sequence token)."""
     temperature: float = 0.7
@@ -55,18 +56,18 @@ class UsageError(ValueError):
     """Bad user input; reported as one line on stderr with exit status 2."""
 
 
-def prompt_ids(tokenizer, args: Args) -> list[int]:
-    """Token ids of the prompt: plain text, or the chat template rendered with a user turn."""
+def prompt_ids(tokenizer, args: Args, history: list[dict[str, str]] | None = None) -> list[int]:
+    """Token ids of the prompt: plain text, or the chat template rendered with the
+    conversation so far (`history`, alternating user and assistant messages) and a user turn."""
     if not args.chat:
         ids = tokenizer.encode(args.prompt)
         if not ids:
             raise UsageError("--prompt: expected text (this tokenizer adds no BOS token), "
                              "found an empty prompt")
         return ids
-    if not tokenizer.chat_template:
-        raise UsageError(f"{args.model}: --chat: expected a GGUF with tokenizer.chat_template, "
-                         "found none (drop --chat to continue plain text)")
+    _need_template(tokenizer, args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages += history or []
     messages.append({"role": "user", "content": args.prompt})
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     # A template that writes the BOS token itself must not get a second one from encode.
@@ -75,6 +76,52 @@ def prompt_ids(tokenizer, args: Args) -> list[int]:
     if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
         ids = ids[1:]
     return ids
+
+
+def _need_template(tokenizer, args: Args) -> None:
+    if not tokenizer.chat_template:
+        raise UsageError(f"{args.model}: --chat: expected a GGUF with tokenizer.chat_template, "
+                         "found none (drop --chat to continue plain text)")
+
+
+CHAT_HELP = ("type a message and Enter; /reset forgets the conversation, /quit or Ctrl-D "
+             "ends it")
+
+
+def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
+    """The conversation of `--chat` without `--prompt`: each line read is a user turn, the
+    reply streams to `out`, and the next turn's prompt is the whole conversation rendered
+    again (the KV cache starts afresh each turn). Returns the number of turns answered."""
+    inp = sys.stdin if inp is None else inp
+    out = sys.stdout if out is None else out
+    _need_template(tokenizer, args)
+    interactive = inp.isatty()
+    if interactive:
+        print(f"{PROG} --chat: {CHAT_HELP}", file=sys.stderr)
+    history: list[dict[str, str]] = []
+    turns = 0
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = inp.readline()
+        if not line or line.strip() in ("/quit", "/exit"):
+            return turns
+        text = line.strip()
+        if text == "/reset":
+            history = []
+            continue
+        if not text:
+            continue
+        turn = Args(**{**vars(args), "prompt": text})
+        ids = prompt_ids(tokenizer, turn, history)
+        if len(ids) >= context:
+            print(f"{PROG}: the conversation ({len(ids)} tokens) fills the model's context "
+                  f"({context}); /reset to start again", file=sys.stderr)
+            continue
+        reply, _ = stream(model, tokenizer, ids, turn, out)
+        history += [{"role": "user", "content": text},
+                    {"role": "assistant", "content": reply.strip()}]
+        turns += 1
 
 
 def stream(model, tokenizer, ids: list[int], args: Args, out=None) -> tuple[str, int]:
@@ -139,10 +186,17 @@ def run(args: Args) -> int:
         raise UsageError(f"--top-p: expected in (0, 1], found {args.top_p}")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
+    conversation = args.chat and not args.prompt
     try:
         if engine == "llama.cpp":
             gguf_path, adapters = model_files(args.model, args.adapter)
             tokenizer, model_args = load_tokenizer(gguf_path)
+            if conversation:
+                _need_template(tokenizer, args)
+                model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
+                                        context=model_args.context)
+                chat(model, tokenizer, args, model_args.context)
+                return 0
             ids = prompt_ids(tokenizer, args)
             model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                     context=min(model_args.context, len(ids) + args.max_tokens))
@@ -156,6 +210,9 @@ def run(args: Args) -> int:
         engine = "mlx"
     if engine == "mlx":
         model, tokenizer = load_for_generation(args.model, args.adapter)
+        if conversation:
+            chat(model, tokenizer, args, model.args.context)
+            return 0
         ids = prompt_ids(tokenizer, args)
         t0 = time.perf_counter()
         _, n = stream(model, tokenizer, ids, args)

@@ -348,6 +348,54 @@ def test_chat_needs_a_template(stories_path, capsys):
     assert rc == 2 and "chat_template" in err and len(err.strip().splitlines()) == 1
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_path(tmp_path_factory, stories_path):
+    """stories260K with a ChatML template in its metadata (its vocabulary has no ChatML tokens:
+    the template's text is tokenized as text)."""
+    from toymlx.gguf.reader import GGUFFile
+
+    g = GGUFFile(stories_path)
+    path = tmp_path_factory.mktemp("chat") / "stories-chat.gguf"
+    write_gguf(path, {**g.metadata, "tokenizer.chat_template": CHATML},
+               {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
+    g.close()
+    return path
+
+
+def test_chat_without_a_prompt_is_a_conversation(chat_path, capsys, monkeypatch):
+    """--chat with no --prompt reads turns from stdin: the first answer is the one-shot
+    --chat answer, the second is generated from the template over the whole conversation
+    (first answer included), /reset starts over (the one-shot answer again), Ctrl-D ends."""
+    from toymlx.generate import generate, load_for_generation
+
+    flags = ["--model", str(chat_path), "--chat", "--temperature", "0", "--max-tokens", "12"]
+    assert cli.main([*flags, "--prompt", "Tell me a story"]) == 0
+    one_shot = capsys.readouterr().out.strip()
+
+    model, tok = load_for_generation(chat_path)
+    args = cli.Args(model=str(chat_path), chat=True, prompt="About a cat")
+    history = [{"role": "user", "content": "Tell me a story"},
+               {"role": "assistant", "content": one_shot}]
+    second = tok.decode(list(generate(model, tok, cli.prompt_ids(tok, args, history), 12)))
+
+    stdin = io.StringIO("Tell me a story\nAbout a cat\n\n/reset\nTell me a story\n")
+    turns = cli.chat(model, tok, cli.Args(model=str(chat_path), chat=True, temperature=0.0,
+                                           max_tokens=12), model.args.context, stdin,
+                     out := io.StringIO())
+    replies = out.getvalue().splitlines()
+    assert turns == 3 and one_shot and second.strip() != one_shot
+    assert replies == [one_shot, second.strip(), one_shot]
+
+    # the command itself, reading its standard input
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a story\nAbout a cat\n/quit\nnot read\n"))
+    assert cli.main(flags) == 0
+    assert capsys.readouterr().out.splitlines() == [one_shot, second.strip()]
+
+
 def bad_inputs(tmp_path: Path, stories_path: Path) -> dict[str, tuple[Path, str]]:
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello, not a model\n")
