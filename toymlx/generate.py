@@ -44,7 +44,7 @@ from toymlx.lora import apply_adapter
 from toymlx.model_store import is_store_name
 from toymlx.models.llama import Llama
 from toymlx.runs import Bundle
-from toymlx.sampling import make_sampler, repetition_penalty
+from toymlx.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
 from toymlx.tokenizer import Tokenizer
 
 PREFILL_CHUNK = 2048
@@ -98,7 +98,7 @@ def decode(model: Any, prompt_ids: list[int], max_tokens: int,
     handed out. `penalty(recent tokens, logits)`: mlx-lm's repetition penalty."""
     cache = model.make_cache()
     prompt = mx.array(prompt_ids, dtype=mx.int32)
-    recent = prompt[-20:] if penalty else None  # what the penalty looks at (its context: 20)
+    recent = prompt[-PENALTY_CONTEXT:] if penalty else None  # what the penalty looks at
     done = 0
     while len(prompt_ids) - done > 1:
         n = min(PREFILL_CHUNK, len(prompt_ids) - done - 1)
@@ -115,7 +115,7 @@ def decode(model: Any, prompt_ids: list[int], max_tokens: int,
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = sampler(logprobs)  # (1,)
         if penalty is not None:
-            recent = mx.concatenate([recent, token])[-20:]
+            recent = mx.concatenate([recent, token])[-PENALTY_CONTEXT:]
         return token
 
     token = step(prompt[done:])
@@ -140,7 +140,7 @@ class CompiledDecode:
     Zen 4), and Python builds the graph anew for every token. Traced, the elementwise chains
     (norms, RoPE, SwiGLU, residuals) are fused and the graph is replayed without Python. What
     stays eager is what changes shape with every token: the KV cache and the attention over it.
-    The logits are the eager model's, bit for bit (tests/test_generate.py).
+    The logits are the eager model's, bit for bit (tests/test_archs.py, every architecture).
 
     The blocks' parameters are inputs of the traced functions (`inputs=block.state`), not
     constants: weights changed or adapters applied after the first step are used. RoPE comes

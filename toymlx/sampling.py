@@ -120,7 +120,11 @@ def _top_k_cut(logprobs: mx.array, top_k: int) -> mx.array:
                              axis=-1)
 
 
-def repetition_penalty(penalty: float, context: int = 20
+PENALTY_CONTEXT = 20
+"""How many of the latest tokens the repetition penalty looks at (mlx-lm's default)."""
+
+
+def repetition_penalty(penalty: float, context: int = PENALTY_CONTEXT
                        ) -> Callable[[mx.array, mx.array], mx.array]:
     """(recent tokens, (1, V) logits) -> logits with each of the last `context` tokens made
     less likely: a positive logit divided by `penalty`, a negative one multiplied (CTRL's
