@@ -6,8 +6,10 @@ against the option's type, become the defaults tyro parses the command line over
 support for defaults), so any flag given overrides the file. A run bundle's `config.json`
 (`{"recipe": ..., "config": {...}}`) is such a file too: `toymlx-train -c runs/<id>/config.json`
 starts a new run with that run's settings, less the options that only name or steer that run
-(`RUN_NAMING`). Bad input is one line naming the file and the key; an unknown key names the
-closest flag (and the toymlx flag for an mlx-lm key).
+(`RUN_NAMING`). `toymlx-sweep -c FILE` reads one file as the whole sweep (`sweep_config`): its
+own options, its grid, and the options every run takes as toymlx-train -c takes them. Bad input
+is one line naming the file and the key; an unknown key names the closest flag (and the toymlx
+flag for an mlx-lm key).
 """
 
 from __future__ import annotations
@@ -121,10 +123,15 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+def is_run_config(data: dict[str, Any]) -> bool:
+    """Whether a config file is a run bundle's config.json (`{"recipe": ..., "config": {...}}`)."""
+    return isinstance(data.get("config"), dict) and isinstance(data.get("recipe"), str)
+
+
 def run_config(data: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     """(recipe, options) of a config file: a run's config.json (less RUN_NAMING), or a plain
     mapping whose `recipe` key, if any, names the recipe (toymlx-train)."""
-    if isinstance(data.get("config"), dict) and isinstance(data.get("recipe"), str):
+    if is_run_config(data):
         return data["recipe"], {k: v for k, v in data["config"].items() if k not in RUN_NAMING}
     data = dict(data)
     recipe = data.pop("recipe", None)
@@ -234,6 +241,35 @@ def file_defaults(cls: type, argv: list[str], prog: str) -> tuple[Any, list[str]
     return defaults_from_file(cls, read_config_file(path), path, prog), rest
 
 
+def _parser_table(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """An argparse command's options under each of their spellings (underscores)."""
+    return {_norm(o): a for a in parser._actions for o in a.option_strings
+            if a.dest not in ("help", "version", "config")}
+
+
+def _set_default(action: argparse.Action, key: str, value: Any, path: str) -> None:
+    """A file's value as the default of an argparse option (flags given override it), checked
+    against the option's type."""
+    many = isinstance(action, argparse._AppendAction)
+    items = value if many and isinstance(value, list) else [value]
+    kind = action.type or (bool if action.nargs == 0 else str)
+    want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    for v in items:
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else
+              isinstance(v, kind) and (kind is bool or not isinstance(v, bool)))
+        if not ok:
+            raise ConfigFileError(f"{path}: key {key!r}: expected "
+                                  f"{want.get(kind, kind.__name__)}"
+                                  f"{' or a list of them' if many else ''}, found "
+                                  f"{json.dumps(v)}")
+    if action.nargs == 0 and value != (action.const is True):
+        raise ConfigFileError(f"{path}: key {key!r}: expected "
+                              f"{json.dumps(action.const is True)} (the flag's only "
+                              f"setting), found {json.dumps(value)}")
+    action.default = [str(v) for v in items] if many else value
+    action.required = False
+
+
 def parser_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`-c FILE` for an argparse command (toymlx-report, toymlx-launch): the file's values become
     its options' defaults (argparse's own `default`), checked against each option's type;
@@ -241,28 +277,54 @@ def parser_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> list[st
     path, rest = split_config(argv)
     if path is None:
         return rest
-    table = {_norm(o): a for a in parser._actions for o in a.option_strings
-             if a.dest not in ("help", "version")}
+    table = _parser_table(parser)
     for key, value in _flatten(read_config_file(path)).items():
         if key not in table:
             raise ConfigFileError(_unknown(path, key, table, parser.prog))
-        action = table[key]
-        many = isinstance(action, argparse._AppendAction)
-        items = value if many and isinstance(value, list) else [value]
-        kind = action.type or (bool if action.nargs == 0 else str)
-        want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-        for v in items:
-            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else
-                  isinstance(v, kind) and (kind is bool or not isinstance(v, bool)))
-            if not ok:
-                raise ConfigFileError(f"{path}: key {key!r}: expected "
-                                      f"{want.get(kind, kind.__name__)}"
-                                      f"{' or a list of them' if many else ''}, found "
-                                      f"{json.dumps(v)}")
-        if action.nargs == 0 and value != (action.const is True):
-            raise ConfigFileError(f"{path}: key {key!r}: expected "
-                                  f"{json.dumps(action.const is True)} (the flag's only "
-                                  f"setting), found {json.dumps(value)}")
-        action.default = [str(v) for v in items] if many else value
-        action.required = False
+        _set_default(table[key], key, value, path)
     return rest
+
+
+SWEEP_RUN_KEYS = frozenset({"seed"})
+"""Keys of a sweep file that are the runs' although the sweep has a flag of that name: `seed`
+seeds every run's training, as in toymlx-train -c (the sweep's --seed, the seed of its --random
+draws, is `random_seed` in a file)."""
+
+
+def sweep_config(parser: argparse.ArgumentParser, data: dict[str, Any], path: str
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`toymlx-sweep -c FILE`: (grid, run options) of the file, its sweep keys set on `parser`.
+
+    The sweep's own keys (its flags, spelled as `parser_defaults` reads them, less
+    `SWEEP_RUN_KEYS`) become the parser's defaults, so flags given override them; `grid`, a
+    mapping of option: [values] or "log:LO:HI" (uniform:, int:), is returned as it is, dotted
+    keys with underscores, for the command line's --grid to replace key by key. Every other key
+    is returned for the runs, which take it as toymlx-train -c does; a run's config.json gives
+    its recipe and all of its options to the runs."""
+    from toymlx.runs import BUNDLE_PICK, flag_name
+
+    recipe, options = run_config(data)
+    table = _parser_table(parser)
+    if recipe is not None:
+        _set_default(table["recipe"], "recipe", recipe, path)
+    if is_run_config(data):
+        return {}, options
+    grid: dict[str, Any] = {}
+    runs: dict[str, Any] = {}
+    for key, value in options.items():
+        name = _norm(str(key))
+        if name == "grid":
+            if not isinstance(value, dict):
+                raise ConfigFileError(f"{path}: key 'grid': expected a mapping of option: [values] "
+                                      f"or \"log:LO:HI\", found {json.dumps(value)}")
+            grid = _flatten(value)
+        elif name in table and name not in SWEEP_RUN_KEYS:
+            _set_default(table[name], name, value, path)
+        elif name in BUNDLE_PICK or name == "from":  # run_id, resume, from, overwrite
+            flag = flag_name("from_step" if name == "from" else name)
+            raise ConfigFileError(f"{path}: key {key!r}: expected no {flag} in a sweep file "
+                                  f"(the sweep sets it for each run), found {json.dumps(value)}; "
+                                  "remove it")
+        else:
+            runs[key] = value
+    return grid, runs

@@ -2,9 +2,11 @@
 
 A ViT checkpoint reports accuracy, per-class accuracy and a confusion matrix on the validation
 split of its image data (the run's own data for a run directory; every image with --split all;
-a PNG of the matrix with --plot); a llama checkpoint reports loss and perplexity on a text file;
-a lora run (any --fine-tune-type) on its chat/SFT validation rows, and with --split test (a lora
-run or a llama checkpoint) on test.jsonl, as `toymlx-train --test` does.
+the run's --data.test-path with --split test; a PNG of the matrix with --plot); a llama
+checkpoint reports loss and perplexity on a text file (a from-scratch or warm-start run: its
+own data, and with --split test its data folder's test.jsonl); a lora run (any
+--fine-tune-type) on its chat/SFT validation rows, and with --split test (a lora run or a llama
+GGUF of its own) on test.jsonl. --split test scores what `toymlx-train --test` scores.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ class Args:
     evaluated), else the digits fixture or the Python docs."""
     split: Literal["val", "all", "test"] = "val"
     """Evaluate the validation split (the same fixed split training used), every example, or
-    (a Llama or LoRA run) the test examples: a data folder's test.jsonl, or a JSONL file."""
+    the test set `toymlx-train --test` scores: a ViT run's --data.test-path, a text or LoRA
+    run's data folder's test.jsonl (--data.path here: every image of it, a data folder's
+    test.jsonl, or a JSONL file of chat examples)."""
     batch_size: int = 256
     """Examples per forward pass."""
     seq_len: int | None = None
@@ -92,14 +96,21 @@ def evaluate_images(args: Args, path: Path) -> dict:
     run = dataclasses.asdict(cfg.data) if cfg is not None and hasattr(cfg, "data") else {}
     data_path = args.data_path if args.data_path is not None else run.get("path")
     val_path = run.get("val_path") if args.data_path is None else None
-    data = load_images(data_path, 0.0 if args.split == "all" and not val_path else
+    if args.split == "test":  # every image of the test set, as the run's --test scored it
+        data_path = args.data_path if args.data_path is not None else run.get("test_path")
+        if data_path is None:
+            raise ValueError("--split test: expected a run with --data.test-path, or --data.path "
+                             "naming the test images, found neither")
+        val_path = None
+    every = args.split in ("all", "test")
+    data = load_images(data_path, 0.0 if every and not val_path else
                        run.get("val_fraction", 0.1), val_path=val_path,
                        image_size=clf.image_size, channels=clf.channels, classes=clf.names)
     data.mean, data.std = clf.mean, clf.std  # the checkpoint's normalisation, not this data's
     if not data.scale_fixed:  # arrays in the training set's own units (the digits: 0..16)
         data.scale = clf.scale
     batches = list(data.val_batches(args.batch_size))
-    if args.split == "all" and len(data.train_y):
+    if every and len(data.train_y):
         data.val_x, data.val_y = data.train_x, data.train_y
         batches += list(data.val_batches(args.batch_size))
     pred, true, loss = predict(clf, batches)
@@ -107,7 +118,7 @@ def evaluate_images(args: Args, path: Path) -> dict:
     if args.plot:
         plot_confusion(m, clf.names, args.plot)
     out = {"model": str(path), "data": data.source, "split": args.split, **report(m, clf.names),
-           "val_loss": loss / max(len(true), 1)}
+           f"{'test' if args.split == 'test' else 'val'}_loss": loss / max(len(true), 1)}
     text = format_report(m, clf.names) + f"\n\nmodel {path}\ndata {data.source} ({args.split})"
     if args.plot:
         text += f"\nplot {args.plot}"
@@ -180,8 +191,8 @@ def evaluate(args: Args) -> dict:
 
     select_device(args.device)
     bundle = _run_bundle(args.model)
-    if args.split == "test" or (bundle is not None and bundle.recipe == "lora"):
-        return evaluate_chat(args, bundle.config if bundle is not None else None)
+    if bundle is not None and bundle.recipe == "lora":
+        return evaluate_chat(args, bundle.config)
     path = checkpoint_file(args.model)
     arch = GGUFFile(path).architecture
     if arch == "vit":
@@ -192,22 +203,31 @@ def evaluate(args: Args) -> dict:
         from toymlx.data.text import TokenData
         from toymlx.gguf.llama import load_llama
         from toymlx.losses import lm_loss
-        from toymlx.recipes.common import TextData, load_token_data
+        from toymlx.recipes.common import TextData, check_test_folder, load_token_data
         from toymlx.tokenizer import Tokenizer
 
+        cfg = bundle.config if bundle is not None else None
+        text_run = isinstance(getattr(cfg, "data", None), TextData)  # from-scratch, warm-start
+        if args.split == "test" and not text_run:  # a GGUF of its own: chat/SFT test examples
+            return evaluate_chat(args, cfg)
         model, g = load_llama(path)
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
-        cfg = _run_config(args.model)
-        data = (cfg.data if args.data_path is None and cfg is not None
-                and isinstance(getattr(cfg, "data", None), TextData) else TextData(args.data_path))
+        data = cfg.data if args.data_path is None and text_run else TextData(args.data_path)
         seq_len = args.seq_len or getattr(cfg, "seq_len", 256)
-        td = load_token_data(data, tok, seq_len)
+        if args.split == "test":  # the run's data folder's test.jsonl, as its --test scores it
+            check_test_folder(data.path, "--split test")
+        td = load_token_data(data, tok, seq_len, test=args.split == "test")
         if args.split == "all":
             td = TokenData(td.train, np.concatenate([td.train, td.val]), td.source)
-        vb = td.val_batches(max(1, args.batch_size // 16), seq_len, 10**9)
+        bs = max(1, args.batch_size // 16)
+        vb = (td.test_batches(bs, seq_len) if args.split == "test" else
+              td.val_batches(bs, seq_len, 10**9))
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
         m = run_eval(task)
         mx.eval()
+        if args.split == "test":  # named as the run's test event names them
+            return {"model": str(path), "data": td.test_source, "split": "test",
+                    "test_loss": m["val_loss"], "test_perplexity": math.exp(m["val_loss"])}
         return {"model": str(path), "data": td.source, **m,
                 "perplexity": math.exp(m["val_loss"])}
     raise ValueError(f"{path}: metadata key 'general.architecture': expected vit or one of "

@@ -1,4 +1,5 @@
-"""toymlx-sweep --recipe NAME --grid KEY=V1,V2 ... [toymlx-train options for every run]."""
+"""toymlx-sweep --recipe NAME --grid KEY=V1,V2 ... [toymlx-train options for every run], or
+toymlx-sweep -c SWEEP.yaml: the whole sweep in one file."""
 
 from __future__ import annotations
 
@@ -11,9 +12,20 @@ import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
 EPILOG = """\
 Every other option is passed to each run as in toymlx-train (after a `--`, options
-that the sweep also has, such as --seed, go to the runs too); so is -c/--config FILE, whose
-options every run takes, with the grid's values over them. Grid keys are option names:
+that the sweep also has, such as --seed, go to the runs too). Grid keys are option names:
 lr -> --lr, lora.rank -> --lora.rank, model.d_model -> --model.d-model.
+
+-c/--config FILE (YAML or JSON) holds a whole sweep: the sweep's own options, keys spelled as
+its flags (recipe, grid, random, random_seed, workers, shard, sweep_id or sweep-id, runs_root,
+no_retry_failed, no_report, no_progress), and every other key an option that each run takes
+as toymlx-train -c takes it (seed included: it seeds the runs' training; the --random draws'
+seed is random_seed). Flags given override the file, and a --grid KEY=... replaces the file's
+values of KEY only. A run's config.json works too: its recipe and options for every run.
+  # sweep.yaml                          toymlx-sweep -c sweep.yaml [--workers 4] [--grid lr=...]
+  recipe: from-scratch
+  grid: {lr: [1e-3, 3e-3], model.d_model: [64, 128]}   # or lr: "log:1e-4:1e-2" with random: N
+  workers: 2
+  steps: 200
 
 examples:
   toymlx-sweep --recipe from-scratch --grid lr=1e-3,3e-3 --grid model.d_model=64,128 \\
@@ -33,13 +45,16 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toymlx-sweep", allow_abbrev=False, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Run a grid or random search of toymlx-train runs.")
+    p.add_argument("-c", "--config", metavar="FILE",
+                   help="the sweep's options and every run's from a YAML or JSON file (below)")
     p.add_argument("--recipe", required=True, help="recipe of every run (as in toymlx-train)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="values of one option (repeat for more); with --random also "
                         "KEY=log:LO:HI, KEY=uniform:LO:HI or KEY=int:LO:HI")
     p.add_argument("--random", type=int, metavar="N",
                    help="run N random draws from the --grid space instead of every combination")
-    p.add_argument("--seed", type=int, help="seed of the --random draws (default 0)")
+    p.add_argument("--seed", "--random-seed", dest="seed", type=int,
+                   help="seed of the --random draws (default 0; random_seed in a -c file)")
     p.add_argument("--workers", type=int, default=1, metavar="K",
                    help="runs at a time on this machine (default 1)")
     p.add_argument("--shard", default="0/1", metavar="I/N",
@@ -63,27 +78,68 @@ def _shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def main(argv: list[str] | None = None) -> int:
+def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
+    """The sweep's axes: the file's grid, each key's values replaced by a --grid of that key
+    (keys compared as option names: model.d-model is model.d_model)."""
     from toymlx import sweep
+
+    axes = {k: sweep.file_axis(k, v, args.recipe, f"{path}: key 'grid.{k}'")
+            for k, v in file_grid.items()}
+    for key, values in (sweep.parse_axis(g, args.recipe) for g in args.grid):
+        same = [k for k in axes if k.replace("-", "_") == key.replace("-", "_")]
+        axes[same[0] if same else key] = values
+    return axes
+
+
+def main(argv: list[str] | None = None) -> int:
+    from toymlx_cli.config_file import (
+        defaults_from_file,
+        read_config_file,
+        split_config,
+        sweep_config,
+    )
+
+    from toymlx import sweep
+    from toymlx.recipes import get_recipe
 
     argv = sys.argv[1:] if argv is None else list(argv)
     after = []
     if "--" in argv:
         k = argv.index("--")
         argv, after = argv[:k], argv[k + 1:]
-    args, rest = _parser().parse_known_args(argv)
+    parser = _parser()
+    file_grid: dict = {}
+    run_options = None
+    try:
+        path, argv = split_config(argv)
+        if path is not None:
+            file_grid, run_options = sweep_config(parser, read_config_file(path), path)
+    except ValueError as e:
+        print(f"toymlx-sweep: error: {e}", file=sys.stderr)
+        return 2
+    args, rest = parser.parse_known_args(argv)
     passthrough = rest + after
     try:
+        if args.config is not None:  # a spelling split_config leaves to argparse (-cFILE)
+            raise ValueError(f"-c/--config: expected -c FILE or --config=FILE, found "
+                             f"-c{args.config}")
         if args.seed is not None and args.random is None:
-            raise ValueError("--seed: is the seed of --random draws; give runs a training seed "
-                             "with --grid seed=S, or after `--`")
-        if not args.grid:
-            raise ValueError("--grid: expected at least one KEY=V1,V2 (e.g. --grid lr=1e-4,3e-4)")
-        axes = dict(sweep.parse_axis(g, args.recipe) for g in args.grid)
+            raise ValueError("--seed: expected with --random N (it seeds the random draws; "
+                             "random_seed in a -c file), found no --random; give runs a "
+                             "training seed with --grid seed=S, after `--`, or as seed in a -c "
+                             "file")
+        if run_options:  # checked now, as toymlx-train -c would check it in every run
+            defaults_from_file(get_recipe(args.recipe).Config, run_options, path,
+                               f"toymlx-train --recipe {args.recipe}")
+        axes = _axes(args, file_grid, path)
+        if not axes:
+            raise ValueError("--grid: expected at least one KEY=V1,V2 (e.g. --grid lr=1e-4,3e-4)"
+                             + (f" or a grid in {path}" if path else ""))
         if args.random is None:
             ranged = [k for k, v in axes.items() if not isinstance(v, list)]
             if ranged:
-                raise ValueError(f"--grid {ranged[0]}: a LO:HI range needs --random N")
+                raise ValueError(f"--grid {ranged[0]}: a LO:HI range needs --random N (random: "
+                                 "N in a -c file)")
             specs = sweep.grid(passthrough, axes, recipe=args.recipe)
         else:
             specs = sweep.random(passthrough, axes, args.random, args.seed or 0,
@@ -91,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers,
                                  _shard(args.shard), args.sweep_id,
                                  retry_failed=not args.no_retry_failed,
-                                 progress=not args.no_progress, report_png=not args.no_report)
+                                 progress=not args.no_progress, report_png=not args.no_report,
+                                 run_options=run_options)
     except (ValueError, OSError) as e:
         print(f"toymlx-sweep: error: {e}", file=sys.stderr)
         return 2

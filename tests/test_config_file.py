@@ -159,6 +159,31 @@ def test_sweep_passes_the_file_to_every_run_before_its_grid_values():
                                        ("-c", "cfg.yaml", "--steps", "3", "--lr", "0.002")]
 
 
+def test_sweep_file_splits_the_sweeps_keys_from_the_runs():
+    """toymlx-sweep -c: its own keys (either spelling) become its flags' defaults, flags over
+    them; `seed` stays the runs' (the draws' seed is random_seed); the rest is the runs'."""
+    from toymlx_cli.config_file import sweep_config
+    from toymlx_cli.sweep import _parser
+
+    parser = _parser()
+    grid, runs = sweep_config(parser, {
+        "recipe": "from-scratch", "grid": {"lr": [1e-3, 3e-3], "model": {"d-model": [64]}},
+        "workers": 2, "sweep-id": "s", "random": 3, "random_seed": 7, "no_report": True,
+        "seed": 1, "steps": 200, "model": {"n_layers": 2}}, "s.yaml")
+    assert grid == {"lr": [1e-3, 3e-3], "model.d_model": [64]}
+    assert runs == {"seed": 1, "steps": 200, "model": {"n_layers": 2}}
+    a = parser.parse_args([])
+    assert (a.recipe, a.workers, a.sweep_id, a.random, a.seed, a.no_report, a.grid) == (
+        "from-scratch", 2, "s", 3, 7, True, [])
+    a = parser.parse_args(["--workers", "4", "--random-seed", "8", "--recipe", "lora"])
+    assert (a.recipe, a.workers, a.seed, a.sweep_id) == ("lora", 4, 8, "s")
+    # a run's config.json: its recipe, and every option it saved (less RUN_NAMING) for the runs
+    parser = _parser()
+    grid, runs = sweep_config(parser, {"recipe": "lora", "config": {
+        "run_id": "old", "workers": 5, "lr": 0.1}}, "config.json")
+    assert (grid, runs, parser.parse_args([]).workers) == ({}, {"workers": 5, "lr": 0.1}, 1)
+
+
 def test_launch_options_from_a_config_file(tmp_path, capsys):
     from toymlx_cli.launch import main as launch
 

@@ -305,3 +305,118 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+# ---------------------------------------------------------------- a sweep in one file
+
+def _sweep_json(root: Path) -> dict:
+    return json.loads((root / "sweep.json").read_text())
+
+
+def test_sweep_from_a_file_runs_the_runs_of_the_same_flags(tmp_path, capsys):
+    """The whole sweep in one -c file: the same run names, configurations and losses as the
+    same sweep from flags; flags given (a --grid key, a run option) override the file."""
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(f"""recipe: from-scratch
+grid: {{lr: [0.5], model.ffn_dim: [32, 64]}}
+sweep-id: file
+runs_root: {tmp_path}
+workers: 2
+no_progress: true
+no_report: true
+seed: 3            # the runs' training seed, as in toymlx-train -c
+steps: 5
+model: {{d_model: 32, n_layers: 1}}
+seq_len: 32
+batch_size: 4
+eval_every: 5
+eval_batches: 2
+compile: false
+""")
+    # --grid lr replaces the file's lr values only; --steps overrides the file's steps
+    assert sweep_main(["-c", str(cfg), "--grid", "lr=1e-3", "--steps", "3"]) == 0
+    assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=1e-3", "--grid",
+                       "model.ffn_dim=32,64", "--workers", "2", "--runs-root", str(tmp_path),
+                       "--sweep-id", "flags", "--no-progress", "--no-report", *TINY,
+                       "--steps", "3", "--eval-every", "5", "--seed", "3"]) == 2
+    assert "--seed: expected with --random N" in capsys.readouterr().err  # the sweep's --seed
+    assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=1e-3", "--grid",
+                       "model.ffn_dim=32,64", "--workers", "2", "--runs-root", str(tmp_path),
+                       "--sweep-id", "flags", "--no-progress", "--no-report", *TINY,
+                       "--steps", "3", "--eval-every", "5", "--", "--seed", "3"]) == 0
+    names = ["lr=0.001_model.ffn_dim=32", "lr=0.001_model.ffn_dim=64"]
+    for sid in ("file", "flags"):
+        assert [r["name"] for r in _sweep_json(tmp_path / sid)["runs"]] == names
+    assert _sweep_json(tmp_path / "file")["run_options"]["steps"] == 5
+    for name in names:
+        a, b = (json.loads((tmp_path / sid / name / "config.json").read_text())
+                for sid in ("file", "flags"))
+        for c in (a["config"], b["config"]):
+            assert c.pop("runs_root").endswith(("/file", "/flags"))
+            assert c.pop("run_id") == name
+        assert a == b
+        assert (a["config"]["steps"], a["config"]["seed"], a["config"]["lr"]) == (3, 3, 1e-3)
+        losses = [[e["loss"] for e in read_events(tmp_path / sid / name) if e["kind"] == "step"]
+                  for sid in ("file", "flags")]
+        assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+def test_random_search_from_a_file_draws_what_the_flags_draw(tmp_path):
+    """--random ranges from the file; the sweep's own options from it, flags over them. A
+    shard that owns none of the runs writes sweep.json (every run's name and flags) and runs
+    nothing."""
+    cfg = tmp_path / "random.yaml"
+    cfg.write_text(f"""recipe: from-scratch
+random: 5
+random_seed: 2
+grid:
+  lr: "log:1e-4:1e-2"
+  model: {{n_layers: [1, 2], ffn_dim: [32, 64]}}
+sweep_id: file
+runs-root: {tmp_path}
+shard: "0/1"
+steps: 4
+""")
+    flags = ["--no-progress", "--no-report", "--shard", "9/10"]
+    assert sweep_main(["-c", str(cfg), "--random", "4", "--grid", "model.n_layers=3",
+                       *flags]) == 0
+    assert sweep_main(["--recipe", "from-scratch", "--random", "4", "--random-seed", "2",
+                       "--grid", "lr=log:1e-4:1e-2", "--grid", "model.n_layers=3", "--grid",
+                       "model.ffn_dim=32,64", "--runs-root", str(tmp_path), "--sweep-id",
+                       "flags", *flags, "--steps", "4"]) == 0
+    file_runs = _sweep_json(tmp_path / "file")["runs"]
+    flag_runs = _sweep_json(tmp_path / "flags")["runs"]
+    assert len(file_runs) == 4 and {r["params"]["model.n_layers"] for r in file_runs} == {3}
+    assert all(1e-4 <= r["params"]["lr"] <= 1e-2 for r in file_runs)
+    # the same draws and names; a flag run carries --steps 4 that the file gives through -c
+    assert [(r["name"], r["params"]) for r in file_runs] == [
+        (r["name"], r["params"]) for r in flag_runs]
+    assert [r["args"] for r in file_runs] == [r["args"][2:] for r in flag_runs]
+    assert not [p for p in (tmp_path / "file").iterdir() if (p / "events.jsonl").exists()]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("grid: {lr: 0.001}", ("key 'grid.lr': expected a list of values or a \"log:LO:HI\" range, "
+     "found 0.001")),
+    ("grid: {lr: [1e-3, fast]}", "key 'grid.lr': expected a float, found \"fast\""),
+    ("grid: {lr: 'log:1e-2:1e-4'}\nrandom: 2", "key 'grid.lr': expected 0 < LO <= HI"),
+    ("grid: {lora.rank: [4]}", ("key 'grid.lora.rank': expected an option of recipe from-scratch, "
+     "found no option --lora.rank")),
+    ("grid: [lr=1e-3]", ("key 'grid': expected a mapping of option: [values] or \"log:LO:HI\", "
+     "found [\"lr=1e-3\"]")),
+    ("grid: {lr: [1e-3]}\nworkers: two", "key 'workers': expected an integer, found \"two\""),
+    ("grid: {lr: [1e-3]}\nlr: fast", ("key 'lr': expected a number, found \"fast\" (a string); fix "
+     "it, or remove the key to take its default")),
+    ("grid: {lr: [1e-3]}\nmodle: {d_model: 8}", ("key 'modle.d_model': expected an option of "
+     "toymlx-train --recipe from-scratch, found an unknown key; did you mean --model.d-model?")),
+    ("grid: {lr: [1e-3]}\nrun_id: x", ("key 'run_id': expected no --run-id in a sweep file (the "
+     "sweep sets it for each run), found \"x\"; remove it")),
+])
+def test_bad_sweep_files_are_one_line(tmp_path, capsys, text, want):
+    from cli_errors import error_line
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(f"recipe: from-scratch\nruns_root: {tmp_path / 'runs'}\n{text}\n")
+    assert sweep_main(["-c", str(cfg)]) == 2
+    assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {cfg}: {want}"
+    assert not (tmp_path / "runs").exists()

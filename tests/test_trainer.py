@@ -215,3 +215,65 @@ def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
     model.eval()
     trainer.evaluate(task)
     assert not model.training  # a model evaluated in eval mode stays there
+
+
+def text_folder(path: Path, shared_data: Path) -> tuple[Path, list[str]]:
+    """An mlx-lm data folder of {"text"} records: the lines of the TinyStories sample, the
+    last three in test.jsonl and three before them in valid.jsonl; returns the test lines."""
+    lines = [x for x in (shared_data / "text" / "tinystories_sample.txt").read_text()
+             .splitlines() if x.strip()]
+    path.mkdir(parents=True)
+    for name, part in (("train", lines[:-6]), ("valid", lines[-6:-3]), ("test", lines[-3:])):
+        (path / f"{name}.jsonl").write_text("".join(json.dumps({"text": x}) + "\n"
+                                                    for x in part))
+    return path, lines[-3:]
+
+
+def test_test_scores_the_data_folders_test_jsonl_as_eval_does(tmp_path, shared_data, capsys):
+    from cli_errors import error_line
+    from toymlx_cli.eval import main as eval_main
+
+    from toymlx.data.text import val_batches
+    from toymlx.tokenizer import byte_tokenizer
+
+    data, test_lines = text_folder(tmp_path / "data", shared_data)
+    run = _run(tmp_path, "t", "--steps", "2", "--no-compile", "--test", data=str(data))
+    events = read_events(run)
+    start = events[0]
+    ids = byte_tokenizer().encode("\n\n".join(test_lines))  # the records joined as paragraphs
+    assert start["config"]["test_source"] == str(data / "test.jsonl")
+    assert start["config"]["test_tokens"] == len(ids)
+    assert start["config"]["data_source"] == f"{data / 'train.jsonl'} + {data / 'valid.jsonl'}"
+    assert [(e["kind"], e.get("split")) for e in events[-3:]] == [
+        ("checkpoint", None), ("eval", "test"), ("run_end", None)]
+    test = events[-2]
+    assert test["test_perplexity"] == pytest.approx(np.exp(test["test_loss"]), rel=1e-12)
+    # by hand: the checkpoint's float64 cross-entropy over every 32-token window of test.jsonl
+    model, _ = load_llama(resolve_latest(run))
+    windows = val_batches(np.array(ids), 4, 32, 10**9)
+    nll, n = 0.0, 0.0
+    for b in windows:
+        logits = np.array(model(mx.array(b["inputs"][0])), dtype=np.float64)  # (B, T, V)
+        top = logits.max(-1, keepdims=True)
+        logp = logits - (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))
+        picked = np.take_along_axis(logp, b["targets"][0][..., None], -1)[..., 0]  # (B, T)
+        nll -= (picked * b["mask"][0]).sum()
+        n += b["mask"][0].sum()
+    assert n == 32 * ((len(ids) - 1) // 32)  # every whole window, none twice
+    assert test["test_loss"] == pytest.approx(nll / n, abs=2e-5)
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--split", "test"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["data"] == str(data / "test.jsonl")
+    assert out["test_loss"] == pytest.approx(test["test_loss"], abs=1e-5)
+    # a single text file, or the default corpus, has no test split: nothing is split off
+    single = str(shared_data / "text" / "tinystories_sample.txt")
+    give = "give a folder with train.jsonl and test.jsonl, mlx-lm's layout"
+    for path, found in ((["--data.path", single], (f"{single}, a single file with no test split "
+                                                  f"({give})")),
+                        ([], f"no --data.path (the default data has no test split: {give})")):
+        assert main(["--recipe", "from-scratch", *TINY, "--runs-root", str(tmp_path),
+                     "--run-id", "none", "--test", *path]) == 2
+        assert error_line(capsys) == ("toymlx-train: error: --test: expected --data.path to be a "
+                                      f"data folder with test.jsonl, found {found}")
+    assert not (tmp_path / "none").exists()

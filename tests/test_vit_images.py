@@ -107,6 +107,54 @@ def test_cifar_batch_file_trains_and_resumes_exactly(tmp_path):
     assert start["model"]["image_size"] == 32 and start["model"]["num_classes"] == 10
 
 
+def test_test_path_scored_at_the_end_as_eval_and_the_classifier_score_it(tmp_path, folder,
+                                                                          capsys):
+    from cli_errors import error_line
+
+    from toymlx.report import summarize_run
+
+    test = make_image_folder(tmp_path / "test", per_class=4, seed=5)  # other images, same classes
+    run = _train(tmp_path, "t", folder, "--data.image-size", "8", "--steps", "4",
+                 "--eval-every", "2", "--data.test-path", str(test), "--test")
+    events = read_events(run)
+    assert events[0]["config"]["test_source"] == str(test)
+    assert events[0]["config"]["test_images"] == 12
+    assert [(e["kind"], e.get("split")) for e in events[-3:]] == [
+        ("checkpoint", None), ("eval", "test"), ("run_end", None)]
+    scored = events[-2]
+    assert set(scored) == {"kind", "t", "step", "split", "test_loss", "test_accuracy"}
+    # by hand: the checkpoint's float64 cross-entropy and accuracy over every test image
+    clf = Classifier.load(run)
+    files = sorted(p for p in test.rglob("*") if p.is_file())
+    true = np.array([CLASSES.index(f.parent.name) for f in files])
+    logits = np.asarray(clf.model(mx.array(clf.read(files))), np.float64)  # (12, 3)
+    top = logits.max(1, keepdims=True)
+    logp = logits - (top + np.log(np.exp(logits - top).sum(1, keepdims=True)))
+    assert scored["test_accuracy"] == pytest.approx((logits.argmax(1) == true).mean(), abs=1e-12)
+    assert scored["test_loss"] == pytest.approx(-logp[np.arange(12), true].mean(), abs=1e-5)
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--split", "test", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert (rep["data"], rep["split"], rep["images"]) == (str(test), "test", 12)
+    assert rep["accuracy"] == pytest.approx(scored["test_accuracy"], abs=1e-12)
+    assert rep["test_loss"] == pytest.approx(scored["test_loss"], abs=1e-5)
+    row = summarize_run(run)
+    assert (row["test_loss"], row["test_accuracy"]) == (scored["test_loss"],
+                                                        scored["test_accuracy"])
+    # no test set: refused, and never one that overlaps the training images
+    for extra, want in (
+            ([], ("--test: expected --data.test-path naming a held-out test set, found none (a "
+                 "CIFAR or MNIST folder as --data.path validates on its official test set at "
+                 "every eval already)")),
+            (["--data.test-path", str(folder / "cat")], ("--data.test-path: expected images "
+             f"apart from --data.path (a test set is never trained or validated on), found "
+             f"{folder / 'cat'}, which overlaps {folder}"))):
+        assert train_main(["--recipe", "vit-tiny", *TINY, "--data.path", str(folder), "--test",
+                           "--runs-root", str(tmp_path / "runs"), "--run-id", "no", *extra]) == 2
+        assert error_line(capsys) == f"toymlx-train: error: {want}"
+    assert not (tmp_path / "runs" / "no").exists()
+
+
 @pytest.mark.parametrize("case", ["truncated", "text-as-jpg", "empty-class", "one-class"])
 def test_bad_image_data_one_line_error_and_nothing_left(tmp_path, capsys, case):
     root = make_image_folder(tmp_path / "d", per_class=3)

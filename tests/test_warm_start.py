@@ -371,3 +371,43 @@ def test_warm_beats_random_table(tmp_path, shared_data, stories_path, student):
     # measured (scripts/warm_vs_scratch.py, 200 steps): pca32 -0.29, identity64 -0.13 nats
     assert all(w < r for w, r in zip(val["donor"], val["random"])), val
     assert np.mean(val["donor"]) < np.mean(val["random"]) - 0.03, val
+
+
+def test_test_scores_the_folders_test_jsonl_in_the_donors_tokens(tmp_path, stories_path,
+                                                                  text_file, capsys):
+    """--test on an mlx-lm data folder: test.jsonl tokenized by the donor's tokenizer, scored at
+    the end as toymlx-eval --split test scores it; a single text file is refused before
+    training."""
+    import json
+
+    from cli_errors import error_line
+    from toymlx_cli.eval import main as eval_main
+
+    from toymlx.tokenizer import Tokenizer
+
+    paras = [p for p in Path(text_file).read_text().split("\n\n") if p.strip()]
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, part in (("train", paras[:-10]), ("valid", paras[-10:-5]), ("test", paras[-5:])):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in part))
+    flags = ["--recipe", "warm-start", "--donor", str(stories_path), *W32_FLAGS, "--seq-len",
+             "32", "--batch-size", "4", "--eval-batches", "2", "--steps", "2", "--no-compile",
+             "--no-progress", "--runs-root", str(tmp_path), "--test"]
+    assert main([*flags, "--data.path", str(data), "--run-id", "w"]) == 0
+    events = read_events(tmp_path / "w")
+    g = GGUFFile(stories_path)
+    ids = Tokenizer.from_metadata(g.metadata).encode("\n\n".join(paras[-5:]))
+    assert events[0]["config"]["test_tokens"] == len(ids)
+    test = events[-2]
+    assert (test["kind"], test["split"]) == ("eval", "test")
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "w"), "--split", "test"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["data"] == str(data / "test.jsonl")
+    assert out["test_loss"] == pytest.approx(test["test_loss"], abs=1e-5)
+    assert main([*flags, "--data.path", text_file, "--run-id", "x"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: --test: expected --data.path to be a data folder with test.jsonl, "
+        f"found {text_file}, a single file with no test split (give a folder with train.jsonl "
+        "and test.jsonl, mlx-lm's layout)")
+    assert not (tmp_path / "x").exists()

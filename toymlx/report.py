@@ -153,7 +153,8 @@ def summarize(run_dirs: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     / torn: no run_end / empty: no events / missing), message, step reached, steps planned,
     final_loss, metric (val_loss, or accuracy when the eval events carry it), best and
     best_step, final and final_step of that metric (None without eval), test_loss and
-    test_perplexity where the run has a test score (`--test`), throughput (median of
+    test_perplexity (a language model) or test_accuracy (a classifier) where the run has a test
+    score (`--test`), throughput (median of
     the step events' tokens/s or images/s) and unit, wall_s (summed over resumed segments),
     world_size, peak_memory_mb, and config (config.json flattened to dotted keys).
     """
@@ -248,15 +249,15 @@ COLUMNS = ["status", "step", "final_loss", "metric", "best", "best_step", "final
            "unit", "wall_s"]
 
 
-TEST_COLUMNS = ["test_loss", "test_perplexity"]
-"""Shown after `final` when a run has them (`--test`)."""
+TEST_COLUMNS = ["test_loss", "test_perplexity", "test_accuracy"]
+"""Shown after `final`, each where a run has it (`--test`)."""
 
 
 def table_rows(rows: list[dict[str, Any]], params: list[str]) -> tuple[list[str], list[list[Any]]]:
     """Header and cells of the summary table: run, parameters, then the figures."""
     columns = list(COLUMNS)
-    if any(r.get("test_loss") is not None for r in rows):
-        columns[columns.index("final") + 1:columns.index("final") + 1] = TEST_COLUMNS
+    tests = [c for c in TEST_COLUMNS if any(r.get(c) is not None for r in rows)]
+    columns[columns.index("final") + 1:columns.index("final") + 1] = tests
     header = ["run", *params, *columns]
     cells = [[r["run"], *[r.get("params", {}).get(k) for k in params],
               *[r.get(c) for c in columns]] for r in rows]

@@ -47,6 +47,10 @@ from toymlx.runs import BUNDLE_PICK, flag_name
 RESERVED = ("--recipe", *(flag_name(k) for k in BUNDLE_PICK))
 """Flags the sweep sets on each run itself."""
 
+RUN_OPTIONS_FILE = "run-options.json"
+"""In the sweep folder: the options every run takes from the sweep's config file, handed to each
+new run as `toymlx-train -c` (its flags, the grid's values among them, over it)."""
+
 
 # ---------------------------------------------------------------- specs
 
@@ -166,13 +170,16 @@ def _norm_key(key: str) -> str:
     return key.replace("-", "_")
 
 
-def _check_key(key: str, types: dict[str, Any], recipe: str | None) -> None:
+def _check_key(key: str, types: dict[str, Any], recipe: str | None,
+               where: str | None = None) -> None:
+    """ValueError (starting with `where`, default `--grid KEY`) unless `key` is an option of
+    the recipe."""
     key_to_flag(key)
     if types and _norm_key(key) not in types:
         close = [k for k in types if k.rsplit(".", 1)[-1] == _norm_key(key).rsplit(".", 1)[-1]]
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ValueError(f"--grid {key}: expected an option of recipe {recipe}, found no option "
-                         f"{key_to_flag(key)}{hint}")
+        raise ValueError(f"{where or f'--grid {key}'}: expected an option of recipe {recipe}, "
+                         f"found no option {key_to_flag(key)}{hint}")
 
 
 def _flags(key: str, value: Any, types: dict[str, Any]) -> list[str]:
@@ -279,34 +286,62 @@ def parse_axis(text: str, recipe: str | None = None) -> tuple[str, Any]:
         raise ValueError(f"--grid {text!r}: expected KEY=V1,V2,... (e.g. lr=1e-4,3e-4)")
     types = _field_types(recipe)
     _check_key(key, types, recipe)
-    m = re.fullmatch(r"(log|uniform|int):([^:]+):([^:]+)", vals.strip())
+    m = _RANGE.fullmatch(vals.strip())
     if m:
-        kind, lo, hi = m.groups()
-        try:
-            if kind == "int":
-                dist: Any = IntUniform(int(lo), int(hi))
-            else:
-                dist = (LogUniform if kind == "log" else Uniform)(float(lo), float(hi))
-        except ValueError:
-            raise ValueError(f"--grid {text!r}: expected {kind}:LO:HI with numbers") from None
-        if dist.lo > dist.hi or (kind == "log" and dist.lo <= 0):
-            raise ValueError(f"--grid {text!r}: expected 0 < LO <= HI" if kind == "log"
-                             else f"--grid {text!r}: expected LO <= HI")
-        return key, dist
+        return key, _range(*m.groups(), where=f"--grid {text!r}")
     t = types.get(_norm_key(key))
     return key, [_parse_value(v.strip(), t, key) for v in vals.split(",")]
 
 
-def _parse_value(s: str, t: Any, key: str) -> Any:
+def file_axis(key: str, values: Any, recipe: str | None, where: str) -> Any:
+    """A grid axis as a config file gives it (`where` names the file and the key): a list of
+    values, each typed by the recipe's option as `parse_axis` types a --grid value, or a
+    "log:LO:HI" (uniform:, int:) range for --random; ValueError starting with `where`."""
+    types = _field_types(recipe)
+    _check_key(key, types, recipe, where)
+    m = _RANGE.fullmatch(values.strip()) if isinstance(values, str) else None
+    if m:
+        return _range(*m.groups(), where=where)
+    if not isinstance(values, list) or not values or any(isinstance(v, (list, dict))
+                                                         for v in values):
+        raise ValueError(f'{where}: expected a list of values or a "log:LO:HI" range, found '
+                         f"{json.dumps(values)}")
+    t = types.get(_norm_key(key))
+    return [_parse_value(_arg_str(v), t, key, where) for v in values]
+
+
+_RANGE = re.compile(r"(log|uniform|int):([^:]+):([^:]+)")
+"""A --random range: log:LO:HI, uniform:LO:HI or int:LO:HI."""
+
+
+def _range(kind: str, lo: str, hi: str, where: str) -> LogUniform | Uniform | IntUniform:
+    try:
+        if kind == "int":
+            dist: Any = IntUniform(int(lo), int(hi))
+        else:
+            dist = (LogUniform if kind == "log" else Uniform)(float(lo), float(hi))
+    except ValueError:
+        raise ValueError(f"{where}: expected {kind}:LO:HI with numbers") from None
+    if dist.lo > dist.hi or (kind == "log" and dist.lo <= 0):
+        raise ValueError(f"{where}: expected 0 < LO <= HI" if kind == "log"
+                         else f"{where}: expected LO <= HI")
+    return dist
+
+
+def _parse_value(s: str, t: Any, key: str, where: str | None = None) -> Any:
+    """A --grid value (text) as the option's type `t` wants it; ValueError starting with
+    `where` (default `--grid KEY=VALUE`)."""
     args = typing.get_args(t)
     if s == "None" and (t is None or type(None) in args):
         return None
     if t is not None and type(None) in args:
         inner = [a for a in args if a is not type(None)]
         t = inner[0] if len(inner) == 1 else None
+    found = f", found {json.dumps(s)}" if where else ""
+    where = where or f"--grid {key}={s}"
     if t is bool or (t is None and s.lower() in ("true", "false")):
         if s.lower() not in ("true", "false"):
-            raise ValueError(f"--grid {key}={s}: expected true or false")
+            raise ValueError(f"{where}: expected true or false{found}")
         return s.lower() == "true"
     for cast in ((int,) if t is int else (float,) if t is float else
                  () if t is not None else (int, float)):
@@ -314,13 +349,16 @@ def _parse_value(s: str, t: Any, key: str) -> Any:
             return cast(s)
         except ValueError:
             if t is not None:
-                raise ValueError(f"--grid {key}={s}: expected a {cast.__name__}") from None
+                raise ValueError(f"{where}: expected a {cast.__name__}{found}") from None
     return s
 
 
-def default_sweep_id(recipe: str, specs: Sequence[RunSpec]) -> str:
-    """A stable id from the recipe and the specs, so the same command resumes the same sweep."""
-    blob = json.dumps([recipe, [[s.name, list(s.args)] for s in specs]])
+def default_sweep_id(recipe: str, specs: Sequence[RunSpec],
+                     run_options: Mapping[str, Any] | None = None) -> str:
+    """A stable id from the recipe, the specs and the options every run takes from a config
+    file, so the same command resumes the same sweep."""
+    blob = json.dumps([recipe, [[s.name, list(s.args)] for s in specs],
+                       *([run_options] if run_options else [])], sort_keys=True, default=str)
     return f"sweep-{recipe}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
 
 
@@ -522,7 +560,8 @@ class SweepResult:
         return not self.failed and "interrupted" not in self.states.values()
 
 
-def _write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec]) -> None:
+def _write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
+                      run_options: Mapping[str, Any] | None = None) -> None:
     path = sweep_dir / report.SWEEP_FILE
     runs: dict[str, dict] = {}
     try:
@@ -534,6 +573,7 @@ def _write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec]) ->
     for s in specs:
         runs[s.name] = {"name": s.name, "params": s.params, "args": list(s.args)}
     atomic.write_text(path, json.dumps({"recipe": recipe, "sweep_id": sweep_dir.name,
+                                        **({"run_options": run_options} if run_options else {}),
                                         "runs": list(runs.values())}, indent=1, default=str))
 
 
@@ -566,8 +606,10 @@ class _Runner:
 
     def __init__(self, recipe: str, sweep_dir: Path, runs: list[_Run], workers: int,
                  retry_failed: bool, busy_wait: float, python: str, view: _View,
-                 stream: TextIO):
+                 stream: TextIO, run_options: Path | None = None):
         self.recipe, self.sweep_dir, self.runs, self.workers = recipe, sweep_dir, runs, workers
+        self.run_options = run_options
+        """The file of options every new run takes as `-c` (None: none)."""
         self.retry_failed, self.busy_wait = retry_failed, busy_wait
         self.python, self.view, self.stream = python, view, stream
         self.env = child_env(dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -669,7 +711,8 @@ class _Runner:
         else:  # new, failed, or stopped before its first checkpoint: start (over)
             r.action = "restart" if r.dir.exists() else "start"
             cmd = ["--recipe", self.recipe, "--runs-root", str(self.sweep_dir), "--run-id",
-                   r.spec.name, "--no-progress", *r.spec.args,
+                   r.spec.name, "--no-progress",
+                   *(["-c", str(self.run_options)] if self.run_options else []), *r.spec.args,
                    *(["--overwrite"] if r.dir.exists() else [])]
         log_path = self.sweep_dir / "logs" / f"{r.spec.name}.log"
         r.log = open(log_path, "ab")  # noqa: SIM115  (open for the run's lifetime)
@@ -733,12 +776,15 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
               workers: int = 1, shard: tuple[int, int] = (0, 1), sweep_id: str | None = None,
               *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
               python: str | None = None, report_png: bool = True,
-              busy_wait: float = 60.0) -> SweepResult:
+              busy_wait: float = 60.0, run_options: Mapping[str, Any] | None = None
+              ) -> SweepResult:
     """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
     time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
     report.png). Completed (and diverged) runs are skipped, torn ones resumed, failed ones
     retried (`retry_failed`); a run whose bundle another process owns is waited for up to
-    `busy_wait` seconds, then left to it. A failure is reported and does not stop the others."""
+    `busy_wait` seconds, then left to it. A failure is reported and does not stop the others.
+    `run_options` (a config file's, as toymlx-train -c reads one) is written to the sweep
+    folder's RUN_OPTIONS_FILE and given to every new run as `-c`, the specs' flags over it."""
     if workers < 1:
         raise ValueError(f"--workers: expected >= 1, found {workers}")
     if not specs:
@@ -748,18 +794,23 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         raise ValueError("sweep: run names repeat; give each run distinct values")
     mine = shard_specs(specs, shard)
     stream = stream or sys.stderr
-    sweep_id = sweep_id or default_sweep_id(recipe, specs)
+    sweep_id = sweep_id or default_sweep_id(recipe, specs, run_options)
     if "/" in sweep_id or sweep_id in ("", ".", ".."):
         raise ValueError(f"--sweep-id: expected a single folder name, found {sweep_id!r}")
     sweep_dir = Path(root) / sweep_id
     for sub in ("logs", ".locks", ".status"):
         (sweep_dir / sub).mkdir(parents=True, exist_ok=True)
-    _write_sweep_file(sweep_dir, recipe, specs)
+    _write_sweep_file(sweep_dir, recipe, specs, run_options)
+    options_file = None
+    if run_options:
+        options_file = sweep_dir / RUN_OPTIONS_FILE
+        atomic.write_text(options_file, json.dumps(run_options, indent=1))
     stream.write(f"sweep {sweep_dir}: {len(specs)} runs, {len(mine)} on this shard "
                  f"({shard[0]}/{shard[1]}), {workers} worker(s)\n")
     runs = [_Run(s, sweep_dir / s.name) for s in mine]
     interrupted = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
-                          python or sys.executable, _View(stream, progress), stream).run()
+                          python or sys.executable, _View(stream, progress), stream,
+                          options_file).run()
 
     result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
     result.states = {r.spec.name: r.state for r in runs}

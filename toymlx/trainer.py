@@ -177,7 +177,8 @@ def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
              ) -> dict[str, float]:
     """Metrics over the task's validation batches (`split="test"`: its test batches),
     count-weighted, in eval mode (dropout off; the model's mode is restored afterwards); the
-    loss is `<split>_loss`."""
+    loss is `<split>_loss`, and a test split's other metrics are `test_<name>` (test_accuracy)
+    so that they never read as the validation figures."""
     totals: dict[str, float] = {}
     fn = task.metrics_fn or _loss_metrics(task.loss_fn)
     was_training = task.model.training
@@ -193,7 +194,8 @@ def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
     finally:
         task.model.train(was_training)
     n = totals.pop("n", 0.0) or 1.0
-    return {(f"{split}_loss" if k == "loss" else k): v / n for k, v in totals.items()}
+    return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
+            for k, v in totals.items()}
 
 
 def _loss_metrics(loss_fn):
@@ -568,9 +570,11 @@ class _Loop:
             bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     def _test(self, bar: Any) -> None:
-        """The completed run's held-out test loss and perplexity (`--test`), once at the end."""
+        """The completed run's held-out test figures (`--test`), once at the end: the loss and
+        the task's metrics (a classifier's test_accuracy), and a language model's perplexity."""
         metrics = evaluate(self.task, split="test")
-        metrics["test_perplexity"] = math.exp(metrics["test_loss"])
+        if self.task.unit == "tokens":
+            metrics["test_perplexity"] = math.exp(metrics["test_loss"])
         self.log.emit("eval", step=self.step, split="test", **metrics)
         if bar is not None:
             bar.write("test: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

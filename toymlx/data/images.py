@@ -12,7 +12,8 @@ Design choices:
 - The train/validation split uses a fixed permutation (`SPLIT_SEED`), never the run's seed,
   so validation is identical across seeds. A directory holding both `train-*` and `t10k-*`
   IDX pairs, or CIFAR's batches, uses the official split instead (t10k / test_batch is
-  validation); `val_path` names a separate validation set.
+  validation); `val_path` names a separate validation set, and `test_path` a held-out test
+  set (scored once, by `--test`), each taken whole.
 - `train_batch` is a pure function of `(seed, step)`: the sample stream walks epochs, each
   shuffled by `np.random.default_rng([seed, epoch])`; augmentation (`toymlx.data.augment`, in
   [0, 1] space before standardising) draws from `np.random.default_rng([seed, step, 1])`, and
@@ -320,6 +321,10 @@ class ImageSet:
     scale_fixed: bool = False
     """Whether `scale` is the format's (255 for decoded image files and CIFAR) rather than the
     largest value found in the data"""
+    test_x: np.ndarray | ImageFiles | None = None
+    """Held-out test images (`test_path`), None without a test set"""
+    test_y: np.ndarray | None = None
+    test_source: str | None = None
     _perms: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
@@ -374,23 +379,35 @@ class ImageSet:
         are made when read (a streamed set decodes them then)."""
         if batch_size < 1:
             raise ImageDataError(f"batch_size: expected >= 1, found {batch_size}")
-        return _ValBatches(self, batch_size, pad_last)
+        return _ValBatches(self, self.val_x, self.val_y, batch_size, pad_last)
+
+    def test_batches(self, batch_size: int, pad_last: bool = False) -> Sequence[dict]:
+        """The whole test set as `val_batches` gives the validation split ([] without one)."""
+        if self.test_x is None or self.test_y is None:
+            return []
+        if batch_size < 1:
+            raise ImageDataError(f"batch_size: expected >= 1, found {batch_size}")
+        return _ValBatches(self, self.test_x, self.test_y, batch_size, pad_last)
 
     def describe(self) -> dict[str, Any]:
         """Sizes for logging."""
+        test = {} if self.test_y is None else {"test_source": self.test_source,
+                                                "test_images": len(self.test_y)}
         return {"source": self.source, "train_images": len(self.train_x),
-                "val_images": len(self.val_x), "image_shape": list(self.image_shape),
+                "val_images": len(self.val_x), **test, "image_shape": list(self.image_shape),
                 "num_classes": self.num_classes, "streamed": self.streamed}
 
 
 class _ValBatches(Sequence):
-    """ImageSet.val_batches: a list-like of batches built on access."""
+    """ImageSet.val_batches (and test_batches): a list-like of batches of the images `x`,
+    labels `y`, built on access and normalised with the training statistics."""
 
-    def __init__(self, data: ImageSet, batch_size: int, pad_last: bool):
-        self.data, self.bs, self.pad = data, batch_size, pad_last
+    def __init__(self, data: ImageSet, x: np.ndarray | ImageFiles, y: np.ndarray,
+                 batch_size: int, pad_last: bool):
+        self.data, self.x, self.y, self.bs, self.pad = data, x, y, batch_size, pad_last
 
     def __len__(self) -> int:
-        return (len(self.data.val_y) + self.bs - 1) // self.bs
+        return (len(self.y) + self.bs - 1) // self.bs
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -398,9 +415,9 @@ class _ValBatches(Sequence):
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
-        d, bs = self.data, self.bs
-        x = d.normalise(d.val_x[i * bs:(i + 1) * bs])
-        y = d.val_y[i * bs:(i + 1) * bs]
+        bs = self.bs
+        x = self.data.normalise(self.x[i * bs:(i + 1) * bs])
+        y = self.y[i * bs:(i + 1) * bs]
         if self.pad and len(y) < bs:
             x = np.concatenate([x, np.zeros((bs - len(y), *x.shape[1:]), x.dtype)])
             y = np.concatenate([y, np.full(bs - len(y), -1, y.dtype)])
@@ -468,12 +485,27 @@ def _channel_stats(x: np.ndarray | ImageFiles, scale: float) -> tuple[np.ndarray
     return mean.astype(np.float32), np.where(std > 0, std, 1.0).astype(np.float32)
 
 
+def _held_out(path: str, flag: str, like: np.ndarray | ImageFiles, names: list[str],
+              stream: bool | None, workers: int) -> tuple[np.ndarray | ImageFiles, np.ndarray,
+                                                        str]:
+    """(images, labels, source) of a validation or test set of its own (`flag`: --data.val-path,
+    --data.test-path): every image in it, at the size and channels of the training images
+    `like`, labels mapped into the training classes `names` by name."""
+    h, _, c = like.shape[1:]
+    raw = _load_raw(path, h, c, stream, workers, min_classes=1)
+    x = _conform(raw.x, h, c, raw.source)
+    if len(x) == 0:
+        raise ImageDataError(f"{raw.source}: {flag}: no images")
+    return x, _map_classes(raw, names, raw.source), raw.source
+
+
 def load_images(path: str | None = None, val_fraction: float = 0.1,
                 augment: Augment | None = None, *, val_path: str | None = None,
-                image_size: int | None = None, channels: int | None = None,
-                classes: list[str] | None = None, stream: bool | None = None,
-                workers: int = 2) -> ImageSet:
-    """Load images and split them (or take `val_path` as the validation set).
+                test_path: str | None = None, image_size: int | None = None,
+                channels: int | None = None, classes: list[str] | None = None,
+                stream: bool | None = None, workers: int = 2) -> ImageSet:
+    """Load images and split them (or take `val_path` as the validation set); `test_path`, if
+    given, is the held-out test set (`test_x`, `test_y`), taken whole as `val_path` is.
 
     `path`: None (the UCI digits fixture), a folder of class subfolders (ImageFolder), CIFAR
     python batches (folder, .tar.gz or one batch file), an IDX file or folder, or a .npz.
@@ -501,13 +533,8 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
     names = classes or raw.class_names or [str(i) for i in range(int(raw.y.max()) + 1)]
     y = _map_classes(raw, names, raw.source)
     if val_path is not None:
-        h, _, c = raw.x.shape[1:]
-        val = _load_raw(val_path, h, c, stream, workers, min_classes=1)
-        val.x = _conform(val.x, h, c, val.source)
-        if len(val.x) == 0:
-            raise ImageDataError(f"{val.source}: --data.val-path: no images")
         train_idx, val_idx = np.arange(raw.n_train or len(raw.x)), None
-        val_x, val_y = val.x, _map_classes(val, names, val.source)
+        val_x, val_y, _ = _held_out(val_path, "--data.val-path", raw.x, names, stream, workers)
     else:
         if raw.n_train is None:
             perm = np.random.default_rng(SPLIT_SEED).permutation(len(raw.x))
@@ -522,8 +549,11 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
     train_x = _take(raw.x, train_idx)
     scale = raw.scale or float(np.max(raw.x)) or 1.0
     mean, std = _channel_stats(train_x, scale)
+    test_x, test_y, test_source = (None, None, None) if test_path is None else _held_out(
+        test_path, "--data.test-path", raw.x, names, stream, workers)
     return ImageSet(train_x, y[train_idx], val_x, val_y, scale, mean, std, len(names),
-                    raw.source, list(names), augment, raw.scale is not None)
+                    raw.source, list(names), augment, raw.scale is not None,
+                    test_x=test_x, test_y=test_y, test_source=test_source)
 
 
 def _take(x: np.ndarray | ImageFiles, idx: np.ndarray) -> np.ndarray | ImageFiles:

@@ -108,8 +108,10 @@ def val_batches(
     max_batches: int,
     *,
     source: str = "<tokens>",
+    what: str = "validation split",
 ) -> list[dict[str, np.ndarray]]:
-    """Fixed validation batches, each `(1, batch_size, seq_len)`, independent of any seed.
+    """Fixed validation (or test: `what`) batches, each `(1, batch_size, seq_len)`, independent
+    of any seed.
 
     Takes up to `max_batches * batch_size` non-overlapping windows spread evenly from the
     start to the end of `tokens`. When fewer windows exist than a full last batch needs,
@@ -120,7 +122,7 @@ def val_batches(
     tokens = np.asarray(tokens)
     if len(tokens) == 0:
         return []
-    _need_window(len(tokens), seq_len, "validation split", source, "use a shorter seq_len")
+    _need_window(len(tokens), seq_len, what, source, "use a shorter seq_len")
     n_avail = (len(tokens) - 1) // seq_len  # windows with disjoint targets
     n_batches = min(max_batches, math.ceil(n_avail / batch_size))
     n_win = min(n_avail, n_batches * batch_size)
@@ -140,7 +142,8 @@ def val_batches(
 
 @dataclass(frozen=True)
 class TokenData:
-    """Train and validation token ids (np.int32) split from one id sequence."""
+    """Train and validation token ids (np.int32) split from one id sequence (or each from its
+    own file), and optional held-out test ids."""
 
     train: np.ndarray
     """Training ids: the first `1 - val_fraction` of the sequence"""
@@ -148,6 +151,10 @@ class TokenData:
     """Validation ids: the last `val_fraction` of the sequence (may be empty)"""
     source: str = "<tokens>"
     """Where the ids came from, for error messages"""
+    test: np.ndarray | None = None
+    """Held-out test ids (`--test`), None without a test set"""
+    test_source: str | None = None
+    """Where the test ids came from"""
 
     @classmethod
     def from_ids(
@@ -199,6 +206,13 @@ class TokenData:
     ) -> list[dict[str, np.ndarray]]:
         """`val_batches` over the validation split."""
         return val_batches(self.val, batch_size, seq_len, max_batches, source=self.source)
+
+    def test_batches(self, batch_size: int, seq_len: int) -> list[dict[str, np.ndarray]]:
+        """`val_batches` over every window of the test ids ([] without a test set)."""
+        if self.test is None:
+            return []
+        return val_batches(self.test, batch_size, seq_len, max(1, len(self.test)),
+                           source=self.test_source or self.source, what="test set")
 
     def describe(self) -> dict[str, Any]:
         """Sizes for logging."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
-from toymlx.data.text import TokenData, read_text
+from toymlx.data.chat import data_files, load_examples, test_file
+from toymlx.data.text import DataError, TokenData, read_text
 from toymlx.losses import lm_loss
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
 from toymlx.trainer import Task, TrainConfig
@@ -51,9 +53,12 @@ class TextData:
     """Text to train on."""
 
     path: str | None = None
-    """A UTF-8 text file; default: the Python documentation topics that CPython ships."""
+    """A UTF-8 text file, or a folder in mlx-lm's layout: train.jsonl, optional valid.jsonl and
+    test.jsonl (--test) of {"text": ...} records, each file's texts joined by blank lines;
+    default: the Python documentation topics that CPython ships."""
     val_fraction: float = 0.1
-    """Fraction of the tokens, taken from the end, held out for validation."""
+    """Fraction of the tokens, taken from the end, held out for validation (not used when a
+    data folder has valid.jsonl)."""
 
 
 def default_corpus() -> tuple[str, str]:
@@ -64,12 +69,53 @@ def default_corpus() -> tuple[str, str]:
     return text, "python-docs (pydoc_data.topics, the Python documentation's topic pages)"
 
 
-def load_token_data(data: TextData, tokenizer, seq_len: int) -> TokenData:
+def records_text(path: Path) -> str:
+    """The {"text": ...} records of one JSONL file joined by blank lines: the stream a text file
+    of those paragraphs gives; DataError naming the first record of another shape."""
+    examples = load_examples(path)
+    other = next((e for e in examples if e.kind != "text"), None)
+    if other is not None:
+        raise DataError(f"{other.source}: expected a {{\"text\": ...}} record (this recipe trains "
+                        f"on plain text), found a {other.kind} record")
+    return "\n\n".join(e.text for e in examples)
+
+
+def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False) -> TokenData:
+    """The token ids of --data.path: the default corpus or a text file (validation: the last
+    val_fraction), or an mlx-lm data folder (validation: valid.jsonl, else the last val_fraction
+    of train.jsonl; with `test`, test.jsonl as the test ids)."""
     if data.path is None:
         text, source = default_corpus()
         return TokenData.from_ids(tokenizer.encode(text), seq_len, data.val_fraction, source)
-    read_text(data.path)  # clear errors for missing, empty or non-UTF-8 files
-    return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction)
+    if not Path(data.path).is_dir():
+        read_text(data.path)  # clear errors for missing, empty or non-UTF-8 files
+        return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction)
+    files = data_files(data.path)
+    ids = tokenizer.encode(records_text(files.train))
+    if files.valid is None:
+        td = TokenData.from_ids(ids, seq_len, data.val_fraction, str(files.train))
+    else:
+        td = replace(TokenData.from_ids(ids, seq_len, 0.0, f"{files.train} + {files.valid}"),
+                     val=np.asarray(tokenizer.encode(records_text(files.valid)), np.int32))
+    if not test:
+        return td
+    f = test_file(data.path)
+    return replace(td, test=np.asarray(tokenizer.encode(records_text(f)), np.int32),
+                   test_source=str(f))
+
+
+def check_test_folder(path: str | None, flag: str = "--test") -> None:
+    """`flag` (--test, or toymlx-eval's --split test) scores a data folder's test.jsonl: a
+    ValueError naming it unless `path` is such a folder (no test set is split off a single
+    file or the default data)."""
+    if path is not None and Path(path).is_dir() and data_files(path).test is not None:
+        return
+    give = "give a folder with train.jsonl and test.jsonl, mlx-lm's layout"
+    found = (f"no --data.path (the default data has no test split: {give})" if path is None else
+             f"{path}, a single file with no test split ({give})" if Path(path).is_file() else
+             str(path))
+    raise ValueError(f"{flag}: expected --data.path to be a data folder with test.jsonl, "
+                     f"found {found}")
 
 
 def llama_model_info(args: LlamaArgs) -> dict[str, Any]:
@@ -91,11 +137,14 @@ def lm_task(recipe: str, cfg: TrainConfig, seq_len: int, model: Llama, data: Tok
     if cfg.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, found {cfg.batch_size}")
     val = data.val_batches(cfg.batch_size, seq_len, max(cfg.eval_batches, 1))
+    test = {"test_source": data.test_source, "test_tokens": int(data.test.size)} \
+        if data.test is not None else {}
     return Task(
         recipe=recipe, model=model, loss_fn=lm_loss,
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, seq_len, cfg.grad_accum),
         val_batches=val, save=save, load=load, model_info=model_info,
         config_info={"context": seq_len, "seq_len": seq_len, "data_source": data.source,
                      "train_tokens": int(data.train.size), "val_tokens": int(data.val.size),
-                     **config_info},
-        unit="tokens", count=lambda b: int(np.sum(b["mask"])))
+                     **test, **config_info},
+        unit="tokens", count=lambda b: int(np.sum(b["mask"])),
+        test_batches=data.test_batches(cfg.batch_size, seq_len))

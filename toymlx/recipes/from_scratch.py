@@ -1,4 +1,5 @@
-"""Recipe `from-scratch`: a randomly initialised Llama trained on a text file.
+"""Recipe `from-scratch`: a randomly initialised Llama trained on a text file (or an mlx-lm
+data folder of {"text": ...} records, whose test.jsonl `--test` scores at the end).
 
 Bytes are the vocabulary (256 byte tokens plus <unk>, <s>, </s>), stored in each checkpoint
 as a llama.cpp "llama" tokenizer, so the checkpoints run in llama.cpp as they are.
@@ -18,6 +19,7 @@ from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
     check_seq_len,
+    check_test_folder,
     llama_model_info,
     lm_task,
     load_token_data,
@@ -34,13 +36,23 @@ class Config(TrainConfig):
     """Tokens per training sequence."""
     model: LlamaOptions = field(default_factory=LlamaOptions)
     data: TextData = field(default_factory=TextData)
+    test: bool = False
+    """At the end of a completed run, score the data folder's test.jsonl (--data.path in
+    mlx-lm's layout): loss and perplexity over all its windows of --seq-len tokens, an `eval`
+    event with split "test" (later: `toymlx-eval --model RUN --split test`)."""
+
+
+def validate(cfg: Config) -> None:
+    """--test needs a data folder with test.jsonl; the data itself is checked as it is read."""
+    if cfg.test:
+        check_test_folder(cfg.data.path)
 
 
 def build(cfg: Config, ops: Ops) -> Task:
     tok = byte_tokenizer()
     args = cfg.model.build_args(tok.vocab_size)
     check_seq_len(cfg.seq_len, args)
-    data = load_token_data(cfg.data, tok, cfg.seq_len)
+    data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test)
     mx.random.seed(cfg.seed)
     model = Llama(args, ops)
     tok_meta = tok.to_metadata()

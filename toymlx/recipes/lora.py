@@ -28,7 +28,7 @@ import numpy as np
 
 from toymlx import model_store
 from toymlx.data import fixture_path
-from toymlx.data.chat import SFTData, data_files
+from toymlx.data.chat import SFTData
 from toymlx.device import on_gpu
 from toymlx.gguf.llama import CHECKPOINT_FORMAT, load_llama, load_llama_into
 from toymlx.gguf.quant import EXACT_QUANTS, all_exact, projection_types
@@ -48,7 +48,7 @@ from toymlx.lora import (
 )
 from toymlx.losses import lm_loss
 from toymlx.models.ops import Ops
-from toymlx.recipes.common import check_seq_len, llama_model_info
+from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
 from toymlx.tokenizer import Tokenizer
 from toymlx.trainer import Task, TrainConfig
 
@@ -161,9 +161,8 @@ def validate(cfg: Config) -> None:
         raise ValueError("--lora.init-adapter: expected with --fine-tune-type lora or dora, "
                          "found full (fuse the adapter into the base with toymlx-export --fuse, "
                          "and fine-tune that)")
-    if cfg.test and (cfg.data.path is None or data_files(cfg.data.path).test is None):
-        raise ValueError(f"--test: expected --data.path to be a data folder with test.jsonl, "
-                         f"found {'no --data.path' if cfg.data.path is None else cfg.data.path}")
+    if cfg.test:
+        check_test_folder(cfg.data.path)
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ValueError(f"--data.val-fraction: expected in [0, 1), found "
                          f"{cfg.data.val_fraction}")

@@ -5,6 +5,7 @@ With no arguments it trains on the UCI 8x8 handwritten digits in `toymlx/fixture
 batches, MNIST/Fashion-MNIST IDX files (or their folder) or a `.npz` with x/y. The preset
 follows the data's image shape unless `--model.preset` says otherwise, and the augmentation
 follows the image and set size (`augment_for`) unless a `--data.*` flag says otherwise.
+`--data.test-path` names a held-out test set that `--test` scores once, at the end.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ class ImageData:
     .tar.gz or one batch file), IDX images file or folder, or .npz with x/y; default: the UCI
     8x8 digits fixture."""
     val_path: str | None = None
-    """A separate validation set in any of those formats (default: a fixed split of path)."""
+    """A separate validation set in any of those formats (default: a fixed split of path; a
+    CIFAR folder or archive, or an MNIST folder with t10k files: its official test set)."""
+    test_path: str | None = None
+    """A held-out test set in any of those formats, every image of it scored once by --test
+    at the end (never trained on, validated on, or used by --keep-best)."""
     val_fraction: float = 0.1
     """Fraction held out for validation when path has no split of its own (a fixed split, the
     same for every seed)."""
@@ -127,7 +132,11 @@ class Config(TrainConfig):
     plain cross-entropy)."""
     model: ViTOptions = field(default_factory=ViTOptions)
     data: ImageData = field(default_factory=ImageData)
-
+    test: bool = False
+    """At the end of a completed run, score --data.test-path: test_loss and test_accuracy over
+    every image, an `eval` event with split "test" (later: `toymlx-eval --model RUN --split
+    test`). A CIFAR or MNIST folder as --data.path already validates on its official test set
+    (test_batch, t10k) at every eval; --test scores a test set of its own."""
 
 def smoothed_loss(eps: float):
     """Label-smoothed cross-entropy, optionally mixed between two label sets (mixup):
@@ -183,6 +192,18 @@ def validate(cfg: Config) -> None:
     for flag, ok, want, found in checks:
         if not ok:
             raise ValueError(f"{flag}: expected {want}, found {found}")
+    if cfg.test and d.test_path is None:
+        raise ValueError("--test: expected --data.test-path naming a held-out test set, found "
+                         "none (a CIFAR or MNIST folder as --data.path validates on its official "
+                         "test set at every eval already)")
+    if d.test_path is not None:
+        test = Path(d.test_path).resolve()
+        for flag, other in (("--data.path", d.path), ("--data.val-path", d.val_path)):
+            if other is not None and (test.is_relative_to(Path(other).resolve())
+                                      or Path(other).resolve().is_relative_to(test)):
+                raise ValueError(f"--data.test-path: expected images apart from {flag} (a test "
+                                 f"set is never trained or validated on), found {d.test_path}, "
+                                 f"which overlaps {other}")
 
 
 def auto_patch(side: int) -> int:
@@ -220,7 +241,8 @@ def model_args(opts: ViTOptions, data: ImageSet) -> ViTArgs:
 
 def build(cfg: Config, ops: Ops) -> Task:
     d = cfg.data
-    data = load_images(d.path, d.val_fraction, val_path=d.val_path, image_size=d.image_size,
+    data = load_images(d.path, d.val_fraction, val_path=d.val_path,
+                       test_path=d.test_path if cfg.test else None, image_size=d.image_size,
                        channels=d.channels, stream=d.stream, workers=max(d.workers, 1))
     data.augment = augment_for(d, data.image_shape, len(data.train_x))
     if cfg.batch_size > len(data.train_x):
@@ -260,4 +282,5 @@ def build(cfg: Config, ops: Ops) -> Task:
             "mixup": aug.mixup, "cutmix": aug.cutmix, "label_smoothing": cfg.label_smoothing,
             "class_names": data.class_names[:100], **data.describe()},
         metrics_fn=classify_metrics, unit="images",
-        count=lambda b: int(np.prod(b["labels"].shape)))
+        count=lambda b: int(np.prod(b["labels"].shape)),
+        test_batches=data.test_batches(cfg.batch_size, pad_last=True))

@@ -29,6 +29,7 @@ from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
     check_seq_len,
+    check_test_folder,
     llama_model_info,
     lm_task,
     load_token_data,
@@ -64,6 +65,11 @@ class Config(TrainConfig):
     """Student shape; its vocabulary is the donor's."""
     data: TextData = field(default_factory=TextData)
     warm: WarmOptions = field(default_factory=WarmOptions)
+    test: bool = False
+    """At the end of a completed run, score the data folder's test.jsonl (--data.path in
+    mlx-lm's layout), tokenized by the donor's tokenizer: loss and perplexity over all its
+    windows of --seq-len tokens, an `eval` event with split "test" (later:
+    `toymlx-eval --model RUN --split test`)."""
 
 
 def validate(cfg: Config) -> None:
@@ -76,6 +82,8 @@ def validate(cfg: Config) -> None:
                          f"found {cfg.warm.freeze_embeddings}")
     if cfg.warm.vocab is not None and cfg.warm.vocab < 1:
         raise ValueError(f"--warm.vocab: expected >= 1, found {cfg.warm.vocab}")
+    if cfg.test:
+        check_test_folder(cfg.data.path)
 
 
 def donor_tokenizer(donor: warm.Donor, vocab: int) -> Tokenizer:
@@ -143,8 +151,9 @@ def build(cfg: Config, ops: Ops) -> Task:
     if w.init == "random":
         table = rng.normal(0.0, warm.rms(table), table.shape).astype(np.float32)
     lens = warm.make_lens(w.lens, table, args.d_model, rng)
-    data = load_token_data(cfg.data, tok, cfg.seq_len)
-    top = int(max(data.train.max(initial=0), data.val.max(initial=0)))
+    data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test)
+    top = max(int(ids.max(initial=0)) for ids in (data.train, data.val, data.test)
+              if ids is not None)
     if top >= vocab:
         raise ValueError(f"--warm.vocab: expected every token id of {data.source} below "
                          f"{vocab}, found {top}; use a larger --warm.vocab")
