@@ -91,7 +91,11 @@ CHAT_HELP = ("type a message and Enter; /reset forgets the conversation, /quit o
 def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
     """The conversation of `--chat` without `--prompt`: each line read is a user turn, the
     reply streams to `out`, and the next turn's prompt is the whole conversation rendered
-    again (the KV cache starts afresh each turn). Returns the number of turns answered."""
+    again, its start, as far as it matches the tokens already computed, taken from the KV
+    caches kept between turns (MLX: `PromptCache`). Returns the number of turns answered."""
+    from toymlx.generate import LlamaCppDecoder, PromptCache
+
+    kept = None if isinstance(model, LlamaCppDecoder) else PromptCache()
     inp = sys.stdin if inp is None else inp
     out = sys.stdout if out is None else out
     _need_template(tokenizer, args)
@@ -109,6 +113,7 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
         text = line.strip()
         if text == "/reset":
             history = []
+            kept = None if kept is None else PromptCache()
             continue
         if not text:
             continue
@@ -118,15 +123,17 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
             print(f"{PROG}: the conversation ({len(ids)} tokens) fills the model's context "
                   f"({context}); /reset to start again", file=sys.stderr)
             continue
-        reply, _ = stream(model, tokenizer, ids, turn, out)
+        reply, _ = stream(model, tokenizer, ids, turn, out, kept)
         history += [{"role": "user", "content": text},
                     {"role": "assistant", "content": reply.strip()}]
         turns += 1
 
 
-def stream(model, tokenizer, ids: list[int], args: Args, out=None) -> tuple[str, int]:
+def stream(model, tokenizer, ids: list[int], args: Args, out=None, kept=None
+           ) -> tuple[str, int]:
     """Write the continuation to `out` (stdout) as it is produced; return (text, token count).
-    `model`: an MLX `Llama`, or a `LlamaCppDecoder` (the llama.cpp engine)."""
+    `model`: an MLX `Llama`, or a `LlamaCppDecoder` (the llama.cpp engine, which keeps a
+    conversation's shared start itself); `kept`: MLX's `PromptCache` of a conversation."""
     from toymlx.generate import LlamaCppDecoder, generate
 
     out = sys.stdout if out is None else out
@@ -136,7 +143,7 @@ def stream(model, tokenizer, ids: list[int], args: Args, out=None) -> tuple[str,
                                 args.repetition_penalty)
     else:
         tokens = generate(model, tokenizer, ids, args.max_tokens, args.temperature, args.top_p,
-                          args.seed, args.top_k, args.min_p, args.repetition_penalty)
+                          args.seed, args.top_k, args.min_p, args.repetition_penalty, kept)
 
     # Decoding prompt + new tokens and printing the part after the prompt's own decoding keeps
     # word-initial spaces that a tokenizer drops at the start of a text, and re-decoding the

@@ -286,6 +286,27 @@ def test_decoding_gives_mlx_lms_generate_step_tokens(stories, sampling):
     assert got == want
 
 
+def test_a_kept_prompt_cache_gives_the_fresh_tokens(stories):
+    """PromptCache between calls: a prompt that continues the last one (its reply included)
+    and one that departs from it mid-way reuse exactly the shared start, and decode the tokens
+    a fresh cache decodes (greedy and sampled, same seed)."""
+    from toymlx.generate import PromptCache
+
+    model, tok = stories
+    first = tok.encode(PROMPT + " there was a little girl")
+    for kw in ({"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.95, "seed": 4}):
+        kept = PromptCache()
+        reply = list(generate(model, tok, first, 16, kept=kept, **kw))
+        assert len(reply) == 16  # the budget, not eos: the last token was never fed back
+        assert kept.reused == 0 and kept.ids == first + reply[:-1]
+        follow = first + reply + tok.encode(" and her dog")
+        departs = first[:5] + tok.encode(" in a big city")
+        for prompt, shared in ((follow, len(first) + 15), (departs, 5)):
+            got = list(generate(model, tok, prompt, 16, kept=kept, **kw))
+            assert kept.reused == shared
+            assert got == list(generate(model, tok, prompt, 16, **kw))
+
+
 def test_generation_does_not_import_mlx_lm_or_transformers():
     """What makes toymlx-generate start in about a second: nothing of mlx-lm's package."""
     code = ("import sys, toymlx.generate, toymlx_cli.generate; "

@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from toymlx.gguf.llama import args_from_gguf, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
 from toymlx.model_store import is_store_name
+from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
 from toymlx.runs import Bundle
 from toymlx.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
@@ -53,10 +55,11 @@ PREFILL_CHUNK = 2048
 
 def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
-             min_p: float = 0.0, repetition_penalty: float | None = None) -> Iterator[int]:
+             min_p: float = 0.0, repetition_penalty: float | None = None,
+             kept: PromptCache | None = None) -> Iterator[int]:
     """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before eos and at the
     model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples
-    (`toymlx.sampling`)."""
+    (`toymlx.sampling`). `kept`: a conversation's caches, kept between calls (`PromptCache`)."""
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
     if not 0.0 < top_p <= 1.0:
@@ -79,10 +82,36 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     sampler = make_sampler(temperature, top_p, min_p, top_k, checked_on_host=cpu)
     penalty = _penalty(repetition_penalty)
     decoder = CompiledDecode(model) if cpu and CompiledDecode.fits(model) else model
-    for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty):
+    for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty, kept):
         if eos is not None and tok == eos:
             return
         yield tok
+
+
+@dataclass
+class PromptCache:
+    """A conversation's KV caches kept from one `generate` call to the next, and the token ids
+    whose keys and values they hold: the next prompt's tokens that start the same way are not
+    computed again (mlx_lm.chat's prompt cache). One per model and conversation."""
+
+    layers: list[KVCache] | None = None
+    ids: list[int] = field(default_factory=list)
+    reused: int = 0
+    """How many of the last prompt's tokens came from the cache."""
+
+    def take(self, model: Any, prompt_ids: Sequence[int]) -> list[KVCache]:
+        """The caches, holding the longest start the prompt shares with what they hold (all
+        but the prompt's last token at most: that one is computed to give the logits)."""
+        if self.layers is None:
+            self.layers, self.ids = model.make_cache(), []
+        n = 0
+        limit = min(len(self.ids), len(prompt_ids) - 1)
+        while n < limit and self.ids[n] == prompt_ids[n]:
+            n += 1
+        for c in self.layers:
+            c.keep(n)
+        self.ids, self.reused = list(prompt_ids[:n]), n
+        return self.layers
 
 
 def _penalty(factor: float | None):
@@ -91,21 +120,25 @@ def _penalty(factor: float | None):
 
 def decode(model: Any, prompt_ids: list[int], max_tokens: int,
            sampler: Callable[[mx.array], mx.array],
-           penalty: Callable[[mx.array, mx.array], mx.array] | None = None) -> Iterator[int]:
+           penalty: Callable[[mx.array, mx.array], mx.array] | None = None,
+           kept: PromptCache | None = None) -> Iterator[int]:
     """`max_tokens` token ids after the prompt, as mlx-lm's `generate_step` makes them: the
     prompt but its last token into the KV caches `PREFILL_CHUNK` at a time, then one token at
     a time, each step's graph built (and sent to the device) while the previous token is
-    handed out. `penalty(recent tokens, logits)`: mlx-lm's repetition penalty."""
-    cache = model.make_cache()
+    handed out. `penalty(recent tokens, logits)`: mlx-lm's repetition penalty. `kept`: caches
+    that outlive the call (`PromptCache`), the prompt's shared start taken from them."""
+    cache = model.make_cache() if kept is None else kept.take(model, prompt_ids)
+    fed = [] if kept is None else kept.ids  # the ids whose keys and values are in `cache`
     prompt = mx.array(prompt_ids, dtype=mx.int32)
     recent = prompt[-PENALTY_CONTEXT:] if penalty else None  # what the penalty looks at
-    done = 0
+    done = len(fed)
     while len(prompt_ids) - done > 1:
         n = min(PREFILL_CHUNK, len(prompt_ids) - done - 1)
         model(prompt[None, done:done + n], cache)
         mx.eval([c.state for c in cache])
         done += n
         mx.clear_cache()
+    fed += prompt_ids[len(fed):]
 
     def step(tokens: mx.array) -> mx.array:
         nonlocal recent
@@ -124,7 +157,10 @@ def decode(model: Any, prompt_ids: list[int], max_tokens: int,
         if n + 1 < max_tokens:
             following = step(token)
             mx.async_eval(following)
-        yield int(token.item())
+        value = int(token.item())
+        if n + 1 < max_tokens:
+            fed.append(value)  # its keys and values are being computed with `following`
+        yield value
         if n % 256 == 255:
             mx.clear_cache()
         if n + 1 < max_tokens:

@@ -48,6 +48,12 @@ class KVCache:
         self.keys = mx.concatenate([kept_k, new_k], axis=2)
         self.values = mx.concatenate([kept_v, new_v], axis=2)
 
+    def keep(self, n: int) -> None:
+        """Forget positions n and after (the buffers stay; the next update overwrites them)."""
+        if not 0 <= n <= self.offset:
+            raise ValueError(f"KVCache.keep: expected 0..{self.offset} positions, found {n}")
+        self.offset = n
+
     @property
     def state(self) -> list[mx.array]:
         """The buffers, to evaluate (empty before the first update)."""
