@@ -16,6 +16,7 @@ the import-order path gives. A slot already bound to the reference BLAS by an ea
 rewritten too. A pointer-sized aligned store is atomic, so a matmul running on another thread
 calls either the old or the new function, both complete. A slot in a read-only page (a library
 linked with `-z now`) is not touched: `rebind` raises, and toymlx keeps the old warning.
+`TOYMLX_BLAS=reference` leaves MLX's BLAS alone in every case (`toymlx.device.preload_blas`).
 """
 
 from __future__ import annotations
