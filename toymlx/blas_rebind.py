@@ -77,14 +77,20 @@ def plt_slots(path: str | os.PathLike) -> dict[str, int]:
     return slots
 
 
-def loaded_library(name: str) -> str | None:
-    """The path of the loaded shared library called `name` (its file name), from /proc/self/maps."""
+def _mappings() -> list[tuple[int, int, str, str]]:
+    """(start, end, permissions, file) of each mapping of this process (/proc/self/maps)."""
+    out = []
     with open("/proc/self/maps") as maps:
         for line in maps:
-            path = line.rstrip("\n").split(maxsplit=5)[-1]
-            if os.path.basename(path) == name:
-                return path
-    return None
+            span, perms, *rest = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            out.append((lo, hi, perms, rest[-1].rstrip("\n") if len(rest) == 4 else ""))
+    return out
+
+
+def loaded_library(name: str) -> str | None:
+    """The path of the loaded shared library called `name` (its file name)."""
+    return next((path for *_, path in _mappings() if os.path.basename(path) == name), None)
 
 
 def _load_base(path: str) -> int:
@@ -93,16 +99,6 @@ def _load_base(path: str) -> int:
     if _libc.dlinfo(ctypes.c_void_p(handle._handle), _RTLD_DI_LINKMAP, ctypes.byref(link)) != 0:
         raise OSError(f"{path}: dlinfo could not find its load address")
     return link.contents.l_addr
-
-
-def _writable(address: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            span, perms = line.split(maxsplit=2)[:2]
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if lo <= address < hi:
-                return perms[1] == "w"
-    return False
 
 
 def library_of(address: int) -> str | None:
@@ -134,11 +130,12 @@ def rebind(library: str, target: Callable[[str], int | None]) -> list[str]:
     if path is None:
         raise OSError(f"{library} is not loaded in this process")
     base = _load_base(path)
+    writable = [(lo, hi) for lo, hi, perms, _ in _mappings() if perms[1] == "w"]
     plan = []
     for name, offset in sorted(plt_slots(path).items()):
         address = target(name)
         if address:
-            if not _writable(base + offset):
+            if not any(lo <= base + offset < hi for lo, hi in writable):
                 raise OSError(f"{path}: the PLT slot of {name} is read-only (linked with -z now)")
             plan.append((name, base + offset, address))
     for _, slot, address in plan:

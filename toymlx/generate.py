@@ -187,7 +187,6 @@ class CompiledDecode:
         if not self.fits(model):
             raise ValueError("CompiledDecode: expected a Llama with exact_rope Ops")
         self.model = model
-        self.args = model.args
         # the position reaches `start` only through its tables (an int would be a constant of
         # the trace, traced again at every position)
         self._start = [mx.compile(functools.partial(b.start, offset=0), inputs=b.state)

@@ -184,10 +184,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, eps=a.norm_eps, ops=ops)
         self.qk_norm = a.qk_norm
 
-    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        offset = 0 if cache is None else cache.offset
-        return self.o_proj(self.attend(*self.qkv(x, offset), cache))
-
+    # Called in two parts by Block (qkv, then attend; o_proj in Block.finish).
     def qkv(self, x: mx.array, offset: int, tables: RopeTables | None = None
             ) -> tuple[mx.array, mx.array, mx.array]:
         """q (B,H,T,hd), k and v (B,Hkv,T,hd) of x (B,T,D) at positions offset..offset+T-1:
