@@ -81,20 +81,124 @@ def split_config(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping in a YAML file that gives one key twice."""
+
+    def __init__(self, key: str, first: int, second: int):
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, with YAML 1.2's floats: `1e-5` is a number, as JSON and mlx-lm
-    read it (YAML 1.1 wants `1.0e-5`)."""
+    """PyYAML's safe loader reading plain scalars by YAML 1.2's core schema, as JSON and mlx-lm
+    read numbers: `1e-5` is a number, while YAML 1.1's other forms stay strings (`1:0`, `010`,
+    `1_000`, `yes`, `on`), so an option that wants a number or true/false refuses them with what
+    was found instead of reading 60, 8, 1000 or true. Dates and timestamps are still recognised,
+    to be refused by name (`plain_json`) rather than taken as text the user may not have meant.
+    A key given twice in one mapping is a `DuplicateKey`."""
+
+    yaml_implicit_resolvers: dict = {}
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges keys that the mapping's own may override
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKey(str(key), seen[key], line)
+                seen[key] = line
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        try:
+            return int(text, 0)  # decimal, 0o17, 0x1F (YAML 1.2); no 1.1 octal or sexagesimal
+        except ValueError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{text!r}, which is not a YAML 1.2 integer",
+                node.start_mark) from None
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+for _tag, _pattern, _first in [
+        ("tag:yaml.org,2002:null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+        ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", list("tTfF")),
+        ("tag:yaml.org,2002:int", r"^(?:[-+]?(?:0|[1-9][0-9]*)|0o[0-7]+|0x[0-9a-fA-F]+)$",
+         list("-+0123456789")),
+        ("tag:yaml.org,2002:float",
+         r"^(?:[-+]?(?:(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
+         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", list("-+0123456789.")),
+        ("tag:yaml.org,2002:timestamp",
+         r"^(?:[0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)"
+         r"[0-9]{1,2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)$",
+         list("0123456789")),
+        ("tag:yaml.org,2002:merge", r"^(?:<<)$", ["<"])]:
+    _Loader.add_implicit_resolver(_tag, re.compile(_pattern), _first)
+
+
+_JSON_KINDS = {dict: "a mapping", list: "a list", str: "a string", bool: "true or false",
+               type(None): "null", int: "a number", float: "a number"}
+_YAML_KINDS = {"date": "a date", "datetime": "a timestamp", "bytes": "binary data (!!binary)",
+               "set": "a set (!!set)", "tuple": "pairs (!!omap or !!pairs)"}
+
+
+def plain_json(value: Any, source: str, key: str = "") -> None:
+    """ConfigFileError naming the key unless `value` holds only what JSON holds (mappings with
+    string keys, lists, strings, numbers, true/false, null): every option, config.json and
+    run-options.json are JSON."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigFileError(f"{source}: key {f'{key}.' if key else ''}{k!r}: expected "
+                                      f"a string key, found {_plain_kind(k)} ({k!r}); quote it")
+            plain_json(v, source, f"{key}.{k}" if key else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            plain_json(v, source, f"{key}[{i}]")
+    elif type(value) not in _JSON_KINDS:
+        text = str(value) if not isinstance(value, (bytes, set, tuple)) else repr(value)
+        text = text if len(text) <= 40 else text[:37] + "..."
+        raise ConfigFileError(f"{source}: key {key!r}: expected a JSON value (a string, number, "
+                              f"true/false, null, list or mapping), found {_plain_kind(value)} "
+                              f"({text})" + ("; quote it for a string" if type(value).__name__
+                                             in ("date", "datetime") else ""))
+
+
+def _plain_kind(value: Any) -> str:
+    return _JSON_KINDS.get(type(value)) or _YAML_KINDS.get(type(value).__name__,
+                                                           type(value).__name__)
+
+
+def _json_pairs(source: str):
+    """json.loads' object_pairs_hook refusing a key given twice in one object."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise ConfigFileError(f"{source}: key {k!r}: expected once in its object, found "
+                                      "twice; keep one")
+            out[k] = v
+        return out
+    return pairs
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} (not a JSON number)")
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """The file as a mapping: JSON for `.json`, else YAML (PyYAML's safe loader)."""
+    """The file as a mapping: JSON for `.json`, else YAML (`_Loader`: YAML 1.2's numbers); one
+    line for a file that is not a regular UTF-8 file, a key given twice in one mapping, or a
+    value JSON cannot hold (`plain_json`)."""
     p = Path(path)
+    if p.is_dir() or (p.exists() and not p.is_file()):
+        raise ConfigFileError(f"{p}: -c/--config: expected a YAML or JSON file, found "
+                              f"{'a directory' if p.is_dir() else 'a device or pipe'}")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -103,35 +207,60 @@ def read_config_file(path: str) -> dict[str, Any]:
                               f"found {what}") from None
     if p.suffix.lower() == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_json_pairs(str(p)),
+                              parse_constant=_no_constant)
         except json.JSONDecodeError as e:
             raise ConfigFileError(f"{p}: expected JSON, found {e.msg} at line {e.lineno} "
                                   f"column {e.colno}") from None
+        except ConfigFileError:
+            raise
+        except ValueError as e:  # NaN, Infinity
+            raise ConfigFileError(f"{p}: expected JSON, found {e}") from None
     else:
         try:
             data = yaml.load(text, Loader=_Loader)
+        except DuplicateKey as e:
+            raise ConfigFileError(f"{p}: key {e.key!r}: expected once in its mapping, found it "
+                                  f"twice (lines {e.first} and {e.second}); keep one") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
             raise ConfigFileError(f"{p}: expected YAML, found {getattr(e, 'problem', None) or e}"
                                   f"{where}") from None
+        except RecursionError:  # deeply nested flow collections
+            raise ConfigFileError(f"{p}: expected YAML, found mappings or lists nested too "
+                                  "deeply") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigFileError(f"{p}: expected a mapping of option: value, found a "
-                              f"{type(data).__name__}")
+        raise ConfigFileError(f"{p}: expected a mapping of option: value, found "
+                              f"{_plain_kind(data)}")
+    plain_json(data, str(p))
     return data
 
 
-def is_run_config(data: dict[str, Any]) -> bool:
-    """Whether a config file is a run bundle's config.json (`{"recipe": ..., "config": {...}}`)."""
-    return isinstance(data.get("config"), dict) and isinstance(data.get("recipe"), str)
+RUN_CONFIG_KEYS = frozenset({"format", "recipe", "config", "data_files"})
+"""The top-level keys of a run bundle's config.json (`toymlx.runs.save_config`)."""
 
 
-def run_config(data: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+def is_run_config(data: dict[str, Any], source: str) -> bool:
+    """Whether a config file is a run bundle's config.json (`{"recipe": ..., "config": {...}}`);
+    ConfigFileError for one with other options beside them, which would be half read."""
+    if not (isinstance(data.get("config"), dict) and isinstance(data.get("recipe"), str)):
+        return False
+    other = sorted(str(k) for k in data if k not in RUN_CONFIG_KEYS)
+    if other:
+        raise ConfigFileError(f"{source}: key {other[0]!r}: expected a run's config.json "
+                              "(recipe, config, data_files) or a file of options, found both "
+                              "(a 'config' mapping beside other options); move the options "
+                              "into one of them")
+    return True
+
+
+def run_config(data: dict[str, Any], source: str) -> tuple[str | None, dict[str, Any]]:
     """(recipe, options) of a config file: a run's config.json (less RUN_NAMING), or a plain
     mapping whose `recipe` key, if any, names the recipe (toymlx-train)."""
-    if is_run_config(data):
+    if is_run_config(data, source):
         return data["recipe"], {k: v for k, v in data["config"].items() if k not in RUN_NAMING}
     data = dict(data)
     recipe = data.pop("recipe", None)
@@ -173,15 +302,41 @@ def _table(cls: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _spelled(path: list[str]) -> str:
+    """A key as the file spells it: `lora.rank`, or `lora: {rank}` for a nested one."""
+    return path[0] if len(path) == 1 else f"{path[0]}: {{{_spelled(path[1:])}}}"
+
+
+def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """{dotted key with underscores: value} of a (nested) mapping; ConfigFileError naming both
+    spellings where two give one key (`batch-size` and `batch_size`, `lora.rank` and
+    `lora: {rank}`)."""
     out: dict[str, Any] = {}
-    for k, v in data.items():
-        key = prefix + _norm(str(k))
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
+    spelling: dict[str, str] = {}
+
+    def walk(node: dict[str, Any], prefix: str, path: list[str]) -> None:
+        for k, v in node.items():
+            key = prefix + _norm(str(k))
+            if isinstance(v, dict):
+                walk(v, key + ".", [*path, str(k)])
+                continue
+            here = _spelled([*path, str(k)])
+            if key in out:
+                raise ConfigFileError(f"{source}: keys {spelling[key]!r} and {here!r}: expected "
+                                      f"one of them (both set {_flag(key)}), found both; keep "
+                                      "one")
+            out[key], spelling[key] = v, here
+    walk(data, "", [])
     return out
+
+
+def _once(source: str, given: dict[Any, str], target: Any, key: str) -> None:
+    """ConfigFileError naming both keys where two keys of a file set one option (aliases:
+    toymlx-eval's `data_path` and `data.path`, toymlx-sweep's `seed` and `random_seed`)."""
+    if target in given:
+        raise ConfigFileError(f"{source}: keys {given[target]!r} and {key!r}: expected one of "
+                              "them (both set one option), found both; keep one")
+    given[target] = key
 
 
 def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str) -> str:
@@ -203,9 +358,11 @@ def defaults_from_file(cls: type, options: dict[str, Any], source: str, prog: st
 
     table = _table(cls)
     nested: dict[str, Any] = {}
-    for key, value in _flatten(options).items():
+    given: dict[Any, str] = {}
+    for key, value in _flatten(options, source).items():
         if key not in table:
             raise ConfigFileError(_unknown(source, key, table, prog))
+        _once(source, given, table[key], key)
         if key in ("resume", "from", "from_step"):
             raise ConfigFileError(f"{source}: key {key!r}: expected on the command line "
                                   f"({_flag(key)}), found it in a config file")
@@ -278,9 +435,11 @@ def parser_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> list[st
     if path is None:
         return rest
     table = _parser_table(parser)
-    for key, value in _flatten(read_config_file(path)).items():
+    given: dict[Any, str] = {}
+    for key, value in _flatten(read_config_file(path), path).items():
         if key not in table:
             raise ConfigFileError(_unknown(path, key, table, parser.prog))
+        _once(path, given, table[key].dest, key)
         _set_default(table[key], key, value, path)
     return rest
 
@@ -303,21 +462,25 @@ def sweep_config(parser: argparse.ArgumentParser, data: dict[str, Any], path: st
     its recipe and all of its options to the runs."""
     from toymlx.runs import BUNDLE_PICK, flag_name
 
-    recipe, options = run_config(data)
+    recipe, options = run_config(data, path)
     table = _parser_table(parser)
     if recipe is not None:
         _set_default(table["recipe"], "recipe", recipe, path)
-    if is_run_config(data):
+    if is_run_config(data, path):
         return {}, options
+    _flatten(options, path)  # two spellings of one key: refused here, before either is used
     grid: dict[str, Any] = {}
     runs: dict[str, Any] = {}
+    given: dict[Any, str] = {}
     for key, value in options.items():
         name = _norm(str(key))
+        if name in table and name not in SWEEP_RUN_KEYS:
+            _once(path, given, table[name].dest, str(key))
         if name == "grid":
             if not isinstance(value, dict):
                 raise ConfigFileError(f"{path}: key 'grid': expected a mapping of option: [values] "
                                       f"or \"log:LO:HI\", found {json.dumps(value)}")
-            grid = _flatten(value)
+            grid = _flatten(value, f"{path}: key 'grid'")
         elif name in table and name not in SWEEP_RUN_KEYS:
             _set_default(table[name], name, value, path)
         elif name in BUNDLE_PICK or name == "from":  # run_id, resume, from, overwrite

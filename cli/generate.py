@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -56,6 +57,27 @@ class UsageError(ValueError):
     """Bad user input; reported as one line on stderr with exit status 2."""
 
 
+def utf8_text(value: str | bytes, what: str) -> str:
+    """`value` as text; UsageError naming `what` and the first thing that is not UTF-8: a byte
+    (undecodable bytes of the command line arrive as surrogate escapes, U+DC80..U+DCFF) or a
+    lone surrogate."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{what}: expected UTF-8 text, found the byte 0x{value[e.start]:02x} "
+                             f"at byte {e.start}") from None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(value[e.start])
+        found = (f"the byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else
+                 f"a lone surrogate U+{c:04X}")
+        raise UsageError(f"{what}: expected UTF-8 text, found {found} at character "
+                         f"{e.start}") from None
+    return value
+
+
 def prompt_ids(tokenizer, args: Args, history: list[dict[str, str]] | None = None) -> list[int]:
     """Token ids of the prompt: plain text, or the chat template rendered with the
     conversation so far (`history`, alternating user and assistant messages) and a user turn."""
@@ -103,11 +125,18 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
     if interactive:
         print(f"{PROG} --chat: {CHAT_HELP}", file=sys.stderr)
     history: list[dict[str, str]] = []
-    turns = 0
+    turns = lines = 0
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = inp.readline()
+        raw = inp.buffer.readline() if hasattr(inp, "buffer") else inp.readline()
+        lines += 1
+        try:
+            line = utf8_text(raw, f"stdin line {lines}")
+        except UsageError as e:  # this turn only: the conversation so far is kept
+            print(f"{PROG}: error: {e}; the turn is skipped, the conversation goes on",
+                  file=sys.stderr)
+            continue
         if not line or line.strip() in ("/quit", "/exit"):
             return turns
         text = line.strip()
@@ -185,12 +214,26 @@ def run(args: Args) -> int:
         model_files,
     )
 
+    utf8_text(args.prompt, "--prompt")
+    if args.system is not None:
+        utf8_text(args.system, "--system")
+        if not args.chat:
+            raise UsageError("--system: expected with --chat (it is the chat's system message), "
+                             "found no --chat")
     if args.max_tokens < 0:
         raise UsageError(f"--max-tokens: expected >= 0, found {args.max_tokens}")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature: expected >= 0, found {args.temperature}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise UsageError(f"--top-p: expected in (0, 1], found {args.top_p}")
+    pen = args.repetition_penalty
+    for flag, ok, want, found in [
+            ("--temperature", 0 <= args.temperature < math.inf, "a finite number >= 0",
+             args.temperature),
+            ("--top-p", 0.0 < args.top_p <= 1.0, "in (0, 1]", args.top_p),
+            ("--top-k", args.top_k >= 0, ">= 0 (0: off)", args.top_k),
+            ("--min-p", 0.0 <= args.min_p <= 1.0, "in [0, 1] (0: off)", args.min_p),
+            ("--repetition-penalty", pen is None or 0 < pen < math.inf, "a finite number > 0",
+             pen),
+            ("--seed", args.seed >= 0, ">= 0", args.seed)]:
+        if not ok:
+            raise UsageError(f"{flag}: expected {want}, found {found}")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
     conversation = args.chat and not args.prompt

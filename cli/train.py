@@ -95,7 +95,7 @@ def _main(argv: list[str] | None) -> int:
                 raise ValueError(f"-c/--config {config_path}: a resumed run keeps its saved "
                                  f"configuration (only --steps and run-local options may "
                                  f"change); give either --resume or -c")
-            file_recipe, options = run_config(read_config_file(config_path))
+            file_recipe, options = run_config(read_config_file(config_path), config_path)
             recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
         if resume:
             bundle = Bundle.open(resume)

@@ -115,7 +115,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bun
              owned: contextlib.ExitStack) -> _Prepared:
     """Everything before the first step, the bundle owned (locked) through `owned`; raises
     ValueError/OSError with one line when something is off, leaving no new bundle behind."""
-    check_config(module, cfg)
+    check_config(module, cfg, new_run=bundle is None and not cfg.resume)
     if cfg.resume and bundle is None:
         bundle = runs.Bundle.open(cfg.resume)
     select_device(cfg.device)

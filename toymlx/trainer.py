@@ -13,6 +13,7 @@ the run bundle's events (run_end from one place), and SIGINT/SIGTERM as requests
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import sys
@@ -37,7 +38,7 @@ from toymlx import cpu_streams, device, lifeline
 from toymlx.device import backend_info
 from toymlx.events import EventLog, git_info, host_info, now_iso
 from toymlx.gguf.reader import DIGEST_KEY
-from toymlx.runs import Resume, RunOptions, intact_hint
+from toymlx.runs import Resume, RunOptions, flag_name, intact_hint
 from toymlx.schedule import lr_at
 from toymlx.step import LossScale, make_step
 
@@ -90,9 +91,26 @@ class TrainConfig(RunOptions, TrainingOptions):
     (`runs.RunOptions`, whose fields are the run-local options)."""
 
 
-def check_config(module: ModuleType, cfg: TrainConfig) -> None:
+def _numbers(cfg: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every float option of a (nested) config."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out += _numbers(v, f"{prefix}{f.name}.")
+        elif isinstance(v, float):
+            out.append((prefix + f.name, v))
+    return out
+
+
+def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) -> None:
     """Every option checked up front, the shared ones here and the rest by the recipe's
-    `validate`: ValueError naming the flag (for command-line input and config.json alike)."""
+    `validate`: ValueError naming the flag (for command-line input and config.json alike).
+    `new_run`: also the recipe's `check_applies`, which refuses an option set where it does not
+    apply (a saved run is opened as it was written)."""
+    for key, v in _numbers(cfg):
+        if not math.isfinite(v):
+            raise ValueError(f"{flag_name(key)}: expected a finite number, found {v}")
     checks = [
         ("--steps", cfg.steps >= 1, ">= 1", cfg.steps),
         ("--batch-size", cfg.batch_size >= 1, ">= 1", cfg.batch_size),
@@ -125,6 +143,8 @@ def check_config(module: ModuleType, cfg: TrainConfig) -> None:
                          "--resume; give one of them")
     if hasattr(module, "validate"):
         module.validate(cfg)
+    if new_run and hasattr(module, "check_applies"):
+        module.check_applies(cfg)
 
 
 @dataclass

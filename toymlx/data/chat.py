@@ -252,6 +252,10 @@ def data_files(path: str | Path) -> DataFiles:
     if not path.is_dir():
         return DataFiles(path)
     found = sorted(p.name for p in path.iterdir())
+    for name in ("train.jsonl", "valid.jsonl", "test.jsonl"):
+        if (path / name).exists() and not (path / name).is_file():
+            raise DataError(f"{path / name}: data folder: expected a file, found "
+                            f"{'a directory' if (path / name).is_dir() else 'a device or pipe'}")
     if not (path / "train.jsonl").is_file():
         shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
         raise DataError(f"{path}: data folder: expected {FOLDER_LAYOUT} (mlx-lm's layout), "

@@ -19,7 +19,7 @@ own type.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -166,6 +166,19 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ValueError(f"--data.val-fraction: expected in [0, 1), found "
                          f"{cfg.data.val_fraction}")
+
+
+def check_applies(cfg: Config) -> None:
+    """A new run's options checked for ones set where they do not apply: --lora.* with
+    --fine-tune-type full (no adapters are trained); ValueError naming the first."""
+    if cfg.fine_tune_type != "full":
+        return
+    for f in fields(LoRAOptions):
+        v = getattr(cfg.lora, f.name)
+        if v != getattr(LoRAOptions(), f.name):
+            raise ValueError(f"--lora.{f.name.replace('_', '-')}: expected no value with "
+                             f"--fine-tune-type full (every weight is trained, no adapters), "
+                             f"found {v!r}; remove it, or train --fine-tune-type lora or dora")
 
 
 def fuse_type(choice: str, g: GGUFFile) -> str:
