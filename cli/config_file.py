@@ -164,8 +164,8 @@ def plain_json(value: Any, source: str, key: str = "") -> None:
         text = str(value) if not isinstance(value, (bytes, set, tuple)) else repr(value)
         text = text if len(text) <= 40 else text[:37] + "..."
         raise ConfigFileError(f"{source}: key {key!r}: expected a JSON value (a string, number, "
-                              f"true/false, null, list or mapping), found {_plain_kind(value)} "
-                              f"({text})" + ("; quote it for a string" if type(value).__name__
+                              f"true/false, null, list or mapping), found {_plain_kind(value)}: "
+                              f"{text}" + ("; quote it for a string" if type(value).__name__
                                              in ("date", "datetime") else ""))
 
 

@@ -91,6 +91,28 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
     return axes
 
 
+def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | None) -> None:
+    """Every run's options checked as toymlx-train checks a new run's (tyro's parse, then
+    `check_config`), before any run starts: a bad grid value is one line naming its run, not a
+    failure of each run that has it. tyro's own usage error exits 2 as in toymlx-train."""
+    import tyro
+    from toymlx_cli.config_file import defaults_from_file
+
+    from toymlx.recipes import get_recipe
+    from toymlx.trainer import check_config
+
+    module = get_recipe(recipe)
+    prog = f"toymlx-train --recipe {recipe}"
+    for spec in specs:
+        default = (defaults_from_file(module.Config, run_options, path, prog) if run_options
+                   else None)
+        cfg = tyro.cli(module.Config, args=list(spec.args), default=default, prog=prog)
+        try:
+            check_config(module, cfg, new_run=True)
+        except ValueError as e:
+            raise ValueError(f"run {spec.name}: {e}; no run was started") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from toymlx_cli.config_file import (
         defaults_from_file,
@@ -144,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             specs = sweep.random(passthrough, axes, args.random, args.seed or 0,
                                  recipe=args.recipe)
+        _check_runs(args.recipe, specs, run_options, path)
         result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers,
                                  _shard(args.shard), args.sweep_id,
                                  retry_failed=not args.no_retry_failed,

@@ -577,6 +577,56 @@ def _write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
                                         "runs": list(runs.values())}, indent=1, default=str))
 
 
+def _flag_values(args: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """{flag: the values after it} of a run's toymlx-train arguments."""
+    out: dict[str, tuple[str, ...]] = {}
+    flag = None
+    for a in args:
+        if a.startswith("--"):
+            flag, _, value = a.partition("=")
+            out[flag] = (value,) if value else ()
+        elif flag is not None:
+            out[flag] += (a,)
+    return out
+
+
+def _leaves(options: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{dotted key with underscores: value} of a config file's (nested) options."""
+    out: dict[str, Any] = {}
+    for k, v in options.items():
+        key = prefix + str(k).replace("-", "_")
+        out.update(_leaves(v, key + ".") if isinstance(v, Mapping) else {key: v})
+    return out
+
+
+def changed_options(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
+                    run_options: Mapping[str, Any] | None) -> list[str]:
+    """What differs from the sweep already in `sweep_dir` (its sweep.json): the recipe, keys of
+    the options every run takes from the config file, and flags of a run of the same name; []
+    for a new sweep, or the same one (more runs may be added)."""
+    try:
+        old = json.loads((sweep_dir / report.SWEEP_FILE).read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (JSON), "
+                         f"found {e}") from None
+    if not isinstance(old, dict):
+        raise ValueError(f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (a JSON "
+                         f"object), found {type(old).__name__}")
+    if old.get("recipe") != recipe:
+        return ["recipe"]
+    before, now = _leaves(old.get("run_options") or {}), _leaves(run_options or {})
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k, ...) != now.get(k, ...))
+    runs = {r.get("name"): r for r in old.get("runs", []) if isinstance(r, dict)}
+    for s in specs:
+        if s.name in runs:
+            a, b = _flag_values(runs[s.name].get("args", [])), _flag_values(s.args)
+            changed += [f for f in sorted(a.keys() | b.keys())
+                        if a.get(f) != b.get(f) and f not in changed]
+    return changed
+
+
 def _recorded(sweep_dir: Path, r: _Run, key: str = "state") -> Any:
     """A field of the sweep's record of how the run's last attempt ended (None if none)."""
     try:
@@ -798,6 +848,11 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     if "/" in sweep_id or sweep_id in ("", ".", ".."):
         raise ValueError(f"--sweep-id: expected a single folder name, found {sweep_id!r}")
     sweep_dir = Path(root) / sweep_id
+    changed = changed_options(sweep_dir, recipe, specs, run_options)
+    if changed:
+        raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this sweep "
+                         f"was started with, found {', '.join(changed)} changed; give a new "
+                         "--sweep-id to run the changed sweep, or put them back")
     for sub in ("logs", ".locks", ".status"):
         (sweep_dir / sub).mkdir(parents=True, exist_ok=True)
     _write_sweep_file(sweep_dir, recipe, specs, run_options)
