@@ -330,12 +330,13 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def _once(source: str, given: dict[Any, str], target: Any, key: str) -> None:
-    """ConfigFileError naming both keys where two keys of a file set one option (aliases:
-    toymlx-eval's `data_path` and `data.path`, toymlx-sweep's `seed` and `random_seed`)."""
+def _once(source: str, given: dict[Any, str], target: Any, key: str, flag: str) -> None:
+    """ConfigFileError naming both keys where two keys of a file set one option (`flag`;
+    aliases: toymlx-eval's `data_path` and `data.path`, toymlx-sweep's `random_seed` and
+    `random-seed`)."""
     if target in given:
         raise ConfigFileError(f"{source}: keys {given[target]!r} and {key!r}: expected one of "
-                              "them (both set one option), found both; keep one")
+                              f"them (both set {flag}), found both; keep one")
     given[target] = key
 
 
@@ -362,7 +363,7 @@ def defaults_from_file(cls: type, options: dict[str, Any], source: str, prog: st
     for key, value in _flatten(options, source).items():
         if key not in table:
             raise ConfigFileError(_unknown(source, key, table, prog))
-        _once(source, given, table[key], key)
+        _once(source, given, table[key], key, _flag(".".join(table[key])))
         if key in ("resume", "from", "from_step"):
             raise ConfigFileError(f"{source}: key {key!r}: expected on the command line "
                                   f"({_flag(key)}), found it in a config file")
@@ -439,7 +440,7 @@ def parser_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> list[st
     for key, value in _flatten(read_config_file(path), path).items():
         if key not in table:
             raise ConfigFileError(_unknown(path, key, table, parser.prog))
-        _once(path, given, table[key].dest, key)
+        _once(path, given, table[key].dest, key, table[key].option_strings[-1])
         _set_default(table[key], key, value, path)
     return rest
 
@@ -475,7 +476,7 @@ def sweep_config(parser: argparse.ArgumentParser, data: dict[str, Any], path: st
     for key, value in options.items():
         name = _norm(str(key))
         if name in table and name not in SWEEP_RUN_KEYS:
-            _once(path, given, table[name].dest, str(key))
+            _once(path, given, table[name].dest, str(key), table[name].option_strings[-1])
         if name == "grid":
             if not isinstance(value, dict):
                 raise ConfigFileError(f"{path}: key 'grid': expected a mapping of option: [values] "

@@ -192,3 +192,184 @@ def test_launch_options_from_a_config_file(tmp_path, capsys):
     assert launch(["-c", str(cfg), "--", "true"]) == 2
     assert error_line(capsys, "toymlx-launch") == (
         f"toymlx-launch: error: {cfg}: key 'grace': expected a number, found \"fast\"")
+
+
+# ---- issue 39: config files that never misread ---------------------------------------------
+NOT_JSON = "expected a JSON value (a string, number, true/false, null, list or mapping), found"
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "sweep"])
+@pytest.mark.parametrize("text,want", [
+    ("run_id: 2024-01-01\n", f"key 'run_id': {NOT_JSON} a date: 2024-01-01; quote it for a "
+     "string"),
+    ("run_id: 2024-01-01 10:30:00\n", f"key 'run_id': {NOT_JSON} a timestamp: 2024-01-01 "
+     "10:30:00; quote it for a string"),
+    ("run_id: !!binary aGk=\n", f"key 'run_id': {NOT_JSON} binary data (!!binary): b'hi'"),
+    ("lora:\n  targets: !!set {q}\n", f"key 'lora.targets': {NOT_JSON} a set (!!set): {{'q'}}"),
+    ("grid:\n  lr: [1e-3, 2024-01-01]\n", f"key 'grid.lr[1]': {NOT_JSON} a date: 2024-01-01; "
+     "quote it for a string"),
+])
+def test_values_json_cannot_hold_are_one_line_in_every_command(tmp_path, capsys, command, text,
+                                                               want):
+    """A YAML date, timestamp, !!binary or !!set crashed every -c command with `Object of type
+    date is not JSON serializable` while its error was being built."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.generate import main as generate_main
+    from toymlx_cli.sweep import main as sweep_main
+
+    p = tmp_path / "odd.yaml"
+    p.write_text(text)
+    run, prog = {"train": (lambda a: main(["--recipe", "lora", *a]), "toymlx-train"),
+                 "eval": (eval_main, "toymlx-eval"), "generate": (generate_main, "toymlx-generate"),
+                 "sweep": (sweep_main, "toymlx-sweep")}[command]
+    assert run(["-c", str(p)]) == 2
+    assert error_line(capsys, prog) == f"{prog}: error: {p}: {want}"
+    assert p.read_text() == text
+
+
+@pytest.mark.parametrize("text,name,want", [
+    ("steps: 2\nsteps: 3\n", "twice.yaml",
+     "key 'steps': expected once in its mapping, found it twice (lines 1 and 2); keep one"),
+    ("lora:\n  rank: 4\n  alpha: 8\n  rank: 16\n", "nested.yaml",
+     "key 'rank': expected once in its mapping, found it twice (lines 2 and 4); keep one"),
+    ("{steps: 2, steps: 3}\n", "flow.yaml",
+     "key 'steps': expected once in its mapping, found it twice (lines 1 and 1); keep one"),
+    ('{"steps": 2, "steps": 3}', "twice.json",
+     "key 'steps': expected once in its object, found twice; keep one"),
+    ("batch-size: 2\nbatch_size: 3\n", "spellings.yaml", ("keys 'batch-size' and 'batch_size': "
+     "expected one of them (both set --batch-size), found both; keep one")),
+    ("lora.rank: 4\nlora:\n  rank: 8\n", "dotted.yaml", ("keys 'lora.rank' and 'lora: {rank}': "
+     "expected one of them (both set --lora.rank), found both; keep one")),
+    ('{"lora": {"rank": 8}, "lora.rank": 4}', "dotted.json", ("keys 'lora: {rank}' and "
+     "'lora.rank': expected one of them (both set --lora.rank), found both; keep one")),
+])
+def test_a_key_given_twice_or_under_two_spellings_names_both(tmp_path, capsys, text, name, want):
+    """The last one used to win silently (`steps: 2` then `steps: 3` ran 3 steps)."""
+    p = tmp_path / name
+    p.write_text(text)
+    assert main(["--recipe", "lora", "-c", str(p), "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {p}: {want}"
+    assert not any(x.is_dir() for x in tmp_path.iterdir())
+
+
+def test_an_alias_and_its_option_in_one_file_name_both(tmp_path, capsys):
+    """toymlx-eval's --data-path is also --data.path; toymlx-sweep's random_seed is --seed."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.sweep import main as sweep_main
+
+    p = tmp_path / "eval.yaml"
+    p.write_text("model: m.gguf\ndata_path: a.txt\ndata.path: b.txt\n")
+    assert eval_main(["-c", str(p)]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {p}: keys 'data_path' and 'data.path': expected one of them (both "
+        "set --data-path), found both; keep one")
+    p = tmp_path / "sweep.yaml"
+    p.write_text("recipe: from-scratch\nsweep-id: a\nsweep_id: b\ngrid: {lr: [1e-3]}\n")
+    assert sweep_main(["-c", str(p)]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: {p}: keys 'sweep-id' and 'sweep_id': expected one of them (both "
+        "set --sweep-id), found both; keep one")
+
+
+def test_yaml_numbers_are_yaml_1_2s():
+    """YAML 1.1's sexagesimal (`1:0` = 60), octal (`010` = 8), underscores and yes/no/on/off
+    stay strings, so an option wanting a number or a boolean refuses them; 1.2's forms read."""
+    from toymlx_cli.config_file import _Loader
+
+    import yaml
+
+    got = yaml.load("a: 1:0\nb: 010\nc: 1_000\nd: yes\ne: on\nf: 1e-5\ng: .5\nh: +3\n"
+                    "i: 0o17\nj: 0x1F\nk: -.inf\nl: True\nm: ~\nn: 1.\no: -0\n", Loader=_Loader)
+    assert got == {"a": "1:0", "b": "010", "c": "1_000", "d": "yes", "e": "on", "f": 1e-5,
+                   "g": 0.5, "h": 3, "i": 15, "j": 31, "k": float("-inf"), "l": True,
+                   "m": None, "n": 1.0, "o": 0}
+    assert [type(got[k]) for k in "fhn"] == [float, int, float]
+
+
+@pytest.mark.parametrize("text,want", [
+    ("steps: 1:0\n", "key 'steps': expected an integer, found \"1:0\" (a string)"),
+    ("steps: 010\n", "key 'steps': expected an integer, found \"010\" (a string)"),
+    ("compile: yes\n", "key 'compile': expected true or false, found \"yes\" (a string)"),
+])
+def test_yaml_1_1_numbers_are_refused_where_a_number_is_expected(tmp_path, capsys, data, text,
+                                                                 want):
+    """`steps: 1:0` ran 60 steps and `steps: 010` ran 8."""
+    p = tmp_path / "n.yaml"
+    p.write_text(text)
+    assert main(["--recipe", "from-scratch", "-c", str(p), *TINY, "--data.path", data,
+                 "--runs-root", str(tmp_path), "--stop-at", "1", "--no-compile"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {p}: {want}; fix it, or remove the key "
+                                  "to take its default")
+
+
+def test_a_run_config_beside_other_options_is_refused_not_half_read(tmp_path, capsys, data):
+    """`recipe:` plus a `config:` mapping was read as a run's config.json, its other top-level
+    keys ignored."""
+    p = tmp_path / "mixed.yaml"
+    p.write_text(f"recipe: from-scratch\nconfig:\n  data: {{path: {data}}}\nsteps: 3\n")
+    assert main(["-c", str(p), *TINY, "--runs-root", str(tmp_path), "--stop-at", "1",
+                 "--no-compile"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {p}: key 'steps': expected a run's config.json (recipe, config, "
+        "data_files) or a file of options, found both (a 'config' mapping beside other "
+        "options); move the options into one of them")
+    assert not any(x.is_dir() for x in tmp_path.iterdir())
+
+
+FULL_LORA = ("--lora.rank: expected no value with --fine-tune-type full (every weight is "
+             "trained, no adapters), found 4; remove it, or train --fine-tune-type lora or dora")
+
+
+def test_an_option_that_does_not_apply_is_named(tmp_path, capsys, stories_path):
+    """`--lora.rank` with `--fine-tune-type full` was accepted and recorded."""
+    # on main these trained: --stop-at 1 keeps such a run short
+    flags = ["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
+             "--stop-at", "1", "--no-compile", "--seq-len", "32", "--no-progress"]
+    assert main([*flags, "--fine-tune-type", "full", "--lora.rank", "4"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {FULL_LORA}"
+    p = tmp_path / "full.yaml"
+    p.write_text("fine_tune_type: full\nlora: {rank: 4}\n")
+    assert main([*flags, "-c", str(p)]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {FULL_LORA}"
+    p.write_text("fine_tune_type: full\nlora: {dropout: 0.1}\n")
+    assert main([*flags, "-c", str(p)]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {FULL_LORA}".replace(
+        "--lora.rank", "--lora.dropout").replace("found 4", "found 0.1")
+    assert [x.name for x in tmp_path.iterdir()] == ["full.yaml"]
+
+
+@pytest.mark.parametrize("how", ["flag", "file"])
+@pytest.mark.parametrize("value,want", [
+    ("inf", "--lr: expected a finite number, found inf"),
+    ("nan", "--lr: expected a finite number, found nan"),
+    ("-0.001", "--lr: expected > 0, found -0.001"),
+])
+def test_a_learning_rate_that_is_not_a_finite_positive_number_fails_validation(
+        tmp_path, capsys, data, how, value, want):
+    """`lr: .inf` passed validation (and trained on nan weights)."""
+    if how == "flag":
+        argv = ["--recipe", "from-scratch", "--lr", value]
+    else:
+        p = tmp_path / "lr.yaml"
+        p.write_text(f"recipe: from-scratch\nlr: {({'inf': '.inf', 'nan': '.nan'}).get(value, value)}\n")
+        argv = ["-c", str(p)]
+    assert main([*argv, *TINY, "--data.path", data, "--runs-root", str(tmp_path), "--steps",
+                 "1", "--no-compile"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {want}"
+    assert not any(x.is_dir() for x in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "valid.jsonl", "test.jsonl"])
+def test_a_data_file_that_is_a_folder_says_so(tmp_path, capsys, name):
+    """A train.jsonl that is a folder read "expected train.jsonl, found train.jsonl"; a
+    valid.jsonl or test.jsonl folder was ignored."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for f in ("train.jsonl", "valid.jsonl", "test.jsonl"):
+        (d / f).write_text('{"text": "%s"}\n' % ("hello there, " * 20))
+    (d / name).unlink()
+    (d / name).mkdir()
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(d), "--runs-root",
+                 str(tmp_path / "runs"), "--steps", "1", "--no-compile"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {d / name}: data folder: expected a "
+                                  "file, found a directory")
