@@ -97,7 +97,7 @@ class _Loader(yaml.SafeLoader):
     to be refused by name (`plain_json`) rather than taken as text the user may not have meant.
     A key given twice in one mapping is a `DuplicateKey`."""
 
-    yaml_implicit_resolvers: dict = {}
+    yaml_implicit_resolvers: typing.ClassVar[dict] = {}  # its own, not SafeLoader's
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
@@ -131,12 +131,12 @@ for _tag, _pattern, _first in [
         ("tag:yaml.org,2002:int", r"^(?:[-+]?(?:0|[1-9][0-9]*)|0o[0-7]+|0x[0-9a-fA-F]+)$",
          list("-+0123456789")),
         ("tag:yaml.org,2002:float",
-         r"^(?:[-+]?(?:(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
-         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", list("-+0123456789.")),
+         (r"^(?:[-+]?(?:(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
+          r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789.")),
         ("tag:yaml.org,2002:timestamp",
-         r"^(?:[0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)"
-         r"[0-9]{1,2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)$",
-         list("0123456789")),
+         (r"^(?:[0-9]{4}-[0-9]{2}-[0-9]{2}|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)"
+          r"[0-9]{1,2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]*)?"
+          r"(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)$"), list("0123456789")),
         ("tag:yaml.org,2002:merge", r"^(?:<<)$", ["<"])]:
     _Loader.add_implicit_resolver(_tag, re.compile(_pattern), _first)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -208,6 +207,7 @@ def run(args: Args) -> int:
     from toymlx.generate import (
         EngineFailed,
         LlamaCppDecoder,
+        check_sampling,
         choose_engine,
         load_for_generation,
         load_tokenizer,
@@ -222,18 +222,10 @@ def run(args: Args) -> int:
                              "found no --chat")
     if args.max_tokens < 0:
         raise UsageError(f"--max-tokens: expected >= 0, found {args.max_tokens}")
-    pen = args.repetition_penalty
-    for flag, ok, want, found in [
-            ("--temperature", 0 <= args.temperature < math.inf, "a finite number >= 0",
-             args.temperature),
-            ("--top-p", 0.0 < args.top_p <= 1.0, "in (0, 1]", args.top_p),
-            ("--top-k", args.top_k >= 0, ">= 0 (0: off)", args.top_k),
-            ("--min-p", 0.0 <= args.min_p <= 1.0, "in [0, 1] (0: off)", args.min_p),
-            ("--repetition-penalty", pen is None or 0 < pen < math.inf, "a finite number > 0",
-             pen),
-            ("--seed", args.seed >= 0, ">= 0", args.seed)]:
-        if not ok:
-            raise UsageError(f"{flag}: expected {want}, found {found}")
+    check_sampling(args.temperature, args.top_p, args.top_k, args.min_p,
+                   args.repetition_penalty)  # before the model loads
+    if args.seed < 0:
+        raise UsageError(f"--seed: expected >= 0, found {args.seed}")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
     conversation = args.chat and not args.prompt

@@ -200,14 +200,14 @@ NOT_JSON = "expected a JSON value (a string, number, true/false, null, list or m
 
 @pytest.mark.parametrize("command", ["train", "eval", "generate", "sweep"])
 @pytest.mark.parametrize("text,want", [
-    ("run_id: 2024-01-01\n", f"key 'run_id': {NOT_JSON} a date: 2024-01-01; quote it for a "
-     "string"),
-    ("run_id: 2024-01-01 10:30:00\n", f"key 'run_id': {NOT_JSON} a timestamp: 2024-01-01 "
-     "10:30:00; quote it for a string"),
+    ("run_id: 2024-01-01\n", (f"key 'run_id': {NOT_JSON} a date: 2024-01-01; quote it for a "
+     "string")),
+    ("run_id: 2024-01-01 10:30:00\n", (f"key 'run_id': {NOT_JSON} a timestamp: 2024-01-01 "
+     "10:30:00; quote it for a string")),
     ("run_id: !!binary aGk=\n", f"key 'run_id': {NOT_JSON} binary data (!!binary): b'hi'"),
     ("lora:\n  targets: !!set {q}\n", f"key 'lora.targets': {NOT_JSON} a set (!!set): {{'q'}}"),
-    ("grid:\n  lr: [1e-3, 2024-01-01]\n", f"key 'grid.lr[1]': {NOT_JSON} a date: 2024-01-01; "
-     "quote it for a string"),
+    ("grid:\n  lr: [1e-3, 2024-01-01]\n", (f"key 'grid.lr[1]': {NOT_JSON} a date: 2024-01-01; "
+     "quote it for a string")),
 ])
 def test_values_json_cannot_hold_are_one_line_in_every_command(tmp_path, capsys, command, text,
                                                                want):
@@ -274,9 +274,8 @@ def test_an_alias_and_its_option_in_one_file_name_both(tmp_path, capsys):
 def test_yaml_numbers_are_yaml_1_2s():
     """YAML 1.1's sexagesimal (`1:0` = 60), octal (`010` = 8), underscores and yes/no/on/off
     stay strings, so an option wanting a number or a boolean refuses them; 1.2's forms read."""
-    from toymlx_cli.config_file import _Loader
-
     import yaml
+    from toymlx_cli.config_file import _Loader
 
     got = yaml.load("a: 1:0\nb: 010\nc: 1_000\nd: yes\ne: on\nf: 1e-5\ng: .5\nh: +3\n"
                     "i: 0o17\nj: 0x1F\nk: -.inf\nl: True\nm: ~\nn: 1.\no: -0\n", Loader=_Loader)

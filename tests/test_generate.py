@@ -417,6 +417,69 @@ def test_chat_without_a_prompt_is_a_conversation(chat_path, capsys, monkeypatch)
     assert capsys.readouterr().out.splitlines() == [one_shot, second.strip()]
 
 
+@pytest.mark.parametrize("prompt,flag,found", [
+    ("ab\udcffc", "--prompt", "the byte 0xff at character 2"),  # argv's undecodable byte
+    ("ab\ud800", "--prompt", "a lone surrogate U+D800 at character 2"),
+    ("\udcc3", "--system", "the byte 0xc3 at character 0"),
+])
+def test_text_that_is_not_utf8_is_one_line(stories_path, capsys, prompt, flag, found):
+    """Invalid UTF-8 in --prompt crashed the tokenizer (`TypeError: TextInputSequence must be
+    str`)."""
+    other = ["--prompt", "hi", "--chat", "--system", prompt] if flag == "--system" else \
+        ["--prompt", prompt]
+    assert cli.main(["--model", str(stories_path), *other, "--max-tokens", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"toymlx-generate: error: {flag}: expected UTF-8 text, found {found}\n"
+    assert out == ""
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--system", "be brief"], ("--system: expected with --chat (it is the chat's system "
+     "message), found no --chat")),
+    (["--temperature", "nan"], "--temperature: expected a finite number >= 0, found nan"),
+    (["--temperature", "inf"], "--temperature: expected a finite number >= 0, found inf"),
+    (["--top-k", "-1"], "--top-k: expected >= 0 (0: off), found -1"),
+    (["--min-p", "1.5"], "--min-p: expected in [0, 1) (0: off), found 1.5"),
+    (["--repetition-penalty", "0"], ("--repetition-penalty: expected a finite number > 0, "
+     "found 0.0")),
+])
+def test_options_that_do_not_apply_or_are_out_of_range_are_one_line(stories_path, capsys,
+                                                                     flags, want):
+    """--system without --chat was ignored; a nan temperature sampled from nan logits."""
+    assert cli.main(["--model", str(stories_path), "--prompt", "hi", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"toymlx-generate: error: {want}\n")
+
+
+def test_a_chat_turn_that_is_not_utf8_is_refused_and_the_conversation_goes_on(chat_path,
+                                                                             capsys):
+    """A bad turn read from stdin crashed --chat and lost the conversation: now it is one line,
+    and the next turns answer as if it had not been typed."""
+    from toymlx.generate import load_for_generation
+
+    model, tok = load_for_generation(chat_path)
+    args = cli.Args(model=str(chat_path), chat=True, temperature=0.0, max_tokens=12)
+    replies = {}
+    for case, raw in [("clean", b"Tell me a story\nAbout a cat\n"),
+                      ("bad byte", b"Tell me a story\nA \xff dog\nAbout a cat\n"),
+                      ("cut sequence", b"Tell me a story\n\xe2\x82\nAbout a cat\n")]:
+        stdin = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8")
+        turns = cli.chat(model, tok, args, model.args.context, stdin, out := io.StringIO())
+        replies[case] = (turns, out.getvalue(), capsys.readouterr().err)
+    assert replies["clean"][0] == 2 and replies["clean"][2] == ""
+    for case, at in (("bad byte", "the byte 0xff at byte 2"),
+                     ("cut sequence", "the byte 0xe2 at byte 0")):
+        assert replies[case][:2] == replies["clean"][:2]
+        assert replies[case][2] == (f"toymlx-generate: error: stdin line 2: expected UTF-8 text, "
+                                    f"found {at}; the turn is skipped, the conversation goes on\n")
+    # a text stream (no bytes underneath) holding a lone surrogate
+    turns = cli.chat(model, tok, args, model.args.context,
+                     io.StringIO("Tell me a story\n\ud800\nAbout a cat\n"), out := io.StringIO())
+    assert (turns, out.getvalue()) == replies["clean"][:2]
+    assert "stdin line 2: expected UTF-8 text, found a lone surrogate U+D800 at character 0" \
+        in capsys.readouterr().err
+
+
 def bad_inputs(tmp_path: Path, stories_path: Path) -> dict[str, tuple[Path, str]]:
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello, not a model\n")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,6 +54,21 @@ PREFILL_CHUNK = 2048
 """Prompt tokens put through the model at a time before decoding (mlx-lm's prefill step)."""
 
 
+def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float,
+                   repetition_penalty: float | None) -> None:
+    """ValueError naming the flag of a sampler setting out of its range (nan and inf too)."""
+    pen = repetition_penalty
+    for flag, ok, want, found in [
+            ("--top-p", 0.0 < top_p <= 1.0, "in (0, 1]", top_p),
+            ("--temperature", 0 <= temperature < math.inf, "a finite number >= 0", temperature),
+            ("--top-k", top_k >= 0, ">= 0 (0: off)", top_k),
+            ("--min-p", 0.0 <= min_p < 1.0, "in [0, 1) (0: off)", min_p),
+            ("--repetition-penalty", pen is None or 0 < pen < math.inf, "a finite number > 0",
+             pen)]:
+        if not ok:
+            raise ValueError(f"{flag}: expected {want}, found {found}")
+
+
 def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
              min_p: float = 0.0, repetition_penalty: float | None = None,
@@ -62,16 +78,7 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     (`toymlx.sampling`). `kept`: a conversation's caches, kept between calls (`PromptCache`)."""
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"--top-p: expected in (0, 1], found {top_p}")
-    if temperature < 0:
-        raise ValueError(f"--temperature: expected >= 0, found {temperature}")
-    if top_k < 0:
-        raise ValueError(f"--top-k: expected >= 0 (0: off), found {top_k}")
-    if not 0.0 <= min_p < 1.0:
-        raise ValueError(f"--min-p: expected in [0, 1) (0: off), found {min_p}")
-    if repetition_penalty is not None and repetition_penalty <= 0:
-        raise ValueError(f"--repetition-penalty: expected > 0, found {repetition_penalty}")
+    check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
     # past the trained context the model's output is meaningless
     budget = min(max_tokens, model.args.context - len(prompt_ids))
     if budget <= 0:

@@ -611,8 +611,9 @@ def changed_options(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
     except (OSError, ValueError) as e:
         raise ValueError(f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (JSON), "
                          f"found {e}") from None
-    if not isinstance(old, dict):
-        raise ValueError(f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (a JSON "
+    if not isinstance(old, dict):  # a damaged file: bad input, one line
+        raise ValueError(  # noqa: TRY004
+f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (a JSON "
                          f"object), found {type(old).__name__}")
     if old.get("recipe") != recipe:
         return ["recipe"]
