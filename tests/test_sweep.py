@@ -160,27 +160,90 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
-    argv = ["--recipe", "from-scratch", "--grid", "lr=1e-3,-1,1e8", "--workers", "2",
-            "--runs-root", str(tmp_path), "--sweep-id", "bad", "--no-progress", "--no-report",
-            *TINY]
+    """A run that fails on its data (val_fraction 0.999999 leaves no training window: found
+    when the run reads it) fails alone; a diverged one is a result."""
+    argv = ["--recipe", "from-scratch", "--grid", "lr=1e-3,1e8", "--grid",
+            "data.val_fraction=0.1,0.999999", "--workers", "2", "--runs-root", str(tmp_path),
+            "--sweep-id", "bad", "--no-progress", "--no-report", *TINY]
     assert sweep_main(argv) == 1
     err = capsys.readouterr().err
-    assert "FAILED lr=-1: toymlx-train: error: --lr: expected > 0, found -1.0" in err
+    ok, short = "lr=0.001_data.val_fraction=0.1", "lr=0.001_data.val_fraction=0.999999"
+    big, big_short = "lr=1e+08_data.val_fraction=0.1", "lr=1e+08_data.val_fraction=0.999999"
+    assert re.search(f"FAILED {re.escape(short)}: toymlx-train: error: .*training split has "
+                     r"\d+ tokens but one window needs seq_len\+1 = 33", err), err
     rows = {r["run"]: r for r in _csv(tmp_path / "bad" / "summary.csv")}
-    assert rows["lr=0.001"]["status"] == "completed"
-    assert float(rows["lr=0.001"]["final"]) == _evals(tmp_path / "bad" / "lr=0.001")[-1]
-    assert rows["lr=-1"]["status"] == "failed"
-    assert "--lr: expected > 0" in rows["lr=-1"]["message"]
+    assert rows[ok]["status"] == "completed"
+    assert float(rows[ok]["final"]) == _evals(tmp_path / "bad" / ok)[-1]
+    assert rows[short]["status"] == rows[big_short]["status"] == "failed"
+    assert "training split has" in rows[short]["message"]
     # a diverged run is a result, reported as such (and not run again on a restart)
-    assert rows["lr=1e+08"]["status"] == "diverged"
-    assert re.search(r"DIVERGED lr=1e\+08: (loss|gradient norm) became nan", err), err
-    assert list(rows) == ["lr=0.001", "lr=-1", "lr=1e+08"]  # no metric: last, in grid order
-    result = sweep.run_sweep("from-scratch", sweep.grid(TINY, {"lr": [1e-3, -1, 1e8]}),
-                             tmp_path, sweep_id="bad", progress=False, report_png=False,
-                             retry_failed=False)
-    assert result.states == {"lr=0.001": "skipped", "lr=-1": "failed", "lr=1e+08": "skipped"}
-    assert "--lr: expected > 0" in (tmp_path / "bad" / "logs" / "lr=-1.log").read_text()
-    assert (tmp_path / "bad" / "logs" / "lr=-1.log").read_text().count("start:") == 1
+    assert rows[big]["status"] == "diverged"
+    assert re.search(rf"DIVERGED {re.escape(big)}: (loss|gradient norm) became nan", err), err
+    assert list(rows) == [ok, short, big, big_short]  # no metric: last, in grid order
+    result = sweep.run_sweep("from-scratch", sweep.grid(TINY, {
+        "lr": [1e-3, 1e8], "data.val_fraction": [0.1, 0.999999]}), tmp_path, sweep_id="bad",
+        progress=False, report_png=False, retry_failed=False)
+    assert result.states == {ok: "skipped", short: "failed", big: "skipped",
+                             big_short: "failed"}
+    log = (tmp_path / "bad" / "logs" / f"{short}.log").read_text()
+    assert "training split has" in log and log.count("start:") == 1
+
+
+@pytest.mark.parametrize("how,want", [
+    (["--grid", "lr=1e-3,-1"], "run lr=-1: --lr: expected > 0, found -1.0"),
+    (["--grid", "lr=1e-3,inf"], "run lr=inf: --lr: expected a finite number, found inf"),
+    (["-c", "{file}"], "run warmup=-1: --warmup: expected >= 0, found -1"),
+])
+def test_a_bad_grid_value_fails_before_any_run_starts(tmp_path, capsys, how, want):
+    """Each run that had a bad value used to start and fail on its own, the others running."""
+    from cli_errors import error_line
+
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text("recipe: from-scratch\ngrid: {warmup: [1, -1]}\n")
+    argv = ["--recipe", "from-scratch", *[a.format(file=cfg) for a in how], "--runs-root",
+            str(tmp_path / "runs"), "--no-progress", "--no-report", *TINY]
+    assert sweep_main(argv) == 2
+    assert error_line(capsys, "toymlx-sweep") == (f"toymlx-sweep: error: {want}; no run was "
+                                                  "started")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_changed_sweep_under_the_same_id_is_refused_naming_the_changed_keys(tmp_path, capsys):
+    """Re-running `toymlx-sweep -c FILE` after editing it reported the old runs as completed
+    and rewrote run-options.json; a new --sweep-id runs the edited sweep."""
+    from cli_errors import error_line
+
+    cfg = tmp_path / "sweep.yaml"
+    text = (f"recipe: from-scratch\nsweep_id: s\nruns_root: {tmp_path}\nno_progress: true\n"
+            "no_report: true\ngrid: {lr: [1e-3]}\nsteps: 2\nmodel: {d_model: 32, n_layers: 1}\n"
+            "seq_len: 32\nbatch_size: 4\neval_batches: 1\ncompile: false\n")
+    cfg.write_text(text)
+    assert sweep_main(["-c", str(cfg)]) == 0
+    root = tmp_path / "s"
+    kept = {p: p.read_bytes() for p in (root / "sweep.json", root / "run-options.json",
+                                        root / "lr=0.001" / "config.json")}
+    cfg.write_text(text.replace("steps: 2", "steps: 3").replace("n_layers: 1", "n_layers: 2"))
+    capsys.readouterr()
+    assert sweep_main(["-c", str(cfg)]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: {root}: --sweep-id s: expected the options this sweep was "
+        "started with, found model.n_layers, steps changed; give a new --sweep-id to run the "
+        "changed sweep, or put them back")
+    assert {p: p.read_bytes() for p in kept} == kept
+    # a flag that changes every run's options, under the same id
+    assert sweep_main(["-c", str(cfg), "--sweep-id", "s", "--", "--warmup", "1"]) == 2
+    assert "found model.n_layers, steps, --warmup changed" in error_line(capsys, "toymlx-sweep")
+    # more values in the grid add runs; the runs already there are the same
+    cfg.write_text(text.replace("[1e-3]", "[1e-3, 2e-3]"))
+    assert sweep_main(["-c", str(cfg)]) == 0
+    assert json.loads((root / "lr=0.002" / "config.json").read_text())["config"]["steps"] == 2
+    # a new id runs the edited sweep
+    cfg.write_text(text.replace("steps: 2", "steps: 3"))
+    assert sweep_main(["-c", str(cfg), "--sweep-id", "s3"]) == 0
+    saved = json.loads((tmp_path / "s3" / "lr=0.001" / "config.json").read_text())
+    assert saved["config"]["steps"] == 3
+    assert {p: p.read_bytes() for p in kept if p.name != "sweep.json"} == {
+        p: v for p, v in kept.items() if p.name != "sweep.json"}
 
 
 def test_torn_run_is_resumed_from_its_checkpoint(tmp_path):
