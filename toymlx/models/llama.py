@@ -119,6 +119,8 @@ class LlamaArgs:
                 f"model.n_kv_heads: expected a divisor of n_heads={self.n_heads}, "
                 f"found {self.n_kv_heads}"
             )
+        if not self.rope_base > 0:  # 0, negative or nan: every rotation is nan from step 0
+            raise ValueError(f"model.rope_base: expected > 0, found {self.rope_base}")
         if self.head_dim % 2:
             raise ValueError(f"model head_dim: expected an even number for RoPE, found "
                              f"{self.head_dim}")

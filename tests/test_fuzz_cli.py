@@ -1,0 +1,336 @@
+"""Every flag and `-c` key of every command, given hostile values, run in process.
+
+A corpus of attempts is built from the commands' own option tables (each recipe's Config,
+toymlx-eval/-generate/-export's Args, toymlx-sweep's parser, toymlx-report's options): each
+option gets values a careless or hostile user types (empty, huge, negative, nan/inf, the wrong
+type, bytes that are not UTF-8, a lone surrogate, folders, missing paths, /dev/null, an input
+of the command itself), on the command line and in a `-c` file (YAML, or JSON where YAML cannot
+carry the value), and every `-c` key is also given twice. Around a small valid baseline (tiny
+runs of 1 step, `--stop-at 1`), each attempt must end with exit 0 (the value was fine), 2 (one
+`PROG: error:` line, or tyro's and argparse's usage message) or 1 (a run that started and
+failed or diverged): never an exception out of the command or a traceback, and every input
+file byte-identical afterwards. The default tier draws one value per option (both forms,
+seeded) within a small budget; `-m slow` tries every value in both forms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import random
+import shutil
+import sys
+import time
+import traceback
+import typing
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from toymlx.runs import flag_name
+
+HUGE_TEXT = "x" * 100_000
+VALUES: list[Any] = [
+    "", "-1", "0", "-0.0", "nan", "inf", "-inf", "1e400", "1e15", "9223372036854775808",
+    "1.5", "true", "none", "[1]", "ab\udcffc",  # the last: argv's undecodable byte 0xff
+    HUGE_TEXT, "{empty_dir}", "{empty_dir}/", "{missing}", "/dev/null", "{data}", "{base}",
+]
+"""Hostile command-line values ({...}: paths made per test)."""
+FILE_VALUES: list[Any] = [
+    None, True, -1, 0, 10**15, 2**64, 1.5, float("nan"), float("inf"), "", [], [1, "a"],
+    {"a": 1}, "2024-01-01", "ab\ud800", HUGE_TEXT, "{empty_dir}", "{missing}", "/dev/null",
+    "{data}",
+]
+"""Hostile `-c` values; "2024-01-01" is written unquoted (a YAML date), "ab\\ud800" as JSON."""
+DEFAULT_BUDGET_S = 45.0
+
+
+@dataclasses.dataclass
+class Command:
+    """A command under test: its entry point, its baseline options and the options to fuzz."""
+
+    prog: str
+    main: Callable[[list[str]], int]
+    base: dict[str, list[str]]
+    """Option key -> its baseline arguments (left out when that key is fuzzed)."""
+    keys: list[str]
+    positional: list[str] = dataclasses.field(default_factory=list)
+    may_fail: bool = False
+    """A run may start and fail (exit 1): training and sweeps."""
+
+
+def dataclass_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every option of an options dataclass, dotted (model.d_model)."""
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += dataclass_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def parser_keys(parser) -> list[str]:
+    return [a.option_strings[-1][2:].replace("-", "_") for a in parser._actions
+            if a.option_strings and a.dest not in ("help", "version", "config")]
+
+
+def flag(key: str) -> str:
+    return {"seed": "--seed"}.get(key, flag_name(key)) if key != "from_step" else "--from"
+
+
+class World:
+    """The inputs (files whose bytes must not change) and the commands around them."""
+
+    def __init__(self, root: Path, shared: Path):
+        self.root = root
+        self.inputs = root / "inputs"
+        self.out = root / "out"
+        (self.inputs / "empty").mkdir(parents=True)
+        self.out.mkdir()
+        self.data = self.inputs / "stories.txt"
+        shutil.copy(shared / "text" / "tinystories_sample.txt", self.data)
+        self.chat = self.inputs / "chat.jsonl"
+        self.chat.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "completion":
+                                                 f"It is {2 * i}."}) + "\n" for i in range(12)))
+        self.base = self.inputs / "stories260K.gguf"
+        shutil.copy(shared / "models" / "stories260K.gguf", self.base)
+        self.n = 0
+
+    def paths(self) -> dict[str, str]:
+        return {"empty_dir": str(self.inputs / "empty"), "missing": str(self.root / "nope"),
+                "data": str(self.data), "base": str(self.base)}
+
+    def snapshot(self) -> dict[str, str]:
+        return {str(p.relative_to(self.inputs)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(self.inputs.rglob("*")) if p.is_file()}
+
+    def run_id(self) -> list[str]:
+        self.n += 1
+        return ["--run-id", f"r{self.n}"]
+
+
+TINY_LLAMA = {"model.d_model": ["--model.d-model", "32"], "model.n_layers": ["--model.n-layers", "1"],
+              "model.n_heads": ["--model.n-heads", "4"], "model.n_kv_heads": ["--model.n-kv-heads", "2"],
+              "model.ffn_dim": ["--model.ffn-dim", "64"], "model.context": ["--model.context", "64"]}
+
+
+def commands(w: World, run: Path) -> list[Command]:
+    from toymlx_cli import eval as eval_cli
+    from toymlx_cli import export as export_cli
+    from toymlx_cli import generate as generate_cli
+    from toymlx_cli.report import main as report_main
+    from toymlx_cli.sweep import _parser
+    from toymlx_cli.sweep import main as sweep_main
+    from toymlx_cli.train import main as train_main
+
+    from toymlx.recipes import RECIPES, get_recipe
+
+    loop = {"steps": ["--steps", "1"], "stop_at": ["--stop-at", "1"],
+            "compile": ["--no-compile"], "eval_batches": ["--eval-batches", "1"],
+            "eval_every": ["--eval-every", "0"], "batch_size": ["--batch-size", "2"],
+            "runs_root": ["--runs-root", str(w.out / "runs")], "progress": ["--no-progress"]}
+    text = {**loop, **TINY_LLAMA, "seq_len": ["--seq-len", "32"],
+            "data.path": ["--data.path", str(w.data)]}
+    bases = {
+        "from-scratch": text,
+        "warm-start": {**text, "donor": ["--donor", str(w.base)]},
+        "lora": {**loop, "base": ["--base", str(w.base)], "seq_len": ["--seq-len", "32"],
+                 "data.path": ["--data.path", str(w.chat)]},
+        "vit-tiny": {**loop, "model.d_model": ["--model.d-model", "32"],
+                     "model.n_layers": ["--model.n-layers", "1"],
+                     "data.workers": ["--data.workers", "0"]},
+    }
+    out = []
+    for recipe in RECIPES:
+        cfg = get_recipe(recipe).Config
+        keys = dataclass_keys(cfg)
+        out.append(Command(f"toymlx-train --recipe {recipe}",
+                           lambda a, r=recipe: train_main(["--recipe", r, *a]),
+                           bases[recipe], keys, may_fail=True))
+    out += [
+        Command("toymlx-eval", eval_cli.main, {"model": ["--model", str(run)],
+                                               "batch_size": ["--batch-size", "8"]},
+                dataclass_keys(eval_cli.Args)),
+        Command("toymlx-generate", generate_cli.main,
+                {"model": ["--model", str(w.base)], "prompt": ["--prompt", "Once"],
+                 "max_tokens": ["--max-tokens", "2"]}, dataclass_keys(generate_cli.Args)),
+        Command("toymlx-export", export_cli.main,
+                {"base": ["--base", str(w.base)], "out": ["--out", str(w.out / "x.gguf")],
+                 "dtype": ["--dtype", "f32"]}, dataclass_keys(export_cli.Args)),
+        Command("toymlx-sweep", sweep_main,
+                {"recipe": ["--recipe", "from-scratch"], "grid": ["--grid", "lr=1e-3"],
+                 "shard": ["--shard", "1/2"], "runs_root": ["--runs-root", str(w.out / "sw")],
+                 "no_progress": ["--no-progress"], "no_report": ["--no-report"]},
+                parser_keys(_parser()), may_fail=True),
+        Command("toymlx-report", report_main, {"out": ["--out", str(w.out / "r.html")]},
+                ["out"], positional=[str(run)]),
+    ]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    command: int
+    key: str
+    form: str  # flag | file | twice
+    value: Any
+
+
+def corpus(cmds: list[Command], everything: bool, seed: int) -> list[Attempt]:
+    """Every (command, option, form, value) with `everything`, else one value per option and
+    form, drawn with `seed`; the options of every command in turn."""
+    rng = random.Random(seed)
+    out = []
+    for i, c in enumerate(cmds):
+        for key in c.keys:
+            for form, values in (("flag", VALUES), ("file", FILE_VALUES)):
+                out += [Attempt(i, key, form, v) for v in
+                        (values if everything else [rng.choice(values)])]
+            if key not in ("resume", "from_step"):
+                out.append(Attempt(i, key, "twice", None))
+    rng.shuffle(out)
+    return out
+
+
+def _fill(value: Any, paths: dict[str, str]) -> Any:
+    return value.format(**paths) if isinstance(value, str) and value.startswith("{") and \
+        value.endswith(("}", "}/")) else value
+
+
+def _config_file(w: World, key: str, value: Any, form: str) -> Path:
+    w.n += 1
+    if form == "twice":
+        p = w.inputs / f"c{w.n}.yaml"
+        p.write_text(f"{key}: 1\n{key}: 2\n")
+        return p
+    if isinstance(value, str) and any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
+        p = w.inputs / f"c{w.n}.json"
+        p.write_text(json.dumps({key: value}))
+        return p
+    p = w.inputs / f"c{w.n}.yaml"
+    text = f"{key}: 2024-01-01\n" if value == "2024-01-01" else yaml.safe_dump({key: value})
+    p.write_text(text)
+    return p
+
+
+def argv_of(w: World, c: Command, a: Attempt) -> list[str]:
+    value = _fill(a.value, w.paths())
+    args = [x for k, v in c.base.items() if k != a.key for x in v] + list(c.positional)
+    if c.prog.startswith("toymlx-train") and a.key != "run_id":
+        args += w.run_id()
+    if c.prog == "toymlx-sweep" and a.key != "sweep_id":
+        w.n += 1
+        args += ["--sweep-id", f"s{w.n}"]
+    if a.form == "flag":
+        return [*args, flag(a.key), str(value)]
+    return [*args, "-c", str(_config_file(w, a.key, value, a.form))]
+
+
+def attempt(c: Command, argv: list[str]) -> tuple[str, str]:
+    """(outcome, what was printed to stderr) of one run of the command, in process."""
+    err = io.StringIO()
+    stdin = sys.stdin
+    sys.stdin = io.TextIOWrapper(io.BytesIO(b"hi\n\xff\n/quit\n"), encoding="utf-8")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            try:
+                rc = c.main(argv)
+            except SystemExit as e:  # tyro's and argparse's usage errors
+                rc = e.code if isinstance(e.code, int) else 2
+                if rc == 2:
+                    return "usage error", err.getvalue()
+            except Exception:  # noqa: BLE001 (the finding itself)
+                return "traceback", err.getvalue() + traceback.format_exc()
+    finally:
+        sys.stdin = stdin
+    text = err.getvalue()
+    if "Traceback (most recent call last)" in text:
+        return "traceback", text
+    if rc == 0:
+        return "accepted", text
+    lines = [ln for ln in text.splitlines() if ln.startswith(f"{c.prog.split()[0]}: error:")]
+    if rc == 2 and len(lines) == 1:
+        return "refused, one line", text
+    if rc == 2 and c.may_fail and "toymlx: diverged at step" in text:
+        return "run diverged", text  # a run's end (exit 2, its own final line), not input
+    if rc == 1 and c.may_fail:
+        return "run failed", text
+    return f"exit {rc}" + (", unclear" if rc == 2 else ""), text
+
+
+def fuzz(tmp_path: Path, shared: Path, everything: bool, budget_s: float | None) -> dict:
+    from toymlx_cli.train import main as train_main
+
+    w = World(tmp_path, shared)
+    run = w.inputs / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert train_main(["--recipe", "from-scratch", *[x for v in TINY_LLAMA.values() for x in v],
+                           "--seq-len", "32", "--steps", "2", "--no-compile", "--eval-every", "0",
+                           "--eval-batches", "1", "--no-progress", "--data.path", str(w.data),
+                           "--runs-root", str(w.inputs), "--run-id", "run"]) == 0
+    cmds = commands(w, run)
+    todo = corpus(cmds, everything, seed=39)
+    outcomes: Counter = Counter()
+    bad: list[str] = []
+    t0 = time.perf_counter()
+    before = w.snapshot()
+    tried = 0
+    for a in todo:
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            break
+        c = cmds[a.command]
+        argv = argv_of(w, c, a)
+        outcome, text = attempt(c, argv)
+        tried += 1
+        outcomes[outcome] += 1
+        after = w.snapshot()
+        changed = [k for k in before if after.get(k) != before[k]]
+        shown = f"{c.prog} {a.form} {a.key}={str(a.value)[:40]!r}"
+        if outcome == "traceback" or outcome.startswith("exit"):
+            bad.append(f"{shown}: {outcome}: {text.strip()[-600:]}")
+        if changed:
+            bad.append(f"{shown}: changed its inputs {changed}")
+        before = after  # a -c file written for the next attempt is an input from then on
+        shutil.rmtree(w.out, ignore_errors=True)
+        w.out.mkdir()
+    return {"attempts": tried, "planned": len(todo), "seconds": time.perf_counter() - t0,
+            "commands": len(cmds), "options": sum(len(c.keys) for c in cmds),
+            "outcomes": dict(outcomes), "bad": bad}
+
+
+def report(result: dict, tier: str) -> str:
+    host = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
+                 .splitlines() if ln.startswith("model name")), "unknown CPU")
+    return (f"fuzz ({tier}): {result['attempts']} of {result['planned']} attempts over "
+            f"{result['options']} options of {result['commands']} commands in "
+            f"{result['seconds']:.0f} s on {host}: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(result["outcomes"].items()))
+            + f"; {len(result['bad'])} bad")
+
+
+def test_fuzz_every_flag_and_key_small_budget(tmp_path, shared_data, capsys):
+    result = fuzz(tmp_path, shared_data, everything=False, budget_s=DEFAULT_BUDGET_S)
+    with capsys.disabled():
+        print("\n" + report(result, "default tier"))
+    assert result["attempts"] >= 50
+    assert result["bad"] == [], "\n".join(result["bad"])
+
+
+@pytest.mark.slow
+def test_fuzz_every_flag_and_key_every_value(tmp_path, shared_data, capsys):
+    result = fuzz(tmp_path, shared_data, everything=True, budget_s=None)
+    with capsys.disabled():
+        print("\n" + report(result, "slow tier"))
+    assert result["attempts"] == result["planned"]
+    assert result["bad"] == [], "\n".join(result["bad"])
