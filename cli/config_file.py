@@ -9,7 +9,11 @@ starts a new run with that run's settings, less the options that only name or st
 (`RUN_NAMING`). `toymlx-sweep -c FILE` reads one file as the whole sweep (`sweep_config`): its
 own options, its grid, and the options every run takes as toymlx-train -c takes them. Bad input
 is one line naming the file and the key; an unknown key names the closest flag (and the toymlx
-flag for an mlx-lm key).
+flag for an mlx-lm key). Nothing is read quietly as something else: a key given twice in one
+mapping (`_Loader`, `_json_pairs`) or under two spellings (`_flatten`, `_once`) names both;
+plain YAML scalars follow YAML 1.2's core schema (`_Loader`); values JSON cannot hold are
+refused by name (`plain_json`); a run's config.json beside other options is refused
+(`is_run_config`).
 """
 
 from __future__ import annotations

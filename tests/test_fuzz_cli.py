@@ -22,6 +22,7 @@ import io
 import json
 import random
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -237,11 +238,24 @@ def argv_of(w: World, c: Command, a: Attempt) -> list[str]:
     return [*args, "-c", str(_config_file(w, a.key, value, a.form))]
 
 
+class Hung(Exception):
+    """An attempt still running after ATTEMPT_LIMIT_S."""
+
+
+def _hung(signum: int, frame: Any) -> None:
+    raise Hung
+
+
+ATTEMPT_LIMIT_S = 60
+
+
 def attempt(c: Command, argv: list[str]) -> tuple[str, str]:
     """(outcome, what was printed to stderr) of one run of the command, in process."""
     err = io.StringIO()
     stdin = sys.stdin
     sys.stdin = io.TextIOWrapper(io.BytesIO(b"hi\n\xff\n/quit\n"), encoding="utf-8")
+    old = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(ATTEMPT_LIMIT_S)
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             try:
@@ -250,9 +264,13 @@ def attempt(c: Command, argv: list[str]) -> tuple[str, str]:
                 rc = e.code if isinstance(e.code, int) else 2
                 if rc == 2:
                     return "usage error", err.getvalue()
+            except Hung:
+                return "hung", err.getvalue() + traceback.format_exc()
             except Exception:  # noqa: BLE001 (the finding itself)
                 return "traceback", err.getvalue() + traceback.format_exc()
     finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
         sys.stdin = stdin
     text = err.getvalue()
     if "Traceback (most recent call last)" in text:
@@ -286,18 +304,23 @@ def fuzz(tmp_path: Path, shared: Path, everything: bool, budget_s: float | None)
     t0 = time.perf_counter()
     before = w.snapshot()
     tried = 0
+    slow: list[tuple[float, str]] = []
     for a in todo:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
         c = cmds[a.command]
         argv = argv_of(w, c, a)
+        with open(tmp_path / "attempts.log", "a") as log:  # what was tried, should one hang
+            log.write(f"{c.prog} {a.form} {a.key}={str(a.value)[:40]!r}\n")
+        t1 = time.perf_counter()
         outcome, text = attempt(c, argv)
+        slow.append((time.perf_counter() - t1, f"{c.prog} {a.form} {a.key}={str(a.value)[:40]!r}"))
         tried += 1
         outcomes[outcome] += 1
         after = w.snapshot()
         changed = [k for k in before if after.get(k) != before[k]]
         shown = f"{c.prog} {a.form} {a.key}={str(a.value)[:40]!r}"
-        if outcome == "traceback" or outcome.startswith("exit"):
+        if outcome in ("traceback", "hung") or outcome.startswith("exit"):
             bad.append(f"{shown}: {outcome}: {text.strip()[-600:]}")
         if changed:
             bad.append(f"{shown}: changed its inputs {changed}")
@@ -306,7 +329,7 @@ def fuzz(tmp_path: Path, shared: Path, everything: bool, budget_s: float | None)
         w.out.mkdir()
     return {"attempts": tried, "planned": len(todo), "seconds": time.perf_counter() - t0,
             "commands": len(cmds), "options": sum(len(c.keys) for c in cmds),
-            "outcomes": dict(outcomes), "bad": bad}
+            "outcomes": dict(outcomes), "bad": bad, "slowest": sorted(slow)[-5:]}
 
 
 def report(result: dict, tier: str) -> str:

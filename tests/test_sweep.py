@@ -483,3 +483,20 @@ def test_bad_sweep_files_are_one_line(tmp_path, capsys, text, want):
     assert sweep_main(["-c", str(cfg)]) == 2
     assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {cfg}: {want}"
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("how,want", [
+    (["--random", str(2**64), "--grid", "lr=1e-3"],
+     f"--random: expected 1..10000 runs, found {2**64}"),
+    (["--grid", "lr=" + ",".join(f"{i}e-4" for i in range(1, 102)), "--grid",
+      "seed=" + ",".join(map(str, range(100)))],
+     "--grid: expected at most 10000 runs, found 101 x 100 = 10100 combinations"),
+])
+def test_a_sweep_too_large_to_plan_is_one_line(tmp_path, capsys, how, want):
+    """`--random 2**64` over a one-value grid drew forever (100 x N tries for N distinct runs)."""
+    from cli_errors import error_line
+
+    t0 = time.perf_counter()
+    assert sweep_main(["--recipe", "from-scratch", *how, "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {want}"
+    assert time.perf_counter() - t0 < 30 and not any(tmp_path.iterdir())

@@ -47,6 +47,10 @@ from toymlx.runs import BUNDLE_PICK, flag_name
 RESERVED = ("--recipe", *(flag_name(k) for k in BUNDLE_PICK))
 """Flags the sweep sets on each run itself."""
 
+MAX_RUNS = 10_000
+"""The most runs one sweep plans (a grid's combinations, --random N): more is a typo, and
+planning them would not end."""
+
 RUN_OPTIONS_FILE = "run-options.json"
 """In the sweep folder: the options every run takes from the sweep's config file, handed to each
 new run as `toymlx-train -c` (its flags, the grid's values among them, over it)."""
@@ -245,6 +249,10 @@ def grid(base_args: Sequence[str] | Mapping[str, Any], axes: Mapping[str, Sequen
         if not vs:
             raise ValueError(f"--grid {k}: expected at least one value, found none")
         values.append(vs)
+    if math.prod(len(vs) for vs in values) > MAX_RUNS:
+        raise ValueError(f"--grid: expected at most {MAX_RUNS} runs, found "
+                         f"{' x '.join(str(len(vs)) for vs in values)} = "
+                         f"{math.prod(len(vs) for vs in values)} combinations")
     combos = [dict(zip(axes, c)) for c in itertools.product(*values)]
     return _make_specs(base, combos, types)
 
@@ -253,8 +261,8 @@ def random(base_args: Sequence[str] | Mapping[str, Any], space: Mapping[str, Any
            seed: int = 0, recipe: str | None = None) -> list[RunSpec]:
     """`n` distinct random draws from `space` (each value a list to choose from, or a
     LogUniform / Uniform / IntUniform), deterministic in `seed`; fewer if the space is smaller."""
-    if n < 1:
-        raise ValueError(f"--random: expected >= 1 runs, found {n}")
+    if not 1 <= n <= MAX_RUNS:
+        raise ValueError(f"--random: expected 1..{MAX_RUNS} runs, found {n}")
     types = _field_types(recipe)
     base = _base_args(base_args, types, recipe)
     for k in space:
@@ -262,7 +270,7 @@ def random(base_args: Sequence[str] | Mapping[str, Any], space: Mapping[str, Any
     _check_no_clash(base, list(space))
     rng = _random.Random(seed)
     combos: dict[str, dict[str, Any]] = {}
-    for _ in range(100 * n):
+    for _ in range(100 * n):  # a space smaller than n stops repeating its draws by then
         if len(combos) == n:
             break
         params = {}
