@@ -164,6 +164,13 @@ def plain_json(value: Any, source: str, key: str = "") -> None:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             plain_json(v, source, f"{key}[{i}]")
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800": no UTF-8 file or name can hold it
+            raise ConfigFileError(f"{source}: key {key!r}: expected UTF-8 text, found a lone "
+                                  f"surrogate U+{ord(value[e.start]):04X} at character "
+                                  f"{e.start}") from None
     elif type(value) not in _JSON_KINDS:
         text = str(value) if not isinstance(value, (bytes, set, tuple)) else repr(value)
         text = text if len(text) <= 40 else text[:37] + "..."

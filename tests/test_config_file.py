@@ -372,3 +372,13 @@ def test_a_data_file_that_is_a_folder_says_so(tmp_path, capsys, name):
                  str(tmp_path / "runs"), "--steps", "1", "--no-compile"]) == 2
     assert error_line(capsys) == (f"toymlx-train: error: {d / name}: data folder: expected a "
                                   "file, found a directory")
+
+
+def test_a_lone_surrogate_in_a_json_file_is_one_line(tmp_path, capsys):
+    """JSON can spell a lone surrogate ("\\ud800") that no UTF-8 file, name or config.json
+    can hold."""
+    p = tmp_path / "s.json"
+    p.write_text('{"run_id": "ab\\ud800"}')
+    assert main(["--recipe", "from-scratch", "-c", str(p), "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {p}: key 'run_id': expected UTF-8 text, "
+                                  "found a lone surrogate U+D800 at character 2")
