@@ -45,6 +45,9 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     except errors as e:  # GGUFError and ImageDataError are ValueErrors
         print(f"{prog}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
+    except MemoryError as e:  # numpy's message names the size and shape it wanted
+        print(f"{prog}: error: out of memory: {e}; lower --batch-size", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -310,16 +310,18 @@ def fuzz(tmp_path: Path, shared: Path, everything: bool, budget_s: float | None)
             break
         c = cmds[a.command]
         argv = argv_of(w, c, a)
-        with open(tmp_path / "attempts.log", "a") as log:  # what was tried, should one hang
-            log.write(f"{c.prog} {a.form} {a.key}={str(a.value)[:40]!r}\n")
+        shown = f"{c.prog} {a.form} {a.key}={str(a.value)[:40]!r}"
+        with open(tmp_path / "attempts.log", "a") as log:  # what is tried, should one hang
+            log.write(shown)
         t1 = time.perf_counter()
         outcome, text = attempt(c, argv)
-        slow.append((time.perf_counter() - t1, f"{c.prog} {a.form} {a.key}={str(a.value)[:40]!r}"))
+        slow.append((time.perf_counter() - t1, shown))
+        with open(tmp_path / "attempts.log", "a") as log:
+            log.write(f": {outcome} in {slow[-1][0]:.2f} s\n")
         tried += 1
         outcomes[outcome] += 1
         after = w.snapshot()
         changed = [k for k in before if after.get(k) != before[k]]
-        shown = f"{c.prog} {a.form} {a.key}={str(a.value)[:40]!r}"
         if outcome in ("traceback", "hung") or outcome.startswith("exit"):
             bad.append(f"{shown}: {outcome}: {text.strip()[-600:]}")
         if changed:

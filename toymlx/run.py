@@ -82,6 +82,10 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
         except (ValueError, OSError, KeyError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 2
+        except MemoryError as e:  # numpy's message names the size and shape it wanted
+            print(f"toymlx-train: error: out of memory before the first step: {e}; lower "
+                  "--batch-size, --seq-len or the model's size", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             print("toymlx-train: interrupted before the first step; nothing was trained",
                   file=sys.stderr)

@@ -91,14 +91,19 @@ class TrainConfig(RunOptions, TrainingOptions):
     (`runs.RunOptions`, whose fields are the run-local options)."""
 
 
-def _numbers(cfg: Any, prefix: str = "") -> list[tuple[str, float]]:
-    """(dotted key, value) of every float option of a (nested) config."""
+MAX_INT = 2**31 - 1
+"""The largest integer option (steps, sizes, seeds): MLX and numpy index with 32 and 64 bits,
+and anything larger is a typo that would fail deep inside them."""
+
+
+def _numbers(cfg: Any, prefix: str = "") -> list[tuple[str, int | float]]:
+    """(dotted key, value) of every number option of a (nested) config."""
     out = []
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
             out += _numbers(v, f"{prefix}{f.name}.")
-        elif isinstance(v, float):
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
             out.append((prefix + f.name, v))
     return out
 
@@ -109,8 +114,10 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) ->
     `new_run`: also the recipe's `check_applies`, which refuses an option set where it does not
     apply (a saved run is opened as it was written)."""
     for key, v in _numbers(cfg):
-        if not math.isfinite(v):
+        if isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"{flag_name(key)}: expected a finite number, found {v}")
+        if isinstance(v, int) and abs(v) > MAX_INT:
+            raise ValueError(f"{flag_name(key)}: expected at most {MAX_INT} in size, found {v}")
     checks = [
         ("--steps", cfg.steps >= 1, ">= 1", cfg.steps),
         ("--batch-size", cfg.batch_size >= 1, ">= 1", cfg.batch_size),
