@@ -135,7 +135,7 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) ->
         ("--keep-last", cfg.keep_last >= 0, ">= 0 (0: keep every checkpoint)", cfg.keep_last),
         ("--keep-best", cfg.keep_best >= 0, ">= 0", cfg.keep_best),
         ("--seed", cfg.seed >= 0, ">= 0", cfg.seed),
-        ("--cpu-streams", cfg.cpu_streams >= 0, ">= 0 (0: auto)", cfg.cpu_streams),
+        ("--cpu-streams", 0 <= cfg.cpu_streams <= 64, "0..64 (0: auto)", cfg.cpu_streams),
     ]
     for flag, ok, want, found in checks:
         if not ok:
