@@ -114,7 +114,8 @@ def _main(argv: list[str] | None) -> int:
             if config_path is not None:
                 default = defaults_from_file(module.Config, options, config_path,
                                              f"toymlx-train --recipe {recipe}")
-    except ValueError as e:  # RunError, LockHeld and an unknown --recipe are ValueErrors
+    except (ValueError, OSError) as e:  # RunError, LockHeld, an unknown --recipe; a path the
+        # system refuses (a name too long)
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
     cfg = tyro.cli(module.Config, args=rest, default=default,
