@@ -190,6 +190,11 @@ def evaluate(args: Args) -> dict:
     from toymlx.trainer import evaluate as run_eval
 
     select_device(args.device)
+    if args.plot:
+        from toymlx.outputs import check_output
+
+        check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
+                     "--plot")
     bundle = _run_bundle(args.model)
     if bundle is not None and bundle.recipe == "lora":
         return evaluate_chat(args, bundle.config)

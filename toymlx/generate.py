@@ -42,10 +42,10 @@ from toymlx.device import on_gpu
 from toymlx.gguf.llama import args_from_gguf, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
-from toymlx.model_store import is_store_name
+from toymlx.model_store import is_store_name, resolve_model
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
-from toymlx.runs import Bundle
+from toymlx.runs import run_base
 from toymlx.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
 from toymlx.tokenizer import Tokenizer
 
@@ -215,10 +215,20 @@ class CompiledDecode:
 
 
 def _lora_run_base(path: str | os.PathLike) -> str | None:
-    """The `--base` a LoRA run was trained on (its config.json), when `path` is in a run."""
-    bundle = Bundle.of(path)
-    base = getattr(bundle.config, "base", None) if bundle is not None else None
-    return str(base) if base else None
+    """The `--base` a LoRA run was trained on (the file its config.json records, checked),
+    when `path` is in a run."""
+    found = run_base(path)
+    return found[0] if found is not None else None
+
+
+def used_files(path: str | os.PathLike, adapter: str | os.PathLike | None = None) -> str:
+    """Which files `--model` (and `--adapter`) are read from, for a reader to say: the model
+    GGUF (a LoRA run's base: the file its run recorded, and why that one) and the adapters."""
+    gguf_path, adapters = model_files(path, adapter)
+    found = run_base(path)  # a full fine-tune's checkpoint is a model itself: no base read
+    base = found is not None and resolve_model(found[0]) == gguf_path
+    text = f"model {found[1] if base else gguf_path}"
+    return text + "".join(f" + adapter {a}" for a in adapters)
 
 
 ENGINES = ("auto", "mlx", "llama.cpp")

@@ -23,7 +23,8 @@ from toymlx.checkpoint import checkpoint_file
 from toymlx.gguf.quantize import export_type
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.model_store import Resolved, is_store_name, resolve
-from toymlx.runs import Bundle
+from toymlx.outputs import check_output
+from toymlx.runs import run_base
 from toymlx.tokenizer import Tokenizer
 
 MODELFILE = "Modelfile"
@@ -44,9 +45,9 @@ def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
     """The base a LoRA adapter was trained on: its run's `--base`, else the adapter's
     `toy.base` where that is a store name or an existing file."""
     for path in (adapter, adapter_file):
-        bundle = Bundle.of(path, "--adapter")
-        if bundle is not None and getattr(bundle.config, "base", None):
-            return str(bundle.config.base)
+        found = run_base(path, "--adapter")
+        if found is not None:
+            return found[0]
     with GGUFFile(adapter_file) as g:
         base = g.metadata.get("toy.base")
     if isinstance(base, str) and (is_store_name(base) or Path(base).is_file()):
@@ -150,16 +151,18 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
         raise FileNotFoundError(f"{base}: --base: expected an existing GGUF file, found "
                                 f"{'a directory' if src.path.is_dir() else 'nothing'}")
     check_adapter(adapter_file, src.path)
+    inputs = [("--adapter", adapter), ("--adapter", adapter_file), ("--base", src.path)]
+    check_output(out_dir, inputs)
+    path = check_output(Path(out_dir) / MODELFILE, inputs)
     fused = None
     if fuse:
         from toymlx.lora import write_merged  # MLX only when a model is fused
 
         with GGUFFile(src.path) as g:
             dtype = dtype or export_type(g)
-        fused = write_merged(Path(out_dir) / f"fused-{dtype}.gguf", src.path, adapter_file,
-                             dtype, progress)
+        fused = write_merged(check_output(Path(out_dir) / f"fused-{dtype}.gguf", inputs),
+                             src.path, adapter_file, dtype, progress)
     text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused)
-    path = Path(out_dir) / MODELFILE
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path, text)
     return path, src, adapter_file, fused

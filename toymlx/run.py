@@ -28,6 +28,7 @@ from toymlx.device import on_gpu, select_device, setup_process
 from toymlx.events import read_events
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
+from toymlx.outputs import check_output
 from toymlx.trainer import Task, TrainConfig, check_config, train
 
 
@@ -131,7 +132,8 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bun
         resume = bundle.plan_resume(cfg.from_step, cfg.steps)
     else:
         resume, cfg.run_id = None, cfg.run_id or _shared_run_id(recipe, world)
-        run_dir = Path(cfg.runs_root) / cfg.run_id
+        run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
+                               "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id])
         if rank0:
             run_dir, lock = runs.prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite)
             owned.enter_context(lock)
@@ -153,6 +155,13 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bun
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     return _Prepared(run_dir, task, world, resume)
+
+
+def run_inputs(cfg: TrainConfig) -> list[tuple[str, Any]]:
+    """(flag, path) of every file or folder a run reads: its data, its model files and
+    --lora.init-adapter (what its outputs must not overwrite)."""
+    keys = [*runs.data_paths(cfg), *runs.MODEL_OPTIONS, "lora.init_adapter"]
+    return [(runs.flag_name(k), runs.option(cfg, k)) for k in keys]
 
 
 def _public_config(cfg: TrainConfig) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from toymlx.lora import (
 )
 from toymlx.losses import lm_loss
 from toymlx.models.ops import Ops
+from toymlx.outputs import check_output
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
 from toymlx.tokenizer import Tokenizer
 from toymlx.trainer import Task, TrainConfig
@@ -253,7 +254,8 @@ def build(cfg: Config, ops: Ops) -> Task:
         fine-tune's final checkpoint re-encoded (`write_merged` either way)."""
         with GGUFFile(src.path) as g:
             dtype = fuse_type(cfg.fuse_at_end, g)
-        out = run_dir / f"fused-{dtype}.gguf"
+        out = check_output(run_dir / f"fused-{dtype}.gguf", [("--base", src.path)],
+                           "--fuse-at-end", owns=[run_dir])
         if full:
             write_merged(out, run_dir, None, dtype, progress=cfg.progress)
             return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
