@@ -143,7 +143,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
         sft_val_batches,
         test_file,
     )
-    from toymlx.generate import load_for_generation
+    from toymlx.generate import load_for_generation, used_files
     from toymlx.losses import lm_loss
     from toymlx.recipes.lora import DEFAULT_DATA
     from toymlx.trainer import Task
@@ -158,6 +158,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     seq_len = args.seq_len or getattr(cfg, "seq_len", None) or 256
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
     model, tok = load_for_generation(args.model)
+    print(f"toymlx-eval: {used_files(args.model)}", file=sys.stderr)
     if args.split == "test":
         f = test_file(path)
         rows, source = held_out_rows(load_examples(f), tok, seq_len, mask, pack), str(f)

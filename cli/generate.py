@@ -183,6 +183,7 @@ def run(args: Args) -> int:
         load_for_generation,
         load_tokenizer,
         model_files,
+        used_files,
     )
 
     if args.max_tokens < 0:
@@ -193,6 +194,7 @@ def run(args: Args) -> int:
         raise UsageError(f"--top-p: expected in (0, 1], found {args.top_p}")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
+    print(f"{PROG}: {used_files(args.model, args.adapter)}", file=sys.stderr)
     conversation = args.chat and not args.prompt
     try:
         if engine == "llama.cpp":

@@ -152,6 +152,10 @@ def _rope_factors(g: GGUFFile, name: str, n: int) -> tuple[float, ...]:
 def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     """LlamaArgs from a GGUF's `<arch>.*` keys and RoPE tensors, checked against its tensors:
     an unknown architecture, metadata key or tensor is one GGUFError naming it."""
+    if g.metadata.get("general.type") == "adapter":  # not a model: say so before any key
+        raise GGUFError(f"{g.path}: expected a model GGUF, found a LoRA adapter (a LoRA run's "
+                        "checkpoint); pass it as --adapter, with its base model as --base "
+                        "(toymlx-generate: --model)")
     arch = _arch_of(g)
     check_keys(g, arch)
     k = arch.name + "."
