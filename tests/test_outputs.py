@@ -13,7 +13,6 @@ from test_lora import ARGS, tok_meta
 
 from toymlx.gguf.llama import write_llama
 from toymlx.models.llama import Llama
-from toymlx.outputs import OutputError, check_output
 
 
 def _train(argv: list[str]) -> int:
@@ -190,6 +189,8 @@ def test_eval_plot_refuses_its_model(made, capsys):
 
 
 def test_check_output_lets_a_writer_into_the_bundle_it_owns(made, tmp_path):
+    from toymlx.outputs import OutputError, check_output
+
     run = made / "runs" / "r1"
     assert check_output(run / "fused-f32.gguf", [], "--fuse-at-end", owns=[run]) == \
         run / "fused-f32.gguf"
