@@ -295,4 +295,6 @@ def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys
     add_model(root, "tiny:1", src.read_bytes())
     rc = train_main(["--resume", str(run), "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 2 and f"model base_sha256: expected '{blob.name[7:]}'" in err, err
+    assert rc == 2 and f"--base: expected the run's base, recorded as {blob} (sha256 " \
+        f"{blob.name[7:19]}), found other contents" in err, err
+    assert "the store name now names another model" in err, err
