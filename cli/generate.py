@@ -194,7 +194,7 @@ def run(args: Args) -> int:
         raise UsageError(f"--top-p: expected in (0, 1], found {args.top_p}")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
-    print(f"{PROG}: {used_files(args.model, args.adapter)}", file=sys.stderr)
+    used = f"{PROG}: {used_files(args.model, args.adapter)}"  # said once the model loads
     conversation = args.chat and not args.prompt
     try:
         if engine == "llama.cpp":
@@ -202,6 +202,7 @@ def run(args: Args) -> int:
             tokenizer, model_args = load_tokenizer(gguf_path)
             if conversation:
                 _need_template(tokenizer, args)
+                print(used, file=sys.stderr)
                 model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                         context=model_args.context)
                 chat(model, tokenizer, args, model_args.context)
@@ -209,6 +210,7 @@ def run(args: Args) -> int:
             ids = prompt_ids(tokenizer, args)
             model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                     context=min(model_args.context, len(ids) + args.max_tokens))
+            print(used, file=sys.stderr)
             t0 = time.perf_counter()
             _, n = stream(model, tokenizer, ids, args)
     except EngineFailed as e:  # before its first token: nothing is printed yet
@@ -220,9 +222,12 @@ def run(args: Args) -> int:
     if engine == "mlx":
         model, tokenizer = load_for_generation(args.model, args.adapter)
         if conversation:
+            _need_template(tokenizer, args)
+            print(used, file=sys.stderr)
             chat(model, tokenizer, args, model.args.context)
             return 0
         ids = prompt_ids(tokenizer, args)
+        print(used, file=sys.stderr)
         t0 = time.perf_counter()
         _, n = stream(model, tokenizer, ids, args)
     dt = time.perf_counter() - t0
