@@ -46,8 +46,8 @@ class Args:
     out: str
     """Where to write (atomically): a GGUF, or for safetensors a folder or .safetensors file."""
     base: str | None = None
-    """The llama GGUF the adapter was trained on (its tokenizer and metadata are kept); with
-    --format modelfile, default: the LoRA run's --base."""
+    """The llama GGUF the adapter was trained on (its tokenizer and metadata are kept); default
+    with --adapter: the base the LoRA run recorded (its absolute file, checked by SHA-256)."""
     model: str | None = None
     """A ViT checkpoint GGUF or run directory to export (with --format safetensors)."""
     format: Literal["gguf", "safetensors", "modelfile"] = "gguf"
@@ -73,7 +73,11 @@ def export_vit(args: Args) -> int:
                          "--base/--adapter/--fuse/--dtype (those are for llama GGUFs)")
     t0 = time.perf_counter()
     clf = Classifier.load(args.model)
-    check_output(args.out, [("--model", args.model), ("--model", clf.path)])
+    inputs = [("--model", args.model), ("--model", clf.path)]
+    check_output(args.out, inputs)
+    if not args.out.endswith(".safetensors"):  # a folder: the two files written into it
+        for name in ("model.safetensors", "config.json"):
+            check_output(Path(args.out) / name, inputs)
     norm = {"toy.pixel_scale": clf.scale, "toy.pixel_mean": clf.mean.tolist(),
             "toy.pixel_std": clf.std.tolist()}
     files = export_timm(args.out, clf.model, norm, clf.names)

@@ -278,7 +278,9 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
     """(the file, what to say about it) a run's input `key` is read from now: the absolute file
     recorded at its start while it is there (a model file: with its recorded contents), else the
     option as typed (a store name resolved again; a path from the current folder) once it has
-    the recorded contents. RunError (one line naming both files) otherwise."""
+    the recorded contents; RunError (one line naming both files) if it has others. Where
+    neither is there, the option as typed: a reader that needs the file says it is missing (an
+    eval of a full checkpoint needs no donor)."""
     flag, typed, file = flag_name(key), rec.get("path"), rec.get("file")
     if not isinstance(typed, str) or not isinstance(file, str):
         raise RunError(f"{source}: key {key!r}: expected the option as given and its absolute "
@@ -293,14 +295,13 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
                                f"(sha256 {str(rec.get('sha256'))[:12]}), found other contents "
                                f"(sha256 {found[:12]}); put the run's {key} back there")
         return file, f"{file} (the run's {flag} {typed})"
+    gone = (typed, f"{typed} (the run's {flag}: {file} is gone, and so is {typed})")
     try:
         other = model_store.resolve_model(typed, flag) if model else Path(typed)
-    except model_store.ModelStoreError as e:
-        raise RunError(f"{file}: {flag}: expected the run's {key}, found it gone and {e}") \
-            from None
-    if not other.exists():
-        raise RunError(f"{file}: {flag}: expected the run's {key} (recorded when it started), "
-                       f"found nothing there nor at {typed} from {os.getcwd()}; put it back")
+    except model_store.ModelStoreError:
+        return gone
+    if not other.exists():  # nothing to mistake for it: whoever needs the file says it is gone
+        return gone
     if model:
         same, found = _same_model(other, {"sha256": rec.get("sha256")})
         want = f"sha256 {str(rec.get('sha256'))[:12]}"
