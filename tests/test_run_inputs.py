@@ -185,3 +185,18 @@ def test_a_lora_adapter_given_as_the_base_is_one_short_line(trained, tmp_path, c
                              "run's checkpoint); pass it as --adapter, with its base model as "
                              "--base (toymlx-generate: --model)")
         assert len(line) < 250 + len(str(ckpt))
+
+
+def test_moved_data_is_taken_only_with_its_recorded_fingerprint(trained, tmp_path, capsys,
+                                                               monkeypatch):
+    run = trained / "where" / "runs" / "rel"
+    recorded, kept = trained / "where" / "data", tmp_path / "kept"
+    monkeypatch.chdir(trained / "elsewhere")  # its data/ holds other examples
+    shutil.move(recorded, kept)
+    try:
+        assert _cli("eval")(["--model", str(run), "--split", "test"]) == 2
+        line = error_line(capsys, "toymlx-eval")
+        assert f"{trained / 'elsewhere' / 'data'}: --data.path: expected the run's data.path, " \
+               f"recorded as {recorded} (sha256 " in line and "found other contents" in line
+    finally:
+        shutil.move(kept, recorded)
