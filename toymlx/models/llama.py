@@ -32,7 +32,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.kv_cache import KVCache
-from toymlx.models.layers import Linear, RMSNorm
+from toymlx.models.layers import Embedding, Linear, RMSNorm
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
 
 
@@ -280,7 +280,7 @@ class Llama(nn.Module):
         super().__init__()
         args.validate()
         self.args, self.ops = args, ops
-        self.embed = nn.Embedding(args.vocab_size, args.d_model)
+        self.embed = Embedding(args.vocab_size, args.d_model, ops)
         self.layers = [Block(args, ops, i) for i in range(args.n_layers)]
         self.norm = RMSNorm(args.d_model, eps=args.norm_eps, ops=ops)
         if not args.tie_embeddings:
@@ -302,14 +302,14 @@ class Llama(nn.Module):
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         """(B, T) token ids -> (B, T, D) rows of the token table (times sqrt(D) for gemma3)."""
-        h = self.ops.embed(self.embed.weight, tokens)
+        h = self.embed(tokens)
         return h * (self.args.d_model ** 0.5) if self.args.embed_scale else h
 
     def unembed(self, h: mx.array) -> mx.array:
         """(B, T, D) -> (B, T, V) logits: the tied token table, or output.weight; soft-capped
         where the model says so."""
         if self.args.tie_embeddings:
-            logits = self.ops.unembed(h, self.embed.weight)
+            logits = self.embed.as_linear(h)
         else:
             logits = self.output(h)
         cap = self.args.final_softcap
