@@ -21,8 +21,7 @@ from toymlx.gguf.blocks import CODECS, split_rows
 from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
 from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
-from toymlx.models.layers import (BlockEmbedding, BlockLinear, QuantizedLinear,
-                                  replace_submodule)
+from toymlx.models.layers import BlockEmbedding, BlockLinear, QuantizedLinear, replace_submodule
 from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.ops import DTYPES, EXACT, Ops
 

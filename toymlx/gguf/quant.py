@@ -25,11 +25,6 @@ def projection_types(g: GGUFFile) -> dict[str, str]:
             if n.startswith("blk.") and len(t.shape) == 2}
 
 
-def all_exact(g: GGUFFile) -> bool:
-    """Whether every block projection of the file is of a type MLX holds exactly."""
-    return all(GGMLQuantizationType[t] in EXACT_QUANTS for t in projection_types(g).values())
-
-
 def gguf_to_mlx_quant(g: GGUFFile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(packed uint32, scales, biases, bits) of a Q4_0/Q4_1/Q8_0 tensor: exact MLX affine form.
 

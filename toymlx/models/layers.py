@@ -170,6 +170,14 @@ def dense_weight(layer: Any) -> mx.array:
     return layer.weight
 
 
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of every array a model holds (its parameters: a frozen base's blocks or floats,
+    trainable weights)."""
+    from mlx.utils import tree_flatten
+
+    return int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
+
+
 class RMSNorm(nn.RMSNorm):
     """`nn.RMSNorm` computing `ops.rms_norm`."""
 
