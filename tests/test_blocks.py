@@ -216,3 +216,29 @@ def test_every_llama_cpp_type_computes_the_float32_base(llama_cpp_files, qtype):
     """Each file llama.cpp's quantizer writes: block-held logits and LoRA gradients equal the
     float32-held base's bit for bit, under the CPU training step's math."""
     assert_same_model(llama_cpp_files[qtype], TRAINING)
+
+
+@pytest.mark.interop
+def test_q4_k_as_mlx_quantized_layers_holds_the_file_exactly(llama_cpp_files):
+    """The GPU route (--base-dtype quantized): Q4_K projections become MLX's affine groups of 32
+    (float32 scales d*sc, biases -dmin*m) that dequantize to gguf-py's values exactly; the Q6_K
+    ones keep their blocks; the model computes the float32 base's logits."""
+    from toymlx.gguf.quant import gguf_to_mlx_quant
+
+    path = llama_cpp_files["q4_k_m"]
+    with GGUFFile(path) as g:
+        q4k = [n for n, t in g.tensors.items() if t.type == T.Q4_K and n.startswith("blk.")]
+        for name in q4k:
+            w, s, b, bits = gguf_to_mlx_quant(g, name)
+            deq = mx.dequantize(mx.array(w), mx.array(s), mx.array(b), group_size=32, bits=bits)
+            np.testing.assert_array_equal(np.array(deq), g.load(name))
+        q6k = next(n for n, t in g.tensors.items() if t.type == T.Q6_K and n.startswith("blk."))
+    model, _ = load_llama(path, Ops(), "quantized")
+    from toymlx.gguf.llama import gguf_to_toy
+    from toymlx.models.layers import submodule
+
+    assert isinstance(submodule(model, gguf_to_toy(q4k[0])[:-7]), nn.QuantizedLinear)
+    assert isinstance(submodule(model, gguf_to_toy(q6k)[:-7]), BlockLinear)
+    flt, _ = load_llama(path, Ops(), "float32")
+    tokens = mx.array([[1, 72, 101, 108, 108, 111, 35, 120]])
+    assert mx.abs(model(tokens) - flt(tokens)).max().item() < 1e-4

@@ -154,7 +154,7 @@ def _decode_iq4_nl(p):
 
 
 # ---- 256-value super-blocks (the K-quants and IQ4_XS)
-def _k_scales_mins(s12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k_scales_mins(s12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K's 12 bytes of packed 6-bit scales and mins -> (..., 8) uint8 each: sub-block
     i < 4 from the low 6 bits of bytes i and i+4; i >= 4 from byte i+4's nibbles and the top 2
     bits of bytes i-4 and i."""
@@ -215,7 +215,7 @@ def _split_q45_k(raw, five: bool):
     # value v = a*64 + h*32 + j (a: 32-byte group, h: nibble): sub-block a*2 + h.
     # Decoded as (..., n, 4, 2, 32). Q5_K's high bit of value (a*2+h, j): bit a*2+h of qh byte j.
     lead = _lead(raw)
-    sc, mn = _k_scales_mins(raw[..., 4:16])
+    sc, mn = k_scales_mins(raw[..., 4:16])
     out = {"d": _f16(raw, 0).reshape(*lead, 1, 1, 1), "dmin": _f16(raw, 2).reshape(*lead, 1, 1, 1),
            "sc": sc.reshape(*lead, 4, 2, 1), "m": mn.reshape(*lead, 4, 2, 1)}
     o = 16
