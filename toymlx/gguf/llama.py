@@ -333,6 +333,19 @@ Q4_0/Q4_1/Q8_0 (`toymlx.gguf.quant`), as MLX's quantized layers, its fast path o
 other quantized matrix as blocks)."""
 
 
+def frozen_weights(gpu: bool) -> str:
+    """How a base that no step trains holds its weights (LoRA's base, evaluation): on the CPU,
+    where MLX's quantized matmul is a loop over groups (~40x slower than dequantize + float32),
+    its blocks, decoded inside the step; on a GPU, MLX's quantized layers where they hold the
+    type exactly (its fast path), blocks elsewhere."""
+    return "quantized" if gpu else "blocks"
+
+
+def float32_bytes(g: GGUFFile) -> int:
+    """Bytes of the file's tensors held as float32."""
+    return 4 * sum(t.n_elements for t in g.tensors.values())
+
+
 def load_llama(path: str | os.PathLike, ops: Ops = EXACT, weights: str = "float32"
                ) -> tuple[Llama, GGUFFile]:
     """A Llama that computes with `ops`, holding a llama GGUF's weights as `weights` (any

@@ -30,7 +30,7 @@ from toymlx import model_store
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
 from toymlx.device import on_gpu
-from toymlx.gguf.llama import CHECKPOINT_FORMAT, load_llama, load_llama_into
+from toymlx.gguf.llama import CHECKPOINT_FORMAT, frozen_weights, load_llama, load_llama_into
 from toymlx.gguf.quant import projection_types
 from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
 from toymlx.gguf.reader import GGUFFile
@@ -184,15 +184,9 @@ def fuse_type(choice: str, g: GGUFFile) -> str:
 
 
 def resolve_base_dtype(choice: str, gpu: bool) -> str:
-    """--base-dtype resolved: how the frozen base holds its weights (`load_llama`'s weights).
-
-    On the CPU MLX's quantized matmul is a loop over groups (~40x slower than dequantize +
-    float32), so the base keeps its blocks and decodes them inside the step; on a GPU it is the
-    fast path for the types it holds exactly, and the rest keep their blocks.
-    """
-    if choice == "auto":
-        return "quantized" if gpu else "blocks"
-    return choice
+    """--base-dtype resolved: how the frozen base holds its weights (`load_llama`'s weights;
+    auto: `frozen_weights`)."""
+    return frozen_weights(gpu) if choice == "auto" else choice
 
 
 def build(cfg: Config, ops: Ops) -> Task:
