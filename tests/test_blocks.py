@@ -86,11 +86,12 @@ def quantized_file(path: Path, kinds: list[T]) -> Path:
     return write_gguf(path, meta, tensors)
 
 
-def logits_and_grads(path: Path, weights: str, ops: Ops) -> tuple[np.ndarray, float, dict]:
+def logits_and_grads(path: Path, weights: str, ops: Ops, kind: str = "lora"
+                     ) -> tuple[np.ndarray, float, dict]:
     model, g = load_llama(path, ops, weights)
     g.close()
     mx.random.seed(7)
-    apply_lora(model, "q,v,down", rank=4)
+    apply_lora(model, "q,v,down", rank=4, kind=kind)
     mx.random.seed(1)
     for m in lora_layers(model).values():
         m.lora_b = mx.random.normal(m.lora_b.shape) * 0.1
@@ -102,11 +103,12 @@ def logits_and_grads(path: Path, weights: str, ops: Ops) -> tuple[np.ndarray, fl
     return np.array(logits), float(loss), {k: np.array(v) for k, v in tree_flatten(grads)}
 
 
-def assert_same_model(path: Path, ops: Ops) -> None:
-    flt, blk = logits_and_grads(path, "float32", ops), logits_and_grads(path, "blocks", ops)
+def assert_same_model(path: Path, ops: Ops, kind: str = "lora") -> None:
+    flt = logits_and_grads(path, "float32", ops, kind)
+    blk = logits_and_grads(path, "blocks", ops, kind)
     np.testing.assert_array_equal(blk[0], flt[0])
     assert blk[1] == flt[1]
-    assert blk[2].keys() == flt[2].keys() and len(flt[2]) == 12
+    assert blk[2].keys() == flt[2].keys() and len(flt[2]) == (18 if kind == "dora" else 12)
     for k in flt[2]:
         np.testing.assert_array_equal(blk[2][k], flt[2][k], err_msg=k)
 
@@ -121,6 +123,12 @@ def test_block_base_computes_the_float32_base(tmp_path, ops):
     assert isinstance(model.embed, BlockEmbedding)
     assert isinstance(model.layers[0].attn.q_proj, BlockLinear)
     assert_same_model(path, ops)
+
+
+def test_dora_on_a_block_base_computes_the_float32_base(tmp_path):
+    """DoRA's row norms of W + scale B A decode the block-held W: the same values too."""
+    path = quantized_file(tmp_path / "mixed.gguf", [T.Q4_1, T.Q8_0])
+    assert_same_model(path, TRAINING, kind="dora")
 
 
 def test_the_compiled_step_trains_the_same(tmp_path):
