@@ -13,8 +13,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-pytestmark = pytest.mark.interop  # the quantizer is llama.cpp's (llama-cpp-python)
-
 import shapes
 
 from toymlx.gguf.llama import args_from_gguf, check_shapes
@@ -22,6 +20,7 @@ from toymlx.gguf.reader import GGUFFile
 from toymlx.tokenizer import Tokenizer
 
 
+@pytest.mark.interop  # the quantizer is llama.cpp's (llama-cpp-python)
 def test_tiny_gemma3_shape_written_quantized_and_reused(tmp_path):
     args = replace(shapes.SHAPES["gemma-3-270m"].args, vocab_size=1000, d_model=256,
                    n_layers=6, ffn_dim=512, key_length=128,
