@@ -87,8 +87,8 @@ class ChatDataOptions:
     mask_prompt: bool = True
     """Train on the answers only (prompts and chat headers get no loss)."""
     pack: bool = True
-    """Concatenate examples into full rows (--data.no-pack: one padded example per row; on a
-    CPU every padded position costs as much as a real one)."""
+    """Concatenate examples into full rows (--data.no-pack: one example per row, a training
+    batch padded to its longest row rounded up to a multiple of 32)."""
     val_fraction: float = 0.1
     """Fraction of the examples, from the end of the file, held out for validation (not used
     when a data folder has valid.jsonl)."""
