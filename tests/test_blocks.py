@@ -86,8 +86,8 @@ def quantized_file(path: Path, kinds: list[T]) -> Path:
     return write_gguf(path, meta, tensors)
 
 
-def logits_and_grads(path: Path, weights: str, ops: Ops, kind: str = "lora"
-                     ) -> tuple[np.ndarray, float, dict]:
+def logits_and_grads(path: Path, weights: str, ops: Ops, kind: str = "lora",
+                     chunk: int | None = None) -> tuple[np.ndarray, float, dict]:
     model, g = load_llama(path, ops, weights)
     g.close()
     mx.random.seed(7)
@@ -99,13 +99,14 @@ def logits_and_grads(path: Path, weights: str, ops: Ops, kind: str = "lora"
     batch = {"inputs": mx.array(rng.integers(0, 259, (2, 16))),
              "targets": mx.array(rng.integers(0, 259, (2, 16))), "mask": mx.ones((2, 16))}
     logits = model(batch["inputs"])
-    loss, grads = nn.value_and_grad(model, lambda m, b: lm_loss(m, b)[0])(model, batch)
+    loss, grads = nn.value_and_grad(model, lambda m, b: lm_loss(m, b, chunk)[0])(model, batch)
     return np.array(logits), float(loss), {k: np.array(v) for k, v in tree_flatten(grads)}
 
 
-def assert_same_model(path: Path, ops: Ops, kind: str = "lora") -> None:
-    flt = logits_and_grads(path, "float32", ops, kind)
-    blk = logits_and_grads(path, "blocks", ops, kind)
+def assert_same_model(path: Path, ops: Ops, kind: str = "lora", chunk: int | None = None
+                      ) -> None:
+    flt = logits_and_grads(path, "float32", ops, kind, chunk)
+    blk = logits_and_grads(path, "blocks", ops, kind, chunk)
     np.testing.assert_array_equal(blk[0], flt[0])
     assert blk[1] == flt[1]
     assert blk[2].keys() == flt[2].keys() and len(flt[2]) == (18 if kind == "dora" else 12)
@@ -123,6 +124,16 @@ def test_block_base_computes_the_float32_base(tmp_path, ops):
     assert isinstance(model.embed, BlockEmbedding)
     assert isinstance(model.layers[0].attn.q_proj, BlockLinear)
     assert_same_model(path, ops)
+
+
+def test_the_loss_in_chunks_decodes_a_block_head_once_and_computes_the_same(tmp_path):
+    """The loss over 4 chunks of 8 tokens: the tied head's table decoded once (`decoded_head`),
+    the same loss and gradients as the float32 base's."""
+    path = quantized_file(tmp_path / "mixed.gguf", [T.Q8_0, T.Q4_0])
+    model, _ = load_llama(path, TRAINING, "blocks")
+    np.testing.assert_array_equal(np.array(model.decoded_head()),
+                                  GGUFFile(path).load("token_embd.weight"))
+    assert_same_model(path, TRAINING, chunk=8)
 
 
 def test_dora_on_a_block_base_computes_the_float32_base(tmp_path):

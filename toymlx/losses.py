@@ -53,21 +53,28 @@ def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.arr
     key = model.head_key()
     trainable = model.trainable_parameters()
     params = {key: trainable[key]} if key in trainable else {}
+    # a head held as blocks: decoded once here, not once per chunk and again in its backward
+    head = model.decoded_head()
 
-    def piece(p: dict, hc: mx.array, tc: mx.array) -> mx.array:
+    def piece(p: dict, hc: mx.array, tc: mx.array, *w: mx.array) -> mx.array:
         model.update(p)  # the head's trainable weights as inputs, so their gradients flow
-        # the checkpoint differentiates every input: the targets are data, not weights
-        return _ce(model, hc, mx.stop_gradient(tc))
+        # the checkpoint differentiates every input: the targets and a decoded frozen head are
+        # data, not weights
+        w = tuple(mx.stop_gradient(x) for x in w)
+        return _ce(model, hc, mx.stop_gradient(tc), *w)
 
     piece = mx.checkpoint(piece)
-    ce = [piece(params, h[:, a:a + chunk], targets[:, a:a + chunk]) for a in range(0, N, chunk)]
+    w = () if head is None else (head,)
+    ce = [piece(params, h[:, a:a + chunk], targets[:, a:a + chunk], *w)
+          for a in range(0, N, chunk)]
     model.update(params)  # the checkpoint leaves its inner arrays in the model
     return (mx.concatenate(ce, axis=1).reshape(B, T) * mask).sum()
 
 
-def _ce(model: nn.Module, h: mx.array, targets: mx.array) -> mx.array:
-    """Per-token cross-entropy (B, T) float32 of the logits `model.unembed(h)` (B, T, V)."""
-    return model.ops.cross_entropy(model.unembed(h), targets)
+def _ce(model: nn.Module, h: mx.array, targets: mx.array, head: mx.array | None = None
+        ) -> mx.array:
+    """Per-token cross-entropy (B, T) float32 of the logits `model.unembed(h, head)` (B, T, V)."""
+    return model.ops.cross_entropy(model.unembed(h, head), targets)
 
 
 def classify_loss(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
