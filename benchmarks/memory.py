@@ -46,11 +46,15 @@ class Row:
     base_dtype: str = "auto"
     grad_checkpoint: bool = False
     steps: int = 6
+    extra: tuple[str, ...] = ()
+    """more toymlx-train options"""
 
 
 ROWS = {r.name: r for r in (
     Row("smollm2-blocks", "smollm2", 4, 256, base_dtype="blocks"),
     Row("smollm2-float32", "smollm2", 4, 256, base_dtype="float32"),
+    Row("smollm2-1-stream", "smollm2", 4, 256, base_dtype="blocks", extra=("--cpu-streams", "1")),
+    Row("smollm2-gc", "smollm2", 4, 256, base_dtype="blocks", grad_checkpoint=True),
     Row("1b-blocks", "llama-3.2-1b", 4, 256, base_dtype="blocks", steps=4),
     Row("1b-float32", "llama-3.2-1b", 4, 256, base_dtype="float32", steps=4),
     Row("1b-1x512", "llama-3.2-1b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
@@ -74,7 +78,7 @@ def command(row: Row, base: Path, runs: Path) -> list[str]:
            "--lora.targets", row.targets, "--lora.rank", "8", "--base-dtype", row.base_dtype,
            "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0",
            "--warmup", "1", "--no-progress", "--runs-root", str(runs), "--run-id", row.name]
-    return cmd + (["--grad-checkpoint"] if row.grad_checkpoint else [])
+    return cmd + (["--grad-checkpoint"] if row.grad_checkpoint else []) + list(row.extra)
 
 
 def run_row(row: Row, runs: Path) -> dict[str, Any]:
