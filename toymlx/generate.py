@@ -42,7 +42,7 @@ from toymlx.device import on_gpu
 from toymlx.gguf.llama import args_from_gguf, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
-from toymlx.model_store import is_store_name
+from toymlx.model_store import is_store_name, resolve
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
 from toymlx.runs import Bundle
@@ -241,9 +241,15 @@ def choose_engine(name: str, on_gpu: bool) -> str:
 def model_files(path: str | os.PathLike, adapter: str | os.PathLike | None = None
                 ) -> tuple[Path, list[Path]]:
     """The files a `--model` (and `--adapter`) name: the model GGUF, and the LoRA adapter GGUFs
-    on top of it in order. A LoRA run or adapter file comes with the base it was trained on."""
-    gguf_path = checkpoint_file(path)
-    adapters = [checkpoint_file(adapter, "--adapter")] if adapter is not None else []
+    on top of it in order. A LoRA run or adapter file comes with the base it was trained on, and
+    an Ollama model with the adapter of its manifest's ADAPTER layer."""
+    if is_store_name(path):
+        found = resolve(path, "--model", with_adapter=True)
+        gguf_path, adapters = found.path, [found.adapter] if found.adapter is not None else []
+    else:
+        gguf_path, adapters = checkpoint_file(path), []
+    if adapter is not None:
+        adapters.append(checkpoint_file(adapter, "--adapter"))
     g = GGUFFile(gguf_path)
     kind, base = g.metadata.get("general.type"), g.metadata.get("toy.base")
     g.close()
@@ -284,7 +290,8 @@ def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | No
     gguf_path, adapters = model_files(path, adapter)
     if len(adapters) > 1:
         raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter on {path}, found "
-                         f"{path} is a LoRA run already (give its base as --model)")
+                         f"{path} carries one already ({adapters[0]}; give its base as "
+                         "--model)")
     tokenizer, _ = load_tokenizer(gguf_path)
     model, g = load_llama(gguf_path)
     g.close()
