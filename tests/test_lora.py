@@ -416,8 +416,9 @@ def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_
     score other examples under the run's name; --data.path scores the data as it is now."""
     import hashlib
 
-    from toymlx.runs import fingerprint
     from toymlx_cli.eval import main as eval_main
+
+    from toymlx.runs import fingerprint
 
     data = mlx_lm_folder(tmp_path / "data")
     assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),

@@ -370,15 +370,15 @@ def test_an_ollama_adapter_layer_is_applied_or_refused_by_name(ollama, stories_p
 
 @pytest.mark.parametrize("layer, data, found", [
     ("template", b"\xff\xfe{{ .Prompt }}",
-     "found bytes that are not UTF-8 (invalid start byte at byte 0); `ollama pull` the model "
-     "again"),
+     ("found bytes that are not UTF-8 (invalid start byte at byte 0); `ollama pull` the model "
+      "again")),
     ("template", None, "found nothing; `ollama pull` the model again"),
-    ("system", b"caf\xe9", "found bytes that are not UTF-8 (unexpected end of data at byte "
-                           "3); `ollama pull` the model again"),
-    ("params", b"\xff{", "found bytes that are not UTF-8 (invalid start byte at byte 0); "
-                         "`ollama pull` the model again"),
-    ("params", b"{temperature", "found Expecting property name enclosed in double quotes: "
-                                "line 1 column 2 (char 1)"),
+    ("system", b"caf\xe9", ("found bytes that are not UTF-8 (unexpected end of data at byte 3); "
+                           "`ollama pull` the model again")),
+    ("params", b"\xff{", ("found bytes that are not UTF-8 (invalid start byte at byte 0); "
+                         "`ollama pull` the model again")),
+    ("params", b"{temperature", ("found Expecting property name enclosed in double quotes: "
+                                 "line 1 column 2 (char 1)")),
 ], ids=["template-not-utf8", "template-missing", "system-not-utf8", "params-not-utf8",
         "params-not-json"])
 def test_a_bad_layer_blob_names_the_model_and_the_blob(ollama, stories_path, tmp_path, capsys,
