@@ -173,7 +173,9 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
         sft_val_batches,
         test_file,
     )
+    from toymlx.device import on_gpu
     from toymlx.generate import load_for_generation
+    from toymlx.gguf.llama import frozen_weights
     from toymlx.losses import lm_loss
     from toymlx.recipes.lora import DEFAULT_DATA
     from toymlx.trainer import Task
@@ -187,7 +189,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
                          "of test examples (--split test), found none")
     seq_len = args.seq_len or getattr(cfg, "seq_len", None) or 256
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
-    model, tok = load_for_generation(args.model)
+    model, tok = load_for_generation(args.model, weights=frozen_weights(on_gpu()))
     if args.split == "test":
         f = test_file(path)
         rows, source = held_out_rows(load_examples(f), tok, seq_len, mask, pack), str(f)
@@ -233,7 +235,8 @@ def evaluate(args: Args) -> dict:
 
     if arch in ARCHS:
         from toymlx.data.text import TokenData
-        from toymlx.gguf.llama import load_llama
+        from toymlx.device import on_gpu
+        from toymlx.gguf.llama import frozen_weights, load_llama
         from toymlx.losses import lm_loss
         from toymlx.recipes.common import TextData, check_test_folder, load_token_data
         from toymlx.tokenizer import Tokenizer
@@ -242,7 +245,7 @@ def evaluate(args: Args) -> dict:
         text_run = isinstance(getattr(cfg, "data", None), TextData)  # from-scratch, warm-start
         if args.split == "test" and not text_run:  # a GGUF of its own: chat/SFT test examples
             return evaluate_chat(args, cfg)
-        model, g = load_llama(path)
+        model, g = load_llama(path, weights=frozen_weights(on_gpu()))
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
         data = cfg.data if args.data_path is None and text_run else TextData(args.data_path)
         seq_len = args.seq_len or getattr(cfg, "seq_len", 256)

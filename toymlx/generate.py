@@ -38,8 +38,8 @@ from typing import Any
 import mlx.core as mx
 
 from toymlx.checkpoint import checkpoint_file
-from toymlx.device import on_gpu
-from toymlx.gguf.llama import args_from_gguf, load_llama
+from toymlx.device import available_memory, on_gpu
+from toymlx.gguf.llama import args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
 from toymlx.model_store import is_store_name, resolve
@@ -283,17 +283,39 @@ def load_tokenizer(gguf_path: Path) -> tuple[Tokenizer, Any]:
     return tokenizer, args
 
 
-def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | None = None
-                        ) -> tuple[Llama, Any]:
+def decoding_weights(gguf_path: str | os.PathLike, gpu: bool) -> str:
+    """How a model decoded token by token holds its weights (`load_llama`'s weights).
+
+    One token's matmuls read each weight once, so decoding blocks costs as much as the product
+    itself on the CPU: float32 there when the float32 model takes at most half the memory
+    available, else its blocks (the file's size; slower, said on stderr). A GPU: MLX's
+    quantized layers where they hold the type exactly, blocks elsewhere."""
+    if gpu:
+        return frozen_weights(True)
+    with GGUFFile(gguf_path) as g:
+        need = float32_bytes(g)
+    have = available_memory()
+    if need <= have // 2:
+        return "float32"
+    print(f"toymlx: {gguf_path}: holding the model as its quantized blocks (float32 would take "
+          f"{need / 1e9:.1f} GB of the {have / 1e9:.1f} GB available): on the CPU MLX decodes "
+          "each weight at every token, which is slow; --engine llama.cpp reads the blocks "
+          "directly", file=sys.stderr)
+    return "blocks"
+
+
+def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | None = None,
+                        weights: str | None = None) -> tuple[Llama, Any]:
     """(model, tokenizer) in MLX from a llama-family GGUF or a run directory (its
-    `weights/latest`), with the LoRA adapter a run trained (and `adapter`) applied."""
+    `weights/latest`), with the LoRA adapter a run trained (and `adapter`) applied; `weights`:
+    how it holds them (`load_llama`; None: `decoding_weights`)."""
     gguf_path, adapters = model_files(path, adapter)
     if len(adapters) > 1:
         raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter on {path}, found "
                          f"{path} carries one already ({adapters[0]}; give its base as "
                          "--model)")
     tokenizer, _ = load_tokenizer(gguf_path)
-    model, g = load_llama(gguf_path)
+    model, g = load_llama(gguf_path, weights=weights or decoding_weights(gguf_path, on_gpu()))
     g.close()
     for a in adapters:
         apply_adapter(model, a)
