@@ -73,6 +73,36 @@ def _run_bundle(model: str):
     return Bundle.of(model)
 
 
+def check_run_test_data(bundle) -> None:
+    """`--split test` on a run's own test set: a ValueError naming the test file and both
+    digests unless the data holding it (a data folder's test.jsonl, a ViT's --data.test-path)
+    still has the fingerprint config.json recorded when the run started; the data given with
+    --data.path instead is scored as it is."""
+    from toymlx.data.chat import data_files
+    from toymlx.runs import DATA_FILES_KEY, fingerprint
+
+    data = getattr(bundle.config, "data", None)
+    key = "data.test_path" if getattr(data, "test_path", None) is not None else "data.path"
+    rec = bundle.saved.get(DATA_FILES_KEY, {}).get(key)
+    if not isinstance(rec, dict) or not isinstance(rec.get("path"), str) \
+            or not Path(rec["path"]).exists():
+        return  # not recorded (the default data), or gone: the reader names what it lacks
+    path = Path(rec["path"])
+    now = fingerprint(path)
+    was = {k: rec.get(k) for k in now}
+    if now == was:
+        return
+    test = (data_files(path).test or path) if key == "data.path" and path.is_dir() else path
+    within = f" (in {path}, recorded as {key})" if test != path else f" ({key})"
+
+    def digest(fp: dict) -> str:
+        return f"{fp['bytes']} bytes, sha256 {fp.get('sha256') or fp.get('sample_sha256')}"
+
+    raise ValueError(f"{test}: --split test: expected the test data the run recorded "
+                     f"at its start{within}: {digest(was)}; found it changed: {digest(now)}; "
+                     f"restore it, or score the data as it is now with --data.path {path}")
+
+
 def _run_config(model: str):
     """The configuration of the run `--model` names, None for a GGUF of its own."""
     bundle = _run_bundle(model)
@@ -193,6 +223,8 @@ def evaluate(args: Args) -> dict:
 
     select_device(args.device)
     bundle = _run_bundle(args.model)
+    if bundle is not None and args.split == "test" and args.data_path is None:
+        check_run_test_data(bundle)
     if bundle is not None and bundle.recipe == "lora":
         return evaluate_chat(args, bundle.config)
     path = checkpoint_file(args.model)
