@@ -152,7 +152,7 @@ def run(args: Args) -> int:
             raise ValueError(f"{src}: --adapter: expected a LoRA adapter to write for llama.cpp, "
                              "found a DoRA adapter (toymlx's own format: llama.cpp has none); "
                              "add --fuse to write the full model llama.cpp runs")
-        model, _ = load_llama(base)
+        model, _ = load_llama(base, weights="blocks")  # the adapter checked against the base
         apply_adapter(model, src)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(src, "rb") as f, atomic_open(out) as dst:

@@ -205,14 +205,20 @@ def run(args: Args) -> int:
                 print(used, file=sys.stderr)
                 model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                         context=model_args.context)
-                chat(model, tokenizer, args, model_args.context)
+                try:  # one llama.cpp child answers every turn
+                    chat(model, tokenizer, args, model_args.context)
+                finally:
+                    model.close()
                 return 0
             ids = prompt_ids(tokenizer, args)
             model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                     context=min(model_args.context, len(ids) + args.max_tokens))
             print(used, file=sys.stderr)
             t0 = time.perf_counter()
-            _, n = stream(model, tokenizer, ids, args)
+            try:
+                _, n = stream(model, tokenizer, ids, args)
+            finally:
+                model.close()
     except EngineFailed as e:  # before its first token: nothing is printed yet
         if args.engine != "auto":
             raise UsageError(f"--engine llama.cpp: {e}") from None

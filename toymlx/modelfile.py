@@ -55,14 +55,18 @@ def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
     return None
 
 
-def check_adapter(adapter_file: Path, base: Path) -> dict[str, Any]:
-    """The adapter's metadata, after checking that it is a llama.cpp LoRA for `base`: the same
-    architecture and, for every adapted weight, the base's (out, in) shape. No weights loaded."""
+def check_adapter(adapter_file: Path, base: Path, fuse: bool = False) -> dict[str, Any]:
+    """The adapter's metadata, after checking that it is a llama.cpp LoRA for `base` (with
+    `fuse`, toymlx's DoRA too: it is fused, never handed to Ollama): the same architecture and,
+    for every adapted weight, the base's (out, in) shape. No weights loaded."""
+    kinds = ("lora", "dora") if fuse else ("lora",)
     with GGUFFile(adapter_file) as ad, GGUFFile(base) as g:
         meta = dict(ad.metadata)
-        if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        if meta.get("general.type") != "adapter" or meta.get("adapter.type") not in kinds:
+            want = "'lora' or 'dora' (a LoRA or DoRA adapter GGUF)" if fuse else (
+                "'lora' (a LoRA adapter GGUF; a DoRA adapter only with --fuse)")
             raise GGUFError(f"{adapter_file}: metadata keys 'general.type'/'adapter.type': "
-                            "expected 'adapter'/'lora' (a LoRA adapter GGUF), found "
+                            f"expected 'adapter'/{want}, found "
                             f"{meta.get('general.type')!r}/{meta.get('adapter.type')!r}")
         arch, base_arch = meta.get("general.architecture"), g.metadata.get(
             "general.architecture")
@@ -122,8 +126,8 @@ def modelfile_text(base: Resolved, adapter_file: Path, stops: list[str],
         try:
             params = json.loads(text)
         except ValueError as e:
-            raise ValueError(f"{base.layers['params']}: expected Ollama's params layer (JSON), "
-                             f"found {e}") from None
+            raise ValueError(f"{base.spec}: {base.layers['params']}: expected the JSON of its "
+                             f"params layer, found {e}") from None
     stop = list(params.pop("stop", []) if isinstance(params.get("stop", []), list) else [])
     stop += [s for s in stops if s not in stop]
     for s in stop:
@@ -150,7 +154,7 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     if not src.path.is_file():
         raise FileNotFoundError(f"{base}: --base: expected an existing GGUF file, found "
                                 f"{'a directory' if src.path.is_dir() else 'nothing'}")
-    check_adapter(adapter_file, src.path)
+    check_adapter(adapter_file, src.path, fuse)
     inputs = [("--adapter", adapter), ("--adapter", adapter_file), ("--base", src.path)]
     check_output(out_dir, inputs)
     path = check_output(Path(out_dir) / MODELFILE, inputs)

@@ -620,9 +620,8 @@ class Bundle:
         """RunError naming the file unless every data file the run recorded at its start
         still has the contents it had (its fingerprint)."""
         for key, rec in self.saved.get(DATA_FILES_KEY, {}).items():
-            path = rec.get("path") if isinstance(rec, dict) else None
-            if isinstance(rec, dict) and isinstance(rec.get("file"), str):
-                path = option(self.config, key)  # the file `resolve_inputs` found for it
+            # the file `resolve_inputs` found for it (the path as typed in older bundles)
+            path = option(self.config, key) if isinstance(rec, dict) else None
             if not isinstance(path, str):
                 raise RunError(f"{self.path / CONFIG_FILE}: key '{DATA_FILES_KEY}.{key}': "
                                f"expected a path and its fingerprint, found {_found(rec)}")

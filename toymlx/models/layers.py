@@ -8,6 +8,9 @@ built with `Ops()` runs MLX's own kernels, with nothing else deciding which.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import mlx.core as mx
 from mlx import nn
 
@@ -36,6 +39,143 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.ops.cast(super().__call__(x))
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` (weight (vocab, dims)) whose rows and tied logits come through `ops`."""
+
+    def __init__(self, num_embeddings: int, dims: int, ops: Ops = EXACT):
+        super().__init__(num_embeddings, dims)
+        self.ops = ops
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self.ops.embed(self.weight, tokens)
+
+    def as_linear(self, h: mx.array) -> mx.array:
+        """h @ weight.T: the logits of a tied output head."""
+        return self.ops.unembed(h, self.weight)
+
+
+class BlockCodec(Protocol):
+    """What a block layer needs of a quantized type (`toymlx.gguf.blocks.Codec`)."""
+
+    block_values: int
+
+    def decode(self, parts: dict[str, mx.array]) -> mx.array: ...
+
+
+def decoded_product(decode: Callable[[dict[str, mx.array]], mx.array]) -> Callable:
+    """(x, blocks) -> x @ W.T, W = decode(blocks) (n_out, n_in), whose backward pass decodes W
+    again instead of keeping it: between a layer's forward and backward pass only its blocks
+    live, so a frozen base never has every layer's float weights at once."""
+
+    @mx.custom_function
+    def product(x: mx.array, blocks: dict[str, mx.array]) -> mx.array:
+        return x @ decode(blocks).astype(x.dtype).T
+
+    @product.vjp
+    def product_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+        _, blocks = primals
+        dx = cotangent @ decode(blocks).astype(cotangent.dtype)
+        return dx, {k: mx.zeros_like(v) for k, v in blocks.items()}  # the blocks are frozen
+
+    return product
+
+
+PART = "block_"
+"""Parameter-name prefix of a block layer's arrays (`block_qs`, `block_d`, ...)."""
+
+
+def hold_blocks(layer: nn.Module, blocks: dict[str, mx.array]) -> None:
+    """Keep a tensor's block arrays as frozen parameters of `layer` (flat: MLX's freezing
+    does not reach into a dict of arrays)."""
+    layer.parts = tuple(blocks)
+    for k, v in blocks.items():
+        layer[PART + k] = v
+
+
+class BlockLinear(nn.Module):
+    """A frozen projection held as its GGUF tensor's own quantized blocks (`blocks`: the arrays
+    `toymlx.gguf.blocks` splits a tensor into), decoded to float where it is used.
+
+    Its float32 weight equals the file's exact dequantization, so it computes what a float32-held
+    base computes; the backward pass decodes the weight again (`decoded_product`)."""
+
+    def __init__(self, codec: BlockCodec, blocks: dict[str, mx.array], n_out: int, n_in: int,
+                 bias: mx.array | None = None, ops: Ops = EXACT):
+        super().__init__()
+        self.codec, self.n_out, self.n_in, self.ops = codec, int(n_out), int(n_in), ops
+        hold_blocks(self, blocks)
+        if bias is not None:
+            self.bias = bias
+        self._product = decoded_product(self._decode)
+        self.freeze()
+
+    def _decode(self, blocks: dict[str, mx.array]) -> mx.array:
+        return self.codec.decode(blocks).reshape(self.n_out, self.n_in)
+
+    @property
+    def blocks(self) -> dict[str, mx.array]:
+        return {k: self[PART + k] for k in self.parts}
+
+    def dense(self) -> mx.array:
+        """The float32 (n_out, n_in) weight."""
+        return self._decode(self.blocks)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self._product(self.ops.cast(x), self.blocks)
+        return y if "bias" not in self else y + self.ops.cast(self.bias)
+
+
+class BlockEmbedding(nn.Module):
+    """A frozen token table held as its GGUF tensor's quantized blocks: a token's row is decoded
+    from that row's blocks alone; a tied output head decodes the whole table where it is used
+    (as `BlockLinear`)."""
+
+    def __init__(self, codec: BlockCodec, blocks: dict[str, mx.array], vocab: int, dims: int,
+                 ops: Ops = EXACT):
+        super().__init__()
+        self.codec, self.vocab, self.dims, self.ops = codec, int(vocab), int(dims), ops
+        hold_blocks(self, blocks)
+        self._product = decoded_product(self._decode)
+        self.freeze()
+
+    def _decode(self, blocks: dict[str, mx.array]) -> mx.array:
+        return self.codec.decode(blocks).reshape(self.vocab, self.dims)
+
+    @property
+    def blocks(self) -> dict[str, mx.array]:
+        return {k: self[PART + k] for k in self.parts}
+
+    def dense(self) -> mx.array:
+        """The float32 (vocab, dims) table."""
+        return self._decode(self.blocks)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        rows = {k: v[tokens] for k, v in self.blocks.items()}  # (*tokens.shape, n_blocks, ...)
+        return self.ops.cast(self.codec.decode(rows).reshape(*tokens.shape, self.dims))
+
+    def as_linear(self, h: mx.array) -> mx.array:
+        return self._product(self.ops.cast(h), self.blocks)
+
+
+def dense_weight(layer: Any) -> mx.array:
+    """The (n_out, n_in) float weight of any frozen or float linear layer: a block layer's
+    decoded, an MLX-quantized one's dequantized, a float one's as it is."""
+    if isinstance(layer, (BlockLinear, BlockEmbedding)):
+        return layer.dense()
+    if isinstance(layer, nn.QuantizedLinear):
+        return mx.dequantize(layer.weight, layer.scales, layer.biases,
+                             group_size=layer.group_size, bits=layer.bits)
+    return layer.weight
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of every array a model holds (its parameters: a frozen base's blocks or floats,
+    trainable weights)."""
+    from mlx.utils import tree_flatten
+
+    return int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
 
 
 class RMSNorm(nn.RMSNorm):
