@@ -309,8 +309,9 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
         now = fingerprint(other)
         same, found, want = now == {k: rec.get(k) for k in now}, _fp(now)[7:], _fp(rec)
     if not same:
-        raise RunError(f"{os.path.abspath(other)}: {flag}: expected the run's {key}, recorded as {file} "
-                       f"({want}), found other contents (sha256 {found[:12]}); "
+        raise RunError(f"{os.path.abspath(other)}: {flag}: expected the run's {key}, "
+                       f"recorded as {file} ({want}), found other contents (sha256 "
+                       f"{found[:12]}); "
                        f"{'the store name now names another model' if store else 'it is gone'}"
                        f" and this file is not it: put the run's {key} back")
     used = typed if store else os.path.abspath(other)
