@@ -163,7 +163,13 @@ def test_resume_from_another_folder_trains_on_the_recorded_files(trained, tmp_pa
                           "--runs-root", str(tmp_path), "--run-id", "whole", *TRAIN,
                           "--steps", "4"]) == 0
     monkeypatch.chdir(trained / "elsewhere")  # other smol.gguf and data/ of the same names
+    capsys.readouterr()
     assert _cli("train")(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert (f"toymlx-train: --resume reads --base from {where / 'smol.gguf'} (the run's --base "
+            "smol.gguf)\n") in err
+    assert (f"toymlx-train: --resume reads --data.path from {where / 'data'} (the run's "
+            "--data.path data)\n") in err
 
     def losses(run: str) -> list[float]:
         return [e["loss"] for e in (json.loads(x) for x in

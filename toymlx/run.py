@@ -129,6 +129,9 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bun
             owned.enter_context(bundle.own())
         bundle.check_options(recipe, cfg)
         bundle.check_data()
+        for key, note in bundle.used.items() if rank0 else ():
+            print(f"toymlx-train: --resume reads {runs.flag_name(key)} from {note}",
+                  file=sys.stderr)
         resume = bundle.plan_resume(cfg.from_step, cfg.steps)
     else:
         resume, cfg.run_id = None, cfg.run_id or _shared_run_id(recipe, world)
