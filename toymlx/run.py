@@ -69,6 +69,8 @@ class _Prepared:
     task: Task
     world: Any
     resume: runs.Resume | None
+    used: dict[str, str]
+    """A resume's inputs: the file read for each, and why that one (`runs.Bundle.used`)."""
 
 
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
@@ -89,6 +91,9 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             return 130
         if run.resume is not None and run.resume.note:
             print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
+        for key, note in run.used.items() if run.world is None or run.world.rank() == 0 else ():
+            print(f"toymlx-train: --resume reads {runs.flag_name(key)} from {note}",
+                  file=sys.stderr)
         try:
             end = train(run.task, cfg, run.run_dir, _public_config(cfg), world=run.world,
                         resume=run.resume)
@@ -129,9 +134,6 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bun
             owned.enter_context(bundle.own())
         bundle.check_options(recipe, cfg)
         bundle.check_data()
-        for key, note in bundle.used.items() if rank0 else ():
-            print(f"toymlx-train: --resume reads {runs.flag_name(key)} from {note}",
-                  file=sys.stderr)
         resume = bundle.plan_resume(cfg.from_step, cfg.steps)
     else:
         resume, cfg.run_id = None, cfg.run_id or _shared_run_id(recipe, world)
@@ -157,7 +159,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bun
         if rank0 and bundle is None:  # ours, and nothing of a run in it yet
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    return _Prepared(run_dir, task, world, resume)
+    return _Prepared(run_dir, task, world, resume, bundle.used if bundle is not None else {})
 
 
 def run_inputs(cfg: TrainConfig) -> list[tuple[str, Any]]:
