@@ -64,6 +64,14 @@ class BlockCodec(Protocol):
     def decode(self, parts: dict[str, mx.array]) -> mx.array: ...
 
 
+def after(blocks: dict[str, mx.array], x: mx.array) -> dict[str, mx.array]:
+    """The same block arrays, made to wait for `x`: a weight is decoded where it is used. The
+    decoding depends only on the frozen blocks, so MLX's scheduler (breadth-first up to
+    MLX_BFS_MAX_WIDTH nodes) would otherwise decode every layer's weights at the start of the
+    step and hold them all until their layers run."""
+    return dict(zip(blocks, mx.depends(list(blocks.values()), [x]), strict=True))
+
+
 def decoded_product(decode: Callable[[dict[str, mx.array]], mx.array]) -> Callable:
     """(x, blocks) -> x @ W.T, W = decode(blocks) (n_out, n_in), whose backward pass decodes W
     again instead of keeping it: between a layer's forward and backward pass only its blocks
@@ -71,12 +79,12 @@ def decoded_product(decode: Callable[[dict[str, mx.array]], mx.array]) -> Callab
 
     @mx.custom_function
     def product(x: mx.array, blocks: dict[str, mx.array]) -> mx.array:
-        return x @ decode(blocks).astype(x.dtype).T
+        return x @ decode(after(blocks, x)).astype(x.dtype).T
 
     @product.vjp
     def product_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
         _, blocks = primals
-        dx = cotangent @ decode(blocks).astype(cotangent.dtype)
+        dx = cotangent @ decode(after(blocks, cotangent)).astype(cotangent.dtype)
         return dx, {k: mx.zeros_like(v) for k, v in blocks.items()}  # the blocks are frozen
 
     return product
