@@ -160,9 +160,7 @@ class WarmLlama(Llama):
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         return self.ops.embed(self.embed.folded(), tokens)
 
-    def unembed(self, h: mx.array, head: mx.array | None = None) -> mx.array:
-        if head is not None:
-            return self.ops.unembed(h, head)
+    def unembed(self, h: mx.array) -> mx.array:
         if self.args.tie_embeddings:
             return self.ops.unembed(h, self.embed.folded())
         return self.output(h)

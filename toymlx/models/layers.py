@@ -167,6 +167,29 @@ class BlockEmbedding(nn.Module):
         return self._product(self.ops.cast(h), self.blocks)
 
 
+def row_reader(layer: Any) -> tuple[list[mx.array], Callable[[list[mx.array], int, int],
+                                                              mx.array]]:
+    """A frozen matrix layer's arrays, and `rows(arrays, a, b)`: rows a..b of its weight (b - a,
+    n_in), float (block layers decode just those rows' blocks)."""
+    if isinstance(layer, (BlockLinear, BlockEmbedding)):
+        names, codec = layer.parts, layer.codec
+
+        def rows(arrays: list[mx.array], a: int, b: int) -> mx.array:
+            return codec.decode({k: v[a:b] for k, v in zip(names, arrays, strict=True)}
+                                ).reshape(b - a, -1)
+
+        return [layer[PART + k] for k in names], rows
+    if isinstance(layer, nn.QuantizedLinear):
+        gs, bits = layer.group_size, layer.bits
+
+        def rows(arrays: list[mx.array], a: int, b: int) -> mx.array:
+            w, sc, bi = (x[a:b] for x in arrays)
+            return mx.dequantize(w, sc, bi, group_size=gs, bits=bits)
+
+        return [layer.weight, layer.scales, layer.biases], rows
+    return [layer.weight], lambda arrays, a, b: arrays[0][a:b]
+
+
 def dense_weight(layer: Any) -> mx.array:
     """The (n_out, n_in) float weight of any frozen or float linear layer: a block layer's
     decoded, an MLX-quantized one's dequantized, a float one's as it is."""

@@ -32,7 +32,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.kv_cache import KVCache
-from toymlx.models.layers import BlockEmbedding, BlockLinear, Embedding, Linear, RMSNorm
+from toymlx.models.layers import Embedding, Linear, RMSNorm
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
 
 
@@ -305,24 +305,21 @@ class Llama(nn.Module):
         h = self.embed(tokens)
         return h * (self.args.d_model ** 0.5) if self.args.embed_scale else h
 
-    def unembed(self, h: mx.array, head: mx.array | None = None) -> mx.array:
+    def unembed(self, h: mx.array) -> mx.array:
         """(B, T, D) -> (B, T, V) logits: the tied token table, or output.weight; soft-capped
-        where the model says so. `head`: that weight as `decoded_head` gave it, for a caller
-        that unembeds in pieces."""
-        if head is not None:
-            logits = self.ops.unembed(h, head)
-        elif self.args.tie_embeddings:
+        where the model says so."""
+        if self.args.tie_embeddings:
             logits = self.embed.as_linear(h)
         else:
             logits = self.output(h)
         cap = self.args.final_softcap
         return logits if not cap else cap * mx.tanh(logits / cap)
 
-    def decoded_head(self) -> mx.array | None:
-        """The output head (the tied table or output.weight) decoded to float32 where it is held
-        as blocks, for a caller that unembeds in pieces; None where it holds float weights."""
+    def frozen_head(self) -> nn.Module | None:
+        """The output head (the tied token table or `output`) when nothing of it trains (a LoRA
+        base's), for a loss that reads it a slice of rows at a time; else None."""
         m = self.embed if self.args.tie_embeddings else self.output
-        return m.dense() if isinstance(m, (BlockEmbedding, BlockLinear)) else None
+        return None if tree_flatten(m.trainable_parameters()) else m
 
     def head_key(self) -> str:
         """The top-level parameter group `unembed` reads: the tied token table or output."""
