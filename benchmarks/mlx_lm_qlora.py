@@ -83,10 +83,22 @@ def converted(gguf: Path, cache: Path = CACHE) -> Path:
     return out
 
 
+def openblas_first() -> str:
+    """Import toymlx before mlx (it preloads OpenBLAS, else MLX uses its reference BLAS) and
+    return the BLAS MLX uses; SystemExit if it is not OpenBLAS (the comparison would be
+    unfair)."""
+    from toymlx.device import backend_info
+
+    blas = backend_info().get("blas")
+    if blas != "openblas":
+        raise SystemExit(f"mlx_lm_qlora: expected MLX on OpenBLAS, found BLAS {blas!r}")
+    return blas
+
+
 def convert_child(gguf: Path, out: Path) -> None:
     """In the child: the GGUF dequantized exactly, in mlx-lm's llama, quantized and saved as
     `mlx_lm convert -q` does (`quantize_model` with no group size or bits: its defaults)."""
-    import toymlx  # noqa: F401  (OpenBLAS before mlx)
+    openblas_first()
     from mlx_lm.utils import quantize_model, save_config, save_model
     from mlx_lm_step import build_peer, model_config
     from toymlx_step import weights_np
@@ -165,12 +177,7 @@ def dataset(shape: str, gguf: Path) -> tuple[Any, int]:
 
 def row_child(shape: str, gguf: Path, model_dir: Path, iters: int) -> dict[str, Any]:
     """In the child: mlx-lm's QLoRA for `iters` iterations; its times, tokens and MLX peak."""
-    import toymlx  # noqa: F401  (preloads OpenBLAS: before mlx, else MLX's reference BLAS)
-    from toymlx.device import backend_info
-
-    blas = backend_info().get("blas")
-    if blas != "openblas":
-        raise SystemExit(f"mlx_lm_qlora: expected MLX on OpenBLAS, found BLAS {blas!r}")
+    blas = openblas_first()
     import mlx.core as mx
     import mlx.optimizers as optim
     import numpy as np
