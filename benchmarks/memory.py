@@ -7,6 +7,12 @@ Rows (a name each; `--only` picks):
 - `smollm2-blocks` / `smollm2-float32`: the real SmolLM2-135M-Instruct Q4_1 at the benchmark's
   LoRA shape (4 x 256, q, rank 8, packed), the base held as its blocks against float32: the same
   file in the same run, so their step-time ratio compares.
+- `smollm2-chat`: the same file and recipe on the mlx-lm user's unpacked chat rows
+  (`--data.no-pack`: one example per row, batch 4, at most 256 tokens, each batch cut to its
+  longest row rounded up to 32).
+- `mlx-lm-packed` / `mlx-lm-chat`: mlx-lm's own QLoRA of the same weights (its 4-bit model, its
+  trainer) on the same two data shapes (`mlx_lm_qlora.py`); the toymlx/mlx-lm ratios of peak
+  RSS and step time are printed per shape (`PEERS`).
 - `1b-blocks` / `1b-float32`: the Llama-3.2-1B-shaped Q4_K_M (`shapes.py`) at 4 x 256, q;
   `1b-1x512`, `3b-1x512`, `8b-1x512`: 1 x 512, q,v, rank 8, `--grad-checkpoint`, 3 steps (the
   issue's sizes); `gemma-4x256`: the Gemma-3-270M shape (262,144-token vocabulary) at 4 x 256.
@@ -48,6 +54,10 @@ class Row:
     steps: int = 6
     extra: tuple[str, ...] = ()
     """more toymlx-train options"""
+    pack: bool = True
+    """packed rows (the recipe's default), else one example per row (`--data.no-pack`)"""
+    runner: str = "toymlx"
+    """toymlx (`toymlx-train`), or mlx-lm (`mlx_lm_qlora.measure`: `steps` iterations)"""
 
 
 ROWS = {r.name: r for r in (
@@ -55,6 +65,9 @@ ROWS = {r.name: r for r in (
     Row("smollm2-float32", "smollm2", 4, 256, base_dtype="float32"),
     Row("smollm2-1-stream", "smollm2", 4, 256, base_dtype="blocks", extra=("--cpu-streams", "1")),
     Row("smollm2-gc", "smollm2", 4, 256, base_dtype="blocks", grad_checkpoint=True),
+    Row("smollm2-chat", "smollm2", 4, 256, pack=False),
+    Row("mlx-lm-packed", "smollm2", 4, 256, steps=4, runner="mlx-lm"),
+    Row("mlx-lm-chat", "smollm2", 4, 256, steps=4, pack=False, runner="mlx-lm"),
     Row("1b-blocks", "llama-3.2-1b", 4, 256, base_dtype="blocks", steps=4),
     Row("1b-float32", "llama-3.2-1b", 4, 256, base_dtype="float32", steps=4),
     Row("1b-1x512", "llama-3.2-1b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
@@ -62,6 +75,8 @@ ROWS = {r.name: r for r in (
     Row("8b-1x512", "llama-3.1-8b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
     Row("gemma-4x256", "gemma-3-270m", 4, 256, steps=4),
 )}
+PEERS = (("smollm2-blocks", "mlx-lm-packed"), ("smollm2-chat", "mlx-lm-chat"))
+"""toymlx's row and mlx-lm's on the same data shape: their ratios are printed."""
 
 
 def model_file(name: str) -> Path:
@@ -78,12 +93,17 @@ def command(row: Row, base: Path, runs: Path) -> list[str]:
            "--lora.targets", row.targets, "--lora.rank", "8", "--base-dtype", row.base_dtype,
            "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0",
            "--warmup", "1", "--no-progress", "--runs-root", str(runs), "--run-id", row.name]
-    return cmd + (["--grad-checkpoint"] if row.grad_checkpoint else []) + list(row.extra)
+    return (cmd + (["--grad-checkpoint"] if row.grad_checkpoint else [])
+            + ([] if row.pack else ["--data.no-pack"]) + list(row.extra))
 
 
 def run_row(row: Row, runs: Path) -> dict[str, Any]:
     """The command in a child; its peak RSS from wait4 (children included)."""
     base = model_file(row.model)
+    if row.runner == "mlx-lm":
+        from mlx_lm_qlora import measure
+
+        return measure("packed" if row.pack else "chat", row.steps, base)
     cmd = command(row, base, runs)
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd, cwd=HERE.parent, stdout=subprocess.PIPE,
@@ -109,9 +129,12 @@ def run_row(row: Row, runs: Path) -> dict[str, Any]:
     start = next(e for e in events if e["kind"] == "run_start")
     times = [e["step_time_s"] for e in steps[2:]] or [e["step_time_s"] for e in steps]
     rec.update(steps=len(steps), step_s=round(statistics.median(times), 3),
-               tokens_per_s=round(row.batch * row.seq / statistics.median(times), 1),
+               trained_tokens_per_s=round(statistics.median(
+                   e["tokens_per_s"] for e in (steps[2:] or steps)), 1),
                first_step_s=steps[0]["step_time_s"], loss=[round(e["loss"], 4) for e in steps],
                base_held_gb=round(start["model"].get("base_held_bytes", 0) / 1e9, 3))
+    if row.pack:  # unpacked batches are cut to their longest row: batch x seq overstates them
+        rec["tokens_per_s"] = round(row.batch * row.seq / statistics.median(times), 1)
     for k in ("peak_memory", "peak_rss", "peak_mlx"):
         if k in end:
             rec[f"run_end_{k}"] = end[k]
@@ -152,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         if a in by and b in by and "step_s" in by[a] and "step_s" in by[b]:
             print(f"{a} / {b} step time: {by[a]['step_s'] / by[b]['step_s']:.3f}x; peak RSS "
                   f"{by[a]['peak_rss_gb']} / {by[b]['peak_rss_gb']} GB", flush=True)
+    for a, b in PEERS:
+        if a in by and b in by and "step_s" in by[a] and "step_s" in by[b]:
+            print(f"{a} / {b} (toymlx / mlx-lm, {by[b]['data']}): peak RSS "
+                  f"{by[a]['peak_rss_gb'] / by[b]['peak_rss_gb']:.3f}x ({by[a]['peak_rss_gb']} / "
+                  f"{by[b]['peak_rss_gb']} GB), step time {by[a]['step_s'] / by[b]['step_s']:.3f}x "
+                  f"({by[a]['step_s']} / {by[b]['step_s']} s), trained tokens/s "
+                  f"{by[a]['trained_tokens_per_s'] / by[b]['trained_tokens_per_s']:.3f}x",
+                  flush=True)
     if args.json:
         args.json.write_text(json.dumps({"host": host, "rows": results}, indent=1))
     return 0
