@@ -138,9 +138,9 @@ def test_the_loss_in_chunks_computes_the_same_on_blocks(tmp_path):
 def test_a_frozen_head_read_in_slices_gives_the_whole_logits_loss(kind, ops, monkeypatch):
     """frozen_head_cross_entropy over 64-row slices (a 259-token vocabulary: 5 slices) against
     the cross-entropy of the whole logits: loss within 1e-6, LoRA and input gradients 1e-5."""
-    import toymlx.losses as losses
+    from toymlx import losses
 
-    monkeypatch.setattr(losses, "head_slices", lambda v, n: [(a, min(a + 64, v))
+    monkeypatch.setattr(losses, "head_slices", lambda v, n, d: [(a, min(a + 64, v))
                                                              for a in range(0, v, 64)])
     args = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, context=64,
                 tie_embeddings=kind != "untied", final_softcap=3.0 if kind == "softcap" else None)
@@ -170,6 +170,22 @@ def test_dora_on_a_block_base_computes_the_float32_base(tmp_path):
     """DoRA's row norms of W + scale B A decode the block-held W: the same values too."""
     path = quantized_file(tmp_path / "mixed.gguf", [T.Q4_1, T.Q8_0])
     assert_same_model(path, TRAINING, kind="dora")
+
+
+def test_a_weight_decoded_in_slices_computes_the_same(tmp_path, monkeypatch):
+    """At most 4096 values decoded at once (16 row slices of a 256 x 256 weight in the product,
+    one 32-value block column at a time for the input gradient): the float32 base's logits and
+    LoRA gradients to float32 rounding."""
+    import toymlx.models.layers as layers
+
+    path = quantized_file(tmp_path / "mixed.gguf", [T.Q4_0, T.Q8_0])
+    flt = logits_and_grads(path, "float32", TRAINING)
+    monkeypatch.setattr(layers, "SLICE_VALUES", 4096)
+    assert len(layers.slices(256, max(1, layers.SLICE_VALUES // 256))) == 16
+    blk = logits_and_grads(path, "blocks", TRAINING)
+    np.testing.assert_allclose(blk[0], flt[0], rtol=0, atol=1e-5)
+    for k in flt[2]:
+        np.testing.assert_allclose(blk[2][k], flt[2][k], rtol=0, atol=1e-6, err_msg=k)
 
 
 def test_the_compiled_step_trains_the_same(tmp_path):

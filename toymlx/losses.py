@@ -82,10 +82,10 @@ HEAD_SLICE_VALUES = 1 << 23
 """Most logits (tokens x vocabulary rows) of one slice of a frozen head: 32 MB of float32."""
 
 
-def head_slices(vocab: int, tokens: int) -> list[tuple[int, int]]:
-    """Row ranges of a frozen head read at once: HEAD_SLICE_VALUES // tokens rows, a multiple of
-    256 (at least 256)."""
-    n = max(256, HEAD_SLICE_VALUES // max(tokens, 1) // 256 * 256)
+def head_slices(vocab: int, tokens: int, width: int) -> list[tuple[int, int]]:
+    """Row ranges of a frozen head read at once: at most HEAD_SLICE_VALUES logits and as many
+    weights, in rows a multiple of 256 (at least 256)."""
+    n = max(256, HEAD_SLICE_VALUES // max(tokens, width, 1) // 256 * 256)
     return [(a, min(a + n, vocab)) for a in range(0, vocab, n)]
 
 
@@ -99,7 +99,7 @@ def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, o
     weights and logits live at a time."""
     arrays, rows = row_reader(head)
     N = h.shape[0]
-    slices = head_slices(arrays[0].shape[0], N)
+    slices = head_slices(arrays[0].shape[0], N, h.shape[1])
 
     def logits(x: mx.array, arrs: list[mx.array], a: int, b: int, after: mx.array
                ) -> tuple[mx.array, mx.array, mx.array | None]:

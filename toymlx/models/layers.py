@@ -64,28 +64,58 @@ class BlockCodec(Protocol):
     def decode(self, parts: dict[str, mx.array]) -> mx.array: ...
 
 
-def after(blocks: dict[str, mx.array], x: mx.array) -> dict[str, mx.array]:
-    """The same block arrays, made to wait for `x`: a weight is decoded where it is used. The
-    decoding depends only on the frozen blocks, so MLX's scheduler (breadth-first up to
+SLICE_VALUES = 1 << 23
+"""Most values of a block-held weight decoded at once (32 MB of float32)."""
+
+
+def after(arrays: list[mx.array], x: mx.array) -> list[mx.array]:
+    """The same arrays, made to wait for `x`: a weight is decoded where it is used. The decoding
+    depends only on the frozen blocks, so MLX's scheduler (breadth-first up to
     MLX_BFS_MAX_WIDTH nodes) would otherwise decode every layer's weights at the start of the
     step and hold them all until their layers run."""
-    return dict(zip(blocks, mx.depends(list(blocks.values()), [x]), strict=True))
+    return list(mx.depends(arrays, [x]))
 
 
-def decoded_product(decode: Callable[[dict[str, mx.array]], mx.array]) -> Callable:
-    """(x, blocks) -> x @ W.T, W = decode(blocks) (n_out, n_in), whose backward pass decodes W
-    again instead of keeping it: between a layer's forward and backward pass only its blocks
-    live, so a frozen base never has every layer's float weights at once."""
+def slices(n: int, step: int) -> list[tuple[int, int]]:
+    """[(0, step), (step, 2 step), ..., (.., n)]."""
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def decoded_product(codec: BlockCodec, names: tuple[str, ...], n_out: int, n_in: int
+                    ) -> Callable:
+    """(x, *block arrays) -> x @ W.T, W (n_out, n_in) decoded from the arrays a slice at a time
+    (at most SLICE_VALUES values: rows for the product, block columns for the backward pass's
+    x gradient, each slice after the previous one's product), and decoded again in the backward
+    pass instead of kept: a frozen base never holds more than a slice of float weights."""
+    rows = slices(n_out, max(1, SLICE_VALUES // n_in))
+    per = codec.block_values
+    cols = slices(n_in // per, max(1, SLICE_VALUES // n_out // per))  # in blocks
+
+    def joined(parts: list[mx.array]) -> mx.array:
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
     @mx.custom_function
-    def product(x: mx.array, blocks: dict[str, mx.array]) -> mx.array:
-        return x @ decode(after(blocks, x)).astype(x.dtype).T
+    def product(x: mx.array, *arrays: mx.array) -> mx.array:
+        out, prev = [], x
+        for a, b in rows:
+            held = after(list(arrays), prev)
+            w = codec.decode({k: v[a:b] for k, v in zip(names, held, strict=True)}
+                             ).reshape(b - a, n_in)
+            prev = x @ w.astype(x.dtype).T  # (..., b - a)
+            out.append(prev)
+        return joined(out)
 
     @product.vjp
     def product_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
-        _, blocks = primals
-        dx = cotangent @ decode(after(blocks, cotangent)).astype(cotangent.dtype)
-        return dx, {k: mx.zeros_like(v) for k, v in blocks.items()}  # the blocks are frozen
+        _, *arrays = primals
+        out, prev = [], cotangent
+        for c, d in cols:
+            held = after(arrays, prev)
+            w = codec.decode({k: v[:, c:d] for k, v in zip(names, held, strict=True)}
+                             ).reshape(n_out, (d - c) * per)
+            prev = cotangent @ w.astype(cotangent.dtype)  # (..., (d - c) * per)
+            out.append(prev)
+        return (joined(out), *(mx.zeros_like(v) for v in arrays))  # the blocks are frozen
 
     return product
 
@@ -116,7 +146,7 @@ class BlockLinear(nn.Module):
         hold_blocks(self, blocks)
         if bias is not None:
             self.bias = bias
-        self._product = decoded_product(self._decode)
+        self._product = decoded_product(codec, self.parts, self.n_out, self.n_in)
         self.freeze()
 
     def _decode(self, blocks: dict[str, mx.array]) -> mx.array:
@@ -131,7 +161,7 @@ class BlockLinear(nn.Module):
         return self._decode(self.blocks)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self._product(self.ops.cast(x), self.blocks)
+        y = self._product(self.ops.cast(x), *self.blocks.values())
         return y if "bias" not in self else y + self.ops.cast(self.bias)
 
 
@@ -145,7 +175,7 @@ class BlockEmbedding(nn.Module):
         super().__init__()
         self.codec, self.vocab, self.dims, self.ops = codec, int(vocab), int(dims), ops
         hold_blocks(self, blocks)
-        self._product = decoded_product(self._decode)
+        self._product = decoded_product(codec, self.parts, self.vocab, self.dims)
         self.freeze()
 
     def _decode(self, blocks: dict[str, mx.array]) -> mx.array:
@@ -164,7 +194,7 @@ class BlockEmbedding(nn.Module):
         return self.ops.cast(self.codec.decode(rows).reshape(*tokens.shape, self.dims))
 
     def as_linear(self, h: mx.array) -> mx.array:
-        return self._product(self.ops.cast(h), self.blocks)
+        return self._product(self.ops.cast(h), *self.blocks.values())
 
 
 def row_reader(layer: Any) -> tuple[list[mx.array], Callable[[list[mx.array], int, int],
