@@ -212,6 +212,7 @@ def run(args: Args) -> int:
         load_for_generation,
         load_tokenizer,
         model_files,
+        used_files,
     )
 
     utf8_text(args.prompt, "--prompt")
@@ -228,6 +229,7 @@ def run(args: Args) -> int:
         raise UsageError(f"--seed: expected >= 0, found {args.seed}")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
+    used = f"{PROG}: {used_files(args.model, args.adapter)}"  # said once the model loads
     conversation = args.chat and not args.prompt
     try:
         if engine == "llama.cpp":
@@ -235,15 +237,23 @@ def run(args: Args) -> int:
             tokenizer, model_args = load_tokenizer(gguf_path)
             if conversation:
                 _need_template(tokenizer, args)
+                print(used, file=sys.stderr)
                 model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                         context=model_args.context)
-                chat(model, tokenizer, args, model_args.context)
+                try:  # one llama.cpp child answers every turn
+                    chat(model, tokenizer, args, model_args.context)
+                finally:
+                    model.close()
                 return 0
             ids = prompt_ids(tokenizer, args)
             model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                     context=min(model_args.context, len(ids) + args.max_tokens))
+            print(used, file=sys.stderr)
             t0 = time.perf_counter()
-            _, n = stream(model, tokenizer, ids, args)
+            try:
+                _, n = stream(model, tokenizer, ids, args)
+            finally:
+                model.close()
     except EngineFailed as e:  # before its first token: nothing is printed yet
         if args.engine != "auto":
             raise UsageError(f"--engine llama.cpp: {e}") from None
@@ -253,9 +263,12 @@ def run(args: Args) -> int:
     if engine == "mlx":
         model, tokenizer = load_for_generation(args.model, args.adapter)
         if conversation:
+            _need_template(tokenizer, args)
+            print(used, file=sys.stderr)
             chat(model, tokenizer, args, model.args.context)
             return 0
         ids = prompt_ids(tokenizer, args)
+        print(used, file=sys.stderr)
         t0 = time.perf_counter()
         _, n = stream(model, tokenizer, ids, args)
     dt = time.perf_counter() - t0

@@ -344,7 +344,8 @@ def report(result: dict, tier: str) -> str:
             + f"; {len(result['bad'])} bad")
 
 
-def test_fuzz_every_flag_and_key_small_budget(tmp_path, shared_data, capsys):
+def test_fuzz_every_flag_and_key_small_budget(tmp_path, shared_data, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths the values name land here
     result = fuzz(tmp_path, shared_data, everything=False, budget_s=DEFAULT_BUDGET_S)
     with capsys.disabled():
         print("\n" + report(result, "default tier"))
@@ -353,7 +354,8 @@ def test_fuzz_every_flag_and_key_small_budget(tmp_path, shared_data, capsys):
 
 
 @pytest.mark.slow
-def test_fuzz_every_flag_and_key_every_value(tmp_path, shared_data, capsys):
+def test_fuzz_every_flag_and_key_every_value(tmp_path, shared_data, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     result = fuzz(tmp_path, shared_data, everything=True, budget_s=None)
     with capsys.disabled():
         print("\n" + report(result, "slow tier"))

@@ -46,6 +46,7 @@ __all__ = [
     "Example",
     "SFTData",
     "data_files",
+    "fit_rows",
     "load_examples",
     "pack_or_pad",
     "sft_batch",
@@ -476,6 +477,22 @@ def sft_batch(
     return {k: v[index] for k, v in rows.items()}  # (A, B, T)
 
 
+PAD_MULTIPLE = 32
+"""Unpacked training batches are as long as their longest row rounded up to this, so that the
+compiled step sees few shapes."""
+
+
+def fit_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A batch `(..., T)` cut to its last trained target rounded up to `PAD_MULTIPLE` (at most
+    T): the positions cut hold only padding and targets under mask 0, and attention is causal,
+    so the loss and its gradients are those of the whole rows."""
+    T = batch["mask"].shape[-1]
+    trained = batch["mask"].reshape(-1, T).any(axis=0)  # (T,): a trained target in some row
+    last = int(np.flatnonzero(trained)[-1]) + 1 if trained.any() else 1
+    keep = min(T, math.ceil(last / PAD_MULTIPLE) * PAD_MULTIPLE)
+    return {k: v[..., :keep] for k, v in batch.items()}
+
+
 def sft_val_batches(
     rows: dict[str, np.ndarray], batch_size: int, max_batches: int
 ) -> list[dict[str, np.ndarray]]:
@@ -512,6 +529,8 @@ class SFTData:
     test: dict[str, np.ndarray] | None = None
     """Held-out test rows (a data folder's test.jsonl), None without a test file"""
     test_source: str | None = None
+    pack: bool = False
+    """Rows are packed; unpacked training batches are cut to their longest row (`fit_rows`)"""
 
     @classmethod
     def from_examples(
@@ -533,7 +552,7 @@ class SFTData:
                             f"prompts, or set mask_prompt=False")
         n_truncated = 0 if pack else sum(len(ids) > seq_len + 1 for ids, _ in tr)
         return cls(rows, held_out_rows(val, tokenizer, seq_len, mask_prompt, pack), source,
-                   n_truncated)
+                   n_truncated, pack=pack)
 
     @classmethod
     def from_file(
@@ -564,8 +583,10 @@ class SFTData:
         return dataclasses.replace(data, test=test, test_source=str(files.test))
 
     def batch(self, step: int, seed: int, batch_size: int, accum: int = 1) -> dict[str, np.ndarray]:
-        """`sft_batch` over the training rows."""
-        return sft_batch(self.train, step, seed, batch_size, accum)
+        """`sft_batch` over the training rows; unpacked, cut to the batch's longest row
+        (`fit_rows`)."""
+        batch = sft_batch(self.train, step, seed, batch_size, accum)
+        return batch if self.pack else fit_rows(batch)
 
     def val_batches(self, batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:
         """`sft_val_batches` over the validation rows."""
