@@ -65,6 +65,11 @@ class Command:
     positional: list[str] = dataclasses.field(default_factory=list)
     may_fail: bool = False
     """A run may start and fail (exit 1): training and sweeps."""
+    output: str | None = None
+    """The option naming the file it writes: given a file that is not one of its own inputs
+    (the baseline's), writing there is what was asked."""
+    reads: tuple[str, ...] = ()
+    """World.paths() names of the files its baseline reads."""
 
 
 def dataclass_keys(cls: type, prefix: str = "") -> list[str]:
@@ -93,20 +98,29 @@ def flag(key: str) -> str:
 class World:
     """The inputs (files whose bytes must not change) and the commands around them."""
 
-    def __init__(self, root: Path, shared: Path):
+    def __init__(self, root: Path, shared: Callable[[str], Path]):
         self.root = root
         self.inputs = root / "inputs"
         self.out = root / "out"
         (self.inputs / "empty").mkdir(parents=True)
         self.out.mkdir()
         self.data = self.inputs / "stories.txt"
-        shutil.copy(shared / "text" / "tinystories_sample.txt", self.data)
+        shutil.copy(shared("text/tinystories_sample.txt"), self.data)
         self.chat = self.inputs / "chat.jsonl"
         self.chat.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "completion":
                                                  f"It is {2 * i}."}) + "\n" for i in range(12)))
         self.base = self.inputs / "stories260K.gguf"
-        shutil.copy(shared / "models" / "stories260K.gguf", self.base)
+        shutil.copy(shared("models/stories260K.gguf"), self.base)
+        self.originals = {p: p.read_bytes() for p in (self.data, self.chat, self.base)}
         self.n = 0
+
+    def restore(self) -> None:
+        """Put back an input a command was asked to overwrite (as not its own input)."""
+        for p, data in self.originals.items():
+            if not p.is_file() or p.read_bytes() != data:
+                if p.is_dir():
+                    shutil.rmtree(p)
+                p.write_bytes(data)
 
     def paths(self) -> dict[str, str]:
         return {"empty_dir": str(self.inputs / "empty"), "missing": str(self.root / "nope"),
@@ -168,14 +182,15 @@ def commands(w: World, run: Path) -> list[Command]:
                  "max_tokens": ["--max-tokens", "2"]}, dataclass_keys(generate_cli.Args)),
         Command("toymlx-export", export_cli.main,
                 {"base": ["--base", str(w.base)], "out": ["--out", str(w.out / "x.gguf")],
-                 "dtype": ["--dtype", "f32"]}, dataclass_keys(export_cli.Args)),
+                 "dtype": ["--dtype", "f32"]}, dataclass_keys(export_cli.Args), output="out",
+                reads=("base",)),
         Command("toymlx-sweep", sweep_main,
                 {"recipe": ["--recipe", "from-scratch"], "grid": ["--grid", "lr=1e-3"],
                  "shard": ["--shard", "1/2"], "runs_root": ["--runs-root", str(w.out / "sw")],
                  "no_progress": ["--no-progress"], "no_report": ["--no-report"]},
                 parser_keys(_parser()), may_fail=True),
         Command("toymlx-report", report_main, {"out": ["--out", str(w.out / "r.html")]},
-                ["out"], positional=[str(run)]),
+                ["out"], positional=[str(run)], output="out"),
     ]
     return out
 
@@ -287,7 +302,8 @@ def attempt(c: Command, argv: list[str]) -> tuple[str, str]:
     return f"exit {rc}" + (", unclear" if rc == 2 else ""), text
 
 
-def fuzz(tmp_path: Path, shared: Path, everything: bool, budget_s: float | None) -> dict:
+def fuzz(tmp_path: Path, shared: Callable[[str], Path], everything: bool,
+         budget_s: float | None) -> dict:
     from toymlx_cli.train import main as train_main
 
     w = World(tmp_path, shared)
@@ -322,6 +338,13 @@ def fuzz(tmp_path: Path, shared: Path, everything: bool, budget_s: float | None)
         outcomes[outcome] += 1
         after = w.snapshot()
         changed = [k for k in before if after.get(k) != before[k]]
+        named = a.value.strip("{}/") if isinstance(a.value, str) else None
+        if a.key == c.output and named in ("data", "base") and named not in c.reads:
+            # asked to write over a file that is not its input: what was asked, put back
+            target = str(Path(w.paths()[named]).relative_to(w.inputs))
+            changed = [k for k in changed if k != target]
+            w.restore()
+            after = w.snapshot()
         if outcome in ("traceback", "hung") or outcome.startswith("exit"):
             bad.append(f"{shown}: {outcome}: {text.strip()[-600:]}")
         if changed:
@@ -344,9 +367,9 @@ def report(result: dict, tier: str) -> str:
             + f"; {len(result['bad'])} bad")
 
 
-def test_fuzz_every_flag_and_key_small_budget(tmp_path, shared_data, capsys, monkeypatch):
+def test_fuzz_every_flag_and_key_small_budget(tmp_path, shared_file, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative paths the values name land here
-    result = fuzz(tmp_path, shared_data, everything=False, budget_s=DEFAULT_BUDGET_S)
+    result = fuzz(tmp_path, shared_file, everything=False, budget_s=DEFAULT_BUDGET_S)
     with capsys.disabled():
         print("\n" + report(result, "default tier"))
     assert result["attempts"] >= 50
@@ -354,9 +377,9 @@ def test_fuzz_every_flag_and_key_small_budget(tmp_path, shared_data, capsys, mon
 
 
 @pytest.mark.slow
-def test_fuzz_every_flag_and_key_every_value(tmp_path, shared_data, capsys, monkeypatch):
+def test_fuzz_every_flag_and_key_every_value(tmp_path, shared_file, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = fuzz(tmp_path, shared_data, everything=True, budget_s=None)
+    result = fuzz(tmp_path, shared_file, everything=True, budget_s=None)
     with capsys.disabled():
         print("\n" + report(result, "slow tier"))
     assert result["attempts"] == result["planned"]
