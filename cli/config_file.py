@@ -250,21 +250,19 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-RUN_CONFIG_KEYS = frozenset({"format", "recipe", "config", "data_files"})
-"""The top-level keys of a run bundle's config.json (`toymlx.runs.save_config`)."""
-
-
 def is_run_config(data: dict[str, Any], source: str) -> bool:
     """Whether a config file is a run bundle's config.json (`{"recipe": ..., "config": {...}}`);
     ConfigFileError for one with other options beside them, which would be half read."""
+    from toymlx.runs import CONFIG_KEYS
+
     if not (isinstance(data.get("config"), dict) and isinstance(data.get("recipe"), str)):
         return False
-    other = sorted(str(k) for k in data if k not in RUN_CONFIG_KEYS)
+    other = sorted(str(k) for k in data if k not in CONFIG_KEYS)
     if other:
         raise ConfigFileError(f"{source}: key {other[0]!r}: expected a run's config.json "
-                              "(recipe, config, data_files) or a file of options, found both "
-                              "(a 'config' mapping beside other options); move the options "
-                              "into one of them")
+                              f"(keys {', '.join(sorted(CONFIG_KEYS))}) or a file of options, "
+                              "found both (a 'config' mapping beside other options); move the "
+                              "options into one of them")
     return True
 
 

@@ -309,9 +309,9 @@ def test_a_run_config_beside_other_options_is_refused_not_half_read(tmp_path, ca
     assert main(["-c", str(p), *TINY, "--runs-root", str(tmp_path), "--stop-at", "1",
                  "--no-compile"]) == 2
     assert error_line(capsys) == (
-        f"toymlx-train: error: {p}: key 'steps': expected a run's config.json (recipe, config, "
-        "data_files) or a file of options, found both (a 'config' mapping beside other "
-        "options); move the options into one of them")
+        f"toymlx-train: error: {p}: key 'steps': expected a run's config.json (keys config, "
+        "data_files, format, model_files, recipe) or a file of options, found both (a 'config' "
+        "mapping beside other options); move the options into one of them")
     assert not any(x.is_dir() for x in tmp_path.iterdir())
 
 

@@ -50,6 +50,8 @@ MODEL_FILES_KEY = "model_files"
 """config.json's top-level key with each model file the run read (`MODEL_OPTIONS`): the option
 as typed (`path`), the file it named then, absolute (`file`), its size, modification time and
 SHA-256 (`model_record`)."""
+CONFIG_KEYS = frozenset({"format", "recipe", "config", DATA_FILES_KEY, MODEL_FILES_KEY})
+"""Every top-level key of config.json (`save_config`)."""
 MODEL_OPTIONS = ("base", "donor")
 """The options that name a model GGUF a run reads (lora's --base, warm-start's --donor)."""
 
