@@ -225,8 +225,8 @@ def run(args: Args) -> int:
         raise UsageError(f"--max-tokens: expected >= 0, found {args.max_tokens}")
     check_sampling(args.temperature, args.top_p, args.top_k, args.min_p,
                    args.repetition_penalty)  # before the model loads
-    if args.seed < 0:
-        raise UsageError(f"--seed: expected >= 0, found {args.seed}")
+    if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer
+        raise UsageError(f"--seed: expected 0..{2**64 - 1}, found {args.seed}")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
     used = f"{PROG}: {used_files(args.model, args.adapter)}"  # said once the model loads

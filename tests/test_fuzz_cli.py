@@ -384,3 +384,55 @@ def test_fuzz_every_flag_and_key_every_value(tmp_path, shared_file, capsys, monk
         print("\n" + report(result, "slow tier"))
     assert result["attempts"] == result["planned"]
     assert result["bad"] == [], "\n".join(result["bad"])
+
+
+# ---- what the fuzz found, each case on its own -----------------------------------------------
+@pytest.mark.parametrize("argv,want", [
+    (["--recipe", "from-scratch", "--resume", "x" * 300],
+     f"[Errno 36] File name too long: '{'x' * 300}'"),
+    (["--recipe", "from-scratch", "--warmup", str(2**64)],
+     f"--warmup: expected at most 2147483647 in size, found {2**64}"),
+    (["--recipe", "from-scratch", "--cpu-streams", "100"],
+     "--cpu-streams: expected 0..64 (0: auto), found 100"),
+    (["--recipe", "from-scratch", "--model.rope-base", "0"],
+     "model.rope_base: expected > 0, found 0.0"),
+])
+def test_train_findings_are_one_line(tmp_path, capsys, argv, want):
+    """A traceback (a name too long, 2**64 inside MLX), a run that never started (10**15 CPU
+    streams) and a run diverged from step 0 (RoPE base 0), each found by the fuzz."""
+    from cli_errors import error_line
+    from toymlx_cli.train import main as train_main
+
+    assert train_main([*argv, *[x for v in TINY_LLAMA.values() for x in v], "--seq-len", "32",
+                       "--steps", "1", "--no-compile", "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {want}"
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--seed", str(2**64)], f"--seed: expected 0..{2**64 - 1}, found {2**64}"),
+])
+def test_generate_findings_are_one_line(stories_path, capsys, argv, want):
+    from cli_errors import error_line
+    from toymlx_cli.generate import main as generate_main
+
+    assert generate_main(["--model", str(stories_path), "--prompt", "hi", *argv]) == 2
+    assert error_line(capsys, "toymlx-generate") == f"toymlx-generate: error: {want}"
+
+
+def test_eval_out_of_memory_is_one_line(tmp_path, capsys, shared_file):
+    """`toymlx-eval --batch-size 10**12` asked numpy for 7.5 TiB: a MemoryError traceback."""
+    from cli_errors import error_line
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.train import main as train_main
+
+    data = str(shared_file("text/tinystories_sample.txt"))
+    assert train_main(["--recipe", "from-scratch", *[x for v in TINY_LLAMA.values() for x in v],
+                       "--seq-len", "32", "--steps", "1", "--no-compile", "--eval-batches", "1",
+                       "--data.path", data, "--runs-root", str(tmp_path), "--run-id", "m",
+                       "--no-progress"]) == 0
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "m"), "--batch-size", str(10**12)]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        "toymlx-eval: error: out of memory: Unable to allocate 7.50 TiB for an array with shape "
+        "(62500000000, 33) and data type int32; lower --batch-size")
