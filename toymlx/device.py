@@ -344,3 +344,17 @@ def backend_info() -> dict:
     if blas_threads() is not None:
         info["blas_threads"] = blas_threads()
     return info
+
+
+def peak_memory() -> dict[str, float]:
+    """The process's memory peaks so far, in MiB rounded to 0.1: MLX's own count of the
+    buffers it held at once (`peak_memory_mb`) and the resident set size the system saw
+    (`peak_rss_mb`: `getrusage`'s ru_maxrss, KiB on Linux, bytes on macOS)."""
+    import resource
+
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024
+    return {"peak_memory_mb": round(mx.get_peak_memory() / 2**20, 1),
+            "peak_rss_mb": round(rss_bytes / 2**20, 1)}

@@ -105,6 +105,7 @@ def check_config(module: ModuleType, cfg: TrainConfig) -> None:
         ("--beta2", 0 <= cfg.beta2 < 1, "in [0, 1)", cfg.beta2),
         ("--grad-clip", cfg.grad_clip >= 0, ">= 0", cfg.grad_clip),
         ("--eval-every", cfg.eval_every >= 0, ">= 0", cfg.eval_every),
+        ("--report-every", cfg.report_every >= 0, ">= 0 (0: no report lines)", cfg.report_every),
         ("--eval-batches", cfg.eval_batches >= 1, ">= 1", cfg.eval_batches),
         ("--checkpoint-every", cfg.checkpoint_every >= 0, ">= 0", cfg.checkpoint_every),
         ("--keep-last", cfg.keep_last >= 0, ">= 0 (0: keep every checkpoint)", cfg.keep_last),
@@ -372,11 +373,12 @@ class Checkpointer:
         if isinstance(metrics.get("val_loss"), float) and math.isfinite(metrics["val_loss"]):
             self.scores[step] = metrics["val_loss"]
 
-    def save(self, step: int) -> None:
-        """Write the checkpoint of `step` (rank 0; the others only follow along)."""
+    def save(self, step: int) -> dict | None:
+        """Write the checkpoint of `step` (rank 0, which gets its `checkpoint` event back; the
+        others only follow along)."""
         self.last = step
         if not self.write:
-            return
+            return None
         ckpt_id = uuid.uuid4().hex
         extra = {"general.step": step, "general.run_id": self.run_dir.name, ck.ID_KEY: ckpt_id}
         if self.task.checkpoint_meta:
@@ -393,8 +395,43 @@ class Checkpointer:
             steps = [s for s, _ in ck.list_checkpoints(self.weights)]
             removed = ck.prune(self.weights, ck.retained(steps, step, self.cfg.keep_last,
                                                          self.cfg.keep_best, self.scores))
-        self.log.emit("checkpoint", step=step, path=str(path.relative_to(self.run_dir)),
-                      **({"removed": removed} if removed else {}))
+        return self.log.emit("checkpoint", step=step, path=str(path.relative_to(self.run_dir)),
+                             **({"removed": removed} if removed else {}))
+
+
+def report_line(window: list[dict], unit: str, before: int, steps: int) -> str:
+    """The report line of the step events `window` (the steps since the last line; `before`:
+    the `trained_<unit>` count before its first step), every figure from those events: the
+    mean train loss over the window, the last step's learning rate, steps/s and <unit>/s over
+    the window's step times, the <unit> trained so far and the peak memory (MLX's and the
+    process's RSS) as the last step event records them."""
+    last = window[-1]
+    seconds = sum(e["step_time_s"] for e in window)
+    trained = last[f"trained_{unit}"]
+
+    def per_s(n: float) -> float:
+        return n / seconds if seconds > 0 else math.inf
+
+    return (f"step {last['step']}/{steps}: train loss "
+            f"{sum(e['loss'] for e in window) / len(window):.4f}, lr {last['lr']:.3e}, "
+            f"{per_s(len(window)):.3f} steps/s, {per_s(trained - before):.1f} {unit}/s, "
+            f"{trained} {unit} trained, peak memory {last['peak_memory_mb']} MB (MLX), "
+            f"{last['peak_rss_mb']} MB (RSS)")
+
+
+def eval_line(ev: dict) -> str:
+    """The line of an `eval` event: its figures and how long the pass took."""
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
+                        if isinstance(v, float) and k not in ("t", "seconds"))
+    where = "test" if ev.get("split") == "test" else f"step {ev['step']}"
+    return f"{where}: {figures} ({ev['seconds']:.2f} s)"
+
+
+def checkpoint_line(ev: dict, run_dir: Path) -> str:
+    """The line of a `checkpoint` event: the file written (and what retention removed)."""
+    removed = (f"; removed {', '.join(f'step_{s}' for s in ev['removed'])}"
+               if ev.get("removed") else "")
+    return f"step {ev['step']}: checkpoint {run_dir / ev['path']}{removed}"
 
 
 class _Loop:
@@ -428,6 +465,12 @@ class _Loop:
         self.reason, self.exit_code, self.message = "completed", 0, None
         self.t_first: float | None = None
         self.last_eval: dict[str, float] = {}
+        self.trained = self._trained_before()
+        """Tokens (images) trained on so far: the step events' `trained_<unit>`."""
+        self.window: list[dict] = []
+        """The step events since the last report line."""
+        self.reported = self.trained
+        """`trained` before the window's first step."""
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
         self._announce(run_config)
@@ -503,8 +546,31 @@ class _Loop:
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
 
+    def _trained_before(self) -> int:
+        """Tokens (images) trained on before this process's first step: what the kept step
+        event of the resumed step records, else (a bundle written before the field, or
+        none) counted again from the steps' batches."""
+        key = f"trained_{self.task.unit}"
+        r = self.resume
+        kept = [e.get(key) for e in (r.kept if r is not None else [])
+                if e["kind"] == "step" and e.get("step") == self.start]
+        if kept and isinstance(kept[-1], int):
+            return kept[-1]
+        return sum(self.count(self.task.train_batch(s)) for s in range(self.start))
+
+    def _say(self, line: str, bar: Any) -> None:
+        """A report line on stdout (rank 0): under the progress bar when it is shown."""
+        if not self.rank0:
+            return
+        if bar is not None:
+            bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
     def _progress(self) -> Any:
-        if not (self.rank0 and self.cfg.progress):
+        # The bar is drawn on stderr: only where that is a terminal (a log file or a pipe
+        # gets the report lines alone).
+        if not (self.rank0 and self.cfg.progress and sys.stderr.isatty()):
             return contextlib.nullcontext(None)
         return tqdm(total=self.cfg.steps, initial=self.start, desc=self.task.recipe, unit="step",
                     dynamic_ncols=True, file=sys.stderr)
@@ -515,18 +581,21 @@ class _Loop:
             if not self._step(s, bar):
                 return
             done = s + 1
+            if cfg.report_every and (done % cfg.report_every == 0 or done == cfg.steps):
+                self._say(report_line(self.window, self.task.unit, self.reported, cfg.steps), bar)
+                self.window, self.reported = [], self.trained
             if not stop.count and ((cfg.eval_every and done % cfg.eval_every == 0)
                                    or done == cfg.steps):
                 self._evaluate(done, bar)
             due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-            if due and not self._checkpoint(done):
+            if due and not self._checkpoint(done, bar):
                 return
             if stop.count:
-                return self._interrupted(stop)
+                return self._interrupted(stop, bar)
             if cfg.stop_at is not None and cfg.stop_at <= done < cfg.steps:
                 self.reason = "stopped"
                 break
-        self._checkpoint(self.step)
+        self._checkpoint(self.step, bar)
 
     def _step(self, s: int, bar: Any) -> bool:
         """Optimizer step `s` (0-based) and its event; False if the run diverged in it."""
@@ -550,9 +619,13 @@ class _Loop:
                 self._diverged(f"{what} became {v} at step {s + 1} (lr {lr:.3g})", s)
                 return False
         self.step = s + 1
+        self.trained += n_items
         rate = n_items / dt
-        self.log.emit("step", step=s + 1, loss=loss, lr=lr, grad_norm=gnorm_v, **scaled,
-                      **{f"{self.task.unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4)})
+        unit = self.task.unit
+        self.window.append(self.log.emit(
+            "step", step=s + 1, loss=loss, lr=lr, grad_norm=gnorm_v, **scaled,
+            **{f"{unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4),
+               f"trained_{unit}": self.trained}, **device.peak_memory()))
         if bar is not None:
             acc = (f" val_acc {self.last_eval['accuracy']:.3f}" if "accuracy" in self.last_eval
                    else "")
@@ -562,24 +635,24 @@ class _Loop:
         return True
 
     def _evaluate(self, step: int, bar: Any) -> None:
+        t0 = time.perf_counter()
         metrics = evaluate(self.task, self.cfg.eval_batches)
         self.last_eval = metrics
         self.ckpt.score(step, metrics)
-        self.log.emit("eval", step=step, **metrics)
-        if bar is not None:
-            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self._say(eval_line(self.log.emit("eval", step=step, **metrics,
+                                          seconds=round(time.perf_counter() - t0, 3))), bar)
 
     def _test(self, bar: Any) -> None:
         """The completed run's held-out test figures (`--test`), once at the end: the loss and
         the task's metrics (a classifier's test_accuracy), and a language model's perplexity."""
+        t0 = time.perf_counter()
         metrics = evaluate(self.task, split="test")
         if self.task.unit == "tokens":
             metrics["test_perplexity"] = math.exp(metrics["test_loss"])
-        self.log.emit("eval", step=self.step, split="test", **metrics)
-        if bar is not None:
-            bar.write("test: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self._say(eval_line(self.log.emit("eval", step=self.step, split="test", **metrics,
+                                          seconds=round(time.perf_counter() - t0, 3))), bar)
 
-    def _checkpoint(self, step: int) -> bool:
+    def _checkpoint(self, step: int, bar: Any) -> bool:
         """The checkpoint of `step`, unless written; False (the run diverged) if the weights
         are not finite."""
         if self.ckpt.last == step or step == 0:
@@ -589,15 +662,17 @@ class _Loop:
         if not _finite(self.model):
             self._diverged(f"weights became non-finite at step {step}", step - 1)
             return False
-        self.ckpt.save(step)
+        ev = self.ckpt.save(step)
+        if ev is not None:
+            self._say(checkpoint_line(ev, self.run_dir), bar)
         return True
 
-    def _interrupted(self, stop: StopSignals) -> None:
+    def _interrupted(self, stop: StopSignals, bar: Any) -> None:
         resume = f"resume with --resume {self.run_dir}"
         if stop.count > 1 and self.ckpt.last != self.step:
             self._end("interrupted", 130, f"interrupted after step {self.step}; a second signal "
                       f"skipped its checkpoint: {resume} (from {_named(self.ckpt.last)})")
-        elif self._checkpoint(self.step):
+        elif self._checkpoint(self.step, bar):
             self._end("interrupted", 130, f"interrupted after step {self.step}; {resume}")
 
     def _diverged(self, what: str, good_step: int) -> None:
