@@ -174,29 +174,76 @@ def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
 
 
+class Evaluator:
+    """A task's metrics over its held-out batches (validation, or the test split), as one
+    pass of the forward: count-weighted sums of `metrics_fn` (default: the loss), in eval mode
+    (dropout off; the model's mode restored afterwards), computed with the model's own `Ops`
+    (the training step's kernels). Built once per run and reused: with `compile`, the metrics
+    function is `mx.compile`d once, and traced once per batch shape (held-out batches of
+    chat rows are cut to their longest row rounded up to a multiple of 32,
+    `toymlx.data.chat.sft_val_batches`, so there are few); with `n_streams` > 1 (a multi-core
+    CPU, as the training step has it) each micro-batch is split over that many MLX CPU
+    streams, one compiled function each, evaluated together under `blas_threads` BLAS threads
+    per call (`toymlx.cpu_streams`)."""
+
+    def __init__(self, task: Task, compile: bool = True, n_streams: int = 1,
+                 blas_threads: int | None = None):
+        self.task, self.blas_threads = task, blas_threads
+        fn, model = task.metrics_fn or _loss_metrics(task.loss_fn), task.model
+        self.streams = [mx.default_stream(mx.default_device())] + [
+            mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
+
+        def metrics(batch: dict[str, mx.array]) -> dict[str, mx.array]:
+            return fn(model, batch)
+
+        # one compiled function per stream: mx.compile caches its traces per function, and
+        # each stream's trace must keep its own stream (see toymlx.cpu_streams)
+        self.fns = [mx.compile(lambda batch: metrics(batch), inputs=[model.state])
+                    if compile else metrics for _ in self.streams]
+
+    def _sums(self, micro: dict[str, np.ndarray]) -> list[dict[str, mx.array]]:
+        """The metrics' sums of one micro-batch (B, ...), its rows split over the streams when
+        they divide evenly (else on the first stream alone), unevaluated."""
+        n = len(self.streams)
+        size = next(iter(micro.values())).shape[0]
+        if n == 1 or size % n:
+            return [self.fns[0]({k: mx.array(v) for k, v in micro.items()})]
+        k, out = size // n, []
+        for j, (st, fn) in enumerate(zip(self.streams, self.fns)):
+            with mx.stream(st):
+                out.append(fn({key: mx.array(v[j * k:(j + 1) * k]) for key, v in micro.items()}))
+        return out
+
+    def __call__(self, max_batches: int | None = None, split: str = "val") -> dict[str, float]:
+        """Metrics over the validation batches (`split="test"`: the test batches), the first
+        `max_batches`; the loss is `<split>_loss`, and a test split's other metrics are
+        `test_<name>` (test_accuracy) so that they never read as the validation figures."""
+        totals: dict[str, float] = {}
+        model = self.task.model
+        was_training = model.training
+        model.eval()
+        batches = self.task.test_batches if split == "test" else self.task.val_batches
+        try:
+            for b in batches[:max_batches]:
+                for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
+                    parts = self._sums({k: v[i] for k, v in b.items()})
+                    with device.use_blas_threads(self.blas_threads):
+                        mx.eval(parts)
+                    for sums in parts:
+                        for k, v in sums.items():
+                            totals[k] = totals.get(k, 0.0) + float(v.item())
+        finally:
+            model.train(was_training)
+        n = totals.pop("n", 0.0) or 1.0
+        return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
+                for k, v in totals.items()}
+
+
 def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
              ) -> dict[str, float]:
-    """Metrics over the task's validation batches (`split="test"`: its test batches),
-    count-weighted, in eval mode (dropout off; the model's mode is restored afterwards); the
-    loss is `<split>_loss`, and a test split's other metrics are `test_<name>` (test_accuracy)
-    so that they never read as the validation figures."""
-    totals: dict[str, float] = {}
-    fn = task.metrics_fn or _loss_metrics(task.loss_fn)
-    was_training = task.model.training
-    task.model.eval()
-    batches = task.test_batches if split == "test" else task.val_batches
-    try:
-        for b in batches[:max_batches]:
-            for i in range(next(iter(b.values())).shape[0]):  # the leading micro-batch axis
-                sums = fn(task.model, {k: mx.array(v[i]) for k, v in b.items()})
-                mx.eval(sums)
-                for k, v in sums.items():
-                    totals[k] = totals.get(k, 0.0) + float(v.item())
-    finally:
-        task.model.train(was_training)
-    n = totals.pop("n", 0.0) or 1.0
-    return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
-            for k, v in totals.items()}
+    """One `Evaluator` pass, eager, on one stream (for a single pass outside a run: a test's
+    reference figure); see `Evaluator.__call__`."""
+    return Evaluator(task, compile=False)(max_batches, split)
 
 
 def _loss_metrics(loss_fn):
@@ -454,6 +501,8 @@ class _Loop:
             self.start = resume.step
         # after the resume restored the optimizer state: the compiled step holds its containers
         self.stepper.build()
+        self.evaluator = Evaluator(task, cfg.compile, self.stepper.n_streams,
+                                   self.stepper.blas_threads)
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0)
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
@@ -636,7 +685,7 @@ class _Loop:
 
     def _evaluate(self, step: int, bar: Any) -> None:
         t0 = time.perf_counter()
-        metrics = evaluate(self.task, self.cfg.eval_batches)
+        metrics = self.evaluator(self.cfg.eval_batches)
         self.last_eval = metrics
         self.ckpt.score(step, metrics)
         self._say(eval_line(self.log.emit("eval", step=step, **metrics,
@@ -646,7 +695,7 @@ class _Loop:
         """The completed run's held-out test figures (`--test`), once at the end: the loss and
         the task's metrics (a classifier's test_accuracy), and a language model's perplexity."""
         t0 = time.perf_counter()
-        metrics = evaluate(self.task, split="test")
+        metrics = self.evaluator(split="test")
         if self.task.unit == "tokens":
             metrics["test_perplexity"] = math.exp(metrics["test_loss"])
         self._say(eval_line(self.log.emit("eval", step=self.step, split="test", **metrics,

@@ -46,12 +46,14 @@ __all__ = [
     "Example",
     "SFTData",
     "data_files",
+    "held_out_width",
     "load_examples",
     "pack_or_pad",
     "sft_batch",
     "sft_val_batches",
     "split_examples",
     "test_file",
+    "trained_positions",
     "tokenize_example",
 ]
 
@@ -472,12 +474,47 @@ def sft_batch(
     return {k: v[index] for k, v in rows.items()}  # (A, B, T)
 
 
+HELD_OUT_MULTIPLE = 32
+"""Held-out batches are as wide as their longest row rounded up to a multiple of this: few
+widths, so a compiled validation traces each once."""
+
+
+def held_out_width(mask: np.ndarray, seq_len: int, multiple: int = HELD_OUT_MULTIPLE) -> int:
+    """The width a held-out batch is cut to: its furthest trained target (`mask` (..., T)) + 1,
+    rounded up to `multiple`, at most `seq_len`. Exact for the loss: a causal model's
+    predictions up to a position never read what comes after it."""
+    trained = np.flatnonzero(mask.reshape(-1, mask.shape[-1]).any(axis=0))
+    longest = int(trained[-1]) + 1 if trained.size else 1
+    return min(seq_len, -(-longest // multiple) * multiple)
+
+
+def trained_positions(mask: np.ndarray, multiple: int = HELD_OUT_MULTIPLE
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Where each row of `mask` (..., B, W) trains a target: positions (..., B, P) int32 and
+    their weights (..., B, P) float32 (the mask's values; 0 on the padding entries, which point
+    at position 0), P the most any row has rounded up to `multiple`, at most W. A held-out
+    loss computes logits there alone (`toymlx.losses.lm_held_out_sums`)."""
+    width = mask.shape[-1]
+    flat = mask.reshape(-1, width)
+    counts = (flat != 0).sum(axis=1)
+    p = min(width, -(-max(int(counts.max(initial=0)), 1) // multiple) * multiple)
+    positions = np.zeros((len(flat), p), np.int32)
+    weights = np.zeros((len(flat), p), np.float32)
+    for r, row in enumerate(flat):
+        at = np.flatnonzero(row)
+        positions[r, :len(at)], weights[r, :len(at)] = at, row[at]
+    return positions.reshape(*mask.shape[:-1], p), weights.reshape(*mask.shape[:-1], p)
+
+
 def sft_val_batches(
     rows: dict[str, np.ndarray], batch_size: int, max_batches: int
 ) -> list[dict[str, np.ndarray]]:
-    """The first `max_batches * batch_size` rows in file order, as `(1, batch_size, T)` batches.
+    """The first `max_batches * batch_size` rows in file order, as `(1, batch_size, W)` batches,
+    W the batch's `held_out_width` (its longest row rounded up to a multiple of 32, not the
+    rows' seq_len: padding costs a CPU as much as tokens do), with their `trained_positions`
+    (`positions` and `position_mask`, (1, batch_size, P)).
 
-    A short last batch is filled with mask-0 rows so every batch has the same shape.
+    A short last batch is filled with mask-0 rows so every batch has batch_size rows.
     """
     n = min(len(rows["inputs"]), max_batches * batch_size)
     n_batches = math.ceil(n / batch_size)
@@ -488,6 +525,9 @@ def sft_val_batches(
             chunk = v[b * batch_size : min((b + 1) * batch_size, n)]
             fill = np.zeros((batch_size - len(chunk),) + v.shape[1:], v.dtype)
             batch[k] = np.concatenate([chunk, fill])[None]  # (1, B, T)
+        width = held_out_width(batch["mask"], batch["mask"].shape[-1])
+        batch = {k: np.ascontiguousarray(v[..., :width]) for k, v in batch.items()}
+        batch["positions"], batch["position_mask"] = trained_positions(batch["mask"])
         out.append(batch)
     return out
 

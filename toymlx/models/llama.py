@@ -315,11 +315,16 @@ class Llama(nn.Module):
         cap = self.args.final_softcap
         return logits if not cap else cap * mx.tanh(logits / cap)
 
-    def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+    def hidden(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+        """(B, T) token ids -> (B, T, D) final hidden states (after the last norm): what
+        `unembed` turns into logits."""
         h = self.embed_tokens(tokens)  # (B,T,D)
         for i, layer in enumerate(self.layers):
             h = self.ops.block(layer, h) if cache is None else layer(h, cache[i])
-        return self.unembed(self.norm(h))  # (B,T,V)
+        return self.norm(h)
+
+    def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+        return self.unembed(self.hidden(tokens, cache))  # (B,T,V)
 
     def make_cache(self) -> list[KVCache]:
         """One KV cache per block, for generation."""

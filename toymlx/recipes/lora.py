@@ -46,7 +46,7 @@ from toymlx.lora import (
     write_like_base,
     write_merged,
 )
-from toymlx.losses import lm_loss
+from toymlx.losses import lm_held_out_sums, lm_loss
 from toymlx.models.ops import Ops
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
 from toymlx.tokenizer import Tokenizer
@@ -267,7 +267,7 @@ def build(cfg: Config, ops: Ops) -> Task:
 
     # n_params and n_trainable are added by the trainer to run_start's model record
     return Task(
-        recipe="lora", model=model, loss_fn=lm_loss,
+        recipe="lora", model=model, loss_fn=lm_loss, metrics_fn=lm_held_out_sums,
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
         val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches), save=save,
         load=load, model_info=info,
