@@ -71,3 +71,107 @@ def test_a_60_step_run_reports_every_10_steps_and_every_validation(tiny_gguf, tm
              or CHECKPOINT.fullmatch(x)]
     assert order.index(reports[1][0]) < order.index(shown[0][0])
     assert order[-3:] == [reports[-1][0], shown[-1][0], saved[-1][0]]
+
+
+# ---- validation at the speed of a forward pass -----------------------------------------------
+def _lora_model(path: Path):
+    """The tiny base with LoRA on q and v, B random (so the adapter counts), computing with the
+    training step's CPU kernels."""
+    import mlx.core as mx
+
+    from toymlx.gguf.llama import load_llama
+    from toymlx.lora import apply_lora, lora_layers
+    from toymlx.models.ops import Ops
+
+    model, g = load_llama(path, Ops(kernels="vectorised"))
+    g.close()
+    apply_lora(model, "q,v", rank=4, alpha=8.0)
+    mx.random.seed(5)
+    for m in lora_layers(model).values():
+        m.lora_b = mx.random.normal(m.lora_b.shape) * 0.3
+    mx.eval(model.parameters())
+    return model
+
+
+def _held_out_rows(seq_len: int = 128) -> dict:
+    """Unpacked prompt/completion rows of different lengths, all far shorter than seq_len."""
+    from toymlx.data.chat import Example, held_out_rows
+
+    examples = [Example(f"f:{i}", prompt=f"question {i}" + "?" * (i % 5),
+                        completion="answer " * (1 + i % 7)) for i in range(11)]
+    return held_out_rows(examples, Tokenizer.from_metadata(tok_meta()), seq_len, True, False)
+
+
+def _task(model, batches, **kw):
+    from toymlx.losses import lm_loss
+    from toymlx.trainer import Task
+
+    return Task("t", model, lm_loss, lambda s: {}, batches, None, None, {}, **kw)
+
+
+def test_validation_cut_to_the_longest_row_scores_as_padded_to_seq_len(tiny_gguf):  # noqa: F811
+    from toymlx.data.chat import sft_val_batches
+    from toymlx.losses import lm_held_out_sums
+    from toymlx.trainer import Evaluator
+
+    model = _lora_model(tiny_gguf)
+    rows = _held_out_rows(128)
+    cut = sft_val_batches(rows, 4, 10)
+    # each batch as wide as its furthest trained target, rounded up to 32 (not 128)
+    last = [int(np.flatnonzero(m)[-1]) + 1 for m in rows["mask"]]
+    trained = rows["mask"].sum(axis=1)
+    want_w = [-(-max(last[i:i + 4]) // 32) * 32 for i in (0, 4, 8)]
+    assert [b["inputs"].shape for b in cut] == [(1, 4, want_w[0]), (1, 4, want_w[1]),
+                                                (1, 3, want_w[2])]
+    assert max(want_w) < 128
+    assert [b["positions"].shape[-1] for b in cut] == [
+        -(-int(max(trained[i:i + 4])) // 32) * 32 for i in (0, 4, 8)]
+    # as before issue 36: every row padded to --seq-len, the loss over every position
+    n = len(rows["inputs"])
+    padded = [{k: v[i:i + 4][None] for k, v in rows.items()} for i in range(0, n, 4)]
+    assert padded[0]["inputs"].shape == (1, 4, 128)
+    want = Evaluator(_task(model, padded), compile=False)()["val_loss"]
+    for compile_, streams in ((True, 2), (True, 1), (False, 2)):
+        got = Evaluator(_task(model, cut, metrics_fn=lm_held_out_sums), compile_, streams)()
+        assert abs(got["val_loss"] - want) <= 1e-6, (compile_, streams, got, want)
+    # and the test split the same way
+    got = Evaluator(_task(model, [], test_batches=cut, metrics_fn=lm_held_out_sums))(
+        split="test")
+    assert abs(got["test_loss"] - want) <= 1e-6
+
+
+def test_validation_is_traced_once_per_batch_shape_and_reads_the_current_weights(
+        tiny_gguf):  # noqa: F811
+    import mlx.core as mx
+
+    from toymlx.data.chat import sft_val_batches
+    from toymlx.losses import lm_held_out_sums
+    from toymlx.lora import lora_layers
+    from toymlx.trainer import Evaluator, evaluate
+
+    model = _lora_model(tiny_gguf)
+    batches = sft_val_batches(_held_out_rows(128), 4, 10)
+    traced: list[tuple] = []
+
+    def counted(m, b):  # runs when mx.compile traces, never when it reuses a trace
+        traced.append((b["inputs"].shape, b["positions"].shape))
+        return lm_held_out_sums(m, b)
+
+    ev = Evaluator(_task(model, batches, metrics_fn=counted), compile=True, n_streams=2)
+    first = ev()
+    # each stream traces each shape of its share of the rows once (4 rows: 2 + 2; 3: 1 + 2)
+    shares = {(j, (b - a, x["inputs"].shape[-1]), (b - a, x["positions"].shape[-1]))
+              for x in batches for j, (a, b) in enumerate(
+                  [(0, x["inputs"].shape[1] // 2), (x["inputs"].shape[1] // 2,
+                                                    x["inputs"].shape[1])])}
+    assert sorted(traced) == sorted((i, p) for _, i, p in shares)
+    assert len(traced) < 2 * len(batches)  # batches of one shape share their traces
+    n_traced = len(traced)
+    for m in lora_layers(model).values():  # the weights move, as between two validations
+        m.lora_b = m.lora_b * 2.0
+    mx.eval(model.parameters())
+    second = ev()
+    assert len(traced) == n_traced  # no new trace
+    assert second["val_loss"] != first["val_loss"]
+    want = evaluate(_task(model, batches, metrics_fn=lm_held_out_sums))["val_loss"]
+    assert abs(second["val_loss"] - want) <= 1e-6

@@ -45,6 +45,7 @@ from toymlx.lora import apply_adapter
 from toymlx.model_store import is_store_name
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
+from toymlx.models.ops import EXACT, Ops
 from toymlx.runs import Bundle
 from toymlx.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
 from toymlx.tokenizer import Tokenizer
@@ -277,16 +278,17 @@ def load_tokenizer(gguf_path: Path) -> tuple[Tokenizer, Any]:
     return tokenizer, args
 
 
-def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | None = None
-                        ) -> tuple[Llama, Any]:
+def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | None = None,
+                        ops: Ops = EXACT) -> tuple[Llama, Any]:
     """(model, tokenizer) in MLX from a llama-family GGUF or a run directory (its
-    `weights/latest`), with the LoRA adapter a run trained (and `adapter`) applied."""
+    `weights/latest`), with the LoRA adapter a run trained (and `adapter`) applied; the model
+    computes with `ops` (toymlx-eval: `models.ops.scoring_ops`)."""
     gguf_path, adapters = model_files(path, adapter)
     if len(adapters) > 1:
         raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter on {path}, found "
                          f"{path} is a LoRA run already (give its base as --model)")
     tokenizer, _ = load_tokenizer(gguf_path)
-    model, g = load_llama(gguf_path)
+    model, g = load_llama(gguf_path, ops)
     g.close()
     for a in adapters:
         apply_adapter(model, a)

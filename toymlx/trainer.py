@@ -182,9 +182,10 @@ class Evaluator:
     function is `mx.compile`d once, and traced once per batch shape (held-out batches of
     chat rows are cut to their longest row rounded up to a multiple of 32,
     `toymlx.data.chat.sft_val_batches`, so there are few); with `n_streams` > 1 (a multi-core
-    CPU, as the training step has it) each micro-batch is split over that many MLX CPU
-    streams, one compiled function each, evaluated together under `blas_threads` BLAS threads
-    per call (`toymlx.cpu_streams`)."""
+    CPU, as the training step has it) each micro-batch's rows are split over that many MLX
+    CPU streams, one compiled function each, evaluated together under `blas_threads` BLAS
+    threads per call (`toymlx.cpu_streams`). Metrics are sums over rows, so a split changes
+    nothing but the order of the additions."""
 
     def __init__(self, task: Task, compile: bool = True, n_streams: int = 1,
                  blas_threads: int | None = None):
@@ -202,16 +203,15 @@ class Evaluator:
                     if compile else metrics for _ in self.streams]
 
     def _sums(self, micro: dict[str, np.ndarray]) -> list[dict[str, mx.array]]:
-        """The metrics' sums of one micro-batch (B, ...), its rows split over the streams when
-        they divide evenly (else on the first stream alone), unevaluated."""
-        n = len(self.streams)
-        size = next(iter(micro.values())).shape[0]
-        if n == 1 or size % n:
-            return [self.fns[0]({k: mx.array(v) for k, v in micro.items()})]
-        k, out = size // n, []
-        for j, (st, fn) in enumerate(zip(self.streams, self.fns)):
-            with mx.stream(st):
-                out.append(fn({key: mx.array(v[j * k:(j + 1) * k]) for key, v in micro.items()}))
+        """The metrics' sums of one micro-batch (B, ...), its rows split over the streams as
+        evenly as they go (a stream that gets no row is left out), unevaluated."""
+        n, size = len(self.streams), next(iter(micro.values())).shape[0]
+        cuts = [size * j // n for j in range(n + 1)]
+        out = []
+        for a, b, st, fn in zip(cuts, cuts[1:], self.streams, self.fns):
+            if b > a:
+                with mx.stream(st):
+                    out.append(fn({k: mx.array(v[a:b]) for k, v in micro.items()}))
         return out
 
     def __call__(self, max_batches: int | None = None, split: str = "val") -> dict[str, float]:
@@ -237,6 +237,13 @@ class Evaluator:
         n = totals.pop("n", 0.0) or 1.0
         return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
                 for k, v in totals.items()}
+
+
+def command_evaluator(task: Task) -> Evaluator:
+    """The `Evaluator` of a command outside a run (toymlx-eval): compiled, over the CPU streams
+    and BLAS threads a run on this machine would step with."""
+    n = cpu_streams.stream_count(0)
+    return Evaluator(task, True, n, cpu_streams.step_blas_threads(n))
 
 
 def evaluate(task: Task, max_batches: int | None = None, split: str = "val"

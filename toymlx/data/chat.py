@@ -509,24 +509,18 @@ def trained_positions(mask: np.ndarray, multiple: int = HELD_OUT_MULTIPLE
 def sft_val_batches(
     rows: dict[str, np.ndarray], batch_size: int, max_batches: int
 ) -> list[dict[str, np.ndarray]]:
-    """The first `max_batches * batch_size` rows in file order, as `(1, batch_size, W)` batches,
-    W the batch's `held_out_width` (its longest row rounded up to a multiple of 32, not the
-    rows' seq_len: padding costs a CPU as much as tokens do), with their `trained_positions`
-    (`positions` and `position_mask`, (1, batch_size, P)).
-
-    A short last batch is filled with mask-0 rows so every batch has batch_size rows.
-    """
+    """The first `max_batches * batch_size` rows in file order, as `(1, batch_size, W)` batches
+    (the last one may hold fewer rows), W the batch's `held_out_width` (its longest row rounded
+    up to a multiple of 32, not the rows' seq_len: padding costs a CPU as much as tokens do),
+    with their `trained_positions` (`positions` and `position_mask`, (1, rows, P))."""
     n = min(len(rows["inputs"]), max_batches * batch_size)
     n_batches = math.ceil(n / batch_size)
     out = []
     for b in range(n_batches):
-        batch = {}
-        for k, v in rows.items():
-            chunk = v[b * batch_size : min((b + 1) * batch_size, n)]
-            fill = np.zeros((batch_size - len(chunk),) + v.shape[1:], v.dtype)
-            batch[k] = np.concatenate([chunk, fill])[None]  # (1, B, T)
-        width = held_out_width(batch["mask"], batch["mask"].shape[-1])
-        batch = {k: np.ascontiguousarray(v[..., :width]) for k, v in batch.items()}
+        mask = rows["mask"][b * batch_size : min((b + 1) * batch_size, n)]
+        width = held_out_width(mask, mask.shape[-1])
+        batch = {k: np.ascontiguousarray(v[b * batch_size : min((b + 1) * batch_size, n),
+                                           :width][None]) for k, v in rows.items()}  # (1, B, W)
         batch["positions"], batch["position_mask"] = trained_positions(batch["mask"])
         out.append(batch)
     return out
