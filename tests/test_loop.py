@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from smollm import smollm_gguf  # noqa: F401  (session fixture)
+from test_generate import chat_path  # noqa: F401  (fixture)
 from test_lora import events_of, mlx_lm_folder, tiny_gguf, tok_meta  # noqa: F401
 from toymlx_cli.train import main as train_main
 
@@ -175,3 +177,84 @@ def test_validation_is_traced_once_per_batch_shape_and_reads_the_current_weights
     assert second["val_loss"] != first["val_loss"]
     want = evaluate(_task(model, batches, metrics_fn=lm_held_out_sums))["val_loss"]
     assert abs(second["val_loss"] - want) <= 1e-6
+
+
+# ---- toymlx-generate: the chat template by default ------------------------------------------
+def _generate(capsys, *argv: str) -> tuple[int, str, str]:
+    from toymlx_cli.generate import main as generate_main
+
+    rc = generate_main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_a_prompt_goes_through_the_chat_template_by_default(chat_path, capsys):  # noqa: F811
+    """A GGUF with a chat template (stories260K with ChatML): --prompt alone answers as --chat
+    does, token for token; --ignore-chat-template continues the raw text instead."""
+    flags = ["--model", str(chat_path), "--prompt", "Tell me a story", "--temperature", "0",
+             "--max-tokens", "12"]
+    plain, chat, raw = (_generate(capsys, *flags, *more)
+                        for more in ([], ["--chat"], ["--ignore-chat-template"]))
+    assert plain[0] == chat[0] == raw[0] == 0
+    assert plain[1] == chat[1] and plain[1].strip()
+    count = re.compile(r"(\d+) prompt \+ (\d+) new tokens")
+    assert count.search(plain[2]).groups() == count.search(chat[2]).groups()
+    n_chat, n_raw = int(count.search(chat[2])[1]), int(count.search(raw[2])[1])
+    assert n_chat > n_raw  # the template's turn markers
+    assert raw[1] != plain[1]
+    # contradictory flags are one line each
+    rc, _, err = _generate(capsys, *flags, "--chat", "--ignore-chat-template")
+    assert rc == 2 and err.strip() == ("toymlx-generate: error: --ignore-chat-template: expected "
+                                       "without --chat (a chat renders the chat template), "
+                                       "found both")
+    rc, _, err = _generate(capsys, *flags, "--ignore-chat-template", "--system", "Be brief")
+    assert rc == 2 and err.strip() == ("toymlx-generate: error: --system: expected a prompt "
+                                       "rendered through a chat template, found "
+                                       "--ignore-chat-template")
+
+
+def test_zero_new_tokens_say_why(chat_path, stories_path, capsys, monkeypatch):  # noqa: F811
+    from toymlx import generate as gen
+
+    flags = ["--model", str(chat_path), "--prompt", "Tell me a story", "--temperature", "0"]
+    rc, out, err = _generate(capsys, *flags, "--max-tokens", "0")
+    assert rc == 0 and out == ""
+    assert err.splitlines()[-1] == "toymlx-generate: 0 new tokens: --max-tokens is 0"
+    # the model ending at once: its first token is the end of sequence
+    monkeypatch.setattr(gen, "decode", lambda *a, **k: iter([2, 5, 6]))
+    rc, out, err = _generate(capsys, *flags)
+    assert rc == 0 and out == ""
+    assert err.splitlines()[-1] == (
+        "toymlx-generate: 0 new tokens: the model ended at once (its first token was the "
+        "end-of-sequence token 2); the prompt was rendered through the GGUF's chat template")
+    _, _, err = _generate(capsys, *flags, "--ignore-chat-template")
+    assert err.splitlines()[-1] == (
+        "toymlx-generate: 0 new tokens: the model ended at once (its first token was the "
+        "end-of-sequence token 2); the prompt was raw text (--ignore-chat-template), which an "
+        "instruct model often ends at once: drop --ignore-chat-template")
+    _, _, err = _generate(capsys, "--model", str(stories_path), "--prompt", "Once")
+    assert err.splitlines()[-1] == (
+        "toymlx-generate: 0 new tokens: the model ended at once (its first token was the "
+        f"end-of-sequence token 2); the prompt was raw text ({stories_path} has no "
+        "tokenizer.chat_template)")
+
+
+@pytest.mark.smollm
+def test_the_instruct_smollm2_run_answers_through_its_template(smollm_gguf, tmp_path, capsys):
+    """Issue 36's case: `toymlx-generate --model RUN --prompt "What is the capital of
+    France?"` on a LoRA run of the instruct SmolLM2 answers with no flag, the tokens --chat
+    gives; the raw prompt ends at once, and says so."""
+    assert train_main(["--recipe", "lora", "--base", str(smollm_gguf), "--runs-root",
+                       str(tmp_path), "--run-id", "r", "--steps", "1", "--batch-size", "1",
+                       "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1",
+                       "--no-progress", "--no-compile"]) == 0
+    capsys.readouterr()
+    flags = ["--model", str(tmp_path / "r"), "--prompt", "What is the capital of France?",
+             "--temperature", "0", "--max-tokens", "16"]
+    plain, chat, raw = (_generate(capsys, *flags, *more)
+                        for more in ([], ["--chat"], ["--ignore-chat-template"]))
+    count = re.compile(r"(\d+) prompt \+ (\d+) new tokens")
+    assert plain[1] == chat[1] and "Paris" in plain[1]
+    assert count.search(plain[2]).groups() == count.search(chat[2]).groups()
+    assert int(count.search(plain[2])[2]) > 0
+    assert raw[1] == "" and "0 new tokens: the model ended at once" in raw[2]
