@@ -73,6 +73,36 @@ def _run_bundle(model: str):
     return Bundle.of(model)
 
 
+def check_run_test_data(bundle) -> None:
+    """`--split test` on a run's own test set: a ValueError naming the test file and both
+    digests unless the data holding it (a data folder's test.jsonl, a ViT's --data.test-path)
+    still has the fingerprint config.json recorded when the run started; the data given with
+    --data.path instead is scored as it is."""
+    from toymlx.data.chat import data_files
+    from toymlx.runs import DATA_FILES_KEY, fingerprint, option
+
+    data = getattr(bundle.config, "data", None)
+    key = "data.test_path" if getattr(data, "test_path", None) is not None else "data.path"
+    rec = bundle.saved.get(DATA_FILES_KEY, {}).get(key)
+    path = option(bundle.config, key)  # the file the bundle found for it (`resolve_inputs`)
+    if not isinstance(rec, dict) or not isinstance(path, str) or not Path(path).exists():
+        return  # not recorded (the default data), or gone: the reader names what it lacks
+    path = Path(path)
+    now = fingerprint(path)
+    was = {k: rec.get(k) for k in now}
+    if now == was:
+        return
+    test = (data_files(path).test or path) if key == "data.path" and path.is_dir() else path
+    within = f" (in {path}, recorded as {key})" if test != path else f" ({key})"
+
+    def digest(fp: dict) -> str:
+        return f"{fp['bytes']} bytes, sha256 {fp.get('sha256') or fp.get('sample_sha256')}"
+
+    raise ValueError(f"{test}: --split test: expected the test data the run recorded "
+                     f"at its start{within}: {digest(was)}; found it changed: {digest(now)}; "
+                     f"restore it, or score the data as it is now with --data.path {path}")
+
+
 def _run_config(model: str):
     """The configuration of the run `--model` names, None for a GGUF of its own."""
     bundle = _run_bundle(model)
@@ -144,7 +174,8 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
         test_file,
     )
     from toymlx.device import on_gpu
-    from toymlx.generate import load_for_generation
+    from toymlx.generate import load_for_generation, used_files
+    from toymlx.gguf.llama import frozen_weights
     from toymlx.losses import lm_held_out_sums, lm_loss
     from toymlx.models.ops import scoring_ops
     from toymlx.recipes.lora import DEFAULT_DATA
@@ -158,7 +189,9 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
                          "of test examples (--split test), found none")
     seq_len = args.seq_len or getattr(cfg, "seq_len", None) or 256
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
-    model, tok = load_for_generation(args.model, ops=scoring_ops(on_gpu()))
+    model, tok = load_for_generation(args.model, weights=frozen_weights(on_gpu()),
+                                     ops=scoring_ops(on_gpu()))
+    print(f"toymlx-eval: {used_files(args.model)}", file=sys.stderr)
     if args.split == "test":
         f = test_file(path)
         rows, source = held_out_rows(load_examples(f), tok, seq_len, mask, pack), str(f)
@@ -191,7 +224,14 @@ def evaluate(args: Args) -> dict:
     from toymlx.trainer import Task, command_evaluator
 
     select_device(args.device)
+    if args.plot:
+        from toymlx.outputs import check_output
+
+        check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
+                     "--plot")
     bundle = _run_bundle(args.model)
+    if bundle is not None and args.split == "test" and args.data_path is None:
+        check_run_test_data(bundle)
     if bundle is not None and bundle.recipe == "lora":
         return evaluate_chat(args, bundle.config)
     path = checkpoint_file(args.model)
@@ -202,7 +242,8 @@ def evaluate(args: Args) -> dict:
 
     if arch in ARCHS:
         from toymlx.data.text import TokenData
-        from toymlx.gguf.llama import load_llama
+        from toymlx.device import on_gpu
+        from toymlx.gguf.llama import frozen_weights, load_llama
         from toymlx.losses import lm_loss
         from toymlx.recipes.common import TextData, check_test_folder, load_token_data
         from toymlx.tokenizer import Tokenizer
@@ -211,7 +252,7 @@ def evaluate(args: Args) -> dict:
         text_run = isinstance(getattr(cfg, "data", None), TextData)  # from-scratch, warm-start
         if args.split == "test" and not text_run:  # a GGUF of its own: chat/SFT test examples
             return evaluate_chat(args, cfg)
-        model, g = load_llama(path, scoring_ops(on_gpu()))
+        model, g = load_llama(path, scoring_ops(on_gpu()), weights=frozen_weights(on_gpu()))
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
         data = cfg.data if args.data_path is None and text_run else TextData(args.data_path)
         seq_len = args.seq_len or getattr(cfg, "seq_len", 256)

@@ -16,6 +16,7 @@ from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 from toymlx.gguf.quantize import ExportType
+from toymlx.outputs import check_output
 
 PROG = "toymlx-export"
 
@@ -45,8 +46,8 @@ class Args:
     out: str
     """Where to write (atomically): a GGUF, or for safetensors a folder or .safetensors file."""
     base: str | None = None
-    """The llama GGUF the adapter was trained on (its tokenizer and metadata are kept); with
-    --format modelfile, default: the LoRA run's --base."""
+    """The llama GGUF the adapter was trained on (its tokenizer and metadata are kept); default
+    with --adapter: the base the LoRA run recorded (its absolute file, checked by SHA-256)."""
     model: str | None = None
     """A ViT checkpoint GGUF or run directory to export (with --format safetensors)."""
     format: Literal["gguf", "safetensors", "modelfile"] = "gguf"
@@ -72,6 +73,11 @@ def export_vit(args: Args) -> int:
                          "--base/--adapter/--fuse/--dtype (those are for llama GGUFs)")
     t0 = time.perf_counter()
     clf = Classifier.load(args.model)
+    inputs = [("--model", args.model), ("--model", clf.path)]
+    check_output(args.out, inputs)
+    if not args.out.endswith(".safetensors"):  # a folder: the two files written into it
+        for name in ("model.safetensors", "config.json"):
+            check_output(Path(args.out) / name, inputs)
     norm = {"toy.pixel_scale": clf.scale, "toy.pixel_mean": clf.mean.tolist(),
             "toy.pixel_std": clf.std.tolist()}
     files = export_timm(args.out, clf.model, norm, clf.names)
@@ -129,13 +135,13 @@ def run(args: Args) -> int:
             raise ValueError("--format safetensors: expected --model (a ViT run or checkpoint), "
                              "found none")
         return export_vit(args)
-    if not args.base:
-        raise ValueError("--base: expected the llama GGUF to export (or --model with --format "
-                         "safetensors for a ViT), found none")
-    base = checkpoint_file(args.base, "--base")  # a path, a run, or ollama:NAME / lmstudio:NAME
-    out = Path(args.out)
     if args.fuse and not args.adapter:
         raise ValueError("--fuse: expected --adapter (the adapter to merge), found none")
+    base_spec = args.base or run_base_of(args.adapter)
+    base = checkpoint_file(base_spec, "--base")  # a path, a run, or ollama:NAME / lmstudio:NAME
+    adapter = checkpoint_file(args.adapter, "--adapter") if args.adapter else None
+    out = check_output(args.out, [("--base", base_spec), ("--base", base),
+                                  ("--adapter", args.adapter), ("--adapter", adapter)])
     t0 = time.perf_counter()
     if args.adapter and not args.fuse:
         if args.dtype:
@@ -146,7 +152,7 @@ def run(args: Args) -> int:
             raise ValueError(f"{src}: --adapter: expected a LoRA adapter to write for llama.cpp, "
                              "found a DoRA adapter (toymlx's own format: llama.cpp has none); "
                              "add --fuse to write the full model llama.cpp runs")
-        model, _ = load_llama(base)
+        model, _ = load_llama(base, weights="blocks")  # the adapter checked against the base
         apply_adapter(model, src)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(src, "rb") as f, atomic_open(out) as dst:
@@ -154,7 +160,7 @@ def run(args: Args) -> int:
         what = f"adapter {src}"
     else:
         write_merged(out, base, args.adapter, args.dtype, progress=True)
-        what = f"{args.base}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
+        what = f"{base_spec}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
         if args.adapter:
             with GGUFFile(out) as g:
                 dtype = own_type(g)
@@ -162,6 +168,27 @@ def run(args: Args) -> int:
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
+
+
+def run_base_of(adapter: str | None) -> str:
+    """The base to export when --base is not given: the one the --adapter's LoRA run (or its
+    adapter GGUF's `toy.base`) records; says which file that is."""
+    from toymlx.checkpoint import checkpoint_file
+    from toymlx.modelfile import lora_run_base
+    from toymlx.runs import run_base
+
+    if adapter is None:
+        raise ValueError("--base: expected the llama GGUF to export (or --model with --format "
+                         "safetensors for a ViT), found none")
+    found = run_base(adapter, "--adapter")
+    base = found[0] if found is not None else lora_run_base(
+        adapter, checkpoint_file(adapter, "--adapter"))
+    if base is None:
+        raise ValueError(f"--base: expected the GGUF {adapter} was trained on (not recorded by "
+                         "its run or adapter), found none; pass --base")
+    print(f"{PROG}: base {found[1] if found is not None else base} (no --base given)",
+          file=sys.stderr)
+    return base
 
 
 def _stop(signum: int, frame: object) -> None:

@@ -235,6 +235,7 @@ def run(args: Args) -> int:
         load_for_generation,
         load_tokenizer,
         model_files,
+        used_files,
     )
 
     if args.max_tokens < 0:
@@ -245,6 +246,7 @@ def run(args: Args) -> int:
         raise UsageError(f"--top-p: expected in (0, 1], found {args.top_p}")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
+    used = f"{PROG}: {used_files(args.model, args.adapter)}"  # said once the model loads
     conversation = args.chat and not args.prompt
     try:
         if engine == "llama.cpp":
@@ -252,16 +254,24 @@ def run(args: Args) -> int:
             tokenizer, model_args = load_tokenizer(gguf_path)
             if conversation:
                 _need_template(tokenizer, args)
+                print(used, file=sys.stderr)
                 model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                         context=model_args.context)
-                chat(model, tokenizer, args, model_args.context)
+                try:  # one llama.cpp child answers every turn
+                    chat(model, tokenizer, args, model_args.context)
+                finally:
+                    model.close()
                 return 0
             ids = prompt_ids(tokenizer, args)
             context = model_args.context
             model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                     context=min(context, len(ids) + args.max_tokens))
+            print(used, file=sys.stderr)
             t0 = time.perf_counter()
-            _, n = stream(model, tokenizer, ids, args)
+            try:
+                _, n = stream(model, tokenizer, ids, args)
+            finally:
+                model.close()
     except EngineFailed as e:  # before its first token: nothing is printed yet
         if args.engine != "auto":
             raise UsageError(f"--engine llama.cpp: {e}") from None
@@ -271,10 +281,13 @@ def run(args: Args) -> int:
     if engine == "mlx":
         model, tokenizer = load_for_generation(args.model, args.adapter)
         if conversation:
+            _need_template(tokenizer, args)
+            print(used, file=sys.stderr)
             chat(model, tokenizer, args, model.args.context)
             return 0
         ids = prompt_ids(tokenizer, args)
         context = model.args.context
+        print(used, file=sys.stderr)
         t0 = time.perf_counter()
         _, n = stream(model, tokenizer, ids, args)
     dt = time.perf_counter() - t0

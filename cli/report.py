@@ -11,6 +11,7 @@ from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 def main(argv: list[str] | None = None) -> int:
     from toymlx import report
+    from toymlx.outputs import check_output
 
     p = argparse.ArgumentParser(
         prog="toymlx-report", allow_abbrev=False,
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))
         dirs = report.expand_dirs(args.dirs)
+        check_output(args.out, [])  # a new file beside the runs, never inside one
         rows = report.sort_rows(report.summarize(dirs))
         params = report.add_params(rows)
         print(report.format_table(rows, params))

@@ -11,20 +11,50 @@ import toymlx  # noqa: F401  (OpenBLAS before mlx)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TOYMLX_SHARED", REPO.parent / "shared")) / "data"
+"""The reference files (real files made by others, not part of the checkout): `../shared/data`
+beside the checkout, or `$TOYMLX_SHARED/data`. Every test reaches them through `shared_file`."""
+
+SHARED_HOW = "put the project's shared/ folder beside the checkout, or set TOYMLX_SHARED to one"
+ORIGINS = {
+    "models/stories260K.gguf": "https://huggingface.co/ggml-org/models/resolve/main/tinyllamas/"
+                               "stories260K.gguf",
+    "text/tinyshakespeare.txt": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                                "tinyshakespeare/input.txt",
+    "images/t10k-images-idx3-ubyte.gz": "https://storage.googleapis.com/cvdf-datasets/mnist/"
+                                        "t10k-images-idx3-ubyte.gz",
+    "images/t10k-labels-idx1-ubyte.gz": "https://storage.googleapis.com/cvdf-datasets/mnist/"
+                                        "t10k-labels-idx1-ubyte.gz",
+}
+"""Where a reference file comes from, where it can be fetched on its own (the others are made
+for the project: shared/data/README.md says from what)."""
+for _vocab in ("gpt-2", "llama-spm"):
+    for _ext in ("", ".inp", ".out"):
+        ORIGINS[f"tokenizers/ggml-vocab-{_vocab}.gguf{_ext}"] = (
+            "https://github.com/ggml-org/llama.cpp/raw/master/models/"
+            f"ggml-vocab-{_vocab}.gguf{_ext}, as of the llama.cpp the tests were written with")
+
+
+def shared_path(name: str) -> Path:
+    """The reference file `name` (relative to the shared data folder); where it is missing, the
+    test asking for it skips, naming the file and how to get it."""
+    path = SHARED / name
+    if not path.exists():
+        origin = f" (or fetch it: {ORIGINS[name]})" if name in ORIGINS else ""
+        pytest.skip(f"needs the reference file {path}, which is not part of the checkout: "
+                    f"{SHARED_HOW}{origin}")
+    return path
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """../shared/data beside the checkout (real files made by others; never copied in)."""
-    if not SHARED.is_dir():
-        pytest.fail(f"reference data not found at {SHARED}: put shared/ beside the checkout "
-                    "or set TOYMLX_SHARED")
-    return SHARED
+def shared_file():
+    """`shared_path`: `shared_file("text/tinyshakespeare.txt")` is that file's path, or a skip
+    naming it."""
+    return shared_path
 
 
 @pytest.fixture(scope="session")
-def stories_path(shared_data: Path) -> Path:
-    return shared_data / "models" / "stories260K.gguf"
+def stories_path(shared_file) -> Path:
+    return shared_file("models/stories260K.gguf")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -45,7 +45,7 @@ def fetch_source(version: str | None = None, cache: Path | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with tarfile.open(sdist) as t:
-        t.extractall(tmp, filter="data")
+        extract_inside(t, tmp)
     unpacked = tmp / f"llama_cpp_python-{version}"
     try:
         os.replace(unpacked, root)  # concurrent test processes never see a half-unpacked tree
@@ -54,6 +54,43 @@ def fetch_source(version: str | None = None, cache: Path | None = None) -> Path:
             raise
     shutil.rmtree(tmp, ignore_errors=True)
     return tree
+
+
+def check_member(tar: tarfile.TarFile, m: tarfile.TarInfo, target: Path) -> None:
+    """TarError naming the archive and the member unless `m` lands inside `target`, as tarfile's
+    `filter="data"` (Python 3.11.4+; Debian 12 ships 3.11.2) would have it: no absolute or `..`
+    path out of `target`, no link to a path outside it, only files, folders and links (no
+    devices or fifos). Paths are resolved through what is on disk already, so a link unpacked
+    before cannot lead a later member out. It clears set-id and other-writable mode bits."""
+    root = os.path.realpath(target)
+
+    def inside(path: str) -> bool:
+        return os.path.commonpath([root, os.path.realpath(path)]) == root
+
+    where = os.path.join(root, m.name)
+    why = None
+    if os.path.isabs(m.name) or not inside(where):
+        why = "its path leaves the folder"
+    elif m.issym() and (os.path.isabs(m.linkname)
+                        or not inside(os.path.join(os.path.dirname(where), m.linkname))):
+        why = f"a symbolic link to {m.linkname!r}, outside the folder"
+    elif m.islnk() and not inside(os.path.join(root, m.linkname)):
+        why = f"a hard link to {m.linkname!r}, outside the folder"
+    elif not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+        why = "not a file, folder or link"
+    if why:
+        raise tarfile.TarError(f"{tar.name}: member {m.name!r}: expected a path inside "
+                               f"{target}, found {why}; unpacking stopped")
+    m.mode &= 0o755
+
+
+def extract_inside(tar: tarfile.TarFile, target: Path) -> None:
+    """Unpack `tar` into `target`, one member at a time, each checked by `check_member` first
+    (and, on Pythons that have it, by tarfile's data filter too)."""
+    data = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+    for m in tar.getmembers():
+        check_member(tar, m, target)
+        tar.extract(m, target, **data)
 
 
 @pytest.fixture(scope="session")

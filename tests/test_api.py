@@ -44,11 +44,11 @@ def _median_step(run: Path) -> float:
 
 
 def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tmp_path,
-                                                                              shared_data):
+                                                                              shared_file):
     """A script that imported mlx.core and mlx_lm and evaluated an array first, then trains with
     toymlx.train: same BLAS as the command, and a step within 1.5x of the command's (the cliff is
     10-40x). The script's own MLX is switched to OpenBLAS too, silently (toymlx.blas_rebind)."""
-    data = str(shared_data / "text" / "tinystories_sample.txt")
+    data = str(shared_file("text/tinystories_sample.txt"))
     opts = {**MATMUL_HEAVY, "data": {"path": data}, "runs_root": str(tmp_path)}
     script = textwrap.dedent(f"""
         import json, warnings

@@ -38,8 +38,8 @@ from toymlx.events import read_events
 
 
 @pytest.fixture(scope="module")
-def data(shared_data: Path) -> str:
-    return str(shared_data / "text" / "tinystories_sample.txt")
+def data(shared_file) -> str:
+    return str(shared_file("text/tinystories_sample.txt"))
 
 
 @pytest.fixture(scope="module")

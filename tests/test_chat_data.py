@@ -15,6 +15,7 @@ from toymlx.data.chat import (
     Example,
     SFTData,
     data_files,
+    fit_rows,
     load_examples,
     pack_or_pad,
     sft_batch,
@@ -382,6 +383,48 @@ def test_sft_data_from_file(tmp_path):
     hopeless = write(tmp_path, "long.jsonl", json.dumps({"prompt": "p" * 20, "completion": "c"}))
     with pytest.raises(DataError, match=r"long\.jsonl: no training example has a trained token"):
         SFTData.from_file(hopeless, tok, seq_len=8, val_fraction=0.0)
+
+
+def test_unpacked_training_batches_cut_to_longest_row_rounded_to_32(tmp_path):
+    import mlx.core as mx
+
+    from toymlx.losses import lm_loss
+    from toymlx.models.llama import Llama, tiny
+    from toymlx.models.ops import Ops
+
+    lines = [json.dumps({"prompt": f"q{i}", "completion": "a" * (3 * i + 1)}) for i in range(12)]
+    path = write(tmp_path, "train.jsonl", "\n".join(lines))
+    tok = FakeTokenizer(chat_template=None)
+    data = SFTData.from_file(path, tok, seq_len=128, val_fraction=0.0)
+    assert data.train["inputs"].shape == (12, 128)
+    whole = sft_batch(data.train, 3, 0, 4, 2)  # (2, 4, 128): what training drew before
+    cut = data.batch(3, 0, 4, 2)
+    # the longest drawn row's last trained target, rounded up to a multiple of 32
+    last = max(int(np.flatnonzero(m)[-1]) + 1 for m in whole["mask"].reshape(-1, 128))
+    assert cut["inputs"].shape == (2, 4, -(-last // 32) * 32) and cut["inputs"].shape[2] < 128
+    for k in whole:
+        np.testing.assert_array_equal(cut[k], whole[k][..., : cut[k].shape[-1]])
+    assert whole["mask"][..., cut["mask"].shape[-1]:].sum() == 0
+    mx.random.seed(0)
+    model = Llama(tiny(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                       ffn_dim=64), Ops(kernels="vectorised"))
+    for a in range(2):  # each micro-batch's loss and count, whole rows against cut rows
+        lw, nw = lm_loss(model, {k: mx.array(v[a]) for k, v in whole.items()})
+        lc, nc = lm_loss(model, {k: mx.array(v[a]) for k, v in cut.items()})
+        assert float(nc) == float(nw) > 0
+        assert abs(float(lc) - float(lw)) <= 1e-6
+    packed = SFTData.from_file(path, tok, seq_len=128, pack=True, val_fraction=0.0)
+    assert packed.batch(0, 0, 2)["inputs"].shape == (1, 2, 128)  # packed rows stay whole
+
+
+def test_fit_rows_rounds_up_and_never_grows():
+    mask = np.zeros((2, 3, 100), np.float32)
+    mask[1, 2, 40] = 1.0  # the last trained target anywhere in the batch: position 40
+    batch = {"inputs": np.ones((2, 3, 100), np.int32), "mask": mask}
+    assert fit_rows(batch)["mask"].shape == (2, 3, 64)
+    mask[0, 0, 97] = 1.0
+    assert fit_rows(batch)["inputs"].shape == (2, 3, 100)  # 128 > 100: the rows as they are
+    assert fit_rows({"mask": np.ones((1, 31), np.float32)})["mask"].shape == (1, 31)
 
 
 SMOLLM2_TEMPLATE = (  # SmolLM2-Instruct's template: a default system turn when none is given

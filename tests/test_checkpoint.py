@@ -30,11 +30,11 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4"
 
 
 @pytest.fixture(scope="module")
-def twenty(tmp_path_factory, shared_data) -> Path:
+def twenty(tmp_path_factory, shared_file) -> Path:
     """A run of 30 steps stopped at 20, checkpointed every 5."""
     root = tmp_path_factory.mktemp("ck")
     assert main(["--recipe", "from-scratch", *TINY, "--data.path",
-                 str(shared_data / "text" / "tinystories_sample.txt"), "--runs-root", str(root),
+                 str(shared_file("text/tinystories_sample.txt")), "--runs-root", str(root),
                  "--run-id", "r", "--steps", "30", "--stop-at", "20", "--checkpoint-every", "5",
                  "--eval-every", "0"]) == 0
     return root / "r"
@@ -129,10 +129,10 @@ def test_divergence_right_after_resume_checks_the_checkpoint_first(run, capsys):
     assert "diverged" in capsys.readouterr().err
 
 
-def test_keep_last_and_keep_best_keep_what_they_say(tmp_path, shared_data):
+def test_keep_last_and_keep_best_keep_what_they_say(tmp_path, shared_file):
     root = tmp_path
     assert main(["--recipe", "from-scratch", *TINY, "--data.path",
-                 str(shared_data / "text" / "tinystories_sample.txt"), "--runs-root", str(root),
+                 str(shared_file("text/tinystories_sample.txt")), "--runs-root", str(root),
                  "--run-id", "k", "--steps", "14", "--lr", "3e-2", "--warmup", "0",
                  "--checkpoint-every", "1", "--eval-every", "1", "--keep-last", "3",
                  "--keep-best", "2"]) == 0

@@ -16,8 +16,8 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4"
 
 
 @pytest.fixture(scope="module")
-def data(shared_data: Path) -> str:
-    return str(shared_data / "text" / "tinystories_sample.txt")
+def data(shared_file) -> str:
+    return str(shared_file("text/tinystories_sample.txt"))
 
 
 def saved(run: Path) -> dict:

@@ -57,9 +57,9 @@ def test_kill_at_any_instant_many(tmp_path):
     assert set(s["modes"]) == {"tmp", "new-gguf", "after-ckpt", "startup"}
 
 
-def test_resume_after_a_torn_event_line(tmp_path, shared_data):
+def test_resume_after_a_torn_event_line(tmp_path, shared_file):
     """A kill mid-emit leaves half a line; the resumed run's events must still be readable."""
-    data = str(shared_data / "text" / "tinystories_sample.txt")
+    data = str(shared_file("text/tinystories_sample.txt"))
     run = tmp_path / "r"
     assert main(["--recipe", "from-scratch", *TINY, "--steps", "6", "--stop-at", "3",
                  "--checkpoint-every", "1", "--data.path", data, "--runs-root", str(tmp_path),
@@ -79,21 +79,21 @@ def test_resume_after_a_torn_event_line(tmp_path, shared_data):
     load_llama(resolve_latest(run))
 
 
-def _signal_args(shared_data: Path, root: Path) -> list[str]:
+def _signal_args(shared_file, root: Path) -> list[str]:
     return ["--recipe", "from-scratch", *TINY, "--steps", "600", "--checkpoint-every", "1000",
-            "--eval-every", "0", "--data.path", str(shared_data / "text" / "tinyshakespeare.txt"),
+            "--eval-every", "0", "--data.path", str(shared_file("text/tinyshakespeare.txt")),
             "--runs-root", str(root)]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, shared_data) -> list[float]:
+def uninterrupted(tmp_path_factory, shared_file) -> list[float]:
     root = tmp_path_factory.mktemp("sig")
-    assert main([*_signal_args(shared_data, root), "--run-id", "full"]) == 0
+    assert main([*_signal_args(shared_file, root), "--run-id", "full"]) == 0
     return [e["loss"] for e in read_events(root / "full") if e["kind"] == "step"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_mid_step_checkpoints_the_step_it_names(tmp_path, shared_data, uninterrupted,
+def test_signal_mid_step_checkpoints_the_step_it_names(tmp_path, shared_file, uninterrupted,
                                                          sig):
     """SIGTERM/Ctrl-C mostly land inside a step, after its update began: the checkpoint of
     step N once held step N+1's weights, so the resumed losses drifted from an uninterrupted
@@ -102,7 +102,7 @@ def test_signal_mid_step_checkpoints_the_step_it_names(tmp_path, shared_data, un
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "toymlx_cli.train"]
     # 600 steps of ~5 ms: the signal lands mid-run even when this poll is slow (with 300, one
     # run in ~8 under heavy outside load failed here, its message unrecorded)
-    p = subprocess.Popen(cmd + _signal_args(shared_data, tmp_path) + ["--run-id", "part"],
+    p = subprocess.Popen(cmd + _signal_args(shared_file, tmp_path) + ["--run-id", "part"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     events = tmp_path / "part" / "events.jsonl"
     t0 = time.monotonic()
@@ -129,7 +129,7 @@ MID = ["--recipe", "from-scratch", "--model.d-model", "256", "--model.n-layers",
 
 
 @pytest.mark.parametrize("second", ["at-once", "mid-write", "after-0.2s"])
-def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_data, second):
+def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_file, second):
     """Ctrl-C twice: the first stops after the step in flight and writes a final checkpoint,
     the second skips that checkpoint if it has not begun, or lets a begun one finish (2.5M
     parameters: ~30 MB written, so `mid-write` lands inside it). Every way: exit 130, no
@@ -143,7 +143,7 @@ def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_data, second
     # final one, always; else one every 4 steps for the skipped final one to fall back on
     every = "1000000" if second == "mid-write" else "4"
     p = subprocess.Popen(cmd + MID + ["--checkpoint-every", every, "--data.path",
-                                      str(shared_data / "text" / "tinyshakespeare.txt"),
+                                      str(shared_file("text/tinyshakespeare.txt")),
                                       "--runs-root", str(tmp_path), "--run-id", "r"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()

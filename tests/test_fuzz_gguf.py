@@ -58,7 +58,10 @@ def clean(err: BaseException, path: Path) -> bool:
 
 
 # ---- the mutation fuzzer, in a subprocess -----------------------------------------------------
-def test_fuzz_batch_every_reader_path(tmp_path, shared_data):
+def test_fuzz_batch_every_reader_path(tmp_path, shared_file):
+    for name in ("models/stories260K.gguf", "tokenizers/ggml-vocab-llama-spm.gguf",
+                 "tokenizers/ggml-vocab-gpt-2.gguf", "tokenizers/ggml-vocab-smollm2.gguf"):
+        shared_file(name)  # the script's seeds (scripts/gguf_fuzzer/seeds.py reads the same folder)
     out = tmp_path / "fuzz"
     summary = tmp_path / "summary.json"
     cmd = [sys.executable, str(REPO / "scripts" / "fuzz_gguf.py"), "--profile", "quick",

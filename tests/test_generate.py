@@ -417,6 +417,22 @@ def test_chat_without_a_prompt_is_a_conversation(chat_path, capsys, monkeypatch)
     assert capsys.readouterr().out.splitlines() == [one_shot, second.strip()]
 
 
+@pytest.mark.interop
+def test_llamacpp_chat_answers_every_turn(chat_path, capsys, monkeypatch):
+    """--engine llama.cpp --chat with the turns on stdin: one llama.cpp child answers each turn
+    (and the turn after /reset) with the words MLX's engine gives, greedy on the F32 model."""
+    flags = ["--model", str(chat_path), "--chat", "--temperature", "0", "--max-tokens", "12"]
+    turns = "Tell me a story\nAbout a cat\nAnd a dog\n/reset\nAbout a cat\n"
+    replies = {}
+    for engine in ("mlx", "llama.cpp"):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(turns))
+        assert cli.main([*flags, "--engine", engine]) == 0
+        replies[engine] = capsys.readouterr().out.splitlines()
+    assert len(replies["mlx"]) == 4 and all(replies["mlx"])
+    assert len(set(replies["mlx"][:3])) == 3  # each turn its own answer
+    assert replies["llama.cpp"] == replies["mlx"]
+
+
 def bad_inputs(tmp_path: Path, stories_path: Path) -> dict[str, tuple[Path, str]]:
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello, not a model\n")

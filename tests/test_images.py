@@ -21,9 +21,6 @@ from toymlx.data.images import (
     read_idx,
 )
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-T10K = SHARED / "images" / "t10k-images-idx3-ubyte.gz"
-
 
 def write_idx(path: Path, arr: np.ndarray, magic: int | None = None) -> Path:
     """An IDX ubyte file (gzip when the name ends in .gz)."""
@@ -136,11 +133,13 @@ def test_augmentation_shifts_with_zero_padding():
 
 # --- IDX -----------------------------------------------------------------------------------
 
-def test_idx_mnist_t10k():
-    x, y = load_idx(T10K)
+def test_idx_mnist_t10k(shared_file):
+    t10k = shared_file("images/t10k-images-idx3-ubyte.gz")
+    shared_file("images/t10k-labels-idx1-ubyte.gz")  # its labels, read beside it
+    x, y = load_idx(t10k)
     assert x.shape == (10000, 28, 28, 1) and x.dtype == np.uint8
     assert y.shape == (10000,) and sorted(set(y.tolist())) == list(range(10))
-    d = load_images(str(SHARED / "images"))  # a folder with one (t10k) pair: split 9000/1000
+    d = load_images(str(t10k.parent))  # a folder with one (t10k) pair: split 9000/1000
     assert (len(d.train_x), len(d.val_x), d.image_shape, d.scale) == (9000, 1000, (28, 28, 1), 255)
     b = d.train_batch(0, seed=0, batch_size=8)
     assert b["images"].shape == (1, 8, 28, 28, 1)

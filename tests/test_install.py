@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -354,3 +355,78 @@ def test_wheel_trains_from_any_folder_with_its_packaged_data(tmp_path, stories_p
         assert evs[-1]["reason"] == "completed"
         if sys.platform.startswith("linux"):  # the packaged C source compiled and in front
             assert evs[0]["backend"]["gemv_forward"] == "on", evs[0]["backend"]
+
+
+FRESH_CLONE_TESTS = "TOYMLX_FRESH_CLONE_TESTS"
+"""A `-k` expression that limits the default tier the fresh-clone test runs (unset: all of it,
+as CI runs it; set it to try the test on a busy machine)."""
+NEEDS_FILE = re.compile(r"^SKIPPED \[\d+\] \S+: needs the reference file (\S+), which is not "
+                        r"part of the checkout: put the project's shared/ folder beside the "
+                        r"checkout, or set TOYMLX_SHARED to one", re.MULTILINE)
+
+
+def _debian_python() -> Path:
+    """Debian's own /usr/bin/python3 with its venv module (apt-get installs python3 and
+    python3-venv where they are missing, as root)."""
+    python = Path("/usr/bin/python3")
+    has_venv = [str(python), "-c", "import ensurepip, venv"]
+    if python.exists() and subprocess.run(has_venv, capture_output=True,
+                                          check=False).returncode == 0:
+        return python
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.fail("Debian's python3 and python3-venv are needed: run as root: apt-get update "
+                    "&& apt-get install -y python3 python3-venv")
+    for cmd in (["apt-get", "update", "-qq"],
+                ["apt-get", "install", "-y", "-qq", "python3", "python3-venv"]):
+        subprocess.run(cmd, check=True, timeout=900, capture_output=True,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    subprocess.run(has_venv, check=True, capture_output=True)
+    return python
+
+
+@pytest.mark.install
+def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file):
+    """The README's commands in a fresh `git clone` of this checkout (its committed HEAD), on
+    Debian's own python3 with an empty HOME (no pip or toymlx cache) and PATH=/usr/bin:/bin:
+    `source scripts/install.sh && python3 -m pytest` passes without ../shared beside the clone
+    (each test needing a reference file skips, naming it) and again with ../shared there (none
+    skips for one, and more pass). $TOYMLX_FRESH_CLONE_TESTS (a -k expression) runs a part."""
+    if not Path("/etc/debian_version").exists():
+        pytest.skip("Debian's own python3: this machine is not Debian or Ubuntu")
+    python = _debian_python()
+    shared = shared_file("README.md").parent.parent  # what ../shared holds: data/
+    clone = tmp_path / "work" / "toymlx"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=300)
+    home = tmp_path / "home"
+    home.mkdir()
+    keep = {k: v for k, v in os.environ.items()  # the network's settings, nothing of a user's
+            if k.lower() in ("http_proxy", "https_proxy", "no_proxy", "pip_index_url",
+                             "pip_extra_index_url")}
+    env = {**keep, "PATH": SYSTEM_PATH, "HOME": str(home), "LANG": "C.UTF-8"}
+    select = os.environ.get(FRESH_CLONE_TESTS)
+    pytest_cmd = "python3 -m pytest -q -p no:cacheprovider -rs" + (
+        f" -k {shlex.quote(select)}" if select else "")
+
+    def tier() -> tuple[str, dict[str, int]]:
+        r = _shell("bash", f"source scripts/install.sh && {pytest_cmd}", clone, env,
+                   timeout=3600)
+        assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
+        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|skipped|failed|errors?)\b",
+                                                      r.stdout.splitlines()[-1])}
+        return r.stdout, counts
+
+    without, bare = tier()
+    assert subprocess.run([clone / ".venv" / "bin" / "python", "-c",
+                           "import sys; print(sys.version.split()[0])"], capture_output=True,
+                          text=True, check=True).stdout.strip() == subprocess.run(
+        [python, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
+        text=True, check=True).stdout.strip()
+    missing = NEEDS_FILE.findall(without)
+    assert missing and bare.get("skipped", 0) >= len(missing), without[-3000:]
+    assert all(p.startswith(f"{clone.parent / 'shared' / 'data'}/") for p in missing), missing
+    (clone.parent / "shared").symlink_to(shared)
+    beside, full = tier()
+    assert NEEDS_FILE.findall(beside) == [], beside[-3000:]
+    assert full["passed"] > bare.get("passed", 0)
+    print(f"fresh clone on {python}: without ../shared {bare}, with it {full}"
+          + (f" (-k {select!r})" if select else ""))

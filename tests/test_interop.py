@@ -92,7 +92,7 @@ margins are ~3x what that rounding cost here (F16 6.4e-4, BF16 7.9e-3; docs/RESU
 
 
 @pytest.fixture(scope="session")
-def train_run(tmp_path_factory, shared_data):
+def train_run(tmp_path_factory, shared_file):
     """Train a tiny from-scratch run on first request (cached per name); return its folder."""
     root = tmp_path_factory.mktemp("runs")
     done: dict[str, Path] = {}
@@ -104,7 +104,7 @@ def train_run(tmp_path_factory, shared_data):
                "--runs-root", str(root), "--run-id", name, "--steps", "40", "--batch-size", "8",
                "--seq-len", "64", "--lr", "1e-2", "--warmup", "2", "--eval-every", "0",
                "--eval-batches", "1", "--checkpoint-every", "0", "--no-compile",
-               "--no-progress", "--data.path", str(shared_data / "text" / "tinystories_sample.txt"),
+               "--no-progress", "--data.path", str(shared_file("text/tinystories_sample.txt")),
                *SHAPE, *{**RUNS, **PRECISION_RUNS}.get(name, RUNS["gqa-tied"])]
         t0 = time.perf_counter()
         r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
@@ -200,8 +200,8 @@ def smollm_f32(smollm_gguf, tmp_path_factory):  # noqa: F811
     out.unlink(missing_ok=True)  # 540 MB; pytest keeps the last few temp folders
 
 
-def real_text_ids(tok, shared_data: Path, n: int) -> list[int]:
-    text = (shared_data / "text" / "tinystories_sample.txt").read_text(encoding="utf-8")
+def real_text_ids(tok, shared_file, n: int) -> list[int]:
+    text = shared_file("text/tinystories_sample.txt").read_text(encoding="utf-8")
     text = text.replace("<|endoftext|>", "\n\n")
     ids = tok.encode(text)
     assert len(ids) >= n
@@ -209,17 +209,17 @@ def real_text_ids(tok, shared_data: Path, n: int) -> list[int]:
 
 
 @pytest.mark.smollm
-def test_smollm_f32_copy_logits_match_llamacpp(smollm_f32, shared_data):
+def test_smollm_f32_copy_logits_match_llamacpp(smollm_f32, shared_file):
     model, tok = load_for_generation(smollm_f32)
-    ids = real_text_ids(tok, shared_data, 64)
+    ids = real_text_ids(tok, shared_file, 64)
     diff = compare_logits(smollm_f32, "SmolLM2-135M-Instruct F32 copy logits", ids, model)
     assert diff <= TOL
 
 
 @pytest.mark.smollm
-def test_smollm_q4_1_top1_agreement(smollm_gguf, shared_data):  # noqa: F811
+def test_smollm_q4_1_top1_agreement(smollm_gguf, shared_file):  # noqa: F811
     model, tok = load_for_generation(smollm_gguf)
-    ids = real_text_ids(tok, shared_data, 384)
+    ids = real_text_ids(tok, shared_file, 384)
     mine = toy_logits(model, ids)
     ref, info = llamacpp_logits(smollm_gguf, ids)
     top1 = float((ref.argmax(-1) == mine.argmax(-1)).mean())
@@ -253,13 +253,13 @@ def test_smollm_chat_generation_knows_paris(smollm_gguf):  # noqa: F811
 
 
 # ---- warm-start: the folded export is a plain llama model llama.cpp runs ------------------
-def test_warm_start_checkpoint_logits_match_llamacpp(stories_path, shared_data, tmp_path):
+def test_warm_start_checkpoint_logits_match_llamacpp(stories_path, shared_file, tmp_path):
     from toymlx_cli.train import main
 
     args = ["--recipe", "warm-start", "--donor", str(stories_path), "--model.d-model", "32",
             "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
             "--model.ffn-dim", "64", "--seq-len", "64", "--batch-size", "4", "--steps", "6",
-            "--data.path", str(shared_data / "text" / "tinyshakespeare.txt"),
+            "--data.path", str(shared_file("text/tinyshakespeare.txt")),
             "--runs-root", str(tmp_path), "--run-id", "warm", "--no-progress"]
     assert main(args) == 0
     ckpt = resolve_latest(tmp_path / "warm")
@@ -272,9 +272,9 @@ def test_warm_start_checkpoint_logits_match_llamacpp(stories_path, shared_data, 
 
 
 # ---- lora recipe: --fine-tune-type full and dora on stories260K --------------------------
-def _stories_folder(root: Path, shared_data: Path) -> Path:
+def _stories_folder(root: Path, shared_file) -> Path:
     """An mlx-lm data folder of text examples (stories260K has no chat template)."""
-    text = (shared_data / "text" / "tinyshakespeare.txt").read_text()
+    text = shared_file("text/tinyshakespeare.txt").read_text()
     paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 40][:60]
     folder = root / "data"
     folder.mkdir()
@@ -284,13 +284,13 @@ def _stories_folder(root: Path, shared_data: Path) -> Path:
     return folder
 
 
-def test_full_fine_tune_checkpoint_logits_match_llamacpp(stories_path, shared_data, tmp_path):
+def test_full_fine_tune_checkpoint_logits_match_llamacpp(stories_path, shared_file, tmp_path):
     """--fine-tune-type full of stories260K: a step_N.gguf llama.cpp loads, with its logits
     equal to toymlx's, and every weight moved off the base."""
     from toymlx_cli.train import main
 
     args = ["--recipe", "lora", "--fine-tune-type", "full", "--base", str(stories_path),
-            "--data.path", str(_stories_folder(tmp_path, shared_data)), "--seq-len", "64",
+            "--data.path", str(_stories_folder(tmp_path, shared_file)), "--seq-len", "64",
             "--batch-size", "4", "--steps", "6", "--lr", "3e-3", "--warmup", "1", "--test",
             "--runs-root", str(tmp_path), "--run-id", "full", "--no-progress"]
     assert main(args) == 0
@@ -308,14 +308,14 @@ def test_full_fine_tune_checkpoint_logits_match_llamacpp(stories_path, shared_da
                           model) <= TOL
 
 
-def test_dora_fused_export_logits_match_llamacpp(stories_path, shared_data, tmp_path):
+def test_dora_fused_export_logits_match_llamacpp(stories_path, shared_file, tmp_path):
     """--fine-tune-type dora: llama.cpp runs the fused export with the logits of toymlx's
     base + DoRA adapter."""
     from toymlx_cli.export import main as export
     from toymlx_cli.train import main
 
     args = ["--recipe", "lora", "--fine-tune-type", "dora", "--base", str(stories_path),
-            "--data.path", str(_stories_folder(tmp_path, shared_data)), "--seq-len", "64",
+            "--data.path", str(_stories_folder(tmp_path, shared_file)), "--seq-len", "64",
             "--batch-size", "4", "--steps", "6", "--lr", "1e-2", "--warmup", "1",
             "--lora.targets", "q,v,o,down", "--runs-root", str(tmp_path), "--run-id", "dora",
             "--no-progress"]

@@ -218,12 +218,9 @@ def test_quantized_base_holds_gguf_blocks_exactly(tiny_gguf, tmp_path):
     before = qnt(TOKENS)
     apply_lora(qnt, "q,v", rank=4)
     assert mx.array_equal(qnt(TOKENS), before).item()
-    assert resolve_base_dtype("auto", qg, True, "bfloat16") == "quantized"
-    assert resolve_base_dtype("auto", qg, False, "float32") == "float32"
-    assert resolve_base_dtype("auto", g, True, "bfloat16") == "bfloat16"  # F32 projections
-    with pytest.raises(ValueError, match=r"--base-dtype quantized: .*found blk\.0\.attn_q\.weight "
-                                         r"is F32; use --base-dtype float32"):
-        resolve_base_dtype("quantized", g, False, "float32")
+    assert resolve_base_dtype("auto", True) == "quantized"  # a GPU: MLX's fast path
+    assert resolve_base_dtype("auto", False) == "blocks"  # the CPU: the file's blocks
+    assert isinstance(base(g.path, "quantized").layers[0].attn.q_proj, nn.Linear)  # F32 stays
 
 
 def test_merged_export_matches_lora_forward(tiny_gguf, tmp_path):
@@ -307,8 +304,8 @@ def test_recipe_writes_adapters_and_resumes(tiny_gguf, tmp_path):
     events = [json.loads(line) for line in (full / "events.jsonl").read_text().splitlines()]
     start = events[0]
     assert start["model"]["n_trainable"] == 3 * 4 * ((64 + 64) + (64 + 32))
-    assert start["model"]["lora_targets"] == "q,v" and start["model"]["base_dtype"] == "float32"
-    assert start["config"]["base_dtype_resolved"] == "float32"
+    assert start["model"]["lora_targets"] == "q,v" and start["model"]["base_dtype"] == "blocks"
+    assert start["config"]["base_dtype_resolved"] == "blocks"
     losses = [e["loss"] for e in events if e["kind"] == "step"]
     assert len(losses) == 6 and all(np.isfinite(losses))
     ad = load_adapter(full)
@@ -408,6 +405,42 @@ def mlx_lm_folder(path: Path, n_train: int = 12, n_valid: int = 3, n_test: int =
 
 def events_of(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_path, capsys):
+    """config.json recorded the data folder's SHA-256 at the run's start: after test.jsonl is
+    edited, `--split test` on the run names the file and both digests (exit 2) rather than
+    score other examples under the run's name; --data.path scores the data as it is now."""
+    import hashlib
+
+    from toymlx_cli.eval import main as eval_main
+
+    from toymlx.runs import fingerprint
+
+    data = mlx_lm_folder(tmp_path / "data")
+    assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+                   "--run-id", "r", "--steps", "1", "--batch-size", "2", "--seq-len", "64",
+                   "--eval-every", "0", "--no-progress", "--no-compile",
+                   "--data.path", str(data)]) == 0
+    was = fingerprint(data)
+    test = data / "test.jsonl"
+    test.write_text(test.read_text().replace("question 0?", "question 9?"))
+    now = fingerprint(data)
+    edited = hashlib.sha256(test.read_bytes()).hexdigest()
+    assert was["bytes"] == now["bytes"] and was["sha256"] != now["sha256"]
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "r"), "--split", "test"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err == (f"toymlx-eval: error: {test}: --split test: expected the test data the "
+                       f"run recorded at its start (in {data}, recorded as data.path): "
+                       f"{was['bytes']} bytes, sha256 {was['sha256']}; found it changed: "
+                       f"{now['bytes']} bytes, sha256 {now['sha256']}; restore it, or score the "
+                       f"data as it is now with --data.path {data}\n")
+    assert hashlib.sha256(test.read_bytes()).hexdigest() == edited  # nothing written
+    assert eval_main(["--model", str(tmp_path / "r"), "--split", "test",
+                      "--data.path", str(data)]) == 0
+    assert json.loads(capsys.readouterr().out)["data"] == str(test)
 
 
 def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):

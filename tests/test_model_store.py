@@ -295,4 +295,141 @@ def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys
     add_model(root, "tiny:1", src.read_bytes())
     rc = train_main(["--resume", str(run), "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 2 and f"model base_sha256: expected '{blob.name[7:]}'" in err, err
+    assert rc == 2 and f"--base: expected the run's base, recorded as {blob} (sha256 " \
+        f"{blob.name[7:19]}), found other contents" in err, err
+    assert "the store name now names another model" in err, err
+
+
+# ---- an Ollama model's ADAPTER layer, damaged blobs, DoRA in a fused Modelfile -------------
+def _adapter(base: Path, path: Path, kind: str = "lora", seed: int = 5) -> Path:
+    """A LoRA (or DoRA) adapter GGUF for `base` whose B matrices are not zero, so that applying
+    it changes what the model says."""
+    from toymlx.lora import lora_layers
+
+    model, g = load_llama(base)
+    g.close()
+    mx.random.seed(seed)
+    apply_lora(model, ("q", "v", "down"), None, 4, 32.0, 0.0, kind=kind)
+    for layer in lora_layers(model).values():
+        layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.5
+    return write_adapter(path, model, {"general.architecture": "llama"}, {})
+
+
+def _greedy(capsys, *args: str) -> str:
+    rc = generate_cli.main([*args, "--prompt", "Once upon a time", "--max-tokens", "8",
+                            "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
+
+
+def test_an_ollama_adapter_layer_is_applied_or_refused_by_name(ollama, stories_path, tmp_path,
+                                                               capsys):
+    """`ollama create` with an ADAPTER line stores the adapter as a layer of its own: generate
+    applies it (the words of base + --adapter, not the bare base's); the commands that would
+    use the base alone (train, eval, export, a Modelfile) refuse the name, naming the adapter."""
+    from toymlx_cli.eval import main as eval_main
+
+    adapter = _adapter(stories_path, tmp_path / "ad.gguf")
+    add_model(ollama, "tuned", stories_path.read_bytes(), {"adapter": adapter.read_bytes()})
+    model_blob, adapter_blob = blob_of(ollama, stories_path.read_bytes()), \
+        blob_of(ollama, adapter.read_bytes())
+    bare = _greedy(capsys, "--model", str(stories_path))
+    by_hand = _greedy(capsys, "--model", str(stories_path), "--adapter", str(adapter))
+    assert by_hand != bare
+    assert _greedy(capsys, "--model", "ollama:tuned") == by_hand
+    resolved = resolve("ollama:tuned", with_adapter=True)
+    assert (resolved.path, resolved.adapter) == (model_blob, adapter_blob)
+
+    def refused(flag: str) -> str:
+        return (f"{flag} ollama:tuned: expected a model without an ADAPTER layer (this command "
+                f"would use its base {model_blob} alone), found the adapter {adapter_blob}; "
+                "toymlx-generate --model ollama:tuned applies it, or fuse it: toymlx-export "
+                f"--base {model_blob} --adapter {adapter_blob} --fuse --out FILE.gguf")
+
+    runs = tmp_path / "runs"
+    for prog, main, argv, flag in (
+            ("toymlx-train", train_main, ["--recipe", "lora", "--base", "ollama:tuned",
+                                          "--runs-root", str(runs), "--steps", "1",
+                                          "--no-progress"], "--base"),
+            ("toymlx-eval", eval_main, ["--model", "ollama:tuned"], "--model"),
+            ("toymlx-export", export_cli.main, ["--base", "ollama:tuned", "--out",
+                                                str(tmp_path / "x.gguf")], "--base"),
+            ("toymlx-export", export_cli.main, ["--format", "modelfile", "--adapter",
+                                                str(adapter), "--base", "ollama:tuned",
+                                                "--out", str(tmp_path / "mf")], "--base")):
+        assert main(argv) == 2, prog
+        assert capsys.readouterr().err == f"{prog}: error: {refused(flag)}\n"
+    assert not runs.exists() and not (tmp_path / "x.gguf").exists() \
+        and not (tmp_path / "mf").exists()
+    # the store's own adapter and one more: one adapter is all toymlx applies
+    assert generate_cli.main(["--model", "ollama:tuned", "--adapter", str(adapter),
+                              "--prompt", "x"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-generate: error: {adapter}: --adapter: expected one adapter on ollama:tuned, "
+        f"found ollama:tuned carries one already ({adapter_blob}; give its base as --model)\n")
+
+
+@pytest.mark.parametrize("layer, data, found", [
+    ("template", b"\xff\xfe{{ .Prompt }}",
+     ("found bytes that are not UTF-8 (invalid start byte at byte 0); `ollama pull` the model "
+      "again")),
+    ("template", None, "found nothing; `ollama pull` the model again"),
+    ("system", b"caf\xe9", ("found bytes that are not UTF-8 (unexpected end of data at byte 3); "
+                           "`ollama pull` the model again")),
+    ("params", b"\xff{", ("found bytes that are not UTF-8 (invalid start byte at byte 0); "
+                         "`ollama pull` the model again")),
+    ("params", b"{temperature", ("found Expecting property name enclosed in double quotes: "
+                                 "line 1 column 2 (char 1)")),
+], ids=["template-not-utf8", "template-missing", "system-not-utf8", "params-not-utf8",
+        "params-not-json"])
+def test_a_bad_layer_blob_names_the_model_and_the_blob(ollama, stories_path, tmp_path, capsys,
+                                                       layer, data, found):
+    adapter = _adapter(stories_path, tmp_path / "ad.gguf")
+    content = data if data is not None else b"{{ .Prompt }} (removed below)"
+    add_model(ollama, "bad", stories_path.read_bytes(), {layer: content})
+    blob = blob_of(ollama, content)
+    if data is None:
+        blob.unlink()
+    rc = export_cli.main(["--format", "modelfile", "--adapter", str(adapter), "--base",
+                          "ollama:bad", "--out", str(tmp_path / "mf")])
+    what = (f"expected the JSON of its params layer, {found}" if layer == "params" and
+            data.startswith(b"{") else f"expected the text of its {layer} layer, {found}")
+    assert rc == 2
+    assert capsys.readouterr().err == f"toymlx-export: error: ollama:bad: {blob}: {what}\n"
+    assert not (tmp_path / "mf" / "Modelfile").exists()
+
+
+def test_a_model_blob_that_is_not_a_gguf_names_the_model(ollama, capsys):
+    add_model(ollama, "notgguf", b"hello, not a GGUF")
+    blob = blob_of(ollama, b"hello, not a GGUF")
+    assert generate_cli.main(["--model", "ollama:notgguf", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-generate: error: --model ollama:notgguf: {blob}: expected a GGUF file (its "
+        "model layer), found a file starting b'hell'; this Ollama model is not stored in a form "
+        "toymlx can read\n")
+
+
+def test_modelfile_fuse_exports_a_dora_adapter_as_plain_fuse_does(stories_path, tmp_path,
+                                                                  capsys):
+    """A DoRA adapter (toymlx's own format, which Ollama cannot load) is fused into the
+    Modelfile's FROM model: the same bytes as `toymlx-export --fuse`; without --fuse it is
+    refused, saying to add it."""
+    dora = _adapter(stories_path, tmp_path / "dora.gguf", kind="dora")
+    assert export_cli.main(["--base", str(stories_path), "--adapter", str(dora), "--fuse",
+                            "--out", str(tmp_path / "fused.gguf")]) == 0
+    capsys.readouterr()
+    assert export_cli.main(["--format", "modelfile", "--fuse", "--adapter", str(dora),
+                            "--base", str(stories_path), "--out", str(tmp_path / "mf")]) == 0
+    err = capsys.readouterr().err
+    fused = tmp_path / "mf" / "fused-f32.gguf"
+    assert f"FROM {fused} (" in err
+    cmds = parse_modelfile((tmp_path / "mf" / "Modelfile").read_text())
+    assert cmds[0] == ("FROM", str(fused)) and not [c for c, _ in cmds if c == "ADAPTER"]
+    assert fused.read_bytes() == (tmp_path / "fused.gguf").read_bytes()
+    assert export_cli.main(["--format", "modelfile", "--adapter", str(dora), "--base",
+                            str(stories_path), "--out", str(tmp_path / "mf2")]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-export: error: {dora}: metadata keys 'general.type'/'adapter.type': expected "
+        "'adapter'/'lora' (a LoRA adapter GGUF; a DoRA adapter only with --fuse), found "
+        "'adapter'/'dora'\n")

@@ -55,8 +55,8 @@ def _train(tmp: Path, run_id: str, recipe: str, *args: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def text_file(shared_data: Path) -> str:
-    return str(shared_data / "text" / "tinyshakespeare.txt")
+def text_file(shared_file) -> str:
+    return str(shared_file("text/tinyshakespeare.txt"))
 
 
 def test_training_ops_resolve_auto_per_device():

@@ -31,8 +31,8 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4"
 
 
 @pytest.fixture(scope="module")
-def data(shared_data: Path) -> str:
-    return str(shared_data / "text" / "tinystories_sample.txt")
+def data(shared_file) -> str:
+    return str(shared_file("text/tinystories_sample.txt"))
 
 
 def train(tmp: Path, run_id: str, *extra: str, data: str, recipe: str = "from-scratch") -> int:

@@ -36,8 +36,8 @@ TRAIN = [sys.executable, "-m", "toymlx_cli.train"]
 
 
 @pytest.fixture(scope="module")
-def data(shared_data: Path) -> str:
-    return str(shared_data / "text" / "tinystories_sample.txt")
+def data(shared_file) -> str:
+    return str(shared_file("text/tinystories_sample.txt"))
 
 
 def _digest(run: Path) -> dict[str, str]:

@@ -37,23 +37,18 @@ def read_vectors(vocab: Path) -> list[tuple[str, list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def tok_dir(shared_data: Path) -> Path:
-    return shared_data / "tokenizers"
+def gpt2(shared_file) -> Tokenizer:
+    return Tokenizer.from_gguf(shared_file("tokenizers/ggml-vocab-gpt-2.gguf"))
 
 
 @pytest.fixture(scope="module")
-def gpt2(tok_dir: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(tok_dir / "ggml-vocab-gpt-2.gguf")
+def spm(shared_file) -> Tokenizer:
+    return Tokenizer.from_gguf(shared_file("tokenizers/ggml-vocab-llama-spm.gguf"))
 
 
 @pytest.fixture(scope="module")
-def spm(tok_dir: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(tok_dir / "ggml-vocab-llama-spm.gguf")
-
-
-@pytest.fixture(scope="module")
-def smol(tok_dir: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(tok_dir / "ggml-vocab-smollm2.gguf")
+def smol(shared_file) -> Tokenizer:
+    return Tokenizer.from_gguf(shared_file("tokenizers/ggml-vocab-smollm2.gguf"))
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +64,11 @@ def bt() -> Tokenizer:
 # ------------------------------------------------------------------ llama.cpp test vectors
 @pytest.mark.parametrize("name,fixture", [("ggml-vocab-gpt-2.gguf", "gpt2"),
                                           ("ggml-vocab-llama-spm.gguf", "spm")])
-def test_llama_cpp_vectors_all_match(request, tok_dir, name, fixture):
+def test_llama_cpp_vectors_all_match(request, shared_file, name, fixture):
     tok = request.getfixturevalue(fixture)
-    cases = read_vectors(tok_dir / name)
+    for ext in (".inp", ".out"):  # its test vectors: skips naming a missing one
+        shared_file(f"tokenizers/{name}{ext}")
+    cases = read_vectors(shared_file(f"tokenizers/{name}"))
     assert len(cases) == 46
     # test-tokenizer-0 calls common_tokenize(ctx, text, add_special=false, parse_special=false)
     failed = [(text, want, got) for text, want in cases
@@ -226,8 +223,8 @@ def test_byte_tokenizer_random_round_trip(bt):
     assert bt.decode([1, 75, 2, 108], skip_special=False) == "<s>H</s>i"
 
 
-def test_byte_tokenizer_fast_on_a_megabyte(bt, shared_data):
-    text = (shared_data / "text" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+def test_byte_tokenizer_fast_on_a_megabyte(bt, shared_file):
+    text = shared_file("text/tinyshakespeare.txt").read_text(encoding="utf-8")
     t0 = time.perf_counter()
     ids = bt.encode(text)
     elapsed = time.perf_counter() - t0
@@ -556,7 +553,7 @@ def test_unknown_pre_is_refused(upstream):
 
 # ------------------------------------------------------------------ llama.cpp itself (interop)
 @pytest.mark.interop
-def test_against_llama_cpp(shared_data, models_dir, tmp_path):
+def test_against_llama_cpp(shared_file, models_dir, tmp_path):
     """Random text tokenized by llama.cpp (llama-cpp-python, vocab_only) and by us; where
     llama.cpp's detokenizer gives the text back, ours does too."""
     llama_cpp = pytest.importorskip("llama_cpp")
@@ -568,10 +565,10 @@ def test_against_llama_cpp(shared_data, models_dir, tmp_path):
                             "llama.feed_forward_length": 64, "llama.attention.head_count": 8,
                             "llama.attention.layer_norm_rms_epsilon": 1e-5,
                             **byte_tokenizer().to_metadata()}, {})
-    paths = [shared_data / "tokenizers" / "ggml-vocab-gpt-2.gguf",
-             shared_data / "tokenizers" / "ggml-vocab-llama-spm.gguf",
-             shared_data / "tokenizers" / "ggml-vocab-smollm2.gguf",
-             shared_data / "models" / "stories260K.gguf", bytes_path]
+    paths = [shared_file("tokenizers/ggml-vocab-gpt-2.gguf"),
+             shared_file("tokenizers/ggml-vocab-llama-spm.gguf"),
+             shared_file("tokenizers/ggml-vocab-smollm2.gguf"),
+             shared_file("models/stories260K.gguf"), bytes_path]
     paths += [upstream_path(models_dir, name) for name in UPSTREAM]
     alphabet = (list("abcdefXYZ0123456789 \t\n.,!?'\"-()<>/|$+=^~") + list("éßЖ中日🦙€“’\u00a0▁")
                 + ["'s", "'ll", "'RE", "  ", "\n\n", "\n\n\n", "\r\n", "<s>", "</s>", "<unk>",

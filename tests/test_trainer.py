@@ -24,8 +24,8 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4"
 
 
 @pytest.fixture(scope="module")
-def text_file(shared_data: Path) -> str:
-    return str(shared_data / "text" / "tinyshakespeare.txt")
+def text_file(shared_file) -> str:
+    return str(shared_file("text/tinyshakespeare.txt"))
 
 
 def _run(tmp: Path, run_id: str, *extra: str, data: str) -> Path:
@@ -217,10 +217,10 @@ def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
     assert not model.training  # a model evaluated in eval mode stays there
 
 
-def text_folder(path: Path, shared_data: Path) -> tuple[Path, list[str]]:
+def text_folder(path: Path, shared_file) -> tuple[Path, list[str]]:
     """An mlx-lm data folder of {"text"} records: the lines of the TinyStories sample, the
     last three in test.jsonl and three before them in valid.jsonl; returns the test lines."""
-    lines = [x for x in (shared_data / "text" / "tinystories_sample.txt").read_text()
+    lines = [x for x in shared_file("text/tinystories_sample.txt").read_text()
              .splitlines() if x.strip()]
     path.mkdir(parents=True)
     for name, part in (("train", lines[:-6]), ("valid", lines[-6:-3]), ("test", lines[-3:])):
@@ -229,14 +229,14 @@ def text_folder(path: Path, shared_data: Path) -> tuple[Path, list[str]]:
     return path, lines[-3:]
 
 
-def test_test_scores_the_data_folders_test_jsonl_as_eval_does(tmp_path, shared_data, capsys):
+def test_test_scores_the_data_folders_test_jsonl_as_eval_does(tmp_path, shared_file, capsys):
     from cli_errors import error_line
     from toymlx_cli.eval import main as eval_main
 
     from toymlx.data.text import val_batches
     from toymlx.tokenizer import byte_tokenizer
 
-    data, test_lines = text_folder(tmp_path / "data", shared_data)
+    data, test_lines = text_folder(tmp_path / "data", shared_file)
     run = _run(tmp_path, "t", "--steps", "2", "--no-compile", "--test", data=str(data))
     events = read_events(run)
     start = events[0]
@@ -267,7 +267,7 @@ def test_test_scores_the_data_folders_test_jsonl_as_eval_does(tmp_path, shared_d
     assert out["data"] == str(data / "test.jsonl")
     assert out["test_loss"] == pytest.approx(test["test_loss"], abs=1e-5)
     # a single text file, or the default corpus, has no test split: nothing is split off
-    single = str(shared_data / "text" / "tinystories_sample.txt")
+    single = str(shared_file("text/tinystories_sample.txt"))
     give = "give a folder with train.jsonl and test.jsonl, mlx-lm's layout"
     for path, found in ((["--data.path", single], (f"{single}, a single file with no test split "
                                                   f"({give})")),

@@ -143,10 +143,11 @@ def test_mixup_batch_is_deterministic_and_keeps_labels():
             assert j and m1["mix_labels"][a, i] in b["labels"][a, j]
 
 
-def test_mixup_is_off_by_default_on_larger_sets(tmp_path, shared_data):
+def test_mixup_is_off_by_default_on_larger_sets(tmp_path, shared_file):
     """9,000 MNIST training images: mixup slowed convergence there, so the default is off;
     an explicit --data.mixup wins either way."""
-    mnist = shared_data / "images" / "t10k-images-idx3-ubyte.gz"
+    mnist = shared_file("images/t10k-images-idx3-ubyte.gz")
+    shared_file("images/t10k-labels-idx1-ubyte.gz")  # its labels, read beside it
     common = ["--data.path", str(mnist), "--model.patch-size", "7", "--steps", "1",
               "--eval-batches", "1"]
     run = _run(tmp_path, "m", *common)

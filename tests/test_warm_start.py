@@ -32,9 +32,9 @@ W32_FLAGS = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads"
 
 
 @pytest.fixture(scope="module")
-def text_file(shared_data: Path, tmp_path_factory) -> str:
+def text_file(shared_file, tmp_path_factory) -> str:
     """The first 40k characters of tiny Shakespeare (fast to tokenise, plenty for 32-token windows)."""
-    text = (shared_data / "text" / "tinyshakespeare.txt").read_text()[:40_000]
+    text = shared_file("text/tinyshakespeare.txt").read_text()[:40_000]
     path = tmp_path_factory.mktemp("text") / "shakespeare40k.txt"
     path.write_text(text)
     return str(path)
@@ -350,9 +350,9 @@ def test_vocab_cut(stories_path, text_file):
 # ---- the learning figure -------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("student", ["pca32", "identity64"])
-def test_warm_beats_random_table(tmp_path, shared_data, stories_path, student):
+def test_warm_beats_random_table(tmp_path, shared_file, stories_path, student):
     """Same student, seed, data and steps; only the table's values differ (donor vs noise)."""
-    text = str(shared_data / "text" / "tinyshakespeare.txt")
+    text = str(shared_file("text/tinyshakespeare.txt"))
     shape = ({"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96}
              if student == "pca32" else
              {"d_model": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 172})

@@ -319,6 +319,27 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
+def available_memory() -> int:
+    """Bytes a new model may take here: Linux's MemAvailable (free plus reclaimable page
+    cache); on a Mac the memory MLX may wire for the GPU (its recommended working set), else
+    the machine's physical memory."""
+    if sys.platform == "linux":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    if sys.platform == "darwin":
+        import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+        if mx.is_available(mx.gpu):
+            size = mx.device_info().get("max_recommended_working_set_size")
+            if size:
+                return int(size)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def backend_info() -> dict:
     """What actually runs the math: for run_start events and benchmarks."""
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core

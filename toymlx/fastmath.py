@@ -268,6 +268,16 @@ def _row_sum(x: mx.array) -> mx.array:
     return (x.reshape(-1, n) @ mx.ones((n, 1), x.dtype)).reshape(*x.shape[:-1], 1)
 
 
+def exp_values(x: mx.array) -> mx.array:
+    """e**x (float32) with no autodiff of its own: for hand-written backward passes."""
+    return _exp(x)
+
+
+def row_sum(x: mx.array) -> mx.array:
+    """Sum over the last axis, kept as a size-1 axis (one BLAS matrix-vector product)."""
+    return _row_sum(x)
+
+
 def _lead_sum(x: mx.array) -> mx.array:
     """Sum over every axis but the last (a weight's or bias's gradient)."""
     return x.reshape(-1, x.shape[-1]).sum(0)

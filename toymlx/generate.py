@@ -38,15 +38,15 @@ from typing import Any
 import mlx.core as mx
 
 from toymlx.checkpoint import checkpoint_file
-from toymlx.device import on_gpu
-from toymlx.gguf.llama import args_from_gguf, load_llama
+from toymlx.device import available_memory, on_gpu
+from toymlx.gguf.llama import args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
-from toymlx.model_store import is_store_name
+from toymlx.model_store import is_store_name, resolve, resolve_model
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
 from toymlx.models.ops import EXACT, Ops
-from toymlx.runs import Bundle
+from toymlx.runs import run_base
 from toymlx.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
 from toymlx.tokenizer import Tokenizer
 
@@ -216,10 +216,20 @@ class CompiledDecode:
 
 
 def _lora_run_base(path: str | os.PathLike) -> str | None:
-    """The `--base` a LoRA run was trained on (its config.json), when `path` is in a run."""
-    bundle = Bundle.of(path)
-    base = getattr(bundle.config, "base", None) if bundle is not None else None
-    return str(base) if base else None
+    """The `--base` a LoRA run was trained on (the file its config.json records, checked),
+    when `path` is in a run."""
+    found = run_base(path)
+    return found[0] if found is not None else None
+
+
+def used_files(path: str | os.PathLike, adapter: str | os.PathLike | None = None) -> str:
+    """Which files `--model` (and `--adapter`) are read from, for a reader to say: the model
+    GGUF (a LoRA run's base: the file its run recorded, and why that one) and the adapters."""
+    gguf_path, adapters = model_files(path, adapter)
+    found = run_base(path)  # a full fine-tune's checkpoint is a model itself: no base read
+    base = found is not None and resolve_model(found[0]) == gguf_path
+    text = f"model {found[1] if base else gguf_path}"
+    return text + "".join(f" + adapter {a}" for a in adapters)
 
 
 ENGINES = ("auto", "mlx", "llama.cpp")
@@ -242,9 +252,15 @@ def choose_engine(name: str, on_gpu: bool) -> str:
 def model_files(path: str | os.PathLike, adapter: str | os.PathLike | None = None
                 ) -> tuple[Path, list[Path]]:
     """The files a `--model` (and `--adapter`) name: the model GGUF, and the LoRA adapter GGUFs
-    on top of it in order. A LoRA run or adapter file comes with the base it was trained on."""
-    gguf_path = checkpoint_file(path)
-    adapters = [checkpoint_file(adapter, "--adapter")] if adapter is not None else []
+    on top of it in order. A LoRA run or adapter file comes with the base it was trained on, and
+    an Ollama model with the adapter of its manifest's ADAPTER layer."""
+    if is_store_name(path):
+        found = resolve(path, "--model", with_adapter=True)
+        gguf_path, adapters = found.path, [found.adapter] if found.adapter is not None else []
+    else:
+        gguf_path, adapters = checkpoint_file(path), []
+    if adapter is not None:
+        adapters.append(checkpoint_file(adapter, "--adapter"))
     g = GGUFFile(gguf_path)
     kind, base = g.metadata.get("general.type"), g.metadata.get("toy.base")
     g.close()
@@ -278,17 +294,41 @@ def load_tokenizer(gguf_path: Path) -> tuple[Tokenizer, Any]:
     return tokenizer, args
 
 
+def decoding_weights(gguf_path: str | os.PathLike, gpu: bool) -> str:
+    """How a model decoded token by token holds its weights (`load_llama`'s weights).
+
+    One token's matmuls read each weight once, so decoding blocks costs as much as the product
+    itself on the CPU: float32 there when the float32 model takes at most half the memory
+    available, else its blocks (the file's size; slower, said on stderr). A GPU: MLX's
+    quantized layers where they hold the type exactly, blocks elsewhere."""
+    if gpu:
+        return frozen_weights(True)
+    with GGUFFile(gguf_path) as g:
+        need = float32_bytes(g)
+    have = available_memory()
+    if need <= have // 2:
+        return "float32"
+    print(f"toymlx: {gguf_path}: holding the model as its quantized blocks (float32 would take "
+          f"{need / 1e9:.1f} GB of the {have / 1e9:.1f} GB available): on the CPU MLX decodes "
+          "each weight at every token, which is slow; --engine llama.cpp reads the blocks "
+          "directly", file=sys.stderr)
+    return "blocks"
+
+
 def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | None = None,
-                        ops: Ops = EXACT) -> tuple[Llama, Any]:
+                        weights: str | None = None, ops: Ops = EXACT) -> tuple[Llama, Any]:
     """(model, tokenizer) in MLX from a llama-family GGUF or a run directory (its
-    `weights/latest`), with the LoRA adapter a run trained (and `adapter`) applied; the model
-    computes with `ops` (toymlx-eval: `models.ops.scoring_ops`)."""
+    `weights/latest`), with the LoRA adapter a run trained (and `adapter`) applied; `weights`:
+    how it holds them (`load_llama`; None: `decoding_weights`); `ops`: the math it computes
+    with (toymlx-eval: `models.ops.scoring_ops`)."""
     gguf_path, adapters = model_files(path, adapter)
     if len(adapters) > 1:
         raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter on {path}, found "
-                         f"{path} is a LoRA run already (give its base as --model)")
+                         f"{path} carries one already ({adapters[0]}; give its base as "
+                         "--model)")
     tokenizer, _ = load_tokenizer(gguf_path)
-    model, g = load_llama(gguf_path, ops)
+    model, g = load_llama(gguf_path, ops,
+                          weights=weights or decoding_weights(gguf_path, on_gpu()))
     g.close()
     for a in adapters:
         apply_adapter(model, a)
@@ -303,7 +343,8 @@ class LlamaCppDecoder:
     """The `llama.cpp` engine: the model file and its adapter loaded in llama.cpp, in a child
     process (`toymlx.llamacpp_decode`), decoding with the samplers `generate` takes (the
     repetition penalty over the last 20 tokens, as mlx-lm's). Seeded: a run repeats exactly on
-    the same llama.cpp build. A child that dies before its first token raises `EngineFailed`."""
+    the same llama.cpp build. One child serves every `generate` call (each turn of a
+    conversation) until `close`. A child that dies before its first token raises `EngineFailed`."""
 
     def __init__(self, gguf_path: Path, adapters: Sequence[Path], context: int, seed: int = 0):
         """Start the child and load the model (`context`: the most tokens, prompt and new
@@ -320,6 +361,7 @@ class LlamaCppDecoder:
                                    f"lora adapters, found {kind!r} (fuse it with toymlx-export "
                                    "--fuse to run it in llama.cpp)")
         self.context = context
+        self.decoded = False  # any token yet: a failure after one is not the engine's start
         self.child = subprocess.Popen(
             [sys.executable, "-m", "toymlx.llamacpp_decode"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -350,19 +392,34 @@ class LlamaCppDecoder:
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float | None = None
                  ) -> Iterator[int]:
+        """The new token ids for `prompt_ids`, as the child decodes them; the child stays for
+        the next call. Left before the end (the caller stopped reading), the child is stopped."""
+        from toymlx.llamacpp_decode import END
+
         budget = min(max_tokens, self.context - len(prompt_ids))
         self._send({"ids": [int(i) for i in prompt_ids], "eos": eos, "budget": max(budget, 0),
                     "temperature": temperature, "top_p": top_p, "top_k": top_k,
                     "min_p": min_p, "repetition_penalty": repetition_penalty or 1.0})
-        first = True
+        done = False
         try:
-            while line := self._line():
-                first = False
+            while (line := self._line()) != END:
+                if not line:  # the child is gone
+                    why = self._why("decoding")
+                    raise RuntimeError(why) if self.decoded else EngineFailed(why)
+                self.decoded = True
                 yield int(line)
-            if self.child.wait() != 0:
-                why = self._why("decoding")
-                raise EngineFailed(why) if first else RuntimeError(why)
+            done = True
         finally:
-            if self.child.poll() is None:
+            if not done:
+                self.close()
+
+    def close(self) -> None:
+        """End the child (its stdin closed: it exits; killed if it has not within 10 s)."""
+        if self.child.poll() is None:
+            try:
+                assert self.child.stdin is not None
+                self.child.stdin.close()
+                self.child.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
                 self.child.kill()
                 self.child.wait()

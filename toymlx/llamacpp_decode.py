@@ -1,8 +1,11 @@
 """The llama.cpp engine's child process (`python -m toymlx.llamacpp_decode`).
 
-It reads one JSON request line on stdin (the model, adapter, context, seed, prompt ids and the
-samplers), loads the model in llama.cpp (llama-cpp-python), prints `ready`, then prints each new
-token id on its own line as it is decoded, flushed. Run apart from toymlx-generate so that a
+It reads one JSON request line on stdin (the model, adapter, context, seed), loads the model in
+llama.cpp (llama-cpp-python) and prints `ready`; then, for each request line that follows (the
+prompt ids and the samplers: one turn of a conversation), each new token id on its own line as
+it is decoded, flushed, and `END` after the last, until stdin closes. llama.cpp keeps the
+tokens it has computed between requests and computes again only where a prompt departs from
+them (a conversation's next turn repeats the whole conversation so far). Run apart from toymlx-generate so that a
 llama.cpp crash on a given CPU (one llama-cpp-python build segfaulted decoding Q4_1 on an
 AVX-512 host) costs a fallback to MLX, not the command (`toymlx.generate.LlamaCppDecoder`).
 """
@@ -13,6 +16,9 @@ import json
 import os
 import sys
 
+END = "end"
+"""The line after a request's last token."""
+
 
 def main() -> None:
     import llama_cpp
@@ -22,14 +28,16 @@ def main() -> None:
                           n_threads=os.cpu_count(), last_n_tokens_size=20,
                           lora_path=req["adapter"])
     print("ready", flush=True)
-    req = json.loads(sys.stdin.readline())  # the prompt and samplers
-    steps = llm.generate(req["ids"], temp=req["temperature"], top_p=req["top_p"],
-                         top_k=req["top_k"], min_p=req["min_p"],
-                         repeat_penalty=req["repetition_penalty"])
-    for n, tok in enumerate(steps):
-        if tok == req["eos"] or n >= req["budget"]:
-            break
-        print(int(tok), flush=True)
+    for line in sys.stdin:  # a prompt and its samplers, per turn
+        req = json.loads(line)
+        steps = llm.generate(req["ids"], temp=req["temperature"], top_p=req["top_p"],
+                             top_k=req["top_k"], min_p=req["min_p"],
+                             repeat_penalty=req["repetition_penalty"])
+        for n, tok in enumerate(steps):
+            if tok == req["eos"] or n >= req["budget"]:
+                break
+            print(int(tok), flush=True)
+        print(END, flush=True)
 
 
 if __name__ == "__main__":

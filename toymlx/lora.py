@@ -37,7 +37,7 @@ from toymlx.gguf.llama import gguf_to_toy, llama_tensors, load_llama, toy_to_ggu
 from toymlx.gguf.quantize import BASE_FILE_TYPE, export_type, quantizer, write_model_gguf
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
 from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
-from toymlx.models.layers import Linear, replace_submodule, submodule
+from toymlx.models.layers import BlockLinear, Linear, dense_weight, replace_submodule, submodule
 from toymlx.models.llama import Llama
 from toymlx.models.ops import EXACT
 
@@ -49,21 +49,21 @@ TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_
 phi3's fused projections, which it has instead of q, k, v and gate, up)."""
 
 def base_dims(linear: nn.Module) -> tuple[int, int]:
-    """(n_out, n_in) of a float or quantized linear layer."""
+    """(n_out, n_in) of a float, block-held or MLX-quantized linear layer."""
+    if isinstance(linear, BlockLinear):
+        return linear.n_out, linear.n_in
     if isinstance(linear, nn.QuantizedLinear):
         n_out, packed = linear.weight.shape
         return n_out, packed * 32 // linear.bits
     if isinstance(linear, nn.Linear):
         return tuple(linear.weight.shape)
-    raise TypeError(f"LoRA: expected nn.Linear or nn.QuantizedLinear, found {type(linear).__name__}")
+    raise TypeError(f"LoRA: expected a linear layer (float, block-held or MLX-quantized), "
+                    f"found {type(linear).__name__}")
 
 
 def base_weight(linear: nn.Module) -> mx.array:
-    """The (n_out, n_in) weight of a float or quantized linear, dequantized if need be."""
-    if isinstance(linear, nn.QuantizedLinear):
-        return mx.dequantize(linear.weight, linear.scales, linear.biases,
-                             group_size=linear.group_size, bits=linear.bits)
-    return linear.weight
+    """The (n_out, n_in) weight of a linear layer, decoded or dequantized if need be."""
+    return dense_weight(linear)
 
 
 class LoRALinear(nn.Module):
@@ -107,9 +107,10 @@ class LoRALinear(nn.Module):
         return self.scale * (self.lora_b @ self.lora_a)
 
     def fuse(self) -> nn.Linear:
-        """A plain linear (toymlx's `nn.Linear`) computing W + scale * B A (float32 when the base is quantized)."""
+        """A plain linear (toymlx's `nn.Linear`) computing W + scale * B A (float32 when the base
+        is block-held or quantized)."""
         w = base_weight(self.linear)
-        dtype = mx.float32 if isinstance(self.linear, nn.QuantizedLinear) else w.dtype
+        dtype = w.dtype if isinstance(self.linear, nn.Linear) else mx.float32
         n_out, n_in = base_dims(self.linear)
         has_bias = "bias" in self.linear
         fused = Linear(n_in, n_out, bias=has_bias, ops=getattr(self.linear, "ops", EXACT))
@@ -383,7 +384,8 @@ def _adapter_targets(model: nn.Module, ad: Adapter) -> dict[str, tuple[str, np.n
             module = None
         if isinstance(module, LoRALinear):
             module = module.linear
-        if not isinstance(module, (nn.Linear, nn.QuantizedLinear)) or key == "embed.weight":
+        if not isinstance(module, (nn.Linear, nn.QuantizedLinear, BlockLinear)) or \
+                key == "embed.weight":
             raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection weight "
                             f"of the base (blk.N.attn_q/k/v/qkv/output, ffn_gate/up/down), found "
                             f"no such weight in a {len(model.layers)}-block base")

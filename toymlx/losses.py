@@ -3,21 +3,152 @@
 Per-position cross-entropy comes from the model's own `Ops` (`model.ops.cross_entropy`), so the
 loss runs the same kernels and precision as the forward pass; it is float32 whatever the
 activations' dtype.
+
+A language model's [tokens x vocabulary] logits never live whole. Gemma 3's 262,144-token
+vocabulary makes 4 x 256 tokens of float32 logits 1.07 GB a copy.
+- A frozen output head (a LoRA base's: `Llama.frozen_head`) is read a slice of vocabulary rows
+  at a time (`frozen_head_cross_entropy`): each slice's logits join a running logsumexp, and the
+  backward pass recomputes them slice by slice, so neither [tokens x vocabulary] nor the head's
+  float weight is ever whole (a head held as blocks decodes one slice of rows at a time).
+- A trained head: `lm_loss` unembeds the final hidden states `chunk` tokens at a time
+  (`logits_chunk`), each chunk's logits reduced at once to its per-token losses, and with more
+  than one chunk each chunk is an `mx.checkpoint`, so the backward pass recomputes that chunk's
+  logits instead of keeping them; a chunk is at most `LOGITS_CHUNK_VALUES` values (64 MB).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 from mlx import nn
 
+from toymlx.models.layers import row_reader
 
-def lm_loss(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
-    """Next-token cross-entropy averaged over the positions whose mask is 1."""
-    logits = model(batch["inputs"])  # (B, T, V)
-    ce = model.ops.cross_entropy(logits, batch["targets"])  # (B, T) float32
+LOGITS_CHUNK_VALUES = 1 << 24
+"""Most logits (tokens x vocabulary) computed at once in a loss: 64 MB of float32."""
+
+
+def logits_chunk(vocab: int) -> int:
+    """Tokens per logits chunk for a vocabulary: LOGITS_CHUNK_VALUES // vocab, rounded down to a
+    multiple of 32 (so compiled shapes stay few), at least 32."""
+    return max(32, LOGITS_CHUNK_VALUES // vocab // 32 * 32)
+
+
+def lm_loss(model: nn.Module, batch: dict[str, mx.array], chunk: int | None = None
+            ) -> tuple[mx.array, mx.array]:
+    """Next-token cross-entropy averaged over the positions whose mask is 1, the logits computed
+    `chunk` tokens at a time (None: `logits_chunk` of the model's vocabulary)."""
+    h = model.hidden(batch["inputs"])  # (B, T, D)
     mask = batch["mask"]
+    chunk = chunk or logits_chunk(model.args.vocab_size)
+    total = masked_ce_sum(model, h, batch["targets"], mask, chunk)
     n = mask.sum()
-    return (ce * mask).sum() / mx.maximum(n, 1.0), n
+    return total / mx.maximum(n, 1.0), n
+
+
+def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.array,
+                  chunk: int) -> mx.array:
+    """sum(cross_entropy(model.unembed(h), targets) * mask) over (B, T), `chunk` tokens of
+    logits at a time, each chunk recomputed in the backward pass. The per-token losses are
+    joined before the masked sum, so it adds in the order the whole-logits loss does."""
+    B, T, D = h.shape
+    N = B * T
+    head = model.frozen_head()
+    if head is not None:
+        ce = frozen_head_cross_entropy(h.reshape(N, D), targets.reshape(N), head, model.ops,
+                                       model.args.final_softcap)
+        return (ce.reshape(B, T) * mask).sum()
+    if N <= chunk:
+        return (_ce(model, h, targets) * mask).sum()
+    h = h.reshape(1, N, D)  # (1, B*T, D): chunks may cross rows
+    targets = targets.reshape(1, N)
+    key = model.head_key()
+    trainable = model.trainable_parameters()
+    params = {key: trainable[key]} if key in trainable else {}
+
+    def piece(p: dict, hc: mx.array, tc: mx.array) -> mx.array:
+        model.update(p)  # the head's trainable weights as inputs, so their gradients flow
+        # the checkpoint differentiates every input: the targets are data, not weights
+        return _ce(model, hc, mx.stop_gradient(tc))
+
+    piece = mx.checkpoint(piece)
+    ce = [piece(params, h[:, a:a + chunk], targets[:, a:a + chunk]) for a in range(0, N, chunk)]
+    model.update(params)  # the checkpoint leaves its inner arrays in the model
+    return (mx.concatenate(ce, axis=1).reshape(B, T) * mask).sum()
+
+
+HEAD_SLICE_VALUES = 1 << 23
+"""Most logits (tokens x vocabulary rows) of one slice of a frozen head: 32 MB of float32."""
+
+
+def head_slices(vocab: int, tokens: int, width: int) -> list[tuple[int, int]]:
+    """Row ranges of a frozen head read at once: at most HEAD_SLICE_VALUES logits and as many
+    weights, in rows a multiple of 256 (at least 256)."""
+    n = max(256, HEAD_SLICE_VALUES // max(tokens, width, 1) // 256 * 256)
+    return [(a, min(a + n, vocab)) for a in range(0, vocab, n)]
+
+
+def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, ops: Any,
+                              softcap: float | None = None) -> mx.array:
+    """Per-token cross-entropy (N,) float32 of the logits h @ W.T (soft-capped to +-softcap),
+    W the frozen `head`'s weight (V, D), read a slice of rows at a time (`head_slices`):
+    logsumexp accumulated over the slices, the target's logit picked in its slice; the backward
+    pass recomputes each slice's logits for the input gradient (softmax - one-hot) @ W_slice.
+    Each slice's rows are read after the previous slice is done (`mx.depends`), so one slice's
+    weights and logits live at a time."""
+    arrays, rows = row_reader(head)
+    N = h.shape[0]
+    slices = head_slices(arrays[0].shape[0], N, h.shape[1])
+
+    def logits(x: mx.array, arrs: list[mx.array], a: int, b: int, after: mx.array
+               ) -> tuple[mx.array, mx.array, mx.array | None]:
+        w = rows(list(mx.depends(arrs, [after])), a, b).astype(x.dtype)  # (b - a, D)
+        z = (x @ w.T).astype(mx.float32)  # (N, b - a)
+        if not softcap:
+            return z, w, None
+        t = mx.tanh(z / softcap)
+        return softcap * t, w, t
+
+    @mx.custom_function
+    def ce(x: mx.array, t: mx.array, *arrs: mx.array) -> tuple[mx.array, mx.array]:
+        m = mx.full((N, 1), -mx.inf, mx.float32)
+        s = mx.zeros((N, 1), mx.float32)
+        picked = mx.zeros((N, 1), mx.float32)
+        for a, b in slices:
+            z, _, _ = logits(x, list(arrs), a, b, s)
+            top = mx.maximum(m, z.max(-1, keepdims=True))
+            s = s * ops.exp_values(m - top) + ops.row_sum(ops.exp_values(z - top))
+            m = top
+            at = t[:, None] - a
+            inside = (at >= 0) & (at < b - a)
+            got = mx.take_along_axis(z, mx.clip(at, 0, b - a - 1), -1)
+            picked = picked + mx.where(inside, got, 0.0)
+        lse = m + mx.log(s)
+        return (lse - picked)[:, 0], lse[:, 0]
+
+    @ce.vjp
+    def ce_vjp(primals: tuple, cotangents: Any, outputs: Any) -> tuple:
+        x, t, *arrs = primals
+        g_ce, g_lse = cotangents
+        lse = outputs[1][:, None]
+        g_all = (g_ce + g_lse)[:, None]  # d lse / dz = softmax; d picked / dz = one-hot
+        dx = mx.zeros(x.shape, mx.float32)
+        for a, b in slices:
+            z, w, th = logits(x, arrs, a, b, dx)
+            hot = mx.arange(a, b)[None, :] == t[:, None]  # (N, b - a)
+            dz = g_all * ops.exp_values(z - lse) - mx.where(hot, g_ce[:, None], 0.0)
+            if th is not None:
+                dz = dz * (1.0 - th * th)
+            dx = dx + (dz.astype(x.dtype) @ w).astype(mx.float32)
+        return (dx.astype(x.dtype), mx.zeros_like(t), *(mx.zeros_like(v) for v in arrs))
+
+    return ce(h, targets, *arrays)[0]
+
+
+def _ce(model: nn.Module, h: mx.array, targets: mx.array) -> mx.array:
+    """Per-token cross-entropy (B, T) float32 of the logits `model.unembed(h)` (B, T, V)."""
+    return model.ops.cross_entropy(model.unembed(h), targets)
 
 
 def classify_loss(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:

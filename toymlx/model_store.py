@@ -32,6 +32,7 @@ OLLAMA = "ollama:"
 LMSTUDIO = "lmstudio:"
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
 MODEL_LAYER = "application/vnd.ollama.image.model"
+ADAPTER_LAYER = "application/vnd.ollama.image.adapter"
 LAYER_PREFIX = "application/vnd.ollama.image."
 """Media types of an Ollama manifest's layers: PREFIX + model, template, params, system,
 adapter, projector, license, messages."""
@@ -58,6 +59,9 @@ class Resolved:
     """`sha256:HEX` of the file (Ollama blobs, checked against the name)."""
     layers: dict[str, Path] = field(default_factory=dict)
     """Ollama: the manifest's other layers by kind (`template`, `params`, `system`, ...)."""
+    adapter: Path | None = None
+    """Ollama: the blob of the manifest's ADAPTER layer (a llama.cpp LoRA GGUF, checked against
+    its digest), which the model is made of as much as of `path`; None without one."""
 
     def record(self, key: str) -> dict[str, Any]:
         """What to write in a run's config: `{key}_file` (absolute), and for a store name
@@ -70,9 +74,21 @@ class Resolved:
         return out
 
     def layer_text(self, kind: str) -> str | None:
-        """The text of an Ollama layer (`template`, `system`, `params`), or None."""
+        """The text of an Ollama layer (`template`, `system`, `params`), or None;
+        ModelStoreError naming the model and the blob where it is missing or not UTF-8."""
         p = self.layers.get(kind)
-        return p.read_text(encoding="utf-8") if p is not None else None
+        if p is None:
+            return None
+        try:
+            return p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            found = "nothing"
+        except UnicodeDecodeError as e:
+            found = f"bytes that are not UTF-8 ({e.reason} at byte {e.start})"
+        except OSError as e:
+            found = f"an unreadable file ({e.strerror or type(e).__name__})"
+        raise ModelStoreError(f"{self.spec}: {p}: expected the text of its {kind} layer, found "
+                              f"{found}; `ollama pull` the model again")
 
 
 def is_store_name(spec: str | os.PathLike) -> bool:
@@ -86,12 +102,22 @@ def resolve_model(spec: str | os.PathLike, flag: str = "--model") -> Path:
     return resolve(spec, flag).path
 
 
-def resolve(spec: str | os.PathLike, flag: str = "--model") -> Resolved:
-    """`resolve_model` with the provenance; ModelStoreError (one line, naming `flag`)."""
+def resolve(spec: str | os.PathLike, flag: str = "--model", with_adapter: bool = False
+            ) -> Resolved:
+    """`resolve_model` with the provenance; ModelStoreError (one line, naming `flag`). An
+    Ollama model with an ADAPTER layer is refused by name unless the caller applies that
+    adapter (`with_adapter`: `Resolved.adapter`); the bare base would be another model."""
     if not is_store_name(spec):
         return Resolved(str(spec), Path(spec))
     spec = str(spec)
-    return (_resolve_ollama if spec.startswith(OLLAMA) else _resolve_lmstudio)(spec, flag)
+    found = (_resolve_ollama if spec.startswith(OLLAMA) else _resolve_lmstudio)(spec, flag)
+    if found.adapter is not None and not with_adapter:
+        raise ModelStoreError(f"{flag} {spec}: expected a model without an ADAPTER layer (this "
+                              f"command would use its base {found.path} alone), found the "
+                              f"adapter {found.adapter}; toymlx-generate --model {spec} applies "
+                              f"it, or fuse it: toymlx-export --base {found.path} --adapter "
+                              f"{found.adapter} --fuse --out FILE.gguf")
+    return found
 
 
 def _listing(names: list[str]) -> str:
@@ -184,7 +210,7 @@ def _from_manifest(spec: str, flag: str, root: Path, manifest: Path, short: str)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelStoreError(f"{flag} {spec}: {manifest}: expected an Ollama manifest (JSON "
                               f"with 'layers'), found {type(e).__name__}: {e}") from None
-    blobs, model_blob, digest = {}, None, None
+    blobs, model_blob, digest, adapters = {}, None, None, []
     for layer in layers:
         media = layer.get("mediaType", "") if isinstance(layer, dict) else ""
         m = _DIGEST.fullmatch(str(layer.get("digest", "")) if isinstance(layer, dict) else "")
@@ -193,6 +219,8 @@ def _from_manifest(spec: str, flag: str, root: Path, manifest: Path, short: str)
         blob = _blob(root, m.group(1).lower())
         if media == MODEL_LAYER and model_blob is None:
             model_blob, digest = blob, f"sha256:{m.group(1).lower()}"
+        elif media == ADAPTER_LAYER:
+            adapters.append((blob, f"sha256:{m.group(1).lower()}"))
         else:
             blobs.setdefault(media[len(LAYER_PREFIX):], blob)
     if model_blob is None:
@@ -204,7 +232,19 @@ def _from_manifest(spec: str, flag: str, root: Path, manifest: Path, short: str)
         raise ModelStoreError(f"{flag} {spec}: {model_blob}: expected the model's blob ({digest} "
                               "in the manifest), found nothing; `ollama pull` it again")
     _check_blob(model_blob, digest, flag, spec)
-    return Resolved(spec, model_blob, "ollama", short, digest, blobs)
+    _check_gguf(model_blob, "model", flag, spec)
+    if len(adapters) > 1:
+        raise ModelStoreError(f"{flag} {spec}: {manifest}: expected at most one ADAPTER layer, "
+                              f"found {len(adapters)} ({', '.join(str(b) for b, _ in adapters)})")
+    adapter = None
+    for adapter, adapter_digest in adapters:
+        if not adapter.is_file():
+            raise ModelStoreError(f"{flag} {spec}: {adapter}: expected the blob of its ADAPTER "
+                                  f"layer ({adapter_digest} in the manifest), found nothing; "
+                                  "`ollama pull` it again")
+        _check_blob(adapter, adapter_digest, flag, spec)
+        _check_gguf(adapter, "ADAPTER", flag, spec)
+    return Resolved(spec, model_blob, "ollama", short, digest, blobs, adapter)
 
 
 def _blob(root: Path, hexdigest: str) -> Path:
@@ -227,6 +267,16 @@ def file_sha256(path: Path) -> str:
                 h.update(chunk)
         _VERIFIED[key] = h.hexdigest()
     return _VERIFIED[key]
+
+
+def _check_gguf(blob: Path, layer: str, flag: str, spec: str) -> None:
+    """ModelStoreError naming the model and the blob unless the blob starts as a GGUF does."""
+    with open(blob, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelStoreError(f"{flag} {spec}: {blob}: expected a GGUF file (its {layer} layer), "
+                              f"found a file starting {magic!r}; this Ollama model is not "
+                              "stored in a form toymlx can read")
 
 
 def _check_blob(blob: Path, digest: str, flag: str, spec: str) -> None:

@@ -23,7 +23,8 @@ from toymlx.checkpoint import checkpoint_file
 from toymlx.gguf.quantize import export_type
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.model_store import Resolved, is_store_name, resolve
-from toymlx.runs import Bundle
+from toymlx.outputs import check_output
+from toymlx.runs import run_base
 from toymlx.tokenizer import Tokenizer
 
 MODELFILE = "Modelfile"
@@ -44,9 +45,9 @@ def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
     """The base a LoRA adapter was trained on: its run's `--base`, else the adapter's
     `toy.base` where that is a store name or an existing file."""
     for path in (adapter, adapter_file):
-        bundle = Bundle.of(path, "--adapter")
-        if bundle is not None and getattr(bundle.config, "base", None):
-            return str(bundle.config.base)
+        found = run_base(path, "--adapter")
+        if found is not None:
+            return found[0]
     with GGUFFile(adapter_file) as g:
         base = g.metadata.get("toy.base")
     if isinstance(base, str) and (is_store_name(base) or Path(base).is_file()):
@@ -54,14 +55,18 @@ def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
     return None
 
 
-def check_adapter(adapter_file: Path, base: Path) -> dict[str, Any]:
-    """The adapter's metadata, after checking that it is a llama.cpp LoRA for `base`: the same
-    architecture and, for every adapted weight, the base's (out, in) shape. No weights loaded."""
+def check_adapter(adapter_file: Path, base: Path, fuse: bool = False) -> dict[str, Any]:
+    """The adapter's metadata, after checking that it is a llama.cpp LoRA for `base` (with
+    `fuse`, toymlx's DoRA too: it is fused, never handed to Ollama): the same architecture and,
+    for every adapted weight, the base's (out, in) shape. No weights loaded."""
+    kinds = ("lora", "dora") if fuse else ("lora",)
     with GGUFFile(adapter_file) as ad, GGUFFile(base) as g:
         meta = dict(ad.metadata)
-        if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        if meta.get("general.type") != "adapter" or meta.get("adapter.type") not in kinds:
+            want = "'lora' or 'dora' (a LoRA or DoRA adapter GGUF)" if fuse else (
+                "'lora' (a LoRA adapter GGUF; a DoRA adapter only with --fuse)")
             raise GGUFError(f"{adapter_file}: metadata keys 'general.type'/'adapter.type': "
-                            "expected 'adapter'/'lora' (a LoRA adapter GGUF), found "
+                            f"expected 'adapter'/{want}, found "
                             f"{meta.get('general.type')!r}/{meta.get('adapter.type')!r}")
         arch, base_arch = meta.get("general.architecture"), g.metadata.get(
             "general.architecture")
@@ -121,8 +126,8 @@ def modelfile_text(base: Resolved, adapter_file: Path, stops: list[str],
         try:
             params = json.loads(text)
         except ValueError as e:
-            raise ValueError(f"{base.layers['params']}: expected Ollama's params layer (JSON), "
-                             f"found {e}") from None
+            raise ValueError(f"{base.spec}: {base.layers['params']}: expected the JSON of its "
+                             f"params layer, found {e}") from None
     stop = list(params.pop("stop", []) if isinstance(params.get("stop", []), list) else [])
     stop += [s for s in stops if s not in stop]
     for s in stop:
@@ -149,17 +154,19 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     if not src.path.is_file():
         raise FileNotFoundError(f"{base}: --base: expected an existing GGUF file, found "
                                 f"{'a directory' if src.path.is_dir() else 'nothing'}")
-    check_adapter(adapter_file, src.path)
+    check_adapter(adapter_file, src.path, fuse)
+    inputs = [("--adapter", adapter), ("--adapter", adapter_file), ("--base", src.path)]
+    check_output(out_dir, inputs)
+    path = check_output(Path(out_dir) / MODELFILE, inputs)
     fused = None
     if fuse:
         from toymlx.lora import write_merged  # MLX only when a model is fused
 
         with GGUFFile(src.path) as g:
             dtype = dtype or export_type(g)
-        fused = write_merged(Path(out_dir) / f"fused-{dtype}.gguf", src.path, adapter_file,
-                             dtype, progress)
+        fused = write_merged(check_output(Path(out_dir) / f"fused-{dtype}.gguf", inputs),
+                             src.path, adapter_file, dtype, progress)
     text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused)
-    path = Path(out_dir) / MODELFILE
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path, text)
     return path, src, adapter_file, fused

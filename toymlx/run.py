@@ -28,6 +28,7 @@ from toymlx.device import on_gpu, select_device, setup_process
 from toymlx.events import read_events
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
+from toymlx.outputs import check_output
 from toymlx.trainer import Task, TrainConfig, check_config, train
 
 
@@ -68,6 +69,8 @@ class _Prepared:
     task: Task
     world: Any
     resume: runs.Resume | None
+    used: dict[str, str]
+    """A resume's inputs: the file read for each, and why that one (`runs.Bundle.used`)."""
 
 
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
@@ -88,6 +91,9 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             return 130
         if run.resume is not None and run.resume.note:
             print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
+        for key, note in run.used.items() if run.world is None or run.world.rank() == 0 else ():
+            print(f"toymlx-train: --resume reads {runs.flag_name(key)} from {note}",
+                  file=sys.stderr)
         try:
             end = train(run.task, cfg, run.run_dir, _public_config(cfg), world=run.world,
                         resume=run.resume)
@@ -131,7 +137,8 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bun
         resume = bundle.plan_resume(cfg.from_step, cfg.steps)
     else:
         resume, cfg.run_id = None, cfg.run_id or _shared_run_id(recipe, world)
-        run_dir = Path(cfg.runs_root) / cfg.run_id
+        run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
+                               "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id])
         if rank0:
             run_dir, lock = runs.prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite)
             owned.enter_context(lock)
@@ -152,7 +159,14 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bun
         if rank0 and bundle is None:  # ours, and nothing of a run in it yet
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    return _Prepared(run_dir, task, world, resume)
+    return _Prepared(run_dir, task, world, resume, bundle.used if bundle is not None else {})
+
+
+def run_inputs(cfg: TrainConfig) -> list[tuple[str, Any]]:
+    """(flag, path) of every file or folder a run reads: its data, its model files and
+    --lora.init-adapter (what its outputs must not overwrite)."""
+    keys = [*runs.data_paths(cfg), *runs.MODEL_OPTIONS, "lora.init_adapter"]
+    return [(runs.flag_name(k), runs.option(cfg, k)) for k in keys]
 
 
 def _public_config(cfg: TrainConfig) -> dict[str, Any]:

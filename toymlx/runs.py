@@ -19,6 +19,7 @@ one line naming the first).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -35,7 +36,7 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from toymlx import atomic
+from toymlx import atomic, model_store
 from toymlx import checkpoint as ck
 from toymlx import events as ev
 from toymlx.lock import LOCK_FILE, Lock, acquire
@@ -43,7 +44,14 @@ from toymlx.lock import LOCK_FILE, Lock, acquire
 CONFIG_FILE = "config.json"
 DATA_FILES_KEY = "data_files"
 """config.json's top-level key (beside "recipe" and "config") with the fingerprint of each data
-file or folder the run read, taken when it started (`fingerprint`)."""
+file or folder the run read, taken when it started (`fingerprint`), and its absolute path
+(`file`; `path` is the option as typed)."""
+MODEL_FILES_KEY = "model_files"
+"""config.json's top-level key with each model file the run read (`MODEL_OPTIONS`): the option
+as typed (`path`), the file it named then, absolute (`file`), its size, modification time and
+SHA-256 (`model_record`)."""
+MODEL_OPTIONS = ("base", "donor")
+"""The options that name a model GGUF a run reads (lora's --base, warm-start's --donor)."""
 
 
 @dataclass
@@ -172,11 +180,12 @@ def added_since(fmt: int) -> frozenset[str]:
 
 
 def save_config(run_dir: Path, recipe: str, cfg: Any) -> None:
-    """Write config.json (once, when the run starts): the recipe, every option, and the
-    fingerprints of the data files the options name."""
+    """Write config.json (once, when the run starts): the recipe, every option as given, and
+    the absolute file and fingerprint of each data and model file the options name."""
     atomic.write_text(run_dir / CONFIG_FILE, json.dumps(
         {"format": CONFIG_FORMAT, "recipe": recipe, "config": dataclasses.asdict(cfg),
-         DATA_FILES_KEY: data_files(cfg)}, indent=2, ensure_ascii=False))
+         DATA_FILES_KEY: data_files(cfg), MODEL_FILES_KEY: model_files(cfg)}, indent=2,
+        ensure_ascii=False))
 
 
 # ---- the data a run reads --------------------------------------------------------------------
@@ -236,8 +245,120 @@ def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
     out = {}
     for key, path in data_paths(cfg).items():
         if Path(path).exists():
-            out[key] = {"path": path, **fingerprint(path)}
+            out[key] = {"path": path, "file": os.path.abspath(path), **fingerprint(path)}
     return out
+
+
+def option(cfg: Any, key: str) -> Any:
+    """The value of a dotted option key (`data.path`) of a config, None where it has none."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part, None)
+    return cfg
+
+
+def model_record(spec: str, flag: str) -> dict[str, Any]:
+    """What identifies the model file `spec` names (a path, or a store name): {"path": spec,
+    "file" (absolute), "bytes", "mtime_ns", "sha256"}."""
+    path = model_store.resolve_model(spec, flag)
+    st = path.stat()
+    return {"path": spec, "file": os.path.abspath(path), "bytes": st.st_size,
+            "mtime_ns": st.st_mtime_ns, "sha256": model_store.file_sha256(path)}
+
+
+def model_files(cfg: Any) -> dict[str, dict[str, Any]]:
+    """{option: `model_record`} of the model files the options name (existing files; a recipe
+    reports a missing one itself)."""
+    out = {}
+    for key in MODEL_OPTIONS:
+        spec = option(cfg, key)
+        if isinstance(spec, str) and (model_store.is_store_name(spec) or Path(spec).is_file()):
+            out[key] = model_record(spec, flag_name(key))
+    return out
+
+
+def _same_model(path: Path, rec: dict[str, Any]) -> tuple[bool, str]:
+    """(whether the file at `path` has the recorded contents, its SHA-256 or "" when the size
+    and modification time are the recorded ones: then it is taken as unchanged, unread)."""
+    st = path.stat()
+    if st.st_size == rec.get("bytes") and st.st_mtime_ns == rec.get("mtime_ns"):
+        return True, ""
+    digest = model_store.file_sha256(path)
+    return digest == rec.get("sha256"), digest
+
+
+def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
+    """(the file, what to say about it) a run's input `key` is read from now: the absolute file
+    recorded at its start while it is there (a model file: with its recorded contents), else the
+    option as typed (a store name resolved again; a path from the current folder) once it has
+    the recorded contents; RunError (one line naming both files) if it has others. Where
+    neither is there, the option as typed: a reader that needs the file says it is missing (an
+    eval of a full checkpoint needs no donor)."""
+    flag, typed, file = flag_name(key), rec.get("path"), rec.get("file")
+    if not isinstance(typed, str) or not isinstance(file, str):
+        raise RunError(f"{source}: key {key!r}: expected the option as given and its absolute "
+                       f"file, found {_found(rec)}")
+    model = key in MODEL_OPTIONS
+    store = model and model_store.is_store_name(typed)
+    if not store and Path(file).exists():
+        if model:
+            same, found = _same_model(Path(file), rec)
+            if not same:
+                raise RunError(f"{file}: {flag}: expected the file the run started on "
+                               f"(sha256 {str(rec.get('sha256'))[:12]}), found other contents "
+                               f"(sha256 {found[:12]}); put the run's {key} back there")
+        return file, f"{file} (the run's {flag} {typed})"
+    gone = (typed, f"{typed} (the run's {flag}: {file} is gone, and so is {typed})")
+    try:
+        other = model_store.resolve_model(typed, flag) if model else Path(typed)
+    except model_store.ModelStoreError:
+        return gone
+    if not other.exists():  # nothing to mistake for it: whoever needs the file says it is gone
+        return gone
+    if model:
+        same, found = _same_model(other, {"sha256": rec.get("sha256")})
+        want = f"sha256 {str(rec.get('sha256'))[:12]}"
+    else:
+        now = fingerprint(other)
+        same, found, want = now == {k: rec.get(k) for k in now}, _fp(now)[7:], _fp(rec)
+    if not same:
+        raise RunError(f"{os.path.abspath(other)}: {flag}: expected the run's {key}, "
+                       f"recorded as {file} ({want}), found other contents (sha256 "
+                       f"{found[:12]}); "
+                       f"{'the store name now names another model' if store else 'it is gone'}"
+                       f" and this file is not it: put the run's {key} back")
+    used = typed if store else os.path.abspath(other)
+    if store:
+        return used, f"{other} ({typed}, the run's {flag}, with its recorded SHA-256)"
+    return used, (f"{used} (the run's {flag} {typed}: {file} is gone, this file has its "
+                  "recorded SHA-256)")
+
+
+def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str
+                   ) -> tuple[Any, dict[str, str]]:
+    """(`cfg` with each data and model path it recorded replaced by the file `locate_input`
+    finds for it (a store name stays a name: it is resolved by name), {option: what was used}).
+    A run's paths then mean the files it started on, from whatever folder it is read."""
+    cfg = copy.deepcopy(cfg)
+    used = {}
+    for group in (DATA_FILES_KEY, MODEL_FILES_KEY):
+        records = saved.get(group, {})
+        if not isinstance(records, dict):
+            raise RunError(f"{source}: key {group!r}: expected an object, found "
+                           f"{_found(records)}")
+        for key, rec in records.items():
+            if not isinstance(rec, dict) or "file" not in rec:
+                continue  # written before toymlx recorded absolute files: the path as typed
+            if rec.get("path") != option(cfg, key):
+                raise RunError(f"{source}: key '{group}.{key}.path': expected the run's "
+                               f"{flag_name(key)} {option(cfg, key)!r}, found "
+                               f"{_found(rec.get('path'))}")
+            file, used[key] = locate_input(key, rec, f"{source}: {group}")
+            *parents, name = key.split(".")
+            holder = cfg
+            for part in parents:
+                holder = getattr(holder, part)
+            setattr(holder, name, file)
+    return cfg, used
 
 
 # ---- reading config.json back --------------------------------------------------------------
@@ -435,6 +556,9 @@ class Bundle:
         """config.json as read (`recipe`, `config`, `data_files`)."""
         self.events = events
         """events.jsonl as read at open (as a resume's `rewind` left it, after)."""
+        self.used: dict[str, str] = {}
+        """Per input option (`base`, `data.path`, ...): the file read for it, and why that one
+        (`resolve_inputs`), for the readers to say."""
 
     @classmethod
     def open(cls, path: str | os.PathLike, flag: str = "--resume") -> Bundle:
@@ -456,13 +580,16 @@ class Bundle:
                            f"{CONFIG_FORMAT}), found {_found(fmt)}")
         cfg = config_from_dict(module.Config, saved["config"], source, complete=fmt >= 2,
                                optional=added_since(fmt))  # see CONFIG_FORMAT
+        cfg, used = resolve_inputs(cfg, saved, source)
         events = ev.read_events(path)
         cfg.steps = _planned_steps(events, cfg.steps)
         try:
             check_config(module, cfg)
         except ValueError as e:
             raise RunError(f"{source}: {e}") from None
-        return cls(path, saved["recipe"], module, cfg, saved, events)
+        bundle = cls(path, saved["recipe"], module, cfg, saved, events)
+        bundle.used = used
+        return bundle
 
     @classmethod
     def of(cls, path: str | os.PathLike, flag: str = "--model") -> Bundle | None:
@@ -512,7 +639,8 @@ class Bundle:
         """RunError naming the file unless every data file the run recorded at its start
         still has the contents it had (its fingerprint)."""
         for key, rec in self.saved.get(DATA_FILES_KEY, {}).items():
-            path = rec.get("path") if isinstance(rec, dict) else None
+            # the file `resolve_inputs` found for it (the path as typed in older bundles)
+            path = option(self.config, key) if isinstance(rec, dict) else None
             if not isinstance(path, str):
                 raise RunError(f"{self.path / CONFIG_FILE}: key '{DATA_FILES_KEY}.{key}': "
                                f"expected a path and its fingerprint, found {_found(rec)}")
@@ -574,9 +702,12 @@ class Bundle:
             raise RunError(f"{self.path}: --resume: compute dtype: expected {trained} (the "
                            f"run's), found {dtype} (--dtype auto on this device); resume it on "
                            "a device where it resolves the same")
-        was = {k: v for k, v in start.get("model", {}).items()
-               if k not in ("n_params", "n_trainable")}
-        now = json.loads(json.dumps(model_info, default=str))
+        # the base's path as typed is no test: the file is checked by its recorded SHA-256 when
+        # the bundle opens, and a resume reads it by its absolute path
+        skip = ("n_params", "n_trainable", *MODEL_OPTIONS)
+        was = {k: v for k, v in start.get("model", {}).items() if k not in skip}
+        now = {k: v for k, v in json.loads(json.dumps(model_info, default=str)).items()
+               if k not in skip}
         for k in sorted(set(was) | set(now)):
             if was.get(k) != now.get(k):
                 raise RunError(f"{self.path}: --resume: model {k}: expected {was.get(k)!r} (the "
@@ -596,6 +727,17 @@ class Bundle:
         weights.mkdir(exist_ok=True)
         resume.set_aside = ck.set_aside_after(weights, resume.step)
         ck.clean_temporaries(weights)
+
+
+def run_base(path: str | os.PathLike, flag: str = "--model") -> tuple[str, str] | None:
+    """(the base model, what to say about it) of the LoRA run `path` is (a run folder) or lies
+    in (a checkpoint in its weights/): the file its config.json recorded, as `Bundle.open`
+    found and checked it; None outside a run, or for a run without --base."""
+    bundle = Bundle.of(path, flag)
+    base = getattr(bundle.config, "base", None) if bundle is not None else None
+    if not base:
+        return None
+    return str(base), bundle.used.get("base", f"{base} (the run's --base)")
 
 
 def _fp(rec: dict[str, Any]) -> str:

@@ -42,6 +42,7 @@ from toymlx.checkpoint import resolve_latest
 from toymlx.events import parse_event, read_events
 from toymlx.lifeline import child_env
 from toymlx.lock import LOCK_FILE, Lock, LockHeld, acquire
+from toymlx.outputs import check_output
 from toymlx.runs import BUNDLE_PICK, flag_name
 
 RESERVED = ("--recipe", *(flag_name(k) for k in BUNDLE_PICK))
@@ -797,7 +798,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     sweep_id = sweep_id or default_sweep_id(recipe, specs, run_options)
     if "/" in sweep_id or sweep_id in ("", ".", ".."):
         raise ValueError(f"--sweep-id: expected a single folder name, found {sweep_id!r}")
-    sweep_dir = Path(root) / sweep_id
+    # its runs' inputs are checked by each toymlx-train; the sweep's own folder here
+    sweep_dir = check_output(Path(root) / sweep_id, [], "--runs-root")
     for sub in ("logs", ".locks", ".status"):
         (sweep_dir / sub).mkdir(parents=True, exist_ok=True)
     _write_sweep_file(sweep_dir, recipe, specs, run_options)

@@ -46,7 +46,7 @@ __all__ = [
     "Example",
     "SFTData",
     "data_files",
-    "held_out_width",
+    "fit_rows",
     "load_examples",
     "pack_or_pad",
     "sft_batch",
@@ -474,21 +474,23 @@ def sft_batch(
     return {k: v[index] for k, v in rows.items()}  # (A, B, T)
 
 
-HELD_OUT_MULTIPLE = 32
-"""Held-out batches are as wide as their longest row rounded up to a multiple of this: few
-widths, so a compiled validation traces each once."""
+PAD_MULTIPLE = 32
+"""Unpacked training batches and held-out batches are as long as their longest row rounded up
+to this, so that the compiled step and validation see few shapes."""
 
 
-def held_out_width(mask: np.ndarray, seq_len: int, multiple: int = HELD_OUT_MULTIPLE) -> int:
-    """The width a held-out batch is cut to: its furthest trained target (`mask` (..., T)) + 1,
-    rounded up to `multiple`, at most `seq_len`. Exact for the loss: a causal model's
-    predictions up to a position never read what comes after it."""
-    trained = np.flatnonzero(mask.reshape(-1, mask.shape[-1]).any(axis=0))
-    longest = int(trained[-1]) + 1 if trained.size else 1
-    return min(seq_len, -(-longest // multiple) * multiple)
+def fit_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A batch `(..., T)` cut to its last trained target rounded up to `PAD_MULTIPLE` (at most
+    T): the positions cut hold only padding and targets under mask 0, and attention is causal,
+    so the loss and its gradients are those of the whole rows."""
+    T = batch["mask"].shape[-1]
+    trained = batch["mask"].reshape(-1, T).any(axis=0)  # (T,): a trained target in some row
+    last = int(np.flatnonzero(trained)[-1]) + 1 if trained.any() else 1
+    keep = min(T, math.ceil(last / PAD_MULTIPLE) * PAD_MULTIPLE)
+    return {k: v[..., :keep] for k, v in batch.items()}
 
 
-def trained_positions(mask: np.ndarray, multiple: int = HELD_OUT_MULTIPLE
+def trained_positions(mask: np.ndarray, multiple: int = PAD_MULTIPLE
                       ) -> tuple[np.ndarray, np.ndarray]:
     """Where each row of `mask` (..., B, W) trains a target: positions (..., B, P) int32 and
     their weights (..., B, P) float32 (the mask's values; 0 on the padding entries, which point
@@ -510,17 +512,16 @@ def sft_val_batches(
     rows: dict[str, np.ndarray], batch_size: int, max_batches: int
 ) -> list[dict[str, np.ndarray]]:
     """The first `max_batches * batch_size` rows in file order, as `(1, batch_size, W)` batches
-    (the last one may hold fewer rows), W the batch's `held_out_width` (its longest row rounded
-    up to a multiple of 32, not the rows' seq_len: padding costs a CPU as much as tokens do),
-    with their `trained_positions` (`positions` and `position_mask`, (1, rows, P))."""
+    (the last one may hold fewer rows) cut by `fit_rows` (W: the longest row rounded up to a
+    multiple of 32, not the rows' seq_len: padding costs a CPU as much as tokens do), with
+    their `trained_positions` (`positions` and `position_mask`, (1, rows, P))."""
     n = min(len(rows["inputs"]), max_batches * batch_size)
     n_batches = math.ceil(n / batch_size)
     out = []
     for b in range(n_batches):
-        mask = rows["mask"][b * batch_size : min((b + 1) * batch_size, n)]
-        width = held_out_width(mask, mask.shape[-1])
-        batch = {k: np.ascontiguousarray(v[b * batch_size : min((b + 1) * batch_size, n),
-                                           :width][None]) for k, v in rows.items()}  # (1, B, W)
+        batch = {k: np.ascontiguousarray(v) for k, v in fit_rows(
+            {k: v[b * batch_size : min((b + 1) * batch_size, n)][None]
+             for k, v in rows.items()}).items()}  # (1, B, W)
         batch["positions"], batch["position_mask"] = trained_positions(batch["mask"])
         out.append(batch)
     return out
@@ -542,6 +543,8 @@ class SFTData:
     test: dict[str, np.ndarray] | None = None
     """Held-out test rows (a data folder's test.jsonl), None without a test file"""
     test_source: str | None = None
+    pack: bool = False
+    """Rows are packed; unpacked training batches are cut to their longest row (`fit_rows`)"""
 
     @classmethod
     def from_examples(
@@ -563,7 +566,7 @@ class SFTData:
                             f"prompts, or set mask_prompt=False")
         n_truncated = 0 if pack else sum(len(ids) > seq_len + 1 for ids, _ in tr)
         return cls(rows, held_out_rows(val, tokenizer, seq_len, mask_prompt, pack), source,
-                   n_truncated)
+                   n_truncated, pack=pack)
 
     @classmethod
     def from_file(
@@ -594,8 +597,10 @@ class SFTData:
         return dataclasses.replace(data, test=test, test_source=str(files.test))
 
     def batch(self, step: int, seed: int, batch_size: int, accum: int = 1) -> dict[str, np.ndarray]:
-        """`sft_batch` over the training rows."""
-        return sft_batch(self.train, step, seed, batch_size, accum)
+        """`sft_batch` over the training rows; unpacked, cut to the batch's longest row
+        (`fit_rows`)."""
+        batch = sft_batch(self.train, step, seed, batch_size, accum)
+        return batch if self.pack else fit_rows(batch)
 
     def val_batches(self, batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:
         """`sft_val_batches` over the validation rows."""

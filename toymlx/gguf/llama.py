@@ -17,10 +17,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from toymlx.gguf.quant import GROUP_SIZE, gguf_to_mlx_quant
+from toymlx.gguf.blocks import CODECS, split_rows
+from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
 from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
-from toymlx.models.layers import QuantizedLinear, replace_submodule
+from toymlx.models.layers import BlockEmbedding, BlockLinear, QuantizedLinear, replace_submodule
 from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.ops import DTYPES, EXACT, Ops
 
@@ -152,6 +153,10 @@ def _rope_factors(g: GGUFFile, name: str, n: int) -> tuple[float, ...]:
 def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     """LlamaArgs from a GGUF's `<arch>.*` keys and RoPE tensors, checked against its tensors:
     an unknown architecture, metadata key or tensor is one GGUFError naming it."""
+    if g.metadata.get("general.type") == "adapter":  # not a model: say so before any key
+        raise GGUFError(f"{g.path}: expected a model GGUF, found a LoRA adapter (a LoRA run's "
+                        "checkpoint); pass it as --adapter, with its base model as --base "
+                        "(toymlx-generate: --model)")
     arch = _arch_of(g)
     check_keys(g, arch)
     k = arch.name + "."
@@ -323,10 +328,26 @@ def check_shapes(g: GGUFFile, a: LlamaArgs, rope: set[str] | None = None) -> Non
                             f"{SUPPORTED})")
 
 
-WEIGHTS = ("float32", "bfloat16", "float16", "quantized")
+WEIGHTS = ("float32", "bfloat16", "float16", "blocks", "quantized")
 """How a loaded model holds its weights: a float dtype (exact dequantisation, then rounded to
-it), or "quantized" (Q4_0/Q4_1/Q8_0 projections kept as the file's own blocks; see
-`toymlx.gguf.quant`)."""
+it); "blocks" (every quantized matrix kept as the file's own blocks, `toymlx.gguf.blocks`,
+decoded to float32 where it is used: the file's size in memory and the float32-held model's
+values); or "quantized" (the projections of the types MLX's affine quantization holds exactly,
+Q4_0/Q4_1/Q8_0 (`toymlx.gguf.quant`), as MLX's quantized layers, its fast path on a GPU; every
+other quantized matrix as blocks)."""
+
+
+def frozen_weights(gpu: bool) -> str:
+    """How a base that no step trains holds its weights (LoRA's base, evaluation): on the CPU,
+    where MLX's quantized matmul is a loop over groups (~40x slower than dequantize + float32),
+    its blocks, decoded inside the step; on a GPU, MLX's quantized layers where they hold the
+    type exactly (its fast path), blocks elsewhere."""
+    return "quantized" if gpu else "blocks"
+
+
+def float32_bytes(g: GGUFFile) -> int:
+    """Bytes of the file's tensors held as float32."""
+    return 4 * sum(t.n_elements for t in g.tensors.values())
 
 
 def load_llama(path: str | os.PathLike, ops: Ops = EXACT, weights: str = "float32"
@@ -341,28 +362,47 @@ def load_llama(path: str | os.PathLike, ops: Ops = EXACT, weights: str = "float3
     return model, g
 
 
+def tensor_route(g: GGUFFile, name: str, weights: str) -> str:
+    """How `load_llama_weights` holds tensor `name`: "float" (dequantized to the model's
+    dtype, or float32 for 1-D tensors), "blocks" (`BlockLinear`/`BlockEmbedding`) or "mlx"
+    (MLX's quantized layer)."""
+    info = g.tensors[name]
+    matrix = len(info.shape) == 2 and name.endswith(".weight")
+    if weights not in ("blocks", "quantized") or not matrix or info.type not in CODECS:
+        return "float"
+    if weights == "quantized" and name.startswith("blk.") and info.type in EXACT_QUANTS:
+        return "mlx"
+    return "blocks"
+
+
 def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
                        skip: tuple[str, ...] = ()) -> None:
     """Copy the file's tensors (all but `skip`) into `model`, shapes checked against its args.
 
     Each tensor's pages of the file mapping are dropped once MLX holds its copy, so the peak
     is the model plus one tensor, not the model twice (mapping + copy). Norms stay float32;
-    with "quantized" the other non-projection weights take the model's compute dtype."""
+    with "blocks" or "quantized" the other float weights take the model's compute dtype."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights: expected one of {', '.join(WEIGHTS)}, found {weights!r}")
     check_shapes(g, model.args)
-    dtype = DTYPES[model.ops.dtype if weights == "quantized" else weights]
+    kept = weights in ("blocks", "quantized")
+    dtype = DTYPES[model.ops.dtype if kept else weights]
+    names = parameter_names(model.args)
+    biased = {n.replace(".weight", ".bias") for n in names
+              if tensor_route(g, n, weights) != "float"} & set(names)
     loaded = []
-    for name, key in parameter_names(model.args).items():
-        if name in skip:
-            continue
-        if weights == "quantized" and name.startswith("blk.") and len(g.tensors[name].shape) == 2:
-            bias = name.replace(".weight", ".bias")
+    for name, key in names.items():
+        if name in skip or name in biased:
+            continue  # a bias held by its quantized projection
+        route = tensor_route(g, name, weights)
+        bias = name.replace(".weight", ".bias")
+        bias = bias if route != "float" and bias in names else None
+        if route == "mlx":
             replace_submodule(model, key[: -len(".weight")],
-                              _quantized_linear(g, name, model.ops, bias if bias in g.tensors
-                                                else None))
-        elif weights == "quantized" and name.endswith(".bias") and ".attn_" in name:
-            continue  # held by its quantized projection
+                              _quantized_linear(g, name, model.ops, bias))
+        elif route == "blocks":
+            replace_submodule(model, key[: -len(".weight")], _block_layer(g, name, model.ops,
+                                                                           bias))
         else:  # norms and biases (1-D) stay float32
             want = mx.float32 if len(g.tensors[name].shape) == 1 else dtype
             w = mx.array(g.load(name, np.float16 if want == mx.float16 else np.float32))
@@ -372,6 +412,25 @@ def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
         g.release(name)
     model.load_weights(loaded, strict=False)  # every shape was checked by check_shapes
     mx.eval(model.parameters())
+
+
+def _block_layer(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
+                 ) -> BlockLinear | BlockEmbedding:
+    """Tensor `name` as its own blocks: the token table as a `BlockEmbedding`, any other
+    matrix as a `BlockLinear` (with the float32 tensor `bias`, if given)."""
+    info = g.tensors[name]
+    codec = CODECS[info.type]
+    n_out, n_in = info.shape
+    blocks = {k: mx.array(v) for k, v in split_rows(codec, g.raw(name), info.shape).items()}
+    mx.eval(blocks)  # copied now, so the mapping's pages can go
+    if name == "token_embd.weight":
+        return BlockEmbedding(codec, blocks, n_out, n_in, ops)
+    b = None
+    if bias is not None:
+        b = mx.array(g.load(bias, np.float32))
+        mx.eval(b)
+        g.release(bias)
+    return BlockLinear(codec, blocks, n_out, n_in, b, ops)
 
 
 def load_llama_into(path: str | os.PathLike, model: Llama) -> None:

@@ -1,9 +1,10 @@
-"""GGUF's Q4_0, Q4_1 and Q8_0 blocks as MLX's affine quantization, exactly.
+"""GGUF's Q4_0, Q4_1, Q8_0 and Q4_K blocks as MLX's affine quantization, exactly.
 
 MLX's quantized layers (`nn.QuantizedLinear`: packed uint32 weights, per-group scales and
-biases, group size 32) hold these three GGUF types bit for bit, so a quantized base model
-keeps the file's own blocks: the fast path on a GPU (MLX's quantized matmul), and half or a
-quarter of float16's memory. Every other type is dequantized by gguf-py (`GGUFFile.load`).
+biases, group size 32) hold these GGUF types bit for bit: the fast path on a GPU (MLX's
+quantized matmul). Q4_K's 32-value sub-blocks become MLX groups with float32 scales d*sc and
+biases -dmin*m (6 bits a value against the file's 4.5). Every other quantized type is held as
+its own blocks (`toymlx.gguf.blocks`) or dequantized by gguf-py (`GGUFFile.load`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
+from toymlx.gguf.blocks import k_scales_mins
 from toymlx.gguf.reader import GGUFError, GGUFFile
 
 GROUP_SIZE = 32
-"""GGUF's Q4_0/Q4_1/Q8_0 block size, which MLX's affine quantization reproduces exactly."""
-EXACT_QUANTS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+"""GGUF's Q4_0/Q4_1/Q8_0 block size (Q4_K's sub-block), which MLX's affine groups reproduce."""
+EXACT_QUANTS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+                GGMLQuantizationType.Q4_K)
 """The GGUF types MLX's quantized layers hold exactly."""
 
 
@@ -25,13 +28,9 @@ def projection_types(g: GGUFFile) -> dict[str, str]:
             if n.startswith("blk.") and len(t.shape) == 2}
 
 
-def all_exact(g: GGUFFile) -> bool:
-    """Whether every block projection of the file is of a type MLX holds exactly."""
-    return all(GGMLQuantizationType[t] in EXACT_QUANTS for t in projection_types(g).values())
-
-
 def gguf_to_mlx_quant(g: GGUFFile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(packed uint32, scales, biases, bits) of a Q4_0/Q4_1/Q8_0 tensor: exact MLX affine form.
+    """(packed uint32, scales, biases, bits) of a Q4_0/Q4_1/Q8_0/Q4_K tensor: exact MLX affine
+    form.
 
     GGUF blocks of 32 values become MLX groups of 32: Q8_0 `d*q` (q int8) is `d*(q+128) - 128d`,
     Q4_0 `d*(q-8)` is `d*q - 8d`, Q4_1 `d*q + m`. Each block's 4-bit nibbles hold value j in
@@ -56,9 +55,19 @@ def gguf_to_mlx_quant(g: GGUFFile, name: str) -> tuple[np.ndarray, np.ndarray, n
         bits = 4
         bias = (-8.0 * d if info.type == T.Q4_0
                 else blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    elif info.type == T.Q4_K:  # 8 sub-blocks of 32 a 256-value block; nibble h of 32-byte row a
+        blk = raw.reshape(n_out, n_in // 256, 144)
+        d = blk[..., 0:2].copy().view(np.float16).astype(np.float32)  # (out, nb, 1)
+        dmin = blk[..., 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = k_scales_mins(blk[..., 4:16])  # (out, nb, 8) each, sub-block a*2 + h
+        qs = blk[..., 16:144].reshape(n_out, n_in // 256, 4, 1, 32)
+        q = ((qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0xF).astype(np.int32)
+        bits = 4
+        d = (d * sc.astype(np.float32)).reshape(n_out, -1)  # (out, n_in / 32)
+        bias = -(dmin * mn.astype(np.float32)).reshape(n_out, -1)
     else:
-        raise GGUFError(f"{g.path}: tensor {name!r} type: expected Q4_0, Q4_1 or Q8_0 to keep "
-                        f"quantized, found {info.type.name}")
+        raise GGUFError(f"{g.path}: tensor {name!r} type: expected Q4_0, Q4_1, Q8_0 or Q4_K to "
+                        f"keep as MLX's quantized layer, found {info.type.name}")
     per = 32 // bits
     q = q.astype(np.uint32).reshape(n_out, n_in // per, per)  # (out, in/per, per)
     packed = np.zeros((n_out, n_in // per), np.uint32)

@@ -8,6 +8,9 @@ built with `Ops()` runs MLX's own kernels, with nothing else deciding which.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import mlx.core as mx
 from mlx import nn
 
@@ -36,6 +39,204 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.ops.cast(super().__call__(x))
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` (weight (vocab, dims)) whose rows and tied logits come through `ops`."""
+
+    def __init__(self, num_embeddings: int, dims: int, ops: Ops = EXACT):
+        super().__init__(num_embeddings, dims)
+        self.ops = ops
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self.ops.embed(self.weight, tokens)
+
+    def as_linear(self, h: mx.array) -> mx.array:
+        """h @ weight.T: the logits of a tied output head."""
+        return self.ops.unembed(h, self.weight)
+
+
+class BlockCodec(Protocol):
+    """What a block layer needs of a quantized type (`toymlx.gguf.blocks.Codec`)."""
+
+    block_values: int
+
+    def decode(self, parts: dict[str, mx.array]) -> mx.array: ...
+
+
+SLICE_VALUES = 1 << 23
+"""Most values of a block-held weight decoded at once (32 MB of float32)."""
+
+
+def after(arrays: list[mx.array], x: mx.array) -> list[mx.array]:
+    """The same arrays, made to wait for `x`: a weight is decoded where it is used. The decoding
+    depends only on the frozen blocks, so MLX's scheduler (breadth-first up to
+    MLX_BFS_MAX_WIDTH nodes) would otherwise decode every layer's weights at the start of the
+    step and hold them all until their layers run."""
+    return list(mx.depends(arrays, [x]))
+
+
+def slices(n: int, step: int) -> list[tuple[int, int]]:
+    """[(0, step), (step, 2 step), ..., (.., n)]."""
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def decoded_product(codec: BlockCodec, names: tuple[str, ...], n_out: int, n_in: int
+                    ) -> Callable:
+    """(x, *block arrays) -> x @ W.T, W (n_out, n_in) decoded from the arrays a slice at a time
+    (at most SLICE_VALUES values: rows for the product, block columns for the backward pass's
+    x gradient, each slice after the previous one's product), and decoded again in the backward
+    pass instead of kept: a frozen base never holds more than a slice of float weights."""
+    rows = slices(n_out, max(1, SLICE_VALUES // n_in))
+    per = codec.block_values
+    cols = slices(n_in // per, max(1, SLICE_VALUES // n_out // per))  # in blocks
+
+    def joined(parts: list[mx.array]) -> mx.array:
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    @mx.custom_function
+    def product(x: mx.array, *arrays: mx.array) -> mx.array:
+        out, prev = [], x
+        for a, b in rows:
+            held = after(list(arrays), prev)
+            w = codec.decode({k: v[a:b] for k, v in zip(names, held, strict=True)}
+                             ).reshape(b - a, n_in)
+            prev = x @ w.astype(x.dtype).T  # (..., b - a)
+            out.append(prev)
+        return joined(out)
+
+    @product.vjp
+    def product_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+        _, *arrays = primals
+        out, prev = [], cotangent
+        for c, d in cols:
+            held = after(arrays, prev)
+            w = codec.decode({k: v[:, c:d] for k, v in zip(names, held, strict=True)}
+                             ).reshape(n_out, (d - c) * per)
+            prev = cotangent @ w.astype(cotangent.dtype)  # (..., (d - c) * per)
+            out.append(prev)
+        return (joined(out), *(mx.zeros_like(v) for v in arrays))  # the blocks are frozen
+
+    return product
+
+
+PART = "block_"
+"""Parameter-name prefix of a block layer's arrays (`block_qs`, `block_d`, ...)."""
+
+
+def hold_blocks(layer: nn.Module, blocks: dict[str, mx.array]) -> None:
+    """Keep a tensor's block arrays as frozen parameters of `layer` (flat: MLX's freezing
+    does not reach into a dict of arrays)."""
+    layer.parts = tuple(blocks)
+    for k, v in blocks.items():
+        layer[PART + k] = v
+
+
+class BlockLinear(nn.Module):
+    """A frozen projection held as its GGUF tensor's own quantized blocks (`blocks`: the arrays
+    `toymlx.gguf.blocks` splits a tensor into), decoded to float where it is used.
+
+    Its float32 weight equals the file's exact dequantization, so it computes what a float32-held
+    base computes; the backward pass decodes the weight again (`decoded_product`)."""
+
+    def __init__(self, codec: BlockCodec, blocks: dict[str, mx.array], n_out: int, n_in: int,
+                 bias: mx.array | None = None, ops: Ops = EXACT):
+        super().__init__()
+        self.codec, self.n_out, self.n_in, self.ops = codec, int(n_out), int(n_in), ops
+        hold_blocks(self, blocks)
+        if bias is not None:
+            self.bias = bias
+        self._product = decoded_product(codec, self.parts, self.n_out, self.n_in)
+        self.freeze()
+
+    def _decode(self, blocks: dict[str, mx.array]) -> mx.array:
+        return self.codec.decode(blocks).reshape(self.n_out, self.n_in)
+
+    @property
+    def blocks(self) -> dict[str, mx.array]:
+        return {k: self[PART + k] for k in self.parts}
+
+    def dense(self) -> mx.array:
+        """The float32 (n_out, n_in) weight."""
+        return self._decode(self.blocks)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self._product(self.ops.cast(x), *self.blocks.values())
+        return y if "bias" not in self else y + self.ops.cast(self.bias)
+
+
+class BlockEmbedding(nn.Module):
+    """A frozen token table held as its GGUF tensor's quantized blocks: a token's row is decoded
+    from that row's blocks alone; a tied output head decodes the whole table where it is used
+    (as `BlockLinear`)."""
+
+    def __init__(self, codec: BlockCodec, blocks: dict[str, mx.array], vocab: int, dims: int,
+                 ops: Ops = EXACT):
+        super().__init__()
+        self.codec, self.vocab, self.dims, self.ops = codec, int(vocab), int(dims), ops
+        hold_blocks(self, blocks)
+        self._product = decoded_product(codec, self.parts, self.vocab, self.dims)
+        self.freeze()
+
+    def _decode(self, blocks: dict[str, mx.array]) -> mx.array:
+        return self.codec.decode(blocks).reshape(self.vocab, self.dims)
+
+    @property
+    def blocks(self) -> dict[str, mx.array]:
+        return {k: self[PART + k] for k in self.parts}
+
+    def dense(self) -> mx.array:
+        """The float32 (vocab, dims) table."""
+        return self._decode(self.blocks)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        rows = {k: v[tokens] for k, v in self.blocks.items()}  # (*tokens.shape, n_blocks, ...)
+        return self.ops.cast(self.codec.decode(rows).reshape(*tokens.shape, self.dims))
+
+    def as_linear(self, h: mx.array) -> mx.array:
+        return self._product(self.ops.cast(h), *self.blocks.values())
+
+
+def row_reader(layer: Any) -> tuple[list[mx.array], Callable[[list[mx.array], int, int],
+                                                              mx.array]]:
+    """A frozen matrix layer's arrays, and `rows(arrays, a, b)`: rows a..b of its weight (b - a,
+    n_in), float (block layers decode just those rows' blocks)."""
+    if isinstance(layer, (BlockLinear, BlockEmbedding)):
+        names, codec = layer.parts, layer.codec
+
+        def rows(arrays: list[mx.array], a: int, b: int) -> mx.array:
+            return codec.decode({k: v[a:b] for k, v in zip(names, arrays, strict=True)}
+                                ).reshape(b - a, -1)
+
+        return [layer[PART + k] for k in names], rows
+    if isinstance(layer, nn.QuantizedLinear):
+        gs, bits = layer.group_size, layer.bits
+
+        def rows(arrays: list[mx.array], a: int, b: int) -> mx.array:
+            w, sc, bi = (x[a:b] for x in arrays)
+            return mx.dequantize(w, sc, bi, group_size=gs, bits=bits)
+
+        return [layer.weight, layer.scales, layer.biases], rows
+    return [layer.weight], lambda arrays, a, b: arrays[0][a:b]
+
+
+def dense_weight(layer: Any) -> mx.array:
+    """The (n_out, n_in) float weight of any frozen or float linear layer: a block layer's
+    decoded, an MLX-quantized one's dequantized, a float one's as it is."""
+    if isinstance(layer, (BlockLinear, BlockEmbedding)):
+        return layer.dense()
+    if isinstance(layer, nn.QuantizedLinear):
+        return mx.dequantize(layer.weight, layer.scales, layer.biases,
+                             group_size=layer.group_size, bits=layer.bits)
+    return layer.weight
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of every array a model holds (its parameters: a frozen base's blocks or floats,
+    trainable weights)."""
+    from mlx.utils import tree_flatten
+
+    return int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
 
 
 class RMSNorm(nn.RMSNorm):

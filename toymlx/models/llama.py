@@ -32,7 +32,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.kv_cache import KVCache
-from toymlx.models.layers import Linear, RMSNorm
+from toymlx.models.layers import Embedding, Linear, RMSNorm
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
 
 
@@ -280,7 +280,7 @@ class Llama(nn.Module):
         super().__init__()
         args.validate()
         self.args, self.ops = args, ops
-        self.embed = nn.Embedding(args.vocab_size, args.d_model)
+        self.embed = Embedding(args.vocab_size, args.d_model, ops)
         self.layers = [Block(args, ops, i) for i in range(args.n_layers)]
         self.norm = RMSNorm(args.d_model, eps=args.norm_eps, ops=ops)
         if not args.tie_embeddings:
@@ -302,22 +302,31 @@ class Llama(nn.Module):
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         """(B, T) token ids -> (B, T, D) rows of the token table (times sqrt(D) for gemma3)."""
-        h = self.ops.embed(self.embed.weight, tokens)
+        h = self.embed(tokens)
         return h * (self.args.d_model ** 0.5) if self.args.embed_scale else h
 
     def unembed(self, h: mx.array) -> mx.array:
         """(B, T, D) -> (B, T, V) logits: the tied token table, or output.weight; soft-capped
         where the model says so."""
         if self.args.tie_embeddings:
-            logits = self.ops.unembed(h, self.embed.weight)
+            logits = self.embed.as_linear(h)
         else:
             logits = self.output(h)
         cap = self.args.final_softcap
         return logits if not cap else cap * mx.tanh(logits / cap)
 
+    def frozen_head(self) -> nn.Module | None:
+        """The output head (the tied token table or `output`) when nothing of it trains (a LoRA
+        base's), for a loss that reads it a slice of rows at a time; else None."""
+        m = self.embed if self.args.tie_embeddings else self.output
+        return None if tree_flatten(m.trainable_parameters()) else m
+
+    def head_key(self) -> str:
+        """The top-level parameter group `unembed` reads: the tied token table or output."""
+        return "embed" if self.args.tie_embeddings else "output"
+
     def hidden(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
-        """(B, T) token ids -> (B, T, D) final hidden states (after the last norm): what
-        `unembed` turns into logits."""
+        """(B, T) token ids -> (B, T, D) final normed hidden states, before `unembed`."""
         h = self.embed_tokens(tokens)  # (B,T,D)
         for i, layer in enumerate(self.layers):
             h = self.ops.block(layer, h) if cache is None else layer(h, cache[i])

@@ -190,6 +190,15 @@ class Ops:
             out = out.reshape(xr.shape)
         return out if rest is None else mx.concatenate([out, rest], axis=-1)
 
+    def exp_values(self, x: mx.array) -> mx.array:
+        """e**x for a hand-written backward pass (no autodiff of its own on the vectorised
+        kernels), float32."""
+        return fastmath.exp_values(x) if self.kernels == "vectorised" else mx.exp(x)
+
+    def row_sum(self, x: mx.array) -> mx.array:
+        """Sum over the last axis, kept as a size-1 axis."""
+        return fastmath.row_sum(x) if self.kernels == "vectorised" else x.sum(-1, keepdims=True)
+
     def cross_entropy(self, logits: mx.array, targets: mx.array) -> mx.array:
         """Per-position cross-entropy over the last axis, float32, no reduction."""
         if self.kernels == "vectorised":

@@ -30,8 +30,8 @@ from toymlx import model_store
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
 from toymlx.device import on_gpu
-from toymlx.gguf.llama import CHECKPOINT_FORMAT, load_llama, load_llama_into
-from toymlx.gguf.quant import EXACT_QUANTS, all_exact, projection_types
+from toymlx.gguf.llama import CHECKPOINT_FORMAT, frozen_weights, load_llama, load_llama_into
+from toymlx.gguf.quant import projection_types
 from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
 from toymlx.gguf.reader import GGUFFile
 from toymlx.lora import (
@@ -47,7 +47,9 @@ from toymlx.lora import (
     write_merged,
 )
 from toymlx.losses import lm_held_out_sums, lm_loss
+from toymlx.models.layers import held_bytes
 from toymlx.models.ops import Ops
+from toymlx.outputs import check_output
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
 from toymlx.tokenizer import Tokenizer
 from toymlx.trainer import Task, TrainConfig
@@ -86,8 +88,8 @@ class ChatDataOptions:
     mask_prompt: bool = True
     """Train on the answers only (prompts and chat headers get no loss)."""
     pack: bool = True
-    """Concatenate examples into full rows (--data.no-pack: one padded example per row; on a
-    CPU every padded position costs as much as a real one)."""
+    """Concatenate examples into full rows (--data.no-pack: one example per row, a training
+    batch padded to its longest row rounded up to a multiple of 32)."""
     val_fraction: float = 0.1
     """Fraction of the examples, from the end of the file, held out for validation (not used
     when a data folder has valid.jsonl)."""
@@ -103,10 +105,13 @@ class Config(TrainConfig):
     """lora: llama.cpp LoRA adapters; dora: DoRA adapters (no llama.cpp format: toymlx adapter
     GGUFs, exported fused by toymlx-export --fuse); full: every weight, checkpoints full GGUFs
     (the --lora.* options do not apply)."""
-    base_dtype: Literal["auto", "quantized", "float32", "bfloat16", "float16"] = "auto"
-    """Frozen base weights: auto = kept quantized on a GPU where every projection is Q4_0,
-    Q4_1 or Q8_0 (MLX holds those blocks exactly), else the compute dtype (--dtype: float32 on
-    the CPU, bfloat16 on a GPU). A full fine-tune trains float32 weights (auto or float32)."""
+    base_dtype: Literal["auto", "blocks", "quantized", "float32", "bfloat16", "float16"] = "auto"
+    """How the frozen base holds its weights. blocks: every quantized matrix as the file's own
+    blocks (about the file's size in memory), decoded to float32 where it is used (the float32
+    base's values exactly); quantized: the Q4_0/Q4_1/Q8_0 projections as MLX's quantized layers
+    (its fast path on a GPU), other quantized matrices as blocks; a float type: every weight
+    dequantized to it (4 or 2 bytes a weight). auto: blocks on the CPU, quantized on a GPU. A
+    full fine-tune trains float32 weights (auto or float32)."""
     seq_len: int = 256
     """Tokens per training row (longer examples are cut)."""
     lora: LoRAOptions = field(default_factory=LoRAOptions)
@@ -179,22 +184,10 @@ def fuse_type(choice: str, g: GGUFFile) -> str:
     return dtype
 
 
-def resolve_base_dtype(choice: str, g: GGUFFile, gpu: bool, compute_dtype: str) -> str:
-    """--base-dtype resolved: how the frozen base holds its weights (`load_llama`'s weights).
-
-    MLX's quantized matmul is ~40x slower than dequantize + fp32 on the CPU but the fast path
-    on a GPU, where it holds GGUF's Q4_0/Q4_1/Q8_0 blocks exactly (same 32-value groups); other
-    types (K-quants such as Q4_K_M) are dequantized exactly and rounded to the compute dtype.
-    """
-    if choice == "auto":
-        return "quantized" if gpu and all_exact(g) else compute_dtype
-    if choice == "quantized" and not all_exact(g):
-        bad = next(f"{n} is {t}" for n, t in projection_types(g).items()
-                   if t not in {q.name for q in EXACT_QUANTS})
-        raise ValueError(f"--base-dtype quantized: {g.path}: expected Q4_0, Q4_1 or Q8_0 "
-                         f"projections (the types MLX holds exactly), found {bad}; use "
-                         f"--base-dtype {compute_dtype}")
-    return choice
+def resolve_base_dtype(choice: str, gpu: bool) -> str:
+    """--base-dtype resolved: how the frozen base holds its weights (`load_llama`'s weights;
+    auto: `frozen_weights`)."""
+    return frozen_weights(gpu) if choice == "auto" else choice
 
 
 def build(cfg: Config, ops: Ops) -> Task:
@@ -203,8 +196,8 @@ def build(cfg: Config, ops: Ops) -> Task:
     full = cfg.fine_tune_type == "full"
     src = model_store.resolve(cfg.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
     with GGUFFile(src.path) as g:
-        dtype = "float32" if full else resolve_base_dtype(cfg.base_dtype, g, on_gpu(), ops.dtype)
         types = "/".join(sorted(set(projection_types(g).values())))
+    dtype = "float32" if full else resolve_base_dtype(cfg.base_dtype, on_gpu())
     model, g = load_llama(src.path, ops, dtype)
     meta = dict(g.metadata)
     g.close()
@@ -218,7 +211,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
     info = llama_model_info(args)
     info.update(base=str(cfg.base), base_name=base_meta["general.name"], base_type=types,
-                base_dtype=dtype)
+                base_dtype=dtype, base_held_bytes=held_bytes(model))
     if full:
         def save(path: Path, m, extra: dict) -> None:
             with GGUFFile(src.path) as base:
@@ -253,7 +246,8 @@ def build(cfg: Config, ops: Ops) -> Task:
         fine-tune's final checkpoint re-encoded (`write_merged` either way)."""
         with GGUFFile(src.path) as g:
             dtype = fuse_type(cfg.fuse_at_end, g)
-        out = run_dir / f"fused-{dtype}.gguf"
+        out = check_output(run_dir / f"fused-{dtype}.gguf", [("--base", src.path)],
+                           "--fuse-at-end", owns=[run_dir])
         if full:
             write_merged(out, run_dir, None, dtype, progress=cfg.progress)
             return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),

@@ -1,0 +1,241 @@
+"""Model-shaped Q4_K_M GGUFs with random weights, the files issue 34's memory rows train on.
+
+There is no model hub here, so the benchmark writes the files people run at their shapes:
+
+| name | arch | d | layers | ffn | heads q/kv | head | vocabulary | output |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| gemma-3-270m | gemma3 | 640 | 18 | 2048 | 4/1 | 256 | 262,144, synthetic SentencePiece | tied |
+| llama-3.2-1b | llama | 2048 | 16 | 8192 | 32/8 | 64 | SmolLM2's 49,152 | tied |
+| llama-3.2-3b | llama | 3072 | 28 | 8192 | 24/8 | 128 | SmolLM2's 49,152 | tied |
+| llama-3.1-8b | llama | 4096 | 32 | 14336 | 32/8 | 128 | SmolLM2's 49,152 (not Llama 3's 128,256) | untied |
+
+Weights are N(0, 0.02) and norms 1; the Llama shapes carry no `rope_freqs` (Llama 3's RoPE
+scaling changes no array's size). The Llama shapes take the real SmolLM2-135M-Instruct GGUF's
+tokenizer metadata as it is (`user_paths.smollm_gguf`); Gemma 3's 262,144-token vocabulary is
+`synthetic_spm`, a SentencePiece vocabulary of that size that toymlx's `Tokenizer` and llama.cpp
+load. The F16 model is streamed to disk one tensor at a time (gguf-py's `GGUFWriter`: tensor
+infos first, then each tensor's data as it is drawn, so an 8B's 16 GB never sits in memory),
+llama.cpp's own quantizer (`llama_model_quantize`, as `llama-quantize F16 OUT Q4_K_M`) writes
+the file, and the F16 is deleted. Files are kept in a cache folder and reused.
+
+    python benchmarks/shapes.py llama-3.2-1b gemma-3-270m [--cache DIR]
+
+prints one JSON line per file: its path, size, and (when written now) seconds and the peak
+RSS of this process (`ru_maxrss`: run one name per process to measure each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter
+
+from toymlx import atomic
+from toymlx.gguf.llama import ARCHS, expected_shapes, llama_metadata
+from toymlx.gguf.quantize import llama_quantize
+from toymlx.gguf.reader import GGUFFile
+from toymlx.models.llama import LlamaArgs
+
+DEFAULT_CACHE = Path.home() / ".cache" / "toymlx" / "shapes"
+FILE_TYPE = "q4_k_m"
+STD = 0.02
+CHUNK_VALUES = 1 << 24
+"""Random values drawn at once while a tensor is made (64 MB of float32)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape to write: its arguments and where its vocabulary comes from."""
+
+    name: str
+    args: LlamaArgs
+    vocab: str
+    """"smollm2": the real SmolLM2 GGUF's tokenizer; "synthetic": `synthetic_spm`."""
+
+
+def _llama(d: int, layers: int, ffn: int, heads: int, kv: int, tied: bool) -> LlamaArgs:
+    return LlamaArgs(vocab_size=49152, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv,
+                     ffn_dim=ffn, context=8192, rope_base=500000.0, norm_eps=1e-5,
+                     tie_embeddings=tied)
+
+
+def _gemma3_270m() -> LlamaArgs:
+    n_layers = 18
+    return replace(LlamaArgs(), arch="gemma3", **ARCHS["gemma3"].switches, vocab_size=262144,
+                   d_model=640,
+                   n_layers=n_layers, n_heads=4, n_kv_heads=1, key_length=256, ffn_dim=2048,
+                   context=32768, rope_base=1e6, norm_eps=1e-6, tie_embeddings=True,
+                   sliding_window=512,
+                   sliding_layers=tuple(i % 6 < 5 for i in range(n_layers)))  # 5 of 6 slide
+
+
+SHAPES: dict[str, Shape] = {s.name: s for s in (
+    Shape("gemma-3-270m", _gemma3_270m(), "synthetic"),
+    Shape("llama-3.2-1b", _llama(2048, 16, 8192, 32, 8, tied=True), "smollm2"),
+    Shape("llama-3.2-3b", _llama(3072, 28, 8192, 24, 8, tied=True), "smollm2"),
+    Shape("llama-3.1-8b", _llama(4096, 32, 14336, 32, 8, tied=False), "smollm2"),
+)}
+
+
+# ---- vocabularies --------------------------------------------------------------------------
+Typed = dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]
+"""GGUF metadata: key -> (value, value type, element type of an array)."""
+
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else "
+    "m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def smollm2_vocab() -> Typed:
+    """Every tokenizer.* key of the real SmolLM2-135M-Instruct GGUF, with its own types."""
+    from user_paths import smollm_gguf
+
+    with GGUFFile(smollm_gguf()) as g:
+        return {k: (v, GGUFValueType(g.metadata_types[k][0]),
+                    None if g.metadata_types[k][1] is None
+                    else GGUFValueType(g.metadata_types[k][1]))
+                for k, v in g.metadata.items() if k.startswith("tokenizer.")}
+
+
+def synthetic_spm(size: int) -> Typed:
+    """A SentencePiece ("llama") vocabulary of `size` tokens: <unk>, <s>, </s>, Gemma's two
+    turn markers, the 256 byte tokens, then every string over "▁a-z" by length (1, 2, ...),
+    scored so that shorter strings merge first; a Gemma-style chat template."""
+    unk, ctrl, normal, byte = 2, 3, 1, 6  # llama.cpp's token types
+    tokens = ["<unk>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>"]
+    types = [unk, ctrl, ctrl, ctrl, ctrl]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [byte] * 256
+    alphabet = ["\u2581", *"abcdefghijklmnopqrstuvwxyz"]
+    level = [""]
+    while len(tokens) < size:
+        level = [p + c for p in level for c in alphabet]
+        take = level[: size - len(tokens)]
+        tokens += take
+        types += [normal] * len(take)
+    scores = [0.0] * 261 + [-float(i) for i in range(size - 261)]
+    return {
+        "tokenizer.ggml.model": ("llama", GGUFValueType.STRING, None),
+        "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY, GGUFValueType.STRING),
+        "tokenizer.ggml.scores": (scores, GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY, GGUFValueType.INT32),
+        "tokenizer.ggml.bos_token_id": (1, GGUFValueType.UINT32, None),
+        "tokenizer.ggml.eos_token_id": (2, GGUFValueType.UINT32, None),
+        "tokenizer.ggml.unknown_token_id": (0, GGUFValueType.UINT32, None),
+        "tokenizer.ggml.add_bos_token": (True, GGUFValueType.BOOL, None),
+        "tokenizer.ggml.add_eos_token": (False, GGUFValueType.BOOL, None),
+        "tokenizer.ggml.add_space_prefix": (False, GGUFValueType.BOOL, None),
+        "tokenizer.chat_template": (GEMMA_TEMPLATE, GGUFValueType.STRING, None),
+    }
+
+
+def _model_metadata(a: LlamaArgs, name: str) -> Typed:
+    """`llama_metadata` of the shape, typed (ints uint32, floats float32), F16 file type."""
+    out: Typed = {}
+    for k, v in llama_metadata(a, name).items():
+        if k == "general.architecture":
+            continue  # GGUFWriter writes it
+        if k == "general.file_type":
+            v = 1  # MOSTLY_F16
+        vt = (GGUFValueType.STRING if isinstance(v, str) else GGUFValueType.FLOAT32
+              if isinstance(v, float) else GGUFValueType.UINT32)
+        out[k] = (v, vt, None)
+    return out
+
+
+# ---- writing -------------------------------------------------------------------------------
+def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
+              progress: Callable[[str], None] | None = None) -> None:
+    """Stream an F16 GGUF of shape `a` to `path`: tensor infos, then each tensor's random data
+    drawn and written one at a time (matrices F16 N(0, STD), norms F32 ones)."""
+    shapes = expected_shapes(a)
+    w = GGUFWriter(path, a.arch)
+    for k, (v, vt, et) in meta.items():
+        w.add_key_value(k, v, vt, et)
+    for name, shape in shapes.items():
+        dt = np.float32 if len(shape) == 1 else np.float16
+        w.add_tensor_info(name, shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize)
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for i, (name, shape) in enumerate(shapes.items()):
+        if len(shape) == 1:
+            w.write_tensor_data(np.ones(shape, np.float32))
+            continue
+        t = np.empty(shape, np.float16)
+        rows = max(1, CHUNK_VALUES // shape[1])
+        for r in range(0, shape[0], rows):
+            t[r:r + rows] = rng.standard_normal((min(rows, shape[0] - r), shape[1]),
+                                                dtype=np.float32) * STD
+        w.write_tensor_data(t)
+        del t
+        if progress and (i + 1) % 16 == 0:
+            progress(f"{path.name}: {i + 1}/{len(shapes)} tensors")
+    w.close()
+
+
+def shape_file(shape: str | Shape, cache: str | os.PathLike = DEFAULT_CACHE,
+               progress: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]]:
+    """The Q4_K_M file of a shape (a name in SHAPES, or a Shape) in `cache`, written now unless
+    already there; with what writing it took ({} when reused)."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"shape: expected one of {', '.join(SHAPES)}, found {shape!r}")
+        shape = SHAPES[shape]
+    name = shape.name
+    cache = Path(cache)
+    out = cache / f"{name}.{FILE_TYPE}.gguf"
+    if out.is_file():
+        return out, {}
+    cache.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    vocab = smollm2_vocab() if shape.vocab == "smollm2" else synthetic_spm(shape.args.vocab_size)
+    n_tokens = len(vocab["tokenizer.ggml.tokens"][0])
+    if n_tokens != shape.args.vocab_size:
+        raise ValueError(f"{name}: tokenizer.ggml.tokens: expected {shape.args.vocab_size} "
+                         f"tokens, found {n_tokens}")
+    meta = {**_model_metadata(shape.args, f"{name} (random weights, toymlx benchmarks)"),
+            **vocab}
+    f16 = cache / f".{name}.f16{atomic.TMP_TAG}{os.getpid()}"
+    try:
+        write_f16(f16, shape.args, meta, progress=progress)
+        f16_bytes = f16.stat().st_size
+        t1 = time.perf_counter()
+        with atomic.atomic_path(out) as tmp:
+            llama_quantize(f16, tmp, FILE_TYPE)
+    finally:
+        f16.unlink(missing_ok=True)
+    t2 = time.perf_counter()
+    return out, {"f16_bytes": f16_bytes, "f16_seconds": round(t1 - t0, 1),
+                 "quantize_seconds": round(t2 - t1, 1), "seconds": round(t2 - t0, 1),
+                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="+", choices=list(SHAPES))
+    p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder of the files")
+    args = p.parse_args(argv)
+    for name in args.names:
+        path, took = shape_file(name, args.cache,
+                                progress=lambda s: print(s, file=sys.stderr, flush=True))
+        print(json.dumps({"name": name, "path": str(path), "bytes": path.stat().st_size,
+                          "written_now": bool(took), **took}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    raise SystemExit(main())

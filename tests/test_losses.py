@@ -1,0 +1,99 @@
+"""lm_loss with its logits in chunks of tokens equals the whole-logits loss: values and
+gradients, on MLX's ops and on the vectorised CPU kernels, tied, untied, soft-capped and LoRA."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx import nn
+from mlx.utils import tree_flatten
+
+from toymlx.lora import apply_lora
+from toymlx.losses import LOGITS_CHUNK_VALUES, lm_loss, logits_chunk
+from toymlx.models.llama import Llama, tiny
+from toymlx.models.ops import Ops
+
+
+def _whole_logits_loss(model: nn.Module, batch: dict) -> mx.array:
+    """The loss as toymlx computed it before chunking: [B, T, V] logits in one piece."""
+    ce = model.ops.cross_entropy(model(batch["inputs"]), batch["targets"])
+    return (ce * batch["mask"]).sum() / mx.maximum(batch["mask"].sum(), 1.0)
+
+
+def _batch(vocab: int, B: int = 2, T: int = 40) -> dict:
+    rng = np.random.default_rng(0)
+    mask = (rng.random((B, T)) > 0.2).astype(np.float32)
+    mask[1, 30:] = 0  # a padded tail
+    return {"inputs": mx.array(rng.integers(0, vocab, (B, T))),
+            "targets": mx.array(rng.integers(0, vocab, (B, T))),
+            "mask": mx.array(mask)}
+
+
+def _model(ops: Ops, lora: bool, **kw) -> Llama:
+    mx.random.seed(1)
+    model = Llama(tiny(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, **kw), ops)
+    if lora:
+        apply_lora(model, ("q", "v"), rank=4)
+        # lora_b nonzero, so that lora_a's gradient is too
+        model.update({"layers": [{"attn": {k: {"lora_b": mx.random.normal(
+            getattr(layer.attn, k).lora_b.shape, scale=0.1)} for k in ("q_proj", "v_proj")}}
+            for layer in model.layers]})
+    return model
+
+
+CASES = [
+    ("mlx", {}, False), ("vectorised", {}, False),
+    ("mlx", {"tie_embeddings": False}, False), ("vectorised", {"tie_embeddings": False}, False),
+    ("mlx", {"final_softcap": 3.0}, False), ("vectorised", {"final_softcap": 3.0}, False),
+    ("mlx", {}, True), ("vectorised", {"tie_embeddings": False}, True),
+]
+
+
+@pytest.mark.parametrize("kernels,args,lora", CASES)
+def test_chunked_loss_and_gradients_equal_whole_logits(kernels, args, lora):
+    model = _model(Ops(kernels=kernels), lora, **args)
+    batch = _batch(model.args.vocab_size)
+    whole_loss, whole_g = nn.value_and_grad(model, _whole_logits_loss)(model, batch)
+    params = model.trainable_parameters()
+    for chunk in (32, 7, 80):  # 80 = B*T: one piece, no checkpoint
+        (loss, n), g = nn.value_and_grad(model, lambda m, b, c=chunk: lm_loss(m, b, c))(
+            model, batch)
+        model.update(params)
+        assert float(n) == float(batch["mask"].sum())
+        assert abs(float(loss) - float(whole_loss)) <= 1e-6
+        gw, gc = dict(tree_flatten(whole_g)), dict(tree_flatten(g))
+        assert sorted(gw) == sorted(gc) and len(gw) > 0
+        for name, want in gw.items():
+            np.testing.assert_allclose(np.asarray(gc[name]), np.asarray(want),
+                                       rtol=0, atol=1e-5, err_msg=name)
+    if lora:  # the frozen token table gets no gradient, chunked or not
+        assert not any(k.startswith(("embed", "output")) for k in gw)
+    else:
+        assert model.head_key() + ".weight" in gw
+
+
+def test_chunked_loss_compiled_equals_eager():
+    model = _model(Ops(kernels="vectorised"), False)
+    batch = _batch(model.args.vocab_size)
+    params = model.trainable_parameters()
+    grad = nn.value_and_grad(model, lambda m, b: lm_loss(m, b, 32))
+    (eager, _), ge = grad(model, batch)
+    model.update(params)
+
+    @mx.compile
+    def step(b):
+        (loss, _), g = grad(model, b)
+        return loss, g
+    compiled, gc = step(batch)
+    model.update(params)
+    assert abs(float(compiled) - float(eager)) <= 1e-6
+    for (k, a), (_, b) in zip(tree_flatten(ge), tree_flatten(gc)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=k)
+
+
+def test_logits_chunk_sizes():
+    assert logits_chunk(262144) == 64  # Gemma 3: 64 x 262,144 = LOGITS_CHUNK_VALUES
+    assert logits_chunk(49152) == 320  # SmolLM2: 341 rounded down to a multiple of 32
+    assert logits_chunk(259) == LOGITS_CHUNK_VALUES // 259 // 32 * 32
+    assert logits_chunk(10 ** 7) == 32

@@ -1,0 +1,200 @@
+"""No command writes over what it reads: its inputs, a run bundle, an Ollama or LM Studio store
+(`toymlx.outputs.check_output`, called by every writer before it writes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from cli_errors import error_line
+from test_lora import ARGS, tok_meta
+
+from toymlx.gguf.llama import write_llama
+from toymlx.models.llama import Llama
+
+
+def _train(argv: list[str]) -> int:
+    from toymlx_cli.train import main
+
+    return main(argv)
+
+
+def _export(argv: list[str]) -> int:
+    from toymlx_cli.export import main
+
+    return main(argv)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    """A tiny base GGUF and a 2-step LoRA run on it, runs/r1 (its only checkpoint at step 2)."""
+    root = tmp_path_factory.mktemp("outputs")
+    mx.random.seed(3)
+    write_llama(root / "base.gguf", Llama(ARGS), tok_meta(), name="tiny test llama")
+    assert _train(["--recipe", "lora", "--base", str(root / "base.gguf"), "--runs-root",
+                   str(root / "runs"), "--run-id", "r1", "--steps", "2", "--batch-size", "2",
+                   "--seq-len", "64", "--eval-every", "0", "--eval-batches", "1",
+                   "--checkpoint-every", "2", "--no-progress", "--no-compile"]) == 0
+    return root
+
+
+def snapshot(root: Path) -> dict[str, bytes | str]:
+    """Every file under `root` (links as their targets): what a refused command must keep."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(root.rglob("*")):
+        key = str(p.relative_to(root))
+        if p.is_symlink():
+            out[key] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[key] = p.read_bytes()
+    return out
+
+
+def refused(capsys, root: Path, prog: str, run, argv: list[str], *names: str) -> str:
+    """Run a command that must refuse: exit 2, one line naming `names`, every file unchanged."""
+    before = snapshot(root)
+    capsys.readouterr()
+    assert run(argv) == 2
+    line = error_line(capsys, prog)
+    for name in names:
+        assert name in line, line
+    assert snapshot(root) == before
+    return line
+
+
+# ---- toymlx-export --------------------------------------------------------------------------
+def out_cases(root: Path) -> dict[str, tuple[str, str]]:
+    """--out spelling -> (the path the error names as the victim, the kind of refusal)."""
+    run = root / "runs" / "r1"
+    (root / "x").mkdir(exist_ok=True)
+    link, hard = root / "link.gguf", root / "hard.gguf"
+    if not link.is_symlink():
+        link.symlink_to(root / "base.gguf")
+        os.link(root / "base.gguf", hard)
+    return {
+        str(root / "base.gguf"): (str(root / "base.gguf"), "the same file"),
+        str(root / "x" / ".." / "base.gguf"): (str(root / "base.gguf"), "the same file"),
+        str(link): (str(root / "base.gguf"), "the same file"),
+        str(hard): (str(root / "base.gguf"), "the same file"),
+        str(run / "weights" / "adapter_step_2.gguf"): (str(run), "inside"),
+        str(run / "weights" / "latest"): (str(run), "inside"),
+        str(run / "config.json"): (str(run), "inside"),
+    }
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_export_refuses_every_output_that_is_an_input_or_in_a_run(made, capsys, fuse):
+    for out, (victim, kind) in out_cases(made).items():
+        argv = ["--base", str(made / "base.gguf"), "--adapter", str(made / "runs" / "r1"),
+                "--out", out] + (["--fuse"] if fuse else [])
+        line = refused(capsys, made, "toymlx-export", _export, argv, out, victim, kind)
+        assert len(line) < 300, line
+
+
+def test_export_refuses_out_equal_to_the_adapter_file(made, capsys):
+    ckpt = made / "runs" / "r1" / "weights" / "adapter_step_2.gguf"
+    line = refused(capsys, made, "toymlx-export", _export,
+                   ["--base", str(made / "base.gguf"), "--adapter", str(ckpt), "--out", str(ckpt)],
+                   str(ckpt))
+    assert "found the --adapter file" in line and "(the same file)" in line
+
+
+def test_export_refuses_a_bundle_it_does_not_read(made, capsys):
+    """--out into another run's weights/: refused as a run bundle, not as an input."""
+    ckpt = made / "runs" / "r1" / "weights" / "adapter_step_3.gguf"
+    refused(capsys, made, "toymlx-export", _export,
+            ["--base", str(made / "base.gguf"), "--out", str(ckpt)],
+            str(ckpt), f"inside the run bundle {made / 'runs' / 'r1'}")
+
+
+def test_export_refuses_model_stores(made, capsys, monkeypatch, tmp_path):
+    ollama, lmstudio = tmp_path / "ollama", tmp_path / "lmstudio"
+    blob = ollama / "blobs" / ("sha256-" + "ab" * 32)
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"a model's bytes")
+    (ollama / "manifests").mkdir()
+    (lmstudio / "pub" / "repo").mkdir(parents=True)
+    monkeypatch.setenv("OLLAMA_MODELS", str(ollama))
+    monkeypatch.setenv("LMSTUDIO_MODELS", str(lmstudio))
+    for out, store in ((blob, ollama), (ollama / "manifests" / "m", ollama),
+                       (lmstudio / "pub" / "repo" / "x.gguf", lmstudio)):
+        before = snapshot(tmp_path)
+        refused(capsys, made, "toymlx-export", _export,
+                ["--base", str(made / "base.gguf"), "--out", str(out)], str(out), str(store),
+                "inside Ollama's model store" if store == ollama else
+                "inside LM Studio's models folder")
+        assert snapshot(tmp_path) == before
+    assert blob.read_bytes() == b"a model's bytes"
+
+
+def test_modelfile_refuses_a_folder_in_the_run(made, capsys):
+    out = made / "runs" / "r1" / "ollama"
+    refused(capsys, made, "toymlx-export", _export,
+            ["--adapter", str(made / "runs" / "r1"), "--format", "modelfile", "--fuse",
+             "--out", str(out)], str(out), str(made / "runs" / "r1"))
+    assert not out.exists()
+
+
+def test_safetensors_refuses_its_own_checkpoint(tmp_path, capsys):
+    from test_timm_export import ARGS as VIT_ARGS
+    from test_timm_export import NAMES, NORM
+
+    from toymlx.gguf.vit import write_vit
+    from toymlx.models.vit import ViT
+
+    mx.random.seed(3)
+    ckpt = tmp_path / "vit.gguf"
+    write_vit(ckpt, ViT(VIT_ARGS), NORM, class_names=NAMES)
+    refused(capsys, tmp_path, "toymlx-export", _export,
+            ["--model", str(ckpt), "--format", "safetensors", "--out", str(ckpt)],
+            str(ckpt), "found the --model file")
+
+
+# ---- the other writers ----------------------------------------------------------------------
+def test_train_refuses_a_run_folder_inside_another_run(made, capsys):
+    root = made / "runs" / "r1" / "weights"
+    refused(capsys, made, "toymlx-train", _train,
+            ["--recipe", "lora", "--base", str(made / "base.gguf"), "--runs-root", str(root),
+             "--run-id", "nested", "--steps", "1", "--no-progress"],
+            str(root / "nested"), f"inside the run bundle {made / 'runs' / 'r1'}")
+
+
+def test_train_overwrite_refuses_a_run_folder_holding_its_base(made, tmp_path, capsys):
+    run = tmp_path / "runs" / "again"
+    (run / "weights").mkdir(parents=True)
+    base = run / "fused.gguf"
+    base.write_bytes((made / "base.gguf").read_bytes())
+    refused(capsys, tmp_path, "toymlx-train", _train,
+            ["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path / "runs"),
+             "--run-id", "again", "--overwrite", "--steps", "1", "--no-progress"],
+            str(run), f"the --base {base} inside it")
+
+
+def test_report_refuses_a_runs_config(made, capsys):
+    from toymlx_cli.report import main as report
+
+    out = made / "runs" / "r1" / "config.json"
+    refused(capsys, made, "toymlx-report", report, [str(made / "runs" / "r1"), "--out", str(out)],
+            str(out), str(made / "runs" / "r1"))
+
+
+def test_eval_plot_refuses_its_model(made, capsys):
+    from toymlx_cli.eval import main as evaluate
+
+    refused(capsys, made, "toymlx-eval", evaluate,
+            ["--model", str(made / "base.gguf"), "--plot", str(made / "x" / ".." / "base.gguf")],
+            "--plot", str(made / "base.gguf"), "(the same file)")
+
+
+def test_check_output_lets_a_writer_into_the_bundle_it_owns(made, tmp_path):
+    from toymlx.outputs import OutputError, check_output
+
+    run = made / "runs" / "r1"
+    assert check_output(run / "fused-f32.gguf", [], "--fuse-at-end", owns=[run]) == \
+        run / "fused-f32.gguf"
+    with pytest.raises(OutputError, match="inside the run bundle"):
+        check_output(run / "fused-f32.gguf", [], "--fuse-at-end", owns=[tmp_path])
+    assert check_output(tmp_path / "new.gguf", [("--base", made / "base.gguf")]) == \
+        tmp_path / "new.gguf"

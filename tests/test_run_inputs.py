@@ -1,0 +1,208 @@
+"""A run's paths mean the files it started on, from any folder: config.json keeps the options as
+typed and records each data and model file's absolute path and fingerprint (`runs.model_files`,
+`runs.data_files`); eval, generate, export and resume read the recorded file, check a file found
+any other way against the recorded SHA-256, and say which file they used."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from cli_errors import error_line
+from test_lora import ARGS, mlx_lm_folder, tok_meta
+
+from toymlx.gguf.llama import write_llama
+from toymlx.models.llama import Llama
+
+
+def _cli(name: str):
+    import importlib
+
+    return importlib.import_module(f"toymlx_cli.{name}").main
+
+
+def tiny(path: Path, seed: int) -> Path:
+    mx.random.seed(seed)
+    write_llama(path, Llama(ARGS), tok_meta(), name="tiny test llama")
+    return path
+
+
+TRAIN = ["--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
+         "--eval-batches", "10", "--checkpoint-every", "2", "--no-progress", "--no-compile"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """`where/`: smol.gguf, data/ (mlx-lm layout), and runs/rel: a LoRA run trained from `where`
+    with `--base smol.gguf --data.path data --test` (relative paths); `elsewhere/`: another
+    smol.gguf (other weights, same shape) and another data/."""
+    root = tmp_path_factory.mktemp("inputs")
+    where, elsewhere = root / "where", root / "elsewhere"
+    for d in (where, elsewhere):
+        d.mkdir()
+    tiny(where / "smol.gguf", 3)
+    tiny(elsewhere / "smol.gguf", 5)
+    mlx_lm_folder(where / "data")
+    mlx_lm_folder(elsewhere / "data", n_train=14, n_valid=5, n_test=6)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(where)
+        assert _cli("train")(["--recipe", "lora", "--base", "smol.gguf", "--data.path", "data",
+                              "--test", "--runs-root", "runs", "--run-id", "rel", *TRAIN]) == 0
+    return root
+
+
+def run_eval(run: Path, split: str) -> dict:
+    return [e for e in (json.loads(x) for x in (run / "events.jsonl").read_text().splitlines())
+            if e["kind"] == "eval" and e.get("split", "val") == split][-1]
+
+
+def test_config_keeps_the_typed_paths_and_records_the_files(trained):
+    saved = json.loads((trained / "where" / "runs" / "rel" / "config.json").read_text())
+    assert saved["config"]["base"] == "smol.gguf" and saved["config"]["data"]["path"] == "data"
+    base = saved["model_files"]["base"]
+    assert base["path"] == "smol.gguf" and base["file"] == str(trained / "where" / "smol.gguf")
+    import hashlib
+
+    assert base["sha256"] == hashlib.sha256(
+        (trained / "where" / "smol.gguf").read_bytes()).hexdigest()
+    assert saved["data_files"]["data.path"]["file"] == str(trained / "where" / "data")
+
+
+def test_eval_from_another_folder_reads_the_recorded_base_and_data(trained, capsys,
+                                                                   monkeypatch):
+    """main scored elsewhere/smol.gguf on elsewhere/data (or refused the --test run)."""
+    run = trained / "where" / "runs" / "rel"
+    monkeypatch.chdir(trained / "elsewhere")
+    capsys.readouterr()
+    assert _cli("eval")(["--model", str(run), "--split", "test"]) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert got["test_loss"] == pytest.approx(run_eval(run, "test")["test_loss"], rel=1e-5)
+    assert got["data"] == str(trained / "where" / "data" / "test.jsonl")
+    assert (f"toymlx-eval: model {trained / 'where' / 'smol.gguf'} (the run's --base "
+            "smol.gguf) + adapter") in err
+    assert _cli("eval")(["--model", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"] == pytest.approx(
+        run_eval(run, "val")["val_loss"], rel=1e-5)
+    assert _cli("generate")(["--model", str(run), "--prompt", "hi", "--max-tokens", "2"]) == 0
+    assert f"toymlx-generate: model {trained / 'where' / 'smol.gguf'} (the run's --base" in \
+        capsys.readouterr().err
+
+
+def test_a_moved_base_is_taken_only_with_its_recorded_sha256(trained, tmp_path, capsys,
+                                                            monkeypatch):
+    run = tmp_path / "runs" / "rel"
+    shutil.copytree(trained / "where" / "runs" / "rel", run, symlinks=True)
+    recorded = trained / "where" / "smol.gguf"
+    monkeypatch.chdir(trained / "elsewhere")
+    kept = tmp_path / "kept.gguf"
+    shutil.move(recorded, kept)
+    try:
+        # gone: ./smol.gguf (elsewhere's, other weights) is refused, naming both files
+        assert _cli("eval")(["--model", str(run)]) == 2
+        line = error_line(capsys, "toymlx-eval")
+        assert f"{trained / 'elsewhere' / 'smol.gguf'}: --base: expected the run's base, " \
+               f"recorded as {recorded}" in line and "found other contents" in line
+        # the same bytes found by the typed name: used, and said so
+        monkeypatch.chdir(tmp_path)
+        shutil.copy(kept, tmp_path / "smol.gguf")
+        (tmp_path / "data").symlink_to(trained / "where" / "data")
+        assert _cli("eval")(["--model", str(run)]) == 0
+        assert (f"model {tmp_path / 'smol.gguf'} (the run's --base smol.gguf: {recorded} is "
+                "gone, this file has its recorded SHA-256)") in capsys.readouterr().err
+    finally:
+        shutil.move(kept, recorded)
+
+
+def test_a_changed_base_is_one_line_naming_the_file(trained, tmp_path, capsys):
+    where = tmp_path / "w"
+    where.mkdir()
+    base = tiny(where / "b.gguf", 3)
+    assert _cli("train")(["--recipe", "lora", "--base", str(base), "--runs-root",
+                          str(tmp_path / "runs"), "--run-id", "c", *TRAIN]) == 0
+    tiny(base, 7)  # the same name, other weights
+    capsys.readouterr()
+    for prog, argv in (("eval", ["--model", str(tmp_path / "runs" / "c")]),
+                       ("export", ["--adapter", str(tmp_path / "runs" / "c"), "--fuse", "--out",
+                                   str(tmp_path / "x.gguf")])):
+        assert _cli(prog)(argv) == 2
+        line = error_line(capsys, f"toymlx-{prog}")
+        assert f"{base}: --base: expected the file the run started on (sha256" in line
+        assert "found other contents" in line
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_export_without_base_writes_the_same_bytes(trained, tmp_path, capsys, monkeypatch):
+    run = trained / "where" / "runs" / "rel"
+    monkeypatch.chdir(trained / "elsewhere")  # its ./smol.gguf must not be taken
+    export = _cli("export")
+    capsys.readouterr()
+    assert export(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "a.gguf")]) == 0
+    err = capsys.readouterr().err
+    assert (f"toymlx-export: base {trained / 'where' / 'smol.gguf'} (the run's --base "
+            "smol.gguf) (no --base given)") in err
+    assert export(["--adapter", str(run), "--fuse", "--base", str(trained / "where" / "smol.gguf"),
+                   "--out", str(tmp_path / "b.gguf")]) == 0
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+    assert export(["--adapter", str(run), "--format", "modelfile", "--out",
+                   str(tmp_path / "m")]) == 0
+    assert f"FROM {trained / 'where' / 'smol.gguf'}\n" in (tmp_path / "m" / "Modelfile").read_text()
+
+
+def test_resume_from_another_folder_trains_on_the_recorded_files(trained, tmp_path, capsys,
+                                                                monkeypatch):
+    where = trained / "where"
+    monkeypatch.chdir(where)
+    assert _cli("train")(["--recipe", "lora", "--base", "smol.gguf", "--data.path", "data",
+                          "--runs-root", str(tmp_path), "--run-id", "cut", "--stop-at", "2",
+                          *TRAIN, "--steps", "4"]) == 0
+    assert _cli("train")(["--recipe", "lora", "--base", "smol.gguf", "--data.path", "data",
+                          "--runs-root", str(tmp_path), "--run-id", "whole", *TRAIN,
+                          "--steps", "4"]) == 0
+    monkeypatch.chdir(trained / "elsewhere")  # other smol.gguf and data/ of the same names
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert (f"toymlx-train: --resume reads --base from {where / 'smol.gguf'} (the run's --base "
+            "smol.gguf)\n") in err
+    assert (f"toymlx-train: --resume reads --data.path from {where / 'data'} (the run's "
+            "--data.path data)\n") in err
+
+    def losses(run: str) -> list[float]:
+        return [e["loss"] for e in (json.loads(x) for x in
+                                    (tmp_path / run / "events.jsonl").read_text().splitlines())
+                if e["kind"] == "step"]
+
+    assert losses("cut") == pytest.approx(losses("whole"), abs=1e-5)
+
+
+def test_a_lora_adapter_given_as_the_base_is_one_short_line(trained, tmp_path, capsys):
+    ckpt = trained / "where" / "runs" / "rel" / "weights" / "adapter_step_2.gguf"
+    for prog, argv in (("export", ["--base", str(ckpt), "--out", str(tmp_path / "x.gguf")]),
+                       ("train", ["--recipe", "lora", "--base", str(ckpt), "--runs-root",
+                                  str(tmp_path), *TRAIN])):
+        capsys.readouterr()
+        assert _cli(prog)(argv) == 2
+        line = error_line(capsys, f"toymlx-{prog}")
+        assert line.endswith(f"{ckpt}: expected a model GGUF, found a LoRA adapter (a LoRA "
+                             "run's checkpoint); pass it as --adapter, with its base model as "
+                             "--base (toymlx-generate: --model)")
+        assert len(line) < 250 + len(str(ckpt))
+
+
+def test_moved_data_is_taken_only_with_its_recorded_fingerprint(trained, tmp_path, capsys,
+                                                               monkeypatch):
+    run = trained / "where" / "runs" / "rel"
+    recorded, kept = trained / "where" / "data", tmp_path / "kept"
+    monkeypatch.chdir(trained / "elsewhere")  # its data/ holds other examples
+    shutil.move(recorded, kept)
+    try:
+        assert _cli("eval")(["--model", str(run), "--split", "test"]) == 2
+        line = error_line(capsys, "toymlx-eval")
+        assert f"{trained / 'elsewhere' / 'data'}: --data.path: expected the run's data.path, " \
+               f"recorded as {recorded} (sha256 " in line and "found other contents" in line
+    finally:
+        shutil.move(kept, recorded)

@@ -1,0 +1,52 @@
+"""benchmarks/shapes.py: a model-shaped file written through the streamed F16 and llama.cpp's
+Q4_K_M quantizer loads in toymlx with its shape, its vocabulary and the quantizer's mixture."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import shapes
+
+from toymlx.gguf.llama import args_from_gguf, check_shapes
+from toymlx.gguf.reader import GGUFFile
+from toymlx.tokenizer import Tokenizer
+
+
+@pytest.mark.interop  # the quantizer is llama.cpp's (llama-cpp-python)
+def test_tiny_gemma3_shape_written_quantized_and_reused(tmp_path):
+    args = replace(shapes.SHAPES["gemma-3-270m"].args, vocab_size=1000, d_model=256,
+                   n_layers=6, ffn_dim=512, key_length=128,
+                   sliding_layers=(True,) * 5 + (False,))
+    shape = shapes.Shape("tiny-gemma3", args, "synthetic")
+    path, took = shapes.shape_file(shape, tmp_path)
+    assert path == tmp_path / "tiny-gemma3.q4_k_m.gguf" and took["f16_bytes"] > path.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # the F16 is gone
+    with GGUFFile(path) as g:
+        # the file says the epsilon in float32, and the query scale is llama.cpp's gemma3 one
+        assert args_from_gguf(g) == replace(args, attn_scale=128 ** -0.5,
+                                            norm_eps=float(np.float32(1e-6)))
+        check_shapes(g, args)
+        types = Counter(t.type_name for t in g.tensors.values())
+        # Q4_K_M: Q4_K matrices, Q6_K for half of attn_v / ffn_down and the tied token table
+        assert types["Q4_K"] > 0 and types["Q6_K"] > 0 and g.tensors["blk.0.attn_norm.weight"
+                                                                   ].type_name == "F32"
+        assert g.get("general.file_type", int) == 15  # MOSTLY_Q4_K_M
+    tok = Tokenizer.from_gguf(path)
+    assert tok.decode(tok.encode("abc zz", add_bos=False)) == "abc zz"
+    again, took = shapes.shape_file(shape, tmp_path)
+    assert again == path and took == {}
+
+
+def test_synthetic_vocabulary_has_the_size_asked_and_unique_tokens():
+    v = shapes.synthetic_spm(262144)
+    tokens = v["tokenizer.ggml.tokens"][0]
+    assert len(tokens) == len(set(tokens)) == 262144
+    assert len(v["tokenizer.ggml.scores"][0]) == len(v["tokenizer.ggml.token_type"][0]) == 262144

@@ -1,0 +1,108 @@
+"""The one check every command that writes makes before it writes: never over what it reads.
+
+`check_output(out, inputs, flag, owns)` refuses, with one line naming both paths, an output
+path that
+- is one of the command's inputs: the same file after resolving symlinks and `..`, or a hard
+  link to it (same device and inode), or holds an input (a folder written into: a run folder
+  with --overwrite), or lies inside an input folder (a data folder, a run read);
+- lies inside a run bundle (`is_bundle`) other than the ones the command owns (`owns`: the run
+  a training writes its --fuse-at-end file into); `runs/<id>/weights/latest`, a link, counts as
+  inside its bundle whether or not it resolves;
+- lies inside a model store: Ollama's (`$OLLAMA_MODELS`, `~/.ollama/models`, their blobs/ and
+  manifests/) or LM Studio's models folder (`toymlx.model_store` finds both).
+Nothing is written by the check, so a refused command leaves every file as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from toymlx import model_store
+
+BUNDLE_MARKS = ("config.json", "events.jsonl", "weights", ".lock")
+"""What a run bundle (`toymlx.runs`) holds: config.json and events.jsonl once it has started,
+weights/ and .lock from the moment toymlx-train creates it."""
+
+
+class OutputError(ValueError):
+    """An output path that would overwrite an input, a run bundle or a model store."""
+
+
+def _real(path: str | os.PathLike) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` are one file (links followed; hard links too)."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def is_bundle(folder: Path) -> bool:
+    """Whether `folder` is a run bundle: config.json with events.jsonl, or weights/ beside
+    config.json, events.jsonl or .lock (a run that has not logged yet)."""
+    has = [(folder / m).exists() for m in BUNDLE_MARKS]
+    config, events, weights, lock = has
+    return (config and events) or (weights and (config or events or lock))
+
+
+def bundle_of(path: Path) -> Path | None:
+    """The run bundle `path` lies in (or is), by its real and its written location."""
+    for p in (_real(path), Path(os.path.abspath(path))):
+        for folder in (p, *p.parents):
+            if folder.is_dir() and is_bundle(folder):
+                return folder
+    return None
+
+
+def store_of(path: Path) -> tuple[str, Path] | None:
+    """(store name, its folder) of the Ollama or LM Studio store `path` lies in."""
+    real = _real(path)
+    for name, roots in (("Ollama's model store", model_store.ollama_roots()),
+                        ("LM Studio's models folder", model_store.lmstudio_roots())):
+        for root in roots:
+            if real == _real(root) or real.is_relative_to(_real(root)):
+                return name, root
+    return None
+
+
+def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]],
+                 flag: str = "--out", owns: Iterable[str | os.PathLike] = ()) -> Path:
+    """`out` as a Path, after refusing (OutputError, one line naming both paths) an output
+    that is or holds one of `inputs` ((flag, path) pairs; None and missing paths skipped),
+    lies in one of the input folders, in a run bundle not in `owns`, or in a model store."""
+    out = Path(out)
+    real = _real(out)
+    for what, given in inputs:
+        if given is None or model_store.is_store_name(given):
+            continue  # a store name: its file lies in a store, which is refused below
+        src = Path(given)
+        if not src.exists():
+            continue
+        src_real = _real(src)
+        if _same_file(out, src) or real == src_real:
+            raise OutputError(f"{out}: {flag}: expected a new file, found the {what} file "
+                              f"{src} itself (the same file); writing it would destroy the "
+                              f"input: choose another {flag}")
+        if src_real.is_relative_to(real):
+            raise OutputError(f"{out}: {flag}: expected a path that holds no input, found the "
+                              f"{what} {src} inside it; choose another {flag}")
+        if src_real.is_dir() and real.is_relative_to(src_real):
+            raise OutputError(f"{out}: {flag}: expected a path outside the inputs, found it "
+                              f"inside the {what} folder {src}; choose another {flag}")
+    bundle = bundle_of(out)
+    if bundle is not None and not any(_real(bundle) == _real(o) for o in owns):
+        raise OutputError(f"{out}: {flag}: expected a path outside run bundles, found it inside "
+                          f"the run bundle {bundle} (its checkpoints, weights/latest and "
+                          f"config.json are the run's own); choose another {flag}")
+    store = store_of(out)
+    if store is not None:
+        raise OutputError(f"{out}: {flag}: expected a path outside model stores, found it "
+                          f"inside {store[0]} {store[1]} (its files are named by their "
+                          f"contents); choose another {flag}")
+    return out
