@@ -173,11 +173,12 @@ def lm_held_out_sums(model: nn.Module, batch: dict[str, mx.array]) -> dict[str, 
     """Summed next-token cross-entropy of a held-out batch and its count (`lm_loss` times its
     count), with the logits computed only where a target is trained: `positions` (B, P) holds
     each row's trained target positions, padded where `position_mask` (B, P) is 0
-    (`toymlx.data.chat.sft_val_batches`). The same values as `lm_loss`, rows of logits being
-    independent; the unembedding and the cross-entropy skip the prompts and the padding."""
+    (`toymlx.data.chat.sft_val_batches`). The same values as `lm_loss` (`masked_ce_sum` over
+    the hidden states there), rows of logits being independent: the unembedding and the
+    cross-entropy skip the prompts and the padding."""
     h = model.hidden(batch["inputs"])  # (B, T, D)
-    pos = batch["positions"]
-    logits = model.unembed(mx.take_along_axis(h, pos[..., None], axis=1))  # (B, P, V)
-    ce = model.ops.cross_entropy(logits, mx.take_along_axis(batch["targets"], pos, axis=1))
-    weight = batch["position_mask"]
-    return {"loss": (ce * weight).sum(), "n": weight.sum()}
+    pos, weight = batch["positions"], batch["position_mask"]
+    total = masked_ce_sum(model, mx.take_along_axis(h, pos[..., None], axis=1),
+                          mx.take_along_axis(batch["targets"], pos, axis=1), weight,
+                          logits_chunk(model.args.vocab_size))
+    return {"loss": total, "n": weight.sum()}
