@@ -1,7 +1,7 @@
 """Validation against training, per row, in one process: issue 36's "validation at the speed of
 a forward pass", timed as `toymlx-train` runs it.
 
-    python benchmarks/val_speed.py [--steps 4] [--passes 2] [--eval-batches 4]
+    python benchmarks/val_speed.py [--steps 4] [--passes 2] [--eval-batches 4] [--base GGUF]
 
 Builds the lora recipe's task on the real SmolLM2-135M-Instruct Q4_1 at the benchmark's LoRA
 shape (4 x 256, LoRA on q, the recipe's packed default data; `user_paths.LORA_SHAPE`), steps it
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="training steps before each pass")
     p.add_argument("--passes", type=int, default=2, help="validation passes of each kind")
     p.add_argument("--eval-batches", type=int, default=4, help="batches of 4 rows per pass")
+    p.add_argument("--base", help="another llama GGUF (default: the real SmolLM2-135M Q4_1)")
     args = p.parse_args(argv)
     setup_process()
     import numpy as np
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from user_paths import LORA_SHAPE, host_info, host_line, smollm_gguf
 
     shape = {k: v for k, v in LORA_SHAPE.items() if k != "lora"}
-    cfg = lora.Config(base=str(smollm_gguf()), **shape, eval_batches=args.eval_batches,
+    cfg = lora.Config(base=args.base or str(smollm_gguf()), **shape, eval_batches=args.eval_batches,
                       progress=False, lora=lora.LoRAOptions(**LORA_SHAPE["lora"]))
     check_config(lora, cfg)
     task = lora.build(cfg, run_ops(cfg))
