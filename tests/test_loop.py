@@ -75,6 +75,16 @@ def test_a_60_step_run_reports_every_10_steps_and_every_validation(tiny_gguf, tm
     assert order[-3:] == [reports[-1][0], shown[-1][0], saved[-1][0]]
 
 
+def test_a_negative_report_every_is_one_line(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    from cli_errors import error_line
+
+    assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                       str(tmp_path), "--report-every", "-1"]) == 2
+    assert error_line(capsys) == ("toymlx-train: error: --report-every: expected >= 0 (0: no "
+                                  "report lines), found -1")
+    assert not any(tmp_path.iterdir())
+
+
 # ---- validation at the speed of a forward pass -----------------------------------------------
 def _lora_model(path: Path):
     """The tiny base with LoRA on q and v, B random (so the adapter counts), computing with the
