@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from toymlx.device import setup_process  # noqa: E402  (toymlx before mlx)
+from toymlx.device import setup_process
 
 
 def _timed(fn):
@@ -49,12 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     setup_process()
     import numpy as np
+    from user_paths import LORA_SHAPE, host_info, host_line, smollm_gguf
 
     from toymlx.losses import lm_loss
     from toymlx.recipes import lora
     from toymlx.run import run_ops
     from toymlx.trainer import Evaluator, Stepper, check_config
-    from user_paths import LORA_SHAPE, host_info, host_line, smollm_gguf
 
     shape = {k: v for k, v in LORA_SHAPE.items() if k != "lora"}
     cfg = lora.Config(base=args.base or str(smollm_gguf()), **shape, eval_batches=args.eval_batches,

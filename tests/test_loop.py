@@ -157,8 +157,8 @@ def test_validation_is_traced_once_per_batch_shape_and_reads_the_current_weights
     import mlx.core as mx
 
     from toymlx.data.chat import sft_val_batches
-    from toymlx.losses import lm_held_out_sums
     from toymlx.lora import lora_layers
+    from toymlx.losses import lm_held_out_sums
     from toymlx.trainer import Evaluator, evaluate
 
     model = _lora_model(tiny_gguf)
@@ -250,7 +250,8 @@ def test_zero_new_tokens_say_why(chat_path, stories_path, capsys, monkeypatch): 
 
 
 @pytest.mark.smollm
-def test_the_instruct_smollm2_run_answers_through_its_template(smollm_gguf, tmp_path, capsys):
+def test_the_instruct_smollm2_run_answers_through_its_template(smollm_gguf, tmp_path,  # noqa: F811
+                                                                capsys):
     """Issue 36's case: `toymlx-generate --model RUN --prompt "What is the capital of
     France?"` on a LoRA run of the instruct SmolLM2 answers with no flag, the tokens --chat
     gives; the raw prompt ends at once, and says so."""

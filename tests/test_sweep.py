@@ -140,7 +140,7 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
         log = (root / "logs" / f"{p.name}.log").read_text()
         step10 = next(e for e in read_events(p) if e["kind"] == "step" and e["step"] == 10)
         assert re.search(r"^step 10/10: train loss \S+, lr \S+, \S+ steps/s, \S+ tokens/s, "
-                         rf"{step10['trained_tokens']} tokens trained, ", log, re.M), log
+                         rf"{step10['trained_tokens']} tokens trained, ", log, re.MULTILINE), log
         for e in (e for e in read_events(p) if e["kind"] == "eval"):
             assert f"step {e['step']}: val_loss {e['val_loss']:.4f} ({e['seconds']:.2f} s)" \
                 in log

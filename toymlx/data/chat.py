@@ -53,8 +53,8 @@ __all__ = [
     "sft_val_batches",
     "split_examples",
     "test_file",
-    "trained_positions",
     "tokenize_example",
+    "trained_positions",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
