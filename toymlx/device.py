@@ -258,6 +258,16 @@ def tune_malloc() -> str:
     return "glibc-retain" if ok else "default"
 
 
+def peak_rss_mb() -> float | None:
+    """This process's peak resident set so far, in MB (None where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS
+
+
 def blas_threads() -> int | None:
     """OpenBLAS's thread count now, or None where toymlx does not control the BLAS (macOS's
     Accelerate, the reference BLAS)."""
