@@ -85,6 +85,10 @@ class _ProcessState:
     """Whether one-row matmuls go to OpenBLAS's sgemv (`toymlx.gemv_forward`): on, off (why)."""
     blas_rebound: str | None = None
     """Set where mlx.core was loaded before toymlx: what `toymlx.blas_rebind` switched."""
+    trim_threshold: int | None = None
+    """glibc's trim threshold once `bound_kept_buffers` set it to a step's memory."""
+    mlx_cache_limit: int | None = None
+    """MLX's buffer-cache limit once `bound_kept_buffers` set it."""
     set_up: bool = False
 
 
@@ -256,6 +260,46 @@ def tune_malloc() -> str:
     ok = mallopt(m_mmap_threshold, _MALLOC_LIMITS["mmap_threshold"])
     ok &= mallopt(m_trim_threshold, _MALLOC_LIMITS["trim_threshold"])
     return "glibc-retain" if ok else "default"
+
+
+def bound_kept_buffers(step_bytes: int | None) -> None:
+    """Keep only what a step reuses: glibc's freed heap (its trim threshold) and MLX's buffer
+    cache bounded to `step_bytes` (a step's transient memory, `toymlx.memory.Estimate`), and
+    what loading left freed handed back now (`malloc_trim`). None: the process's settings as
+    they are. `kept_buffers` says what is kept."""
+    p = _PROCESS
+    if step_bytes is None:
+        return
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    step_bytes = int(step_bytes)
+    before = mx.set_cache_limit(step_bytes)
+    if before < step_bytes:  # a bound, never a raise (MLX's CPU allocator keeps little)
+        mx.set_cache_limit(before)
+    p.mlx_cache_limit = min(before, step_bytes)
+    if p.malloc == "glibc-retain":
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold = -1
+        if libc.mallopt(m_trim_threshold, min(step_bytes, _MALLOC_LIMITS["trim_threshold"])):
+            p.trim_threshold = min(step_bytes, _MALLOC_LIMITS["trim_threshold"])
+        libc.malloc_trim(0)
+
+
+def kept_buffers() -> dict[str, Any]:
+    """What this process keeps for speed, and its cost (run_start's memory.kept): glibc's
+    thresholds (freed heap up to trim_threshold stays with the process: steps fault no pages
+    back in) and MLX's buffer-cache limit, in MB."""
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    p = _PROCESS
+    out: dict[str, Any] = {"malloc": p.malloc}
+    if p.malloc == "glibc-retain":
+        out.update(mmap_threshold_mb=_MALLOC_LIMITS["mmap_threshold"] >> 20,
+                   trim_threshold_mb=(p.trim_threshold or _MALLOC_LIMITS["trim_threshold"])
+                   >> 20)
+    out["mlx_cache_limit_mb"] = None if p.mlx_cache_limit is None else p.mlx_cache_limit >> 20
+    out["mlx_cache_mb"] = round(mx.get_cache_memory() / 2**20, 1)
+    return out
 
 
 def peak_rss_mb() -> float | None:

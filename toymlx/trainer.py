@@ -420,6 +420,9 @@ class _Loop:
             self.start = resume.step
         # after the resume restored the optimizer state: the compiled step holds its containers
         self.stepper.build()
+        est = (task.memory or {}).get("estimate")  # a step's transient memory bounds what is kept
+        device.bound_kept_buffers(None if est is None else
+                                  (est["activations_mb"] + est["logits_mb"]) << 20)
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0)
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
@@ -495,7 +498,7 @@ class _Loop:
                 model={**self.task.model_info, "n_params": n_total, "n_trainable": n_trainable},
                 config={**run_config, **self.task.config_info},
                 world_size=1 if self.world is None else self.world.size(), start_step=self.start,
-                memory=self.task.memory)
+                memory={**(self.task.memory or {}), "kept": device.kept_buffers()})
         if r is not None:
             self.log.emit(
                 "resume", started_at=now_iso(), from_step=r.step, steps=self.cfg.steps,
