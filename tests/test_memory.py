@@ -83,7 +83,7 @@ def test_estimate_of_an_8b_header(header_8b):
     assert est.trained == 32 * 8 * ((4096 + 4096) + (1024 + 4096)) * 16
     per_block = memory._block_values(LLAMA_8B, 512) * 512 * 4
     assert est.activations == 32 * 512 * 4096 * 4 + per_block
-    assert est.logits == min(512, logits_chunk(49152)) * 49152 * 4 * 3
+    assert est.logits == min(512, logits_chunk(49152)) * 49152 * 4 * memory.LOGITS_COPIES
     assert floats.base == sum(t.n_elements for t in GGUFFile(header_8b).tensors.values()) * 4
     assert floats.activations == 32 * per_block > est.activations
 
