@@ -31,7 +31,7 @@ from toymlx.models.llama import LlamaArgs
 RUNTIME_BYTES = 600 * 2**20
 """What a run's RSS holds beyond MLX's arrays: the interpreter and libraries (~60 MB), the
 tokenizer and data, the loader's temporaries and allocator slack; peak RSS minus MLX's peak
-measured 0.38-0.60 GB on SmolLM2-135M LoRA runs (2-4 x 256, AMD EPYC, 2 cores)."""
+measured 0.37-0.58 GiB on SmolLM2-135M LoRA runs (2-4 x 256, AMD EPYC, 2 cores)."""
 LOGITS_COPIES = 16
 """float32 copies of a chunk's logits alive at the peak of its backward pass (measured: the
 vectorised CPU kernels compiled ~16, eager ~22; MLX's own ops ~8)."""
