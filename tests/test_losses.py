@@ -130,7 +130,7 @@ def test_chunked_logits_never_live_whole():
 def test_a_frozen_head_in_slices_never_holds_the_whole_logits(monkeypatch):
     """A LoRA-style gradient (head frozen): the head read 1,024 rows at a time peaks below a
     quarter of reading all 16,384 rows at once (512 tokens: 32 MB a copy whole)."""
-    import toymlx.losses as losses
+    from toymlx import losses
 
     mx.random.seed(0)
     model = Llama(tiny(vocab_size=16384, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
