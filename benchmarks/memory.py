@@ -135,7 +135,7 @@ def run_row(row: Row, runs: Path) -> dict[str, Any]:
                base_held_gb=round(start["model"].get("base_held_bytes", 0) / 1e9, 3))
     if row.pack:  # unpacked batches are cut to their longest row: batch x seq overstates them
         rec["tokens_per_s"] = round(row.batch * row.seq / statistics.median(times), 1)
-    for k in ("peak_memory", "peak_rss", "peak_mlx"):
+    for k in ("peak_memory_mb", "peak_rss_mb"):  # MLX's count and the process's, run_end's
         if k in end:
             rec[f"run_end_{k}"] = end[k]
     rec["llamacpp_ok"] = adapter_in_llamacpp(base, runs / row.name)

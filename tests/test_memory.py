@@ -84,8 +84,8 @@ def test_estimate_of_an_8b_header(header_8b):
     assert est.trained == 32 * 8 * ((4096 + 4096) + (1024 + 4096)) * 16
     per_block = memory._block_values(LLAMA_8B, 512) * 512 * 4
     assert est.activations == 32 * 512 * 4096 * 4 + per_block
-    # the frozen head read 2048 rows at a time (2^23 / 4096 values): logits and weights
-    assert est.logits == 2048 * (memory.HEAD_LOGITS_COPIES * 512 + 2 * 4096) * 4
+    # the frozen head read 1024 rows at a time (2^22 / 4096 values): logits and weights
+    assert est.logits == 1024 * (memory.HEAD_LOGITS_COPIES * 512 + 2 * 4096) * 4
     assert floats.base == sum(t.n_elements for t in GGUFFile(header_8b).tensors.values()) * 4
     assert floats.activations == 32 * per_block > est.activations
 
@@ -103,7 +103,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, 
     # the base as this device's default holds it: 4.3 GB in its blocks (a GPU: Q4_K as MLX's
     # layers, 5.7 GB)
     m = re.search(r"needs about (\d+\.\d) GB \(base (4\.3|5\.7), trained 0\.1, activations "
-                  r"0\.5, logits 0\.1, runtime 0\.6\) ", line)
+                  r"0\.5, logits 0\.0, runtime 0\.6\) ", line)
     assert m is not None, line
     assert ("and 4.0 GB is available (TOYMLX_MEMORY_AVAILABLE); expected at most that: try "
             "--grad-checkpoint, a smaller --batch-size or --seq-len, fewer --lora.layers, or "

@@ -115,8 +115,8 @@ def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.arr
     return (mx.concatenate(ce, axis=1).reshape(B, T) * mask).sum()
 
 
-HEAD_SLICE_VALUES = 1 << 23
-"""Most logits (tokens x vocabulary rows) of one slice of a frozen head: 32 MB of float32."""
+HEAD_SLICE_VALUES = 1 << 22
+"""Most logits (tokens x vocabulary rows) of one slice of a frozen head: 16 MB of float32."""
 
 
 def head_slices(vocab: int, tokens: int, width: int) -> list[tuple[int, int]]:
