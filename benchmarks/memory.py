@@ -74,6 +74,7 @@ ROWS = {r.name: r for r in (
     Row("3b-1x512", "llama-3.2-3b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
     Row("8b-1x512", "llama-3.1-8b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
     Row("gemma-4x256", "gemma-3-270m", 4, 256, steps=4),
+    Row("gemma-4x256-gc", "gemma-3-270m", 4, 256, grad_checkpoint=True, steps=4),
 )}
 PEERS = (("smollm2-blocks", "mlx-lm-packed"), ("smollm2-chat", "mlx-lm-chat"))
 """toymlx's row and mlx-lm's on the same data shape: their ratios are printed."""
