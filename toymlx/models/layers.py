@@ -231,7 +231,7 @@ def dense_weight(layer: Any) -> mx.array:
     return layer.weight
 
 
-def held_bytes(model: nn.Module) -> int:
+def model_bytes(model: nn.Module) -> int:
     """Bytes of every array a model holds (its parameters: a frozen base's blocks or floats,
     trainable weights)."""
     from mlx.utils import tree_flatten

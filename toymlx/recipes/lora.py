@@ -47,7 +47,7 @@ from toymlx.lora import (
     write_merged,
 )
 from toymlx.losses import lm_loss
-from toymlx.models.layers import held_bytes
+from toymlx.models.layers import model_bytes
 from toymlx.models.ops import Ops
 from toymlx.outputs import check_output
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
@@ -221,7 +221,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
     info = llama_model_info(args)
     info.update(base=str(cfg.base), base_name=base_meta["general.name"], base_type=types,
-                base_dtype=dtype, base_held_bytes=held_bytes(model))
+                base_dtype=dtype, base_held_bytes=model_bytes(model))
     if full:
         def save(path: Path, m, extra: dict) -> None:
             with GGUFFile(src.path) as base:
