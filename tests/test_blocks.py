@@ -176,7 +176,7 @@ def test_a_weight_decoded_in_slices_computes_the_same(tmp_path, monkeypatch):
     """At most 4096 values decoded at once (16 row slices of a 256 x 256 weight in the product,
     one 32-value block column at a time for the input gradient): the float32 base's logits and
     LoRA gradients to float32 rounding."""
-    import toymlx.models.layers as layers
+    from toymlx.models import layers
 
     path = quantized_file(tmp_path / "mixed.gguf", [T.Q4_0, T.Q8_0])
     flt = logits_and_grads(path, "float32", TRAINING)

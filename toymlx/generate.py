@@ -38,7 +38,7 @@ from typing import Any
 import mlx.core as mx
 
 from toymlx.checkpoint import checkpoint_file
-from toymlx.device import available_memory, on_gpu
+from toymlx.device import on_gpu
 from toymlx.gguf.llama import args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
@@ -305,8 +305,10 @@ def decoding_weights(gguf_path: str | os.PathLike, gpu: bool) -> str:
         return frozen_weights(True)
     with GGUFFile(gguf_path) as g:
         need = float32_bytes(g)
-    have = available_memory()
-    if need <= have // 2:
+    from toymlx.memory import available_memory
+
+    have, _ = available_memory()
+    if have is None or need <= have // 2:
         return "float32"
     print(f"toymlx: {gguf_path}: holding the model as its quantized blocks (float32 would take "
           f"{need / 1e9:.1f} GB of the {have / 1e9:.1f} GB available): on the CPU MLX decodes "

@@ -163,6 +163,9 @@ class Task:
     """After a completed run's final checkpoint (rank 0): write what the recipe makes of it in
     the run folder (the lora recipe's --fuse-at-end model); returns the `export` event's
     fields (its `path` relative to the run folder)."""
+    memory: dict[str, Any] | None = None
+    """The step's estimated peak against the memory available (`toymlx.memory.check_fits`),
+    for run_start; None where the recipe makes no estimate."""
 
 
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
@@ -470,7 +473,8 @@ def report_line(window: list[dict], unit: str, before: int, steps: int) -> str:
             f"{sum(e['loss'] for e in window) / len(window):.4f}, lr {last['lr']:.3e}, "
             f"{per_s(len(window)):.3f} steps/s, {per_s(trained - before):.1f} {unit}/s, "
             f"{trained} {unit} trained, peak memory {last['peak_memory_mb']} MB (MLX), "
-            f"{last['peak_rss_mb']} MB (RSS)")
+            + (f"{rss} MB (RSS)" if (rss := last.get("peak_rss_mb")) is not None
+               else "RSS not reported"))
 
 
 def eval_line(ev: dict) -> str:
@@ -510,6 +514,9 @@ class _Loop:
         self.stepper.build()
         self.evaluator = Evaluator(task, cfg.compile, self.stepper.n_streams,
                                    self.stepper.blas_threads)
+        est = (task.memory or {}).get("estimate")  # a step's transient memory bounds what is kept
+        device.bound_kept_buffers(None if est is None else
+                                  (est["activations_mb"] + est["logits_mb"]) << 20)
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0)
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
@@ -552,7 +559,7 @@ class _Loop:
                                     final_loss=self.log.loss_at(self.step),
                                     exit_code=self.exit_code,
                                     message=self.message, first_step_s=self.t_first,
-                                    peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))
+                                    **device.peak_memory())
                 self.log.close()
         return end
 
@@ -589,7 +596,8 @@ class _Loop:
                                                   st.blas_threads or device.blas_threads()},
                 model={**self.task.model_info, "n_params": n_total, "n_trainable": n_trainable},
                 config={**run_config, **self.task.config_info},
-                world_size=1 if self.world is None else self.world.size(), start_step=self.start)
+                world_size=1 if self.world is None else self.world.size(), start_step=self.start,
+                memory={**(self.task.memory or {}), "kept": device.kept_buffers()})
         if r is not None:
             self.log.emit(
                 "resume", started_at=now_iso(), from_step=r.step, steps=self.cfg.steps,

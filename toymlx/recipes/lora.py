@@ -26,7 +26,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-from toymlx import model_store
+from toymlx import memory, model_store
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
 from toymlx.device import on_gpu
@@ -47,7 +47,7 @@ from toymlx.lora import (
     write_merged,
 )
 from toymlx.losses import lm_held_out_sums, lm_loss
-from toymlx.models.layers import held_bytes
+from toymlx.models.layers import model_bytes
 from toymlx.models.ops import Ops
 from toymlx.outputs import check_output
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
@@ -134,6 +134,9 @@ class Config(TrainConfig):
     """At the end of a completed run, score the data folder's test.jsonl: held-out loss and
     perplexity, an `eval` event with split "test" (mlx-lm's --test; later:
     `toymlx-eval --model RUN --split test`)."""
+    force: bool = False
+    """Start even when the estimated peak of a step exceeds the memory available (run_start
+    records the estimate either way)."""
     fuse_at_end: Literal[("base", *EXPORT_TYPES)] | None = None  # type: ignore[valid-type]
     """When training completes, also write <run>/fused-TYPE.gguf: the base with the final
     adapter fused in (--fine-tune-type full: the final weights), as `toymlx-export --fuse`
@@ -198,6 +201,13 @@ def build(cfg: Config, ops: Ops) -> Task:
     with GGUFFile(src.path) as g:
         types = "/".join(sorted(set(projection_types(g).values())))
     dtype = "float32" if full else resolve_base_dtype(cfg.base_dtype, on_gpu())
+    with GGUFFile(src.path) as g:
+        fits = memory.check_fits(memory.estimate(
+            g, held=dtype, full=full, targets=parse_targets(cfg.lora.targets),
+            rank=cfg.lora.rank, layers=cfg.lora.layers, dora=cfg.fine_tune_type == "dora",
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+            grad_checkpoint=ops.grad_checkpoint, act_dtype=ops.dtype), f"--base {cfg.base}",
+            cfg.force)
     model, g = load_llama(src.path, ops, dtype)
     meta = dict(g.metadata)
     g.close()
@@ -211,7 +221,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
     info = llama_model_info(args)
     info.update(base=str(cfg.base), base_name=base_meta["general.name"], base_type=types,
-                base_dtype=dtype, base_held_bytes=held_bytes(model))
+                base_dtype=dtype, base_held_bytes=model_bytes(model))
     if full:
         def save(path: Path, m, extra: dict) -> None:
             with GGUFFile(src.path) as base:
@@ -275,4 +285,4 @@ def build(cfg: Config, ops: Ops) -> Task:
                      "n_truncated": data.n_truncated, **src.record("base")},
         unit="tokens", count=lambda b: int(np.sum(b["mask"])),
         prefix=prefix, test_batches=data.test_batches(cfg.batch_size) if cfg.test else [],
-        finish=finish if cfg.fuse_at_end else None)
+        finish=finish if cfg.fuse_at_end else None, memory=fits)
