@@ -144,6 +144,8 @@ def test_a_run_that_fits_is_never_refused_and_records_its_memory(tiny_gguf, tmp_
     assert mem["kept"]["mlx_cache_limit_mb"] <= step
     if mem["kept"]["malloc"] == "glibc-retain":  # the freed heap kept: at most one step's
         assert mem["kept"]["trim_threshold_mb"] == step
+    assert mem["kept"]["most_kept_mb"] == (mem["kept"].get("trim_threshold_mb", 0)
+                                           + mem["kept"]["mlx_cache_limit_mb"])
     assert end["kind"] == "run_end" and end["peak_rss_mb"] > end["peak_memory_mb"] > 0
     # too little memory, but --force: it starts, and says so
     monkeypatch.setenv(memory.AVAILABLE_ENV, "1")

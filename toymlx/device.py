@@ -299,6 +299,8 @@ def kept_buffers() -> dict[str, Any]:
                    >> 20)
     out["mlx_cache_limit_mb"] = None if p.mlx_cache_limit is None else p.mlx_cache_limit >> 20
     out["mlx_cache_mb"] = round(mx.get_cache_memory() / 2**20, 1)
+    # the cost: freed memory the process may hold on to beyond what its arrays use
+    out["most_kept_mb"] = out.get("trim_threshold_mb", 0) + (out["mlx_cache_limit_mb"] or 0)
     return out
 
 

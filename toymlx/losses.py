@@ -132,15 +132,16 @@ def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, o
     W the frozen `head`'s weight (V, D), read a slice of rows at a time (`head_slices`):
     logsumexp accumulated over the slices, the target's logit picked in its slice; the backward
     pass recomputes each slice's logits for the input gradient (softmax - one-hot) @ W_slice.
-    Each slice's rows are read after the previous slice is done (`mx.depends`), so one slice's
-    weights and logits live at a time."""
+    Each slice's rows are read after the previous slice is done, both its logsumexp and its
+    picked logit (`mx.depends`), so one slice's weights and logits live at a time: depending on
+    the logsumexp alone, every slice's logits lived until the picked logits were summed."""
     arrays, rows = row_reader(head)
     N = h.shape[0]
     slices = head_slices(arrays[0].shape[0], N, h.shape[1])
 
-    def logits(x: mx.array, arrs: list[mx.array], a: int, b: int, after: mx.array
+    def logits(x: mx.array, arrs: list[mx.array], a: int, b: int, after: list[mx.array]
                ) -> tuple[mx.array, mx.array, mx.array | None]:
-        w = rows(list(mx.depends(arrs, [after])), a, b).astype(x.dtype)  # (b - a, D)
+        w = rows(list(mx.depends(arrs, after)), a, b).astype(x.dtype)  # (b - a, D)
         z = (x @ w.T).astype(mx.float32)  # (N, b - a)
         if not softcap:
             return z, w, None
@@ -153,7 +154,8 @@ def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, o
         s = mx.zeros((N, 1), mx.float32)
         picked = mx.zeros((N, 1), mx.float32)
         for a, b in slices:
-            z, _, _ = logits(x, list(arrs), a, b, s)
+            # after both of the previous slice's reductions: its logits are then let go
+            z, _, _ = logits(x, list(arrs), a, b, [s, picked])
             top = mx.maximum(m, z.max(-1, keepdims=True))
             s = s * ops.exp_values(m - top) + ops.row_sum(ops.exp_values(z - top))
             m = top
@@ -172,7 +174,7 @@ def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, o
         g_all = (g_ce + g_lse)[:, None]  # d lse / dz = softmax; d picked / dz = one-hot
         dx = mx.zeros(x.shape, mx.float32)
         for a, b in slices:
-            z, w, th = logits(x, arrs, a, b, dx)
+            z, w, th = logits(x, arrs, a, b, [dx])
             hot = mx.arange(a, b)[None, :] == t[:, None]  # (N, b - a)
             dz = g_all * ops.exp_values(z - lse) - mx.where(hot, g_ce[:, None], 0.0)
             if th is not None:

@@ -100,6 +100,9 @@ class RunOptions:
     grad_checkpoint: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them: less
     memory for long sequences, about one more forward pass of time."""
+    force: bool = False
+    """Start even when a step's estimated peak exceeds the memory available (the lora recipe
+    estimates it before loading; run_start records the estimate either way)."""
 
 
 RUN_LOCAL = frozenset(f.name for f in dataclasses.fields(RunOptions))

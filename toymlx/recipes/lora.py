@@ -134,9 +134,6 @@ class Config(TrainConfig):
     """At the end of a completed run, score the data folder's test.jsonl: held-out loss and
     perplexity, an `eval` event with split "test" (mlx-lm's --test; later:
     `toymlx-eval --model RUN --split test`)."""
-    force: bool = False
-    """Start even when the estimated peak of a step exceeds the memory available (run_start
-    records the estimate either way)."""
     fuse_at_end: Literal[("base", *EXPORT_TYPES)] | None = None  # type: ignore[valid-type]
     """When training completes, also write <run>/fused-TYPE.gguf: the base with the final
     adapter fused in (--fine-tune-type full: the final weights), as `toymlx-export --fuse`
