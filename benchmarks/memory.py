@@ -74,6 +74,7 @@ ROWS = {r.name: r for r in (
     Row("3b-1x512", "llama-3.2-3b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
     Row("8b-1x512", "llama-3.1-8b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
     Row("gemma-4x256", "gemma-3-270m", 4, 256, steps=4),
+    Row("gemma-4x256-gc", "gemma-3-270m", 4, 256, grad_checkpoint=True, steps=4),
 )}
 PEERS = (("smollm2-blocks", "mlx-lm-packed"), ("smollm2-chat", "mlx-lm-chat"))
 """toymlx's row and mlx-lm's on the same data shape: their ratios are printed."""
@@ -135,7 +136,7 @@ def run_row(row: Row, runs: Path) -> dict[str, Any]:
                base_held_gb=round(start["model"].get("base_held_bytes", 0) / 1e9, 3))
     if row.pack:  # unpacked batches are cut to their longest row: batch x seq overstates them
         rec["tokens_per_s"] = round(row.batch * row.seq / statistics.median(times), 1)
-    for k in ("peak_memory", "peak_rss", "peak_mlx"):
+    for k in ("peak_memory_mb", "peak_rss_mb"):  # MLX's count and the process's, run_end's
         if k in end:
             rec[f"run_end_{k}"] = end[k]
     rec["llamacpp_ok"] = adapter_in_llamacpp(base, runs / row.name)

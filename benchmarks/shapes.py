@@ -200,6 +200,7 @@ def shape_file(shape: str | Shape, cache: str | os.PathLike = DEFAULT_CACHE,
     if out.is_file():
         return out, {}
     cache.mkdir(parents=True, exist_ok=True)
+    atomic.remove_stale(out)  # the F16 and quantized temporaries of a writer that was killed
     t0 = time.perf_counter()
     vocab = smollm2_vocab() if shape.vocab == "smollm2" else synthetic_spm(shape.args.vocab_size)
     n_tokens = len(vocab["tokenizer.ggml.tokens"][0])
@@ -208,7 +209,7 @@ def shape_file(shape: str | Shape, cache: str | os.PathLike = DEFAULT_CACHE,
                          f"tokens, found {n_tokens}")
     meta = {**_model_metadata(shape.args, f"{name} (random weights, toymlx benchmarks)"),
             **vocab}
-    f16 = cache / f".{name}.f16{atomic.TMP_TAG}{os.getpid()}"
+    f16 = cache / f".{out.name}.f16{atomic.TMP_TAG}{os.getpid()}"
     try:
         write_f16(f16, shape.args, meta, progress=progress)
         f16_bytes = f16.stat().st_size

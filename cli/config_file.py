@@ -46,7 +46,7 @@ MLX_LM_KEYS = {
     "save_every": "--checkpoint-every", "resume_adapter_file": "--lora.init-adapter",
     "adapter_path": "--runs-root and --run-id (the run folder holds the adapters)",
     "mask_prompt": "--data.mask-prompt", "train": "nothing (toymlx-train always trains)",
-    "steps_per_report": "nothing (every step is in events.jsonl)",
+    "steps_per_report": "--report-every",
     "test_batches": "nothing (--test scores all of test.jsonl)",
     "optimizer": "nothing (toymlx trains with AdamW)",
 }

@@ -176,10 +176,10 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     from toymlx.device import on_gpu
     from toymlx.generate import load_for_generation, used_files
     from toymlx.gguf.llama import frozen_weights
-    from toymlx.losses import lm_loss
+    from toymlx.losses import lm_held_out_sums, lm_loss
+    from toymlx.models.ops import scoring_ops
     from toymlx.recipes.lora import DEFAULT_DATA
-    from toymlx.trainer import Task
-    from toymlx.trainer import evaluate as run_eval
+    from toymlx.trainer import Task, command_evaluator
 
     data = dataclasses.asdict(cfg.data) if dataclasses.is_dataclass(getattr(cfg, "data", None)) \
         else {}
@@ -189,7 +189,8 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
                          "of test examples (--split test), found none")
     seq_len = args.seq_len or getattr(cfg, "seq_len", None) or 256
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
-    model, tok = load_for_generation(args.model, weights=frozen_weights(on_gpu()))
+    model, tok = load_for_generation(args.model, weights=frozen_weights(on_gpu()),
+                                     ops=scoring_ops(on_gpu()))
     print(f"toymlx-eval: {used_files(args.model)}", file=sys.stderr)
     if args.split == "test":
         f = test_file(path)
@@ -203,8 +204,8 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     n = len(rows["inputs"])
     bs = max(1, min(args.batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
-                test_batches=sft_val_batches(rows, bs, -(-n // bs)))
-    loss = run_eval(task, split="test")["test_loss"]
+                metrics_fn=lm_held_out_sums, test_batches=sft_val_batches(rows, bs, -(-n // bs)))
+    loss = command_evaluator(task)(split="test")["test_loss"]
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if args.split == "test" else ("val_loss",
                                                                           "perplexity")
@@ -217,10 +218,10 @@ def evaluate(args: Args) -> dict:
     import numpy as np
 
     from toymlx.checkpoint import checkpoint_file
-    from toymlx.device import select_device
+    from toymlx.device import on_gpu, select_device
     from toymlx.gguf.reader import GGUFFile
-    from toymlx.trainer import Task
-    from toymlx.trainer import evaluate as run_eval
+    from toymlx.models.ops import scoring_ops
+    from toymlx.trainer import Task, command_evaluator
 
     select_device(args.device)
     if args.plot:
@@ -251,7 +252,7 @@ def evaluate(args: Args) -> dict:
         text_run = isinstance(getattr(cfg, "data", None), TextData)  # from-scratch, warm-start
         if args.split == "test" and not text_run:  # a GGUF of its own: chat/SFT test examples
             return evaluate_chat(args, cfg)
-        model, g = load_llama(path, weights=frozen_weights(on_gpu()))
+        model, g = load_llama(path, scoring_ops(on_gpu()), weights=frozen_weights(on_gpu()))
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
         data = cfg.data if args.data_path is None and text_run else TextData(args.data_path)
         seq_len = args.seq_len or getattr(cfg, "seq_len", 256)
@@ -264,7 +265,7 @@ def evaluate(args: Args) -> dict:
         vb = (td.test_batches(bs, seq_len) if args.split == "test" else
               td.val_batches(bs, seq_len, 10**9))
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
-        m = run_eval(task)
+        m = command_evaluator(task)()
         mx.eval()
         if args.split == "test":  # named as the run's test event names them
             return {"model": str(path), "data": td.test_source, "split": "test",

@@ -1,4 +1,6 @@
-"""toymlx-generate --model PATH.gguf|runs/<id> --prompt "...": stream a model's continuation."""
+"""toymlx-generate --model PATH.gguf|runs/<id> --prompt "...": stream a model's answer (the prompt
+rendered through the GGUF's chat template wherever it has one, as mlx_lm.generate) or, with
+--ignore-chat-template or without a template, its continuation of the raw text."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ class Args:
     model: str
     """A llama-architecture GGUF file, or a run directory (its weights/latest is used)."""
     prompt: str = ""
-    """Text to continue (with --chat: the user's message; --chat without it: a conversation
-    typed turn by turn, as mlx_lm.chat)."""
+    """The user's message, rendered through the GGUF's chat template wherever it has one (as
+    mlx_lm.generate); raw text to continue with --ignore-chat-template or where there is no
+    template. --chat without it: a conversation typed turn by turn, as mlx_lm.chat."""
     max_tokens: int = 128
     """Most new tokens to generate (generation also stops at the end-of-sequence token)."""
     temperature: float = 0.7
@@ -38,9 +41,13 @@ class Args:
     seed: int = 0
     """Seed for sampling, so a run can be repeated exactly."""
     chat: bool = False
-    """Render the prompt as a user message with the GGUF's chat template."""
+    """Without --prompt: a conversation typed turn by turn. With it: the chat template, as by
+    default, but an error where the GGUF has none."""
+    ignore_chat_template: bool = False
+    """Continue --prompt as raw text even where the GGUF has a chat template (mlx_lm.generate's
+    flag; an instruct model often ends at once on raw text)."""
     system: str | None = None
-    """With --chat: an optional system message placed before the user's."""
+    """An optional system message placed before the user's (the chat template only)."""
     adapter: str | None = None
     """A LoRA adapter GGUF (or a LoRA run directory) to apply on top of --model."""
     device: Literal["auto", "cpu", "gpu"] = "auto"
@@ -77,16 +84,40 @@ def utf8_text(value: str | bytes, what: str) -> str:
     return value
 
 
+def templated(tokenizer, args: Args) -> bool:
+    """Whether the prompt goes through the GGUF's chat template: with --chat (which needs one),
+    else wherever the GGUF has one and a prompt is given (as mlx_lm.generate), unless
+    --ignore-chat-template; UsageError for flags that contradict that."""
+    if args.chat and args.ignore_chat_template:
+        raise UsageError("--ignore-chat-template: expected without --chat (a chat renders the "
+                         "chat template), found both")
+    if args.chat:
+        _need_template(tokenizer, args)
+        return True
+    use = bool(tokenizer.chat_template and args.prompt) and not args.ignore_chat_template
+    if args.system is not None and not use:
+        raise UsageError(f"--system: expected a prompt rendered through a chat template, found "
+                         f"{_raw_reason(args)}")
+    return use
+
+
+def _raw_reason(args: Args) -> str:
+    """Why a prompt is raw text (`templated` said no)."""
+    if args.ignore_chat_template:
+        return "--ignore-chat-template"
+    return "no --prompt" if not args.prompt else f"{args.model} has no tokenizer.chat_template"
+
+
 def prompt_ids(tokenizer, args: Args, history: list[dict[str, str]] | None = None) -> list[int]:
-    """Token ids of the prompt: plain text, or the chat template rendered with the
-    conversation so far (`history`, alternating user and assistant messages) and a user turn."""
-    if not args.chat:
+    """Token ids of the prompt: the chat template rendered with the conversation so far
+    (`history`, alternating user and assistant messages) and a user turn where `templated`
+    says so, else plain text."""
+    if not templated(tokenizer, args):
         ids = tokenizer.encode(args.prompt)
         if not ids:
             raise UsageError("--prompt: expected text (this tokenizer adds no BOS token), "
                              "found an empty prompt")
         return ids
-    _need_template(tokenizer, args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages += history or []
     messages.append({"role": "user", "content": args.prompt})
@@ -103,6 +134,25 @@ def _need_template(tokenizer, args: Args) -> None:
     if not tokenizer.chat_template:
         raise UsageError(f"{args.model}: --chat: expected a GGUF with tokenizer.chat_template, "
                          "found none (drop --chat to continue plain text)")
+
+
+def no_tokens_note(tokenizer, args: Args, ids: list[int], context: int) -> str:
+    """Why a generation made no new token, in one line: --max-tokens 0, a prompt that fills
+    the context, or the model ending at once, and whether the prompt went through the chat
+    template."""
+    if args.max_tokens == 0:
+        why = "--max-tokens is 0"
+    elif len(ids) >= context:
+        why = f"the prompt ({len(ids)} tokens) fills the model's context ({context})"
+    else:
+        eos = getattr(tokenizer, "eos_id", None)
+        how = ("rendered through the GGUF's chat template" if templated(tokenizer, args) else
+               f"raw text ({_raw_reason(args)})")
+        why = (f"the model ended at once (its first token was the end-of-sequence token {eos}); "
+               f"the prompt was {how}")
+        if args.ignore_chat_template:
+            why += ", which an instruct model often ends at once: drop --ignore-chat-template"
+    return f"{PROG}: 0 new tokens: {why}"
 
 
 CHAT_HELP = ("type a message and Enter; /reset forgets the conversation, /quit or Ctrl-D "
@@ -151,7 +201,9 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
             print(f"{PROG}: the conversation ({len(ids)} tokens) fills the model's context "
                   f"({context}); /reset to start again", file=sys.stderr)
             continue
-        reply, _ = stream(model, tokenizer, ids, turn, out, kept)
+        reply, n = stream(model, tokenizer, ids, turn, out, kept)
+        if n == 0:
+            print(no_tokens_note(tokenizer, turn, ids, context), file=sys.stderr)
         history += [{"role": "user", "content": text},
                     {"role": "assistant", "content": reply.strip()}]
         turns += 1
@@ -218,9 +270,6 @@ def run(args: Args) -> int:
     utf8_text(args.prompt, "--prompt")
     if args.system is not None:
         utf8_text(args.system, "--system")
-        if not args.chat:
-            raise UsageError("--system: expected with --chat (it is the chat's system message), "
-                             "found no --chat")
     if args.max_tokens < 0:
         raise UsageError(f"--max-tokens: expected >= 0, found {args.max_tokens}")
     check_sampling(args.temperature, args.top_p, args.top_k, args.min_p,
@@ -246,8 +295,9 @@ def run(args: Args) -> int:
                     model.close()
                 return 0
             ids = prompt_ids(tokenizer, args)
+            context = model_args.context
             model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
-                                    context=min(model_args.context, len(ids) + args.max_tokens))
+                                    context=min(context, len(ids) + args.max_tokens))
             print(used, file=sys.stderr)
             t0 = time.perf_counter()
             try:
@@ -268,12 +318,15 @@ def run(args: Args) -> int:
             chat(model, tokenizer, args, model.args.context)
             return 0
         ids = prompt_ids(tokenizer, args)
+        context = model.args.context
         print(used, file=sys.stderr)
         t0 = time.perf_counter()
         _, n = stream(model, tokenizer, ids, args)
     dt = time.perf_counter() - t0
     print(f"{PROG}: {len(ids)} prompt + {n} new tokens in {dt:.2f} s "
           f"({n / dt if dt > 0 else 0:.1f} tok/s, {engine})", file=sys.stderr)
+    if n == 0:
+        print(no_tokens_note(tokenizer, args, ids, context), file=sys.stderr)
     return 0
 
 

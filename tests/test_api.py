@@ -85,3 +85,24 @@ def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tm
     assert backends[0]["blas"] == backends[1]["blas"], backends
     ratio = _median_step(entry) / _median_step(command)
     assert ratio < 1.5, f"toymlx.train's step is {ratio:.1f}x the command's"
+
+
+def test_the_relay_passes_the_report_lines_through(tmp_path, capsys):
+    """The child has no terminal, so it draws no bar: its report lines (and validation lines)
+    come through the relay as it prints them, the figures those of its events."""
+    import toymlx
+
+    toymlx.train("from-scratch", model={"d_model": 32, "n_layers": 1}, seq_len=32, batch_size=4,
+                 steps=4, report_every=2, eval_every=2, eval_batches=1, checkpoint_every=0,
+                 compile=False, runs_root=str(tmp_path), run_id="r")
+    out = capsys.readouterr().out
+    events = read_events(tmp_path / "r")
+    steps = {e["step"]: e for e in events if e["kind"] == "step"}
+    for n in (2, 4):
+        mean = (steps[n - 1]["loss"] + steps[n]["loss"]) / 2
+        assert (f"step {n}/4: train loss {mean:.4f}, lr {steps[n]['lr']:.3e}, ") in out, out
+        assert f"{steps[n]['trained_tokens']} tokens trained" in out
+    evals = [e for e in events if e["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [2, 4]
+    for e in evals:
+        assert f"step {e['step']}: val_loss {e['val_loss']:.4f} ({e['seconds']:.2f} s)" in out

@@ -121,6 +121,7 @@ def test_a_latest_symlink_loop_is_one_line(tmp_path, stopped, capsys, prog, comm
 @pytest.mark.parametrize("path,key", [
     (["lr"], "config.lr"), (["seed"], "config.seed"), (["data"], "config.data"),
     (["model", "d_model"], "config.model.d_model"), (["data", "path"], "config.data.path"),
+    (["report_every"], "config.report_every"),
 ])
 def test_a_key_missing_from_config_json_is_named(tmp_path, stopped, capsys, path, key):
     run = _copy(stopped, tmp_path)
@@ -148,6 +149,20 @@ def test_a_bundle_written_before_config_format_2_still_resumes(tmp_path, stopped
     (run / "config.json").write_text(json.dumps(saved))
     assert main(["--resume", str(run)]) == 0
     assert _losses(run) == _losses(straight)
+
+
+def test_a_config_format_2_bundle_resumes_with_report_every_s_default(tmp_path, stopped,
+                                                                        straight, capsys):
+    """--report-every came with config.json format 3: a format-2 file without it resumes, the
+    option at its default (10), exactly."""
+    run = _copy(stopped, tmp_path)
+    saved = json.loads((run / "config.json").read_text())
+    saved["format"] = 2
+    del saved["config"]["report_every"]
+    (run / "config.json").write_text(json.dumps(saved))
+    assert main(["--resume", str(run)]) == 0
+    assert _losses(run) == _losses(straight)
+    assert "step 6/6: train loss " in capsys.readouterr().out  # at the last step
 
 
 # ---- B4 ---------------------------------------------------------------------------------------

@@ -434,8 +434,6 @@ def test_text_that_is_not_utf8_is_one_line(stories_path, capsys, prompt, flag, f
 
 
 @pytest.mark.parametrize("flags,want", [
-    (["--system", "be brief"], ("--system: expected with --chat (it is the chat's system "
-     "message), found no --chat")),
     (["--temperature", "nan"], "--temperature: expected a finite number >= 0, found nan"),
     (["--temperature", "inf"], "--temperature: expected a finite number >= 0, found inf"),
     (["--top-k", "-1"], "--top-k: expected >= 0 (0: off), found -1"),
@@ -443,9 +441,9 @@ def test_text_that_is_not_utf8_is_one_line(stories_path, capsys, prompt, flag, f
     (["--repetition-penalty", "0"], ("--repetition-penalty: expected a finite number > 0, "
      "found 0.0")),
 ])
-def test_options_that_do_not_apply_or_are_out_of_range_are_one_line(stories_path, capsys,
+def test_sampler_options_out_of_range_are_one_line(stories_path, capsys,
                                                                      flags, want):
-    """--system without --chat was ignored; a nan temperature sampled from nan logits."""
+    """A nan temperature sampled from nan logits."""
     assert cli.main(["--model", str(stories_path), "--prompt", "hi", *flags]) == 2
     out, err = capsys.readouterr()
     assert (out, err) == ("", f"toymlx-generate: error: {want}\n")

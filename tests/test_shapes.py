@@ -26,6 +26,8 @@ def test_tiny_gemma3_shape_written_quantized_and_reused(tmp_path):
                    n_layers=6, ffn_dim=512, key_length=128,
                    sliding_layers=(True,) * 5 + (False,))
     shape = shapes.Shape("tiny-gemma3", args, "synthetic")
+    killed = tmp_path / ".tiny-gemma3.q4_k_m.gguf.f16.tmp-999999999"  # a writer long gone
+    killed.write_bytes(b"half an F16")
     path, took = shapes.shape_file(shape, tmp_path)
     assert path == tmp_path / "tiny-gemma3.q4_k_m.gguf" and took["f16_bytes"] > path.stat().st_size
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # the F16 is gone

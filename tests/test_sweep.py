@@ -136,6 +136,14 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
     for p in runs:
         assert read_events(p)[-1]["reason"] == "completed"
         assert json.loads((p / "config.json").read_text())["config"]["steps"] == 10
+        # each run's log holds its report lines: the step-10 one, and each validation's
+        log = (root / "logs" / f"{p.name}.log").read_text()
+        step10 = next(e for e in read_events(p) if e["kind"] == "step" and e["step"] == 10)
+        assert re.search(r"^step 10/10: train loss \S+, lr \S+, \S+ steps/s, \S+ tokens/s, "
+                         rf"{step10['trained_tokens']} tokens trained, ", log, re.MULTILINE), log
+        for e in (e for e in read_events(p) if e["kind"] == "eval"):
+            assert f"step {e['step']}: val_loss {e['val_loss']:.4f} ({e['seconds']:.2f} s)" \
+                in log
 
     rows = _csv(root / "summary.csv")
     assert sorted(r["run"] for r in rows) == [p.name for p in runs]

@@ -122,7 +122,7 @@ def test_test_path_scored_at_the_end_as_eval_and_the_classifier_score_it(tmp_pat
     assert [(e["kind"], e.get("split")) for e in events[-3:]] == [
         ("checkpoint", None), ("eval", "test"), ("run_end", None)]
     scored = events[-2]
-    assert set(scored) == {"kind", "t", "step", "split", "test_loss", "test_accuracy"}
+    assert set(scored) == {"kind", "t", "step", "split", "test_loss", "test_accuracy", "seconds"}
     # by hand: the checkpoint's float64 cross-entropy and accuracy over every test image
     clf = Classifier.load(run)
     files = sorted(p for p in test.rglob("*") if p.is_file())

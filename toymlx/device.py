@@ -85,6 +85,10 @@ class _ProcessState:
     """Whether one-row matmuls go to OpenBLAS's sgemv (`toymlx.gemv_forward`): on, off (why)."""
     blas_rebound: str | None = None
     """Set where mlx.core was loaded before toymlx: what `toymlx.blas_rebind` switched."""
+    trim_threshold: int | None = None
+    """glibc's trim threshold once `bound_kept_buffers` set it to a step's memory."""
+    mlx_cache_limit: int | None = None
+    """MLX's buffer-cache limit once `bound_kept_buffers` set it."""
     set_up: bool = False
 
 
@@ -258,6 +262,58 @@ def tune_malloc() -> str:
     return "glibc-retain" if ok else "default"
 
 
+def bound_kept_buffers(step_bytes: int | None) -> None:
+    """Keep only what a step reuses: glibc's freed heap (its trim threshold) and MLX's buffer
+    cache bounded to `step_bytes` (a step's transient memory, `toymlx.memory.Estimate`), and
+    what loading left freed handed back now (`malloc_trim`). None: the process's settings as
+    they are. `kept_buffers` says what is kept."""
+    p = _PROCESS
+    if step_bytes is None:
+        return
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    step_bytes = int(step_bytes)
+    before = mx.set_cache_limit(step_bytes)
+    if before < step_bytes:  # a bound, never a raise (MLX's CPU allocator keeps little)
+        mx.set_cache_limit(before)
+    p.mlx_cache_limit = min(before, step_bytes)
+    if p.malloc == "glibc-retain":
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold = -1
+        if libc.mallopt(m_trim_threshold, min(step_bytes, _MALLOC_LIMITS["trim_threshold"])):
+            p.trim_threshold = min(step_bytes, _MALLOC_LIMITS["trim_threshold"])
+        libc.malloc_trim(0)
+
+
+def kept_buffers() -> dict[str, Any]:
+    """What this process keeps for speed, and its cost (run_start's memory.kept): glibc's
+    thresholds (freed heap up to trim_threshold stays with the process: steps fault no pages
+    back in) and MLX's buffer-cache limit, in MB."""
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    p = _PROCESS
+    out: dict[str, Any] = {"malloc": p.malloc}
+    if p.malloc == "glibc-retain":
+        out.update(mmap_threshold_mb=_MALLOC_LIMITS["mmap_threshold"] >> 20,
+                   trim_threshold_mb=(p.trim_threshold or _MALLOC_LIMITS["trim_threshold"])
+                   >> 20)
+    out["mlx_cache_limit_mb"] = None if p.mlx_cache_limit is None else p.mlx_cache_limit >> 20
+    out["mlx_cache_mb"] = round(mx.get_cache_memory() / 2**20, 1)
+    # the cost: freed memory the process may hold on to beyond what its arrays use
+    out["most_kept_mb"] = out.get("trim_threshold_mb", 0) + (out["mlx_cache_limit_mb"] or 0)
+    return out
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident set so far, in MB (None where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS
+
+
 def blas_threads() -> int | None:
     """OpenBLAS's thread count now, or None where toymlx does not control the BLAS (macOS's
     Accelerate, the reference BLAS)."""
@@ -319,27 +375,6 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-def available_memory() -> int:
-    """Bytes a new model may take here: Linux's MemAvailable (free plus reclaimable page
-    cache); on a Mac the memory MLX may wire for the GPU (its recommended working set), else
-    the machine's physical memory."""
-    if sys.platform == "linux":
-        try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    if sys.platform == "darwin":
-        import mlx.core as mx  # here, not at the top: this module loads before mlx.core
-
-        if mx.is_available(mx.gpu):
-            size = mx.device_info().get("max_recommended_working_set_size")
-            if size:
-                return int(size)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def backend_info() -> dict:
     """What actually runs the math: for run_start events and benchmarks."""
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
@@ -365,3 +400,12 @@ def backend_info() -> dict:
     if blas_threads() is not None:
         info["blas_threads"] = blas_threads()
     return info
+
+
+def peak_memory() -> dict[str, float | None]:
+    """The process's memory peaks so far, in MB rounded to 0.1: MLX's own count of the buffers
+    it held at once (`peak_memory_mb`) and the resident set the system saw (`peak_rss_mb`)."""
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    return {"peak_memory_mb": round(mx.get_peak_memory() / 2**20, 1),
+            "peak_rss_mb": peak_rss_mb()}

@@ -39,13 +39,14 @@ from typing import Any
 import mlx.core as mx
 
 from toymlx.checkpoint import checkpoint_file
-from toymlx.device import available_memory, on_gpu
+from toymlx.device import on_gpu
 from toymlx.gguf.llama import args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.lora import apply_adapter
 from toymlx.model_store import is_store_name, resolve, resolve_model
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
+from toymlx.models.ops import EXACT, Ops
 from toymlx.runs import run_base
 from toymlx.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
 from toymlx.tokenizer import Tokenizer
@@ -311,8 +312,10 @@ def decoding_weights(gguf_path: str | os.PathLike, gpu: bool) -> str:
         return frozen_weights(True)
     with GGUFFile(gguf_path) as g:
         need = float32_bytes(g)
-    have = available_memory()
-    if need <= have // 2:
+    from toymlx.memory import available_memory
+
+    have, _ = available_memory()
+    if have is None or need <= have // 2:
         return "float32"
     print(f"toymlx: {gguf_path}: holding the model as its quantized blocks (float32 would take "
           f"{need / 1e9:.1f} GB of the {have / 1e9:.1f} GB available): on the CPU MLX decodes "
@@ -322,17 +325,19 @@ def decoding_weights(gguf_path: str | os.PathLike, gpu: bool) -> str:
 
 
 def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | None = None,
-                        weights: str | None = None) -> tuple[Llama, Any]:
+                        weights: str | None = None, ops: Ops = EXACT) -> tuple[Llama, Any]:
     """(model, tokenizer) in MLX from a llama-family GGUF or a run directory (its
     `weights/latest`), with the LoRA adapter a run trained (and `adapter`) applied; `weights`:
-    how it holds them (`load_llama`; None: `decoding_weights`)."""
+    how it holds them (`load_llama`; None: `decoding_weights`); `ops`: the math it computes
+    with (toymlx-eval: `models.ops.scoring_ops`)."""
     gguf_path, adapters = model_files(path, adapter)
     if len(adapters) > 1:
         raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter on {path}, found "
                          f"{path} carries one already ({adapters[0]}; give its base as "
                          "--model)")
     tokenizer, _ = load_tokenizer(gguf_path)
-    model, g = load_llama(gguf_path, weights=weights or decoding_weights(gguf_path, on_gpu()))
+    model, g = load_llama(gguf_path, ops,
+                          weights=weights or decoding_weights(gguf_path, on_gpu()))
     g.close()
     for a in adapters:
         apply_adapter(model, a)

@@ -194,7 +194,7 @@ def _final_line(run_dir: Path, end: dict) -> None:
     test = [e for e in evals if e.get("split") == "test"]
     shown = {**(val[-1] if val else {}), **(test[-1] if test else {})}
     figures = ", ".join(f"{k} {v:.4f}" for k, v in shown.items()
-                        if k not in ("kind", "t", "step") and isinstance(v, float))
+                        if k not in ("kind", "t", "step", "seconds") and isinstance(v, float))
     msg = f"{end['reason']} at step {end['final_step']}"
     if end.get("message"):
         msg += f": {end['message']}"

@@ -64,6 +64,10 @@ class RunOptions:
 
     eval_every: int = 50
     """Steps between validation passes (0: only at the end)."""
+    report_every: int = 10
+    """Steps between report lines on stdout (step, train loss, learning rate, steps/s,
+    throughput, trained tokens or images, peak memory; mlx-lm's --steps-per-report), printed
+    with or without the progress bar, also at the last step (0: none)."""
     checkpoint_every: int = 100
     """Steps between GGUF checkpoints (0: only the final one)."""
     keep_last: int = 0
@@ -98,6 +102,9 @@ class RunOptions:
     grad_checkpoint: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them: less
     memory for long sequences, about one more forward pass of time."""
+    force: bool = False
+    """Start even when a step's estimated peak exceeds the memory available (the lora recipe
+    estimates it before loading; run_start records the estimate either way)."""
 
 
 RUN_LOCAL = frozenset(f.name for f in dataclasses.fields(RunOptions))
@@ -162,11 +169,19 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
     return run_dir, lock
 
 
-CONFIG_FORMAT = 2
+CONFIG_FORMAT = 3
 """config.json's `format`. 2 (toymlx 0.2 on): every option is written, so a missing key is
 damage and refused. A config.json without `format` (written before) is read as it was then: an
 option it lacks (one added since) takes its default, which keeps the old behaviour. An option
-added from now on must bump this and be let off for older formats here."""
+added from now on must bump this and be let off for older formats in `ADDED_IN`."""
+ADDED_IN = {3: ("report_every",)}
+"""format -> the top-level options it added: a config.json of an older format (2 on) lacks
+them, and they take their defaults there (none changes what is trained)."""
+
+
+def added_since(fmt: int) -> frozenset[str]:
+    """The options a config.json of format `fmt` was written without (`ADDED_IN`)."""
+    return frozenset(k for f, keys in ADDED_IN.items() if fmt < f for k in keys)
 
 
 def save_config(run_dir: Path, recipe: str, cfg: Any) -> None:
@@ -414,12 +429,14 @@ def _coerce(t: Any, v: Any, key: str, source: str, complete: bool = True) -> Any
 
 
 def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
-                     prefix: str = "config.", complete: bool = True) -> Any:
+                     prefix: str = "config.", complete: bool = True,
+                     optional: frozenset[str] = frozenset()) -> Any:
     """Rebuild a (nested) config dataclass from its saved dict, every value checked against
     its field's type, every option present; RunError naming `source`, the key, the expected and
     the found value. config.json is written whole when a run starts, so a missing key is damage:
     taking its default would train another run under this one's name. `complete=False` (a
-    config file given with -c, which sets only some options) lets the others take defaults."""
+    config file given with -c, which sets only some options) lets the others take defaults;
+    `optional` names the top-level keys that may be missing (added after the file's format)."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kw = {}
@@ -435,7 +452,7 @@ def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
                            f"{_found(v)}; " + ("fix it to the run's value" if complete else
                                                "fix it, or remove the key to take its default")
                            ) from None
-    missing = [k for k in names if k not in d]
+    missing = [k for k in names if k not in d and k not in optional]
     if missing and complete:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise RunError(f"{source}: key {prefix + missing[0]!r}: expected the run's saved "
@@ -562,8 +579,12 @@ class Bundle:
             module = get_recipe(saved["recipe"])
         except ValueError as e:
             raise RunError(f"{source}: key 'recipe': {e}") from None
-        written_whole = saved.get("format", 1) >= CONFIG_FORMAT  # see CONFIG_FORMAT
-        cfg = config_from_dict(module.Config, saved["config"], source, complete=written_whole)
+        fmt = saved.get("format", 1)
+        if not isinstance(fmt, int) or isinstance(fmt, bool):
+            raise RunError(f"{source}: key 'format': expected an integer (toymlx writes "
+                           f"{CONFIG_FORMAT}), found {_found(fmt)}")
+        cfg = config_from_dict(module.Config, saved["config"], source, complete=fmt >= 2,
+                               optional=added_since(fmt))  # see CONFIG_FORMAT
         cfg, used = resolve_inputs(cfg, saved, source)
         events = ev.read_events(path)
         cfg.steps = _planned_steps(events, cfg.steps)

@@ -130,6 +130,7 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) ->
         ("--beta2", 0 <= cfg.beta2 < 1, "in [0, 1)", cfg.beta2),
         ("--grad-clip", cfg.grad_clip >= 0, ">= 0", cfg.grad_clip),
         ("--eval-every", cfg.eval_every >= 0, ">= 0", cfg.eval_every),
+        ("--report-every", cfg.report_every >= 0, ">= 0 (0: no report lines)", cfg.report_every),
         ("--eval-batches", cfg.eval_batches >= 1, ">= 1", cfg.eval_batches),
         ("--checkpoint-every", cfg.checkpoint_every >= 0, ">= 0", cfg.checkpoint_every),
         ("--keep-last", cfg.keep_last >= 0, ">= 0 (0: keep every checkpoint)", cfg.keep_last),
@@ -189,6 +190,9 @@ class Task:
     """After a completed run's final checkpoint (rank 0): write what the recipe makes of it in
     the run folder (the lora recipe's --fuse-at-end model); returns the `export` event's
     fields (its `path` relative to the run folder)."""
+    memory: dict[str, Any] | None = None
+    """The step's estimated peak against the memory available (`toymlx.memory.check_fits`),
+    for run_start; None where the recipe makes no estimate."""
 
 
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
@@ -200,29 +204,83 @@ def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
 
 
+class Evaluator:
+    """A task's metrics over its held-out batches (validation, or the test split), as one
+    pass of the forward: count-weighted sums of `metrics_fn` (default: the loss), in eval mode
+    (dropout off; the model's mode restored afterwards), computed with the model's own `Ops`
+    (the training step's kernels). Built once per run and reused: with `compile`, the metrics
+    function is `mx.compile`d once, and traced once per batch shape (held-out batches of
+    chat rows are cut to their longest row rounded up to a multiple of 32,
+    `toymlx.data.chat.sft_val_batches`, so there are few); with `n_streams` > 1 (a multi-core
+    CPU, as the training step has it) each micro-batch's rows are split over that many MLX
+    CPU streams, one compiled function each, evaluated together under `blas_threads` BLAS
+    threads per call (`toymlx.cpu_streams`). Metrics are sums over rows, so a split changes
+    nothing but the order of the additions."""
+
+    def __init__(self, task: Task, compile: bool = True, n_streams: int = 1,
+                 blas_threads: int | None = None):
+        self.task, self.blas_threads = task, blas_threads
+        fn, model = task.metrics_fn or _loss_metrics(task.loss_fn), task.model
+        self.streams = [mx.default_stream(mx.default_device())] + [
+            mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
+
+        def metrics(batch: dict[str, mx.array]) -> dict[str, mx.array]:
+            return fn(model, batch)
+
+        # one compiled function per stream: mx.compile caches its traces per function, and
+        # each stream's trace must keep its own stream (see toymlx.cpu_streams)
+        self.fns = [mx.compile(lambda batch: metrics(batch), inputs=[model.state])
+                    if compile else metrics for _ in self.streams]
+
+    def _sums(self, micro: dict[str, np.ndarray]) -> list[dict[str, mx.array]]:
+        """The metrics' sums of one micro-batch (B, ...), its rows split over the streams as
+        evenly as they go (a stream that gets no row is left out), unevaluated."""
+        n, size = len(self.streams), next(iter(micro.values())).shape[0]
+        cuts = [size * j // n for j in range(n + 1)]
+        out = []
+        for a, b, st, fn in zip(cuts, cuts[1:], self.streams, self.fns):
+            if b > a:
+                with mx.stream(st):
+                    out.append(fn({k: mx.array(v[a:b]) for k, v in micro.items()}))
+        return out
+
+    def __call__(self, max_batches: int | None = None, split: str = "val") -> dict[str, float]:
+        """Metrics over the validation batches (`split="test"`: the test batches), the first
+        `max_batches`; the loss is `<split>_loss`, and a test split's other metrics are
+        `test_<name>` (test_accuracy) so that they never read as the validation figures."""
+        totals: dict[str, float] = {}
+        model = self.task.model
+        was_training = model.training
+        model.eval()
+        batches = self.task.test_batches if split == "test" else self.task.val_batches
+        try:
+            for b in batches[:max_batches]:
+                for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
+                    parts = self._sums({k: v[i] for k, v in b.items()})
+                    with device.use_blas_threads(self.blas_threads):
+                        mx.eval(parts)
+                    for sums in parts:
+                        for k, v in sums.items():
+                            totals[k] = totals.get(k, 0.0) + float(v.item())
+        finally:
+            model.train(was_training)
+        n = totals.pop("n", 0.0) or 1.0
+        return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
+                for k, v in totals.items()}
+
+
+def command_evaluator(task: Task) -> Evaluator:
+    """The `Evaluator` of a command outside a run (toymlx-eval): compiled, over the CPU streams
+    and BLAS threads a run on this machine would step with."""
+    n = cpu_streams.stream_count(0)
+    return Evaluator(task, True, n, cpu_streams.step_blas_threads(n))
+
+
 def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
              ) -> dict[str, float]:
-    """Metrics over the task's validation batches (`split="test"`: its test batches),
-    count-weighted, in eval mode (dropout off; the model's mode is restored afterwards); the
-    loss is `<split>_loss`, and a test split's other metrics are `test_<name>` (test_accuracy)
-    so that they never read as the validation figures."""
-    totals: dict[str, float] = {}
-    fn = task.metrics_fn or _loss_metrics(task.loss_fn)
-    was_training = task.model.training
-    task.model.eval()
-    batches = task.test_batches if split == "test" else task.val_batches
-    try:
-        for b in batches[:max_batches]:
-            for i in range(next(iter(b.values())).shape[0]):  # the leading micro-batch axis
-                sums = fn(task.model, {k: mx.array(v[i]) for k, v in b.items()})
-                mx.eval(sums)
-                for k, v in sums.items():
-                    totals[k] = totals.get(k, 0.0) + float(v.item())
-    finally:
-        task.model.train(was_training)
-    n = totals.pop("n", 0.0) or 1.0
-    return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
-            for k, v in totals.items()}
+    """One `Evaluator` pass, eager, on one stream (for a single pass outside a run: a test's
+    reference figure); see `Evaluator.__call__`."""
+    return Evaluator(task, compile=False)(max_batches, split)
 
 
 def _loss_metrics(loss_fn):
@@ -399,11 +457,12 @@ class Checkpointer:
         if isinstance(metrics.get("val_loss"), float) and math.isfinite(metrics["val_loss"]):
             self.scores[step] = metrics["val_loss"]
 
-    def save(self, step: int) -> None:
-        """Write the checkpoint of `step` (rank 0; the others only follow along)."""
+    def save(self, step: int) -> dict | None:
+        """Write the checkpoint of `step` (rank 0, which gets its `checkpoint` event back; the
+        others only follow along)."""
         self.last = step
         if not self.write:
-            return
+            return None
         ckpt_id = uuid.uuid4().hex
         extra = {"general.step": step, "general.run_id": self.run_dir.name, ck.ID_KEY: ckpt_id}
         if self.task.checkpoint_meta:
@@ -420,8 +479,44 @@ class Checkpointer:
             steps = [s for s, _ in ck.list_checkpoints(self.weights)]
             removed = ck.prune(self.weights, ck.retained(steps, step, self.cfg.keep_last,
                                                          self.cfg.keep_best, self.scores))
-        self.log.emit("checkpoint", step=step, path=str(path.relative_to(self.run_dir)),
-                      **({"removed": removed} if removed else {}))
+        return self.log.emit("checkpoint", step=step, path=str(path.relative_to(self.run_dir)),
+                             **({"removed": removed} if removed else {}))
+
+
+def report_line(window: list[dict], unit: str, before: int, steps: int) -> str:
+    """The report line of the step events `window` (the steps since the last line; `before`:
+    the `trained_<unit>` count before its first step), every figure from those events: the
+    mean train loss over the window, the last step's learning rate, steps/s and <unit>/s over
+    the window's step times, the <unit> trained so far and the peak memory (MLX's and the
+    process's RSS) as the last step event records them."""
+    last = window[-1]
+    seconds = sum(e["step_time_s"] for e in window)
+    trained = last[f"trained_{unit}"]
+
+    def per_s(n: float) -> float:
+        return n / seconds if seconds > 0 else math.inf
+
+    return (f"step {last['step']}/{steps}: train loss "
+            f"{sum(e['loss'] for e in window) / len(window):.4f}, lr {last['lr']:.3e}, "
+            f"{per_s(len(window)):.3f} steps/s, {per_s(trained - before):.1f} {unit}/s, "
+            f"{trained} {unit} trained, peak memory {last['peak_memory_mb']} MB (MLX), "
+            + (f"{rss} MB (RSS)" if (rss := last.get("peak_rss_mb")) is not None
+               else "RSS not reported"))
+
+
+def eval_line(ev: dict) -> str:
+    """The line of an `eval` event: its figures and how long the pass took."""
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
+                        if isinstance(v, float) and k not in ("t", "seconds"))
+    where = "test" if ev.get("split") == "test" else f"step {ev['step']}"
+    return f"{where}: {figures} ({ev['seconds']:.2f} s)"
+
+
+def checkpoint_line(ev: dict, run_dir: Path) -> str:
+    """The line of a `checkpoint` event: the file written (and what retention removed)."""
+    removed = (f"; removed {', '.join(f'step_{s}' for s in ev['removed'])}"
+               if ev.get("removed") else "")
+    return f"step {ev['step']}: checkpoint {run_dir / ev['path']}{removed}"
 
 
 class _Loop:
@@ -444,6 +539,11 @@ class _Loop:
             self.start = resume.step
         # after the resume restored the optimizer state: the compiled step holds its containers
         self.stepper.build()
+        self.evaluator = Evaluator(task, cfg.compile, self.stepper.n_streams,
+                                   self.stepper.blas_threads)
+        est = (task.memory or {}).get("estimate")  # a step's transient memory bounds what is kept
+        device.bound_kept_buffers(None if est is None else
+                                  (est["activations_mb"] + est["logits_mb"]) << 20)
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0)
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
@@ -455,6 +555,12 @@ class _Loop:
         self.reason, self.exit_code, self.message = "completed", 0, None
         self.t_first: float | None = None
         self.last_eval: dict[str, float] = {}
+        self.trained = self._trained_before()
+        """Tokens (images) trained on so far: the step events' `trained_<unit>`."""
+        self.window: list[dict] = []
+        """The step events since the last report line."""
+        self.reported = self.trained
+        """`trained` before the window's first step."""
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
         self._announce(run_config)
@@ -480,7 +586,7 @@ class _Loop:
                                     final_loss=self.log.loss_at(self.step),
                                     exit_code=self.exit_code,
                                     message=self.message, first_step_s=self.t_first,
-                                    peak_memory_mb=round(mx.get_peak_memory() / 2**20, 1))
+                                    **device.peak_memory())
                 self.log.close()
         return end
 
@@ -517,7 +623,8 @@ class _Loop:
                                                   st.blas_threads or device.blas_threads()},
                 model={**self.task.model_info, "n_params": n_total, "n_trainable": n_trainable},
                 config={**run_config, **self.task.config_info},
-                world_size=1 if self.world is None else self.world.size(), start_step=self.start)
+                world_size=1 if self.world is None else self.world.size(), start_step=self.start,
+                memory={**(self.task.memory or {}), "kept": device.kept_buffers()})
         if r is not None:
             self.log.emit(
                 "resume", started_at=now_iso(), from_step=r.step, steps=self.cfg.steps,
@@ -530,8 +637,31 @@ class _Loop:
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
 
+    def _trained_before(self) -> int:
+        """Tokens (images) trained on before this process's first step: what the kept step
+        event of the resumed step records, else (a bundle written before the field, or
+        none) counted again from the steps' batches."""
+        key = f"trained_{self.task.unit}"
+        r = self.resume
+        kept = [e.get(key) for e in (r.kept if r is not None else [])
+                if e["kind"] == "step" and e.get("step") == self.start]
+        if kept and isinstance(kept[-1], int):
+            return kept[-1]
+        return sum(self.count(self.task.train_batch(s)) for s in range(self.start))
+
+    def _say(self, line: str, bar: Any) -> None:
+        """A report line on stdout (rank 0): under the progress bar when it is shown."""
+        if not self.rank0:
+            return
+        if bar is not None:
+            bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
     def _progress(self) -> Any:
-        if not (self.rank0 and self.cfg.progress):
+        # The bar is drawn on stderr: only where that is a terminal (a log file or a pipe
+        # gets the report lines alone).
+        if not (self.rank0 and self.cfg.progress and sys.stderr.isatty()):
             return contextlib.nullcontext(None)
         return tqdm(total=self.cfg.steps, initial=self.start, desc=self.task.recipe, unit="step",
                     dynamic_ncols=True, file=sys.stderr)
@@ -542,18 +672,21 @@ class _Loop:
             if not self._step(s, bar):
                 return
             done = s + 1
+            if cfg.report_every and (done % cfg.report_every == 0 or done == cfg.steps):
+                self._say(report_line(self.window, self.task.unit, self.reported, cfg.steps), bar)
+                self.window, self.reported = [], self.trained
             if not stop.count and ((cfg.eval_every and done % cfg.eval_every == 0)
                                    or done == cfg.steps):
                 self._evaluate(done, bar)
             due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-            if due and not self._checkpoint(done):
+            if due and not self._checkpoint(done, bar):
                 return
             if stop.count:
-                return self._interrupted(stop)
+                return self._interrupted(stop, bar)
             if cfg.stop_at is not None and cfg.stop_at <= done < cfg.steps:
                 self.reason = "stopped"
                 break
-        self._checkpoint(self.step)
+        self._checkpoint(self.step, bar)
 
     def _step(self, s: int, bar: Any) -> bool:
         """Optimizer step `s` (0-based) and its event; False if the run diverged in it."""
@@ -577,9 +710,13 @@ class _Loop:
                 self._diverged(f"{what} became {v} at step {s + 1} (lr {lr:.3g})", s)
                 return False
         self.step = s + 1
+        self.trained += n_items
         rate = n_items / dt
-        self.log.emit("step", step=s + 1, loss=loss, lr=lr, grad_norm=gnorm_v, **scaled,
-                      **{f"{self.task.unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4)})
+        unit = self.task.unit
+        self.window.append(self.log.emit(
+            "step", step=s + 1, loss=loss, lr=lr, grad_norm=gnorm_v, **scaled,
+            **{f"{unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4),
+               f"trained_{unit}": self.trained}, **device.peak_memory()))
         if bar is not None:
             acc = (f" val_acc {self.last_eval['accuracy']:.3f}" if "accuracy" in self.last_eval
                    else "")
@@ -589,24 +726,24 @@ class _Loop:
         return True
 
     def _evaluate(self, step: int, bar: Any) -> None:
-        metrics = evaluate(self.task, self.cfg.eval_batches)
+        t0 = time.perf_counter()
+        metrics = self.evaluator(self.cfg.eval_batches)
         self.last_eval = metrics
         self.ckpt.score(step, metrics)
-        self.log.emit("eval", step=step, **metrics)
-        if bar is not None:
-            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self._say(eval_line(self.log.emit("eval", step=step, **metrics,
+                                          seconds=round(time.perf_counter() - t0, 3))), bar)
 
     def _test(self, bar: Any) -> None:
         """The completed run's held-out test figures (`--test`), once at the end: the loss and
         the task's metrics (a classifier's test_accuracy), and a language model's perplexity."""
-        metrics = evaluate(self.task, split="test")
+        t0 = time.perf_counter()
+        metrics = self.evaluator(split="test")
         if self.task.unit == "tokens":
             metrics["test_perplexity"] = math.exp(metrics["test_loss"])
-        self.log.emit("eval", step=self.step, split="test", **metrics)
-        if bar is not None:
-            bar.write("test: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self._say(eval_line(self.log.emit("eval", step=self.step, split="test", **metrics,
+                                          seconds=round(time.perf_counter() - t0, 3))), bar)
 
-    def _checkpoint(self, step: int) -> bool:
+    def _checkpoint(self, step: int, bar: Any) -> bool:
         """The checkpoint of `step`, unless written; False (the run diverged) if the weights
         are not finite."""
         if self.ckpt.last == step or step == 0:
@@ -616,15 +753,17 @@ class _Loop:
         if not _finite(self.model):
             self._diverged(f"weights became non-finite at step {step}", step - 1)
             return False
-        self.ckpt.save(step)
+        ev = self.ckpt.save(step)
+        if ev is not None:
+            self._say(checkpoint_line(ev, self.run_dir), bar)
         return True
 
-    def _interrupted(self, stop: StopSignals) -> None:
+    def _interrupted(self, stop: StopSignals, bar: Any) -> None:
         resume = f"resume with --resume {self.run_dir}"
         if stop.count > 1 and self.ckpt.last != self.step:
             self._end("interrupted", 130, f"interrupted after step {self.step}; a second signal "
                       f"skipped its checkpoint: {resume} (from {_named(self.ckpt.last)})")
-        elif self._checkpoint(self.step):
+        elif self._checkpoint(self.step, bar):
             self._end("interrupted", 130, f"interrupted after step {self.step}; {resume}")
 
     def _diverged(self, what: str, good_step: int) -> None:

@@ -54,6 +54,7 @@ __all__ = [
     "split_examples",
     "test_file",
     "tokenize_example",
+    "trained_positions",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -478,8 +479,8 @@ def sft_batch(
 
 
 PAD_MULTIPLE = 32
-"""Unpacked training batches are as long as their longest row rounded up to this, so that the
-compiled step sees few shapes."""
+"""Unpacked training batches and held-out batches are as long as their longest row rounded up
+to this, so that the compiled step and validation see few shapes."""
 
 
 def fit_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -493,22 +494,39 @@ def fit_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v[..., :keep] for k, v in batch.items()}
 
 
+def trained_positions(mask: np.ndarray, multiple: int = PAD_MULTIPLE
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Where each row of `mask` (..., B, W) trains a target: positions (..., B, P) int32 and
+    their weights (..., B, P) float32 (the mask's values; 0 on the padding entries, which point
+    at position 0), P the most any row has rounded up to `multiple`, at most W. A held-out
+    loss computes logits there alone (`toymlx.losses.lm_held_out_sums`)."""
+    width = mask.shape[-1]
+    flat = mask.reshape(-1, width)
+    counts = (flat != 0).sum(axis=1)
+    p = min(width, -(-max(int(counts.max(initial=0)), 1) // multiple) * multiple)
+    positions = np.zeros((len(flat), p), np.int32)
+    weights = np.zeros((len(flat), p), np.float32)
+    for r, row in enumerate(flat):
+        at = np.flatnonzero(row)
+        positions[r, :len(at)], weights[r, :len(at)] = at, row[at]
+    return positions.reshape(*mask.shape[:-1], p), weights.reshape(*mask.shape[:-1], p)
+
+
 def sft_val_batches(
     rows: dict[str, np.ndarray], batch_size: int, max_batches: int
 ) -> list[dict[str, np.ndarray]]:
-    """The first `max_batches * batch_size` rows in file order, as `(1, batch_size, T)` batches.
-
-    A short last batch is filled with mask-0 rows so every batch has the same shape.
-    """
+    """The first `max_batches * batch_size` rows in file order, as `(1, batch_size, W)` batches
+    (the last one may hold fewer rows) cut by `fit_rows` (W: the longest row rounded up to a
+    multiple of 32, not the rows' seq_len: padding costs a CPU as much as tokens do), with
+    their `trained_positions` (`positions` and `position_mask`, (1, rows, P))."""
     n = min(len(rows["inputs"]), max_batches * batch_size)
     n_batches = math.ceil(n / batch_size)
     out = []
     for b in range(n_batches):
-        batch = {}
-        for k, v in rows.items():
-            chunk = v[b * batch_size : min((b + 1) * batch_size, n)]
-            fill = np.zeros((batch_size - len(chunk),) + v.shape[1:], v.dtype)
-            batch[k] = np.concatenate([chunk, fill])[None]  # (1, B, T)
+        batch = {k: np.ascontiguousarray(v) for k, v in fit_rows(
+            {k: v[b * batch_size : min((b + 1) * batch_size, n)][None]
+             for k, v in rows.items()}).items()}  # (1, B, W)
+        batch["positions"], batch["position_mask"] = trained_positions(batch["mask"])
         out.append(batch)
     return out
 

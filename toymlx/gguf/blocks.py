@@ -52,6 +52,8 @@ class Codec:
     """(..., n_blocks, type_size) uint8 -> named arrays, each (..., n_blocks, *broadcast dims)."""
     decode: Callable[[Parts], mx.array]
     """those arrays (as MLX arrays) -> float32 (..., n_blocks, *dims) in the block's value order."""
+    float16_at: tuple[int, ...]
+    """Byte offsets of the block's float16 scales (d, and dmin or m)."""
 
     @property
     def block_values(self) -> int:
@@ -280,18 +282,18 @@ def _decode_iq4_xs(p):
 
 
 CODECS: dict[GGMLQuantizationType, Codec] = {c.type: c for c in (
-    Codec(T.Q8_0, _split_q8_0, _decode_q8_0),
-    Codec(T.Q4_0, lambda r: _split_q4(r, False), _decode_q4_0),
-    Codec(T.Q4_1, lambda r: _split_q4(r, True), _decode_q4_1),
-    Codec(T.Q5_0, lambda r: _split_q5(r, False), _decode_q5_0),
-    Codec(T.Q5_1, lambda r: _split_q5(r, True), _decode_q5_1),
-    Codec(T.Q2_K, _split_q2_k, _decode_q2_k),
-    Codec(T.Q3_K, _split_q3_k, _decode_q3_k),
-    Codec(T.Q4_K, lambda r: _split_q45_k(r, False), _decode_q4_k),
-    Codec(T.Q5_K, lambda r: _split_q45_k(r, True), _decode_q5_k),
-    Codec(T.Q6_K, _split_q6_k, _decode_q6_k),
-    Codec(T.IQ4_NL, lambda r: _split_q4(r, False), _decode_iq4_nl),
-    Codec(T.IQ4_XS, _split_iq4_xs, _decode_iq4_xs),
+    Codec(T.Q8_0, _split_q8_0, _decode_q8_0, (0,)),
+    Codec(T.Q4_0, lambda r: _split_q4(r, False), _decode_q4_0, (0,)),
+    Codec(T.Q4_1, lambda r: _split_q4(r, True), _decode_q4_1, (0, 2)),
+    Codec(T.Q5_0, lambda r: _split_q5(r, False), _decode_q5_0, (0,)),
+    Codec(T.Q5_1, lambda r: _split_q5(r, True), _decode_q5_1, (0, 2)),
+    Codec(T.Q2_K, _split_q2_k, _decode_q2_k, (80, 82)),
+    Codec(T.Q3_K, _split_q3_k, _decode_q3_k, (108,)),
+    Codec(T.Q4_K, lambda r: _split_q45_k(r, False), _decode_q4_k, (0, 2)),
+    Codec(T.Q5_K, lambda r: _split_q45_k(r, True), _decode_q5_k, (0, 2)),
+    Codec(T.Q6_K, _split_q6_k, _decode_q6_k, (208,)),
+    Codec(T.IQ4_NL, lambda r: _split_q4(r, False), _decode_iq4_nl, (0,)),
+    Codec(T.IQ4_XS, _split_iq4_xs, _decode_iq4_xs, (0,)),
 )}
 """Every GGUF type a frozen base keeps as blocks; any other is dequantized at load."""
 
@@ -308,6 +310,17 @@ def decode_rows(codec: Codec, parts: Parts, lead: tuple[int, ...]) -> mx.array:
     """float32 (*lead, n_in) from arrays led by (*lead, n_blocks) (`split_rows`' arrays, or
     rows of them taken by token)."""
     return codec.decode(parts).reshape(*lead, -1)
+
+
+def random_blocks(codec: Codec, rows: int, n_blocks: int, seed: int = 0) -> np.ndarray:
+    """(rows, n_blocks, block_bytes) random bytes for every code and sub-scale, with finite
+    float16 scales in N(0, 1): blocks to test or time a codec on."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, n_blocks, codec.block_bytes), dtype=np.uint8)
+    for o in codec.float16_at:
+        d = rng.standard_normal((rows, n_blocks)).astype(np.float16)
+        raw[..., o:o + 2] = d[..., None].view(np.uint8)
+    return raw
 
 
 def held_bytes(codec: Codec, shape: tuple[int, ...]) -> int:

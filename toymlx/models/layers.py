@@ -64,8 +64,8 @@ class BlockCodec(Protocol):
     def decode(self, parts: dict[str, mx.array]) -> mx.array: ...
 
 
-SLICE_VALUES = 1 << 23
-"""Most values of a block-held weight decoded at once (32 MB of float32)."""
+SLICE_VALUES = 1 << 22
+"""Most values of a block-held weight decoded at once (16 MB of float32)."""
 
 
 def after(arrays: list[mx.array], x: mx.array) -> list[mx.array]:
@@ -231,7 +231,7 @@ def dense_weight(layer: Any) -> mx.array:
     return layer.weight
 
 
-def held_bytes(model: nn.Module) -> int:
+def model_bytes(model: nn.Module) -> int:
     """Bytes of every array a model holds (its parameters: a frozen base's blocks or floats,
     trainable weights)."""
     from mlx.utils import tree_flatten

@@ -6,11 +6,12 @@ activations are kept or recomputed in the backward pass. Three choices are in us
 
 | who | `Ops` | why |
 | --- | --- | --- |
-| forward-only code: generation, toymlx-eval, export checks | `Ops()` | MLX's own ops, float32, RoPE from float64 tables: logits within 1e-4 of llama.cpp |
-| training where MLX computes on the CPU | `Ops(kernels="vectorised")` | `toymlx.fastmath`'s forms: the Linux wheel's own exp/erf/softmax are scalar code (4-20x slower per element) |
+| forward-only code: generation, export checks; toymlx-eval on a GPU | `Ops()` | MLX's own ops, float32, RoPE from float64 tables: logits within 1e-4 of llama.cpp |
+| training where MLX computes on the CPU, and toymlx-eval there | `Ops(kernels="vectorised")` | `toymlx.fastmath`'s forms: the Linux wheel's own exp/erf/softmax are scalar code (4-20x slower per element) |
 | training on a GPU (Metal, CUDA) | `Ops(dtype="bfloat16", exact_rope=False)` | MLX's fused `mx.fast` kernels in half precision |
 
-`training_ops` makes that choice for the trainer; a benchmark or test builds any `Ops` it wants.
+`training_ops` makes that choice for the trainer, `scoring_ops` for toymlx-eval; a benchmark or
+test builds any `Ops` it wants.
 
 Mixed precision (`dtype` other than float32), as PyTorch's autocast and mlx-lm do it:
 - parameters that train stay float32: the master copy AdamW updates (its moments are float32
@@ -304,3 +305,11 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
         raise ValueError(f"--kernels: expected auto, mlx or vectorised, found {kernels!r}")
     return Ops(kernels=kernels, dtype=dtype, exact_rope=not on_gpu,
                grad_checkpoint=grad_checkpoint)
+
+
+def scoring_ops(on_gpu: bool) -> Ops:
+    """The math of held-out scoring outside a run (toymlx-eval): float32, with the training
+    step's vectorised forms where MLX computes on the CPU (the same values as MLX's own ops to
+    float32 rounding, several times faster there); on a GPU, where training computes in half
+    precision, MLX's own float32 ops (`EXACT`)."""
+    return training_ops(on_gpu, "float32") if not on_gpu else EXACT

@@ -26,7 +26,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-from toymlx import model_store
+from toymlx import memory, model_store
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
 from toymlx.device import on_gpu
@@ -46,8 +46,8 @@ from toymlx.lora import (
     write_like_base,
     write_merged,
 )
-from toymlx.losses import lm_loss
-from toymlx.models.layers import held_bytes
+from toymlx.losses import lm_held_out_sums, lm_loss
+from toymlx.models.layers import model_bytes
 from toymlx.models.ops import Ops
 from toymlx.outputs import check_output
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
@@ -211,6 +211,13 @@ def build(cfg: Config, ops: Ops) -> Task:
     with GGUFFile(src.path) as g:
         types = "/".join(sorted(set(projection_types(g).values())))
     dtype = "float32" if full else resolve_base_dtype(cfg.base_dtype, on_gpu())
+    with GGUFFile(src.path) as g:
+        fits = memory.check_fits(memory.estimate(
+            g, held=dtype, full=full, targets=parse_targets(cfg.lora.targets),
+            rank=cfg.lora.rank, layers=cfg.lora.layers, dora=cfg.fine_tune_type == "dora",
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+            grad_checkpoint=ops.grad_checkpoint, act_dtype=ops.dtype), f"--base {cfg.base}",
+            cfg.force)
     model, g = load_llama(src.path, ops, dtype)
     meta = dict(g.metadata)
     g.close()
@@ -224,7 +231,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
     info = llama_model_info(args)
     info.update(base=str(cfg.base), base_name=base_meta["general.name"], base_type=types,
-                base_dtype=dtype, base_held_bytes=held_bytes(model))
+                base_dtype=dtype, base_held_bytes=model_bytes(model))
     if full:
         def save(path: Path, m, extra: dict) -> None:
             with GGUFFile(src.path) as base:
@@ -274,7 +281,7 @@ def build(cfg: Config, ops: Ops) -> Task:
 
     # n_params and n_trainable are added by the trainer to run_start's model record
     return Task(
-        recipe="lora", model=model, loss_fn=lm_loss,
+        recipe="lora", model=model, loss_fn=lm_loss, metrics_fn=lm_held_out_sums,
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
         val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches), save=save,
         load=load, model_info=info,
@@ -288,4 +295,4 @@ def build(cfg: Config, ops: Ops) -> Task:
                      "n_truncated": data.n_truncated, **src.record("base")},
         unit="tokens", count=lambda b: int(np.sum(b["mask"])),
         prefix=prefix, test_batches=data.test_batches(cfg.batch_size) if cfg.test else [],
-        finish=finish if cfg.fuse_at_end else None)
+        finish=finish if cfg.fuse_at_end else None, memory=fits)

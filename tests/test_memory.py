@@ -1,0 +1,153 @@
+"""toymlx.memory: a run that cannot fit is refused in one line before its base loads; one that
+fits is never refused; run_start records the estimate and what is kept, run_end the peaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cli_errors import error_line
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+
+from toymlx import memory
+from toymlx.gguf.llama import expected_shapes, llama_metadata, write_llama
+from toymlx.gguf.reader import GGUFFile
+from toymlx.models.llama import Llama, LlamaArgs, tiny
+from toymlx.tokenizer import byte_tokenizer
+
+LLAMA_8B = LlamaArgs(vocab_size=49152, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                     ffn_dim=14336, context=8192, rope_base=500000.0, tie_embeddings=False)
+
+
+def sparse_gguf(path: Path, a: LlamaArgs) -> Path:
+    """A GGUF whose header says `a`'s tensors (matrices Q4_K, norms F32) and whose data is a
+    hole: the file's size is the real one's, its blocks are never written."""
+    w = GGUFWriter(path, a.arch)
+    for k, v in llama_metadata(a).items():
+        if k != "general.architecture":
+            w.add_key_value(k, v, GGUFValueType.STRING if isinstance(v, str) else
+                            GGUFValueType.FLOAT32 if isinstance(v, float) else
+                            GGUFValueType.UINT32)
+    total = 0
+    for name, shape in expected_shapes(a).items():
+        q = GGMLQuantizationType.F32 if len(shape) == 1 else GGMLQuantizationType.Q4_K
+        block, size = GGML_QUANT_SIZES[q]
+        nbytes = int(np.prod(shape)) // block * size
+        w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=q)
+        total += -(-nbytes // 32) * 32
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    size = path.stat().st_size
+    os.truncate(path, size + (-size % 32) + total)
+    return path
+
+
+def _train(argv: list[str]) -> int:
+    from toymlx_cli.train import main
+
+    return main(argv)
+
+
+@pytest.fixture(scope="module")
+def header_8b(tmp_path_factory) -> Path:
+    return sparse_gguf(tmp_path_factory.mktemp("8b") / "llama-8b-shaped.gguf", LLAMA_8B)
+
+
+def test_estimate_of_an_8b_header(header_8b):
+    assert header_8b.stat().st_blocks * 512 < 2**20  # sparse: a header, no data on disk
+    with GGUFFile(header_8b) as g:
+        assert g.tensors["blk.0.ffn_down.weight"].shape == (4096, 14336)
+        file_bytes = sum(t.nbytes for t in g.tensors.values())
+        est = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
+                              layers=None, dora=False, batch_size=1, seq_len=512,
+                              grad_checkpoint=True, act_dtype="float32")
+        floats = memory.estimate(g, held="float32", full=False, targets=("q", "v"), rank=8,
+                                 layers=None, dora=False, batch_size=1, seq_len=512,
+                                 grad_checkpoint=False, act_dtype="float32")
+    shapes = expected_shapes(LLAMA_8B)
+    n_matrix = sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2)
+    n_norm = sum(s[0] for s in shapes.values() if len(s) == 1)
+    assert n_matrix == 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) + 2 * 49152 * 4096
+    assert n_norm == 32 * 2 * 4096 + 4096
+    # held in its blocks: Q4_K's 144 bytes per 256 weights split into d, dmin (2 + 2), eight
+    # 6-bit scales and mins as a byte each (8 + 8) and the codes (128); the F32 norms as they are
+    assert file_bytes == n_matrix * 144 // 256 + n_norm * 4
+    assert est.base == n_matrix * 148 // 256 + n_norm * 4
+    assert est.trained == 32 * 8 * ((4096 + 4096) + (1024 + 4096)) * 16
+    per_block = memory._block_values(LLAMA_8B, 512) * 512 * 4
+    assert est.activations == 32 * 512 * 4096 * 4 + per_block
+    # the frozen head read 1024 rows at a time (2^22 / 4096 values): logits and weights
+    assert est.logits == 1024 * (memory.HEAD_LOGITS_COPIES * 512 + 2 * 4096) * 4
+    assert floats.base == sum(t.n_elements for t in GGUFFile(header_8b).tensors.values()) * 4
+    assert floats.activations == 32 * per_block > est.activations
+
+
+def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, tmp_path,
+                                                                     capsys, monkeypatch):
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(4 * 10**9))
+    rc = _train(["--recipe", "lora", "--base", str(header_8b), "--runs-root", str(tmp_path),
+                 "--lora.targets", "q,v", "--batch-size", "1", "--seq-len", "512",
+                 "--grad-checkpoint", "--no-progress"])
+    assert rc == 2
+    line = error_line(capsys)
+    assert line.startswith(f"toymlx-train: error: --base {header_8b}: a training step needs "
+                           "about ")
+    # the base as this device's default holds it: 4.3 GB in its blocks (a GPU: Q4_K as MLX's
+    # layers, 5.7 GB)
+    m = re.search(r"needs about (\d+\.\d) GB \(base (4\.3|5\.7), trained 0\.1, activations "
+                  r"0\.5, logits 0\.0, runtime 0\.6\) ", line)
+    assert m is not None, line
+    assert ("and 4.0 GB is available (TOYMLX_MEMORY_AVAILABLE); expected at most that: try "
+            "--grad-checkpoint, a smaller --batch-size or --seq-len, fewer --lora.layers, or "
+            "--force to start anyway") in line
+    assert list(tmp_path.iterdir()) == []  # no run folder left behind
+
+
+TINY = tiny(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, context=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    mx.random.seed(3)
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    meta = byte_tokenizer().to_metadata()
+    write_llama(path, Llama(TINY), meta, name="tiny test llama")
+    return path
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_run_that_fits_is_never_refused_and_records_its_memory(tiny_gguf, tmp_path,
+                                                                 monkeypatch):
+    common = ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+              "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-batches", "1",
+              "--no-progress"]
+    monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
+    assert _train([*common, "--run-id", "fits"]) == 0  # this machine's own MemAvailable
+    events = _events(tmp_path / "fits")
+    start, end = events[0], events[-1]
+    mem = start["memory"]
+    assert mem["available_from"] == "MemAvailable" and mem["forced"] is False
+    assert mem["estimate"]["total_mb"] < mem["available_mb"]
+    assert mem["estimate"]["runtime_mb"] == 600
+    step = mem["estimate"]["activations_mb"] + mem["estimate"]["logits_mb"]
+    assert mem["kept"]["mlx_cache_limit_mb"] <= step
+    if mem["kept"]["malloc"] == "glibc-retain":  # the freed heap kept: at most one step's
+        assert mem["kept"]["trim_threshold_mb"] == step
+    assert mem["kept"]["most_kept_mb"] == (mem["kept"].get("trim_threshold_mb", 0)
+                                           + mem["kept"]["mlx_cache_limit_mb"])
+    assert end["kind"] == "run_end" and end["peak_rss_mb"] > end["peak_memory_mb"] > 0
+    # too little memory, but --force: it starts, and says so
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "1")
+    assert _train([*common, "--run-id", "forced", "--force"]) == 0
+    assert _events(tmp_path / "forced")[0]["memory"]["forced"] is True

@@ -1,0 +1,181 @@
+"""Will a fine-tune fit? The peak of a training step estimated from a GGUF header and the options,
+before anything is loaded, against the memory this machine has.
+
+The estimate adds, in bytes:
+- base: the frozen weights as the run holds them (`base_bytes`): float-held (`--base-dtype`
+  float32/bfloat16/float16), every value at that width; held in the file's blocks, each quantized
+  tensor at about its size in the file, F32/F16/BF16 tensors at 4 bytes a value (norms).
+- trained: each trained value with its gradient and AdamW's two moments, float32 (16 bytes).
+  A full fine-tune trains the whole base (and holds it at 4 bytes a value).
+- activations: what the backward pass keeps per token and per block (`_block_values`), times
+  the blocks the gradient runs through: those from the first adapted block up (--lora.layers)
+  or all (full). With --grad-checkpoint, each block's input, plus one block recomputed.
+- logits: a trained head's chunk of `toymlx.losses.logits_chunk` tokens x vocabulary,
+  `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
+  gradients); a frozen head's slice of rows (`toymlx.losses.head_slices`), its logits and weights.
+- runtime: Python, MLX and the tokenizer (`RUNTIME_BYTES`).
+It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from toymlx.gguf.blocks import CODECS, held_bytes
+from toymlx.gguf.llama import args_from_gguf, tensor_route
+from toymlx.gguf.reader import GGUFFile
+from toymlx.losses import head_slices, logits_chunk
+from toymlx.models.llama import LlamaArgs
+
+RUNTIME_BYTES = 600 * 2**20
+"""What a run's RSS holds beyond MLX's arrays: the interpreter and libraries (~60 MB), the
+tokenizer and data, the loader's temporaries and allocator slack; peak RSS minus MLX's peak
+measured 0.37-0.58 GiB on SmolLM2-135M LoRA runs (2-4 x 256, AMD EPYC, 2 cores)."""
+HEAD_LOGITS_COPIES = 6
+"""float32 copies of a frozen head's slice of logits alive at once in the loss's backward pass
+(`toymlx.losses.frozen_head_cross_entropy`: the logits, their softmax, its gradient, masks)."""
+LOGITS_COPIES = 16
+"""float32 copies of a chunk's logits alive at the peak of its backward pass (measured: the
+vectorised CPU kernels compiled ~16, eager ~22; MLX's own ops ~8)."""
+AVAILABLE_ENV = "TOYMLX_MEMORY_AVAILABLE"
+"""Bytes to take as this machine's available memory instead of asking it (tests only)."""
+_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A training step's peak, in bytes, by part."""
+
+    base: int
+    trained: int
+    activations: int
+    logits: int
+    runtime: int = RUNTIME_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.base + self.trained + self.activations + self.logits + self.runtime
+
+    def record(self) -> dict[str, Any]:
+        """What run_start records: each part and the total, in MB."""
+        return {f"{k}_mb": round(v / 2**20) for k, v in
+                {**asdict(self), "total": self.total}.items()}
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in asdict(self).items())
+        return f"{self.total / GB:.1f} GB ({parts})"
+
+
+def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
+    """(n_out, n_in) of each projection of a block, by --lora.targets name."""
+    q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
+    if a.fused_qkv:
+        dims = {"qkv": (q + 2 * kv, d)}
+    else:
+        dims = {"q": (q, d), "k": (kv, d), "v": (kv, d)}
+    dims["o"] = (d, q)
+    dims.update({"gate_up": (2 * f, d)} if a.fused_gate_up else {"gate": (f, d), "up": (f, d)})
+    dims["down"] = (d, f)
+    return dims
+
+
+def _block_values(a: LlamaArgs, seq_len: int) -> int:
+    """Values one block keeps per token for the backward pass: the norms' inputs and outputs,
+    q, k, v before and after RoPE, attention's probabilities (each of H heads against about
+    5/8 of the seq_len keys, toymlx's blocked causal attention), its output and o_proj's, the
+    MLP's gate, up, activation and product, and down's output."""
+    q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
+    return 6 * d + 3 * q + 3 * kv + 4 * f + (5 * a.n_heads * seq_len) // 8
+
+
+def base_bytes(g: GGUFFile, held: str) -> int:
+    """The frozen weights as `load_llama` holds them with `held` (`--base-dtype` resolved): each
+    tensor by its route (`tensor_route`): the file's blocks at their split size, MLX's quantized
+    layers at their packed codes plus float32 scales and biases, floats at their width."""
+    total = 0
+    for name, t in g.tensors.items():
+        route = tensor_route(g, name, held)
+        if route == "blocks":
+            total += held_bytes(CODECS[t.type], t.shape)
+        elif route == "mlx":
+            bits = 8 if t.type_name == "Q8_0" else 4
+            total += t.n_elements * bits // 8 + t.n_elements // 32 * 8
+        else:
+            total += t.n_elements * (4 if len(t.shape) == 1 else _WIDTH.get(held, 4))
+    return total
+
+
+def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], rank: int,
+             layers: int | None, dora: bool, batch_size: int, seq_len: int,
+             grad_checkpoint: bool, act_dtype: str) -> Estimate:
+    """The peak of one training step of the model in `g` with these options (module docstring)."""
+    a = args_from_gguf(g)
+    tokens = batch_size * seq_len
+    width = _WIDTH.get(act_dtype, 4)
+    if full:
+        n = sum(t.n_elements for t in g.tensors.values())
+        base, trained, blocks = n * 4, n * 16, a.n_layers
+    else:
+        dims = projection_dims(a)
+        blocks = min(layers or a.n_layers, a.n_layers)
+        per_block = sum(rank * (dims[t][0] + dims[t][1]) + (dims[t][0] if dora else 0)
+                        for t in targets)
+        base, trained = base_bytes(g, held), per_block * blocks * 16
+    per_block = _block_values(a, seq_len) * tokens * width
+    if grad_checkpoint:
+        acts = blocks * tokens * a.d_model * width + per_block
+    else:
+        acts = blocks * per_block
+    if full:  # a trained head: a chunk of tokens' logits at a time
+        logits = min(tokens, logits_chunk(a.vocab_size)) * a.vocab_size * 4 * LOGITS_COPIES
+    else:  # a frozen head: a slice of its rows at a time (`head_slices`): its logits, their
+        # softmax and gradient (HEAD_LOGITS_COPIES), and its weights decoded (and cast)
+        (lo, hi), = head_slices(a.vocab_size, tokens, a.d_model)[:1]
+        logits = (hi - lo) * (HEAD_LOGITS_COPIES * tokens + 2 * a.d_model) * 4
+    return Estimate(base, trained, acts, logits)
+
+
+def available_memory() -> tuple[int | None, str]:
+    """(bytes this process may use, where that came from); (None, why) where it is unknown.
+    Linux: /proc/meminfo's MemAvailable; a Mac's GPU: MLX's max recommended working set."""
+    env = os.environ.get(AVAILABLE_ENV)
+    if env is not None:
+        try:
+            return int(env), AVAILABLE_ENV
+        except ValueError:
+            raise ValueError(f"{AVAILABLE_ENV}: expected a number of bytes, found {env!r}"
+                             ) from None
+    if sys.platform == "darwin":
+        import mlx.core as mx
+
+        try:
+            ws = mx.device_info().get("max_recommended_working_set_size")
+        except Exception:  # noqa: BLE001  (a build without Metal)
+            ws = None
+        if ws:
+            return int(ws), "MLX's max recommended working set"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        pass
+    return None, "unknown on this platform"
+
+
+def check_fits(est: Estimate, source: str, force: bool) -> dict[str, Any]:
+    """ValueError in one line when `est` exceeds the available memory (unless `force`);
+    else what run_start records: the estimate, what was available and from where."""
+    avail, where = available_memory()
+    if avail is not None and est.total > avail and not force:
+        raise ValueError(
+            f"{source}: a training step needs about {est.describe()} and {avail / GB:.1f} GB "
+            f"is available ({where}); expected at most that: try --grad-checkpoint, a smaller "
+            "--batch-size or --seq-len, fewer --lora.layers, or --force to start anyway")
+    return {"estimate": est.record(), "available_mb": None if avail is None
+            else round(avail / 2**20), "available_from": where, "forced": bool(force)}
