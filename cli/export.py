@@ -25,10 +25,15 @@ class Args:
     """Write a llama GGUF for llama.cpp, or a ViT for timm.
 
     --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight (DoRA: that
-                        rescaled to its magnitude m per row), in the base's own type (a Q4_K_M
-                        base gives a Q4_K_M file) or --dtype; quantized by llama.cpp's own
-                        quantizer (llama-cpp-python), byte for byte what llama-quantize writes
-                        from the fused F32 model.
+                        rescaled to its magnitude m per row). Default: the file that keeps the
+                        fine-tune: every other tensor the base's own bytes, each adapted one
+                        in the smallest type keeping 90% of its change (its output error),
+                        within 1.10x the base's size, general.file_type the base's. --dtype T:
+                        every tensor re-quantized to T by llama.cpp's own quantizer
+                        (llama-cpp-python), byte for byte what llama-quantize writes from the
+                        fused F32 model (rounding may erase a small fine-tune: the export says
+                        how much of it the file keeps). From a run, the held-out loss of the
+                        fused file is printed beside base + adapter's.
     --adapter A alone:  the adapter GGUF itself, checked against the base.
     no --adapter:       the base re-encoded at --dtype (--dtype f32: an F32 copy of a Q4_1 file).
     --adapter A --format modelfile --out DIR: DIR/Modelfile for Ollama (FROM the base, ADAPTER
@@ -59,7 +64,8 @@ class Args:
     """Merge the adapter into the base weights (a full model for llama.cpp without --lora)."""
     dtype: ExportType | None = None
     """File type of the written model, as llama-quantize names them (default: the base's own
-    general.file_type). Without llama-cpp-python only f32, f16, bf16, q8_0, q4_0, q4_1, q5_0
+    general.file_type; with --fuse, the base's tensors kept and each adapted one in a type that
+    keeps its change). Without llama-cpp-python only f32, f16, bf16, q8_0, q4_0, q4_1, q5_0
     and q5_1 (gguf-py's encoders)."""
 
 
@@ -98,16 +104,16 @@ def export_modelfile(args: Args) -> int:
                                                  progress=True)
     what = f"FROM {base.path}, ADAPTER {adapter}"
     if fused:
-        from toymlx.gguf.quantize import own_type
-        from toymlx.gguf.reader import GGUFFile
         from toymlx.lora import adapter_kept, kept_note
 
-        with GGUFFile(fused) as g:
-            dtype = own_type(g)
+        kind = args.dtype or "each adapted tensor in a type that keeps its change"
         what = (f"FROM {fused} ({fused.stat().st_size / 2**20:.1f} MiB: {base.path} + {adapter} "
-                f"fused; it {kept_note(adapter_kept(fused, base.path, adapter), dtype)})")
+                f"fused, {kind}; it "
+                f"{kept_note(adapter_kept(fused, base.path, adapter), args.dtype or 'its')})")
     print(f"{PROG}: wrote {path} ({what}) in {time.perf_counter() - t0:.1f} s; create the "
           f"Ollama model with: ollama create NAME -f {path}", file=sys.stderr)
+    if fused:
+        print(f"{PROG}: {heldout_note(base.path, args.adapter, fused)}", file=sys.stderr)
     return 0
 
 
@@ -115,9 +121,14 @@ def run(args: Args) -> int:
     from toymlx.atomic import atomic_open
     from toymlx.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
-    from toymlx.gguf.quantize import own_type
-    from toymlx.gguf.reader import GGUFFile
-    from toymlx.lora import adapter_kept, apply_adapter, kept_note, load_adapter, write_merged
+    from toymlx.lora import (
+        adapter_kept,
+        apply_adapter,
+        kept_note,
+        load_adapter,
+        write_fused_kept,
+        write_merged,
+    )
 
     if args.format == "modelfile":
         return export_modelfile(args)
@@ -152,16 +163,40 @@ def run(args: Args) -> int:
         with open(src, "rb") as f, atomic_open(out) as dst:
             shutil.copyfileobj(f, dst)
         what = f"adapter {src}"
+    elif args.adapter and not args.dtype:
+        kept = write_fused_kept(out, base, args.adapter, progress=True)
+        what = f"{args.base} + adapter {args.adapter} (fused): {kept.summary()}"
     else:
         write_merged(out, base, args.adapter, args.dtype, progress=True)
         what = f"{args.base}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
         if args.adapter:
-            with GGUFFile(out) as g:
-                dtype = own_type(g)
-            what += "; it " + kept_note(adapter_kept(out, base, args.adapter), dtype)
+            what += (f" in {args.dtype}; it "
+                     + kept_note(adapter_kept(out, base, args.adapter), args.dtype))
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.adapter and args.fuse:
+        print(f"{PROG}: {heldout_note(base, args.adapter, out)}", file=sys.stderr)
     return 0
+
+
+def heldout_note(base: Path, adapter: str, fused: Path) -> str:
+    """The held-out loss of the fused file beside base + adapter's, on the validation rows of
+    the run the adapter comes from (its config.json names its data); or that it was not
+    measured, for an adapter outside a run."""
+    from toymlx_cli.eval import chat_loss
+
+    from toymlx.generate import load_for_generation
+    from toymlx.runs import Bundle
+
+    bundle = Bundle.of(adapter, "--adapter")
+    if bundle is None or bundle.recipe != "lora":
+        return ("held-out loss not measured: the adapter is a file outside a run, so its "
+                "validation data is not known (toymlx-eval --model FUSED --data.path DATA "
+                "measures it)")
+    ref, n, source = chat_loss(*load_for_generation(base, adapter), bundle.config)
+    got, _, _ = chat_loss(*load_for_generation(fused), bundle.config)
+    return (f"held-out loss on the run's {n} validation rows ({source}): base + adapter "
+            f"{ref:.4f}, fused file {got:.4f} ({(got - ref) / ref:+.2%})")
 
 
 def _stop(signum: int, frame: object) -> None:

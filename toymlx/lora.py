@@ -466,40 +466,50 @@ KEPT_WARNING = 0.5
 
 def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
                  adapter: str | os.PathLike) -> float:
-    """How much of an adapter's change to the weights a fused file holds: over the adapted
-    tensors, <fused - base, delta> / <delta, delta> (1: all of it). Quantizing W + delta back
-    onto the grid the base W already sits on rounds away the part of a small delta below the
-    grid's step (a short fine-tune fused into Q4_1 keeps a few percent). Weights dequantized by
-    gguf-py, sums in float64."""
+    """The share of the adapter's change a fused file keeps, on the adapted layers' outputs
+    (`toymlx.fuse.kept_from`): over the adapted tensors, with D the adapter's change, F = W + D
+    and Q the file's weights, 1 - sqrt(sum ||Q - F||^2 / sum ||D||^2) clipped to [0, 1]: the
+    output error on isotropic inputs against the change's own output. Rounding the untouched
+    part of W again counts as error, never as change (1: all of it kept; 0: noise as large as
+    the change). Weights dequantized by gguf-py, sums in float64."""
+    from toymlx.fuse import kept_from
+
     ad = load_adapter(adapter)
-    num = den = 0.0
+    err2 = delta2 = 0.0
     with GGUFFile(base) as g, GGUFFile(fused) as f:
         for name in ad.pairs:
             w = g.load(name, np.float32)
             d = ad.delta(name, w)
-            e = f.load(name, np.float32).astype(np.float64) - w
-            num, den = num + float(np.vdot(e, d)), den + float(np.vdot(d, d))
+            e = f.load(name, np.float64) - (w + d)
+            err2, delta2 = err2 + float(np.vdot(e, e)), delta2 + float(np.vdot(d, d))
             f.release(name)
             g.release(name)
-    return num / den if den else 1.0
+    return kept_from(err2, delta2)
 
 
 def kept_note(kept: float, dtype: str) -> str:
     """What a user reads about `adapter_kept`: the share, and what to do when it is small."""
-    note = f"holds {kept:.0%} of the adapter's change to the weights"
+    note = f"keeps {kept:.0%} of the adapter's change on the adapted layers' outputs"
     if kept < KEPT_WARNING:
-        note += (f" (warning: the rest is below {dtype}'s rounding step; to keep the whole "
-                 "fine-tune, export --dtype q8_0 or f16, or run the base with the adapter: "
-                 "llama-cli --lora)")
+        note += (f" (warning: the rest is lost to {dtype}'s rounding; to keep the fine-tune, "
+                 "export without --dtype (each adapted tensor in a type that keeps its change), "
+                 "or --dtype q8_0 or f16, or run the base with the adapter: llama-cli --lora)")
     return note
 
 def write_merged(out: str | os.PathLike, base: str | os.PathLike,
                  adapter: str | os.PathLike | None = None, dtype: str | None = None,
                  progress: bool = False) -> Path:
-    """Write `base` (+ `adapter`, LoRA or DoRA, fused into its weights) as a full GGUF of file
-    type `dtype` (default: the base's own, `export_type`), through `write_model_gguf`; `base` may
-    be a full fine-tune's run folder (its latest checkpoint)."""
+    """Write `base` (+ `adapter`, LoRA or DoRA, fused into its weights) as a full GGUF; `base`
+    may be a full fine-tune's run folder (its latest checkpoint).
+
+    No `dtype` with an adapter: the file that keeps the fine-tune (`toymlx.fuse.write_kept`):
+    the base's tensors byte for byte, each adapted one in the smallest type that keeps its
+    change, general.file_type the base's. With `dtype` (or no adapter): every tensor re-encoded
+    in that type (default: the base's own, `export_type`) through `write_model_gguf`, byte for
+    byte what llama-quantize writes from the fused F32 model."""
     base = checkpoint_file(base, "--base")
+    if adapter is not None and dtype is None:
+        return write_fused_kept(out, base, adapter, progress).path
     with GGUFFile(base) as g:
         dtype = dtype or export_type(g)
     quantizer(dtype)  # refused before the work, if nothing here writes this type
@@ -516,6 +526,36 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
         g.close()
     del model
     return write_model_gguf(out, meta, types, weights, dtype, progress)
+
+
+def write_fused_kept(out: str | os.PathLike, base: str | os.PathLike,
+                     adapter: str | os.PathLike, progress: bool = False):
+    """`base` + `adapter` (LoRA or DoRA) fused by `toymlx.fuse.write_kept` (the file that keeps
+    the fine-tune); returns its `KeptFile`. The adapter is checked against the base first
+    (architecture, every adapted weight's name and shape), as `apply_adapter` checks it."""
+    from toymlx.fuse import write_kept
+
+    base = checkpoint_file(base, "--base")
+    ad_path = checkpoint_file(adapter, "--adapter")
+    ad = load_adapter(ad_path)
+    with GGUFFile(base) as g:
+        _check_arch(ad, str(g.metadata.get("general.architecture", "llama")))
+        for name, (a, b) in ad.pairs.items():
+            info = g.tensors.get(name)
+            if info is None or len(info.shape) != 2 or name == "token_embd.weight":
+                raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection "
+                                f"weight of the base {base}, found no such weight")
+            if (b.shape[0], a.shape[1]) != info.shape:
+                raise GGUFError(f"{ad.path}: tensor '{name}.lora_a'/'.lora_b' shapes: expected "
+                                f"(r, {info.shape[1]}) and ({info.shape[0]}, r) to fit the "
+                                f"base's {name} {info.shape}, found {a.shape} and {b.shape} "
+                                "(wrong base?)")
+
+    def fused(name: str, w: np.ndarray) -> np.ndarray:
+        return (w.astype(np.float64) + ad.delta(name, w)).astype(np.float32)
+
+    return write_kept(out, base, ad.pairs, fused, {"toy.merged_adapter": ad_path.name},
+                      progress=progress)
 
 
 def like_base(g: GGUFFile, model: Llama, extra: dict[str, Any] | None = None

@@ -54,15 +54,18 @@ def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
     return None
 
 
-def check_adapter(adapter_file: Path, base: Path) -> dict[str, Any]:
-    """The adapter's metadata, after checking that it is a llama.cpp LoRA for `base`: the same
-    architecture and, for every adapted weight, the base's (out, in) shape. No weights loaded."""
+def check_adapter(adapter_file: Path, base: Path, fuse: bool = False) -> dict[str, Any]:
+    """The adapter's metadata, after checking that it is a llama.cpp LoRA for `base` (with
+    `fuse`, a DoRA adapter too: the fused file needs no adapter format): the same architecture
+    and, for every adapted weight, the base's (out, in) shape. No weights loaded."""
+    kinds = ("lora", "dora") if fuse else ("lora",)
     with GGUFFile(adapter_file) as ad, GGUFFile(base) as g:
         meta = dict(ad.metadata)
-        if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        if meta.get("general.type") != "adapter" or meta.get("adapter.type") not in kinds:
             raise GGUFError(f"{adapter_file}: metadata keys 'general.type'/'adapter.type': "
-                            "expected 'adapter'/'lora' (a LoRA adapter GGUF), found "
-                            f"{meta.get('general.type')!r}/{meta.get('adapter.type')!r}")
+                            f"expected 'adapter'/{' or '.join(map(repr, kinds))} (a LoRA "
+                            f"adapter GGUF{'' if fuse else '; a DoRA one only with --fuse'}), "
+                            f"found {meta.get('general.type')!r}/{meta.get('adapter.type')!r}")
         arch, base_arch = meta.get("general.architecture"), g.metadata.get(
             "general.architecture")
         if arch != base_arch:
@@ -139,7 +142,8 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
                     progress: bool = False) -> tuple[Path, Resolved, Path, Path | None]:
     """Write `out_dir/Modelfile` for a LoRA run or adapter GGUF; (its path, the base, the
     adapter file, the fused GGUF or None). `base` defaults to the run's `--base`; with `fuse`,
-    `out_dir/fused-TYPE.gguf` (type `dtype`, default the base's own) is written first."""
+    `out_dir/fused-TYPE.gguf` (`write_merged`: type `dtype`, default the file that keeps the
+    fine-tune, named after the base's own type) is written first."""
     adapter_file = checkpoint_file(adapter, "--adapter").resolve()
     base = base or lora_run_base(adapter, adapter_file)
     if not base:
@@ -149,14 +153,14 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     if not src.path.is_file():
         raise FileNotFoundError(f"{base}: --base: expected an existing GGUF file, found "
                                 f"{'a directory' if src.path.is_dir() else 'nothing'}")
-    check_adapter(adapter_file, src.path)
+    check_adapter(adapter_file, src.path, fuse)
     fused = None
     if fuse:
         from toymlx.lora import write_merged  # MLX only when a model is fused
 
         with GGUFFile(src.path) as g:
-            dtype = dtype or export_type(g)
-        fused = write_merged(Path(out_dir) / f"fused-{dtype}.gguf", src.path, adapter_file,
+            name = dtype or export_type(g)
+        fused = write_merged(Path(out_dir) / f"fused-{name}.gguf", src.path, adapter_file,
                              dtype, progress)
     text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused)
     path = Path(out_dir) / MODELFILE
