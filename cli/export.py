@@ -124,8 +124,10 @@ def run(args: Args) -> int:
     from toymlx.lora import (
         adapter_kept,
         apply_adapter,
+        fine_tune_base,
         kept_note,
         load_adapter,
+        write_full_kept,
         write_fused_kept,
         write_merged,
     )
@@ -166,6 +168,9 @@ def run(args: Args) -> int:
     elif args.adapter and not args.dtype:
         kept = write_fused_kept(out, base, args.adapter, progress=True)
         what = f"{args.base} + adapter {args.adapter} (fused): {kept.summary()}"
+    elif not args.dtype and (trained_from := fine_tune_base(args.base)) is not None:
+        kept = write_full_kept(out, trained_from, base, progress=True)
+        what = f"{args.base} (a full fine-tune of {trained_from}): {kept.summary()}"
     else:
         write_merged(out, base, args.adapter, args.dtype, progress=True)
         what = f"{args.base}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")

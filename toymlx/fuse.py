@@ -47,8 +47,6 @@ MAX_SIZE = 1.10
 """The fused file is at most this many times the base's file."""
 REFUSE_BELOW = 0.5
 """A default fused file keeping less of the change than this is not written."""
-_HEADER_ROOM = 4096
-"""Bytes set aside for the metadata a fused file adds to the base's (toy.merged_adapter)."""
 
 
 def bits_per_weight(t: GGMLQuantizationType) -> float:
@@ -213,9 +211,10 @@ def write_kept(out: str | os.PathLike, base: str | os.PathLike, changed: Iterabl
         if progress and changed:
             print(file=sys.stderr)
         # bytes over the base's file before any choice: each tensor's cheapest option, and
-        # room for the added metadata and every tensor's alignment padding
+        # room for the added metadata and each changed tensor's alignment padding
         start = sum(c.options[0].nbytes - tensor_nbytes(c.base_type, g.tensors[c.name].shape)
-                    for c in choices) + _HEADER_ROOM + 32 * len(g.tensors)
+                    for c in choices) + sum(64 + len(k) + len(str(v)) for k, v in
+                                            (extra or {}).items()) + 32 * len(choices)
         choose_types(choices, int((max_size - 1.0) * base_bytes) - start)
         kept = kept_share(choices)
         if changed and kept < REFUSE_BELOW:

@@ -502,14 +502,18 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
     """Write `base` (+ `adapter`, LoRA or DoRA, fused into its weights) as a full GGUF; `base`
     may be a full fine-tune's run folder (its latest checkpoint).
 
-    No `dtype` with an adapter: the file that keeps the fine-tune (`toymlx.fuse.write_kept`):
-    the base's tensors byte for byte, each adapted one in the smallest type that keeps its
-    change, general.file_type the base's. With `dtype` (or no adapter): every tensor re-encoded
-    in that type (default: the base's own, `export_type`) through `write_model_gguf`, byte for
-    byte what llama-quantize writes from the fused F32 model."""
+    No `dtype`, with an adapter or for a full fine-tune: the file that keeps the fine-tune
+    (`toymlx.fuse.write_kept`): the base's tensors byte for byte, each adapted (changed) one in
+    the smallest type that keeps its change, general.file_type the base's. Otherwise every
+    tensor re-encoded in `dtype` (default: the base's own, `export_type`) through
+    `write_model_gguf`, byte for byte what llama-quantize writes from the fused F32 model."""
+    if dtype is None:
+        if adapter is not None:
+            return write_fused_kept(out, base, adapter, progress).path
+        trained_from = fine_tune_base(base)
+        if trained_from is not None:
+            return write_full_kept(out, trained_from, base, progress).path
     base = checkpoint_file(base, "--base")
-    if adapter is not None and dtype is None:
-        return write_fused_kept(out, base, adapter, progress).path
     with GGUFFile(base) as g:
         dtype = dtype or export_type(g)
     quantizer(dtype)  # refused before the work, if nothing here writes this type
@@ -556,6 +560,48 @@ def write_fused_kept(out: str | os.PathLike, base: str | os.PathLike,
 
     return write_kept(out, base, ad.pairs, fused, {"toy.merged_adapter": ad_path.name},
                       progress=progress)
+
+
+def fine_tune_base(run_or_checkpoint: str | os.PathLike) -> Path | None:
+    """The file a full fine-tune was trained from (its run_start's absolute `base_file`), for
+    a full fine-tune's run folder or checkpoint; None for anything else. FileNotFoundError,
+    naming it, when that file is gone."""
+    from toymlx.runs import Bundle
+
+    bundle = Bundle.of(run_or_checkpoint, "--base")
+    if bundle is None or getattr(bundle.config, "fine_tune_type", None) != "full":
+        return None
+    start = next((e for e in bundle.events if e["kind"] == "run_start"), {})
+    recorded = start.get("config", {}).get("base_file")
+    if not recorded or not Path(recorded).is_file():
+        raise FileNotFoundError(f"{bundle.path}: run_start 'base_file': expected the file the "
+                                f"full fine-tune was trained from, found "
+                                f"{'nothing recorded' if not recorded else 'no file ' + recorded}"
+                                "; pass --dtype to re-encode the checkpoint alone")
+    return Path(recorded)
+
+
+def write_full_kept(out: str | os.PathLike, base: str | os.PathLike,
+                    checkpoint: str | os.PathLike, progress: bool = False):
+    """A full fine-tune's `checkpoint` as the file that keeps the fine-tune
+    (`toymlx.fuse.write_kept` over the file `base` it was trained from): each tensor it changed
+    in a type that keeps the change, every other one the base's own bytes."""
+    from toymlx.fuse import write_kept
+
+    checkpoint = checkpoint_file(checkpoint, "--base")
+    with GGUFFile(base) as g, GGUFFile(checkpoint) as c:
+        if {n: i.shape for n, i in g.tensors.items()} != {n: i.shape for n, i in
+                                                          c.tensors.items()}:
+            raise GGUFError(f"{checkpoint}: tensors: expected the names and shapes of the base "
+                            f"it was trained from ({base}), found others")
+        changed = [n for n in g.tensors
+                   if not np.array_equal(g.load(n, np.float32), c.load(n, np.float32))]
+    c = GGUFFile(checkpoint)
+    try:
+        return write_kept(out, base, changed, lambda name, w: c.load(name, np.float32),
+                          {"toy.fine_tuned": checkpoint.name}, progress=progress)
+    finally:
+        c.close()
 
 
 def like_base(g: GGUFFile, model: Llama, extra: dict[str, Any] | None = None

@@ -44,6 +44,7 @@ from toymlx.lora import (
     parse_targets,
     target_blocks,
     write_adapter,
+    write_full_kept,
     write_fused_kept,
     write_like_base,
     write_merged,
@@ -258,9 +259,14 @@ def build(cfg: Config, ops: Ops) -> Task:
             dtype = fuse_type(cfg.fuse_at_end, g)
         out = run_dir / f"fused-{dtype}.gguf"
         if full:
-            write_merged(out, run_dir, None, dtype, progress=cfg.progress)
+            if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.fuse)
+                kept = write_full_kept(out, src.path, run_dir, progress=cfg.progress).kept
+            else:
+                write_merged(out, run_dir, None, dtype, progress=cfg.progress)
+                kept = None
             return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
-                    "bytes": out.stat().st_size}
+                    "bytes": out.stat().st_size,
+                    **({"fine_tune_kept": round(kept, 4)} if kept is not None else {})}
         if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.fuse)
             kept = write_fused_kept(out, src.path, run_dir, progress=cfg.progress).kept
         else:
