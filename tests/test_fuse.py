@@ -63,11 +63,12 @@ def bases(tmp_path_factory) -> dict[str, Path]:
                            for t in ("q4_0", "q4_1", "q8_0")}}
 
 
-def make_adapter(base: Path, path: Path, kind: str = "lora", scale: float = 0.004) -> Path:
-    """An adapter on q and v whose change is small against the base's rounding step,
-    as a short fine-tune's is."""
+def make_adapter(base: Path, path: Path, kind: str = "lora", scale: float = 0.004,
+                 targets: str = TARGETS) -> Path:
+    """An adapter (default on q and v) whose change is small against the base's rounding
+    step, as a short fine-tune's is."""
     model, g = load_llama(base)
-    apply_lora(model, TARGETS, rank=4, alpha=8.0, kind=kind)
+    apply_lora(model, targets, rank=4, alpha=8.0, kind=kind)
     mx.random.seed(3)
     for m in lora_layers(model).values():
         m.lora_b = mx.random.normal(m.lora_b.shape) * scale
@@ -268,3 +269,37 @@ def test_full_fine_tune_fused_at_end_keeps_what_it_changed(bases, tmp_path):
         err = np.sum((f.load(name, np.float64) - trained) ** 2)
         assert err <= np.sum((naive - trained) ** 2) + 1e-12, name
     assert n_changed > 0
+
+
+# ---- llama.cpp runs what the export writes (interop) ---------------------------------------
+@pytest.mark.interop
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_k_m"])
+def test_llama_cpp_runs_the_kept_file_closer_to_base_plus_adapter(qtype, tmp_path):
+    """Bases made by llama.cpp's quantizer (256-wide, so Q4_K_M has its K-quant tensors);
+    llama.cpp loads the default fused file (general.file_type the base's, types mixed per
+    tensor) and its logits are at least as near llama.cpp's base + adapter (--lora) as the
+    naive file's (the fused model re-quantized to the base's type), nearer where types moved."""
+    from llamacpp_runner import llamacpp_logits, quantize
+
+    f32 = f32_base(tmp_path / "f32.gguf", tiny(d_model=256, n_layers=2, n_heads=4,
+                                                n_kv_heads=2, ffn_dim=768, context=128))
+    base = tmp_path / f"base-{qtype}.gguf"
+    quantize(f32, base, qtype.upper())
+    ad = make_adapter(base, tmp_path / "ad.gguf", scale=0.01, targets="v")  # 5% of weights
+    kept = write_merged(tmp_path / "kept.gguf", base, ad)
+    naive = write_merged(tmp_path / "naive.gguf", base, ad, qtype)
+    assert GGUFFile(kept).metadata["general.file_type"] == GGUFFile(base).metadata[
+        "general.file_type"]
+    ids = [int(x) for x in np.random.default_rng(1).integers(3, 259, 24)]
+    ref = llamacpp_logits(base, ids, lora=ad)[0]
+    got, was = llamacpp_logits(kept, ids)[0], llamacpp_logits(naive, ids)[0]
+    alone = llamacpp_logits(base, ids)[0]
+    d_kept, d_naive = float(np.abs(got - ref).mean()), float(np.abs(was - ref).mean())
+    effect = float(np.abs(alone - ref).mean())
+    k = GGUFFile(kept)
+    types = sorted({k.tensors[n].type.name for n in load_adapter(ad).pairs})
+    print(f"\n[fuse] llama.cpp {qtype}: mean |logits - base+lora| kept {d_kept:.5f} "
+          f"({'/'.join(types)}), naive {d_naive:.5f}, base alone {effect:.5f}")
+    assert np.isfinite(got).all() and d_kept <= d_naive + 1e-6
+    if types != [GGUFFile(base).tensors["blk.0.attn_q.weight"].type.name]:
+        assert d_kept < 0.5 * d_naive

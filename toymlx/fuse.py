@@ -11,8 +11,9 @@ the adapted tensors change, so `write_kept` writes:
   (E||E x||^2 is ||E||_F^2 up to a constant), so the measure is the Frobenius ratio, the same
   for every tensor and needing no data.
 - within `MAX_SIZE` times the base's file: when every changed tensor cannot keep its change
-  within that, the bytes go where they remove the most output error per byte (greedy), and a
-  file keeping less than `REFUSE_BELOW` of the change is refused (the user picks --dtype).
+  within that, the bytes go where they remove the most output error per byte (`choose_types`,
+  greedy), and a file keeping less than `REFUSE_BELOW` of the change is refused (the user
+  picks --dtype).
 general.file_type stays the base's (as llama.cpp's own mixtures, Q4_K_M, mix types per tensor).
 No candidate is ever smaller than the base tensor's own type, so each changed tensor's error is
 at most naive rounding's (the fused tensor in the base's type), which is itself a candidate.
@@ -126,24 +127,28 @@ def measure(name: str, base_type: GGMLQuantizationType, fused: np.ndarray,
 
 
 def choose_types(choices: list[Choice], budget: int) -> None:
-    """Move each choice up its options while `budget` extra bytes (over each tensor's cheapest
-    option) last: always the step removing the most output error per byte, a tensor stopping
-    once it keeps `KEEP` of its change."""
+    """Move choices up their options while `budget` extra bytes (over each tensor's cheapest
+    option) last: always the move (to any larger option of one tensor) removing the most output
+    error per byte, so a cheap small step never spends the bytes a big gain needs; a tensor
+    stops once it keeps `KEEP` of its change."""
     left = budget
     while True:
         best, ratio = None, 0.0
         for c in choices:
-            if c.at + 1 >= len(c.options) or c.kept() >= KEEP:
+            if c.kept() >= KEEP:
                 continue
-            cur, nxt = c.options[c.at], c.options[c.at + 1]
-            cost = nxt.nbytes - cur.nbytes
-            gain = cur.err2 - nxt.err2
-            if cost <= left and gain / max(cost, 1) > ratio:
-                best, ratio = c, gain / max(cost, 1)
+            cur = c.chosen
+            for j in range(c.at + 1, len(c.options)):
+                nxt = c.options[j]
+                cost = nxt.nbytes - cur.nbytes
+                r = (cur.err2 - nxt.err2) / max(cost, 1)
+                if cost <= left and r > ratio:
+                    best, ratio = (c, j), r
         if best is None:
             return
-        left -= best.options[best.at + 1].nbytes - best.chosen.nbytes
-        best.at += 1
+        c, j = best
+        left -= c.options[j].nbytes - c.chosen.nbytes
+        c.at = j
 
 
 def kept_share(choices: Iterable[Choice]) -> float:
