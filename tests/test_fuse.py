@@ -246,6 +246,7 @@ def test_full_fine_tune_fused_at_end_keeps_what_it_changed(bases, tmp_path):
     """--fine-tune-type full --fuse-at-end base: the tensors training did not change are the
     base's bytes, each changed one at most naive rounding's error against the trained weights;
     the same bytes as toymlx-export --base RUN."""
+    from toymlx.checkpoint import checkpoint_file
     from toymlx.gguf.quantize import dequantize_tensor, quantize_tensor
 
     base = bases["q8_0"]
@@ -255,7 +256,7 @@ def test_full_fine_tune_fused_at_end_keeps_what_it_changed(bases, tmp_path):
     fused = run / "fused-q8_0.gguf"
     assert ex["path"] == fused.name and 0.5 <= ex["fine_tune_kept"] <= 1.0
     assert write_merged(tmp_path / "again.gguf", run, None).read_bytes() == fused.read_bytes()
-    ckpt = sorted((run / "weights").glob("step_*.gguf"))[-1]
+    ckpt = checkpoint_file(run)
     f, b, c = GGUFFile(fused), GGUFFile(base), GGUFFile(ckpt)
     n_changed = 0
     for name, info in b.tensors.items():

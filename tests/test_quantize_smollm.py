@@ -1,10 +1,11 @@
 """The file people run, given back: a LoRA trained on SmolLM2-135M-Instruct (Q4_1, and a
-Q4_K_M copy llama.cpp's quantizer makes), fused in the base's own type by `toymlx-export
---fuse` with no type given, and `--dtype q4_k_m` from the Q4_1 base.
+Q4_K_M copy llama.cpp's quantizer makes), fused by `toymlx-export --fuse` with no type given
+(the file that keeps the fine-tune: the base's tensors byte for byte, general.file_type the
+base's), with the base's own type as --dtype, and `--dtype q4_k_m` from the Q4_1 base.
 
-Each fused file is checked against `llama-quantize` (llama.cpp's `llama_model_quantize` in a
+Each --dtype file is checked against `llama-quantize` (llama.cpp's `llama_model_quantize` in a
 child process) run on the F32 fused export: every tensor's type and bytes equal, every
-metadata key equal, the whole file equal; its size against the base's; and llama.cpp's logits on it against its
+metadata key equal, the whole file equal; each file's size against the base's; and llama.cpp's logits on it against its
 logits on the F32 fused model (f32 KV cache, flash attention off). The margin: llama.cpp on a
 quantized file differs from the same model in F32 by its own rounding of the weights (and of
 the activations, to 8 bits) -- `base_margin`, measured on the base (the quantized base vs its
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +32,7 @@ from llamacpp_runner import llamacpp_logits, quantize
 from smollm import smollm_gguf  # noqa: F401  (session fixture)
 
 from toymlx.gguf.reader import DIGEST_KEY, GGUFFile
-from toymlx.lora import adapter_kept, kept_note, write_merged
+from toymlx.lora import adapter_kept, kept_note, load_adapter, write_merged
 from toymlx.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.smollm, pytest.mark.interop]
@@ -40,11 +42,11 @@ TEXT = ("What does Python's functools.lru_cache do, and when should I avoid it?"
 
 
 def export(*argv: str) -> str:
-    """toymlx-export in a child process, as a user runs it."""
+    """toymlx-export in a child process, as a user runs it; its "wrote" line."""
     r = subprocess.run([sys.executable, "-m", "toymlx_cli.export", *argv], check=False,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    return r.stderr.strip().splitlines()[-1]
+    return next(s for s in reversed(r.stderr.splitlines()) if s.startswith("toymlx-export: wrote"))
 
 
 def train(base: Path, runs: Path, run_id: str) -> Path:
@@ -52,7 +54,7 @@ def train(base: Path, runs: Path, run_id: str) -> Path:
     r = subprocess.run([sys.executable, "-m", "toymlx_cli.train", "--recipe", "lora",
                         "--base", str(base), "--runs-root", str(runs), "--run-id", run_id,
                         "--steps", "4", "--batch-size", "2", "--seq-len", "96", "--lr", "2e-3",
-                        "--warmup", "1", "--lora.targets", "q,v,o,down", "--eval-every", "0",
+                        "--warmup", "1", "--lora.targets", "q,v", "--eval-every", "0",
                         "--eval-batches", "1", "--no-progress"],
                        check=False, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -93,20 +95,29 @@ def check_fused(work: dict, base: Path, run: Path, dtype: str | None, qtype: str
                   *(["--dtype", dtype] if dtype else []))
     seconds = time.perf_counter() - t0
     kept = adapter_kept(out, base, run)
-    assert f"it {kept_note(kept, qtype.lower())} in " in said
     f32 = d / f"{name}-f32.gguf"
     export("--base", str(base), "--adapter", str(run), "--fuse", "--dtype", "f32",
            "--out", str(f32))
-    ref = d / f"{name}-llama-quantize.gguf"
-    quantize(f32, ref, qtype)
-    mine, theirs = GGUFFile(out), GGUFFile(ref)
-    assert mine.metadata["general.file_type"] == theirs.metadata["general.file_type"]
-    assert list(mine.tensors) == list(theirs.tensors)
-    for t in mine.tensors:
-        assert mine.tensors[t].type == theirs.tensors[t].type, t
-        assert mine.raw(t).tobytes() == theirs.raw(t).tobytes(), t
-    assert theirs.metadata == mine.metadata and DIGEST_KEY not in mine.metadata
-    assert out.read_bytes() == ref.read_bytes()
+    mine = GGUFFile(out)
+    if dtype is None:  # the file that keeps the fine-tune: the base's tensors, byte for byte
+        assert re.search(r"; it keeps \d+% of the fine-tune's change", said), said
+        b, adapted = GGUFFile(base), set(load_adapter(run).pairs)
+        assert mine.metadata["general.file_type"] == b.metadata["general.file_type"]
+        assert list(mine.tensors) == list(b.tensors)
+        for t in set(b.tensors) - adapted:
+            assert mine.raw(t).tobytes() == b.raw(t).tobytes(), t
+    else:  # every tensor re-quantized: llama-quantize's file from the F32 fused export
+        assert f"it {kept_note(kept, dtype)} in " in said
+        ref = d / f"{name}-llama-quantize.gguf"
+        quantize(f32, ref, qtype)
+        theirs = GGUFFile(ref)
+        assert mine.metadata["general.file_type"] == theirs.metadata["general.file_type"]
+        assert list(mine.tensors) == list(theirs.tensors)
+        for t in mine.tensors:
+            assert mine.tensors[t].type == theirs.tensors[t].type, t
+            assert mine.raw(t).tobytes() == theirs.raw(t).tobytes(), t
+        assert theirs.metadata == mine.metadata and DIGEST_KEY not in mine.metadata
+        assert out.read_bytes() == ref.read_bytes()
     ids = work["ids"]
     cpp = {k: llamacpp_logits(p, ids)[0] for k, p in
            (("fused", out), ("fused_f32", f32), ("base_q", base_q), ("base_f32", work["f32"]))}
@@ -125,26 +136,29 @@ def check_fused(work: dict, base: Path, run: Path, dtype: str | None, qtype: str
     return figures
 
 
-def test_q4_1_base_fused_with_no_type_is_q4_1(work):
-    """The issue's case: no --dtype on a Q4_1 base gives a Q4_1 file of the base's size."""
+def test_q4_1_base_fused_with_no_type_keeps_the_fine_tune(work):
+    """The issue's case: no --dtype on a Q4_1 base gives the file that keeps the fine-tune
+    (the base's tensors, each adapted one in a type keeping its change) within 1.10x the base;
+    the base's own type for every tensor (--dtype q4_1) keeps less than half of it, q8_0 most."""
     f = check_fused(work, work["q4_1"], work["run_q4_1"], None, "Q4_1", work["q4_1"])
-    assert abs(f["bytes"] - f["base_bytes"]) <= 0.01 * f["base_bytes"]
-    assert f["types"] == _type_counts(work["q4_1"])  # the base's own layout
-    # W + delta re-quantized onto the Q4_1 grid W sits on: most of a short fine-tune rounds
-    # away, and the export says so (the q8_0 file keeps it)
-    assert f["adapter_kept"] < 0.5
+    assert f["bytes"] <= 1.10 * f["base_bytes"] and f["adapter_kept"] >= 0.5
+    naive = check_fused(work, work["q4_1"], work["run_q4_1"], "q4_1", "Q4_1", work["q4_1"])
+    assert naive["adapter_kept"] < 0.5 and naive["types"] == _type_counts(work["q4_1"])
     q8 = work["dir"] / "q4_1-q8_0.gguf"
     export("--base", str(work["q4_1"]), "--adapter", str(work["run_q4_1"]), "--fuse",
            "--dtype", "q8_0", "--out", str(q8))
     assert adapter_kept(q8, work["q4_1"], work["run_q4_1"]) > 0.9
 
 
-def test_q4_k_m_base_fused_with_no_type_is_q4_k_m(work):
-    """A Q4_K_M base (llama.cpp's quantizer made it from the F32 copy): Q4_K_M back, the same
-    per-tensor mixture and size as the base."""
+def test_q4_k_m_base_fused_with_no_type_keeps_the_fine_tune(work):
+    """A Q4_K_M base (llama.cpp's quantizer made it from the F32 copy): the same, and
+    --dtype q4_k_m gives the base's per-tensor mixture and size back."""
     f = check_fused(work, work["q4_k_m"], work["run_q4_k_m"], None, "Q4_K_M", work["q4_k_m"])
-    assert abs(f["bytes"] - f["base_bytes"]) <= 0.01 * f["base_bytes"]
-    assert f["types"] == _type_counts(work["q4_k_m"])
+    assert f["bytes"] <= 1.10 * f["base_bytes"] and f["adapter_kept"] >= 0.5
+    naive = check_fused(work, work["q4_k_m"], work["run_q4_k_m"], "q4_k_m", "Q4_K_M",
+                        work["q4_k_m"])
+    assert abs(naive["bytes"] - naive["base_bytes"]) <= 0.01 * naive["base_bytes"]
+    assert naive["types"] == _type_counts(work["q4_k_m"])
 
 
 def test_dtype_q4_k_m_from_the_q4_1_base(work):
