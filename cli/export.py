@@ -62,6 +62,10 @@ class Args:
     (--fine-tune-type dora) only with --fuse."""
     fuse: bool = False
     """Merge the adapter into the base weights (a full model for llama.cpp without --lora)."""
+    exact_size: bool = False
+    """With --fuse and a LoRA or DoRA run: the base's own type for every tensor (its size, byte
+    for byte), each adapted tensor rounded to keep its outputs on the inputs its layer sees
+    over the run's training rows (GPTQ-style; Q4_0, Q4_1 and Q8_0 tensors)."""
     dtype: ExportType | None = None
     """File type of the written model, as llama-quantize names them (default: the base's own
     general.file_type; with --fuse, the base's tensors kept and each adapted one in a type that
@@ -128,6 +132,7 @@ def run(args: Args) -> int:
         kept_note,
         load_adapter,
         write_full_kept,
+        write_fused_exact,
         write_fused_kept,
         write_merged,
     )
@@ -149,6 +154,9 @@ def run(args: Args) -> int:
     out = Path(args.out)
     if args.fuse and not args.adapter:
         raise ValueError("--fuse: expected --adapter (the adapter to merge), found none")
+    if args.exact_size and (not args.fuse or args.dtype):
+        raise ValueError("--exact-size: expected with --fuse and without --dtype (it writes the "
+                         f"base's own types), found {'--dtype' if args.dtype else 'no --fuse'}")
     t0 = time.perf_counter()
     if args.adapter and not args.fuse:
         if args.dtype:
@@ -165,6 +173,12 @@ def run(args: Args) -> int:
         with open(src, "rb") as f, atomic_open(out) as dst:
             shutil.copyfileobj(f, dst)
         what = f"adapter {src}"
+    elif args.exact_size:
+        _, share = write_fused_exact(out, base, args.adapter, progress=True)
+        what = (f"{args.base} + adapter {args.adapter} (fused in the base's own types, rounded "
+                f"on the run's activations); it keeps {share:.0%} of the adapter's change on "
+                f"those activations, {adapter_kept(out, base, args.adapter):.0%} on isotropic "
+                "inputs")
     elif args.adapter and not args.dtype:
         kept = write_fused_kept(out, base, args.adapter, progress=True)
         what = f"{args.base} + adapter {args.adapter} (fused): {kept.summary()}"

@@ -304,3 +304,37 @@ def test_llama_cpp_runs_the_kept_file_closer_to_base_plus_adapter(qtype, tmp_pat
     assert np.isfinite(got).all() and d_kept <= d_naive + 1e-6
     if types != [GGUFFile(base).tensors["blk.0.attn_q.weight"].type.name]:
         assert d_kept < 0.5 * d_naive
+
+
+def test_exact_size_rounds_on_the_run_activations(bases, tmp_path, capsys, monkeypatch):
+    """--exact-size: every tensor in the base's type (the same tensor bytes count), the
+    untouched ones the base's bytes, the adapted ones' held-out output error below naive
+    rounding's (the fused tensor re-quantized to the base's type)."""
+    from toymlx_cli.export import main
+
+    from toymlx.checkpoint import checkpoint_file
+
+    base = bases["q4_1"]
+    run = _train(tmp_path, base, "lora")
+    out, naive = tmp_path / "exact.gguf", tmp_path / "naive.gguf"
+    assert main(["--base", str(base), "--adapter", str(run), "--fuse", "--exact-size",
+                 "--out", str(out)]) == 0
+    assert re.search(r"it keeps \d+% of the adapter's change on those activations, \d+% on "
+                     r"isotropic inputs", capsys.readouterr().err)
+    write_merged(naive, base, run, "q4_1")
+    e, b = GGUFFile(out), GGUFFile(base)
+    ad = checkpoint_file(run)
+    adapted = set(load_adapter(ad).pairs)
+    assert {n: (t.type, t.nbytes) for n, t in e.tensors.items()} == {
+        n: (t.type, t.nbytes) for n, t in b.tensors.items()}
+    for name in set(b.tensors) - adapted:
+        assert e.raw(name).tobytes() == b.raw(name).tobytes(), name
+    x = held_out_inputs(base, ad, monkeypatch)
+    got, ref = output_errors(out, base, ad, x), output_errors(naive, base, ad, x)
+    print("\n[fuse] exact-size q4_1: held-out output error gptq/naive "
+          + ", ".join(f"{n.split('.')[1]}.{n.split('.')[2]} {got[n]:.3f}/{ref[n]:.3f}"
+                      for n in sorted(adapted)))
+    # a random tiny model's activations are nearly isotropic, so the gain is small here (real
+    # ones are not: docs/RESULTS.md); over the adapted layers it is lower, each within 5%
+    assert sum(got[n] ** 2 for n in adapted) < sum(ref[n] ** 2 for n in adapted)
+    assert all(got[n] <= 1.05 * ref[n] for n in adapted)

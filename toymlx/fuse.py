@@ -196,8 +196,6 @@ def write_kept(out: str | os.PathLike, base: str | os.PathLike, changed: Iterabl
     types `choose_types` picks within `max_size` times the base's file; every other tensor and
     every metadata key (general.file_type included) as the base has them. ValueError, before
     writing, when the file would keep less than `REFUSE_BELOW` of the change."""
-    from toymlx import atomic
-
     base = Path(base)
     out = Path(out)
     changed = list(dict.fromkeys(changed))
@@ -228,25 +226,41 @@ def write_kept(out: str | os.PathLike, base: str | os.PathLike, changed: Iterabl
                 f"{kept:.0%} of the fine-tune's change (expected at least {REFUSE_BELOW:.0%}); "
                 "nothing written: choose the file type with --dtype (e.g. q8_0 or f16), or run "
                 "the base with the adapter")
-        picked = {c.name: c.chosen.type for c in choices}
-        tensors: dict[str, QuantTensor] = {}
-        for name, info in g.tensors.items():
-            if name in picked:
-                f = np.ascontiguousarray(fuse_tensor(name, g.load(name, np.float32)), np.float32)
-                tensors[name] = QuantTensor(picked[name], quantize_tensor(f, picked[name]),
-                                            info.shape)
-            else:
-                tensors[name] = QuantTensor(info.type, g.raw(name), info.shape)
-        drop = ("general.alignment", DIGEST_KEY)
-        meta = {k: v for k, v in g.metadata.items() if k not in drop}
-        types = {k: t for k, t in g.metadata_types.items() if k not in drop}
-        meta.update(extra or {})
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic.remove_stale(out)
-        try:
-            write_gguf(out, meta, tensors, types=types, digest=False,
-                       progress=f"writing {out.name}" if progress else None)
-        except OSError as e:
-            raise OSError(f"{out}: could not write the fused model ({e}); nothing was written "
-                          "under this name") from e
+        written = {}
+        for c in choices:
+            f = np.ascontiguousarray(fuse_tensor(c.name, g.load(c.name, np.float32)), np.float32)
+            written[c.name] = QuantTensor(c.chosen.type, quantize_tensor(f, c.chosen.type),
+                                          g.tensors[c.name].shape)
+        write_with_tensors(out, g, written, extra, progress)
     return KeptFile(out, choices, base_bytes)
+
+
+def write_with_tensors(out: str | os.PathLike, g: GGUFFile,
+                       written: dict[str, QuantTensor | np.ndarray],
+                       extra: dict[str, Any] | None = None, progress: bool = False) -> Path:
+    """The base `g` with the tensors in `written` replaced (raw bytes of the base's own type, or
+    `QuantTensor`s), atomically: every other tensor the base's own bytes (raw blocks), every
+    metadata key the base's (general.file_type included) plus `extra`."""
+    from toymlx import atomic
+
+    out = Path(out)
+    tensors: dict[str, QuantTensor] = {}
+    for name, info in g.tensors.items():
+        t = written.get(name)
+        if t is None:
+            t = g.raw(name)
+        tensors[name] = t if isinstance(t, QuantTensor) else QuantTensor(info.type, t,
+                                                                         info.shape)
+    drop = ("general.alignment", DIGEST_KEY)
+    meta = {k: v for k, v in g.metadata.items() if k not in drop}
+    types = {k: t for k, t in g.metadata_types.items() if k not in drop}
+    meta.update(extra or {})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic.remove_stale(out)
+    try:
+        write_gguf(out, meta, tensors, types=types, digest=False,
+                   progress=f"writing {out.name}" if progress else None)
+    except OSError as e:
+        raise OSError(f"{out}: could not write the fused model ({e}); nothing was written "
+                      "under this name") from e
+    return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -560,6 +561,111 @@ def write_fused_kept(out: str | os.PathLike, base: str | os.PathLike,
 
     return write_kept(out, base, ad.pairs, fused, {"toy.merged_adapter": ad_path.name},
                       progress=progress)
+
+
+class _Moments:
+    """Running X^T X of the inputs one layer sees (float64)."""
+
+    def __init__(self) -> None:
+        self.h: np.ndarray | None = None
+        self.rows = 0
+
+    def add(self, x: mx.array) -> None:
+        a = np.asarray(x.astype(mx.float32), np.float64).reshape(-1, x.shape[-1])
+        self.h = a.T @ a if self.h is None else self.h + a.T @ a
+        self.rows += len(a)
+
+
+class _Recorded(nn.Module):
+    """A layer whose inputs are added to `moments` as it computes."""
+
+    def __init__(self, inner: nn.Module, moments: _Moments):
+        super().__init__()
+        self.inner = inner
+        self.moments = moments
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self.moments.add(x)
+        return self.inner(x)
+
+
+MOMENT_ROWS = 256
+"""Training rows (at most) whose activations a data-aware rounding (`write_fused_exact`) uses."""
+
+
+def input_moments(model: Llama, rows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> X^T X of the inputs its (LoRA or DoRA) layer sees over `rows`
+    (token ids, (n, seq)); the model computes as it trains (base + adapter)."""
+    layers = lora_layers(model)
+    moments = {p: _Moments() for p in layers}
+    for p, m in layers.items():
+        replace_submodule(model, p, _Recorded(m, moments[p]))
+    try:
+        for i in range(0, len(rows), batch):
+            mx.eval(model(mx.array(rows[i:i + batch])))
+    finally:
+        for p, m in layers.items():
+            replace_submodule(model, p, m)
+    return {toy_to_gguf(p + ".weight"): moments[p].h for p in layers}
+
+
+def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
+                      adapter: str | os.PathLike, progress: bool = False) -> tuple[Path, float]:
+    """`base` + `adapter` (a LoRA or DoRA run) fused in the base's own tensor types, byte for
+    byte its size: every other tensor the base's bytes, each adapted one rounded by
+    `toymlx.gptq` to keep its outputs on the inputs the layer sees over the run's own
+    training rows (at most `MOMENT_ROWS`). Returns (the file, the share of the change kept on
+    those inputs, `toymlx.fuse.kept_from` over the adapted layers)."""
+    from toymlx.data.chat import SFTData
+    from toymlx.fuse import kept_from, write_with_tensors
+    from toymlx.gguf.quantize import dequantize_tensor
+    from toymlx.gptq import GPTQ_TYPES, gptq_quantize
+    from toymlx.recipes.lora import DEFAULT_DATA
+    from toymlx.runs import Bundle
+    from toymlx.tokenizer import Tokenizer
+
+    bundle = Bundle.of(adapter, "--adapter")
+    if bundle is None or bundle.recipe != "lora":
+        raise ValueError(f"{adapter}: --exact-size: expected a LoRA run folder (its training "
+                         "rows give each layer's inputs), found an adapter outside a run")
+    base = checkpoint_file(base, "--base")
+    ad_path = checkpoint_file(adapter, "--adapter")
+    ad = load_adapter(ad_path)
+    with GGUFFile(base) as g:
+        bad = sorted({g.tensors[n].type.name for n in ad.pairs} - {t.name for t in GPTQ_TYPES})
+        if bad:
+            raise ValueError(f"{base}: --exact-size: expected adapted tensors of type "
+                             f"{', '.join(t.name for t in GPTQ_TYPES)}, found {', '.join(bad)}")
+        tok = Tokenizer.from_metadata(g.metadata, source=str(base))
+    cfg = bundle.config
+    data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
+                             cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction)
+    model, g = load_llama(base)
+    g.close()
+    apply_adapter(model, ad_path)
+    moments = input_moments(model, data.train["inputs"][:MOMENT_ROWS])
+    del model
+    err2 = delta2 = 0.0
+    tensors = {}
+    with GGUFFile(base) as g:
+        for i, (name, h) in enumerate(moments.items()):
+            info = g.tensors[name]
+            w = g.load(name, np.float32)
+            d = ad.delta(name, w)
+            f = w + d
+            raw = gptq_quantize(f, h, info.type)
+            e = dequantize_tensor(raw, info.type, info.shape) - f
+            err2 += float(np.sum((e @ h) * e))
+            delta2 += float(np.sum((d @ h) * d))
+            tensors[name] = raw
+            if progress:
+                print(f"\rrounding on the run's activations: {i + 1}/{len(moments)}", end="",
+                      file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        out = write_with_tensors(out, g, tensors, {"toy.merged_adapter": ad_path.name},
+                                 progress)
+    return out, kept_from(err2, delta2)
 
 
 def fine_tune_base(run_or_checkpoint: str | os.PathLike) -> Path | None:
