@@ -9,7 +9,8 @@ column's rounding error is pushed onto the columns not yet rounded, weighted by 
 grid (its fp16 scale, and Q4_1's fp16 minimum) is fixed from the updated weights when the
 rounding reaches the block, as llama.cpp's reference encoder fixes it from the block's values;
 the levels are then packed into the type's blocks here (`pack`), which llama.cpp and gguf-py
-decode. Types: Q4_0, Q4_1, Q8_0 (`GPTQ_TYPES`).
+decode. Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (`GPTQ_TYPES`; llama.cpp's Q4_K_M writes rows that
+are no multiple of 256, such as SmolLM2's 576, in Q5_0).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 T = GGMLQuantizationType
-GPTQ_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
+GPTQ_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+_TOP = {T.Q4_0: 15, T.Q4_1: 15, T.Q5_0: 31, T.Q5_1: 31}
+"""The highest level of each unsigned type (Q8_0's levels are -127..127)."""
 BLOCK = 32
 DAMP = 0.01
 """H's diagonal is raised by this share of its mean (GPTQ's dampening), so H inverts."""
@@ -30,25 +33,26 @@ def _grid(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.nd
     if qtype == T.Q8_0:
         d = np.abs(w).max(axis=1) / 127.0
         return d.astype(np.float16).astype(np.float64), np.zeros(len(w))
-    if qtype == T.Q4_0:
+    half = (_TOP[qtype] + 1) // 2
+    if qtype in (T.Q4_0, T.Q5_0):  # symmetric: the largest magnitude, signed, at level 0
         idx = np.abs(w).argmax(axis=1)
-        d = w[np.arange(len(w)), idx] / -8.0
+        d = w[np.arange(len(w)), idx] / -half
         d = d.astype(np.float16).astype(np.float64)
-        return d, -8.0 * d
+        return d, -half * d
     lo, hi = w.min(axis=1), w.max(axis=1)
-    d = ((hi - lo) / 15.0).astype(np.float16).astype(np.float64)
+    d = ((hi - lo) / _TOP[qtype]).astype(np.float16).astype(np.float64)
     return d, lo.astype(np.float16).astype(np.float64)
 
 
 def _levels(x: np.ndarray, d: np.ndarray, m: np.ndarray, qtype: GGMLQuantizationType
             ) -> np.ndarray:
     """The nearest level of each value on its row's grid."""
-    top = 255 if qtype == T.Q8_0 else 15
     safe = np.where(d == 0, 1.0, d)
     lv = np.rint((x - m) / safe)
     if qtype == T.Q8_0:  # int8 levels -127..127 around 0 (m = 0)
         return np.where(d == 0, 0, np.clip(lv, -127, 127))
-    return np.where(d == 0, 0 if qtype == T.Q4_1 else 8, np.clip(lv, 0, top))
+    zero = (_TOP[qtype] + 1) // 2 if qtype in (T.Q4_0, T.Q5_0) else 0  # the level of 0.0
+    return np.where(d == 0, zero, np.clip(lv, 0, _TOP[qtype]))
 
 
 def pack(levels: np.ndarray, d: np.ndarray, m: np.ndarray, qtype: GGMLQuantizationType
@@ -63,11 +67,16 @@ def pack(levels: np.ndarray, d: np.ndarray, m: np.ndarray, qtype: GGMLQuantizati
         qs = lv.astype(np.int8).view(np.uint8)
         return np.concatenate([dh, qs], axis=1).reshape(-1)
     q = lv.astype(np.uint8)
-    qs = q[:, :16] | (q[:, 16:] << 4)
-    if qtype == T.Q4_0:
-        return np.concatenate([dh, qs], axis=1).reshape(-1)
-    mh = m.reshape(-1).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return np.concatenate([dh, mh, qs], axis=1).reshape(-1)
+    qs = (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+    parts = [dh]
+    if qtype in (T.Q4_1, T.Q5_1):
+        parts.append(m.reshape(-1).astype(np.float16).view(np.uint8).reshape(-1, 2))
+    if qtype in (T.Q5_0, T.Q5_1):  # the fifth bits: element j's in bit j of a uint32
+        bits = ((q >> 4) & 1).astype(np.uint32) << np.arange(BLOCK, dtype=np.uint32)
+        parts.append(bits.sum(axis=1, dtype=np.uint32).astype("<u4").view(np.uint8)
+                     .reshape(-1, 4))
+    parts.append(qs)
+    return np.concatenate(parts, axis=1).reshape(-1)
 
 
 def gptq_quantize(f: np.ndarray, h: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
