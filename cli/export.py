@@ -65,7 +65,7 @@ class Args:
     exact_size: bool = False
     """With --fuse and a LoRA or DoRA run: the base's own type for every tensor (its size, byte
     for byte), each adapted tensor rounded to keep its outputs on the inputs its layer sees
-    over the run's training rows (GPTQ-style; Q4_0, Q4_1 and Q8_0 tensors)."""
+    over the run's training rows (GPTQ-style; Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors)."""
     dtype: ExportType | None = None
     """File type of the written model, as llama-quantize names them (default: the base's own
     general.file_type; with --fuse, the base's tensors kept and each adapted one in a type that
