@@ -106,6 +106,7 @@ def main() -> int:
     p.add_argument("--questions", help="JSON list of held-out questions")
     p.add_argument("--word", help="what a recalled answer contains")
     p.add_argument("--fused", nargs="*", default=[], help="NAME=FILE.gguf fused files")
+    p.add_argument("--base", help="the base for base + adapter (default: the run's own)")
     a = p.parse_args()
     if a.make_data:
         make_data(Path(a.make_data))
@@ -114,7 +115,8 @@ def main() -> int:
         p.error("expected --run, --questions and --word (or --make-data DIR)")
     questions = json.loads(Path(a.questions).read_text())
     bundle = Bundle.of(a.run)
-    base = Path(next(e for e in bundle.events if e["kind"] == "run_start")["config"]["base_file"])
+    base = Path(a.base or next(e for e in bundle.events
+                               if e["kind"] == "run_start")["config"]["base_file"])
     adapter = checkpoint_file(a.run, "--run")
     models = {"base + adapter": (base, adapter)}
     models.update({n: (Path(f), None) for n, f in (s.split("=", 1) for s in a.fused)})
