@@ -126,6 +126,7 @@ def run(args: Args) -> int:
     from toymlx.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
     from toymlx.lora import (
+        KEPT_WARNING,
         adapter_kept,
         apply_adapter,
         fine_tune_base,
@@ -178,7 +179,9 @@ def run(args: Args) -> int:
         what = (f"{args.base} + adapter {args.adapter} (fused in the base's own types, rounded "
                 f"on the run's activations); it keeps {share:.0%} of the adapter's change on "
                 f"those activations, {adapter_kept(out, base, args.adapter):.0%} on isotropic "
-                "inputs")
+                "inputs" + (" (warning: the rest is below the base's rounding step; export "
+                            "without --exact-size, or run the base with the adapter)"
+                            if share < KEPT_WARNING else ""))
     elif args.adapter and not args.dtype:
         kept = write_fused_kept(out, base, args.adapter, progress=True)
         what = f"{args.base} + adapter {args.adapter} (fused): {kept.summary()}"
