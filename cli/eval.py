@@ -164,6 +164,27 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     (--split test: what `toymlx-train --test` records at the end of a run)."""
     import math
 
+    from toymlx.device import on_gpu
+    from toymlx.generate import load_for_generation, used_files
+    from toymlx.gguf.llama import frozen_weights
+    from toymlx.models.ops import scoring_ops
+
+    model, tok = load_for_generation(args.model, weights=frozen_weights(on_gpu()),
+                                     ops=scoring_ops(on_gpu()))
+    print(f"toymlx-eval: {used_files(args.model)}", file=sys.stderr)
+    loss, n, source = chat_loss(model, tok, cfg, args.split, args.data_path, args.seq_len,
+                                args.batch_size)
+    # named as the run's events name them (test) and as a text checkpoint's report (val, all)
+    names = ("test_loss", "test_perplexity") if args.split == "test" else ("val_loss",
+                                                                          "perplexity")
+    return {"model": str(args.model), "data": source, "split": args.split, "rows": n,
+            names[0]: loss, names[1]: math.exp(loss)}
+
+
+def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
+              seq_len: int | None = None, batch_size: int = 256) -> tuple[float, int, str]:
+    """(mean loss, rows, data source) of `model` on a LoRA run's chat/SFT rows of `split`
+    (see `evaluate_chat`), `cfg` the run's configuration (None: --data.path or the default)."""
     import numpy as np
 
     from toymlx.data.chat import (
@@ -173,44 +194,32 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
         sft_val_batches,
         test_file,
     )
-    from toymlx.device import on_gpu
-    from toymlx.generate import load_for_generation, used_files
-    from toymlx.gguf.llama import frozen_weights
     from toymlx.losses import lm_held_out_sums, lm_loss
-    from toymlx.models.ops import scoring_ops
     from toymlx.recipes.lora import DEFAULT_DATA
     from toymlx.trainer import Task, command_evaluator
 
     data = dataclasses.asdict(cfg.data) if dataclasses.is_dataclass(getattr(cfg, "data", None)) \
         else {}
-    path = args.data_path if args.data_path is not None else data.get("path")
-    if path is None and args.split == "test":
+    path = data_path if data_path is not None else data.get("path")
+    if path is None and split == "test":
         raise ValueError("--data.path: expected a data folder with test.jsonl or a JSONL file "
                          "of test examples (--split test), found none")
-    seq_len = args.seq_len or getattr(cfg, "seq_len", None) or 256
+    seq_len = seq_len or getattr(cfg, "seq_len", None) or 256
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
-    model, tok = load_for_generation(args.model, weights=frozen_weights(on_gpu()),
-                                     ops=scoring_ops(on_gpu()))
-    print(f"toymlx-eval: {used_files(args.model)}", file=sys.stderr)
-    if args.split == "test":
+    if split == "test":
         f = test_file(path)
         rows, source = held_out_rows(load_examples(f), tok, seq_len, mask, pack), str(f)
     else:
         sft = SFTData.from_file(path or DEFAULT_DATA, tok, seq_len, mask, pack,
                                 data.get("val_fraction", 0.1))
         rows, source = sft.val, sft.source
-        if args.split == "all":
+        if split == "all":
             rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
     n = len(rows["inputs"])
-    bs = max(1, min(args.batch_size, n))
+    bs = max(1, min(batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
                 metrics_fn=lm_held_out_sums, test_batches=sft_val_batches(rows, bs, -(-n // bs)))
-    loss = command_evaluator(task)(split="test")["test_loss"]
-    # named as the run's events name them (test) and as a text checkpoint's report (val, all)
-    names = ("test_loss", "test_perplexity") if args.split == "test" else ("val_loss",
-                                                                          "perplexity")
-    return {"model": str(args.model), "data": source, "split": args.split, "rows": n,
-            names[0]: loss, names[1]: math.exp(loss)}
+    return command_evaluator(task)(split="test")["test_loss"], n, source
 
 
 def evaluate(args: Args) -> dict:

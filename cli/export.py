@@ -26,10 +26,15 @@ class Args:
     """Write a llama GGUF for llama.cpp, or a ViT for timm.
 
     --adapter A --fuse: the base with W + (alpha/r) B A in every adapted weight (DoRA: that
-                        rescaled to its magnitude m per row), in the base's own type (a Q4_K_M
-                        base gives a Q4_K_M file) or --dtype; quantized by llama.cpp's own
-                        quantizer (llama-cpp-python), byte for byte what llama-quantize writes
-                        from the fused F32 model.
+                        rescaled to its magnitude m per row). Default: the file that keeps the
+                        fine-tune: every other tensor the base's own bytes, each adapted one
+                        in the smallest type keeping 90% of its change (its output error),
+                        within 1.10x the base's size, general.file_type the base's. --dtype T:
+                        every tensor re-quantized to T by llama.cpp's own quantizer
+                        (llama-cpp-python), byte for byte what llama-quantize writes from the
+                        fused F32 model (rounding may erase a small fine-tune: the export says
+                        how much of it the file keeps). From a run, the held-out loss of the
+                        fused file is printed beside base + adapter's.
     --adapter A alone:  the adapter GGUF itself, checked against the base.
     no --adapter:       the base re-encoded at --dtype (--dtype f32: an F32 copy of a Q4_1 file).
     --adapter A --format modelfile --out DIR: DIR/Modelfile for Ollama (FROM the base, ADAPTER
@@ -58,9 +63,14 @@ class Args:
     (--fine-tune-type dora) only with --fuse."""
     fuse: bool = False
     """Merge the adapter into the base weights (a full model for llama.cpp without --lora)."""
+    exact_size: bool = False
+    """With --fuse and a LoRA or DoRA run: the base's own type for every tensor (its size, byte
+    for byte), each adapted tensor rounded to keep its outputs on the inputs its layer sees
+    over the run's training rows (GPTQ-style; Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors)."""
     dtype: ExportType | None = None
     """File type of the written model, as llama-quantize names them (default: the base's own
-    general.file_type). Without llama-cpp-python only f32, f16, bf16, q8_0, q4_0, q4_1, q5_0
+    general.file_type; with --fuse, the base's tensors kept and each adapted one in a type that
+    keeps its change). Without llama-cpp-python only f32, f16, bf16, q8_0, q4_0, q4_1, q5_0
     and q5_1 (gguf-py's encoders)."""
 
 
@@ -104,16 +114,16 @@ def export_modelfile(args: Args) -> int:
                                                  progress=True)
     what = f"FROM {base.path}, ADAPTER {adapter}"
     if fused:
-        from toymlx.gguf.quantize import own_type
-        from toymlx.gguf.reader import GGUFFile
         from toymlx.lora import adapter_kept, kept_note
 
-        with GGUFFile(fused) as g:
-            dtype = own_type(g)
+        kind = args.dtype or "each adapted tensor in a type that keeps its change"
         what = (f"FROM {fused} ({fused.stat().st_size / 2**20:.1f} MiB: {base.path} + {adapter} "
-                f"fused; it {kept_note(adapter_kept(fused, base.path, adapter), dtype)})")
+                f"fused, {kind}; it "
+                f"{kept_note(adapter_kept(fused, base.path, adapter), args.dtype or 'its')})")
     print(f"{PROG}: wrote {path} ({what}) in {time.perf_counter() - t0:.1f} s; create the "
           f"Ollama model with: ollama create NAME -f {path}", file=sys.stderr)
+    if fused:
+        print(f"{PROG}: {heldout_note(base.path, args.adapter, fused)}", file=sys.stderr)
     return 0
 
 
@@ -121,9 +131,18 @@ def run(args: Args) -> int:
     from toymlx.atomic import atomic_open
     from toymlx.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
-    from toymlx.gguf.quantize import own_type
-    from toymlx.gguf.reader import GGUFFile
-    from toymlx.lora import adapter_kept, apply_adapter, kept_note, load_adapter, write_merged
+    from toymlx.lora import (
+        KEPT_WARNING,
+        adapter_kept,
+        apply_adapter,
+        fine_tune_base,
+        kept_note,
+        load_adapter,
+        write_full_kept,
+        write_fused_exact,
+        write_fused_kept,
+        write_merged,
+    )
 
     if args.format == "modelfile":
         return export_modelfile(args)
@@ -142,6 +161,9 @@ def run(args: Args) -> int:
     adapter = checkpoint_file(args.adapter, "--adapter") if args.adapter else None
     out = check_output(args.out, [("--base", base_spec), ("--base", base),
                                   ("--adapter", args.adapter), ("--adapter", adapter)])
+    if args.exact_size and (not args.fuse or args.dtype):
+        raise ValueError("--exact-size: expected with --fuse and without --dtype (it writes the "
+                         f"base's own types), found {'--dtype' if args.dtype else 'no --fuse'}")
     t0 = time.perf_counter()
     if args.adapter and not args.fuse:
         if args.dtype:
@@ -158,15 +180,30 @@ def run(args: Args) -> int:
         with open(src, "rb") as f, atomic_open(out) as dst:
             shutil.copyfileobj(f, dst)
         what = f"adapter {src}"
+    elif args.exact_size:
+        _, share = write_fused_exact(out, base, args.adapter, progress=True)
+        what = (f"{base_spec} + adapter {args.adapter} (fused in the base's own types, rounded "
+                f"on the run's activations); it keeps {share:.0%} of the adapter's change on "
+                f"those activations, {adapter_kept(out, base, args.adapter):.0%} on isotropic "
+                "inputs" + (" (warning: the rest is below the base's rounding step; export "
+                            "without --exact-size, or run the base with the adapter)"
+                            if share < KEPT_WARNING else ""))
+    elif args.adapter and not args.dtype:
+        kept = write_fused_kept(out, base, args.adapter, progress=True)
+        what = f"{base_spec} + adapter {args.adapter} (fused): {kept.summary()}"
+    elif not args.dtype and (trained_from := fine_tune_base(base_spec)) is not None:
+        kept = write_full_kept(out, trained_from, base, progress=True)
+        what = f"{base_spec} (a full fine-tune of {trained_from}): {kept.summary()}"
     else:
         write_merged(out, base, args.adapter, args.dtype, progress=True)
         what = f"{base_spec}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
         if args.adapter:
-            with GGUFFile(out) as g:
-                dtype = own_type(g)
-            what += "; it " + kept_note(adapter_kept(out, base, args.adapter), dtype)
+            what += (f" in {args.dtype}; it "
+                     + kept_note(adapter_kept(out, base, args.adapter), args.dtype))
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.adapter and args.fuse:
+        print(f"{PROG}: {heldout_note(base, args.adapter, out)}", file=sys.stderr)
     return 0
 
 
@@ -189,6 +226,26 @@ def run_base_of(adapter: str | None) -> str:
     print(f"{PROG}: base {found[1] if found is not None else base} (no --base given)",
           file=sys.stderr)
     return base
+
+
+def heldout_note(base: Path, adapter: str, fused: Path) -> str:
+    """The held-out loss of the fused file beside base + adapter's, on the validation rows of
+    the run the adapter comes from (its config.json names its data); or that it was not
+    measured, for an adapter outside a run."""
+    from toymlx_cli.eval import chat_loss
+
+    from toymlx.generate import load_for_generation
+    from toymlx.runs import Bundle
+
+    bundle = Bundle.of(adapter, "--adapter")
+    if bundle is None or bundle.recipe != "lora":
+        return ("held-out loss not measured: the adapter is a file outside a run, so its "
+                "validation data is not known (toymlx-eval --model FUSED --data.path DATA "
+                "measures it)")
+    ref, n, source = chat_loss(*load_for_generation(base, adapter), bundle.config)
+    got, _, _ = chat_loss(*load_for_generation(fused), bundle.config)
+    return (f"held-out loss on the run's {n} validation rows ({source}): base + adapter "
+            f"{ref:.4f}, fused file {got:.4f} ({(got - ref) / ref:+.2%})")
 
 
 def _stop(signum: int, frame: object) -> None:

@@ -113,10 +113,16 @@ def test_without_llama_cpp_gguf_py_types_work_and_others_are_refused(base_and_ru
         "toymlx-export: error: --dtype q4_k_m: expected llama.cpp's quantizer for this type, "
         "found llama-cpp-python not installed (pip install \"toymlx[interop]\"); without it "
         "toymlx writes f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1")]
+    assert not out.exists() and not list(tmp_path.glob(".*tmp-*"))
     km = tiny_base(tmp_path / "claims-q4_k_m.gguf", 15)  # a base whose own type is Q4_K_M
     r = export("--base", str(km), "--adapter", str(run), "--fuse", "--out", str(out), env=env)
-    assert r.returncode == 2 and "--dtype q4_k_m: expected llama.cpp's quantizer" in r.stderr
-    assert not out.exists() and not list(tmp_path.glob(".*tmp-*"))
+    assert r.returncode == 0, r.stderr  # the default keeps the base's bytes: no quantizer needed
+    g, b = GGUFFile(out), GGUFFile(km)
+    assert g.metadata["general.file_type"] == 15
+    adapted = {n for n in b.tensors if n.endswith(("attn_q.weight", "attn_v.weight",
+                                                   "ffn_down.weight"))}
+    assert len(adapted) == 6 and all(g.tensors[n].type.name == "F32" for n in adapted)
+    assert all(g.raw(n).tobytes() == b.raw(n).tobytes() for n in set(b.tensors) - adapted)
 
 
 def test_adapter_kept_measures_the_share_of_the_update_in_the_file(base_and_run, tmp_path):
@@ -136,13 +142,15 @@ def test_adapter_kept_measures_the_share_of_the_update_in_the_file(base_and_run,
                      "f32")
     assert abs(adapter_kept(tmp_path / "half.gguf", base, run) - 0.5) < 1e-4
     assert kept_note(0.06, "q4_1") == (
-        "holds 6% of the adapter's change to the weights (warning: the rest is below q4_1's "
-        "rounding step; to keep the whole fine-tune, export --dtype q8_0 or f16, or run the "
-        "base with the adapter: llama-cli --lora)")
+        "keeps 6% of the adapter's change on the adapted layers' outputs (warning: the rest is "
+        "lost to q4_1's rounding; to keep the fine-tune, export without --dtype (each adapted "
+        "tensor in a type that keeps its change), or --dtype q8_0 or f16, or run the base with "
+        "the adapter: llama-cli --lora)")
 
 
 def test_default_is_the_base_own_type(base_and_run, tmp_path):
-    """No --dtype: the base's general.file_type (here F32, and a base that says Q8_0)."""
+    """No --dtype: the base's general.file_type (here F32, and a base that says Q8_0 over F32
+    tensors: its tensors stay F32); --dtype q8_0: every matrix re-quantized."""
     base, run = base_and_run
     out = write_merged(tmp_path / "a.gguf", base, run)
     assert GGUFFile(out).metadata["general.file_type"] == 0
@@ -150,6 +158,8 @@ def test_default_is_the_base_own_type(base_and_run, tmp_path):
     q8base = tiny_base(tmp_path / "q8.gguf", 7)
     out = write_merged(tmp_path / "b.gguf", q8base, run)
     assert GGUFFile(out).metadata["general.file_type"] == 7
+    assert GGUFFile(out).tensors["blk.1.ffn_down.weight"].type.name == "F32"
+    out = write_merged(tmp_path / "c.gguf", q8base, run, "q8_0")
     assert GGUFFile(out).tensors["blk.1.ffn_down.weight"].type.name == "Q8_0"
 
 

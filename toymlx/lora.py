@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -468,39 +469,53 @@ KEPT_WARNING = 0.5
 
 def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
                  adapter: str | os.PathLike) -> float:
-    """How much of an adapter's change to the weights a fused file holds: over the adapted
-    tensors, <fused - base, delta> / <delta, delta> (1: all of it). Quantizing W + delta back
-    onto the grid the base W already sits on rounds away the part of a small delta below the
-    grid's step (a short fine-tune fused into Q4_1 keeps a few percent). Weights dequantized by
-    gguf-py, sums in float64."""
+    """The share of the adapter's change a fused file keeps, on the adapted layers' outputs
+    (`toymlx.fuse.kept_from`): over the adapted tensors, with D the adapter's change, F = W + D
+    and Q the file's weights, 1 - sqrt(sum ||Q - F||^2 / sum ||D||^2) clipped to [0, 1]: the
+    output error on isotropic inputs against the change's own output. Rounding the untouched
+    part of W again counts as error, never as change (1: all of it kept; 0: noise as large as
+    the change). Weights dequantized by gguf-py, sums in float64."""
+    from toymlx.fuse import kept_from
+
     ad = load_adapter(adapter)
-    num = den = 0.0
+    err2 = delta2 = 0.0
     with GGUFFile(base) as g, GGUFFile(fused) as f:
         for name in ad.pairs:
             w = g.load(name, np.float32)
             d = ad.delta(name, w)
-            e = f.load(name, np.float32).astype(np.float64) - w
-            num, den = num + float(np.vdot(e, d)), den + float(np.vdot(d, d))
+            e = f.load(name, np.float64) - (w + d)
+            err2, delta2 = err2 + float(np.vdot(e, e)), delta2 + float(np.vdot(d, d))
             f.release(name)
             g.release(name)
-    return num / den if den else 1.0
+    return kept_from(err2, delta2)
 
 
 def kept_note(kept: float, dtype: str) -> str:
     """What a user reads about `adapter_kept`: the share, and what to do when it is small."""
-    note = f"holds {kept:.0%} of the adapter's change to the weights"
+    note = f"keeps {kept:.0%} of the adapter's change on the adapted layers' outputs"
     if kept < KEPT_WARNING:
-        note += (f" (warning: the rest is below {dtype}'s rounding step; to keep the whole "
-                 "fine-tune, export --dtype q8_0 or f16, or run the base with the adapter: "
-                 "llama-cli --lora)")
+        note += (f" (warning: the rest is lost to {dtype}'s rounding; to keep the fine-tune, "
+                 "export without --dtype (each adapted tensor in a type that keeps its change), "
+                 "or --dtype q8_0 or f16, or run the base with the adapter: llama-cli --lora)")
     return note
 
 def write_merged(out: str | os.PathLike, base: str | os.PathLike,
                  adapter: str | os.PathLike | None = None, dtype: str | None = None,
                  progress: bool = False) -> Path:
-    """Write `base` (+ `adapter`, LoRA or DoRA, fused into its weights) as a full GGUF of file
-    type `dtype` (default: the base's own, `export_type`), through `write_model_gguf`; `base` may
-    be a full fine-tune's run folder (its latest checkpoint)."""
+    """Write `base` (+ `adapter`, LoRA or DoRA, fused into its weights) as a full GGUF; `base`
+    may be a full fine-tune's run folder (its latest checkpoint).
+
+    No `dtype`, with an adapter or for a full fine-tune: the file that keeps the fine-tune
+    (`toymlx.fuse.write_kept`): the base's tensors byte for byte, each adapted (changed) one in
+    the smallest type that keeps its change, general.file_type the base's. Otherwise every
+    tensor re-encoded in `dtype` (default: the base's own, `export_type`) through
+    `write_model_gguf`, byte for byte what llama-quantize writes from the fused F32 model."""
+    if dtype is None:
+        if adapter is not None:
+            return write_fused_kept(out, base, adapter, progress).path
+        trained_from = fine_tune_base(base)
+        if trained_from is not None:
+            return write_full_kept(out, trained_from, base, progress).path
     base = checkpoint_file(base, "--base")
     with GGUFFile(base) as g:
         dtype = dtype or export_type(g)
@@ -518,6 +533,183 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
         g.close()
     del model
     return write_model_gguf(out, meta, types, weights, dtype, progress)
+
+
+def write_fused_kept(out: str | os.PathLike, base: str | os.PathLike,
+                     adapter: str | os.PathLike, progress: bool = False):
+    """`base` + `adapter` (LoRA or DoRA) fused by `toymlx.fuse.write_kept` (the file that keeps
+    the fine-tune); returns its `KeptFile`. The adapter is checked against the base first
+    (architecture, every adapted weight's name and shape), as `apply_adapter` checks it."""
+    from toymlx.fuse import write_kept
+
+    base = checkpoint_file(base, "--base")
+    ad_path = checkpoint_file(adapter, "--adapter")
+    ad = load_adapter(ad_path)
+    with GGUFFile(base) as g:
+        _check_arch(ad, str(g.metadata.get("general.architecture", "llama")))
+        for name, (a, b) in ad.pairs.items():
+            info = g.tensors.get(name)
+            if info is None or len(info.shape) != 2 or name == "token_embd.weight":
+                raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection "
+                                f"weight of the base {base}, found no such weight")
+            if (b.shape[0], a.shape[1]) != info.shape:
+                raise GGUFError(f"{ad.path}: tensor '{name}.lora_a'/'.lora_b' shapes: expected "
+                                f"(r, {info.shape[1]}) and ({info.shape[0]}, r) to fit the "
+                                f"base's {name} {info.shape}, found {a.shape} and {b.shape} "
+                                "(wrong base?)")
+
+    def fused(name: str, w: np.ndarray) -> np.ndarray:
+        return (w.astype(np.float64) + ad.delta(name, w)).astype(np.float32)
+
+    return write_kept(out, base, ad.pairs, fused, {"toy.merged_adapter": ad_path.name},
+                      progress=progress)
+
+
+class _Moments:
+    """Running X^T X of the inputs one layer sees (float64)."""
+
+    def __init__(self) -> None:
+        self.h: np.ndarray | None = None
+        self.rows = 0
+
+    def add(self, x: mx.array) -> None:
+        a = np.asarray(x.astype(mx.float32), np.float64).reshape(-1, x.shape[-1])
+        self.h = a.T @ a if self.h is None else self.h + a.T @ a
+        self.rows += len(a)
+
+
+class _Recorded(nn.Module):
+    """A layer whose inputs are added to `moments` as it computes."""
+
+    def __init__(self, inner: nn.Module, moments: _Moments):
+        super().__init__()
+        self.inner = inner
+        self.moments = moments
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self.moments.add(x)
+        return self.inner(x)
+
+
+MOMENT_ROWS = 256
+"""Training rows (at most) whose activations a data-aware rounding (`write_fused_exact`) uses."""
+
+
+def input_moments(model: Llama, rows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> X^T X of the inputs its (LoRA or DoRA) layer sees over `rows`
+    (token ids, (n, seq)); the model computes as it trains (base + adapter)."""
+    layers = lora_layers(model)
+    moments = {p: _Moments() for p in layers}
+    for p, m in layers.items():
+        replace_submodule(model, p, _Recorded(m, moments[p]))
+    try:
+        for i in range(0, len(rows), batch):
+            mx.eval(model(mx.array(rows[i:i + batch])))
+    finally:
+        for p, m in layers.items():
+            replace_submodule(model, p, m)
+    return {toy_to_gguf(p + ".weight"): moments[p].h for p in layers}
+
+
+def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
+                      adapter: str | os.PathLike, progress: bool = False) -> tuple[Path, float]:
+    """`base` + `adapter` (a LoRA or DoRA run) fused in the base's own tensor types, byte for
+    byte its size: every other tensor the base's bytes, each adapted one rounded by
+    `toymlx.gptq` to keep its outputs on the inputs the layer sees over the run's own
+    training rows (at most `MOMENT_ROWS`). Returns (the file, the share of the change kept on
+    those inputs, `toymlx.fuse.kept_from` over the adapted layers)."""
+    from toymlx.data.chat import SFTData
+    from toymlx.fuse import kept_from, write_with_tensors
+    from toymlx.gguf.quantize import dequantize_tensor
+    from toymlx.gptq import GPTQ_TYPES, gptq_quantize
+    from toymlx.recipes.lora import DEFAULT_DATA
+    from toymlx.runs import Bundle
+    from toymlx.tokenizer import Tokenizer
+
+    bundle = Bundle.of(adapter, "--adapter")
+    if bundle is None or bundle.recipe != "lora":
+        raise ValueError(f"{adapter}: --exact-size: expected a LoRA run folder (its training "
+                         "rows give each layer's inputs), found an adapter outside a run")
+    base = checkpoint_file(base, "--base")
+    ad_path = checkpoint_file(adapter, "--adapter")
+    ad = load_adapter(ad_path)
+    with GGUFFile(base) as g:
+        bad = sorted({g.tensors[n].type.name for n in ad.pairs} - {t.name for t in GPTQ_TYPES})
+        if bad:
+            raise ValueError(f"{base}: --exact-size: expected adapted tensors of type "
+                             f"{', '.join(t.name for t in GPTQ_TYPES)}, found {', '.join(bad)}")
+        tok = Tokenizer.from_metadata(g.metadata, source=str(base))
+    cfg = bundle.config
+    data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
+                             cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction)
+    model, g = load_llama(base)
+    g.close()
+    apply_adapter(model, ad_path)
+    moments = input_moments(model, data.train["inputs"][:MOMENT_ROWS])
+    del model
+    err2 = delta2 = 0.0
+    tensors = {}
+    with GGUFFile(base) as g:
+        for i, (name, h) in enumerate(moments.items()):
+            info = g.tensors[name]
+            w = g.load(name, np.float32)
+            d = ad.delta(name, w)
+            f = w + d
+            raw = gptq_quantize(f, h, info.type)
+            e = dequantize_tensor(raw, info.type, info.shape) - f
+            err2 += float(np.sum((e @ h) * e))
+            delta2 += float(np.sum((d @ h) * d))
+            tensors[name] = raw
+            if progress:
+                print(f"\rrounding on the run's activations: {i + 1}/{len(moments)}", end="",
+                      file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        out = write_with_tensors(out, g, tensors, {"toy.merged_adapter": ad_path.name},
+                                 progress)
+    return out, kept_from(err2, delta2)
+
+
+def fine_tune_base(run_or_checkpoint: str | os.PathLike) -> Path | None:
+    """The file a full fine-tune was trained from (its run_start's absolute `base_file`), for
+    a full fine-tune's run folder or checkpoint; None for anything else. FileNotFoundError,
+    naming it, when that file is gone."""
+    from toymlx.runs import Bundle
+
+    bundle = Bundle.of(run_or_checkpoint, "--base")
+    if bundle is None or getattr(bundle.config, "fine_tune_type", None) != "full":
+        return None
+    start = next((e for e in bundle.events if e["kind"] == "run_start"), {})
+    recorded = start.get("config", {}).get("base_file")
+    if not recorded or not Path(recorded).is_file():
+        raise FileNotFoundError(f"{bundle.path}: run_start 'base_file': expected the file the "
+                                f"full fine-tune was trained from, found "
+                                f"{'nothing recorded' if not recorded else 'no file ' + recorded}"
+                                "; pass --dtype to re-encode the checkpoint alone")
+    return Path(recorded)
+
+
+def write_full_kept(out: str | os.PathLike, base: str | os.PathLike,
+                    checkpoint: str | os.PathLike, progress: bool = False):
+    """A full fine-tune's `checkpoint` as the file that keeps the fine-tune
+    (`toymlx.fuse.write_kept` over the file `base` it was trained from): each tensor it changed
+    in a type that keeps the change, every other one the base's own bytes."""
+    from toymlx.fuse import write_kept
+
+    checkpoint = checkpoint_file(checkpoint, "--base")
+    with GGUFFile(base) as g, GGUFFile(checkpoint) as c:
+        if {n: i.shape for n, i in g.tensors.items()} != {n: i.shape for n, i in
+                                                          c.tensors.items()}:
+            raise GGUFError(f"{checkpoint}: tensors: expected the names and shapes of the base "
+                            f"it was trained from ({base}), found others")
+        changed = [n for n in g.tensors
+                   if not np.array_equal(g.load(n, np.float32), c.load(n, np.float32))]
+    c = GGUFFile(checkpoint)
+    try:
+        return write_kept(out, base, changed, lambda name, w: c.load(name, np.float32),
+                          {"toy.fine_tuned": checkpoint.name}, progress=progress)
+    finally:
+        c.close()
 
 
 def like_base(g: GGUFFile, model: Llama, extra: dict[str, Any] | None = None

@@ -144,7 +144,8 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
                     progress: bool = False) -> tuple[Path, Resolved, Path, Path | None]:
     """Write `out_dir/Modelfile` for a LoRA run or adapter GGUF; (its path, the base, the
     adapter file, the fused GGUF or None). `base` defaults to the run's `--base`; with `fuse`,
-    `out_dir/fused-TYPE.gguf` (type `dtype`, default the base's own) is written first."""
+    `out_dir/fused-TYPE.gguf` (`write_merged`: type `dtype`, default the file that keeps the
+    fine-tune, named after the base's own type) is written first."""
     adapter_file = checkpoint_file(adapter, "--adapter").resolve()
     base = base or lora_run_base(adapter, adapter_file)
     if not base:
@@ -163,8 +164,8 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
         from toymlx.lora import write_merged  # MLX only when a model is fused
 
         with GGUFFile(src.path) as g:
-            dtype = dtype or export_type(g)
-        fused = write_merged(check_output(Path(out_dir) / f"fused-{dtype}.gguf", inputs),
+            name = dtype or export_type(g)
+        fused = write_merged(check_output(Path(out_dir) / f"fused-{name}.gguf", inputs),
                              src.path, adapter_file, dtype, progress)
     text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused)
     path.parent.mkdir(parents=True, exist_ok=True)

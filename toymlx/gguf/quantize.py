@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from gguf.constants import LlamaFileType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from tqdm import tqdm
 
 from toymlx import atomic
@@ -134,6 +134,80 @@ def quantizer(dtype: str) -> str:
     raise ValueError(f"--dtype {dtype}: expected llama.cpp's quantizer for this type, found "
                      f"llama-cpp-python not installed ({INTEROP_EXTRA}); without it toymlx "
                      f"writes {', '.join(GGUF_PY_TYPES)}")
+
+
+_GGUF_PY_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def _ggml_quantize_chunk() -> Any | None:
+    """llama.cpp's `ggml_quantize_chunk` (the routine llama-quantize encodes every tensor
+    with), from llama-cpp-python's libggml; None without it."""
+    if llama_cpp_module() is None:
+        return None
+    try:
+        from llama_cpp._ggml import libggml
+        fn = libggml.ggml_quantize_chunk
+    except (ImportError, AttributeError, OSError):
+        return None
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return fn
+
+
+def tensor_types_written() -> set[GGMLQuantizationType]:
+    """Tensor types `quantize_tensor` writes here: every type llama.cpp quantizes without an
+    importance matrix where llama-cpp-python is installed, else gguf-py's."""
+    if _ggml_quantize_chunk() is not None:
+        from toymlx.fuse import LADDER
+
+        return set(LADDER) | {GGMLQuantizationType[n] for n in _GGUF_PY_TENSOR_TYPES}
+    return {GGMLQuantizationType[n] for n in _GGUF_PY_TENSOR_TYPES}
+
+
+def quantize_tensor(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """A float32 (out, in) tensor encoded as `qtype`'s raw bytes (uint8): llama.cpp's own
+    encoder where installed (the bytes llama-quantize writes for that tensor, no importance
+    matrix), else gguf-py's (the same reference rounding for its types)."""
+    w = np.ascontiguousarray(w, np.float32)
+    if qtype == GGMLQuantizationType.F32:
+        return w.view(np.uint8).reshape(-1)
+    if qtype == GGMLQuantizationType.F16:
+        return w.astype(np.float16).view(np.uint8).reshape(-1)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n_in = w.shape[-1]
+    if n_in % block:
+        raise ValueError(f"tensor type {qtype.name}: expected rows a multiple of {block} "
+                         f"values, found {n_in}")
+    fn = _ggml_quantize_chunk()
+    if fn is not None:
+        rows = w.size // n_in
+        out = np.empty(rows * (n_in // block) * size, np.uint8)
+        n = fn(int(qtype), w.ctypes.data, out.ctypes.data, 0, rows, n_in, None)
+        if n != out.nbytes:
+            raise OSError(f"llama.cpp's ggml_quantize_chunk ({qtype.name}): expected "
+                          f"{out.nbytes} bytes, found {n}")
+        return out
+    if qtype.name not in _GGUF_PY_TENSOR_TYPES:
+        raise ValueError(f"tensor type {qtype.name}: expected llama.cpp's quantizer, found "
+                         f"llama-cpp-python not installed ({INTEROP_EXTRA})")
+    from gguf.quants import quantize
+
+    return np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(-1)
+
+
+def dequantize_tensor(raw: np.ndarray, qtype: GGMLQuantizationType,
+                      shape: tuple[int, ...]) -> np.ndarray:
+    """Raw tensor bytes of `qtype` decoded to float64 (gguf-py's decoders, exact)."""
+    if qtype == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(shape).astype(np.float64)
+    if qtype == GGMLQuantizationType.F16:
+        return raw.view(np.float16).reshape(shape).astype(np.float64)
+    from gguf.quants import dequantize
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    return dequantize(raw.reshape(-1, shape[-1] // block * size), qtype).reshape(
+        shape).astype(np.float64)
 
 
 def write_model_gguf(out: str | os.PathLike, metadata: dict[str, Any],

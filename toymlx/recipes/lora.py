@@ -12,8 +12,9 @@ quantized files are dequantized exactly, or kept quantized with `--base-dtype qu
   checkpoints are full GGUFs with the base's metadata, `weights/step_N.gguf`, that llama.cpp
   loads as they are, as from-scratch's are.
 `--fuse-at-end base` (or a type) also writes the run's `fused-TYPE.gguf` when training
-completes: the base with the final adapter fused in (full: the final weights), in the base's
-own type.
+completes: the base with the final adapter fused in (full: the final weights); `base`: the
+file `toymlx-export --fuse` writes by default (the base's tensors kept, each adapted one in a
+type that keeps its change), a type: every tensor re-quantized to it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from toymlx.lora import (
     parse_targets,
     target_blocks,
     write_adapter,
+    write_full_kept,
+    write_fused_kept,
     write_like_base,
     write_merged,
 )
@@ -137,8 +140,9 @@ class Config(TrainConfig):
     fuse_at_end: Literal[("base", *EXPORT_TYPES)] | None = None  # type: ignore[valid-type]
     """When training completes, also write <run>/fused-TYPE.gguf: the base with the final
     adapter fused in (--fine-tune-type full: the final weights), as `toymlx-export --fuse`
-    writes it, in this type (base: the base's own general.file_type, e.g. q4_k_m for a Q4_K_M
-    base)."""
+    writes it: base = its default (the base's tensors byte for byte, each adapted one in the
+    smallest type that keeps its change, named after the base's own type, e.g. q4_k_m), or
+    every tensor re-quantized to the type named."""
 
 
 def validate(cfg: Config) -> None:
@@ -269,13 +273,21 @@ def build(cfg: Config, ops: Ops) -> Task:
         out = check_output(run_dir / f"fused-{dtype}.gguf", [("--base", src.path)],
                            "--fuse-at-end", owns=[run_dir])
         if full:
-            write_merged(out, run_dir, None, dtype, progress=cfg.progress)
+            if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.fuse)
+                kept = write_full_kept(out, src.path, run_dir, progress=cfg.progress).kept
+            else:
+                write_merged(out, run_dir, None, dtype, progress=cfg.progress)
+                kept = None
             return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
-                    "bytes": out.stat().st_size}
-        write_merged(out, src.path, run_dir, dtype, progress=cfg.progress)
-        kept = adapter_kept(out, src.path, run_dir)
-        if kept < KEPT_WARNING:
-            print(f"toymlx: {out} {kept_note(kept, dtype)}", file=sys.stderr)
+                    "bytes": out.stat().st_size,
+                    **({"fine_tune_kept": round(kept, 4)} if kept is not None else {})}
+        if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.fuse)
+            kept = write_fused_kept(out, src.path, run_dir, progress=cfg.progress).kept
+        else:
+            write_merged(out, src.path, run_dir, dtype, progress=cfg.progress)
+            kept = adapter_kept(out, src.path, run_dir)
+            if kept < KEPT_WARNING:
+                print(f"toymlx: {out} {kept_note(kept, dtype)}", file=sys.stderr)
         return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                 "bytes": out.stat().st_size, "adapter_kept": round(kept, 4)}
 
