@@ -183,11 +183,12 @@ def test_a_file_losing_most_of_the_change_is_refused(bases, tmp_path):
 def _train(tmp_path: Path, base: Path, kind: str, *extra: str) -> Path:
     from toymlx_cli.train import main
 
+    lora = [] if kind == "full" else ["--lora.targets", TARGETS, "--lora.rank", "4"]
     assert main(["--recipe", "lora", "--fine-tune-type", kind, "--base", str(base),
                  "--runs-root", str(tmp_path), "--run-id", kind, "--steps", "2",
                  "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2", "--warmup", "1",
-                 "--eval-every", "0", "--eval-batches", "1", "--lora.targets", TARGETS,
-                 "--lora.rank", "4", "--no-progress", "--no-compile", *extra]) == 0
+                 "--eval-every", "0", "--eval-batches", "1", *lora, "--no-progress",
+                 "--no-compile", *extra]) == 0
     return tmp_path / kind
 
 

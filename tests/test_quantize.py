@@ -231,7 +231,8 @@ def test_fuse_at_end_writes_the_run_fused_model(tmp_path, kind):
     assert main(["--recipe", "lora", "--fine-tune-type", kind, "--base", str(base),
                  "--runs-root", str(tmp_path), "--run-id", "r", "--steps", "2",
                  "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2", "--warmup", "1",
-                 "--eval-every", "0", "--eval-batches", "1", "--lora.rank", "4",
+                 "--eval-every", "0", "--eval-batches", "1",
+                 *([] if kind == "full" else ["--lora.rank", "4"]),
                  "--no-progress", "--no-compile", "--fuse-at-end", "base"]) == 0
     run = tmp_path / "r"
     events = [json.loads(s) for s in (run / "events.jsonl").read_text().splitlines()]
