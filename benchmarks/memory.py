@@ -162,16 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--json", type=Path)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the chosen rows this many times, interleaved (a, b, a, b, ...)")
     args = p.parse_args(argv)
     host = host_info()
     print(json.dumps({"host": host}), flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="toymlx-memory-") as tmp:
-        for name in args.only:
-            rec = run_row(ROWS[name], Path(tmp))
+        for i, name in enumerate(list(args.only) * args.repeat):
+            rec = run_row(ROWS[name], Path(tmp) / str(i))
             print(json.dumps(rec), flush=True)
             results.append(rec)
-    by = {r["row"]: r for r in results}
+    by: dict[str, dict[str, Any]] = {}  # repeats: the median step time, the highest peak
+    for r in results:
+        if "step_s" in r:
+            seen = by.setdefault(r["row"], {**r, "step_times": []})
+            seen["step_times"].append(r["step_s"])
+            seen["step_s"] = statistics.median(seen["step_times"])
+            seen["peak_rss_gb"] = max(seen["peak_rss_gb"], r["peak_rss_gb"])
     for a, b in (("smollm2-blocks", "smollm2-float32"), ("1b-blocks", "1b-float32")):
         if a in by and b in by and "step_s" in by[a] and "step_s" in by[b]:
             print(f"{a} / {b} step time: {by[a]['step_s'] / by[b]['step_s']:.3f}x; peak RSS "
