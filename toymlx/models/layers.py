@@ -64,8 +64,8 @@ class BlockCodec(Protocol):
     def decode(self, parts: dict[str, mx.array]) -> mx.array: ...
 
 
-SLICE_VALUES = 1 << 21
-"""Most values of a block-held weight decoded at once (8 MB of float32)."""
+SLICE_VALUES = 1 << 22
+"""Most values of a block-held weight decoded at once (16 MB of float32)."""
 
 
 def after(arrays: list[mx.array], x: mx.array) -> list[mx.array]:
