@@ -52,9 +52,9 @@ FILE_VALUES: list[Any] = [
 ]
 """Hostile `-c` values; "2024-01-01" is written unquoted (a YAML date), "ab\\ud800" as JSON."""
 DEFAULT_BUDGET_S = 45.0
-SLOW_BUDGET_S = float(os.environ.get("TOYMLX_FUZZ_BUDGET_S", "900"))
+SLOW_BUDGET_S = float(os.environ.get("TOYMLX_FUZZ_BUDGET_S", "600"))
 """The slow tier's budget: every value of every option in both forms takes ~2,200 s on 2 busy
-cores, so CI tries them in plan order for 15 minutes (TOYMLX_FUZZ_BUDGET_S=inf: all of them)."""
+cores, so CI tries them in plan order for 10 minutes (TOYMLX_FUZZ_BUDGET_S=inf: all of them)."""
 
 
 @dataclasses.dataclass
