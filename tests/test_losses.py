@@ -99,28 +99,40 @@ def test_logits_chunk_sizes():
     assert logits_chunk(10 ** 7) == 32
 
 
-def test_chunked_logits_never_live_whole():
-    """The peak of a gradient through a trained head above the weights: chunks of 32 tokens
-    against all 512 tokens' logits at once (vocabulary 16,384: 32 MB a copy whole)."""
+def _wide_vocab_model() -> tuple[Llama, dict]:
+    """A 1-block model with a 16,384-token vocabulary, only its q projection trainable, and a
+    batch of 2 x 256 tokens."""
     mx.random.seed(0)
     model = Llama(tiny(vocab_size=16384, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                        ffn_dim=64), Ops(kernels="vectorised"))
     model.freeze()
     model.layers[0].attn.q_proj.unfreeze()
-    model.embed.unfreeze()  # the tied head trains: the token-chunked path
-    assert model.frozen_head() is None
     batch = _batch(16384, B=2, T=256)
     mx.eval(model.parameters(), batch)
-    peaks = {}
-    for chunk in (512, 32):
-        grad = nn.value_and_grad(model, lambda m, b, c=chunk: lm_loss(m, b, c))
-        mx.synchronize()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        (loss, _), g = grad(model, batch)
-        mx.eval(loss, g)
-        peaks[chunk] = mx.get_peak_memory() - base
-        del loss, g
+    return model, batch
+
+
+def _gradient_peak(model: Llama, batch: dict, loss_fn) -> int:
+    """MLX's peak above the memory in use before one gradient of `loss_fn`."""
+    grad = nn.value_and_grad(model, loss_fn)
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    (loss, _), g = grad(model, batch)
+    mx.eval(loss, g)
+    peak = mx.get_peak_memory() - base
+    del loss, g
+    return peak
+
+
+def test_chunked_logits_never_live_whole():
+    """The peak of a gradient through a trained head above the weights: chunks of 32 tokens
+    against all 512 tokens' logits at once (vocabulary 16,384: 32 MB a copy whole)."""
+    model, batch = _wide_vocab_model()
+    model.embed.unfreeze()  # the tied head trains: the token-chunked path
+    assert model.frozen_head() is None
+    peaks = {chunk: _gradient_peak(model, batch, lambda m, b, c=chunk: lm_loss(m, b, c))
+             for chunk in (512, 32)}
     whole_copy = 512 * 16384 * 4
     assert peaks[512] > 4 * whole_copy  # the whole logits, several copies of them
     # one chunk of 32 at a time: 1/16 of the whole (2.2 whole copies measured, against 17)
@@ -132,26 +144,13 @@ def test_a_frozen_head_in_slices_never_holds_the_whole_logits(monkeypatch):
     quarter of reading all 16,384 rows at once (512 tokens: 32 MB a copy whole)."""
     from toymlx import losses
 
-    mx.random.seed(0)
-    model = Llama(tiny(vocab_size=16384, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                       ffn_dim=64), Ops(kernels="vectorised"))
-    model.freeze()
-    model.layers[0].attn.q_proj.unfreeze()
+    model, batch = _wide_vocab_model()
     assert model.frozen_head() is model.embed
-    batch = _batch(16384, B=2, T=256)
-    mx.eval(model.parameters(), batch)
     peaks = {}
     for rows in (16384, 1024):
         monkeypatch.setattr(losses, "head_slices", lambda v, n, d, r=rows: [
             (a, min(a + r, v)) for a in range(0, v, r)])
-        grad = nn.value_and_grad(model, lambda m, b: lm_loss(m, b))
-        mx.synchronize()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        (loss, _), g = grad(model, batch)
-        mx.eval(loss, g)
-        peaks[rows] = mx.get_peak_memory() - base
-        del loss, g
+        peaks[rows] = _gradient_peak(model, batch, lambda m, b: lm_loss(m, b))
     whole_copy = 512 * 16384 * 4
     assert peaks[16384] > 2 * whole_copy
     assert peaks[1024] < peaks[16384] / 4

@@ -124,33 +124,21 @@ PART = "block_"
 """Parameter-name prefix of a block layer's arrays (`block_qs`, `block_d`, ...)."""
 
 
-def hold_blocks(layer: nn.Module, blocks: dict[str, mx.array]) -> None:
-    """Keep a tensor's block arrays as frozen parameters of `layer` (flat: MLX's freezing
-    does not reach into a dict of arrays)."""
-    layer.parts = tuple(blocks)
-    for k, v in blocks.items():
-        layer[PART + k] = v
-
-
-class BlockLinear(nn.Module):
-    """A frozen projection held as its GGUF tensor's own quantized blocks (`blocks`: the arrays
-    `toymlx.gguf.blocks` splits a tensor into), decoded to float where it is used.
-
-    Its float32 weight equals the file's exact dequantization, so it computes what a float32-held
-    base computes; the backward pass decodes the weight again (`decoded_product`)."""
+class BlockMatrix(nn.Module):
+    """A frozen (n_out, n_in) matrix held as its GGUF tensor's own quantized blocks (`blocks`: the
+    arrays `toymlx.gguf.blocks` splits a tensor into, kept as flat frozen parameters
+    `block_qs`, `block_d`, ...: MLX's freezing does not reach into a dict of arrays), decoded
+    to float where it is used. Its float32 weight equals the file's exact dequantization; its
+    product decodes again in the backward pass (`decoded_product`)."""
 
     def __init__(self, codec: BlockCodec, blocks: dict[str, mx.array], n_out: int, n_in: int,
-                 bias: mx.array | None = None, ops: Ops = EXACT):
+                 ops: Ops = EXACT):
         super().__init__()
         self.codec, self.n_out, self.n_in, self.ops = codec, int(n_out), int(n_in), ops
-        hold_blocks(self, blocks)
-        if bias is not None:
-            self.bias = bias
+        self.parts = tuple(blocks)
+        for k, v in blocks.items():
+            self[PART + k] = v
         self._product = decoded_product(codec, self.parts, self.n_out, self.n_in)
-        self.freeze()
-
-    def _decode(self, blocks: dict[str, mx.array]) -> mx.array:
-        return self.codec.decode(blocks).reshape(self.n_out, self.n_in)
 
     @property
     def blocks(self) -> dict[str, mx.array]:
@@ -158,50 +146,51 @@ class BlockLinear(nn.Module):
 
     def dense(self) -> mx.array:
         """The float32 (n_out, n_in) weight."""
-        return self._decode(self.blocks)
+        return self.codec.decode(self.blocks).reshape(self.n_out, self.n_in)
+
+    def product(self, x: mx.array) -> mx.array:
+        """x @ W.T in the compute dtype."""
+        return self._product(self.ops.cast(x), *self.blocks.values())
+
+
+class BlockLinear(BlockMatrix):
+    """A frozen projection held as its tensor's blocks (`BlockMatrix`), with an optional float32
+    bias: it computes what a float32-held base computes."""
+
+    def __init__(self, codec: BlockCodec, blocks: dict[str, mx.array], n_out: int, n_in: int,
+                 bias: mx.array | None = None, ops: Ops = EXACT):
+        super().__init__(codec, blocks, n_out, n_in, ops)
+        if bias is not None:
+            self.bias = bias
+        self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self._product(self.ops.cast(x), *self.blocks.values())
+        y = self.product(x)
         return y if "bias" not in self else y + self.ops.cast(self.bias)
 
 
-class BlockEmbedding(nn.Module):
-    """A frozen token table held as its GGUF tensor's quantized blocks: a token's row is decoded
-    from that row's blocks alone; a tied output head decodes the whole table where it is used
-    (as `BlockLinear`)."""
+class BlockEmbedding(BlockMatrix):
+    """A frozen token table (vocab, dims) held as its tensor's blocks: a token's row is decoded
+    from that row's blocks alone; a tied output head is the product with the whole table."""
 
     def __init__(self, codec: BlockCodec, blocks: dict[str, mx.array], vocab: int, dims: int,
                  ops: Ops = EXACT):
-        super().__init__()
-        self.codec, self.vocab, self.dims, self.ops = codec, int(vocab), int(dims), ops
-        hold_blocks(self, blocks)
-        self._product = decoded_product(codec, self.parts, self.vocab, self.dims)
+        super().__init__(codec, blocks, vocab, dims, ops)
         self.freeze()
-
-    def _decode(self, blocks: dict[str, mx.array]) -> mx.array:
-        return self.codec.decode(blocks).reshape(self.vocab, self.dims)
-
-    @property
-    def blocks(self) -> dict[str, mx.array]:
-        return {k: self[PART + k] for k in self.parts}
-
-    def dense(self) -> mx.array:
-        """The float32 (vocab, dims) table."""
-        return self._decode(self.blocks)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         rows = {k: v[tokens] for k, v in self.blocks.items()}  # (*tokens.shape, n_blocks, ...)
-        return self.ops.cast(self.codec.decode(rows).reshape(*tokens.shape, self.dims))
+        return self.ops.cast(self.codec.decode(rows).reshape(*tokens.shape, self.n_in))
 
     def as_linear(self, h: mx.array) -> mx.array:
-        return self._product(self.ops.cast(h), *self.blocks.values())
+        return self.product(h)
 
 
 def row_reader(layer: Any) -> tuple[list[mx.array], Callable[[list[mx.array], int, int],
                                                               mx.array]]:
     """A frozen matrix layer's arrays, and `rows(arrays, a, b)`: rows a..b of its weight (b - a,
     n_in), float (block layers decode just those rows' blocks)."""
-    if isinstance(layer, (BlockLinear, BlockEmbedding)):
+    if isinstance(layer, BlockMatrix):
         names, codec = layer.parts, layer.codec
 
         def rows(arrays: list[mx.array], a: int, b: int) -> mx.array:
@@ -223,7 +212,7 @@ def row_reader(layer: Any) -> tuple[list[mx.array], Callable[[list[mx.array], in
 def dense_weight(layer: Any) -> mx.array:
     """The (n_out, n_in) float weight of any frozen or float linear layer: a block layer's
     decoded, an MLX-quantized one's dequantized, a float one's as it is."""
-    if isinstance(layer, (BlockLinear, BlockEmbedding)):
+    if isinstance(layer, BlockMatrix):
         return layer.dense()
     if isinstance(layer, nn.QuantizedLinear):
         return mx.dequantize(layer.weight, layer.scales, layer.biases,

@@ -212,10 +212,9 @@ def build(cfg: Config, ops: Ops) -> Task:
     mx.random.seed(cfg.seed)
     full = cfg.fine_tune_type == "full"
     src = model_store.resolve(cfg.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
-    with GGUFFile(src.path) as g:
-        types = "/".join(sorted(set(projection_types(g).values())))
     dtype = "float32" if full else resolve_base_dtype(cfg.base_dtype, on_gpu())
     with GGUFFile(src.path) as g:
+        types = "/".join(sorted(set(projection_types(g).values())))
         fits = memory.check_fits(memory.estimate(
             g, held=dtype, full=full, targets=parse_targets(cfg.lora.targets),
             rank=cfg.lora.rank, layers=cfg.lora.layers, dora=cfg.fine_tune_type == "dora",
