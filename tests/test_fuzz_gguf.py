@@ -88,9 +88,10 @@ def test_fuzz_batch_every_reader_path(tmp_path, shared_file):
         assert counts.get("ok", 0) > 0, (path, counts)
 
 
-def test_fuzz_guard_catches_crash_and_hang(tmp_path):
+def test_fuzz_guard_catches_crash_and_hang(tmp_path, shared_file):
     """The harness itself: a reader that segfaults (case 1) or hangs (case 2) is reported
     with its input saved, and the supervisor goes on with the next case."""
+    shared_file("models/stories260K.gguf")  # the seed file scripts/fuzz_gguf.py mutates
     summary = tmp_path / "s.json"
     cmd = [sys.executable, str(REPO / "scripts" / "fuzz_gguf.py"), "--profile", "quick",
            "--cases", "3", "--selftest", "--case-timeout", "2", "--out", str(tmp_path),
