@@ -38,7 +38,7 @@ import cpu_suite
 import gpu_suite
 from workloads import cpu_workloads, gpu_workloads
 
-from toymlx.device import select_device, setup_process
+from toymlx.backend.device import select_device, setup_process
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -60,7 +60,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="untimed steps before the rounds (CPU 1, GPU 2)")
     p.add_argument("--impl", nargs="*",
                    help="CPU suite: toymlx, toymlx-ref (MLX's own elementwise ops: "
-                        "toymlx.fastmath off), torch, torch1t (PyTorch on one thread), mlx-lm "
+                        "toymlx.backend.fastmath off), torch, torch1t (PyTorch on one thread), mlx-lm "
                         "(default: toymlx torch mlx-lm). GPU suite: toymlx, mlx-lm, torch, "
                         "torch-compile (default: all)")
     p.add_argument("--compile-backend", default="inductor",

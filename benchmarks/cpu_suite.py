@@ -28,7 +28,7 @@ from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs, weigh
 from user_paths import format_user_paths, host_info, host_line, run_user_paths
 from workloads import Workload, cpu_workloads, find, make_batch, train_flops
 
-from toymlx.device import backend_info
+from toymlx.backend.device import backend_info
 
 IMPLS = ("toymlx", "toymlx-ref", "torch", "torch1t", "mlx-lm")
 DEFAULT_IMPLS = ("toymlx", "torch", "mlx-lm")
@@ -54,7 +54,7 @@ def build_variants(w: Workload, which: tuple[str, ...], inputs: Path
         mx.clear_cache()
     if "toymlx-ref" in which:
         t = time.perf_counter()
-        # the same recipe's Task computing with MLX's own kernels instead of toymlx.fastmath's
+        # the same recipe's Task computing with MLX's own kernels instead of toymlx.backend.fastmath's
         rv = ToymlxVariant(*build_task(w, replace(CPU_OPS, kernels="mlx"), inputs), batch,
                            name="toymlx-ref")
         builds[rv.name] = time.perf_counter() - t

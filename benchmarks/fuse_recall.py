@@ -78,7 +78,7 @@ def llama_cpp_answers(model: Path, questions: list[str], lora: Path | None) -> l
 
 
 def toymlx_answers(model, tok, questions: list[str]) -> list[str]:
-    from toymlx.generate import generate
+    from toymlx.generation.generate import generate
 
     out = []
     for q in questions:
@@ -96,9 +96,9 @@ def toymlx_answers(model, tok, questions: list[str]) -> list[str]:
 def main() -> int:
     from toymlx_cli.eval import chat_loss
 
-    from toymlx.checkpoint import checkpoint_file
-    from toymlx.generate import load_for_generation
-    from toymlx.runs import Bundle
+    from toymlx.bundle.checkpoint import checkpoint_file
+    from toymlx.bundle.runs import Bundle
+    from toymlx.generation.generate import load_for_generation
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--make-data", help="write the fact's data folder here and stop")

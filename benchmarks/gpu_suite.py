@@ -36,7 +36,7 @@ from rounds import Variant, first_steps, median_ratios, run_rounds
 from toymlx_step import ToymlxVariant, build_task, gpu_ops, recipe_inputs, weights_np
 from workloads import Workload, gpu_workloads, make_batch, train_flops
 
-from toymlx.device import backend_info
+from toymlx.backend.device import backend_info
 
 IMPLS = ("toymlx", "mlx-lm", "torch", "torch-compile")
 DTYPES = ("float32", "bfloat16")

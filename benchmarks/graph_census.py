@@ -35,8 +35,8 @@ from mlx_lm_step import MlxLmVariant
 from toymlx_step import build_task, gpu_ops, recipe_inputs, weights_np
 from workloads import Workload, find, make_batch
 
-from toymlx.step import make_step, micro_batch_grads
-from toymlx.trainer import make_optimizer
+from toymlx.training.step import make_step, micro_batch_grads
+from toymlx.training.trainer import make_optimizer
 
 
 def primitives(arrays: list[mx.array]) -> Counter:

@@ -20,7 +20,7 @@ What the child runs, as mlx-lm's commands do it:
   trained by `mlx_lm.tuner.trainer.train` (its own compiled step, its own `iterate_batches`)
   for `iters` iterations, with no validation and no checkpoint before the last iteration.
 - OpenBLAS is loaded before MLX: toymlx is imported first (it preloads OpenBLAS), and the
-  child refuses to run if `toymlx.device.backend_info()` names another BLAS.
+  child refuses to run if `toymlx.backend.device.backend_info()` names another BLAS.
 
 Data shapes (a row each):
 - `packed`: the benchmark's LoRA shape: toymlx's packed training rows of the lora recipe's
@@ -87,7 +87,7 @@ def openblas_first() -> str:
     """Import toymlx before mlx (it preloads OpenBLAS, else MLX uses its reference BLAS) and
     return the BLAS MLX uses; SystemExit if it is not OpenBLAS (the comparison would be
     unfair)."""
-    from toymlx.device import backend_info
+    from toymlx.backend.device import backend_info
 
     blas = backend_info().get("blas")
     if blas != "openblas":
@@ -156,9 +156,9 @@ class PackedRows:
 def dataset(shape: str, gguf: Path) -> tuple[Any, int]:
     """The row's training data as mlx-lm reads it, and its max_seq_length."""
     from toymlx.data.chat import SFTData, load_examples, split_examples
+    from toymlx.data.tokenizer import Tokenizer
     from toymlx.gguf.reader import GGUFFile
     from toymlx.recipes.lora import DEFAULT_DATA, ChatDataOptions
-    from toymlx.tokenizer import Tokenizer
 
     with GGUFFile(gguf) as g:
         tok = Tokenizer.from_metadata(dict(g.metadata))

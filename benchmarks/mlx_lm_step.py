@@ -30,8 +30,8 @@ from rounds import Variant
 from workloads import Workload
 
 from toymlx.gguf.llama import ARCHS
-from toymlx.lora import TARGETS
 from toymlx.models.llama import LlamaArgs
+from toymlx.training.lora import TARGETS
 
 
 @dataclass(frozen=True)

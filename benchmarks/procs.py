@@ -25,7 +25,7 @@ from rounds import Variant
 from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs
 from workloads import Workload, find, make_batch
 
-from toymlx.launch import launch
+from toymlx.runner.launch import launch
 
 HERE = Path(__file__).resolve().parent
 MB = 2**20
@@ -35,8 +35,8 @@ def child_code(body: str) -> str:
     """Python source for a fresh process set up as toymlx-train sets itself up (toymlx first:
     it loads OpenBLAS, which must precede mlx.core), able to import this folder's modules,
     then `body`."""
-    return (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport toymlx.device\n"
-            f"toymlx.device.setup_process()\n{body}")
+    return (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport toymlx.backend.device\n"
+            f"toymlx.backend.device.setup_process()\n{body}")
 
 
 def run_child(body: str, timeout: float = 1800) -> dict:
@@ -64,7 +64,7 @@ class TorchVariant(Variant):
     CPU attention kernels then call OpenBLAS's threaded sgemm from inside their OpenMP threads
     (fwd+bwd of a SmolLM2-135M attention: 465 ms against 20 ms in a clean process). The child
     runs with TOYMLX_BLAS=reference so it never loads OpenBLAS, and never calls
-    `toymlx.device.setup_process`: it keeps glibc's malloc settings, as a plain PyTorch process
+    `toymlx.backend.device.setup_process`: it keeps glibc's malloc settings, as a plain PyTorch process
     has them.
     """
 
@@ -198,7 +198,7 @@ def run_dp(workload: str, ranks: int = 2, rounds: int = 3, steps: int = 3,
     folder = Path(tempfile.mkdtemp(prefix="toymlx-dp-"))
     script = folder / "worker.py"  # a file: mlx.launch does not carry `-c` code intact
     script.write_text(child_code(
-        "from procs import dp_worker\nfrom toymlx.launch import rank_status\n\nwith rank_status() as status:\n"
+        "from procs import dp_worker\nfrom toymlx.runner.launch import rank_status\n\nwith rank_status() as status:\n"
         "    dp_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])\n"
         "    status.code = 0\n"))
     res: dict[str, Any] = {"workload": workload, "ranks": ranks, "single": [], "dp": []}

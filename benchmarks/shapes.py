@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from toymlx import atomic
+from toymlx.backend import atomic
 from toymlx.gguf.llama import ARCHS, expected_shapes, llama_metadata
 from toymlx.gguf.quantize import llama_quantize
 from toymlx.gguf.reader import GGUFFile

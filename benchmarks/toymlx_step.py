@@ -9,8 +9,8 @@ init, in float32; vit-tiny: images of the workload's size, channels and classes)
 per workload by `recipe_inputs` into a temporary folder; from-scratch reads its default corpus.
 
 `ToymlxVariant` then replaces the Task's `train_batch` by the workload's fixed batch, so every
-implementation trains on the same numbers, and steps it with `toymlx.trainer.Stepper`, the piece
-`toymlx.trainer.train` takes each optimizer step with (optimizer, compiled step, seed, shard,
+implementation trains on the same numbers, and steps it with `toymlx.training.trainer.Stepper`, the piece
+`toymlx.training.trainer.train` takes each optimizer step with (optimizer, compiled step, seed, shard,
 evaluation under the step's BLAS threads). The peers start from `weights_np(task.model)`.
 """
 
@@ -30,17 +30,17 @@ from mlx.utils import tree_flatten
 from rounds import Variant
 from workloads import Workload
 
+from toymlx.data.tokenizer import byte_metadata
 from toymlx.gguf.llama import write_llama
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
 from toymlx.models.ops import Ops, training_ops
 from toymlx.models.vit import ViTArgs
 from toymlx.recipes import from_scratch, get_recipe, lora, vit_tiny
 from toymlx.recipes.common import LlamaOptions
-from toymlx.tokenizer import byte_metadata
-from toymlx.trainer import Stepper, Task, TrainConfig, check_config
+from toymlx.training.trainer import Stepper, Task, TrainConfig, check_config
 
 CPU_OPS = training_ops(on_gpu=False)
-"""What toymlx trains with where MLX computes on the CPU: toymlx.fastmath's vectorised kernels."""
+"""What toymlx trains with where MLX computes on the CPU: toymlx.backend.fastmath's vectorised kernels."""
 
 BASE_GGUF = "base.gguf"
 IMAGES_NPZ = "images.npz"

@@ -9,7 +9,7 @@ point in a process that used MLX first, and `toymlx-generate` beside llama.cpp.
 - `train_entry_after_mlx`: the same run through `toymlx.train` from a process that imported
   `mlx.core` and `mlx_lm` and evaluated an array first (a notebook, any mlx-lm script).
 - `generation`: `toymlx-generate` (its default engine, MLX, and `--engine llama.cpp`),
-  `toymlx.generate.generate` in a script that imported and used mlx and mlx_lm first, and
+  `toymlx.generation.generate.generate` in a script that imported and used mlx and mlx_lm first, and
   llama.cpp (llama-cpp-python, the same file, prompt and token count, all cores), greedy and
   sampled, tokens/s from the first token asked for to the last.
 
@@ -31,8 +31,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from toymlx.device import backend_info
-from toymlx.events import read_events
+from toymlx.backend.device import backend_info
+from toymlx.bundle.events import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 LORA_SHAPE = {"seq_len": 256, "batch_size": 4, "lora": {"targets": "q"}}
@@ -99,7 +99,7 @@ def _lora_options(gguf: Path, steps: int, root: Path, run_id: str) -> dict[str, 
 
 def train_command(gguf: Path, steps: int = 6) -> dict[str, Any]:
     """`toymlx-train --recipe lora` at the benchmark's shape, as a user types it."""
-    from toymlx.api import option_flags
+    from toymlx.runner.api import option_flags
 
     root = Path(tempfile.mkdtemp(prefix="toymlx-bench-cmd-"))
     exe = Path(sys.executable).with_name("toymlx-train")
@@ -168,8 +168,8 @@ import mlx.core as mx
 import mlx_lm  # noqa: F401
 mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))  # MLX used before toymlx is imported
 import toymlx  # noqa: F401
-from toymlx.device import backend_info
-from toymlx.generate import generate, load_for_generation
+from toymlx.backend.device import backend_info
+from toymlx.generation.generate import generate, load_for_generation
 path, prompt, n, temp, top_p = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), \
     float(sys.argv[5])
 model, tok = load_for_generation(path)
@@ -185,7 +185,7 @@ def _generate_after_mlx(gguf: Path, n: int, temp: float, top_p: float) -> dict[s
     p = subprocess.run([sys.executable, "-c", _GENERATE_AFTER_MLX, str(gguf), PROMPT, str(n),
                         str(temp), str(top_p)], capture_output=True, text=True, check=False)
     if p.returncode != 0:
-        raise RuntimeError(f"toymlx.generate after mlx failed ({p.returncode}): "
+        raise RuntimeError(f"toymlx.generation.generate after mlx failed ({p.returncode}): "
                            f"{p.stderr[-1000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -193,7 +193,7 @@ def _generate_after_mlx(gguf: Path, n: int, temp: float, top_p: float) -> dict[s
 def generation(gguf: Path, n: int = 128) -> dict[str, Any]:
     """toymlx-generate (its default engine, MLX, and llama.cpp's) and llama.cpp itself, greedy
     and sampled."""
-    from toymlx.generate import load_tokenizer
+    from toymlx.generation.generate import load_tokenizer
 
     ids = load_tokenizer(gguf)[0].encode(PROMPT)
     out: dict[str, Any] = {"prompt_tokens": len(ids), "max_tokens": n}
@@ -201,13 +201,13 @@ def generation(gguf: Path, n: int = 128) -> dict[str, Any]:
         row = {"toymlx-generate": _toymlx_generate(gguf, n, temp, top_p, None),
                "toymlx-generate --engine llama.cpp": _toymlx_generate(gguf, n, temp, top_p,
                                                                       "llama.cpp"),
-               "toymlx.generate after mlx": _generate_after_mlx(gguf, n, temp, top_p)}
+               "toymlx.generation.generate after mlx": _generate_after_mlx(gguf, n, temp, top_p)}
         p = subprocess.run([sys.executable, "-c", _LLAMACPP, str(gguf), json.dumps(ids), str(n),
                             str(temp), str(top_p)], capture_output=True, text=True, check=False)
         if p.returncode == 0:
             row["llama.cpp"] = json.loads(p.stdout.strip().splitlines()[-1])
             for k in ("toymlx-generate", "toymlx-generate --engine llama.cpp",
-                      "toymlx.generate after mlx"):
+                      "toymlx.generation.generate after mlx"):
                 row[k]["over_llamacpp"] = row[k]["tok_per_s"] / row["llama.cpp"]["tok_per_s"]
         else:
             row["llama.cpp"] = {"error": p.stderr.strip()[-300:]}

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from toymlx.device import setup_process
+from toymlx.backend.device import setup_process
 
 
 def _timed(fn):
@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from user_paths import LORA_SHAPE, host_info, host_line, smollm_gguf
 
-    from toymlx.losses import lm_loss
+    from toymlx.models.losses import lm_loss
     from toymlx.recipes import lora
-    from toymlx.run import run_ops
-    from toymlx.trainer import Evaluator, Stepper, check_config
+    from toymlx.runner.run import run_ops
+    from toymlx.training.trainer import Evaluator, Stepper, check_config
 
     shape = {k: v for k, v in LORA_SHAPE.items() if k != "lora"}
     cfg = lora.Config(base=args.base or str(smollm_gguf()), **shape, eval_batches=args.eval_batches,

@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import ARCHS
 from toymlx.models.llama import LlamaArgs, smollm2_135m, smollm2_360m, tiny
 from toymlx.models.vit import ViTArgs, vit_tiny, vit_tiny_28
-from toymlx.tokenizer import byte_tokenizer
 
 
 @dataclass(frozen=True)

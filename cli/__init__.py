@@ -26,7 +26,7 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     import tyro  # here: --version answers without importing it
     from toymlx_cli.config_file import CONFIG_HELP, file_defaults
 
-    from toymlx.device import setup_process
+    from toymlx.backend.device import setup_process
 
     argv = sys.argv[1:] if argv is None else argv
     if "--version" in argv:

@@ -34,8 +34,8 @@ class Args:
 
 
 def run(args: Args) -> int:
-    from toymlx.classify import Classifier, image_files
-    from toymlx.device import select_device
+    from toymlx.backend.device import select_device
+    from toymlx.generation.classify import Classifier, image_files
 
     if not args.inputs:
         raise ValueError("IMAGE_OR_DIR: expected at least one image file or folder, found none")

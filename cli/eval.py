@@ -68,7 +68,7 @@ def show(args: Args) -> int:
 def _run_bundle(model: str):
     """The run `--model` names (a run folder, or a checkpoint in its weights/), None for a GGUF
     of its own: its data is what eval reads unless told otherwise."""
-    from toymlx.runs import Bundle
+    from toymlx.bundle.runs import Bundle
 
     return Bundle.of(model)
 
@@ -78,8 +78,8 @@ def check_run_test_data(bundle) -> None:
     digests unless the data holding it (a data folder's test.jsonl, a ViT's --data.test-path)
     still has the fingerprint config.json recorded when the run started; the data given with
     --data.path instead is scored as it is."""
+    from toymlx.bundle.runs import DATA_FILES_KEY, fingerprint, option
     from toymlx.data.chat import data_files
-    from toymlx.runs import DATA_FILES_KEY, fingerprint, option
 
     data = getattr(bundle.config, "data", None)
     key = "data.test_path" if getattr(data, "test_path", None) is not None else "data.path"
@@ -111,7 +111,8 @@ def _run_config(model: str):
 
 def evaluate_images(args: Args, path: Path) -> dict:
     """Accuracy, per-class accuracy and the confusion matrix of a ViT checkpoint."""
-    from toymlx.classify import (
+    from toymlx.data.images import load_images
+    from toymlx.generation.classify import (
         Classifier,
         confusion,
         format_report,
@@ -119,7 +120,6 @@ def evaluate_images(args: Args, path: Path) -> dict:
         predict,
         report,
     )
-    from toymlx.data.images import load_images
 
     clf = Classifier.load(path)
     cfg = _run_config(args.model)
@@ -164,8 +164,8 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     (--split test: what `toymlx-train --test` records at the end of a run)."""
     import math
 
-    from toymlx.device import on_gpu
-    from toymlx.generate import load_for_generation, used_files
+    from toymlx.backend.device import on_gpu
+    from toymlx.generation.generate import load_for_generation, used_files
     from toymlx.gguf.llama import frozen_weights
     from toymlx.models.ops import scoring_ops
 
@@ -194,9 +194,9 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         sft_val_batches,
         test_file,
     )
-    from toymlx.losses import lm_held_out_sums, lm_loss
+    from toymlx.models.losses import lm_held_out_sums, lm_loss
     from toymlx.recipes.lora import DEFAULT_DATA
-    from toymlx.trainer import Task, command_evaluator
+    from toymlx.training.trainer import Task, command_evaluator
 
     data = dataclasses.asdict(cfg.data) if dataclasses.is_dataclass(getattr(cfg, "data", None)) \
         else {}
@@ -226,15 +226,15 @@ def evaluate(args: Args) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from toymlx.checkpoint import checkpoint_file
-    from toymlx.device import on_gpu, select_device
+    from toymlx.backend.device import on_gpu, select_device
+    from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.gguf.reader import GGUFFile
     from toymlx.models.ops import scoring_ops
-    from toymlx.trainer import Task, command_evaluator
+    from toymlx.training.trainer import Task, command_evaluator
 
     select_device(args.device)
     if args.plot:
-        from toymlx.outputs import check_output
+        from toymlx.bundle.outputs import check_output
 
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
                      "--plot")
@@ -250,12 +250,12 @@ def evaluate(args: Args) -> dict:
     from toymlx.gguf.llama import ARCHS
 
     if arch in ARCHS:
+        from toymlx.backend.device import on_gpu
         from toymlx.data.text import TokenData
-        from toymlx.device import on_gpu
+        from toymlx.data.tokenizer import Tokenizer
         from toymlx.gguf.llama import frozen_weights, load_llama
-        from toymlx.losses import lm_loss
+        from toymlx.models.losses import lm_loss
         from toymlx.recipes.common import TextData, check_test_folder, load_token_data
-        from toymlx.tokenizer import Tokenizer
 
         cfg = bundle.config if bundle is not None else None
         text_run = isinstance(getattr(cfg, "data", None), TextData)  # from-scratch, warm-start

@@ -15,8 +15,8 @@ from typing import Literal
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
+from toymlx.bundle.outputs import check_output
 from toymlx.gguf.quantize import ExportType
-from toymlx.outputs import check_output
 
 PROG = "toymlx-export"
 
@@ -75,8 +75,8 @@ class Args:
 
 
 def export_vit(args: Args) -> int:
-    from toymlx.classify import Classifier
-    from toymlx.timm_export import TIMM_ARCH, export_timm, timm_model_args
+    from toymlx.generation.classify import Classifier
+    from toymlx.interop.timm_export import TIMM_ARCH, export_timm, timm_model_args
 
     if args.base or args.adapter or args.fuse or args.dtype:
         raise ValueError("--format safetensors: expected --model and --out only, found "
@@ -101,7 +101,7 @@ def export_vit(args: Args) -> int:
 
 
 def export_modelfile(args: Args) -> int:
-    from toymlx.modelfile import write_modelfile
+    from toymlx.interop.modelfile import write_modelfile
 
     if not args.adapter or args.model or (args.dtype and not args.fuse):
         raise ValueError("--format modelfile: expected --adapter (a LoRA run or adapter GGUF), "
@@ -114,7 +114,7 @@ def export_modelfile(args: Args) -> int:
                                                  progress=True)
     what = f"FROM {base.path}, ADAPTER {adapter}"
     if fused:
-        from toymlx.lora import adapter_kept, kept_note
+        from toymlx.training.lora import adapter_kept, kept_note
 
         kind = args.dtype or "each adapted tensor in a type that keeps its change"
         what = (f"FROM {fused} ({fused.stat().st_size / 2**20:.1f} MiB: {base.path} + {adapter} "
@@ -128,10 +128,10 @@ def export_modelfile(args: Args) -> int:
 
 
 def run(args: Args) -> int:
-    from toymlx.atomic import atomic_open
-    from toymlx.checkpoint import checkpoint_file
+    from toymlx.backend.atomic import atomic_open
+    from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
-    from toymlx.lora import (
+    from toymlx.training.lora import (
         KEPT_WARNING,
         adapter_kept,
         apply_adapter,
@@ -210,9 +210,9 @@ def run(args: Args) -> int:
 def run_base_of(adapter: str | None) -> str:
     """The base to export when --base is not given: the one the --adapter's LoRA run (or its
     adapter GGUF's `toy.base`) records; says which file that is."""
-    from toymlx.checkpoint import checkpoint_file
-    from toymlx.modelfile import lora_run_base
-    from toymlx.runs import run_base
+    from toymlx.bundle.checkpoint import checkpoint_file
+    from toymlx.bundle.runs import run_base
+    from toymlx.interop.modelfile import lora_run_base
 
     if adapter is None:
         raise ValueError("--base: expected the llama GGUF to export (or --model with --format "
@@ -234,8 +234,8 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
     measured, for an adapter outside a run."""
     from toymlx_cli.eval import chat_loss
 
-    from toymlx.generate import load_for_generation
-    from toymlx.runs import Bundle
+    from toymlx.bundle.runs import Bundle
+    from toymlx.generation.generate import load_for_generation
 
     bundle = Bundle.of(adapter, "--adapter")
     if bundle is None or bundle.recipe != "lora":

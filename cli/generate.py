@@ -164,7 +164,7 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
     reply streams to `out`, and the next turn's prompt is the whole conversation rendered
     again, its start, as far as it matches the tokens already computed, taken from the KV
     caches kept between turns (MLX: `PromptCache`). Returns the number of turns answered."""
-    from toymlx.generate import LlamaCppDecoder, PromptCache
+    from toymlx.generation.generate import LlamaCppDecoder, PromptCache
 
     kept = None if isinstance(model, LlamaCppDecoder) else PromptCache()
     inp = sys.stdin if inp is None else inp
@@ -214,7 +214,7 @@ def stream(model, tokenizer, ids: list[int], args: Args, out=None, kept=None
     """Write the continuation to `out` (stdout) as it is produced; return (text, token count).
     `model`: an MLX `Llama`, or a `LlamaCppDecoder` (the llama.cpp engine, which keeps a
     conversation's shared start itself); `kept`: MLX's `PromptCache` of a conversation."""
-    from toymlx.generate import LlamaCppDecoder, generate
+    from toymlx.generation.generate import LlamaCppDecoder, generate
 
     out = sys.stdout if out is None else out
     if isinstance(model, LlamaCppDecoder):
@@ -255,8 +255,8 @@ def _continuation(tokenizer, ids: list[int], new: list[int], base: str) -> str:
 
 
 def run(args: Args) -> int:
-    from toymlx.device import on_gpu, select_device
-    from toymlx.generate import (
+    from toymlx.backend.device import on_gpu, select_device
+    from toymlx.generation.generate import (
         EngineFailed,
         LlamaCppDecoder,
         check_sampling,

@@ -10,7 +10,7 @@ from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
-    from toymlx.launch import launch
+    from toymlx.runner.launch import launch
 
     argv = sys.argv[1:] if argv is None else list(argv)
     command: list[str] = []

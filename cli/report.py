@@ -10,8 +10,8 @@ from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
-    from toymlx import report
-    from toymlx.outputs import check_output
+    from toymlx.bundle.outputs import check_output
+    from toymlx.runner import report
 
     p = argparse.ArgumentParser(
         prog="toymlx-report", allow_abbrev=False,

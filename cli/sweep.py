@@ -81,7 +81,7 @@ def _shard(text: str) -> tuple[int, int]:
 def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
     """The sweep's axes: the file's grid, each key's values replaced by a --grid of that key
     (keys compared as option names: model.d-model is model.d_model)."""
-    from toymlx import sweep
+    from toymlx.sweeps import sweep
 
     axes = {k: sweep.file_axis(k, v, args.recipe, f"{path}: key 'grid.{k}'")
             for k, v in file_grid.items()}
@@ -99,7 +99,7 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
     from toymlx_cli.config_file import defaults_from_file
 
     from toymlx.recipes import get_recipe
-    from toymlx.trainer import check_config
+    from toymlx.training.trainer import check_config
 
     module = get_recipe(recipe)
     prog = f"toymlx-train --recipe {recipe}"
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         sweep_config,
     )
 
-    from toymlx import sweep
     from toymlx.recipes import get_recipe
+    from toymlx.sweeps import sweep
 
     argv = sys.argv[1:] if argv is None else list(argv)
     after = []

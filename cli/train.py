@@ -53,8 +53,8 @@ def _ignore_late_signals() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from toymlx.launch import rank_status
-    from toymlx.lifeline import watch_parent
+    from toymlx.backend.lifeline import watch_parent
+    from toymlx.runner.launch import rank_status
 
     watch_parent()  # started by toymlx-sweep / toymlx-launch: stop when that parent dies
     atexit.unregister(_ignore_late_signals)  # once, however often main runs in one process
@@ -77,9 +77,9 @@ def _main(argv: list[str] | None) -> int:
         split_config,
     )
 
+    from toymlx.bundle.runs import Bundle, RunError
     from toymlx.recipes import get_recipe
-    from toymlx.run import run_training
-    from toymlx.runs import Bundle, RunError
+    from toymlx.runner.run import run_training
 
     argv = sys.argv[1:] if argv is None else argv
     if "--version" in argv:

@@ -23,8 +23,8 @@ import numpy as np
 from PIL import Image
 from toymlx_cli.train import main as train_main
 
+from toymlx.bundle.events import read_events
 from toymlx.data.images import Augment, Prefetcher, load_images
-from toymlx.events import read_events
 
 
 def make_folder(root: Path, files: int, classes: int = 10, seed: int = 0) -> Path:

@@ -110,8 +110,8 @@ def wait_and_kill(p: subprocess.Popen, weights: Path, mode: str, r: random.Rando
 def check_bundle(run: Path, kills_so_far: int) -> dict:
     """The invariants after a kill; AssertionError naming what broke."""
     import toymlx  # noqa: F401
-    from toymlx.checkpoint import list_checkpoints, load_state, resolve_latest, state_path
-    from toymlx.events import read_events
+    from toymlx.bundle.checkpoint import list_checkpoints, load_state, resolve_latest, state_path
+    from toymlx.bundle.events import read_events
     from toymlx.gguf.llama import load_llama
 
     weights = run / "weights"
@@ -149,7 +149,7 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
 
 
 def resumes(run: Path) -> list[dict]:
-    from toymlx.events import read_events
+    from toymlx.bundle.events import read_events
 
     return [e for e in read_events(run) if e["kind"] == "resume"]
 
@@ -235,7 +235,7 @@ def kill_test(kills: int, seed: int, root: Path) -> dict:
         q = subprocess.run(train_cmd() + ["--resume", str(run), "--steps", str(target)],
                            capture_output=True, check=False, text=True)
         res = resumes(run)
-        from toymlx.events import read_events
+        from toymlx.bundle.events import read_events
 
         end = [e for e in read_events(run) if e["kind"] == "run_end"]
         final = {"rc": q.returncode, "start_step": res[-1]["from_step"] if res else None,

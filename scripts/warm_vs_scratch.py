@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from toymlx.events import read_events
+from toymlx.bundle.events import read_events
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 STUDENTS = {

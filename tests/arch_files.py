@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from toymlx.data.tokenizer import byte_metadata
 from toymlx.gguf.reader import FLOAT32, UINT32
 from toymlx.gguf.writer import write_gguf
-from toymlx.tokenizer import byte_metadata
 
 KINDS = ("llama", "llama3", "llama-bias", "qwen2", "qwen3", "gemma3", "phi3")
 VOCAB = 259

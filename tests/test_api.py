@@ -1,4 +1,4 @@
-"""The Python entry point `toymlx.train` (toymlx.api): the command's flags from keyword options,
+"""The Python entry point `toymlx.train` (toymlx.runner.api): the command's flags from keyword options,
 and the command's speed in a process that imported and used MLX before toymlx (the 40x cliff of
 MLX's reference BLAS on Linux)."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from toymlx.api import option_flags
-from toymlx.events import read_events
+from toymlx.bundle.events import read_events
+from toymlx.runner.api import option_flags
 
 MATMUL_HEAVY = {"model": {"d_model": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4,
                           "ffn_dim": 768, "context": 128},
@@ -47,7 +47,7 @@ def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tm
                                                                               shared_file):
     """A script that imported mlx.core and mlx_lm and evaluated an array first, then trains with
     toymlx.train: same BLAS as the command, and a step within 1.5x of the command's (the cliff is
-    10-40x). The script's own MLX is switched to OpenBLAS too, silently (toymlx.blas_rebind)."""
+    10-40x). The script's own MLX is switched to OpenBLAS too, silently (toymlx.backend.blas_rebind)."""
     data = str(shared_file("text/tinystories_sample.txt"))
     opts = {**MATMUL_HEAVY, "data": {"path": data}, "runs_root": str(tmp_path)}
     script = textwrap.dedent(f"""
@@ -58,7 +58,7 @@ def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tm
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import toymlx
-            from toymlx.device import backend_info, setup_process
+            from toymlx.backend.device import backend_info, setup_process
             setup_process()
         print("WARNED", json.dumps([str(w.message) for w in caught]))
         print("BACKEND", json.dumps(backend_info()))
@@ -73,7 +73,7 @@ def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tm
     own = json.loads(p.stdout.split("BACKEND ", 1)[1].splitlines()[0])
     assert own["blas"] == "openblas" and "rewritten" in own["blas_rebound"], own
 
-    from toymlx.api import option_flags as flags
+    from toymlx.runner.api import option_flags as flags
 
     cmd = [sys.executable, "-m", "toymlx_cli.train", "--recipe", "from-scratch",
            *flags({**opts, "run_id": "command"})]

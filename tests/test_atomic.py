@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from toymlx import atomic
+from toymlx.backend import atomic
 
 # Each child writes the file once for real (the "old" file), prints its digest, then makes
 # every rename kill the process (SIGKILL: nothing runs after it) and writes it again.
@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import mlx.core as mx
 import toymlx
-from toymlx import checkpoint, events, launch, report, runs, sweep
+from toymlx.bundle import checkpoint, events, runs
+from toymlx.runner import launch, report
+from toymlx.sweeps import sweep
 from toymlx.gguf.writer import write_gguf
 from toymlx.recipes import from_scratch
 
@@ -64,7 +66,7 @@ def write(version):
             target.write_bytes(b"an earlier export")
             return
         from toymlx.gguf.llama import load_llama
-        from toymlx.lora import apply_lora, write_adapter
+        from toymlx.training.lora import apply_lora, write_adapter
         model, g = load_llama(stories)
         apply_lora(model, ["q"], None, 2, 4.0, 0.0)
         os.replace = real_replace  # the adapter it exports is not the file under test

@@ -328,8 +328,8 @@ def test_toymlx_row_is_the_first_step_of_toymlx_train(bench, tmp_path, name):
     from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs
     from workloads import find
 
-    from toymlx import runs
-    from toymlx.events import read_events
+    from toymlx.bundle import runs
+    from toymlx.bundle.events import read_events
 
     w = find(name)
     with recipe_inputs(w) as inputs:

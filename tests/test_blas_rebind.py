@@ -1,4 +1,4 @@
-"""toymlx.blas_rebind: a process that imported (and used) mlx.core before toymlx gets OpenBLAS
+"""toymlx.backend.blas_rebind: a process that imported (and used) mlx.core before toymlx gets OpenBLAS
 all the same: libmlx.so's BLAS and LAPACK slots are rewritten, the results still match float64
 numpy, and a failure to rewrite warns instead of staying silent."""
 
@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 
-from toymlx import blas_rebind, device
-from toymlx.device import backend_info
+from toymlx.backend import blas_rebind, device
+from toymlx.backend.device import backend_info
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or backend_info().get("blas") != "openblas",
@@ -29,8 +29,8 @@ mx.eval(a @ a, mx.linalg.inv(a + 8 * mx.eye(64), stream=mx.cpu))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import toymlx
-from toymlx import blas_rebind, gemv_forward
-from toymlx.device import backend_info
+from toymlx.backend import blas_rebind, gemv_forward
+from toymlx.backend.device import backend_info
 
 rng = np.random.default_rng(1)
 x, w = (rng.standard_normal(s).astype(np.float32) for s in ((96, 80), (80, 72)))

@@ -16,17 +16,17 @@ from gguf.constants import GGMLQuantizationType as T
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.blocks import CODECS, decode_rows, held_bytes, random_blocks, split_rows
 from toymlx.gguf.llama import load_llama, write_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
-from toymlx.lora import apply_lora, lora_layers
-from toymlx.losses import lm_loss
 from toymlx.models.layers import BlockEmbedding, BlockLinear
 from toymlx.models.llama import Llama, tiny
+from toymlx.models.losses import lm_loss
 from toymlx.models.ops import Ops
-from toymlx.step import make_step
-from toymlx.tokenizer import byte_tokenizer
+from toymlx.training.lora import apply_lora, lora_layers
+from toymlx.training.step import make_step
 
 ARGS = tiny(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context=128)
 TRAINING = Ops(kernels="vectorised")  # the CPU training step's math
@@ -125,7 +125,7 @@ def test_the_loss_in_chunks_computes_the_same_on_blocks(tmp_path):
 def test_a_frozen_head_read_in_slices_gives_the_whole_logits_loss(kind, ops, monkeypatch):
     """frozen_head_cross_entropy over 64-row slices (a 259-token vocabulary: 5 slices) against
     the cross-entropy of the whole logits: loss within 1e-6, LoRA and input gradients 1e-5."""
-    from toymlx import losses
+    from toymlx.models import losses
 
     monkeypatch.setattr(losses, "head_slices", lambda v, n, d: [(a, min(a + 64, v))
                                                              for a in range(0, v, 64)])
@@ -244,7 +244,7 @@ LLAMA_CPP_TYPES = ["q4_k_m", "q2_k", "q3_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0",
 def llama_cpp_files(tmp_path_factory) -> dict[str, Path]:
     """A random 256-wide Llama quantized by llama.cpp into each file type (K-quants need rows
     of 256)."""
-    from toymlx.lora import write_merged
+    from toymlx.training.lora import write_merged
 
     d = tmp_path_factory.mktemp("llamacpp_types")
     mx.random.seed(5)

@@ -1,4 +1,4 @@
-"""One run bundle, opened once (`toymlx.runs.Bundle`): issue 23's ways a bundle still lost or
+"""One run bundle, opened once (`toymlx.bundle.runs.Bundle`): issue 23's ways a bundle still lost or
 mixed a run, each run as a user would (real `toymlx-*` commands, files, signals, processes).
 
 B1. `latest` missing or dangling: the resume (by a relative path too) takes the newest intact
@@ -33,8 +33,8 @@ from toymlx_cli.export import main as export_main
 from toymlx_cli.generate import main as generate_main
 from toymlx_cli.train import main
 
-from toymlx.checkpoint import list_checkpoints
-from toymlx.events import read_events
+from toymlx.bundle.checkpoint import list_checkpoints
+from toymlx.bundle.events import read_events
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_a_config_format_2_bundle_resumes_with_report_every_s_default(tmp_path, 
 # ---- B4 ---------------------------------------------------------------------------------------
 PARENT = textwrap.dedent("""
     import hashlib, subprocess, sys, threading
-    from toymlx.lifeline import child_env
+    from toymlx.backend.lifeline import child_env
     # A multi-threaded parent, like a sweep: as it dies, Linux hands the child to each of its
     # still running threads in turn, and sends the parent-death signal again each time.
     def spin(buf=b"x" * 2**24):

@@ -388,8 +388,8 @@ def test_sft_data_from_file(tmp_path):
 def test_unpacked_training_batches_cut_to_longest_row_rounded_to_32(tmp_path):
     import mlx.core as mx
 
-    from toymlx.losses import lm_loss
     from toymlx.models.llama import Llama, tiny
+    from toymlx.models.losses import lm_loss
     from toymlx.models.ops import Ops
 
     lines = [json.dumps({"prompt": f"q{i}", "completion": "a" * (3 * i + 1)}) for i in range(12)]

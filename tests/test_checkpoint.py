@@ -18,8 +18,8 @@ import pytest
 from cli_errors import error_line
 from toymlx_cli.train import main
 
-from toymlx import checkpoint as ck
-from toymlx.events import read_events
+from toymlx.bundle import checkpoint as ck
+from toymlx.bundle.events import read_events
 from toymlx.gguf.reader import DIGEST_KEY, GGUFFile, data_digest
 from toymlx.gguf.writer import write_gguf
 

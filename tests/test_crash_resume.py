@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from toymlx_cli.train import main
 
-from toymlx.checkpoint import list_checkpoints, resolve_latest
-from toymlx.events import read_events
+from toymlx.bundle.checkpoint import list_checkpoints, resolve_latest
+from toymlx.bundle.events import read_events
 from toymlx.gguf.llama import load_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_file, second
     the second skips that checkpoint if it has not begun, or lets a begun one finish (2.5M
     parameters: ~30 MB written, so `mid-write` lands inside it). Every way: exit 130, no
     traceback, run_end last, and `latest` a verified checkpoint the run resumes from."""
-    from toymlx.checkpoint import open_checkpoint
+    from toymlx.bundle.checkpoint import open_checkpoint
 
     run = tmp_path / "r"
     exe = Path(sys.executable).parent / "toymlx-train"

@@ -1,4 +1,4 @@
-"""Process set-up (`toymlx.device.setup_process`): the malloc settings that keep MLX's buffers in
+"""Process set-up (`toymlx.backend.device.setup_process`): the malloc settings that keep MLX's buffers in
 the process; and GGUF loading that keeps one copy of the weights resident."""
 
 import json
@@ -11,7 +11,7 @@ _PROBE = """
 import json, os
 import toymlx
 import mlx.core as mx
-from toymlx.device import backend_info, setup_process
+from toymlx.backend.device import backend_info, setup_process
 
 setup_process()
 

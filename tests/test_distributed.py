@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from toymlx_cli.train import main as train_main
 
-from toymlx.events import read_events
-from toymlx.launch import _free_port_base
-from toymlx.trainer import _shard
+from toymlx.bundle.events import read_events
+from toymlx.runner.launch import _free_port_base
+from toymlx.training.trainer import _shard
 
 ARGS = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "2",
         "--seq-len", "32", "--batch-size", "4", "--grad-accum", "2", "--steps", "20",
@@ -29,7 +29,7 @@ TRAIN = [sys.executable, "-m", "toymlx_cli.train"]
 FAIL_RANK1 = """
 import os, sys
 import toymlx
-import toymlx.trainer as t
+import toymlx.training.trainer as t
 if os.environ.get("MLX_RANK") == "1":
     seed = t.step_seed
     def step_seed(s0, step):

@@ -12,7 +12,7 @@ import pytest
 from toymlx_cli.train import main
 
 import toymlx
-from toymlx.events import EventLog, read_events
+from toymlx.bundle.events import EventLog, read_events
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
@@ -117,7 +117,7 @@ def _log(path, segments):
 def test_cut_back_leaves_one_run_with_each_step_once(tmp_path):
     """A resume from step 4 of a run killed after step 6: steps 5-6, their eval and the
     run_end go to events.superseded.jsonl; a torn line goes too."""
-    from toymlx.events import SUPERSEDED, cut_back
+    from toymlx.bundle.events import SUPERSEDED, cut_back
 
     steps = [("step", {"step": s, "loss": 1.0 / s}) for s in range(1, 7)]
     _log(tmp_path, [[("run_start", {"start_step": 0}), *steps[:4],
@@ -140,7 +140,7 @@ def test_cut_back_leaves_one_run_with_each_step_once(tmp_path):
 def test_cut_back_turns_an_older_toymlx_resume_into_one_run(tmp_path):
     """Bundles of toymlx < 0.2 logged a resume as a second run_start (from its start_step);
     cutting one back keeps one run_start and each step once."""
-    from toymlx.events import cut_back
+    from toymlx.bundle.events import cut_back
 
     seg1 = [("run_start", {"start_step": 0}), *[("step", {"step": s}) for s in range(1, 7)],
             ("run_end", {"reason": "interrupted"})]

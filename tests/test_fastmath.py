@@ -1,4 +1,4 @@
-"""`toymlx.fastmath` (the CPU training step's elementwise math) gives the same numbers.
+"""`toymlx.backend.fastmath` (the CPU training step's elementwise math) gives the same numbers.
 
 Each function is checked against a float64 numpy reference (values and gradients over the
 whole float range, including the overflow and -inf edges), and each `Ops` method the models
@@ -19,9 +19,9 @@ import pytest
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from toymlx import fastmath as fm
-from toymlx.losses import classify_loss, lm_loss
+from toymlx.backend import fastmath as fm
 from toymlx.models.llama import Llama, tiny
+from toymlx.models.losses import classify_loss, lm_loss
 from toymlx.models.ops import Ops
 from toymlx.models.vit import ViT, vit_tiny_8
 

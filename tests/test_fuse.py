@@ -1,4 +1,4 @@
-"""The fused file that keeps the fine-tune (toymlx.fuse), on tiny Llamas quantized the way
+"""The fused file that keeps the fine-tune (toymlx.gguf.fuse), on tiny Llamas quantized the way
 llama.cpp quantizes (`write_merged(..., None, TYPE)`: llama.cpp's quantizer where
 llama-cpp-python is installed, else gguf-py's encoders, the same reference rounding):
 
@@ -24,10 +24,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from toymlx.fuse import MAX_SIZE, write_kept
+from toymlx.data.tokenizer import byte_tokenizer
+from toymlx.gguf.fuse import MAX_SIZE, write_kept
 from toymlx.gguf.llama import load_llama, toy_to_gguf, write_llama
 from toymlx.gguf.reader import GGUFFile
-from toymlx.lora import (
+from toymlx.models.llama import Llama, tiny
+from toymlx.training.lora import (
     DoRALinear,
     LoRALinear,
     adapter_kept,
@@ -38,8 +40,6 @@ from toymlx.lora import (
     write_adapter,
     write_merged,
 )
-from toymlx.models.llama import Llama, tiny
-from toymlx.tokenizer import byte_tokenizer
 
 ARGS = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, context=128)
 HELD_OUT = [[1, *b"The held-out row: what the layers see."], [1, *b"Another one, 42 & more"]]
@@ -199,7 +199,7 @@ def test_export_prints_the_held_out_loss_beside_base_plus_adapter(bases, tmp_pat
     from toymlx_cli.eval import evaluate_chat
     from toymlx_cli.export import main
 
-    from toymlx.runs import Bundle
+    from toymlx.bundle.runs import Bundle
 
     base = bases["q4_1"]
     run = _train(tmp_path, base, "lora")
@@ -228,7 +228,7 @@ def test_modelfile_fuses_a_dora_adapter_into_the_kept_file(bases, tmp_path, caps
     loss is said to be not measured."""
     from toymlx_cli.export import main
 
-    from toymlx.modelfile import parse_modelfile
+    from toymlx.interop.modelfile import parse_modelfile
 
     base = bases["q4_1"]
     ad = make_adapter(base, tmp_path / "dora.gguf", "dora")
@@ -247,7 +247,7 @@ def test_full_fine_tune_fused_at_end_keeps_what_it_changed(bases, tmp_path):
     """--fine-tune-type full --fuse-at-end base: the tensors training did not change are the
     base's bytes, each changed one at most naive rounding's error against the trained weights;
     the same bytes as toymlx-export --base RUN."""
-    from toymlx.checkpoint import checkpoint_file
+    from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.gguf.quantize import dequantize_tensor, quantize_tensor
 
     base = bases["q8_0"]
@@ -313,7 +313,7 @@ def test_exact_size_rounds_on_the_run_activations(bases, tmp_path, capsys, monke
     rounding's (the fused tensor re-quantized to the base's type)."""
     from toymlx_cli.export import main
 
-    from toymlx.checkpoint import checkpoint_file
+    from toymlx.bundle.checkpoint import checkpoint_file
 
     base = bases["q4_1"]
     run = _train(tmp_path, base, "lora")
@@ -344,14 +344,14 @@ def test_exact_size_rounds_on_the_run_activations(bases, tmp_path, capsys, monke
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_gptq_blocks_decode_and_lower_the_output_error(qtype):
-    """The blocks toymlx.gptq packs decode (gguf-py) to its own grid: with no correlation
+    """The blocks toymlx.gguf.gptq packs decode (gguf-py) to its own grid: with no correlation
     between inputs (H = I) it is round-to-nearest, as close to the weights as llama.cpp's
     encoder; on correlated inputs the output error on other inputs of that kind is under half
     of round-to-nearest's."""
     from gguf.constants import GGMLQuantizationType
 
+    from toymlx.gguf.gptq import gptq_quantize
     from toymlx.gguf.quantize import dequantize_tensor, quantize_tensor
-    from toymlx.gptq import gptq_quantize
 
     t = GGMLQuantizationType[qtype]
     rng = np.random.default_rng(0)

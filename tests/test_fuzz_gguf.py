@@ -23,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from toymlx.checkpoint import ResumeError, load_checked
+from toymlx.bundle.checkpoint import ResumeError, load_checked
+from toymlx.data.tokenizer import Tokenizer, byte_tokenizer
 from toymlx.gguf.llama import load_llama, load_llama_into, write_llama
 from toymlx.gguf.reader import (
     ARRAY,
@@ -45,7 +46,6 @@ from toymlx.gguf.reader import (
 )
 from toymlx.gguf.writer import write_gguf
 from toymlx.models.llama import Llama, LlamaArgs
-from toymlx.tokenizer import Tokenizer, byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = LlamaArgs(vocab_size=259, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
@@ -257,7 +257,7 @@ def test_float64_metadata_loads_everywhere_without_mx_load(tmp_path, tiny_model,
     np.testing.assert_array_equal(np.array(m64(x)), np.array(m32(x)))
     tok = Tokenizer.from_gguf(f64)
     assert tok.decode(tok.encode("float64 ok")) == "float64 ok"
-    from toymlx import warm
+    from toymlx.recipes import warm
 
     load_llama(f64, weights="bfloat16")
     assert warm.read_donor(f64).table.shape == (259, 32)

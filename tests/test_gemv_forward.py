@@ -1,4 +1,4 @@
-"""toymlx.gemv_forward: MLX's one-row float32 matmuls through OpenBLAS's sgemv.
+"""toymlx.backend.gemv_forward: MLX's one-row float32 matmuls through OpenBLAS's sgemv.
 
 Every layout MLX can hand cblas_sgemm for such a product (either operand transposed, a
 strided row, beta 0 and 1) is checked against float64 numpy, and the forwarder's own count
@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from toymlx import gemv_forward
-from toymlx.device import backend_info
+from toymlx.backend import gemv_forward
+from toymlx.backend.device import backend_info
 
 LINUX_OPENBLAS = sys.platform.startswith("linux") and backend_info().get("blas") == "openblas"
 pytestmark = pytest.mark.skipif(not LINUX_OPENBLAS,
@@ -99,7 +99,7 @@ def test_many_rows_stay_with_sgemm():
 
 
 def test_off_means_off():
-    probe = ("import toymlx, toymlx.device as d, toymlx.gemv_forward as g\n"
+    probe = ("import toymlx, toymlx.backend.device as d, toymlx.backend.gemv_forward as g\n"
              "print(d.backend_info()['gemv_forward'], g.forwarded_count())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env={**os.environ, "TOYMLX_GEMV_FORWARD": "off"},

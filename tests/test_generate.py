@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from toymlx_cli import generate as cli
 
-from toymlx.checkpoint import update_latest
-from toymlx.generate import generate, load_for_generation
+from toymlx.bundle.checkpoint import update_latest
+from toymlx.generation.generate import generate, load_for_generation
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.writer import write_gguf
 
@@ -181,7 +181,7 @@ def test_cpu_top_p_keeps_the_nucleus_mlx_lm_keeps_and_draws_the_same_token(scale
     from mlx_lm.sample_utils import apply_top_p
     from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 
-    from toymlx.sampling import make_sampler, top_p_cut
+    from toymlx.generation.sampling import make_sampler, top_p_cut
 
     rng = np.random.default_rng(int(scale * 10))
     same = cases = 0
@@ -206,12 +206,12 @@ def test_cpu_top_p_keeps_the_nucleus_mlx_lm_keeps_and_draws_the_same_token(scale
 @pytest.mark.parametrize("kw", [{}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 40},
                                 {"top_p": 0.95, "min_p": 0.02, "top_k": 100}])
 def test_the_sampler_chain_draws_mlx_lms_tokens(kw):
-    """toymlx.sampling against mlx_lm.sample_utils, same log-probabilities and seed: the same
+    """toymlx.generation.sampling against mlx_lm.sample_utils, same log-probabilities and seed: the same
     token, for every filter and their chain (top-p sorted as mlx-lm sorts, host-checked where
     the cut is clear of float32 rounding: these distributions are peaked)."""
     from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 
-    from toymlx.sampling import make_sampler
+    from toymlx.generation.sampling import make_sampler
 
     rng = np.random.default_rng(7)
     theirs = mlx_lm_sampler(temp=0.8, top_p=kw.get("top_p", 0.0), min_p=kw.get("min_p", 0.0),
@@ -231,7 +231,7 @@ def test_the_sampler_chain_draws_mlx_lms_tokens(kw):
 def test_repetition_penalty_is_mlx_lms():
     from mlx_lm.sample_utils import make_repetition_penalty
 
-    from toymlx.sampling import repetition_penalty
+    from toymlx.generation.sampling import repetition_penalty
 
     rng = np.random.default_rng(3)
     logits = mx.array(rng.standard_normal((1, 300)).astype(np.float32))
@@ -267,7 +267,7 @@ def test_decoding_gives_mlx_lms_generate_step_tokens(stories, sampling):
     from mlx_lm.sample_utils import make_logits_processors
     from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 
-    import toymlx.generate as G
+    import toymlx.generation.generate as G
 
     model, tok = stories
     prompt = tok.encode(PROMPT + " there was a little girl named Lily. She liked to play.") * 3
@@ -290,7 +290,7 @@ def test_a_kept_prompt_cache_gives_the_fresh_tokens(stories):
     """PromptCache between calls: a prompt that continues the last one (its reply included)
     and one that departs from it mid-way reuse exactly the shared start, and decode the tokens
     a fresh cache decodes (greedy and sampled, same seed)."""
-    from toymlx.generate import PromptCache
+    from toymlx.generation.generate import PromptCache
 
     model, tok = stories
     first = tok.encode(PROMPT + " there was a little girl")
@@ -309,7 +309,7 @@ def test_a_kept_prompt_cache_gives_the_fresh_tokens(stories):
 
 def test_generation_does_not_import_mlx_lm_or_transformers():
     """What makes toymlx-generate start in about a second: nothing of mlx-lm's package."""
-    code = ("import sys, toymlx.generate, toymlx_cli.generate; "
+    code = ("import sys, toymlx.generation.generate, toymlx_cli.generate; "
             "print(sorted(m for m in ('mlx_lm', 'transformers', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
@@ -339,8 +339,8 @@ def test_run_directory_as_model(tmp_path, stories_path, capsys):
 
 
 def test_stream_prints_multibyte_characters_whole(monkeypatch):
-    from toymlx import generate as gen
-    from toymlx.tokenizer import byte_tokenizer
+    from toymlx.data.tokenizer import byte_tokenizer
+    from toymlx.generation import generate as gen
 
     tok = byte_tokenizer()
     text = "héllo ✓ 日本 🙂!\n"
@@ -391,7 +391,7 @@ def test_chat_without_a_prompt_is_a_conversation(chat_path, capsys, monkeypatch)
     """--chat with no --prompt reads turns from stdin: the first answer is the one-shot
     --chat answer, the second is generated from the template over the whole conversation
     (first answer included), /reset starts over (the one-shot answer again), Ctrl-D ends."""
-    from toymlx.generate import generate, load_for_generation
+    from toymlx.generation.generate import generate, load_for_generation
 
     flags = ["--model", str(chat_path), "--chat", "--temperature", "0", "--max-tokens", "12"]
     assert cli.main([*flags, "--prompt", "Tell me a story"]) == 0
@@ -453,7 +453,7 @@ def test_a_chat_turn_that_is_not_utf8_is_refused_and_the_conversation_goes_on(ch
                                                                              capsys):
     """A bad turn read from stdin crashed --chat and lost the conversation: now it is one line,
     and the next turns answer as if it had not been typed."""
-    from toymlx.generate import load_for_generation
+    from toymlx.generation.generate import load_for_generation
 
     model, tok = load_for_generation(chat_path)
     args = cli.Args(model=str(chat_path), chat=True, temperature=0.0, max_tokens=12)
@@ -533,7 +533,7 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, stories_path, capsys):
 @pytest.fixture(scope="module")
 def stories_adapter(stories_path, tmp_path_factory) -> Path:
     """A LoRA adapter for stories260K on q and v with random B (so it changes the output)."""
-    from toymlx.lora import apply_lora, lora_layers, write_adapter
+    from toymlx.training.lora import apply_lora, lora_layers, write_adapter
 
     model = apply_lora(load_llama(stories_path)[0], "q,v", rank=4, alpha=8.0)
     mx.random.seed(3)
@@ -552,7 +552,7 @@ def cli_tokens(args: list[str], capsys) -> tuple[str, str]:
 
 def test_cli_adapter_changes_the_continuation_as_apply_adapter_does(stories_path,
                                                                    stories_adapter, capsys):
-    from toymlx.lora import apply_adapter
+    from toymlx.training.lora import apply_adapter
 
     model, tok = load_for_generation(stories_path)
     plain = tok.decode(list(generate(model, tok, tok.encode(PROMPT), 24)))
@@ -568,7 +568,7 @@ def test_cli_adapter_changes_the_continuation_as_apply_adapter_does(stories_path
 def test_engine_llamacpp_without_llama_cpp_python_is_one_line(monkeypatch):
     import importlib.util
 
-    from toymlx.generate import choose_engine
+    from toymlx.generation.generate import choose_engine
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -631,7 +631,7 @@ def test_a_dora_adapter_decodes_in_mlx(stories_path, tmp_path, capsys):
     """llama.cpp has no DoRA adapters: --engine auto decodes a DoRA adapter with MLX (one line
     says why) and gives what apply_adapter gives, as the default engine (MLX) does; --engine
     llama.cpp refuses in one line."""
-    from toymlx.lora import apply_adapter, apply_lora, lora_layers, write_adapter
+    from toymlx.training.lora import apply_adapter, apply_lora, lora_layers, write_adapter
 
     model = apply_lora(load_llama(stories_path)[0], "q,v", rank=4, alpha=8.0, kind="dora")
     mx.random.seed(4)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from toymlx_cli.train import main
 
-from toymlx.events import read_events
+from toymlx.bundle.events import read_events
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.ops import EXACT, training_ops
 

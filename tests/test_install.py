@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import toymlx
-from toymlx.events import check_toy_v1, read_events
+from toymlx.bundle.events import check_toy_v1, read_events
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM_PATH = "/usr/bin:/bin"

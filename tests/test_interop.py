@@ -20,8 +20,8 @@ import pytest
 from llamacpp_runner import llamacpp_logits, llamacpp_tokenize
 from smollm import smollm_gguf  # noqa: F401  (session fixture)
 
-from toymlx.checkpoint import resolve_latest
-from toymlx.generate import load_for_generation
+from toymlx.bundle.checkpoint import resolve_latest
+from toymlx.generation.generate import load_for_generation
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import write_gguf
 

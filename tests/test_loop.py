@@ -15,7 +15,7 @@ from test_lora import events_of, mlx_lm_folder, tiny_gguf, tok_meta  # noqa: F40
 from toymlx_cli.train import main as train_main
 
 from toymlx.data.chat import SFTData
-from toymlx.tokenizer import Tokenizer
+from toymlx.data.tokenizer import Tokenizer
 
 REPORT = re.compile(r"step (\d+)/(\d+): train loss (\S+), lr (\S+), (\S+) steps/s, (\S+) "
                     r"tokens/s, (\d+) tokens trained, peak memory (\S+) MB \(MLX\), (\S+) MB "
@@ -92,8 +92,8 @@ def _lora_model(path: Path):
     import mlx.core as mx
 
     from toymlx.gguf.llama import load_llama
-    from toymlx.lora import apply_lora, lora_layers
     from toymlx.models.ops import Ops
+    from toymlx.training.lora import apply_lora, lora_layers
 
     model, g = load_llama(path, Ops(kernels="vectorised"))
     g.close()
@@ -115,16 +115,16 @@ def _held_out_rows(seq_len: int = 128) -> dict:
 
 
 def _task(model, batches, **kw):
-    from toymlx.losses import lm_loss
-    from toymlx.trainer import Task
+    from toymlx.models.losses import lm_loss
+    from toymlx.training.trainer import Task
 
     return Task("t", model, lm_loss, lambda s: {}, batches, None, None, {}, **kw)
 
 
 def test_validation_cut_to_the_longest_row_scores_as_padded_to_seq_len(tiny_gguf):  # noqa: F811
     from toymlx.data.chat import sft_val_batches
-    from toymlx.losses import lm_held_out_sums
-    from toymlx.trainer import Evaluator
+    from toymlx.models.losses import lm_held_out_sums
+    from toymlx.training.trainer import Evaluator
 
     model = _lora_model(tiny_gguf)
     rows = _held_out_rows(128)
@@ -157,9 +157,9 @@ def test_validation_is_traced_once_per_batch_shape_and_reads_the_current_weights
     import mlx.core as mx
 
     from toymlx.data.chat import sft_val_batches
-    from toymlx.lora import lora_layers
-    from toymlx.losses import lm_held_out_sums
-    from toymlx.trainer import Evaluator, evaluate
+    from toymlx.models.losses import lm_held_out_sums
+    from toymlx.training.lora import lora_layers
+    from toymlx.training.trainer import Evaluator, evaluate
 
     model = _lora_model(tiny_gguf)
     batches = sft_val_batches(_held_out_rows(128), 4, 10)
@@ -224,7 +224,7 @@ def test_a_prompt_goes_through_the_chat_template_by_default(chat_path, capsys): 
 
 
 def test_zero_new_tokens_say_why(chat_path, stories_path, capsys, monkeypatch):  # noqa: F811
-    from toymlx import generate as gen
+    from toymlx.generation import generate as gen
 
     flags = ["--model", str(chat_path), "--prompt", "Tell me a story", "--temperature", "0"]
     rc, out, err = _generate(capsys, *flags, "--max-tokens", "0")

@@ -15,11 +15,15 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from toymlx.data.chat import SFTData, load_examples, split_examples
+from toymlx.data.tokenizer import Tokenizer, byte_tokenizer
 from toymlx.gguf.llama import load_llama, write_llama
 from toymlx.gguf.quant import gguf_to_mlx_quant
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
-from toymlx.lora import (
+from toymlx.models.llama import Llama, tiny
+from toymlx.models.losses import lm_loss
+from toymlx.recipes.lora import resolve_base_dtype
+from toymlx.training.lora import (
     DoRALinear,
     LoRALinear,
     apply_adapter,
@@ -31,10 +35,6 @@ from toymlx.lora import (
     write_adapter,
     write_merged,
 )
-from toymlx.losses import lm_loss
-from toymlx.models.llama import Llama, tiny
-from toymlx.recipes.lora import resolve_base_dtype
-from toymlx.tokenizer import Tokenizer, byte_tokenizer
 
 CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
@@ -312,7 +312,7 @@ def test_recipe_writes_adapters_and_resumes(tiny_gguf, tmp_path):
     assert ad.alpha == 16.0 and ad.metadata["general.step"] == 6
     assert np.abs(ad.pairs["blk.2.attn_v.weight"][1]).max() > 0  # B has moved off zero
     # the run folder is a model for generation: its base (from config.json) + its adapter
-    from toymlx.generate import load_for_generation
+    from toymlx.generation.generate import load_for_generation
 
     run_model, _ = load_for_generation(full)
     by_hand = apply_adapter(base(tiny_gguf), full / "weights" / "latest")
@@ -415,7 +415,7 @@ def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_
 
     from toymlx_cli.eval import main as eval_main
 
-    from toymlx.runs import fingerprint
+    from toymlx.bundle.runs import fingerprint
 
     data = mlx_lm_folder(tmp_path / "data")
     assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
@@ -466,7 +466,7 @@ def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
     assert f"test_loss {test[0]['test_loss']:.4f}" in capsys.readouterr().err  # the final line
     # the same figure by hand: base + adapter, float64 log-softmax over test.jsonl's rows
     from toymlx.data.chat import held_out_rows
-    from toymlx.generate import load_for_generation
+    from toymlx.generation.generate import load_for_generation
 
     model, tok = load_for_generation(run)
     rows = held_out_rows(load_examples(data / "test.jsonl"), tok, 64, True, True)
@@ -486,7 +486,7 @@ def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
     assert eval_main(["--model", str(run)]) == 0  # the validation rows: valid.jsonl's
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] == 3 and out["val_loss"] == pytest.approx(events[-4]["val_loss"], abs=1e-5)
-    from toymlx.report import format_table, summarize_run
+    from toymlx.runner.report import format_table, summarize_run
 
     row = summarize_run(run)
     assert (row["test_loss"], row["test_perplexity"]) == (test[0]["test_loss"],
@@ -565,7 +565,7 @@ def step_losses(run: Path) -> list[float]:
 def test_dora_run_and_its_fused_export(tiny_gguf, tmp_path, capsys):
     from toymlx_cli.export import main as export
 
-    from toymlx.generate import load_for_generation
+    from toymlx.generation.generate import load_for_generation
 
     data = mlx_lm_folder(tmp_path / "data")
     args = recipe_args(tiny_gguf, tmp_path, data, "--fine-tune-type", "dora",

@@ -20,20 +20,20 @@ import pytest
 from mlx.utils import tree_flatten
 from smollm import smollm_gguf  # noqa: F401  (session fixture)
 
+from toymlx.bundle.events import read_events
 from toymlx.data.chat import SFTData
-from toymlx.events import read_events
+from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import load_llama
-from toymlx.lora import (
+from toymlx.models.losses import lm_loss
+from toymlx.recipes import lora as recipe
+from toymlx.runner.run import run_ops
+from toymlx.training.lora import (
     apply_lora,
     fuse,
     lora_layers,
     write_adapter,
     write_merged,
 )
-from toymlx.losses import lm_loss
-from toymlx.recipes import lora as recipe
-from toymlx.run import run_ops
-from toymlx.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.smollm
 
@@ -153,8 +153,8 @@ def test_quantized_base_matches_float(smollm_gguf):  # noqa: F811
 @pytest.mark.slow
 def test_lora_training_lowers_validation_loss(smollm_gguf, tmp_path):  # noqa: F811
     """100 steps of the default recipe on the default dataset: held-out loss goes down."""
-    from toymlx.run import _public_config
-    from toymlx.trainer import evaluate, train
+    from toymlx.runner.run import _public_config
+    from toymlx.training.trainer import evaluate, train
 
     # 2 x 128 tokens a step keeps CI's slow tier affordable; RESULTS.md has the 4 x 256 figures.
     cfg = recipe.Config(base=str(smollm_gguf), runs_root=str(tmp_path), run_id="smol-lora",

@@ -9,10 +9,10 @@ import pytest
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from toymlx.lora import apply_lora
-from toymlx.losses import LOGITS_CHUNK_VALUES, lm_loss, logits_chunk
 from toymlx.models.llama import Llama, tiny
+from toymlx.models.losses import LOGITS_CHUNK_VALUES, lm_loss, logits_chunk
 from toymlx.models.ops import Ops
+from toymlx.training.lora import apply_lora
 
 
 def _whole_logits_loss(model: nn.Module, batch: dict) -> mx.array:
@@ -142,7 +142,7 @@ def test_chunked_logits_never_live_whole():
 def test_a_frozen_head_in_slices_never_holds_the_whole_logits(monkeypatch):
     """A LoRA-style gradient (head frozen): the head read 1,024 rows at a time peaks below a
     quarter of reading all 16,384 rows at once (512 tokens: 32 MB a copy whole)."""
-    from toymlx import losses
+    from toymlx.models import losses
 
     model, batch = _wide_vocab_model()
     assert model.frozen_head() is model.embed

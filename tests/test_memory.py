@@ -1,4 +1,4 @@
-"""toymlx.memory: a run that cannot fit is refused in one line before its base loads; one that
+"""toymlx.training.memory: a run that cannot fit is refused in one line before its base loads; one that
 fits is never refused; run_start records the estimate and what is kept, run_end the peaks."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from cli_errors import error_line
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 
-from toymlx import memory
+from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import expected_shapes, llama_metadata, write_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.llama import Llama, LlamaArgs, tiny
-from toymlx.tokenizer import byte_tokenizer
+from toymlx.training import memory
 
 LLAMA_8B = LlamaArgs(vocab_size=49152, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                      ffn_dim=14336, context=8192, rope_base=500000.0, tie_embeddings=False)

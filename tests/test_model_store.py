@@ -14,11 +14,8 @@ from toymlx_cli import export as export_cli
 from toymlx_cli import generate as generate_cli
 from toymlx_cli.train import main as train_main
 
-from toymlx.checkpoint import checkpoint_file
-from toymlx.gguf.llama import load_llama, write_llama
-from toymlx.gguf.reader import GGUFFile
-from toymlx.lora import apply_lora, write_adapter
-from toymlx.model_store import (
+from toymlx.bundle.checkpoint import checkpoint_file
+from toymlx.bundle.model_store import (
     MODEL_LAYER,
     ModelStoreError,
     is_store_name,
@@ -27,9 +24,12 @@ from toymlx.model_store import (
     resolve,
     resolve_model,
 )
-from toymlx.modelfile import parse_modelfile, quote, write_modelfile
+from toymlx.data.tokenizer import byte_tokenizer
+from toymlx.gguf.llama import load_llama, write_llama
+from toymlx.gguf.reader import GGUFFile
+from toymlx.interop.modelfile import parse_modelfile, quote, write_modelfile
 from toymlx.models.llama import Llama, tiny
-from toymlx.tokenizer import byte_tokenizer
+from toymlx.training.lora import apply_lora, write_adapter
 
 MEDIA = "application/vnd.ollama.image."
 TEMPLATE = "{{ if .System }}<|system|>{{ .System }}</s>{{ end }}<|user|>{{ .Prompt }}</s>\n" \
@@ -304,7 +304,7 @@ def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys
 def _adapter(base: Path, path: Path, kind: str = "lora", seed: int = 5) -> Path:
     """A LoRA (or DoRA) adapter GGUF for `base` whose B matrices are not zero, so that applying
     it changes what the model says."""
-    from toymlx.lora import lora_layers
+    from toymlx.training.lora import lora_layers
 
     model, g = load_llama(base)
     g.close()

@@ -1,5 +1,5 @@
 """No command writes over what it reads: its inputs, a run bundle, an Ollama or LM Studio store
-(`toymlx.outputs.check_output`, called by every writer before it writes)."""
+(`toymlx.bundle.outputs.check_output`, called by every writer before it writes)."""
 
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def test_eval_plot_refuses_its_model(made, capsys):
 
 
 def test_check_output_lets_a_writer_into_the_bundle_it_owns(made, tmp_path):
-    from toymlx.outputs import OutputError, check_output
+    from toymlx.bundle.outputs import OutputError, check_output
 
     run = made / "runs" / "r1"
     assert check_output(run / "fused-f32.gguf", [], "--fuse-at-end", owns=[run]) == \

@@ -23,18 +23,18 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from toymlx_cli.train import main
 
-from toymlx.checkpoint import resolve_latest, state_path
-from toymlx.events import read_events
+from toymlx.bundle.checkpoint import resolve_latest, state_path
+from toymlx.bundle.events import read_events
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import encode_tensor
-from toymlx.lora import apply_lora
-from toymlx.losses import classify_loss, lm_loss
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.llama import Llama, tiny
+from toymlx.models.losses import classify_loss, lm_loss
 from toymlx.models.ops import Ops, training_ops
 from toymlx.models.vit import ViT, ViTArgs
-from toymlx.step import LossScale, make_step
+from toymlx.training.lora import apply_lora
+from toymlx.training.step import LossScale, make_step
 
 LLAMA = ["--model.d-model", "64", "--model.n-layers", "2", "--model.n-heads", "4",
          "--model.n-kv-heads", "2", "--model.ffn-dim", "128", "--seq-len", "64",
@@ -274,8 +274,8 @@ import numpy as np
 import toymlx
 import mlx.core as mx
 from mlx import nn
-from toymlx.lora import apply_lora
-from toymlx.losses import classify_loss, lm_loss
+from toymlx.training.lora import apply_lora
+from toymlx.models.losses import classify_loss, lm_loss
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.ops import Ops
 
@@ -325,7 +325,7 @@ def test_grad_checkpoint_same_gradients_less_memory():
 
 
 def test_grad_checkpoint_refuses_dropout():
-    from toymlx.lora import apply_lora
+    from toymlx.training.lora import apply_lora
 
     model = Llama(tiny(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
                   Ops(grad_checkpoint=True))

@@ -31,9 +31,9 @@ import pytest
 from llamacpp_runner import llamacpp_logits, quantize
 from smollm import smollm_gguf  # noqa: F401  (session fixture)
 
+from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.reader import DIGEST_KEY, GGUFFile
-from toymlx.lora import adapter_kept, kept_note, write_merged
-from toymlx.tokenizer import Tokenizer
+from toymlx.training.lora import adapter_kept, kept_note, write_merged
 
 pytestmark = [pytest.mark.smollm, pytest.mark.interop]
 

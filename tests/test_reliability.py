@@ -17,9 +17,9 @@ import pytest
 from cli_errors import error_line
 from toymlx_cli.train import main
 
-from toymlx import atomic
-from toymlx.checkpoint import list_checkpoints, open_checkpoint, resolve_latest, state_path
-from toymlx.events import read_events
+from toymlx.backend import atomic
+from toymlx.bundle.checkpoint import list_checkpoints, open_checkpoint, resolve_latest, state_path
+from toymlx.bundle.events import read_events
 from toymlx.gguf import writer
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
@@ -130,7 +130,7 @@ def test_disk_full_mid_run_keeps_earlier_checkpoints(tmp_path, capsys, monkeypat
     exit 1, and checkpoints 1-2 (and `latest` -> 2) are untouched."""
     import os as _os
 
-    import toymlx.checkpoint as ck
+    import toymlx.bundle.checkpoint as ck
 
     calls = {"n": 0}
     real_open, real_replace, real_symlink = open, _os.replace, _os.symlink

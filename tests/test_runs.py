@@ -25,8 +25,8 @@ import pytest
 from cli_errors import error_line
 from toymlx_cli.train import main
 
-from toymlx.checkpoint import list_checkpoints
-from toymlx.events import SUPERSEDED, read_events
+from toymlx.bundle.checkpoint import list_checkpoints
+from toymlx.bundle.events import SUPERSEDED, read_events
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",

@@ -6,7 +6,7 @@ import math
 import mlx.core as mx
 import pytest
 
-from toymlx.schedule import lr_at
+from toymlx.training.schedule import lr_at
 
 
 def test_warmup_peak_and_end():

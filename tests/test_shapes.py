@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import shapes
 
+from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import args_from_gguf, check_shapes
 from toymlx.gguf.reader import GGUFFile
-from toymlx.tokenizer import Tokenizer
 
 
 @pytest.mark.interop  # the quantizer is llama.cpp's (llama-cpp-python)

@@ -19,8 +19,8 @@ import pytest
 from toymlx_cli.export import main as export_main
 
 from toymlx.gguf.vit import write_vit
+from toymlx.interop.timm_export import TIMM_ARCH, timm_model_args
 from toymlx.models.vit import ViT, ViTArgs
-from toymlx.timm_export import TIMM_ARCH, timm_model_args
 
 ARGS = ViTArgs(image_size=12, patch_size=4, channels=3, d_model=24, n_layers=2, n_heads=3,
                ffn_dim=40, num_classes=4)

@@ -1,4 +1,4 @@
-"""toymlx.tokenizer against llama.cpp's own tokenizer test vectors and known ids."""
+"""toymlx.data.tokenizer against llama.cpp's own tokenizer test vectors and known ids."""
 
 from __future__ import annotations
 
@@ -11,8 +11,14 @@ import numpy as np
 import pytest
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
+from toymlx.data.tokenizer import (
+    BYTE_OFFSET,
+    Tokenizer,
+    TokenizerError,
+    byte_tokenizer,
+    encode_bytes_np,
+)
 from toymlx.gguf.reader import read_metadata
-from toymlx.tokenizer import BYTE_OFFSET, Tokenizer, TokenizerError, byte_tokenizer, encode_bytes_np
 
 SEP = "\n__ggml_vocab_test__\n"
 

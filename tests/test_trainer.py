@@ -12,11 +12,11 @@ import pytest
 from mlx.utils import tree_flatten
 from toymlx_cli.train import main
 
-from toymlx.checkpoint import list_checkpoints, resolve_latest
-from toymlx.events import read_events
+from toymlx.bundle.checkpoint import list_checkpoints, resolve_latest
+from toymlx.bundle.events import read_events
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
-from toymlx.run import run_ops
+from toymlx.runner.run import run_ops
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--seq-len", "32",
@@ -103,7 +103,7 @@ def test_bundle_events_and_checkpoints(tmp_path, text_file):
 
 def test_checkpoint_round_trip_identical_logits(tmp_path, text_file):
     from toymlx.recipes import from_scratch
-    from toymlx.trainer import train
+    from toymlx.training.trainer import train
 
     for tie in (True, False):
         cfg = from_scratch.Config(steps=3, batch_size=4, seq_len=32, progress=False,
@@ -141,9 +141,9 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
     mask and drift from the eager losses)."""
     from mlx import nn
 
-    from toymlx import trainer
-    from toymlx.cpu_streams import make_stream_step
-    from toymlx.trainer import step_seed
+    from toymlx.training import trainer
+    from toymlx.training.cpu_streams import make_stream_step
+    from toymlx.training.trainer import step_seed
 
     def run(compile: bool) -> list[float]:
         mx.random.seed(0)
@@ -179,7 +179,7 @@ def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
     forward without dropout, while training-mode forwards still drop; the mode is restored."""
     from mlx import nn
 
-    from toymlx import trainer
+    from toymlx.training import trainer
 
     mx.random.seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
@@ -234,7 +234,7 @@ def test_test_scores_the_data_folders_test_jsonl_as_eval_does(tmp_path, shared_f
     from toymlx_cli.eval import main as eval_main
 
     from toymlx.data.text import val_batches
-    from toymlx.tokenizer import byte_tokenizer
+    from toymlx.data.tokenizer import byte_tokenizer
 
     data, test_lines = text_folder(tmp_path / "data", shared_file)
     run = _run(tmp_path, "t", "--steps", "2", "--no-compile", "--test", data=str(data))

@@ -13,10 +13,10 @@ from toymlx_cli.classify import main as classify_main
 from toymlx_cli.eval import main as eval_main
 from toymlx_cli.train import main as train_main
 
-from toymlx.checkpoint import resolve_latest
-from toymlx.classify import Classifier
+from toymlx.bundle.checkpoint import resolve_latest
+from toymlx.bundle.events import read_events
 from toymlx.data.image_folder import decode_image
-from toymlx.events import read_events
+from toymlx.generation.classify import Classifier
 from toymlx.gguf.reader import GGUFFile
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
@@ -111,7 +111,7 @@ def test_test_path_scored_at_the_end_as_eval_and_the_classifier_score_it(tmp_pat
                                                                           capsys):
     from cli_errors import error_line
 
-    from toymlx.report import summarize_run
+    from toymlx.runner.report import summarize_run
 
     test = make_image_folder(tmp_path / "test", per_class=4, seed=5)  # other images, same classes
     run = _train(tmp_path, "t", folder, "--data.image-size", "8", "--steps", "4",

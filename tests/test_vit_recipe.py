@@ -6,12 +6,12 @@ import mlx.core as mx
 import numpy as np
 from toymlx_cli.train import main
 
-from toymlx.checkpoint import resolve_latest
-from toymlx.events import read_events
+from toymlx.bundle.checkpoint import resolve_latest
+from toymlx.bundle.events import read_events
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.vit import load_vit
 from toymlx.models.ops import Ops
-from toymlx.run import run_ops
+from toymlx.runner.run import run_ops
 
 SMALL = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
          "--model.ffn-dim", "64", "--batch-size", "16", "--no-progress", "--warmup", "2"]
@@ -53,7 +53,7 @@ def test_vit_run_events_and_checkpoint(tmp_path):
 
 def test_vit_round_trip_and_eager_equals_compiled(tmp_path):
     from toymlx.recipes import vit_tiny
-    from toymlx.trainer import train
+    from toymlx.training.trainer import train
 
     def cfg(compile_):
         c = vit_tiny.Config(steps=4, batch_size=16, warmup=2, progress=False, eval_every=0,

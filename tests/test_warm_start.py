@@ -13,18 +13,18 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from toymlx_cli.train import main
 
-from toymlx import warm
-from toymlx.checkpoint import resolve_latest
-from toymlx.events import read_events
+from toymlx.bundle.checkpoint import resolve_latest
+from toymlx.bundle.events import read_events
+from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import expected_shapes, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
+from toymlx.recipes import warm
 from toymlx.recipes import warm_start as ws
 from toymlx.recipes.common import LlamaOptions, TextData
-from toymlx.run import run_ops
-from toymlx.step import make_step
-from toymlx.tokenizer import byte_tokenizer
-from toymlx.trainer import train
+from toymlx.runner.run import run_ops
+from toymlx.training.step import make_step
+from toymlx.training.trainer import train
 
 W32 = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
 W32_FLAGS = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4",
@@ -383,7 +383,7 @@ def test_test_scores_the_folders_test_jsonl_in_the_donors_tokens(tmp_path, stori
     from cli_errors import error_line
     from toymlx_cli.eval import main as eval_main
 
-    from toymlx.tokenizer import Tokenizer
+    from toymlx.data.tokenizer import Tokenizer
 
     paras = [p for p in Path(text_file).read_text().split("\n\n") if p.strip()]
     data = tmp_path / "data"

@@ -1,8 +1,8 @@
 """toymlx: train and fine-tune small models with MLX, exchange them with llama.cpp as GGUF."""
 
-from toymlx import device as _device
+from toymlx.backend import device as _device
 
-_device.preload_blas()  # must precede the first `import mlx.core` (see toymlx.device)
+_device.preload_blas()  # must precede the first `import mlx.core` (see toymlx.backend.device)
 
 try:
     import mlx.core as _mx  # noqa: F401
@@ -14,6 +14,6 @@ except ImportError as _e:  # no backend library (Linux: mlx without its [cpu]/[c
 
 __version__ = "0.2.0"
 
-from toymlx.api import train  # the Python entry point (toymlx.api)
+from toymlx.runner.api import train  # the Python entry point (toymlx.runner.api)
 
 __all__ = ["__version__", "train"]

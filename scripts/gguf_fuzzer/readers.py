@@ -16,12 +16,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from toymlx import lora, warm
-from toymlx.checkpoint import load_checked
+from toymlx.bundle.checkpoint import load_checked
+from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import args_from_gguf, load_llama, load_llama_into
 from toymlx.gguf.reader import GGUFFile, read_metadata
 from toymlx.models.llama import Llama
-from toymlx.tokenizer import Tokenizer
+from toymlx.recipes import warm
+from toymlx.training import lora
 
 Reader = Callable[[str, str], object]
 """(file, name of the seed it was mutated from) -> anything; "n/a" when it does not apply."""

@@ -21,10 +21,10 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import quantize
 
-from toymlx import lora
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
+from toymlx.training import lora
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("TOYMLX_SHARED", REPO.parent / "shared")) / "data"
@@ -119,7 +119,7 @@ def _write_type_zoo(toy: Path, out_path: Path) -> None:
 
 
 def _write_adapter(folder: Path, base: Path) -> Path:
-    """A LoRA adapter GGUF for the toy base, written by toymlx.lora.write_adapter."""
+    """A LoRA adapter GGUF for the toy base, written by toymlx.training.lora.write_adapter."""
     mx.random.seed(0)  # the same adapter in every process: cases stay a function of the seed
     model, g = load_llama(base)
     lora.apply_lora(model, targets="q,v,down", rank=4, alpha=8.0)

@@ -63,7 +63,7 @@ SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...
 
 
 class ChatTokenizer(Protocol):
-    """The part of `toymlx.tokenizer.Tokenizer` this module needs."""
+    """The part of `toymlx.data.tokenizer.Tokenizer` this module needs."""
 
     eos_id: int
     chat_template: str | None
@@ -499,7 +499,7 @@ def trained_positions(mask: np.ndarray, multiple: int = PAD_MULTIPLE
     """Where each row of `mask` (..., B, W) trains a target: positions (..., B, P) int32 and
     their weights (..., B, P) float32 (the mask's values; 0 on the padding entries, which point
     at position 0), P the most any row has rounded up to `multiple`, at most W. A held-out
-    loss computes logits there alone (`toymlx.losses.lm_held_out_sums`)."""
+    loss computes logits there alone (`toymlx.models.losses.lm_held_out_sums`)."""
     width = mask.shape[-1]
     flat = mask.reshape(-1, width)
     counts = (flat != 0).sum(axis=1)

@@ -27,7 +27,7 @@ class DataError(ValueError):
 
 
 class Encoder(Protocol):
-    """The part of `toymlx.tokenizer.Tokenizer` this module needs."""
+    """The part of `toymlx.data.tokenizer.Tokenizer` this module needs."""
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]: ...
 

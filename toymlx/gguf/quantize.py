@@ -39,7 +39,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from tqdm import tqdm
 
-from toymlx import atomic
+from toymlx.backend import atomic
 from toymlx.gguf.reader import DIGEST_KEY, UINT32, GGUFError, GGUFFile
 from toymlx.gguf.writer import GGUF_PY_TYPES, encode_tensor, write_gguf
 
@@ -159,7 +159,7 @@ def tensor_types_written() -> set[GGMLQuantizationType]:
     """Tensor types `quantize_tensor` writes here: every type llama.cpp quantizes without an
     importance matrix where llama-cpp-python is installed, else gguf-py's."""
     if _ggml_quantize_chunk() is not None:
-        from toymlx.fuse import LADDER
+        from toymlx.gguf.fuse import LADDER
 
         return set(LADDER) | {GGMLQuantizationType[n] for n in _GGUF_PY_TENSOR_TYPES}
     return {GGMLQuantizationType[n] for n in _GGUF_PY_TENSOR_TYPES}

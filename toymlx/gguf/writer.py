@@ -1,6 +1,6 @@
 """The one GGUF writer: typed metadata, aligned tensor data, written atomically.
 
-A file is written through `toymlx.atomic` (a temporary in the same folder, fsynced, renamed
+A file is written through `toymlx.backend.atomic` (a temporary in the same folder, fsynced, renamed
 over the target), so a crash at any instant leaves either the old file or the complete new one.
 Every file carries `toy.tensor_sha256`, the SHA-256 of its tensor data section (the bytes from
 the aligned data start to the end of the file), so a damaged checkpoint is found on resume.
@@ -20,7 +20,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm import tqdm
 
-from toymlx.atomic import atomic_open
+from toymlx.backend.atomic import atomic_open
 from toymlx.gguf.reader import (
     ARRAY,
     BOOL,

@@ -1,7 +1,7 @@
 """The keys and values a block has seen, kept for generation (`Llama.make_cache`).
 
 mlx-lm's `KVCache` design, in toymlx (importing mlx-lm's package costs every `toymlx-generate`
-1.2-5 s, see toymlx/sampling.py): a buffer per block grown 256 positions at a time, written in
+1.2-5 s, see toymlx/generation/sampling.py): a buffer per block grown 256 positions at a time, written in
 place (`slice_update`) and read up to the current position. The interface is the one mlx-lm's
 decoding code and toymlx's `Attention.attend` use: `offset`, `update_and_fetch`, `state`.
 """

@@ -261,7 +261,7 @@ class Block(nn.Module):
         return self.finish(x, self.attn.attend(*self.start(x, offset), cache))
 
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
-    # stay the same at every position (toymlx.generate.CompiledDecode):
+    # stay the same at every position (toymlx.generation.generate.CompiledDecode):
     # start (norm, q/k/v, RoPE) -> attn.attend (the KV cache, attention) -> finish.
     def start(self, x: mx.array, offset: int, tables: RopeTables | None = None
               ) -> tuple[mx.array, mx.array, mx.array]:

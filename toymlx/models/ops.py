@@ -7,7 +7,7 @@ activations are kept or recomputed in the backward pass. Three choices are in us
 | who | `Ops` | why |
 | --- | --- | --- |
 | forward-only code: generation, export checks; toymlx-eval on a GPU | `Ops()` | MLX's own ops, float32, RoPE from float64 tables: logits within 1e-4 of llama.cpp |
-| training where MLX computes on the CPU, and toymlx-eval there | `Ops(kernels="vectorised")` | `toymlx.fastmath`'s forms: the Linux wheel's own exp/erf/softmax are scalar code (4-20x slower per element) |
+| training where MLX computes on the CPU, and toymlx-eval there | `Ops(kernels="vectorised")` | `toymlx.backend.fastmath`'s forms: the Linux wheel's own exp/erf/softmax are scalar code (4-20x slower per element) |
 | training on a GPU (Metal, CUDA) | `Ops(dtype="bfloat16", exact_rope=False)` | MLX's fused `mx.fast` kernels in half precision |
 
 `training_ops` makes that choice for the trainer, `scoring_ops` for toymlx-eval; a benchmark or
@@ -21,7 +21,7 @@ Mixed precision (`dtype` other than float32), as PyTorch's autocast and mlx-lm d
 - activations flow in `dtype`. What stays float32: the norms' statistics (MLX's fused norms
   accumulate in float32), attention's softmax (`scaled_dot_product_attention` accumulates in
   float32), the loss's logsumexp accumulation and every per-token loss from there on.
-- float16 needs loss scaling (its gradients underflow): `toymlx.step.LossScale`.
+- float16 needs loss scaling (its gradients underflow): `toymlx.training.step.LossScale`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from toymlx import fastmath
+from toymlx.backend import fastmath
 
 Kernels = Literal["mlx", "vectorised"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -48,7 +48,7 @@ class Ops:
     """How a model computes: kernels, dtype, RoPE tables and activation recomputation."""
 
     kernels: Kernels = "mlx"
-    """mlx: MLX's ops and fused `mx.fast` kernels. vectorised: `toymlx.fastmath`'s forms with
+    """mlx: MLX's ops and fused `mx.fast` kernels. vectorised: `toymlx.backend.fastmath`'s forms with
     hand-written backward passes, for MLX's CPU (float32 only)."""
     dtype: DType = "float32"
     """The activations' dtype (trainable weights stay float32 and are cast where used)."""
@@ -65,7 +65,7 @@ class Ops:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, found {self.dtype!r}")
         if self.kernels == "vectorised" and self.dtype != "float32":
-            raise ValueError(f"kernels vectorised: expected dtype float32 (toymlx.fastmath's "
+            raise ValueError(f"kernels vectorised: expected dtype float32 (toymlx.backend.fastmath's "
                              f"forms are float32 only), found {self.dtype}; use kernels mlx")
 
     @property
@@ -299,7 +299,7 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
     if kernels == "auto":
         kernels = "vectorised" if not on_gpu and dtype == "float32" else "mlx"
     elif kernels == "vectorised" and dtype != "float32":
-        raise ValueError(f"--kernels vectorised: expected --dtype float32 (toymlx.fastmath's "
+        raise ValueError(f"--kernels vectorised: expected --dtype float32 (toymlx.backend.fastmath's "
                          f"forms are float32 only), found --dtype {dtype}")
     elif kernels not in ("mlx", "vectorised"):
         raise ValueError(f"--kernels: expected auto, mlx or vectorised, found {kernels!r}")

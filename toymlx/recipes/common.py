@@ -10,9 +10,9 @@ import numpy as np
 
 from toymlx.data.chat import data_files, load_examples, test_file
 from toymlx.data.text import DataError, TokenData, read_text
-from toymlx.losses import lm_loss
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
-from toymlx.trainer import Task, TrainConfig
+from toymlx.models.losses import lm_loss
+from toymlx.training.trainer import Task, TrainConfig
 
 DEFAULT_CORPUS = "python-docs"
 

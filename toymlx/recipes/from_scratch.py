@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import load_llama_into, write_llama
 from toymlx.models.llama import Llama
 from toymlx.models.ops import Ops
@@ -24,8 +25,7 @@ from toymlx.recipes.common import (
     lm_task,
     load_token_data,
 )
-from toymlx.tokenizer import byte_tokenizer
-from toymlx.trainer import Task, TrainConfig
+from toymlx.training.trainer import Task, TrainConfig
 
 
 @dataclass

@@ -27,15 +27,22 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-from toymlx import memory, model_store
+from toymlx.backend.device import on_gpu
+from toymlx.bundle import model_store
+from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
-from toymlx.device import on_gpu
+from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import CHECKPOINT_FORMAT, frozen_weights, load_llama, load_llama_into
 from toymlx.gguf.quant import projection_types
 from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
 from toymlx.gguf.reader import GGUFFile
-from toymlx.lora import (
+from toymlx.models.layers import model_bytes
+from toymlx.models.losses import lm_held_out_sums, lm_loss
+from toymlx.models.ops import Ops
+from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
+from toymlx.training import memory
+from toymlx.training.lora import (
     KEPT_WARNING,
     adapter_kept,
     apply_lora,
@@ -49,13 +56,7 @@ from toymlx.lora import (
     write_like_base,
     write_merged,
 )
-from toymlx.losses import lm_held_out_sums, lm_loss
-from toymlx.models.layers import model_bytes
-from toymlx.models.ops import Ops
-from toymlx.outputs import check_output
-from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
-from toymlx.tokenizer import Tokenizer
-from toymlx.trainer import Task, TrainConfig
+from toymlx.training.trainer import Task, TrainConfig
 
 DEFAULT_DATA = fixture_path("python_qa", "python_qa.jsonl")
 
@@ -272,7 +273,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         out = check_output(run_dir / f"fused-{dtype}.gguf", [("--base", src.path)],
                            "--fuse-at-end", owns=[run_dir])
         if full:
-            if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.fuse)
+            if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.gguf.fuse)
                 kept = write_full_kept(out, src.path, run_dir, progress=cfg.progress).kept
             else:
                 write_merged(out, run_dir, None, dtype, progress=cfg.progress)
@@ -280,7 +281,7 @@ def build(cfg: Config, ops: Ops) -> Task:
             return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                     "bytes": out.stat().st_size,
                     **({"fine_tune_kept": round(kept, 4)} if kept is not None else {})}
-        if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.fuse)
+        if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.gguf.fuse)
             kept = write_fused_kept(out, src.path, run_dir, progress=cfg.progress).kept
         else:
             write_merged(out, src.path, run_dir, dtype, progress=cfg.progress)

@@ -19,10 +19,10 @@ import numpy as np
 
 from toymlx.data.images import Augment, ImageSet, Prefetcher, load_images
 from toymlx.gguf.vit import load_vit, write_vit
-from toymlx.losses import classify_metrics
+from toymlx.models.losses import classify_metrics
 from toymlx.models.ops import Ops
 from toymlx.models.vit import PRESETS, ViT, ViTArgs
-from toymlx.trainer import Task, TrainConfig
+from toymlx.training.trainer import Task, TrainConfig
 
 AUTO_PATCH_8 = (8, 4)
 """(image side, patch side): preset auto trains 8x8 images with 4x4 patches (measured faster and

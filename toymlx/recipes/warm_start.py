@@ -3,7 +3,7 @@
 The student embeds tokens at the donor's width through the donor's `token_embd.weight` and a
 learned lens (donor width x student width) into its own width; everything else starts from
 random init. It uses the donor's tokenizer, and its checkpoints are plain llama GGUFs with the
-lens folded into `token_embd.weight` (see toymlx/warm.py; the unfolded table and lens for
+lens folded into `token_embd.weight` (see toymlx/recipes/warm.py; the unfolded table and lens for
 resume live in `step_N.warm.safetensors` beside each checkpoint).
 
 `--warm.init random` keeps everything (shape, vocabulary, tokenizer, lens rule, optimizer, the
@@ -21,10 +21,12 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-from toymlx import model_store, warm
+from toymlx.bundle import model_store
+from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import write_llama
 from toymlx.gguf.reader import GGUFError
 from toymlx.models.ops import Ops
+from toymlx.recipes import warm
 from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
@@ -34,8 +36,7 @@ from toymlx.recipes.common import (
     lm_task,
     load_token_data,
 )
-from toymlx.tokenizer import Tokenizer
-from toymlx.trainer import Task, TrainConfig
+from toymlx.training.trainer import Task, TrainConfig
 
 
 @dataclass
@@ -121,7 +122,7 @@ def make_optimizer(cfg: Config):
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    from toymlx.schedule import lr_at
+    from toymlx.training.schedule import lr_at
 
     k = cfg.warm.freeze_embeddings
     sched = partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,

@@ -1,8 +1,8 @@
 """Run bundles: where a run lives, its options, and the one object every reader opens it by.
 
 A bundle is `<runs_root>/<run_id>/`: `config.json` (written once, when the run starts),
-`events.jsonl` (`toymlx.events`), `weights/` (`toymlx.checkpoint`) and, while a process trains
-into it, `.lock` (`toymlx.lock`: one writer, so a second `toymlx-train` on the bundle fails with
+`events.jsonl` (`toymlx.bundle.events`), `weights/` (`toymlx.bundle.checkpoint`) and, while a process trains
+into it, `.lock` (`toymlx.backend.lock`: one writer, so a second `toymlx-train` on the bundle fails with
 one line naming the first).
 
 - `RunOptions` are the options of where a run lives and how this process drives it; none of
@@ -10,7 +10,7 @@ one line naming the first).
   the bundle. Every other option (the training configuration) must equal the saved one; only
   `--steps` may extend the run (recorded in the `resume` event).
 - `Bundle.open(path)` reads and checks `config.json` once (every key present and typed, the
-  recipe's own checks), and the events once; training (`toymlx.run`), toymlx-eval, -generate,
+  recipe's own checks), and the events once; training (`toymlx.runner.run`), toymlx-eval, -generate,
   -export, -report and the sweep all open a run this way. For a resume it then plans where to
   continue (`plan_resume`: the checkpoint verified, `latest` missing or dangling falling back to
   the newest intact one), checks the model and the data files against what the run recorded,
@@ -36,10 +36,11 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from toymlx import atomic, model_store
-from toymlx import checkpoint as ck
-from toymlx import events as ev
-from toymlx.lock import LOCK_FILE, Lock, acquire
+from toymlx.backend import atomic
+from toymlx.backend.lock import LOCK_FILE, Lock, acquire
+from toymlx.bundle import checkpoint as ck
+from toymlx.bundle import events as ev
+from toymlx.bundle import model_store
 
 CONFIG_FILE = "config.json"
 DATA_FILES_KEY = "data_files"
@@ -570,7 +571,7 @@ class Bundle:
         """Read a run folder's config.json (strictly: RunError naming the file and the key, as
         for command-line input; `flag` names the option that gave the folder) and its events."""
         from toymlx.recipes import get_recipe
-        from toymlx.trainer import check_config
+        from toymlx.training.trainer import check_config
 
         path = Path(path)
         saved = _read_config(path, flag)

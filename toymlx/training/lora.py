@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from toymlx.checkpoint import checkpoint_file
+from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.gguf.llama import gguf_to_toy, llama_tensors, load_llama, toy_to_gguf
 from toymlx.gguf.quantize import BASE_FILE_TYPE, export_type, quantizer, write_model_gguf
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
@@ -470,12 +470,12 @@ KEPT_WARNING = 0.5
 def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
                  adapter: str | os.PathLike) -> float:
     """The share of the adapter's change a fused file keeps, on the adapted layers' outputs
-    (`toymlx.fuse.kept_from`): over the adapted tensors, with D the adapter's change, F = W + D
+    (`toymlx.gguf.fuse.kept_from`): over the adapted tensors, with D the adapter's change, F = W + D
     and Q the file's weights, 1 - sqrt(sum ||Q - F||^2 / sum ||D||^2) clipped to [0, 1]: the
     output error on isotropic inputs against the change's own output. Rounding the untouched
     part of W again counts as error, never as change (1: all of it kept; 0: noise as large as
     the change). Weights dequantized by gguf-py, sums in float64."""
-    from toymlx.fuse import kept_from
+    from toymlx.gguf.fuse import kept_from
 
     ad = load_adapter(adapter)
     err2 = delta2 = 0.0
@@ -506,7 +506,7 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
     may be a full fine-tune's run folder (its latest checkpoint).
 
     No `dtype`, with an adapter or for a full fine-tune: the file that keeps the fine-tune
-    (`toymlx.fuse.write_kept`): the base's tensors byte for byte, each adapted (changed) one in
+    (`toymlx.gguf.fuse.write_kept`): the base's tensors byte for byte, each adapted (changed) one in
     the smallest type that keeps its change, general.file_type the base's. Otherwise every
     tensor re-encoded in `dtype` (default: the base's own, `export_type`) through
     `write_model_gguf`, byte for byte what llama-quantize writes from the fused F32 model."""
@@ -537,10 +537,10 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
 
 def write_fused_kept(out: str | os.PathLike, base: str | os.PathLike,
                      adapter: str | os.PathLike, progress: bool = False):
-    """`base` + `adapter` (LoRA or DoRA) fused by `toymlx.fuse.write_kept` (the file that keeps
+    """`base` + `adapter` (LoRA or DoRA) fused by `toymlx.gguf.fuse.write_kept` (the file that keeps
     the fine-tune); returns its `KeptFile`. The adapter is checked against the base first
     (architecture, every adapted weight's name and shape), as `apply_adapter` checks it."""
-    from toymlx.fuse import write_kept
+    from toymlx.gguf.fuse import write_kept
 
     base = checkpoint_file(base, "--base")
     ad_path = checkpoint_file(adapter, "--adapter")
@@ -615,16 +615,16 @@ def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
                       adapter: str | os.PathLike, progress: bool = False) -> tuple[Path, float]:
     """`base` + `adapter` (a LoRA or DoRA run) fused in the base's own tensor types, byte for
     byte its size: every other tensor the base's bytes, each adapted one rounded by
-    `toymlx.gptq` to keep its outputs on the inputs the layer sees over the run's own
+    `toymlx.gguf.gptq` to keep its outputs on the inputs the layer sees over the run's own
     training rows (at most `MOMENT_ROWS`). Returns (the file, the share of the change kept on
-    those inputs, `toymlx.fuse.kept_from` over the adapted layers)."""
+    those inputs, `toymlx.gguf.fuse.kept_from` over the adapted layers)."""
+    from toymlx.bundle.runs import Bundle
     from toymlx.data.chat import SFTData
-    from toymlx.fuse import kept_from, write_with_tensors
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.gguf.fuse import kept_from, write_with_tensors
+    from toymlx.gguf.gptq import GPTQ_TYPES, gptq_quantize
     from toymlx.gguf.quantize import dequantize_tensor
-    from toymlx.gptq import GPTQ_TYPES, gptq_quantize
     from toymlx.recipes.lora import DEFAULT_DATA
-    from toymlx.runs import Bundle
-    from toymlx.tokenizer import Tokenizer
 
     bundle = Bundle.of(adapter, "--adapter")
     if bundle is None or bundle.recipe != "lora":
@@ -674,7 +674,7 @@ def fine_tune_base(run_or_checkpoint: str | os.PathLike) -> Path | None:
     """The file a full fine-tune was trained from (its run_start's absolute `base_file`), for
     a full fine-tune's run folder or checkpoint; None for anything else. FileNotFoundError,
     naming it, when that file is gone."""
-    from toymlx.runs import Bundle
+    from toymlx.bundle.runs import Bundle
 
     bundle = Bundle.of(run_or_checkpoint, "--base")
     if bundle is None or getattr(bundle.config, "fine_tune_type", None) != "full":
@@ -692,9 +692,9 @@ def fine_tune_base(run_or_checkpoint: str | os.PathLike) -> Path | None:
 def write_full_kept(out: str | os.PathLike, base: str | os.PathLike,
                     checkpoint: str | os.PathLike, progress: bool = False):
     """A full fine-tune's `checkpoint` as the file that keeps the fine-tune
-    (`toymlx.fuse.write_kept` over the file `base` it was trained from): each tensor it changed
+    (`toymlx.gguf.fuse.write_kept` over the file `base` it was trained from): each tensor it changed
     in a type that keeps the change, every other one the base's own bytes."""
-    from toymlx.fuse import write_kept
+    from toymlx.gguf.fuse import write_kept
 
     checkpoint = checkpoint_file(checkpoint, "--base")
     with GGUFFile(base) as g, GGUFFile(checkpoint) as c:

@@ -10,9 +10,9 @@ The estimate adds, in bytes:
 - activations: what the backward pass keeps per token and per block (`_block_values`), times
   the blocks the gradient runs through: those from the first adapted block up (--lora.layers)
   or all (full). With --grad-checkpoint, each block's input, plus one block recomputed.
-- logits: a trained head's chunk of `toymlx.losses.logits_chunk` tokens x vocabulary,
+- logits: a trained head's chunk of `toymlx.models.losses.logits_chunk` tokens x vocabulary,
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
-  gradients); a frozen head's slice of rows (`toymlx.losses.head_slices`), its logits and weights.
+  gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
 - runtime: Python, MLX and the tokenizer (`RUNTIME_BYTES`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
@@ -27,8 +27,8 @@ from typing import Any
 from toymlx.gguf.blocks import CODECS, held_bytes
 from toymlx.gguf.llama import args_from_gguf, tensor_route
 from toymlx.gguf.reader import GGUFFile
-from toymlx.losses import head_slices, logits_chunk
 from toymlx.models.llama import LlamaArgs
+from toymlx.models.losses import head_slices, logits_chunk
 
 RUNTIME_BYTES = 600 * 2**20
 """What a run's RSS holds beyond MLX's arrays: the interpreter and libraries (~60 MB), the
@@ -36,7 +36,7 @@ tokenizer and data, the loader's temporaries and allocator slack; peak RSS minus
 measured 0.37-0.58 GiB on SmolLM2-135M LoRA runs (2-4 x 256, AMD EPYC, 2 cores)."""
 HEAD_LOGITS_COPIES = 6
 """float32 copies of a frozen head's slice of logits alive at once in the loss's backward pass
-(`toymlx.losses.frozen_head_cross_entropy`: the logits, their softmax, its gradient, masks)."""
+(`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their softmax, its gradient, masks)."""
 LOGITS_COPIES = 16
 """float32 copies of a chunk's logits alive at the peak of its backward pass (measured: the
 vectorised CPU kernels compiled ~16, eager ~22; MLX's own ops ~8)."""

@@ -9,8 +9,8 @@ every rank wrote exit code 0. A rank that reports failure, or whose process is g
 a report (killed, segfault), fails the launch: the other ranks get `grace` seconds to end,
 then the whole session is terminated.
 
-`mlx.launch` runs as `python -m toymlx.launch` (`_mlx_launch_child`), tied to `toymlx-launch`
-by `toymlx.lifeline`: if `toymlx-launch` dies, even by SIGKILL, the launcher terminates its
+`mlx.launch` runs as `python -m toymlx.runner.launch` (`_mlx_launch_child`), tied to `toymlx-launch`
+by `toymlx.backend.lifeline`: if `toymlx-launch` dies, even by SIGKILL, the launcher terminates its
 session, and each rank, tied to the launcher the same way, stops too. No rank trains on with
 nothing watching it.
 """
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from toymlx import atomic
-from toymlx.lifeline import PARENT_ENV, alive, child_env, watch_parent
+from toymlx.backend import atomic
+from toymlx.backend.lifeline import PARENT_ENV, alive, child_env, watch_parent
 
 STATUS_ENV = "TOYMLX_RANK_STATUS"
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
@@ -159,7 +159,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
         old.unlink()
     if port is None and backend == "ring" and not hosts:
         port = _free_port_base(n)
-    cmd = [sys.executable, "-m", "toymlx.launch", "--backend", backend, "-n", str(n),
+    cmd = [sys.executable, "-m", "toymlx.runner.launch", "--backend", backend, "-n", str(n),
            *(["--hosts", hosts] if hosts else []), *(["-p", str(port)] if port else []),
            "--env", f"{STATUS_ENV}={folder}",
            *[a for e in env for a in ("--env", e)], "--", *command]

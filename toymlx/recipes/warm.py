@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from toymlx import checkpoint as ck
+from toymlx.bundle import checkpoint as ck
 from toymlx.gguf.llama import ARCHS, SUPPORTED, llama_tensors, load_llama_weights
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.llama import Llama, LlamaArgs

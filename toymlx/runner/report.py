@@ -20,9 +20,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from toymlx import atomic
-from toymlx.events import read_events
-from toymlx.runs import RUN_LOCAL, Bundle, RunError, saved_config
+from toymlx.backend import atomic
+from toymlx.bundle.events import read_events
+from toymlx.bundle.runs import RUN_LOCAL, Bundle, RunError, saved_config
 
 SWEEP_FILE = "sweep.json"
 # metric -> True when higher is better

@@ -33,14 +33,15 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from toymlx import checkpoint as ck
-from toymlx import cpu_streams, device, lifeline
-from toymlx.device import backend_info
-from toymlx.events import EventLog, git_info, host_info, now_iso
+from toymlx.backend import device, lifeline
+from toymlx.backend.device import backend_info
+from toymlx.bundle import checkpoint as ck
+from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
+from toymlx.bundle.runs import Resume, RunOptions, flag_name, intact_hint
 from toymlx.gguf.reader import DIGEST_KEY
-from toymlx.runs import Resume, RunOptions, flag_name, intact_hint
-from toymlx.schedule import lr_at
-from toymlx.step import LossScale, make_step
+from toymlx.training import cpu_streams
+from toymlx.training.schedule import lr_at
+from toymlx.training.step import LossScale, make_step
 
 
 @dataclass

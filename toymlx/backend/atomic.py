@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from toymlx.lifeline import alive
+from toymlx.backend.lifeline import alive
 
 TMP_TAG = ".tmp-"
 """Every temporary's name holds this (`.<name>.tmp-<pid>`), so leftovers can be found."""

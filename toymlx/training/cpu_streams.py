@@ -22,8 +22,8 @@ import mlx.optimizers as optim
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from toymlx import device
-from toymlx.step import make_step, make_update, micro_batch_grads
+from toymlx.backend import device
+from toymlx.training.step import make_step, make_update, micro_batch_grads
 
 
 def stream_count(requested: int, world: Any = None, scaled: bool = False) -> int:

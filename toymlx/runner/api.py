@@ -9,14 +9,14 @@
 `train` runs `toymlx-train --recipe NAME` in a fresh child process, with `options` spelled as
 its flags (`seq_len=256` is `--seq-len 256`, `data={"path": p}` is `--data.path p`, `True`/
 `False` are `--flag`/`--no-flag`), relays its output, and returns the bundle's summary row
-(`toymlx.report.summarize_run`). Bad options are the command's own one-line error, raised as
+(`toymlx.runner.report.summarize_run`). Bad options are the command's own one-line error, raised as
 `ValueError`; a run that fails raises `TrainError`, naming its bundle.
 
 Why a child process and not this one: MLX fixes some of its CPU set-up once per process, before
 toymlx can act, and a script that imported `mlx.core` first (every mlx-lm script, most
 notebooks) has already fixed it. On Linux the `mlx[cpu]` wheel then keeps its reference BLAS
 (a LoRA step about 40x slower), and MLX's evaluation width is read at the first evaluation
-(`toymlx.device`). A child that imports toymlx first trains exactly as `toymlx-train` does,
+(`toymlx.backend.device`). A child that imports toymlx first trains exactly as `toymlx-train` does,
 whatever this process did before; Ctrl-C here stops it cleanly (final checkpoint, resumable).
 """
 
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from toymlx.lifeline import child_env
+from toymlx.backend.lifeline import child_env
 
 
 class TrainError(RuntimeError):
@@ -70,8 +70,8 @@ def train(recipe: str, *, echo: bool = True, **options: Any) -> dict[str, Any]:
     """Train `recipe` with `options` (the flags of `toymlx-train --recipe RECIPE --help`) in a
     fresh process; return the run's summary (status, steps, final loss, held-out metric,
     throughput, path). `echo=False` keeps the child's output to the error message."""
-    from toymlx.report import summarize_run
-    from toymlx.runs import default_run_id
+    from toymlx.bundle.runs import default_run_id
+    from toymlx.runner.report import summarize_run
 
     resume = options.get("resume")
     if resume is None and options.get("run_id") is None:

@@ -36,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from toymlx.atomic import atomic_open, write_text
+from toymlx.backend.atomic import atomic_open, write_text
 from toymlx.models.vit import ViT, ViTArgs
 
 TIMM_ARCH = "vit_tiny_patch16_224"

@@ -1,7 +1,7 @@
 """An Ollama Modelfile for a LoRA run, so `ollama create NAME -f DIR/Modelfile` serves the base
 GGUF with the run's adapter (the llama.cpp LoRA GGUF a lora run writes as its checkpoints), or
 the fused model (`fuse=True`: `DIR/fused-TYPE.gguf`, the base's own type by default, written by
-`toymlx.lora.write_merged`).
+`toymlx.training.lora.write_merged`).
 
 The file holds `FROM` (the base GGUF, absolute), `ADAPTER` (the adapter GGUF, absolute) or
 instead `FROM` the fused GGUF, and
@@ -18,14 +18,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from toymlx import atomic
-from toymlx.checkpoint import checkpoint_file
+from toymlx.backend import atomic
+from toymlx.bundle.checkpoint import checkpoint_file
+from toymlx.bundle.model_store import Resolved, is_store_name, resolve
+from toymlx.bundle.outputs import check_output
+from toymlx.bundle.runs import run_base
+from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.quantize import export_type
 from toymlx.gguf.reader import GGUFError, GGUFFile
-from toymlx.model_store import Resolved, is_store_name, resolve
-from toymlx.outputs import check_output
-from toymlx.runs import run_base
-from toymlx.tokenizer import Tokenizer
 
 MODELFILE = "Modelfile"
 
@@ -161,7 +161,7 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     path = check_output(Path(out_dir) / MODELFILE, inputs)
     fused = None
     if fuse:
-        from toymlx.lora import write_merged  # MLX only when a model is fused
+        from toymlx.training.lora import write_merged  # MLX only when a model is fused
 
         with GGUFFile(src.path) as g:
             name = dtype or export_type(g)

@@ -16,8 +16,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from toymlx.atomic import atomic_open
-from toymlx.checkpoint import checkpoint_file
+from toymlx.backend.atomic import atomic_open
+from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.data.image_folder import IMAGE_EXTENSIONS, ImageDataError, decode_image
 from toymlx.gguf.vit import class_names, load_vit
 from toymlx.models.vit import ViT

@@ -1,4 +1,4 @@
-"""The llama.cpp engine's child process (`python -m toymlx.llamacpp_decode`).
+"""The llama.cpp engine's child process (`python -m toymlx.generation.llamacpp_decode`).
 
 It reads one JSON request line on stdin (the model, adapter, context, seed), loads the model in
 llama.cpp (llama-cpp-python) and prints `ready`; then, for each request line that follows (the
@@ -7,7 +7,7 @@ it is decoded, flushed, and `END` after the last, until stdin closes. llama.cpp 
 tokens it has computed between requests and computes again only where a prompt departs from
 them (a conversation's next turn repeats the whole conversation so far). Run apart from toymlx-generate so that a
 llama.cpp crash on a given CPU (one llama-cpp-python build segfaulted decoding Q4_1 on an
-AVX-512 host) costs a fallback to MLX, not the command (`toymlx.generate.LlamaCppDecoder`).
+AVX-512 host) costs a fallback to MLX, not the command (`toymlx.generation.generate.LlamaCppDecoder`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ path that
   a training writes its --fuse-at-end file into); `runs/<id>/weights/latest`, a link, counts as
   inside its bundle whether or not it resolves;
 - lies inside a model store: Ollama's (`$OLLAMA_MODELS`, `~/.ollama/models`, their blobs/ and
-  manifests/) or LM Studio's models folder (`toymlx.model_store` finds both).
+  manifests/) or LM Studio's models folder (`toymlx.bundle.model_store` finds both).
 Nothing is written by the check, so a refused command leaves every file as it was.
 """
 
@@ -19,10 +19,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from toymlx import model_store
+from toymlx.bundle import model_store
 
 BUNDLE_MARKS = ("config.json", "events.jsonl", "weights", ".lock")
-"""What a run bundle (`toymlx.runs`) holds: config.json and events.jsonl once it has started,
+"""What a run bundle (`toymlx.bundle.runs`) holds: config.json and events.jsonl once it has started,
 weights/ and .lock from the moment toymlx-train creates it."""
 
 

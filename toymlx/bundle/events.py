@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toymlx import __version__, atomic
+from toymlx import __version__
+from toymlx.backend import atomic
 
 SCHEMA = "toy/v1"
 _LEGACY_KIND = "event"  # what toymlx < 0.2 wrote in place of `kind`

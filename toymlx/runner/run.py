@@ -22,14 +22,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from toymlx import checkpoint as ck
-from toymlx import runs
-from toymlx.device import on_gpu, select_device, setup_process
-from toymlx.events import read_events
+from toymlx.backend.device import on_gpu, select_device, setup_process
+from toymlx.bundle import checkpoint as ck
+from toymlx.bundle import runs
+from toymlx.bundle.events import read_events
+from toymlx.bundle.outputs import check_output
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
-from toymlx.outputs import check_output
-from toymlx.trainer import Task, TrainConfig, check_config, train
+from toymlx.training.trainer import Task, TrainConfig, check_config, train
 
 
 def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:

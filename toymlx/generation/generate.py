@@ -1,7 +1,7 @@
 """Text generation from a Llama, and loading a model to generate from.
 
 Two engines decode the same GGUF files (`choose_engine`):
-- `mlx`: the decoding loop (`decode`) and the samplers (`toymlx.sampling`: temperature, top-p,
+- `mlx`: the decoding loop (`decode`) and the samplers (`toymlx.generation.sampling`: temperature, top-p,
   min-p, top-k, repetition penalty) are mlx-lm's, rewritten here so that `toymlx-generate` does
   not import mlx-lm's package (transformers, and PyTorch where installed: 1.2-5 s before the
   first token); they give mlx-lm's tokens for the same seed. toymlx adds the stopping rules
@@ -9,10 +9,10 @@ Two engines decode the same GGUF files (`choose_engine`):
   exactly, and, where MLX computes on the CPU, cuts a decoded token's fixed costs without
   changing what it computes: the one-token steps traced (`CompiledDecode`: the same logits,
   bit for bit) and top-p found among the most likely tokens before sorting all
-  (`toymlx.sampling.make_sampler`).
+  (`toymlx.generation.sampling.make_sampler`).
 - `llama.cpp` (llama-cpp-python, the `interop` extra): the same files, adapters and samplers in
   llama.cpp. Decoding one token reads every weight once; on a CPU MLX multiplies float32
-  weights (through OpenBLAS's sgemv, `toymlx.gemv_forward`: ~22 GB/s on 2 cores, 24 of a
+  weights (through OpenBLAS's sgemv, `toymlx.backend.gemv_forward`: ~22 GB/s on 2 cores, 24 of a
   SmolLM2-135M token's 33 ms on an AMD EPYC Zen 4) and its quantized CPU matmul is slower
   still, while llama.cpp reads the file's own 4-bit blocks with SIMD dot products. It also
   computes as llama.cpp does, quantized activations included: on SmolLM2-135M's Q4_1 file
@@ -38,18 +38,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from toymlx.checkpoint import checkpoint_file
-from toymlx.device import on_gpu
+from toymlx.backend.device import on_gpu
+from toymlx.bundle.checkpoint import checkpoint_file
+from toymlx.bundle.model_store import is_store_name, resolve, resolve_model
+from toymlx.bundle.runs import run_base
+from toymlx.data.tokenizer import Tokenizer
+from toymlx.generation.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
 from toymlx.gguf.llama import args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
-from toymlx.lora import apply_adapter
-from toymlx.model_store import is_store_name, resolve, resolve_model
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
 from toymlx.models.ops import EXACT, Ops
-from toymlx.runs import run_base
-from toymlx.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
-from toymlx.tokenizer import Tokenizer
+from toymlx.training.lora import apply_adapter
 
 PREFILL_CHUNK = 2048
 """Prompt tokens put through the model at a time before decoding (mlx-lm's prefill step)."""
@@ -76,7 +76,7 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
              kept: PromptCache | None = None) -> Iterator[int]:
     """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before eos and at the
     model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples
-    (`toymlx.sampling`). `kept`: a conversation's caches, kept between calls (`PromptCache`)."""
+    (`toymlx.generation.sampling`). `kept`: a conversation's caches, kept between calls (`PromptCache`)."""
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
     check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
@@ -312,7 +312,7 @@ def decoding_weights(gguf_path: str | os.PathLike, gpu: bool) -> str:
         return frozen_weights(True)
     with GGUFFile(gguf_path) as g:
         need = float32_bytes(g)
-    from toymlx.memory import available_memory
+    from toymlx.training.memory import available_memory
 
     have, _ = available_memory()
     if have is None or need <= have // 2:
@@ -350,7 +350,7 @@ class EngineFailed(RuntimeError):
 
 class LlamaCppDecoder:
     """The `llama.cpp` engine: the model file and its adapter loaded in llama.cpp, in a child
-    process (`toymlx.llamacpp_decode`), decoding with the samplers `generate` takes (the
+    process (`toymlx.generation.llamacpp_decode`), decoding with the samplers `generate` takes (the
     repetition penalty over the last 20 tokens, as mlx-lm's). Seeded: a run repeats exactly on
     the same llama.cpp build. One child serves every `generate` call (each turn of a
     conversation) until `close`. A child that dies before its first token raises `EngineFailed`."""
@@ -372,7 +372,7 @@ class LlamaCppDecoder:
         self.context = context
         self.decoded = False  # any token yet: a failure after one is not the engine's start
         self.child = subprocess.Popen(
-            [sys.executable, "-m", "toymlx.llamacpp_decode"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "toymlx.generation.llamacpp_decode"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         self._send({"model": str(gguf_path), "adapter": str(adapters[0]) if adapters else None,
                     "context": context, "seed": seed})
@@ -403,7 +403,7 @@ class LlamaCppDecoder:
                  ) -> Iterator[int]:
         """The new token ids for `prompt_ids`, as the child decodes them; the child stays for
         the next call. Left before the end (the caller stopped reading), the child is stopped."""
-        from toymlx.llamacpp_decode import END
+        from toymlx.generation.llamacpp_decode import END
 
         budget = min(max_tokens, self.context - len(prompt_ids))
         self._send({"ids": [int(i) for i in prompt_ids], "eos": eos, "budget": max(budget, 0),

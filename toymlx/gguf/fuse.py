@@ -241,7 +241,7 @@ def write_with_tensors(out: str | os.PathLike, g: GGUFFile,
     """The base `g` with the tensors in `written` replaced (raw bytes of the base's own type, or
     `QuantTensor`s), atomically: every other tensor the base's own bytes (raw blocks), every
     metadata key the base's (general.file_type included) plus `extra`."""
-    from toymlx import atomic
+    from toymlx.backend import atomic
 
     out = Path(out)
     tensors: dict[str, QuantTensor] = {}

@@ -4,20 +4,20 @@ Two steps, in this order:
 1. `preload_blas()`, at import (`toymlx/__init__.py`), because it must precede the first
    `import mlx.core`: on Linux the `mlx[cpu]` wheel links the netlib reference BLAS
    (~5 GFLOPS); an optimised BLAS loaded with global symbol visibility first makes MLX's
-   matmuls use it instead (~33x faster), with `toymlx.gemv_forward` in front of it (one-row
+   matmuls use it instead (~33x faster), with `toymlx.backend.gemv_forward` in front of it (one-row
    products, a decoded token's, through sgemv).
 2. `setup_process()`, a named call each command-line entry point makes first thing, and
-   `toymlx.trainer.train` makes again (a no-op the second time): MLX's graph-evaluation width
+   `toymlx.training.trainer.train` makes again (a no-op the second time): MLX's graph-evaluation width
    (read by MLX's first evaluation), glibc malloc's thresholds and the folder that keeps MLX's
    compiled CPU kernels across reboots (`persist_kernels`). `backend_info()` records what is
    in effect in run_start.
 
 A process that imported `mlx.core` before toymlx (an mlx-lm user's script) gets the same BLAS
 another way: step 1 then loads OpenBLAS and rewrites the BLAS entries of the loaded MLX's
-linkage table (`toymlx.blas_rebind`), so its matmuls, toymlx's and the script's own, go to
+linkage table (`toymlx.backend.blas_rebind`), so its matmuls, toymlx's and the script's own, go to
 OpenBLAS from then on; `backend_info()["blas_rebound"]` says so. Where that cannot be done,
 importing toymlx warns in one line. Such a process is still too late for the evaluation width
-if it evaluated anything, which is why `toymlx.train` (the Python entry point, `toymlx.api`)
+if it evaluated anything, which is why `toymlx.train` (the Python entry point, `toymlx.runner.api`)
 trains in a fresh child process.
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toymlx import blas_rebind, gemv_forward
+from toymlx.backend import blas_rebind, gemv_forward
 
 _BLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -54,7 +54,7 @@ _BLAS_FIX = (
 
 BFS_MAX_WIDTH = "1000000"
 """MLX orders each evaluation breadth-first up to MLX_BFS_MAX_WIDTH nodes, then depth-first.
-The CPU step runs slices of the batch on parallel streams (`toymlx.cpu_streams`); a narrow
+The CPU step runs slices of the batch on parallel streams (`toymlx.training.cpu_streams`); a narrow
 breadth-first order queues one slice's ops long before the other's, and with at most 10 tasks
 in flight the other stream then waits (2 streams: 1.08x slower than 1 at MLX's default width,
 0.90x at full width). Linux only: on macOS the step runs on the GPU or on one stream."""
@@ -82,9 +82,9 @@ class _ProcessState:
     bfs_max_width: str | None = None
     kernel_cache: str | None = None
     gemv_forward: str | None = None
-    """Whether one-row matmuls go to OpenBLAS's sgemv (`toymlx.gemv_forward`): on, off (why)."""
+    """Whether one-row matmuls go to OpenBLAS's sgemv (`toymlx.backend.gemv_forward`): on, off (why)."""
     blas_rebound: str | None = None
-    """Set where mlx.core was loaded before toymlx: what `toymlx.blas_rebind` switched."""
+    """Set where mlx.core was loaded before toymlx: what `toymlx.backend.blas_rebind` switched."""
     trim_threshold: int | None = None
     """glibc's trim threshold once `bound_kept_buffers` set it to a step's memory."""
     mlx_cache_limit: int | None = None
@@ -264,7 +264,7 @@ def tune_malloc() -> str:
 
 def bound_kept_buffers(step_bytes: int | None) -> None:
     """Keep only what a step reuses: glibc's freed heap (its trim threshold) and MLX's buffer
-    cache bounded to `step_bytes` (a step's transient memory, `toymlx.memory.Estimate`), and
+    cache bounded to `step_bytes` (a step's transient memory, `toymlx.training.memory.Estimate`), and
     what loading left freed handed back now (`malloc_trim`). None: the process's settings as
     they are. `kept_buffers` says what is kept."""
     p = _PROCESS

@@ -29,9 +29,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from toymlx import atomic
+from toymlx.backend import atomic
+from toymlx.bundle.model_store import is_store_name, resolve_model
 from toymlx.gguf.reader import GGUFError, GGUFFile
-from toymlx.model_store import is_store_name, resolve_model
 
 LATEST = "latest"
 ID_KEY = "toy.checkpoint_id"

@@ -13,8 +13,8 @@ How: `gemv_forward.c` defines a `cblas_sgemm` that hands one-row products (M = 1
 `cblas_sgemv` and everything else to OpenBLAS's `cblas_sgemm`. `install` compiles it once with
 the system C compiler (MLX's CPU backend needs one for its own kernels) into the toymlx
 cache, points it at OpenBLAS and loads it with global symbol visibility ahead of OpenBLAS, so
-MLX's matmuls find it first (the same mechanism as `toymlx.device.preload_blas`; where mlx.core
-was loaded first, `toymlx.blas_rebind` points MLX at it instead). Training's
+MLX's matmuls find it first (the same mechanism as `toymlx.backend.device.preload_blas`; where mlx.core
+was loaded first, `toymlx.backend.blas_rebind` points MLX at it instead). Training's
 matmuls (thousands of rows) go through unchanged. Without a compiler, or with
 `TOYMLX_GEMV_FORWARD=off`, MLX calls OpenBLAS directly, as before.
 """
@@ -96,7 +96,7 @@ def install(blas_path: str) -> str:
 
 def sgemm_address() -> int | None:
     """The address of the forwarder's `cblas_sgemm` (None: not in use), for
-    `toymlx.blas_rebind` where mlx.core was loaded first."""
+    `toymlx.backend.blas_rebind` where mlx.core was loaded first."""
     return None if _lib is None else ctypes.cast(_lib.cblas_sgemm, ctypes.c_void_p).value
 
 

@@ -1,8 +1,8 @@
 """Point an MLX that is already loaded at OpenBLAS (Linux): the late-import path of
-`toymlx.device.preload_blas`.
+`toymlx.backend.device.preload_blas`.
 
 Why: MLX's Linux wheel links a reference BLAS. `import toymlx` before `mlx.core` puts OpenBLAS
-in the process's global symbol scope first, so MLX's calls resolve there (`toymlx.device`). A
+in the process's global symbol scope first, so MLX's calls resolve there (`toymlx.backend.device`). A
 script that imported `mlx.core` or `mlx_lm` first (any mlx-lm user's) used to keep the reference
 BLAS for the whole process: training steps 10-40x slower, decoding SmolLM2-135M 7.8 tokens/s
 against 23.6 (AMD EPYC Zen 4, 2 cores), with no word of it.
@@ -11,12 +11,12 @@ How: `libmlx.so` calls every BLAS and LAPACK function through its procedure link
 function pointer per symbol in its `.got.plt`, which the dynamic loader fills at the first call
 (lazy binding). `rebind` reads libmlx.so's relocation table from the file, finds the slots of
 the functions the new BLAS provides, and writes the new addresses there: every later call goes
-to OpenBLAS (and `cblas_sgemm` to `toymlx.gemv_forward` where that is on), the same functions
+to OpenBLAS (and `cblas_sgemm` to `toymlx.backend.gemv_forward` where that is on), the same functions
 the import-order path gives. A slot already bound to the reference BLAS by an earlier matmul is
 rewritten too. A pointer-sized aligned store is atomic, so a matmul running on another thread
 calls either the old or the new function, both complete. A slot in a read-only page (a library
 linked with `-z now`) is not touched: `rebind` raises, and toymlx keeps the old warning.
-`TOYMLX_BLAS=reference` leaves MLX's BLAS alone in every case (`toymlx.device.preload_blas`).
+`TOYMLX_BLAS=reference` leaves MLX's BLAS alone in every case (`toymlx.backend.device.preload_blas`).
 """
 
 from __future__ import annotations

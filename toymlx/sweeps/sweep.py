@@ -37,13 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from toymlx import atomic, report
-from toymlx.checkpoint import resolve_latest
-from toymlx.events import parse_event, read_events
-from toymlx.lifeline import child_env
-from toymlx.lock import LOCK_FILE, Lock, LockHeld, acquire
-from toymlx.outputs import check_output
-from toymlx.runs import BUNDLE_PICK, flag_name
+from toymlx.backend import atomic
+from toymlx.backend.lifeline import child_env
+from toymlx.backend.lock import LOCK_FILE, Lock, LockHeld, acquire
+from toymlx.bundle.checkpoint import resolve_latest
+from toymlx.bundle.events import parse_event, read_events
+from toymlx.bundle.outputs import check_output
+from toymlx.bundle.runs import BUNDLE_PICK, flag_name
+from toymlx.runner import report
 
 RESERVED = ("--recipe", *(flag_name(k) for k in BUNDLE_PICK))
 """Flags the sweep sets on each run itself."""
@@ -554,7 +555,7 @@ class SweepResult:
 
     sweep_dir: Path
     rows: list[dict[str, Any]]
-    """summary rows (toymlx.report.summarize plus `params`), best first"""
+    """summary rows (toymlx.runner.report.summarize plus `params`), best first"""
     params: list[str]
     states: dict[str, str]
     """run name -> what this call did: done, skipped, diverged, failed, stopped, interrupted,
