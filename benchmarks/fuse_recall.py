@@ -97,8 +97,8 @@ def main() -> int:
     from toymlx_cli.eval import chat_loss
 
     from toymlx.bundle.checkpoint import checkpoint_file
-    from toymlx.bundle.runs import Bundle
     from toymlx.generation.generate import load_for_generation
+    from toymlx.runner.bundle import Bundle
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--make-data", help="write the fact's data folder here and stop")

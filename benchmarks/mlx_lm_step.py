@@ -31,7 +31,7 @@ from workloads import Workload
 
 from toymlx.gguf.llama import ARCHS
 from toymlx.models.llama import LlamaArgs
-from toymlx.training.lora import TARGETS
+from toymlx.models.lora import TARGETS
 
 
 @dataclass(frozen=True)

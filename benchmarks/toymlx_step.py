@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from rounds import Variant
 from workloads import Workload
 
-from toymlx.data.tokenizer import byte_metadata
+from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.llama import write_llama
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
 from toymlx.models.ops import Ops, training_ops

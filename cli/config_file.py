@@ -253,7 +253,7 @@ def read_config_file(path: str) -> dict[str, Any]:
 def is_run_config(data: dict[str, Any], source: str) -> bool:
     """Whether a config file is a run bundle's config.json (`{"recipe": ..., "config": {...}}`);
     ConfigFileError for one with other options beside them, which would be half read."""
-    from toymlx.bundle.runs import CONFIG_KEYS
+    from toymlx.bundle.folder import CONFIG_KEYS
 
     if not (isinstance(data.get("config"), dict) and isinstance(data.get("recipe"), str)):
         return False
@@ -364,7 +364,7 @@ def defaults_from_file(cls: type, options: dict[str, Any], source: str, prog: st
     required options the file leaves out stay required (`tyro.MISSING`)."""
     import tyro
 
-    from toymlx.bundle.runs import RunError, config_from_dict
+    from toymlx.bundle.options import RunError, config_from_dict
 
     table = _table(cls)
     nested: dict[str, Any] = {}
@@ -470,7 +470,7 @@ def sweep_config(parser: argparse.ArgumentParser, data: dict[str, Any], path: st
     keys with underscores, for the command line's --grid to replace key by key. Every other key
     is returned for the runs, which take it as toymlx-train -c does; a run's config.json gives
     its recipe and all of its options to the runs."""
-    from toymlx.bundle.runs import BUNDLE_PICK, flag_name
+    from toymlx.bundle.options import BUNDLE_PICK, flag_name
 
     recipe, options = run_config(data, path)
     table = _parser_table(parser)

@@ -68,7 +68,7 @@ def show(args: Args) -> int:
 def _run_bundle(model: str):
     """The run `--model` names (a run folder, or a checkpoint in its weights/), None for a GGUF
     of its own: its data is what eval reads unless told otherwise."""
-    from toymlx.bundle.runs import Bundle
+    from toymlx.runner.bundle import Bundle
 
     return Bundle.of(model)
 
@@ -78,7 +78,8 @@ def check_run_test_data(bundle) -> None:
     digests unless the data holding it (a data folder's test.jsonl, a ViT's --data.test-path)
     still has the fingerprint config.json recorded when the run started; the data given with
     --data.path instead is scored as it is."""
-    from toymlx.bundle.runs import DATA_FILES_KEY, fingerprint, option
+    from toymlx.bundle.inputs import DATA_FILES_KEY, fingerprint
+    from toymlx.bundle.options import option
     from toymlx.data.chat import data_files
 
     data = getattr(bundle.config, "data", None)

@@ -114,7 +114,7 @@ def export_modelfile(args: Args) -> int:
                                                  progress=True)
     what = f"FROM {base.path}, ADAPTER {adapter}"
     if fused:
-        from toymlx.training.lora import adapter_kept, kept_note
+        from toymlx.training.fused import adapter_kept, kept_note
 
         kind = args.dtype or "each adapted tensor in a type that keeps its change"
         what = (f"FROM {fused} ({fused.stat().st_size / 2**20:.1f} MiB: {base.path} + {adapter} "
@@ -131,17 +131,14 @@ def run(args: Args) -> int:
     from toymlx.backend.atomic import atomic_open
     from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
-    from toymlx.training.lora import (
+    from toymlx.interop.merge import fine_tune_base, write_fused_exact, write_merged
+    from toymlx.training.adapter import apply_adapter, load_adapter
+    from toymlx.training.fused import (
         KEPT_WARNING,
         adapter_kept,
-        apply_adapter,
-        fine_tune_base,
         kept_note,
-        load_adapter,
         write_full_kept,
-        write_fused_exact,
         write_fused_kept,
-        write_merged,
     )
 
     if args.format == "modelfile":
@@ -211,8 +208,8 @@ def run_base_of(adapter: str | None) -> str:
     """The base to export when --base is not given: the one the --adapter's LoRA run (or its
     adapter GGUF's `toy.base`) records; says which file that is."""
     from toymlx.bundle.checkpoint import checkpoint_file
-    from toymlx.bundle.runs import run_base
     from toymlx.interop.modelfile import lora_run_base
+    from toymlx.runner.bundle import run_base
 
     if adapter is None:
         raise ValueError("--base: expected the llama GGUF to export (or --model with --format "
@@ -234,8 +231,8 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
     measured, for an adapter outside a run."""
     from toymlx_cli.eval import chat_loss
 
-    from toymlx.bundle.runs import Bundle
     from toymlx.generation.generate import load_for_generation
+    from toymlx.runner.bundle import Bundle
 
     bundle = Bundle.of(adapter, "--adapter")
     if bundle is None or bundle.recipe != "lora":

@@ -81,7 +81,7 @@ def _shard(text: str) -> tuple[int, int]:
 def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
     """The sweep's axes: the file's grid, each key's values replaced by a --grid of that key
     (keys compared as option names: model.d-model is model.d_model)."""
-    from toymlx.sweeps import sweep
+    from toymlx import sweeps as sweep
 
     axes = {k: sweep.file_axis(k, v, args.recipe, f"{path}: key 'grid.{k}'")
             for k, v in file_grid.items()}
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         sweep_config,
     )
 
+    from toymlx import sweeps as sweep
     from toymlx.recipes import get_recipe
-    from toymlx.sweeps import sweep
 
     argv = sys.argv[1:] if argv is None else list(argv)
     after = []

@@ -77,8 +77,9 @@ def _main(argv: list[str] | None) -> int:
         split_config,
     )
 
-    from toymlx.bundle.runs import Bundle, RunError
+    from toymlx.bundle.options import RunError
     from toymlx.recipes import get_recipe
+    from toymlx.runner.bundle import Bundle
     from toymlx.runner.run import run_training
 
     argv = sys.argv[1:] if argv is None else argv

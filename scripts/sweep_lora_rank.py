@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from toymlx.sweeps.sweep import grid, run_sweep
+from toymlx.sweeps import grid, run_sweep
 
 
 def main() -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx.sweeps.sweep import grid, run_sweep
+from toymlx.sweeps import grid, run_sweep
 
 SHAPE = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
          "model.ffn_dim": 192, "seq_len": 64, "batch_size": 8, "warmup": 20, "eval_every": 25,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from toymlx.data.tokenizer import byte_metadata
+from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.reader import FLOAT32, UINT32
 from toymlx.gguf.writer import write_gguf
 

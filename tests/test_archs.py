@@ -16,13 +16,15 @@ import pytest
 from arch_files import KINDS, arch_gguf
 from reference import forward, load_reference
 
-from toymlx.data.tokenizer import byte_metadata
+from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.llama import llama_metadata, load_llama, write_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import write_gguf
+from toymlx.interop.merge import write_merged
 from toymlx.models.llama import Llama
+from toymlx.models.lora import apply_lora
 from toymlx.models.ops import Ops
-from toymlx.training.lora import apply_lora, write_adapter, write_merged
+from toymlx.training.adapter import write_adapter
 
 IDS = [int(x) for x in np.random.default_rng(1).integers(3, 259, 20)]
 
@@ -116,7 +118,8 @@ def test_compiled_decoding_is_the_eager_model_bit_for_bit(files, kind):
 def test_lora_adapter_and_fused_export(files, kind, tmp_path):
     """LoRA on every projection of the architecture: the adapter file re-applied to a fresh
     base, and the fused export, compute the adapted model's logits."""
-    from toymlx.training.lora import TARGETS, apply_adapter
+    from toymlx.models.lora import TARGETS
+    from toymlx.training.adapter import apply_adapter
 
     model, g = load_llama(files[kind])
     names = [t for t, p in TARGETS.items()

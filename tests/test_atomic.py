@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import mlx.core as mx
 import toymlx
-from toymlx.bundle import checkpoint, events, runs
+from toymlx.bundle import checkpoint, events
+from toymlx.bundle import folder as runs
 from toymlx.runner import launch, report
-from toymlx.sweeps import sweep
+from toymlx.sweeps import spec as sweep
 from toymlx.gguf.writer import write_gguf
 from toymlx.recipes import from_scratch
 
@@ -66,7 +67,8 @@ def write(version):
             target.write_bytes(b"an earlier export")
             return
         from toymlx.gguf.llama import load_llama
-        from toymlx.training.lora import apply_lora, write_adapter
+        from toymlx.models.lora import apply_lora
+        from toymlx.training.adapter import write_adapter
         model, g = load_llama(stories)
         apply_lora(model, ["q"], None, 2, 4.0, 0.0)
         os.replace = real_replace  # the adapter it exports is not the file under test

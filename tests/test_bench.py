@@ -328,7 +328,7 @@ def test_toymlx_row_is_the_first_step_of_toymlx_train(bench, tmp_path, name):
     from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs
     from workloads import find
 
-    from toymlx.bundle import runs
+    from toymlx.bundle import folder as runs
     from toymlx.bundle.events import read_events
 
     w = find(name)

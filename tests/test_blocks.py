@@ -23,9 +23,9 @@ from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
 from toymlx.models.layers import BlockEmbedding, BlockLinear
 from toymlx.models.llama import Llama, tiny
+from toymlx.models.lora import apply_lora, lora_layers
 from toymlx.models.losses import lm_loss
 from toymlx.models.ops import Ops
-from toymlx.training.lora import apply_lora, lora_layers
 from toymlx.training.step import make_step
 
 ARGS = tiny(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context=128)
@@ -244,7 +244,7 @@ LLAMA_CPP_TYPES = ["q4_k_m", "q2_k", "q3_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0",
 def llama_cpp_files(tmp_path_factory) -> dict[str, Path]:
     """A random 256-wide Llama quantized by llama.cpp into each file type (K-quants need rows
     of 256)."""
-    from toymlx.training.lora import write_merged
+    from toymlx.interop.merge import write_merged
 
     d = tmp_path_factory.mktemp("llamacpp_types")
     mx.random.seed(5)

@@ -150,7 +150,7 @@ def test_report_takes_a_config_file(tmp_path, data, capsys):
 
 
 def test_sweep_passes_the_file_to_every_run_before_its_grid_values():
-    from toymlx.sweeps import sweep
+    from toymlx import sweeps as sweep
 
     specs = sweep.grid(["-c", "cfg.yaml", "--steps", "3"], {"lr": [1e-3, 2e-3]},
                        recipe="from-scratch")

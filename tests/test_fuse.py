@@ -28,18 +28,11 @@ from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.fuse import MAX_SIZE, write_kept
 from toymlx.gguf.llama import load_llama, toy_to_gguf, write_llama
 from toymlx.gguf.reader import GGUFFile
+from toymlx.interop.merge import write_merged
 from toymlx.models.llama import Llama, tiny
-from toymlx.training.lora import (
-    DoRALinear,
-    LoRALinear,
-    adapter_kept,
-    apply_adapter,
-    apply_lora,
-    load_adapter,
-    lora_layers,
-    write_adapter,
-    write_merged,
-)
+from toymlx.models.lora import DoRALinear, LoRALinear, apply_lora, lora_layers
+from toymlx.training.adapter import apply_adapter, load_adapter, write_adapter
+from toymlx.training.fused import adapter_kept
 
 ARGS = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, context=128)
 HELD_OUT = [[1, *b"The held-out row: what the layers see."], [1, *b"Another one, 42 & more"]]
@@ -199,7 +192,7 @@ def test_export_prints_the_held_out_loss_beside_base_plus_adapter(bases, tmp_pat
     from toymlx_cli.eval import evaluate_chat
     from toymlx_cli.export import main
 
-    from toymlx.bundle.runs import Bundle
+    from toymlx.runner.bundle import Bundle
 
     base = bases["q4_1"]
     run = _train(tmp_path, base, "lora")

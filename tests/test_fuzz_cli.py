@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import yaml
 
-from toymlx.bundle.runs import flag_name
+from toymlx.bundle.options import flag_name
 
 HUGE_TEXT = "x" * 100_000
 VALUES: list[Any] = [

@@ -533,7 +533,8 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, stories_path, capsys):
 @pytest.fixture(scope="module")
 def stories_adapter(stories_path, tmp_path_factory) -> Path:
     """A LoRA adapter for stories260K on q and v with random B (so it changes the output)."""
-    from toymlx.training.lora import apply_lora, lora_layers, write_adapter
+    from toymlx.models.lora import apply_lora, lora_layers
+    from toymlx.training.adapter import write_adapter
 
     model = apply_lora(load_llama(stories_path)[0], "q,v", rank=4, alpha=8.0)
     mx.random.seed(3)
@@ -552,7 +553,7 @@ def cli_tokens(args: list[str], capsys) -> tuple[str, str]:
 
 def test_cli_adapter_changes_the_continuation_as_apply_adapter_does(stories_path,
                                                                    stories_adapter, capsys):
-    from toymlx.training.lora import apply_adapter
+    from toymlx.training.adapter import apply_adapter
 
     model, tok = load_for_generation(stories_path)
     plain = tok.decode(list(generate(model, tok, tok.encode(PROMPT), 24)))
@@ -631,7 +632,8 @@ def test_a_dora_adapter_decodes_in_mlx(stories_path, tmp_path, capsys):
     """llama.cpp has no DoRA adapters: --engine auto decodes a DoRA adapter with MLX (one line
     says why) and gives what apply_adapter gives, as the default engine (MLX) does; --engine
     llama.cpp refuses in one line."""
-    from toymlx.training.lora import apply_adapter, apply_lora, lora_layers, write_adapter
+    from toymlx.models.lora import apply_lora, lora_layers
+    from toymlx.training.adapter import apply_adapter, write_adapter
 
     model = apply_lora(load_llama(stories_path)[0], "q,v", rank=4, alpha=8.0, kind="dora")
     mx.random.seed(4)

@@ -92,8 +92,8 @@ def _lora_model(path: Path):
     import mlx.core as mx
 
     from toymlx.gguf.llama import load_llama
+    from toymlx.models.lora import apply_lora, lora_layers
     from toymlx.models.ops import Ops
-    from toymlx.training.lora import apply_lora, lora_layers
 
     model, g = load_llama(path, Ops(kernels="vectorised"))
     g.close()
@@ -157,8 +157,8 @@ def test_validation_is_traced_once_per_batch_shape_and_reads_the_current_weights
     import mlx.core as mx
 
     from toymlx.data.chat import sft_val_batches
+    from toymlx.models.lora import lora_layers
     from toymlx.models.losses import lm_held_out_sums
-    from toymlx.training.lora import lora_layers
     from toymlx.training.trainer import Evaluator, evaluate
 
     model = _lora_model(tiny_gguf)

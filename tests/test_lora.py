@@ -20,21 +20,12 @@ from toymlx.gguf.llama import load_llama, write_llama
 from toymlx.gguf.quant import gguf_to_mlx_quant
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
+from toymlx.interop.merge import write_merged
 from toymlx.models.llama import Llama, tiny
+from toymlx.models.lora import DoRALinear, LoRALinear, apply_lora, fuse, lora_layers
 from toymlx.models.losses import lm_loss
 from toymlx.recipes.lora import resolve_base_dtype
-from toymlx.training.lora import (
-    DoRALinear,
-    LoRALinear,
-    apply_adapter,
-    apply_lora,
-    fuse,
-    load_adapter,
-    load_adapter_weights,
-    lora_layers,
-    write_adapter,
-    write_merged,
-)
+from toymlx.training.adapter import apply_adapter, load_adapter, load_adapter_weights, write_adapter
 
 CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
@@ -415,7 +406,7 @@ def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_
 
     from toymlx_cli.eval import main as eval_main
 
-    from toymlx.bundle.runs import fingerprint
+    from toymlx.bundle.inputs import fingerprint
 
     data = mlx_lm_folder(tmp_path / "data")
     assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),

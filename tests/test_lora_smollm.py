@@ -24,16 +24,12 @@ from toymlx.bundle.events import read_events
 from toymlx.data.chat import SFTData
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import load_llama
+from toymlx.interop.merge import write_merged
+from toymlx.models.lora import apply_lora, fuse, lora_layers
 from toymlx.models.losses import lm_loss
 from toymlx.recipes import lora as recipe
 from toymlx.runner.run import run_ops
-from toymlx.training.lora import (
-    apply_lora,
-    fuse,
-    lora_layers,
-    write_adapter,
-    write_merged,
-)
+from toymlx.training.adapter import write_adapter
 
 pytestmark = pytest.mark.smollm
 

@@ -10,9 +10,9 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from toymlx.models.llama import Llama, tiny
+from toymlx.models.lora import apply_lora
 from toymlx.models.losses import LOGITS_CHUNK_VALUES, lm_loss, logits_chunk
 from toymlx.models.ops import Ops
-from toymlx.training.lora import apply_lora
 
 
 def _whole_logits_loss(model: nn.Module, batch: dict) -> mx.array:

@@ -29,7 +29,8 @@ from toymlx.gguf.llama import load_llama, write_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.interop.modelfile import parse_modelfile, quote, write_modelfile
 from toymlx.models.llama import Llama, tiny
-from toymlx.training.lora import apply_lora, write_adapter
+from toymlx.models.lora import apply_lora
+from toymlx.training.adapter import write_adapter
 
 MEDIA = "application/vnd.ollama.image."
 TEMPLATE = "{{ if .System }}<|system|>{{ .System }}</s>{{ end }}<|user|>{{ .Prompt }}</s>\n" \
@@ -304,7 +305,7 @@ def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys
 def _adapter(base: Path, path: Path, kind: str = "lora", seed: int = 5) -> Path:
     """A LoRA (or DoRA) adapter GGUF for `base` whose B matrices are not zero, so that applying
     it changes what the model says."""
-    from toymlx.training.lora import lora_layers
+    from toymlx.models.lora import lora_layers
 
     model, g = load_llama(base)
     g.close()

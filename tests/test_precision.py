@@ -30,10 +30,10 @@ from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import encode_tensor
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.llama import Llama, tiny
+from toymlx.models.lora import apply_lora
 from toymlx.models.losses import classify_loss, lm_loss
 from toymlx.models.ops import Ops, training_ops
 from toymlx.models.vit import ViT, ViTArgs
-from toymlx.training.lora import apply_lora
 from toymlx.training.step import LossScale, make_step
 
 LLAMA = ["--model.d-model", "64", "--model.n-layers", "2", "--model.n-heads", "4",
@@ -274,7 +274,7 @@ import numpy as np
 import toymlx
 import mlx.core as mx
 from mlx import nn
-from toymlx.training.lora import apply_lora
+from toymlx.models.lora import apply_lora
 from toymlx.models.losses import classify_loss, lm_loss
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.ops import Ops
@@ -325,7 +325,7 @@ def test_grad_checkpoint_same_gradients_less_memory():
 
 
 def test_grad_checkpoint_refuses_dropout():
-    from toymlx.training.lora import apply_lora
+    from toymlx.models.lora import apply_lora
 
     model = Llama(tiny(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
                   Ops(grad_checkpoint=True))

@@ -25,9 +25,11 @@ from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import load_llama, write_llama
 from toymlx.gguf.quantize import EXPORT_TYPES, file_type, own_type, write_model_gguf
 from toymlx.gguf.reader import DIGEST_KEY, GGUFError, GGUFFile
+from toymlx.interop.merge import write_merged
 from toymlx.interop.modelfile import parse_modelfile
 from toymlx.models.llama import Llama, tiny
-from toymlx.training.lora import apply_adapter, apply_lora, lora_layers, write_adapter, write_merged
+from toymlx.models.lora import apply_lora, lora_layers
+from toymlx.training.adapter import apply_adapter, write_adapter
 
 ARGS = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, context=128)
 TOKENS = mx.array([[1, 72, 101, 108, 108, 111, 35, 120, 44, 200, 3, 17]])
@@ -128,7 +130,8 @@ def test_without_llama_cpp_gguf_py_types_work_and_others_are_refused(base_and_ru
 def test_adapter_kept_measures_the_share_of_the_update_in_the_file(base_and_run, tmp_path):
     """1 for the F32 fused file (float32 rounding aside), 0 for the base itself, and for a
     file holding base + delta/2 (written by hand) one half."""
-    from toymlx.training.lora import adapter_kept, kept_note, load_adapter
+    from toymlx.training.adapter import load_adapter
+    from toymlx.training.fused import adapter_kept, kept_note
 
     base, run = base_and_run
     f32 = write_merged(tmp_path / "f32.gguf", base, run, "f32")

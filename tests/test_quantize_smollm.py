@@ -33,7 +33,8 @@ from smollm import smollm_gguf  # noqa: F401  (session fixture)
 
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.reader import DIGEST_KEY, GGUFFile
-from toymlx.training.lora import adapter_kept, kept_note, write_merged
+from toymlx.interop.merge import write_merged
+from toymlx.training.fused import adapter_kept, kept_note
 
 pytestmark = [pytest.mark.smollm, pytest.mark.interop]
 

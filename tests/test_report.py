@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from toymlx_cli.report import main as report_main
 
+from toymlx import sweeps as sweep
 from toymlx.bundle.events import EventLog
 from toymlx.runner import report
-from toymlx.sweeps import sweep
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--seq-len", "32", "--batch-size",
         "4", "--steps", "8", "--eval-every", "4", "--eval-batches", "2", "--no-compile"]

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from toymlx_cli.sweep import main as sweep_main
 
+from toymlx import sweeps as sweep
 from toymlx.backend.lock import LockHeld, acquire
 from toymlx.bundle.events import read_events
-from toymlx.sweeps import sweep
 
 # eager steps: no g++ JIT on a cold cache (compile == eager is tested in test_trainer)
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--seq-len", "32", "--batch-size",

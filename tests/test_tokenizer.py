@@ -11,13 +11,8 @@ import numpy as np
 import pytest
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
-from toymlx.data.tokenizer import (
-    BYTE_OFFSET,
-    Tokenizer,
-    TokenizerError,
-    byte_tokenizer,
-    encode_bytes_np,
-)
+from toymlx.data.tokenizer import Tokenizer, byte_tokenizer
+from toymlx.data.vocab import BYTE_OFFSET, TokenizerError, encode_bytes_np
 from toymlx.gguf.reader import read_metadata
 
 SEP = "\n__ggml_vocab_test__\n"

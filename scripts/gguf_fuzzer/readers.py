@@ -21,8 +21,9 @@ from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import args_from_gguf, load_llama, load_llama_into
 from toymlx.gguf.reader import GGUFFile, read_metadata
 from toymlx.models.llama import Llama
+from toymlx.models.lora import apply_lora
 from toymlx.recipes import warm
-from toymlx.training import lora
+from toymlx.training import adapter
 
 Reader = Callable[[str, str], object]
 """(file, name of the seed it was mutated from) -> anything; "n/a" when it does not apply."""
@@ -64,16 +65,16 @@ def reader_paths(seed_files: dict[str, str]) -> dict[str, Reader]:
         t.decode(t.encode("Hello world, ŝnøw ☃ 123"))
 
     def apply_adapter(p: str, seed: str) -> None:
-        lora.load_adapter(p)  # apply_adapter's first step: fail before building a base
+        adapter.load_adapter(p)  # apply_adapter's first step: fail before building a base
         model, _ = load_llama(seed_files["toy-checkpoint"])
-        lora.apply_adapter(model, p)
+        adapter.apply_adapter(model, p)
         mx.eval(model(TOKENS))
 
     def adapter_resume(p: str, seed: str) -> None:
-        lora.load_adapter(p)  # load_adapter_weights' first step, before building a base
+        adapter.load_adapter(p)  # load_adapter_weights' first step, before building a base
         model, _ = load_llama(seed_files["toy-checkpoint"])
-        lora.apply_lora(model, targets="q,v,down", rank=4, alpha=8.0)  # the seed's layout
-        load_checked(lambda path, m: lora.load_adapter_weights(m, path), Path(p), model)
+        apply_lora(model, targets="q,v,down", rank=4, alpha=8.0)  # the seed's layout
+        load_checked(lambda path, m: adapter.load_adapter_weights(m, path), Path(p), model)
 
     return {
         "GGUFFile+load(all tensors)": gguf_all_tensors,
@@ -83,7 +84,7 @@ def reader_paths(seed_files: dict[str, str]) -> dict[str, Reader]:
         "Tokenizer.from_gguf(+encode/decode)": tokenizer,
         "load_llama(bfloat16)": lambda p, seed: load_llama(p, weights="bfloat16"),
         "load_llama(quantized)": lambda p, seed: load_llama(p, weights="quantized"),
-        "lora.load_adapter": lambda p, seed: lora.load_adapter(p),
+        "lora.load_adapter": lambda p, seed: adapter.load_adapter(p),
         "lora.apply_adapter(toy base)": apply_adapter,
         "resume: load_checked(lora.load_adapter_weights)": adapter_resume,
         "warm.read_donor": lambda p, seed: warm.read_donor(p),

@@ -2,7 +2,7 @@
 
 A checkpoint written by a 2-step `toymlx-train --recipe from-scratch` run; the same model with
 its projections in the quantized types `load_llama(weights="quantized")` keeps (plus one tensor of each other
-type); a LoRA adapter for it written by `lora.write_adapter`; `stories260K.gguf`; and the
+type); a LoRA adapter for it written by `toymlx.training.adapter.write_adapter`; `stories260K.gguf`; and the
 llama.cpp tokenizer GGUFs from ../shared/data (cut to 1500 tokens, and whole with `full`).
 """
 
@@ -24,7 +24,8 @@ from gguf.quants import quantize
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
-from toymlx.training import lora
+from toymlx.models.lora import apply_lora, lora_layers
+from toymlx.training.adapter import write_adapter
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("TOYMLX_SHARED", REPO.parent / "shared")) / "data"
@@ -119,14 +120,14 @@ def _write_type_zoo(toy: Path, out_path: Path) -> None:
 
 
 def _write_adapter(folder: Path, base: Path) -> Path:
-    """A LoRA adapter GGUF for the toy base, written by toymlx.training.lora.write_adapter."""
+    """A LoRA adapter GGUF for the toy base, written by toymlx.training.adapter.write_adapter."""
     mx.random.seed(0)  # the same adapter in every process: cases stay a function of the seed
     model, g = load_llama(base)
-    lora.apply_lora(model, targets="q,v,down", rank=4, alpha=8.0)
-    for m in lora.lora_layers(model).values():  # non-zero B, so the adapter does something
+    apply_lora(model, targets="q,v,down", rank=4, alpha=8.0)
+    for m in lora_layers(model).values():  # non-zero B, so the adapter does something
         m.lora_b = mx.random.normal(m.lora_b.shape) * 0.01
     path = folder / "lora-adapter.gguf"
-    lora.write_adapter(path, model, g.metadata)
+    write_adapter(path, model, g.metadata)
     return path
 
 

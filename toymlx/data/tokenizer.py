@@ -30,161 +30,56 @@ byte value (byte b is id b + 3), stored as a "llama" vocabulary llama.cpp loads 
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Regex, models, pre_tokenizers
-from tokenizers import Tokenizer as HFTokenizer
 
+from toymlx.data.chat_template import compile_template
+from toymlx.data.merges import (
+    PRE_TOKENIZERS,
+    SUPPORTED_PRE,
+    UNICODE_TO_BYTE,
+    PreTokenizer,
+    build_bpe,
+    build_spm,
+    encode_spm_style,
+)
+from toymlx.data.special_tokens import split_special, token_attributes
+from toymlx.data.vocab import (
+    A_BYTE,
+    A_CONTROL,
+    A_NORMAL,
+    A_UNKNOWN,
+    BYTE,
+    BYTE_OFFSET,
+    K_ADD_BOS,
+    K_ADD_EOS,
+    K_ADD_PREFIX,
+    K_BOS,
+    K_EOS,
+    K_MERGES,
+    K_MODEL,
+    K_NAME,
+    K_PRE,
+    K_SCORES,
+    K_TEMPLATE,
+    K_TOKENS,
+    K_TYPES,
+    K_UNK,
+    NORMAL,
+    SPACE,
+    SPECIAL,
+    SUPPORTED_MODELS,
+    TokenizerError,
+    byte_ids,
+    byte_metadata,
+    is_byte_token,
+    plain_value,
+)
 from toymlx.gguf.reader import read_metadata
-
-__all__ = [
-    "BYTE_OFFSET",
-    "SUPPORTED_MODELS",
-    "SUPPORTED_PRE",
-    "Tokenizer",
-    "TokenizerError",
-    "byte_tokenizer",
-    "encode_bytes_np",
-]
-
-# llama.cpp's token types (`llama_token_type`, the values of tokenizer.ggml.token_type).
-UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(7)
-
-# llama.cpp's token attributes (`llama_token_attr` bits), derived from the types at load time.
-_A_UNKNOWN, _A_UNUSED, _A_NORMAL, _A_CONTROL, _A_USER, _A_BYTE = 1, 2, 4, 8, 16, 32
-_A_LSTRIP, _A_RSTRIP = 128, 256
-_TYPE_ATTR = {UNKNOWN: _A_UNKNOWN, UNUSED: _A_UNUSED, NORMAL: _A_NORMAL, CONTROL: _A_CONTROL,
-              USER_DEFINED: _A_USER, BYTE: _A_BYTE}
-_SPECIAL = _A_CONTROL | _A_USER | _A_UNKNOWN  # cut out of the text before tokenizing
-
-SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
-
-K_MODEL = "tokenizer.ggml.model"
-K_PRE = "tokenizer.ggml.pre"
-K_TOKENS = "tokenizer.ggml.tokens"
-K_SCORES = "tokenizer.ggml.scores"
-K_TYPES = "tokenizer.ggml.token_type"
-K_MERGES = "tokenizer.ggml.merges"
-K_BOS = "tokenizer.ggml.bos_token_id"
-K_EOS = "tokenizer.ggml.eos_token_id"
-K_UNK = "tokenizer.ggml.unknown_token_id"
-K_ADD_BOS = "tokenizer.ggml.add_bos_token"
-K_ADD_EOS = "tokenizer.ggml.add_eos_token"
-K_ADD_PREFIX = "tokenizer.ggml.add_space_prefix"
-K_TEMPLATE = "tokenizer.chat_template"
-K_NAME = "general.name"  # llama.cpp gives Phi-3's special tokens right-stripping by model name
-
-
-# ------------------------------------------------------------------ pre-tokenizers
-@dataclass(frozen=True)
-class _Pre:
-    """What llama.cpp's BPE tokenizer does for one `tokenizer.ggml.pre` value."""
-
-    regexes: tuple[str, ...]
-    """Applied in turn to every piece the previous ones produced (`llm_tokenizer_bpe`)."""
-    ignore_merges: bool = False
-    """A piece that is itself a token is that token, unmerged."""
-    add_bos: bool = False
-    """add_bos when the GGUF has no `add_bos_token` key."""
-    force_bos: bool = False
-    """add_bos even when the GGUF says false (llama.cpp's Gemma 4 override)."""
-    spm_style: bool = False
-    """Spaces escaped to "▁", raw UTF-8 pieces (no GPT-2 byte map), `<0xXX>` byte fallback."""
-
-
-# The regexes of src/llama-vocab.cpp, as llama.cpp writes them (case-insensitive groups spelled
-# out, so that llama.cpp picks its hand-written splitter for each).
-_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_NEWLINE_RUNS_RE = r"[^\n]+|[\n]+"
-_DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
-_SMOLLM_RES = (r"\p{N}", _GPT2_RE)
-
-# pre name -> what llama.cpp does; names grouped as llama.cpp groups them.
-_PRE: dict[str, _Pre] = {"default": _Pre(_DEFAULT_RES)}
-for _name in ("gpt-2", "phi-2", "mpt", "olmo", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de",
-              "gigachat", "mellum", "exaone4"):
-    _PRE[_name] = _Pre((_GPT2_RE,))
-for _name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
-              "mellum2"):
-    _PRE[_name] = _Pre(_SMOLLM_RES)
-for _name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-              "lfm2"):
-    _PRE[_name] = _Pre((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
-for _name in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan"):
-    _PRE[_name] = _Pre((_QWEN2_RE,))
-_PRE["qwen35"] = _Pre((_QWEN35_RE,))
-_PRE["gemma4"] = _Pre((_NEWLINE_RUNS_RE,), force_bos=True, spm_style=True)
-SUPPORTED_PRE = tuple(_PRE)
-
-# Token texts llama.cpp makes end-of-generation (and control) tokens (llama_vocab::impl::load).
-_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~["})
-# Fill-in-the-middle tokens llama.cpp recognises by text when their id key is absent; the
-# first found of a kind becomes a control token; pad, repo and file-separator ones end generation.
-_FIM_TEXTS: dict[str, tuple[tuple[str, ...], bool]] = {
-    "tokenizer.ggml.fim_pre_token_id": (("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>",
-                                         "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
-                                         "<|prefix|>"), False),
-    "tokenizer.ggml.fim_suf_token_id": (("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>",
-                                         "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
-                                         "<|suffix|>"), False),
-    "tokenizer.ggml.fim_mid_token_id": (("<|fim_middle|>", "<fim-middle>", "<fim_middle>",
-                                         "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
-                                         "<|middle|>"), False),
-    "tokenizer.ggml.fim_pad_token_id": (("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>",
-                                         "[PAD]"), True),
-    "tokenizer.ggml.fim_rep_token_id": (("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
-                                         "<reponame>"), True),
-    "tokenizer.ggml.fim_sep_token_id": (("<|file_sep|>",), True),
-}
-_FIM_OLD_KEYS = {"tokenizer.ggml.fim_pre_token_id": "tokenizer.ggml.prefix_token_id",
-                 "tokenizer.ggml.fim_suf_token_id": "tokenizer.ggml.suffix_token_id",
-                 "tokenizer.ggml.fim_mid_token_id": "tokenizer.ggml.middle_token_id"}
-# gpt-oss: llama.cpp always renders these, as user-defined tokens
-_ALWAYS_USER = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-
-BYTE_OFFSET = 3
-"""In `byte_tokenizer()`, byte value b is token id b + BYTE_OFFSET."""
-
-_SPACE = "\u2581"  # "▁", SentencePiece's escaped space
-_C_SPACE = " \t\n\v\f\r"  # C's isspace, which llama.cpp's special-token stripping uses
-
-
-class TokenizerError(ValueError):
-    """Tokenizer metadata that cannot be used; one line naming file, key, expected and found."""
-
-
-def _gpt2_byte_table() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character table."""
-    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in keep}
-    n = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
-
-
-_BYTE_TO_UNICODE = _gpt2_byte_table()
-_UNICODE_TO_BYTE = {c: b for b, c in _BYTE_TO_UNICODE.items()}
 
 
 def _describe(value: Any) -> str:
@@ -195,7 +90,6 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# ------------------------------------------------------------------ the tokenizer
 class Tokenizer:
     """A llama.cpp-compatible tokenizer made from GGUF `tokenizer.*` metadata.
 
@@ -205,7 +99,7 @@ class Tokenizer:
 
     def __init__(self, meta: Mapping[str, Any], source: str | os.PathLike | None = None):
         self.source = str(source) if source is not None else "tokenizer metadata"
-        self._meta = {k: _plain(v) for k, v in meta.items()
+        self._meta = {k: plain_value(v) for k, v in meta.items()
                       if k.startswith("tokenizer.ggml.") or k == K_TEMPLATE}
         model = self._get(K_MODEL, str, f"one of {list(SUPPORTED_MODELS)}")
         if model not in SUPPORTED_MODELS:
@@ -236,7 +130,7 @@ class Tokenizer:
         self._token_to_id = token_to_id
 
         # flags and special ids, with llama.cpp's defaults per vocabulary type
-        pre_rules: _Pre | None = None
+        pre_rules: PreTokenizer | None = None
         if model == "llama":
             self.pre: str | None = None
             default_add_bos = True
@@ -248,11 +142,11 @@ class Tokenizer:
                 default_bos = default_eos = default_unk = None
             else:
                 pre = self._get(K_PRE, str, f"one of {list(SUPPORTED_PRE)}", default="default")
-                if pre not in _PRE:
+                if pre not in PRE_TOKENIZERS:
                     self._fail(K_PRE, f"one of {list(SUPPORTED_PRE)}", repr(pre))
                 default_bos, default_eos, default_unk = 11, 11, None
             self.pre = pre
-            pre_rules = _PRE[pre]
+            pre_rules = PRE_TOKENIZERS[pre]
             default_add_bos = pre_rules.add_bos
             self.add_space_prefix = False  # llama.cpp never prefixes a space for BPE vocabularies
         self._spm_style = pre_rules is not None and pre_rules.spm_style
@@ -269,10 +163,18 @@ class Tokenizer:
         self._chat_template: str | None = template or None
 
         name = meta.get(K_NAME)
-        self._set_attributes(name.lower() if isinstance(name, str) else "")
+        attrs, eog = token_attributes(self._tokens, self._token_to_id, self._types, self._meta,
+                                      self._eos, name.lower() if isinstance(name, str) else "")
+        self._attrs = attrs
+        self._attr_arr = np.array(attrs, dtype=np.int32)
+        self._eog = frozenset(eog)
+        # dropped when decoding with skip_special
+        self._special_mask = (self._attr_arr & (A_CONTROL | A_UNKNOWN)) != 0
+        # after these, llama.cpp's SPM encoder has prefixed a space to the following text
+        self._prefix_after = (self._attr_arr & SPECIAL) != 0
         # special tokens cut out of the text before tokenizing, longest text first
         self._partition: list[tuple[str, int, int]] = sorted(
-            ((tokens[i], i, self._attrs[i]) for i in np.flatnonzero(self._attr_arr & _SPECIAL)
+            ((tokens[i], i, self._attrs[i]) for i in np.flatnonzero(self._attr_arr & SPECIAL)
              .tolist()),
             key=lambda x: (-len(x[0].encode("utf-8")), x[1]))
 
@@ -280,9 +182,10 @@ class Tokenizer:
         self._byte_layout = self._is_byte_layout()
         if pre_rules is not None:
             merges = self._get_list(K_MERGES, str, "a list of 'left right' merge strings")
-            self._hf = self._build_bpe(merges, pre_rules)
+            self._hf = build_bpe(self._token_to_id, merges, pre_rules, self.source)
         else:
-            self._hf = None if self._byte_layout else self._build_spm()
+            self._hf = None if self._byte_layout else build_spm(
+                self._tokens, self._scores, self._token_to_id, self._unk)
 
     # -------------------------------------------------------------- construction helpers
     @classmethod
@@ -345,72 +248,20 @@ class Tokenizer:
             self._fail(key, f"a token id below {n}", str(value))
         return int(value)
 
-    def _set_attributes(self, model_name: str) -> None:
-        """llama.cpp's token attributes: the GGUF types, then what its loader changes by text."""
-        tokens, ids = self._tokens, self._token_to_id
-        attrs = [_TYPE_ATTR.get(t, 0) for t in self._types]
-        eog = {ids[t] for t in _EOG_TEXTS if t in ids}
-        for key, (texts, ends) in _FIM_TEXTS.items():
-            fim = self._meta.get(key, self._meta.get(_FIM_OLD_KEYS.get(key, ""), -1))
-            if isinstance(fim, int) and 0 <= fim < len(tokens):
-                found = fim
-            else:
-                found = next((ids[t] for t in texts if t in ids), None)
-                if found is not None:
-                    attrs[found] |= _A_CONTROL
-            if ends and found is not None:
-                eog.add(found)
-        for i in eog:
-            if tokens[i] in _EOG_TEXTS:
-                attrs[i] |= _A_CONTROL
-        for t in _ALWAYS_USER:
-            if t in ids:
-                attrs[ids[t]] = _A_USER
-        for key in (K_EOS, "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            i = self._eos if key == K_EOS else self._meta.get(key)
-            if isinstance(i, int) and 0 <= i < len(tokens):
-                eog.add(i)
-        texts = {tokens[i] for i in eog}
-        # o200k_harmony and solar-open: "<|end|>" ends a message, not the generation
-        if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts)
-                                   or ("<|calls|>" in texts and "<|flush|>" in texts)):
-            eog.discard(ids["<|end|>"])
-            attrs[ids["<|end|>"]] = _A_USER
-        # gemma4 and plamo2 have a normal "</s>"
-        if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
-            eog.discard(ids["</s>"])
-            attrs[ids["</s>"]] = _A_NORMAL
-        if "phi-3" in model_name or "phi3" in model_name:
-            for i, a in enumerate(attrs):
-                if a & _SPECIAL:
-                    attrs[i] = a | _A_RSTRIP
-            if "</s>" in ids:
-                attrs[ids["</s>"]] |= _A_RSTRIP
-            for t in ("<unk>", "<s>", "<|endoftext|>"):
-                if t in ids:
-                    attrs[ids[t]] &= ~_A_RSTRIP
-        self._attrs = attrs
-        self._attr_arr = np.array(attrs, dtype=np.int32)
-        self._eog = frozenset(eog)
-        # dropped when decoding with skip_special
-        self._special_mask = (self._attr_arr & (_A_CONTROL | _A_UNKNOWN)) != 0
-        # after these, llama.cpp's SPM encoder has prefixed a space to the following text
-        self._prefix_after = (self._attr_arr & _SPECIAL) != 0
-
     def _piece(self, i: int) -> bytes:
         """The bytes of token i as llama.cpp's token_to_piece(special=True) gives them."""
         piece = self._pieces[i]
         if piece is None:
             text, attr = self._tokens[i], self._attrs[i]
-            if attr & _SPECIAL:
+            if attr & SPECIAL:
                 piece = text.encode("utf-8")
-            elif attr & _A_NORMAL:
+            elif attr & A_NORMAL:
                 if self.model == "llama" or self._spm_style:
-                    piece = text.replace(_SPACE, " ").encode("utf-8")
+                    piece = text.replace(SPACE, " ").encode("utf-8")
                 else:
-                    piece = b"".join(bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE
+                    piece = b"".join(bytes([UNICODE_TO_BYTE[c]]) if c in UNICODE_TO_BYTE
                                      else c.encode("utf-8") for c in text)
-            elif attr & _A_BYTE and _is_byte_token(text):
+            elif attr & A_BYTE and is_byte_token(text):
                 piece = bytes([int(text[3:5], 16)])
             else:  # unused / undefined: llama.cpp renders nothing
                 piece = b""
@@ -426,52 +277,11 @@ class Tokenizer:
             return False
         for b in range(256):
             text, ty = self._tokens[b + BYTE_OFFSET], self._types[b + BYTE_OFFSET]
-            if b == 0x20 and text == _SPACE and ty == NORMAL:
+            if b == 0x20 and text == SPACE and ty == NORMAL:
                 continue
             if ty != BYTE or text != f"<0x{b:02X}>":
                 return False
         return True
-
-    def _build_bpe(self, merges: list[str], rules: _Pre):
-        vocab = self._token_to_id
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        if not all(len(p) == 2 and p[0] for p in pairs):
-            pairs = []  # llama.cpp cuts at the first space after the first character
-            for i, m in enumerate(merges):
-                cut = m.find(" ", 1)
-                if cut < 0:
-                    self._fail(K_MERGES, "'left right' strings", f"{m!r} at index {i}")
-                pairs.append((m[:cut], m[cut + 1:]))
-        byte_fallback = rules.spm_style
-        try:
-            bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=rules.ignore_merges,
-                             byte_fallback=byte_fallback)
-        except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception for a non-token)
-            # llama.cpp keeps merges whose parts are not tokens, but they can never fire
-            pairs = [(a, b) for a, b in pairs if a in vocab and b in vocab and a + b in vocab]
-            bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=rules.ignore_merges,
-                             byte_fallback=byte_fallback)
-        hf = HFTokenizer(bpe)
-        if not rules.spm_style:  # gemma4 cuts at newline runs itself (`_encode_spm_style`)
-            hf.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in rules.regexes]
-                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        return hf
-
-    def _build_spm(self):
-        """SentencePiece BPE as HF BPE: every split of a token into two tokens is a merge,
-        ranked by the merged token's score (highest first). Equal scores go lower id first,
-        where llama.cpp takes the leftmost pair: the same for vocabularies whose scores differ
-        (Llama 2, Phi-3, Gemma)."""
-        vocab = self._token_to_id
-        scores = np.asarray(self._scores, dtype=np.float64)
-        order = np.lexsort((np.arange(len(scores)), -scores)).tolist()
-        texts = [self._tokens[i] for i in order]
-        merges = [(a, b) for t in texts for cut in range(1, len(t))
-                  if (a := t[:cut]) in vocab and (b := t[cut:]) in vocab]
-        unk = self._tokens[self._unk] if self._unk is not None else None
-        bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True)
-        return HFTokenizer(bpe)
 
     # -------------------------------------------------------------- properties
     @property
@@ -544,7 +354,7 @@ class Tokenizer:
         if add_eos and self._eos is None:
             raise TokenizerError(f"{self.source}: {K_EOS}: expected an eos token id to add, "
                                  "found missing")
-        fragments = self._split_special(text, parse_special)
+        fragments = split_special(text, self._partition, parse_special)
         parts: list[np.ndarray] = []
         if bos:
             parts.append(np.array([self._bos], dtype=np.int32))
@@ -559,63 +369,21 @@ class Tokenizer:
             return np.zeros(0, dtype=np.int32)
         return np.concatenate(parts).astype(np.int32, copy=False)
 
-    def _split_special(self, text: str, parse_special: bool) -> list[str | int]:
-        """llama.cpp's tokenizer_st_partition: raw-text fragments and special token ids."""
-        frags: list[str | int] = [text] if text else []
-        for tok_text, tok_id, attr in self._partition:
-            if not parse_special and attr & (_A_CONTROL | _A_UNKNOWN):
-                continue
-            if not any(isinstance(f, str) and tok_text in f for f in frags):
-                continue
-            out: list[str | int] = []
-            for f in frags:
-                if isinstance(f, str) and tok_text in f:
-                    pieces = f.split(tok_text)
-                    last = len(pieces) - 1
-                    for j, p in enumerate(pieces):
-                        if j:
-                            out.append(tok_id)
-                        if j and attr & _A_RSTRIP:  # C isspace: " \t\n\v\f\r"
-                            p = p.lstrip(_C_SPACE)
-                        if j < last and attr & _A_LSTRIP:
-                            p = p.rstrip(_C_SPACE)
-                        if p:
-                            out.append(p)
-                else:
-                    out.append(f)
-            frags = out
-        return frags
-
     def _encode_raw(self, texts: list[str]) -> list[np.ndarray]:
         if not texts:
             return []
         if self._byte_layout:
-            return [_bytes_ids(t) for t in texts]
+            return [byte_ids(t) for t in texts]
         if self._spm_style:
-            return [self._encode_spm_style(t) for t in texts]
+            return [encode_spm_style(self._hf, self._token_to_id, t) for t in texts]
         if self.model == "llama":
             prefix = " " if self.add_space_prefix else ""
-            texts = [(prefix + t).replace(" ", _SPACE) for t in texts]
+            texts = [(prefix + t).replace(" ", SPACE) for t in texts]
         if len(texts) == 1:
             encs = [self._hf.encode(texts[0], add_special_tokens=False)]
         else:
             encs = self._hf.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encs]
-
-    def _encode_spm_style(self, text: str) -> np.ndarray:
-        """Gemma 4: spaces to "▁", runs of newlines apart from the rest; a run of newlines
-        that is a token is that token, unmerged (llama.cpp's fix for Gemma 4)."""
-        runs = [r for r in re.split("(\n+)", text.replace(" ", _SPACE)) if r]
-        ids: list[int | None] = [self._token_to_id.get(r) if r[0] == "\n" else None for r in runs]
-        todo = [r for r, i in zip(runs, ids) if i is None]
-        encs = iter(self._hf.encode_batch(todo, add_special_tokens=False) if todo else [])
-        out: list[int] = []
-        for i in ids:
-            if i is None:
-                out.extend(next(encs).ids)
-            else:
-                out.append(i)
-        return np.asarray(out, dtype=np.int32)
 
     # -------------------------------------------------------------- decoding
     def piece_bytes(self, token_id: int) -> bytes:
@@ -671,7 +439,7 @@ class Tokenizer:
         if not self._chat_template:
             raise TokenizerError(f"{self.source}: {K_TEMPLATE}: expected a Jinja chat template, "
                                  "found missing key")
-        template = _compile_template(self._chat_template, self.source)
+        template = compile_template(self._chat_template, self.source)
         bos = self._tokens[self._bos] if self._bos is not None else ""
         eos = self._tokens[self._eos] if self._eos is not None else ""
         context = {"bos_token": bos, "eos_token": eos, **kwargs}
@@ -698,91 +466,6 @@ class Tokenizer:
         return meta
 
 
-def _plain(value: Any) -> Any:
-    """numpy scalars/arrays (from some readers) to plain Python values."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def _is_byte_token(text: str) -> bool:
-    return (len(text) == 6 and text.startswith("<0x") and text.endswith(">")
-            and all(c in "0123456789ABCDEFabcdef" for c in text[3:5]))
-
-
-def _bytes_ids(text: str) -> np.ndarray:
-    # llama.cpp escapes spaces to "▁", which the byte vocabulary stores as the space token;
-    # a literal "▁" therefore encodes as a space too
-    if _SPACE in text:
-        text = text.replace(_SPACE, " ")
-    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-    return data.astype(np.int32) + BYTE_OFFSET
-
-
-_TEMPLATES: dict[str, Any] = {}
-
-
-def _compile_template(source_text: str, where: str):
-    if source_text in _TEMPLATES:
-        return _TEMPLATES[source_text]
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        from datetime import datetime
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        template = env.from_string(source_text)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise TokenizerError(f"{where}: {K_TEMPLATE}: expected a valid Jinja template, found "
-                             f"a syntax error at line {e.lineno}: {e.message}") from None
-    _TEMPLATES[source_text] = template
-    return template
-
-
-# ------------------------------------------------------------------ the byte tokenizer
-def byte_metadata() -> dict[str, Any]:
-    """GGUF tokenizer metadata of the byte vocabulary (see `byte_tokenizer`)."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256
-    # llama.cpp's SPM tokenizer replaces every space by "▁" before looking tokens up, so the
-    # space byte's token is stored as a normal "▁" token: llama.cpp then encodes " " to it
-    # and decodes it back to " " (a "<0x20>" byte token would never be produced).
-    tokens[0x20 + BYTE_OFFSET] = _SPACE
-    types[0x20 + BYTE_OFFSET] = NORMAL
-    return {
-        K_MODEL: "llama",
-        K_PRE: "default",
-        K_TOKENS: tokens,
-        K_SCORES: [0.0] * len(tokens),
-        K_TYPES: types,
-        K_BOS: 1,
-        K_EOS: 2,
-        K_UNK: 0,
-        K_ADD_BOS: True,
-        K_ADD_EOS: False,
-        K_ADD_PREFIX: False,
-    }
-
-
 def byte_tokenizer() -> Tokenizer:
     """The from-scratch tokenizer: `<unk>`=0, `<s>`=1, `</s>`=2, byte b = id b + 3 (259 ids).
 
@@ -790,12 +473,3 @@ def byte_tokenizer() -> Tokenizer:
     vocabulary); decoding inverts it.
     """
     return Tokenizer(byte_metadata(), source="byte_tokenizer()")
-
-
-def encode_bytes_np(text: str | bytes, add_bos: bool = True) -> np.ndarray:
-    """Byte-tokenizer ids as int32 without special-token parsing: [1] + (bytes + 3)."""
-    data = text if isinstance(text, bytes) else text.replace(_SPACE, " ").encode("utf-8")
-    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
-    if add_bos:
-        ids = np.concatenate([np.array([1], dtype=np.int32), ids])
-    return ids

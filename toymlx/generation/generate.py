@@ -41,7 +41,6 @@ import mlx.core as mx
 from toymlx.backend.device import on_gpu
 from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.bundle.model_store import is_store_name, resolve, resolve_model
-from toymlx.bundle.runs import run_base
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.generation.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
 from toymlx.gguf.llama import args_from_gguf, float32_bytes, frozen_weights, load_llama
@@ -49,7 +48,8 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
 from toymlx.models.ops import EXACT, Ops
-from toymlx.training.lora import apply_adapter
+from toymlx.runner.bundle import run_base
+from toymlx.training.adapter import apply_adapter
 
 PREFILL_CHUNK = 2048
 """Prompt tokens put through the model at a time before decoding (mlx-lm's prefill step)."""

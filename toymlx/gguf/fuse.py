@@ -35,7 +35,12 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from toymlx.gguf.quantize import dequantize_tensor, quantize_tensor, tensor_types_written
+from toymlx.gguf.quantize import (
+    GGUF_PY_TENSOR_TYPES,
+    dequantize_tensor,
+    ggml_quantize_chunk,
+    quantize_tensor,
+)
 from toymlx.gguf.reader import DIGEST_KEY, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
 
@@ -96,6 +101,15 @@ def kept_from(err2: float, delta2: float) -> float:
     if delta2 <= 0.0:
         return 1.0
     return float(min(1.0, max(0.0, 1.0 - np.sqrt(err2 / delta2))))
+
+
+def tensor_types_written() -> set[GGMLQuantizationType]:
+    """Tensor types `quantize_tensor` writes here: every type llama.cpp quantizes without an
+    importance matrix where llama-cpp-python is installed, else gguf-py's."""
+    if ggml_quantize_chunk() is not None:
+        return set(LADDER) | {GGMLQuantizationType[n] for n in GGUF_PY_TENSOR_TYPES}
+    return {GGMLQuantizationType[n] for n in GGUF_PY_TENSOR_TYPES}
+
 
 
 def candidates(base_type: GGMLQuantizationType, n_in: int) -> list[GGMLQuantizationType]:

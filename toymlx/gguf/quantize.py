@@ -136,10 +136,10 @@ def quantizer(dtype: str) -> str:
                      f"writes {', '.join(GGUF_PY_TYPES)}")
 
 
-_GGUF_PY_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+GGUF_PY_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
-def _ggml_quantize_chunk() -> Any | None:
+def ggml_quantize_chunk() -> Any | None:
     """llama.cpp's `ggml_quantize_chunk` (the routine llama-quantize encodes every tensor
     with), from llama-cpp-python's libggml; None without it."""
     if llama_cpp_module() is None:
@@ -153,16 +153,6 @@ def _ggml_quantize_chunk() -> Any | None:
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return fn
-
-
-def tensor_types_written() -> set[GGMLQuantizationType]:
-    """Tensor types `quantize_tensor` writes here: every type llama.cpp quantizes without an
-    importance matrix where llama-cpp-python is installed, else gguf-py's."""
-    if _ggml_quantize_chunk() is not None:
-        from toymlx.gguf.fuse import LADDER
-
-        return set(LADDER) | {GGMLQuantizationType[n] for n in _GGUF_PY_TENSOR_TYPES}
-    return {GGMLQuantizationType[n] for n in _GGUF_PY_TENSOR_TYPES}
 
 
 def quantize_tensor(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -179,7 +169,7 @@ def quantize_tensor(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     if n_in % block:
         raise ValueError(f"tensor type {qtype.name}: expected rows a multiple of {block} "
                          f"values, found {n_in}")
-    fn = _ggml_quantize_chunk()
+    fn = ggml_quantize_chunk()
     if fn is not None:
         rows = w.size // n_in
         out = np.empty(rows * (n_in // block) * size, np.uint8)
@@ -188,7 +178,7 @@ def quantize_tensor(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
             raise OSError(f"llama.cpp's ggml_quantize_chunk ({qtype.name}): expected "
                           f"{out.nbytes} bytes, found {n}")
         return out
-    if qtype.name not in _GGUF_PY_TENSOR_TYPES:
+    if qtype.name not in GGUF_PY_TENSOR_TYPES:
         raise ValueError(f"tensor type {qtype.name}: expected llama.cpp's quantizer, found "
                          f"llama-cpp-python not installed ({INTEROP_EXTRA})")
     from gguf.quants import quantize

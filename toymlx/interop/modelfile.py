@@ -1,7 +1,7 @@
 """An Ollama Modelfile for a LoRA run, so `ollama create NAME -f DIR/Modelfile` serves the base
 GGUF with the run's adapter (the llama.cpp LoRA GGUF a lora run writes as its checkpoints), or
 the fused model (`fuse=True`: `DIR/fused-TYPE.gguf`, the base's own type by default, written by
-`toymlx.training.lora.write_merged`).
+`toymlx.interop.merge.write_merged`).
 
 The file holds `FROM` (the base GGUF, absolute), `ADAPTER` (the adapter GGUF, absolute) or
 instead `FROM` the fused GGUF, and
@@ -22,10 +22,10 @@ from toymlx.backend import atomic
 from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.bundle.model_store import Resolved, is_store_name, resolve
 from toymlx.bundle.outputs import check_output
-from toymlx.bundle.runs import run_base
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.quantize import export_type
 from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.runner.bundle import run_base
 
 MODELFILE = "Modelfile"
 
@@ -161,7 +161,7 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     path = check_output(Path(out_dir) / MODELFILE, inputs)
     fused = None
     if fuse:
-        from toymlx.training.lora import write_merged  # MLX only when a model is fused
+        from toymlx.interop.merge import write_merged  # MLX only when a model is fused
 
         with GGUFFile(src.path) as g:
             name = dtype or export_type(g)

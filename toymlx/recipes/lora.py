@@ -38,23 +38,20 @@ from toymlx.gguf.quant import projection_types
 from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.layers import model_bytes
+from toymlx.models.lora import apply_lora, parse_targets, target_blocks
 from toymlx.models.losses import lm_held_out_sums, lm_loss
 from toymlx.models.ops import Ops
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
 from toymlx.training import memory
-from toymlx.training.lora import (
+from toymlx.training.adapter import load_adapter_weights, write_adapter
+from toymlx.training.fused import (
     KEPT_WARNING,
     adapter_kept,
-    apply_lora,
     kept_note,
-    load_adapter_weights,
-    parse_targets,
-    target_blocks,
-    write_adapter,
     write_full_kept,
     write_fused_kept,
     write_like_base,
-    write_merged,
+    write_reencoded,
 )
 from toymlx.training.trainer import Task, TrainConfig
 
@@ -267,7 +264,7 @@ def build(cfg: Config, ops: Ops) -> Task:
 
     def finish(run_dir: Path) -> dict:
         """--fuse-at-end: the base + the final adapter (weights/latest) as one GGUF; a full
-        fine-tune's final checkpoint re-encoded (`write_merged` either way)."""
+        fine-tune's final checkpoint re-encoded (`write_reencoded` either way)."""
         with GGUFFile(src.path) as g:
             dtype = fuse_type(cfg.fuse_at_end, g)
         out = check_output(run_dir / f"fused-{dtype}.gguf", [("--base", src.path)],
@@ -276,7 +273,7 @@ def build(cfg: Config, ops: Ops) -> Task:
             if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.gguf.fuse)
                 kept = write_full_kept(out, src.path, run_dir, progress=cfg.progress).kept
             else:
-                write_merged(out, run_dir, None, dtype, progress=cfg.progress)
+                write_reencoded(out, run_dir, None, dtype, progress=cfg.progress)
                 kept = None
             return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                     "bytes": out.stat().st_size,
@@ -284,7 +281,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.gguf.fuse)
             kept = write_fused_kept(out, src.path, run_dir, progress=cfg.progress).kept
         else:
-            write_merged(out, src.path, run_dir, dtype, progress=cfg.progress)
+            write_reencoded(out, src.path, run_dir, dtype, progress=cfg.progress)
             kept = adapter_kept(out, src.path, run_dir)
             if kept < KEPT_WARNING:
                 print(f"toymlx: {out} {kept_note(kept, dtype)}", file=sys.stderr)

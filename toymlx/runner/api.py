@@ -70,7 +70,7 @@ def train(recipe: str, *, echo: bool = True, **options: Any) -> dict[str, Any]:
     """Train `recipe` with `options` (the flags of `toymlx-train --recipe RECIPE --help`) in a
     fresh process; return the run's summary (status, steps, final loss, held-out metric,
     throughput, path). `echo=False` keeps the child's output to the error message."""
-    from toymlx.bundle.runs import default_run_id
+    from toymlx.bundle.options import default_run_id
     from toymlx.runner.report import summarize_run
 
     resume = options.get("resume")

@@ -22,7 +22,9 @@ from typing import Any
 
 from toymlx.backend import atomic
 from toymlx.bundle.events import read_events
-from toymlx.bundle.runs import RUN_LOCAL, Bundle, RunError, saved_config
+from toymlx.bundle.folder import saved_config
+from toymlx.bundle.options import RUN_LOCAL, RunError
+from toymlx.runner.bundle import Bundle
 
 SWEEP_FILE = "sweep.json"
 # metric -> True when higher is better

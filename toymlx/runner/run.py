@@ -2,7 +2,7 @@
 
     toymlx-train --recipe R ...      fresh: own runs/<id> (a lock for the process's life),
                                      write config.json once, build, train
-    toymlx-train --resume RUN ...    own RUN (`runs.Bundle`, opened once), check the options and
+    toymlx-train --resume RUN ...    own RUN (`Bundle`, opened once), check the options and
                                      the data against its config.json, pick
                                      and verify the checkpoint, build, cut the bundle back to
                                      that checkpoint, train on (a `resume` event, no new run_start)
@@ -24,11 +24,15 @@ import mlx.core as mx
 
 from toymlx.backend.device import on_gpu, select_device, setup_process
 from toymlx.bundle import checkpoint as ck
-from toymlx.bundle import runs
 from toymlx.bundle.events import read_events
+from toymlx.bundle.folder import prepare_run_dir, save_config
+from toymlx.bundle.inputs import MODEL_OPTIONS, data_paths
+from toymlx.bundle.options import RunError, default_run_id, flag_name, option
 from toymlx.bundle.outputs import check_output
+from toymlx.bundle.resume import Resume
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
+from toymlx.runner.bundle import Bundle
 from toymlx.training.trainer import Task, TrainConfig, check_config, train
 
 
@@ -68,13 +72,13 @@ class _Prepared:
     run_dir: Path
     task: Task
     world: Any
-    resume: runs.Resume | None
+    resume: Resume | None
     used: dict[str, str]
-    """A resume's inputs: the file read for each, and why that one (`runs.Bundle.used`)."""
+    """A resume's inputs: the file read for each, and why that one (`Bundle.used`)."""
 
 
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
-                 bundle: runs.Bundle | None = None) -> int:
+                 bundle: Bundle | None = None) -> int:
     """Run one recipe with a parsed config (with `bundle`, the opened run `--resume` continues);
     returns the process exit code."""
     # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
@@ -96,12 +100,12 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
         if run.resume is not None and run.resume.note:
             print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
         for key, note in run.used.items() if run.world is None or run.world.rank() == 0 else ():
-            print(f"toymlx-train: --resume reads {runs.flag_name(key)} from {note}",
+            print(f"toymlx-train: --resume reads {flag_name(key)} from {note}",
                   file=sys.stderr)
         try:
             end = train(run.task, cfg, run.run_dir, _public_config(cfg), world=run.world,
                         resume=run.resume)
-        except (runs.RunError, ck.ResumeError) as e:
+        except (RunError, ck.ResumeError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 2
         except ValueError as e:  # bad input met mid-run (an image that fails to decode)
@@ -121,56 +125,53 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
     return int(end["exit_code"])
 
 
-def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: runs.Bundle | None,
+def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle | None,
              owned: contextlib.ExitStack) -> _Prepared:
     """Everything before the first step, the bundle owned (locked) through `owned`; raises
     ValueError/OSError with one line when something is off, leaving no new bundle behind."""
     check_config(module, cfg, new_run=bundle is None and not cfg.resume)
     if cfg.resume and bundle is None:
-        bundle = runs.Bundle.open(cfg.resume)
+        bundle = Bundle.open(cfg.resume)
     select_device(cfg.device)
     ops = run_ops(cfg)
     world = init_distributed()
     rank0 = world is None or world.rank() == 0
     if bundle is not None:
-        run_dir = bundle.path
-        if rank0:
-            owned.enter_context(bundle.own())
-        bundle.check_options(recipe, cfg)
-        bundle.check_data()
-        resume = bundle.plan_resume(cfg.from_step, cfg.steps)
-    else:
-        resume, cfg.run_id = None, cfg.run_id or _shared_run_id(recipe, world)
-        run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
-                               "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id])
-        if rank0:
-            run_dir, lock = runs.prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite)
-            owned.enter_context(lock)
+        task, resume = bundle.resume_run(recipe, cfg, lambda: _build(module, cfg, ops), ops.dtype,
+                                         owned if rank0 else None)
+        return _Prepared(bundle.path, task, world, resume, bundle.used)
+    cfg.run_id = cfg.run_id or _shared_run_id(recipe, world)
+    run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
+                           "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id])
+    if rank0:
+        run_dir, lock = prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite)
+        owned.enter_context(lock)
     try:
-        if rank0 and bundle is None:
-            runs.save_config(run_dir, recipe, cfg)
-        task = module.build(cfg, ops)
-        if ops.grad_checkpoint:
-            check_checkpointable(task.model)
-        check_batch_fits(cfg.batch_size, task.config_info)
-        if bundle is not None and resume is not None:
-            bundle.check_model(task.model_info, ops.dtype)
-            if rank0:
-                bundle.rewind(resume)
-            else:
-                resume.kept = bundle.events
+        if rank0:
+            save_config(run_dir, recipe, cfg)
+        task = _build(module, cfg, ops)
     except BaseException:
-        if rank0 and bundle is None:  # ours, and nothing of a run in it yet
+        if rank0:  # ours, and nothing of a run in it yet
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    return _Prepared(run_dir, task, world, resume, bundle.used if bundle is not None else {})
+    return _Prepared(run_dir, task, world, None, {})
+
+
+def _build(module: ModuleType, cfg: TrainConfig, ops: Ops) -> Task:
+    """The recipe's task, checked: activation checkpointing applies to its model, and a batch
+    fits in its training set."""
+    task = module.build(cfg, ops)
+    if ops.grad_checkpoint:
+        check_checkpointable(task.model)
+    check_batch_fits(cfg.batch_size, task.config_info)
+    return task
 
 
 def run_inputs(cfg: TrainConfig) -> list[tuple[str, Any]]:
     """(flag, path) of every file or folder a run reads: its data, its model files and
     --lora.init-adapter (what its outputs must not overwrite)."""
-    keys = [*runs.data_paths(cfg), *runs.MODEL_OPTIONS, "lora.init_adapter"]
-    return [(runs.flag_name(k), runs.option(cfg, k)) for k in keys]
+    keys = [*data_paths(cfg), *MODEL_OPTIONS, "lora.init_adapter"]
+    return [(flag_name(k), option(cfg, k)) for k in keys]
 
 
 def _public_config(cfg: TrainConfig) -> dict[str, Any]:
@@ -182,10 +183,10 @@ def _public_config(cfg: TrainConfig) -> dict[str, Any]:
 def _shared_run_id(recipe: str, world: Any) -> str:
     """One default run id for all ranks: rank 0's clock, broadcast by an all_sum."""
     if world is None:
-        return runs.default_run_id(recipe)
+        return default_run_id(recipe)
     t = int(time.time()) if world.rank() == 0 else 0
     t = int(mx.distributed.all_sum(mx.array(t, dtype=mx.int64), group=world).item())
-    return runs.default_run_id(recipe, t)
+    return default_run_id(recipe, t)
 
 
 def _final_line(run_dir: Path, end: dict) -> None:

@@ -37,7 +37,8 @@ from toymlx.backend import device, lifeline
 from toymlx.backend.device import backend_info
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
-from toymlx.bundle.runs import Resume, RunOptions, flag_name, intact_hint
+from toymlx.bundle.options import RunOptions, flag_name
+from toymlx.bundle.resume import Resume, intact_hint
 from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
 from toymlx.training.schedule import lr_at

@@ -1,0 +1,199 @@
+"""The files a run reads, as its config.json records them: each data file or folder's
+`fingerprint`, each model file's SHA-256, and where a later reader finds them again
+(`locate_input`, `resolve_inputs`)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from toymlx.bundle import model_store
+from toymlx.bundle.options import RunError, flag_name, found_text, option
+
+DATA_FILES_KEY = "data_files"
+"""config.json's top-level key (beside "recipe" and "config") with the fingerprint of each data
+file or folder the run read, taken when it started (`fingerprint`), and its absolute path
+(`file`; `path` is the option as typed)."""
+MODEL_FILES_KEY = "model_files"
+"""config.json's top-level key with each model file the run read (`MODEL_OPTIONS`): the option
+as typed (`path`), the file it named then, absolute (`file`), its size, modification time and
+SHA-256 (`model_record`)."""
+MODEL_OPTIONS = ("base", "donor")
+"""The options that name a model GGUF a run reads (lora's --base, warm-start's --donor)."""
+
+
+WHOLE_DIGEST_BYTES = 64 * 2**20
+"""Data up to this size is fingerprinted by the SHA-256 of all of it; larger data by its size,
+newest modification time and the SHA-256 of 16 samples of `SAMPLE_BYTES`, so a resume of a
+run on many GB checks in well under a second."""
+SAMPLE_BYTES = 2**16
+
+
+def data_paths(cfg: Any) -> dict[str, str]:
+    """The data files or folders a configuration names: the `data.path`-like options (`path`,
+    `*_path` under `data`) that are set, by dotted key."""
+    data = getattr(cfg, "data", None)
+    if not dataclasses.is_dataclass(data):
+        return {}
+    return {f"data.{f.name}": v for f in dataclasses.fields(data)
+            if (f.name == "path" or f.name.endswith("_path"))
+            and isinstance(v := getattr(data, f.name), str)}
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return [path]
+
+
+def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
+    """What identifies a data file or folder's contents: {"bytes", "sha256"} (every name and
+    byte, for data up to WHOLE_DIGEST_BYTES), or {"bytes", "mtime_ns", "sample_sha256"} for
+    larger data (every name and size, and 16 samples spread over the files and their bytes)."""
+    root = Path(path)
+    files = _files(root)
+    sizes = [p.stat().st_size for p in files]
+    digest = hashlib.sha256()
+    for p, n in zip(files, sizes):
+        digest.update(f"{p.relative_to(root) if p != root else ''}|{n}\n".encode())
+    large = sum(sizes) > WHOLE_DIGEST_BYTES
+    if not large:
+        for p in files:
+            with open(p, "rb") as f:
+                for block in iter(lambda f=f: f.read(2**20), b""):
+                    digest.update(block)
+        return {"bytes": sum(sizes), "sha256": digest.hexdigest()}
+    for k in range(16):  # the k-th sample: from the k/15-th file, at k/15 of its bytes
+        i = k * (len(files) - 1) // 15
+        with open(files[i], "rb") as f:
+            f.seek(max(0, (sizes[i] - SAMPLE_BYTES) * k // 15))
+            digest.update(f.read(SAMPLE_BYTES))
+    return {"bytes": sum(sizes), "mtime_ns": max(p.stat().st_mtime_ns for p in files),
+            "sample_sha256": digest.hexdigest()}
+
+
+def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
+    """{dotted key: {"path", and its `fingerprint`}} of the data the options name (existing
+    files and folders; a recipe reports a missing one itself, when it loads it)."""
+    out = {}
+    for key, path in data_paths(cfg).items():
+        if Path(path).exists():
+            out[key] = {"path": path, "file": os.path.abspath(path), **fingerprint(path)}
+    return out
+
+
+
+def model_record(spec: str, flag: str) -> dict[str, Any]:
+    """What identifies the model file `spec` names (a path, or a store name): {"path": spec,
+    "file" (absolute), "bytes", "mtime_ns", "sha256"}."""
+    path = model_store.resolve_model(spec, flag)
+    st = path.stat()
+    return {"path": spec, "file": os.path.abspath(path), "bytes": st.st_size,
+            "mtime_ns": st.st_mtime_ns, "sha256": model_store.file_sha256(path)}
+
+
+def model_files(cfg: Any) -> dict[str, dict[str, Any]]:
+    """{option: `model_record`} of the model files the options name (existing files; a recipe
+    reports a missing one itself)."""
+    out = {}
+    for key in MODEL_OPTIONS:
+        spec = option(cfg, key)
+        if isinstance(spec, str) and (model_store.is_store_name(spec) or Path(spec).is_file()):
+            out[key] = model_record(spec, flag_name(key))
+    return out
+
+
+def _same_model(path: Path, rec: dict[str, Any]) -> tuple[bool, str]:
+    """(whether the file at `path` has the recorded contents, its SHA-256 or "" when the size
+    and modification time are the recorded ones: then it is taken as unchanged, unread)."""
+    st = path.stat()
+    if st.st_size == rec.get("bytes") and st.st_mtime_ns == rec.get("mtime_ns"):
+        return True, ""
+    digest = model_store.file_sha256(path)
+    return digest == rec.get("sha256"), digest
+
+
+def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
+    """(the file, what to say about it) a run's input `key` is read from now: the absolute file
+    recorded at its start while it is there (a model file: with its recorded contents), else the
+    option as typed (a store name resolved again; a path from the current folder) once it has
+    the recorded contents; RunError (one line naming both files) if it has others. Where
+    neither is there, the option as typed: a reader that needs the file says it is missing (an
+    eval of a full checkpoint needs no donor)."""
+    flag, typed, file = flag_name(key), rec.get("path"), rec.get("file")
+    if not isinstance(typed, str) or not isinstance(file, str):
+        raise RunError(f"{source}: key {key!r}: expected the option as given and its absolute "
+                       f"file, found {found_text(rec)}")
+    model = key in MODEL_OPTIONS
+    store = model and model_store.is_store_name(typed)
+    if not store and Path(file).exists():
+        if model:
+            same, found = _same_model(Path(file), rec)
+            if not same:
+                raise RunError(f"{file}: {flag}: expected the file the run started on "
+                               f"(sha256 {str(rec.get('sha256'))[:12]}), found other contents "
+                               f"(sha256 {found[:12]}); put the run's {key} back there")
+        return file, f"{file} (the run's {flag} {typed})"
+    gone = (typed, f"{typed} (the run's {flag}: {file} is gone, and so is {typed})")
+    try:
+        other = model_store.resolve_model(typed, flag) if model else Path(typed)
+    except model_store.ModelStoreError:
+        return gone
+    if not other.exists():  # nothing to mistake for it: whoever needs the file says it is gone
+        return gone
+    if model:
+        same, found = _same_model(other, {"sha256": rec.get("sha256")})
+        want = f"sha256 {str(rec.get('sha256'))[:12]}"
+    else:
+        now = fingerprint(other)
+        same, found, want = now == {k: rec.get(k) for k in now}, fingerprint_note(now)[7:], fingerprint_note(rec)
+    if not same:
+        raise RunError(f"{os.path.abspath(other)}: {flag}: expected the run's {key}, "
+                       f"recorded as {file} ({want}), found other contents (sha256 "
+                       f"{found[:12]}); "
+                       f"{'the store name now names another model' if store else 'it is gone'}"
+                       f" and this file is not it: put the run's {key} back")
+    used = typed if store else os.path.abspath(other)
+    if store:
+        return used, f"{other} ({typed}, the run's {flag}, with its recorded SHA-256)"
+    return used, (f"{used} (the run's {flag} {typed}: {file} is gone, this file has its "
+                  "recorded SHA-256)")
+
+
+def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str
+                   ) -> tuple[Any, dict[str, str]]:
+    """(`cfg` with each data and model path it recorded replaced by the file `locate_input`
+    finds for it (a store name stays a name: it is resolved by name), {option: what was used}).
+    A run's paths then mean the files it started on, from whatever folder it is read."""
+    cfg = copy.deepcopy(cfg)
+    used = {}
+    for group in (DATA_FILES_KEY, MODEL_FILES_KEY):
+        records = saved.get(group, {})
+        if not isinstance(records, dict):
+            raise RunError(f"{source}: key {group!r}: expected an object, found "
+                           f"{found_text(records)}")
+        for key, rec in records.items():
+            if not isinstance(rec, dict) or "file" not in rec:
+                continue  # written before toymlx recorded absolute files: the path as typed
+            if rec.get("path") != option(cfg, key):
+                raise RunError(f"{source}: key '{group}.{key}.path': expected the run's "
+                               f"{flag_name(key)} {option(cfg, key)!r}, found "
+                               f"{found_text(rec.get('path'))}")
+            file, used[key] = locate_input(key, rec, f"{source}: {group}")
+            *parents, name = key.split(".")
+            holder = cfg
+            for part in parents:
+                holder = getattr(holder, part)
+            setattr(holder, name, file)
+    return cfg, used
+
+
+
+def fingerprint_note(rec: dict[str, Any]) -> str:
+    """A recorded fingerprint as a message names it: its digest's first 12 digits."""
+    d = rec.get("sha256") or rec.get("sample_sha256")
+    return f"sha256 {str(d)[:12]}" if d else "no digest"

@@ -1,0 +1,47 @@
+"""Where a resumed run continues (`Resume`, planned by `toymlx.runner.bundle.Bundle`), and
+the command to go on from when a checkpoint cannot be used (`intact_hint`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toymlx.bundle import checkpoint as ck
+
+
+@dataclass
+class Resume:
+    """Where a resumed run continues, and what cutting its bundle back to there found."""
+
+    step: int
+    """The checkpoint's step (0: start over from the saved configuration)."""
+    checkpoint: Path | None
+    state: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The checkpoint's verified optimizer state arrays."""
+    steps_before: int = 0
+    """The run's total steps before this resume."""
+    note: str | None = None
+    """Why this checkpoint and not the one `latest` names (it was missing or dangling)."""
+    dropped: int = 0
+    previous_end: str = "torn"
+    t: float = 0.0
+    kept: list[dict] = field(default_factory=list, repr=False)
+    """The events the bundle keeps (cut back to `step`)."""
+    set_aside: list[int] = field(default_factory=list)
+
+    @property
+    def has_start(self) -> bool:
+        """Whether the kept events hold the run's run_start."""
+        return any(e["kind"] == "run_start" for e in self.kept)
+
+
+def intact_hint(run_dir: Path, below: int | None) -> str:
+    """Where to go on from when a checkpoint (at step `below`) cannot be used: the newest
+    intact one before it, as the command that resumes from it."""
+    step = ck.newest_intact(run_dir / "weights", below)
+    if step is None:
+        return (f"no intact checkpoint is left: start over with toymlx-train --resume {run_dir} "
+                "--from step_0")
+    return f"the newest intact checkpoint is step_{step}: toymlx-train --resume {run_dir} " \
+           f"--from step_{step}"

@@ -1,0 +1,141 @@
+"""The two merge algorithms llama.cpp tokenizes with, as Hugging Face `tokenizers` BPE models:
+byte-level BPE by merge rank, its text cut first by the regexes of `tokenizer.ggml.pre`
+(`build_bpe`, `PRE_TOKENIZERS`; gemma4's raw-UTF-8 form by `encode_spm_style`), and
+SentencePiece BPE by score (`build_spm`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import Regex, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from toymlx.data.vocab import K_MERGES, SPACE, TokenizerError
+
+
+# ------------------------------------------------------------------ pre-tokenizers
+@dataclass(frozen=True)
+class PreTokenizer:
+    """What llama.cpp's BPE tokenizer does for one `tokenizer.ggml.pre` value."""
+
+    regexes: tuple[str, ...]
+    """Applied in turn to every piece the previous ones produced (`llm_tokenizer_bpe`)."""
+    ignore_merges: bool = False
+    """A piece that is itself a token is that token, unmerged."""
+    add_bos: bool = False
+    """add_bos when the GGUF has no `add_bos_token` key."""
+    force_bos: bool = False
+    """add_bos even when the GGUF says false (llama.cpp's Gemma 4 override)."""
+    spm_style: bool = False
+    """Spaces escaped to "▁", raw UTF-8 pieces (no GPT-2 byte map), `<0xXX>` byte fallback."""
+
+
+# The regexes of src/llama-vocab.cpp, as llama.cpp writes them (case-insensitive groups spelled
+# out, so that llama.cpp picks its hand-written splitter for each).
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_NEWLINE_RUNS_RE = r"[^\n]+|[\n]+"
+_DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
+_SMOLLM_RES = (r"\p{N}", _GPT2_RE)
+
+# pre name -> what llama.cpp does; names grouped as llama.cpp groups them.
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {"default": PreTokenizer(_DEFAULT_RES)}
+for _name in ("gpt-2", "phi-2", "mpt", "olmo", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de",
+              "gigachat", "mellum", "exaone4"):
+    PRE_TOKENIZERS[_name] = PreTokenizer((_GPT2_RE,))
+for _name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
+              "mellum2"):
+    PRE_TOKENIZERS[_name] = PreTokenizer(_SMOLLM_RES)
+for _name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+              "lfm2"):
+    PRE_TOKENIZERS[_name] = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
+for _name in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan"):
+    PRE_TOKENIZERS[_name] = PreTokenizer((_QWEN2_RE,))
+PRE_TOKENIZERS["qwen35"] = PreTokenizer((_QWEN35_RE,))
+PRE_TOKENIZERS["gemma4"] = PreTokenizer((_NEWLINE_RUNS_RE,), force_bos=True, spm_style=True)
+SUPPORTED_PRE = tuple(PRE_TOKENIZERS)
+
+
+def _gpt2_byte_table() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in keep}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+BYTE_TO_UNICODE = _gpt2_byte_table()
+UNICODE_TO_BYTE = {c: b for b, c in BYTE_TO_UNICODE.items()}
+
+
+def build_bpe(vocab: dict[str, int], merges: list[str], rules: PreTokenizer, source: str):
+    """Byte-level BPE by merge rank (`tokenizer.ggml.model` gpt2, and gemma4's raw-UTF-8
+    form), cut first by `rules`' regexes; `source` names the file in errors."""
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    if not all(len(p) == 2 and p[0] for p in pairs):
+        pairs = []  # llama.cpp cuts at the first space after the first character
+        for i, m in enumerate(merges):
+            cut = m.find(" ", 1)
+            if cut < 0:
+                raise TokenizerError(f"{source}: {K_MERGES}: expected 'left right' strings, "
+                                     f"found {m!r} at index {i}")
+            pairs.append((m[:cut], m[cut + 1:]))
+    byte_fallback = rules.spm_style
+    try:
+        bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=rules.ignore_merges,
+                         byte_fallback=byte_fallback)
+    except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception for a non-token)
+        # llama.cpp keeps merges whose parts are not tokens, but they can never fire
+        pairs = [(a, b) for a, b in pairs if a in vocab and b in vocab and a + b in vocab]
+        bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=rules.ignore_merges,
+                         byte_fallback=byte_fallback)
+    hf = HFTokenizer(bpe)
+    if not rules.spm_style:  # gemma4 cuts at newline runs itself (`_encode_spm_style`)
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in rules.regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return hf
+
+
+def build_spm(tokens: list[str], scores: list[float], vocab: dict[str, int],
+              unk: int | None):
+    """SentencePiece BPE as HF BPE: every split of a token into two tokens is a merge,
+    ranked by the merged token's score (highest first). Equal scores go lower id first,
+    where llama.cpp takes the leftmost pair: the same for vocabularies whose scores differ
+    (Llama 2, Phi-3, Gemma)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    order = np.lexsort((np.arange(len(scores)), -scores)).tolist()
+    texts = [tokens[i] for i in order]
+    merges = [(a, b) for t in texts for cut in range(1, len(t))
+              if (a := t[:cut]) in vocab and (b := t[cut:]) in vocab]
+    unk_text = tokens[unk] if unk is not None else None
+    bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk_text, byte_fallback=True)
+    return HFTokenizer(bpe)
+
+
+def encode_spm_style(hf: HFTokenizer, vocab: dict[str, int], text: str) -> np.ndarray:
+    """Gemma 4: spaces to "▁", runs of newlines apart from the rest; a run of newlines
+    that is a token is that token, unmerged (llama.cpp's fix for Gemma 4)."""
+    runs = [r for r in re.split("(\n+)", text.replace(" ", SPACE)) if r]
+    ids: list[int | None] = [vocab.get(r) if r[0] == "\n" else None for r in runs]
+    todo = [r for r, i in zip(runs, ids) if i is None]
+    encs = iter(hf.encode_batch(todo, add_special_tokens=False) if todo else [])
+    out: list[int] = []
+    for i in ids:
+        if i is None:
+            out.extend(next(encs).ids)
+        else:
+            out.append(i)
+    return np.asarray(out, dtype=np.int32)

@@ -1,0 +1,221 @@
+"""LoRA and DoRA: low-rank adapters wrapped around a frozen model's projections.
+
+`LoRALinear` adds `scale * B (A x)` to a frozen projection (a float `nn.Linear` or an
+`nn.QuantizedLinear`). `lora_a` is `(r, n_in)` and `lora_b` `(n_out, r)`: the orientation
+PEFT and llama.cpp store, so an adapter file needs no transpose. `lora_b` starts at zero, so
+step 0 computes exactly the base model; `scale = alpha / rank` is computed in
+`LoRALinear.scale_of` and nowhere else (llama.cpp applies the same `alpha / r`).
+
+DoRA (`DoRALinear`, Liu et al. 2024, as mlx-lm's `--fine-tune-type dora`): the same A and B plus
+a trained magnitude per output row, `m * (W + scale B A) / ||W + scale B A||_row`. Their file
+format is `toymlx.training.adapter`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import mlx.core as mx
+from mlx import nn
+
+from toymlx.models.layers import BlockLinear, Linear, dense_weight, replace_submodule, submodule
+from toymlx.models.llama import Llama
+from toymlx.models.ops import EXACT
+
+TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj",
+                           "qkv": "attn.qkv_proj", "o": "attn.o_proj", "gate": "mlp.gate_proj",
+                           "up": "mlp.up_proj", "gate_up": "mlp.gate_up_proj",
+                           "down": "mlp.down_proj"}
+"""--lora.targets short names -> projection paths inside a decoder block (qkv and gate_up:
+phi3's fused projections, which it has instead of q, k, v and gate, up)."""
+
+def base_dims(linear: nn.Module) -> tuple[int, int]:
+    """(n_out, n_in) of a float, block-held or MLX-quantized linear layer."""
+    if isinstance(linear, BlockLinear):
+        return linear.n_out, linear.n_in
+    if isinstance(linear, nn.QuantizedLinear):
+        n_out, packed = linear.weight.shape
+        return n_out, packed * 32 // linear.bits
+    if isinstance(linear, nn.Linear):
+        return tuple(linear.weight.shape)
+    raise TypeError(f"LoRA: expected a linear layer (float, block-held or MLX-quantized), "
+                    f"found {type(linear).__name__}")
+
+
+def base_weight(linear: nn.Module) -> mx.array:
+    """The (n_out, n_in) weight of a linear layer, decoded or dequantized if need be."""
+    return dense_weight(linear)
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear plus a trainable low-rank update: y = W x + (alpha/r) B (A dropout(x))."""
+
+    @classmethod
+    def from_base(cls, linear: nn.Module, rank: int = 8, alpha: float = 16.0,
+                  dropout: float = 0.0) -> LoRALinear:
+        """Wrap an existing (float or quantized) linear layer."""
+        return cls(linear, rank, alpha, dropout)
+
+    def __init__(self, linear: nn.Module, rank: int = 8, alpha: float = 16.0,
+                 dropout: float = 0.0):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"--lora.rank: expected >= 1, found {rank}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"--lora.dropout: expected in [0, 1), found {dropout}")
+        n_out, n_in = base_dims(linear)
+        self.linear = linear
+        self.dropout = nn.Dropout(dropout)
+        self.rank, self.alpha = int(rank), float(alpha)
+        self.scale = self.scale_of(self.rank, self.alpha)
+        # PEFT's init: A ~ U(-1/sqrt(n_in), 1/sqrt(n_in)), B = 0, so the update starts at zero.
+        bound = 1.0 / math.sqrt(n_in)
+        self.lora_a = mx.random.uniform(-bound, bound, (rank, n_in))  # (r, in)
+        self.lora_b = mx.zeros((n_out, rank))  # (out, r)
+
+    @staticmethod
+    def scale_of(rank: int, alpha: float) -> float:
+        """alpha / rank: the one place LoRA's scale is computed."""
+        return alpha / rank
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        z = (self.dropout(x) @ self.lora_a.T) * self.scale  # (..., r)
+        return y + (z @ self.lora_b.T).astype(y.dtype)  # (..., out)
+
+    def delta(self) -> mx.array:
+        """The dense update scale * B A, (n_out, n_in)."""
+        return self.scale * (self.lora_b @ self.lora_a)
+
+    def fuse(self) -> nn.Linear:
+        """A plain linear (toymlx's `nn.Linear`) computing W + scale * B A (float32 when the base
+        is block-held or quantized)."""
+        w = base_weight(self.linear)
+        dtype = w.dtype if isinstance(self.linear, nn.Linear) else mx.float32
+        n_out, n_in = base_dims(self.linear)
+        has_bias = "bias" in self.linear
+        fused = Linear(n_in, n_out, bias=has_bias, ops=getattr(self.linear, "ops", EXACT))
+        fused.weight = (w.astype(mx.float32) + self.delta()).astype(dtype)
+        if has_bias:
+            fused.bias = self.linear.bias
+        return fused
+
+
+class DoRALinear(LoRALinear):
+    """LoRA with a learned magnitude per output row:
+    y = m / ||W + scale B A||_row * (W x + scale B (A dropout(x))) + bias.
+
+    `m` starts at ||W||_row, so step 0 computes the base exactly. The row norm is held constant
+    in the backward pass (`stop_gradient`, the DoRA paper's and mlx-lm's choice): it saves the
+    norm's gradient through the full (n_out, n_in) weight; m, A and B are all trained.
+    """
+
+    def __init__(self, linear: nn.Module, rank: int = 8, alpha: float = 16.0,
+                 dropout: float = 0.0):
+        super().__init__(linear, rank, alpha, dropout)
+        self.m = mx.linalg.norm(base_weight(linear).astype(mx.float32), axis=1)  # (out,)
+
+    def _adapted(self) -> mx.array:
+        """W + scale B A in float32, (n_out, n_in)."""
+        return base_weight(self.linear).astype(mx.float32) + self.delta()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        bias = self.linear.bias if "bias" in self.linear else None
+        if bias is not None:
+            y = y - bias  # the magnitude rescales W x + scale B A x, not the bias
+        z = (self.dropout(x) @ self.lora_a.T) * self.scale  # (..., r)
+        y = y + (z @ self.lora_b.T).astype(y.dtype)  # (..., out)
+        norm = mx.stop_gradient(mx.linalg.norm(self._adapted(), axis=1))  # (out,)
+        y = (self.m / norm).astype(y.dtype) * y
+        return y if bias is None else y + bias
+
+    def fuse(self) -> nn.Linear:
+        """A plain linear computing the same: (m / ||W + scale B A||_row) (W + scale B A)."""
+        fused = super().fuse()
+        w = self._adapted()
+        fused.weight = ((self.m / mx.linalg.norm(w, axis=1))[:, None] * w).astype(
+            fused.weight.dtype)
+        return fused
+
+
+ADAPTER_KINDS: dict[str, type[LoRALinear]] = {"lora": LoRALinear, "dora": DoRALinear}
+"""An adapter file's `adapter.type` -> the layer that computes it."""
+
+
+# ---- applying, listing and fusing -------------------------------------------------------
+def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
+    """Short target names from "q,k,v" or a sequence; ValueError names --lora.targets."""
+    items = targets.split(",") if isinstance(targets, str) else list(targets)
+    names = [t.strip() for t in items if t.strip()]
+    allowed = ", ".join(TARGETS)
+    if not names:
+        raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
+                         f"{targets!r}")
+    bad = [t for t in names if t not in TARGETS]
+    if bad:
+        raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
+                         f"unknown target {bad[0]!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def target_blocks(n_layers: int, layers: int | None) -> range:
+    """Indices of the last `layers` blocks (all when None); ValueError names --lora.layers."""
+    if layers is None:
+        return range(n_layers)
+    if not 1 <= layers <= n_layers:
+        raise ValueError(f"--lora.layers: expected 1..{n_layers} (the base's block count) or "
+                         f"unset for all, found {layers}")
+    return range(n_layers - layers, n_layers)
+
+
+def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int | None = None,
+               rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
+               kind: str = "lora") -> Llama:
+    """Freeze `model` and wrap the chosen projections of the last `layers` blocks in LoRA
+    (`kind="dora"`: DoRA)."""
+    layer = ADAPTER_KINDS[kind]
+    names = parse_targets(targets)
+    blocks = target_blocks(len(model.layers), layers)
+    for t in names:
+        part, _, leaf = TARGETS[t].partition(".")
+        if leaf not in model.layers[0][part]:
+            have = [n for n, p in TARGETS.items()
+                    if p.partition(".")[2] in model.layers[0][p.partition(".")[0]]]
+            raise ValueError(f"--lora.targets: {t!r} is not a projection of this "
+                             f"{model.args.arch} model; expected a comma list of "
+                             f"{', '.join(have)}")
+    model.freeze()
+    for i in blocks:
+        for t in names:
+            path = f"layers.{i}.{TARGETS[t]}"
+            base = submodule(model, path)
+            if isinstance(base, LoRALinear):
+                raise TypeError(f"{path}: expected a plain projection, found one already "
+                                "wrapped in LoRA")
+            replace_submodule(model, path, layer.from_base(base, rank, alpha, dropout))
+    return model
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every LoRALinear in `model` by its module path (`layers.3.attn.q_proj`), in order."""
+    found = [(p, m) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
+    return dict(sorted(found, key=lambda pm: _order(pm[0])))
+
+
+def _order(path: str) -> tuple:
+    parts = path.split(".")
+    if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
+        rest = ".".join(parts[2:])
+        kinds = list(TARGETS.values())
+        return (0, int(parts[1]), kinds.index(rest) if rest in kinds else len(kinds), rest)
+    return (1, 0, 0, path)
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Replace every LoRALinear in `model` by the plain Linear W + scale B A; return `model`."""
+    for path, m in lora_layers(model).items():
+        replace_submodule(model, path, m.fuse())
+    return model
+

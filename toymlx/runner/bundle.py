@@ -1,0 +1,282 @@
+"""Run bundles: where a run lives, its options, and the one object every reader opens it by.
+
+A bundle is `<runs_root>/<run_id>/`: `config.json` (written once, when the run starts),
+`events.jsonl` (`toymlx.bundle.events`), `weights/` (`toymlx.bundle.checkpoint`) and, while a process trains
+into it, `.lock` (`toymlx.backend.lock`: one writer, so a second `toymlx-train` on the bundle fails with
+one line naming the first).
+
+- `RunOptions` are the options of where a run lives and how this process drives it; none of
+  them changes what is trained, so a resume may change any of them except the two that name
+  the bundle. Every other option (the training configuration) must equal the saved one; only
+  `--steps` may extend the run (recorded in the `resume` event).
+- `Bundle.open(path)` reads and checks `config.json` once (every key present and typed, the
+  recipe's own checks), and the events once; training (`toymlx.runner.run`), toymlx-eval, -generate,
+  -export, -report and the sweep all open a run this way. For a resume it then plans where to
+  continue (`plan_resume`: the checkpoint verified, `latest` missing or dangling falling back to
+  the newest intact one), checks the model and the data files against what the run recorded,
+  and cuts the bundle back to that checkpoint (`rewind`), handing the loop a finished `Resume`.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from toymlx.backend.lock import Lock
+from toymlx.bundle import checkpoint as ck
+from toymlx.bundle import events as ev
+from toymlx.bundle.folder import CONFIG_FILE, CONFIG_FORMAT, added_since, lock_run, read_config
+from toymlx.bundle.inputs import (
+    DATA_FILES_KEY,
+    MODEL_OPTIONS,
+    fingerprint,
+    fingerprint_note,
+    resolve_inputs,
+)
+from toymlx.bundle.options import (
+    BUNDLE_NAME,
+    RUN_LOCAL,
+    RunError,
+    config_from_dict,
+    flag_name,
+    found_text,
+    option,
+    option_items,
+)
+from toymlx.bundle.resume import Resume, intact_hint
+
+
+# ---- the bundle ------------------------------------------------------------------------------
+class Bundle:
+    """One run bundle, opened once: its saved configuration (read and checked once), its
+    events, its checkpoints. `Bundle.open` is how every reader and the resume open a run."""
+
+    def __init__(self, path: Path, recipe: str, module: ModuleType, config: Any,
+                 saved: dict[str, Any], events: list[dict]):
+        self.path, self.recipe, self.module = path, recipe, module
+        self.config = config
+        """The recipe's Config as the run was started, `steps` as its last resume extended it."""
+        self.saved = saved
+        """config.json as read (`recipe`, `config`, `data_files`)."""
+        self.events = events
+        """events.jsonl as read at open (as a resume's `rewind` left it, after)."""
+        self.used: dict[str, str] = {}
+        """Per input option (`base`, `data.path`, ...): the file read for it, and why that one
+        (`resolve_inputs`), for the readers to say."""
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, flag: str = "--resume") -> Bundle:
+        """Read a run folder's config.json (strictly: RunError naming the file and the key, as
+        for command-line input; `flag` names the option that gave the folder) and its events."""
+        from toymlx.recipes import get_recipe
+        from toymlx.training.trainer import check_config
+
+        path = Path(path)
+        saved = read_config(path, flag)
+        source = str(path / CONFIG_FILE)
+        try:
+            module = get_recipe(saved["recipe"])
+        except ValueError as e:
+            raise RunError(f"{source}: key 'recipe': {e}") from None
+        fmt = saved.get("format", 1)
+        if not isinstance(fmt, int) or isinstance(fmt, bool):
+            raise RunError(f"{source}: key 'format': expected an integer (toymlx writes "
+                           f"{CONFIG_FORMAT}), found {found_text(fmt)}")
+        cfg = config_from_dict(module.Config, saved["config"], source, complete=fmt >= 2,
+                               optional=added_since(fmt))  # see CONFIG_FORMAT
+        cfg, used = resolve_inputs(cfg, saved, source)
+        events = ev.read_events(path)
+        cfg.steps = _planned_steps(events, cfg.steps)
+        try:
+            check_config(module, cfg)
+        except ValueError as e:
+            raise RunError(f"{source}: {e}") from None
+        bundle = cls(path, saved["recipe"], module, cfg, saved, events)
+        bundle.used = used
+        return bundle
+
+    @classmethod
+    def of(cls, path: str | os.PathLike, flag: str = "--model") -> Bundle | None:
+        """The bundle a run folder, or a checkpoint file in its weights/, belongs to; None for
+        a path outside any run (a GGUF of its own)."""
+        p = Path(path)
+        for run_dir in (p, p.parent.parent) if p.parent.name == "weights" else (p,):
+            if (run_dir / CONFIG_FILE).is_file():
+                return cls.open(run_dir, flag)
+        return None
+
+    # ---- owning it, for a resume
+    def own(self) -> Lock:
+        """Take the bundle's lock (LockHeld naming the owner); the caller holds it while it
+        trains. What `open` read stays valid: only an owner writes the bundle, one that still
+        owns it is refused here, and `rewind` cuts back the events file as it is then."""
+        return lock_run(self.path)
+
+    def resume_defaults(self, given: Any) -> Any:
+        """The saved configuration as the options a resume starts from: continuing to the end,
+        into this bundle."""
+        cfg = dataclasses.replace(self.config)
+        cfg.stop_at, cfg.resume, cfg.overwrite = None, str(given), False
+        return cfg
+
+    def resume_run(self, recipe: str, cfg: Any, build: Callable[[], Any], dtype: str | None,
+                   owned: contextlib.ExitStack | None) -> tuple[Any, Resume]:
+        """Everything a resume does before its first step, in one call; returns (the task
+        `build` made, the `Resume` the loop continues from). The bundle owned (its lock entered
+        in `owned`: rank 0; None on other ranks), `cfg` checked against config.json
+        (`check_options`) and the data against its fingerprints (`check_data`), the checkpoint
+        planned and verified (`plan_resume`), the task built, its model checked against the
+        run's (`check_model`, compute `dtype`), then the bundle cut back to the checkpoint
+        (`rewind`; other ranks keep the events as read)."""
+        if owned is not None:
+            owned.enter_context(self.own())
+        self.check_options(recipe, cfg)
+        self.check_data()
+        resume = self.plan_resume(cfg.from_step, cfg.steps)
+        task = build()
+        self.check_model(task.model_info, dtype)
+        if owned is not None:
+            self.rewind(resume)
+        else:
+            resume.kept = self.events
+        return task, resume
+
+    def check_options(self, recipe: str, given: Any) -> None:
+        """RunError unless `given` (a resume's options) keeps the run's recipe and every saved
+        option but --steps and the run-local ones (the bundle's name included)."""
+        if recipe != self.recipe:
+            raise RunError(f"{self.path}: --resume: expected a run of recipe {recipe!r}, found "
+                           f"a {self.recipe!r} run")
+        was = dict(option_items(self.config))
+        changed = [(k, was.get(k), v) for k, v in option_items(given)
+                   if k != "steps" and (k.split(".")[0] not in RUN_LOCAL or k in BUNDLE_NAME)
+                   and was.get(k) != v]
+        if not changed:
+            return
+        k, old, new = changed[0]
+        more = (f" (and {len(changed) - 1} more: "
+                f"{', '.join(flag_name(c[0]) for c in changed[1:])})" if len(changed) > 1 else "")
+        raise RunError(f"{self.path}: --resume: {flag_name(k)}: expected the run's saved {k} = "
+                       f"{old!r}, found {new!r}{more}; a resumed run keeps its configuration "
+                       "(only --steps and run-local options such as --eval-every may change): "
+                       "start a new run to change it")
+
+    def check_data(self) -> None:
+        """RunError naming the file unless every data file the run recorded at its start
+        still has the contents it had (its fingerprint)."""
+        for key, rec in self.saved.get(DATA_FILES_KEY, {}).items():
+            # the file `resolve_inputs` found for it (the path as typed in older bundles)
+            path = option(self.config, key) if isinstance(rec, dict) else None
+            if not isinstance(path, str):
+                raise RunError(f"{self.path / CONFIG_FILE}: key '{DATA_FILES_KEY}.{key}': "
+                               f"expected a path and its fingerprint, found {found_text(rec)}")
+            if not Path(path).exists():
+                raise RunError(f"{path}: {flag_name(key)}: expected the run's data "
+                               f"({rec.get('bytes')} bytes when it started), found nothing "
+                               "there; put it back to resume")
+            now = fingerprint(path)
+            was = {k: rec.get(k) for k in now}
+            if now != was:
+                what = ("its size" if now["bytes"] != was["bytes"] else "its contents")
+                raise RunError(f"{path}: {flag_name(key)}: expected the data the run started "
+                               f"on ({was['bytes']} bytes, {fingerprint_note(was)}), found {what} changed "
+                               f"({now['bytes']} bytes, {fingerprint_note(now)}); a resumed run trains on "
+                               "its own data: restore it, or start a new run on this data")
+
+    def plan_resume(self, from_text: str | None, steps: int) -> Resume:
+        """The checkpoint to continue from (`--from`, else the one `latest` names), verified;
+        RunError or ResumeError (one line, with the command that works) when there is none."""
+        weights = self.path / "weights"
+        note = None
+        if from_text is not None:
+            step = ck.parse_from(from_text)
+            if step == 0:
+                return self._check_steps(Resume(0, None, steps_before=self.config.steps), steps)
+            ckpt = ck.find_checkpoint(weights, step)
+        else:
+            if not ck.list_checkpoints(weights):
+                lost = max((e["step"] for e in self.events
+                            if e["kind"] == "step" and isinstance(e.get("step"), int)), default=0)
+                raise RunError(f"{self.path}: --resume: found no checkpoint: the run stopped at "
+                               f"step {lost}, before its first checkpoint ({lost} steps lost); "
+                               "start it over with its saved configuration: toymlx-train "
+                               f"--resume {self.path} --from step_0")
+            ckpt, note = ck.latest_checkpoint(self.path)
+            step = ck.checkpoint_step(ckpt)
+        try:
+            arrays, _ = ck.open_checkpoint(ckpt)
+        except ck.ResumeError as e:
+            raise ck.ResumeError(f"{e}; {intact_hint(self.path, step)}") from None
+        return self._check_steps(Resume(step, ckpt, state=arrays, steps_before=self.config.steps,
+                                        note=note), steps)
+
+    def _check_steps(self, resume: Resume, steps: int) -> Resume:
+        if steps <= resume.step:
+            raise RunError(f"{self.path}: --steps: expected more than the checkpoint's step "
+                           f"{resume.step} to train on, found {steps} (pass --steps N to "
+                           "extend the run)")
+        return resume
+
+    def check_model(self, model_info: dict[str, Any], dtype: str | None = None) -> None:
+        """RunError unless the model built now has the run's shape (and compute `dtype`:
+        `--dtype auto` resolves by device, and --device may change on resume)."""
+        start = next((e for e in self.events if e["kind"] == "run_start"), None)
+        if start is None:  # nothing recorded: the checkpoint load still checks every shape
+            return
+        trained = (start.get("math") or {}).get("dtype")
+        if dtype is not None and trained is not None and trained != dtype:
+            raise RunError(f"{self.path}: --resume: compute dtype: expected {trained} (the "
+                           f"run's), found {dtype} (--dtype auto on this device); resume it on "
+                           "a device where it resolves the same")
+        # the base's path as typed is no test: the file is checked by its recorded SHA-256 when
+        # the bundle opens, and a resume reads it by its absolute path
+        skip = ("n_params", "n_trainable", *MODEL_OPTIONS)
+        was = {k: v for k, v in start.get("model", {}).items() if k not in skip}
+        now = {k: v for k, v in json.loads(json.dumps(model_info, default=str)).items()
+               if k not in skip}
+        for k in sorted(set(was) | set(now)):
+            if was.get(k) != now.get(k):
+                raise RunError(f"{self.path}: --resume: model {k}: expected {was.get(k)!r} (the "
+                               f"run's), found {now.get(k)!r}; a resumed run keeps its model "
+                               "(start a new run to change it)")
+
+    def rewind(self, resume: Resume) -> None:
+        """Cut the bundle back to `resume.step` (only while owning it, just before training):
+        the events past it to events.superseded.jsonl, later checkpoints to
+        weights/superseded/, `latest` to the checkpoint, and temporaries of killed writers
+        removed."""
+        cut = ev.cut_back(self.path, resume.step)
+        resume.dropped, resume.previous_end, resume.t = cut.dropped, cut.previous_end, cut.t
+        resume.kept = cut.kept
+        self.events = cut.kept
+        weights = self.path / "weights"
+        weights.mkdir(exist_ok=True)
+        resume.set_aside = ck.set_aside_after(weights, resume.step)
+        ck.clean_temporaries(weights)
+
+
+def run_base(path: str | os.PathLike, flag: str = "--model") -> tuple[str, str] | None:
+    """(the base model, what to say about it) of the LoRA run `path` is (a run folder) or lies
+    in (a checkpoint in its weights/): the file its config.json recorded, as `Bundle.open`
+    found and checked it; None outside a run, or for a run without --base."""
+    bundle = Bundle.of(path, flag)
+    base = getattr(bundle.config, "base", None) if bundle is not None else None
+    if not base:
+        return None
+    return str(base), bundle.used.get("base", f"{base} (the run's --base)")
+
+
+
+def _planned_steps(events: list[dict], config_steps: int) -> int:
+    """The run's total steps: config.json's, or as the latest `resume` event extended them."""
+    for e in reversed(events):
+        if e["kind"] == "resume" and isinstance(e.get("steps"), int):
+            return e["steps"]
+    return config_steps

@@ -1,0 +1,157 @@
+"""The live view of a sweep: each run's progress read from its growing events.jsonl
+(`EventTail`, absorbed into a `SweptRun`) and shown as a table (`LiveView`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from toymlx.backend.lock import Lock
+from toymlx.bundle.events import parse_event
+from toymlx.runner import report
+from toymlx.sweeps.spec import RunSpec
+
+
+class EventTail:
+    """New complete events of a growing events.jsonl (a torn last line waits). A file replaced
+    by a resume (cut back to its checkpoint) is read again from its start."""
+
+    def __init__(self, path: Path, skip_existing: bool = False):
+        self.path = path
+        self.ino, self.offset = None, 0
+        if skip_existing and path.is_file():
+            st = path.stat()
+            self.ino, self.offset = st.st_ino, st.st_size
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self.ino or st.st_size < self.offset:
+                    self.ino, self.offset = st.st_ino, 0
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        events = (parse_event(raw) for raw in data[:end].splitlines())
+        return [ev for ev in events if ev is not None]
+
+
+@dataclass
+class SweptRun:
+    spec: RunSpec
+    dir: Path
+    state: str = "pending"
+    """pending, waiting, running, done, skipped, failed, stopped, interrupted, elsewhere"""
+    proc: subprocess.Popen | None = None
+    lock: Lock | None = None
+    """This sweep's claim on the run, held while its child trains."""
+    log: Any = None
+    tail: EventTail | None = None
+    action: str = ""
+    step: int = 0
+    steps: int | None = None
+    loss: float | None = None
+    metric: str = "val_loss"
+    val: float | None = None
+    rate: float | None = None
+    unit: str = ""
+    started: float = 0.0
+    wall: float | None = None
+    message: str | None = None
+    reason: str | None = None
+    """run_end reason seen in this attempt's events"""
+    wait_until: float = 0.0
+    retry_at: float = 0.0
+    """While "waiting" for another process to release the bundle: until when, and when next."""
+
+    def absorb(self, events: list[dict]) -> None:
+        for e in events:
+            kind = e["kind"]
+            if kind == "run_start":
+                self.steps = (e.get("config") or {}).get("steps", self.steps)
+                self.step = int(e.get("start_step") or 0)
+            elif kind == "resume":
+                self.steps = e.get("steps", self.steps)
+                self.step = int(e.get("from_step") or 0)
+            elif kind == "step":
+                self.step = e.get("step", self.step)
+                self.loss = report.number(e.get("loss"))
+                for k, v in e.items():
+                    if k.endswith("_per_s"):
+                        self.rate, self.unit = report.number(v), k.replace("_per_s", "/s")
+            elif kind == "eval":
+                if "accuracy" in e:
+                    self.metric = "accuracy"
+                self.val = report.number(e.get(self.metric))
+            elif kind == "run_end":
+                self.reason, self.message = e.get("reason"), e.get("message")
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+class LiveView:
+    """The live progress table: redrawn in place on a TTY, one line per change otherwise."""
+
+    def __init__(self, stream: TextIO, enabled: bool):
+        self.stream, self.enabled = stream, enabled
+        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+        self.drawn = 0
+        self.last: dict[str, str] = {}
+        self.t_draw = 0.0
+
+    def cells(self, r: SweptRun) -> list[str]:
+        steps = f"{r.step}/{r.steps}" if r.steps else str(r.step or "-")
+        wall = r.wall if r.wall is not None else (time.time() - r.started if r.started else None)
+        state = r.state + (f" ({r.action})" if r.action and r.state == "running" else "")
+        return [r.spec.name, state, steps, report.fmt(r.loss),
+                f"{r.metric} {report.fmt(r.val)}" if r.val is not None else "-",
+                f"{report.fmt(r.rate)} {r.unit}" if r.rate is not None else "-",
+                f"{wall:.0f}s" if wall is not None else "-"]
+
+    def update(self, runs: list[SweptRun], force: bool = False) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            now = time.time()
+            if not force and now - self.t_draw < 0.5:
+                return
+            self.t_draw = now
+            shown = runs
+            room = shutil.get_terminal_size((100, 40)).lines - 3
+            if len(runs) > room:  # too tall to redraw in place: the live runs, and counts
+                shown = [r for r in runs if r.state == "running"][:max(room - 1, 1)]
+            rows = [["run", "state", "step", "loss", "val", "speed", "time"]]
+            rows += [self.cells(r) for r in shown]
+            widths = [max(len(x[i]) for x in rows) for i in range(len(rows[0]))]
+            text = ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in rows]
+            if shown is not runs:
+                counts: dict[str, int] = {}
+                for r in runs:
+                    counts[r.state] = counts.get(r.state, 0) + 1
+                text.append(", ".join(f"{n} {k}" for k, n in counts.items()))
+            if self.drawn > len(text):  # a shorter table: clear the old tail too
+                text += [""] * (self.drawn - len(text))
+            up = f"\x1b[{self.drawn}F" if self.drawn else ""
+            self.stream.write(up + "".join(f"\x1b[2K{t}\n" for t in text))
+            self.stream.flush()
+            self.drawn = len(text)
+            return
+        for r in runs:  # plain lines: a run's state, or a new validation figure
+            key = f"{r.state}|{r.val}"
+            if self.last.get(r.spec.name) != key and r.state not in ("pending",):
+                self.last[r.spec.name] = key
+                c = self.cells(r)
+                self.stream.write(f"sweep: {c[0]}  {c[1]}  step {c[2]}  loss {c[3]}  {c[4]}  "
+                                  f"{c[5]}  {c[6]}\n")
+                self.stream.flush()

@@ -1,0 +1,327 @@
+"""The sweep's supervisor: run specs (`toymlx.sweeps.spec`) run as `toymlx-train`
+subprocesses in parallel workers, resumable, shardable over machines sharing a runs folder.
+
+    specs = grid(["--steps", "200"], {"lr": [1e-3, 3e-3], "model.d_model": [64, 128]})
+    result = run_sweep("from-scratch", specs, root="runs", workers=2)
+
+Every combination is its own run bundle, `<root>/<sweep_id>/<run name>`, named from its
+values. A sweep folder also holds `sweep.json` (the specs), `logs/<run>.log` (each run's
+output), `.locks/` (one `flock` per run while a sweep runs it, so two sweeps, or machines
+sharing the folder over a filesystem with locks such as NFS, never run one run twice; the lock
+dies with its holder), `.status/` (exit codes), and at the end `summary.csv`, `summary.jsonl`
+and `report.png`. Each run is a `toymlx-train` child tied to the sweep: if the sweep is
+killed, its children checkpoint and stop. Starting the same sweep again skips completed runs,
+resumes torn or interrupted ones from their latest checkpoint, retries failed ones, and leaves
+alone any run whose bundle another live process still owns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from toymlx.backend import atomic
+from toymlx.backend.lifeline import child_env
+from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
+from toymlx.bundle.checkpoint import resolve_latest
+from toymlx.bundle.events import read_events
+from toymlx.bundle.outputs import check_output
+from toymlx.runner import report
+from toymlx.sweeps.live import EventTail, LiveView, SweptRun
+from toymlx.sweeps.spec import (
+    RunSpec,
+    _write_sweep_file,
+    changed_options,
+    default_sweep_id,
+    shard_specs,
+)
+from toymlx.sweeps.summary import SweepResult, summarize_sweep
+
+RUN_OPTIONS_FILE = "run-options.json"
+"""In the sweep folder: the options every run takes from the sweep's config file, handed to each
+new run as `toymlx-train -c` (its flags, the grid's values among them, over it)."""
+
+
+def run_state(run_dir: Path) -> str:
+    """new | completed | diverged | failed (error) | resumable (torn, interrupted, stopped).
+
+    A diverged run is a result (that configuration blows up), not a fault: like a completed
+    one it is not run again."""
+    status = report.run_status(read_events(run_dir))[0] if run_dir.is_dir() else "empty"
+    if status in ("completed", "diverged"):
+        return status
+    if status == "error":
+        return "failed"
+    if status == "empty":
+        return "new"
+    return "resumable"
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    try:
+        resolve_latest(run_dir)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _recorded(sweep_dir: Path, r: SweptRun, key: str = "state") -> Any:
+    """A field of the sweep's record of how the run's last attempt ended (None if none)."""
+    try:
+        return json.loads((sweep_dir / ".status" / f"{r.spec.name}.json").read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _last_error(log: Path) -> str | None:
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return None
+    for x in reversed(lines):
+        if x.startswith(("toymlx-train: error:", "toymlx:")):
+            return x
+    return lines[-1] if lines else None
+
+
+class _Runner:
+    """One machine's share of a sweep in flight: runs started as `toymlx-train` children,
+    `workers` at a time, watched until they end, and stopped on SIGINT/SIGTERM.
+
+    Each child is tied to this process (`lifeline`): if the sweep dies, even by SIGKILL, its
+    children stop with a final checkpoint instead of training on unwatched. A child gets its
+    own process group so that a terminal's Ctrl-C reaches it once, forwarded from here."""
+
+    def __init__(self, recipe: str, sweep_dir: Path, runs: list[SweptRun], workers: int,
+                 retry_failed: bool, busy_wait: float, python: str, view: LiveView,
+                 stream: TextIO, run_options: Path | None = None):
+        self.recipe, self.sweep_dir, self.runs, self.workers = recipe, sweep_dir, runs, workers
+        self.run_options = run_options
+        """The file of options every new run takes as `-c` (None: none)."""
+        self.retry_failed, self.busy_wait = retry_failed, busy_wait
+        self.python, self.view, self.stream = python, view, stream
+        self.env = child_env(dict(os.environ, PYTHONUNBUFFERED="1"))
+        # K runs share the cores: give each run's BLAS its share instead of all of them
+        self.env.setdefault("OPENBLAS_NUM_THREADS",
+                            str(max(1, (os.cpu_count() or 1) // workers)))
+        self.signals, self.forwarded, self.stop_by = 0, 0, None
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals += 1
+
+    def run(self) -> bool:
+        """Run every run; returns whether a signal stopped the sweep."""
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: no signal handling
+                pass
+        try:
+            pending = list(self.runs)
+            while True:
+                active = [r for r in self.runs if r.state == "running"]
+                for r in list(pending):
+                    if len(active) >= self.workers or self.signals:
+                        break
+                    if r.retry_at > time.time():
+                        continue
+                    pending.remove(r)
+                    self._start(r)
+                    if r.state == "running":
+                        active.append(r)
+                    elif r.state == "waiting":
+                        pending.append(r)
+                if not active and (not pending or self.signals):
+                    break
+                for r in active:
+                    r.absorb(r.tail.read())
+                    if r.proc.poll() is not None:
+                        self._finish(r)
+                if self.signals > self.forwarded:
+                    self._forward([r for r in self.runs if r.state == "running"])
+                elif self.stop_by is not None and time.time() > self.stop_by:
+                    self._kill([r for r in self.runs if r.state == "running"])
+                self.view.update(self.runs)
+                time.sleep(0.25)
+            self.view.update(self.runs, force=True)
+        finally:
+            self._kill([r for r in self.runs if r.state == "running"])  # on an error here
+            for sig, h in old.items():
+                signal.signal(sig, h)
+        return self.signals > 0
+
+    def _lock_path(self, r: SweptRun) -> Path:
+        return self.sweep_dir / ".locks" / f"{r.spec.name}.lock"
+
+    def _claim(self, r: SweptRun) -> bool:
+        """Take this sweep's lock on the run (else another sweep runs it: "elsewhere"), and
+        check that no process owns its bundle. One that does (a killed sweep's child writing its
+        last checkpoint, a user's toymlx-train) is waited for up to `busy_wait` seconds
+        ("waiting"), then left to it ("elsewhere")."""
+        try:
+            r.lock = acquire(self._lock_path(r), f"sweep run {r.spec.name}")
+        except LockHeld as e:
+            r.state, r.message = "elsewhere", str(e)
+            return False
+        try:
+            if (r.dir / LOCK_FILE).exists():
+                acquire(r.dir / LOCK_FILE, f"{r.dir}: run bundle").release()
+        except LockHeld as e:
+            r.release()
+            now = time.time()
+            r.wait_until = r.wait_until or now + self.busy_wait
+            r.state = "waiting" if now < r.wait_until else "elsewhere"
+            r.message, r.retry_at = str(e), now + 1.0
+            return False
+        return True
+
+    def _start(self, r: SweptRun) -> None:
+        if not self._claim(r):
+            return
+        state = run_state(r.dir)
+        if state in ("completed", "diverged"):
+            r.state = "skipped"
+            r.absorb(read_events(r.dir))
+            r.wall = report.summarize_run(r.dir)["wall_s"]
+            r.release()
+            return
+        failed = state == "failed" or _recorded(self.sweep_dir, r) == "failed"
+        if not self.retry_failed and failed:
+            r.state = "failed"  # as recorded by the bundle, or by the sweep if it has none
+            r.absorb(read_events(r.dir))
+            r.message = r.message or _recorded(self.sweep_dir, r, "message")
+            r.release()
+            return
+        if state == "resumable" and _has_checkpoint(r.dir):
+            r.action = "resume"
+            cmd = ["--resume", str(r.dir), "--no-progress"]
+        else:  # new, failed, or stopped before its first checkpoint: start (over)
+            r.action = "restart" if r.dir.exists() else "start"
+            cmd = ["--recipe", self.recipe, "--runs-root", str(self.sweep_dir), "--run-id",
+                   r.spec.name, "--no-progress",
+                   *(["-c", str(self.run_options)] if self.run_options else []), *r.spec.args,
+                   *(["--overwrite"] if r.dir.exists() else [])]
+        log_path = self.sweep_dir / "logs" / f"{r.spec.name}.log"
+        r.log = open(log_path, "ab")  # noqa: SIM115  (open for the run's lifetime)
+        r.log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {r.action}: toymlx-train "
+                    f"{' '.join(cmd)}\n".encode())
+        r.log.flush()
+        # a resumed run's history is shown, but its outcome is read from what it adds
+        r.tail = EventTail(r.dir / "events.jsonl", skip_existing=True)
+        if r.action == "resume":
+            r.absorb(read_events(r.dir))
+        r.reason, r.message = None, None
+        r.proc = subprocess.Popen([self.python, "-m", "toymlx_cli.train", *cmd], stdout=r.log,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env=self.env, start_new_session=True)
+        r.state, r.started = "running", time.time()
+
+    def _finish(self, r: SweptRun) -> None:
+        code = r.proc.wait()
+        r.log.close()
+        r.absorb(r.tail.read())
+        r.wall = time.time() - r.started
+        reason = r.reason
+        if code == 0 and reason == "completed":
+            r.state = "done"
+        elif code == 0 and reason == "stopped":
+            r.state = "stopped"
+        elif reason == "diverged":
+            r.state = "diverged"
+        elif reason == "interrupted" or code in (130, -signal.SIGINT):
+            r.state = "interrupted"
+        else:
+            r.state = "failed"
+            r.message = r.message or _last_error(self.sweep_dir / "logs" /
+                                                 f"{r.spec.name}.log") or f"exit code {code}"
+        atomic.write_text(self.sweep_dir / ".status" / f"{r.spec.name}.json", json.dumps({
+            "state": r.state, "exit_code": code, "message": r.message, "wall_s": r.wall,
+            "host": socket.gethostname(), "finished_at": time.time()}))
+        r.release()
+
+    def _forward(self, active: list[SweptRun], grace: float = 120.0) -> None:
+        """Pass each new signal on (SIGINT: the run checkpoints and ends; a second one skips
+        that checkpoint); after `grace` seconds the rest are killed."""
+        if not self.forwarded:
+            self.stream.write(f"sweep: stopping {len(active)} run(s) (they checkpoint first)...\n")
+            self.stop_by = time.time() + grace
+        self.forwarded = self.signals
+        for r in active:
+            try:
+                os.killpg(r.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+    def _kill(self, active: list[SweptRun]) -> None:
+        for r in active:
+            if r.proc.poll() is None:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            self._finish(r)
+
+
+def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "runs",
+              workers: int = 1, shard: tuple[int, int] = (0, 1), sweep_id: str | None = None,
+              *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
+              python: str | None = None, report_png: bool = True,
+              busy_wait: float = 60.0, run_options: Mapping[str, Any] | None = None
+              ) -> SweepResult:
+    """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
+    time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
+    report.png). Completed (and diverged) runs are skipped, torn ones resumed, failed ones
+    retried (`retry_failed`); a run whose bundle another process owns is waited for up to
+    `busy_wait` seconds, then left to it. A failure is reported and does not stop the others.
+    `run_options` (a config file's, as toymlx-train -c reads one) is written to the sweep
+    folder's RUN_OPTIONS_FILE and given to every new run as `-c`, the specs' flags over it."""
+    if workers < 1:
+        raise ValueError(f"--workers: expected >= 1, found {workers}")
+    if not specs:
+        raise ValueError("sweep: expected at least one run, found none")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError("sweep: run names repeat; give each run distinct values")
+    mine = shard_specs(specs, shard)
+    stream = stream or sys.stderr
+    sweep_id = sweep_id or default_sweep_id(recipe, specs, run_options)
+    if "/" in sweep_id or sweep_id in ("", ".", ".."):
+        raise ValueError(f"--sweep-id: expected a single folder name, found {sweep_id!r}")
+    # its runs' inputs are checked by each toymlx-train; the sweep's own folder here
+    sweep_dir = check_output(Path(root) / sweep_id, [], "--runs-root")
+    changed = changed_options(sweep_dir, recipe, specs, run_options)
+    if changed:
+        raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this sweep "
+                         f"was started with, found {', '.join(changed)} changed; give a new "
+                         "--sweep-id to run the changed sweep, or put them back")
+    for sub in ("logs", ".locks", ".status"):
+        (sweep_dir / sub).mkdir(parents=True, exist_ok=True)
+    _write_sweep_file(sweep_dir, recipe, specs, run_options)
+    options_file = None
+    if run_options:
+        options_file = sweep_dir / RUN_OPTIONS_FILE
+        atomic.write_text(options_file, json.dumps(run_options, indent=1))
+    stream.write(f"sweep {sweep_dir}: {len(specs)} runs, {len(mine)} on this shard "
+                 f"({shard[0]}/{shard[1]}), {workers} worker(s)\n")
+    runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
+    interrupted = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
+                          python or sys.executable, LiveView(stream, progress), stream,
+                          options_file).run()
+
+    result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
+    result.states = {r.spec.name: r.state for r in runs}
+    for r in runs:
+        if r.state in ("failed", "diverged"):
+            stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
+                         f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
+        elif r.state == "elsewhere":
+            stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
+    if interrupted:
+        stream.write("sweep: interrupted; run the same command again to resume\n")
+    return result

@@ -1,0 +1,256 @@
+"""llama.cpp's LoRA adapter GGUF, and toymlx's DoRA variant of it: written from a model's
+adapter layers (`write_adapter`), read and checked (`load_adapter`), applied to a base
+(`apply_adapter`) or loaded into a model's adapter layers (`load_adapter_weights`).
+
+Adapter GGUF (what llama.cpp's `llama_adapter_lora_init` checks): `general.type = "adapter"`,
+`general.architecture` = the base's, `adapter.type = "lora"`, `adapter.lora.alpha` (float32;
+0 means scale 1), and per adapted weight `<base tensor>.lora_a` (r, n_in) and `.lora_b`
+(n_out, r), F32.
+
+llama.cpp has no DoRA adapter format, so a DoRA adapter is a toymlx adapter GGUF: the same
+layout with `adapter.type = "dora"` (which llama.cpp refuses rather than misreads) and
+`<base>.dora_m` (n_out,) per pair; toymlx reads it (`load_adapter`, `apply_adapter`) and
+`toymlx.interop.merge.write_merged` fuses it into a plain GGUF that llama.cpp runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from toymlx.bundle.checkpoint import checkpoint_file
+from toymlx.gguf.llama import gguf_to_toy, toy_to_gguf
+from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.writer import encode_tensor, write_gguf
+from toymlx.models.layers import BlockLinear, replace_submodule, submodule
+from toymlx.models.llama import Llama
+from toymlx.models.lora import ADAPTER_KINDS, TARGETS, LoRALinear, base_dims, lora_layers
+
+
+def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str, Any],
+                  extra: dict[str, Any] | None = None, dtype: str = "f32") -> Path:
+    """Write the model's LoRA layers as a llama.cpp LoRA adapter GGUF (matrices as `dtype`:
+    f32, f16 or bf16), atomically; DoRA layers as toymlx's DoRA adapter GGUF."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("write_adapter: expected a model with LoRA layers (apply_lora), "
+                         "found none")
+    kinds_used = {k for k, c in ADAPTER_KINDS.items() for m in layers.values() if type(m) is c}
+    if len(kinds_used) != 1:
+        raise ValueError(f"write_adapter: expected one kind of adapter layer, found "
+                         f"{sorted(kinds_used)}")
+    kind = kinds_used.pop()
+    alphas = {m.alpha for m in layers.values()}
+    if len(alphas) != 1:
+        raise ValueError(f"write_adapter: expected one lora alpha for every layer (the file "
+                         f"holds one adapter.lora.alpha), found {sorted(alphas)}")
+    tensors: dict[str, np.ndarray] = {}
+    short = {v: k for k, v in TARGETS.items()}
+    kinds, blocks = [], []
+    for p, m in layers.items():
+        name = toy_to_gguf(p + ".weight")
+        tensors[name + ".lora_a"] = np.asarray(m.lora_a.astype(mx.float32))  # (r, in)
+        tensors[name + ".lora_b"] = np.asarray(m.lora_b.astype(mx.float32))  # (out, r)
+        if kind == "dora":
+            tensors[name + ".dora_m"] = np.asarray(m.m.astype(mx.float32))  # (out,)
+        _, i, rest = p.split(".", 2)
+        kinds.append(short.get(rest, rest))
+        blocks.append(int(i))
+    arch = base_meta.get("general.architecture", "llama")
+    meta = {
+        "general.type": "adapter",
+        "general.architecture": arch,
+        "general.name": f"{base_meta.get('general.name', arch)} LoRA",
+        "adapter.type": kind,
+        "adapter.lora.alpha": float(alphas.pop()),
+        "toy.lora.rank": int(max(m.rank for m in layers.values())),
+        "toy.lora.targets": ",".join(dict.fromkeys(kinds)),
+        "toy.lora.blocks": f"{min(blocks)}-{max(blocks)}",
+    }
+    meta.update(extra or {})
+    return write_gguf(path, meta, {n: encode_tensor(n, t, dtype) for n, t in tensors.items()})
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter read from GGUF: base tensor name -> (A (r, n_in), B (n_out, r))."""
+
+    path: str
+    arch: str
+    alpha: float
+    pairs: dict[str, tuple[np.ndarray, np.ndarray]]
+    metadata: dict[str, Any]
+    kind: str = "lora"
+    """`adapter.type`: lora (llama.cpp's), or dora (toymlx's: with `magnitudes`)"""
+    magnitudes: dict[str, np.ndarray] | None = None
+    """DoRA: base tensor name -> m (n_out,)"""
+
+    def delta(self, name: str, w: np.ndarray) -> np.ndarray:
+        """What the adapter adds to base tensor `name` (weights `w`), (n_out, n_in) float64:
+        scale * B A (alpha 0 means scale 1, as llama.cpp reads it); DoRA rescales W + that to
+        its magnitude m per row, as `DoRALinear.fuse` does."""
+        a, b = self.pairs[name]
+        r = a.shape[0]
+        d = LoRALinear.scale_of(r, self.alpha or r) * (b.astype(np.float64) @ a)
+        if self.kind != "dora":
+            return d
+        v = w.astype(np.float64) + d
+        return self.magnitudes[name][:, None] / np.linalg.norm(v, axis=1)[:, None] * v - w
+
+
+def load_adapter(path: str | os.PathLike) -> Adapter:
+    """Read and check a llama.cpp LoRA adapter GGUF (one-line GGUFError when it is not one)."""
+    path = checkpoint_file(path, "--adapter")
+    g = GGUFFile(path)
+    meta = g.metadata
+    kind = meta.get("general.type")
+    if kind != "adapter":
+        hint = (" (a model; pass it as the base and the adapter separately)" if kind == "model"
+                or "tokenizer.ggml.tokens" in meta else "")
+        raise GGUFError(f"{path}: metadata key 'general.type': expected 'adapter' (a LoRA "
+                        f"adapter GGUF), found {kind!r}{hint}")
+    kind = meta.get("adapter.type")
+    if kind not in ADAPTER_KINDS:
+        raise GGUFError(f"{path}: metadata key 'adapter.type': expected 'lora' (or toymlx's "
+                        f"'dora'), found {kind!r}")
+    alpha = g.get("adapter.lora.alpha", (int, float), 0.0)
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    suffixes = ("lora_a", "lora_b", "dora_m") if kind == "dora" else ("lora_a", "lora_b")
+    for name in g.tensors:
+        base, _, half = name.rpartition(".")
+        if half not in suffixes:
+            if name.endswith("_norm.weight"):  # llama.cpp ignores these too
+                continue
+            raise GGUFError(f"{path}: tensor {name!r}: expected a name ending in "
+                            f"{' or '.join('.' + x for x in suffixes)}, found another suffix")
+        arr = g.load(name, np.float32)
+        if half == "dora_m":
+            halves.setdefault(base, {})[half] = arr.copy()
+            continue
+        if arr.ndim != 2:
+            raise GGUFError(f"{path}: tensor {name!r}: expected 2 dimensions, found shape "
+                            f"{arr.shape}")
+        halves.setdefault(base, {})[half] = arr.copy()
+    pairs, magnitudes = {}, {}
+    for base, h in halves.items():
+        if kind == "dora":
+            m = h.pop("dora_m", None)
+            if m is None or (len(h) == 2 and m.shape != (h["lora_b"].shape[0],)):
+                raise GGUFError(f"{path}: tensor '{base}.dora_m': expected shape "
+                                f"({h['lora_b'].shape[0] if 'lora_b' in h else 'n_out'},) "
+                                f"(a DoRA magnitude per output row), found "
+                                f"{'missing' if m is None else m.shape}")
+            magnitudes[base] = m
+        if len(h) != 2:
+            missing = "lora_b" if "lora_a" in h else "lora_a"
+            raise GGUFError(f"{path}: tensor '{base}.{missing}': expected present (pair of "
+                            f"'{base}.{'lora_a' if missing == 'lora_b' else 'lora_b'}'), "
+                            "found missing")
+        a, b = h["lora_a"], h["lora_b"]
+        if a.shape[0] != b.shape[1]:
+            raise GGUFError(f"{path}: tensor '{base}.lora_b' shape: expected (n_out, "
+                            f"{a.shape[0]}) to match lora_a's rank, found {b.shape}")
+        pairs[base] = (a, b)
+    if not pairs:
+        raise GGUFError(f"{path}: tensors: expected lora_a/lora_b pairs, found none")
+    arch = meta.get("general.architecture")
+    g.close()
+    return Adapter(str(path), str(arch), float(alpha), pairs, dict(meta), kind,
+                   magnitudes if kind == "dora" else None)
+
+
+def _adapter_targets(model: nn.Module, ad: Adapter) -> dict[str, tuple[str, np.ndarray,
+                                                                       np.ndarray]]:
+    """Adapter tensor name -> (module path, A, B), every shape checked against the base."""
+    out = {}
+    for name, (a, b) in ad.pairs.items():
+        key = gguf_to_toy(name, model.args.fused_gate_up)
+        try:
+            module = submodule(model, key[: -len(".weight")]) if key else None
+        except (AttributeError, IndexError, KeyError):
+            module = None
+        if isinstance(module, LoRALinear):
+            module = module.linear
+        if not isinstance(module, (nn.Linear, nn.QuantizedLinear, BlockLinear)) or \
+                key == "embed.weight":
+            raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection weight "
+                            f"of the base (blk.N.attn_q/k/v/qkv/output, ffn_gate/up/down), found "
+                            f"no such weight in a {len(model.layers)}-block base")
+        n_out, n_in = base_dims(module)
+        if a.shape[1] != n_in or b.shape[0] != n_out:
+            raise GGUFError(f"{ad.path}: tensor '{name}.lora_a'/'.lora_b' shapes: expected "
+                            f"(r, {n_in}) and ({n_out}, r) to fit the base's {name} "
+                            f"({n_out}, {n_in}), found {a.shape} and {b.shape} (wrong base?)")
+        out[name] = (key[: -len(".weight")], a, b)
+    return out
+
+
+def check_arch(ad: Adapter, arch: str) -> None:
+    """GGUFError unless the adapter was trained for a base of architecture `arch`."""
+    if ad.arch != arch:
+        raise GGUFError(f"{ad.path}: metadata key 'general.architecture': expected {arch!r} "
+                        f"(the base model's), found {ad.arch!r}")
+
+
+def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike) -> Llama:
+    """Wrap `model`'s projections with the adapter's LoRA layers (a file or a run directory);
+    the adapter's architecture must be the model's."""
+    ad = load_adapter(path_or_run_dir)
+    check_arch(ad, model.args.arch)
+    for name, (path, a, b) in _adapter_targets(model, ad).items():
+        base = submodule(model, path)
+        if isinstance(base, LoRALinear):
+            raise TypeError(f"{path}: expected a plain projection, found one already "
+                            "wrapped in LoRA (apply one adapter per model)")
+        rank = a.shape[0]
+        # llama.cpp: alpha 0 (or absent) means scale 1, i.e. alpha = r.
+        m = ADAPTER_KINDS[ad.kind].from_base(base, rank, ad.alpha or float(rank))
+        m.lora_a, m.lora_b = mx.array(a), mx.array(b)
+        if ad.magnitudes is not None:
+            m.m = mx.array(ad.magnitudes[name])
+        replace_submodule(model, path, m)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy an adapter file's A and B (and DoRA's m) into the model's existing LoRA layers:
+    resume, or a new run started from an adapter (`--lora.init-adapter`).
+
+    The file must hold exactly the model's LoRA layers, of the same kind, ranks and alpha.
+    """
+    ad = load_adapter(path)
+    check_arch(ad, model.args.arch)
+    have = {toy_to_gguf(p + ".weight"): m for p, m in lora_layers(model).items()}
+    kind = next((k for k, c in ADAPTER_KINDS.items()
+                 if any(type(m) is c for m in have.values())), "lora")
+    if ad.kind != kind:
+        raise GGUFError(f"{ad.path}: metadata key 'adapter.type': expected {kind!r} (this "
+                        f"run's --fine-tune-type), found {ad.kind!r}")
+    if set(have) != set(ad.pairs):
+        extra = sorted(set(ad.pairs) - set(have))
+        missing = sorted(set(have) - set(ad.pairs))
+        raise GGUFError(f"{ad.path}: tensors: expected LoRA pairs for exactly the model's "
+                        f"{len(have)} adapted weights, found {len(ad.pairs)} (missing "
+                        f"{missing[:2]}, unexpected {extra[:2]})")
+    targets = _adapter_targets(model, ad)
+    for name, (_, a, b) in targets.items():
+        m = have[name]
+        if a.shape[0] != m.rank or (ad.alpha or a.shape[0]) != m.alpha:
+            raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected rank {m.rank} and "
+                            f"alpha {m.alpha} (this run's), found rank {a.shape[0]} and alpha "
+                            f"{ad.alpha}")
+        m.lora_a, m.lora_b = mx.array(a), mx.array(b)
+        if ad.magnitudes is not None:
+            if ad.magnitudes[name].shape != m.m.shape:
+                raise GGUFError(f"{ad.path}: tensor '{name}.dora_m': expected shape "
+                                f"{m.m.shape}, found {ad.magnitudes[name].shape}")
+            m.m = mx.array(ad.magnitudes[name])
+    mx.eval(model.parameters())
+

@@ -1,0 +1,171 @@
+"""A trained adapter or full fine-tune fused with its base into one GGUF: re-encoded in one
+type (`write_reencoded`), or as the file that keeps the fine-tune (`write_fused_kept`,
+`write_full_kept`, through `toymlx.gguf.fuse.write_kept`), and how much of the adapter's change
+a fused file keeps (`adapter_kept`). A full fine-tune's checkpoint is its model as a file of its
+base's kind (`write_like_base`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toymlx.bundle.checkpoint import checkpoint_file
+from toymlx.gguf.llama import llama_tensors, load_llama
+from toymlx.gguf.quantize import BASE_FILE_TYPE, export_type, quantizer, write_model_gguf
+from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
+from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
+from toymlx.models.llama import Llama
+from toymlx.models.lora import fuse
+from toymlx.training.adapter import apply_adapter, check_arch, load_adapter
+
+KEPT_WARNING = 0.5
+"""Below this share of the adapter's change kept, a fused export says so (see adapter_kept)."""
+
+
+def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
+                 adapter: str | os.PathLike) -> float:
+    """The share of the adapter's change a fused file keeps, on the adapted layers' outputs
+    (`toymlx.gguf.fuse.kept_from`): over the adapted tensors, with D the adapter's change, F = W + D
+    and Q the file's weights, 1 - sqrt(sum ||Q - F||^2 / sum ||D||^2) clipped to [0, 1]: the
+    output error on isotropic inputs against the change's own output. Rounding the untouched
+    part of W again counts as error, never as change (1: all of it kept; 0: noise as large as
+    the change). Weights dequantized by gguf-py, sums in float64."""
+    from toymlx.gguf.fuse import kept_from
+
+    ad = load_adapter(adapter)
+    err2 = delta2 = 0.0
+    with GGUFFile(base) as g, GGUFFile(fused) as f:
+        for name in ad.pairs:
+            w = g.load(name, np.float32)
+            d = ad.delta(name, w)
+            e = f.load(name, np.float64) - (w + d)
+            err2, delta2 = err2 + float(np.vdot(e, e)), delta2 + float(np.vdot(d, d))
+            f.release(name)
+            g.release(name)
+    return kept_from(err2, delta2)
+
+
+def kept_note(kept: float, dtype: str) -> str:
+    """What a user reads about `adapter_kept`: the share, and what to do when it is small."""
+    note = f"keeps {kept:.0%} of the adapter's change on the adapted layers' outputs"
+    if kept < KEPT_WARNING:
+        note += (f" (warning: the rest is lost to {dtype}'s rounding; to keep the fine-tune, "
+                 "export without --dtype (each adapted tensor in a type that keeps its change), "
+                 "or --dtype q8_0 or f16, or run the base with the adapter: llama-cli --lora)")
+    return note
+
+
+def write_reencoded(out: str | os.PathLike, base: str | os.PathLike,
+                    adapter: str | os.PathLike | None = None, dtype: str | None = None,
+                    progress: bool = False) -> Path:
+    """Write `base` (+ `adapter`, LoRA or DoRA, fused into its weights) as a full GGUF with
+    every tensor re-encoded in `dtype` (default: the base's own, `export_type`) through
+    `write_model_gguf`, byte for byte what llama-quantize writes from the fused F32 model;
+    `base` may be a full fine-tune's run folder (its latest checkpoint)."""
+    base = checkpoint_file(base, "--base")
+    with GGUFFile(base) as g:
+        dtype = dtype or export_type(g)
+    quantizer(dtype)  # refused before the work, if nothing here writes this type
+    model, g = load_llama(base)
+    extra = {}
+    if adapter is not None:
+        ad_path = checkpoint_file(adapter, "--adapter")
+        apply_adapter(model, ad_path)
+        fuse(model)
+        extra["toy.merged_adapter"] = ad_path.name
+    try:
+        meta, types, weights = like_base(g, model, extra)
+    finally:
+        g.close()
+    del model
+    return write_model_gguf(out, meta, types, weights, dtype, progress)
+
+
+
+def write_fused_kept(out: str | os.PathLike, base: str | os.PathLike,
+                     adapter: str | os.PathLike, progress: bool = False):
+    """`base` + `adapter` (LoRA or DoRA) fused by `toymlx.gguf.fuse.write_kept` (the file that keeps
+    the fine-tune); returns its `KeptFile`. The adapter is checked against the base first
+    (architecture, every adapted weight's name and shape), as `apply_adapter` checks it."""
+    from toymlx.gguf.fuse import write_kept
+
+    base = checkpoint_file(base, "--base")
+    ad_path = checkpoint_file(adapter, "--adapter")
+    ad = load_adapter(ad_path)
+    with GGUFFile(base) as g:
+        check_arch(ad, str(g.metadata.get("general.architecture", "llama")))
+        for name, (a, b) in ad.pairs.items():
+            info = g.tensors.get(name)
+            if info is None or len(info.shape) != 2 or name == "token_embd.weight":
+                raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection "
+                                f"weight of the base {base}, found no such weight")
+            if (b.shape[0], a.shape[1]) != info.shape:
+                raise GGUFError(f"{ad.path}: tensor '{name}.lora_a'/'.lora_b' shapes: expected "
+                                f"(r, {info.shape[1]}) and ({info.shape[0]}, r) to fit the "
+                                f"base's {name} {info.shape}, found {a.shape} and {b.shape} "
+                                "(wrong base?)")
+
+    def fused(name: str, w: np.ndarray) -> np.ndarray:
+        return (w.astype(np.float64) + ad.delta(name, w)).astype(np.float32)
+
+    return write_kept(out, base, ad.pairs, fused, {"toy.merged_adapter": ad_path.name},
+                      progress=progress)
+
+
+
+def write_full_kept(out: str | os.PathLike, base: str | os.PathLike,
+                    checkpoint: str | os.PathLike, progress: bool = False):
+    """A full fine-tune's `checkpoint` as the file that keeps the fine-tune
+    (`toymlx.gguf.fuse.write_kept` over the file `base` it was trained from): each tensor it changed
+    in a type that keeps the change, every other one the base's own bytes."""
+    from toymlx.gguf.fuse import write_kept
+
+    checkpoint = checkpoint_file(checkpoint, "--base")
+    with GGUFFile(base) as g, GGUFFile(checkpoint) as c:
+        if {n: i.shape for n, i in g.tensors.items()} != {n: i.shape for n, i in
+                                                          c.tensors.items()}:
+            raise GGUFError(f"{checkpoint}: tensors: expected the names and shapes of the base "
+                            f"it was trained from ({base}), found others")
+        changed = [n for n in g.tensors
+                   if not np.array_equal(g.load(n, np.float32), c.load(n, np.float32))]
+    c = GGUFFile(checkpoint)
+    try:
+        return write_kept(out, base, changed, lambda name, w: c.load(name, np.float32),
+                          {"toy.fine_tuned": checkpoint.name}, progress=progress)
+    finally:
+        c.close()
+
+
+def like_base(g: GGUFFile, model: Llama, extra: dict[str, Any] | None = None
+              ) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]], dict[str, np.ndarray]]:
+    """(metadata, their GGUF types, float32 tensors) of `model` as a file of the base `g`'s kind:
+    every metadata key of the base (tokenizer, chat template, hyperparameters) with its original
+    GGUF type, `extra` added, and the base's other tensors (RoPE constants: rope_freqs,
+    rope_factors_*); the writer sets general.file_type."""
+    skip = ("general.alignment", "general.file_type", BASE_FILE_TYPE)
+    meta = {k: v for k, v in g.metadata.items() if k not in skip}
+    types = {k: t for k, t in g.metadata_types.items() if k not in skip}
+    meta.update(extra or {})
+    weights = llama_tensors(model)
+    for name in g.tensors:  # RoPE constants as the base has them
+        if name not in weights:
+            weights[name] = g.load(name, np.float32)
+    return meta, types, weights
+
+
+def write_like_base(out: str | os.PathLike, g: GGUFFile, model: Llama, dtype: str,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """A full fine-tune's checkpoint: `model` as a GGUF of the base `g`'s kind (`like_base`),
+    matrices in `dtype` (f32/f16/bf16), with the tensor digest a resume verifies, and the base's
+    general.file_type as `toy.base_file_type` (its export defaults to that type)."""
+    meta, types, weights = like_base(g, model, extra)
+    meta["general.file_type"] = FILE_TYPE[dtype]
+    types["general.file_type"] = (UINT32, None)
+    base_type = g.metadata.get(BASE_FILE_TYPE, g.metadata.get("general.file_type"))
+    if isinstance(base_type, int):
+        meta[BASE_FILE_TYPE], types[BASE_FILE_TYPE] = base_type, (UINT32, None)
+    tensors = {n: encode_tensor(n, w, dtype) for n, w in weights.items()}
+    return write_gguf(out, meta, tensors, types=types)
