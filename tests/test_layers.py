@@ -128,3 +128,26 @@ def test_the_checker_sees_function_level_imports(tmp_path):
     known["toymlx.gguf.reader"].write_text("")
     known["toymlx.models.x"].write_text(src)
     assert imports(known)["toymlx.models.x"] == {"toymlx.gguf.reader"}
+
+
+def test_old_module_paths_import_with_a_warning():
+    """toymlx 0.2's flat paths (the README's among them) still import, for one release."""
+    import importlib
+    import sys
+
+    import pytest
+
+    from toymlx._moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} moved to"):
+            module = importlib.import_module(old)
+        if len(new) == 1:
+            assert module is importlib.import_module(new[0])
+    used = {"toymlx.generate": ("generate", "load_for_generation"),  # the README's
+            "toymlx.lora": ("apply_lora", "load_adapter", "write_merged"),
+            "toymlx.runs": ("Bundle", "RunOptions", "fingerprint"),
+            "toymlx.tokenizer": ("Tokenizer", "byte_metadata"), "toymlx.sweep": ("grid", "run_sweep")}
+    for old, names in used.items():
+        assert [n for n in names if not hasattr(sys.modules[old], n)] == []

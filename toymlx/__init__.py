@@ -14,6 +14,10 @@ except ImportError as _e:  # no backend library (Linux: mlx without its [cpu]/[c
 
 __version__ = "0.2.0"
 
+from toymlx import _moved
+
+_moved.install()  # toymlx 0.2's flat module paths, for one more release (toymlx._moved)
+
 from toymlx.runner.api import train  # the Python entry point (toymlx.runner.api)
 
 __all__ = ["__version__", "train"]
