@@ -1,4 +1,4 @@
-"""One run bundle, opened once (`toymlx.bundle.runs.Bundle`): issue 23's ways a bundle still lost or
+"""One run bundle, opened once (`toymlx.runner.bundle.Bundle`): issue 23's ways a bundle still lost or
 mixed a run, each run as a user would (real `toymlx-*` commands, files, signals, processes).
 
 B1. `latest` missing or dangling: the resume (by a relative path too) takes the newest intact

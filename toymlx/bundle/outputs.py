@@ -22,7 +22,7 @@ from pathlib import Path
 from toymlx.bundle import model_store
 
 BUNDLE_MARKS = ("config.json", "events.jsonl", "weights", ".lock")
-"""What a run bundle (`toymlx.bundle.runs`) holds: config.json and events.jsonl once it has started,
+"""What a run bundle (`toymlx.runner.bundle`) holds: config.json and events.jsonl once it has started,
 weights/ and .lock from the moment toymlx-train creates it."""
 
 
