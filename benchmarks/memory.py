@@ -119,6 +119,7 @@ def run_row(row: Row, runs: Path) -> dict[str, Any]:
                            "base_dtype": row.base_dtype, "grad_checkpoint": row.grad_checkpoint,
                            "rc": child.returncode, "wall_s": round(wall, 1),
                            "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 3),
+                           "minor_faults": usage.ru_minflt,
                            "command": " ".join(["toymlx-train", *cmd[3:]])}
     if child.returncode != 0:
         rec["error"] = out.strip().splitlines()[-1] if out.strip() else ""

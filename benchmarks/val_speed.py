@@ -10,8 +10,8 @@ pass over the first `--eval-batches` batches two ways, back to back:
 - now: the run's `trainer.Evaluator` (compiled once, the step's CPU streams, held-out batches
   cut to their longest row with the loss at the trained positions alone), its first pass
   included (tracing, and compiling any kernel not yet in the kernel cache);
-- before: what the loop ran before issue 36 (eager, one stream, every row padded to --seq-len,
-  `lm_loss` over every position), on the same rows.
+- before: what the loop ran before issue 36 (eager, one stream, batches of --batch-size rows
+  each padded to --seq-len, `lm_loss` over every position), on the same rows.
 Each figure is seconds per row (validation: per real row, the fill rows of a short last batch
 not counted; training: a step's time over its 4 rows), wall clock and this process's CPU time
 (on a machine shared with other work the CPU time is the steadier measure). The ratio is
@@ -67,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     batches = task.val_batches[:args.eval_batches]
     rows = sum(int((b["mask"][0].sum(axis=-1) > 0).sum()) for b in batches)
     # before: every row padded to --seq-len, the loss over every position, eager, one stream
-    full = [{k: np.pad(v, [(0, 0), (0, 0), (0, cfg.seq_len - v.shape[-1])])
-             for k, v in b.items() if k in ("inputs", "targets", "mask")} for b in batches]
+    # (and batches of --batch-size rows: held-out batches now hold HELD_OUT_ROWS times that)
+    full = [{k: np.pad(v[:, a:a + cfg.batch_size],
+                       [(0, 0), (0, 0), (0, cfg.seq_len - v.shape[-1])])
+             for k, v in b.items() if k in ("inputs", "targets", "mask")}
+            for b in batches for a in range(0, b["inputs"].shape[1], cfg.batch_size)]
     before = Evaluator(replace(task, metrics_fn=None, loss_fn=lm_loss, val_batches=full),
                        compile=False)
     steps, passes, s = [], {"now": [], "before": []}, 0

@@ -129,9 +129,13 @@ def test_validation_cut_to_the_longest_row_scores_as_padded_to_seq_len(tiny_gguf
     model = _lora_model(tiny_gguf)
     rows = _held_out_rows(128)
     cut = sft_val_batches(rows, 4, 10)
-    # each batch as wide as its furthest trained target, rounded up to 32 (not 128)
-    last = [int(np.flatnonzero(m)[-1]) + 1 for m in rows["mask"]]
-    trained = rows["mask"].sum(axis=1)
+    # rows in order of length (their last trained target), each batch as wide as its furthest
+    # trained target, rounded up to 32 (not 128)
+    last = np.array([int(np.flatnonzero(m)[-1]) + 1 for m in rows["mask"]])
+    order = np.argsort(last, kind="stable")
+    assert [b["inputs"][0, :, 0].tolist() for b in cut] == [
+        rows["inputs"][order[i:i + 4], 0].tolist() for i in (0, 4, 8)]
+    last, trained = last[order], rows["mask"].sum(axis=1)[order]
     want_w = [-(-max(last[i:i + 4]) // 32) * 32 for i in (0, 4, 8)]
     assert [b["inputs"].shape for b in cut] == [(1, 4, want_w[0]), (1, 4, want_w[1]),
                                                 (1, 3, want_w[2])]

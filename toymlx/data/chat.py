@@ -512,20 +512,33 @@ def trained_positions(mask: np.ndarray, multiple: int = PAD_MULTIPLE
     return positions.reshape(*mask.shape[:-1], p), weights.reshape(*mask.shape[:-1], p)
 
 
+HELD_OUT_ROWS = 2
+"""A held-out batch holds this many training batches' rows: a forward pass keeps no
+activations for a backward one, so twice the rows take less memory than a training step, and
+each call's fixed costs (decoding a block-held base's weights, the call itself) are shared by
+twice the rows."""
+
+
 def sft_val_batches(
-    rows: dict[str, np.ndarray], batch_size: int, max_batches: int
+    rows: dict[str, np.ndarray], batch_size: int, max_batches: int, rows_per_batch: int = 0
 ) -> list[dict[str, np.ndarray]]:
-    """The first `max_batches * batch_size` rows in file order, as `(1, batch_size, W)` batches
-    (the last one may hold fewer rows) cut by `fit_rows` (W: the longest row rounded up to a
-    multiple of 32, not the rows' seq_len: padding costs a CPU as much as tokens do), with
-    their `trained_positions` (`positions` and `position_mask`, (1, rows, P))."""
+    """The first `max_batches * batch_size` rows in file order, in order of length (their last
+    trained target, as mlx-lm's batches are: rows of a batch are alike, so little is padding),
+    as `(1, rows_per_batch, W)` batches (default `batch_size` rows; the last one may hold fewer)
+    cut by `fit_rows` (W: the longest row rounded up to a multiple of 32, not the rows'
+    seq_len: padding costs a CPU as much as tokens do), with their `trained_positions`
+    (`positions` and `position_mask`, (1, rows, P))."""
     n = min(len(rows["inputs"]), max_batches * batch_size)
-    n_batches = math.ceil(n / batch_size)
+    per = rows_per_batch or batch_size
+    mask = rows["mask"][:n]
+    length = np.where(mask.any(axis=-1), mask.shape[-1] - np.argmax(mask[:, ::-1] != 0, axis=-1),
+                      0)  # one past each row's last trained target
+    order = np.argsort(length, kind="stable")
     out = []
-    for b in range(n_batches):
+    for b in range(math.ceil(n / per)):
+        pick = order[b * per:(b + 1) * per]
         batch = {k: np.ascontiguousarray(v) for k, v in fit_rows(
-            {k: v[b * batch_size : min((b + 1) * batch_size, n)][None]
-             for k, v in rows.items()}).items()}  # (1, B, W)
+            {k: v[pick][None] for k, v in rows.items()}).items()}  # (1, B, W)
         batch["positions"], batch["position_mask"] = trained_positions(batch["mask"])
         out.append(batch)
     return out
@@ -607,15 +620,18 @@ class SFTData:
         return batch if self.pack else fit_rows(batch)
 
     def val_batches(self, batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:
-        """`sft_val_batches` over the validation rows."""
-        return sft_val_batches(self.val, batch_size, max_batches)
+        """`sft_val_batches` over the validation rows, `HELD_OUT_ROWS` training batches' rows
+        a batch."""
+        return sft_val_batches(self.val, batch_size, max_batches, HELD_OUT_ROWS * batch_size)
 
     def test_batches(self, batch_size: int) -> list[dict[str, np.ndarray]]:
-        """Every test row as `(1, batch_size, T)` batches ([] without a test file)."""
+        """Every test row as `(1, HELD_OUT_ROWS * batch_size, W)` batches ([] without a test
+        file)."""
         if self.test is None:
             return []
         return sft_val_batches(self.test, batch_size, math.ceil(len(self.test["inputs"])
-                                                                / batch_size))
+                                                                / batch_size),
+                               HELD_OUT_ROWS * batch_size)
 
 
 def held_out_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: int,

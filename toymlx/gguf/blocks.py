@@ -259,9 +259,10 @@ _SHIFT_6 = np.array([[0, 2], [4, 6]], np.uint8).reshape(2, 2, 1, 1)
 
 
 def _decode_q6_k(p):
-    low = _f32((p["ql"] >> _c(_NIBBLE_6, np.uint8)) & 15)
-    high = _f32((p["qh"] >> _c(_SHIFT_6, np.uint8)) & 3)
-    return _factor(_f32(p["d"]) * _f32(p["sc"])) * (low + 16.0 * high - 32.0)
+    low = (p["ql"] >> _c(_NIBBLE_6, np.uint8)) & 15
+    high = (p["qh"] >> _c(_SHIFT_6, np.uint8)) & 3
+    q = low | (high << 4)  # the 6-bit code as a byte: one conversion to float a value, not two
+    return _factor(_f32(p["d"]) * _f32(p["sc"])) * (_f32(q) - 32.0)
 
 
 def _split_iq4_xs(raw):
