@@ -65,14 +65,11 @@ class BlockCodec(Protocol):
 
 
 SLICE_VALUES = 1 << 22
-"""Most values of a block-held weight decoded at once (16 MB of float32), but see
-SLICE_COLUMNS."""
-
-SLICE_COLUMNS = 1024
-"""Fewest columns of a backward-pass slice (its block columns, all rows) while it stays within
-4 SLICE_VALUES: a slice of a tall weight only a block or two wide decodes up to 2x slower per
-value (1B shape, 8192 x 2048 FFN weights, 512-column slices: 17.5 against 13.2 ms for 1024;
-Llama-3.1-8B's 14336-row weights came to 256 columns)."""
+"""Most values of a block-held weight decoded at once (16 MB of float32). Larger slices are
+faster and cost memory the 1x512 rows of docs/RESULTS.md do not have: backward slices at least
+1024 columns wide made the 1B shape's 4 x 256 step 2% faster (1.112x the float32-held step
+against 1.13-1.14x) and its 1 x 512 peak 1.54 GB against 1.42; whole-weight slices (2^24) made
+it 1.09-1.10x for 0.3 GB more at 4 x 256."""
 
 
 def after(arrays: list[mx.array], x: mx.array) -> list[mx.array]:
@@ -91,14 +88,12 @@ def slices(n: int, step: int) -> list[tuple[int, int]]:
 def decoded_product(codec: BlockCodec, names: tuple[str, ...], n_out: int, n_in: int
                     ) -> Callable:
     """(x, *block arrays) -> x @ W.T, W (n_out, n_in) decoded from the arrays a slice at a time
-    (rows for the product, at most SLICE_VALUES values; block columns for the backward pass's
-    x gradient, at least SLICE_COLUMNS wide within 4 SLICE_VALUES; each slice after the previous
-    one's product), and decoded again in the backward pass instead of kept: a frozen base never
-    holds more than a slice of float weights."""
+    (at most SLICE_VALUES values: rows for the product, block columns for the backward pass's
+    x gradient, each slice after the previous one's product), and decoded again in the backward
+    pass instead of kept: a frozen base never holds more than a slice of float weights."""
     rows = slices(n_out, max(1, SLICE_VALUES // n_in))
     per = codec.block_values
-    width = max(SLICE_VALUES // n_out, min(SLICE_COLUMNS, 4 * SLICE_VALUES // n_out))
-    cols = slices(n_in // per, max(1, width // per))  # in blocks
+    cols = slices(n_in // per, max(1, SLICE_VALUES // n_out // per))  # in blocks
 
     def joined(parts: list[mx.array]) -> mx.array:
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
