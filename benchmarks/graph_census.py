@@ -36,7 +36,7 @@ from toymlx_step import build_task, gpu_ops, recipe_inputs, weights_np
 from workloads import Workload, find, make_batch
 
 from toymlx.training.step import make_step, micro_batch_grads
-from toymlx.training.trainer import make_optimizer
+from toymlx.training.task import make_optimizer
 
 
 def primitives(arrays: list[mx.array]) -> Counter:

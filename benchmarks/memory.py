@@ -70,6 +70,10 @@ ROWS = {r.name: r for r in (
     Row("mlx-lm-chat", "smollm2", 4, 256, steps=4, pack=False, runner="mlx-lm"),
     Row("1b-blocks", "llama-3.2-1b", 4, 256, base_dtype="blocks", steps=4),
     Row("1b-float32", "llama-3.2-1b", 4, 256, base_dtype="float32", steps=4),
+    Row("1b-1-stream", "llama-3.2-1b", 4, 256, base_dtype="blocks", steps=4,
+        extra=("--cpu-streams", "1")),
+    Row("1b-float32-1-stream", "llama-3.2-1b", 4, 256, base_dtype="float32", steps=4,
+        extra=("--cpu-streams", "1")),
     Row("1b-1x512", "llama-3.2-1b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
     Row("3b-1x512", "llama-3.2-3b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
     Row("8b-1x512", "llama-3.1-8b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             seen["step_times"].append(r["step_s"])
             seen["step_s"] = statistics.median(seen["step_times"])
             seen["peak_rss_gb"] = max(seen["peak_rss_gb"], r["peak_rss_gb"])
-    for a, b in (("smollm2-blocks", "smollm2-float32"), ("1b-blocks", "1b-float32")):
+    for a, b in (("smollm2-blocks", "smollm2-float32"), ("1b-blocks", "1b-float32"),
+                 ("1b-1-stream", "1b-float32"), ("1b-1-stream", "1b-float32-1-stream")):
         if a in by and b in by and "step_s" in by[a] and "step_s" in by[b]:
             print(f"{a} / {b} step time: {by[a]['step_s'] / by[b]['step_s']:.3f}x; peak RSS "
                   f"{by[a]['peak_rss_gb']} / {by[b]['peak_rss_gb']} GB", flush=True)

@@ -37,7 +37,8 @@ from toymlx.models.ops import Ops, training_ops
 from toymlx.models.vit import ViTArgs
 from toymlx.recipes import from_scratch, get_recipe, lora, vit_tiny
 from toymlx.recipes.common import LlamaOptions
-from toymlx.training.trainer import Stepper, Task, TrainConfig, check_config
+from toymlx.training.task import Task, TrainConfig, check_config
+from toymlx.training.trainer import Stepper
 
 CPU_OPS = training_ops(on_gpu=False)
 """What toymlx trains with where MLX computes on the CPU: toymlx.backend.fastmath's vectorised kernels."""

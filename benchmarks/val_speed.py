@@ -7,7 +7,7 @@ Builds the lora recipe's task on the real SmolLM2-135M-Instruct Q4_1 at the benc
 shape (4 x 256, LoRA on q, the recipe's packed default data; `user_paths.LORA_SHAPE`), steps it
 with the trainer's `Stepper`, and after every `--steps` training steps times one validation
 pass over the first `--eval-batches` batches two ways, back to back:
-- now: the run's `trainer.Evaluator` (compiled once, the step's CPU streams, held-out batches
+- now: the run's `training/evaluate.py:Evaluator` (compiled once, the step's CPU streams, held-out batches
   cut to their longest row with the loss at the trained positions alone), its first pass
   included (tracing, and compiling any kernel not yet in the kernel cache);
 - before: what the loop ran before issue 36 (eager, one stream, batches of --batch-size rows
@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     from toymlx.models.losses import lm_loss
     from toymlx.recipes import lora
     from toymlx.runner.run import run_ops
-    from toymlx.training.trainer import Evaluator, Stepper, check_config
+    from toymlx.training.evaluate import Evaluator
+    from toymlx.training.task import check_config
+    from toymlx.training.trainer import Stepper
 
     shape = {k: v for k, v in LORA_SHAPE.items() if k != "lora"}
     cfg = lora.Config(base=args.base or str(smollm_gguf()), **shape, eval_batches=args.eval_batches,

@@ -197,7 +197,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     )
     from toymlx.models.losses import lm_held_out_sums, lm_loss
     from toymlx.recipes.lora import DEFAULT_DATA
-    from toymlx.training.trainer import Task, command_evaluator
+    from toymlx.training.evaluate import command_evaluator
+    from toymlx.training.task import Task
 
     data = dataclasses.asdict(cfg.data) if dataclasses.is_dataclass(getattr(cfg, "data", None)) \
         else {}
@@ -231,7 +232,8 @@ def evaluate(args: Args) -> dict:
     from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.gguf.reader import GGUFFile
     from toymlx.models.ops import scoring_ops
-    from toymlx.training.trainer import Task, command_evaluator
+    from toymlx.training.evaluate import command_evaluator
+    from toymlx.training.task import Task
 
     select_device(args.device)
     if args.plot:

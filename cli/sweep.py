@@ -99,7 +99,7 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
     from toymlx_cli.config_file import defaults_from_file
 
     from toymlx.recipes import get_recipe
-    from toymlx.training.trainer import check_config
+    from toymlx.training.task import check_config
 
     module = get_recipe(recipe)
     prog = f"toymlx-train --recipe {recipe}"

@@ -116,7 +116,7 @@ def _held_out_rows(seq_len: int = 128) -> dict:
 
 def _task(model, batches, **kw):
     from toymlx.models.losses import lm_loss
-    from toymlx.training.trainer import Task
+    from toymlx.training.task import Task
 
     return Task("t", model, lm_loss, lambda s: {}, batches, None, None, {}, **kw)
 
@@ -124,7 +124,7 @@ def _task(model, batches, **kw):
 def test_validation_cut_to_the_longest_row_scores_as_padded_to_seq_len(tiny_gguf):  # noqa: F811
     from toymlx.data.chat import sft_val_batches
     from toymlx.models.losses import lm_held_out_sums
-    from toymlx.training.trainer import Evaluator
+    from toymlx.training.evaluate import Evaluator
 
     model = _lora_model(tiny_gguf)
     rows = _held_out_rows(128)
@@ -163,7 +163,7 @@ def test_validation_is_traced_once_per_batch_shape_and_reads_the_current_weights
     from toymlx.data.chat import sft_val_batches
     from toymlx.models.lora import lora_layers
     from toymlx.models.losses import lm_held_out_sums
-    from toymlx.training.trainer import Evaluator, evaluate
+    from toymlx.training.evaluate import Evaluator, evaluate
 
     model = _lora_model(tiny_gguf)
     batches = sft_val_batches(_held_out_rows(128), 4, 10)

@@ -150,7 +150,8 @@ def test_quantized_base_matches_float(smollm_gguf):  # noqa: F811
 def test_lora_training_lowers_validation_loss(smollm_gguf, tmp_path):  # noqa: F811
     """100 steps of the default recipe on the default dataset: held-out loss goes down."""
     from toymlx.runner.run import _public_config
-    from toymlx.training.trainer import evaluate, train
+    from toymlx.training.evaluate import evaluate
+    from toymlx.training.trainer import train
 
     # 2 x 128 tokens a step keeps CI's slow tier affordable; RESULTS.md has the 4 x 256 figures.
     cfg = recipe.Config(base=str(smollm_gguf), runs_root=str(tmp_path), run_id="smol-lora",

@@ -141,8 +141,8 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
     mask and drift from the eager losses)."""
     from mlx import nn
 
-    from toymlx.training import trainer
     from toymlx.training.cpu_streams import make_stream_step
+    from toymlx.training.task import TrainConfig, make_optimizer
     from toymlx.training.trainer import step_seed
 
     def run(compile: bool) -> list[float]:
@@ -154,8 +154,8 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
             return nn.losses.cross_entropy(m(b["x"]), b["y"], reduction="mean"), mx.array(
                 b["y"].size)
 
-        cfg = trainer.TrainConfig(steps=4, batch_size=8, lr=1e-2, warmup=1)
-        opt = trainer.make_optimizer(cfg)
+        cfg = TrainConfig(steps=4, batch_size=8, lr=1e-2, warmup=1)
+        opt = make_optimizer(cfg)
         opt.init(model.trainable_parameters())
         step = make_stream_step(model, loss_fn, opt, 2, compile=compile)
         rng = np.random.default_rng(1)
@@ -179,7 +179,8 @@ def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
     forward without dropout, while training-mode forwards still drop; the mode is restored."""
     from mlx import nn
 
-    from toymlx.training import trainer
+    from toymlx.training.evaluate import evaluate
+    from toymlx.training.task import Task
 
     mx.random.seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
@@ -191,12 +192,12 @@ def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
     def loss_fn(m, b):
         return nn.losses.cross_entropy(m(b["x"]), b["y"], reduction="mean"), mx.array(b["y"].size)
 
-    task = trainer.Task(recipe="t", model=model, loss_fn=loss_fn, train_batch=None,
+    task = Task(recipe="t", model=model, loss_fn=loss_fn, train_batch=None,
                         val_batches=[{"x": x, "y": y}], save=None, load=None, model_info={})
     got = []
     for seed in (1, 2, 3):
         mx.random.seed(seed)
-        got.append(trainer.evaluate(task)["val_loss"])
+        got.append(evaluate(task)["val_loss"])
         assert model.training  # back in training mode
     w = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(model.parameters())}
     h = x[0].astype(np.float64) @ w["layers.0.weight"].T + w["layers.0.bias"]
@@ -213,7 +214,7 @@ def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
     assert train_losses[0] != train_losses[1]  # training still drops, differently per seed
     assert all(abs(t - want) > 1e-4 for t in train_losses)
     model.eval()
-    trainer.evaluate(task)
+    evaluate(task)
     assert not model.training  # a model evaluated in eval mode stays there
 
 

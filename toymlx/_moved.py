@@ -53,7 +53,8 @@ MOVED: dict[str, tuple[str, ...]] = {
     "toymlx.timm_export": ("toymlx.interop.timm_export",),
     "toymlx.tokenizer": ("toymlx.data.tokenizer", "toymlx.data.vocab", "toymlx.data.merges",
                          "toymlx.data.special_tokens", "toymlx.data.chat_template"),
-    "toymlx.trainer": ("toymlx.training.trainer",),
+    "toymlx.trainer": ("toymlx.training.trainer", "toymlx.training.task",
+                       "toymlx.training.evaluate"),
     "toymlx.warm": ("toymlx.recipes.warm",),
 }
 

@@ -12,7 +12,7 @@ from toymlx.data.chat import data_files, load_examples, test_file
 from toymlx.data.text import DataError, TokenData, read_text
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
 from toymlx.models.losses import lm_loss
-from toymlx.training.trainer import Task, TrainConfig
+from toymlx.training.task import Task, TrainConfig
 
 DEFAULT_CORPUS = "python-docs"
 

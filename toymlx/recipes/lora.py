@@ -53,7 +53,7 @@ from toymlx.training.fused import (
     write_like_base,
     write_reencoded,
 )
-from toymlx.training.trainer import Task, TrainConfig
+from toymlx.training.task import Task, TrainConfig
 
 DEFAULT_DATA = fixture_path("python_qa", "python_qa.jsonl")
 

@@ -22,7 +22,7 @@ from toymlx.gguf.vit import load_vit, write_vit
 from toymlx.models.losses import classify_metrics
 from toymlx.models.ops import Ops
 from toymlx.models.vit import PRESETS, ViT, ViTArgs
-from toymlx.training.trainer import Task, TrainConfig
+from toymlx.training.task import Task, TrainConfig
 
 AUTO_PATCH_8 = (8, 4)
 """(image side, patch side): preset auto trains 8x8 images with 4x4 patches (measured faster and

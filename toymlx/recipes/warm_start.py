@@ -36,7 +36,7 @@ from toymlx.recipes.common import (
     lm_task,
     load_token_data,
 )
-from toymlx.training.trainer import Task, TrainConfig
+from toymlx.training.task import Task, TrainConfig
 
 
 @dataclass

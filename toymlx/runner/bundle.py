@@ -76,7 +76,7 @@ class Bundle:
         """Read a run folder's config.json (strictly: RunError naming the file and the key, as
         for command-line input; `flag` names the option that gave the folder) and its events."""
         from toymlx.recipes import get_recipe
-        from toymlx.training.trainer import check_config
+        from toymlx.training.task import check_config
 
         path = Path(path)
         saved = read_config(path, flag)

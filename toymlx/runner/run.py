@@ -33,7 +33,8 @@ from toymlx.bundle.resume import Resume
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
 from toymlx.runner.bundle import Bundle
-from toymlx.training.trainer import Task, TrainConfig, check_config, train
+from toymlx.training.task import Task, TrainConfig, check_config
+from toymlx.training.trainer import train
 
 
 def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:

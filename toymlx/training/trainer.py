@@ -1,10 +1,11 @@
 """The training loop every recipe shares, around one compiled step.
 
-A recipe builds a `Task` (model, loss, batches, how to save and load a checkpoint); `train`
-runs it: each optimizer step taken by a `Stepper` (the step from `training_step`,
-`toymlx.step.make_step`: gradient accumulation, data-parallel sums, clipping, AdamW with
-warm-up + cosine LR; on a multi-core CPU spread over streams by `toymlx.cpu_streams`; the
-benchmark steps its toymlx rows through the same `Stepper`), periodic validation in eval mode,
+A recipe builds a `Task` (`toymlx.training.task`: model, loss, batches, how to save and load a
+checkpoint); `train` runs it: each optimizer step taken by a `Stepper` (the step from
+`training_step`, `toymlx.training.step.make_step`: gradient accumulation, data-parallel sums,
+clipping, AdamW with warm-up + cosine LR; on a multi-core CPU spread over streams by
+`toymlx.training.cpu_streams`; the benchmark steps its toymlx rows through the same
+`Stepper`), periodic validation in eval mode (`toymlx.training.evaluate.Evaluator`),
 checkpoints on a schedule and at the end through a `Checkpointer` (verified, with retention),
 the run bundle's events (run_end from one place), and SIGINT/SIGTERM as requests to stop
 (`StopSignals`).
@@ -13,18 +14,14 @@ the run bundle's events (run_end from one place), and SIGINT/SIGTERM as requests
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import signal
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -37,260 +34,13 @@ from toymlx.backend import device, lifeline
 from toymlx.backend.device import backend_info
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
-from toymlx.bundle.options import RunOptions, flag_name
 from toymlx.bundle.resume import Resume, intact_hint
 from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
+from toymlx.training.evaluate import Evaluator
 from toymlx.training.schedule import lr_at
 from toymlx.training.step import LossScale, make_step
-
-
-@dataclass
-class TrainingOptions:
-    """What the shared training loop trains (every recipe has them): a resume keeps them,
-    but for --steps, which may extend the run."""
-
-    steps: int = 200
-    """Optimizer steps to train for (the schedule's length)."""
-    batch_size: int = 16
-    """Sequences or images per micro-batch (global, over all data-parallel ranks)."""
-    grad_accum: int = 1
-    """Micro-batches whose gradients are summed into one optimizer step."""
-    lr: float = 3e-3
-    """Peak learning rate, reached after warm-up."""
-    warmup: int = 20
-    """Steps of linear warm-up from lr/warmup to lr."""
-    min_lr_ratio: float = 0.1
-    """Floor of the cosine decay, as a fraction of lr."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
-    beta1: float = 0.9
-    """AdamW first-moment decay."""
-    beta2: float = 0.95
-    """AdamW second-moment decay."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value (0 turns clipping off)."""
-    eval_batches: int = 8
-    """Most validation batches per pass."""
-    seed: int = 0
-    """Seed for initialisation, data order and dropout."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Activations' dtype: auto is bfloat16 on a GPU and float32 on the CPU (MLX's half
-    precision CPU kernels are ~25x slower). Trainable weights and AdamW's moments stay
-    float32; float16 trains with a dynamic loss scale."""
-    save_dtype: Literal["f32", "f16", "bf16"] = "f32"
-    """Tensor type of the matrices in checkpoint GGUFs (norms stay F32); with f16/bf16 the
-    resume state also keeps the float32 weights, so resume stays exact."""
-    kernels: Literal["auto", "mlx", "vectorised"] = "auto"
-    """Whose elementwise kernels the model trains with: auto is toymlx's vectorised CPU forms
-    (toymlx.fastmath) for float32 on the CPU, MLX's own elsewhere."""
-
-
-@dataclass
-class TrainConfig(RunOptions, TrainingOptions):
-    """Options of the shared training loop (every recipe has them): what is trained
-    (`TrainingOptions`, listed first), and where the run lives and how this process drives it
-    (`runs.RunOptions`, whose fields are the run-local options)."""
-
-
-MAX_INT = 2**31 - 1
-"""The largest integer option (steps, sizes, seeds): MLX and numpy index with 32 and 64 bits,
-and anything larger is a typo that would fail deep inside them."""
-
-
-def _numbers(cfg: Any, prefix: str = "") -> list[tuple[str, int | float]]:
-    """(dotted key, value) of every number option of a (nested) config."""
-    out = []
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            out += _numbers(v, f"{prefix}{f.name}.")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out.append((prefix + f.name, v))
-    return out
-
-
-def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) -> None:
-    """Every option checked up front, the shared ones here and the rest by the recipe's
-    `validate`: ValueError naming the flag (for command-line input and config.json alike).
-    `new_run`: also the recipe's `check_applies`, which refuses an option set where it does not
-    apply (a saved run is opened as it was written)."""
-    for key, v in _numbers(cfg):
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"{flag_name(key)}: expected a finite number, found {v}")
-        if isinstance(v, int) and abs(v) > MAX_INT:
-            raise ValueError(f"{flag_name(key)}: expected at most {MAX_INT} in size, found {v}")
-    checks = [
-        ("--steps", cfg.steps >= 1, ">= 1", cfg.steps),
-        ("--batch-size", cfg.batch_size >= 1, ">= 1", cfg.batch_size),
-        ("--grad-accum", cfg.grad_accum >= 1, ">= 1", cfg.grad_accum),
-        ("--lr", cfg.lr > 0, "> 0", cfg.lr),
-        ("--warmup", cfg.warmup >= 0, ">= 0", cfg.warmup),
-        ("--min-lr-ratio", 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]", cfg.min_lr_ratio),
-        ("--weight-decay", cfg.weight_decay >= 0, ">= 0", cfg.weight_decay),
-        ("--beta1", 0 <= cfg.beta1 < 1, "in [0, 1)", cfg.beta1),
-        ("--beta2", 0 <= cfg.beta2 < 1, "in [0, 1)", cfg.beta2),
-        ("--grad-clip", cfg.grad_clip >= 0, ">= 0", cfg.grad_clip),
-        ("--eval-every", cfg.eval_every >= 0, ">= 0", cfg.eval_every),
-        ("--report-every", cfg.report_every >= 0, ">= 0 (0: no report lines)", cfg.report_every),
-        ("--eval-batches", cfg.eval_batches >= 1, ">= 1", cfg.eval_batches),
-        ("--checkpoint-every", cfg.checkpoint_every >= 0, ">= 0", cfg.checkpoint_every),
-        ("--keep-last", cfg.keep_last >= 0, ">= 0 (0: keep every checkpoint)", cfg.keep_last),
-        ("--keep-best", cfg.keep_best >= 0, ">= 0", cfg.keep_best),
-        ("--seed", cfg.seed >= 0, ">= 0", cfg.seed),
-        ("--cpu-streams", 0 <= cfg.cpu_streams <= 64, "0..64 (0: auto)", cfg.cpu_streams),
-    ]
-    for flag, ok, want, found in checks:
-        if not ok:
-            raise ValueError(f"{flag}: expected {want}, found {found}")
-    if cfg.stop_at is not None and cfg.stop_at < 1:
-        raise ValueError(f"--stop-at: expected >= 1, found {cfg.stop_at}")
-    if cfg.from_step is not None and not cfg.resume:
-        raise ValueError("--from: expected with --resume RUN (it picks that run's checkpoint), "
-                         "found no --resume")
-    if cfg.resume and cfg.overwrite:
-        raise ValueError("--overwrite: replaces a bundle with a new run, so it cannot go with "
-                         "--resume; give one of them")
-    if hasattr(module, "validate"):
-        module.validate(cfg)
-    if new_run and hasattr(module, "check_applies"):
-        module.check_applies(cfg)
-
-
-@dataclass
-class Task:
-    """What a recipe hands the loop."""
-
-    recipe: str
-    model: nn.Module
-    loss_fn: Callable[[nn.Module, dict], tuple[mx.array, mx.array]]
-    """(model, micro-batch) -> (mean loss, count); pure, compiled."""
-    train_batch: Callable[[int], dict[str, np.ndarray]]
-    """step index (0-based) -> global batch with a leading (accum,) axis; pure in the step."""
-    val_batches: list[dict[str, np.ndarray]]
-    save: Callable[[Path, nn.Module, dict[str, Any]], None]
-    """Write the checkpoint file for this model (extra metadata given)."""
-    load: Callable[[Path, nn.Module], None]
-    """Load a checkpoint written by `save` back into the model (for resume)."""
-    model_info: dict[str, Any]
-    config_info: dict[str, Any] = field(default_factory=dict)
-    metrics_fn: Callable[[nn.Module, dict], dict[str, mx.array]] | None = None
-    """(model, batch) -> sums incl. "n" (default: loss-weighted sums); eval only."""
-    unit: str = "tokens"
-    """What the loss counts, for throughput ("tokens" or "images")."""
-    count: Callable[[dict[str, np.ndarray]], int] | None = None
-    prefix: str = "step_"
-    """Checkpoint file prefix under weights/."""
-    checkpoint_meta: Callable[[], dict[str, Any]] | None = None
-    optimizer: Callable[[TrainConfig], optim.Optimizer] | None = None
-    """Build the optimizer (default: `make_optimizer`); lets a recipe give a parameter group
-    its own schedule, as a pure function of the optimizer step."""
-    test_batches: list[dict[str, np.ndarray]] = field(default_factory=list)
-    """Held-out test batches scored once when the run completes (an `eval` event with split
-    "test"); empty: no test (a recipe fills it for `--test`)."""
-    finish: Callable[[Path], dict[str, Any]] | None = None
-    """After a completed run's final checkpoint (rank 0): write what the recipe makes of it in
-    the run folder (the lora recipe's --fuse-at-end model); returns the `export` event's
-    fields (its `path` relative to the run folder)."""
-    memory: dict[str, Any] | None = None
-    """The step's estimated peak against the memory available (`toymlx.memory.check_fits`),
-    for run_start; None where the recipe makes no estimate."""
-
-
-def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
-    sched = partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
-                    min_ratio=cfg.min_lr_ratio)
-    kw = {"learning_rate": sched, "betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
-    decay = optim.AdamW(weight_decay=cfg.weight_decay, **kw)
-    no_decay = optim.AdamW(weight_decay=0.0, **kw)
-    return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
-
-
-class Evaluator:
-    """A task's metrics over its held-out batches (validation, or the test split), as one
-    pass of the forward: count-weighted sums of `metrics_fn` (default: the loss), in eval mode
-    (dropout off; the model's mode restored afterwards), computed with the model's own `Ops`
-    (the training step's kernels). Built once per run and reused: with `compile`, the metrics
-    function is `mx.compile`d once, and traced once per batch shape (held-out batches of
-    chat rows are cut to their longest row rounded up to a multiple of 32,
-    `toymlx.data.chat.sft_val_batches`, so there are few); with `n_streams` > 1 (a multi-core
-    CPU, as the training step has it) each micro-batch's rows are split over that many MLX
-    CPU streams, one compiled function each, evaluated together under `blas_threads` BLAS
-    threads per call (`toymlx.cpu_streams`). Metrics are sums over rows, so a split changes
-    nothing but the order of the additions."""
-
-    def __init__(self, task: Task, compile: bool = True, n_streams: int = 1,
-                 blas_threads: int | None = None):
-        self.task, self.blas_threads = task, blas_threads
-        fn, model = task.metrics_fn or _loss_metrics(task.loss_fn), task.model
-        self.streams = [mx.default_stream(mx.default_device())] + [
-            mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
-
-        def metrics(batch: dict[str, mx.array]) -> dict[str, mx.array]:
-            return fn(model, batch)
-
-        # one compiled function per stream: mx.compile caches its traces per function, and
-        # each stream's trace must keep its own stream (see toymlx.cpu_streams)
-        self.fns = [mx.compile(lambda batch: metrics(batch), inputs=[model.state])
-                    if compile else metrics for _ in self.streams]
-
-    def _sums(self, micro: dict[str, np.ndarray]) -> list[dict[str, mx.array]]:
-        """The metrics' sums of one micro-batch (B, ...), its rows split over the streams as
-        evenly as they go (a stream that gets no row is left out), unevaluated."""
-        n, size = len(self.streams), next(iter(micro.values())).shape[0]
-        cuts = [size * j // n for j in range(n + 1)]
-        out = []
-        for a, b, st, fn in zip(cuts, cuts[1:], self.streams, self.fns):
-            if b > a:
-                with mx.stream(st):
-                    out.append(fn({k: mx.array(v[a:b]) for k, v in micro.items()}))
-        return out
-
-    def __call__(self, max_batches: int | None = None, split: str = "val") -> dict[str, float]:
-        """Metrics over the validation batches (`split="test"`: the test batches), the first
-        `max_batches`; the loss is `<split>_loss`, and a test split's other metrics are
-        `test_<name>` (test_accuracy) so that they never read as the validation figures."""
-        totals: dict[str, float] = {}
-        model = self.task.model
-        was_training = model.training
-        model.eval()
-        batches = self.task.test_batches if split == "test" else self.task.val_batches
-        try:
-            for b in batches[:max_batches]:
-                for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
-                    parts = self._sums({k: v[i] for k, v in b.items()})
-                    with device.use_blas_threads(self.blas_threads):
-                        mx.eval(parts)
-                    for sums in parts:
-                        for k, v in sums.items():
-                            totals[k] = totals.get(k, 0.0) + float(v.item())
-        finally:
-            model.train(was_training)
-        n = totals.pop("n", 0.0) or 1.0
-        return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
-                for k, v in totals.items()}
-
-
-def command_evaluator(task: Task) -> Evaluator:
-    """The `Evaluator` of a command outside a run (toymlx-eval): compiled, over the CPU streams
-    and BLAS threads a run on this machine would step with."""
-    n = cpu_streams.stream_count(0)
-    return Evaluator(task, True, n, cpu_streams.step_blas_threads(n))
-
-
-def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
-             ) -> dict[str, float]:
-    """One `Evaluator` pass, eager, on one stream (for a single pass outside a run: a test's
-    reference figure); see `Evaluator.__call__`."""
-    return Evaluator(task, compile=False)(max_batches, split)
-
-
-def _loss_metrics(loss_fn):
-    def fn(model, batch):
-        loss, n = loss_fn(model, batch)
-        n = n.astype(mx.float32)
-        return {"loss": loss * n, "n": n}
-    return fn
+from toymlx.training.task import Task, TrainConfig, make_optimizer
 
 
 def _shard(batch: dict[str, np.ndarray], world: Any) -> dict[str, np.ndarray]:

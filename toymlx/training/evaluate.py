@@ -1,0 +1,99 @@
+"""A task's held-out metrics (validation, the test split, `toymlx-eval`): the forward pass only,
+compiled once per run and spread over the training step's CPU streams (`Evaluator`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from toymlx.backend import device
+from toymlx.training import cpu_streams
+from toymlx.training.task import Task
+
+
+class Evaluator:
+    """A task's metrics over its held-out batches (validation, or the test split), as one
+    pass of the forward: count-weighted sums of `metrics_fn` (default: the loss), in eval mode
+    (dropout off; the model's mode restored afterwards), computed with the model's own `Ops`
+    (the training step's kernels). Built once per run and reused: with `compile`, the metrics
+    function is `mx.compile`d once, and traced once per batch shape (held-out batches of
+    chat rows are cut to their longest row rounded up to a multiple of 32,
+    `toymlx.data.chat.sft_val_batches`, so there are few); with `n_streams` > 1 (a multi-core
+    CPU, as the training step has it) each micro-batch's rows are split over that many MLX
+    CPU streams, one compiled function each, evaluated together under `blas_threads` BLAS
+    threads per call (`toymlx.cpu_streams`). Metrics are sums over rows, so a split changes
+    nothing but the order of the additions."""
+
+    def __init__(self, task: Task, compile: bool = True, n_streams: int = 1,
+                 blas_threads: int | None = None):
+        self.task, self.blas_threads = task, blas_threads
+        fn, model = task.metrics_fn or _loss_metrics(task.loss_fn), task.model
+        self.streams = [mx.default_stream(mx.default_device())] + [
+            mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
+
+        def metrics(batch: dict[str, mx.array]) -> dict[str, mx.array]:
+            return fn(model, batch)
+
+        # one compiled function per stream: mx.compile caches its traces per function, and
+        # each stream's trace must keep its own stream (see toymlx.cpu_streams)
+        self.fns = [mx.compile(lambda batch: metrics(batch), inputs=[model.state])
+                    if compile else metrics for _ in self.streams]
+
+    def _sums(self, micro: dict[str, np.ndarray]) -> list[dict[str, mx.array]]:
+        """The metrics' sums of one micro-batch (B, ...), its rows split over the streams as
+        evenly as they go (a stream that gets no row is left out), unevaluated."""
+        n, size = len(self.streams), next(iter(micro.values())).shape[0]
+        cuts = [size * j // n for j in range(n + 1)]
+        out = []
+        for a, b, st, fn in zip(cuts, cuts[1:], self.streams, self.fns):
+            if b > a:
+                with mx.stream(st):
+                    out.append(fn({k: mx.array(v[a:b]) for k, v in micro.items()}))
+        return out
+
+    def __call__(self, max_batches: int | None = None, split: str = "val") -> dict[str, float]:
+        """Metrics over the validation batches (`split="test"`: the test batches), the first
+        `max_batches`; the loss is `<split>_loss`, and a test split's other metrics are
+        `test_<name>` (test_accuracy) so that they never read as the validation figures."""
+        totals: dict[str, float] = {}
+        model = self.task.model
+        was_training = model.training
+        model.eval()
+        batches = self.task.test_batches if split == "test" else self.task.val_batches
+        try:
+            for b in batches[:max_batches]:
+                for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
+                    parts = self._sums({k: v[i] for k, v in b.items()})
+                    with device.use_blas_threads(self.blas_threads):
+                        mx.eval(parts)
+                    for sums in parts:
+                        for k, v in sums.items():
+                            totals[k] = totals.get(k, 0.0) + float(v.item())
+        finally:
+            model.train(was_training)
+        n = totals.pop("n", 0.0) or 1.0
+        return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
+                for k, v in totals.items()}
+
+
+def command_evaluator(task: Task) -> Evaluator:
+    """The `Evaluator` of a command outside a run (toymlx-eval): compiled, over the CPU streams
+    and BLAS threads a run on this machine would step with."""
+    n = cpu_streams.stream_count(0)
+    return Evaluator(task, True, n, cpu_streams.step_blas_threads(n))
+
+
+def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
+             ) -> dict[str, float]:
+    """One `Evaluator` pass, eager, on one stream (for a single pass outside a run: a test's
+    reference figure); see `Evaluator.__call__`."""
+    return Evaluator(task, compile=False)(max_batches, split)
+
+
+def _loss_metrics(loss_fn):
+    def fn(model, batch):
+        loss, n = loss_fn(model, batch)
+        n = n.astype(mx.float32)
+        return {"loss": loss * n, "n": n}
+    return fn

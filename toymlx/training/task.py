@@ -1,0 +1,185 @@
+"""What a recipe and the training loop agree on: the options every recipe's `Config` derives
+from (`TrainingOptions`, and `TrainConfig` with the run's own `RunOptions`), their checks before
+anything is built (`check_config`), what a recipe's `build(cfg, ops)` returns (`Task`), and the
+optimizer the options make (`make_optimizer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx import nn
+
+from toymlx.bundle.options import RunOptions, flag_name
+from toymlx.training.schedule import lr_at
+
+
+@dataclass
+class TrainingOptions:
+    """What the shared training loop trains (every recipe has them): a resume keeps them,
+    but for --steps, which may extend the run."""
+
+    steps: int = 200
+    """Optimizer steps to train for (the schedule's length)."""
+    batch_size: int = 16
+    """Sequences or images per micro-batch (global, over all data-parallel ranks)."""
+    grad_accum: int = 1
+    """Micro-batches whose gradients are summed into one optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after warm-up."""
+    warmup: int = 20
+    """Steps of linear warm-up from lr/warmup to lr."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine decay, as a fraction of lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 turns clipping off)."""
+    eval_batches: int = 8
+    """Most validation batches per pass."""
+    seed: int = 0
+    """Seed for initialisation, data order and dropout."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Activations' dtype: auto is bfloat16 on a GPU and float32 on the CPU (MLX's half
+    precision CPU kernels are ~25x slower). Trainable weights and AdamW's moments stay
+    float32; float16 trains with a dynamic loss scale."""
+    save_dtype: Literal["f32", "f16", "bf16"] = "f32"
+    """Tensor type of the matrices in checkpoint GGUFs (norms stay F32); with f16/bf16 the
+    resume state also keeps the float32 weights, so resume stays exact."""
+    kernels: Literal["auto", "mlx", "vectorised"] = "auto"
+    """Whose elementwise kernels the model trains with: auto is toymlx's vectorised CPU forms
+    (toymlx.fastmath) for float32 on the CPU, MLX's own elsewhere."""
+
+
+@dataclass
+class TrainConfig(RunOptions, TrainingOptions):
+    """Options of the shared training loop (every recipe has them): what is trained
+    (`TrainingOptions`, listed first), and where the run lives and how this process drives it
+    (`runs.RunOptions`, whose fields are the run-local options)."""
+
+
+MAX_INT = 2**31 - 1
+"""The largest integer option (steps, sizes, seeds): MLX and numpy index with 32 and 64 bits,
+and anything larger is a typo that would fail deep inside them."""
+
+
+def _numbers(cfg: Any, prefix: str = "") -> list[tuple[str, int | float]]:
+    """(dotted key, value) of every number option of a (nested) config."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out += _numbers(v, f"{prefix}{f.name}.")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append((prefix + f.name, v))
+    return out
+
+
+def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) -> None:
+    """Every option checked up front, the shared ones here and the rest by the recipe's
+    `validate`: ValueError naming the flag (for command-line input and config.json alike).
+    `new_run`: also the recipe's `check_applies`, which refuses an option set where it does not
+    apply (a saved run is opened as it was written)."""
+    for key, v in _numbers(cfg):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{flag_name(key)}: expected a finite number, found {v}")
+        if isinstance(v, int) and abs(v) > MAX_INT:
+            raise ValueError(f"{flag_name(key)}: expected at most {MAX_INT} in size, found {v}")
+    checks = [
+        ("--steps", cfg.steps >= 1, ">= 1", cfg.steps),
+        ("--batch-size", cfg.batch_size >= 1, ">= 1", cfg.batch_size),
+        ("--grad-accum", cfg.grad_accum >= 1, ">= 1", cfg.grad_accum),
+        ("--lr", cfg.lr > 0, "> 0", cfg.lr),
+        ("--warmup", cfg.warmup >= 0, ">= 0", cfg.warmup),
+        ("--min-lr-ratio", 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]", cfg.min_lr_ratio),
+        ("--weight-decay", cfg.weight_decay >= 0, ">= 0", cfg.weight_decay),
+        ("--beta1", 0 <= cfg.beta1 < 1, "in [0, 1)", cfg.beta1),
+        ("--beta2", 0 <= cfg.beta2 < 1, "in [0, 1)", cfg.beta2),
+        ("--grad-clip", cfg.grad_clip >= 0, ">= 0", cfg.grad_clip),
+        ("--eval-every", cfg.eval_every >= 0, ">= 0", cfg.eval_every),
+        ("--report-every", cfg.report_every >= 0, ">= 0 (0: no report lines)", cfg.report_every),
+        ("--eval-batches", cfg.eval_batches >= 1, ">= 1", cfg.eval_batches),
+        ("--checkpoint-every", cfg.checkpoint_every >= 0, ">= 0", cfg.checkpoint_every),
+        ("--keep-last", cfg.keep_last >= 0, ">= 0 (0: keep every checkpoint)", cfg.keep_last),
+        ("--keep-best", cfg.keep_best >= 0, ">= 0", cfg.keep_best),
+        ("--seed", cfg.seed >= 0, ">= 0", cfg.seed),
+        ("--cpu-streams", 0 <= cfg.cpu_streams <= 64, "0..64 (0: auto)", cfg.cpu_streams),
+    ]
+    for flag, ok, want, found in checks:
+        if not ok:
+            raise ValueError(f"{flag}: expected {want}, found {found}")
+    if cfg.stop_at is not None and cfg.stop_at < 1:
+        raise ValueError(f"--stop-at: expected >= 1, found {cfg.stop_at}")
+    if cfg.from_step is not None and not cfg.resume:
+        raise ValueError("--from: expected with --resume RUN (it picks that run's checkpoint), "
+                         "found no --resume")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("--overwrite: replaces a bundle with a new run, so it cannot go with "
+                         "--resume; give one of them")
+    if hasattr(module, "validate"):
+        module.validate(cfg)
+    if new_run and hasattr(module, "check_applies"):
+        module.check_applies(cfg)
+
+
+@dataclass
+class Task:
+    """What a recipe hands the loop."""
+
+    recipe: str
+    model: nn.Module
+    loss_fn: Callable[[nn.Module, dict], tuple[mx.array, mx.array]]
+    """(model, micro-batch) -> (mean loss, count); pure, compiled."""
+    train_batch: Callable[[int], dict[str, np.ndarray]]
+    """step index (0-based) -> global batch with a leading (accum,) axis; pure in the step."""
+    val_batches: list[dict[str, np.ndarray]]
+    save: Callable[[Path, nn.Module, dict[str, Any]], None]
+    """Write the checkpoint file for this model (extra metadata given)."""
+    load: Callable[[Path, nn.Module], None]
+    """Load a checkpoint written by `save` back into the model (for resume)."""
+    model_info: dict[str, Any]
+    config_info: dict[str, Any] = field(default_factory=dict)
+    metrics_fn: Callable[[nn.Module, dict], dict[str, mx.array]] | None = None
+    """(model, batch) -> sums incl. "n" (default: loss-weighted sums); eval only."""
+    unit: str = "tokens"
+    """What the loss counts, for throughput ("tokens" or "images")."""
+    count: Callable[[dict[str, np.ndarray]], int] | None = None
+    prefix: str = "step_"
+    """Checkpoint file prefix under weights/."""
+    checkpoint_meta: Callable[[], dict[str, Any]] | None = None
+    optimizer: Callable[[TrainConfig], optim.Optimizer] | None = None
+    """Build the optimizer (default: `make_optimizer`); lets a recipe give a parameter group
+    its own schedule, as a pure function of the optimizer step."""
+    test_batches: list[dict[str, np.ndarray]] = field(default_factory=list)
+    """Held-out test batches scored once when the run completes (an `eval` event with split
+    "test"); empty: no test (a recipe fills it for `--test`)."""
+    finish: Callable[[Path], dict[str, Any]] | None = None
+    """After a completed run's final checkpoint (rank 0): write what the recipe makes of it in
+    the run folder (the lora recipe's --fuse-at-end model); returns the `export` event's
+    fields (its `path` relative to the run folder)."""
+    memory: dict[str, Any] | None = None
+    """The step's estimated peak against the memory available (`toymlx.memory.check_fits`),
+    for run_start; None where the recipe makes no estimate."""
+
+
+def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
+    sched = partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
+                    min_ratio=cfg.min_lr_ratio)
+    kw = {"learning_rate": sched, "betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
+    decay = optim.AdamW(weight_decay=cfg.weight_decay, **kw)
+    no_decay = optim.AdamW(weight_decay=0.0, **kw)
+    return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
