@@ -13,7 +13,8 @@ Rows (a name each; `--only` picks):
 - `mlx-lm-packed` / `mlx-lm-chat`: mlx-lm's own QLoRA of the same weights (its 4-bit model, its
   trainer) on the same two data shapes (`mlx_lm_qlora.py`); the toymlx/mlx-lm ratios of peak
   RSS and step time are printed per shape (`PEERS`).
-- `1b-blocks` / `1b-float32`: the Llama-3.2-1B-shaped Q4_K_M (`shapes.py`) at 4 x 256, q;
+- `1b-blocks` / `1b-float32`: the Llama-3.2-1B-shaped Q4_K_M (`shapes.py`) at 4 x 256, q
+  (`1b-1-stream`, `1b-float32-1-stream`: the same with `--cpu-streams 1`);
   `1b-1x512`, `3b-1x512`, `8b-1x512`: 1 x 512, q,v, rank 8, `--grad-checkpoint`, 3 steps (the
   issue's sizes); `gemma-4x256`: the Gemma-3-270M shape (262,144-token vocabulary) at 4 x 256.
 - each row's adapter is loaded with its base in llama.cpp (`llamacpp_ok`: its logits of a
