@@ -483,13 +483,19 @@ PAD_MULTIPLE = 32
 to this, so that the compiled step and validation see few shapes."""
 
 
+def trained_ends(mask: np.ndarray) -> np.ndarray:
+    """(..., T) mask -> (...): one past each row's last trained target (0 for a row with none)."""
+    trained = mask != 0
+    return np.where(trained.any(axis=-1), mask.shape[-1] - np.argmax(trained[..., ::-1], axis=-1),
+                    0)
+
+
 def fit_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A batch `(..., T)` cut to its last trained target rounded up to `PAD_MULTIPLE` (at most
     T): the positions cut hold only padding and targets under mask 0, and attention is causal,
     so the loss and its gradients are those of the whole rows."""
     T = batch["mask"].shape[-1]
-    trained = batch["mask"].reshape(-1, T).any(axis=0)  # (T,): a trained target in some row
-    last = int(np.flatnonzero(trained)[-1]) + 1 if trained.any() else 1
+    last = int(trained_ends(batch["mask"]).max(initial=0)) or 1
     keep = min(T, math.ceil(last / PAD_MULTIPLE) * PAD_MULTIPLE)
     return {k: v[..., :keep] for k, v in batch.items()}
 
@@ -530,10 +536,7 @@ def sft_val_batches(
     (`positions` and `position_mask`, (1, rows, P))."""
     n = min(len(rows["inputs"]), max_batches * batch_size)
     per = rows_per_batch or batch_size
-    mask = rows["mask"][:n]
-    length = np.where(mask.any(axis=-1), mask.shape[-1] - np.argmax(mask[:, ::-1] != 0, axis=-1),
-                      0)  # one past each row's last trained target
-    order = np.argsort(length, kind="stable")
+    order = np.argsort(trained_ends(rows["mask"][:n]), kind="stable")
     out = []
     for b in range(math.ceil(n / per)):
         pick = order[b * per:(b + 1) * per]
