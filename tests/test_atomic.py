@@ -61,7 +61,7 @@ def write(version):
             st.code = version
     elif kind == "sweep-file":
         specs = sweep.grid(["--steps", str(version)], {"lr": [1e-3]})
-        sweep._write_sweep_file(d, "from-scratch", specs)
+        sweep.write_sweep_file(d, "from-scratch", specs)
     elif kind == "export":
         if version == 1:
             target.write_bytes(b"an earlier export")

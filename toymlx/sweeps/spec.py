@@ -1,6 +1,6 @@
 """A sweep's plan: its runs (`RunSpec`) from a grid of values (`grid`) or random draws
 (`random`), the `--grid` text and config-file axes they come from, the sweep's id and a
-machine's shard of it, and its record on disk (sweep.json: `_write_sweep_file`, checked
+machine's shard of it, and its record on disk (sweep.json: `write_sweep_file`, checked
 against a sweep started again by `changed_options`)."""
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def shard_specs(specs: Sequence[RunSpec], shard: tuple[int, int]) -> list[RunSpe
     return [s for k, s in enumerate(specs) if k % n == i]
 
 
-def _write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
+def write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
                       run_options: Mapping[str, Any] | None = None) -> None:
     path = sweep_dir / report.SWEEP_FILE
     runs: dict[str, dict] = {}

@@ -38,10 +38,10 @@ from toymlx.runner import report
 from toymlx.sweeps.live import EventTail, LiveView, SweptRun
 from toymlx.sweeps.spec import (
     RunSpec,
-    _write_sweep_file,
     changed_options,
     default_sweep_id,
     shard_specs,
+    write_sweep_file,
 )
 from toymlx.sweeps.summary import SweepResult, summarize_sweep
 
@@ -302,7 +302,7 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
                          "--sweep-id to run the changed sweep, or put them back")
     for sub in ("logs", ".locks", ".status"):
         (sweep_dir / sub).mkdir(parents=True, exist_ok=True)
-    _write_sweep_file(sweep_dir, recipe, specs, run_options)
+    write_sweep_file(sweep_dir, recipe, specs, run_options)
     options_file = None
     if run_options:
         options_file = sweep_dir / RUN_OPTIONS_FILE
