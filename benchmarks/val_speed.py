@@ -16,6 +16,13 @@ Each figure is seconds per row (validation: per real row, the fill rows of a sho
 not counted; training: a step's time over its 4 rows), wall clock and this process's CPU time
 (on a machine shared with other work the CPU time is the steadier measure). The ratio is
 validation per row over the median training step per row, the first step (its compile) apart.
+Beside the times it prints the arithmetic floor of that ratio: the floating-point operations
+of the validation rows (the forward pass, the head's logits only at the trained positions) over
+those of the training steps' rows (the forward, the input gradient through every projection,
+attention's backward at twice its forward, the head at every position both ways), the matmuls
+counted, elementwise work not. The step's count is an upper bound (the first block's input
+gradient is not needed), so the floor is a lower bound: a LoRA step on a frozen base does about
+two forwards of work, so a validation row cannot cost much under half a training row.
 Prints one JSON line after a human-readable table.
 """
 
@@ -40,12 +47,44 @@ def _timed(fn):
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 
+def _linear_flops(a) -> int:
+    """Multiply-adds x 2 of every block's projections, per token."""
+    hd = a.key_length or a.d_model // a.n_heads
+    per = a.d_model * (a.n_heads + 2 * a.n_kv_heads) * hd + a.n_heads * hd * a.d_model
+    return 2 * a.n_layers * (per + 3 * a.d_model * a.ffn_dim)
+
+
+def _attention_flops(a, width: int, block: int = 64) -> int:
+    """Causal attention's score and value products for one row of `width` tokens, computed
+    `block` query rows at a time against the keys they see (`toymlx.backend.fastmath.attention`)."""
+    hd = a.key_length or a.d_model // a.n_heads
+    scores = sum((min(q + block, width) - q) * min(q + block, width)
+                 for q in range(0, width, block))
+    return 4 * a.n_layers * a.n_heads * hd * scores
+
+
+def flop_floor(a, val_batches: list, rows: int, train_batch: dict) -> float:
+    """FLOPs of a validation row over a training step's row (module docstring)."""
+    head = 2 * a.d_model * a.vocab_size
+    val = 0
+    for b in val_batches:
+        n, width = b["inputs"].shape[1:]
+        val += n * (width * _linear_flops(a) + _attention_flops(a, width)
+                    + b["positions"].shape[-1] * head)
+    *_, B, T = train_batch["inputs"].shape
+    step = B * (2 * T * _linear_flops(a) + 3 * _attention_flops(a, T) + 2 * T * head)
+    return (val / rows) / (step / B)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=4, help="training steps before each pass")
     p.add_argument("--passes", type=int, default=2, help="validation passes of each kind")
     p.add_argument("--eval-batches", type=int, default=4, help="batches of 4 rows per pass")
     p.add_argument("--base", help="another llama GGUF (default: the real SmolLM2-135M Q4_1)")
+    p.add_argument("--held-out-rows", type=int, default=0,
+                   help="training batches' rows a held-out call (default: the recipe's "
+                        "toymlx.data.chat.HELD_OUT_ROWS)")
     args = p.parse_args(argv)
     setup_process()
     import numpy as np
@@ -58,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     from toymlx.training.task import check_config
     from toymlx.training.trainer import Stepper
 
+    if args.held_out_rows:  # read when the recipe batches its held-out rows
+        from toymlx.data import chat
+
+        chat.HELD_OUT_ROWS = args.held_out_rows
     shape = {k: v for k, v in LORA_SHAPE.items() if k != "lora"}
     cfg = lora.Config(base=args.base or str(smollm_gguf()), **shape, eval_batches=args.eval_batches,
                       progress=False, lora=lora.LoRAOptions(**LORA_SHAPE["lora"]))
@@ -86,11 +129,14 @@ def main(argv: list[str] | None = None) -> int:
             m, wall, cpu = _timed(lambda ev=ev: ev(args.eval_batches))
             passes[name].append((wall / rows, cpu / rows, m["val_loss"]))
     train = [statistics.median(x[i] for x in steps[1:]) for i in (0, 1)]
+    floor = flop_floor(task.model.args, batches, rows, task.train_batch(0))
     out = {"host": host_info(), "rows": rows, "train_s_per_row": {"wall": train[0],
-                                                                   "cpu": train[1]}}
+                                                                   "cpu": train[1]},
+           "flop_floor": floor}
     print(host_line(out["host"]))
     print(f"training step, median of {len(steps) - 1} (first apart): {train[0]:.3f} s/row "
           f"wall, {train[1]:.3f} s/row CPU")
+    print(f"arithmetic floor: a validation row's FLOPs are {floor:.2f}x a training row's")
     for name, rec in passes.items():
         out[name] = [{"wall": w, "cpu": c, "val_loss": v, "ratio_wall": w / train[0],
                       "ratio_cpu": c / train[1]} for w, c, v in rec]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from toymlx.data.chat import (
+    HELD_OUT_ROWS,
     DataError,
     Example,
     SFTData,
@@ -461,9 +462,11 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
     # the first test row is BOS + "test0" + "ab" + EOS, completion and EOS trained
     assert tok.decode(data.test["targets"][0, :8].tolist()) == "test0ab</s>"
     assert data.test["mask"][0].sum() == 3
-    # held-out batches hold HELD_OUT_ROWS (2) training batches' rows: the 3 test rows in one
+    # held-out batches hold HELD_OUT_ROWS (4) training batches' rows: the 3 test rows in one
+    # batch even at batch size 1 (sft_val_batches' own test splits a short last batch off)
+    assert HELD_OUT_ROWS == 4
     assert [b["inputs"].shape for b in data.test_batches(2)] == [(1, 3, 16)]
-    assert [b["inputs"].shape for b in data.test_batches(1)] == [(1, 2, 16), (1, 1, 16)]
+    assert [b["inputs"].shape for b in data.test_batches(1)] == [(1, 3, 16)]
     # without valid.jsonl: the split of train.jsonl; without test.jsonl: no test rows
     (folder / "valid.jsonl").unlink()
     (folder / "test.jsonl").unlink()

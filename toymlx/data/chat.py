@@ -518,11 +518,12 @@ def trained_positions(mask: np.ndarray, multiple: int = PAD_MULTIPLE
     return positions.reshape(*mask.shape[:-1], p), weights.reshape(*mask.shape[:-1], p)
 
 
-HELD_OUT_ROWS = 2
-"""A held-out batch holds this many training batches' rows: a forward pass keeps no
-activations for a backward one, so twice the rows take less memory than a training step, and
-each call's fixed costs (decoding a block-held base's weights, the call itself) are shared by
-twice the rows."""
+HELD_OUT_ROWS = 4
+"""A held-out batch holds this many training batches' rows. A forward pass keeps no
+activations for a backward one, so a call of four batches' rows takes less memory than a
+training step of one, and each call's fixed costs (tracing a batch shape once a run, decoding a
+block-held base's weights, the call itself) are shared by four times the rows: on SmolLM2's
+default data the 15 held-out rows are one call, one trace a CPU stream (docs/RESULTS.md)."""
 
 
 def sft_val_batches(
