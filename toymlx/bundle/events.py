@@ -145,11 +145,13 @@ def parse_event(raw: bytes | str) -> dict | None:
 def iter_events(path: str | os.PathLike) -> Iterator[dict]:
     """The events of a bundle folder or events.jsonl, one by one (see `read_events`)."""
     p = Path(path)
-    if p.is_dir():
+    if not p.is_file():  # a folder, or one not made yet (a run starting while it is read)
         p = p / "events.jsonl"
-    if not p.exists():
+    try:
+        f = open(p, "rb")
+    except (FileNotFoundError, NotADirectoryError):
         return
-    with open(p, "rb") as f:
+    with f:
         for raw in f:
             ev = parse_event(raw)
             if ev is not None:
