@@ -121,8 +121,9 @@ class Ops:
         return nn.silu(gate) * up
 
     def gelu_mul(self, gate: mx.array, up: mx.array) -> mx.array:
-        """gelu_tanh(gate) * up: GeGLU as Gemma computes it (GELU's tanh form)."""
-        return nn.gelu_approx(gate) * up
+        """gelu_tanh(gate) * up: GeGLU as Gemma computes it (GELU's tanh form), its backward
+        pass keeping gate, up and the tanh."""
+        return _gelu_tanh_mul(gate, up)[0]
 
     def gelu(self, x: mx.array, form: str = "erf") -> mx.array:
         """GELU: erf (exact, timm's), tanh or fast (x * sigmoid(1.702 x))."""
@@ -213,6 +214,34 @@ class Ops:
         if not self.grad_checkpoint:
             return layer(*args)
         return _checkpointed(layer)(layer.trainable_parameters(), *args)
+
+
+_GELU_TANH_C = float(np.sqrt(2 / np.pi))
+
+
+@mx.custom_function
+def _gelu_tanh_mul(gate: mx.array, up: mx.array) -> tuple[mx.array, mx.array]:
+    """(`nn.gelu_approx(gate) * up`, the tanh inside it): the same ops in the same order, so the
+    same values. Its backward pass holds gate, up and the tanh: in a compiled step autodiff of
+    the expression held 7 (tokens, ffn) arrays a layer, this 4.5 (tests/test_fastmath.py);
+    the Gemma-3-270M shape's 4 x 256 LoRA step, MLX's peak 1.84 -> 1.42 GB."""
+    t = mx.tanh(_GELU_TANH_C * (gate + 0.044715 * gate**3))
+    return 0.5 * gate * (1 + t) * up, t
+
+
+@_gelu_tanh_mul.vjp
+def _gelu_tanh_mul_vjp(primals, cotangents, outputs):
+    x, up = primals
+    g, t = cotangents[0], outputs[1]
+    # every product starts from the cotangent, so no part of this can run (and be held) before
+    # the backward pass reaches it: `mx.compile` fuses and schedules a subexpression of the
+    # forward's arrays alone (1 - t^2, the slope) into the forward pass
+    a = (g * up) * 0.5
+    b = a * x
+    b = b - (b * t) * t  # g up x (1 - t^2) / 2
+    d_gate = (a + a * t) + (b * _GELU_TANH_C + ((b * x) * x) * (3 * 0.044715 * _GELU_TANH_C))
+    h = (g * 0.5) * x
+    return d_gate, h + h * t
 
 
 def _widen(x: mx.array) -> mx.array:
