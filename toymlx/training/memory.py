@@ -87,9 +87,11 @@ def _block_values(a: LlamaArgs, seq_len: int) -> int:
     """Values one block keeps per token for the backward pass: the norms' inputs and outputs,
     q, k, v before and after RoPE, attention's probabilities (each of H heads against about
     5/8 of the seq_len keys, toymlx's blocked causal attention), its output and o_proj's, the
-    MLP's gate, up, activation and product, and down's output."""
+    MLP's gate, up, activation and product (GeGLU: gate, up and its tanh, `Ops.gelu_mul`), and
+    down's output."""
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
-    return 6 * d + 3 * q + 3 * kv + 4 * f + (5 * a.n_heads * seq_len) // 8
+    mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
+    return 6 * d + 3 * q + 3 * kv + mlp + (5 * a.n_heads * seq_len) // 8
 
 
 def base_bytes(g: GGUFFile, held: str) -> int:
