@@ -49,7 +49,7 @@ def _timed(fn):
 
 def _linear_flops(a) -> int:
     """Multiply-adds x 2 of every block's projections, per token."""
-    hd = a.key_length or a.d_model // a.n_heads
+    hd = a.head_dim
     per = a.d_model * (a.n_heads + 2 * a.n_kv_heads) * hd + a.n_heads * hd * a.d_model
     return 2 * a.n_layers * (per + 3 * a.d_model * a.ffn_dim)
 
@@ -57,7 +57,7 @@ def _linear_flops(a) -> int:
 def _attention_flops(a, width: int, block: int = 64) -> int:
     """Causal attention's score and value products for one row of `width` tokens, computed
     `block` query rows at a time against the keys they see (`toymlx.backend.fastmath.attention`)."""
-    hd = a.key_length or a.d_model // a.n_heads
+    hd = a.head_dim
     scores = sum((min(q + block, width) - q) * min(q + block, width)
                  for q in range(0, width, block))
     return 4 * a.n_layers * a.n_heads * hd * scores
