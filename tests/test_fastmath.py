@@ -258,7 +258,8 @@ def test_block_causal_attention_equals_fast_sdpa(T, S, block):
 
 def _retained_arrays_per_layer(act, n: int = 512, f: int = 256) -> float:
     """(tokens, ffn) float32 arrays a compiled backward pass holds per `act(gate, up)` layer: the
-    growth of MLX's peak from a 2-layer to a 10-layer chain, per layer."""
+    growth of MLX's peak from a 30-layer to a 50-layer chain, per layer (chains longer than
+    the 10 tasks MLX keeps in flight, whose arrays a shorter chain would count too)."""
     x, r = mx.random.normal((n, f), key=mx.random.key(1)), mx.random.normal((n, f))
 
     def peak(layers: int) -> int:
@@ -276,13 +277,13 @@ def _retained_arrays_per_layer(act, n: int = 512, f: int = 256) -> float:
         mx.eval(step(p0))
         return mx.get_peak_memory() - held
 
-    return (peak(10) - peak(2)) / 8 / (n * f * 4)
+    return (peak(50) - peak(30)) / 20 / (n * f * 4)
 
 
 def test_geglu_is_gelu_approx_times_up_with_float64_gradients_and_holds_less():
     """`Ops.gelu_mul` (Gemma's GeGLU): the values of `nn.gelu_approx(gate) * up` bit for bit,
-    gradients against float64 calculus, and a backward pass that holds fewer (tokens, ffn)
-    arrays than autodiff of that expression (it keeps gate, up and the tanh)."""
+    gradients against float64 calculus, and a backward pass that holds gate, up and the tanh
+    alone (3 (tokens, ffn) arrays a layer; autodiff of the expression holds 6)."""
     x = grid()
     x = x[np.abs(x) < 1e3]  # x^3 stays finite in float32
     rng = np.random.default_rng(1)
@@ -301,4 +302,4 @@ def test_geglu_is_gelu_approx_times_up_with_float64_gradients_and_holds_less():
     np.testing.assert_allclose(np.array(d_up), 0.5 * x64 * (1 + t), rtol=1e-6, atol=1e-6)
     ours = _retained_arrays_per_layer(MLX.gelu_mul)
     autodiff = _retained_arrays_per_layer(lambda a, b: nn.gelu_approx(a) * b)
-    assert ours <= autodiff - 2, (ours, autodiff)
+    assert ours <= 3.25 and autodiff >= ours + 2.5, (ours, autodiff)

@@ -223,8 +223,8 @@ _GELU_TANH_C = float(np.sqrt(2 / np.pi))
 def _gelu_tanh_mul(gate: mx.array, up: mx.array) -> tuple[mx.array, mx.array]:
     """(`nn.gelu_approx(gate) * up`, the tanh inside it): the same ops in the same order, so the
     same values. Its backward pass holds gate, up and the tanh: in a compiled step autodiff of
-    the expression held 7 (tokens, ffn) arrays a layer, this 4.5 (tests/test_fastmath.py);
-    the Gemma-3-270M shape's 4 x 256 LoRA step, MLX's peak 1.84 -> 1.42 GB."""
+    the expression holds 6 (tokens, ffn) arrays a layer, this 3 (tests/test_fastmath.py); the
+    Gemma-3-270M shape's 4 x 256 LoRA step, MLX's peak 1.84 -> 1.42 GB."""
     t = mx.tanh(_GELU_TANH_C * (gate + 0.044715 * gate**3))
     return 0.5 * gate * (1 + t) * up, t
 
@@ -234,8 +234,8 @@ def _gelu_tanh_mul_vjp(primals, cotangents, outputs):
     x, up = primals
     g, t = cotangents[0], outputs[1]
     # every product starts from the cotangent, so no part of this can run (and be held) before
-    # the backward pass reaches it: `mx.compile` fuses and schedules a subexpression of the
-    # forward's arrays alone (1 - t^2, the slope) into the forward pass
+    # the backward pass reaches it: a subexpression of the forward's arrays alone (1 - t^2, the
+    # slope) is computed in the forward pass and held, one more array a layer (4 against 3)
     a = (g * up) * 0.5
     b = a * x
     b = b - (b * t) * t  # g up x (1 - t^2) / 2
