@@ -148,28 +148,33 @@ def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_file, second
                                       str(shared_file("text/tinyshakespeare.txt")),
                                       "--runs-root", str(tmp_path), "--run-id", "r"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    t0 = time.monotonic()
-    ready = ((lambda: any(e["kind"] == "step" and e["step"] >= 4 for e in read_events(run)))
-             if second == "mid-write" else (run / "weights" / "step_4.gguf").exists)
-    while not ready():
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        assert time.monotonic() - t0 < 300
-        time.sleep(0.01)
-    time.sleep(0.1)
-    p.send_signal(signal.SIGINT)
-    caught = None
-    if second == "at-once":
+    try:  # a 100000-step run: never left running when this test fails before it ends
+        t0 = time.monotonic()
+        ready = ((lambda: any(e["kind"] == "step" and e["step"] >= 4 for e in read_events(run)))
+                 if second == "mid-write" else (run / "weights" / "step_4.gguf").exists)
+        while not ready():
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.01)
+        time.sleep(0.1)
         p.send_signal(signal.SIGINT)
-    elif second == "after-0.2s":
-        time.sleep(0.2)
-        p.send_signal(signal.SIGINT)
-    else:
-        while p.poll() is None and caught is None:
-            if any(".tmp-" in f.name for f in (run / "weights").iterdir()):
-                p.send_signal(signal.SIGINT)
-                caught = time.monotonic()
-            time.sleep(0.0005)
-    _, err = p.communicate(timeout=300)
+        caught = None
+        if second == "at-once":
+            p.send_signal(signal.SIGINT)
+        elif second == "after-0.2s":
+            time.sleep(0.2)
+            p.send_signal(signal.SIGINT)
+        else:
+            while p.poll() is None and caught is None:
+                if any(".tmp-" in f.name for f in (run / "weights").iterdir()):
+                    p.send_signal(signal.SIGINT)
+                    caught = time.monotonic()
+                time.sleep(0.0005)
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
     assert p.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     end = read_events(run)[-1]
