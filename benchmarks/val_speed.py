@@ -47,13 +47,6 @@ def _timed(fn):
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 
-def _linear_flops(a) -> int:
-    """Multiply-adds x 2 of every block's projections, per token."""
-    hd = a.head_dim
-    per = a.d_model * (a.n_heads + 2 * a.n_kv_heads) * hd + a.n_heads * hd * a.d_model
-    return 2 * a.n_layers * (per + 3 * a.d_model * a.ffn_dim)
-
-
 def _attention_flops(a, width: int, block: int = 64) -> int:
     """Causal attention's score and value products for one row of `width` tokens, computed
     `block` query rows at a time against the keys they see (`toymlx.backend.fastmath.attention`)."""
@@ -63,16 +56,30 @@ def _attention_flops(a, width: int, block: int = 64) -> int:
     return 4 * a.n_layers * a.n_heads * hd * scores
 
 
+def _rebatched(batches: list, batch_size: int, per_call: int) -> list:
+    """The rows of the recipe's held-out batches, batched again `per_call` rows a call."""
+    import numpy as np
+
+    from toymlx.data.chat import sft_val_batches
+
+    width = max(b["inputs"].shape[-1] for b in batches)
+    rows = {k: np.concatenate([np.pad(b[k][0], [(0, 0), (0, width - b[k].shape[-1])])
+                               for b in batches]) for k in ("inputs", "targets", "mask")}
+    return sft_val_batches(rows, batch_size, len(rows["inputs"]), per_call)
+
+
 def flop_floor(a, val_batches: list, rows: int, train_batch: dict) -> float:
     """FLOPs of a validation row over a training step's row (module docstring)."""
-    head = 2 * a.d_model * a.vocab_size
+    from workloads import block_weights
+
+    linear, head = 2 * block_weights(a), 2 * a.d_model * a.vocab_size
     val = 0
     for b in val_batches:
         n, width = b["inputs"].shape[1:]
-        val += n * (width * _linear_flops(a) + _attention_flops(a, width)
+        val += n * (width * linear + _attention_flops(a, width)
                     + b["positions"].shape[-1] * head)
     *_, B, T = train_batch["inputs"].shape
-    step = B * (2 * T * _linear_flops(a) + 3 * _attention_flops(a, T) + 2 * T * head)
+    step = B * (2 * T * linear + 3 * _attention_flops(a, T) + 2 * T * head)
     return (val / rows) / (step / B)
 
 
@@ -97,15 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     from toymlx.training.task import check_config
     from toymlx.training.trainer import Stepper
 
-    if args.held_out_rows:  # read when the recipe batches its held-out rows
-        from toymlx.data import chat
-
-        chat.HELD_OUT_ROWS = args.held_out_rows
     shape = {k: v for k, v in LORA_SHAPE.items() if k != "lora"}
     cfg = lora.Config(base=args.base or str(smollm_gguf()), **shape, eval_batches=args.eval_batches,
                       progress=False, lora=lora.LoRAOptions(**LORA_SHAPE["lora"]))
     check_config(lora, cfg)
     task = lora.build(cfg, run_ops(cfg))
+    if args.held_out_rows:
+        task = replace(task, val_batches=_rebatched(task.val_batches, cfg.batch_size,
+                                                    args.held_out_rows * cfg.batch_size))
     stepper = Stepper(task, cfg)
     stepper.build()
     now = Evaluator(task, cfg.compile, stepper.n_streams, stepper.blas_threads)

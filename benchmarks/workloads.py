@@ -137,6 +137,13 @@ def find(name: str) -> Workload:
     raise KeyError(name)
 
 
+def block_weights(a) -> int:
+    """Weights of a llama model's blocks' projections (q, k, v, o, gate, up, down), all layers:
+    a token's forward pass does 2 FLOPs for each."""
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    return a.n_layers * (a.d_model * (2 * q + 2 * kv) + 3 * a.d_model * a.ffn_dim)
+
+
 def train_flops(w: Workload) -> float:
     """Matmul FLOPs of one training step (same count for every implementation): 6 N per item
     (forward 2 N, backward 4 N), 4 N for a frozen LoRA base (no weight gradients), plus the
@@ -151,8 +158,7 @@ def train_flops(w: Workload) -> float:
         return 6 * n * tokens + 3 * attn_fwd + 6 * a.d_model * a.num_classes * w.batch
     a = w.llama
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    per_layer = a.d_model * (2 * q + 2 * kv) + 3 * a.d_model * a.ffn_dim
-    n = a.n_layers * per_layer + a.vocab_size * a.d_model  # blocks + output head
+    n = block_weights(a) + a.vocab_size * a.d_model  # blocks + output head
     tokens = w.batch * w.seq
     attn_fwd = 4 * w.batch * a.n_heads * w.seq * w.seq * a.head_dim * a.n_layers
     if not w.lora:

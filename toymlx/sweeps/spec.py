@@ -297,7 +297,7 @@ def shard_specs(specs: Sequence[RunSpec], shard: tuple[int, int]) -> list[RunSpe
 
 
 def write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
-                      run_options: Mapping[str, Any] | None = None) -> None:
+                     run_options: Mapping[str, Any] | None = None) -> None:
     path = sweep_dir / report.SWEEP_FILE
     runs: dict[str, dict] = {}
     try:
