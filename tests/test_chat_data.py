@@ -467,6 +467,9 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
     assert HELD_OUT_ROWS == 4
     assert [b["inputs"].shape for b in data.test_batches(2)] == [(1, 3, 16)]
     assert [b["inputs"].shape for b in data.test_batches(1)] == [(1, 3, 16)]
+    # with --grad-checkpoint a call holds one training batch's rows (memory the run saves)
+    assert [b["inputs"].shape for b in data.test_batches(2, grad_checkpoint=True)] == [
+        (1, 2, 16), (1, 1, 16)]
     # without valid.jsonl: the split of train.jsonl; without test.jsonl: no test rows
     (folder / "valid.jsonl").unlink()
     (folder / "test.jsonl").unlink()

@@ -526,6 +526,14 @@ block-held base's weights, the call itself) are shared by four times the rows: o
 default data the 15 held-out rows are one call, one trace a CPU stream (docs/RESULTS.md)."""
 
 
+def held_out_call_rows(batch_size: int, grad_checkpoint: bool) -> int:
+    """Rows of one held-out call: `HELD_OUT_ROWS` training batches', or with --grad-checkpoint
+    one batch's (a forward pass holds one block's activations for its rows, more than a
+    checkpointed step holds for its own: the 1B shape at 1 x 512 peaked at 1.62 GB RSS
+    validating 4-row calls against its step's 1.36)."""
+    return batch_size if grad_checkpoint else HELD_OUT_ROWS * batch_size
+
+
 def sft_val_batches(
     rows: dict[str, np.ndarray], batch_size: int, max_batches: int, rows_per_batch: int = 0
 ) -> list[dict[str, np.ndarray]]:
@@ -623,19 +631,20 @@ class SFTData:
         batch = sft_batch(self.train, step, seed, batch_size, accum)
         return batch if self.pack else fit_rows(batch)
 
-    def val_batches(self, batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:
-        """`sft_val_batches` over the validation rows, `HELD_OUT_ROWS` training batches' rows
-        a batch."""
-        return sft_val_batches(self.val, batch_size, max_batches, HELD_OUT_ROWS * batch_size)
+    def val_batches(self, batch_size: int, max_batches: int, grad_checkpoint: bool = False
+                    ) -> list[dict[str, np.ndarray]]:
+        """`sft_val_batches` over the validation rows, `held_out_call_rows` a batch."""
+        return sft_val_batches(self.val, batch_size, max_batches,
+                               held_out_call_rows(batch_size, grad_checkpoint))
 
-    def test_batches(self, batch_size: int) -> list[dict[str, np.ndarray]]:
-        """Every test row as `(1, HELD_OUT_ROWS * batch_size, W)` batches ([] without a test
-        file)."""
+    def test_batches(self, batch_size: int, grad_checkpoint: bool = False
+                     ) -> list[dict[str, np.ndarray]]:
+        """Every test row as `(1, held_out_call_rows, W)` batches ([] without a test file)."""
         if self.test is None:
             return []
         return sft_val_batches(self.test, batch_size, math.ceil(len(self.test["inputs"])
                                                                 / batch_size),
-                               HELD_OUT_ROWS * batch_size)
+                               held_out_call_rows(batch_size, grad_checkpoint))
 
 
 def held_out_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: int,

@@ -292,7 +292,8 @@ def build(cfg: Config, ops: Ops) -> Task:
     return Task(
         recipe="lora", model=model, loss_fn=lm_loss, metrics_fn=lm_held_out_sums,
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
-        val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches), save=save,
+        val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches, cfg.grad_checkpoint),
+        save=save,
         load=load, model_info=info,
         config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,
                      "data_source": data.source,
@@ -303,5 +304,6 @@ def build(cfg: Config, ops: Ops) -> Task:
                      "train_target_tokens": int(data.train["mask"].sum()),
                      "n_truncated": data.n_truncated, **src.record("base")},
         unit="tokens", count=lambda b: int(np.sum(b["mask"])),
-        prefix=prefix, test_batches=data.test_batches(cfg.batch_size) if cfg.test else [],
+        prefix=prefix,
+        test_batches=data.test_batches(cfg.batch_size, cfg.grad_checkpoint) if cfg.test else [],
         finish=finish if cfg.fuse_at_end else None, memory=fits)
