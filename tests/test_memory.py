@@ -82,12 +82,16 @@ def test_estimate_of_an_8b_header(header_8b):
     assert file_bytes == n_matrix * 144 // 256 + n_norm * 4
     assert est.base == n_matrix * 148 // 256 + n_norm * 4
     assert est.trained == 32 * 8 * ((4096 + 4096) + (1024 + 4096)) * 16
-    per_block = memory._block_values(LLAMA_8B, 512) * 512 * 4
-    assert est.activations == 32 * 512 * 4096 * 4 + per_block
-    # the frozen head read 1024 rows at a time (2^22 / 4096 values): logits and weights
+    # a block keeps 6 d-wide arrays, q, k and v as projected and the SwiGLU's 4 ffn-wide ones;
+    # the block --grad-checkpoint recomputes keeps attention's too: q and k rotated, its output
+    # and 32 heads' probabilities over 5/8 of 512 keys
+    kept = 6 * 4096 + 4096 + 2 * 1024 + 4 * 14336
+    recomputing = kept + 2 * 4096 + 1024 + 32 * 512 * 5 // 8
+    assert est.activations == 32 * 512 * 4096 * 4 + recomputing * 512 * 4
+    # the frozen head read 1024 rows at a time (HEAD_SLICE_MIN_ROWS): logits and weights
     assert est.logits == 1024 * (memory.HEAD_LOGITS_COPIES * 512 + 2 * 4096) * 4
     assert floats.base == sum(t.n_elements for t in GGUFFile(header_8b).tensors.values()) * 4
-    assert floats.activations == 32 * per_block > est.activations
+    assert floats.activations == 32 * kept * 512 * 4 > est.activations
 
 
 def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, tmp_path,

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -280,7 +281,7 @@ from toymlx.models.llama import Llama, tiny
 from toymlx.models.ops import Ops
 
 mx.random.seed(3)
-args = tiny(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384)
+args = tiny(d_model=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=384)
 model = Llama(args, Ops(kernels="vectorised", grad_checkpoint=sys.argv[1] == "1"))
 mx.eval(model.parameters())
 tokens = mx.array(np.random.default_rng(3).integers(0, 259, (2, 1025)).astype(np.int32))
@@ -295,9 +296,10 @@ print(json.dumps({"peak_mib": (mx.get_peak_memory() - base) / 2**20, "loss": los
 
 def test_grad_checkpoint_same_gradients_less_memory():
     """Recomputing each block in the backward pass gives the same gradients, and keeps fewer
-    activations alive: peak memory of one value_and_grad on 2 x 1024 tokens (measured here
-    197 -> 125 MiB; 1255 -> 694 MiB with MLX's kernels at 256 wide, 4 x 1024), each in a fresh
-    process with MLX's default evaluation width (see device.setup_process)."""
+    activations alive: peak memory of one value_and_grad of 8 blocks on 2 x 1024 tokens
+    (measured here 217 -> 149 MiB; 4 blocks 197 -> 125 MiB before attention was recomputed
+    without it too, 144 -> 129 after), each in a fresh process with MLX's default evaluation
+    width (see device.setup_process)."""
     mx.random.seed(3)
     args = tiny(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128)
     plain = Llama(args, Ops(kernels="vectorised"))
@@ -322,6 +324,92 @@ def test_grad_checkpoint_same_gradients_less_memory():
           f"{peak['0']['peak_mib']:.1f} MiB without")
     assert peak["1"]["loss"] == peak["0"]["loss"]
     assert peak["1"]["peak_mib"] < 0.8 * peak["0"]["peak_mib"]
+
+
+def _no_recomputation(fn, params, *arrays):
+    """`Ops.recomputed` undone: attention's activations kept for the backward pass."""
+    return fn(params, *arrays)
+
+
+def _loss_and_grads(args, ops: Ops, tokens: mx.array):
+    mx.random.seed(5)
+    model = Llama(args, ops)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "mask": mx.ones(tokens[:, 1:].shape)}
+
+    def loss(params):
+        model.update(params)
+        return lm_loss(model, batch)[0]
+
+    return mx.compile(mx.value_and_grad(loss))(model.trainable_parameters())
+
+
+@pytest.mark.parametrize("kernels", ["vectorised", "mlx"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_attention_recomputed_in_the_backward_pass_gives_the_same_gradients(
+        monkeypatch, kernels, arch):
+    """A block's attention (q/k norms, RoPE, scores, softmax, values) is recomputed in the
+    backward pass instead of kept (`Ops.recomputed`): the loss and every gradient, the trainable
+    q/k norms' included, bit for bit those of the attention kept whole."""
+    from toymlx.models import ops as ops_module
+
+    args = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    if arch == "gemma3":
+        args = replace(args, arch="gemma3", key_length=32, qk_norm=True, post_norms=True,
+                       embed_scale=True, activation="gelu_tanh", rope_neox=True)
+    tokens = mx.array(np.random.default_rng(5).integers(0, 259, (2, 97)).astype(np.int32))
+    ops = Ops(kernels=kernels)
+    loss, grads = _loss_and_grads(args, ops, tokens)
+    monkeypatch.setattr(ops_module, "_recomputed", _no_recomputation)
+    kept_loss, kept_grads = _loss_and_grads(args, ops, tokens)
+    assert loss.item() == kept_loss.item()
+    kept = dict(tree_flatten(kept_grads))
+    names = [k for k, _ in tree_flatten(grads)]
+    assert any("q_norm" in k for k in names) == (arch == "gemma3")
+    for k, v in tree_flatten(grads):
+        np.testing.assert_array_equal(np.array(v), np.array(kept[k]), err_msg=k)
+
+
+def _kept_values_per_token_and_block(args, T: int = 128) -> float:
+    """float32 values a compiled LoRA step holds per token and block: the growth of MLX's peak
+    from a 30- to a 50-block model (chains longer than the 10 operations MLX allocates ahead
+    of those that ran, which a shorter chain would count too)."""
+    tokens = mx.array(np.random.default_rng(6).integers(0, 259, (1, T + 1)).astype(np.int32))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mx.ones((1, T))}
+
+    def peak(n: int) -> int:
+        model = Llama(replace(args, n_layers=n), Ops(kernels="vectorised"))
+        model.freeze()
+        apply_lora(model, ("q", "v"))
+
+        def loss(params):
+            model.update(params)
+            return lm_loss(model, batch)[0]
+
+        step = mx.compile(mx.value_and_grad(loss))
+        params = model.trainable_parameters()
+        mx.eval(step(params))
+        mx.reset_peak_memory()
+        held = mx.get_active_memory()
+        mx.eval(step(params))
+        return mx.get_peak_memory() - held
+
+    return (peak(50) - peak(30)) / 20 / T / 4
+
+
+def test_a_block_keeps_q_k_v_not_attentions_probabilities(monkeypatch):
+    """With attention recomputed in the backward pass, a block no longer keeps its heads'
+    probabilities (4 heads x 5/8 of 128 keys = 320 values a token here), nor q and k rotated
+    and attention's output: measured here 1,432 -> 1,024 values a token and block (6 d-wide
+    arrays, q, k and v as projected, SwiGLU's 4 ffn-wide ones: 1,024)."""
+    from toymlx.models import ops as ops_module
+
+    args = tiny(d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    recomputed = _kept_values_per_token_and_block(args)
+    monkeypatch.setattr(ops_module, "_recomputed", _no_recomputation)
+    kept = _kept_values_per_token_and_block(args)
+    print(f"values a token and block: {kept:.0f} kept, {recomputed:.0f} recomputed")
+    assert kept - recomputed >= 320, (kept, recomputed)
 
 
 def test_grad_checkpoint_refuses_dropout():

@@ -186,20 +186,44 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, eps=a.norm_eps, ops=ops)
         self.qk_norm = a.qk_norm
 
-    # Called in two parts by Block (qkv, then attend; o_proj in Block.finish).
+    # Training and scoring call it whole (__call__); generation in two parts, around its KV
+    # cache (qkv, then attend); o_proj is Block.finish's.
+    def __call__(self, x: mx.array) -> mx.array:
+        """(B,T,H*hd): attention of the normed x over its own T positions, before o_proj (no
+        cache: training and scoring). From the projections on, the backward pass recomputes
+        what it needs (`Ops.recomputed`): q/k norms, RoPE, the scores and their softmax."""
+        q, k, v = self.project(x)
+        norms = {n: self[n].trainable_parameters() for n in ("q_norm", "k_norm") if n in self}
+
+        def attend(p: dict, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+            self.update(p)  # trainable norm weights as inputs, so their gradients flow
+            return self.attend(*self.heads(q, k, v, 0))
+
+        o = self.ops.recomputed(attend, norms, q, k, v)
+        self.update(norms)  # the recomputation leaves its inner arrays in the module
+        return o
+
     def qkv(self, x: mx.array, offset: int, tables: RopeTables | None = None
             ) -> tuple[mx.array, mx.array, mx.array]:
         """q (B,H,T,hd), k and v (B,Hkv,T,hd) of x (B,T,D) at positions offset..offset+T-1:
         projected, q and k normed (qk_norm) and rotated (`tables`: that position's RoPE tables,
         `Ops.rope_tables`, for a step traced once and called at every position)."""
-        B, T, _ = x.shape
+        return self.heads(*self.project(x), offset, tables)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """q (B,T,H*hd), k and v (B,T,Hkv*hd): the projections of x (B,T,D)."""
+        if "qkv_proj" not in self:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_w, kv_w = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        qkv = self.qkv_proj(x)  # (B,T,q+2kv): q, then k, then v
+        return qkv[..., :q_w], qkv[..., q_w:q_w + kv_w], qkv[..., q_w + kv_w:]
+
+    def heads(self, q: mx.array, k: mx.array, v: mx.array, offset: int,
+              tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """The projections split into heads: q (B,H,T,hd), k and v (B,Hkv,T,hd), q and k normed
+        (qk_norm) and rotated at positions offset..offset+T-1."""
+        B, T, _ = q.shape
         hd = self.head_dim
-        if "qkv_proj" in self:
-            q_w, kv_w = self.n_heads * hd, self.n_kv * hd
-            qkv = self.qkv_proj(x)  # (B,T,q+2kv): q, then k, then v
-            q, k, v = qkv[..., :q_w], qkv[..., q_w:q_w + kv_w], qkv[..., q_w + kv_w:]
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(B, T, self.n_heads, hd)  # (B,T,H,hd)
         k = k.reshape(B, T, self.n_kv, hd)  # (B,T,Hkv,hd)
         if self.qk_norm:  # over each head's hd values
@@ -257,8 +281,9 @@ class Block(nn.Module):
         self.post_norms = a.post_norms
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        offset = 0 if cache is None else cache.offset
-        return self.finish(x, self.attn.attend(*self.start(x, offset), cache))
+        if cache is None:
+            return self.finish(x, self.attn(self.attn_norm(x)))
+        return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache))
 
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
     # stay the same at every position (toymlx.generation.generate.CompiledDecode):

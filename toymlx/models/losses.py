@@ -115,14 +115,22 @@ def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.arr
     return (mx.concatenate(ce, axis=1).reshape(B, T) * mask).sum()
 
 
-HEAD_SLICE_VALUES = 1 << 22
-"""Most logits (tokens x vocabulary rows) of one slice of a frozen head: 16 MB of float32."""
+HEAD_SLICE_VALUES = 1 << 20
+"""Most logits (tokens x vocabulary rows) or weights of one slice of a frozen head: 4 MB of
+float32. MLX's CPU evaluation allocates the outputs of up to 10 operations ahead of those that
+have run, so a slice costs ~10-16 copies of its logits at its backward pass's peak, whatever
+orders the slices: the Gemma-3-270M shape's 4 x 256 step peaked 140 MB (MLX's count) higher
+with 16 MB slices than with 8, and 64 MB more again with 8 than with 4, at the same step time."""
+HEAD_SLICE_MIN_ROWS = 1024
+"""Fewest vocabulary rows a slice reads (unless the vocabulary is smaller): each slice adds its
+operations to the compiled step's graph, ~1.7 KB of memory a node, and a product of few rows
+runs below the BLAS's speed. A 128k vocabulary is 125 slices at most."""
 
 
 def head_slices(vocab: int, tokens: int, width: int) -> list[tuple[int, int]]:
     """Row ranges of a frozen head read at once: at most HEAD_SLICE_VALUES logits and as many
-    weights, in rows a multiple of 256 (at least 256)."""
-    n = max(256, HEAD_SLICE_VALUES // max(tokens, width, 1) // 256 * 256)
+    weights, in rows a multiple of 256, at least HEAD_SLICE_MIN_ROWS."""
+    n = max(HEAD_SLICE_MIN_ROWS, HEAD_SLICE_VALUES // max(tokens, width, 1) // 256 * 256)
     return [(a, min(a + n, vocab)) for a in range(0, vocab, n)]
 
 

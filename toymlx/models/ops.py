@@ -34,6 +34,7 @@ from typing import Any, Literal
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.backend import fastmath
 
@@ -208,6 +209,18 @@ class Ops:
         lse = mx.logsumexp(logits, axis=-1)  # MLX's kernel accumulates in float32
         return _widen(lse) - _widen(picked)
 
+    def recomputed(self, fn: Callable[..., mx.array], params: dict, *arrays: mx.array
+                   ) -> mx.array:
+        """fn(params, *arrays) (`params`: the trainable arrays fn reads), whose backward pass
+        recomputes fn's forward instead of keeping its activations, as FlashAttention's
+        backward recomputes the scores: a block's attention holds q, k and v, not its
+        probabilities (GQA heads x visible keys a token, more than d_model). The recomputation
+        waits for the cotangent (`mx.depends`), so one block's runs at a time. With
+        grad_checkpoint the whole block is recomputed already: fn as it is."""
+        if self.grad_checkpoint:
+            return fn(params, *arrays)
+        return _recomputed(fn, params, *arrays)
+
     def block(self, layer: nn.Module, *args: Any) -> mx.array:
         """layer(*args), or with grad_checkpoint the same, its activations recomputed in the
         backward pass instead of kept."""
@@ -303,6 +316,31 @@ def _rope_tables(rope: Rope, dims: int, offset: int, T: int) -> tuple[mx.array, 
         _rope_inverse_wavelengths(rope, dims)  # (T, dims/2)
     cos, sin = np.cos(ang) * rope.mscale, np.sin(ang) * rope.mscale
     return mx.array(cos.astype(np.float32)), mx.array(sin.astype(np.float32))
+
+
+def _recomputed(fn: Callable[..., mx.array], params: dict, *arrays: mx.array) -> mx.array:
+    """`Ops.recomputed`: fn as a custom function whose vjp recomputes it once its cotangent
+    exists (`mx.checkpoint`'s recomputation waits for nothing: MLX's breadth-first order then
+    ran every block's at once)."""
+    @mx.custom_function
+    def f(p: dict, *xs: mx.array) -> mx.array:
+        return fn(p, *xs)
+
+    @f.vjp
+    def f_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+        p, *xs = primals
+        xs = list(mx.depends(xs, [cotangent]))
+        flat = tree_flatten(p)
+        keys, values = [k for k, _ in flat], [v for _, v in flat]
+        n = len(keys)
+
+        def of_arrays(*a: mx.array) -> mx.array:
+            return fn(tree_unflatten(list(zip(keys, a[:n]))), *a[n:])
+
+        _, grads = mx.vjp(of_arrays, [*values, *xs], [cotangent])
+        return (tree_unflatten(list(zip(keys, grads[:n]))) if keys else p, *grads[n:])
+
+    return f(params, *arrays)
 
 
 def _checkpointed(layer: nn.Module) -> Callable:

@@ -83,15 +83,20 @@ def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
     return dims
 
 
-def _block_values(a: LlamaArgs, seq_len: int) -> int:
+def _block_values(a: LlamaArgs, seq_len: int, grad_checkpoint: bool) -> int:
     """Values one block keeps per token for the backward pass: the norms' inputs and outputs,
-    q, k, v before and after RoPE, attention's probabilities (each of H heads against about
-    5/8 of the seq_len keys, toymlx's blocked causal attention), its output and o_proj's, the
-    MLP's gate, up, activation and product (GeGLU: gate, up and its tanh, `Ops.gelu_mul`), and
-    down's output."""
+    q, k and v as projected, the MLP's gate, up, activation and product (GeGLU: gate, up and its
+    tanh, `Ops.gelu_mul`), and down's output. Attention's own activations (q and k normed and
+    rotated, each of H heads' probabilities against about 5/8 of the seq_len keys in toymlx's
+    blocked causal attention, its output) are recomputed in the backward pass
+    (`Ops.recomputed`), except in the block `--grad-checkpoint` is recomputing, which keeps
+    them all."""
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
     mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
-    return 6 * d + 3 * q + 3 * kv + mlp + (5 * a.n_heads * seq_len) // 8
+    kept = 6 * d + q + 2 * kv + mlp
+    if not grad_checkpoint:
+        return kept
+    return kept + 2 * q + kv + (5 * a.n_heads * seq_len) // 8
 
 
 def base_bytes(g: GGUFFile, held: str) -> int:
@@ -127,7 +132,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         per_block = sum(rank * (dims[t][0] + dims[t][1]) + (dims[t][0] if dora else 0)
                         for t in targets)
         base, trained = base_bytes(g, held), per_block * blocks * 16
-    per_block = _block_values(a, seq_len) * tokens * width
+    per_block = _block_values(a, seq_len, grad_checkpoint) * tokens * width
     if grad_checkpoint:
         acts = blocks * tokens * a.d_model * width + per_block
     else:
