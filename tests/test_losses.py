@@ -99,6 +99,20 @@ def test_logits_chunk_sizes():
     assert logits_chunk(10 ** 7) == 32
 
 
+def test_head_slice_sizes():
+    """Rows of a frozen head read at once: HEAD_SLICE_VALUES (2^20) over the wider of tokens and
+    width, a multiple of 256, at least HEAD_SLICE_MIN_ROWS (1024)."""
+    from toymlx.models.losses import head_slices
+
+    gemma = head_slices(262144, 512, 640)  # 2^20 / 640 = 1638 -> 1536 rows
+    assert gemma[0] == (0, 1536) and len(gemma) == 171 and gemma[-1] == (170 * 1536, 262144)
+    assert head_slices(49152, 512, 576)[0] == (0, 1792)  # SmolLM2: 1820 -> 1792
+    assert head_slices(49152, 2048, 576)[0] == (0, 1024)  # 512 rows -> the 1024-row floor
+    llama3 = head_slices(128256, 512, 4096)  # 256 -> 1024 rows: 126 slices
+    assert llama3[0] == (0, 1024) and len(llama3) == 126 and llama3[-1][1] == 128256
+    assert head_slices(259, 4, 8) == [(0, 259)]  # a vocabulary under one slice
+
+
 def _wide_vocab_model() -> tuple[Llama, dict]:
     """A 1-block model with a 16,384-token vocabulary, only its q projection trainable, and a
     batch of 2 x 256 tokens."""
