@@ -326,7 +326,7 @@ def test_grad_checkpoint_same_gradients_less_memory():
     assert peak["1"]["peak_mib"] < 0.8 * peak["0"]["peak_mib"]
 
 
-def _no_recomputation(fn, params, *arrays):
+def _no_recomputation(ops, fn, params, *arrays):
     """`Ops.recomputed` undone: attention's activations kept for the backward pass."""
     return fn(params, *arrays)
 
@@ -351,8 +351,6 @@ def test_attention_recomputed_in_the_backward_pass_gives_the_same_gradients(
     """A block's attention (q/k norms, RoPE, scores, softmax, values) is recomputed in the
     backward pass instead of kept (`Ops.recomputed`): the loss and every gradient, the trainable
     q/k norms' included, bit for bit those of the attention kept whole."""
-    from toymlx.models import ops as ops_module
-
     args = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
     if arch == "gemma3":
         args = replace(args, arch="gemma3", key_length=32, qk_norm=True, post_norms=True,
@@ -360,7 +358,7 @@ def test_attention_recomputed_in_the_backward_pass_gives_the_same_gradients(
     tokens = mx.array(np.random.default_rng(5).integers(0, 259, (2, 97)).astype(np.int32))
     ops = Ops(kernels=kernels)
     loss, grads = _loss_and_grads(args, ops, tokens)
-    monkeypatch.setattr(ops_module, "_recomputed", _no_recomputation)
+    monkeypatch.setattr(Ops, "recomputed", _no_recomputation)
     kept_loss, kept_grads = _loss_and_grads(args, ops, tokens)
     assert loss.item() == kept_loss.item()
     kept = dict(tree_flatten(kept_grads))
@@ -402,11 +400,9 @@ def test_a_block_keeps_q_k_v_not_attentions_probabilities(monkeypatch):
     probabilities (4 heads x 5/8 of 128 keys = 320 values a token here), nor q and k rotated
     and attention's output: measured here 1,432 -> 1,024 values a token and block (6 d-wide
     arrays, q, k and v as projected, SwiGLU's 4 ffn-wide ones: 1,024)."""
-    from toymlx.models import ops as ops_module
-
     args = tiny(d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
     recomputed = _kept_values_per_token_and_block(args)
-    monkeypatch.setattr(ops_module, "_recomputed", _no_recomputation)
+    monkeypatch.setattr(Ops, "recomputed", _no_recomputation)
     kept = _kept_values_per_token_and_block(args)
     print(f"values a token and block: {kept:.0f} kept, {recomputed:.0f} recomputed")
     assert kept - recomputed >= 320, (kept, recomputed)

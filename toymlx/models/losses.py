@@ -23,9 +23,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.layers import row_reader
+from toymlx.models.ops import recompute_in_backward
 
 LOGITS_CHUNK_VALUES = 1 << 22
 """Most logits (tokens x vocabulary) computed at once in a loss, 16 MB of float32 a copy: the
@@ -57,8 +57,8 @@ def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.arr
     logits at a time, each chunk recomputed in the backward pass. The per-token losses are
     joined before the masked sum, so it adds in the order the whole-logits loss does.
 
-    Each chunk is an `mx.custom_function` whose vjp recomputes its logits (none are kept from
-    the forward pass) and starts only once that chunk's cotangent exists (`mx.depends`); each
+    Each chunk goes through `ops.recompute_in_backward`: its vjp recomputes its logits (none are
+    kept from the forward pass) once that chunk's cotangent exists (`mx.depends`); each
     chunk's input adds 0 times the previous chunk's first loss, so the chunks depend on one
     another forward and backward. Values and gradients are unchanged, and MLX evaluates the
     chunks one after another, where its breadth-first order (the CPU step's
@@ -85,32 +85,13 @@ def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.arr
         model.update(p)  # the head's trainable weights as inputs, so their gradients flow
         return _ce(model, hc, tc)
 
-    @mx.custom_function
-    def piece(p: dict, hc: mx.array, tc: mx.array) -> mx.array:
-        return forward(p, hc, tc)
-
-    @piece.vjp
-    def piece_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
-        p, hc, tc = primals
-        # recompute this chunk's logits only once its cotangent exists (mx.checkpoint's
-        # recomputation waits for nothing, and breadth-first, every chunk's would live at once)
-        hc = mx.depends(hc, cotangent)
-        flat = tree_flatten(p)
-        keys, values = [k for k, _ in flat], [v for _, v in flat]
-
-        def of_arrays(*arrays: mx.array) -> mx.array:
-            return forward(tree_unflatten(list(zip(keys, arrays[:-1]))), arrays[-1], tc)
-
-        _, grads = mx.vjp(of_arrays, [*values, hc], [cotangent])
-        gp = tree_unflatten(list(zip(keys, grads[:-1]))) if keys else p
-        return gp, grads[-1], mx.zeros_like(tc)
-
     ce: list[mx.array] = []
     for a in range(0, N, chunk):
         hc = h[:, a:a + chunk]  # (1, chunk, D)
         if ce:  # + 0 x the previous chunk's first loss: one chunk after another (see above)
             hc = hc + (0.0 * ce[-1][:, :1, None]).astype(hc.dtype)
-        ce.append(piece(params, hc, targets[:, a:a + chunk]))
+        tc = targets[:, a:a + chunk]
+        ce.append(recompute_in_backward(lambda p, x, tc=tc: forward(p, x, tc), params, hc))
     model.update(params)  # the custom function leaves its inner arrays in the model
     return (mx.concatenate(ce, axis=1).reshape(B, T) * mask).sum()
 

@@ -219,7 +219,7 @@ class Ops:
         grad_checkpoint the whole block is recomputed already: fn as it is."""
         if self.grad_checkpoint:
             return fn(params, *arrays)
-        return _recomputed(fn, params, *arrays)
+        return recompute_in_backward(fn, params, *arrays)
 
     def block(self, layer: nn.Module, *args: Any) -> mx.array:
         """layer(*args), or with grad_checkpoint the same, its activations recomputed in the
@@ -318,10 +318,14 @@ def _rope_tables(rope: Rope, dims: int, offset: int, T: int) -> tuple[mx.array, 
     return mx.array(cos.astype(np.float32)), mx.array(sin.astype(np.float32))
 
 
-def _recomputed(fn: Callable[..., mx.array], params: dict, *arrays: mx.array) -> mx.array:
-    """`Ops.recomputed`: fn as a custom function whose vjp recomputes it once its cotangent
-    exists (`mx.checkpoint`'s recomputation waits for nothing: MLX's breadth-first order then
-    ran every block's at once)."""
+def recompute_in_backward(fn: Callable[..., mx.array], params: dict, *arrays: mx.array
+                          ) -> mx.array:
+    """fn(params, *arrays) as a custom function whose vjp recomputes fn's forward, once its
+    cotangent exists (`mx.depends`), for the gradients of `params` (the trainable arrays fn
+    reads) and of `arrays`: nothing of fn's inside is kept from the forward pass.
+    `mx.checkpoint`'s recomputation waits for nothing, and MLX's breadth-first order then ran
+    every block's (or every logits chunk's) at once. `Ops.recomputed` and the trained head's
+    logits chunks (`losses.masked_ce_sum`) use it."""
     @mx.custom_function
     def f(p: dict, *xs: mx.array) -> mx.array:
         return fn(p, *xs)
