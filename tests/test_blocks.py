@@ -5,6 +5,7 @@ layer's float weights through the backward pass."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -159,7 +160,7 @@ def test_dora_on_a_block_base_computes_the_float32_base(tmp_path):
     assert_same_model(path, TRAINING, kind="dora")
 
 
-def test_a_weight_decoded_in_slices_computes_the_same(tmp_path, monkeypatch):
+def test_a_weight_decoded_in_slices_computes_the_same(tmp_path):
     """At most 4096 values decoded at once (16 row slices of a 256 x 256 weight in the product,
     one 32-value block column at a time for the input gradient): the float32 base's logits and
     LoRA gradients to float32 rounding."""
@@ -167,9 +168,9 @@ def test_a_weight_decoded_in_slices_computes_the_same(tmp_path, monkeypatch):
 
     path = quantized_file(tmp_path / "mixed.gguf", [T.Q4_0, T.Q8_0])
     flt = logits_and_grads(path, "float32", TRAINING)
-    monkeypatch.setattr(layers, "SLICE_VALUES", 4096)
-    assert len(layers.slices(256, max(1, layers.SLICE_VALUES // 256))) == 16
-    blk = logits_and_grads(path, "blocks", TRAINING)
+    sliced = replace(TRAINING, decode_slice=4096)
+    assert len(layers.slices(256, max(1, sliced.decode_slice // 256))) == 16
+    blk = logits_and_grads(path, "blocks", sliced)
     np.testing.assert_allclose(blk[0], flt[0], rtol=0, atol=1e-5)
     for k in flt[2]:
         np.testing.assert_allclose(blk[2][k], flt[2][k], rtol=0, atol=1e-6, err_msg=k)

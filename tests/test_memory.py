@@ -68,10 +68,14 @@ def test_estimate_of_an_8b_header(header_8b):
         file_bytes = sum(t.nbytes for t in g.tensors.values())
         est = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
                               layers=None, dora=False, batch_size=1, seq_len=512,
-                              grad_checkpoint=True, act_dtype="float32")
+                              grad_checkpoint=True, act_dtype="float32",
+                              decode_slice=1 << 22)
+        whole = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
+                                layers=None, dora=False, batch_size=1, seq_len=512,
+                                grad_checkpoint=False, act_dtype="float32", decode_slice=None)
         floats = memory.estimate(g, held="float32", full=False, targets=("q", "v"), rank=8,
                                  layers=None, dora=False, batch_size=1, seq_len=512,
-                                 grad_checkpoint=False, act_dtype="float32")
+                                 grad_checkpoint=False, act_dtype="float32", decode_slice=None)
     shapes = expected_shapes(LLAMA_8B)
     n_matrix = sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2)
     n_norm = sum(s[0] for s in shapes.values() if len(s) == 1)
@@ -90,6 +94,11 @@ def test_estimate_of_an_8b_header(header_8b):
     assert est.activations == 32 * 512 * 4096 * 4 + recomputing * 512 * 4
     # the frozen head read 1024 rows at a time (HEAD_SLICE_MIN_ROWS): logits and weights
     assert est.logits == 1024 * (memory.HEAD_LOGITS_COPIES * 512 + 2 * 4096) * 4
+    # decoded where used: 16 MB slices, or the largest weight of a block whole (ffn, 14336 x
+    # 4096); a float-held base decodes nothing
+    assert est.decoded == memory.DECODED_COPIES * 2**22 * 4
+    assert whole.decoded == memory.DECODED_COPIES * 14336 * 4096 * 4
+    assert floats.decoded == 0
     assert floats.base == sum(t.n_elements for t in GGUFFile(header_8b).tensors.values()) * 4
     assert floats.activations == 32 * kept * 512 * 4 > est.activations
 
@@ -107,7 +116,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, 
     # the base as this device's default holds it: 4.3 GB in its blocks (a GPU: Q4_K as MLX's
     # layers, 5.7 GB)
     m = re.search(r"needs about (\d+\.\d) GB \(base (4\.3|5\.7), trained 0\.1, activations "
-                  r"0\.5, logits 0\.0, runtime 0\.6\) ", line)
+                  r"0\.5, logits 0\.0, decoded 0\.1, runtime 0\.6\) ", line)
     assert m is not None, line
     assert ("and 4.0 GB is available (TOYMLX_MEMORY_AVAILABLE); expected at most that: try "
             "--grad-checkpoint, a smaller --batch-size or --seq-len, fewer --lora.layers, or "

@@ -33,7 +33,7 @@ from toymlx.models.layers import check_checkpointable
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.lora import apply_lora
 from toymlx.models.losses import classify_loss, lm_loss
-from toymlx.models.ops import Ops, training_ops
+from toymlx.models.ops import Ops, scoring_ops, training_ops
 from toymlx.models.vit import ViT, ViTArgs
 from toymlx.training.step import LossScale, make_step
 
@@ -61,7 +61,10 @@ def text_file(shared_file) -> str:
 
 
 def test_training_ops_resolve_auto_per_device():
-    assert training_ops(on_gpu=False) == Ops(kernels="vectorised")
+    assert training_ops(on_gpu=False) == Ops(kernels="vectorised", decode_slice=None)
+    # block-held weights: whole, except where --grad-checkpoint asks for memory first
+    assert training_ops(False, grad_checkpoint=True).decode_slice == 1 << 22
+    assert scoring_ops(on_gpu=False).decode_slice == 1 << 22
     gpu = training_ops(on_gpu=True)
     assert (gpu.kernels, gpu.dtype, gpu.exact_rope) == ("mlx", "bfloat16", False)
     assert training_ops(False, "bfloat16").kernels == "mlx"  # fastmath is float32 only
@@ -85,7 +88,7 @@ def test_half_precision_llama_follows_float32(tmp_path, text_file, dtype):
     assert gap.max() < 0.05 and got[-1] < got[0] - 1.0
     start = read_events(run)[0]
     assert start["math"] == {"kernels": "mlx", "dtype": dtype, "exact_rope": True,
-                             "grad_checkpoint": False}
+                             "grad_checkpoint": False, "decode_slice": None}
     if dtype == "float16":
         assert all(e["loss_scale"] > 0 for e in steps) and "skipped" in steps[0]
     g = GGUFFile(resolve_latest(run))  # the default checkpoint stays F32

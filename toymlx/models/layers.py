@@ -64,14 +64,6 @@ class BlockCodec(Protocol):
     def decode(self, parts: dict[str, mx.array]) -> mx.array: ...
 
 
-SLICE_VALUES = 1 << 22
-"""Most values of a block-held weight decoded at once (16 MB of float32). Larger slices are
-faster and cost memory the 1x512 rows of docs/RESULTS.md do not have: backward slices at least
-1024 columns wide made the 1B shape's 4 x 256 step 2% faster (1.112x the float32-held step
-against 1.13-1.14x) and its 1 x 512 peak 1.54 GB against 1.42; whole-weight slices (2^24) made
-it 1.09-1.10x for 0.3 GB more at 4 x 256."""
-
-
 def after(arrays: list[mx.array], x: mx.array) -> list[mx.array]:
     """The same arrays, made to wait for `x`: a weight is decoded where it is used. The decoding
     depends only on the frozen blocks, so MLX's scheduler (breadth-first up to
@@ -85,15 +77,17 @@ def slices(n: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def decoded_product(codec: BlockCodec, names: tuple[str, ...], n_out: int, n_in: int
-                    ) -> Callable:
+def decoded_product(codec: BlockCodec, names: tuple[str, ...], n_out: int, n_in: int,
+                    slice_values: int | None) -> Callable:
     """(x, *block arrays) -> x @ W.T, W (n_out, n_in) decoded from the arrays a slice at a time
-    (at most SLICE_VALUES values: rows for the product, block columns for the backward pass's
-    x gradient, each slice after the previous one's product), and decoded again in the backward
-    pass instead of kept: a frozen base never holds more than a slice of float weights."""
-    rows = slices(n_out, max(1, SLICE_VALUES // n_in))
+    (at most `slice_values` values, None: whole; rows for the product, block columns for the
+    backward pass's x gradient, each slice after the previous one's product), and decoded again
+    in the backward pass instead of kept: a frozen base never holds more than a slice of float
+    weights. Row and column slices leave every sum whole, so the values are the whole weight's."""
+    most = slice_values or n_out * n_in
+    rows = slices(n_out, max(1, most // n_in))
     per = codec.block_values
-    cols = slices(n_in // per, max(1, SLICE_VALUES // n_out // per))  # in blocks
+    cols = slices(n_in // per, max(1, most // n_out // per))  # in blocks
 
     def joined(parts: list[mx.array]) -> mx.array:
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
@@ -142,7 +136,8 @@ class BlockMatrix(nn.Module):
         self.parts = tuple(blocks)
         for k, v in blocks.items():
             self[PART + k] = v
-        self._product = decoded_product(codec, self.parts, self.n_out, self.n_in)
+        self._product = decoded_product(codec, self.parts, self.n_out, self.n_in,
+                                        ops.decode_slice)
 
     @property
     def blocks(self) -> dict[str, mx.array]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -44,9 +44,14 @@ DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16,
                                "float16": mx.float16}
 
 
+DECODE_SLICE_VALUES = 1 << 22
+"""`Ops.decode_slice` where memory comes first (16 MB of float32)."""
+
+
 @dataclass(frozen=True)
 class Ops:
-    """How a model computes: kernels, dtype, RoPE tables and activation recomputation."""
+    """How a model computes: kernels, dtype, RoPE tables, activation recomputation and how much
+    of a block-held weight is decoded at once."""
 
     kernels: Kernels = "mlx"
     """mlx: MLX's ops and fused `mx.fast` kernels. vectorised: `toymlx.backend.fastmath`'s forms with
@@ -59,12 +64,19 @@ class Ops:
     grad_checkpoint: bool = False
     """Recompute each block's activations in the backward pass (`mx.checkpoint`): less memory
     for long sequences, one more forward pass of time."""
+    decode_slice: int | None = DECODE_SLICE_VALUES
+    """Most values of a block-held weight (`toymlx.models.layers.BlockLinear`) decoded to float
+    at once, in the product and in its backward pass; None: each weight whole. Smaller slices
+    hold less memory and cost time (docs/RESULTS.md, issue 34)."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("mlx", "vectorised"):
             raise ValueError(f"kernels: expected mlx or vectorised, found {self.kernels!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, found {self.dtype!r}")
+        if self.decode_slice is not None and self.decode_slice < 1:
+            raise ValueError(f"decode_slice: expected a positive number of values or None (whole "
+                             f"weights), found {self.decode_slice}")
         if self.kernels == "vectorised" and self.dtype != "float32":
             raise ValueError(f"kernels vectorised: expected dtype float32 (toymlx.backend.fastmath's "
                              f"forms are float32 only), found {self.dtype}; use kernels mlx")
@@ -362,7 +374,12 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
 
     dtype auto: bfloat16 on a GPU, float32 on the CPU (MLX's half-precision CPU kernels run
     ~25x slower than float32's). kernels auto: vectorised on the CPU in float32, else mlx.
-    RoPE: fast on a GPU; exact tables on the CPU (as fast there, and exact)."""
+    RoPE: fast on a GPU; exact tables on the CPU (as fast there, and exact).
+    Block-held weights: decoded whole, except 16 MB at a time with grad_checkpoint. Without it
+    a step keeps every block's activations, more than a weight's floats at the sizes people
+    train (Llama-3.2-1B shape at 4 x 256: a block keeps 99 MB a CPU stream, its largest weight
+    is 64 MB), and whole weights made that step 1.07x the float32-held step's time against
+    1.10-1.12x in 16 MB slices, for 0.3 GB more. grad_checkpoint asks for memory first."""
     if dtype == "auto":
         dtype = "bfloat16" if on_gpu else "float32"
     if dtype not in DTYPES:
@@ -375,12 +392,16 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
     elif kernels not in ("mlx", "vectorised"):
         raise ValueError(f"--kernels: expected auto, mlx or vectorised, found {kernels!r}")
     return Ops(kernels=kernels, dtype=dtype, exact_rope=not on_gpu,
-               grad_checkpoint=grad_checkpoint)
+               grad_checkpoint=grad_checkpoint,
+               decode_slice=DECODE_SLICE_VALUES if grad_checkpoint else None)
 
 
 def scoring_ops(on_gpu: bool) -> Ops:
     """The math of held-out scoring outside a run (toymlx-eval): float32, with the training
     step's vectorised forms where MLX computes on the CPU (the same values as MLX's own ops to
     float32 rounding, several times faster there); on a GPU, where training computes in half
-    precision, MLX's own float32 ops (`EXACT`)."""
-    return training_ops(on_gpu, "float32") if not on_gpu else EXACT
+    precision, MLX's own float32 ops (`EXACT`). Block-held weights 16 MB at a time: a forward
+    pass keeps no activations for a whole weight's floats to hide in."""
+    if on_gpu:
+        return EXACT
+    return replace(training_ops(on_gpu, "float32"), decode_slice=DECODE_SLICE_VALUES)
