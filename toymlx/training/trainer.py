@@ -295,8 +295,7 @@ class _Loop:
                                    self.stepper.blas_threads)
         est = (task.memory or {}).get("estimate")  # a step's transient memory bounds what is kept
         device.bound_kept_buffers(None if est is None else
-                                  (est["activations_mb"] + est["logits_mb"]
-                                   + est["decoded_mb"]) << 20)
+                                  (est["activations_mb"] + est["logits_mb"]) << 20)
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0)
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
