@@ -168,3 +168,32 @@ def test_a_frozen_head_in_slices_never_holds_the_whole_logits(monkeypatch):
     whole_copy = 512 * 16384 * 4
     assert peaks[16384] > 2 * whole_copy
     assert peaks[1024] < peaks[16384] / 4
+
+
+def test_a_frozen_head_is_read_once_a_training_step(monkeypatch):
+    """With grad (the training loss), the forward pass accumulates the input gradient, so the
+    backward pass reads no slice of the head again: 16 slices read once each, against twice
+    each by the held-out path's recomputing backward (grad False)."""
+    from toymlx.models import losses
+
+    model, batch = _wide_vocab_model()
+    monkeypatch.setattr(losses, "head_slices", lambda v, n, d: [
+        (a, min(a + 1024, v)) for a in range(0, v, 1024)])
+    real = losses.row_reader
+    reads = []
+
+    def counting(layer):
+        arrays, rows = real(layer)
+        return arrays, lambda arrs, a, b: reads.append((a, b)) or rows(arrs, a, b)
+
+    monkeypatch.setattr(losses, "row_reader", counting)
+    for grad, want in ((True, 16), (False, 32)):
+        reads.clear()
+
+        def loss(m, b, grad=grad):
+            h = m.hidden(b["inputs"])
+            return losses.masked_ce_sum(m, h, b["targets"], b["mask"], 512, grad=grad)
+
+        value, grads = nn.value_and_grad(model, loss)(model, batch)
+        mx.eval(value, grads)
+        assert len(reads) == want, (grad, len(reads))

@@ -52,10 +52,11 @@ def lm_loss(model: nn.Module, batch: dict[str, mx.array], chunk: int | None = No
 
 
 def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.array,
-                  chunk: int) -> mx.array:
+                  chunk: int, grad: bool = True) -> mx.array:
     """sum(cross_entropy(model.unembed(h), targets) * mask) over (B, T), `chunk` tokens of
     logits at a time, each chunk recomputed in the backward pass. The per-token losses are
-    joined before the masked sum, so it adds in the order the whole-logits loss does.
+    joined before the masked sum, so it adds in the order the whole-logits loss does. A frozen
+    head: `frozen_head_cross_entropy` (`grad`: the sum will be differentiated).
 
     Each chunk goes through `ops.recompute_in_backward`: its vjp recomputes its logits (none are
     kept from the forward pass) once that chunk's cotangent exists (`mx.depends`); each
@@ -71,7 +72,7 @@ def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.arr
     head = model.frozen_head()
     if head is not None:
         ce = frozen_head_cross_entropy(h.reshape(N, D), targets.reshape(N), head, model.ops,
-                                       model.args.final_softcap)
+                                       model.args.final_softcap, grad)
         return (ce.reshape(B, T) * mask).sum()
     if N <= chunk:
         return (_ce(model, h, targets) * mask).sum()
@@ -116,14 +117,22 @@ def head_slices(vocab: int, tokens: int, width: int) -> list[tuple[int, int]]:
 
 
 def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, ops: Any,
-                              softcap: float | None = None) -> mx.array:
+                              softcap: float | None = None, grad: bool = True) -> mx.array:
     """Per-token cross-entropy (N,) float32 of the logits h @ W.T (soft-capped to +-softcap),
     W the frozen `head`'s weight (V, D), read a slice of rows at a time (`head_slices`):
-    logsumexp accumulated over the slices, the target's logit picked in its slice; the backward
-    pass recomputes each slice's logits for the input gradient (softmax - one-hot) @ W_slice.
-    Each slice's rows are read after the previous slice is done, both its logsumexp and its
-    picked logit (`mx.depends`), so one slice's weights and logits live at a time: depending on
-    the logsumexp alone, every slice's logits lived until the picked logits were summed."""
+    logsumexp accumulated over the slices, the target's logit picked in its slice. Each slice's
+    rows are read after the previous slice is done, all its sums and its picked logit
+    (`mx.depends`), so one slice's weights and logits live at a time: depending on the
+    logsumexp alone, every slice's logits lived until the picked logits were summed.
+
+    The input gradient is (softmax - one-hot) @ W, each logit's term times its soft cap's slope.
+    grad True (a loss the step differentiates): the forward pass accumulates it as it goes, as
+    the logsumexp is, each slice's exp(z - running max) @ W_slice rescaled when the max grows,
+    and the target's row picked, so the head is read once a step: one decode of a block-held
+    slice and two products, against two and three. False (a forward alone: held-out scoring):
+    the loss alone, and a backward pass, if one comes, recomputes each slice's logits."""
+    if grad:
+        return _frozen_head_ce_with_grad(h, targets, head, ops, softcap)
     arrays, rows = row_reader(head)
     N = h.shape[0]
     slices = head_slices(arrays[0].shape[0], N, h.shape[1])
@@ -174,6 +183,59 @@ def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, o
     return ce(h, targets, *arrays)[0]
 
 
+def _frozen_head_ce_with_grad(h: mx.array, targets: mx.array, head: nn.Module, ops: Any,
+                              softcap: float | None) -> mx.array:
+    """`frozen_head_cross_entropy` with grad: its input gradient's two terms (the softmax-weighted
+    rows of W and the target's row, each times its logit's soft-cap slope) computed in the
+    forward pass and read by the backward pass."""
+    arrays, rows = row_reader(head)
+    N, D = h.shape
+    slices = head_slices(arrays[0].shape[0], N, D)
+
+    @mx.custom_function
+    def ce(x: mx.array, t: mx.array, *arrs: mx.array) -> tuple[mx.array, ...]:
+        m = mx.full((N, 1), -mx.inf, mx.float32)
+        s = mx.zeros((N, 1), mx.float32)
+        picked = mx.zeros((N, 1), mx.float32)
+        soft = mx.zeros((N, D), mx.float32)  # sum of exp(z - m) x slope x W's rows
+        target = mx.zeros((N, D), mx.float32)  # the target's row of W x its slope
+        for a, b in slices:
+            w = rows(list(mx.depends(list(arrs), [s, picked, soft, target])), a, b
+                     ).astype(x.dtype)  # (b - a, D)
+            z = (x @ w.T).astype(mx.float32)  # (N, b - a)
+            slope = None
+            if softcap:
+                th = mx.tanh(z / softcap)
+                z, slope = softcap * th, 1.0 - th * th
+            top = mx.maximum(m, z.max(-1, keepdims=True))
+            rescale = ops.exp_values(m - top)  # 0 for the first slice (m = -inf)
+            e = ops.exp_values(z - top)
+            s = s * rescale + ops.row_sum(e)
+            weighted = e if slope is None else e * slope
+            soft = soft * rescale + (weighted.astype(x.dtype) @ w).astype(mx.float32)
+            m = top
+            at = t[:, None] - a
+            inside = (at >= 0) & (at < b - a)
+            at = mx.clip(at, 0, b - a - 1)
+            picked = picked + mx.where(inside, mx.take_along_axis(z, at, -1), 0.0)
+            row = mx.take(w, at[:, 0], axis=0).astype(mx.float32)  # (N, D)
+            if slope is not None:
+                row = row * mx.take_along_axis(slope, at, -1)
+            target = target + mx.where(inside, row, 0.0)
+        lse = m + mx.log(s)
+        return (lse - picked)[:, 0], lse[:, 0], soft / s, target
+
+    @ce.vjp
+    def ce_vjp(primals: tuple, cotangents: Any, outputs: Any) -> tuple:
+        x, t, *arrs = primals
+        g_ce, g_lse = cotangents[0][:, None], cotangents[1][:, None]
+        _, _, soft, target = outputs  # d lse / dz = softmax; d picked / dz = one-hot
+        dx = (g_ce + g_lse) * soft - g_ce * target
+        return (dx.astype(x.dtype), mx.zeros_like(t), *(mx.zeros_like(v) for v in arrs))
+
+    return ce(h, targets, *arrays)[0]
+
+
 def _ce(model: nn.Module, h: mx.array, targets: mx.array) -> mx.array:
     """Per-token cross-entropy (B, T) float32 of the logits `model.unembed(h)` (B, T, V)."""
     return model.ops.cross_entropy(model.unembed(h), targets)
@@ -208,5 +270,5 @@ def lm_held_out_sums(model: nn.Module, batch: dict[str, mx.array]) -> dict[str, 
     pos, weight = batch["positions"], batch["position_mask"]
     total = masked_ce_sum(model, mx.take_along_axis(h, pos[..., None], axis=1),
                           mx.take_along_axis(batch["targets"], pos, axis=1), weight,
-                          logits_chunk(model.args.vocab_size))
+                          logits_chunk(model.args.vocab_size), grad=False)
     return {"loss": total, "n": weight.sum()}
