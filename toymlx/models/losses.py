@@ -7,9 +7,10 @@ activations' dtype.
 A language model's [tokens x vocabulary] logits never live whole. Gemma 3's 262,144-token
 vocabulary makes 4 x 256 tokens of float32 logits 1.07 GB a copy.
 - A frozen output head (a LoRA base's: `Llama.frozen_head`) is read a slice of vocabulary rows
-  at a time (`frozen_head_cross_entropy`): each slice's logits join a running logsumexp, and the
-  backward pass recomputes them slice by slice, so neither [tokens x vocabulary] nor the head's
-  float weight is ever whole (a head held as blocks decodes one slice of rows at a time).
+  at a time (`frozen_head_cross_entropy`): each slice's logits join a running logsumexp, and in
+  a training step the input gradient accumulates beside it, so the head is read once a step
+  and neither [tokens x vocabulary] nor the head's float weight is ever whole (a head held as
+  blocks decodes one slice of rows at a time).
 - A trained head: `lm_loss` unembeds the final hidden states `chunk` tokens at a time
   (`logits_chunk`), each chunk's logits reduced at once to its per-token losses; with more than
   one chunk, the backward pass recomputes each chunk's logits instead of keeping them, one chunk

@@ -37,8 +37,9 @@ RUNTIME_BYTES = 600 * 2**20
 tokenizer and data, the loader's temporaries and allocator slack; peak RSS minus MLX's peak
 measured 0.37-0.58 GiB on SmolLM2-135M LoRA runs (2-4 x 256, AMD EPYC, 2 cores)."""
 HEAD_LOGITS_COPIES = 6
-"""float32 copies of a frozen head's slice of logits alive at once in the loss's backward pass
-(`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their softmax, its gradient, masks)."""
+"""float32 copies of a frozen head's slice of logits alive at once in the loss
+(`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their exponentials, the
+soft-cap's slope, masks)."""
 LOGITS_COPIES = 16
 """float32 copies of a chunk's logits alive at the peak of its backward pass (measured: the
 vectorised CPU kernels compiled ~16, eager ~22; MLX's own ops ~8)."""
