@@ -117,6 +117,27 @@ def head_slices(vocab: int, tokens: int, width: int) -> list[tuple[int, int]]:
     return [(a, min(a + n, vocab)) for a in range(0, vocab, n)]
 
 
+def _head_slice_logits(x: mx.array, arrs: list[mx.array], rows: Any, a: int, b: int,
+                       after: list[mx.array], softcap: float | None
+                       ) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Rows a..b of a frozen head read once `after` is computed, and their logits: (z (N, b - a)
+    float32, soft-capped where softcap is set; the rows W_slice (b - a, D); tanh(z / softcap)
+    or None)."""
+    w = rows(list(mx.depends(arrs, after)), a, b).astype(x.dtype)  # (b - a, D)
+    z = (x @ w.T).astype(mx.float32)  # (N, b - a)
+    if not softcap:
+        return z, w, None
+    th = mx.tanh(z / softcap)
+    return softcap * th, w, th
+
+
+def _target_in_slice(t: mx.array, a: int, b: int) -> tuple[mx.array, mx.array]:
+    """Each token's target as a column of slice a..b (N, 1), clipped into it, and whether it
+    lies there."""
+    at = t[:, None] - a
+    return mx.clip(at, 0, b - a - 1), (at >= 0) & (at < b - a)
+
+
 def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, ops: Any,
                               softcap: float | None = None, grad: bool = True) -> mx.array:
     """Per-token cross-entropy (N,) float32 of the logits h @ W.T (soft-capped to +-softcap),
@@ -138,15 +159,6 @@ def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, o
     N = h.shape[0]
     slices = head_slices(arrays[0].shape[0], N, h.shape[1])
 
-    def logits(x: mx.array, arrs: list[mx.array], a: int, b: int, after: list[mx.array]
-               ) -> tuple[mx.array, mx.array, mx.array | None]:
-        w = rows(list(mx.depends(arrs, after)), a, b).astype(x.dtype)  # (b - a, D)
-        z = (x @ w.T).astype(mx.float32)  # (N, b - a)
-        if not softcap:
-            return z, w, None
-        t = mx.tanh(z / softcap)
-        return softcap * t, w, t
-
     @mx.custom_function
     def ce(x: mx.array, t: mx.array, *arrs: mx.array) -> tuple[mx.array, mx.array]:
         m = mx.full((N, 1), -mx.inf, mx.float32)
@@ -154,14 +166,12 @@ def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, o
         picked = mx.zeros((N, 1), mx.float32)
         for a, b in slices:
             # after both of the previous slice's reductions: its logits are then let go
-            z, _, _ = logits(x, list(arrs), a, b, [s, picked])
+            z, _, _ = _head_slice_logits(x, list(arrs), rows, a, b, [s, picked], softcap)
             top = mx.maximum(m, z.max(-1, keepdims=True))
             s = s * ops.exp_values(m - top) + ops.row_sum(ops.exp_values(z - top))
             m = top
-            at = t[:, None] - a
-            inside = (at >= 0) & (at < b - a)
-            got = mx.take_along_axis(z, mx.clip(at, 0, b - a - 1), -1)
-            picked = picked + mx.where(inside, got, 0.0)
+            at, inside = _target_in_slice(t, a, b)
+            picked = picked + mx.where(inside, mx.take_along_axis(z, at, -1), 0.0)
         lse = m + mx.log(s)
         return (lse - picked)[:, 0], lse[:, 0]
 
@@ -173,7 +183,7 @@ def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, o
         g_all = (g_ce + g_lse)[:, None]  # d lse / dz = softmax; d picked / dz = one-hot
         dx = mx.zeros(x.shape, mx.float32)
         for a, b in slices:
-            z, w, th = logits(x, arrs, a, b, [dx])
+            z, w, th = _head_slice_logits(x, arrs, rows, a, b, [dx], softcap)
             hot = mx.arange(a, b)[None, :] == t[:, None]  # (N, b - a)
             dz = g_all * ops.exp_values(z - lse) - mx.where(hot, g_ce[:, None], 0.0)
             if th is not None:
@@ -201,13 +211,9 @@ def _frozen_head_ce_with_grad(h: mx.array, targets: mx.array, head: nn.Module, o
         soft = mx.zeros((N, D), mx.float32)  # sum of exp(z - m) x slope x W's rows
         target = mx.zeros((N, D), mx.float32)  # the target's row of W x its slope
         for a, b in slices:
-            w = rows(list(mx.depends(list(arrs), [s, picked, soft, target])), a, b
-                     ).astype(x.dtype)  # (b - a, D)
-            z = (x @ w.T).astype(mx.float32)  # (N, b - a)
-            slope = None
-            if softcap:
-                th = mx.tanh(z / softcap)
-                z, slope = softcap * th, 1.0 - th * th
+            z, w, th = _head_slice_logits(x, list(arrs), rows, a, b,
+                                          [s, picked, soft, target], softcap)
+            slope = None if th is None else 1.0 - th * th
             top = mx.maximum(m, z.max(-1, keepdims=True))
             rescale = ops.exp_values(m - top)  # 0 for the first slice (m = -inf)
             e = ops.exp_values(z - top)
@@ -215,9 +221,7 @@ def _frozen_head_ce_with_grad(h: mx.array, targets: mx.array, head: nn.Module, o
             weighted = e if slope is None else e * slope
             soft = soft * rescale + (weighted.astype(x.dtype) @ w).astype(mx.float32)
             m = top
-            at = t[:, None] - a
-            inside = (at >= 0) & (at < b - a)
-            at = mx.clip(at, 0, b - a - 1)
+            at, inside = _target_in_slice(t, a, b)
             picked = picked + mx.where(inside, mx.take_along_axis(z, at, -1), 0.0)
             row = mx.take(w, at[:, 0], axis=0).astype(mx.float32)  # (N, D)
             if slope is not None:
