@@ -1,20 +1,37 @@
 """Thin command-line entry points (installed as `toymlx_cli`)."""
 
+import argparse
 import sys
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from toymlx import __version__
+from toymlx.backend.device import blas_summary
 
 
 def version_text() -> str:
-    """What every command's `--version` prints: `toymlx 0.2.0 (mlx 0.32.4)`."""
+    """What every command's `--version` prints: `toymlx 0.2.0 (mlx 0.32.4; BLAS OpenBLAS
+    0.3.34 SkylakeX kernels (pip scipy-openblas32 0.3.34))`: MLX's CPU BLAS, because a
+    generic kernel set makes every CPU step several times slower."""
     try:
         mlx = metadata.version("mlx")
     except metadata.PackageNotFoundError:
         mlx = "not installed"
-    return f"toymlx {__version__} (mlx {mlx})"
+    return f"toymlx {__version__} (mlx {mlx}; BLAS {blas_summary()})"
+
+
+class VersionAction(argparse.Action):
+    """argparse's `--version` printing `version_text()` as it is (argparse's own version
+    action wraps it at the terminal's width)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print toymlx's, MLX's and the BLAS's versions and exit", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
 
 
 def run_command(prog: str, args_type: type, run: Callable[[Any], int],

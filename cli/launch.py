@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx_cli import version_text
+from toymlx_cli import VersionAction
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "host; mlx.launch's own default is 32323)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for every rank (repeatable)")
-    p.add_argument("--version", action="version", version=version_text())
+    p.add_argument("--version", action=VersionAction)
     p.epilog = CONFIG_HELP
     try:
         args = p.parse_args(parser_defaults(p, argv))

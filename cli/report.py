@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx_cli import version_text
+from toymlx_cli import VersionAction
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="report.png",
                    help="report.png (curves + table panel) or report.html (self-contained); "
                         "default report.png")
-    p.add_argument("--version", action="version", version=version_text())
+    p.add_argument("--version", action=VersionAction)
     p.epilog = CONFIG_HELP
     try:
         args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))

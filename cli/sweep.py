@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx_cli import version_text
+from toymlx_cli import VersionAction
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="on a restart, report failed runs instead of running them again")
     p.add_argument("--no-report", action="store_true", help="skip report.png")
     p.add_argument("--no-progress", action="store_true", help="no live progress table")
-    p.add_argument("--version", action="version", version=version_text())
+    p.add_argument("--version", action=VersionAction)
     return p
 
 

@@ -9,9 +9,9 @@
 # then Homebrew's and python.org's. System Pythons (Debian's, Homebrew's) are externally
 # managed (PEP 668): toymlx is never pip-installed into them.
 #
-# Linux with apt: Debian's OpenBLAS (MLX's CPU wheel otherwise uses the reference BLAS,
-# ~30x slower on matmuls) and, where the chosen Python lacks venv/ensurepip (Debian and
-# Ubuntu ship them apart), python3.X-venv; as root, or through sudo.
+# Linux with apt: only where the chosen Python lacks venv/ensurepip (Debian and Ubuntu ship
+# them apart), python3.X-venv, as root or through sudo. MLX's BLAS comes from pip
+# (scipy-openblas32, in toymlx[cpu]): no root is asked for it.
 # macOS: MLX needs Apple Silicon, macOS >= 13.5 and a native (arm64) Python.
 #
 # MLX's backend: Metal on a Mac (it comes with mlx); on Linux an extra, toymlx[cpu],
@@ -76,15 +76,12 @@ apt_install() {
   fi
 }
 
-# Install what this machine lacks from Debian: OpenBLAS, and the venv module of Python $1
-# (if given; Debian and Ubuntu ship it apart, as python3.X-venv).
+# Install what this machine lacks from Debian: the venv module of Python $1 (Debian and Ubuntu
+# ship it apart, as python3.X-venv).
 debian_packages() {
   if [ "$OS" != Linux ] || ! command -v apt-get >/dev/null; then return 0; fi
   local need=()
-  if ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
-    need+=(libopenblas0-pthread)
-  fi
-  if [ -n "${1:-}" ] && ! "$1" -c 'import ensurepip, venv' 2>/dev/null; then
+  if ! "$1" -c 'import ensurepip, venv' 2>/dev/null; then
     local real
     real=$(readlink -f "$1")
     case $real in
@@ -176,7 +173,6 @@ choose_env() {
     local why
     why=$(py_unfit "$prefix/bin/python")
     [ -z "$why" ] || die "the active $name $prefix $why; deactivate it (toymlx then makes .venv) or use one with Python 3.10+"
-    debian_packages
     say "installing into the active $name $prefix"
     ENV=$prefix
     return
@@ -193,7 +189,6 @@ choose_env() {
       [ "${want%.* *}" = "${have%.* *}" ] || why="is ${have% *}, not TOYMLX_PYTHON's ${want% *}"
     fi
     if [ -z "$why" ]; then
-      debian_packages
       say "using $ENV (Python $(py_info "$ENV/bin/python" | cut -d' ' -f1))"
       return
     fi

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from toymlx_cli.train import main
 
+from toymlx.backend import fpenv
 from toymlx.bundle.events import read_events
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.ops import EXACT, training_ops
@@ -30,7 +31,8 @@ def test_vit_tiny_trains_in_bf16_on_the_gpu(tmp_path: Path):
     start = events[0]
     assert start["backend"]["kind"] in ("metal", "cuda")
     assert start["math"] == {"kernels": "mlx", "dtype": "bfloat16", "exact_rope": False,
-                             "grad_checkpoint": False, "decode_slice": None}
+                             "grad_checkpoint": False, "decode_slice": None,
+                             "subnormals": fpenv.describe("flush")}
     acc = [e["accuracy"] for e in events if e["kind"] == "eval"][-1]
     assert acc > 0.8, acc
 

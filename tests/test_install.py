@@ -285,7 +285,8 @@ def test_fresh_install_on_the_system_python(tmp_path):
     assert py == system
     version = subprocess.run([venv / "bin" / "toymlx-train", "--version"], capture_output=True,
                              text=True, check=True).stdout
-    assert re.fullmatch(rf"toymlx {re.escape(toymlx.__version__)} \(mlx [0-9.]+\)\n", version)
+    assert re.fullmatch(rf"toymlx {re.escape(toymlx.__version__)} \(mlx [0-9.]+; BLAS .+\)\n",
+                        version)
     backends = subprocess.run([venv / "bin" / "python", "-c", BACKENDS], capture_output=True,
                               text=True, check=True).stdout.split()
     if sys.platform.startswith("linux") and shutil.which("nvidia-smi") is None:

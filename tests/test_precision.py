@@ -61,7 +61,9 @@ def text_file(shared_file) -> str:
 
 
 def test_training_ops_resolve_auto_per_device():
-    assert training_ops(on_gpu=False) == Ops(kernels="vectorised", decode_slice=None)
+    assert training_ops(on_gpu=False) == Ops(kernels="vectorised", decode_slice=None,
+                                             subnormals="flush")
+    assert training_ops(False, subnormals="keep").subnormals == "keep"
     # block-held weights: whole, except where --grad-checkpoint asks for memory first
     assert training_ops(False, grad_checkpoint=True).decode_slice == 1 << 22
     assert scoring_ops(on_gpu=False).decode_slice == 1 << 22
@@ -88,7 +90,8 @@ def test_half_precision_llama_follows_float32(tmp_path, text_file, dtype):
     assert gap.max() < 0.05 and got[-1] < got[0] - 1.0
     start = read_events(run)[0]
     assert start["math"] == {"kernels": "mlx", "dtype": dtype, "exact_rope": True,
-                             "grad_checkpoint": False, "decode_slice": None}
+                             "grad_checkpoint": False, "decode_slice": None,
+                             "subnormals": "flush"}
     if dtype == "float16":
         assert all(e["loss_scale"] > 0 for e in steps) and "skipped" in steps[0]
     g = GGUFFile(resolve_latest(run))  # the default checkpoint stays F32

@@ -141,7 +141,7 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
     mask and drift from the eager losses)."""
     from mlx import nn
 
-    from toymlx.training.cpu_streams import make_stream_step
+    from toymlx.training.cpu_streams import make_stream_step, new_streams
     from toymlx.training.task import TrainConfig, make_optimizer
     from toymlx.training.trainer import step_seed
 
@@ -157,7 +157,7 @@ def test_dropout_draws_a_new_mask_each_step_on_every_stream():
         cfg = TrainConfig(steps=4, batch_size=8, lr=1e-2, warmup=1)
         opt = make_optimizer(cfg)
         opt.init(model.trainable_parameters())
-        step = make_stream_step(model, loss_fn, opt, 2, compile=compile)
+        step = make_stream_step(model, loss_fn, opt, new_streams(2, "keep"), compile=compile)
         rng = np.random.default_rng(1)
         batch = {"x": mx.array(rng.standard_normal((1, 8, 16)).astype(np.float32)),
                  "y": mx.array(rng.integers(0, 4, (1, 8)).astype(np.int32))}

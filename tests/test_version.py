@@ -1,4 +1,5 @@
-"""`--version` on every console script: toymlx's version (written once) and MLX's."""
+"""`--version` on every console script: toymlx's version (written once), MLX's, and the BLAS
+MLX's CPU matmuls call (its kernel set)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 import toymlx
+from toymlx.backend.device import blas_summary
 
 COMMANDS = ["train", "generate", "export", "eval", "sweep", "report", "launch", "classify"]
 
@@ -20,7 +22,8 @@ def test_every_command_prints_its_version(name, capsys):
     except SystemExit as e:  # argparse's version action exits
         rc = e.code
     assert rc == 0
-    assert capsys.readouterr().out == f"toymlx {toymlx.__version__} (mlx {mx.__version__})\n"
+    assert capsys.readouterr().out == \
+        f"toymlx {toymlx.__version__} (mlx {mx.__version__}; BLAS {blas_summary()})\n"
 
 
 def test_version_wins_over_a_recipe_and_launch_passes_it_on(capsys):

@@ -1,9 +1,5 @@
 """toymlx: train and fine-tune small models with MLX, exchange them with llama.cpp as GGUF."""
 
-from toymlx.backend import device as _device
-
-_device.preload_blas()  # must precede the first `import mlx.core` (see toymlx.backend.device)
-
 try:
     import mlx.core as _mx  # noqa: F401
 except ImportError as _e:  # no backend library (Linux: mlx without its [cpu]/[cuda] extra)
@@ -11,6 +7,10 @@ except ImportError as _e:  # no backend library (Linux: mlx without its [cpu]/[c
         f"toymlx: MLX cannot load ({_e}). On Linux MLX needs a backend: "
         "pip install 'toymlx[cpu]', or 'toymlx[cuda]' for an NVIDIA GPU with CUDA 13 drivers "
         "('toymlx[cuda12]' for CUDA 12); install only one of them") from None
+
+from toymlx.backend import device as _device
+
+_device.bind_blas()  # MLX's CPU matmuls to an optimised BLAS (see toymlx.backend.device)
 
 __version__ = "0.2.0"
 

@@ -1,24 +1,22 @@
 """The process toymlx runs in: the CPU BLAS, process set-up, device choice, what runs the math.
 
 Two steps, in this order:
-1. `preload_blas()`, at import (`toymlx/__init__.py`), because it must precede the first
-   `import mlx.core`: on Linux the `mlx[cpu]` wheel links the netlib reference BLAS
-   (~5 GFLOPS); an optimised BLAS loaded with global symbol visibility first makes MLX's
-   matmuls use it instead (~33x faster), with `toymlx.backend.gemv_forward` in front of it (one-row
-   products, a decoded token's, through sgemv).
+1. `bind_blas()`, at import (`toymlx/__init__.py`): on Linux the `mlx[cpu]` wheel links the
+   netlib reference BLAS (~5 GFLOPS); this loads an optimised one (`toymlx.backend.blas`
+   chooses which, and its kernels) and points libmlx.so's BLAS and LAPACK calls at it
+   (`toymlx.backend.blas_rebind`), with `toymlx.backend.gemv_forward` in front of it for
+   one-row products (a decoded token's). It works the same whether mlx.core was imported
+   before toymlx (an mlx-lm user's script) or after; where it cannot be done, importing toymlx
+   warns in one line.
 2. `setup_process()`, a named call each command-line entry point makes first thing, and
    `toymlx.training.trainer.train` makes again (a no-op the second time): MLX's graph-evaluation width
    (read by MLX's first evaluation), glibc malloc's thresholds and the folder that keeps MLX's
    compiled CPU kernels across reboots (`persist_kernels`). `backend_info()` records what is
    in effect in run_start.
 
-A process that imported `mlx.core` before toymlx (an mlx-lm user's script) gets the same BLAS
-another way: step 1 then loads OpenBLAS and rewrites the BLAS entries of the loaded MLX's
-linkage table (`toymlx.backend.blas_rebind`), so its matmuls, toymlx's and the script's own, go to
-OpenBLAS from then on; `backend_info()["blas_rebound"]` says so. Where that cannot be done,
-importing toymlx warns in one line. Such a process is still too late for the evaluation width
-if it evaluated anything, which is why `toymlx.train` (the Python entry point, `toymlx.runner.api`)
-trains in a fresh child process.
+A process that evaluated anything before `setup_process` is too late for the evaluation width,
+which is why `toymlx.train` (the Python entry point, `toymlx.runner.api`) trains in a fresh
+child process.
 """
 
 from __future__ import annotations
@@ -35,22 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toymlx.backend import blas_rebind, gemv_forward
+from toymlx.backend import blas, blas_rebind, fpenv, gemv_forward
 
-_BLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-    "/usr/local/lib/libopenblas.so.0",
-)
-_BLAS_FIX = (
-    "toymlx: no optimised BLAS found, MLX's CPU matmuls will use the reference BLAS "
-    "(about 30x slower). Fix: `sudo apt-get install libopenblas0-pthread` "
-    "(Debian/Ubuntu) or set TOYMLX_BLAS=/path/to/libopenblas.so.0"
-)
+_NO_BLAS = ("toymlx: no optimised BLAS found, so MLX's CPU matmuls use its reference BLAS "
+            "(about 30x slower). Fix: " + blas.FIX)
+_NOT_BOUND = ("toymlx: MLX's CPU matmuls could not be pointed at {path} ({why}), so they use "
+              "MLX's reference BLAS in this process (a training step 10-40x slower)")
+_GENERIC = ("toymlx: {why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
+            "set OPENBLAS_CORETYPE={best} before starting, or " + blas.FIX)
 
 BFS_MAX_WIDTH = "1000000"
 """MLX orders each evaluation breadth-first up to MLX_BFS_MAX_WIDTH nodes, then depth-first.
@@ -58,13 +48,6 @@ The CPU step runs slices of the batch on parallel streams (`toymlx.training.cpu_
 breadth-first order queues one slice's ops long before the other's, and with at most 10 tasks
 in flight the other stream then waits (2 streams: 1.08x slower than 1 at MLX's default width,
 0.90x at full width). Linux only: on macOS the step runs on the GPU or on one stream."""
-
-LATE_IMPORT = "reference (mlx imported before toymlx)"
-_LATE_FIX = (
-    "toymlx: mlx.core was imported before toymlx and its BLAS could not be switched ({why}), "
-    "so MLX's CPU matmuls use its reference BLAS in this process (a training step 10-40x "
-    "slower). Fix: import toymlx before mlx / mlx_lm, or train with toymlx.train(...), which "
-    "runs in a fresh process")
 
 _MALLOC_LIMITS = {"mmap_threshold": 1 << 30, "trim_threshold": 1 << 31}
 """glibc malloc settings while toymlx runs: blocks up to 1 GiB come from the heap, and up to
@@ -76,15 +59,16 @@ class _ProcessState:
     """What this process set up: one instance, `_PROCESS`."""
 
     blas: str = "unknown"
-    blas_path: str | None = None
-    blas_lib: Any = None  # the CDLL, to ask OpenBLAS its thread count
+    """What MLX's CPU matmuls call: openblas, accelerate (macOS), reference (MLX's own)."""
+    library: blas.Library | None = None
+    """The BLAS loaded for MLX (Linux), to read its kernels and set its threads."""
     malloc: str = "default"
     bfs_max_width: str | None = None
     kernel_cache: str | None = None
     gemv_forward: str | None = None
     """Whether one-row matmuls go to OpenBLAS's sgemv (`toymlx.backend.gemv_forward`): on, off (why)."""
-    blas_rebound: str | None = None
-    """Set where mlx.core was loaded before toymlx: what `toymlx.backend.blas_rebind` switched."""
+    blas_bound: str | None = None
+    """What `blas_rebind` rewrote in libmlx.so, or why it could not."""
     trim_threshold: int | None = None
     """glibc's trim threshold once `bound_kept_buffers` set it to a step's memory."""
     mlx_cache_limit: int | None = None
@@ -95,66 +79,60 @@ class _ProcessState:
 _PROCESS = _ProcessState()
 
 
-def preload_blas() -> dict:
-    """Load OpenBLAS globally before mlx.core is imported (Linux only); return what was used."""
+def bind_blas() -> dict:
+    """Point MLX's CPU BLAS calls at an optimised BLAS (Linux; once); return what is used."""
     p = _PROCESS
-    if p.blas != "unknown":
-        return {"name": p.blas, "path": p.blas_path}
-    if sys.platform == "darwin":
-        p.blas = "accelerate"
-    elif sys.platform != "linux" or os.environ.get("TOYMLX_BLAS") == "reference":
-        p.blas = "reference"
-    else:
-        late = "mlx.core" in sys.modules
-        _load_openblas(p)
-        if late and p.blas == "openblas":
-            _rebind_loaded_mlx(p)
-    return {"name": p.blas, "path": p.blas_path}
+    if p.blas == "unknown":
+        if sys.platform == "darwin":
+            p.blas = "accelerate"
+        elif sys.platform != "linux" or os.environ.get("TOYMLX_BLAS") == "reference":
+            p.blas = "reference"
+        else:
+            _bind_openblas(p)
+    return {"name": p.blas, "path": p.library.path if p.library else None}
 
 
-def _rebind_loaded_mlx(p: _ProcessState) -> None:
-    """mlx.core is loaded already: point its BLAS and LAPACK calls at the OpenBLAS just loaded
-    (`cblas_sgemm` at the gemv forwarder where that is on), or warn that it stays slow."""
-    forwarder = gemv_forward.sgemm_address()
-
-    def target(name: str) -> int | None:
-        if not (name.startswith("cblas_") or (name.endswith("_") and name[0] != "_")):
-            return None  # libc, libstdc++: not the BLAS's business
-        if name == "cblas_sgemm" and forwarder:
-            return forwarder
-        return ctypes.cast(getattr(p.blas_lib, name, None), ctypes.c_void_p).value
-
-    try:
-        names = blas_rebind.rebind("libmlx.so", target)
-    except OSError as e:
-        p.blas, p.blas_rebound = LATE_IMPORT, f"failed: {e}"
-        warnings.warn(_LATE_FIX.format(why=e), stacklevel=4)
-        return
-    p.blas_rebound = (f"{len(names)} BLAS/LAPACK functions of libmlx.so rewritten "
-                      "(mlx.core was imported before toymlx)")
+def blas_summary() -> str:
+    """One line on MLX's CPU BLAS, for `--version` and the benchmark's host line: "OpenBLAS
+    0.3.34 SkylakeX kernels (pip scipy-openblas32 0.3.34)", "Accelerate", "reference"."""
+    p, lib = _PROCESS, _PROCESS.library
+    if lib is None:
+        return {"accelerate": "Accelerate", "unknown": "not bound yet"}.get(p.blas, p.blas)
+    version = (lib.config or "").split()
+    name = " ".join(version[:2]) if version[:1] == ["OpenBLAS"] else os.path.basename(lib.path)
+    kernels = f" {lib.core} kernels" if lib.core else ""
+    return f"{name}{kernels} ({lib.source})"
 
 
-def _load_openblas(p: _ProcessState) -> None:
-    candidates = [os.environ["TOYMLX_BLAS"]] if os.environ.get("TOYMLX_BLAS") else []
-    candidates += list(_BLAS_CANDIDATES)
+def _bind_openblas(p: _ProcessState) -> None:
     local = _ranks_on_this_host()
     if local > 1 and "OPENBLAS_NUM_THREADS" not in os.environ:
         # data-parallel ranks on one host would each start a BLAS thread per core; OpenBLAS
         # reads this once, when it is loaded just below
         os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
-    for path in candidates:
-        if os.path.exists(path):
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)  # loads at all?
-            except OSError:
-                continue
-            # ahead of OpenBLAS in the global scope, so MLX's cblas_sgemm resolves to it
-            p.gemv_forward = gemv_forward.install(path)
-            p.blas_lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            p.blas, p.blas_path = "openblas", path
-            return
     p.blas = "reference"
-    warnings.warn(_BLAS_FIX, stacklevel=3)
+    for path, prefix, source in blas.candidates():
+        try:
+            lib = blas.load(path, prefix, source)
+        except OSError:
+            continue
+        p.gemv_forward = gemv_forward.install(path, prefix)
+        try:
+            names = blas_rebind.rebind("libmlx.so",
+                                       blas.mlx_targets(lib, gemv_forward.sgemm_address()))
+        except OSError as e:
+            p.blas_bound = f"failed: {e}"
+            warnings.warn(_NOT_BOUND.format(path=path, why=e), stacklevel=4)
+            return
+        p.blas, p.library = "openblas", lib
+        p.blas_bound = f"{len(names)} BLAS/LAPACK functions of libmlx.so"
+        why = blas.generic_core(lib)
+        if why is not None:
+            warnings.warn(_GENERIC.format(why=why, gflops=blas.sgemm_gflops(lib),
+                                          best=blas.core_for_cpu(*blas.cpu_flags())[0]),
+                          stacklevel=4)
+        return
+    warnings.warn(_NO_BLAS, stacklevel=4)
 
 
 def setup_process(wide_evaluation: bool = True) -> None:
@@ -317,7 +295,8 @@ def peak_rss_mb() -> float | None:
 def blas_threads() -> int | None:
     """OpenBLAS's thread count now, or None where toymlx does not control the BLAS (macOS's
     Accelerate, the reference BLAS)."""
-    get = getattr(_PROCESS.blas_lib, "openblas_get_num_threads", None)
+    lib = _PROCESS.library
+    get = None if lib is None else lib.function("openblas_get_num_threads")
     return int(get()) if get is not None else None
 
 
@@ -329,11 +308,22 @@ def use_blas_threads(n: int | None):
     if n is None or before is None or n == before:
         yield
         return
-    _PROCESS.blas_lib.openblas_set_num_threads(int(n))
+    set_threads = _PROCESS.library.function("openblas_set_num_threads")
+    set_threads(int(n))
     try:
         yield
     finally:
-        _PROCESS.blas_lib.openblas_set_num_threads(before)
+        set_threads(before)
+
+
+@contextlib.contextmanager
+def evaluating(blas_threads: int | None, subnormals: fpenv.Subnormals):
+    """Within: a training step's or a held-out pass's evaluation: OpenBLAS on `blas_threads`
+    threads a call (`use_blas_threads`), subnormal floats as `subnormals` says on this thread
+    and the BLAS threads it calls (`toymlx.backend.fpenv`; the streams' own threads were made in
+    that mode, `toymlx.training.cpu_streams.new_streams`)."""
+    with use_blas_threads(blas_threads), fpenv.subnormals(subnormals):
+        yield
 
 
 def _ranks_on_this_host() -> int:
@@ -389,14 +379,17 @@ def backend_info() -> dict:
     p = _PROCESS
     info.update(kind="cpu", blas=p.blas, malloc=p.malloc, bfs_max_width=p.bfs_max_width,
                 cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
-    if p.blas_path:
-        info["blas_path"] = p.blas_path
+    if p.library is not None:
+        info.update(blas_path=p.library.path, blas_source=p.library.source,
+                    blas_core=p.library.core, blas_version=p.library.config)
+        if p.library.core_from:
+            info["blas_core_from"] = p.library.core_from
     if p.kernel_cache:
         info["kernel_cache"] = p.kernel_cache
     if p.gemv_forward:
         info["gemv_forward"] = p.gemv_forward
-    if p.blas_rebound:
-        info["blas_rebound"] = p.blas_rebound
+    if p.blas_bound:
+        info["blas_bound"] = p.blas_bound
     if blas_threads() is not None:
         info["blas_threads"] = blas_threads()
     return info

@@ -6,9 +6,12 @@ took over half of every training step. Adds, multiplies, compares, casts and bit
 the other hand, are fused by `mx.compile` into C++ loops that g++ vectorises. So each function
 here is written with only those ops:
 
-- `exp` (saturating: e**-86.5 below, float32's largest finite above): Cody-Waite reduction x = n ln2 + r with |r| <= ln2/2, e^r from Cephes' degree-5
+- `exp`: Cody-Waite reduction x = n ln2 + r with |r| <= ln2/2, e^r from Cephes' degree-5
   minimax polynomial (`expf`), and 2**n assembled in the float's exponent bits. Max relative
   error 1.2e-7 over float32's normal range (MLX's own exp: 1.5e-6; numpy's float32: 2.0e-7).
+  Exactly 0 below x = -87 (e**-87 = 1.6e-38, next to float32's smallest normal), so no result
+  is subnormal (an Intel core computes on those through slow microcode assists) and exp(-inf)
+  is 0; inf above 88.72 (float32's largest finite is e**88.7228); NaN in, NaN out.
 - `erf`: the odd/even rational minimax approximation on [-4, 4] used by XLA and Eigen for
   float32 (beyond 4, erf is +-1 in float32); max absolute error ~1e-7, no exp at all.
 - `sigmoid`, `silu`, `gelu` (exact erf form), `softmax`, `logsumexp` on top of those, each
@@ -36,8 +39,10 @@ import numpy as np
 LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 = HI + LO, HI exact in few bits
 _ROUND = 12582912.0  # 1.5 * 2**23: (y + _ROUND) - _ROUND rounds a float32 |y| < 2**22
-_EXP_LO, _EXP_HI = -86.5, 88.72283  # exp saturates outside: e**-86.5 = 2.7e-38 (float32's
-# smallest normal is 1.2e-38) and e**88.72283 = 3.4e38 (float32's largest finite)
+_EXP_LO, _EXP_HI = -87.0, 89.0  # exp is clamped to these: -87 rounds to n = -126, whose
+# scale 2**(n-1) = 2**-127 is assembled as exponent bits 0, i.e. +0.0 (so exp is exactly 0 for
+# x <= -87 and a normal float above: e**-86.9 = 1.8e-38 against float32's smallest normal of
+# 1.2e-38); n = 128 at 89, where e**x overflows to inf as in IEEE arithmetic (above 88.7228)
 _EXP_P = (5.0000001201e-1, 1.6666665459e-1, 4.1665795894e-2, 8.3334519073e-3,
           1.3981999507e-3, 1.9875691500e-4)  # Cephes expf: e^r = 1 + r + r^2 P(r)
 _EXP_2P = tuple(2.0 * c for c in _EXP_P)  # exact doubling, in float32 too
@@ -61,21 +66,24 @@ def _bits(value: float) -> int:
 
 
 _SIGN, _MAGNITUDE = -(2**31), 2**31 - 1
+_INF_BITS = 0x7F800000  # a float32 magnitude's bits above this are NaN
 
 
 def _clamp(x: mx.array, lo: float, hi: float, negate: bool = False) -> mx.array:
     """x (or -x with `negate`) clamped to [lo, hi] (lo < 0 < hi) on its bits: a float's
     magnitude orders like its bits read as an integer, and integer min has no NaN test (MLX's
     float min/max/where do, and that keeps g++ from vectorising a fused loop). The two views
-    also end the fused kernel here. NaN is clamped too (to lo or hi): callers keep NaN alive
-    through another path."""
+    also end the fused kernel here. NaN passes through unchanged (its magnitude, above
+    infinity's, is kept where the bound would be)."""
     b = mx.view(x, mx.int32)
     if negate:
         b = mx.bitwise_xor(b, _SIGN)
     sign = mx.bitwise_and(b, _SIGN)
+    magnitude = mx.bitwise_and(b, _MAGNITUDE)
     bound = _bits(hi) + mx.bitwise_and(mx.right_shift(b, 31), _bits(-lo) - _bits(hi))
-    return mx.view(mx.bitwise_or(sign, mx.minimum(mx.bitwise_and(b, _MAGNITUDE), bound)),
-                   mx.float32)
+    nan = mx.right_shift(_INF_BITS - magnitude, 31)  # all ones where x is NaN, else 0
+    kept = mx.bitwise_or(mx.minimum(magnitude, bound), mx.bitwise_and(nan, magnitude))
+    return mx.view(mx.bitwise_or(sign, kept), mx.float32)
 
 
 def _kernel_end(x: mx.array) -> mx.array:
@@ -95,8 +103,9 @@ _EXP_SLACK = 2
 
 def _exp(x: mx.array, negate: bool = False, clamp: bool = True) -> mx.array:
     """e**x (e**-x with `negate`) in float32 from adds, multiplies and bit operations (no
-    autodiff of its own); saturates outside [_EXP_LO, _EXP_HI] (so -inf gives 2.7e-38, not 0).
-    `clamp=False` is for callers that already keep x inside (one memory pass less).
+    autodiff of its own): exactly 0 for x <= _EXP_LO (-inf included), inf past 88.7228, NaN
+    for NaN. `clamp=False` is for callers that already keep x inside
+    [_EXP_LO, _EXP_HI] (one memory pass less).
 
     Four fused loops: the clamp, the reduced argument r, the scale 2**(n-1) assembled in the
     exponent bits, and the polynomial (which the caller's next `_EXP_SLACK` levels join)."""
@@ -104,7 +113,7 @@ def _exp(x: mx.array, negate: bool = False, clamp: bool = True) -> mx.array:
         x = _clamp(x, _EXP_LO, _EXP_HI, negate)
     elif negate:
         x = -x
-    n = (x * LOG2E + _ROUND) - _ROUND  # nearest integer to x / ln2, in [-125, 128]
+    n = (x * LOG2E + _ROUND) - _ROUND  # nearest integer to x / ln2, in [-126, 128]
     r = _kernel_end((x - n * _LN2_HI) - n * _LN2_LO)  # |r| <= ln2 / 2, exact to a few ulp
     # The same n again, formed differently so that mx.compile does not share (and so
     # materialise) it between the two loops; (y - R) + R rounds exactly like (y + R) - R.
@@ -151,8 +160,7 @@ def erf(x: mx.array) -> mx.array:
 @erf.vjp
 def _erf_vjp(primals, cotangent, output):
     x = _only(primals)
-    x = _clamp(x, -10.0, 10.0)  # e**-100 is 0 in float32 anyway; keeps -x^2 in exp's range
-    return ((cotangent * (2.0 / math.sqrt(math.pi))) * _exp(-(x * x), clamp=False),)
+    return ((cotangent * (2.0 / math.sqrt(math.pi))) * _exp(-(x * x)),)
 
 
 @mx.custom_function
@@ -189,15 +197,14 @@ def gelu(x: mx.array) -> mx.array:
 def _gelu_vjp(primals, cotangent, output):
     x = _only(primals)
     cdf = _kernel_end(0.5 + 0.5 * _erf(x * _SQRT1_2))
-    xe = _clamp(x, -13.0, 13.0)  # -x^2/2 >= -84.5: inside exp's range (e**-84.5 ~ 0 here)
-    pdf = _exp((xe * xe) * -0.5, clamp=False)  # Phi'(x) sqrt(2 pi)
+    pdf = _exp((x * x) * -0.5)  # Phi'(x) sqrt(2 pi)
     return (cotangent * cdf + ((cotangent * x) * _INV_SQRT_2PI) * pdf,)
 
 
 @mx.custom_function
 def softmax(x: mx.array) -> mx.array:
-    """Softmax over the last axis (-inf entries give 0 to within 3e-38; a row of all -inf is
-    uniform, where the exact softmax gives NaN)."""
+    """Softmax over the last axis (-inf entries give exactly 0; a row of all -inf gives NaN,
+    as the exact softmax does)."""
     e = _exp(x - mx.stop_gradient(x.max(-1, keepdims=True)))
     return e * (1.0 / _row_sum(e))
 
@@ -211,7 +218,7 @@ def _softmax_vjp(primals, cotangent, output):
 def logsumexp(x: mx.array) -> mx.array:
     """log(sum(e**x)) over the last axis (kept as a size-1 axis)."""
     m = x.max(-1, keepdims=True)
-    m = mx.where(mx.isinf(m), 0.0, m)  # all -inf rows: about -86 (saturated exp), not NaN
+    m = mx.where(mx.isinf(m), 0.0, m)  # all -inf rows: log(0) = -inf, not NaN (-inf - -inf)
     return mx.log(_row_sum(_exp(x - m))) + m
 
 

@@ -1,4 +1,5 @@
-/* A cblas_sgemm in front of OpenBLAS's that sends one-row products to cblas_sgemv
+/* toymlx_sgemm: a cblas_sgemm in front of OpenBLAS's (libmlx.so's cblas_sgemm slot is pointed
+ * at it) that sends one-row products to cblas_sgemv
  * (toymlx/gemv_forward.py builds and loads it; the reasons are there).
  *
  * C = alpha op(A) op(B) + beta C, row-major, M == 1:
@@ -21,12 +22,14 @@ static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
 static unsigned long forwarded;
 
-/* Point the forwarder at the BLAS in `path` (already loaded); 0 on success. */
-int toymlx_gemv_forward_init(const char *path) {
+/* Point the forwarder at the BLAS in `path` (already loaded), whose functions are named
+ * `sgemm` and `sgemv` there (cblas_sgemm, or scipy_cblas_sgemm for pip's OpenBLAS); 0 on
+ * success. */
+int toymlx_gemv_forward_init(const char *path, const char *sgemm, const char *sgemv) {
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!lib) return 1;
-    real_sgemm = (sgemm_fn)dlsym(lib, "cblas_sgemm");
-    real_sgemv = (sgemv_fn)dlsym(lib, "cblas_sgemv");
+    real_sgemm = (sgemm_fn)dlsym(lib, sgemm);
+    real_sgemv = (sgemv_fn)dlsym(lib, sgemv);
     return real_sgemm && real_sgemv ? 0 : 2;
 }
 
@@ -35,7 +38,7 @@ unsigned long toymlx_gemv_forward_count(void) {
     return __atomic_load_n(&forwarded, __ATOMIC_RELAXED);
 }
 
-void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
+void toymlx_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C,
                  int ldc) {
     if (order == ROW_MAJOR && M == 1 && N > 1 && K > 0) {

@@ -36,7 +36,7 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from toymlx.backend import fastmath
+from toymlx.backend import fastmath, fpenv
 
 Kernels = Literal["mlx", "vectorised"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -64,6 +64,10 @@ class Ops:
     grad_checkpoint: bool = False
     """Recompute each block's activations in the backward pass (`mx.checkpoint`): less memory
     for long sequences, one more forward pass of time."""
+    subnormals: fpenv.Subnormals = "keep"
+    """flush: the CPU threads that evaluate a training step or a held-out pass treat subnormal
+    floats (below 1.18e-38) as zero (`toymlx.backend.fpenv`): Intel cores compute on them through
+    microcode assists, and a LoRA step took 4-6x as long with them. keep: IEEE arithmetic."""
     decode_slice: int | None = DECODE_SLICE_VALUES
     """Most values of a block-held weight (`toymlx.models.layers.BlockLinear`) decoded to float
     at once, in the product and in its backward pass; None: each weight whole. Smaller slices
@@ -74,6 +78,8 @@ class Ops:
             raise ValueError(f"kernels: expected mlx or vectorised, found {self.kernels!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, found {self.dtype!r}")
+        if self.subnormals not in ("flush", "keep"):
+            raise ValueError(f"subnormals: expected flush or keep, found {self.subnormals!r}")
         if self.decode_slice is not None and self.decode_slice < 1:
             raise ValueError(f"decode_slice: expected a positive number of values or None (whole "
                              f"weights), found {self.decode_slice}")
@@ -86,8 +92,8 @@ class Ops:
         return DTYPES[self.dtype]
 
     def describe(self) -> dict[str, Any]:
-        """What run_start records."""
-        return asdict(self)
+        """What run_start records (`subnormals` as it takes effect on this platform)."""
+        return {**asdict(self), "subnormals": fpenv.describe(self.subnormals)}
 
     # ---- casts ------------------------------------------------------------------------------
     def cast(self, x: mx.array) -> mx.array:
@@ -369,8 +375,9 @@ def _checkpointed(layer: nn.Module) -> Callable:
 
 
 def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
-                 grad_checkpoint: bool = False) -> Ops:
-    """The math of a training run: `--dtype`, `--kernels` and `--grad-checkpoint` resolved.
+                 grad_checkpoint: bool = False, subnormals: fpenv.Subnormals = "flush") -> Ops:
+    """The math of a training run: `--dtype`, `--kernels`, `--grad-checkpoint` and
+    `--subnormals` resolved.
 
     dtype auto: bfloat16 on a GPU, float32 on the CPU (MLX's half-precision CPU kernels run
     ~25x slower than float32's). kernels auto: vectorised on the CPU in float32, else mlx.
@@ -392,7 +399,7 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
     elif kernels not in ("mlx", "vectorised"):
         raise ValueError(f"--kernels: expected auto, mlx or vectorised, found {kernels!r}")
     return Ops(kernels=kernels, dtype=dtype, exact_rope=not on_gpu,
-               grad_checkpoint=grad_checkpoint,
+               grad_checkpoint=grad_checkpoint, subnormals=subnormals,
                decode_slice=DECODE_SLICE_VALUES if grad_checkpoint else None)
 
 

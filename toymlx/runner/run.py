@@ -55,9 +55,10 @@ def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
 
 
 def run_ops(cfg: TrainConfig) -> Ops:
-    """The math a run's model computes with (`--dtype`, `--kernels`, `--grad-checkpoint` on the
-    selected device): chosen here, once, and handed to the recipe's `build`."""
-    return training_ops(on_gpu(), cfg.dtype, cfg.kernels, cfg.grad_checkpoint)
+    """The math a run's model computes with (`--dtype`, `--kernels`, `--grad-checkpoint`,
+    `--subnormals` on the selected device): chosen here, once, and handed to the recipe's
+    `build`."""
+    return training_ops(on_gpu(), cfg.dtype, cfg.kernels, cfg.grad_checkpoint, cfg.subnormals)
 
 
 def init_distributed() -> Any:

@@ -22,7 +22,7 @@ import mlx.optimizers as optim
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from toymlx.backend import device
+from toymlx.backend import device, fpenv
 from toymlx.training.step import make_step, make_update, micro_batch_grads
 
 
@@ -71,11 +71,26 @@ def _update_on_homes(optimizer: optim.Optimizer, place: Callable[[Callable], Cal
         o._toymlx_placed = True
 
 
+def subnormals_of(model: nn.Module) -> fpenv.Subnormals:
+    """The model's `Ops.subnormals` (keep for a plain `mlx.nn` module, which has no `Ops`)."""
+    ops = getattr(model, "ops", None)
+    return "keep" if ops is None else ops.subnormals
+
+
+def new_streams(n: int, subnormals: fpenv.Subnormals) -> list:
+    """`n` new MLX CPU streams whose threads compute with subnormal floats as `subnormals` says
+    (`toymlx.backend.fpenv`): MLX runs a CPU stream's ops on a thread made with the stream, and
+    a thread starts with the floating-point mode of the thread that made it."""
+    with fpenv.subnormals(subnormals):
+        return [mx.new_stream(mx.cpu) for _ in range(n)]
+
+
 def make_stream_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,
-                     n_streams: int, grad_clip: float = 1.0, compile: bool = True
+                     streams: list, grad_clip: float = 1.0, compile: bool = True
                      ) -> Callable[[dict[str, mx.array]], dict]:
-    """`toymlx.step.make_step`'s step with each micro-batch split over `n_streams` CPU streams."""
-    streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
+    """`toymlx.step.make_step`'s step with each micro-batch split over the CPU `streams`
+    (`new_streams`); call it with the first of them as MLX's stream (`mx.stream`)."""
+    n_streams = len(streams)
     home = _stream_homes(model, streams)
 
     def place(fn: Callable) -> Callable:

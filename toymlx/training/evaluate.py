@@ -29,8 +29,10 @@ class Evaluator:
                  blas_threads: int | None = None):
         self.task, self.blas_threads = task, blas_threads
         fn, model = task.metrics_fn or _loss_metrics(task.loss_fn), task.model
-        self.streams = [mx.default_stream(mx.default_device())] + [
-            mx.new_stream(mx.cpu) for _ in range(n_streams - 1)]
+        on_cpu = mx.default_device() == mx.cpu
+        self.subnormals = cpu_streams.subnormals_of(model)
+        self.streams = (cpu_streams.new_streams(n_streams, self.subnormals) if on_cpu
+                        else [mx.default_stream(mx.default_device())])
 
         def metrics(batch: dict[str, mx.array]) -> dict[str, mx.array]:
             return fn(model, batch)
@@ -65,7 +67,7 @@ class Evaluator:
             for b in batches[:max_batches]:
                 for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
                     parts = self._sums({k: v[i] for k, v in b.items()})
-                    with device.use_blas_threads(self.blas_threads):
+                    with device.evaluating(self.blas_threads, self.subnormals):
                         mx.eval(parts)
                     for sums in parts:
                         for k, v in sums.items():

@@ -75,15 +75,22 @@ def _finite(model: nn.Module) -> bool:
 
 def training_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,
                   cfg: TrainConfig, world: Any = None, scale: LossScale | None = None
-                  ) -> tuple[Callable, int]:
-    """(step, CPU streams) of this run: `toymlx.step.make_step`, or on a multi-core CPU the same
-    spread over streams (`toymlx.cpu_streams`). Build it after the optimizer state is final
-    (resume): the compiled step holds on to the state's containers."""
+                  ) -> tuple[Callable, list]:
+    """(step, the streams it runs on, the first to be MLX's stream when it is called) of this
+    run: `toymlx.step.make_step`, or on a multi-core CPU the same spread over streams
+    (`toymlx.cpu_streams`). On the CPU the streams are new ones whose threads compute with the
+    model's `Ops.subnormals`. Build it after the optimizer state is final (resume): the
+    compiled step holds on to the state's containers."""
     n = cpu_streams.stream_count(cfg.cpu_streams, world, scaled=scale is not None)
+    if mx.default_device() != mx.cpu:
+        streams = [mx.default_stream(mx.default_device())]
+    else:
+        streams = cpu_streams.new_streams(n, cpu_streams.subnormals_of(model))
     if n > 1:
-        return cpu_streams.make_stream_step(model, loss_fn, optimizer, n, cfg.grad_clip,
-                                            cfg.compile), n
-    return make_step(model, loss_fn, optimizer, cfg.grad_clip, world, cfg.compile, scale), 1
+        return cpu_streams.make_stream_step(model, loss_fn, optimizer, streams, cfg.grad_clip,
+                                            cfg.compile), streams
+    return make_step(model, loss_fn, optimizer, cfg.grad_clip, world, cfg.compile,
+                     scale), streams
 
 
 class Stepper:
@@ -98,8 +105,8 @@ class Stepper:
         self.optimizer.init(self.model.trainable_parameters())
         # float16 gradients underflow without a loss scale (see LossScale)
         self.scale = LossScale() if self.model.ops.dtype == "float16" else None
-        self.n_streams: int | None = None
-        """CPU streams the built step spreads over (None: not built yet)."""
+        self.streams: list = []
+        """The streams the built step runs on (`training_step`; none: not built yet)."""
         self.blas_threads: int | None = None
         """BLAS threads per call while the step is evaluated (None: left as they are)."""
         self._fn: Callable | None = None
@@ -108,9 +115,14 @@ class Stepper:
         """Evaluate the weights and optimizer state and build the compiled step. Call it after a
         resume has restored the optimizer state: the compiled step holds on to its containers."""
         mx.eval(self.model.parameters(), self.optimizer.state)
-        self._fn, self.n_streams = training_step(self.model, self.task.loss_fn, self.optimizer,
-                                                 self.cfg, self.world, self.scale)
+        self._fn, self.streams = training_step(self.model, self.task.loss_fn, self.optimizer,
+                                               self.cfg, self.world, self.scale)
         self.blas_threads = cpu_streams.step_blas_threads(self.n_streams)
+
+    @property
+    def n_streams(self) -> int | None:
+        """CPU streams the built step spreads over (None: not built yet)."""
+        return len(self.streams) or None
 
     def step(self, s: int, global_batch: dict[str, np.ndarray]) -> dict[str, mx.array]:
         """Optimizer step `s` (0-based) on `global_batch` (this rank's shard of it), evaluated
@@ -122,8 +134,9 @@ class Stepper:
         # Randomness (dropout) is a pure function of (seed, step), like the data, so a
         # resumed run draws exactly what an uninterrupted one would.
         mx.random.seed(step_seed(self.cfg.seed, s))
-        out = self._fn(batch)
-        with device.use_blas_threads(self.blas_threads):
+        with mx.stream(self.streams[0]):
+            out = self._fn(batch)
+        with device.evaluating(self.blas_threads, cpu_streams.subnormals_of(self.model)):
             mx.eval(out, self.model.state, self.optimizer.state)
         return out
 

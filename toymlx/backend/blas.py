@@ -1,0 +1,229 @@
+"""The BLAS that MLX's CPU matmuls call on Linux: which library, which kernels, and how MLX is
+pointed at it.
+
+Why: MLX's Linux wheel links the netlib reference BLAS (~5 GFLOPS on a float32 matmul, against
+~150-380 GFLOPS for OpenBLAS on these 2-core hosts). And an OpenBLAS that does not know the CPU
+runs its generic SSE3 kernels in silence: Debian 12's 0.3.21 on an Intel Xeon of family 6
+model 207 chose `Prescott` and reached 20-66 GFLOPS where the same machine does 306-315.
+
+Which library, the first found of:
+1. `TOYMLX_BLAS=/path/to/libopenblas.so` (or another LP64 BLAS with plain `cblas_sgemm`, such
+   as MKL's `libmkl_rt.so`); `TOYMLX_BLAS=reference` keeps MLX's own.
+2. OpenBLAS from pip, `scipy-openblas32` (toymlx[cpu] depends on it on Linux): current
+   (0.3.34 when written), built for every x86-64 and arm64 core (DYNAMIC_ARCH), with LP64
+   integers as MLX calls them and every symbol prefixed `scipy_`, so it clashes with no other
+   BLAS in the process (numpy's own is ILP64). No root, no system package.
+3. A system OpenBLAS (Debian's `libopenblas0-pthread`, Fedora's, ...), unprefixed.
+
+Which kernels: OpenBLAS picks its kernel set ("core") from cpuid when it loads, and an older
+release does not know newer CPUs. Unless `OPENBLAS_CORETYPE` is set already, `load` sets it for
+the load (and only for it: child processes see the environment as it was) to the set this
+CPU's flags call for: SkylakeX with AVX-512, Haswell (Intel) or Zen (AMD) with AVX2 and FMA,
+the sets current OpenBLAS releases choose themselves on those CPUs. The core in use is read back
+(`openblas_get_corename`) and recorded in run_start's `backend.blas_core`; if it is still a
+generic one on a CPU with AVX2, importing toymlx warns in one line with the measured GFLOPS and
+the fix.
+
+How MLX is pointed at it: `libmlx.so` calls every BLAS and LAPACK function through its
+procedure linkage table, and `toymlx.backend.blas_rebind` writes the chosen library's
+addresses (`scipy_cblas_sgemm` for `cblas_sgemm`, ...) into those slots, with
+`toymlx.backend.gemv_forward` in front of `cblas_sgemm` for one-row products. That works
+whether mlx.core was imported before toymlx or after, and for a prefixed library as for a plain
+one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+PIP_PACKAGE = "scipy-openblas32"
+PIP_PREFIX = "scipy_"
+SYSTEM_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+    "/usr/local/lib/libopenblas.so.0",
+)
+FIX = (f"pip install {PIP_PACKAGE} (toymlx[cpu] brings it), or set TOYMLX_BLAS=/path/to/"
+       "libopenblas.so.0")
+
+AVX512_CORES = frozenset({"SkylakeX", "Cooperlake", "SapphireRapids"})
+"""OpenBLAS kernel sets with AVX-512 sgemm kernels."""
+AVX2_CORES = AVX512_CORES | {"Haswell", "Zen"}
+"""OpenBLAS kernel sets with AVX2/FMA sgemm kernels (or better)."""
+
+
+@dataclass
+class Library:
+    """A BLAS loaded into this process (local symbol scope)."""
+
+    path: str
+    prefix: str
+    """What its symbols are prefixed with: "" or "scipy_"."""
+    source: str
+    """How it was found: TOYMLX_BLAS, pip scipy-openblas32 VERSION, system."""
+    handle: ctypes.CDLL
+    core_from: str | None = None
+    """Who chose the kernel set: "cpuid (FLAGS)" where `load` set OPENBLAS_CORETYPE, the
+    variable's value where the user had set it, else None (the library itself)."""
+
+    def function(self, name: str):
+        """The library's `name` (its prefix added), or None where it has none."""
+        return getattr(self.handle, self.prefix + name, None)
+
+    def address(self, name: str) -> int | None:
+        fn = self.function(name)
+        return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+    def _text(self, name: str) -> str | None:
+        fn = self.function(name)
+        if fn is None:
+            return None
+        fn.restype = ctypes.c_char_p
+        value = fn()
+        return value.decode(errors="replace").strip() if value else None
+
+    @property
+    def core(self) -> str | None:
+        """The kernel set OpenBLAS runs (`openblas_get_corename`); None for another BLAS."""
+        return self._text("openblas_get_corename")
+
+    @property
+    def config(self) -> str | None:
+        """OpenBLAS's build line: its version, DYNAMIC_ARCH, ... (`openblas_get_config`)."""
+        return self._text("openblas_get_config")
+
+
+def pip_library() -> Path | None:
+    """scipy-openblas32's shared library where that package is installed (found without
+    importing it: its import loads the library into the global scope)."""
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libscipy_openblas.so"
+    return lib if lib.exists() else None
+
+
+def _pip_version() -> str:
+    try:
+        from importlib import metadata
+        return metadata.version(PIP_PACKAGE)
+    except Exception:  # noqa: BLE001 - a label only
+        return "?"
+
+
+def candidates() -> list[tuple[str, str, str]]:
+    """(path, symbol prefix, source) of the libraries to try, in order."""
+    if os.environ.get("TOYMLX_BLAS"):
+        path = os.environ["TOYMLX_BLAS"]
+        prefix = PIP_PREFIX if os.path.basename(path).startswith("libscipy_openblas") else ""
+        return [(path, prefix, "TOYMLX_BLAS")]
+    found = []
+    pip = pip_library()
+    if pip is not None:
+        found.append((str(pip), PIP_PREFIX, f"pip {PIP_PACKAGE} {_pip_version()}"))
+    found += [(p, "", "system") for p in SYSTEM_PATHS if os.path.exists(p)]
+    return found
+
+
+def cpu_flags() -> tuple[str, set[str]]:
+    """(vendor, cpuid flags) of this CPU from /proc/cpuinfo (empty where it cannot be read)."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id":
+                    vendor = value.strip()
+                elif key == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return vendor, flags
+
+
+def core_for_cpu(vendor: str, flags: set[str]) -> tuple[str, str] | None:
+    """(OpenBLAS kernel set, why) that current OpenBLAS releases choose for a CPU with these
+    cpuid flags; None where this CPU is not x86-64 with AVX2 (leave it to the library)."""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags:
+        return "SkylakeX", "avx512f/bw/vl/dq/cd"
+    if {"avx2", "fma"} <= flags:
+        amd = vendor in ("AuthenticAMD", "HygonGenuine")
+        return ("Zen" if amd else "Haswell"), "avx2/fma"
+    return None
+
+
+def load(path: str, prefix: str, source: str) -> Library:
+    """Load the library at `path` with its kernel set chosen from cpuid (see the module's
+    docstring); raises OSError where it does not load or lacks `cblas_sgemm`."""
+    core_from = os.environ.get("OPENBLAS_CORETYPE")
+    forced = None
+    if core_from is None and platform.machine() in ("x86_64", "AMD64"):
+        forced = core_for_cpu(*cpu_flags())
+    if forced is not None:
+        os.environ["OPENBLAS_CORETYPE"] = forced[0]  # read once, by the library's constructor
+        core_from = f"cpuid ({forced[1]})"
+    try:
+        handle = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    finally:
+        if forced is not None:
+            del os.environ["OPENBLAS_CORETYPE"]
+    lib = Library(path, prefix, source, handle, core_from)
+    if lib.function("cblas_sgemm") is None:
+        raise OSError(f"{path}: no {prefix}cblas_sgemm in it; expected a BLAS")
+    return lib
+
+
+def generic_core(lib: Library) -> str | None:
+    """The reason `lib` runs slower kernels than this CPU has (None: it does not, or it is not
+    OpenBLAS): a kernel set without AVX2 on a CPU with AVX2, or without AVX-512 on one with it."""
+    core, want = lib.core, core_for_cpu(*cpu_flags())
+    if core is None or want is None:
+        return None
+    best = AVX512_CORES if want[0] == "SkylakeX" else AVX2_CORES
+    if core in best:
+        return None
+    return f"OpenBLAS runs its {core} kernels on a CPU with {want[1]} (best: {want[0]})"
+
+
+def sgemm_gflops(lib: Library, n: int = 512, repeats: int = 3) -> float:
+    """The library's float32 matmul speed, n x n x n, best of `repeats` (GFLOPS)."""
+    import numpy as np  # here: this module loads before mlx.core, numpy is not needed before
+
+    a = np.ones((n, n), np.float32)
+    c = np.empty((n, n), np.float32)
+    sgemm = lib.function("cblas_sgemm")
+    p = ctypes.POINTER(ctypes.c_float)
+    args = (101, 111, 111, n, n, n, ctypes.c_float(1.0), a.ctypes.data_as(p), n,
+            a.ctypes.data_as(p), n, ctypes.c_float(0.0), c.ctypes.data_as(p), n)
+    sgemm(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sgemm(*args)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def mlx_targets(lib: Library, sgemm: int | None) -> Callable[[str], int | None]:
+    """What `blas_rebind.rebind` writes into libmlx.so's slots: for each BLAS or LAPACK
+    symbol, `lib`'s function of that name (`sgemm`, the one-row forwarder, for cblas_sgemm)."""
+    def target(name: str) -> int | None:
+        if not (name.startswith("cblas_") or (name.endswith("_") and name[0] != "_")):
+            return None  # libc, libstdc++: not the BLAS's business
+        if name == "cblas_sgemm" and sgemm:
+            return sgemm
+        return lib.address(name)
+    return target
