@@ -24,6 +24,13 @@ the sets current OpenBLAS releases choose themselves on those CPUs. The core in 
 generic one on a CPU with AVX2, importing toymlx warns in one line with the measured GFLOPS and
 the fix.
 
+Subnormal floats: OpenBLAS's worker threads are started (as the library loads) in flush-to-zero
+mode, as XLA and TensorFlow run their own compute threads, so a matmul's share on them never
+meets the 100x-slower subnormal arithmetic of Intel cores; the threads of the caller are left
+as they are (`toymlx.backend.fpenv` says when a training step flushes its own). OpenBLAS does
+not hand the caller's mode to its workers, so a step that keeps subnormals runs each matmul on
+its own thread (`toymlx.backend.device.evaluating`).
+
 How MLX is pointed at it: `libmlx.so` calls every BLAS and LAPACK function through its
 procedure linkage table, and `toymlx.backend.blas_rebind` writes the chosen library's
 addresses (`scipy_cblas_sgemm` for `cblas_sgemm`, ...) into those slots, with
@@ -42,6 +49,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from toymlx.backend import fpenv
 
 PIP_PACKAGE = "scipy-openblas32"
 PIP_PREFIX = "scipy_"
@@ -176,7 +185,10 @@ def load(path: str, prefix: str, source: str) -> Library:
         os.environ["OPENBLAS_CORETYPE"] = forced[0]  # read once, by the library's constructor
         core_from = f"cpuid ({forced[1]})"
     try:
-        handle = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+        # OpenBLAS starts its worker threads as it loads, and they keep the floating-point
+        # mode of this thread for life: flushing subnormals (toymlx.backend.fpenv)
+        with fpenv.subnormals("flush"):
+            handle = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     finally:
         if forced is not None:
             del os.environ["OPENBLAS_CORETYPE"]

@@ -320,8 +320,11 @@ def use_blas_threads(n: int | None):
 def evaluating(blas_threads: int | None, subnormals: fpenv.Subnormals):
     """Within: a training step's or a held-out pass's evaluation: OpenBLAS on `blas_threads`
     threads a call (`use_blas_threads`), subnormal floats as `subnormals` says on this thread
-    and the BLAS threads it calls (`toymlx.backend.fpenv`; the streams' own threads were made in
-    that mode, `toymlx.training.cpu_streams.new_streams`)."""
+    (`toymlx.backend.fpenv`; the streams' own threads were made in that mode,
+    `toymlx.training.cpu_streams.new_streams`). OpenBLAS's worker threads always flush them, so
+    with `keep` each matmul runs on the thread that calls it."""
+    if subnormals == "keep" and _PROCESS.library is not None:
+        blas_threads = 1  # its worker threads flush subnormals (toymlx.backend.blas)
     with use_blas_threads(blas_threads), fpenv.subnormals(subnormals):
         yield
 

@@ -10,10 +10,12 @@ same switch as `torch.set_flush_denormal`; a GPU flushes them in its own kernels
 
 How: the CPU's floating-point control register of the *calling thread*: MXCSR's FTZ (results)
 and DAZ (operands) bits on x86-64, FPCR's FZ bit on arm64, read and written through the C
-library's `fegetenv`/`fesetenv`. MLX evaluates a CPU graph on the thread that calls `mx.eval`,
-and OpenBLAS hands the caller's MXCSR to its worker threads with each call, so setting it
-around the evaluation covers every thread that computes the step (`tests/test_fpenv.py`).
-Nothing else in the process changes: the mode is restored when the evaluation returns.
+library's `fegetenv`/`fesetenv`. A thread starts in the mode of the thread that made it, so the
+threads that compute a step are made in its mode: MLX's CPU stream threads (made at a stream's
+first evaluation, `toymlx.training.cpu_streams.new_streams`) and OpenBLAS's workers (made as it
+loads, `toymlx.backend.blas.load`, always flushing). Small graphs MLX evaluates on the calling
+thread, so the step's evaluation sets the mode there too, and restores it after
+(`toymlx.backend.device.evaluating`): the user's own threads never change mode.
 """
 
 from __future__ import annotations

@@ -79,10 +79,14 @@ def subnormals_of(model: nn.Module) -> fpenv.Subnormals:
 
 def new_streams(n: int, subnormals: fpenv.Subnormals) -> list:
     """`n` new MLX CPU streams whose threads compute with subnormal floats as `subnormals` says
-    (`toymlx.backend.fpenv`): MLX runs a CPU stream's ops on a thread made with the stream, and
-    a thread starts with the floating-point mode of the thread that made it."""
+    (`toymlx.backend.fpenv`). MLX runs a CPU stream's ops on a thread of its own, made by the
+    thread that first evaluates something on the stream, and a thread starts with the
+    floating-point mode of the thread that made it: so each stream's first evaluation happens
+    here, in that mode."""
     with fpenv.subnormals(subnormals):
-        return [mx.new_stream(mx.cpu) for _ in range(n)]
+        streams = [mx.new_stream(mx.cpu) for _ in range(n)]
+        mx.eval([mx.zeros((1,), stream=s) + 1 for s in streams])
+    return streams
 
 
 def make_stream_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,
