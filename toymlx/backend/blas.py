@@ -83,8 +83,8 @@ class Library:
     """How it was found: TOYMLX_BLAS, pip scipy-openblas32 VERSION, system."""
     handle: ctypes.CDLL
     core_from: str | None = None
-    """Who chose the kernel set: "cpuid (FLAGS)" where `load` set OPENBLAS_CORETYPE, the
-    variable's value where the user had set it, else None (the library itself)."""
+    """Who chose the kernel set: "cpuid (FLAGS)" where `load` set OPENBLAS_CORETYPE,
+    "OPENBLAS_CORETYPE=X" where the user had set it, else None (the library itself)."""
 
     def function(self, name: str):
         """The library's `name` (its prefix added), or None where it has none."""
@@ -177,9 +177,10 @@ def core_for_cpu(vendor: str, flags: set[str]) -> tuple[str, str] | None:
 def load(path: str, prefix: str, source: str) -> Library:
     """Load the library at `path` with its kernel set chosen from cpuid (see the module's
     docstring); raises OSError where it does not load or lacks `cblas_sgemm`."""
-    core_from = os.environ.get("OPENBLAS_CORETYPE")
+    user = os.environ.get("OPENBLAS_CORETYPE")
+    core_from = None if user is None else f"OPENBLAS_CORETYPE={user}"
     forced = None
-    if core_from is None and platform.machine() in ("x86_64", "AMD64"):
+    if user is None and platform.machine() in ("x86_64", "AMD64"):
         forced = core_for_cpu(*cpu_flags())
     if forced is not None:
         os.environ["OPENBLAS_CORETYPE"] = forced[0]  # read once, by the library's constructor

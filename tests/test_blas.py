@@ -1,0 +1,126 @@
+"""toymlx.backend.blas: MLX's CPU matmuls go to pip's OpenBLAS (scipy-openblas32) with the kernel
+set this CPU calls for, chosen from cpuid before the library loads and read back after; a
+generic kernel set is never silent; the user's OPENBLAS_CORETYPE and TOYMLX_BLAS win."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toymlx.backend import blas
+from toymlx.backend.device import backend_info
+
+LINUX = sys.platform.startswith("linux")
+pytestmark = pytest.mark.skipif(not LINUX, reason="toymlx chooses MLX's BLAS on Linux only")
+
+AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma"}
+
+
+@pytest.mark.parametrize("vendor,flags,want", [
+    ("GenuineIntel", AVX512 | {"avx512_bf16"}, "SkylakeX"),  # Emerald Rapids
+    ("AuthenticAMD", AVX512, "SkylakeX"),  # Zen 4 and 5
+    ("GenuineIntel", {"avx2", "fma", "avx"}, "Haswell"),
+    ("AuthenticAMD", {"avx2", "fma", "avx"}, "Zen"),  # Zen 3
+    ("GenuineIntel", {"avx512f", "avx2"}, None),  # AVX-512 without BW/VL (Knights Landing)
+    ("GenuineIntel", {"sse3", "avx"}, None),  # no AVX2: left to the library
+])
+def test_the_kernel_set_follows_the_cpuid_flags(vendor, flags, want):
+    got = blas.core_for_cpu(vendor, flags)
+    assert (got and got[0]) == want
+
+
+class _Fake(blas.Library):
+    """A Library whose OpenBLAS reports `core_name`."""
+
+    def __init__(self, core_name: str | None):
+        super().__init__("/x/libopenblas.so", "", "test", None)
+        self._core = core_name
+
+    @property
+    def core(self):
+        return self._core
+
+
+@pytest.mark.parametrize("core,flags,slow", [
+    ("Prescott", {"avx2", "fma"}, True), ("Sandybridge", {"avx2", "fma"}, True),
+    ("Haswell", {"avx2", "fma"}, False), ("Zen", {"avx2", "fma"}, False),
+    ("Haswell", AVX512, True), ("Cooperlake", AVX512, False), ("SapphireRapids", AVX512, False),
+    ("Prescott", {"sse3"}, False),  # no AVX2 here: nothing better to ask for
+    (None, AVX512, False),  # not OpenBLAS (MKL): it chooses its own kernels
+])
+def test_a_generic_kernel_set_is_named(monkeypatch, core, flags, slow):
+    monkeypatch.setattr(blas, "cpu_flags", lambda: ("GenuineIntel", flags))
+    why = blas.generic_core(_Fake(core))
+    assert (why is not None) == slow
+    if slow:
+        assert core in why and "best:" in why
+
+
+_REPORT = """
+import json, os, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import toymlx
+from toymlx.backend.device import backend_info
+print(json.dumps({"backend": backend_info(), "warned": [str(w.message) for w in caught],
+                  "coretype": os.environ.get("OPENBLAS_CORETYPE")}))
+"""
+
+
+def _fresh(**env: str) -> dict:
+    """backend_info, the import's warnings and OPENBLAS_CORETYPE after it, in a new process."""
+    e = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "TOYMLX_BLAS")}
+    p = subprocess.run([sys.executable, "-c", _REPORT], env={**e, **env}, capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _avx2() -> tuple[str, str] | None:
+    return blas.core_for_cpu(*blas.cpu_flags())
+
+
+def test_pips_openblas_is_bound_with_the_kernels_of_this_cpu():
+    r = _fresh()
+    b = r["backend"]
+    assert r["warned"] == [] and r["coretype"] is None  # the children's environment as it was
+    assert b["blas"] == "openblas" and b["blas_source"].startswith("pip scipy-openblas32 ")
+    assert Path(b["blas_path"]) == blas.pip_library()
+    assert b["blas_version"].startswith("OpenBLAS 0.3.")
+    want = _avx2()
+    if want is not None:
+        assert b["blas_core_from"] == f"cpuid ({want[1]})"
+        assert b["blas_core"] == want[0]
+
+
+def test_the_users_coretype_wins_and_a_generic_one_is_one_line():
+    if _avx2() is None:
+        pytest.skip("this CPU has no AVX2: OpenBLAS's generic kernels are its best")
+    r = _fresh(OPENBLAS_CORETYPE="Nehalem")  # SSE4.2 kernels (or the library's nearest)
+    b = r["backend"]
+    core = b["blas_core"]
+    assert core not in blas.AVX2_CORES and b["blas_core_from"] == "OPENBLAS_CORETYPE=Nehalem"
+    assert r["coretype"] == "Nehalem"  # the user's own variable stays
+    [line] = [w for w in r["warned"] if core in w]
+    assert "\n" not in line and "GFLOPS" in line and "OPENBLAS_CORETYPE=" in line
+    assert f"best: {_avx2()[0]}" in line
+
+
+def test_toymlx_blas_chooses_another_library():
+    system = next((p for p in blas.SYSTEM_PATHS if os.path.exists(p)), None)
+    if system is None:
+        pytest.skip(f"no system OpenBLAS at any of {', '.join(blas.SYSTEM_PATHS)}")
+    b = _fresh(TOYMLX_BLAS=system)["backend"]
+    assert b["blas_path"] == system and b["blas_source"] == "TOYMLX_BLAS"
+    assert _fresh(TOYMLX_BLAS="reference")["backend"]["blas"] == "reference"
+
+
+def test_this_process_runs_pips_openblas():
+    """The test process itself: what every other CPU test measures against."""
+    b = backend_info()
+    assert b["blas"] == "openblas" and b["blas_source"].startswith("pip scipy-openblas32")
