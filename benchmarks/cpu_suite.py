@@ -274,7 +274,8 @@ def format_table(info: dict[str, Any]) -> str:
         sg = res["sgemm_gflops"]
         lines.append(f"{'':<{wn}} time ratio (median of per-round ratios): {ratios}; "
                      f"{res['flops_per_step'] / 1e9:.1f} GFLOP/step, {unit}; sgemm 2048: "
-                     f"mlx {sg['mlx']:.0f}, numpy {sg['numpy']:.0f} GFLOPS; "
+                     f"mlx {sg['mlx']:.0f}, numpy {sg['numpy']:.0f} GFLOPS "
+                     f"(mlx/numpy {sg['mlx'] / sg['numpy']:.2f}x); "
                      f"load avg {res['loadavg_1min_at_end']:.1f}")
     g = info.get("gguf_360m")
     if g:

@@ -31,7 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from toymlx.backend.device import backend_info
+from toymlx.backend.device import backend_info, blas_summary
 from toymlx.bundle.events import read_events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,6 +73,8 @@ def host_info() -> dict[str, Any]:
     b = backend_info()
     return {"cpu": model, "extensions": [f for f in _FLAGS if f in flags],
             "cores": os.cpu_count(), "blas": b.get("blas"), "blas_path": b.get("blas_path"),
+            "blas_kernels": blas_summary(), "blas_core": b.get("blas_core"),
+            "blas_core_from": b.get("blas_core_from"),
             "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
             "versions": versions}
 
@@ -80,7 +82,7 @@ def host_info() -> dict[str, Any]:
 def host_line(h: dict[str, Any]) -> str:
     v = h["versions"]
     return (f"host: {h['cpu']} [{' '.join(h['extensions']) or 'no AVX2/AVX-512/AMX/NEON'}] "
-            f"{h['cores']} cores, BLAS {h['blas']}; "
+            f"{h['cores']} cores, BLAS {h.get('blas_kernels', h['blas'])}; "
             + " ".join(f"{k} {x}" for k, x in v.items() if x))
 
 
@@ -168,7 +170,7 @@ import mlx.core as mx
 import mlx_lm  # noqa: F401
 mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))  # MLX used before toymlx is imported
 import toymlx  # noqa: F401
-from toymlx.backend.device import backend_info
+from toymlx.backend.device import backend_info, blas_summary
 from toymlx.generation.generate import generate, load_for_generation
 path, prompt, n, temp, top_p = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), \
     float(sys.argv[5])
@@ -198,17 +200,21 @@ def generation(gguf: Path, n: int = 128) -> dict[str, Any]:
     ids = load_tokenizer(gguf)[0].encode(PROMPT)
     out: dict[str, Any] = {"prompt_tokens": len(ids), "max_tokens": n}
     for mode, temp, top_p in (("greedy", 0.0, 1.0), ("sampled", 0.7, 0.9)):
-        row = {"toymlx-generate": _toymlx_generate(gguf, n, temp, top_p, None),
-               "toymlx-generate --engine llama.cpp": _toymlx_generate(gguf, n, temp, top_p,
-                                                                      "llama.cpp"),
-               "toymlx.generation.generate after mlx": _generate_after_mlx(gguf, n, temp, top_p)}
+        row = {"toymlx-generate": _toymlx_generate(gguf, n, temp, top_p, None)}
+        try:  # llama.cpp's own decoder: it crashes on some hosts (PLATFORM.md), a row of its own
+            row["toymlx-generate --engine llama.cpp"] = _toymlx_generate(gguf, n, temp, top_p,
+                                                                         "llama.cpp")
+        except RuntimeError as e:
+            row["toymlx-generate --engine llama.cpp"] = {"error": str(e)[-300:]}
+        row["toymlx.generation.generate after mlx"] = _generate_after_mlx(gguf, n, temp, top_p)
         p = subprocess.run([sys.executable, "-c", _LLAMACPP, str(gguf), json.dumps(ids), str(n),
                             str(temp), str(top_p)], capture_output=True, text=True, check=False)
         if p.returncode == 0:
             row["llama.cpp"] = json.loads(p.stdout.strip().splitlines()[-1])
             for k in ("toymlx-generate", "toymlx-generate --engine llama.cpp",
                       "toymlx.generation.generate after mlx"):
-                row[k]["over_llamacpp"] = row[k]["tok_per_s"] / row["llama.cpp"]["tok_per_s"]
+                if "tok_per_s" in row[k]:
+                    row[k]["over_llamacpp"] = row[k]["tok_per_s"] / row["llama.cpp"]["tok_per_s"]
         else:
             row["llama.cpp"] = {"error": p.stderr.strip()[-300:]}
         out[mode] = row
@@ -248,6 +254,8 @@ def format_user_paths(u: dict[str, Any]) -> list[str]:
                 eng = f" [{v['engine']}]" if "engine" in v else (
                     f" [BLAS {v['blas']}]" if "blas" in v else "")
                 cells.append(f"{k}{eng} {v['tok_per_s']:.1f} tok/s{ratio}")
+            else:
+                cells.append(f"{k} failed: {' '.join(v['error'].split())[-120:]}")
         lines.append(f"generate {mode} ({g['prompt_tokens']} prompt + {g['max_tokens']} "
                      f"tokens): " + "; ".join(cells))
     return lines
