@@ -1,0 +1,84 @@
+"""toymlx.backend.kernel_pch: MLX's own kernel builds read the precompiled preamble (g++ -H marks a
+PCH it uses with "!"), the compiled function's values are unchanged, and the header is built once
+per compiler and MLX."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toymlx.backend import kernel_pch
+
+
+def mx_version() -> str:
+    import mlx.core as mx
+
+    return re.escape(mx.__version__)
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or shutil.which("g++") is None,
+    reason="MLX builds its CPU kernels with g++ on Linux")
+
+_KERNEL = """
+import json, sys
+import mlx.core as mx
+from toymlx.backend import device
+device.setup_process()
+f = mx.compile(lambda x: (x * 1.618 + 0.25) * (x - 3.0))
+x = mx.arange(8, dtype=mx.float32)
+print(json.dumps({"values": f(x).tolist(), "pch": device.backend_info().get("kernel_pch")}))
+"""
+
+
+def _build_with_logged_gxx(tmp_path: Path, **env: str) -> tuple[dict, str]:
+    """Run `_KERNEL` in a fresh process with empty kernel folders and a g++ on PATH that passes
+    -H (print each header used, "!" before a valid PCH) and logs it; return its output and the
+    log of the builds MLX made."""
+    wrap = tmp_path / "bin"
+    wrap.mkdir()
+    log = tmp_path / "gxx.log"
+    (wrap / "g++").write_text(f'#!/bin/sh\nexec {shutil.which("g++")} "$@" -H 2>>{log}\n')
+    (wrap / "g++").chmod(stat.S_IRWXU)
+    (tmp_path / "tmp").mkdir()
+    e = {**os.environ, "PATH": f"{wrap}:{os.environ['PATH']}", "TMPDIR": str(tmp_path / "tmp"),
+         "XDG_CACHE_HOME": str(tmp_path / "cache"), **env}
+    p = subprocess.run([sys.executable, "-c", _KERNEL], env=e, capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1]), log.read_text() if log.exists() else ""
+
+
+def test_mlx_kernel_builds_read_the_precompiled_header(tmp_path):
+    out, log = _build_with_logged_gxx(tmp_path)
+    assert out["pch"].endswith("mlx/backend/cpu/compiled_preamble.h.gch")
+    # the kernel's build used it ("!": a valid PCH), from MLX's kernel folder
+    assert re.search(rf"^! .*/mlx/{mx_version()}/cpu/{kernel_pch.HEADER}\.gch$", log, re.MULTILINE), log
+    want = [(x * 1.618 + 0.25) * (x - 3.0) for x in range(8)]
+    assert out["values"] == pytest.approx(want, rel=1e-6)
+
+
+def test_without_it_the_kernel_builds_as_before(tmp_path):
+    out, log = _build_with_logged_gxx(tmp_path, TOYMLX_KERNEL_PCH="off")
+    assert out["pch"] == "off (TOYMLX_KERNEL_PCH=off)"
+    assert ".gch" not in log and "compiled_preamble.h" in log  # the header itself, parsed
+    want = [(x * 1.618 + 0.25) * (x - 3.0) for x in range(8)]
+    assert out["values"] == pytest.approx(want, rel=1e-6)
+
+
+def test_built_once_and_again_when_its_compiler_or_header_changes(tmp_path):
+    first = Path(kernel_pch.install(tmp_path))
+    built = first.stat().st_mtime_ns
+    assert kernel_pch.install(tmp_path) == str(first)
+    assert first.stat().st_mtime_ns == built  # the same compiler and header: kept
+    stamp = first.with_name(first.name + ".built-from")
+    stamp.write_text("g++ (another) 9.0\n")
+    assert kernel_pch.install(tmp_path) == str(first)
+    assert first.stat().st_mtime_ns > built and stamp.read_text() != "g++ (another) 9.0\n"
