@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import toymlx
+from toymlx.backend import blas
 from toymlx.bundle.events import check_toy_v1, read_events
 
 REPO = Path(__file__).resolve().parents[1]
@@ -255,7 +256,9 @@ def _copy_checkout(dest: Path) -> Path:
 def test_fresh_install_on_the_system_python(tmp_path):
     """The README's first command in a copy of the checkout, PATH=/usr/bin:/bin: .venv from
     the system python3, toymlx installed editable from the copy, a few real steps; then a
-    re-run from zsh reuses it, activates it, and leaves nothing else behind."""
+    re-run from zsh reuses it, activates it, and leaves nothing else behind. No root is asked
+    for the BLAS: apt-get and sudo on PATH only record their calls, and the run's MLX uses
+    OpenBLAS from pip with the kernels this CPU calls for."""
     system = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version.split()[0])"],
                             capture_output=True, text=True, check=True).stdout.strip()
     copy = _copy_checkout(tmp_path / "toymlx")
@@ -263,12 +266,21 @@ def test_fresh_install_on_the_system_python(tmp_path):
     # after a reboot (the installer built MLX's kernels for the main job into the cache)
     cache, tmp = tmp_path / "cache", tmp_path / "tmp"
     tmp.mkdir()
+    asked, stubs = tmp_path / "asked-for-root", tmp_path / "stubs"
+    stubs.mkdir()
+    for name in ("apt-get", "sudo"):  # what the installer asks root for, recorded
+        real = shutil.which(name, path=SYSTEM_PATH) or "false"
+        (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {asked}\nexec {real} "$@"\n')
+        (stubs / name).chmod(0o755)
     r = _shell("bash", f"source scripts/install.sh && rm -rf {tmp}/mlx && "
                "toymlx-train --recipe vit-tiny --steps 5 "
                "--no-progress && command -v python3 toymlx-train && "
                "python3 -c 'import toymlx; print(toymlx.__file__)'", copy,
-               _env(XDG_CACHE_HOME=str(cache), TMPDIR=str(tmp)), timeout=1800)
+               _env(XDG_CACHE_HOME=str(cache), TMPDIR=str(tmp),
+                    PATH=f"{stubs}:{SYSTEM_PATH}"), timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    # root only ever for Python's venv module (where the system Python lacks it), never a BLAS
+    assert "blas" not in (asked.read_text().lower() if asked.exists() else ""), asked.read_text()
     if sys.platform.startswith("linux"):  # Linux's CPU backend: the kernels built at install
         assert "building MLX's CPU kernels for the main job" in r.stderr
         kernels = list((cache / "toymlx" / "mlx-kernels").glob("*/cpu/*.so"))
@@ -294,6 +306,11 @@ def test_fresh_install_on_the_system_python(tmp_path):
     runs = list((copy / "runs").iterdir())
     evs = read_events(runs[0])
     assert len(runs) == 1 and check_toy_v1(evs) == []
+    backend = evs[0]["backend"]
+    if sys.platform.startswith("linux"):  # MLX's BLAS: pip's OpenBLAS, never a generic core
+        assert backend["blas_source"].startswith("pip scipy-openblas32"), backend
+        want = blas.core_for_cpu(*blas.cpu_flags())
+        assert want is None or backend["blas_core"] == want[0], backend
     assert [e["step"] for e in evs if e["kind"] == "step"] == [1, 2, 3, 4, 5]
     assert evs[-1]["reason"] == "completed" and evs[0]["config"]["data_source"] == "uci-digits"
 
