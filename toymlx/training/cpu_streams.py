@@ -85,7 +85,7 @@ def new_streams(n: int, subnormals: fpenv.Subnormals) -> list:
     here, in that mode."""
     with fpenv.subnormals(subnormals):
         streams = [mx.new_stream(mx.cpu) for _ in range(n)]
-        mx.eval([mx.zeros((1,), stream=s) + 1 for s in streams])
+        mx.eval([mx.add(mx.zeros((1,), stream=s), 1.0, stream=s) for s in streams])
     return streams
 
 
