@@ -33,6 +33,9 @@ from typing import Any
 from toymlx import __version__
 from toymlx.backend import atomic
 
+EVENTS_FILE = "events.jsonl"
+"""A bundle's event log, beside config.json."""
+
 SCHEMA = "toy/v1"
 _LEGACY_KIND = "event"  # what toymlx < 0.2 wrote in place of `kind`
 

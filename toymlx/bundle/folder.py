@@ -13,6 +13,7 @@ from typing import Any
 from toymlx.backend import atomic
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
+from toymlx.bundle.events import EVENTS_FILE
 from toymlx.bundle.inputs import DATA_FILES_KEY, MODEL_FILES_KEY, data_files, model_files
 from toymlx.bundle.options import RunError, found_text
 
@@ -40,12 +41,14 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
                        f"{e.strerror or e}; choose another --runs-root") from None
     try:
         held = [p for p in run_dir.iterdir() if p.name != LOCK_FILE]
+        what = folder_kind(run_dir, held)
         if held and not overwrite:
-            hint = ("" if ck.list_checkpoints(run_dir / "weights")
-                    else f" (--resume {run_dir} --from step_0 to start it over)")
-            raise RunError(f"{run_dir}: run bundle already exists; pass --resume {run_dir} to "
-                           f"continue it{hint}, --overwrite to replace it, or choose another "
-                           "--run-id")
+            raise RunError(_taken_message(run_dir, what, held))
+        if what == "other":  # --overwrite replaces a run, never a folder of someone's files
+            raise RunError(f"{run_dir}: --overwrite: expected a run bundle (toymlx's "
+                           f"{CONFIG_FILE} and {EVENTS_FILE}) or an empty folder, found a folder "
+                           f"that is not a run, holding {_names(held)}; nothing was removed: "
+                           "choose another --run-id or --runs-root")
         for p in held:  # --overwrite: we own the folder, so nobody is writing into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (run_dir / "weights").mkdir(exist_ok=True)
@@ -59,6 +62,46 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
         lock.release()
         raise
     return run_dir, lock
+
+
+def folder_kind(run_dir: Path, held: list[Path]) -> str:
+    """What a folder a fresh run would take holds: "empty" (nothing, or only an empty
+    weights/), "run" (toymlx's config.json and events.jsonl), "unstarted" (a run killed
+    before its first event: toymlx's config.json, no checkpoint, no events.jsonl) or
+    "other" (anything else: not ours to replace)."""
+    weights = run_dir / "weights"
+    if all(p == weights and p.is_dir() and not p.is_symlink() and not any(p.iterdir())
+           for p in held):
+        return "empty"
+    config, events = run_dir / CONFIG_FILE, run_dir / EVENTS_FILE
+    if not config.is_file() or config.is_symlink() or saved_config(run_dir) is None:
+        return "other"
+    if events.is_file() and not events.is_symlink():
+        return "run"
+    rest = [p for p in held if p not in (config, weights)]
+    if not rest and not (weights.exists() and ck.list_checkpoints(weights)):
+        return "unstarted"
+    return "other"
+
+
+def _names(held: list[Path], shown: int = 4) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in held)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
+    """Why a fresh run cannot take an existing folder, by what it holds (`folder_kind`)."""
+    if what == "run":
+        hint = ("" if ck.list_checkpoints(run_dir / "weights")
+                else f" (--resume {run_dir} --from step_0 to start it over)")
+        return (f"{run_dir}: run bundle already exists; pass --resume {run_dir} to continue "
+                f"it{hint}, --overwrite to replace it, or choose another --run-id")
+    if what == "unstarted":
+        return (f"{run_dir}: holds a run that never reached its first step ({CONFIG_FILE}, "
+                f"no {EVENTS_FILE}); pass --overwrite to replace it, or choose another --run-id")
+    return (f"{run_dir}: expected a new or empty folder for the run, found a folder that is "
+            f"not a run bundle, holding {_names(held)}; choose another --run-id or --runs-root")
 
 
 CONFIG_FORMAT = 3
