@@ -286,7 +286,10 @@ class _Loop:
         self.optimizer, self.scale = self.stepper.optimizer, self.stepper.scale
         self.start = 0
         if resume is not None and resume.checkpoint is not None:
-            ck.load_checked(task.load, resume.checkpoint, self.model)
+            try:
+                ck.load_checked(task.load, resume.checkpoint, self.model)
+            except ck.ResumeError as e:  # non-finite weights under a checksum that holds
+                raise ck.ResumeError(f"{e}; {intact_hint(run_dir, resume.step)}") from None
             restore_resume_arrays(resume.state, self.optimizer, self.scale, self.model)
             self.start = resume.step
         # after the resume restored the optimizer state: the compiled step holds its containers

@@ -1,0 +1,124 @@
+"""Inputs that used to pass silently, be lost, or hang (issue 47), each pinned to one line.
+
+A base with NaN or Inf in one tensor is refused by every command that loads it, naming the
+tensor, its block and the file; the file's values are checked where they are decoded
+(`GGUFFile.load`, a frozen base's blocks, MLX's quantized layers).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_errors import error_line
+
+from toymlx.gguf.reader import GGUFFile
+from toymlx.gguf.writer import encode_tensor, write_gguf
+
+
+def poisoned(src: Path, dst: Path, name: str, value: float, index: int = 0) -> Path:
+    """A copy of GGUF `src` with value `index` of F32 tensor `name` (or, for a quantized
+    tensor, the float16 scale of block `index`) set to `value`."""
+    shutil.copy(src, dst)
+    info = GGUFFile(src).tensors[name]
+    if info.type.name == "F32":
+        at, packed = info.offset + 4 * index, struct.pack("<f", value)
+    else:  # Q8_0 / Q4_0 / Q4_1: each block starts with its float16 scale
+        from gguf.constants import GGML_QUANT_SIZES
+        at, packed = info.offset + GGML_QUANT_SIZES[info.type][1] * index, \
+            np.float16(value).tobytes()
+    with open(dst, "r+b") as f:
+        f.seek(at)
+        f.write(packed)
+    return dst
+
+
+def quantized_copy(src: Path, dst: Path, dtype: str) -> Path:
+    """`src` with every matrix of rows a multiple of 32 in gguf-py's `dtype` (the rest F32)."""
+    g = GGUFFile(src)
+    tensors = {n: encode_tensor(n, w, dtype if w.shape[-1] % 32 == 0 else "f32")
+               for n in g.tensors if (w := g.load(n)) is not None}
+    types = {k: v for k, v in g.metadata_types.items() if k != "general.alignment"}
+    return write_gguf(dst, {k: v for k, v in g.metadata.items() if k in types}, tensors,
+                      types=types, digest=False)
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "completion":
+                                     f"It is {2 * i}."}) + "\n" for i in range(12)))
+    return p
+
+
+def _nan_line(path: Path, name: str, block: int, what: str, found: str) -> str:
+    return (f"{path}: tensor '{name}' (block {block}): expected finite {what}, found {found}; "
+            "the file is damaged or was written from a model that diverged: use another copy "
+            "of it")
+
+
+def test_a_nan_base_is_refused_by_every_command(tmp_path, stories_path, chat, capsys,
+                                                shared_file):
+    """NaN in blk.0.attn_q.weight of an F32 base (-Inf in the token table of warm start's
+    donor): train (lora --base, warm-start --donor), eval, generate and export each exit 2 with one line naming the tensor, its block and the
+    file, and write nothing."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.export import main as export_main
+    from toymlx_cli.generate import main as generate_main
+    from toymlx_cli.train import main as train_main
+
+    bad = poisoned(stories_path, tmp_path / "nan.gguf", "blk.0.attn_q.weight", float("nan"), 5)
+    n = GGUFFile(bad).tensors["blk.0.attn_q.weight"].n_elements
+    want = "toymlx-{}: error: " + _nan_line(bad, "blk.0.attn_q.weight", 0, "values",
+                                            f"NaN in 1 of {n} (the first, nan, at (0, 5))")
+    runs = tmp_path / "runs"
+    small = ["--steps", "1", "--seq-len", "32", "--batch-size", "2", "--no-compile",
+             "--no-progress", "--runs-root", str(runs)]
+    assert train_main(["--recipe", "lora", "--base", str(bad), "--data.path", str(chat),
+                       *small]) == 2
+    assert error_line(capsys) == want.format("train")
+    stories = str(shared_file("text/tinystories_sample.txt"))
+    # warm start reads the donor's token table alone
+    table = poisoned(stories_path, tmp_path / "inf.gguf", "token_embd.weight", -float("inf"), 70)
+    n_table = GGUFFile(table).tensors["token_embd.weight"].n_elements
+    assert train_main(["--recipe", "warm-start", "--donor", str(table), "--data.path", stories,
+                       *small]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {table}: tensor 'token_embd.weight': expected finite values, "
+        f"found -Inf in 1 of {n_table} (the first, -inf, at (1, 6)); the file is damaged or was "
+        "written from a model that diverged: use another copy of it")
+    assert not runs.exists() or not any(runs.iterdir())
+    assert eval_main(["--model", str(bad), "--data.path", stories, "--seq-len", "32"]) == 2
+    assert error_line(capsys, "toymlx-eval") == want.format("eval")
+    assert generate_main(["--model", str(bad), "--prompt", "Once", "--max-tokens", "2"]) == 2
+    assert error_line(capsys, "toymlx-generate") == want.format("generate")
+    assert export_main(["--base", str(bad), "--out", str(tmp_path / "x.gguf")]) == 2
+    assert error_line(capsys, "toymlx-export") == want.format("export")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("weights", ["float32", "blocks", "quantized"])
+def test_an_infinite_block_scale_is_named(tmp_path, stories_path, weights):
+    """+Inf in the float16 scale of one Q4_1 block of blk.1.attn_q: refused however the
+    loader holds the tensor (dequantized, as its blocks, as MLX's quantized layer)."""
+    from toymlx.gguf.llama import load_llama
+    from toymlx.gguf.reader import GGUFError
+
+    q = quantized_copy(stories_path, tmp_path / "q4_1.gguf", "q4_1")
+    bad = poisoned(q, tmp_path / "inf.gguf", "blk.1.attn_q.weight", float("inf"), 3)
+    with pytest.raises(GGUFError) as e:
+        load_llama(bad, weights=weights)
+    info = GGUFFile(bad).tensors["blk.1.attn_q.weight"]
+    rows, blocks = info.shape[0], info.shape[1] // 32
+    found = {"blocks": f"+Inf in 1 of {rows * blocks} (the first, inf, at (1, 1, 0, 0))",
+             "quantized": f"+Inf in 1 of {rows * blocks} (the first, inf, at (1, 1))"}
+    what = {"float32": "values", "blocks": "block scales ('d')",
+            "quantized": "block scales"}[weights]
+    assert str(e.value).startswith(f"{bad}: tensor 'blk.1.attn_q.weight' (block 1): "
+                                   f"expected finite {what}, found "), str(e.value)
+    if weights in found:  # dequantized, the block's 32 values are inf, or NaN where q*d is 0*inf
+        assert str(e.value) == _nan_line(bad, "blk.1.attn_q.weight", 1, what, found[weights])
