@@ -8,8 +8,10 @@ tensor, its block and the file; the file's values are checked where they are dec
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -122,3 +124,110 @@ def test_an_infinite_block_scale_is_named(tmp_path, stories_path, weights):
                                    f"expected finite {what}, found "), str(e.value)
     if weights in found:  # dequantized, the block's 32 values are inf, or NaN where q*d is 0*inf
         assert str(e.value) == _nan_line(bad, "blk.1.attn_q.weight", 1, what, found[weights])
+
+
+# ---- nothing hangs ----------------------------------------------------------------------------
+def _fifo(tmp_path: Path, name: str = "pipe") -> Path:
+    p = tmp_path / name
+    os.mkfifo(p)
+    return p
+
+
+@pytest.mark.parametrize("prog,argv,want", [
+    ("generate", ["--model", "{fifo}", "--prompt", "Once", "--max-tokens", "2"],
+     "{fifo}: file: expected a GGUF file, found a FIFO (named pipe)"),
+    ("eval", ["--model", "{fifo}", "--data.path", "{data}"],
+     "{fifo}: file: expected a GGUF file, found a FIFO (named pipe)"),
+    ("export", ["--base", "{fifo}", "--out", "{out}"],
+     "{fifo}: file: expected a GGUF file, found a FIFO (named pipe)"),
+    ("eval", ["--model", "{base}", "--data.path", "{fifo}", "--seq-len", "32"],
+     "{fifo}: expected a UTF-8 text file, found a FIFO (named pipe)"),
+    ("eval", ["--model", "{base}", "--data.path", "/dev/zero", "--seq-len", "32"],
+     "/dev/zero: expected a UTF-8 text file, found a character device"),
+])
+def test_a_fifo_or_device_is_named_at_once(tmp_path, stories_path, shared_file, capsys, prog,
+                                           argv, want):
+    """A FIFO (no writer: opening it waits forever) or a device (/dev/zero never ends) given
+    where a file is read: one line naming it, in well under 20 s."""
+    import importlib
+
+    main = importlib.import_module(f"toymlx_cli.{prog}").main
+    paths = {"fifo": _fifo(tmp_path), "base": stories_path, "out": tmp_path / "x.gguf",
+             "data": shared_file("text/tinystories_sample.txt")}
+    t = time.perf_counter()
+    assert main([a.format(**paths) for a in argv]) == 2
+    assert time.perf_counter() - t < 20
+    assert error_line(capsys, f"toymlx-{prog}") == f"toymlx-{prog}: error: " + \
+        want.format(**paths)
+
+
+def test_train_on_a_fifo_leaves_no_run_folder(tmp_path, capsys):
+    from toymlx_cli.train import main as train_main
+
+    fifo = _fifo(tmp_path)
+    assert train_main(["--recipe", "from-scratch", "--data.path", str(fifo), "--runs-root",
+                       str(tmp_path / "runs"), "--run-id", "f", "--steps", "1"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {fifo}: --data.path: expected a "
+                                  "regular file or a folder, found a FIFO (named pipe)")
+    assert not (tmp_path / "runs" / "f").exists()
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    return "\n".join([*lines, f"lr: *a{levels}"]) + "\n"
+
+
+DEPTH_LINE = ("key 'lr': expected mappings and lists nested at most 32 deep, found deeper (or a "
+              "YAML alias used inside itself)")
+
+
+@pytest.mark.parametrize("name,text,want", [
+    ("bomb.yaml", _alias_bomb(), ("expected at most 100,000 values, found more (YAML aliases "
+                                  "expand at each use); write the options out")),
+    ("self.yaml", "lr: &a [1, *a]\n", DEPTH_LINE),
+    ("deep.yaml", "lr: " + "[" * 40 + "]" * 40 + "\n", DEPTH_LINE),
+    ("deep.json", '{"lr": ' + "[" * 50_000 + "]" * 50_000 + "}",
+     "expected JSON, found objects or arrays nested too deeply"),
+])
+def test_a_config_bomb_is_one_line(tmp_path, capsys, name, text, want):
+    """A 9-level alias bomb (387 million values expanded), an alias inside itself, and nesting
+    past the cap: one line each, in well under 20 s, before any option is read."""
+    from toymlx_cli.generate import main as generate_main
+    from toymlx_cli.train import main as train_main
+
+    p = tmp_path / name
+    p.write_text(text)
+    for prog, main in (("train", train_main), ("generate", generate_main)):
+        t = time.perf_counter()
+        assert main(["-c", str(p)]) == 2
+        assert time.perf_counter() - t < 20
+        assert error_line(capsys, f"toymlx-{prog}") == f"toymlx-{prog}: error: {p}: {want}"
+
+
+SURROGATE = "to be UTF-8 text, found a lone surrogate"
+
+
+@pytest.mark.parametrize("line,want", [
+    ('{"prompt": "hi \\ud800", "completion": "ok"}',
+     f'expected "prompt" {SURROGATE} U+D800 at character 3'),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\\udfff"}]}',
+     f'expected "messages[1].content" {SURROGATE} U+DFFF at character 0'),
+    ("[" * 100_000 + "]" * 100_000,
+     ('expected an object {"text": ...}, {"prompt": ..., "completion": ...} or {"messages": '
+      '[...]}, found arrays or objects nested too deeply to read')),
+])
+def test_a_bad_text_record_is_one_line(tmp_path, stories_path, capsys, line, want):
+    """A lone surrogate in a record's text (once a TypeError in the tokenizer) and a line
+    nested 100,000 deep (once a RecursionError): one line naming the file, the line and the
+    key, and no run folder left."""
+    from toymlx_cli.train import main as train_main
+
+    data = tmp_path / "chat.jsonl"
+    good = json.dumps({"prompt": "What is 1 + 1?", "completion": "It is 2."})
+    data.write_text("\n".join([good] * 3 + [line] + [good] * 3) + "\n")
+    want = f"{data}:4: {want}"
+    assert train_main(["--recipe", "lora", "--base", str(stories_path), "--data.path", str(data),
+                       "--runs-root", str(tmp_path / "runs"), "--steps", "1"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {want}"
+    assert not any((tmp_path / "runs").iterdir())

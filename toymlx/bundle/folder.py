@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
+from toymlx.backend.files import special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE
@@ -135,6 +136,8 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
     if not run_dir.is_dir():
         raise RunError(f"{run_dir}: {flag}: expected a run bundle folder, found "
                        f"{'a file' if run_dir.exists() else 'nothing'}")
+    if kind := special_kind(p):
+        raise RunError(f"{p}: {flag}: expected the run's saved config (a JSON file), found {kind}")
     try:
         saved = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -145,6 +148,9 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise RunError(f"{p}: expected JSON, found {e.msg} at line {e.lineno} column "
                        f"{e.colno}") from None
+    except RecursionError:
+        raise RunError(f"{p}: expected the run's saved config, found JSON nested too deeply "
+                       "to read") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         raise RunError(f"{p}: expected an object with \"recipe\" and \"config\" keys, found "
                        f"{found_text(saved)}")
@@ -161,8 +167,10 @@ def saved_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """config.json as saved, unchecked, or None where there is none or it is not an object
     with a "config" object: for a summary of a bundle that `Bundle.open` refuses (toymlx-report
     shows what it can of a damaged run). Everything else opens bundles with `Bundle.open`."""
+    if special_kind(Path(run_dir) / CONFIG_FILE):
+        return None
     try:
         saved = json.loads((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (OSError, ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
     return saved if isinstance(saved, dict) and isinstance(saved.get("config"), dict) else None

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from toymlx.backend.files import special_kind
+
 MAGIC = b"GGUF"
 DIGEST_KEY = "toy.tensor_sha256"
 """Metadata key: the SHA-256 of the file's tensor data section, written by toymlx's writer."""
@@ -156,6 +158,8 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        if kind := special_kind(self.path):
+            raise GGUFError(f"{self.path}: file: expected a GGUF file, found {kind}")
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
