@@ -231,3 +231,109 @@ def test_a_bad_text_record_is_one_line(tmp_path, stories_path, capsys, line, wan
                        "--runs-root", str(tmp_path / "runs"), "--steps", "1"]) == 2
     assert error_line(capsys) == f"toymlx-train: error: {want}"
     assert not any((tmp_path / "runs").iterdir())
+
+
+# ---- a run's files are what the run wrote -----------------------------------------------------
+TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
+        "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
+        "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--eval-every", "0",
+        "--no-compile", "--no-progress", "--checkpoint-every", "1"]
+
+
+def _run(root: Path, run_id: str, data: str, *extra: str) -> Path:
+    from toymlx_cli.train import main as train_main
+
+    assert train_main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                       str(root), "--run-id", run_id, "--steps", "2", *extra]) == 0
+    return root / run_id
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture
+def runs(tmp_path, shared_file, capsys) -> tuple[Path, Path]:
+    """Two finished 2-step runs (seeds 0 and 1) of the same configuration otherwise."""
+    data = str(shared_file("text/tinystories_sample.txt"))
+    a, b = _run(tmp_path, "a", data), _run(tmp_path, "b", data, "--seed", "1")
+    capsys.readouterr()
+    return a, b
+
+
+def _resume(run: Path, *extra: str) -> int:
+    from toymlx_cli.train import main as train_main
+
+    return train_main(["--resume", str(run), "--steps", "3", *extra])
+
+
+def test_a_resume_refuses_an_edited_config_json(runs, capsys):
+    """lr edited in config.json (0.0003 -> 0.5), or another run's config.json copied in (its
+    seed): refused naming the key and both values, nothing changed; --from adopts it."""
+    a, b = runs
+    saved = json.loads((a / "config.json").read_text())
+    lr = saved["config"]["lr"]
+    saved["config"]["lr"] = 0.5
+    (a / "config.json").write_text(json.dumps(saved, indent=2))
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'config.json'}: key 'config.lr': expected {lr!r} (recorded "
+        "when the run started), found 0.5: config.json was edited after the run started, and a "
+        "resumed run keeps its configuration: put it back, or adopt it as it is with --from "
+        "step_N")
+    assert _files(a) == before
+    shutil.copy(b / "config.json", a / "config.json")
+    assert _resume(a) == 2
+    assert "key 'config.seed': expected 0 (recorded when the run started), found 1" in \
+        error_line(capsys)
+    assert _resume(a, "--from", "step_2") == 0
+    resumed = [e for e in _events(a) if e["kind"] == "resume"]
+    assert resumed[-1]["config_sha256"] != next(e for e in _events(a)
+                                                if e["kind"] == "run_start")["config_sha256"]
+
+
+def _events(run: Path) -> list[dict]:
+    from toymlx.bundle.events import read_events
+
+    return read_events(run)
+
+
+def test_a_resume_refuses_another_runs_checkpoint_pair(runs, capsys):
+    a, b = runs
+    for name in ("step_2.gguf", "step_2.state.safetensors"):
+        shutil.copy(b / "weights" / name, a / "weights" / name)
+    ours = next(e for e in _events(a) if e["kind"] == "run_start")["run_uid"]
+    theirs = next(e for e in _events(b) if e["kind"] == "run_start")["run_uid"]
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'weights' / 'step_2.gguf'}: --resume: expected a checkpoint "
+        f"of this run (run_uid {ours}), found one of run_uid {theirs} (run 'b'); put this run's "
+        "checkpoint back, or adopt it with --from step_2")
+
+
+@pytest.mark.parametrize("damage,found", [("empty", "an empty file"), ("gone", "no file")])
+def test_a_resume_refuses_an_emptied_or_missing_record(runs, capsys, damage, found):
+    a, _ = runs
+    events = a / "events.jsonl"
+    events.write_text("") if damage == "empty" else events.unlink()
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {events}: --resume: expected the run's record from its "
+        f"run_start, found {found}; resuming would start a new record and lose the steps "
+        "before: put the run's events.jsonl back, or adopt the run as it is with --from step_N")
+    assert _resume(a, "--from", "step_2") == 0
+    assert [e["kind"] for e in _events(a)][:2] == ["run_start", "resume"]
+
+
+def test_weights_replaced_by_a_file_never_advises_discarding_checkpoints(runs, capsys):
+    a, _ = runs
+    shutil.move(a / "weights", a / "weights.bak")
+    (a / "weights").write_text("oops")
+    assert _resume(a) == 2
+    line = error_line(capsys)
+    assert line == (f"toymlx-train: error: {a / 'weights'}: --resume: expected the run's "
+                    "checkpoint folder, found a file; the events record checkpoints up to "
+                    "step_2: put the folder back to resume from them")
+    assert "step_0" not in line

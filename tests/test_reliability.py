@@ -371,9 +371,9 @@ def test_overwrite_takes_an_empty_folder_and_a_run_killed_before_its_first_step(
     capsys.readouterr()
     assert train(tmp_path, "k", "--steps", "1", data=data) == 2
     assert error_line(capsys) == (
-        f"toymlx-train: error: {run}: holds a run that never reached its first step "
-        "(config.json, no events.jsonl); pass --overwrite to replace it, or choose another "
-        "--run-id")
+        f"toymlx-train: error: {run}: a run bundle already exists but never reached its first "
+        f"step (config.json, no events.jsonl); pass --overwrite to replace it, --resume {run} "
+        "--from step_0 to start it over, or choose another --run-id")
     assert train(tmp_path, "k", "--steps", "1", "--overwrite", data=data) == 0
     assert [e["kind"] for e in read_events(run)][:1] == ["run_start"]
 

@@ -35,6 +35,9 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 LATEST = "latest"
 ID_KEY = "toy.checkpoint_id"
 """GGUF metadata key (and `checkpoint_id` in the state): the id the pair of files shares."""
+RUN_KEY = "toy.run_uid"
+"""GGUF metadata key (and `run_uid` in the state): the id of the run that wrote the pair, as its
+run_start records it (a run folder's name alone is not unique across runs roots)."""
 SUPERSEDED = "superseded"
 """weights/ subfolder for checkpoints past the step a resume went back to."""
 _STEP = re.compile(r"(?:\w+?_)?step_(\d+)\.gguf")

@@ -4,6 +4,7 @@ config.json written once (`save_config`) and read back as saved (`read_config`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -99,8 +100,9 @@ def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
         return (f"{run_dir}: run bundle already exists; pass --resume {run_dir} to continue "
                 f"it{hint}, --overwrite to replace it, or choose another --run-id")
     if what == "unstarted":
-        return (f"{run_dir}: holds a run that never reached its first step ({CONFIG_FILE}, "
-                f"no {EVENTS_FILE}); pass --overwrite to replace it, or choose another --run-id")
+        return (f"{run_dir}: a run bundle already exists but never reached its first step "
+                f"({CONFIG_FILE}, no {EVENTS_FILE}); pass --overwrite to replace it, --resume "
+                f"{run_dir} --from step_0 to start it over, or choose another --run-id")
     return (f"{run_dir}: expected a new or empty folder for the run, found a folder that is "
             f"not a run bundle, holding {_names(held)}; choose another --run-id or --runs-root")
 
@@ -161,6 +163,13 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
         raise RunError(f"{p}: key {DATA_FILES_KEY!r}: expected an object, found "
                        f"{found_text(saved[DATA_FILES_KEY])}")
     return saved
+
+
+def config_digest(saved: dict[str, Any]) -> str:
+    """SHA-256 of config.json's contents as parsed (keys sorted), recorded in run_start: a
+    resume refuses a config.json edited since (spacing and key order aside)."""
+    text = json.dumps(saved, sort_keys=True, ensure_ascii=False, allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def saved_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
