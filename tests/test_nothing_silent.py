@@ -337,3 +337,15 @@ def test_weights_replaced_by_a_file_never_advises_discarding_checkpoints(runs, c
                     "checkpoint folder, found a file; the events record checkpoints up to "
                     "step_2: put the folder back to resume from them")
     assert "step_0" not in line
+
+
+def test_eval_json_is_valid_json_with_a_reason_for_null():
+    """JSON has no NaN: a non-finite figure prints as null, with the reason beside it."""
+    from toymlx_cli.eval import json_safe
+
+    out = json.loads(json.dumps(json_safe({"val_loss": float("nan"), "perplexity": float("inf"),
+                                           "rows": 7}), allow_nan=False))
+    assert out == {"val_loss": None, "perplexity": None, "rows": 7, "not_finite": {
+        "val_loss": "nan: the model's outputs are not finite on this data",
+        "perplexity": "inf: the model's outputs are not finite on this data"}}
+    assert json_safe({"val_loss": 1.5}) == {"val_loss": 1.5}
