@@ -29,6 +29,8 @@ from typing import Any
 
 import yaml
 
+from toymlx.backend.files import special_kind
+
 CONFIG_FLAGS = ("-c", "--config")
 CONFIG_HELP = ("-c/--config FILE: options from a YAML or JSON file, keys spelled as the flags "
                "(lora.rank or lora: {rank: ...}); flags given override the file.")
@@ -207,9 +209,9 @@ def read_config_file(path: str) -> dict[str, Any]:
     line for a file that is not a regular UTF-8 file, a key given twice in one mapping, or a
     value JSON cannot hold (`plain_json`)."""
     p = Path(path)
-    if p.is_dir() or (p.exists() and not p.is_file()):
+    if p.is_dir() or (kind := special_kind(p)):
         raise ConfigFileError(f"{p}: -c/--config: expected a YAML or JSON file, found "
-                              f"{'a directory' if p.is_dir() else 'a device or pipe'}")
+                              f"{'a directory' if p.is_dir() else kind}")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -227,6 +229,9 @@ def read_config_file(path: str) -> dict[str, Any]:
             raise
         except ValueError as e:  # NaN, Infinity
             raise ConfigFileError(f"{p}: expected JSON, found {e}") from None
+        except RecursionError:
+            raise ConfigFileError(f"{p}: expected JSON, found objects or arrays nested too "
+                                  "deeply") from None
     else:
         try:
             data = yaml.load(text, Loader=_Loader)
@@ -246,8 +251,36 @@ def read_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigFileError(f"{p}: expected a mapping of option: value, found "
                               f"{_plain_kind(data)}")
+    check_bounds(data, str(p))
     plain_json(data, str(p))
     return data
+
+
+MAX_DEPTH = 32
+"""Mappings and lists a config file may nest: options nest two or three deep."""
+MAX_VALUES = 100_000
+"""Values a config file may hold once its YAML aliases are expanded: a file of options holds
+hundreds; nine nested aliases of nine uses each make 387 million."""
+
+
+def check_bounds(data: Any, source: str) -> None:
+    """ConfigFileError (one line) for a loaded file nested deeper than MAX_DEPTH (a YAML alias
+    that holds itself nests without end) or holding more than MAX_VALUES values with its
+    aliases expanded (an alias bomb); counted without expanding anything, before any walk."""
+    todo, seen = [(data, 1, "")], 0
+    while todo:
+        value, depth, key = todo.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise ConfigFileError(f"{source}: expected at most {MAX_VALUES:,} values, found more "
+                                  "(YAML aliases expand at each use); write the options out")
+        if isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise ConfigFileError(f"{source}: key {key!r}: expected mappings and lists "
+                                      f"nested at most {MAX_DEPTH} deep, found deeper (or a "
+                                      "YAML alias used inside itself)")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            todo += [(v, depth + 1, key or str(k)) for k, v in items]  # key: the top option
 
 
 def is_run_config(data: dict[str, Any], source: str) -> bool:

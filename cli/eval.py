@@ -61,8 +61,19 @@ def show(args: Args) -> int:
     """Evaluate and print: the text report (a ViT), or JSON."""
     out = evaluate(args)
     text = out.pop("text", None)
-    print(text if text is not None and not args.json else json.dumps(out))
+    print(text if text is not None and not args.json else json.dumps(json_safe(out)))
     return 0
+
+
+def json_safe(out: dict[str, Any]) -> dict[str, Any]:
+    """`out` as valid JSON: a NaN or infinite number becomes null, with the reason under
+    "not_finite" (JSON has no NaN; `json.dumps` would print one anyway)."""
+    bad = {k: str(v) for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)}
+    if not bad:
+        return out
+    return {**{k: None if k in bad else v for k, v in out.items()},
+            "not_finite": {k: f"{v}: the model's outputs are not finite on this data"
+                           for k, v in bad.items()}}
 
 
 def _run_bundle(model: str):

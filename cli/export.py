@@ -4,6 +4,7 @@ or toymlx-export --model runs/<vit run> --format safetensors --out DIR|FILE.safe
 
 from __future__ import annotations
 
+import math
 import shutil
 import signal
 import sys
@@ -241,8 +242,10 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
                 "measures it)")
     ref, n, source = chat_loss(*load_for_generation(base, adapter), bundle.config)
     got, _, _ = chat_loss(*load_for_generation(fused), bundle.config)
+    change = (f"{(got - ref) / ref:+.2%}" if math.isfinite(ref) and math.isfinite(got) and ref
+              else "no change to give: a loss is not finite")
     return (f"held-out loss on the run's {n} validation rows ({source}): base + adapter "
-            f"{ref:.4f}, fused file {got:.4f} ({(got - ref) / ref:+.2%})")
+            f"{ref:.4f}, fused file {got:.4f} ({change})")
 
 
 def _stop(signum: int, frame: object) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
@@ -442,3 +443,177 @@ def test_eval_out_of_memory_is_one_line(tmp_path, capsys, shared_file):
     assert error_line(capsys, "toymlx-eval") == (
         "toymlx-eval: error: out of memory: Unable to allocate 7.50 TiB for an array with shape "
         "(62500000000, 33) and data type int32; lower --batch-size")
+
+
+# ---- hostile files (issue 47): values, kinds, sizes and edits no flag value reaches ----------
+def _poison(src: Path, dst: Path, name: str, value: float, index: int) -> Path:
+    from toymlx.gguf.reader import GGUFFile
+
+    shutil.copy(src, dst)
+    info = GGUFFile(src).tensors[name]
+    with open(dst, "r+b") as f:
+        f.seek(info.offset + 4 * index)  # stories260K is F32
+        f.write(np.float32(value).tobytes())
+    return dst
+
+
+def _bomb(levels: int) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    return "\n".join([*lines, f"lr: *a{levels}"]) + "\n"
+
+
+def _edited_runs(w: World, run: Path, other: Path) -> dict[str, Path]:
+    """Copies of `run` edited as a user might: config.json's lr, another run's config.json or
+    checkpoint pair copied in, events.jsonl emptied or deleted, weights/ made a file."""
+    out = {}
+    for edit in ("lr", "config", "pair", "empty", "gone", "weights"):
+        r = out[edit] = w.inputs / f"run_{edit}"
+        shutil.copytree(run, r, symlinks=True, ignore=shutil.ignore_patterns(".lock"))
+        if edit == "lr":
+            saved = json.loads((r / "config.json").read_text())
+            saved["config"]["lr"] = 0.5
+            (r / "config.json").write_text(json.dumps(saved, indent=2))
+        elif edit == "config":
+            shutil.copy(other / "config.json", r / "config.json")
+        elif edit == "pair":
+            for name in ("step_2.gguf", "step_2.state.safetensors"):
+                shutil.copy(other / "weights" / name, r / "weights" / name)
+        elif edit == "empty":
+            (r / "events.jsonl").write_text("")
+        elif edit == "gone":
+            (r / "events.jsonl").unlink()
+        else:
+            shutil.rmtree(r / "weights")
+            (r / "weights").write_text("not a folder")
+    return out
+
+
+def hostile_files(w: World, run: Path, other: Path) -> list[tuple[str, str, list[str], str]]:
+    """(class, prog, argv, what the one line must say) of every hostile-file attempt, over every command that reads the
+    kind of file: NaN/Inf values in a base, FIFOs and devices, alias bombs and deep nesting in
+    -c, surrogates and deep lines in data, edited and swapped run files, and plain folders
+    under --overwrite. Each must be refused in one line, quickly, changing no input."""
+    from toymlx.recipes import RECIPES
+
+    base = str(w.base)
+    tiny = [x for v in TINY_LLAMA.values() for x in v]
+    loop = ["--steps", "1", "--no-compile", "--eval-batches", "1", "--no-progress",
+            "--seq-len", "32", "--batch-size", "2", "--runs-root", str(w.out / "runs")]
+    models = {  # prog -> argv around a model file
+        "toymlx-generate": lambda m: ["--model", m, "--prompt", "Once", "--max-tokens", "2"],
+        "toymlx-eval": lambda m: ["--model", m, "--data.path", str(w.data), "--seq-len", "32"],
+        "toymlx-export": lambda m: ["--base", m, "--out", str(w.out / "x.gguf")],
+        "toymlx-train --recipe lora": lambda m: ["--base", m, "--data.path", str(w.chat), *loop],
+        "toymlx-train --recipe warm-start": lambda m: ["--donor", m, "--data.path",
+                                                       str(w.data), *tiny, *loop],
+    }
+    out = []
+    nan = {"nan q": ("blk.0.attn_q.weight", float("nan"), 7),
+           "+inf table": ("token_embd.weight", float("inf"), 3),
+           "-inf norm": ("output_norm.weight", -float("inf"), 0)}
+    for label, (name, value, index) in nan.items():
+        p = _poison(w.base, w.inputs / f"{label.replace(' ', '_')}.gguf", name, value, index)
+        out += [(f"NaN/Inf base ({label})", prog, argv(str(p)), "expected finite values")
+                for prog, argv in models.items()
+                if not (prog.endswith("warm-start") and name != "token_embd.weight")]
+    fifo = w.inputs / "pipe"
+    os.mkfifo(fifo)
+    for special, kind in ((str(fifo), "a FIFO (named pipe)"), ("/dev/zero", "a character device")):
+        cls = f"special file ({special.rsplit('/', 1)[-1]})"
+        out += [(cls, prog, argv(special), f"found {kind}") for prog, argv in models.items()]
+        out += [(cls, "toymlx-train --recipe from-scratch", ["--data.path", special, *tiny, *loop],
+                 f"found {kind}"),
+                (cls, "toymlx-eval", ["--model", base, "--data.path", special, "--seq-len", "32"],
+                 f"found {kind}")]
+    depth = "nested at most 32 deep"
+    configs = {"alias bomb": ("bomb.yaml", _bomb(9), "expected at most 100,000 values"),
+               "self alias": ("self.yaml", "lr: &a [1, *a]\n", depth),
+               "deep yaml": ("deep.yaml", "lr: " + "[" * 60 + "]" * 60 + "\n", depth),
+               "deep json": ("deep.json", '{"lr": ' + "[" * 50_000 + "]" * 50_000 + "}",
+                             "nested too deeply")}
+    progs = [*(f"toymlx-train --recipe {r}" for r in RECIPES), "toymlx-eval", "toymlx-generate",
+             "toymlx-export", "toymlx-sweep"]
+    for label, (name, text, want) in configs.items():
+        (w.inputs / name).write_text(text)
+        out += [(f"config ({label})", prog, ["-c", str(w.inputs / name)], want) for prog in progs]
+    out += [("config (FIFO)", prog, ["-c", str(fifo)], "found a FIFO") for prog in progs]
+    good = json.dumps({"prompt": "What is 1 + 1?", "completion": "It is 2."})
+    for label, (line, want) in {
+            "surrogate": ('{"prompt": "a\\ud800", "completion": "b"}', "lone surrogate U+D800"),
+            "deep line": ("[" * 100_000 + "]" * 100_000, "nested too deeply")}.items():
+        p = w.inputs / f"{label.replace(' ', '_')}.jsonl"
+        p.write_text("\n".join([good] * 3 + [line] + [good] * 3) + "\n")
+        out.append((f"data ({label})", "toymlx-train --recipe lora",
+                    ["--base", base, "--data.path", str(p), *loop], want))
+    says = {"lr": "config.json was edited", "config": "config.json was edited",
+            "pair": "expected a checkpoint of this run", "empty": "expected the run's record",
+            "gone": "expected the run's record", "weights": "expected the run's checkpoint folder"}
+    for edit, r in _edited_runs(w, run, other).items():
+        out.append((f"edited run ({edit})", "toymlx-train --recipe from-scratch",
+                    ["--resume", str(r), "--steps", "3"], says[edit]))
+    plain = w.inputs / "plain"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("mine")
+    needs = {"from-scratch": ["--data.path", str(w.data), *tiny],
+             "warm-start": ["--donor", base, "--data.path", str(w.data), *tiny],
+             "lora": ["--base", base, "--data.path", str(w.chat)], "vit-tiny": []}
+    for recipe in RECIPES:
+        out.append(("plain folder under --overwrite", f"toymlx-train --recipe {recipe}",
+                    [*needs.get(recipe, []), "--steps", "1", "--runs-root", str(w.inputs),
+                     "--run-id", "plain", "--overwrite"], "found a folder that is not a run"))
+    return out
+
+
+def fuzz_hostile_files(tmp_path: Path, shared: Callable[[str], Path]) -> dict:
+    from toymlx_cli.train import main as train_main
+
+    w = World(tmp_path, shared)
+    runs = {}
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        for name, seed in (("run", "0"), ("other", "1")):
+            assert train_main(["--recipe", "from-scratch", *[x for v in TINY_LLAMA.values()
+                                                             for x in v],
+                               "--seq-len", "32", "--steps", "2", "--no-compile", "--seed", seed,
+                               "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                               "--data.path", str(w.data), "--runs-root", str(w.out),
+                               "--run-id", name]) == 0
+            runs[name] = w.out / name
+    cmds = {c.prog: c for c in commands(w, runs["run"])}
+    todo = hostile_files(w, runs["run"], runs["other"])
+    before = w.snapshot()
+    classes: dict[str, Counter] = {}
+    bad = []
+    t0 = time.perf_counter()
+    for cls, prog, argv, want in todo:
+        c = dataclasses.replace(cmds[prog], limit_s=20)  # the issue's bound: 20 s
+        if prog.startswith("toymlx-train") and "--resume" not in argv:
+            argv = [*argv, *([] if "--run-id" in argv else w.run_id())]
+        t1 = time.perf_counter()
+        outcome, text = attempt(c, argv)
+        classes.setdefault(cls, Counter())[outcome] += 1
+        after = w.snapshot()
+        changed = [k for k in before if after.get(k) != before[k]]
+        shown = f"{cls}: {prog} {' '.join(a[:60] for a in argv)}"
+        if outcome != "refused, one line" or want not in text:
+            bad.append(f"{shown}: {outcome} in {time.perf_counter() - t1:.1f} s: "
+                       f"{text.strip()[-400:]}")
+        if changed:
+            bad.append(f"{shown}: changed its inputs {changed}")
+        before = after
+    return {"attempts": len(todo), "seconds": time.perf_counter() - t0,
+            "classes": {k: dict(v) for k, v in classes.items()}, "bad": bad}
+
+
+def test_fuzz_hostile_files(tmp_path, shared_file, capsys, monkeypatch):
+    """Every hostile file of `hostile_files` over every command that reads it: one line each
+    (no traceback, no hang past 20 s, nothing accepted), and every input byte-identical."""
+    monkeypatch.chdir(tmp_path)
+    result = fuzz_hostile_files(tmp_path, shared_file)
+    with capsys.disabled():
+        print(f"\nfuzz (hostile files): {result['attempts']} attempts in "
+              f"{result['seconds']:.0f} s: " + "; ".join(
+                  f"{k}: {', '.join(f'{o} {n}' for o, n in v.items())}"
+                  for k, v in result["classes"].items()) + f"; {len(result['bad'])} bad")
+    assert result["attempts"] >= 60
+    assert result["bad"] == [], "\n".join(result["bad"])

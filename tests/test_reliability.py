@@ -336,6 +336,48 @@ def test_reused_run_id_never_overwrites(tmp_path, capsys, data):
     assert resolve_latest(run).name == "step_3.gguf"
 
 
+def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path, capsys, data):
+    """--overwrite replaces a run bundle, never a plain folder: the user's file stays, and the
+    message says the folder is not a run (with or without --overwrite)."""
+    plain = tmp_path / "d"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("mine")
+    assert train(tmp_path, "d", "--steps", "1", "--overwrite", data=data) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {plain}: --overwrite: expected a run bundle (toymlx's config.json "
+        "and events.jsonl) or an empty folder, found a folder that is not a run, holding "
+        "notes.txt; nothing was removed: choose another --run-id or --runs-root")
+    assert sorted(p.name for p in plain.iterdir()) == ["notes.txt"]
+    assert (plain / "notes.txt").read_text() == "mine"
+    assert train(tmp_path, "d", "--steps", "1", data=data) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {plain}: expected a new or empty folder for the run, found a "
+        "folder that is not a run bundle, holding notes.txt; choose another --run-id or "
+        "--runs-root")
+    assert sorted(p.name for p in plain.iterdir()) == ["notes.txt"]
+
+
+def test_overwrite_takes_an_empty_folder_and_a_run_killed_before_its_first_step(
+        tmp_path, capsys, data):
+    """An empty folder is taken; a run killed while building (config.json alone) is named as
+    such, and --overwrite replaces it."""
+    (tmp_path / "e").mkdir()
+    assert train(tmp_path, "e", "--steps", "1", data=data) == 0
+    assert train(tmp_path, "k", "--steps", "1", data=data) == 0
+    run = tmp_path / "k"
+    (run / "events.jsonl").unlink()
+    for p in (run / "weights").iterdir():
+        p.unlink()
+    capsys.readouterr()
+    assert train(tmp_path, "k", "--steps", "1", data=data) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {run}: a run bundle already exists but never reached its first "
+        f"step (config.json, no events.jsonl); pass --overwrite to replace it, --resume {run} "
+        "--from step_0 to start it over, or choose another --run-id")
+    assert train(tmp_path, "k", "--steps", "1", "--overwrite", data=data) == 0
+    assert [e["kind"] for e in read_events(run)][:1] == ["run_start"]
+
+
 def test_resume_with_another_recipe_or_shape_is_refused(tmp_path, capsys, data, stories_path):
     assert train(tmp_path, "r", "--steps", "2", data=data) == 0
     run = tmp_path / "r"

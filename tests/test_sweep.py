@@ -358,7 +358,8 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
     specs = sweep.grid([*TINY, "--steps", "4"], {"lr": [2e-3], "seed": [1, 2]})
     run = tmp_path / "o" / "lr=0.002_seed=1"
     run.mkdir(parents=True)
-    (run / "config.json").write_text("{}")
+    started = '{"recipe": "from-scratch", "config": {}}'  # a run killed before its first step
+    (run / "config.json").write_text(started)
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run / ".lock")],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -368,7 +369,7 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
                                  report_png=False, busy_wait=2.0)
         assert result.states == {"lr=0.002_seed=1": "elsewhere", "lr=0.002_seed=2": "done"}
         assert time.monotonic() - t0 >= 2.0
-        assert (run / "config.json").read_text() == "{}"  # untouched
+        assert (run / "config.json").read_text() == started  # untouched
         threading.Timer(1.0, holder.kill).start()  # the owner ends while the sweep waits
         result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
                                  report_png=False, busy_wait=60.0)

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 from toymlx.backend import atomic
@@ -36,6 +35,9 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 LATEST = "latest"
 ID_KEY = "toy.checkpoint_id"
 """GGUF metadata key (and `checkpoint_id` in the state): the id the pair of files shares."""
+RUN_KEY = "toy.run_uid"
+"""GGUF metadata key (and `run_uid` in the state): the id of the run that wrote the pair, as its
+run_start records it (a run folder's name alone is not unique across runs roots)."""
 SUPERSEDED = "superseded"
 """weights/ subfolder for checkpoints past the step a resume went back to."""
 _STEP = re.compile(r"(?:\w+?_)?step_(\d+)\.gguf")
@@ -135,7 +137,9 @@ def nonfinite_tensor(path: Path) -> str | None:
     """The name of the first tensor of a GGUF holding NaN or inf, None if all are finite."""
     with GGUFFile(path) as g:
         for name in g.tensors:
-            if not np.isfinite(g.load(name)).all():
+            try:
+                g.load(name)  # GGUFFile.load refuses non-finite values
+            except GGUFError:
                 return name
     return None
 

@@ -32,6 +32,10 @@ from typing import Any
 
 from toymlx import __version__
 from toymlx.backend import atomic
+from toymlx.backend.files import special_kind
+
+EVENTS_FILE = "events.jsonl"
+"""A bundle's event log, beside config.json."""
 
 SCHEMA = "toy/v1"
 _LEGACY_KIND = "event"  # what toymlx < 0.2 wrote in place of `kind`
@@ -131,7 +135,7 @@ def parse_event(raw: bytes | str) -> dict | None:
     None for a torn, garbled or non-event line."""
     try:
         ev = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested deep
         return None
     if not isinstance(ev, dict):
         return None
@@ -147,6 +151,8 @@ def iter_events(path: str | os.PathLike) -> Iterator[dict]:
     p = Path(path)
     if not p.is_file():  # a folder, or one not made yet (a run starting while it is read)
         p = p / "events.jsonl"
+    if special_kind(p):  # a FIFO or a device is no log: reading it could wait forever
+        return
     try:
         f = open(p, "rb")
     except (FileNotFoundError, NotADirectoryError):

@@ -4,6 +4,7 @@ config.json written once (`save_config`) and read back as saved (`read_config`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -11,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
+from toymlx.backend.files import special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
+from toymlx.bundle.events import EVENTS_FILE
 from toymlx.bundle.inputs import DATA_FILES_KEY, MODEL_FILES_KEY, data_files, model_files
 from toymlx.bundle.options import RunError, found_text
 
@@ -40,12 +43,14 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
                        f"{e.strerror or e}; choose another --runs-root") from None
     try:
         held = [p for p in run_dir.iterdir() if p.name != LOCK_FILE]
+        what = folder_kind(run_dir, held)
         if held and not overwrite:
-            hint = ("" if ck.list_checkpoints(run_dir / "weights")
-                    else f" (--resume {run_dir} --from step_0 to start it over)")
-            raise RunError(f"{run_dir}: run bundle already exists; pass --resume {run_dir} to "
-                           f"continue it{hint}, --overwrite to replace it, or choose another "
-                           "--run-id")
+            raise RunError(_taken_message(run_dir, what, held))
+        if what == "other":  # --overwrite replaces a run, never a folder of someone's files
+            raise RunError(f"{run_dir}: --overwrite: expected a run bundle (toymlx's "
+                           f"{CONFIG_FILE} and {EVENTS_FILE}) or an empty folder, found a folder "
+                           f"that is not a run, holding {_names(held)}; nothing was removed: "
+                           "choose another --run-id or --runs-root")
         for p in held:  # --overwrite: we own the folder, so nobody is writing into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (run_dir / "weights").mkdir(exist_ok=True)
@@ -59,6 +64,47 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
         lock.release()
         raise
     return run_dir, lock
+
+
+def folder_kind(run_dir: Path, held: list[Path]) -> str:
+    """What a folder a fresh run would take holds: "empty" (nothing, or only an empty
+    weights/), "run" (toymlx's config.json and events.jsonl), "unstarted" (a run killed
+    before its first event: toymlx's config.json, no checkpoint, no events.jsonl) or
+    "other" (anything else: not ours to replace)."""
+    weights = run_dir / "weights"
+    if all(p == weights and p.is_dir() and not p.is_symlink() and not any(p.iterdir())
+           for p in held):
+        return "empty"
+    config, events = run_dir / CONFIG_FILE, run_dir / EVENTS_FILE
+    if not config.is_file() or config.is_symlink() or saved_config(run_dir) is None:
+        return "other"
+    if events.is_file() and not events.is_symlink():
+        return "run"
+    rest = [p for p in held if p not in (config, weights)]
+    if not rest and not (weights.exists() and ck.list_checkpoints(weights)):
+        return "unstarted"
+    return "other"
+
+
+def _names(held: list[Path], shown: int = 4) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in held)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
+    """Why a fresh run cannot take an existing folder, by what it holds (`folder_kind`)."""
+    if what == "run":
+        hint = ("" if ck.list_checkpoints(run_dir / "weights")
+                else f" (--resume {run_dir} --from step_0 to start it over)")
+        return (f"{run_dir}: run bundle already exists; pass --resume {run_dir} to continue "
+                f"it{hint}, --overwrite to replace it, or choose another --run-id")
+    if what == "unstarted":
+        return (f"{run_dir}: a run bundle already exists but never reached its first step "
+                f"({CONFIG_FILE}, no {EVENTS_FILE}); pass --overwrite to replace it, --resume "
+                f"{run_dir} --from step_0 to start it over, or choose another --run-id")
+    return (f"{run_dir}: expected a new or empty folder for the run, found a folder that is "
+            f"not a run bundle, holding {_names(held)}; choose another --run-id or --runs-root")
 
 
 CONFIG_FORMAT = 3
@@ -92,6 +138,8 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
     if not run_dir.is_dir():
         raise RunError(f"{run_dir}: {flag}: expected a run bundle folder, found "
                        f"{'a file' if run_dir.exists() else 'nothing'}")
+    if kind := special_kind(p):
+        raise RunError(f"{p}: {flag}: expected the run's saved config (a JSON file), found {kind}")
     try:
         saved = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -102,6 +150,9 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise RunError(f"{p}: expected JSON, found {e.msg} at line {e.lineno} column "
                        f"{e.colno}") from None
+    except RecursionError:
+        raise RunError(f"{p}: expected the run's saved config, found JSON nested too deeply "
+                       "to read") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         raise RunError(f"{p}: expected an object with \"recipe\" and \"config\" keys, found "
                        f"{found_text(saved)}")
@@ -114,12 +165,21 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
     return saved
 
 
+def config_digest(saved: dict[str, Any]) -> str:
+    """SHA-256 of config.json's contents as parsed (keys sorted), recorded in run_start: a
+    resume refuses a config.json edited since (spacing and key order aside)."""
+    text = json.dumps(saved, sort_keys=True, ensure_ascii=False, allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def saved_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """config.json as saved, unchecked, or None where there is none or it is not an object
     with a "config" object: for a summary of a bundle that `Bundle.open` refuses (toymlx-report
     shows what it can of a damaged run). Everything else opens bundles with `Bundle.open`."""
+    if special_kind(Path(run_dir) / CONFIG_FILE):
+        return None
     try:
         saved = json.loads((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (OSError, ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
     return saved if isinstance(saved, dict) and isinstance(saved.get("config"), dict) else None

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from toymlx.backend.files import special_kind
 from toymlx.bundle import model_store
 from toymlx.bundle.options import RunError, flag_name, found_text, option
 
@@ -55,6 +56,8 @@ def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
     byte, for data up to WHOLE_DIGEST_BYTES), or {"bytes", "mtime_ns", "sample_sha256"} for
     larger data (every name and size, and 16 samples spread over the files and their bytes)."""
     root = Path(path)
+    if kind := special_kind(root):  # reading it would wait for a writer, or never end
+        raise RunError(f"{root}: expected a data file or folder, found {kind}")
     files = _files(root)
     sizes = [p.stat().st_size for p in files]
     digest = hashlib.sha256()

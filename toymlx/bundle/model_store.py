@@ -210,6 +210,9 @@ def _from_manifest(spec: str, flag: str, root: Path, manifest: Path, short: str)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelStoreError(f"{flag} {spec}: {manifest}: expected an Ollama manifest (JSON "
                               f"with 'layers'), found {type(e).__name__}: {e}") from None
+    except RecursionError:
+        raise ModelStoreError(f"{flag} {spec}: {manifest}: expected an Ollama manifest (JSON "
+                              "with 'layers'), found JSON nested too deeply to read") from None
     blobs, model_blob, digest, adapters = {}, None, None, []
     for layer in layers:
         media = layer.get("mediaType", "") if isinstance(layer, dict) else ""

@@ -123,6 +123,11 @@ def _parse_record(obj: Any, where: str) -> Example:
             raise DataError(f'{where}: expected "{key}" to be a string, found {_found(value)}')
         if non_empty and not value.strip():
             raise DataError(f'{where}: expected "{key}" to be a non-empty string, found {value!r}')
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800": text no tokenizer can encode
+            raise DataError(f'{where}: expected "{key}" to be UTF-8 text, found a lone surrogate '
+                            f"U+{ord(value[e.start]):04X} at character {e.start}") from None
         return value
 
     if shapes[0] == "text":
@@ -182,6 +187,9 @@ def _json_array(path: Path, text: str) -> list[Example]:
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: bad JSON ({e.msg} at column {e.colno}); "
                             f"expected an array of objects {SHAPES}") from None
+        except RecursionError:
+            raise DataError(f"{path}:{line(pos)}: expected an object {SHAPES}, found arrays or "
+                            "objects nested too deeply to read") from None
         examples.append(_parse_record(obj, f"{path}:{line(pos)}"))
         pos = end
         while pos < len(text) and text[pos].isspace():
@@ -227,6 +235,9 @@ def load_examples(path: str | Path) -> list[Example]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno}); "
                                 f"expected one object per line {SHAPES}") from None
+            except RecursionError:
+                raise DataError(f"{path}:{lineno}: expected an object {SHAPES}, found arrays "
+                                "or objects nested too deeply to read") from None
             examples.append(_parse_record(obj, f"{path}:{lineno}"))
     if not examples:
         raise DataError(f"{path}: no examples; expected objects {SHAPES}")

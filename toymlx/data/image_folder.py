@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from toymlx.backend.files import special_kind
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
                     ".pgm", ".pbm")
 """File names (lower-cased) read as images; other files in a class folder are ignored."""
@@ -30,6 +32,8 @@ class ImageDataError(ValueError):
 
 def read_file(path: Path) -> bytes:
     """A data file's bytes (a `.gz` file's decompressed), or ImageDataError naming it."""
+    if kind := special_kind(path):
+        raise ImageDataError(f"{path}: expected an image data file, found {kind}")
     try:
         if path.name.endswith(".gz"):
             with gzip.open(path, "rb") as f:

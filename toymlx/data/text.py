@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from toymlx.backend.files import special_kind
+
 
 class DataError(ValueError):
     """A user's data file or data settings cannot be used; the message is one line."""
@@ -37,6 +39,8 @@ def read_text(path: str | Path) -> str:
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path}: expected a UTF-8 text file, found a directory")
+    if kind := special_kind(path):
+        raise DataError(f"{path}: expected a UTF-8 text file, found {kind}")
     try:
         data = path.read_bytes()
     except OSError as e:

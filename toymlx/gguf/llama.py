@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from toymlx.gguf.blocks import CODECS, split_rows
 from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
-from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
+from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile, check_finite
 from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
 from toymlx.models.layers import BlockEmbedding, BlockLinear, QuantizedLinear, replace_submodule
 from toymlx.models.llama import Llama, LlamaArgs
@@ -421,7 +421,10 @@ def _block_layer(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
     info = g.tensors[name]
     codec = CODECS[info.type]
     n_out, n_in = info.shape
-    blocks = {k: mx.array(v) for k, v in split_rows(codec, g.raw(name), info.shape).items()}
+    parts = split_rows(codec, g.raw(name), info.shape)
+    for k, v in parts.items():  # the scales (float16 fields); the codes are integers
+        check_finite(g.path, name, v, f"block scales ({k!r})")
+    blocks = {k: mx.array(v) for k, v in parts.items()}
     mx.eval(blocks)  # copied now, so the mapping's pages can go
     if name == "token_embd.weight":
         return BlockEmbedding(codec, blocks, n_out, n_in, ops)

@@ -13,7 +13,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from toymlx.gguf.blocks import k_scales_mins
-from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.reader import GGUFError, GGUFFile, check_finite
 
 GROUP_SIZE = 32
 """GGUF's Q4_0/Q4_1/Q8_0 block size (Q4_K's sub-block), which MLX's affine groups reproduce."""
@@ -68,6 +68,8 @@ def gguf_to_mlx_quant(g: GGUFFile, name: str) -> tuple[np.ndarray, np.ndarray, n
     else:
         raise GGUFError(f"{g.path}: tensor {name!r} type: expected Q4_0, Q4_1, Q8_0 or Q4_K to "
                         f"keep as MLX's quantized layer, found {info.type.name}")
+    check_finite(g.path, name, d, "block scales")
+    check_finite(g.path, name, bias, "block minimums" if info.type != T.Q8_0 else "block scales")
     per = 32 // bits
     q = q.astype(np.uint32).reshape(n_out, n_in // per, per)  # (out, in/per, per)
     packed = np.zeros((n_out, n_in // per), np.uint32)

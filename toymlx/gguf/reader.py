@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from toymlx.backend.files import special_kind
+
 MAGIC = b"GGUF"
 DIGEST_KEY = "toy.tensor_sha256"
 """Metadata key: the SHA-256 of the file's tensor data section, written by toymlx's writer."""
@@ -42,6 +44,30 @@ TYPE_NAMES = {UINT8: "uint8", INT8: "int8", UINT16: "uint16", INT16: "int16", UI
 
 class GGUFError(ValueError):
     """A GGUF file that cannot be used; the message is one line naming file, key and values."""
+
+
+def tensor_label(name: str) -> str:
+    """A tensor as a message names it: `'blk.3.attn_q.weight' (block 3)`."""
+    parts = name.split(".")
+    block = f" (block {parts[1]})" if parts[0] == "blk" and len(parts) > 1 else ""
+    return f"{name!r}{block}"
+
+
+def check_finite(path: str, name: str, values: np.ndarray, what: str = "values") -> None:
+    """GGUFError (one line: the file, the tensor and its block, how many values are NaN or
+    infinite, and the first one's index) unless every one of `values` is finite: `values` are
+    tensor `name`'s decoded values or its blocks' scales (`what`). Integer arrays pass."""
+    if values.dtype.kind != "f" or np.isfinite(values).all():
+        return
+    bad = ~np.isfinite(values)
+    first = np.unravel_index(int(np.argmax(bad)), values.shape)
+    v = values[first]
+    kinds = "/".join(k for k, m in (("NaN", np.isnan(values)), ("+Inf", values == np.inf),
+                                    ("-Inf", values == -np.inf)) if m.any())
+    raise GGUFError(f"{path}: tensor {tensor_label(name)}: expected finite {what}, found "
+                    f"{kinds} in {int(bad.sum())} of {values.size} (the first, {v}, at "
+                    f"{tuple(int(i) for i in first)}); the file is damaged or was written from "
+                    "a model that diverged: use another copy of it")
 
 
 @dataclass(frozen=True)
@@ -132,6 +158,8 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        if kind := special_kind(self.path):
+            raise GGUFError(f"{self.path}: file: expected a GGUF file, found {kind}")
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -277,11 +305,14 @@ class GGUFFile:
             block, tsize = GGML_QUANT_SIZES[t]
             row_bytes = info.shape[-1] // block * tsize
             try:
-                out = dequantize(raw.reshape(-1, row_bytes), t)
+                with np.errstate(invalid="ignore", over="ignore"):  # check_finite names them
+                    out = dequantize(raw.reshape(-1, row_bytes), t)
             except NotImplementedError:
                 raise GGUFError(f"{self.path}: tensor {name!r} type: expected a type gguf-py can "
                                 f"dequantize, found {t.name}") from None
-        return np.asarray(out.reshape(info.shape), dtype=dtype)
+        out = out.reshape(info.shape)
+        check_finite(self.path, name, out)  # as decoded: a cast to float16 may overflow
+        return np.asarray(out, dtype=dtype)
 
     def verify_digest(self) -> None:
         """GGUFError naming the file when its tensor data does not match `toy.tensor_sha256`

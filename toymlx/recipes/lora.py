@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.backend.device import on_gpu
+from toymlx.backend.files import special_kind
 from toymlx.bundle import model_store
 from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
@@ -148,9 +149,10 @@ def validate(cfg: Config) -> None:
     if not cfg.base:
         raise ValueError("--base: expected the path of a llama GGUF to adapter-train, found "
                          "none (e.g. --base SmolLM2-135M-Instruct.Q4_1.gguf)")
-    if not model_store.resolve_model(cfg.base, "--base").is_file():
+    base = model_store.resolve_model(cfg.base, "--base")
+    if not base.is_file():
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
-                         f"{'a directory' if Path(cfg.base).is_dir() else 'nothing'}")
+                         f"{'a directory' if base.is_dir() else special_kind(base) or 'nothing'}")
     parse_targets(cfg.lora.targets)
     if cfg.fuse_at_end:  # the type is checked now, not after training
         with GGUFFile(model_store.resolve_model(cfg.base, "--base")) as g:

@@ -29,10 +29,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from toymlx.backend.files import special_kind
 from toymlx.backend.lock import Lock
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle import events as ev
-from toymlx.bundle.folder import CONFIG_FILE, CONFIG_FORMAT, added_since, lock_run, read_config
+from toymlx.bundle.folder import (
+    CONFIG_FILE,
+    CONFIG_FORMAT,
+    added_since,
+    config_digest,
+    lock_run,
+    read_config,
+)
 from toymlx.bundle.inputs import (
     DATA_FILES_KEY,
     MODEL_OPTIONS,
@@ -137,6 +145,7 @@ class Bundle:
         (`rewind`; other ranks keep the events as read)."""
         if owned is not None:
             owned.enter_context(self.own())
+        self.check_record(adopt=cfg.from_step is not None)
         self.check_options(recipe, cfg)
         self.check_data()
         resume = self.plan_resume(cfg.from_step, cfg.steps)
@@ -147,6 +156,44 @@ class Bundle:
         else:
             resume.kept = self.events
         return task, resume
+
+    def check_record(self, adopt: bool) -> None:
+        """RunError unless the bundle is as the run wrote it: events.jsonl holds its run_start,
+        and config.json has the digest run_start recorded (naming the first key that differs).
+        `adopt` (an explicit --from step_N) takes the bundle as it is now."""
+        if adopt:
+            return
+        start = self.start_event
+        events = self.path / ev.EVENTS_FILE
+        if start is None:
+            found = ("no file" if not events.exists() else "an empty file"
+                     if not self.events else f"{len(self.events)} events without it")
+            if not events.exists() and not ck.list_checkpoints(self.path / "weights"):
+                raise RunError(f"{events}: --resume: found no file and no checkpoint: the run "
+                               "stopped before its first step; start it over with its saved "
+                               f"configuration: toymlx-train --resume {self.path} --from step_0")
+            raise RunError(f"{events}: --resume: expected the run's record from its run_start, "
+                           f"found {found}; resuming would start a new record and lose the "
+                           "steps before: put the run's events.jsonl back, or adopt the run as "
+                           "it is with --from step_N")
+        want = start.get("config_sha256")
+        if not isinstance(want, str) or config_digest(self.saved) == want:
+            return
+        was = start.get("config") if isinstance(start.get("config"), dict) else {}
+        now = self.saved["config"]
+        key = next((k for k in now if k in was and now[k] != was[k]), None)
+        what = (f"key 'config.{key}': expected {was[key]!r} (recorded when the run started), "
+                f"found {now[key]!r}" if key is not None else
+                f"expected the contents recorded when the run started (sha256 {want[:12]}), "
+                f"found others (sha256 {config_digest(self.saved)[:12]})")
+        raise RunError(f"{self.path / CONFIG_FILE}: {what}: config.json was edited after the "
+                       "run started, and a resumed run keeps its configuration: put it back, "
+                       "or adopt it as it is with --from step_N")
+
+    @property
+    def start_event(self) -> dict | None:
+        """The run's run_start event, as read (None: events.jsonl lacks it)."""
+        return next((e for e in self.events if e["kind"] == "run_start"), None)
 
     def check_options(self, recipe: str, given: Any) -> None:
         """RunError unless `given` (a resume's options) keeps the run's recipe and every saved
@@ -195,6 +242,15 @@ class Bundle:
         RunError or ResumeError (one line, with the command that works) when there is none."""
         weights = self.path / "weights"
         note = None
+        if weights.exists() and not weights.is_dir():
+            steps = sorted({e["step"] for e in self.events if e["kind"] == "checkpoint"
+                            and isinstance(e.get("step"), int)})
+            raise RunError(f"{weights}: --resume: expected the run's checkpoint folder, found "
+                           f"{special_kind(weights) or 'a file'}; "
+                           + (f"the events record checkpoints up to step_{steps[-1]}: put the "
+                              "folder back to resume from them" if steps else
+                              f"remove it to start over: toymlx-train --resume {self.path} "
+                              "--from step_0"))
         if from_text is not None:
             step = ck.parse_from(from_text)
             if step == 0:
@@ -211,9 +267,16 @@ class Bundle:
             ckpt, note = ck.latest_checkpoint(self.path)
             step = ck.checkpoint_step(ckpt)
         try:
-            arrays, _ = ck.open_checkpoint(ckpt)
+            arrays, meta = ck.open_checkpoint(ckpt)
         except ck.ResumeError as e:
             raise ck.ResumeError(f"{e}; {intact_hint(self.path, step)}") from None
+        ours = (self.start_event or {}).get("run_uid")
+        theirs = meta.get(ck.RUN_KEY)
+        if from_text is None and isinstance(ours, str) and theirs != ours:
+            raise RunError(f"{ckpt}: --resume: expected a checkpoint of this run (run_uid "
+                           f"{ours}), found one of run_uid {theirs or '(none recorded)'} (run "
+                           f"{meta.get('general.run_id')!r}); put this run's checkpoint back, or adopt it with --from "
+                           f"step_{step}")
         return self._check_steps(Resume(step, ckpt, state=arrays, steps_before=self.config.steps,
                                         note=note), steps)
 

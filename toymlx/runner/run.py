@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from toymlx.backend.device import on_gpu, select_device, setup_process
+from toymlx.backend.files import special_kind
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import prepare_run_dir, save_config
@@ -142,6 +143,9 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
         task, resume = bundle.resume_run(recipe, cfg, lambda: _build(module, cfg, ops), ops.dtype,
                                          owned if rank0 else None)
         return _Prepared(bundle.path, task, world, resume, bundle.used)
+    for flag, path in run_inputs(cfg):  # before the folder is made: reading one would hang
+        if isinstance(path, str) and (kind := special_kind(path)):
+            raise ValueError(f"{path}: {flag}: expected a regular file or a folder, found {kind}")
     cfg.run_id = cfg.run_id or _shared_run_id(recipe, world)
     run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
                            "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id])

@@ -34,6 +34,7 @@ from toymlx.backend import device, lifeline
 from toymlx.backend.device import backend_info
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
+from toymlx.bundle.folder import config_digest, saved_config
 from toymlx.bundle.resume import Resume, intact_hint
 from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
@@ -208,8 +209,10 @@ class Checkpointer:
 
     def __init__(self, task: Task, optimizer: optim.Optimizer, scale: LossScale | None,
                  cfg: TrainConfig, run_dir: Path, log: EventLog, write: bool, last: int | None,
-                 kept: list[dict]):
+                 kept: list[dict], run_uid: str):
         self.task, self.optimizer, self.scale, self.cfg = task, optimizer, scale, cfg
+        self.run_uid = run_uid
+        """The run's id (run_start's `run_uid`), written into each checkpoint pair."""
         self.log, self.write = log, write
         self.run_dir, self.weights = run_dir, run_dir / "weights"
         self.last = last
@@ -229,7 +232,8 @@ class Checkpointer:
         if not self.write:
             return None
         ckpt_id = uuid.uuid4().hex
-        extra = {"general.step": step, "general.run_id": self.run_dir.name, ck.ID_KEY: ckpt_id}
+        extra = {"general.step": step, "general.run_id": self.run_dir.name, ck.ID_KEY: ckpt_id,
+                 ck.RUN_KEY: self.run_uid}
         if self.task.checkpoint_meta:
             extra.update(self.task.checkpoint_meta())
         model = self.task.model
@@ -238,7 +242,7 @@ class Checkpointer:
                                   resume_arrays(self.optimizer, self.scale, model,
                                                 exact_weights=self.cfg.save_dtype != "f32"),
                                   {"step": step, "recipe": self.task.recipe,
-                                   "checkpoint_id": ckpt_id})
+                                   "checkpoint_id": ckpt_id, "run_uid": self.run_uid})
         removed = []
         if self.cfg.keep_last or self.cfg.keep_best:
             steps = [s for s, _ in ck.list_checkpoints(self.weights)]
@@ -299,7 +303,10 @@ class _Loop:
         self.optimizer, self.scale = self.stepper.optimizer, self.stepper.scale
         self.start = 0
         if resume is not None and resume.checkpoint is not None:
-            ck.load_checked(task.load, resume.checkpoint, self.model)
+            try:
+                ck.load_checked(task.load, resume.checkpoint, self.model)
+            except ck.ResumeError as e:  # non-finite weights under a checksum that holds
+                raise ck.ResumeError(f"{e}; {intact_hint(run_dir, resume.step)}") from None
             restore_resume_arrays(resume.state, self.optimizer, self.scale, self.model)
             self.start = resume.step
         # after the resume restored the optimizer state: the compiled step holds its containers
@@ -311,9 +318,13 @@ class _Loop:
                                   (est["activations_mb"] + est["logits_mb"]) << 20)
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0)
+        kept = resume.kept if resume is not None else []
+        self.run_uid = next((e["run_uid"] for e in kept if e["kind"] == "run_start"
+                             and isinstance(e.get("run_uid"), str)), None) or uuid.uuid4().hex
+        """The run's id: its run_start's, or new (a fresh run, or a bundle from before it)."""
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
-                                 self.rank0, self.start if self.start else None,
-                                 resume.kept if resume is not None else [])
+                                 self.rank0, self.start if self.start else None, kept,
+                                 self.run_uid)
         self.count = task.count or (lambda b: int(np.prod(next(iter(b.values())).shape[:2])))
         self.step = self.start
         """The last step whose update is in the weights."""
@@ -382,7 +393,8 @@ class _Loop:
             n_trainable = sum(v.size for _, v in tree_flatten(self.model.trainable_parameters()))
             n_total = sum(v.size for _, v in tree_flatten(self.model.parameters()))
             self.log.emit(
-                "run_start", run_id=self.run_dir.name, recipe=self.task.recipe,
+                "run_start", run_id=self.run_dir.name, run_uid=self.run_uid,
+                config_sha256=_config_sha256(self.run_dir), recipe=self.task.recipe,
                 host=host_info(), backend=backend_info(), math=self.model.ops.describe(),
                 git=git_info(), step_parallelism={"cpu_streams": st.n_streams, "blas_threads":
                                                   st.blas_threads or device.blas_threads()},
@@ -393,6 +405,7 @@ class _Loop:
         if r is not None:
             self.log.emit(
                 "resume", started_at=now_iso(), from_step=r.step, steps=self.cfg.steps,
+                config_sha256=_config_sha256(self.run_dir),
                 **({"previous_steps": r.steps_before} if r.steps_before != self.cfg.steps else {}),
                 checkpoint=None if r.checkpoint is None else str(
                     r.checkpoint.relative_to(self.run_dir)),
@@ -556,6 +569,12 @@ class _Loop:
                 suspect += " (checked: intact and finite, so the cause is the run's settings)"
         self._end("diverged", 2, f"{what}{suspect}; stopped without checkpointing the bad "
                   f"weights; last good checkpoint: {_named(self.ckpt.last)}")
+
+
+def _config_sha256(run_dir: Path) -> str | None:
+    """`config_digest` of the run's config.json as it is now (None where it cannot be read)."""
+    saved = saved_config(run_dir)
+    return None if saved is None else config_digest(saved)
 
 
 def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any],

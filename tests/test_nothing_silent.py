@@ -1,0 +1,351 @@
+"""Inputs that used to pass silently, be lost, or hang (issue 47), each pinned to one line.
+
+A base with NaN or Inf in one tensor is refused by every command that loads it, naming the
+tensor, its block and the file; the file's values are checked where they are decoded
+(`GGUFFile.load`, a frozen base's blocks, MLX's quantized layers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_errors import error_line
+
+from toymlx.gguf.reader import GGUFFile
+from toymlx.gguf.writer import encode_tensor, write_gguf
+
+
+def poisoned(src: Path, dst: Path, name: str, value: float, index: int = 0) -> Path:
+    """A copy of GGUF `src` with value `index` of F32 tensor `name` (or, for a quantized
+    tensor, the float16 scale of block `index`) set to `value`."""
+    shutil.copy(src, dst)
+    info = GGUFFile(src).tensors[name]
+    if info.type.name == "F32":
+        at, packed = info.offset + 4 * index, struct.pack("<f", value)
+    else:  # Q8_0 / Q4_0 / Q4_1: each block starts with its float16 scale
+        from gguf.constants import GGML_QUANT_SIZES
+        at, packed = info.offset + GGML_QUANT_SIZES[info.type][1] * index, \
+            np.float16(value).tobytes()
+    with open(dst, "r+b") as f:
+        f.seek(at)
+        f.write(packed)
+    return dst
+
+
+def quantized_copy(src: Path, dst: Path, dtype: str) -> Path:
+    """`src` with every matrix of rows a multiple of 32 in gguf-py's `dtype` (the rest F32)."""
+    g = GGUFFile(src)
+    tensors = {n: encode_tensor(n, w, dtype if w.shape[-1] % 32 == 0 else "f32")
+               for n in g.tensors if (w := g.load(n)) is not None}
+    types = {k: v for k, v in g.metadata_types.items() if k != "general.alignment"}
+    return write_gguf(dst, {k: v for k, v in g.metadata.items() if k in types}, tensors,
+                      types=types, digest=False)
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "completion":
+                                     f"It is {2 * i}."}) + "\n" for i in range(12)))
+    return p
+
+
+def _nan_line(path: Path, name: str, block: int, what: str, found: str) -> str:
+    return (f"{path}: tensor '{name}' (block {block}): expected finite {what}, found {found}; "
+            "the file is damaged or was written from a model that diverged: use another copy "
+            "of it")
+
+
+def test_a_nan_base_is_refused_by_every_command(tmp_path, stories_path, chat, capsys,
+                                                shared_file):
+    """NaN in blk.0.attn_q.weight of an F32 base (-Inf in the token table of warm start's
+    donor): train (lora --base, warm-start --donor), eval, generate and export each exit 2 with one line naming the tensor, its block and the
+    file, and write nothing."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.export import main as export_main
+    from toymlx_cli.generate import main as generate_main
+    from toymlx_cli.train import main as train_main
+
+    bad = poisoned(stories_path, tmp_path / "nan.gguf", "blk.0.attn_q.weight", float("nan"), 5)
+    n = GGUFFile(bad).tensors["blk.0.attn_q.weight"].n_elements
+    want = "toymlx-{}: error: " + _nan_line(bad, "blk.0.attn_q.weight", 0, "values",
+                                            f"NaN in 1 of {n} (the first, nan, at (0, 5))")
+    runs = tmp_path / "runs"
+    small = ["--steps", "1", "--seq-len", "32", "--batch-size", "2", "--no-compile",
+             "--no-progress", "--runs-root", str(runs)]
+    assert train_main(["--recipe", "lora", "--base", str(bad), "--data.path", str(chat),
+                       *small]) == 2
+    assert error_line(capsys) == want.format("train")
+    stories = str(shared_file("text/tinystories_sample.txt"))
+    # warm start reads the donor's token table alone
+    table = poisoned(stories_path, tmp_path / "inf.gguf", "token_embd.weight", -float("inf"), 70)
+    n_table = GGUFFile(table).tensors["token_embd.weight"].n_elements
+    assert train_main(["--recipe", "warm-start", "--donor", str(table), "--data.path", stories,
+                       *small]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {table}: tensor 'token_embd.weight': expected finite values, "
+        f"found -Inf in 1 of {n_table} (the first, -inf, at (1, 6)); the file is damaged or was "
+        "written from a model that diverged: use another copy of it")
+    assert not runs.exists() or not any(runs.iterdir())
+    assert eval_main(["--model", str(bad), "--data.path", stories, "--seq-len", "32"]) == 2
+    assert error_line(capsys, "toymlx-eval") == want.format("eval")
+    assert generate_main(["--model", str(bad), "--prompt", "Once", "--max-tokens", "2"]) == 2
+    assert error_line(capsys, "toymlx-generate") == want.format("generate")
+    assert export_main(["--base", str(bad), "--out", str(tmp_path / "x.gguf")]) == 2
+    assert error_line(capsys, "toymlx-export") == want.format("export")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("weights", ["float32", "blocks", "quantized"])
+def test_an_infinite_block_scale_is_named(tmp_path, stories_path, weights):
+    """+Inf in the float16 scale of one Q4_1 block of blk.1.attn_q: refused however the
+    loader holds the tensor (dequantized, as its blocks, as MLX's quantized layer)."""
+    from toymlx.gguf.llama import load_llama
+    from toymlx.gguf.reader import GGUFError
+
+    q = quantized_copy(stories_path, tmp_path / "q4_1.gguf", "q4_1")
+    bad = poisoned(q, tmp_path / "inf.gguf", "blk.1.attn_q.weight", float("inf"), 3)
+    with pytest.raises(GGUFError) as e:
+        load_llama(bad, weights=weights)
+    info = GGUFFile(bad).tensors["blk.1.attn_q.weight"]
+    rows, blocks = info.shape[0], info.shape[1] // 32
+    found = {"blocks": f"+Inf in 1 of {rows * blocks} (the first, inf, at (1, 1, 0, 0))",
+             "quantized": f"+Inf in 1 of {rows * blocks} (the first, inf, at (1, 1))"}
+    what = {"float32": "values", "blocks": "block scales ('d')",
+            "quantized": "block scales"}[weights]
+    assert str(e.value).startswith(f"{bad}: tensor 'blk.1.attn_q.weight' (block 1): "
+                                   f"expected finite {what}, found "), str(e.value)
+    if weights in found:  # dequantized, the block's 32 values are inf, or NaN where q*d is 0*inf
+        assert str(e.value) == _nan_line(bad, "blk.1.attn_q.weight", 1, what, found[weights])
+
+
+# ---- nothing hangs ----------------------------------------------------------------------------
+def _fifo(tmp_path: Path, name: str = "pipe") -> Path:
+    p = tmp_path / name
+    os.mkfifo(p)
+    return p
+
+
+@pytest.mark.parametrize("prog,argv,want", [
+    ("generate", ["--model", "{fifo}", "--prompt", "Once", "--max-tokens", "2"],
+     "{fifo}: file: expected a GGUF file, found a FIFO (named pipe)"),
+    ("eval", ["--model", "{fifo}", "--data.path", "{data}"],
+     "{fifo}: file: expected a GGUF file, found a FIFO (named pipe)"),
+    ("export", ["--base", "{fifo}", "--out", "{out}"],
+     "{fifo}: file: expected a GGUF file, found a FIFO (named pipe)"),
+    ("eval", ["--model", "{base}", "--data.path", "{fifo}", "--seq-len", "32"],
+     "{fifo}: expected a UTF-8 text file, found a FIFO (named pipe)"),
+    ("eval", ["--model", "{base}", "--data.path", "/dev/zero", "--seq-len", "32"],
+     "/dev/zero: expected a UTF-8 text file, found a character device"),
+])
+def test_a_fifo_or_device_is_named_at_once(tmp_path, stories_path, shared_file, capsys, prog,
+                                           argv, want):
+    """A FIFO (no writer: opening it waits forever) or a device (/dev/zero never ends) given
+    where a file is read: one line naming it, in well under 20 s."""
+    import importlib
+
+    main = importlib.import_module(f"toymlx_cli.{prog}").main
+    paths = {"fifo": _fifo(tmp_path), "base": stories_path, "out": tmp_path / "x.gguf",
+             "data": shared_file("text/tinystories_sample.txt")}
+    t = time.perf_counter()
+    assert main([a.format(**paths) for a in argv]) == 2
+    assert time.perf_counter() - t < 20
+    assert error_line(capsys, f"toymlx-{prog}") == f"toymlx-{prog}: error: " + \
+        want.format(**paths)
+
+
+def test_train_on_a_fifo_leaves_no_run_folder(tmp_path, capsys):
+    from toymlx_cli.train import main as train_main
+
+    fifo = _fifo(tmp_path)
+    assert train_main(["--recipe", "from-scratch", "--data.path", str(fifo), "--runs-root",
+                       str(tmp_path / "runs"), "--run-id", "f", "--steps", "1"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {fifo}: --data.path: expected a "
+                                  "regular file or a folder, found a FIFO (named pipe)")
+    assert not (tmp_path / "runs" / "f").exists()
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    return "\n".join([*lines, f"lr: *a{levels}"]) + "\n"
+
+
+DEPTH_LINE = ("key 'lr': expected mappings and lists nested at most 32 deep, found deeper (or a "
+              "YAML alias used inside itself)")
+
+
+@pytest.mark.parametrize("name,text,want", [
+    ("bomb.yaml", _alias_bomb(), ("expected at most 100,000 values, found more (YAML aliases "
+                                  "expand at each use); write the options out")),
+    ("self.yaml", "lr: &a [1, *a]\n", DEPTH_LINE),
+    ("deep.yaml", "lr: " + "[" * 40 + "]" * 40 + "\n", DEPTH_LINE),
+    ("deep.json", '{"lr": ' + "[" * 50_000 + "]" * 50_000 + "}",
+     "expected JSON, found objects or arrays nested too deeply"),
+])
+def test_a_config_bomb_is_one_line(tmp_path, capsys, name, text, want):
+    """A 9-level alias bomb (387 million values expanded), an alias inside itself, and nesting
+    past the cap: one line each, in well under 20 s, before any option is read."""
+    from toymlx_cli.generate import main as generate_main
+    from toymlx_cli.train import main as train_main
+
+    p = tmp_path / name
+    p.write_text(text)
+    for prog, main in (("train", train_main), ("generate", generate_main)):
+        t = time.perf_counter()
+        assert main(["-c", str(p)]) == 2
+        assert time.perf_counter() - t < 20
+        assert error_line(capsys, f"toymlx-{prog}") == f"toymlx-{prog}: error: {p}: {want}"
+
+
+SURROGATE = "to be UTF-8 text, found a lone surrogate"
+
+
+@pytest.mark.parametrize("line,want", [
+    ('{"prompt": "hi \\ud800", "completion": "ok"}',
+     f'expected "prompt" {SURROGATE} U+D800 at character 3'),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\\udfff"}]}',
+     f'expected "messages[1].content" {SURROGATE} U+DFFF at character 0'),
+    ("[" * 100_000 + "]" * 100_000,
+     ('expected an object {"text": ...}, {"prompt": ..., "completion": ...} or {"messages": '
+      '[...]}, found arrays or objects nested too deeply to read')),
+])
+def test_a_bad_text_record_is_one_line(tmp_path, stories_path, capsys, line, want):
+    """A lone surrogate in a record's text (once a TypeError in the tokenizer) and a line
+    nested 100,000 deep (once a RecursionError): one line naming the file, the line and the
+    key, and no run folder left."""
+    from toymlx_cli.train import main as train_main
+
+    data = tmp_path / "chat.jsonl"
+    good = json.dumps({"prompt": "What is 1 + 1?", "completion": "It is 2."})
+    data.write_text("\n".join([good] * 3 + [line] + [good] * 3) + "\n")
+    want = f"{data}:4: {want}"
+    assert train_main(["--recipe", "lora", "--base", str(stories_path), "--data.path", str(data),
+                       "--runs-root", str(tmp_path / "runs"), "--steps", "1"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {want}"
+    assert not any((tmp_path / "runs").iterdir())
+
+
+# ---- a run's files are what the run wrote -----------------------------------------------------
+TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
+        "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
+        "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--eval-every", "0",
+        "--no-compile", "--no-progress", "--checkpoint-every", "1"]
+
+
+def _run(root: Path, run_id: str, data: str, *extra: str) -> Path:
+    from toymlx_cli.train import main as train_main
+
+    assert train_main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                       str(root), "--run-id", run_id, "--steps", "2", *extra]) == 0
+    return root / run_id
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture
+def runs(tmp_path, shared_file, capsys) -> tuple[Path, Path]:
+    """Two finished 2-step runs (seeds 0 and 1) of the same configuration otherwise."""
+    data = str(shared_file("text/tinystories_sample.txt"))
+    a, b = _run(tmp_path, "a", data), _run(tmp_path, "b", data, "--seed", "1")
+    capsys.readouterr()
+    return a, b
+
+
+def _resume(run: Path, *extra: str) -> int:
+    from toymlx_cli.train import main as train_main
+
+    return train_main(["--resume", str(run), "--steps", "3", *extra])
+
+
+def test_a_resume_refuses_an_edited_config_json(runs, capsys):
+    """lr edited in config.json (0.0003 -> 0.5), or another run's config.json copied in (its
+    seed): refused naming the key and both values, nothing changed; --from adopts it."""
+    a, b = runs
+    saved = json.loads((a / "config.json").read_text())
+    lr = saved["config"]["lr"]
+    saved["config"]["lr"] = 0.5
+    (a / "config.json").write_text(json.dumps(saved, indent=2))
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'config.json'}: key 'config.lr': expected {lr!r} (recorded "
+        "when the run started), found 0.5: config.json was edited after the run started, and a "
+        "resumed run keeps its configuration: put it back, or adopt it as it is with --from "
+        "step_N")
+    assert _files(a) == before
+    shutil.copy(b / "config.json", a / "config.json")
+    assert _resume(a) == 2
+    assert "key 'config.seed': expected 0 (recorded when the run started), found 1" in \
+        error_line(capsys)
+    assert _resume(a, "--from", "step_2") == 0
+    resumed = [e for e in _events(a) if e["kind"] == "resume"]
+    assert resumed[-1]["config_sha256"] != next(e for e in _events(a)
+                                                if e["kind"] == "run_start")["config_sha256"]
+
+
+def _events(run: Path) -> list[dict]:
+    from toymlx.bundle.events import read_events
+
+    return read_events(run)
+
+
+def test_a_resume_refuses_another_runs_checkpoint_pair(runs, capsys):
+    a, b = runs
+    for name in ("step_2.gguf", "step_2.state.safetensors"):
+        shutil.copy(b / "weights" / name, a / "weights" / name)
+    ours = next(e for e in _events(a) if e["kind"] == "run_start")["run_uid"]
+    theirs = next(e for e in _events(b) if e["kind"] == "run_start")["run_uid"]
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'weights' / 'step_2.gguf'}: --resume: expected a checkpoint "
+        f"of this run (run_uid {ours}), found one of run_uid {theirs} (run 'b'); put this run's "
+        "checkpoint back, or adopt it with --from step_2")
+
+
+@pytest.mark.parametrize("damage,found", [("empty", "an empty file"), ("gone", "no file")])
+def test_a_resume_refuses_an_emptied_or_missing_record(runs, capsys, damage, found):
+    a, _ = runs
+    events = a / "events.jsonl"
+    events.write_text("") if damage == "empty" else events.unlink()
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {events}: --resume: expected the run's record from its "
+        f"run_start, found {found}; resuming would start a new record and lose the steps "
+        "before: put the run's events.jsonl back, or adopt the run as it is with --from step_N")
+    assert _resume(a, "--from", "step_2") == 0
+    assert [e["kind"] for e in _events(a)][:2] == ["run_start", "resume"]
+
+
+def test_weights_replaced_by_a_file_never_advises_discarding_checkpoints(runs, capsys):
+    a, _ = runs
+    shutil.move(a / "weights", a / "weights.bak")
+    (a / "weights").write_text("oops")
+    assert _resume(a) == 2
+    line = error_line(capsys)
+    assert line == (f"toymlx-train: error: {a / 'weights'}: --resume: expected the run's "
+                    "checkpoint folder, found a file; the events record checkpoints up to "
+                    "step_2: put the folder back to resume from them")
+    assert "step_0" not in line
+
+
+def test_eval_json_is_valid_json_with_a_reason_for_null():
+    """JSON has no NaN: a non-finite figure prints as null, with the reason beside it."""
+    from toymlx_cli.eval import json_safe
+
+    out = json.loads(json.dumps(json_safe({"val_loss": float("nan"), "perplexity": float("inf"),
+                                           "rows": 7}), allow_nan=False))
+    assert out == {"val_loss": None, "perplexity": None, "rows": 7, "not_finite": {
+        "val_loss": "nan: the model's outputs are not finite on this data",
+        "perplexity": "inf: the model's outputs are not finite on this data"}}
+    assert json_safe({"val_loss": 1.5}) == {"val_loss": 1.5}

@@ -1,0 +1,22 @@
+"""What a path is before anything opens it: opening a FIFO waits for a writer that may never
+come, and reading a device such as /dev/urandom never ends, so every file input is checked to
+be a regular file (or a folder where one is expected) first (`special_kind`)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def special_kind(path: str | os.PathLike) -> str | None:
+    """What `path` is (following links) when it is neither a regular file nor a folder: "a FIFO
+    (named pipe)", "a character device", "a block device" or "a socket"; None for a regular
+    file, a folder, or nothing there (the caller's own message covers those)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # missing, unreadable, a name too long, a NUL byte
+        return None
+    return next((name for test, name in _KINDS if test(mode)), None)
