@@ -59,10 +59,30 @@ def main(argv: list[str] | None = None) -> int:
 
 def show(args: Args) -> int:
     """Evaluate and print: the text report (a ViT), or JSON."""
+    check_sizes(args)
     out = evaluate(args)
     text = out.pop("text", None)
     print(text if text is not None and not args.json else json.dumps(json_safe(out)))
     return 0
+
+
+def check_sizes(args: Args) -> None:
+    """--batch-size and --seq-len are counts: 0 or less is a typo, never "the default"."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected >= 1 examples per forward pass, found "
+                         f"{args.batch_size}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ValueError(f"--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
+                         f"else 256), found {args.seq_len}")
+
+
+def check_context(seq_len: int, model: Any, path: Any) -> None:
+    """A window no longer than the model was trained for: RoPE beyond its context gives a loss
+    of a model it never was."""
+    context = getattr(getattr(model, "args", None), "context", None)
+    if context is not None and seq_len > context:
+        raise ValueError(f"--seq-len: expected at most {context} (the context length of "
+                         f"{path}), found {seq_len}")
 
 
 def json_safe(out: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +203,8 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
 
     model, tok = load_for_generation(args.model, weights=frozen_weights(on_gpu()),
                                      ops=scoring_ops(on_gpu()))
+    if args.seq_len is not None:
+        check_context(args.seq_len, model, args.model)
     print(f"toymlx-eval: {used_files(args.model)}", file=sys.stderr)
     loss, n, source = chat_loss(model, tok, cfg, args.split, args.data_path, args.seq_len,
                                 args.batch_size)
@@ -279,6 +301,7 @@ def evaluate(args: Args) -> dict:
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
         data = cfg.data if args.data_path is None and text_run else TextData(args.data_path)
         seq_len = args.seq_len or getattr(cfg, "seq_len", 256)
+        check_context(seq_len, model, path)
         if args.split == "test":  # the run's data folder's test.jsonl, as its --test scores it
             check_test_folder(data.path, "--split test")
         td = load_token_data(data, tok, seq_len, test=args.split == "test")

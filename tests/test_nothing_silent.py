@@ -349,3 +349,20 @@ def test_eval_json_is_valid_json_with_a_reason_for_null():
         "val_loss": "nan: the model's outputs are not finite on this data",
         "perplexity": "inf: the model's outputs are not finite on this data"}}
     assert json_safe({"val_loss": 1.5}) == {"val_loss": 1.5}
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--batch-size", "0"], "--batch-size: expected >= 1 examples per forward pass, found 0"),
+    (["--seq-len", "0"], "--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
+                         "else 256), found 0"),
+    (["--seq-len", "100000"], "--seq-len: expected at most 2048 (the context length of "),
+])
+def test_eval_refuses_sizes_that_were_silently_replaced(stories_path, shared_file, capsys, flags,
+                                                       want):
+    """0 once became the default, and a window past the model's context scored a model RoPE
+    never trained (both exit 0)."""
+    from toymlx_cli.eval import main as eval_main
+
+    text = str(shared_file("text/tinyshakespeare.txt"))
+    assert eval_main(["--model", str(stories_path), "--data.path", text, *flags]) == 2
+    assert want in error_line(capsys, "toymlx-eval")
