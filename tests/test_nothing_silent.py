@@ -353,8 +353,8 @@ def test_eval_json_is_valid_json_with_a_reason_for_null():
 
 @pytest.mark.parametrize("flags,want", [
     (["--batch-size", "0"], "--batch-size: expected >= 1 examples per forward pass, found 0"),
-    (["--seq-len", "0"], "--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
-                         "else 256), found 0"),
+    (["--seq-len", "0"], ("--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
+                          "else 256), found 0")),
     (["--seq-len", "100000"], "--seq-len: expected at most 2048 (the context length of "),
 ])
 def test_eval_refuses_sizes_that_were_silently_replaced(stories_path, shared_file, capsys, flags,
