@@ -239,6 +239,10 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     if path is None and split == "test":
         raise ValueError("--data.path: expected a data folder with test.jsonl or a JSONL file "
                          "of test examples (--split test), found none")
+    if split == "test" and data_path is None and not Path(path).is_dir():
+        raise ValueError(f"--split test: expected a run whose --data.path is a data folder with "
+                         f"test.jsonl, found a run trained on one file, {path} (its training and "
+                         "validation rows, no test set); give the test examples with --data.path")
     seq_len = seq_len or getattr(cfg, "seq_len", None) or 256
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
     if split == "test":

@@ -366,3 +366,22 @@ def test_eval_refuses_sizes_that_were_silently_replaced(stories_path, shared_fil
     text = str(shared_file("text/tinyshakespeare.txt"))
     assert eval_main(["--model", str(stories_path), "--data.path", text, *flags]) == 2
     assert want in error_line(capsys, "toymlx-eval")
+
+
+def test_eval_test_split_of_a_run_trained_on_one_file_is_refused(tmp_path, stories_path, chat,
+                                                                  capsys):
+    """A LoRA run on one JSONL file has no test set: `--split test` once scored rows of the
+    training file as "test_loss"; given explicitly, the same file is scored as asked."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.train import main as train_main
+
+    assert train_main(["--recipe", "lora", "--base", str(stories_path), "--data.path", str(chat),
+                       "--seq-len", "32", "--batch-size", "2", "--steps", "1", "--eval-every",
+                       "0", "--runs-root", str(tmp_path), "--run-id", "one"]) == 0
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "one"), "--split", "test"]) == 2
+    line = error_line(capsys, "toymlx-eval")
+    assert f"found a run trained on one file, {chat}" in line and "--data.path" in line
+    assert eval_main(["--model", str(tmp_path / "one"), "--split", "test", "--data.path",
+                      str(chat)]) == 0
+    assert json.loads(capsys.readouterr().out)["data"] == str(chat)
