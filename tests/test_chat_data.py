@@ -523,6 +523,12 @@ def test_tools_field_reaches_the_template(tmp_path):
     with pytest.raises(DataError, match=r'tools\.jsonl:1: "tools": expected a chat template '
                                         r"that renders tools, found one that never reads them"):
         tokenize_example(ex, FakeTokenizer(CHATML), mask_prompt=True)
+    # without "tools", a template that never reads tool_calls would train an empty answer
+    calls_only = write(tmp_path, "calls.jsonl", json.dumps({"messages": record["messages"]}))
+    (ex,) = load_examples(calls_only)
+    with pytest.raises(DataError, match=r"calls\.jsonl:1: messages\[1\]\.tool_calls: expected a "
+                                        r"chat template that renders tool calls"):
+        tokenize_example(ex, FakeTokenizer(CHATML), mask_prompt=True)
     bad = write(tmp_path, "bad.jsonl", json.dumps({**record, "tools": "get_weather"}))
     with pytest.raises(DataError, match=r'bad\.jsonl:1: expected "tools" to be an array of '
                                         r"function objects, found string"):

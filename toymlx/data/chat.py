@@ -351,6 +351,12 @@ def _tokenize_messages(
         raise DataError(f'{source}: "tools": expected a chat template that renders tools, found '
                         f"one that never reads them (they would be dropped); remove the "
                         f'"tools" field or use a base whose template takes tools')
+    calls = [i for i, m in enumerate(messages) if m.get("tool_calls")]
+    if calls and "tool_calls" not in tokenizer.chat_template:  # Jinja reads it as m.tool_calls
+        raise DataError(f"{source}: messages[{calls[0]}].tool_calls: expected a chat template "
+                        "that renders tool calls, found one that never reads them (the turn "
+                        "would be trained as an empty answer); remove the tool calls or use a "
+                        "base whose template renders them")
     full = _render(tokenizer, messages, False, source, tools)
     if not mask_prompt:
         ids = list(tokenizer.encode(full, add_bos=False))
