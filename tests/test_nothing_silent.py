@@ -385,3 +385,20 @@ def test_eval_test_split_of_a_run_trained_on_one_file_is_refused(tmp_path, stori
     assert eval_main(["--model", str(tmp_path / "one"), "--split", "test", "--data.path",
                       str(chat)]) == 0
     assert json.loads(capsys.readouterr().out)["data"] == str(chat)
+
+
+def test_a_changed_embedding_length_is_named_itself(tmp_path, stories_path, capsys):
+    """embedding_length 64 -> 96 in the metadata: the key named with the token table's width
+    (its head width once failed first, blamed on rope.dimension_count)."""
+    from toymlx_cli.generate import main as generate_main
+
+    g = GGUFFile(stories_path)
+    types = {k: v for k, v in g.metadata_types.items() if k != "general.alignment"}
+    meta = {k: v for k, v in g.metadata.items() if k in types}
+    meta["llama.embedding_length"] = 96
+    bad = write_gguf(tmp_path / "wide.gguf", meta, {n: g.load(n) for n in g.tensors},
+                     types=types, digest=False)
+    assert generate_main(["--model", str(bad), "--prompt", "Once", "--max-tokens", "2"]) == 2
+    assert error_line(capsys, "toymlx-generate").endswith(
+        "metadata key 'llama.embedding_length': expected 64 (the width of tensor "
+        "'token_embd.weight'), found 96")

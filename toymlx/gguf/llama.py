@@ -161,6 +161,11 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     check_keys(g, arch)
     k = arch.name + "."
     d = g.get(k + "embedding_length", int)
+    table = g.tensors.get("token_embd.weight")
+    if table is not None and len(table.shape) == 2 and table.shape[1] != d:
+        # before the head sizes that derive from it are checked, and blamed
+        raise GGUFError(f"{g.path}: metadata key '{k}embedding_length': expected "
+                        f"{table.shape[1]} (the width of tensor 'token_embd.weight'), found {d}")
     n_heads = g.get(k + "attention.head_count", int)
     n_kv = g.get(k + "attention.head_count_kv", int, n_heads)
     if n_heads <= 0 or d <= 0 or n_kv <= 0 or n_heads % n_kv:
