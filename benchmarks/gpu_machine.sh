@@ -24,7 +24,8 @@ PART_BYTES=30000000
 PY_VERSION=${TOYMLX_GPU_PYTHON:-3.12}
 # The lent machine's image already has numpy, transformers, tokenizers, jinja2, pillow, tqdm,
 # pyyaml, safetensors and NVIDIA's CUDA 13 libraries (../.library/device/KINDS.md)
-PACKAGES=(mlx mlx-cuda-13 mlx-lm gguf tyro docstring-parser typeguard typing-extensions)
+PACKAGES=(mlx mlx-cuda-13 mlx-lm gguf tyro docstring-parser typeguard typing-extensions
+          scipy-openblas32)  # MLX's CPU BLAS (toymlx.backend.blas)
 
 die() { echo "gpu_machine.sh: $*" >&2; exit 1; }
 
