@@ -287,7 +287,9 @@ def row_sum(x: mx.array) -> mx.array:
 
 def _lead_sum(x: mx.array) -> mx.array:
     """Sum over every axis but the last (a weight's or bias's gradient)."""
-    return x.reshape(-1, x.shape[-1]).sum(0)
+    rows = x.reshape(-1, x.shape[-1])
+    # one BLAS vector-matrix product: MLX's CPU column reduction runs on one core
+    return (mx.ones((1, rows.shape[0]), x.dtype) @ rows).reshape(x.shape[-1])
 
 
 @functools.cache
@@ -377,7 +379,7 @@ def _linear_bias(x: mx.array, w: mx.array, b: mx.array) -> mx.array:
 def _linear_bias_vjp(primals, cotangent, output):
     x, w, _ = primals
     g2 = cotangent.reshape(-1, w.shape[0])
-    return cotangent @ w, g2.T @ x.reshape(-1, w.shape[1]), g2.sum(0)
+    return cotangent @ w, g2.T @ x.reshape(-1, w.shape[1]), _lead_sum(g2)
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
