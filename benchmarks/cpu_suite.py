@@ -257,7 +257,9 @@ def format_table(info: dict[str, Any]) -> str:
     lines = [host_line(info["host"]), (f"backend: {b.get('kind')} blas={b.get('blas')} mlx={b.get('mlx')} "
               f"torch={info.get('torch')} ({info.get('torch_threads')} threads) "
               f"mlx-lm={info.get('mlx_lm')} cores={b.get('cores')} "
-              f"cold_jit={info['cold_jit']} OMP_WAIT_POLICY={info.get('omp_wait_policy')}")]
+              f"cold_jit={info['cold_jit']} (kernel PCH built in "
+              f"{num(info.get('kernel_pch_build_s'), '.1f')} s) "
+              f"OMP_WAIT_POLICY={info.get('omp_wait_policy')}")]
     wn = max([13] + [len(r["workload"]) for r in info["workloads"]])  # the name column
     hdr = (f"{'workload':<{wn}} {'impl':<7} {'median ms':>9} {'min ms':>8} {'cpu ms':>8} "
            f"{'items/s':>9} "
