@@ -21,6 +21,7 @@ import numpy as np
 from mlx import nn
 
 from toymlx.bundle.options import RunOptions, flag_name
+from toymlx.bundle.reporters import parse_report_to
 from toymlx.training.schedule import lr_at
 
 
@@ -130,6 +131,7 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) ->
     if cfg.resume and cfg.overwrite:
         raise ValueError("--overwrite: replaces a bundle with a new run, so it cannot go with "
                          "--resume; give one of them")
+    parse_report_to(cfg.report_to)
     if hasattr(module, "validate"):
         module.validate(cfg)
     if new_run and hasattr(module, "check_applies"):

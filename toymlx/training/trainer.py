@@ -34,6 +34,7 @@ from toymlx.backend import device, lifeline
 from toymlx.backend.device import backend_info
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
+from toymlx.bundle.reporters import open_reporters
 from toymlx.bundle.resume import Resume, intact_hint
 from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
@@ -297,7 +298,8 @@ class _Loop:
         device.bound_kept_buffers(None if est is None else
                                   (est["activations_mb"] + est["logits_mb"]) << 20)
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
-                            t_offset=resume.t if resume is not None else 0.0)
+                            t_offset=resume.t if resume is not None else 0.0,
+                            sinks=open_reporters(cfg.report_to, run_dir) if self.rank0 else [])
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
                                  self.rank0, self.start if self.start else None,
                                  resume.kept if resume is not None else [])
