@@ -454,7 +454,8 @@ class _Loop:
         # float16: an overflowing step was skipped (nothing changed but the loss scale)
         scaled = {"loss_scale": float(out["loss_scale"].item()),
                   "skipped": bool(out["skipped"].item())} if self.scale is not None else {}
-        lr = lr_at(s, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio)
+        lr = (float(self.task.lr_fn(mx.array(s))) if self.task.lr_fn is not None else
+              lr_at(s, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio))
         # A non-finite gradient norm with a finite loss has already made the update NaN
         # (unless the loss scale skipped that update).
         checked = (("loss", loss),) if scaled.get("skipped") else (
