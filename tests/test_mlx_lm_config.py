@@ -152,26 +152,26 @@ def test_the_optimizers_are_mlx_lm_s():
 
 @pytest.mark.parametrize("extra,line", [
     ({"data": "mlx-community/WikiSQL"},
-     "f.yaml: key 'data': expected a local folder with train.jsonl (toymlx reads no Hugging Face "
-     "datasets, and needs no network), found the dataset name 'mlx-community/WikiSQL'; download "
-     "it where there is a network (hf download --repo-type dataset mlx-community/WikiSQL "
-     "--local-dir DIR) and give data: DIR"),
-    ({"lr": 0.1}, "f.yaml: key 'lr': expected a key of mlx-lm's lora config (the file is read as "
-     "mlx-lm's, for its 'iters'), found an unknown key"),
+     ("f.yaml: key 'data': expected a local folder with train.jsonl (toymlx reads no Hugging "
+      "Face datasets, and needs no network), found the dataset name 'mlx-community/WikiSQL'; "
+      "download it where there is a network (hf download --repo-type dataset "
+      "mlx-community/WikiSQL --local-dir DIR) and give data: DIR")),
+    ({"lr": 0.1}, ("f.yaml: key 'lr': expected a key of mlx-lm's lora config (the file is read "
+                   "as mlx-lm's, for its 'iters'), found an unknown key")),
     ({"lora_parameters": {"rank": 8, "alpha": 16, "dropout": 0.0}},
-     "f.yaml: key 'lora_parameters.alpha': expected rank, scale, dropout or keys (mlx-lm's), "
-     "found 'alpha'"),
+     ("f.yaml: key 'lora_parameters.alpha': expected rank, scale, dropout or keys (mlx-lm's), "
+      "found 'alpha'")),
     ({"lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0,
                           "keys": ["self_attn.q_proj", "lm_head"]}},
-     "f.yaml: key 'lora_parameters.keys': expected module paths of a llama block "
-     "(self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, mlp.gate_proj, "
-     "mlp.up_proj, mlp.down_proj), found \"lm_head\""),
+     ("f.yaml: key 'lora_parameters.keys': expected module paths of a llama block "
+      "(self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, mlp.gate_proj, "
+      "mlp.up_proj, mlp.down_proj), found \"lm_head\"")),
     ({"optimizer": "sgd", "optimizer_config": {"sgd": {"momentum": 0.9}}},
-     "f.yaml: key 'optimizer_config.sgd.momentum': expected no arguments (what toymlx's sgd "
-     "takes), found 'momentum'; remove it"),
+     ("f.yaml: key 'optimizer_config.sgd.momentum': expected no arguments (what toymlx's sgd "
+      "takes), found 'momentum'; remove it")),
     ({"fine_tune_type": "full"},
-     "f.yaml: key 'num_layers': expected -1 with fine_tune_type full (toymlx's full fine-tune "
-     "trains every block, mlx-lm's the last num_layers), found 16"),
+     ("f.yaml: key 'num_layers': expected -1 with fine_tune_type full (toymlx's full fine-tune "
+      "trains every block, mlx-lm's the last num_layers), found 16")),
 ])
 def test_a_key_toymlx_cannot_honour_is_one_line(extra, line):
     with pytest.raises(ConfigFileError) as e:
