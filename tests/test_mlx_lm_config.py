@@ -184,3 +184,24 @@ def test_toymlx_s_own_files_keep_their_meaning(tmp_path, capsys):
                                  "seed": 1, "batch_size": 2, "optimizer": "adam"})
     assert is_mlx_lm_config({"iters": 5})
     assert mlx_lm_options({"model": "u/r"}, "f")[0]["base"] == "hf:u/r"
+
+
+def test_adam_on_an_mlx_schedule_resumes_exactly(tmp_path, base):
+    """A run with mlx-lm's optimizer and schedule, stopped at its checkpoint and resumed, logs
+    the straight run's losses and learning rates bit for bit."""
+    common = ["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path), "--steps",
+              "4", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
+              "--checkpoint-every", "2", "--no-progress", "--no-compile", "--optimizer", "adam",
+              "--lr-schedule", "cosine_decay", "--lr-schedule-args", "1e-3", "4", "--warmup",
+              "1"]
+    assert main([*common, "--run-id", "a"]) == 0
+    assert main([*common, "--run-id", "b", "--stop-at", "2"]) == 0
+    assert main(["--resume", str(tmp_path / "b"), "--no-progress"]) == 0
+
+    def steps(run: str) -> list[tuple]:
+        return [(e["step"], e["loss"], e["lr"]) for e in read_events(tmp_path / run)
+                if e["kind"] == "step"]
+    assert steps("a") == steps("b")
+    # warm-up from 0 for 1 step, then MLX's cosine_decay(1e-3, 4) from its step 0 (float32)
+    assert [s[2] for s in steps("a")] == pytest.approx(
+        [0.0, 1e-3, 1e-3, 1e-3 * 0.5 * (1 + np.cos(np.pi / 4))], rel=1e-6)
