@@ -50,7 +50,7 @@ MLX_LM_KEYS = {
     "mask_prompt": "--data.mask-prompt", "train": "nothing (toymlx-train always trains)",
     "steps_per_report": "--report-every",
     "test_batches": "nothing (--test scores all of test.jsonl)",
-    "optimizer": "nothing (toymlx trains with AdamW)",
+    "optimizer": "--optimizer (the lora recipe)",
 }
 """mlx_lm.lora's config keys -> toymlx's flags, named when such a key is unknown here."""
 

@@ -76,6 +76,7 @@ def _main(argv: list[str] | None) -> int:
         run_config,
         split_config,
     )
+    from toymlx_cli.mlx_lm_config import is_mlx_lm_config, mlx_lm_options, mlx_lm_table
 
     from toymlx.bundle.options import RunError
     from toymlx.recipes import get_recipe
@@ -98,6 +99,12 @@ def _main(argv: list[str] | None) -> int:
                                  f"change); give either --resume or -c")
             file_recipe, options = run_config(read_config_file(config_path), config_path)
             recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
+            if recipe in (None, "lora") and is_mlx_lm_config(options):
+                recipe = "lora"  # mlx-lm's lora config, read with mlx-lm's meaning
+                options, rows, notes = mlx_lm_options(options, config_path)
+                print(f"{config_path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
+                for note in notes:
+                    print(f"toymlx-train: {note}", file=sys.stderr)
         if resume:
             bundle = Bundle.open(resume)
             if recipe and recipe != bundle.recipe:

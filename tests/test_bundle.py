@@ -133,7 +133,7 @@ def test_a_latest_symlink_loop_is_one_line(tmp_path, stopped, capsys, prog, comm
 @pytest.mark.parametrize("path,key", [
     (["lr"], "config.lr"), (["seed"], "config.seed"), (["data"], "config.data"),
     (["model", "d_model"], "config.model.d_model"), (["data", "path"], "config.data.path"),
-    (["report_every"], "config.report_every"),
+    (["report_every"], "config.report_every"), (["report_to"], "config.report_to"),
 ])
 def test_a_key_missing_from_config_json_is_named(tmp_path, stopped, capsys, path, key):
     run = _copy(stopped, tmp_path)

@@ -85,8 +85,8 @@ def test_run_from_another_runs_config_equals_the_same_flags(tmp_path, data):
     ("- lr\n", "list.yaml", "{p}: expected a mapping of option: value, found a list"),
     ("lora:\n  rnak: 4\n", "typo.yaml", ("{p}: key 'lora.rnak': expected an option of toymlx-train "
      "--recipe lora, found an unknown key; did you mean --lora.rank?")),
-    ("iters: 100\n", "mlx.yaml", ("{p}: key 'iters': expected an option of toymlx-train --recipe "
-     "lora, found an unknown key; mlx-lm's iters is toymlx's --steps")),
+    ("iters: 100\nlr: 1e-3\n", "mlx.yaml", ("{p}: key 'lr': expected a key of mlx-lm's lora "
+     "config (the file is read as mlx-lm's, for its 'iters'), found an unknown key")),
     ("lr: fast\n", "type.yaml", ("{p}: key 'lr': expected a number, found \"fast\" (a string); fix "
      "it, or remove the key to take its default")),
     ("resume: runs/x\n", "resume.yaml", ("{p}: key 'resume': expected on the command line "

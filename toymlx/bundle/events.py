@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -71,9 +72,13 @@ def _fixed(kind: str) -> dict[str, Any]:
 class EventLog:
     """Append-only writer of one run's events."""
 
-    def __init__(self, path: str | os.PathLike, enabled: bool = True, t_offset: float = 0.0):
+    def __init__(self, path: str | os.PathLike, enabled: bool = True, t_offset: float = 0.0,
+                 sinks: list[Any] | None = None):
         self.path = Path(path)
         self.enabled = enabled
+        self.sinks = list(sinks or [])
+        """Called with each event as written (`toymlx.bundle.reporters`: --report-to), so they
+        see events.jsonl's records; one that fails is named once and dropped, never the run."""
         self.t0 = time.time() - t_offset  # a resumed run's clock goes on from its last event
         self._f = None
         self._last_loss: tuple[Any, float] = (None, math.nan)  # (step, loss) last emitted
@@ -106,7 +111,17 @@ class EventLog:
                 os.fsync(self._f.fileno())
             except OSError as e:
                 raise atomic.named(e, self.path) from None
+        for sink in list(self.sinks):
+            try:
+                sink(ev)
+            except Exception as e:  # noqa: BLE001 -- a reporter's failure must not end the run
+                self._drop(sink, e)
         return ev
+
+    def _drop(self, sink: Any, e: BaseException) -> None:
+        self.sinks.remove(sink)
+        print(f"toymlx: --report-to: {type(sink).__name__} stopped: {type(e).__name__}: "
+              f"{' '.join(str(e).split())}; events.jsonl goes on", file=sys.stderr)
 
     def loss_at(self, step: int) -> float | None:
         """The finite loss logged for `step` (its newest step event; earlier segments of a
@@ -120,6 +135,12 @@ class EventLog:
         return found if isinstance(found, float) else None
 
     def close(self) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001 -- as in emit
+                self._drop(sink, e)
+        self.sinks = []
         if self._f is not None:
             self._f.close()
             self._f = None

@@ -92,11 +92,15 @@ def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
 
 def model_record(spec: str, flag: str) -> dict[str, Any]:
     """What identifies the model file `spec` names (a path, or a store name): {"path": spec,
-    "file" (absolute), "bytes", "mtime_ns", "sha256"}."""
-    path = model_store.resolve_model(spec, flag)
+    "file" (absolute), "bytes", "mtime_ns", "sha256"}, and for a Hugging Face name the
+    repository, revision (commit) and file it resolved to (`hf_repo`, `hf_revision`,
+    `hf_file`)."""
+    found = model_store.resolve(spec, flag)
+    path = found.path
     st = path.stat()
     return {"path": spec, "file": os.path.abspath(path), "bytes": st.st_size,
-            "mtime_ns": st.st_mtime_ns, "sha256": model_store.file_sha256(path)}
+            "mtime_ns": st.st_mtime_ns, "sha256": model_store.file_sha256(path),
+            **found.source}
 
 
 def model_files(cfg: Any) -> dict[str, dict[str, Any]]:

@@ -9,6 +9,10 @@ Every option that takes a GGUF model file (`--base`, `--donor`, `--model`) goes 
   Docker distribution v2 manifest whose layer of media type `application/vnd.ollama.image.model`
   names the GGUF as `blobs/sha256-HEX`. The blob's SHA-256 is checked against its name (once
   per process), so a damaged or swapped file is refused rather than trained on.
+- `hf:USER/REPO[@REVISION][:QUANT]` or `hf:USER/REPO[@REVISION]/FILE.gguf`: a GGUF of a Hugging
+  Face repository, through `huggingface_hub` (its cache, HF_HOME/HF_HUB_CACHE, HF_HUB_OFFLINE,
+  the user's token, revisions, its download progress bar); the file chosen as llama.cpp's `-hf`
+  chooses it, and llama.cpp's own `-hf` cache searched too (`_resolve_hf`).
 - `lmstudio:PUBLISHER/REPO`, `lmstudio:PUBLISHER/REPO/FILE.gguf` or `lmstudio:SUBSTRING` (of
   a file name): LM Studio's models folder (`$LMSTUDIO_MODELS`, else `downloadsFolder` of
   `~/.lmstudio/settings.json`, `~/.lmstudio/models`, `~/.cache/lm-studio/models`) holds plain
@@ -30,6 +34,7 @@ from typing import Any
 
 OLLAMA = "ollama:"
 LMSTUDIO = "lmstudio:"
+HF = "hf:"
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
 MODEL_LAYER = "application/vnd.ollama.image.model"
 ADAPTER_LAYER = "application/vnd.ollama.image.adapter"
@@ -62,6 +67,9 @@ class Resolved:
     adapter: Path | None = None
     """Ollama: the blob of the manifest's ADAPTER layer (a llama.cpp LoRA GGUF, checked against
     its digest), which the model is made of as much as of `path`; None without one."""
+    source: dict[str, Any] = field(default_factory=dict)
+    """Hugging Face: {"hf_repo", "hf_revision" (the commit), "hf_file"}, recorded beside the
+    file's SHA-256 in config.json."""
 
     def record(self, key: str) -> dict[str, Any]:
         """What to write in a run's config: `{key}_file` (absolute), and for a store name
@@ -71,6 +79,7 @@ class Resolved:
             out[f"{key}_store"] = f"{self.store}:{self.name}"
         if self.digest:
             out[f"{key}_sha256"] = self.digest.split(":", 1)[1]
+        out.update({f"{key}_{k}": v for k, v in self.source.items()})
         return out
 
     def layer_text(self, kind: str) -> str | None:
@@ -93,7 +102,7 @@ class Resolved:
 
 def is_store_name(spec: str | os.PathLike) -> bool:
     """Whether `spec` names a model in a store (and is not an existing path of that name)."""
-    return (isinstance(spec, str) and spec.startswith((OLLAMA, LMSTUDIO))
+    return (isinstance(spec, str) and spec.startswith((OLLAMA, LMSTUDIO, HF))
             and not Path(spec).exists())
 
 
@@ -110,7 +119,8 @@ def resolve(spec: str | os.PathLike, flag: str = "--model", with_adapter: bool =
     if not is_store_name(spec):
         return Resolved(str(spec), Path(spec))
     spec = str(spec)
-    found = (_resolve_ollama if spec.startswith(OLLAMA) else _resolve_lmstudio)(spec, flag)
+    found = (_resolve_ollama if spec.startswith(OLLAMA) else _resolve_hf if spec.startswith(HF)
+             else _resolve_lmstudio)(spec, flag)
     if found.adapter is not None and not with_adapter:
         raise ModelStoreError(f"{flag} {spec}: expected a model without an ADAPTER layer (this "
                               f"command would use its base {found.path} alone), found the "
@@ -345,3 +355,222 @@ def _resolve_lmstudio(spec: str, flag: str) -> Resolved:
                        else _listing(list_lmstudio(r)) for r in present)
     where = " or ".join(map(str, present))
     raise ModelStoreError(f"{flag} {spec}: not in LM Studio's models folder {where}; {listed}")
+
+
+# ---- Hugging Face ---------------------------------------------------------------------------
+HF_DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")
+"""What llama.cpp's `-hf USER/REPO` looks for without a `:QUANT`, in this order; then the first
+model GGUF of the repository."""
+_NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+"""Parts of a file name that mark a GGUF as a companion, not a model (llama.cpp's list)."""
+_SPLIT = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def parse_hf_name(name: str) -> tuple[str, str | None, str | None, str | None]:
+    """(repo, revision, quant, file) of `USER/REPO[@REV][:QUANT]` or `USER/REPO[@REV]/FILE.gguf`;
+    ValueError saying what is expected."""
+    parts = name.split("/")
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise ValueError("expected hf:USER/REPO[:QUANT] or hf:USER/REPO/FILE.gguf")
+    user, rest, path = parts[0], parts[1], "/".join(parts[2:])
+    quant = None
+    if not path and ":" in rest:
+        rest, quant = rest.split(":", 1)
+    revision = None
+    if "@" in rest:
+        rest, revision = rest.split("@", 1)
+    repo = f"{user}/{rest}"
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*/[A-Za-z0-9_][A-Za-z0-9_.\-]*", repo) \
+            or ".." in repo:
+        raise ValueError(f"repository {repo!r}: expected USER/REPO of letters, digits, '_', '-', "
+                         "'.'")
+    if path and (not path.lower().endswith(".gguf") or ".." in path.split("/")):
+        raise ValueError(f"file {path!r}: expected a .gguf file of the repository")
+    if quant is not None and not re.fullmatch(r"[A-Za-z0-9_]+", quant):
+        raise ValueError(f"quant {quant!r}: expected a quantization type such as Q4_K_M")
+    if revision is not None and not revision:
+        raise ValueError("expected a revision after '@'")
+    return repo, revision, quant or None, path or None
+
+
+def _split(path: str) -> tuple[str, int, int] | None:
+    m = _SPLIT.match(path)
+    return (m["prefix"], int(m["index"]), int(m["count"])) if m else None
+
+
+def pick_hf_file(files: list[str], quant: str | None) -> str | None:
+    """The GGUF llama.cpp's `-hf REPO[:QUANT]` picks from a repository's files (sorted): the
+    first model GGUF whose path has QUANT followed by '.' or '-' (any case; no QUANT: Q4_K_M,
+    then Q8_0, then any model GGUF), the first part of a multi-part one; None if none fits."""
+    models = [f for f in sorted(files) if f.lower().endswith(".gguf")
+              and not any(k in f.rsplit("/", 1)[-1] for k in _NOT_MODELS)
+              and (_split(f) is None or _split(f)[1] == 1)]
+    for q in (quant,) if quant else HF_DEFAULT_QUANTS:
+        pattern = re.compile(re.escape(q) + r"[.\-]", re.IGNORECASE)
+        hit = next((f for f in models if pattern.search(f)), None)
+        if hit:
+            return hit
+    return models[0] if models and not quant else None
+
+
+def hf_parts(files: list[str], first: str) -> list[str]:
+    """Every part of the multi-part GGUF whose first part is `first` (just `first` for one
+    file)."""
+    split = _split(first)
+    if split is None:
+        return [first]
+    prefix, _, count = split
+    return [f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
+def hf_cache_dirs() -> list[Path]:
+    """The Hugging Face-layout caches searched: huggingface_hub's (HF_HUB_CACHE, else
+    HF_HOME/hub, else ~/.cache/huggingface/hub), then llama.cpp's `-hf` cache where LLAMA_CACHE
+    moves it elsewhere (llama.cpp keeps its downloads in the same layout)."""
+    from huggingface_hub import constants
+
+    env = os.environ
+    hub = (env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+           or (str(Path(env["HF_HOME"]) / "hub") if env.get("HF_HOME") else None)
+           or constants.HF_HUB_CACHE)
+    dirs = [Path(hub).expanduser()]
+    if env.get("LLAMA_CACHE") and Path(env["LLAMA_CACHE"]).expanduser() not in dirs:
+        dirs.append(Path(env["LLAMA_CACHE"]).expanduser())
+    return dirs
+
+
+def llama_cpp_legacy_dir() -> Path:
+    """llama.cpp's `-hf` cache before it took the Hugging Face layout: flat files named
+    `USER_REPO_FILE.gguf` in LLAMA_CACHE, else ~/.cache/llama.cpp."""
+    env = os.environ.get("LLAMA_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "llama.cpp"
+
+
+def hf_offline() -> bool:
+    """Whether the Hub is not to be asked (HF_HUB_OFFLINE, as huggingface_hub reads it)."""
+    from huggingface_hub import constants
+
+    return bool(constants.is_offline_mode()) or os.environ.get(
+        "HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cached_snapshot(cache: Path, repo: str, revision: str | None
+                     ) -> tuple[str, dict[str, Path]] | None:
+    """(commit, {file: path}) of a repository's snapshot in a Hugging Face-layout cache, as
+    huggingface_hub's `scan_cache_dir` sees it; None where the cache does not hold it."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir(cache)
+    except (CacheNotFound, OSError):
+        return None
+    for r in info.repos:
+        if r.repo_type != "model" or r.repo_id.lower() != repo.lower():
+            continue
+        want = revision or "main"
+        for rev in sorted(r.revisions, key=lambda x: x.last_modified, reverse=True):
+            if want in rev.refs or rev.commit_hash == want or (
+                    revision is None and not any("main" in x.refs for x in r.revisions)):
+                return rev.commit_hash, {f.file_path.relative_to(rev.snapshot_path).as_posix():
+                                         f.file_path for f in rev.files}
+    return None
+
+
+def _resolve_hf(spec: str, flag: str) -> Resolved:
+    try:
+        repo, revision, quant, file = parse_hf_name(spec[len(HF):])
+    except ValueError as e:
+        raise ModelStoreError(f"{flag} {spec}: not a Hugging Face model name: {e}") from None
+    offline, why = hf_offline(), ""
+    if not offline:  # the Hub's own listing, then huggingface_hub's download (bar, token, cache)
+        try:
+            return _hf_download(spec, flag, repo, revision, quant, file)
+        except ModelStoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- no network, a refused token: try the caches
+            why = f"the Hub could not be reached ({type(e).__name__}: {' '.join(str(e).split())})"
+    else:
+        why = "HF_HUB_OFFLINE is set"
+    for cache in hf_cache_dirs():
+        found = _cached_snapshot(cache, repo, revision)
+        if found is None:
+            continue
+        commit, files = found
+        name = file or pick_hf_file(list(files), quant)
+        if name is None or name not in files:
+            raise ModelStoreError(_no_file(spec, flag, repo, quant, file, list(files),
+                                           f"its snapshot {commit[:12]} in {cache}"))
+        parts = hf_parts(list(files), name)
+        missing = [p for p in parts if p not in files]
+        if missing:
+            raise ModelStoreError(f"{flag} {spec}: {cache}: expected every part of {name}, found "
+                                  f"{missing[0]} missing ({why}); download it with: hf download "
+                                  f"{repo} {' '.join(parts)}")
+        return _hf_resolved(spec, repo, commit, name, [files[p] for p in parts])
+    legacy = _legacy_llama_cpp(spec, repo, quant, file)
+    if legacy is not None:
+        return legacy
+    where = " nor ".join(str(c) for c in hf_cache_dirs())
+    raise ModelStoreError(f"{flag} {spec}: not in the Hugging Face cache {where} and {why}; "
+                          f"download it where there is a network: hf download {repo}"
+                          + (f" {file}" if file else f" --include '*{quant or 'Q4_K_M'}*'"))
+
+
+def _no_file(spec: str, flag: str, repo: str, quant: str | None, file: str | None,
+             files: list[str], where: str) -> str:
+    ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
+    want = file or (f"a GGUF of quantization {quant}" if quant else
+                    f"a model GGUF ({', '.join(HF_DEFAULT_QUANTS)} or any)")
+    return (f"{flag} {spec}: {repo}: expected {want} in {where}, found "
+            + (", ".join(ggufs[:MAX_LISTED]) if ggufs else "no GGUF files")
+            + "; name one as hf:USER/REPO/FILE.gguf or hf:USER/REPO:QUANT")
+
+
+def _hf_download(spec: str, flag: str, repo: str, revision: str | None, quant: str | None,
+                 file: str | None) -> Resolved:
+    from huggingface_hub import HfApi, hf_hub_download
+
+    files = HfApi().list_repo_files(repo, revision=revision)
+    name = file if file in files else None if file else pick_hf_file(files, quant)
+    if name is None:
+        raise ModelStoreError(_no_file(spec, flag, repo, quant, file, files,
+                                       f"the repository (revision {revision or 'main'})"))
+    paths = [Path(hf_hub_download(repo, p, revision=revision)) for p in hf_parts(files, name)]
+    commit = paths[0].parents[len(Path(name).parts) - 1].name  # snapshots/<commit>/<file>
+    return _hf_resolved(spec, repo, commit, name, paths)
+
+
+def _hf_resolved(spec: str, repo: str, commit: str, name: str, paths: list[Path]) -> Resolved:
+    _one_file(spec, paths)
+    return Resolved(spec, paths[0], "hf", f"{repo}/{name}",
+                    source={"hf_repo": repo, "hf_revision": commit, "hf_file": name})
+
+
+def _one_file(spec: str, paths: list[Path]) -> None:
+    """ModelStoreError for a multi-part GGUF (found whole): toymlx's reader takes one file."""
+    if len(paths) > 1:
+        raise ModelStoreError(f"{spec}: expected a one-file GGUF, found {len(paths)} parts "
+                              f"({paths[0].parent}); toymlx reads one file: merge them with "
+                              f"llama-gguf-split --merge {paths[0]} MERGED.gguf and give that "
+                              "file")
+
+
+def _legacy_llama_cpp(spec: str, repo: str, quant: str | None, file: str | None
+                      ) -> Resolved | None:
+    """The file in llama.cpp's older flat `-hf` cache (`llama_cpp_legacy_dir`), if there."""
+    root = llama_cpp_legacy_dir()
+    prefix = repo.replace("/", "_") + "_"
+    if not root.is_dir():
+        return None
+    files = {p.name[len(prefix):]: p for p in root.iterdir()
+             if p.name.startswith(prefix) and p.is_file()}
+    name = file.replace("/", "_") if file else pick_hf_file(list(files), quant)
+    if name is None or name not in files:
+        return None
+    parts = hf_parts(list(files), name)
+    if any(p not in files for p in parts):
+        return None
+    _one_file(spec, [files[p] for p in parts])
+    return Resolved(spec, files[name], "hf", f"{repo}/{name}",
+                    source={"hf_repo": repo, "hf_file": name, "hf_cache": str(root)})

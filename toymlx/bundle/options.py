@@ -61,6 +61,10 @@ class RunOptions:
     grad_checkpoint: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them: less
     memory for long sequences, about one more forward pass of time."""
+    report_to: str | None = None
+    """Also show the run's step, eval, checkpoint and test figures as scalars in tensorboard
+    (event files in the run folder), wandb (offline without a W&B login), or both:
+    tensorboard,wandb (mlx-lm's --report-to; the extras toymlx[tensorboard], toymlx[wandb])."""
     force: bool = False
     """Start even when a step's estimated peak exceeds the memory available (the lora recipe
     estimates it before loading; run_start records the estimate either way)."""

@@ -20,11 +20,14 @@ type that keeps its change), a type: every tensor re-quantized to it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import mlx.core as mx
+import mlx.optimizers as optim
 import numpy as np
 
 from toymlx.backend.device import on_gpu
@@ -54,9 +57,14 @@ from toymlx.training.fused import (
     write_like_base,
     write_reencoded,
 )
+from toymlx.training.schedule import lr_at
 from toymlx.training.task import Task, TrainConfig
+from toymlx.training.task import make_optimizer as adamw
 
 DEFAULT_DATA = fixture_path("python_qa", "python_qa.jsonl")
+SCHEDULES = ("constant", "cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
+"""--lr-schedule's MLX schedules (mlx.optimizers.schedulers, as mlx-lm's lr_schedule names
+them; constant: --lr)."""
 
 
 @dataclass
@@ -128,6 +136,19 @@ class Config(TrainConfig):
     """Steps of linear warm-up."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay on the adapter matrices."""
+    optimizer: Literal["adamw", "adam", "sgd", "adafactor", "muon"] = "adamw"
+    """The optimizer (mlx-lm's --optimizer): adamw and adam take --beta1/--beta2 (adamw also
+    --weight-decay); sgd, adafactor and muon run with MLX's defaults."""
+    lr_schedule: Literal[("warmup-cosine", *SCHEDULES)] = "warmup-cosine"  # type: ignore[valid-type]
+    """warmup-cosine: toymlx's (--warmup steps up to --lr, cosine down to --min-lr-ratio); any
+    other is MLX's schedule of that name called with --lr-schedule-args, after --warmup steps
+    rising from --warmup-init to its first argument, as mlx-lm's lr_schedule; constant: --lr
+    throughout after the warm-up."""
+    lr_schedule_args: tuple[float, ...] = ()
+    """The arguments of an MLX schedule (mlx-lm's lr_schedule.arguments: cosine_decay takes
+    initial lr, decay steps[, end lr])."""
+    warmup_init: float = 0.0
+    """With an MLX --lr-schedule: the learning rate the --warmup steps start from."""
     eval_every: int = 25
     """Steps between validation passes (0: only at the end)."""
     checkpoint_every: int = 50
@@ -170,6 +191,7 @@ def validate(cfg: Config) -> None:
         raise ValueError("--lora.init-adapter: expected with --fine-tune-type lora or dora, "
                          "found full (fuse the adapter into the base with toymlx-export --fuse, "
                          "and fine-tune that)")
+    schedule(cfg)  # its arguments checked now, not at the first step
     if cfg.test:
         check_test_folder(cfg.data.path)
     if not 0.0 <= cfg.data.val_fraction < 1.0:
@@ -188,6 +210,41 @@ def check_applies(cfg: Config) -> None:
             raise ValueError(f"--lora.{f.name.replace('_', '-')}: expected no value with "
                              f"--fine-tune-type full (every weight is trained, no adapters), "
                              f"found {v!r}; remove it, or train --fine-tune-type lora or dora")
+
+
+def schedule(cfg: Config) -> Callable[[Any], Any]:
+    """The learning rate as a function of the optimizer step (0-based; Python ints and mlx
+    arrays), from --lr-schedule; ValueError naming the flag for arguments MLX refuses."""
+    if cfg.lr_schedule == "warmup-cosine":
+        return partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
+                       min_ratio=cfg.min_lr_ratio)
+    if cfg.lr_schedule == "constant":
+        if cfg.lr_schedule_args:
+            raise ValueError(f"--lr-schedule-args: expected none with --lr-schedule constant "
+                             f"(it is --lr), found {list(cfg.lr_schedule_args)}")
+        main, first = (lambda step: mx.array(cfg.lr, mx.float32)), cfg.lr
+    else:
+        try:
+            main = getattr(optim.schedulers, cfg.lr_schedule)(*cfg.lr_schedule_args)
+            first = float(main(mx.array(0)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--lr-schedule-args {list(cfg.lr_schedule_args)}: expected the "
+                             f"arguments of MLX's {cfg.lr_schedule}, found {e}") from None
+    if not cfg.warmup:
+        return main
+    warm = optim.schedulers.linear_schedule(cfg.warmup_init, first, cfg.warmup)
+    return optim.schedulers.join_schedules([warm, main], [cfg.warmup + 1])
+
+
+def make_optimizer(cfg: Config) -> optim.Optimizer:
+    """--optimizer with --lr-schedule; toymlx's AdamW (matrices decayed) for adamw."""
+    lr = schedule(cfg)
+    if cfg.optimizer == "adamw":
+        return adamw(cfg, lr)
+    if cfg.optimizer == "adam":
+        return optim.Adam(learning_rate=lr, betas=[cfg.beta1, cfg.beta2], eps=1e-8)
+    return {"sgd": optim.SGD, "adafactor": optim.Adafactor, "muon": optim.Muon}[cfg.optimizer](
+        learning_rate=lr)
 
 
 def fuse_type(choice: str, g: GGUFFile) -> str:
@@ -308,4 +365,6 @@ def build(cfg: Config, ops: Ops) -> Task:
         unit="tokens", count=lambda b: int(np.sum(b["mask"])),
         prefix=prefix,
         test_batches=data.test_batches(cfg.batch_size, cfg.grad_checkpoint) if cfg.test else [],
-        finish=finish if cfg.fuse_at_end else None, memory=fits)
+        finish=finish if cfg.fuse_at_end else None, memory=fits,
+        optimizer=make_optimizer,
+        lr_fn=None if cfg.lr_schedule == "warmup-cosine" else schedule(cfg))

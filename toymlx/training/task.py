@@ -21,6 +21,7 @@ import numpy as np
 from mlx import nn
 
 from toymlx.bundle.options import RunOptions, flag_name
+from toymlx.bundle.reporters import parse_report_to
 from toymlx.training.schedule import lr_at
 
 
@@ -134,6 +135,7 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) ->
     if cfg.resume and cfg.overwrite:
         raise ValueError("--overwrite: replaces a bundle with a new run, so it cannot go with "
                          "--resume; give one of them")
+    parse_report_to(cfg.report_to)
     if hasattr(module, "validate"):
         module.validate(cfg)
     if new_run and hasattr(module, "check_applies"):
@@ -168,6 +170,9 @@ class Task:
     optimizer: Callable[[TrainConfig], optim.Optimizer] | None = None
     """Build the optimizer (default: `make_optimizer`); lets a recipe give a parameter group
     its own schedule, as a pure function of the optimizer step."""
+    lr_fn: Callable[[int], Any] | None = None
+    """The learning rate of optimizer step s (0-based) that `optimizer`'s schedule gives, for
+    the step events (default: `lr_at` with the shared options)."""
     test_batches: list[dict[str, np.ndarray]] = field(default_factory=list)
     """Held-out test batches scored once when the run completes (an `eval` event with split
     "test"); empty: no test (a recipe fills it for `--test`)."""
@@ -180,9 +185,11 @@ class Task:
     for run_start; None where the recipe makes no estimate."""
 
 
-def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
-    sched = partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
-                    min_ratio=cfg.min_lr_ratio)
+def make_optimizer(cfg: TrainConfig, lr: Callable[[Any], Any] | None = None) -> optim.Optimizer:
+    """AdamW with decoupled weight decay on the matrices only; the learning rate `lr` of the
+    step (default: warm-up + cosine, `lr_at`)."""
+    sched = lr or partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
+                          min_ratio=cfg.min_lr_ratio)
     kw = {"learning_rate": sched, "betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
     decay = optim.AdamW(weight_decay=cfg.weight_decay, **kw)
     no_decay = optim.AdamW(weight_decay=0.0, **kw)

@@ -35,6 +35,7 @@ from toymlx.backend.device import backend_info
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
 from toymlx.bundle.folder import config_digest, saved_config
+from toymlx.bundle.reporters import open_reporters
 from toymlx.bundle.resume import Resume, intact_hint
 from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
@@ -317,7 +318,8 @@ class _Loop:
         device.bound_kept_buffers(None if est is None else
                                   (est["activations_mb"] + est["logits_mb"]) << 20)
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
-                            t_offset=resume.t if resume is not None else 0.0)
+                            t_offset=resume.t if resume is not None else 0.0,
+                            sinks=open_reporters(cfg.report_to, run_dir) if self.rank0 else [])
         kept = resume.kept if resume is not None else []
         self.run_uid = next((e["run_uid"] for e in kept if e["kind"] == "run_start"
                              and isinstance(e.get("run_uid"), str)), None) or uuid.uuid4().hex
@@ -478,7 +480,8 @@ class _Loop:
         # float16: an overflowing step was skipped (nothing changed but the loss scale)
         scaled = {"loss_scale": float(out["loss_scale"].item()),
                   "skipped": bool(out["skipped"].item())} if self.scale is not None else {}
-        lr = lr_at(s, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio)
+        lr = (float(self.task.lr_fn(mx.array(s))) if self.task.lr_fn is not None else
+              lr_at(s, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio))
         # A non-finite gradient norm with a finite loss has already made the update NaN
         # (unless the loss scale skipped that update).
         checked = (("loss", loss),) if scaled.get("skipped") else (

@@ -1,0 +1,270 @@
+"""mlx-lm's LoRA config files (`mlx_lm lora -c F`), read unchanged by `toymlx-train -c F`.
+
+A file is mlx-lm's when it has one of the keys only mlx-lm's lora command reads
+(`MLX_LM_ONLY`: iters, learning_rate, num_layers, lora_parameters, ...). Its keys are mapped to
+the lora recipe's options with mlx-lm's meaning, and the keys it leaves out take mlx-lm's
+defaults (`MLX_LM_DEFAULTS`, as mlx_lm/lora.py's CONFIG_DEFAULTS has them; mlx-lm 0.32), as
+do the settings mlx-lm fixes without a key (`MLX_LM_FIXED`: no gradient clipping, one example
+a row, LoRA on every linear layer, Adam's beta2 0.999, no warm-up). `mlx_lm_options` returns
+the options and the table printed at start (mlx-lm key, toymlx option, value, where it came
+from). A key toymlx cannot honour is one line naming it: refused where it changes what is
+trained, noted where it does not. toymlx's own config files are not read here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from toymlx_cli.config_file import ConfigFileError
+
+MLX_LM_ONLY = frozenset({
+    "train", "iters", "learning_rate", "num_layers", "lora_parameters", "lr_schedule",
+    "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
+    "save_every", "adapter_path", "resume_adapter_file", "max_seq_length",
+    "grad_accumulation_steps", "clear_cache_threshold", "project_name", "trust_remote_code"})
+"""Keys that make a config file mlx-lm's: its lora command reads them, toymlx has none (its
+`model`, `data`, `seed`, ... are read as mlx-lm's in such a file, as toymlx's in another)."""
+MLX_LM_DEFAULTS: dict[str, Any] = {
+    "fine_tune_type": "lora", "optimizer": "adam", "seed": 0, "num_layers": 16,
+    "batch_size": 4, "iters": 1000, "val_batches": 25, "learning_rate": 1e-5,
+    "steps_per_report": 10, "steps_per_eval": 200, "save_every": 100, "test": False,
+    "max_seq_length": 2048, "grad_checkpoint": False, "grad_accumulation_steps": 1,
+    "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0}, "mask_prompt": False,
+}
+"""mlx_lm/lora.py's CONFIG_DEFAULTS for the keys that change what is trained."""
+MLX_LM_FIXED: dict[str, Any] = {"grad_clip": 0.0, "data.pack": False, "beta1": 0.9,
+                                "beta2": 0.999, "warmup": 0, "weight_decay": 0.0,
+                                "lr_schedule": "constant"}
+"""What mlx-lm trains with and has no key for (its trainer does not clip, batches one
+example a row; MLX's Adam betas), where toymlx's lora recipe has another default."""
+_NOTED = {
+    "train": "toymlx-train always trains",
+    "test_batches": "toymlx's --test scores all of test.jsonl",
+    "clear_cache_threshold": "toymlx manages MLX's cache itself",
+    "project_name": "W&B's project is WANDB_PROJECT (default toymlx)",
+    "trust_remote_code": "toymlx runs no model code from a repository",
+    "config": "the file itself",
+}
+"""Keys toymlx reads but does not honour, because they do not change what is trained."""
+_TARGETS = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
+            "self_attn.o_proj": "o", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
+            "mlp.down_proj": "down"}
+"""mlx-lm's module paths (lora_parameters.keys) of a llama block -> toymlx's --lora.targets."""
+ALL_TARGETS = ",".join(_TARGETS.values())
+_RENAMED = {"iters": "steps", "learning_rate": "lr", "max_seq_length": "seq_len",
+            "grad_accumulation_steps": "grad_accum", "steps_per_eval": "eval_every",
+            "steps_per_report": "report_every", "save_every": "checkpoint_every",
+            "batch_size": "batch_size", "seed": "seed", "test": "test",
+            "grad_checkpoint": "grad_checkpoint", "fine_tune_type": "fine_tune_type",
+            "mask_prompt": "data.mask_prompt", "resume_adapter_file": "lora.init_adapter",
+            "optimizer": "optimizer"}
+
+
+def is_mlx_lm_config(options: dict[str, Any]) -> bool:
+    """Whether a config file's options are mlx-lm's (`MLX_LM_ONLY`)."""
+    return any(k in MLX_LM_ONLY for k in options)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _want(source: str, key: str, ok: bool, expected: str, found: Any) -> None:
+    if not ok:
+        raise ConfigFileError(f"{source}: key {key!r}: expected {expected}, found "
+                              f"{json.dumps(found)}")
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def mlx_lm_options(data: dict[str, Any], source: str
+                   ) -> tuple[dict[str, Any], list[tuple[str, str, Any, str]], list[str]]:
+    """(toymlx options as dotted keys, the table's rows (mlx-lm key, toymlx option, value,
+    "file" or "mlx-lm default"), one note a key not honoured) of an mlx-lm config; ConfigFileError
+    (one line naming the key) for one toymlx cannot honour that changes what is trained."""
+    keys = set(data)
+    unknown = sorted(keys - MLX_LM_ONLY - set(MLX_LM_DEFAULTS) - set(_NOTED) - {
+        "model", "data", "report_to", "recipe"})
+    if unknown:
+        raise ConfigFileError(f"{source}: key {unknown[0]!r}: expected a key of mlx-lm's lora "
+                              f"config (the file is read as mlx-lm's, for its "
+                              f"{min(keys & MLX_LM_ONLY)!r}), found an unknown key")
+    given = {**MLX_LM_DEFAULTS, **data}
+    out: dict[str, Any] = {}
+    rows: list[tuple[str, str, Any, str]] = []
+    notes = [f"{source}: key {k!r}: not honoured ({why})" for k, why in _NOTED.items()
+             if k in data]
+
+    def put(mlx_key: str, option: str, value: Any, origin: str | None = None) -> None:
+        if option in out:  # set again by a key that overrides another (lr_schedule over lr)
+            rows[:] = [r for r in rows if r[1] != _flag(option)]
+        out[option] = value
+        rows.append((mlx_key, _flag(option), value, origin or (
+            "file" if mlx_key.split(".")[0] in data else "mlx-lm default")))
+
+    if isinstance(given["optimizer"], str):
+        given["optimizer"] = given["optimizer"].lower()
+    for key, option in _RENAMED.items():
+        if key in given:
+            put(key, option, given[key])
+    _want(source, "num_layers", _int(given["num_layers"]) and given["num_layers"] >= -1,
+          "an integer >= -1 (-1: every block)", given["num_layers"])
+    if given["fine_tune_type"] == "full":
+        # mlx-lm unfreezes the last num_layers blocks; toymlx's full trains every weight
+        _want(source, "num_layers", given["num_layers"] == -1, "-1 with fine_tune_type full "
+              "(toymlx's full fine-tune trains every block, mlx-lm's the last num_layers)",
+              given["num_layers"])
+    else:
+        put("num_layers", "lora.layers",
+            None if given["num_layers"] == -1 else given["num_layers"])
+    if "val_batches" in given:
+        vb = given["val_batches"]
+        _want(source, "val_batches", _int(vb) and (vb >= 1 or vb == -1),
+              "an integer >= 1, or -1 (every batch)", vb)
+        put("val_batches", "eval_batches", 2**31 - 1 if vb == -1 else vb)
+    if given["fine_tune_type"] != "full":
+        _lora(given["lora_parameters"], source, put)
+    if "lr_schedule" in data:
+        _schedule(data["lr_schedule"], source, put)
+    _optimizer_config(data.get("optimizer_config"), given["optimizer"], source, put)
+    if "model" in data:
+        put("model", "base", _model(data["model"], source))
+    if "data" in data:
+        put("data", "data.path", _data(data["data"], source))
+    if "adapter_path" in data:
+        p = data["adapter_path"]
+        _want(source, "adapter_path", isinstance(p, str) and p.strip("/") != "",
+              "a folder name", p)
+        put("adapter_path", "runs_root", str(Path(p).parent))
+        put("adapter_path", "run_id", Path(p).name)
+    if data.get("report_to"):
+        put("report_to", "report_to", data["report_to"])
+    for option, value in MLX_LM_FIXED.items():
+        if option not in out:
+            put("(none)", option, value, "mlx-lm's, fixed")
+    if "lora.targets" not in out and given["fine_tune_type"] != "full":
+        put("lora_parameters.keys", "lora.targets", ALL_TARGETS, "mlx-lm default")
+    return out, rows, notes
+
+
+def _lora(params: Any, source: str, put) -> None:
+    """lora_parameters: rank, scale (toymlx's alpha = scale x rank: the same update), dropout,
+    keys. mlx-lm takes the mapping whole (no key falls back to a default) and requires scale."""
+    _want(source, "lora_parameters", isinstance(params, dict), "a mapping of rank, scale, "
+          "dropout[, keys]", params)
+    other = sorted(set(params) - {"rank", "scale", "dropout", "keys"})
+    if other:
+        raise ConfigFileError(f"{source}: key 'lora_parameters.{other[0]}': expected rank, scale, "
+                              f"dropout or keys (mlx-lm's), found {other[0]!r}")
+    for k in ("rank", "scale", "dropout"):
+        if k not in params:
+            raise ConfigFileError(f"{source}: key 'lora_parameters.{k}': expected it (mlx-lm "
+                                  "requires rank, scale and dropout when lora_parameters is "
+                                  "given), found no key")
+    rank, scale = params["rank"], params["scale"]
+    _want(source, "lora_parameters.rank", _int(rank) and rank >= 1, "an integer >= 1", rank)
+    _want(source, "lora_parameters.scale", _number(scale) and scale > 0, "a number > 0", scale)
+    put("lora_parameters.rank", "lora.rank", rank)
+    put("lora_parameters.scale", "lora.alpha", float(scale) * rank)
+    put("lora_parameters.dropout", "lora.dropout", params["dropout"])
+    if params.get("keys") is not None:
+        keys = params["keys"]
+        _want(source, "lora_parameters.keys", isinstance(keys, list) and keys, "a list of module "
+              "paths such as self_attn.q_proj", keys)
+        for k in keys:
+            if k not in _TARGETS:
+                raise ConfigFileError(f"{source}: key 'lora_parameters.keys': expected module "
+                                      f"paths of a llama block ({', '.join(_TARGETS)}), found "
+                                      f"{json.dumps(k)}")
+        put("lora_parameters.keys", "lora.targets", ",".join(_TARGETS[k] for k in keys))
+
+
+def _schedule(sched: Any, source: str, put) -> None:
+    """lr_schedule: {name, arguments, warmup, warmup_init}; the first argument is the peak lr."""
+    from toymlx.recipes.lora import SCHEDULES
+
+    _want(source, "lr_schedule", isinstance(sched, dict) and "name" in sched
+          and "arguments" in sched, "a mapping with name and arguments", sched)
+    other = sorted(set(sched) - {"name", "arguments", "warmup", "warmup_init"})
+    if other:
+        raise ConfigFileError(f"{source}: key 'lr_schedule.{other[0]}': expected name, arguments, "
+                              f"warmup or warmup_init (mlx-lm's), found {other[0]!r}")
+    name, args = sched["name"], sched["arguments"]
+    _want(source, "lr_schedule.name", name in SCHEDULES[1:], "one of MLX's schedules "
+          + ", ".join(SCHEDULES[1:]), name)
+    _want(source, "lr_schedule.arguments", isinstance(args, list) and args
+          and all(_number(a) for a in args), "a list of numbers, the first the initial lr", args)
+    put("lr_schedule.name", "lr_schedule", name)
+    put("lr_schedule.arguments", "lr_schedule_args", [float(a) for a in args])
+    put("lr_schedule.arguments[0]", "lr", float(args[0]))
+    put("lr_schedule.warmup", "warmup", sched.get("warmup", 0))
+    put("lr_schedule.warmup_init", "warmup_init", float(sched.get("warmup_init", 0.0)))
+
+
+def _optimizer_config(conf: Any, name: Any, source: str, put) -> None:
+    """optimizer_config.<name>: adam and adamw's betas, eps (MLX's 1e-8 only) and adamw's
+    weight_decay (MLX's default 0.01); the other optimizers run with MLX's defaults."""
+    conf = {} if conf is None else conf
+    conf = (conf.get(name) or {}) if isinstance(conf, dict) else conf
+    key = f"optimizer_config.{name}"
+    _want(source, key, isinstance(conf, dict), "a mapping of the optimizer's arguments", conf)
+    allowed = {"adam": {"betas", "eps"}, "adamw": {"betas", "eps", "weight_decay"}}.get(name, set())
+    for k, v in conf.items():
+        if k not in allowed:
+            raise ConfigFileError(f"{source}: key '{key}.{k}': expected "
+                                  + (", ".join(sorted(allowed)) if allowed else "no arguments")
+                                  + f" (what toymlx's {name} takes), found {k!r}; remove it")
+        if k == "eps":
+            _want(source, f"{key}.eps", v == 1e-8, "1e-8 (the eps toymlx's Adam uses)", v)
+        if k == "betas":
+            _want(source, f"{key}.betas", isinstance(v, list) and len(v) == 2
+                  and all(_number(b) for b in v), "[beta1, beta2]", v)
+            put(f"{key}.betas", "beta1", float(v[0]))
+            put(f"{key}.betas", "beta2", float(v[1]))
+    if name == "adamw":
+        wd = conf.get("weight_decay", 0.01)
+        _want(source, f"{key}.weight_decay", _number(wd) and wd >= 0, "a number >= 0", wd)
+        put(f"{key}.weight_decay", "weight_decay", float(wd),
+            None if "weight_decay" in conf else "MLX's AdamW default")
+
+
+def _model(model: Any, source: str) -> str:
+    """model: a GGUF path, a store name (ollama:, lmstudio:, hf:), or USER/REPO (hf:USER/REPO:
+    its Q4_K_M GGUF, as llama.cpp's -hf)."""
+    _want(source, "model", isinstance(model, str) and model, "a GGUF file or a model name",
+          model)
+    if ":" in model or Path(model).exists() or model.lower().endswith(".gguf"):
+        return model
+    if model.count("/") == 1:
+        return "hf:" + model
+    return model
+
+
+def _data(data: Any, source: str) -> str:
+    """data: a local folder in mlx-lm's layout (train.jsonl, valid.jsonl, test.jsonl)."""
+    _want(source, "data", isinstance(data, str) and data, "a data folder", data)
+    if not Path(data).exists() and data.count("/") == 1 and not data.startswith((".", "/")):
+        raise ConfigFileError(
+                f"{source}: key 'data': expected a local folder with train.jsonl (toymlx reads "
+                f"no Hugging Face datasets, and needs no network), found the dataset name "
+                f"{data!r}; download it where there is a network (hf download --repo-type "
+                f"dataset {data} --local-dir DIR) and give data: DIR")
+    return data
+
+
+def mlx_lm_table(rows: list[tuple[str, str, Any, str]]) -> str:
+    """The table printed at start: mlx-lm key, toymlx option, value, and where it came from."""
+    head = ("mlx-lm key", "toymlx option", "value", "from")
+    cells = [head] + [(a, b, json.dumps(c) if not isinstance(c, str) else c, d)
+                      for a, b, c, d in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(3)]
+    return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}".rstrip()
+                     for a, b, c, d in cells)

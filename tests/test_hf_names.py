@@ -1,0 +1,167 @@
+"""`hf:USER/REPO[:QUANT]` and `hf:USER/REPO/FILE.gguf`: resolved offline (HF_HUB_OFFLINE=1) from
+a cache in huggingface_hub's own layout, which its `scan_cache_dir` and `try_to_load_from_cache`
+read back; the file llama.cpp's `-hf` would pick; llama.cpp's own `-hf` caches; what a user
+without a network sees; a lora run on `hf:` recording the repo, revision and file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from huggingface_hub import constants, scan_cache_dir, try_to_load_from_cache
+from toymlx_cli.train import main as train_main
+
+from toymlx.bundle.model_store import ModelStoreError, parse_hf_name, pick_hf_file, resolve
+from toymlx.data.tokenizer import byte_tokenizer
+from toymlx.gguf.llama import write_llama
+from toymlx.models.llama import Llama, tiny
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def put_in_hf_cache(cache: Path, repo: str, files: dict[str, bytes], commit: str = COMMIT,
+                    ref: str = "main") -> Path:
+    """A repository snapshot laid out as huggingface_hub's downloads leave it: content-addressed
+    blobs (SHA-256 for LFS files), snapshots/<commit>/<file> symlinks to them, refs/<ref>."""
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    for name, data in files.items():
+        blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = repo_dir / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / ref).write_text(commit)
+    return repo_dir / "snapshots" / commit
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path) -> Path:
+    """HF_HOME in tmp_path, HF_HUB_OFFLINE=1 (as huggingface_hub reads it), no llama.cpp cache."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LLAMA_CACHE", str(tmp_path / "llama.cpp"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hf" / "hub"
+
+
+@pytest.fixture(scope="module")
+def tiny_bytes(tmp_path_factory) -> bytes:
+    mx.random.seed(3)
+    src = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    meta = byte_tokenizer().to_metadata()
+    meta["tokenizer.chat_template"] = CHATML
+    write_llama(src, Llama(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                                context=256)), meta, name="tiny test llama")
+    return src.read_bytes()
+
+
+REPO_FILES = ["README.md", "tiny-F16.gguf", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf",
+              "mmproj-tiny-Q4_K_M.gguf", "tiny-Q2_K.gguf"]
+
+
+def test_the_file_picked_is_llama_cpp_s():
+    assert pick_hf_file(REPO_FILES, None) == "tiny-Q4_K_M.gguf"
+    assert pick_hf_file(REPO_FILES, "q8_0") == "tiny-Q8_0.gguf"
+    assert pick_hf_file(REPO_FILES, "IQ4_XS") is None
+    assert pick_hf_file(["a-Q8_0.gguf", "a-F16.gguf"], None) == "a-Q8_0.gguf"
+    assert pick_hf_file(["mmproj-F16.gguf", "b-F16.gguf", "a-BF16.gguf"], None) == "a-BF16.gguf"
+    split = ["Q4_K_M/big-Q4_K_M-00002-of-00003.gguf", "Q4_K_M/big-Q4_K_M-00001-of-00003.gguf"]
+    assert pick_hf_file(split, None) == "Q4_K_M/big-Q4_K_M-00001-of-00003.gguf"
+    assert parse_hf_name("bartowski/SmolLM2-GGUF:Q8_0") == ("bartowski/SmolLM2-GGUF", None,
+                                                           "Q8_0", None)
+    assert parse_hf_name("u/r@v1.0/sub/f-Q4_0.gguf") == ("u/r", "v1.0", None, "sub/f-Q4_0.gguf")
+    with pytest.raises(ValueError, match="expected hf:USER/REPO"):
+        parse_hf_name("justarepo")
+
+
+def test_offline_names_resolve_from_huggingface_hub_s_cache(offline, tiny_bytes):
+    files = {n: (tiny_bytes + n.encode() if n.endswith(".gguf") else b"# tiny\n")
+             for n in REPO_FILES}
+    snap = put_in_hf_cache(offline, "alice/tiny-GGUF", files)
+    # huggingface_hub reads it as its own
+    (repo,) = scan_cache_dir(offline).repos
+    assert repo.repo_id == "alice/tiny-GGUF" and {r.commit_hash for r in repo.revisions} == {
+        COMMIT}
+    assert try_to_load_from_cache("alice/tiny-GGUF", "tiny-Q8_0.gguf",
+                                  cache_dir=offline) == str(snap / "tiny-Q8_0.gguf")
+    r = resolve("hf:alice/tiny-GGUF", "--base")
+    assert r.path == snap / "tiny-Q4_K_M.gguf" and r.store == "hf"
+    assert r.source == {"hf_repo": "alice/tiny-GGUF", "hf_revision": COMMIT,
+                        "hf_file": "tiny-Q4_K_M.gguf"}
+    assert resolve("hf:alice/tiny-GGUF:Q8_0").path == snap / "tiny-Q8_0.gguf"
+    assert resolve("hf:alice/tiny-GGUF/tiny-F16.gguf").path == snap / "tiny-F16.gguf"
+    assert resolve(f"hf:alice/tiny-GGUF@{COMMIT}:Q2_K").path == snap / "tiny-Q2_K.gguf"
+
+
+def test_what_a_user_without_network_sees(offline, tiny_bytes):
+    put_in_hf_cache(offline, "alice/tiny-GGUF", {"tiny-Q8_0.gguf": tiny_bytes})
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:bob/other-GGUF:Q4_K_M", "--base")
+    assert str(e.value) == (f"--base hf:bob/other-GGUF:Q4_K_M: not in the Hugging Face cache "
+                            f"{offline} nor {offline.parent.parent / 'llama.cpp'} and "
+                            "HF_HUB_OFFLINE is set; download it where there is a network: hf "
+                            "download bob/other-GGUF --include '*Q4_K_M*'")
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:alice/tiny-GGUF:Q5_K_M", "--base")
+    assert str(e.value) == (f"--base hf:alice/tiny-GGUF:Q5_K_M: alice/tiny-GGUF: expected a GGUF "
+                            f"of quantization Q5_K_M in its snapshot {COMMIT[:12]} in {offline}, "
+                            "found tiny-Q8_0.gguf; name one as hf:USER/REPO/FILE.gguf or "
+                            "hf:USER/REPO:QUANT")
+
+
+def test_llama_cpp_s_caches_are_searched(offline, tmp_path, monkeypatch, tiny_bytes):
+    # today's llama.cpp: the Hugging Face layout, in LLAMA_CACHE
+    llama = tmp_path / "llama.cpp"
+    snap = put_in_hf_cache(llama, "carol/m-GGUF", {"m-Q4_K_M.gguf": tiny_bytes})
+    assert resolve("hf:carol/m-GGUF").path == snap / "m-Q4_K_M.gguf"
+    # older llama.cpp: flat USER_REPO_FILE names
+    flat = tmp_path / "old"
+    flat.mkdir()
+    (flat / "dave_n-GGUF_n-Q8_0.gguf").write_bytes(tiny_bytes)
+    monkeypatch.setenv("LLAMA_CACHE", str(flat))
+    r = resolve("hf:dave/n-GGUF")
+    assert r.path == flat / "dave_n-GGUF_n-Q8_0.gguf"
+    assert r.source == {"hf_repo": "dave/n-GGUF", "hf_file": "n-Q8_0.gguf",
+                        "hf_cache": str(flat)}
+
+
+def test_a_multi_part_gguf_is_found_whole_and_named(offline, tiny_bytes):
+    parts = {f"Q4_K_M/big-Q4_K_M-0000{i}-of-00002.gguf": tiny_bytes + bytes([i]) for i in (1, 2)}
+    snap = put_in_hf_cache(offline, "erin/big-GGUF", parts)
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:erin/big-GGUF")
+    first = snap / "Q4_K_M" / "big-Q4_K_M-00001-of-00002.gguf"
+    assert str(e.value) == (f"hf:erin/big-GGUF: expected a one-file GGUF, found 2 parts "
+                            f"({first.parent}); toymlx reads one file: merge them with "
+                            f"llama-gguf-split --merge {first} MERGED.gguf and give that file")
+    (snap / "Q4_K_M" / "big-Q4_K_M-00002-of-00002.gguf").unlink()
+    with pytest.raises(ModelStoreError, match="expected every part of Q4_K_M/big-Q4_K_M-00001"):
+        resolve("hf:erin/big-GGUF")
+
+
+def test_lora_on_an_hf_name_records_repo_revision_and_file(offline, tmp_path, tiny_bytes,
+                                                            capsys):
+    snap = put_in_hf_cache(offline, "alice/tiny-GGUF", {"tiny-Q4_K_M.gguf": tiny_bytes,
+                                                        "tiny-Q8_0.gguf": tiny_bytes + b"x"})
+    rc = train_main(["--recipe", "lora", "--base", "hf:alice/tiny-GGUF:Q4_K_M", "--runs-root",
+                     str(tmp_path / "runs"), "--run-id", "r", "--steps", "2", "--batch-size",
+                     "2", "--seq-len", "64", "--warmup", "1", "--eval-every", "0",
+                     "--checkpoint-every", "0", "--no-progress", "--no-compile"])
+    assert rc == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())
+    rec = saved["model_files"]["base"]
+    assert rec["path"] == "hf:alice/tiny-GGUF:Q4_K_M"
+    assert rec["file"] == str(snap / "tiny-Q4_K_M.gguf")
+    assert rec["sha256"] == hashlib.sha256(tiny_bytes).hexdigest()
+    assert (rec["hf_repo"], rec["hf_revision"], rec["hf_file"]) == (
+        "alice/tiny-GGUF", COMMIT, "tiny-Q4_K_M.gguf")

@@ -1,0 +1,207 @@
+"""mlx-lm's lora config files read by `toymlx-train -c` with mlx-lm's meaning: every key mapped,
+mlx-lm's defaults for the keys left out (checked against mlx_lm/lora.py's own CONFIG_DEFAULTS),
+its schedules and LoRA scale checked against mlx-lm's own code, the table printed at start, a
+key toymlx cannot honour as one line, and toymlx's own files untouched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+import yaml
+from mlx import nn
+from mlx_lm import lora as mlx_lm_lora
+from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
+from mlx_lm.tuner.utils import build_schedule
+from toymlx_cli.config_file import ConfigFileError
+from toymlx_cli.mlx_lm_config import (
+    ALL_TARGETS,
+    MLX_LM_DEFAULTS,
+    is_mlx_lm_config,
+    mlx_lm_options,
+)
+from toymlx_cli.train import main
+
+from toymlx.bundle.events import read_events
+from toymlx.data.tokenizer import byte_tokenizer
+from toymlx.gguf.llama import write_llama
+from toymlx.models.llama import Llama, tiny
+from toymlx.models.lora import LoRALinear
+from toymlx.recipes import lora
+
+CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    mx.random.seed(3)
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    meta = byte_tokenizer().to_metadata()
+    meta["tokenizer.chat_template"] = CHATML
+    write_llama(path, Llama(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                                 context=256)), meta, name="tiny test llama")
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A data folder in mlx-lm's layout (WikiSQL's shape: prompt/completion rows)."""
+    root = tmp_path_factory.mktemp("wikisql")
+    for split, n in (("train", 12), ("valid", 4), ("test", 4)):
+        rows = [{"prompt": f"table: t{i}\nQ: how many rows in t{i}?",
+                 "completion": f"SELECT COUNT(*) FROM t{i}"} for i in range(n)]
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def test_the_defaults_are_mlx_lm_s_own():
+    for key, value in MLX_LM_DEFAULTS.items():
+        assert mlx_lm_lora.CONFIG_DEFAULTS[key] == value, key
+
+
+def test_a_config_run_trains_as_mlx_lm_reads_it(tmp_path, base, data, capsys):
+    cfg = {"model": str(base), "train": True, "data": str(data), "iters": 3, "batch_size": 2,
+           "learning_rate": 1e-4, "num_layers": 1, "steps_per_eval": 3, "val_batches": 1,
+           "max_seq_length": 64, "save_every": 3, "test_batches": 2,
+           "adapter_path": str(tmp_path / "runs" / "r"),
+           "lora_parameters": {"rank": 4, "scale": 10.0, "dropout": 0.0,
+                               "keys": ["self_attn.q_proj", "mlp.down_proj"]}}
+    path = tmp_path / "mlx_lm_lora_config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    out, err = capsys.readouterr()
+    assert f"{path}: key 'test_batches': not honoured (toymlx's --test scores all of " \
+           "test.jsonl)" in err
+    lines = out.splitlines()
+    assert lines[0] == f"{path}: read as mlx-lm's lora config:"
+    assert lines[1].split() == ["mlx-lm", "key", "toymlx", "option", "value", "from"]
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in lines[2:]}
+    assert rows[("learning_rate", "--lr")] == ["0.0001", "file"]
+    assert rows[("lora_parameters.scale", "--lora.alpha")] == ["40.0", "file"]
+    assert rows[("mask_prompt", "--data.mask-prompt")] == ["false", "mlx-lm", "default"]
+    assert rows[("(none)", "--grad-clip")] == ["0.0", "mlx-lm's,", "fixed"]
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
+    want = {"steps": 3, "lr": 1e-4, "batch_size": 2, "seq_len": 64, "eval_every": 3,
+            "eval_batches": 1, "checkpoint_every": 3, "report_every": 10, "seed": 0,
+            "optimizer": "adam", "lr_schedule": "constant", "beta1": 0.9, "beta2": 0.999,
+            "warmup": 0, "grad_clip": 0.0, "weight_decay": 0.0, "grad_accum": 1,
+            "fine_tune_type": "lora", "base": str(base), "test": False}
+    assert {k: saved[k] for k in want} == want
+    assert saved["lora"] == {"rank": 4, "alpha": 40.0, "dropout": 0.0, "targets": "q,down",
+                             "layers": 1, "init_adapter": None}
+    assert saved["data"]["pack"] is False and saved["data"]["mask_prompt"] is False
+    events = read_events(tmp_path / "runs" / "r")
+    assert [e["lr"] for e in events if e["kind"] == "step"] == pytest.approx([1e-4] * 3,
+                                                                            rel=1e-6)
+    assert [e["step"] for e in events if e["kind"] == "eval"] == [3]
+
+
+def test_the_lora_scale_is_mlx_lm_s_scale():
+    """mlx-lm's `scale` 20 with rank 8 is toymlx's alpha 160: the same layer output."""
+    mx.random.seed(0)
+    lin = nn.Linear(16, 12, bias=False)
+    ours = LoRALinear.from_base(lin, rank=8, alpha=20.0 * 8)
+    theirs = MlxLmLoRALinear.from_base(lin, r=8, scale=20.0)
+    a, b = mx.random.normal((8, 16)) * 0.1, mx.random.normal((12, 8)) * 0.1
+    ours.lora_a, ours.lora_b = a, b
+    theirs.lora_a, theirs.lora_b = a.T, b.T  # mlx-lm keeps them (in, r) and (r, out)
+    x = mx.random.normal((3, 16))
+    np.testing.assert_allclose(np.array(ours(x)), np.array(theirs(x)), rtol=1e-5, atol=1e-6)
+
+
+def _cfg(**kw) -> lora.Config:
+    options, _, _ = mlx_lm_options({"model": "m.gguf", **kw}, "f.yaml")
+    cfg = lora.Config()
+    for key, value in options.items():
+        holder = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            holder = getattr(holder, p)
+        setattr(holder, leaf, tuple(value) if isinstance(value, list) else value)
+    return cfg
+
+
+def test_schedules_are_mlx_lm_s():
+    sched = {"name": "cosine_decay", "warmup": 5, "warmup_init": 1e-7,
+             "arguments": [1e-5, 100, 1e-7]}
+    ours, theirs = lora.schedule(_cfg(lr_schedule=sched)), build_schedule(sched)
+    for step in (0, 1, 4, 5, 6, 50, 104, 200):
+        assert float(ours(mx.array(step))) == float(theirs(mx.array(step))), step
+    const = lora.schedule(_cfg(learning_rate=3e-4))
+    assert [float(const(mx.array(s))) for s in (0, 99)] == [float(np.float32(3e-4))] * 2
+
+
+def test_the_optimizers_are_mlx_lm_s():
+    opt = lora.make_optimizer(_cfg())
+    assert type(opt) is optim.Adam and opt.betas == [0.9, 0.999] and opt.eps == 1e-8
+    adamw = lora.make_optimizer(_cfg(optimizer="adamw"))
+    assert [o.weight_decay for o in adamw.optimizers] == [0.01, 0.0]  # MLX's AdamW default
+    tuned = _cfg(optimizer="adamw", optimizer_config={"adamw": {"betas": [0.8, 0.9],
+                                                                "weight_decay": 0.05}})
+    assert (tuned.beta1, tuned.beta2, tuned.weight_decay) == (0.8, 0.9, 0.05)
+    for name, cls in (("sgd", optim.SGD), ("adafactor", optim.Adafactor), ("muon", optim.Muon)):
+        assert type(lora.make_optimizer(_cfg(optimizer=name))) is cls
+    assert _cfg().lora.targets == ALL_TARGETS and _cfg().lora.layers == 16
+    assert _cfg(num_layers=-1).lora.layers is None
+
+
+@pytest.mark.parametrize("extra,line", [
+    ({"data": "mlx-community/WikiSQL"},
+     ("f.yaml: key 'data': expected a local folder with train.jsonl (toymlx reads no Hugging "
+      "Face datasets, and needs no network), found the dataset name 'mlx-community/WikiSQL'; "
+      "download it where there is a network (hf download --repo-type dataset "
+      "mlx-community/WikiSQL --local-dir DIR) and give data: DIR")),
+    ({"lr": 0.1}, ("f.yaml: key 'lr': expected a key of mlx-lm's lora config (the file is read "
+                   "as mlx-lm's, for its 'iters'), found an unknown key")),
+    ({"lora_parameters": {"rank": 8, "alpha": 16, "dropout": 0.0}},
+     ("f.yaml: key 'lora_parameters.alpha': expected rank, scale, dropout or keys (mlx-lm's), "
+      "found 'alpha'")),
+    ({"lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0,
+                          "keys": ["self_attn.q_proj", "lm_head"]}},
+     ("f.yaml: key 'lora_parameters.keys': expected module paths of a llama block "
+      "(self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, mlp.gate_proj, "
+      "mlp.up_proj, mlp.down_proj), found \"lm_head\"")),
+    ({"optimizer": "sgd", "optimizer_config": {"sgd": {"momentum": 0.9}}},
+     ("f.yaml: key 'optimizer_config.sgd.momentum': expected no arguments (what toymlx's sgd "
+      "takes), found 'momentum'; remove it")),
+    ({"fine_tune_type": "full"},
+     ("f.yaml: key 'num_layers': expected -1 with fine_tune_type full (toymlx's full fine-tune "
+      "trains every block, mlx-lm's the last num_layers), found 16")),
+])
+def test_a_key_toymlx_cannot_honour_is_one_line(extra, line):
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"iters": 10, **extra}, "f.yaml")
+    assert str(e.value) == line
+
+
+def test_toymlx_s_own_files_keep_their_meaning(tmp_path, capsys):
+    assert not is_mlx_lm_config({"lr": 1e-3, "lora": {"rank": 4}, "data": {"path": "x"},
+                                 "seed": 1, "batch_size": 2, "optimizer": "adam"})
+    assert is_mlx_lm_config({"iters": 5})
+    assert mlx_lm_options({"model": "u/r"}, "f")[0]["base"] == "hf:u/r"
+
+
+def test_adam_on_an_mlx_schedule_resumes_exactly(tmp_path, base):
+    """A run with mlx-lm's optimizer and schedule, stopped at its checkpoint and resumed, logs
+    the straight run's losses and learning rates bit for bit."""
+    common = ["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path), "--steps",
+              "4", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
+              "--checkpoint-every", "2", "--no-progress", "--no-compile", "--optimizer", "adam",
+              "--lr-schedule", "cosine_decay", "--lr-schedule-args", "1e-3", "4", "--warmup",
+              "1"]
+    assert main([*common, "--run-id", "a"]) == 0
+    assert main([*common, "--run-id", "b", "--stop-at", "2"]) == 0
+    assert main(["--resume", str(tmp_path / "b"), "--no-progress"]) == 0
+
+    def steps(run: str) -> list[tuple]:
+        return [(e["step"], e["loss"], e["lr"]) for e in read_events(tmp_path / run)
+                if e["kind"] == "step"]
+    assert steps("a") == steps("b")
+    # warm-up from 0 for 1 step, then MLX's cosine_decay(1e-3, 4) from its step 0 (float32)
+    assert [s[2] for s in steps("a")] == pytest.approx(
+        [0.0, 1e-3, 1e-3, 1e-3 * 0.5 * (1 + np.cos(np.pi / 4))], rel=1e-6)

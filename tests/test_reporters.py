@@ -1,0 +1,187 @@
+"""--report-to tensorboard,wandb: the scalars TensorBoard's and W&B's own readers find are
+events.jsonl's numbers; a missing package or an unknown name is one line; a resume's dropped
+steps leave the curves; a failing reporter never ends the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from toymlx_cli.train import main
+
+from toymlx.bundle import reporters
+from toymlx.bundle.events import EventLog, read_events
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
+        "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
+        "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--no-compile",
+        "--no-progress", "--steps", "20", "--eval-every", "5", "--checkpoint-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def text_path(shared_file) -> Path:
+    return shared_file("text/tinystories_sample.txt")
+
+
+def _run(root: Path, data: Path, report_to: str) -> Path:
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(data), "--runs-root",
+                 str(root), "--run-id", "r", "--report-to", report_to]) == 0
+    return root / "r"
+
+
+def _of(events: list[dict], kind: str, key: str, **where) -> dict[int, float]:
+    return {e["step"]: e[key] for e in events if e["kind"] == kind
+            and all(e.get(k) == v for k, v in where.items())}
+
+
+def _accumulator(run: Path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_scalars_are_events_jsonl(tmp_path, text_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra: pip install "
+                        "'toymlx[tensorboard]'")
+    run = _run(tmp_path, text_path, "tensorboard")
+    events = read_events(run)
+    assert list(run.glob("events.out.tfevents.*")), "no event file in the run folder"
+    acc = _accumulator(run)
+    tb = {s.step: s.value for s in acc.Scalars("train/loss")}
+    losses = _of(events, "step", "loss")
+    assert sorted(tb) == list(range(1, 21)) == sorted(losses)
+    # simple_value is a float32: each scalar is events.jsonl's loss rounded to float32, exactly
+    assert all(tb[s] == float(np.float32(losses[s])) for s in losses)
+    lr = {s.step: s.value for s in acc.Scalars("train/lr")}
+    assert lr == {s: float(np.float32(v)) for s, v in _of(events, "step", "lr").items()}
+    val = {s.step: s.value for s in acc.Scalars("val/loss")}
+    assert val == {s: float(np.float32(v)) for s, v in _of(events, "eval", "val_loss").items()}
+    assert sorted(val) == [5, 10, 15, 20]
+    assert [s.step for s in acc.Scalars("checkpoint/step")] == [10, 20]
+    end = events[-1]
+    assert [(s.step, s.value) for s in acc.Scalars("run/final_loss")] == [
+        (20, float(np.float32(end["final_loss"])))]
+
+
+def test_a_resume_drops_the_killed_segment_from_the_curves(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra")
+    log = EventLog(tmp_path / "events.jsonl", sinks=reporters.open_reporters("tensorboard",
+                                                                             tmp_path))
+    for s in range(1, 6):
+        log.emit("step", step=s, loss=10.0 - s)
+    log.close()  # killed after step 5; its checkpoint was step 3
+    log = EventLog(tmp_path / "events.jsonl", sinks=reporters.open_reporters("tensorboard",
+                                                                             tmp_path))
+    log.emit("resume", from_step=3)
+    for s in range(4, 7):
+        log.emit("step", step=s, loss=100.0 + s)
+    log.close()
+    scalars = [(e.step, e.value) for e in _accumulator(tmp_path).Scalars("train/loss")]
+    assert scalars == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0), (6, 106.0)]
+
+
+def test_missing_package_is_one_line_naming_the_extra(tmp_path, text_path, monkeypatch,
+                                                      capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(text_path),
+                 "--runs-root", str(tmp_path), "--run-id", "r", "--report-to",
+                 "tensorboard,wandb"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("toymlx-train: error: --report-to wandb: the wandb package is not "
+                       "installed; install toymlx's wandb extra: pip install 'toymlx[wandb]'")
+    assert not (tmp_path / "r").exists()
+
+
+def test_unknown_service_is_refused_by_name():
+    with pytest.raises(ValueError) as e:
+        reporters.parse_report_to("tensorboard,swanlab")
+    assert str(e.value) == ("--report-to tensorboard,swanlab: expected a comma list of "
+                            "tensorboard, wandb, found 'swanlab'")
+
+
+def test_a_failing_reporter_is_named_once_and_dropped(tmp_path, capsys):
+    seen = []
+
+    class Broken:
+        def __call__(self, ev):
+            seen.append(ev["step"])
+            raise OSError("disk full")
+
+        def close(self):
+            raise AssertionError("closed after it was dropped")
+
+    log = EventLog(tmp_path / "events.jsonl", sinks=[Broken()])
+    log.emit("step", step=1, loss=1.0)
+    log.emit("step", step=2, loss=0.5)
+    log.close()
+    assert seen == [1]
+    assert [e["step"] for e in read_events(tmp_path)] == [1, 2]
+    assert capsys.readouterr().err.strip() == ("toymlx: --report-to: Broken stopped: OSError: "
+                                               "disk full; events.jsonl goes on")
+
+
+def test_scalars_of_each_event():
+    assert reporters.scalars({"kind": "eval", "step": 4, "split": "test", "test_loss": 1.5,
+                              "test_perplexity": 4.48, "seconds": 0.1, "t": 9.0}) == (
+        4, {"test/loss": 1.5, "test/perplexity": 4.48, "test/seconds": 0.1})
+    assert reporters.scalars({"kind": "eval", "step": 5, "val_loss": 2.0, "accuracy": 0.5}) == (
+        5, {"val/loss": 2.0, "val/accuracy": 0.5})
+    assert reporters.scalars({"kind": "run_start", "run_id": "r"}) is None
+    assert reporters.scalars({"kind": "step", "step": 1, "loss": "nan", "lr": 0.1,
+                              "skipped": True}) == (1, {"train/lr": 0.1})
+
+
+# ---- W&B: its offline run's transaction log, read as W&B's records -----------------------------
+def _wandb_records(path: Path):
+    """The records of a W&B `.wandb` file: a LevelDB-style log (32 KiB blocks of chunks: CRC,
+    length, type) after a 7-byte header, each record one of W&B's own protobuf `Record`s."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B", f"{path}: not a W&B transaction log"
+    pos, block, data = 7, 32768, b""
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        data += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            rec = pb.Record()
+            rec.ParseFromString(data)
+            yield rec
+            data = b""
+        elif kind == 0:
+            break
+
+
+def test_wandb_offline_history_is_events_jsonl(tmp_path, text_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra: pip install 'toymlx[wandb]'")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no W&B login, so offline
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    run = _run(tmp_path / "runs", text_path, "wandb")
+    files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, f"expected one offline W&B run in {run / 'wandb'}, found {files}"
+    history: dict[int, dict] = {}
+    for rec in _wandb_records(files[0]):
+        if rec.WhichOneof("record_type") == "history":
+            row = {(it.key or "/".join(it.nested_key)): json.loads(it.value_json)
+                   for it in rec.history.item}
+            history.setdefault(row["_step"], {}).update(row)
+    events = read_events(run)
+    losses = _of(events, "step", "loss")
+    assert {s: h["train/loss"] for s, h in history.items() if "train/loss" in h} == losses
+    assert {s: h["val/loss"] for s, h in history.items() if "val/loss" in h} == _of(
+        events, "eval", "val_loss")
