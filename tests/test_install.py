@@ -234,8 +234,8 @@ def test_ci_runs_the_readme_commands_as_written():
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert "source scripts/install.sh && toymlx-train --recipe vit-tiny || exit 1" in ci
     assert "python3 -m pytest" in ci
-    assert "export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 TOYMLX_EXTRAS=interop,report,bench" \
-        in ci
+    assert ("export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 "
+            "TOYMLX_EXTRAS=interop,report,bench,tensorboard,wandb") in ci
     assert ci.index("python3 -m pytest") > next(i for i, x in enumerate(ci) if "source" in x)
 
 
