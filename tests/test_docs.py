@@ -17,7 +17,7 @@ it), on the default tiny data, with each run shortened: every step count (`--ste
 `--stop-at`, `--checkpoint-every`, `--eval-every`, `--report-every`, `step_N` in a path or
 `--from`; `steps=` in Python) divided by 10, rounded up, so that a resume or a `--from` still
 names a checkpoint the shortened run wrote; a new run without `--steps` gets its recipe's
-default so divided; generation is cut to 8 tokens. A GGUF model a command reads by a file name
+default so divided; a sweep's runs take one step each; generation is cut to 8 tokens. A GGUF model a command reads by a file name
 that no block writes (`--base SmolLM2-135M-Instruct.Q4_1.gguf`, `--donor ...`) is the shared
 reference model stories260K.gguf under that name: a tiny llama the same commands accept.
 README's blocks run in the default tier; the guides' in the slow tier (CI).
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import math
 import os
 import re
@@ -311,7 +312,7 @@ def test_readme_is_short_and_every_figure_links_to_the_results_table():
         text = (REPO / doc).read_text()
         for anchor in re.findall(r"RESULTS\.md#([\w-]+)", text):
             assert anchor in anchors, f"{doc}: RESULTS.md#{anchor} is not a row of its first table"
-    prose = re.sub(r"```.*?```", "", readme, flags=re.S)
+    prose = re.sub(r"```.*?```", "", readme, flags=re.DOTALL)
     figure = re.compile(r"\d(?:\.\d+)?\s?(?:%|x\b|GB|MB|s\b|seconds|tokens/s|tok/s)")
     for para in re.split(r"\n\s*\n", prose):
         for row in para.splitlines() if para.lstrip().startswith("|") else [para]:
@@ -349,14 +350,17 @@ def shorten(argv: list[str]) -> list[str]:
         out.append(a)
         i += 1
     new_run = "--resume" not in out and "-c" not in out and "--config" not in out
-    if prog == "toymlx-train" and new_run and "--steps" not in out and "--help" not in out:
-        from toymlx.recipes import get_recipe
+    if prog == "toymlx-train" and new_run and "--steps" not in out and \
+            not {"--help", "--version"} & set(out):
         from toymlx_cli.train import _split_recipe
+
+        from toymlx.recipes import get_recipe
 
         recipe = _split_recipe(out)[0]
         out += ["--steps", str(_shrunk(get_recipe(recipe).Config().steps))]
-    if prog == "toymlx-sweep" and "--steps" not in out:
-        out += ["--steps", "1"]
+    if prog == "toymlx-sweep":  # a sweep is many runs: one step each
+        k = out.index("--steps") if "--steps" in out else len(out)
+        out = [*out[:k], *out[k + 2:], "--steps", "1"]
     if prog == "toymlx-generate" and "--max-tokens" not in out:
         out += ["--max-tokens", str(MAX_TOKENS)]
     return [prog, *out]
@@ -418,7 +422,7 @@ def stand_in_models(doc: str, folder: Path, stories: Path) -> None:
         if b.lang != "sh" or b.needs:
             continue
         for argv in toymlx_commands(b):
-            for flag, value in zip(argv, argv[1:]):
+            for flag, value in itertools.pairwise(argv):
                 if flag == "--out":
                     written.add(value)
                 elif flag in MODEL_FLAGS and value.endswith(".gguf") and "/" not in value:
@@ -445,7 +449,8 @@ def run_doc(doc: str, folder: Path, stories: Path, python: bool) -> list[str]:
             cmd = ["bash", "-e", "-o", "pipefail", "-c", runnable_script(b)]
         else:
             continue
-        r = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=600,
+                           check=False)
         assert r.returncode == 0, (f"{b.where()} failed (exit {r.returncode}):\n{cmd[-1]}\n"
                                    f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
         ran.append(b.where())
