@@ -17,7 +17,8 @@ it), on the default tiny data, with each run shortened: every step count (`--ste
 `--stop-at`, `--checkpoint-every`, `--eval-every`, `--report-every`, `step_N` in a path or
 `--from`; `steps=` in Python) divided by 10, rounded up, so that a resume or a `--from` still
 names a checkpoint the shortened run wrote; a new run without `--steps` gets its recipe's
-default so divided; a sweep's runs take one step each; generation is cut to 8 tokens. A GGUF model a command reads by a file name
+default so divided; a sweep's runs take one step each; a run reports every step
+(`--report-every 1`, unless given); generation is cut to 8 tokens. A GGUF model a command reads by a file name
 that no block writes (`--base SmolLM2-135M-Instruct.Q4_1.gguf`, `--donor ...`) is the shared
 reference model stories260K.gguf under that name: a tiny llama the same commands accept.
 README's blocks run in the default tier; the guides' in the slow tier (CI).
@@ -300,6 +301,53 @@ def test_a_renamed_flag_fails_the_parse():
             parse_command(argv, {})
 
 
+def known_flags() -> set[str]:
+    """Every flag of every toymlx command, from the commands' own parsers."""
+    import importlib
+    import warnings
+
+    import tyro
+    from toymlx_cli.launch import _parser as launch_parser
+    from toymlx_cli.report import _parser as report_parser
+    from toymlx_cli.sweep import _parser as sweep_parser
+
+    from toymlx.recipes import RECIPES, get_recipe
+
+    parsers = [launch_parser(), report_parser(), sweep_parser()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # get_parser: tyro's own table
+        for cls in [get_recipe(r).Config for r in RECIPES] + [
+                importlib.import_module(f"toymlx_cli.{m}").Args
+                for m in ("eval", "generate", "export", "classify")]:
+            parsers.append(tyro.extras.get_parser(cls))
+    return {o for p in parsers for a in p._actions for o in a.option_strings} | {
+        "--recipe", "--version", "-c", "--config"}
+
+
+OTHER_TOOLS = ("python", "pip", "llama-", "ollama", "benchmarks/", "mlx_lm", "unzip")
+"""Inline code that is another program's command line: its flags are not toymlx's."""
+
+
+def test_every_flag_named_in_the_prose_exists():
+    """A flag named in the prose (`--lora.rank`) is one a toymlx command has: a renamed flag
+    fails here too, not only in the command blocks. mlx-lm's flags in LORA.md's table of
+    equivalents (its first column) and other programs' command lines are not toymlx's."""
+    flags = known_flags()
+    for doc in DOCS:
+        prose = re.sub(r"```.*?```", "", (REPO / doc).read_text(), flags=re.DOTALL)
+        for row in prose.splitlines():
+            if row.startswith(("| `mlx_lm", "| `--", "| `lora_parameters")):  # mlx-lm's column
+                row = row.split("|", 2)[2]
+            for span in re.findall(r"`([^`]+)`", row):
+                if span.startswith(OTHER_TOOLS):
+                    continue
+                for flag in re.findall(r"(?<![\w-])--[a-z][\w.-]*", span):
+                    # `--lora.*`, `--no-...`: a group of flags, named by its prefix
+                    group = flag.endswith(".") and flag.rstrip(".")
+                    ok = any(f.startswith(group) for f in flags) if group else flag in flags
+                    assert ok, f"{doc}: `{span}` names {flag}, which no toymlx command has"
+
+
 def test_readme_is_short_and_every_figure_links_to_the_results_table():
     """README.md stays a five-minute read; each measured figure in its prose links to a row of
     docs/RESULTS.md's first table, and every such link names an anchor that table has."""
@@ -358,6 +406,8 @@ def shorten(argv: list[str]) -> list[str]:
 
         recipe = _split_recipe(out)[0]
         out += ["--steps", str(_shrunk(get_recipe(recipe).Config().steps))]
+    if prog == "toymlx-train" and "--report-every" not in out and "--version" not in out:
+        out += ["--report-every", "1"]  # a report line every step, as a long run prints them
     if prog == "toymlx-sweep":  # a sweep is many runs: one step each
         k = out.index("--steps") if "--steps" in out else len(out)
         out = [*out[:k], *out[k + 2:], "--steps", "1"]
@@ -437,12 +487,15 @@ def run_doc(doc: str, folder: Path, stories: Path, python: bool) -> list[str]:
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}",
            "PYTHONUNBUFFERED": "1"}
-    ran = []
+    ran, last = [], None
     for b in blocks(doc):
         m = FILE_BLOCK.match(b.text.splitlines()[0]) if b.text else None
         if b.lang in ("yaml", "json") and m:
             (folder / m.group(1)).write_text(b.text + "\n")
             continue
+        if b.lang == "text" and last is not None and last[0].section == b.section:
+            check_output_shown(b, last[1])
+        last = None
         if b.lang == "python" and python:
             cmd = [sys.executable, "-c", shorten_python(b.text)]
         elif b.lang == "sh" and b.needs is None:
@@ -454,7 +507,26 @@ def run_doc(doc: str, folder: Path, stories: Path, python: bool) -> list[str]:
         assert r.returncode == 0, (f"{b.where()} failed (exit {r.returncode}):\n{cmd[-1]}\n"
                                    f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
         ran.append(b.where())
+        last = (b, r.stdout + r.stderr)
     return ran
+
+
+def shape(line: str) -> str:
+    """A printed line with its numbers and absolute paths left out (a shortened run prints
+    other numbers, in another folder)."""
+    line = re.sub(r"(?<![\w-])/[^\s,)]+", "PATH", line.strip())
+    return re.sub(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?", "N", line)
+
+
+def check_output_shown(block: Block, printed: str) -> None:
+    """A ```text block right after a block that ran, in the same section, shows its output: each
+    line toymlx prints (`step ...`, `toymlx...`) has the shape of a line it printed here."""
+    got = {shape(ln) for ln in printed.splitlines()}
+    for ln in block.text.splitlines():
+        if ln.startswith(("step ", "toymlx")):
+            assert shape(ln) in got, (f"{block.where()}: the docs show a line this block's "
+                                      f"commands no longer print:\n{ln}\nthey printed:\n"
+                                      f"{printed[-3000:]}")
 
 
 def test_readme_blocks_run(tmp_path, stories_path):
@@ -470,11 +542,8 @@ def test_readme_blocks_run(tmp_path, stories_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", GUIDES + ["README.md python"])
+@pytest.mark.parametrize("doc", GUIDES)
 def test_guide_blocks_run(doc, tmp_path, stories_path):
-    """Each guide's runnable blocks (and README's Python block), in a folder of their own."""
-    if doc == "README.md python":
-        ran = run_doc(README, tmp_path, stories_path, python=True)
-    else:
-        ran = run_doc(doc, tmp_path, stories_path, python=True)
-    assert ran or doc == "docs/PERFORMANCE.md", f"{doc}: no block ran"
+    """Each guide's runnable blocks, Python ones included, in a folder of their own."""
+    ran = run_doc(doc, tmp_path, stories_path, python=True)
+    assert ran, f"{doc}: no block ran"
