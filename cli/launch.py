@@ -9,14 +9,8 @@ from toymlx_cli import VersionAction
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
-def main(argv: list[str] | None = None) -> int:
-    from toymlx.runner.launch import launch
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    command: list[str] = []
-    if "--" in argv:
-        k = argv.index("--")
-        argv, command = argv[:k], argv[k + 1:]
+def _parser() -> argparse.ArgumentParser:
+    """toymlx-launch's options (the command after `--` is not among them)."""
     p = argparse.ArgumentParser(
         prog="toymlx-launch", allow_abbrev=False,
         usage="toymlx-launch [-n N] [--hosts H] [--grace S] -- COMMAND ...",
@@ -37,6 +31,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="environment for every rank (repeatable)")
     p.add_argument("--version", action=VersionAction)
     p.epilog = CONFIG_HELP
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from toymlx.runner.launch import launch
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command: list[str] = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, command = argv[:k], argv[k + 1:]
+    p = _parser()
     try:
         args = p.parse_args(parser_defaults(p, argv))
         return launch(args.n, command, hosts=args.hosts, backend=args.backend, grace=args.grace,

@@ -9,10 +9,8 @@ from toymlx_cli import VersionAction
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
-def main(argv: list[str] | None = None) -> int:
-    from toymlx.bundle.outputs import check_output
-    from toymlx.runner import report
-
+def _parser() -> argparse.ArgumentParser:
+    """toymlx-report's options."""
     p = argparse.ArgumentParser(
         prog="toymlx-report", allow_abbrev=False,
         description="Draw training loss, validation and learning-rate curves of run bundles "
@@ -24,6 +22,14 @@ def main(argv: list[str] | None = None) -> int:
                         "default report.png")
     p.add_argument("--version", action=VersionAction)
     p.epilog = CONFIG_HELP
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from toymlx.bundle.outputs import check_output
+    from toymlx.runner import report
+
+    p = _parser()
     try:
         args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))
         dirs = report.expand_dirs(args.dirs)

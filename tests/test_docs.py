@@ -1,0 +1,549 @@
+"""Every command block in README.md and the guides in docs/ runs as written, so that a renamed
+flag fails here instead of in a reader's shell.
+
+How the markdown is read (the guides' own convention, stated in docs/RUNS.md):
+- a ```sh block holds commands; its first line `# needs: REASON` (a Mac, a GPU, Ollama,
+  llama.cpp, the network, ...) says it cannot run here, and then only its toymlx commands'
+  flags are parsed, with each command's own parser (tyro, or argparse for toymlx-sweep,
+  -report and -launch): a renamed or misspelt flag fails all the same;
+- a plain ``` block is allowed only in README's "Set-up" section: the two commands .ci/run
+  runs from a clean clone (checked against .ci/run here, not run again);
+- a ```yaml block whose first line is `# NAME.yaml` is that file: it is written where the
+  blocks run, before the blocks after it;
+- ```text blocks show output and ```python blocks are run with python3 (the slow tier).
+
+The blocks of one document run in order, in one fresh folder (the runs root `runs/` is inside
+it), on the default tiny data, with each run shortened: every step count (`--steps`,
+`--stop-at`, `--checkpoint-every`, `--eval-every`, `--report-every`, `step_N` in a path or
+`--from`; `steps=` in Python) divided by 10, rounded up, so that a resume or a `--from` still
+names a checkpoint the shortened run wrote; a new run without `--steps` gets its recipe's
+default so divided; a sweep's runs take one step each; a run reports every step
+(`--report-every 1`, unless given); generation is cut to 8 tokens. A GGUF model a command reads by a file name
+that no block writes (`--base SmolLM2-135M-Instruct.Q4_1.gguf`, `--donor ...`) is the shared
+reference model stories260K.gguf under that name: a tiny llama the same commands accept.
+README's blocks run in the default tier; the guides' in the slow tier (CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = "README.md"
+GUIDES = ["docs/LORA.md", "docs/RUNS.md", "docs/IMAGES.md", "docs/SWEEPS.md",
+          "docs/PERFORMANCE.md", "docs/INSTALL.md"]
+DOCS = [README, *GUIDES]
+NEEDS = re.compile(r"^# needs: (\S.*)$")
+FILE_BLOCK = re.compile(r"^# (\S+\.(?:yaml|yml|json))$")
+SHRINK = 10
+"""Step counts in a block are divided by this (rounded up) when it runs here."""
+MAX_TOKENS = 8
+MODEL_FLAGS = ("--base", "--donor", "--model")
+STEP_FLAGS = ("--steps", "--stop-at", "--checkpoint-every", "--eval-every", "--report-every")
+OPERATORS = {"&&", "||", ";", "|"}
+
+
+@dataclass
+class Block:
+    doc: str
+    line: int
+    lang: str
+    text: str
+    section: str
+
+    @property
+    def needs(self) -> str | None:
+        """The reason this block cannot run here (its first line `# needs: ...`), or None."""
+        first = self.text.splitlines()[0] if self.text else ""
+        m = NEEDS.match(first)
+        return m.group(1) if m else None
+
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def blocks(doc: str) -> list[Block]:
+    """The fenced blocks of a markdown file, with the section heading each sits under."""
+    out, section, lines = [], "", (REPO / doc).read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        ln = lines[i]
+        if ln.startswith("#") and not ln.startswith("#!"):
+            section = ln.lstrip("#").strip()
+        if ln.startswith("```"):
+            lang, start, i = ln[3:].strip(), i + 1, i + 1
+            while not lines[i].startswith("```"):
+                i += 1
+            out.append(Block(doc, start, lang, "\n".join(lines[start:i]), section))
+        i += 1
+    return out
+
+
+def logical_lines(text: str) -> list[str]:
+    """A shell block's lines, continuations joined, here-documents' bodies left out."""
+    out, pending, heredoc = [], "", None
+    for ln in text.splitlines():
+        if heredoc is not None:
+            if ln.strip() == heredoc:
+                heredoc = None
+            continue
+        if ln.rstrip().endswith("\\"):
+            pending += ln.rstrip()[:-1] + " "
+            continue
+        full = pending + ln
+        pending = ""
+        m = re.search(r"<<-?\s*'?(\w+)'?", full)
+        if m:
+            heredoc = m.group(1)
+        out.append(full)
+    return out
+
+
+def commands(line: str) -> list[list[str]]:
+    """The simple commands of one shell line (split at && || ; |), comments dropped."""
+    lex = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+    lex.whitespace_split = True
+    lex.commenters = "#"
+    out, cur = [], []
+    for tok in lex:
+        if tok in OPERATORS:
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(tok)
+    out.append(cur)
+    return [c for c in out if c]
+
+
+def toymlx_commands(block: Block) -> list[list[str]]:
+    """Every toymlx-* command of a shell block (one inside `toymlx-launch ... --` included)."""
+    found = []
+    for ln in logical_lines(block.text):
+        for argv in commands(ln):
+            if argv[0].startswith("toymlx-"):
+                found.append(argv)
+    return found
+
+
+# ---- parsing with the commands' own parsers ---------------------------------------------------
+
+def _quiet(fn, *args, **kw):
+    """Call a parser; its usage error (SystemExit 2) becomes an AssertionError with its text."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            return fn(*args, **kw)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise AssertionError(err.getvalue()[-2000:] or f"exit {e.code}") from None
+        return None
+
+
+def _file_recipe(config: str | None, files: dict[str, str]) -> str | None:
+    import yaml
+
+    if config and config in files:
+        return yaml.safe_load(files[config]).get("recipe")
+    return None
+
+
+def parse_train(args: list[str], files: dict[str, str]) -> None:
+    import tyro
+    from toymlx_cli.config_file import split_config
+    from toymlx_cli.train import _split_recipe
+
+    from toymlx.recipes import RECIPES, get_recipe
+
+    if "--version" in args:
+        return
+    config, args = split_config(args)
+    recipe, _resume, rest = _split_recipe(args)
+    recipe = recipe or _file_recipe(config, files)
+    if recipe is not None and recipe not in RECIPES:
+        raise AssertionError(f"--recipe {recipe}: not one of {', '.join(RECIPES)}")
+    # a resume or a run's config.json names its recipe in the run: any recipe's parser may do
+    names = [recipe] if recipe else list(RECIPES)
+    errors = []
+    for name in names:
+        try:
+            _quiet(tyro.cli, get_recipe(name).Config, args=rest,
+                   prog=f"toymlx-train --recipe {name}")
+            return
+        except AssertionError as e:
+            errors.append(str(e))
+    raise AssertionError("\n".join(errors))
+
+
+def parse_sweep(args: list[str], files: dict[str, str]) -> None:
+    from toymlx_cli.config_file import split_config
+    from toymlx_cli.sweep import _parser
+
+    after = []
+    if "--" in args:
+        k = args.index("--")
+        args, after = args[:k], args[k + 1:]
+    config, args = split_config(args)
+    if "--recipe" not in args and _file_recipe(config, files):
+        args = ["--recipe", _file_recipe(config, files), *args]
+    ns, rest = _quiet(_parser().parse_known_args, args)
+    parse_train(["--recipe", ns.recipe, *rest, *after], {})
+
+
+def parse_forward(module: str, args: list[str]) -> None:
+    import importlib
+
+    import tyro
+    from toymlx_cli.config_file import split_config
+
+    if "--version" in args:
+        return
+    _config, args = split_config(args)
+    cli = importlib.import_module(f"toymlx_cli.{module}")
+    _quiet(tyro.cli, cli.Args, args=args, prog=f"toymlx-{module}")
+
+
+def parse_command(argv: list[str], files: dict[str, str]) -> None:
+    """Parse one toymlx command line with that command's own parser (nothing runs)."""
+    from toymlx_cli.launch import _parser as launch_parser
+    from toymlx_cli.report import _parser as report_parser
+
+    prog, args = argv[0], argv[1:]
+    if prog == "toymlx-train":
+        parse_train(args, files)
+    elif prog == "toymlx-sweep":
+        parse_sweep(args, files)
+    elif prog in ("toymlx-eval", "toymlx-generate", "toymlx-export", "toymlx-classify"):
+        parse_forward(prog.removeprefix("toymlx-"), args)
+    elif prog == "toymlx-report":
+        _quiet(report_parser().parse_args, args)
+    elif prog == "toymlx-launch":
+        k = args.index("--")
+        _quiet(launch_parser().parse_args, args[:k])
+        parse_command(args[k + 1:], files)
+    else:
+        raise AssertionError(f"{prog}: not a toymlx command (pyproject.toml's scripts)")
+
+
+def doc_files(doc: str) -> dict[str, str]:
+    """The files a document's ```yaml blocks write (`# NAME.yaml` on their first line)."""
+    out = {}
+    for b in blocks(doc):
+        m = FILE_BLOCK.match(b.text.splitlines()[0]) if b.text else None
+        if b.lang in ("yaml", "json") and m:
+            out[m.group(1)] = b.text
+    return out
+
+
+# ---- the documents' shape ---------------------------------------------------------------------
+
+def test_every_block_is_runnable_or_says_what_it_needs():
+    """Each code block has a kind the test knows; a plain block only in README's Set-up, and
+    exactly the two commands .ci/run runs from a clean clone."""
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    for doc in DOCS:
+        for b in blocks(doc):
+            assert b.lang in ("sh", "text", "yaml", "json", "python", ""), \
+                f"{b.where()}: a ```{b.lang} block; the docs test knows sh, text, yaml, json, python"
+            if b.lang == "":
+                assert doc == README and b.section.startswith("Set-up"), \
+                    f"{b.where()}: a plain ``` block; commands go in ```sh, output in ```text"
+                assert b.text in ("python3 -m pytest",
+                                  "source scripts/install.sh && toymlx-train --recipe vit-tiny")
+                assert any(x == b.text or x == f"{b.text} || exit 1" for x in ci), b.text
+            if b.lang == "sh":
+                assert b.text.strip(), f"{b.where()}: an empty block"
+                if b.needs is None:
+                    assert not re.search(r"<[a-z][\w-]*>", b.text), \
+                        f"{b.where()}: a placeholder (<...>) in a block that runs; give a real " \
+                        f"name or mark the block `# needs: ...`"
+
+
+def test_every_toymlx_command_parses_with_its_own_parser():
+    """Every toymlx command in every block, runnable or not, parses: a flag renamed in the
+    code and not in the docs fails here, naming the block."""
+    n = 0
+    for doc in DOCS:
+        files = doc_files(doc)
+        for b in blocks(doc):
+            if b.lang not in ("sh", ""):
+                continue
+            for argv in toymlx_commands(b):
+                try:
+                    parse_command(argv, files)
+                except AssertionError as e:
+                    raise AssertionError(f"{b.where()}: {shlex.join(argv)}:\n{e}") from None
+                n += 1
+    assert n >= 40, n  # the guides hold more commands than this; a broken reader finds none
+
+
+def test_a_renamed_flag_fails_the_parse():
+    """The check above can fail: a flag that does not exist is refused by each parser."""
+    for argv in (["toymlx-train", "--recipe", "lora", "--lora.rnk", "8"],
+                 ["toymlx-train", "--resume", "runs/x", "--stepz", "3"],
+                 ["toymlx-export", "--adapter", "runs/x", "--fused", "--out", "m.gguf"],
+                 ["toymlx-sweep", "--recipe", "from-scratch", "--grid", "lr=1e-3", "--wokers", "2"],
+                 ["toymlx-launch", "-n", "2", "--hots", "a", "--", "toymlx-train"],
+                 ["toymlx-launch", "-n", "2", "--", "toymlx-train", "--recipe", "vit-tiny",
+                  "--step", "3"]):
+        with pytest.raises(AssertionError, match="--"):
+            parse_command(argv, {})
+
+
+def known_flags() -> set[str]:
+    """Every flag of every toymlx command, from the commands' own parsers."""
+    import importlib
+    import warnings
+
+    import tyro
+    from toymlx_cli.launch import _parser as launch_parser
+    from toymlx_cli.report import _parser as report_parser
+    from toymlx_cli.sweep import _parser as sweep_parser
+
+    from toymlx.recipes import RECIPES, get_recipe
+
+    parsers = [launch_parser(), report_parser(), sweep_parser()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # get_parser: tyro's own table
+        for cls in [get_recipe(r).Config for r in RECIPES] + [
+                importlib.import_module(f"toymlx_cli.{m}").Args
+                for m in ("eval", "generate", "export", "classify")]:
+            parsers.append(tyro.extras.get_parser(cls))
+    return {o for p in parsers for a in p._actions for o in a.option_strings} | {
+        "--recipe", "--version", "-c", "--config"}
+
+
+OTHER_TOOLS = ("python", "pip", "llama-", "ollama", "benchmarks/", "mlx_lm", "unzip")
+"""Inline code that is another program's command line: its flags are not toymlx's."""
+
+
+def test_every_flag_named_in_the_prose_exists():
+    """A flag named in the prose (`--lora.rank`) is one a toymlx command has: a renamed flag
+    fails here too, not only in the command blocks. mlx-lm's flags in LORA.md's table of
+    equivalents (its first column) and other programs' command lines are not toymlx's."""
+    flags = known_flags()
+    for doc in DOCS:
+        prose = re.sub(r"```.*?```", "", (REPO / doc).read_text(), flags=re.DOTALL)
+        for row in prose.splitlines():
+            if row.startswith(("| `mlx_lm", "| `--", "| `lora_parameters")):  # mlx-lm's column
+                row = row.split("|", 2)[2]
+            for span in re.findall(r"`([^`]+)`", row):
+                if span.startswith(OTHER_TOOLS):
+                    continue
+                for flag in re.findall(r"(?<![\w-])--[a-z][\w.-]*", span):
+                    # `--lora.*`, `--no-...`: a group of flags, named by its prefix
+                    group = flag.endswith(".") and flag.rstrip(".")
+                    ok = any(f.startswith(group) for f in flags) if group else flag in flags
+                    assert ok, f"{doc}: `{span}` names {flag}, which no toymlx command has"
+
+
+def test_readme_is_short_and_every_figure_links_to_the_results_table():
+    """README.md stays a five-minute read; each measured figure in its prose links to a row of
+    docs/RESULTS.md's first table, and every such link names an anchor that table has."""
+    readme = (REPO / README).read_text()
+    assert len(readme.splitlines()) <= 150
+    results = (REPO / "docs" / "RESULTS.md").read_text()
+    first_table = results[:results.index("\n## ", results.index("| "))]
+    anchors = set(re.findall(r'<a id="([\w-]+)"></a>', first_table))
+    for doc in DOCS:
+        text = (REPO / doc).read_text()
+        for anchor in re.findall(r"RESULTS\.md#([\w-]+)", text):
+            assert anchor in anchors, f"{doc}: RESULTS.md#{anchor} is not a row of its first table"
+    prose = re.sub(r"```.*?```", "", readme, flags=re.DOTALL)
+    figure = re.compile(r"\d(?:\.\d+)?\s?(?:%|x\b|GB|MB|s\b|seconds|tokens/s|tok/s)")
+    for para in re.split(r"\n\s*\n", prose):
+        for row in para.splitlines() if para.lstrip().startswith("|") else [para]:
+            if figure.search(re.sub(r"`[^`]*`", "", row)):
+                assert "RESULTS.md#" in row, f"README.md: a figure without its RESULTS link:\n{row}"
+
+
+# ---- running the blocks -----------------------------------------------------------------------
+
+def _shrunk(n: int) -> int:
+    return 0 if n <= 0 else max(1, math.ceil(n / SHRINK))
+
+
+def _shrink_steps_in(arg: str) -> str:
+    return re.sub(r"step_(\d+)", lambda m: f"step_{_shrunk(int(m.group(1)))}", arg)
+
+
+def shorten(argv: list[str]) -> list[str]:
+    """A toymlx command as it runs here: its step counts divided, its generation cut."""
+    prog, args = argv[0], [_shrink_steps_in(a) for a in argv[1:]]
+    if prog == "toymlx-launch":
+        k = args.index("--")
+        return [prog, *args[:k + 1], *shorten(args[k + 1:])]
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a in STEP_FLAGS and i + 1 < len(args):
+            out += [a, str(_shrunk(int(args[i + 1])))]
+            i += 2
+            continue
+        if a == "--max-tokens" and i + 1 < len(args):
+            out += [a, str(min(int(args[i + 1]), MAX_TOKENS))]
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    new_run = "--resume" not in out and "-c" not in out and "--config" not in out
+    if prog == "toymlx-train" and new_run and "--steps" not in out and \
+            not {"--help", "--version"} & set(out):
+        from toymlx_cli.train import _split_recipe
+
+        from toymlx.recipes import get_recipe
+
+        recipe = _split_recipe(out)[0]
+        out += ["--steps", str(_shrunk(get_recipe(recipe).Config().steps))]
+    if prog == "toymlx-train" and "--report-every" not in out and "--version" not in out:
+        out += ["--report-every", "1"]  # a report line every step, as a long run prints them
+    if prog == "toymlx-sweep":  # a sweep is many runs: one step each
+        k = out.index("--steps") if "--steps" in out else len(out)
+        out = [*out[:k], *out[k + 2:], "--steps", "1"]
+    if prog == "toymlx-generate" and "--max-tokens" not in out:
+        out += ["--max-tokens", str(MAX_TOKENS)]
+    return [prog, *out]
+
+
+def runnable_script(block: Block) -> str:
+    """A shell block with each toymlx command shortened (the rest as written)."""
+    out, heredoc = [], None
+    for ln in logical_lines_keep_heredocs(block.text):
+        if heredoc is not None:
+            out.append(ln)
+            if ln.strip() == heredoc:
+                heredoc = None
+            continue
+        m = re.search(r"<<-?\s*'?(\w+)'?", ln)
+        if m:
+            heredoc = m.group(1)
+        if "toymlx-" not in ln:
+            out.append(ln)
+            continue
+        parts, cur = [], []
+        lex = shlex.shlex(ln, posix=True, punctuation_chars=";&|")
+        lex.whitespace_split = True
+        lex.commenters = "#"
+        for tok in lex:
+            if tok in OPERATORS:
+                parts += [cur, tok]
+                cur = []
+            else:
+                cur.append(tok)
+        parts.append(cur)
+        out.append(" ".join(p if isinstance(p, str) else shlex.join(
+            shorten(p) if p and p[0].startswith("toymlx-") else p) for p in parts if p))
+    return "\n".join(out)
+
+
+def logical_lines_keep_heredocs(text: str) -> list[str]:
+    """A shell block's lines with continuations joined (here-documents kept)."""
+    out, pending = [], ""
+    for ln in text.splitlines():
+        if ln.rstrip().endswith("\\"):
+            pending += ln.rstrip()[:-1] + " "
+            continue
+        out.append(pending + ln)
+        pending = ""
+    return out
+
+
+def shorten_python(text: str) -> str:
+    text = re.sub(r"\bsteps=(\d+)", lambda m: f"steps={_shrunk(int(m.group(1)))}", text)
+    return re.sub(r"\bmax_tokens=(\d+)", lambda m: f"max_tokens={min(int(m.group(1)), MAX_TOKENS)}",
+                  text)
+
+
+def stand_in_models(doc: str, folder: Path, stories: Path) -> None:
+    """Every GGUF a block reads by a bare file name and no block writes: stories260K.gguf."""
+    written, read = set(), set()
+    for b in blocks(doc):
+        if b.lang != "sh" or b.needs:
+            continue
+        for argv in toymlx_commands(b):
+            for flag, value in itertools.pairwise(argv):
+                if flag == "--out":
+                    written.add(value)
+                elif flag in MODEL_FLAGS and value.endswith(".gguf") and "/" not in value:
+                    read.add(value)
+    for name in read - written:
+        (folder / name).symlink_to(stories)
+
+
+def run_doc(doc: str, folder: Path, stories: Path, python: bool) -> list[str]:
+    """Run a document's runnable blocks in order in `folder`; the blocks run, by line."""
+    stand_in_models(doc, folder, stories)
+    bindir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}",
+           "PYTHONUNBUFFERED": "1"}
+    ran, last = [], None
+    for b in blocks(doc):
+        m = FILE_BLOCK.match(b.text.splitlines()[0]) if b.text else None
+        if b.lang in ("yaml", "json") and m:
+            (folder / m.group(1)).write_text(b.text + "\n")
+            continue
+        if b.lang == "text" and last is not None and last[0].section == b.section:
+            check_output_shown(b, last[1])
+        last = None
+        if b.lang == "python" and python:
+            cmd = [sys.executable, "-c", shorten_python(b.text)]
+        elif b.lang == "sh" and b.needs is None:
+            cmd = ["bash", "-e", "-o", "pipefail", "-c", runnable_script(b)]
+        else:
+            continue
+        r = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=600,
+                           check=False)
+        assert r.returncode == 0, (f"{b.where()} failed (exit {r.returncode}):\n{cmd[-1]}\n"
+                                   f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
+        ran.append(b.where())
+        last = (b, r.stdout + r.stderr)
+    return ran
+
+
+def shape(line: str) -> str:
+    """A printed line with its numbers and absolute paths left out (a shortened run prints
+    other numbers, in another folder)."""
+    line = re.sub(r"(?<![\w-])/[^\s,)]+", "PATH", line.strip())
+    return re.sub(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?", "N", line)
+
+
+def check_output_shown(block: Block, printed: str) -> None:
+    """A ```text block right after a block that ran, in the same section, shows its output: each
+    line toymlx prints (`step ...`, `toymlx...`) has the shape of a line it printed here."""
+    got = {shape(ln) for ln in printed.splitlines()}
+    for ln in block.text.splitlines():
+        if ln.startswith(("step ", "toymlx")):
+            assert shape(ln) in got, (f"{block.where()}: the docs show a line this block's "
+                                      f"commands no longer print:\n{ln}\nthey printed:\n"
+                                      f"{printed[-3000:]}")
+
+
+def test_readme_blocks_run(tmp_path, stories_path):
+    """README's blocks, as a newcomer types them (shortened): the four recipes, a LoRA run on a
+    GGUF stopped and resumed, its export for Ollama, generation from it."""
+    ran = run_doc(README, tmp_path, stories_path, python=False)
+    assert len(ran) >= 4, ran
+    runs = tmp_path / "runs"
+    assert {p.name for p in runs.iterdir()} == {"chat", "lm", "warm"}
+    events = (runs / "chat" / "events.jsonl").read_text()
+    assert '"kind": "resume"' in events.replace('"kind":"resume"', '"kind": "resume"')
+    assert (tmp_path / "ollama-out" / "Modelfile").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", GUIDES)
+def test_guide_blocks_run(doc, tmp_path, stories_path):
+    """Each guide's runnable blocks, Python ones included, in a folder of their own."""
+    ran = run_doc(doc, tmp_path, stories_path, python=True)
+    assert ran, f"{doc}: no block ran"
