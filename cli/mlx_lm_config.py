@@ -20,12 +20,13 @@ from typing import Any
 from toymlx_cli.config_file import ConfigFileError
 
 MLX_LM_ONLY = frozenset({
-    "train", "iters", "learning_rate", "num_layers", "lora_parameters", "lr_schedule",
-    "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
+    "train", "iters", "learning_rate", "num_layers", "lora_parameters", "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
     "save_every", "adapter_path", "resume_adapter_file", "max_seq_length",
     "grad_accumulation_steps", "clear_cache_threshold", "project_name", "trust_remote_code"})
 """Keys that make a config file mlx-lm's: its lora command reads them, toymlx has none (its
-`model`, `data`, `seed`, ... are read as mlx-lm's in such a file, as toymlx's in another)."""
+`model`, `data`, `seed`, ... are read as mlx-lm's in such a file, as toymlx's in another;
+`lr_schedule` and `optimizer` are toymlx's lora options too, so a toymlx config.json with
+them is not mlx-lm's)."""
 MLX_LM_DEFAULTS: dict[str, Any] = {
     "fine_tune_type": "lora", "optimizer": "adam", "seed": 0, "num_layers": 16,
     "batch_size": 4, "iters": 1000, "val_batches": 25, "learning_rate": 1e-5,
@@ -92,11 +93,12 @@ def mlx_lm_options(data: dict[str, Any], source: str
     (one line naming the key) for one toymlx cannot honour that changes what is trained."""
     keys = set(data)
     unknown = sorted(keys - MLX_LM_ONLY - set(MLX_LM_DEFAULTS) - set(_NOTED) - {
-        "model", "data", "report_to", "recipe"})
+        "model", "data", "report_to", "recipe", "lr_schedule"})
     if unknown:
+        why = min(keys & MLX_LM_ONLY, default="keys")
         raise ConfigFileError(f"{source}: key {unknown[0]!r}: expected a key of mlx-lm's lora "
-                              f"config (the file is read as mlx-lm's, for its "
-                              f"{min(keys & MLX_LM_ONLY)!r}), found an unknown key")
+                              f"config (the file is read as mlx-lm's, for its {why!r}), found "
+                              "an unknown key")
     given = {**MLX_LM_DEFAULTS, **data}
     out: dict[str, Any] = {}
     rows: list[tuple[str, str, Any, str]] = []

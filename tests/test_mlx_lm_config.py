@@ -182,6 +182,8 @@ def test_a_key_toymlx_cannot_honour_is_one_line(extra, line):
 def test_toymlx_s_own_files_keep_their_meaning(tmp_path, capsys):
     assert not is_mlx_lm_config({"lr": 1e-3, "lora": {"rank": 4}, "data": {"path": "x"},
                                  "seed": 1, "batch_size": 2, "optimizer": "adam"})
+    # a lora run's own config.json holds --lr-schedule (a benchmark reads one back with -c)
+    assert not is_mlx_lm_config({"lr_schedule": "warmup-cosine", "lr_schedule_args": []})
     assert is_mlx_lm_config({"iters": 5})
     assert mlx_lm_options({"model": "u/r"}, "f")[0]["base"] == "hf:u/r"
 
