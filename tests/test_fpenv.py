@@ -138,3 +138,36 @@ def test_a_llama_trains_to_the_same_losses_either_way():
         stepper = _stepper(model, lm_loss, batch, mode)
         losses[mode] = [stepper.step(s, batch)["loss"].item() for s in range(3)]
     np.testing.assert_allclose(losses["flush"], losses["keep"], rtol=1e-6)
+
+
+_AFTER_FORK = """
+import os
+import mlx.core as mx, numpy as np
+import toymlx
+from toymlx.backend import device
+from toymlx.training.cpu_streams import new_streams
+a = mx.full((1024, 1024), np.float32(1e-39)); b = mx.ones((1024, 1024)); mx.eval(a, b)
+pid = os.fork()  # OpenBLAS ends its workers before a fork, and starts them again later
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+c = mx.random.normal((512, 512)); mx.eval(c @ c)  # this thread, not flushing, calls first
+[s] = new_streams(1, "flush")
+with device.evaluating(device.blas_threads(), "flush"):
+    with mx.stream(s):
+        c = a @ b
+    mx.eval(c)
+print(int((np.array(c) != 0).sum()))
+"""
+
+
+def test_blas_workers_flush_again_after_a_fork():
+    """A fork (a subprocess with preexec_fn, multiprocessing) ends OpenBLAS's workers, and the
+    next caller that wants them starts them in its own mode: toymlx starts them again, flushing,
+    right after the fork (half the product was once computed with subnormals)."""
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-c", _AFTER_FORK], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split()[-1] == "0"

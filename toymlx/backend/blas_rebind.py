@@ -22,10 +22,10 @@ linked with `-z now`) is not touched: `rebind` raises, and toymlx keeps the old 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import struct
 from collections.abc import Callable
-from pathlib import Path
 
 _JUMP_SLOT = {62: 7, 183: 1026}
 """e_machine -> the relocation type of a PLT slot: x86-64 (R_X86_64_JUMP_SLOT), aarch64
@@ -49,7 +49,17 @@ _libc = ctypes.CDLL(None)
 def plt_slots(path: str | os.PathLike) -> dict[str, int]:
     """{symbol: offset of its PLT slot from the load base} of a 64-bit little-endian ELF shared
     library; raises OSError naming the file where it is not one or has no section headers."""
-    data = Path(path).read_bytes()
+    with open(path, "rb") as f:  # mapped, not read: a 30 MB read and free would move glibc's
+        # dynamic mmap threshold for the whole process (TOYMLX_MALLOC=default would not be)
+        try:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file
+            raise OSError(f"{path}: expected a 64-bit little-endian ELF file") from None
+    with data:
+        return _slots(path, data)
+
+
+def _slots(path: str | os.PathLike, data: mmap.mmap) -> dict[str, int]:
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise OSError(f"{path}: expected a 64-bit little-endian ELF file")
     machine, = struct.unpack_from("<H", data, 0x12)
@@ -68,12 +78,13 @@ def plt_slots(path: str | os.PathLike) -> dict[str, int]:
             continue
         symtab = sections[link]
         strtab = sections[symtab[6]][4]
-        for r_offset, r_info, _ in struct.iter_unpack("<QQq", data[offset:offset + size]):
+        for at in range(offset, offset + size - 23, 24):  # Elf64_Rela, read in place
+            r_offset, r_info = struct.unpack_from("<QQ", data, at)
             symbol = r_info >> 32
             if r_info & 0xFFFFFFFF != _JUMP_SLOT[machine] or symbol == 0:
                 continue
             name_at = strtab + struct.unpack_from("<I", data, symtab[4] + symbol * 24)[0]
-            slots[data[name_at:data.index(b"\0", name_at)].decode()] = r_offset
+            slots[data[name_at:data.find(b"\0", name_at)].decode()] = r_offset
     return slots
 
 

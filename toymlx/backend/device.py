@@ -129,6 +129,7 @@ def _bind_openblas(p: _ProcessState) -> None:
             return
         p.blas, p.library = "openblas", lib
         p.blas_bound = f"{len(names)} BLAS/LAPACK functions of libmlx.so"
+        os.register_at_fork(after_in_parent=_restart_blas_workers)
         why = blas.generic_core(lib)
         if why is not None:
             warnings.warn(_GENERIC.format(why=why, gflops=blas.sgemm_gflops(lib),
@@ -297,6 +298,17 @@ def peak_rss_mb() -> float | None:
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS
 
 
+def _restart_blas_workers() -> None:
+    """After a fork: OpenBLAS ends its worker threads before every fork and starts them again
+    at the next call that wants them, in the floating-point mode of whichever thread makes it.
+    Start them now, flushing subnormals as they always do (`toymlx.backend.blas`)."""
+    lib = _PROCESS.library
+    get = None if lib is None else lib.function("openblas_get_num_threads")
+    if get is not None:
+        with fpenv.subnormals("flush"):
+            lib.function("openblas_set_num_threads")(int(get()))
+
+
 def blas_threads() -> int | None:
     """OpenBLAS's thread count now, or None where toymlx does not control the BLAS (macOS's
     Accelerate, the reference BLAS)."""
@@ -314,11 +326,18 @@ def use_blas_threads(n: int | None):
         yield
         return
     set_threads = _PROCESS.library.function("openblas_set_num_threads")
-    set_threads(int(n))
+
+    def set_to(count: int) -> None:
+        # OpenBLAS may end and start worker threads here, and a thread starts in the mode of
+        # the one that starts it: its workers always flush subnormals (toymlx.backend.blas)
+        with fpenv.subnormals("flush"):
+            set_threads(count)
+
+    set_to(int(n))
     try:
         yield
     finally:
-        set_threads(before)
+        set_to(before)
 
 
 @contextlib.contextmanager
