@@ -385,6 +385,11 @@ def _once(source: str, given: dict[Any, str], target: Any, key: str, flag: str) 
 def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str) -> str:
     close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.6)
     hint = f"; did you mean {_flag(close[0])}?" if close else ""
+    group = sorted(k for k in table if k.startswith(key + "."))
+    if group:  # a section given a value (`lora: 8`), not a misspelt option
+        more = ", ..." if len(group) > 3 else ""
+        hint = (f"; {key} is a group of options ({', '.join(_flag(k) for k in group[:3])}{more}):"
+                f" write it as a mapping, e.g. {key}: {{{group[0].split('.', 1)[1]}: ...}}")
     top = key.split(".")[0]
     if top in MLX_LM_KEYS and key not in table:
         hint = f"; mlx-lm's {top} is toymlx's {MLX_LM_KEYS[top]}"

@@ -382,3 +382,18 @@ def test_a_lone_surrogate_in_a_json_file_is_one_line(tmp_path, capsys):
     assert main(["--recipe", "from-scratch", "-c", str(p), "--runs-root", str(tmp_path)]) == 2
     assert error_line(capsys) == (f"toymlx-train: error: {p}: key 'run_id': expected UTF-8 text, "
                                   "found a lone surrogate U+D800 at character 2")
+
+
+def test_a_section_given_a_value_is_named_as_a_section(tmp_path, capsys):
+    """`lora: 8` once got "did you mean --lr?": it is the lora section, written as a value."""
+    from toymlx_cli.train import main
+
+    f = tmp_path / "c.yaml"
+    f.write_text("lora: 8\n")
+    assert main(["--recipe", "lora", "-c", str(f)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith("key 'lora': expected an option of toymlx-train --recipe lora, found an "
+                         "unknown key; lora is a group of options (--lora.alpha, --lora.dropout, "
+                         "--lora.init-adapter, ...): write it as a mapping, e.g. lora: "
+                         "{alpha: ...}"), line
+    assert "did you mean" not in line
