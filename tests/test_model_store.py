@@ -434,3 +434,17 @@ def test_modelfile_fuse_exports_a_dora_adapter_as_plain_fuse_does(stories_path, 
         f"toymlx-export: error: {dora}: metadata keys 'general.type'/'adapter.type': expected "
         "'adapter'/'lora' (a LoRA adapter GGUF; a DoRA adapter only with --fuse), found "
         "'adapter'/'dora'\n")
+
+
+def test_ollama_model_layer_with_a_path_for_a_digest_is_named(ollama):
+    """A digest of `../` once read "expected a layer of media type X, found ['X']"."""
+    path = ollama / "manifests/registry.ollama.ai/library/evil/latest"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"layers": [{"mediaType": MODEL_LAYER, "size": 10,
+                                            "digest": "sha256:../../../etc/passwd"}]}))
+    with pytest.raises(ModelStoreError) as e:
+        resolve_model("ollama:evil", "--model")
+    assert str(e.value) == (f"--model ollama:evil: {path}: a {MODEL_LAYER} layer's digest: "
+                            "expected sha256: and 64 hexadecimal digits, found "
+                            "'sha256:../../../etc/passwd'; the manifest is damaged: `ollama pull` "
+                            "the model again")

@@ -227,6 +227,11 @@ def _from_manifest(spec: str, flag: str, root: Path, manifest: Path, short: str)
     for layer in layers:
         media = layer.get("mediaType", "") if isinstance(layer, dict) else ""
         m = _DIGEST.fullmatch(str(layer.get("digest", "")) if isinstance(layer, dict) else "")
+        if media in (MODEL_LAYER, ADAPTER_LAYER) and m is None:  # never a path to follow
+            raise ModelStoreError(f"{flag} {spec}: {manifest}: a {media} layer's digest: "
+                                  "expected sha256: and 64 hexadecimal digits, found "
+                                  f"{str(layer.get('digest'))[:80]!r}; the manifest is damaged: "
+                                  "`ollama pull` the model again")
         if not media.startswith(LAYER_PREFIX) or m is None:
             continue
         blob = _blob(root, m.group(1).lower())
