@@ -67,3 +67,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def on_cpu():
+    """MLX's default device is the CPU within the test (the vectorised forms and the CPU's
+    floating-point modes are what is tested)."""
+    import mlx.core as mx
+
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(old)

@@ -27,13 +27,7 @@ from toymlx.models.vit import ViT, vit_tiny_8
 
 FAST, MLX = Ops(kernels="vectorised"), Ops()
 
-
-@pytest.fixture(autouse=True)
-def on_cpu():
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(old)
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 def test_a_model_runs_the_math_it_was_built_with():

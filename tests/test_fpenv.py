@@ -15,20 +15,13 @@ import pytest
 from toymlx.backend import device, fpenv
 from toymlx.training.cpu_streams import new_streams
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"),
-    reason="toymlx sets the flush-to-zero mode on Linux x86-64 and arm64 only")
+    reason="toymlx sets the flush-to-zero mode on Linux x86-64 and arm64 only"),
+    pytest.mark.usefixtures("on_cpu")]
 
 TINY = np.float32(1e-38)  # float32's smallest normal is 1.18e-38
 SUBNORMAL = float(TINY) * 0.01  # 1e-40 as float32 rounds it
-
-
-@pytest.fixture(autouse=True)
-def on_cpu():
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(old)
 
 
 def _subnormals(values: np.ndarray) -> int:
