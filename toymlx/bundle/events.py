@@ -175,7 +175,7 @@ def iter_events(path: str | os.PathLike) -> Iterator[dict]:
     if special_kind(p):  # a FIFO or a device is no log: reading it could wait forever
         return
     try:
-        f = open(p, "rb")
+        f = open(p, "rb")  # noqa: SIM115 (a missing file ends the iterator; closed just below)
     except (FileNotFoundError, NotADirectoryError):
         return
     with f:
