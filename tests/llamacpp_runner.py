@@ -76,8 +76,29 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, timeout: float = 600)
 
 
 # ---- child side -------------------------------------------------------------------------
+def _plain_cpu_buffers() -> None:
+    """llama.cpp's CPU path without its extra buffer types (AMX, repacked weights): on an Intel
+    host with AMX, llama-cpp-python 0.3.36 segfaults decoding a Q4_0 model with a LoRA adapter
+    in them; the plain path is the reference these tests compare against anyway."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+    if getattr(default, "_toymlx_plain", False):
+        return
+
+    def plain():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    plain._toymlx_plain = True
+    lib.llama_model_default_params = plain
+
+
 def _child_logits(model: str, tokens_path: str, out_path: str, lora: str | None = None) -> dict:
     from llama_cpp import Llama
+
+    _plain_cpu_buffers()
 
     tokens = json.loads(Path(tokens_path).read_text())
     n = len(tokens)
