@@ -20,9 +20,29 @@ END = "end"
 """The line after a request's last token."""
 
 
+def _plain_cpu_buffers() -> None:
+    """Load models without llama.cpp's extra CPU buffer types (AMX tiles, repacked weights):
+    llama-cpp-python 0.3.36 segfaults decoding a SmolLM2 Q4_1 file in them on an Intel host with
+    AMX (the same file decodes on the plain path: "The capital of France is Paris."). `Llama`
+    takes no such option, so its default model parameters are the ones changed."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+    if "use_extra_bufts" not in {name for name, _ in default().__class__._fields_}:
+        return  # a llama.cpp without the option: nothing to turn off
+
+    def plain():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = plain
+
+
 def main() -> None:
     import llama_cpp
 
+    _plain_cpu_buffers()
     req = json.loads(sys.stdin.readline())
     llm = llama_cpp.Llama(req["model"], n_ctx=req["context"], seed=req["seed"], verbose=False,
                           n_threads=os.cpu_count(), last_n_tokens_size=20,
