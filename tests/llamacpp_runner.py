@@ -76,12 +76,17 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, timeout: float = 600)
 
 
 # ---- child side -------------------------------------------------------------------------
-def _plain_cpu_buffers() -> None:
-    """llama.cpp's CPU path without its extra buffer types (AMX, repacked weights): on an Intel
-    host with AMX, llama-cpp-python 0.3.36 segfaults decoding a Q4_0 model with a LoRA adapter
-    in them; the plain path is the reference these tests compare against anyway."""
+def _plain_cpu_buffers(model: str) -> None:
+    """llama.cpp's CPU path without its extra buffer types (AMX, repacked weights) for a
+    quantized file: on an Intel host with AMX, llama-cpp-python 0.3.36 segfaults decoding a Q4_0
+    model with a LoRA adapter in them. Float files keep them (their F16 path is the closer)."""
     import llama_cpp.llama_cpp as lib
 
+    from toymlx.gguf.reader import GGUFFile
+
+    with GGUFFile(model) as g:  # float files keep them: their F16 path is the closer one
+        if all(t.type.name in ("F32", "F16", "BF16") for t in g.tensors.values()):
+            return
     default = lib.llama_model_default_params
     if getattr(default, "_toymlx_plain", False):
         return
@@ -98,7 +103,7 @@ def _plain_cpu_buffers() -> None:
 def _child_logits(model: str, tokens_path: str, out_path: str, lora: str | None = None) -> dict:
     from llama_cpp import Llama
 
-    _plain_cpu_buffers()
+    _plain_cpu_buffers(model)
 
     tokens = json.loads(Path(tokens_path).read_text())
     n = len(tokens)

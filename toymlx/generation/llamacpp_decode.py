@@ -20,13 +20,18 @@ END = "end"
 """The line after a request's last token."""
 
 
-def _plain_cpu_buffers() -> None:
-    """Load models without llama.cpp's extra CPU buffer types (AMX tiles, repacked weights):
-    llama-cpp-python 0.3.36 segfaults decoding a SmolLM2 Q4_1 file in them on an Intel host with
+def _plain_cpu_buffers(model: str) -> None:
+    """Load a quantized model without llama.cpp's extra CPU buffer types (AMX tiles, repacked
+    weights): llama-cpp-python 0.3.36 segfaults decoding a SmolLM2 Q4_1 file in them on an Intel host with
     AMX (the same file decodes on the plain path: "The capital of France is Paris."). `Llama`
     takes no such option, so its default model parameters are the ones changed."""
     import llama_cpp.llama_cpp as lib
 
+    from toymlx.gguf.reader import GGUFFile
+
+    with GGUFFile(model) as g:  # float files keep them: their F16 path is the closer one
+        if all(t.type.name in ("F32", "F16", "BF16") for t in g.tensors.values()):
+            return
     default = lib.llama_model_default_params
     if "use_extra_bufts" not in {name for name, _ in default().__class__._fields_}:
         return  # a llama.cpp without the option: nothing to turn off
@@ -42,8 +47,8 @@ def _plain_cpu_buffers() -> None:
 def main() -> None:
     import llama_cpp
 
-    _plain_cpu_buffers()
     req = json.loads(sys.stdin.readline())
+    _plain_cpu_buffers(req["model"])
     llm = llama_cpp.Llama(req["model"], n_ctx=req["context"], seed=req["seed"], verbose=False,
                           n_threads=os.cpu_count(), last_n_tokens_size=20,
                           lora_path=req["adapter"])
