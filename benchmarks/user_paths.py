@@ -140,6 +140,8 @@ import json, os, sys, time
 import llama_cpp
 path, ids, n, temp, top_p = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), \
     float(sys.argv[4]), float(sys.argv[5])
+from toymlx.generation.llamacpp_decode import plain_cpu_buffers
+plain_cpu_buffers(path)  # as toymlx-generate --engine llama.cpp loads it
 llm = llama_cpp.Llama(path, n_ctx=len(ids) + n, n_threads=os.cpu_count(), seed=0, verbose=False)
 rates = []
 for _ in range(2):  # the second pass, warm, is what toymlx is held to (the stricter figure)

@@ -76,34 +76,12 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, timeout: float = 600)
 
 
 # ---- child side -------------------------------------------------------------------------
-def _plain_cpu_buffers(model: str) -> None:
-    """llama.cpp's CPU path without its extra buffer types (AMX, repacked weights) for a
-    quantized file: on an Intel host with AMX, llama-cpp-python 0.3.36 segfaults decoding a Q4_0
-    model with a LoRA adapter in them. Float files keep them (their F16 path is the closer)."""
-    import llama_cpp.llama_cpp as lib
-
-    from toymlx.gguf.reader import GGUFFile
-
-    with GGUFFile(model) as g:  # float files keep them: their F16 path is the closer one
-        if all(t.type.name in ("F32", "F16", "BF16") for t in g.tensors.values()):
-            return
-    default = lib.llama_model_default_params
-    if getattr(default, "_toymlx_plain", False):
-        return
-
-    def plain():
-        params = default()
-        params.use_extra_bufts = False
-        return params
-
-    plain._toymlx_plain = True
-    lib.llama_model_default_params = plain
-
-
 def _child_logits(model: str, tokens_path: str, out_path: str, lora: str | None = None) -> dict:
     from llama_cpp import Llama
 
-    _plain_cpu_buffers(model)
+    from toymlx.generation.llamacpp_decode import plain_cpu_buffers
+
+    plain_cpu_buffers(model)  # the same llama.cpp set-up as toymlx-generate --engine llama.cpp
 
     tokens = json.loads(Path(tokens_path).read_text())
     n = len(tokens)

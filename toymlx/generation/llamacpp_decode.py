@@ -20,7 +20,7 @@ END = "end"
 """The line after a request's last token."""
 
 
-def _plain_cpu_buffers(model: str) -> None:
+def plain_cpu_buffers(model: str) -> None:
     """Load a quantized model without llama.cpp's extra CPU buffer types (AMX tiles, repacked
     weights): llama-cpp-python 0.3.36 segfaults decoding a SmolLM2 Q4_1 file in them on an Intel host with
     AMX (the same file decodes on the plain path: "The capital of France is Paris."). `Llama`
@@ -48,7 +48,7 @@ def main() -> None:
     import llama_cpp
 
     req = json.loads(sys.stdin.readline())
-    _plain_cpu_buffers(req["model"])
+    plain_cpu_buffers(req["model"])
     llm = llama_cpp.Llama(req["model"], n_ctx=req["context"], seed=req["seed"], verbose=False,
                           n_threads=os.cpu_count(), last_n_tokens_size=20,
                           lora_path=req["adapter"])
