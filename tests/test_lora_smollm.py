@@ -44,6 +44,8 @@ import numpy as np
 from llama_cpp import Llama
 
 job = json.load(open(sys.argv[1]))
+from toymlx.generation.llamacpp_decode import plain_cpu_buffers
+plain_cpu_buffers(job["model"])  # as toymlx-generate --engine llama.cpp loads it (AMX hosts)
 kw = dict(model_path=job["model"], logits_all=True, n_ctx=512, n_batch=512, n_ubatch=512,
           type_k=0, type_v=0, flash_attn=False, n_threads=2, n_threads_batch=2, verbose=False)
 if job.get("lora"):
