@@ -422,7 +422,8 @@ def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file
                              "pip_extra_index_url")}
     env = {**keep, "PATH": SYSTEM_PATH, "HOME": str(home), "LANG": "C.UTF-8"}
     select = os.environ.get(FRESH_CLONE_TESTS)
-    pytest_cmd = "python3 -m pytest -q -p no:cacheprovider -rs" + (
+    # -rsfE: the skips' reasons, then failures and errors last, so the tail asserted on names them
+    pytest_cmd = "python3 -m pytest -q -p no:cacheprovider -rsfE" + (
         f" -k {shlex.quote(select)}" if select else "")
 
     def tier() -> tuple[str, dict[str, int]]:

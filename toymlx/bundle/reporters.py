@@ -41,10 +41,11 @@ def parse_report_to(value: str | None) -> tuple[str, ...]:
     if not value:
         return ()
     names = [n.strip().lower() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in REPORTERS]
+    if unknown:  # every name checked before any package, so a typo is named first
+        raise ValueError(f"--report-to {value}: expected a comma list of "
+                         f"{', '.join(REPORTERS)}, found {unknown[0]!r}")
     for n in names:
-        if n not in REPORTERS:
-            raise ValueError(f"--report-to {value}: expected a comma list of "
-                             f"{', '.join(REPORTERS)}, found {n!r}")
         if importlib.util.find_spec(n) is None:
             raise ValueError(f"--report-to {n}: the {n} package is not installed; install "
                              f"toymlx's {REPORTERS[n]} extra: pip install 'toymlx[{REPORTERS[n]}]'")
