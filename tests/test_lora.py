@@ -653,3 +653,30 @@ def test_run_starts_from_an_adapter(tiny_gguf, tmp_path, capsys):
         "LoRA adapter GGUF), found None (a model; pass it as the base and the adapter "
         "separately)")
     assert not any((tmp_path / n).exists() for n in ("r8", "kq", "model"))
+
+
+def test_an_unpacked_run_traces_every_width_at_its_first_step(tiny_gguf, tmp_path):
+    """--data.no-pack over answers of many lengths: the first step's event names every batch
+    width of the run in the order the steps meet them (the widths `SFTData.batch` cuts the
+    run's batches to), traced then; no later step names any."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, n in (("train", 12), ("valid", 2)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": f"q{i}"},
+            {"role": "assistant", "content": "a" * (9 * i)}]}) + "\n" for i in range(n)))
+    assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+                   "--run-id", "r", "--steps", "6", "--batch-size", "2", "--seq-len", "128",
+                   "--eval-every", "0", "--no-progress", "--data.path", str(data),
+                   "--data.no-pack"]) == 0
+    events = events_of(tmp_path / "r")
+    steps = [e for e in events if e["kind"] == "step"]
+    from toymlx.generation.generate import load_for_generation
+
+    _, tok = load_for_generation(tmp_path / "r")
+    sft = SFTData.from_file(data, tok, 128, mask_prompt=True, pack=False)
+    seed = events[0]["config"]["seed"]
+    widths = [sft.batch(s, seed, 2)["mask"].shape[-1] for s in range(6)]
+    assert steps[0]["traced_widths"] == list(dict.fromkeys(widths))
+    assert len(set(widths)) >= 3
+    assert all("traced_widths" not in e for e in steps[1:])

@@ -47,6 +47,7 @@ __all__ = [
     "SFTData",
     "data_files",
     "fit_rows",
+    "fitted_width",
     "load_examples",
     "pack_or_pad",
     "sft_batch",
@@ -486,13 +487,18 @@ def sft_batch(
         raise DataError(f"need batch_size, accum >= 1 and step, seed >= 0, got "
                         f"batch_size={batch_size}, accum={accum}, step={step}, seed={seed}")
     draws = step * accum * batch_size + np.arange(accum * batch_size)
+    index = drawn_rows(n, draws, seed).reshape(accum, batch_size)
+    return {k: v[index] for k, v in rows.items()}  # (A, B, T)
+
+
+def drawn_rows(n: int, draws: np.ndarray, seed: int) -> np.ndarray:
+    """The rows (of `n`) that global draws `draws` take: `sft_batch`'s epochs of permutations."""
     epochs = draws // n
     index = np.empty_like(draws)
     for e in np.unique(epochs):
         sel = epochs == e
         index[sel] = np.random.default_rng([seed, int(e)]).permutation(n)[draws[sel] % n]
-    index = index.reshape(accum, batch_size)
-    return {k: v[index] for k, v in rows.items()}  # (A, B, T)
+    return index
 
 
 PAD_MULTIPLE = 32
@@ -511,10 +517,15 @@ def fit_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A batch `(..., T)` cut to its last trained target rounded up to `PAD_MULTIPLE` (at most
     T): the positions cut hold only padding and targets under mask 0, and attention is causal,
     so the loss and its gradients are those of the whole rows."""
-    T = batch["mask"].shape[-1]
-    last = int(trained_ends(batch["mask"]).max(initial=0)) or 1
-    keep = min(T, math.ceil(last / PAD_MULTIPLE) * PAD_MULTIPLE)
+    keep = int(fitted_width(trained_ends(batch["mask"]).max(initial=0), batch["mask"].shape[-1]))
     return {k: v[..., :keep] for k, v in batch.items()}
+
+
+def fitted_width(last: Any, width: int) -> Any:
+    """The width `fit_rows` cuts a batch of rows `width` wide to, given one past its last
+    trained target `last` (an int or an array of them): `last` rounded up to `PAD_MULTIPLE`
+    (at least one multiple), at most `width`."""
+    return np.minimum(width, -(-np.maximum(last, 1) // PAD_MULTIPLE) * PAD_MULTIPLE)
 
 
 def trained_positions(mask: np.ndarray, multiple: int = PAD_MULTIPLE
@@ -647,6 +658,19 @@ class SFTData:
         (`fit_rows`)."""
         batch = sft_batch(self.train, step, seed, batch_size, accum)
         return batch if self.pack else fit_rows(batch)
+
+    def batch_widths(self, steps: range, seed: int, batch_size: int, accum: int = 1
+                     ) -> np.ndarray:
+        """The width of `batch(step, ...)` for each step of `steps`, from the drawn rows' last
+        trained targets alone (no batch is built)."""
+        width = self.train["mask"].shape[-1]
+        if self.pack:
+            return np.full(len(steps), width)
+        per = accum * batch_size
+        draws = (np.asarray(steps)[:, None] * per + np.arange(per)).ravel()
+        rows = drawn_rows(len(self.train["mask"]), draws, seed)
+        ends = trained_ends(self.train["mask"])[rows]
+        return fitted_width(ends.reshape(len(steps), per).max(axis=1), width)
 
     def val_batches(self, batch_size: int, max_batches: int, grad_checkpoint: bool = False
                     ) -> list[dict[str, np.ndarray]]:

@@ -352,6 +352,8 @@ def build(cfg: Config, ops: Ops) -> Task:
     return Task(
         recipe="lora", model=model, loss_fn=lm_loss, metrics_fn=lm_held_out_sums,
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
+        batch_widths=None if data.pack else (
+            lambda steps: data.batch_widths(steps, cfg.seed, cfg.batch_size, cfg.grad_accum)),
         val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches, cfg.grad_checkpoint),
         save=save, load=load, model_info=info,
         config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,

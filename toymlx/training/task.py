@@ -159,6 +159,9 @@ class Task:
     """Load a checkpoint written by `save` back into the model (for resume)."""
     model_info: dict[str, Any]
     config_info: dict[str, Any] = field(default_factory=dict)
+    batch_widths: Callable[[range], np.ndarray] | None = None
+    """steps -> the last axis of each step's `train_batch`, without building the batches, for
+    a recipe whose batches differ in width (unpacked rows); None: every batch has one shape."""
     metrics_fn: Callable[[nn.Module, dict], dict[str, mx.array]] | None = None
     """(model, batch) -> sums incl. "n" (default: loss-weighted sums); eval only."""
     unit: str = "tokens"
