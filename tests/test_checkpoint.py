@@ -168,3 +168,20 @@ def test_retention_never_removes_what_latest_names(tmp_path):
     scores = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.2, 5: 0.8}
     assert ck.retained(range(1, 7), 6, keep_last=2, keep_best=2, scores=scores) == {2, 4, 5, 6}
     assert ck.retained(range(1, 7), 6, keep_last=0, keep_best=1, scores=scores) == {2, 6}
+
+
+def test_a_checkpoint_removed_by_a_training_run_is_named_as_such(run):
+    """A command read a run's latest checkpoint, then the run (still training, --keep-last)
+    removed it: reading the file again says so, naming the run, not a flag the user never
+    gave."""
+    latest = ck.checkpoint_file(run)
+    assert latest.name == "step_20.gguf"
+    latest.unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        ck.checkpoint_file(latest, "--adapter")
+    assert str(e.value) == (
+        f"{latest}: the checkpoint is gone: the run {run} removed it after it was read as the "
+        "run's latest (a run still training keeps only its last --keep-last checkpoints); run "
+        "the command again to read the run's new latest")
+    with pytest.raises(FileNotFoundError, match="--adapter: expected a GGUF file or a run"):
+        ck.checkpoint_file(run / "step_20.gguf", "--adapter")  # not in a run's weights/

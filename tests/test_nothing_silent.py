@@ -402,3 +402,29 @@ def test_a_changed_embedding_length_is_named_itself(tmp_path, stories_path, caps
     assert error_line(capsys, "toymlx-generate").endswith(
         "metadata key 'llama.embedding_length': expected 64 (the width of tensor "
         "'token_embd.weight'), found 96")
+
+
+def test_a_first_step_that_overflows_blames_the_base_not_the_learning_rate(
+        tmp_path, stories_path, chat, capsys):
+    """A base whose values are all finite but whose final norm weights are 3e38 (its logits
+    overflow float32): the lora run stops at step 1 as diverged, saying the loss came from the
+    base as loaded, before any update, so not from the learning rate."""
+    from toymlx_cli.train import main as train_main
+
+    big = tmp_path / "big.gguf"
+    shutil.copy(stories_path, big)
+    info = GGUFFile(stories_path).tensors["output_norm.weight"]
+    with open(big, "r+b") as f:
+        f.seek(info.offset)
+        f.write(np.full(info.n_elements, 3e38, "<f4").tobytes())
+    rc = train_main(["--recipe", "lora", "--base", str(big), "--data.path", str(chat),
+                     "--steps", "3", "--seq-len", "32", "--batch-size", "2", "--no-compile",
+                     "--no-progress", "--runs-root", str(tmp_path / "runs"), "--run-id", "r"])
+    assert rc == 2
+    end = [json.loads(x) for x in (tmp_path / "runs" / "r" / "events.jsonl").read_text()
+           .splitlines()][-1]
+    assert end["reason"] == "diverged" and end["final_step"] == 0
+    assert end["message"].startswith("loss became nan at step 1 (lr ")
+    assert ", computed before any update from the base as loaded (its adapters are still " \
+           "zero" in end["message"]
+    assert "not the learning rate" in capsys.readouterr().err

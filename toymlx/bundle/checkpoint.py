@@ -206,6 +206,15 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model") -> Path:
     if p.is_dir():
         p = latest_checkpoint(p)[0]
     elif not p.exists():
+        run = p.parent.parent
+        if (p.parent.name == "weights" and checkpoint_step(p) is not None
+                and (run / "events.jsonl").is_file()):
+            # a run still training with --keep-last deletes checkpoints it replaced, also one
+            # this command chose as the run's latest a moment before
+            raise FileNotFoundError(
+                f"{p}: the checkpoint is gone: the run {run} removed it after it was read as the "
+                "run's latest (a run still training keeps only its last --keep-last "
+                "checkpoints); run the command again to read the run's new latest")
         raise FileNotFoundError(f"{p}: {flag}: expected a GGUF file or a run directory, found "
                                 "nothing at that path")
     check_name(p)

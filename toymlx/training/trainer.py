@@ -523,7 +523,8 @@ class _Loop:
             ("loss", loss), ("gradient norm", gnorm_v))
         for what, v in checked:
             if not math.isfinite(v):
-                self._diverged(f"{what} became {v} at step {s + 1} (lr {lr:.3g})", s)
+                self._diverged(f"{what} became {v} at step {s + 1} (lr {lr:.3g})"
+                               f"{_from_the_start(what, s, self.resume, self.task.recipe)}", s)
                 return False
         self.step = s + 1
         self.trained += n_items
@@ -620,6 +621,19 @@ class _Loop:
                 suspect += " (checked: intact and finite, so the cause is the run's settings)"
         self._end("diverged", 2, f"{what}{suspect}; stopped without checkpointing the bad "
                   f"weights; last good checkpoint: {_named(self.ckpt.last)}")
+
+
+def _from_the_start(what: str, s: int, resume: Resume | None, recipe: str) -> str:
+    """Why a run's very first step can go non-finite: its loss and gradients are computed
+    from the weights the run started from, before any update, so the learning rate is not
+    the cause (empty for a later step or a resumed run)."""
+    if s != 0 or resume is not None:
+        return ""
+    start = ("the base as loaded (its adapters are still zero, so the base's own logits or "
+             "their gradients are not finite; its values are finite, so their products overflow "
+             "float32: check the file with llama.cpp, or train another copy of the model)"
+             if recipe == "lora" else "the weights as initialised")
+    return f", computed before any update from {start}: not the learning rate"
 
 
 def _config_sha256(run_dir: Path) -> str | None:
