@@ -16,6 +16,7 @@ import pytest
 from cli_errors import error_line
 from gguf_split import split_gguf
 from mlx.utils import tree_flatten
+from toymlx_cli.export import main as export_main
 from toymlx_cli.train import main as train_main
 
 from toymlx.bundle import model_store
@@ -171,6 +172,37 @@ def test_lora_on_the_parts_trains_as_on_the_one_file(model_files, tmp_path, caps
     assert [(p["file"], p["sha256"]) for p in start["config"]["base_parts"]] == want
     assert "parts" not in json.loads((tmp_path / "runs" / "one" / "config.json").read_text()
                                      )["model_files"]["base"]
+    # the fused export of the parts' run: one file, the same tensors as the one file's run's
+    for run in ("one", "parts"):
+        assert export_main(["--adapter", str(tmp_path / "runs" / run), "--fuse", "--out",
+                            str(tmp_path / f"fused-{run}.gguf")]) == 0
+    with GGUFFile(tmp_path / "fused-one.gguf") as a, GGUFFile(tmp_path / "fused-parts.gguf") as b:
+        assert b.paths == [str(tmp_path / "fused-parts.gguf")]
+        assert not any(k.startswith("split.") for k in b.metadata)
+        assert sorted(b.tensors) == sorted(a.tensors)
+        assert all(a.raw(n).tobytes() == b.raw(n).tobytes() for n in a.tensors)
+
+
+@pytest.mark.interop
+def test_llama_cpp_reads_the_parts_and_their_fused_export_as_the_one_file(model_files,
+                                                                          tmp_path, capsys):
+    from llamacpp_runner import llamacpp_logits
+
+    single, parts = model_files
+    ids = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+    one, parted = llamacpp_logits(single, ids)[0], llamacpp_logits(parts[0], ids)[0]
+    assert one.shape == (len(ids), 259) and np.array_equal(parted, one)
+    assert train_main(["--recipe", "lora", "--base", str(parts[0]), "--runs-root",
+                       str(tmp_path / "runs"), "--run-id", "r", "--lr", "1e-2", *LORA]) == 0
+    fused = tmp_path / "fused.gguf"
+    assert export_main(["--adapter", str(tmp_path / "runs" / "r"), "--fuse", "--out",
+                        str(fused)]) == 0
+    got = llamacpp_logits(fused, ids)[0]
+    assert np.abs(got - one).max() > 1e-4  # the fine-tune is in it
+    model, g = load_llama(fused)
+    g.close()
+    ours = np.array(model(mx.array([ids]))[0].astype(mx.float32))
+    assert np.abs(got - ours).max() < 1e-3, np.abs(got - ours).max()
 
 
 def test_a_resume_names_a_part_that_changed(model_files, tmp_path):
