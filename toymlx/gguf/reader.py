@@ -208,7 +208,7 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {}
         self.parts: list[GGUFFile] = [self]
         self._parse()
-        if whole and self.metadata.get(SPLIT_COUNT, 1) != 1:
+        if whole and self.metadata.get(SPLIT_COUNT, 1) not in (0, 1):  # llama.cpp: n_split > 1
             try:
                 self._join_parts()
             except BaseException:
