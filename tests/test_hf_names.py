@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from gguf_split import split_gguf
 from huggingface_hub import constants, scan_cache_dir, try_to_load_from_cache
 from toymlx_cli.train import main as train_main
 
@@ -135,16 +136,25 @@ def test_llama_cpp_s_caches_are_searched(offline, tmp_path, monkeypatch, tiny_by
                         "hf_cache": str(flat)}
 
 
-def test_a_multi_part_gguf_is_found_whole_and_named(offline, tiny_bytes):
-    parts = {f"Q4_K_M/big-Q4_K_M-0000{i}-of-00002.gguf": tiny_bytes + bytes([i]) for i in (1, 2)}
+def test_a_multi_part_gguf_trains_whole_and_is_recorded(offline, tmp_path, tiny_bytes,
+                                                       capsys):
+    (tmp_path / "big-Q4_K_M.gguf").write_bytes(tiny_bytes)
+    split = split_gguf(tmp_path / "big-Q4_K_M.gguf", tmp_path / "big-Q4_K_M.gguf", per_part=8)
+    parts = {f"Q4_K_M/{p.name}": p.read_bytes() for p in split}
+    assert len(parts) == 3
     snap = put_in_hf_cache(offline, "erin/big-GGUF", parts)
-    with pytest.raises(ModelStoreError) as e:
-        resolve("hf:erin/big-GGUF")
-    first = snap / "Q4_K_M" / "big-Q4_K_M-00001-of-00002.gguf"
-    assert str(e.value) == (f"hf:erin/big-GGUF: expected a one-file GGUF, found 2 parts "
-                            f"({first.parent}); toymlx reads one file: merge them with "
-                            f"llama-gguf-split --merge {first} MERGED.gguf and give that file")
-    (snap / "Q4_K_M" / "big-Q4_K_M-00002-of-00002.gguf").unlink()
+    first = snap / "Q4_K_M" / "big-Q4_K_M-00001-of-00003.gguf"
+    assert resolve("hf:erin/big-GGUF").path == first
+    rc = train_main(["--recipe", "lora", "--base", "hf:erin/big-GGUF", "--runs-root",
+                     str(tmp_path / "runs"), "--run-id", "r", "--steps", "2", "--batch-size",
+                     "2", "--seq-len", "64", "--warmup", "1", "--eval-every", "0",
+                     "--checkpoint-every", "0", "--no-progress", "--no-compile"])
+    assert rc == 0, capsys.readouterr().err
+    rec = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["model_files"]["base"]
+    assert (rec["file"], rec["hf_file"]) == (str(first), "Q4_K_M/big-Q4_K_M-00001-of-00003.gguf")
+    assert [(Path(p["file"]).name, p["sha256"]) for p in rec["parts"]] == [
+        (Path(name).name, hashlib.sha256(data).hexdigest()) for name, data in parts.items()]
+    (snap / "Q4_K_M" / "big-Q4_K_M-00002-of-00003.gguf").unlink()
     with pytest.raises(ModelStoreError, match="expected every part of Q4_K_M/big-Q4_K_M-00001"):
         resolve("hf:erin/big-GGUF")
 

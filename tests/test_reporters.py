@@ -185,3 +185,103 @@ def test_wandb_offline_history_is_events_jsonl(tmp_path, text_path, monkeypatch)
     assert {s: h["train/loss"] for s, h in history.items() if "train/loss" in h} == losses
     assert {s: h["val/loss"] for s, h in history.items() if "val/loss" in h} == _of(
         events, "eval", "val_loss")
+
+
+def _wandb_segments(run: Path) -> list[tuple[str, tuple | None, dict[int, dict]]]:
+    """(run id, branch point (run, value, metric) or None, {step: row}) of each offline W&B
+    run in the run folder, oldest first (`wandb sync` uploads them in this order)."""
+    out = []
+    for path in sorted((run / "wandb").glob("offline-run-*/run-*.wandb")):
+        run_id, branch, history = None, None, {}
+        for rec in _wandb_records(path):
+            kind = rec.WhichOneof("record_type")
+            if kind == "run":
+                run_id = rec.run.run_id
+                if rec.run.HasField("branch_point"):
+                    bp = rec.run.branch_point
+                    branch = (bp.run, bp.value, bp.metric)
+            elif kind == "history":
+                row = {(it.key or "/".join(it.nested_key)): json.loads(it.value_json)
+                       for it in rec.history.item}
+                history.setdefault(row["_step"], {}).update(row)
+        out.append((run_id, branch, history))
+    return out
+
+
+def test_a_resume_at_an_earlier_step_rewinds_tensorboard_and_wandb(tmp_path, text_path,
+                                                                    monkeypatch):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra")
+    pytest.importorskip("wandb", reason="the wandb extra")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no W&B login: offline
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    assert main(["--recipe", "from-scratch", *TINY, "--warmup", "2", "--data.path",
+                 str(text_path), "--runs-root", str(tmp_path / "runs"), "--run-id", "r",
+                 "--report-to", "tensorboard,wandb"]) == 0  # steps 1..20
+    run = tmp_path / "runs" / "r"
+    first = _of(read_events(run), "step", "loss")
+    # back to step 10, on to 30: the cosine schedule now ends at 30, so steps 12..20 differ
+    assert main(["--resume", str(run), "--from", "step_10", "--steps", "30"]) == 0
+    events = read_events(run)
+    losses = _of(events, "step", "loss")
+    assert sorted(losses) == list(range(1, 31))
+    # step 11's loss is taken before its update (on step 10's weights): the same in both
+    assert all(losses[s] == first[s] for s in range(1, 12))
+    assert all(losses[s] != first[s] for s in range(12, 21))  # the abandoned steps' numbers
+    # TensorBoard's own reader: steps 11..30 are the resumed run's, none of the abandoned ones
+    acc = _accumulator(run)
+    tb = {s.step: s.value for s in acc.Scalars("train/loss")}
+    assert len(acc.Scalars("train/loss")) == 30
+    assert tb == {s: float(np.float32(v)) for s, v in losses.items()}
+    assert {s.step: s.value for s in acc.Scalars("val/loss")} == {
+        s: float(np.float32(v)) for s, v in _of(events, "eval", "val_loss").items()}
+    # W&B: the resumed segment rewinds the same run to step 10 and logs 11..30
+    (id1, branch1, h1), (id2, branch2, h2) = _wandb_segments(run)
+    assert id1 == id2 == "r" and branch1 is None and branch2 == ("r", 10.0, "_step")
+    assert sorted(h1) == list(range(1, 21)) and sorted(h2) == list(range(11, 31))
+    rewound = {**{s: row for s, row in h1.items() if s <= 10}, **h2}  # the run W&B keeps
+    assert {s: r["train/loss"] for s, r in rewound.items() if "train/loss" in r} == losses
+    assert {s: r["val/loss"] for s, r in rewound.items() if "val/loss" in r} == _of(
+        events, "eval", "val_loss")
+    assert {s: r["train/loss"] for s, r in h1.items() if s > 10} == {
+        s: first[s] for s in range(11, 21)}  # what the rewind drops: the first segment's
+
+
+def test_a_server_refusing_the_rewind_gets_a_new_run_naming_its_parent(tmp_path, monkeypatch,
+                                                                       capsys):
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+    calls = []
+
+    class Run:
+        def __init__(self, **kw):
+            self.id, self.kw = kw.get("id"), kw
+
+        def log(self, row, step):
+            calls.append(("log", self.id, step))
+
+        def finish(self, exit_code=0):
+            calls.append(("finish", self.id, exit_code))
+
+    def init(**kw):
+        calls.append(("init", kw.get("resume_from"), kw.get("id")))
+        if kw.get("resume_from"):
+            raise wandb.errors.CommError("rewind is not enabled for this entity")
+        return Run(**kw)
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setattr(reporters, "wandb_mode", lambda: "online")
+    monkeypatch.setattr(reporters.time, "time", lambda: 1700000000.0)
+    rep = reporters.WandbReporter(tmp_path / "my run")
+    rep({"kind": "resume", "from_step": 7})
+    rep({"kind": "step", "step": 8, "loss": 1.0})
+    rep.close()
+    assert calls == [("init", "my-run?_step=7", None), ("init", None, "my-run-from-7-1700000000"),
+                     ("log", "my-run-from-7-1700000000", 8),
+                     ("finish", "my-run-from-7-1700000000", 0)]
+    assert capsys.readouterr().err.strip() == (
+        "toymlx: W&B refused to rewind run my-run to step 7 for the resume of my run "
+        "(CommError: rewind is not enabled for this entity); the resumed run logs to W&B run "
+        "my-run-from-7-1700000000 (group my run, config toymlx_parent my-run, "
+        "toymlx_from_step 7), so my-run's steps after 7 are not the resumed run's")

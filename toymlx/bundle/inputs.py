@@ -90,17 +90,23 @@ def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
 
 
 
+def _file_record(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"file": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sha256": model_store.file_sha256(path)}
+
+
 def model_record(spec: str, flag: str) -> dict[str, Any]:
     """What identifies the model file `spec` names (a path, or a store name): {"path": spec,
-    "file" (absolute), "bytes", "mtime_ns", "sha256"}, and for a Hugging Face name the
-    repository, revision (commit) and file it resolved to (`hf_repo`, `hf_revision`,
-    `hf_file`)."""
+    "file" (absolute), "bytes", "mtime_ns", "sha256"}; for a multi-part GGUF (`file` its first
+    part) the same of every part under "parts"; for a Hugging Face name the repository,
+    revision (commit) and file it resolved to (`hf_repo`, `hf_revision`, `hf_file`)."""
     found = model_store.resolve(spec, flag)
-    path = found.path
-    st = path.stat()
-    return {"path": spec, "file": os.path.abspath(path), "bytes": st.st_size,
-            "mtime_ns": st.st_mtime_ns, "sha256": model_store.file_sha256(path),
-            **found.source}
+    parts = model_store.gguf_parts(found.path)
+    rec = {"path": spec, **_file_record(found.path), **found.source}
+    if len(parts) > 1:
+        rec["parts"] = [_file_record(p) for p in parts]
+    return rec
 
 
 def model_files(cfg: Any) -> dict[str, dict[str, Any]]:
@@ -114,7 +120,7 @@ def model_files(cfg: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _same_model(path: Path, rec: dict[str, Any]) -> tuple[bool, str]:
+def _same_file(path: Path, rec: dict[str, Any]) -> tuple[bool, str]:
     """(whether the file at `path` has the recorded contents, its SHA-256 or "" when the size
     and modification time are the recorded ones: then it is taken as unchanged, unread)."""
     st = path.stat()
@@ -122,6 +128,27 @@ def _same_model(path: Path, rec: dict[str, Any]) -> tuple[bool, str]:
         return True, ""
     digest = model_store.file_sha256(path)
     return digest == rec.get("sha256"), digest
+
+
+def _same_model(path: Path, rec: dict[str, Any]) -> tuple[bool, str]:
+    """(whether the model at `path` has the recorded contents, what differs: "sha256 HEX12" of
+    its file, or for a multi-part GGUF recorded with "parts" the part that differs or is
+    missing; "" when nothing was read). Its parts are the ones its first part opens with now
+    (`model_store.gguf_parts`), so a model found again elsewhere is checked there."""
+    same, digest = _same_file(path, rec)
+    if not same:
+        return False, f"sha256 {digest[:12]}"
+    parts = rec.get("parts")
+    if not isinstance(parts, list):
+        return True, ""
+    now = model_store.gguf_parts(path)
+    if len(now) != len(parts):
+        return False, f"{len(now)} part{'s' if len(now) > 1 else ''}, not {len(parts)}"
+    for i, (part, want) in enumerate(zip(now[1:], parts[1:]), 2):
+        same, digest = _same_file(part, want if isinstance(want, dict) else {})
+        if not same:
+            return False, f"part {i} {part} with sha256 {digest[:12]}"
+    return True, ""
 
 
 def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
@@ -142,8 +169,9 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
             same, found = _same_model(Path(file), rec)
             if not same:
                 raise RunError(f"{file}: {flag}: expected the file the run started on "
-                               f"(sha256 {str(rec.get('sha256'))[:12]}), found other contents "
-                               f"(sha256 {found[:12]}); put the run's {key} back there")
+                               f"(sha256 {str(rec.get('sha256'))[:12]}"
+                               f"{_parts_note(rec)}), found other contents ({found}); put the "
+                               f"run's {key} back there")
         return file, f"{file} (the run's {flag} {typed})"
     gone = (typed, f"{typed} (the run's {flag}: {file} is gone, and so is {typed})")
     try:
@@ -153,15 +181,14 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
     if not other.exists():  # nothing to mistake for it: whoever needs the file says it is gone
         return gone
     if model:
-        same, found = _same_model(other, {"sha256": rec.get("sha256")})
-        want = f"sha256 {str(rec.get('sha256'))[:12]}"
+        same, found = _same_model(other, {"sha256": rec.get("sha256"), "parts": rec.get("parts")})
+        want = f"sha256 {str(rec.get('sha256'))[:12]}{_parts_note(rec)}"
     else:
         now = fingerprint(other)
-        same, found, want = now == {k: rec.get(k) for k in now}, fingerprint_note(now)[7:], fingerprint_note(rec)
+        same, found, want = now == {k: rec.get(k) for k in now}, fingerprint_note(now), fingerprint_note(rec)
     if not same:
         raise RunError(f"{os.path.abspath(other)}: {flag}: expected the run's {key}, "
-                       f"recorded as {file} ({want}), found other contents (sha256 "
-                       f"{found[:12]}); "
+                       f"recorded as {file} ({want}), found other contents ({found}); "
                        f"{'the store name now names another model' if store else 'it is gone'}"
                        f" and this file is not it: put the run's {key} back")
     used = typed if store else os.path.abspath(other)
@@ -198,6 +225,11 @@ def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str
             setattr(holder, name, file)
     return cfg, used
 
+
+
+def _parts_note(rec: dict[str, Any]) -> str:
+    parts = rec.get("parts")
+    return f", and {len(parts) - 1} more parts" if isinstance(parts, list) else ""
 
 
 def fingerprint_note(rec: dict[str, Any]) -> str:

@@ -19,7 +19,9 @@ Every option that takes a GGUF model file (`--base`, `--donor`, `--model`) goes 
   GGUFs at `PUBLISHER/REPO/FILE.gguf`; `mmproj-*.gguf` (vision projectors) are not models.
 
 A name that is not there is a one-line `ModelStoreError` naming the folder searched and listing
-what it holds. This module reads only JSON and file names (and hashes blobs): no MLX.
+what it holds. A multi-part GGUF (llama.cpp's `NAME-00001-of-0000N.gguf` parts) is named by its
+first part; `gguf_parts` lists the files it is made of. This module reads only JSON, file names
+and GGUF headers (and hashes files): no MLX.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from toymlx.gguf.reader import GGUFError, GGUFFile, split_name, split_part_name
 
 OLLAMA = "ollama:"
 LMSTUDIO = "lmstudio:"
@@ -72,14 +76,19 @@ class Resolved:
     file's SHA-256 in config.json."""
 
     def record(self, key: str) -> dict[str, Any]:
-        """What to write in a run's config: `{key}_file` (absolute), and for a store name
-        `{key}_store`, `{key}_sha256`."""
+        """What to write in a run's config: `{key}_file` (absolute), for a store name
+        `{key}_store`, `{key}_sha256`, and for a multi-part GGUF `{key}_parts` (each part's
+        absolute file and SHA-256)."""
         out: dict[str, Any] = {f"{key}_file": str(self.path.absolute())}
         if self.store:
             out[f"{key}_store"] = f"{self.store}:{self.name}"
         if self.digest:
             out[f"{key}_sha256"] = self.digest.split(":", 1)[1]
         out.update({f"{key}_{k}": v for k, v in self.source.items()})
+        parts = gguf_parts(self.path)
+        if len(parts) > 1:
+            out[f"{key}_parts"] = [{"file": str(p.absolute()), "sha256": file_sha256(p)}
+                                   for p in parts]
         return out
 
     def layer_text(self, kind: str) -> str | None:
@@ -104,6 +113,21 @@ def is_store_name(spec: str | os.PathLike) -> bool:
     """Whether `spec` names a model in a store (and is not an existing path of that name)."""
     return (isinstance(spec, str) and spec.startswith((OLLAMA, LMSTUDIO, HF))
             and not Path(spec).exists())
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """The files the GGUF model at `path` is made of: every part, in order, where `path` is the
+    first part of a multi-part GGUF that opens whole (`GGUFFile`), else `path` alone (a reader
+    names what is wrong with a file when it loads it)."""
+    path = Path(path)
+    split = split_name(path.name)
+    if split is None or split[1:] == (1, 1) or split[1] != 1 or not path.is_file():
+        return [path]
+    try:
+        with GGUFFile(path) as g:
+            return [Path(p) for p in g.paths]
+    except GGUFError:
+        return [path]
 
 
 def resolve_model(spec: str | os.PathLike, flag: str = "--model") -> Path:
@@ -323,9 +347,11 @@ def lmstudio_roots() -> list[Path]:
 
 
 def list_lmstudio(root: Path) -> list[str]:
-    """Every language-model GGUF in an LM Studio folder, as `PUBLISHER/REPO/FILE.gguf`."""
+    """Every language-model GGUF in an LM Studio folder, as `PUBLISHER/REPO/FILE.gguf` (a
+    multi-part one by its first part)."""
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.gguf")
-                  if p.is_file() and not p.name.lower().startswith("mmproj"))
+                  if p.is_file() and not p.name.lower().startswith("mmproj")
+                  and (split_name(p.name) or ("", 1))[1] == 1)
 
 
 def _resolve_lmstudio(spec: str, flag: str) -> Resolved:
@@ -368,7 +394,6 @@ HF_DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")
 model GGUF of the repository."""
 _NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
 """Parts of a file name that mark a GGUF as a companion, not a model (llama.cpp's list)."""
-_SPLIT = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 def parse_hf_name(name: str) -> tuple[str, str | None, str | None, str | None]:
@@ -398,18 +423,13 @@ def parse_hf_name(name: str) -> tuple[str, str | None, str | None, str | None]:
     return repo, revision, quant or None, path or None
 
 
-def _split(path: str) -> tuple[str, int, int] | None:
-    m = _SPLIT.match(path)
-    return (m["prefix"], int(m["index"]), int(m["count"])) if m else None
-
-
 def pick_hf_file(files: list[str], quant: str | None) -> str | None:
     """The GGUF llama.cpp's `-hf REPO[:QUANT]` picks from a repository's files (sorted): the
     first model GGUF whose path has QUANT followed by '.' or '-' (any case; no QUANT: Q4_K_M,
     then Q8_0, then any model GGUF), the first part of a multi-part one; None if none fits."""
     models = [f for f in sorted(files) if f.lower().endswith(".gguf")
               and not any(k in f.rsplit("/", 1)[-1] for k in _NOT_MODELS)
-              and (_split(f) is None or _split(f)[1] == 1)]
+              and (split_name(f) is None or split_name(f)[1] == 1)]
     for q in (quant,) if quant else HF_DEFAULT_QUANTS:
         pattern = re.compile(re.escape(q) + r"[.\-]", re.IGNORECASE)
         hit = next((f for f in models if pattern.search(f)), None)
@@ -421,11 +441,11 @@ def pick_hf_file(files: list[str], quant: str | None) -> str | None:
 def hf_parts(files: list[str], first: str) -> list[str]:
     """Every part of the multi-part GGUF whose first part is `first` (just `first` for one
     file)."""
-    split = _split(first)
+    split = split_name(first)
     if split is None:
         return [first]
     prefix, _, count = split
-    return [f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    return [split_part_name(prefix, i, count) for i in range(1, count + 1)]
 
 
 def hf_cache_dirs() -> list[Path]:
@@ -547,18 +567,9 @@ def _hf_download(spec: str, flag: str, repo: str, revision: str | None, quant: s
 
 
 def _hf_resolved(spec: str, repo: str, commit: str, name: str, paths: list[Path]) -> Resolved:
-    _one_file(spec, paths)
+    """A Hugging Face file as resolved: `paths` are its parts (their first opens them all)."""
     return Resolved(spec, paths[0], "hf", f"{repo}/{name}",
                     source={"hf_repo": repo, "hf_revision": commit, "hf_file": name})
-
-
-def _one_file(spec: str, paths: list[Path]) -> None:
-    """ModelStoreError for a multi-part GGUF (found whole): toymlx's reader takes one file."""
-    if len(paths) > 1:
-        raise ModelStoreError(f"{spec}: expected a one-file GGUF, found {len(paths)} parts "
-                              f"({paths[0].parent}); toymlx reads one file: merge them with "
-                              f"llama-gguf-split --merge {paths[0]} MERGED.gguf and give that "
-                              "file")
 
 
 def _legacy_llama_cpp(spec: str, repo: str, quant: str | None, file: str | None
@@ -576,6 +587,5 @@ def _legacy_llama_cpp(spec: str, repo: str, quant: str | None, file: str | None
     parts = hf_parts(list(files), name)
     if any(p not in files for p in parts):
         return None
-    _one_file(spec, [files[p] for p in parts])
     return Resolved(spec, files[name], "hf", f"{repo}/{name}",
                     source={"hf_repo": repo, "hf_file": name, "hf_cache": str(root)})

@@ -14,7 +14,11 @@ under its run id. A resume writes TensorBoard's restart marker (a SessionLog STA
 step it trains), so the steps of the killed segment that the resume dropped from events.jsonl are
 dropped from the curves too. W&B: one run named after the run id, its files under
 `<run>/wandb`; offline (`wandb sync` uploads it later) unless WANDB_MODE says otherwise or a
-W&B login exists (WANDB_API_KEY, or api.wandb.ai in ~/.netrc).
+W&B login exists (WANDB_API_KEY, or api.wandb.ai in ~/.netrc). A resume from step k rewinds
+that W&B run to step k (W&B's `resume_from="ID?_step=k"`: the same run id, its history cut at
+k, what follows logged by the resumed run); offline, the new segment records the rewind as its
+branch point and `wandb sync` replays it. Where the W&B server refuses a rewind (a preview
+feature), the resumed run goes to a new W&B run that names its parent and step (`fork_note`).
 """
 
 from __future__ import annotations
@@ -122,9 +126,15 @@ def wandb_mode() -> str:
         return "offline"
 
 
+def wandb_id(run_dir: Path) -> str:
+    """The W&B run id of a toymlx run: its run id, in the letters W&B takes."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", Path(run_dir).name)[:64]
+
+
 class WandbReporter:
     """One W&B run named after the run id, its files under `<run>/wandb` (offline without a
-    login: `wandb_mode`); run_start's config becomes the W&B run's config."""
+    login: `wandb_mode`); run_start's config becomes the W&B run's config. A resume (its first
+    event) rewinds that W&B run to the step resumed from."""
 
     def __init__(self, run_dir: Path):
         self.run_dir, self._run = run_dir, None
@@ -132,17 +142,27 @@ class WandbReporter:
     def _start(self, ev: dict) -> None:
         import wandb
 
-        mode = wandb_mode()
-        name = self.run_dir.name
-        self._run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "toymlx"), name=name,
-            id=re.sub(r"[^A-Za-z0-9_-]", "-", name)[:64], resume="allow", mode=mode,
-            dir=str(self.run_dir), config=ev.get("config") or {},
-            settings=wandb.Settings(silent=True, console="off"))
+        mode, name, wid = wandb_mode(), self.run_dir.name, wandb_id(self.run_dir)
+        k = ev.get("from_step") if ev.get("kind") == "resume" else None
+        common = {"project": os.environ.get("WANDB_PROJECT", "toymlx"), "name": name,
+                  "mode": mode, "dir": str(self.run_dir),
+                  "settings": wandb.Settings(silent=True, console="off")}
+        if not isinstance(k, int) or isinstance(k, bool):
+            self._run = wandb.init(id=wid, resume="allow", config=ev.get("config") or {},
+                                   **common)
+        else:
+            try:  # the steps after k that the resume dropped leave the W&B run's history
+                self._run = wandb.init(resume_from=f"{wid}?_step={k}", **common)
+            except Exception as e:  # noqa: BLE001 -- a server without W&B's rewind preview
+                self._run = wandb.init(id=f"{wid}-from-{k}-{int(time.time())}", group=name,
+                                       config={"toymlx_parent": wid, "toymlx_from_step": k},
+                                       **common)
+                print(fork_note(name, wid, k, self._run.id, e), file=sys.stderr)
         if mode == "offline":
             print(f"toymlx: W&B run {name} is offline in {self.run_dir / 'wandb'} (no W&B login); "
-                  f"upload it with: wandb sync {self.run_dir / 'wandb'}/offline-run-*",
-                  file=sys.stderr)
+                  f"upload it with: wandb sync {self.run_dir / 'wandb'}/offline-run-*"
+                  + (" (in this order: a resume's segment rewinds the run to its step)"
+                     if k is not None else ""), file=sys.stderr)
 
     def __call__(self, ev: dict) -> None:
         if self._run is None:
@@ -157,6 +177,14 @@ class WandbReporter:
         if self._run is not None:
             self._run.finish(exit_code=exit_code)
             self._run = None
+
+
+def fork_note(name: str, wid: str, k: int, new_id: str, why: Exception) -> str:
+    """The line saying that a resume went to a new W&B run, and why."""
+    return (f"toymlx: W&B refused to rewind run {wid} to step {k} for the resume of {name} "
+            f"({type(why).__name__}: {' '.join(str(why).split())[:200]}); the resumed run logs "
+            f"to W&B run {new_id} (group {name}, config toymlx_parent {wid}, toymlx_from_step "
+            f"{k}), so {wid}'s steps after {k} are not the resumed run's")
 
 
 def open_reporters(report_to: str | None, run_dir: Path) -> list[Any]:

@@ -213,8 +213,8 @@ def write_kept(out: str | os.PathLike, base: str | os.PathLike, changed: Iterabl
     base = Path(base)
     out = Path(out)
     changed = list(dict.fromkeys(changed))
-    base_bytes = base.stat().st_size
     with GGUFFile(base) as g:
+        base_bytes = g.file_bytes  # a multi-part base: every part
         choices = []
         for i, name in enumerate(changed):
             info = g.tensors[name]

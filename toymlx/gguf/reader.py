@@ -5,6 +5,12 @@ used, so a hostile or truncated file ends in one `GGUFError` naming the file, th
 tensor, and the expected and found values. MLX's own reader (`mx.load`) segfaults on
 float64 metadata and decodes Q4_K wrongly, so tensor data is decoded here with numpy
 (exact for F32/F16/BF16, `gguf.quants.dequantize` for quantized types).
+
+A multi-part GGUF (llama.cpp's `gguf-split` layout: `NAME-00001-of-0000N.gguf` ...
+`NAME-0000N-of-0000N.gguf`, each part with `split.no` (0-based), `split.count` and
+`split.tensors.count`, the model's metadata in the first part and the tensors spread over
+the parts) opens as one model from its first part, as llama.cpp loads it: `GGUFFile` maps
+every part and reads each tensor from the part that holds it.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +34,11 @@ DIGEST_KEY = "toy.tensor_sha256"
 """Metadata key: the SHA-256 of the file's tensor data section, written by toymlx's writer."""
 MAX_DIMS = 4
 DEFAULT_ALIGNMENT = 32
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+"""Metadata keys of a multi-part GGUF's parts (llama.cpp's `LLM_KV_SPLIT_*`, gguf-py's
+`Keys.Split`): this part's index from 0, the number of parts, the tensors of all parts."""
+SPLIT_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS)
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # GGUF metadata value types (gguf spec numbering).
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = (
@@ -44,6 +56,18 @@ TYPE_NAMES = {UINT8: "uint8", INT8: "int8", UINT16: "uint16", INT16: "int16", UI
 
 class GGUFError(ValueError):
     """A GGUF file that cannot be used; the message is one line naming file, key and values."""
+
+
+def split_name(name: str) -> tuple[str, int, int] | None:
+    """(prefix, part number from 1, part count) of a multi-part GGUF's file name
+    `PREFIX-00001-of-00003.gguf` (llama.cpp's `llama_split_path`), None for any other name."""
+    m = _SPLIT_NAME.match(name)
+    return (m["prefix"], int(m["no"]), int(m["count"])) if m else None
+
+
+def split_part_name(prefix: str, no: int, count: int) -> str:
+    """The file name of part `no` (from 1) of `count` (llama.cpp's naming)."""
+    return f"{prefix}-{no:05d}-of-{count:05d}.gguf"
 
 
 def tensor_label(name: str) -> str:
@@ -77,8 +101,10 @@ class TensorInfo:
     """numpy order: GGML ne reversed, so a weight is (out, in)."""
     type: GGMLQuantizationType
     offset: int
-    """Absolute byte offset of the data in the file."""
+    """Absolute byte offset of the data in the file (of a multi-part GGUF: in its part)."""
     nbytes: int
+    part: int = 0
+    """Which part of a multi-part GGUF holds the data (0: the first, or a one-file GGUF)."""
 
     @property
     def type_name(self) -> str:
@@ -154,9 +180,12 @@ def _read_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any, 
 
 
 class GGUFFile:
-    """A parsed GGUF header plus lazy, exact access to tensor data."""
+    """A parsed GGUF header plus lazy, exact access to tensor data. Given the first part of a
+    multi-part GGUF, the whole model: the first part's metadata (less the `SPLIT_KEYS`) and
+    every part's tensors; `paths` lists the parts."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, whole: bool = True):
+        """`whole=False` opens one part of a multi-part GGUF as the file it is."""
         self.path = str(path)
         if kind := special_kind(self.path):
             raise GGUFError(f"{self.path}: file: expected a GGUF file, found {kind}")
@@ -177,7 +206,78 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         self.metadata_types: dict[str, tuple[int, int | None]] = {}
         self.tensors: dict[str, TensorInfo] = {}
+        self.parts: list[GGUFFile] = [self]
         self._parse()
+        if whole and self.metadata.get(SPLIT_COUNT, 1) not in (0, 1):  # llama.cpp: n_split > 1
+            try:
+                self._join_parts()
+            except BaseException:
+                self.close()
+                raise
+
+    # ---- a multi-part GGUF -------------------------------------------------------------
+    def _join_parts(self) -> None:
+        """Open parts 2..N beside this first part, check each is the part its name says of
+        this model, and index their tensors (llama.cpp's llama_model_loader checks the same)."""
+        count = self.get(SPLIT_COUNT, int)
+        first, name = Path(self.path), Path(self.path).name
+        split = split_name(name)
+        if count < 1 or count > 99999:
+            raise GGUFError(f"{self.path}: metadata key {SPLIT_COUNT!r}: expected a part count "
+                            f"1..99999, found {count}")
+        no = self.get(SPLIT_NO, int)
+        want = split_part_name(split[0] if split else first.stem, 1, count)
+        if no != 0:
+            raise GGUFError(f"{self.path}: metadata key {SPLIT_NO!r}: expected 0 (the first "
+                            f"part of a {count}-part GGUF), found {no}; give the first part, "
+                            f"{split_part_name(split[0], 1, count) if split else 'its 00001 file'}")
+        if split is None or split[1:] != (1, count):
+            raise GGUFError(f"{self.path}: file name: expected {want} (the first of "
+                            f"{count} parts, metadata key {SPLIT_COUNT!r} {count}), found {name}; "
+                            "the parts are found by their llama.cpp names: rename them as "
+                            "llama-gguf-split named them")
+        for i in range(1, count):
+            part_path = first.with_name(split_part_name(split[0], i + 1, count))
+            if not part_path.exists():
+                raise GGUFError(f"{part_path}: part {i + 1} of {count}: expected the GGUF file "
+                                f"(metadata key {SPLIT_COUNT!r} of {name} is {count}), found "
+                                "nothing at that path; put every part beside the first")
+            part = GGUFFile(part_path, whole=False)
+            self.parts.append(part)
+            got = part.get(SPLIT_COUNT, int, None)
+            if got != count:
+                raise GGUFError(f"{part_path}: metadata key {SPLIT_COUNT!r}: expected {count} "
+                                f"(as in {name}), found {got}; this file is a part of another "
+                                "model: put this model's part there")
+            got = part.get(SPLIT_NO, int, None)
+            if got != i:
+                raise GGUFError(f"{part_path}: metadata key {SPLIT_NO!r}: expected {i} (part "
+                                f"{i + 1} of {count}), found {got}; the parts are out of order "
+                                "or renamed: give each its llama.cpp name")
+            for tname, info in part.tensors.items():
+                if tname in self.tensors:
+                    held = self.parts[self.tensors[tname].part].path
+                    raise GGUFError(f"{part_path}: tensor {tensor_label(tname)}: expected "
+                                    f"unique names over the parts, found it also in {held}")
+                self.tensors[tname] = replace(info, part=i)
+        total = self.get(SPLIT_TENSORS, int)
+        if total != len(self.tensors):
+            raise GGUFError(f"{self.path}: metadata key {SPLIT_TENSORS!r}: expected the "
+                            f"{len(self.tensors)} tensors its {count} parts hold, found {total}; "
+                            "a part is damaged or from another model")
+        for key in SPLIT_KEYS:  # the whole model's metadata, as one file would have it
+            self.metadata.pop(key, None)
+            self.metadata_types.pop(key, None)
+
+    @property
+    def paths(self) -> list[str]:
+        """Every file of the model: its parts in order (one for a one-file GGUF)."""
+        return [p.path for p in self.parts]
+
+    @property
+    def file_bytes(self) -> int:
+        """The size of the model's files, every part together."""
+        return sum(len(p._mm) for p in self.parts)
 
     def _parse(self) -> None:
         c = _Cursor(self._mm, self.path)
@@ -275,8 +375,10 @@ class GGUFFile:
 
     # ---- tensor data ------------------------------------------------------------------
     def raw(self, name: str) -> np.ndarray:
+        """Tensor `name`'s bytes as stored, a view of the mapping of the part holding it."""
         info = self._info(name)
-        return np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return np.frombuffer(self.parts[info.part]._mm, dtype=np.uint8, count=info.nbytes,
+                             offset=info.offset)
 
     def _info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
@@ -320,9 +422,14 @@ class GGUFFile:
         want = self.metadata.get(DIGEST_KEY)
         if not isinstance(want, str):
             return
-        got = data_digest(self.path, self.data_start)
+        # split from one file, the parts' data sections in order are that file's (each tensor
+        # padded to the alignment in both)
+        got = data_digest(self.path, self.data_start,
+                          *[(p.path, p.data_start) for p in self.parts[1:]])
         if got != want:
-            raise GGUFError(f"{self.path}: tensor data: expected sha256 {want[:16]} (recorded "
+            where = self.path if len(self.parts) == 1 else (
+                f"{self.path} (and its {len(self.parts) - 1} other parts)")
+            raise GGUFError(f"{where}: tensor data: expected sha256 {want[:16]} (recorded "
                             f"when it was written), found {got[:16]}: the file is damaged")
 
     def release(self, name: str) -> None:
@@ -330,17 +437,19 @@ class GGUFFile:
         page cache and fault back in if read again): a loader that has copied a tensor into
         MLX calls this, so a whole model is not resident twice (mapping + copy)."""
         info = self._info(name)
+        mm = self.parts[info.part]._mm
         page = mmap.PAGESIZE
         start = info.offset // page * page
-        end = min(-(-(info.offset + info.nbytes) // page) * page, len(self._mm))
-        if end > start and hasattr(self._mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        end = min(-(-(info.offset + info.nbytes) // page) * page, len(mm))
+        if end > start and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
-        try:
-            self._mm.close()
-        except BufferError:  # a numpy view is still alive; the map closes when it is freed
-            pass
+        for p in self.parts:
+            try:
+                p._mm.close()
+            except BufferError:  # a numpy view is still alive; the map closes when it is freed
+                pass
 
     def __enter__(self) -> GGUFFile:  # noqa: PYI034
         return self
@@ -349,13 +458,17 @@ class GGUFFile:
         self.close()
 
 
-def data_digest(path: str | os.PathLike, data_start: int) -> str:
-    """SHA-256 of a GGUF file's tensor data section (what `toy.tensor_sha256` records)."""
+def data_digest(path: str | os.PathLike, data_start: int,
+                *more: tuple[str | os.PathLike, int]) -> str:
+    """SHA-256 of a GGUF file's tensor data section (what `toy.tensor_sha256` records); a
+    multi-part GGUF's: its parts' data sections in order (`more`: (path, data start) of the
+    parts after the first)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(data_start)
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
+    for part, start in ((path, data_start), *more):
+        with open(part, "rb") as f:
+            f.seek(start)
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
