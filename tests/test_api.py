@@ -46,8 +46,9 @@ def _median_step(run: Path) -> float:
 def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tmp_path,
                                                                               shared_file):
     """A script that imported mlx.core and mlx_lm and evaluated an array first, then trains with
-    toymlx.train: same BLAS as the command, and a step within 1.5x of the command's (the cliff is
-    10-40x). The script's own MLX is switched to OpenBLAS too, silently (toymlx.backend.blas_rebind)."""
+    toymlx.train: same BLAS as the command, and a step within 5x of the command's (the cliff is
+    10-40x; the two runs are ~1.0x apart on a quiet host, up to 3.7x while other work shares a
+    2-core host, so the bound catches the cliff, not the noise). The script's own MLX is switched to OpenBLAS too, silently (toymlx.backend.blas_rebind)."""
     data = str(shared_file("text/tinystories_sample.txt"))
     opts = {**MATMUL_HEAVY, "data": {"path": data}, "runs_root": str(tmp_path)}
     script = textwrap.dedent(f"""
@@ -85,7 +86,7 @@ def test_the_python_entry_trains_at_the_commands_speed_after_mlx_was_imported(tm
     assert [b["blas_core"] for b in backends] == [backends[0]["blas_core"]] * 2, backends
     assert backends[0]["blas"] == backends[1]["blas"], backends
     ratio = _median_step(entry) / _median_step(command)
-    assert ratio < 1.5, f"toymlx.train's step is {ratio:.1f}x the command's"
+    assert ratio < 5, f"toymlx.train's step is {ratio:.1f}x the command's"
 
 
 def test_the_relay_passes_the_report_lines_through(tmp_path, capsys):
