@@ -546,10 +546,12 @@ class _Loop:
     def _trace_widths(self, s: int) -> list[int] | None:
         """For a task whose batches differ in width (`Task.batch_widths`): trace the step for
         each width of steps s.. other than step s's (`Stepper.trace`), so that no later step
-        stops for it; the widths in the order first met, s's first (None: one shape)."""
-        if self.task.batch_widths is None:
+        stops for it; the widths in the order first met, s's first (None: one shape, or no
+        compiled step)."""
+        if self.task.batch_widths is None or not self.cfg.compile:
             return None
-        widths = self.task.batch_widths(range(s, self.cfg.steps))
+        end = self.cfg.steps if self.cfg.stop_at is None else min(self.cfg.stop_at, self.cfg.steps)
+        widths = self.task.batch_widths(range(s, max(end, s + 1)))
         firsts = dict.fromkeys(int(w) for w in widths)  # each width once, in step order
         steps = [s + int(np.argmax(widths == w)) for w in list(firsts)[1:]]
         self.stepper.trace([self.task.train_batch(t) for t in steps])
