@@ -101,6 +101,23 @@ def test_a_config_run_trains_as_mlx_lm_reads_it(tmp_path, base, data, capsys):
     assert [e["step"] for e in events if e["kind"] == "eval"] == [3]
 
 
+def test_the_table_shows_what_the_command_line_gives_over_the_file(tmp_path, base, data,
+                                                                   capsys):
+    """`toymlx-train --base GGUF -c F` with F's `model:` an mlx-lm folder (the side-by-side
+    benchmark's file): the table names the GGUF that is trained, not the file's folder."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(tmp_path / "mlx_model"), "data": str(data),
+                                    "iters": 1, "batch_size": 2, "max_seq_length": 64,
+                                    "num_layers": 1, "val_batches": 1}))
+    assert main(["--base", str(base), "-c", str(path), "--steps=1", "--no-progress",
+                 "--no-compile", "--runs-root", str(tmp_path / "runs"), "--run-id", "r"]) == 0
+    rows = {tuple(x.split()[:2]): x.split()[2:] for x in capsys.readouterr().out.splitlines()}
+    assert rows[("model", "--base")] == [str(base), "command", "line,", "over", "the", "file"]
+    assert rows[("iters", "--steps")] == ["1", "command", "line,", "over", "the", "file"]
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
+    assert saved["base"] == str(base)
+
+
 def test_the_lora_scale_is_mlx_lm_s_scale():
     """mlx-lm's `scale` 20 with rank 8 is toymlx's alpha 160: the same layer output."""
     mx.random.seed(0)
