@@ -23,10 +23,11 @@ What it does, in fresh processes (this one only reads their output):
   from the run's events.jsonl.
 - mlx-lm rescored (`rescore_child`): mlx-lm's `default_loss` counts one target past each row's
   end (`steps <= lengths`: predicting the pad id 0 after EOS; mlx-lm PR #1697), which toymlx does
-  not train or score. mlx-lm's own saved adapters (`save_every` = `steps_per_eval`) are scored
-  with mlx-lm's `evaluate` on its own batches twice: with `default_loss` (its figure: the test
-  loss must reproduce the printed one) and with the mask cut at the row's end (the targets
-  toymlx scores). The ratio toymlx / mlx-lm is given against both.
+  not train or score. mlx-lm's own saved adapters (`save_every` = `steps_per_eval`; the final
+  ones for test) are scored on every batch of mlx-lm's own `iterate_batches`, one forward each,
+  with `default_loss`'s mask (its figure: the test loss must reproduce the printed one) and
+  with the mask cut at the row's end (the targets toymlx scores). The ratio toymlx / mlx-lm is
+  given against both; the run passes when every ratio is <= --max-ratio (1.02).
 - step times: toymlx's median `step_time_s` of its step events (steps 2..N); mlx-lm's median
   over its train reports (`steps_per_report` steps each, no validation inside: mlx-lm's own
   `train_time`), recovered from its printed tok/s and trained-token count.
