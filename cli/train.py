@@ -68,6 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     return status.code
 
 
+def _over_the_file(rows: list[tuple], argv: list[str]) -> list[tuple]:
+    """The mlx-lm table's rows with the options the command line also gives shown as given
+    there (`--base GGUF -c F`: the GGUF, not the file's `model:`), as tyro will apply them."""
+    given = {}
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag.startswith("--"):
+            given[flag] = value if eq else (argv[i + 1] if i + 1 < len(argv)
+                                            and not argv[i + 1].startswith("--") else True)
+    return [(k, o, given[o], "command line, over the file") if o in given else (k, o, v, f)
+            for k, o, v, f in rows]
+
+
 def _main(argv: list[str] | None) -> int:
     import tyro
     from toymlx_cli.config_file import (
@@ -102,6 +115,7 @@ def _main(argv: list[str] | None) -> int:
             if recipe in (None, "lora") and is_mlx_lm_config(options):
                 recipe = "lora"  # mlx-lm's lora config, read with mlx-lm's meaning
                 options, rows, notes = mlx_lm_options(options, config_path)
+                rows = _over_the_file(rows, rest)
                 print(f"{config_path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
                 for note in notes:
                     print(f"toymlx-train: {note}", file=sys.stderr)

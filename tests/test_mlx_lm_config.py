@@ -101,6 +101,23 @@ def test_a_config_run_trains_as_mlx_lm_reads_it(tmp_path, base, data, capsys):
     assert [e["step"] for e in events if e["kind"] == "eval"] == [3]
 
 
+def test_the_table_shows_what_the_command_line_gives_over_the_file(tmp_path, base, data,
+                                                                   capsys):
+    """`toymlx-train --base GGUF -c F` with F's `model:` an mlx-lm folder (the side-by-side
+    benchmark's file): the table names the GGUF that is trained, not the file's folder."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(tmp_path / "mlx_model"), "data": str(data),
+                                    "iters": 1, "batch_size": 2, "max_seq_length": 64,
+                                    "num_layers": 1, "val_batches": 1}))
+    assert main(["--base", str(base), "-c", str(path), "--steps=1", "--no-progress",
+                 "--no-compile", "--runs-root", str(tmp_path / "runs"), "--run-id", "r"]) == 0
+    rows = {tuple(x.split()[:2]): x.split()[2:] for x in capsys.readouterr().out.splitlines()}
+    assert rows[("model", "--base")] == [str(base), "command", "line,", "over", "the", "file"]
+    assert rows[("iters", "--steps")] == ["1", "command", "line,", "over", "the", "file"]
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
+    assert saved["base"] == str(base)
+
+
 def test_the_lora_scale_is_mlx_lm_s_scale():
     """mlx-lm's `scale` 20 with rank 8 is toymlx's alpha 160: the same layer output."""
     mx.random.seed(0)
@@ -207,3 +224,63 @@ def test_adam_on_an_mlx_schedule_resumes_exactly(tmp_path, base):
     # warm-up from 0 for 1 step, then MLX's cosine_decay(1e-3, 4) from its step 0 (float32)
     assert [s[2] for s in steps("a")] == pytest.approx(
         [0.0, 1e-3, 1e-3, 1e-3 * 0.5 * (1 + np.cos(np.pi / 4))], rel=1e-6)
+
+
+class _AsHuggingFace:
+    """toymlx's tokenizer behind the calls mlx-lm's datasets make on a Hugging Face one:
+    `encode` (its special tokens, as HF's add_special_tokens=True), `eos_token_id`, and
+    `apply_chat_template` (HF's defaults: no generation prompt, ids without BOS)."""
+
+    def __init__(self, tok):
+        self.tok, self.eos_token_id = tok, tok.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text))
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False,
+                            return_dict=False) -> list[int]:
+        text = self.tok.apply_chat_template(list(messages),
+                                            add_generation_prompt=add_generation_prompt)
+        return list(self.tok.encode(text, add_bos=False))
+
+
+@pytest.mark.parametrize("shape", ["text", "completions"])
+def test_a_data_folder_trains_mlx_lm_s_own_token_ids(tmp_path, shape):
+    """The ids and trained targets toymlx's rows hold for an mlx-lm data folder equal those of
+    mlx-lm's own dataset (mlx_lm.tuner.datasets.load_local_dataset: EOS appended to text rows,
+    a completion's chat template with --mask-prompt's offset), row for row in file order; the
+    one target mlx-lm's default_loss counts past a row's end (the pad id after EOS) is the only
+    difference, and it is left out (docs/RESULTS.md, session 16)."""
+    from mlx_lm.tuner.datasets import load_local_dataset
+
+    from toymlx.data.chat import SFTData
+    from toymlx.data.tokenizer import Tokenizer, byte_metadata
+
+    meta = byte_metadata()
+    meta["tokenizer.chat_template"] = CHATML
+    tok = Tokenizer(meta, source="test")
+    rows = [("table: 1-10015132-11\ncolumns: Player, No., Nationality\nQ: Who is number 21?",
+             "SELECT Player FROM 1-10015132-11 WHERE No. = '21'"),
+            ("table: t\ncolumns: Städte, Größe\nQ: Wie groß ist Köln?", "SELECT Größe FROM t"),
+            ("Q: one", "A")]
+    for split in ("train", "valid", "test"):
+        recs = ([{"text": f"{p}\nA: {c}"} for p, c in rows] if shape == "text" else
+                [{"prompt": p, "completion": c} for p, c in rows])
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    mask_prompt = shape == "completions"
+    import argparse
+
+    theirs, _, _ = load_local_dataset(tmp_path, _AsHuggingFace(tok),
+                                      argparse.Namespace(mask_prompt=mask_prompt))
+    ours = SFTData.from_file(tmp_path, tok, 256, mask_prompt=mask_prompt, pack=False).train
+    assert len(ours["inputs"]) == len(theirs) == len(rows)
+    for r in range(len(rows)):
+        ids, offset = theirs.process(theirs[r])
+        n = len(ids)
+        assert ids[-1] == tok.eos_id
+        got = [int(ours["inputs"][r, 0])] + ours["targets"][r, :n - 1].tolist()
+        assert got == ids, r
+        # mlx-lm trains token i for offset <= i <= n - 1 (and its pad at n); toymlx's mask is
+        # on targets: target j is token j + 1
+        trained = [j + 1 for j in np.flatnonzero(ours["mask"][r])]
+        assert trained == list(range(max(offset, 1), n)), r
