@@ -23,7 +23,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from toymlx.backend import device, fpenv
-from toymlx.training.step import make_step, make_update, micro_batch_grads
+from toymlx.training.step import make_step, make_update, micro_batch_grads, step_state
 
 
 def stream_count(requested: int, world: Any = None, scaled: bool = False) -> int:
@@ -115,7 +115,7 @@ def make_stream_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optim
     # function, and each stream's trace must keep its own stream)
     per_stream = [mx.compile(lambda m: grads_of(m), inputs=[model.state, rng], outputs=rng)
                   if compile else grads_of for _ in streams]
-    state = [model.state, optimizer.state, mx.random.state]
+    state = step_state(model, optimizer)
     update = mx.compile(update, inputs=state, outputs=state) if compile else update
 
     def split_step(batch: dict[str, mx.array]) -> dict[str, mx.array]:

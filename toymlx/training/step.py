@@ -136,10 +136,18 @@ def make_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,
 
     if not compile:
         return step
+    state = step_state(model, optimizer, scale)
+    return mx.compile(step, inputs=state, outputs=state)
+
+
+def step_state(model: nn.Module, optimizer: optim.Optimizer, scale: LossScale | None = None
+               ) -> list:
+    """What the compiled step reads and updates in place: the model, the optimizer, MLX's
+    random state (dropout) and, for float16, the loss scale."""
     state = [model.state, optimizer.state, mx.random.state]
     if scale is not None:
         state.append(scale.state)
-    return mx.compile(step, inputs=state, outputs=state)
+    return state
 
 
 def _all_sum(grads: Any, loss_sum: mx.array, n_sum: mx.array,

@@ -41,7 +41,7 @@ from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
 from toymlx.training.evaluate import Evaluator
 from toymlx.training.schedule import lr_at
-from toymlx.training.step import LossScale, make_step
+from toymlx.training.step import LossScale, make_step, step_state
 from toymlx.training.task import Task, TrainConfig, make_optimizer
 
 
@@ -151,9 +151,7 @@ class Stepper:
             raise RuntimeError("Stepper.trace: expected build() to have run, found no step")
         if not self.cfg.compile:
             return
-        state = [self.model.state, self.optimizer.state, mx.random.state]
-        if self.scale is not None:
-            state.append(self.scale.state)
+        state = step_state(self.model, self.optimizer, self.scale)
         for global_batch in global_batches:
             kept = _array_slots(state)
             batch = {k: mx.array(v) for k, v in _shard(global_batch, self.world).items()}
