@@ -407,8 +407,9 @@ def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file
     """The README's commands in a fresh `git clone` of this checkout (its committed HEAD), on
     Debian's own python3 with an empty HOME (no pip or toymlx cache) and PATH=/usr/bin:/bin:
     `source scripts/install.sh && python3 -m pytest` passes without ../shared beside the clone
-    (each test needing a reference file skips, naming it) and again with ../shared there (none
-    skips for one, and more pass). $TOYMLX_FRESH_CLONE_TESTS (a -k expression) runs a part."""
+    (each test needing a reference file skips, naming it); with ../shared there, every test that
+    skipped for a file runs again and passes (the rest of the tier is not run twice).
+    $TOYMLX_FRESH_CLONE_TESTS (a -k expression) runs a part."""
     if not Path("/etc/debian_version").exists():
         pytest.skip("Debian's own python3: this machine is not Debian or Ubuntu")
     python = _debian_python()
@@ -426,15 +427,16 @@ def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file
     pytest_cmd = "python3 -m pytest -q -p no:cacheprovider -rsfE" + (
         f" -k {shlex.quote(select)}" if select else "")
 
-    def tier() -> tuple[str, dict[str, int]]:
-        r = _shell("bash", f"source scripts/install.sh && {pytest_cmd}", clone, env,
+    def tier(args: str) -> tuple[str, dict[str, int]]:
+        r = _shell("bash", f"source scripts/install.sh && {pytest_cmd} {args}", clone, env,
                    timeout=3600)
         assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
         counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|skipped|failed|errors?)\b",
                                                       r.stdout.splitlines()[-1])}
         return r.stdout, counts
 
-    without, bare = tier()
+    report = tmp_path / "without-shared.xml"
+    without, bare = tier(f"--junitxml={shlex.quote(str(report))}")
     assert subprocess.run([clone / ".venv" / "bin" / "python", "-c",
                            "import sys; print(sys.version.split()[0])"], capture_output=True,
                           text=True, check=True).stdout.strip() == subprocess.run(
@@ -443,9 +445,30 @@ def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file
     missing = NEEDS_FILE.findall(without)
     assert missing and bare.get("skipped", 0) >= len(missing), without[-3000:]
     assert all(p.startswith(f"{clone.parent / 'shared' / 'data'}/") for p in missing), missing
+    # with ../shared beside the clone, the tests that skipped for a file run again, and only
+    # they: the rest of the tier ran above, and CI's own default tier runs it with ../shared
+    needed = _skipped_for_a_file(report, clone)
+    assert len(needed) >= len(missing), (len(needed), len(missing))  # -rs joins equal lines
     (clone.parent / "shared").symlink_to(shared)
-    beside, full = tier()
+    beside, full = tier(" ".join(shlex.quote(n) for n in needed))
     assert NEEDS_FILE.findall(beside) == [], beside[-3000:]
-    assert full["passed"] > bare.get("passed", 0)
-    print(f"fresh clone on {python}: without ../shared {bare}, with it {full}"
-          + (f" (-k {select!r})" if select else ""))
+    assert full["passed"] + full.get("skipped", 0) == len(needed), (full, len(needed))
+    assert full["passed"] > 0
+    print(f"fresh clone on {python}: without ../shared {bare}; with it, the {len(needed)} tests "
+          f"that needed a file: {full}" + (f" (-k {select!r})" if select else ""))
+
+
+def _skipped_for_a_file(junit: Path, root: Path) -> list[str]:
+    """The node ids (tests/test_x.py::name[param]) of the tests that pytest's JUnit report at
+    `junit` records as skipped for a missing reference file."""
+    import xml.etree.ElementTree as ET
+
+    ids = []
+    for case in ET.parse(junit).iter("testcase"):
+        skipped = case.find("skipped")
+        if skipped is None or "needs the reference file" not in skipped.get("message", ""):
+            continue
+        module = case.get("classname").replace(".", "/") + ".py"
+        assert (root / module).is_file(), (case.get("classname"), case.get("name"))
+        ids.append(f"{module}::{case.get('name')}")
+    return ids
