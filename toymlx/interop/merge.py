@@ -44,28 +44,41 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
 
 
 class _Moments:
-    """Running X^T X of the inputs one layer sees (float64)."""
+    """X^T X of the inputs each recorded layer sees: a batch's products in float32 (MLX, in the
+    forward's own graph), summed over batches in float64. Layers that read the same input (q, k
+    and v; gate and up) share one product."""
 
     def __init__(self) -> None:
-        self.h: np.ndarray | None = None
-        self.rows = 0
+        self.sums: dict[str, np.ndarray] = {}
+        self._batch: dict[str, mx.array] = {}
+        self._by_input: dict[int, tuple[mx.array, mx.array]] = {}
 
-    def add(self, x: mx.array) -> None:
-        a = np.asarray(x.astype(mx.float32), np.float64).reshape(-1, x.shape[-1])
-        self.h = a.T @ a if self.h is None else self.h + a.T @ a
-        self.rows += len(a)
+    def record(self, path: str, x: mx.array) -> None:
+        if id(x) not in self._by_input:  # x stays referenced, so its id is not reused
+            a = x.astype(mx.float32).reshape(-1, x.shape[-1])
+            self._by_input[id(x)] = (x, a.T @ a)
+        self._batch[path] = self._by_input[id(x)][1]
+
+    def end_batch(self, *outputs: mx.array) -> None:
+        mx.eval(*outputs, *self._batch.values())
+        for path, xtx in self._batch.items():
+            h = np.asarray(xtx, np.float64)
+            self.sums[path] = self.sums[path] + h if path in self.sums else h
+        self._batch.clear()
+        self._by_input.clear()
 
 
 class _Recorded(nn.Module):
-    """A layer whose inputs are added to `moments` as it computes."""
+    """A layer whose inputs `moments` records as it computes."""
 
-    def __init__(self, inner: nn.Module, moments: _Moments):
+    def __init__(self, inner: nn.Module, path: str, moments: _Moments):
         super().__init__()
         self.inner = inner
+        self.path = path
         self.moments = moments
 
     def __call__(self, x: mx.array) -> mx.array:
-        self.moments.add(x)
+        self.moments.record(self.path, x)
         return self.inner(x)
 
 
@@ -73,20 +86,25 @@ MOMENT_ROWS = 256
 """Training rows (at most) whose activations a data-aware rounding (`write_fused_exact`) uses."""
 
 
-def input_moments(model: Llama, rows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:
+def input_moments(model: Llama, rows: np.ndarray, batch: int = 16) -> dict[str, np.ndarray]:
     """GGUF tensor name -> X^T X of the inputs its (LoRA or DoRA) layer sees over `rows`
-    (token ids, (n, seq)); the model computes as it trains (base + adapter)."""
+    (token ids, (n, seq)); the model computes as it trains (base + adapter), up to its final
+    hidden states (the head reads no recorded layer's output)."""
     layers = lora_layers(model)
-    moments = {p: _Moments() for p in layers}
+    moments = _Moments()
     for p, m in layers.items():
-        replace_submodule(model, p, _Recorded(m, moments[p]))
+        replace_submodule(model, p, _Recorded(m, p, moments))
     try:
         for i in range(0, len(rows), batch):
-            mx.eval(model(mx.array(rows[i:i + batch])))
+            moments.end_batch(model.hidden(mx.array(rows[i:i + batch])))
     finally:
         for p, m in layers.items():
             replace_submodule(model, p, m)
-    return {toy_to_gguf(p + ".weight"): moments[p].h for p in layers}
+    unseen = [p for p in layers if p not in moments.sums]
+    if unseen:
+        raise ValueError(f"--exact-size: expected every adapted layer to see the hidden "
+                         f"states, found {', '.join(unseen)} outside them")
+    return {toy_to_gguf(p + ".weight"): moments.sums[p] for p in layers}
 
 
 def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
