@@ -69,13 +69,19 @@ def test_estimate_of_an_8b_header(header_8b):
         est = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
                               layers=None, dora=False, batch_size=1, seq_len=512,
                               grad_checkpoint=True, act_dtype="float32",
-                              decode_slice=1 << 22)
+                              decode_slice=1 << 22, attention_keep_limit=0)
         whole = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
                                 layers=None, dora=False, batch_size=1, seq_len=512,
-                                grad_checkpoint=False, act_dtype="float32", decode_slice=None)
+                                grad_checkpoint=False, act_dtype="float32", decode_slice=None,
+                                attention_keep_limit=0)
+        keeping = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
+                                  layers=None, dora=False, batch_size=1, seq_len=512,
+                                  grad_checkpoint=False, act_dtype="float32",
+                                  decode_slice=None, attention_keep_limit=19_456)
         floats = memory.estimate(g, held="float32", full=False, targets=("q", "v"), rank=8,
                                  layers=None, dora=False, batch_size=1, seq_len=512,
-                                 grad_checkpoint=False, act_dtype="float32", decode_slice=None)
+                                 grad_checkpoint=False, act_dtype="float32", decode_slice=None,
+                                 attention_keep_limit=0)
     shapes = expected_shapes(LLAMA_8B)
     n_matrix = sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2)
     n_norm = sum(s[0] for s in shapes.values() if len(s) == 1)
@@ -101,6 +107,10 @@ def test_estimate_of_an_8b_header(header_8b):
     assert floats.decoded == 0
     assert floats.base == sum(t.n_elements for t in GGUFFile(header_8b).tensors.values()) * 4
     assert floats.activations == 32 * kept * 512 * 4 > est.activations
+    # attention kept rather than recomputed where it takes at most the limit: 19,456 values a
+    # token (2 q + kv + 32 heads x 5/8 of 512 keys), here exactly the limit
+    assert memory.attention_values(LLAMA_8B, 512) == 19_456
+    assert keeping.activations == 32 * (kept + 19_456) * 512 * 4
 
 
 def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, tmp_path,

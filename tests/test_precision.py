@@ -30,7 +30,7 @@ from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import encode_tensor
 from toymlx.models.layers import check_checkpointable
-from toymlx.models.llama import Llama, tiny
+from toymlx.models.llama import Llama, attention_values, tiny
 from toymlx.models.lora import apply_lora
 from toymlx.models.losses import classify_loss, lm_loss
 from toymlx.models.ops import Ops, scoring_ops, training_ops
@@ -62,13 +62,14 @@ def text_file(shared_file) -> str:
 
 def test_training_ops_resolve_auto_per_device():
     assert training_ops(on_gpu=False) == Ops(kernels="vectorised", decode_slice=None,
-                                             subnormals="flush")
+                                             subnormals="flush", attention_keep_limit=4096)
     assert training_ops(False, subnormals="keep").subnormals == "keep"
     # block-held weights: whole, except where --grad-checkpoint asks for memory first
     assert training_ops(False, grad_checkpoint=True).decode_slice == 1 << 22
     assert scoring_ops(on_gpu=False).decode_slice == 1 << 22
     gpu = training_ops(on_gpu=True)
     assert (gpu.kernels, gpu.dtype, gpu.exact_rope) == ("mlx", "bfloat16", False)
+    assert gpu.attention_keep_limit == 0  # recomputed in the backward pass on a GPU
     assert training_ops(False, "bfloat16").kernels == "mlx"  # fastmath is float32 only
     with pytest.raises(ValueError, match="--kernels vectorised: expected --dtype float32"):
         training_ops(False, "float16", "vectorised")
@@ -91,7 +92,7 @@ def test_half_precision_llama_follows_float32(tmp_path, text_file, dtype):
     start = read_events(run)[0]
     assert start["math"] == {"kernels": "mlx", "dtype": dtype, "exact_rope": True,
                              "grad_checkpoint": False, "decode_slice": None,
-                             "subnormals": "flush"}
+                             "subnormals": "flush", "attention_keep_limit": 4096}
     if dtype == "float16":
         assert all(e["loss_scale"] > 0 for e in steps) and "skipped" in steps[0]
     g = GGUFFile(resolve_latest(run))  # the default checkpoint stays F32
@@ -370,6 +371,30 @@ def test_attention_recomputed_in_the_backward_pass_gives_the_same_gradients(
     kept = dict(tree_flatten(kept_grads))
     names = [k for k, _ in tree_flatten(grads)]
     assert any("q_norm" in k for k in names) == (arch == "gemma3")
+    for k, v in tree_flatten(grads):
+        np.testing.assert_array_equal(np.array(v), np.array(kept[k]), err_msg=k)
+
+
+def test_attention_is_kept_up_to_the_limit_and_recomputed_beyond(monkeypatch):
+    """`Ops.attention_keep_limit`: a block whose attention keeps `attention_values` values a token
+    keeps them at that limit and recomputes them one value below it, with the same loss and
+    gradients either way."""
+    args = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    tokens = mx.array(np.random.default_rng(5).integers(0, 259, (2, 97)).astype(np.int32))
+    need = attention_values(args, 96)
+    assert need == 2 * 64 + 32 + 4 * 96 * 5 // 8
+    calls = []
+    real = Ops.recomputed
+    monkeypatch.setattr(Ops, "recomputed", lambda ops, *a: calls.append(1) or real(ops, *a))
+    results = {}
+    for limit in (need, need - 1):
+        calls.clear()
+        results[limit] = _loss_and_grads(args, Ops(kernels="vectorised",
+                                                   attention_keep_limit=limit), tokens)
+        assert len(calls) == (0 if limit == need else args.n_layers), limit
+    (kept_loss, kept), (loss, grads) = results[need], results[need - 1]
+    assert kept_loss.item() == loss.item()
+    kept = dict(tree_flatten(kept))
     for k, v in tree_flatten(grads):
         np.testing.assert_array_equal(np.array(v), np.array(kept[k]), err_msg=k)
 

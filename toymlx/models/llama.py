@@ -165,10 +165,20 @@ def smollm2_360m(**kw) -> LlamaArgs:
 
 PRESETS = {"tiny": tiny, "smollm2-135m": smollm2_135m, "smollm2-360m": smollm2_360m}
 
+def attention_values(a: LlamaArgs, seq_len: int) -> int:
+    """Values per token that one block's attention keeps for the backward pass when it is not
+    recomputed there (`Ops.keeps_attention`): q and k normed and rotated, its output, and each
+    head's probabilities against about 5/8 of `seq_len` keys (toymlx's blocked causal attention
+    computes 5/8 of the score matrix at 256 positions, and nearly half at long lengths)."""
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    return 2 * q + kv + (5 * a.n_heads * seq_len) // 8
+
+
 class Attention(nn.Module):
     def __init__(self, a: LlamaArgs, ops: Ops, layer: int):
         super().__init__()
         self.ops = ops
+        self.args = a
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale = a.attn_scale or a.head_dim ** -0.5
         self.rope = a.rope(layer)
@@ -191,7 +201,8 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         """(B,T,H*hd): attention of the normed x over its own T positions, before o_proj (no
         cache: training and scoring). From the projections on, the backward pass recomputes
-        what it needs (`Ops.recomputed`): q/k norms, RoPE, the scores and their softmax."""
+        what it needs (`Ops.recomputed`: q/k norms, RoPE, the scores and their softmax), unless
+        that takes few enough values a token to keep (`Ops.keeps_attention`)."""
         q, k, v = self.project(x)
         norms = {n: self[n].trainable_parameters() for n in ("q_norm", "k_norm") if n in self}
 
@@ -199,6 +210,8 @@ class Attention(nn.Module):
             self.update(p)  # trainable norm weights as inputs, so their gradients flow
             return self.attend(*self.heads(q, k, v, 0))
 
+        if self.ops.keeps_attention(attention_values(self.args, x.shape[1])):
+            return attend(norms, q, k, v)
         o = self.ops.recomputed(attend, norms, q, k, v)
         self.update(norms)  # the recomputation leaves its inner arrays in the module
         return o

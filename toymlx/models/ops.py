@@ -47,6 +47,12 @@ DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16,
 DECODE_SLICE_VALUES = 1 << 22
 """`Ops.decode_slice` where memory comes first (16 MB of float32)."""
 
+CPU_ATTENTION_KEEP_VALUES = 4096
+"""`Ops.attention_keep_limit` of training on the CPU: attention's activations kept where they take
+at most 16 KiB a token and block in float32: SmolLM2-135M's rows up to 489 tokens, the tiny
+Llama's up to 691; a Llama-3.2-1B shape recomputes at every length. The small models' steps are
+6-16% faster (docs/RESULTS.md, session 18)."""
+
 
 @dataclass(frozen=True)
 class Ops:
@@ -72,6 +78,12 @@ class Ops:
     """Most values of a block-held weight (`toymlx.models.layers.BlockLinear`) decoded to float
     at once, in the product and in its backward pass; None: each weight whole. Smaller slices
     hold less memory and cost time (docs/RESULTS.md, issue 34)."""
+    attention_keep_limit: int = 0
+    """Most values per token that a block's attention may keep for the backward pass (its
+    heads' probabilities, q and k rotated, its output: `toymlx.models.llama.attention_values`)
+    instead of recomputing them there (`recomputed`); 0: always recomputed. Keeping skips a
+    second forward pass of attention, a sixth of a small model's CPU step; recomputing keeps
+    long sequences and many heads in the memory people have."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("mlx", "vectorised"):
@@ -80,6 +92,9 @@ class Ops:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, found {self.dtype!r}")
         if self.subnormals not in ("flush", "keep"):
             raise ValueError(f"subnormals: expected flush or keep, found {self.subnormals!r}")
+        if self.attention_keep_limit < 0:
+            raise ValueError(f"attention_keep_limit: expected >= 0 values a token (0: always "
+                             f"recompute), found {self.attention_keep_limit}")
         if self.decode_slice is not None and self.decode_slice < 1:
             raise ValueError(f"decode_slice: expected a positive number of values or None (whole "
                              f"weights), found {self.decode_slice}")
@@ -226,6 +241,11 @@ class Ops:
         picked = mx.take_along_axis(logits, targets[..., None], -1)[..., 0]
         lse = mx.logsumexp(logits, axis=-1)  # MLX's kernel accumulates in float32
         return _widen(lse) - _widen(picked)
+
+    def keeps_attention(self, values_per_token: int) -> bool:
+        """Whether a block's attention, which would keep `values_per_token` values a token for
+        the backward pass, keeps them (`attention_keep_limit`) rather than recomputing them."""
+        return values_per_token <= self.attention_keep_limit
 
     def recomputed(self, fn: Callable[..., mx.array], params: dict, *arrays: mx.array
                    ) -> mx.array:
@@ -382,6 +402,9 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
     dtype auto: bfloat16 on a GPU, float32 on the CPU (MLX's half-precision CPU kernels run
     ~25x slower than float32's). kernels auto: vectorised on the CPU in float32, else mlx.
     RoPE: fast on a GPU; exact tables on the CPU (as fast there, and exact).
+    Attention's activations: kept on the CPU for short sequences of small models
+    (`CPU_ATTENTION_KEEP_VALUES`), else recomputed in the backward pass (on a GPU always, as
+    measured there so far).
     Block-held weights: decoded whole, except 16 MB at a time with grad_checkpoint. Without it
     a step keeps every block's activations, more than a weight's floats at the sizes people
     train (Llama-3.2-1B shape at 4 x 256: a block keeps 99 MB a CPU stream, its largest weight
@@ -400,7 +423,8 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
         raise ValueError(f"--kernels: expected auto, mlx or vectorised, found {kernels!r}")
     return Ops(kernels=kernels, dtype=dtype, exact_rope=not on_gpu,
                grad_checkpoint=grad_checkpoint, subnormals=subnormals,
-               decode_slice=DECODE_SLICE_VALUES if grad_checkpoint else None)
+               decode_slice=DECODE_SLICE_VALUES if grad_checkpoint else None,
+               attention_keep_limit=0 if on_gpu else CPU_ATTENTION_KEEP_VALUES)
 
 
 def scoring_ops(on_gpu: bool) -> Ops:

@@ -29,7 +29,7 @@ from typing import Any
 from toymlx.gguf.blocks import CODECS, held_bytes
 from toymlx.gguf.llama import args_from_gguf, tensor_route
 from toymlx.gguf.reader import GGUFFile
-from toymlx.models.llama import LlamaArgs
+from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
 
 RUNTIME_BYTES = 600 * 2**20
@@ -91,20 +91,22 @@ def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
     return dims
 
 
-def _block_values(a: LlamaArgs, seq_len: int, grad_checkpoint: bool) -> int:
+def _block_values(a: LlamaArgs, seq_len: int, grad_checkpoint: bool, attention_keep_limit: int
+                  ) -> int:
     """Values one block keeps per token for the backward pass: the norms' inputs and outputs,
     q, k and v as projected, the MLP's gate, up, activation and product (GeGLU: gate, up and its
     tanh, `Ops.gelu_mul`), and down's output. Attention's own activations (q and k normed and
-    rotated, each of H heads' probabilities against about 5/8 of the seq_len keys in toymlx's
-    blocked causal attention, its output) are recomputed in the backward pass
-    (`Ops.recomputed`), except in the block `--grad-checkpoint` is recomputing, which keeps
-    them all."""
+    rotated, each head's probabilities, its output: `attention_values`) are recomputed in the
+    backward pass (`Ops.recomputed`), unless they are few enough to keep
+    (`Ops.attention_keep_limit`), or the block is the one `--grad-checkpoint` is recomputing,
+    which keeps them all."""
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
     mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
     kept = 6 * d + q + 2 * kv + mlp
-    if not grad_checkpoint:
-        return kept
-    return kept + 2 * q + kv + (5 * a.n_heads * seq_len) // 8
+    attention = attention_values(a, seq_len)
+    if grad_checkpoint or attention <= attention_keep_limit:
+        return kept + attention
+    return kept
 
 
 def base_bytes(g: GGUFFile, held: str) -> int:
@@ -126,9 +128,10 @@ def base_bytes(g: GGUFFile, held: str) -> int:
 
 def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], rank: int,
              layers: int | None, dora: bool, batch_size: int, seq_len: int,
-             grad_checkpoint: bool, act_dtype: str, decode_slice: int | None) -> Estimate:
+             grad_checkpoint: bool, act_dtype: str, decode_slice: int | None,
+             attention_keep_limit: int) -> Estimate:
     """The peak of one training step of the model in `g` with these options (module docstring;
-    `decode_slice`: the run's `Ops.decode_slice`)."""
+    `decode_slice` and `attention_keep_limit`: the run's `Ops`)."""
     a = args_from_gguf(g)
     tokens = batch_size * seq_len
     width = _WIDTH.get(act_dtype, 4)
@@ -141,7 +144,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         per_block = sum(rank * (dims[t][0] + dims[t][1]) + (dims[t][0] if dora else 0)
                         for t in targets)
         base, trained = base_bytes(g, held), per_block * blocks * 16
-    per_block = _block_values(a, seq_len, grad_checkpoint) * tokens * width
+    per_block = _block_values(a, seq_len, grad_checkpoint, attention_keep_limit) * tokens * width
     if grad_checkpoint:
         acts = blocks * tokens * a.d_model * width + per_block
     else:
