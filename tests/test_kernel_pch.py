@@ -32,9 +32,14 @@ import json, sys
 import mlx.core as mx
 from toymlx.backend import device
 device.setup_process()
-f = mx.compile(lambda x: (x * 1.618 + 0.25) * (x - 3.0))
+fn = lambda x: (x * 1.618 + 0.25) * (x - 3.0)
+f = mx.compile(fn)
 x = mx.arange(8, dtype=mx.float32)
-print(json.dumps({"values": f(x).tolist(), "pch": device.backend_info().get("kernel_pch")}))
+r = mx.random.normal((4099,), key=mx.random.key(0)) * 100.0  # a tail past any vector width
+info = device.backend_info()
+print(json.dumps({"values": f(x).tolist(), "pch": info.get("kernel_pch"),
+                  "vectors": info.get("kernel_vectors"), "folder": info.get("kernel_cache"),
+                  "same_bits": bool(mx.array_equal(f(r), fn(r)).item())}))
 """
 
 
@@ -65,6 +70,31 @@ def test_mlx_kernel_builds_read_the_precompiled_header(tmp_path):
     assert out["values"] == pytest.approx(want, rel=1e-6)
 
 
+def test_kernels_are_built_for_this_cpus_vectors_with_the_same_values(tmp_path):
+    """The PCH compiles MLX's kernels for the widest vector set cpuid shows (AVX-512: zmm
+    registers, AVX2: ymm), in a kernel folder named after it, and the fused kernel's values are
+    MLX's unfused ops' bit for bit (no multiply-add fused into one rounding)."""
+    from toymlx.backend.blas import cpu_flags
+
+    out, _ = _build_with_logged_gxx(tmp_path)
+    assert out["same_bits"] is True
+    name, target = kernel_pch.vector_isa()
+    assert out["vectors"] == name and Path(out["folder"]).parent.name == name
+    flags = cpu_flags()[1]
+    if "avx512f" in flags and "avx512vl" in flags and "avx512bw" in flags and "avx512dq" in flags:
+        assert name == "x86-64-v4"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        assert name == "x86-64-v3"
+    if target is None or shutil.which("objdump") is None:
+        return
+    register = "%zmm" if name == "x86-64-v4" else "%ymm"
+    kernels = [k for k in Path(out["folder"]).glob("lib*contiguous.so")]
+    assert kernels, list(Path(out["folder"]).iterdir())
+    code = subprocess.run(["objdump", "-d", str(kernels[0])], capture_output=True, text=True,
+                          check=True).stdout
+    assert register in code and "vfmadd" not in code
+
+
 def test_without_it_the_kernel_builds_as_before(tmp_path):
     out, log = _build_with_logged_gxx(tmp_path, TOYMLX_KERNEL_PCH="off")
     assert out["pch"] == "off (TOYMLX_KERNEL_PCH=off)"
@@ -82,3 +112,27 @@ def test_built_once_and_again_when_its_compiler_or_header_changes(tmp_path):
     stamp.write_text("g++ (another) 9.0\n")
     assert kernel_pch.install(tmp_path) == str(first)
     assert first.stat().st_mtime_ns > built and stamp.read_text() != "g++ (another) 9.0\n"
+
+
+def test_a_link_of_the_older_layout_is_pointed_at_this_cpus_folder(tmp_path, monkeypatch):
+    """MLX's kernel folder, a link toymlx made to the kernel cache's older folder (one for every
+    CPU), is made again to the folder of this CPU's vector set; a folder MLX made is kept."""
+    import mlx.core as mx
+
+    from toymlx.backend import device
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("TOYMLX_KERNEL_CACHE", raising=False)
+    old = tmp_path / "cache" / "toymlx" / "mlx-kernels" / mx.__version__ / "cpu"
+    old.mkdir(parents=True)
+    link = tmp_path / "tmp" / "mlx" / mx.__version__ / "cpu"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(old, target_is_directory=True)
+    kept = device.kernel_cache_dir() / "cpu"
+    assert kept.parent.name == kernel_pch.vector_isa()[0]
+    assert device.persist_kernels() == str(kept)
+    assert link.resolve() == kept.resolve()
+    link.unlink()
+    link.mkdir()  # MLX's own folder: used as it is
+    assert device.persist_kernels() == str(link.resolve())

@@ -175,13 +175,19 @@ def _keep_new_kernels(mlx_dir: Path, kept: Path) -> None:
         pass  # a cache: MLX compiles what it lacks
 
 
+def _kernel_cache_root() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "toymlx" / "mlx-kernels"
+
+
 def kernel_cache_dir() -> Path:
     """Where toymlx keeps MLX's compiled CPU kernels: `$XDG_CACHE_HOME/toymlx/mlx-kernels/<mlx
-    version>` (default `~/.cache/...`)."""
+    version>/<vector set>` (default `~/.cache/...`; the vector set they are built for,
+    `kernel_pch.vector_isa`: a home folder shared by machines with other CPUs never hands one
+    of them a kernel it cannot run)."""
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
 
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "toymlx" / "mlx-kernels" / mx.__version__
+    return _kernel_cache_root() / mx.__version__ / kernel_pch.vector_isa()[0]
 
 
 def _cxx_temp_dir() -> Path:
@@ -198,7 +204,8 @@ def persist_kernels() -> str | None:
     MLX compiles each fused elementwise kernel of a compiled step with the system C++ compiler
     (about 0.8 s each; ViT-Tiny's first step builds ~50, 40 s on 2 cores) into
     `$TMPDIR/mlx/<version>/cpu`, and looks there before compiling. Most Linux systems empty
-    /tmp at every reboot. Where that folder does not exist yet, this makes it a link to
+    /tmp at every reboot. Where that folder does not exist yet, or is a link toymlx made to
+    another folder of its cache (an older layout's), this makes it a link to
     `kernel_cache_dir()/cpu`, so MLX writes and finds its kernels there; where it already
     exists (a real folder), MLX keeps using it and the kernels it holds are copied into the
     kept folder for after the next reboot. The kernels are named after their code, so a stale one is never
@@ -210,7 +217,8 @@ def persist_kernels() -> str | None:
 
     mlx_dir = _cxx_temp_dir() / "mlx" / mx.__version__ / "cpu"
     kept = kernel_cache_dir() / "cpu"
-    if mlx_dir.is_symlink() or mlx_dir.exists():
+    relink = mlx_dir.is_symlink() and _links_elsewhere_in_the_cache(mlx_dir, kept)
+    if not relink and (mlx_dir.is_symlink() or mlx_dir.exists()):
         if mlx_dir.is_dir() and not mlx_dir.is_symlink():
             _keep_new_kernels(mlx_dir, kept)
         return str(mlx_dir.resolve()) if mlx_dir.exists() else None
@@ -224,6 +232,17 @@ def persist_kernels() -> str | None:
     except OSError:
         return str(mlx_dir) if mlx_dir.is_dir() else None  # MLX makes its own folder
     return str(kept)
+
+
+def _links_elsewhere_in_the_cache(link: Path, kept: Path) -> bool:
+    """Whether `link` is a link toymlx made into its kernel cache, to another folder than
+    `kept` (a folder of an older layout, or of another CPU's vector set)."""
+    try:
+        target = Path(os.readlink(link))
+    except OSError:
+        return False
+    root = _kernel_cache_root()
+    return target != kept and (target == root or root in target.parents)
 
 
 def tune_malloc() -> str:
@@ -415,6 +434,9 @@ def backend_info() -> dict:
         info["kernel_cache"] = p.kernel_cache
     if p.kernel_pch:
         info["kernel_pch"] = p.kernel_pch
+        # the vector set the PCH compiles MLX's kernels for (without one: MLX's own flags)
+        info["kernel_vectors"] = ("mlx's own" if p.kernel_pch.startswith("off")
+                                  else kernel_pch.vector_isa()[0])
     if p.gemv_forward:
         info["gemv_forward"] = p.gemv_forward
     if p.blas_bound:

@@ -15,12 +15,22 @@ own preamble once, with MLX's code-generation flags, to
 reads it instead of the header. g++ checks a PCH before using it (same compiler, same
 code-generation options; `g++ -H` prints `!` for one it uses) and otherwise reads the header as
 before, so a stale or mismatched file can only cost the time it would have saved, never change
-a kernel. `TOYMLX_KERNEL_PCH=off` leaves it out.
+a kernel's values. `TOYMLX_KERNEL_PCH=off` leaves it out.
+
+The vector width: MLX 0.32's Linux wheel builds its kernels for baseline x86-64 (SSE2, 4 floats
+a vector); newer MLX adds `-mavx2 -mfma` itself where it was built with AVX2. The PCH carries a
+`#pragma GCC target` for the widest vector set this CPU's cpuid has (`vector_isa`: x86-64-v4,
+AVX-512; x86-64-v3, AVX2), which g++ applies to every function after it, the kernel's own
+included, and `#pragma GCC optimize("fp-contract=off")`, so that no multiply and add are fused
+into one rounding: each kernel computes the same float32 values as before, bit for bit, in wider
+vectors. Kernels built for one CPU must not run on another, so the kernel folder is named after
+the vector set (`toymlx.backend.device.kernel_cache_dir`).
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,11 +41,43 @@ FLAGS = ("-std=c++17", "-O3", "-Wall", "-fPIC")
 -shared only links)."""
 
 
+_X86_LEVELS = (
+    ("x86-64-v4", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl")),
+    ("x86-64-v3", ("avx2", "fma", "f16c")),
+)
+"""x86-64's vector levels above the baseline (the psABI's names), widest first, with the cpuid
+flags each needs; the same names are g++'s target options."""
+
+
+def vector_isa() -> tuple[str, str | None]:
+    """(name, g++ target) of the widest vector set this CPU has: ("x86-64-v4", "avx2,...") with
+    AVX-512, ("x86-64-v3", ...) with AVX2 and FMA, else (the machine's baseline, None)."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return machine or "unknown", None
+    from toymlx.backend.blas import cpu_flags
+
+    _, flags = cpu_flags()
+    for name, needs in _X86_LEVELS:
+        if all(f in flags for f in needs):
+            return name, ",".join(needs)
+    return "x86-64", None
+
+
+def _source(header: Path) -> str:
+    """What the PCH is compiled from: the vector set's pragmas, then MLX's preamble."""
+    _, target = vector_isa()
+    lines = [] if target is None else [f'#pragma GCC target("{target}")',
+                                       '#pragma GCC optimize("fp-contract=off")']
+    return "\n".join([*lines, f'#include "{header}"']) + "\n"
+
+
 def _identity(gxx: str, header: Path) -> str:
-    """What the PCH was built from: the compiler's version line, the flags, the header."""
+    """What the PCH was built from: the compiler's version line, the flags, the source (the
+    vector set's pragmas and the header's path), the header's time."""
     version = subprocess.run([gxx, "--version"], capture_output=True, text=True, timeout=30,
                              check=False).stdout.splitlines()[:1]
-    return "\n".join([*version, " ".join(FLAGS), str(header),
+    return "\n".join([*version, " ".join(FLAGS), _source(header),
                       str(header.stat().st_mtime_ns)]) + "\n"
 
 
@@ -58,10 +100,12 @@ def install(kernel_dir: str | os.PathLike) -> str:
     if gch.is_file() and stamp.is_file() and stamp.read_text() == want:
         return str(gch)
     tmp = gch.with_name(f".{gch.name}.{os.getpid()}")
+    source = gch.with_name(f".{gch.name}.{os.getpid()}.h")
     try:
         gch.parent.mkdir(parents=True, exist_ok=True)
+        source.write_text(_source(header))
         done = subprocess.run([gxx, *FLAGS, "-I", str(header.parents[3]), "-x", "c++-header",
-                               str(header), "-o", str(tmp)], capture_output=True, text=True,
+                               str(source), "-o", str(tmp)], capture_output=True, text=True,
                               timeout=300, check=False)
         if done.returncode != 0:
             return f"off (g++ failed: {' '.join(done.stderr.split())[-200:]})"
@@ -71,4 +115,5 @@ def install(kernel_dir: str | os.PathLike) -> str:
         return f"off ({' '.join(str(e).split())[:200]})"
     finally:
         tmp.unlink(missing_ok=True)
+        source.unlink(missing_ok=True)
     return str(gch)
