@@ -18,13 +18,12 @@ before, so a stale or mismatched file can only cost the time it would have saved
 a kernel's values. `TOYMLX_KERNEL_PCH=off` leaves it out.
 
 The vector width: MLX 0.32's Linux wheel builds its kernels for baseline x86-64 (SSE2, 4 floats
-a vector); newer MLX adds `-mavx2 -mfma` itself where it was built with AVX2. The PCH carries a
-`#pragma GCC target` for the widest vector set this CPU's cpuid has (`vector_isa`: x86-64-v4,
-AVX-512; x86-64-v3, AVX2), which g++ applies to every function after it, the kernel's own
-included, and `#pragma GCC optimize("fp-contract=off")`, so that no multiply and add are fused
-into one rounding: each kernel computes the same float32 values as before, bit for bit, in wider
-vectors. Kernels built for one CPU must not run on another, so the kernel folder is named after
-the vector set (`toymlx.backend.device.kernel_cache_dir`).
+a vector); newer MLX adds `-mavx2 -mfma` itself where it was built with AVX2. On a CPU with AVX2
+the PCH starts with `#pragma GCC target("avx2,f16c")`, which g++ applies to every function after
+it, the kernel's own included: 8 floats a vector. FMA is left out, so that g++ cannot fuse a
+multiply and an add into one rounding: each kernel computes the same float32 values as before,
+bit for bit. Kernels built for one CPU must not run on another, so the kernel folder is named
+after the vector set (`toymlx.backend.device.kernel_cache_dir`).
 """
 
 from __future__ import annotations
@@ -41,34 +40,31 @@ FLAGS = ("-std=c++17", "-O3", "-Wall", "-fPIC")
 -shared only links)."""
 
 
-_X86_LEVELS = (
-    ("x86-64-v4", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl")),
-    ("x86-64-v3", ("avx2", "fma", "f16c")),
-)
-"""x86-64's vector levels above the baseline (the psABI's names), widest first, with the cpuid
-flags each needs; the same names are g++'s target options."""
+_AVX2 = ("avx2", "f16c")
+"""The cpuid flags (and g++ target options) of the vector set MLX's kernels are built for on an
+x86-64 CPU that has them: 256-bit vectors. Not FMA: without fused multiply-adds in the target,
+g++ cannot fuse a multiply and an add into one rounding, so each kernel keeps MLX's values bit
+for bit. (AVX-512 measured no faster on these memory-bound loops, and its kernels took 30% longer
+to build: docs/RESULTS.md, session 18.)"""
 
 
 def vector_isa() -> tuple[str, str | None]:
-    """(name, g++ target) of the widest vector set this CPU has: ("x86-64-v4", "avx2,...") with
-    AVX-512, ("x86-64-v3", ...) with AVX2 and FMA, else (the machine's baseline, None)."""
+    """(name, g++ target) of the vector set MLX's kernels are built for on this CPU: ("avx2",
+    "avx2,f16c") on an x86-64 CPU with AVX2 and F16C, else (the machine's baseline, None)."""
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return machine or "unknown", None
     from toymlx.backend.blas import cpu_flags
 
-    _, flags = cpu_flags()
-    for name, needs in _X86_LEVELS:
-        if all(f in flags for f in needs):
-            return name, ",".join(needs)
+    if all(f in cpu_flags()[1] for f in _AVX2):
+        return "avx2", ",".join(_AVX2)
     return "x86-64", None
 
 
 def _source(header: Path) -> str:
-    """What the PCH is compiled from: the vector set's pragmas, then MLX's preamble."""
+    """What the PCH is compiled from: the vector set's pragma, then MLX's preamble."""
     _, target = vector_isa()
-    lines = [] if target is None else [f'#pragma GCC target("{target}")',
-                                       '#pragma GCC optimize("fp-contract=off")']
+    lines = [] if target is None else [f'#pragma GCC target("{target}")']
     return "\n".join([*lines, f'#include "{header}"']) + "\n"
 
 
