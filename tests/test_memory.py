@@ -19,6 +19,7 @@ from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import expected_shapes, llama_metadata, write_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.llama import Llama, LlamaArgs, tiny
+from toymlx.models.ops import Ops
 from toymlx.training import memory
 
 LLAMA_8B = LlamaArgs(vocab_size=49152, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -68,20 +69,16 @@ def test_estimate_of_an_8b_header(header_8b):
         file_bytes = sum(t.nbytes for t in g.tensors.values())
         est = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
                               layers=None, dora=False, batch_size=1, seq_len=512,
-                              grad_checkpoint=True, act_dtype="float32",
-                              decode_slice=1 << 22, attention_keep_limit=0)
+                              ops=Ops(grad_checkpoint=True, decode_slice=1 << 22))
         whole = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
                                 layers=None, dora=False, batch_size=1, seq_len=512,
-                                grad_checkpoint=False, act_dtype="float32", decode_slice=None,
-                                attention_keep_limit=0)
+                                ops=Ops(decode_slice=None))
         keeping = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
                                   layers=None, dora=False, batch_size=1, seq_len=512,
-                                  grad_checkpoint=False, act_dtype="float32",
-                                  decode_slice=None, attention_keep_limit=19_456)
+                                  ops=Ops(decode_slice=None, attention_keep_limit=19_456))
         floats = memory.estimate(g, held="float32", full=False, targets=("q", "v"), rank=8,
                                  layers=None, dora=False, batch_size=1, seq_len=512,
-                                 grad_checkpoint=False, act_dtype="float32", decode_slice=None,
-                                 attention_keep_limit=0)
+                                 ops=Ops(decode_slice=None))
     shapes = expected_shapes(LLAMA_8B)
     n_matrix = sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2)
     n_norm = sum(s[0] for s in shapes.values() if len(s) == 1)

@@ -28,6 +28,7 @@ after the vector set (`toymlx.backend.device.kernel_cache_dir`).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
@@ -48,6 +49,7 @@ for bit. (AVX-512 measured no faster on these memory-bound loops, and its kernel
 to build: docs/RESULTS.md, session 18.)"""
 
 
+@functools.cache
 def vector_isa() -> tuple[str, str | None]:
     """(name, g++ target) of the vector set MLX's kernels are built for on this CPU: ("avx2",
     "avx2,f16c") on an x86-64 CPU with AVX2 and F16C, else (the machine's baseline, None)."""

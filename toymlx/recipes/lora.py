@@ -275,10 +275,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         fits = memory.check_fits(memory.estimate(
             g, held=dtype, full=full, targets=parse_targets(cfg.lora.targets),
             rank=cfg.lora.rank, layers=cfg.lora.layers, dora=cfg.fine_tune_type == "dora",
-            batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-            grad_checkpoint=ops.grad_checkpoint, act_dtype=ops.dtype,
-            decode_slice=ops.decode_slice, attention_keep_limit=ops.attention_keep_limit),
-            f"--base {cfg.base}",
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len, ops=ops), f"--base {cfg.base}",
             cfg.force)
     model, g = load_llama(src.path, ops, dtype)
     meta = dict(g.metadata)

@@ -31,6 +31,7 @@ from toymlx.gguf.llama import args_from_gguf, tensor_route
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
+from toymlx.models.ops import Ops
 
 RUNTIME_BYTES = 600 * 2**20
 """What a run's RSS holds beyond MLX's arrays: the interpreter and libraries (~60 MB), the
@@ -91,20 +92,19 @@ def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
     return dims
 
 
-def _block_values(a: LlamaArgs, seq_len: int, grad_checkpoint: bool, attention_keep_limit: int
-                  ) -> int:
+def _block_values(a: LlamaArgs, seq_len: int, ops: Ops) -> int:
     """Values one block keeps per token for the backward pass: the norms' inputs and outputs,
     q, k and v as projected, the MLP's gate, up, activation and product (GeGLU: gate, up and its
     tanh, `Ops.gelu_mul`), and down's output. Attention's own activations (q and k normed and
     rotated, each head's probabilities, its output: `attention_values`) are recomputed in the
     backward pass (`Ops.recomputed`), unless they are few enough to keep
-    (`Ops.attention_keep_limit`), or the block is the one `--grad-checkpoint` is recomputing,
-    which keeps them all."""
+    (`Ops.keeps_attention`), or the block is the one `--grad-checkpoint` is recomputing, which
+    keeps them all."""
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
     mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
     kept = 6 * d + q + 2 * kv + mlp
     attention = attention_values(a, seq_len)
-    if grad_checkpoint or attention <= attention_keep_limit:
+    if ops.grad_checkpoint or ops.keeps_attention(attention):
         return kept + attention
     return kept
 
@@ -127,14 +127,14 @@ def base_bytes(g: GGUFFile, held: str) -> int:
 
 
 def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], rank: int,
-             layers: int | None, dora: bool, batch_size: int, seq_len: int,
-             grad_checkpoint: bool, act_dtype: str, decode_slice: int | None,
-             attention_keep_limit: int) -> Estimate:
-    """The peak of one training step of the model in `g` with these options (module docstring;
-    `decode_slice` and `attention_keep_limit`: the run's `Ops`)."""
+             layers: int | None, dora: bool, batch_size: int, seq_len: int, ops: Ops
+             ) -> Estimate:
+    """The peak of one training step of the model in `g` with these options, computed with
+    `ops` (the run's math: its dtype, `--grad-checkpoint`, decode slices and what attention
+    keeps; module docstring)."""
     a = args_from_gguf(g)
     tokens = batch_size * seq_len
-    width = _WIDTH.get(act_dtype, 4)
+    width = _WIDTH.get(ops.dtype, 4)
     if full:
         n = sum(t.n_elements for t in g.tensors.values())
         base, trained, blocks = n * 4, n * 16, a.n_layers
@@ -144,8 +144,8 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         per_block = sum(rank * (dims[t][0] + dims[t][1]) + (dims[t][0] if dora else 0)
                         for t in targets)
         base, trained = base_bytes(g, held), per_block * blocks * 16
-    per_block = _block_values(a, seq_len, grad_checkpoint, attention_keep_limit) * tokens * width
-    if grad_checkpoint:
+    per_block = _block_values(a, seq_len, ops) * tokens * width
+    if ops.grad_checkpoint:
         acts = blocks * tokens * a.d_model * width + per_block
     else:
         acts = blocks * per_block
@@ -158,7 +158,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     held_as_blocks = [t.n_elements for name, t in g.tensors.items()
                       if name.startswith("blk.") and tensor_route(g, name, held) == "blocks"]
     largest = max(held_as_blocks, default=0)
-    decoded = min(largest, decode_slice or largest) * 4 * DECODED_COPIES
+    decoded = min(largest, ops.decode_slice or largest) * 4 * DECODED_COPIES
     return Estimate(base, trained, acts, logits, decoded)
 
 
