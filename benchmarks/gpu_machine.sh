@@ -3,8 +3,9 @@
 #
 # Here (with network):      bash benchmarks/gpu_machine.sh prepare
 #   downloads MLX's CUDA wheels and toymlx's other missing dependencies for that machine's
-#   Python, in the versions installed here, and cuts them into carries of under 30 MB:
-#   .gpu/part1 .. .gpu/partN (ignored by git), plus .gpu/MANIFEST.
+#   Python, in the versions installed here, and cuts them into carries that fit beside the
+#   working tree under the device tool's 64 MiB a call: .gpu/part1 .. .gpu/partN (ignored by
+#   git), plus .gpu/MANIFEST. MLX 0.32.4's CUDA wheel (90 MB) makes two parts.
 # There, one call per part, back to back (an idle machine goes back after ~30 s):
 #   bash benchmarks/gpu_machine.sh install .gpu/partK     (carry: .gpu/partK)
 #   Each call stores its part outside the working tree (laid anew every call); the call that
@@ -20,7 +21,7 @@ set -euo pipefail
 
 HOME_DIR=${TOYMLX_GPU_HOME:-/tmp/toymlx-gpu}
 WORK=.gpu
-PART_BYTES=30000000
+PART_BYTES=${TOYMLX_GPU_PART_BYTES:-55000000}  # + the small wheels + the tree < 64 MiB
 PY_VERSION=${TOYMLX_GPU_PYTHON:-3.12}
 # The lent machine's image already has numpy, transformers, tokenizers, jinja2, pillow, tqdm,
 # pyyaml, safetensors and NVIDIA's CUDA 13 libraries (../.library/device/KINDS.md)
@@ -47,7 +48,7 @@ prepare() {
     -d "$WORK/wheels" "${specs[@]}"
   # toymlx itself as a wheel built here (that machine may lack setuptools)
   python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/wheels" .
-  # the big wheel travels in pieces; every other wheel rides with the first piece
+  # the big wheel travels in pieces; every other wheel rides with the last (smallest) piece
   local big
   big=$(ls "$WORK"/wheels/mlx_cuda_13-*.whl) || die "no mlx-cuda-13 wheel was downloaded"
   split -b "$PART_BYTES" -d -a 2 "$big" "$WORK/piece."
@@ -55,7 +56,7 @@ prepare() {
   for p in "${pieces[@]}"; do
     n=$((n + 1)) && mkdir -p "$WORK/part$n" && mv "$p" "$WORK/part$n/"
   done
-  find "$WORK/wheels" -name '*.whl' ! -name 'mlx_cuda_13-*' -exec cp {} "$WORK/part1/" \;
+  find "$WORK/wheels" -name '*.whl' ! -name 'mlx_cuda_13-*' -exec cp {} "$WORK/part$n/" \;
   { echo "wheel $(basename "$big")"; echo "sha256 $(sha256sum "$big" | cut -d' ' -f1)"
     echo "pieces $n"; } > "$WORK/MANIFEST"
   for p in $(seq 1 "$n"); do cp "$WORK/MANIFEST" "$WORK/part$p/"; done
