@@ -1,0 +1,134 @@
+"""toymlx's step under variants of its math (`Ops`), side by side in one process: which choice
+costs the time. Each variant is the workload's recipe-built Task (`toymlx_step.build_task`, as
+the bench's toymlx row) with its Ops changed one way; interleaved rounds, the median step and
+MLX's peak memory of each.
+
+    python benchmarks/ops_ab.py --device gpu --dtype bfloat16 --only lora-q-360m-8x512 \\
+        --variants default keep-attention [--rounds 6] [--json out.json]
+
+Variants (`VARIANTS`):
+- default: what toymlx trains with on the device (`training_ops`);
+- keep-attention: attention's activations kept for the backward pass, never recomputed
+  (`attention_keep_limit` unbounded);
+- composed-attention: attention as softmax(q k^T scale) v in plain MLX ops (their own
+  autodiff) instead of `mx.fast.scaled_dot_product_attention` (MLX's fused kernel and its vjp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+from gpu_suite import MLX_MEMORY
+from procs import MB
+from rounds import first_steps, run_rounds
+from toymlx_step import ToymlxVariant, build_task, recipe_inputs
+from workloads import find, make_batch
+
+from toymlx.backend.device import select_device, setup_process
+from toymlx.models.ops import Ops, training_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class ComposedAttention(Ops):
+    """Ops whose attention is composed of MLX's plain ops (differentiated op by op)."""
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
+                  causal: bool, window: int | None = None) -> mx.array:
+        if window is not None:
+            raise ValueError("composed-attention: sliding windows are not composed here")
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = (mx.repeat(t, groups, axis=1) for t in (k, v))
+        scores = (q * scale) @ k.swapaxes(-1, -2)
+        T, S = q.shape[2], k.shape[2]
+        if causal and T > 1:
+            future = mx.arange(S)[None] > mx.arange(S - T, S)[:, None]
+            scores = mx.where(future, mx.array(-mx.inf, scores.dtype), scores)
+        return mx.softmax(scores, axis=-1, precise=True) @ v
+
+
+VARIANTS: dict[str, Callable[[Ops], Ops]] = {
+    "default": lambda ops: ops,
+    "keep-attention": lambda ops: dataclasses.replace(ops, attention_keep_limit=2**62),
+    "composed-attention": lambda ops: ComposedAttention(
+        **{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)}),
+}
+
+
+def run(workload: str, dtype: str, on_gpu: bool, names: list[str], rounds: int, warmup: int,
+        log: Callable[[str], None]) -> dict:
+    """One workload's variants: first step, interleaved rounds, median and MLX peak of each."""
+    w = find(workload)
+    batch = make_batch(w)
+    base = training_ops(on_gpu=on_gpu, dtype=dtype)
+    variants, builds = [], {}
+    with recipe_inputs(w) as inputs:
+        for name in names:
+            t = time.perf_counter()
+            task, cfg = build_task(w, VARIANTS[name](base), inputs)
+            variants.append(ToymlxVariant(task, cfg, batch, name=name))
+            builds[name] = time.perf_counter() - t
+    results = first_steps(variants, builds, workload, log)
+    peaks: dict[str, float] = {}
+
+    def timed_step(v: ToymlxVariant, s: int) -> float:
+        live = MLX_MEMORY.live()
+        MLX_MEMORY.reset_peak()
+        t = time.perf_counter()
+        v.step(s)
+        dt = time.perf_counter() - t
+        results[v.name].times_s.append(dt)
+        peaks[v.name] = max(peaks.get(v.name, 0.0),
+                            (v.resident_bytes() + MLX_MEMORY.peak() - live) / MB)
+        return dt
+
+    per_round = run_rounds(variants, rounds, warmup, workload, timed_step, log=log)
+    rows = {v.name: {"median_ms": results[v.name].median_s * 1e3,
+                     "first_step_s": results[v.name].first_step_s,
+                     "loss0": results[v.name].loss0, "peak_mb": peaks.get(v.name),
+                     "over_default": statistics.median(r[v.name] / r[names[0]]
+                                                       for r in per_round)}
+            for v in variants}
+    for v in variants:
+        v.close()
+    return {"workload": workload, "dtype": dtype, "ops": base.describe(), "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "gpu"], default="gpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--only", nargs="+", required=True, help="workload names (workloads.py)")
+    p.add_argument("--variants", nargs="+", default=["default", "keep-attention"],
+                   choices=list(VARIANTS))
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", help="write the results here (after each workload)")
+    a = p.parse_args(argv)
+    select_device(a.device)
+    setup_process()
+    log = lambda s: print(s, file=sys.stderr, flush=True)
+    out = []
+    for name in a.only:
+        res = run(name, a.dtype, a.device == "gpu", a.variants, a.rounds, a.warmup, log)
+        out.append(res)
+        for k, r in res["rows"].items():
+            print(f"{name:<22} {res['dtype'] if a.dtype == 'auto' else a.dtype:<9} {k:<20} "
+                  f"{r['median_ms']:8.1f} ms  x{r['over_default']:.3f} of {a.variants[0]}  "
+                  f"peak {r['peak_mb']:8.0f} MB  first {r['first_step_s']:6.1f} s  "
+                  f"loss0 {r['loss0']:.5f}", flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
