@@ -11,7 +11,12 @@ Variants (`VARIANTS`):
 - keep-attention: attention's activations kept for the backward pass, never recomputed
   (`attention_keep_limit` unbounded);
 - composed-attention: attention as softmax(q k^T scale) v in plain MLX ops (their own
-  autodiff) instead of `mx.fast.scaled_dot_product_attention` (MLX's fused kernel and its vjp).
+  autodiff) instead of `mx.fast.scaled_dot_product_attention` (MLX's fused kernel and its vjp);
+- padded-attention: a non-causal attention's rows padded to a multiple of 128 (zero queries,
+  keys and values, the padded keys masked out, the padded rows' outputs dropped). MLX 0.32's
+  CUDA attention has a fused backward pass (cuDNN's) only where the query length is a multiple
+  of 128 (`ScaledDotProductAttentionVJP::use_fallback`); other lengths, such as ViT-Tiny 224's
+  197 tokens, differentiate the composed form, scores and all. Metal has no fused backward.
 """
 
 from __future__ import annotations
@@ -54,10 +59,34 @@ class ComposedAttention(Ops):
         return mx.softmax(scores, axis=-1, precise=True) @ v
 
 
+@dataclasses.dataclass(frozen=True)
+class PaddedAttention(Ops):
+    """Ops whose non-causal attention runs on rows padded to a multiple of `PAD`."""
+
+    PAD = 128
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
+                  causal: bool, window: int | None = None) -> mx.array:
+        T, S = q.shape[2], k.shape[2]
+        if causal or window is not None or (T % self.PAD == 0 and S % self.PAD == 0):
+            return super().attention(q, k, v, scale, causal, window)
+        Tp, Sp = -(-T // self.PAD) * self.PAD, -(-S // self.PAD) * self.PAD
+
+        def pad(x: mx.array, n: int) -> mx.array:
+            return mx.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)])
+
+        mask = mx.where(mx.arange(Sp) < S, 0.0, -mx.inf).astype(q.dtype)  # (Sp,)
+        o = mx.fast.scaled_dot_product_attention(pad(q, Tp), pad(k, Sp), pad(v, Sp),
+                                                 scale=scale, mask=mask[None, None, None])
+        return o[:, :, :T]
+
+
 VARIANTS: dict[str, Callable[[Ops], Ops]] = {
     "default": lambda ops: ops,
     "keep-attention": lambda ops: dataclasses.replace(ops, attention_keep_limit=2**62),
     "composed-attention": lambda ops: ComposedAttention(
+        **{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)}),
+    "padded-attention": lambda ops: PaddedAttention(
         **{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)}),
 }
 

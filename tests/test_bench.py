@@ -355,3 +355,48 @@ def test_toymlx_row_is_the_first_step_of_toymlx_train(bench, tmp_path, name):
     assert set(ours) == set(theirs) and ours
     assert (loss, row.first_grad_norm()) == (step["loss"], step["grad_norm"])
     assert diff == 0.0
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("variant", ["keep-attention", "composed-attention", "padded-attention"])
+@pytest.mark.parametrize("kind", ["vit", "llama"])
+def test_ops_ab_variants_compute_the_same_gradients(monkeypatch, variant, kind):
+    """benchmarks/ops_ab.py's variants change how attention is computed, not what: the same
+    loss and gradients as the default Ops on the same weights (bfloat16 GPU math, here on the
+    CPU; the ViT's 17 tokens padded to 128 where the variant pads)."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    ops_ab = importlib.import_module("ops_ab")
+    from mlx.utils import tree_flatten
+
+    from toymlx.models.llama import Llama, tiny
+    from toymlx.models.ops import training_ops
+    from toymlx.models.vit import ViT, vit_tiny_8
+
+    base = training_ops(on_gpu=True, dtype="float32")
+    rng = np.random.default_rng(0)
+    if kind == "vit":
+        make = lambda ops: ViT(vit_tiny_8(n_layers=2, d_model=64, n_heads=2, ffn_dim=128), ops)
+        x = mx.array(rng.random((3, 8, 8, 1), np.float32))
+    else:
+        make = lambda ops: Llama(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      ffn_dim=128), ops)
+        x = mx.array(rng.integers(0, 259, (2, 24)).astype(np.int32))
+    mx.random.seed(0)
+    ref = make(base)
+    other = make(ops_ab.VARIANTS[variant](base))
+    other.update(ref.parameters())
+
+    def loss_and_grads(model):
+        def loss(params):
+            model.update(params)
+            return (model(x).astype(mx.float32) ** 2).mean()
+        value, grads = mx.value_and_grad(loss)(model.trainable_parameters())
+        return float(value), dict(tree_flatten(grads))
+
+    want_loss, want = loss_and_grads(ref)
+    got_loss, got = loss_and_grads(other)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_allclose(np.array(got[k]), np.array(want[k]), rtol=2e-4, atol=1e-6,
+                                   err_msg=k)
