@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# One lent GPU's checks in one device call, in the order issue 50 asks for them, each inside
-# what is left of BUDGET seconds, every log and JSON under $OUT as it is written (so a call
-# cut short still brings back what finished):
+# One lent GPU's checks in one device call, each inside what is left of BUDGET seconds, the
+# log ($OUT/session.log) and each step's JSON under $OUT as they are written (so a call cut
+# short still brings back what finished; the device tool brings back at most 8 files):
 #
 #   bash benchmarks/gpu_session.sh .gpu/partN BUDGET      (carry: [".gpu/partN"])
 #
 # after `bash benchmarks/gpu_machine.sh install .gpu/partK` stored the other parts in earlier
 # calls, back to back. It installs (the last part completes the set), then runs:
 #   1. the `gpu`-marked tests (tests/test_gpu.py);
-#   2. benchmarks/bench.py --device gpu in bfloat16: toymlx, mlx-lm and PyTorch eager;
-#   3. with time left: benchmarks/decode.py (block decoding against mx.dequantize and the
+#   2. benchmarks/ops_ab.py: the LoRA step with attention kept against recomputed, and the
+#      ViT-Tiny 224 step with its attention padded to 128 rows (MLX's fused CUDA backward) and
+#      composed, against the default;
+#   3. benchmarks/bench.py --device gpu in bfloat16: toymlx, mlx-lm and PyTorch eager;
+#   4. with time left: benchmarks/decode.py (block decoding against mx.dequantize and the
 #      product it feeds), then the bench in float32.
+# Session 19 (an H200) ran the plan before step 2 existed in 575 s: 30 s of install, 148 s of
+# tests (most of it MLX's kernel JIT), 268 s of bfloat16 suite, 55 s of decode.py.
 set -uo pipefail
 
 part=${1:?usage: gpu_session.sh .gpu/partN BUDGET_SECONDS}
@@ -20,25 +25,31 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
 left() { echo $((budget - (SECONDS - t0))); }
-in_time() {  # in_time RESERVE LOG COMMAND...: run COMMAND under gpu_machine.sh, killed so that
-  local reserve=$1 log=$2  # RESERVE seconds of the budget stay for what follows
-  shift 2
+log=$out/session.log
+in_time() {  # in_time RESERVE COMMAND...: run COMMAND under gpu_machine.sh, killed so that
+  local reserve=$1  # RESERVE seconds of the budget stay for what follows
+  shift
   local limit=$(($(left) - reserve))
-  if ((limit < 30)); then echo "skipped ($limit s left): $*" | tee "$out/$log"; return 1; fi
-  echo "== $* (at most $limit s)"
-  timeout "$limit" bash benchmarks/gpu_machine.sh run "$@" 2>&1 | tee "$out/$log"
-  echo "== exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
+  if ((limit < 30)); then echo "== skipped ($limit s left): $*" | tee -a "$log"; return 1; fi
+  echo "== $* (at most $limit s)" | tee -a "$log"
+  timeout "$limit" bash benchmarks/gpu_machine.sh run "$@" 2>&1 | tee -a "$log"
+  echo "== exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$log"
 }
 
-bash benchmarks/gpu_machine.sh install "$part" 2>&1 | tee "$out/install.log"
+bash benchmarks/gpu_machine.sh install "$part" 2>&1 | tee -a "$log"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
-  | tee "$out/gpu.txt"
-echo "installed after $((SECONDS - t0)) s"
+  | tee -a "$log"
+echo "installed after $((SECONDS - t0)) s" | tee -a "$log"
 
-in_time 240 tests.log python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
-in_time 10 bench_bf16.log python3 benchmarks/bench.py --device gpu --dtype bfloat16 \
-  --impl toymlx mlx-lm torch --rounds 5 --json "$out/gpu_bf16.json"
-in_time 10 decode.log python3 benchmarks/decode.py
-in_time 5 bench_f32.log python3 benchmarks/bench.py --device gpu --dtype float32 \
-  --impl toymlx mlx-lm torch --rounds 3 --json "$out/gpu_f32.json"
-echo "session done after $((SECONDS - t0)) s"
+in_time 380 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
+in_time 250 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
+  --only lora-q-360m-8x512 --variants default keep-attention --json "$out/ab_lora.json"
+in_time 140 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
+  --only vit-tiny-224 --variants default padded-attention composed-attention \
+  --json "$out/ab_vit.json"
+in_time 10 python3 benchmarks/bench.py --device gpu --dtype bfloat16 \
+  --impl toymlx mlx-lm torch --rounds 6 --json "$out/gpu_bf16.json"
+in_time 10 python3 benchmarks/decode.py
+in_time 5 python3 benchmarks/bench.py --device gpu --dtype float32 \
+  --impl toymlx mlx-lm torch --rounds 4 --json "$out/gpu_f32.json"
+echo "session done after $((SECONDS - t0)) s" | tee -a "$log"
