@@ -92,6 +92,24 @@ def matmul_peak(dtype: str, n: int, torch_device: str | None, reps: int = 10) ->
     return out
 
 
+def metered_step(v: Variant, s: int, meter: Memory | None, times_s: list[float],
+                 peak_mb: dict[str, float]) -> float:
+    """Step `v` once, timed: its seconds appended to `times_s` and returned; with a `meter`,
+    the row's peak memory (its weights and optimizer state plus the most the step allocated
+    beyond what was live before it) raised in `peak_mb[v.name]`."""
+    if meter is not None:
+        live = meter.live()
+        meter.reset_peak()
+    t = time.perf_counter()
+    v.step(s)
+    dt = time.perf_counter() - t
+    times_s.append(dt)
+    if meter is not None:
+        own = v.resident_bytes() + meter.peak() - live
+        peak_mb[v.name] = max(peak_mb.get(v.name, 0.0), own / MB)
+    return dt
+
+
 def build_variants(w: Workload, which: tuple[str, ...], dtype: str, torch_device: str | None,
                    compile_backend: str, inputs: Path) -> tuple[list[Variant], dict[str, float]]:
     """The rows of `w` in `dtype` that apply to it, each built from the same weights: those of
@@ -147,18 +165,7 @@ def run_workload(w: Workload, dtype: str, which: tuple[str, ...], rounds: int, w
     peak_mb: dict[str, float] = {}
 
     def timed_step(v: Variant, s: int) -> float:
-        meter = meters.get(v.name)
-        if meter is not None:
-            live = meter.live()
-            meter.reset_peak()
-        t = time.perf_counter()
-        v.step(s)
-        dt = time.perf_counter() - t
-        results[v.name].times_s.append(dt)
-        if meter is not None:
-            own = v.resident_bytes() + meter.peak() - live
-            peak_mb[v.name] = max(peak_mb.get(v.name, 0.0), own / MB)
-        return dt
+        return metered_step(v, s, meters.get(v.name), results[v.name].times_s, peak_mb)
 
     per_round = run_rounds(variants, rounds, warmup, tag, timed_step, log=log)
     flops = train_flops(w)

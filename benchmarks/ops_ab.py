@@ -30,8 +30,7 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
-from gpu_suite import MLX_MEMORY
-from procs import MB
+from gpu_suite import MLX_MEMORY, metered_step
 from rounds import first_steps, run_rounds
 from toymlx_step import ToymlxVariant, build_task, recipe_inputs
 from workloads import find, make_batch
@@ -107,18 +106,9 @@ def run(workload: str, dtype: str, on_gpu: bool, names: list[str], rounds: int, 
     results = first_steps(variants, builds, workload, log)
     peaks: dict[str, float] = {}
 
-    def timed_step(v: ToymlxVariant, s: int) -> float:
-        live = MLX_MEMORY.live()
-        MLX_MEMORY.reset_peak()
-        t = time.perf_counter()
-        v.step(s)
-        dt = time.perf_counter() - t
-        results[v.name].times_s.append(dt)
-        peaks[v.name] = max(peaks.get(v.name, 0.0),
-                            (v.resident_bytes() + MLX_MEMORY.peak() - live) / MB)
-        return dt
-
-    per_round = run_rounds(variants, rounds, warmup, workload, timed_step, log=log)
+    per_round = run_rounds(
+        variants, rounds, warmup, workload,
+        lambda v, s: metered_step(v, s, MLX_MEMORY, results[v.name].times_s, peaks), log=log)
     rows = {v.name: {"median_ms": results[v.name].median_s * 1e3,
                      "first_step_s": results[v.name].first_step_s,
                      "loss0": results[v.name].loss0, "peak_mb": peaks.get(v.name),
