@@ -403,8 +403,11 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
     ~25x slower than float32's). kernels auto: vectorised on the CPU in float32, else mlx.
     RoPE: fast on a GPU; exact tables on the CPU (as fast there, and exact).
     Attention's activations: kept on the CPU for short sequences of small models
-    (`CPU_ATTENTION_KEEP_VALUES`), else recomputed in the backward pass (on a GPU always, as
-    measured there so far).
+    (`CPU_ATTENTION_KEEP_VALUES`), else recomputed in the backward pass; on a GPU always
+    recomputed, for memory: MLX 0.32 trains attention unfused on Metal (its probabilities would
+    be kept), while on CUDA its fused kernels keep none, so there recomputing may cost time
+    and save little. Not yet timed on a GPU: `benchmarks/ops_ab.py --variants default
+    keep-attention` measures it (docs/RESULTS.md, session 19).
     Block-held weights: decoded whole, except 16 MB at a time with grad_checkpoint. Without it
     a step keeps every block's activations, more than a weight's floats at the sizes people
     train (Llama-3.2-1B shape at 4 x 256: a block keeps 99 MB a CPU stream, its largest weight
