@@ -25,6 +25,7 @@ from rounds import Variant
 from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs
 from workloads import Workload, find, make_batch
 
+from toymlx.backend.device import HUGE_PAGES_TUNABLE
 from toymlx.runner.launch import launch
 
 HERE = Path(__file__).resolve().parent
@@ -57,6 +58,13 @@ def proc_status(key: str) -> float:
 
 
 # ---- PyTorch's CPU step in its own process ---------------------------------------------------
+def plain_tunables(tunables: str | None) -> str | None:
+    """GLIBC_TUNABLES without the huge-page heap toymlx's commands add (None: nothing left)."""
+    kept = [t for t in (tunables or "").split(":")
+            if t and t != HUGE_PAGES_TUNABLE]
+    return ":".join(kept) or None
+
+
 class TorchVariant(Variant):
     """The PyTorch step (`torch_step.TorchStep`) in its own process, driven step by step.
 
@@ -65,7 +73,8 @@ class TorchVariant(Variant):
     (fwd+bwd of a SmolLM2-135M attention: 465 ms against 20 ms in a clean process). The child
     runs with TOYMLX_BLAS=reference so it never loads OpenBLAS, and never calls
     `toymlx.backend.device.setup_process`: it keeps glibc's malloc settings, as a plain PyTorch process
-    has them.
+    has them, and without the huge-page heap toymlx's commands restart with
+    (`toymlx.backend.device.HUGE_PAGES_TUNABLE`).
     """
 
     name = "torch"
@@ -80,9 +89,14 @@ class TorchVariant(Variant):
         np.savez(self.folder / "batch.npz", **batch)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        child_env = {"TOYMLX_BLAS": "reference"}  # the child inherits it at spawn
+        child_env = {"TOYMLX_BLAS": "reference",  # the child inherits these at spawn (None: unset)
+                     "GLIBC_TUNABLES": plain_tunables(os.environ.get("GLIBC_TUNABLES"))}
         saved = {k: os.environ.get(k) for k in child_env}
-        os.environ.update(child_env)
+        for k, v in child_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         try:
             self.proc = ctx.Process(target=_torch_worker, args=(child, w, str(self.folder),
                                                                 threads), daemon=True)

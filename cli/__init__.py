@@ -43,8 +43,10 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     import tyro  # here: --version answers without importing it
     from toymlx_cli.config_file import CONFIG_HELP, file_defaults
 
-    from toymlx.backend.device import setup_process
+    from toymlx.backend.device import restart_with_huge_pages, setup_process
 
+    if argv is None:  # the console script: the heap on huge pages
+        restart_with_huge_pages()
     argv = sys.argv[1:] if argv is None else argv
     if "--version" in argv:
         print(version_text())

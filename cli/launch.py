@@ -35,8 +35,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from toymlx.backend.device import restart_with_huge_pages
     from toymlx.runner.launch import launch
 
+    if argv is None:  # the console script: its ranks inherit the huge-page heap setting
+        restart_with_huge_pages()
     argv = sys.argv[1:] if argv is None else list(argv)
     command: list[str] = []
     if "--" in argv:

@@ -122,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     from toymlx import sweeps as sweep
+    from toymlx.backend.device import restart_with_huge_pages
     from toymlx.recipes import get_recipe
 
+    if argv is None:  # the console script: its runs inherit the huge-page heap setting
+        restart_with_huge_pages()
     argv = sys.argv[1:] if argv is None else list(argv)
     after = []
     if "--" in argv:

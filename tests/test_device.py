@@ -87,3 +87,56 @@ print(json.dumps({{"grown_mb": st('VmHWM') - base}}))
     grown = json.loads(out.stdout.strip().splitlines()[-1])["grown_mb"]
     assert size_mb > 90
     assert grown < 1.3 * size_mb, (grown, size_mb)  # twice the file before
+
+
+@pytest.mark.parametrize("environ,mode,glibc,want", [
+    ({}, "madvise", (2, 36), "glibc.malloc.hugetlb=1"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "madvise", (2, 36),
+     "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "madvise", (2, 36), None),  # the user's
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "madvise", (2, 36), None),  # restarted
+    ({"TOYMLX_MALLOC": "default"}, "madvise", (2, 36), None),
+    ({}, "always", (2, 36), None),  # the heap has them already
+    ({}, "never", (2, 36), None),
+    ({}, None, (2, 36), None),
+    ({}, "madvise", (2, 34), None),  # no such tunable before glibc 2.35
+    ({}, "madvise", None, None),  # musl, macOS
+])
+def test_when_a_command_restarts_for_huge_pages(environ, mode, glibc, want):
+    from toymlx.backend.device import huge_pages_tunables
+
+    assert huge_pages_tunables(environ, mode, glibc) == want
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables: Linux")
+def test_toymlx_train_restarts_with_a_huge_page_heap_and_the_same_losses(tmp_path):
+    """The console script restarts itself with glibc.malloc.hugetlb=1 where the kernel's THP
+    mode is madvise (run_start's backend says so), TOYMLX_MALLOC=default does not, and the two
+    runs' losses are the same bit for bit: page size changes no value."""
+    import os
+    import shutil
+
+    from toymlx.backend.device import glibc_version, thp_mode
+    from toymlx.bundle.events import read_events
+
+    exe = shutil.which("toymlx-train")
+    if exe is None:
+        pytest.skip("toymlx-train is not on PATH (the package is not installed)")
+    runs = {}
+    for name, malloc in (("huge", None), ("plain", "default")):
+        env = {k: v for k, v in os.environ.items() if k not in ("TOYMLX_MALLOC", "GLIBC_TUNABLES")}
+        if malloc:
+            env["TOYMLX_MALLOC"] = malloc
+        subprocess.run([exe, "--recipe", "from-scratch", "--steps", "3", "--batch-size", "2",
+                        "--seq-len", "64", "--eval-every", "0", "--no-progress",
+                        "--runs-root", str(tmp_path), "--run-id", name],
+                       env=env, capture_output=True, text=True, timeout=300, check=True)
+        runs[name] = read_events(tmp_path / name)
+    backend = {k: r[0]["backend"] for k, r in runs.items()}
+    if thp_mode() == "madvise" and (glibc_version() or (0, 0)) >= (2, 35):
+        assert backend["huge"]["huge_pages"].startswith("on (glibc.malloc.hugetlb=1"), backend
+        assert backend["plain"]["huge_pages"].startswith("off"), backend
+    else:  # another kernel mode: nothing to restart for, and the record names the mode
+        assert backend["huge"]["huge_pages"] == backend["plain"]["huge_pages"], backend
+    losses = {k: [e["loss"] for e in r if e["kind"] == "step"] for k, r in runs.items()}
+    assert len(losses["huge"]) == 3 and losses["huge"] == losses["plain"], losses
