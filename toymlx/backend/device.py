@@ -306,12 +306,16 @@ def restart_with_huge_pages() -> None:
     tunables = huge_pages_tunables(dict(os.environ), thp_mode(), glibc_version())
     if tunables is None:
         return
+    before = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"] = tunables
     sys.stdout.flush()
     sys.stderr.flush()
-    with contextlib.suppress(OSError):  # cannot restart: run on as it is
+    with contextlib.suppress(OSError, ValueError):  # cannot restart: run on as it is
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-    del os.environ["GLIBC_TUNABLES"]
+    if before is None:
+        del os.environ["GLIBC_TUNABLES"]
+    else:
+        os.environ["GLIBC_TUNABLES"] = before
 
 
 def huge_pages() -> str:
