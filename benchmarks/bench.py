@@ -38,7 +38,7 @@ import cpu_suite
 import gpu_suite
 from workloads import cpu_workloads, gpu_workloads
 
-from toymlx.backend.device import restart_with_huge_pages, select_device, setup_process
+from toymlx.backend.device import select_device, setup_process
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -105,8 +105,9 @@ def check(a: argparse.Namespace, gpu: bool) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the command: toymlx's rows run as toymlx-train runs (its heap on huge
-        restart_with_huge_pages()  # pages); PyTorch's child as a plain PyTorch process
+    # No restart_with_huge_pages here, unlike toymlx's commands: a huge-page parent made the
+    # interleaved PyTorch child's steps ~1.1x slower (docs/RESULTS.md, session 19), so toymlx's
+    # in-process rows run on the plain heap; the user-path rows run the commands as they are.
     a = parse(argv)
     gpu = a.device == "gpu" or a.shapes == "tiny"
     problem = check(a, gpu)
