@@ -114,20 +114,19 @@ def test_toymlx_train_restarts_with_a_huge_page_heap_and_the_same_losses(tmp_pat
     mode is madvise (run_start's backend says so), TOYMLX_MALLOC=default does not, and the two
     runs' losses are the same bit for bit: page size changes no value."""
     import os
-    import shutil
+    from pathlib import Path
 
     from toymlx.backend.device import glibc_version, thp_mode
     from toymlx.bundle.events import read_events
 
-    exe = shutil.which("toymlx-train")
-    if exe is None:
-        pytest.skip("toymlx-train is not on PATH (the package is not installed)")
+    exe = Path(sys.executable).parent / "toymlx-train"  # the console script, as installed
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "toymlx_cli.train"]
     runs = {}
     for name, malloc in (("huge", None), ("plain", "default")):
         env = {k: v for k, v in os.environ.items() if k not in ("TOYMLX_MALLOC", "GLIBC_TUNABLES")}
         if malloc:
             env["TOYMLX_MALLOC"] = malloc
-        subprocess.run([exe, "--recipe", "from-scratch", "--steps", "3", "--batch-size", "2",
+        subprocess.run([*cmd, "--recipe", "from-scratch", "--steps", "3", "--batch-size", "2",
                         "--seq-len", "64", "--eval-every", "0", "--no-progress",
                         "--runs-root", str(tmp_path), "--run-id", name],
                        env=env, capture_output=True, text=True, timeout=300, check=True)
