@@ -80,13 +80,16 @@ class PaddedAttention(Ops):
         return o[:, :, :T]
 
 
+def _as(cls: type[Ops]) -> Callable[[Ops], Ops]:
+    """The same Ops, computing attention as `cls` does."""
+    return lambda ops: cls(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)})
+
+
 VARIANTS: dict[str, Callable[[Ops], Ops]] = {
     "default": lambda ops: ops,
     "keep-attention": lambda ops: dataclasses.replace(ops, attention_keep_limit=2**62),
-    "composed-attention": lambda ops: ComposedAttention(
-        **{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)}),
-    "padded-attention": lambda ops: PaddedAttention(
-        **{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)}),
+    "composed-attention": _as(ComposedAttention),
+    "padded-attention": _as(PaddedAttention),
 }
 
 

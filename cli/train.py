@@ -55,10 +55,10 @@ def _ignore_late_signals() -> None:
 def main(argv: list[str] | None = None) -> int:
     from toymlx.backend.device import restart_with_huge_pages
     from toymlx.backend.lifeline import watch_parent
+    from toymlx.runner.launch import rank_status
 
     if argv is None:  # the console script (or python -m): the heap on huge pages
         restart_with_huge_pages()
-    from toymlx.runner.launch import rank_status
 
     watch_parent()  # started by toymlx-sweep / toymlx-launch: stop when that parent dies
     atexit.unregister(_ignore_late_signals)  # once, however often main runs in one process

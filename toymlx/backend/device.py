@@ -268,13 +268,11 @@ def thp_mode() -> str | None:
 
 def glibc_version() -> tuple[int, int] | None:
     """The running glibc's (major, minor), None elsewhere (musl, macOS)."""
-    name, version = platform.libc_ver()
-    if name != "glibc" or not version:
-        return None
     try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"
         major, minor = version.split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
+        return (int(major), int(minor)) if name == "glibc" else None
+    except (AttributeError, OSError, TypeError, ValueError):  # no such name, or not glibc
         return None
 
 
@@ -327,7 +325,7 @@ def huge_pages() -> str:
         return "on (THP always)"
     if mode == "never":
         return "off (THP never)"
-    if "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", ""):
+    if HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":"):
         return f"on ({HUGE_PAGES_TUNABLE}, THP madvise)"
     return "off (THP madvise; glibc.malloc.hugetlb not set)"
 
