@@ -14,7 +14,7 @@ PyTorch rows need a CUDA build of PyTorch. The modules beside this one:
     torch_step.py   the PyTorch yardstick
     mlx_lm_step.py  the mlx-lm peer
     rounds.py       interleaved timing
-    procs.py        child processes: PyTorch's CPU step, peak RSS, GGUF I/O, data parallel
+    procs.py        child processes: each side's CPU step, peak RSS, GGUF I/O, data parallel
     cpu_suite.py    the CPU suite (float32, PyTorch CPU in a child process) and its table
     gpu_suite.py    the GPU suite (dtypes, torch.compile, MFU, peak memory) and its table
 
@@ -105,9 +105,8 @@ def check(a: argparse.Namespace, gpu: bool) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # No restart_with_huge_pages here, unlike toymlx's commands: a huge-page parent made the
-    # interleaved PyTorch child's steps ~1.1x slower (docs/RESULTS.md, session 19), so toymlx's
-    # in-process rows run on the plain heap; the user-path rows run the commands as they are.
+    # No restart_with_huge_pages here: this process only times. The CPU suite steps each side
+    # in a process of its own (procs.ChildVariant), toymlx's with the heap its commands get.
     a = parse(argv)
     gpu = a.device == "gpu" or a.shapes == "tiny"
     problem = check(a, gpu)

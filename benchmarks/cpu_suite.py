@@ -1,4 +1,4 @@
-"""The CPU suite: toymlx's step against PyTorch CPU (in a child process) and mlx-lm, float32.
+"""The CPU suite: toymlx's step against PyTorch CPU and mlx-lm, float32, each in its own process.
 
 Per workload: every variant built from the same weights (those of the Task the workload's recipe
 builds, `toymlx_step.build_task`), its first step (with the compile),
@@ -22,9 +22,18 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from procs import MB, TorchVariant, gguf_io, proc_status, run_child, run_dp
+from procs import (
+    MB,
+    ChildVariant,
+    build_step,
+    gguf_io,
+    proc_status,
+    run_child,
+    run_dp,
+    write_step_inputs,
+)
 from rounds import Variant, first_steps, median_ratios, run_rounds
-from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs, weights_np
+from toymlx_step import CPU_OPS, build_task, recipe_inputs, weights_np
 from user_paths import format_user_paths, host_info, host_line, run_user_paths
 from workloads import Workload, cpu_workloads, find, make_batch, train_flops
 
@@ -37,46 +46,23 @@ DEFAULT_IMPLS = ("toymlx", "torch", "mlx-lm")
 
 def build_variants(w: Workload, which: tuple[str, ...], inputs: Path
                    ) -> tuple[list[Variant], dict]:
-    """Variants for `w` in the order they will be timed, each from the same weights: those of
-    the Task that `w`'s recipe builds (`toymlx_step.build_task`) from `inputs`
-    (`toymlx_step.recipe_inputs`)."""
-    batch = make_batch(w)
+    """Variants for `w` in the order they will be timed, each in its own process
+    (`procs.ChildVariant`) and from the same weights: those of the Task that `w`'s recipe
+    builds (`toymlx_step.build_task`) from `inputs` (`toymlx_step.recipe_inputs`), where the
+    peers' weights and the batch are written too. Returns them and each one's build seconds."""
+    task, _ = build_task(w, CPU_OPS, inputs)
+    write_step_inputs(inputs, weights_np(task.model), make_batch(w))
+    del task
+    gc.collect()
+    mx.clear_cache()
     out: list[Variant] = []
     builds: dict[str, float] = {}
-    t = time.perf_counter()
-    task, cfg = build_task(w, CPU_OPS, inputs)
-    weights = weights_np(task.model)
-    if "toymlx" in which:
-        v = ToymlxVariant(task, cfg, batch)
-        builds[v.name] = time.perf_counter() - t
-        out.append(v)
-    else:
-        del task
-        mx.clear_cache()
-    if "toymlx-ref" in which:
+    for impl in which:
+        if impl == "mlx-lm" and not (w.lora and w.kind == "llama"):
+            continue  # mlx-lm trains LoRA on decoders only
         t = time.perf_counter()
-        # the same recipe's Task computing with MLX's own kernels instead of toymlx.backend.fastmath's
-        rv = ToymlxVariant(*build_task(w, replace(CPU_OPS, kernels="mlx"), inputs), batch,
-                           name="toymlx-ref")
-        builds[rv.name] = time.perf_counter() - t
-        out.append(rv)
-    if "torch" in which:
-        t = time.perf_counter()
-        tv = TorchVariant(w, weights, batch)
-        builds[tv.name] = time.perf_counter() - t
-        out.append(tv)
-    if "torch1t" in which:  # one thread: what PyTorch does on a machine others keep busy
-        t = time.perf_counter()
-        tv = TorchVariant(w, weights, batch, threads=1)
-        builds[tv.name] = time.perf_counter() - t
-        out.append(tv)
-    if "mlx-lm" in which and w.lora and w.kind == "llama":
-        from mlx_lm_step import MlxLmVariant  # mlx-lm is optional (the bench extra)
-
-        t = time.perf_counter()
-        lv = MlxLmVariant(w, weights, batch)
-        builds[lv.name] = time.perf_counter() - t
-        out.append(lv)
+        out.append(ChildVariant(impl, w, inputs))
+        builds[impl] = time.perf_counter() - t
     return out, builds
 
 
@@ -114,22 +100,20 @@ def run_workload(w: Workload, rounds: int, warmup: int, which: tuple[str, ...],
         cpu_rounds.append({})
         return f"  (sgemm mlx {sgemm['mlx'][-1]:.0f} GFLOPS)"
 
-    def timed_step(v: Variant, s: int) -> float:
-        if v.uses_mlx:
-            mx.reset_peak_memory()
-        t, c = time.perf_counter(), time.process_time()
+    def timed_step(v: ChildVariant, s: int) -> float:
+        t = time.perf_counter()
         v.step(s)
         dt = time.perf_counter() - t
-        cpu = getattr(v, "last_cpu", None) or time.process_time() - c
         res = results[v.name]
         res.times_s.append(dt)
-        res.cpu_s.append(cpu)
-        cpu_rounds[-1][v.name] = cpu
-        if v.uses_mlx:
-            res.mlx_peak_mb = max(res.mlx_peak_mb or 0.0, mx.get_peak_memory() / MB)
+        res.cpu_s.append(v.last_cpu)
+        cpu_rounds[-1][v.name] = v.last_cpu
+        if v.last_mlx_peak_mb is not None:
+            res.mlx_peak_mb = max(res.mlx_peak_mb or 0.0, v.last_mlx_peak_mb)
         return dt
 
     per_round = run_rounds(variants, rounds, warmup, w.name, timed_step, before_round, log)
+    heaps = {v.name: v.info["huge_pages"] for v in variants}
     for v in variants:
         v.close()
     flops = train_flops(w)
@@ -147,7 +131,7 @@ def run_workload(w: Workload, rounds: int, warmup: int, which: tuple[str, ...],
         out["variants"][name] = {
             **{k: v for k, v in asdict(res).items() if k != "name"},
             "median_s": med, "min_s": min(res.times_s), "max_s": max(res.times_s),
-            "median_cpu_s": statistics.median(res.cpu_s),
+            "median_cpu_s": statistics.median(res.cpu_s), "huge_pages": heaps[name],
             "items_per_s": w.tokens / med, "gflops": gflops,
             "mfu_vs_mlx_sgemm": gflops / sg_mlx, "mfu_vs_numpy_sgemm": gflops / sg_np,
         }
@@ -159,15 +143,12 @@ def probe_memory(workload: str, variant: str, steps: int = 3) -> dict[str, float
     (run it in a child): Linux's VmHWM, reset after the build (/proc/self/clear_refs 5)."""
     w = find(workload)
     with recipe_inputs(w) as inputs:
-        if variant.startswith("torch"):  # in this (probe) process, not in a grandchild
-            from torch_step import TorchStep  # torch only in a probe of a torch variant
-
-            weights = weights_np(build_task(w, CPU_OPS, inputs)[0].model)
-            mx.clear_cache()
-            v: Variant = TorchStep(w, weights, make_batch(w), 1 if variant == "torch1t" else None)
-            del weights
-        else:
-            v = build_variants(w, (variant,), inputs)[0][0]
+        task, _ = build_task(w, CPU_OPS, inputs)
+        write_step_inputs(inputs, weights_np(task.model), make_batch(w))
+        del task
+        gc.collect()
+        mx.clear_cache()
+        v = build_step(variant, w, inputs)  # in this (probe) process
     v.step(0)
     gc.collect()
     mx.clear_cache()

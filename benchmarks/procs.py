@@ -1,11 +1,15 @@
-"""Process plumbing: PyTorch's CPU step in a child process, fresh processes for peak RSS and
-GGUF I/O, and data-parallel ranks against one process.
+"""Process plumbing: each implementation's step in its own child process, fresh processes for
+peak RSS and GGUF I/O, and data-parallel ranks against one process.
 
 Children import the benchmark's modules from this folder (`child_code` puts it on their path).
 """
 
 from __future__ import annotations
 
+import toymlx  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx.core)
+
+# isort: split
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -16,6 +20,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +30,14 @@ from rounds import Variant
 from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs
 from workloads import Workload, find, make_batch
 
-from toymlx.backend.device import HUGE_PAGES_TUNABLE
+from toymlx.backend.device import (
+    HUGE_PAGES_TUNABLE,
+    glibc_version,
+    huge_pages,
+    huge_pages_tunables,
+    setup_process,
+    thp_mode,
+)
 from toymlx.runner.launch import launch
 
 HERE = Path(__file__).resolve().parent
@@ -57,7 +69,18 @@ def proc_status(key: str) -> float:
     raise KeyError(key)
 
 
-# ---- PyTorch's CPU step in its own process ---------------------------------------------------
+# ---- each side's step in its own process ---------------------------------------------------
+STEP_INPUTS = ("weights.npz", "batch.npz")
+"""What `write_step_inputs` puts beside a workload's recipe inputs for the peers' children."""
+
+
+def write_step_inputs(folder: Path, weights: dict[str, np.ndarray],
+                      batch: dict[str, np.ndarray]) -> None:
+    """The weights every peer starts from and the workload's batch, as the children read them."""
+    np.savez(folder / STEP_INPUTS[0], **weights)
+    np.savez(folder / STEP_INPUTS[1], **batch)
+
+
 def plain_tunables(tunables: str | None) -> str | None:
     """GLIBC_TUNABLES without the huge-page heap toymlx's commands add (None: nothing left)."""
     kept = [t for t in (tunables or "").split(":")
@@ -65,90 +88,132 @@ def plain_tunables(tunables: str | None) -> str | None:
     return ":".join(kept) or None
 
 
-class TorchVariant(Variant):
-    """The PyTorch step (`torch_step.TorchStep`) in its own process, driven step by step.
+def child_env(impl: str) -> dict[str, str | None]:
+    """The environment `impl`'s child starts with, beyond the parent's (None: unset).
 
-    Not in this process: toymlx loads OpenBLAS with global symbols before MLX, and PyTorch's
-    CPU attention kernels then call OpenBLAS's threaded sgemm from inside their OpenMP threads
-    (fwd+bwd of a SmolLM2-135M attention: 465 ms against 20 ms in a clean process). The child
-    runs with TOYMLX_BLAS=reference so it never loads OpenBLAS, and never calls
-    `toymlx.backend.device.setup_process`: it keeps glibc's malloc settings, as a plain PyTorch process
-    has them, and without the huge-page heap toymlx's commands restart with
-    (`toymlx.backend.device.HUGE_PAGES_TUNABLE`).
+    - toymlx, toymlx-ref: the heap toymlx's commands restart with (`restart_with_huge_pages`'s
+      `HUGE_PAGES_TUNABLE`, where this machine takes it), so the row is the step users get.
+    - mlx-lm: the plain heap, as `mlx_lm.lora` runs (its process loads the same OpenBLAS:
+      toymlx is imported first, as in every child).
+    - torch, torch1t: the plain heap and TOYMLX_BLAS=reference: the child never loads
+      OpenBLAS. Where it did, PyTorch's CPU attention kernels called OpenBLAS's threaded sgemm
+      from inside their OpenMP threads (fwd+bwd of a SmolLM2-135M attention: 465 ms against
+      20 ms in a clean process).
     """
+    here = os.environ.get("GLIBC_TUNABLES")
+    if impl.startswith("toymlx"):
+        tunables = huge_pages_tunables(dict(os.environ), thp_mode(), glibc_version())
+        return {"GLIBC_TUNABLES": tunables or here}
+    env: dict[str, str | None] = {"GLIBC_TUNABLES": plain_tunables(here)}
+    if impl.startswith("torch"):
+        env["TOYMLX_BLAS"] = "reference"
+    return env
 
-    name = "torch"
-    uses_mlx = False
 
-    def __init__(self, w: Workload, weights: dict[str, np.ndarray], batch: dict[str, np.ndarray],
-                 threads: int | None = None):
-        if threads is not None:
-            self.name = f"torch{threads}t"
-        self.folder = Path(tempfile.mkdtemp(prefix="toymlx-torch-"))
-        np.savez(self.folder / "weights.npz", **weights)
-        np.savez(self.folder / "batch.npz", **batch)
+class ChildVariant(Variant):
+    """One implementation's step in its own process, built there and driven step by step.
+
+    Every side runs alone in a fresh process, as a user runs it, and the parent only times
+    the round trip (a pipe message each way). In one process the sides disturbed each other:
+    PyTorch's step took 686-709 ms as the child of a process that stepped toymlx between its
+    steps, 770-776 ms when that process's heap had huge pages, against 629-645 ms alone
+    (vit-tiny-28, Intel Xeon, session 19). `child_env` says what each child starts with.
+
+    Each reply carries the step's loss, the child's CPU seconds for it (all its threads) and,
+    for MLX's sides, MLX's peak memory during the step (reset before it)."""
+
+    def __init__(self, impl: str, w: Workload, inputs: Path):
+        self.name = impl
+        self.uses_mlx = not impl.startswith("torch")
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        child_env = {"TOYMLX_BLAS": "reference",  # the child inherits these at spawn (None: unset)
-                     "GLIBC_TUNABLES": plain_tunables(os.environ.get("GLIBC_TUNABLES"))}
-        saved = {k: os.environ.get(k) for k in child_env}
-        for k, v in child_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env = child_env(impl)
+        saved = {k: os.environ.get(k) for k in env}  # a spawned child starts with os.environ
+        _set_env(env)
         try:
-            self.proc = ctx.Process(target=_torch_worker, args=(child, w, str(self.folder),
-                                                                threads), daemon=True)
+            self.proc = ctx.Process(target=_step_worker, args=(child, impl, w, str(inputs)),
+                                    daemon=True)
             self.proc.start()
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        self._reply()
+            _set_env(saved)
+        child.close()
+        self.info: dict[str, Any] = self._reply()
+        """What the child reports of itself once built: its heap (`huge_pages`)."""
         self.gnorm0: float | None = None
         self.last_cpu: float | None = None
+        self.last_mlx_peak_mb: float | None = None
 
     def step(self, s: int) -> float:
         self.conn.send(s)
-        loss, gnorm, self.last_cpu = self._reply()
-        if self.gnorm0 is None:
-            self.gnorm0 = gnorm
+        loss, gnorm0, self.last_cpu, self.last_mlx_peak_mb = self._reply()
+        self.gnorm0 = gnorm0
         return loss
 
     def first_grad_norm(self) -> float | None:
         return self.gnorm0
 
     def _reply(self) -> Any:
-        kind, payload = self.conn.recv()
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the {self.name} step's process ended without a word "
+                               f"(exit code {self.proc.exitcode})") from None
         if kind == "error":
-            raise RuntimeError(f"PyTorch worker failed:\n{payload}")
+            raise RuntimeError(f"the {self.name} step's process failed:\n{payload}")
         return payload
 
     def close(self) -> None:
-        self.conn.send(None)
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
         self.proc.join(timeout=60)
-        for f in self.folder.iterdir():
-            f.unlink()
-        self.folder.rmdir()
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
-def _torch_worker(conn, w: Workload, folder: str, threads: int | None) -> None:
-    """Child side of TorchVariant: build, then one step per request; reply (loss, |g|, cpu s)."""
+def _set_env(env: dict[str, str | None]) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def build_step(impl: str, w: Workload, inputs: Path) -> Variant:
+    """`impl`'s step for `w` in this (child) process, from the folder `build_variants` wrote:
+    toymlx's from the recipe's own inputs (the Task `toymlx-train` builds), the peers' from
+    the weights that Task starts from."""
+    batch = dict(np.load(inputs / STEP_INPUTS[1]))
+    if impl in ("toymlx", "toymlx-ref"):
+        ops = CPU_OPS if impl == "toymlx" else replace(CPU_OPS, kernels="mlx")
+        return ToymlxVariant(*build_task(w, ops, inputs), batch, name=impl)
+    weights = dict(np.load(inputs / STEP_INPUTS[0]))
+    if impl == "mlx-lm":
+        from mlx_lm_step import MlxLmVariant  # mlx-lm is optional (the bench extra)
+
+        return MlxLmVariant(w, weights, batch)
+    from torch_step import TorchStep  # torch only in a torch child: see child_env
+
+    step = TorchStep(w, weights, batch, 1 if impl == "torch1t" else None)
+    step.name = impl
+    return step
+
+
+def _step_worker(conn, impl: str, w: Workload, inputs: str) -> None:
+    """The child's side of `ChildVariant`: set up as toymlx-train sets itself up (MLX's sides),
+    build, then one step per request; each reply (loss, step 0's |g|, CPU s, MLX peak MB)."""
     try:
-        from torch_step import TorchStep  # torch only in this child: see TorchVariant
-
-        weights = dict(np.load(Path(folder) / "weights.npz"))
-        batch = dict(np.load(Path(folder) / "batch.npz"))
-        step = TorchStep(w, weights, batch, threads)
-        del weights
-        conn.send(("ok", None))
+        if not impl.startswith("torch"):
+            setup_process()
+        v = build_step(impl, w, Path(inputs))
+        conn.send(("ok", {"huge_pages": huge_pages()}))
         while (s := conn.recv()) is not None:
+            if v.uses_mlx:
+                mx.reset_peak_memory()
             c = time.process_time()
-            loss = step.step(s)
-            conn.send(("ok", (loss, step.last_norm, time.process_time() - c)))
+            loss = v.step(s)
+            cpu = time.process_time() - c
+            peak = mx.get_peak_memory() / MB if v.uses_mlx else None
+            conn.send(("ok", (loss, v.first_grad_norm(), cpu, peak)))
     except Exception:  # noqa: BLE001  (whatever failed, the parent must hear of it)
         conn.send(("error", traceback.format_exc()))
 

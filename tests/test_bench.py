@@ -163,6 +163,55 @@ def test_device_gpu_without_one_says_so(bench, capsys):
                                        "machine; use --device cpu\n")
 
 
+@pytest.mark.bench
+def test_cpu_suite_steps_each_side_alone_in_its_own_process(bench):
+    """The CPU suite's rows each step in a process of their own, started as that side runs for
+    its users: toymlx's with the heap toymlx's commands restart with, the peers' on the plain
+    heap, PyTorch's without OpenBLAS. All start from the same weights (step 0's loss and |g|
+    equal), and each reply carries the child's CPU time and MLX's peak for MLX's sides."""
+    from cpu_suite import build_variants
+    from toymlx_step import recipe_inputs
+    from workloads import arch_workloads
+
+    from toymlx.backend.device import glibc_version, huge_pages_tunables, thp_mode
+    from toymlx.models.llama import tiny
+
+    base = tiny(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                context=64)
+    w = replace(arch_workloads(base, batch=2, seq=32, prefix="tiny")[0], name="tiny-llama",
+                llama=base)
+    with recipe_inputs(w) as inputs:
+        variants, builds = build_variants(w, ("toymlx", "torch", "mlx-lm"), inputs)
+    try:
+        assert [v.name for v in variants] == list(builds) == ["toymlx", "torch", "mlx-lm"]
+        pids = {v.proc.pid for v in variants}
+        assert len(pids) == 3 and os.getpid() not in pids
+        losses = {v.name: v.step(0) for v in variants}
+        norms = {v.name: v.first_grad_norm() for v in variants}
+        print(losses, norms, {v.name: v.info for v in variants})
+        assert max(losses.values()) - min(losses.values()) < 1e-5 * losses["toymlx"]
+        assert norms["toymlx"] == pytest.approx(norms["torch"], rel=1e-4)
+        toy, torch_, peer = variants
+        mode = thp_mode()
+        if mode == "madvise":
+            on = huge_pages_tunables(dict(os.environ), mode, glibc_version()) is not None
+            assert toy.info["huge_pages"].startswith("on (") == on, toy.info
+            assert torch_.info["huge_pages"].startswith("off (") and \
+                peer.info["huge_pages"].startswith("off ("), (torch_.info, peer.info)
+        for v in variants:
+            v.step(1)
+            assert v.last_cpu > 0
+            assert (v.last_mlx_peak_mb is None) == (v.name == "torch")
+        assert toy.last_mlx_peak_mb > 0 and peer.last_mlx_peak_mb > 0
+        maps = {v.name: Path(f"/proc/{v.proc.pid}/maps").read_text().lower() for v in variants}
+        lib = "/libscipy_openblas.so"  # toymlx's (numpy's own is libscipy_openblas64_-*.so)
+        assert lib in maps["toymlx"] and lib in maps["mlx-lm"] and lib not in maps["torch"]
+    finally:
+        for v in variants:
+            v.close()
+    assert all(not v.proc.is_alive() for v in variants)
+
+
 @pytest.mark.slow
 @pytest.mark.bench
 def test_cpu_suite_quick_round(tmp_path):
