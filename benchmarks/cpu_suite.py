@@ -57,12 +57,17 @@ def build_variants(w: Workload, which: tuple[str, ...], inputs: Path
     mx.clear_cache()
     out: list[Variant] = []
     builds: dict[str, float] = {}
-    for impl in which:
-        if impl == "mlx-lm" and not (w.lora and w.kind == "llama"):
-            continue  # mlx-lm trains LoRA on decoders only
-        t = time.perf_counter()
-        out.append(ChildVariant(impl, w, inputs))
-        builds[impl] = time.perf_counter() - t
+    try:
+        for impl in which:
+            if impl == "mlx-lm" and not (w.lora and w.kind == "llama"):
+                continue  # mlx-lm trains LoRA on decoders only
+            t = time.perf_counter()
+            out.append(ChildVariant(impl, w, inputs))
+            builds[impl] = time.perf_counter() - t
+    except BaseException:
+        for v in out:
+            v.close()
+        raise
     return out, builds
 
 
@@ -90,6 +95,16 @@ def run_workload(w: Workload, rounds: int, warmup: int, which: tuple[str, ...],
     """Build, take the first step of each variant, warm up, then time interleaved rounds."""
     with recipe_inputs(w) as inputs:  # written once; the built variants no longer read them
         variants, builds = build_variants(w, which, inputs)
+    try:
+        return _time_variants(w, variants, builds, rounds, warmup, log)
+    finally:
+        for v in variants:
+            v.close()
+
+
+def _time_variants(w: Workload, variants: list[ChildVariant], builds: dict[str, float],
+                   rounds: int, warmup: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """`run_workload`'s timing and figures, once its variants are built."""
     results = first_steps(variants, builds, w.name, log)
     sgemm: dict[str, list[float]] = {"mlx": [], "numpy": []}
     cpu_rounds: list[dict[str, float]] = []
@@ -114,8 +129,6 @@ def run_workload(w: Workload, rounds: int, warmup: int, which: tuple[str, ...],
 
     per_round = run_rounds(variants, rounds, warmup, w.name, timed_step, before_round, log)
     heaps = {v.name: v.info["huge_pages"] for v in variants}
-    for v in variants:
-        v.close()
     flops = train_flops(w)
     load = os.getloadavg()[0]
     sg_mlx = statistics.median(sgemm["mlx"])
@@ -204,14 +217,19 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
     for w in chosen:
         n = rounds or (4 if quick or (w.llama is not None and w.llama.d_model >= 960) else 6)
         log(f"{w.name}: {', '.join(which)} x {n} rounds")
-        res = run_workload(w, n, warmup, which, log)
+        try:
+            res = run_workload(w, n, warmup, which, log)
+        except Exception as e:  # noqa: BLE001 -- one workload that fails (a child out of
+            # memory, a compiler error) must not cost the others' figures; the table shows it
+            res = {"workload": w.name, "error": f"{type(e).__name__}: {str(e).strip()[-500:]}"}
+            log(f"  {w.name} failed: {res['error']}")
         mx.clear_cache()
         info["workloads"].append(res)
         if partial_json:
             Path(partial_json).write_text(json.dumps(info, indent=1, default=float))
     if memory if memory is not None else not quick:
         for res in info["workloads"]:
-            for name in res["variants"]:
+            for name in res.get("variants", {}):
                 log(f"  peak RSS: {res['workload']} {name}")
                 probe = run_child(f"import json; from cpu_suite import probe_memory; "
                                   f"print(json.dumps(probe_memory({res['workload']!r}, "
@@ -226,7 +244,7 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
         info["gguf_360m"] = gguf_io(tmp)
     if user_paths:
         lora = next((r for r in info["workloads"] if r["workload"] == "lora-q-135m"), None)
-        bench_s = lora["variants"].get("toymlx", {}).get("median_s") if lora else None
+        bench_s = lora.get("variants", {}).get("toymlx", {}).get("median_s") if lora else None
         info["user_paths"] = run_user_paths(bench_s, log)
     info["total_s"] = time.perf_counter() - t_all
     return info
@@ -248,6 +266,9 @@ def format_table(info: dict[str, Any]) -> str:
            f"{'loss0':>9} {'|g|0':>8}")
     lines += [hdr, "-" * len(hdr)]
     for res in info["workloads"]:
+        if "error" in res:
+            lines.append(f"{res['workload']:<{wn}} FAILED: {res['error']}")
+            continue
         unit = "img/s" if res["unit"] == "images" else "tok/s"
         for name, v in res["variants"].items():
             rss = v.get("rss_peak_mb")

@@ -122,8 +122,8 @@ class ChildVariant(Variant):
     Each reply carries the step's loss, the child's CPU seconds for it (all its threads) and,
     for MLX's sides, MLX's peak memory during the step (reset before it)."""
 
-    def __init__(self, impl: str, w: Workload, inputs: Path):
-        self.name = impl
+    def __init__(self, impl: str, w: Workload, inputs: Path, timeout_s: float = 1800):
+        self.name, self.timeout_s = impl, timeout_s
         self.uses_mlx = not impl.startswith("torch")
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -153,6 +153,12 @@ class ChildVariant(Variant):
         return self.gnorm0
 
     def _reply(self) -> Any:
+        """The child's answer; RuntimeError if it failed, ended, or says nothing within
+        `timeout_s` (then it is killed: a benchmark never hangs)."""
+        if not self.conn.poll(self.timeout_s):
+            self.proc.kill()
+            raise RuntimeError(f"the {self.name} step's process said nothing in "
+                               f"{self.timeout_s:.0f} s; killed")
         try:
             kind, payload = self.conn.recv()
         except EOFError:
@@ -191,6 +197,9 @@ def build_step(impl: str, w: Workload, inputs: Path) -> Variant:
         from mlx_lm_step import MlxLmVariant  # mlx-lm is optional (the bench extra)
 
         return MlxLmVariant(w, weights, batch)
+    if impl not in ("torch", "torch1t"):
+        raise ValueError(f"a CPU step's implementation: expected toymlx, toymlx-ref, mlx-lm, "
+                         f"torch or torch1t, found {impl!r}")
     from torch_step import TorchStep  # torch only in a torch child: see child_env
 
     step = TorchStep(w, weights, batch, 1 if impl == "torch1t" else None)

@@ -212,6 +212,24 @@ def test_cpu_suite_steps_each_side_alone_in_its_own_process(bench):
     assert all(not v.proc.is_alive() for v in variants)
 
 
+@pytest.mark.bench
+def test_a_step_process_that_fails_or_hangs_is_reported_not_waited_for(bench):
+    """A child that fails says why in the parent's error; one that says nothing within its
+    time is killed, and the parent goes on with an error instead of hanging."""
+    from procs import ChildVariant, write_step_inputs
+    from toymlx_step import recipe_inputs
+    from workloads import find, make_batch
+
+    w = find("llama-4x256")
+    with recipe_inputs(w) as inputs:
+        write_step_inputs(inputs, {}, make_batch(w))
+        with pytest.raises(RuntimeError, match="expected toymlx, toymlx-ref, mlx-lm, torch or "
+                                               "torch1t, found 'nope'"):
+            ChildVariant("nope", w, inputs)
+        with pytest.raises(RuntimeError, match=r"the toymlx step's process said nothing in 0 s"):
+            ChildVariant("toymlx", w, inputs, timeout_s=0.01)
+
+
 @pytest.mark.slow
 @pytest.mark.bench
 def test_cpu_suite_quick_round(tmp_path):
