@@ -36,6 +36,7 @@ from pathlib import Path
 
 import cpu_suite
 import gpu_suite
+import procs
 from workloads import cpu_workloads, gpu_workloads
 
 from toymlx.backend.device import select_device, setup_process
@@ -85,7 +86,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def check(a: argparse.Namespace, gpu: bool) -> str | None:
     """Why these flags do not fit together (None: they do)."""
-    impls = gpu_suite.IMPLS if gpu else cpu_suite.IMPLS
+    impls = gpu_suite.IMPLS if gpu else procs.IMPLS
     names = [w.name for w in (gpu_workloads(a.shapes) if gpu else cpu_workloads())]
     suite = "the GPU suite (--device gpu or --shapes tiny)" if gpu else "the CPU suite"
     bad_impl = [x for x in a.impl or [] if x not in impls]

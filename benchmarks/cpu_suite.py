@@ -33,14 +33,13 @@ from procs import (
     write_step_inputs,
 )
 from rounds import Variant, first_steps, median_ratios, run_rounds
-from toymlx_step import CPU_OPS, build_task, recipe_inputs, weights_np
+from toymlx_step import CPU_OPS, recipe_inputs
 from user_paths import format_user_paths, host_info, host_line, run_user_paths
-from workloads import Workload, cpu_workloads, find, make_batch, train_flops
+from workloads import Workload, cpu_workloads, find, train_flops
 
 from toymlx.backend import kernel_pch
 from toymlx.backend.device import backend_info
 
-IMPLS = ("toymlx", "toymlx-ref", "torch", "torch1t", "mlx-lm")
 DEFAULT_IMPLS = ("toymlx", "torch", "mlx-lm")
 
 
@@ -50,11 +49,7 @@ def build_variants(w: Workload, which: tuple[str, ...], inputs: Path
     (`procs.ChildVariant`) and from the same weights: those of the Task that `w`'s recipe
     builds (`toymlx_step.build_task`) from `inputs` (`toymlx_step.recipe_inputs`), where the
     peers' weights and the batch are written too. Returns them and each one's build seconds."""
-    task, _ = build_task(w, CPU_OPS, inputs)
-    write_step_inputs(inputs, weights_np(task.model), make_batch(w))
-    del task
-    gc.collect()
-    mx.clear_cache()
+    write_step_inputs(w, inputs, weights=any(not x.startswith("toymlx") for x in which))
     out: list[Variant] = []
     builds: dict[str, float] = {}
     try:
@@ -156,11 +151,7 @@ def probe_memory(workload: str, variant: str, steps: int = 3) -> dict[str, float
     (run it in a child): Linux's VmHWM, reset after the build (/proc/self/clear_refs 5)."""
     w = find(workload)
     with recipe_inputs(w) as inputs:
-        task, _ = build_task(w, CPU_OPS, inputs)
-        write_step_inputs(inputs, weights_np(task.model), make_batch(w))
-        del task
-        gc.collect()
-        mx.clear_cache()
+        write_step_inputs(w, inputs, weights=not variant.startswith("toymlx"))
         v = build_step(variant, w, inputs)  # in this (probe) process
     v.step(0)
     gc.collect()

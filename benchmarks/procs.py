@@ -10,6 +10,7 @@ import toymlx  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx.c
 
 # isort: split
 import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,17 +28,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from rounds import Variant
-from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs
+from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs, weights_np
 from workloads import Workload, find, make_batch
 
-from toymlx.backend.device import (
-    HUGE_PAGES_TUNABLE,
-    glibc_version,
-    huge_pages,
-    huge_pages_tunables,
-    setup_process,
-    thp_mode,
-)
+from toymlx.backend.device import HUGE_PAGES_TUNABLE, huge_pages, restart_tunables, setup_process
 from toymlx.runner.launch import launch
 
 HERE = Path(__file__).resolve().parent
@@ -70,15 +64,24 @@ def proc_status(key: str) -> float:
 
 
 # ---- each side's step in its own process ---------------------------------------------------
+IMPLS = ("toymlx", "toymlx-ref", "torch", "torch1t", "mlx-lm")
+"""The CPU steps `build_step` builds (toymlx-ref: toymlx with MLX's own elementwise ops;
+torch1t: PyTorch on one thread)."""
+
 STEP_INPUTS = ("weights.npz", "batch.npz")
-"""What `write_step_inputs` puts beside a workload's recipe inputs for the peers' children."""
+"""What `write_step_inputs` puts beside a workload's recipe inputs for the step processes."""
 
 
-def write_step_inputs(folder: Path, weights: dict[str, np.ndarray],
-                      batch: dict[str, np.ndarray]) -> None:
-    """The weights every peer starts from and the workload's batch, as the children read them."""
-    np.savez(folder / STEP_INPUTS[0], **weights)
-    np.savez(folder / STEP_INPUTS[1], **batch)
+def write_step_inputs(w: Workload, folder: Path, weights: bool) -> None:
+    """What `build_step` reads besides the recipe's own inputs in `folder`: the workload's batch
+    and, with `weights` (a peer will be built), the weights the recipe's Task starts from."""
+    np.savez(folder / STEP_INPUTS[1], **make_batch(w))
+    if weights:
+        task, _ = build_task(w, CPU_OPS, folder)
+        np.savez(folder / STEP_INPUTS[0], **weights_np(task.model))
+        del task
+        gc.collect()
+        mx.clear_cache()
 
 
 def plain_tunables(tunables: str | None) -> str | None:
@@ -102,8 +105,7 @@ def child_env(impl: str) -> dict[str, str | None]:
     """
     here = os.environ.get("GLIBC_TUNABLES")
     if impl.startswith("toymlx"):
-        tunables = huge_pages_tunables(dict(os.environ), thp_mode(), glibc_version())
-        return {"GLIBC_TUNABLES": tunables or here}
+        return {"GLIBC_TUNABLES": restart_tunables() or here}
     env: dict[str, str | None] = {"GLIBC_TUNABLES": plain_tunables(here)}
     if impl.startswith("torch"):
         env["TOYMLX_BLAS"] = "reference"
@@ -127,15 +129,10 @@ class ChildVariant(Variant):
         self.uses_mlx = not impl.startswith("torch")
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        env = child_env(impl)
-        saved = {k: os.environ.get(k) for k in env}  # a spawned child starts with os.environ
-        _set_env(env)
-        try:
+        with _environ(child_env(impl)):  # a spawned child starts with os.environ
             self.proc = ctx.Process(target=_step_worker, args=(child, impl, w, str(inputs)),
                                     daemon=True)
             self.proc.start()
-        finally:
-            _set_env(saved)
         child.close()
         self.info: dict[str, Any] = self._reply()
         """What the child reports of itself once built: its heap (`huge_pages`)."""
@@ -176,18 +173,32 @@ class ChildVariant(Variant):
             self.proc.kill()
 
 
-def _set_env(env: dict[str, str | None]) -> None:
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+@contextlib.contextmanager
+def _environ(env: dict[str, str | None]) -> Iterator[None]:
+    """os.environ with `env`'s entries set (None: unset) inside the block, as it was after."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def build_step(impl: str, w: Workload, inputs: Path) -> Variant:
     """`impl`'s step for `w` in this (child) process, from the folder `build_variants` wrote:
     toymlx's from the recipe's own inputs (the Task `toymlx-train` builds), the peers' from
     the weights that Task starts from."""
+    if impl not in IMPLS:
+        raise ValueError(f"a CPU step's implementation: expected toymlx, toymlx-ref, mlx-lm, "
+                         f"torch or torch1t, found {impl!r}")
     batch = dict(np.load(inputs / STEP_INPUTS[1]))
     if impl in ("toymlx", "toymlx-ref"):
         ops = CPU_OPS if impl == "toymlx" else replace(CPU_OPS, kernels="mlx")
@@ -197,9 +208,6 @@ def build_step(impl: str, w: Workload, inputs: Path) -> Variant:
         from mlx_lm_step import MlxLmVariant  # mlx-lm is optional (the bench extra)
 
         return MlxLmVariant(w, weights, batch)
-    if impl not in ("torch", "torch1t"):
-        raise ValueError(f"a CPU step's implementation: expected toymlx, toymlx-ref, mlx-lm, "
-                         f"torch or torch1t, found {impl!r}")
     from torch_step import TorchStep  # torch only in a torch child: see child_env
 
     step = TorchStep(w, weights, batch, 1 if impl == "torch1t" else None)

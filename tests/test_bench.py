@@ -218,11 +218,11 @@ def test_a_step_process_that_fails_or_hangs_is_reported_not_waited_for(bench):
     time is killed, and the parent goes on with an error instead of hanging."""
     from procs import ChildVariant, write_step_inputs
     from toymlx_step import recipe_inputs
-    from workloads import find, make_batch
+    from workloads import find
 
     w = find("llama-4x256")
     with recipe_inputs(w) as inputs:
-        write_step_inputs(inputs, {}, make_batch(w))
+        write_step_inputs(w, inputs, weights=False)
         with pytest.raises(RuntimeError, match="expected toymlx, toymlx-ref, mlx-lm, torch or "
                                                "torch1t, found 'nope'"):
             ChildVariant("nope", w, inputs)

@@ -292,6 +292,15 @@ def huge_pages_tunables(environ: dict[str, str], mode: str | None,
     return f"{current}:{HUGE_PAGES_TUNABLE}" if current else HUGE_PAGES_TUNABLE
 
 
+def restart_tunables() -> str | None:
+    """The GLIBC_TUNABLES this process's command would restart with for a huge-page heap
+    (`huge_pages_tunables` of this environment, kernel and glibc), None where it runs as it
+    is (and on every system but Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return huge_pages_tunables(dict(os.environ), thp_mode(), glibc_version())
+
+
 def restart_with_huge_pages() -> None:
     """Run this command again, at once, in a process whose heap gets huge pages
     (`HUGE_PAGES_TUNABLE`), where `huge_pages_tunables` says so; else return. The console
@@ -299,9 +308,7 @@ def restart_with_huge_pages() -> None:
     the imports again) repeats nothing; the same command line, environment and open files.
     `TOYMLX_MALLOC=default` skips it; run_start's backend says what the process runs with
     (`huge_pages`)."""
-    if not sys.platform.startswith("linux"):
-        return
-    tunables = huge_pages_tunables(dict(os.environ), thp_mode(), glibc_version())
+    tunables = restart_tunables()
     if tunables is None:
         return
     before = os.environ.get("GLIBC_TUNABLES")
