@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,12 @@ from procs import (
     write_step_inputs,
 )
 from rounds import Variant, first_steps, median_ratios, run_rounds
-from toymlx_step import CPU_OPS, recipe_inputs
+from toymlx_step import cpu_ops, recipe_inputs, reference_ops
 from user_paths import format_user_paths, host_info, host_line, run_user_paths
 from workloads import Workload, cpu_workloads, find, train_flops
 
 from toymlx.backend import kernel_pch
-from toymlx.backend.device import backend_info
+from toymlx.backend.device import backend_info, kernel_cache_dir
 
 DEFAULT_IMPLS = ("toymlx", "torch", "mlx-lm")
 
@@ -175,19 +175,21 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
     tmp = Path(tempfile.mkdtemp(prefix="toymlx-bench-"))
     pch_s = None
     if cold_jit:
-        # mx.compile caches its g++-built kernels under $TMPDIR/mlx; a fresh TMPDIR makes the
-        # first step pay for the build, as a first run on a new machine does, with the
-        # precompiled header toymlx's set-up puts in that folder (timed apart: once a machine)
+        # mx.compile caches its g++-built kernels under $TMPDIR/mlx, which toymlx's set-up links
+        # to its kernel folder; a fresh one of each makes the first step pay for the build, as a
+        # first run on a new machine does, with the precompiled header toymlx's set-up puts in
+        # that folder (timed apart: once a machine)
         os.environ["TMPDIR"] = str(tmp)
+        os.environ["TOYMLX_KERNEL_CACHE"] = str(tmp / "kernels")
         tempfile.tempdir = None
         t = time.perf_counter()
-        kernel_pch.install(tmp / "mlx" / mx.__version__ / "cpu")
+        kernel_pch.install(kernel_cache_dir() / "cpu")
         pch_s = time.perf_counter() - t
     chosen = [w for w in cpu_workloads() if (w.quick or not quick) and (not only or w.name in only)]
     info: dict[str, Any] = {"suite": "cpu", "host": host_info(), "backend": backend_info(),
                             "quick": quick,
-                            "toymlx_ops": {"toymlx": CPU_OPS.describe(), "toymlx-ref":
-                                           replace(CPU_OPS, kernels="mlx").describe()},
+                            "toymlx_ops": {"toymlx": cpu_ops().describe(), "toymlx-ref":
+                                           reference_ops().describe()},
                             "cold_jit": cold_jit, "kernel_pch_build_s": pch_s,
                             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                             "numpy": np.__version__, "workloads": []}

@@ -21,14 +21,13 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from rounds import Variant
-from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs, weights_np
+from toymlx_step import ToymlxVariant, build_task, cpu_ops, recipe_inputs, reference_ops, weights_np
 from workloads import Workload, find, make_batch
 
 from toymlx.backend.device import HUGE_PAGES_TUNABLE, huge_pages, restart_tunables, setup_process
@@ -77,7 +76,7 @@ def write_step_inputs(w: Workload, folder: Path, weights: bool) -> None:
     and, with `weights` (a peer will be built), the weights the recipe's Task starts from."""
     np.savez(folder / STEP_INPUTS[1], **make_batch(w))
     if weights:
-        task, _ = build_task(w, CPU_OPS, folder)
+        task, _ = build_task(w, cpu_ops(), folder)
         np.savez(folder / STEP_INPUTS[0], **weights_np(task.model))
         del task
         gc.collect()
@@ -201,7 +200,7 @@ def build_step(impl: str, w: Workload, inputs: Path) -> Variant:
                          f"torch or torch1t, found {impl!r}")
     batch = dict(np.load(inputs / STEP_INPUTS[1]))
     if impl in ("toymlx", "toymlx-ref"):
-        ops = CPU_OPS if impl == "toymlx" else replace(CPU_OPS, kernels="mlx")
+        ops = cpu_ops() if impl == "toymlx" else reference_ops()
         return ToymlxVariant(*build_task(w, ops, inputs), batch, name=impl)
     weights = dict(np.load(inputs / STEP_INPUTS[0]))
     if impl == "mlx-lm":
@@ -273,7 +272,7 @@ def dp_worker(workload: str, steps: int, out: str, inputs: str) -> None:
     world = mx.distributed.init()
     world = world if world.size() > 1 else None
     w = find(workload)
-    v = ToymlxVariant(*build_task(w, CPU_OPS, Path(inputs)), make_batch(w), world=world)
+    v = ToymlxVariant(*build_task(w, cpu_ops(), Path(inputs)), make_batch(w), world=world)
     loss0 = v.step(0)
     v.step(1)
     wall, cpu = [], []

@@ -40,8 +40,17 @@ from toymlx.recipes.common import LlamaOptions
 from toymlx.training.task import Task, TrainConfig, check_config
 from toymlx.training.trainer import Stepper
 
-CPU_OPS = training_ops(on_gpu=False)
-"""What toymlx trains with where MLX computes on the CPU: toymlx.backend.fastmath's vectorised kernels."""
+
+def cpu_ops() -> Ops:
+    """What toymlx trains with where MLX computes on the CPU: toymlx.backend.fastmath's vectorised
+    kernels, with exp and erf in MLX's kernels where this process's were checked to compute them
+    (so: after `setup_process`)."""
+    return training_ops(on_gpu=False)
+
+
+def reference_ops() -> Ops:
+    """`cpu_ops` with MLX's own kernels (the benchmark's toymlx-ref side)."""
+    return replace(cpu_ops(), kernels="mlx", kernel_forms=False)
 
 BASE_GGUF = "base.gguf"
 IMAGES_NPZ = "images.npz"

@@ -331,7 +331,7 @@ def test_mlx_lm_peer_computes_the_same_model(bench, arch):
     model class: step-0 loss and gradient norm equal, and the loss equal to the float64
     forward of llama.cpp's graph (tests/reference.py)."""
     from mlx_lm_step import MlxLmVariant
-    from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs, weights_np
+    from toymlx_step import ToymlxVariant, build_task, cpu_ops, recipe_inputs, weights_np
     from workloads import arch_workloads, make_batch
 
     from toymlx.models.llama import tiny
@@ -343,7 +343,7 @@ def test_mlx_lm_peer_computes_the_same_model(bench, arch):
     w = next(x for x in ws if x.llama.arch == arch)
     rng = np.random.default_rng(1)
     with recipe_inputs(w) as inputs:
-        task, cfg = build_task(w, CPU_OPS, inputs)
+        task, cfg = build_task(w, cpu_ops(), inputs)
     weights = {k: (1 + 0.2 * rng.standard_normal(v.shape) if k.endswith("norm.weight") else
                    0.05 * rng.standard_normal(v.shape) if k.endswith("lora_b") else v
                    ).astype(np.float32) for k, v in weights_np(task.model).items()}
@@ -394,7 +394,7 @@ def test_toymlx_row_is_the_first_step_of_toymlx_train(bench, tmp_path, name):
     the benchmark swaps for the workload's), to the last bit; one workload per recipe."""
     from mlx.utils import tree_flatten
     from toymlx_cli.train import main
-    from toymlx_step import CPU_OPS, ToymlxVariant, build_task, recipe_inputs
+    from toymlx_step import ToymlxVariant, build_task, cpu_ops, recipe_inputs
     from workloads import find
 
     from toymlx.bundle import folder as runs
@@ -402,7 +402,7 @@ def test_toymlx_row_is_the_first_step_of_toymlx_train(bench, tmp_path, name):
 
     w = find(name)
     with recipe_inputs(w) as inputs:
-        task, cfg = build_task(w, CPU_OPS, inputs)
+        task, cfg = build_task(w, cpu_ops(), inputs)
         runs.save_config(inputs, task.recipe, cfg)
         assert main(["-c", str(inputs / runs.CONFIG_FILE), "--runs-root", str(tmp_path),
                      "--run-id", "r", "--stop-at", "1"]) == 0
@@ -411,7 +411,7 @@ def test_toymlx_row_is_the_first_step_of_toymlx_train(bench, tmp_path, name):
         events = read_events(tmp_path / "r" / "events.jsonl")
         step = next(e for e in events if e["kind"] == "step")
         saved = next(e for e in events if e["kind"] == "checkpoint")
-        trained, _ = build_task(w, CPU_OPS, inputs)
+        trained, _ = build_task(w, cpu_ops(), inputs)
         trained.load(tmp_path / "r" / saved["path"], trained.model)
     ours = dict(tree_flatten(task.model.trainable_parameters()))
     theirs = dict(tree_flatten(trained.model.trainable_parameters()))

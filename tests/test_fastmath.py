@@ -326,3 +326,104 @@ def test_geglu_is_gelu_approx_times_up_with_float64_gradients_and_holds_less():
     ours = _retained_arrays_per_layer(MLX.gelu_mul)
     autodiff = _retained_arrays_per_layer(lambda a, b: nn.gelu_approx(a) * b)
     assert ours <= 3.25 and autodiff >= ours + 2.5, (ours, autodiff)
+
+
+def _bits_equal(a: mx.array, b: mx.array) -> bool:
+    a, b = np.array(a), np.array(b)
+    return a.shape == b.shape and bool(np.all((a.view(np.int32) == b.view(np.int32))
+                                              | (np.isnan(a) & np.isnan(b))))
+
+
+@pytest.fixture(scope="module")
+def kernel_forms():
+    """This process set up as a command sets it up: MLX's kernel folder, the precompiled header
+    carrying `fastmath.kernel_source`, the check (Linux: MLX builds its CPU kernels with g++)."""
+    import sys
+
+    from toymlx.backend import device
+    if not sys.platform.startswith("linux"):
+        pytest.skip("MLX's CPU kernels are built with g++ from toymlx's header on Linux only")
+    device.setup_process()
+    return device
+
+
+def test_kernel_forms_compute_every_function_bit_for_bit_as_the_composed_forms(kernel_forms):
+    """Every fastmath function with `in_kernel` (MLX's exp and erf ops, in kernels built with
+    toymlx's header), compiled as a step is, against the composed forms: the same bits for
+    values and gradients over the whole float range, NaN and the infinities included."""
+    assert kernel_forms.backend_info()["kernel_forms"] == "checked"
+    assert kernel_forms.kernel_forms()
+    from toymlx.models.ops import training_ops
+    assert training_ops(False).kernel_forms and not training_ops(False, compiled=False).kernel_forms
+    x = mx.array(grid())
+    g = mx.array(np.random.default_rng(1).standard_normal(x.shape).astype(np.float32))
+    for fn in (fm.exp, fm.erf, fm.sigmoid, fm.silu, fm.gelu):
+        name = fn.__name__
+        (ref, ref_g), (got, got_g) = (
+            mx.compile(lambda v, c, f=forms, fn=fn: mx.vjp(lambda t: fn(t, f), [v], [c]))(x, g)
+            for forms in (False, True))
+        assert _bits_equal(got[0], ref[0]), name
+        assert _bits_equal(got_g[0], ref_g[0]), f"{name}'s gradient"
+    rows = x[: 40 * 1000].reshape(40, 1000) * 0.3
+    rows = mx.where(mx.arange(1000) % 7 == 0, -mx.inf, rows)  # masked scores
+    targets = mx.array(np.arange(40, dtype=np.int32) * 13 % 1000)
+    cot = g[: 40 * 1000].reshape(40, 1000)
+    (ref_sm, ref_ce), (got_sm, got_ce) = (
+        (mx.compile(lambda v, c, f=forms: mx.vjp(lambda t: fm.softmax(t, f), [v], [c]))(rows, cot),
+         mx.compile(lambda v, f=forms: mx.value_and_grad(
+             lambda t: fm.cross_entropy(t, targets, f).sum())(v))(rows))
+        for forms in (False, True))
+    assert _bits_equal(got_sm[0][0], ref_sm[0][0]) and _bits_equal(got_sm[1][0], ref_sm[1][0])
+    assert _bits_equal(got_ce[0], ref_ce[0]) and _bits_equal(got_ce[1], ref_ce[1])
+
+
+@pytest.mark.parametrize("kind", ["vit", "llama"])
+def test_a_step_with_kernel_forms_is_the_composed_step_bit_for_bit(kernel_forms, kind):
+    """A compiled loss and gradients (ViT: GELU, attention, classification; Llama: SwiGLU,
+    causal attention with its -inf mask, cross-entropy): the model's Ops with kernel_forms
+    against without, every bit the same."""
+    from dataclasses import replace
+    mx.random.seed(5)
+    rng = np.random.default_rng(2)
+    if kind == "vit":
+        model = ViT(vit_tiny_8(n_layers=2, d_model=48, ffn_dim=96), FAST)
+        inner = ViT(model.args, replace(FAST, kernel_forms=True))
+        batch = {"images": mx.array(rng.standard_normal((16, 8, 8, 1)).astype(np.float32) * 2),
+                 "labels": mx.array(rng.integers(0, 10, 16).astype(np.int32))}
+        loss_fn = classify_loss
+    else:
+        model = Llama(tiny(d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=160), FAST)
+        inner = Llama(model.args, replace(FAST, kernel_forms=True))
+        toks = mx.array(rng.integers(0, 259, (3, 90)).astype(np.int32))
+        batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
+                 "mask": mx.array((rng.random((3, 89)) < 0.8).astype(np.float32))}
+        loss_fn = lm_loss
+    inner.update(model.parameters())
+    outs = []
+    for m in (model, inner):
+        step = mx.compile(lambda b, m=m: nn.value_and_grad(m, loss_fn)(m, b))
+        (loss, _), grads = step(batch)
+        outs.append((loss, dict(tree_flatten(grads))))
+    assert _bits_equal(outs[0][0], outs[1][0])
+    assert all(_bits_equal(g, outs[1][1][k]) for k, g in outs[0][1].items())
+
+
+def test_kernel_forms_are_off_without_the_header_and_the_check_says_why(tmp_path):
+    """With TOYMLX_KERNEL_PCH=off MLX's kernels compute its own exp: the check finds a value
+    that differs (so it can fail), set-up records why, and training asks for no kernel forms."""
+    import subprocess
+    import sys
+    if not sys.platform.startswith("linux"):
+        pytest.skip("MLX's CPU kernels are built with g++ from toymlx's header on Linux only")
+    code = ("import json\nfrom toymlx.backend import device, fastmath\n"
+            "device.setup_process()\nfrom toymlx.models.ops import training_ops\n"
+            "print(json.dumps([device.backend_info()['kernel_forms'], fastmath.check_kernel_forms(),"
+            " training_ops(False).kernel_forms]))\n")
+    (tmp_path / "tmp").mkdir()  # MLX's own kernel folder too (a link into another cache)
+    env = {**__import__("os").environ, "TOYMLX_KERNEL_PCH": "off", "XDG_CACHE_HOME": str(tmp_path),
+           "TMPDIR": str(tmp_path / "tmp")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    recorded, why, asked = __import__("json").loads(out.splitlines()[-1])
+    assert recorded.startswith("off (no precompiled header: off (TOYMLX_KERNEL_PCH=off)")
+    assert why is not None and why.startswith("MLX's kernels compute ") and asked is False

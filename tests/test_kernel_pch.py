@@ -79,7 +79,8 @@ def test_kernels_are_built_for_this_cpus_vectors_with_the_same_values(tmp_path):
     out, _ = _build_with_logged_gxx(tmp_path)
     assert out["same_bits"] is True
     name, target = kernel_pch.vector_isa()
-    assert out["vectors"] == name and Path(out["folder"]).parent.name == name
+    tag = kernel_pch.header_tag()  # the header's: a folder of its own for its kernels
+    assert out["vectors"] == name and Path(out["folder"]).parent.name == f"{name}-{tag}"
     avx2 = {"avx2", "f16c"} <= cpu_flags()[1]
     assert (name, target) == (("avx2", "avx2,f16c") if avx2 else (name, None))
     if target is None or shutil.which("objdump") is None:
@@ -126,7 +127,7 @@ def test_a_link_of_the_older_layout_is_pointed_at_this_cpus_folder(tmp_path, mon
     link.parent.mkdir(parents=True)
     link.symlink_to(old, target_is_directory=True)
     kept = device.kernel_cache_dir() / "cpu"
-    assert kept.parent.name == kernel_pch.vector_isa()[0]
+    assert kept.parent.name == f"{kernel_pch.vector_isa()[0]}-{kernel_pch.header_tag()}"
     assert device.persist_kernels() == str(kept)
     assert link.resolve() == kept.resolve()
     link.unlink()

@@ -24,6 +24,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from toymlx_cli.train import main
 
+from toymlx.backend import device
 from toymlx.bundle.checkpoint import resolve_latest, state_path
 from toymlx.bundle.events import read_events
 from toymlx.gguf.llama import load_llama
@@ -61,8 +62,11 @@ def text_file(shared_file) -> str:
 
 
 def test_training_ops_resolve_auto_per_device():
+    # MLX's exp and erf where this process's kernels were checked to compute fastmath's forms
     assert training_ops(on_gpu=False) == Ops(kernels="vectorised", decode_slice=None,
-                                             subnormals="flush", attention_keep_limit=4096)
+                                             subnormals="flush", attention_keep_limit=4096,
+                                             kernel_forms=device.kernel_forms())
+    assert not training_ops(on_gpu=False, compiled=False).kernel_forms  # eager: composed forms
     assert training_ops(False, subnormals="keep").subnormals == "keep"
     # block-held weights: whole, except where --grad-checkpoint asks for memory first
     assert training_ops(False, grad_checkpoint=True).decode_slice == 1 << 22
@@ -90,7 +94,8 @@ def test_half_precision_llama_follows_float32(tmp_path, text_file, dtype):
           f"final {got[-1]:.4f} vs {ref[-1]:.4f}")
     assert gap.max() < 0.05 and got[-1] < got[0] - 1.0
     start = read_events(run)[0]
-    assert start["math"] == {"kernels": "mlx", "dtype": dtype, "exact_rope": True,
+    assert start["math"] == {"kernels": "mlx", "kernel_forms": False, "dtype": dtype,
+                             "exact_rope": True,
                              "grad_checkpoint": False, "decode_slice": None,
                              "subnormals": "flush", "attention_keep_limit": 4096}
     if dtype == "float16":

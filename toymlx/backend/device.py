@@ -68,6 +68,9 @@ class _ProcessState:
     kernel_cache: str | None = None
     kernel_pch: str | None = None
     """The precompiled header MLX's kernel builds read (`toymlx.backend.kernel_pch`), or off (why)."""
+    kernel_forms: str | None = None
+    """Whether MLX's compiled kernels compute float32 exp and erf as toymlx's forms: "checked",
+    or off (why); None before setup (`kernel_forms()`)."""
     gemv_forward: str | None = None
     """Whether one-row matmuls go to OpenBLAS's sgemv (`toymlx.backend.gemv_forward`): on, off (why)."""
     blas_bound: str | None = None
@@ -158,6 +161,31 @@ def setup_process(wide_evaluation: bool = True) -> None:
     p.kernel_cache = persist_kernels()
     if p.kernel_cache:
         p.kernel_pch = kernel_pch.install(p.kernel_cache)
+    p.kernel_forms = _check_kernel_forms(p)
+
+
+def _check_kernel_forms(p: _ProcessState) -> str:
+    """ "checked" where MLX's compiled CPU kernels compute float32 exp and erf bit for bit as
+    `toymlx.backend.fastmath`'s composed forms (its `kernel_source`, in the PCH), else off (why).
+    Only in toymlx's own kernel folder, whose name carries the PCH's tag: a kernel is found by
+    its graph's name, so one built elsewhere may hold MLX's own exp."""
+    if not p.kernel_pch or p.kernel_pch.startswith("off"):
+        return f"off (no precompiled header: {p.kernel_pch or 'no kernel folder'})"
+    if Path(p.kernel_cache or "") != kernel_cache_dir() / "cpu":
+        return f"off (MLX builds its kernels in its own folder {p.kernel_cache})"
+    from toymlx.backend import fastmath  # here: it imports mlx.core
+
+    try:
+        why = fastmath.check_kernel_forms()
+    except (RuntimeError, OSError) as e:  # a kernel that cannot be built: MLX's ops stay
+        why = f"the check failed: {' '.join(str(e).split())[:200]}"
+    return "checked" if why is None else f"off ({why})"
+
+
+def kernel_forms() -> bool:
+    """Whether this process's compiled CPU kernels compute float32 exp and erf as toymlx's forms
+    (`setup_process` checked them), so `Ops.kernel_forms` may ask for MLX's exp and erf ops."""
+    return _PROCESS.kernel_forms == "checked"
 
 
 def _keep_new_kernels(mlx_dir: Path, kept: Path) -> None:
@@ -176,18 +204,26 @@ def _keep_new_kernels(mlx_dir: Path, kept: Path) -> None:
 
 
 def _kernel_cache_root() -> Path:
+    """`TOYMLX_KERNEL_CACHE` where it names a folder (a benchmark's cold start), else
+    `$XDG_CACHE_HOME/toymlx/mlx-kernels` (default `~/.cache/...`)."""
+    chosen = os.environ.get("TOYMLX_KERNEL_CACHE")
+    if chosen and chosen != "off":
+        return Path(chosen)
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "toymlx" / "mlx-kernels"
 
 
 def kernel_cache_dir() -> Path:
     """Where toymlx keeps MLX's compiled CPU kernels: `$XDG_CACHE_HOME/toymlx/mlx-kernels/<mlx
-    version>/<vector set>` (default `~/.cache/...`; the vector set they are built for,
-    `kernel_pch.vector_isa`: a home folder shared by machines with other CPUs never hands one
-    of them a kernel it cannot run)."""
+    version>/<vector set>[-<header tag>]` (default `~/.cache/...`; the vector set they are built
+    for, `kernel_pch.vector_isa`: a home folder shared by machines with other CPUs never hands
+    one of them a kernel it cannot run; the tag of the header they are built with,
+    `kernel_pch.header_tag`: a kernel built with MLX's own exp is never found by a build whose
+    header carries toymlx's, nor one of an older toymlx's forms)."""
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
 
-    return _kernel_cache_root() / mx.__version__ / kernel_pch.vector_isa()[0]
+    isa, tag = kernel_pch.vector_isa()[0], kernel_pch.header_tag()
+    return _kernel_cache_root() / mx.__version__ / (isa if tag is None else f"{isa}-{tag}")
 
 
 def _cxx_temp_dir() -> Path:
@@ -209,8 +245,8 @@ def persist_kernels() -> str | None:
     `kernel_cache_dir()/cpu`, so MLX writes and finds its kernels there; where it already
     exists (a real folder), MLX keeps using it and the kernels it holds are copied into the
     kept folder for after the next reboot. The kernels are named after their code, so a stale one is never
-    used for another. Not on macOS (Metal kernels are MLX's own) and `TOYMLX_KERNEL_CACHE=off`
-    leaves MLX's folder alone."""
+    used for another. Not on macOS (Metal kernels are MLX's own); `TOYMLX_KERNEL_CACHE=off`
+    leaves MLX's folder alone, `TOYMLX_KERNEL_CACHE=<folder>` keeps the kernels there."""
     if sys.platform != "linux" or os.environ.get("TOYMLX_KERNEL_CACHE") == "off":
         return None
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
@@ -530,6 +566,8 @@ def backend_info() -> dict:
         # the vector set the PCH compiles MLX's kernels for (without one: MLX's own flags)
         info["kernel_vectors"] = ("mlx's own" if p.kernel_pch.startswith("off")
                                   else kernel_pch.vector_isa()[0])
+    if p.kernel_forms:
+        info["kernel_forms"] = p.kernel_forms
     if p.gemv_forward:
         info["gemv_forward"] = p.gemv_forward
     if p.blas_bound:

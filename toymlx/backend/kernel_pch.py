@@ -14,8 +14,14 @@ own preamble once, with MLX's code-generation flags, to
 `<kernel folder>/mlx/backend/cpu/compiled_preamble.h.gch`, and every kernel g++ builds there
 reads it instead of the header. g++ checks a PCH before using it (same compiler, same
 code-generation options; `g++ -H` prints `!` for one it uses) and otherwise reads the header as
-before, so a stale or mismatched file can only cost the time it would have saved, never change
-a kernel's values. `TOYMLX_KERNEL_PCH=off` leaves it out.
+before. `TOYMLX_KERNEL_PCH=off` leaves it out.
+
+What it adds to MLX's preamble: toymlx's float32 exp and erf for MLX's Exp and Erf ops
+(`toymlx.backend.fastmath.kernel_source`), the same values as fastmath's composed forms in one
+vectorised loop. A kernel built without the PCH (a mismatched one) computes MLX's own exp
+instead, so `toymlx.backend.device.setup_process` checks the kernels' values before training
+asks for those ops (`Ops.kernel_forms`), and kernels built with one header live in a folder of
+their own (`header_tag`).
 
 The vector width: MLX 0.32's Linux wheel builds its kernels for baseline x86-64 (SSE2, 4 floats
 a vector); newer MLX adds `-mavx2 -mfma` itself where it was built with AVX2. On a CPU with AVX2
@@ -23,12 +29,13 @@ the PCH starts with `#pragma GCC target("avx2,f16c")`, which g++ applies to ever
 it, the kernel's own included: 8 floats a vector. FMA is left out, so that g++ cannot fuse a
 multiply and an add into one rounding: each kernel computes the same float32 values as before,
 bit for bit. Kernels built for one CPU must not run on another, so the kernel folder is named
-after the vector set (`toymlx.backend.device.kernel_cache_dir`).
+after the vector set and the header's tag (`toymlx.backend.device.kernel_cache_dir`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import shutil
@@ -64,19 +71,46 @@ def vector_isa() -> tuple[str, str | None]:
 
 
 def _source(header: Path) -> str:
-    """What the PCH is compiled from: the vector set's pragma, then MLX's preamble."""
+    """What the PCH is compiled from: the vector set's pragma, MLX's preamble, then toymlx's
+    float32 exp and erf for MLX's kernels (`toymlx.backend.fastmath.kernel_source`)."""
+    from toymlx.backend import fastmath  # here: it imports mlx.core
+
     _, target = vector_isa()
     lines = [] if target is None else [f'#pragma GCC target("{target}")']
-    return "\n".join([*lines, f'#include "{header}"']) + "\n"
+    return "\n".join([*lines, f'#include "{header}"', fastmath.kernel_source()]) + "\n"
+
+
+@functools.cache
+def _compiler_version(gxx: str) -> str:
+    return "".join(subprocess.run([gxx, "--version"], capture_output=True, text=True, timeout=30,
+                                  check=False).stdout.splitlines()[:1])
 
 
 def _identity(gxx: str, header: Path) -> str:
     """What the PCH was built from: the compiler's version line, the flags, the source (the
-    vector set's pragmas and the header's path), the header's time."""
-    version = subprocess.run([gxx, "--version"], capture_output=True, text=True, timeout=30,
-                             check=False).stdout.splitlines()[:1]
-    return "\n".join([*version, " ".join(FLAGS), _source(header),
+    vector set's pragma, the header's path, toymlx's forms), the header's time."""
+    return "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(header),
                       str(header.stat().st_mtime_ns)]) + "\n"
+
+
+def _header() -> Path:
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    return Path(mx.__file__).parent / "include" / HEADER
+
+
+@functools.cache
+def header_tag() -> str | None:
+    """What MLX's kernels are built with, as 10 hex digits: the compiler's version, the flags and
+    the PCH's source (so toymlx's forms of exp and erf); None where no PCH is used
+    (`TOYMLX_KERNEL_PCH=off`, no g++, no header). A kernel's file is named after its graph only,
+    so kernels built with one header must never be found by a build with another:
+    `toymlx.backend.device.kernel_cache_dir` keeps them apart by this tag."""
+    header, gxx = _header(), shutil.which("g++")
+    if os.environ.get("TOYMLX_KERNEL_PCH") == "off" or gxx is None or not header.is_file():
+        return None
+    text = "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(header)])
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def install(kernel_dir: str | os.PathLike) -> str:
@@ -84,9 +118,7 @@ def install(kernel_dir: str | os.PathLike) -> str:
     compiler and header is there; return what `backend_info` records: the file, or "off (why)"."""
     if os.environ.get("TOYMLX_KERNEL_PCH") == "off":
         return "off (TOYMLX_KERNEL_PCH=off)"
-    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
-
-    header = Path(mx.__file__).parent / "include" / HEADER
+    header = _header()
     gxx = shutil.which("g++")
     if not header.is_file():
         return f"off (this MLX ships no {HEADER})"

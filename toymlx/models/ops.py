@@ -36,7 +36,7 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from toymlx.backend import fastmath, fpenv
+from toymlx.backend import device, fastmath, fpenv
 
 Kernels = Literal["mlx", "vectorised"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -62,6 +62,12 @@ class Ops:
     kernels: Kernels = "mlx"
     """mlx: MLX's ops and fused `mx.fast` kernels. vectorised: `toymlx.backend.fastmath`'s forms with
     hand-written backward passes, for MLX's CPU (float32 only)."""
+    kernel_forms: bool = False
+    """vectorised only: fastmath's exp and erf asked of MLX as its own exp and erf ops, which this
+    process's compiled kernels compute as the same polynomials, bit for bit, in one fused loop
+    instead of 2-6 (`toymlx.backend.device.kernel_forms`, checked at set-up): a ViT-Tiny GELU's
+    forward and backward 2.2x faster, the same numbers. Only for code run under `mx.compile`:
+    ops evaluated one at a time run MLX's library exp (other values, scalar speed)."""
     dtype: DType = "float32"
     """The activations' dtype (trainable weights stay float32 and are cast where used)."""
     exact_rope: bool = True
@@ -101,6 +107,9 @@ class Ops:
         if self.kernels == "vectorised" and self.dtype != "float32":
             raise ValueError(f"kernels vectorised: expected dtype float32 (toymlx.backend.fastmath's "
                              f"forms are float32 only), found {self.dtype}; use kernels mlx")
+        if self.kernel_forms and self.kernels != "vectorised":
+            raise ValueError(f"kernel_forms: expected kernels vectorised (fastmath's forms), "
+                             f"found kernels {self.kernels}")
 
     @property
     def mx_dtype(self) -> mx.Dtype:
@@ -151,7 +160,7 @@ class Ops:
     def silu_mul(self, gate: mx.array, up: mx.array) -> mx.array:
         """silu(gate) * up: SwiGLU."""
         if self.kernels == "vectorised":
-            return fastmath.silu(gate) * up
+            return fastmath.silu(gate, self.kernel_forms) * up
         return nn.silu(gate) * up
 
     def gelu_mul(self, gate: mx.array, up: mx.array) -> mx.array:
@@ -162,7 +171,8 @@ class Ops:
     def gelu(self, x: mx.array, form: str = "erf") -> mx.array:
         """GELU: erf (exact, timm's), tanh or fast (x * sigmoid(1.702 x))."""
         if form == "erf":
-            return fastmath.gelu(x) if self.kernels == "vectorised" else nn.gelu(x)
+            return (fastmath.gelu(x, self.kernel_forms) if self.kernels == "vectorised"
+                    else nn.gelu(x))
         if form == "tanh":
             return nn.gelu_approx(x)
         if form == "fast":
@@ -175,7 +185,8 @@ class Ops:
         the last T of the S positions; query head h reads kv head h // (H // Hkv). `window`
         (causal only): each query sees the keys fewer than `window` positions back."""
         if self.kernels == "vectorised":
-            return fastmath.attention(q, k, v, scale, causal=causal, window=window)
+            return fastmath.attention(q, k, v, scale, causal=causal, window=window,
+                                      in_kernel=self.kernel_forms)
         T, S = q.shape[2], k.shape[2]
         if window is not None and S > window:
             dist = mx.arange(S - T, S)[:, None] - mx.arange(S)[None]  # (T,S) query - key
@@ -228,7 +239,9 @@ class Ops:
     def exp_values(self, x: mx.array) -> mx.array:
         """e**x for a hand-written backward pass (no autodiff of its own on the vectorised
         kernels), float32."""
-        return fastmath.exp_values(x) if self.kernels == "vectorised" else mx.exp(x)
+        if self.kernels == "vectorised":
+            return fastmath.exp_values(x, self.kernel_forms)
+        return mx.exp(x)
 
     def row_sum(self, x: mx.array) -> mx.array:
         """Sum over the last axis, kept as a size-1 axis."""
@@ -237,7 +250,7 @@ class Ops:
     def cross_entropy(self, logits: mx.array, targets: mx.array) -> mx.array:
         """Per-position cross-entropy over the last axis, float32, no reduction."""
         if self.kernels == "vectorised":
-            return fastmath.cross_entropy(logits, targets)
+            return fastmath.cross_entropy(logits, targets, self.kernel_forms)
         picked = mx.take_along_axis(logits, targets[..., None], -1)[..., 0]
         lse = mx.logsumexp(logits, axis=-1)  # MLX's kernel accumulates in float32
         return _widen(lse) - _widen(picked)
@@ -395,9 +408,10 @@ def _checkpointed(layer: nn.Module) -> Callable:
 
 
 def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
-                 grad_checkpoint: bool = False, subnormals: fpenv.Subnormals = "flush") -> Ops:
-    """The math of a training run: `--dtype`, `--kernels`, `--grad-checkpoint` and
-    `--subnormals` resolved.
+                 grad_checkpoint: bool = False, subnormals: fpenv.Subnormals = "flush",
+                 compiled: bool = True) -> Ops:
+    """The math of a training run: `--dtype`, `--kernels`, `--grad-checkpoint`,
+    `--subnormals` and `--no-compile` resolved.
 
     dtype auto: bfloat16 on a GPU, float32 on the CPU (MLX's half-precision CPU kernels run
     ~25x slower than float32's). kernels auto: vectorised on the CPU in float32, else mlx.
@@ -412,7 +426,10 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
     a step keeps every block's activations, more than a weight's floats at the sizes people
     train (Llama-3.2-1B shape at 4 x 256: a block keeps 99 MB a CPU stream, its largest weight
     is 64 MB), and whole weights made that step 1.07x the float32-held step's time against
-    1.10-1.12x in 16 MB slices, for 0.3 GB more. grad_checkpoint asks for memory first."""
+    1.10-1.12x in 16 MB slices, for 0.3 GB more. grad_checkpoint asks for memory first.
+    Vectorised kernels ask MLX for its own exp and erf (`Ops.kernel_forms`) where the step is
+    compiled and this process's kernels were checked to compute toymlx's forms (call
+    `toymlx.backend.device.setup_process` first); the numbers are the same either way."""
     if dtype == "auto":
         dtype = "bfloat16" if on_gpu else "float32"
     if dtype not in DTYPES:
@@ -425,6 +442,7 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
     elif kernels not in ("mlx", "vectorised"):
         raise ValueError(f"--kernels: expected auto, mlx or vectorised, found {kernels!r}")
     return Ops(kernels=kernels, dtype=dtype, exact_rope=not on_gpu,
+               kernel_forms=kernels == "vectorised" and compiled and device.kernel_forms(),
                grad_checkpoint=grad_checkpoint, subnormals=subnormals,
                decode_slice=DECODE_SLICE_VALUES if grad_checkpoint else None,
                attention_keep_limit=0 if on_gpu else CPU_ATTENTION_KEEP_VALUES)

@@ -57,9 +57,10 @@ def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
 
 def run_ops(cfg: TrainConfig) -> Ops:
     """The math a run's model computes with (`--dtype`, `--kernels`, `--grad-checkpoint`,
-    `--subnormals` on the selected device): chosen here, once, and handed to the recipe's
-    `build`."""
-    return training_ops(on_gpu(), cfg.dtype, cfg.kernels, cfg.grad_checkpoint, cfg.subnormals)
+    `--subnormals`, `--no-compile` on the selected device): chosen here, once, and handed to the
+    recipe's `build`."""
+    return training_ops(on_gpu(), cfg.dtype, cfg.kernels, cfg.grad_checkpoint, cfg.subnormals,
+                        compiled=cfg.compile)
 
 
 def init_distributed() -> Any:
