@@ -35,7 +35,7 @@ def test_the_kernel_set_follows_the_cpuid_flags(vendor, flags, want):
 
 
 class _Fake(blas.Library):
-    """A Library whose OpenBLAS reports `core_name`."""
+    """A Library whose OpenBLAS reports `core_name` (None: not OpenBLAS, MKL)."""
 
     def __init__(self, core_name: str | None):
         super().__init__("/x/libopenblas.so", "", "test", None)
@@ -44,6 +44,10 @@ class _Fake(blas.Library):
     @property
     def core(self):
         return self._core
+
+    @property
+    def kind(self):
+        return "mkl" if self._core is None else "openblas"
 
 
 @pytest.mark.parametrize("core,flags,slow", [
@@ -86,7 +90,7 @@ def _avx2() -> tuple[str, str] | None:
 
 
 def test_pips_openblas_is_bound_with_the_kernels_of_this_cpu():
-    r = _fresh()
+    r = _fresh(TOYMLX_BLAS="openblas")  # not MKL, where the mkl extra is installed
     b = r["backend"]
     assert r["warned"] == [] and r["coretype"] is None  # the children's environment as it was
     assert b["blas"] == "openblas" and b["blas_source"].startswith("pip scipy-openblas32 ")
@@ -101,7 +105,7 @@ def test_pips_openblas_is_bound_with_the_kernels_of_this_cpu():
 def test_the_users_coretype_wins_and_a_generic_one_is_one_line():
     if _avx2() is None:
         pytest.skip("this CPU has no AVX2: OpenBLAS's generic kernels are its best")
-    r = _fresh(OPENBLAS_CORETYPE="Nehalem")  # SSE4.2 kernels (or the library's nearest)
+    r = _fresh(OPENBLAS_CORETYPE="Nehalem", TOYMLX_BLAS="openblas")  # SSE4.2 kernels
     b = r["backend"]
     core = b["blas_core"]
     assert core not in blas.AVX2_CORES and b["blas_core_from"] == "OPENBLAS_CORETYPE=Nehalem"
@@ -121,6 +125,36 @@ def test_toymlx_blas_chooses_another_library():
 
 
 def test_this_process_runs_pips_openblas():
-    """The test process itself: what every other CPU test measures against."""
+    """The test process itself: what every other CPU test measures against (MKL from pip where
+    the mkl extra is installed and the CPU is Intel's)."""
     b = backend_info()
+    if _mkl_chosen():
+        assert b["blas"] == "mkl" and b["blas_source"].startswith("pip mkl ")
+        return
     assert b["blas"] == "openblas" and b["blas_source"].startswith("pip scipy-openblas32")
+
+
+def _mkl_chosen() -> bool:
+    return blas.mkl_library() is not None and blas.cpu_flags()[0] == "GenuineIntel"
+
+
+def test_mkl_from_pip_runs_mlxs_matmuls_one_thread_a_stream_on_an_intel_cpu():
+    """With the mkl extra on an Intel CPU: MKL is bound, its code path recorded, its threads set
+    as OpenBLAS's are (the step's CPU streams one each), and MLX's matmul equals float64's."""
+    if not _mkl_chosen():
+        pytest.skip("the mkl extra is not installed here, or this CPU is not Intel's "
+                    "(pip install 'toymlx[mkl]')")
+    import mlx.core as mx
+    import numpy as np
+
+    from toymlx.backend import device
+    b = _fresh()["backend"]
+    assert b["blas"] == "mkl" and b["blas_core"] in blas.MKL_BRANCHES.values(), b
+    assert b["blas_version"].startswith("Intel(R) oneAPI Math Kernel Library")
+    assert device.blas_threads() >= 1
+    with device.use_blas_threads(1):
+        assert device.blas_threads() == 1
+        a = np.random.default_rng(0).standard_normal((300, 200)).astype(np.float32)
+        got = np.array(mx.array(a) @ mx.array(a.T), np.float64)
+    want = a.astype(np.float64) @ a.T.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())

@@ -17,9 +17,9 @@ import pytest
 from toymlx.backend import gemv_forward
 from toymlx.backend.device import backend_info
 
-LINUX_OPENBLAS = sys.platform.startswith("linux") and backend_info().get("blas") == "openblas"
+LINUX_OPENBLAS = sys.platform.startswith("linux") and backend_info().get("blas") in ("openblas", "mkl")
 pytestmark = pytest.mark.skipif(not LINUX_OPENBLAS,
-                                reason="the forwarder sits in front of OpenBLAS on Linux only")
+                                reason="the forwarder sits in front of OpenBLAS or MKL on Linux only")
 
 
 def _rng_arrays(*shapes, seed=0):

@@ -130,7 +130,7 @@ def test_cpu_streams_split_equals_one_stream_and_records_it(tmp_path, text_file)
     start = read_events(two)[0]
     assert start["step_parallelism"]["cpu_streams"] == 2
     assert read_events(one)[0]["step_parallelism"]["cpu_streams"] == 1
-    if start["backend"].get("blas") == "openblas":  # threads shared out between the streams
+    if start["backend"].get("blas") in ("openblas", "mkl"):  # threads shared out between the streams
         assert start["step_parallelism"]["blas_threads"] == max(
             1, start["backend"]["blas_threads"] // 2)
 

@@ -8,12 +8,20 @@ model 207 chose `Prescott` and reached 20-66 GFLOPS where the same machine does 
 
 Which library, the first found of:
 1. `TOYMLX_BLAS=/path/to/libopenblas.so` (or another LP64 BLAS with plain `cblas_sgemm`, such
-   as MKL's `libmkl_rt.so`); `TOYMLX_BLAS=reference` keeps MLX's own.
-2. OpenBLAS from pip, `scipy-openblas32` (toymlx[cpu] depends on it on Linux): current
+   as MKL's `libmkl_rt.so`); `TOYMLX_BLAS=reference` keeps MLX's own; `TOYMLX_BLAS=openblas`
+   skips MKL (3. and 4. below).
+2. On an Intel CPU, MKL from pip (`mkl`, the `toymlx[mkl]` extra, which the installer adds on
+   Intel hosts): its single-thread sgemm at ViT-Tiny's and SmolLM2's shapes takes 0.77-0.91x
+   OpenBLAS's time, so toymlx's CPU steps take 0.91-0.97x (docs/RESULTS.md, session 21). Its
+   OpenMP threads take the caller's floating-point mode at each call (so a flushing step's
+   matmuls flush), and `KMP_BLOCKTIME=0` (unless set) keeps them from spinning after a call
+   while the step's other CPU stream needs the core. Not on AMD CPUs, where MKL does not
+   choose its fastest kernels.
+3. OpenBLAS from pip, `scipy-openblas32` (toymlx[cpu] depends on it on Linux): current
    (0.3.34 when written), built for every x86-64 and arm64 core (DYNAMIC_ARCH), with LP64
    integers as MLX calls them and every symbol prefixed `scipy_`, so it clashes with no other
    BLAS in the process (numpy's own is ILP64). No root, no system package.
-3. A system OpenBLAS (Debian's `libopenblas0-pthread`, Fedora's, ...), unprefixed.
+4. A system OpenBLAS (Debian's `libopenblas0-pthread`, Fedora's, ...), unprefixed.
 
 Which kernels: OpenBLAS picks its kernel set ("core") from cpuid when it loads, and an older
 release does not know newer CPUs. Unless `OPENBLAS_CORETYPE` is set already, `load` sets it for
@@ -54,6 +62,7 @@ from toymlx.backend import fpenv
 
 PIP_PACKAGE = "scipy-openblas32"
 PIP_PREFIX = "scipy_"
+MKL_PACKAGE = "mkl"
 SYSTEM_PATHS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -103,14 +112,46 @@ class Library:
         return value.decode(errors="replace").strip() if value else None
 
     @property
+    def kind(self) -> str:
+        """openblas, mkl, or other (a BLAS whose threads toymlx does not set)."""
+        if self.function("openblas_get_num_threads") is not None:
+            return "openblas"
+        return "mkl" if self.function("MKL_Get_Max_Threads") is not None else "other"
+
+    @property
     def core(self) -> str | None:
-        """The kernel set OpenBLAS runs (`openblas_get_corename`); None for another BLAS."""
+        """The kernel set it runs: OpenBLAS's `openblas_get_corename`, MKL's code branch
+        (`mkl_cbwr_get_auto_branch`: AVX2, AVX512, AVX512_E1 ...); None for another BLAS."""
+        if self.kind == "mkl":
+            branch = int(self.function("mkl_cbwr_get_auto_branch")())
+            return MKL_BRANCHES.get(branch, f"branch {branch}")
         return self._text("openblas_get_corename")
 
     @property
     def config(self) -> str | None:
-        """OpenBLAS's build line: its version, DYNAMIC_ARCH, ... (`openblas_get_config`)."""
+        """Its version line: OpenBLAS's build (`openblas_get_config`: version, DYNAMIC_ARCH...),
+        MKL's `mkl_get_version_string`."""
+        if self.kind == "mkl":
+            text = ctypes.create_string_buffer(256)
+            self.function("mkl_get_version_string")(text, len(text))
+            return " ".join(text.value.decode(errors="replace").split()) or None
         return self._text("openblas_get_config")
+
+    def threads(self) -> int | None:
+        """Threads a call runs on now (OpenBLAS, MKL); None where toymlx does not set them."""
+        get = {"openblas": "openblas_get_num_threads",
+               "mkl": "MKL_Get_Max_Threads"}.get(self.kind)
+        return None if get is None else int(self.function(get)())
+
+    def set_threads(self, n: int) -> None:
+        """Run each later call on `n` threads (OpenBLAS, MKL)."""
+        name = {"openblas": "openblas_set_num_threads", "mkl": "MKL_Set_Num_Threads"}[self.kind]
+        self.function(name)(int(n))
+
+
+MKL_BRANCHES = {4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2", 9: "AVX", 10: "AVX2",
+                11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1", 14: "AVX512_E1"}
+"""MKL's code branches (`MKL_CBWR_*` in mkl_cbwr.h), as `mkl_cbwr_get_auto_branch` names them."""
 
 
 def pip_library() -> Path | None:
@@ -123,21 +164,42 @@ def pip_library() -> Path | None:
     return lib if lib.exists() else None
 
 
-def _pip_version() -> str:
+def _pip_version(package: str = PIP_PACKAGE) -> str:
     try:
         from importlib import metadata
-        return metadata.version(PIP_PACKAGE)
+        return metadata.version(package)
     except Exception:  # noqa: BLE001 - a label only
         return "?"
 
 
+def mkl_library() -> Path | None:
+    """MKL's single dynamic library (`libmkl_rt.so.N`) where the `mkl` package is installed
+    (found from the package's file list: pip puts it in the environment's lib folder)."""
+    from importlib import metadata
+    try:
+        files = metadata.files(MKL_PACKAGE) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name.startswith("libmkl_rt.so"):
+            path = Path(str(f.locate()))
+            if path.exists():
+                return path.resolve()
+    return None
+
+
 def candidates() -> list[tuple[str, str, str]]:
     """(path, symbol prefix, source) of the libraries to try, in order."""
-    if os.environ.get("TOYMLX_BLAS"):
-        path = os.environ["TOYMLX_BLAS"]
+    chosen = os.environ.get("TOYMLX_BLAS")
+    if chosen and chosen != "openblas":
+        path = chosen
         prefix = PIP_PREFIX if os.path.basename(path).startswith("libscipy_openblas") else ""
         return [(path, prefix, "TOYMLX_BLAS")]
     found = []
+    intel = cpu_flags()[0] == "GenuineIntel" and chosen != "openblas"
+    mkl = mkl_library() if intel else None
+    if mkl is not None:
+        found.append((str(mkl), "", f"pip {MKL_PACKAGE} {_pip_version(MKL_PACKAGE)}"))
     pip = pip_library()
     if pip is not None:
         found.append((str(pip), PIP_PREFIX, f"pip {PIP_PACKAGE} {_pip_version()}"))
@@ -185,6 +247,11 @@ def load(path: str, prefix: str, source: str) -> Library:
     if forced is not None:
         os.environ["OPENBLAS_CORETYPE"] = forced[0]  # read once, by the library's constructor
         core_from = f"cpuid ({forced[1]})"
+    if "mkl" in os.path.basename(path):
+        # Intel OpenMP's idle threads spin for 200 ms after a call by default, while the
+        # step's other CPU stream needs the core; read when MKL starts them (after this)
+        os.environ.setdefault("KMP_BLOCKTIME", "0")
+        core_from = None  # MKL chooses its code branch itself
     try:
         # OpenBLAS starts its worker threads as it loads, and they keep the floating-point
         # mode of this thread for life: flushing subnormals (toymlx.backend.fpenv)
@@ -203,7 +270,7 @@ def generic_core(lib: Library) -> str | None:
     """The reason `lib` runs slower kernels than this CPU has (None: it does not, or it is not
     OpenBLAS): a kernel set without AVX2 on a CPU with AVX2, or without AVX-512 on one with it."""
     core, want = lib.core, core_for_cpu(*cpu_flags())
-    if core is None or want is None:
+    if core is None or want is None or lib.kind != "openblas":
         return None
     best = AVX512_CORES if want[0] == "SkylakeX" else AVX2_CORES
     if core in best:

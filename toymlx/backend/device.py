@@ -105,17 +105,23 @@ def blas_summary() -> str:
     if lib is None:
         return {"accelerate": "Accelerate", "unknown": "not bound yet"}.get(p.blas, p.blas)
     version = (lib.config or "").split()
-    name = " ".join(version[:2]) if version[:1] == ["OpenBLAS"] else os.path.basename(lib.path)
+    if version[:1] == ["OpenBLAS"]:
+        name = " ".join(version[:2])
+    elif lib.kind == "mkl":
+        name = "MKL " + next((v for v in version if v[:1].isdigit()), "").split("-")[0]
+    else:
+        name = os.path.basename(lib.path)
     kernels = f" {lib.core} kernels" if lib.core else ""
     return f"{name}{kernels} ({lib.source})"
 
 
 def _bind_openblas(p: _ProcessState) -> None:
     local = _ranks_on_this_host()
-    if local > 1 and "OPENBLAS_NUM_THREADS" not in os.environ:
-        # data-parallel ranks on one host would each start a BLAS thread per core; OpenBLAS
-        # reads this once, when it is loaded just below
-        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
+    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        if local > 1 and var not in os.environ:
+            # data-parallel ranks on one host would each start a BLAS thread per core; the
+            # BLAS reads this once, when it is loaded just below
+            os.environ[var] = str(max(1, (os.cpu_count() or 1) // local))
     p.blas = "reference"
     for path, prefix, source in blas.candidates():
         try:
@@ -130,7 +136,7 @@ def _bind_openblas(p: _ProcessState) -> None:
             p.blas_bound = f"failed: {e}"
             warnings.warn(_NOT_BOUND.format(path=path, why=e), stacklevel=4)
             return
-        p.blas, p.library = "openblas", lib
+        p.blas, p.library = "mkl" if lib.kind == "mkl" else "openblas", lib
         p.blas_bound = f"{len(names)} BLAS/LAPACK functions of libmlx.so"
         os.register_at_fork(after_in_parent=_restart_blas_workers)
         why = blas.generic_core(lib)
@@ -450,18 +456,16 @@ def _restart_blas_workers() -> None:
     at the next call that wants them, in the floating-point mode of whichever thread makes it.
     Start them now, flushing subnormals as they always do (`toymlx.backend.blas`)."""
     lib = _PROCESS.library
-    get = None if lib is None else lib.function("openblas_get_num_threads")
-    if get is not None:
+    if lib is not None and lib.kind == "openblas":
         with fpenv.subnormals("flush"):
-            lib.function("openblas_set_num_threads")(int(get()))
+            lib.set_threads(lib.threads())
 
 
 def blas_threads() -> int | None:
-    """OpenBLAS's thread count now, or None where toymlx does not control the BLAS (macOS's
-    Accelerate, the reference BLAS)."""
+    """The BLAS's thread count now (OpenBLAS, MKL), or None where toymlx does not control the
+    BLAS (macOS's Accelerate, the reference BLAS)."""
     lib = _PROCESS.library
-    get = None if lib is None else lib.function("openblas_get_num_threads")
-    return int(get()) if get is not None else None
+    return None if lib is None else lib.threads()
 
 
 @contextlib.contextmanager
@@ -472,7 +476,7 @@ def use_blas_threads(n: int | None):
     if n is None or before is None or n == before:
         yield
         return
-    set_threads = _PROCESS.library.function("openblas_set_num_threads")
+    set_threads = _PROCESS.library.set_threads
 
     def set_to(count: int) -> None:
         # OpenBLAS may end and start worker threads here, and a thread starts in the mode of

@@ -284,7 +284,10 @@ def _functions(in_kernel: bool):
     @silu.vjp
     def _silu_vjp(primals, cotangent, output):
         x = _only(primals)
-        s = _kernel_end(1.0 / (1.0 + _exp(x, negate=True, in_kernel=in_kernel)), in_kernel)
+        if in_kernel:  # e**-x as x * -1, not -x: see the GELU's backward
+            s = 1.0 / (1.0 + mx.exp(x * -1.0))
+        else:
+            s = _kernel_end(1.0 / (1.0 + _exp(x, negate=True)))
         return (cotangent * (s + output * (1.0 - s)),)
 
     @mx.custom_function
@@ -294,7 +297,13 @@ def _functions(in_kernel: bool):
     @gelu.vjp
     def _gelu_vjp(primals, cotangent, output):
         x = _only(primals)
-        cdf = _kernel_end(0.5 + 0.5 * _erf(x * _SQRT1_2, in_kernel), in_kernel)
+        if in_kernel:
+            # Phi(x) from erf(-x / sqrt 2), the same bits (erf here is exactly odd): written as
+            # the forward pass writes it, mx.compile would share the erf between the two passes
+            # and keep it in memory, a loop and two passes over the activation more
+            cdf = 0.5 - 0.5 * mx.erf(x * -_SQRT1_2)
+        else:
+            cdf = _kernel_end(0.5 + 0.5 * _erf(x * _SQRT1_2))
         pdf = _exp((x * x) * -0.5, in_kernel=in_kernel)  # Phi'(x) sqrt(2 pi)
         return (cotangent * cdf + ((cotangent * x) * _INV_SQRT_2PI) * pdf,)
 
