@@ -173,12 +173,14 @@ def setup_process(wide_evaluation: bool = True) -> None:
 def _check_kernel_forms(p: _ProcessState) -> str:
     """ "checked" where MLX's compiled CPU kernels compute float32 exp and erf bit for bit as
     `toymlx.backend.fastmath`'s composed forms (its `kernel_source`, in the PCH), else off (why).
-    Only in toymlx's own kernel folder, whose name carries the PCH's tag: a kernel is found by
-    its graph's name, so one built elsewhere may hold MLX's own exp."""
+    Only in a kernel folder toymlx made for this header (named `<vector set>-<header tag>`, in
+    this cache or another that MLX's temporary folder links to): a kernel is found by its
+    graph's name, so one built in another folder may hold MLX's own exp."""
     if not p.kernel_pch or p.kernel_pch.startswith("off"):
         return f"off (no precompiled header: {p.kernel_pch or 'no kernel folder'})"
-    if Path(p.kernel_cache or "") != kernel_cache_dir() / "cpu":
-        return f"off (MLX builds its kernels in its own folder {p.kernel_cache})"
+    folder = Path(p.kernel_cache or "")
+    if (folder.name, folder.parent.name) != ("cpu", kernel_cache_dir().name):
+        return f"off (MLX builds its kernels in {folder}, not a folder toymlx made for this header)"
     from toymlx.backend import fastmath  # here: it imports mlx.core
 
     try:
