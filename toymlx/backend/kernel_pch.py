@@ -109,7 +109,9 @@ def header_tag() -> str | None:
     header, gxx = _header(), shutil.which("g++")
     if os.environ.get("TOYMLX_KERNEL_PCH") == "off" or gxx is None or not header.is_file():
         return None
-    text = "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(header)])
+    # the header by its name, not its path: environments with the same MLX (its version names
+    # the folder above) share their kernels
+    text = "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(Path(HEADER))])
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
