@@ -177,18 +177,18 @@ def _environ(env: dict[str, str | None]) -> Iterator[None]:
     """os.environ with `env`'s entries set (None: unset) inside the block, as it was after."""
     saved = {k: os.environ.get(k) for k in env}
     try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(env)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(saved)
+
+
+def _set_environ(env: dict[str, str | None]) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def build_step(impl: str, w: Workload, inputs: Path) -> Variant:

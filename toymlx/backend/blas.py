@@ -50,6 +50,7 @@ one.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import platform
@@ -111,7 +112,7 @@ class Library:
         value = fn()
         return value.decode(errors="replace").strip() if value else None
 
-    @property
+    @functools.cached_property
     def kind(self) -> str:
         """openblas, mkl, or other (a BLAS whose threads toymlx does not set)."""
         if self.function("openblas_get_num_threads") is not None:
@@ -247,11 +248,6 @@ def load(path: str, prefix: str, source: str) -> Library:
     if forced is not None:
         os.environ["OPENBLAS_CORETYPE"] = forced[0]  # read once, by the library's constructor
         core_from = f"cpuid ({forced[1]})"
-    if "mkl" in os.path.basename(path):
-        # Intel OpenMP's idle threads spin for 200 ms after a call by default, while the
-        # step's other CPU stream needs the core; read when MKL starts them (after this)
-        os.environ.setdefault("KMP_BLOCKTIME", "0")
-        core_from = None  # MKL chooses its code branch itself
     try:
         # OpenBLAS starts its worker threads as it loads, and they keep the floating-point
         # mode of this thread for life: flushing subnormals (toymlx.backend.fpenv)
@@ -263,6 +259,11 @@ def load(path: str, prefix: str, source: str) -> Library:
     lib = Library(path, prefix, source, handle, core_from)
     if lib.function("cblas_sgemm") is None:
         raise OSError(f"{path}: no {prefix}cblas_sgemm in it; expected a BLAS")
+    if lib.kind == "mkl":
+        lib.core_from = None  # MKL chooses its code branch itself
+        # Intel OpenMP's idle threads spin for 200 ms after a call by default, while the
+        # step's other CPU stream needs the core; read when MKL first starts them (later)
+        os.environ.setdefault("KMP_BLOCKTIME", "0")
     return lib
 
 
