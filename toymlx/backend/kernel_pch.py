@@ -86,11 +86,12 @@ def _compiler_version(gxx: str) -> str:
                                   check=False).stdout.splitlines()[:1])
 
 
-def _identity(gxx: str, header: Path) -> str:
-    """What the PCH was built from: the compiler's version line, the flags, the source (the
-    vector set's pragma, the header's path, toymlx's forms), the header's time."""
-    return "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(header),
-                      str(header.stat().st_mtime_ns)]) + "\n"
+def _identity(gxx: str) -> str:
+    """What MLX's kernels are built with: the compiler's version line, the flags, the PCH's
+    source with MLX's header by name, not by path (the kernel folder's path names MLX's
+    version, so environments with the same MLX, sharing a folder, agree on it and never
+    rebuild each other's PCH)."""
+    return "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(Path(HEADER))]) + "\n"
 
 
 def _header() -> Path:
@@ -109,10 +110,7 @@ def header_tag() -> str | None:
     header, gxx = _header(), shutil.which("g++")
     if os.environ.get("TOYMLX_KERNEL_PCH") == "off" or gxx is None or not header.is_file():
         return None
-    # the header by its name, not its path: environments with the same MLX (its version names
-    # the folder above) share their kernels
-    text = "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(Path(HEADER))])
-    return hashlib.sha256(text.encode()).hexdigest()[:10]
+    return hashlib.sha256(_identity(gxx).encode()).hexdigest()[:10]
 
 
 def install(kernel_dir: str | os.PathLike) -> str:
@@ -128,7 +126,7 @@ def install(kernel_dir: str | os.PathLike) -> str:
         return "off (no g++ on PATH; MLX needs it to build its kernels too)"
     gch = Path(kernel_dir) / (HEADER + ".gch")
     stamp = gch.with_name(gch.name + ".built-from")
-    want = _identity(gxx, header)
+    want = _identity(gxx)
     if gch.is_file() and stamp.is_file() and stamp.read_text() == want:
         return str(gch)
     tmp = gch.with_name(f".{gch.name}.{os.getpid()}")
