@@ -303,6 +303,32 @@ def _retained_arrays_per_layer(act, n: int = 512, f: int = 256) -> float:
     return (peak(50) - peak(30)) / 20 / (n * f * 4)
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.125])
+def test_heads_equal_float64_projection_split_into_heads(scale):
+    """`Ops.heads` ((x W^T + b) * scale as (B,H,T,hd)), both forms, plain and compiled: values
+    and the gradients of x, W and b against float64 numpy."""
+    B, T, D, H = 3, 7, 24, 4
+    rng = np.random.default_rng(2)
+    x, w, b, up = (rng.standard_normal(s).astype(np.float32)
+                   for s in ((B, T, D), (D, D), (D,), (B, H, T, D // H)))
+    x64, w64, b64, up64 = (a.astype(np.float64) for a in (x, w, b, up))
+    want = ((x64 @ w64.T + b64) * scale).reshape(B, T, H, D // H).transpose(0, 2, 1, 3)
+    g = (up64 * scale).transpose(0, 2, 1, 3).reshape(B * T, D)  # d loss / d (x W^T + b)
+    want_grads = (g @ w64).reshape(B, T, D), g.T @ x64.reshape(B * T, D), g.sum(0)
+    for op in (MLX, FAST):
+        def loss(x, w, b, op=op):
+            return (op.heads(x, w, b, H, scale) * mx.array(up)).sum()
+        for fn in (lambda *a, op=op: op.heads(*a, H, scale),
+                   mx.compile(lambda *a, op=op: op.heads(*a, H, scale))):
+            np.testing.assert_allclose(np.array(fn(mx.array(x), mx.array(w), mx.array(b))),
+                                       want, rtol=1e-5, atol=1e-5)
+        grads = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))(mx.array(x), mx.array(w),
+                                                            mx.array(b))
+        for got, ref in zip(grads, want_grads):
+            np.testing.assert_allclose(np.array(got), ref, rtol=1e-5,
+                                       atol=1e-5 * np.abs(ref).max())
+
+
 def test_geglu_is_gelu_approx_times_up_with_float64_gradients_and_holds_less():
     """`Ops.gelu_mul` (Gemma's GeGLU): the values of `nn.gelu_approx(gate) * up` bit for bit,
     gradients against float64 calculus, and a backward pass that holds gate, up and the tanh

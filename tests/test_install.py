@@ -147,6 +147,27 @@ def test_backend_follows_the_gpu_and_its_driver(tmp_path, os_name, gpus, driver,
     assert (message or "") in r.stderr and (message is not None or r.stderr == ""), r.stderr
 
 
+@pytest.mark.parametrize("arch, vendor, backend, blas, want, message", [
+    ("x86_64", "GenuineIntel", "cpu", None, "mkl", "BLAS: Intel's MKL from pip for this Intel CPU"),
+    ("x86_64", "GenuineIntel", "cpu", "openblas", "", "BLAS: OpenBLAS from pip, not MKL "
+     "(TOYMLX_BLAS=openblas)"),
+    ("x86_64", "GenuineIntel", "cuda", None, "", None),
+    ("x86_64", "AuthenticAMD", "cpu", None, "", None),
+    ("aarch64", "", "cpu", None, "", None),
+])
+def test_the_blas_extra_is_mkl_on_intel_cpus_alone(tmp_path, arch, vendor, backend, blas, want,
+                                                   message):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu avx2\n")
+    env = {k: v for k, v in _env().items() if k != "TOYMLX_BLAS"}
+    if blas:
+        env["TOYMLX_BLAS"] = blas
+    r = _shell("bash", f"source scripts/install_env.sh; OS=Linux; ARCH={arch}; "
+               f"CPUINFO={cpuinfo}; BACKEND={backend}; blas_extra", REPO, env)
+    assert r.returncode == 0 and r.stdout == (want + "\n" if want else ""), r.stdout + r.stderr
+    assert (message or "") in r.stderr and (message is not None or r.stderr == ""), r.stderr
+
+
 def _fake_mac_tools(folder: Path, pythons: dict[str, str], arm64: str = "1",
                     translated: str = "0", macos: str = "14.5") -> Path:
     """Pythons answering py_info with "VERSION ARCH", and a Mac's `sysctl` and `sw_vers`."""
@@ -258,7 +279,7 @@ def test_fresh_install_on_the_system_python(tmp_path):
     the system python3, toymlx installed editable from the copy, a few real steps; then a
     re-run from zsh reuses it, activates it, and leaves nothing else behind. No root is asked
     for the BLAS: apt-get and sudo on PATH only record their calls, and the run's MLX uses
-    OpenBLAS from pip with the kernels this CPU calls for."""
+    a BLAS from pip with the kernels this CPU calls for (MKL on an Intel CPU, else OpenBLAS)."""
     system = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version.split()[0])"],
                             capture_output=True, text=True, check=True).stdout.strip()
     copy = _copy_checkout(tmp_path / "toymlx")
@@ -307,10 +328,16 @@ def test_fresh_install_on_the_system_python(tmp_path):
     evs = read_events(runs[0])
     assert len(runs) == 1 and check_toy_v1(evs) == []
     backend = evs[0]["backend"]
-    if sys.platform.startswith("linux"):  # MLX's BLAS: pip's OpenBLAS, never a generic core
-        assert backend["blas_source"].startswith("pip scipy-openblas32"), backend
-        want = blas.core_for_cpu(*blas.cpu_flags())
-        assert want is None or backend["blas_core"] == want[0], backend
+    if sys.platform.startswith("linux"):  # MLX's BLAS from pip, never a generic core
+        vendor, flags = blas.cpu_flags()
+        if vendor == "GenuineIntel" and "TOYMLX_BLAS" not in os.environ:  # MKL, its AVX code
+            assert backend["blas_source"].startswith("pip mkl "), backend
+            assert backend["blas_core"].startswith("AVX2" if "avx512f" not in flags
+                                                   else "AVX512"), backend
+        else:
+            assert backend["blas_source"].startswith("pip scipy-openblas32"), backend
+            want = blas.core_for_cpu(vendor, flags)
+            assert want is None or backend["blas_core"] == want[0], backend
     assert [e["step"] for e in evs if e["kind"] == "step"] == [1, 2, 3, 4, 5]
     assert evs[-1]["reason"] == "completed" and evs[0]["config"]["data_source"] == "uci-digits"
 

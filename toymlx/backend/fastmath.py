@@ -400,7 +400,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     B, H, T, hd = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     rep = H // n_kv
-    q = q * scale
+    if scale != 1.0:
+        q = q * scale
     if not causal or (T == 1 and (window is None or S <= window)):
         s = q.reshape(B, n_kv, rep * T, hd) @ k.swapaxes(-1, -2)  # (B,Hkv,rep*T,S)
         return (softmax(s, in_kernel) @ v).reshape(B, H, T, hd)  # (B,H,T,hd)
@@ -529,6 +530,32 @@ def _linear_bias_vjp(primals, cotangent, output):
     x, w, _ = primals
     g2 = cotangent.reshape(-1, w.shape[0])
     return cotangent @ w, g2.T @ x.reshape(-1, w.shape[1]), _lead_sum(g2)
+
+
+@functools.cache
+def _heads_fn(n_heads: int, scale: float):
+    @mx.custom_function
+    def f(y, b):
+        B, T, D = y.shape
+        h = y.reshape(B, T, n_heads, D // n_heads).transpose(0, 2, 1, 3) + b.reshape(n_heads, 1, -1)
+        return h if scale == 1.0 else h * scale
+
+    @f.vjp
+    def f_vjp(primals, cotangent, output):
+        y, _ = primals
+        g = (cotangent.transpose(0, 2, 1, 3) * scale).reshape(y.shape)  # one loop, token-major
+        return g, _lead_sum(g)
+
+    return f
+
+
+def heads(y: mx.array, bias: mx.array, n_heads: int, scale: float = 1.0) -> mx.array:
+    """(y + bias) * scale for a projection y (B,T,D) without its bias, split into heads
+    (B,H,T,hd) and stored head-major, in one loop (the bias add and the transpose that the
+    attention's products need, which `mx.addmm`'s bias fill and the matmuls' own copies of
+    a strided operand did in three); the backward pass likewise, the bias's gradient as one
+    matrix-vector product."""
+    return _heads_fn(int(n_heads), float(scale))(y, bias)
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:

@@ -136,6 +136,16 @@ class Ops:
         x, w = self.cast(x), self.cast(weight)
         return x @ w.T if bias is None else mx.addmm(self.cast(bias), x, w.T)
 
+    def heads(self, x: mx.array, weight: mx.array, bias: mx.array, n_heads: int,
+              scale: float = 1.0) -> mx.array:
+        """(x @ weight.T + bias) * scale split into heads, (B,T,D) -> (B,H,T,hd): attention's
+        q, k or v from a biased projection (ViT's), head-major as its products read it."""
+        if self.kernels == "vectorised":
+            return fastmath.heads(fastmath.linear(x, weight), bias, n_heads, scale)
+        B, T, _ = x.shape
+        h = self.linear(x, weight, bias).reshape(B, T, n_heads, -1).transpose(0, 2, 1, 3)
+        return h if scale == 1.0 else h * scale
+
     def embed(self, table: mx.array, tokens: mx.array) -> mx.array:
         """Rows of the token table, in the compute dtype."""
         return self.cast(table[tokens])

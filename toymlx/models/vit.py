@@ -113,11 +113,11 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         B, T, _ = x.shape
-        H, hd = self.n_heads, self.head_dim
-        q = self.q_proj(x).reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        k = self.k_proj(x).reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        v = self.v_proj(x).reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        o = self.ops.attention(q, k, v, self.scale, causal=False)  # (B,H,T,hd)
+        H, ops = self.n_heads, self.ops
+        q = ops.heads(x, self.q_proj.weight, self.q_proj.bias, H, self.scale)  # (B,H,T,hd)
+        k = ops.heads(x, self.k_proj.weight, self.k_proj.bias, H)  # (B,H,T,hd)
+        v = ops.heads(x, self.v_proj.weight, self.v_proj.bias, H)  # (B,H,T,hd)
+        o = ops.attention(q, k, v, 1.0, causal=False)  # (B,H,T,hd), q already scaled
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,D)
         return self.o_proj(o)
 
