@@ -16,6 +16,7 @@ from toymlx.data.chat import (
     Example,
     SFTData,
     data_files,
+    drawn_rows,
     fit_rows,
     load_examples,
     pack_or_pad,
@@ -533,3 +534,31 @@ def test_tools_field_reaches_the_template(tmp_path):
     with pytest.raises(DataError, match=r'bad\.jsonl:1: expected "tools" to be an array of '
                                         r"function objects, found string"):
         load_examples(bad)
+
+
+def test_unpacked_runs_meet_their_widest_batch_at_step_0(tmp_path):
+    """Unpacked, step 0's batch holds the row that trains farthest, so the run's widest batch
+    (and its peak memory) comes first; epoch 0 still draws every row once, later epochs and
+    packed runs draw as before, and `batch_widths` names each batch's width."""
+    lines = [json.dumps({"prompt": f"q{i}", "completion": "a" * (9 * (i % 7) + 1)})
+             for i in range(40)]
+    path = write(tmp_path, "train.jsonl", "\n".join(lines))
+    tok = FakeTokenizer(chat_template=None)
+    data = SFTData.from_file(path, tok, seq_len=128, val_fraction=0.0)
+    ends = [int(np.flatnonzero(m)[-1]) + 1 for m in data.train["mask"]]
+    longest = int(np.argmax(ends))
+    assert data.first_row == longest
+    assert drawn_rows(40, np.arange(4), 5, longest)[0] == longest
+    assert longest not in drawn_rows(40, np.arange(4), 5).tolist()  # seed 5 drew it later
+    widths = [data.batch(s, 5, 4)["inputs"].shape[-1] for s in range(30)]
+    assert widths[0] == -(-max(ends) // 32) * 32 == max(widths) > min(widths)
+    drawn = np.concatenate([drawn_rows(40, np.arange(s * 4, s * 4 + 4), 5, longest)
+                            for s in range(10)])
+    assert sorted(drawn.tolist()) == list(range(40))  # epoch 0: every row once
+    np.testing.assert_array_equal(drawn_rows(40, np.arange(40, 80), 5, longest),
+                                  drawn_rows(40, np.arange(40, 80), 5))  # epoch 1 as before
+    np.testing.assert_array_equal(data.batch_widths(range(30), 5, 4), widths)
+    packed = SFTData.from_file(path, tok, seq_len=128, pack=True, val_fraction=0.0)
+    assert packed.first_row is None
+    np.testing.assert_array_equal(packed.batch(0, 5, 2)["inputs"],
+                                  sft_batch(packed.train, 0, 5, 2)["inputs"])

@@ -197,7 +197,9 @@ def _mount_tmpfs(where: Path, size: str, ro: bool = False) -> bool:
 
 
 def _umount(where: Path) -> None:
-    subprocess.run(["umount", str(where)], capture_output=True, check=False)
+    # lazy: detached now even while a file there is still open (a plain umount then fails with
+    # EBUSY and left a mount behind in every run)
+    subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -28,6 +28,7 @@ Rendered templates are encoded with `add_bos=False`, as Hugging Face does
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -472,13 +473,15 @@ def pack_or_pad(
 
 
 def sft_batch(
-    rows: dict[str, np.ndarray], step: int, seed: int, batch_size: int, accum: int = 1
+    rows: dict[str, np.ndarray], step: int, seed: int, batch_size: int, accum: int = 1,
+    first: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Rows for one optimizer step, `(accum, batch_size, seq_len)`, a pure function of (seed, step).
 
     Rows are drawn by epochs: global draw `g = step * accum * batch_size + k` takes row
     `perm_e[g % N]` of the permutation `default_rng([seed, e]).permutation(N)` for epoch
     `e = g // N`, so each row is seen once per epoch and resume needs only the step.
+    `first`: a row that epoch 0 draws first (swapped with the one its permutation put there).
     """
     n = len(rows["inputs"])
     if n == 0:
@@ -487,17 +490,22 @@ def sft_batch(
         raise DataError(f"need batch_size, accum >= 1 and step, seed >= 0, got "
                         f"batch_size={batch_size}, accum={accum}, step={step}, seed={seed}")
     draws = step * accum * batch_size + np.arange(accum * batch_size)
-    index = drawn_rows(n, draws, seed).reshape(accum, batch_size)
+    index = drawn_rows(n, draws, seed, first).reshape(accum, batch_size)
     return {k: v[index] for k, v in rows.items()}  # (A, B, T)
 
 
-def drawn_rows(n: int, draws: np.ndarray, seed: int) -> np.ndarray:
-    """The rows (of `n`) that global draws `draws` take: `sft_batch`'s epochs of permutations."""
+def drawn_rows(n: int, draws: np.ndarray, seed: int, first: int | None = None) -> np.ndarray:
+    """The rows (of `n`) that global draws `draws` take: `sft_batch`'s epochs of permutations,
+    epoch 0's with row `first` (if given) moved to its front."""
     epochs = draws // n
     index = np.empty_like(draws)
     for e in np.unique(epochs):
         sel = epochs == e
-        index[sel] = np.random.default_rng([seed, int(e)]).permutation(n)[draws[sel] % n]
+        perm = np.random.default_rng([seed, int(e)]).permutation(n)
+        if e == 0 and first is not None:
+            at = int(np.flatnonzero(perm == first)[0])
+            perm[[0, at]] = perm[[at, 0]]
+        index[sel] = perm[draws[sel] % n]
     return index
 
 
@@ -653,11 +661,22 @@ class SFTData:
         test = held_out_rows(load_examples(files.test), tokenizer, seq_len, mask_prompt, pack)
         return dataclasses.replace(data, test=test, test_source=str(files.test))
 
+    @functools.cached_property
+    def first_row(self) -> int | None:
+        """Unpacked: the row that trains to the farthest position, which step 0's batch holds,
+        so that the run's widest batch, and its peak memory, come at its first step (a run
+        that cannot fit fails there, and no later step stops to fault in new memory or build
+        new kernels for it); None when packed (every batch is as wide)."""
+        if self.pack:
+            return None
+        return int(np.argmax(trained_ends(self.train["mask"])))
+
     def batch(self, step: int, seed: int, batch_size: int, accum: int = 1) -> dict[str, np.ndarray]:
         """`sft_batch` over the training rows; unpacked, cut to the batch's longest row
-        (`fit_rows`)."""
-        batch = sft_batch(self.train, step, seed, batch_size, accum)
-        return batch if self.pack else fit_rows(batch)
+        (`fit_rows`), step 0's holding the training set's longest (`first_row`)."""
+        if self.pack:
+            return sft_batch(self.train, step, seed, batch_size, accum)
+        return fit_rows(sft_batch(self.train, step, seed, batch_size, accum, self.first_row))
 
     def batch_widths(self, steps: range, seed: int, batch_size: int, accum: int = 1
                      ) -> np.ndarray:
@@ -668,7 +687,7 @@ class SFTData:
             return np.full(len(steps), width)
         per = accum * batch_size
         draws = (np.asarray(steps)[:, None] * per + np.arange(per)).ravel()
-        rows = drawn_rows(len(self.train["mask"]), draws, seed)
+        rows = drawn_rows(len(self.train["mask"]), draws, seed, self.first_row)
         ends = trained_ends(self.train["mask"])[rows]
         return fitted_width(ends.reshape(len(steps), per).max(axis=1), width)
 
