@@ -158,3 +158,35 @@ def test_mkl_from_pip_runs_mlxs_matmuls_one_thread_a_stream_on_an_intel_cpu():
         got = np.array(mx.array(a) @ mx.array(a.T), np.float64)
     want = a.astype(np.float64) @ a.T.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+_OPENMP = """
+import json
+import toymlx
+import mlx.core as mx
+from toymlx.backend import device
+from toymlx.backend.device import backend_info
+with device.use_blas_threads(2):  # a product big enough for MKL to start its threads
+    mx.eval(mx.ones((1024, 1024)) @ mx.ones((1024, 1024)))
+maps = open("/proc/self/maps").read()
+print(json.dumps({"threading": backend_info().get("blas_threading"),
+                  "iomp": "libiomp5" in maps, "gomp": "libgomp" in maps}))
+"""
+
+
+def test_mkl_computes_on_the_process_s_one_openmp_runtime():
+    """With MKL: its threads are GNU OpenMP's, the runtime llama.cpp and g++'s code use, and
+    Intel's OpenMP, a second pool of threads on the same cores, is never loaded;
+    MKL_THREADING_LAYER set by the user is left to MKL."""
+    if not _mkl_chosen():
+        pytest.skip("the mkl extra is not installed here, or this CPU is not Intel's "
+                    "(pip install 'toymlx[mkl]')")
+    e = {k: v for k, v in os.environ.items() if k not in ("TOYMLX_BLAS", "MKL_THREADING_LAYER")}
+    for layer, want in [(None, {"threading": "gnu", "iomp": False, "gomp": True}),
+                        ("INTEL", {"threading": "MKL_THREADING_LAYER=INTEL", "iomp": True})]:
+        env = e if layer is None else {**e, "MKL_THREADING_LAYER": layer}
+        p = subprocess.run([sys.executable, "-c", _OPENMP], env=env, capture_output=True,
+                           text=True, timeout=120, check=False)
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        assert {k: got[k] for k in want} == want, (layer, got)

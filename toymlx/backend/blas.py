@@ -13,10 +13,9 @@ Which library, the first found of:
 2. On an Intel CPU, MKL from pip (`mkl`, the `toymlx[mkl]` extra, which the installer adds on
    Intel hosts): its single-thread sgemm at ViT-Tiny's and SmolLM2's shapes takes 0.77-0.91x
    OpenBLAS's time, so toymlx's CPU steps take 0.91-0.97x (docs/RESULTS.md, session 21). Its
-   OpenMP threads take the caller's floating-point mode at each call (so a flushing step's
-   matmuls flush), and `KMP_BLOCKTIME=0` (unless set) keeps them from spinning after a call
-   while the step's other CPU stream needs the core. Not on AMD CPUs, where MKL does not
-   choose its fastest kernels.
+   threads come from GNU OpenMP, the process's one OpenMP runtime (`mkl_threading`), and take
+   the caller's floating-point mode at each call (so a flushing step's matmuls flush). Not on
+   AMD CPUs, where MKL does not choose its fastest kernels.
 3. OpenBLAS from pip, `scipy-openblas32` (toymlx[cpu] depends on it on Linux): current
    (0.3.34 when written), built for every x86-64 and arm64 core (DYNAMIC_ARCH), with LP64
    integers as MLX calls them and every symbol prefixed `scipy_`, so it clashes with no other
@@ -95,6 +94,9 @@ class Library:
     core_from: str | None = None
     """Who chose the kernel set: "cpuid (FLAGS)" where `load` set OPENBLAS_CORETYPE,
     "OPENBLAS_CORETYPE=X" where the user had set it, else None (the library itself)."""
+    threading: str | None = None
+    """MKL's threading layer (`mkl_threading`): gnu, sequential, or MKL_THREADING_LAYER=X
+    where the user chose; None for another BLAS."""
 
     def function(self, name: str):
         """The library's `name` (its prefix added), or None where it has none."""
@@ -261,10 +263,37 @@ def load(path: str, prefix: str, source: str) -> Library:
         raise OSError(f"{path}: no {prefix}cblas_sgemm in it; expected a BLAS")
     if lib.kind == "mkl":
         lib.core_from = None  # MKL chooses its code branch itself
-        # Intel OpenMP's idle threads spin for 200 ms after a call by default, while the
-        # step's other CPU stream needs the core; read when MKL first starts them (later)
-        os.environ.setdefault("KMP_BLOCKTIME", "0")
+        lib.threading = mkl_threading(lib)
     return lib
+
+
+MKL_THREADING = {"sequential": 1, "gnu": 3}
+"""`MKL_Set_Threading_Layer`'s values (mkl_service.h: MKL_THREADING_SEQUENTIAL, _GNU)."""
+
+
+def mkl_threading(lib: Library) -> str:
+    """Choose MKL's threading layer, before its first call: GNU OpenMP (libgomp) where it
+    loads, else sequential; MKL_THREADING_LAYER, if set, is the user's choice and MKL's own.
+
+    Not MKL's default, Intel OpenMP: a second OpenMP runtime in the process beside the
+    libgomp that llama.cpp's threads (`--engine llama.cpp`) and g++'s code use, and the two
+    pools fought over 2 cores (SmolLM2 decoding through llama.cpp 16 against 87 tokens/s;
+    through MLX 18.6 against 34.7 with libgomp). A training step's MKL calls run on one
+    thread each and take the layer's speed either way."""
+    user = os.environ.get("MKL_THREADING_LAYER")
+    if user:
+        if user.upper() == "INTEL":
+            # Intel OpenMP's idle threads spin for 200 ms after a call by default, while the
+            # step's other CPU stream needs the core; read when MKL first starts them
+            os.environ.setdefault("KMP_BLOCKTIME", "0")
+        return f"MKL_THREADING_LAYER={user}"
+    try:
+        ctypes.CDLL("libgomp.so.1")
+        layer = "gnu"
+    except OSError:
+        layer = "sequential"
+    lib.function("MKL_Set_Threading_Layer")(MKL_THREADING[layer])
+    return layer
 
 
 def generic_core(lib: Library) -> str | None:

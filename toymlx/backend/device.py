@@ -565,6 +565,8 @@ def backend_info() -> dict:
                     blas_core=p.library.core, blas_version=p.library.config)
         if p.library.core_from:
             info["blas_core_from"] = p.library.core_from
+        if p.library.threading:
+            info["blas_threading"] = p.library.threading
     if p.kernel_cache:
         info["kernel_cache"] = p.kernel_cache
     if p.kernel_pch:
