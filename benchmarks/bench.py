@@ -30,7 +30,6 @@ import toymlx  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx.c
 # isort: split
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -120,11 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: {problem}", file=sys.stderr)
         return 2
     setup_process()  # as toymlx-train sets itself up, before MLX evaluates anything
-    # PyTorch's OpenMP threads spin while they wait (libgomp's default): on a 2-core machine
-    # that other work shares, the spinning thread holds the core its partner needs and
-    # PyTorch's CPU steps take 3-5x longer than with one thread. PASSIVE waits sleep. Set
-    # before torch is imported (here or in a child).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     log = lambda s: print(s, file=sys.stderr, flush=True)
     if gpu:
         info = gpu_suite.run_gpu(

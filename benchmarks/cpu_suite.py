@@ -26,6 +26,7 @@ from procs import (
     MB,
     ChildVariant,
     build_step,
+    child_env,
     gguf_io,
     proc_status,
     run_child,
@@ -191,7 +192,7 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
                             "toymlx_ops": {"toymlx": cpu_ops().describe(), "toymlx-ref":
                                            reference_ops().describe()},
                             "cold_jit": cold_jit, "kernel_pch_build_s": pch_s,
-                            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                            "torch_omp_wait_policy": child_env("torch")["OMP_WAIT_POLICY"],
                             "numpy": np.__version__, "workloads": []}
     try:
         import torch  # optional (the bench extra); its version and threads for the record
@@ -251,7 +252,7 @@ def format_table(info: dict[str, Any]) -> str:
               f"mlx-lm={info.get('mlx_lm')} cores={b.get('cores')} "
               f"cold_jit={info['cold_jit']} (kernel PCH built in "
               f"{num(info.get('kernel_pch_build_s'), '.1f')} s) "
-              f"OMP_WAIT_POLICY={info.get('omp_wait_policy')}")]
+              f"PyTorch's OMP_WAIT_POLICY={info.get('torch_omp_wait_policy')}")]
     wn = max([13] + [len(r["workload"]) for r in info["workloads"]])  # the name column
     hdr = (f"{'workload':<{wn}} {'impl':<7} {'median ms':>9} {'min ms':>8} {'cpu ms':>8} "
            f"{'items/s':>9} "

@@ -100,7 +100,9 @@ def child_env(impl: str) -> dict[str, str | None]:
     - torch, torch1t: the plain heap and TOYMLX_BLAS=reference: the child never loads
       OpenBLAS. Where it did, PyTorch's CPU attention kernels called OpenBLAS's threaded sgemm
       from inside their OpenMP threads (fwd+bwd of a SmolLM2-135M attention: 465 ms against
-      20 ms in a clean process).
+      20 ms in a clean process). And `TORCH_OMP_WAIT_POLICY` (unless OMP_WAIT_POLICY is set).
+    Every other process the benchmark starts (toymlx's commands, mlx-lm, llama.cpp) runs with
+    the environment as the user has it.
     """
     here = os.environ.get("GLIBC_TUNABLES")
     if impl.startswith("toymlx"):
@@ -108,7 +110,16 @@ def child_env(impl: str) -> dict[str, str | None]:
     env: dict[str, str | None] = {"GLIBC_TUNABLES": plain_tunables(here)}
     if impl.startswith("torch"):
         env["TOYMLX_BLAS"] = "reference"
+        env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY") or TORCH_OMP_WAIT_POLICY
     return env
+
+
+TORCH_OMP_WAIT_POLICY = "PASSIVE"
+"""PyTorch's children's OpenMP wait: its threads otherwise spin while they wait (libgomp's
+default), and on a 2-core machine that other work shares the spinning thread holds the core
+its partner needs: PyTorch's CPU steps took 3-5x longer than with one thread. PASSIVE waits
+sleep. Only there: MKL's threads in toymlx's processes are libgomp's too, and decoding
+(2-thread matrix-vector products, a few hundred a token) ran at half speed with PASSIVE."""
 
 
 class ChildVariant(Variant):

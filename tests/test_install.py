@@ -149,8 +149,8 @@ def test_backend_follows_the_gpu_and_its_driver(tmp_path, os_name, gpus, driver,
 
 @pytest.mark.parametrize("arch, vendor, backend, blas, want, message", [
     ("x86_64", "GenuineIntel", "cpu", None, "mkl", "BLAS: Intel's MKL from pip for this Intel CPU"),
-    ("x86_64", "GenuineIntel", "cpu", "openblas", "", "BLAS: OpenBLAS from pip, not MKL "
-     "(TOYMLX_BLAS=openblas)"),
+    ("x86_64", "GenuineIntel", "cpu", "openblas", "",
+     "BLAS: OpenBLAS from pip, not MKL (TOYMLX_BLAS=openblas)"),
     ("x86_64", "GenuineIntel", "cuda", None, "", None),
     ("x86_64", "AuthenticAMD", "cpu", None, "", None),
     ("aarch64", "", "cpu", None, "", None),
