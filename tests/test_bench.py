@@ -22,6 +22,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from toymlx.backend.device import backend_info
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks" / "bench.py"
 
@@ -204,7 +206,9 @@ def test_cpu_suite_steps_each_side_alone_in_its_own_process(bench):
             assert (v.last_mlx_peak_mb is None) == (v.name == "torch")
         assert toy.last_mlx_peak_mb > 0 and peer.last_mlx_peak_mb > 0
         maps = {v.name: Path(f"/proc/{v.proc.pid}/maps").read_text().lower() for v in variants}
-        lib = "/libscipy_openblas.so"  # toymlx's (numpy's own is libscipy_openblas64_-*.so)
+        # the BLAS toymlx binds (pip's OpenBLAS: numpy's own is libscipy_openblas64_-*.so; or
+        # MKL on an Intel CPU), in MLX's children and not in PyTorch's
+        lib = "/" + os.path.basename(backend_info()["blas_path"]).lower()
         assert lib in maps["toymlx"] and lib in maps["mlx-lm"] and lib not in maps["torch"]
     finally:
         for v in variants:
