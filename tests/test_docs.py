@@ -512,9 +512,11 @@ def run_doc(doc: str, folder: Path, stories: Path, python: bool) -> list[str]:
 
 
 def shape(line: str) -> str:
-    """A printed line with its numbers and absolute paths left out (a shortened run prints
-    other numbers, in another folder)."""
-    line = re.sub(r"(?<![\w-])/[^\s,)]+", "PATH", line.strip())
+    """A printed line with its numbers, absolute paths and BLAS left out (a shortened run prints
+    other numbers, in another folder; `--version`'s BLAS is the host's: OpenBLAS, or MKL on an
+    Intel CPU)."""
+    line = re.sub(r"; BLAS .*\)$", "; BLAS HOST)", line.strip())
+    line = re.sub(r"(?<![\w-])/[^\s,)]+", "PATH", line)
     return re.sub(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?", "N", line)
 
 
