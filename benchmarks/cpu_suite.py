@@ -98,6 +98,12 @@ def run_workload(w: Workload, rounds: int, warmup: int, which: tuple[str, ...],
             v.close()
 
 
+PROBE_SETTLE_S = 0.3
+"""The pause between a round's sgemm probes and its first step: numpy's OpenBLAS threads spin
+for ~0.1 s after a call before they sleep, and the step that followed at once shared its 2
+cores with them (each round's first step, whichever side, took 50-80 ms longer)."""
+
+
 def _time_variants(w: Workload, variants: list[ChildVariant], builds: dict[str, float],
                    rounds: int, warmup: int, log: Callable[[str], None]) -> dict[str, Any]:
     """`run_workload`'s timing and figures, once its variants are built."""
@@ -108,6 +114,7 @@ def _time_variants(w: Workload, variants: list[ChildVariant], builds: dict[str, 
     def before_round(r: int) -> str:
         sgemm["mlx"].append(mlx_sgemm())
         sgemm["numpy"].append(numpy_sgemm())
+        time.sleep(PROBE_SETTLE_S)
         cpu_rounds.append({})
         return f"  (sgemm mlx {sgemm['mlx'][-1]:.0f} GFLOPS)"
 
