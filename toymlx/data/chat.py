@@ -674,9 +674,8 @@ class SFTData:
     def batch(self, step: int, seed: int, batch_size: int, accum: int = 1) -> dict[str, np.ndarray]:
         """`sft_batch` over the training rows; unpacked, cut to the batch's longest row
         (`fit_rows`), step 0's holding the training set's longest (`first_row`)."""
-        if self.pack:
-            return sft_batch(self.train, step, seed, batch_size, accum)
-        return fit_rows(sft_batch(self.train, step, seed, batch_size, accum, self.first_row))
+        batch = sft_batch(self.train, step, seed, batch_size, accum, self.first_row)
+        return batch if self.pack else fit_rows(batch)
 
     def batch_widths(self, steps: range, seed: int, batch_size: int, accum: int = 1
                      ) -> np.ndarray:
