@@ -25,6 +25,7 @@ from toymlx.models.llama import Llama, tiny
 from toymlx.models.lora import DoRALinear, LoRALinear, apply_lora, fuse, lora_layers
 from toymlx.models.losses import lm_loss
 from toymlx.recipes.lora import resolve_base_dtype
+from toymlx.training import memory
 from toymlx.training.adapter import apply_adapter, load_adapter, load_adapter_weights, write_adapter
 
 CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}"
@@ -209,9 +210,29 @@ def test_quantized_base_holds_gguf_blocks_exactly(tiny_gguf, tmp_path):
     before = qnt(TOKENS)
     apply_lora(qnt, "q,v", rank=4)
     assert mx.array_equal(qnt(TOKENS), before).item()
-    assert resolve_base_dtype("auto", True) == "quantized"  # a GPU: MLX's fast path
-    assert resolve_base_dtype("auto", False) == "blocks"  # the CPU: the file's blocks
     assert isinstance(base(g.path, "quantized").layers[0].attn.q_proj, nn.Linear)  # F32 stays
+
+
+def test_auto_base_dtype_holds_float32_on_the_cpu_where_half_the_memory_fits(monkeypatch):
+    """--base-dtype auto: MLX's quantized layers on a GPU; on the CPU float32 while a step with
+    it takes at most half the available memory (and --grad-checkpoint does not ask for memory
+    first), else the file's blocks; an explicit choice is kept."""
+    asked = []
+
+    def step_bytes(held):
+        asked.append(held)
+        return {"float32": 6_000, "blocks": 2_000}[held]
+
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "12000")
+    assert resolve_base_dtype("auto", False, False, step_bytes) == "float32"
+    assert asked == ["float32"]
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "11999")
+    assert resolve_base_dtype("auto", False, False, step_bytes) == "blocks"
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "10" + "0" * 12)
+    assert resolve_base_dtype("auto", False, True, step_bytes) == "blocks"  # memory first
+    assert resolve_base_dtype("auto", True, False, step_bytes) == "quantized"  # a GPU
+    for choice in ("blocks", "quantized", "float32", "bfloat16", "float16"):
+        assert resolve_base_dtype(choice, False, False, step_bytes) == choice
 
 
 def test_merged_export_matches_lora_forward(tiny_gguf, tmp_path):
@@ -295,8 +316,8 @@ def test_recipe_writes_adapters_and_resumes(tiny_gguf, tmp_path):
     events = [json.loads(line) for line in (full / "events.jsonl").read_text().splitlines()]
     start = events[0]
     assert start["model"]["n_trainable"] == 3 * 4 * ((64 + 64) + (64 + 32))
-    assert start["model"]["lora_targets"] == "q,v" and start["model"]["base_dtype"] == "blocks"
-    assert start["config"]["base_dtype_resolved"] == "blocks"
+    assert start["model"]["lora_targets"] == "q,v" and start["model"]["base_dtype"] == "float32"
+    assert start["config"]["base_dtype_resolved"] == "float32"  # auto, plenty of memory
     losses = [e["loss"] for e in events if e["kind"] == "step"]
     assert len(losses) == 6 and all(np.isfinite(losses))
     ad = load_adapter(full)
