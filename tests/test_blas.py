@@ -169,24 +169,37 @@ from toymlx.backend.device import backend_info
 with device.use_blas_threads(2):  # a product big enough for MKL to start its threads
     mx.eval(mx.ones((1024, 1024)) @ mx.ones((1024, 1024)))
 maps = open("/proc/self/maps").read()
+import os
 print(json.dumps({"threading": backend_info().get("blas_threading"),
-                  "iomp": "libiomp5" in maps, "gomp": "libgomp" in maps}))
+                  "iomp": "libiomp5" in maps, "gomp": "libgomp" in maps,
+                  "env": os.environ.get("OMP_WAIT_POLICY", os.environ.get("GOMP_SPINCOUNT"))}))
 """
 
 
 def test_mkl_computes_on_the_process_s_one_openmp_runtime():
     """With MKL: its threads are GNU OpenMP's, the runtime llama.cpp and g++'s code use, and
     Intel's OpenMP, a second pool of threads on the same cores, is never loaded;
-    MKL_THREADING_LAYER set by the user is left to MKL."""
+    MKL_THREADING_LAYER set by the user is left to MKL. GNU OpenMP loads with its idle threads
+    spinning 1000 times before they sleep (libgomp's own report of its settings,
+    OMP_DISPLAY_ENV), in this process alone: the environment children get is unchanged; a
+    user's OMP_WAIT_POLICY is kept."""
     if not _mkl_chosen():
         pytest.skip("the mkl extra is not installed here, or this CPU is not Intel's "
                     "(pip install 'toymlx[mkl]')")
-    e = {k: v for k, v in os.environ.items() if k not in ("TOYMLX_BLAS", "MKL_THREADING_LAYER")}
-    for layer, want in [(None, {"threading": "gnu", "iomp": False, "gomp": True}),
-                        ("INTEL", {"threading": "MKL_THREADING_LAYER=INTEL", "iomp": True})]:
-        env = e if layer is None else {**e, "MKL_THREADING_LAYER": layer}
-        p = subprocess.run([sys.executable, "-c", _OPENMP], env=env, capture_output=True,
-                           text=True, timeout=120, check=False)
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("TOYMLX_BLAS", "MKL_THREADING_LAYER", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    e["OMP_DISPLAY_ENV"] = "VERBOSE"  # libgomp prints its settings to stderr as it loads
+    for extra, want, spins in [
+            ({}, {"threading": "gnu, GOMP_SPINCOUNT=1000", "iomp": False, "gomp": True,
+                  "env": None}, "1000"),  # libgomp's default: 300000
+            ({"OMP_WAIT_POLICY": "ACTIVE"}, {"threading": "gnu", "env": "ACTIVE"},
+             "30000000000"),
+            ({"MKL_THREADING_LAYER": "INTEL"},
+             {"threading": "MKL_THREADING_LAYER=INTEL", "iomp": True}, None)]:
+        p = subprocess.run([sys.executable, "-c", _OPENMP], env={**e, **extra},
+                           capture_output=True, text=True, timeout=120, check=False)
         assert p.returncode == 0, p.stderr[-2000:]
         got = json.loads(p.stdout.strip().splitlines()[-1])
-        assert {k: got[k] for k in want} == want, (layer, got)
+        assert {k: got[k] for k in want} == want, (extra, got)
+        if spins is not None:
+            assert f"GOMP_SPINCOUNT = '{spins}'" in p.stderr, (extra, p.stderr[-2000:])

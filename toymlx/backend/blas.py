@@ -13,8 +13,8 @@ Which library, the first found of:
 2. On an Intel CPU, MKL from pip (`mkl`, the `toymlx[mkl]` extra, which the installer adds on
    Intel hosts): its single-thread sgemm at ViT-Tiny's and SmolLM2's shapes takes 0.77-0.91x
    OpenBLAS's time, so toymlx's CPU steps take 0.91-0.97x (docs/RESULTS.md, session 21). Its
-   threads come from GNU OpenMP, the process's one OpenMP runtime (`mkl_threading`), and take
-   the caller's floating-point mode at each call (so a flushing step's matmuls flush). Not on
+   threads come from GNU OpenMP, the process's one OpenMP runtime (`mkl_threading`), soon
+   asleep when idle (`load_libgomp`), and take the caller's floating-point mode at each call (so a flushing step's matmuls flush). Not on
    AMD CPUs, where MKL does not choose its fastest kernels.
 3. OpenBLAS from pip, `scipy-openblas32` (toymlx[cpu] depends on it on Linux): current
    (0.3.34 when written), built for every x86-64 and arm64 core (DYNAMIC_ARCH), with LP64
@@ -95,8 +95,9 @@ class Library:
     """Who chose the kernel set: "cpuid (FLAGS)" where `load` set OPENBLAS_CORETYPE,
     "OPENBLAS_CORETYPE=X" where the user had set it, else None (the library itself)."""
     threading: str | None = None
-    """MKL's threading layer (`mkl_threading`): gnu, sequential, or MKL_THREADING_LAYER=X
-    where the user chose; None for another BLAS."""
+    """MKL's threading layer (`mkl_threading`): gnu (with ", GOMP_SPINCOUNT=1000" where toymlx
+    loaded libgomp, `load_libgomp`), sequential, or MKL_THREADING_LAYER=X where the user
+    chose; None for another BLAS."""
 
     def function(self, name: str):
         """The library's `name` (its prefix added), or None where it has none."""
@@ -288,12 +289,48 @@ def mkl_threading(lib: Library) -> str:
             os.environ.setdefault("KMP_BLOCKTIME", "0")
         return f"MKL_THREADING_LAYER={user}"
     try:
-        ctypes.CDLL("libgomp.so.1")
+        wait = load_libgomp()
         layer = "gnu"
     except OSError:
-        layer = "sequential"
+        wait, layer = None, "sequential"
     lib.function("MKL_Set_Threading_Layer")(MKL_THREADING[layer])
-    return layer
+    return layer if wait is None else f"{layer}, {wait}"
+
+
+GOMP_WAIT = ("GOMP_SPINCOUNT", "1000")
+"""How long GNU OpenMP's idle threads spin before they sleep when toymlx loads it: 1000 checks
+(libgomp's default: 300,000)."""
+
+
+def load_libgomp() -> str | None:
+    """Load GNU OpenMP for MKL's threads; OSError where it is absent. It reads its settings from
+    the environment as it loads, and here that is with GOMP_SPINCOUNT=1000 (for the load only:
+    child processes see the environment as it was), unless the user set GOMP_SPINCOUNT or
+    OMP_WAIT_POLICY, or libgomp is loaded already (by llama.cpp or a library imported before
+    toymlx). Returns the setting it loaded with (None: not toymlx's).
+
+    Why: libgomp's idle threads spin 300,000 times (milliseconds) after each parallel region
+    before they sleep. Generating a token makes ~200 small matmuls, each a parallel region on
+    the 2 cores; while another process needs a core, the spinning thread holds it from the
+    thread the region waits for. SmolLM2-135M decoding, 64 tokens, with one core busy elsewhere:
+    15-16 tokens/s through MLX against 9-10 (0.7-6 beside a test run), 22-26 through
+    `--engine llama.cpp` (the same libgomp) against 14-17; on idle cores 22-24 against 23-27
+    and 62-71 against 48-59. Not 0 (PASSIVE): llama.cpp's idle cores then took 40-47
+    (docs/RESULTS.md#r-omp-wait). A training step's matmuls run on one thread a CPU stream and
+    start no parallel region."""
+    from toymlx.backend.blas_rebind import loaded_library
+
+    name, value = GOMP_WAIT
+    if (loaded_library("libgomp.so.1") or os.environ.get(name)
+            or os.environ.get("OMP_WAIT_POLICY")):
+        ctypes.CDLL("libgomp.so.1")
+        return None
+    os.environ[name] = value
+    try:
+        ctypes.CDLL("libgomp.so.1")
+    finally:
+        del os.environ[name]
+    return f"{name}={value}"
 
 
 def generic_core(lib: Library) -> str | None:
