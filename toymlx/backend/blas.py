@@ -14,8 +14,9 @@ Which library, the first found of:
    Intel hosts): its single-thread sgemm at ViT-Tiny's and SmolLM2's shapes takes 0.77-0.91x
    OpenBLAS's time, so toymlx's CPU steps take 0.91-0.97x (docs/RESULTS.md, session 21). Its
    threads come from GNU OpenMP, the process's one OpenMP runtime (`mkl_threading`), soon
-   asleep when idle (`load_libgomp`), and take the caller's floating-point mode at each call (so a flushing step's matmuls flush). Not on
-   AMD CPUs, where MKL does not choose its fastest kernels.
+   asleep when idle (`load_libgomp`), and take the caller's floating-point mode at each call
+   (so a flushing step's matmuls flush). Not on AMD CPUs, where MKL does not choose its
+   fastest kernels.
 3. OpenBLAS from pip, `scipy-openblas32` (toymlx[cpu] depends on it on Linux): current
    (0.3.34 when written), built for every x86-64 and arm64 core (DYNAMIC_ARCH), with LP64
    integers as MLX calls them and every symbol prefixed `scipy_`, so it clashes with no other
@@ -48,17 +49,19 @@ one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from toymlx.backend import fpenv
+from toymlx.backend.blas_rebind import loaded_library
 
 PIP_PACKAGE = "scipy-openblas32"
 PIP_PREFIX = "scipy_"
@@ -249,16 +252,11 @@ def load(path: str, prefix: str, source: str) -> Library:
     if user is None and platform.machine() in ("x86_64", "AMD64"):
         forced = core_for_cpu(*cpu_flags())
     if forced is not None:
-        os.environ["OPENBLAS_CORETYPE"] = forced[0]  # read once, by the library's constructor
         core_from = f"cpuid ({forced[1]})"
-    try:
-        # OpenBLAS starts its worker threads as it loads, and they keep the floating-point
-        # mode of this thread for life: flushing subnormals (toymlx.backend.fpenv)
-        with fpenv.subnormals("flush"):
-            handle = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
-    finally:
-        if forced is not None:
-            del os.environ["OPENBLAS_CORETYPE"]
+    # OpenBLAS starts its worker threads as it loads, and they keep the floating-point mode of
+    # this thread for life: flushing subnormals (toymlx.backend.fpenv)
+    with environ_for_load("OPENBLAS_CORETYPE", forced and forced[0]), fpenv.subnormals("flush"):
+        handle = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     lib = Library(path, prefix, source, handle, core_from)
     if lib.function("cblas_sgemm") is None:
         raise OSError(f"{path}: no {prefix}cblas_sgemm in it; expected a BLAS")
@@ -318,19 +316,27 @@ def load_libgomp() -> str | None:
     and 62-71 against 48-59. Not 0 (PASSIVE): llama.cpp's idle cores then took 40-47
     (docs/RESULTS.md#r-omp-wait). A training step's matmuls run on one thread a CPU stream and
     start no parallel region."""
-    from toymlx.backend.blas_rebind import loaded_library
-
     name, value = GOMP_WAIT
     if (loaded_library("libgomp.so.1") or os.environ.get(name)
             or os.environ.get("OMP_WAIT_POLICY")):
+        value = None
+    with environ_for_load(name, value):
         ctypes.CDLL("libgomp.so.1")
-        return None
+    return None if value is None else f"{name}={value}"
+
+
+@contextlib.contextmanager
+def environ_for_load(name: str, value: str | None) -> Iterator[None]:
+    """`name`=`value` in the environment while a library loads and reads it (nothing where
+    `value` is None): child processes started later see the environment as it was."""
+    if value is None:
+        yield
+        return
     os.environ[name] = value
     try:
-        ctypes.CDLL("libgomp.so.1")
+        yield
     finally:
         del os.environ[name]
-    return f"{name}={value}"
 
 
 def generic_core(lib: Library) -> str | None:

@@ -312,10 +312,10 @@ def decoding_weights(gguf_path: str | os.PathLike, gpu: bool) -> str:
         return frozen_weights(True)
     with GGUFFile(gguf_path) as g:
         need = float32_bytes(g)
-    from toymlx.training.memory import available_memory
+    from toymlx.training.memory import within_half_available
 
-    have, _ = available_memory()
-    if have is None or need <= have // 2:
+    fits, have = within_half_available(need)
+    if fits:
         return "float32"
     print(f"toymlx: {gguf_path}: holding the model as its quantized blocks (float32 would take "
           f"{need / 1e9:.1f} GB of the {have / 1e9:.1f} GB available): on the CPU MLX decodes "

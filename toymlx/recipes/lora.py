@@ -273,8 +273,7 @@ def resolve_base_dtype(choice: str, gpu: bool, memory_first: bool,
         return choice
     if gpu or memory_first:
         return frozen_weights(gpu)
-    have, _ = memory.available_memory()
-    return "float32" if have is None or step_bytes("float32") <= have // 2 else "blocks"
+    return "float32" if memory.within_half_available(step_bytes("float32"))[0] else "blocks"
 
 
 def build(cfg: Config, ops: Ops) -> Task:

@@ -191,6 +191,14 @@ def available_memory() -> tuple[int | None, str]:
     return None, "unknown on this platform"
 
 
+def within_half_available(need: int) -> tuple[bool, int | None]:
+    """(whether `need` bytes take at most half the memory available, True where that is
+    unknown; the bytes available or None): the rule by which the CPU holds a frozen base as
+    float32 rather than its quantized blocks (`toymlx-generate`, `--base-dtype auto`)."""
+    have, _ = available_memory()
+    return have is None or need <= have // 2, have
+
+
 def check_fits(est: Estimate, source: str, force: bool) -> dict[str, Any]:
     """ValueError in one line when `est` exceeds the available memory (unless `force`);
     else what run_start records: the estimate, what was available and from where."""
