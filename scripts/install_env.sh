@@ -270,7 +270,7 @@ install_toymlx() {
 build_kernels() {
   [ "$OS" = Linux ] && [ "${BACKEND:-}" = cpu ] && [ "${TOYMLX_KERNEL_CACHE:-}" != off ] || return 0
   local done_mark tmp
-  done_mark=$("$ENV/bin/python" -c 'from toymlx.device import kernel_cache_dir
+  done_mark=$("$ENV/bin/python" -c 'from toymlx.backend.device import kernel_cache_dir
 print(kernel_cache_dir() / "vit-tiny.built")') || return 0
   [ ! -f "$done_mark" ] || return 0
   tmp=$(mktemp -d)
