@@ -264,20 +264,35 @@ install_toymlx() {
 
 # MLX compiles a compiled step's fused CPU kernels with g++ the first time it meets them (ViT-Tiny:
 # ~50 kernels, 40 s on 2 cores); toymlx keeps them in ~/.cache/toymlx/mlx-kernels across reboots
-# (toymlx.device.persist_kernels). Build the main job's once here, by training it two steps in a
-# throw-away folder, so that its first step takes seconds. Linux CPU backend only (a Mac's Metal
-# kernels and CUDA's are MLX's own); a failure here is only a warning.
+# (toymlx.device.persist_kernels). Build them once here for two jobs, each in a throw-away folder
+# and marked done in the kernel folder: the main job (vit-tiny, two steps), and LoRA fine-tunes (a
+# two-step LoRA on a two-layer SmolLM2-shaped base trained one step from scratch: a kernel is
+# named after its fused operations and the constants in them, not the model's widths, so a
+# SmolLM2-135M LoRA step then builds 11 of its 54 kernels: those of its layer count, vocabulary
+# and batch). Linux CPU backend only (a Mac's Metal kernels and CUDA's are MLX's own); a failure
+# here is only a warning.
 build_kernels() {
   [ "$OS" = Linux ] && [ "${BACKEND:-}" = cpu ] && [ "${TOYMLX_KERNEL_CACHE:-}" != off ] || return 0
-  local done_mark tmp
-  done_mark=$("$ENV/bin/python" -c 'from toymlx.backend.device import kernel_cache_dir
-print(kernel_cache_dir() / "vit-tiny.built")') || return 0
-  [ ! -f "$done_mark" ] || return 0
+  local cache
+  cache=$("$ENV/bin/python" -c 'from toymlx.backend.device import kernel_cache_dir
+print(kernel_cache_dir())') || return 0
+  build_kernels_for "$cache/vit-tiny.built" "the main job, once (about 45 s on 2 cores)" \
+    "toymlx-train --recipe vit-tiny --steps 2 --run-id kernels --no-progress"
+  build_kernels_for "$cache/lora.built" "LoRA fine-tunes, once (about 25 s on 2 cores)" \
+    "toymlx-train --recipe from-scratch --model.preset smollm2-135m --model.n-layers 2 --steps 1 \
+       --run-id base --no-progress && toymlx-train --recipe lora --steps 2 --run-id kernels \
+       --base runs/base/weights/step_1.gguf --no-progress"
+}
+
+# build_kernels_for MARK WHAT COMMANDS: run COMMANDS (toymlx's own, from $ENV) in a throw-away
+# folder unless MARK exists, then make MARK.
+build_kernels_for() {
+  local mark=$1 what=$2 commands=$3 tmp
+  [ ! -f "$mark" ] || return 0
   tmp=$(mktemp -d)
-  say "building MLX's CPU kernels for the main job, once (about 45 s on 2 cores)"
-  if (cd "$tmp" && "$ENV/bin/toymlx-train" --recipe vit-tiny --steps 2 --run-id kernels \
-        --no-progress >"$tmp/log" 2>&1); then
-    mkdir -p "$(dirname "$done_mark")" && touch "$done_mark" || true
+  say "building MLX's CPU kernels for $what"
+  if (cd "$tmp" && PATH="$ENV/bin:$PATH" && eval "$commands" >"$tmp/log" 2>&1); then
+    mkdir -p "$(dirname "$mark")" && touch "$mark" || true
   else
     say "warning: building the kernels failed (the first training step will build them): $(tail -n 1 "$tmp/log")"
   fi
