@@ -113,6 +113,38 @@ def test_head_slice_sizes():
     assert head_slices(259, 4, 8) == [(0, 259)]  # a vocabulary under one slice
 
 
+def _primitives(*outputs: mx.array, tmp_path) -> set[str]:
+    """The names of the primitives that compute `outputs` (their lazy graph, MLX's dot export)."""
+    import re
+
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), *outputs)
+    return set(re.findall(r'label ="([^"]+)", shape=rectangle', path.read_text()))
+
+
+def test_targets_in_slices_against_numpy_and_without_kernels_of_their_own(tmp_path):
+    """Each target's column in each slice of a frozen head, and whether it lies there, as numpy
+    computes them (a last slice shorter than the rest included); the computation holds no op
+    `mx.compile` fuses with the slice width as a constant (a remainder, floor division or
+    minimum: each built a CPU kernel for every vocabulary and batch size)."""
+    from toymlx.models.losses import _targets_in_slices, head_slices
+
+    vocab = 3000  # 1024-row slices: 1024, 1024, 952
+    slices = head_slices(vocab, 1024, 64)
+    assert [b - a for a, b in slices] == [1024, 1024, 952]
+    t = np.array([0, 1023, 1024, 2047, 2048, 2999, 2100, 5], np.int32)
+    got = _targets_in_slices(mx.array(t), slices)
+    fused_with_constants = {"Remainder", "FloorDivide", "Divide", "Minimum", "Subtract"}
+    # (read before anything evaluates them: an evaluated array keeps no graph)
+    assert not _primitives(*[x for pair in got for x in pair], tmp_path=tmp_path) & \
+        fused_with_constants
+    for (a, b), (col, inside) in zip(slices, got):
+        want_inside = (t >= a) & (t < b)
+        assert np.array_equal(np.array(inside)[:, 0], want_inside)
+        assert np.array_equal(np.array(col)[:, 0][want_inside], (t - a)[want_inside])
+        assert np.array(col).min() >= 0 and np.array(col).max() < b - a  # every gather in range
+
+
 def _wide_vocab_model() -> tuple[Llama, dict]:
     """A 1-block model with a 16,384-token vocabulary, only its q projection trainable, and a
     batch of 2 x 256 tokens."""

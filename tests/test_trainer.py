@@ -278,3 +278,37 @@ def test_test_scores_the_data_folders_test_jsonl_as_eval_does(tmp_path, shared_f
         assert error_line(capsys) == ("toymlx-train: error: --test: expected --data.path to be a "
                                       f"data folder with test.jsonl, found {found}")
     assert not (tmp_path / "none").exists()
+
+
+def test_the_gradient_norm_is_the_left_to_right_float32_sum_with_no_chain_of_adds(tmp_path):
+    """The update's gradient norm: sqrt of the per-parameter sums of squares added left to right
+    in float32 (bit for bit, as `sum()` over them added), and, for any parameter count, no
+    chain of adds in its graph: `mx.compile` fused such a chain into kernels named after how
+    many adds each held, new CPU kernels for every layer count."""
+    import re
+
+    import mlx.optimizers as optim
+    from mlx import nn
+    from mlx.utils import tree_map
+
+    from toymlx.training.step import make_update
+
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(13)])  # 26 parameters
+    mx.eval(model.parameters())
+    grads = tree_map(lambda p: mx.array(rng.standard_normal(p.shape).astype(np.float32)
+                                        * 10.0 ** rng.uniform(-4, 2)), model.parameters())
+    mx.eval(grads)
+    out = make_update(model, optim.SGD(learning_rate=0.0), grad_clip=0.0)(
+        [(mx.array(3.0), mx.array(1.0), grads)])
+    dot = tmp_path / "norm.dot"
+    mx.export_to_dot(str(dot), out["grad_norm"])  # before evaluating it (then it has no graph)
+    assert "Add" not in re.findall(r'label ="([^"]+)", shape=rectangle', dot.read_text())
+    squares = [np.float32((np.array(g, np.float32) ** 2).sum(dtype=np.float32))
+               for _, g in tree_flatten(grads)]
+    total = np.float32(0)
+    for q in [np.array((g * g).sum()) for _, g in tree_flatten(grads)]:
+        total = np.float32(total + q)  # left to right, as sum() adds
+    assert np.array(out["grad_norm"]) == np.sqrt(total)
+    assert np.isclose(np.array(out["grad_norm"]), np.sqrt(np.sum(squares, dtype=np.float64)),
+                      rtol=1e-5)

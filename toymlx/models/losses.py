@@ -134,15 +134,22 @@ def _head_slice_logits(x: mx.array, arrs: list[mx.array], rows: Any, a: int, b: 
 def _targets_in_slices(t: mx.array, slices: list[tuple[int, int]]
                        ) -> list[tuple[mx.array, mx.array]]:
     """For each slice a..b of `head_slices`: each token's target as a column of the slice
-    (N, 1), clipped into it, and whether it lies there (N, 1). No number that differs from
+    (N, 1), one inside it for a target elsewhere, and whether it lies there (N, 1). No number that differs from
     slice to slice enters the computation as a constant: MLX's CPU compiler writes constants
     into its kernels, so `t - a` once built a kernel of its own for every slice (69 of the 131
-    kernels of a cold SmolLM2 LoRA step)."""
+    kernels of a cold SmolLM2 LoRA step). The quotients and remainders come from `mx.divmod`,
+    which `mx.compile` does not fuse, so no kernel is built for them either: with the slice width
+    and the last slice's rows as constants, a remainder, a floor division and a minimum each
+    built one per vocabulary and batch (5 of the 12 a SmolLM2 LoRA run built as installed)."""
     n = slices[0][1] - slices[0][0]  # every slice but the last holds n rows
-    col = mx.remainder(t, n)[:, None]  # (N, 1)
-    which = mx.floor_divide(t, n)[:, None] == mx.arange(len(slices))[None]  # (N, slices)
-    return [(col if b - a == n else mx.minimum(col, b - a - 1), which[:, i:i + 1])
-            for i, (a, b) in enumerate(slices)]
+    slice_of, col = mx.divmod(t, n)
+    which = slice_of[:, None] == mx.arange(len(slices))[None]  # (N, slices)
+    a, b = slices[-1]
+    # the last slice's column of a target outside it is any column of it (`which` drops it)
+    last = col if b - a == n else mx.divmod(col, b - a)[1]
+    col, last = col[:, None], last[:, None]  # (N, 1)
+    return [(last if i == len(slices) - 1 else col, which[:, i:i + 1])
+            for i in range(len(slices))]
 
 
 def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, ops: Any,

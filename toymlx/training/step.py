@@ -89,7 +89,10 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, grad_clip: float, 
         denom = n_sum if scale is None else n_sum * scale.state["scale"]
         grads = tree_map(place(lambda g: g / denom), grads)
         sq = [place(lambda g: (g * g).sum())(g) for _, g in tree_flatten(grads)]
-        norm = mx.sqrt(sum(sq[1:], sq[0]))
+        # their sum as one scan: the same left-to-right additions, bit for bit, where a chain
+        # of adds became fused kernels named after how many adds each held, built anew for each
+        # parameter count (a stack and a scan are library code: no kernel is compiled)
+        norm = mx.sqrt(mx.cumsum(mx.stack(sq))[-1])
         if grad_clip > 0:  # as optim.clip_grad_norm
             factor = mx.minimum(grad_clip / (norm + 1e-6), 1.0)
             grads = tree_map(place(lambda g: g * factor), grads)
