@@ -266,22 +266,21 @@ install_toymlx() {
 # ~50 kernels, 40 s on 2 cores); toymlx keeps them in ~/.cache/toymlx/mlx-kernels across reboots
 # (toymlx.device.persist_kernels). Build them once here for two jobs, each in a throw-away folder
 # and marked done in the kernel folder: the main job (vit-tiny, two steps), and LoRA fine-tunes (a
-# two-step LoRA on a two-layer SmolLM2-shaped base trained one step from scratch: a kernel is
-# named after its fused operations and the constants in them, not the model's widths, so a
-# SmolLM2-135M LoRA step then builds 11 of its 54 kernels: those of its layer count, vocabulary
-# and batch). Linux CPU backend only (a Mac's Metal kernels and CUDA's are MLX's own); a failure
-# here is only a warning.
+# two-step LoRA on the small base scripts/kernel_warmup_base.py writes: a kernel is named after
+# its fused operations and the constants in them, not the model's widths, so a SmolLM2-135M LoRA
+# run then builds 1 of its 47 kernels, the schedule's). Linux CPU backend only (a Mac's Metal
+# kernels and CUDA's are MLX's own); a failure here is only a warning.
 build_kernels() {
   [ "$OS" = Linux ] && [ "${BACKEND:-}" = cpu ] && [ "${TOYMLX_KERNEL_CACHE:-}" != off ] || return 0
-  local cache
+  local cache warmup_base
   cache=$("$ENV/bin/python" -c 'from toymlx.backend.device import kernel_cache_dir
 print(kernel_cache_dir())') || return 0
+  warmup_base="${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}/scripts/kernel_warmup_base.py"
   build_kernels_for "$cache/vit-tiny.built" "the main job, once (about 45 s on 2 cores)" \
     "toymlx-train --recipe vit-tiny --steps 2 --run-id kernels --no-progress"
-  build_kernels_for "$cache/lora.built" "LoRA fine-tunes, once (about 25 s on 2 cores)" \
-    "toymlx-train --recipe from-scratch --model.preset smollm2-135m --model.n-layers 2 --steps 1 \
-       --run-id base --no-progress && toymlx-train --recipe lora --steps 2 --run-id kernels \
-       --base runs/base/weights/step_1.gguf --no-progress"
+  build_kernels_for "$cache/lora.built" "LoRA fine-tunes, once (about 15 s on 2 cores)" \
+    "python \"\$warmup_base\" base.gguf && toymlx-train --recipe lora \
+       --steps 2 --run-id kernels --base base.gguf --no-progress"
 }
 
 # build_kernels_for MARK WHAT COMMANDS: run COMMANDS (toymlx's own, from $ENV) in a throw-away
