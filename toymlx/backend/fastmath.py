@@ -406,10 +406,14 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         s = q.reshape(B, n_kv, rep * T, hd) @ k.swapaxes(-1, -2)  # (B,Hkv,rep*T,S)
         return (softmax(s, in_kernel) @ v).reshape(B, H, T, hd)  # (B,H,T,hd)
     outs = []
-    for a in range(0, T, block):
+    # the query blocks as one split: its backward pass concatenates their gradients, where a
+    # slice's writes each into a zero-filled copy of the whole q and the copies are summed (a
+    # fused add of as many terms as blocks: a kernel of its own for each block count)
+    q_blocks = mx.split(q, list(range(block, T, block)), axis=2)
+    for a, qa in zip(range(0, T, block), q_blocks):
         b = min(a + block, T)
         end = S - T + b  # keys 0 .. end-1 are visible to some row of this block
-        qb = q[:, :, a:b].reshape(B, n_kv, rep * (b - a), hd)  # head h = kv * rep + r
+        qb = qa.reshape(B, n_kv, rep * (b - a), hd)  # head h = kv * rep + r
         s = qb @ k[:, :, :end].swapaxes(-1, -2)  # (B,Hkv,rep*(b-a),end)
         dist = mx.arange(S - T + a, S - T + b)[:, None] - mx.arange(end)[None]  # (b-a,end)
         keep = dist >= 0 if window is None else (dist >= 0) & (dist < window)
