@@ -213,16 +213,24 @@ class StopSignals:
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self, enabled: bool):
-        self.enabled, self.count = enabled, 0
-        self.parent_lost = False
+        self.enabled = enabled
+        self._terms = self._others = 0
         self._old: dict[int, Any] = {}
 
     def _count(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGTERM and lifeline.parent_lost():
-            if self.parent_lost:
-                return
-            self.parent_lost = True
-        self.count += 1
+        if signum == signal.SIGTERM:
+            self._terms += 1
+        else:
+            self._others += 1
+
+    @property
+    def count(self) -> int:
+        """Requests so far. SIGTERMs are told apart when the count is read, not as they come:
+        the first parent-death signal can arrive while the parent still looks alive (one of
+        its threads exiting first), and counted then as a request of its own it made the
+        repeats a second request."""
+        terms = min(self._terms, 1) if self._terms > 1 and lifeline.parent_lost() else self._terms
+        return self._others + terms
 
     def __enter__(self) -> StopSignals:  # noqa: PYI034
         if self.enabled:
