@@ -134,8 +134,8 @@ def _head_slice_logits(x: mx.array, arrs: list[mx.array], rows: Any, a: int, b: 
 def _targets_in_slices(t: mx.array, slices: list[tuple[int, int]]
                        ) -> list[tuple[mx.array, mx.array]]:
     """For each slice a..b of `head_slices`: each token's target as a column of the slice
-    (N, 1), one inside it for a target elsewhere, and whether it lies there (N, 1). No number that differs from
-    slice to slice enters the computation as a constant: MLX's CPU compiler writes constants
+    (N, 1), one inside it for a target elsewhere, and whether it lies there (N, 1). No number
+    that differs from slice to slice enters the computation as a constant: MLX's CPU compiler writes constants
     into its kernels, so `t - a` once built a kernel of its own for every slice (69 of the 131
     kernels of a cold SmolLM2 LoRA step). The quotients and remainders come from `mx.divmod`,
     which `mx.compile` does not fuse, so no kernel is built for them either: with the slice width

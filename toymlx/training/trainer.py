@@ -229,7 +229,7 @@ class StopSignals:
         the first parent-death signal can arrive while the parent still looks alive (one of
         its threads exiting first), and counted then as a request of its own it made the
         repeats a second request."""
-        terms = min(self._terms, 1) if self._terms > 1 and lifeline.parent_lost() else self._terms
+        terms = 1 if self._terms > 1 and lifeline.parent_lost() else self._terms
         return self._others + terms
 
     def __enter__(self) -> StopSignals:  # noqa: PYI034
