@@ -35,11 +35,14 @@ import re
 import sys
 import warnings
 
-VERSION = "kernel_loops 1: blocks of 256, stride 1 in place, else a stack buffer"
+VERSION = "kernel_loops 2: rows of 16+ in blocks of 256, stride 1 in place, else a stack buffer"
 """What the kernel folder's name records (`kernel_pch.header_tag`): a new rewrite, a new folder."""
 
 BLOCK = 256
 """Elements per block: each strided input's buffer is BLOCK values on the stack."""
+
+SHORT = 16
+"""Rows (innermost loops) shorter than this run MLX's own loop."""
 
 TYPES = frozenset({"float", "double", "bool", "int8_t", "int16_t", "int32_t", "int64_t",
                    "uint8_t", "uint16_t", "uint32_t", "uint64_t"})
@@ -94,7 +97,9 @@ def vectorise(source: str) -> str | None:
         return None
     if any(t not in TYPES for t in reads.values()):
         return None
-    out = ["  {", f"  const int n_ = shape[{d}];"]
+    # rows shorter than SHORT keep MLX's loop: a block's set-up would cost more than it saves
+    out = [f"  if (shape[{d}] < {SHORT}) {{", *lines[head:end + 1], "  } else {",
+           f"  const int n_ = shape[{d}];"]
     out += [f"  const int64_t s_{x} = {x}_strides[{d}];" for x in reads]
     out += [f"  for (int b_ = 0; b_ < n_; b_ += {BLOCK}) {{",
             f"  const int m_ = n_ - b_ < {BLOCK} ? n_ - b_ : {BLOCK};"]
