@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toymlx.backend import blas, blas_rebind, fpenv, gemv_forward, kernel_loops, kernel_pch
+from toymlx.backend import blas, blas_rebind, fpenv, gemv_forward, kernel_pch
 
 _NO_BLAS = ("toymlx: no optimised BLAS found, so MLX's CPU matmuls use its reference BLAS "
             "(about 30x slower). Fix: " + blas.FIX)
@@ -68,9 +68,6 @@ class _ProcessState:
     kernel_cache: str | None = None
     kernel_pch: str | None = None
     """The precompiled header MLX's kernel builds read (`toymlx.backend.kernel_pch`), or off (why)."""
-    kernel_loops: str | None = None
-    """Whether MLX's strided kernels are built with vectorised inner loops
-    (`toymlx.backend.kernel_loops`): on, or off (why)."""
     kernel_forms: str | None = None
     """Whether MLX's compiled kernels compute float32 exp and erf as toymlx's forms: "checked",
     or off (why); None before setup (`kernel_forms()`)."""
@@ -170,10 +167,6 @@ def setup_process(wide_evaluation: bool = True) -> None:
     p.kernel_cache = persist_kernels()
     if p.kernel_cache:
         p.kernel_pch = kernel_pch.install(p.kernel_cache)
-    # only into the folder named for the rewrite (kernel_pch.header_tag): a folder of MLX's
-    # own or an older toymlx's holds the kernels' scalar loops
-    p.kernel_loops = (kernel_loops.install() if p.kernel_pch and not p.kernel_pch.startswith("off")
-                      else f"off (no precompiled header: {p.kernel_pch or 'no kernel folder'})")
     p.kernel_forms = _check_kernel_forms(p)
 
 
@@ -581,8 +574,6 @@ def backend_info() -> dict:
         # the vector set the PCH compiles MLX's kernels for (without one: MLX's own flags)
         info["kernel_vectors"] = ("mlx's own" if p.kernel_pch.startswith("off")
                                   else kernel_pch.vector_isa()[0])
-    if p.kernel_loops:
-        info["kernel_loops"] = p.kernel_loops
     if p.kernel_forms:
         info["kernel_forms"] = p.kernel_forms
     if p.gemv_forward:

@@ -90,12 +90,8 @@ def _identity(gxx: str) -> str:
     """What MLX's kernels are built with: the compiler's version line, the flags, the PCH's
     source with MLX's header by name, not by path (the kernel folder's path names MLX's
     version, so environments with the same MLX, sharing a folder, agree on it and never
-    rebuild each other's PCH), and the loops they are built with
-    (`toymlx.backend.kernel_loops.identity`)."""
-    from toymlx.backend import kernel_loops
-
-    return "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(Path(HEADER)),
-                      kernel_loops.identity()]) + "\n"
+    rebuild each other's PCH)."""
+    return "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(Path(HEADER))]) + "\n"
 
 
 def _header() -> Path:
@@ -106,9 +102,8 @@ def _header() -> Path:
 
 @functools.cache
 def header_tag() -> str | None:
-    """What MLX's kernels are built with, as 10 hex digits: the compiler's version, the flags,
-    the PCH's source (so toymlx's forms of exp and erf) and the loops (vectorised or MLX's,
-    `toymlx.backend.kernel_loops`); None where no PCH is used
+    """What MLX's kernels are built with, as 10 hex digits: the compiler's version, the flags and
+    the PCH's source (so toymlx's forms of exp and erf); None where no PCH is used
     (`TOYMLX_KERNEL_PCH=off`, no g++, no header). A kernel's file is named after its graph only,
     so kernels built with one header must never be found by a build with another:
     `toymlx.backend.device.kernel_cache_dir` keeps them apart by this tag."""
