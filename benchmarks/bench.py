@@ -19,8 +19,9 @@ PyTorch rows need a CUDA build of PyTorch. The modules beside this one:
     gpu_suite.py    the GPU suite (dtypes, torch.compile, MFU, peak memory) and its table
 
 Beside them, not part of this command: graph_census.py (the primitives one LoRA step asks MLX
-for, toymlx against mlx-lm, on any device) and gpu_machine.sh (MLX's CUDA wheels and toymlx
-onto a lent NVIDIA machine that has no network).
+for, toymlx against mlx-lm, on any device), env_ab.py (toymlx's CPU step under two process
+environments, in interleaved rounds: what a setting costs) and gpu_machine.sh (MLX's CUDA
+wheels and toymlx onto a lent NVIDIA machine that has no network).
 """
 
 from __future__ import annotations

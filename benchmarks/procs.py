@@ -30,7 +30,13 @@ from rounds import Variant
 from toymlx_step import ToymlxVariant, build_task, cpu_ops, recipe_inputs, reference_ops, weights_np
 from workloads import Workload, find, make_batch
 
-from toymlx.backend.device import HUGE_PAGES_TUNABLE, huge_pages, restart_tunables, setup_process
+from toymlx.backend.device import (
+    HUGE_PAGES_TUNABLE,
+    backend_info,
+    huge_pages,
+    restart_tunables,
+    setup_process,
+)
 from toymlx.runner.launch import launch
 
 HERE = Path(__file__).resolve().parent
@@ -134,18 +140,22 @@ class ChildVariant(Variant):
     Each reply carries the step's loss, the child's CPU seconds for it (all its threads) and,
     for MLX's sides, MLX's peak memory during the step (reset before it)."""
 
-    def __init__(self, impl: str, w: Workload, inputs: Path, timeout_s: float = 1800):
-        self.name, self.timeout_s = impl, timeout_s
+    def __init__(self, impl: str, w: Workload, inputs: Path, timeout_s: float = 1800,
+                 env: dict[str, str | None] | None = None, name: str | None = None):
+        """`env`: variables set (None: unset) on top of `child_env(impl)`; `name`: the row's
+        name (default `impl`)."""
+        self.name, self.timeout_s = name or impl, timeout_s
         self.uses_mlx = not impl.startswith("torch")
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        with _environ(child_env(impl)):  # a spawned child starts with os.environ
+        with _environ({**child_env(impl), **(env or {})}):  # a spawned child starts with os.environ
             self.proc = ctx.Process(target=_step_worker, args=(child, impl, w, str(inputs)),
                                     daemon=True)
             self.proc.start()
         child.close()
         self.info: dict[str, Any] = self._reply()
-        """What the child reports of itself once built: its heap (`huge_pages`)."""
+        """What the child reports of itself once built: its heap (`huge_pages`) and, for MLX's
+        sides, what runs its math (`backend`: `toymlx.backend.device.backend_info`)."""
         self.gnorm0: float | None = None
         self.last_cpu: float | None = None
         self.last_mlx_peak_mb: float | None = None
@@ -232,7 +242,8 @@ def _step_worker(conn, impl: str, w: Workload, inputs: str) -> None:
         if not impl.startswith("torch"):
             setup_process()
         v = build_step(impl, w, Path(inputs))
-        conn.send(("ok", {"huge_pages": huge_pages()}))
+        backend = {} if impl.startswith("torch") else {"backend": backend_info()}
+        conn.send(("ok", {"huge_pages": huge_pages(), **backend}))
         while (s := conn.recv()) is not None:
             if v.uses_mlx:
                 mx.reset_peak_memory()

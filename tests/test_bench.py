@@ -471,3 +471,35 @@ def test_ops_ab_variants_compute_the_same_gradients(monkeypatch, variant, kind):
     for k in want:
         np.testing.assert_allclose(np.array(got[k]), np.array(want[k]), rtol=2e-4, atol=1e-6,
                                    err_msg=k)
+
+
+@pytest.fixture
+def env_ab(monkeypatch):
+    """benchmarks/env_ab.py as a module."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    return importlib.import_module("env_ab")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--b", "GOMP_SPINCOUNT"], "--b: expected VAR=VALUE, found 'GOMP_SPINCOUNT'"),
+    (["--a", "=1"], "--a: expected VAR=VALUE, found '=1'"),
+    (["--rounds", "0"], "--rounds: expected >= 1, found 0"),
+])
+def test_env_ab_refuses_what_it_cannot_run_in_one_line(env_ab, capsys, flags, message):
+    assert env_ab.main(flags) == 2
+    assert capsys.readouterr().err == f"env_ab: {message}\n"
+
+
+@pytest.mark.bench
+def test_env_ab_steps_each_side_in_the_environment_it_names(env_ab):
+    """Each side's child starts with its variables (its backend reports the evaluation width it
+    was given) and takes the same steps: the same losses bit for bit, a ratio every round."""
+    w = next(w for w in env_ab.cpu_workloads() if w.name == "llama-4x256")
+    out = env_ab.run(w, {}, {"MLX_BFS_MAX_WIDTH": "100"}, rounds=2, warmup=0, log=lambda s: None)
+    assert out["backend_differs"] == {"bfs_max_width": ["1000000", "100"]}
+    assert out["losses_equal"] is True and out["rounds"] == 2
+    for k in ("ratio_wall", "ratio_cpu"):
+        r = out[k]
+        assert 0 < r["q1"] <= r["median"] <= r["q3"] < 10, r
+    report = env_ab.format_report(out)
+    assert "b: MLX_BFS_MAX_WIDTH=100" in report and "losses bit for bit: yes" in report
