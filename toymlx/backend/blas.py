@@ -12,11 +12,11 @@ Which library, the first found of:
    skips MKL (3. and 4. below).
 2. On an Intel CPU, MKL from pip (`mkl`, the `toymlx[mkl]` extra, which the installer adds on
    Intel hosts): its single-thread sgemm at ViT-Tiny's and SmolLM2's shapes takes 0.77-0.91x
-   OpenBLAS's time, so toymlx's CPU steps take 0.91-0.97x (docs/RESULTS.md, session 21). Its
-   threads come from GNU OpenMP, the process's one OpenMP runtime (`mkl_threading`), soon
-   asleep when idle (`load_libgomp`), and take the caller's floating-point mode at each call
-   (so a flushing step's matmuls flush). Not on AMD CPUs, where MKL does not choose its
-   fastest kernels.
+   OpenBLAS's time, so toymlx's CPU steps take 0.86-0.95x (paired rounds on an Emerald
+   Rapids Xeon, docs/RESULTS.md#r-intel-gap). Its threads come from GNU OpenMP, the process's
+   one OpenMP runtime (`mkl_threading`), soon asleep when idle (`load_libgomp`), and take the
+   caller's floating-point mode at each call (so a flushing step's matmuls flush). Not on AMD
+   CPUs, where MKL does not choose its fastest kernels.
 3. OpenBLAS from pip, `scipy-openblas32` (toymlx[cpu] depends on it on Linux): current
    (0.3.34 when written), built for every x86-64 and arm64 core (DYNAMIC_ARCH), with LP64
    integers as MLX calls them and every symbol prefixed `scipy_`, so it clashes with no other
