@@ -31,6 +31,7 @@ from procs import (
     proc_status,
     run_child,
     run_dp,
+    start_variants,
     write_step_inputs,
 )
 from rounds import Variant, first_steps, median_ratios, run_rounds
@@ -51,20 +52,9 @@ def build_variants(w: Workload, which: tuple[str, ...], inputs: Path
     builds (`toymlx_step.build_task`) from `inputs` (`toymlx_step.recipe_inputs`), where the
     peers' weights and the batch are written too. Returns them and each one's build seconds."""
     write_step_inputs(w, inputs, weights=any(not x.startswith("toymlx") for x in which))
-    out: list[Variant] = []
-    builds: dict[str, float] = {}
-    try:
-        for impl in which:
-            if impl == "mlx-lm" and not (w.lora and w.kind == "llama"):
-                continue  # mlx-lm trains LoRA on decoders only
-            t = time.perf_counter()
-            out.append(ChildVariant(impl, w, inputs))
-            builds[impl] = time.perf_counter() - t
-    except BaseException:
-        for v in out:
-            v.close()
-        raise
-    return out, builds
+    # mlx-lm trains LoRA on decoders only
+    return start_variants(w, inputs, [(impl, impl, None) for impl in which
+                                      if impl != "mlx-lm" or (w.lora and w.kind == "llama")])
 
 
 def mlx_sgemm(n: int = 2048) -> float:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from procs import ChildVariant, write_step_inputs
+from procs import ChildVariant, start_variants, write_step_inputs
 from rounds import first_steps, run_rounds
 from toymlx_step import recipe_inputs
 from user_paths import host_info, host_line
@@ -57,19 +57,9 @@ def run(w: Workload, a: dict[str, str], b: dict[str, str], rounds: int = 24, war
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Side a and side b of `w`'s toymlx step (`a`, `b`: the variables each child starts with),
     their first steps, `warmup` steps, then `rounds` interleaved rounds; the figures."""
-    sides: list[ChildVariant] = []
-    builds: dict[str, float] = {}
     with recipe_inputs(w) as inputs:  # written once; the built sides no longer read them
         write_step_inputs(w, inputs, weights=False)
-        try:
-            for name, env in (("a", a), ("b", b)):
-                t = time.perf_counter()
-                sides.append(ChildVariant("toymlx", w, inputs, env=env, name=name))
-                builds[name] = time.perf_counter() - t
-        except BaseException:
-            for v in sides:
-                v.close()
-            raise
+        sides, builds = start_variants(w, inputs, [("toymlx", "a", a), ("toymlx", "b", b)])
     try:
         results = first_steps(sides, builds, w.name, log)
         losses: dict[str, list[float]] = {"a": [], "b": []}

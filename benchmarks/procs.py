@@ -193,6 +193,26 @@ class ChildVariant(Variant):
             self.proc.kill()
 
 
+def start_variants(w: Workload, inputs: Path,
+                   sides: list[tuple[str, str, dict[str, str | None] | None]]
+                   ) -> tuple[list[ChildVariant], dict[str, float]]:
+    """A `ChildVariant` for each (impl, name, env) of `sides`, started one after another from
+    `inputs`; them and each one's start seconds. Where one fails to start, those already
+    started are closed."""
+    out: list[ChildVariant] = []
+    builds: dict[str, float] = {}
+    try:
+        for impl, name, env in sides:
+            t = time.perf_counter()
+            out.append(ChildVariant(impl, w, inputs, env=env, name=name))
+            builds[name] = time.perf_counter() - t
+    except BaseException:
+        for v in out:
+            v.close()
+        raise
+    return out, builds
+
+
 @contextlib.contextmanager
 def _environ(env: dict[str, str | None]) -> Iterator[None]:
     """os.environ with `env`'s entries set (None: unset) inside the block, as it was after."""

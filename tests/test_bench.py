@@ -139,11 +139,15 @@ def test_a_failing_workload_is_reported_and_the_rest_still_run(tmp_path):
     assert p.stdout.count("FAILED:") == 2
 
 
+def _benchmark_module(monkeypatch, name: str):
+    """benchmarks/<name>.py as a module (its siblings import by their plain names)."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    return importlib.import_module(name)
+
+
 @pytest.fixture
 def bench(monkeypatch):
-    """benchmarks/bench.py as a module (its siblings import by their plain names)."""
-    monkeypatch.syspath_prepend(str(BENCH.parent))
-    return importlib.import_module("bench")
+    return _benchmark_module(monkeypatch, "bench")
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -475,9 +479,7 @@ def test_ops_ab_variants_compute_the_same_gradients(monkeypatch, variant, kind):
 
 @pytest.fixture
 def env_ab(monkeypatch):
-    """benchmarks/env_ab.py as a module."""
-    monkeypatch.syspath_prepend(str(BENCH.parent))
-    return importlib.import_module("env_ab")
+    return _benchmark_module(monkeypatch, "env_ab")
 
 
 @pytest.mark.parametrize("flags,message", [
