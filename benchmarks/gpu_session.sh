@@ -7,15 +7,18 @@
 #
 # after `bash benchmarks/gpu_machine.sh install .gpu/partK` stored the other parts in earlier
 # calls, back to back. It installs (the last part completes the set), then runs:
-#   1. the `gpu`-marked tests (tests/test_gpu.py);
-#   2. benchmarks/ops_ab.py: the LoRA step with attention kept against recomputed, and the
-#      ViT-Tiny 224 step with its attention padded to 128 rows (MLX's fused CUDA backward) and
-#      composed, against the default;
-#   3. benchmarks/bench.py --device gpu in bfloat16: toymlx, mlx-lm and PyTorch eager;
-#   4. with time left: benchmarks/decode.py (block decoding against mx.dequantize and the
-#      product it feeds), then the bench in float32.
-# Session 19 (an H200) ran the plan before step 2 existed in 575 s: 30 s of install, 148 s of
-# tests (most of it MLX's kernel JIT), 268 s of bfloat16 suite, 55 s of decode.py.
+#   1. benchmarks/ops_ab.py on the 360M LoRA step, with mlx-lm's step in the same rounds: the
+#      loss's logits at a GPU's sizes (the default) against the CPU's and 2^26 at a time, and
+#      attention kept against recomputed; then one step of each under the CUDA profiler (the
+#      kernels each launches);
+#   2. the same for ViT-Tiny 224 against PyTorch eager: attention padded to 128 rows (MLX's
+#      fused CUDA backward) against the default;
+#   3. the `gpu`-marked tests (tests/test_gpu.py);
+#   4. benchmarks/bench.py --device gpu in bfloat16 on the workloads 1-2 left out: the 135M
+#      LoRA step against mlx-lm and PyTorch, from-scratch 360M against PyTorch;
+#   5. with time left: benchmarks/decode.py, then the whole bench in float32.
+# Session 19 (an H200) ran an older plan in 575 s: 30 s of install, 148 s of tests (most of it
+# MLX's kernel JIT), 268 s of the bfloat16 suite (a first LoRA step of 96 s), 55 s of decode.py.
 set -uo pipefail
 
 part=${1:?usage: gpu_session.sh .gpu/partN BUDGET_SECONDS}
@@ -41,14 +44,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
   | tee -a "$log"
 echo "installed after $((SECONDS - t0)) s" | tee -a "$log"
 
-in_time 380 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
-in_time 250 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
-  --only lora-q-360m-8x512 --variants default keep-attention --json "$out/ab_lora.json"
-in_time 140 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
-  --only vit-tiny-224 --variants default padded-attention composed-attention \
+in_time 260 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
+  --only lora-q-360m-8x512 --variants default cpu-logits logits-2^26 keep-attention \
+  --peers mlx-lm --profile --rounds 5 --json "$out/ab_lora.json"
+in_time 170 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
+  --only vit-tiny-224 --variants default padded-attention --peers torch --profile --rounds 5 \
   --json "$out/ab_vit.json"
+in_time 60 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
 in_time 10 python3 benchmarks/bench.py --device gpu --dtype bfloat16 \
-  --impl toymlx mlx-lm torch --rounds 6 --json "$out/gpu_bf16.json"
+  --only lora-q-135m-8x512 scratch-360m-8x1024 --impl toymlx mlx-lm torch --rounds 4 \
+  --json "$out/gpu_bf16.json"
 in_time 10 python3 benchmarks/decode.py
 in_time 5 python3 benchmarks/bench.py --device gpu --dtype float32 \
   --impl toymlx mlx-lm torch --rounds 4 --json "$out/gpu_f32.json"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import json
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from cpu_suite import num
 from procs import MB
 from rounds import Variant, first_steps, median_ratios, run_rounds
@@ -110,6 +112,28 @@ def metered_step(v: Variant, s: int, meter: Memory | None, times_s: list[float],
     return dt
 
 
+def peer_variant(name: str, w: Workload, weights: dict[str, np.ndarray],
+                 batch: dict[str, np.ndarray], dtype: str, torch_device: str | None,
+                 compile_backend: str = "inductor") -> Variant | None:
+    """A peer's row of `w` from toymlx's `weights` (`weights_np`): mlx-lm (its LoRA step, on
+    LoRA workloads), torch or torch-compile (where `torch_device` is set); None where the peer
+    has no such row."""
+    if name == "mlx-lm":
+        if not w.lora:  # mlx-lm's trainer is a fine-tuner: its LoRA step only
+            return None
+        from mlx_lm_step import MlxLmVariant  # mlx-lm is optional (the bench extra)
+
+        return MlxLmVariant(w, weights, batch, dtype=dtype)
+    if name not in ("torch", "torch-compile"):
+        raise ValueError(f"peer: expected mlx-lm, torch or torch-compile, found {name!r}")
+    if torch_device is None:
+        return None
+    from torch_step import TorchStep  # PyTorch is optional (the bench extra)
+
+    return TorchStep(w, weights, batch, device=torch_device, dtype=dtype,
+                     compile_backend=compile_backend if name == "torch-compile" else None)
+
+
 def build_variants(w: Workload, which: tuple[str, ...], dtype: str, torch_device: str | None,
                    compile_backend: str, inputs: Path) -> tuple[list[Variant], dict[str, float]]:
     """The rows of `w` in `dtype` that apply to it, each built from the same weights: those of
@@ -120,31 +144,92 @@ def build_variants(w: Workload, which: tuple[str, ...], dtype: str, torch_device
     # what toymlx's model holds is where every row starts (in bfloat16, a LoRA base rounded)
     weights = weights_np(task.model)
     shared = time.perf_counter() - t
-
-    def make(name: str) -> Variant | None:
-        if name == "toymlx":
-            return ToymlxVariant(task, cfg, batch)
-        if name == "mlx-lm":
-            if not w.lora:  # mlx-lm's trainer is a fine-tuner: its LoRA step only
-                return None
-            from mlx_lm_step import MlxLmVariant  # mlx-lm is optional (the bench extra)
-
-            return MlxLmVariant(w, weights, batch, dtype=dtype)
-        if torch_device is None:
-            return None
-        from torch_step import TorchStep  # PyTorch is optional (the bench extra)
-
-        return TorchStep(w, weights, batch, device=torch_device, dtype=dtype,
-                         compile_backend=compile_backend if name == "torch-compile" else None)
-
     variants, builds = [], {}
     for name in which:
         t = time.perf_counter()
-        v = make(name)
+        v = (ToymlxVariant(task, cfg, batch) if name == "toymlx" else
+             peer_variant(name, w, weights, batch, dtype, torch_device, compile_backend))
         if v is not None:
             variants.append(v)
             builds[v.name] = time.perf_counter() - t + shared
     return variants, builds
+
+
+def memory_meters(variants: list[Variant], torch_device: str | None) -> dict[str, Memory]:
+    """Each row's allocation counters: MLX's for rows in MLX, CUDA's for PyTorch's on a GPU."""
+    meters: dict[str, Memory] = {v.name: MLX_MEMORY for v in variants if v.uses_mlx}
+    if torch_device == "cuda":
+        import torch  # optional (the bench extra)
+
+        cuda = Memory(torch.cuda.memory_allocated, torch.cuda.reset_peak_memory_stats,
+                      torch.cuda.max_memory_allocated)
+        meters.update({v.name: cuda for v in variants if not v.uses_mlx})
+    return meters
+
+
+def torch_side(device: str) -> tuple[str | None, dict[str, Any], list[str]]:
+    """PyTorch's device for the peer rows beside MLX's `device` (None: no PyTorch rows), what
+    to record of it, and notes on why there are none. On CUDA, float32 matmuls as TF32, as
+    MLX runs them."""
+    try:
+        import torch  # optional (the bench extra)
+    except ImportError:
+        return None, {}, ["PyTorch is not installed: no PyTorch rows"]
+    info: dict[str, Any] = {"torch": torch.__version__}
+    if device == "cpu":
+        return "cpu", info, []
+    if not torch.cuda.is_available():
+        return None, info, ["torch.cuda.is_available() is false: no PyTorch rows"]
+    info.update(torch_cuda=torch.version.cuda, torch_device_name=torch.cuda.get_device_name(),
+                float32_matmuls="tf32")
+    torch.set_float32_matmul_precision("high")
+    return "cuda", info, []
+
+
+def kernel_profile(step: Callable[[], None], top: int = 15) -> dict[str, Any]:
+    """The GPU kernels one call of `step` launched, as CUPTI records them through PyTorch's
+    profiler (every kernel of the process, MLX's too, read from its trace's "kernel" events):
+    their count, summed time against the call's wall time (a sum well under the wall time: the
+    GPU waited on launches), and the `top` kernels by summed time. {"error": ...} where there is
+    no PyTorch, no CUDA, or the profiler fails."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if not torch.cuda.is_available():
+            return {"error": "torch.cuda.is_available() is false"}
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            events = json.loads(trace.read_text()).get("traceEvents", [])
+    except Exception as e:  # noqa: BLE001 -- a profile that fails must not cost the figures
+        return {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+    kernels: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            kernels.setdefault(e.get("name", "?"), []).append(float(e["dur"]))
+    total_us = sum(sum(v) for v in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"wall_ms": wall * 1e3, "kernels": sum(len(v) for v in kernels.values()),
+            "distinct": len(kernels), "kernel_ms": total_us / 1e3,
+            "top": [{"name": k[:120], "count": len(v), "ms": sum(v) / 1e3} for k, v in ranked]}
+
+
+def format_kernel_profile(name: str, prof: dict[str, Any]) -> str:
+    """`kernel_profile`'s result as lines of text."""
+    if "error" in prof:
+        return f"{name}: kernel profile: {prof['error']}"
+    head = (f"{name}: {prof['kernels']} kernels ({prof['distinct']} distinct), "
+            f"{prof['kernel_ms']:.1f} ms of kernels in {prof['wall_ms']:.1f} ms")
+    lines = [head]
+    lines += [f"  {k['ms']:8.2f} ms {k['count']:5d}x  {k['name']}" for k in prof["top"]]
+    return "\n".join(lines)
 
 
 def run_workload(w: Workload, dtype: str, which: tuple[str, ...], rounds: int, warmup: int,
@@ -155,13 +240,7 @@ def run_workload(w: Workload, dtype: str, which: tuple[str, ...], rounds: int, w
     variants, builds = build_variants(w, which, dtype, torch_device, compile_backend, inputs)
     tag = f"{w.name} {dtype}"
     results = first_steps(variants, builds, tag, log)
-    meters: dict[str, Memory] = {v.name: MLX_MEMORY for v in variants if v.uses_mlx}
-    if torch_device == "cuda":
-        import torch  # optional (the bench extra)
-
-        cuda = Memory(torch.cuda.memory_allocated, torch.cuda.reset_peak_memory_stats,
-                      torch.cuda.max_memory_allocated)
-        meters.update({v.name: cuda for v in variants if not v.uses_mlx})
+    meters = memory_meters(variants, torch_device)
     peak_mb: dict[str, float] = {}
 
     def timed_step(v: Variant, s: int) -> float:
@@ -202,24 +281,9 @@ def run_gpu(device: str, shapes: str = "full", dtypes: tuple[str, ...] = DTYPES,
                             "dtypes": list(dtypes), "backend": backend_info(), "notes": [],
                             "torch_compile_backend": compile_backend, "matmul": {},
                             "workloads": []}
-    torch_device = None
-    try:
-        import torch  # optional (the bench extra)
-    except ImportError:
-        info["notes"].append("PyTorch is not installed: no PyTorch rows")
-    else:
-        info["torch"] = torch.__version__
-        if device == "cpu":
-            torch_device = "cpu"
-        elif torch.cuda.is_available():
-            torch_device = "cuda"
-            info["torch_cuda"] = torch.version.cuda
-            info["torch_device_name"] = torch.cuda.get_device_name()
-            # MLX runs float32 matmuls on CUDA as TF32; PyTorch does the same under "high"
-            torch.set_float32_matmul_precision("high")
-            info["float32_matmuls"] = "tf32"
-        else:
-            info["notes"].append("torch.cuda.is_available() is false: no PyTorch rows")
+    torch_device, torch_info, notes = torch_side(device)
+    info.update(torch_info)
+    info["notes"] += notes
     try:
         import mlx_lm  # optional (the bench extra)
 

@@ -128,7 +128,7 @@ def test_a_frozen_head_read_in_slices_gives_the_whole_logits_loss(kind, ops, mon
     the cross-entropy of the whole logits: loss within 1e-6, LoRA and input gradients 1e-5."""
     from toymlx.models import losses
 
-    monkeypatch.setattr(losses, "head_slices", lambda v, n, d: [(a, min(a + 64, v))
+    monkeypatch.setattr(losses, "head_slices", lambda v, n, d, values=None: [(a, min(a + 64, v))
                                                              for a in range(0, v, 64)])
     args = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, context=64,
                 tie_embeddings=kind != "untied", final_softcap=3.0 if kind == "softcap" else None)

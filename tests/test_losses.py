@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.lora import apply_lora
 from toymlx.models.losses import LOGITS_CHUNK_VALUES, lm_loss, logits_chunk
-from toymlx.models.ops import Ops
+from toymlx.models.ops import GPU_LOGITS_VALUES, Ops
 
 
 def _whole_logits_loss(model: nn.Module, batch: dict) -> mx.array:
@@ -97,6 +97,8 @@ def test_logits_chunk_sizes():
     assert logits_chunk(49152) == 64  # SmolLM2: 85 rounded down to a multiple of 32
     assert logits_chunk(259) == LOGITS_CHUNK_VALUES // 259 // 32 * 32
     assert logits_chunk(10 ** 7) == 32
+    # a GPU's Ops.logits_values (2^24): SmolLM2's 8 x 1024 tokens in 26 chunks of 320, not 128
+    assert logits_chunk(49152, GPU_LOGITS_VALUES) == 320
 
 
 def test_head_slice_sizes():
@@ -111,6 +113,9 @@ def test_head_slice_sizes():
     llama3 = head_slices(128256, 512, 4096)  # 256 -> 1024 rows: 126 slices
     assert llama3[0] == (0, 1024) and len(llama3) == 126 and llama3[-1][1] == 128256
     assert head_slices(259, 4, 8) == [(0, 259)]  # a vocabulary under one slice
+    # a GPU's Ops.logits_values (2^24): SmolLM2 over 8 x 512 tokens, 12 slices of 4096 rows
+    gpu = head_slices(49152, 4096, 960, GPU_LOGITS_VALUES)
+    assert gpu[0] == (0, 4096) and len(gpu) == 12
 
 
 def _primitives(*outputs: mx.array, tmp_path) -> set[str]:
@@ -158,6 +163,34 @@ def _wide_vocab_model() -> tuple[Llama, dict]:
     return model, batch
 
 
+@pytest.mark.parametrize("head", ["frozen", "trained"])
+def test_a_gpus_logits_values_give_the_cpus_loss_and_gradients(head):
+    """`Ops.logits_values` sizes the loss's slices and chunks, not its numbers: 2^24 values (a
+    GPU's: one slice of the 16,384-row head, one chunk of the 512 tokens) against the CPU's sizes
+    (8 slices of 2048 rows; 2 chunks of 256 tokens): loss within 1e-6, gradients within 1e-5."""
+    from toymlx.models import losses
+
+    assert len(losses.head_slices(16384, 512, 32)) == 8 and logits_chunk(16384) == 256
+    results = []
+    for values in (None, GPU_LOGITS_VALUES):
+        mx.random.seed(0)
+        model = Llama(tiny(vocab_size=16384, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                           ffn_dim=64), Ops(logits_values=values))
+        model.freeze()
+        model.layers[0].attn.q_proj.unfreeze()
+        if head == "trained":
+            model.embed.unfreeze()
+        assert (model.frozen_head() is None) == (head == "trained")
+        batch = _batch(16384, B=2, T=256)
+        (loss, _), g = nn.value_and_grad(model, lm_loss)(model, batch)
+        results.append((loss.item(), dict(tree_flatten(g))))
+    (cpu_loss, cpu_g), (gpu_loss, gpu_g) = results
+    assert abs(gpu_loss - cpu_loss) < 1e-6
+    assert cpu_g.keys() == gpu_g.keys()
+    for k in cpu_g:
+        np.testing.assert_allclose(np.array(gpu_g[k]), np.array(cpu_g[k]), atol=1e-5, rtol=0)
+
+
 def _gradient_peak(model: Llama, batch: dict, loss_fn) -> int:
     """MLX's peak above the memory in use before one gradient of `loss_fn`."""
     grad = nn.value_and_grad(model, loss_fn)
@@ -194,7 +227,7 @@ def test_a_frozen_head_in_slices_never_holds_the_whole_logits(monkeypatch):
     assert model.frozen_head() is model.embed
     peaks = {}
     for rows in (16384, 1024):
-        monkeypatch.setattr(losses, "head_slices", lambda v, n, d, r=rows: [
+        monkeypatch.setattr(losses, "head_slices", lambda v, n, d, values=None, r=rows: [
             (a, min(a + r, v)) for a in range(0, v, r)])
         peaks[rows] = _gradient_peak(model, batch, lambda m, b: lm_loss(m, b))
     whole_copy = 512 * 16384 * 4
@@ -209,7 +242,7 @@ def test_a_frozen_head_is_read_once_a_training_step(monkeypatch):
     from toymlx.models import losses
 
     model, batch = _wide_vocab_model()
-    monkeypatch.setattr(losses, "head_slices", lambda v, n, d: [
+    monkeypatch.setattr(losses, "head_slices", lambda v, n, d, values=None: [
         (a, min(a + 1024, v)) for a in range(0, v, 1024)])
     real = losses.row_reader
     reads = []

@@ -74,6 +74,8 @@ def test_training_ops_resolve_auto_per_device():
     gpu = training_ops(on_gpu=True)
     assert (gpu.kernels, gpu.dtype, gpu.exact_rope) == ("mlx", "bfloat16", False)
     assert gpu.attention_keep_limit == 0  # recomputed in the backward pass on a GPU
+    # a GPU's loss reads the logits in fewer, larger slices; the CPU's at its own sizes
+    assert (gpu.logits_values, training_ops(on_gpu=False).logits_values) == (1 << 24, None)
     assert training_ops(False, "bfloat16").kernels == "mlx"  # fastmath is float32 only
     with pytest.raises(ValueError, match="--kernels vectorised: expected --dtype float32"):
         training_ops(False, "float16", "vectorised")

@@ -34,19 +34,20 @@ backward pass of a chunk holds ~16 copies at its peak (the vectorised CPU kernel
 ~8 with MLX's own), and every chunk reads the whole output matrix again."""
 
 
-def logits_chunk(vocab: int) -> int:
-    """Tokens per logits chunk for a vocabulary: LOGITS_CHUNK_VALUES // vocab, rounded down to a
-    multiple of 32 (so compiled shapes stay few), at least 32."""
-    return max(32, LOGITS_CHUNK_VALUES // vocab // 32 * 32)
+def logits_chunk(vocab: int, values: int | None = None) -> int:
+    """Tokens per logits chunk for a vocabulary: `values` (the run's `Ops.logits_values`; None:
+    LOGITS_CHUNK_VALUES) // vocab, rounded down to a multiple of 32 (so compiled shapes stay
+    few), at least 32."""
+    return max(32, (values or LOGITS_CHUNK_VALUES) // vocab // 32 * 32)
 
 
 def lm_loss(model: nn.Module, batch: dict[str, mx.array], chunk: int | None = None
             ) -> tuple[mx.array, mx.array]:
     """Next-token cross-entropy averaged over the positions whose mask is 1, the logits computed
-    `chunk` tokens at a time (None: `logits_chunk` of the model's vocabulary)."""
+    `chunk` tokens at a time (None: `logits_chunk` of the model's vocabulary and Ops)."""
     h = model.hidden(batch["inputs"])  # (B, T, D)
     mask = batch["mask"]
-    chunk = chunk or logits_chunk(model.args.vocab_size)
+    chunk = chunk or logits_chunk(model.args.vocab_size, model.ops.logits_values)
     total = masked_ce_sum(model, h, batch["targets"], mask, chunk)
     n = mask.sum()
     return total / mx.maximum(n, 1.0), n
@@ -110,10 +111,13 @@ operations to the compiled step's graph, ~1.7 KB of memory a node, and a product
 runs below the BLAS's speed. Llama 3's 128,256-token vocabulary is 126 slices at most."""
 
 
-def head_slices(vocab: int, tokens: int, width: int) -> list[tuple[int, int]]:
-    """Row ranges of a frozen head read at once: at most HEAD_SLICE_VALUES logits and as many
-    weights, in rows a multiple of 256, at least HEAD_SLICE_MIN_ROWS."""
-    n = max(HEAD_SLICE_MIN_ROWS, HEAD_SLICE_VALUES // max(tokens, width, 1) // 256 * 256)
+def head_slices(vocab: int, tokens: int, width: int, values: int | None = None
+                ) -> list[tuple[int, int]]:
+    """Row ranges of a frozen head read at once: at most `values` (the run's
+    `Ops.logits_values`; None: HEAD_SLICE_VALUES) logits and as many weights, in rows a
+    multiple of 256, at least HEAD_SLICE_MIN_ROWS."""
+    n = max(HEAD_SLICE_MIN_ROWS,
+            (values or HEAD_SLICE_VALUES) // max(tokens, width, 1) // 256 * 256)
     return [(a, min(a + n, vocab)) for a in range(0, vocab, n)]
 
 
@@ -171,7 +175,7 @@ def frozen_head_cross_entropy(h: mx.array, targets: mx.array, head: nn.Module, o
         return _frozen_head_ce_with_grad(h, targets, head, ops, softcap)
     arrays, rows = row_reader(head)
     N = h.shape[0]
-    slices = head_slices(arrays[0].shape[0], N, h.shape[1])
+    slices = head_slices(arrays[0].shape[0], N, h.shape[1], ops.logits_values)
 
     @mx.custom_function
     def ce(x: mx.array, t: mx.array, *arrs: mx.array) -> tuple[mx.array, mx.array]:
@@ -214,7 +218,7 @@ def _frozen_head_ce_with_grad(h: mx.array, targets: mx.array, head: nn.Module, o
     forward pass and read by the backward pass."""
     arrays, rows = row_reader(head)
     N, D = h.shape
-    slices = head_slices(arrays[0].shape[0], N, D)
+    slices = head_slices(arrays[0].shape[0], N, D, ops.logits_values)
 
     @mx.custom_function
     def ce(x: mx.array, t: mx.array, *arrs: mx.array) -> tuple[mx.array, ...]:
@@ -287,5 +291,6 @@ def lm_held_out_sums(model: nn.Module, batch: dict[str, mx.array]) -> dict[str, 
     pos, weight = batch["positions"], batch["position_mask"]
     total = masked_ce_sum(model, mx.take_along_axis(h, pos[..., None], axis=1),
                           mx.take_along_axis(batch["targets"], pos, axis=1), weight,
-                          logits_chunk(model.args.vocab_size), grad=False)
+                          logits_chunk(model.args.vocab_size, model.ops.logits_values),
+                          grad=False)
     return {"loss": total, "n": weight.sum()}

@@ -53,6 +53,11 @@ at most 16 KiB a token and block in float32: SmolLM2-135M's rows up to 489 token
 Llama's up to 691; a Llama-3.2-1B shape recomputes at every length. The small models' steps are
 6-16% faster (docs/RESULTS.md, session 18)."""
 
+GPU_LOGITS_VALUES = 1 << 24
+"""`Ops.logits_values` of training on a GPU: 64 MB of float32 logits a copy. A GPU launches a
+kernel for every op of every slice or chunk: SmolLM2's 49,152-token head over 8 x 512 tokens
+was 48 slices of 1024 rows at the CPU's size, 12 of 4096 at this one."""
+
 
 @dataclass(frozen=True)
 class Ops:
@@ -90,6 +95,12 @@ class Ops:
     instead of recomputing them there (`recomputed`); 0: always recomputed. Keeping skips a
     second forward pass of attention, a sixth of a small model's CPU step; recomputing keeps
     long sequences and many heads in the memory people have."""
+    logits_values: int | None = None
+    """Most logits (tokens x vocabulary) a loss computes at once: a frozen head's slice of rows
+    (`toymlx.models.losses.head_slices`), a trained head's chunk of tokens (`logits_chunk`).
+    None: the sizes for a CPU's caches and memory (`losses.HEAD_SLICE_VALUES`, 4 MB of float32,
+    and `losses.LOGITS_CHUNK_VALUES`, 16 MB). A GPU pays a kernel launch for each op of each
+    slice, so it computes fewer, larger ones (`GPU_LOGITS_VALUES`)."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("mlx", "vectorised"):
@@ -98,6 +109,9 @@ class Ops:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, found {self.dtype!r}")
         if self.subnormals not in ("flush", "keep"):
             raise ValueError(f"subnormals: expected flush or keep, found {self.subnormals!r}")
+        if self.logits_values is not None and self.logits_values < 1:
+            raise ValueError(f"logits_values: expected a positive number of logits or None, "
+                             f"found {self.logits_values}")
         if self.attention_keep_limit < 0:
             raise ValueError(f"attention_keep_limit: expected >= 0 values a token (0: always "
                              f"recompute), found {self.attention_keep_limit}")
@@ -455,7 +469,8 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
                kernel_forms=kernels == "vectorised" and compiled and device.kernel_forms(),
                grad_checkpoint=grad_checkpoint, subnormals=subnormals,
                decode_slice=DECODE_SLICE_VALUES if grad_checkpoint else None,
-               attention_keep_limit=0 if on_gpu else CPU_ATTENTION_KEEP_VALUES)
+               attention_keep_limit=0 if on_gpu else CPU_ATTENTION_KEEP_VALUES,
+               logits_values=GPU_LOGITS_VALUES if on_gpu else None)
 
 
 def scoring_ops(on_gpu: bool) -> Ops:
