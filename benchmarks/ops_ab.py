@@ -15,7 +15,7 @@ count and time against the step's).
 Variants (`VARIANTS`):
 - default: what toymlx trains with on the device (`training_ops`);
 - keep-attention: attention's activations kept for the backward pass, never recomputed
-  (`attention_keep_limit` unbounded);
+  (`attention_keep_limit` unbounded); recompute-attention: always recomputed (0);
 - composed-attention: attention as softmax(q k^T scale) v in plain MLX ops (their own
   autodiff) instead of `mx.fast.scaled_dot_product_attention` (MLX's fused kernel and its vjp);
 - padded-attention: a non-causal attention's rows padded to a multiple of 128 (zero queries,
@@ -23,9 +23,9 @@ Variants (`VARIANTS`):
   CUDA attention has a fused backward pass (cuDNN's) only where the query length is a multiple
   of 128 (`ScaledDotProductAttentionVJP::use_fallback`); other lengths, such as ViT-Tiny 224's
   197 tokens, differentiate the composed form, scores and all. Metal has no fused backward;
-- cpu-logits, logits-2^22, logits-2^26, logits-2^28: the loss's logits computed at the CPU's
-  sizes (`Ops.logits_values` None) or 2^K logits at a time (a frozen head's slices, a trained
-  head's chunks); a GPU's default is `GPU_LOGITS_VALUES`.
+- cpu-logits, logits-2^22, logits-2^23, logits-2^26, logits-2^28: the loss's logits computed
+  at the CPU's sizes (`Ops.logits_values` None) or 2^K logits at a time (a frozen head's
+  slices, a trained head's chunks); a GPU's default is `GPU_LOGITS_VALUES`.
 """
 
 from __future__ import annotations
@@ -104,11 +104,12 @@ def _as(cls: type[Ops]) -> Callable[[Ops], Ops]:
 VARIANTS: dict[str, Callable[[Ops], Ops]] = {
     "default": lambda ops: ops,
     "keep-attention": lambda ops: dataclasses.replace(ops, attention_keep_limit=2**62),
+    "recompute-attention": lambda ops: dataclasses.replace(ops, attention_keep_limit=0),
     "composed-attention": _as(ComposedAttention),
     "padded-attention": _as(PaddedAttention),
     "cpu-logits": lambda ops: dataclasses.replace(ops, logits_values=None),
     **{f"logits-2^{k}": (lambda ops, k=k: dataclasses.replace(ops, logits_values=1 << k))
-       for k in (22, 26, 28)},
+       for k in (22, 23, 26, 28)},
 }
 
 

@@ -17,7 +17,7 @@ from toymlx_cli.train import main
 from toymlx.backend import fpenv
 from toymlx.bundle.events import read_events
 from toymlx.models.llama import Llama, tiny
-from toymlx.models.ops import EXACT, training_ops
+from toymlx.models.ops import CUDA_ATTENTION_KEEP_VALUES, EXACT, GPU_LOGITS_VALUES, training_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -30,9 +30,11 @@ def test_vit_tiny_trains_in_bf16_on_the_gpu(tmp_path: Path):
     events = read_events(tmp_path / "g")
     start = events[0]
     assert start["backend"]["kind"] in ("metal", "cuda")
-    assert start["math"] == {"kernels": "mlx", "dtype": "bfloat16", "exact_rope": False,
-                             "grad_checkpoint": False, "decode_slice": None,
-                             "subnormals": fpenv.describe("flush"), "attention_keep_limit": 0}
+    keep = 0 if start["backend"]["kind"] == "metal" else CUDA_ATTENTION_KEEP_VALUES
+    assert start["math"] == {"kernels": "mlx", "kernel_forms": False, "dtype": "bfloat16",
+                             "exact_rope": False, "grad_checkpoint": False, "decode_slice": None,
+                             "subnormals": fpenv.describe("flush"), "attention_keep_limit": keep,
+                             "logits_values": GPU_LOGITS_VALUES}
     acc = [e["accuracy"] for e in events if e["kind"] == "eval"][-1]
     assert acc > 0.8, acc
 

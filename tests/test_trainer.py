@@ -312,3 +312,26 @@ def test_the_gradient_norm_is_the_left_to_right_float32_sum_with_no_chain_of_add
     assert np.array(out["grad_norm"]) == np.sqrt(total)
     assert np.isclose(np.array(out["grad_norm"]), np.sqrt(np.sum(squares, dtype=np.float64)),
                       rtol=1e-5)
+
+
+def test_a_micro_batch_is_a_view_of_the_batch_not_a_gather():
+    """`micro_batch` takes micro-batch i as a slice (a view), not as MLX's `v[i]`, a gather that
+    copied ViT-Tiny 224's 128 images in 4 ms of each step on an H200: the same values, and the
+    graph holds a Slice and no Gather."""
+    import io
+
+    from toymlx.training.step import micro_batch
+
+    images = mx.arange(3 * 2 * 5 * 4, dtype=mx.float32).reshape(3, 2, 5, 4)
+    batch = {"images": images, "labels": mx.array([[1, 2], [3, 4], [5, 6]])}
+    for i in range(3):
+        part = micro_batch(batch, i)
+        assert part["images"].shape == (2, 5, 4)
+        np.testing.assert_array_equal(np.array(part["images"]), np.array(images)[i])
+        np.testing.assert_array_equal(np.array(part["labels"]), [2 * i + 1, 2 * i + 2])
+    dot = io.StringIO()
+    mx.export_to_dot(dot, micro_batch(batch, 1)["images"] * 2)
+    assert "Slice" in dot.getvalue() and "Gather" not in dot.getvalue()
+    dot = io.StringIO()
+    mx.export_to_dot(dot, images[1] * 2)  # what the step did before
+    assert "Gather" in dot.getvalue()

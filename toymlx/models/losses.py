@@ -124,14 +124,16 @@ def head_slices(vocab: int, tokens: int, width: int, values: int | None = None
 def _head_slice_logits(x: mx.array, arrs: list[mx.array], rows: Any, a: int, b: int,
                        after: list[mx.array], softcap: float | None
                        ) -> tuple[mx.array, mx.array, mx.array | None]:
-    """Rows a..b of a frozen head read once `after` is computed, and their logits: (z (N, b - a)
-    float32, soft-capped where softcap is set; the rows W_slice (b - a, D); tanh(z / softcap)
-    or None)."""
+    """Rows a..b of a frozen head read once `after` is computed, and their logits: (z (N, b - a),
+    soft-capped where softcap is set; the rows W_slice (b - a, D); tanh(z / softcap) or None).
+    z is the product in x's dtype, float32 where soft-capped: a half-precision product widens
+    exactly wherever it meets float32, so z is not kept as a float32 copy (the largest
+    array of a GPU's slice)."""
     w = rows(list(mx.depends(arrs, after)), a, b).astype(x.dtype)  # (b - a, D)
-    z = (x @ w.T).astype(mx.float32)  # (N, b - a)
+    z = x @ w.T  # (N, b - a)
     if not softcap:
         return z, w, None
-    th = mx.tanh(z / softcap)
+    th = mx.tanh(z.astype(mx.float32) / softcap)
     return softcap * th, w, th
 
 

@@ -27,6 +27,7 @@ Mixed precision (`dtype` other than float32), as PyTorch's autocast and mlx-lm d
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
@@ -52,6 +53,14 @@ CPU_ATTENTION_KEEP_VALUES = 4096
 at most 16 KiB a token and block in float32: SmolLM2-135M's rows up to 489 tokens, the tiny
 Llama's up to 691; a Llama-3.2-1B shape recomputes at every length. The small models' steps are
 6-16% faster (docs/RESULTS.md, session 18)."""
+
+CUDA_ATTENTION_KEEP_VALUES = 8192
+"""`Ops.attention_keep_limit` of training on a CUDA GPU: MLX's fused attention there (cuDNN's)
+keeps q, k, v and its output for its backward pass, not the probabilities, so recomputing saves
+only the rotated q and k and costs a second forward pass. SmolLM2-360M's 8 x 512 LoRA step
+(7,040 values a token) kept it: 0.92x the step time and a 2% lower peak (H200, session 26).
+Longer rows recompute: MLX's fused backward needs a multiple of 128 rows, and elsewhere its
+composed one keeps the probabilities. On Metal MLX has no fused attention backward: 0."""
 
 GPU_LOGITS_VALUES = 1 << 24
 """`Ops.logits_values` of training on a GPU: 64 MB of float32 logits a copy. A GPU launches a
@@ -440,12 +449,11 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
     dtype auto: bfloat16 on a GPU, float32 on the CPU (MLX's half-precision CPU kernels run
     ~25x slower than float32's). kernels auto: vectorised on the CPU in float32, else mlx.
     RoPE: fast on a GPU; exact tables on the CPU (as fast there, and exact).
-    Attention's activations: kept on the CPU for short sequences of small models
-    (`CPU_ATTENTION_KEEP_VALUES`), else recomputed in the backward pass; on a GPU always
-    recomputed, for memory: MLX 0.32 trains attention unfused on Metal (its probabilities would
-    be kept), while on CUDA its fused kernels keep none, so there recomputing may cost time
-    and save little. Not yet timed on a GPU: `benchmarks/ops_ab.py --variants default
-    keep-attention` measures it (docs/RESULTS.md, session 19).
+    Attention's activations: kept for short sequences of small models on the CPU
+    (`CPU_ATTENTION_KEEP_VALUES`) and on CUDA (`CUDA_ATTENTION_KEEP_VALUES`), else recomputed
+    in the backward pass; on Metal always recomputed, for memory: MLX 0.32 trains attention
+    unfused there (its probabilities would be kept).
+    The loss's logits: a GPU computes fewer, larger slices of them (`GPU_LOGITS_VALUES`).
     Block-held weights: decoded whole, except 16 MB at a time with grad_checkpoint. Without it
     a step keeps every block's activations, more than a weight's floats at the sizes people
     train (Llama-3.2-1B shape at 4 x 256: a block keeps 99 MB a CPU stream, its largest weight
@@ -469,7 +477,9 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
                kernel_forms=kernels == "vectorised" and compiled and device.kernel_forms(),
                grad_checkpoint=grad_checkpoint, subnormals=subnormals,
                decode_slice=DECODE_SLICE_VALUES if grad_checkpoint else None,
-               attention_keep_limit=0 if on_gpu else CPU_ATTENTION_KEEP_VALUES,
+               attention_keep_limit=(CPU_ATTENTION_KEEP_VALUES if not on_gpu else
+                                     0 if sys.platform == "darwin" else
+                                     CUDA_ATTENTION_KEEP_VALUES),
                logits_values=GPU_LOGITS_VALUES if on_gpu else None)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from toymlx.backend import device
 from toymlx.training import cpu_streams
+from toymlx.training.step import micro_batch
 from toymlx.training.task import Task
 
 
@@ -66,7 +67,7 @@ class Evaluator:
         try:
             for b in batches[:max_batches]:
                 for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
-                    parts = self._sums({k: v[i] for k, v in b.items()})
+                    parts = self._sums(micro_batch(b, i))
                     with device.evaluating(self.blas_threads, self.subnormals):
                         mx.eval(parts)
                     for sums in parts:

@@ -125,6 +125,13 @@ def _keep_where(ok: mx.array, state: Any, before: Any) -> None:
             _keep_where(ok, v, before[k])
 
 
+def micro_batch(batch: dict[str, mx.array], i: int) -> dict[str, mx.array]:
+    """Micro-batch `i` of a batch whose leading axis holds the micro-batches, as views: a slice
+    with that axis dropped. MLX indexes `v[i]` with a gather, a copy of the micro-batch: ViT-Tiny
+    224's 128 images took 4 ms of a 75 ms step on an H200 (docs/RESULTS.md, session 26)."""
+    return {k: v[i:i + 1].squeeze(0) for k, v in batch.items()}
+
+
 def make_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,
               grad_clip: float = 1.0, world: Any = None, compile: bool = True,
               scale: LossScale | None = None) -> Callable[[dict[str, mx.array]], dict]:
@@ -135,7 +142,7 @@ def make_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimizer,
 
     def step(batch: dict[str, mx.array]) -> dict[str, mx.array]:
         accum = next(iter(batch.values())).shape[0]
-        return update([grads_of({k: v[i] for k, v in batch.items()}) for i in range(accum)])
+        return update([grads_of(micro_batch(batch, i)) for i in range(accum)])
 
     if not compile:
         return step
