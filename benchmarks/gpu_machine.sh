@@ -16,13 +16,18 @@
 #   runs a command with that installation on PYTHONPATH (and toymlx's commands on PATH).
 #
 # The first compiled step on a fresh machine takes 1-2 minutes (MLX compiles its CUDA kernels,
-# cached under $TMPDIR/mlx for the machine's life).
+# cached under $TMPDIR/mlx for the machine's life). gpu_session.sh brings that PTX cache back
+# ($OUT/mlx_ptx.tgz, ~2.4 MB); kept here as $PTX_CACHE, prepare puts it in the last part and
+# install unpacks it there, so NVRTC need not compile those kernels again (the driver still
+# builds their machine code; how much of the first step that saves is not yet measured).
 set -euo pipefail
 
 HOME_DIR=${TOYMLX_GPU_HOME:-/tmp/toymlx-gpu}
 WORK=.gpu
 PART_BYTES=${TOYMLX_GPU_PART_BYTES:-55000000}  # + the small wheels + the tree < 64 MiB
 PY_VERSION=${TOYMLX_GPU_PYTHON:-3.12}
+PTX_CACHE=${TOYMLX_GPU_PTX_CACHE:-$HOME/.cache/toymlx/gpu/mlx-$(python3 -c \
+  "import importlib.metadata as m; print(m.version('mlx'))" 2>/dev/null || echo none)-ptx.tgz}
 # The lent machine's image already has numpy, transformers, tokenizers, jinja2, pillow, tqdm,
 # pyyaml, safetensors and NVIDIA's CUDA 13 libraries (../.library/device/KINDS.md)
 PACKAGES=(mlx mlx-cuda-13 mlx-lm gguf tyro docstring-parser typeguard typing-extensions
@@ -57,6 +62,7 @@ prepare() {
     n=$((n + 1)) && mkdir -p "$WORK/part$n" && mv "$p" "$WORK/part$n/"
   done
   find "$WORK/wheels" -name '*.whl' ! -name 'mlx_cuda_13-*' -exec cp {} "$WORK/part$n/" \;
+  if [[ -f $PTX_CACHE ]]; then cp "$PTX_CACHE" "$WORK/part$n/mlx-ptx.tgz"; fi
   { echo "wheel $(basename "$big")"; echo "sha256 $(sha256sum "$big" | cut -d' ' -f1)"
     echo "pieces $n"; } > "$WORK/MANIFEST"
   for p in $(seq 1 "$n"); do cp "$WORK/MANIFEST" "$WORK/part$p/"; done
@@ -90,6 +96,9 @@ install() {
     || die "$wheel: SHA-256 does not match $HOME_DIR/parts/MANIFEST (a piece is damaged)"
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target "$HOME_DIR/site" "$HOME_DIR"/parts/*.whl
+  if [[ -f $HOME_DIR/parts/mlx-ptx.tgz ]]; then  # MLX's PTX cache: $TMPDIR/mlx/VERSION/ptx
+    tar xzf "$HOME_DIR/parts/mlx-ptx.tgz" -C "${TMPDIR:-/tmp}" && echo "MLX's PTX cache unpacked"
+  fi
   # MLX's CUDA library finds NVIDIA's (cuBLAS, cuDNN, NCCL, ...) at $ORIGIN/../../nvidia, i.e.
   # beside itself in site-packages: point that at the machine's own NVIDIA wheels
   local nvidia

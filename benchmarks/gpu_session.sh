@@ -58,3 +58,5 @@ in_time 10 python3 benchmarks/decode.py
 in_time 5 python3 benchmarks/bench.py --device gpu --dtype float32 \
   --impl toymlx mlx-lm torch --rounds 4 --json "$out/gpu_f32.json"
 echo "session done after $((SECONDS - t0)) s" | tee -a "$log"
+# MLX's PTX cache for the next lent machine: save it here as gpu_machine.sh's PTX_CACHE
+tar czf "$out/mlx_ptx.tgz" -C "${TMPDIR:-/tmp}" mlx 2>/dev/null || true

@@ -97,8 +97,8 @@ def test_logits_chunk_sizes():
     assert logits_chunk(49152) == 64  # SmolLM2: 85 rounded down to a multiple of 32
     assert logits_chunk(259) == LOGITS_CHUNK_VALUES // 259 // 32 * 32
     assert logits_chunk(10 ** 7) == 32
-    # a GPU's Ops.logits_values (2^24): SmolLM2's 8 x 1024 tokens in 26 chunks of 320, not 128
-    assert logits_chunk(49152, GPU_LOGITS_VALUES) == 320
+    # a GPU's Ops.logits_values (2^23): SmolLM2's 8 x 1024 tokens in 52 chunks of 160, not 128
+    assert logits_chunk(49152, GPU_LOGITS_VALUES) == 160
 
 
 def test_head_slice_sizes():
@@ -113,9 +113,9 @@ def test_head_slice_sizes():
     llama3 = head_slices(128256, 512, 4096)  # 256 -> 1024 rows: 126 slices
     assert llama3[0] == (0, 1024) and len(llama3) == 126 and llama3[-1][1] == 128256
     assert head_slices(259, 4, 8) == [(0, 259)]  # a vocabulary under one slice
-    # a GPU's Ops.logits_values (2^24): SmolLM2 over 8 x 512 tokens, 12 slices of 4096 rows
+    # a GPU's Ops.logits_values (2^23): SmolLM2 over 8 x 512 tokens, 24 slices of 2048 rows
     gpu = head_slices(49152, 4096, 960, GPU_LOGITS_VALUES)
-    assert gpu[0] == (0, 4096) and len(gpu) == 12
+    assert gpu[0] == (0, 2048) and len(gpu) == 24
 
 
 def _primitives(*outputs: mx.array, tmp_path) -> set[str]:
@@ -165,7 +165,7 @@ def _wide_vocab_model() -> tuple[Llama, dict]:
 
 @pytest.mark.parametrize("head", ["frozen", "trained"])
 def test_a_gpus_logits_values_give_the_cpus_loss_and_gradients(head):
-    """`Ops.logits_values` sizes the loss's slices and chunks, not its numbers: 2^24 values (a
+    """`Ops.logits_values` sizes the loss's slices and chunks, not its numbers: 2^23 values (a
     GPU's: one slice of the 16,384-row head, one chunk of the 512 tokens) against the CPU's sizes
     (8 slices of 2048 rows; 2 chunks of 256 tokens): loss within 1e-6, gradients within 1e-5."""
     from toymlx.models import losses

@@ -58,14 +58,17 @@ CUDA_ATTENTION_KEEP_VALUES = 8192
 """`Ops.attention_keep_limit` of training on a CUDA GPU: MLX's fused attention there (cuDNN's)
 keeps q, k, v and its output for its backward pass, not the probabilities, so recomputing saves
 only the rotated q and k and costs a second forward pass. SmolLM2-360M's 8 x 512 LoRA step
-(7,040 values a token) kept it: 0.92x the step time and a 2% lower peak (H200, session 26).
+(7,040 values a token) kept it: 0.92x and 0.98x the step time in two runs, the peak within 2%
+(H200, docs/RESULTS.md, session 26).
 Longer rows recompute: MLX's fused backward needs a multiple of 128 rows, and elsewhere its
 composed one keeps the probabilities. On Metal MLX has no fused attention backward: 0."""
 
-GPU_LOGITS_VALUES = 1 << 24
-"""`Ops.logits_values` of training on a GPU: 64 MB of float32 logits a copy. A GPU launches a
-kernel for every op of every slice or chunk: SmolLM2's 49,152-token head over 8 x 512 tokens
-was 48 slices of 1024 rows at the CPU's size, 12 of 4096 at this one."""
+GPU_LOGITS_VALUES = 1 << 23
+"""`Ops.logits_values` of training on a GPU: 32 MB of float32 logits a copy. A GPU launches
+kernels for every slice or chunk: SmolLM2's 49,152-token head over 8 x 512 tokens is 48 slices
+of 1024 rows at the CPU's size, 24 of 2048 at this one. On an H200 the 360M LoRA step took
+0.95x the time of 2^24 values (12 slices) with 4% less peak memory, and 2^24 0.87-0.96x the
+time of the CPU's sizes with 1.2-2.2 GB more (docs/RESULTS.md, session 26)."""
 
 
 @dataclass(frozen=True)
