@@ -7,18 +7,17 @@
 #
 # after `bash benchmarks/gpu_machine.sh install .gpu/partK` stored the other parts in earlier
 # calls, back to back. It installs (the last part completes the set), then runs:
-#   1. benchmarks/ops_ab.py on the 360M LoRA step, with mlx-lm's step in the same rounds: the
-#      loss's logits at a GPU's sizes (the default) against the CPU's and 2^26 at a time, and
-#      attention kept against recomputed; then one step of each under the CUDA profiler (the
-#      kernels each launches);
-#   2. the same for ViT-Tiny 224 against PyTorch eager: attention padded to 128 rows (MLX's
-#      fused CUDA backward) against the default;
-#   3. the `gpu`-marked tests (tests/test_gpu.py);
-#   4. benchmarks/bench.py --device gpu in bfloat16 on the workloads 1-2 left out: the 135M
-#      LoRA step against mlx-lm and PyTorch, from-scratch 360M against PyTorch;
-#   5. with time left: benchmarks/decode.py, then the whole bench in float32.
-# Session 19 (an H200) ran an older plan in 575 s: 30 s of install, 148 s of tests (most of it
-# MLX's kernel JIT), 268 s of the bfloat16 suite (a first LoRA step of 96 s), 55 s of decode.py.
+#   1. benchmarks/bench.py --device gpu in bfloat16: every GPU workload against mlx-lm and
+#      PyTorch eager in the same rounds (issue 50's table);
+#   2. the `gpu`-marked tests (tests/test_gpu.py);
+#   3. benchmarks/ops_ab.py on ViT-Tiny 224 with PyTorch in the same rounds and each row's
+#      kernels profiled: attention padded to 128 rows (MLX's fused CUDA backward) against the
+#      default; then the 360M LoRA step's logits sizes and attention, with mlx-lm;
+#   4. with time left: benchmarks/decode.py, then the bench in float32.
+# Session 26 (an H200) ran ops_ab first: 5 s of install, 180 s for the LoRA comparison (a first
+# step of 109 s: MLX's CUDA kernels), 115 s for ViT's (75 s), 68 s of tests, 60 s for two bench
+# workloads whose kernels were built, 74 s of decode.py. MLX's PTX cache, carried since, may
+# shorten those first steps.
 set -uo pipefail
 
 part=${1:?usage: gpu_session.sh .gpu/partN BUDGET_SECONDS}
@@ -44,16 +43,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
   | tee -a "$log"
 echo "installed after $((SECONDS - t0)) s" | tee -a "$log"
 
-in_time 260 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
-  --only lora-q-360m-8x512 --variants default cpu-logits logits-2^26 keep-attention \
-  --peers mlx-lm --profile --rounds 5 --json "$out/ab_lora.json"
-in_time 170 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
-  --only vit-tiny-224 --variants default padded-attention --peers torch --profile --rounds 5 \
+in_time 200 python3 benchmarks/bench.py --device gpu --dtype bfloat16 \
+  --impl toymlx mlx-lm torch --rounds 6 --json "$out/gpu_bf16.json"
+in_time 110 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
+in_time 60 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
+  --only vit-tiny-224 --variants default padded-attention --peers torch --profile --rounds 6 \
   --json "$out/ab_vit.json"
-in_time 60 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
-in_time 10 python3 benchmarks/bench.py --device gpu --dtype bfloat16 \
-  --only lora-q-135m-8x512 scratch-360m-8x1024 --impl toymlx mlx-lm torch --rounds 4 \
-  --json "$out/gpu_bf16.json"
+in_time 20 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
+  --only lora-q-360m-8x512 --variants default logits-2^22 logits-2^24 recompute-attention \
+  --peers mlx-lm --profile --rounds 6 --json "$out/ab_lora.json"
 in_time 10 python3 benchmarks/decode.py
 in_time 5 python3 benchmarks/bench.py --device gpu --dtype float32 \
   --impl toymlx mlx-lm torch --rounds 4 --json "$out/gpu_f32.json"

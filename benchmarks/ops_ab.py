@@ -23,7 +23,7 @@ Variants (`VARIANTS`):
   CUDA attention has a fused backward pass (cuDNN's) only where the query length is a multiple
   of 128 (`ScaledDotProductAttentionVJP::use_fallback`); other lengths, such as ViT-Tiny 224's
   197 tokens, differentiate the composed form, scores and all. Metal has no fused backward;
-- cpu-logits, logits-2^22, logits-2^23, logits-2^26, logits-2^28: the loss's logits computed
+- cpu-logits, logits-2^K (K 22, 23, 24, 26, 28): the loss's logits computed
   at the CPU's sizes (`Ops.logits_values` None) or 2^K logits at a time (a frozen head's
   slices, a trained head's chunks); a GPU's default is `GPU_LOGITS_VALUES`.
 """
@@ -109,7 +109,7 @@ VARIANTS: dict[str, Callable[[Ops], Ops]] = {
     "padded-attention": _as(PaddedAttention),
     "cpu-logits": lambda ops: dataclasses.replace(ops, logits_values=None),
     **{f"logits-2^{k}": (lambda ops, k=k: dataclasses.replace(ops, logits_values=1 << k))
-       for k in (22, 23, 26, 28)},
+       for k in (22, 23, 24, 26, 28)},
 }
 
 
