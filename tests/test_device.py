@@ -139,3 +139,27 @@ def test_toymlx_train_restarts_with_a_huge_page_heap_and_the_same_losses(tmp_pat
         assert backend["huge"]["huge_pages"] == backend["plain"]["huge_pages"], backend
     losses = {k: [e["loss"] for e in r if e["kind"] == "step"] for k, r in runs.items()}
     assert len(losses["huge"]) == 3 and losses["huge"] == losses["plain"], losses
+
+
+def test_the_cuda_kernel_cache_is_where_mlx_keeps_its_ptx(monkeypatch, tmp_path):
+    """On CUDA: MLX_PTX_CACHE_DIR where set, else <temp>/mlx/<MLX's version>/ptx (MLX 0.32's
+    `ptx_cache_dir`); on Metal and on the CPU, None."""
+    import tempfile
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from toymlx.backend import device
+
+    monkeypatch.setattr(device, "on_gpu", lambda: True)
+    monkeypatch.setattr(device.sys, "platform", "linux")
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    expected = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+    assert device.cuda_kernel_cache() == expected
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    assert device.cuda_kernel_cache() == tmp_path
+    monkeypatch.setattr(device.sys, "platform", "darwin")
+    assert device.cuda_kernel_cache() is None
+    monkeypatch.setattr(device, "on_gpu", lambda: False)
+    monkeypatch.setattr(device.sys, "platform", "linux")
+    assert device.cuda_kernel_cache() is None

@@ -335,3 +335,23 @@ def test_a_micro_batch_is_a_view_of_the_batch_not_a_gather():
     dot = io.StringIO()
     mx.export_to_dot(dot, images[1] * 2)  # what the step did before
     assert "Gather" in dot.getvalue()
+
+
+def test_a_cold_cuda_kernel_cache_is_announced_before_the_first_step(tmp_path, text_file,
+                                                                    monkeypatch, capsys):
+    """Where MLX's CUDA kernel cache holds no PTX (a fresh machine: the first steps took 75-120 s
+    on an H200), one line says so before step 1; with the cache filled, nothing. Off CUDA the
+    cache is None (this CPU run) and nothing is said."""
+    from toymlx.backend import device
+
+    assert device.cuda_kernel_cache() is None  # MLX's CPU here
+    cache = tmp_path / "ptx"
+    monkeypatch.setattr(device, "cuda_kernel_cache", lambda: cache)
+    _run(tmp_path, "cold", "--steps", "2", "--eval-every", "0", data=text_file)
+    said = capsys.readouterr().out
+    assert f"step 1: MLX builds its CUDA kernels first, 1-2 minutes on a fresh machine " \
+           f"(kept in {cache} for later runs)" in said
+    cache.mkdir()
+    (cache / "kernel.ptx").write_text("//")
+    _run(tmp_path, "warm", "--steps", "2", "--eval-every", "0", data=text_file)
+    assert "CUDA kernels" not in capsys.readouterr().out

@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -543,6 +544,19 @@ def on_gpu() -> bool:
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
 
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+def cuda_kernel_cache() -> Path | None:
+    """Where MLX's CUDA backend keeps the PTX of the kernels it builds on first use
+    (MLX_PTX_CACHE_DIR, else <temp>/mlx/<version>/ptx, as MLX 0.32 names it); None where MLX's
+    default device is not a CUDA GPU. Empty on a fresh machine: the first steps then take 1-2
+    minutes (docs/RESULTS.md, session 26)."""
+    if not on_gpu() or sys.platform == "darwin":
+        return None
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    env = os.environ.get("MLX_PTX_CACHE_DIR")
+    return Path(env) if env else Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
 
 
 def backend_info() -> dict:

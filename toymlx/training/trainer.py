@@ -487,6 +487,10 @@ class _Loop:
 
     def _train(self, stop: StopSignals, bar: Any) -> None:
         cfg = self.cfg
+        cache = device.cuda_kernel_cache()
+        if cache is not None and not any(cache.glob("*.ptx")):
+            self._say(f"step {self.start + 1}: MLX builds its CUDA kernels first, 1-2 minutes on a "
+                      f"fresh machine (kept in {cache} for later runs)", bar)
         for s in range(self.start, cfg.steps):
             if not self._step(s, bar):
                 return
