@@ -25,7 +25,7 @@ Variants (`VARIANTS`):
   197 tokens, differentiate the composed form, scores and all. Metal has no fused backward;
 - cpu-logits, logits-2^K (K 22, 23, 24, 26, 28): the loss's logits computed
   at the CPU's sizes (`Ops.logits_values` None) or 2^K logits at a time (a frozen head's
-  slices, a trained head's chunks); a GPU's default is `GPU_LOGITS_VALUES`.
+  slices, a trained head's chunks); a GPU's default is `CUDA_LOGITS_VALUES`.
 """
 
 from __future__ import annotations

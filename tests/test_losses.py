@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.lora import apply_lora
 from toymlx.models.losses import LOGITS_CHUNK_VALUES, lm_loss, logits_chunk
-from toymlx.models.ops import GPU_LOGITS_VALUES, Ops
+from toymlx.models.ops import CUDA_LOGITS_VALUES, Ops
 
 
 def _whole_logits_loss(model: nn.Module, batch: dict) -> mx.array:
@@ -98,7 +98,7 @@ def test_logits_chunk_sizes():
     assert logits_chunk(259) == LOGITS_CHUNK_VALUES // 259 // 32 * 32
     assert logits_chunk(10 ** 7) == 32
     # a GPU's Ops.logits_values (2^23): SmolLM2's 8 x 1024 tokens in 52 chunks of 160, not 128
-    assert logits_chunk(49152, GPU_LOGITS_VALUES) == 160
+    assert logits_chunk(49152, CUDA_LOGITS_VALUES) == 160
 
 
 def test_head_slice_sizes():
@@ -114,7 +114,7 @@ def test_head_slice_sizes():
     assert llama3[0] == (0, 1024) and len(llama3) == 126 and llama3[-1][1] == 128256
     assert head_slices(259, 4, 8) == [(0, 259)]  # a vocabulary under one slice
     # a GPU's Ops.logits_values (2^23): SmolLM2 over 8 x 512 tokens, 24 slices of 2048 rows
-    gpu = head_slices(49152, 4096, 960, GPU_LOGITS_VALUES)
+    gpu = head_slices(49152, 4096, 960, CUDA_LOGITS_VALUES)
     assert gpu[0] == (0, 2048) and len(gpu) == 24
 
 
@@ -172,7 +172,7 @@ def test_a_gpus_logits_values_give_the_cpus_loss_and_gradients(head):
 
     assert len(losses.head_slices(16384, 512, 32)) == 8 and logits_chunk(16384) == 256
     results = []
-    for values in (None, GPU_LOGITS_VALUES):
+    for values in (None, CUDA_LOGITS_VALUES):
         mx.random.seed(0)
         model = Llama(tiny(vocab_size=16384, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                            ffn_dim=64), Ops(logits_values=values))

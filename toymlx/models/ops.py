@@ -63,8 +63,8 @@ only the rotated q and k and costs a second forward pass. SmolLM2-360M's 8 x 512
 Longer rows recompute: MLX's fused backward needs a multiple of 128 rows, and elsewhere its
 composed one keeps the probabilities. On Metal MLX has no fused attention backward: 0."""
 
-GPU_LOGITS_VALUES = 1 << 23
-"""`Ops.logits_values` of training on a GPU: 32 MB of float32 logits a copy. A GPU launches
+CUDA_LOGITS_VALUES = 1 << 23
+"""`Ops.logits_values` of training on a CUDA GPU: 32 MB of float32 logits a copy. A GPU launches
 kernels for every slice or chunk: SmolLM2's 49,152-token head over 8 x 512 tokens is 48 slices
 of 1024 rows at the CPU's size, 24 of 2048 at this one. On an H200 the 360M LoRA step took
 0.95x the time of 2^24 values (12 slices) with 4% less peak memory, and 2^24 0.87-0.96x the
@@ -111,8 +111,8 @@ class Ops:
     """Most logits (tokens x vocabulary) a loss computes at once: a frozen head's slice of rows
     (`toymlx.models.losses.head_slices`), a trained head's chunk of tokens (`logits_chunk`).
     None: the sizes for a CPU's caches and memory (`losses.HEAD_SLICE_VALUES`, 4 MB of float32,
-    and `losses.LOGITS_CHUNK_VALUES`, 16 MB). A GPU pays a kernel launch for each op of each
-    slice, so it computes fewer, larger ones (`GPU_LOGITS_VALUES`)."""
+    and `losses.LOGITS_CHUNK_VALUES`, 16 MB). A CUDA GPU pays kernel launches for each slice,
+    so it computes fewer, larger ones (`CUDA_LOGITS_VALUES`)."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("mlx", "vectorised"):
@@ -456,8 +456,9 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
     (`CPU_ATTENTION_KEEP_VALUES`) and on CUDA (`CUDA_ATTENTION_KEEP_VALUES`), else recomputed
     in the backward pass; on Metal always recomputed, for memory: MLX 0.32 trains attention
     unfused there (its probabilities would be kept).
-    The loss's logits: a GPU computes fewer, larger slices of them (`GPU_LOGITS_VALUES`: faster,
-    1.2-2.2 GB more peak at SmolLM2's 8 x 512), except with grad_checkpoint.
+    The loss's logits: CUDA computes fewer, larger slices of them (`CUDA_LOGITS_VALUES`: faster,
+    1.2-2.2 GB more peak at SmolLM2's 8 x 512), except with grad_checkpoint; Metal, unmeasured
+    and sharing the machine's memory, keeps the CPU's sizes.
     Block-held weights: decoded whole, except 16 MB at a time with grad_checkpoint. Without it
     a step keeps every block's activations, more than a weight's floats at the sizes people
     train (Llama-3.2-1B shape at 4 x 256: a block keeps 99 MB a CPU stream, its largest weight
@@ -484,7 +485,8 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
                attention_keep_limit=(CPU_ATTENTION_KEEP_VALUES if not on_gpu else
                                      0 if sys.platform == "darwin" else
                                      CUDA_ATTENTION_KEEP_VALUES),
-               logits_values=GPU_LOGITS_VALUES if on_gpu and not grad_checkpoint else None)
+               logits_values=(CUDA_LOGITS_VALUES if on_gpu and sys.platform != "darwin"
+                              and not grad_checkpoint else None))
 
 
 def scoring_ops(on_gpu: bool) -> Ops:
