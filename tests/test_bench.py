@@ -477,6 +477,30 @@ def test_ops_ab_variants_compute_the_same_gradients(monkeypatch, variant, kind):
                                    err_msg=k)
 
 
+@pytest.mark.bench
+def test_ops_ab_puts_the_peers_in_the_same_rounds_and_profiles_each_row(monkeypatch, tmp_path,
+                                                                       capsys):
+    """`ops_ab.py --peers mlx-lm torch --profile` at a tiny LoRA shape on the CPU: toymlx's
+    variants and both peers in one table from the same weights (step-0 losses within 1e-4; the
+    variants' equal, their logits sizes changing no number), and each row's profile saying why
+    it has none here (no CUDA), written to the JSON."""
+    ops_ab = _benchmark_module(monkeypatch, "ops_ab")
+    out = tmp_path / "ab.json"
+    assert ops_ab.main(["--device", "cpu", "--dtype", "float32", "--only", "tiny-lora-q",
+                        "--variants", "default", "cpu-logits", "logits-2^22", "--peers",
+                        "mlx-lm", "torch", "--profile", "--rounds", "2", "--warmup", "0",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())[0]["rows"]
+    assert list(rows) == ["default", "cpu-logits", "logits-2^22", "mlx-lm", "torch"]
+    losses = [r["loss0"] for r in rows.values()]
+    assert losses[0] == losses[1] == losses[2]
+    assert max(losses) - min(losses) < 1e-4, losses
+    assert all(r["profile"] == {"error": "torch.cuda.is_available() is false"}
+               for r in rows.values())
+    assert rows["default"]["over_default"] == 1.0 and rows["torch"]["peak_mb"] is None
+    assert "tiny-lora-q" in capsys.readouterr().out
+
+
 @pytest.fixture
 def env_ab(monkeypatch):
     return _benchmark_module(monkeypatch, "env_ab")
