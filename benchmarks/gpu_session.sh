@@ -9,7 +9,8 @@
 # calls, back to back. It installs (the last part completes the set), then runs:
 #   1. benchmarks/bench.py --device gpu in bfloat16: every GPU workload against mlx-lm and
 #      PyTorch eager in the same rounds (issue 50's table);
-#   2. the `gpu`-marked tests (tests/test_gpu.py);
+#   2. the `gpu`-marked tests (tests/test_gpu.py), then benchmarks/gpu_decode.py: decoding
+#      token by token, toymlx eager (what a GPU runs) and CompiledDecode against mlx-lm's;
 #   3. benchmarks/ops_ab.py on ViT-Tiny 224 with PyTorch in the same rounds and each row's
 #      kernels profiled: attention padded to 128 rows (MLX's fused CUDA backward) against the
 #      default; then the 360M LoRA step's logits sizes and attention, with mlx-lm;
@@ -46,6 +47,8 @@ echo "installed after $((SECONDS - t0)) s" | tee -a "$log"
 in_time 200 python3 benchmarks/bench.py --device gpu --dtype bfloat16 \
   --impl toymlx mlx-lm torch --rounds 6 --json "$out/gpu_bf16.json"
 in_time 110 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
+in_time 90 python3 benchmarks/gpu_decode.py --device gpu \
+  --only lora-q-135m-8x512 lora-q-360m-8x512 --tokens 256 --rounds 3 --json "$out/decode.json"
 in_time 60 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
   --only vit-tiny-224 --variants default padded-attention --peers torch --profile --rounds 6 \
   --json "$out/ab_vit.json"

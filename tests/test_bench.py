@@ -501,6 +501,24 @@ def test_ops_ab_puts_the_peers_in_the_same_rounds_and_profiles_each_row(monkeypa
     assert "tiny-lora-q" in capsys.readouterr().out
 
 
+@pytest.mark.bench
+def test_gpu_decode_rows_decode_the_same_tokens(monkeypatch, tmp_path, capsys):
+    """`benchmarks/gpu_decode.py` on the CPU at a tiny LoRA base: toymlx's eager decoding, its
+    CompiledDecode (the same logits, bit for bit) and mlx-lm's `generate_step` on the same float32
+    weights give the same 16 greedy tokens, each row timed, written to the JSON."""
+    gpu_decode = _benchmark_module(monkeypatch, "gpu_decode")
+    out = tmp_path / "decode.json"
+    assert gpu_decode.main(["--device", "cpu", "--only", "tiny-lora-q", "--tokens", "16",
+                            "--rounds", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["workloads"][0]
+    assert res["generate_uses"] == "toymlx CompiledDecode"  # on the CPU; eager on a GPU
+    rows = res["rows"]
+    assert list(rows) == ["toymlx eager", "toymlx CompiledDecode", "mlx-lm"]
+    assert all(r["tokens"] == 16 and r["agree_with_eager"] == 16 and r["tokens_per_s"] > 0
+               for r in rows.values()), rows
+    assert "x1.00 of toymlx eager" in capsys.readouterr().out
+
+
 @pytest.fixture
 def env_ab(monkeypatch):
     return _benchmark_module(monkeypatch, "env_ab")
