@@ -128,8 +128,9 @@ def run(workload: str, dtype: str, on_gpu: bool, names: list[str], rounds: int, 
             task, cfg = build_task(w, VARIANTS[name](base), inputs)
             variants.append(ToymlxVariant(task, cfg, batch, name=name))
             builds[name] = time.perf_counter() - t
-    torch_device, _, notes = torch_side("gpu" if on_gpu else "cpu")
-    for note in notes if "torch" in peers else []:
+    torch_device, _, notes = (torch_side("gpu" if on_gpu else "cpu") if "torch" in peers
+                              else (None, {}, []))
+    for note in notes:
         log(note)
     weights = weights_np(variants[0].task.model)
     for name in peers:

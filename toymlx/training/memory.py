@@ -154,8 +154,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         logits = min(tokens, chunk) * a.vocab_size * 4 * LOGITS_COPIES
     else:  # a frozen head: a slice of its rows at a time (`head_slices`): its logits, their
         # softmax and gradient (HEAD_LOGITS_COPIES), and its weights decoded (and cast)
-        (lo, hi), = head_slices(a.vocab_size, tokens, a.d_model,
-                                    ops.logits_values)[:1]
+        (lo, hi), = head_slices(a.vocab_size, tokens, a.d_model, ops.logits_values)[:1]
         logits = (hi - lo) * (HEAD_LOGITS_COPIES * tokens + 2 * a.d_model) * 4
     held_as_blocks = [t.n_elements for name, t in g.tensors.items()
                       if name.startswith("blk.") and tensor_route(g, name, held) == "blocks"]
