@@ -316,7 +316,7 @@ def test_the_gradient_norm_is_the_left_to_right_float32_sum_with_no_chain_of_add
 
 def test_a_micro_batch_is_a_view_of_the_batch_not_a_gather():
     """`micro_batch` takes micro-batch i as a slice (a view), not as MLX's `v[i]`, a gather that
-    copied ViT-Tiny 224's 128 images in 4 ms of each step on an H200: the same values, and the
+    copied ViT-Tiny 224's 128 images in 4 ms of GPU time on an H200: the same values, and the
     graph holds a Slice and no Gather."""
     import io
 

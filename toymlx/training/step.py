@@ -133,7 +133,8 @@ def _keep_where(ok: mx.array, state: Any, before: Any) -> None:
 def micro_batch(batch: dict[str, mx.array], i: int) -> dict[str, mx.array]:
     """Micro-batch `i` of a batch whose leading axis holds the micro-batches, as views: a slice
     with that axis dropped. MLX indexes `v[i]` with a gather, a copy of the micro-batch: ViT-Tiny
-    224's 128 images took 4 ms of a 75 ms step on an H200 (docs/RESULTS.md, session 26)."""
+    224's 128 images took 4 ms of GPU time, twice in a 75 ms step on an H200 (docs/RESULTS.md,
+    session 26)."""
     return {k: v[i:i + 1].squeeze(0) for k, v in batch.items()}
 
 
