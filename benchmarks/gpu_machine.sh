@@ -15,19 +15,23 @@
 #   bash benchmarks/gpu_machine.sh run python3 benchmarks/bench.py --device gpu ...
 #   runs a command with that installation on PYTHONPATH (and toymlx's commands on PATH).
 #
-# The first compiled step on a fresh machine takes 1-2 minutes (MLX compiles its CUDA kernels,
-# cached under $TMPDIR/mlx for the machine's life). gpu_session.sh brings that PTX cache back
-# ($OUT/mlx_ptx.tgz, ~2.4 MB); kept here as $PTX_CACHE, prepare puts it in the last part and
-# install unpacks it there, so NVRTC need not compile those kernels again (the driver still
-# builds their machine code; how much of the first step that saves is not yet measured).
+# The first compiled step on a fresh machine takes 1-2 minutes: MLX compiles its fused CUDA
+# kernels (NVRTC; PTX cached under $TMPDIR/mlx) and the driver builds their machine code (cached
+# under ~/.nv/ComputeCache), both for the machine's life. gpu_session.sh brings both caches back
+# ($OUT/gpu_kernels.tgz.0, .1, ...); joined here into $KERNEL_CACHE
+#   cat /work/.device/N/gpu_kernels.tgz.* > ~/.cache/toymlx/gpu/kernels-mlx-VERSION.tgz
+# prepare carries it (in the last wheel part where it fits, else in parts of its own after them)
+# and install unpacks it where MLX and the driver look. How much of the first step it saves is
+# not yet measured.
 set -euo pipefail
 
 HOME_DIR=${TOYMLX_GPU_HOME:-/tmp/toymlx-gpu}
 WORK=.gpu
 PART_BYTES=${TOYMLX_GPU_PART_BYTES:-55000000}  # + the small wheels + the tree < 64 MiB
 PY_VERSION=${TOYMLX_GPU_PYTHON:-3.12}
-PTX_CACHE=${TOYMLX_GPU_PTX_CACHE:-$HOME/.cache/toymlx/gpu/mlx-$(python3 -c \
-  "import importlib.metadata as m; print(m.version('mlx'))" 2>/dev/null || echo none)-ptx.tgz}
+KERNEL_CACHE=${TOYMLX_GPU_KERNEL_CACHE:-$HOME/.cache/toymlx/gpu/kernels-mlx-$(python3 -c \
+  "import importlib.metadata as m; print(m.version('mlx'))" 2>/dev/null || echo none).tgz}
+KERNELS_IN_LAST_PART=12000000  # the last wheel part (~43 MB) + this + the tree < 64 MiB
 # The lent machine's image already has numpy, transformers, tokenizers, jinja2, pillow, tqdm,
 # pyyaml, safetensors and NVIDIA's CUDA 13 libraries (../.library/device/KINDS.md)
 PACKAGES=(mlx mlx-cuda-13 mlx-lm gguf tyro docstring-parser typeguard typing-extensions
@@ -62,10 +66,20 @@ prepare() {
     n=$((n + 1)) && mkdir -p "$WORK/part$n" && mv "$p" "$WORK/part$n/"
   done
   find "$WORK/wheels" -name '*.whl' ! -name 'mlx_cuda_13-*' -exec cp {} "$WORK/part$n/" \;
-  if [[ -f $PTX_CACHE ]]; then cp "$PTX_CACHE" "$WORK/part$n/mlx-ptx.tgz"; fi
+  local k=0 all=$n
+  if [[ -f $KERNEL_CACHE ]]; then  # MLX's and the driver's kernel caches (see above)
+    if (( $(stat -c %s "$KERNEL_CACHE") <= KERNELS_IN_LAST_PART )); then
+      cp "$KERNEL_CACHE" "$WORK/part$n/kernels.tgz.00" && k=1
+    else
+      split -b "$PART_BYTES" -d -a 2 "$KERNEL_CACHE" "$WORK/kernels.tgz."
+      for p in "$WORK"/kernels.tgz.*; do
+        k=$((k + 1)) all=$((all + 1)) && mkdir -p "$WORK/part$all" && mv "$p" "$WORK/part$all/"
+      done
+    fi
+  fi
   { echo "wheel $(basename "$big")"; echo "sha256 $(sha256sum "$big" | cut -d' ' -f1)"
-    echo "pieces $n"; } > "$WORK/MANIFEST"
-  for p in $(seq 1 "$n"); do cp "$WORK/MANIFEST" "$WORK/part$p/"; done
+    echo "pieces $n"; echo "kernel_pieces $k"; } > "$WORK/MANIFEST"
+  for p in $(seq 1 "$all"); do cp "$WORK/MANIFEST" "$WORK/part$p/"; done
   rm -rf "$WORK/wheels"
   du -sh "$WORK"/part* | sed 's/^/  /'
   echo "then one device call per part, back to back, each with carry [\".gpu/partK\"]:"
@@ -77,35 +91,83 @@ install() {
   [[ -f $part/MANIFEST ]] || die "$part/MANIFEST is missing: carry a folder made by prepare"
   mkdir -p "$HOME_DIR/parts"
   cp "$part"/* "$HOME_DIR/parts/"
-  local wheel sha pieces have
-  wheel=$(awk '$1 == "wheel" {print $2}' "$HOME_DIR/parts/MANIFEST")
-  sha=$(awk '$1 == "sha256" {print $2}' "$HOME_DIR/parts/MANIFEST")
-  pieces=$(awk '$1 == "pieces" {print $2}' "$HOME_DIR/parts/MANIFEST")
+  local manifest=$HOME_DIR/parts/MANIFEST wheel sha pieces kernels have
+  wheel=$(awk '$1 == "wheel" {print $2}' "$manifest")
+  sha=$(awk '$1 == "sha256" {print $2}' "$manifest")
+  pieces=$(awk '$1 == "pieces" {print $2}' "$manifest")
+  kernels=$(awk '$1 == "kernel_pieces" {print $2}' "$manifest")
+  kernels=${kernels:-0}
   have=$(find "$HOME_DIR/parts" -name 'piece.*' | wc -l)
-  if (( have < pieces )); then
-    local k missing=()
-    for (( k = 1; k <= pieces; k++ )); do
-      [[ -f $HOME_DIR/parts/piece.$(printf %02d $((k - 1))) ]] || missing+=(".gpu/part$k")
-    done
-    echo "stored $have of $pieces pieces in $HOME_DIR/parts; still to carry, back to back" \
-      "(a machine idle for ~30 s goes back with them): ${missing[*]}"
-    return 0
+  if [[ $(cat "$HOME_DIR/installed" 2>/dev/null) != "$wheel" ]]; then
+    if (( have < pieces )); then
+      local k missing=()
+      for (( k = 1; k <= pieces; k++ )); do
+        [[ -f $HOME_DIR/parts/piece.$(printf %02d $((k - 1))) ]] || missing+=(".gpu/part$k")
+      done
+      echo "stored $have of $pieces pieces in $HOME_DIR/parts; still to carry, back to back" \
+        "(a machine idle for ~30 s goes back with them): ${missing[*]}"
+    else
+      install_wheels "$wheel" "$sha"
+    fi
   fi
+  if (( kernels > 0 )) && [[ ! -f $HOME_DIR/kernels-unpacked ]]; then
+    have=$(find "$HOME_DIR/parts" -name 'kernels.tgz.*' | wc -l)
+    if (( have < kernels )); then
+      echo "stored $have of $kernels kernel-cache pieces; carry the parts after the wheels' too"
+    else
+      unpack_kernels "$HOME_DIR/parts" && touch "$HOME_DIR/kernels-unpacked"
+    fi
+  fi
+}
+
+install_wheels() {  # install_wheels WHEEL SHA256: join the big wheel, check it, install all
+  local wheel=$1 sha=$2
   cat "$HOME_DIR"/parts/piece.* > "$HOME_DIR/parts/$wheel"
   echo "$sha  $HOME_DIR/parts/$wheel" | sha256sum -c --quiet - \
     || die "$wheel: SHA-256 does not match $HOME_DIR/parts/MANIFEST (a piece is damaged)"
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target "$HOME_DIR/site" "$HOME_DIR"/parts/*.whl
-  if [[ -f $HOME_DIR/parts/mlx-ptx.tgz ]]; then  # MLX's PTX cache: $TMPDIR/mlx/VERSION/ptx
-    tar xzf "$HOME_DIR/parts/mlx-ptx.tgz" -C "${TMPDIR:-/tmp}" && echo "MLX's PTX cache unpacked"
-  fi
   # MLX's CUDA library finds NVIDIA's (cuBLAS, cuDNN, NCCL, ...) at $ORIGIN/../../nvidia, i.e.
   # beside itself in site-packages: point that at the machine's own NVIDIA wheels
   local nvidia
   nvidia=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
   if [[ -n $nvidia && ! -e $HOME_DIR/site/nvidia ]]; then ln -s "$nvidia" "$HOME_DIR/site/nvidia"; fi
+  echo "$wheel" > "$HOME_DIR/installed"
   run python3 -c "import mlx.core as mx, toymlx; gpu = mx.is_available(mx.gpu); print('toymlx',
     toymlx.__version__, 'MLX', mx.__version__, 'GPU:', gpu and mx.device_info())"
+}
+
+unpack_kernels() {  # unpack_kernels FOLDER: its kernels.tgz.* joined, each cache where it is read
+  local joined=$1/kernels.tgz top
+  cat "$1"/kernels.tgz.* > "$joined"
+  for top in $(tar tzf "$joined" | cut -d/ -f1 | sort -u); do
+    local into
+    case $top in
+      mlx) into=${TMPDIR:-/tmp}/mlx ;;  # MLX's PTX: $TMPDIR/mlx/VERSION/ptx
+      ComputeCache) into=${CUDA_CACHE_PATH:-$HOME/.nv/ComputeCache} ;;  # the driver's
+      *) echo "kernel cache: skipping $top (not MLX's or the driver's)"; continue ;;
+    esac
+    mkdir -p "$into" && tar xzf "$joined" -C "$into" --strip-components=1 "$top" \
+      && echo "kernel cache: $top unpacked into $into"
+  done
+}
+
+make_kernel_cache() {  # make_kernel_cache OUT_PREFIX: MLX's and the driver's caches, packed and
+  # cut into pieces OUT_PREFIX.0, .1, ... of <= 15 MB (the device tool brings back files of at
+  # most 16 MB, 8 in all); the driver's left out where the two take more than 3 pieces
+  local prefix=$1 tmp cc
+  tmp=$(mktemp) cc=${CUDA_CACHE_PATH:-$HOME/.nv/ComputeCache}
+  [[ -d ${TMPDIR:-/tmp}/mlx ]] || { echo "kernel cache: no ${TMPDIR:-/tmp}/mlx"; return 0; }
+  if [[ -d $cc ]]; then
+    tar czf "$tmp" -C "${TMPDIR:-/tmp}" mlx -C "$(dirname "$cc")" \
+      --transform "s,^$(basename "$cc"),ComputeCache," "$(basename "$cc")"
+  fi
+  if [[ ! -s $tmp ]] || (( $(stat -c %s "$tmp") > 45000000 )); then
+    tar czf "$tmp" -C "${TMPDIR:-/tmp}" mlx
+  fi
+  split -b 15000000 -d -a 1 "$tmp" "$prefix."
+  rm -f "$tmp"
+  ls -la "$prefix".*
 }
 
 run() {
@@ -118,6 +180,8 @@ run() {
 case ${1:-} in
   prepare) prepare ;;
   install) shift; install "$@" ;;
+  kernel-cache) shift; make_kernel_cache "$@" ;;
   run) shift; run "$@" ;;
-  *) die "usage: bash benchmarks/gpu_machine.sh prepare | install .gpu/partK | run COMMAND..." ;;
+  *) die "usage: bash benchmarks/gpu_machine.sh prepare | install .gpu/partK | run COMMAND... |" \
+       "kernel-cache OUT_PREFIX" ;;
 esac

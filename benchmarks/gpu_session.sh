@@ -14,10 +14,13 @@
 #   3. benchmarks/ops_ab.py on ViT-Tiny 224 with PyTorch in the same rounds and each row's
 #      kernels profiled: attention padded to 128 rows (MLX's fused CUDA backward) against the
 #      default; then the 360M LoRA step's logits sizes and attention, with mlx-lm;
-#   4. with time left: benchmarks/decode.py, then the bench in float32.
+#   4. with time left: benchmarks/decode.py, then the bench in float32;
+#   5. MLX's and the driver's kernel caches packed into $OUT for the next machine.
+# The last part is the one that completes the set: the wheels' last, or the kernel cache's
+# where prepare gave it parts of its own.
 # Session 26 (an H200) ran ops_ab first: 5 s of install, 180 s for the LoRA comparison (a first
 # step of 109 s: MLX's CUDA kernels), 115 s for ViT's (75 s), 68 s of tests, 60 s for two bench
-# workloads whose kernels were built, 74 s of decode.py. MLX's PTX cache, carried since, may
+# workloads whose kernels were built, 74 s of decode.py. The kernel caches carried since may
 # shorten those first steps.
 set -uo pipefail
 
@@ -57,7 +60,8 @@ in_time 20 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
   --peers mlx-lm --profile --rounds 6 --json "$out/ab_lora.json"
 in_time 10 python3 benchmarks/decode.py
 in_time 5 python3 benchmarks/bench.py --device gpu --dtype float32 \
-  --impl toymlx mlx-lm torch --rounds 4 --json "$out/gpu_f32.json"
+  --impl toymlx mlx-lm torch --rounds 4  # its table in the log: $OUT holds 8 files at most
 echo "session done after $((SECONDS - t0)) s" | tee -a "$log"
-# MLX's PTX cache for the next lent machine: save it here as gpu_machine.sh's PTX_CACHE
-tar czf "$out/mlx_ptx.tgz" -C "${TMPDIR:-/tmp}" mlx 2>/dev/null || true
+# MLX's and the driver's kernel caches for the next lent machine (gpu_machine.sh's header says
+# how to keep them here): up to 3 files, which with the 5 above is the device tool's 8
+bash benchmarks/gpu_machine.sh kernel-cache "$out/gpu_kernels.tgz" 2>&1 | tee -a "$log" || true
