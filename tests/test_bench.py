@@ -547,3 +547,40 @@ def test_env_ab_steps_each_side_in_the_environment_it_names(env_ab):
         assert 0 < r["q1"] <= r["median"] <= r["q3"] < 10, r
     report = env_ab.format_report(out)
     assert "b: MLX_BFS_MAX_WIDTH=100" in report and "losses bit for bit: yes" in report
+
+
+def test_gpu_machine_carries_the_kernel_caches_to_the_next_machine(tmp_path):
+    """`gpu_machine.sh kernel-cache` packs MLX's PTX cache ($TMPDIR/mlx) and the driver's
+    ($CUDA_CACHE_PATH) into pieces of at most 15 MB; `install`, given a part holding them (here
+    with the wheels marked installed: they are Python 3.12 wheels for the lent machine), unpacks
+    each where MLX and the driver read it, byte for byte."""
+    script = REPO / "benchmarks" / "gpu_machine.sh"
+    rng = np.random.default_rng(0)
+    old = {"tmp/mlx/0.32.4/ptx/k.ptx": rng.bytes(2_000_000),
+           "cuda/ComputeCache/index": rng.bytes(100),
+           "cuda/ComputeCache/a/b": rng.bytes(17_000_000)}
+    for rel, data in old.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"),
+           "CUDA_CACHE_PATH": str(tmp_path / "cuda" / "ComputeCache")}
+    subprocess.run(["bash", str(script), "kernel-cache", str(out / "gpu_kernels.tgz")],
+                   env=env, check=True, capture_output=True)
+    pieces = sorted(out.iterdir())
+    assert [p.name for p in pieces] == ["gpu_kernels.tgz.0", "gpu_kernels.tgz.1"]
+    assert all(p.stat().st_size <= 15_000_000 for p in pieces)
+    part, home = tmp_path / "part", tmp_path / "home"
+    part.mkdir()
+    home.mkdir()
+    (part / "kernels.tgz.00").write_bytes(b"".join(p.read_bytes() for p in pieces))
+    (part / "MANIFEST").write_text("wheel w.whl\nsha256 0\npieces 1\nkernel_pieces 1\n")
+    (home / "installed").write_text("w.whl\n")
+    new = {**env, "TOYMLX_GPU_HOME": str(home), "TMPDIR": str(tmp_path / "there"),
+           "CUDA_CACHE_PATH": str(tmp_path / "there-cuda")}
+    done = subprocess.run(["bash", str(script), "install", str(part)], env=new, check=True,
+                          capture_output=True, text=True)
+    assert "mlx unpacked" in done.stdout and "ComputeCache unpacked" in done.stdout
+    assert (tmp_path / "there/mlx/0.32.4/ptx/k.ptx").read_bytes() == old["tmp/mlx/0.32.4/ptx/k.ptx"]
+    assert (tmp_path / "there-cuda/a/b").read_bytes() == old["cuda/ComputeCache/a/b"]
