@@ -546,12 +546,20 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
+def gpu_kind() -> str | None:
+    """Which GPU MLX's default device is: metal on a Mac, cuda elsewhere (MLX's two GPU
+    backends); None on the CPU."""
+    if not on_gpu():
+        return None
+    return "metal" if sys.platform == "darwin" else "cuda"
+
+
 def cuda_kernel_cache() -> Path | None:
     """Where MLX's CUDA backend keeps the PTX of the kernels it builds on first use
     (MLX_PTX_CACHE_DIR, else <temp>/mlx/<version>/ptx, as MLX 0.32 names it); None where MLX's
     default device is not a CUDA GPU. Empty on a fresh machine: the first steps then take 1-2
     minutes (docs/RESULTS.md, session 26)."""
-    if not on_gpu() or sys.platform == "darwin":
+    if gpu_kind() != "cuda":
         return None
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
 
@@ -563,10 +571,10 @@ def backend_info() -> dict:
     """What actually runs the math: for run_start events and benchmarks."""
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
 
-    gpu = on_gpu()
-    info: dict = {"device": "gpu" if gpu else "cpu", "mlx": mx.__version__}
-    if gpu:
-        info["kind"] = "metal" if sys.platform == "darwin" else "cuda"
+    kind = gpu_kind()
+    info: dict = {"device": "gpu" if kind else "cpu", "mlx": mx.__version__}
+    if kind:
+        info["kind"] = kind
         with contextlib.suppress(Exception):  # device_info is backend-specific, optional
             info["name"] = mx.device_info().get("device_name")
         return info

@@ -478,15 +478,14 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
                          f"forms are float32 only), found --dtype {dtype}")
     elif kernels not in ("mlx", "vectorised"):
         raise ValueError(f"--kernels: expected auto, mlx or vectorised, found {kernels!r}")
+    cuda = on_gpu and sys.platform != "darwin"  # a Mac's GPU is Metal (`device.gpu_kind`)
     return Ops(kernels=kernels, dtype=dtype, exact_rope=not on_gpu,
                kernel_forms=kernels == "vectorised" and compiled and device.kernel_forms(),
                grad_checkpoint=grad_checkpoint, subnormals=subnormals,
                decode_slice=DECODE_SLICE_VALUES if grad_checkpoint else None,
                attention_keep_limit=(CPU_ATTENTION_KEEP_VALUES if not on_gpu else
-                                     0 if sys.platform == "darwin" else
-                                     CUDA_ATTENTION_KEEP_VALUES),
-               logits_values=(CUDA_LOGITS_VALUES if on_gpu and sys.platform != "darwin"
-                              and not grad_checkpoint else None))
+                                     CUDA_ATTENTION_KEEP_VALUES if cuda else 0),
+               logits_values=CUDA_LOGITS_VALUES if cuda and not grad_checkpoint else None)
 
 
 def scoring_ops(on_gpu: bool) -> Ops:
