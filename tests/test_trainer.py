@@ -281,10 +281,44 @@ def test_test_scores_the_data_folders_test_jsonl_as_eval_does(tmp_path, shared_f
 
 
 def test_the_gradient_norm_is_the_left_to_right_float32_sum_with_no_chain_of_adds(tmp_path):
-    """The update's gradient norm: sqrt of the per-parameter sums of squares added left to right
-    in float32 (bit for bit, as `sum()` over them added), and, for any parameter count, no
-    chain of adds in its graph: `mx.compile` fused such a chain into kernels named after how
-    many adds each held, new CPU kernels for every layer count."""
+    """The update's gradient norm on the CPU: sqrt of the per-parameter sums of squares (each one
+    product of the gradient with itself) added left to right in float32 (bit for bit, as
+    `sum()` over them adds), divided by the count; against float64; and, for any parameter
+    count, no chain of adds in its graph: `mx.compile` fused such a chain into kernels named
+    after how many adds each held, new CPU kernels for every layer count."""
+    import re
+
+    import mlx.optimizers as optim
+    from mlx import nn
+    from mlx.utils import tree_map
+
+    from toymlx.training.step import make_update, sum_of_squares
+
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(13)])  # 26 parameters
+    mx.eval(model.parameters())
+    grads = tree_map(lambda p: mx.array(rng.standard_normal(p.shape).astype(np.float32)
+                                        * 10.0 ** rng.uniform(-4, 2)), model.parameters())
+    mx.eval(grads)
+    count = 4.0  # the parts hold gradients times the count: the norm is the mean's
+    out = make_update(model, optim.SGD(learning_rate=0.0), grad_clip=0.0)(
+        [(mx.array(3.0), mx.array(count), grads)])
+    dot = tmp_path / "norm.dot"
+    mx.export_to_dot(str(dot), out["grad_norm"])  # before evaluating it (then it has no graph)
+    assert "Add" not in re.findall(r'label ="([^"]+)", shape=rectangle', dot.read_text())
+    total = np.float32(0)
+    for q in [np.array(sum_of_squares(g)).item() for _, g in tree_flatten(grads)]:
+        total = np.float32(total + np.float32(q))  # left to right, as sum() adds
+    assert np.array(out["grad_norm"]) == np.sqrt(total) / np.float32(count)
+    squares = [(np.array(g, np.float64) ** 2).sum() for _, g in tree_flatten(grads)]
+    assert np.isclose(np.array(out["grad_norm"]), np.sqrt(np.sum(squares)) / count, rtol=1e-5)
+
+
+def test_the_update_reads_each_gradient_in_one_product_and_one_fused_update(tmp_path):
+    """Each parameter's gradient feeds two nodes of the update's graph: the product that sums
+    its squares and AdamW's fused kernel, which applies the mean and the clip as one factor;
+    dividing, squaring, summing and clipping were 4 more GPU kernels a parameter (ViT-Tiny
+    224: ~800 of a step's ~2,200). The clipped AdamW step agrees with float64 numpy's."""
     import re
 
     import mlx.optimizers as optim
@@ -293,25 +327,39 @@ def test_the_gradient_norm_is_the_left_to_right_float32_sum_with_no_chain_of_add
 
     from toymlx.training.step import make_update
 
-    rng = np.random.default_rng(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(13)])  # 26 parameters
+    rng = np.random.default_rng(1)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(5)])  # 10 parameters
     mx.eval(model.parameters())
-    grads = tree_map(lambda p: mx.array(rng.standard_normal(p.shape).astype(np.float32)
-                                        * 10.0 ** rng.uniform(-4, 2)), model.parameters())
+    before = [np.array(p, np.float64) for _, p in tree_flatten(model.parameters())]
+    grads = tree_map(lambda p: mx.array(rng.standard_normal(p.shape).astype(np.float32)),
+                     model.parameters())
     mx.eval(grads)
-    out = make_update(model, optim.SGD(learning_rate=0.0), grad_clip=0.0)(
-        [(mx.array(3.0), mx.array(1.0), grads)])
-    dot = tmp_path / "norm.dot"
-    mx.export_to_dot(str(dot), out["grad_norm"])  # before evaluating it (then it has no graph)
-    assert "Add" not in re.findall(r'label ="([^"]+)", shape=rectangle', dot.read_text())
-    squares = [np.float32((np.array(g, np.float32) ** 2).sum(dtype=np.float32))
-               for _, g in tree_flatten(grads)]
-    total = np.float32(0)
-    for q in [np.array((g * g).sum()) for _, g in tree_flatten(grads)]:
-        total = np.float32(total + q)  # left to right, as sum() adds
-    assert np.array(out["grad_norm"]) == np.sqrt(total)
-    assert np.isclose(np.array(out["grad_norm"]), np.sqrt(np.sum(squares, dtype=np.float64)),
-                      rtol=1e-5)
+    opt = optim.AdamW(learning_rate=1e-2, weight_decay=0.1)
+    opt.init(model.trainable_parameters())
+    count, clip = 3.0, 0.5
+    update = mx.compile(make_update(model, opt, grad_clip=clip),
+                        inputs=[model.state, opt.state], outputs=[model.state, opt.state])
+    out = update([(mx.array(1.0), mx.array(count), grads)])
+    dot = tmp_path / "update.dot"
+    mx.export_to_dot(str(dot), *[p for _, p in tree_flatten(model.parameters())])
+    text = dot.read_text()
+    labels = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', text))
+    edges = re.findall(r'"?(\w+)"? -> "?(\w+)"?', text)
+    fused = [n for n, label in labels.items() if label.startswith("Compiled")
+             and "Sqrt" in label]
+    assert len(fused) == 10  # one AdamW kernel a parameter, the clip inside it
+    assert not any(label in ("Divide", "Multiply", "Square", "Sum") for label in labels.values())
+    assert sum(1 for a, b in edges if labels.get(b) == "Matmul") == 20  # g (1, n) @ g (n, 1)
+    mx.eval(out, model.parameters())
+    g64 = [np.array(g, np.float64) / count for _, g in tree_flatten(grads)]
+    norm = np.sqrt(sum((g ** 2).sum() for g in g64))
+    assert np.isclose(out["grad_norm"].item(), norm, rtol=1e-6)
+    factor = min(clip / (norm + 1e-6), 1.0)
+    for (_, p), p0, g in zip(tree_flatten(model.parameters()), before, g64):
+        g = g * factor
+        m, v = 0.1 * g, 0.001 * g * g  # AdamW's first step from zero moments, no bias fix
+        want = p0 * (1 - 1e-2 * 0.1) - 1e-2 * m / (np.sqrt(v) + 1e-8)
+        np.testing.assert_allclose(np.array(p, np.float64), want, rtol=2e-5, atol=1e-7)
 
 
 def test_a_micro_batch_is_a_view_of_the_batch_not_a_gather():
