@@ -48,19 +48,26 @@ class LossScale:
 
 def micro_batch_grads(model: nn.Module, loss_fn: Callable, scale: LossScale | None = None
                       ) -> Callable[[dict[str, mx.array]], Part]:
-    """micro-batch -> (loss * n, n, gradients * n); with a loss scale, all three scaled by it."""
-    def scaled_loss(m: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
-        loss, n = loss_fn(m, batch)
-        return (loss if scale is None else loss * scale.state["scale"]), n
+    """micro-batch -> (loss * n, n, gradients * n); with a loss scale, all three scaled by it.
 
-    loss_and_grad = nn.value_and_grad(model, scaled_loss)
+    The gradients are those of loss * n: the backward pass starts from n instead of 1, where
+    multiplying each gradient by n afterwards was a kernel a parameter (two on a 2-stream CPU
+    step). With a float16 loss scale it starts from the scale alone and the gradients are
+    multiplied by n afterwards: n times larger values would overflow float16's range."""
+    def summed_loss(m: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        loss, n = loss_fn(m, batch)
+        n = n.astype(mx.float32)
+        return (loss * n if scale is None else loss * scale.state["scale"]), n
+
+    loss_and_grad = nn.value_and_grad(model, summed_loss)
 
     def grads_of(micro: dict[str, mx.array]) -> Part:
         params = model.trainable_parameters()
-        (loss, n), g = loss_and_grad(model, micro)
+        (value, n), g = loss_and_grad(model, micro)
         model.update(params)  # value_and_grad leaves its tracers in the model
-        n = n.astype(mx.float32)
-        return loss * n, n, tree_map(lambda x: x * n, g)
+        if scale is None:
+            return value, n, g
+        return value * n, n, tree_map(lambda x: x * n, g)
 
     return grads_of
 
