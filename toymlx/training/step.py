@@ -100,8 +100,9 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, grad_clip: float, 
         # clipping were 4 more kernels each (ViT-Tiny: 800 of a GPU step's ~2,200)
         sq = [place(sum_of_squares)(g) for _, g in tree_flatten(grads)]
         norm = mx.sqrt(sum_parts(sq)).reshape(()) / denom
-        factor = mx.minimum(grad_clip / (norm + 1e-6), 1.0) if grad_clip > 0 else 1.0
-        grads = tree_map(place(lambda g: g * (factor / denom)), grads)
+        clip = mx.minimum(grad_clip / (norm + 1e-6), 1.0) if grad_clip > 0 else 1.0
+        mean_clipped = clip / denom  # one scalar, not one a parameter
+        grads = tree_map(place(lambda g: g * mean_clipped), grads)
         out = {"loss": loss_sum / denom, "grad_norm": norm}
         if scale is None:
             optimizer.update(model, grads)
@@ -137,7 +138,8 @@ def sum_parts(parts: list[mx.array]) -> mx.array:
     if mx.default_device() == mx.cpu:
         return mx.cumsum(mx.concatenate(parts), axis=0)[-1:]
     while len(parts) > 1:
-        parts = [sum(parts[i:i + 2][1:], parts[i]) for i in range(0, len(parts), 2)]
+        pairs = zip(parts[0::2], parts[1::2])
+        parts = [a + b for a, b in pairs] + (parts[-1:] if len(parts) % 2 else [])
     return parts[0]
 
 
