@@ -536,6 +536,17 @@ def _linear_bias_vjp(primals, cotangent, output):
     return cotangent @ w, g2.T @ x.reshape(-1, w.shape[1]), _lead_sum(g2)
 
 
+def _permuted(x: mx.array, axes: tuple[int, ...], scale: float = 1.0) -> mx.array:
+    """x.transpose(axes) * scale, written row-major in the new order, in one loop.
+
+    MLX's CPU ops keep a dense operand's memory order: `x.transpose(axes) * scale` alone would
+    come out laid as x is, and the reshape that reads it next would copy it again (MLX's
+    general copy). `mx.contiguous` copies once into the new order; a scale rides in a fused
+    loop whose second operand, of shape (1,), makes MLX write that loop's result row-major."""
+    t = x.transpose(axes)
+    return mx.contiguous(t) if scale == 1.0 else t * mx.array([scale], t.dtype)
+
+
 @functools.cache
 def _heads_fn(n_heads: int, scale: float):
     @mx.custom_function
@@ -547,7 +558,7 @@ def _heads_fn(n_heads: int, scale: float):
     @f.vjp
     def f_vjp(primals, cotangent, output):
         y, _ = primals
-        g = (cotangent.transpose(0, 2, 1, 3) * scale).reshape(y.shape)  # one loop, token-major
+        g = _permuted(cotangent, (0, 2, 1, 3), scale).reshape(y.shape)  # token-major
         return g, _lead_sum(g)
 
     return f
