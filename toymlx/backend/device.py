@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toymlx.backend import blas, blas_rebind, fpenv, gemv_forward, kernel_pch
+from toymlx.backend import blas, blas_rebind, fpenv, gemv_forward, kernel_loops, kernel_pch
 
 _NO_BLAS = ("toymlx: no optimised BLAS found, so MLX's CPU matmuls use its reference BLAS "
             "(about 30x slower). Fix: " + blas.FIX)
@@ -69,6 +69,8 @@ class _ProcessState:
     kernel_cache: str | None = None
     kernel_pch: str | None = None
     """The precompiled header MLX's kernel builds read (`toymlx.backend.kernel_pch`), or off (why)."""
+    kernel_loops: str | None = None
+    """The `g++` that vectorises MLX's strided kernels (`toymlx.backend.kernel_loops`), or off (why)."""
     kernel_forms: str | None = None
     """Whether MLX's compiled kernels compute float32 exp and erf as toymlx's forms: "checked",
     or off (why); None before setup (`kernel_forms()`)."""
@@ -168,7 +170,23 @@ def setup_process(wide_evaluation: bool = True) -> None:
     p.kernel_cache = persist_kernels()
     if p.kernel_cache:
         p.kernel_pch = kernel_pch.install(p.kernel_cache)
+        p.kernel_loops = _install_kernel_loops(p)
     p.kernel_forms = _check_kernel_forms(p)
+
+
+def _install_kernel_loops(p: _ProcessState) -> str:
+    """`kernel_loops.install` where MLX builds its kernels with toymlx's header in a folder toymlx
+    made for it (kernels built with the rewritten loops must live apart from MLX's own: the
+    folder's tag names the loops), else off (why)."""
+    if not p.kernel_pch or p.kernel_pch.startswith("off"):
+        return f"off (no precompiled header: {p.kernel_pch})"
+    folder = Path(p.kernel_cache or "")
+    if (folder.name, folder.parent.name) != ("cpu", kernel_cache_dir().name):
+        return f"off (MLX builds its kernels in {folder}, not a folder toymlx made for them)"
+    compiler = kernel_pch.compiler()
+    if compiler is None:
+        return "off (no g++ on PATH)"
+    return kernel_loops.install(folder.parent / "bin", compiler)
 
 
 def _check_kernel_forms(p: _ProcessState) -> str:
@@ -596,6 +614,8 @@ def backend_info() -> dict:
         # the vector set the PCH compiles MLX's kernels for (without one: MLX's own flags)
         info["kernel_vectors"] = ("mlx's own" if p.kernel_pch.startswith("off")
                                   else kernel_pch.vector_isa()[0])
+    if p.kernel_loops:
+        info["kernel_loops"] = p.kernel_loops
     if p.kernel_forms:
         info["kernel_forms"] = p.kernel_forms
     if p.gemv_forward:

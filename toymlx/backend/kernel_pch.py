@@ -42,6 +42,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from toymlx.backend import kernel_loops
+
 HEADER = "mlx/backend/cpu/compiled_preamble.h"
 FLAGS = ("-std=c++17", "-O3", "-Wall", "-fPIC")
 """The flags of MLX's own kernel builds that a PCH must share (mlx/backend/cpu/jit_compiler.cpp;
@@ -90,8 +92,21 @@ def _identity(gxx: str) -> str:
     """What MLX's kernels are built with: the compiler's version line, the flags, the PCH's
     source with MLX's header by name, not by path (the kernel folder's path names MLX's
     version, so environments with the same MLX, sharing a folder, agree on it and never
-    rebuild each other's PCH)."""
-    return "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(Path(HEADER))]) + "\n"
+    rebuild each other's PCH), and the loops the kernels are rewritten to
+    (`toymlx.backend.kernel_loops`)."""
+    return "\n".join([_compiler_version(gxx), " ".join(FLAGS), _source(Path(HEADER)),
+                      kernel_loops.identity()]) + "\n"
+
+
+def compiler() -> str | None:
+    """The g++ MLX's kernel builds would run, past toymlx's own shim
+    (`toymlx.backend.kernel_loops`), which a process started from a toymlx process finds first
+    on its PATH; None where there is none."""
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        found = shutil.which("g++", path=folder or None) if folder else None
+        if found and not kernel_loops.is_shim(found):
+            return found
+    return None
 
 
 def _header() -> Path:
@@ -107,7 +122,7 @@ def header_tag() -> str | None:
     (`TOYMLX_KERNEL_PCH=off`, no g++, no header). A kernel's file is named after its graph only,
     so kernels built with one header must never be found by a build with another:
     `toymlx.backend.device.kernel_cache_dir` keeps them apart by this tag."""
-    header, gxx = _header(), shutil.which("g++")
+    header, gxx = _header(), compiler()
     if os.environ.get("TOYMLX_KERNEL_PCH") == "off" or gxx is None or not header.is_file():
         return None
     return hashlib.sha256(_identity(gxx).encode()).hexdigest()[:10]
@@ -119,7 +134,7 @@ def install(kernel_dir: str | os.PathLike) -> str:
     if os.environ.get("TOYMLX_KERNEL_PCH") == "off":
         return "off (TOYMLX_KERNEL_PCH=off)"
     header = _header()
-    gxx = shutil.which("g++")
+    gxx = compiler()
     if not header.is_file():
         return f"off (this MLX ships no {HEADER})"
     if gxx is None:
