@@ -526,7 +526,10 @@ def _linear_vjp(primals, cotangent, output):
 
 @mx.custom_function
 def _linear_bias(x: mx.array, w: mx.array, b: mx.array) -> mx.array:
-    return mx.addmm(b, x, w.T)
+    # not mx.addmm: MLX's CPU addmm first copies the broadcast bias into the output, element by
+    # element, and BLAS then reads it back; a fused add is one vectorised loop
+    # (toymlx.backend.kernel_loops)
+    return x @ w.T + b
 
 
 @_linear_bias.vjp
