@@ -135,7 +135,7 @@ def _run_cases(tmp_path: Path, **env: str) -> dict:
 def test_rewritten_kernels_compute_mlxs_values_bit_for_bit(tmp_path):
     new = _run_cases(tmp_path / "new")
     old = _run_cases(tmp_path / "old", TOYMLX_KERNEL_LOOPS="off")
-    assert new["loops"].endswith("/bin/g++") and Path(new["loops"]).is_file()
+    assert new["loops"].endswith("/g++") and kernel_loops.is_shim(new["loops"])
     assert old["loops"] == "off (TOYMLX_KERNEL_LOOPS=off)"
     assert new["folder"] != old["folder"]  # kernels of either kind are never found by the other
     rewritten = [p for p in Path(new["folder"]).glob("*_strided_*.cpp")
@@ -149,3 +149,33 @@ def test_rewritten_kernels_compute_mlxs_values_bit_for_bit(tmp_path):
             assert got.shape == want.shape, name
             same = (got == want) | (np.isnan(got) & np.isnan(want))
             assert same.all(), f"{name}: {got[~same][:4]} against {want[~same][:4]}"
+
+
+def test_a_process_that_keeps_mlxs_loops_takes_an_inherited_shim_off_its_path(tmp_path):
+    """A process started from one that put the shim on PATH, with TOYMLX_KERNEL_LOOPS=off: its
+    PATH loses the shim, and the shim itself rewrites nothing there either."""
+    from toymlx.backend.kernel_pch import compiler
+
+    before = os.environ["PATH"]
+    try:
+        shim = kernel_loops.install(tmp_path, compiler())
+        assert kernel_loops.is_shim(shim) and os.environ["PATH"].startswith(str(Path(shim).parent))
+        env = {**os.environ, "TOYMLX_KERNEL_LOOPS": "off"}
+    finally:
+        os.environ["PATH"] = before
+    code = ("import os; from toymlx.backend import kernel_loops; kernel_loops.uninstall(); "
+            "print(os.environ['PATH'])")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True)
+    assert str(Path(shim).parent) not in p.stdout.split(os.pathsep)
+    source = tmp_path / "k.cpp"
+    source.write_text(LAYER_NORM_KERNEL.replace('#include "mlx/backend/cpu/compiled_preamble.h"\n'
+                                                "using namespace mlx::core;\n"
+                                                "using namespace mlx::core::detail;\n",
+                                                "#include <cstdint>\n"
+                                                "struct Subtract { float operator()(float a, float b) { return a - b; } };\n"
+                                                "struct Multiply { float operator()(float a, float b) { return a * b; } };\n"))
+    for loops, rewritten in (("off", False), ("on", True)):
+        e = {**env, "TOYMLX_KERNEL_LOOPS": loops}
+        subprocess.run([shim, "-c", str(source), "-o", str(tmp_path / "k.o")], env=e, check=True)
+        assert ("#pragma GCC ivdep" in source.read_text()) is rewritten

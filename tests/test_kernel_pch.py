@@ -50,7 +50,7 @@ def _build_with_logged_gxx(tmp_path: Path, **env: str) -> tuple[dict, str]:
     wrap = tmp_path / "bin"
     wrap.mkdir()
     log = tmp_path / "gxx.log"
-    (wrap / "g++").write_text(f'#!/bin/sh\nexec {shutil.which("g++")} "$@" -H 2>>{log}\n')
+    (wrap / "g++").write_text(f'#!/bin/sh\nexec {kernel_pch.compiler()} "$@" -H 2>>{log}\n')
     (wrap / "g++").chmod(stat.S_IRWXU)
     (tmp_path / "tmp").mkdir()
     e = {**os.environ, "PATH": f"{wrap}:{os.environ['PATH']}", "TMPDIR": str(tmp_path / "tmp"),

@@ -171,6 +171,8 @@ def setup_process(wide_evaluation: bool = True) -> None:
     if p.kernel_cache:
         p.kernel_pch = kernel_pch.install(p.kernel_cache)
         p.kernel_loops = _install_kernel_loops(p)
+    if not (p.kernel_loops or "off").startswith("/"):
+        kernel_loops.uninstall()
     p.kernel_forms = _check_kernel_forms(p)
 
 
@@ -186,7 +188,7 @@ def _install_kernel_loops(p: _ProcessState) -> str:
     compiler = kernel_pch.compiler()
     if compiler is None:
         return "off (no g++ on PATH)"
-    return kernel_loops.install(folder.parent / "bin", compiler)
+    return kernel_loops.install(folder.parent, compiler)
 
 
 def _check_kernel_forms(p: _ProcessState) -> str:

@@ -147,48 +147,66 @@ def is_shim(path: str | os.PathLike) -> bool:
         return False
 
 
-def install(folder: str | os.PathLike, compiler: str) -> str:
-    """Put `<folder>/g++`, which rewrites MLX's strided kernels and then runs `compiler`, first on
-    this process's PATH (MLX's kernel builds and every process started from here find it);
-    return what `backend_info` records: the shim, or "off (why)"."""
+def install(cache: str | os.PathLike, compiler: str) -> str:
+    """Put a `g++` that rewrites MLX's strided kernels and then runs `compiler` first on this
+    process's PATH (MLX's kernel builds and every process started from here find it), in place
+    of any other toymlx's; return what `backend_info` records: the shim, or "off (why)". The
+    shim names this Python, this file and `compiler`, and lives in a folder of `cache` named
+    after them: installs sharing a kernel cache each keep their own."""
     if os.environ.get("TOYMLX_KERNEL_LOOPS") == "off":
         return "off (TOYMLX_KERNEL_LOOPS=off)"
-    shim = Path(folder) / "g++"
     text = (f"#!/bin/sh\n{_MARK}\n"
             f"exec {shlex.quote(sys.executable)} -S -E {shlex.quote(str(Path(__file__)))} "
             f"{shlex.quote(compiler)} \"$@\"\n")
+    shim = Path(cache) / f"bin-{hashlib.sha256(text.encode()).hexdigest()[:10]}" / "g++"
     try:
         if not shim.is_file() or shim.read_text() != text:
             shim.parent.mkdir(parents=True, exist_ok=True)
             tmp = shim.with_name(f".g++.{os.getpid()}")
             tmp.write_text(text)
             tmp.chmod(0o755)
-            os.replace(tmp, shim)  # a build running now sees the whole file or the old one
+            os.replace(tmp, shim)  # a build running now sees the whole file or none
     except OSError as e:
         return f"off ({' '.join(str(e).split())[:200]})"
-    path = os.environ.get("PATH", "")
-    if path.split(os.pathsep)[0] != str(shim.parent):
-        os.environ["PATH"] = os.pathsep.join([str(shim.parent), path]) if path else str(shim.parent)
+    uninstall()
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([str(shim.parent), path]) if path else str(shim.parent)
     return str(shim)
 
 
+def uninstall() -> None:
+    """Take any shim `install` put on PATH off it again: a process that keeps MLX's loops
+    (`TOYMLX_KERNEL_LOOPS=off`, no PCH) may have been started by one that put it there."""
+    path = os.environ.get("PATH")
+    if path is None:
+        return
+    kept = [d for d in path.split(os.pathsep) if not (d and is_shim(os.path.join(d, "g++")))]
+    if len(kept) != len(path.split(os.pathsep)):
+        os.environ["PATH"] = os.pathsep.join(kept)
+
+
+def _rewrite_file(path: Path) -> None:
+    """Rewrite the kernel in `path` in place (through a temporary file) where it is an MLX
+    strided kernel; leave it as MLX wrote it otherwise, or if anything fails."""
+    try:
+        new = rewrite(path.read_text())
+        if new is not None:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(new)
+            os.replace(tmp, path)
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass  # MLX's own loop: slower, never wrong
+
+
 def main(argv: list[str]) -> None:
-    """The shim: `argv` is the real compiler and its arguments. An MLX strided kernel among the
-    sources is rewritten in place (through a temporary file; left as MLX wrote it if anything
-    fails), then the real compiler runs the command as given."""
+    """The shim: `argv` is the real compiler and its arguments. Each MLX strided kernel among
+    the sources is rewritten (unless `TOYMLX_KERNEL_LOOPS=off`: a process started with it from
+    one that installed the shim), then the real compiler runs the command as given."""
     compiler, args = argv[0], argv[1:]
-    for arg in args:
-        if not arg.endswith(".cpp"):
-            continue
-        try:
-            path = Path(arg)
-            new = rewrite(path.read_text())
-            if new is not None:
-                tmp = path.with_name(f".{path.name}.{os.getpid()}")
-                tmp.write_text(new)
-                os.replace(tmp, path)
-        except (OSError, UnicodeDecodeError, ValueError):
-            pass  # MLX's own loop: slower, never wrong
+    if os.environ.get("TOYMLX_KERNEL_LOOPS") != "off":
+        for source in args:
+            if source.endswith(".cpp"):
+                _rewrite_file(Path(source))
     os.execv(compiler, [compiler, *args])
 
 
