@@ -170,38 +170,45 @@ def setup_process(wide_evaluation: bool = True) -> None:
     p.kernel_cache = persist_kernels()
     if p.kernel_cache:
         p.kernel_pch = kernel_pch.install(p.kernel_cache)
-        p.kernel_loops = _install_kernel_loops(p)
-    if not (p.kernel_loops or "off").startswith("/"):
-        kernel_loops.uninstall()
+    p.kernel_loops = _install_kernel_loops(p)
     p.kernel_forms = _check_kernel_forms(p)
 
 
-def _install_kernel_loops(p: _ProcessState) -> str:
-    """`kernel_loops.install` where MLX builds its kernels with toymlx's header in a folder toymlx
-    made for it (kernels built with the rewritten loops must live apart from MLX's own: the
-    folder's tag names the loops), else off (why)."""
+def _not_toymlx_kernel_folder(p: _ProcessState) -> str | None:
+    """Why MLX's kernels are not built with toymlx's header in a folder toymlx made for it
+    (named `<vector set>-<header tag>`, in this cache or another that MLX's temporary folder
+    links to), or None where they are: a kernel is found by its graph's name, so one built in
+    another folder may hold MLX's own exp and MLX's own loops."""
     if not p.kernel_pch or p.kernel_pch.startswith("off"):
-        return f"off (no precompiled header: {p.kernel_pch})"
+        return f"no precompiled header: {p.kernel_pch or 'no kernel folder'}"
     folder = Path(p.kernel_cache or "")
     if (folder.name, folder.parent.name) != ("cpu", kernel_cache_dir().name):
-        return f"off (MLX builds its kernels in {folder}, not a folder toymlx made for them)"
+        return f"MLX builds its kernels in {folder}, not a folder toymlx made for this header"
+    return None
+
+
+def _install_kernel_loops(p: _ProcessState) -> str:
+    """`kernel_loops.install` where MLX builds its kernels in toymlx's folder (the folder's tag
+    names the loops, so rewritten kernels live apart from MLX's own), else off (why), with any
+    shim inherited from the process that started this one taken off PATH."""
+    why = _not_toymlx_kernel_folder(p)
     compiler = kernel_pch.compiler()
-    if compiler is None:
-        return "off (no g++ on PATH)"
-    return kernel_loops.install(folder.parent, compiler)
+    if why is None and compiler is None:
+        why = "no g++ on PATH"
+    done = (f"off ({why})" if why is not None
+            else kernel_loops.install(Path(p.kernel_cache or "").parent, compiler))
+    if done.startswith("off"):
+        kernel_loops.uninstall()
+    return done
 
 
 def _check_kernel_forms(p: _ProcessState) -> str:
     """ "checked" where MLX's compiled CPU kernels compute float32 exp and erf bit for bit as
     `toymlx.backend.fastmath`'s composed forms (its `kernel_source`, in the PCH), else off (why).
-    Only in a kernel folder toymlx made for this header (named `<vector set>-<header tag>`, in
-    this cache or another that MLX's temporary folder links to): a kernel is found by its
-    graph's name, so one built in another folder may hold MLX's own exp."""
-    if not p.kernel_pch or p.kernel_pch.startswith("off"):
-        return f"off (no precompiled header: {p.kernel_pch or 'no kernel folder'})"
-    folder = Path(p.kernel_cache or "")
-    if (folder.name, folder.parent.name) != ("cpu", kernel_cache_dir().name):
-        return f"off (MLX builds its kernels in {folder}, not a folder toymlx made for this header)"
+    Only in toymlx's kernel folder (`_not_toymlx_kernel_folder`)."""
+    why = _not_toymlx_kernel_folder(p)
+    if why is not None:
+        return f"off ({why})"
     from toymlx.backend import fastmath  # here: it imports mlx.core
 
     try:

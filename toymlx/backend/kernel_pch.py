@@ -102,8 +102,8 @@ def compiler() -> str | None:
     """The g++ MLX's kernel builds would run, past toymlx's own shim
     (`toymlx.backend.kernel_loops`), which a process started from a toymlx process finds first
     on its PATH; None where there is none."""
-    for folder in os.environ.get("PATH", "").split(os.pathsep):
-        found = shutil.which("g++", path=folder or None) if folder else None
+    for folder in filter(None, os.environ.get("PATH", "").split(os.pathsep)):
+        found = shutil.which("g++", path=folder)
         if found and not kernel_loops.is_shim(found):
             return found
     return None
