@@ -414,9 +414,18 @@ def test_wheel_trains_from_any_folder_with_its_packaged_data(tmp_path, stories_p
             assert evs[0]["backend"]["gemv_forward"] == "on", evs[0]["backend"]
 
 
+FRESH_CLONE_MODULES = ("test_install", "test_device", "test_blas", "test_blas_rebind",
+                       "test_fpenv", "test_kernel_pch", "test_kernel_loops", "test_gemv_forward",
+                       "test_version", "test_shared_files", "test_tokenizer", "test_api",
+                       "test_vit_recipe")
+"""The default tier's modules the fresh-clone test runs on Debian's python: those that meet the
+machine (the installer, the BLAS and the FP environment, MLX's kernel builds with g++, the C
+source compiled at first use, tokenizers' wheel, the reference files, the public API and the
+main job). Every module is collected there, and CI's own default tier runs them all from its
+own fresh clone: the whole tier again would add ~11 minutes to CI's 90."""
 FRESH_CLONE_TESTS = "TOYMLX_FRESH_CLONE_TESTS"
-"""A `-k` expression that limits the default tier the fresh-clone test runs (unset: all of it,
-as CI runs it; set it to try the test on a busy machine)."""
+"""A `-k` expression: the fresh-clone test runs the default tier's tests it selects instead of
+FRESH_CLONE_MODULES ("not nothing" selects the whole tier)."""
 NEEDS_FILE = re.compile(r"^SKIPPED \[\d+\] \S+: needs the reference file (\S+), which is not "
                         r"part of the checkout: put the project's shared/ folder beside the "
                         r"checkout, or set TOYMLX_SHARED to one", re.MULTILINE)
@@ -449,7 +458,8 @@ def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file
     `source scripts/install.sh && python3 -m pytest` passes without ../shared beside the clone
     (each test needing a reference file skips, naming it); with ../shared there, the first such
     test of each module runs again and passes (CI's own default tier runs them all with it).
-    $TOYMLX_FRESH_CLONE_TESTS (a -k expression) runs a part."""
+    The tier's tests are all collected there, and those of FRESH_CLONE_MODULES run
+    ($TOYMLX_FRESH_CLONE_TESTS, a -k expression, chooses others)."""
     if not Path("/etc/debian_version").exists():
         pytest.skip("Debian's own python3: this machine is not Debian or Ubuntu")
     python = _debian_python()
@@ -468,8 +478,9 @@ def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file
     env = {**keep, "PATH": SYSTEM_PATH, "HOME": str(home), "LANG": "C.UTF-8"}
     select = os.environ.get(FRESH_CLONE_TESTS)
     # -rsfE: the skips' reasons, then failures and errors last, so the tail asserted on names them
-    pytest_cmd = "python3 -m pytest -q -p no:cacheprovider -rsfE" + (
-        f" -k {shlex.quote(select)}" if select else "")
+    pytest_cmd = "python3 -m pytest -q -p no:cacheprovider -rsfE"
+    chosen = (f"-k {shlex.quote(select)}" if select else
+              " ".join(f"tests/{m}.py" for m in FRESH_CLONE_MODULES))
 
     def tier(args: str) -> tuple[str, dict[str, int]]:
         r = _shell("bash", f"source scripts/install.sh && {pytest_cmd} {args}", clone, env,
@@ -480,7 +491,10 @@ def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file
         return r.stdout, counts
 
     report = tmp_path / "without-shared.xml"
-    without, bare = tier(f"--junitxml={shlex.quote(str(report))}")
+    without, bare = tier(f"--junitxml={shlex.quote(str(report))} {chosen}")
+    collected, _ = tier("--collect-only")  # every module of the tier imports on this python
+    assert re.search(r"^\d+/\d+ tests collected \(\d+ deselected\)|^\d+ tests collected",
+                     collected.splitlines()[-1]), collected[-2000:]
     assert subprocess.run([clone / ".venv" / "bin" / "python", "-c",
                            "import sys; print(sys.version.split()[0])"], capture_output=True,
                           text=True, check=True).stdout.strip() == subprocess.run(
@@ -490,8 +504,8 @@ def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file
     assert missing and bare.get("skipped", 0) >= len(missing), without[-3000:]
     assert all(p.startswith(f"{clone.parent / 'shared' / 'data'}/") for p in missing), missing
     # with ../shared beside the clone, the first test of each module that skipped for a file
-    # runs again and finds it: the rest of the tier ran above, and CI's own default tier runs
-    # every test with ../shared beside its clone
+    # runs again and finds it: CI's own default tier runs every test with ../shared beside its
+    # clone
     needed = _skipped_for_a_file(report, clone)
     assert len(needed) >= len(missing), (len(needed), len(missing))  # -rs joins equal lines
     first = list({n.split("::")[0]: n for n in reversed(needed)}.values())
@@ -500,9 +514,8 @@ def test_default_tier_from_a_fresh_clone_on_debians_python(tmp_path, shared_file
     assert NEEDS_FILE.findall(beside) == [], beside[-3000:]
     assert full["passed"] + full.get("skipped", 0) == len(first), (full, first)
     assert full["passed"] > 0
-    print(f"fresh clone on {python}: without ../shared {bare}, {len(needed)} of them for a "
-          f"file; with it, the first of each of their {len(first)} modules: {full}"
-          + (f" (-k {select!r})" if select else ""))
+    print(f"fresh clone on {python}: {chosen}: without ../shared {bare}, {len(needed)} of "
+          f"them for a file; with it, the first of each of their {len(first)} modules: {full}")
 
 
 def _kernel_root() -> Path:
