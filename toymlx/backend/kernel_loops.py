@@ -51,8 +51,8 @@ rows of 2 took 2.1 ms against 0.9-1.5 ms)."""
 
 _SIGNATURE = re.compile(
     r"void (\w+_strided_(\d+))\(int\* shape, int64_t\*\* strides, void\*\* args\) \{\n")
-_ARG = re.compile(r"^  (\w+)\* (\w+) = \(\w+\*\)args\[\d+\];$", re.M)
-_STRIDES = re.compile(r"^  const int64_t\* (\w+)_strides = strides\[\d+\];$", re.M)
+_ARG = re.compile(r"^  (\w+)\* (\w+) = \(\w+\*\)args\[\d+\];$", re.MULTILINE)
+_STRIDES = re.compile(r"^  const int64_t\* (\w+)_strides = strides\[\d+\];$", re.MULTILINE)
 _READ = re.compile(r"  (\w+) tmp_(\w+) = \*(\w+);")
 _WRITE = re.compile(r"  \*(\w+)\+\+ = tmp_(\w+);")
 _STEP = re.compile(r"  (\w+) \+= (\w+)_strides\[(\d+)\];")
@@ -121,8 +121,8 @@ def rewrite(source: str) -> str | None:
         loop += [
             f"  const {t}* {x}_p_ = {x} + c_;",
             f"  if ({x}_s_ == 0) {{",
-            f"    if (c_ == 0) {{ const {t} v_ = *{x}; "
-            f"for (int k_ = 0; k_ < m_; ++k_) {x}_b_[k_] = v_; }}",
+            (f"    if (c_ == 0) {{ const {t} v_ = *{x}; "
+             f"for (int k_ = 0; k_ < m_; ++k_) {x}_b_[k_] = v_; }}"),
             f"    {x}_p_ = {x}_b_;",
             f"  }} else if ({x}_s_ != 1) {{",
             f"    for (int k_ = 0; k_ < m_; ++k_) {x}_b_[k_] = {x}[(int64_t)(c_ + k_) * {x}_s_];",
