@@ -701,3 +701,4 @@ def test_an_unpacked_run_traces_every_width_at_its_first_step(tiny_gguf, tmp_pat
     assert steps[0]["traced_widths"] == list(dict.fromkeys(widths))
     assert len(set(widths)) >= 3
     assert all("traced_widths" not in e for e in steps[1:])
+    assert [e["batch_width"] for e in steps] == widths

@@ -518,6 +518,9 @@ class _Loop:
         traced = self._trace_widths(s) if s == self.start else None
         global_batch = self.task.train_batch(s)
         n_items = self.count(global_batch)
+        # unpacked rows: each step's width, so a step's time reads against its batch's size
+        width = ({"batch_width": int(self.task.batch_widths(range(s, s + 1))[0])}
+                 if self.task.batch_widths is not None else {})
         out = self.stepper.step(s, global_batch)
         dt = time.perf_counter() - t0
         self.t_first = dt if self.t_first is None else self.t_first
@@ -542,7 +545,7 @@ class _Loop:
         unit = self.task.unit
         self.window.append(self.log.emit(
             "step", step=s + 1, loss=loss, lr=lr, grad_norm=gnorm_v, **scaled,
-            **({"traced_widths": traced} if traced else {}),
+            **({"traced_widths": traced} if traced else {}), **width,
             **{f"{unit}_per_s": round(rate, 2), "step_time_s": round(dt, 4),
                f"trained_{unit}": self.trained}, **device.peak_memory()))
         if bar is not None:
