@@ -354,6 +354,44 @@ def test_geglu_is_gelu_approx_times_up_with_float64_gradients_and_holds_less():
     assert ours <= 3.25 and autodiff >= ours + 2.5, (ours, autodiff)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_rope_on_pairs_is_the_pairs_formula_bit_for_bit_with_float64_gradients(compiled):
+    """RoPE on adjacent pairs (llama.cpp's for arch llama), float32: `Ops.rope` rotates each
+    pair as one complex number. Its values and its gradient (the cotangent rotated back) are
+    the pairs' formula's (x0 cos - x1 sin, x0 sin + x1 cos, and their autodiff) bit for bit, on
+    a head-transposed x as the attention gives it, and within float32 of float64 calculus."""
+    from toymlx.models.ops import Rope, _rope_tables
+
+    rope = Rope(10000.0, None, False)
+    rng = np.random.default_rng(5)
+    B, T, H, hd, offset = 2, 7, 3, 8, 5
+    x = mx.array(rng.standard_normal((B, T, H, hd)).astype(np.float32)).transpose(0, 2, 1, 3)
+    w = mx.array(rng.standard_normal((B, H, T, hd)).astype(np.float32))
+    cos, sin = _rope_tables(rope, hd, offset, T)
+
+    def formula(x):
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).reshape(x.shape)
+
+    ours = (lambda x: MLX.rope(x, rope, offset))
+    f = mx.compile(ours) if compiled else ours
+    gf = mx.grad(lambda x: (f(x) * w).sum())
+    assert _bits_equal(f(x), formula(x))
+    assert _bits_equal(gf(x), mx.grad(lambda x: (formula(x) * w).sum())(x))
+    # float64: the rotation by each position's angle, and its transpose for the gradient
+    ang = (np.arange(offset, offset + T)[:, None]
+           * 10000.0 ** (-np.arange(0, hd, 2) / hd))  # (T, hd/2)
+    c, s = np.cos(ang), np.sin(ang)
+    x64 = np.array(x).astype(np.float64)
+    y64 = np.stack([x64[..., 0::2] * c - x64[..., 1::2] * s,
+                    x64[..., 0::2] * s + x64[..., 1::2] * c], -1).reshape(x64.shape)
+    w64 = np.array(w).astype(np.float64)
+    g64 = np.stack([w64[..., 0::2] * c + w64[..., 1::2] * s,
+                    -w64[..., 0::2] * s + w64[..., 1::2] * c], -1).reshape(w64.shape)
+    np.testing.assert_allclose(np.array(f(x)), y64, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.array(gf(x)), g64, rtol=1e-6, atol=1e-6)
+
+
 def _bits_equal(a: mx.array, b: mx.array) -> bool:
     a, b = np.array(a), np.array(b)
     return a.shape == b.shape and bool(np.all((a.view(np.int32) == b.view(np.int32))

@@ -263,6 +263,9 @@ class Ops:
         if x.dtype != mx.float32:
             cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         xr, rest = (x, None) if dims == x.shape[-1] else (x[..., :dims], x[..., dims:])
+        if not rope.neox and rest is None and x.dtype == mx.float32:
+            rot = mx.stack([cos, sin], axis=-1).view(mx.complex64)[..., 0]  # (T, dims/2)
+            return _rotate_pairs(x, rot)
         if rope.neox:
             x0, x1 = xr[..., : dims // 2], xr[..., dims // 2:]  # (B,H,T,dims/2) each
             out = mx.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
@@ -392,6 +395,25 @@ def _rope_wavelengths(rope: Rope) -> mx.array:
     return mx.array((1.0 / _rope_inverse_wavelengths(Rope(rope.base, dims, rope.neox,
                                                             rope.factors), dims)
                      ).astype(np.float32))
+
+
+@mx.custom_function
+def _rotate_pairs(x: mx.array, rot: mx.array) -> mx.array:
+    """RoPE's rotation of the adjacent pairs (x[2i], x[2i+1]) of a float32 x (..., T, dims) by
+    rot (T, dims/2) = cos + i sin (complex64): each pair read as one complex number and
+    multiplied, the same float32 products and sums as x0 cos - x1 sin, x0 sin + x1 cos, bit for
+    bit, in one loop, where the pairs' formula took two strided slices, their products and a
+    stack. The backward pass rotates the cotangent back (by the conjugate) in one loop too,
+    where the slices' each wrote into a zero-filled copy of x (a LoRA step on SmolLM2: 30 q and
+    k rotations forward and backward)."""
+    return (x.view(mx.complex64) * rot).view(mx.float32)
+
+
+@_rotate_pairs.vjp
+def _rotate_pairs_vjp(primals: tuple[mx.array, mx.array], cotangent: mx.array,
+                      output: mx.array) -> tuple[mx.array, mx.array]:
+    rot = primals[1]
+    return (cotangent.view(mx.complex64) * mx.conj(rot)).view(mx.float32), mx.zeros_like(rot)
 
 
 @functools.lru_cache(maxsize=64)
