@@ -518,8 +518,9 @@ class _Loop:
         traced = self._trace_widths(s) if s == self.start else None
         global_batch = self.task.train_batch(s)
         n_items = self.count(global_batch)
-        # unpacked rows: each step's width, so a step's time reads against its batch's size
-        width = ({"batch_width": int(self.task.batch_widths(range(s, s + 1))[0])}
+        # unpacked rows: each step's width (its batch's last axis, `Task.batch_widths`), so a
+        # step's time reads against its batch's size
+        width = ({"batch_width": next(iter(global_batch.values())).shape[-1]}
                  if self.task.batch_widths is not None else {})
         out = self.stepper.step(s, global_batch)
         dt = time.perf_counter() - t0
