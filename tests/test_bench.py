@@ -584,3 +584,55 @@ def test_gpu_machine_carries_the_kernel_caches_to_the_next_machine(tmp_path):
     assert "mlx unpacked" in done.stdout and "ComputeCache unpacked" in done.stdout
     assert (tmp_path / "there/mlx/0.32.4/ptx/k.ptx").read_bytes() == old["tmp/mlx/0.32.4/ptx/k.ptx"]
     assert (tmp_path / "there-cuda/a/b").read_bytes() == old["cuda/ComputeCache/a/b"]
+
+
+@pytest.fixture
+def unpacked_run(monkeypatch):
+    return _benchmark_module(monkeypatch, "unpacked_run")
+
+
+def test_unpacked_run_reads_each_step_against_its_own_width(unpacked_run):
+    times = [6.0, 2.8, 1.6, 1.7, 1.2, 2.6, 1.65, 2.0]
+    widths = [224, 224, 128, 128, 96, 160, 128, 128]
+    r = unpacked_run.analyse([{"step": i + 1, "step_time_s": t, "batch_width": w}
+                              for i, (t, w) in enumerate(zip(times, widths))])
+    assert r["first_step_s"] == 6.0 and r["first_width"] == 224 and r["steps"] == 8
+    assert r["median_step_s"] == 1.7  # of steps 2-8: 1.2 1.6 1.65 1.7 2.0 2.6 2.8
+    assert r["widths"][128] == {"steps": 4, "median_step_s": 1.675,
+                                "s_per_width_unit_ms": 13.09}
+    assert r["worst_vs_width"] == {"step": 8, "width": 128, "ratio": round(2.0 / 1.675, 3)}
+    # steps 2 and 6 are over 1.5 x 1.7 = 2.55 s: each the median of its own width
+    assert r["over_1.5x_run_median"] == [
+        {"step": 2, "width": 224, "ratio": round(2.8 / 1.7, 3), "vs_width": 1.0},
+        {"step": 6, "width": 160, "ratio": round(2.6 / 1.7, 3), "vs_width": 1.0}]
+
+
+def test_unpacked_run_names_the_step_each_kernel_was_built_in(unpacked_run, tmp_path):
+    events, kernels = tmp_path / "events.jsonl", tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "old.so").touch()  # built before the run: not counted
+    watch = unpacked_run.Watch(events)
+
+    def write(*lines: dict, partial: str = "") -> None:
+        with events.open("a") as f:
+            f.write("".join(json.dumps(e) + "\n" for e in lines) + partial)
+
+    watch.poll()  # no events yet
+    write({"kind": "run_start", "backend": {"kernel_cache": str(kernels)}})
+    watch.poll()
+    (kernels / "a.so").touch()  # during step 1
+    watch.poll()
+    write({"kind": "step", "step": 1}, partial='{"kind": "st')  # half a line: waits
+    watch.poll()
+    (kernels / "b.so").touch()  # during step 2
+    (kernels / "c.so").touch()
+    with events.open("a") as f:
+        f.write('ep", "step": 2}\n')
+    watch.poll()
+    (kernels / "d.so").touch()  # after step 2's event: in step 3
+    watch.poll()
+    assert watch.step == 2
+    assert watch.built == [{"kernel": "a.so", "during_step": 1},
+                           {"kernel": "b.so", "during_step": 2},
+                           {"kernel": "c.so", "during_step": 2},
+                           {"kernel": "d.so", "during_step": 3}]
