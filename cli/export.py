@@ -112,7 +112,7 @@ def export_modelfile(args: Args) -> int:
     t0 = time.perf_counter()
     path, base, adapter, fused = write_modelfile(args.out, args.adapter, args.base,
                                                  fuse=args.fuse, dtype=args.dtype,
-                                                 progress=True)
+                                                 progress=sys.stderr.isatty())
     what = f"FROM {base.path}, ADAPTER {adapter}"
     if fused:
         from toymlx.training.fused import adapter_kept, kept_note
@@ -179,7 +179,7 @@ def run(args: Args) -> int:
             shutil.copyfileobj(f, dst)
         what = f"adapter {src}"
     elif args.exact_size:
-        _, share = write_fused_exact(out, base, args.adapter, progress=True)
+        _, share = write_fused_exact(out, base, args.adapter, progress=sys.stderr.isatty())
         what = (f"{base_spec} + adapter {args.adapter} (fused in the base's own types, rounded "
                 f"on the run's activations); it keeps {share:.0%} of the adapter's change on "
                 f"those activations, {adapter_kept(out, base, args.adapter):.0%} on isotropic "
@@ -187,13 +187,13 @@ def run(args: Args) -> int:
                             "without --exact-size, or run the base with the adapter)"
                             if share < KEPT_WARNING else ""))
     elif args.adapter and not args.dtype:
-        kept = write_fused_kept(out, base, args.adapter, progress=True)
+        kept = write_fused_kept(out, base, args.adapter, progress=sys.stderr.isatty())
         what = f"{base_spec} + adapter {args.adapter} (fused): {kept.summary()}"
     elif not args.dtype and (trained_from := fine_tune_base(base_spec)) is not None:
-        kept = write_full_kept(out, trained_from, base, progress=True)
+        kept = write_full_kept(out, trained_from, base, progress=sys.stderr.isatty())
         what = f"{base_spec} (a full fine-tune of {trained_from}): {kept.summary()}"
     else:
-        write_merged(out, base, args.adapter, args.dtype, progress=True)
+        write_merged(out, base, args.adapter, args.dtype, progress=sys.stderr.isatty())
         what = f"{base_spec}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
         if args.adapter:
             what += (f" in {args.dtype}; it "

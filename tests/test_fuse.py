@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from toymlx.data.tokenizer import byte_tokenizer
-from toymlx.gguf.fuse import MAX_SIZE, write_kept
+from toymlx.gguf.fuse import GROW_BELOW, KEEP, MAX_SIZE, kept_share, measure, write_kept
 from toymlx.gguf.llama import load_llama, toy_to_gguf, write_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.interop.merge import write_merged
@@ -156,21 +156,34 @@ def test_retention_figure_is_a_share_of_the_change(bases, tmp_path):
     assert figures["default"] >= 0.9 * figures["q8_0"]
 
 
-def test_a_file_losing_most_of_the_change_is_refused(bases, tmp_path):
-    """No room over the base's size: the file would keep less than half of the change, so
-    nothing is written and the line names --dtype."""
+def test_a_file_that_would_lose_most_of_the_change_grows_instead(bases, tmp_path):
+    """No room over the base's size: within it the file would keep less than half of the
+    change, so it grows past it until each changed tensor keeps KEEP of its change, and its
+    summary says what the size bound would have kept."""
     base = bases["q4_1"]
     ad = load_adapter(make_adapter(base, tmp_path / "ad.gguf"))
-    out = tmp_path / "fused.gguf"
-    with pytest.raises(ValueError) as e:
-        write_kept(out, base, ad.pairs, lambda n, w: (w + ad.delta(n, w)).astype(np.float32),
-                   max_size=1.0)
-    assert re.fullmatch(
-        rf"{re.escape(str(out))}: a fused file of at most 1\.00x the base's size would keep "
-        r"\d+% of the fine-tune's change \(expected at least 50%\); nothing written: choose the "
-        r"file type with --dtype \(e\.g\. q8_0 or f16\), or run the base with the adapter",
-        str(e.value))
-    assert not list(tmp_path.glob("fused*")) and not list(tmp_path.glob(".*tmp-*"))
+    fused = lambda n, w: (w + ad.delta(n, w)).astype(np.float32)
+    bounded = tmp_path / "bounded.gguf"
+    with GGUFFile(base) as g:  # what the bound alone allows: the base's own type, naive
+        within = kept_share([measure(n, g.tensors[n].type, fused(n, g.load(n, np.float32)),
+                                     ad.delta(n, g.load(n, np.float32)))
+                             for n in ad.pairs])
+    assert within < GROW_BELOW
+    got = write_kept(bounded, base, ad.pairs, fused, max_size=1.0)
+    assert got.within == (1.0, pytest.approx(within))
+    assert all(c.kept() >= KEEP for c in got.choices) and got.kept >= KEEP
+    assert bounded.stat().st_size > base.stat().st_size
+    assert re.search(rf"x the base's size \(within 1\.00x it would keep {within:.0%}: "
+                     r"--exact-size keeps the base's size, --dtype picks one type\)$",
+                     got.summary())
+    # the same tensors written, the untouched ones the base's bytes
+    k, b = GGUFFile(bounded), GGUFFile(base)
+    for name in set(b.tensors) - set(ad.pairs):
+        assert k.raw(name).tobytes() == b.raw(name).tobytes(), name
+    # within the default bound the same adapter keeps more than half: no growth, no remark
+    default = write_kept(tmp_path / "default.gguf", base, ad.pairs, fused)
+    assert default.within is None and "within" not in default.summary()
+    assert default.path.stat().st_size <= MAX_SIZE * base.stat().st_size
 
 
 def _train(tmp_path: Path, base: Path, kind: str, *extra: str) -> Path:

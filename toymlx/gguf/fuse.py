@@ -12,8 +12,10 @@ the adapted tensors change, so `write_kept` writes:
   for every tensor and needing no data.
 - within `MAX_SIZE` times the base's file: when every changed tensor cannot keep its change
   within that, the bytes go where they remove the most output error per byte (`choose_types`,
-  greedy), and a file keeping less than `REFUSE_BELOW` of the change is refused (the user
-  picks --dtype).
+  greedy). Where the file would then keep less than `GROW_BELOW` of the change (a short run's
+  small delta, a full fine-tune changing every tensor), it grows past `MAX_SIZE` instead, the
+  same way, until each changed tensor keeps its change, and says so: a default fused file never
+  loses most of the fine-tune, and is never refused for it.
 general.file_type stays the base's (as llama.cpp's own mixtures, Q4_K_M, mix types per tensor).
 No candidate is ever smaller than the base tensor's own type, so each changed tensor's error is
 at most naive rounding's (the fused tensor in the base's type), which is itself a candidate.
@@ -50,9 +52,9 @@ LADDER = (T.Q4_0, T.Q4_K, T.Q4_1, T.Q5_0, T.Q5_K, T.Q5_1, T.Q6_K, T.Q8_0, T.F16,
 KEEP = 0.9
 """A changed tensor keeps its change when its output error is at most 1 - KEEP of ||D x||."""
 MAX_SIZE = 1.10
-"""The fused file is at most this many times the base's file."""
-REFUSE_BELOW = 0.5
-"""A default fused file keeping less of the change than this is not written."""
+"""The fused file is at most this many times the base's file, unless that loses the change."""
+GROW_BELOW = 0.5
+"""A fused file that would keep less of the change than this within `MAX_SIZE` grows past it."""
 
 
 def bits_per_weight(t: GGMLQuantizationType) -> float:
@@ -178,6 +180,8 @@ class KeptFile:
     path: Path
     choices: list[Choice]
     base_bytes: int
+    within: tuple[float, float] | None = None
+    """(max_size, the share it would keep) where the file grew past max_size; else None."""
 
     @property
     def kept(self) -> float:
@@ -192,11 +196,14 @@ class KeptFile:
         naive = kept_share([Choice(c.name, c.base_type, [c.naive], c.naive, c.delta2)
                             for c in self.choices if c.naive is not None])
         size = self.path.stat().st_size
+        grown = ("" if self.within is None else
+                 f" (within {self.within[0]:.2f}x it would keep {self.within[1]:.0%}: "
+                 "--exact-size keeps the base's size, --dtype picks one type)")
         return (f"{len(self.choices)} changed tensors written as "
                 f"{', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}, the rest copied "
                 f"from the base; it keeps {self.kept:.0%} of the fine-tune's change on the "
                 f"changed layers' outputs (the base's own type would keep {naive:.0%}); "
-                f"{size / self.base_bytes:.3f}x the base's size")
+                f"{size / self.base_bytes:.3f}x the base's size{grown}")
 
 
 ChangeFn = Callable[[str, np.ndarray], np.ndarray]
@@ -207,9 +214,9 @@ def write_kept(out: str | os.PathLike, base: str | os.PathLike, changed: Iterabl
                fuse_tensor: ChangeFn, extra: dict[str, Any] | None = None,
                max_size: float = MAX_SIZE, progress: bool = False) -> KeptFile:
     """Write `base` with each tensor in `changed` replaced by `fuse_tensor(name, w)`, in the
-    types `choose_types` picks within `max_size` times the base's file; every other tensor and
-    every metadata key (general.file_type included) as the base has them. ValueError, before
-    writing, when the file would keep less than `REFUSE_BELOW` of the change."""
+    types `choose_types` picks within `max_size` times the base's file, or past it where that
+    would keep less than `GROW_BELOW` of the change (`KeptFile.within` says so); every other
+    tensor and every metadata key (general.file_type included) as the base has them."""
     base = Path(base)
     out = Path(out)
     changed = list(dict.fromkeys(changed))
@@ -233,20 +240,17 @@ def write_kept(out: str | os.PathLike, base: str | os.PathLike, changed: Iterabl
                     for c in choices) + sum(64 + len(k) + len(str(v)) for k, v in
                                             (extra or {}).items()) + 32 * len(choices)
         choose_types(choices, int((max_size - 1.0) * base_bytes) - start)
-        kept = kept_share(choices)
-        if changed and kept < REFUSE_BELOW:
-            raise ValueError(
-                f"{out}: a fused file of at most {max_size:.2f}x the base's size would keep "
-                f"{kept:.0%} of the fine-tune's change (expected at least {REFUSE_BELOW:.0%}); "
-                "nothing written: choose the file type with --dtype (e.g. q8_0 or f16), or run "
-                "the base with the adapter")
+        within = None
+        if changed and kept_share(choices) < GROW_BELOW:
+            within = (max_size, kept_share(choices))
+            choose_types(choices, sum(c.options[-1].nbytes for c in choices))  # no bound
         written = {}
         for c in choices:
             f = np.ascontiguousarray(fuse_tensor(c.name, g.load(c.name, np.float32)), np.float32)
             written[c.name] = QuantTensor(c.chosen.type, quantize_tensor(f, c.chosen.type),
                                           g.tensors[c.name].shape)
         write_with_tensors(out, g, written, extra, progress)
-    return KeptFile(out, choices, base_bytes)
+    return KeptFile(out, choices, base_bytes, within)
 
 
 def write_with_tensors(out: str | os.PathLike, g: GGUFFile,
