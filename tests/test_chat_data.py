@@ -387,6 +387,54 @@ def test_sft_data_from_file(tmp_path):
         SFTData.from_file(hopeless, tok, seq_len=8, val_fraction=0.0)
 
 
+def test_rows_cut_or_dropped_at_seq_len_are_said_per_split(tmp_path):
+    tok = FakeTokenizer(chat_template=None)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    # BOS + prompt + completion + EOS: 1 + 2 + 12 + 1 = 16 > 9 tokens, the answer cut
+    write(folder, "train.jsonl", "\n".join(
+        [json.dumps({"prompt": "q1", "completion": "a" * 12})] +
+        [json.dumps({"prompt": "q2", "completion": "b"})] * 2))
+    write(folder, "valid.jsonl", "\n".join(
+        [json.dumps({"prompt": "p" * 20, "completion": "c"}),   # prompt past seq_len: no row
+         json.dumps({"prompt": "q", "completion": "c"})]))
+    write(folder, "test.jsonl", json.dumps({"prompt": "p" * 20, "completion": "c"}))
+    data = SFTData.from_file(folder, tok, seq_len=8)
+    assert data.n_truncated == 1 and len(data.val["inputs"]) == 1
+    assert data.notes(test=False) == [
+        (f"{folder}/train.jsonl: train: of 3 examples, 1 cut to their first 9 tokens "
+         "(--seq-len 8; the rest of each answer is not trained)"),
+        (f"{folder}/valid.jsonl: validation: of 2 examples, 1 dropped (no trained token within "
+         "the first 9: prompts longer than --seq-len 8)")]
+    assert len(data.notes(test=True)) == 3
+    data.check_held_out(test=False)  # test.jsonl is not scored: no error
+    with pytest.raises(DataError) as e:
+        data.check_held_out(test=True)
+    assert str(e.value) == (f"{folder}/test.jsonl: test: expected rows to score, found none: "
+                            "of its 1 examples, 1 with no trained token within the first 9 "
+                            "(prompts longer than --seq-len 8); raise --seq-len or shorten "
+                            "the prompts")
+    # packing cuts nothing: an example runs on into the next row
+    assert SFTData.from_file(folder, tok, seq_len=8, pack=True).notes(test=False) == []
+
+
+def test_messages_with_no_assistant_turn_are_named_as_such(tmp_path):
+    tok = FakeTokenizer()
+    row = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    path = write(tmp_path, "chat.jsonl", "\n".join([row] * 3))
+    with pytest.raises(DataError) as e:
+        SFTData.from_file(path, tok, seq_len=64, val_fraction=0.0)
+    assert str(e.value) == (f"{path}: no training example has a trained token: no assistant "
+                            "turn (messages) or completion to train; add one, or set "
+                            "mask_prompt=False")
+    answered = json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "yo"}]})
+    write(tmp_path, "chat.jsonl", f"{answered}\n{row}")
+    assert SFTData.from_file(path, tok, seq_len=64, val_fraction=0.0).notes() == [
+        (f"{path}: train: of 2 examples, 1 dropped (nothing to train: no assistant turn or "
+         "completion)")]
+
+
 def test_unpacked_training_batches_cut_to_longest_row_rounded_to_32(tmp_path):
     import mlx.core as mx
 

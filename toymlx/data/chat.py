@@ -45,9 +45,12 @@ __all__ = [
     "DataError",
     "DataFiles",
     "Example",
+    "Fit",
     "SFTData",
     "data_files",
+    "empty_split_error",
     "fit_rows",
+    "fitted_rows",
     "fitted_width",
     "load_examples",
     "pack_or_pad",
@@ -593,6 +596,68 @@ def sft_val_batches(
 
 
 @dataclass(frozen=True)
+class Fit:
+    """How one split's examples fit rows of `seq_len + 1` tokens: what `pack_or_pad` cut or
+    left out (packing cuts nothing: an example runs on into the next row)."""
+
+    examples: int
+    truncated: int = 0
+    """Padding mode: examples longer than seq_len + 1 tokens kept with their end cut off"""
+    dropped: int = 0
+    """Padding mode: examples whose first trained target lies beyond seq_len + 1 tokens (a
+    prompt as long as the row), so they make no row"""
+    untrained: int = 0
+    """Examples with no trained target at all (e.g. messages with no assistant turn under
+    mask_prompt), so they make no row"""
+
+    @classmethod
+    def of(cls, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int,
+           pack: bool) -> Fit:
+        """The counts for `(ids, loss_mask)` pairs built into rows by `pack_or_pad`."""
+        width = seq_len + 1
+        # a row's targets are mask[1:width]; an example's first token is never a target
+        trained = [any(m[1:]) for _, m in sequences]
+        within = [any(m[1:width]) for _, m in sequences]
+        untrained = sum(not t for t in trained)
+        if pack:
+            return cls(len(sequences), untrained=untrained)
+        return cls(len(sequences),
+                   truncated=sum(len(i) > width and w for (i, _), w in zip(sequences, within)),
+                   dropped=sum(t and not w for t, w in zip(trained, within)),
+                   untrained=untrained)
+
+    def note(self, source: str, split: str, seq_len: int) -> str | None:
+        """One console line saying what of `split` (read from `source`) was cut or left out and
+        why, None when nothing was."""
+        parts = []
+        if self.truncated:
+            parts.append(f"{self.truncated} cut to their first {seq_len + 1} tokens (--seq-len "
+                         f"{seq_len}; the rest of each answer is not trained)")
+        if self.dropped:
+            parts.append(f"{self.dropped} dropped (no trained token within the first "
+                         f"{seq_len + 1}: prompts longer than --seq-len {seq_len})")
+        if self.untrained:
+            parts.append(f"{self.untrained} dropped (nothing to train: no assistant turn or "
+                         f"completion)")
+        if not parts:
+            return None
+        return f"{source}: {split}: of {self.examples} examples, {', '.join(parts)}"
+
+
+def empty_split_error(source: str, split: str, fit: Fit, seq_len: int) -> DataError:
+    """The one-line error for a split whose examples all made no row (`fit` says why)."""
+    why = []
+    if fit.dropped:
+        why.append(f"{fit.dropped} with no trained token within the first {seq_len + 1} "
+                   f"(prompts longer than --seq-len {seq_len})")
+    if fit.untrained:
+        why.append(f"{fit.untrained} with nothing to train (no assistant turn or completion)")
+    fix = "raise --seq-len or shorten the prompts" if fit.dropped else "add answers to train"
+    return DataError(f"{source}: {split}: expected rows to score, found none: of its "
+                     f"{fit.examples} examples, {' and '.join(why)}; {fix}")
+
+
+@dataclass(frozen=True)
 class SFTData:
     """Train, validation and (optional) test rows for fine-tuning, built once from example
     files."""
@@ -610,6 +675,31 @@ class SFTData:
     test_source: str | None = None
     pack: bool = False
     """Rows are packed; unpacked training batches are cut to their longest row (`fit_rows`)"""
+    fits: dict[str, Fit] = dataclasses.field(default_factory=dict)
+    """How each split's examples fit --seq-len ("train", "validation", "test": `Fit`)"""
+    seq_len: int = 0
+    """The rows' --seq-len, for the notes and errors"""
+
+    def split_source(self, split: str) -> str:
+        """The file a split's examples came from ("train", "validation" or "test")."""
+        if split == "test":
+            return str(self.test_source)
+        # `source` is "TRAIN + VALID" with a validation file, else the file both split from
+        return self.source.split(" + ")[-1 if split == "validation" else 0]
+
+    def notes(self, test: bool = True) -> list[str]:
+        """One console line per split whose examples were cut or left out (`Fit.note`); the
+        test split's only with `test` (when it is scored)."""
+        return [line for split, fit in self.fits.items() if test or split != "test"
+                if (line := fit.note(self.split_source(split), split, self.seq_len))]
+
+    def check_held_out(self, test: bool) -> None:
+        """DataError when validation (always scored: at the end of a run if not before) or,
+        with `test`, the test set had examples but none made a row."""
+        for split, rows in (("validation", self.val), ("test", self.test if test else None)):
+            fit = self.fits.get(split)
+            if rows is not None and fit is not None and fit.examples and not len(rows["inputs"]):
+                raise empty_split_error(self.split_source(split), split, fit, self.seq_len)
 
     @classmethod
     def from_examples(
@@ -623,15 +713,18 @@ class SFTData:
         source: str = "<examples>",
     ) -> SFTData:
         """Tokenize and build rows; the pad id is the tokenizer's EOS (always under mask 0)."""
-        tr = [tokenize_example(e, tokenizer, mask_prompt) for e in train]
-        rows = pack_or_pad(tr, seq_len, tokenizer.eos_id, pack)
+        rows, fit = fitted_rows(train, tokenizer, seq_len, mask_prompt, pack)
         if len(rows["inputs"]) == 0:
+            if fit.untrained == fit.examples:
+                raise DataError(f"{source}: no training example has a trained token: no "
+                                f"assistant turn (messages) or completion to train; add one, "
+                                f"or set mask_prompt=False")
             raise DataError(f"{source}: no training example has a trained token within its "
                             f"first seq_len+1 = {seq_len + 1} tokens; raise seq_len, shorten "
                             f"prompts, or set mask_prompt=False")
-        n_truncated = 0 if pack else sum(len(ids) > seq_len + 1 for ids, _ in tr)
-        return cls(rows, held_out_rows(val, tokenizer, seq_len, mask_prompt, pack), source,
-                   n_truncated, pack=pack)
+        val_rows, val_fit = fitted_rows(val, tokenizer, seq_len, mask_prompt, pack)
+        return cls(rows, val_rows, source, fit.truncated, pack=pack,
+                   fits={"train": fit, "validation": val_fit}, seq_len=seq_len)
 
     @classmethod
     def from_file(
@@ -658,8 +751,9 @@ class SFTData:
         data = cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack, source)
         if files.test is None:
             return data
-        test = held_out_rows(load_examples(files.test), tokenizer, seq_len, mask_prompt, pack)
-        return dataclasses.replace(data, test=test, test_source=str(files.test))
+        test, fit = fitted_rows(load_examples(files.test), tokenizer, seq_len, mask_prompt, pack)
+        return dataclasses.replace(data, test=test, test_source=str(files.test),
+                                   fits={**data.fits, "test": fit})
 
     @functools.cached_property
     def first_row(self) -> int | None:
@@ -709,5 +803,12 @@ class SFTData:
 def held_out_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: int,
                   mask_prompt: bool = True, pack: bool = False) -> dict[str, np.ndarray]:
     """Rows of validation or test examples, built as the training rows are."""
+    return fitted_rows(examples, tokenizer, seq_len, mask_prompt, pack)[0]
+
+
+def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: int,
+                mask_prompt: bool = True, pack: bool = False
+                ) -> tuple[dict[str, np.ndarray], Fit]:
+    """`pack_or_pad` rows of `examples` and how they fit (`Fit`: what was cut or left out)."""
     seqs = [tokenize_example(e, tokenizer, mask_prompt) for e in examples]
-    return pack_or_pad(seqs, seq_len, tokenizer.eos_id, pack)
+    return pack_or_pad(seqs, seq_len, tokenizer.eos_id, pack), Fit.of(seqs, seq_len, pack)

@@ -301,6 +301,10 @@ def build(cfg: Config, ops: Ops) -> Task:
     tok = Tokenizer.from_metadata(meta)
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction)
+    data.check_held_out(cfg.test)
+    # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation
+    for note in data.notes(cfg.test):
+        print(f"toymlx: {note}", file=sys.stderr)
     base_meta = {"general.architecture": meta.get("general.architecture", "llama"),
                  "general.name": meta.get("general.name", Path(cfg.base).stem)}
     base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
