@@ -106,9 +106,10 @@ def _run_bundle(model: str):
 
 def check_run_test_data(bundle) -> None:
     """`--split test` on a run's own test set: a ValueError naming the test file and both
-    digests unless the data holding it (a data folder's test.jsonl, a ViT's --data.test-path)
-    still has the fingerprint config.json recorded when the run started; the data given with
-    --data.path instead is scored as it is."""
+    digests unless it (a data folder's test.jsonl, a ViT's --data.test-path) still has the
+    fingerprint config.json recorded when the run started (a folder recorded without its
+    files' own: the whole folder's, named as the folder); the data given with --data.path
+    instead is scored as it is."""
     from toymlx.bundle.inputs import DATA_FILES_KEY, fingerprint
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files
@@ -120,17 +121,23 @@ def check_run_test_data(bundle) -> None:
     if not isinstance(rec, dict) or not isinstance(path, str) or not Path(path).exists():
         return  # not recorded (the default data), or gone: the reader names what it lacks
     path = Path(path)
-    now = fingerprint(path)
+    test = (data_files(path).test or path) if key == "data.path" and path.is_dir() else path
+    parts = rec.get("files")
+    # only the test file is scored: a folder's other files (train.jsonl) may change freely
+    if test != path and isinstance(parts, dict) and isinstance(parts.get(test.name), dict):
+        checked, rec = test, parts[test.name]
+        within = f" (in {path}, recorded as {key})"
+    else:
+        checked, within = path, f" ({key})"
+    now = fingerprint(checked)
     was = {k: rec.get(k) for k in now}
     if now == was:
         return
-    test = (data_files(path).test or path) if key == "data.path" and path.is_dir() else path
-    within = f" (in {path}, recorded as {key})" if test != path else f" ({key})"
 
     def digest(fp: dict) -> str:
         return f"{fp['bytes']} bytes, sha256 {fp.get('sha256') or fp.get('sample_sha256')}"
 
-    raise ValueError(f"{test}: --split test: expected the test data the run recorded "
+    raise ValueError(f"{checked}: --split test: expected the test data the run recorded "
                      f"at its start{within}: {digest(was)}; found it changed: {digest(now)}; "
                      f"restore it, or score the data as it is now with --data.path {path}")
 
@@ -223,7 +230,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
 
     from toymlx.data.chat import (
         SFTData,
-        held_out_rows,
+        empty_split_error,
+        fitted_rows,
         load_examples,
         sft_val_batches,
         test_file,
@@ -247,14 +255,24 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
     if split == "test":
         f = test_file(path)
-        rows, source = held_out_rows(load_examples(f), tok, seq_len, mask, pack), str(f)
+        rows, fit = fitted_rows(load_examples(f), tok, seq_len, mask, pack)
+        source = str(f)
     else:
         sft = SFTData.from_file(path or DEFAULT_DATA, tok, seq_len, mask, pack,
                                 data.get("val_fraction", 0.1))
-        rows, source = sft.val, sft.source
+        rows, source, fit = sft.val, sft.source, sft.fits["validation"]
         if split == "all":
             rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
     n = len(rows["inputs"])
+    if n == 0:  # nothing to score: say why instead of a loss over no rows
+        name = "test" if split == "test" else "validation"
+        where = source if split == "test" else sft.split_source("validation")
+        if fit.examples:
+            raise empty_split_error(where, name, fit, seq_len)
+        raise ValueError(f"{where}: --split val: expected validation rows to score, found "
+                         f"none: the run held out no examples (--data.val-fraction "
+                         f"{data.get('val_fraction', 0.1)} of {sft.fits['train'].examples} "
+                         f"examples, no valid.jsonl); score them all with --split all")
     bs = max(1, min(batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
                 metrics_fn=lm_held_out_sums, test_batches=sft_val_batches(rows, bs, -(-n // bs)))

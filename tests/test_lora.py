@@ -420,9 +420,11 @@ def events_of(run: Path) -> list[dict]:
 
 
 def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_path, capsys):
-    """config.json recorded the data folder's SHA-256 at the run's start: after test.jsonl is
-    edited, `--split test` on the run names the file and both digests (exit 2) rather than
-    score other examples under the run's name; --data.path scores the data as it is now."""
+    """config.json recorded the data folder's SHA-256, and each of its files', at the run's
+    start: after test.jsonl is edited, `--split test` on the run names the file and both of
+    its own digests (exit 2) rather than score other examples under the run's name;
+    --data.path scores the data as it is now. An edit to train.jsonl alone changes nothing
+    --split test scores, and is not refused."""
     import hashlib
 
     from toymlx_cli.eval import main as eval_main
@@ -434,13 +436,16 @@ def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_
                    "--run-id", "r", "--steps", "1", "--batch-size", "2", "--seq-len", "64",
                    "--eval-every", "0", "--no-progress", "--no-compile",
                    "--data.path", str(data)]) == 0
-    was = fingerprint(data)
     test = data / "test.jsonl"
+    was = fingerprint(test)
+    capsys.readouterr()
+    (data / "train.jsonl").write_text((data / "train.jsonl").read_text() + "\n")
+    assert eval_main(["--model", str(tmp_path / "r"), "--split", "test"]) == 0
+    assert json.loads(capsys.readouterr().out)["data"] == str(test)
     test.write_text(test.read_text().replace("question 0?", "question 9?"))
-    now = fingerprint(data)
+    now = fingerprint(test)
     edited = hashlib.sha256(test.read_bytes()).hexdigest()
     assert was["bytes"] == now["bytes"] and was["sha256"] != now["sha256"]
-    capsys.readouterr()
     assert eval_main(["--model", str(tmp_path / "r"), "--split", "test"]) == 2
     out = capsys.readouterr()
     assert out.out == ""
@@ -453,6 +458,43 @@ def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_
     assert eval_main(["--model", str(tmp_path / "r"), "--split", "test",
                       "--data.path", str(data)]) == 0
     assert json.loads(capsys.readouterr().out)["data"] == str(test)
+
+
+def test_eval_of_a_run_with_no_validation_rows_says_why(tiny_gguf, tmp_path, capsys):
+    """A run that held out nothing (--data.val-fraction 0) shows no empty eval line, and
+    toymlx-eval on it says in one line why there is nothing to score (was a KeyError)."""
+    from toymlx_cli.eval import main as eval_main
+
+    data = mlx_lm_folder(tmp_path / "data", n_valid=0, n_test=0) / "train.jsonl"
+    assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+                   "--run-id", "r", "--steps", "1", "--batch-size", "2", "--seq-len", "64",
+                   "--no-progress", "--no-compile", "--data.val-fraction", "0",
+                   "--data.path", str(data)]) == 0
+    assert "step 1:  (" not in capsys.readouterr().err
+    assert [e for e in events_of(tmp_path / "r") if e["kind"] == "eval"] == []
+    assert eval_main(["--model", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-eval: error: {data}: --split val: expected validation rows to score, found "
+        "none: the run held out no examples (--data.val-fraction 0.0 of 12 examples, no "
+        "valid.jsonl); score them all with --split all")
+    assert eval_main(["--model", str(tmp_path / "r"), "--split", "all"]) == 0
+    # validation prompts longer than the row: refused at the start of a run, and in toymlx-eval
+    no_pack = mlx_lm_folder(tmp_path / "np-data", n_test=0)
+    valid = no_pack / "valid.jsonl"
+    valid.write_text(valid.read_text().replace("valid question", "valid question " + "x" * 40))
+    argv = ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+            "--steps", "1", "--batch-size", "2", "--no-progress", "--no-compile",
+            "--data.no-pack", "--data.path", str(no_pack)]
+    capsys.readouterr()
+    assert _train([*argv, "--seq-len", "40", "--run-id", "short"]) == 2
+    want = (f"{valid}: validation: expected rows to score, found none: of its 3 examples, 3 "
+            "with no trained token within the first 41 (prompts longer than --seq-len 40); "
+            "raise --seq-len or shorten the prompts")
+    assert capsys.readouterr().err.splitlines()[-1] == f"toymlx-train: error: {want}"
+    assert _train([*argv, "--seq-len", "128", "--run-id", "np"]) == 0
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "np"), "--seq-len", "40"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"toymlx-eval: error: {want}"
 
 
 def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):

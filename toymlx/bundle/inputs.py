@@ -81,12 +81,22 @@ def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
 
 def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
     """{dotted key: {"path", and its `fingerprint`}} of the data the options name (existing
-    files and folders; a recipe reports a missing one itself, when it loads it)."""
+    files and folders; a recipe reports a missing one itself, when it loads it); a small folder
+    (`FOLDER_PARTS`) also gets "files": {name: `fingerprint`} of each file in it."""
     out = {}
     for key, path in data_paths(cfg).items():
         if Path(path).exists():
             out[key] = {"path": path, "file": os.path.abspath(path), **fingerprint(path)}
+            files = _files(Path(path)) if Path(path).is_dir() else []
+            if 0 < len(files) <= FOLDER_PARTS:
+                out[key]["files"] = {str(p.relative_to(path)): fingerprint(p) for p in files}
     return out
+
+
+FOLDER_PARTS = 16
+"""A data folder of at most this many files (mlx-lm's train/valid/test.jsonl) also records
+each file's fingerprint (`data_files`' "files"), so a check that reads one of them (`toymlx-eval
+--split test`: test.jsonl) compares that file alone and names it with its own sizes."""
 
 
 

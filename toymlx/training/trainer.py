@@ -572,6 +572,8 @@ class _Loop:
         return list(firsts)
 
     def _evaluate(self, step: int, bar: Any) -> None:
+        if not self.task.val_batches:  # nothing held out (--data.val-fraction 0): no figures
+            return
         t0 = time.perf_counter()
         metrics = self.evaluator(self.cfg.eval_batches)
         self.last_eval = metrics
