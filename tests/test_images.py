@@ -219,3 +219,48 @@ def test_npz_errors(tmp_path):
         load_images(str(p))
     with pytest.raises(ImageDataError, match="no such file or directory"):
         load_images(str(tmp_path / "missing.npz"))
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"PK\x03\x04garbage", "not a zip archive"),  # was zipfile.BadZipFile
+    (bytes(range(1, 200)), "not a zip archive"),  # was numpy's "allow_pickle" advice
+])
+def test_npz_that_is_no_archive_is_one_line(tmp_path, content, why):
+    p = tmp_path / "garbage.npz"
+    p.write_bytes(content)
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(p))
+    assert str(e.value) == f"{p}: cannot read as a numpy .npz archive ({why})"
+
+
+def test_npz_with_a_damaged_member_is_one_line(tmp_path):
+    p = tmp_path / "set.npz"
+    np.savez(p, x=np.zeros((4, 3, 3), np.uint8), y=np.arange(4) % 2)
+    raw = bytearray(p.read_bytes())
+    at = raw.index(b"x.npy") + 60  # inside the stored x.npy's header: numpy cannot parse it
+    raw[at:at + 20] = b"\xff" * 20
+    p.write_bytes(bytes(raw))
+    with pytest.raises(ImageDataError, match=r"set\.npz: cannot read as a numpy \.npz archive \("):
+        load_images(str(p))
+
+
+def test_npz_classes(tmp_path, capsys):
+    """One class is refused, as a one-class ImageFolder is; labels with gaps train (as
+    torchvision and timm take labels as indices) and say which classes have no image."""
+    x = np.random.default_rng(0).integers(0, 255, (30, 8, 8), dtype=np.uint8)
+    p = tmp_path / "onecls.npz"
+    np.savez(p, x=x, y=np.zeros(30, np.int64))
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(p))
+    assert str(e.value) == (f"{p}: y: expected at least 2 classes, found 1 ('0' for all 30 "
+                            "images); a classifier needs two or more classes")
+    np.savez(p, x=x, y=np.repeat([0, 100, 200], 10))
+    d = load_images(str(p), val_fraction=0.0)
+    assert d.num_classes == 201 and d.notes == [
+        (f"{p}: y takes 3 values in 0..200 in the training split: 198 of the 201 classes "
+         "have no training image")]
+    np.savez(p, x=x, y=np.arange(30) % 3)
+    assert load_images(str(p)).notes == []
+    # an evaluation maps labels into a checkpoint's classes: one class is a fine test set
+    np.savez(p, x=x, y=np.zeros(30, np.int64))
+    assert load_images(str(p), 0.0, classes=["0", "1"]).num_classes == 2

@@ -23,6 +23,8 @@ Design choices:
 
 from __future__ import annotations
 
+import zipfile
+import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -118,6 +120,10 @@ def _idx_in_dir(folder: Path, prefix: str) -> Path | None:
 def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """A `.npz` with `x` (N, H, W[, C]) and `y` (N,) integer labels."""
     path = Path(path)
+    # np.load tries anything that is not a zip archive as a pickle, and its "allow_pickle"
+    # advice would be wrong here: an .npz is a zip archive, or unreadable
+    if path.is_file() and not zipfile.is_zipfile(path):
+        raise ImageDataError(f"{path}: cannot read as a numpy .npz archive (not a zip archive)")
     try:
         with np.load(path, allow_pickle=False) as z:
             missing = [k for k in ("x", "y") if k not in z.files]
@@ -125,10 +131,12 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
                 raise ImageDataError(f"{path}: missing array(s) {', '.join(missing)}: expected "
                                      f"x (N,H,W[,C]) and y (N,), found {', '.join(z.files)}")
             x, y = z["x"], z["y"]
-    except (OSError, ValueError) as e:
+    # a damaged archive fails in zipfile, zlib or numpy's header parser
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         if isinstance(e, ImageDataError):
             raise
-        raise ImageDataError(f"{path}: cannot read as .npz ({e})") from None
+        raise ImageDataError(f"{path}: cannot read as a numpy .npz archive "
+                             f"({type(e).__name__}: {e})") from None
     if x.ndim == 3:
         x = x[..., None]  # (N, H, W, 1)
     if x.ndim != 4:
@@ -154,6 +162,8 @@ class Raw:
     """Names of the classes by index, where the source has them (folders, CIFAR meta)."""
     scale: float | None = None
     """What divides the pixels into [0, 1] (None: the set's maximum)."""
+    label_key: str = "labels"
+    """What holds the labels, for messages (a .npz's array `y`)."""
 
 
 def _load_arrays(p: Path) -> Raw:
@@ -176,7 +186,7 @@ def _load_arrays(p: Path) -> Raw:
                              "(train-/t10k-images-idx3-ubyte[.gz] with their labels)")
     if p.suffix == ".npz":
         x, y = load_npz(p)
-        return Raw(x, y, str(p))
+        return Raw(x, y, str(p), label_key="y")
     if "idx3" in p.name:
         x, y = load_idx(p)
         return Raw(x, y, str(p))
@@ -325,6 +335,8 @@ class ImageSet:
     """Held-out test images (`test_path`), None without a test set"""
     test_y: np.ndarray | None = None
     test_source: str | None = None
+    notes: list[str] = field(default_factory=list)
+    """Lines for the console about the data as loaded (classes with no training image)"""
     _perms: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
@@ -532,6 +544,8 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
         raise ImageDataError(f"{raw.source}: labels: expected integers >= 0, found {raw.y.min()}")
     names = classes or raw.class_names or [str(i) for i in range(int(raw.y.max()) + 1)]
     y = _map_classes(raw, names, raw.source)
+    if classes is None:  # a training set (an evaluation maps into the checkpoint's classes)
+        check_classes(raw, y, names)
     if val_path is not None:
         train_idx, val_idx = np.arange(raw.n_train or len(raw.x)), None
         val_x, val_y, _ = _held_out(val_path, "--data.val-path", raw.x, names, stream, workers)
@@ -551,9 +565,36 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
     mean, std = _channel_stats(train_x, scale)
     test_x, test_y, test_source = (None, None, None) if test_path is None else _held_out(
         test_path, "--data.test-path", raw.x, names, stream, workers)
-    return ImageSet(train_x, y[train_idx], val_x, val_y, scale, mean, std, len(names),
-                    raw.source, list(names), augment, raw.scale is not None,
-                    test_x=test_x, test_y=test_y, test_source=test_source)
+    out = ImageSet(train_x, y[train_idx], val_x, val_y, scale, mean, std, len(names),
+                   raw.source, list(names), augment, raw.scale is not None,
+                   test_x=test_x, test_y=test_y, test_source=test_source)
+    if classes is None:
+        out.notes = [n for n in [classes_note(raw, out.train_y, len(names))] if n]
+    return out
+
+
+def check_classes(raw: Raw, y: np.ndarray, names: Sequence[str]) -> None:
+    """ImageDataError naming the source and its labels unless they hold 2 classes or more, as
+    an ImageFolder must: one class trains a model that is always right and learns nothing."""
+    found = np.unique(y)
+    if len(found) < 2:
+        raise ImageDataError(f"{raw.source}: {raw.label_key}: expected at least 2 classes, "
+                             f"found 1 ({names[int(found[0])]!r} for all {len(y)} images); a "
+                             "classifier needs two or more classes")
+
+
+def classes_note(raw: Raw, train_y: np.ndarray, num_classes: int) -> str | None:
+    """One line when classes have no training image (labels 0, 100, 200 make 201 classes), None
+    otherwise. Not refused: torchvision and timm take integer labels as class indices, gaps
+    and all (a subset of a larger label set keeps its ids), so this says what the model's
+    size comes from rather than stopping the run."""
+    present = np.unique(train_y)
+    missing = num_classes - len(present)
+    if not missing:
+        return None
+    return (f"{raw.source}: {raw.label_key} takes {len(present)} values in 0..{num_classes - 1} "
+            f"in the training split: {missing} of the {num_classes} classes have no training "
+            f"image")
 
 
 def _take(x: np.ndarray | ImageFiles, idx: np.ndarray) -> np.ndarray | ImageFiles:

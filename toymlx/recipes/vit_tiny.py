@@ -10,6 +10,7 @@ follows the image and set size (`augment_for`) unless a `--data.*` flag says oth
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
@@ -244,6 +245,8 @@ def build(cfg: Config, ops: Ops) -> Task:
     data = load_images(d.path, d.val_fraction, val_path=d.val_path,
                        test_path=d.test_path if cfg.test else None, image_size=d.image_size,
                        channels=d.channels, stream=d.stream, workers=max(d.workers, 1))
+    for note in data.notes:
+        print(f"toymlx: {note}", file=sys.stderr)
     data.augment = augment_for(d, data.image_shape, len(data.train_x))
     if cfg.batch_size > len(data.train_x):
         raise ValueError(f"--batch-size: expected at most the {len(data.train_x)} training "
