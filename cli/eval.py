@@ -34,12 +34,14 @@ class Args:
     data_path: Annotated[str | None, tyro.conf.arg(aliases=("--data.path",))] = None
     """Images (an ImageFolder, CIFAR batches, IDX, .npz) or a UTF-8 text file for a Llama;
     default: the data of the run --model belongs to (the same held-out split its training
-    evaluated), else the digits fixture or the Python docs."""
-    split: Literal["val", "all", "test"] = "val"
+    evaluated), else the digits fixture or the Python docs. Data the run did not train on is
+    scored whole (--split all) unless --split says otherwise."""
+    split: Literal["val", "all", "test"] | None = None
     """Evaluate the validation split (the same fixed split training used), every example, or
     the test set `toymlx-train --test` scores: a ViT run's --data.test-path, a text or LoRA
     run's data folder's test.jsonl (--data.path here: every image of it, a data folder's
-    test.jsonl, or a JSONL file of chat examples)."""
+    test.jsonl, or a JSONL file of chat examples). Default: val on the run's own data, all on
+    --data.path data the run did not train on."""
     batch_size: int = 256
     """Examples per forward pass."""
     seq_len: int | None = None
@@ -142,6 +144,21 @@ def check_run_test_data(bundle) -> None:
                      f"restore it, or score the data as it is now with --data.path {path}")
 
 
+def default_split(args: Args, bundle) -> str:
+    """--split as given; else val on the run's own data (the held-out split its training
+    evaluated), and all on --data.path data the run did not train on: no part of it was held
+    out from training, so a 10% split of it would only score fewer examples."""
+    if args.split is not None:
+        return args.split
+    if args.data_path is None:
+        return "val"
+    from toymlx.bundle.options import option
+
+    own = option(bundle.config, "data.path") if bundle is not None else None
+    same = isinstance(own, str) and Path(own).resolve() == Path(args.data_path).resolve()
+    return "val" if same else "all"
+
+
 def _run_config(model: str):
     """The configuration of the run `--model` names, None for a GGUF of its own."""
     bundle = _run_bundle(model)
@@ -213,12 +230,12 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     if args.seq_len is not None:
         check_context(args.seq_len, model, args.model)
     print(f"toymlx-eval: {used_files(args.model)}", file=sys.stderr)
-    loss, n, source = chat_loss(model, tok, cfg, args.split, args.data_path, args.seq_len,
+    split = args.split or "val"  # Args built in code skip `evaluate`'s `default_split`
+    loss, n, source = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len,
                                 args.batch_size)
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
-    names = ("test_loss", "test_perplexity") if args.split == "test" else ("val_loss",
-                                                                          "perplexity")
-    return {"model": str(args.model), "data": source, "split": args.split, "rows": n,
+    names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
+    return {"model": str(args.model), "data": source, "split": split, "rows": n,
             names[0]: loss, names[1]: math.exp(loss)}
 
 
@@ -297,6 +314,7 @@ def evaluate(args: Args) -> dict:
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
                      "--plot")
     bundle = _run_bundle(args.model)
+    args = dataclasses.replace(args, split=default_split(args, bundle))
     if bundle is not None and args.split == "test" and args.data_path is None:
         check_run_test_data(bundle)
     if bundle is not None and bundle.recipe == "lora":
@@ -338,7 +356,7 @@ def evaluate(args: Args) -> dict:
         if args.split == "test":  # named as the run's test event names them
             return {"model": str(path), "data": td.test_source, "split": "test",
                     "test_loss": m["val_loss"], "test_perplexity": math.exp(m["val_loss"])}
-        return {"model": str(path), "data": td.source, **m,
+        return {"model": str(path), "data": td.source, "split": args.split, **m,
                 "perplexity": math.exp(m["val_loss"])}
     raise ValueError(f"{path}: metadata key 'general.architecture': expected vit or one of "
                      f"{', '.join(ARCHS)}, found {arch!r}")

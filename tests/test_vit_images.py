@@ -4,6 +4,7 @@ train, checkpoint, resume exactly, classify and evaluate; bad files fail cleanly
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -91,6 +92,16 @@ def test_image_folder_trains_resumes_exactly_classifies_and_evaluates(tmp_path, 
     assert eval_main(["--model", str(full)]) == 0  # text: the run's own held-out split
     text = capsys.readouterr().out
     assert "confusion matrix" in text and text.startswith("accuracy ")
+    assert text.rstrip().endswith(f"data {folder} (val)") and "on 3 images" in text
+    # data the run did not train on: every image of it by default, and the output says so
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    assert eval_main(["--model", str(full), "--data.path", str(other)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("accuracy ") and "on 30 images" in text
+    assert text.rstrip().endswith(f"data {other} (all)")
+    assert eval_main(["--model", str(full), "--data.path", str(other), "--split", "val"]) == 0
+    assert "on 3 images" in capsys.readouterr().out
 
 
 def test_cifar_batch_file_trains_and_resumes_exactly(tmp_path):
