@@ -497,6 +497,24 @@ def test_eval_of_a_run_with_no_validation_rows_says_why(tiny_gguf, tmp_path, cap
     assert capsys.readouterr().err.splitlines()[-1] == f"toymlx-eval: error: {want}"
 
 
+def test_a_broken_chat_template_is_named_as_the_ggufs(tmp_path, capsys):
+    """A template that is not valid Jinja is the model file's fault: the error names the GGUF
+    and its key, not the first data line that rendered it."""
+    meta = tok_meta()
+    meta["tokenizer.chat_template"] = "{% for m in messages %}{{ m.content }"
+    gguf = tmp_path / "broken.gguf"
+    mx.random.seed(3)
+    write_llama(gguf, Llama(ARGS), meta, name="broken template")
+    data = mlx_lm_folder(tmp_path / "data", n_test=0)
+    capsys.readouterr()
+    assert _train(["--recipe", "lora", "--base", str(gguf), "--runs-root", str(tmp_path),
+                   "--run-id", "r", "--steps", "1", "--no-progress", "--no-compile",
+                   "--data.path", str(data)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-train: error: {gguf}: tokenizer.chat_template: expected a valid Jinja "
+        "template, found a syntax error at line 1: unexpected '}'")
+
+
 def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
     data = mlx_lm_folder(tmp_path / "data")
     common = ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from toymlx.data.text import DataError, read_text
+from toymlx.data.vocab import TokenizerError
 
 __all__ = [
     "DataError",
@@ -318,6 +319,8 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], gen: b
     extra = {"tools": list(tools)} if tools else {}
     try:
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=gen, **extra)
+    except TokenizerError:
+        raise  # the template itself (not valid Jinja): the model file's, which it names
     # Templates fail in many ways (Jinja errors, their own raise_exception(), a KeyError on a
     # missing field); all of them mean this example cannot be rendered.
     except Exception as e:  # noqa: BLE001

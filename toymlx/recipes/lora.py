@@ -298,7 +298,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     g.close()
     args = model.args
     check_seq_len(cfg.seq_len, args)
-    tok = Tokenizer.from_metadata(meta)
+    tok = Tokenizer.from_metadata(meta, source=src.path)  # its errors name the GGUF
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction)
     data.check_held_out(cfg.test)
