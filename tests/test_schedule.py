@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 
 from toymlx.training.schedule import lr_at
+from toymlx.training.task import TrainConfig, warmup_note
 
 
 def test_warmup_peak_and_end():
@@ -32,3 +33,13 @@ def test_mlx_matches_python():
     for s in (0, 3, 9, 10, 37, 109):
         got = lr_at(mx.array(s), 1e-3, 10, 110, 0.1).item()
         assert math.isclose(got, lr_at(s, 1e-3, 10, 110, 0.1), rel_tol=1e-6)
+
+
+def test_a_warmup_longer_than_the_run_is_said_and_kept():
+    cfg = TrainConfig(steps=6, warmup=10, lr=2e-4)
+    assert warmup_note(cfg) == (
+        "--warmup 10 is longer than --steps 6: the learning rate is still warming up when the "
+        "run ends (6/10 of the way) and never reaches --lr 0.0002; lower --warmup to reach it")
+    # kept as given (mlx-lm and nanoGPT do not rescale a warm-up): the last update's lr is 6/10
+    assert lr_at(cfg.steps - 1, cfg.lr, cfg.warmup, cfg.steps) == pytest.approx(1.2e-4)
+    assert warmup_note(TrainConfig(steps=10, warmup=10)) is None  # the last step reaches --lr

@@ -135,7 +135,8 @@ class Config(TrainConfig):
     lr: float = 2e-4
     """Peak learning rate, reached after warm-up."""
     warmup: int = 10
-    """Steps of linear warm-up."""
+    """Steps of linear warm-up (kept as given when longer than --steps, with a line saying
+    the lr never reaches --lr)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay on the adapter matrices."""
     optimizer: Literal["adamw", "adam", "sgd", "adafactor", "muon"] = "adamw"

@@ -34,7 +34,7 @@ from toymlx.bundle.resume import Resume
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
 from toymlx.runner.bundle import Bundle
-from toymlx.training.task import Task, TrainConfig, check_config
+from toymlx.training.task import Task, TrainConfig, check_config, warmup_note
 from toymlx.training.trainer import train
 
 
@@ -103,6 +103,8 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             return 130
         if run.resume is not None and run.resume.note:
             print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
+        if (note := warmup_note(cfg)) and (run.world is None or run.world.rank() == 0):
+            print(f"toymlx-train: {note}", file=sys.stderr)
         for key, note in run.used.items() if run.world is None or run.world.rank() == 0 else ():
             print(f"toymlx-train: --resume reads {flag_name(key)} from {note}",
                   file=sys.stderr)

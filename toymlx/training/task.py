@@ -39,7 +39,8 @@ class TrainingOptions:
     lr: float = 3e-3
     """Peak learning rate, reached after warm-up."""
     warmup: int = 20
-    """Steps of linear warm-up from lr/warmup to lr."""
+    """Steps of linear warm-up from lr/warmup to lr (kept as given when longer than --steps,
+    with a line saying the lr never reaches --lr)."""
     min_lr_ratio: float = 0.1
     """Floor of the cosine decay, as a fraction of lr."""
     weight_decay: float = 0.1
@@ -186,6 +187,17 @@ class Task:
     memory: dict[str, Any] | None = None
     """The step's estimated peak against the memory available (`toymlx.memory.check_fits`),
     for run_start; None where the recipe makes no estimate."""
+
+
+def warmup_note(cfg: TrainConfig) -> str | None:
+    """One line when --warmup outlasts --steps (the lr never reaches --lr), None otherwise. The
+    warm-up is kept as given, as mlx-lm's and nanoGPT's schedules keep theirs (a pure function
+    of the step that a longer run, or a resume with more --steps, continues), and said."""
+    if cfg.warmup <= cfg.steps:
+        return None
+    return (f"--warmup {cfg.warmup} is longer than --steps {cfg.steps}: the learning rate is "
+            f"still warming up when the run ends ({cfg.steps}/{cfg.warmup} of the way) and "
+            f"never reaches --lr {cfg.lr:g}; lower --warmup to reach it")
 
 
 def make_optimizer(cfg: TrainConfig, lr: Callable[[Any], Any] | None = None) -> optim.Optimizer:
