@@ -403,7 +403,7 @@ def test_rows_cut_or_dropped_at_seq_len_are_said_per_split(tmp_path):
     assert data.n_truncated == 1 and len(data.val["inputs"]) == 1
     assert data.notes(test=False) == [
         (f"{folder}/train.jsonl: train: of 3 examples, 1 cut to their first 9 tokens "
-         "(--seq-len 8; the rest of each answer is not trained)"),
+         "(--seq-len 8; what follows is not trained)"),
         (f"{folder}/valid.jsonl: validation: of 2 examples, 1 dropped (no trained token within "
          "the first 9: prompts longer than --seq-len 8)")]
     assert len(data.notes(test=True)) == 3

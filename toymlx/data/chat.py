@@ -635,7 +635,7 @@ class Fit:
         parts = []
         if self.truncated:
             parts.append(f"{self.truncated} cut to their first {seq_len + 1} tokens (--seq-len "
-                         f"{seq_len}; the rest of each answer is not trained)")
+                         f"{seq_len}; what follows is not trained)")
         if self.dropped:
             parts.append(f"{self.dropped} dropped (no trained token within the first "
                          f"{seq_len + 1}: prompts longer than --seq-len {seq_len})")
