@@ -7,7 +7,7 @@ import atexit
 import signal
 import sys
 
-from toymlx_cli import version_text
+from toymlx_cli import output_may_close, version_text
 from toymlx_cli.config_file import CONFIG_HELP
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # started by toymlx-sweep / toymlx-launch: stop when that parent dies
     atexit.unregister(_ignore_late_signals)  # once, however often main runs in one process
     atexit.register(_ignore_late_signals)
-    with rank_status() as status:  # under toymlx-launch: report how this rank ended
+    # under toymlx-launch: report how this rank ended; a closed console (`| head -1`) never
+    # stops the run (the bundle records everything)
+    with rank_status() as status, output_may_close():
         try:
             status.code = _main(argv)
         except KeyboardInterrupt:  # Ctrl-C while parsing or importing: no traceback
