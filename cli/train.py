@@ -44,6 +44,16 @@ def _usage() -> str:
             "toymlx-train --version prints toymlx's and MLX's versions.\n")
 
 
+def _no_recipe(config_path: str, options: dict) -> str:
+    """Why a -c file without --recipe names no recipe: tyro's usage would not name the file."""
+    from toymlx.recipes import RECIPES
+
+    if not options:
+        return f"{config_path}: expected a mapping of options, found an empty file"
+    return (f"{config_path}: expected a 'recipe' key (one of {', '.join(RECIPES)}), found none; "
+            "or give --recipe NAME")
+
+
 def _ignore_late_signals() -> None:
     """At exit, after the run ended: Python puts the stop signals back to the system default
     while it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code
@@ -134,6 +144,8 @@ def _main(argv: list[str] | None) -> int:
             # The saved options are the defaults; run_training refuses any change that is not
             # run-local. A resumed run continues to the end unless told otherwise here.
             default = bundle.resume_defaults(resume)
+        elif recipe is None and config_path is not None and not {"--help", "-h"} & set(argv):
+            raise ValueError(_no_recipe(config_path, options))
         elif recipe is None:
             print(_usage(), file=sys.stderr if "--help" not in argv else sys.stdout)
             return 0 if ("--help" in argv or "-h" in argv) else 2

@@ -101,6 +101,21 @@ def test_bad_config_files_are_one_line(tmp_path, capsys, text, name, want):
     assert not any(x.is_dir() for x in tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("text,want", [
+    ("steps: 5\n", ("{p}: expected a 'recipe' key (one of from-scratch, warm-start, lora, "
+     "vit-tiny), found none; or give --recipe NAME")),
+    ("", "{p}: expected a mapping of options, found an empty file"),
+])
+def test_a_file_that_names_no_recipe_is_one_line_naming_it(tmp_path, capsys, text, want):
+    """`toymlx-train -c FILE` without --recipe: a file with no `recipe` key, or an empty one,
+    printed tyro's general usage (status 2) without naming the file."""
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    assert main(["-c", str(p), "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys) == "toymlx-train: error: " + want.format(p=p)
+    assert not any(x.is_dir() for x in tmp_path.iterdir())
+
+
 def test_missing_file_and_resume_with_config(tmp_path, capsys):
     assert main(["--recipe", "lora", "-c", str(tmp_path / "nope.yaml")]) == 2
     assert error_line(capsys) == (f"toymlx-train: error: {tmp_path / 'nope.yaml'}: -c/--config: "
