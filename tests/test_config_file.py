@@ -412,3 +412,22 @@ def test_a_section_given_a_value_is_named_as_a_section(tmp_path, capsys):
                          "--lora.init-adapter, ...): write it as a mapping, e.g. lora: "
                          "{alpha: ...}"), line
     assert "did you mean" not in line
+
+
+@pytest.mark.parametrize("recipe,text,hint", [
+    ("vit-tiny", "model: {n_layerz: 3}\n", ("key 'model.n_layerz': expected an option of "
+     "toymlx-train --recipe vit-tiny, found an unknown key; did you mean --model.n-layers?")),
+    ("vit-tiny", "model: 5\n", ("key 'model': expected an option of toymlx-train --recipe "
+     "vit-tiny, found an unknown key; model is a group of options (--model.d-model, "
+     "--model.drop-path, --model.ffn-dim, ...): write it as a mapping, e.g. model: "
+     "{d_model: ...}")),
+    ("lora", "model: base.gguf\n", ("key 'model': expected an option of toymlx-train --recipe "
+     "lora, found an unknown key; mlx-lm's model is toymlx's --base")),
+])
+def test_the_mlx_lm_hint_only_where_it_applies(tmp_path, capsys, recipe, text, hint):
+    """vit-tiny has --model.* options: its `model.n_layerz` and `model: 5` were told "mlx-lm's
+    model is toymlx's --base"; a plain `model:` in a lora file is mlx-lm's key."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"recipe: {recipe}\n{text}")
+    assert main(["-c", str(p), "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {p}: {hint}"
