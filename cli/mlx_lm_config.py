@@ -1,14 +1,15 @@
 """mlx-lm's LoRA config files (`mlx_lm lora -c F`), read unchanged by `toymlx-train -c F`.
 
-A file is mlx-lm's when it has one of the keys only mlx-lm's lora command reads
-(`MLX_LM_ONLY`: iters, learning_rate, num_layers, lora_parameters, ...). Its keys are mapped to
-the lora recipe's options with mlx-lm's meaning, and the keys it leaves out take mlx-lm's
-defaults (`MLX_LM_DEFAULTS`, as mlx_lm/lora.py's CONFIG_DEFAULTS has them; mlx-lm 0.32), as
-do the settings mlx-lm fixes without a key (`MLX_LM_FIXED`: no gradient clipping, one example
-a row, LoRA on every linear layer, Adam's beta2 0.999, no warm-up). `mlx_lm_options` returns
-the options and the table printed at start (mlx-lm key, toymlx option, value, where it came
-from). A key toymlx cannot honour is one line naming it: refused where it changes what is
-trained, noted where it does not. toymlx's own config files are not read here.
+A file is mlx-lm's when it has keys only mlx-lm's lora command reads (`MLX_LM_ONLY`: iters,
+learning_rate, num_layers, lora_parameters, ...), no fewer than keys only toymlx reads
+(`is_mlx_lm_config`). Its keys are mapped to the lora recipe's options with mlx-lm's meaning,
+and the keys it leaves out take mlx-lm's defaults (`MLX_LM_DEFAULTS`, as mlx_lm/lora.py's
+CONFIG_DEFAULTS has them; mlx-lm 0.32), as do the settings mlx-lm fixes without a key
+(`MLX_LM_FIXED`: no gradient clipping, one example a row, LoRA on every linear layer, Adam's
+beta2 0.999, no warm-up). `mlx_lm_options` returns the options and the table printed at start
+(mlx-lm key, toymlx option, value, where it came from). A key toymlx cannot honour is one line
+naming it: refused where it changes what is trained, noted where it does not. toymlx's own
+config files are not read here.
 """
 
 from __future__ import annotations
@@ -63,9 +64,23 @@ _RENAMED = {"iters": "steps", "learning_rate": "lr", "max_seq_length": "seq_len"
             "optimizer": "optimizer"}
 
 
-def is_mlx_lm_config(options: dict[str, Any]) -> bool:
-    """Whether a config file's options are mlx-lm's (`MLX_LM_ONLY`)."""
-    return any(k in MLX_LM_ONLY for k in options)
+_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule"}
+"""Keys an mlx-lm file may hold besides MLX_LM_ONLY, MLX_LM_DEFAULTS and _NOTED's."""
+
+
+def is_mlx_lm_config(options: dict[str, Any], recipe_key: bool = False) -> bool:
+    """Whether a config file's options are mlx-lm's: it has keys only mlx-lm reads
+    (`MLX_LM_ONLY`), at least as many as keys only toymlx reads (`base`, `steps`, ...; a
+    `recipe` key, `recipe_key`, is one). One mlx-lm key in a toymlx file (`learning_rate`
+    beside `base` and `steps`) is then refused naming toymlx's option, not the file read as
+    mlx-lm's for it."""
+    mlx_lm = sum(k in MLX_LM_ONLY for k in options)
+    toymlx = sum(_toymlx_only(k) for k in options) + recipe_key
+    return mlx_lm > 0 and mlx_lm >= toymlx
+
+
+def _toymlx_only(key: str) -> bool:
+    return key not in MLX_LM_ONLY | set(MLX_LM_DEFAULTS) | set(_NOTED) | _SHARED
 
 
 def _flag(key: str) -> str:
@@ -92,8 +107,7 @@ def mlx_lm_options(data: dict[str, Any], source: str
     "file" or "mlx-lm default"), one note a key not honoured) of an mlx-lm config; ConfigFileError
     (one line naming the key) for one toymlx cannot honour that changes what is trained."""
     keys = set(data)
-    unknown = sorted(keys - MLX_LM_ONLY - set(MLX_LM_DEFAULTS) - set(_NOTED) - {
-        "model", "data", "report_to", "recipe", "lr_schedule"})
+    unknown = sorted(k for k in keys if _toymlx_only(k))
     if unknown:
         why = min(keys & MLX_LM_ONLY, default="keys")
         raise ConfigFileError(f"{source}: key {unknown[0]!r}: expected a key of mlx-lm's lora "

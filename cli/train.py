@@ -128,7 +128,7 @@ def _main(argv: list[str] | None) -> int:
                                  f"change); give either --resume or -c")
             file_recipe, options = run_config(read_config_file(config_path), config_path)
             recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
-            if recipe in (None, "lora") and is_mlx_lm_config(options):
+            if recipe in (None, "lora") and is_mlx_lm_config(options, file_recipe is not None):
                 recipe = "lora"  # mlx-lm's lora config, read with mlx-lm's meaning
                 options, rows, notes = mlx_lm_options(options, config_path)
                 rows = _over_the_file(rows, rest)

@@ -13,6 +13,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 import yaml
+from cli_errors import error_line
 from mlx import nn
 from mlx_lm import lora as mlx_lm_lora
 from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
@@ -202,6 +203,15 @@ def test_toymlx_s_own_files_keep_their_meaning(tmp_path, capsys):
     # a lora run's own config.json holds --lr-schedule (a benchmark reads one back with -c)
     assert not is_mlx_lm_config({"lr_schedule": "warmup-cosine", "lr_schedule_args": []})
     assert is_mlx_lm_config({"iters": 5})
+    # one mlx-lm key among toymlx's: a toymlx file, its mlx-lm key refused naming toymlx's
+    assert not is_mlx_lm_config({"base": "b.gguf", "steps": 1, "learning_rate": 1e-3}, True)
+    assert is_mlx_lm_config({"iters": 1, "learning_rate": 1e-3, "model": "m", "lr": 1}, True)
+    f = tmp_path / "c.yaml"
+    f.write_text("recipe: lora\nbase: some.gguf\nsteps: 1\nlearning_rate: 1e-3\n")
+    assert main(["-c", str(f)]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {f}: key 'learning_rate': expected an "
+                                  "option of toymlx-train --recipe lora, found an unknown key; "
+                                  "mlx-lm's learning_rate is toymlx's --lr")
     assert mlx_lm_options({"model": "u/r"}, "f")[0]["base"] == "hf:u/r"
 
 
