@@ -171,6 +171,31 @@ def mlx_lm_options(data: dict[str, Any], source: str
     return out, rows, notes
 
 
+def mlx_lm_layers(cfg: Any) -> tuple[Any, str | None]:
+    """(cfg, a note or None): num_layers with mlx-lm's meaning, `layers[-num_layers:]`: a count
+    at least the base's block count (its default 16 on a 5-block model) adapts every block,
+    where toymlx's --lora.layers refuses it as a typo. A base that cannot be read is left to
+    the recipe, which names what is wrong with it."""
+    import dataclasses
+
+    from toymlx.bundle.model_store import resolve_model
+    from toymlx.gguf.reader import read_metadata
+
+    n = cfg.lora.layers
+    if n is None or cfg.fine_tune_type == "full":
+        return cfg, None
+    try:
+        meta = read_metadata(resolve_model(cfg.base, "--base"))
+        blocks = meta[f"{meta.get('general.architecture', 'llama')}.block_count"]
+    except (ValueError, OSError, KeyError):
+        return cfg, None
+    if not isinstance(blocks, int) or n < blocks:
+        return cfg, None
+    note = (f"num_layers {n}: every block of the base's {blocks} (mlx-lm adapts "
+            f"layers[-{n}:])")
+    return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, layers=None)), note
+
+
 def _lora(params: Any, source: str, put) -> None:
     """lora_parameters: rank, scale (toymlx's alpha = scale x rank: the same update), dropout,
     keys. mlx-lm takes the mapping whole (no key falls back to a default) and requires scale."""

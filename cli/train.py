@@ -105,7 +105,12 @@ def _main(argv: list[str] | None) -> int:
         run_config,
         split_config,
     )
-    from toymlx_cli.mlx_lm_config import is_mlx_lm_config, mlx_lm_options, mlx_lm_table
+    from toymlx_cli.mlx_lm_config import (
+        is_mlx_lm_config,
+        mlx_lm_layers,
+        mlx_lm_options,
+        mlx_lm_table,
+    )
 
     from toymlx.bundle.options import RunError
     from toymlx.recipes import get_recipe
@@ -116,7 +121,7 @@ def _main(argv: list[str] | None) -> int:
     if "--version" in argv:
         print(version_text())
         return 0
-    default, bundle = None, None
+    default, bundle, mlx_lm = None, None, False
     try:
         config_path, argv = split_config(argv)
         recipe, resume, rest = _split_recipe(argv)
@@ -129,7 +134,7 @@ def _main(argv: list[str] | None) -> int:
             file_recipe, options = run_config(read_config_file(config_path), config_path)
             recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
             if recipe in (None, "lora") and is_mlx_lm_config(options, file_recipe is not None):
-                recipe = "lora"  # mlx-lm's lora config, read with mlx-lm's meaning
+                recipe, mlx_lm = "lora", True  # mlx-lm's lora config, with mlx-lm's meaning
                 options, rows, notes = mlx_lm_options(options, config_path)
                 rows = _over_the_file(rows, rest)
                 print(f"{config_path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
@@ -161,6 +166,10 @@ def _main(argv: list[str] | None) -> int:
     cfg = tyro.cli(module.Config, args=rest, default=default,
                    prog=f"toymlx-train --recipe {recipe}",
                    description=f"{module.__doc__}\n\n{CONFIG_HELP}")
+    if mlx_lm and not any(a.partition("=")[0] == "--lora.layers" for a in rest):
+        cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; --lora.layers keeps toymlx's
+        if note:
+            print(f"toymlx-train: {config_path}: {note}", file=sys.stderr)
     return run_training(recipe, module, cfg, bundle)
 
 

@@ -119,6 +119,26 @@ def test_the_table_shows_what_the_command_line_gives_over_the_file(tmp_path, bas
     assert saved["base"] == str(base)
 
 
+def test_num_layers_past_the_base_s_blocks_adapts_every_block(tmp_path, base, data, capsys):
+    """mlx-lm adapts `layers[-num_layers:]`: its default 16 on this 2-block base (and any
+    larger count) is every block, where it was refused as "--lora.layers: expected 1..2";
+    toymlx's own --lora.layers keeps its check."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 1,
+                                    "batch_size": 2, "max_seq_length": 32, "val_batches": 1}))
+    runs = ["--runs-root", str(tmp_path / "runs"), "--no-progress", "--no-compile"]
+    assert main(["-c", str(path), *runs, "--run-id", "r"]) == 0
+    assert (f"toymlx-train: {path}: num_layers 16: every block of the base's 2 (mlx-lm adapts "
+            "layers[-16:])") in capsys.readouterr().err.splitlines()
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
+    assert saved["lora"]["layers"] is None
+    (start,) = [e for e in read_events(tmp_path / "runs" / "r") if e["kind"] == "run_start"]
+    assert start["model"]["lora_layers"] == 2
+    assert main(["-c", str(path), *runs, "--run-id", "t", "--lora.layers", "16"]) == 2
+    assert error_line(capsys) == ("toymlx-train: error: --lora.layers: expected 1..2 (the "
+                                  "base's block count) or unset for all, found 16")
+
+
 def test_the_lora_scale_is_mlx_lm_s_scale():
     """mlx-lm's `scale` 20 with rank 8 is toymlx's alpha 160: the same layer output."""
     mx.random.seed(0)
