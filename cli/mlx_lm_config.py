@@ -22,7 +22,7 @@ from toymlx_cli.config_file import ConfigFileError
 
 MLX_LM_ONLY = frozenset({
     "train", "iters", "learning_rate", "num_layers", "lora_parameters", "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
-    "save_every", "adapter_path", "resume_adapter_file", "max_seq_length",
+    "save_every", "adapter_path", "resume_adapter_file", "max_seq_length", "hf_dataset",
     "grad_accumulation_steps", "clear_cache_threshold", "project_name", "trust_remote_code"})
 """Keys that make a config file mlx-lm's: its lora command reads them, toymlx has none (its
 `model`, `data`, `seed`, ... are read as mlx-lm's in such a file, as toymlx's in another;
@@ -153,6 +153,8 @@ def mlx_lm_options(data: dict[str, Any], source: str
     _optimizer_config(data.get("optimizer_config"), given["optimizer"], source, put)
     if "model" in data:
         put("model", "base", _model(data["model"], source))
+    if "hf_dataset" in data:
+        _hf_dataset(data["hf_dataset"], source)
     if "data" in data:
         put("data", "data.path", _data(data["data"], source))
     if "adapter_path" in data:
@@ -293,12 +295,27 @@ def _data(data: Any, source: str) -> str:
     """data: a local folder in mlx-lm's layout (train.jsonl, valid.jsonl, test.jsonl)."""
     _want(source, "data", isinstance(data, str) and data, "a data folder", data)
     if not Path(data).exists() and data.count("/") == 1 and not data.startswith((".", "/")):
-        raise ConfigFileError(
-                f"{source}: key 'data': expected a local folder with train.jsonl (toymlx reads "
-                f"no Hugging Face datasets, and needs no network), found the dataset name "
-                f"{data!r}; download it where there is a network (hf download --repo-type "
-                f"dataset {data} --local-dir DIR) and give data: DIR")
+        raise _hub_dataset(source, "data", data)
     return data
+
+
+def _hf_dataset(value: Any, source: str) -> None:
+    """hf_dataset: mlx-lm's Hugging Face datasets ({path, ...} or a list of them), which toymlx
+    does not download: always refused, naming the first dataset's path."""
+    first = value[0] if isinstance(value, list) and value else value
+    path = first.get("path") if isinstance(first, dict) else None
+    _want(source, "hf_dataset", isinstance(path, str) and path, "a mapping with path (a "
+          "Hugging Face dataset name), or a list of them", value)
+    raise _hub_dataset(source, "hf_dataset", path)
+
+
+def _hub_dataset(source: str, key: str, name: str) -> ConfigFileError:
+    """The one line for a Hugging Face dataset named in `key`: give a local folder instead."""
+    return ConfigFileError(
+        f"{source}: key {key!r}: expected a local folder with train.jsonl (toymlx reads no "
+        f"Hugging Face datasets, and needs no network), found the dataset name {name!r}; "
+        f"download it where there is a network (hf download --repo-type dataset {name} "
+        f"--local-dir DIR) and give data: DIR")
 
 
 def mlx_lm_table(rows: list[tuple[str, str, Any, str]]) -> str:

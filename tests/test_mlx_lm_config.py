@@ -194,6 +194,11 @@ def test_the_optimizers_are_mlx_lm_s():
       "Face datasets, and needs no network), found the dataset name 'mlx-community/WikiSQL'; "
       "download it where there is a network (hf download --repo-type dataset "
       "mlx-community/WikiSQL --local-dir DIR) and give data: DIR")),
+    ({"hf_dataset": {"path": "mlx-community/WikiSQL", "train_split": "train[:80%]"}},
+     ("f.yaml: key 'hf_dataset': expected a local folder with train.jsonl (toymlx reads no "
+      "Hugging Face datasets, and needs no network), found the dataset name "
+      "'mlx-community/WikiSQL'; download it where there is a network (hf download --repo-type "
+      "dataset mlx-community/WikiSQL --local-dir DIR) and give data: DIR")),
     ({"lr": 0.1}, ("f.yaml: key 'lr': expected a key of mlx-lm's lora config (the file is read "
                    "as mlx-lm's, for its 'iters'), found an unknown key")),
     ({"lora_parameters": {"rank": 8, "alpha": 16, "dropout": 0.0}},
