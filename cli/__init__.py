@@ -1,8 +1,10 @@
 """Thin command-line entry points (installed as `toymlx_cli`)."""
 
 import argparse
+import contextlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any
 
@@ -34,12 +36,60 @@ class VersionAction(argparse.Action):
         parser.exit()
 
 
+def drop_stdout() -> None:
+    """Point stdout at os.devnull once its reader has gone (`| head`): what is still buffered and
+    whatever comes later is discarded, where another write (Python's own flush at exit too)
+    would raise BrokenPipeError again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+
+
+class KeepOnClosedStdout:
+    """sys.stdout for a command whose console output only displays (toymlx-train: the bundle
+    records everything): a closed reader (`| head -1`) discards the rest of the output instead of
+    raising BrokenPipeError into the run, which would stop it as a failed bundle write."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            drop_stdout()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            drop_stdout()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def output_may_close() -> Iterator[None]:
+    """Within it, sys.stdout is a `KeepOnClosedStdout`: for a command whose work goes on when
+    its console reader goes (a training run, a report's file)."""
+    kept = sys.stdout
+    sys.stdout = KeepOnClosedStdout(kept)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()  # what is still buffered, while a closed pipe is still handled
+        sys.stdout = kept
+
+
 def run_command(prog: str, args_type: type, run: Callable[[Any], int],
                 argv: list[str] | None, errors: tuple[type[Exception], ...] = (ValueError,
                                                                            OSError)) -> int:
     """What the forward-only commands share: `--version`, the process set-up, `-c/--config FILE`
     (cli/config_file.py), tyro's parse, and bad input as one line `PROG: error: ...` with exit
-    status 2 (Ctrl-C: 130)."""
+    status 2 (Ctrl-C: 130); a reader that stops early (`| head`) ends it quietly with 0, as Unix
+    tools do."""
     import tyro  # here: --version answers without importing it
     from toymlx_cli.config_file import CONFIG_HELP, file_defaults
 
@@ -60,7 +110,12 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     args = tyro.cli(args_type, args=argv, prog=prog, default=default,
                     description=f"{args_type.__doc__}\n\n{CONFIG_HELP}")
     try:
-        return run(args)
+        code = run(args)
+        sys.stdout.flush()  # here: a closed pipe is met now, not in Python's flush at exit
+        return code
+    except BrokenPipeError:  # before `errors`: an OSError, but nothing went wrong
+        drop_stdout()
+        return 0
     except errors as e:  # GGUFError and ImageDataError are ValueErrors
         print(f"{prog}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2

@@ -390,9 +390,9 @@ def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str
         more = ", ..." if len(group) > 3 else ""
         hint = (f"; {key} is a group of options ({', '.join(_flag(k) for k in group[:3])}{more}):"
                 f" write it as a mapping, e.g. {key}: {{{group[0].split('.', 1)[1]}: ...}}")
-    top = key.split(".")[0]
-    if top in MLX_LM_KEYS and key not in table:
-        hint = f"; mlx-lm's {top} is toymlx's {MLX_LM_KEYS[top]}"
+    if key in MLX_LM_KEYS and not group:  # a plain mlx-lm key; `model.n_layerz` in a recipe
+        # with --model.* options is a misspelt option of that group
+        hint = f"; mlx-lm's {key} is toymlx's {MLX_LM_KEYS[key]}"
     return f"{source}: key {key!r}: expected an option of {prog}, found an unknown key{hint}"
 
 

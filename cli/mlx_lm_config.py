@@ -1,14 +1,15 @@
 """mlx-lm's LoRA config files (`mlx_lm lora -c F`), read unchanged by `toymlx-train -c F`.
 
-A file is mlx-lm's when it has one of the keys only mlx-lm's lora command reads
-(`MLX_LM_ONLY`: iters, learning_rate, num_layers, lora_parameters, ...). Its keys are mapped to
-the lora recipe's options with mlx-lm's meaning, and the keys it leaves out take mlx-lm's
-defaults (`MLX_LM_DEFAULTS`, as mlx_lm/lora.py's CONFIG_DEFAULTS has them; mlx-lm 0.32), as
-do the settings mlx-lm fixes without a key (`MLX_LM_FIXED`: no gradient clipping, one example
-a row, LoRA on every linear layer, Adam's beta2 0.999, no warm-up). `mlx_lm_options` returns
-the options and the table printed at start (mlx-lm key, toymlx option, value, where it came
-from). A key toymlx cannot honour is one line naming it: refused where it changes what is
-trained, noted where it does not. toymlx's own config files are not read here.
+A file is mlx-lm's when it has keys only mlx-lm's lora command reads (`MLX_LM_ONLY`: iters,
+learning_rate, num_layers, lora_parameters, ...), no fewer than keys only toymlx reads
+(`is_mlx_lm_config`). Its keys are mapped to the lora recipe's options with mlx-lm's meaning,
+and the keys it leaves out take mlx-lm's defaults (`MLX_LM_DEFAULTS`, as mlx_lm/lora.py's
+CONFIG_DEFAULTS has them; mlx-lm 0.32), as do the settings mlx-lm fixes without a key
+(`MLX_LM_FIXED`: no gradient clipping, one example a row, LoRA on every linear layer, Adam's
+beta2 0.999, no warm-up). `mlx_lm_options` returns the options and the table printed at start
+(mlx-lm key, toymlx option, value, where it came from). A key toymlx cannot honour is one line
+naming it: refused where it changes what is trained, noted where it does not. toymlx's own
+config files are not read here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from toymlx_cli.config_file import ConfigFileError
 
 MLX_LM_ONLY = frozenset({
     "train", "iters", "learning_rate", "num_layers", "lora_parameters", "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
-    "save_every", "adapter_path", "resume_adapter_file", "max_seq_length",
+    "save_every", "adapter_path", "resume_adapter_file", "max_seq_length", "hf_dataset",
     "grad_accumulation_steps", "clear_cache_threshold", "project_name", "trust_remote_code"})
 """Keys that make a config file mlx-lm's: its lora command reads them, toymlx has none (its
 `model`, `data`, `seed`, ... are read as mlx-lm's in such a file, as toymlx's in another;
@@ -63,9 +64,23 @@ _RENAMED = {"iters": "steps", "learning_rate": "lr", "max_seq_length": "seq_len"
             "optimizer": "optimizer"}
 
 
-def is_mlx_lm_config(options: dict[str, Any]) -> bool:
-    """Whether a config file's options are mlx-lm's (`MLX_LM_ONLY`)."""
-    return any(k in MLX_LM_ONLY for k in options)
+_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule"}
+"""Keys an mlx-lm file may hold besides MLX_LM_ONLY, MLX_LM_DEFAULTS and _NOTED's."""
+
+
+def is_mlx_lm_config(options: dict[str, Any], recipe_key: bool = False) -> bool:
+    """Whether a config file's options are mlx-lm's: it has keys only mlx-lm reads
+    (`MLX_LM_ONLY`), at least as many as keys only toymlx reads (`base`, `steps`, ...; a
+    `recipe` key, `recipe_key`, is one). One mlx-lm key in a toymlx file (`learning_rate`
+    beside `base` and `steps`) is then refused naming toymlx's option, not the file read as
+    mlx-lm's for it."""
+    mlx_lm = sum(k in MLX_LM_ONLY for k in options)
+    toymlx = sum(_toymlx_only(k) for k in options) + recipe_key
+    return mlx_lm > 0 and mlx_lm >= toymlx
+
+
+def _toymlx_only(key: str) -> bool:
+    return key not in MLX_LM_ONLY | set(MLX_LM_DEFAULTS) | set(_NOTED) | _SHARED
 
 
 def _flag(key: str) -> str:
@@ -92,8 +107,7 @@ def mlx_lm_options(data: dict[str, Any], source: str
     "file" or "mlx-lm default"), one note a key not honoured) of an mlx-lm config; ConfigFileError
     (one line naming the key) for one toymlx cannot honour that changes what is trained."""
     keys = set(data)
-    unknown = sorted(keys - MLX_LM_ONLY - set(MLX_LM_DEFAULTS) - set(_NOTED) - {
-        "model", "data", "report_to", "recipe", "lr_schedule"})
+    unknown = sorted(k for k in keys if _toymlx_only(k))
     if unknown:
         why = min(keys & MLX_LM_ONLY, default="keys")
         raise ConfigFileError(f"{source}: key {unknown[0]!r}: expected a key of mlx-lm's lora "
@@ -139,6 +153,8 @@ def mlx_lm_options(data: dict[str, Any], source: str
     _optimizer_config(data.get("optimizer_config"), given["optimizer"], source, put)
     if "model" in data:
         put("model", "base", _model(data["model"], source))
+    if "hf_dataset" in data:
+        _hf_dataset(data["hf_dataset"], source)
     if "data" in data:
         put("data", "data.path", _data(data["data"], source))
     if "adapter_path" in data:
@@ -155,6 +171,31 @@ def mlx_lm_options(data: dict[str, Any], source: str
     if "lora.targets" not in out and given["fine_tune_type"] != "full":
         put("lora_parameters.keys", "lora.targets", ALL_TARGETS, "mlx-lm default")
     return out, rows, notes
+
+
+def mlx_lm_layers(cfg: Any) -> tuple[Any, str | None]:
+    """(cfg, a note or None): num_layers with mlx-lm's meaning, `layers[-num_layers:]`: a count
+    at least the base's block count (its default 16 on a 5-block model) adapts every block,
+    where toymlx's --lora.layers refuses it as a typo. A base that cannot be read is left to
+    the recipe, which names what is wrong with it."""
+    import dataclasses
+
+    from toymlx.bundle.model_store import resolve_model
+    from toymlx.gguf.reader import read_metadata
+
+    n = cfg.lora.layers
+    if n is None or cfg.fine_tune_type == "full":
+        return cfg, None
+    try:
+        meta = read_metadata(resolve_model(cfg.base, "--base"))
+        blocks = meta[f"{meta.get('general.architecture', 'llama')}.block_count"]
+    except (ValueError, OSError, KeyError):
+        return cfg, None
+    if not isinstance(blocks, int) or n < blocks:
+        return cfg, None
+    note = (f"num_layers {n}: every block of the base's {blocks} (mlx-lm adapts "
+            f"layers[-{n}:])")
+    return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, layers=None)), note
 
 
 def _lora(params: Any, source: str, put) -> None:
@@ -254,12 +295,27 @@ def _data(data: Any, source: str) -> str:
     """data: a local folder in mlx-lm's layout (train.jsonl, valid.jsonl, test.jsonl)."""
     _want(source, "data", isinstance(data, str) and data, "a data folder", data)
     if not Path(data).exists() and data.count("/") == 1 and not data.startswith((".", "/")):
-        raise ConfigFileError(
-                f"{source}: key 'data': expected a local folder with train.jsonl (toymlx reads "
-                f"no Hugging Face datasets, and needs no network), found the dataset name "
-                f"{data!r}; download it where there is a network (hf download --repo-type "
-                f"dataset {data} --local-dir DIR) and give data: DIR")
+        raise _hub_dataset(source, "data", data)
     return data
+
+
+def _hf_dataset(value: Any, source: str) -> None:
+    """hf_dataset: mlx-lm's Hugging Face datasets ({path, ...} or a list of them), which toymlx
+    does not download: always refused, naming the first dataset's path."""
+    first = value[0] if isinstance(value, list) and value else value
+    path = first.get("path") if isinstance(first, dict) else None
+    _want(source, "hf_dataset", isinstance(path, str) and path, "a mapping with path (a "
+          "Hugging Face dataset name), or a list of them", value)
+    raise _hub_dataset(source, "hf_dataset", path)
+
+
+def _hub_dataset(source: str, key: str, name: str) -> ConfigFileError:
+    """The one line for a Hugging Face dataset named in `key`: give a local folder instead."""
+    return ConfigFileError(
+        f"{source}: key {key!r}: expected a local folder with train.jsonl (toymlx reads no "
+        f"Hugging Face datasets, and needs no network), found the dataset name {name!r}; "
+        f"download it where there is a network (hf download --repo-type dataset {name} "
+        f"--local-dir DIR) and give data: DIR")
 
 
 def mlx_lm_table(rows: list[tuple[str, str, Any, str]]) -> str:

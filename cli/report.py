@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx_cli import VersionAction
+from toymlx_cli import VersionAction, output_may_close
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
@@ -26,10 +26,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    with output_may_close():  # `| head`: the table is cut short, the report file still drawn
+        return _main(p, argv)
+
+
+def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
     from toymlx.bundle.outputs import check_output
     from toymlx.runner import report
 
-    p = _parser()
     try:
         args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))
         dirs = report.expand_dirs(args.dirs)

@@ -7,7 +7,7 @@ import atexit
 import signal
 import sys
 
-from toymlx_cli import version_text
+from toymlx_cli import output_may_close, version_text
 from toymlx_cli.config_file import CONFIG_HELP
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
@@ -44,6 +44,16 @@ def _usage() -> str:
             "toymlx-train --version prints toymlx's and MLX's versions.\n")
 
 
+def _no_recipe(config_path: str, options: dict) -> str:
+    """Why a -c file without --recipe names no recipe: tyro's usage would not name the file."""
+    from toymlx.recipes import RECIPES
+
+    if not options:
+        return f"{config_path}: expected a mapping of options, found an empty file"
+    return (f"{config_path}: expected a 'recipe' key (one of {', '.join(RECIPES)}), found none; "
+            "or give --recipe NAME")
+
+
 def _ignore_late_signals() -> None:
     """At exit, after the run ended: Python puts the stop signals back to the system default
     while it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code
@@ -63,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # started by toymlx-sweep / toymlx-launch: stop when that parent dies
     atexit.unregister(_ignore_late_signals)  # once, however often main runs in one process
     atexit.register(_ignore_late_signals)
-    with rank_status() as status:  # under toymlx-launch: report how this rank ended
+    # under toymlx-launch: report how this rank ended; a closed console (`| head -1`) never
+    # stops the run (the bundle records everything)
+    with rank_status() as status, output_may_close():
         try:
             status.code = _main(argv)
         except KeyboardInterrupt:  # Ctrl-C while parsing or importing: no traceback
@@ -93,7 +105,12 @@ def _main(argv: list[str] | None) -> int:
         run_config,
         split_config,
     )
-    from toymlx_cli.mlx_lm_config import is_mlx_lm_config, mlx_lm_options, mlx_lm_table
+    from toymlx_cli.mlx_lm_config import (
+        is_mlx_lm_config,
+        mlx_lm_layers,
+        mlx_lm_options,
+        mlx_lm_table,
+    )
 
     from toymlx.bundle.options import RunError
     from toymlx.recipes import get_recipe
@@ -104,7 +121,7 @@ def _main(argv: list[str] | None) -> int:
     if "--version" in argv:
         print(version_text())
         return 0
-    default, bundle = None, None
+    default, bundle, mlx_lm = None, None, False
     try:
         config_path, argv = split_config(argv)
         recipe, resume, rest = _split_recipe(argv)
@@ -116,8 +133,8 @@ def _main(argv: list[str] | None) -> int:
                                  f"change); give either --resume or -c")
             file_recipe, options = run_config(read_config_file(config_path), config_path)
             recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
-            if recipe in (None, "lora") and is_mlx_lm_config(options):
-                recipe = "lora"  # mlx-lm's lora config, read with mlx-lm's meaning
+            if recipe in (None, "lora") and is_mlx_lm_config(options, file_recipe is not None):
+                recipe, mlx_lm = "lora", True  # mlx-lm's lora config, with mlx-lm's meaning
                 options, rows, notes = mlx_lm_options(options, config_path)
                 rows = _over_the_file(rows, rest)
                 print(f"{config_path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
@@ -132,6 +149,8 @@ def _main(argv: list[str] | None) -> int:
             # The saved options are the defaults; run_training refuses any change that is not
             # run-local. A resumed run continues to the end unless told otherwise here.
             default = bundle.resume_defaults(resume)
+        elif recipe is None and config_path is not None and not {"--help", "-h"} & set(argv):
+            raise ValueError(_no_recipe(config_path, options))
         elif recipe is None:
             print(_usage(), file=sys.stderr if "--help" not in argv else sys.stdout)
             return 0 if ("--help" in argv or "-h" in argv) else 2
@@ -147,6 +166,10 @@ def _main(argv: list[str] | None) -> int:
     cfg = tyro.cli(module.Config, args=rest, default=default,
                    prog=f"toymlx-train --recipe {recipe}",
                    description=f"{module.__doc__}\n\n{CONFIG_HELP}")
+    if mlx_lm and not any(a.partition("=")[0] == "--lora.layers" for a in rest):
+        cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; --lora.layers keeps toymlx's
+        if note:
+            print(f"toymlx-train: {config_path}: {note}", file=sys.stderr)
     return run_training(recipe, module, cfg, bundle)
 
 

@@ -17,7 +17,7 @@ from arch_files import KINDS, arch_gguf
 from reference import forward, load_reference
 
 from toymlx.data.vocab import byte_metadata
-from toymlx.gguf.llama import llama_metadata, load_llama, write_llama
+from toymlx.gguf.llama import args_from_gguf, llama_metadata, load_llama, write_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import write_gguf
 from toymlx.interop.merge import write_merged
@@ -150,10 +150,31 @@ def test_lora_adapter_and_fused_export(files, kind, tmp_path):
 
 def test_phi3_targets_name_the_fused_projections(files):
     model, _ = load_llama(files["phi3"])
-    with pytest.raises(ValueError, match=r"--lora\.targets: 'q' is not a projection of this "
-                                         r"phi3 model; expected a comma list of qkv, o, "
-                                         r"gate_up, down"):
+    with pytest.raises(ValueError, match=r"^--lora\.targets: q is part of phi3's fused qkv; "
+                                         r"this phi3 base has qkv,o,gate_up,down$"):
         apply_lora(model, "q")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_target_the_architecture_lacks_is_one_line(files, kind, tmp_path, capsys):
+    """`--lora.targets qkv` on a llama base was a bare "toymlx-train: error: 'qkv'" (the memory
+    estimate's KeyError, before apply_lora's check); each architecture, each missing name."""
+    from cli_errors import error_line
+    from toymlx_cli.train import main
+
+    arch = args_from_gguf(GGUFFile(files[kind])).arch
+    if kind == "phi3":
+        have, lines = "qkv,o,gate_up,down", {"q": "q is part of phi3's fused qkv",
+                                              "up": "up is part of phi3's fused gate_up"}
+    else:
+        have, lines = "q,k,v,o,gate,up,down", {"qkv": "qkv is phi3's fused projection",
+                                               "gate_up": "gate_up is phi3's fused projection"}
+    for target, what in lines.items():
+        assert main(["--recipe", "lora", "--base", str(files[kind]), "--lora.targets",
+                     f"o,{target}", "--steps", "1", "--runs-root", str(tmp_path)]) == 2
+        assert error_line(capsys) == (f"toymlx-train: error: --lora.targets: {what}; this {arch} "
+                                      f"base has {have}")
+    assert not list(tmp_path.iterdir())
 
 
 # ---- toymlx writes every architecture it loads ---------------------------------------------

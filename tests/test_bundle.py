@@ -329,3 +329,28 @@ def test_a_file_size_limit_names_the_file(tmp_path, data):
             in line), line
     assert line.endswith("no checkpoint was completed"), line
     assert not list((run / "weights").iterdir())  # nothing half-written left behind
+
+
+# ---- a closed console is not a bundle write -----------------------------------------------------
+def _closed_stdout(cmd: list[str]) -> subprocess.CompletedProcess:
+    """`cmd | head -0`: its stdout a pipe whose reader has already gone."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    p.wait(timeout=300)
+    return subprocess.CompletedProcess(cmd, p.returncode, None, err)
+
+
+def test_a_closed_stdout_neither_stops_training_nor_is_blamed_on_the_bundle(tmp_path, data,
+                                                                              straight):
+    """`toymlx-train ... | head -1`: the run ended at the next report line as "could not write
+    the run bundle ([Errno 32] Broken pipe)"; now it trains to the end, its console output
+    discarded. An output-only command (toymlx-eval) stops quietly with 0, as Unix tools do."""
+    r = _closed_stdout([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data,
+                        "--runs-root", str(tmp_path), "--run-id", "p", "--steps", "4",
+                        "--report-every", "1", "--checkpoint-every", "2"])
+    assert r.returncode == 0 and "error" not in r.stderr, r.stderr[-2000:]
+    end = read_events(tmp_path / "p")[-1]
+    assert (end["kind"], end["reason"], end["final_step"]) == ("run_end", "completed", 4)
+    r = _closed_stdout([sys.executable, "-m", "toymlx_cli.eval", "--model", str(straight)])
+    assert (r.returncode, r.stderr) == (0, "")

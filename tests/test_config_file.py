@@ -101,6 +101,21 @@ def test_bad_config_files_are_one_line(tmp_path, capsys, text, name, want):
     assert not any(x.is_dir() for x in tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("text,want", [
+    ("steps: 5\n", ("{p}: expected a 'recipe' key (one of from-scratch, warm-start, lora, "
+     "vit-tiny), found none; or give --recipe NAME")),
+    ("", "{p}: expected a mapping of options, found an empty file"),
+])
+def test_a_file_that_names_no_recipe_is_one_line_naming_it(tmp_path, capsys, text, want):
+    """`toymlx-train -c FILE` without --recipe: a file with no `recipe` key, or an empty one,
+    printed tyro's general usage (status 2) without naming the file."""
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    assert main(["-c", str(p), "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys) == "toymlx-train: error: " + want.format(p=p)
+    assert not any(x.is_dir() for x in tmp_path.iterdir())
+
+
 def test_missing_file_and_resume_with_config(tmp_path, capsys):
     assert main(["--recipe", "lora", "-c", str(tmp_path / "nope.yaml")]) == 2
     assert error_line(capsys) == (f"toymlx-train: error: {tmp_path / 'nope.yaml'}: -c/--config: "
@@ -397,3 +412,22 @@ def test_a_section_given_a_value_is_named_as_a_section(tmp_path, capsys):
                          "--lora.init-adapter, ...): write it as a mapping, e.g. lora: "
                          "{alpha: ...}"), line
     assert "did you mean" not in line
+
+
+@pytest.mark.parametrize("recipe,text,hint", [
+    ("vit-tiny", "model: {n_layerz: 3}\n", ("key 'model.n_layerz': expected an option of "
+     "toymlx-train --recipe vit-tiny, found an unknown key; did you mean --model.n-layers?")),
+    ("vit-tiny", "model: 5\n", ("key 'model': expected an option of toymlx-train --recipe "
+     "vit-tiny, found an unknown key; model is a group of options (--model.d-model, "
+     "--model.drop-path, --model.ffn-dim, ...): write it as a mapping, e.g. model: "
+     "{d_model: ...}")),
+    ("lora", "model: base.gguf\n", ("key 'model': expected an option of toymlx-train --recipe "
+     "lora, found an unknown key; mlx-lm's model is toymlx's --base")),
+])
+def test_the_mlx_lm_hint_only_where_it_applies(tmp_path, capsys, recipe, text, hint):
+    """vit-tiny has --model.* options: its `model.n_layerz` and `model: 5` were told "mlx-lm's
+    model is toymlx's --base"; a plain `model:` in a lora file is mlx-lm's key."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"recipe: {recipe}\n{text}")
+    assert main(["-c", str(p), "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {p}: {hint}"

@@ -110,14 +110,41 @@ def test_what_a_user_without_network_sees(offline, tiny_bytes):
         resolve("hf:bob/other-GGUF:Q4_K_M", "--base")
     assert str(e.value) == (f"--base hf:bob/other-GGUF:Q4_K_M: not in the Hugging Face cache "
                             f"{offline} nor {offline.parent.parent / 'llama.cpp'} and "
-                            "HF_HUB_OFFLINE is set; download it where there is a network: hf "
-                            "download bob/other-GGUF --include '*Q4_K_M*'")
+                            "HF_HUB_OFFLINE is set, so its files are not known: expected a "
+                            "repository of GGUF files (a model's own safetensors repository has "
+                            "none; name a GGUF conversion of it, often USER/NAME-GGUF); for a GGUF "
+                            "one, download it where there is a network: hf download bob/other-GGUF "
+                            "--include '*Q4_K_M*'")
+    with pytest.raises(ModelStoreError) as e:  # a file named: the command fetches just it
+        resolve("hf:bob/other-GGUF/o-Q8_0.gguf", "--base")
+    assert str(e.value).endswith("HF_HUB_OFFLINE is set; download it where there is a network: "
+                                 "hf download bob/other-GGUF o-Q8_0.gguf")
     with pytest.raises(ModelStoreError) as e:
         resolve("hf:alice/tiny-GGUF:Q5_K_M", "--base")
     assert str(e.value) == (f"--base hf:alice/tiny-GGUF:Q5_K_M: alice/tiny-GGUF: expected a GGUF "
                             f"of quantization Q5_K_M in its snapshot {COMMIT[:12]} in {offline}, "
                             "found tiny-Q8_0.gguf; name one as hf:USER/REPO/FILE.gguf or "
                             "hf:USER/REPO:QUANT")
+
+
+def test_an_unreachable_hub_fails_fast_with_the_clear_line(offline, monkeypatch):
+    """Without HF_HUB_OFFLINE, huggingface_hub retried an unreachable Hub five times (about
+    25 s, "Retrying in 8s [Retry 5/5]") before the caches were searched; a connect check now
+    answers at once (here a port nothing listens on)."""
+    import time
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:HuggingFaceTB/SmolLM2-135M-Instruct", "--base")
+    assert time.monotonic() - t0 < 5
+    assert (" and the Hub could not be reached (ConnectionRefusedError: [Errno 111] Connection "
+            "refused), so its files are not known: expected a repository of GGUF files") \
+        in str(e.value)
 
 
 def test_llama_cpp_s_caches_are_searched(offline, tmp_path, monkeypatch, tiny_bytes):

@@ -13,6 +13,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 import yaml
+from cli_errors import error_line
 from mlx import nn
 from mlx_lm import lora as mlx_lm_lora
 from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
@@ -118,6 +119,26 @@ def test_the_table_shows_what_the_command_line_gives_over_the_file(tmp_path, bas
     assert saved["base"] == str(base)
 
 
+def test_num_layers_past_the_base_s_blocks_adapts_every_block(tmp_path, base, data, capsys):
+    """mlx-lm adapts `layers[-num_layers:]`: its default 16 on this 2-block base (and any
+    larger count) is every block, where it was refused as "--lora.layers: expected 1..2";
+    toymlx's own --lora.layers keeps its check."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 1,
+                                    "batch_size": 2, "max_seq_length": 32, "val_batches": 1}))
+    runs = ["--runs-root", str(tmp_path / "runs"), "--no-progress", "--no-compile"]
+    assert main(["-c", str(path), *runs, "--run-id", "r"]) == 0
+    assert (f"toymlx-train: {path}: num_layers 16: every block of the base's 2 (mlx-lm adapts "
+            "layers[-16:])") in capsys.readouterr().err.splitlines()
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
+    assert saved["lora"]["layers"] is None
+    (start,) = [e for e in read_events(tmp_path / "runs" / "r") if e["kind"] == "run_start"]
+    assert start["model"]["lora_layers"] == 2
+    assert main(["-c", str(path), *runs, "--run-id", "t", "--lora.layers", "16"]) == 2
+    assert error_line(capsys) == ("toymlx-train: error: --lora.layers: expected 1..2 (the "
+                                  "base's block count) or unset for all, found 16")
+
+
 def test_the_lora_scale_is_mlx_lm_s_scale():
     """mlx-lm's `scale` 20 with rank 8 is toymlx's alpha 160: the same layer output."""
     mx.random.seed(0)
@@ -173,6 +194,11 @@ def test_the_optimizers_are_mlx_lm_s():
       "Face datasets, and needs no network), found the dataset name 'mlx-community/WikiSQL'; "
       "download it where there is a network (hf download --repo-type dataset "
       "mlx-community/WikiSQL --local-dir DIR) and give data: DIR")),
+    ({"hf_dataset": {"path": "mlx-community/WikiSQL", "train_split": "train[:80%]"}},
+     ("f.yaml: key 'hf_dataset': expected a local folder with train.jsonl (toymlx reads no "
+      "Hugging Face datasets, and needs no network), found the dataset name "
+      "'mlx-community/WikiSQL'; download it where there is a network (hf download --repo-type "
+      "dataset mlx-community/WikiSQL --local-dir DIR) and give data: DIR")),
     ({"lr": 0.1}, ("f.yaml: key 'lr': expected a key of mlx-lm's lora config (the file is read "
                    "as mlx-lm's, for its 'iters'), found an unknown key")),
     ({"lora_parameters": {"rank": 8, "alpha": 16, "dropout": 0.0}},
@@ -202,6 +228,15 @@ def test_toymlx_s_own_files_keep_their_meaning(tmp_path, capsys):
     # a lora run's own config.json holds --lr-schedule (a benchmark reads one back with -c)
     assert not is_mlx_lm_config({"lr_schedule": "warmup-cosine", "lr_schedule_args": []})
     assert is_mlx_lm_config({"iters": 5})
+    # one mlx-lm key among toymlx's: a toymlx file, its mlx-lm key refused naming toymlx's
+    assert not is_mlx_lm_config({"base": "b.gguf", "steps": 1, "learning_rate": 1e-3}, True)
+    assert is_mlx_lm_config({"iters": 1, "learning_rate": 1e-3, "model": "m", "lr": 1}, True)
+    f = tmp_path / "c.yaml"
+    f.write_text("recipe: lora\nbase: some.gguf\nsteps: 1\nlearning_rate: 1e-3\n")
+    assert main(["-c", str(f)]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {f}: key 'learning_rate': expected an "
+                                  "option of toymlx-train --recipe lora, found an unknown key; "
+                                  "mlx-lm's learning_rate is toymlx's --lr")
     assert mlx_lm_options({"model": "u/r"}, "f")[0]["base"] == "hf:u/r"
 
 

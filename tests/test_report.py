@@ -122,3 +122,21 @@ def test_report_of_a_sweep_renders_png_and_html(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "lr=0.004" in printed and "torn" in printed
     assert report_main([str(tmp_path / "nothing-here")]) == 2
+
+
+def test_a_closed_stdout_still_writes_the_report(tmp_path):
+    """`toymlx-report A B | head -1`: the table's reader goes, the report file is still drawn
+    and the exit status is 0 (it was "error: [Errno 32] Broken pipe", status 2)."""
+    import subprocess
+    import sys
+
+    runs = [str(_bundle(tmp_path / n, [[("run_start", {"recipe": "from-scratch",
+                                                        "config": {"steps": 3}}),
+                                         *_steps(1, 3)]])) for n in ("a", "b")]
+    out = tmp_path / "r.html"
+    p = subprocess.Popen([sys.executable, "-m", "toymlx_cli.report", *runs, "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # `| head -0`
+    err = p.stderr.read()
+    assert (p.wait(timeout=120), err) == (0, f"toymlx-report: wrote {out}\n")
+    assert "data:image/png;base64," in out.read_text()

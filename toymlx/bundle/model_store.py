@@ -479,6 +479,33 @@ def hf_offline() -> bool:
         "HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+HUB_CONNECT_S = 3.0
+"""Seconds the Hub's host gets to accept a connection before the caches are searched without
+it: huggingface_hub retries an unreachable Hub five times, about 25 s, before it gives up."""
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached (its host unknown, refusing, or silent for HUB_CONNECT_S),
+    or None; not checked behind a proxy (HTTPS_PROXY, ALL_PROXY), which huggingface_hub goes
+    through instead."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlsplit(constants.ENDPOINT)
+    if not url.hostname:
+        return None  # huggingface_hub names a malformed HF_ENDPOINT itself
+    try:
+        port = url.port or (80 if url.scheme == "http" else 443)
+        socket.create_connection((url.hostname, port), timeout=HUB_CONNECT_S).close()
+    except (OSError, ValueError) as e:
+        return f"the Hub could not be reached ({type(e).__name__}: {' '.join(str(e).split())})"
+    return None
+
+
 def _cached_snapshot(cache: Path, repo: str, revision: str | None
                      ) -> tuple[str, dict[str, Path]] | None:
     """(commit, {file: path}) of a repository's snapshot in a Hugging Face-layout cache, as
@@ -507,16 +534,14 @@ def _resolve_hf(spec: str, flag: str) -> Resolved:
         repo, revision, quant, file = parse_hf_name(spec[len(HF):])
     except ValueError as e:
         raise ModelStoreError(f"{flag} {spec}: not a Hugging Face model name: {e}") from None
-    offline, why = hf_offline(), ""
-    if not offline:  # the Hub's own listing, then huggingface_hub's download (bar, token, cache)
+    why = "HF_HUB_OFFLINE is set" if hf_offline() else hub_unreachable()
+    if why is None:  # the Hub's own listing, then huggingface_hub's download (bar, token, cache)
         try:
             return _hf_download(spec, flag, repo, revision, quant, file)
         except ModelStoreError:
             raise
         except Exception as e:  # noqa: BLE001 -- no network, a refused token: try the caches
             why = f"the Hub could not be reached ({type(e).__name__}: {' '.join(str(e).split())})"
-    else:
-        why = "HF_HUB_OFFLINE is set"
     for cache in hf_cache_dirs():
         found = _cached_snapshot(cache, repo, revision)
         if found is None:
@@ -537,9 +562,15 @@ def _resolve_hf(spec: str, flag: str) -> Resolved:
     if legacy is not None:
         return legacy
     where = " nor ".join(str(c) for c in hf_cache_dirs())
-    raise ModelStoreError(f"{flag} {spec}: not in the Hugging Face cache {where} and {why}; "
-                          f"download it where there is a network: hf download {repo}"
-                          + (f" {file}" if file else f" --include '*{quant or 'Q4_K_M'}*'"))
+    if file:
+        raise ModelStoreError(f"{flag} {spec}: not in the Hugging Face cache {where} and {why}; "
+                              f"download it where there is a network: hf download {repo} {file}")
+    # the repository's files are not known here: it may be a model's own safetensors one
+    raise ModelStoreError(f"{flag} {spec}: not in the Hugging Face cache {where} and {why}, so "
+                          f"its files are not known: expected a repository of GGUF files (a "
+                          f"model's own safetensors repository has none; name a GGUF conversion "
+                          f"of it, often USER/NAME-GGUF); for a GGUF one, download it where there "
+                          f"is a network: hf download {repo} --include '*{quant or 'Q4_K_M'}*'")
 
 
 def _no_file(spec: str, flag: str, repo: str, quant: str | None, file: str | None,

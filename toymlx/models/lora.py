@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx import nn
 
 from toymlx.models.layers import BlockLinear, Linear, dense_weight, replace_submodule, submodule
-from toymlx.models.llama import Llama
+from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.ops import EXACT
 
 TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj",
@@ -160,6 +160,31 @@ def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+FUSED: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+"""The fused projections -> the targets each holds (phi3 is the architecture that has them)."""
+
+
+def block_targets(a: LlamaArgs) -> tuple[str, ...]:
+    """The --lora.targets names a block of this architecture has, in TARGETS' order."""
+    absent = set(FUSED["qkv"]) if a.fused_qkv else {"qkv"}
+    absent |= set(FUSED["gate_up"]) if a.fused_gate_up else {"gate_up"}
+    return tuple(t for t in TARGETS if t not in absent)
+
+
+def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
+    """ValueError naming --lora.targets for a target this architecture lacks: phi3's fused qkv
+    or gate_up on another base, or q, k, v, gate or up on phi3's; checked from the args, before
+    anything (the memory estimate too) sizes the targets' projections."""
+    have = block_targets(a)
+    for t in names:
+        if t in have:
+            continue
+        fused = next((f for f, parts in FUSED.items() if t in parts), None)
+        what = (f"{t} is phi3's fused projection" if fused is None
+                else f"{t} is part of phi3's fused {fused}")
+        raise ValueError(f"--lora.targets: {what}; this {a.arch} base has {','.join(have)}")
+
+
 def target_blocks(n_layers: int, layers: int | None) -> range:
     """Indices of the last `layers` blocks (all when None); ValueError names --lora.layers."""
     if layers is None:
@@ -178,14 +203,7 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
     layer = ADAPTER_KINDS[kind]
     names = parse_targets(targets)
     blocks = target_blocks(len(model.layers), layers)
-    for t in names:
-        part, _, leaf = TARGETS[t].partition(".")
-        if leaf not in model.layers[0][part]:
-            have = [n for n, p in TARGETS.items()
-                    if p.partition(".")[2] in model.layers[0][p.partition(".")[0]]]
-            raise ValueError(f"--lora.targets: {t!r} is not a projection of this "
-                             f"{model.args.arch} model; expected a comma list of "
-                             f"{', '.join(have)}")
+    check_targets(names, model.args)
     model.freeze()
     for i in blocks:
         for t in names:

@@ -37,12 +37,18 @@ from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
 from toymlx.data.tokenizer import Tokenizer
-from toymlx.gguf.llama import CHECKPOINT_FORMAT, frozen_weights, load_llama, load_llama_into
+from toymlx.gguf.llama import (
+    CHECKPOINT_FORMAT,
+    args_from_gguf,
+    frozen_weights,
+    load_llama,
+    load_llama_into,
+)
 from toymlx.gguf.quant import projection_types
 from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.layers import model_bytes
-from toymlx.models.lora import apply_lora, parse_targets, target_blocks
+from toymlx.models.lora import apply_lora, check_targets, parse_targets, target_blocks
 from toymlx.models.losses import lm_held_out_sums, lm_loss
 from toymlx.models.ops import Ops
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
@@ -284,6 +290,8 @@ def build(cfg: Config, ops: Ops) -> Task:
     src = model_store.resolve(cfg.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
     with GGUFFile(src.path) as g:
         types = "/".join(sorted(set(projection_types(g).values())))
+        if not full:  # before the memory estimate, which sizes each target's projection
+            check_targets(parse_targets(cfg.lora.targets), args_from_gguf(g))
 
         def step_estimate(held: str) -> memory.Estimate:
             return memory.estimate(
