@@ -32,13 +32,18 @@ def lock_run(run_dir: Path) -> Lock:
     return acquire(run_dir / LOCK_FILE, f"{run_dir}: run bundle")
 
 
-def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock]:
+def prepare_run_dir(root: str, run_id: str, overwrite: bool,
+                    default_id: bool = False) -> tuple[Path, Lock]:
     """Create and own runs/<id> for a fresh start, failing before any training if another
-    process owns it, if it holds a run (unless `overwrite`), or if it cannot be written."""
+    process owns it, if it holds a run (unless `overwrite`), or if it cannot be written.
+    `default_id` (no --run-id given): the id is toymlx's, so a taken one gets a suffix
+    (`claim_run_dir`) instead of failing."""
     if "/" in run_id or run_id in ("", ".", ".."):
         raise RunError(f"--run-id: expected a single folder name, found {run_id!r}")
     run_dir = Path(root) / run_id
     try:
+        if default_id:
+            run_dir = claim_run_dir(Path(root), run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run(run_dir)
     except OSError as e:
@@ -72,6 +77,21 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
         lock.release()
         raise
     return run_dir, lock
+
+
+def claim_run_dir(root: Path, run_id: str) -> Path:
+    """root/<run_id>, else root/<run_id>-2, -3, ...: the first that this call creates. The
+    default id is a timestamp to the second, so two runs started in one second share it;
+    os.mkdir fails for all but one of them, which makes the claim atomic."""
+    root.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        run_dir = root / (run_id if n == 1 else f"{run_id}-{n}")
+        try:
+            os.mkdir(run_dir)
+            return run_dir
+        except FileExistsError:
+            n += 1
 
 
 def folder_kind(run_dir: Path, held: list[Path]) -> str:
