@@ -286,12 +286,28 @@ def test_a_resume_refuses_an_edited_config_json(runs, capsys):
     assert _files(a) == before
     shutil.copy(b / "config.json", a / "config.json")
     assert _resume(a) == 2
-    assert "key 'config.seed': expected 0 (recorded when the run started), found 1" in \
-        error_line(capsys)
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'events.jsonl'}: --resume: expected the record of the run "
+        f"{a / 'config.json'} holds (run_id 'b'), found that of run_id 'a': the two files "
+        "belong to different runs; put back this run's own events.jsonl (or config.json)")
     assert _resume(a, "--from", "step_2") == 0
     resumed = [e for e in _events(a) if e["kind"] == "resume"]
     assert resumed[-1]["config_sha256"] != next(e for e in _events(a)
                                                 if e["kind"] == "run_start")["config_sha256"]
+
+
+def test_a_resume_refuses_another_runs_events_jsonl(runs, capsys):
+    """Another run's events.jsonl copied in beside an untouched config.json: the two files are
+    named as different runs' (both run ids), not config.json as edited; nothing changed."""
+    a, b = runs
+    shutil.copy(b / "events.jsonl", a / "events.jsonl")
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'events.jsonl'}: --resume: expected the record of the run "
+        f"{a / 'config.json'} holds (run_id 'a'), found that of run_id 'b': the two files "
+        "belong to different runs; put back this run's own events.jsonl (or config.json)")
+    assert _files(a) == before
 
 
 def _events(run: Path) -> list[dict]:

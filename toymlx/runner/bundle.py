@@ -181,6 +181,12 @@ class Bundle:
             return
         was = start.get("config") if isinstance(start.get("config"), dict) else {}
         now = self.saved["config"]
+        theirs, ours = start.get("run_id"), now.get("run_id")
+        if isinstance(theirs, str) and theirs != ours:  # a file copied in from another run
+            raise RunError(f"{events}: --resume: expected the record of the run "
+                           f"{self.path / CONFIG_FILE} holds (run_id {ours!r}), found that of "
+                           f"run_id {theirs!r}: the two files belong to different runs; put "
+                           "back this run's own events.jsonl (or config.json)")
         key = next((k for k in now if k in was and now[k] != was[k]), None)
         what = (f"key 'config.{key}': expected {was[key]!r} (recorded when the run started), "
                 f"found {now[key]!r}" if key is not None else
