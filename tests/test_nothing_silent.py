@@ -329,6 +329,27 @@ def test_a_resume_refuses_another_runs_checkpoint_pair(runs, capsys):
         "checkpoint back, or adopt it with --from step_2")
 
 
+def test_a_resume_refuses_a_record_missing_a_step_before_its_checkpoint(runs, capsys):
+    """A step line deleted from events.jsonl (step 1 of the 2 before the checkpoint): the
+    resume names the file and the step instead of going on with it missing for good; from a
+    checkpoint before the gap (step_0 here) it goes on, each step once."""
+    a, _ = runs
+    events = a / "events.jsonl"
+    lines = events.read_text().splitlines(keepends=True)
+    events.write_text("".join(x for x in lines if not ('"kind": "step"' in x
+                                                       and '"step": 1,' in x)))
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {events}: --resume: expected each step once up to the "
+        "checkpoint's step 2, found no step 1; resuming would leave step 1 missing for good: "
+        "put the run's events.jsonl back, or go on from a checkpoint before it with --from "
+        "step_0")
+    assert _files(a) == before
+    assert _resume(a, "--from", "step_0") == 0
+    assert [e["step"] for e in _events(a) if e["kind"] == "step"] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("damage,found", [("empty", "an empty file"), ("gone", "no file")])
 def test_a_resume_refuses_an_emptied_or_missing_record(runs, capsys, damage, found):
     a, _ = runs

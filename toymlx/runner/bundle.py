@@ -283,8 +283,27 @@ class Bundle:
                            f"{ours}), found one of run_uid {theirs or '(none recorded)'} (run "
                            f"{meta.get('general.run_id')!r}); put this run's checkpoint back, or adopt it with --from "
                            f"step_{step}")
+        if from_text is None:  # --from step_N adopts the record as it is
+            self._check_step_record(step)
         return self._check_steps(Resume(step, ckpt, state=arrays, steps_before=self.config.steps,
                                         note=note), steps)
+
+    def _check_step_record(self, step: int) -> None:
+        """RunError naming the first step that events.jsonl lacks up to the checkpoint's `step`
+        (a line deleted by hand): the resumed run would keep it missing for good."""
+        missing = next((want for _, _, want, found in ev.step_gaps(self.events) if found > want),
+                       None)
+        if missing is None:  # no gap: the record may still end before the checkpoint
+            missing = 1 + max((e["step"] for e in self.events if e["kind"] == "step"
+                               and isinstance(e.get("step"), int)), default=0)
+        if missing > step:
+            return
+        before = [s for s, _ in ck.list_checkpoints(self.path / "weights") if s < missing]
+        raise RunError(f"{self.path / ev.EVENTS_FILE}: --resume: expected each step once up to "
+                       f"the checkpoint's step {step}, found no step {missing}; resuming would "
+                       f"leave step {missing} missing for good: put the run's events.jsonl back, "
+                       f"or go on from a checkpoint before it with --from "
+                       f"step_{before[-1] if before else 0}")
 
     def _check_steps(self, resume: Resume, steps: int) -> Resume:
         if steps <= resume.step:
