@@ -350,6 +350,33 @@ def test_a_resume_refuses_a_record_missing_a_step_before_its_checkpoint(runs, ca
     assert [e["step"] for e in _events(a) if e["kind"] == "step"] == [1, 2, 3]
 
 
+def test_eval_refuses_another_runs_checkpoint_pair_as_resume_does(runs, capsys):
+    """toymlx-eval --model RUN (or a checkpoint in its weights/) once scored another run's
+    checkpoint pair copied over the run's own; it is refused as a resume refuses it, and the
+    run's own pair, once put back, is scored, as is one the run adopted with --from."""
+    from toymlx_cli.eval import main as eval_main
+
+    a, b = runs
+    own = {n: (a / "weights" / n).read_bytes() for n in ("step_2.gguf", "step_2.state.safetensors")}
+    for name in own:
+        shutil.copy(b / "weights" / name, a / "weights" / name)
+    ours = next(e for e in _events(a) if e["kind"] == "run_start")["run_uid"]
+    theirs = next(e for e in _events(b) if e["kind"] == "run_start")["run_uid"]
+    ckpt = a / "weights" / "step_2.gguf"
+    for model in (a, ckpt):
+        assert eval_main(["--model", str(model)]) == 2
+        assert error_line(capsys, "toymlx-eval") == (
+            f"toymlx-eval: error: {ckpt}: --model: expected a checkpoint of this run (run_uid "
+            f"{ours}), found one of run_uid {theirs} (run 'b'); put this run's checkpoint back")
+    for name, data in own.items():
+        (a / "weights" / name).write_bytes(data)
+    assert eval_main(["--model", str(a)]) == 0
+    for name in own:  # adopted by the run (--from step_2): its record names it, so it is scored
+        shutil.copy(b / "weights" / name, a / "weights" / name)
+    assert _resume(a, "--from", "step_2") == 0
+    assert eval_main(["--model", str(ckpt)]) == 0
+
+
 @pytest.mark.parametrize("damage,found", [("empty", "an empty file"), ("gone", "no file")])
 def test_a_resume_refuses_an_emptied_or_missing_record(runs, capsys, damage, found):
     a, _ = runs
