@@ -377,6 +377,23 @@ def test_eval_refuses_another_runs_checkpoint_pair_as_resume_does(runs, capsys):
     assert eval_main(["--model", str(ckpt)]) == 0
 
 
+def test_a_resume_of_a_completed_run_names_its_steps_not_a_flag_never_given(runs, capsys):
+    """--resume alone on a completed run once read "--steps: expected more than the
+    checkpoint's step 2 ..., found 2" though no --steps was given; a --steps that is given
+    and too small is still named as the flag."""
+    from toymlx_cli.train import main as train_main
+
+    a, _ = runs
+    assert train_main(["--resume", str(a)]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a}: completed at step 2 (its --steps); pass --steps N (more "
+        "than 2) to train on")
+    assert train_main(["--resume", str(a), "--steps", "1"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a}: --steps: expected more than the checkpoint's step 2 to "
+        "train on, found 1 (pass --steps N to extend the run)")
+
+
 @pytest.mark.parametrize("damage,found", [("empty", "an empty file"), ("gone", "no file")])
 def test_a_resume_refuses_an_emptied_or_missing_record(runs, capsys, damage, found):
     a, _ = runs

@@ -316,6 +316,11 @@ class Bundle:
                            f"back{fix}")
 
     def _check_steps(self, resume: Resume, steps: int) -> Resume:
+        """RunError unless `steps` (the run's own --steps, or the one given) lies past the
+        checkpoint: a completed run has nothing left to train without a new --steps."""
+        if steps == self.config.steps and resume.step >= steps:  # no --steps past the run's
+            raise RunError(f"{self.path}: completed at step {resume.step} (its --steps); pass "
+                           f"--steps N (more than {resume.step}) to train on")
         if steps <= resume.step:
             raise RunError(f"{self.path}: --steps: expected more than the checkpoint's step "
                            f"{resume.step} to train on, found {steps} (pass --steps N to "
