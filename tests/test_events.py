@@ -153,3 +153,22 @@ def test_cut_back_turns_an_older_toymlx_resume_into_one_run(tmp_path):
     assert [e["step"] for e in kept if e["kind"] == "step"] == list(range(1, 9))
     assert "run_end" not in [e["kind"] for e in kept]
     assert cut.previous_end == "completed" and cut.dropped == 5  # steps 5-6, run_start, 2 ends
+
+
+def test_check_toy_v1_names_a_gap_or_a_repeat_in_the_steps(completed):
+    """toy/v1 logs each optimizer step once: a step line deleted by hand (step 2 of 4), or one
+    repeated, is named by the format check; the bundle as written has none."""
+    from toymlx.bundle.events import check_toy_v1
+
+    events = read_events(completed)
+    assert check_toy_v1(events) == []
+    at = next(i for i, e in enumerate(events) if e["kind"] == "step" and e["step"] == 2)
+    gap = events[:at] + events[at + 1:]
+    after = next(i for i, e in enumerate(gap) if e["kind"] == "step" and e["step"] == 3)
+    assert check_toy_v1(gap) == [(
+        f"event {after + 1} (step): key 'step': expected 2 (each step of phase 'train' once, "
+        "in order), found 3: step 2 is missing")]
+    repeat = events[:at + 1] + [events[at]] + events[at + 1:]
+    assert check_toy_v1(repeat) == [(
+        f"event {at + 2} (step): key 'step': expected 3 (each step of phase 'train' once, "
+        "in order), found 2: a step repeated or out of order")]

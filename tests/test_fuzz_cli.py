@@ -554,7 +554,7 @@ def hostile_files(w: World, run: Path, other: Path) -> list[tuple[str, str, list
         p.write_text("\n".join([good] * 3 + [line] + [good] * 3) + "\n")
         out.append((f"data ({label})", "toymlx-train --recipe lora",
                     ["--base", base, "--data.path", str(p), *loop], want))
-    says = {"lr": "config.json was edited", "config": "config.json was edited",
+    says = {"lr": "config.json was edited", "config": "the two files belong to different runs",
             "pair": "expected a checkpoint of this run", "empty": "expected the run's record",
             "gone": "expected the run's record", "weights": "expected the run's checkpoint folder"}
     for edit, r in _edited_runs(w, run, other).items():

@@ -286,12 +286,28 @@ def test_a_resume_refuses_an_edited_config_json(runs, capsys):
     assert _files(a) == before
     shutil.copy(b / "config.json", a / "config.json")
     assert _resume(a) == 2
-    assert "key 'config.seed': expected 0 (recorded when the run started), found 1" in \
-        error_line(capsys)
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'events.jsonl'}: --resume: expected the record of the run "
+        f"{a / 'config.json'} holds (run_id 'b'), found that of run_id 'a': the two files "
+        "belong to different runs; put back this run's own events.jsonl (or config.json)")
     assert _resume(a, "--from", "step_2") == 0
     resumed = [e for e in _events(a) if e["kind"] == "resume"]
     assert resumed[-1]["config_sha256"] != next(e for e in _events(a)
                                                 if e["kind"] == "run_start")["config_sha256"]
+
+
+def test_a_resume_refuses_another_runs_events_jsonl(runs, capsys):
+    """Another run's events.jsonl copied in beside an untouched config.json: the two files are
+    named as different runs' (both run ids), not config.json as edited; nothing changed."""
+    a, b = runs
+    shutil.copy(b / "events.jsonl", a / "events.jsonl")
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'events.jsonl'}: --resume: expected the record of the run "
+        f"{a / 'config.json'} holds (run_id 'a'), found that of run_id 'b': the two files "
+        "belong to different runs; put back this run's own events.jsonl (or config.json)")
+    assert _files(a) == before
 
 
 def _events(run: Path) -> list[dict]:
@@ -311,6 +327,71 @@ def test_a_resume_refuses_another_runs_checkpoint_pair(runs, capsys):
         f"toymlx-train: error: {a / 'weights' / 'step_2.gguf'}: --resume: expected a checkpoint "
         f"of this run (run_uid {ours}), found one of run_uid {theirs} (run 'b'); put this run's "
         "checkpoint back, or adopt it with --from step_2")
+
+
+def test_a_resume_refuses_a_record_missing_a_step_before_its_checkpoint(runs, capsys):
+    """A step line deleted from events.jsonl (step 1 of the 2 before the checkpoint): the
+    resume names the file and the step instead of going on with it missing for good; from a
+    checkpoint before the gap (step_0 here) it goes on, each step once."""
+    a, _ = runs
+    events = a / "events.jsonl"
+    lines = events.read_text().splitlines(keepends=True)
+    events.write_text("".join(x for x in lines if not ('"kind": "step"' in x
+                                                       and '"step": 1,' in x)))
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {events}: --resume: expected each step once up to the "
+        "checkpoint's step 2, found no step 1; resuming would leave step 1 missing for good: "
+        "put the run's events.jsonl back, or go on from a checkpoint before it with --from "
+        "step_0")
+    assert _files(a) == before
+    assert _resume(a, "--from", "step_0") == 0
+    assert [e["step"] for e in _events(a) if e["kind"] == "step"] == [1, 2, 3]
+
+
+def test_eval_refuses_another_runs_checkpoint_pair_as_resume_does(runs, capsys):
+    """toymlx-eval --model RUN (or a checkpoint in its weights/) once scored another run's
+    checkpoint pair copied over the run's own; it is refused as a resume refuses it, and the
+    run's own pair, once put back, is scored, as is one the run adopted with --from."""
+    from toymlx_cli.eval import main as eval_main
+
+    a, b = runs
+    own = {n: (a / "weights" / n).read_bytes() for n in ("step_2.gguf", "step_2.state.safetensors")}
+    for name in own:
+        shutil.copy(b / "weights" / name, a / "weights" / name)
+    ours = next(e for e in _events(a) if e["kind"] == "run_start")["run_uid"]
+    theirs = next(e for e in _events(b) if e["kind"] == "run_start")["run_uid"]
+    ckpt = a / "weights" / "step_2.gguf"
+    for model in (a, ckpt):
+        assert eval_main(["--model", str(model)]) == 2
+        assert error_line(capsys, "toymlx-eval") == (
+            f"toymlx-eval: error: {ckpt}: --model: expected a checkpoint of this run (run_uid "
+            f"{ours}), found one of run_uid {theirs} (run 'b'); put this run's checkpoint back")
+    for name, data in own.items():
+        (a / "weights" / name).write_bytes(data)
+    assert eval_main(["--model", str(a)]) == 0
+    for name in own:  # adopted by the run (--from step_2): its record names it, so it is scored
+        shutil.copy(b / "weights" / name, a / "weights" / name)
+    assert _resume(a, "--from", "step_2") == 0
+    assert eval_main(["--model", str(ckpt)]) == 0
+
+
+def test_a_resume_of_a_completed_run_names_its_steps_not_a_flag_never_given(runs, capsys):
+    """--resume alone on a completed run once read "--steps: expected more than the
+    checkpoint's step 2 ..., found 2" though no --steps was given; a --steps that is given
+    and too small is still named as the flag."""
+    from toymlx_cli.train import main as train_main
+
+    a, _ = runs
+    assert train_main(["--resume", str(a)]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a}: completed at step 2 (its --steps); pass --steps N (more "
+        "than 2) to train on")
+    assert train_main(["--resume", str(a), "--steps", "1"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a}: --steps: expected more than the checkpoint's step 2 to "
+        "train on, found 1 (pass --steps N to extend the run)")
 
 
 @pytest.mark.parametrize("damage,found", [("empty", "an empty file"), ("gone", "no file")])

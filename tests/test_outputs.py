@@ -172,6 +172,24 @@ def test_train_overwrite_refuses_a_run_folder_holding_its_base(made, tmp_path, c
             str(run), f"the --base {base} inside it")
 
 
+@pytest.mark.parametrize("where", ["sweep-id", "runs-root"])
+def test_sweep_refuses_a_folder_in_a_run_naming_the_flag_that_put_it_there(made, capsys, where):
+    """A --sweep-id that names a run's folder (docs once used one id for both) is --sweep-id's
+    error, not --runs-root's; a --runs-root inside a run stays --runs-root's."""
+    from toymlx_cli.sweep import main as sweep
+
+    run = made / "runs" / "r1"
+    root, sweep_id = ((made / "runs", "r1") if where == "sweep-id" else (run / "weights", "s"))
+    line = refused(capsys, made, "toymlx-sweep", sweep,
+                   ["--recipe", "vit-tiny", "--grid", "lr=1e-3", "--steps", "1", "--runs-root",
+                    str(root), "--sweep-id", sweep_id, "--no-progress"])
+    at = root / sweep_id if where == "sweep-id" else root
+    assert line == (
+        f"toymlx-sweep: error: {at}: --{where}: expected a path outside run bundles, found it "
+        f"inside the run bundle {run} (its checkpoints, weights/latest and config.json are the "
+        f"run's own); choose another --{where}")
+
+
 def test_report_refuses_a_runs_config(made, capsys):
     from toymlx_cli.report import main as report
 

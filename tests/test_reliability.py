@@ -359,6 +359,34 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path, capsys, data):
     assert sorted(p.name for p in plain.iterdir()) == ["notes.txt"]
 
 
+def test_overwrite_refuses_a_run_holding_files_toymlx_did_not_write(tmp_path, capsys, data):
+    """--overwrite replaces what toymlx wrote in a run (TensorBoard and W&B files, superseded
+    checkpoints, a fused export, temporaries included), never a user's own files beside it:
+    those are named and nothing is removed."""
+    assert train(tmp_path, "r", "--steps", "2", data=data) == 0
+    run = tmp_path / "r"
+    ours = ["events.superseded.jsonl", "events.out.tfevents.1796058315.vm.17557.0",
+            "wandb/debug.log", "fused-f16.gguf", ".config.json.tmp-99999",
+            "weights/superseded/step_3.gguf", "weights/superseded/step_3.state.safetensors"]
+    mine = ["my_notes.txt", "analysis/plot.csv", "weights/README"]
+    for name in ours + mine:
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("x")
+    before = _digest(run)
+    capsys.readouterr()
+    assert train(tmp_path, "r", "--steps", "2", "--overwrite", data=data) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {run}: --overwrite: expected only the files toymlx writes in a "
+        "run bundle, found others too: analysis/, my_notes.txt, weights/README; nothing was "
+        "removed: move them out of the run folder, or choose another --run-id or --runs-root")
+    assert _digest(run) == before
+    for name in mine:
+        (run / name).unlink()
+    (run / "analysis").rmdir()
+    assert train(tmp_path, "r", "--steps", "2", "--overwrite", data=data) == 0
+    assert not any((run / name).exists() for name in ours)
+
+
 def test_overwrite_takes_an_empty_folder_and_a_run_killed_before_its_first_step(
         tmp_path, capsys, data):
     """An empty folder is taken; a run killed while building (config.json alone) is named as

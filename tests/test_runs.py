@@ -27,6 +27,7 @@ from toymlx_cli.train import main
 
 from toymlx.bundle.checkpoint import list_checkpoints
 from toymlx.bundle.events import SUPERSEDED, read_events
+from toymlx.bundle.folder import lock_run
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
@@ -103,6 +104,29 @@ def test_a_second_writer_of_a_live_bundle_is_refused(tmp_path, data, capsys):
     ev = _one_run(run)
     assert ev[-1]["reason"] == "completed" and ev[-1]["final_step"] == final + 2
     assert not (run / ".lock").exists()
+
+
+def test_runs_started_in_one_second_without_a_run_id_never_collide(tmp_path, data, capsys,
+                                                                    monkeypatch):
+    """The default id is a timestamp to the second: a run started in the second another
+    claimed it takes the first free suffix (its folder made atomically), while a --run-id the
+    user gave is still refused as taken."""
+    monkeypatch.setattr("toymlx.runner.run.default_run_id", lambda recipe, t=None: "same-sec")
+    taken = tmp_path / "same-sec"
+    taken.mkdir()
+    with lock_run(taken):  # another run, in its first second
+        argv = ["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                str(tmp_path), "--steps", "1"]
+        assert main(argv) == 0
+        assert main(argv) == 0
+        assert main([*argv, "--run-id", "same-sec"]) == 2
+        assert f"{taken}: run bundle: in use by process {os.getpid()} (" in error_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["same-sec", "same-sec-2", "same-sec-3"]
+    for run_id in ("same-sec-2", "same-sec-3"):
+        assert _one_run(tmp_path / run_id)[0]["run_id"] == run_id
+        saved = json.loads((tmp_path / run_id / "config.json").read_text())
+        assert saved["config"]["run_id"] == run_id
+    assert list(taken.iterdir()) == []
 
 
 # ---- 3. strict resume ----------------------------------------------------------------------

@@ -353,12 +353,36 @@ def _event_problems(ev: dict) -> list[str]:
     return out
 
 
+def step_gaps(events: list[dict]) -> list[tuple[int, str, int, int]]:
+    """(event index, phase, expected step, found step) wherever a phase's step events depart
+    from 1, 2, 3, ... (toy/v1: one per optimizer step): found > expected means the steps from
+    expected to found - 1 are missing (a line deleted by hand); found < expected, a step
+    repeated or out of order."""
+    out, last = [], {}
+    for i, ev in enumerate(events):
+        step = ev.get("step")
+        if ev.get("kind") != "step" or not isinstance(step, int) or isinstance(step, bool):
+            continue  # a step event without an int step is named by _event_problems
+        phase = str(ev.get("phase"))
+        if step != last.get(phase, 0) + 1:
+            out.append((i, phase, last.get(phase, 0) + 1, step))
+        last[phase] = step
+    return out
+
+
 def check_toy_v1(events: list[dict]) -> list[str]:
     """Every way `events` (as `read_events` returns them) depart from toy/v1, one line each:
-    required keys and their types, exactly one run_start and first, at most one run_end and
-    last. An empty list means a toy/v1 reader reads the bundle as toymlx wrote it."""
+    required keys and their types, exactly one run_start and first, each step of a phase once
+    and in order, at most one run_end and last. An empty list means a toy/v1 reader reads the
+    bundle as toymlx wrote it."""
     out = [f"event {i + 1} ({ev.get('kind')}): {p}" for i, ev in enumerate(events)
            for p in _event_problems(ev)]
+    for i, phase, want, found in step_gaps(events):
+        what = (f"step {want} is missing" if found == want + 1 else
+                f"steps {want} to {found - 1} are missing" if found > want else
+                "a step repeated or out of order")
+        out.append(f"event {i + 1} (step): key 'step': expected {want} (each step of phase "
+                   f"{phase!r} once, in order), found {found}: {what}")
     kinds = [ev.get("kind") for ev in events]
     if kinds.count("run_start") != 1:
         out.append(f"run_start: expected exactly one, found {kinds.count('run_start')}")

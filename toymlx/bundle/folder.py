@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,15 @@ from toymlx.backend import atomic
 from toymlx.backend.files import special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
-from toymlx.bundle.events import EVENTS_FILE
+from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
 from toymlx.bundle.inputs import DATA_FILES_KEY, MODEL_FILES_KEY, data_files, model_files
 from toymlx.bundle.options import RunError, found_text
 
 CONFIG_FILE = "config.json"
 CONFIG_KEYS = frozenset({"format", "recipe", "config", DATA_FILES_KEY, MODEL_FILES_KEY})
 """Every top-level key of config.json (`save_config`)."""
+WRITE_TEST = ".write-test"
+"""Written and removed again as a fresh run takes its folder: the folder is writable."""
 
 
 def lock_run(run_dir: Path) -> Lock:
@@ -29,13 +32,18 @@ def lock_run(run_dir: Path) -> Lock:
     return acquire(run_dir / LOCK_FILE, f"{run_dir}: run bundle")
 
 
-def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock]:
+def prepare_run_dir(root: str, run_id: str, overwrite: bool,
+                    default_id: bool = False) -> tuple[Path, Lock]:
     """Create and own runs/<id> for a fresh start, failing before any training if another
-    process owns it, if it holds a run (unless `overwrite`), or if it cannot be written."""
+    process owns it, if it holds a run (unless `overwrite`), or if it cannot be written.
+    `default_id` (no --run-id given): the id is toymlx's, so a taken one gets a suffix
+    (`claim_run_dir`) instead of failing."""
     if "/" in run_id or run_id in ("", ".", ".."):
         raise RunError(f"--run-id: expected a single folder name, found {run_id!r}")
     run_dir = Path(root) / run_id
     try:
+        if default_id:
+            run_dir = claim_run_dir(Path(root), run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run(run_dir)
     except OSError as e:
@@ -51,11 +59,16 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
                            f"{CONFIG_FILE} and {EVENTS_FILE}) or an empty folder, found a folder "
                            f"that is not a run, holding {_names(held)}; nothing was removed: "
                            "choose another --run-id or --runs-root")
+        if foreign := not_written_by_toymlx(run_dir):  # a run's folder, and someone's files in it
+            raise RunError(f"{run_dir}: --overwrite: expected only the files toymlx writes in "
+                           f"a run bundle, found others too: {_shown(foreign)}; nothing was "
+                           "removed: move them out of the run folder, or choose another "
+                           "--run-id or --runs-root")
         for p in held:  # --overwrite: we own the folder, so nobody is writing into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (run_dir / "weights").mkdir(exist_ok=True)
-        atomic.write_bytes(run_dir / ".write-test", b"ok")
-        (run_dir / ".write-test").unlink()
+        atomic.write_bytes(run_dir / WRITE_TEST, b"ok")
+        (run_dir / WRITE_TEST).unlink()
     except OSError as e:
         lock.release()
         raise RunError(f"{run_dir}: runs folder: expected writable, found "
@@ -64,6 +77,21 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool) -> tuple[Path, Lock
         lock.release()
         raise
     return run_dir, lock
+
+
+def claim_run_dir(root: Path, run_id: str) -> Path:
+    """root/<run_id>, else root/<run_id>-2, -3, ...: the first that this call creates. The
+    default id is a timestamp to the second, so two runs started in one second share it;
+    os.mkdir fails for all but one of them, which makes the claim atomic."""
+    root.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        run_dir = root / (run_id if n == 1 else f"{run_id}-{n}")
+        try:
+            os.mkdir(run_dir)
+            return run_dir
+        except FileExistsError:
+            n += 1
 
 
 def folder_kind(run_dir: Path, held: list[Path]) -> str:
@@ -86,10 +114,52 @@ def folder_kind(run_dir: Path, held: list[Path]) -> str:
     return "other"
 
 
-def _names(held: list[Path], shown: int = 4) -> str:
-    names = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in held)
+RUN_FILES = re.compile(rf"{re.escape(CONFIG_FILE)}|{re.escape(EVENTS_FILE)}|"
+                       rf"{re.escape(SUPERSEDED)}|{re.escape(LOCK_FILE)}|{re.escape(WRITE_TEST)}|"
+                       r"events\.out\.tfevents\..+|fused-[^/]+\.gguf")
+"""The files toymlx writes at the top of a run folder: config.json, events.jsonl and
+events.superseded.jsonl (a resume's cut), the lock and the write test, TensorBoard's event
+files (--report-to tensorboard) and a lora run's fused-TYPE.gguf (--fuse-at-end). Its folders:
+weights/ and W&B's wandb/ (--report-to wandb; W&B's own tree, taken whole)."""
+CHECKPOINT_FILES = re.compile(rf"{re.escape(ck.LATEST)}|(?:\w+?_)?step_\d+\..+")
+"""What weights/ and weights/superseded/ hold: `latest`, and each checkpoint's GGUF, state
+and side files (`<prefix><step>.*`, `toymlx.bundle.checkpoint`)."""
+
+
+def not_written_by_toymlx(run_dir: Path) -> list[str]:
+    """The files and folders in a run folder that no toymlx command writes there (paths
+    relative to it, a folder ending in "/"), so --overwrite never removes a user's own files."""
+    def folder(p: Path) -> bool:
+        return p.is_dir() and not p.is_symlink()
+
+    def foreign(d: Path, pattern: re.Pattern[str]) -> list[str]:
+        out = []
+        for p in sorted(d.iterdir()):
+            temporary = p.name.startswith(".") and atomic.TMP_TAG in p.name  # a killed writer's
+            if not folder(p) and (temporary or pattern.fullmatch(p.name)):
+                continue
+            out.append(f"{p.relative_to(run_dir)}{'/' if folder(p) else ''}")
+        return out
+
+    found, weights = [], run_dir / "weights"
+    for name in foreign(run_dir, RUN_FILES):
+        if name == "weights/":
+            for inner in foreign(weights, CHECKPOINT_FILES):
+                found += (foreign(weights / ck.SUPERSEDED, CHECKPOINT_FILES)
+                          if inner == f"weights/{ck.SUPERSEDED}/" else [inner])
+        elif name != "wandb/":
+            found.append(name)
+    return found
+
+
+def _shown(names: list[str], shown: int = 4) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+def _names(held: list[Path], shown: int = 4) -> str:
+    return _shown(sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
+                         for p in held), shown)
 
 
 def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:

@@ -40,7 +40,8 @@ class RunOptions:
     runs_root: str = "runs"
     """Folder that holds run bundles."""
     run_id: str | None = None
-    """Name of this run's bundle (default: timestamp + recipe)."""
+    """Name of this run's bundle (default: timestamp + recipe, with -2, -3, ... where that
+    folder is taken)."""
     resume: str | None = None
     """Continue the run bundle at this path from its latest checkpoint, with its saved
     configuration (only --steps and run-local options such as --eval-every may change)."""

@@ -181,6 +181,12 @@ class Bundle:
             return
         was = start.get("config") if isinstance(start.get("config"), dict) else {}
         now = self.saved["config"]
+        theirs, ours = start.get("run_id"), now.get("run_id")
+        if isinstance(theirs, str) and theirs != ours:  # a file copied in from another run
+            raise RunError(f"{events}: --resume: expected the record of the run "
+                           f"{self.path / CONFIG_FILE} holds (run_id {ours!r}), found that of "
+                           f"run_id {theirs!r}: the two files belong to different runs; put "
+                           "back this run's own events.jsonl (or config.json)")
         key = next((k for k in now if k in was and now[k] != was[k]), None)
         what = (f"key 'config.{key}': expected {was[key]!r} (recorded when the run started), "
                 f"found {now[key]!r}" if key is not None else
@@ -270,17 +276,51 @@ class Bundle:
             arrays, meta = ck.open_checkpoint(ckpt)
         except ck.ResumeError as e:
             raise ck.ResumeError(f"{e}; {intact_hint(self.path, step)}") from None
-        ours = (self.start_event or {}).get("run_uid")
-        theirs = meta.get(ck.RUN_KEY)
-        if from_text is None and isinstance(ours, str) and theirs != ours:
-            raise RunError(f"{ckpt}: --resume: expected a checkpoint of this run (run_uid "
-                           f"{ours}), found one of run_uid {theirs or '(none recorded)'} (run "
-                           f"{meta.get('general.run_id')!r}); put this run's checkpoint back, or adopt it with --from "
-                           f"step_{step}")
+        if from_text is None:  # --from step_N adopts the checkpoint and the record as they are
+            self.check_own_checkpoint(ckpt, meta, "--resume",
+                                      f", or adopt it with --from step_{step}")
+            self._check_step_record(step)
         return self._check_steps(Resume(step, ckpt, state=arrays, steps_before=self.config.steps,
                                         note=note), steps)
 
+    def _check_step_record(self, step: int) -> None:
+        """RunError naming the first step that events.jsonl lacks up to the checkpoint's `step`
+        (a line deleted by hand): the resumed run would keep it missing for good."""
+        missing = next((want for _, _, want, found in ev.step_gaps(self.events) if found > want),
+                       None)
+        if missing is None:  # no gap: the record may still end before the checkpoint
+            missing = 1 + max((e["step"] for e in self.events if e["kind"] == "step"
+                               and isinstance(e.get("step"), int)), default=0)
+        if missing > step:
+            return
+        before = [s for s, _ in ck.list_checkpoints(self.path / "weights") if s < missing]
+        raise RunError(f"{self.path / ev.EVENTS_FILE}: --resume: expected each step once up to "
+                       f"the checkpoint's step {step}, found no step {missing}; resuming would "
+                       f"leave step {missing} missing for good: put the run's events.jsonl back, "
+                       f"or go on from a checkpoint before it with --from "
+                       f"step_{before[-1] if before else 0}")
+
+    def check_own_checkpoint(self, ckpt: Path, meta: dict[str, Any], flag: str,
+                             fix: str = "") -> None:
+        """RunError unless checkpoint `ckpt` (`meta`: its GGUF metadata) was written by this
+        run, the run_uid its run_start records, or adopted by it (a resume event's checkpoint:
+        --from step_N): another run's pair copied into weights/ is refused by every reader that
+        checks it (resume, toymlx-eval). `fix`: what else to do."""
+        ours = (self.start_event or {}).get("run_uid")
+        theirs = meta.get(ck.RUN_KEY)
+        adopted = {e.get("checkpoint") for e in self.events if e["kind"] == "resume"}
+        if isinstance(ours, str) and theirs != ours and f"weights/{ckpt.name}" not in adopted:
+            raise RunError(f"{ckpt}: {flag}: expected a checkpoint of this run (run_uid "
+                           f"{ours}), found one of run_uid {theirs or '(none recorded)'} (run "
+                           f"{meta.get('general.run_id')!r}); put this run's checkpoint "
+                           f"back{fix}")
+
     def _check_steps(self, resume: Resume, steps: int) -> Resume:
+        """RunError unless `steps` (the run's own --steps, or the one given) lies past the
+        checkpoint: a completed run has nothing left to train without a new --steps."""
+        if steps == self.config.steps and resume.step >= steps:  # no --steps past the run's
+            raise RunError(f"{self.path}: completed at step {resume.step} (its --steps); pass "
+                           f"--steps N (more than {resume.step}) to train on")
         if steps <= resume.step:
             raise RunError(f"{self.path}: --steps: expected more than the checkpoint's step "
                            f"{resume.step} to train on, found {steps} (pass --steps N to "

@@ -149,12 +149,16 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
     for flag, path in run_inputs(cfg):  # before the folder is made: reading one would hang
         if isinstance(path, str) and (kind := special_kind(path)):
             raise ValueError(f"{path}: {flag}: expected a regular file or a folder, found {kind}")
+    default_id = not cfg.run_id
     cfg.run_id = cfg.run_id or _shared_run_id(recipe, world)
     run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
                            "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id])
     if rank0:
-        run_dir, lock = prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite)
+        run_dir, lock = prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite, default_id)
         owned.enter_context(lock)
+    if default_id:  # the folder rank 0 claimed, maybe with a suffix
+        run_dir = _shared_claim(run_dir, cfg.run_id, world)
+        cfg.run_id = run_dir.name
     try:
         if rank0:
             save_config(run_dir, recipe, cfg)
@@ -196,6 +200,16 @@ def _shared_run_id(recipe: str, world: Any) -> str:
     t = int(time.time()) if world.rank() == 0 else 0
     t = int(mx.distributed.all_sum(mx.array(t, dtype=mx.int64), group=world).item())
     return default_run_id(recipe, t)
+
+
+def _shared_claim(run_dir: Path, run_id: str, world: Any) -> Path:
+    """The run folder rank 0 claimed for the default `run_id` (`claim_run_dir`: it may carry a
+    suffix -N), on every rank: rank 0's N, broadcast by an all_sum."""
+    if world is None:
+        return run_dir
+    n = int(run_dir.name[len(run_id) + 1:] or 1) if world.rank() == 0 else 0
+    n = int(mx.distributed.all_sum(mx.array(n, dtype=mx.int64), group=world).item())
+    return run_dir.with_name(run_id if n == 1 else f"{run_id}-{n}")
 
 
 def _final_line(run_dir: Path, end: dict) -> None:

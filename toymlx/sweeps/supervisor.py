@@ -290,11 +290,15 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         raise ValueError("sweep: run names repeat; give each run distinct values")
     mine = shard_specs(specs, shard)
     stream = stream or sys.stderr
+    given = sweep_id is not None
     sweep_id = sweep_id or default_sweep_id(recipe, specs, run_options)
     if "/" in sweep_id or sweep_id in ("", ".", ".."):
         raise ValueError(f"--sweep-id: expected a single folder name, found {sweep_id!r}")
-    # its runs' inputs are checked by each toymlx-train; the sweep's own folder here
-    sweep_dir = check_output(Path(root) / sweep_id, [], "--runs-root")
+    # its runs' inputs are checked by each toymlx-train; the sweep's own folder here, naming
+    # the flag that put it where it is: the root first, then a given --sweep-id in that root
+    # (one naming a run's folder)
+    check_output(Path(root), [], "--runs-root")
+    sweep_dir = check_output(Path(root) / sweep_id, [], "--sweep-id" if given else "--runs-root")
     changed = changed_options(sweep_dir, recipe, specs, run_options)
     if changed:
         raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this sweep "
