@@ -315,9 +315,6 @@ def evaluate(args: Args) -> dict:
                      "--plot")
     bundle = _run_bundle(args.model)
     args = dataclasses.replace(args, split=default_split(args, bundle))
-    if bundle is not None:  # as a resume does: scores only a checkpoint the run wrote
-        with GGUFFile(ckpt := checkpoint_file(args.model)) as g:
-            bundle.check_own_checkpoint(ckpt, g.metadata, "--model")
     if bundle is not None and args.split == "test" and args.data_path is None:
         check_run_test_data(bundle)
     if bundle is not None and bundle.recipe == "lora":

@@ -350,10 +350,11 @@ def test_a_resume_refuses_a_record_missing_a_step_before_its_checkpoint(runs, ca
     assert [e["step"] for e in _events(a) if e["kind"] == "step"] == [1, 2, 3]
 
 
-def test_eval_refuses_another_runs_checkpoint_pair_as_resume_does(runs, capsys):
-    """toymlx-eval --model RUN (or a checkpoint in its weights/) once scored another run's
-    checkpoint pair copied over the run's own; it is refused as a resume refuses it, and the
-    run's own pair, once put back, is scored, as is one the run adopted with --from."""
+def test_readers_refuse_another_runs_checkpoint_pair_as_resume_does(runs, capsys):
+    """toymlx-eval --model RUN (or a checkpoint in its weights/), toymlx-generate and
+    toymlx-export once read another run's checkpoint pair copied over the run's own; it is
+    refused as a resume refuses it, and the run's own pair, once put back, is scored, as is
+    one the run adopted with --from."""
     from toymlx_cli.eval import main as eval_main
 
     a, b = runs
@@ -368,6 +369,20 @@ def test_eval_refuses_another_runs_checkpoint_pair_as_resume_does(runs, capsys):
         assert error_line(capsys, "toymlx-eval") == (
             f"toymlx-eval: error: {ckpt}: --model: expected a checkpoint of this run (run_uid "
             f"{ours}), found one of run_uid {theirs} (run 'b'); put this run's checkpoint back")
+    # every reader of a run's checkpoint resolves it in one place (checkpoint_file)
+    from toymlx_cli.export import main as export_main
+    from toymlx_cli.generate import main as generate_main
+
+    assert generate_main(["--model", str(a), "--prompt", "Once", "--max-tokens", "1"]) == 2
+    assert error_line(capsys, "toymlx-generate") == (
+        f"toymlx-generate: error: {ckpt}: --model: expected a checkpoint of this run (run_uid "
+        f"{ours}), found one of run_uid {theirs} (run 'b'); put this run's checkpoint back")
+    out = a.parent / "exported.gguf"
+    assert export_main(["--base", str(a), "--out", str(out)]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        f"toymlx-export: error: {ckpt}: --base: expected a checkpoint of this run (run_uid "
+        f"{ours}), found one of run_uid {theirs} (run 'b'); put this run's checkpoint back")
+    assert not out.exists()
     for name, data in own.items():
         (a / "weights" / name).write_bytes(data)
     assert eval_main(["--model", str(a)]) == 0

@@ -273,12 +273,11 @@ class Bundle:
             ckpt, note = ck.latest_checkpoint(self.path)
             step = ck.checkpoint_step(ckpt)
         try:
-            arrays, meta = ck.open_checkpoint(ckpt)
+            arrays, _ = ck.open_checkpoint(ckpt)
         except ck.ResumeError as e:
             raise ck.ResumeError(f"{e}; {intact_hint(self.path, step)}") from None
         if from_text is None:  # --from step_N adopts the checkpoint and the record as they are
-            self.check_own_checkpoint(ckpt, meta, "--resume",
-                                      f", or adopt it with --from step_{step}")
+            ck.check_own(ckpt, "--resume", f", or adopt it with --from step_{step}")
             self._check_step_record(step)
         return self._check_steps(Resume(step, ckpt, state=arrays, steps_before=self.config.steps,
                                         note=note), steps)
@@ -299,21 +298,6 @@ class Bundle:
                        f"leave step {missing} missing for good: put the run's events.jsonl back, "
                        f"or go on from a checkpoint before it with --from "
                        f"step_{before[-1] if before else 0}")
-
-    def check_own_checkpoint(self, ckpt: Path, meta: dict[str, Any], flag: str,
-                             fix: str = "") -> None:
-        """RunError unless checkpoint `ckpt` (`meta`: its GGUF metadata) was written by this
-        run, the run_uid its run_start records, or adopted by it (a resume event's checkpoint:
-        --from step_N): another run's pair copied into weights/ is refused by every reader that
-        checks it (resume, toymlx-eval). `fix`: what else to do."""
-        ours = (self.start_event or {}).get("run_uid")
-        theirs = meta.get(ck.RUN_KEY)
-        adopted = {e.get("checkpoint") for e in self.events if e["kind"] == "resume"}
-        if isinstance(ours, str) and theirs != ours and f"weights/{ckpt.name}" not in adopted:
-            raise RunError(f"{ckpt}: {flag}: expected a checkpoint of this run (run_uid "
-                           f"{ours}), found one of run_uid {theirs or '(none recorded)'} (run "
-                           f"{meta.get('general.run_id')!r}); put this run's checkpoint "
-                           f"back{fix}")
 
     def _check_steps(self, resume: Resume, steps: int) -> Resume:
         """RunError unless `steps` (the run's own --steps, or the one given) lies past the
