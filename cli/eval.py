@@ -353,11 +353,14 @@ def evaluate(args: Args) -> dict:
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
         m = command_evaluator(task)()
         mx.eval()
+        # how much was scored: the whole split, where a run's own val_loss reads --eval-batches
+        scored = {"tokens_scored": int(sum(b["mask"].sum() for b in vb)), "seq_len": seq_len}
         if args.split == "test":  # named as the run's test event names them
             return {"model": str(path), "data": td.test_source, "split": "test",
-                    "test_loss": m["val_loss"], "test_perplexity": math.exp(m["val_loss"])}
+                    "test_loss": m["val_loss"], "test_perplexity": math.exp(m["val_loss"]),
+                    **scored}
         return {"model": str(path), "data": td.source, "split": args.split, **m,
-                "perplexity": math.exp(m["val_loss"])}
+                "perplexity": math.exp(m["val_loss"]), **scored}
     raise ValueError(f"{path}: metadata key 'general.architecture': expected vit or one of "
                      f"{', '.join(ARCHS)}, found {arch!r}")
 

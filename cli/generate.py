@@ -4,6 +4,7 @@ rendered through the GGUF's chat template wherever it has one, as mlx_lm.generat
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ class Args:
     prompt: str = ""
     """The user's message, rendered through the GGUF's chat template wherever it has one (as
     mlx_lm.generate); raw text to continue with --ignore-chat-template or where there is no
-    template. --chat without it: a conversation typed turn by turn, as mlx_lm.chat."""
+    template; '-' reads it from stdin (as mlx_lm.generate). --chat without it: a conversation
+    typed turn by turn, as mlx_lm.chat."""
     max_tokens: int = 128
     """Most new tokens to generate (generation also stops at the end-of-sequence token)."""
     temperature: float = 0.7
@@ -267,6 +269,8 @@ def run(args: Args) -> int:
         used_files,
     )
 
+    if args.prompt == "-":
+        args = dataclasses.replace(args, prompt=utf8_text(sys.stdin.buffer.read(), "stdin"))
     utf8_text(args.prompt, "--prompt")
     if args.system is not None:
         utf8_text(args.system, "--system")
@@ -327,6 +331,9 @@ def run(args: Args) -> int:
           f"({n / dt if dt > 0 else 0:.1f} tok/s, {engine})", file=sys.stderr)
     if n == 0:
         print(no_tokens_note(tokenizer, args, ids, context), file=sys.stderr)
+    elif n < args.max_tokens and len(ids) + n >= context:
+        print(f"{PROG}: stopped at the model's context: {len(ids)} prompt + {n} new tokens fill "
+              f"its {context} (--max-tokens {args.max_tokens})", file=sys.stderr)
     return 0
 
 

@@ -38,6 +38,7 @@ def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
     try:
         args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))
         dirs = report.expand_dirs(args.dirs)
+        report.check_report_name(args.out)  # before the work, not after the table
         check_output(args.out, [])  # a new file beside the runs, never inside one
         rows = report.sort_rows(report.summarize(dirs))
         params = report.add_params(rows)

@@ -108,3 +108,28 @@ def test_the_relay_passes_the_report_lines_through(tmp_path, capsys):
     assert [e["step"] for e in evals] == [2, 4]
     for e in evals:
         assert f"step {e['step']}: val_loss {e['val_loss']:.4f} ({e['seconds']:.2f} s)" in out
+
+
+TINY = {"model": {"d_model": 32, "n_layers": 1}, "seq_len": 32, "batch_size": 4, "steps": 2,
+        "eval_every": 0, "eval_batches": 1, "checkpoint_every": 0, "compile": False}
+
+
+def test_names_as_a_dict_spells_them_and_refusals_are_value_errors(tmp_path):
+    """`**{"run-id": x}` is run_id=x (it once trained into a default id instead); an existing
+    --run-id is the command's refusal, a ValueError, not a failed run (its bundle untouched);
+    a value no flag can carry is named before anything starts."""
+    import toymlx
+
+    run = toymlx.train("from-scratch", **TINY, **{"run-id": "b10", "runs-root": str(tmp_path)},
+                       echo=False)
+    assert Path(run["path"]) == tmp_path / "b10" and run["status"] == "completed"
+    before = (tmp_path / "b10" / "events.jsonl").read_bytes()
+    with pytest.raises(ValueError, match="b10"):
+        toymlx.train("from-scratch", **TINY, run_id="b10", runs_root=str(tmp_path), echo=False)
+    assert (tmp_path / "b10" / "events.jsonl").read_bytes() == before
+    with pytest.raises(ValueError, match=r"^steps: expected a str, number, bool, path, dict "
+                                         r"\(a group of options\) or list, found object$"):
+        toymlx.train("from-scratch", steps=object(), runs_root=str(tmp_path), echo=False)
+    with pytest.raises(ValueError, match=r"^run-id: given twice, as run_id and run-id$"):
+        toymlx.train("from-scratch", run_id="a", **{"run-id": "b"}, runs_root=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b10"]

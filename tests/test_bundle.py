@@ -113,6 +113,28 @@ def test_a_missing_latest_is_read_by_eval(tmp_path, stopped, capsys):
     assert json.loads(capsys.readouterr().out)["model"] == str(run / "weights" / "step_4.gguf")
 
 
+@pytest.mark.parametrize("seq_len", [16, 40])
+def test_eval_says_how_much_it_scored(tmp_path, stopped, capsys, seq_len):
+    """A text run's eval scores the whole split (a run's own val_loss reads --eval-batches of
+    it) and says how many tokens: every window of seq_len with disjoint targets."""
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.gguf.reader import GGUFFile
+    from toymlx.recipes.common import TextData, load_token_data
+
+    run = _copy(stopped, tmp_path)
+    data = run.parent / "data.txt"
+    shutil.copy(stopped.parent / "data.txt", data)
+    assert eval_main(["--model", str(run), "--data.path", str(data), "--split", "all",
+                      "--seq-len", str(seq_len)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    with GGUFFile(run / "weights" / "step_4.gguf") as g:
+        tok = Tokenizer.from_metadata(g.metadata)
+    td = load_token_data(TextData(str(data)), tok, seq_len)
+    n = len(td.train) + len(td.val)
+    assert (out["split"], out["seq_len"]) == ("all", seq_len)
+    assert out["tokens_scored"] == (n - 1) // seq_len * seq_len > 0
+
+
 # ---- B2 ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("prog,command", [
     ("toymlx-train", lambda run: main(["--resume", str(run)])),

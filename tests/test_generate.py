@@ -652,3 +652,30 @@ def test_a_dora_adapter_decodes_in_mlx(stories_path, tmp_path, capsys):
     if importlib.util.find_spec("llama_cpp") is not None:  # else: the engine is not installed
         assert "llama.cpp reads only lora adapters, found 'dora'" in err
         assert "found 'dora'" in forced
+
+
+def test_prompt_dash_reads_stdin_as_mlx_lm_does(stories_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(PROMPT.encode())))
+    rc = cli.main(["--model", str(stories_path), "--prompt", "-", "--max-tokens", "12",
+                   "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.startswith(", there was a little girl"), out  # as with --prompt PROMPT
+
+
+def test_a_generation_cut_by_the_context_says_so(stories_path, tmp_path, capsys):
+    from toymlx.gguf.fuse import write_with_tensors
+    from toymlx.gguf.reader import GGUFFile
+
+    short = tmp_path / "short.gguf"
+    with GGUFFile(stories_path) as g:
+        write_with_tensors(short, g, {}, {"llama.context_length": 24})
+    for engine in ("mlx", *(("llama.cpp",) if importlib.util.find_spec("llama_cpp") else ())):
+        rc = cli.main(["--model", str(short), "--prompt", PROMPT, "--max-tokens", "100",
+                       "--temperature", "0", "--engine", engine])
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        line = next(ln for ln in err.splitlines() if "stopped at" in ln)
+        prompt = int(err.split(" prompt + ")[0].rsplit(" ", 1)[-1])
+        assert line == (f"toymlx-generate: stopped at the model's context: {prompt} prompt + "
+                        f"{24 - prompt} new tokens fill its 24 (--max-tokens 100)"), err

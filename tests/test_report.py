@@ -140,3 +140,15 @@ def test_a_closed_stdout_still_writes_the_report(tmp_path):
     err = p.stderr.read()
     assert (p.wait(timeout=120), err) == (0, f"toymlx-report: wrote {out}\n")
     assert "data:image/png;base64," in out.read_text()
+
+
+def test_an_out_it_cannot_draw_is_refused_before_the_table(tmp_path, capsys):
+    from toymlx_cli.report import main
+
+    run = _bundle(tmp_path / "a", [[("run_start", {"recipe": "from-scratch",
+                                                   "config": {"steps": 3}}), *_steps(1, 3)]])
+    assert main([str(run), "--out", str(tmp_path / "rep.pdf")]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == ("toymlx-report: error: --out: expected a .png or .html file name, found "
+                   "'rep.pdf'\n")

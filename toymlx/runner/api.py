@@ -73,20 +73,52 @@ def train(recipe: str, *, echo: bool = True, **options: Any) -> dict[str, Any]:
     from toymlx.bundle.options import default_run_id
     from toymlx.runner.report import summarize_run
 
+    options = _python_names(options)
     resume = options.get("resume")
     if resume is None and options.get("run_id") is None:
         options["run_id"] = default_run_id(recipe)  # known here, so the bundle can be read
     run_dir = (Path(resume) if resume is not None
                else Path(options.get("runs_root") or "runs") / options["run_id"])
     cmd = [sys.executable, "-m", "toymlx_cli.train", "--recipe", recipe, *option_flags(options)]
+    record = run_dir / "events.jsonl"
+    before = _stamp(record)
     tail = _run_child(cmd, echo)
-    summary = summarize_run(run_dir) if (run_dir / "events.jsonl").exists() else None
+    summary = summarize_run(run_dir) if record.exists() else None
     if tail.returncode == 0:
         return summary if summary is not None else {"path": str(run_dir), "status": "empty"}
     last = tail.last_line or f"exit status {tail.returncode}"
-    if tail.returncode == 2 and summary is None:  # the command refused its options
+    # exit 2 is a refusal of the options, or a run that diverged: only the latter writes the
+    # bundle's record (a refused --run-id of an existing run leaves that run's as it was)
+    if tail.returncode == 2 and _stamp(record) == before:
         raise ValueError(tail.message())
     raise TrainError(f"{last} (bundle: {run_dir})", tail.returncode, summary)
+
+
+def _python_names(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with each name as Python spells it (`**{"run-id": x}` is run_id=x), so the
+    names `train` reads itself (run_id, resume, runs_root) are found however they were given;
+    ValueError for one option given in both spellings, or a value no flag can carry."""
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        name = str(key).replace("-", "_")
+        if name in out:
+            raise ValueError(f"{key}: given twice, as {name} and {key}")
+        if not isinstance(value, (str, int, float, bool, os.PathLike, dict, list, tuple,
+                                  type(None))):
+            raise ValueError(  # noqa: TRY004  (a bad option: ValueError, as the module says)
+                f"{name}: expected a str, number, bool, path, dict (a group of "
+                f"options) or list, found {type(value).__name__}")
+        out[name] = _python_names(value) if isinstance(value, dict) else value
+    return out
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """(size, mtime in ns) of `path`, None where it does not exist."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 class _Output:

@@ -398,14 +398,21 @@ def figure(rows: list[dict[str, Any]], params: list[str], table: bool = True):
     return fig
 
 
+def check_report_name(out: str | os.PathLike) -> Path:
+    """`out` as a Path; ValueError unless it names a .png or .html file (what `render` draws),
+    so a command checks it before summarizing anything."""
+    out = Path(out)
+    if out.suffix.lower() not in (".png", ".html", ".htm"):
+        raise ValueError(f"--out: expected a .png or .html file name, found {out.name!r}")
+    return out
+
+
 def render(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
            rows: list[dict[str, Any]] | None = None,
            params: list[str] | None = None) -> Path:
     """Write the report of `run_dirs` to `out` (.png: curves + table panel; .html: curves
     and an HTML table, self-contained); returns the path written."""
-    out = Path(out)
-    if out.suffix.lower() not in (".png", ".html", ".htm"):
-        raise ValueError(f"--out: expected a .png or .html file name, found {out.name!r}")
+    out = check_report_name(out)
     if rows is None:
         rows = sort_rows(summarize(run_dirs))
     if params is None:
