@@ -38,8 +38,8 @@ def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
     try:
         args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))
         dirs = report.expand_dirs(args.dirs)
-        report.check_report_name(args.out)  # before the work, not after the table
         check_output(args.out, [])  # a new file beside the runs, never inside one
+        report.check_report_name(args.out)  # before the work, not after the table
         rows = report.sort_rows(report.summarize(dirs))
         params = report.add_params(rows)
         print(report.format_table(rows, params))
