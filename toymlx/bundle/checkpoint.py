@@ -222,32 +222,36 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model") -> Path:
     return p
 
 
-def check_own(ckpt: Path, flag: str, fix: str = "") -> None:
+def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None = None,
+              events: list[dict] | None = None) -> None:
     """ResumeError unless a checkpoint in a run's weights/ (beside its events.jsonl) was written
     by that run (its `RUN_KEY` against run_start's run_uid) or adopted by it (a resume event
     naming it: --from step_N): another run's pair copied into weights/ is refused by every
-    reader, as by a resume. `fix`: what else to do. Files outside a run pass."""
+    reader, as by a resume. `fix`: what else to do. `meta` (the checkpoint's metadata) and
+    `events` (the run's), where the caller has read them already. Files outside a run pass."""
     from toymlx.bundle.events import EVENTS_FILE, read_events
 
     run = ckpt.parent.parent
-    if ckpt.parent.name != "weights" or not (run / EVENTS_FILE).is_file():
-        return
-    events = read_events(run)
+    if events is None:
+        if ckpt.parent.name != "weights" or not (run / EVENTS_FILE).is_file():
+            return
+        events = read_events(run)
     ours = next((e.get("run_uid") for e in events if e["kind"] == "run_start"), None)
     if not isinstance(ours, str):
         return  # a record with no run_start: the run's own readers name what is missing
-    adopted = {e.get("checkpoint") for e in events if e["kind"] == "resume"}
-    if f"weights/{ckpt.name}" in adopted:
+    if f"weights/{ckpt.name}" in {e.get("checkpoint") for e in events if e["kind"] == "resume"}:
         return
-    try:
-        with GGUFFile(ckpt) as g:
-            meta = {k: g.metadata.get(k) for k in (RUN_KEY, "general.run_id")}
-    except GGUFError:
-        return  # not a GGUF: the loader says so, naming the file
-    if meta[RUN_KEY] != ours:
+    if meta is None:
+        try:
+            with GGUFFile(ckpt) as g:
+                meta = {k: g.metadata.get(k) for k in (RUN_KEY, "general.run_id")}
+        except GGUFError:
+            return  # not a GGUF: the loader says so, naming the file
+    if meta.get(RUN_KEY) != ours:
         raise ResumeError(f"{ckpt}: {flag}: expected a checkpoint of this run (run_uid {ours}), "
-                          f"found one of run_uid {meta[RUN_KEY] or '(none recorded)'} (run "
-                          f"{meta['general.run_id']!r}); put this run's checkpoint back{fix}")
+                          f"found one of run_uid {meta.get(RUN_KEY) or '(none recorded)'} (run "
+                          f"{meta.get('general.run_id')!r}); put this run's checkpoint "
+                          f"back{fix}")
 
 
 def check_name(ckpt: Path) -> None:

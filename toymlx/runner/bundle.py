@@ -273,11 +273,12 @@ class Bundle:
             ckpt, note = ck.latest_checkpoint(self.path)
             step = ck.checkpoint_step(ckpt)
         try:
-            arrays, _ = ck.open_checkpoint(ckpt)
+            arrays, meta = ck.open_checkpoint(ckpt)
         except ck.ResumeError as e:
             raise ck.ResumeError(f"{e}; {intact_hint(self.path, step)}") from None
         if from_text is None:  # --from step_N adopts the checkpoint and the record as they are
-            ck.check_own(ckpt, "--resume", f", or adopt it with --from step_{step}")
+            ck.check_own(ckpt, "--resume", f", or adopt it with --from step_{step}", meta,
+                         self.events)
             self._check_step_record(step)
         return self._check_steps(Resume(step, ckpt, state=arrays, steps_before=self.config.steps,
                                         note=note), steps)
