@@ -679,3 +679,32 @@ def test_a_generation_cut_by_the_context_says_so(stories_path, tmp_path, capsys)
         prompt = int(err.split(" prompt + ")[0].rsplit(" ", 1)[-1])
         assert line == (f"toymlx-generate: stopped at the model's context: {prompt} prompt + "
                         f"{24 - prompt} new tokens fill its 24 (--max-tokens 100)"), err
+
+
+def test_llamacpp_threads_follow_the_idle_cores(monkeypatch):
+    """The llama.cpp engine decodes on one thread per idle core: its threads wait for each other
+    after every matmul, so a thread on a core other work holds stalls the rest."""
+    from toymlx.generation import llamacpp_decode as d
+
+    assert [d.decode_threads(2, idle) for idle in (0.0, 0.4, 0.6, 1.0, 1.49, 1.5, 2.0, 3.0)] == \
+        [1, 1, 1, 1, 1, 2, 2, 2]
+    assert d.decode_threads(16, 11.7) == 12
+    # two /proc/stat snapshots 0.1 s apart: 150 of 200 jiffies idle (+ iowait) on 2 cores
+    snaps = iter([(1000, 5000), (1150, 5200)])
+    monkeypatch.setattr(d, "_cpu_times", lambda: next(snaps))
+    monkeypatch.setattr(d.os, "cpu_count", lambda: 2)
+    assert d.idle_cores(window=0.0) == pytest.approx(1.5)
+    # without /proc/stat (macOS): the cores less the 1-minute load average
+    monkeypatch.setattr(d, "_cpu_times", lambda: None)
+    monkeypatch.setattr(d.os, "getloadavg", lambda: (1.25, 0.0, 0.0))
+    assert d.idle_cores() == pytest.approx(0.75)
+
+
+def test_cpu_times_reads_this_machine():
+    from toymlx.generation import llamacpp_decode as d
+
+    got = d._cpu_times()
+    if got is None:
+        pytest.skip("no /proc/stat on this system")
+    idle, total = got
+    assert 0 <= idle <= total and total > 0
