@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", help="comma-separated hosts for mlx.launch (default: this one)")
     p.add_argument("--backend", default="ring", help="mlx.launch backend (default ring)")
     p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds the other ranks get to end after one fails (default 10)")
+                   help="seconds the other ranks get to end after one fails, or after a second "
+                        "Ctrl-C (default 10)")
     p.add_argument("--status-dir", help="where ranks report how they ended (default: a "
                                         "temporary folder; use a shared one across hosts)")
     p.add_argument("--port", type=int, help="first ring port (default: a free one on this "

@@ -1,11 +1,13 @@
 """Data parallelism over 2 ranks on loopback (mlx.launch, ring backend), through toymlx-launch:
-the same losses as one process with the same global batch, one writer of the run bundle, and
-a failing rank that fails the launch."""
+the same losses as one process with the same global batch, one writer of the run bundle, a
+failing rank that fails the launch, and Ctrl-C that ends the ranks as it ends one process."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 from toymlx_cli.train import main as train_main
 
+from toymlx.bundle.checkpoint import list_checkpoints
 from toymlx.bundle.events import read_events
 from toymlx.runner.launch import _free_port_base
 from toymlx.training.trainer import _shard
@@ -35,6 +38,39 @@ if os.environ.get("MLX_RANK") == "1":
     def step_seed(s0, step):
         if step == 3:
             raise RuntimeError("injected failure on rank 1")
+        return seed(s0, step)
+    t.step_seed = step_seed
+from toymlx_cli.train import main
+sys.exit(main())
+"""
+
+# rank 0 waits 3 s before each checkpoint it writes: a rank 1 that exited without waiting for it
+# had mlx.launch stop rank 0 mid-write
+SLOW_SAVE_RANK0 = """
+import os, sys, time
+import toymlx
+import toymlx.bundle.checkpoint as ck
+if os.environ.get("MLX_RANK") == "0":
+    save = ck.save_checkpoint
+    def save_checkpoint(*args, **kwargs):
+        time.sleep(3)
+        return save(*args, **kwargs)
+    ck.save_checkpoint = save_checkpoint
+from toymlx_cli.train import main
+sys.exit(main())
+"""
+
+# rank 1 sleeps in its 4th step (in Python, where its SIGINT handler runs and the sleep goes
+# on), while rank 0 waits for it in the gradient all_sum (in C++, where no handler runs)
+STUCK_RANK1 = """
+import os, sys, time
+import toymlx
+import toymlx.training.trainer as t
+if os.environ.get("MLX_RANK") == "1":
+    seed = t.step_seed
+    def step_seed(s0, step):
+        if step == 3:
+            time.sleep(1000)
         return seed(s0, step)
     t.step_seed = step_seed
 from toymlx_cli.train import main
@@ -181,3 +217,108 @@ def _running(pid: int) -> bool:
     out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True,
                          check=False).stdout.strip()
     return bool(out) and not out.startswith("Z")
+
+
+# no periodic checkpoint and no evaluation: every step since the start is one only a final
+# checkpoint keeps
+STOP_ARGS = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "2",
+             "--seq-len", "32", "--batch-size", "4", "--grad-accum", "2", "--steps", "40",
+             "--eval-every", "0", "--checkpoint-every", "1000", "--no-progress", "--no-compile"]
+
+
+def _start(tmp: Path, cmd: list[str]) -> subprocess.Popen:
+    """`cmd` in a process group of its own, as a terminal starts a command: Ctrl-C there is
+    SIGINT to the group."""
+    return subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _wait_for_step(p: subprocess.Popen, run: Path, step: int) -> None:
+    t0 = time.monotonic()
+    while not any(e["kind"] == "step" and e["step"] >= step for e in read_events(run)):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 300
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    """The losses of a 2-rank run of STOP_ARGS that never stopped."""
+    tmp = tmp_path_factory.mktemp("dp")
+    p = _launch(tmp, [*LAUNCH, *TRAIN, *STOP_ARGS, "--runs-root", str(tmp), "--run-id", "full"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return _losses(tmp / "full")
+
+
+@pytest.mark.parametrize("to", ["launcher", pytest.param("rank 1", marks=pytest.mark.slow)])
+def test_ctrl_c_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path, uninterrupted, to):
+    """Ctrl-C on toymlx-launch ends a 2-rank run as it ends one process: every rank stops after
+    the same step S, rank 0 writes the checkpoint of S and run_end "interrupted", the launch
+    exits 130 without a traceback, and --resume continues to the losses of a 2-rank run never
+    interrupted, bit for bit. Each rank counts its SIGINT and the next step's all_sum shares
+    the most any rank counted, so a SIGINT that reaches rank 1 alone (`kill -INT`) stops rank 0
+    too, and the one Ctrl-C each rank gets from the launcher is not a second. Rank 0 waits 3 s before writing: ranks used
+    to exit without waiting for it, and mlx.launch then stopped rank 0 mid-write; before that,
+    each rank ended on a KeyboardInterrupt with no checkpoint at all."""
+    script = tmp_path / "slow_save_rank0.py"
+    script.write_text(SLOW_SAVE_RANK0)
+    run, status = tmp_path / "runs" / "part", tmp_path / "status"
+    p = _start(tmp_path, [*LAUNCH[:-1], "--status-dir", str(status), "--", sys.executable,
+                          str(script), *STOP_ARGS, "--runs-root", str(run.parent),
+                          "--run-id", "part"])
+    try:
+        _wait_for_step(p, run, 5)
+        if to == "launcher":  # as a terminal sends Ctrl-C: to the foreground process group
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            os.kill(json.loads((status / "rank1.start").read_text())["pid"], signal.SIGINT)
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:  # its ranks stop with it (test_a_killed_launcher_...)
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err, err[-3000:]
+    for r in range(2):
+        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": 130, "error": None}
+    ev = read_events(run)
+    end = ev[-1]
+    assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
+    s = end["final_step"]
+    assert 5 <= s < 40, end
+    assert f"toymlx: interrupted at step {s}: interrupted after step {s}; resume with " in err
+    assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, s + 1))
+    assert [step for step, _ in list_checkpoints(run / "weights")] == [s]
+
+    resumed = _launch(tmp_path, [*LAUNCH, *TRAIN, "--resume", str(run), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_events(run)[-1]["reason"] == "completed"
+    assert len(uninterrupted) == 40
+    assert _losses(run) == uninterrupted  # bit for bit
+
+
+def test_a_second_ctrl_c_stops_ranks_stuck_in_a_collective(tmp_path):
+    """A rank blocked in an all_sum never returns to count a Ctrl-C: the first Ctrl-C leaves
+    the ranks to stop by themselves, the second gives them --grace seconds, then stops them,
+    and the launch says which ranks did not end cleanly."""
+    script = tmp_path / "stuck_rank1.py"
+    script.write_text(STUCK_RANK1)
+    root = tmp_path / "runs"
+    p = _start(tmp_path, [*LAUNCH[:-1], "--grace", "2", "--", sys.executable, str(script),
+                          *STOP_ARGS, "--runs-root", str(root), "--run-id", "stuck"])
+    try:
+        _wait_for_step(p, root / "stuck", 3)
+        os.killpg(p.pid, signal.SIGINT)
+        time.sleep(1)
+        assert p.poll() is None  # nothing can end: rank 1 sleeps, rank 0 waits for it
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1, err[-3000:]
+    assert "toymlx-launch: Ctrl-C passed on again; the ranks get 2 s to end" in err
+    assert "toymlx-launch: failed: 2 of 2 ranks did not finish cleanly" in err, err[-3000:]
+    assert [e["step"] for e in read_events(root / "stuck") if e["kind"] == "step"] == [1, 2, 3]
+

@@ -8,7 +8,7 @@ that polls the parent does the same, or calls `on_loss`; either way exactly once
 `toymlx-train` treats that SIGTERM as a stop: it finishes the step in flight, writes a final
 checkpoint and `run_end`, and exits; a re-run then resumes it. Linux repeats the signal as
 each thread of a dying multi-threaded parent exits; `parent_lost` tells a repeat from a second
-request to stop (`toymlx.training.trainer.StopSignals`).
+request to stop (`toymlx.backend.stop.StopSignals`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from typing import TextIO
 
 from toymlx.backend import atomic
 from toymlx.backend.lifeline import PARENT_ENV, alive, child_env, watch_parent
+from toymlx.backend.stop import StopSignals
 
 STATUS_ENV = "TOYMLX_RANK_STATUS"
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
@@ -99,6 +100,10 @@ def _mlx_launch_child() -> None:
     def end_session() -> None:
         os.killpg(os.getpgrp(), signal.SIGTERM)  # we lead the session: every rank, and us
     watch_parent(end_session)
+    # Ctrl-C reaches every rank (toymlx-launch passes it on to the session), which stops after
+    # the same step; mlx.launch's own KeyboardInterrupt would stop relaying the ranks' output
+    # and, on its way out, have them stopped mid-checkpoint.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks are our children
     sys.argv[0] = "mlx.launch"
     main()
@@ -164,24 +169,25 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
            "--env", f"{STATUS_ENV}={folder}",
            *[a for e in env for a in ("--env", e)], "--", *command]
     proc = subprocess.Popen(cmd, start_new_session=True, env=child_env())
-    failed_at = None
+    failed_at, passed = None, 0
     try:
-        while proc.poll() is None:
-            if failed_at is None:
-                bad = failures(folder, n, final=False)
-                if bad:
-                    failed_at = time.time()
-                    r, (_, why) = min(bad.items())
-                    stream.write(f"toymlx-launch: rank {r} failed ({why}); the other ranks get "
-                                 f"{grace:g} s to end\n")
-                    stream.flush()
-            elif time.time() - failed_at > grace:
-                _kill(proc)
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        _kill(proc, signal.SIGINT, wait=30.0)
-        raise
+        with StopSignals(StopSignals.RANK_SIGNALS) as ctrl_c:
+            while proc.poll() is None:
+                if ctrl_c.count > passed:
+                    passed += 1
+                    if _interrupt(proc, passed, grace, stream):
+                        break
+                    if passed == 2:
+                        failed_at = failed_at or time.time()
+                if failed_at is None:
+                    bad = failures(folder, n, final=False)
+                    if bad:
+                        failed_at = time.time()
+                        _say_failed(bad, grace, stream)
+                elif time.time() - failed_at > grace:
+                    _kill(proc)
+                    break
+                time.sleep(0.2)
     finally:
         proc.wait()
     bad = failures(folder, n, final=True)
@@ -189,6 +195,8 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
         shutil.rmtree(folder, ignore_errors=True)
     if not bad:
         return 0
+    if len(bad) == n and all(code == 130 for code, _ in bad.values()):
+        return 130  # every rank interrupted (Ctrl-C), as one process is: rank 0 has said how
     for r, (_, why) in sorted(bad.items()):
         stream.write(f"toymlx-launch: rank {r}: {why}\n")
     stream.write(f"toymlx-launch: failed: {len(bad)} of {n} ranks did not finish cleanly\n")
@@ -197,10 +205,44 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     return codes[0] if codes else 1
 
 
-def _kill(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait: float = 5.0) -> None:
-    """Signal the launcher's whole session (it and every rank), then SIGKILL what is left."""
+def _say_failed(bad: dict[int, tuple[int | None, str]], grace: float, stream: TextIO) -> None:
+    """The line that starts the other ranks' `grace` seconds; none for ranks interrupted (130):
+    the others are ending the same way after Ctrl-C."""
+    if all(code == 130 for code, _ in bad.values()):
+        return
+    r, (_, why) = min(bad.items())
+    stream.write(f"toymlx-launch: rank {r} failed ({why}); the other ranks get {grace:g} s to "
+                 "end\n")
+    stream.flush()
+
+
+def _interrupt(proc: subprocess.Popen, count: int, grace: float, stream: TextIO) -> bool:
+    """Ctrl-C number `count`, passed on to every rank as its own Ctrl-C (mlx.launch ignores it):
+    the first stops them all after the same step, rank 0 writing a final checkpoint; the second
+    skips that checkpoint if it has not begun, and the ranks get `grace` seconds before they are
+    stopped (one blocked in a collective never ends by itself); a third stops them at once.
+    Returns whether it stopped them."""
+    if count > 2:
+        stream.write("toymlx-launch: interrupted a third time: stopping every rank now\n")
+        stream.flush()
+        _kill(proc)
+        return True
     try:
-        os.killpg(proc.pid, sig)
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        return False
+    stream.write("toymlx-launch: Ctrl-C passed on to every rank (toymlx-train stops them all "
+                 "after the same step, with a final checkpoint); Ctrl-C again to stop sooner\n"
+                 if count == 1 else f"toymlx-launch: Ctrl-C passed on again; the ranks get "
+                 f"{grace:g} s to end, then are stopped (Ctrl-C again: at once)\n")
+    stream.flush()
+    return False
+
+
+def _kill(proc: subprocess.Popen, wait: float = 5.0) -> None:
+    """SIGTERM to the launcher's whole session (it and every rank), then SIGKILL what is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=wait)
     except subprocess.TimeoutExpired:
         pass

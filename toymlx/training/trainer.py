@@ -8,14 +8,13 @@ clipping, AdamW with warm-up + cosine LR; on a multi-core CPU spread over stream
 `Stepper`), periodic validation in eval mode (`toymlx.training.evaluate.Evaluator`),
 checkpoints on a schedule and at the end through a `Checkpointer` (verified, with retention),
 the run bundle's events (run_end from one place), and SIGINT/SIGTERM as requests to stop
-(`StopSignals`).
+(`toymlx.backend.stop.StopSignals`), agreed by every data-parallel rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import sys
 import time
 import uuid
@@ -30,8 +29,9 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from toymlx.backend import device, lifeline
+from toymlx.backend import device
 from toymlx.backend.device import backend_info
+from toymlx.backend.stop import StopSignals
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
 from toymlx.bundle.folder import config_digest, saved_config
@@ -41,7 +41,7 @@ from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
 from toymlx.training.evaluate import Evaluator
 from toymlx.training.schedule import lr_at
-from toymlx.training.step import LossScale, make_step, step_state
+from toymlx.training.step import LossScale, agreed_requests, make_step, step_state, stop_flags
 from toymlx.training.task import Task, TrainConfig, make_optimizer
 
 
@@ -107,6 +107,8 @@ class Stepper:
         self.optimizer.init(self.model.trainable_parameters())
         # float16 gradients underflow without a loss scale (see LossScale)
         self.scale = LossScale() if self.model.ops.dtype == "float16" else None
+        self.distributed = world is not None and world.size() > 1
+        """Data parallel: the step sums the ranks' stop flags with their gradients."""
         self.streams: list = []
         """The streams the built step runs on (`training_step`; none: not built yet)."""
         self.blas_threads: int | None = None
@@ -126,21 +128,29 @@ class Stepper:
         """CPU streams the built step spreads over (None: not built yet)."""
         return len(self.streams) or None
 
-    def step(self, s: int, global_batch: dict[str, np.ndarray]) -> dict[str, mx.array]:
+    def step(self, s: int, global_batch: dict[str, np.ndarray], requests: int = 0
+             ) -> dict[str, mx.array]:
         """Optimizer step `s` (0-based) on `global_batch` (this rank's shard of it), evaluated
         with the model and optimizer state; returns the step's outputs (loss, grad_norm, and the
-        loss scale's with float16)."""
+        loss scale's with float16; data parallel, "stop_flags": the ranks' `stop_flags` of their
+        `requests` to stop, summed)."""
         if self._fn is None:
             raise RuntimeError("Stepper.step: expected build() to have run, found no step")
         batch = {k: mx.array(v) for k, v in _shard(global_batch, self.world).items()}
         # Randomness (dropout) is a pure function of (seed, step), like the data, so a
         # resumed run draws exactly what an uninterrupted one would.
         mx.random.seed(step_seed(self.cfg.seed, s))
-        with mx.stream(self.streams[0]):
-            out = self._fn(batch)
+        out = self._call(batch, requests)
         with device.evaluating(self.blas_threads, cpu_streams.subnormals_of(self.model)):
             mx.eval(out, self.model.state, self.optimizer.state)
         return out
+
+    def _call(self, batch: dict[str, mx.array], requests: int) -> dict[str, mx.array]:
+        """The built step on `batch`, unevaluated; data parallel with this rank's stop flags."""
+        with mx.stream(self.streams[0]):
+            if self.distributed:
+                return self._fn(batch, stop_flags(requests))
+            return self._fn(batch)
 
     def trace(self, global_batches: list[dict[str, np.ndarray]]) -> None:
         """Trace the compiled step for each batch's shape without taking a step, so that a
@@ -155,8 +165,7 @@ class Stepper:
         for global_batch in global_batches:
             kept = _array_slots(state)
             batch = {k: mx.array(v) for k, v in _shard(global_batch, self.world).items()}
-            with mx.stream(self.streams[0]):
-                self._fn(batch)
+            self._call(batch, 0)
             for container, key, value in kept:
                 container[key] = value
 
@@ -197,50 +206,6 @@ def restore_resume_arrays(arrays: dict[str, mx.array], optimizer: optim.Optimize
         scale.state.update(dict(part("scale.")))
     if part("param."):
         model.update(tree_unflatten(part("param.")))
-
-
-class StopSignals:
-    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session) as requests to stop,
-    counted. The handler only counts: no signal ever raises into a step or a checkpoint write,
-    so none ends in a traceback or a half-done write. The loop stops after the step in flight
-    and writes a final checkpoint; a second request skips that checkpoint if it has not begun
-    (one being written is finished).
-
-    The death of the parent that started this process (`toymlx.lifeline`) is one request,
-    however many SIGTERMs it brings: Linux sends the parent-death signal again as each thread of
-    a multi-threaded parent exits, and those repeats must not skip the final checkpoint."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self._terms = self._others = 0
-        self._old: dict[int, Any] = {}
-
-    def _count(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGTERM:
-            self._terms += 1
-        else:
-            self._others += 1
-
-    @property
-    def count(self) -> int:
-        """Requests so far. SIGTERMs are told apart when the count is read, not as they come:
-        the first parent-death signal can arrive while the parent still looks alive (one of
-        its threads exiting first), and counted then as a request of its own it made the
-        repeats a second request."""
-        terms = 1 if self._terms > 1 and lifeline.parent_lost() else self._terms
-        return self._others + terms
-
-    def __enter__(self) -> StopSignals:  # noqa: PYI034
-        if self.enabled:
-            for sig in self.SIGNALS:
-                self._old[sig] = signal.signal(sig, self._count)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 class Checkpointer:
@@ -337,6 +302,8 @@ class _Loop:
         self.task, self.cfg, self.run_dir, self.world = task, cfg, run_dir, world
         self.resume = resume
         self.rank0 = world is None or world.rank() == 0
+        self.solo = world is None or world.size() == 1
+        """One process (no data-parallel peers to agree with)."""
         self.model = task.model
         device.setup_process(wide_evaluation=not cfg.grad_checkpoint)
         self.stepper = Stepper(task, cfg, world)
@@ -369,6 +336,8 @@ class _Loop:
         self.count = task.count or (lambda b: int(np.prod(next(iter(b.values())).shape[:2])))
         self.step = self.start
         """The last step whose update is in the weights."""
+        self.agreed = 0
+        """Data parallel: the stop requests every rank knows of (`_stops`)."""
         self.reason, self.exit_code, self.message = "completed", 0, None
         self.t_first: float | None = None
         self.last_eval: dict[str, float] = {}
@@ -381,18 +350,17 @@ class _Loop:
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
         self._announce(run_config)
-        # Data parallel: a rank blocked in an all_sum whose peer died never returns to Python,
-        # so a handler would never run and mlx.launch would wait on it forever; keep SIGTERM's
-        # default (exit) there and leave a torn bundle that --resume continues.
-        solo = self.world is None or self.world.size() == 1
-        with StopSignals(self.rank0 and solo) as stop, self._progress() as bar:
+        with StopSignals(StopSignals.SIGNALS if self.solo else StopSignals.RANK_SIGNALS
+                         ) as stop, self._progress() as bar:
+            together = False  # the run ended where every rank ends it (not by an exception)
             try:
                 self._train(stop, bar)
                 if self.reason == "completed" and self.task.test_batches and not stop.count:
                     self._test(bar)
                 if self.reason == "completed" and self.rank0 and self.task.finish:
                     self._finish(bar)
-            except KeyboardInterrupt:  # where Python's own SIGINT handler is left (ranks)
+                together = True
+            except KeyboardInterrupt:  # raised by code, not a signal: StopSignals counts those
                 self._end("interrupted", 130, f"interrupted during step {self.step + 1}; resume "
                           f"with --resume {self.run_dir} from {_named(self.ckpt.last)}")
             except BaseException as e:
@@ -405,7 +373,24 @@ class _Loop:
                                     message=self.message, first_step_s=self.t_first,
                                     **device.peak_memory())
                 self.log.close()
+            if together and not self.solo:
+                self._leave_together(stop)
         return end
+
+    def _stops(self, stop: StopSignals) -> int:
+        """Stop requests so far. Data parallel: the most any rank had counted when the last step
+        began, which every rank learns from that step's all_sum (`Stepper.step`), so that all
+        stop after the same step: the one after the step in flight."""
+        return stop.count if self.solo else self.agreed
+
+    def _leave_together(self, stop: StopSignals) -> None:
+        """Data parallel, once the run has ended on this rank: wait for every rank (rank 0 has
+        then written its final checkpoint and run_end), then ignore stop signals until exit.
+        mlx.launch stops the other ranks (SIGTERM) as soon as one exits non-zero, as each does
+        after Ctrl-C (130): a rank leaving early cut rank 0 off mid-write, and one leaving just
+        after this barrier must not cut off rank 0's last line or its rank status."""
+        mx.eval(mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=self.world))
+        stop.ignore()
 
     def _finish(self, bar: Any) -> None:
         """The recipe's export of the finished run, as an `export` event; a failure (a full
@@ -492,7 +477,7 @@ class _Loop:
             self._say(f"step {self.start + 1}: MLX builds its CUDA kernels first, 1-2 minutes on a "
                       f"fresh machine (kept in {cache} for later runs)", bar)
         for s in range(self.start, cfg.steps):
-            if not self._step(s, bar):
+            if not self._step(s, bar, stop.count):
                 return
             done = s + 1
             if cfg.report_every and (done % cfg.report_every == 0 or done == cfg.steps):
@@ -504,15 +489,16 @@ class _Loop:
             due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
             if due and not self._checkpoint(done, bar):
                 return
-            if stop.count:
-                return self._interrupted(stop, bar)
+            if stops := self._stops(stop):
+                return self._interrupted(max(stops, stop.count), bar)
             if cfg.stop_at is not None and cfg.stop_at <= done < cfg.steps:
                 self.reason = "stopped"
                 break
         self._checkpoint(self.step, bar)
 
-    def _step(self, s: int, bar: Any) -> bool:
-        """Optimizer step `s` (0-based) and its event; False if the run diverged in it."""
+    def _step(self, s: int, bar: Any, requests: int) -> bool:
+        """Optimizer step `s` (0-based) and its event (`requests`: this rank's requests to stop
+        so far, which the step shares with the others); False if the run diverged in it."""
         t0 = time.perf_counter()
         # the first step also traces the step for every other batch width the run will see
         traced = self._trace_widths(s) if s == self.start else None
@@ -522,7 +508,9 @@ class _Loop:
         # step's time reads against its batch's size
         width = ({"batch_width": next(iter(global_batch.values())).shape[-1]}
                  if self.task.batch_widths is not None else {})
-        out = self.stepper.step(s, global_batch)
+        out = self.stepper.step(s, global_batch, requests)
+        if "stop_flags" in out:  # data parallel
+            self.agreed = agreed_requests(out["stop_flags"])
         dt = time.perf_counter() - t0
         self.t_first = dt if self.t_first is None else self.t_first
         loss, gnorm_v = float(out["loss"].item()), float(out["grad_norm"].item())
@@ -606,9 +594,11 @@ class _Loop:
             self._say(checkpoint_line(ev, self.run_dir), bar)
         return True
 
-    def _interrupted(self, stop: StopSignals, bar: Any) -> None:
+    def _interrupted(self, requests: int, bar: Any) -> None:
+        """End as interrupted after step `self.step`: with its checkpoint, unless a second
+        request to stop (`requests` > 1) came before that checkpoint began."""
         resume = f"resume with --resume {self.run_dir}"
-        if stop.count > 1 and self.ckpt.last != self.step:
+        if requests > 1 and self.ckpt.last != self.step:
             self._end("interrupted", 130, f"interrupted after step {self.step}; a second signal "
                       f"skipped its checkpoint: {resume} (from {_named(self.ckpt.last)})")
         elif self._checkpoint(self.step, bar):
