@@ -41,7 +41,8 @@ name that run's bundle or steer that one process."""
 
 MLX_LM_KEYS = {
     "model": "--base", "data": "--data.path", "fine_tune_type": "--fine-tune-type",
-    "iters": "--steps", "learning_rate": "--lr", "num_layers": "--lora.layers",
+    "iters": "--steps", "learning_rate": "--lr",
+    "num_layers": "--lora.layers (--full.layers for a full fine-tune)",
     "lora_parameters": "--lora.rank, --lora.alpha (scale x rank), --lora.dropout and "
                        "--lora.targets (for keys)",
     "max_seq_length": "--seq-len", "grad_accumulation_steps": "--grad-accum",

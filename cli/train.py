@@ -107,6 +107,7 @@ def _main(argv: list[str] | None) -> int:
     from toymlx_cli.mlx_lm_config import (
         is_mlx_lm_config,
         mlx_lm_layers,
+        mlx_lm_layers_flag,
         mlx_lm_options,
         mlx_lm_table,
     )
@@ -169,8 +170,8 @@ def _main(argv: list[str] | None) -> int:
     except UsageError as e:
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
-    if mlx_lm and not any(a.partition("=")[0] == "--lora.layers" for a in rest):
-        cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; --lora.layers keeps toymlx's
+    if mlx_lm and not any(a.partition("=")[0] == mlx_lm_layers_flag(cfg) for a in rest):
+        cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; the flag keeps toymlx's
         if note:
             print(f"toymlx-train: {config_path}: {note}", file=sys.stderr)
     return run_training(recipe, module, cfg, bundle)
