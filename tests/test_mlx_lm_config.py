@@ -144,6 +144,8 @@ def test_num_layers_past_the_base_s_blocks_adapts_every_block(tmp_path, base, da
                     "final norm and head frozen (mlx-lm trains layers[-16:])")),
     (-1, [0, 1], ("num_layers -1: every block of the base's 2 trained, the embeddings, final "
                   "norm and head frozen (mlx-lm trains every block for -1)")),
+    (0, [0, 1], ("num_layers 0: every block of the base's 2 trained, the embeddings, final "
+                 "norm and head frozen (mlx-lm trains every block for 0)")),
     (1, [1], None),
 ])
 def test_a_full_fine_tune_trains_mlx_lm_s_blocks(tmp_path, base, data, capsys, num_layers,
@@ -163,7 +165,7 @@ def test_a_full_fine_tune_trains_mlx_lm_s_blocks(tmp_path, base, data, capsys, n
                  "--no-progress", "--no-compile"]) == 0
     out, err = capsys.readouterr()
     rows = {tuple(x.split()[:2]): x.split()[2:] for x in out.splitlines()}
-    assert rows[("num_layers", "--full.layers")][0] == str(num_layers or 16)
+    assert rows[("num_layers", "--full.layers")][0] == str(16 if num_layers is None else num_layers)
     notes = [x for x in err.splitlines() if "num_layers" in x]
     assert notes == ([f"toymlx-train: {path}: {note}"] if note else [])
     saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
