@@ -87,11 +87,11 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
                 argv: list[str] | None, errors: tuple[type[Exception], ...] = (ValueError,
                                                                            OSError)) -> int:
     """What the forward-only commands share: `--version`, the process set-up, `-c/--config FILE`
-    (cli/config_file.py), tyro's parse, and bad input as one line `PROG: error: ...` with exit
-    status 2 (Ctrl-C: 130); a reader that stops early (`| head`) ends it quietly with 0, as Unix
-    tools do."""
-    import tyro  # here: --version answers without importing it
+    (cli/config_file.py), tyro's parse (cli/usage.py), and bad input as one line
+    `PROG: error: ...` with exit status 2 (Ctrl-C: 130); a reader that stops early (`| head`)
+    ends it quietly with 0, as Unix tools do."""
     from toymlx_cli.config_file import CONFIG_HELP, file_defaults
+    from toymlx_cli.usage import parse_options  # here: --version answers without tyro
 
     from toymlx.backend.device import restart_with_huge_pages, setup_process
 
@@ -104,11 +104,11 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     setup_process()
     try:
         default, argv = file_defaults(args_type, argv, prog)
-    except ValueError as e:
+        args = parse_options(args_type, argv, prog, default,
+                             f"{args_type.__doc__}\n\n{CONFIG_HELP}")
+    except ValueError as e:  # ConfigFileError, UsageError
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    args = tyro.cli(args_type, args=argv, prog=prog, default=default,
-                    description=f"{args_type.__doc__}\n\n{CONFIG_HELP}")
     try:
         code = run(args)
         sys.stdout.flush()  # here: a closed pipe is met now, not in Python's flush at exit

@@ -24,6 +24,7 @@ import difflib
 import json
 import re
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ name that run's bundle or steer that one process."""
 
 MLX_LM_KEYS = {
     "model": "--base", "data": "--data.path", "fine_tune_type": "--fine-tune-type",
-    "iters": "--steps", "learning_rate": "--lr", "num_layers": "--lora.layers",
+    "iters": "--steps", "learning_rate": "--lr",
+    "num_layers": "--lora.layers (--full.layers for a full fine-tune)",
     "lora_parameters": "--lora.rank, --lora.alpha (scale x rank), --lora.dropout and "
                        "--lora.targets (for keys)",
     "max_seq_length": "--seq-len", "grad_accumulation_steps": "--grad-accum",
@@ -328,7 +330,7 @@ def _spellings(cls: type, f: dataclasses.Field) -> list[str]:
     return [_norm(n) for n in names]
 
 
-def _table(cls: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
+def option_table(cls: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
     """Every option of `cls` under each of its spellings (dotted, underscores) -> field path."""
     hints = typing.get_type_hints(cls)
     out: dict[str, tuple[str, ...]] = {}
@@ -336,7 +338,7 @@ def _table(cls: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
         if not f.init:
             continue
         if dataclasses.is_dataclass(hints[f.name]):
-            out.update({k: (f.name, *p) for k, p in _table(hints[f.name], f"{prefix}{f.name}.")
+            out.update({k: (f.name, *p) for k, p in option_table(hints[f.name], f"{prefix}{f.name}.")
                         .items()})
             continue
         for name in _spellings(cls, f):
@@ -382,9 +384,20 @@ def _once(source: str, given: dict[Any, str], target: Any, key: str, flag: str) 
     given[target] = key
 
 
+def closest_option(key: str, keys: Iterable[str]) -> str | None:
+    """The flag (`--lora.rank`) of the key among `keys` (spelled as `option_table` spells them)
+    closest to a misspelt `key`, or None where none is close: a key that begins or ends one
+    (`rank`, `temp`) names it, as tyro's own suggestions do; else the closest by difflib."""
+    key, keys = _norm(key), list(keys)
+    part = [k for k in keys if len(key) >= 3 and (k.endswith(key) or k.rpartition(".")[2]
+                                                  .startswith(key))]
+    close = difflib.get_close_matches(key, part or keys, n=1, cutoff=0 if part else 0.6)
+    return _flag(close[0]) if close else None
+
+
 def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str) -> str:
-    close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.6)
-    hint = f"; did you mean {_flag(close[0])}?" if close else ""
+    close = closest_option(key, table)
+    hint = f"; did you mean {close}?" if close else ""
     group = sorted(k for k in table if k.startswith(key + "."))
     if group:  # a section given a value (`lora: 8`), not a misspelt option
         more = ", ..." if len(group) > 3 else ""
@@ -404,7 +417,7 @@ def defaults_from_file(cls: type, options: dict[str, Any], source: str, prog: st
 
     from toymlx.bundle.options import RunError, config_from_dict
 
-    table = _table(cls)
+    table = option_table(cls)
     nested: dict[str, Any] = {}
     given: dict[Any, str] = {}
     for key, value in _flatten(options, source).items():

@@ -134,10 +134,9 @@ def mlx_lm_options(data: dict[str, Any], source: str
     _want(source, "num_layers", _int(given["num_layers"]) and given["num_layers"] >= -1,
           "an integer >= -1 (-1: every block)", given["num_layers"])
     if given["fine_tune_type"] == "full":
-        # mlx-lm unfreezes the last num_layers blocks; toymlx's full trains every weight
-        _want(source, "num_layers", given["num_layers"] == -1, "-1 with fine_tune_type full "
-              "(toymlx's full fine-tune trains every block, mlx-lm's the last num_layers)",
-              given["num_layers"])
+        # mlx-lm freezes the model, then unfreezes the last num_layers blocks: toymlx's
+        # --full.layers (-1 and counts past the base's blocks resolved by `mlx_lm_layers`)
+        put("num_layers", "full.layers", given["num_layers"])
     else:
         put("num_layers", "lora.layers",
             None if given["num_layers"] == -1 else given["num_layers"])
@@ -173,28 +172,42 @@ def mlx_lm_options(data: dict[str, Any], source: str
     return out, rows, notes
 
 
+def mlx_lm_layers_flag(cfg: Any) -> str:
+    """The lora recipe's flag that num_layers sets: --full.layers for a full fine-tune, else
+    --lora.layers (given on the command line, it keeps toymlx's meaning)."""
+    return "--full.layers" if cfg.fine_tune_type == "full" else "--lora.layers"
+
+
 def mlx_lm_layers(cfg: Any) -> tuple[Any, str | None]:
-    """(cfg, a note or None): num_layers with mlx-lm's meaning, `layers[-num_layers:]`: a count
-    at least the base's block count (its default 16 on a 5-block model) adapts every block,
-    where toymlx's --lora.layers refuses it as a typo. A base that cannot be read is left to
-    the recipe, which names what is wrong with it."""
+    """(cfg, a note or None): num_layers with mlx-lm's meaning, `layers[-max(num_layers, 0):]`:
+    -1, 0 or a count at least the base's block count (its default 16 on a 5-block model) is
+    every block, where toymlx's --lora.layers and --full.layers refuse them as typos. LoRA's
+    every block is an unset --lora.layers; a full fine-tune's is --full.layers at the block
+    count, which keeps the embeddings, the final norm and the head frozen as mlx-lm does (unset,
+    toymlx's full trains them too). A base that cannot be read is left to the recipe, which
+    names what is wrong with it."""
     import dataclasses
 
     from toymlx.bundle.model_store import resolve_model
     from toymlx.gguf.reader import read_metadata
 
-    n = cfg.lora.layers
-    if n is None or cfg.fine_tune_type == "full":
+    full = cfg.fine_tune_type == "full"
+    n = cfg.full.layers if full else cfg.lora.layers
+    if n is None:
         return cfg, None
     try:
         meta = read_metadata(resolve_model(cfg.base, "--base"))
         blocks = meta[f"{meta.get('general.architecture', 'llama')}.block_count"]
     except (ValueError, OSError, KeyError):
         return cfg, None
-    if not isinstance(blocks, int) or n < blocks:
+    if not isinstance(blocks, int) or 0 < n < blocks:
         return cfg, None
-    note = (f"num_layers {n}: every block of the base's {blocks} (mlx-lm adapts "
-            f"layers[-{n}:])")
+    rule = f"layers[-{n}:]" if n > 0 else f"every block for {n}"
+    if full:
+        note = (f"num_layers {n}: every block of the base's {blocks} trained, the embeddings, "
+                f"final norm and head frozen (mlx-lm trains {rule})")
+        return dataclasses.replace(cfg, full=dataclasses.replace(cfg.full, layers=blocks)), note
+    note = f"num_layers {n}: every block of the base's {blocks} (mlx-lm adapts {rule})"
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, layers=None)), note
 
 

@@ -94,9 +94,9 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
 def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | None) -> None:
     """Every run's options checked as toymlx-train checks a new run's (tyro's parse, then
     `check_config`), before any run starts: a bad grid value is one line naming its run, not a
-    failure of each run that has it. tyro's own usage error exits 2 as in toymlx-train."""
-    import tyro
+    failure of each run that has it."""
     from toymlx_cli.config_file import defaults_from_file
+    from toymlx_cli.usage import parse_options
 
     from toymlx.recipes import get_recipe
     from toymlx.training.task import check_config
@@ -106,8 +106,8 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
     for spec in specs:
         default = (defaults_from_file(module.Config, run_options, path, prog) if run_options
                    else None)
-        cfg = tyro.cli(module.Config, args=list(spec.args), default=default, prog=prog)
         try:
+            cfg = parse_options(module.Config, list(spec.args), prog, default)
             check_config(module, cfg, new_run=True)
         except ValueError as e:
             raise ValueError(f"run {spec.name}: {e}; no run was started") from None

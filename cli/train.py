@@ -98,7 +98,6 @@ def _over_the_file(rows: list[tuple], argv: list[str]) -> list[tuple]:
 
 
 def _main(argv: list[str] | None) -> int:
-    import tyro
     from toymlx_cli.config_file import (
         defaults_from_file,
         read_config_file,
@@ -108,9 +107,11 @@ def _main(argv: list[str] | None) -> int:
     from toymlx_cli.mlx_lm_config import (
         is_mlx_lm_config,
         mlx_lm_layers,
+        mlx_lm_layers_flag,
         mlx_lm_options,
         mlx_lm_table,
     )
+    from toymlx_cli.usage import UsageError, parse_options
 
     from toymlx.bundle.options import RunError
     from toymlx.recipes import get_recipe
@@ -163,11 +164,14 @@ def _main(argv: list[str] | None) -> int:
         # system refuses (a name too long)
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
-    cfg = tyro.cli(module.Config, args=rest, default=default,
-                   prog=f"toymlx-train --recipe {recipe}",
-                   description=f"{module.__doc__}\n\n{CONFIG_HELP}")
-    if mlx_lm and not any(a.partition("=")[0] == "--lora.layers" for a in rest):
-        cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; --lora.layers keeps toymlx's
+    try:
+        cfg = parse_options(module.Config, rest, f"toymlx-train --recipe {recipe}", default,
+                            f"{module.__doc__}\n\n{CONFIG_HELP}")
+    except UsageError as e:
+        print(f"toymlx-train: error: {e}", file=sys.stderr)
+        return 2
+    if mlx_lm and not any(a.partition("=")[0] == mlx_lm_layers_flag(cfg) for a in rest):
+        cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; the flag keeps toymlx's
         if note:
             print(f"toymlx-train: {config_path}: {note}", file=sys.stderr)
     return run_training(recipe, module, cfg, bundle)

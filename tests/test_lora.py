@@ -24,6 +24,7 @@ from toymlx.interop.merge import write_merged
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.lora import DoRALinear, LoRALinear, apply_lora, fuse, lora_layers
 from toymlx.models.losses import lm_loss
+from toymlx.models.ops import EXACT as EXACT_OPS
 from toymlx.recipes.lora import resolve_base_dtype
 from toymlx.training import memory
 from toymlx.training.adapter import apply_adapter, load_adapter, load_adapter_weights, write_adapter
@@ -700,6 +701,123 @@ def test_full_fine_tune_writes_full_ggufs_and_resumes_exactly(tiny_gguf, tmp_pat
     c = GGUFFile(tmp_path / "cut" / "weights" / "step_4.gguf")
     for n in b.tensors:
         np.testing.assert_array_equal(c.load(n, np.float32), g.load(n, np.float32))
+
+
+def mlx_lm_trained(num_layers: int) -> dict[str, int]:
+    """mlx-lm's full fine-tune (mlx_lm/lora.py, train_model) on its own Llama of ARGS' shape:
+    `model.freeze()`, then `model.layers[-max(num_layers, 0):]` unfrozen; trained values by
+    where they are ("layers.N" for a block's, else the parameter's own name)."""
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    m = Model(ModelArgs(model_type="llama", hidden_size=ARGS.d_model,
+                        num_hidden_layers=ARGS.n_layers, intermediate_size=ARGS.ffn_dim,
+                        num_attention_heads=ARGS.n_heads, num_key_value_heads=ARGS.n_kv_heads,
+                        rms_norm_eps=ARGS.norm_eps, vocab_size=ARGS.vocab_size,
+                        tie_word_embeddings=ARGS.tie_embeddings))
+    m.freeze()
+    for layer in m.layers[-max(num_layers, 0):]:
+        layer.unfreeze()
+    return _by_place(tree_flatten(m.trainable_parameters()), "model.layers.")
+
+
+def _by_place(named: list, block_prefix: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, v in named:
+        place = ("layers." + name[len(block_prefix):].split(".")[0]
+                 if name.startswith(block_prefix) else name)
+        out[place] = out.get(place, 0) + v.size
+    return out
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_full_fine_tune_of_the_last_blocks_trains_what_mlx_lm_trains(tiny_gguf, tmp_path,
+                                                                     layers):
+    """--full.layers N: the trainable values are mlx-lm's full fine-tune with num_layers N,
+    block by block (the embeddings, final norm and head frozen, even with N all blocks)."""
+    from toymlx.models.ops import EXACT
+    from toymlx.recipes import lora
+
+    cfg = lora.Config(base=str(tiny_gguf), fine_tune_type="full", seq_len=64,
+                      full=lora.FullOptions(layers=layers),
+                      data=lora.ChatDataOptions(path=str(mlx_lm_folder(tmp_path / "d"))))
+    task = lora.build(cfg, EXACT)
+    ours = _by_place(tree_flatten(task.model.trainable_parameters()), "layers.")
+    assert ours == mlx_lm_trained(layers)
+    assert sorted(ours) == [f"layers.{i}" for i in range(3 - layers, 3)]
+    assert task.model_info["full_layers"] == layers
+
+
+def q8_base(tiny_gguf: Path, out: Path) -> Path:
+    """tiny_gguf with every matrix (the token table too) in Q8_0."""
+    g = GGUFFile(tiny_gguf)
+    tensors = {}
+    for name in g.tensors:
+        w = g.load(name)
+        tensors[name] = (QuantTensor(GGMLQuantizationType.Q8_0,
+                                     quantize(w, GGMLQuantizationType.Q8_0), w.shape)
+                         if w.ndim == 2 else w)
+    return write_gguf(out, dict(g.metadata), tensors)
+
+
+def test_full_fine_tune_of_the_last_block_keeps_the_rest_quantized(tiny_gguf, tmp_path):
+    """--full.layers 1 on a Q8_0 base with --base-dtype blocks: the frozen blocks, embeddings
+    and head stay the file's blocks (no float32 copy, gradient or optimizer state); each
+    checkpoint is a full GGUF whose frozen tensors are the base's exact dequantization, bit for
+    bit, and whose trained block moved; a resumed run gives the same losses and weights."""
+    qpath = q8_base(tiny_gguf, tmp_path / "q8.gguf")
+    data = mlx_lm_folder(tmp_path / "data")
+    args = recipe_args(qpath, tmp_path, data, "--fine-tune-type", "full", "--full.layers", "1",
+                       "--base-dtype", "blocks")
+    assert _train([*args, "--run-id", "q"]) == 0
+    run, b = tmp_path / "q", GGUFFile(qpath)
+    start = events_of(run)[0]
+    last = {n for n in b.tensors if n.startswith("blk.2.")}
+    n_last = sum(b.tensors[n].n_elements for n in last)
+    assert start["model"]["n_trainable"] == n_last
+    model, g = load_llama(qpath, weights="blocks")
+    g.close()
+    quantized_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    last_held = sum(v.nbytes for _, v in tree_flatten(model.layers[2].parameters()))
+    # the base as the file's blocks, but the trained block as float32
+    assert start["model"]["base_held_bytes"] == quantized_bytes - last_held + 4 * n_last
+    assert start["model"]["base_held_bytes"] < 4 * sum(t.n_elements for t in b.tensors.values())
+    c = GGUFFile(run / "weights" / "step_4.gguf")
+    assert sorted(c.tensors) == sorted(b.tensors)
+    moved = {n for n in b.tensors if not np.array_equal(c.load(n, np.float32),
+                                                        b.load(n, np.float32))}
+    assert moved == last
+    # the memory estimate counts the trained block's values only as trained
+    with GGUFFile(qpath) as g:
+        est = memory.estimate(g, held="blocks", full=True, targets=(), rank=0, layers=1,
+                              dora=False, batch_size=2, seq_len=64, ops=EXACT_OPS)
+        every = memory.estimate(g, held="float32", full=True, targets=(), rank=0, layers=None,
+                                dora=False, batch_size=2, seq_len=64, ops=EXACT_OPS)
+    assert est.trained == 16 * n_last and est.base < every.base
+    # resumed from step 2: the same losses, the same weights
+    assert _train([*args, "--run-id", "cut", "--stop-at", "2"]) == 0
+    assert _train(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
+    assert step_losses(tmp_path / "cut") == step_losses(run)
+    cut = GGUFFile(tmp_path / "cut" / "weights" / "step_4.gguf")
+    for n in b.tensors:
+        np.testing.assert_array_equal(cut.load(n, np.float32), c.load(n, np.float32))
+
+
+def test_full_layers_apply_to_a_full_fine_tune_only(tiny_gguf, tmp_path, capsys):
+    data = mlx_lm_folder(tmp_path / "data")
+    assert _train(recipe_args(tiny_gguf, tmp_path, data, "--full.layers", "2")) == 2
+    assert error_line(capsys) == (
+        "toymlx-train: error: --full.layers: expected no value with --fine-tune-type lora (it "
+        "steers a full fine-tune), found 2; remove it (--lora.layers for the adapters), or "
+        "train --fine-tune-type full")
+    assert _train(recipe_args(tiny_gguf, tmp_path, data, "--fine-tune-type", "full",
+                              "--full.layers", "4")) == 2
+    assert error_line(capsys) == ("toymlx-train: error: --full.layers: expected 1..3 (the "
+                                  "base's block count) or unset for all, found 4")
+    assert _train(recipe_args(tiny_gguf, tmp_path, data, "--fine-tune-type", "full",
+                              "--base-dtype", "blocks")) == 2
+    assert "--base-dtype: expected auto or float32 with --fine-tune-type full" in \
+        error_line(capsys)
+    assert not any(p.name not in ("data",) for p in tmp_path.iterdir())
 
 
 def test_run_starts_from_an_adapter(tiny_gguf, tmp_path, capsys):

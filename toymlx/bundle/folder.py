@@ -177,16 +177,17 @@ def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
             f"not a run bundle, holding {_names(held)}; choose another --run-id or --runs-root")
 
 
-CONFIG_FORMAT = 4
+CONFIG_FORMAT = 5
 """config.json's `format`. 2 (toymlx 0.2 on): every option is written, so a missing key is
 damage and refused. A config.json without `format` (written before) is read as it was then: an
 option it lacks (one added since) takes its default, which keeps the old behaviour. An option
 added from now on must bump this and be let off for older formats in `ADDED_IN`."""
 ADDED_IN = {3: ("report_every",), 4: ("report_to", "optimizer", "lr_schedule", "lr_schedule_args",
-                                       "warmup_init", "subnormals")}
+                                       "warmup_init", "subnormals"), 5: ("full",)}
 """format -> the top-level options it added: a config.json of an older format (2 on) lacks
 them, and they take their defaults there (the training those runs had: toymlx's AdamW and
-schedule, no reporters; subnormals flushed changes no loss past float32 rounding)."""
+schedule, no reporters, a full fine-tune of every weight; subnormals flushed changes no loss
+past float32 rounding)."""
 
 
 def added_since(fmt: int) -> frozenset[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,14 @@ from toymlx.gguf.blocks import CODECS, split_rows
 from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile, check_finite
 from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
-from toymlx.models.layers import BlockEmbedding, BlockLinear, QuantizedLinear, replace_submodule
+from toymlx.models.layers import (
+    BlockEmbedding,
+    BlockLinear,
+    QuantizedLinear,
+    dense_weight,
+    replace_submodule,
+    submodule,
+)
 from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.ops import DTYPES, EXACT, Ops
 
@@ -355,25 +363,35 @@ def float32_bytes(g: GGUFFile) -> int:
     return 4 * sum(t.n_elements for t in g.tensors.values())
 
 
-def load_llama(path: str | os.PathLike, ops: Ops = EXACT, weights: str = "float32"
-               ) -> tuple[Llama, GGUFFile]:
+def load_llama(path: str | os.PathLike, ops: Ops = EXACT, weights: str = "float32",
+               trained: frozenset[str] = frozenset()) -> tuple[Llama, GGUFFile]:
     """A Llama that computes with `ops`, holding a llama GGUF's weights as `weights` (any
-    tensor type gguf-py decodes). The one GGUF-to-Llama loader: every recipe, generation,
-    evaluation and export go through it (or through `load_llama_weights`)."""
+    tensor type gguf-py decodes), the tensors named in `trained` as float32 whatever `weights`
+    says (a full fine-tune of some blocks: `block_tensors`). The one GGUF-to-Llama loader:
+    every recipe, generation, evaluation and export go through it (or through
+    `load_llama_weights`)."""
     g = GGUFFile(path)
     g.verify_digest()  # a damaged toymlx checkpoint is named here, not found in the logits
     model = Llama(args_from_gguf(g), ops)  # its random init is lazy, and replaced unevaluated
-    load_llama_weights(g, model, weights)
+    load_llama_weights(g, model, weights, trained=trained)
     return model, g
 
 
-def tensor_route(g: GGUFFile, name: str, weights: str) -> str:
+def block_tensors(names: Iterable[str], blocks: Iterable[int]) -> frozenset[str]:
+    """The tensors (llama.cpp names) of the blocks numbered `blocks`: `blk.N.*`."""
+    prefixes = tuple(f"blk.{i}." for i in blocks)
+    return frozenset(n for n in names if n.startswith(prefixes))
+
+
+def tensor_route(g: GGUFFile, name: str, weights: str,
+                 trained: frozenset[str] = frozenset()) -> str:
     """How `load_llama_weights` holds tensor `name`: "float" (dequantized to the model's
-    dtype, or float32 for 1-D tensors), "blocks" (`BlockLinear`/`BlockEmbedding`) or "mlx"
-    (MLX's quantized layer)."""
+    dtype, or float32 for 1-D tensors and those in `trained`), "blocks"
+    (`BlockLinear`/`BlockEmbedding`) or "mlx" (MLX's quantized layer)."""
     info = g.tensors[name]
     matrix = len(info.shape) == 2 and name.endswith(".weight")
-    if weights not in ("blocks", "quantized") or not matrix or info.type not in CODECS:
+    if (weights not in ("blocks", "quantized") or not matrix or info.type not in CODECS
+            or name in trained):
         return "float"
     if weights == "quantized" and name.startswith("blk.") and info.type in EXACT_QUANTS:
         return "mlx"
@@ -381,12 +399,14 @@ def tensor_route(g: GGUFFile, name: str, weights: str) -> str:
 
 
 def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
-                       skip: tuple[str, ...] = ()) -> None:
+                       skip: tuple[str, ...] = (), trained: frozenset[str] = frozenset()
+                       ) -> None:
     """Copy the file's tensors (all but `skip`) into `model`, shapes checked against its args.
 
     Each tensor's pages of the file mapping are dropped once MLX holds its copy, so the peak
-    is the model plus one tensor, not the model twice (mapping + copy). Norms stay float32;
-    with "blocks" or "quantized" the other float weights take the model's compute dtype."""
+    is the model plus one tensor, not the model twice (mapping + copy). Norms and the tensors
+    in `trained` are float32; with "blocks" or "quantized" the other float weights take the
+    model's compute dtype."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights: expected one of {', '.join(WEIGHTS)}, found {weights!r}")
     check_shapes(g, model.args)
@@ -394,12 +414,12 @@ def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
     dtype = DTYPES[model.ops.dtype if kept else weights]
     names = parameter_names(model.args)
     biased = {n.replace(".weight", ".bias") for n in names
-              if tensor_route(g, n, weights) != "float"} & set(names)
+              if tensor_route(g, n, weights, trained) != "float"} & set(names)
     loaded = []
     for name, key in names.items():
         if name in skip or name in biased:
             continue  # a bias held by its quantized projection
-        route = tensor_route(g, name, weights)
+        route = tensor_route(g, name, weights, trained)
         bias = name.replace(".weight", ".bias")
         bias = bias if route != "float" and bias in names else None
         if route == "mlx":
@@ -409,7 +429,7 @@ def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
             replace_submodule(model, key[: -len(".weight")], _block_layer(g, name, model.ops,
                                                                            bias))
         else:  # norms and biases (1-D) stay float32
-            want = mx.float32 if len(g.tensors[name].shape) == 1 else dtype
+            want = mx.float32 if len(g.tensors[name].shape) == 1 or name in trained else dtype
             w = mx.array(g.load(name, np.float16 if want == mx.float16 else np.float32))
             w = w if w.dtype == want else w.astype(want)
             mx.eval(w)  # the copy made now, so the mapping's pages can go
@@ -442,9 +462,12 @@ def _block_layer(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
 
 
 def load_llama_into(path: str | os.PathLike, model: Llama) -> None:
-    """Resume: a llama GGUF's weights into an existing model of the same shape (float32)."""
+    """Resume: a llama GGUF's weights into an existing model of the same shape (float32); the
+    matrices the model holds as blocks or MLX-quantized are frozen, the base's, and kept."""
+    held = dict(tree_flatten(model.parameters()))
     with GGUFFile(path) as g:
-        load_llama_weights(g, model)
+        kept = tuple(n for n, key in parameter_names(model.args).items() if key not in held)
+        load_llama_weights(g, model, skip=kept)
 
 
 def _quantized_linear(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
@@ -575,9 +598,11 @@ def llama_tensors(model: Llama, params: dict[str, Any] | None = None) -> dict[st
     out = {}
     for name, key in parameter_names(model.args).items():
         w = flat.get(key)
-        if w is None:  # a LoRA-wrapped projection keeps its base weight under `.linear`
-            base, _, leaf = key.rpartition(".")
-            w = flat[f"{base}.linear.{leaf}"]
+        base, _, leaf = key.rpartition(".")
+        if w is None and f"{base}.linear.{leaf}" in flat:  # a LoRA-wrapped projection keeps
+            w = flat[f"{base}.linear.{leaf}"]  # its base weight under `.linear`
+        elif w is None:  # a frozen matrix held as blocks or MLX-quantized: its exact decoding
+            w = dense_weight(submodule(model, base))
         out[name] = np.asarray(w.astype(mx.float32))
     return out
 

@@ -185,12 +185,12 @@ def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
         raise ValueError(f"--lora.targets: {what}; this {a.arch} base has {','.join(have)}")
 
 
-def target_blocks(n_layers: int, layers: int | None) -> range:
-    """Indices of the last `layers` blocks (all when None); ValueError names --lora.layers."""
+def target_blocks(n_layers: int, layers: int | None, flag: str = "--lora.layers") -> range:
+    """Indices of the last `layers` blocks (all when None); ValueError names `flag`."""
     if layers is None:
         return range(n_layers)
     if not 1 <= layers <= n_layers:
-        raise ValueError(f"--lora.layers: expected 1..{n_layers} (the base's block count) or "
+        raise ValueError(f"{flag}: expected 1..{n_layers} (the base's block count) or "
                          f"unset for all, found {layers}")
     return range(n_layers - layers, n_layers)
 

@@ -10,7 +10,10 @@ quantized files are dequantized exactly, or kept quantized with `--base-dtype qu
   for llama.cpp, export them fused (`toymlx-export --base B --adapter RUN --fuse`).
 - full: every weight of the base is trained, in float32 (a quantized base is dequantized);
   checkpoints are full GGUFs with the base's metadata, `weights/step_N.gguf`, that llama.cpp
-  loads as they are, as from-scratch's are.
+  loads as they are, as from-scratch's are. `--full.layers N` trains the last N blocks only
+  (mlx-lm's full fine-tune): the other blocks, the embeddings, the final norm and the head stay
+  frozen, held as `--base-dtype` holds a LoRA base (its blocks: no float32 copy, gradient or
+  optimizer state), and are written into each checkpoint as the base's decoded values.
 `--fuse-at-end base` (or a type) also writes the run's `fused-TYPE.gguf` when training
 completes: the base with the final adapter fused in (full: the final weights); `base`: the
 file `toymlx-export --fuse` writes by default (the base's tensors kept, each adapted one in a
@@ -40,6 +43,7 @@ from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import (
     CHECKPOINT_FORMAT,
     args_from_gguf,
+    block_tensors,
     frozen_weights,
     load_llama,
     load_llama_into,
@@ -94,6 +98,16 @@ class LoRAOptions:
 
 
 @dataclass
+class FullOptions:
+    """Which weights a full fine-tune (--fine-tune-type full) trains."""
+
+    layers: int | None = None
+    """Train only the last N blocks (mlx-lm's full fine-tune with --num-layers N): the other
+    blocks, the token embeddings, the final norm and the output head stay the base's, held as
+    --base-dtype says. Default: every weight, embeddings, norms and head included."""
+
+
+@dataclass
 class ChatDataOptions:
     """Supervised fine-tuning examples (JSONL: text, prompt/completion or messages [+ tools])."""
 
@@ -119,8 +133,8 @@ class Config(TrainConfig):
     """The llama GGUF to adapt (required); its tokenizer and chat template are used."""
     fine_tune_type: Literal["lora", "dora", "full"] = "lora"
     """lora: llama.cpp LoRA adapters; dora: DoRA adapters (no llama.cpp format: toymlx adapter
-    GGUFs, exported fused by toymlx-export --fuse); full: every weight, checkpoints full GGUFs
-    (the --lora.* options do not apply)."""
+    GGUFs, exported fused by toymlx-export --fuse); full: every weight (--full.layers N: the
+    last N blocks'), checkpoints full GGUFs (the --lora.* options do not apply)."""
     base_dtype: Literal["auto", "blocks", "quantized", "float32", "bfloat16", "float16"] = "auto"
     """How the frozen base holds its weights. blocks: every quantized matrix as the file's own
     blocks (about the file's size in memory), decoded to float32 where it is used (the float32
@@ -129,10 +143,12 @@ class Config(TrainConfig):
     dequantized to it (4 or 2 bytes a weight). auto: quantized on a GPU; on the CPU float32 where
     a step with the float32 base takes at most half the memory available and --grad-checkpoint
     does not put memory first (the same values, without decoding every weight twice a step),
-    else blocks. A full fine-tune trains float32 weights (auto or float32)."""
+    else blocks. A full fine-tune holds every weight float32 (auto or float32); with
+    --full.layers N its trained blocks are float32 and the frozen rest held as this says."""
     seq_len: int = 256
     """Tokens per training row (longer examples are cut)."""
     lora: LoRAOptions = field(default_factory=LoRAOptions)
+    full: FullOptions = field(default_factory=FullOptions)
     data: ChatDataOptions = field(default_factory=ChatDataOptions)
     steps: int = 100
     """Optimizer steps to train for (the schedule's length)."""
@@ -193,9 +209,11 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--lora.alpha: expected > 0, found {cfg.lora.alpha}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ValueError(f"--lora.dropout: expected in [0, 1), found {cfg.lora.dropout}")
-    if cfg.fine_tune_type == "full" and cfg.base_dtype not in ("auto", "float32"):
+    if (cfg.fine_tune_type == "full" and cfg.full.layers is None
+            and cfg.base_dtype not in ("auto", "float32")):
         raise ValueError(f"--base-dtype: expected auto or float32 with --fine-tune-type full "
-                         f"(trained weights are float32), found {cfg.base_dtype}")
+                         f"(every weight is trained, in float32; --full.layers N leaves the "
+                         f"other blocks frozen), found {cfg.base_dtype}")
     if cfg.fine_tune_type == "full" and cfg.lora.init_adapter:
         raise ValueError("--lora.init-adapter: expected with --fine-tune-type lora or dora, "
                          "found full (fuse the adapter into the base with toymlx-export --fuse, "
@@ -210,8 +228,16 @@ def validate(cfg: Config) -> None:
 
 def check_applies(cfg: Config) -> None:
     """A new run's options checked for ones set where they do not apply: --lora.* with
-    --fine-tune-type full (no adapters are trained); ValueError naming the first."""
+    --fine-tune-type full (no adapters are trained), --full.* with lora or dora; ValueError
+    naming the first."""
     if cfg.fine_tune_type != "full":
+        for f in fields(FullOptions):
+            v = getattr(cfg.full, f.name)
+            if v != getattr(FullOptions(), f.name):
+                raise ValueError(f"--full.{f.name.replace('_', '-')}: expected no value with "
+                                 f"--fine-tune-type {cfg.fine_tune_type} (it steers a full "
+                                 f"fine-tune), found {v!r}; remove it (--lora.{f.name} for "
+                                 "the adapters), or train --fine-tune-type full")
         return
     for f in fields(LoRAOptions):
         v = getattr(cfg.lora, f.name)
@@ -287,22 +313,31 @@ def build(cfg: Config, ops: Ops) -> Task:
     validate(cfg)
     mx.random.seed(cfg.seed)
     full = cfg.fine_tune_type == "full"
+    some = full and cfg.full.layers is not None  # a full fine-tune of the last N blocks
     src = model_store.resolve(cfg.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
     with GGUFFile(src.path) as g:
         types = "/".join(sorted(set(projection_types(g).values())))
+        a = args_from_gguf(g)
         if not full:  # before the memory estimate, which sizes each target's projection
-            check_targets(parse_targets(cfg.lora.targets), args_from_gguf(g))
+            check_targets(parse_targets(cfg.lora.targets), a)
+        trained_blocks = target_blocks(a.n_layers, cfg.full.layers, "--full.layers")
+        trained = block_tensors(g.tensors, trained_blocks) if some else frozenset()
 
         def step_estimate(held: str) -> memory.Estimate:
             return memory.estimate(
                 g, held=held, full=full, targets=parse_targets(cfg.lora.targets),
-                rank=cfg.lora.rank, layers=cfg.lora.layers, dora=cfg.fine_tune_type == "dora",
-                batch_size=cfg.batch_size, seq_len=cfg.seq_len, ops=ops)
+                rank=cfg.lora.rank, layers=cfg.full.layers if full else cfg.lora.layers,
+                dora=cfg.fine_tune_type == "dora", batch_size=cfg.batch_size,
+                seq_len=cfg.seq_len, ops=ops)
 
-        dtype = "float32" if full else resolve_base_dtype(
+        dtype = "float32" if full and not some else resolve_base_dtype(
             cfg.base_dtype, on_gpu(), cfg.grad_checkpoint, lambda held: step_estimate(held).total)
         fits = memory.check_fits(step_estimate(dtype), f"--base {cfg.base}", cfg.force)
-    model, g = load_llama(src.path, ops, dtype)
+    model, g = load_llama(src.path, ops, dtype, trained)
+    if some:  # mlx-lm's full fine-tune: model.freeze(), then each trained block unfrozen
+        model.freeze()
+        for i in trained_blocks:
+            model.layers[i].unfreeze()
     meta = dict(g.metadata)
     g.close()
     args = model.args
@@ -328,6 +363,7 @@ def build(cfg: Config, ops: Ops) -> Task:
                                  "toy.checkpoint_format": CHECKPOINT_FORMAT})
 
         load, prefix = load_llama_into, "step_"
+        info.update(full_layers=len(trained_blocks))
     else:
         target_blocks(args.n_layers, cfg.lora.layers)  # --lora.layers checked against the base
         targets = parse_targets(cfg.lora.targets)

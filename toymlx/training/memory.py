@@ -6,10 +6,11 @@ The estimate adds, in bytes:
   float32/bfloat16/float16), every value at that width; held in the file's blocks, each quantized
   tensor at about its size in the file, F32/F16/BF16 tensors at 4 bytes a value (norms).
 - trained: each trained value with its gradient and AdamW's two moments, float32 (16 bytes).
-  A full fine-tune trains the whole base (and holds it at 4 bytes a value).
+  A full fine-tune trains the whole base (and holds it at 4 bytes a value); with --full.layers
+  N, the last N blocks' tensors (held at 4 bytes a value), the rest held as frozen.
 - activations: what the backward pass keeps per token and per block (`_block_values`), times
-  the blocks the gradient runs through: those from the first adapted block up (--lora.layers)
-  or all (full). With --grad-checkpoint, each block's input, plus one block recomputed.
+  the blocks the gradient runs through: those from the first adapted or trained block up
+  (--lora.layers, --full.layers) or all (full). With --grad-checkpoint, each block's input, plus one block recomputed.
 - logits: a trained head's chunk of `toymlx.models.losses.logits_chunk` tokens x vocabulary,
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
   gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from toymlx.gguf.blocks import CODECS, held_bytes
-from toymlx.gguf.llama import args_from_gguf, tensor_route
+from toymlx.gguf.llama import args_from_gguf, block_tensors, tensor_route
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
@@ -109,12 +110,15 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops) -> int:
     return kept
 
 
-def base_bytes(g: GGUFFile, held: str) -> int:
+def base_bytes(g: GGUFFile, held: str, trained: frozenset[str] = frozenset()) -> int:
     """The frozen weights as `load_llama` holds them with `held` (`--base-dtype` resolved): each
     tensor by its route (`tensor_route`): the file's blocks at their split size, MLX's quantized
-    layers at their packed codes plus float32 scales and biases, floats at their width."""
+    layers at their packed codes plus float32 scales and biases, floats at their width; the
+    `trained` ones (a full fine-tune's) are not counted."""
     total = 0
     for name, t in g.tensors.items():
+        if name in trained:
+            continue
         route = tensor_route(g, name, held)
         if route == "blocks":
             total += held_bytes(CODECS[t.type], t.shape)
@@ -135,9 +139,15 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     a = args_from_gguf(g)
     tokens = batch_size * seq_len
     width = _WIDTH.get(ops.dtype, 4)
-    if full:
+    train = (block_tensors(g.tensors, range(a.n_layers - min(layers, a.n_layers), a.n_layers))
+             if full and layers else frozenset())
+    if full and not layers:
         n = sum(t.n_elements for t in g.tensors.values())
         base, trained, blocks = n * 4, n * 16, a.n_layers
+    elif full:  # the last `layers` blocks trained (float32), the rest held as frozen
+        n = sum(g.tensors[name].n_elements for name in train)
+        base, trained = base_bytes(g, held, train) + n * 4, n * 16
+        blocks = min(layers, a.n_layers)
     else:
         dims = projection_dims(a)
         blocks = min(layers or a.n_layers, a.n_layers)
@@ -149,7 +159,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         acts = blocks * tokens * a.d_model * width + per_block
     else:
         acts = blocks * per_block
-    if full:  # a trained head: a chunk of tokens' logits at a time
+    if full and not layers:  # a trained head: a chunk of tokens' logits at a time
         chunk = logits_chunk(a.vocab_size, ops.logits_values)
         logits = min(tokens, chunk) * a.vocab_size * 4 * LOGITS_COPIES
     else:  # a frozen head: a slice of its rows at a time (`head_slices`): its logits, their
@@ -157,7 +167,8 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         (lo, hi), = head_slices(a.vocab_size, tokens, a.d_model, ops.logits_values)[:1]
         logits = (hi - lo) * (HEAD_LOGITS_COPIES * tokens + 2 * a.d_model) * 4
     held_as_blocks = [t.n_elements for name, t in g.tensors.items()
-                      if name.startswith("blk.") and tensor_route(g, name, held) == "blocks"]
+                      if name.startswith("blk.")
+                      and tensor_route(g, name, held, train) == "blocks"]
     largest = max(held_as_blocks, default=0)
     decoded = min(largest, ops.decode_slice or largest) * 4 * DECODED_COPIES
     return Estimate(base, trained, acts, logits, decoded)
