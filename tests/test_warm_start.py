@@ -19,6 +19,7 @@ from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import expected_shapes, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
+from toymlx.models.losses import lm_loss
 from toymlx.recipes import warm
 from toymlx.recipes import warm_start as ws
 from toymlx.recipes.common import LlamaOptions, TextData
@@ -236,10 +237,35 @@ def test_random_init_changes_only_the_table(stories_path, text_file):
     from mlx.utils import tree_flatten
 
     pa, pb = dict(tree_flatten(a.parameters())), dict(tree_flatten(b.parameters()))
+    # the tied head's norm follows the same rule from each folded table (of about one RMS)
     for k, v in pa.items():
         same = np.array_equal(np.array(v), np.array(pb[k]))
-        assert same == (k not in ("embed.weight", "embed.lens")), k
+        assert same == (k not in ("embed.weight", "embed.lens", "norm.weight")), k
     assert warm.rms(np.array(b.table)) == pytest.approx(warm.rms(np.array(a.table)), rel=0.02)
+    for m in (a, b):
+        want = warm.head_norm_weight(np.array(m.embed.folded()))
+        np.testing.assert_array_equal(np.array(m.norm.weight), np.float32(want))
+    np.testing.assert_allclose(np.array(b.norm.weight), np.array(a.norm.weight), rtol=0.02)
+
+
+def test_first_loss_near_uniform(stories_path, text_file):
+    """A tied head starts at unit logit spread: the first loss within 1 nat of ln V, where a
+    norm weight of 1 gives the input token's own row a logit of D * rms(table) (64 * 0.31 = 20)
+    and a first loss over 13 nats; the embedding is still exactly the donor's table."""
+    cfg = _cfg(stories_path, text_file, lens="identity",
+               model={"d_model": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
+                      "ffn_dim": 128})
+    m = _build(cfg).model
+    donor = warm.read_donor(stories_path).table
+    np.testing.assert_array_equal(np.array(m.embed.folded()), donor)
+    weight = 1 / (8 * warm.rms(donor))  # 1 / (sqrt(64) * 0.309)
+    assert weight == pytest.approx(0.405, abs=0.001)
+    np.testing.assert_allclose(np.array(m.norm.weight), np.full(64, weight), rtol=1e-6)
+    batch = {k: mx.array(v[0]) for k, v in _build(cfg).train_batch(0).items()}
+    ln_v = np.log(512)
+    assert abs(lm_loss(m, batch)[0].item() - ln_v) < 1
+    m.norm.weight = mx.ones(64)  # the head as it was: confident first guesses
+    assert lm_loss(m, batch)[0].item() > ln_v + 6
 
 
 # ---- training: folded export, freezing, resume ------------------------------------------

@@ -135,6 +135,21 @@ def make_lens(mode: LensMode, table: np.ndarray, width: int,
     return (basis * scale).astype(np.float32)
 
 
+def head_norm_weight(folded: np.ndarray) -> float:
+    """The final RMSNorm's initial weight for a tied head: `1 / (sqrt(D) * rms(folded))`.
+
+    The normed hidden state has RMS 1, so the first logits `h . W[v]` spread by about
+    `sqrt(D) * rms(W)` times this weight: 1 here. At weight 1 the donor's table gave the input
+    token's own row a logit of `D * rms(W)` (35 for SmolLM2's table into 256 wide): a first
+    loss of 27.7 nats against ln 49152 = 10.8. With this weight: 14.6, and 6.48 against 6.63
+    validation loss after the README's 50 steps. T5 scales its tied head by `D ** -0.5` for
+    the same reason; here the scale is the norm's weight, so a checkpoint stays a plain llama
+    GGUF. Smaller weights (a from-scratch model's logit spread, a first loss below ln V) ended
+    worse on stories260K students (docs/RESULTS.md, "warm-start's first loss").
+    """
+    return 1.0 / (folded.shape[1] ** 0.5 * max(rms(folded), 1e-30))
+
+
 # ---- the model ---------------------------------------------------------------------------------
 class LensEmbedding(nn.Module):
     """A (V, Dd) token table seen through a learned (Dd, D) lens; rows are `weight @ lens`."""

@@ -2,9 +2,10 @@
 
 The student embeds tokens at the donor's width through the donor's `token_embd.weight` and a
 learned lens (donor width x student width) into its own width; everything else starts from
-random init. It uses the donor's tokenizer, and its checkpoints are plain llama GGUFs with the
-lens folded into `token_embd.weight` (see toymlx/recipes/warm.py; the unfolded table and lens for
-resume live in `step_N.warm.safetensors` beside each checkpoint).
+random init, the final norm's weight (with a tied head) at `warm.head_norm_weight`: first
+logits of unit spread. It uses the donor's tokenizer, and its checkpoints are plain llama GGUFs
+with the lens folded into `token_embd.weight` (see toymlx/recipes/warm.py; the unfolded table
+and lens for resume live in `step_N.warm.safetensors` beside each checkpoint).
 
 `--warm.init random` keeps everything (shape, vocabulary, tokenizer, lens rule, optimizer, the
 rest of the init) and replaces only the donor table's values by Gaussian noise of the same RMS:
@@ -161,6 +162,9 @@ def build(cfg: Config, ops: Ops) -> Task:
     mx.random.seed(cfg.seed)
     model = warm.WarmLlama(args, donor.width, ops)
     model.set_embedding(table, lens)
+    if args.tie_embeddings:  # an untied head starts at a from-scratch model's 0.02 already
+        weight = warm.head_norm_weight(np.array(model.embed.folded()))
+        model.norm.weight = mx.full(model.norm.weight.shape, weight, dtype=mx.float32)
     if w.freeze_embeddings == -1:
         model.embed.freeze(keys=["weight"])
     tok_meta = tok.to_metadata()
