@@ -36,19 +36,20 @@ class VersionAction(argparse.Action):
         parser.exit()
 
 
-def drop_stdout() -> None:
-    """Point stdout at os.devnull once its reader has gone (`| head`): what is still buffered and
-    whatever comes later is discarded, where another write (Python's own flush at exit too)
-    would raise BrokenPipeError again."""
+def drop_output(stream: Any = None) -> None:
+    """Point `stream` (sys.stdout by default) at os.devnull once its reader has gone (`| head`):
+    what is still buffered and whatever comes later is discarded, where another write (Python's
+    own flush at exit too) would raise BrokenPipeError again."""
     null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, sys.stdout.fileno())
+    os.dup2(null, (sys.stdout if stream is None else stream).fileno())
     os.close(null)
 
 
-class KeepOnClosedStdout:
-    """sys.stdout for a command whose console output only displays (toymlx-train: the bundle
-    records everything): a closed reader (`| head -1`) discards the rest of the output instead of
-    raising BrokenPipeError into the run, which would stop it as a failed bundle write."""
+class KeepOnClosed:
+    """sys.stdout or sys.stderr for a command whose console output only displays (toymlx-train:
+    the bundle records everything): a closed reader (`| head -1`, `2>&1 | head -1`) discards the
+    rest of the output instead of raising BrokenPipeError into the run, which would stop it as a
+    failed bundle write, or fail a completed run on its last line."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -57,14 +58,14 @@ class KeepOnClosedStdout:
         try:
             return self._stream.write(text)
         except BrokenPipeError:
-            drop_stdout()
+            drop_output(self._stream)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
         except BrokenPipeError:
-            drop_stdout()
+            drop_output(self._stream)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -72,15 +73,16 @@ class KeepOnClosedStdout:
 
 @contextlib.contextmanager
 def output_may_close() -> Iterator[None]:
-    """Within it, sys.stdout is a `KeepOnClosedStdout`: for a command whose work goes on when
-    its console reader goes (a training run, a report's file)."""
-    kept = sys.stdout
-    sys.stdout = KeepOnClosedStdout(kept)
+    """Within it, sys.stdout and sys.stderr are `KeepOnClosed`: for a command whose work goes on
+    when its console reader goes (a training run, a report's file)."""
+    kept = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = KeepOnClosed(kept[0]), KeepOnClosed(kept[1])
     try:
         yield
     finally:
-        sys.stdout.flush()  # what is still buffered, while a closed pipe is still handled
-        sys.stdout = kept
+        for stream in (sys.stdout, sys.stderr):  # what is still buffered, while a closed pipe
+            stream.flush()                         # is still handled
+        sys.stdout, sys.stderr = kept
 
 
 def run_command(prog: str, args_type: type, run: Callable[[Any], int],
@@ -114,7 +116,7 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
         sys.stdout.flush()  # here: a closed pipe is met now, not in Python's flush at exit
         return code
     except BrokenPipeError:  # before `errors`: an OSError, but nothing went wrong
-        drop_stdout()
+        drop_output()
         return 0
     except errors as e:  # GGUFError and ImageDataError are ValueErrors
         print(f"{prog}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)

@@ -376,3 +376,28 @@ def test_a_closed_stdout_neither_stops_training_nor_is_blamed_on_the_bundle(tmp_
     assert (end["kind"], end["reason"], end["final_step"]) == ("run_end", "completed", 4)
     r = _closed_stdout([sys.executable, "-m", "toymlx_cli.eval", "--model", str(straight)])
     assert (r.returncode, r.stderr) == (0, "")
+
+
+def _closed_console(cmd: list[str]) -> int:
+    """`cmd 2>&1 | head -0`: stdout and stderr one pipe whose reader has already gone; the
+    exit status."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p.stdout.close()
+    return p.wait(timeout=300)
+
+
+def test_a_closed_stderr_neither_stops_training_nor_fails_the_run(tmp_path, data):
+    """`toymlx-train ... 2>&1 | head -1`: the run trained to its end and then exited 1 with a
+    BrokenPipeError on its last line (toymlx-report the same after drawing its file); a note
+    printed before the first step would have stopped the run there. Now both exit 0."""
+    rc = _closed_console([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data,
+                          "--runs-root", str(tmp_path), "--run-id", "p", "--steps", "3",
+                          "--warmup", "5", "--report-every", "1"])  # a --warmup note too
+    assert rc == 0
+    end = read_events(tmp_path / "p")[-1]
+    assert (end["kind"], end["reason"], end["final_step"], end["exit_code"]) == (
+        "run_end", "completed", 3, 0)
+    out = tmp_path / "r.png"
+    rc = _closed_console([sys.executable, "-m", "toymlx_cli.report", str(tmp_path / "p"),
+                          "--out", str(out)])
+    assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
