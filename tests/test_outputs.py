@@ -216,3 +216,32 @@ def test_check_output_lets_a_writer_into_the_bundle_it_owns(made, tmp_path):
         check_output(run / "fused-f32.gguf", [], "--fuse-at-end", owns=[tmp_path])
     assert check_output(tmp_path / "new.gguf", [("--base", made / "base.gguf")]) == \
         tmp_path / "new.gguf"
+
+
+def test_a_device_or_fifo_as_out_is_refused_not_replaced(made, capsys, tmp_path):
+    """`--out /dev/null` (to check that an export works) renamed a regular file over the
+    device: run as root, /dev/null itself became a 21 KB GGUF. A FIFO was replaced the same
+    way (its reader left waiting). Every writer's --out now refuses both, naming the kind."""
+    from toymlx_cli.report import main as report
+
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    cases = [(fifo, "a FIFO (named pipe)")]
+    null = tmp_path / "null.png"
+    try:
+        os.mknod(null, 0o666 | 0o020000, os.makedev(1, 3))  # /dev/null's own device
+        cases.append((null, "a character device"))
+    except PermissionError:  # not root: the FIFO alone (as root /dev/null is the case)
+        pass
+    for out, kind in cases:
+        for prog, run, argv in (
+                ("toymlx-export", _export, ["--adapter", str(made / "runs" / "r1"), "--out",
+                                            str(out)]),
+                ("toymlx-export", _export, ["--adapter", str(made / "runs" / "r1"), "--fuse",
+                                            "--out", str(out)]),
+                ("toymlx-report", report, [str(made / "runs" / "r1"), "--out", str(out)])):
+            line = refused(capsys, made, prog, run, argv)
+            assert line == (f"{prog}: error: {out}: --out: expected a regular file or a new "
+                            f"name, found {kind} (writing would replace it with a regular "
+                            f"file); choose another --out")
+            assert os.stat(out).st_mode & 0o170000 in (0o010000, 0o020000)  # still FIFO/device

@@ -9,7 +9,9 @@ path that
   a training writes its --fuse-at-end file into); `runs/<id>/weights/latest`, a link, counts as
   inside its bundle whether or not it resolves;
 - lies inside a model store: Ollama's (`$OLLAMA_MODELS`, `~/.ollama/models`, their blobs/ and
-  manifests/) or LM Studio's models folder (`toymlx.bundle.model_store` finds both).
+  manifests/) or LM Studio's models folder (`toymlx.bundle.model_store` finds both);
+- is a FIFO, a device or a socket (`special_kind`): a file is written beside its name and
+  renamed over it, which would replace /dev/null itself, run as root, with a regular file.
 Nothing is written by the check, so a refused command leaves every file as it was.
 """
 
@@ -19,6 +21,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from toymlx.backend.files import special_kind
 from toymlx.bundle import model_store
 
 BUNDLE_MARKS = ("config.json", "events.jsonl", "weights", ".lock")
@@ -74,9 +77,14 @@ def store_of(path: Path) -> tuple[str, Path] | None:
 def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]],
                  flag: str = "--out", owns: Iterable[str | os.PathLike] = ()) -> Path:
     """`out` as a Path, after refusing (OutputError, one line naming both paths) an output
-    that is or holds one of `inputs` ((flag, path) pairs; None and missing paths skipped),
-    lies in one of the input folders, in a run bundle not in `owns`, or in a model store."""
+    that is a FIFO, device or socket, is or holds one of `inputs` ((flag, path) pairs; None and
+    missing paths skipped), lies in one of the input folders, in a run bundle not in `owns`,
+    or in a model store."""
     out = Path(out)
+    if kind := special_kind(out):
+        raise OutputError(f"{out}: {flag}: expected a regular file or a new name, found {kind} "
+                          f"(writing would replace it with a regular file); choose another "
+                          f"{flag}")
     real = _real(out)
     for what, given in inputs:
         if given is None or model_store.is_store_name(given):
