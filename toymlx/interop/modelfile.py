@@ -59,7 +59,8 @@ def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
 def check_adapter(adapter_file: Path, base: Path, fuse: bool = False) -> dict[str, Any]:
     """The adapter's metadata, after checking that it is a llama.cpp LoRA for `base` (with
     `fuse`, toymlx's DoRA too: it is fused, never handed to Ollama): the same architecture and,
-    for every adapted weight, the base's (out, in) shape. No weights loaded."""
+    for every adapted weight, the base's (out, in) shape, and finite values (the adapter's
+    matrices are read; the base's weights are not)."""
     kinds = ("lora", "dora") if fuse else ("lora",)
     with GGUFFile(adapter_file) as ad, GGUFFile(base) as g:
         meta = dict(ad.metadata)
@@ -88,6 +89,7 @@ def check_adapter(adapter_file: Path, base: Path, fuse: bool = False) -> dict[st
                 raise GGUFError(f"{adapter_file}: tensor {name!r} shape: expected {want} "
                                 f"{'columns' if half == 'lora_a' else 'rows'} (the base "
                                 f"{weight} is {out_dim} x {in_dim}), found {info.shape}")
+            ad.load(name)  # GGUFError on a NaN or Inf: Ollama would serve it as it is
     return meta
 
 
