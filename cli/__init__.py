@@ -103,8 +103,8 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     if "--version" in argv:
         print(version_text())
         return 0
-    setup_process()
     try:
+        setup_process()
         default, argv = file_defaults(args_type, argv, prog)
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -151,17 +151,36 @@ def _bind_openblas(p: _ProcessState) -> None:
     warnings.warn(_NO_BLAS, stacklevel=4)
 
 
+def check_bfs_width(text: str | None) -> None:
+    """ValueError (one line) unless `text`, MLX_BFS_MAX_WIDTH as set, is unset or a whole number
+    other than 0: MLX reads text or 0 as a width of 0, and then never finishes evaluating
+    anything (the command waits forever); a negative width is MLX's "no limit"."""
+    if text is None:
+        return
+    try:
+        width = int(text)
+    except ValueError:
+        width = 0
+    if width == 0:
+        raise ValueError(f"MLX_BFS_MAX_WIDTH: expected a whole number other than 0, found "
+                         f"{text!r} (MLX reads it as 0, and with 0 never finishes an "
+                         f"evaluation: the command would hang); unset it, or set it to "
+                         f"{BFS_MAX_WIDTH} as toymlx does")
+
+
 def setup_process(wide_evaluation: bool = True) -> None:
     """Tune this process for training: MLX's evaluation width (Linux) and glibc malloc.
 
     Call it before MLX evaluates anything (MLX reads the width at its first evaluation; the
-    console scripts call this first thing); later calls do nothing. `wide_evaluation=False`
+    console scripts call this first thing); later calls do nothing. ValueError (one line) for
+    an MLX_BFS_MAX_WIDTH that would hang MLX (`check_bfs_width`). `wide_evaluation=False`
     keeps MLX's default width: the wide breadth-first order that the CPU stream split needs
     also keeps more activations alive at once (tiny Llama, 2 x 1024 tokens: 249 against
     192 MiB peak), and it undoes most of what --grad-checkpoint saves (231 against 125 MiB)."""
     p = _PROCESS
     if p.set_up:
         return
+    check_bfs_width(os.environ.get("MLX_BFS_MAX_WIDTH"))
     p.set_up = True
     if sys.platform.startswith("linux") and wide_evaluation:
         os.environ.setdefault("MLX_BFS_MAX_WIDTH", BFS_MAX_WIDTH)

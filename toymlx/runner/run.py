@@ -85,10 +85,10 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                  bundle: Bundle | None = None) -> int:
     """Run one recipe with a parsed config (with `bundle`, the opened run `--resume` continues);
     returns the process exit code."""
-    # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
-    setup_process(wide_evaluation=not cfg.grad_checkpoint)
     with contextlib.ExitStack() as owned:  # the bundle's lock, held until training has ended
         try:
+            # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
+            setup_process(wide_evaluation=not cfg.grad_checkpoint)
             run = _prepare(recipe, module, cfg, bundle, owned)
         except (ValueError, OSError, KeyError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
