@@ -39,6 +39,9 @@ from toymlx.backend import blas, blas_rebind, fpenv, gemv_forward, kernel_loops,
 
 _NO_BLAS = ("toymlx: no optimised BLAS found, so MLX's CPU matmuls use its reference BLAS "
             "(about 30x slower). Fix: " + blas.FIX)
+_BAD_CHOICE = ("toymlx: TOYMLX_BLAS: expected 'openblas', 'reference' or the path of an LP64 "
+               "BLAS library, found {path!r}, which could not be loaded ({why}); MLX's CPU "
+               "matmuls use its reference BLAS (about 30x slower)")
 _NOT_BOUND = ("toymlx: MLX's CPU matmuls could not be pointed at {path} ({why}), so they use "
               "MLX's reference BLAS in this process (a training step 10-40x slower)")
 _GENERIC = ("toymlx: {why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
@@ -126,10 +129,13 @@ def _bind_openblas(p: _ProcessState) -> None:
             # BLAS reads this once, when it is loaded just below
             os.environ[var] = str(max(1, (os.cpu_count() or 1) // local))
     p.blas = "reference"
+    chosen = None  # the user's TOYMLX_BLAS, where it failed to load: named, not "none found"
     for path, prefix, source in blas.candidates():
         try:
             lib = blas.load(path, prefix, source)
-        except OSError:
+        except OSError as e:
+            if source == "TOYMLX_BLAS":
+                chosen = _BAD_CHOICE.format(path=path, why=" ".join(str(e).split()))
             continue
         p.gemv_forward = gemv_forward.install(path, prefix)
         try:
@@ -148,7 +154,7 @@ def _bind_openblas(p: _ProcessState) -> None:
                                           best=blas.core_for_cpu(*blas.cpu_flags())[0]),
                           stacklevel=4)
         return
-    warnings.warn(_NO_BLAS, stacklevel=4)
+    warnings.warn(chosen or _NO_BLAS, stacklevel=4)
 
 
 def check_bfs_width(text: str | None) -> None:
