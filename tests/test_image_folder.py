@@ -112,6 +112,32 @@ def test_bad_files_give_one_line_errors_naming_them(tmp_path):
     assert "expected at least 2 class subfolders, found 1 ('only')" in _one_line(e, one)
 
 
+def test_a_fifo_named_as_an_image_is_named_not_skipped(tmp_path):
+    """A FIFO `cat/pipe.png` among the images was skipped without a word by training, eval
+    and classify (one image fewer); classify given the FIFO itself said "no such file or
+    directory". Each now names it and what it is."""
+    import os
+
+    from toymlx.generation.classify import image_files
+
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    pipe = root / "cat" / "pipe.png"
+    os.mkfifo(pipe)
+    want = f"{pipe}: expected an image file, found a FIFO (named pipe); remove it or put the " \
+           "image there"
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8)
+    assert str(e.value) == want
+    with pytest.raises(ImageDataError) as e:
+        image_files([root])
+    assert str(e.value) == want
+    with pytest.raises(ImageDataError) as e:
+        image_files([pipe])
+    assert str(e.value) == f"{pipe}: expected an image file or a folder, found a FIFO (named pipe)"
+    pipe.unlink()
+    assert len(image_files([root])) == 9
+
+
 def test_cifar10_folder_archive_and_batch_file(tmp_path):
     folder = make_cifar10(tmp_path / "a")
     x, y, n_train, names = load_cifar(folder)

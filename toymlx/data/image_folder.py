@@ -107,6 +107,22 @@ def decode_image(path: str | Path, size: int, channels: int) -> np.ndarray:
     return a.reshape(size, size, channels)
 
 
+def images_below(folder: Path) -> list[Path]:
+    """The image files below `folder` (by extension; hidden names skipped), sorted;
+    ImageDataError naming one that is a FIFO, a device or a socket: opening it could wait
+    forever, and skipping it would drop an image without a word."""
+    found = []
+    for p in folder.rglob("*"):
+        if p.suffix.lower() not in IMAGE_EXTENSIONS or p.name.startswith("."):
+            continue
+        if kind := special_kind(p):
+            raise ImageDataError(f"{p}: expected an image file, found {kind}; remove it or put "
+                                 "the image there")
+        if p.is_file():
+            found.append(p)
+    return sorted(found)
+
+
 def scan_image_folder(root: str | Path, min_classes: int = 2
                       ) -> tuple[list[Path], np.ndarray, list[str]]:
     """(files, labels, class names) of an ImageFolder tree, in sorted order; a training set
@@ -119,8 +135,7 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
     files: list[Path] = []
     labels: list[int] = []
     for k, name in enumerate(classes):
-        found = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
-                       and p.is_file() and not p.name.startswith("."))
+        found = images_below(root / name)
         if not found:
             raise ImageDataError(f"{root / name}: class folder has no images: expected at least "
                                  f"one file named *{', *'.join(IMAGE_EXTENSIONS[:3])}, ..., found "
