@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -45,11 +46,17 @@ def drop_output(stream: Any = None) -> None:
     os.close(null)
 
 
+CONSOLE_GONE = (errno.EPIPE, errno.EIO, errno.ENOSPC)
+"""A console write's errors that mean no one can read the console any more: its reader gone
+(`| head`), its terminal closed (a hung-up tty answers EIO), the disk of a redirected log full."""
+
+
 class KeepOnClosed:
     """sys.stdout or sys.stderr for a command whose console output only displays (toymlx-train:
-    the bundle records everything): a closed reader (`| head -1`, `2>&1 | head -1`) discards the
-    rest of the output instead of raising BrokenPipeError into the run, which would stop it as a
-    failed bundle write, or fail a completed run on its last line."""
+    the bundle records everything): a console gone (`CONSOLE_GONE`: `| head -1`,
+    `2>&1 | head -1`, a closed terminal) discards the rest of the output instead of raising
+    into the run, which stopped it as a failed bundle write without a checkpoint, or failed a
+    completed run on its last line."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -57,14 +64,18 @@ class KeepOnClosed:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
+        except OSError as e:
+            if e.errno not in CONSOLE_GONE:
+                raise
             drop_output(self._stream)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except OSError as e:
+            if e.errno not in CONSOLE_GONE:
+                raise
             drop_output(self._stream)
 
     def __getattr__(self, name: str) -> Any:

@@ -401,3 +401,33 @@ def test_a_closed_stderr_neither_stops_training_nor_fails_the_run(tmp_path, data
     rc = _closed_console([sys.executable, "-m", "toymlx_cli.report", str(tmp_path / "p"),
                           "--out", str(out)])
     assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("console", ["hung-up terminal", "full log disk"])
+def test_a_console_that_fails_to_write_neither_stops_training_nor_loses_steps(tmp_path, data,
+                                                                           console):
+    """A closed terminal (a pty whose other end has gone answers writes with EIO), or stdout
+    redirected to a full disk (/dev/full: ENOSPC): the next report line ended the run as
+    "error: OSError: [Errno 5] Input/output error" with no checkpoint, every step since the
+    last one lost. Now the console's output is discarded and the run trains to its end."""
+    import os
+    import pty
+
+    cmd = [*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+           str(tmp_path), "--run-id", "c", "--steps", "12", "--report-every", "1"]
+    if console == "full log disk":
+        with open("/dev/full", "w") as full:
+            rc = subprocess.run(cmd, stdout=full, stderr=full, timeout=300).returncode
+    else:
+        master, slave = pty.openpty()
+        p = subprocess.Popen(cmd, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+        os.close(slave)
+        seen = b""
+        while b"step 1/" not in seen:  # training has started: the terminal goes
+            seen += os.read(master, 4096)
+        os.close(master)
+        rc = p.wait(timeout=300)
+    assert rc == 0
+    end = read_events(tmp_path / "c")[-1]
+    assert (end["kind"], end["reason"], end["final_step"]) == ("run_end", "completed", 12)
+    assert os.readlink(tmp_path / "c" / "weights" / "latest") == "step_12.gguf"
