@@ -245,3 +245,35 @@ def test_a_device_or_fifo_as_out_is_refused_not_replaced(made, capsys, tmp_path)
                             f"name, found {kind} (writing would replace it with a regular "
                             f"file); choose another --out")
             assert os.stat(out).st_mode & 0o170000 in (0o010000, 0o020000)  # still FIFO/device
+
+
+def test_a_folder_where_a_file_is_written_is_refused_before_the_work(made, capsys, tmp_path):
+    """`--out somefolder` for a GGUF: the export did its work (a fused model: minutes on a
+    7B), then failed its rename with "[Errno 21] Is a directory: '.somefolder.tmp-123' ->
+    'somefolder'". A file where a folder is written (a Modelfile's --out) said "[Errno 17]
+    File exists". Both are refused first, naming what was expected."""
+    from toymlx_cli.eval import main as evaluate
+
+    folder, file = tmp_path / "folder", tmp_path / "file"
+    folder.mkdir()
+    file.write_text("a file")
+    run = str(made / "runs" / "r1")
+    for prog, main, argv, out, want in (
+            ("toymlx-export", _export, ["--adapter", run, "--fuse", "--out", str(folder)],
+             "--out", "expected a file name, found a folder; name a file in it, or choose "
+                      "another --out"),
+            ("toymlx-export", _export, ["--adapter", run, "--out", str(folder)], "--out",
+             "expected a file name, found a folder; name a file in it, or choose another "
+             "--out"),
+            ("toymlx-eval", evaluate, ["--model", str(made / "base.gguf"), "--plot",
+                                       str(folder)], "--plot",
+             "expected a file name, found a folder; name a file in it, or choose another "
+             "--plot"),
+            ("toymlx-export", _export, ["--adapter", run, "--format", "modelfile", "--out",
+                                        str(file)], "--out",
+             "expected a folder (new or existing), found a file; choose another --out")):
+        path = folder if "file name" in want else file
+        line = refused(capsys, tmp_path, prog, main, argv)
+        assert line == f"{prog}: error: {path}: {out}: {want}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
+    assert list(folder.iterdir()) == []

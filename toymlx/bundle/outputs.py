@@ -11,7 +11,9 @@ path that
 - lies inside a model store: Ollama's (`$OLLAMA_MODELS`, `~/.ollama/models`, their blobs/ and
   manifests/) or LM Studio's models folder (`toymlx.bundle.model_store` finds both);
 - is a FIFO, a device or a socket (`special_kind`): a file is written beside its name and
-  renamed over it, which would replace /dev/null itself, run as root, with a regular file.
+  renamed over it, which would replace /dev/null itself, run as root, with a regular file;
+- is a folder where a file is written (that rename fails, after the work), or a file where a
+  folder is (`folder`);
 Nothing is written by the check, so a refused command leaves every file as it was.
 """
 
@@ -75,11 +77,13 @@ def store_of(path: Path) -> tuple[str, Path] | None:
 
 
 def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]],
-                 flag: str = "--out", owns: Iterable[str | os.PathLike] = ()) -> Path:
+                 flag: str = "--out", owns: Iterable[str | os.PathLike] = (),
+                 folder: bool = False) -> Path:
     """`out` as a Path, after refusing (OutputError, one line naming both paths) an output
-    that is a FIFO, device or socket, is or holds one of `inputs` ((flag, path) pairs; None and
-    missing paths skipped), lies in one of the input folders, in a run bundle not in `owns`,
-    or in a model store."""
+    that is a FIFO, device or socket, a folder where a file is written (a file where a
+    `folder` is), is or holds one of `inputs` ((flag, path) pairs; None and missing paths
+    skipped), lies in one of the input folders, in a run bundle not in `owns`, or in a model
+    store."""
     out = Path(out)
     if kind := special_kind(out):
         raise OutputError(f"{out}: {flag}: expected a regular file or a new name, found {kind} "
@@ -113,4 +117,10 @@ def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
         raise OutputError(f"{out}: {flag}: expected a path outside model stores, found it "
                           f"inside {store[0]} {store[1]} (its files are named by their "
                           f"contents); choose another {flag}")
+    if not folder and out.is_dir():  # found only at the end, after the work, by the rename
+        raise OutputError(f"{out}: {flag}: expected a file name, found a folder; name a file "
+                          f"in it, or choose another {flag}")
+    if folder and out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: {flag}: expected a folder (new or existing), found a file; "
+                          f"choose another {flag}")
     return out

@@ -160,7 +160,7 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
                                 f"{'a directory' if src.path.is_dir() else special_kind(src.path) or 'nothing'}")
     check_adapter(adapter_file, src.path, fuse)
     inputs = [("--adapter", adapter), ("--adapter", adapter_file), ("--base", src.path)]
-    check_output(out_dir, inputs)
+    check_output(out_dir, inputs, folder=True)
     path = check_output(Path(out_dir) / MODELFILE, inputs)
     fused = None
     if fuse:

@@ -152,7 +152,8 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
     default_id = not cfg.run_id
     cfg.run_id = cfg.run_id or _shared_run_id(recipe, world)
     run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
-                           "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id])
+                           "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id],
+                           folder=True)
     if rank0:
         run_dir, lock = prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite, default_id)
         owned.enter_context(lock)

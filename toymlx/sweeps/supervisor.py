@@ -297,8 +297,9 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     # its runs' inputs are checked by each toymlx-train; the sweep's own folder here, naming
     # the flag that put it where it is: the root first, then a given --sweep-id in that root
     # (one naming a run's folder)
-    check_output(Path(root), [], "--runs-root")
-    sweep_dir = check_output(Path(root) / sweep_id, [], "--sweep-id" if given else "--runs-root")
+    check_output(Path(root), [], "--runs-root", folder=True)
+    sweep_dir = check_output(Path(root) / sweep_id, [], "--sweep-id" if given else "--runs-root",
+                             folder=True)
     changed = changed_options(sweep_dir, recipe, specs, run_options)
     if changed:
         raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this sweep "
