@@ -138,10 +138,11 @@ def test_a_fifo_named_as_an_image_is_named_not_skipped(tmp_path):
     assert len(image_files([root])) == 9
 
 
-def test_an_image_past_pillows_pixel_limit_is_one_line(tmp_path, monkeypatch):
+def test_an_image_pillow_refuses_at_open_is_one_line(tmp_path, monkeypatch):
     """A 20000 x 20000 PNG (388 KB on disk) passes Pillow's decompression-bomb limit: its
     DecompressionBombError, raised when the file is opened, came out as a traceback (exit
-    status 1) from training, eval and classify. Now it is the line a corrupt image gets."""
+    status 1) from training, eval and classify; a PPM header Pillow cannot parse as a bare
+    ValueError naming no file. Now each is the line a corrupt image gets."""
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the limit, lowered: a small file
     root = make_image_folder(tmp_path / "f", per_class=3)
     big = root / "cat" / "big.png"
@@ -151,6 +152,14 @@ def test_an_image_past_pillows_pixel_limit_is_one_line(tmp_path, monkeypatch):
     assert str(e.value) == (f"{big}: cannot decode the image (Image size (2500 pixels) exceeds "
                             "limit of 2000 pixels, could be decompression bomb DOS attack.); "
                             "remove or replace the file")
+    # a PPM header Pillow cannot parse: its ValueError came out bare, naming no file
+    big.unlink()
+    bad = root / CLASSES[1] / "bad.ppm"
+    bad.write_bytes(b"P6\n" + b"7" * 20 + b"\n")
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8)
+    assert str(e.value) == (f"{bad}: cannot decode the image (b'Token too long in file header: "
+                            f"{'7' * 11}'); remove or replace the file")
 
 
 def test_cifar10_folder_archive_and_batch_file(tmp_path):

@@ -54,7 +54,8 @@ def _open(path: Path) -> Image.Image:
                              f"{_sniff(path)}; remove or replace the file") from None
     except OSError as e:
         raise ImageDataError(f"{path}: cannot open ({e.strerror or e})") from None
-    except Image.DecompressionBombError as e:  # a header past Pillow's pixel limit
+    except (ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        # a header Pillow cannot parse (a PPM's "Token too long"), or past its pixel limit
         raise ImageDataError(f"{path}: cannot decode the image ({e}); remove or replace "
                              "the file") from None
 
