@@ -64,10 +64,18 @@ def run_ops(cfg: TrainConfig) -> Ops:
 
 
 def init_distributed() -> Any:
-    """The mx.distributed group when launched by mlx.launch with >1 ranks, else None."""
+    """The mx.distributed group when launched by mlx.launch with >1 ranks, else None; OSError
+    (one line) when the ranks cannot connect (MLX raises a bare RuntimeError: a traceback)."""
     if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_HOSTFILE")):
         return None
-    world = mx.distributed.init()
+    try:
+        world = mx.distributed.init()
+    except RuntimeError as e:
+        why = " ".join(str(e).split())
+        hint = ("; a port of the ring is in use: give toymlx-launch another --port, or none (it "
+                "picks free ones)" if "bind" in why else "")
+        raise OSError(f"data parallel: expected the ranks to connect, found {why}{hint}"
+                      ) from None
     return world if world.size() > 1 else None
 
 
