@@ -120,8 +120,12 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    args = tyro.cli(args_type, args=argv, prog=prog, default=default,
-                    description=f"{args_type.__doc__}\n\n{CONFIG_HELP}")
+    try:
+        args = tyro.cli(args_type, args=argv, prog=prog, default=default,
+                        description=f"{args_type.__doc__}\n\n{CONFIG_HELP}")
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+        drop_output()
+        return 0
     try:
         code = run(args)
         sys.stdout.flush()  # here: a closed pipe is met now, not in Python's flush at exit

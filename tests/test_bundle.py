@@ -378,6 +378,14 @@ def test_a_closed_stdout_neither_stops_training_nor_is_blamed_on_the_bundle(tmp_
     assert (r.returncode, r.stderr) == (0, "")
 
 
+
+@pytest.mark.parametrize("prog", ["eval", "generate", "export", "classify"])
+def test_help_into_a_closed_pipe_is_quiet(prog):
+    """`toymlx-export --help | head -1`: tyro's help met the closed pipe outside the command's
+    handling: a BrokenPipeError traceback and exit status 1. Now it ends quietly with 0."""
+    r = _closed_stdout([sys.executable, "-m", f"toymlx_cli.{prog}", "--help"])
+    assert (r.returncode, r.stderr) == (0, "")
+
 def _closed_console(cmd: list[str]) -> int:
     """`cmd 2>&1 | head -0`: stdout and stderr one pipe whose reader has already gone; the
     exit status."""
