@@ -24,6 +24,14 @@ def version_text() -> str:
     return f"toymlx {__version__} (mlx {mlx}; BLAS {blas_summary()})"
 
 
+def print_version() -> None:
+    """`--version`'s line on stdout; quiet when its reader has already gone (`| head -0`)."""
+    try:
+        print(version_text(), flush=True)
+    except BrokenPipeError:
+        drop_output()
+
+
 class VersionAction(argparse.Action):
     """argparse's `--version` printing `version_text()` as it is (argparse's own version
     action wraps it at the terminal's width)."""
@@ -33,7 +41,7 @@ class VersionAction(argparse.Action):
                          help="print toymlx's, MLX's and the BLAS's versions and exit", **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(version_text())
+        print_version()
         parser.exit()
 
 
@@ -112,7 +120,7 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
         restart_with_huge_pages()
     argv = sys.argv[1:] if argv is None else argv
     if "--version" in argv:
-        print(version_text())
+        print_version()
         return 0
     try:
         setup_process()

@@ -379,12 +379,15 @@ def test_a_closed_stdout_neither_stops_training_nor_is_blamed_on_the_bundle(tmp_
 
 
 
-@pytest.mark.parametrize("prog", ["eval", "generate", "export", "classify"])
-def test_help_into_a_closed_pipe_is_quiet(prog):
+@pytest.mark.parametrize("prog", ["train", "eval", "generate", "export", "report", "sweep",
+                                  "classify", "launch"])
+def test_help_and_version_into_a_closed_pipe_are_quiet(prog):
     """`toymlx-export --help | head -1`: tyro's help met the closed pipe outside the command's
-    handling: a BrokenPipeError traceback and exit status 1. Now it ends quietly with 0."""
-    r = _closed_stdout([sys.executable, "-m", f"toymlx_cli.{prog}", "--help"])
-    assert (r.returncode, r.stderr) == (0, "")
+    handling, and `--version | head -0` of five commands the same: a BrokenPipeError
+    traceback and exit status 1. Now each ends quietly with 0."""
+    for flag in ("--help", "--version"):
+        r = _closed_stdout([sys.executable, "-m", f"toymlx_cli.{prog}", flag])
+        assert (flag, r.returncode, r.stderr) == (flag, 0, "")
 
 def _closed_console(cmd: list[str]) -> int:
     """`cmd 2>&1 | head -0`: stdout and stderr one pipe whose reader has already gone; the
