@@ -13,6 +13,7 @@ from typing import Literal
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
+from toymlx.backend.files import not_utf8
 
 PROG = "toymlx-generate"
 
@@ -90,14 +91,8 @@ def utf8_text(value: str | bytes, what: str) -> str:
         except UnicodeDecodeError as e:
             raise UsageError(f"{what}: expected UTF-8 text, found the byte 0x{value[e.start]:02x} "
                              f"at byte {e.start}") from None
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        c = ord(value[e.start])
-        found = (f"the byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else
-                 f"a lone surrogate U+{c:04X}")
-        raise UsageError(f"{what}: expected UTF-8 text, found {found} at character "
-                         f"{e.start}") from None
+    if found := not_utf8(value):
+        raise UsageError(f"{what}: expected UTF-8 text, found {found}")
     return value
 
 

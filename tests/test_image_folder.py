@@ -162,6 +162,22 @@ def test_an_image_pillow_refuses_at_open_is_one_line(tmp_path, monkeypatch):
                             f"{'7' * 11}'); remove or replace the file")
 
 
+def test_a_class_folder_utf8_cannot_name_is_refused_first(tmp_path):
+    """A class folder named in latin-1 (byte 0xe9): its name, the class's, went into the
+    run_start event and failed there ("'utf-8' codec can't encode character '\\udce9'"),
+    after the images were read; now the scan names it."""
+    import os
+
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    latin = root / os.fsdecode(b"caf\xe9")
+    (root / CLASSES[0]).rename(latin)
+    with pytest.raises(ImageDataError) as e:
+        scan_image_folder(root)
+    assert str(e.value) == (f"{latin}: expected a class folder named in UTF-8 (its name is the "
+                            "class's, recorded as text), found the byte 0xe9 at character 3; "
+                            "rename it")
+
+
 def test_cifar10_folder_archive_and_batch_file(tmp_path):
     folder = make_cifar10(tmp_path / "a")
     x, y, n_train, names = load_cifar(folder)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import not_utf8, special_kind
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
                     ".pgm", ".pbm")
@@ -136,6 +136,11 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
     if not classes:
         raise ImageDataError(f"{root}: expected one subfolder of images per class, found no "
                              "subfolders")
+    for name in classes:  # class names are text in events.jsonl and the checkpoint's metadata
+        if found := not_utf8(name):
+            raise ImageDataError(f"{root / name}: expected a class folder named in UTF-8 (its "
+                                 f"name is the class's, recorded as text), found {found}; "
+                                 "rename it")
     files: list[Path] = []
     labels: list[int] = []
     for k, name in enumerate(classes):

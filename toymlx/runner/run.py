@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from toymlx.backend.device import on_gpu, select_device, setup_process
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import not_utf8, special_kind
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import prepare_run_dir, save_config
@@ -157,6 +157,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
     for flag, path in run_inputs(cfg):  # before the folder is made: reading one would hang
         if isinstance(path, str) and (kind := special_kind(path)):
             raise ValueError(f"{path}: {flag}: expected a regular file or a folder, found {kind}")
+    check_utf8_options(asdict(cfg))
     default_id = not cfg.run_id
     cfg.run_id = cfg.run_id or _shared_run_id(recipe, world)
     run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
@@ -187,6 +188,18 @@ def _build(module: ModuleType, cfg: TrainConfig, ops: Ops) -> Task:
         check_checkpointable(task.model)
     check_batch_fits(cfg.batch_size, task.config_info)
     return task
+
+
+def check_utf8_options(options: dict[str, Any], prefix: str = "") -> None:
+    """ValueError naming the flag of the first text option (a path, --run-id) that UTF-8
+    cannot hold, a file name's byte such as 0xe9 (latin-1): config.json records every option
+    as UTF-8 text, and failed on it with "'utf-8' codec can't encode character '\\udce9'"."""
+    for key, value in options.items():
+        if isinstance(value, dict):
+            check_utf8_options(value, f"{prefix}{key}.")
+        elif isinstance(value, str) and (found := not_utf8(value)):
+            raise ValueError(f"{value!r}: {flag_name(prefix + key)}: expected UTF-8 text "
+                             f"(config.json records it), found {found}; use a UTF-8 name")
 
 
 def run_inputs(cfg: TrainConfig) -> list[tuple[str, Any]]:
