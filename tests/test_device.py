@@ -192,10 +192,10 @@ def test_a_junk_mlx_bfs_width_is_one_line_not_a_hang(module, tmp_path, stories_p
             "generate": ["--model", str(stories_path), "--prompt", "hi", "--max-tokens", "2"]}
     p = subprocess.run([sys.executable, "-m", f"toymlx_cli.{module}", *args[module]],
                        env={**os.environ, "MLX_BFS_MAX_WIDTH": "junk"}, capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=300, check=False)
     assert p.returncode == 2
     assert p.stderr.splitlines() == [
-        f"toymlx-{module}: error: MLX_BFS_MAX_WIDTH: expected a whole number other than 0, "
-        "found 'junk' (MLX reads it as 0, and with 0 never finishes an evaluation: the command "
-        "would hang); unset it, or set it to 1000000 as toymlx does"]
+        (f"toymlx-{module}: error: MLX_BFS_MAX_WIDTH: expected a whole number other than 0, "
+         "found 'junk' (MLX reads it as 0, and with 0 never finishes an evaluation: the "
+         "command would hang); unset it, or set it to 1000000 as toymlx does")]
     assert not (tmp_path / "w").exists()

@@ -260,15 +260,15 @@ def test_a_folder_where_a_file_is_written_is_refused_before_the_work(made, capsy
     run = str(made / "runs" / "r1")
     for prog, main, argv, out, want in (
             ("toymlx-export", _export, ["--adapter", run, "--fuse", "--out", str(folder)],
-             "--out", "expected a file name, found a folder; name a file in it, or choose "
-                      "another --out"),
+             "--out", ("expected a file name, found a folder; name a file in it, or choose "
+                       "another --out")),
             ("toymlx-export", _export, ["--adapter", run, "--out", str(folder)], "--out",
-             "expected a file name, found a folder; name a file in it, or choose another "
-             "--out"),
+             ("expected a file name, found a folder; name a file in it, or choose another "
+              "--out")),
             ("toymlx-eval", evaluate, ["--model", str(made / "base.gguf"), "--plot",
                                        str(folder)], "--plot",
-             "expected a file name, found a folder; name a file in it, or choose another "
-             "--plot"),
+             ("expected a file name, found a folder; name a file in it, or choose another "
+              "--plot")),
             ("toymlx-export", _export, ["--adapter", run, "--format", "modelfile", "--out",
                                         str(file)], "--out",
              "expected a folder (new or existing), found a file; choose another --out")):

@@ -268,7 +268,7 @@ def test_a_full_disk_at_the_lock_is_one_line_and_the_resume_then_works(tmp_path,
     leaked descriptor: a retry in the same process was refused as "in use by process <itself>"."""
     import errno
 
-    import toymlx.backend.lock as lock
+    from toymlx.backend import lock
 
     run = tmp_path / "base"
     shutil.copytree(stopped, run, symlinks=True)
