@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -23,6 +24,14 @@ def version_text() -> str:
     return f"toymlx {__version__} (mlx {mlx}; BLAS {blas_summary()})"
 
 
+def print_version() -> None:
+    """`--version`'s line on stdout; quiet when its reader has already gone (`| head -0`)."""
+    try:
+        print(version_text(), flush=True)
+    except BrokenPipeError:
+        drop_output()
+
+
 class VersionAction(argparse.Action):
     """argparse's `--version` printing `version_text()` as it is (argparse's own version
     action wraps it at the terminal's width)."""
@@ -32,23 +41,30 @@ class VersionAction(argparse.Action):
                          help="print toymlx's, MLX's and the BLAS's versions and exit", **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(version_text())
+        print_version()
         parser.exit()
 
 
-def drop_stdout() -> None:
-    """Point stdout at os.devnull once its reader has gone (`| head`): what is still buffered and
-    whatever comes later is discarded, where another write (Python's own flush at exit too)
-    would raise BrokenPipeError again."""
+def drop_output(stream: Any = None) -> None:
+    """Point `stream` (sys.stdout by default) at os.devnull once its reader has gone (`| head`):
+    what is still buffered and whatever comes later is discarded, where another write (Python's
+    own flush at exit too) would raise BrokenPipeError again."""
     null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, sys.stdout.fileno())
+    os.dup2(null, (sys.stdout if stream is None else stream).fileno())
     os.close(null)
 
 
-class KeepOnClosedStdout:
-    """sys.stdout for a command whose console output only displays (toymlx-train: the bundle
-    records everything): a closed reader (`| head -1`) discards the rest of the output instead of
-    raising BrokenPipeError into the run, which would stop it as a failed bundle write."""
+CONSOLE_GONE = (errno.EPIPE, errno.EIO, errno.ENOSPC)
+"""A console write's errors that mean no one can read the console any more: its reader gone
+(`| head`), its terminal closed (a hung-up tty answers EIO), the disk of a redirected log full."""
+
+
+class KeepOnClosed:
+    """sys.stdout or sys.stderr for a command whose console output only displays (toymlx-train:
+    the bundle records everything): a console gone (`CONSOLE_GONE`: `| head -1`,
+    `2>&1 | head -1`, a closed terminal) discards the rest of the output instead of raising
+    into the run, which stopped it as a failed bundle write without a checkpoint, or failed a
+    completed run on its last line."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -56,15 +72,19 @@ class KeepOnClosedStdout:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            drop_stdout()
+        except OSError as e:
+            if e.errno not in CONSOLE_GONE:
+                raise
+            drop_output(self._stream)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            drop_stdout()
+        except OSError as e:
+            if e.errno not in CONSOLE_GONE:
+                raise
+            drop_output(self._stream)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -72,15 +92,16 @@ class KeepOnClosedStdout:
 
 @contextlib.contextmanager
 def output_may_close() -> Iterator[None]:
-    """Within it, sys.stdout is a `KeepOnClosedStdout`: for a command whose work goes on when
-    its console reader goes (a training run, a report's file)."""
-    kept = sys.stdout
-    sys.stdout = KeepOnClosedStdout(kept)
+    """Within it, sys.stdout and sys.stderr are `KeepOnClosed`: for a command whose work goes on
+    when its console reader goes (a training run, a report's file)."""
+    kept = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = KeepOnClosed(kept[0]), KeepOnClosed(kept[1])
     try:
         yield
     finally:
-        sys.stdout.flush()  # what is still buffered, while a closed pipe is still handled
-        sys.stdout = kept
+        for stream in (sys.stdout, sys.stderr):  # what is still buffered, while a closed pipe
+            stream.flush()                         # is still handled
+        sys.stdout, sys.stderr = kept
 
 
 def run_command(prog: str, args_type: type, run: Callable[[Any], int],
@@ -99,22 +120,25 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
         restart_with_huge_pages()
     argv = sys.argv[1:] if argv is None else argv
     if "--version" in argv:
-        print(version_text())
+        print_version()
         return 0
-    setup_process()
     try:
+        setup_process()
         default, argv = file_defaults(args_type, argv, prog)
         args = parse_options(args_type, argv, prog, default,
                              f"{args_type.__doc__}\n\n{CONFIG_HELP}")
     except ValueError as e:  # ConfigFileError, UsageError
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+        drop_output()
+        return 0
     try:
         code = run(args)
         sys.stdout.flush()  # here: a closed pipe is met now, not in Python's flush at exit
         return code
     except BrokenPipeError:  # before `errors`: an OSError, but nothing went wrong
-        drop_stdout()
+        drop_output()
         return 0
     except errors as e:  # GGUFError and ImageDataError are ValueErrors
         print(f"{prog}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)

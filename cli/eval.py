@@ -78,6 +78,14 @@ def check_sizes(args: Args) -> None:
                          f"else 256), found {args.seq_len}")
 
 
+def check_no_plot(args: Args, found: str) -> None:
+    """--plot draws a ViT's confusion matrix: given for a language model, it is refused before
+    the work, not skipped with exit status 0 and no file."""
+    if args.plot:
+        raise ValueError(f"--plot {args.plot}: expected a ViT model (it draws the confusion "
+                         f"matrix of its classes), found {found} ({args.model}); drop --plot")
+
+
 def check_context(seq_len: int, model: Any, path: Any) -> None:
     """A window no longer than the model was trained for: RoPE beyond its context gives a loss
     of a model it never was."""
@@ -318,6 +326,7 @@ def evaluate(args: Args) -> dict:
     if bundle is not None and args.split == "test" and args.data_path is None:
         check_run_test_data(bundle)
     if bundle is not None and bundle.recipe == "lora":
+        check_no_plot(args, "a LoRA run")
         return evaluate_chat(args, bundle.config)
     path = checkpoint_file(args.model)
     arch = GGUFFile(path).architecture
@@ -326,6 +335,7 @@ def evaluate(args: Args) -> dict:
     from toymlx.gguf.llama import ARCHS
 
     if arch in ARCHS:
+        check_no_plot(args, f"a {arch} model")
         from toymlx.backend.device import on_gpu
         from toymlx.data.text import TokenData
         from toymlx.data.tokenizer import Tokenizer

@@ -85,7 +85,7 @@ def export_vit(args: Args) -> int:
     t0 = time.perf_counter()
     clf = Classifier.load(args.model)
     inputs = [("--model", args.model), ("--model", clf.path)]
-    check_output(args.out, inputs)
+    check_output(args.out, inputs, folder=not args.out.endswith(".safetensors"))
     if not args.out.endswith(".safetensors"):  # a folder: the two files written into it
         for name in ("model.safetensors", "config.json"):
             check_output(Path(args.out) / name, inputs)

@@ -13,6 +13,7 @@ from typing import Literal
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
+from toymlx.backend.files import not_utf8
 
 PROG = "toymlx-generate"
 
@@ -65,6 +66,21 @@ class UsageError(ValueError):
     """Bad user input; reported as one line on stderr with exit status 2."""
 
 
+STDIN_LIMIT = 16 * 2**20
+"""Most bytes `--prompt -` takes from stdin, and a --chat turn (its line): over 4 million
+tokens of text, more than any model's context holds. An endless stream (`yes |`, /dev/zero)
+was read until memory ran out."""
+
+
+def within_stdin_limit(raw: str | bytes, what: str) -> str | bytes:
+    """`raw`, read from stdin with a size limit of STDIN_LIMIT + 1, unless it reached that:
+    UsageError naming `what`."""
+    if len(raw) > STDIN_LIMIT:
+        raise UsageError(f"{what}: expected at most {STDIN_LIMIT:,} bytes (16 MiB, more than "
+                         f"any model's context holds), found more; is stdin an endless stream?")
+    return raw
+
+
 def utf8_text(value: str | bytes, what: str) -> str:
     """`value` as text; UsageError naming `what` and the first thing that is not UTF-8: a byte
     (undecodable bytes of the command line arrive as surrogate escapes, U+DC80..U+DCFF) or a
@@ -75,14 +91,8 @@ def utf8_text(value: str | bytes, what: str) -> str:
         except UnicodeDecodeError as e:
             raise UsageError(f"{what}: expected UTF-8 text, found the byte 0x{value[e.start]:02x} "
                              f"at byte {e.start}") from None
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        c = ord(value[e.start])
-        found = (f"the byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else
-                 f"a lone surrogate U+{c:04X}")
-        raise UsageError(f"{what}: expected UTF-8 text, found {found} at character "
-                         f"{e.start}") from None
+    if found := not_utf8(value):
+        raise UsageError(f"{what}: expected UTF-8 text, found {found}")
     return value
 
 
@@ -180,8 +190,9 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        raw = inp.buffer.readline() if hasattr(inp, "buffer") else inp.readline()
+        raw = (inp.buffer if hasattr(inp, "buffer") else inp).readline(STDIN_LIMIT + 1)
         lines += 1
+        within_stdin_limit(raw, f"stdin line {lines}")  # the conversation ends: no line end
         try:
             line = utf8_text(raw, f"stdin line {lines}")
         except UsageError as e:  # this turn only: the conversation so far is kept
@@ -270,7 +281,8 @@ def run(args: Args) -> int:
     )
 
     if args.prompt == "-":
-        args = dataclasses.replace(args, prompt=utf8_text(sys.stdin.buffer.read(), "stdin"))
+        raw = within_stdin_limit(sys.stdin.buffer.read(STDIN_LIMIT + 1), "--prompt -: stdin")
+        args = dataclasses.replace(args, prompt=utf8_text(raw, "stdin"))
     utf8_text(args.prompt, "--prompt")
     if args.system is not None:
         utf8_text(args.system, "--system")

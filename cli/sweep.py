@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx_cli import VersionAction
+from toymlx_cli import VersionAction, output_may_close
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -114,6 +114,11 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
 
 
 def main(argv: list[str] | None = None) -> int:
+    with output_may_close():  # `| head`, `2>&1 | head`: the runs, summary and report go on
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     from toymlx_cli.config_file import (
         defaults_from_file,
         read_config_file,

@@ -7,7 +7,7 @@ import atexit
 import signal
 import sys
 
-from toymlx_cli import output_may_close, version_text
+from toymlx_cli import output_may_close, print_version
 from toymlx_cli.config_file import CONFIG_HELP
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
@@ -120,7 +120,7 @@ def _main(argv: list[str] | None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if "--version" in argv:
-        print(version_text())
+        print_version()
         return 0
     default, bundle, mlx_lm = None, None, False
     try:

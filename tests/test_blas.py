@@ -124,6 +124,18 @@ def test_toymlx_blas_chooses_another_library():
     assert _fresh(TOYMLX_BLAS="reference")["backend"]["blas"] == "reference"
 
 
+def test_a_toymlx_blas_that_does_not_load_is_named():
+    """TOYMLX_BLAS=junk warned "no optimised BLAS found ... or set TOYMLX_BLAS=..." to a user
+    who had set it: the one warning now names the variable, the value and why it failed."""
+    r = _fresh(TOYMLX_BLAS="/no/such/libblas.so")
+    assert r["backend"]["blas"] == "reference"
+    assert r["warned"] == [
+        ("toymlx: TOYMLX_BLAS: expected 'openblas', 'reference' or the path of an LP64 BLAS "
+         "library, found '/no/such/libblas.so', which could not be loaded (/no/such/libblas.so: "
+         "cannot open shared object file: No such file or directory); MLX's CPU matmuls use "
+         "its reference BLAS (about 30x slower)")]
+
+
 def test_this_process_runs_pips_openblas():
     """The test process itself: what every other CPU test measures against (MKL from pip where
     the mkl extra is installed and the CPU is Intel's)."""

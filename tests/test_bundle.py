@@ -376,3 +376,70 @@ def test_a_closed_stdout_neither_stops_training_nor_is_blamed_on_the_bundle(tmp_
     assert (end["kind"], end["reason"], end["final_step"]) == ("run_end", "completed", 4)
     r = _closed_stdout([sys.executable, "-m", "toymlx_cli.eval", "--model", str(straight)])
     assert (r.returncode, r.stderr) == (0, "")
+
+
+
+@pytest.mark.parametrize("prog", ["train", "eval", "generate", "export", "report", "sweep",
+                                  "classify", "launch"])
+def test_help_and_version_into_a_closed_pipe_are_quiet(prog):
+    """`toymlx-export --help | head -1`: tyro's help met the closed pipe outside the command's
+    handling, and `--version | head -0` of five commands the same: a BrokenPipeError
+    traceback and exit status 1. Now each ends quietly with 0."""
+    for flag in ("--help", "--version"):
+        r = _closed_stdout([sys.executable, "-m", f"toymlx_cli.{prog}", flag])
+        assert (flag, r.returncode, r.stderr) == (flag, 0, "")
+
+def _closed_console(cmd: list[str]) -> int:
+    """`cmd 2>&1 | head -0`: stdout and stderr one pipe whose reader has already gone; the
+    exit status."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p.stdout.close()
+    return p.wait(timeout=300)
+
+
+def test_a_closed_stderr_neither_stops_training_nor_fails_the_run(tmp_path, data):
+    """`toymlx-train ... 2>&1 | head -1`: the run trained to its end and then exited 1 with a
+    BrokenPipeError on its last line (toymlx-report the same after drawing its file); a note
+    printed before the first step would have stopped the run there. Now both exit 0."""
+    rc = _closed_console([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data,
+                          "--runs-root", str(tmp_path), "--run-id", "p", "--steps", "3",
+                          "--warmup", "5", "--report-every", "1"])  # a --warmup note too
+    assert rc == 0
+    end = read_events(tmp_path / "p")[-1]
+    assert (end["kind"], end["reason"], end["final_step"], end["exit_code"]) == (
+        "run_end", "completed", 3, 0)
+    out = tmp_path / "r.png"
+    rc = _closed_console([sys.executable, "-m", "toymlx_cli.report", str(tmp_path / "p"),
+                          "--out", str(out)])
+    assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("console", ["hung-up terminal", "full log disk"])
+def test_a_console_that_fails_to_write_neither_stops_training_nor_loses_steps(tmp_path, data,
+                                                                           console):
+    """A closed terminal (a pty whose other end has gone answers writes with EIO), or stdout
+    redirected to a full disk (/dev/full: ENOSPC): the next report line ended the run as
+    "error: OSError: [Errno 5] Input/output error" with no checkpoint, every step since the
+    last one lost. Now the console's output is discarded and the run trains to its end."""
+    import os
+    import pty
+
+    cmd = [*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+           str(tmp_path), "--run-id", "c", "--steps", "12", "--report-every", "1"]
+    if console == "full log disk":
+        with open("/dev/full", "w") as full:
+            rc = subprocess.run(cmd, stdout=full, stderr=full, timeout=300,
+                                check=False).returncode
+    else:
+        master, slave = pty.openpty()
+        p = subprocess.Popen(cmd, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+        os.close(slave)
+        seen = b""
+        while b"step 1/" not in seen:  # training has started: the terminal goes
+            seen += os.read(master, 4096)
+        os.close(master)
+        rc = p.wait(timeout=300)
+    assert rc == 0
+    end = read_events(tmp_path / "c")[-1]
+    assert (end["kind"], end["reason"], end["final_step"]) == ("run_end", "completed", 12)
+    assert os.readlink(tmp_path / "c" / "weights" / "latest") == "step_12.gguf"

@@ -13,6 +13,7 @@ import pytest
 from toymlx.data.chat import (
     HELD_OUT_ROWS,
     DataError,
+    DataFiles,
     Example,
     SFTData,
     data_files,
@@ -540,6 +541,25 @@ def test_data_folder_without_train_jsonl_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="found an empty folder"):
         data_files(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("name", ["val.jsonl", "Valid.jsonl", "validation.jsonl"])
+def test_a_jsonl_file_a_data_folder_would_not_read_is_named(tmp_path, name):
+    """A misnamed validation file (mlx-lm refuses the folder: no valid.jsonl) was left out
+    without a word: the run held out a slice of train.jsonl instead, or nothing
+    ("held-out: n/a"). Now it is named; other files (a README) are not examples."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write(folder, "train.jsonl", '{"text": "a"}\n')
+    write(folder, "README.md", "about the data")
+    assert data_files(folder) == DataFiles(folder / "train.jsonl")
+    write(folder, name, '{"text": "b"}\n')
+    with pytest.raises(DataError) as e:
+        data_files(folder)
+    assert str(e.value) == (f"{folder / name}: data folder: expected only train.jsonl "
+                            "(required), valid.jsonl and test.jsonl (optional) (mlx-lm's "
+                            f"layout), found {name} too, which would not be read; rename it "
+                            "(valid.jsonl: the validation examples) or move it out")
 
 
 TOOLS_TEMPLATE = (  # a template that lists the tools first, as Qwen2.5's and Llama 3.1's do

@@ -163,3 +163,39 @@ def test_the_cuda_kernel_cache_is_where_mlx_keeps_its_ptx(monkeypatch, tmp_path)
     monkeypatch.setattr(device, "on_gpu", lambda: False)
     monkeypatch.setattr(device.sys, "platform", "linux")
     assert device.cuda_kernel_cache() is None
+
+
+@pytest.mark.parametrize("value,ok", [("junk", False), ("0", False), ("", False),
+                                      ("5x", False), ("1", True), (" 7", True),
+                                      ("1000000", True), ("-1", True)])
+def test_an_mlx_bfs_width_that_hangs_mlx_is_refused(value, ok):
+    from toymlx.backend.device import check_bfs_width
+
+    if ok:
+        check_bfs_width(value)
+    else:
+        with pytest.raises(ValueError) as e:
+            check_bfs_width(value)
+        assert str(e.value).startswith(f"MLX_BFS_MAX_WIDTH: expected a whole number other "
+                                       f"than 0, found {value!r} (MLX reads it as 0")
+
+
+@pytest.mark.parametrize("module", ["train", "generate"])
+def test_a_junk_mlx_bfs_width_is_one_line_not_a_hang(module, tmp_path, stories_path):
+    """MLX_BFS_MAX_WIDTH=junk (or 0): MLX reads it as a width of 0 and never finishes its first
+    evaluation, so every command hung, silent, until killed; now each refuses it first (the
+    subprocess timeout only keeps a regression from hanging the suite)."""
+    import os
+
+    args = {"train": ["--recipe", "lora", "--base", str(stories_path), "--runs-root",
+                      str(tmp_path), "--run-id", "w", "--steps", "2", "--no-progress"],
+            "generate": ["--model", str(stories_path), "--prompt", "hi", "--max-tokens", "2"]}
+    p = subprocess.run([sys.executable, "-m", f"toymlx_cli.{module}", *args[module]],
+                       env={**os.environ, "MLX_BFS_MAX_WIDTH": "junk"}, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert p.returncode == 2
+    assert p.stderr.splitlines() == [
+        (f"toymlx-{module}: error: MLX_BFS_MAX_WIDTH: expected a whole number other than 0, "
+         "found 'junk' (MLX reads it as 0, and with 0 never finishes an evaluation: the "
+         "command would hang); unset it, or set it to 1000000 as toymlx does")]
+    assert not (tmp_path / "w").exists()

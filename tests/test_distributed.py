@@ -155,6 +155,29 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
     _check_rank0_did_not_complete(root / "w")
 
 
+def test_a_port_in_use_is_one_line_per_rank_not_a_traceback(tmp_path):
+    """`toymlx-launch --port P` with P taken: each rank printed MLX's bare RuntimeError
+    ("[ring] Couldn't bind socket (error: 98)") as a traceback. Now one line names the cause
+    and the flag; no run folder is made."""
+    import socket
+
+    port = _free_port_base(2)
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        p = _launch(tmp_path, [sys.executable, "-m", "toymlx_cli.launch", "-n", "2", "--port",
+                               str(port), "--", *TRAIN, *ARGS, "--runs-root",
+                               str(tmp_path / "runs"), "--run-id", "p"])
+    assert p.returncode == 2  # the first failed rank's status
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    line = ("toymlx-train: error: data parallel: expected the ranks to connect, found [ring] "
+            "Couldn't bind socket (error: 98); a port of the ring is in use: give "
+            "toymlx-launch another --port, or none (it picks free ones)")
+    assert line in p.stderr.splitlines(), p.stderr[-3000:]
+    assert not (tmp_path / "runs" / "p").exists()
+
+
 def _check_rank0_did_not_complete(run: Path) -> None:
     """Rank 0 either sees the ring connection drop (run_end "error") or, blocked in the
     all_sum, is stopped by mlx.launch (a torn bundle); --resume continues both."""

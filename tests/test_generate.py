@@ -663,6 +663,31 @@ def test_prompt_dash_reads_stdin_as_mlx_lm_does(stories_path, capsys, monkeypatc
     assert out.startswith(", there was a little girl"), out  # as with --prompt PROMPT
 
 
+def test_an_endless_stdin_is_refused_at_the_limit_not_read_until_memory_ends(
+        stories_path, chat_path, capsys, monkeypatch):
+    """`--prompt - < /dev/zero` or `yes | toymlx-generate --prompt -` read stdin to its end,
+    which never came (3.2 GB after 20 s); a --chat line without a line end the same. Now
+    at most STDIN_LIMIT + 1 bytes are read (here the limit is lowered to 1000), then one
+    line, exit status 2."""
+    from toymlx.generation.generate import load_for_generation
+
+    monkeypatch.setattr(cli, "STDIN_LIMIT", 1000)
+    want = ("expected at most 1,000 bytes (16 MiB, more than any model's context holds), "
+            "found more; is stdin an endless stream?")
+    raw = io.BytesIO(b"y\n" * 50_000)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(raw))
+    assert cli.main(["--model", str(stories_path), "--prompt", "-", "--max-tokens", "2"]) == 2
+    assert capsys.readouterr() == ("", f"toymlx-generate: error: --prompt -: stdin: {want}\n")
+    assert raw.tell() == 1001
+    model, tok = load_for_generation(chat_path)
+    args = cli.Args(model=str(chat_path), chat=True, temperature=0.0, max_tokens=4)
+    raw = io.BytesIO(b"Tell me a story\n" + b"\0" * 50_000)
+    with pytest.raises(cli.UsageError) as e:
+        cli.chat(model, tok, args, model.args.context, io.TextIOWrapper(raw), io.StringIO())
+    assert str(e.value) == f"stdin line 2: {want}"
+    assert raw.tell() == 16 + 1001
+
+
 def test_a_generation_cut_by_the_context_says_so(stories_path, tmp_path, capsys):
     from toymlx.gguf.fuse import write_with_tensors
     from toymlx.gguf.reader import GGUFFile

@@ -112,6 +112,72 @@ def test_bad_files_give_one_line_errors_naming_them(tmp_path):
     assert "expected at least 2 class subfolders, found 1 ('only')" in _one_line(e, one)
 
 
+def test_a_fifo_named_as_an_image_is_named_not_skipped(tmp_path):
+    """A FIFO `cat/pipe.png` among the images was skipped without a word by training, eval
+    and classify (one image fewer); classify given the FIFO itself said "no such file or
+    directory". Each now names it and what it is."""
+    import os
+
+    from toymlx.generation.classify import image_files
+
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    pipe = root / "cat" / "pipe.png"
+    os.mkfifo(pipe)
+    want = f"{pipe}: expected an image file, found a FIFO (named pipe); remove it or put the " \
+           "image there"
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8)
+    assert str(e.value) == want
+    with pytest.raises(ImageDataError) as e:
+        image_files([root])
+    assert str(e.value) == want
+    with pytest.raises(ImageDataError) as e:
+        image_files([pipe])
+    assert str(e.value) == f"{pipe}: expected an image file or a folder, found a FIFO (named pipe)"
+    pipe.unlink()
+    assert len(image_files([root])) == 9
+
+
+def test_an_image_pillow_refuses_at_open_is_one_line(tmp_path, monkeypatch):
+    """A 20000 x 20000 PNG (388 KB on disk) passes Pillow's decompression-bomb limit: its
+    DecompressionBombError, raised when the file is opened, came out as a traceback (exit
+    status 1) from training, eval and classify; a PPM header Pillow cannot parse as a bare
+    ValueError naming no file. Now each is the line a corrupt image gets."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the limit, lowered: a small file
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    big = root / "cat" / "big.png"
+    Image.fromarray(np.zeros((50, 50), np.uint8)).save(big)  # 2500 pixels > 2 x 1000
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8)
+    assert str(e.value) == (f"{big}: cannot decode the image (Image size (2500 pixels) exceeds "
+                            "limit of 2000 pixels, could be decompression bomb DOS attack.); "
+                            "remove or replace the file")
+    # a PPM header Pillow cannot parse: its ValueError came out bare, naming no file
+    big.unlink()
+    bad = root / CLASSES[1] / "bad.ppm"
+    bad.write_bytes(b"P6\n" + b"7" * 20 + b"\n")
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8)
+    assert str(e.value) == (f"{bad}: cannot decode the image (b'Token too long in file header: "
+                            f"{'7' * 11}'); remove or replace the file")
+
+
+def test_a_class_folder_utf8_cannot_name_is_refused_first(tmp_path):
+    """A class folder named in latin-1 (byte 0xe9): its name, the class's, went into the
+    run_start event and failed there ("'utf-8' codec can't encode character '\\udce9'"),
+    after the images were read; now the scan names it."""
+    import os
+
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    latin = root / os.fsdecode(b"caf\xe9")
+    (root / CLASSES[0]).rename(latin)
+    with pytest.raises(ImageDataError) as e:
+        scan_image_folder(root)
+    assert str(e.value) == (f"{latin}: expected a class folder named in UTF-8 (its name is the "
+                            "class's, recorded as text), found the byte 0xe9 at character 3; "
+                            "rename it")
+
+
 def test_cifar10_folder_archive_and_batch_file(tmp_path):
     folder = make_cifar10(tmp_path / "a")
     x, y, n_train, names = load_cifar(folder)

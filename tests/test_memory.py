@@ -171,3 +171,14 @@ def test_a_run_that_fits_is_never_refused_and_records_its_memory(tiny_gguf, tmp_
     monkeypatch.setenv(memory.AVAILABLE_ENV, "1")
     assert _train([*common, "--run-id", "forced", "--force"]) == 0
     assert _events(tmp_path / "forced")[0]["memory"]["forced"] is True
+
+
+@pytest.mark.parametrize("value", ["junk", "-5", "1.5e9"])
+def test_a_memory_override_that_is_no_byte_count_is_refused(monkeypatch, value):
+    """TOYMLX_MEMORY_AVAILABLE=-5 was taken as -5 bytes ("-0.0 GB is available"); it is
+    refused as text is, naming the variable and the value."""
+    monkeypatch.setenv(memory.AVAILABLE_ENV, value)
+    with pytest.raises(ValueError) as e:
+        memory.available_memory()
+    assert str(e.value) == (f"TOYMLX_MEMORY_AVAILABLE: expected a number of bytes (0 or more), "
+                            f"found {value!r}")

@@ -436,6 +436,29 @@ def test_modelfile_fuse_exports_a_dora_adapter_as_plain_fuse_does(stories_path, 
         "'adapter'/'dora'\n")
 
 
+def test_modelfile_refuses_an_adapter_with_a_nan(stories_path, tmp_path, capsys):
+    """A Modelfile only names its adapter, so the adapter's matrices were never read: one with
+    a NaN (a damaged copy) got a Modelfile, and Ollama would serve the NaN. Now it is refused
+    as every other command refuses it, naming the tensor, and no Modelfile is written."""
+    import struct
+
+    ad = _adapter(stories_path, tmp_path / "nan.gguf")
+    with GGUFFile(ad) as g:
+        info = g.tensors["blk.1.attn_v.weight.lora_b"]
+    with open(ad, "r+b") as f:
+        f.seek(info.offset + 4 * 3)
+        f.write(struct.pack("<f", float("nan")))
+    rc = export_cli.main(["--format", "modelfile", "--adapter", str(ad), "--base",
+                          str(stories_path), "--out", str(tmp_path / "mf")])
+    assert rc == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-export: error: {ad}: tensor 'blk.1.attn_v.weight.lora_b' (block 1): expected "
+        f"finite values, found NaN in 1 of {info.n_elements} (the first, nan, at "
+        f"(0, 3)); the file is damaged or was written from a model that diverged: use another "
+        "copy of it\n")
+    assert not (tmp_path / "mf").exists()
+
+
 def test_ollama_model_layer_with_a_path_for_a_digest_is_named(ollama):
     """A digest of `../` once read "expected a layer of media type X, found ['X']"."""
     path = ollama / "manifests/registry.ollama.ai/library/evil/latest"

@@ -483,6 +483,26 @@ def test_eval_test_split_of_a_run_trained_on_one_file_is_refused(tmp_path, stori
     assert json.loads(capsys.readouterr().out)["data"] == str(chat)
 
 
+def test_eval_plot_of_a_language_model_is_refused_not_skipped(tmp_path, stories_path, chat,
+                                                              capsys):
+    """--plot draws a ViT's confusion matrix; given for a Llama GGUF or a LoRA run it was
+    skipped: exit 0, the loss printed, and no file where the user asked for one."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.train import main as train_main
+
+    assert train_main(["--recipe", "lora", "--base", str(stories_path), "--data.path", str(chat),
+                       "--seq-len", "32", "--batch-size", "2", "--steps", "1", "--eval-every",
+                       "0", "--runs-root", str(tmp_path), "--run-id", "one"]) == 0
+    capsys.readouterr()
+    plot = tmp_path / "m.png"
+    for model, found in ((tmp_path / "one", "a LoRA run"), (stories_path, "a llama model")):
+        assert eval_main(["--model", str(model), "--plot", str(plot)]) == 2
+        assert error_line(capsys, "toymlx-eval") == (
+            f"toymlx-eval: error: --plot {plot}: expected a ViT model (it draws the confusion "
+            f"matrix of its classes), found {found} ({model}); drop --plot")
+        assert not plot.exists()
+
+
 def test_a_changed_embedding_length_is_named_itself(tmp_path, stories_path, capsys):
     """embedding_length 64 -> 96 in the metadata: the key named with the token table's width
     (its head width once failed first, blamed on rope.dimension_count)."""

@@ -216,3 +216,64 @@ def test_check_output_lets_a_writer_into_the_bundle_it_owns(made, tmp_path):
         check_output(run / "fused-f32.gguf", [], "--fuse-at-end", owns=[tmp_path])
     assert check_output(tmp_path / "new.gguf", [("--base", made / "base.gguf")]) == \
         tmp_path / "new.gguf"
+
+
+def test_a_device_or_fifo_as_out_is_refused_not_replaced(made, capsys, tmp_path):
+    """`--out /dev/null` (to check that an export works) renamed a regular file over the
+    device: run as root, /dev/null itself became a 21 KB GGUF. A FIFO was replaced the same
+    way (its reader left waiting). Every writer's --out now refuses both, naming the kind."""
+    from toymlx_cli.report import main as report
+
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    cases = [(fifo, "a FIFO (named pipe)")]
+    null = tmp_path / "null.png"
+    try:
+        os.mknod(null, 0o666 | 0o020000, os.makedev(1, 3))  # /dev/null's own device
+        cases.append((null, "a character device"))
+    except PermissionError:  # not root: the FIFO alone (as root /dev/null is the case)
+        pass
+    for out, kind in cases:
+        for prog, run, argv in (
+                ("toymlx-export", _export, ["--adapter", str(made / "runs" / "r1"), "--out",
+                                            str(out)]),
+                ("toymlx-export", _export, ["--adapter", str(made / "runs" / "r1"), "--fuse",
+                                            "--out", str(out)]),
+                ("toymlx-report", report, [str(made / "runs" / "r1"), "--out", str(out)])):
+            line = refused(capsys, made, prog, run, argv)
+            assert line == (f"{prog}: error: {out}: --out: expected a regular file or a new "
+                            f"name, found {kind} (writing would replace it with a regular "
+                            f"file); choose another --out")
+            assert os.stat(out).st_mode & 0o170000 in (0o010000, 0o020000)  # still FIFO/device
+
+
+def test_a_folder_where_a_file_is_written_is_refused_before_the_work(made, capsys, tmp_path):
+    """`--out somefolder` for a GGUF: the export did its work (a fused model: minutes on a
+    7B), then failed its rename with "[Errno 21] Is a directory: '.somefolder.tmp-123' ->
+    'somefolder'". A file where a folder is written (a Modelfile's --out) said "[Errno 17]
+    File exists". Both are refused first, naming what was expected."""
+    from toymlx_cli.eval import main as evaluate
+
+    folder, file = tmp_path / "folder", tmp_path / "file"
+    folder.mkdir()
+    file.write_text("a file")
+    run = str(made / "runs" / "r1")
+    for prog, main, argv, out, want in (
+            ("toymlx-export", _export, ["--adapter", run, "--fuse", "--out", str(folder)],
+             "--out", ("expected a file name, found a folder; name a file in it, or choose "
+                       "another --out")),
+            ("toymlx-export", _export, ["--adapter", run, "--out", str(folder)], "--out",
+             ("expected a file name, found a folder; name a file in it, or choose another "
+              "--out")),
+            ("toymlx-eval", evaluate, ["--model", str(made / "base.gguf"), "--plot",
+                                       str(folder)], "--plot",
+             ("expected a file name, found a folder; name a file in it, or choose another "
+              "--plot")),
+            ("toymlx-export", _export, ["--adapter", run, "--format", "modelfile", "--out",
+                                        str(file)], "--out",
+             "expected a folder (new or existing), found a file; choose another --out")):
+        path = folder if "file name" in want else file
+        line = refused(capsys, tmp_path, prog, main, argv)
+        assert line == f"{prog}: error: {path}: {out}: {want}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
+    assert list(folder.iterdir()) == []

@@ -206,3 +206,36 @@ def test_moved_data_is_taken_only_with_its_recorded_fingerprint(trained, tmp_pat
                f"recorded as {recorded} (sha256 " in line and "found other contents" in line
     finally:
         shutil.move(kept, recorded)
+
+
+def test_a_path_utf8_cannot_hold_is_named_and_a_file_name_inside_is_fingerprinted(
+        trained, tmp_path, capsys):
+    """A latin-1 file name (byte 0xe9) as --data.path, --base or --run-id failed writing
+    config.json with "'utf-8' codec can't encode character '\\udce9' in position 1112",
+    naming neither the flag nor the file: now the flag and the byte are named, and no run
+    folder is made. Inside a data folder such a name is fine: its bytes are fingerprinted."""
+    import os
+
+    where = trained / "where"
+    latin = tmp_path / os.fsdecode(b"donn\xe9es")
+    shutil.copytree(where / "data", latin)
+    common = ["--recipe", "lora", "--runs-root", str(tmp_path / "runs"), *TRAIN]
+    for flags, flag, value in (
+            (["--base", str(where / "smol.gguf"), "--data.path", str(latin), "--run-id", "a"],
+             "--data.path", str(latin)),
+            (["--base", str(where / "smol.gguf"), "--run-id", os.fsdecode(b"r\xe9n")],
+             "--run-id", os.fsdecode(b"r\xe9n"))):
+        assert _cli("train")([*common, *flags]) == 2
+        at = value.index("\udce9")
+        assert error_line(capsys) == (
+            f"toymlx-train: error: {value!r}: {flag}: expected UTF-8 text (config.json records "
+            f"it), found the byte 0xe9 at character {at}; use a UTF-8 name")
+    assert not (tmp_path / "runs").exists()
+    folder = tmp_path / "data"
+    shutil.copytree(where / "data", folder)
+    (folder / os.fsdecode(b"notes-\xe9.txt")).write_text("not read: not a split")
+    assert _cli("train")([*common, "--base", str(where / "smol.gguf"), "--data.path",
+                          str(folder), "--run-id", "b"]) == 0
+    saved = json.loads((tmp_path / "runs" / "b" / "config.json").read_text())
+    assert len(saved["data_files"]["data.path"]["sha256"]) == 64
+    assert "notes-\\xe9.txt" in saved["data_files"]["data.path"]["files"]

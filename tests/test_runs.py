@@ -259,3 +259,47 @@ def test_locks_of_dead_owners_do_not_block(tmp_path, data):
     assert (run / ".lock").exists() and json.loads((run / ".lock").read_text())["pid"] == p.pid
     last = list_checkpoints(run / "weights")[-1][0]
     assert main(["--resume", str(run), "--steps", str(last + 2)]) == 0
+
+
+def test_a_full_disk_at_the_lock_is_one_line_and_the_resume_then_works(tmp_path, stopped,
+                                                                       capsys, monkeypatch):
+    """A resume on a full disk failed writing its lock file's holder with a bare
+    "error: [Errno 28] No space left on device" (no file), and the failed lock stayed held by a
+    leaked descriptor: a retry in the same process was refused as "in use by process <itself>"."""
+    import errno
+
+    from toymlx.backend import lock
+
+    run = tmp_path / "base"
+    shutil.copytree(stopped, run, symlinks=True)
+    before = _digest(run)
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lock.os, "pwrite", full)
+    assert main(["--resume", str(run)]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: [Errno 28] No space left on device: "
+                                  f"'{run / '.lock'}'")
+    assert _digest(run) == before and not (run / ".lock").exists()
+    monkeypatch.undo()  # room again: the same process resumes it
+    assert main(["--resume", str(run)]) == 0
+    assert [e["from_step"] for e in read_events(run) if e["kind"] == "resume"] == [4]
+    assert read_events(run)[-1]["final_step"] == 6
+
+
+@pytest.mark.parametrize("name", ["bad\nname", "tab\there", "bell\x07"])
+def test_a_run_or_sweep_id_with_a_control_character_is_refused(tmp_path, data, capsys, name):
+    """--run-id 'bad<newline>name' trained, and every line naming the run (the final
+    "bundle: runs/bad" / "name", toymlx-report's table row) came out split in two."""
+    from toymlx_cli.sweep import main as sweep_main
+
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                 str(tmp_path), "--run-id", name, "--steps", "1"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: --run-id: expected a single folder "
+                                  f"name, found {name!r}")
+    assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root",
+                       str(tmp_path), "--sweep-id", name, "--no-progress"]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (f"toymlx-sweep: error: --sweep-id: expected "
+                                                  f"a single folder name, found {name!r}")
+    assert list(tmp_path.iterdir()) == []

@@ -291,6 +291,22 @@ def test_two_machines_over_one_folder_run_each_run_once(tmp_path):
     assert not list((tmp_path / "two" / ".locks").iterdir())  # every lock released
 
 
+def test_a_closed_console_neither_fails_the_sweep_nor_loses_its_report(tmp_path):
+    """`toymlx-sweep ... 2>&1 | head -1`: the summary table met the closed pipe, the sweep
+    reported it as "error: [Errno 32] Broken pipe" on that pipe too, and ended with exit
+    status 1, a traceback and no report.png. Now the console's output is discarded and the
+    sweep ends as it would have: status 0, summary and report written."""
+    cmd = [sys.executable, "-m", "toymlx_cli.sweep", "--recipe", "from-scratch", "--grid",
+           "lr=1e-3,2e-3", "--runs-root", str(tmp_path), "--sweep-id", "closed",
+           "--no-progress", *TINY, "--steps", "2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p.stdout.close()
+    assert p.wait(timeout=300) == 0
+    root = tmp_path / "closed"
+    assert [r["status"] for r in _csv(root / "summary.csv")] == ["completed", "completed"]
+    assert (root / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _descendants(pid: int) -> list[int]:
     """Every live process under `pid` (pgrep -P, on Linux and macOS alike)."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,

@@ -39,6 +39,9 @@ from toymlx.backend import blas, blas_rebind, fpenv, gemv_forward, kernel_loops,
 
 _NO_BLAS = ("toymlx: no optimised BLAS found, so MLX's CPU matmuls use its reference BLAS "
             "(about 30x slower). Fix: " + blas.FIX)
+_BAD_CHOICE = ("toymlx: TOYMLX_BLAS: expected 'openblas', 'reference' or the path of an LP64 "
+               "BLAS library, found {path!r}, which could not be loaded ({why}); MLX's CPU "
+               "matmuls use its reference BLAS (about 30x slower)")
 _NOT_BOUND = ("toymlx: MLX's CPU matmuls could not be pointed at {path} ({why}), so they use "
               "MLX's reference BLAS in this process (a training step 10-40x slower)")
 _GENERIC = ("toymlx: {why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
@@ -126,10 +129,13 @@ def _bind_openblas(p: _ProcessState) -> None:
             # BLAS reads this once, when it is loaded just below
             os.environ[var] = str(max(1, (os.cpu_count() or 1) // local))
     p.blas = "reference"
+    chosen = None  # the user's TOYMLX_BLAS, where it failed to load: named, not "none found"
     for path, prefix, source in blas.candidates():
         try:
             lib = blas.load(path, prefix, source)
-        except OSError:
+        except OSError as e:
+            if source == "TOYMLX_BLAS":
+                chosen = _BAD_CHOICE.format(path=path, why=" ".join(str(e).split()))
             continue
         p.gemv_forward = gemv_forward.install(path, prefix)
         try:
@@ -148,20 +154,39 @@ def _bind_openblas(p: _ProcessState) -> None:
                                           best=blas.core_for_cpu(*blas.cpu_flags())[0]),
                           stacklevel=4)
         return
-    warnings.warn(_NO_BLAS, stacklevel=4)
+    warnings.warn(chosen or _NO_BLAS, stacklevel=4)
+
+
+def check_bfs_width(text: str | None) -> None:
+    """ValueError (one line) unless `text`, MLX_BFS_MAX_WIDTH as set, is unset or a whole number
+    other than 0: MLX reads text or 0 as a width of 0, and then never finishes evaluating
+    anything (the command waits forever); a negative width is MLX's "no limit"."""
+    if text is None:
+        return
+    try:
+        width = int(text)
+    except ValueError:
+        width = 0
+    if width == 0:
+        raise ValueError(f"MLX_BFS_MAX_WIDTH: expected a whole number other than 0, found "
+                         f"{text!r} (MLX reads it as 0, and with 0 never finishes an "
+                         f"evaluation: the command would hang); unset it, or set it to "
+                         f"{BFS_MAX_WIDTH} as toymlx does")
 
 
 def setup_process(wide_evaluation: bool = True) -> None:
     """Tune this process for training: MLX's evaluation width (Linux) and glibc malloc.
 
     Call it before MLX evaluates anything (MLX reads the width at its first evaluation; the
-    console scripts call this first thing); later calls do nothing. `wide_evaluation=False`
+    console scripts call this first thing); later calls do nothing. ValueError (one line) for
+    an MLX_BFS_MAX_WIDTH that would hang MLX (`check_bfs_width`). `wide_evaluation=False`
     keeps MLX's default width: the wide breadth-first order that the CPU stream split needs
     also keeps more activations alive at once (tiny Llama, 2 x 1024 tokens: 249 against
     192 MiB peak), and it undoes most of what --grad-checkpoint saves (231 against 125 MiB)."""
     p = _PROCESS
     if p.set_up:
         return
+    check_bfs_width(os.environ.get("MLX_BFS_MAX_WIDTH"))
     p.set_up = True
     if sys.platform.startswith("linux") and wide_evaluation:
         os.environ.setdefault("MLX_BFS_MAX_WIDTH", BFS_MAX_WIDTH)

@@ -20,3 +20,18 @@ def special_kind(path: str | os.PathLike) -> str | None:
     except (OSError, ValueError):  # missing, unreadable, a name too long, a NUL byte
         return None
     return next((name for test, name in _KINDS if test(mode)), None)
+
+
+def not_utf8(text: str) -> str | None:
+    """The first thing in `text` that UTF-8 cannot encode, described ("the byte 0xe9 at
+    character 3": a byte of a non-UTF-8 file name or command line, which Python carries as a
+    surrogate escape U+DC80..U+DCFF; or "a lone surrogate U+D800 at character 0"); None when
+    all of it can be written as UTF-8 (config.json, events.jsonl)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        found = (f"the byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else
+                 f"a lone surrogate U+{c:04X}")
+        return f"{found} at character {e.start}"
+    return None

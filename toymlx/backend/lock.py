@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from toymlx.backend.atomic import named
+
 LOCK_FILE = ".lock"
 """The lock file's name inside a run bundle."""
 
@@ -104,7 +106,12 @@ def acquire(path: str | os.PathLike, what: str) -> Lock:
         if not same:  # released and removed by its last holder after we opened it
             os.close(fd)
             continue
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_me()).encode(), 0)
-        return Lock(path, fd)
+        lock = Lock(path, fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(_me()).encode(), 0)
+        except OSError as e:  # a full disk: given up (not held by a leaked fd), and named
+            lock.release()
+            raise named(e, path) from None
+        return lock
     raise OSError(errno.EAGAIN, f"{path}: could not take the lock (it kept changing hands)")

@@ -32,14 +32,21 @@ def lock_run(run_dir: Path) -> Lock:
     return acquire(run_dir / LOCK_FILE, f"{run_dir}: run bundle")
 
 
+def check_folder_name(name: str, flag: str) -> None:
+    """RunError unless `name` is one folder name that prints on one line: no "/", not "", "."
+    or "..", and no control character (a newline in a run id split every line naming the run,
+    the final one included)."""
+    if "/" in name or name in ("", ".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise RunError(f"{flag}: expected a single folder name, found {name!r}")
+
+
 def prepare_run_dir(root: str, run_id: str, overwrite: bool,
                     default_id: bool = False) -> tuple[Path, Lock]:
     """Create and own runs/<id> for a fresh start, failing before any training if another
     process owns it, if it holds a run (unless `overwrite`), or if it cannot be written.
     `default_id` (no --run-id given): the id is toymlx's, so a taken one gets a suffix
     (`claim_run_dir`) instead of failing."""
-    if "/" in run_id or run_id in ("", ".", ".."):
-        raise RunError(f"--run-id: expected a single folder name, found {run_id!r}")
+    check_folder_name(run_id, "--run-id")
     run_dir = Path(root) / run_id
     try:
         if default_id:

@@ -62,7 +62,8 @@ def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
     sizes = [p.stat().st_size for p in files]
     digest = hashlib.sha256()
     for p, n in zip(files, sizes):
-        digest.update(f"{p.relative_to(root) if p != root else ''}|{n}\n".encode())
+        # os.fsencode: a name's own bytes, also where they are not UTF-8 (a latin-1 file name)
+        digest.update(os.fsencode(f"{p.relative_to(root) if p != root else ''}|{n}\n"))
     large = sum(sizes) > WHOLE_DIGEST_BYTES
     if not large:
         for p in files:
@@ -79,6 +80,12 @@ def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
             "sample_sha256": digest.hexdigest()}
 
 
+def _text_name(name: Path) -> str:
+    """A file name as config.json's UTF-8 text can hold it: a byte that is not UTF-8 (a
+    latin-1 name) as `\\xe9`; a UTF-8 name as it is."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
 def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
     """{dotted key: {"path", and its `fingerprint`}} of the data the options name (existing
     files and folders; a recipe reports a missing one itself, when it loads it); a small folder
@@ -89,7 +96,8 @@ def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
             out[key] = {"path": path, "file": os.path.abspath(path), **fingerprint(path)}
             files = _files(Path(path)) if Path(path).is_dir() else []
             if 0 < len(files) <= FOLDER_PARTS:
-                out[key]["files"] = {str(p.relative_to(path)): fingerprint(p) for p in files}
+                out[key]["files"] = {_text_name(p.relative_to(path)): fingerprint(p)
+                                     for p in files}
     return out
 
 

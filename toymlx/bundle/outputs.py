@@ -9,7 +9,11 @@ path that
   a training writes its --fuse-at-end file into); `runs/<id>/weights/latest`, a link, counts as
   inside its bundle whether or not it resolves;
 - lies inside a model store: Ollama's (`$OLLAMA_MODELS`, `~/.ollama/models`, their blobs/ and
-  manifests/) or LM Studio's models folder (`toymlx.bundle.model_store` finds both).
+  manifests/) or LM Studio's models folder (`toymlx.bundle.model_store` finds both);
+- is a FIFO, a device or a socket (`special_kind`): a file is written beside its name and
+  renamed over it, which would replace /dev/null itself, run as root, with a regular file;
+- is a folder where a file is written (that rename fails, after the work), or a file where a
+  folder is (`folder`);
 Nothing is written by the check, so a refused command leaves every file as it was.
 """
 
@@ -19,6 +23,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from toymlx.backend.files import special_kind
 from toymlx.bundle import model_store
 
 BUNDLE_MARKS = ("config.json", "events.jsonl", "weights", ".lock")
@@ -72,11 +77,18 @@ def store_of(path: Path) -> tuple[str, Path] | None:
 
 
 def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]],
-                 flag: str = "--out", owns: Iterable[str | os.PathLike] = ()) -> Path:
+                 flag: str = "--out", owns: Iterable[str | os.PathLike] = (),
+                 folder: bool = False) -> Path:
     """`out` as a Path, after refusing (OutputError, one line naming both paths) an output
-    that is or holds one of `inputs` ((flag, path) pairs; None and missing paths skipped),
-    lies in one of the input folders, in a run bundle not in `owns`, or in a model store."""
+    that is a FIFO, device or socket, a folder where a file is written (a file where a
+    `folder` is), is or holds one of `inputs` ((flag, path) pairs; None and missing paths
+    skipped), lies in one of the input folders, in a run bundle not in `owns`, or in a model
+    store."""
     out = Path(out)
+    if kind := special_kind(out):
+        raise OutputError(f"{out}: {flag}: expected a regular file or a new name, found {kind} "
+                          f"(writing would replace it with a regular file); choose another "
+                          f"{flag}")
     real = _real(out)
     for what, given in inputs:
         if given is None or model_store.is_store_name(given):
@@ -105,4 +117,10 @@ def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
         raise OutputError(f"{out}: {flag}: expected a path outside model stores, found it "
                           f"inside {store[0]} {store[1]} (its files are named by their "
                           f"contents); choose another {flag}")
+    if not folder and out.is_dir():  # found only at the end, after the work, by the rename
+        raise OutputError(f"{out}: {flag}: expected a file name, found a folder; name a file "
+                          f"in it, or choose another {flag}")
+    if folder and out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: {flag}: expected a folder (new or existing), found a file; "
+                          f"choose another {flag}")
     return out

@@ -266,7 +266,7 @@ FOLDER_LAYOUT = "train.jsonl (required), valid.jsonl and test.jsonl (optional)"
 
 def data_files(path: str | Path) -> DataFiles:
     """A file as itself, or an mlx-lm data folder (`FOLDER_LAYOUT`); DataError names what a
-    folder without train.jsonl holds."""
+    folder without train.jsonl holds, or a JSONL file beside it that would not be read."""
     path = Path(path)
     if not path.is_dir():
         return DataFiles(path)
@@ -279,6 +279,13 @@ def data_files(path: str | Path) -> DataFiles:
         shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
         raise DataError(f"{path}: data folder: expected {FOLDER_LAYOUT} (mlx-lm's layout), "
                         f"found {shown or 'an empty folder'}")
+
+    unread = [n for n in found if n.lower().endswith(".jsonl") and not n.startswith(".")
+              and n not in ("train.jsonl", "valid.jsonl", "test.jsonl")]
+    if unread:  # a misnamed split (val.jsonl, Valid.jsonl) was left out without a word
+        raise DataError(f"{path / unread[0]}: data folder: expected only {FOLDER_LAYOUT} "
+                        f"(mlx-lm's layout), found {unread[0]} too, which would not be read; "
+                        f"rename it (valid.jsonl: the validation examples) or move it out")
 
     def optional(name: str) -> Path | None:
         return path / name if (path / name).is_file() else None

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import not_utf8, special_kind
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
                     ".pgm", ".pbm")
@@ -54,6 +54,10 @@ def _open(path: Path) -> Image.Image:
                              f"{_sniff(path)}; remove or replace the file") from None
     except OSError as e:
         raise ImageDataError(f"{path}: cannot open ({e.strerror or e})") from None
+    except (ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        # a header Pillow cannot parse (a PPM's "Token too long"), or past its pixel limit
+        raise ImageDataError(f"{path}: cannot decode the image ({e}); remove or replace "
+                             "the file") from None
 
 
 def _sniff(path: Path) -> str:
@@ -107,6 +111,22 @@ def decode_image(path: str | Path, size: int, channels: int) -> np.ndarray:
     return a.reshape(size, size, channels)
 
 
+def images_below(folder: Path) -> list[Path]:
+    """The image files below `folder` (by extension; hidden names skipped), sorted;
+    ImageDataError naming one that is a FIFO, a device or a socket: opening it could wait
+    forever, and skipping it would drop an image without a word."""
+    found = []
+    for p in folder.rglob("*"):
+        if p.suffix.lower() not in IMAGE_EXTENSIONS or p.name.startswith("."):
+            continue
+        if kind := special_kind(p):
+            raise ImageDataError(f"{p}: expected an image file, found {kind}; remove it or put "
+                                 "the image there")
+        if p.is_file():
+            found.append(p)
+    return sorted(found)
+
+
 def scan_image_folder(root: str | Path, min_classes: int = 2
                       ) -> tuple[list[Path], np.ndarray, list[str]]:
     """(files, labels, class names) of an ImageFolder tree, in sorted order; a training set
@@ -116,11 +136,15 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
     if not classes:
         raise ImageDataError(f"{root}: expected one subfolder of images per class, found no "
                              "subfolders")
+    for name in classes:  # class names are text in events.jsonl and the checkpoint's metadata
+        if found := not_utf8(name):
+            raise ImageDataError(f"{root / name}: expected a class folder named in UTF-8 (its "
+                                 f"name is the class's, recorded as text), found {found}; "
+                                 "rename it")
     files: list[Path] = []
     labels: list[int] = []
     for k, name in enumerate(classes):
-        found = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
-                       and p.is_file() and not p.name.startswith("."))
+        found = images_below(root / name)
         if not found:
             raise ImageDataError(f"{root / name}: class folder has no images: expected at least "
                                  f"one file named *{', *'.join(IMAGE_EXTENSIONS[:3])}, ..., found "

@@ -17,8 +17,14 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.backend.atomic import atomic_open
+from toymlx.backend.files import special_kind
 from toymlx.bundle.checkpoint import checkpoint_file
-from toymlx.data.image_folder import IMAGE_EXTENSIONS, ImageDataError, decode_image
+from toymlx.data.image_folder import (
+    IMAGE_EXTENSIONS,
+    ImageDataError,
+    decode_image,
+    images_below,
+)
 from toymlx.gguf.vit import class_names, load_vit
 from toymlx.models.vit import ViT
 
@@ -82,14 +88,15 @@ def image_files(paths: Iterable[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file()
-                           and f.suffix.lower() in IMAGE_EXTENSIONS and not f.name.startswith("."))
+            found = images_below(p)
             if not found:
                 raise ImageDataError(f"{p}: expected image files ({', '.join(IMAGE_EXTENSIONS)}) "
                                      "in the folder, found none")
             out += found
         elif p.is_file():
             out.append(p)
+        elif kind := special_kind(p):
+            raise ImageDataError(f"{p}: expected an image file or a folder, found {kind}")
         else:
             raise ImageDataError(f"{p}: no such file or directory")
     return out

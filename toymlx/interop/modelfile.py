@@ -59,7 +59,8 @@ def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
 def check_adapter(adapter_file: Path, base: Path, fuse: bool = False) -> dict[str, Any]:
     """The adapter's metadata, after checking that it is a llama.cpp LoRA for `base` (with
     `fuse`, toymlx's DoRA too: it is fused, never handed to Ollama): the same architecture and,
-    for every adapted weight, the base's (out, in) shape. No weights loaded."""
+    for every adapted weight, the base's (out, in) shape, and finite values (the adapter's
+    matrices are read; the base's weights are not)."""
     kinds = ("lora", "dora") if fuse else ("lora",)
     with GGUFFile(adapter_file) as ad, GGUFFile(base) as g:
         meta = dict(ad.metadata)
@@ -88,6 +89,7 @@ def check_adapter(adapter_file: Path, base: Path, fuse: bool = False) -> dict[st
                 raise GGUFError(f"{adapter_file}: tensor {name!r} shape: expected {want} "
                                 f"{'columns' if half == 'lora_a' else 'rows'} (the base "
                                 f"{weight} is {out_dim} x {in_dim}), found {info.shape}")
+            ad.load(name)  # GGUFError on a NaN or Inf: Ollama would serve it as it is
     return meta
 
 
@@ -158,7 +160,7 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
                                 f"{'a directory' if src.path.is_dir() else special_kind(src.path) or 'nothing'}")
     check_adapter(adapter_file, src.path, fuse)
     inputs = [("--adapter", adapter), ("--adapter", adapter_file), ("--base", src.path)]
-    check_output(out_dir, inputs)
+    check_output(out_dir, inputs, folder=True)
     path = check_output(Path(out_dir) / MODELFILE, inputs)
     fused = None
     if fuse:

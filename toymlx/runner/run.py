@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from toymlx.backend.device import on_gpu, select_device, setup_process
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import not_utf8, special_kind
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import prepare_run_dir, save_config
@@ -64,10 +64,18 @@ def run_ops(cfg: TrainConfig) -> Ops:
 
 
 def init_distributed() -> Any:
-    """The mx.distributed group when launched by mlx.launch with >1 ranks, else None."""
+    """The mx.distributed group when launched by mlx.launch with >1 ranks, else None; OSError
+    (one line) when the ranks cannot connect (MLX raises a bare RuntimeError: a traceback)."""
     if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_HOSTFILE")):
         return None
-    world = mx.distributed.init()
+    try:
+        world = mx.distributed.init()
+    except RuntimeError as e:
+        why = " ".join(str(e).split())
+        hint = ("; a port of the ring is in use: give toymlx-launch another --port, or none (it "
+                "picks free ones)" if "bind" in why else "")
+        raise OSError(f"data parallel: expected the ranks to connect, found {why}{hint}"
+                      ) from None
     return world if world.size() > 1 else None
 
 
@@ -85,10 +93,10 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                  bundle: Bundle | None = None) -> int:
     """Run one recipe with a parsed config (with `bundle`, the opened run `--resume` continues);
     returns the process exit code."""
-    # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
-    setup_process(wide_evaluation=not cfg.grad_checkpoint)
     with contextlib.ExitStack() as owned:  # the bundle's lock, held until training has ended
         try:
+            # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
+            setup_process(wide_evaluation=not cfg.grad_checkpoint)
             run = _prepare(recipe, module, cfg, bundle, owned)
         except (ValueError, OSError, KeyError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
@@ -149,10 +157,12 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
     for flag, path in run_inputs(cfg):  # before the folder is made: reading one would hang
         if isinstance(path, str) and (kind := special_kind(path)):
             raise ValueError(f"{path}: {flag}: expected a regular file or a folder, found {kind}")
+    check_utf8_options(asdict(cfg))
     default_id = not cfg.run_id
     cfg.run_id = cfg.run_id or _shared_run_id(recipe, world)
     run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
-                           "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id])
+                           "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id],
+                           folder=True)
     if rank0:
         run_dir, lock = prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite, default_id)
         owned.enter_context(lock)
@@ -178,6 +188,18 @@ def _build(module: ModuleType, cfg: TrainConfig, ops: Ops) -> Task:
         check_checkpointable(task.model)
     check_batch_fits(cfg.batch_size, task.config_info)
     return task
+
+
+def check_utf8_options(options: dict[str, Any], prefix: str = "") -> None:
+    """ValueError naming the flag of the first text option (a path, --run-id) that UTF-8
+    cannot hold, a file name's byte such as 0xe9 (latin-1): config.json records every option
+    as UTF-8 text, and failed on it with "'utf-8' codec can't encode character '\\udce9'"."""
+    for key, value in options.items():
+        if isinstance(value, dict):
+            check_utf8_options(value, f"{prefix}{key}.")
+        elif isinstance(value, str) and (found := not_utf8(value)):
+            raise ValueError(f"{value!r}: {flag_name(prefix + key)}: expected UTF-8 text "
+                             f"(config.json records it), found {found}; use a UTF-8 name")
 
 
 def run_inputs(cfg: TrainConfig) -> list[tuple[str, Any]]:

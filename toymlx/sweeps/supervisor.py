@@ -33,6 +33,7 @@ from toymlx.backend.lifeline import child_env
 from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
+from toymlx.bundle.folder import check_folder_name
 from toymlx.bundle.outputs import check_output
 from toymlx.runner import report
 from toymlx.sweeps.live import EventTail, LiveView, SweptRun
@@ -292,13 +293,13 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     stream = stream or sys.stderr
     given = sweep_id is not None
     sweep_id = sweep_id or default_sweep_id(recipe, specs, run_options)
-    if "/" in sweep_id or sweep_id in ("", ".", ".."):
-        raise ValueError(f"--sweep-id: expected a single folder name, found {sweep_id!r}")
+    check_folder_name(sweep_id, "--sweep-id")
     # its runs' inputs are checked by each toymlx-train; the sweep's own folder here, naming
     # the flag that put it where it is: the root first, then a given --sweep-id in that root
     # (one naming a run's folder)
-    check_output(Path(root), [], "--runs-root")
-    sweep_dir = check_output(Path(root) / sweep_id, [], "--sweep-id" if given else "--runs-root")
+    check_output(Path(root), [], "--runs-root", folder=True)
+    sweep_dir = check_output(Path(root) / sweep_id, [], "--sweep-id" if given else "--runs-root",
+                             folder=True)
     changed = changed_options(sweep_dir, recipe, specs, run_options)
     if changed:
         raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this sweep "

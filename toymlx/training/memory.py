@@ -180,10 +180,13 @@ def available_memory() -> tuple[int | None, str]:
     env = os.environ.get(AVAILABLE_ENV)
     if env is not None:
         try:
-            return int(env), AVAILABLE_ENV
+            n = int(env)
         except ValueError:
-            raise ValueError(f"{AVAILABLE_ENV}: expected a number of bytes, found {env!r}"
-                             ) from None
+            n = -1
+        if n < 0:
+            raise ValueError(f"{AVAILABLE_ENV}: expected a number of bytes (0 or more), found "
+                             f"{env!r}")
+        return n, AVAILABLE_ENV
     if sys.platform == "darwin":
         import mlx.core as mx
 
