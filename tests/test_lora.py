@@ -695,12 +695,7 @@ def test_full_fine_tune_writes_full_ggufs_and_resumes_exactly(tiny_gguf, tmp_pat
     assert {"token_embd.weight", "blk.0.attn_q.weight", "blk.2.ffn_down.weight",
             "blk.1.attn_norm.weight"} <= moved  # every kind of weight trained
     # a resumed run gives the same losses and bit-identical weights
-    assert _train([*args, "--run-id", "cut", "--stop-at", "2"]) == 0
-    assert _train(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
-    assert step_losses(tmp_path / "cut") == step_losses(run)
-    c = GGUFFile(tmp_path / "cut" / "weights" / "step_4.gguf")
-    for n in b.tensors:
-        np.testing.assert_array_equal(c.load(n, np.float32), g.load(n, np.float32))
+    _assert_resume_repeats(args, run, tmp_path, b.tensors, g)
 
 
 def mlx_lm_trained(num_layers: int) -> dict[str, int]:
@@ -794,12 +789,7 @@ def test_full_fine_tune_of_the_last_block_keeps_the_rest_quantized(tiny_gguf, tm
                                 dora=False, batch_size=2, seq_len=64, ops=EXACT_OPS)
     assert est.trained == 16 * n_last and est.base < every.base
     # resumed from step 2: the same losses, the same weights
-    assert _train([*args, "--run-id", "cut", "--stop-at", "2"]) == 0
-    assert _train(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
-    assert step_losses(tmp_path / "cut") == step_losses(run)
-    cut = GGUFFile(tmp_path / "cut" / "weights" / "step_4.gguf")
-    for n in b.tensors:
-        np.testing.assert_array_equal(cut.load(n, np.float32), c.load(n, np.float32))
+    _assert_resume_repeats(args, run, tmp_path, b.tensors, c)
 
 
 def test_full_layers_apply_to_a_full_fine_tune_only(tiny_gguf, tmp_path, capsys):
@@ -880,3 +870,14 @@ def test_an_unpacked_run_traces_every_width_at_its_first_step(tiny_gguf, tmp_pat
     assert len(set(widths)) >= 3
     assert all("traced_widths" not in e for e in steps[1:])
     assert [e["batch_width"] for e in steps] == widths
+
+
+def _assert_resume_repeats(args: list[str], run: Path, tmp_path: Path, names, final) -> None:
+    """A run stopped at step 2 and resumed gives `run`'s losses and, at step 4, the tensors
+    `names` of the GGUF `final` bit for bit."""
+    assert _train([*args, "--run-id", "cut", "--stop-at", "2"]) == 0
+    assert _train(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
+    assert step_losses(tmp_path / "cut") == step_losses(run)
+    cut = GGUFFile(tmp_path / "cut" / "weights" / "step_4.gguf")
+    for n in names:
+        np.testing.assert_array_equal(cut.load(n, np.float32), final.load(n, np.float32))
