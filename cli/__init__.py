@@ -125,8 +125,9 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     try:
         setup_process()
         default, argv = file_defaults(args_type, argv, prog)
-        args = parse_options(args_type, argv, prog, default,
-                             f"{args_type.__doc__}\n\n{CONFIG_HELP}")
+        with output_may_close():  # `--help | head`: tyro exits after its help, and Python's
+            args = parse_options(  # own flush at exit met the closed pipe (exit status 120)
+                args_type, argv, prog, default, f"{args_type.__doc__}\n\n{CONFIG_HELP}")
     except ValueError as e:  # ConfigFileError, UsageError
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

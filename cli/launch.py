@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx_cli import VersionAction
+from toymlx_cli import VersionAction, output_may_close
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:k], argv[k + 1:]
     p = _parser()
     try:
-        args = p.parse_args(parser_defaults(p, argv))
+        with output_may_close():  # `--help | head`: argparse exits after its help
+            args = p.parse_args(parser_defaults(p, argv))
         return launch(args.n, command, hosts=args.hosts, backend=args.backend, grace=args.grace,
                       status_dir=args.status_dir, env=args.env, port=args.port)
     except ValueError as e:

@@ -355,8 +355,11 @@ def test_a_file_size_limit_names_the_file(tmp_path, data):
 
 # ---- a closed console is not a bundle write -----------------------------------------------------
 def _closed_stdout(cmd: list[str]) -> subprocess.CompletedProcess:
-    """`cmd | head -0`: its stdout a pipe whose reader has already gone."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """`cmd | head -0`: its stdout a pipe whose reader has already gone. Buffered, as a user's
+    Python is: under PYTHONUNBUFFERED (CI sets it) every print meets the closed pipe at once, and
+    a write that only Python's flush at exit makes (exit status 120) goes unseen."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     p.stdout.close()
     err = p.stderr.read()
     p.wait(timeout=300)
