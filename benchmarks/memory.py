@@ -16,7 +16,9 @@ Rows (a name each; `--only` picks):
 - `1b-blocks` / `1b-float32`: the Llama-3.2-1B-shaped Q4_K_M (`shapes.py`) at 4 x 256, q
   (`1b-1-stream`, `1b-float32-1-stream`: the same with `--cpu-streams 1`);
   `1b-1x512`, `3b-1x512`, `8b-1x512`: 1 x 512, q,v, rank 8, `--grad-checkpoint`, 3 steps (the
-  issue's sizes); `gemma-4x256`: the Gemma-3-270M shape (262,144-token vocabulary) at 4 x 256.
+  issue's sizes); `1b-full-2`, `3b-full-2`: mlx-lm's full fine-tune of the last 2 blocks
+  (`--fine-tune-type full --full.layers 2`, the frozen rest as blocks) at 1 x 512,
+  `--grad-checkpoint`, 3 steps; `gemma-4x256`: the Gemma-3-270M shape (262,144-token vocabulary) at 4 x 256.
 - each row's adapter is loaded with its base in llama.cpp (`llamacpp_ok`: its logits of a
   few tokens are finite), where llama-cpp-python is installed.
 
@@ -58,6 +60,9 @@ class Row:
     pack: bool = True
     """packed rows (the recipe's default), else one example per row (`--data.no-pack`)"""
     runner: str = "toymlx"
+    full_layers: int | None = None
+    """a full fine-tune of the last N blocks (`--fine-tune-type full --full.layers N`) instead
+    of LoRA on `targets`"""
     """toymlx (`toymlx-train`), or mlx-lm (`mlx_lm_qlora.measure`: `steps` iterations)"""
 
 
@@ -78,6 +83,10 @@ ROWS = {r.name: r for r in (
     Row("1b-1x512", "llama-3.2-1b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
     Row("3b-1x512", "llama-3.2-3b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
     Row("8b-1x512", "llama-3.1-8b", 1, 512, "q,v", grad_checkpoint=True, steps=3),
+    Row("1b-full-2", "llama-3.2-1b", 1, 512, grad_checkpoint=True, steps=3,
+        full_layers=2),
+    Row("3b-full-2", "llama-3.2-3b", 1, 512, grad_checkpoint=True, steps=3,
+        full_layers=2),
     Row("gemma-4x256", "gemma-3-270m", 4, 256, steps=4),
     Row("gemma-4x256-gc", "gemma-3-270m", 4, 256, grad_checkpoint=True, steps=4),
 )}
@@ -96,8 +105,9 @@ def model_file(name: str) -> Path:
 def command(row: Row, base: Path, runs: Path) -> list[str]:
     cmd = [sys.executable, "-m", "cli.train", "--recipe", "lora", "--base", str(base),
            "--steps", str(row.steps), "--batch-size", str(row.batch), "--seq-len", str(row.seq),
-           "--lora.targets", row.targets, "--lora.rank", "8", "--base-dtype", row.base_dtype,
-           "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0",
+           *(["--lora.targets", row.targets, "--lora.rank", "8"] if row.full_layers is None
+             else ["--fine-tune-type", "full", "--full.layers", str(row.full_layers)]),
+           "--base-dtype", row.base_dtype, "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0",
            "--warmup", "1", "--no-progress", "--runs-root", str(runs), "--run-id", row.name]
     return (cmd + (["--grad-checkpoint"] if row.grad_checkpoint else [])
             + ([] if row.pack else ["--data.no-pack"]) + list(row.extra))
@@ -120,7 +130,9 @@ def run_row(row: Row, runs: Path) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     rec: dict[str, Any] = {"row": row.name, "file": base.name,
                            "file_mb": round(base.stat().st_size / 1e6, 1),
-                           "shape": f"{row.batch}x{row.seq}", "targets": row.targets,
+                           "shape": f"{row.batch}x{row.seq}",
+                           "targets": row.targets if row.full_layers is None
+                           else f"full, last {row.full_layers} blocks",
                            "base_dtype": row.base_dtype, "grad_checkpoint": row.grad_checkpoint,
                            "rc": child.returncode, "wall_s": round(wall, 1),
                            "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 3),
@@ -145,12 +157,13 @@ def run_row(row: Row, runs: Path) -> dict[str, Any]:
     for k in ("peak_memory_mb", "peak_rss_mb"):  # MLX's count and the process's, run_end's
         if k in end:
             rec[f"run_end_{k}"] = end[k]
-    rec["llamacpp_ok"] = adapter_in_llamacpp(base, runs / row.name)
+    rec["llamacpp_ok"] = adapter_in_llamacpp(base, runs / row.name, row.full_layers is None)
     return rec
 
 
-def adapter_in_llamacpp(base: Path, run: Path) -> bool | None:
-    """llama.cpp loads the base with the run's final adapter and gives finite logits."""
+def adapter_in_llamacpp(base: Path, run: Path, adapter: bool = True) -> bool | None:
+    """llama.cpp loads the base with the run's final adapter (or the run's final full
+    checkpoint, where `adapter` is false) and gives finite logits."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -159,8 +172,9 @@ def adapter_in_llamacpp(base: Path, run: Path) -> bool | None:
     import numpy as np
     from llamacpp_runner import llamacpp_logits
 
-    adapter = (run / "weights" / "latest").resolve()
-    logits, _ = llamacpp_logits(base, [1, 2, 3, 4], lora=adapter)
+    final = (run / "weights" / "latest").resolve()
+    logits, _ = (llamacpp_logits(base, [1, 2, 3, 4], lora=final) if adapter
+                 else llamacpp_logits(final, [1, 2, 3, 4]))
     return bool(np.isfinite(logits).all())
 
 
