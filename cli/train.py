@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import signal
 import sys
 
 from toymlx_cli import output_may_close, print_version
@@ -58,8 +57,9 @@ def _ignore_late_signals() -> None:
     """At exit, after the run ended: Python puts the stop signals back to the system default
     while it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code
     lost)."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
+    from toymlx.backend.stop import ignore_stop_signals
+
+    ignore_stop_signals()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from toymlx_cli.train import main as train_main
 
+from toymlx.backend.stop import RANK_SIGNALS, StopSignals, relayed
 from toymlx.bundle.checkpoint import list_checkpoints
 from toymlx.bundle.events import read_events
 from toymlx.runner.launch import _free_port_base
@@ -98,6 +99,19 @@ def test_each_rank_gets_its_own_slice_of_the_global_batch():
         _shard(batch, _World(0, 3))
 
 
+def test_a_rank_counts_a_relayed_sigterm_as_sigterm():
+    """toymlx-launch passes a SIGTERM on as SIGUSR1 (a rank's SIGTERM stays "exit now"): the
+    rank names it SIGTERM and ends with 143, whatever comes after it."""
+    with StopSignals(RANK_SIGNALS) as stop:
+        assert (stop.count, stop.first, stop.name, stop.exit_code) == (0, None, None, 130)
+        signal.raise_signal(relayed(signal.SIGTERM))
+        signal.raise_signal(relayed(signal.SIGINT))
+    assert relayed(signal.SIGTERM) == signal.SIGUSR1 and relayed(signal.SIGHUP) == signal.SIGHUP
+    assert (stop.count, stop.name, stop.exit_code, stop.last) == (2, "SIGTERM", 143,
+                                                                  signal.SIGINT)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # put back
+
+
 def _launch(tmp: Path, cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout,
                           check=False)
@@ -152,6 +166,8 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
     assert "toymlx-launch: rank 1: exit code 1: RuntimeError: injected failure on rank 1" \
         in p.stderr
     assert "toymlx-launch: failed: 2 of 2 ranks did not finish cleanly" in p.stderr
+    # mlx.launch's own warning still shows for a rank that failed (only stops are left out)
+    assert "Node with rank 1 exited with code 1 " in p.stderr, p.stderr[-3000:]
     _check_rank0_did_not_complete(root / "w")
 
 
@@ -273,16 +289,29 @@ def uninterrupted(tmp_path_factory) -> list[float]:
     return _losses(tmp / "full")
 
 
-@pytest.mark.parametrize("to", ["launcher", pytest.param("rank 1", marks=pytest.mark.slow)])
-def test_ctrl_c_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path, uninterrupted, to):
-    """Ctrl-C on toymlx-launch ends a 2-rank run as it ends one process: every rank stops after
-    the same step S, rank 0 writes the checkpoint of S and run_end "interrupted", the launch
-    exits 130 without a traceback, and --resume continues to the losses of a 2-rank run never
-    interrupted, bit for bit. Each rank counts its SIGINT and the next step's all_sum shares
-    the most any rank counted, so a SIGINT that reaches rank 1 alone (`kill -INT`) stops rank 0
-    too, and the one Ctrl-C each rank gets from the launcher is not a second. Rank 0 waits 3 s before writing: ranks used
-    to exit without waiting for it, and mlx.launch then stopped rank 0 mid-write; before that,
-    each rank ended on a KeyboardInterrupt with no checkpoint at all."""
+# how a stop reaches the 2-rank run: the signal, sent to the launcher's process group (a terminal's
+# Ctrl-C), to the launcher alone (`kill`, systemd's KillMode=mixed), or to rank 1 alone
+STOPS = {"Ctrl-C": (signal.SIGINT, "group"), "SIGTERM": (signal.SIGTERM, "launcher"),
+         "SIGHUP": (signal.SIGHUP, "launcher"), "SIGINT to rank 1": (signal.SIGINT, "rank 1")}
+
+
+# SIGTERM in the default tier: its path (passed on as SIGUSR1, named back) holds Ctrl-C's
+@pytest.mark.parametrize("how", ["SIGTERM", *(pytest.param(h, marks=pytest.mark.slow) for h in
+                                              ("Ctrl-C", "SIGHUP", "SIGINT to rank 1"))])
+def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path,
+                                                                           uninterrupted, how):
+    """Ctrl-C, SIGTERM or SIGHUP on toymlx-launch ends a 2-rank run as it ends one process:
+    every rank stops after the same step S, rank 0 writes the checkpoint of S and run_end
+    "interrupted" naming the signal, the launch exits 128 + its number (130, 143, 129) without
+    a traceback or mlx.launch's warnings, and --resume continues to the losses of a 2-rank run
+    never interrupted, bit for bit. Each rank counts its signal and the next step's all_sum
+    shares the most any rank counted, so a SIGINT that reaches rank 1 alone (`kill -INT`)
+    stops rank 0 too, and the one signal each rank gets from the launcher is not a second.
+    Rank 0 waits 3 s before writing: ranks used to exit without waiting for it, and mlx.launch
+    then stopped rank 0 mid-write; before that, each rank ended on a KeyboardInterrupt with no
+    checkpoint at all. A SIGTERM or SIGHUP to the launcher used to end it at once, and its
+    ranks with it: no final checkpoint, no run_end."""
+    sig, to = STOPS[how]
     script = tmp_path / "slow_save_rank0.py"
     script.write_text(SLOW_SAVE_RANK0)
     run, status = tmp_path / "runs" / "part", tmp_path / "status"
@@ -291,25 +320,32 @@ def test_ctrl_c_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path, un
                           "--run-id", "part"])
     try:
         _wait_for_step(p, run, 5)
-        if to == "launcher":  # as a terminal sends Ctrl-C: to the foreground process group
-            os.killpg(p.pid, signal.SIGINT)
+        if to == "group":  # as a terminal sends Ctrl-C: to the foreground process group
+            os.killpg(p.pid, sig)
+        elif to == "launcher":
+            p.send_signal(sig)
         else:
-            os.kill(json.loads((status / "rank1.start").read_text())["pid"], signal.SIGINT)
+            os.kill(json.loads((status / "rank1.start").read_text())["pid"], sig)
         _, err = p.communicate(timeout=300)
     finally:
         if p.poll() is None:  # its ranks stop with it (test_a_killed_launcher_...)
             p.kill()
             p.communicate()
-    assert p.returncode == 130, err[-3000:]
-    assert "Traceback" not in err and "failed" not in err, err[-3000:]
+    code = 128 + sig
+    assert p.returncode == code, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
     for r in range(2):
-        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": 130, "error": None}
+        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": code,
+                                                                      "error": None}
     ev = read_events(run)
     end = ev[-1]
     assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
+    assert end["exit_code"] == code and end.get("signal") == (
+        None if to == "rank 1" else sig.name), end  # rank 0 got no signal of its own
     s = end["final_step"]
     assert 5 <= s < 40, end
-    assert f"toymlx: interrupted at step {s}: interrupted after step {s}; resume with " in err
+    what = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
+    assert f"toymlx: interrupted at step {s}: {what} after step {s}; resume with " in err
     assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, s + 1))
     assert [step for step, _ in list_checkpoints(run / "weights")] == [s]
 
