@@ -65,7 +65,8 @@ def _ignore_late_signals() -> None:
 def main(argv: list[str] | None = None) -> int:
     from toymlx.backend.device import restart_with_huge_pages
     from toymlx.backend.lifeline import watch_parent
-    from toymlx.runner.launch import rank_status
+    from toymlx.backend.stop import RANK_SIGNALS, SIGNALS, how_stopped, stops_raise
+    from toymlx.runner.launch import launched_as_rank, rank_status
 
     if argv is None:  # the console script (or python -m): the heap on huge pages
         restart_with_huge_pages()
@@ -74,13 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     atexit.unregister(_ignore_late_signals)  # once, however often main runs in one process
     atexit.register(_ignore_late_signals)
     # under toymlx-launch: report how this rank ended; a closed console (`| head -1`) never
-    # stops the run (the bundle records everything)
-    with rank_status() as status, output_may_close():
+    # stops the run (the bundle records everything); a stop signal before the loop ends the
+    # process as Ctrl-C does (a rank's own SIGTERM keeps its default: see StopSignals)
+    signals = RANK_SIGNALS if launched_as_rank() else SIGNALS
+    with rank_status() as status, output_may_close(), stops_raise(signals):
         try:
             status.code = _main(argv)
-        except KeyboardInterrupt:  # Ctrl-C while parsing or importing: no traceback
-            print("toymlx-train: interrupted", file=sys.stderr)
-            status.code = 130
+        except KeyboardInterrupt as e:  # Ctrl-C while parsing or importing: no traceback
+            what, status.code = how_stopped(e)
+            print(f"toymlx-train: {what}", file=sys.stderr)
     return status.code
 
 

@@ -17,7 +17,16 @@ import numpy as np
 import pytest
 from toymlx_cli.train import main as train_main
 
-from toymlx.backend.stop import RANK_SIGNALS, StopSignals, relayed
+from toymlx.backend.stop import (
+    RANK_SIGNALS,
+    SIGNALS,
+    Stopped,
+    StopSignals,
+    how_stopped,
+    ignore_stop_signals,
+    relayed,
+    stops_raise,
+)
 from toymlx.bundle.checkpoint import list_checkpoints
 from toymlx.bundle.events import read_events
 from toymlx.runner.launch import _free_port_base
@@ -78,6 +87,23 @@ from toymlx_cli.train import main
 sys.exit(main())
 """
 
+# each rank says it is setting up (a file in the working folder), then sleeps there: the window
+# before the loop counts stop signals (loading a model, reading data)
+SLOW_SETUP = """
+import os, sys, time
+from pathlib import Path
+import toymlx
+import toymlx.runner.run as run
+prepare = run._prepare
+def _prepare(*args, **kwargs):
+    Path(f"setup{os.environ['MLX_RANK']}").touch()
+    time.sleep(1000)
+    return prepare(*args, **kwargs)
+run._prepare = _prepare
+from toymlx_cli.train import main
+sys.exit(main())
+"""
+
 
 class _World:
     def __init__(self, rank: int, size: int):
@@ -110,6 +136,29 @@ def test_a_rank_counts_a_relayed_sigterm_as_sigterm():
     assert (stop.count, stop.name, stop.exit_code, stop.last) == (2, "SIGTERM", 143,
                                                                   signal.SIGINT)
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # put back
+
+
+def test_before_the_loop_a_stop_signal_raises_as_ctrl_c_does():
+    """`stops_raise` (toymlx-train's setup): a relayed SIGTERM or a SIGHUP raises `Stopped`,
+    named as the sender meant it, with its exit code; handlers come back after, but signals
+    ignored until exit (a rank after its last barrier) stay ignored."""
+    sigs = (*SIGNALS, signal.SIGUSR1)
+    before = {s: signal.getsignal(s) for s in sigs}
+    try:
+        for sig, want in [(relayed(signal.SIGTERM), ("stopped by SIGTERM", 143)),
+                          (signal.SIGHUP, ("stopped by SIGHUP", 129)),
+                          (signal.SIGINT, ("interrupted", 130))]:
+            with pytest.raises(Stopped) as e, stops_raise(RANK_SIGNALS):
+                signal.raise_signal(sig)
+            assert how_stopped(e.value) == want
+        assert {s: signal.getsignal(s) for s in sigs} == before
+        assert how_stopped(KeyboardInterrupt()) == ("interrupted", 130)
+        with stops_raise(RANK_SIGNALS):
+            ignore_stop_signals()
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in sigs)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def _launch(tmp: Path, cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -354,6 +403,38 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
     assert read_events(run)[-1]["reason"] == "completed"
     assert len(uninterrupted) == 40
     assert _losses(run) == uninterrupted  # bit for bit
+
+
+def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path):
+    """SIGTERM to toymlx-launch while its ranks set up: each ends at once, as on Ctrl-C there,
+    with one line and exit code 143, and so does the launch. Ranks passed the signal on before
+    their loop counted it were killed by it (SIGUSR1's default), and the launch failed: "2 of 2
+    ranks did not finish cleanly"."""
+    script = tmp_path / "slow_setup.py"
+    script.write_text(SLOW_SETUP)
+    status = tmp_path / "status"
+    p = _start(tmp_path, [*LAUNCH[:-1], "--status-dir", str(status), "--", sys.executable,
+                          str(script), *STOP_ARGS, "--runs-root", str(tmp_path / "runs"),
+                          "--run-id", "s"])
+    try:
+        t0 = time.monotonic()
+        while not all((tmp_path / f"setup{r}").exists() for r in range(2)):
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
+    line = "toymlx-train: stopped by SIGTERM before the first step; nothing was trained"
+    assert err.splitlines().count(line) == 2, err[-3000:]
+    for r in range(2):
+        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": 143,
+                                                                      "error": None}
 
 
 def test_a_second_ctrl_c_stops_ranks_stuck_in_a_collective(tmp_path):

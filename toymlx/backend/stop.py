@@ -5,6 +5,8 @@ raises into a step, a checkpoint write or a collective."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from toymlx.backend.lifeline import parent_lost
@@ -26,6 +28,53 @@ STOP_CODES = frozenset(128 + s for s in SIGNALS)
 def relayed(signum: int) -> int:
     """The signal `toymlx-launch` passes on to its ranks for `signum`."""
     return RELAYED_TERM if signum == signal.SIGTERM else signum
+
+
+def _named(signum: int) -> int:
+    """`signum` as its sender meant it: a relayed SIGTERM (`RELAYED_TERM`) as SIGTERM."""
+    return signal.SIGTERM if signum == RELAYED_TERM else signum
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal before training counts them (`stops_raise`), raised as Ctrl-C raises
+    KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_outcome(signum: int | None) -> tuple[str, int]:
+    """A stop by `signum` in words and its exit code, 128 + the signal's number (the shell's
+    convention): ("stopped by SIGTERM", 143), ("interrupted", 130) for Ctrl-C or None (a
+    data-parallel rank stopped by another rank's request)."""
+    signum = signum or signal.SIGINT
+    name = signal.Signals(signum).name
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {name}", 128 + signum
+
+
+def how_stopped(e: KeyboardInterrupt) -> tuple[str, int]:
+    """`stop_outcome` of a KeyboardInterrupt: `Stopped`'s signal, else Ctrl-C."""
+    return stop_outcome(e.signum if isinstance(e, Stopped) else None)
+
+
+@contextmanager
+def stops_raise(signals: tuple[int, ...]) -> Iterator[None]:
+    """While the block runs, each of `signals` raises `Stopped` as Ctrl-C raises
+    KeyboardInterrupt: before the loop (parsing, loading, building), where nothing is trained
+    yet, a SIGTERM or SIGHUP ends the process as Ctrl-C does there, with a line and its own
+    exit code, not killed without a word (or, on a rank, reported as a failure). The loop's
+    `StopSignals` counts them instead while it runs. The handlers before are put back after,
+    where the block left `_raise` in place (not where it ignored them until exit)."""
+    def _raise(signum: int, frame: Any) -> None:
+        raise Stopped(_named(signum))
+    old = {sig: signal.signal(sig, _raise) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            if signal.getsignal(sig) is _raise:
+                signal.signal(sig, handler)
 
 
 def ignore_stop_signals() -> None:
@@ -69,7 +118,7 @@ class StopSignals:
             self._terms += 1
         else:
             self._others += 1
-        self.last = signal.SIGTERM if signum == RELAYED_TERM else signum
+        self.last = _named(signum)
         if self.first is None:
             self.first = self.last
 
@@ -84,9 +133,8 @@ class StopSignals:
 
     @property
     def exit_code(self) -> int:
-        """128 + the first signal's number; 130 (Ctrl-C's) before one came (a data-parallel
-        rank stopped by another rank's signal)."""
-        return 128 + (self.first or signal.SIGINT)
+        """The first signal's exit code (`stop_outcome`); 130 before one came."""
+        return stop_outcome(self.first)[1]
 
     @property
     def name(self) -> str | None:

@@ -44,6 +44,11 @@ _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch a
            "rank failed")
 
 
+def launched_as_rank() -> bool:
+    """Whether this process is a rank that mlx.launch (or MPI) started."""
+    return any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_HOSTFILE"))
+
+
 def _rank() -> int | None:
     for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK"):
         if os.environ.get(k, "").isdigit():

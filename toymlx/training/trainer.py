@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from toymlx.backend import device
 from toymlx.backend.device import backend_info
-from toymlx.backend.stop import RANK_SIGNALS, SIGNALS, StopSignals
+from toymlx.backend.stop import RANK_SIGNALS, SIGNALS, StopSignals, stop_outcome
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
 from toymlx.bundle.folder import config_digest, saved_config
@@ -602,8 +602,7 @@ class _Loop:
         its name in run_end): with its checkpoint, unless a second request to stop
         (`requests` > 1) came before that checkpoint began."""
         self.signal = stop.name
-        code, resume = stop.exit_code, f"resume with --resume {self.run_dir}"
-        what = "interrupted" if self.signal in (None, "SIGINT") else f"stopped by {self.signal}"
+        (what, code), resume = stop_outcome(stop.first), f"resume with --resume {self.run_dir}"
         if requests > 1 and self.ckpt.last != self.step:
             self._end("interrupted", code, f"{what} after step {self.step}; a second signal "
                       f"skipped its checkpoint: {resume} (from {_named(self.ckpt.last)})")
