@@ -17,13 +17,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Run COMMAND (e.g. toymlx-train --recipe ...) as N data-parallel ranks "
                     "through mlx.launch. Unlike mlx.launch, the exit status is 0 only if every "
                     "rank exited 0; when one rank fails the others are stopped after --grace "
-                    "seconds instead of waiting on a collective that never completes.")
+                    "seconds instead of waiting on a collective that never completes. Ctrl-C, "
+                    "SIGTERM or SIGHUP stops every rank after the same step, with a final "
+                    "checkpoint; the exit status is then 128 + the signal's number.")
     p.add_argument("-n", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--hosts", help="comma-separated hosts for mlx.launch (default: this one)")
     p.add_argument("--backend", default="ring", help="mlx.launch backend (default ring)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds the other ranks get to end after one fails, or after a second "
-                        "Ctrl-C (default 10)")
+                        "Ctrl-C, SIGTERM or SIGHUP (default 10)")
     p.add_argument("--status-dir", help="where ranks report how they ended (default: a "
                                         "temporary folder; use a shared one across hosts)")
     p.add_argument("--port", type=int, help="first ring port (default: a free one on this "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import signal
 import sys
 
 from toymlx_cli import output_may_close, print_version
@@ -58,14 +57,16 @@ def _ignore_late_signals() -> None:
     """At exit, after the run ended: Python puts the stop signals back to the system default
     while it finalizes, so a late Ctrl-C would kill the exiting process (status -2, exit code
     lost)."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
+    from toymlx.backend.stop import ignore_stop_signals
+
+    ignore_stop_signals()
 
 
 def main(argv: list[str] | None = None) -> int:
     from toymlx.backend.device import restart_with_huge_pages
     from toymlx.backend.lifeline import watch_parent
-    from toymlx.runner.launch import rank_status
+    from toymlx.backend.stop import RANK_SIGNALS, SIGNALS, how_stopped, stops_raise
+    from toymlx.runner.launch import launched_as_rank, rank_status
 
     if argv is None:  # the console script (or python -m): the heap on huge pages
         restart_with_huge_pages()
@@ -74,13 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     atexit.unregister(_ignore_late_signals)  # once, however often main runs in one process
     atexit.register(_ignore_late_signals)
     # under toymlx-launch: report how this rank ended; a closed console (`| head -1`) never
-    # stops the run (the bundle records everything)
-    with rank_status() as status, output_may_close():
+    # stops the run (the bundle records everything); a stop signal before the loop ends the
+    # process as Ctrl-C does (a rank's own SIGTERM keeps its default: see StopSignals)
+    signals = RANK_SIGNALS if launched_as_rank() else SIGNALS
+    with rank_status() as status, output_may_close(), stops_raise(signals):
         try:
             status.code = _main(argv)
-        except KeyboardInterrupt:  # Ctrl-C while parsing or importing: no traceback
-            print("toymlx-train: interrupted", file=sys.stderr)
-            status.code = 130
+        except KeyboardInterrupt as e:  # Ctrl-C while parsing or importing: no traceback
+            what, status.code = how_stopped(e)
+            print(f"toymlx-train: {what}", file=sys.stderr)
     return status.code
 
 

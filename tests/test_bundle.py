@@ -317,7 +317,8 @@ def test_a_checkpoint_under_another_name_is_refused(tmp_path, stopped, straight,
 # ---- SIGHUP -----------------------------------------------------------------------------------
 def test_sighup_ends_a_run_like_sigterm(tmp_path, data):
     """A closed terminal or ssh session: the run finishes its step, checkpoints, ends with
-    run_end, and resumes; on main SIGHUP killed it with no run_end."""
+    run_end naming SIGHUP and exit code 129 (128 + 1, the shell's convention), and resumes; on
+    main SIGHUP killed it with no run_end (then it ended as Ctrl-C did, 130)."""
     run = tmp_path / "h"
     p = subprocess.Popen([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data,
                           "--runs-root", str(tmp_path), "--run-id", "h", "--steps", "100000",
@@ -327,9 +328,11 @@ def test_sighup_ends_a_run_like_sigterm(tmp_path, data):
         time.sleep(0.02)
     p.send_signal(signal.SIGHUP)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-2000:]
+    assert p.returncode == 129, err[-2000:]
     end = read_events(run)[-1]
     assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
+    assert (end["exit_code"], end["signal"]) == (129, "SIGHUP"), end
+    assert f"stopped by SIGHUP after step {end['final_step']}; resume with" in err
     assert os.readlink(run / "weights" / "latest") == f"step_{end['final_step']}.gguf"
     assert main(["--resume", str(run), "--steps", str(end["final_step"] + 1)]) == 0
 

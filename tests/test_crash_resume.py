@@ -114,9 +114,10 @@ def test_signal_mid_step_checkpoints_the_step_it_names(tmp_path, shared_file, un
         time.sleep(0.005)
     p.send_signal(sig)
     _, err = p.communicate(timeout=300)
-    assert p.returncode == 130, err[-2000:]
+    assert p.returncode == 128 + sig, err[-2000:]  # the shell's convention: 143, 130
     end = read_events(tmp_path / "part")[-1]
     assert end["reason"] == "interrupted" and 8 <= end["final_step"] < 600, end
+    assert (end["exit_code"], end["signal"]) == (128 + sig, sig.name), end
     assert [s for s, _ in list_checkpoints(tmp_path / "part" / "weights")] == [end["final_step"]]
     assert main(["--resume", str(tmp_path / "part"), "--no-progress"]) == 0
     resumed = [e["loss"] for e in read_events(tmp_path / "part") if e["kind"] == "step"]

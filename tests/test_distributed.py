@@ -17,6 +17,16 @@ import numpy as np
 import pytest
 from toymlx_cli.train import main as train_main
 
+from toymlx.backend.stop import (
+    RANK_SIGNALS,
+    SIGNALS,
+    Stopped,
+    StopSignals,
+    how_stopped,
+    ignore_stop_signals,
+    relayed,
+    stops_raise,
+)
 from toymlx.bundle.checkpoint import list_checkpoints
 from toymlx.bundle.events import read_events
 from toymlx.runner.launch import _free_port_base
@@ -77,6 +87,23 @@ from toymlx_cli.train import main
 sys.exit(main())
 """
 
+# each rank says it is setting up (a file in the working folder), then sleeps there: the window
+# before the loop counts stop signals (loading a model, reading data)
+SLOW_SETUP = """
+import os, sys, time
+from pathlib import Path
+import toymlx
+import toymlx.runner.run as run
+prepare = run._prepare
+def _prepare(*args, **kwargs):
+    Path(f"setup{os.environ['MLX_RANK']}").touch()
+    time.sleep(1000)
+    return prepare(*args, **kwargs)
+run._prepare = _prepare
+from toymlx_cli.train import main
+sys.exit(main())
+"""
+
 
 class _World:
     def __init__(self, rank: int, size: int):
@@ -96,6 +123,42 @@ def test_each_rank_gets_its_own_slice_of_the_global_batch():
     np.testing.assert_array_equal(np.concatenate(parts, axis=1), batch["inputs"])
     with pytest.raises(ValueError, match="--batch-size: expected a multiple of the 3"):
         _shard(batch, _World(0, 3))
+
+
+def test_a_rank_counts_a_relayed_sigterm_as_sigterm():
+    """toymlx-launch passes a SIGTERM on as SIGUSR1 (a rank's SIGTERM stays "exit now"): the
+    rank names it SIGTERM and ends with 143, whatever comes after it."""
+    with StopSignals(RANK_SIGNALS) as stop:
+        assert (stop.count, stop.first, stop.name, stop.exit_code) == (0, None, None, 130)
+        signal.raise_signal(relayed(signal.SIGTERM))
+        signal.raise_signal(relayed(signal.SIGINT))
+    assert relayed(signal.SIGTERM) == signal.SIGUSR1 and relayed(signal.SIGHUP) == signal.SIGHUP
+    assert (stop.count, stop.name, stop.exit_code, stop.last) == (2, "SIGTERM", 143,
+                                                                  signal.SIGINT)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # put back
+
+
+def test_before_the_loop_a_stop_signal_raises_as_ctrl_c_does():
+    """`stops_raise` (toymlx-train's setup): a relayed SIGTERM or a SIGHUP raises `Stopped`,
+    named as the sender meant it, with its exit code; handlers come back after, but signals
+    ignored until exit (a rank after its last barrier) stay ignored."""
+    sigs = (*SIGNALS, signal.SIGUSR1)
+    before = {s: signal.getsignal(s) for s in sigs}
+    try:
+        for sig, want in [(relayed(signal.SIGTERM), ("stopped by SIGTERM", 143)),
+                          (signal.SIGHUP, ("stopped by SIGHUP", 129)),
+                          (signal.SIGINT, ("interrupted", 130))]:
+            with pytest.raises(Stopped) as e, stops_raise(RANK_SIGNALS):
+                signal.raise_signal(sig)
+            assert how_stopped(e.value) == want
+        assert {s: signal.getsignal(s) for s in sigs} == before
+        assert how_stopped(KeyboardInterrupt()) == ("interrupted", 130)
+        with stops_raise(RANK_SIGNALS):
+            ignore_stop_signals()
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in sigs)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def _launch(tmp: Path, cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -152,6 +215,8 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
     assert "toymlx-launch: rank 1: exit code 1: RuntimeError: injected failure on rank 1" \
         in p.stderr
     assert "toymlx-launch: failed: 2 of 2 ranks did not finish cleanly" in p.stderr
+    # mlx.launch's own warning still shows for a rank that failed (only stops are left out)
+    assert "Node with rank 1 exited with code 1 " in p.stderr, p.stderr[-3000:]
     _check_rank0_did_not_complete(root / "w")
 
 
@@ -273,16 +338,29 @@ def uninterrupted(tmp_path_factory) -> list[float]:
     return _losses(tmp / "full")
 
 
-@pytest.mark.parametrize("to", ["launcher", pytest.param("rank 1", marks=pytest.mark.slow)])
-def test_ctrl_c_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path, uninterrupted, to):
-    """Ctrl-C on toymlx-launch ends a 2-rank run as it ends one process: every rank stops after
-    the same step S, rank 0 writes the checkpoint of S and run_end "interrupted", the launch
-    exits 130 without a traceback, and --resume continues to the losses of a 2-rank run never
-    interrupted, bit for bit. Each rank counts its SIGINT and the next step's all_sum shares
-    the most any rank counted, so a SIGINT that reaches rank 1 alone (`kill -INT`) stops rank 0
-    too, and the one Ctrl-C each rank gets from the launcher is not a second. Rank 0 waits 3 s before writing: ranks used
-    to exit without waiting for it, and mlx.launch then stopped rank 0 mid-write; before that,
-    each rank ended on a KeyboardInterrupt with no checkpoint at all."""
+# how a stop reaches the 2-rank run: the signal, sent to the launcher's process group (a terminal's
+# Ctrl-C), to the launcher alone (`kill`, systemd's KillMode=mixed), or to rank 1 alone
+STOPS = {"Ctrl-C": (signal.SIGINT, "group"), "SIGTERM": (signal.SIGTERM, "launcher"),
+         "SIGHUP": (signal.SIGHUP, "launcher"), "SIGINT to rank 1": (signal.SIGINT, "rank 1")}
+
+
+# SIGTERM in the default tier: its path (passed on as SIGUSR1, named back) holds Ctrl-C's
+@pytest.mark.parametrize("how", ["SIGTERM", *(pytest.param(h, marks=pytest.mark.slow) for h in
+                                              ("Ctrl-C", "SIGHUP", "SIGINT to rank 1"))])
+def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path,
+                                                                           uninterrupted, how):
+    """Ctrl-C, SIGTERM or SIGHUP on toymlx-launch ends a 2-rank run as it ends one process:
+    every rank stops after the same step S, rank 0 writes the checkpoint of S and run_end
+    "interrupted" naming the signal, the launch exits 128 + its number (130, 143, 129) without
+    a traceback or mlx.launch's warnings, and --resume continues to the losses of a 2-rank run
+    never interrupted, bit for bit. Each rank counts its signal and the next step's all_sum
+    shares the most any rank counted, so a SIGINT that reaches rank 1 alone (`kill -INT`)
+    stops rank 0 too, and the one signal each rank gets from the launcher is not a second.
+    Rank 0 waits 3 s before writing: ranks used to exit without waiting for it, and mlx.launch
+    then stopped rank 0 mid-write; before that, each rank ended on a KeyboardInterrupt with no
+    checkpoint at all. A SIGTERM or SIGHUP to the launcher used to end it at once, and its
+    ranks with it: no final checkpoint, no run_end."""
+    sig, to = STOPS[how]
     script = tmp_path / "slow_save_rank0.py"
     script.write_text(SLOW_SAVE_RANK0)
     run, status = tmp_path / "runs" / "part", tmp_path / "status"
@@ -291,25 +369,32 @@ def test_ctrl_c_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path, un
                           "--run-id", "part"])
     try:
         _wait_for_step(p, run, 5)
-        if to == "launcher":  # as a terminal sends Ctrl-C: to the foreground process group
-            os.killpg(p.pid, signal.SIGINT)
+        if to == "group":  # as a terminal sends Ctrl-C: to the foreground process group
+            os.killpg(p.pid, sig)
+        elif to == "launcher":
+            p.send_signal(sig)
         else:
-            os.kill(json.loads((status / "rank1.start").read_text())["pid"], signal.SIGINT)
+            os.kill(json.loads((status / "rank1.start").read_text())["pid"], sig)
         _, err = p.communicate(timeout=300)
     finally:
         if p.poll() is None:  # its ranks stop with it (test_a_killed_launcher_...)
             p.kill()
             p.communicate()
-    assert p.returncode == 130, err[-3000:]
-    assert "Traceback" not in err and "failed" not in err, err[-3000:]
+    code = 128 + sig
+    assert p.returncode == code, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
     for r in range(2):
-        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": 130, "error": None}
+        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": code,
+                                                                      "error": None}
     ev = read_events(run)
     end = ev[-1]
     assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
+    assert end["exit_code"] == code and end.get("signal") == (
+        None if to == "rank 1" else sig.name), end  # rank 0 got no signal of its own
     s = end["final_step"]
     assert 5 <= s < 40, end
-    assert f"toymlx: interrupted at step {s}: interrupted after step {s}; resume with " in err
+    what = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
+    assert f"toymlx: interrupted at step {s}: {what} after step {s}; resume with " in err
     assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, s + 1))
     assert [step for step, _ in list_checkpoints(run / "weights")] == [s]
 
@@ -318,6 +403,38 @@ def test_ctrl_c_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path, un
     assert read_events(run)[-1]["reason"] == "completed"
     assert len(uninterrupted) == 40
     assert _losses(run) == uninterrupted  # bit for bit
+
+
+def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path):
+    """SIGTERM to toymlx-launch while its ranks set up: each ends at once, as on Ctrl-C there,
+    with one line and exit code 143, and so does the launch. Ranks passed the signal on before
+    their loop counted it were killed by it (SIGUSR1's default), and the launch failed: "2 of 2
+    ranks did not finish cleanly"."""
+    script = tmp_path / "slow_setup.py"
+    script.write_text(SLOW_SETUP)
+    status = tmp_path / "status"
+    p = _start(tmp_path, [*LAUNCH[:-1], "--status-dir", str(status), "--", sys.executable,
+                          str(script), *STOP_ARGS, "--runs-root", str(tmp_path / "runs"),
+                          "--run-id", "s"])
+    try:
+        t0 = time.monotonic()
+        while not all((tmp_path / f"setup{r}").exists() for r in range(2)):
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
+    line = "toymlx-train: stopped by SIGTERM before the first step; nothing was trained"
+    assert err.splitlines().count(line) == 2, err[-3000:]
+    for r in range(2):
+        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": 143,
+                                                                      "error": None}
 
 
 def test_a_second_ctrl_c_stops_ranks_stuck_in_a_collective(tmp_path):

@@ -1,13 +1,86 @@
 """Stop signals as counted requests to stop: `toymlx-train`'s loop (and `toymlx-launch`, which
-passes Ctrl-C on to its ranks) reads the count where stopping is safe, so that no signal ever
+passes them on to its ranks) reads the count where stopping is safe, so that no signal ever
 raises into a step, a checkpoint write or a collective."""
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from toymlx.backend.lifeline import parent_lost
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The stop signals: Ctrl-C, `kill` (systemd, a job scheduler), a closed terminal or ssh session."""
+
+RELAYED_TERM = signal.SIGUSR1
+"""What `toymlx-launch` sends its ranks for a SIGTERM it gets (`relayed`): a rank keeps SIGTERM's
+default (exit), and counts this one as that SIGTERM."""
+
+RANK_SIGNALS = (signal.SIGINT, signal.SIGHUP, RELAYED_TERM)
+"""What a data-parallel rank counts: `SIGNALS` as `toymlx-launch` passes them on."""
+
+STOP_CODES = frozenset(128 + s for s in SIGNALS)
+"""The exit codes of a run stopped by a signal (`StopSignals.exit_code`)."""
+
+
+def relayed(signum: int) -> int:
+    """The signal `toymlx-launch` passes on to its ranks for `signum`."""
+    return RELAYED_TERM if signum == signal.SIGTERM else signum
+
+
+def _named(signum: int) -> int:
+    """`signum` as its sender meant it: a relayed SIGTERM (`RELAYED_TERM`) as SIGTERM."""
+    return signal.SIGTERM if signum == RELAYED_TERM else signum
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal before training counts them (`stops_raise`), raised as Ctrl-C raises
+    KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_outcome(signum: int | None) -> tuple[str, int]:
+    """A stop by `signum` in words and its exit code, 128 + the signal's number (the shell's
+    convention): ("stopped by SIGTERM", 143), ("interrupted", 130) for Ctrl-C or None (a
+    data-parallel rank stopped by another rank's request)."""
+    signum = signum or signal.SIGINT
+    name = signal.Signals(signum).name
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {name}", 128 + signum
+
+
+def how_stopped(e: KeyboardInterrupt) -> tuple[str, int]:
+    """`stop_outcome` of a KeyboardInterrupt: `Stopped`'s signal, else Ctrl-C."""
+    return stop_outcome(e.signum if isinstance(e, Stopped) else None)
+
+
+@contextmanager
+def stops_raise(signals: tuple[int, ...]) -> Iterator[None]:
+    """While the block runs, each of `signals` raises `Stopped` as Ctrl-C raises
+    KeyboardInterrupt: before the loop (parsing, loading, building), where nothing is trained
+    yet, a SIGTERM or SIGHUP ends the process as Ctrl-C does there, with a line and its own
+    exit code, not killed without a word (or, on a rank, reported as a failure). The loop's
+    `StopSignals` counts them instead while it runs. The handlers before are put back after,
+    where the block left `_raise` in place (not where it ignored them until exit)."""
+    def _raise(signum: int, frame: Any) -> None:
+        raise Stopped(_named(signum))
+    old = {sig: signal.signal(sig, _raise) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            if signal.getsignal(sig) is _raise:
+                signal.signal(sig, handler)
+
+
+def ignore_stop_signals() -> None:
+    """Ignore every stop signal, relayed ones too, from now until the process exits."""
+    for sig in (*SIGNALS, RELAYED_TERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class StopSignals:
@@ -21,18 +94,23 @@ class StopSignals:
     however many SIGTERMs it brings: Linux sends the parent-death signal again as each thread of
     a multi-threaded parent exits, and those repeats must not skip the final checkpoint.
 
-    A data-parallel rank counts SIGINT alone (`RANK_SIGNALS`; so does `toymlx-launch`, which
-    passes each Ctrl-C on to its ranks), and the ranks stop after the same step, the one after
+    The first signal names how the run ended: its exit code is 128 + its number, the shell's
+    convention (`exit_code`: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
+
+    A data-parallel rank counts `RANK_SIGNALS`, which `toymlx-launch` (counting `SIGNALS`)
+    passes on to every rank (`relayed`), and the ranks stop after the same step, the one after
     the step in flight (the loop's `_stops`). SIGTERM keeps its default (exit) there, which is
     how mlx.launch and the lifeline end a rank blocked in an all_sum whose peer died (blocked
-    in C++, it never runs a Python handler)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    RANK_SIGNALS = (signal.SIGINT,)
+    in C++, it never runs a Python handler); a SIGTERM for `toymlx-launch` reaches the ranks as
+    `RELAYED_TERM`."""
 
     def __init__(self, signals: tuple[int, ...] = SIGNALS):
         self.signals = signals
         self._terms = self._others = 0
+        self.first: int | None = None
+        """The first stop signal (a relayed SIGTERM as SIGTERM), None before one came."""
+        self.last: int | None = None
+        """The latest stop signal, as `first`."""
         self._old: dict[int, Any] = {}
 
     def _count(self, signum: int, frame: Any) -> None:
@@ -40,6 +118,9 @@ class StopSignals:
             self._terms += 1
         else:
             self._others += 1
+        self.last = _named(signum)
+        if self.first is None:
+            self.first = self.last
 
     @property
     def count(self) -> int:
@@ -50,10 +131,19 @@ class StopSignals:
         terms = 1 if self._terms > 1 and parent_lost() else self._terms
         return self._others + terms
 
+    @property
+    def exit_code(self) -> int:
+        """The first signal's exit code (`stop_outcome`); 130 before one came."""
+        return stop_outcome(self.first)[1]
+
+    @property
+    def name(self) -> str | None:
+        """The first signal's name ("SIGTERM"), None before one came."""
+        return None if self.first is None else signal.Signals(self.first).name
+
     def ignore(self) -> None:
         """Ignore every stop signal from now until the process exits (nothing is put back)."""
-        for sig in self.SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals()
         self._old = {}
 
     def __enter__(self) -> StopSignals:  # noqa: PYI034

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -31,15 +32,21 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TextIO
 
 from toymlx.backend import atomic
 from toymlx.backend.lifeline import PARENT_ENV, alive, child_env, watch_parent
-from toymlx.backend.stop import StopSignals
+from toymlx.backend.stop import RANK_SIGNALS, STOP_CODES, StopSignals, relayed
 
 STATUS_ENV = "TOYMLX_RANK_STATUS"
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
            "rank failed")
+
+
+def launched_as_rank() -> bool:
+    """Whether this process is a rank that mlx.launch (or MPI) started."""
+    return any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_HOSTFILE"))
 
 
 def _rank() -> int | None:
@@ -95,18 +102,37 @@ def _read(path: Path) -> dict | None:
 def _mlx_launch_child() -> None:
     """`mlx.launch` (arguments from sys.argv) in this process, which stops with its whole
     session when the `toymlx-launch` that started it dies; its ranks watch it in turn."""
-    from mlx._distributed_utils.launch import main  # mlx.launch's own entry point
+    from mlx._distributed_utils import launch as mlx_launch  # mlx.launch's own module
+
+    _quiet_stops(mlx_launch)
 
     def end_session() -> None:
         os.killpg(os.getpgrp(), signal.SIGTERM)  # we lead the session: every rank, and us
     watch_parent(end_session)
-    # Ctrl-C reaches every rank (toymlx-launch passes it on to the session), which stops after
-    # the same step; mlx.launch's own KeyboardInterrupt would stop relaying the ranks' output
-    # and, on its way out, have them stopped mid-checkpoint.
-    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    # A stop signal reaches every rank (toymlx-launch passes it on to the session), which stops
+    # after the same step; mlx.launch's own KeyboardInterrupt (or death by SIGHUP) would stop
+    # relaying the ranks' output and, on its way out, have them stopped mid-checkpoint. A
+    # handler, not SIG_IGN: the ranks must not inherit an ignored signal.
+    for sig in RANK_SIGNALS:
+        signal.signal(sig, lambda signum, frame: None)
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks are our children
     sys.argv[0] = "mlx.launch"
-    main()
+    mlx_launch.main()
+
+
+def _quiet_stops(mlx_launch: ModuleType) -> None:
+    """mlx.launch's "[WARN] Node with rank R exited with code C" lines, less those of ranks
+    stopped by a signal (C in `STOP_CODES`): a stop is no failure, and toymlx-launch itself
+    names every rank that did not end cleanly (`failures`). Any other line, or one mlx words
+    differently, still shows."""
+    warn = mlx_launch.log_warning
+
+    def log_warning(*args: object, **kwargs: object) -> None:
+        m = re.fullmatch(r"Node with rank \d+ exited with code (-?\d+)",
+                         " ".join(map(str, args)))
+        if m is None or int(m[1]) not in STOP_CODES:
+            warn(*args, **kwargs)
+    mlx_launch.log_warning = log_warning
 
 
 def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | None, str]]:
@@ -171,11 +197,11 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     proc = subprocess.Popen(cmd, start_new_session=True, env=child_env())
     failed_at, passed = None, 0
     try:
-        with StopSignals(StopSignals.RANK_SIGNALS) as ctrl_c:
+        with StopSignals() as stop:
             while proc.poll() is None:
-                if ctrl_c.count > passed:
+                if stop.count > passed:
                     passed += 1
-                    if _interrupt(proc, passed, grace, stream):
+                    if _interrupt(proc, passed, stop.last or signal.SIGINT, grace, stream):
                         break
                     if passed == 2:
                         failed_at = failed_at or time.time()
@@ -195,8 +221,8 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
         shutil.rmtree(folder, ignore_errors=True)
     if not bad:
         return 0
-    if len(bad) == n and all(code == 130 for code, _ in bad.values()):
-        return 130  # every rank interrupted (Ctrl-C), as one process is: rank 0 has said how
+    if len(bad) == n and all(code in STOP_CODES for code, _ in bad.values()):
+        return bad[0][0]  # every rank stopped by a signal, as one process is: rank 0 said how
     for r, (_, why) in sorted(bad.items()):
         stream.write(f"toymlx-launch: rank {r}: {why}\n")
     stream.write(f"toymlx-launch: failed: {len(bad)} of {n} ranks did not finish cleanly\n")
@@ -206,9 +232,9 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
 
 
 def _say_failed(bad: dict[int, tuple[int | None, str]], grace: float, stream: TextIO) -> None:
-    """The line that starts the other ranks' `grace` seconds; none for ranks interrupted (130):
-    the others are ending the same way after Ctrl-C."""
-    if all(code == 130 for code, _ in bad.values()):
+    """The line that starts the other ranks' `grace` seconds; none for ranks stopped by a
+    signal (`STOP_CODES`): the others are ending the same way."""
+    if all(code in STOP_CODES for code, _ in bad.values()):
         return
     r, (_, why) = min(bad.items())
     stream.write(f"toymlx-launch: rank {r} failed ({why}); the other ranks get {grace:g} s to "
@@ -216,25 +242,28 @@ def _say_failed(bad: dict[int, tuple[int | None, str]], grace: float, stream: Te
     stream.flush()
 
 
-def _interrupt(proc: subprocess.Popen, count: int, grace: float, stream: TextIO) -> bool:
-    """Ctrl-C number `count`, passed on to every rank as its own Ctrl-C (mlx.launch ignores it):
-    the first stops them all after the same step, rank 0 writing a final checkpoint; the second
-    skips that checkpoint if it has not begun, and the ranks get `grace` seconds before they are
-    stopped (one blocked in a collective never ends by itself); a third stops them at once.
-    Returns whether it stopped them."""
+def _interrupt(proc: subprocess.Popen, count: int, signum: int, grace: float,
+               stream: TextIO) -> bool:
+    """Stop request number `count` (Ctrl-C, SIGTERM or SIGHUP: `signum`), passed on to every
+    rank as its own (`relayed`; mlx.launch ignores it): the first stops them all after the same
+    step, rank 0 writing a final checkpoint; the second skips that checkpoint if it has not
+    begun, and the ranks get `grace` seconds before they are stopped (one blocked in a
+    collective never ends by itself); a third stops them at once. Returns whether it stopped
+    them."""
     if count > 2:
         stream.write("toymlx-launch: interrupted a third time: stopping every rank now\n")
         stream.flush()
         _kill(proc)
         return True
     try:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, relayed(signum))
     except ProcessLookupError:
         return False
-    stream.write("toymlx-launch: Ctrl-C passed on to every rank (toymlx-train stops them all "
-                 "after the same step, with a final checkpoint); Ctrl-C again to stop sooner\n"
-                 if count == 1 else f"toymlx-launch: Ctrl-C passed on again; the ranks get "
-                 f"{grace:g} s to end, then are stopped (Ctrl-C again: at once)\n")
+    what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    stream.write(f"toymlx-launch: {what} passed on to every rank (toymlx-train stops them all "
+                 f"after the same step, with a final checkpoint); {what} again to stop sooner\n"
+                 if count == 1 else f"toymlx-launch: {what} passed on again; the ranks get "
+                 f"{grace:g} s to end, then are stopped ({what} again: at once)\n")
     stream.flush()
     return False
 

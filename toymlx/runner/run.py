@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from toymlx.backend.device import on_gpu, select_device, setup_process
 from toymlx.backend.files import not_utf8, special_kind
+from toymlx.backend.stop import how_stopped
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import prepare_run_dir, save_config
@@ -34,6 +35,7 @@ from toymlx.bundle.resume import Resume
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
 from toymlx.runner.bundle import Bundle
+from toymlx.runner.launch import launched_as_rank
 from toymlx.training.task import Task, TrainConfig, check_config, warmup_note
 from toymlx.training.trainer import train
 
@@ -66,7 +68,7 @@ def run_ops(cfg: TrainConfig) -> Ops:
 def init_distributed() -> Any:
     """The mx.distributed group when launched by mlx.launch with >1 ranks, else None; OSError
     (one line) when the ranks cannot connect (MLX raises a bare RuntimeError: a traceback)."""
-    if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "MLX_HOSTFILE")):
+    if not launched_as_rank():
         return None
     try:
         world = mx.distributed.init()
@@ -105,10 +107,11 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             print(f"toymlx-train: error: out of memory before the first step: {e}; lower "
                   "--batch-size, --seq-len or the model's size", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:
-            print("toymlx-train: interrupted before the first step; nothing was trained",
+        except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal (`stops_raise`)
+            what, code = how_stopped(e)
+            print(f"toymlx-train: {what} before the first step; nothing was trained",
                   file=sys.stderr)
-            return 130
+            return code
         if run.resume is not None and run.resume.note:
             print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
         if (note := warmup_note(cfg)) and (run.world is None or run.world.rank() == 0):

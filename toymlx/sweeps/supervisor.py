@@ -31,6 +31,7 @@ from typing import Any, TextIO
 from toymlx.backend import atomic
 from toymlx.backend.lifeline import child_env
 from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
+from toymlx.backend.stop import STOP_CODES
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import check_folder_name
@@ -238,7 +239,7 @@ class _Runner:
             r.state = "stopped"
         elif reason == "diverged":
             r.state = "diverged"
-        elif reason == "interrupted" or code in (130, -signal.SIGINT):
+        elif reason == "interrupted" or code in STOP_CODES or code == -signal.SIGINT:
             r.state = "interrupted"
         else:
             r.state = "failed"

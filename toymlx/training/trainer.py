@@ -7,8 +7,8 @@ clipping, AdamW with warm-up + cosine LR; on a multi-core CPU spread over stream
 `toymlx.training.cpu_streams`; the benchmark steps its toymlx rows through the same
 `Stepper`), periodic validation in eval mode (`toymlx.training.evaluate.Evaluator`),
 checkpoints on a schedule and at the end through a `Checkpointer` (verified, with retention),
-the run bundle's events (run_end from one place), and SIGINT/SIGTERM as requests to stop
-(`toymlx.backend.stop.StopSignals`), agreed by every data-parallel rank.
+the run bundle's events (run_end from one place), and SIGINT/SIGTERM/SIGHUP as requests to
+stop (`toymlx.backend.stop.StopSignals`), agreed by every data-parallel rank.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from toymlx.backend import device
 from toymlx.backend.device import backend_info
-from toymlx.backend.stop import StopSignals
+from toymlx.backend.stop import RANK_SIGNALS, SIGNALS, StopSignals, stop_outcome
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
 from toymlx.bundle.folder import config_digest, saved_config
@@ -339,6 +339,8 @@ class _Loop:
         self.agreed = 0
         """Data parallel: the stop requests every rank knows of (`_stops`)."""
         self.reason, self.exit_code, self.message = "completed", 0, None
+        self.signal: str | None = None
+        """The signal that stopped the run (run_end's `signal`), None if none did."""
         self.t_first: float | None = None
         self.last_eval: dict[str, float] = {}
         self.trained = self._trained_before()
@@ -350,8 +352,7 @@ class _Loop:
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
         self._announce(run_config)
-        with StopSignals(StopSignals.SIGNALS if self.solo else StopSignals.RANK_SIGNALS
-                         ) as stop, self._progress() as bar:
+        with StopSignals(SIGNALS if self.solo else RANK_SIGNALS) as stop, self._progress() as bar:
             together = False  # the run ended where every rank ends it (not by an exception)
             try:
                 self._train(stop, bar)
@@ -370,7 +371,9 @@ class _Loop:
                 end = self.log.emit("run_end", reason=self.reason, final_step=self.step,
                                     final_loss=self.log.loss_at(self.step),
                                     exit_code=self.exit_code,
-                                    message=self.message, first_step_s=self.t_first,
+                                    message=self.message,
+                                    **({"signal": self.signal} if self.signal else {}),
+                                    first_step_s=self.t_first,
                                     **device.peak_memory())
                 self.log.close()
             if together and not self.solo:
@@ -490,7 +493,7 @@ class _Loop:
             if due and not self._checkpoint(done, bar):
                 return
             if stops := self._stops(stop):
-                return self._interrupted(max(stops, stop.count), bar)
+                return self._interrupted(stop, max(stops, stop.count), bar)
             if cfg.stop_at is not None and cfg.stop_at <= done < cfg.steps:
                 self.reason = "stopped"
                 break
@@ -594,15 +597,17 @@ class _Loop:
             self._say(checkpoint_line(ev, self.run_dir), bar)
         return True
 
-    def _interrupted(self, requests: int, bar: Any) -> None:
-        """End as interrupted after step `self.step`: with its checkpoint, unless a second
-        request to stop (`requests` > 1) came before that checkpoint began."""
-        resume = f"resume with --resume {self.run_dir}"
+    def _interrupted(self, stop: StopSignals, requests: int, bar: Any) -> None:
+        """End as interrupted after step `self.step` by `stop`'s first signal (its exit code,
+        its name in run_end): with its checkpoint, unless a second request to stop
+        (`requests` > 1) came before that checkpoint began."""
+        self.signal = stop.name
+        (what, code), resume = stop_outcome(stop.first), f"resume with --resume {self.run_dir}"
         if requests > 1 and self.ckpt.last != self.step:
-            self._end("interrupted", 130, f"interrupted after step {self.step}; a second signal "
+            self._end("interrupted", code, f"{what} after step {self.step}; a second signal "
                       f"skipped its checkpoint: {resume} (from {_named(self.ckpt.last)})")
         elif self._checkpoint(self.step, bar):
-            self._end("interrupted", 130, f"interrupted after step {self.step}; {resume}")
+            self._end("interrupted", code, f"{what} after step {self.step}; {resume}")
 
     def _diverged(self, what: str, good_step: int) -> None:
         """End as diverged with `good_step` the last step with good weights. Right after a
