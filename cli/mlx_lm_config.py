@@ -138,6 +138,9 @@ def mlx_lm_options(data: dict[str, Any], source: str
     # --seq-len counts targets (a row holds seq_len + 1 tokens)
     put("max_seq_length", "seq_len", given["max_seq_length"] - 1)
     notes += _micro_steps(given, set(data), source, put)
+    notes.append(f"{source}: key 'steps_per_eval': toymlx validates every --eval-every steps and "
+                 "at the end, not also before the first step as mlx-lm does (its iteration 1 "
+                 "val loss, the untrained model's, is not computed)")
     _want(source, "num_layers", _int(given["num_layers"]) and given["num_layers"] >= -1,
           "an integer >= -1 (-1: every block)", given["num_layers"])
     if given["fine_tune_type"] == "full":
@@ -157,6 +160,11 @@ def mlx_lm_options(data: dict[str, Any], source: str
     if "lr_schedule" in data:
         _schedule(data["lr_schedule"], source, put)
     _optimizer_config(data.get("optimizer_config"), given["optimizer"], source, put)
+    if given["optimizer"] == "adamw" and given["fine_tune_type"] != "lora":
+        notes.append(f"{source}: key 'optimizer': adamw's weight decay falls on matrices only "
+                     f"(mlx-lm's AdamW also decays the {given['fine_tune_type']} run's "
+                     + ("DoRA magnitudes" if given["fine_tune_type"] == "dora"
+                        else "norms and biases") + ")")
     if "model" in data:
         put("model", "base", _model(data["model"], source))
     if "hf_dataset" in data:
@@ -170,7 +178,9 @@ def mlx_lm_options(data: dict[str, Any], source: str
         put("adapter_path", "runs_root", str(Path(p).parent))
         put("adapter_path", "run_id", Path(p).name)
     if data.get("report_to"):
-        put("report_to", "report_to", data["report_to"])
+        put("report_to", "report_to", _report_to(data["report_to"], source))
+    if data.get("resume_adapter_file") is not None:
+        _resume_adapter(data["resume_adapter_file"], source)
     for option, value in MLX_LM_FIXED.items():
         if option not in out:
             put("(none)", option, value, "mlx-lm's, fixed")
@@ -366,6 +376,33 @@ def _hf_dataset(value: Any, source: str) -> None:
     _want(source, "hf_dataset", isinstance(path, str) and path, "a mapping with path (a "
           "Hugging Face dataset name), or a list of them", value)
     raise _hub_dataset(source, "hf_dataset", path)
+
+
+def _report_to(value: Any, source: str) -> str:
+    """report_to: mlx-lm's comma list (wandb, swanlab); toymlx reports to wandb and tensorboard."""
+    from toymlx.bundle.reporters import REPORTERS
+
+    _want(source, "report_to", isinstance(value, str), "a comma list of services", value)
+    for name in (n.strip().lower() for n in value.split(",") if n.strip()):
+        if name not in REPORTERS:
+            raise ConfigFileError(f"{source}: key 'report_to': expected a comma list of "
+                                  f"{', '.join(REPORTERS)} (the services toymlx reports to), "
+                                  f"found {name!r}; remove it")
+    return value
+
+
+def _resume_adapter(value: Any, source: str) -> None:
+    """resume_adapter_file: an adapter GGUF (toymlx's or llama.cpp's), --lora.init-adapter;
+    mlx-lm's own safetensors adapters are refused (toymlx does not read them)."""
+    _want(source, "resume_adapter_file", isinstance(value, str) and value, "an adapter GGUF file",
+          value)
+    path = Path(value)
+    if path.suffix == ".safetensors" or (path / "adapters.safetensors").exists():
+        raise ConfigFileError(
+            f"{source}: key 'resume_adapter_file': expected an adapter GGUF (toymlx's or "
+            f"llama.cpp's) or a toymlx run folder, found mlx-lm's safetensors adapters "
+            f"{value!r}, which toymlx does not read; remove the key (the adapters start at "
+            "B = 0) or give a toymlx run's adapter")
 
 
 def _hub_dataset(source: str, key: str, name: str) -> ConfigFileError:

@@ -428,3 +428,45 @@ def test_max_seq_length_cuts_rows_where_mlx_lm_does(tmp_path):
     # the test above; a cut row has no column past its end)
     assert sorted(int(m.sum()) for m in ours["mask"]) == [n - 1 for n in lengths]
     assert lengths[-2:] == [max_seq, max_seq] and seq_len == max_seq - 1
+
+
+@pytest.mark.parametrize("extra,line", [
+    ({"resume_adapter_file": "adapters/adapters.safetensors"},
+     ("f.yaml: key 'resume_adapter_file': expected an adapter GGUF (toymlx's or llama.cpp's) or "
+      "a toymlx run folder, found mlx-lm's safetensors adapters 'adapters/adapters.safetensors', "
+      "which toymlx does not read; remove the key (the adapters start at B = 0) or give a "
+      "toymlx run's adapter")),
+    ({"report_to": "wandb,swanlab"},
+     ("f.yaml: key 'report_to': expected a comma list of tensorboard, wandb (the services "
+      "toymlx reports to), found 'swanlab'; remove it")),
+])
+def test_mlx_lm_s_own_adapters_and_services_are_refused_by_key(extra, line):
+    """mlx-lm's resume_adapter_file is its adapters.safetensors: it was passed on as
+    --lora.init-adapter and refused after the base and data loaded, naming --adapter (or, for a
+    folder, "found nothing"); swanlab was refused naming --report-to. Now each is refused as the
+    file is read, naming its key."""
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"iters": 10, **extra}, "f.yaml")
+    assert str(e.value) == line
+
+
+def test_what_toymlx_does_otherwise_than_mlx_lm_is_noted():
+    """MLX's AdamW (mlx-lm's adamw) decays every trainable array; toymlx's decays matrices only,
+    so a DoRA magnitude (or a full fine-tune's norm) differs; and mlx-lm validates at iteration 1
+    too. Both were silent."""
+    cfg = _cfg(optimizer="adamw", fine_tune_type="dora")
+    w = {"m": mx.ones((4,)), "w": mx.ones((4, 4))}
+    grads = {"m": mx.zeros((4,)), "w": mx.zeros((4, 4))}
+    ours, theirs = lora.make_optimizer(cfg), optim.AdamW(learning_rate=cfg.lr, weight_decay=0.01)
+    a, b = ours.apply_gradients(grads, w), theirs.apply_gradients(grads, w)
+    assert float(a["m"][0]) == 1.0 and float(b["m"][0]) == pytest.approx(1 - 1e-5 * 0.01)
+    assert float(a["w"][0, 0]) == pytest.approx(float(b["w"][0, 0]))
+    _, _, notes = mlx_lm_options({"iters": 2, "optimizer": "adamw", "fine_tune_type": "dora"},
+                                 "f.yaml")
+    assert notes == [
+        ("f.yaml: key 'steps_per_eval': toymlx validates every --eval-every steps and at the "
+         "end, not also before the first step as mlx-lm does (its iteration 1 val loss, the "
+         "untrained model's, is not computed)"),
+        ("f.yaml: key 'optimizer': adamw's weight decay falls on matrices only (mlx-lm's AdamW "
+         "also decays the dora run's DoRA magnitudes)")]
+    assert mlx_lm_options({"iters": 2, "optimizer": "adamw"}, "f.yaml")[2] == notes[:1]
