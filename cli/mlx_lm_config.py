@@ -177,6 +177,9 @@ def mlx_lm_options(data: dict[str, Any], source: str
               "a folder name", p)
         put("adapter_path", "runs_root", str(Path(p).parent))
         put("adapter_path", "run_id", Path(p).name)
+    if given["mask_prompt"] is True:
+        notes.append(f"{source}: key 'mask_prompt': a messages record trains every assistant "
+                     "turn (mlx-lm trains its last message only)")
     if data.get("report_to"):
         put("report_to", "report_to", _report_to(data["report_to"], source))
     if data.get("resume_adapter_file") is not None:

@@ -470,3 +470,30 @@ def test_what_toymlx_does_otherwise_than_mlx_lm_is_noted():
         ("f.yaml: key 'optimizer': adamw's weight decay falls on matrices only (mlx-lm's AdamW "
          "also decays the dora run's DoRA magnitudes)")]
     assert mlx_lm_options({"iters": 2, "optimizer": "adamw"}, "f.yaml")[2] == notes[:1]
+
+
+def test_mask_prompt_on_a_conversation_is_noted_where_mlx_lm_trains_less():
+    """mlx-lm's ChatDataset with mask_prompt trains from the offset of the last message only;
+    toymlx trains every assistant turn: a 2-turn record's first answer is trained here and not
+    there. The difference was silent; it is a note."""
+    from mlx_lm.tuner.datasets import ChatDataset
+
+    from toymlx.data.chat import Example, tokenize_example
+    from toymlx.data.tokenizer import Tokenizer, byte_metadata
+
+    meta = byte_metadata()
+    meta["tokenizer.chat_template"] = CHATML
+    tok = Tokenizer(meta, source="test")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "two"}]
+    ids, offset = ChatDataset([{"messages": msgs}], _AsHuggingFace(tok),
+                              mask_prompt=True).process({"messages": msgs})
+    ours, mask = tokenize_example(Example(messages=tuple(msgs), source="t"), tok, True)
+    assert list(ours) == ids
+    trained_by_mlx_lm = tok.decode(ids[offset:])
+    trained_here = tok.decode([t for t, m in zip(ours, mask) if m])
+    assert "one" not in trained_by_mlx_lm and "one" in trained_here and "two" in trained_by_mlx_lm
+    notes = mlx_lm_options({"iters": 2, "mask_prompt": True}, "f.yaml")[2]
+    assert notes[-1] == ("f.yaml: key 'mask_prompt': a messages record trains every assistant "
+                         "turn (mlx-lm trains its last message only)")
+    assert not any("mask_prompt" in n for n in mlx_lm_options({"iters": 2}, "f.yaml")[2])
