@@ -55,7 +55,7 @@ _TARGETS = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj"
             "mlp.down_proj": "down"}
 """mlx-lm's module paths (lora_parameters.keys) of a llama block -> toymlx's --lora.targets."""
 ALL_TARGETS = ",".join(_TARGETS.values())
-_RENAMED = {"iters": "steps", "learning_rate": "lr", "max_seq_length": "seq_len",
+_RENAMED = {"iters": "steps", "learning_rate": "lr",
             "grad_accumulation_steps": "grad_accum", "steps_per_eval": "eval_every",
             "steps_per_report": "report_every", "save_every": "checkpoint_every",
             "batch_size": "batch_size", "seed": "seed", "test": "test",
@@ -131,6 +131,16 @@ def mlx_lm_options(data: dict[str, Any], source: str
     for key, option in _RENAMED.items():
         if key in given:
             put(key, option, given[key])
+    _want(source, "max_seq_length", _int(given["max_seq_length"]) and given["max_seq_length"] >= 2,
+          "an integer >= 2 (tokens a row holds, its first input to its last target)",
+          given["max_seq_length"])
+    # mlx-lm cuts a row to max_seq_length tokens, max_seq_length - 1 targets: toymlx's
+    # --seq-len counts targets (a row holds seq_len + 1 tokens)
+    put("max_seq_length", "seq_len", given["max_seq_length"] - 1)
+    notes += _micro_steps(given, set(data), source, put)
+    notes.append(f"{source}: key 'steps_per_eval': toymlx validates every --eval-every steps and "
+                 "at the end, not also before the first step as mlx-lm does (its iteration 1 "
+                 "val loss, the untrained model's, is not computed)")
     _want(source, "num_layers", _int(given["num_layers"]) and given["num_layers"] >= -1,
           "an integer >= -1 (-1: every block)", given["num_layers"])
     if given["fine_tune_type"] == "full":
@@ -150,6 +160,11 @@ def mlx_lm_options(data: dict[str, Any], source: str
     if "lr_schedule" in data:
         _schedule(data["lr_schedule"], source, put)
     _optimizer_config(data.get("optimizer_config"), given["optimizer"], source, put)
+    if given["optimizer"] == "adamw" and given["fine_tune_type"] != "lora":
+        notes.append(f"{source}: key 'optimizer': adamw's weight decay falls on matrices only "
+                     f"(mlx-lm's AdamW also decays the {given['fine_tune_type']} run's "
+                     + ("DoRA magnitudes" if given["fine_tune_type"] == "dora"
+                        else "norms and biases") + ")")
     if "model" in data:
         put("model", "base", _model(data["model"], source))
     if "hf_dataset" in data:
@@ -162,14 +177,58 @@ def mlx_lm_options(data: dict[str, Any], source: str
               "a folder name", p)
         put("adapter_path", "runs_root", str(Path(p).parent))
         put("adapter_path", "run_id", Path(p).name)
+    if given["mask_prompt"] is True:
+        notes.append(f"{source}: key 'mask_prompt': a messages record trains every assistant "
+                     "turn (mlx-lm trains its last message only)")
     if data.get("report_to"):
-        put("report_to", "report_to", data["report_to"])
+        put("report_to", "report_to", _report_to(data["report_to"], source))
+    if data.get("resume_adapter_file") is not None:
+        _resume_adapter(data["resume_adapter_file"], source)
     for option, value in MLX_LM_FIXED.items():
         if option not in out:
             put("(none)", option, value, "mlx-lm's, fixed")
     if "lora.targets" not in out and given["fine_tune_type"] != "full":
         put("lora_parameters.keys", "lora.targets", ALL_TARGETS, "mlx-lm default")
     return out, rows, notes
+
+
+def _micro_steps(given: dict[str, Any], in_file: set[str], source: str, put
+                 ) -> list[str]:
+    """iters, steps_per_eval, steps_per_report and save_every count mlx-lm's micro-batches (one
+    `it` a batch, an update every grad_accumulation_steps of them); toymlx's --steps, --eval-every,
+    --report-every and --checkpoint-every count optimizer steps. Divided here, a note a key
+    whose count falls mid-accumulation or leaves micro-batches that update nothing."""
+    accum = given["grad_accumulation_steps"]
+    _want(source, "grad_accumulation_steps", _int(accum) and accum >= 1, "an integer >= 1", accum)
+    if accum == 1:
+        return []
+    iters = given["iters"]
+    _want(source, "iters", _int(iters) and iters >= accum, f"an integer >= grad_accumulation_steps "
+          f"{accum} (mlx-lm's iters counts micro-batches: fewer make no update)", iters)
+    origin = f"/ grad_accumulation_steps {accum}"
+    notes = [(f"{source}: key 'grad_accumulation_steps': the {accum} micro-batches' gradients "
+              "are averaged over their targets together (mlx-lm averages each micro-batch's "
+              "mean)")]
+    if iters % accum:
+        notes.append(f"{source}: key 'iters': {iters} micro-batches are {iters // accum} optimizer "
+                     f"steps of {accum}; mlx-lm's last {iters % accum} update nothing and are not "
+                     "drawn")
+    put("iters", "steps", iters // accum, _origin("iters" in in_file, origin))
+    for key, option in (("steps_per_eval", "eval_every"), ("steps_per_report", "report_every"),
+                        ("save_every", "checkpoint_every")):
+        n = given[key]
+        _want(source, key, _int(n) and n >= 1, "an integer >= 1", n)
+        every = max(n // accum, 1)
+        if n % accum:
+            notes.append(f"{source}: key {key!r}: every {n} micro-batches falls inside an "
+                         f"accumulation of {accum}; toymlx's --{option.replace('_', '-')} is "
+                         f"every {every} optimizer steps ({every * accum} micro-batches)")
+        put(key, option, every, _origin(key in in_file, origin))
+    return notes
+
+
+def _origin(in_file: bool, how: str) -> str:
+    return f"{'file' if in_file else 'mlx-lm default'} {how}"
 
 
 def mlx_lm_layers_flag(cfg: Any) -> str:
@@ -320,6 +379,33 @@ def _hf_dataset(value: Any, source: str) -> None:
     _want(source, "hf_dataset", isinstance(path, str) and path, "a mapping with path (a "
           "Hugging Face dataset name), or a list of them", value)
     raise _hub_dataset(source, "hf_dataset", path)
+
+
+def _report_to(value: Any, source: str) -> str:
+    """report_to: mlx-lm's comma list (wandb, swanlab); toymlx reports to wandb and tensorboard."""
+    from toymlx.bundle.reporters import REPORTERS
+
+    _want(source, "report_to", isinstance(value, str), "a comma list of services", value)
+    for name in (n.strip().lower() for n in value.split(",") if n.strip()):
+        if name not in REPORTERS:
+            raise ConfigFileError(f"{source}: key 'report_to': expected a comma list of "
+                                  f"{', '.join(REPORTERS)} (the services toymlx reports to), "
+                                  f"found {name!r}; remove it")
+    return value
+
+
+def _resume_adapter(value: Any, source: str) -> None:
+    """resume_adapter_file: an adapter GGUF (toymlx's or llama.cpp's), --lora.init-adapter;
+    mlx-lm's own safetensors adapters are refused (toymlx does not read them)."""
+    _want(source, "resume_adapter_file", isinstance(value, str) and value, "an adapter GGUF file",
+          value)
+    path = Path(value)
+    if path.suffix == ".safetensors" or (path / "adapters.safetensors").exists():
+        raise ConfigFileError(
+            f"{source}: key 'resume_adapter_file': expected an adapter GGUF (toymlx's or "
+            f"llama.cpp's) or a toymlx run folder, found mlx-lm's safetensors adapters "
+            f"{value!r}, which toymlx does not read; remove the key (the adapters start at "
+            "B = 0) or give a toymlx run's adapter")
 
 
 def _hub_dataset(source: str, key: str, name: str) -> ConfigFileError:

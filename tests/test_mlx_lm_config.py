@@ -87,7 +87,7 @@ def test_a_config_run_trains_as_mlx_lm_reads_it(tmp_path, base, data, capsys):
     assert rows[("mask_prompt", "--data.mask-prompt")] == ["false", "mlx-lm", "default"]
     assert rows[("(none)", "--grad-clip")] == ["0.0", "mlx-lm's,", "fixed"]
     saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
-    want = {"steps": 3, "lr": 1e-4, "batch_size": 2, "seq_len": 64, "eval_every": 3,
+    want = {"steps": 3, "lr": 1e-4, "batch_size": 2, "seq_len": 63, "eval_every": 3,
             "eval_batches": 1, "checkpoint_every": 3, "report_every": 10, "seed": 0,
             "optimizer": "adam", "lr_schedule": "constant", "beta1": 0.9, "beta2": 0.999,
             "warmup": 0, "grad_clip": 0.0, "weight_decay": 0.0, "grad_accum": 1,
@@ -355,3 +355,145 @@ def test_a_data_folder_trains_mlx_lm_s_own_token_ids(tmp_path, shape):
         # on targets: target j is token j + 1
         trained = [j + 1 for j in np.flatnonzero(ours["mask"][r])]
         assert trained == list(range(max(offset, 1), n)), r
+
+
+def test_grad_accumulation_counts_mlx_lm_s_micro_batches(tmp_path, base, data, capsys):
+    """mlx-lm's iters, steps_per_eval, steps_per_report and save_every count micro-batches (its
+    loop's `it`, an update at `it % grad_accumulation_steps == 0`); toymlx's count optimizer
+    steps. A file with grad_accumulation_steps 2 and iters 7 made 7 optimizer steps of 2
+    micro-batches (14 batches, twice mlx-lm's run, on a schedule read 7 steps far); it makes
+    mlx-lm's 3 updates, at mlx-lm's learning rates."""
+    accum, iters = 2, 7
+    sched = {"name": "cosine_decay", "warmup": 1, "arguments": [1e-3, 3, 1e-5]}
+    cfg = {"model": str(base), "data": str(data), "iters": iters, "batch_size": 2,
+           "grad_accumulation_steps": accum, "steps_per_eval": 4, "save_every": 4,
+           "steps_per_report": 3, "val_batches": 1, "max_seq_length": 33, "num_layers": 1,
+           "lr_schedule": sched}
+    path = tmp_path / "accum.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["-c", str(path), "--runs-root", str(tmp_path / "runs"), "--run-id", "r",
+                 "--no-progress", "--no-compile"]) == 0
+    out, err = capsys.readouterr()
+    updates = [it // accum for it in range(1, iters + 1) if it % accum == 0]  # mlx-lm's loop
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
+    assert (saved["steps"], saved["grad_accum"]) == (len(updates), accum) == (3, 2)
+    assert (saved["eval_every"], saved["checkpoint_every"], saved["report_every"]) == (2, 2, 1)
+    events = read_events(tmp_path / "runs" / "r")
+    assert [e["lr"] for e in events if e["kind"] == "step"] == pytest.approx(
+        [float(build_schedule(sched)(mx.array(u - 1))) for u in updates], rel=1e-6)
+    assert [e["step"] for e in events if e["kind"] == "eval"] == [2, 3]
+    rows = {tuple(x.split()[:2]): x.split()[2:] for x in out.splitlines()}
+    assert rows[("iters", "--steps")] == ["3", "file", "/", "grad_accumulation_steps", "2"]
+    assert [x for x in err.splitlines() if "micro-batch" in x] == [
+        (f"toymlx-train: {path}: key 'grad_accumulation_steps': the 2 micro-batches' gradients "
+         "are averaged over their targets together (mlx-lm averages each micro-batch's mean)"),
+        (f"toymlx-train: {path}: key 'iters': 7 micro-batches are 3 optimizer steps of 2; "
+         "mlx-lm's last 1 update nothing and are not drawn"),
+        (f"toymlx-train: {path}: key 'steps_per_report': every 3 micro-batches falls inside an "
+         "accumulation of 2; toymlx's --report-every is every 1 optimizer steps (2 "
+         "micro-batches)")]
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"iters": 3, "grad_accumulation_steps": 4}, "f.yaml")
+    assert str(e.value) == ("f.yaml: key 'iters': expected an integer >= grad_accumulation_steps "
+                            "4 (mlx-lm's iters counts micro-batches: fewer make no update), "
+                            "found 3")
+
+
+def test_max_seq_length_cuts_rows_where_mlx_lm_does(tmp_path):
+    """mlx-lm's iterate_batches cuts a row to max_seq_length tokens, so trains max_seq_length - 1
+    targets of it; toymlx's --seq-len counts targets. max_seq_length 40 was --seq-len 40 (41
+    tokens, one target more than mlx-lm trains on every cut row); it is --seq-len 39."""
+    import argparse
+
+    from mlx_lm.tuner.datasets import CacheDataset, load_local_dataset
+    from mlx_lm.tuner.trainer import iterate_batches
+
+    from toymlx.data.chat import SFTData
+    from toymlx.data.tokenizer import Tokenizer, byte_metadata
+
+    tok = Tokenizer(byte_metadata(), source="test")
+    texts = ["a short row", "x" * 100, "y" * 39, "z" * 38]
+    for split in ("train", "valid"):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                         for t in texts))
+    max_seq = 40
+    theirs, _, _ = load_local_dataset(tmp_path, _AsHuggingFace(tok),
+                                      argparse.Namespace(mask_prompt=False))
+    # batch 1, in length order: each row's (offset, length) after mlx-lm's cut
+    lengths = sorted(int(b[1][0, 1]) for b, _ in zip(
+        iterate_batches(CacheDataset(theirs), 1, max_seq), range(len(texts))))
+    seq_len = mlx_lm_options({"iters": 1, "max_seq_length": max_seq}, "f.yaml")[0]["seq_len"]
+    ours = SFTData.from_file(tmp_path, tok, seq_len, mask_prompt=False, pack=False).train
+    # a row's length - 1 targets (mlx-lm's one past an uncut row's end, its pad, left out as in
+    # the test above; a cut row has no column past its end)
+    assert sorted(int(m.sum()) for m in ours["mask"]) == [n - 1 for n in lengths]
+    assert lengths[-2:] == [max_seq, max_seq] and seq_len == max_seq - 1
+
+
+@pytest.mark.parametrize("extra,line", [
+    ({"resume_adapter_file": "adapters/adapters.safetensors"},
+     ("f.yaml: key 'resume_adapter_file': expected an adapter GGUF (toymlx's or llama.cpp's) or "
+      "a toymlx run folder, found mlx-lm's safetensors adapters 'adapters/adapters.safetensors', "
+      "which toymlx does not read; remove the key (the adapters start at B = 0) or give a "
+      "toymlx run's adapter")),
+    ({"report_to": "wandb,swanlab"},
+     ("f.yaml: key 'report_to': expected a comma list of tensorboard, wandb (the services "
+      "toymlx reports to), found 'swanlab'; remove it")),
+])
+def test_mlx_lm_s_own_adapters_and_services_are_refused_by_key(extra, line):
+    """mlx-lm's resume_adapter_file is its adapters.safetensors: it was passed on as
+    --lora.init-adapter and refused after the base and data loaded, naming --adapter (or, for a
+    folder, "found nothing"); swanlab was refused naming --report-to. Now each is refused as the
+    file is read, naming its key."""
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"iters": 10, **extra}, "f.yaml")
+    assert str(e.value) == line
+
+
+def test_what_toymlx_does_otherwise_than_mlx_lm_is_noted():
+    """MLX's AdamW (mlx-lm's adamw) decays every trainable array; toymlx's decays matrices only,
+    so a DoRA magnitude (or a full fine-tune's norm) differs; and mlx-lm validates at iteration 1
+    too. Both were silent."""
+    cfg = _cfg(optimizer="adamw", fine_tune_type="dora")
+    w = {"m": mx.ones((4,)), "w": mx.ones((4, 4))}
+    grads = {"m": mx.zeros((4,)), "w": mx.zeros((4, 4))}
+    ours, theirs = lora.make_optimizer(cfg), optim.AdamW(learning_rate=cfg.lr, weight_decay=0.01)
+    a, b = ours.apply_gradients(grads, w), theirs.apply_gradients(grads, w)
+    assert float(a["m"][0]) == 1.0 and float(b["m"][0]) == pytest.approx(1 - 1e-5 * 0.01)
+    assert float(a["w"][0, 0]) == pytest.approx(float(b["w"][0, 0]))
+    _, _, notes = mlx_lm_options({"iters": 2, "optimizer": "adamw", "fine_tune_type": "dora"},
+                                 "f.yaml")
+    assert notes == [
+        ("f.yaml: key 'steps_per_eval': toymlx validates every --eval-every steps and at the "
+         "end, not also before the first step as mlx-lm does (its iteration 1 val loss, the "
+         "untrained model's, is not computed)"),
+        ("f.yaml: key 'optimizer': adamw's weight decay falls on matrices only (mlx-lm's AdamW "
+         "also decays the dora run's DoRA magnitudes)")]
+    assert mlx_lm_options({"iters": 2, "optimizer": "adamw"}, "f.yaml")[2] == notes[:1]
+
+
+def test_mask_prompt_on_a_conversation_is_noted_where_mlx_lm_trains_less():
+    """mlx-lm's ChatDataset with mask_prompt trains from the offset of the last message only;
+    toymlx trains every assistant turn: a 2-turn record's first answer is trained here and not
+    there. The difference was silent; it is a note."""
+    from mlx_lm.tuner.datasets import ChatDataset
+
+    from toymlx.data.chat import Example, tokenize_example
+    from toymlx.data.tokenizer import Tokenizer, byte_metadata
+
+    meta = byte_metadata()
+    meta["tokenizer.chat_template"] = CHATML
+    tok = Tokenizer(meta, source="test")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "two"}]
+    ids, offset = ChatDataset([{"messages": msgs}], _AsHuggingFace(tok),
+                              mask_prompt=True).process({"messages": msgs})
+    ours, mask = tokenize_example(Example(messages=tuple(msgs), source="t"), tok, True)
+    assert list(ours) == ids
+    trained_by_mlx_lm = tok.decode(ids[offset:])
+    trained_here = tok.decode([t for t, m in zip(ours, mask) if m])
+    assert "one" not in trained_by_mlx_lm and "one" in trained_here and "two" in trained_by_mlx_lm
+    notes = mlx_lm_options({"iters": 2, "mask_prompt": True}, "f.yaml")[2]
+    assert notes[-1] == ("f.yaml: key 'mask_prompt': a messages record trains every assistant "
+                         "turn (mlx-lm trains its last message only)")
+    assert not any("mask_prompt" in n for n in mlx_lm_options({"iters": 2}, "f.yaml")[2])
