@@ -55,8 +55,11 @@ class Args:
     """ViT only: print the report as JSON (per-class accuracy and the matrix) instead of text."""
 
 
+PROG = "toymlx-eval"
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_command("toymlx-eval", Args, show, argv)
+    return run_command(PROG, Args, show, argv)
 
 
 def show(args: Args) -> int:
@@ -237,7 +240,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
                                      ops=scoring_ops(on_gpu()))
     if args.seq_len is not None:
         check_context(args.seq_len, model, args.model)
-    print(f"toymlx-eval: {used_files(args.model)}", file=sys.stderr)
+    print(f"{PROG}: {used_files(args.model)}", file=sys.stderr)
     split = args.split or "val"  # Args built in code skip `evaluate`'s `default_split`
     loss, n, source = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len,
                                 args.batch_size)
@@ -301,7 +304,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     bs = max(1, min(batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
                 metrics_fn=lm_held_out_sums, test_batches=sft_val_batches(rows, bs, -(-n // bs)))
-    return command_evaluator(task)(split="test")["test_loss"], n, source
+    return command_evaluator(task, PROG)(split="test")["test_loss"], n, source
 
 
 def evaluate(args: Args) -> dict:
@@ -361,7 +364,7 @@ def evaluate(args: Args) -> dict:
         vb = (td.test_batches(bs, seq_len) if args.split == "test" else
               td.val_batches(bs, seq_len, 10**9))
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
-        m = command_evaluator(task)()
+        m = command_evaluator(task, PROG)()
         mx.eval()
         # how much was scored: the whole split, where a run's own val_loss reads --eval-batches
         scored = {"tokens_scored": int(sum(b["mask"].sum() for b in vb)), "seq_len": seq_len}

@@ -5,6 +5,7 @@ cut to their longest row; toymlx-generate rendering the prompt through the chat 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -154,6 +155,35 @@ def test_validation_cut_to_the_longest_row_scores_as_padded_to_seq_len(tiny_gguf
     got = Evaluator(_task(model, [], test_batches=cut, metrics_fn=lm_held_out_sums))(
         split="test")
     assert abs(got["test_loss"] - want) <= 1e-6
+
+
+def test_a_commands_pass_draws_its_bar_on_a_terminal_only(tiny_gguf, monkeypatch):  # noqa: F811
+    """`toymlx-eval` on a whole data folder ran minutes with no word; its pass now draws a bar
+    of its micro-batches (3 here) on a terminal's stderr, and none into a log or a pipe, nor
+    for a run's own pass (no name), with the same loss."""
+    import io
+
+    from toymlx.data.chat import sft_val_batches
+    from toymlx.models.losses import lm_held_out_sums
+    from toymlx.training.evaluate import Evaluator
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    model = _lora_model(tiny_gguf)
+    cut = sft_val_batches(_held_out_rows(128), 4, 10)
+    losses = {}
+    for name, stream in (("eval", Terminal()), ("eval", io.StringIO()), (None, Terminal())):
+        monkeypatch.setattr(sys, "stderr", stream)
+        ev = Evaluator(_task(model, cut, metrics_fn=lm_held_out_sums), False, 1, progress=name)
+        losses[name, stream.isatty()] = ev()["val_loss"]
+        drawn = stream.getvalue()
+        if name is not None and stream.isatty():
+            assert "eval: 100%" in drawn and "3/3" in drawn, drawn
+        else:
+            assert drawn == "", drawn
+    assert len(set(losses.values())) == 1, losses
 
 
 def test_validation_is_traced_once_per_batch_shape_and_reads_the_current_weights(

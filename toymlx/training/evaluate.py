@@ -4,8 +4,13 @@ compiled once per run and spread over the training step's CPU streams (`Evaluato
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
+from tqdm import tqdm
 
 from toymlx.backend import device
 from toymlx.training import cpu_streams
@@ -24,11 +29,13 @@ class Evaluator:
     CPU, as the training step has it) each micro-batch's rows are split over that many MLX
     CPU streams, one compiled function each, evaluated together under `blas_threads` BLAS
     threads per call (`toymlx.cpu_streams`). Metrics are sums over rows, so a split changes
-    nothing but the order of the additions."""
+    nothing but the order of the additions. With `progress` (a name, toymlx-eval's), a pass
+    draws a progress bar of its micro-batches on stderr where that is a terminal (a pass of a
+    whole data folder takes minutes on a CPU); a run's own passes sit under its step bar."""
 
     def __init__(self, task: Task, compile: bool = True, n_streams: int = 1,
-                 blas_threads: int | None = None):
-        self.task, self.blas_threads = task, blas_threads
+                 blas_threads: int | None = None, progress: str | None = None):
+        self.task, self.blas_threads, self.progress = task, blas_threads, progress
         fn, model = task.metrics_fn or _loss_metrics(task.loss_fn), task.model
         on_cpu = mx.default_device() == mx.cpu
         self.subnormals = cpu_streams.subnormals_of(model)
@@ -64,27 +71,39 @@ class Evaluator:
         was_training = model.training
         model.eval()
         batches = self.task.test_batches if split == "test" else self.task.val_batches
+        batches = batches[:max_batches]
         try:
-            for b in batches[:max_batches]:
-                for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
-                    parts = self._sums(micro_batch(b, i))
-                    with device.evaluating(self.blas_threads, self.subnormals):
-                        mx.eval(parts)
-                    for sums in parts:
-                        for k, v in sums.items():
-                            totals[k] = totals.get(k, 0.0) + float(v.item())
+            with self._bar(sum(next(iter(b.values())).shape[0] for b in batches)) as bar:
+                for b in batches:
+                    for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
+                        parts = self._sums(micro_batch(b, i))
+                        with device.evaluating(self.blas_threads, self.subnormals):
+                            mx.eval(parts)
+                        for sums in parts:
+                            for k, v in sums.items():
+                                totals[k] = totals.get(k, 0.0) + float(v.item())
+                        if bar is not None:
+                            bar.update()
         finally:
             model.train(was_training)
         n = totals.pop("n", 0.0) or 1.0
         return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
                 for k, v in totals.items()}
 
+    def _bar(self, total: int) -> Any:
+        """The pass's progress bar (None: none drawn), on stderr where that is a terminal and
+        the pass has more than one micro-batch."""
+        if self.progress is None or total < 2 or not sys.stderr.isatty():
+            return contextlib.nullcontext(None)
+        return tqdm(total=total, desc=self.progress, unit="batch", dynamic_ncols=True,
+                    leave=False, file=sys.stderr)
 
-def command_evaluator(task: Task) -> Evaluator:
+
+def command_evaluator(task: Task, progress: str | None = None) -> Evaluator:
     """The `Evaluator` of a command outside a run (toymlx-eval): compiled, over the CPU streams
-    and BLAS threads a run on this machine would step with."""
+    and BLAS threads a run on this machine would step with; `progress` names its bar."""
     n = cpu_streams.stream_count(0)
-    return Evaluator(task, True, n, cpu_streams.step_blas_threads(n))
+    return Evaluator(task, True, n, cpu_streams.step_blas_threads(n), progress)
 
 
 def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
