@@ -44,6 +44,9 @@ _BAD_CHOICE = ("toymlx: TOYMLX_BLAS: expected 'openblas', 'reference' or the pat
                "matmuls use its reference BLAS (about 30x slower)")
 _NOT_BOUND = ("toymlx: MLX's CPU matmuls could not be pointed at {path} ({why}), so they use "
               "MLX's reference BLAS in this process (a training step 10-40x slower)")
+_CACHE_NOT_USED = ("toymlx: TOYMLX_KERNEL_CACHE={chosen}: MLX builds its CPU kernels in "
+                   "{mlx_dir}, which is not a link toymlx made, so they are only copied to "
+                   "{kept} at each start; remove {mlx_dir} to have them built there")
 _GENERIC = ("toymlx: {why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
             "set OPENBLAS_CORETYPE={best} before starting, or " + blas.FIX)
 
@@ -270,6 +273,11 @@ def _kernel_cache_root() -> Path:
     chosen = os.environ.get("TOYMLX_KERNEL_CACHE")
     if chosen and chosen != "off":
         return Path(chosen)
+    return _default_kernel_cache_root()
+
+
+def _default_kernel_cache_root() -> Path:
+    """`$XDG_CACHE_HOME/toymlx/mlx-kernels` (default `~/.cache/...`)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "toymlx" / "mlx-kernels"
 
@@ -307,7 +315,9 @@ def persist_kernels() -> str | None:
     exists (a real folder), MLX keeps using it and the kernels it holds are copied into the
     kept folder for after the next reboot. The kernels are named after their code, so a stale one is never
     used for another. Not on macOS (Metal kernels are MLX's own); `TOYMLX_KERNEL_CACHE=off`
-    leaves MLX's folder alone, `TOYMLX_KERNEL_CACHE=<folder>` keeps the kernels there."""
+    leaves MLX's folder alone, `TOYMLX_KERNEL_CACHE=<folder>` keeps the kernels there (a link
+    toymlx made to another cache folder is made again to it; where MLX's folder is not such a
+    link, a one-line warning says the kernels are only copied there)."""
     if sys.platform != "linux" or os.environ.get("TOYMLX_KERNEL_CACHE") == "off":
         return None
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
@@ -318,6 +328,9 @@ def persist_kernels() -> str | None:
     if not relink and (mlx_dir.is_symlink() or mlx_dir.exists()):
         if mlx_dir.is_dir() and not mlx_dir.is_symlink():
             _keep_new_kernels(mlx_dir, kept)
+        if os.environ.get("TOYMLX_KERNEL_CACHE") and mlx_dir.resolve() != kept.resolve():
+            warnings.warn(_CACHE_NOT_USED.format(chosen=os.environ["TOYMLX_KERNEL_CACHE"],
+                                                 mlx_dir=mlx_dir, kept=kept), stacklevel=2)
         return str(mlx_dir.resolve()) if mlx_dir.exists() else None
     try:
         kept.mkdir(parents=True, exist_ok=True)
@@ -332,14 +345,22 @@ def persist_kernels() -> str | None:
 
 
 def _links_elsewhere_in_the_cache(link: Path, kept: Path) -> bool:
-    """Whether `link` is a link toymlx made into its kernel cache, to another folder than
-    `kept` (a folder of an older layout, or of another CPU's vector set)."""
+    """Whether `link` is a link toymlx made into a kernel cache, to another folder than `kept`:
+    a folder of an older layout, of another CPU's vector set, or of another cache root (the
+    default one while `TOYMLX_KERNEL_CACHE` names a folder, or a folder it named before),
+    which is recognised by its layout, `<root>/<mlx version>/<vector set>/cpu`."""
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
     try:
         target = Path(os.readlink(link))
     except OSError:
         return False
-    root = _kernel_cache_root()
-    return target != kept and (target == root or root in target.parents)
+    if target == kept:
+        return False
+    roots = (_kernel_cache_root(), _default_kernel_cache_root())
+    if any(target == root or root in target.parents for root in roots):
+        return True
+    return target.name == "cpu" and target.parent.parent.name == mx.__version__
 
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
