@@ -88,16 +88,25 @@ class _ProcessState:
     """glibc's trim threshold once `bound_kept_buffers` set it to a step's memory."""
     mlx_cache_limit: int | None = None
     """MLX's buffer-cache limit once `bound_kept_buffers` set it."""
+    blas_warned: bool = False
+    """Whether the process this one replaced (`RESTARTED`) printed the BLAS warning already."""
     set_up: bool = False
 
 
 _PROCESS = _ProcessState()
 
 
+RESTARTED = "TOYMLX_RESTARTED"
+"""Set (to 1) for the process `restart_with_huge_pages` starts in its place, whose import of
+toymlx then takes it out of the environment again (its own children do not inherit it): the
+process it replaced already printed the import's BLAS warning, so it is not printed twice."""
+
+
 def bind_blas() -> dict:
     """Point MLX's CPU BLAS calls at an optimised BLAS (Linux; once); return what is used."""
     p = _PROCESS
     if p.blas == "unknown":
+        p.blas_warned = os.environ.pop(RESTARTED, None) is not None
         if sys.platform == "darwin":
             p.blas = "accelerate"
         elif sys.platform != "linux" or os.environ.get("TOYMLX_BLAS") == "reference":
@@ -146,18 +155,23 @@ def _bind_openblas(p: _ProcessState) -> None:
                                        blas.mlx_targets(lib, gemv_forward.sgemm_address()))
         except OSError as e:
             p.blas_bound = f"failed: {e}"
-            warnings.warn(_NOT_BOUND.format(path=path, why=e), stacklevel=4)
+            _warn_blas(p, _NOT_BOUND.format(path=path, why=e))
             return
         p.blas, p.library = "mkl" if lib.kind == "mkl" else "openblas", lib
         p.blas_bound = f"{len(names)} BLAS/LAPACK functions of libmlx.so"
         os.register_at_fork(after_in_parent=_restart_blas_workers)
         why = blas.generic_core(lib)
         if why is not None:
-            warnings.warn(_GENERIC.format(why=why, gflops=blas.sgemm_gflops(lib),
-                                          best=blas.core_for_cpu(*blas.cpu_flags())[0]),
-                          stacklevel=4)
+            _warn_blas(p, _GENERIC.format(why=why, gflops=blas.sgemm_gflops(lib),
+                                          best=blas.core_for_cpu(*blas.cpu_flags())[0]))
         return
-    warnings.warn(chosen or _NO_BLAS, stacklevel=4)
+    _warn_blas(p, chosen or _NO_BLAS)
+
+
+def _warn_blas(p: _ProcessState, message: str) -> None:
+    """The import's BLAS warning, unless the process this one replaced printed it."""
+    if not p.blas_warned:
+        warnings.warn(message, stacklevel=5)  # the line that imported toymlx
 
 
 def check_bfs_width(text: str | None) -> None:
@@ -431,10 +445,12 @@ def restart_with_huge_pages() -> None:
         return
     before = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"] = tunables
+    os.environ[RESTARTED] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.suppress(OSError, ValueError):  # cannot restart: run on as it is
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    del os.environ[RESTARTED]
     if before is None:
         del os.environ["GLIBC_TUNABLES"]
     else:
