@@ -129,6 +129,9 @@ def _main(argv: list[str] | None) -> int:
     try:
         config_path, argv = split_config(argv)
         recipe, resume, rest = _split_recipe(argv)
+        if resume == "":  # not a new run, as an empty --resume would otherwise start
+            raise ValueError("--resume: expected a non-empty run folder (runs/<id>), got an "
+                             "empty string")
         options: dict = {}
         if config_path is not None:
             if resume:

@@ -35,6 +35,8 @@ def parse_options(cls: type, argv: list[str], prog: str, default: Any = None,
     prints tyro's help and exits 0, as tyro does."""
     import tyro
 
+    from toymlx.bundle.options import check_no_empty_text
+
     try:
         from tyro._errors import on_parse_error
     except ImportError:  # a tyro without the hook: its own box
@@ -50,7 +52,12 @@ def parse_options(cls: type, argv: list[str], prog: str, default: Any = None,
 
     hooked = on_parse_error(refuse) if on_parse_error else contextlib.nullcontext()
     with hooked:
-        return tyro.cli(cls, args=argv, prog=prog, default=default, description=description)
+        options = tyro.cli(cls, args=argv, prog=prog, default=default, description=description)
+    try:
+        check_no_empty_text(options)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return options
 
 
 def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:

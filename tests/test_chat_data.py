@@ -89,10 +89,11 @@ def test_jsonl_parses_each_shape_with_line_numbers(tmp_path):
                                  {"role": "user", "content": "hi"},
                                  {"role": "assistant", "content": "yo", "name": "x"}]}),
     ]
-    path = write(tmp_path, "train.jsonl", "\n".join(lines) + "\n")
-    ex = load_examples(path)
+    paths = [write(tmp_path, f"{i}.jsonl", "\n" * i + line + "\n")  # one shape a file
+             for i, line in enumerate(lines) if line]
+    ex = [e for path in paths for e in load_examples(path)]
     assert [e.kind for e in ex] == ["text", "completion", "messages"]
-    assert [e.source for e in ex] == [f"{path}:1", f"{path}:3", f"{path}:4"]
+    assert [e.source for e in ex] == [f"{paths[0]}:1", f"{paths[1]}:3", f"{paths[2]}:4"]
     assert ex[0].text == "hello"
     assert (ex[1].prompt, ex[1].completion) == ("2+2?", "4")
     assert ex[2].messages == ({"role": "system", "content": ""}, {"role": "user", "content": "hi"},
@@ -107,10 +108,11 @@ def test_plain_text_splits_documents_at_blank_lines(tmp_path):
 
 
 def test_json_array_file_with_line_numbers(tmp_path):
-    content = '[\n  {"text": "a"},\n  {"prompt": "p",\n   "completion": "c"}\n]\n'
+    content = '[\n  {"prompt": "q",\n   "completion": "a"},\n  {"prompt": "p",\n   "completion": "c"}\n]\n'
     path = write(tmp_path, "data.json", content)
     ex = load_examples(path)
-    assert [(e.kind, e.source) for e in ex] == [("text", f"{path}:2"), ("completion", f"{path}:3")]
+    assert [(e.kind, e.source) for e in ex] == [("completion", f"{path}:2"),
+                                                ("completion", f"{path}:4")]
     bad = write(tmp_path, "bad.json", '[\n  {"text": "a"},\n  {"text": 5}\n]\n')
     with pytest.raises(DataError, match=re.escape(f"{bad}:3: expected \"text\" to be a string")):
         load_examples(bad)
@@ -119,6 +121,28 @@ def test_json_array_file_with_line_numbers(tmp_path):
         load_examples(trailing)
     # A .json file that is not an array is read as JSON lines.
     assert load_examples(write(tmp_path, "lines.json", '{"text": "a"}\n{"text": "b"}'))[1].text == "b"
+
+
+@pytest.mark.parametrize("name,rows,bad,found", [
+    ("mixed.jsonl", [{"prompt": "p", "completion": "c"}, {"prompt": "q", "completion": "d"},
+                     {"text": "t"}], 3, '{"text": ...}'),
+    ("mixed.jsonl", [{"text": "t"}, {"messages": [{"role": "user", "content": "hi"}]}], 2,
+     '{"messages": [...]}'),
+])
+def test_a_file_mixing_shapes_is_refused_at_the_first_other_row(tmp_path, name, rows, bad, found):
+    """mlx-lm picks a file's dataset class by its first row's keys; a row of another shape
+    later in the file was taken silently here (and trained another way than in mlx-lm)."""
+    path = write(tmp_path, name, "".join(json.dumps(r) + "\n" for r in rows))
+    first = {"text": '{"text": ...}', "prompt": '{"prompt": ..., "completion": ...}'}[
+        next(iter(rows[0]))]
+    with pytest.raises(DataError) as e:
+        load_examples(path)
+    assert str(e.value) == (f"{path}:{bad}: expected {first}, the shape the first row "
+                            f"({path}:1) set for this file, found {found}; put each shape in a "
+                            "file of its own")
+    as_array = write(tmp_path, "mixed.json", json.dumps(rows, indent=0))
+    with pytest.raises(DataError, match=re.escape(f"found {found}")):
+        load_examples(as_array)
 
 
 MALFORMED = [

@@ -199,3 +199,34 @@ def test_a_junk_mlx_bfs_width_is_one_line_not_a_hang(module, tmp_path, stories_p
          "found 'junk' (MLX reads it as 0, and with 0 never finishes an evaluation: the "
          "command would hang); unset it, or set it to 1000000 as toymlx does")]
     assert not (tmp_path / "w").exists()
+
+
+_RESTART_PROBE = """
+import json, os
+import toymlx
+from toymlx.backend.device import restart_with_huge_pages
+restart_with_huge_pages()
+print(json.dumps({"tunables": os.environ.get("GLIBC_TUNABLES"),
+                  "marker": os.environ.get("TOYMLX_RESTARTED")}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables: Linux")
+def test_the_blas_warning_is_printed_once_across_the_huge_page_restart():
+    """The import's BLAS warning was printed by a command and again by the process that
+    replaced it for a huge-page heap; the restarted one now leaves it out (and takes its marker
+    out of the environment, so its own children warn for themselves)."""
+    import os
+
+    from toymlx.backend.device import HUGE_PAGES_TUNABLE, restart_tunables
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TOYMLX_MALLOC", "GLIBC_TUNABLES")}
+    env["TOYMLX_BLAS"] = "/no/such/libblas.so"
+    p = subprocess.run([sys.executable, "-c", _RESTART_PROBE], env=env, capture_output=True,
+                       text=True, timeout=120, check=True)
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.stderr.count("TOYMLX_BLAS: expected 'openblas'") == 1, p.stderr
+    assert r["marker"] is None
+    if restart_tunables() is None:
+        pytest.skip("no huge-page restart here (THP mode or glibc): one process, one warning")
+    assert r["tunables"] == HUGE_PAGES_TUNABLE  # it did restart

@@ -172,3 +172,27 @@ def test_check_toy_v1_names_a_gap_or_a_repeat_in_the_steps(completed):
     assert check_toy_v1(repeat) == [(
         f"event {at + 2} (step): key 'step': expected 3 (each step of phase 'train' once, "
         "in order), found 2: a step repeated or out of order")]
+
+
+def test_an_events_file_that_is_a_fifo_is_named_not_read(tmp_path, capsys, data):
+    """A run folder whose events.jsonl is a FIFO read as an "empty" run (toymlx-report) or "an
+    empty file" (--resume); now one line names the file and what it is, and nothing waits for
+    a writer."""
+    import os
+
+    from toymlx_cli.report import main as report_main
+
+    assert main(_args(tmp_path, "run", data, "--steps", "1", "--eval-every", "0")) == 0
+    run = tmp_path / "run"
+    (run / "events.jsonl").unlink()
+    os.mkfifo(run / "events.jsonl")
+    capsys.readouterr()
+    want = (f"{run / 'events.jsonl'}: expected a regular file (the run's event log), found a "
+            "FIFO (named pipe); put the run's events.jsonl back in its place")
+    with pytest.raises(ValueError) as e:
+        read_events(run)
+    assert str(e.value) == want
+    assert report_main([str(run), "--out", str(tmp_path / "r.png")]) == 2
+    assert capsys.readouterr().err == f"toymlx-report: error: {want}\n"
+    assert main(["--resume", str(run), "--steps", "3"]) == 2
+    assert capsys.readouterr().err == f"toymlx-train: error: {want}\n"

@@ -162,6 +162,26 @@ def test_an_image_pillow_refuses_at_open_is_one_line(tmp_path, monkeypatch):
                             f"{'7' * 11}'); remove or replace the file")
 
 
+def test_a_large_image_is_one_line_naming_the_file_once(tmp_path):
+    """An image between Pillow's pixel limit and twice it decodes, with Pillow's warning: two
+    lines naming Pillow's own source, not the file. Now one line names the file and its size,
+    once however often the file is read, and the image is decoded as before."""
+    import subprocess
+    import sys
+
+    big = tmp_path / "big.png"
+    Image.fromarray(np.full((30, 40), 9, np.uint8)).save(big)  # 1200 pixels: over, under 2x
+    code = ("import sys; from PIL import Image; Image.MAX_IMAGE_PIXELS = 1000\n"
+            "from toymlx.data.image_folder import decode_image\n"
+            "a = decode_image(sys.argv[1], 8, 1); decode_image(sys.argv[1], 8, 1)\n"
+            "print(a.shape, int(a.min()), int(a.max()))\n")
+    p = subprocess.run([sys.executable, "-c", code, str(big)], capture_output=True, text=True,
+                       timeout=120, check=True)
+    assert p.stdout == "(8, 8, 1) 9 9\n"
+    assert p.stderr == (f"toymlx: {big}: a large image, 40 x 30 = 1,200 pixels, over Pillow's "
+                        "limit of 1,000 for untrusted files; decoded as it is\n")
+
+
 def test_a_class_folder_utf8_cannot_name_is_refused_first(tmp_path):
     """A class folder named in latin-1 (byte 0xe9): its name, the class's, went into the
     run_start event and failed there ("'utf-8' codec can't encode character '\\udce9'"),

@@ -133,3 +133,38 @@ def test_a_link_of_the_older_layout_is_pointed_at_this_cpus_folder(tmp_path, mon
     link.unlink()
     link.mkdir()  # MLX's own folder: used as it is
     assert device.persist_kernels() == str(link.resolve())
+
+
+def test_a_chosen_kernel_cache_replaces_toymlx_link_to_another(tmp_path, monkeypatch):
+    """TOYMLX_KERNEL_CACHE=<folder> is used where MLX's kernel folder is already toymlx's link to
+    the default cache (and back again once unset); where MLX's folder is its own, one line says
+    the kernels are only copied to the chosen folder."""
+    import mlx.core as mx
+
+    from toymlx.backend import device
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("TOYMLX_KERNEL_CACHE", raising=False)
+    link = tmp_path / "tmp" / "mlx" / mx.__version__ / "cpu"
+    default = device.kernel_cache_dir() / "cpu"
+    assert device.persist_kernels() == str(default)
+    assert link.resolve() == default.resolve()
+    monkeypatch.setenv("TOYMLX_KERNEL_CACHE", str(tmp_path / "mine"))
+    chosen = device.kernel_cache_dir() / "cpu"
+    assert (tmp_path / "mine") in chosen.parents
+    assert device.persist_kernels() == str(chosen)
+    assert link.resolve() == chosen.resolve()
+    monkeypatch.delenv("TOYMLX_KERNEL_CACHE")
+    assert device.persist_kernels() == str(default)
+    assert link.resolve() == default.resolve()
+    link.unlink()
+    link.mkdir()  # MLX's own folder: used as it is, and said so
+    (link / "libk.so").write_bytes(b"k")
+    monkeypatch.setenv("TOYMLX_KERNEL_CACHE", str(tmp_path / "mine"))
+    with pytest.warns(UserWarning) as caught:
+        assert device.persist_kernels() == str(link.resolve())
+    [message] = [str(w.message) for w in caught]
+    assert "\n" not in message and f"TOYMLX_KERNEL_CACHE={tmp_path / 'mine'}" in message
+    assert f"remove {link}" in message
+    assert (chosen / "libk.so").read_bytes() == b"k"

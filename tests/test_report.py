@@ -152,3 +152,31 @@ def test_an_out_it_cannot_draw_is_refused_before_the_table(tmp_path, capsys):
     assert out == ""
     assert err == ("toymlx-report: error: --out: expected a .png or .html file name, found "
                    "'rep.pdf'\n")
+
+
+def test_the_table_lines_up_numbers_and_keeps_the_csv_exact(tmp_path):
+    """The printed table left-aligned numbers at 4 significant digits each (5.145 over 4.9,
+    1132 over 931.4, wall_s 0.55 over 0.9); now a measured column shows one number of decimals
+    and numbers sit right in their columns; summary.csv keeps every digit."""
+    rows = [{"run": "a", "path": str(tmp_path / "a"), "params": {"lr": 0.003}, "status": "completed",
+             "step": 4, "final_loss": 5.1454315, "metric": "val_loss", "best": 4.9, "best_step": 4,
+             "final": 4.9, "throughput": 1131.98, "unit": "tokens/s", "wall_s": 0.55},
+            {"run": "bb", "path": str(tmp_path / "bb"), "params": {"lr": 0.001}, "status": "torn",
+             "step": 12, "final_loss": 5.3383, "metric": "val_loss", "best": None,
+             "best_step": None, "final": None, "throughput": 931.395, "unit": "tokens/s",
+             "wall_s": 0.9}]
+    assert report.format_table(rows, ["lr"]).splitlines() == [
+        ("run     lr  status     step  final_loss  metric     best  best_step  final  throughput"
+        "  unit      wall_s"),
+        ("---  -----  ---------  ----  ----------  --------  -----  ---------  -----  ----------"
+        "  --------  ------"),
+        ("a    0.003  completed     4       5.145  val_loss  4.900          4  4.900       1,132"
+        "  tokens/s    0.55"),
+        ("bb   0.001  torn         12       5.338  val_loss      -          -      -         931"
+        "  tokens/s    0.90")]
+    report.write_summary(rows, ["lr"], tmp_path)
+    lines = (tmp_path / "summary.csv").read_text().splitlines()
+    assert lines[0] == ("run,lr,status,step,final_loss,metric,best,best_step,final,throughput,"
+                        "unit,wall_s,message,path")
+    assert lines[1].startswith("a,0.003,completed,4,5.1454315,val_loss,4.9,4,4.9,1131.98,"
+                               "tokens/s,0.55,,")

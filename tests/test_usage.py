@@ -107,3 +107,60 @@ def test_a_sweep_names_the_run_whose_options_are_refused(capsys, tmp_path):
     assert line.startswith("toymlx-sweep: error: run ")
     assert line.endswith(f": --stpes: expected an option of {LORA}, got an unknown one; did "
                          "you mean --steps?; no run was started")
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--recipe", "from-scratch", "--run-id", ""],
+     ("--run-id: expected a non-empty folder name, got an empty string; omit --run-id for its "
+      "default (<timestamp>-<recipe>)")),
+    (["--recipe", "from-scratch", "--runs-root="],
+     ("--runs-root: expected a non-empty path, got an empty string; omit --runs-root for its "
+     "default (runs)")),
+    (["--recipe", "from-scratch", "--data.path", ""],
+     ("--data.path: expected a non-empty path, got an empty string; omit --data.path for its "
+     "default")),
+    (["--recipe", "lora", "--lora.targets", ""],
+     ("--lora.targets: expected a non-empty list of layer names, got an empty string; omit "
+      "--lora.targets for its default (q)")),
+    (["--resume", ""], "--resume: expected a non-empty run folder (runs/<id>), got an empty string"),
+    (["--recipe", "from-scratch", "--resume="],
+     "--resume: expected a non-empty run folder (runs/<id>), got an empty string"),
+])
+def test_an_empty_text_option_is_refused_not_a_default(capsys, tmp_path, monkeypatch, args, want):
+    """An empty --run-id started a run under the default id, an empty --data.path read the
+    current folder, an empty --resume started a new run: each is refused in one line."""
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    assert only_line(capsys) == f"toymlx-train: error: {want}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_text_option_from_a_config_file_is_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text("run_id: ''\n")
+    assert main(["--recipe", "from-scratch", "-c", "c.yaml"]) == 2
+    assert only_line(capsys).startswith("toymlx-train: error: --run-id: expected a non-empty "
+                                        "folder name, got an empty string")
+    assert [p.name for p in tmp_path.iterdir()] == ["c.yaml"]
+
+
+@pytest.mark.parametrize("module,args,want", [
+    ("export", ["--model", "m", "--out", ""], ("--out: expected a non-empty path, got an empty "
+                                              "string")),
+    ("eval", ["--model", ""], "--model: expected a non-empty path, got an empty string"),
+    ("eval", ["--model", "m", "--plot="], ("--plot: expected a non-empty path, got an empty "
+                                           "string; omit --plot for its default")),
+])
+def test_the_forward_only_commands_refuse_an_empty_path(capsys, module, args, want):
+    import importlib
+
+    assert importlib.import_module(f"toymlx_cli.{module}").main(args) == 2
+    assert only_line(capsys) == f"toymlx-{module}: error: {want}"
+
+
+def test_an_empty_prompt_is_still_taken():
+    """An option whose own default is the empty string (toymlx-generate's --prompt) keeps it."""
+    from toymlx_cli.generate import Args
+    from toymlx_cli.usage import parse_options
+
+    assert parse_options(Args, ["--model", "m", "--prompt", ""], "toymlx-generate").prompt == ""

@@ -44,6 +44,9 @@ _BAD_CHOICE = ("toymlx: TOYMLX_BLAS: expected 'openblas', 'reference' or the pat
                "matmuls use its reference BLAS (about 30x slower)")
 _NOT_BOUND = ("toymlx: MLX's CPU matmuls could not be pointed at {path} ({why}), so they use "
               "MLX's reference BLAS in this process (a training step 10-40x slower)")
+_CACHE_NOT_USED = ("toymlx: TOYMLX_KERNEL_CACHE={chosen}: MLX builds its CPU kernels in "
+                   "{mlx_dir}, which is not a link toymlx made, so they are only copied to "
+                   "{kept} at each start; remove {mlx_dir} to have them built there")
 _GENERIC = ("toymlx: {why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
             "set OPENBLAS_CORETYPE={best} before starting, or " + blas.FIX)
 
@@ -85,16 +88,25 @@ class _ProcessState:
     """glibc's trim threshold once `bound_kept_buffers` set it to a step's memory."""
     mlx_cache_limit: int | None = None
     """MLX's buffer-cache limit once `bound_kept_buffers` set it."""
+    blas_warned: bool = False
+    """Whether the process this one replaced (`RESTARTED`) printed the BLAS warning already."""
     set_up: bool = False
 
 
 _PROCESS = _ProcessState()
 
 
+RESTARTED = "TOYMLX_RESTARTED"
+"""Set (to 1) for the process `restart_with_huge_pages` starts in its place, whose import of
+toymlx then takes it out of the environment again (its own children do not inherit it): the
+process it replaced already printed the import's BLAS warning, so it is not printed twice."""
+
+
 def bind_blas() -> dict:
     """Point MLX's CPU BLAS calls at an optimised BLAS (Linux; once); return what is used."""
     p = _PROCESS
     if p.blas == "unknown":
+        p.blas_warned = os.environ.pop(RESTARTED, None) is not None
         if sys.platform == "darwin":
             p.blas = "accelerate"
         elif sys.platform != "linux" or os.environ.get("TOYMLX_BLAS") == "reference":
@@ -143,18 +155,23 @@ def _bind_openblas(p: _ProcessState) -> None:
                                        blas.mlx_targets(lib, gemv_forward.sgemm_address()))
         except OSError as e:
             p.blas_bound = f"failed: {e}"
-            warnings.warn(_NOT_BOUND.format(path=path, why=e), stacklevel=4)
+            _warn_blas(p, _NOT_BOUND.format(path=path, why=e))
             return
         p.blas, p.library = "mkl" if lib.kind == "mkl" else "openblas", lib
         p.blas_bound = f"{len(names)} BLAS/LAPACK functions of libmlx.so"
         os.register_at_fork(after_in_parent=_restart_blas_workers)
         why = blas.generic_core(lib)
         if why is not None:
-            warnings.warn(_GENERIC.format(why=why, gflops=blas.sgemm_gflops(lib),
-                                          best=blas.core_for_cpu(*blas.cpu_flags())[0]),
-                          stacklevel=4)
+            _warn_blas(p, _GENERIC.format(why=why, gflops=blas.sgemm_gflops(lib),
+                                          best=blas.core_for_cpu(*blas.cpu_flags())[0]))
         return
-    warnings.warn(chosen or _NO_BLAS, stacklevel=4)
+    _warn_blas(p, chosen or _NO_BLAS)
+
+
+def _warn_blas(p: _ProcessState, message: str) -> None:
+    """The import's BLAS warning, unless the process this one replaced printed it."""
+    if not p.blas_warned:
+        warnings.warn(message, stacklevel=5)  # the line that imported toymlx
 
 
 def check_bfs_width(text: str | None) -> None:
@@ -270,6 +287,11 @@ def _kernel_cache_root() -> Path:
     chosen = os.environ.get("TOYMLX_KERNEL_CACHE")
     if chosen and chosen != "off":
         return Path(chosen)
+    return _default_kernel_cache_root()
+
+
+def _default_kernel_cache_root() -> Path:
+    """`$XDG_CACHE_HOME/toymlx/mlx-kernels` (default `~/.cache/...`)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "toymlx" / "mlx-kernels"
 
@@ -307,7 +329,9 @@ def persist_kernels() -> str | None:
     exists (a real folder), MLX keeps using it and the kernels it holds are copied into the
     kept folder for after the next reboot. The kernels are named after their code, so a stale one is never
     used for another. Not on macOS (Metal kernels are MLX's own); `TOYMLX_KERNEL_CACHE=off`
-    leaves MLX's folder alone, `TOYMLX_KERNEL_CACHE=<folder>` keeps the kernels there."""
+    leaves MLX's folder alone, `TOYMLX_KERNEL_CACHE=<folder>` keeps the kernels there (a link
+    toymlx made to another cache folder is made again to it; where MLX's folder is not such a
+    link, a one-line warning says the kernels are only copied there)."""
     if sys.platform != "linux" or os.environ.get("TOYMLX_KERNEL_CACHE") == "off":
         return None
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
@@ -318,6 +342,9 @@ def persist_kernels() -> str | None:
     if not relink and (mlx_dir.is_symlink() or mlx_dir.exists()):
         if mlx_dir.is_dir() and not mlx_dir.is_symlink():
             _keep_new_kernels(mlx_dir, kept)
+        if os.environ.get("TOYMLX_KERNEL_CACHE") and mlx_dir.resolve() != kept.resolve():
+            warnings.warn(_CACHE_NOT_USED.format(chosen=os.environ["TOYMLX_KERNEL_CACHE"],
+                                                 mlx_dir=mlx_dir, kept=kept), stacklevel=2)
         return str(mlx_dir.resolve()) if mlx_dir.exists() else None
     try:
         kept.mkdir(parents=True, exist_ok=True)
@@ -332,14 +359,22 @@ def persist_kernels() -> str | None:
 
 
 def _links_elsewhere_in_the_cache(link: Path, kept: Path) -> bool:
-    """Whether `link` is a link toymlx made into its kernel cache, to another folder than
-    `kept` (a folder of an older layout, or of another CPU's vector set)."""
+    """Whether `link` is a link toymlx made into a kernel cache, to another folder than `kept`:
+    a folder of an older layout, of another CPU's vector set, or of another cache root (the
+    default one while `TOYMLX_KERNEL_CACHE` names a folder, or a folder it named before),
+    which is recognised by its layout, `<root>/<mlx version>/<vector set>/cpu`."""
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
     try:
         target = Path(os.readlink(link))
     except OSError:
         return False
-    root = _kernel_cache_root()
-    return target != kept and (target == root or root in target.parents)
+    if target == kept:
+        return False
+    roots = (_kernel_cache_root(), _default_kernel_cache_root())
+    if any(target == root or root in target.parents for root in roots):
+        return True
+    return target.name == "cpu" and target.parent.parent.name == mx.__version__
 
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
@@ -410,10 +445,12 @@ def restart_with_huge_pages() -> None:
         return
     before = os.environ.get("GLIBC_TUNABLES")
     os.environ["GLIBC_TUNABLES"] = tunables
+    os.environ[RESTARTED] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.suppress(OSError, ValueError):  # cannot restart: run on as it is
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    del os.environ[RESTARTED]
     if before is None:
         del os.environ["GLIBC_TUNABLES"]
     else:

@@ -168,12 +168,14 @@ def parse_event(raw: bytes | str) -> dict | None:
 
 
 def iter_events(path: str | os.PathLike) -> Iterator[dict]:
-    """The events of a bundle folder or events.jsonl, one by one (see `read_events`)."""
+    """The events of a bundle folder or events.jsonl, one by one (see `read_events`); ValueError
+    (one line) where events.jsonl is a FIFO, a device or a socket, which is read no further."""
     p = Path(path)
     if not p.is_file():  # a folder, or one not made yet (a run starting while it is read)
         p = p / "events.jsonl"
-    if special_kind(p):  # a FIFO or a device is no log: reading it could wait forever
-        return
+    if kind := special_kind(p):  # a FIFO or a device is no log: reading it could wait forever
+        raise ValueError(f"{p}: expected a regular file (the run's event log), found {kind}; "
+                         f"put the run's events.jsonl back in its place")
     try:
         f = open(p, "rb")  # noqa: SIM115 (a missing file ends the iterator; closed just below)
     except (FileNotFoundError, NotADirectoryError):

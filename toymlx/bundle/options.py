@@ -113,6 +113,29 @@ def option_items(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 
+def check_no_empty_text(cfg: Any, prefix: str = "") -> None:
+    """ValueError (one line) naming the flag of the first text option given as an empty string
+    whose default is not one: `--run-id ""` fell back to the default run id, `--data.path ""`
+    read the current folder, `--resume ""` started a new run, all without a word."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            check_no_empty_text(v, f"{prefix}{f.name}.")
+        elif v == "" and f.default != "":
+            flag = flag_name(prefix + f.name)
+            default = ("" if f.default is dataclasses.MISSING else
+                       f"; omit {flag} for its default (<timestamp>-<recipe>)"
+                       if f.name == "run_id" else f"; omit {flag} for its default"
+                       + ("" if f.default is None else f" ({f.default})"))
+            raise ValueError(f"{flag}: expected a non-empty {_TEXT_KIND.get(f.name, 'path')}, "
+                             f"got an empty string{default}")
+
+
+_TEXT_KIND = {"run_id": "folder name", "resume": "run folder", "targets": "list of layer names", "system": "message",
+              "from_step": "checkpoint name (step_N)", "report_to": "list of reporters"}
+"""What a text option holds where it is not a path, for `check_no_empty_text`'s line."""
+
+
 class _Mismatch(Exception):
     def __init__(self, expected: str):
         self.expected = expected

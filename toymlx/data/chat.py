@@ -247,7 +247,25 @@ def load_examples(path: str | Path) -> list[Example]:
             examples.append(_parse_record(obj, f"{path}:{lineno}"))
     if not examples:
         raise DataError(f"{path}: no examples; expected objects {SHAPES}")
+    check_one_shape(examples)
     return examples
+
+
+_SHAPE_OF = {"text": '{"text": ...}', "completion": '{"prompt": ..., "completion": ...}',
+             "messages": '{"messages": [...]}'}
+
+
+def check_one_shape(examples: Sequence[Example]) -> None:
+    """DataError (one line) naming the first example whose shape is not the first example's:
+    mlx-lm picks a file's dataset class by its first row's keys (`datasets.create_dataset`),
+    so a file mixing {"text"}, {"prompt", "completion"} and {"messages"} rows trains one way
+    there and another here; one shape a file, as mlx-lm means it."""
+    first = examples[0]
+    for ex in examples[1:]:
+        if ex.kind != first.kind:
+            raise DataError(f"{ex.source}: expected {_SHAPE_OF[first.kind]}, the shape the "
+                            f"first row ({first.source}) set for this file, found "
+                            f"{_SHAPE_OF[ex.kind]}; put each shape in a file of its own")
 
 
 @dataclass(frozen=True)

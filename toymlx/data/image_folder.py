@@ -10,6 +10,8 @@ for training, evaluation and `toymlx-classify`.
 from __future__ import annotations
 
 import gzip
+import sys
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +26,11 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".
 """File names (lower-cased) read as images; other files in a class folder are ignored."""
 
 _GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+
+# Pillow's own warning for a large image is two lines that do not name the file (and
+# catch_warnings cannot scope it: the images decode on threads); `_note_large` says it in one.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+_NOTED_LARGE: set[Path] = set()
 
 
 class ImageDataError(ValueError):
@@ -47,7 +54,9 @@ def read_file(path: Path) -> bytes:
 
 def _open(path: Path) -> Image.Image:
     try:
-        return Image.open(path)
+        im = Image.open(path)
+        _note_large(path, im.size)
+        return im
     except UnidentifiedImageError:
         raise ImageDataError(f"{path}: not an image Pillow can read: expected one of "
                              f"{', '.join(e[1:] for e in IMAGE_EXTENSIONS)}, found "
@@ -58,6 +67,17 @@ def _open(path: Path) -> Image.Image:
         # a header Pillow cannot parse (a PPM's "Token too long"), or past its pixel limit
         raise ImageDataError(f"{path}: cannot decode the image ({e}); remove or replace "
                              "the file") from None
+
+
+def _note_large(path: Path, size: tuple[int, int]) -> None:
+    """One line on stderr, once a file, for an image over Pillow's pixel limit
+    (`Image.MAX_IMAGE_PIXELS`; Pillow refuses one over twice that, as an error)."""
+    limit, (w, h) = Image.MAX_IMAGE_PIXELS, size
+    if limit is None or w * h <= limit or path in _NOTED_LARGE:
+        return
+    _NOTED_LARGE.add(path)
+    print(f"toymlx: {path}: a large image, {w} x {h} = {w * h:,} pixels, over Pillow's "
+          f"limit of {limit:,} for untrusted files; decoded as it is", file=sys.stderr)
 
 
 def _sniff(path: Path) -> str:

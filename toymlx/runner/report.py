@@ -279,12 +279,41 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
+FIGURES = {"final_loss": 6, "best": 6, "final": 6, "test_loss": 6, "test_perplexity": 6,
+           "test_accuracy": 6, "throughput": 6, "wall_s": 2}
+"""The table's measured columns, each shown with one number of decimals down the column (at
+most this many: wall_s is kept to 0.01 s), so their points line up."""
+
+
+def table_texts(header: list[str], cells: list[list[Any]]) -> list[list[str]]:
+    """The cells as the printed, drawn and HTML tables show them: `fmt`, except a column of
+    `FIGURES`, whose numbers get the decimals that show its largest to 4 significant digits
+    (losses 5.145 and 4.900, not 5.145 and 4.9; throughput 1,132 and 931, not 1132 and 931.4)."""
+    texts = [[fmt(v) for v in row] for row in cells]
+    for i, name in enumerate(header):
+        values = [row[i] for row in cells if isinstance(row[i], (int, float))
+                  and not isinstance(row[i], bool)]
+        if name not in FIGURES or not values:
+            continue
+        largest = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
+        digits = 3 - math.floor(math.log10(largest)) if largest > 0 else 0
+        decimals = min(max(digits, 0), FIGURES[name])
+        for row, text in zip(cells, texts):
+            if isinstance(row[i], (int, float)) and not isinstance(row[i], bool):
+                text[i] = f"{row[i]:,.{decimals}f}"
+    return texts
+
+
 def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
-    """The summary as aligned plain text."""
+    """The summary as aligned plain text: numbers to the right of their column, text to the
+    left."""
     header, cells = table_rows(rows, params)
-    text = [header] + [[fmt(v) for v in row] for row in cells]
+    text = [header] + table_texts(header, cells)
     widths = [max(len(r[i]) for r in text) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in text]
+    numeric = [all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+                   for v in (row[i] for row in cells)) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if right else c.ljust(w)
+                       for c, w, right in zip(r, widths, numeric)).rstrip() for r in text]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -333,6 +362,7 @@ def figure(rows: list[dict[str, Any]], params: list[str], table: bool = True):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     n_rows = len(rows)
     table_h = 0.32 * (n_rows + 1) + 0.4 if table else 0.0
@@ -374,6 +404,7 @@ def figure(rows: list[dict[str, Any]], params: list[str], table: bool = True):
     ax_lr.set_title("learning rate")
     for ax in (ax_loss, ax_val, ax_lr):
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 on a short run
         ax.grid(alpha=0.3)
     peaks = [max(y for _, y in c) for c in lr_curves if c]
     if peaks and min(peaks) > 0 and max(peaks) / min(peaks) > 10:
@@ -385,10 +416,11 @@ def figure(rows: list[dict[str, Any]], params: list[str], table: bool = True):
         ax_t = fig.add_subplot(grid[1, :])
         ax_t.axis("off")
         header, cells = table_rows(rows, params)
-        t = ax_t.table(cellText=[[fmt(v) for v in row] for row in cells], colLabels=header,
+        t = ax_t.table(cellText=table_texts(header, cells), colLabels=header,
                        loc="upper center", cellLoc="center")
         t.auto_set_font_size(False)
         t.set_fontsize(8)
+        t.auto_set_column_width(list(range(len(header))))  # a long run name inside its cell
         t.scale(1, 1.25)
         for (ri, _), cell in t.get_celld().items():
             if ri == 0:
@@ -440,8 +472,8 @@ def _html(rows: list[dict[str, Any]], params: list[str], png_b64: str) -> str:
     header, cells = table_rows(rows, params)
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = ""
-    for r, row in zip(rows, cells):
-        tds = "".join(f"<td>{html.escape(fmt(v))}</td>" for v in row)
+    for r, row in zip(rows, table_texts(header, cells)):
+        tds = "".join(f"<td>{html.escape(v)}</td>" for v in row)
         title = html.escape(r.get("message") or r["path"], quote=True)
         body += f'<tr title="{title}">{tds}</tr>\n'
     return (
