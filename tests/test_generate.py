@@ -733,3 +733,39 @@ def test_cpu_times_reads_this_machine():
         pytest.skip("no /proc/stat on this system")
     idle, total = got
     assert 0 <= idle <= total and total > 0
+
+
+def test_mlx_decoding_on_the_cpu_runs_the_blas_on_the_idle_cores(stories, monkeypatch):
+    """Where MLX computes on the CPU, `generate` runs OpenBLAS on one thread per idle core while
+    it decodes (as the llama.cpp engine picks its threads) and gives its thread count back after
+    the last token; the tokens are those decoded on every thread."""
+    from toymlx.backend.device import blas_threads, on_gpu
+    from toymlx.generation import generate as g
+
+    have = blas_threads()
+    if on_gpu() or have is None or have < 2:
+        pytest.skip("needs MLX on the CPU with a toymlx-controlled BLAS on 2+ threads")
+    model, tok = stories
+    ids = tok.encode(PROMPT)
+
+    def decode_seeing_threads(idle: float) -> tuple[list[int], set[int | None]]:
+        monkeypatch.setattr(g, "idle_cores", lambda: idle)
+        out, seen = [], set()
+        for t in generate(model, tok, ids, 12):
+            seen.add(blas_threads())  # between tokens, while the next one is computed
+            out.append(t)
+        assert blas_threads() == have  # given back
+        return out, seen
+
+    every, seen_idle = decode_seeing_threads(float(have))
+    assert seen_idle == {have}
+    busy, seen_busy = decode_seeing_threads(1.0)  # other work holds all cores but one
+    assert seen_busy == {1}
+    assert busy == every and len(every) == 12
+    none_idle, seen_none = decode_seeing_threads(0.0)
+    assert seen_none == {1} and none_idle == every
+    early = generate(model, tok, ids, 12)  # a caller that stops reading early
+    next(early)
+    assert blas_threads() == 1  # idle_cores still says 0.0
+    early.close()
+    assert blas_threads() == have

@@ -8,8 +8,9 @@ Two engines decode the same GGUF files (`choose_engine`):
   (end-of-sequence token, the trained context), seeds MLX's generator so a run repeats
   exactly, and, where MLX computes on the CPU, cuts a decoded token's fixed costs without
   changing what it computes: the one-token steps traced (`CompiledDecode`: the same logits,
-  bit for bit) and top-p found among the most likely tokens before sorting all
-  (`toymlx.generation.sampling.make_sampler`).
+  bit for bit), top-p found among the most likely tokens before sorting all
+  (`toymlx.generation.sampling.make_sampler`), and OpenBLAS kept off the cores other work
+  holds (`decoding_blas_threads`).
 - `llama.cpp` (llama-cpp-python, the `interop` extra): the same files, adapters and samplers in
   llama.cpp. Decoding one token reads every weight once; on a CPU MLX multiplies float32
   weights (through OpenBLAS's sgemv, `toymlx.backend.gemv_forward`: ~22 GB/s on 2 cores, 24 of a
@@ -38,10 +39,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from toymlx.backend.device import on_gpu
+from toymlx.backend.device import blas_threads, on_gpu, use_blas_threads
 from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.bundle.model_store import is_store_name, resolve, resolve_model
 from toymlx.data.tokenizer import Tokenizer
+from toymlx.generation.llamacpp_decode import decode_threads, idle_cores
 from toymlx.generation.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
 from toymlx.gguf.llama import args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
@@ -76,7 +78,9 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
              kept: PromptCache | None = None) -> Iterator[int]:
     """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before eos and at the
     model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples
-    (`toymlx.generation.sampling`). `kept`: a conversation's caches, kept between calls (`PromptCache`)."""
+    (`toymlx.generation.sampling`). `kept`: a conversation's caches, kept between calls (`PromptCache`).
+    Where MLX computes on the CPU, OpenBLAS runs on `decoding_blas_threads` threads from the
+    first token asked for until the last one is handed out or the caller stops reading."""
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
     check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
@@ -90,10 +94,27 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     sampler = make_sampler(temperature, top_p, min_p, top_k, checked_on_host=cpu)
     penalty = _penalty(repetition_penalty)
     decoder = CompiledDecode(model) if cpu and CompiledDecode.fits(model) else model
-    for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty, kept):
-        if eos is not None and tok == eos:
-            return
-        yield tok
+    with use_blas_threads(decoding_blas_threads() if cpu else None):
+        for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty, kept):
+            if eos is not None and tok == eos:
+                return
+            yield tok
+
+
+def decoding_blas_threads() -> int | None:
+    """The BLAS threads a decoding call runs on where MLX computes on the CPU: one per idle
+    core (`llamacpp_decode.decode_threads`, as the llama.cpp engine picks its threads), at most
+    the process's own count; None where toymlx does not control the BLAS.
+
+    Why: a decoded token is ~200 one-row products of ~0.1-1 ms, and OpenBLAS's threads wait
+    for each other at the end of every one: with another program holding a core, the thread
+    on that core stalls every product. SmolLM2-135M on a 2-core AMD EPYC with other work on
+    both cores: 0.3 tok/s on 2 threads, 3.8-7.8 on 1, the same tokens. Idle cores: as many
+    threads as before. Sampling the cores' idle time takes 0.1 s, once a call."""
+    have = blas_threads()
+    if have is None or have <= 1:
+        return have
+    return decode_threads(have, idle_cores())
 
 
 @dataclass

@@ -71,7 +71,8 @@ def idle_cores(window: float = 0.1) -> float:
 
 
 def decode_threads(cores: int, idle: float) -> int:
-    """llama.cpp's threads for a turn: one per idle core, at least 1. Its threads wait for each
+    """llama.cpp's threads for a turn (and OpenBLAS's for an MLX decoding call on the CPU,
+    `toymlx.generation.generate.decoding_blas_threads`): one per idle core, at least 1. Its threads wait for each
     other after every matmul, so one thread on a core other work holds stalls the rest: on 2
     cores with one busy, SmolLM2 decoded 3-28 tok/s on 2 threads, 50 on 1 (124 on 2, quiet)."""
     return max(1, min(cores, int(idle + 0.5)))
