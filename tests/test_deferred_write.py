@@ -19,7 +19,7 @@ def test_deferred_tensors_write_the_same_bytes_and_digest(tmp_path):
     for dtype in ("f32", "f16", "bf16", "q8_0"):
         made = []
 
-        def make(n, dtype=dtype):
+        def make(n, dtype=dtype, made=made):
             made.append(n)
             return encode_tensor(n, ws[n], dtype)
 
