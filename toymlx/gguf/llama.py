@@ -595,16 +595,20 @@ LLAMA_TYPES = {"general.file_type": (UINT32, None)}
 def llama_tensors(model: Llama, params: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
     """llama.cpp-named float32 numpy tensors of a Llama (base weights only, no LoRA)."""
     flat = params if params is not None else dict(tree_flatten(model.parameters()))
-    out = {}
-    for name, key in parameter_names(model.args).items():
-        w = flat.get(key)
-        base, _, leaf = key.rpartition(".")
-        if w is None and f"{base}.linear.{leaf}" in flat:  # a LoRA-wrapped projection keeps
-            w = flat[f"{base}.linear.{leaf}"]  # its base weight under `.linear`
-        elif w is None:  # a frozen matrix held as blocks or MLX-quantized: its exact decoding
-            w = dense_weight(submodule(model, base))
-        out[name] = np.asarray(w.astype(mx.float32))
-    return out
+    return {name: llama_tensor(model, flat, key)
+            for name, key in parameter_names(model.args).items()}
+
+
+def llama_tensor(model: Llama, flat: dict[str, Any], key: str) -> np.ndarray:
+    """The float32 numpy values of the parameter at `key` (`flat`: the model's parameters
+    flattened), a frozen matrix held as blocks or MLX-quantized decoded exactly."""
+    w = flat.get(key)
+    base, _, leaf = key.rpartition(".")
+    if w is None and f"{base}.linear.{leaf}" in flat:  # a LoRA-wrapped projection keeps
+        w = flat[f"{base}.linear.{leaf}"]  # its base weight under `.linear`
+    elif w is None:  # a frozen matrix held as blocks or MLX-quantized: its exact decoding
+        w = dense_weight(submodule(model, base))
+    return np.asarray(w.astype(mx.float32))
 
 
 def write_llama(path: str | os.PathLike, model: Llama, tokenizer_meta: dict[str, Any],

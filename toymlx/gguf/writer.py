@@ -12,6 +12,7 @@ import hashlib
 import os
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -56,6 +57,24 @@ class QuantTensor:
     type: GGMLQuantizationType
     data: np.ndarray
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor `write_gguf` makes (`make()`: an array or a `QuantTensor`) when it writes it, so
+    that a file's tensors are not all held at once; its GGUF type and numpy shape, known
+    before (`encoded_type`)."""
+
+    type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray | QuantTensor]
+
+
+def encoded_type(shape: tuple[int, ...], dtype: str) -> GGMLQuantizationType:
+    """The GGUF type `encode_tensor` writes a float32 tensor of `shape` in as `dtype`."""
+    if len(shape) < 2 or dtype == "f32":
+        return GGMLQuantizationType.F32
+    return GGMLQuantizationType[dtype.upper()]
 
 
 SAVE_DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -143,57 +162,87 @@ def _pad(f: BinaryIO, align: int) -> None:
 
 
 def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
-               tensors: dict[str, np.ndarray | QuantTensor],
+               tensors: dict[str, np.ndarray | QuantTensor | Deferred],
                types: dict[str, tuple[int, int | None]] | None = None,
                alignment: int = DEFAULT_ALIGNMENT, digest: bool = True,
                progress: str | None = None) -> Path:
     """Write a GGUF v3 file atomically; `types` overrides inferred metadata value types.
     digest=False leaves out `toy.tensor_sha256` (for a file another tool rewrites); `progress`
-    names a progress bar (on stderr) over the tensor data written."""
+    names a progress bar (on stderr) over the tensor data written. A `Deferred` tensor is made
+    as it is written and dropped after, so that one at a time is held; the digest is hashed as
+    the data is written and put in its place in the header at the end."""
     path = Path(path)
     types = dict(types or {})
     infos, blobs, offset = [], [], 0
     for name, t in tensors.items():
-        if isinstance(t, QuantTensor):
-            qtype, shape, data = t.type, tuple(t.shape), np.ascontiguousarray(t.data)
+        if isinstance(t, Deferred):
+            qtype, shape, data = t.type, tuple(t.shape), t
         else:
-            arr = np.ascontiguousarray(t)
-            if arr.dtype not in _NP_TYPES:
-                raise TypeError(f"GGUF tensor {name!r}: expected float32/float16/int, "
-                                f"found {arr.dtype}")
-            qtype, shape, data = _NP_TYPES[arr.dtype], arr.shape, arr
+            qtype, shape, data = _typed(name, t)
         block, tsize = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape)) // block * tsize
-        if data.nbytes != nbytes:
+        if not isinstance(data, Deferred) and data.nbytes != nbytes:
             raise ValueError(f"GGUF tensor {name!r}: expected {nbytes} bytes for {qtype.name} "
                              f"{shape}, found {data.nbytes}")
         ne = list(reversed(shape))
         infos.append(_pack_string(name) + struct.pack("<I", len(ne))
                      + struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", qtype, offset))
-        blobs.append(data)
+        blobs.append((name, qtype, shape, nbytes, data))
         offset += nbytes + (-nbytes % alignment)
-    if digest:
-        sha = hashlib.sha256()
-        for data in blobs:  # the data section exactly as written below, padding included
-            sha.update(memoryview(data).cast("B"))
-            sha.update(b"\0" * (-data.nbytes % alignment))
-        metadata = {**metadata, DIGEST_KEY: sha.hexdigest()}
+    if digest:  # a placeholder of the digest's length, replaced once the data is written
+        metadata = {**metadata, DIGEST_KEY: "0" * 64}
     else:
         metadata = {k: v for k, v in metadata.items() if k != DIGEST_KEY}
-    kv = []
+    kv, digest_at = [], None
     for key, value in metadata.items():
         vt, et = types.get(key) or _infer_type(key, value)
         kv.append(struct.pack("<Q", len(key.encode())) + key.encode() + struct.pack("<I", vt)
                   + _pack_value(vt, et, value))
+        if key == DIGEST_KEY:  # the digest's hex digits end this entry
+            digest_at = 24 + sum(len(k) for k in kv) - 64
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    sha = hashlib.sha256()
     with atomic_open(path) as f, tqdm(total=offset, desc=progress, unit="B", unit_scale=True,
                                       disable=progress is None, file=sys.stderr) as bar:
         f.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
         f.writelines(kv + infos)
         _pad(f, alignment)
-        for data in blobs:
+        for name, qtype, shape, nbytes, data in blobs:
+            if isinstance(data, Deferred):
+                data = _made(name, data, qtype, shape, nbytes)
+            pad = b"\0" * (-data.nbytes % alignment)
             f.write(memoryview(data).cast("B"))
-            _pad(f, alignment)
-            bar.update(data.nbytes + (-data.nbytes % alignment))
+            f.write(pad)
+            if digest:  # the data section exactly as written, padding included
+                sha.update(memoryview(data).cast("B"))
+                sha.update(pad)
+            bar.update(data.nbytes + len(pad))
+            del data
+        if digest_at is not None:
+            f.seek(digest_at)
+            f.write(sha.hexdigest().encode())
     return path
+
+
+def _typed(name: str, t: np.ndarray | QuantTensor
+           ) -> tuple[GGMLQuantizationType, tuple[int, ...], np.ndarray]:
+    """(GGUF type, numpy shape, bytes to write) of a tensor given whole."""
+    if isinstance(t, QuantTensor):
+        return t.type, tuple(t.shape), np.ascontiguousarray(t.data)
+    arr = np.ascontiguousarray(t)
+    if arr.dtype not in _NP_TYPES:
+        raise TypeError(f"GGUF tensor {name!r}: expected float32/float16/int, found {arr.dtype}")
+    return _NP_TYPES[arr.dtype], arr.shape, arr
+
+
+def _made(name: str, d: Deferred, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+          nbytes: int) -> np.ndarray:
+    """A `Deferred` tensor's bytes, made now; ValueError where they are not what its type and
+    shape (written in the header already) promised."""
+    made_type, made_shape, data = _typed(name, d.make())
+    if (made_type, tuple(made_shape), data.nbytes) != (qtype, shape, nbytes):
+        raise ValueError(f"GGUF tensor {name!r}: expected {qtype.name} {shape} ({nbytes} bytes) "
+                         f"as declared, found {made_type.name} {tuple(made_shape)} "
+                         f"({data.nbytes} bytes)")
+    return data

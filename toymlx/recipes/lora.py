@@ -67,6 +67,7 @@ from toymlx.training.fused import (
     write_like_base,
     write_reencoded,
 )
+from toymlx.training.optimizers import Adam
 from toymlx.training.schedule import lr_at
 from toymlx.training.task import Task, TrainConfig
 from toymlx.training.task import make_optimizer as adamw
@@ -277,7 +278,7 @@ def make_optimizer(cfg: Config) -> optim.Optimizer:
     if cfg.optimizer == "adamw":
         return adamw(cfg, lr)
     if cfg.optimizer == "adam":
-        return optim.Adam(learning_rate=lr, betas=[cfg.beta1, cfg.beta2], eps=1e-8)
+        return Adam(learning_rate=lr, betas=[cfg.beta1, cfg.beta2], eps=1e-8)
     return {"sgd": optim.SGD, "adafactor": optim.Adafactor, "muon": optim.Muon}[cfg.optimizer](
         learning_rate=lr)
 

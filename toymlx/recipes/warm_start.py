@@ -123,6 +123,7 @@ def make_optimizer(cfg: Config):
     import mlx.core as mx
     import mlx.optimizers as optim
 
+    from toymlx.training.optimizers import AdamW
     from toymlx.training.schedule import lr_at
 
     k = cfg.warm.freeze_embeddings
@@ -133,9 +134,9 @@ def make_optimizer(cfg: Config):
         return mx.where(step >= k, sched(step), 0.0)
 
     kw = {"betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
-    groups = [optim.AdamW(learning_rate=gated, weight_decay=cfg.weight_decay, **kw),
-              optim.AdamW(learning_rate=sched, weight_decay=cfg.weight_decay, **kw),
-              optim.AdamW(learning_rate=sched, weight_decay=0.0, **kw)]
+    groups = [AdamW(learning_rate=gated, weight_decay=cfg.weight_decay, **kw),
+              AdamW(learning_rate=sched, weight_decay=cfg.weight_decay, **kw),
+              AdamW(learning_rate=sched, weight_decay=0.0, **kw)]
     return optim.MultiOptimizer(groups, [lambda path, w: path == "embed.weight",
                                          lambda path, w: w.ndim >= 2])
 

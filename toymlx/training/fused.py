@@ -7,16 +7,19 @@ base's kind (`write_like_base`)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mlx.utils import tree_flatten
 
 from toymlx.bundle.checkpoint import checkpoint_file
-from toymlx.gguf.llama import llama_tensors, load_llama
+from toymlx.gguf.llama import llama_tensor, llama_tensors, load_llama, parameter_names
 from toymlx.gguf.quantize import BASE_FILE_TYPE, export_type, quantizer, write_model_gguf
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
-from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
+from toymlx.gguf.writer import FILE_TYPE, Deferred, encode_tensor, encoded_type, write_gguf
 from toymlx.models.llama import Llama
 from toymlx.models.lora import fuse
 from toymlx.training.adapter import apply_adapter, check_arch, load_adapter
@@ -139,16 +142,24 @@ def write_full_kept(out: str | os.PathLike, base: str | os.PathLike,
         c.close()
 
 
+def like_base_metadata(g: GGUFFile, extra: dict[str, Any] | None = None
+                       ) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
+    """(metadata, their GGUF types) of a file of the base `g`'s kind: every metadata key of the
+    base but its alignment and file types, with its original GGUF type, `extra` added."""
+    skip = ("general.alignment", "general.file_type", BASE_FILE_TYPE)
+    meta = {k: v for k, v in g.metadata.items() if k not in skip}
+    types = {k: t for k, t in g.metadata_types.items() if k not in skip}
+    meta.update(extra or {})
+    return meta, types
+
+
 def like_base(g: GGUFFile, model: Llama, extra: dict[str, Any] | None = None
               ) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]], dict[str, np.ndarray]]:
     """(metadata, their GGUF types, float32 tensors) of `model` as a file of the base `g`'s kind:
     every metadata key of the base (tokenizer, chat template, hyperparameters) with its original
     GGUF type, `extra` added, and the base's other tensors (RoPE constants: rope_freqs,
     rope_factors_*); the writer sets general.file_type."""
-    skip = ("general.alignment", "general.file_type", BASE_FILE_TYPE)
-    meta = {k: v for k, v in g.metadata.items() if k not in skip}
-    types = {k: t for k, t in g.metadata_types.items() if k not in skip}
-    meta.update(extra or {})
+    meta, types = like_base_metadata(g, extra)
     weights = llama_tensors(model)
     for name in g.tensors:  # RoPE constants as the base has them
         if name not in weights:
@@ -161,11 +172,30 @@ def write_like_base(out: str | os.PathLike, g: GGUFFile, model: Llama, dtype: st
     """A full fine-tune's checkpoint: `model` as a GGUF of the base `g`'s kind (`like_base`),
     matrices in `dtype` (f32/f16/bf16), with the tensor digest a resume verifies, and the base's
     general.file_type as `toy.base_file_type` (its export defaults to that type)."""
-    meta, types, weights = like_base(g, model, extra)
+    meta, types = like_base_metadata(g, extra)
     meta["general.file_type"] = FILE_TYPE[dtype]
     types["general.file_type"] = (UINT32, None)
     base_type = g.metadata.get(BASE_FILE_TYPE, g.metadata.get("general.file_type"))
     if isinstance(base_type, int):
         meta[BASE_FILE_TYPE], types[BASE_FILE_TYPE] = base_type, (UINT32, None)
-    tensors = {n: encode_tensor(n, w, dtype) for n, w in weights.items()}
-    return write_gguf(out, meta, tensors, types=types)
+    return write_gguf(out, meta, deferred_like_base(g, model, dtype), types=types)
+
+
+def deferred_like_base(g: GGUFFile, model: Llama, dtype: str) -> dict[str, Deferred]:
+    """`like_base`'s tensors, each encoded as `dtype`, made as `write_gguf` writes it: a frozen
+    block held as the file's blocks is decoded to float32 one matrix at a time, where the
+    whole model's float32 values at once were 4.3 GB beside the run's weights and optimizer
+    state (Llama-3.2-1B's last 2 blocks trained: the run's peak)."""
+    flat = dict(tree_flatten(model.parameters()))
+
+    def made(name: str, values: Callable[[], np.ndarray]) -> Deferred:
+        shape = tuple(g.tensors[name].shape)  # a checkpoint's shapes are its base's
+        return Deferred(encoded_type(shape, dtype), shape,
+                        lambda: encode_tensor(name, values(), dtype))
+
+    tensors = {name: made(name, partial(llama_tensor, model, flat, key))
+               for name, key in parameter_names(model.args).items()}
+    for name in g.tensors:  # RoPE constants as the base has them
+        if name not in tensors:
+            tensors[name] = made(name, partial(g.load, name, np.float32))
+    return tensors

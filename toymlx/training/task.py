@@ -22,6 +22,7 @@ from mlx import nn
 
 from toymlx.bundle.options import RunOptions, flag_name
 from toymlx.bundle.reporters import parse_report_to
+from toymlx.training.optimizers import AdamW
 from toymlx.training.schedule import lr_at
 
 
@@ -201,11 +202,12 @@ def warmup_note(cfg: TrainConfig) -> str | None:
 
 
 def make_optimizer(cfg: TrainConfig, lr: Callable[[Any], Any] | None = None) -> optim.Optimizer:
-    """AdamW with decoupled weight decay on the matrices only; the learning rate `lr` of the
-    step (default: warm-up + cosine, `lr_at`)."""
+    """AdamW (`toymlx.training.optimizers`: MLX's, updating in place) with decoupled weight
+    decay on the matrices only; the learning rate `lr` of the step (default: warm-up + cosine,
+    `lr_at`)."""
     sched = lr or partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
                           min_ratio=cfg.min_lr_ratio)
     kw = {"learning_rate": sched, "betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
-    decay = optim.AdamW(weight_decay=cfg.weight_decay, **kw)
-    no_decay = optim.AdamW(weight_decay=0.0, **kw)
+    decay = AdamW(weight_decay=cfg.weight_decay, **kw)
+    no_decay = AdamW(weight_decay=0.0, **kw)
     return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
