@@ -263,9 +263,11 @@ def test_masking_with_the_real_loss(tiny_gguf, tmp_path):
                               {"role": "assistant", "content": "Teal"},
                               {"role": "user", "content": "Another"},
                               {"role": "assistant", "content": "Mauve"}]}]
-    path = tmp_path / "ex.jsonl"
-    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
-    train, _ = split_examples(load_examples(path), 0.0)
+    train = []
+    for i, e in enumerate(examples):  # one file per record shape (a file holds one shape)
+        path = tmp_path / f"ex{i}.jsonl"
+        path.write_text(json.dumps(e) + "\n")
+        train += split_examples(load_examples(path), 0.0)[0]
     data = SFTData.from_examples(train, [], tok, seq_len=160, mask_prompt=True)
     batch = {k: v for k, v in data.train.items()}  # (2, 160): one padded example per row
     mask = batch["mask"]
