@@ -276,7 +276,6 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
     mx.eval(model.parameters())
 
 
-
 def write_adapter_for(out: str | os.PathLike, adapter: str | os.PathLike,
                       base: str | os.PathLike) -> tuple[Path, str]:
     """Write `adapter` (mlx-lm's folder, or any adapter `load_adapter` reads) as an adapter GGUF
