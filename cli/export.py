@@ -36,7 +36,8 @@ class Args:
                         fused F32 model (rounding may erase a small fine-tune: the export says
                         how much of it the file keeps). From a run, the held-out loss of the
                         fused file is printed beside base + adapter's.
-    --adapter A alone:  the adapter GGUF itself, checked against the base.
+    --adapter A alone:  the adapter GGUF itself, checked against the base; mlx-lm's adapter
+                        folder converted to one (llama's q/k rows in the GGUF's order).
     no --adapter:       the base re-encoded at --dtype (--dtype f32: an F32 copy of a Q4_1 file).
     --adapter A --format modelfile --out DIR: DIR/Modelfile for Ollama (FROM the base, ADAPTER
                         A, the base's Ollama template and stop tokens); with --fuse, FROM the
@@ -60,7 +61,8 @@ class Args:
     """gguf (llama.cpp), safetensors (timm's ViT layout, from --model), or modelfile (an Ollama
     Modelfile in the folder --out, for --adapter)."""
     adapter: str | None = None
-    """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest); a DoRA adapter
+    """A LoRA adapter GGUF, or a LoRA run directory (its weights/latest), or mlx-lm's adapter
+    folder (adapters.safetensors + adapter_config.json; with --base); a DoRA adapter
     (--fine-tune-type dora) only with --fuse."""
     fuse: bool = False
     """Merge the adapter into the base weights (a full model for llama.cpp without --lora)."""
@@ -128,6 +130,56 @@ def export_modelfile(args: Args) -> int:
     return 0
 
 
+def export_mlx_lm(args: Args) -> int:
+    """--adapter as mlx-lm's adapter folder (or its adapters.safetensors): converted for --base
+    to an adapter GGUF (`write_adapter_for`: llama's q/k rows in the GGUF's order), written as
+    --out (llama.cpp's LoRA format) or, with --fuse, fused into the base."""
+    import tempfile
+
+    from toymlx.backend.atomic import atomic_open
+    from toymlx.bundle.checkpoint import checkpoint_file
+    from toymlx.interop.merge import write_merged
+    from toymlx.training.adapter import write_adapter_for
+    from toymlx.training.fused import adapter_kept, kept_note, write_fused_kept
+
+    if not args.base:
+        raise ValueError(f"{args.adapter}: --base: expected the GGUF the mlx-lm adapter goes on "
+                         "(its adapter_config.json names a Hugging Face model, not a GGUF), "
+                         "found none; pass --base")
+    if args.exact_size:
+        raise ValueError(f"{args.adapter}: --exact-size: expected a LoRA run folder (its training "
+                         "rows give each layer's inputs), found mlx-lm's adapters")
+    if args.dtype and not args.fuse:
+        raise ValueError("--dtype: only applies to a written model (with --fuse or without "
+                         "--adapter); an adapter is written as F32")
+    base = checkpoint_file(args.base, "--base")
+    out = check_output(args.out, [("--base", args.base), ("--base", base),
+                                  ("--adapter", args.adapter)])
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="toymlx-export-") as tmp:
+        gguf, kind = write_adapter_for(Path(tmp) / f"{Path(args.adapter).stem}.gguf",
+                                       args.adapter, base)
+        if not args.fuse:
+            if kind != "lora":
+                raise ValueError(f"{args.adapter}: --adapter: expected a LoRA adapter to write "
+                                 "for llama.cpp, found a DoRA adapter (llama.cpp has no DoRA "
+                                 "format); add --fuse to write the full model llama.cpp runs")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(gguf, "rb") as f, atomic_open(out) as dst:
+                shutil.copyfileobj(f, dst)
+            what = f"mlx-lm adapter {args.adapter}, as llama.cpp's LoRA adapter for {args.base}"
+        elif args.dtype:
+            write_merged(out, base, gguf, args.dtype, progress=sys.stderr.isatty())
+            what = (f"{args.base} + mlx-lm adapter {args.adapter} (fused) in {args.dtype}; it "
+                    + kept_note(adapter_kept(out, base, gguf), args.dtype))
+        else:
+            kept = write_fused_kept(out, base, gguf, progress=sys.stderr.isatty())
+            what = f"{args.base} + mlx-lm adapter {args.adapter} (fused): {kept.summary()}"
+    print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
 def run(args: Args) -> int:
     from toymlx.backend.atomic import atomic_open
     from toymlx.bundle.checkpoint import checkpoint_file
@@ -141,6 +193,7 @@ def run(args: Args) -> int:
         write_full_kept,
         write_fused_kept,
     )
+    from toymlx.training.mlx_lm_adapter import mlx_lm_files
 
     if args.format == "modelfile":
         return export_modelfile(args)
@@ -154,6 +207,8 @@ def run(args: Args) -> int:
         return export_vit(args)
     if args.fuse and not args.adapter:
         raise ValueError("--fuse: expected --adapter (the adapter to merge), found none")
+    if args.adapter and mlx_lm_files(args.adapter) is not None:
+        return export_mlx_lm(args)
     base_spec = args.base or run_base_of(args.adapter)
     base = checkpoint_file(base_spec, "--base")  # a path, a run, or ollama:NAME / lmstudio:NAME
     adapter = checkpoint_file(args.adapter, "--adapter") if args.adapter else None

@@ -395,17 +395,11 @@ def _report_to(value: Any, source: str) -> str:
 
 
 def _resume_adapter(value: Any, source: str) -> None:
-    """resume_adapter_file: an adapter GGUF (toymlx's or llama.cpp's), --lora.init-adapter;
-    mlx-lm's own safetensors adapters are refused (toymlx does not read them)."""
-    _want(source, "resume_adapter_file", isinstance(value, str) and value, "an adapter GGUF file",
-          value)
-    path = Path(value)
-    if path.suffix == ".safetensors" or (path / "adapters.safetensors").exists():
-        raise ConfigFileError(
-            f"{source}: key 'resume_adapter_file': expected an adapter GGUF (toymlx's or "
-            f"llama.cpp's) or a toymlx run folder, found mlx-lm's safetensors adapters "
-            f"{value!r}, which toymlx does not read; remove the key (the adapters start at "
-            "B = 0) or give a toymlx run's adapter")
+    """resume_adapter_file: mlx-lm's adapters.safetensors (adapter_config.json beside it), an
+    adapter GGUF (toymlx's or llama.cpp's) or a toymlx run folder: --lora.init-adapter, whose
+    loader reads and checks it against the base and the run's rank, scale and keys."""
+    _want(source, "resume_adapter_file", isinstance(value, str) and value, "an adapter file "
+          "(mlx-lm's adapters.safetensors, or an adapter GGUF)", value)
 
 
 def _hub_dataset(source: str, key: str, name: str) -> ConfigFileError:

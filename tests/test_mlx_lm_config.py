@@ -434,23 +434,57 @@ def test_max_seq_length_cuts_rows_where_mlx_lm_does(tmp_path):
 
 
 @pytest.mark.parametrize("extra,line", [
-    ({"resume_adapter_file": "adapters/adapters.safetensors"},
-     ("f.yaml: key 'resume_adapter_file': expected an adapter GGUF (toymlx's or llama.cpp's) or "
-      "a toymlx run folder, found mlx-lm's safetensors adapters 'adapters/adapters.safetensors', "
-      "which toymlx does not read; remove the key (the adapters start at B = 0) or give a "
-      "toymlx run's adapter")),
+    ({"resume_adapter_file": ["adapters.safetensors"]},
+     ("f.yaml: key 'resume_adapter_file': expected an adapter file (mlx-lm's "
+      "adapters.safetensors, or an adapter GGUF), found [\"adapters.safetensors\"]")),
     ({"report_to": "wandb,swanlab"},
      ("f.yaml: key 'report_to': expected a comma list of tensorboard, wandb (the services "
       "toymlx reports to), found 'swanlab'; remove it")),
 ])
-def test_mlx_lm_s_own_adapters_and_services_are_refused_by_key(extra, line):
-    """mlx-lm's resume_adapter_file is its adapters.safetensors: it was passed on as
-    --lora.init-adapter and refused after the base and data loaded, naming --adapter (or, for a
-    folder, "found nothing"); swanlab was refused naming --report-to. Now each is refused as the
-    file is read, naming its key."""
+def test_a_bad_adapter_key_and_services_are_refused_by_key(extra, line):
+    """swanlab was refused naming --report-to; now it is refused as the file is read, naming its
+    key, as is a resume_adapter_file that is no path."""
     with pytest.raises(ConfigFileError) as e:
         mlx_lm_options({"iters": 10, **extra}, "f.yaml")
     assert str(e.value) == line
+
+
+def test_a_run_resumes_mlx_lm_s_own_adapters(tmp_path, base, data, capsys):
+    """resume_adapter_file: adapters/adapters.safetensors (mlx-lm's, adapter_config.json beside
+    it) was refused; now its adapters start the run: step 1's loss is the base + that adapter's
+    (read into toymlx's layout, q/k rows permuted: tests/test_mlx_lm_adapter.py checks its
+    logits against mlx-lm's) on step 1's batch, not the base's."""
+    from mlx_lm_adapters import lora_config, make_adapter
+
+    from toymlx.data.chat import SFTData
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.gguf.llama import load_llama
+    from toymlx.gguf.reader import GGUFFile
+    from toymlx.models.losses import lm_loss
+    from toymlx.training.adapter import apply_adapter
+
+    folder = make_adapter(base, tmp_path / "adapters", lora_config(2, 4, 2.0))
+    cfg = {"model": str(base), "train": True, "data": str(data), "iters": 1, "batch_size": 2,
+           "learning_rate": 1e-4, "num_layers": 2, "steps_per_eval": 1, "val_batches": 1,
+           "max_seq_length": 64, "save_every": 1, "adapter_path": str(tmp_path / "runs" / "r"),
+           "resume_adapter_file": str(folder / "adapters.safetensors"),
+           "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}
+    path = tmp_path / "mlx_lm_lora_config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    rows = {tuple(line.split()[:2]): line.split()[2:]
+            for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows[("resume_adapter_file", "--lora.init-adapter")] == [
+        str(folder / "adapters.safetensors"), "file"]
+    events = read_events(tmp_path / "runs" / "r")
+    first = next(e["loss"] for e in events if e["kind"] == "step")
+    tok = Tokenizer.from_metadata(GGUFFile(base).metadata)
+    batch = SFTData.from_file(data, tok, 63, False, False).batch(0, 0, 2)
+    batch = {k: mx.array(v[0]) for k, v in batch.items()}
+    model, _ = load_llama(base)
+    plain = lm_loss(model, batch)[0].item()
+    adapted = lm_loss(apply_adapter(model, folder), batch)[0].item()
+    assert first == pytest.approx(adapted, abs=1e-5) and abs(adapted - plain) > 1e-2
 
 
 def test_what_toymlx_does_otherwise_than_mlx_lm_is_noted():

@@ -203,6 +203,11 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model") -> Path:
     if is_store_name(path):
         return resolve_model(path, flag)
     p = Path(path)
+    if (p / "adapters.safetensors").is_file() or (
+            p.suffix == ".safetensors" and (p.parent / "adapter_config.json").is_file()):
+        raise ValueError(f"{p}: {flag}: expected a GGUF file or a run directory, found mlx-lm's "
+                         f"adapters; convert them for their base: toymlx-export --adapter {p} "
+                         "--base BASE.gguf --out adapter.gguf")
     if p.is_dir():
         p = latest_checkpoint(p)[0]
     elif not p.exists():

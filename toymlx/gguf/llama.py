@@ -2,7 +2,9 @@
 
 toymlx parameter paths (`layers.3.attn.q_proj.weight`) map one-to-one onto llama.cpp's tensor
 names (`blk.3.attn_q.weight`); both are stored `(out, in)`, and q/k keep GGUF's adjacent-pair
-RoPE layout, so no tensor is ever permuted or split into heads.
+RoPE layout, so no model tensor is ever permuted or split into heads. What comes from Hugging
+Face's layout (mlx-lm's adapters: `HF_TARGETS`) is put into the GGUF's here, in one place:
+`hf_rows_to_gguf` permutes llama's q/k rows as llama.cpp's converter permuted the base's.
 """
 
 from __future__ import annotations
@@ -114,6 +116,38 @@ def toy_to_gguf(path: str) -> str:
     if m and m.group(2) in _BLOCK_INV:
         return f"blk.{m.group(1)}.{_BLOCK_INV[m.group(2)]}.{m.group(3)}"
     raise KeyError(f"no GGUF name for parameter {path!r}")
+
+
+HF_TARGETS: dict[str, str] = {
+    "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
+    "self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o", "mlp.gate_proj": "gate",
+    "mlp.up_proj": "up", "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down"}
+"""Hugging Face's (and mlx-lm's) projection paths inside a decoder block -> toymlx's
+--lora.targets names (`toymlx.models.lora.TARGETS` gives their paths)."""
+
+
+def hf_permuted_heads(a: LlamaArgs, name: str) -> int | None:
+    """The heads by which llama.cpp's converter permuted tensor `name`'s rows from Hugging
+    Face's layout: llama's q (n_heads) and k (n_kv_heads), whose RoPE turns adjacent pairs in
+    the GGUF and each head's halves in HF; None for every other tensor, and for the NEOX
+    architectures (qwen2, qwen3, gemma3, phi3), whose files keep HF's rows."""
+    if a.rope_neox or a.fused_qkv:
+        return None
+    leaf = name.split(".")[-2] if name.startswith("blk.") else ""
+    return {"attn_q": a.n_heads, "attn_k": a.n_kv_heads}.get(leaf)
+
+
+def hf_rows_to_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rows (axis 0) of a Hugging Face q or k projection in llama.cpp's order: its converter's
+    `permute`, each head's two rotary halves interleaved into adjacent pairs."""
+    hd = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_rows_to_hf(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of `hf_rows_to_gguf`: a GGUF's q or k rows in Hugging Face's order."""
+    hd = w.shape[0] // n_heads
+    return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _arch_of(g: GGUFFile) -> Arch:

@@ -94,8 +94,9 @@ class LoRAOptions:
     """Adapt only the last N blocks (default: all; mlx-lm's --num-layers)."""
     init_adapter: str | None = None
     """Start the adapters from this adapter GGUF (toymlx's, or llama.cpp's LoRA format; a run
-    folder: its latest) instead of B = 0: a new run, checked against the base and these
-    options (mlx-lm's --resume-adapter-file)."""
+    folder: its latest), or mlx-lm's adapters (its folder or adapters.safetensors, with
+    adapter_config.json beside it), instead of B = 0: a new run, checked against the base and
+    these options (mlx-lm's --resume-adapter-file)."""
 
 
 @dataclass

@@ -11,6 +11,10 @@ llama.cpp has no DoRA adapter format, so a DoRA adapter is a toymlx adapter GGUF
 layout with `adapter.type = "dora"` (which llama.cpp refuses rather than misreads) and
 `<base>.dora_m` (n_out,) per pair; toymlx reads it (`load_adapter`, `apply_adapter`) and
 `toymlx.interop.merge.write_merged` fuses it into a plain GGUF that llama.cpp runs.
+
+mlx-lm's adapters (its folder, or its adapters.safetensors with adapter_config.json beside it)
+are read too, for a given base (`load_adapter(path, base)`: `toymlx.training.mlx_lm_adapter`),
+and written as an adapter GGUF for llama.cpp (`write_adapter_for`).
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ import numpy as np
 from mlx import nn
 
 from toymlx.bundle.checkpoint import checkpoint_file
-from toymlx.gguf.llama import gguf_to_toy, toy_to_gguf
+from toymlx.gguf.llama import gguf_to_toy, load_llama, toy_to_gguf
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import encode_tensor, write_gguf
 from toymlx.models.layers import BlockLinear, replace_submodule, submodule
-from toymlx.models.llama import Llama
+from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.lora import ADAPTER_KINDS, TARGETS, LoRALinear, base_dims, lora_layers
+from toymlx.training.mlx_lm_adapter import mlx_lm_files, read_mlx_lm_adapter
 
 
 def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str, Any],
@@ -104,8 +109,20 @@ class Adapter:
         return self.magnitudes[name][:, None] / np.linalg.norm(v, axis=1)[:, None] * v - w
 
 
-def load_adapter(path: str | os.PathLike) -> Adapter:
-    """Read and check a llama.cpp LoRA adapter GGUF (one-line GGUFError when it is not one)."""
+def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None) -> Adapter:
+    """Read and check a llama.cpp LoRA adapter GGUF (one-line GGUFError when it is not one),
+    or mlx-lm's adapter folder for a base of shape `base` (which says how llama's q/k rows
+    are ordered in the GGUF)."""
+    if mlx_lm_files(path) is not None:
+        if base is None:
+            raise ValueError(f"{path}: --adapter: expected an adapter GGUF here, found mlx-lm's "
+                             f"adapters; convert them for their base: toymlx-export --adapter "
+                             f"{path} --base BASE.gguf --out adapter.gguf")
+        m = read_mlx_lm_adapter(path, base)
+        meta = {"general.type": "adapter", "general.architecture": base.arch,
+                "adapter.type": m.kind, "adapter.lora.alpha": m.alpha,
+                "toy.mlx_lm_adapter": str(m.path)}
+        return Adapter(str(m.path), base.arch, m.alpha, m.pairs, meta, m.kind, m.magnitudes)
     path = checkpoint_file(path, "--adapter")
     g = GGUFFile(path)
     meta = g.metadata
@@ -200,8 +217,8 @@ def check_arch(ad: Adapter, arch: str) -> None:
 
 def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike) -> Llama:
     """Wrap `model`'s projections with the adapter's LoRA layers (a file or a run directory);
-    the adapter's architecture must be the model's."""
-    ad = load_adapter(path_or_run_dir)
+    the adapter's architecture must be the model's; mlx-lm's adapter folder too."""
+    ad = load_adapter(path_or_run_dir, model.args)
     check_arch(ad, model.args.arch)
     for name, (path, a, b) in _adapter_targets(model, ad).items():
         base = submodule(model, path)
@@ -223,9 +240,10 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
     """Copy an adapter file's A and B (and DoRA's m) into the model's existing LoRA layers:
     resume, or a new run started from an adapter (`--lora.init-adapter`).
 
-    The file must hold exactly the model's LoRA layers, of the same kind, ranks and alpha.
+    The file (or mlx-lm's adapter folder) must hold exactly the model's LoRA layers, of the
+    same kind, ranks and alpha.
     """
-    ad = load_adapter(path)
+    ad = load_adapter(path, model.args)
     check_arch(ad, model.args.arch)
     have = {toy_to_gguf(p + ".weight"): m for p, m in lora_layers(model).items()}
     kind = next((k for k, c in ADAPTER_KINDS.items()
@@ -243,9 +261,12 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
     for name, (_, a, b) in targets.items():
         m = have[name]
         if a.shape[0] != m.rank or (ad.alpha or a.shape[0]) != m.alpha:
+            hint = (f" (mlx-lm's lora_parameters rank {a.shape[0]} and scale "
+                    f"{ad.alpha / a.shape[0]:g}: --lora.alpha is scale x rank)"
+                    if "toy.mlx_lm_adapter" in ad.metadata else "")
             raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected rank {m.rank} and "
                             f"alpha {m.alpha} (this run's), found rank {a.shape[0]} and alpha "
-                            f"{ad.alpha}")
+                            f"{ad.alpha}{hint}")
         m.lora_a, m.lora_b = mx.array(a), mx.array(b)
         if ad.magnitudes is not None:
             if ad.magnitudes[name].shape != m.m.shape:
@@ -254,3 +275,19 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
             m.m = mx.array(ad.magnitudes[name])
     mx.eval(model.parameters())
 
+
+def write_adapter_for(out: str | os.PathLike, adapter: str | os.PathLike,
+                      base: str | os.PathLike) -> tuple[Path, str]:
+    """Write `adapter` (mlx-lm's folder, or any adapter `load_adapter` reads) as an adapter GGUF
+    for the base GGUF `base`, checked against it: llama.cpp's LoRA format (toymlx's for DoRA).
+    Returns (the file, its adapter.type)."""
+    model, g = load_llama(base, weights="blocks")
+    try:
+        meta = dict(g.metadata)
+    finally:
+        g.close()
+    apply_adapter(model, adapter)
+    m = next(iter(lora_layers(model).values()))
+    kind = next(k for k, c in ADAPTER_KINDS.items() if type(m) is c)
+    extra = {"toy.base": str(base), "toy.adapter_source": str(adapter)}
+    return write_adapter(out, model, meta, extra), kind

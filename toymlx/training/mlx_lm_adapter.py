@@ -1,0 +1,178 @@
+"""mlx-lm's LoRA and DoRA adapters (the folder `mlx_lm.lora` writes: adapters.safetensors and
+adapter_config.json) read for a GGUF base, in toymlx's adapter layout.
+
+mlx-lm's LoRALinear computes y = W x + scale (x A) B with A `lora_a` (n_in, r) and B `lora_b`
+(r, n_out), keyed by Hugging Face module paths (`model.layers.N.self_attn.q_proj.lora_a`); its
+`scale` is adapter_config.json's `lora_parameters.scale`, its blocks the last `num_layers`. Its
+DoRALinear adds `m` (n_out,) and computes what toymlx's `DoRALinear` computes. As toymlx's
+(and llama.cpp's) adapter that is A^T (r, n_in) and B^T (n_out, r) under the base tensor's
+llama.cpp name, with alpha = scale * r (their scale is alpha / r). mlx-lm trains on Hugging
+Face's layout: llama's q and k rows (B's rows, m) are permuted as llama.cpp's converter
+permuted the base's (`toymlx.gguf.llama.hf_rows_to_gguf`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from toymlx.gguf.llama import (
+    HF_TARGETS,
+    expected_shapes,
+    hf_permuted_heads,
+    hf_rows_to_gguf,
+    toy_to_gguf,
+)
+from toymlx.models.llama import LlamaArgs
+from toymlx.models.lora import TARGETS, block_targets
+
+ADAPTER_FILE = "adapters.safetensors"
+CONFIG_FILE = "adapter_config.json"
+_KEY = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.(\w+\.\w+)\.(lora_a|lora_b|m)")
+
+
+class MlxLmError(ValueError):
+    """An mlx-lm adapter toymlx cannot use; the message is one line naming file and key."""
+
+
+@dataclass(frozen=True)
+class MlxLmAdapter:
+    """An mlx-lm adapter in toymlx's layout: base tensor name -> (A (r, n_in), B (n_out, r))."""
+
+    path: Path
+    """its adapters.safetensors"""
+    kind: str
+    """lora or dora (adapter_config.json's fine_tune_type)"""
+    alpha: float
+    """scale * rank: toymlx's scale alpha / rank is mlx-lm's scale"""
+    pairs: dict[str, tuple[np.ndarray, np.ndarray]]
+    magnitudes: dict[str, np.ndarray] | None
+    """DoRA: base tensor name -> m (n_out,)"""
+
+
+def mlx_lm_files(path: str | os.PathLike) -> tuple[Path, Path] | None:
+    """(adapters.safetensors, adapter_config.json beside it) when `path` is mlx-lm's adapter
+    folder or a .safetensors file (mlx-lm's checkpoints are `0000100_adapters.safetensors`);
+    None for anything else (an adapter GGUF, a run folder)."""
+    p = Path(path)
+    if p.is_dir() and (p / ADAPTER_FILE).is_file():
+        return p / ADAPTER_FILE, p / CONFIG_FILE
+    if p.suffix == ".safetensors":
+        return p, p.parent / CONFIG_FILE
+    return None
+
+
+def _config(path: Path, weights: Path) -> tuple[str, int, float, int]:
+    """(fine_tune_type, rank, scale, num_layers) from adapter_config.json, each checked."""
+    if not path.is_file():
+        raise MlxLmError(f"{path}: expected mlx-lm's adapter config beside {weights.name} "
+                        "(mlx_lm.lora writes both; it gives lora_parameters.scale and rank), "
+                        "found no file; copy it from the adapter's folder")
+    try:
+        conf = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MlxLmError(f"{path}: expected JSON (mlx-lm's adapter config), found a file that "
+                        f"does not parse ({e})") from None
+    if not isinstance(conf, dict):
+        raise MlxLmError(f"{path}: expected a JSON mapping, found {type(conf).__name__}")
+    kind = conf.get("fine_tune_type", "lora")
+    if kind not in ("lora", "dora"):
+        raise MlxLmError(f"{path}: key 'fine_tune_type': expected 'lora' or 'dora' (an adapter), "
+                        f"found {kind!r}" + (" (a full fine-tune's weights, not an adapter)"
+                                             if kind == "full" else ""))
+    params = conf.get("lora_parameters")
+    if not isinstance(params, dict):
+        raise MlxLmError(f"{path}: key 'lora_parameters': expected a mapping with rank and scale, "
+                        f"found {json.dumps(params)}")
+    rank, scale = params.get("rank"), params.get("scale")
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+        raise MlxLmError(f"{path}: key 'lora_parameters.rank': expected an integer >= 1, found "
+                        f"{json.dumps(rank)}")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
+        raise MlxLmError(f"{path}: key 'lora_parameters.scale': expected a number > 0 (mlx-lm's "
+                        f"scale, toymlx's alpha / rank), found {json.dumps(scale)}")
+    layers = conf.get("num_layers", 16)
+    if not (isinstance(layers, int) and not isinstance(layers, bool)):
+        raise MlxLmError(f"{path}: key 'num_layers': expected an integer, found "
+                        f"{json.dumps(layers)}")
+    return kind, rank, float(scale), layers
+
+
+def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
+    """mlx-lm's adapter (its folder or adapters.safetensors, adapter_config.json beside it) in
+    toymlx's layout for a base of shape `a`; MlxLmError, one line naming the file and the key,
+    for a key toymlx cannot place or a shape that does not fit the base."""
+    files = mlx_lm_files(path)
+    if files is None:
+        raise MlxLmError(f"{path}: expected mlx-lm's adapter folder or its {ADAPTER_FILE}, found "
+                        "neither")
+    weights, config = files
+    kind, rank, scale, num_layers = _config(config, weights)
+    try:
+        raw = mx.load(str(weights), format="safetensors")
+    except (ValueError, RuntimeError, OSError) as e:
+        raise MlxLmError(f"{weights}: expected a safetensors file (mlx-lm's adapters), found one "
+                        f"that does not read ({e})") from None
+    first = max(a.n_layers - num_layers, 0) if num_layers > 0 else 0  # layers[-num_layers:]
+    have, shapes = block_targets(a), expected_shapes(a)
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    module_of: dict[str, str] = {}  # base tensor name -> the key's module path, for messages
+    for key in sorted(raw):
+        m = _KEY.fullmatch(key)
+        if m is None or m.group(2) not in HF_TARGETS:
+            raise MlxLmError(f"{weights}: key {key!r}: expected model.layers.N.<module>.lora_a, "
+                            f".lora_b (or DoRA's .m) with <module> one of "
+                            f"{', '.join(HF_TARGETS)}, found another key")
+        block, module, leaf = int(m.group(1)), m.group(2), m.group(3)
+        target = HF_TARGETS[module]
+        if block >= a.n_layers:
+            raise MlxLmError(f"{weights}: key {key!r}: expected a block of the base's "
+                             f"{a.n_layers} (0..{a.n_layers - 1}), found block {block} (wrong "
+                             "base?)")
+        if target not in have:
+            raise MlxLmError(f"{weights}: key {key!r}: expected a projection this {a.arch} base "
+                             f"has ({', '.join(k for k, v in HF_TARGETS.items() if v in have)})"
+                             f", found {module}")
+        if block < first:
+            raise MlxLmError(f"{weights}: key {key!r}: expected blocks {first}..{a.n_layers - 1} "
+                            f"(num_layers {num_layers} in {config.name}: the last {num_layers}), "
+                            f"found block {block}")
+        if leaf == "m" and kind != "dora":
+            raise MlxLmError(f"{weights}: key {key!r}: expected lora_a and lora_b only "
+                            f"(fine_tune_type {kind!r} in {config.name}), found DoRA's magnitude")
+        name = toy_to_gguf(f"layers.{block}.{TARGETS[target]}.weight")
+        n_out, n_in = shapes[name]
+        want = {"lora_a": (n_in, rank), "lora_b": (rank, n_out), "m": (n_out,)}[leaf]
+        arr = np.array(raw[key].astype(mx.float32))
+        if arr.shape != want:
+            raise MlxLmError(f"{weights}: key {key!r}: expected shape {want} (the base's "
+                            f"{name} ({n_out}, {n_in}), lora_parameters.rank {rank} in "
+                            f"{config.name}), found {arr.shape}")
+        halves.setdefault(name, {})[leaf] = arr
+        module_of[name] = key.rpartition(".")[0]
+    pairs, magnitudes = {}, {}
+    need = ("lora_a", "lora_b", "m") if kind == "dora" else ("lora_a", "lora_b")
+    for name, h in halves.items():
+        lost = next((x for x in need if x not in h), None)
+        if lost is not None:
+            raise MlxLmError(f"{weights}: key '{module_of[name]}.{lost}': expected "
+                            f"present (with {', '.join(sorted(h))}), found missing")
+        b = h["lora_b"].T  # (n_out, r)
+        heads = hf_permuted_heads(a, name)
+        if heads is not None:  # mlx-lm's rows are HF's; the base's were permuted
+            b = hf_rows_to_gguf(b, heads)
+            if "m" in h:
+                h["m"] = hf_rows_to_gguf(h["m"], heads)
+        pairs[name] = (np.ascontiguousarray(h["lora_a"].T), np.ascontiguousarray(b))
+        if kind == "dora":
+            magnitudes[name] = h["m"]
+    if not pairs:
+        raise MlxLmError(f"{weights}: keys: expected lora_a/lora_b pairs, found none")
+    return MlxLmAdapter(weights, kind, scale * rank, pairs, magnitudes if kind == "dora" else None)
+
