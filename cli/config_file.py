@@ -49,7 +49,7 @@ MLX_LM_KEYS = {
     "steps_per_eval": "--eval-every", "val_batches": "--eval-batches",
     "save_every": "--checkpoint-every", "resume_adapter_file": "--lora.init-adapter",
     "adapter_path": "--runs-root and --run-id (the run folder holds the adapters)",
-    "mask_prompt": "--data.mask-prompt", "train": "nothing (toymlx-train always trains)",
+    "mask_prompt": "--data.mask-prompt (with --data.train-turns last, as mlx-lm)", "train": "nothing (toymlx-train always trains)",
     "steps_per_report": "--report-every",
     "test_batches": "nothing (--test scores all of test.jsonl)",
     "optimizer": "--optimizer (the lora recipe)",

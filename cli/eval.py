@@ -226,9 +226,9 @@ def evaluate_images(args: Args, path: Path) -> dict:
 def evaluate_chat(args: Args, cfg: Any) -> dict:
     """Loss and perplexity of a LoRA run (base + adapter, or a full fine-tune's checkpoint) or a
     Llama checkpoint on chat/SFT examples, rows built as training built them (the run's
-    --seq-len, --data.mask-prompt, --data.pack): its validation rows (a data folder's
-    valid.jsonl, else the split training used), every row (--split all), or test.jsonl
-    (--split test: what `toymlx-train --test` records at the end of a run)."""
+    --seq-len, --data.mask-prompt, --data.train-turns, --data.pack): its validation rows (a
+    data folder's valid.jsonl, else the split training used), every row (--split all), or
+    test.jsonl (--split test: what `toymlx-train --test` records at the end of a run)."""
     import math
 
     from toymlx.backend.device import on_gpu
@@ -281,13 +281,14 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
                          "validation rows, no test set); give the test examples with --data.path")
     seq_len = seq_len or getattr(cfg, "seq_len", None) or 256
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
+    turns = data.get("train_turns", "assistant")
     if split == "test":
         f = test_file(path)
-        rows, fit = fitted_rows(load_examples(f), tok, seq_len, mask, pack)
+        rows, fit = fitted_rows(load_examples(f), tok, seq_len, mask, pack, turns)
         source = str(f)
     else:
         sft = SFTData.from_file(path or DEFAULT_DATA, tok, seq_len, mask, pack,
-                                data.get("val_fraction", 0.1))
+                                data.get("val_fraction", 0.1), turns=turns)
         rows, source, fit = sft.val, sft.source, sft.fits["validation"]
         if split == "all":
             rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}

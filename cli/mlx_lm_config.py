@@ -6,8 +6,10 @@ learning_rate, num_layers, lora_parameters, ...), no fewer than keys only toymlx
 and the keys it leaves out take mlx-lm's defaults (`MLX_LM_DEFAULTS`, as mlx_lm/lora.py's
 CONFIG_DEFAULTS has them; mlx-lm 0.32), as do the settings mlx-lm fixes without a key
 (`MLX_LM_FIXED`: no gradient clipping, one example a row, LoRA on every linear layer, Adam's
-beta2 0.999, no warm-up). `mlx_lm_options` returns the options and the table printed at start
-(mlx-lm key, toymlx option, value, where it came from). A key toymlx cannot honour is one line
+beta2 0.999, no warm-up, AdamW's decay on every trained array, a conversation's last message
+trained under mask_prompt, a validation pass before the first step). `mlx_lm_options` returns
+the options and the table printed at start (mlx-lm key, toymlx option, value, where it came
+from). A key toymlx cannot honour is one line
 naming it: refused where it changes what is trained, noted where it does not. toymlx's own
 config files are not read here.
 """
@@ -38,9 +40,12 @@ MLX_LM_DEFAULTS: dict[str, Any] = {
 """mlx_lm/lora.py's CONFIG_DEFAULTS for the keys that change what is trained."""
 MLX_LM_FIXED: dict[str, Any] = {"grad_clip": 0.0, "data.pack": False, "beta1": 0.9,
                                 "beta2": 0.999, "warmup": 0, "weight_decay": 0.0,
-                                "lr_schedule": "constant"}
+                                "lr_schedule": "constant", "weight_decay_scope": "all",
+                                "data.train_turns": "last", "eval_at_start": True}
 """What mlx-lm trains with and has no key for (its trainer does not clip, batches one
-example a row; MLX's Adam betas), where toymlx's lora recipe has another default."""
+example a row, validates at iteration 1 before any update; MLX's Adam betas, and its AdamW's
+decay on every trained array; mask_prompt trains a conversation's last message), where
+toymlx's lora recipe has another default."""
 _NOTED = {
     "train": "toymlx-train always trains",
     "test_batches": "toymlx's --test scores all of test.jsonl",
@@ -138,9 +143,6 @@ def mlx_lm_options(data: dict[str, Any], source: str
     # --seq-len counts targets (a row holds seq_len + 1 tokens)
     put("max_seq_length", "seq_len", given["max_seq_length"] - 1)
     notes += _micro_steps(given, set(data), source, put)
-    notes.append(f"{source}: key 'steps_per_eval': toymlx validates every --eval-every steps and "
-                 "at the end, not also before the first step as mlx-lm does (its iteration 1 "
-                 "val loss, the untrained model's, is not computed)")
     _want(source, "num_layers", _int(given["num_layers"]) and given["num_layers"] >= -1,
           "an integer >= -1 (-1: every block)", given["num_layers"])
     if given["fine_tune_type"] == "full":
@@ -160,11 +162,6 @@ def mlx_lm_options(data: dict[str, Any], source: str
     if "lr_schedule" in data:
         _schedule(data["lr_schedule"], source, put)
     _optimizer_config(data.get("optimizer_config"), given["optimizer"], source, put)
-    if given["optimizer"] == "adamw" and given["fine_tune_type"] != "lora":
-        notes.append(f"{source}: key 'optimizer': adamw's weight decay falls on matrices only "
-                     f"(mlx-lm's AdamW also decays the {given['fine_tune_type']} run's "
-                     + ("DoRA magnitudes" if given["fine_tune_type"] == "dora"
-                        else "norms and biases") + ")")
     if "model" in data:
         put("model", "base", _model(data["model"], source))
     if "hf_dataset" in data:
@@ -177,9 +174,6 @@ def mlx_lm_options(data: dict[str, Any], source: str
               "a folder name", p)
         put("adapter_path", "runs_root", str(Path(p).parent))
         put("adapter_path", "run_id", Path(p).name)
-    if given["mask_prompt"] is True:
-        notes.append(f"{source}: key 'mask_prompt': a messages record trains every assistant "
-                     "turn (mlx-lm trains its last message only)")
     if data.get("report_to"):
         put("report_to", "report_to", _report_to(data["report_to"], source))
     if data.get("resume_adapter_file") is not None:

@@ -201,6 +201,28 @@ def test_a_config_format_2_bundle_resumes_with_report_every_s_default(tmp_path, 
     assert "step 6/6: train loss " in capsys.readouterr().out  # at the last step
 
 
+def test_a_config_format_5_lora_run_takes_the_options_6_added_at_their_defaults():
+    """--weight-decay-scope, --eval-at-start and --data.train-turns came with config.json format
+    6: a format-5 file lacks them (one inside `data`) and reads as those runs trained; a format-6
+    file without one is damage, named by its key and flag."""
+    import dataclasses
+
+    from toymlx.bundle.folder import added_since
+    from toymlx.bundle.options import RunError, config_from_dict
+    from toymlx.recipes import lora
+
+    d = json.loads(json.dumps(dataclasses.asdict(lora.Config(base="b.gguf"))))  # as saved
+    del d["weight_decay_scope"], d["eval_at_start"], d["data"]["train_turns"]
+    cfg = config_from_dict(lora.Config, d, "c.json", optional=added_since(5))
+    assert (cfg.weight_decay_scope, cfg.eval_at_start, cfg.data.train_turns) == (
+        "matrices", False, "assistant")
+    with pytest.raises(RunError) as e:
+        config_from_dict(lora.Config, d, "c.json", optional=added_since(6))
+    assert str(e.value) == ("c.json: key 'config.data.train_turns': expected the run's saved "
+                            "--data.train-turns value, found no key; put it back as the run's "
+                            "run_start event records it")
+
+
 # ---- B4 ---------------------------------------------------------------------------------------
 PARENT = textwrap.dedent("""
     import hashlib, subprocess, sys, threading

@@ -521,6 +521,36 @@ def test_smollm2_template_default_system_turn_is_not_trained():
     assert mask == [0] * (len(ids) - 7) + [1] * 7
 
 
+@pytest.mark.parametrize("last_role", ["assistant", "user"])
+def test_train_turns_last_trains_the_positions_mlx_lm_trains(last_role):
+    """--data.train-turns last on a 2-turn conversation (SmolLM2's template): the trained token
+    positions are mlx-lm's (ChatDataset.process under --mask-prompt): every token from the
+    offset, the length of the rendered messages[:-1] (with the generation prompt when the last
+    role is the assistant's), to the end; the default trains both assistant turns."""
+    tok = FakeTokenizer(SMOLLM2_TEMPLATE, add_bos=False)
+    msgs = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "two"})
+    if last_role == "user":
+        msgs = (*msgs, {"role": "user", "content": "bye"})
+    ex = Example("f:1", messages=msgs)
+    # mlx-lm's rule, computed here: tokens of the whole render, offset of the prefix's
+    theirs = tok.encode(tok.apply_chat_template(list(msgs), add_generation_prompt=False),
+                        add_bos=False)
+    offset = len(tok.encode(tok.apply_chat_template(
+        list(msgs[:-1]), add_generation_prompt=msgs[-1]["role"] == "assistant"), add_bos=False))
+    ids, mask = tokenize_example(ex, tok, True, turns="last")
+    assert ids == theirs
+    assert [i for i, m in enumerate(mask) if m] == list(range(offset, len(ids)))
+    want = "two<|im_end|>\n" if last_role == "assistant" else "<|im_start|>user\nbye<|im_end|>\n"
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == want
+    assert offset == len(ids) - len(tok.encode(want, add_bos=False))
+    ids2, every = tokenize_example(ex, tok, True)  # toymlx's default: every assistant turn
+    assert ids2 == ids
+    assert tok.decode([i for i, m in zip(ids, every, strict=True) if m]) == (
+        "one<|im_end|>\ntwo<|im_end|>\n")
+    assert tokenize_example(ex, tok, False, turns="last") == (ids, [1] * len(ids))
+
+
 def test_data_folder_in_mlx_lm_layout(tmp_path):
     """train.jsonl / valid.jsonl / test.jsonl: each file is its split, none cut from another."""
     tok = FakeTokenizer(chat_template=None)

@@ -87,20 +87,25 @@ def test_a_config_run_trains_as_mlx_lm_reads_it(tmp_path, base, data, capsys):
     assert rows[("lora_parameters.scale", "--lora.alpha")] == ["40.0", "file"]
     assert rows[("mask_prompt", "--data.mask-prompt")] == ["false", "mlx-lm", "default"]
     assert rows[("(none)", "--grad-clip")] == ["0.0", "mlx-lm's,", "fixed"]
+    assert rows[("(none)", "--data.train-turns")] == ["last", "mlx-lm's,", "fixed"]
+    assert rows[("(none)", "--weight-decay-scope")] == ["all", "mlx-lm's,", "fixed"]
+    assert rows[("(none)", "--eval-at-start")] == ["true", "mlx-lm's,", "fixed"]
     saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
     want = {"steps": 3, "lr": 1e-4, "batch_size": 2, "seq_len": 63, "eval_every": 3,
             "eval_batches": 1, "checkpoint_every": 3, "report_every": 10, "seed": 0,
             "optimizer": "adam", "lr_schedule": "constant", "beta1": 0.9, "beta2": 0.999,
             "warmup": 0, "grad_clip": 0.0, "weight_decay": 0.0, "grad_accum": 1,
-            "fine_tune_type": "lora", "base": str(base), "test": False}
+            "fine_tune_type": "lora", "base": str(base), "test": False,
+            "weight_decay_scope": "all", "eval_at_start": True}
     assert {k: saved[k] for k in want} == want
     assert saved["lora"] == {"rank": 4, "alpha": 40.0, "dropout": 0.0, "targets": "q,down",
                              "layers": 1, "init_adapter": None}
     assert saved["data"]["pack"] is False and saved["data"]["mask_prompt"] is False
+    assert saved["data"]["train_turns"] == "last"
     events = read_events(tmp_path / "runs" / "r")
     assert [e["lr"] for e in events if e["kind"] == "step"] == pytest.approx([1e-4] * 3,
                                                                             rel=1e-6)
-    assert [e["step"] for e in events if e["kind"] == "eval"] == [3]
+    assert [e["step"] for e in events if e["kind"] == "eval"] == [0, 3]
 
 
 def test_the_table_shows_what_the_command_line_gives_over_the_file(tmp_path, base, data,
@@ -384,7 +389,7 @@ def test_grad_accumulation_counts_mlx_lm_s_micro_batches(tmp_path, base, data, c
     events = read_events(tmp_path / "runs" / "r")
     assert [e["lr"] for e in events if e["kind"] == "step"] == pytest.approx(
         [float(build_schedule(sched)(mx.array(u - 1))) for u in updates], rel=1e-6)
-    assert [e["step"] for e in events if e["kind"] == "eval"] == [2, 3]
+    assert [e["step"] for e in events if e["kind"] == "eval"] == [0, 2, 3]
     rows = {tuple(x.split()[:2]): x.split()[2:] for x in out.splitlines()}
     assert rows[("iters", "--steps")] == ["3", "file", "/", "grad_accumulation_steps", "2"]
     assert [x for x in err.splitlines() if "micro-batch" in x] == [
@@ -487,32 +492,65 @@ def test_a_run_resumes_mlx_lm_s_own_adapters(tmp_path, base, data, capsys):
     assert first == pytest.approx(adapted, abs=1e-5) and abs(adapted - plain) > 1e-2
 
 
-def test_what_toymlx_does_otherwise_than_mlx_lm_is_noted():
-    """MLX's AdamW (mlx-lm's adamw) decays every trainable array; toymlx's decays matrices only,
-    so a DoRA magnitude (or a full fine-tune's norm) differs; and mlx-lm validates at iteration 1
-    too. Both were silent."""
-    cfg = _cfg(optimizer="adamw", fine_tune_type="dora")
-    w = {"m": mx.ones((4,)), "w": mx.ones((4, 4))}
-    grads = {"m": mx.zeros((4,)), "w": mx.zeros((4, 4))}
-    ours, theirs = lora.make_optimizer(cfg), optim.AdamW(learning_rate=cfg.lr, weight_decay=0.01)
-    a, b = ours.apply_gradients(grads, w), theirs.apply_gradients(grads, w)
-    assert float(a["m"][0]) == 1.0 and float(b["m"][0]) == pytest.approx(1 - 1e-5 * 0.01)
-    assert float(a["w"][0, 0]) == pytest.approx(float(b["w"][0, 0]))
-    _, _, notes = mlx_lm_options({"iters": 2, "optimizer": "adamw", "fine_tune_type": "dora"},
-                                 "f.yaml")
-    assert notes == [
-        ("f.yaml: key 'steps_per_eval': toymlx validates every --eval-every steps and at the "
-         "end, not also before the first step as mlx-lm does (its iteration 1 val loss, the "
-         "untrained model's, is not computed)"),
-        ("f.yaml: key 'optimizer': adamw's weight decay falls on matrices only (mlx-lm's AdamW "
-         "also decays the dora run's DoRA magnitudes)")]
-    assert mlx_lm_options({"iters": 2, "optimizer": "adamw"}, "f.yaml")[2] == notes[:1]
+class _Scaled(nn.Module):
+    """A matrix and a vector (a DoRA magnitude's shape, or a norm's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = mx.arange(16, dtype=mx.float32).reshape(4, 4) / 16
+        self.m = mx.array([1.0, 2.0, 3.0, 4.0])
+
+    def __call__(self, x):
+        return (x @ self.w.T) * self.m
 
 
-def test_mask_prompt_on_a_conversation_is_noted_where_mlx_lm_trains_less():
+def _one_step(make_opt) -> dict[str, np.ndarray]:
+    """The weights after one compiled toymlx step (`step.make_step`) with `make_opt()`."""
+    from toymlx.training.step import make_step
+
+    model = _Scaled()
+
+    def loss_fn(m, batch):
+        return (m(batch["x"]) ** 2).mean(), mx.array(1)
+
+    opt = make_opt()
+    step = make_step(model, loss_fn, opt, grad_clip=0.0, compile=True)
+    mx.eval(step({"x": mx.linspace(-1, 1, 12).reshape(1, 3, 4)}), model.state, opt.state)
+    return {k: np.array(v) for k, v in model.parameters().items()}
+
+
+def test_adamw_decays_every_trained_array_as_mlx_lm_s():
+    """mlx-lm's adamw is MLX's AdamW on every trained array: the file maps it to
+    --weight-decay-scope all, and one compiled step moves a vector (a DoRA magnitude, a full
+    run's norm) as MLX's AdamW does; toymlx's default (matrices) leaves it undecayed, which the
+    file used to do with a note."""
+    cfg = _cfg(optimizer="adamw", fine_tune_type="dora", learning_rate=1e-2,
+               optimizer_config={"adamw": {"weight_decay": 0.1}})
+    assert cfg.weight_decay_scope == "all" and lora.Config().weight_decay_scope == "matrices"
+
+    def mlx_s():
+        return optim.AdamW(learning_rate=1e-2, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.1)
+
+    ours, theirs = _one_step(lambda: lora.make_optimizer(cfg)), _one_step(mlx_s)
+    np.testing.assert_allclose(ours["m"], theirs["m"], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(ours["w"], theirs["w"], rtol=1e-6, atol=0)
+    import dataclasses
+
+    matrices = _one_step(lambda: lora.make_optimizer(
+        dataclasses.replace(cfg, weight_decay_scope="matrices")))
+    # decoupled decay: MLX's AdamW takes lr * wd * m off the vector besides its Adam update
+    np.testing.assert_allclose(theirs["m"] - matrices["m"], -1e-3 * np.array([1, 2, 3, 4]),
+                               rtol=1e-3)
+    np.testing.assert_array_equal(matrices["w"], ours["w"])
+    assert mlx_lm_options({"iters": 2, "optimizer": "adamw", "fine_tune_type": "dora"},
+                          "f.yaml")[2] == []
+
+
+def test_mask_prompt_on_a_conversation_trains_mlx_lm_s_last_message():
     """mlx-lm's ChatDataset with mask_prompt trains from the offset of the last message only;
-    toymlx trains every assistant turn: a 2-turn record's first answer is trained here and not
-    there. The difference was silent; it is a note."""
+    toymlx's default trains every assistant turn. The file maps mask_prompt to
+    --data.train-turns last, whose trained positions are mlx-lm's own (its ChatDataset run on
+    the same template and tokenizer); it used to be a note."""
     from mlx_lm.tuner.datasets import ChatDataset
 
     from toymlx.data.chat import Example, tokenize_example
@@ -525,12 +563,63 @@ def test_mask_prompt_on_a_conversation_is_noted_where_mlx_lm_trains_less():
             {"role": "user", "content": "again"}, {"role": "assistant", "content": "two"}]
     ids, offset = ChatDataset([{"messages": msgs}], _AsHuggingFace(tok),
                               mask_prompt=True).process({"messages": msgs})
-    ours, mask = tokenize_example(Example(messages=tuple(msgs), source="t"), tok, True)
+    cfg = _cfg(mask_prompt=True)
+    assert cfg.data.mask_prompt is True and cfg.data.train_turns == "last"
+    ours, mask = tokenize_example(Example(messages=tuple(msgs), source="t"), tok, True,
+                                  turns=cfg.data.train_turns)
     assert list(ours) == ids
-    trained_by_mlx_lm = tok.decode(ids[offset:])
-    trained_here = tok.decode([t for t, m in zip(ours, mask) if m])
-    assert "one" not in trained_by_mlx_lm and "one" in trained_here and "two" in trained_by_mlx_lm
-    notes = mlx_lm_options({"iters": 2, "mask_prompt": True}, "f.yaml")[2]
-    assert notes[-1] == ("f.yaml: key 'mask_prompt': a messages record trains every assistant "
-                         "turn (mlx-lm trains its last message only)")
-    assert not any("mask_prompt" in n for n in mlx_lm_options({"iters": 2}, "f.yaml")[2])
+    assert [i for i, m in enumerate(mask) if m] == list(range(offset, len(ids)))
+    assert ids[offset:] == tok.encode("two</s>", add_bos=False)
+    _, every = tokenize_example(Example(messages=tuple(msgs), source="t"), tok, True)
+    assert [t for t, m in zip(ours, every) if m] == tok.encode("one</s>two</s>", add_bos=False)
+    assert lora.Config().data.train_turns == "assistant"
+    assert not any("mask_prompt" in n for n in mlx_lm_options({"iters": 2, "mask_prompt": True},
+                                                                "f.yaml")[2])
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    """A data folder of 2-turn conversations."""
+    root = tmp_path_factory.mktemp("chats")
+    for split, n in (("train", 8), ("valid", 5)):
+        rows = [{"messages": [{"role": "user", "content": f"hi {i}"},
+                              {"role": "assistant", "content": f"one {i * 7}"},
+                              {"role": "user", "content": "again?"},
+                              {"role": "assistant", "content": f"two {i * 3}"}]}
+                for i in range(n)]
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def test_a_config_run_validates_the_base_before_step_1_once(tmp_path, base, chats, capsys):
+    """mlx-lm validates at iteration 1, before any update: the file turns --eval-at-start on,
+    whose step-0 eval event holds the base's val loss, the one toymlx-eval scores for the base
+    on the run's validation rows; a resume, from a checkpoint or from step_0 (which keeps the
+    step-0 event), does not repeat it."""
+    from toymlx_cli.eval import Args, evaluate_chat
+
+    from toymlx.runner.bundle import Bundle
+
+    run = tmp_path / "runs" / "r"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(base), "data": str(chats), "iters": 4, "batch_size": 2, "mask_prompt": True,
+        "learning_rate": 1e-3, "num_layers": 1, "steps_per_eval": 2, "val_batches": -1,
+        "max_seq_length": 64, "save_every": 2, "adapter_path": str(run)}))
+    assert main(["-c", str(path), "--no-progress", "--stop-at", "2"]) == 0
+    evals = [e for e in read_events(run) if e["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 2]
+    steps = [e for e in read_events(run) if e["kind"] == "step"]
+    assert evals[0]["t"] < steps[0]["t"]
+    cfg = Bundle.open(run).config
+    assert (cfg.eval_at_start, cfg.data.train_turns) == (True, "last")
+    base_loss = evaluate_chat(Args(model=str(base), split="val"), cfg)["val_loss"]
+    assert evals[0]["val_loss"] == pytest.approx(base_loss, abs=1e-5)
+    assert abs(evals[1]["val_loss"] - base_loss) > 1e-3  # step 2's: trained
+    assert main(["--resume", str(run), "--no-progress"]) == 0
+    assert [e["step"] for e in read_events(run) if e["kind"] == "eval"] == [0, 2, 4]
+    assert main(["--resume", str(run), "--from", "step_0", "--no-progress"]) == 0
+    again = [e for e in read_events(run) if e["kind"] == "eval"]
+    assert [e["step"] for e in again] == [0, 2, 4]
+    assert again[0] == evals[0]  # the kept event, not a second pass
+    capsys.readouterr()

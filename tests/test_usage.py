@@ -44,6 +44,10 @@ def only_line(capsys) -> str:
                                      "'fulll'")),
     (["--optimizer", "adamx"], ("--optimizer: expected one of adamw, adam, sgd, adafactor, "
                                 "muon, got 'adamx'")),
+    (["--data.train-turns", "first"], ("--data.train-turns: expected one of assistant, last, "
+                                       "got 'first'")),
+    (["--weight-decay-scope", "vectors"], ("--weight-decay-scope: expected one of matrices, "
+                                           "all, got 'vectors'")),
     # a bad bool: a flag given a value, either spelling
     (["--compile=maybe"], ("--compile: expected no value (a flag; --no-compile sets it false), "
                            "got 'maybe'")),
@@ -77,6 +81,27 @@ def test_help_is_still_tyros_full_help(capsys):
                  "--compile, --no-compile"):
         assert flag in out, flag
     assert "Optimizer steps to train for" in out  # the field docstrings, as help
+
+
+def test_mlx_lm_s_ways_are_options_with_help(capsys):
+    """What an mlx-lm config file sets for mlx-lm's meaning is an option of its own, with its
+    choices, default and docstring in --help: the turns a conversation trains, what AdamW
+    decays, the validation before step 1."""
+    with pytest.raises(SystemExit):
+        main(["--recipe", "lora", "--help"])
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    for text in (("--data.train-turns {assistant,last} With --data.mask-prompt, which messages "
+                  "of a `messages` record train: assistant: every assistant turn; last: the "
+                  "last message only"),
+                 "(default: assistant)",
+                 ("--weight-decay-scope {matrices,all} What AdamW's --weight-decay falls on: "
+                  "matrices (not norms, biases or DoRA magnitudes) or all (every trained "
+                  "array, as MLX's AdamW and mlx-lm's adamw decay). (default: matrices)"),
+                 ("--eval-at-start, --no-eval-at-start Also validate before the first step: "
+                  "the untrained model's figures, as the step-0 eval event (mlx-lm's "
+                  "iteration-1 val loss); a resume past step 0 does not repeat it. "
+                  "(default: False)")):
+        assert text in out, text
 
 
 @pytest.mark.parametrize("module,args,want", [

@@ -23,6 +23,9 @@ class RunOptions:
 
     eval_every: int = 50
     """Steps between validation passes (0: only at the end)."""
+    eval_at_start: bool = False
+    """Also validate before the first step: the untrained model's figures, as the step-0 eval
+    event (mlx-lm's iteration-1 val loss); a resume past step 0 does not repeat it."""
     report_every: int = 10
     """Steps between report lines on stdout (step, train loss, learning rate, steps/s,
     throughput, trained tokens or images, peak memory; mlx-lm's --steps-per-report), printed
@@ -206,7 +209,8 @@ def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
     the found value. config.json is written whole when a run starts, so a missing key is damage:
     taking its default would train another run under this one's name. `complete=False` (a
     config file given with -c, which sets only some options) lets the others take defaults;
-    `optional` names the top-level keys that may be missing (added after the file's format)."""
+    `optional` names the keys that may be missing (added after the file's format), dotted
+    (`data.train_turns`) for one of a group of options."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kw = {}
@@ -215,6 +219,10 @@ def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
             raise RunError(f"{source}: key {prefix + k!r}: expected an option of this recipe, "
                            "found an unknown key (written for another recipe, or by a newer "
                            "toymlx?)")
+        inner = frozenset(o.split(".", 1)[1] for o in optional if o.startswith(k + "."))
+        if inner and dataclasses.is_dataclass(hints[k]) and isinstance(v, dict):
+            kw[k] = config_from_dict(hints[k], v, source, prefix + k + ".", complete, inner)
+            continue
         try:
             kw[k] = _coerce(hints[k], v, prefix + k, source, complete)
         except _Mismatch as m:
@@ -225,7 +233,8 @@ def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
     missing = [k for k in names if k not in d and k not in optional]
     if missing and complete:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        flag = flag_name((prefix + missing[0]).removeprefix("config."))  # --data.path's own
         raise RunError(f"{source}: key {prefix + missing[0]!r}: expected the run's saved "
-                       f"{flag_name(missing[0])} value, found no key{more}; put it back as the "
+                       f"{flag} value, found no key{more}; put it back as the "
                        "run's run_start event records it")
     return cls(**kw)

@@ -64,6 +64,9 @@ __all__ = [
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
+TURNS = ("assistant", "last")
+"""Which messages of a conversation train under mask_prompt: every assistant turn (toymlx's),
+or the last message (mlx-lm's)."""
 TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("name", "tool_call_id")}
 SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
 
@@ -367,15 +370,18 @@ def template_takes_tools(template: str) -> bool:
 
 def _tokenize_messages(
     messages: Sequence[dict[str, Any]], tokenizer: ChatTokenizer, mask_prompt: bool, source: str,
-    tools: Sequence[dict[str, Any]] | None = None,
+    tools: Sequence[dict[str, Any]] | None = None, turns: str = "assistant",
 ) -> tuple[list[int], list[int]]:
-    """Render with the chat template; train only assistant turns when `mask_prompt`.
+    """Render with the chat template; with `mask_prompt`, train only the `turns` (`TURNS`).
 
-    Assistant turn i spans the characters from the end of
+    assistant: turn i spans the characters from the end of
     `render(messages[:i], add_generation_prompt=True)` (so the header announcing the
     assistant is not trained) to the end of `render(messages[:i+1], False)` (so its content
-    and end-of-turn token are). Both renders must be string prefixes of the full render;
-    a template that rewrites earlier turns (e.g. stripping reasoning) fails loudly here.
+    and end-of-turn token are). last (mlx-lm's ChatDataset under --mask-prompt): one span from
+    the end of `render(messages[:-1], add_generation_prompt=<the last role is assistant>)` to
+    the end of the conversation, whatever the last message's role. Each render must be a
+    string prefix of the full render; a template that rewrites earlier turns (e.g. stripping
+    reasoning) fails loudly here.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{source}: 'messages' examples need a tokenizer with a chat template, "
@@ -395,18 +401,28 @@ def _tokenize_messages(
         ids = list(tokenizer.encode(full, add_bos=False))
         return ids, [1] * len(ids)
     spans: list[tuple[int, int]] = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], True, source, tools)
-        upto = _render(tokenizer, messages[: i + 1], False, source, tools)
-        prev_end = spans[-1][1] if spans else 0
-        if not (full.startswith(before) and full.startswith(upto)
-                and prev_end <= len(before) <= len(upto)):
+    if turns == "last":
+        before = _render(tokenizer, messages[:-1], messages[-1]["role"] == "assistant", source,
+                         tools)
+        if not full.startswith(before):
             raise DataError(f"{source}: chat template renders message prefixes inconsistently, "
-                            f"so assistant turn messages[{i}] cannot be located; "
-                            f"set mask_prompt=False to train on the whole conversation")
-        spans.append((len(before), len(upto)))
+                            f"so the last message messages[{len(messages) - 1}] cannot be "
+                            f"located; set mask_prompt=False to train on the whole conversation")
+        spans.append((len(before), len(full)))
+    else:
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = _render(tokenizer, messages[:i], True, source, tools)
+            upto = _render(tokenizer, messages[: i + 1], False, source, tools)
+            prev_end = spans[-1][1] if spans else 0
+            if not (full.startswith(before) and full.startswith(upto)
+                    and prev_end <= len(before) <= len(upto)):
+                raise DataError(f"{source}: chat template renders message prefixes "
+                                f"inconsistently, so assistant turn messages[{i}] cannot be "
+                                f"located; set mask_prompt=False to train on the whole "
+                                f"conversation")
+            spans.append((len(before), len(upto)))
     cuts = sorted({0, len(full), *(c for span in spans for c in span)})
     ids: list[int] = []
     mask: list[int] = []
@@ -419,7 +435,7 @@ def _tokenize_messages(
 
 
 def tokenize_example(
-    example: Example, tokenizer: ChatTokenizer, mask_prompt: bool
+    example: Example, tokenizer: ChatTokenizer, mask_prompt: bool, turns: str = "assistant"
 ) -> tuple[list[int], list[int]]:
     """Token ids and a same-length target loss mask (1 = train on predicting this token).
 
@@ -428,8 +444,9 @@ def tokenize_example(
       assistant=completion; without one, `encode(prompt)` + `encode(completion)` + EOS,
       tokenized separately so the boundary is exact. `mask_prompt` trains the completion
       (and EOS) only.
-    - messages: the chat template; `mask_prompt` trains assistant turns only (content and
-      end-of-turn tokens, not the header that announces the assistant).
+    - messages: the chat template; `mask_prompt` trains the `turns`: every assistant turn
+      (content and end-of-turn tokens, not the header that announces the assistant), or the
+      last message only (mlx-lm's rule; see `_tokenize_messages`).
     """
     if example.text is not None:
         ids = list(tokenizer.encode(example.text)) + [tokenizer.eos_id]
@@ -446,7 +463,7 @@ def tokenize_example(
         return prompt + completion, [int(not mask_prompt)] * len(prompt) + [1] * len(completion)
     assert example.messages is not None
     return _tokenize_messages(example.messages, tokenizer, mask_prompt, example.source,
-                              example.tools)
+                              example.tools, turns)
 
 
 # ------------------------------------------------------------------------------- rows
@@ -739,9 +756,11 @@ class SFTData:
         mask_prompt: bool = True,
         pack: bool = False,
         source: str = "<examples>",
+        turns: str = "assistant",
     ) -> SFTData:
-        """Tokenize and build rows; the pad id is the tokenizer's EOS (always under mask 0)."""
-        rows, fit = fitted_rows(train, tokenizer, seq_len, mask_prompt, pack)
+        """Tokenize and build rows (`turns`: which messages train, `TURNS`); the pad id is the
+        tokenizer's EOS (always under mask 0)."""
+        rows, fit = fitted_rows(train, tokenizer, seq_len, mask_prompt, pack, turns)
         if len(rows["inputs"]) == 0:
             if fit.untrained == fit.examples:
                 raise DataError(f"{source}: no training example has a trained token: no "
@@ -750,7 +769,7 @@ class SFTData:
             raise DataError(f"{source}: no training example has a trained token within its "
                             f"first seq_len+1 = {seq_len + 1} tokens; raise seq_len, shorten "
                             f"prompts, or set mask_prompt=False")
-        val_rows, val_fit = fitted_rows(val, tokenizer, seq_len, mask_prompt, pack)
+        val_rows, val_fit = fitted_rows(val, tokenizer, seq_len, mask_prompt, pack, turns)
         return cls(rows, val_rows, source, fit.truncated, pack=pack,
                    fits={"train": fit, "validation": val_fit}, seq_len=seq_len)
 
@@ -764,10 +783,12 @@ class SFTData:
         pack: bool = False,
         val_fraction: float = 0.1,
         val_path: str | Path | None = None,
+        turns: str = "assistant",
     ) -> SFTData:
         """Load `path` (a file, or an mlx-lm data folder: `data_files`); validation is
         `val_path` or the folder's valid.jsonl if given, else the last `val_fraction` of the
-        training file; a folder's test.jsonl becomes `test`."""
+        training file; a folder's test.jsonl becomes `test`; every split's rows as `turns`
+        says (`TURNS`)."""
         files = data_files(path)
         val_path = val_path if val_path is not None else files.valid
         examples = load_examples(files.train)
@@ -776,10 +797,12 @@ class SFTData:
         else:
             train, val = split_examples(examples, val_fraction)
         source = str(files.train) if val_path is None else f"{files.train} + {val_path}"
-        data = cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack, source)
+        data = cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack, source,
+                                 turns)
         if files.test is None:
             return data
-        test, fit = fitted_rows(load_examples(files.test), tokenizer, seq_len, mask_prompt, pack)
+        test, fit = fitted_rows(load_examples(files.test), tokenizer, seq_len, mask_prompt, pack,
+                                turns)
         return dataclasses.replace(data, test=test, test_source=str(files.test),
                                    fits={**data.fits, "test": fit})
 
@@ -829,14 +852,16 @@ class SFTData:
 
 
 def held_out_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: int,
-                  mask_prompt: bool = True, pack: bool = False) -> dict[str, np.ndarray]:
+                  mask_prompt: bool = True, pack: bool = False, turns: str = "assistant"
+                  ) -> dict[str, np.ndarray]:
     """Rows of validation or test examples, built as the training rows are."""
-    return fitted_rows(examples, tokenizer, seq_len, mask_prompt, pack)[0]
+    return fitted_rows(examples, tokenizer, seq_len, mask_prompt, pack, turns)[0]
 
 
 def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: int,
-                mask_prompt: bool = True, pack: bool = False
+                mask_prompt: bool = True, pack: bool = False, turns: str = "assistant"
                 ) -> tuple[dict[str, np.ndarray], Fit]:
-    """`pack_or_pad` rows of `examples` and how they fit (`Fit`: what was cut or left out)."""
-    seqs = [tokenize_example(e, tokenizer, mask_prompt) for e in examples]
+    """`pack_or_pad` rows of `examples` and how they fit (`Fit`: what was cut or left out);
+    `turns` as `tokenize_example`'s."""
+    seqs = [tokenize_example(e, tokenizer, mask_prompt, turns) for e in examples]
     return pack_or_pad(seqs, seq_len, tokenizer.eos_id, pack), Fit.of(seqs, seq_len, pack)

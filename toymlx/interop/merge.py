@@ -133,7 +133,8 @@ def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
         tok = Tokenizer.from_metadata(g.metadata, source=str(base))
     cfg = bundle.config
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
-                             cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction)
+                             cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
+                             turns=cfg.data.train_turns)
     model, g = load_llama(base)
     g.close()
     apply_adapter(model, ad_path)

@@ -119,6 +119,11 @@ class ChatDataOptions:
     toymlx/fixtures/python_qa/."""
     mask_prompt: bool = True
     """Train on the answers only (prompts and chat headers get no loss)."""
+    train_turns: Literal["assistant", "last"] = "assistant"
+    """With --data.mask-prompt, which messages of a `messages` record train: assistant: every
+    assistant turn; last: the last message only, whatever its role, as mlx-lm's --mask-prompt
+    (from the end of the conversation before it, past the assistant's header when the message
+    is the assistant's, to the end)."""
     pack: bool = True
     """Concatenate examples into full rows (--data.no-pack: one example per row, a training
     batch padded to its longest row rounded up to a multiple of 32)."""
@@ -162,7 +167,8 @@ class Config(TrainConfig):
     """Steps of linear warm-up (kept as given when longer than --steps, with a line saying
     the lr never reaches --lr)."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay on the adapter matrices."""
+    """AdamW decoupled weight decay, on the trained arrays --weight-decay-scope names (default:
+    matrices; all: also DoRA magnitudes, and a full fine-tune's norms and biases)."""
     optimizer: Literal["adamw", "adam", "sgd", "adafactor", "muon"] = "adamw"
     """The optimizer (mlx-lm's --optimizer): adamw and adam take --beta1/--beta2 (adamw also
     --weight-decay); sgd, adafactor and muon run with MLX's defaults."""
@@ -346,7 +352,8 @@ def build(cfg: Config, ops: Ops) -> Task:
     check_seq_len(cfg.seq_len, args)
     tok = Tokenizer.from_metadata(meta, source=src.path)  # its errors name the GGUF
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
-                             cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction)
+                             cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
+                             turns=cfg.data.train_turns)
     data.check_held_out(cfg.test)
     # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation
     for note in data.notes(cfg.test):

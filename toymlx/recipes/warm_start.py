@@ -37,7 +37,7 @@ from toymlx.recipes.common import (
     lm_task,
     load_token_data,
 )
-from toymlx.training.task import Task, TrainConfig
+from toymlx.training.task import Task, TrainConfig, decayed
 
 
 @dataclass
@@ -138,7 +138,7 @@ def make_optimizer(cfg: Config):
               AdamW(learning_rate=sched, weight_decay=cfg.weight_decay, **kw),
               AdamW(learning_rate=sched, weight_decay=0.0, **kw)]
     return optim.MultiOptimizer(groups, [lambda path, w: path == "embed.weight",
-                                         lambda path, w: w.ndim >= 2])
+                                         decayed(cfg)])
 
 
 def build(cfg: Config, ops: Ops) -> Task:

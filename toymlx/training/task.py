@@ -45,7 +45,10 @@ class TrainingOptions:
     min_lr_ratio: float = 0.1
     """Floor of the cosine decay, as a fraction of lr."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
+    """AdamW decoupled weight decay, on the arrays --weight-decay-scope names."""
+    weight_decay_scope: Literal["matrices", "all"] = "matrices"
+    """What AdamW's --weight-decay falls on: matrices (not norms, biases or DoRA magnitudes) or
+    all (every trained array, as MLX's AdamW and mlx-lm's adamw decay)."""
     beta1: float = 0.9
     """AdamW first-moment decay."""
     beta2: float = 0.95
@@ -201,13 +204,22 @@ def warmup_note(cfg: TrainConfig) -> str | None:
             f"never reaches --lr {cfg.lr:g}; lower --warmup to reach it")
 
 
+def decayed(cfg: TrainingOptions) -> Callable[[str, Any], bool]:
+    """Whether AdamW's weight decay falls on a trained array (path, array), as
+    --weight-decay-scope says: a matrix (ndim >= 2), or any."""
+    if cfg.weight_decay_scope == "all":
+        return lambda path, w: True
+    return lambda path, w: w.ndim >= 2
+
+
 def make_optimizer(cfg: TrainConfig, lr: Callable[[Any], Any] | None = None) -> optim.Optimizer:
     """AdamW (`toymlx.training.optimizers`: MLX's, updating in place) with decoupled weight
-    decay on the matrices only; the learning rate `lr` of the step (default: warm-up + cosine,
-    `lr_at`)."""
+    decay on the arrays --weight-decay-scope names (`decayed`; the other group is empty under
+    all, so that the optimizer state has one layout); the learning rate `lr` of the step
+    (default: warm-up + cosine, `lr_at`)."""
     sched = lr or partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
                           min_ratio=cfg.min_lr_ratio)
     kw = {"learning_rate": sched, "betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
     decay = AdamW(weight_decay=cfg.weight_decay, **kw)
     no_decay = AdamW(weight_decay=0.0, **kw)
-    return optim.MultiOptimizer([decay, no_decay], [lambda path, w: w.ndim >= 2])
+    return optim.MultiOptimizer([decay, no_decay], [decayed(cfg)])

@@ -479,6 +479,8 @@ class _Loop:
         if cache is not None and not any(cache.glob("*.ptx")):
             self._say(f"step {self.start + 1}: MLX builds its CUDA kernels first, 1-2 minutes on a "
                       f"fresh machine (kept in {cache} for later runs)", bar)
+        if cfg.eval_at_start and self.start == 0 and not self._evaluated(0):
+            self._evaluate(0, bar)
         for s in range(self.start, cfg.steps):
             if not self._step(s, bar, stop.count):
                 return
@@ -561,6 +563,13 @@ class _Loop:
         steps = [s + int(np.argmax(widths == w)) for w in list(firsts)[1:]]
         self.stepper.trace([self.task.train_batch(t) for t in steps])
         return list(firsts)
+
+    def _evaluated(self, step: int) -> bool:
+        """Whether the bundle's kept events (a resume's) hold the validation of `step`: a run
+        started over from step_0 keeps its step-0 pass, which the same weights would repeat."""
+        kept = self.resume.kept if self.resume is not None else []
+        return any(e["kind"] == "eval" and e.get("step") == step
+                   and e.get("split", "val") == "val" for e in kept)
 
     def _evaluate(self, step: int, bar: Any) -> None:
         if not self.task.val_batches:  # nothing held out (--data.val-fraction 0): no figures
