@@ -143,6 +143,10 @@ def mlx_lm_options(data: dict[str, Any], source: str
     # --seq-len counts targets (a row holds seq_len + 1 tokens)
     put("max_seq_length", "seq_len", given["max_seq_length"] - 1)
     notes += _micro_steps(given, set(data), source, put)
+    if "steps_per_eval" in data:
+        notes.append(f"{source}: key 'steps_per_eval': mlx-lm's val loss at iteration N is "
+                     "the model's before update N; toymlx's at step N is after it (one update "
+                     "later; the first, --eval-at-start's, is the same)")
     _want(source, "num_layers", _int(given["num_layers"]) and given["num_layers"] >= -1,
           "an integer >= -1 (-1: every block)", given["num_layers"])
     if given["fine_tune_type"] == "full":

@@ -623,3 +623,14 @@ def test_a_config_run_validates_the_base_before_step_1_once(tmp_path, base, chat
     assert [e["step"] for e in again] == [0, 2, 4]
     assert again[0] == evals[0]  # the kept event, not a second pass
     capsys.readouterr()
+
+
+def test_the_val_loss_of_an_iteration_is_noted_as_one_update_apart():
+    """mlx-lm validates at iteration N before that iteration's update, toymlx after step N: the
+    same count is one update apart, said where the file sets steps_per_eval."""
+    _, _, notes = mlx_lm_options({"iters": 4, "steps_per_eval": 2}, "f.yaml")
+    assert notes == [
+        "f.yaml: key 'steps_per_eval': mlx-lm's val loss at iteration N is the model's before "
+        "update N; toymlx's at step N is after it (one update later; the first, "
+        "--eval-at-start's, is the same)"]
+    assert mlx_lm_options({"iters": 4}, "f.yaml")[2] == []
