@@ -30,7 +30,7 @@ from toymlx.backend.stop import (
 )
 from toymlx.bundle.checkpoint import list_checkpoints
 from toymlx.bundle.events import read_events
-from toymlx.runner.launch import _free_port_base
+from toymlx.runner.launch import SESSION_GRACE, _free_port_base
 from toymlx.training.trainer import _shard
 
 ARGS = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "2",
@@ -327,6 +327,34 @@ def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
     while any(_running(x) for x in [*launcher, *ranks]):
         assert time.monotonic() - t0 < 30, "a rank outlived its killed launcher"
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_leaves_no_stuck_rank_running(tmp_path):
+    """The lifeline's SIGTERM now asks the ranks to stop after their step (a final checkpoint),
+    which a rank blocked in a collective never reads: mlx.launch's session is killed
+    SESSION_GRACE seconds later. Here rank 1 sleeps in its 4th step and rank 0 waits for it in
+    the all_sum when toymlx-launch is killed (about 70 s)."""
+    script = tmp_path / "stuck_rank1.py"
+    script.write_text(STUCK_RANK1)
+    status, root = tmp_path / "status", tmp_path / "runs"
+    p = subprocess.Popen([*LAUNCH[:-1], "--status-dir", str(status), "--", sys.executable,
+                          str(script), *STOP_ARGS, "--runs-root", str(root), "--run-id", "st"],
+                         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True)
+    _wait_for_step(p, root / "st", 3)
+    ranks = [json.loads((status / f"rank{r}.start").read_text())["pid"] for r in range(2)]
+    launcher = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
+                                               text=True, check=False).stdout.split()]
+    p.kill()
+    p.wait()
+    t0 = time.monotonic()
+    time.sleep(5)
+    assert all(_running(x) for x in [*launcher, *ranks])  # asked to stop: they cannot
+    while any(_running(x) for x in [*launcher, *ranks]):
+        assert time.monotonic() - t0 < SESSION_GRACE + 30, "a stuck rank outlived its launcher"
+        time.sleep(0.5)
+    assert time.monotonic() - t0 >= SESSION_GRACE - 1
 
 
 def _running(pid: int) -> bool:
