@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     atexit.register(_ignore_late_signals)
     # under toymlx-launch: report how this rank ended; a closed console (`| head -1`) never
     # stops the run (the bundle records everything); a stop signal before the loop ends the
-    # process as Ctrl-C does (a rank's own SIGTERM keeps its default: see StopSignals)
+    # process as Ctrl-C does (a rank also counts toymlx-launch's relays: see StopSignals)
     signals = RANK_SIGNALS if launched_as_rank() else SIGNALS
     with rank_status() as status, output_may_close(), stops_raise(signals):
         try:

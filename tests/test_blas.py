@@ -130,7 +130,7 @@ def test_a_toymlx_blas_that_does_not_load_is_named():
     r = _fresh(TOYMLX_BLAS="/no/such/libblas.so")
     assert r["backend"]["blas"] == "reference"
     assert r["warned"] == [
-        ("toymlx: TOYMLX_BLAS: expected 'openblas', 'reference' or the path of an LP64 BLAS "
+        ("TOYMLX_BLAS: expected 'openblas', 'reference' or the path of an LP64 BLAS "
          "library, found '/no/such/libblas.so', which could not be loaded (/no/such/libblas.so: "
          "cannot open shared object file: No such file or directory); MLX's CPU matmuls use "
          "its reference BLAS (about 30x slower)")]

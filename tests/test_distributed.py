@@ -1,6 +1,7 @@
 """Data parallelism over 2 ranks on loopback (mlx.launch, ring backend), through toymlx-launch:
 the same losses as one process with the same global batch, one writer of the run bundle, a
-failing rank that fails the launch, and Ctrl-C that ends the ranks as it ends one process."""
+failing rank that fails the launch, and Ctrl-C (or a SIGTERM to the launcher or to every
+process) that ends the ranks as it ends one process."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from toymlx.backend.stop import (
 )
 from toymlx.bundle.checkpoint import list_checkpoints
 from toymlx.bundle.events import read_events
-from toymlx.runner.launch import _free_port_base
+from toymlx.runner.launch import SESSION_GRACE, _free_port_base
 from toymlx.training.trainer import _shard
 
 ARGS = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "2",
@@ -138,19 +139,46 @@ def test_a_rank_counts_a_relayed_sigterm_as_sigterm():
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # put back
 
 
+def test_a_sigterm_a_rank_gets_itself_and_relayed_is_one_request():
+    """A SIGTERM to every process at once (a job scheduler, `systemctl stop`) reaches a rank
+    itself and again as toymlx-launch's relay: one request, so the final checkpoint is written;
+    a second SIGTERM, either way, is a second request. SIGTERM was not counted on a rank at all
+    (it killed the rank mid-run: no final checkpoint, no run_end)."""
+    assert signal.SIGTERM in RANK_SIGNALS
+    with StopSignals(RANK_SIGNALS) as stop:
+        signal.raise_signal(signal.SIGTERM)
+        assert (stop.count, stop.name, stop.exit_code) == (1, "SIGTERM", 143)
+        signal.raise_signal(relayed(signal.SIGTERM))
+        assert stop.count == 1
+        signal.raise_signal(relayed(signal.SIGTERM))  # a second SIGTERM, to the launcher alone
+        assert stop.count == 2
+        signal.raise_signal(signal.SIGTERM)  # ... and its copy to every process
+        assert (stop.count, stop.name, stop.exit_code) == (2, "SIGTERM", 143)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back
+
+
 def test_before_the_loop_a_stop_signal_raises_as_ctrl_c_does():
-    """`stops_raise` (toymlx-train's setup): a relayed SIGTERM or a SIGHUP raises `Stopped`,
-    named as the sender meant it, with its exit code; handlers come back after, but signals
-    ignored until exit (a rank after its last barrier) stay ignored."""
+    """`stops_raise` (toymlx-train's setup): a SIGTERM, relayed or not, or a SIGHUP raises
+    `Stopped`, named as the sender meant it, with its exit code, once: after it the signals are
+    ignored until exit (a whole-group SIGTERM's relay, a moment later, killed the rank before it
+    reported how it ended: SIGUSR1's default). Without a stop the handlers come back after,
+    but signals ignored until exit (a rank after its last barrier) stay ignored."""
     sigs = (*SIGNALS, signal.SIGUSR1)
     before = {s: signal.getsignal(s) for s in sigs}
     try:
-        for sig, want in [(relayed(signal.SIGTERM), ("stopped by SIGTERM", 143)),
+        for sig, want in [(signal.SIGTERM, ("stopped by SIGTERM", 143)),
+                          (relayed(signal.SIGTERM), ("stopped by SIGTERM", 143)),
                           (signal.SIGHUP, ("stopped by SIGHUP", 129)),
                           (signal.SIGINT, ("interrupted", 130))]:
             with pytest.raises(Stopped) as e, stops_raise(RANK_SIGNALS):
                 signal.raise_signal(sig)
+                signal.raise_signal(relayed(signal.SIGTERM))  # not raised: a second signal
             assert how_stopped(e.value) == want
+            assert {s: signal.getsignal(s) for s in sigs} == dict.fromkeys(sigs, signal.SIG_IGN)
+            for s, h in before.items():
+                signal.signal(s, h)
+        with stops_raise(RANK_SIGNALS):
+            pass
         assert {s: signal.getsignal(s) for s in sigs} == before
         assert how_stopped(KeyboardInterrupt()) == ("interrupted", 130)
         with stops_raise(RANK_SIGNALS):
@@ -301,6 +329,34 @@ def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
+def test_a_killed_launcher_leaves_no_stuck_rank_running(tmp_path):
+    """The lifeline's SIGTERM now asks the ranks to stop after their step (a final checkpoint),
+    which a rank blocked in a collective never reads: mlx.launch's session is killed
+    SESSION_GRACE seconds later. Here rank 1 sleeps in its 4th step and rank 0 waits for it in
+    the all_sum when toymlx-launch is killed (about 70 s)."""
+    script = tmp_path / "stuck_rank1.py"
+    script.write_text(STUCK_RANK1)
+    status, root = tmp_path / "status", tmp_path / "runs"
+    p = subprocess.Popen([*LAUNCH[:-1], "--status-dir", str(status), "--", sys.executable,
+                          str(script), *STOP_ARGS, "--runs-root", str(root), "--run-id", "st"],
+                         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True)
+    _wait_for_step(p, root / "st", 3)
+    ranks = [json.loads((status / f"rank{r}.start").read_text())["pid"] for r in range(2)]
+    launcher = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
+                                               text=True, check=False).stdout.split()]
+    p.kill()
+    p.wait()
+    t0 = time.monotonic()
+    time.sleep(5)
+    assert all(_running(x) for x in [*launcher, *ranks])  # asked to stop: they cannot
+    while any(_running(x) for x in [*launcher, *ranks]):
+        assert time.monotonic() - t0 < SESSION_GRACE + 30, "a stuck rank outlived its launcher"
+        time.sleep(0.5)
+    assert time.monotonic() - t0 >= SESSION_GRACE - 1
+
+
 def _running(pid: int) -> bool:
     out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True,
                          check=False).stdout.strip()
@@ -339,14 +395,25 @@ def uninterrupted(tmp_path_factory) -> list[float]:
 
 
 # how a stop reaches the 2-rank run: the signal, sent to the launcher's process group (a terminal's
-# Ctrl-C), to the launcher alone (`kill`, systemd's KillMode=mixed), or to rank 1 alone
+# Ctrl-C), to the launcher alone (`kill`, systemd's KillMode=mixed), to every process at once
+# (a job scheduler, systemd's KillMode=control-group, `kill -TERM -- -PGID` of each group), or
+# to rank 1 alone
 STOPS = {"Ctrl-C": (signal.SIGINT, "group"), "SIGTERM": (signal.SIGTERM, "launcher"),
+         "SIGTERM to every process": (signal.SIGTERM, "all"),
          "SIGHUP": (signal.SIGHUP, "launcher"), "SIGINT to rank 1": (signal.SIGINT, "rank 1")}
+
+
+def _groups(p: subprocess.Popen, status: Path) -> set[int]:
+    """The process groups of a launch: toymlx-launch's, and the session mlx.launch and the
+    ranks run in."""
+    ranks = [json.loads((status / f"rank{r}.start").read_text())["pid"] for r in range(2)]
+    return {p.pid, *(os.getpgid(pid) for pid in ranks)}
 
 
 # SIGTERM in the default tier: its path (passed on as SIGUSR1, named back) holds Ctrl-C's
 @pytest.mark.parametrize("how", ["SIGTERM", *(pytest.param(h, marks=pytest.mark.slow) for h in
-                                              ("Ctrl-C", "SIGHUP", "SIGINT to rank 1"))])
+                                              ("SIGTERM to every process", "Ctrl-C", "SIGHUP",
+                                               "SIGINT to rank 1"))])
 def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path,
                                                                            uninterrupted, how):
     """Ctrl-C, SIGTERM or SIGHUP on toymlx-launch ends a 2-rank run as it ends one process:
@@ -356,6 +423,9 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
     never interrupted, bit for bit. Each rank counts its signal and the next step's all_sum
     shares the most any rank counted, so a SIGINT that reaches rank 1 alone (`kill -INT`)
     stops rank 0 too, and the one signal each rank gets from the launcher is not a second.
+    A SIGTERM to every process at once (mlx.launch and the ranks too) killed the ranks mid-run
+    (their own SIGTERM kept its default) and mlx.launch with them: no final checkpoint, no
+    run_end, "2 of 2 ranks did not finish cleanly" and exit code 1.
     Rank 0 waits 3 s before writing: ranks used to exit without waiting for it, and mlx.launch
     then stopped rank 0 mid-write; before that, each rank ended on a KeyboardInterrupt with no
     checkpoint at all. A SIGTERM or SIGHUP to the launcher used to end it at once, and its
@@ -371,6 +441,9 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
         _wait_for_step(p, run, 5)
         if to == "group":  # as a terminal sends Ctrl-C: to the foreground process group
             os.killpg(p.pid, sig)
+        elif to == "all":
+            for group in _groups(p, status):
+                os.killpg(group, sig)
         elif to == "launcher":
             p.send_signal(sig)
         else:
@@ -405,11 +478,46 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
     assert _losses(run) == uninterrupted  # bit for bit
 
 
-def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path):
-    """SIGTERM to toymlx-launch while its ranks set up: each ends at once, as on Ctrl-C there,
-    with one line and exit code 143, and so does the launch. Ranks passed the signal on before
-    their loop counted it were killed by it (SIGUSR1's default), and the launch failed: "2 of 2
-    ranks did not finish cleanly"."""
+def test_a_sigterm_to_every_process_ends_the_run_with_its_checkpoint(tmp_path):
+    """The default tier's check of a SIGTERM to every process of a 2-rank run at once (a job
+    scheduler, `systemctl stop`): the launch exits 143, both ranks report 143, and run_end
+    "interrupted" by SIGTERM follows the checkpoint of its final step. The ranks died at once
+    (SIGTERM's default) and mlx.launch with them: exit code 1, no checkpoint, no run_end. The
+    resume, bit for bit, is `test_a_stop_signal_stops_every_rank_...[SIGTERM to every process]`
+    (slow)."""
+    run, status = tmp_path / "runs" / "all", tmp_path / "status"
+    p = _start(tmp_path, [*LAUNCH[:-1], "--status-dir", str(status), "--", *TRAIN, *STOP_ARGS,
+                          "--runs-root", str(run.parent), "--run-id", "all"])
+    try:
+        _wait_for_step(p, run, 3)
+        for group in _groups(p, status):
+            os.killpg(group, signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
+    for r in range(2):
+        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": 143,
+                                                                      "error": None}
+    ev = read_events(run)
+    s = ev[-1]["final_step"]
+    assert {k: ev[-1][k] for k in ("kind", "reason", "exit_code", "signal")} == {
+        "kind": "run_end", "reason": "interrupted", "exit_code": 143, "signal": "SIGTERM"}
+    assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, s + 1))
+    assert [step for step, _ in list_checkpoints(run / "weights")] == [s]
+    assert 3 <= s < 40
+
+
+@pytest.mark.parametrize("to", ["launcher", "all"])
+def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path, to):
+    """SIGTERM to toymlx-launch (or to every process) while its ranks set up: each ends at
+    once, as on Ctrl-C there, with one line and exit code 143, and so does the launch. Ranks
+    passed the signal on before their loop counted it were killed by it (SIGUSR1's default),
+    and the launch failed: "2 of 2 ranks did not finish cleanly"; so were ranks that got it
+    themselves (SIGTERM's default), and mlx.launch with them."""
     script = tmp_path / "slow_setup.py"
     script.write_text(SLOW_SETUP)
     status = tmp_path / "status"
@@ -422,7 +530,11 @@ def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path)
             assert p.poll() is None, p.stderr.read()[-3000:]
             assert time.monotonic() - t0 < 300
             time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
+        if to == "launcher":
+            p.send_signal(signal.SIGTERM)
+        else:
+            for group in _groups(p, status):
+                os.killpg(group, signal.SIGTERM)
         _, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:

@@ -30,24 +30,31 @@ import platform
 import shutil
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toymlx.backend import blas, blas_rebind, fpenv, gemv_forward, kernel_loops, kernel_pch
+from toymlx.backend import (
+    blas,
+    blas_rebind,
+    fpenv,
+    gemv_forward,
+    kernel_loops,
+    kernel_pch,
+    notice,
+)
 
-_NO_BLAS = ("toymlx: no optimised BLAS found, so MLX's CPU matmuls use its reference BLAS "
+_NO_BLAS = ("no optimised BLAS found, so MLX's CPU matmuls use its reference BLAS "
             "(about 30x slower). Fix: " + blas.FIX)
-_BAD_CHOICE = ("toymlx: TOYMLX_BLAS: expected 'openblas', 'reference' or the path of an LP64 "
+_BAD_CHOICE = ("TOYMLX_BLAS: expected 'openblas', 'reference' or the path of an LP64 "
                "BLAS library, found {path!r}, which could not be loaded ({why}); MLX's CPU "
                "matmuls use its reference BLAS (about 30x slower)")
-_NOT_BOUND = ("toymlx: MLX's CPU matmuls could not be pointed at {path} ({why}), so they use "
+_NOT_BOUND = ("MLX's CPU matmuls could not be pointed at {path} ({why}), so they use "
               "MLX's reference BLAS in this process (a training step 10-40x slower)")
-_CACHE_NOT_USED = ("toymlx: TOYMLX_KERNEL_CACHE={chosen}: MLX builds its CPU kernels in "
+_CACHE_NOT_USED = ("TOYMLX_KERNEL_CACHE={chosen}: MLX builds its CPU kernels in "
                    "{mlx_dir}, which is not a link toymlx made, so they are only copied to "
                    "{kept} at each start; remove {mlx_dir} to have them built there")
-_GENERIC = ("toymlx: {why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
+_GENERIC = ("{why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
             "set OPENBLAS_CORETYPE={best} before starting, or " + blas.FIX)
 
 BFS_MAX_WIDTH = "1000000"
@@ -171,7 +178,7 @@ def _bind_openblas(p: _ProcessState) -> None:
 def _warn_blas(p: _ProcessState, message: str) -> None:
     """The import's BLAS warning, unless the process this one replaced printed it."""
     if not p.blas_warned:
-        warnings.warn(message, stacklevel=5)  # the line that imported toymlx
+        notice.warn(message, stacklevel=5)  # the line that imported toymlx
 
 
 def check_bfs_width(text: str | None) -> None:
@@ -343,8 +350,8 @@ def persist_kernels() -> str | None:
         if mlx_dir.is_dir() and not mlx_dir.is_symlink():
             _keep_new_kernels(mlx_dir, kept)
         if os.environ.get("TOYMLX_KERNEL_CACHE") and mlx_dir.resolve() != kept.resolve():
-            warnings.warn(_CACHE_NOT_USED.format(chosen=os.environ["TOYMLX_KERNEL_CACHE"],
-                                                 mlx_dir=mlx_dir, kept=kept), stacklevel=2)
+            notice.warn(_CACHE_NOT_USED.format(chosen=os.environ["TOYMLX_KERNEL_CACHE"],
+                                               mlx_dir=mlx_dir, kept=kept), stacklevel=2)
         return str(mlx_dir.resolve()) if mlx_dir.exists() else None
     try:
         kept.mkdir(parents=True, exist_ok=True)

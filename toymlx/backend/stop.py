@@ -15,11 +15,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """The stop signals: Ctrl-C, `kill` (systemd, a job scheduler), a closed terminal or ssh session."""
 
 RELAYED_TERM = signal.SIGUSR1
-"""What `toymlx-launch` sends its ranks for a SIGTERM it gets (`relayed`): a rank keeps SIGTERM's
-default (exit), and counts this one as that SIGTERM."""
+"""What `toymlx-launch` sends its ranks for a SIGTERM it gets (`relayed`): a rank counts it as
+that SIGTERM, and tells it from a SIGTERM of its own (`StopSignals.count`)."""
 
-RANK_SIGNALS = (signal.SIGINT, signal.SIGHUP, RELAYED_TERM)
-"""What a data-parallel rank counts: `SIGNALS` as `toymlx-launch` passes them on."""
+RANK_SIGNALS = (*SIGNALS, RELAYED_TERM)
+"""What a data-parallel rank counts: `SIGNALS`, its own (a job scheduler, `systemctl stop` or
+`kill -TERM -- -PGID` signal every process at once) and as `toymlx-launch` passes them on."""
 
 STOP_CODES = frozenset(128 + s for s in SIGNALS)
 """The exit codes of a run stopped by a signal (`StopSignals.exit_code`)."""
@@ -64,17 +65,26 @@ def stops_raise(signals: tuple[int, ...]) -> Iterator[None]:
     KeyboardInterrupt: before the loop (parsing, loading, building), where nothing is trained
     yet, a SIGTERM or SIGHUP ends the process as Ctrl-C does there, with a line and its own
     exit code, not killed without a word (or, on a rank, reported as a failure). The loop's
-    `StopSignals` counts them instead while it runs. The handlers before are put back after,
-    where the block left `_raise` in place (not where it ignored them until exit)."""
+    `StopSignals` counts them instead while it runs. Only the first raises: the process is
+    ending, and a rank gets a whole-group SIGTERM twice (its own, then toymlx-launch's relay),
+    so after one the block ignores them, and so does the process after the block, until it
+    exits: put back, a rank's default for the relay (exit) killed it before it reported how it
+    ended. Without a stop, the handlers before are put back after, where the block left
+    `_raise` in place (not where it ignored them until exit)."""
+    stopped = False
+
     def _raise(signum: int, frame: Any) -> None:
-        raise Stopped(_named(signum))
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            raise Stopped(_named(signum))
     old = {sig: signal.signal(sig, _raise) for sig in signals}
     try:
         yield
     finally:
         for sig, handler in old.items():
             if signal.getsignal(sig) is _raise:
-                signal.signal(sig, handler)
+                signal.signal(sig, signal.SIG_IGN if stopped else handler)
 
 
 def ignore_stop_signals() -> None:
@@ -97,16 +107,19 @@ class StopSignals:
     The first signal names how the run ended: its exit code is 128 + its number, the shell's
     convention (`exit_code`: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
 
-    A data-parallel rank counts `RANK_SIGNALS`, which `toymlx-launch` (counting `SIGNALS`)
-    passes on to every rank (`relayed`), and the ranks stop after the same step, the one after
-    the step in flight (the loop's `_stops`). SIGTERM keeps its default (exit) there, which is
-    how mlx.launch and the lifeline end a rank blocked in an all_sum whose peer died (blocked
-    in C++, it never runs a Python handler); a SIGTERM for `toymlx-launch` reaches the ranks as
-    `RELAYED_TERM`."""
+    A data-parallel rank counts `RANK_SIGNALS`: its own, and those `toymlx-launch` (counting
+    `SIGNALS`) passes on to every rank (`relayed`); the ranks stop after the same step, the one
+    after the step in flight (the loop's `_stops`). A SIGTERM for `toymlx-launch` reaches the
+    ranks as `RELAYED_TERM`; one for every process at once (a job scheduler, `systemctl stop`)
+    reaches a rank twice, itself and relayed, and that is one request: SIGTERMs count as the
+    more of the two kinds. A rank blocked in C++ (an all_sum whose peer hangs) runs no Python
+    handler, so a SIGTERM no longer ends it: toymlx-launch does, with SIGKILL, `grace` seconds
+    after a rank fails or a second request, and mlx.launch's session does when toymlx-launch
+    dies (`toymlx.runner.launch`)."""
 
     def __init__(self, signals: tuple[int, ...] = SIGNALS):
         self.signals = signals
-        self._terms = self._others = 0
+        self._terms = self._relayed = self._others = 0
         self.first: int | None = None
         """The first stop signal (a relayed SIGTERM as SIGTERM), None before one came."""
         self.last: int | None = None
@@ -116,6 +129,8 @@ class StopSignals:
     def _count(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGTERM:
             self._terms += 1
+        elif signum == RELAYED_TERM:
+            self._relayed += 1
         else:
             self._others += 1
         self.last = _named(signum)
@@ -127,9 +142,11 @@ class StopSignals:
         """Requests so far. SIGTERMs are told apart when the count is read, not as they come:
         the first parent-death signal can arrive while the parent still looks alive (one of
         its threads exiting first), and counted then as a request of its own it made the
-        repeats a second request."""
+        repeats a second request. A relayed SIGTERM and one of the rank's own are the same
+        request where both came (a SIGTERM to every process at once), so the more of the two
+        counts, not their sum."""
         terms = 1 if self._terms > 1 and parent_lost() else self._terms
-        return self._others + terms
+        return self._others + max(terms, self._relayed)
 
     @property
     def exit_code(self) -> int:

@@ -10,9 +10,10 @@ a report (killed, segfault), fails the launch: the other ranks get `grace` secon
 then the whole session is terminated.
 
 `mlx.launch` runs as `python -m toymlx.runner.launch` (`_mlx_launch_child`), tied to `toymlx-launch`
-by `toymlx.backend.lifeline`: if `toymlx-launch` dies, even by SIGKILL, the launcher terminates its
-session, and each rank, tied to the launcher the same way, stops too. No rank trains on with
-nothing watching it.
+by `toymlx.backend.lifeline`: if `toymlx-launch` dies, even by SIGKILL, the launcher asks its
+ranks to stop (SIGTERM: each ends after the same step, with a final checkpoint) and kills its
+session `SESSION_GRACE` seconds later; each rank, tied to the launcher the same way, stops
+too. No rank trains on with nothing watching it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from toymlx.backend.lifeline import PARENT_ENV, alive, child_env, watch_parent
 from toymlx.backend.stop import RANK_SIGNALS, STOP_CODES, StopSignals, relayed
 
 STATUS_ENV = "TOYMLX_RANK_STATUS"
+SESSION_GRACE = 60.0
+"""Seconds mlx.launch's session gets to stop by itself (each rank: its step, then a final
+checkpoint) once the toymlx-launch that started it died, before it is killed."""
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
            "rank failed")
 
@@ -107,12 +111,18 @@ def _mlx_launch_child() -> None:
     _quiet_stops(mlx_launch)
 
     def end_session() -> None:
-        os.killpg(os.getpgrp(), signal.SIGTERM)  # we lead the session: every rank, and us
+        # we lead the session: every rank stops after its step, and we end when they have;
+        # one blocked in C++ (a collective) runs no handler, so the session is killed after
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+        time.sleep(SESSION_GRACE)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     watch_parent(end_session)
-    # A stop signal reaches every rank (toymlx-launch passes it on to the session), which stops
-    # after the same step; mlx.launch's own KeyboardInterrupt (or death by SIGHUP) would stop
-    # relaying the ranks' output and, on its way out, have them stopped mid-checkpoint. A
-    # handler, not SIG_IGN: the ranks must not inherit an ignored signal.
+    # A stop signal reaches every rank (toymlx-launch passes it on to the session; a SIGTERM
+    # to every process at once reaches them itself), which stops after the same step;
+    # mlx.launch's own KeyboardInterrupt (or death by SIGHUP or SIGTERM) would stop relaying
+    # the ranks' output, have toymlx-launch report them failed while they write their final
+    # checkpoint and, on its way out, have them stopped mid-checkpoint. A handler, not SIG_IGN:
+    # the ranks must not inherit an ignored signal.
     for sig in RANK_SIGNALS:
         signal.signal(sig, lambda signum, frame: None)
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks are our children
@@ -268,15 +278,10 @@ def _interrupt(proc: subprocess.Popen, count: int, signum: int, grace: float,
     return False
 
 
-def _kill(proc: subprocess.Popen, wait: float = 5.0) -> None:
-    """SIGTERM to the launcher's whole session (it and every rank), then SIGKILL what is left."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=wait)
-    except subprocess.TimeoutExpired:
-        pass
-    except ProcessLookupError:
-        return
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL to the launcher's whole session (it and every rank): a SIGTERM is a request to
+    stop after a step there (`RANK_SIGNALS`), which a rank blocked in a collective never
+    reads."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
