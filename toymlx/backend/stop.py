@@ -4,7 +4,10 @@ raises into a step, a checkpoint write or a collective."""
 
 from __future__ import annotations
 
+import os
+import select
 import signal
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,8 +24,30 @@ default (exit), and counts this one as that SIGTERM."""
 RANK_SIGNALS = (signal.SIGINT, signal.SIGHUP, RELAYED_TERM)
 """What a data-parallel rank counts: `SIGNALS` as `toymlx-launch` passes them on."""
 
+CONSOLE_GONE = signal.SIGPIPE
+"""A run's console reader gone (`toymlx-train ... | head -3`, a `less` quit): the write that
+finds the pipe closed raises SIGPIPE, which a run not under `toymlx-launch` counts as a request
+to stop, as Unix tools end there (`console_gone` when it went before the loop); its console
+output is discarded from then on (`toymlx_cli.KeepOnClosed`)."""
+
+SOLO_SIGNALS = (*SIGNALS, CONSOLE_GONE)
+"""What a run not under `toymlx-launch` counts: `SIGNALS` and its console's reader gone."""
+
 STOP_CODES = frozenset(128 + s for s in SIGNALS)
 """The exit codes of a run stopped by a signal (`StopSignals.exit_code`)."""
+
+
+def console_gone() -> bool:
+    """Whether stdout or stderr is a pipe whose reader has gone (its write end polls POLLERR):
+    a terminal, a file or a pipe still read is not."""
+    poll = select.poll()
+    for fd in (1, 2):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                poll.register(fd, select.POLLOUT)
+        except OSError:  # closed
+            pass
+    return any(events & select.POLLERR for _, events in poll.poll(0))
 
 
 def relayed(signum: int) -> int:
@@ -106,7 +131,7 @@ class StopSignals:
 
     def __init__(self, signals: tuple[int, ...] = SIGNALS):
         self.signals = signals
-        self._terms = self._others = 0
+        self._terms = self._others = self._console = 0
         self.first: int | None = None
         """The first stop signal (a relayed SIGTERM as SIGTERM), None before one came."""
         self.last: int | None = None
@@ -114,7 +139,11 @@ class StopSignals:
         self._old: dict[int, Any] = {}
 
     def _count(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGTERM:
+        if signum == CONSOLE_GONE:
+            if self._console:  # its second stream (`2>&1 | head`): the same request
+                return
+            self._console = 1
+        elif signum == signal.SIGTERM:
             self._terms += 1
         else:
             self._others += 1
@@ -129,7 +158,9 @@ class StopSignals:
         its threads exiting first), and counted then as a request of its own it made the
         repeats a second request."""
         terms = 1 if self._terms > 1 and parent_lost() else self._terms
-        return self._others + terms
+        # a console gone is a request only alone: a lost parent also closes its pipe, and that
+        # closed pipe must not skip the final checkpoint as a second request would
+        return (self._others + terms) or self._console
 
     @property
     def exit_code(self) -> int:
@@ -149,6 +180,8 @@ class StopSignals:
     def __enter__(self) -> StopSignals:  # noqa: PYI034
         for sig in self.signals:
             self._old[sig] = signal.signal(sig, self._count)
+        if CONSOLE_GONE in self.signals and console_gone():  # gone before the loop
+            self._count(CONSOLE_GONE, None)
         return self
 
     def __exit__(self, *exc: object) -> None:
