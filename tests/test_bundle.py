@@ -373,7 +373,7 @@ def test_a_closed_stdout_stops_the_run_as_a_signal_would(tmp_path, data, straigh
     """`toymlx-train ... | head -3`: the run trained on to its last step after head had gone, the
     shell waiting on it without a word (a closed pipe once ended it as "could not write the run
     bundle ([Errno 32] Broken pipe)" with no checkpoint). Now the closed pipe stops it as
-    Ctrl-C does, after the step whose line found it closed: a checkpoint, run_end naming
+    Ctrl-C does, after the step in flight: a checkpoint, run_end naming
     SIGPIPE, exit status 141 (128 + 13, as `yes | head -3`), and `--resume` goes on with the
     losses of a run that never stopped. An output-only command (toymlx-eval) stops quietly
     with 0, as Unix tools do."""
@@ -389,7 +389,7 @@ def test_a_closed_stdout_stops_the_run_as_a_signal_would(tmp_path, data, straigh
     assert [ln.split(":")[0] for ln in head] == ["step 1/6", "step 2/6", "step 3/6"]
     end = read_events(tmp_path / "p")[-1]
     stopped_at = end["final_step"]
-    assert stopped_at in (4, 5), end  # the line of step 4 or 5 met the closed pipe
+    assert stopped_at in (3, 4, 5), end  # the step in flight when head closed its end
     assert (end["reason"], end["signal"], end["exit_code"]) == ("interrupted", "SIGPIPE", 141)
     assert end["message"] == (f"stopped by SIGPIPE after step {stopped_at}; resume with "
                               f"--resume {tmp_path / 'p'}")
@@ -411,6 +411,30 @@ def test_help_and_version_into_a_closed_pipe_are_quiet(prog):
     for flag in ("--help", "--version"):
         r = _closed_stdout([sys.executable, "-m", f"toymlx_cli.{prog}", flag])
         assert (flag, r.returncode, r.stderr) == (flag, 0, "")
+
+def test_a_pipe_whose_reader_went_is_a_stop_request_before_any_write():
+    """The loop polls its console: a pipe whose reader has gone is one request to stop (named
+    SIGPIPE) before anything is written to it, so `| head -3` stops a run after the step in
+    flight instead of at its next report line, 10 steps later by default. Not a rank's signal
+    (toymlx-launch's ranks stop together), and never a second request."""
+    from toymlx.backend.stop import RANK_SIGNALS, SOLO_SIGNALS, StopSignals
+
+    read, write = os.pipe()
+    saved = os.dup(1)
+    try:
+        os.dup2(write, 1)
+        with StopSignals(SOLO_SIGNALS) as stop:
+            assert (stop.count, stop.name) == (0, None)
+            os.close(read)
+            assert (stop.count, stop.name, stop.exit_code) == (1, "SIGPIPE", 141)
+            assert stop.count == 1
+        with StopSignals(RANK_SIGNALS) as stop:
+            assert stop.count == 0
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(write)
+
 
 def _closed_console(cmd: list[str]) -> int:
     """`cmd 2>&1 | head -0`: stdout and stderr one pipe whose reader has already gone; the

@@ -156,7 +156,11 @@ class StopSignals:
         """Requests so far. SIGTERMs are told apart when the count is read, not as they come:
         the first parent-death signal can arrive while the parent still looks alive (one of
         its threads exiting first), and counted then as a request of its own it made the
-        repeats a second request."""
+        repeats a second request. A console pipe whose reader has gone is seen here too (polled,
+        no write needed), so that `| head -3` stops the run after the step in flight, not at
+        its next report line (a LoRA run's 10 steps later)."""
+        if CONSOLE_GONE in self.signals and not self._console and console_gone():
+            self._count(CONSOLE_GONE, None)  # gone since the last line: stop now, not there
         terms = 1 if self._terms > 1 and parent_lost() else self._terms
         # a console gone is a request only alone: a lost parent also closes its pipe, and that
         # closed pipe must not skip the final checkpoint as a second request would
@@ -180,8 +184,6 @@ class StopSignals:
     def __enter__(self) -> StopSignals:  # noqa: PYI034
         for sig in self.signals:
             self._old[sig] = signal.signal(sig, self._count)
-        if CONSOLE_GONE in self.signals and console_gone():  # gone before the loop
-            self._count(CONSOLE_GONE, None)
         return self
 
     def __exit__(self, *exc: object) -> None:
