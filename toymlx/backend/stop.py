@@ -24,13 +24,13 @@ default (exit), and counts this one as that SIGTERM."""
 RANK_SIGNALS = (signal.SIGINT, signal.SIGHUP, RELAYED_TERM)
 """What a data-parallel rank counts: `SIGNALS` as `toymlx-launch` passes them on."""
 
-CONSOLE_GONE = signal.SIGPIPE
+READER_GONE = signal.SIGPIPE
 """A run's console reader gone (`toymlx-train ... | head -3`, a `less` quit): the write that
 finds the pipe closed raises SIGPIPE, which a run not under `toymlx-launch` counts as a request
-to stop, as Unix tools end there (`console_gone` when it went before the loop); its console
-output is discarded from then on (`toymlx_cli.KeepOnClosed`)."""
+to stop, as Unix tools end there (and `console_gone`, polled at each step, sees it before any
+write); its console output is discarded from then on (`toymlx_cli.KeepOnClosed`)."""
 
-SOLO_SIGNALS = (*SIGNALS, CONSOLE_GONE)
+SOLO_SIGNALS = (*SIGNALS, READER_GONE)
 """What a run not under `toymlx-launch` counts: `SIGNALS` and its console's reader gone."""
 
 STOP_CODES = frozenset(128 + s for s in SIGNALS)
@@ -139,7 +139,7 @@ class StopSignals:
         self._old: dict[int, Any] = {}
 
     def _count(self, signum: int, frame: Any) -> None:
-        if signum == CONSOLE_GONE:
+        if signum == READER_GONE:
             if self._console:  # its second stream (`2>&1 | head`): the same request
                 return
             self._console = 1
@@ -159,8 +159,8 @@ class StopSignals:
         repeats a second request. A console pipe whose reader has gone is seen here too (polled,
         no write needed), so that `| head -3` stops the run after the step in flight, not at
         its next report line (a LoRA run's 10 steps later)."""
-        if CONSOLE_GONE in self.signals and not self._console and console_gone():
-            self._count(CONSOLE_GONE, None)  # gone since the last line: stop now, not there
+        if READER_GONE in self.signals and not self._console and console_gone():
+            self._count(READER_GONE, None)  # gone since the last line: stop now, not there
         terms = 1 if self._terms > 1 and parent_lost() else self._terms
         # a console gone is a request only alone: a lost parent also closes its pipe, and that
         # closed pipe must not skip the final checkpoint as a second request would
