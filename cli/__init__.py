@@ -61,30 +61,43 @@ CONSOLE_GONE = (errno.EPIPE, errno.EIO, errno.ENOSPC)
 
 class KeepOnClosed:
     """sys.stdout or sys.stderr for a command whose console output only displays (toymlx-train:
-    the bundle records everything): a console gone (`CONSOLE_GONE`: `| head -1`,
+    the bundle records everything): a console gone (`CONSOLE_GONE`: `| head -3`,
     `2>&1 | head -1`, a closed terminal) discards the rest of the output instead of raising
     into the run, which stopped it as a failed bundle write without a checkpoint, or failed a
-    completed run on its last line."""
+    completed run on its last line. A pipe whose reader has gone is kept as it is until
+    `output_may_close` ends (its later writes discarded here), so that the run's loop can see
+    it (`toymlx.backend.stop.console_gone`) and stop as `| head` asks; the others become
+    os.devnull at once."""
 
     def __init__(self, stream):
         self._stream = stream
+        self.reader_gone = False
+        """Its pipe's reader has gone (EPIPE): nothing more is written to it."""
+
+    def _gone(self, e: OSError) -> None:
+        if e.errno not in CONSOLE_GONE:
+            raise e
+        if e.errno == errno.EPIPE:
+            self.reader_gone = True
+        else:
+            drop_output(self._stream)
 
     def write(self, text: str) -> int:
+        if self.reader_gone:
+            return len(text)
         try:
             return self._stream.write(text)
         except OSError as e:
-            if e.errno not in CONSOLE_GONE:
-                raise
-            drop_output(self._stream)
+            self._gone(e)
             return len(text)
 
     def flush(self) -> None:
+        if self.reader_gone:
+            return
         try:
             self._stream.flush()
         except OSError as e:
-            if e.errno not in CONSOLE_GONE:
-                raise
-            drop_output(self._stream)
+            self._gone(e)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -101,6 +114,8 @@ def output_may_close() -> Iterator[None]:
     finally:
         for stream in (sys.stdout, sys.stderr):  # what is still buffered, while a closed pipe
             stream.flush()                         # is still handled
+            if getattr(stream, "reader_gone", False):  # Python's flush at exit: quiet
+                drop_output(stream._stream)
         sys.stdout, sys.stderr = kept
 
 

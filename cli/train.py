@@ -74,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()  # started by toymlx-sweep / toymlx-launch: stop when that parent dies
     atexit.unregister(_ignore_late_signals)  # once, however often main runs in one process
     atexit.register(_ignore_late_signals)
-    # under toymlx-launch: report how this rank ended; a closed console (`| head -1`) never
-    # stops the run (the bundle records everything); a stop signal before the loop ends the
-    # process as Ctrl-C does (a rank also counts toymlx-launch's relays: see StopSignals)
+    # under toymlx-launch: report how this rank ended; a closed console's output is discarded
+    # (a pipe whose reader has gone, `| head -3`, then stops the loop as Ctrl-C does:
+    # StopSignals); a stop signal before the loop ends the process as Ctrl-C does (a rank also
+    # counts toymlx-launch's relays: see StopSignals)
     signals = RANK_SIGNALS if launched_as_rank() else SIGNALS
     with rank_status() as status, output_may_close(), stops_raise(signals):
         try:

@@ -391,20 +391,37 @@ def _closed_stdout(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, p.returncode, None, err)
 
 
-def test_a_closed_stdout_neither_stops_training_nor_is_blamed_on_the_bundle(tmp_path, data,
-                                                                              straight):
-    """`toymlx-train ... | head -1`: the run ended at the next report line as "could not write
-    the run bundle ([Errno 32] Broken pipe)"; now it trains to the end, its console output
-    discarded. An output-only command (toymlx-eval) stops quietly with 0, as Unix tools do."""
-    r = _closed_stdout([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data,
-                        "--runs-root", str(tmp_path), "--run-id", "p", "--steps", "4",
-                        "--report-every", "1", "--checkpoint-every", "2"])
-    assert r.returncode == 0 and "error" not in r.stderr, r.stderr[-2000:]
+def test_a_closed_stdout_stops_the_run_as_a_signal_would(tmp_path, data, straight):
+    """`toymlx-train ... | head -3`: the run trained on to its last step after head had gone, the
+    shell waiting on it without a word (a closed pipe once ended it as "could not write the run
+    bundle ([Errno 32] Broken pipe)" with no checkpoint). Now the closed pipe stops it as
+    Ctrl-C does, after the step in flight: a checkpoint, run_end naming
+    SIGPIPE, exit status 141 (128 + 13, as `yes | head -3`), and `--resume` goes on with the
+    losses of a run that never stopped. An output-only command (toymlx-eval) stops quietly
+    with 0, as Unix tools do."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    p = subprocess.Popen([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data,
+                          "--runs-root", str(tmp_path), "--run-id", "p", "--steps", "6",
+                          "--report-every", "1", "--checkpoint-every", "100"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    head = [p.stdout.readline() for _ in range(3)]
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 141, err[-2000:]
+    assert [ln.split(":")[0] for ln in head] == ["step 1/6", "step 2/6", "step 3/6"]
     end = read_events(tmp_path / "p")[-1]
-    assert (end["kind"], end["reason"], end["final_step"]) == ("run_end", "completed", 4)
+    stopped_at = end["final_step"]
+    assert stopped_at in (3, 4, 5), end  # the step in flight when head closed its end
+    assert (end["reason"], end["signal"], end["exit_code"]) == ("interrupted", "SIGPIPE", 141)
+    assert end["message"] == (f"stopped by SIGPIPE after step {stopped_at}; resume with "
+                              f"--resume {tmp_path / 'p'}")
+    assert (tmp_path / "p" / "weights" / f"step_{stopped_at}.gguf").is_file()
+    assert main(["--resume", str(tmp_path / "p")]) == 0
+    losses = [(e["step"], e["loss"]) for e in read_events(tmp_path / "p") if e["kind"] == "step"]
+    assert losses == [(e["step"], e["loss"]) for e in read_events(straight)
+                      if e["kind"] == "step"]
     r = _closed_stdout([sys.executable, "-m", "toymlx_cli.eval", "--model", str(straight)])
     assert (r.returncode, r.stderr) == (0, "")
-
 
 
 @pytest.mark.parametrize("prog", ["train", "eval", "generate", "export", "report", "sweep",
@@ -417,6 +434,30 @@ def test_help_and_version_into_a_closed_pipe_are_quiet(prog):
         r = _closed_stdout([sys.executable, "-m", f"toymlx_cli.{prog}", flag])
         assert (flag, r.returncode, r.stderr) == (flag, 0, "")
 
+def test_a_pipe_whose_reader_went_is_a_stop_request_before_any_write():
+    """The loop polls its console: a pipe whose reader has gone is one request to stop (named
+    SIGPIPE) before anything is written to it, so `| head -3` stops a run after the step in
+    flight instead of at its next report line, 10 steps later by default. Not a rank's signal
+    (toymlx-launch's ranks stop together), and never a second request."""
+    from toymlx.backend.stop import RANK_SIGNALS, SOLO_SIGNALS, StopSignals
+
+    read, write = os.pipe()
+    saved = os.dup(1)
+    try:
+        os.dup2(write, 1)
+        with StopSignals(SOLO_SIGNALS) as stop:
+            assert (stop.count, stop.name) == (0, None)
+            os.close(read)
+            assert (stop.count, stop.name, stop.exit_code) == (1, "SIGPIPE", 141)
+            assert stop.count == 1
+        with StopSignals(RANK_SIGNALS) as stop:
+            assert stop.count == 0
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(write)
+
+
 def _closed_console(cmd: list[str]) -> int:
     """`cmd 2>&1 | head -0`: stdout and stderr one pipe whose reader has already gone; the
     exit status."""
@@ -425,17 +466,20 @@ def _closed_console(cmd: list[str]) -> int:
     return p.wait(timeout=300)
 
 
-def test_a_closed_stderr_neither_stops_training_nor_fails_the_run(tmp_path, data):
-    """`toymlx-train ... 2>&1 | head -1`: the run trained to its end and then exited 1 with a
-    BrokenPipeError on its last line (toymlx-report the same after drawing its file); a note
-    printed before the first step would have stopped the run there. Now both exit 0."""
+def test_a_closed_console_stops_the_run_once_and_a_report_is_drawn(tmp_path, data):
+    """`toymlx-train ... 2>&1 | head -0`: the run trained to its end and then exited 1 with a
+    BrokenPipeError on its last line (toymlx-report the same after drawing its file); later it
+    trained to its end with no one reading. Now the first line that meets the closed console
+    (the --warmup note) stops the run as a signal does, after step 1: exit 141, with its
+    checkpoint, so stdout and stderr, one pipe, made one request (a second would skip it).
+    toymlx-report draws its file and exits 0."""
     rc = _closed_console([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path", data,
                           "--runs-root", str(tmp_path), "--run-id", "p", "--steps", "3",
                           "--warmup", "5", "--report-every", "1"])  # a --warmup note too
-    assert rc == 0
+    assert rc == 141
     end = read_events(tmp_path / "p")[-1]
-    assert (end["kind"], end["reason"], end["final_step"], end["exit_code"]) == (
-        "run_end", "completed", 3, 0)
+    assert (end["reason"], end["signal"], end["final_step"]) == ("interrupted", "SIGPIPE", 1)
+    assert (tmp_path / "p" / "weights" / "step_1.gguf").is_file()
     out = tmp_path / "r.png"
     rc = _closed_console([sys.executable, "-m", "toymlx_cli.report", str(tmp_path / "p"),
                           "--out", str(out)])

@@ -4,7 +4,10 @@ raises into a step, a checkpoint write or a collective."""
 
 from __future__ import annotations
 
+import os
+import select
 import signal
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,8 +25,30 @@ RANK_SIGNALS = (*SIGNALS, RELAYED_TERM)
 """What a data-parallel rank counts: `SIGNALS`, its own (a job scheduler, `systemctl stop` or
 `kill -TERM -- -PGID` signal every process at once) and as `toymlx-launch` passes them on."""
 
+READER_GONE = signal.SIGPIPE
+"""A run's console reader gone (`toymlx-train ... | head -3`, a `less` quit): the write that
+finds the pipe closed raises SIGPIPE, which a run not under `toymlx-launch` counts as a request
+to stop, as Unix tools end there (and `console_gone`, polled at each step, sees it before any
+write); its console output is discarded from then on (`toymlx_cli.KeepOnClosed`)."""
+
+SOLO_SIGNALS = (*SIGNALS, READER_GONE)
+"""What a run not under `toymlx-launch` counts: `SIGNALS` and its console's reader gone."""
+
 STOP_CODES = frozenset(128 + s for s in SIGNALS)
 """The exit codes of a run stopped by a signal (`StopSignals.exit_code`)."""
+
+
+def console_gone() -> bool:
+    """Whether stdout or stderr is a pipe whose reader has gone (its write end polls POLLERR):
+    a terminal, a file or a pipe still read is not."""
+    poll = select.poll()
+    for fd in (1, 2):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                poll.register(fd, select.POLLOUT)
+        except OSError:  # closed
+            pass
+    return any(events & select.POLLERR for _, events in poll.poll(0))
 
 
 def relayed(signum: int) -> int:
@@ -119,7 +144,7 @@ class StopSignals:
 
     def __init__(self, signals: tuple[int, ...] = SIGNALS):
         self.signals = signals
-        self._terms = self._relayed = self._others = 0
+        self._terms = self._relayed = self._others = self._console = 0
         self.first: int | None = None
         """The first stop signal (a relayed SIGTERM as SIGTERM), None before one came."""
         self.last: int | None = None
@@ -127,7 +152,11 @@ class StopSignals:
         self._old: dict[int, Any] = {}
 
     def _count(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGTERM:
+        if signum == READER_GONE:
+            if self._console:  # its second stream (`2>&1 | head`): the same request
+                return
+            self._console = 1
+        elif signum == signal.SIGTERM:
             self._terms += 1
         elif signum == RELAYED_TERM:
             self._relayed += 1
@@ -144,9 +173,15 @@ class StopSignals:
         its threads exiting first), and counted then as a request of its own it made the
         repeats a second request. A relayed SIGTERM and one of the rank's own are the same
         request where both came (a SIGTERM to every process at once), so the more of the two
-        counts, not their sum."""
+        counts, not their sum. A console pipe whose reader has gone is seen here too (polled,
+        no write needed), so that `| head -3` stops the run after the step in flight, not at
+        its next report line (a LoRA run's 10 steps later)."""
+        if READER_GONE in self.signals and not self._console and console_gone():
+            self._count(READER_GONE, None)  # gone since the last line: stop now, not there
         terms = 1 if self._terms > 1 and parent_lost() else self._terms
-        return self._others + max(terms, self._relayed)
+        # a console gone is a request only alone: a lost parent also closes its pipe, and that
+        # closed pipe must not skip the final checkpoint as a second request would
+        return (self._others + max(terms, self._relayed)) or self._console
 
     @property
     def exit_code(self) -> int:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from toymlx.backend import device
 from toymlx.backend.device import backend_info
-from toymlx.backend.stop import RANK_SIGNALS, SIGNALS, StopSignals, stop_outcome
+from toymlx.backend.stop import RANK_SIGNALS, SOLO_SIGNALS, StopSignals, stop_outcome
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
 from toymlx.bundle.folder import config_digest, saved_config
@@ -352,7 +352,8 @@ class _Loop:
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
         self._announce(run_config)
-        with StopSignals(SIGNALS if self.solo else RANK_SIGNALS) as stop, self._progress() as bar:
+        signals = SOLO_SIGNALS if self.solo else RANK_SIGNALS
+        with StopSignals(signals) as stop, self._progress() as bar:
             together = False  # the run ended where every rank ends it (not by an exception)
             try:
                 self._train(stop, bar)
