@@ -198,13 +198,15 @@ def test_before_the_loop_a_stop_signal_raises_as_ctrl_c_does():
     ignored until exit (a whole-group SIGTERM's relay, a moment later, killed the rank before it
     reported how it ended: SIGUSR1's default). Without a stop the handlers come back after,
     but signals ignored until exit (a rank after its last barrier) stay ignored."""
-    sigs = (*SIGNALS, signal.SIGUSR1)
+    sigs = RANK_SIGNALS
     before = {s: signal.getsignal(s) for s in sigs}
     try:
         for sig, want in [(signal.SIGTERM, ("stopped by SIGTERM", 143)),
                           (relayed(signal.SIGTERM), ("stopped by SIGTERM", 143)),
                           (signal.SIGHUP, ("stopped by SIGHUP", 129)),
-                          (signal.SIGINT, ("interrupted", 130))]:
+                          (relayed(signal.SIGHUP), ("stopped by SIGHUP", 129)),
+                          (signal.SIGINT, ("interrupted", 130)),
+                          (relayed(signal.SIGINT), ("interrupted", 130))]:
             with pytest.raises(Stopped) as e, stops_raise(RANK_SIGNALS):
                 signal.raise_signal(sig)
                 signal.raise_signal(relayed(signal.SIGTERM))  # not raised: a second signal
@@ -445,7 +447,7 @@ def _groups(p: subprocess.Popen, status: Path) -> set[int]:
     return {p.pid, *(os.getpgid(pid) for pid in ranks)}
 
 
-# SIGTERM in the default tier: its path (passed on as SIGUSR1, named back) holds Ctrl-C's
+# SIGTERM in the default tier: its path (relayed as SIGUSR1, named back) is Ctrl-C's and SIGHUP's
 @pytest.mark.parametrize("how", ["SIGTERM", *(pytest.param(h, marks=pytest.mark.slow) for h in
                                               ("SIGTERM to every process", "Ctrl-C", "SIGHUP",
                                                "SIGINT to rank 1"))])
