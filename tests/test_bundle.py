@@ -424,6 +424,56 @@ def test_a_closed_stdout_stops_the_run_as_a_signal_would(tmp_path, data, straigh
     assert (r.returncode, r.stderr) == (0, "")
 
 
+# toymlx-train with stdout and stderr on one pipe this process reads; the reader goes after
+# run_end, before or after the final line (toymlx.runner.run._final_line)
+READER_GOES_AT_THE_END = """
+import os, sys, threading, time
+import toymlx.runner.run as run
+from toymlx_cli.train import main
+when, args = sys.argv[1], sys.argv[2:]
+r, w = os.pipe()
+os.dup2(w, 1); os.dup2(w, 2); os.close(w)
+got = []
+def read():
+    while b := os.read(r, 65536):
+        got.append(b)
+reader = threading.Thread(target=read, daemon=True)
+reader.start()
+final = run._final_line
+def _final_line(*a, **k):
+    if when == "before":
+        time.sleep(0.3); os.close(r)  # the reader has read all so far
+    final(*a, **k)
+    if when == "after":
+        sys.stderr.flush(); time.sleep(0.3); os.close(r)
+run._final_line = _final_line
+code = main(args)
+os.write(os.open("rc", os.O_WRONLY | os.O_CREAT), str(code).encode())
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_reader_gone_after_the_run_ended_leaves_its_exit_status(tmp_path, data, when):
+    """`toymlx-train ... | head` whose reader goes only once run_end "completed" is written
+    (before or after the final line): exit status 0, as run_end says, not 141; and a run that
+    fails its input checks with its console closed (`2>&1 | head -0`) exits 2, its check's
+    status, with no run folder. Checked when `| head` began to stop a run (both held before)."""
+    script = tmp_path / "reader_goes.py"
+    script.write_text(READER_GOES_AT_THE_END)
+    r = subprocess.run([sys.executable, str(script), when, "--recipe", "from-scratch", *TINY,
+                        "--data.path", data, "--runs-root", str(tmp_path), "--run-id", "p",
+                        "--steps", "3", "--report-every", "1"], cwd=tmp_path, timeout=300,
+                       check=False)
+    assert (r.returncode, (tmp_path / "rc").read_text()) == (0, "0")
+    end = read_events(tmp_path / "p")[-1]
+    assert (end["reason"], end["exit_code"], end["final_step"]) == ("completed", 0, 3)
+    rc = _closed_console([*TRAIN, "--recipe", "from-scratch", *TINY, "--data.path",
+                          str(tmp_path / "missing.txt"), "--runs-root", str(tmp_path),
+                          "--run-id", "bad", "--steps", "3"])
+    assert rc == 2 and not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("prog", ["train", "eval", "generate", "export", "report", "sweep",
                                   "classify", "launch"])
 def test_help_and_version_into_a_closed_pipe_are_quiet(prog):

@@ -88,6 +88,21 @@ from toymlx_cli.train import main
 sys.exit(main())
 """
 
+# every rank sleeps 0.5 s in each step (in Python, where its handlers run): a signal to every
+# process and toymlx-launch's relay of it (0.2 s later at most) both come within one step
+SLOW_STEPS = """
+import sys, time
+import toymlx
+import toymlx.training.trainer as t
+seed = t.step_seed
+def step_seed(s0, step):
+    time.sleep(0.5)
+    return seed(s0, step)
+t.step_seed = step_seed
+from toymlx_cli.train import main
+sys.exit(main())
+"""
+
 # each rank says it is setting up (a file in the working folder), then sleeps there: the window
 # before the loop counts stop signals (loading a model, reading data)
 SLOW_SETUP = """
@@ -133,7 +148,7 @@ def test_a_rank_counts_a_relayed_sigterm_as_sigterm():
         assert (stop.count, stop.first, stop.name, stop.exit_code) == (0, None, None, 130)
         signal.raise_signal(relayed(signal.SIGTERM))
         signal.raise_signal(relayed(signal.SIGINT))
-    assert relayed(signal.SIGTERM) == signal.SIGUSR1 and relayed(signal.SIGHUP) == signal.SIGHUP
+    assert relayed(signal.SIGTERM) == signal.SIGUSR1
     assert (stop.count, stop.name, stop.exit_code, stop.last) == (2, "SIGTERM", 143,
                                                                   signal.SIGINT)
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # put back
@@ -157,19 +172,41 @@ def test_a_sigterm_a_rank_gets_itself_and_relayed_is_one_request():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_a_sigint_or_sighup_a_rank_gets_itself_and_relayed_is_one_request(sig):
+    """A SIGINT or SIGHUP to every process at once (`kill -INT -- -PGID` of each group) reaches
+    a rank itself and again as toymlx-launch's relay, a signal of its own (`relayed`): one
+    request, named as sent, so the final checkpoint is written; a second, either way, is a
+    second request. Relayed as itself, the two copies counted as two requests."""
+    assert len({relayed(s) for s in SIGNALS} | set(SIGNALS)) == 2 * len(SIGNALS)
+    assert relayed(sig) in RANK_SIGNALS
+    with StopSignals(RANK_SIGNALS) as stop:
+        signal.raise_signal(sig)
+        signal.raise_signal(relayed(sig))
+        assert (stop.count, stop.name, stop.exit_code) == (1, sig.name, 128 + sig)
+        signal.raise_signal(relayed(sig))  # a second one, to the launcher alone
+        assert stop.count == 2
+        signal.raise_signal(sig)  # ... and its copy to every process
+        signal.raise_signal(relayed(signal.SIGTERM))  # then a SIGTERM to the launcher
+        assert (stop.count, stop.name, stop.last) == (3, sig.name, signal.SIGTERM)
+    assert signal.getsignal(relayed(sig)) == signal.SIG_DFL  # put back
+
+
 def test_before_the_loop_a_stop_signal_raises_as_ctrl_c_does():
     """`stops_raise` (toymlx-train's setup): a SIGTERM, relayed or not, or a SIGHUP raises
     `Stopped`, named as the sender meant it, with its exit code, once: after it the signals are
     ignored until exit (a whole-group SIGTERM's relay, a moment later, killed the rank before it
     reported how it ended: SIGUSR1's default). Without a stop the handlers come back after,
     but signals ignored until exit (a rank after its last barrier) stay ignored."""
-    sigs = (*SIGNALS, signal.SIGUSR1)
+    sigs = RANK_SIGNALS
     before = {s: signal.getsignal(s) for s in sigs}
     try:
         for sig, want in [(signal.SIGTERM, ("stopped by SIGTERM", 143)),
                           (relayed(signal.SIGTERM), ("stopped by SIGTERM", 143)),
                           (signal.SIGHUP, ("stopped by SIGHUP", 129)),
-                          (signal.SIGINT, ("interrupted", 130))]:
+                          (relayed(signal.SIGHUP), ("stopped by SIGHUP", 129)),
+                          (signal.SIGINT, ("interrupted", 130)),
+                          (relayed(signal.SIGINT), ("interrupted", 130))]:
             with pytest.raises(Stopped) as e, stops_raise(RANK_SIGNALS):
                 signal.raise_signal(sig)
                 signal.raise_signal(relayed(signal.SIGTERM))  # not raised: a second signal
@@ -410,7 +447,7 @@ def _groups(p: subprocess.Popen, status: Path) -> set[int]:
     return {p.pid, *(os.getpgid(pid) for pid in ranks)}
 
 
-# SIGTERM in the default tier: its path (passed on as SIGUSR1, named back) holds Ctrl-C's
+# SIGTERM in the default tier: its path (relayed as SIGUSR1, named back) is Ctrl-C's and SIGHUP's
 @pytest.mark.parametrize("how", ["SIGTERM", *(pytest.param(h, marks=pytest.mark.slow) for h in
                                               ("SIGTERM to every process", "Ctrl-C", "SIGHUP",
                                                "SIGINT to rank 1"))])
@@ -478,34 +515,41 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
     assert _losses(run) == uninterrupted  # bit for bit
 
 
-def test_a_sigterm_to_every_process_ends_the_run_with_its_checkpoint(tmp_path):
-    """The default tier's check of a SIGTERM to every process of a 2-rank run at once (a job
-    scheduler, `systemctl stop`): the launch exits 143, both ranks report 143, and run_end
-    "interrupted" by SIGTERM follows the checkpoint of its final step. The ranks died at once
-    (SIGTERM's default) and mlx.launch with them: exit code 1, no checkpoint, no run_end. The
-    resume, bit for bit, is `test_a_stop_signal_stops_every_rank_...[SIGTERM to every process]`
-    (slow)."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_to_every_process_ends_the_run_with_its_checkpoint(tmp_path, sig):
+    """The default tier's check of a stop signal to every process of a 2-rank run at once (a
+    job scheduler, `systemctl stop`, `kill -INT -- -PGID` of each group): the launch exits
+    128 + its number, both ranks report it, and run_end "interrupted" by it follows the
+    checkpoint of its final step: each rank gets it twice, itself and relayed by toymlx-launch,
+    and that is one request. A SIGTERM killed the ranks at once (its default) and mlx.launch
+    with them: exit code 1, no checkpoint, no run_end; a SIGINT or SIGHUP was relayed as
+    itself, so the two counted as two requests: no final checkpoint. The resume, bit for bit,
+    is `test_a_stop_signal_stops_every_rank_...[SIGTERM to every process]` (slow)."""
+    script = tmp_path / "slow_steps.py"
+    script.write_text(SLOW_STEPS)
     run, status = tmp_path / "runs" / "all", tmp_path / "status"
-    p = _start(tmp_path, [*LAUNCH[:-1], "--status-dir", str(status), "--", *TRAIN, *STOP_ARGS,
-                          "--runs-root", str(run.parent), "--run-id", "all"])
+    p = _start(tmp_path, [*LAUNCH[:-1], "--status-dir", str(status), "--", sys.executable,
+                          str(script), *STOP_ARGS, "--runs-root", str(run.parent),
+                          "--run-id", "all"])
     try:
         _wait_for_step(p, run, 3)
         for group in _groups(p, status):
-            os.killpg(group, signal.SIGTERM)
+            os.killpg(group, sig)
         _, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
             p.communicate()
-    assert p.returncode == 143, err[-3000:]
+    code = 128 + sig
+    assert p.returncode == code, err[-3000:]
     assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
     for r in range(2):
-        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": 143,
+        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": code,
                                                                       "error": None}
     ev = read_events(run)
     s = ev[-1]["final_step"]
     assert {k: ev[-1][k] for k in ("kind", "reason", "exit_code", "signal")} == {
-        "kind": "run_end", "reason": "interrupted", "exit_code": 143, "signal": "SIGTERM"}
+        "kind": "run_end", "reason": "interrupted", "exit_code": code, "signal": sig.name}
     assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, s + 1))
     assert [step for step, _ in list_checkpoints(run / "weights")] == [s]
     assert 3 <= s < 40

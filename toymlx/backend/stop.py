@@ -17,11 +17,16 @@ from toymlx.backend.lifeline import parent_lost
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """The stop signals: Ctrl-C, `kill` (systemd, a job scheduler), a closed terminal or ssh session."""
 
-RELAYED_TERM = signal.SIGUSR1
-"""What `toymlx-launch` sends its ranks for a SIGTERM it gets (`relayed`): a rank counts it as
-that SIGTERM, and tells it from a SIGTERM of its own (`StopSignals.count`)."""
+RELAYED = {signal.SIGTERM: signal.SIGUSR1, signal.SIGINT: signal.SIGUSR2,
+           signal.SIGHUP: signal.SIGURG}
+"""What `toymlx-launch` sends its ranks for each stop signal it gets (`relayed`): a rank counts
+it as that signal, and tells it from the same signal of its own (`StopSignals.count`), which a
+signal to every process at once also brings. SIGURG's default is to ignore it, and the kernel
+sends it only to a process that asked for a socket's out-of-band data, which no rank does
+(SIGWINCH would be simpler, but a rank under a plain mlx.launch in a terminal gets it at each
+resize); all three exist on Linux and macOS, which have no real-time signals."""
 
-RANK_SIGNALS = (*SIGNALS, RELAYED_TERM)
+RANK_SIGNALS = (*SIGNALS, *RELAYED.values())
 """What a data-parallel rank counts: `SIGNALS`, its own (a job scheduler, `systemctl stop` or
 `kill -TERM -- -PGID` signal every process at once) and as `toymlx-launch` passes them on."""
 
@@ -52,13 +57,16 @@ def console_gone() -> bool:
 
 
 def relayed(signum: int) -> int:
-    """The signal `toymlx-launch` passes on to its ranks for `signum`."""
-    return RELAYED_TERM if signum == signal.SIGTERM else signum
+    """The signal `toymlx-launch` passes on to its ranks for `signum` (`RELAYED`)."""
+    return RELAYED.get(signum, signum)
+
+
+_SENT = {v: k for k, v in RELAYED.items()}
 
 
 def _named(signum: int) -> int:
-    """`signum` as its sender meant it: a relayed SIGTERM (`RELAYED_TERM`) as SIGTERM."""
-    return signal.SIGTERM if signum == RELAYED_TERM else signum
+    """`signum` as its sender meant it: a relayed SIGTERM (`RELAYED`) as SIGTERM."""
+    return _SENT.get(signum, signum)
 
 
 class Stopped(KeyboardInterrupt):
@@ -91,9 +99,9 @@ def stops_raise(signals: tuple[int, ...]) -> Iterator[None]:
     yet, a SIGTERM or SIGHUP ends the process as Ctrl-C does there, with a line and its own
     exit code, not killed without a word (or, on a rank, reported as a failure). The loop's
     `StopSignals` counts them instead while it runs. Only the first raises: the process is
-    ending, and a rank gets a whole-group SIGTERM twice (its own, then toymlx-launch's relay),
+    ending, and a rank gets a whole-group signal twice (its own, then toymlx-launch's relay),
     so after one the block ignores them, and so does the process after the block, until it
-    exits: put back, a rank's default for the relay (exit) killed it before it reported how it
+    exits: put back, a rank's default for a relay (exit) killed it before it reported how it
     ended. Without a stop, the handlers before are put back after, where the block left
     `_raise` in place (not where it ignored them until exit)."""
     stopped = False
@@ -114,7 +122,7 @@ def stops_raise(signals: tuple[int, ...]) -> Iterator[None]:
 
 def ignore_stop_signals() -> None:
     """Ignore every stop signal, relayed ones too, from now until the process exits."""
-    for sig in (*SIGNALS, RELAYED_TERM):
+    for sig in RANK_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -134,17 +142,22 @@ class StopSignals:
 
     A data-parallel rank counts `RANK_SIGNALS`: its own, and those `toymlx-launch` (counting
     `SIGNALS`) passes on to every rank (`relayed`); the ranks stop after the same step, the one
-    after the step in flight (the loop's `_stops`). A SIGTERM for `toymlx-launch` reaches the
-    ranks as `RELAYED_TERM`; one for every process at once (a job scheduler, `systemctl stop`)
-    reaches a rank twice, itself and relayed, and that is one request: SIGTERMs count as the
-    more of the two kinds. A rank blocked in C++ (an all_sum whose peer hangs) runs no Python
-    handler, so a SIGTERM no longer ends it: toymlx-launch does, with SIGKILL, `grace` seconds
-    after a rank fails or a second request, and mlx.launch's session does when toymlx-launch
-    dies (`toymlx.runner.launch`)."""
+    after the step in flight (the loop's `_stops`). A signal for `toymlx-launch` reaches the
+    ranks as another (`RELAYED`: SIGTERM as SIGUSR1); one for every process at once (a job
+    scheduler, `systemctl stop`, `kill -INT -- -PGID` of each group) reaches a rank twice,
+    itself and relayed, and that is one request: each signal counts as the more of its two
+    kinds. A rank blocked in C++ (an all_sum whose peer hangs) runs no Python handler, so a
+    SIGTERM no longer ends it: toymlx-launch does, with SIGKILL, `grace` seconds after a rank
+    fails or a second request, and mlx.launch's session does when toymlx-launch dies
+    (`toymlx.runner.launch`)."""
 
     def __init__(self, signals: tuple[int, ...] = SIGNALS):
         self.signals = signals
-        self._terms = self._relayed = self._others = self._console = 0
+        self._own: dict[int, int] = dict.fromkeys(SIGNALS, 0)
+        """Each stop signal's count as this process got it."""
+        self._relayed: dict[int, int] = dict.fromkeys(SIGNALS, 0)
+        """Each stop signal's count as toymlx-launch passed it on (`RELAYED`)."""
+        self._console = 0
         self.first: int | None = None
         """The first stop signal (a relayed SIGTERM as SIGTERM), None before one came."""
         self.last: int | None = None
@@ -156,12 +169,10 @@ class StopSignals:
             if self._console:  # its second stream (`2>&1 | head`): the same request
                 return
             self._console = 1
-        elif signum == signal.SIGTERM:
-            self._terms += 1
-        elif signum == RELAYED_TERM:
-            self._relayed += 1
+        elif signum in _SENT:
+            self._relayed[_SENT[signum]] += 1
         else:
-            self._others += 1
+            self._own[signum] += 1
         self.last = _named(signum)
         if self.first is None:
             self.first = self.last
@@ -171,17 +182,19 @@ class StopSignals:
         """Requests so far. SIGTERMs are told apart when the count is read, not as they come:
         the first parent-death signal can arrive while the parent still looks alive (one of
         its threads exiting first), and counted then as a request of its own it made the
-        repeats a second request. A relayed SIGTERM and one of the rank's own are the same
-        request where both came (a SIGTERM to every process at once), so the more of the two
-        counts, not their sum. A console pipe whose reader has gone is seen here too (polled,
-        no write needed), so that `| head -3` stops the run after the step in flight, not at
-        its next report line (a LoRA run's 10 steps later)."""
+        repeats a second request. A relayed signal and the same signal of the rank's own are
+        the same request where both came (a signal to every process at once), so for each
+        signal the more of the two counts, not their sum. A console pipe whose reader has gone
+        is seen here too (polled, no write needed), so that `| head -3` stops the run after the
+        step in flight, not at its next report line (a LoRA run's 10 steps later)."""
         if READER_GONE in self.signals and not self._console and console_gone():
             self._count(READER_GONE, None)  # gone since the last line: stop now, not there
-        terms = 1 if self._terms > 1 and parent_lost() else self._terms
+        own = dict(self._own)
+        if own[signal.SIGTERM] > 1 and parent_lost():
+            own[signal.SIGTERM] = 1
         # a console gone is a request only alone: a lost parent also closes its pipe, and that
         # closed pipe must not skip the final checkpoint as a second request would
-        return (self._others + max(terms, self._relayed)) or self._console
+        return sum(max(own[s], self._relayed[s]) for s in SIGNALS) or self._console
 
     @property
     def exit_code(self) -> int:
