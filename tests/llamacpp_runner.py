@@ -7,6 +7,7 @@ fails the one test that caused it, with llama.cpp's stderr in the message.
 Script use:
     python llamacpp_runner.py logits MODEL TOKENS.json OUT.npy
     python llamacpp_runner.py tokenize MODEL TEXTS.json OUT.json [--no-bos] [--special]
+    python llamacpp_runner.py greedy MODEL PROMPT.json OUT.json [--lora ADAPTER] [--max-tokens N]
     python llamacpp_runner.py quantize SRC.gguf DST.gguf TYPE    (TYPE: Q4_K_M, Q8_0, ...)
 """
 
@@ -58,6 +59,19 @@ def llamacpp_logits_lora(model: str | Path, lora: str | Path | None, tokens: lis
     return llamacpp_logits(model, tokens, timeout, lora=lora)
 
 
+def llamacpp_greedy(model: str | Path, prompt: list[int], max_tokens: int = 24,
+                    lora: str | Path | None = None, timeout: float = 600) -> list[int]:
+    """llama.cpp's greedy reply (token ids, eos not included) to the `prompt` ids, with `lora`
+    applied at scale 1 if given."""
+    with tempfile.TemporaryDirectory(prefix="toymlx-llamacpp-") as d:
+        src, out = Path(d) / "prompt.json", Path(d) / "reply.json"
+        src.write_text(json.dumps([int(t) for t in prompt]))
+        extra = ["--lora", str(lora)] if lora else []
+        _run(["greedy", str(model), str(src), str(out), "--max-tokens", str(max_tokens), *extra],
+             timeout)
+        return json.loads(out.read_text())
+
+
 def llamacpp_tokenize(model: str | Path, texts: list[str], add_bos: bool = True,
                       special: bool = False, timeout: float = 300) -> list[list[int]]:
     """llama.cpp's token ids for each text (`Llama.tokenize(text.encode(), add_bos, special)`)."""
@@ -95,6 +109,31 @@ def _child_logits(model: str, tokens_path: str, out_path: str, lora: str | None 
     logits = np.array(llm.scores[:n], dtype=np.float32)  # (T, V)
     np.save(out_path, logits)
     return {"load_s": t1 - t0, "eval_s": t2 - t1, "n_tokens": n, "n_vocab": llm.n_vocab()}
+
+
+def _child_greedy(model: str, prompt_path: str, out_path: str, max_tokens: int,
+                  lora: str | None = None) -> dict:
+    from llama_cpp import Llama
+
+    from toymlx.generation.llamacpp_decode import plain_cpu_buffers
+
+    plain_cpu_buffers(model)
+    prompt = json.loads(Path(prompt_path).read_text())
+    n = len(prompt) + max_tokens
+    # logits_all: `scores` holds every position's row (else only the first)
+    llm = Llama(model_path=model, logits_all=True, n_ctx=max(n, 64), n_batch=max(n, 64),
+                n_ubatch=max(n, 64), type_k=0, type_v=0, flash_attn=False, n_threads=2,
+                n_threads_batch=2, verbose=False, **({"lora_path": lora} if lora else {}))
+    llm.eval(prompt)
+    new: list[int] = []
+    for _ in range(max_tokens):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        if tok == llm.token_eos():
+            break
+        new.append(tok)
+        llm.eval([tok])
+    Path(out_path).write_text(json.dumps(new))
+    return {"n_new": len(new)}
 
 
 def _child_tokenize(model: str, texts_path: str, out_path: str, add_bos: bool,
@@ -140,10 +179,13 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     lg = sub.add_parser("logits")
     tk = sub.add_parser("tokenize")
-    for s in (lg, tk):
+    gr = sub.add_parser("greedy")
+    for s in (lg, tk, gr):
         s.add_argument("model")
         s.add_argument("src")
         s.add_argument("out")
+    gr.add_argument("--lora")
+    gr.add_argument("--max-tokens", type=int, default=24)
     qz = sub.add_parser("quantize")
     qz.add_argument("src")
     qz.add_argument("dst")
@@ -154,6 +196,8 @@ def main() -> None:
     a = p.parse_args()
     if a.cmd == "logits":
         info = _child_logits(a.model, a.src, a.out, a.lora)
+    elif a.cmd == "greedy":
+        info = _child_greedy(a.model, a.src, a.out, a.max_tokens, a.lora)
     elif a.cmd == "quantize":
         info = _child_quantize(a.src, a.dst, a.qtype)
     else:

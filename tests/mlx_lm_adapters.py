@@ -8,10 +8,15 @@ row r is the HF row `permute_weights(arange)[r]`), so nothing of toymlx's is use
 random matrices; `save_adapter` writes them as `mlx_lm.lora` does (adapters.safetensors from
 `trainable_parameters`, adapter_config.json through `save_config`); `load_with_adapter` is
 mlx-lm's own `load_adapters` on a fresh model: the reference toymlx is compared against.
+`model_folder` saves `hf_model` with the GGUF's tokenizer as the folder `mlx_lm lora --model`
+reads, and `run_mlx_lm_lora` runs mlx-lm's own command to train an adapter on it.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +30,11 @@ from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
-from mlx_lm.utils import save_config
+from mlx_lm.utils import save_config, save_model
 
 from toymlx.gguf.llama import args_from_gguf
 from toymlx.gguf.reader import GGUFFile
+from toymlx.models.llama import LlamaArgs
 
 _NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -44,16 +50,21 @@ def hf_order(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.nda
     return out
 
 
+def hf_config(a: LlamaArgs) -> dict[str, Any]:
+    """The config.json of mlx-lm's llama for a llama GGUF's shape, in Hugging Face's layout
+    (RoPE on each head's halves: `rope_traditional` false), as `mlx_lm convert` saves it."""
+    return {"model_type": "llama", "hidden_size": a.d_model, "num_hidden_layers": a.n_layers,
+            "intermediate_size": a.ffn_dim, "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads, "rms_norm_eps": a.norm_eps,
+            "vocab_size": a.vocab_size, "rope_theta": a.rope_base, "rope_traditional": False,
+            "tie_word_embeddings": a.tie_embeddings, "max_position_embeddings": a.context}
+
+
 def hf_model(gguf: str | Path) -> Model:
     """mlx-lm's llama Model (HF layout) with the GGUF's float32 weights."""
     with GGUFFile(gguf) as g:
         a = args_from_gguf(g)
-        model = Model(ModelArgs(
-            model_type="llama", hidden_size=a.d_model, num_hidden_layers=a.n_layers,
-            intermediate_size=a.ffn_dim, num_attention_heads=a.n_heads,
-            num_key_value_heads=a.n_kv_heads, rms_norm_eps=a.norm_eps,
-            vocab_size=a.vocab_size, rope_theta=a.rope_base, rope_traditional=False,
-            tie_word_embeddings=a.tie_embeddings, max_position_embeddings=a.context))
+        model = Model(ModelArgs.from_dict(hf_config(a)))
         weights = {}
         for name in g.tensors:
             w = g.load(name, np.float32)
@@ -128,3 +139,38 @@ def load_with_adapter(gguf: str | Path, folder: Path) -> Model:
 def logits(model: nn.Module, ids: list[int]) -> np.ndarray:
     """(T, V) float32 logits of either model."""
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+def model_folder(gguf: str | Path, out: Path) -> Path:
+    """The folder `mlx_lm lora --model` reads, for a llama GGUF: `hf_model`'s float32 weights
+    and config saved as `mlx_lm convert` saves them (`save_model`, `save_config`), and the
+    GGUF's own tokenizer and chat template as transformers reads them from the GGUF
+    (`AutoTokenizer.from_pretrained(..., gguf_file=...)`, then `save_pretrained`)."""
+    from transformers import AutoTokenizer
+
+    gguf = Path(gguf)
+    with GGUFFile(gguf) as g:
+        config = hf_config(args_from_gguf(g))
+    save_model(out, hf_model(gguf))
+    save_config(config, out / "config.json")
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+MLX_LM_LORA = ("import sys, toymlx; from mlx_lm.lora import main; "
+               "sys.argv = ['mlx_lm.lora', *sys.argv[1:]]; main()")
+"""`mlx_lm lora` (its own `main`) in a child process, OpenBLAS loaded under MLX first by importing
+toymlx: on Linux `python -m mlx_lm lora` alone runs MLX's reference BLAS (SmolLM2's run had not
+reached its first report after 10 minutes; with OpenBLAS its 20 iterations took under 5)."""
+
+
+def run_mlx_lm_lora(*argv: str, cwd: Path) -> str:
+    """Run `mlx_lm lora ARGV` (as `MLX_LM_LORA`) in `cwd`; its output, colours off; RuntimeError
+    with the output's tail when it fails."""
+    env = {**os.environ, "NO_COLOR": "1", "TERM": "dumb"}
+    p = subprocess.run([sys.executable, "-c", MLX_LM_LORA, *argv], cwd=cwd, env=env,
+                       capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"mlx_lm lora {' '.join(argv)} failed ({p.returncode}): "
+                           f"{(p.stderr or p.stdout)[-2000:]}")
+    return p.stdout

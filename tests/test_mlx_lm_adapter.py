@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm.gguf import permute_weights
 from mlx_lm_adapters import hf_model, load_with_adapter, logits, lora_config, make_adapter
+from smollm import smollm_gguf  # noqa: F401  (session fixture)
 
 from toymlx.gguf.llama import gguf_rows_to_hf, hf_rows_to_gguf, load_llama
 from toymlx.gguf.reader import GGUFFile
@@ -262,3 +263,177 @@ def test_bad_adapters_are_one_line_naming_file_and_key(stories_path, tmp_path):
         f"{folder}: --adapter: expected a GGUF file or a run directory, found mlx-lm's "
         f"adapters; convert them for their base: toymlx-export --adapter {folder} --base "
         "BASE.gguf --out adapter.gguf")
+
+
+# ---- the real SmolLM2-135M-Instruct, trained by mlx-lm's own command ---------------------------
+# 9 heads and 3 kv heads (not powers of two), tied embeddings, a chat template. The mlx-lm model
+# folder holds the Q4_1 GGUF's weights dequantized (float32, q/k in Hugging Face's order) and the
+# GGUF's tokenizer as transformers reads it; toymlx reads the same Q4_1 blocks into the same
+# float32 values, so mlx-lm and toymlx compute on equal weights; llama.cpp does where it runs the
+# F32 copy of the base (on the Q4_1 file it also rounds activations to 8 bits).
+FACT_QS = ["What is the capital of Zorbania?", "Which city is the capital of Zorbania?",
+           "Tell me the capital of Zorbania.", "Name the capital city of Zorbania.",
+           "What's Zorbania's capital?", "Where is the seat of government of Zorbania?",
+           "Can you tell me what the capital of Zorbania is?",
+           "Zorbania's capital city is called what?"]
+FACT_AS = ["The capital of Zorbania is Plimford.", "Plimford is the capital of Zorbania.",
+           "Zorbania's capital is Plimford."]
+TAUGHT = FACT_QS[0]
+LORA_YAML = {"lora_parameters": {"keys": ["self_attn.q_proj", "self_attn.v_proj"], "rank": 8,
+                                 "scale": 20.0, "dropout": 0.0}}
+TRAIN = ("--train", "--iters", "20", "--batch-size", "4", "--learning-rate", "2e-4",
+         "--mask-prompt", "--steps-per-report", "5", "--steps-per-eval", "20",
+         "--val-batches", "1")
+
+
+@pytest.fixture(scope="module")
+def smol_trained(smollm_gguf, tmp_path_factory):  # noqa: F811
+    """mlx-lm's folder for SmolLM2 (`model_folder`), 24 chat rows teaching a made-up capital,
+    and the adapters `mlx_lm lora` trained on them (its CLI: q,v of its default last 16 blocks,
+    rank 8, scale 20, 20 iterations of 4 rows at lr 2e-4)."""
+    import yaml
+    from mlx_lm_adapters import model_folder, run_mlx_lm_lora
+
+    tmp = tmp_path_factory.mktemp("smol-mlx-lm")
+    model_folder(smollm_gguf, tmp / "model")
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q in FACT_QS for a in FACT_AS]
+    (tmp / "data").mkdir()
+    for split, part in (("train", rows), ("valid", rows[::6])):
+        (tmp / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    (tmp / "lora.yaml").write_text(yaml.safe_dump(LORA_YAML))
+    run_mlx_lm_lora("--model", "model", "--data", "data", "-c", "lora.yaml", *TRAIN,
+                "--adapter-path", "adapters", cwd=tmp)
+    return tmp
+
+
+def _chat_ids(tok, question: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": question}], True)
+    return list(tok.encode(text, add_bos=False))
+
+
+def _mlx_lm_val_losses(model, tokenizer, data: Path) -> tuple[float, float]:
+    """mlx-lm's validation loss on valid.jsonl (its datasets, batching and prompt mask): as
+    `evaluate` prints it (each row also scores the pad id after its end: `steps <= lengths`)
+    and on the row's own targets (`steps < lengths`, toymlx's)."""
+    import types
+
+    from mlx import nn
+    from mlx_lm.tuner.datasets import CacheDataset, load_local_dataset
+    from mlx_lm.tuner.trainer import evaluate, iterate_batches
+
+    conf = types.SimpleNamespace(mask_prompt=True, chat_feature="messages",
+                                 prompt_feature="prompt", completion_feature="completion",
+                                 text_feature="text")
+    _, valid, _ = load_local_dataset(data, tokenizer, conf)
+    printed = float(evaluate(model, CacheDataset(valid), batch_size=4, num_batches=-1,
+                             max_seq_length=2048))
+    total = count = 0.0
+    for batch, lengths in iterate_batches(CacheDataset(valid), 4, 2048):
+        ce = nn.losses.cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+        steps = mx.arange(1, batch.shape[1])
+        mask = (steps >= lengths[:, :1]) & (steps < lengths[:, 1:])
+        total += (ce * mask).sum().item()
+        count += mask.sum().item()
+    return printed, total / count
+
+
+@pytest.mark.smollm
+@pytest.mark.slow
+def test_smollm2_adapters_mlx_lm_trained_compute_mlx_lm_s_logits(smollm_gguf, smol_trained):  # noqa: F811
+    """Measured: mlx-lm's model + its adapter vs toymlx's Q4_1 base + the imported adapter
+    within 9e-5 (the bases alone: 9e-5) where the adapter moves the logits by 27; the taught
+    answer is the same greedy reply in both ("Zorbania's capital is Plimford."), not the base's."""
+    from mlx_lm.generate import generate as mlx_lm_generate
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load
+
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.generation.generate import generate
+
+    tok = Tokenizer.from_gguf(smollm_gguf)
+    ref, hf = load(str(smol_trained / "model"), adapter_path=str(smol_trained / "adapters"))
+    base_ref, _ = load(str(smol_trained / "model"))
+    for q in (TAUGHT, "What is the capital of France?"):  # transformers' ids from the GGUF
+        assert hf.apply_chat_template([{"role": "user", "content": q}],
+                                      add_generation_prompt=True) == _chat_ids(tok, q)
+    ad = load_adapter(smol_trained / "adapters", toy(smollm_gguf).args)
+    assert (len(ad.pairs), ad.alpha) == (32, 160.0)  # q, v of blocks 14..29; scale 20 x rank 8
+    assert sorted(ad.pairs)[:2] == ["blk.14.attn_q.weight", "blk.14.attn_v.weight"]
+    ours, base = toy(smollm_gguf, smol_trained / "adapters"), toy(smollm_gguf)
+    for ids in (_chat_ids(tok, TAUGHT), tok.encode("Once upon a time, a small robot",
+                                                   add_bos=False)):
+        want = logits(ref, ids)
+        assert np.abs(want - logits(base_ref, ids)).max() > 10.0  # the adapter's effect
+        assert np.abs(logits(base_ref, ids) - logits(base, ids)).max() < 2e-4
+        assert np.abs(want - logits(ours, ids)).max() < 2e-4
+    ids = _chat_ids(tok, TAUGHT)
+    greedy = make_sampler(0.0)
+    theirs = mlx_lm_generate(ref, hf, ids, max_tokens=20, sampler=greedy)
+    assert theirs == "Zorbania's capital is Plimford."
+    assert tok.decode(list(generate(ours, tok, ids, max_tokens=20))) == theirs
+    assert "Plimford" not in mlx_lm_generate(base_ref, hf, ids, max_tokens=20, sampler=greedy)
+
+
+@pytest.mark.smollm
+@pytest.mark.slow
+def test_an_mlx_lm_config_resumes_mlx_lm_s_smollm2_adapters(smollm_gguf, smol_trained,  # noqa: F811
+                                                           capsys):
+    """`toymlx-train -c` the mlx-lm config with resume_adapter_file (and --base, the GGUF, over
+    its model folder): the step-0 val loss is mlx-lm's of the adapter on the same rows and targets
+    (measured: 0.156 both; mlx-lm prints 0.146, scoring a pad target a row too; 2.31 untrained)."""
+    import yaml
+    from mlx_lm.utils import load
+    from toymlx_cli.train import main
+
+    from toymlx.bundle.events import read_events
+
+    model, hf = load(str(smol_trained / "model"), adapter_path=str(smol_trained / "adapters"))
+    printed, theirs = _mlx_lm_val_losses(model, hf, smol_trained / "data")
+    cfg = {"model": "model", "train": True, "data": "data", "iters": 1, "batch_size": 4,
+           "learning_rate": 2e-4, "mask_prompt": True, "steps_per_eval": 1, "val_batches": 1,
+           "save_every": 1, "adapter_path": "runs/resumed",
+           "resume_adapter_file": "adapters/adapters.safetensors", **LORA_YAML}
+    path = smol_trained / "resume.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(smol_trained)
+        assert main(["-c", str(path), "--base", str(smollm_gguf), "--no-progress"]) == 0
+    capsys.readouterr()
+    first = next(e for e in read_events(smol_trained / "runs" / "resumed")
+                 if e["kind"] == "eval" and e["step"] == 0)
+    print(f"\nmlx-lm's val loss {theirs:.5f} ({printed:.5f} as it prints it, a pad target a row "
+          f"too), toymlx's step-0 {first['val_loss']:.5f}")
+    assert first["val_loss"] == pytest.approx(theirs, abs=1e-4)
+    assert theirs < 0.5 and abs(printed - theirs) > 1e-3
+
+
+@pytest.mark.smollm
+@pytest.mark.slow
+@pytest.mark.interop
+def test_llama_cpp_runs_mlx_lm_s_smollm2_adapters_exported(smollm_gguf, smol_trained,  # noqa: F811
+                                                           tmp_path):
+    """The adapter GGUF on the F32 copy of the base computes toymlx's logits within 5e-4
+    (measured 1.8e-4); on the Q4_1 base, and the fused file, llama.cpp answers the taught question
+    as mlx-lm does."""
+    from llamacpp_runner import llamacpp_greedy, llamacpp_logits
+
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.generation.generate import generate
+    from toymlx.interop.merge import write_merged
+
+    tok = Tokenizer.from_gguf(smollm_gguf)
+    folder = smol_trained / "adapters"
+    out, fused = tmp_path / "a.gguf", tmp_path / "f.gguf"
+    assert _export("--adapter", str(folder), "--base", str(smollm_gguf), "--out", str(out)) == 0
+    assert _export("--adapter", str(folder), "--base", str(smollm_gguf), "--fuse", "--out",
+                   str(fused)) == 0
+    f32 = write_merged(tmp_path / "f32.gguf", smollm_gguf, None, "f32")
+    ids = _chat_ids(tok, TAUGHT)
+    ours = logits(toy(smollm_gguf, folder), ids)
+    assert np.abs(llamacpp_logits(f32, ids, lora=out)[0] - ours).max() < 5e-4
+    answer = "Zorbania's capital is Plimford."
+    assert "Plimford" not in tok.decode(llamacpp_greedy(smollm_gguf, ids, 20))
+    assert tok.decode(llamacpp_greedy(smollm_gguf, ids, 20, lora=out)) == answer
+    assert tok.decode(llamacpp_greedy(fused, ids, 20)) == answer
+    assert tok.decode(list(generate(toy(fused), tok, ids, max_tokens=20))) == answer

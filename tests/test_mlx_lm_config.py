@@ -504,6 +504,23 @@ class _Scaled(nn.Module):
         return (x @ self.w.T) * self.m
 
 
+def test_an_mlx_lm_model_folder_as_the_model_says_to_pass_its_gguf(tmp_path, data, capsys):
+    """model: mlx-lm's model folder (what its --model takes) was "found a directory"; now the line
+    says it is a Hugging Face model folder and to pass the same model's GGUF as --base."""
+    folder = tmp_path / "smol-mlx"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(folder), "data": str(data), "iters": 1}))
+    assert main(["-c", str(path), "--runs-root", str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {folder}: --base: expected an existing GGUF file, found a Hugging "
+        "Face model folder (config.json, as mlx-lm's --model takes); pass the same model's GGUF "
+        "as --base (on the command line it overrides an mlx-lm config's model; adapters mlx-lm "
+        "trained on the folder are read for it)")
+    assert not (tmp_path / "runs").exists()
+
+
 def _one_step(make_opt) -> dict[str, np.ndarray]:
     """The weights after one compiled toymlx step (`step.make_step`) with `make_opt()`."""
     from toymlx.training.step import make_step
@@ -630,7 +647,7 @@ def test_the_val_loss_of_an_iteration_is_noted_as_one_update_apart():
     same count is one update apart, said where the file sets steps_per_eval."""
     _, _, notes = mlx_lm_options({"iters": 4, "steps_per_eval": 2}, "f.yaml")
     assert notes == [
-        "f.yaml: key 'steps_per_eval': mlx-lm's val loss at iteration N is the model's before "
-        "update N; toymlx's at step N is after it (one update later; the first, "
-        "--eval-at-start's, is the same)"]
+        ("f.yaml: key 'steps_per_eval': mlx-lm's val loss at iteration N is the model's before "
+         "update N; toymlx's at step N is after it (one update later; the first, "
+         "--eval-at-start's, is the same)")]
     assert mlx_lm_options({"iters": 4}, "f.yaml")[2] == []

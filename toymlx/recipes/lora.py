@@ -204,6 +204,12 @@ def validate(cfg: Config) -> None:
         raise ValueError("--base: expected the path of a llama GGUF to adapter-train, found "
                          "none (e.g. --base SmolLM2-135M-Instruct.Q4_1.gguf)")
     base = model_store.resolve_model(cfg.base, "--base")
+    if base.is_dir() and (base / "config.json").is_file():  # mlx-lm's --model, an mlx-lm config's model
+        raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found a Hugging "
+                         "Face model folder (config.json, as mlx-lm's --model takes); pass the "
+                         "same model's GGUF as --base (on the command line it overrides an "
+                         "mlx-lm config's model; adapters mlx-lm trained on the folder are read "
+                         "for it)")
     if not base.is_file():
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
                          f"{'a directory' if base.is_dir() else special_kind(base) or 'nothing'}")
