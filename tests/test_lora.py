@@ -500,6 +500,35 @@ def test_eval_of_a_run_with_no_validation_rows_says_why(tiny_gguf, tmp_path, cap
     assert capsys.readouterr().err.splitlines()[-1] == f"toymlx-eval: error: {want}"
 
 
+def test_a_stop_after_the_last_step_names_the_test_pass_it_skipped(tiny_gguf, tmp_path,
+                                                                    capsys, monkeypatch):
+    """A stop request (here Ctrl-C) that comes after the last step, before --test's pass: the
+    run is completed and its test pass is not begun; that was silent (no test figures, no
+    word), now one line says so and which command scores it."""
+    import os
+    import signal
+
+    from toymlx.training import trainer
+
+    done = trainer._Loop._train
+
+    def train_then_stop(self, stop, bar):
+        done(self, stop, bar)
+        os.kill(os.getpid(), signal.SIGINT)  # counted by the loop's StopSignals, not raised
+
+    monkeypatch.setattr(trainer._Loop, "_train", train_then_stop)
+    data = mlx_lm_folder(tmp_path / "data")
+    assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+                   "--run-id", "r", "--steps", "2", "--batch-size", "2", "--seq-len", "64",
+                   "--eval-every", "0", "--no-progress", "--no-compile", "--data.path",
+                   str(data), "--test"]) == 0
+    events = events_of(tmp_path / "r")
+    assert events[-1]["reason"] == "completed" and not [
+        e for e in events if e["kind"] == "eval" and e.get("split") == "test"]
+    assert (f"step 2: --test not scored (SIGINT came after the last step): toymlx-eval "
+            f"--model {tmp_path / 'r'} --split test scores it") in capsys.readouterr().out
+
+
 def test_a_broken_chat_template_is_named_as_the_ggufs(tmp_path, capsys):
     """A template that is not valid Jinja is the model file's fault: the error names the GGUF
     and its key, not the first data line that rendered it."""

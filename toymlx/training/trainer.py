@@ -357,8 +357,13 @@ class _Loop:
             together = False  # the run ended where every rank ends it (not by an exception)
             try:
                 self._train(stop, bar)
-                if self.reason == "completed" and self.task.test_batches and not stop.count:
-                    self._test(bar)
+                if self.reason == "completed" and self.task.test_batches:
+                    if stop.count:  # a stop after the last step: the test pass not begun
+                        self._say(f"step {self.step}: --test not scored ({stop.name} came after "
+                                  f"the last step): toymlx-eval --model {self.run_dir} --split "
+                                  "test scores it", bar)
+                    else:
+                        self._test(bar)
                 if self.reason == "completed" and self.rank0 and self.task.finish:
                     self._finish(bar)
                 together = True
