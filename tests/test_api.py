@@ -5,6 +5,7 @@ MLX's reference BLAS on Linux)."""
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -133,3 +134,33 @@ def test_names_as_a_dict_spells_them_and_refusals_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match=r"^run-id: given twice, as run_id and run-id$"):
         toymlx.train("from-scratch", run_id="a", **{"run-id": "b"}, runs_root=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b10"]
+
+
+def test_a_reader_gone_stops_the_run_as_the_commands_own_and_is_raised_after(tmp_path):
+    """`python script.py | head -1`: the relay's write finding the pipe closed is passed on as
+    the child's own reader gone (SIGPIPE: checkpoint, run_end naming it, exit 141, resumable),
+    then raised here as BrokenPipeError once the child has stopped; it was a traceback at once,
+    and the child, orphaned, was stopped by its lifeline and recorded as SIGTERM (143)."""
+    script = textwrap.dedent(f"""
+        import sys, toymlx
+        try:
+            toymlx.train("from-scratch", model={{"d_model": 32, "n_layers": 1}}, seq_len=32,
+                         batch_size=4, steps=100000, report_every=1, eval_every=0,
+                         compile=False, runs_root={str(tmp_path)!r}, run_id="r")
+        except BrokenPipeError:
+            last = open({str(tmp_path / "r" / "events.jsonl")!r}).read().splitlines()[-1]
+            print("raised BrokenPipeError after", last.split(",")[0], file=sys.stderr)
+            sys.stdout = None  # nothing more to flush into the closed pipe
+            sys.exit(141)
+    """)
+    p = subprocess.run(f"{sys.executable} -c {shlex.quote(script)} | head -1", shell=True,
+                       capture_output=True, text=True, timeout=300, executable="/bin/bash", check=False)
+    assert p.stdout.startswith("step 1/100000: train loss ")
+    assert p.stderr.strip().splitlines()[-1] == ('raised BrokenPipeError after {"kind": '
+                                                  '"run_end"'), p.stderr
+    end = read_events(tmp_path / "r")[-1]
+    assert (end["kind"], end["signal"], end["exit_code"]) == ("run_end", "SIGPIPE", 141)
+    assert end["message"] == (f"stopped by SIGPIPE after step {end['final_step']}; resume "
+                              f"with --resume {tmp_path / 'r'}")
+    assert any(e["kind"] == "checkpoint" and e["step"] == end["final_step"]
+               for e in read_events(tmp_path / "r"))

@@ -265,6 +265,83 @@ def test_bad_adapters_are_one_line_naming_file_and_key(stories_path, tmp_path):
         "BASE.gguf --out adapter.gguf")
 
 
+
+def test_a_folder_without_its_adapter_file_and_another_model_s_adapter_are_one_line(
+        stories_path, tmp_path):
+    """A folder with adapter_config.json but no adapters.safetensors names its checkpoints (or
+    Hugging Face PEFT's file), where it was "expected a run bundle with weights/latest"; an
+    adapter for another model is named by its shapes and adapter_config.json's model, where
+    it was told about num_layers ("expected blocks 27..29", SmolLM2's) or the rank."""
+    import dataclasses
+
+    folder = make_adapter(stories_path, tmp_path / "adapters", lora_config(2, 4, 2.0))
+    args = toy(stories_path).args
+    st, conf = "adapters.safetensors", "adapter_config.json"
+
+    def line(path, a=args) -> str:
+        with pytest.raises(MlxLmError) as e:
+            read_mlx_lm_adapter(path, a)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    shutil.copy(folder / conf, saved / conf)
+    assert line(saved) == (f"{saved}: expected mlx-lm's {st} beside {conf}, found none; copy it "
+                           "from the adapter's folder")
+    for n in (100, 200):
+        shutil.copy(folder / st, saved / f"{n:07d}_adapters.safetensors")
+    assert line(saved) == (
+        f"{saved}: expected mlx-lm's {st} beside {conf}, found only its checkpoints "
+        f"(0000100_adapters.safetensors, 0000200_adapters.safetensors); pass one as the "
+        f"adapter: {saved}/0000200_adapters.safetensors")
+    assert read_mlx_lm_adapter(saved / "0000200_adapters.safetensors", args).alpha == 8.0
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    shutil.copy(folder / conf, peft / conf)
+    shutil.copy(folder / st, peft / "adapter_model.safetensors")
+    assert line(peft) == (
+        f"{peft}: expected mlx-lm's {st} beside {conf}, found adapter_model.safetensors: Hugging "
+        "Face PEFT's adapter, not mlx-lm's; convert it with llama.cpp's convert_lora_to_gguf.py")
+    wide = dataclasses.replace(args, d_model=128, n_layers=30)  # SmolLM2's depth, wider
+    with pytest.raises(MlxLmError) as e:
+        read_mlx_lm_adapter(folder, wide)
+    assert str(e.value) == (
+        f"{folder}/{st}: key 'model.layers.3.mlp.down_proj.lora_b': expected shape (4, 128) (the "
+        "base's blk.3.ffn_down.weight (128, 172)), found (4, 64): an adapter for another model "
+        "(adapter_config.json's model: HuggingFaceTB/SmolLM2-135M-Instruct); give --base that "
+        "model's GGUF")
+
+
+def test_a_run_from_an_mlx_lm_adapter_of_another_kind_or_set_names_the_flags(stories_path,
+                                                                              tmp_path, capsys):
+    """--lora.init-adapter of mlx-lm's DoRA folder in a LoRA run names adapter_config.json's
+    fine_tune_type (it named a GGUF metadata key the folder has not); one adapting other
+    projections or blocks names the --lora options that match it."""
+    from cli_errors import error_line
+    from toymlx_cli.train import main
+
+    dora = make_adapter(stories_path, tmp_path / "dora", lora_config(3, 4, 2.0, kind="dora"))
+    qv = make_adapter(stories_path, tmp_path / "qv",
+                      lora_config(-1, 4, 2.0, ["self_attn.q_proj", "self_attn.v_proj"]))
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid"):
+        (data / f"{split}.jsonl").write_text(json.dumps({"text": "Once upon a time."}) + "\n")
+    args = ["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
+            "--data.path", str(data), "--steps", "1", "--batch-size", "1", "--seq-len", "16",
+            "--eval-every", "0", "--no-progress", "--no-compile", "--lora.layers", "3",
+            "--lora.rank", "4", "--lora.alpha", "8", "--run-id", "r"]
+    assert main([*args, "--lora.init-adapter", str(dora)]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {dora}/adapter_config.json: key 'fine_tune_type': expected 'lora' "
+        "(this run's --fine-tune-type), found 'dora'; pass --fine-tune-type dora to start from it")
+    assert main([*args, "--lora.init-adapter", str(qv)]) == 2
+    assert error_line(capsys).endswith(
+        "; mlx-lm's adapter is this run's with --lora.targets q,v --lora.layers 5")
+    assert not (tmp_path / "r").exists()
+
+
 # ---- the real SmolLM2-135M-Instruct, trained by mlx-lm's own command ---------------------------
 # 9 heads and 3 kv heads (not powers of two), tied embeddings, a chat template. The mlx-lm model
 # folder holds the Q4_1 GGUF's weights dequantized (float32, q/k in Hugging Face's order) and the

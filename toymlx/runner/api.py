@@ -17,7 +17,8 @@ toymlx can act, and a script that imported `mlx.core` first (every mlx-lm script
 notebooks) has already fixed it. On Linux the `mlx[cpu]` wheel then keeps its reference BLAS
 (a LoRA step about 40x slower), and MLX's evaluation width is read at the first evaluation
 (`toymlx.backend.device`). A child that imports toymlx first trains exactly as `toymlx-train` does,
-whatever this process did before; Ctrl-C here stops it cleanly (final checkpoint, resumable).
+whatever this process did before; Ctrl-C here stops it cleanly (final checkpoint, resumable),
+and so does a reader of this process's output gone (`python script.py | head -3`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend.lifeline import child_env
+from toymlx.backend.stop import READER_GONE
 
 
 class TrainError(RuntimeError):
@@ -147,11 +149,13 @@ class _Output:
 def _run_child(cmd: list[str], echo: bool) -> _Output:
     """Run `cmd` tied to this process (it stops if this one dies), its stdout and stderr relayed
     to `sys.stdout` (a notebook's cell output too) as they come; Ctrl-C here is passed on as
-    the child's own Ctrl-C, then raised here once the child has stopped."""
+    the child's own Ctrl-C, then raised here once the child has stopped; so is a reader of this
+    process's output gone (`python script.py | head -3`: the child's own reader gone, SIGPIPE,
+    then BrokenPipeError here)."""
     out, text = _Output(), codecs.getincrementaldecoder("utf-8")(errors="replace")
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env=child_env())
-    interrupted = False
+    interrupted, reader_gone = False, None
     assert child.stdout is not None
     while True:
         try:
@@ -163,10 +167,17 @@ def _run_child(cmd: list[str], echo: bool) -> _Output:
         if not chunk:
             break
         out.feed(chunk)
-        if echo:
-            sys.stdout.write(text.decode(chunk))
-            sys.stdout.flush()
+        if echo and reader_gone is None:
+            try:
+                sys.stdout.write(text.decode(chunk))
+                sys.stdout.flush()
+            except BrokenPipeError as e:
+                # raised now, it left the child orphaned, stopped by its lifeline as a SIGTERM
+                reader_gone = e
+                child.send_signal(READER_GONE)  # the run checkpoints and ends with exit 141
     out.returncode = child.wait()
     if interrupted:
         raise KeyboardInterrupt
+    if reader_gone is not None:
+        raise reader_gone
     return out

@@ -121,7 +121,7 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None) -> Adap
         m = read_mlx_lm_adapter(path, base)
         meta = {"general.type": "adapter", "general.architecture": base.arch,
                 "adapter.type": m.kind, "adapter.lora.alpha": m.alpha,
-                "toy.mlx_lm_adapter": str(m.path)}
+                "toy.mlx_lm_adapter": str(m.path), "toy.mlx_lm_flags": m.flags}
         return Adapter(str(m.path), base.arch, m.alpha, m.pairs, meta, m.kind, m.magnitudes)
     path = checkpoint_file(path, "--adapter")
     g = GGUFFile(path)
@@ -248,15 +248,20 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
     have = {toy_to_gguf(p + ".weight"): m for p, m in lora_layers(model).items()}
     kind = next((k for k, c in ADAPTER_KINDS.items()
                  if any(type(m) is c for m in have.values())), "lora")
+    mlx_lm = "toy.mlx_lm_adapter" in ad.metadata
     if ad.kind != kind:
-        raise GGUFError(f"{ad.path}: metadata key 'adapter.type': expected {kind!r} (this "
-                        f"run's --fine-tune-type), found {ad.kind!r}")
+        where = (f"{Path(ad.path).parent / 'adapter_config.json'}: key 'fine_tune_type'"
+                 if mlx_lm else f"{ad.path}: metadata key 'adapter.type'")
+        raise GGUFError(f"{where}: expected {kind!r} (this run's --fine-tune-type), found "
+                        f"{ad.kind!r}; pass --fine-tune-type {ad.kind} to start from it")
     if set(have) != set(ad.pairs):
         extra = sorted(set(ad.pairs) - set(have))
         missing = sorted(set(have) - set(ad.pairs))
+        flags = ad.metadata.get("toy.mlx_lm_flags") if mlx_lm else ""
         raise GGUFError(f"{ad.path}: tensors: expected LoRA pairs for exactly the model's "
                         f"{len(have)} adapted weights, found {len(ad.pairs)} (missing "
-                        f"{missing[:2]}, unexpected {extra[:2]})")
+                        f"{missing[:2]}, unexpected {extra[:2]})"
+                        + (f"; mlx-lm's adapter is this run's with {flags}" if flags else ""))
     targets = _adapter_targets(model, ad)
     for name, (_, a, b) in targets.items():
         m = have[name]

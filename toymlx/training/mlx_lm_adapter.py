@@ -54,22 +54,54 @@ class MlxLmAdapter:
     pairs: dict[str, tuple[np.ndarray, np.ndarray]]
     magnitudes: dict[str, np.ndarray] | None
     """DoRA: base tensor name -> m (n_out,)"""
+    flags: str = ""
+    """the toymlx options that adapt what it adapts (`--lora.targets q,v --lora.layers 2`),
+    where it adapts the same projections of the last blocks; else ''"""
 
 
 def mlx_lm_files(path: str | os.PathLike) -> tuple[Path, Path] | None:
     """(adapters.safetensors, adapter_config.json beside it) when `path` is mlx-lm's adapter
-    folder or a .safetensors file (mlx-lm's checkpoints are `0000100_adapters.safetensors`);
-    None for anything else (an adapter GGUF, a run folder)."""
+    folder (either file in it: a folder holding only checkpoints is refused by the reader,
+    naming them) or a .safetensors file (mlx-lm's checkpoints are
+    `0000100_adapters.safetensors`); None for anything else (an adapter GGUF, a run folder)."""
     p = Path(path)
-    if p.is_dir() and (p / ADAPTER_FILE).is_file():
+    if p.is_dir() and ((p / ADAPTER_FILE).is_file() or (p / CONFIG_FILE).is_file()):
         return p / ADAPTER_FILE, p / CONFIG_FILE
     if p.suffix == ".safetensors":
         return p, p.parent / CONFIG_FILE
     return None
 
 
-def _config(path: Path, weights: Path) -> tuple[str, int, float, int]:
-    """(fine_tune_type, rank, scale, num_layers) from adapter_config.json, each checked."""
+def _no_weights(weights: Path) -> MlxLmError:
+    """The error for mlx-lm's folder without its adapters.safetensors: its checkpoints named
+    (`mlx_lm.lora` writes NNNNNNN_adapters.safetensors beside it), or Hugging Face's PEFT file."""
+    folder = weights.parent
+    saved = sorted(x.name for x in folder.glob("*_adapters.safetensors"))
+    if saved:
+        fix = (f"found only its checkpoints ({', '.join(saved[-3:])}); pass one as the "
+               f"adapter: {folder / saved[-1]}")
+    elif (folder / "adapter_model.safetensors").is_file():
+        fix = ("found adapter_model.safetensors: Hugging Face PEFT's adapter, not mlx-lm's; "
+               "convert it with llama.cpp's convert_lora_to_gguf.py")
+    else:
+        fix = "found none; copy it from the adapter's folder"
+    return MlxLmError(f"{folder}: expected mlx-lm's {ADAPTER_FILE} beside {CONFIG_FILE}, {fix}")
+
+
+def _flags(found: set[tuple[int, str]], n_layers: int, have: tuple[str, ...]) -> str:
+    """The --lora options that adapt exactly the (block, target) pairs `found`: the same
+    targets in each of the last blocks; '' where no options do."""
+    blocks = sorted({b for b, _ in found})
+    targets = [t for t in have if any(f == t for _, f in found)]
+    if blocks != list(range(n_layers - len(blocks), n_layers)) or len(found) != len(
+            blocks) * len(targets):
+        return ""
+    return f"--lora.targets {','.join(targets)} --lora.layers {len(blocks)}"
+
+
+def _config(path: Path, weights: Path) -> tuple[str, int, float, int, str]:
+    """(fine_tune_type, rank, scale, num_layers, model) from adapter_config.json, each
+    checked (model: the Hugging Face model it was trained on, as given; '' when absent)."""
     if not path.is_file():
         raise MlxLmError(f"{path}: expected mlx-lm's adapter config beside {weights.name} "
                         "(mlx_lm.lora writes both; it gives lora_parameters.scale and rank), "
@@ -101,7 +133,7 @@ def _config(path: Path, weights: Path) -> tuple[str, int, float, int]:
     if not (isinstance(layers, int) and not isinstance(layers, bool)):
         raise MlxLmError(f"{path}: key 'num_layers': expected an integer, found "
                         f"{json.dumps(layers)}")
-    return kind, rank, float(scale), layers
+    return kind, rank, float(scale), layers, str(conf.get("model") or "")
 
 
 def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
@@ -113,7 +145,9 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
         raise MlxLmError(f"{path}: expected mlx-lm's adapter folder or its {ADAPTER_FILE}, found "
                         "neither")
     weights, config = files
-    kind, rank, scale, num_layers = _config(config, weights)
+    if not weights.is_file() and weights.name == ADAPTER_FILE and config.is_file():
+        raise _no_weights(weights)
+    kind, rank, scale, num_layers, trained_on = _config(config, weights)
     try:
         raw = mx.load(str(weights), format="safetensors")
     except (ValueError, RuntimeError, OSError) as e:
@@ -123,6 +157,8 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
     have, shapes = block_targets(a), expected_shapes(a)
     halves: dict[str, dict[str, np.ndarray]] = {}
     module_of: dict[str, str] = {}  # base tensor name -> the key's module path, for messages
+    found: set[tuple[int, str]] = set()  # (block, target) adapted
+    early: MlxLmError | None = None  # a block before the last num_layers
     for key in sorted(raw):
         m = _KEY.fullmatch(key)
         if m is None or m.group(2) not in HF_TARGETS:
@@ -139,23 +175,32 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
             raise MlxLmError(f"{weights}: key {key!r}: expected a projection this {a.arch} base "
                              f"has ({', '.join(k for k, v in HF_TARGETS.items() if v in have)})"
                              f", found {module}")
-        if block < first:
-            raise MlxLmError(f"{weights}: key {key!r}: expected blocks {first}..{a.n_layers - 1} "
-                            f"(num_layers {num_layers} in {config.name}: the last {num_layers}), "
-                            f"found block {block}")
-        if leaf == "m" and kind != "dora":
-            raise MlxLmError(f"{weights}: key {key!r}: expected lora_a and lora_b only "
-                            f"(fine_tune_type {kind!r} in {config.name}), found DoRA's magnitude")
         name = toy_to_gguf(f"layers.{block}.{TARGETS[target]}.weight")
         n_out, n_in = shapes[name]
         want = {"lora_a": (n_in, rank), "lora_b": (rank, n_out), "m": (n_out,)}[leaf]
         arr = np.array(raw[key].astype(mx.float32))
+        dims = {"lora_a": (0,), "lora_b": (1,), "m": (0,)}[leaf]  # the model's axes, not rank's
+        if arr.ndim == len(want) and any(arr.shape[i] != want[i] for i in dims):
+            raise MlxLmError(f"{weights}: key {key!r}: expected shape {want} (the base's {name} "
+                            f"({n_out}, {n_in})), found {arr.shape}: an adapter for another "
+                            f"model ({config.name}'s model: {trained_on or 'not given'}); give "
+                            "--base that model's GGUF")
+        if block < first and early is None:  # said after every key's shape is checked
+            early = MlxLmError(f"{weights}: key {key!r}: expected blocks {first}.."
+                               f"{a.n_layers - 1} (num_layers {num_layers} in {config.name}: the "
+                               f"last {num_layers}), found block {block}")
+        if leaf == "m" and kind != "dora":
+            raise MlxLmError(f"{weights}: key {key!r}: expected lora_a and lora_b only "
+                            f"(fine_tune_type {kind!r} in {config.name}), found DoRA's magnitude")
         if arr.shape != want:
             raise MlxLmError(f"{weights}: key {key!r}: expected shape {want} (the base's "
                             f"{name} ({n_out}, {n_in}), lora_parameters.rank {rank} in "
                             f"{config.name}), found {arr.shape}")
         halves.setdefault(name, {})[leaf] = arr
         module_of[name] = key.rpartition(".")[0]
+        found.add((block, target))
+    if early is not None:
+        raise early
     pairs, magnitudes = {}, {}
     need = ("lora_a", "lora_b", "m") if kind == "dora" else ("lora_a", "lora_b")
     for name, h in halves.items():
@@ -174,5 +219,6 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
             magnitudes[name] = h["m"]
     if not pairs:
         raise MlxLmError(f"{weights}: keys: expected lora_a/lora_b pairs, found none")
-    return MlxLmAdapter(weights, kind, scale * rank, pairs, magnitudes if kind == "dora" else None)
+    return MlxLmAdapter(weights, kind, scale * rank, pairs, magnitudes if kind == "dora" else None,
+                        _flags(found, a.n_layers, have))
 
