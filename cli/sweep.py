@@ -128,6 +128,7 @@ def _main(argv: list[str] | None) -> int:
 
     from toymlx import sweeps as sweep
     from toymlx.backend.device import restart_with_huge_pages
+    from toymlx.backend.stop import stop_outcome
     from toymlx.recipes import get_recipe
 
     if argv is None:  # the console script: its runs inherit the huge-page heap setting
@@ -183,8 +184,8 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, OSError) as e:
         print(f"toymlx-sweep: error: {e}", file=sys.stderr)
         return 2
-    if "interrupted" in result.states.values():
-        return 130
+    if "interrupted" in result.states.values() or result.signal:
+        return stop_outcome(result.signal)[1]  # 128 + the signal's number (Ctrl-C: 130)
     return 0 if result.ok else 1
 
 

@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -365,6 +366,34 @@ def test_a_killed_sweep_leaves_no_children_and_its_rerun_gives_clean_bundles(tmp
     rows = {r["run"]: r for r in _csv(root / "summary.csv")}
     assert len(rows) == 2 and {r["status"] for r in rows.values()} == {"completed"}
     assert {int(r["step"]) for r in rows.values()} == {100}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_closed_terminal_or_kill_stops_the_sweep_with_its_summary(tmp_path, sig):
+    """SIGHUP (a closed terminal or ssh session) killed the sweep at once: no summary, its
+    runs stopped only by their lifeline. Now SIGHUP and SIGTERM stop it as Ctrl-C does (each
+    run checkpoints, the summary is written) and its exit code is 128 + the signal's number."""
+    cmd = [sys.executable, "-m", "toymlx_cli.sweep", "--recipe", "from-scratch", "--grid",
+           "lr=1e-3,3e-3", "--workers", "2", "--runs-root", str(tmp_path), "--sweep-id", "h",
+           "--no-progress", "--no-report", *TINY, "--steps", "100000", "--checkpoint-every",
+           "10", "--eval-every", "0"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    root = tmp_path / "h"
+    t0 = time.monotonic()
+    while len(list(root.glob("*/weights/step_10.gguf"))) < 2:
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 120
+        time.sleep(0.05)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=180)
+    assert p.returncode == 128 + sig, err[-3000:]
+    assert "sweep: interrupted; run the same command again to resume" in err
+    rows = _csv(root / "summary.csv")
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"interrupted"}, rows
+    for d in (x for x in root.iterdir() if (x / "events.jsonl").exists()):
+        end = read_events(d)[-1]
+        assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
+        assert f"step_{end['final_step']}.gguf" == os.readlink(d / "weights" / "latest")
 
 
 def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):

@@ -24,6 +24,8 @@ class SweepResult:
     states: dict[str, str]
     """run name -> what this call did: done, skipped, diverged, failed, stopped, interrupted,
     elsewhere (locked by another worker)"""
+    signal: int | None = None
+    """The stop signal that stopped this call (SIGINT, SIGTERM, SIGHUP), None if none came."""
 
     @property
     def failed(self) -> list[str]:

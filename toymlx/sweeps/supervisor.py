@@ -31,7 +31,7 @@ from typing import Any, TextIO
 from toymlx.backend import atomic
 from toymlx.backend.lifeline import child_env
 from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
-from toymlx.backend.stop import STOP_CODES
+from toymlx.backend.stop import SIGNALS, STOP_CODES
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import check_folder_name
@@ -96,7 +96,8 @@ def _last_error(log: Path) -> str | None:
 
 class _Runner:
     """One machine's share of a sweep in flight: runs started as `toymlx-train` children,
-    `workers` at a time, watched until they end, and stopped on SIGINT/SIGTERM.
+    `workers` at a time, watched until they end, and stopped on a stop signal (SIGINT, SIGTERM,
+    SIGHUP: a closed terminal or ssh session too), the first of them kept (`first`).
 
     Each child is tied to this process (`lifeline`): if the sweep dies, even by SIGKILL, its
     children stop with a final checkpoint instead of training on unwatched. A child gets its
@@ -115,14 +116,17 @@ class _Runner:
         self.env.setdefault("OPENBLAS_NUM_THREADS",
                             str(max(1, (os.cpu_count() or 1) // workers)))
         self.signals, self.forwarded, self.stop_by = 0, 0, None
+        self.first: int | None = None
+        """The first stop signal, None before one came."""
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals += 1
+        self.first = self.first or signum
 
     def run(self) -> bool:
         """Run every run; returns whether a signal stopped the sweep."""
         old = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in SIGNALS:
             try:
                 old[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread: no signal handling
@@ -316,12 +320,13 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     stream.write(f"sweep {sweep_dir}: {len(specs)} runs, {len(mine)} on this shard "
                  f"({shard[0]}/{shard[1]}), {workers} worker(s)\n")
     runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
-    interrupted = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
-                          python or sys.executable, LiveView(stream, progress), stream,
-                          options_file).run()
+    runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
+                     python or sys.executable, LiveView(stream, progress), stream, options_file)
+    interrupted = runner.run()
 
     result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
     result.states = {r.spec.name: r.state for r in runs}
+    result.signal = runner.first
     for r in runs:
         if r.state in ("failed", "diverged"):
             stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
