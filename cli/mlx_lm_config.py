@@ -22,6 +22,8 @@ from typing import Any
 
 from toymlx_cli.config_file import ConfigFileError
 
+from toymlx.gguf.llama import HF_TARGETS
+
 MLX_LM_ONLY = frozenset({
     "train", "iters", "learning_rate", "num_layers", "lora_parameters", "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
     "save_every", "adapter_path", "resume_adapter_file", "max_seq_length", "hf_dataset",
@@ -55,10 +57,9 @@ _NOTED = {
     "config": "the file itself",
 }
 """Keys toymlx reads but does not honour, because they do not change what is trained."""
-_TARGETS = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
-            "self_attn.o_proj": "o", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
-            "mlp.down_proj": "down"}
-"""mlx-lm's module paths (lora_parameters.keys) of a llama block -> toymlx's --lora.targets."""
+_TARGETS = {k: v for k, v in HF_TARGETS.items() if v not in ("qkv", "gate_up")}
+"""mlx-lm's module paths (lora_parameters.keys) of a llama block -> toymlx's --lora.targets
+(phi3's fused qkv and gate_up left out)."""
 ALL_TARGETS = ",".join(_TARGETS.values())
 _RENAMED = {"iters": "steps", "learning_rate": "lr",
             "grad_accumulation_steps": "grad_accum", "steps_per_eval": "eval_every",

@@ -440,6 +440,16 @@ STOPS = {"Ctrl-C": (signal.SIGINT, "group"), "SIGTERM": (signal.SIGTERM, "launch
          "SIGHUP": (signal.SIGHUP, "launcher"), "SIGINT to rank 1": (signal.SIGINT, "rank 1")}
 
 
+def _every_rank_ended(p: subprocess.Popen, err: str, status: Path, code: int) -> None:
+    """The launch and both its ranks ended with `code`, with no traceback, failure or
+    mlx.launch warning on stderr."""
+    assert p.returncode == code, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
+    for r in range(2):
+        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": code,
+                                                                      "error": None}
+
+
 def _groups(p: subprocess.Popen, status: Path) -> set[int]:
     """The process groups of a launch: toymlx-launch's, and the session mlx.launch and the
     ranks run in."""
@@ -491,11 +501,7 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
             p.kill()
             p.communicate()
     code = 128 + sig
-    assert p.returncode == code, err[-3000:]
-    assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
-    for r in range(2):
-        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": code,
-                                                                      "error": None}
+    _every_rank_ended(p, err, status, code)
     ev = read_events(run)
     end = ev[-1]
     assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
@@ -541,11 +547,7 @@ def test_a_stop_signal_to_every_process_ends_the_run_with_its_checkpoint(tmp_pat
             p.kill()
             p.communicate()
     code = 128 + sig
-    assert p.returncode == code, err[-3000:]
-    assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
-    for r in range(2):
-        assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": code,
-                                                                      "error": None}
+    _every_rank_ended(p, err, status, code)
     ev = read_events(run)
     s = ev[-1]["final_step"]
     assert {k: ev[-1][k] for k in ("kind", "reason", "exit_code", "signal")} == {
