@@ -114,7 +114,9 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    with output_may_close():  # `| head`, `2>&1 | head`: the runs, summary and report go on
+    # `| head -3`, `2>&1 | head -3`: the rest of the output is discarded, and the sweep stops as on
+    # Ctrl-C (its runs checkpoint; summary and report written; exit 141)
+    with output_may_close():
         return _main(argv)
 
 

@@ -292,20 +292,31 @@ def test_two_machines_over_one_folder_run_each_run_once(tmp_path):
     assert not list((tmp_path / "two" / ".locks").iterdir())  # every lock released
 
 
-def test_a_closed_console_neither_fails_the_sweep_nor_loses_its_report(tmp_path):
-    """`toymlx-sweep ... 2>&1 | head -1`: the summary table met the closed pipe, the sweep
-    reported it as "error: [Errno 32] Broken pipe" on that pipe too, and ended with exit
-    status 1, a traceback and no report.png. Now the console's output is discarded and the
-    sweep ends as it would have: status 0, summary and report written."""
+def test_a_closed_console_stops_the_sweep_as_ctrl_c_does_and_keeps_its_summary(tmp_path):
+    """`toymlx-sweep ... 2>&1 | head -3`: the sweep once went on to its last run after head
+    had ended (the shell waits for it: a prompt that hangs for the whole sweep), while
+    `toymlx-train ... | head -3` stops. Now the reader gone is a stop request as in a run: the
+    run in flight checkpoints and ends, the summary is written, the exit status is 141
+    (128 + SIGPIPE), as after Ctrl-C."""
     cmd = [sys.executable, "-m", "toymlx_cli.sweep", "--recipe", "from-scratch", "--grid",
            "lr=1e-3,2e-3", "--runs-root", str(tmp_path), "--sweep-id", "closed",
-           "--no-progress", *TINY, "--steps", "2"]
+           "--no-progress", *TINY, "--steps", "100000", "--eval-every", "0",
+           "--checkpoint-every", "0"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    p.stdout.close()
-    assert p.wait(timeout=300) == 0
     root = tmp_path / "closed"
-    assert [r["status"] for r in _csv(root / "summary.csv")] == ["completed", "completed"]
-    assert (root / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    t0 = time.monotonic()
+    while not list(root.glob("lr=*/weights")):  # a run has started training
+        assert p.poll() is None and time.monotonic() - t0 < 120
+        time.sleep(0.2)
+    p.stdout.close()
+    assert p.wait(timeout=120) == 128 + signal.SIGPIPE
+    states = {r["run"]: r["status"] for r in _csv(root / "summary.csv")}
+    assert states["lr=0.001"] == "interrupted", states
+    events = read_events(root / "lr=0.001")
+    assert events[-1]["kind"] == "run_end" and events[-1]["reason"] == "interrupted"
+    assert events[-1]["final_step"] < 100000
+    assert (root / "lr=0.001" / "weights" / f"step_{events[-1]['final_step']}.gguf").is_file()
+    assert not (root / "lr=0.002").exists()  # never started: the sweep stopped first
 
 
 def _descendants(pid: int) -> list[int]:

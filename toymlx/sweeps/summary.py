@@ -25,7 +25,8 @@ class SweepResult:
     """run name -> what this call did: done, skipped, diverged, failed, stopped, interrupted,
     elsewhere (locked by another worker)"""
     signal: int | None = None
-    """The stop signal that stopped this call (SIGINT, SIGTERM, SIGHUP), None if none came."""
+    """The stop signal that stopped this call (SIGINT, SIGTERM, SIGHUP; SIGPIPE for its console
+    reader gone), None if none came."""
 
     @property
     def failed(self) -> list[str]:

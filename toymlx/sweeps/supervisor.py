@@ -17,12 +17,14 @@ alone any run whose bundle another live process still owns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,7 +33,7 @@ from typing import Any, TextIO
 from toymlx.backend import atomic
 from toymlx.backend.lifeline import child_env
 from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
-from toymlx.backend.stop import SIGNALS, STOP_CODES
+from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import check_folder_name
@@ -96,8 +98,9 @@ def _last_error(log: Path) -> str | None:
 
 class _Runner:
     """One machine's share of a sweep in flight: runs started as `toymlx-train` children,
-    `workers` at a time, watched until they end, and stopped on a stop signal (SIGINT, SIGTERM,
-    SIGHUP: a closed terminal or ssh session too), the first of them kept (`first`).
+    `workers` at a time, watched until they end, and stopped on a stop request as a run is
+    (`StopSignals`: SIGINT, SIGTERM, SIGHUP for a closed terminal or ssh session, and the reader
+    of its console gone, `toymlx-sweep ... | head -3`), the first of them kept (`first`).
 
     Each child is tied to this process (`lifeline`): if the sweep dies, even by SIGKILL, its
     children stop with a final checkpoint instead of training on unwatched. A child gets its
@@ -115,28 +118,30 @@ class _Runner:
         # K runs share the cores: give each run's BLAS its share instead of all of them
         self.env.setdefault("OPENBLAS_NUM_THREADS",
                             str(max(1, (os.cpu_count() or 1) // workers)))
-        self.signals, self.forwarded, self.stop_by = 0, 0, None
-        self.first: int | None = None
-        """The first stop signal, None before one came."""
+        self.stops = StopSignals(SOLO_SIGNALS)
+        self.forwarded, self.stop_by = 0, None
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.signals += 1
-        self.first = self.first or signum
+    @property
+    def first(self) -> int | None:
+        """The first stop signal (SIGPIPE for a console gone), None before one came."""
+        return self.stops.first
 
     def run(self) -> bool:
-        """Run every run; returns whether a signal stopped the sweep."""
-        old = {}
-        for sig in SIGNALS:
-            try:
-                old[sig] = signal.signal(sig, self._on_signal)
-            except ValueError:  # not the main thread: no signal handling
-                pass
+        """Run every run; returns whether a stop request stopped the sweep."""
+        on_main = threading.current_thread() is threading.main_thread()
+        # off the main thread no handler can be set; a console gone is still seen (polled)
+        with self.stops if on_main else contextlib.nullcontext():
+            return self._run()
+
+    def _run(self) -> bool:
+        requests = 0
         try:
             pending = list(self.runs)
             while True:
+                requests = self.stops.count
                 active = [r for r in self.runs if r.state == "running"]
                 for r in list(pending):
-                    if len(active) >= self.workers or self.signals:
+                    if len(active) >= self.workers or requests:
                         break
                     if r.retry_at > time.time():
                         continue
@@ -146,14 +151,14 @@ class _Runner:
                         active.append(r)
                     elif r.state == "waiting":
                         pending.append(r)
-                if not active and (not pending or self.signals):
+                if not active and (not pending or requests):
                     break
                 for r in active:
                     r.absorb(r.tail.read())
                     if r.proc.poll() is not None:
                         self._finish(r)
-                if self.signals > self.forwarded:
-                    self._forward([r for r in self.runs if r.state == "running"])
+                if requests > self.forwarded:
+                    self._forward([r for r in self.runs if r.state == "running"], requests)
                 elif self.stop_by is not None and time.time() > self.stop_by:
                     self._kill([r for r in self.runs if r.state == "running"])
                 self.view.update(self.runs)
@@ -161,9 +166,7 @@ class _Runner:
             self.view.update(self.runs, force=True)
         finally:
             self._kill([r for r in self.runs if r.state == "running"])  # on an error here
-            for sig, h in old.items():
-                signal.signal(sig, h)
-        return self.signals > 0
+        return requests > 0
 
     def _lock_path(self, r: SweptRun) -> Path:
         return self.sweep_dir / ".locks" / f"{r.spec.name}.lock"
@@ -254,13 +257,13 @@ class _Runner:
             "host": socket.gethostname(), "finished_at": time.time()}))
         r.release()
 
-    def _forward(self, active: list[SweptRun], grace: float = 120.0) -> None:
-        """Pass each new signal on (SIGINT: the run checkpoints and ends; a second one skips
-        that checkpoint); after `grace` seconds the rest are killed."""
+    def _forward(self, active: list[SweptRun], requests: int, grace: float = 120.0) -> None:
+        """Pass each new stop request on as SIGINT (the run checkpoints and ends; a second one
+        skips that checkpoint); after `grace` seconds the rest are killed."""
         if not self.forwarded:
             self.stream.write(f"sweep: stopping {len(active)} run(s) (they checkpoint first)...\n")
             self.stop_by = time.time() + grace
-        self.forwarded = self.signals
+        self.forwarded = requests
         for r in active:
             try:
                 os.killpg(r.proc.pid, signal.SIGINT)
