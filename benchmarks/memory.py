@@ -16,7 +16,7 @@ Rows (a name each; `--only` picks):
 - `1b-blocks` / `1b-float32`: the Llama-3.2-1B-shaped Q4_K_M (`shapes.py`) at 4 x 256, q
   (`1b-1-stream`, `1b-float32-1-stream`: the same with `--cpu-streams 1`);
   `1b-1x512`, `3b-1x512`, `8b-1x512`: 1 x 512, q,v, rank 8, `--grad-checkpoint`, 3 steps (the
-  issue's sizes); `1b-full-2`, `3b-full-2`: mlx-lm's full fine-tune of the last 2 blocks
+  issue's sizes); `1b-full-2`, `3b-full-2`, `8b-full-2`: mlx-lm's full fine-tune of the last 2 blocks
   (`--fine-tune-type full --full.layers 2`, the frozen rest as blocks) at 1 x 512,
   `--grad-checkpoint`, 3 steps; `gemma-4x256`: the Gemma-3-270M shape (262,144-token vocabulary) at 4 x 256.
 - each row's adapter is loaded with its base in llama.cpp (`llamacpp_ok`: its logits of a
@@ -86,6 +86,8 @@ ROWS = {r.name: r for r in (
     Row("1b-full-2", "llama-3.2-1b", 1, 512, grad_checkpoint=True, steps=3,
         full_layers=2),
     Row("3b-full-2", "llama-3.2-3b", 1, 512, grad_checkpoint=True, steps=3,
+        full_layers=2),
+    Row("8b-full-2", "llama-3.1-8b", 1, 512, grad_checkpoint=True, steps=3,
         full_layers=2),
     Row("gemma-4x256", "gemma-3-270m", 4, 256, steps=4),
     Row("gemma-4x256-gc", "gemma-3-270m", 4, 256, grad_checkpoint=True, steps=4),
