@@ -265,3 +265,16 @@ def test_a_base_given_as_a_link_is_the_file_it_named_then(trained, tmp_path, cap
     assert _cli("train")(["--resume", str(run), "--steps", "4", "--no-progress"]) == 0
     assert (f"toymlx-train: --resume reads --base from {first} (the run's --base {link})\n"
             in capsys.readouterr().err)
+
+
+def test_a_lora_run_folder_as_the_base_names_its_base_and_init_adapter(trained, tmp_path,
+                                                                      capsys):
+    """It was "found a Hugging Face model folder (config.json, as mlx-lm's --model takes)"."""
+    run = trained / "where" / "runs" / "rel"
+    capsys.readouterr()
+    assert _cli("train")(["--recipe", "lora", "--base", str(run), "--runs-root", str(tmp_path),
+                          *TRAIN]) == 2
+    assert error_line(capsys, "toymlx-train") == (
+        f"toymlx-train: error: {run}: --base: expected a GGUF file, found a toymlx run folder; "
+        f"its checkpoints are LoRA adapters: pass its base (--base {trained / 'where' / 'smol.gguf'})"
+        f" and --lora.init-adapter {run} to start from its adapter")
