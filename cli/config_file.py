@@ -552,3 +552,21 @@ def sweep_config(parser: argparse.ArgumentParser, data: dict[str, Any], path: st
         else:
             runs[key] = value
     return grid, runs
+
+
+def check_sweep_typos(parser: argparse.ArgumentParser, cls: type, run_options: dict[str, Any],
+                      path: str) -> None:
+    """ConfigFileError for a key of a sweep file that is no option of the runs (`cls`) but
+    close to one of the sweep's own (`gird`, `worker`): it would be read as a run option and
+    named without a hint, with the closest run option's, or none."""
+    runs = option_table(cls)
+    own = sorted(k for k in _parser_table(parser) if k not in SWEEP_RUN_KEYS)
+    for key in run_options:
+        name = _norm(str(key))
+        if name in runs or any(k.startswith(name + ".") for k in runs):
+            continue
+        close = difflib.get_close_matches(name, own, n=1, cutoff=0.75)
+        if close:
+            raise ConfigFileError(f"{path}: key {key!r}: expected a key of toymlx-sweep or an "
+                                  f"option of its runs, found an unknown key; did you mean "
+                                  f"{close[0]} (toymlx-sweep's {_flag(close[0])})?")

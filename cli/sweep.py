@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from toymlx_cli.config_file import (
+        check_sweep_typos,
         defaults_from_file,
         read_config_file,
         split_config,
@@ -162,6 +163,7 @@ def _main(argv: list[str] | None) -> int:
                              "training seed with --grid seed=S, after `--`, or as seed in a -c "
                              "file")
         if run_options:  # checked now, as toymlx-train -c would check it in every run
+            check_sweep_typos(parser, get_recipe(args.recipe).Config, run_options, path)
             defaults_from_file(get_recipe(args.recipe).Config, run_options, path,
                                f"toymlx-train --recipe {args.recipe}")
         axes = _axes(args, file_grid, path)

@@ -180,3 +180,39 @@ def test_the_table_lines_up_numbers_and_keeps_the_csv_exact(tmp_path):
                         "unit,wall_s,message,path")
     assert lines[1].startswith("a,0.003,completed,4,5.1454315,val_loss,4.9,4,4.9,1131.98,"
                                "tokens/s,0.55,,")
+
+
+def test_a_resume_that_changed_steps_shows_the_new_length(tmp_path):
+    """`toymlx-train --resume runs/a --steps 30` on a run started with --steps 20: its row's
+    `steps` column said 20 beside `completed 30` (config.json is written once)."""
+    start = ("run_start", {"recipe": "from-scratch", "config": {"steps": 20}, "world_size": 1})
+    end = ("run_end", {"reason": "completed", "message": None})
+    a = _bundle(tmp_path / "a", [[start, *_steps(1, 20), end],
+                                 [("resume", {"from_step": 20, "steps": 30}), *_steps(21, 30),
+                                  end]], config={"steps": 20, "lr": 1e-3})
+    b = _bundle(tmp_path / "b", [[start, *_steps(1, 20), end]], config={"steps": 20, "lr": 1e-3})
+    rows = report.summarize([a, b])
+    assert report.add_params(rows) == ["steps"]
+    assert [(r["run"], r["params"], r["step"]) for r in rows] == [
+        ("a", {"steps": 30}, 30), ("b", {"steps": 20}, 20)]
+
+
+def test_runs_of_other_recipes_are_labelled_by_their_names(tmp_path):
+    """Runs of two recipes side by side differ in every option one of them lacks: the legend
+    was one line of them all ("steps=10 base=- fine_tune_type=- lora.rank=- ... donor=-"), a
+    5,482-pixel-wide report.png; a sweep's few values still label its runs."""
+    def start(recipe):
+        return ("run_start", {"recipe": recipe, "config": {}})
+    a = _bundle(tmp_path / "lm", [[start("from-scratch"), *_steps(1, 2)]],
+                config={"steps": 10, "lr": 3e-3, "seq_len": 64, "model": {"preset": "tiny"}})
+    b = _bundle(tmp_path / "chat", [[start("lora"), *_steps(1, 2)]],
+                config={"steps": 10, "lr": 2e-4, "seq_len": 64, "base": "smol.gguf",
+                        "lora": {"rank": 8, "alpha": 16}})
+    rows = report.summarize([a, b])
+    assert report.add_params(rows) == ["lr", "model.preset", "base", "lora.rank", "lora.alpha"]
+    assert [report.run_label(r) for r in rows] == ["lm", "chat"]
+    c = _bundle(tmp_path / "lm2", [[start("from-scratch"), *_steps(1, 2)]],
+                config={"steps": 10, "lr": 1e-3, "seq_len": 64, "model": {"preset": "tiny"}})
+    rows = report.summarize([a, c])
+    assert report.add_params(rows) == ["lr"]
+    assert [report.run_label(r) for r in rows] == ["lr=0.003", "lr=0.001"]

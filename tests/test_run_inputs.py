@@ -239,3 +239,42 @@ def test_a_path_utf8_cannot_hold_is_named_and_a_file_name_inside_is_fingerprinte
     saved = json.loads((tmp_path / "runs" / "b" / "config.json").read_text())
     assert len(saved["data_files"]["data.path"]["sha256"]) == 64
     assert "notes-\\xe9.txt" in saved["data_files"]["data.path"]["files"]
+
+
+def test_a_base_given_as_a_link_is_the_file_it_named_then(trained, tmp_path, capsys):
+    """`--base current.gguf` (or another run's `weights/latest` as warm-start's --donor): the
+    link moved on to other weights later, and every reader of the run still reads the file it
+    started on (it was "expected the file the run started on ..., found other contents")."""
+    first, second = tiny(tmp_path / "v1.gguf", 3), tiny(tmp_path / "v2.gguf", 7)
+    link = tmp_path / "current.gguf"
+    link.symlink_to(first.name)
+    assert _cli("train")(["--recipe", "lora", "--base", str(link), "--runs-root",
+                          str(tmp_path / "runs"), "--run-id", "l", *TRAIN]) == 0
+    run = tmp_path / "runs" / "l"
+    saved = json.loads((run / "config.json").read_text())["model_files"]["base"]
+    assert (saved["path"], saved["file"]) == (str(link), str(first))
+    capsys.readouterr()
+    assert _cli("eval")(["--model", str(run)]) == 0
+    before = json.loads(capsys.readouterr().out)["val_loss"]
+    link.unlink()
+    link.symlink_to(second.name)  # the link moves on
+    assert _cli("eval")(["--model", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["val_loss"] == before
+    assert f"toymlx-eval: model {first} (the run's --base {link}) + adapter" in err
+    assert _cli("train")(["--resume", str(run), "--steps", "4", "--no-progress"]) == 0
+    assert (f"toymlx-train: --resume reads --base from {first} (the run's --base {link})\n"
+            in capsys.readouterr().err)
+
+
+def test_a_lora_run_folder_as_the_base_names_its_base_and_init_adapter(trained, tmp_path,
+                                                                      capsys):
+    """It was "found a Hugging Face model folder (config.json, as mlx-lm's --model takes)"."""
+    run = trained / "where" / "runs" / "rel"
+    capsys.readouterr()
+    assert _cli("train")(["--recipe", "lora", "--base", str(run), "--runs-root", str(tmp_path),
+                          *TRAIN]) == 2
+    assert error_line(capsys, "toymlx-train") == (
+        f"toymlx-train: error: {run}: --base: expected a GGUF file, found a toymlx run folder; "
+        f"its checkpoints are LoRA adapters: pass its base (--base {trained / 'where' / 'smol.gguf'})"
+        f" and --lora.init-adapter {run} to start from its adapter")

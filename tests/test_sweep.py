@@ -68,7 +68,7 @@ def test_parse_axis_types_values_by_the_recipe():
     assert sweep.parse_axis("model.d_model=32,None", "from-scratch") == (
         "model.d_model", [32, None])
     assert sweep.parse_axis("lr=log:1e-4:1e-2")[1] == sweep.LogUniform(1e-4, 1e-2)
-    with pytest.raises(ValueError, match="expected a int"):
+    with pytest.raises(ValueError, match="expected an integer"):
         sweep.parse_axis("steps=1.5", "from-scratch")
 
 
@@ -526,7 +526,16 @@ steps: 4
 @pytest.mark.parametrize("text, want", [
     ("grid: {lr: 0.001}", ("key 'grid.lr': expected a list of values or a \"log:LO:HI\" range, "
      "found 0.001")),
-    ("grid: {lr: [1e-3, fast]}", "key 'grid.lr': expected a float, found \"fast\""),
+    ("grid: {lr: [1e-3, fast]}", "key 'grid.lr': expected a number, found \"fast\""),
+    # a file's number named as the file holds it (it was 'expected a int, found "32.5"')
+    ("grid: {model.d_model: [32, 32.5]}", ("key 'grid.model.d_model': expected an integer, "
+     "found 32.5")),
+    # a sweep key misspelt (it was 'key 'gird.lr': ... found an unknown key', no hint)
+    ("gird: {lr: [1e-3]}", ("key 'gird': expected a key of toymlx-sweep or an option of its "
+     "runs, found an unknown key; did you mean grid (toymlx-sweep's --grid)?")),
+    ("grid: {lr: [1e-3]}\nworker: 2", ("key 'worker': expected a key of toymlx-sweep or an "
+     "option of its runs, found an unknown key; did you mean workers (toymlx-sweep's "
+     "--workers)?")),
     ("grid: {lr: 'log:1e-2:1e-4'}\nrandom: 2", "key 'grid.lr': expected 0 < LO <= HI"),
     ("grid: {lora.rank: [4]}", ("key 'grid.lora.rank': expected an option of recipe from-scratch, "
      "found no option --lora.rank")),

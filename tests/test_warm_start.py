@@ -20,7 +20,7 @@ from toymlx.gguf.llama import expected_shapes, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
 from toymlx.models.losses import lm_loss
-from toymlx.recipes import warm
+from toymlx.recipes import lora, warm
 from toymlx.recipes import warm_start as ws
 from toymlx.recipes.common import LlamaOptions, TextData
 from toymlx.runner.run import run_ops
@@ -109,6 +109,23 @@ def test_missing_donor(tmp_path, text_file):
 
 def test_unreadable_donor(tmp_path, text_file):
     _fails(_cfg(tmp_path, text_file), str(tmp_path), "expected a GGUF file", "found a directory")
+
+
+def test_a_run_folder_as_donor_names_its_checkpoint(tmp_path, text_file):
+    """--donor runs/ID (the folder every other command takes) was "file: expected a GGUF file,
+    found a directory"; lora's --base runs/ID called it a Hugging Face model folder."""
+    run = tmp_path / "runs" / "d"
+    assert main(["--recipe", "from-scratch", *W32_FLAGS, "--seq-len", "32", "--batch-size", "2",
+                 "--steps", "2", "--eval-every", "0", "--no-progress", "--no-compile",
+                 "--data.path", text_file, "--runs-root", str(tmp_path / "runs"),
+                 "--run-id", "d"]) == 0
+    for recipe, flag in (("warm-start", "--donor"), ("lora", "--base")):
+        with pytest.raises(ValueError) as e:
+            (ws if recipe == "warm-start" else lora).validate(
+                (ws if recipe == "warm-start" else lora).Config(**{flag[2:]: str(run)}))
+        assert str(e.value) == (f"{run}: {flag}: expected a GGUF file, found a toymlx run "
+                                f"folder; pass one of its checkpoints: {flag} "
+                                f"{run / 'weights' / 'step_2.gguf'}")
 
 
 def test_not_gguf(tmp_path, text_file):

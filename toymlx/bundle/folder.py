@@ -18,6 +18,7 @@ from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
 from toymlx.bundle.inputs import DATA_FILES_KEY, MODEL_FILES_KEY, data_files, model_files
+from toymlx.bundle.model_store import is_store_name
 from toymlx.bundle.options import RunError, found_text
 
 CONFIG_FILE = "config.json"
@@ -265,3 +266,25 @@ def saved_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     except (OSError, ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
     return saved if isinstance(saved, dict) and isinstance(saved.get("config"), dict) else None
+
+
+def refuse_run_folder(spec: str | os.PathLike, flag: str) -> None:
+    """ValueError (one line) where a model option (`--base`, `--donor`) names a toymlx run
+    folder: it takes a GGUF file, and the message names the run's checkpoint to pass (the file
+    itself, which stays put while the run's `latest` moves on), or for a LoRA run, whose
+    checkpoints are adapters, its base and `--lora.init-adapter`."""
+    if is_store_name(spec) or not (Path(spec) / EVENTS_FILE).is_file():
+        return
+    try:
+        latest = ck.latest_checkpoint(spec)[0]
+    except (FileNotFoundError, ck.ResumeError):
+        raise ValueError(f"{spec}: {flag}: expected a GGUF file, found a toymlx run folder with "
+                         "no checkpoint") from None
+    if not latest.name.startswith("adapter_"):
+        fix = f"pass one of its checkpoints: {flag} {latest}"
+    else:
+        base = ((saved_config(spec) or {}).get(MODEL_FILES_KEY) or {}).get("base") or {}
+        fix = ("its checkpoints are LoRA adapters: pass its base"
+               + (f" (--base {base['file']})" if isinstance(base.get("file"), str) else "")
+               + f" and --lora.init-adapter {spec} to start from its adapter")
+    raise ValueError(f"{spec}: {flag}: expected a GGUF file, found a toymlx run folder; {fix}")

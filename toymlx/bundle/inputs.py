@@ -17,12 +17,12 @@ from toymlx.bundle.options import RunError, flag_name, found_text, option
 
 DATA_FILES_KEY = "data_files"
 """config.json's top-level key (beside "recipe" and "config") with the fingerprint of each data
-file or folder the run read, taken when it started (`fingerprint`), and its absolute path
-(`file`; `path` is the option as typed)."""
+file or folder the run read, taken when it started (`fingerprint`), and its absolute path with
+links resolved (`file`; `path` is the option as typed)."""
 MODEL_FILES_KEY = "model_files"
 """config.json's top-level key with each model file the run read (`MODEL_OPTIONS`): the option
-as typed (`path`), the file it named then, absolute (`file`), its size, modification time and
-SHA-256 (`model_record`)."""
+as typed (`path`), the file it named then, absolute (`file`; a path's links resolved), its size,
+modification time and SHA-256 (`model_record`)."""
 MODEL_OPTIONS = ("base", "donor")
 """The options that name a model GGUF a run reads (lora's --base, warm-start's --donor)."""
 
@@ -93,7 +93,7 @@ def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
     out = {}
     for key, path in data_paths(cfg).items():
         if Path(path).exists():
-            out[key] = {"path": path, "file": os.path.abspath(path), **fingerprint(path)}
+            out[key] = {"path": path, "file": os.path.realpath(path), **fingerprint(path)}
             files = _files(Path(path)) if Path(path).is_dir() else []
             if 0 < len(files) <= FOLDER_PARTS:
                 out[key]["files"] = {_text_name(p.relative_to(path)): fingerprint(p)
@@ -108,22 +108,28 @@ each file's fingerprint (`data_files`' "files"), so a check that reads one of th
 
 
 
-def _file_record(path: Path) -> dict[str, Any]:
+def _file_record(path: Path, links: bool) -> dict[str, Any]:
     st = path.stat()
-    return {"file": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+    # `links`: the file a link names now (`weights/latest`, `current.gguf`), so the link moving
+    # on later does not make the run's input another file; a store's own links (Hugging Face's
+    # snapshots) stay as named: a store name is found again by name
+    return {"file": os.path.realpath(path) if links else os.path.abspath(path),
+            "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
             "sha256": model_store.file_sha256(path)}
 
 
 def model_record(spec: str, flag: str) -> dict[str, Any]:
     """What identifies the model file `spec` names (a path, or a store name): {"path": spec,
-    "file" (absolute), "bytes", "mtime_ns", "sha256"}; for a multi-part GGUF (`file` its first
-    part) the same of every part under "parts"; for a Hugging Face name the repository,
-    revision (commit) and file it resolved to (`hf_repo`, `hf_revision`, `hf_file`)."""
+    "file" (absolute; a path's links resolved), "bytes", "mtime_ns", "sha256"}; for a multi-part
+    GGUF (`file` its first part) the same of every part under "parts"; for a Hugging Face name
+    the repository, revision (commit) and file it resolved to (`hf_repo`, `hf_revision`,
+    `hf_file`)."""
     found = model_store.resolve(spec, flag)
+    links = not model_store.is_store_name(spec)
     parts = model_store.gguf_parts(found.path)
-    rec = {"path": spec, **_file_record(found.path), **found.source}
+    rec = {"path": spec, **_file_record(found.path, links), **found.source}
     if len(parts) > 1:
-        rec["parts"] = [_file_record(p) for p in parts]
+        rec["parts"] = [_file_record(p, links) for p in parts]
     return rec
 
 

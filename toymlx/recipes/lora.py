@@ -36,6 +36,7 @@ import numpy as np
 from toymlx.backend.device import on_gpu
 from toymlx.backend.files import special_kind
 from toymlx.bundle import model_store
+from toymlx.bundle.folder import refuse_run_folder
 from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
@@ -203,6 +204,7 @@ def validate(cfg: Config) -> None:
     if not cfg.base:
         raise ValueError("--base: expected the path of a llama GGUF to adapter-train, found "
                          "none (e.g. --base SmolLM2-135M-Instruct.Q4_1.gguf)")
+    refuse_run_folder(cfg.base, "--base")
     base = model_store.resolve_model(cfg.base, "--base")
     if base.is_dir() and (base / "config.json").is_file():  # mlx-lm's --model, an mlx-lm config's model
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found a Hugging "

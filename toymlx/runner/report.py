@@ -144,7 +144,8 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "wall_s": round(wall, 2) if events else None,
         "world_size": starts[-1].get("world_size", 1) if starts else None,
         "peak_memory_mb": end.get("peak_memory_mb"),
-        "config": flatten(config),
+        # the table's `steps` column: the length the run was last given, as the `step` beside it
+        "config": {**flatten(config), **({"steps": planned} if "steps" in config else {})},
     }
 
 
@@ -241,10 +242,19 @@ def add_params(rows: list[dict[str, Any]]) -> list[str]:
     return names
 
 
+LABEL_PARAMS = 3
+"""A legend label names at most this many parameters; a row differing in more (runs of other
+recipes side by side) is labelled by its run folder's name, the table naming the values."""
+
+
 def run_label(row: dict[str, Any]) -> str:
-    """A short legend label: the swept values, else the run folder name."""
+    """A short legend label: the row's parameter values (those it has), or where the rows differ
+    in more than `LABEL_PARAMS` parameters, the run folder name."""
     p = row.get("params") or {}
-    return " ".join(f"{k.rsplit('.', 1)[-1]}={fmt(v)}" for k, v in p.items()) or row["run"]
+    if len(p) > LABEL_PARAMS:
+        return row["run"]
+    return " ".join(f"{k.rsplit('.', 1)[-1]}={fmt(v)}" for k, v in p.items()
+                    if v is not None) or row["run"]
 
 
 COLUMNS = ["status", "step", "final_loss", "metric", "best", "best_step", "final", "throughput",

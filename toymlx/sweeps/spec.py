@@ -251,19 +251,24 @@ def file_axis(key: str, values: Any, recipe: str | None, where: str) -> Any:
         raise ValueError(f'{where}: expected a list of values or a "log:LO:HI" range, found '
                          f"{json.dumps(values)}")
     t = types.get(_norm_key(key))
-    return [_parse_value(_arg_str(v), t, key, where) for v in values]
+    return [_parse_value(_arg_str(v), t, key, where, json.dumps(v)) for v in values]
 
 
-def _parse_value(s: str, t: Any, key: str, where: str | None = None) -> Any:
+_TYPE_NAMES = {int: "an integer", float: "a number"}
+
+
+def _parse_value(s: str, t: Any, key: str, where: str | None = None,
+                 shown: str | None = None) -> Any:
     """A --grid value (text) as the option's type `t` wants it; ValueError starting with
-    `where` (default `--grid KEY=VALUE`)."""
+    `where` (default `--grid KEY=VALUE`), naming the value as `shown` (a file's value as the
+    file holds it: 32.5, not "32.5")."""
     args = typing.get_args(t)
     if s == "None" and (t is None or type(None) in args):
         return None
     if t is not None and type(None) in args:
         inner = [a for a in args if a is not type(None)]
         t = inner[0] if len(inner) == 1 else None
-    found = f", found {json.dumps(s)}" if where else ""
+    found = f", found {shown or json.dumps(s)}" if where else ""
     where = where or f"--grid {key}={s}"
     if t is bool or (t is None and s.lower() in ("true", "false")):
         if s.lower() not in ("true", "false"):
@@ -275,7 +280,7 @@ def _parse_value(s: str, t: Any, key: str, where: str | None = None) -> Any:
             return cast(s)
         except ValueError:
             if t is not None:
-                raise ValueError(f"{where}: expected a {cast.__name__}{found}") from None
+                raise ValueError(f"{where}: expected {_TYPE_NAMES[cast]}{found}") from None
     return s
 
 
