@@ -305,8 +305,9 @@ def test_a_closed_console_stops_the_sweep_as_ctrl_c_does_and_keeps_its_summary(t
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     root = tmp_path / "closed"
     t0 = time.monotonic()
-    while not list(root.glob("lr=*/weights")):  # a run has started training
-        assert p.poll() is None and time.monotonic() - t0 < 120
+    events = root / "lr=0.001" / "events.jsonl"
+    while '"kind": "step"' not in (events.read_text() if events.exists() else ""):
+        assert p.poll() is None and time.monotonic() - t0 < 120  # until a step is trained
         time.sleep(0.2)
     p.stdout.close()
     assert p.wait(timeout=120) == 128 + signal.SIGPIPE
