@@ -85,6 +85,10 @@ PRECISION_RUNS = {  # (training dtype, checkpoint tensor type) -> extra flags
     "bf16-trained-bf16": ["--dtype", "bfloat16", "--save-dtype", "bf16"],
     "f32-trained-f16": ["--save-dtype", "f16"],
 }
+TOKENIZER_RUNS = {  # --tokenizer's GGUF (llama.cpp's vocab-only files), by run name
+    "gpt-2-bpe": "tokenizers/ggml-vocab-gpt-2.gguf",
+    "smollm2-bpe": "tokenizers/ggml-vocab-smollm2.gguf",
+}
 SAVE_TOL = {"f32": TOL, "f16": 2e-3, "bf16": 2e-2}
 """llama.cpp's CPU matmuls round the activations to the weights' type (F16 and BF16 weights
 get F16 and BF16 activations), which an exact forward of the same weights does not; those
@@ -106,6 +110,8 @@ def train_run(tmp_path_factory, shared_file):
                "--eval-batches", "1", "--checkpoint-every", "0", "--no-compile",
                "--no-progress", "--data.path", str(shared_file("text/tinystories_sample.txt")),
                *SHAPE, *{**RUNS, **PRECISION_RUNS}.get(name, RUNS["gqa-tied"])]
+        if name in TOKENIZER_RUNS:
+            cmd += ["--tokenizer", str(shared_file(TOKENIZER_RUNS[name]))]
         t0 = time.perf_counter()
         r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"toymlx-train failed for {name}:\n{r.stderr[-3000:]}"
@@ -159,6 +165,23 @@ def test_from_scratch_byte_tokenizer_matches_llamacpp(train_run):
 
 
 # ---- stories260K (a llama2.c model converted by llama.cpp's own tools) --------------------
+@pytest.mark.parametrize("name", list(TOKENIZER_RUNS))
+def test_from_scratch_on_a_gguf_tokenizer_matches_llamacpp(train_run, shared_file, name):
+    """`--tokenizer FILE.gguf`: the model's vocabulary is the file's (GPT-2's 50,257 tokens,
+    SmolLM2's 49,152), and its checkpoint tokenizes, and gives logits, as llama.cpp does."""
+    run = train_run(name)
+    ckpt = resolve_latest(run)
+    vocab = GGUFFile(shared_file(TOKENIZER_RUNS[name])).metadata["tokenizer.ggml.tokens"]
+    g = GGUFFile(ckpt)
+    assert g.metadata["tokenizer.ggml.tokens"] == vocab
+    assert tuple(g.tensors["token_embd.weight"].shape) == (len(vocab), 64)
+    model, tok = load_for_generation(run)
+    check_tokenizer(ckpt, tok, VARIED, f"from-scratch {name} tokenizer")
+    ids = tok.encode(TEXT)[:64]
+    assert len(ids) >= 32
+    assert compare_logits(ckpt, f"from-scratch {name} logits", ids, model) <= TOL
+
+
 def test_stories_logits_match_llamacpp(stories_path):
     model, tok = load_for_generation(stories_path)
     ids = tok.encode(TEXT)

@@ -278,3 +278,38 @@ def test_a_lora_run_folder_as_the_base_names_its_base_and_init_adapter(trained, 
         f"toymlx-train: error: {run}: --base: expected a GGUF file, found a toymlx run folder; "
         f"its checkpoints are LoRA adapters: pass its base (--base {trained / 'where' / 'smol.gguf'})"
         f" and --lora.init-adapter {run} to start from its adapter")
+
+
+def test_from_scratch_takes_its_vocabulary_from_tokenizer_and_a_changed_file_is_refused(
+        tmp_path, capsys, shared_file):
+    """`--tokenizer FILE.gguf` (llama.cpp's vocab-only Llama SPM file, 32,000 tokens): the model's
+    vocabulary and its checkpoint's tokenizer are the file's, config.json records the file like
+    a --base, a resume refuses it changed, and a run folder given for it names a checkpoint."""
+    from toymlx.bundle.checkpoint import resolve_latest
+    from toymlx.gguf.reader import GGUFFile
+
+    vocab_file = tmp_path / "vocab.gguf"
+    shutil.copyfile(shared_file("tokenizers/ggml-vocab-llama-spm.gguf"), vocab_file)
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a tokenizer. " * 200)
+    runs = tmp_path / "runs"
+    argv = ["--recipe", "from-scratch", "--tokenizer", str(vocab_file), "--data.path", str(text),
+            "--model.d-model", "32", "--model.n-layers", "1", "--runs-root", str(runs),
+            "--run-id", "t", *TRAIN[:-4], "--seq-len", "32", "--no-progress", "--no-compile"]
+    assert _cli("train")(argv) == 0
+    tokens = GGUFFile(vocab_file).metadata["tokenizer.ggml.tokens"]
+    g = GGUFFile(resolve_latest(runs / "t"))
+    assert len(tokens) == 32000 and g.metadata["tokenizer.ggml.tokens"] == tokens
+    assert tuple(g.tensors["token_embd.weight"].shape) == (32000, 32)
+    rec = json.loads((runs / "t" / "config.json").read_text())["model_files"]["tokenizer"]
+    assert rec["file"] == str(vocab_file) and len(rec["sha256"]) == 64
+    with open(vocab_file, "ab") as f:
+        f.write(b"\0" * 32)  # other contents under the same name
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(runs / "t"), "--steps", "4"]) == 2
+    line = error_line(capsys, "toymlx-train")
+    assert f"{vocab_file}: --tokenizer: expected the file the run started on (sha256" in line
+    assert _cli("train")([*argv[:4], "--tokenizer", str(runs / "t"), "--run-id", "u"]) == 2
+    assert error_line(capsys, "toymlx-train") == (
+        f"toymlx-train: error: {runs / 't'}: --tokenizer: expected a GGUF file, found a toymlx "
+        f"run folder; pass one of its checkpoints: --tokenizer {runs / 't' / 'weights' / 'step_2.gguf'}")

@@ -23,8 +23,9 @@ MODEL_FILES_KEY = "model_files"
 """config.json's top-level key with each model file the run read (`MODEL_OPTIONS`): the option
 as typed (`path`), the file it named then, absolute (`file`; a path's links resolved), its size,
 modification time and SHA-256 (`model_record`)."""
-MODEL_OPTIONS = ("base", "donor")
-"""The options that name a model GGUF a run reads (lora's --base, warm-start's --donor)."""
+MODEL_OPTIONS = ("base", "donor", "tokenizer")
+"""The options that name a model GGUF a run reads (lora's --base, warm-start's --donor,
+from-scratch's --tokenizer)."""
 
 
 WHOLE_DIGEST_BYTES = 64 * 2**20

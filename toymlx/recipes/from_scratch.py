@@ -1,8 +1,9 @@
 """Recipe `from-scratch`: a randomly initialised Llama trained on a text file (or an mlx-lm
 data folder of {"text": ...} records, whose test.jsonl `--test` scores at the end).
 
-Bytes are the vocabulary (256 byte tokens plus <unk>, <s>, </s>), stored in each checkpoint
-as a llama.cpp "llama" tokenizer, so the checkpoints run in llama.cpp as they are.
+Bytes are the vocabulary (256 byte tokens plus <unk>, <s>, </s>) unless `--tokenizer` names a
+GGUF whose tokenizer to use instead (SmolLM2's 49,152 BPE tokens, say, as nanoGPT trains on
+GPT-2's); either is stored in each checkpoint, so the checkpoints run in llama.cpp as they are.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from toymlx.data.tokenizer import byte_tokenizer
+from toymlx.bundle import model_store
+from toymlx.bundle.folder import refuse_run_folder
+from toymlx.data.tokenizer import Tokenizer, byte_tokenizer
 from toymlx.gguf.llama import load_llama_into, write_llama
 from toymlx.models.llama import Llama
 from toymlx.models.ops import Ops
@@ -34,6 +37,11 @@ class Config(TrainConfig):
 
     seq_len: int = 256
     """Tokens per training sequence."""
+    tokenizer: str | None = None
+    """A GGUF whose tokenizer the model uses, its vocabulary the model's (only the file's
+    tokenizer metadata is read, so llama.cpp's vocab-only GGUFs do too): a path, or a name as
+    --base takes (ollama:NAME, lmstudio:NAME, hf:USER/REPO/FILE.gguf); default: bytes (259
+    ids, one per UTF-8 byte)."""
     model: LlamaOptions = field(default_factory=LlamaOptions)
     data: TextData = field(default_factory=TextData)
     test: bool = False
@@ -44,12 +52,21 @@ class Config(TrainConfig):
 
 def validate(cfg: Config) -> None:
     """--test needs a data folder with test.jsonl; the data itself is checked as it is read."""
+    if cfg.tokenizer is not None:
+        refuse_run_folder(cfg.tokenizer, "--tokenizer")
     if cfg.test:
         check_test_folder(cfg.data.path)
 
 
+def tokenizer(cfg: Config) -> Tokenizer:
+    """The model's tokenizer: --tokenizer's GGUF's, else bytes."""
+    if cfg.tokenizer is None:
+        return byte_tokenizer()
+    return Tokenizer.from_gguf(model_store.resolve_model(cfg.tokenizer, "--tokenizer"))
+
+
 def build(cfg: Config, ops: Ops) -> Task:
-    tok = byte_tokenizer()
+    tok = tokenizer(cfg)
     args = cfg.model.build_args(tok.vocab_size)
     check_seq_len(cfg.seq_len, args)
     data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test)
@@ -61,4 +78,5 @@ def build(cfg: Config, ops: Ops) -> Task:
         write_llama(path, m, tok_meta, extra, name="toymlx from-scratch", dtype=cfg.save_dtype)
 
     return lm_task("from-scratch", cfg, cfg.seq_len, model, data, save, load_llama_into,
-                   config_info={"tokenizer": "bytes"}, model_info=llama_model_info(args))
+                   config_info={"tokenizer": "bytes" if cfg.tokenizer is None
+                                             else f"gguf ({tok.source})"}, model_info=llama_model_info(args))
