@@ -149,6 +149,11 @@ class Bundle:
         self.check_options(recipe, cfg)
         self.check_data()
         resume = self.plan_resume(cfg.from_step, cfg.steps)
+        if cfg.stop_at is not None and cfg.stop_at <= resume.step:  # it trained a step past it
+            raise RunError(f"{self.path}: --stop-at: expected a step past the checkpoint's step "
+                           f"{resume.step}, where the run resumes, found {cfg.stop_at}; "
+                           f"--stop-at counts the run's steps: --stop-at {resume.step + 1} or "
+                           "more, or --from an earlier checkpoint")
         task = build()
         self.check_model(task.model_info, dtype)
         if owned is not None:
@@ -316,8 +321,9 @@ class Bundle:
                            f"--steps N (more than {resume.step}) to train on")
         if steps <= resume.step:
             raise RunError(f"{self.path}: --steps: expected more than the checkpoint's step "
-                           f"{resume.step} to train on, found {steps} (pass --steps N to "
-                           "extend the run)")
+                           f"{resume.step} to train on, found {steps}; --steps is the run's "
+                           f"total, not steps to add (mlx-lm's --iters): --steps "
+                           f"{resume.step + steps} trains {steps} more")
         return resume
 
     def _unfinished(self) -> str | None:
