@@ -193,3 +193,23 @@ def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_file, second
     assert not [f for f in (run / "weights").iterdir() if ".tmp-" in f.name]
     assert main(["--resume", str(run), "--steps", str(end["final_step"] + 1)]) == 0
     assert read_events(run)[-1]["final_step"] == end["final_step"] + 1
+
+
+def test_a_resume_that_changes_steps_says_the_schedule_moved(tmp_path, shared_file, capsys):
+    """--steps extended on a completed run: the cosine schedule spans the new total, so the
+    learning rate jumped back up (3.0e-05 at the old last step to 1.6e-04 on vit-tiny, 20 ->
+    40 steps) with no word. Now one line names both rates; the losses are unchanged."""
+    data = str(shared_file("text/tinystories_sample.txt"))
+    run = tmp_path / "r"
+    assert main(["--recipe", "from-scratch", *TINY, "--steps", "4", "--warmup", "0",
+                 "--checkpoint-every", "2", "--data.path", data, "--runs-root", str(tmp_path),
+                 "--run-id", "r"]) == 0
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--steps", "8", "--no-progress"]) == 0
+    lr = {e["step"]: e["lr"] for e in read_events(run) if e["kind"] == "step"}
+    assert lr[5] > 3 * lr[4]  # the old schedule's end against the new one's middle
+    assert (f"step 5: --steps 8 (the run had 4): the learning-rate schedule now spans 8 steps, "
+            f"so step 5 trains at lr {lr[5]:.3e}, where step 4 trained at {lr[4]:.3e}"
+            ) in capsys.readouterr().out.splitlines()
+    assert main(["--resume", str(run), "--steps", "9", "--from", "step_8", "--no-progress"]) == 0
+    assert "the learning-rate schedule now spans 9 steps" in capsys.readouterr().out

@@ -529,6 +529,85 @@ def test_a_stop_after_the_last_step_names_the_test_pass_it_skipped(tiny_gguf, tm
             f"--model {tmp_path / 'r'} --split test scores it") in capsys.readouterr().out
 
 
+def _test_run(tiny_gguf: Path, root: Path, *extra: str) -> list[str]:
+    """The options of a 2-step lora run with --test (checkpoint at step 2, validated there)."""
+    return ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(root), "--run-id",
+            "r", "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
+            "--no-progress", "--no-compile", "--data.path", str(mlx_lm_folder(root / "data")),
+            "--test", *extra]
+
+
+def test_a_stop_during_the_test_pass_abandons_it(tiny_gguf, tmp_path, capsys, monkeypatch):
+    """A stop request (here Ctrl-C) that comes while --test's pass runs: the pass once ran to
+    its end and the run exited 0 with the test figures as if no signal came (a SIGTERM, or
+    Ctrl-C twice, held off for the whole pass: 25 s on stories260K). Now the pass stops before
+    its next batch, one line names what scores it, and run_end records the signal."""
+    import os
+    import signal
+
+    from toymlx.training import trainer
+
+    test = trainer._Loop._test
+
+    def stop_then_test(self, bar, *args):
+        os.kill(os.getpid(), signal.SIGINT)  # counted by the loop's StopSignals, not raised
+        return test(self, bar, *args)
+
+    monkeypatch.setattr(trainer._Loop, "_test", stop_then_test)
+    assert _train(_test_run(tiny_gguf, tmp_path)) == 0
+    events = events_of(tmp_path / "r")
+    assert not [e for e in events if e["kind"] == "eval" and e.get("split") == "test"]
+    assert (events[-1]["reason"], events[-1]["signal"]) == ("completed", "SIGINT")
+    assert (f"step 2: --test not scored (SIGINT came during its pass): toymlx-eval --model "
+            f"{tmp_path / 'r'} --split test scores it") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["killed", "interrupted"])
+def test_a_run_stopped_after_its_final_checkpoint_is_finished_by_resume(tiny_gguf, tmp_path,
+                                                                         capsys, how):
+    """A run SIGKILLed after its final checkpoint (during --test, or before run_end), or
+    stopped by Ctrl-C in its last step (final validation and --test skipped, run_end
+    "interrupted ... resume with --resume"): --resume refused it as "completed at step 2",
+    so its test figures and run_end were lost for good. Now the resume finishes it: the
+    validation and test figures of the uninterrupted run, to the bit, and one run_end."""
+    assert _train(_test_run(tiny_gguf, tmp_path / "full")) == 0
+    full = events_of(tmp_path / "full" / "r")
+    assert _train(_test_run(tiny_gguf, tmp_path)) == 0
+    run = tmp_path / "r"
+    lines = (run / "events.jsonl").read_text().splitlines(keepends=True)
+    # killed during --test: its validation written; Ctrl-C in the last step: none of either
+    drop = {"run_end", "test"} if how == "killed" else {"run_end", "val", "test"}
+
+    def what(line: str) -> str:
+        e = json.loads(line)
+        return e.get("split", "val") if e["kind"] == "eval" else e["kind"]
+    kept = [x for x in lines if what(x) not in drop]
+    if how == "interrupted":
+        kept.append(json.dumps({
+            "kind": "run_end", "t": 1.0, "ended_at": "2026-12-01T00:00:00+00:00",
+            "reason": "interrupted", "final_step": 2, "final_loss": 1.0, "exit_code": 130,
+            "message": f"interrupted after step 2; resume with --resume {run}",
+            "signal": "SIGINT"}) + "\n")
+    (run / "events.jsonl").write_text("".join(kept))
+    capsys.readouterr()
+    assert _train(["--resume", str(run), "--no-progress"]) == 0
+    end = ("killed: events.jsonl has no run_end" if how == "killed" else
+           "run_end reason 'interrupted'")
+    assert (f"toymlx-train: the run trained all 2 steps but did not complete ({end}): "
+            "finishing it from step_2 (what follows the last step: final validation, --test, "
+            "the export; then run_end)") in capsys.readouterr().err.splitlines()
+    events = events_of(run)
+    assert [e["kind"] for e in events].count("run_start") == 1
+    assert [e["step"] for e in events if e["kind"] == "step"] == [1, 2]
+    assert events[-1]["reason"] == "completed" and events[-1]["final_step"] == 2
+
+    def figures(evs: list[dict]) -> list[tuple]:
+        return [(e["step"], e.get("split", "val"), e.get("val_loss", e.get("test_loss")))
+                for e in evs if e["kind"] == "eval"]
+    assert figures(events) == figures(full)  # [(2, 'val', ...), (2, 'test', ...)]
+    assert len(figures(events)) == 2
+
+
 def test_a_broken_chat_template_is_named_as_the_ggufs(tmp_path, capsys):
     """A template that is not valid Jinja is the model file's fault: the error names the GGUF
     and its key, not the first data line that rendered it."""

@@ -406,7 +406,22 @@ def test_a_resume_of_a_completed_run_names_its_steps_not_a_flag_never_given(runs
     assert train_main(["--resume", str(a), "--steps", "1"]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {a}: --steps: expected more than the checkpoint's step 2 to "
-        "train on, found 1 (pass --steps N to extend the run)")
+        "train on, found 1; --steps is the run's total, not steps to add (mlx-lm's --iters): "
+        "--steps 3 trains 1 more")
+
+
+def test_a_resume_refuses_a_stop_at_it_has_passed(runs, capsys):
+    """A --stop-at at or before the checkpoint's step trained past it without a word: a
+    vit-tiny run resumed from step 20 with --stop-at 5 trained step 21 and "stopped at step
+    21"; here the run went on to its end. Now it is refused, nothing run."""
+    a, _ = runs
+    before = _files(a)
+    assert _resume(a, "--stop-at", "2") == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a}: --stop-at: expected a step past the checkpoint's step 2, "
+        "where the run resumes, found 2; --stop-at counts the run's steps: --stop-at 3 or more, "
+        "or --from an earlier checkpoint")
+    assert _files(a) == before
 
 
 @pytest.mark.parametrize("damage,found", [("empty", "an empty file"), ("gone", "no file")])

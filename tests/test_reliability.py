@@ -179,6 +179,13 @@ def test_disk_full_mid_run_keeps_earlier_checkpoints(tmp_path, capsys, monkeypat
     assert "No space left on device" in line
     assert "earlier checkpoints are intact (weights/latest -> step_2.gguf)" in line
     run = tmp_path / "full"
+    # how much room a checkpoint needs, against what is free: a retry on a disk with room for
+    # one (--keep-last 1) failed the same way at each checkpoint, with no word of either size
+    size = sum(f.stat().st_size for f in (run / "weights").glob("step_2.*"))
+    assert f"; a checkpoint takes {size / 2**20:.1f} MiB here (step_2's files) and " in line
+    assert line.endswith(" MiB are free: free space, or --runs-root on a larger disk (each "
+                         "checkpoint is written in full before --keep-last removes an older "
+                         "one)")
     assert assert_bundle_intact(run) == 2
     end = read_events(run)[-1]
     assert end["kind"] == "run_end" and end["reason"] == "error" and end["final_step"] == 3

@@ -365,6 +365,24 @@ def list_checkpoints(weights: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def room_note(weights: Path) -> str:
+    """For a write that found the disk full: the room one checkpoint takes (the newest's files)
+    against what is free there, and what to do ("" where nothing can be measured)."""
+    found = list_checkpoints(weights)
+    try:
+        fs = os.statvfs(weights if weights.is_dir() else weights.parent)
+        free = fs.f_bavail * fs.f_frsize
+    except OSError:
+        return ""
+    if not found:
+        return f"; {free / 2**20:.1f} MiB are free there: free space, or --runs-root on a larger disk"
+    step, newest = found[-1]
+    size = sum(f.stat().st_size for f in (newest, *companions(newest)) if f.exists())
+    return (f"; a checkpoint takes {size / 2**20:.1f} MiB here (step_{step}'s files) and "
+            f"{free / 2**20:.1f} MiB are free: free space, or --runs-root on a larger disk (each "
+            "checkpoint is written in full before --keep-last removes an older one)")
+
+
 def clean_temporaries(weights: Path) -> int:
     """Remove what killed writers left behind (temporaries, side files of a checkpoint whose
     GGUF was never written or was being removed); return how many. Only while holding the run."""

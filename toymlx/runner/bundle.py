@@ -149,6 +149,11 @@ class Bundle:
         self.check_options(recipe, cfg)
         self.check_data()
         resume = self.plan_resume(cfg.from_step, cfg.steps)
+        if cfg.stop_at is not None and cfg.stop_at <= resume.step:  # it trained a step past it
+            raise RunError(f"{self.path}: --stop-at: expected a step past the checkpoint's step "
+                           f"{resume.step}, where the run resumes, found {cfg.stop_at}; "
+                           f"--stop-at counts the run's steps: --stop-at {resume.step + 1} or "
+                           "more, or --from an earlier checkpoint")
         task = build()
         self.check_model(task.model_info, dtype)
         if owned is not None:
@@ -304,13 +309,31 @@ class Bundle:
         """RunError unless `steps` (the run's own --steps, or the one given) lies past the
         checkpoint: a completed run has nothing left to train without a new --steps."""
         if steps == self.config.steps and resume.step >= steps:  # no --steps past the run's
+            if resume.step == steps and (end := self._unfinished()):
+                # its last step and checkpoint were written, what follows them was not (the
+                # final validation, --test, the recipe's export, run_end): the resume does it
+                note = (f"the run trained all {steps} steps but did not complete ({end}): "
+                        f"finishing it from step_{steps} (what follows the last step: final "
+                        "validation, --test, the export; then run_end)")
+                resume.note = f"{resume.note}; {note}" if resume.note else note
+                return resume
             raise RunError(f"{self.path}: completed at step {resume.step} (its --steps); pass "
                            f"--steps N (more than {resume.step}) to train on")
         if steps <= resume.step:
             raise RunError(f"{self.path}: --steps: expected more than the checkpoint's step "
-                           f"{resume.step} to train on, found {steps} (pass --steps N to "
-                           "extend the run)")
+                           f"{resume.step} to train on, found {steps}; --steps is the run's "
+                           f"total, not steps to add (mlx-lm's --iters): --steps "
+                           f"{resume.step + steps} trains {steps} more")
         return resume
+
+    def _unfinished(self) -> str | None:
+        """How the record ends when the run did not complete (None: its run_end says
+        completed): "killed: no run_end" for a crash, else its run_end's reason."""
+        end = next((e for e in reversed(self.events) if e["kind"] == "run_end"), None)
+        if end is None:
+            return "killed: events.jsonl has no run_end"
+        reason = end.get("reason")
+        return None if reason == "completed" else f"run_end reason {reason!r}"
 
     def check_model(self, model_info: dict[str, Any], dtype: str | None = None) -> None:
         """RunError unless the model built now has the run's shape (and compute `dtype`:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sys
@@ -134,6 +135,8 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                         f"{os.readlink(run.run_dir / 'weights' / ck.LATEST)})")
             except OSError:
                 kept = "no checkpoint was completed"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                kept += ck.room_note(run.run_dir / "weights")
             print(f"toymlx-train: error: {run.run_dir}: could not write the run bundle ({e}); "
                   f"{kept}", file=sys.stderr)
             return 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -62,10 +63,13 @@ class Evaluator:
                     out.append(fn({k: mx.array(v[a:b]) for k, v in micro.items()}))
         return out
 
-    def __call__(self, max_batches: int | None = None, split: str = "val") -> dict[str, float]:
+    def __call__(self, max_batches: int | None = None, split: str = "val",
+                 stop: Callable[[], int] | None = None) -> dict[str, float] | None:
         """Metrics over the validation batches (`split="test"`: the test batches), the first
         `max_batches`; the loss is `<split>_loss`, and a test split's other metrics are
-        `test_<name>` (test_accuracy) so that they never read as the validation figures."""
+        `test_<name>` (test_accuracy) so that they never read as the validation figures.
+        `stop` (requests to stop so far) is read before each micro-batch: None once it is
+        non-zero, the pass abandoned (a long --test pass must not hold off a Ctrl-C)."""
         totals: dict[str, float] = {}
         model = self.task.model
         was_training = model.training
@@ -76,6 +80,8 @@ class Evaluator:
             with self._bar(sum(next(iter(b.values())).shape[0] for b in batches)) as bar:
                 for b in batches:
                     for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
+                        if stop is not None and stop():
+                            return None
                         parts = self._sums(micro_batch(b, i))
                         with device.evaluating(self.blas_threads, self.subnormals):
                             mx.eval(parts)

@@ -358,12 +358,13 @@ class _Loop:
             try:
                 self._train(stop, bar)
                 if self.reason == "completed" and self.task.test_batches:
-                    if stop.count:  # a stop after the last step: the test pass not begun
-                        self._say(f"step {self.step}: --test not scored ({stop.name} came after "
-                                  f"the last step): toymlx-eval --model {self.run_dir} --split "
-                                  "test scores it", bar)
-                    else:
-                        self._test(bar)
+                    # a stop after the last step: the test pass not begun, or abandoned
+                    when = "after the last step" if stop.count else "during its pass"
+                    if stop.count or not self._test(bar, lambda: self._stops(stop)):
+                        self.signal = stop.name
+                        self._say(f"step {self.step}: --test not scored ({stop.name} came "
+                                  f"{when}): toymlx-eval --model {self.run_dir} --split test "
+                                  "scores it", bar)
                 if self.reason == "completed" and self.rank0 and self.task.finish:
                     self._finish(bar)
                 together = True
@@ -487,6 +488,10 @@ class _Loop:
                       f"fresh machine (kept in {cache} for later runs)", bar)
         if cfg.eval_at_start and self.start == 0 and not self._evaluated(0):
             self._evaluate(0, bar)
+        if note := self._schedule_note():
+            self._say(note, bar)
+        if self.start == cfg.steps and not self._evaluated(self.start):
+            self._evaluate(self.start, bar)  # a resume finishing a run stopped before it
         for s in range(self.start, cfg.steps):
             if not self._step(s, bar, stop.count):
                 return
@@ -528,8 +533,7 @@ class _Loop:
         # float16: an overflowing step was skipped (nothing changed but the loss scale)
         scaled = {"loss_scale": float(out["loss_scale"].item()),
                   "skipped": bool(out["skipped"].item())} if self.scale is not None else {}
-        lr = (float(self.task.lr_fn(mx.array(s))) if self.task.lr_fn is not None else
-              lr_at(s, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio))
+        lr = self._lr(s)
         # A non-finite gradient norm with a finite loss has already made the update NaN
         # (unless the loss scale skipped that update).
         checked = (("loss", loss),) if scaled.get("skipped") else (
@@ -555,6 +559,26 @@ class _Loop:
                                 f"{rate:,.0f} {self.task.unit}/s")
             bar.update(1)
         return True
+
+    def _lr(self, s: int) -> float:
+        """The learning rate of optimizer step `s` (0-based), as the compiled step computes it."""
+        if self.task.lr_fn is not None:
+            return float(self.task.lr_fn(mx.array(s)))
+        return lr_at(s, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio)
+
+    def _schedule_note(self) -> str | None:
+        """A resume that changed --steps: the schedule (a function of the total) now spans the
+        new total, so the next step's learning rate is not the old schedule's next; one line
+        saying so, with the rate the run's last step trained at and the next step's."""
+        r = self.resume
+        if r is None or r.steps_before == self.cfg.steps or self.start == 0:
+            return None
+        was = next((e.get("lr") for e in reversed(r.kept)
+                    if e["kind"] == "step" and e.get("step") == self.start), None)
+        last = f", where step {self.start} trained at {was:.3e}" if isinstance(was, float) else ""
+        return (f"step {self.start + 1}: --steps {self.cfg.steps} (the run had "
+                f"{r.steps_before}): the learning-rate schedule now spans {self.cfg.steps} "
+                f"steps, so step {self.start + 1} trains at lr {self._lr(self.start):.3e}{last}")
 
     def _trace_widths(self, s: int) -> list[int] | None:
         """For a task whose batches differ in width (`Task.batch_widths`): trace the step for
@@ -587,15 +611,19 @@ class _Loop:
         self._say(eval_line(self.log.emit("eval", step=step, **metrics,
                                           seconds=round(time.perf_counter() - t0, 3))), bar)
 
-    def _test(self, bar: Any) -> None:
+    def _test(self, bar: Any, stops: Callable[[], int]) -> bool:
         """The completed run's held-out test figures (`--test`), once at the end: the loss and
-        the task's metrics (a classifier's test_accuracy), and a language model's perplexity."""
+        the task's metrics (a classifier's test_accuracy), and a language model's perplexity;
+        False if a stop request (`stops`) came during the pass, which is then abandoned."""
         t0 = time.perf_counter()
-        metrics = self.evaluator(split="test")
+        metrics = self.evaluator(split="test", stop=stops)
+        if metrics is None:
+            return False
         if self.task.unit == "tokens":
             metrics["test_perplexity"] = math.exp(metrics["test_loss"])
         self._say(eval_line(self.log.emit("eval", step=self.step, split="test", **metrics,
                                           seconds=round(time.perf_counter() - t0, 3))), bar)
+        return True
 
     def _checkpoint(self, step: int, bar: Any) -> bool:
         """The checkpoint of `step`, unless written; False (the run diverged) if the weights
