@@ -306,11 +306,15 @@ def test_a_closed_console_stops_the_sweep_as_ctrl_c_does_and_keeps_its_summary(t
     root = tmp_path / "closed"
     t0 = time.monotonic()
     events = root / "lr=0.001" / "events.jsonl"
-    while '"kind": "step"' not in (events.read_text() if events.exists() else ""):
-        assert p.poll() is None and time.monotonic() - t0 < 120  # until a step is trained
-        time.sleep(0.2)
-    p.stdout.close()
-    assert p.wait(timeout=120) == 128 + signal.SIGPIPE
+    try:
+        while '"kind": "step"' not in (events.read_text() if events.exists() else ""):
+            assert p.poll() is None and time.monotonic() - t0 < 120  # until a step is trained
+            time.sleep(0.2)
+        p.stdout.close()
+        assert p.wait(timeout=120) == 128 + signal.SIGPIPE
+    finally:  # a sweep that does not stop would train for hours: its runs stop with it
+        p.kill()
+        p.wait()
     states = {r["run"]: r["status"] for r in _csv(root / "summary.csv")}
     assert states["lr=0.001"] == "interrupted", states
     events = read_events(root / "lr=0.001")
