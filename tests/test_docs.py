@@ -19,7 +19,7 @@ it), on the default tiny data, with each run shortened: every step count (`--ste
 names a checkpoint the shortened run wrote; a new run without `--steps` gets its recipe's
 default so divided; a sweep's runs take one step each; a run reports every step
 (`--report-every 1`, unless given); generation is cut to 8 tokens. A GGUF model a command reads by a file name
-that no block writes (`--base SmolLM2-135M-Instruct.Q4_1.gguf`, `--donor ...`) is the shared
+that no block writes (`--base SmolLM2-135M-Instruct.Q4_1.gguf`, `--donor ...`, `--tokenizer ...`) is the shared
 reference model stories260K.gguf under that name: a tiny llama the same commands accept.
 README's blocks run in the default tier; the guides' in the slow tier (CI).
 """
@@ -42,7 +42,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = "README.md"
-GUIDES = ["docs/LORA.md", "docs/RUNS.md", "docs/IMAGES.md", "docs/SWEEPS.md",
+GUIDES = ["docs/LORA.md", "docs/TEXT.md", "docs/RUNS.md", "docs/IMAGES.md", "docs/SWEEPS.md",
           "docs/PERFORMANCE.md", "docs/INSTALL.md"]
 DOCS = [README, *GUIDES]
 NEEDS = re.compile(r"^# needs: (\S.*)$")
@@ -50,7 +50,7 @@ FILE_BLOCK = re.compile(r"^# (\S+\.(?:yaml|yml|json))$")
 SHRINK = 10
 """Step counts in a block are divided by this (rounded up) when it runs here."""
 MAX_TOKENS = 8
-MODEL_FLAGS = ("--base", "--donor", "--model")
+MODEL_FLAGS = ("--base", "--donor", "--tokenizer", "--model")
 STEP_FLAGS = ("--steps", "--stop-at", "--checkpoint-every", "--eval-every", "--report-every")
 OPERATORS = {"&&", "||", ";", "|"}
 
