@@ -167,6 +167,10 @@ def default_split(args: Args, bundle) -> str:
 
     own = option(bundle.config, "data.path") if bundle is not None else None
     same = isinstance(own, str) and Path(own).resolve() == Path(args.data_path).resolve()
+    if not same and bundle is not None and (note := bundle.given_input("data.path",
+                                                                       args.data_path)):
+        print(f"{PROG}: reads --data.path from {note}", file=sys.stderr)
+        same = True  # the run's own data, moved: its held-out split, as training scored it
     return "val" if same else "all"
 
 

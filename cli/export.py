@@ -210,6 +210,8 @@ def run(args: Args) -> int:
     if args.adapter and mlx_lm_files(args.adapter) is not None:
         return export_mlx_lm(args)
     base_spec = args.base or run_base_of(args.adapter)
+    if args.base and args.adapter and (note := moved_base_note(args.base, args.adapter)):
+        print(f"{PROG}: reads --base from {note}", file=sys.stderr)
     base = checkpoint_file(base_spec, "--base")  # a path, a run, or ollama:NAME / lmstudio:NAME
     adapter = checkpoint_file(args.adapter, "--adapter") if args.adapter else None
     out = check_output(args.out, [("--base", base_spec), ("--base", base),
@@ -258,6 +260,19 @@ def run(args: Args) -> int:
     if args.adapter and args.fuse:
         print(f"{PROG}: {heldout_note(base, args.adapter, out)}", file=sys.stderr)
     return 0
+
+
+def moved_base_note(base: str, adapter: str) -> str | None:
+    """What to say where --base holds the base the --adapter's run recorded, from another
+    place (`Bundle.given_input`); None otherwise (another base is exported as given)."""
+    from toymlx.bundle.options import RunError
+    from toymlx.runner.bundle import Bundle
+
+    try:
+        bundle = Bundle.of(adapter, "--adapter")
+    except (RunError, OSError):  # a run the export reads nothing else of: --base is given
+        return None
+    return bundle.given_input("base", base) if bundle is not None else None
 
 
 def run_base_of(adapter: str | None) -> str:

@@ -31,6 +31,26 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     return known.recipe, known.resume, rest
 
 
+def _given_inputs(argv: list[str]) -> dict[str, str]:
+    """{option: path} of the input options (`--data.path`, `--data.*-path`, `--base`,
+    `--donor`, `--tokenizer`) a resume's command line gives: the bundle opens with them
+    (`Bundle.open`'s `given`), so data or a model moved since the run started is read from its
+    new place once its contents are checked."""
+    from toymlx.bundle.inputs import MODEL_OPTIONS
+
+    out = {}
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        key = flag[2:].replace("-", "_") if flag.startswith("--") else ""
+        if key in MODEL_OPTIONS or key.startswith("data.") and (
+                key == "data.path" or key.endswith("_path")):
+            if eq:
+                out[key] = value
+            elif i + 1 < len(argv):
+                out[key] = argv[i + 1]
+    return out
+
+
 def _usage() -> str:
     from toymlx.recipes import RECIPES
 
@@ -149,7 +169,7 @@ def _main(argv: list[str] | None) -> int:
                 for note in notes:
                     print(f"toymlx-train: {note}", file=sys.stderr)
         if resume:
-            bundle = Bundle.open(resume)
+            bundle = Bundle.open(resume, given=_given_inputs(rest))
             if recipe and recipe != bundle.recipe:
                 raise RunError(f"{resume}: --resume: expected a run of recipe {recipe!r}, found "
                                f"a {bundle.recipe!r} run")

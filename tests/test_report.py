@@ -110,6 +110,8 @@ def test_report_of_a_sweep_renders_png_and_html(tmp_path, capsys):
     assert w > 1000 and h > 400 and png.stat().st_size > 30_000
     assert [r["run"] for r in result.rows] == ["lr=0.004", "lr=0.001"]  # best val_loss first
     assert result.params == ["lr"]
+    # one recipe: the table as before, the swept option and the figures (no recipe column)
+    assert report.table_rows(result.rows, result.params)[0] == ["run", "lr", *report.COLUMNS]
 
     # a torn bundle next to the sweep: drawn and listed, not an error
     torn = _bundle(tmp_path / "torn", [[("run_start", {"recipe": "from-scratch",
@@ -209,10 +211,59 @@ def test_runs_of_other_recipes_are_labelled_by_their_names(tmp_path):
                 config={"steps": 10, "lr": 2e-4, "seq_len": 64, "base": "smol.gguf",
                         "lora": {"rank": 8, "alpha": 16}})
     rows = report.summarize([a, b])
-    assert report.add_params(rows) == ["lr", "model.preset", "base", "lora.rank", "lora.alpha"]
-    assert [report.run_label(r) for r in rows] == ["lm", "chat"]
+    assert report.add_params(rows) == []  # one run of each recipe: nothing differs within one
+    assert report.all_options(rows) == ["lr", "model.preset", "base", "lora.rank", "lora.alpha"]
     c = _bundle(tmp_path / "lm2", [[start("from-scratch"), *_steps(1, 2)]],
                 config={"steps": 10, "lr": 1e-3, "seq_len": 64, "model": {"preset": "tiny"}})
     rows = report.summarize([a, c])
     assert report.add_params(rows) == ["lr"]
     assert [report.run_label(r) for r in rows] == ["lr=0.003", "lr=0.001"]
+
+
+def test_runs_of_several_recipes_show_their_recipe_and_what_differs_within_one(tmp_path,
+                                                                              capsys):
+    """A vit-tiny, a from-scratch and two lora runs (ranks 2 and 4) side by side: the table was
+    every option any run has (41 columns for one run of each, report.png 3,623 px wide); now
+    run, recipe, the options that differ among runs of the same recipe (lora.rank), and the
+    figures. The legend names the runs by folder; summary.csv keeps every differing option."""
+    pytest.importorskip("matplotlib", reason="the report extra: pip install 'toymlx[report]'")
+    import mlx.core as mx
+    from test_lora import ARGS, mlx_lm_folder, tok_meta
+    from toymlx_cli.train import main as train_main
+
+    from toymlx.gguf.llama import write_llama
+    from toymlx.models.llama import Llama
+
+    mx.random.seed(3)
+    write_llama(tmp_path / "base.gguf", Llama(ARGS), tok_meta(), name="tiny test llama")
+    mlx_lm_folder(tmp_path / "chat")
+    (tmp_path / "t.txt").write_text("Once upon a time there was a report. " * 60)
+    runs = tmp_path / "runs"
+    common = ["--steps", "2", "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1",
+              "--no-progress", "--no-compile", "--runs-root", str(runs)]
+    for run_id, argv in (
+            ("v", ["--recipe", "vit-tiny"]),
+            ("f", ["--recipe", "from-scratch", "--data.path", str(tmp_path / "t.txt"),
+                   "--model.d-model", "32", "--model.n-layers", "1", "--seq-len", "32"]),
+            *((f"l{r}", ["--recipe", "lora", "--base", str(tmp_path / "base.gguf"),
+                         "--data.path", str(tmp_path / "chat"), "--seq-len", "64",
+                         "--lora.rank", str(r)]) for r in (2, 4))):
+        assert train_main([*argv, *common, "--run-id", run_id]) == 0
+    dirs = [runs / n for n in ("v", "f", "l2", "l4")]
+    rows = report.summarize(dirs)
+    params = report.add_params(rows)
+    assert params == ["lora.rank"]
+    header, cells = report.table_rows(rows, params)
+    assert header == ["run", "recipe", "lora.rank", *report.COLUMNS]
+    assert [c[:3] for c in cells] == [["v", "vit-tiny", None], ["f", "from-scratch", None],
+                                      ["l2", "lora", 2], ["l4", "lora", 4]]
+    assert len(report.all_options(rows)) > 20  # what the table showed before
+    report.write_summary(rows, params, tmp_path)
+    csv_header = (tmp_path / "summary.csv").read_text().splitlines()[0].split(",")
+    assert csv_header[:len(header)] == header and csv_header[-2:] == ["message", "path"]
+    assert csv_header[len(header):-2] == [k for k in report.all_options(rows) if k != "lora.rank"]
+    capsys.readouterr()
+    assert report_main([*map(str, dirs), "--out", str(tmp_path / "r.png")]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split() == header
+    w, _ = _png_size(tmp_path / "r.png")
+    assert w < 1800  # the curves' width: the table fits under them

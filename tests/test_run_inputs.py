@@ -203,7 +203,8 @@ def test_moved_data_is_taken_only_with_its_recorded_fingerprint(trained, tmp_pat
         assert _cli("eval")(["--model", str(run), "--split", "test"]) == 2
         line = error_line(capsys, "toymlx-eval")
         assert f"{trained / 'elsewhere' / 'data'}: --data.path: expected the run's data.path, " \
-               f"recorded as {recorded} (sha256 " in line and "found other contents" in line
+               f"recorded as {recorded} (" in line and " bytes, sha256 " in line
+        assert "found other contents (2773 bytes, sha256 " in line
     finally:
         shutil.move(kept, recorded)
 
@@ -313,3 +314,74 @@ def test_from_scratch_takes_its_vocabulary_from_tokenizer_and_a_changed_file_is_
     assert error_line(capsys, "toymlx-train") == (
         f"toymlx-train: error: {runs / 't'}: --tokenizer: expected a GGUF file, found a toymlx "
         f"run folder; pass one of its checkpoints: --tokenizer {runs / 't' / 'weights' / 'step_2.gguf'}")
+
+
+def _moved(run: Path) -> dict | None:
+    """The `inputs_moved` record of the run's latest resume event."""
+    resumes = [e for e in (json.loads(x) for x in (run / "events.jsonl").read_text().splitlines())
+               if e["kind"] == "resume"]
+    return resumes[-1].get("inputs_moved") if resumes else None
+
+
+def _cut_and_whole(tmp_path: Path, argv: list[str]) -> tuple[Path, Path]:
+    """runs/cut (stopped at step 2 of 4) and runs/whole (4 steps in one go), both on `argv`."""
+    runs = tmp_path / "runs"
+    for run_id, stop in (("cut", ["--stop-at", "2"]), ("whole", [])):
+        assert _cli("train")([*argv, "--runs-root", str(runs), "--run-id", run_id, *TRAIN,
+                              "--steps", "4", *stop]) == 0
+    return runs / "cut", runs / "whole"
+
+
+def _losses(run: Path) -> list[float]:
+    return [e["loss"] for e in (json.loads(x) for x in (run / "events.jsonl").read_text()
+                                .splitlines()) if e["kind"] == "step"]
+
+
+@pytest.mark.parametrize("kind", ["folder", "text file"])
+def test_moved_data_given_on_resume_is_taken_by_its_contents_and_recorded(
+        kind, trained, tmp_path, capsys, monkeypatch):
+    """`mv data1 data2`, then `--resume RUN --data.path data2`: the same contents are accepted
+    with one line saying so, the resumed run's losses are those of a run never stopped, the
+    resume event records the new place, and a second reader (toymlx-eval, a resume) finds it
+    with no flag; other contents under a new path are one line naming both paths. Before,
+    --data.path data2 was refused as a changed option and the run could not be resumed."""
+    from toymlx.bundle.events import check_toy_v1, read_events
+
+    monkeypatch.chdir(tmp_path)
+    if kind == "folder":
+        mlx_lm_folder(tmp_path / "data1")
+        argv = ["--recipe", "lora", "--base", str(trained / "where" / "smol.gguf")]
+        new, other = "data2", mlx_lm_folder(tmp_path / "other", n_train=14)
+    else:
+        (tmp_path / "data1").write_text("Once upon a time there was a moved file. " * 60)
+        argv = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "1",
+                "--seq-len", "32"]
+        new, other = "data2.txt", tmp_path / "other.txt"
+        other.write_text("Some other text entirely. " * 60)
+    cut, whole = _cut_and_whole(tmp_path, [*argv, "--data.path", "data1"])
+    (tmp_path / "data1").rename(tmp_path / new)
+    capsys.readouterr()
+    was = json.loads((cut / "config.json").read_text())["data_files"]["data.path"]
+    assert _cli("train")(["--resume", str(cut), "--data.path", str(other), "--stop-at", "3",
+                          "--no-progress"]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"toymlx-train: error: {other}: --data.path: expected the run's "
+                           f"data.path, recorded as {tmp_path / 'data1'} ({was['bytes']} bytes, "
+                           f"sha256 {was['sha256'][:12]}), found other contents (")
+    assert _cli("train")(["--resume", str(cut), "--data.path", new, "--stop-at", "3",
+                          "--no-progress"]) == 0
+    assert (f"toymlx-train: --resume reads --data.path from {new} (moved; same contents as the "
+            "run's data1)\n") in capsys.readouterr().err
+    assert _moved(cut) == {"data.path": {"path": new, "file": str(tmp_path / new),
+                                         "was": str(tmp_path / "data1")}}
+    if kind == "folder":  # toymlx-eval without the flag: the moved data's held-out rows
+        assert _cli("eval")(["--model", str(cut)]) == 0
+        assert json.loads(capsys.readouterr().out)["data"].startswith(f"{tmp_path / new}/")
+    monkeypatch.chdir(trained)  # a second resume, from elsewhere, with no flag
+    assert _cli("train")(["--resume", str(cut), "--no-progress"]) == 0
+    assert (f"toymlx-train: --resume reads --data.path from {tmp_path / new} (the run's "
+            f"--data.path data1, moved from {tmp_path / 'data1'}, as a resume recorded)\n"
+            ) in capsys.readouterr().err
+    assert _moved(cut)["data.path"]["file"] == str(tmp_path / new)  # carried on
+    assert _losses(cut) == pytest.approx(_losses(whole), abs=1e-5)
+    assert check_toy_v1(read_events(cut)) == []

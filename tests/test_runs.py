@@ -141,7 +141,6 @@ def stopped(tmp_path_factory, data) -> Path:
 
 
 @pytest.mark.parametrize("flag,given,key,saved", [
-    ("--data.path", "{other}", "data.path", "{data}"),
     ("--seq-len", "16", "seq_len", "32"),
     ("--batch-size", "4", "batch_size", "2"),
     ("--seed", "1", "seed", "0"),
@@ -165,6 +164,27 @@ def test_resume_with_a_changed_option_is_refused(tmp_path, stopped, capsys, data
     assert f"--resume: {flag}: expected the run's saved {key} = {saved.format(**fill)}" in line
     assert given.format(**fill) in line and "start a new run" in line
     assert _digest(run) == before  # nothing written, config.json least of all
+
+
+def test_resume_with_other_data_is_refused_and_a_copy_is_taken(tmp_path, stopped, capsys,
+                                                                data):
+    """--data.path on a resume names data, not an option to change: a copy with the recorded
+    contents is read (data moved; see test_run_inputs), other contents are one line naming both
+    files, and nothing is written. It was refused as a changed option either way."""
+    run = tmp_path / "base"
+    shutil.copytree(stopped, run, symlinks=True)
+    other = tmp_path / "other.txt"
+    other.write_text(Path(data).read_text()[::-1])  # same size, other contents
+    before = _digest(run)
+    assert main(["--resume", str(run), "--data.path", str(other)]) == 2
+    assert error_line(capsys).startswith(
+        f"toymlx-train: error: {other}: --data.path: expected the run's data.path, recorded as "
+        f"{Path(data).resolve()} ({other.stat().st_size} bytes, sha256 ")
+    assert _digest(run) == before
+    shutil.copy(data, other)
+    assert main(["--resume", str(run), "--data.path", str(other)]) == 0
+    assert (f"toymlx-train: --resume reads --data.path from {other} (moved; same contents as "
+            f"the run's {data})\n") in capsys.readouterr().err
 
 
 def test_resume_may_extend_steps_and_change_run_local_options(tmp_path, stopped):

@@ -205,12 +205,7 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
         return gone
     if not other.exists():  # nothing to mistake for it: whoever needs the file says it is gone
         return gone
-    if model:
-        same, found = _same_model(other, {"sha256": rec.get("sha256"), "parts": rec.get("parts")})
-        want = f"sha256 {str(rec.get('sha256'))[:12]}{_parts_note(rec)}"
-    else:
-        now = fingerprint(other)
-        same, found, want = now == {k: rec.get(k) for k in now}, fingerprint_note(now), fingerprint_note(rec)
+    same, found, want = same_contents(key, rec, other)
     if not same:
         raise RunError(f"{os.path.abspath(other)}: {flag}: expected the run's {key}, "
                        f"recorded as {file} ({want}), found other contents ({found}); "
@@ -223,13 +218,83 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
                   "recorded SHA-256)")
 
 
-def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str
-                   ) -> tuple[Any, dict[str, str]]:
-    """(`cfg` with each data and model path it recorded replaced by the file `locate_input`
-    finds for it (a store name stays a name: it is resolved by name), {option: what was used}).
-    A run's paths then mean the files it started on, from whatever folder it is read."""
+def same_contents(key: str, rec: dict[str, Any], path: Path) -> tuple[bool, str, str]:
+    """(whether `path` holds the contents recorded for the input `key`: a model file's SHA-256
+    (and its parts'), a data file or folder's `fingerprint`; what was found, what was
+    recorded, as a message names them)."""
+    if key in MODEL_OPTIONS:
+        same, found = _same_model(path, {"sha256": rec.get("sha256"), "parts": rec.get("parts")})
+        return same, found, f"sha256 {str(rec.get('sha256'))[:12]}{_parts_note(rec)}"
+    now = fingerprint(path)
+    return (now == {k: rec.get(k) for k in now}, f"{now['bytes']} bytes, {fingerprint_note(now)}",
+            f"{rec.get('bytes')} bytes, {fingerprint_note(rec)}")
+
+
+MOVED_KEY = "inputs_moved"
+"""A `resume` event's key: {option: {"path" (as given), "file" (absolute), "was" (the file
+config.json records)}, and for a model file its "bytes" and "mtime_ns"} for each input the run
+reads from another place than config.json records, its contents checked against config.json's
+record. config.json is written once (run_start holds its digest), so a move is recorded in the
+events; each resume records every move in effect, and the latest resume event's record is where
+readers look first (`moved_inputs`)."""
+
+
+def moved_inputs(events: list[dict]) -> dict[str, dict[str, Any]]:
+    """{option: its `MOVED_KEY` record} from the latest `resume` event ({} before any)."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == "resume":
+            rec = e.get(MOVED_KEY)
+            out = {k: v for k, v in rec.items() if isinstance(v, dict)
+                   and isinstance(v.get("file"), str)} if isinstance(rec, dict) else {}
+    return out
+
+
+def _moved_record(key: str, typed: str, file: str, was: str) -> dict[str, Any]:
+    rec = {"path": typed, "file": file, "was": was}
+    if key in MODEL_OPTIONS:  # later readers skip hashing it again while size and time hold
+        st = Path(file).stat()
+        rec.update(bytes=st.st_size, mtime_ns=st.st_mtime_ns)
+    return rec
+
+
+def adopt_input(key: str, rec: dict[str, Any], given: str) -> tuple[str, str] | None:
+    """An input option given again (`--data.path data2` on a resume): None where `given` is the
+    recorded file (or its store name); else (its absolute file, what to say) where it holds the
+    recorded contents; RunError (one line naming both paths) where it is missing or holds other
+    contents."""
+    flag, typed, file = flag_name(key), rec.get("path"), rec.get("file")
+    store = key in MODEL_OPTIONS and model_store.is_store_name(given)
+    if (given == typed) if store else os.path.realpath(given) == file:
+        return None
+    try:
+        found = model_store.resolve_model(given, flag) if store else Path(given)
+    except model_store.ModelStoreError as e:
+        raise RunError(str(e)) from None
+    where = os.path.abspath(found)
+    if not found.exists():
+        raise RunError(f"{where}: {flag}: expected the run's {key} (recorded as {file}), found "
+                       "nothing there")
+    same, now, want = same_contents(key, rec, found)
+    if not same:
+        raise RunError(f"{where}: {flag}: expected the run's {key}, recorded as {file} ({want}), "
+                       f"found other contents ({now}); a run keeps its inputs: give the path "
+                       f"that holds the run's {key}, or start a new run on this one")
+    return (given if store else where), f"{given} (moved; same contents as the run's {typed})"
+
+
+def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str,
+                   given: dict[str, str] | None = None,
+                   moved: dict[str, dict[str, Any]] | None = None
+                   ) -> tuple[Any, dict[str, str], dict[str, dict[str, Any]]]:
+    """(`cfg` with each data and model path it recorded replaced by the file found for it,
+    {option: what was used}, {option: its `MOVED_KEY` record where that file is not the one
+    config.json records}). The file: `given`'s (an option given again, `adopt_input`), else
+    where a resume recorded it moved (`moved`, while it is there), else `locate_input`'s. A
+    run's paths then mean the files it started on, from whatever folder it is read."""
     cfg = copy.deepcopy(cfg)
-    used = {}
+    used, moves = {}, {}
+    given, moved = given or {}, moved or {}
     for group in (DATA_FILES_KEY, MODEL_FILES_KEY):
         records = saved.get(group, {})
         if not isinstance(records, dict):
@@ -242,14 +307,38 @@ def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str
                 raise RunError(f"{source}: key '{group}.{key}.path': expected the run's "
                                f"{flag_name(key)} {option(cfg, key)!r}, found "
                                f"{found_text(rec.get('path'))}")
-            file, used[key] = locate_input(key, rec, f"{source}: {group}")
+            file, used[key], typed = _locate(key, rec, given.get(key), moved.get(key),
+                                             f"{source}: {group}")
+            store = key in MODEL_OPTIONS and model_store.is_store_name(file)
+            if file != rec["file"] and not store and os.path.exists(file):
+                moves[key] = _moved_record(key, typed, file, rec["file"])
             *parents, name = key.split(".")
             holder = cfg
             for part in parents:
                 holder = getattr(holder, part)
             setattr(holder, name, file)
-    return cfg, used
+    return cfg, used, moves
 
+
+def _locate(key: str, rec: dict[str, Any], given: str | None, moved: dict[str, Any] | None,
+            source: str) -> tuple[str, str, str]:
+    """(file, what to say, the path as given for it) for one recorded input: see
+    `resolve_inputs`."""
+    if given is not None:
+        if (adopted := adopt_input(key, rec, given)) is not None:
+            return (*adopted, given)
+    elif moved is not None and Path(there := moved["file"]).exists():
+        flag = flag_name(key)
+        if key in MODEL_OPTIONS:
+            same, found = _same_model(Path(there), {**rec, "bytes": moved.get("bytes"),
+                                                    "mtime_ns": moved.get("mtime_ns")})
+            if not same:
+                raise RunError(f"{there}: {flag}: expected the run's {key} (moved there from "
+                               f"{rec.get('file')}, sha256 {str(rec.get('sha256'))[:12]}), "
+                               f"found other contents ({found}); put the run's {key} back")
+        return there, (f"{there} (the run's {flag} {rec.get('path')}, moved from "
+                       f"{rec.get('file')}, as a resume recorded)"), str(moved.get("path", there))
+    return (*locate_input(key, rec, source), str(rec.get("path")))
 
 
 def _parts_note(rec: dict[str, Any]) -> str:

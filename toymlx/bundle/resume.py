@@ -29,6 +29,9 @@ class Resume:
     kept: list[dict] = field(default_factory=list, repr=False)
     """The events the bundle keeps (cut back to `step`)."""
     set_aside: list[int] = field(default_factory=list)
+    moved: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The inputs read from another place than config.json records (`Bundle.moved`): the resume
+    event records them (`inputs.MOVED_KEY`)."""
 
     @property
     def has_start(self) -> bool:

@@ -43,11 +43,16 @@ from toymlx.bundle.folder import (
 )
 from toymlx.bundle.inputs import (
     DATA_FILES_KEY,
+    MODEL_FILES_KEY,
     MODEL_OPTIONS,
+    adopt_input,
+    data_paths,
     fingerprint,
     fingerprint_note,
+    moved_inputs,
     resolve_inputs,
 )
+from toymlx.bundle.model_store import is_store_name
 from toymlx.bundle.options import (
     BUNDLE_NAME,
     RUN_LOCAL,
@@ -78,11 +83,17 @@ class Bundle:
         self.used: dict[str, str] = {}
         """Per input option (`base`, `data.path`, ...): the file read for it, and why that one
         (`resolve_inputs`), for the readers to say."""
+        self.moved: dict[str, dict[str, Any]] = {}
+        """Per input read from another place than config.json records (same contents): its
+        `inputs.MOVED_KEY` record, which a resume writes in its `resume` event."""
 
     @classmethod
-    def open(cls, path: str | os.PathLike, flag: str = "--resume") -> Bundle:
+    def open(cls, path: str | os.PathLike, flag: str = "--resume",
+             given: dict[str, str] | None = None) -> Bundle:
         """Read a run folder's config.json (strictly: RunError naming the file and the key, as
-        for command-line input; `flag` names the option that gave the folder) and its events."""
+        for command-line input; `flag` names the option that gave the folder) and its events.
+        `given`: input options given again ({"data.path": "data2"}), read from there when they
+        hold the recorded contents (`inputs.adopt_input`; RunError where they hold others)."""
         from toymlx.recipes import get_recipe
         from toymlx.training.task import check_config
 
@@ -99,15 +110,15 @@ class Bundle:
                            f"{CONFIG_FORMAT}), found {found_text(fmt)}")
         cfg = config_from_dict(module.Config, saved["config"], source, complete=fmt >= 2,
                                optional=added_since(fmt))  # see CONFIG_FORMAT
-        cfg, used = resolve_inputs(cfg, saved, source)
         events = ev.read_events(path)
+        cfg, used, moved = resolve_inputs(cfg, saved, source, given, moved_inputs(events))
         cfg.steps = _planned_steps(events, cfg.steps)
         try:
             check_config(module, cfg)
         except ValueError as e:
             raise RunError(f"{source}: {e}") from None
         bundle = cls(path, saved["recipe"], module, cfg, saved, events)
-        bundle.used = used
+        bundle.used, bundle.moved = used, moved
         return bundle
 
     @classmethod
@@ -119,6 +130,21 @@ class Bundle:
             if (run_dir / CONFIG_FILE).is_file():
                 return cls.open(run_dir, flag)
         return None
+
+    def given_input(self, key: str, path: str) -> str | None:
+        """What to say where a reader is given an input option (toymlx-eval's --data.path,
+        toymlx-export's --base) that holds the run's recorded `key` from another place
+        ("data2 (moved; same contents as the run's data1)"); None where it is the file the
+        run recorded, other contents (a reader may score other data), or nothing recorded."""
+        group = DATA_FILES_KEY if key not in MODEL_OPTIONS else MODEL_FILES_KEY
+        rec = self.saved.get(group, {}).get(key)
+        if not isinstance(rec, dict) or "file" not in rec:
+            return None
+        try:
+            adopted = adopt_input(key, rec, path)
+        except (RunError, OSError):
+            return None
+        return adopted[1] if adopted is not None else None
 
     # ---- owning it, for a resume
     def own(self) -> Lock:
@@ -154,6 +180,7 @@ class Bundle:
                            f"{resume.step}, where the run resumes, found {cfg.stop_at}; "
                            f"--stop-at counts the run's steps: --stop-at {resume.step + 1} or "
                            "more, or --from an earlier checkpoint")
+        resume.moved = self.moved
         task = build()
         self.check_model(task.model_info, dtype)
         if owned is not None:
@@ -213,9 +240,11 @@ class Bundle:
             raise RunError(f"{self.path}: --resume: expected a run of recipe {recipe!r}, found "
                            f"a {self.recipe!r} run")
         was = dict(option_items(self.config))
+        inputs = {*data_paths(given), *MODEL_OPTIONS}  # a path given again: the same file
         changed = [(k, was.get(k), v) for k, v in option_items(given)
                    if k != "steps" and (k.split(".")[0] not in RUN_LOCAL or k in BUNDLE_NAME)
-                   and was.get(k) != v]
+                   and was.get(k) != v
+                   and not (k in inputs and _same_place(was.get(k), v))]
         if not changed:
             return
         k, old, new = changed[0]
@@ -238,7 +267,8 @@ class Bundle:
             if not Path(path).exists():
                 raise RunError(f"{path}: {flag_name(key)}: expected the run's data "
                                f"({rec.get('bytes')} bytes when it started), found nothing "
-                               "there; put it back to resume")
+                               f"there; put it back, or give where it is now: {flag_name(key)} "
+                               "PATH")
             now = fingerprint(path)
             was = {k: rec.get(k) for k in now}
             if now != was:
@@ -383,6 +413,17 @@ def run_base(path: str | os.PathLike, flag: str = "--model") -> tuple[str, str] 
         return None
     return str(base), bundle.used.get("base", f"{base} (the run's --base)")
 
+
+
+def _same_place(was: Any, given: Any) -> bool:
+    """Whether an input option given on a resume names the file the bundle reads for it (a
+    path in any spelling; a store name as written): `Bundle.open` checked one given elsewhere
+    against the recorded contents."""
+    if not isinstance(was, str) or not isinstance(given, str):
+        return False
+    if is_store_name(was) or is_store_name(given):
+        return was == given
+    return os.path.realpath(was) == os.path.realpath(given)
 
 
 def _planned_steps(events: list[dict], config_steps: int) -> int:

@@ -223,8 +223,12 @@ def sweep_params(run_dirs: Sequence[Path]) -> dict[str, dict[str, Any]]:
 
 
 def add_params(rows: list[dict[str, Any]]) -> list[str]:
-    """Give each row a `params` dict (its sweep values, else the config keys that differ
-    between the rows) and return the parameter names in column order."""
+    """Give each row a `params` dict and return the parameter names in column order: a sweep's
+    swept values; else the config keys that differ between the rows, and where the rows are of
+    several recipes (`recipes`), only those that differ among runs of the same recipe (each
+    recipe's options differ from another's by being its own: a vit-tiny, a from-scratch and a
+    lora run side by side differed in ~30, the table then ~40 columns; `all_options` keeps them
+    for the CSV)."""
     swept = sweep_params([Path(r["path"]) for r in rows])
     if rows and all(r["path"] in swept for r in rows):
         names: list[str] = []
@@ -232,14 +236,35 @@ def add_params(rows: list[dict[str, Any]]) -> list[str]:
             r["params"] = swept[r["path"]]
             names += [k for k in r["params"] if k not in names]
         return names
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r["config"] if k not in keys and k.split(".")[0] not in RUN_LOCAL]
-    names = [k for k in keys
-             if len({json.dumps(r["config"].get(k), sort_keys=True) for r in rows}) > 1]
+    names = all_options(rows)
+    if len(recipes(rows)) > 1:
+        groups = [[r for r in rows if r.get("recipe") == name] for name in recipes(rows)]
+        names = [k for k in names if any(len(g) > 1 and _differ(g, k) for g in groups)]
     for r in rows:
         r["params"] = {k: r["config"].get(k) for k in names}
     return names
+
+
+def recipes(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows' recipes, in order of first appearance (an unknown one as "-")."""
+    out: list[str] = []
+    for r in rows:
+        if (name := r.get("recipe") or "-") not in out:
+            out.append(name)
+    return out
+
+
+def _differ(rows: list[dict[str, Any]], key: str) -> bool:
+    return len({json.dumps(r["config"].get(key), sort_keys=True) for r in rows}) > 1
+
+
+def all_options(rows: list[dict[str, Any]]) -> list[str]:
+    """The config keys (not run-local ones) whose values differ between the rows, in order of
+    first appearance."""
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r["config"] if k not in keys and k.split(".")[0] not in RUN_LOCAL]
+    return [k for k in keys if _differ(rows, k)]
 
 
 LABEL_PARAMS = 3
@@ -266,12 +291,15 @@ TEST_COLUMNS = ["test_loss", "test_perplexity", "test_accuracy"]
 
 
 def table_rows(rows: list[dict[str, Any]], params: list[str]) -> tuple[list[str], list[list[Any]]]:
-    """Header and cells of the summary table: run, parameters, then the figures."""
+    """Header and cells of the summary table: run, its recipe where the rows are of several,
+    parameters, then the figures."""
     columns = list(COLUMNS)
     tests = [c for c in TEST_COLUMNS if any(r.get(c) is not None for r in rows)]
     columns[columns.index("final") + 1:columns.index("final") + 1] = tests
-    header = ["run", *params, *columns]
-    cells = [[r["run"], *[r.get("params", {}).get(k) for k in params],
+    mixed = len(recipes(rows)) > 1
+    header = ["run", *(["recipe"] if mixed else []), *params, *columns]
+    cells = [[r["run"], *([r.get("recipe")] if mixed else []),
+              *[r.get("params", {}).get(k) for k in params],
               *[r.get(c) for c in columns]] for r in rows]
     return header, cells
 
@@ -329,14 +357,18 @@ def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
 
 
 def write_summary(rows: list[dict[str, Any]], params: list[str], out_dir: Path) -> None:
-    """summary.csv (the table, full precision) and summary.jsonl (every field) in out_dir."""
+    """summary.csv (the table, full precision; for runs of several recipes also every other
+    option that differs between them, `all_options`) and summary.jsonl (every field) in
+    out_dir."""
     header, cells = table_rows(rows, params)
-    header += ["message", "path"]
+    more = [k for k in all_options(rows) if k not in params] if len(recipes(rows)) > 1 else []
+    header += [*more, "message", "path"]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(header)
     for r, row in zip(rows, cells):
-        w.writerow(["" if v is None else v for v in [*row, r.get("message"), r["path"]]])
+        w.writerow(["" if v is None else v for v in [*row, *[r["config"].get(k) for k in more],
+                                                      r.get("message"), r["path"]]])
     atomic.write_text(out_dir / "summary.csv", buf.getvalue())
     lines = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows)
     atomic.write_text(out_dir / "summary.jsonl", lines)
@@ -381,7 +413,8 @@ def figure(rows: list[dict[str, Any]], params: list[str], table: bool = True):
                             hspace=0.35, wspace=0.25)
     ax_loss, ax_val, ax_lr = (fig.add_subplot(grid[0, i]) for i in range(3))
     colors = plt.get_cmap("tab10" if n_rows <= 10 else "tab20")
-    labels = [run_label(r) for r in rows]
+    # runs of several recipes: each by its folder's name (a value names no run across recipes)
+    labels = [run_label(r) if len(recipes(rows)) == 1 else r["run"] for r in rows]
     if len(set(labels)) < len(labels):
         labels = [r["run"] if lab == r["run"] else f"{r['run']}: {lab}"
                   for r, lab in zip(rows, labels)]

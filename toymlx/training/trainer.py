@@ -35,6 +35,7 @@ from toymlx.backend.stop import RANK_SIGNALS, SOLO_SIGNALS, StopSignals, stop_ou
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
 from toymlx.bundle.folder import config_digest, saved_config
+from toymlx.bundle.inputs import MOVED_KEY
 from toymlx.bundle.reporters import open_reporters
 from toymlx.bundle.resume import Resume, intact_hint
 from toymlx.gguf.reader import DIGEST_KEY
@@ -448,6 +449,7 @@ class _Loop:
                 dropped_events=r.dropped, previous_end=r.previous_end,
                 **({"note": r.note} if r.note else {}),
                 **({"set_aside": r.set_aside} if r.set_aside else {}),
+                **({MOVED_KEY: r.moved} if r.moved else {}),
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
 
