@@ -304,16 +304,23 @@ def test_from_scratch_takes_its_vocabulary_from_tokenizer_and_a_changed_file_is_
     assert tuple(g.tensors["token_embd.weight"].shape) == (32000, 32)
     rec = json.loads((runs / "t" / "config.json").read_text())["model_files"]["tokenizer"]
     assert rec["file"] == str(vocab_file) and len(rec["sha256"]) == 64
+    kept = shutil.copy2(vocab_file, tmp_path / "kept.gguf")
     with open(vocab_file, "ab") as f:
         f.write(b"\0" * 32)  # other contents under the same name
     capsys.readouterr()
     assert _cli("train")(["--resume", str(runs / "t"), "--steps", "4"]) == 2
     line = error_line(capsys, "toymlx-train")
     assert f"{vocab_file}: --tokenizer: expected the file the run started on (sha256" in line
+    # the same contents elsewhere, given on the resume: taken, said, and trained on
+    assert _cli("train")(["--resume", str(runs / "t"), "--steps", "4", "--tokenizer",
+                          str(kept)]) == 0
+    said = capsys.readouterr()
+    assert f"reads --tokenizer from {kept} (moved; same contents" in said.out + said.err
+    assert GGUFFile(resolve_latest(runs / "t")).metadata["tokenizer.ggml.tokens"] == tokens
     assert _cli("train")([*argv[:4], "--tokenizer", str(runs / "t"), "--run-id", "u"]) == 2
     assert error_line(capsys, "toymlx-train") == (
         f"toymlx-train: error: {runs / 't'}: --tokenizer: expected a GGUF file, found a toymlx "
-        f"run folder; pass one of its checkpoints: --tokenizer {runs / 't' / 'weights' / 'step_2.gguf'}")
+        f"run folder; pass one of its checkpoints: --tokenizer {runs / 't' / 'weights' / 'step_4.gguf'}")
 
 
 def _moved(run: Path) -> dict | None:
