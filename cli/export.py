@@ -302,6 +302,7 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
     measured, for an adapter outside a run."""
     from toymlx_cli.eval import chat_loss
 
+    from toymlx.data.text import DataError
     from toymlx.generation.generate import load_for_generation
     from toymlx.runner.bundle import Bundle
 
@@ -310,7 +311,11 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
         return ("held-out loss not measured: the adapter is a file outside a run, so its "
                 "validation data is not known (toymlx-eval --model FUSED --data.path DATA "
                 "measures it)")
-    ref, n, source = chat_loss(*load_for_generation(base, adapter), bundle.config)
+    try:
+        ref, n, source = chat_loss(*load_for_generation(base, adapter), bundle.config)
+    except DataError as e:  # the run's data moved or gone: the file is written all the same
+        return (f"held-out loss not measured: {e} (toymlx-eval --model {fused} --data.path "
+                "DATA measures it)")
     got, _, _ = chat_loss(*load_for_generation(fused), bundle.config)
     change = (f"{(got - ref) / ref:+.2%}" if math.isfinite(ref) and math.isfinite(got) and ref
               else "no change to give: a loss is not finite")

@@ -228,6 +228,27 @@ def test_export_prints_the_held_out_loss_beside_base_plus_adapter(bases, tmp_pat
         f"{got['val_loss']:.4f} ({(got['val_loss'] - ref['val_loss']) / ref['val_loss']:+.2%})")
 
 
+def test_export_of_a_run_whose_data_is_gone_writes_the_file_and_says_why_no_loss(
+        bases, tmp_path, capsys):
+    """The run's data moved away: the fused file was written, then the held-out check failed
+    the command ("error: DATA: cannot read data file", exit 2) over a file it had written. Now
+    the export ends with 0 and says why the loss is not measured and how to measure it."""
+    from toymlx_cli.export import main
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"answer {i}"}) + "\n"
+                            for i in range(24)))
+    run = _train(tmp_path, bases["q4_1"], "lora", "--data.path", str(data))
+    data.unlink()
+    capsys.readouterr()
+    out = tmp_path / "fused.gguf"
+    assert main(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
+    assert GGUFFile(out).tensors
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"toymlx-export: held-out loss not measured: {data}: cannot read data file (No such "
+        f"file or directory) (toymlx-eval --model {out} --data.path DATA measures it)")
+
+
 def test_modelfile_fuses_a_dora_adapter_into_the_kept_file(bases, tmp_path, capsys):
     """--format modelfile --fuse takes a DoRA adapter (the fused file needs no adapter format)
     and writes the same file as toymlx-export --fuse; an adapter outside a run: the held-out
