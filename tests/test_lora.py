@@ -991,3 +991,199 @@ def _assert_resume_repeats(args: list[str], run: Path, tmp_path: Path, names, fi
     cut = GGUFFile(tmp_path / "cut" / "weights" / "step_4.gguf")
     for n in names:
         np.testing.assert_array_equal(cut.load(n, np.float32), final.load(n, np.float32))
+
+
+def _val_run(tiny_gguf: Path, root: Path, run_id: str, *extra: str) -> list[str]:
+    """The options of a 4-step lora run validated after steps 2 and 4 (a pass: 7 micro-batches
+    of 64 validation rows) and checkpointed at its end."""
+    return ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(root), "--run-id",
+            run_id, "--steps", "4", "--batch-size", "2", "--seq-len", "64", "--lr", "1e-2",
+            "--warmup", "1", "--eval-every", "2", "--eval-batches", "100",
+            "--no-progress", "--no-compile",
+            "--data.path", str(mlx_lm_folder(root / "data", n_valid=64, n_test=0)), *extra]
+
+
+def _stop_in_pass(monkeypatch, step: int, at: int, sigs: tuple) -> list[int]:
+    """Send `sigs` to this process while the validation pass after step `step` computes its
+    micro-batch number `at` (1-based); returns the micro-batches each pass computed."""
+    import os
+
+    from toymlx.training import trainer
+    from toymlx.training.evaluate import Evaluator
+
+    computed: list[int] = []
+    sums, evaluate = Evaluator._sums, trainer._Loop._evaluate
+
+    def counted(self, micro):
+        computed[-1] += 1
+        if self.stop_after == (step, computed[-1]):
+            for sig in sigs:
+                os.kill(os.getpid(), sig)  # counted by the loop's StopSignals, not raised
+        return sums(self, micro)
+
+    def each_pass(self, s, bar, *args):
+        computed.append(0)
+        self.evaluator.stop_after = (s, at) if s == step else None
+        return evaluate(self, s, bar, *args)
+
+    monkeypatch.setattr(Evaluator, "_sums", counted)
+    monkeypatch.setattr(trainer._Loop, "_evaluate", each_pass)
+    return computed
+
+
+@pytest.mark.parametrize("sigs", [("SIGTERM",), ("SIGINT", "SIGINT")])
+def test_a_stop_during_a_validation_pass_abandons_it_and_resume_redoes_it(
+        tiny_gguf, tmp_path, capsys, monkeypatch, sigs):
+    """A stop request while a periodic validation pass runs: the pass once ran to its end (25
+    s of a LoRA run's pass on stories260K held off a Ctrl-C, a scheduler's SIGTERM and a
+    second Ctrl-C), then its figures were recorded and the run stopped. Now the pass is
+    abandoned after the micro-batch in flight, nothing of it is recorded, and the run stops as
+    after a step (a second request skips its checkpoint); the resume validates that step
+    first, so its events carry the uninterrupted run's figures and losses, to the bit."""
+    import signal
+
+    assert _train(_val_run(tiny_gguf, tmp_path, "full")) == 0
+    full = events_of(tmp_path / "full")
+    computed = _stop_in_pass(monkeypatch, 2, 3, tuple(getattr(signal, s) for s in sigs))
+    capsys.readouterr()
+    run = tmp_path / "r"
+    code = 128 + getattr(signal, sigs[0])
+    assert _train(_val_run(tiny_gguf, tmp_path, "r", "--checkpoint-every", "1")) == code
+    assert computed == [3]  # the micro-batch in flight, then none of the other 4
+    out = capsys.readouterr().out
+    assert (f"step 2: validation abandoned ({sigs[0]} came during its pass; a --resume from "
+            "this step runs it first)") in out.splitlines()
+    events = events_of(run)
+    assert not [e for e in events if e["kind"] == "eval"]
+    end = events[-1]
+    assert (end["reason"], end["final_step"], end["exit_code"], end["signal"]) == (
+        "interrupted", 2, code, sigs[0])
+    what = "interrupted" if sigs[0] == "SIGINT" else "stopped by SIGTERM"
+    if len(sigs) == 1:
+        assert end["message"] == f"{what} after step 2; resume with --resume {run}"
+        assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [1, 2]
+    else:  # the second skipped step 2's checkpoint, periodic or final
+        assert end["message"] == (f"{what} after step 2; a second signal skipped its "
+                                  f"checkpoint: resume with --resume {run} (from step 1)")
+        assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [1]
+    monkeypatch.undo()
+    assert _train(["--resume", str(run), "--no-progress"]) == 0
+    events = events_of(run)
+
+    def record(evs: list[dict]) -> list[tuple]:
+        return [(e["kind"], e["step"], e.get("loss", e.get("val_loss"))) for e in evs
+                if e["kind"] in ("step", "eval")]
+    assert record(events) == record(full)  # the same figures, to the bit
+    assert [e["step"] for e in events if e["kind"] == "eval"] == [2, 4]
+
+
+@pytest.mark.parametrize("when", ["during", "before"])
+def test_a_stop_during_the_fused_export_abandons_it(tiny_gguf, tmp_path, capsys, monkeypatch,
+                                                   when):
+    """--fuse-at-end: a stop request while the fused GGUF is written ("during", sent once its
+    temporary holds the header), or one during --test's pass just before it ("before"). The
+    export once ran to its end however long it took (a SIGTERM, a second Ctrl-C held off),
+    and ran after a stop during --test. Now it is abandoned: its temporary removed, nothing
+    under fused-f32.gguf, the final checkpoint intact; run_end interrupted by the signal,
+    exit 143, one line naming the toymlx-export command that writes it, or the --resume that
+    does, which writes the file the run would have."""
+    import os
+    import signal
+
+    from toymlx.backend.atomic import TMP_TAG
+    from toymlx.gguf import writer
+    from toymlx.training import trainer
+
+    run = tmp_path / "r"
+    seen: list[int] = []
+    if when == "during":
+        pad = writer._pad
+
+        def stop_once_written(f, align):
+            if "fused-" in Path(f.name).name and not seen:
+                f.flush()
+                seen.append(os.path.getsize(f.name))  # the header, in the temporary
+                os.kill(os.getpid(), signal.SIGTERM)  # raised here by StopSignals.raising
+            pad(f, align)
+        monkeypatch.setattr(writer, "_pad", stop_once_written)
+    else:
+        test = trainer._Loop._test
+
+        def stop_then_test(self, bar, *args):
+            os.kill(os.getpid(), signal.SIGTERM)  # counted by the loop's StopSignals
+            return test(self, bar, *args)
+        monkeypatch.setattr(trainer._Loop, "_test", stop_then_test)
+    assert _train(_test_run(tiny_gguf, tmp_path, "--fuse-at-end", "f32")) == 143
+    assert seen[0] > 0 if when == "during" else not seen
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "events.jsonl", "weights"]
+    assert not [p for p in (run / "weights").iterdir() if TMP_TAG in p.name]
+    assert (run / "weights" / "latest").resolve().name == "adapter_step_2.gguf"
+    events = events_of(run)
+    assert not [e for e in events if e["kind"] == "export"]
+    end = events[-1]
+    assert (end["reason"], end["final_step"], end["exit_code"], end["signal"]) == (
+        "interrupted", 2, 143, "SIGTERM")
+    assert end["message"] == (
+        f"stopped by SIGTERM {when} the export of step 2 (training completed, its checkpoint "
+        f"intact): the export was abandoned; write it with toymlx-export --adapter {run} "
+        f"--fuse --dtype f32 --out {run}-fused-f32.gguf (or toymlx-train --resume {run}, "
+        f"which writes {run / 'fused-f32.gguf'})")
+    monkeypatch.undo()
+    from toymlx_cli.export import main as export_main
+
+    assert export_main(["--adapter", str(run), "--fuse", "--dtype", "f32", "--out",
+                        f"{run}-fused-f32.gguf"]) == 0
+    capsys.readouterr()
+    assert _train(["--resume", str(run), "--no-progress"]) == 0
+    assert ("toymlx-train: the run trained all 2 steps but did not complete (run_end reason "
+            "'interrupted'): finishing it from step_2 (what follows the last step: final "
+            "validation, --test, the export; then run_end)") in capsys.readouterr().err
+    ex = [e for e in events_of(run) if e["kind"] == "export"]
+    assert len(ex) == 1 and ex[0]["path"] == "fused-f32.gguf"
+    assert (run / "fused-f32.gguf").read_bytes() == Path(f"{run}-fused-f32.gguf").read_bytes()
+
+
+def test_sigterm_during_a_long_validation_pass_ends_the_run_at_once(tmp_path, stories_path):
+    """toymlx-train as a scheduler meets it: stories260K with 4,000 validation rows (a pass of
+    6.4 s on this machine's CPU), SIGTERM sent once step 2's event is written, as the pass
+    after it begins. The run once finished the pass and recorded it before stopping (a scheduler's
+    SIGKILL may come first); now it exits 143 with step 2 checkpointed and no eval event."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, n in (("train", 40), ("valid", 4000)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({
+            "prompt": f"Tell me a story about the number {i}.",
+            "completion": f" Once upon a time there was a number {i % 10}. It was happy."})
+            + "\n" for i in range(n)))
+    run = tmp_path / "r"
+    exe = Path(sys.executable).parent / "toymlx-train"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "toymlx_cli.train"]
+    p = subprocess.Popen(cmd + ["--recipe", "lora", "--base", str(stories_path), "--runs-root",
+                                str(tmp_path), "--run-id", "r", "--steps", "4", "--warmup", "1",
+                                "--eval-every", "2", "--eval-batches", "100000",
+                                "--no-progress", "--data.path", str(data)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        events = run / "events.jsonl"
+        while b'"step": 2,' not in (events.read_bytes() if events.exists() else b""):
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 143, err[-3000:]
+    evs = events_of(run)
+    assert not [e for e in evs if e["kind"] == "eval"], out
+    assert [e["step"] for e in evs if e["kind"] == "checkpoint"] == [2]
+    assert (evs[-1]["reason"], evs[-1]["final_step"], evs[-1]["signal"]) == (
+        "interrupted", 2, "SIGTERM")

@@ -131,7 +131,9 @@ class StopSignals:
     counted. The handler only counts: no signal ever raises into a step or a checkpoint write,
     so none ends in a traceback or a half-done write. The loop stops after the step in flight
     and writes a final checkpoint; a second request skips that checkpoint if it has not begun
-    (one being written is finished).
+    (one being written is finished). The one exception is work that writes nothing but whole
+    files atomically (a recipe's export after a completed run): inside `raising`, a request
+    also raises `Stopped` into it, which abandons it at once, its temporaries removed.
 
     The death of the parent that started this process (`toymlx.backend.lifeline`) is one request,
     however many SIGTERMs it brings: Linux sends the parent-death signal again as each thread of
@@ -163,6 +165,8 @@ class StopSignals:
         self.last: int | None = None
         """The latest stop signal, as `first`."""
         self._old: dict[int, Any] = {}
+        self._raise = False
+        """Inside `raising`: the next request raises `Stopped` as well as being counted."""
 
     def _count(self, signum: int, frame: Any) -> None:
         if signum == READER_GONE:
@@ -176,6 +180,31 @@ class StopSignals:
         self.last = _named(signum)
         if self.first is None:
             self.first = self.last
+
+    def _signal(self, signum: int, frame: Any) -> None:
+        """The stop signals' handler: counts the request (`_count`); inside `raising`, raises
+        it too."""
+        self._count(signum, frame)
+        if self._raise:
+            self._raise = False  # once: a second must not cut into the first's clean-up
+            raise Stopped(self.last or signum)
+
+    @contextmanager
+    def raising(self) -> Iterator[None]:
+        """While the block runs, a stop request raises `Stopped` (its signal) into it, as Ctrl-C
+        raises KeyboardInterrupt, besides being counted; a request counted before the block
+        raises on entry. Only for work that writes nothing but whole files through
+        `toymlx.backend.atomic` (which removes its temporary when an exception passes), so that a
+        long export (a fused GGUF) is abandoned at once, not held until it ends. Python runs
+        the handler between bytecodes: a single long call into C (llama.cpp's quantizer)
+        finishes first."""
+        if self.count:
+            raise Stopped(self.first or signal.SIGINT)
+        self._raise = True
+        try:
+            yield
+        finally:
+            self._raise = False
 
     @property
     def count(self) -> int:
@@ -213,7 +242,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:  # noqa: PYI034
         for sig in self.signals:
-            self._old[sig] = signal.signal(sig, self._count)
+            self._old[sig] = signal.signal(sig, self._signal)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -428,6 +428,17 @@ def build(cfg: Config, ops: Ops) -> Task:
         return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                 "bytes": out.stat().st_size, "adapter_kept": round(kept, 4)}
 
+    def export_later(run_dir: Path) -> str:
+        """The toymlx-export line that writes what `finish` writes (toymlx-export keeps out of
+        run folders: the file goes beside the run), or the resume that finishes the run."""
+        with GGUFFile(src.path) as g:
+            dtype = fuse_type(cfg.fuse_at_end, g)
+        what = f"--base {run_dir}" if full else f"--adapter {run_dir} --fuse"
+        typed = "" if cfg.fuse_at_end == "base" else f" --dtype {dtype}"
+        return (f"toymlx-export {what}{typed} --out {run_dir}-fused-{dtype}.gguf (or "
+                f"toymlx-train --resume {run_dir}, which writes "
+                f"{run_dir / f'fused-{dtype}.gguf'})")
+
     # n_params and n_trainable are added by the trainer to run_start's model record
     return Task(
         recipe="lora", model=model, loss_fn=lm_loss, metrics_fn=lm_held_out_sums,
@@ -447,6 +458,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         unit="tokens", count=lambda b: int(np.sum(b["mask"])),
         prefix=prefix,
         test_batches=data.test_batches(cfg.batch_size, cfg.grad_checkpoint) if cfg.test else [],
-        finish=finish if cfg.fuse_at_end else None, memory=fits,
+        finish=finish if cfg.fuse_at_end else None,
+        export_later=export_later if cfg.fuse_at_end else None, memory=fits,
         optimizer=make_optimizer,
         lr_fn=None if cfg.lr_schedule == "warmup-cosine" else schedule(cfg))

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from toymlx.backend import device
 from toymlx.backend.device import backend_info
-from toymlx.backend.stop import RANK_SIGNALS, SOLO_SIGNALS, StopSignals, stop_outcome
+from toymlx.backend.stop import RANK_SIGNALS, SOLO_SIGNALS, Stopped, StopSignals, stop_outcome
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
 from toymlx.bundle.folder import config_digest, saved_config
@@ -367,7 +367,7 @@ class _Loop:
                                   f"{when}): toymlx-eval --model {self.run_dir} --split test "
                                   "scores it", bar)
                 if self.reason == "completed" and self.rank0 and self.task.finish:
-                    self._finish(bar)
+                    self._finish(bar, stop)
                 together = True
             except KeyboardInterrupt:  # raised by code, not a signal: StopSignals counts those
                 self._end("interrupted", 130, f"interrupted during step {self.step + 1}; resume "
@@ -403,14 +403,29 @@ class _Loop:
         mx.eval(mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=self.world))
         stop.ignore()
 
-    def _finish(self, bar: Any) -> None:
+    def _finish(self, bar: Any, stop: StopSignals) -> None:
         """The recipe's export of the finished run, as an `export` event; a failure (a full
-        disk) ends the run as an error that names the checkpoint, which stays intact."""
+        disk) ends the run as an error that names the checkpoint, which stays intact. A stop
+        request abandons the export at once (`StopSignals.raising`: it writes whole files
+        atomically, so its temporaries go and nothing is left under its name): the run ends
+        interrupted by that signal, with one line naming the command that writes the export
+        (or a --resume finishes it, as for any run stopped after its last step)."""
         if bar is not None:
             bar.write(f"training completed: writing the recipe's export of {_named(self.step)}")
         t0 = time.perf_counter()
+        when = "before" if stop.count else "during"  # a stop during --test's pass: not begun
         try:
-            fields = self.task.finish(self.run_dir)
+            with stop.raising():
+                fields = self.task.finish(self.run_dir)
+        except Stopped:
+            self.signal = stop.name
+            what, code = stop_outcome(stop.first)
+            later = self.task.export_later(self.run_dir) if self.task.export_later else (
+                "toymlx-export")
+            self._end("interrupted", code, f"{what} {when} the export of {_named(self.step)} "
+                      f"(training completed, its checkpoint intact): the export was abandoned; "
+                      f"write it with {later}")
+            return
         except (OSError, ValueError) as e:
             self._end("error", 1, f"training completed and {_named(self.step)} was written, but "
                       f"its export failed: {' '.join(str(e).split())}; rerun the export alone "
@@ -488,12 +503,13 @@ class _Loop:
         if cache is not None and not any(cache.glob("*.ptx")):
             self._say(f"step {self.start + 1}: MLX builds its CUDA kernels first, 1-2 minutes on a "
                       f"fresh machine (kept in {cache} for later runs)", bar)
-        if cfg.eval_at_start and self.start == 0 and not self._evaluated(0):
-            self._evaluate(0, bar)
+        # the validation of the start step: --eval-at-start's at step 0; on a resume, the one
+        # due there that a stop skipped or abandoned (an uninterrupted run has its figures)
+        first = cfg.eval_at_start if self.start == 0 else self._eval_due(self.start)
+        if first and not self._evaluated(self.start) and not self._evaluate(self.start, bar, stop):
+            return self._interrupted(stop, self._stops(stop), bar)
         if note := self._schedule_note():
             self._say(note, bar)
-        if self.start == cfg.steps and not self._evaluated(self.start):
-            self._evaluate(self.start, bar)  # a resume finishing a run stopped before it
         for s in range(self.start, cfg.steps):
             if not self._step(s, bar, stop.count):
                 return
@@ -501,11 +517,12 @@ class _Loop:
             if cfg.report_every and (done % cfg.report_every == 0 or done == cfg.steps):
                 self._say(report_line(self.window, self.task.unit, self.reported, cfg.steps), bar)
                 self.window, self.reported = [], self.trained
-            if not stop.count and ((cfg.eval_every and done % cfg.eval_every == 0)
-                                   or done == cfg.steps):
-                self._evaluate(done, bar)
+            # a stop skips (before it) or abandons (during it) the step's validation: the
+            # checkpoint below is then `_interrupted`'s, and a resume from it validates first
+            if not self._stops(stop) and self._eval_due(done):
+                self._evaluate(done, bar, stop)
             due = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-            if due and not self._checkpoint(done, bar):
+            if due and not self._stops(stop) and not self._checkpoint(done, bar):
                 return
             if stops := self._stops(stop):
                 return self._interrupted(stop, max(stops, stop.count), bar)
@@ -603,15 +620,30 @@ class _Loop:
         return any(e["kind"] == "eval" and e.get("step") == step
                    and e.get("split", "val") == "val" for e in kept)
 
-    def _evaluate(self, step: int, bar: Any) -> None:
+    def _eval_due(self, step: int) -> bool:
+        """Whether the validation pass falls after step `step` (--eval-every, and the last)."""
+        every = self.cfg.eval_every
+        return bool(every and step % every == 0) or step == self.cfg.steps
+
+    def _evaluate(self, step: int, bar: Any, stop: StopSignals) -> bool:
+        """The validation pass after step `step` and its `eval` event; False if a stop request
+        came during it: the pass is abandoned after the micro-batch in flight (a LoRA run's
+        pass takes tens of seconds, which held off a Ctrl-C and a scheduler's SIGTERM), and
+        nothing is recorded. Data parallel, the ranks agree on stops only at a step, so a
+        pass is not abandoned there (`_stops` does not change during it)."""
         if not self.task.val_batches:  # nothing held out (--data.val-fraction 0): no figures
-            return
+            return True
         t0 = time.perf_counter()
-        metrics = self.evaluator(self.cfg.eval_batches)
+        metrics = self.evaluator(self.cfg.eval_batches, stop=lambda: self._stops(stop))
+        if metrics is None:
+            self._say(f"step {step}: validation abandoned ({stop.name} came during its pass; "
+                      "a --resume from this step runs it first)", bar)
+            return False
         self.last_eval = metrics
         self.ckpt.score(step, metrics)
         self._say(eval_line(self.log.emit("eval", step=step, **metrics,
                                           seconds=round(time.perf_counter() - t0, 3))), bar)
+        return True
 
     def _test(self, bar: Any, stops: Callable[[], int]) -> bool:
         """The completed run's held-out test figures (`--test`), once at the end: the loss and
@@ -648,7 +680,10 @@ class _Loop:
         (`requests` > 1) came before that checkpoint began."""
         self.signal = stop.name
         (what, code), resume = stop_outcome(stop.first), f"resume with --resume {self.run_dir}"
-        if requests > 1 and self.ckpt.last != self.step:
+        if self.step == 0:  # during the step-0 validation (--eval-at-start)
+            self._end("interrupted", code, f"{what} before step 1, nothing trained: start it "
+                      f"over with toymlx-train --resume {self.run_dir} --from step_0")
+        elif requests > 1 and self.ckpt.last != self.step:
             self._end("interrupted", code, f"{what} after step {self.step}; a second signal "
                       f"skipped its checkpoint: {resume} (from {_named(self.ckpt.last)})")
         elif self._checkpoint(self.step, bar):
