@@ -94,14 +94,19 @@ def test_image_folder_trains_resumes_exactly_classifies_and_evaluates(tmp_path, 
     assert "confusion matrix" in text and text.startswith("accuracy ")
     assert text.rstrip().endswith(f"data {folder} (val)") and "on 3 images" in text
     # data the run did not train on: every image of it by default, and the output says so
-    other = tmp_path / "other"
-    shutil.copytree(folder, other)
+    other = make_image_folder(tmp_path / "other", per_class=10, seed=9)
     assert eval_main(["--model", str(full), "--data.path", str(other)]) == 0
     text = capsys.readouterr().out
     assert text.startswith("accuracy ") and "on 30 images" in text
     assert text.rstrip().endswith(f"data {other} (all)")
     assert eval_main(["--model", str(full), "--data.path", str(other), "--split", "val"]) == 0
     assert "on 3 images" in capsys.readouterr().out
+    # a copy of the run's own data is that data moved: its held-out split, as training scored it
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    assert eval_main(["--model", str(full), "--data.path", str(copy)]) == 0
+    said = capsys.readouterr()
+    assert "on 3 images" in said.out and said.out.rstrip().endswith(f"data {copy} (val)")
 
 
 def test_cifar_batch_file_trains_and_resumes_exactly(tmp_path):
