@@ -1298,3 +1298,79 @@ def test_sigterm_during_a_long_validation_pass_ends_the_run_at_once(tmp_path, st
     assert [e["step"] for e in evs if e["kind"] == "checkpoint"] == [2]
     assert (evs[-1]["reason"], evs[-1]["final_step"], evs[-1]["signal"]) == (
         "interrupted", 2, "SIGTERM")
+
+
+def test_the_final_line_names_the_step_of_an_earlier_validation(tiny_gguf, tmp_path, capsys,
+                                                                monkeypatch):
+    """SIGTERM in step 3 of a run validated every 2 steps: the final line showed step 2's
+    val_loss as "interrupted at step 3 ... held-out: val_loss X", read as step 3's. Now the
+    step is named where it is not the run's last."""
+    import os
+    import signal
+
+    from toymlx.training import trainer
+
+    step = trainer._Loop._step
+
+    def stop_in_third(self, s, *args):
+        if s == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # counted by the loop's StopSignals
+        return step(self, s, *args)
+
+    monkeypatch.setattr(trainer._Loop, "_step", stop_in_third)
+    run = tmp_path / "r"
+    assert _train(_val_run(tiny_gguf, tmp_path, "r")) == 143
+    val = [e["val_loss"] for e in events_of(run) if e["kind"] == "eval"]
+    assert len(val) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx: interrupted at step 3: stopped by SIGTERM after step 3; resume with --resume "
+        f"{run}. held-out: val_loss {val[0]:.4f} (at step 2). bundle: {run}")
+
+
+def test_an_extended_runs_older_export_is_renamed_when_it_trains_on(tiny_gguf, tmp_path,
+                                                                     capsys, monkeypatch):
+    """A run completed at step 2 with --fuse-at-end, extended with --steps 4, its new export
+    abandoned by SIGTERM: fused-f32.gguf, step 2's model, stayed beside step 4's weights under
+    the name the run's own export takes, and the final line named it as the run's export. Now
+    the resume renames it fused-f32.step_2.gguf before it trains (kept, not removed: it may be
+    the only copy of that model), says so, and records it in the resume event; the run's own
+    fused-f32.gguf appears only when its export is written."""
+    import os
+    import signal
+
+    from toymlx.gguf import writer
+
+    run = tmp_path / "r"
+    args = _test_run(tiny_gguf, tmp_path, "--fuse-at-end", "f32")
+    assert _train(args) == 0
+    step2 = (run / "fused-f32.gguf").read_bytes()
+    pad, sent = writer._pad, []
+
+    def stop_once_written(f, align):
+        if "fused-" in Path(f.name).name and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)  # raised here by StopSignals.raising
+        pad(f, align)
+
+    monkeypatch.setattr(writer, "_pad", stop_once_written)
+    capsys.readouterr()
+    assert _train(["--resume", str(run), "--steps", "4", "--no-progress"]) == 143
+    monkeypatch.undo()
+    err = capsys.readouterr().err.splitlines()
+    assert (f"toymlx-train: {run / 'fused-f32.gguf'} is the export of step_2, not of the "
+            "weights this run ends with: renamed fused-f32.step_2.gguf (the run writes "
+            "fused-f32.gguf when it completes)") in err
+    assert " export: " not in err[-1]
+    assert sorted(p.name for p in run.glob("fused-*")) == ["fused-f32.step_2.gguf"]
+    assert (run / "fused-f32.step_2.gguf").read_bytes() == step2
+    events = events_of(run)
+    resume = next(e for e in events if e["kind"] == "resume")
+    assert resume["exports_set_aside"] == {"fused-f32.gguf": "fused-f32.step_2.gguf"}
+    assert (events[-1]["reason"], events[-1]["final_step"], events[-1]["exit_code"]) == (
+        "interrupted", 4, 143)
+    assert _train(["--resume", str(run), "--no-progress"]) == 0
+    assert sorted(p.name for p in run.glob("fused-*")) == ["fused-f32.gguf",
+                                                           "fused-f32.step_2.gguf"]
+    assert [(e["step"], e["path"]) for e in events_of(run) if e["kind"] == "export"] == [
+        (2, "fused-f32.gguf"), (4, "fused-f32.gguf")]
+    assert (run / "fused-f32.gguf").read_bytes() != step2
