@@ -500,35 +500,6 @@ def test_eval_of_a_run_with_no_validation_rows_says_why(tiny_gguf, tmp_path, cap
     assert capsys.readouterr().err.splitlines()[-1] == f"toymlx-eval: error: {want}"
 
 
-def test_a_stop_after_the_last_step_names_the_test_pass_it_skipped(tiny_gguf, tmp_path,
-                                                                    capsys, monkeypatch):
-    """A stop request (here Ctrl-C) that comes after the last step, before --test's pass: the
-    run is completed and its test pass is not begun; that was silent (no test figures, no
-    word), now one line says so and which command scores it."""
-    import os
-    import signal
-
-    from toymlx.training import trainer
-
-    done = trainer._Loop._train
-
-    def train_then_stop(self, stop, bar):
-        done(self, stop, bar)
-        os.kill(os.getpid(), signal.SIGINT)  # counted by the loop's StopSignals, not raised
-
-    monkeypatch.setattr(trainer._Loop, "_train", train_then_stop)
-    data = mlx_lm_folder(tmp_path / "data")
-    assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
-                   "--run-id", "r", "--steps", "2", "--batch-size", "2", "--seq-len", "64",
-                   "--eval-every", "0", "--no-progress", "--no-compile", "--data.path",
-                   str(data), "--test"]) == 0
-    events = events_of(tmp_path / "r")
-    assert events[-1]["reason"] == "completed" and not [
-        e for e in events if e["kind"] == "eval" and e.get("split") == "test"]
-    assert (f"step 2: --test not scored (SIGINT came after the last step): toymlx-eval "
-            f"--model {tmp_path / 'r'} --split test scores it") in capsys.readouterr().out
-
-
 def _test_run(tiny_gguf: Path, root: Path, *extra: str) -> list[str]:
     """The options of a 2-step lora run with --test (checkpoint at step 2, validated there)."""
     return ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(root), "--run-id",
@@ -537,29 +508,167 @@ def _test_run(tiny_gguf: Path, root: Path, *extra: str) -> list[str]:
             "--test", *extra]
 
 
-def test_a_stop_during_the_test_pass_abandons_it(tiny_gguf, tmp_path, capsys, monkeypatch):
-    """A stop request (here Ctrl-C) that comes while --test's pass runs: the pass once ran to
-    its end and the run exited 0 with the test figures as if no signal came (a SIGTERM, or
-    Ctrl-C twice, held off for the whole pass: 25 s on stories260K). Now the pass stops before
-    its next batch, one line names what scores it, and run_end records the signal."""
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_gguf, tmp_path_factory) -> Path:
+    """`_test_run` with --fuse-at-end f32, never stopped: the figures and the file a stopped
+    and resumed run must give."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    assert _train(_test_run(tiny_gguf, root, "--fuse-at-end", "f32")) == 0
+    return root / "r"
+
+
+def _stop_at_the_end(monkeypatch, where: str, sig: int) -> None:
+    """Send `sig` to this process at `where` of a `_test_run`'s end: in its last step
+    ("last step"), in the final validation's pass ("validation"), between its final checkpoint
+    and --test ("before test"), in --test's pass ("test"), or once the export's temporary holds
+    its header ("export"); the loop's StopSignals counts it (raised only into the export)."""
     import os
+
+    from toymlx.gguf import writer
+    from toymlx.training import trainer
+    from toymlx.training.evaluate import Evaluator
+
+    def send() -> None:
+        os.kill(os.getpid(), sig)
+
+    if where == "last step":
+        step = trainer._Loop._step
+
+        def stop_in_last(self, s, *args):
+            if s == self.cfg.steps - 1:
+                send()
+            return step(self, s, *args)
+        monkeypatch.setattr(trainer._Loop, "_step", stop_in_last)
+    elif where == "validation":
+        passes, evaluate = Evaluator.__call__, trainer._Loop._evaluate
+
+        def stop_in_pass(self, *args, **kw):  # seen before its first micro-batch
+            if getattr(self, "stop_in", False):
+                self.stop_in = False
+                send()
+            return passes(self, *args, **kw)
+
+        def final_pass(self, s, *args):
+            self.evaluator.stop_in = s == self.cfg.steps
+            return evaluate(self, s, *args)
+        monkeypatch.setattr(Evaluator, "__call__", stop_in_pass)
+        monkeypatch.setattr(trainer._Loop, "_evaluate", final_pass)
+    elif where == "before test":
+        train = trainer._Loop._train
+
+        def train_then_stop(self, stop, bar):
+            train(self, stop, bar)
+            send()
+        monkeypatch.setattr(trainer._Loop, "_train", train_then_stop)
+    elif where == "test":
+        test = trainer._Loop._test
+
+        def stop_then_test(self, bar, *args):
+            send()
+            return test(self, bar, *args)
+        monkeypatch.setattr(trainer._Loop, "_test", stop_then_test)
+    else:
+        pad, sent = writer._pad, []
+
+        def stop_once_written(f, align):
+            if "fused-" in Path(f.name).name and not sent:
+                f.flush()
+                sent.append(os.path.getsize(f.name))  # the header, in the temporary
+                send()
+            pad(f, align)
+        monkeypatch.setattr(writer, "_pad", stop_once_written)
+
+
+END_STOPS = {  # where: (what the message says, what is left undone)
+    "last step": ("before the final validation",
+                  "the final validation, --test and the export"),
+    "validation": ("during the final validation", "the final validation, --test and the export"),
+    "before test": ("before --test", "--test and the export"),
+    "test": ("during --test", "--test and the export"),
+    "export": ("during the export", "the export"),
+}
+
+
+@pytest.mark.parametrize("where", list(END_STOPS))
+def test_a_stop_that_leaves_the_runs_end_undone_ends_it_interrupted(
+        tiny_gguf, tmp_path, capsys, monkeypatch, uninterrupted, where):
+    """One rule for a stop (here SIGTERM) after the last step's update, before or during what
+    the run was asked to do after it (final validation, --test, --fuse-at-end's export): the
+    run ends interrupted, exit 143, the signal in run_end, its line naming what is left undone
+    and the resume that does it. Before: in --test's pass or before it, the test pass was
+    abandoned or skipped and the message named only the export; in the last step or the final
+    validation, "stopped by SIGTERM after step 2; resume with --resume RUN", naming nothing of
+    the rest. The resume trains nothing and gives the uninterrupted run's figures to the bit
+    and its fused file byte for byte, each part once."""
     import signal
 
-    from toymlx.training import trainer
+    from toymlx.sweeps.supervisor import run_state
 
-    test = trainer._Loop._test
+    _stop_at_the_end(monkeypatch, where, signal.SIGTERM)
+    run = tmp_path / "r"
+    assert _train(_test_run(tiny_gguf, tmp_path, "--fuse-at-end", "f32")) == 143
+    monkeypatch.undo()
+    when, undone = END_STOPS[where]
+    end = events_of(run)[-1]
+    assert (end["kind"], end["reason"], end["final_step"], end["exit_code"], end["signal"]) == (
+        "run_end", "interrupted", 2, 143, "SIGTERM")
+    assert end["message"] == (
+        f"stopped by SIGTERM {when} (all 2 steps trained, checkpoint step_2 written): left "
+        f"undone: {undone}; toymlx-train --resume {run} finishes it without training; or "
+        f"toymlx-export --adapter {run} --fuse --dtype f32 --out {run}-fused-f32.gguf writes "
+        "the export alone")
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1].startswith(f"toymlx: interrupted at step 2: {end['message']}.")
+    if where == "test":
+        assert (f"step 2: --test abandoned (SIGTERM came during its pass; toymlx-train --resume "
+                f"{run} scores it)") in out.splitlines()
+    assert not (run / "fused-f32.gguf").exists()
+    assert run_state(run) == "resumable"  # a sweep's re-run resumes it
+    n_before = len(events_of(run))
+    assert _train(["--resume", str(run), "--no-progress"]) == 0
+    events = events_of(run)
+    added = [e["kind"] if e["kind"] != "eval" else e.get("split", "val")
+             for e in events[n_before - 1:]]
+    parts = {"last step": ["val", "test", "export"], "validation": ["val", "test", "export"],
+             "before test": ["test", "export"], "test": ["test", "export"],
+             "export": ["export"]}[where]
+    assert added == ["resume", *parts, "run_end"]  # no step, no checkpoint: nothing retrained
+    assert (events[-1]["reason"], events[-1]["exit_code"]) == ("completed", 0)
 
-    def stop_then_test(self, bar, *args):
-        os.kill(os.getpid(), signal.SIGINT)  # counted by the loop's StopSignals, not raised
-        return test(self, bar, *args)
+    def figures(evs: list[dict]) -> list[tuple]:
+        return [(e["kind"], e["step"], e.get("split"), e.get("val_loss"), e.get("test_loss"),
+                 e.get("test_perplexity"), e.get("loss"), e.get("path"), e.get("bytes"))
+                for e in evs if e["kind"] in ("step", "eval", "export")]
+    assert figures(events) == figures(events_of(uninterrupted))
+    assert (run / "fused-f32.gguf").read_bytes() == (
+        uninterrupted / "fused-f32.gguf").read_bytes()
 
-    monkeypatch.setattr(trainer._Loop, "_test", stop_then_test)
-    assert _train(_test_run(tiny_gguf, tmp_path)) == 0
-    events = events_of(tmp_path / "r")
-    assert not [e for e in events if e["kind"] == "eval" and e.get("split") == "test"]
-    assert (events[-1]["reason"], events[-1]["signal"]) == ("completed", "SIGINT")
-    assert (f"step 2: --test not scored (SIGINT came during its pass): toymlx-eval --model "
-            f"{tmp_path / 'r'} --split test scores it") in capsys.readouterr().out
+
+def test_a_stop_during_the_test_pass_of_a_run_without_export(tiny_gguf, tmp_path, capsys,
+                                                             monkeypatch):
+    """Ctrl-C during --test's pass, the run's last part: it ended `completed` with exit 0 (a
+    scheduler read success, the test figures missing). Now interrupted, exit 130, and the
+    resume scores the test set as the uninterrupted run did."""
+    import signal
+
+    assert _train(_test_run(tiny_gguf, tmp_path / "full")) == 0
+    _stop_at_the_end(monkeypatch, "test", signal.SIGINT)
+    run = tmp_path / "r"
+    assert _train(_test_run(tiny_gguf, tmp_path)) == 130
+    monkeypatch.undo()
+    end = events_of(run)[-1]
+    assert (end["reason"], end["exit_code"], end["signal"]) == ("interrupted", 130, "SIGINT")
+    assert end["message"] == (
+        f"interrupted during --test (all 2 steps trained, checkpoint step_2 written): left "
+        f"undone: --test; toymlx-train --resume {run} finishes it without training")
+    assert (f"step 2: --test abandoned (SIGINT came during its pass; toymlx-train --resume "
+            f"{run} scores it)") in capsys.readouterr().out.splitlines()
+    assert _train(["--resume", str(run), "--no-progress"]) == 0
+    tests = [e for e in events_of(run) if e.get("split") == "test"]
+    full = [e for e in events_of(tmp_path / "full" / "r") if e.get("split") == "test"]
+    assert [(e["test_loss"], e["test_perplexity"]) for e in tests] == [
+        (e["test_loss"], e["test_perplexity"]) for e in full]
 
 
 @pytest.mark.parametrize("how", ["killed", "interrupted"])
@@ -1085,8 +1194,8 @@ def test_a_stop_during_the_fused_export_abandons_it(tiny_gguf, tmp_path, capsys,
     export once ran to its end however long it took (a SIGTERM, a second Ctrl-C held off),
     and ran after a stop during --test. Now it is abandoned: its temporary removed, nothing
     under fused-f32.gguf, the final checkpoint intact; run_end interrupted by the signal,
-    exit 143, one line naming the toymlx-export command that writes it, or the --resume that
-    does, which writes the file the run would have."""
+    exit 143, one line naming the --resume that finishes the run and the toymlx-export
+    command that writes the file alone, the same file the resume writes."""
     import os
     import signal
 
@@ -1123,11 +1232,13 @@ def test_a_stop_during_the_fused_export_abandons_it(tiny_gguf, tmp_path, capsys,
     end = events[-1]
     assert (end["reason"], end["final_step"], end["exit_code"], end["signal"]) == (
         "interrupted", 2, 143, "SIGTERM")
+    part, undone = ("the export", "the export") if when == "during" else ("--test",
+                                                                         "--test and the export")
     assert end["message"] == (
-        f"stopped by SIGTERM {when} the export of step 2 (training completed, its checkpoint "
-        f"intact): the export was abandoned; write it with toymlx-export --adapter {run} "
-        f"--fuse --dtype f32 --out {run}-fused-f32.gguf (or toymlx-train --resume {run}, "
-        f"which writes {run / 'fused-f32.gguf'})")
+        f"stopped by SIGTERM during {part} (all 2 steps trained, checkpoint step_2 written): "
+        f"left undone: {undone}; toymlx-train --resume {run} finishes it without training; or "
+        f"toymlx-export --adapter {run} --fuse --dtype f32 --out {run}-fused-f32.gguf writes "
+        "the export alone")
     monkeypatch.undo()
     from toymlx_cli.export import main as export_main
 
@@ -1187,3 +1298,79 @@ def test_sigterm_during_a_long_validation_pass_ends_the_run_at_once(tmp_path, st
     assert [e["step"] for e in evs if e["kind"] == "checkpoint"] == [2]
     assert (evs[-1]["reason"], evs[-1]["final_step"], evs[-1]["signal"]) == (
         "interrupted", 2, "SIGTERM")
+
+
+def test_the_final_line_names_the_step_of_an_earlier_validation(tiny_gguf, tmp_path, capsys,
+                                                                monkeypatch):
+    """SIGTERM in step 3 of a run validated every 2 steps: the final line showed step 2's
+    val_loss as "interrupted at step 3 ... held-out: val_loss X", read as step 3's. Now the
+    step is named where it is not the run's last."""
+    import os
+    import signal
+
+    from toymlx.training import trainer
+
+    step = trainer._Loop._step
+
+    def stop_in_third(self, s, *args):
+        if s == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # counted by the loop's StopSignals
+        return step(self, s, *args)
+
+    monkeypatch.setattr(trainer._Loop, "_step", stop_in_third)
+    run = tmp_path / "r"
+    assert _train(_val_run(tiny_gguf, tmp_path, "r")) == 143
+    val = [e["val_loss"] for e in events_of(run) if e["kind"] == "eval"]
+    assert len(val) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx: interrupted at step 3: stopped by SIGTERM after step 3; resume with --resume "
+        f"{run}. held-out: val_loss {val[0]:.4f} (at step 2). bundle: {run}")
+
+
+def test_an_extended_runs_older_export_is_renamed_when_it_trains_on(tiny_gguf, tmp_path,
+                                                                     capsys, monkeypatch):
+    """A run completed at step 2 with --fuse-at-end, extended with --steps 4, its new export
+    abandoned by SIGTERM: fused-f32.gguf, step 2's model, stayed beside step 4's weights under
+    the name the run's own export takes, and the final line named it as the run's export. Now
+    the resume renames it fused-f32.step_2.gguf before it trains (kept, not removed: it may be
+    the only copy of that model), says so, and records it in the resume event; the run's own
+    fused-f32.gguf appears only when its export is written."""
+    import os
+    import signal
+
+    from toymlx.gguf import writer
+
+    run = tmp_path / "r"
+    args = _test_run(tiny_gguf, tmp_path, "--fuse-at-end", "f32")
+    assert _train(args) == 0
+    step2 = (run / "fused-f32.gguf").read_bytes()
+    pad, sent = writer._pad, []
+
+    def stop_once_written(f, align):
+        if "fused-" in Path(f.name).name and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)  # raised here by StopSignals.raising
+        pad(f, align)
+
+    monkeypatch.setattr(writer, "_pad", stop_once_written)
+    capsys.readouterr()
+    assert _train(["--resume", str(run), "--steps", "4", "--no-progress"]) == 143
+    monkeypatch.undo()
+    err = capsys.readouterr().err.splitlines()
+    assert (f"toymlx-train: {run / 'fused-f32.gguf'} is the export of step_2, not of the "
+            "weights this run ends with: renamed fused-f32.step_2.gguf (the run writes "
+            "fused-f32.gguf when it completes)") in err
+    assert " export: " not in err[-1]
+    assert sorted(p.name for p in run.glob("fused-*")) == ["fused-f32.step_2.gguf"]
+    assert (run / "fused-f32.step_2.gguf").read_bytes() == step2
+    events = events_of(run)
+    resume = next(e for e in events if e["kind"] == "resume")
+    assert resume["exports_set_aside"] == {"fused-f32.gguf": "fused-f32.step_2.gguf"}
+    assert (events[-1]["reason"], events[-1]["final_step"], events[-1]["exit_code"]) == (
+        "interrupted", 4, 143)
+    assert _train(["--resume", str(run), "--no-progress"]) == 0
+    assert sorted(p.name for p in run.glob("fused-*")) == ["fused-f32.gguf",
+                                                           "fused-f32.step_2.gguf"]
+    assert [(e["step"], e["path"]) for e in events_of(run) if e["kind"] == "export"] == [
+        (2, "fused-f32.gguf"), (4, "fused-f32.gguf")]
+    assert (run / "fused-f32.gguf").read_bytes() != step2

@@ -189,7 +189,7 @@ def iter_events(path: str | os.PathLike) -> Iterator[dict]:
 
 SUPERSEDED = "events.superseded.jsonl"
 """Beside events.jsonl: the lines a resume took out of it, appended in their order."""
-_STEPPED = ("step", "eval", "checkpoint")
+_STEPPED = ("step", "eval", "checkpoint", "export")
 
 
 @dataclass
@@ -209,8 +209,8 @@ class Cut:
 
 def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
     """Rewrite a bundle's events.jsonl, atomically, as the run stood at the checkpoint of
-    `step`: the `step`/`eval`/`checkpoint` events past it, `resume` events from past it, and
-    the run_end go to events.superseded.jsonl. A resumed run then reads as one run: one
+    `step`: the `step`/`eval`/`checkpoint`/`export` events past it, `resume` events from past
+    it, and the run_end go to events.superseded.jsonl. A resumed run then reads as one run: one
     run_start, each step once, one run_end (toy/v1)."""
     path = Path(run_dir) / "events.jsonl"
     raw = path.read_bytes().splitlines(keepends=True) if path.exists() else []

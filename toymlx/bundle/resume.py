@@ -29,6 +29,9 @@ class Resume:
     kept: list[dict] = field(default_factory=list, repr=False)
     """The events the bundle keeps (cut back to `step`)."""
     set_aside: list[int] = field(default_factory=list)
+    exports_aside: dict[str, str] = field(default_factory=dict)
+    """The recipe's exports of other steps renamed in the run folder, {old name: new name}
+    (`Bundle.rewind`): the resume event records them."""
     moved: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The inputs read from another place than config.json records (`Bundle.moved`): the resume
     event records them (`inputs.MOVED_KEY`)."""

@@ -429,15 +429,13 @@ def build(cfg: Config, ops: Ops) -> Task:
                 "bytes": out.stat().st_size, "adapter_kept": round(kept, 4)}
 
     def export_later(run_dir: Path) -> str:
-        """The toymlx-export line that writes what `finish` writes (toymlx-export keeps out of
-        run folders: the file goes beside the run), or the resume that finishes the run."""
+        """The toymlx-export line that writes the file `finish` writes, beside the run
+        (toymlx-export keeps out of run folders; `toymlx-train --resume` writes it inside)."""
         with GGUFFile(src.path) as g:
             dtype = fuse_type(cfg.fuse_at_end, g)
         what = f"--base {run_dir}" if full else f"--adapter {run_dir} --fuse"
         typed = "" if cfg.fuse_at_end == "base" else f" --dtype {dtype}"
-        return (f"toymlx-export {what}{typed} --out {run_dir}-fused-{dtype}.gguf (or "
-                f"toymlx-train --resume {run_dir}, which writes "
-                f"{run_dir / f'fused-{dtype}.gguf'})")
+        return f"toymlx-export {what}{typed} --out {run_dir}-fused-{dtype}.gguf"
 
     # n_params and n_trainable are added by the trainer to run_start's model record
     return Task(

@@ -146,6 +146,27 @@ class Bundle:
             return None
         return adopted[1] if adopted is not None else None
 
+    def _set_aside_exports(self, step: int, steps: int) -> dict[str, str]:
+        """Rename each export in the run folder (a lora run's --fuse-at-end `fused-TYPE.gguf`,
+        as its latest `export` event names it) that is not of the weights this resume ends
+        with to `fused-TYPE.step_T.gguf`, its step T, so that a run extended by --steps (or
+        resumed --from an earlier step) never shows an older export under the name its own
+        takes, while it trains and after a stop that leaves its own export undone; the file is
+        kept, not removed: it may be the only copy of that step's model. Only a resume that
+        finishes a run trained to its end (`step` == `steps`) keeps the export of that step.
+        Returns {old name: new name}."""
+        latest = {e["path"]: e for e in self.events if e["kind"] == "export"
+                  and isinstance(e.get("path"), str) and isinstance(e.get("step"), int)}
+        moved = {}
+        for name, e in latest.items():
+            old = self.path / name
+            if e["step"] == step == steps or "/" in name or not old.is_file():
+                continue
+            new = old.with_name(f"{old.stem}.step_{e['step']}{old.suffix}")
+            os.replace(old, new)
+            moved[name] = new.name
+        return moved
+
     # ---- owning it, for a resume
     def own(self) -> Lock:
         """Take the bundle's lock (LockHeld naming the owner); the caller holds it while it
@@ -184,7 +205,7 @@ class Bundle:
         task = build()
         self.check_model(task.model_info, dtype)
         if owned is not None:
-            self.rewind(resume)
+            self.rewind(resume, cfg.steps)
         else:
             resume.kept = self.events
         return task, resume
@@ -388,11 +409,17 @@ class Bundle:
                                f"run's), found {now.get(k)!r}; a resumed run keeps its model "
                                "(start a new run to change it)")
 
-    def rewind(self, resume: Resume) -> None:
-        """Cut the bundle back to `resume.step` (only while owning it, just before training):
-        the events past it to events.superseded.jsonl, later checkpoints to
-        weights/superseded/, `latest` to the checkpoint, and temporaries of killed writers
-        removed."""
+    def rewind(self, resume: Resume, steps: int) -> None:
+        """Cut the bundle back to `resume.step` (only while owning it, just before training
+        on to `steps`): the events past it to events.superseded.jsonl, later checkpoints to
+        weights/superseded/, `latest` to the checkpoint, temporaries of killed writers
+        removed, and the recipe's exports of other steps renamed (`_set_aside_exports`)."""
+        resume.exports_aside = self._set_aside_exports(resume.step, steps)
+        for old, new in resume.exports_aside.items():
+            note = (f"{self.path / old} is the export of {new.split('.')[-2]}, not of the "
+                    f"weights this run ends with: renamed {new} (the run writes {old} when it "
+                    "completes)")
+            resume.note = f"{resume.note}; {note}" if resume.note else note
         cut = ev.cut_back(self.path, resume.step)
         resume.dropped, resume.previous_end, resume.t = cut.dropped, cut.previous_end, cut.t
         resume.kept = cut.kept

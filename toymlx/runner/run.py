@@ -241,16 +241,22 @@ def _shared_claim(run_dir: Path, run_id: str, world: Any) -> Path:
 
 
 def _final_line(run_dir: Path, end: dict) -> None:
-    evals = [e for e in read_events(run_dir) if e["kind"] == "eval"]
-    val = [e for e in evals if e.get("split", "val") == "val"]
-    test = [e for e in evals if e.get("split") == "test"]
-    shown = {**(val[-1] if val else {}), **(test[-1] if test else {})}
-    figures = ", ".join(f"{k} {v:.4f}" for k, v in shown.items()
-                        if k not in ("kind", "t", "step", "seconds") and isinstance(v, float))
-    msg = f"{end['reason']} at step {end['final_step']}"
+    """The run's last line on stderr: how it ended, its latest held-out figures (each pass's
+    step named where it is not the run's last step, as after a stop that skipped or abandoned
+    the pass there) and its export of that step."""
+    events = read_events(run_dir)
+    evals = [e for e in events if e["kind"] == "eval"]
+    at = end["final_step"]
+    passes = [p[-1] for p in ([e for e in evals if e.get("split", "val") == "val"],
+                              [e for e in evals if e.get("split") == "test"]) if p]
+    figures = ", ".join(
+        ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
+                  if k not in ("kind", "t", "step", "seconds") and isinstance(v, float))
+        + ("" if ev.get("step") == at else f" (at step {ev.get('step')})") for ev in passes)
+    msg = f"{end['reason']} at step {at}"
     if end.get("message"):
         msg += f": {end['message']}"
-    exports = [e for e in read_events(run_dir) if e["kind"] == "export"]
+    exports = [e for e in events if e["kind"] == "export" and e.get("step") == at]
     made = f" export: {run_dir / exports[-1]['path']}." if exports else ""
     print(f"toymlx: {msg}. held-out: {figures or 'n/a'}.{made} bundle: {run_dir}",
           file=sys.stderr)

@@ -189,8 +189,8 @@ class Task:
     the run folder (the lora recipe's --fuse-at-end model); returns the `export` event's
     fields (its `path` relative to the run folder)."""
     export_later: Callable[[Path], str] | None = None
-    """run folder -> the command that writes `finish`'s export from the finished run (a
-    `toymlx-export` line), named when a stop abandons the export."""
+    """run folder -> the `toymlx-export` line that writes `finish`'s export of the finished
+    run beside it, named (besides the resume) when a stop leaves the export undone."""
     memory: dict[str, Any] | None = None
     """The step's estimated peak against the memory available (`toymlx.memory.check_fits`),
     for run_start; None where the recipe makes no estimate."""

@@ -343,6 +343,10 @@ class _Loop:
         self.signal: str | None = None
         """The signal that stopped the run (run_end's `signal`), None if none did."""
         self.t_first: float | None = None
+        self.recorded: list[dict] = []
+        """The eval and export events this process wrote (with the kept ones: `_done`)."""
+        self.abandoned: int | None = None
+        """The step whose validation pass a stop abandoned (None: none)."""
         self.last_eval: dict[str, float] = {}
         self.trained = self._trained_before()
         """Tokens (images) trained on so far: the step events' `trained_<unit>`."""
@@ -358,16 +362,8 @@ class _Loop:
             together = False  # the run ended where every rank ends it (not by an exception)
             try:
                 self._train(stop, bar)
-                if self.reason == "completed" and self.task.test_batches:
-                    # a stop after the last step: the test pass not begun, or abandoned
-                    when = "after the last step" if stop.count else "during its pass"
-                    if stop.count or not self._test(bar, lambda: self._stops(stop)):
-                        self.signal = stop.name
-                        self._say(f"step {self.step}: --test not scored ({stop.name} came "
-                                  f"{when}): toymlx-eval --model {self.run_dir} --split test "
-                                  "scores it", bar)
-                if self.reason == "completed" and self.rank0 and self.task.finish:
-                    self._finish(bar, stop)
+                if self.reason == "completed":
+                    self._wrap_up(stop, bar)
                 together = True
             except KeyboardInterrupt:  # raised by code, not a signal: StopSignals counts those
                 self._end("interrupted", 130, f"interrupted during step {self.step + 1}; resume "
@@ -403,36 +399,83 @@ class _Loop:
         mx.eval(mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=self.world))
         stop.ignore()
 
+    def _wrap_up(self, stop: StopSignals, bar: Any) -> None:
+        """What a completed run does after its last step and final checkpoint, each part unless
+        the bundle already holds it (a resume finishing the run): --test's pass, then the
+        recipe's export. A stop request before or during either abandons it, and the run ends
+        interrupted (`_left_undone`): a `--resume` then does only what is left."""
+        if self.task.test_batches and not self._done("test"):
+            if self._stops(stop):
+                return self._left_undone(stop, "--test", "before")
+            if not self._test(bar, lambda: self._stops(stop)):
+                self._say(f"step {self.step}: --test abandoned ({stop.name} came during its "
+                          f"pass; toymlx-train --resume {self.run_dir} scores it)", bar)
+                return self._left_undone(stop, "--test", "during")
+        if self.rank0 and self.task.finish and not self._done("export"):
+            self._finish(bar, stop)
+
+    def _done(self, part: str) -> bool:
+        """Whether this run's end already holds `part` ("val", "test": that pass's eval event at
+        the run's last step; "export": the export event there, its file in place), recorded by
+        this process or kept by a resume (one killed or stopped after it)."""
+        for e in [*(self.resume.kept if self.resume is not None else []), *self.recorded]:
+            if e.get("step") != self.cfg.steps:
+                continue
+            if part == "export" and e["kind"] == "export":
+                if (self.run_dir / str(e.get("path"))).is_file():
+                    return True
+            elif e["kind"] == "eval" and e.get("split", "val") == part:
+                return True
+        return False
+
+    def _left_undone(self, stop: StopSignals, part: str | None, when: str) -> None:
+        """End as interrupted by `stop`'s first signal (its exit code, its name in run_end),
+        all steps trained and checkpointed, `when` ("before", "during") `part` of what the run
+        was asked to do after its last step (None: the first not done): the line names what is
+        left undone, from `part` on, and the resume that does only that (no step is trained
+        again, and its figures and export are those of an uninterrupted run)."""
+        self.signal = stop.name
+        what, code = stop_outcome(stop.first)
+        parts = [p for p, asked in (
+            ("the final validation", bool(self.task.val_batches) and not self._done("val")),
+            ("--test", bool(self.task.test_batches) and not self._done("test")),
+            ("the export", self.rank0 and self.task.finish is not None
+             and not self._done("export"))) if asked]
+        n, resume = self.step, f"toymlx-train --resume {self.run_dir}"
+        if part is None and not parts:  # all of it done: only run_end is missing
+            return self._end("interrupted", code, f"{what} after step {n}, the last (its "
+                             f"checkpoint written, nothing else asked for): {resume} ends it "
+                             "as completed")
+        part = part or parts[0]
+        undone = parts[parts.index(part):] if part in parts else [part]
+        alone = (f"; or {self.task.export_later(self.run_dir)} writes the export alone"
+                 if "the export" in undone and self.task.export_later else "")
+        self._end("interrupted", code, f"{what} {when} {part} (all {n} steps trained, "
+                  f"checkpoint step_{n} written): left undone: {_listed(undone)}; {resume} "
+                  f"finishes it without training{alone}")
+
     def _finish(self, bar: Any, stop: StopSignals) -> None:
         """The recipe's export of the finished run, as an `export` event; a failure (a full
         disk) ends the run as an error that names the checkpoint, which stays intact. A stop
         request abandons the export at once (`StopSignals.raising`: it writes whole files
         atomically, so its temporaries go and nothing is left under its name): the run ends
-        interrupted by that signal, with one line naming the command that writes the export
-        (or a --resume finishes it, as for any run stopped after its last step)."""
+        interrupted by that signal (`_left_undone`)."""
         if bar is not None:
             bar.write(f"training completed: writing the recipe's export of {_named(self.step)}")
         t0 = time.perf_counter()
-        when = "before" if stop.count else "during"  # a stop during --test's pass: not begun
+        when = "before" if stop.count else "during"
         try:
             with stop.raising():
                 fields = self.task.finish(self.run_dir)
         except Stopped:
-            self.signal = stop.name
-            what, code = stop_outcome(stop.first)
-            later = self.task.export_later(self.run_dir) if self.task.export_later else (
-                "toymlx-export")
-            self._end("interrupted", code, f"{what} {when} the export of {_named(self.step)} "
-                      f"(training completed, its checkpoint intact): the export was abandoned; "
-                      f"write it with {later}")
-            return
+            return self._left_undone(stop, "the export", when)
         except (OSError, ValueError) as e:
             self._end("error", 1, f"training completed and {_named(self.step)} was written, but "
                       f"its export failed: {' '.join(str(e).split())}; rerun the export alone "
                       "(toymlx-export) once the cause is fixed")
             return
-        self.log.emit("export", step=self.step, seconds=round(time.perf_counter() - t0, 2),
-                      **fields)
+        self.recorded.append(self.log.emit("export", step=self.step,
+                                        seconds=round(time.perf_counter() - t0, 2), **fields))
 
     def _end(self, reason: str, exit_code: int, message: str | None) -> None:
         self.reason, self.exit_code, self.message = reason, exit_code, message
@@ -464,6 +507,7 @@ class _Loop:
                 dropped_events=r.dropped, previous_end=r.previous_end,
                 **({"note": r.note} if r.note else {}),
                 **({"set_aside": r.set_aside} if r.set_aside else {}),
+                **({"exports_set_aside": r.exports_aside} if r.exports_aside else {}),
                 **({MOVED_KEY: r.moved} if r.moved else {}),
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
@@ -636,13 +680,15 @@ class _Loop:
         t0 = time.perf_counter()
         metrics = self.evaluator(self.cfg.eval_batches, stop=lambda: self._stops(stop))
         if metrics is None:
+            self.abandoned = step
             self._say(f"step {step}: validation abandoned ({stop.name} came during its pass; "
                       "a --resume from this step runs it first)", bar)
             return False
         self.last_eval = metrics
         self.ckpt.score(step, metrics)
-        self._say(eval_line(self.log.emit("eval", step=step, **metrics,
-                                          seconds=round(time.perf_counter() - t0, 3))), bar)
+        self.recorded.append(self.log.emit("eval", step=step, **metrics,
+                                           seconds=round(time.perf_counter() - t0, 3)))
+        self._say(eval_line(self.recorded[-1]), bar)
         return True
 
     def _test(self, bar: Any, stops: Callable[[], int]) -> bool:
@@ -655,8 +701,9 @@ class _Loop:
             return False
         if self.task.unit == "tokens":
             metrics["test_perplexity"] = math.exp(metrics["test_loss"])
-        self._say(eval_line(self.log.emit("eval", step=self.step, split="test", **metrics,
-                                          seconds=round(time.perf_counter() - t0, 3))), bar)
+        self.recorded.append(self.log.emit("eval", step=self.step, split="test", **metrics,
+                                           seconds=round(time.perf_counter() - t0, 3)))
+        self._say(eval_line(self.recorded[-1]), bar)
         return True
 
     def _checkpoint(self, step: int, bar: Any) -> bool:
@@ -686,7 +733,11 @@ class _Loop:
         elif requests > 1 and self.ckpt.last != self.step:
             self._end("interrupted", code, f"{what} after step {self.step}; a second signal "
                       f"skipped its checkpoint: {resume} (from {_named(self.ckpt.last)})")
-        elif self._checkpoint(self.step, bar):
+        elif not self._checkpoint(self.step, bar):
+            return
+        elif self.step == self.cfg.steps:  # trained to the end: what follows is left undone
+            self._left_undone(stop, None, "during" if self.abandoned == self.step else "before")
+        else:
             self._end("interrupted", code, f"{what} after step {self.step}; {resume}")
 
     def _diverged(self, what: str, good_step: int) -> None:
@@ -714,6 +765,11 @@ class _Loop:
                 suspect += " (checked: intact and finite, so the cause is the run's settings)"
         self._end("diverged", 2, f"{what}{suspect}; stopped without checkpointing the bad "
                   f"weights; last good checkpoint: {_named(self.ckpt.last)}")
+
+
+def _listed(parts: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 def _from_the_start(what: str, s: int, resume: Resume | None, recipe: str) -> str:
