@@ -657,3 +657,19 @@ def test_one_rank_trains_as_one_process_and_stops_with_its_checkpoint(tmp_path):
     assert train_main(["--resume", str(root / "n1"), "--no-progress"]) == 0
     assert _losses(root / "n1") == _losses(root / "one")  # bit for bit, 40 steps
     assert len(_losses(root / "one")) == 40
+
+
+def test_a_batch_the_ranks_cannot_split_is_refused_before_the_run_folder(tmp_path):
+    """`toymlx-launch -n 2 -- toymlx-train --batch-size 5`: found at the first step, it left a
+    run folder (run_start, run_end "error") that the corrected command then met as "run bundle
+    already exists", and exit status 1 (or 143 for a rank stopped first). Now every rank
+    refuses it with one line before any folder is made, and the launch exits 2."""
+    root = tmp_path / "runs"
+    args = [a if a != "4" else "5" for a in STOP_ARGS]  # --batch-size 5 (the only "4")
+    assert args[args.index("--batch-size") + 1] == "5"
+    p = _launch(tmp_path, [*LAUNCH, *TRAIN, *args, "--runs-root", str(root), "--run-id", "b"])
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = ("toymlx-train: error: --batch-size: expected a multiple of the 2 data-parallel "
+            "ranks (it is global, split over them), found 5; use --batch-size 4 or 6")
+    assert p.stderr.splitlines().count(line) == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and not (root / "b").exists()

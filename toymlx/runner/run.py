@@ -82,6 +82,18 @@ def init_distributed() -> Any:
     return world if world.size() > 1 else None
 
 
+def check_shards(batch_size: int, world: Any) -> None:
+    """ValueError unless the global --batch-size splits evenly over the data-parallel ranks:
+    found at the first step, it left a run folder (run_start, run_end "error") that the next
+    try had to --overwrite, and exit status 1."""
+    n = 1 if world is None else world.size()
+    if batch_size % n:
+        lower, upper = batch_size // n * n, -(-batch_size // n) * n
+        fits = f"--batch-size {lower} or {upper}" if lower else f"--batch-size {upper}"
+        raise ValueError(f"--batch-size: expected a multiple of the {n} data-parallel ranks "
+                         f"(it is global, split over them), found {batch_size}; use {fits}")
+
+
 def _one_rank_hostfile() -> bool:
     """Whether mlx.launch started this process as its only rank: for `-n 1` it hands the rank
     an MLX_HOSTFILE holding no hosts (a blank line), which MLX's ring backend then fails to
@@ -170,6 +182,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
     select_device(cfg.device)
     ops = run_ops(cfg)
     world = init_distributed()
+    check_shards(cfg.batch_size, world)  # before a bundle is made or resumed
     rank0 = world is None or world.rank() == 0
     if bundle is not None:
         task, resume = bundle.resume_run(recipe, cfg, lambda: _build(module, cfg, ops), ops.dtype,
