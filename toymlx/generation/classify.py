@@ -25,6 +25,8 @@ from toymlx.data.image_folder import (
     decode_image,
     images_below,
 )
+from toymlx.gguf.llama import ARCHS
+from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.vit import class_names, load_vit
 from toymlx.models.vit import ViT
 
@@ -43,6 +45,12 @@ class Classifier:
     @classmethod
     def load(cls, model: str | Path) -> Classifier:
         path = checkpoint_file(model)
+        with GGUFFile(path) as g:
+            arch = g.metadata.get("general.architecture")
+        if arch in ARCHS:  # a language model's run or file
+            raise GGUFError(f"{path}: metadata key 'general.architecture': expected 'vit' (an "
+                            f"image classifier), found {arch!r}, a language model: "
+                            f"toymlx-generate --model {path} uses it")
         vit, norm, g = load_vit(path)
         vit.eval()
         c = vit.args.channels
