@@ -46,13 +46,21 @@ def run(args: Args) -> int:
     select_device(args.device)
     clf = Classifier.load(args.model)
     files = image_files(args.inputs)
-    for f, top in zip(files, clf.top_k(files, min(args.top_k, len(clf.names)), args.batch_size)):
-        if args.json:
+    unread = 0
+    for f, top in clf.each_top_k(files, min(args.top_k, len(clf.names)), args.batch_size):
+        if isinstance(top, Exception):  # named, and the other images still classified
+            unread += 1
+            print(f"{PROG}: error: {top}", file=sys.stderr)
+        elif args.json:
             print(json.dumps({"file": str(f), "top": [{"class": n, "probability": p}
                                                       for n, p in top]}))
         else:
             print(f"{f}: " + ", ".join(f"{n} {p:.4f}" for n, p in top))
-    return 0
+        sys.stdout.flush()
+    if unread and unread < len(files):
+        print(f"{PROG}: error: {unread} of {len(files)} images could not be read (named "
+              f"above); the other {len(files) - unread} are classified", file=sys.stderr)
+    return 2 if unread else 0
 
 
 def main(argv: list[str] | None = None) -> int:

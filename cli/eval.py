@@ -210,6 +210,11 @@ def evaluate_images(args: Args, path: Path) -> dict:
     data.mean, data.std = clf.mean, clf.std  # the checkpoint's normalisation, not this data's
     if not data.scale_fixed:  # arrays in the training set's own units (the digits: 0..16)
         data.scale = clf.scale
+    if not every and len(data.val_y) == 0:  # numpy's "need at least one array to concatenate"
+        raise ValueError(f"{data.source}: --split val: expected validation images to score, "
+                         f"found none: --data.val-fraction {run.get('val_fraction', 0.1)} of "
+                         f"{len(data.train_y)} images holds none out; score them all with "
+                         "--split all")
     batches = list(data.val_batches(args.batch_size))
     if every and len(data.train_y):
         data.val_x, data.val_y = data.train_x, data.train_y

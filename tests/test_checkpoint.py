@@ -185,3 +185,32 @@ def test_a_checkpoint_removed_by_a_training_run_is_named_as_such(run):
         "the command again to read the run's new latest")
     with pytest.raises(FileNotFoundError, match="--adapter: expected a GGUF file or a run"):
         ck.checkpoint_file(run / "step_20.gguf", "--adapter")  # not in a run's weights/
+
+
+def test_a_run_still_training_without_a_checkpoint_says_so(tmp_path):
+    """toymlx-eval / -generate / -classify on a run started seconds ago said "found no
+    checkpoint", as for a run that ended without one. Its lock held by a live process, the
+    line now says the run is still training, by which process, and when its first checkpoint
+    comes; the lock is only tested (still held, its file intact, after)."""
+    import os
+
+    from toymlx.backend.lock import LOCK_FILE, acquire, holder
+
+    run = tmp_path / "run"
+    (run / "weights").mkdir(parents=True)
+    bare = f"{run}: expected a run bundle with weights/latest, found no checkpoint"
+    with pytest.raises(FileNotFoundError) as e:
+        ck.checkpoint_file(run)
+    assert str(e.value) == bare
+    with acquire(run / LOCK_FILE, "run bundle") as lock:
+        with pytest.raises(FileNotFoundError) as e:
+            ck.checkpoint_file(run)
+        assert str(e.value) == (f"{bare}; the run is still training (process {os.getpid()}) "
+                                "and has written none yet: its first comes at "
+                                "--checkpoint-every or when it stops")
+        assert holder(lock.path)["pid"] == os.getpid()
+        with pytest.raises(ValueError, match="in use by process"):
+            acquire(run / LOCK_FILE, "run bundle")  # still ours
+    with pytest.raises(FileNotFoundError) as e:
+        ck.checkpoint_file(run)
+    assert str(e.value) == bare

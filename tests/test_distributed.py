@@ -620,3 +620,56 @@ def test_a_second_ctrl_c_stops_ranks_stuck_in_a_collective(tmp_path):
     assert "toymlx-launch: failed: 2 of 2 ranks did not finish cleanly" in err, err[-3000:]
     assert [e["step"] for e in read_events(root / "stuck") if e["kind"] == "step"] == [1, 2, 3]
 
+
+
+def test_one_rank_trains_as_one_process_and_stops_with_its_checkpoint(tmp_path):
+    """`toymlx-launch -n 1` (a script's `-n $N` with N=1): mlx.launch hands its only rank an
+    MLX_HOSTFILE holding no hosts, and the rank failed at once with MLX's JSON parse error
+    ("data parallel: expected the ranks to connect, found [json.exception.parse_error.101]
+    ..."), exit status 2. Now the rank trains as one process; the launcher's Ctrl-C, relayed
+    as SIGUSR2, is counted as a stop request like a rank's (it used to raise into the step:
+    run_end "interrupted during step N", no final checkpoint, the steps since the last one
+    lost), and --resume continues to one process's losses, bit for bit."""
+    root = tmp_path / "runs"
+    assert train_main([*STOP_ARGS, "--runs-root", str(root), "--run-id", "one"]) == 0
+    status = tmp_path / "status"
+    p = _start(tmp_path, [sys.executable, "-m", "toymlx_cli.launch", "-n", "1", "--status-dir",
+                          str(status), "--", *TRAIN, *STOP_ARGS, "--runs-root", str(root),
+                          "--run-id", "n1"])
+    try:
+        _wait_for_step(p, root / "n1", 3)
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C in the launcher's terminal
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "failed" not in err, err[-3000:]
+    assert json.loads((status / "rank0.exit").read_text()) == {"code": 130, "error": None}
+    ev = read_events(root / "n1")
+    start, end = ev[0], ev[-1]
+    assert start["kind"] == "run_start" and start["world_size"] == 1
+    s = end["final_step"]
+    assert end["reason"] == "interrupted" and end["signal"] == "SIGINT" and 3 <= s < 40, end
+    assert end["message"] == f"interrupted after step {s}; resume with --resume {root / 'n1'}"
+    assert [step for step, _ in list_checkpoints(root / "n1" / "weights")] == [s]
+    assert train_main(["--resume", str(root / "n1"), "--no-progress"]) == 0
+    assert _losses(root / "n1") == _losses(root / "one")  # bit for bit, 40 steps
+    assert len(_losses(root / "one")) == 40
+
+
+def test_a_batch_the_ranks_cannot_split_is_refused_before_the_run_folder(tmp_path):
+    """`toymlx-launch -n 2 -- toymlx-train --batch-size 5`: found at the first step, it left a
+    run folder (run_start, run_end "error") that the corrected command then met as "run bundle
+    already exists", and exit status 1 (or 143 for a rank stopped first). Now every rank
+    refuses it with one line before any folder is made, and the launch exits 2."""
+    root = tmp_path / "runs"
+    args = [a if a != "4" else "5" for a in STOP_ARGS]  # --batch-size 5 (the only "4")
+    assert args[args.index("--batch-size") + 1] == "5"
+    p = _launch(tmp_path, [*LAUNCH, *TRAIN, *args, "--runs-root", str(root), "--run-id", "b"])
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = ("toymlx-train: error: --batch-size: expected a multiple of the 2 data-parallel "
+            "ranks (it is global, split over them), found 5; use --batch-size 4 or 6")
+    assert p.stderr.splitlines().count(line) == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and not (root / "b").exists()

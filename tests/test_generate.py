@@ -769,3 +769,34 @@ def test_mlx_decoding_on_the_cpu_runs_the_blas_on_the_idle_cores(stories, monkey
     assert blas_threads() == 1  # idle_cores still says 0.0
     early.close()
     assert blas_threads() == have
+
+
+def test_a_model_of_the_other_kind_names_the_command_that_uses_it(tmp_path, stories_path,
+                                                                  capsys):
+    """toymlx-generate given a vit-tiny checkpoint (or run) said only "expected one of llama,
+    qwen2, ... found 'vit'", and toymlx-classify given a language model "expected 'vit', found
+    'llama'". Each now names the command that uses the file."""
+    from cli_errors import error_line
+    from test_timm_export import ARGS as VIT_ARGS
+    from test_timm_export import NAMES, NORM
+    from toymlx_cli.classify import main as classify_main
+
+    from toymlx.gguf.vit import write_vit
+    from toymlx.models.vit import ViT
+
+    vit = tmp_path / "vit.gguf"
+    write_vit(vit, ViT(VIT_ARGS), NORM, class_names=NAMES)
+    capsys.readouterr()
+    assert cli.main(["--model", str(vit), "--prompt", "hi"]) == 2
+    assert error_line(capsys, "toymlx-generate") == (
+        f"toymlx-generate: error: {vit}: metadata key 'general.architecture': expected a "
+        "language model (llama, qwen2, qwen3, gemma3, phi3), found 'vit', an image "
+        f"classifier: toymlx-classify --model {vit} IMAGE uses it")
+    image = tmp_path / "x.png"
+    from PIL import Image
+    Image.new("RGB", (8, 8)).save(image)
+    assert classify_main(["--model", str(stories_path), str(image)]) == 2
+    assert error_line(capsys, "toymlx-classify") == (
+        f"toymlx-classify: error: {stories_path}: metadata key 'general.architecture': "
+        "expected 'vit' (an image classifier), found 'llama', a language model: "
+        f"toymlx-generate --model {stories_path} uses it")

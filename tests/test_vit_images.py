@@ -212,3 +212,56 @@ def test_stochastic_depth_rates_scaling_and_eval_mode():
     plain = ViT(ViTArgs(**{**a.__dict__, "drop_path": 0.0}))
     plain.update(model.parameters())
     assert mx.array_equal(model(x), plain(x)).item()  # no dropping outside training
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, folder):
+    """A 2-step vit-tiny run on `folder` (what eval and classify read)."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    return _train(tmp, "tiny", folder, "--data.image-size", "8", "--steps", "2")
+
+
+def test_eval_split_val_of_a_set_too_small_to_hold_one_out_is_one_line(tmp_path, tiny_run,
+                                                                       capsys):
+    """`toymlx-eval --data.path SMALL --split val` on 3 images (10% of 3 holds none out) ended
+    in numpy's "error: need at least one array to concatenate". Now one line names the data,
+    the fraction and the count, and the flag that scores them."""
+    from cli_errors import error_line
+
+    small = make_image_folder(tmp_path / "small", per_class=1)
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_run), "--data.path", str(small), "--split",
+                      "val"]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {small}: --split val: expected validation images to score, found "
+        "none: --data.val-fraction 0.1 of 3 images holds none out; score them all with "
+        "--split all")
+    assert eval_main(["--model", str(tiny_run), "--data.path", str(small)]) == 0  # all
+    assert "on 3 images" in capsys.readouterr().out
+
+
+def test_classify_answers_every_readable_image_when_one_is_not(tmp_path, tiny_run, capsys):
+    """A folder of images with one corrupt file (a PNG cut short): toymlx-classify printed one
+    error line and nothing else, every other image's answer lost (all were computed before any
+    was printed). Now each readable image gets its answer, the same as alone, the unreadable one
+    its error line, then a count; exit status 2."""
+    src = make_image_folder(tmp_path / "f", per_class=2)
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    bad = files[2]
+    bad.write_bytes(bad.read_bytes()[:40])  # a PNG cut short
+    good = [f for f in files if f != bad]
+    capsys.readouterr()
+    assert classify_main(["--model", str(tiny_run), "--top-k", "2", "--batch-size", "4",
+                          str(src)]) == 2
+    out, err = capsys.readouterr()
+    assert [ln.split(":")[0] for ln in out.splitlines()] == [str(f) for f in good]
+    assert classify_main(["--model", str(tiny_run), "--top-k", "2", *map(str, good)]) == 0
+    assert capsys.readouterr().out == out  # the same answers as without the corrupt file
+    assert err.splitlines() == [
+        (f"toymlx-classify: error: {bad}: not an image Pillow can read: expected one of png, "
+         "jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm, pbm, found bytes "
+         "b'\\x89PNG\\r\\n\\x1a\\n'; remove or replace the file"),
+        ("toymlx-classify: error: 1 of 6 images could not be read (named above); the other 5 "
+         "are classified")]
+    assert classify_main(["--model", str(tiny_run), str(bad)]) == 2  # alone: its line only
+    assert capsys.readouterr().err.splitlines() == err.splitlines()[:1]

@@ -82,6 +82,24 @@ def holder(path: str | os.PathLike) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+def held_by(path: str | os.PathLike) -> dict[str, Any] | None:
+    """Who holds the lock `path` now (`holder`'s record, {} if it says nothing), or None when
+    no live process holds it; the lock is only tested, never taken or removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return holder(path)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # drops the shared lock if it was taken
+    return None
+
+
 def acquire(path: str | os.PathLike, what: str) -> Lock:
     """Take the exclusive lock `path` (created if missing) without waiting; LockHeld naming the
     holder when another process has it. `what` names the locked thing in messages."""

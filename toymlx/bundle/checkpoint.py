@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from toymlx.backend import atomic
+from toymlx.backend.lock import LOCK_FILE, held_by
 from toymlx.bundle.model_store import is_store_name, resolve_model
 from toymlx.gguf.reader import GGUFError, GGUFFile
 
@@ -340,8 +341,12 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
         why = f"{link} is missing"
     found = list_checkpoints(weights)
     if not found:
+        owner = held_by(run_dir / LOCK_FILE)
+        live = ("" if owner is None else
+                f"; the run is still training (process {owner.get('pid', '?')}) and has "
+                "written none yet: its first comes at --checkpoint-every or when it stops")
         raise FileNotFoundError(f"{run_dir}: expected a run bundle with weights/latest, "
-                                "found no checkpoint")
+                                f"found no checkpoint{live}")
     step = newest_intact(weights)
     if step is None:
         raise ResumeError(f"{run_dir}: {why}, and no checkpoint in {weights} is intact "

@@ -8,7 +8,7 @@ by 1/255 and standardised with the checkpoint's mean and std.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,8 @@ from toymlx.data.image_folder import (
     decode_image,
     images_below,
 )
+from toymlx.gguf.llama import ARCHS
+from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.vit import class_names, load_vit
 from toymlx.models.vit import ViT
 
@@ -43,6 +45,12 @@ class Classifier:
     @classmethod
     def load(cls, model: str | Path) -> Classifier:
         path = checkpoint_file(model)
+        with GGUFFile(path) as g:
+            arch = g.metadata.get("general.architecture")
+        if arch in ARCHS:  # a language model's run or file
+            raise GGUFError(f"{path}: metadata key 'general.architecture': expected 'vit' (an "
+                            f"image classifier), found {arch!r}, a language model: "
+                            f"toymlx-generate --model {path} uses it")
         vit, norm, g = load_vit(path)
         vit.eval()
         c = vit.args.channels
@@ -61,7 +69,10 @@ class Classifier:
 
     def read(self, files: Sequence[Path]) -> np.ndarray:
         """Image files -> (N, S, S, C) float32, standardised as the model was trained."""
-        x = np.stack([decode_image(f, self.image_size, self.channels) for f in files])
+        return self._standardised(np.stack([decode_image(f, self.image_size, self.channels)
+                                            for f in files]))
+
+    def _standardised(self, x: np.ndarray) -> np.ndarray:
         return ((x.astype(np.float32) / 255.0 - self.mean) / self.std).astype(np.float32)
 
     def probabilities(self, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
@@ -77,10 +88,31 @@ class Classifier:
         """For each file the k most probable (class name, probability), most probable first."""
         res = []
         for i in range(0, len(files), batch_size):
-            p = self.probabilities(self.read(files[i:i + batch_size]), batch_size)
-            order = np.argsort(-p, axis=1, kind="stable")[:, :k]
-            res += [[(self.names[j], float(row[j])) for j in o] for row, o in zip(p, order)]
+            res += self._ranked(self.probabilities(self.read(files[i:i + batch_size]),
+                                                   batch_size), k)
         return res
+
+    def each_top_k(self, files: Sequence[Path], k: int = 5, batch_size: int = 64
+                   ) -> Iterator[tuple[Path, list[tuple[str, float]] | ImageDataError]]:
+        """(file, its `top_k`) in order, a batch at a time as each is computed; a file that
+        cannot be decoded comes with its ImageDataError instead, and the others are classified
+        (one corrupt image in a folder of thousands no longer costs every answer)."""
+        for i in range(0, len(files), batch_size):
+            chunk, read, failed = files[i:i + batch_size], [], {}
+            for f in chunk:
+                try:
+                    read.append(decode_image(f, self.image_size, self.channels))
+                except ImageDataError as e:
+                    failed[f] = e
+            x = np.stack(read) if read else np.zeros((0, 0), np.float32)
+            tops = iter(self._ranked(self.probabilities(self._standardised(x), batch_size), k)
+                        if read else [])
+            for f in chunk:
+                yield f, failed[f] if f in failed else next(tops)
+
+    def _ranked(self, p: np.ndarray, k: int) -> list[list[tuple[str, float]]]:
+        order = np.argsort(-p, axis=1, kind="stable")[:, :k]
+        return [[(self.names[j], float(row[j])) for j in o] for row, o in zip(p, order)]
 
 
 def image_files(paths: Iterable[str | Path]) -> list[Path]:

@@ -45,7 +45,7 @@ from toymlx.bundle.model_store import is_store_name, resolve, resolve_model
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.generation.llamacpp_decode import decode_threads, idle_cores
 from toymlx.generation.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
-from toymlx.gguf.llama import args_from_gguf, float32_bytes, frozen_weights, load_llama
+from toymlx.gguf.llama import ARCHS, args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
@@ -308,6 +308,10 @@ def load_tokenizer(gguf_path: Path) -> tuple[Tokenizer, Any]:
     shapes (no weights read)."""
     g = GGUFFile(gguf_path)
     try:
+        if g.metadata.get("general.architecture") == "vit":  # a vit-tiny run or checkpoint
+            raise GGUFError(f"{gguf_path}: metadata key 'general.architecture': expected a "
+                            f"language model ({', '.join(ARCHS)}), found 'vit', an image "
+                            f"classifier: toymlx-classify --model {gguf_path} IMAGE uses it")
         args = args_from_gguf(g)  # architecture, hyperparameters and tensor shapes
         if "tokenizer.ggml.tokens" not in g.metadata:
             raise GGUFError(f"{gguf_path}: metadata key 'tokenizer.ggml.tokens': expected a "

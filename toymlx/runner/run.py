@@ -69,7 +69,7 @@ def run_ops(cfg: TrainConfig) -> Ops:
 def init_distributed() -> Any:
     """The mx.distributed group when launched by mlx.launch with >1 ranks, else None; OSError
     (one line) when the ranks cannot connect (MLX raises a bare RuntimeError: a traceback)."""
-    if not launched_as_rank():
+    if not launched_as_rank() or _one_rank_hostfile():
         return None
     try:
         world = mx.distributed.init()
@@ -80,6 +80,33 @@ def init_distributed() -> Any:
         raise OSError(f"data parallel: expected the ranks to connect, found {why}{hint}"
                       ) from None
     return world if world.size() > 1 else None
+
+
+def check_shards(batch_size: int, world: Any) -> None:
+    """ValueError unless the global --batch-size splits evenly over the data-parallel ranks:
+    found at the first step, it left a run folder (run_start, run_end "error") that the next
+    try had to --overwrite, and exit status 1."""
+    n = 1 if world is None else world.size()
+    if batch_size % n:
+        lower, upper = batch_size // n * n, -(-batch_size // n) * n
+        fits = f"--batch-size {lower} or {upper}" if lower else f"--batch-size {upper}"
+        raise ValueError(f"--batch-size: expected a multiple of the {n} data-parallel ranks "
+                         f"(it is global, split over them), found {batch_size}; use {fits}")
+
+
+def _one_rank_hostfile() -> bool:
+    """Whether mlx.launch started this process as its only rank: for `-n 1` it hands the rank
+    an MLX_HOSTFILE holding no hosts (a blank line), which MLX's ring backend then fails to
+    parse ("[json.exception.parse_error.101] ... unexpected end of input"): one process,
+    nothing to connect to."""
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if not hostfile:
+        return False
+    try:
+        with open(hostfile, "rb") as f:
+            return not f.read(4096).strip()
+    except OSError:
+        return False
 
 
 @dataclass
@@ -122,7 +149,7 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                   file=sys.stderr)
         try:
             end = train(run.task, cfg, run.run_dir, _public_config(cfg), world=run.world,
-                        resume=run.resume)
+                        resume=run.resume, launched=launched_as_rank())
         except (RunError, ck.ResumeError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 2
@@ -155,6 +182,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
     select_device(cfg.device)
     ops = run_ops(cfg)
     world = init_distributed()
+    check_shards(cfg.batch_size, world)  # before a bundle is made or resumed
     rank0 = world is None or world.rank() == 0
     if bundle is not None:
         task, resume = bundle.resume_run(recipe, cfg, lambda: _build(module, cfg, ops), ops.dtype,

@@ -299,9 +299,11 @@ class _Loop:
     `run` emits run_start (or a resume event), trains, and emits run_end from one place."""
 
     def __init__(self, task: Task, cfg: TrainConfig, run_dir: Path, world: Any,
-                 resume: Resume | None):
+                 resume: Resume | None, launched: bool = False):
         self.task, self.cfg, self.run_dir, self.world = task, cfg, run_dir, world
         self.resume = resume
+        self.launched = launched
+        """A rank of toymlx-launch: its stop signals come relayed (`RANK_SIGNALS`)."""
         self.rank0 = world is None or world.rank() == 0
         self.solo = world is None or world.size() == 1
         """One process (no data-parallel peers to agree with)."""
@@ -357,7 +359,9 @@ class _Loop:
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
         self._announce(run_config)
-        signals = SOLO_SIGNALS if self.solo else RANK_SIGNALS
+        # a launch's only rank (-n 1) gets toymlx-launch's relays too: counted, not raised
+        # into a step by toymlx-train's `stops_raise` (no final checkpoint)
+        signals = SOLO_SIGNALS if self.solo and not self.launched else RANK_SIGNALS
         with StopSignals(signals) as stop, self._progress() as bar:
             together = False  # the run ended where every rank ends it (not by an exception)
             try:
@@ -792,6 +796,9 @@ def _config_sha256(run_dir: Path) -> str | None:
 
 
 def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any],
-          world: Any = None, resume: Resume | None = None) -> dict[str, Any]:
-    """Run the loop; returns the run_end event. Rank 0 alone writes the bundle."""
-    return _Loop(task, cfg, run_dir, world, resume).run(run_config)
+          world: Any = None, resume: Resume | None = None, launched: bool = False
+          ) -> dict[str, Any]:
+    """Run the loop; returns the run_end event. Rank 0 alone writes the bundle. `launched`:
+    this process is a rank of `toymlx-launch` (its only one for `-n 1`, `world` None), whose
+    stop signals arrive relayed (`RANK_SIGNALS`)."""
+    return _Loop(task, cfg, run_dir, world, resume, launched).run(run_config)
