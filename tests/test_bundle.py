@@ -303,7 +303,7 @@ def test_eval_of_a_run_reads_its_own_data(tmp_path, straight, capsys):
     final = [e for e in read_events(run) if e["kind"] == "eval"][-1]["val_loss"]
     assert eval_main(["--model", str(run)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["data"] == data
+    assert out["data"] == os.path.realpath(data)  # the file it named, links resolved (config.json)
     assert out["val_loss"] == pytest.approx(final, rel=1e-5)
 
 
