@@ -479,6 +479,42 @@ def test_eval_refuses_sizes_that_were_silently_replaced(stories_path, shared_fil
     assert want in error_line(capsys, "toymlx-eval")
 
 
+@pytest.mark.parametrize("text,flags,want", [
+    ("cat", [], ("--split all: expected at least 257 tokens to score (a window of --seq-len 256 "
+                 "and the token after it), found 12; use a shorter --seq-len (11 or less) or a "
+                 "longer --data.path file")),
+    ("cat", ["--split", "val", "--seq-len", "4"], (
+        "--split val: expected at least 5 tokens to score (a window of --seq-len 4 and the "
+        "token after it), found 1 in its validation split (of its 12); use --split all (every "
+        "token)")),
+    ("", [], "empty file; expected UTF-8 text"),
+])
+def test_eval_of_a_text_too_short_names_evals_own_flags(tmp_path, stories_path, capsys, text,
+                                                        flags, want):
+    """A text file too short for one window was refused in training's words ("training split
+    ... use a longer text or a shorter seq_len", "a larger val_fraction", "text to train on"),
+    flags toymlx-eval does not have; now the split it scores, its flags and the file."""
+    from toymlx_cli.eval import main as eval_main
+
+    f = tmp_path / "short.txt"
+    f.write_text("Once upon a time there was a cat.\n" if text else "")
+    assert eval_main(["--model", str(stories_path), "--data.path", str(f), *flags]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {f}: {want}"
+
+
+def test_eval_of_every_token_is_not_refused_for_a_short_validation_split(tmp_path, stories_path,
+                                                                        capsys):
+    """--split all scores the whole file: a 12-token file at --seq-len 4 was refused because
+    its last 10% (1 token) held no window, a split --split all never reads."""
+    from toymlx_cli.eval import main as eval_main
+
+    f = tmp_path / "short.txt"
+    f.write_text("Once upon a time there was a cat.\n")
+    assert eval_main(["--model", str(stories_path), "--data.path", str(f), "--seq-len", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["split"], out["tokens_scored"], out["seq_len"]) == ("all", 8, 4)
+
+
 def test_eval_test_split_of_a_run_trained_on_one_file_is_refused(tmp_path, stories_path, chat,
                                                                   capsys):
     """A LoRA run on one JSONL file has no test set: `--split test` once scored rows of the
