@@ -98,6 +98,21 @@ def check_context(seq_len: int, model: Any, path: Any) -> None:
                          f"{path}), found {seq_len}")
 
 
+def check_window(n: int, seq_len: int, split: str, source: Any, whole: int) -> None:
+    """The `n` tokens of the split eval scores hold one window of --seq-len and the token after
+    it; else one line in eval's own flags (`TokenData`'s check speaks of training's splits)."""
+    if n > seq_len:
+        return
+    found = f"{n} in its validation split (of its {whole})" if split == "val" else \
+        f"{n} in its test set" if split == "test" else str(n)
+    fixes = [f"a shorter --seq-len ({n - 1} or less)"] if n >= 2 else []
+    fixes += {"val": ["--split all (every token)"], "all": ["a longer --data.path file"],
+              "test": ["a longer test set"]}[split]
+    raise ValueError(f"{source}: --split {split}: expected at least {seq_len + 1} tokens to "
+                     f"score (a window of --seq-len {seq_len} and the token after it), found "
+                     f"{found}; use {' or '.join(fixes)}")
+
+
 def json_safe(out: dict[str, Any]) -> dict[str, Any]:
     """`out` as valid JSON: a NaN or infinite number becomes null, with the reason under
     "not_finite" (JSON has no NaN; `json.dumps` would print one anyway)."""
@@ -367,9 +382,13 @@ def evaluate(args: Args) -> dict:
         check_context(seq_len, model, path)
         if args.split == "test":  # the run's data folder's test.jsonl, as its --test scores it
             check_test_folder(data.path, "--split test")
-        td = load_token_data(data, tok, seq_len, test=args.split == "test")
+        td = load_token_data(data, tok, seq_len, test=args.split == "test", windows=False)
+        whole = len(td.train) + len(td.val)
         if args.split == "all":
             td = TokenData(td.train, np.concatenate([td.train, td.val]), td.source)
+        scored, source = (td.test, td.test_source) if args.split == "test" else (td.val,
+                                                                                 td.source)
+        check_window(len(scored), seq_len, args.split, source, whole)
         bs = max(1, args.batch_size // 16)
         vb = (td.test_batches(bs, seq_len) if args.split == "test" else
               td.val_batches(bs, seq_len, 10**9))

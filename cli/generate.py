@@ -272,13 +272,15 @@ def run(args: Args) -> int:
     from toymlx.generation.generate import (
         EngineFailed,
         LlamaCppDecoder,
+        check_one_adapter,
         check_sampling,
         choose_engine,
-        load_for_generation,
+        load_model,
         load_tokenizer,
         model_files,
         used_files,
     )
+    from toymlx.generation.sampling import check_top_k
 
     if args.prompt == "-":
         raw = within_stdin_limit(sys.stdin.buffer.read(STDIN_LIMIT + 1), "--prompt -: stdin")
@@ -296,10 +298,11 @@ def run(args: Args) -> int:
     engine = choose_engine(args.engine, on_gpu())
     used = f"{PROG}: {used_files(args.model, args.adapter)}"  # said once the model loads
     conversation = args.chat and not args.prompt
+    gguf_path, adapters = model_files(args.model, args.adapter)
+    tokenizer, model_args = load_tokenizer(gguf_path)  # the header alone: no weights read yet
+    check_top_k(args.top_k, model_args.vocab_size, gguf_path)
     try:
         if engine == "llama.cpp":
-            gguf_path, adapters = model_files(args.model, args.adapter)
-            tokenizer, model_args = load_tokenizer(gguf_path)
             if conversation:
                 _need_template(tokenizer, args)
                 print(used, file=sys.stderr)
@@ -327,7 +330,8 @@ def run(args: Args) -> int:
               file=sys.stderr)
         engine = "mlx"
     if engine == "mlx":
-        model, tokenizer = load_for_generation(args.model, args.adapter)
+        check_one_adapter(args.model, adapters)
+        model = load_model(gguf_path, adapters)
         if conversation:
             _need_template(tokenizer, args)
             print(used, file=sys.stderr)

@@ -136,7 +136,7 @@ def test_sampling_is_seeded_and_top_p_narrows(stories):
 class FixedDistribution:
     """A 'model' whose next-token probabilities are always [0.5, 0.3, 0.15, 0.05]."""
 
-    args = type("Args", (), {"context": 10_000})()
+    args = type("Args", (), {"context": 10_000, "vocab_size": 4})()
 
     def make_cache(self):
         from mlx_lm.models.cache import KVCache
@@ -447,6 +447,42 @@ def test_sampler_options_out_of_range_are_one_line(stories_path, capsys,
     assert cli.main(["--model", str(stories_path), "--prompt", "hi", *flags]) == 2
     out, err = capsys.readouterr()
     assert (out, err) == ("", f"toymlx-generate: error: {want}\n")
+
+
+@pytest.mark.parametrize("engine", ["mlx", "llama.cpp"])
+@pytest.mark.parametrize("temperature", ["0", "0.7"])
+@pytest.mark.parametrize("k", ["512", "100000"])
+def test_a_top_k_past_the_vocabulary_is_refused_before_the_weights_load(
+        stories_path, capsys, monkeypatch, engine, temperature, k):
+    """--top-k at or past stories260K's 512 tokens was refused only by the sampler, after the
+    weights loaded and the prompt's prefill, with the "model" line already printed; greedy
+    (--temperature 0) and the llama.cpp engine took it silently. Now it is one line from the
+    header alone: loading the weights or starting llama.cpp here fails the test."""
+    import toymlx.generation.generate as gen
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights were loaded before --top-k was checked")
+
+    monkeypatch.setattr(gen, "load_llama", no_load)
+    monkeypatch.setattr(gen, "LlamaCppDecoder", no_load)
+    monkeypatch.setattr(gen, "choose_engine", lambda name, gpu: name)
+    assert cli.main(["--model", str(stories_path), "--prompt", "Once", "--top-k", k,
+                     "--temperature", temperature, "--engine", engine]) == 2
+    want = (f"toymlx-generate: error: {stories_path}: --top-k: expected 0 (off) or below 512 "
+            f"(the model's vocabulary), found {k}\n")
+    assert capsys.readouterr() == ("", want)
+
+
+def test_generate_refuses_a_top_k_past_the_vocabulary_even_greedy(stories):
+    """The library's `generate` checks --top-k against the model before the prompt's prefill,
+    at temperature 0 too (where no sampler ever looked at it)."""
+    model, tok = stories
+    for temperature in (0.0, 0.8):
+        with pytest.raises(ValueError) as e:
+            next(generate(model, tok, tok.encode(PROMPT), 4, temperature, top_k=512))
+        assert str(e.value) == ("--top-k: expected 0 (off) or below 512 (the model's "
+                                "vocabulary), found 512")
+    assert len(list(generate(model, tok, tok.encode(PROMPT), 4, 0.8, top_k=511))) == 4
 
 
 def test_a_chat_turn_that_is_not_utf8_is_refused_and_the_conversation_goes_on(chat_path,

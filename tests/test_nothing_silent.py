@@ -479,6 +479,42 @@ def test_eval_refuses_sizes_that_were_silently_replaced(stories_path, shared_fil
     assert want in error_line(capsys, "toymlx-eval")
 
 
+@pytest.mark.parametrize("text,flags,want", [
+    ("cat", [], ("--split all: expected at least 257 tokens to score (a window of --seq-len 256 "
+                 "and the token after it), found 12; use a shorter --seq-len (11 or less) or a "
+                 "longer --data.path file")),
+    ("cat", ["--split", "val", "--seq-len", "4"], (
+        "--split val: expected at least 5 tokens to score (a window of --seq-len 4 and the "
+        "token after it), found 1 in its validation split (of its 12); use --split all (every "
+        "token)")),
+    ("", [], "empty file; expected UTF-8 text"),
+])
+def test_eval_of_a_text_too_short_names_evals_own_flags(tmp_path, stories_path, capsys, text,
+                                                        flags, want):
+    """A text file too short for one window was refused in training's words ("training split
+    ... use a longer text or a shorter seq_len", "a larger val_fraction", "text to train on"),
+    flags toymlx-eval does not have; now the split it scores, its flags and the file."""
+    from toymlx_cli.eval import main as eval_main
+
+    f = tmp_path / "short.txt"
+    f.write_text("Once upon a time there was a cat.\n" if text else "")
+    assert eval_main(["--model", str(stories_path), "--data.path", str(f), *flags]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {f}: {want}"
+
+
+def test_eval_of_every_token_is_not_refused_for_a_short_validation_split(tmp_path, stories_path,
+                                                                        capsys):
+    """--split all scores the whole file: a 12-token file at --seq-len 4 was refused because
+    its last 10% (1 token) held no window, a split --split all never reads."""
+    from toymlx_cli.eval import main as eval_main
+
+    f = tmp_path / "short.txt"
+    f.write_text("Once upon a time there was a cat.\n")
+    assert eval_main(["--model", str(stories_path), "--data.path", str(f), "--seq-len", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["split"], out["tokens_scored"], out["seq_len"]) == ("all", 8, 4)
+
+
 def test_eval_test_split_of_a_run_trained_on_one_file_is_refused(tmp_path, stories_path, chat,
                                                                   capsys):
     """A LoRA run on one JSONL file has no test set: `--split test` once scored rows of the
@@ -533,6 +569,98 @@ def test_a_changed_embedding_length_is_named_itself(tmp_path, stories_path, caps
     assert error_line(capsys, "toymlx-generate").endswith(
         "metadata key 'llama.embedding_length': expected 64 (the width of tensor "
         "'token_embd.weight'), found 96")
+
+
+def gguf_variant(src: Path, dst: Path, arch: str | None = None, add: dict | None = None,
+                 tensors: dict | None = None) -> Path:
+    """`src` rewritten by gguf-py's GGUFWriter (as llama.cpp's converter writes): its
+    architecture renamed (its `<arch>.*` keys with it), the metadata `add` (key: (value, type))
+    and the F32 `tensors` added."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    old = r.fields["general.architecture"].contents()
+    arch = arch or old
+    w = GGUFWriter(str(dst), arch)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the header's own fields; the writer adds the architecture itself
+        vtype = GGUFValueType(f.types[0])
+        w.add_key_value(arch + key[len(old):] if key.startswith(old + ".") else key,
+                        f.contents(), vtype, sub_type=GGUFValueType(f.types[1])
+                        if vtype == GGUFValueType.ARRAY else None)
+    for key, (value, vtype) in (add or {}).items():
+        w.add_key_value(key, value, getattr(GGUFValueType, vtype))
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type,
+                     raw_shape=[int(d) for d in reversed(t.shape)])
+    for name, value in (tensors or {}).items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+_ONLY_KEYS = ("expected only keys toymlx computes with (llama.* for llama: attention.head_count, "
+              "attention.head_count_kv, attention.key_length, attention.layer_norm_rms_epsilon, "
+              "attention.value_length, block_count, context_length, embedding_length, "
+              "expert_count, expert_used_count, feed_forward_length, rope.dimension_count, "
+              "rope.freq_base, rope.scaling.factor, rope.scaling.finetuned, "
+              "rope.scaling.original_context_length, rope.scaling.type, vocab_size; and "
+              "general.*, tokenizer.*, quantize.*), found this one; not loaded, so that nothing "
+              "is ignored")
+
+
+@pytest.mark.parametrize("variant,want", [
+    ({"tensors": {"blk.0.foo.weight": np.ones(64, np.float32)}},
+     ("tensor 'blk.0.foo.weight': expected only the tensors a llama model of this shape computes "
+     "with, found this one too; not loaded, so that nothing is ignored (supported "
+     "architectures: llama, qwen2, qwen3, gemma3, phi3)")),
+    ({"add": {"llama.rope.scaling.type": ("yarn", "STRING"),
+              "llama.rope.scaling.factor": (4.0, "FLOAT32")}},
+     ("metadata key 'llama.rope.scaling.type': expected one of none, linear for llama, found "
+     "'yarn'")),
+    ({"add": {"llama.attention.sliding_window": (32, "UINT32")}},
+     "metadata key 'llama.attention.sliding_window': " + _ONLY_KEYS),
+    ({"arch": "mamba"}, ("metadata key 'general.architecture': expected one of llama, qwen2, "
+     "qwen3, gemma3, phi3, found 'mamba'")),
+    # read silently before: llama.cpp sizes the table by vocab_size and refuses the file
+    ({"add": {"llama.vocab_size": (600, "UINT32")}},
+     ("metadata key 'llama.vocab_size': expected 512 (the rows of tensor 'token_embd.weight'), "
+     "found 600")),
+    ({"add": {"general.type": ("mmproj", "STRING")}},
+     "metadata key 'general.type': expected 'model' (or absent), found 'mmproj'"),
+    ({"add": {"llama.expert_used_count": (2, "UINT32")}},
+     ("metadata key 'llama.expert_used_count': expected 0 (dense models; mixture-of-experts "
+     "files are not supported), found 2")),
+], ids=["extra-tensor", "yarn", "sliding-window", "architecture", "vocab-size", "general-type",
+        "experts-used"])
+def test_a_base_with_what_toymlx_does_not_compute_is_refused_by_every_command(
+        tmp_path, stories_path, chat, shared_file, capsys, variant, want):
+    """stories260K written again by gguf-py with one tensor or key toymlx does not compute
+    with: `--recipe lora --base`, toymlx-eval and toymlx-generate each exit 2 with one line
+    naming the file, the key or tensor and what was expected. (A warm-start --donor is read
+    for its token table and tokenizer alone: `warm.read_donor` checks those.)"""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.generate import main as generate_main
+    from toymlx_cli.train import main as train_main
+
+    bad = gguf_variant(stories_path, tmp_path / "bad.gguf", **variant)
+    runs = tmp_path / "runs"
+    assert train_main(["--recipe", "lora", "--base", str(bad), "--data.path", str(chat),
+                       "--steps", "1", "--seq-len", "32", "--batch-size", "2", "--no-progress",
+                       "--runs-root", str(runs)]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {bad}: {want}"
+    assert not runs.exists() or not any(runs.iterdir())
+    text, want_eval = str(shared_file("text/tinystories_sample.txt")), want
+    assert eval_main(["--model", str(bad), "--data.path", text, "--seq-len", "32"]) == 2
+    if "arch" in variant:  # eval reads ViT files too
+        want_eval = want.replace("expected one of", "expected vit or one of")
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {bad}: {want_eval}"
+    assert generate_main(["--model", str(bad), "--prompt", "Once", "--max-tokens", "2"]) == 2
+    assert error_line(capsys, "toymlx-generate") == f"toymlx-generate: error: {bad}: {want}"
 
 
 def test_a_first_step_that_overflows_blames_the_base_not_the_learning_rate(

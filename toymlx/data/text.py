@@ -56,7 +56,7 @@ def read_text(path: str | Path) -> str:
     text = text.removeprefix("\ufeff")  # a UTF-8 BOM is not content
     if not text.strip():
         what = "empty file" if not text else "file has only whitespace"
-        raise DataError(f"{path}: {what}; expected UTF-8 text to train on")
+        raise DataError(f"{path}: {what}; expected UTF-8 text")
     return text
 
 
@@ -167,8 +167,11 @@ class TokenData:
         seq_len: int,
         val_fraction: float = 0.1,
         source: str = "<tokens>",
+        windows: bool = True,
     ) -> TokenData:
-        """Split `ids`; the last `round(len * val_fraction)` ids are validation."""
+        """Split `ids`; the last `round(len * val_fraction)` ids are validation. `windows`:
+        each split must hold one window (training's check; False: the caller checks the split
+        it reads, as toymlx-eval does with its own flags)."""
         _check_sizes(seq_len=seq_len)
         if not 0.0 <= val_fraction < 1.0:
             raise DataError(f"{source}: val_fraction must be in [0, 1), got {val_fraction}")
@@ -180,6 +183,8 @@ class TokenData:
         n = len(ids)
         n_val = round(n * val_fraction)  # round, not int(): 0.29 * 100 == 28.999...
         train, val = ids[: n - n_val], ids[n - n_val :]
+        if not windows:
+            return cls(train.astype(np.int32), val.astype(np.int32), source)
         _need_window(
             len(train), seq_len, "training split", source,
             "use a longer text or a shorter seq_len",
@@ -193,11 +198,12 @@ class TokenData:
 
     @classmethod
     def from_file(
-        cls, path: str | Path, tokenizer: Encoder, seq_len: int, val_fraction: float = 0.1
+        cls, path: str | Path, tokenizer: Encoder, seq_len: int, val_fraction: float = 0.1,
+        windows: bool = True,
     ) -> TokenData:
         """Read a UTF-8 text file, encode it whole (tokenizer's default BOS), and split it."""
         ids = tokenizer.encode(read_text(path))
-        return cls.from_ids(ids, seq_len, val_fraction, source=str(path))
+        return cls.from_ids(ids, seq_len, val_fraction, source=str(path), windows=windows)
 
     def batch(
         self, step: int, seed: int, batch_size: int, seq_len: int, accum: int = 1

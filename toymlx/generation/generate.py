@@ -44,7 +44,12 @@ from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.bundle.model_store import is_store_name, resolve, resolve_model
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.generation.llamacpp_decode import decode_threads, idle_cores
-from toymlx.generation.sampling import PENALTY_CONTEXT, make_sampler, repetition_penalty
+from toymlx.generation.sampling import (
+    PENALTY_CONTEXT,
+    check_top_k,
+    make_sampler,
+    repetition_penalty,
+)
 from toymlx.gguf.llama import ARCHS, args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.kv_cache import KVCache
@@ -84,6 +89,7 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
     check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
+    check_top_k(top_k, model.args.vocab_size)  # greedy too: the flag is wrong either way
     # past the trained context the model's output is meaningless
     budget = min(max_tokens, model.args.context - len(prompt_ids))
     if budget <= 0:
@@ -356,17 +362,29 @@ def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | No
     how it holds them (`load_llama`; None: `decoding_weights`); `ops`: the math it computes
     with (toymlx-eval: `models.ops.scoring_ops`)."""
     gguf_path, adapters = model_files(path, adapter)
+    check_one_adapter(path, adapters)
+    tokenizer, _ = load_tokenizer(gguf_path)
+    return load_model(gguf_path, adapters, weights, ops), tokenizer
+
+
+def check_one_adapter(path: str | os.PathLike, adapters: Sequence[Path]) -> None:
+    """ValueError where `model_files(path, ...)` found more than one adapter to apply."""
     if len(adapters) > 1:
         raise ValueError(f"{adapters[-1]}: --adapter: expected one adapter on {path}, found "
                          f"{path} carries one already ({adapters[0]}; give its base as "
                          "--model)")
-    tokenizer, _ = load_tokenizer(gguf_path)
+
+
+def load_model(gguf_path: Path, adapters: Sequence[Path], weights: str | None = None,
+               ops: Ops = EXACT) -> Llama:
+    """The MLX model of `model_files`' answer, its adapters applied (`load_for_generation`
+    after its header checks: a command that checked the header itself loads with this)."""
     model, g = load_llama(gguf_path, ops,
                           weights=weights or decoding_weights(gguf_path, on_gpu()))
     g.close()
     for a in adapters:
         apply_adapter(model, a)
-    return model, tokenizer
+    return model
 
 
 class EngineFailed(RuntimeError):

@@ -108,13 +108,19 @@ def _min_p_cut(logprobs: mx.array, log_min_p: float) -> mx.array:
     return mx.where(logprobs < floor, -float("inf"), logprobs)
 
 
+def check_top_k(top_k: int, vocab: int, source: object = None) -> None:
+    """ValueError unless `top_k` is 0 (off) or below `vocab`, the model's vocabulary (its
+    logits' width; k = vocab would keep every token): `source`, the model file, names it."""
+    if not 0 <= top_k < vocab:
+        where = f"{source}: " if source is not None else ""
+        raise ValueError(f"{where}--top-k: expected 0 (off) or below {vocab} (the model's "
+                         f"vocabulary), found {top_k}")
+
+
 def _top_k_cut(logprobs: mx.array, top_k: int) -> mx.array:
     """Keeps the `top_k` most likely tokens (ties at the boundary as `mx.argpartition` orders
     them, as mlx-lm's)."""
-    vocab = logprobs.shape[-1]
-    if not 0 < top_k < vocab:
-        raise ValueError(f"--top-k: expected 0 (off) or below the vocabulary's {vocab} "
-                         f"tokens, found {top_k}")
+    check_top_k(top_k, logprobs.shape[-1])
     dropped = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
     return mx.put_along_axis(logprobs, dropped, mx.array(-float("inf"), logprobs.dtype),
                              axis=-1)

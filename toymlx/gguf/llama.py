@@ -199,6 +199,10 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: expected a model GGUF, found a LoRA adapter (a LoRA run's "
                         "checkpoint); pass it as --adapter, with its base model as --base "
                         "(toymlx-generate: --model)")
+    kind = g.metadata.get("general.type", "model")
+    if kind != "model":  # e.g. a projector (mmproj) or a vocabulary-only file
+        raise GGUFError(f"{g.path}: metadata key 'general.type': expected 'model' (or absent), "
+                        f"found {kind!r}")
     arch = _arch_of(g)
     check_keys(g, arch)
     k = arch.name + "."
@@ -225,13 +229,17 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     if not arch.switches.get("rope_neox") and rope_dims != head_dim:
         raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_count': expected "
                         f"{head_dim} (full-head RoPE for {arch.name}), found {rope_dims}")
-    if g.get(k + "expert_count", int, 0):
-        raise GGUFError(f"{g.path}: metadata key '{k}expert_count': expected 0 (dense models; "
-                        f"mixture-of-experts files are not supported), found "
-                        f"{g.get(k + 'expert_count', int)}")
+    for key in ("expert_count", "expert_used_count"):  # llama.cpp: both 0 in a dense model
+        if n := g.get(k + key, int, 0):
+            raise GGUFError(f"{g.path}: metadata key '{k}{key}': expected 0 (dense models; "
+                            f"mixture-of-experts files are not supported), found {n}")
     if "token_embd.weight" not in g.tensors:
         raise GGUFError(f"{g.path}: tensor 'token_embd.weight': expected present, found missing")
     vocab = g.tensors["token_embd.weight"].shape[0]
+    said = g.get(k + "vocab_size", int, vocab)  # llama.cpp sizes the table by it
+    if said != vocab:
+        raise GGUFError(f"{g.path}: metadata key '{k}vocab_size': expected {vocab} (the rows of "
+                        f"tensor 'token_embd.weight'), found {said}")
     # Bound every size before it is used: a block count of 2**40 would otherwise spin in
     # expected_shapes, and MLX's RMSNorm rejects eps <= 0 with a message naming no file.
     n_layers = g.get(k + "block_count", int)

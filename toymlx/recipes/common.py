@@ -80,22 +80,26 @@ def records_text(path: Path) -> str:
     return "\n\n".join(e.text for e in examples)
 
 
-def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False) -> TokenData:
+def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
+                    windows: bool = True) -> TokenData:
     """The token ids of --data.path: the default corpus or a text file (validation: the last
     val_fraction), or an mlx-lm data folder (validation: valid.jsonl, else the last val_fraction
-    of train.jsonl; with `test`, test.jsonl as the test ids)."""
+    of train.jsonl; with `test`, test.jsonl as the test ids). `windows`: `TokenData.from_ids`'s
+    (training's check that each split holds a window; toymlx-eval checks the one it scores)."""
     if data.path is None:
         text, source = default_corpus()
-        return TokenData.from_ids(tokenizer.encode(text), seq_len, data.val_fraction, source)
+        return TokenData.from_ids(tokenizer.encode(text), seq_len, data.val_fraction, source,
+                                  windows)
     if not Path(data.path).is_dir():
         read_text(data.path)  # clear errors for missing, empty or non-UTF-8 files
-        return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction)
+        return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction, windows)
     files = data_files(data.path)
     ids = tokenizer.encode(records_text(files.train))
     if files.valid is None:
-        td = TokenData.from_ids(ids, seq_len, data.val_fraction, str(files.train))
+        td = TokenData.from_ids(ids, seq_len, data.val_fraction, str(files.train), windows)
     else:
-        td = replace(TokenData.from_ids(ids, seq_len, 0.0, f"{files.train} + {files.valid}"),
+        td = replace(TokenData.from_ids(ids, seq_len, 0.0, f"{files.train} + {files.valid}",
+                                        windows),
                      val=np.asarray(tokenizer.encode(records_text(files.valid)), np.int32))
     if not test:
         return td
