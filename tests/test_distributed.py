@@ -674,3 +674,54 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_the_run_folder(tmp_pat
             "ranks (it is global, split over them), found 5; use --batch-size 4 or 6")
     assert p.stderr.splitlines().count(line) == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr and not (root / "b").exists()
+
+
+def test_a_stop_during_rank_0_s_export_ends_every_rank_alike(tmp_path):
+    """A 2-rank lora run with --fuse-at-end q4_k_m, SIGTERM to toymlx-launch while rank 0's
+    export is in llama.cpp's quantizer (a stand-in that runs 2 minutes): rank 0 ended
+    interrupted, exit 143, and rank 1, past its last step and waiting for rank 0, exited 0, so
+    toymlx-launch reported "rank 0: exit code 143" and "failed: 1 of 2 ranks did not finish
+    cleanly". Now every rank exits with rank 0's code (shared at the barrier before they
+    leave): the launch exits 143 as a stop, no failure named, and a resume writes the export
+    (llama.cpp's own quantizer) and completes."""
+    from slow_llama_cpp import slow_llama_cpp
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, n in (("train", 16), ("valid", 3)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(
+            {"text": f"Once upon a time there was a cat number {i}. It liked fish."}) + "\n"
+            for i in range(n)))
+    root, status = tmp_path / "runs", tmp_path / "status"
+    run = root / "r"
+    p = subprocess.Popen(
+        [*LAUNCH[:-1], "--status-dir", str(status), "--", *TRAIN, "--recipe", "lora", "--base",
+         str(Path(os.environ["TOYMLX_SHARED"]) / "data" / "models" / "stories260K.gguf"),
+         "--data.path", str(data), "--runs-root", str(root), "--run-id", "r", "--steps", "2",
+         "--batch-size", "4", "--seq-len", "64", "--warmup", "1", "--eval-every", "0",
+         "--no-progress", "--no-compile", "--fuse-at-end", "q4_k_m"], cwd=tmp_path,
+        env=slow_llama_cpp(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not list(run.glob(".fused-q4_k_m.gguf.tmp-*")):
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    _every_rank_ended(p, err, status, 143)
+    end = read_events(run)[-1]
+    assert (end["reason"], end["exit_code"], end["signal"]) == ("interrupted", 143, "SIGTERM")
+    assert end["message"].startswith("stopped by SIGTERM during the export (all 2 steps "
+                                     "trained, checkpoint step_2 written): left undone: the "
+                                     "export; ")
+    assert not [f for f in run.iterdir() if "fused" in f.name]
+    resumed = _launch(tmp_path, [*LAUNCH, *TRAIN, "--resume", str(run), "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_events(run)[-1]["reason"] == "completed"
+    assert (run / "fused-q4_k_m.gguf").is_file()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
+from slow_llama_cpp import slow_llama_cpp
 
 from toymlx.bundle.events import check_toy_v1
 from toymlx.data.tokenizer import byte_tokenizer
@@ -74,6 +75,81 @@ def without_llama_cpp(tmp_path: Path) -> dict:
     (shim / "__init__.py").write_text(NO_LLAMA_CPP)
     return {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(shim.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def _stop_in_quantizer(cmd: list[str], out: Path, sig: int, env: dict
+                       ) -> tuple[subprocess.Popen, int, str]:
+    """`cmd` started, sent `sig` once llama.cpp's quantizer writes `out`'s temporary; the
+    command, the quantizer's process id, and its stderr once it has ended (20 s at most)."""
+    import time
+
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True)
+    tmp = out.with_name(f".{out.name}.tmp-{p.pid}")
+    while not (tmp.exists() and tmp.read_text()):
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.05)
+    quantizer = int(tmp.read_text())
+    p.send_signal(sig)
+    try:
+        err = p.communicate(timeout=20)[1]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"{cmd[2]} still running 20 s after {signal.Signals(sig).name}, "
+                             "in llama.cpp's quantizer") from None
+    return p, quantizer, err
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_in_llama_cpp_s_quantizer_acts_at_once(base_and_run, tmp_path, sig):
+    """toymlx-export --fuse --dtype q4_k_m stopped (Ctrl-C, SIGTERM) while llama.cpp's quantizer
+    runs: it waited for the whole quantizer call (2.6-3.6 s on SmolLM2-135M; here 120 s) before
+    exiting. Now the quantizer's child process is killed: exit 130 within 20 s, the quantizer
+    gone, nothing left under the output's name, no temporary."""
+    base, run = base_and_run
+    out = tmp_path / "out" / "fused.gguf"
+    out.parent.mkdir()
+    p, quantizer, err = _stop_in_quantizer(
+        [sys.executable, "-m", "toymlx_cli.export", "--base", str(base), "--adapter", str(run),
+         "--fuse", "--dtype", "q4_k_m", "--out", str(out)], out, sig, slow_llama_cpp(tmp_path))
+    assert p.returncode == 130, err
+    assert quantizer != p.pid and _gone(quantizer)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_a_stop_in_the_fuse_at_end_quantizer_acts_at_once(tmp_path):
+    """toymlx-train --fuse-at-end q4_k_m stopped by SIGTERM in llama.cpp's quantizer: it waited
+    for the whole call (1.6-1.7 s on SmolLM2-135M; here 120 s). Now it ends interrupted at once
+    (exit 143, the export named as left undone), the quantizer gone, no file or temporary of
+    the export; a resume writes it (llama.cpp's own quantizer)."""
+    base = tiny_base(tmp_path / "tiny.gguf")
+    run = tmp_path / "r"
+    out = run / "fused-q4_k_m.gguf"
+    p, quantizer, err = _stop_in_quantizer(
+        [sys.executable, "-m", "toymlx_cli.train", "--recipe", "lora", "--base", str(base),
+         "--runs-root", str(tmp_path), "--run-id", "r", "--steps", "2", "--batch-size", "2",
+         "--seq-len", "32", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1",
+         "--lora.rank", "4", "--no-progress", "--no-compile", "--fuse-at-end", "q4_k_m"],
+        out, signal.SIGTERM, slow_llama_cpp(tmp_path))
+    assert p.returncode == 143, err
+    assert err.splitlines()[-1].startswith(
+        "toymlx: interrupted at step 2: stopped by SIGTERM during the export (all 2 steps "
+        "trained, checkpoint step_2 written): left undone: the export; ")
+    assert quantizer != p.pid and _gone(quantizer)
+    assert not [f for f in run.iterdir() if "fused" in f.name]
+    r = subprocess.run([sys.executable, "-m", "toymlx_cli.train", "--resume", str(run),
+                        "--no-progress"], check=False, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert GGUFFile(out).metadata["general.file_type"] == 15  # MOSTLY_Q4_K_M
 
 
 def test_own_type_reads_general_file_type(tmp_path):

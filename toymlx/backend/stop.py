@@ -196,8 +196,9 @@ class StopSignals:
         raises on entry. Only for work that writes nothing but whole files through
         `toymlx.backend.atomic` (which removes its temporary when an exception passes), so that a
         long export (a fused GGUF) is abandoned at once, not held until it ends. Python runs
-        the handler between bytecodes: a single long call into C (llama.cpp's quantizer)
-        finishes first."""
+        the handler between bytecodes: a single long call into C finishes first, so the
+        longest, llama.cpp's quantizer, runs in a child process, killed when this raises
+        (`toymlx.gguf.quantize.llama_quantize`)."""
         if self.count:
             raise Stopped(self.first or signal.SIGINT)
         self._raise = True

@@ -6,7 +6,8 @@ metadata; the type decides who encodes them.
 - `f32`: written as it is by the one GGUF writer.
 - any other type with llama-cpp-python installed: the F32 GGUF goes to a temporary beside the
   target, then llama.cpp's own quantizer (`llama_model_quantize`, the engine of
-  `llama-quantize`, at its default parameters) writes the final file through
+  `llama-quantize`, at its default parameters, in a child process a stop kills:
+  `llama_quantize`) writes the final file through
   `atomic.atomic_path`. The file then equals `llama-quantize F32.gguf OUT.gguf TYPE` byte for
   byte: the mixtures' per-tensor choices (Q4_K_M's Q6_K `attn_v`/`ffn_down` and `output`),
   and its fallbacks for rows that are not a multiple of 256, are llama.cpp's.
@@ -26,12 +27,9 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import signal
+import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,6 +38,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from tqdm import tqdm
 
 from toymlx.backend import atomic
+from toymlx.backend.lifeline import child_env, watch_parent
 from toymlx.gguf.reader import DIGEST_KEY, UINT32, GGUFError, GGUFFile
 from toymlx.gguf.writer import GGUF_PY_TYPES, encode_tensor, write_gguf
 
@@ -243,8 +242,37 @@ def _write_with_llama_cpp(out: Path, meta: dict[str, Any],
 
 
 def llama_quantize(src: Path, dst: Path, dtype: str, progress: bool = False) -> None:
-    """`llama-quantize SRC DST TYPE` in this process (llama.cpp's default parameters); OSError
-    with llama.cpp's own message when it fails (a full disk, an unreadable file)."""
+    """`llama-quantize SRC DST TYPE` (llama.cpp's default parameters) in a child process, so
+    that a stop acts at once: llama.cpp's call holds its process until it returns (seconds per
+    GB of model), and a KeyboardInterrupt raised in its log callback is dropped by ctypes. Any
+    exception while it runs (Ctrl-C, `StopSignals.raising`'s `Stopped`) kills the child and
+    passes on, and the caller's `atomic_path` removes what it wrote. The child is in a session
+    of its own, so a terminal's Ctrl-C or a signal to the process group reaches this process
+    alone, and tied to this one (`watch_parent`), so it dies with it. OSError with llama.cpp's
+    own message when it fails (a full disk, an unreadable file)."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "toymlx.gguf.quantize", os.fspath(src), os.fspath(dst), dtype,
+         "progress" if progress else "quiet"], stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, text=True, start_new_session=True, env=child_env())
+    try:
+        said = child.communicate()[0]
+    finally:
+        if child.poll() is None:  # stopped while it runs: no point in its finishing
+            child.kill()
+            child.wait()
+    if child.returncode != 0:
+        code = child.returncode
+        why = (said.strip().splitlines() or [""])[-1] or (
+            f"its process was killed by signal {-code}" if code < 0 else
+            f"its process ended with exit status {code}")
+        raise OSError(f"llama.cpp's quantizer ({dtype}) failed writing {dst} after "
+                      f"{time.perf_counter() - t0:.1f} s: {why}")
+
+
+def _quantize_here(src: str, dst: str, dtype: str, progress: bool) -> str | None:
+    """llama.cpp's quantizer in this process (the child of `llama_quantize`); None, or why it
+    failed in llama.cpp's words."""
     llama_cpp = llama_cpp_module()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(file_type(dtype))
@@ -263,41 +291,16 @@ def llama_quantize(src: Path, dst: Path, dtype: str, progress: bool = False) -> 
             bar.update(int(m.group(1)) - bar.n)
 
     llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
-    t0 = time.perf_counter()
     try:
-        with signals_deferred():
-            rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst),
-                                                ctypes.byref(params))
+        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst),
+                                            ctypes.byref(params))
     finally:
         bar.close()
         _restore_log(llama_cpp)
-    if rc != 0:
-        why = next((s.strip() for s in reversed(lines) if "failed" in s), "".join(lines[-3:]))
-        raise OSError(f"llama.cpp's quantizer ({dtype}) failed writing {dst} after "
-                      f"{time.perf_counter() - t0:.1f} s: {' '.join(why.split())}")
-
-
-@contextmanager
-def signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM held while the block runs, then delivered to their own handlers.
-
-    llama.cpp calls back into Python (its log), and a handler that raises there (Ctrl-C's
-    KeyboardInterrupt) raises inside a ctypes callback, which drops the exception: the signal
-    would be lost and the export finish as if never stopped. Held, it acts when llama.cpp
-    returns (seconds per GB of model), and the caller's cleanup then runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    sigs = (signal.SIGINT, signal.SIGTERM)
-    old = {s: signal.signal(s, lambda n, _f: got.append(n)) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        for s in dict.fromkeys(got):
-            signal.raise_signal(s)
+    if rc == 0:
+        return None
+    why = next((s.strip() for s in reversed(lines) if "failed" in s), "".join(lines[-3:]))
+    return " ".join(why.split()) or f"llama_model_quantize returned {rc}"
 
 
 def _restore_log(llama_cpp: Any) -> None:
@@ -309,3 +312,11 @@ def _restore_log(llama_cpp: Any) -> None:
         llama_cpp.llama_log_set(None, ctypes.c_void_p(0))
         return
     llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+if __name__ == "__main__":  # llama_quantize's child: SRC DST TYPE progress|quiet
+    watch_parent()
+    failed = _quantize_here(*sys.argv[1:4], sys.argv[4] == "progress")
+    if failed:
+        print(failed, flush=True)
+    sys.exit(1 if failed else 0)

@@ -385,7 +385,7 @@ class _Loop:
                                     **device.peak_memory())
                 self.log.close()
             if together and not self.solo:
-                self._leave_together(stop)
+                end["exit_code"] = self._leave_together(stop)
         return end
 
     def _stops(self, stop: StopSignals) -> int:
@@ -394,14 +394,20 @@ class _Loop:
         stop after the same step: the one after the step in flight."""
         return stop.count if self.solo else self.agreed
 
-    def _leave_together(self, stop: StopSignals) -> None:
+    def _leave_together(self, stop: StopSignals) -> int:
         """Data parallel, once the run has ended on this rank: wait for every rank (rank 0 has
-        then written its final checkpoint and run_end), then ignore stop signals until exit.
-        mlx.launch stops the other ranks (SIGTERM) as soon as one exits non-zero, as each does
-        after Ctrl-C (130): a rank leaving early cut rank 0 off mid-write, and one leaving just
-        after this barrier must not cut off rank 0's last line or its rank status."""
-        mx.eval(mx.distributed.all_sum(mx.array(1, dtype=mx.int32), group=self.world))
+        then written its final checkpoint and run_end), then ignore stop signals until exit;
+        returns rank 0's exit code, every rank's. mlx.launch stops the other ranks (SIGTERM) as
+        soon as one exits non-zero, as each does after Ctrl-C (130): a rank leaving early cut
+        rank 0 off mid-write, and one leaving just after this barrier must not cut off rank 0's
+        last line or its rank status. The ranks agree on every stop up to the last step's
+        all_sum, but rank 0 alone exports after it: a stop there ended rank 0 interrupted
+        (143) and the others completed (0), which toymlx-launch reported as a failed rank."""
+        code = mx.distributed.all_sum(mx.array(self.exit_code if self.rank0 else 0,
+                                               dtype=mx.int32), group=self.world)
+        mx.eval(code)
         stop.ignore()
+        return int(code.item())
 
     def _wrap_up(self, stop: StopSignals, bar: Any) -> None:
         """What a completed run does after its last step and final checkpoint, each part unless
