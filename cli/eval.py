@@ -138,7 +138,7 @@ def check_run_test_data(bundle) -> None:
     fingerprint config.json recorded when the run started (a folder recorded without its
     files' own: the whole folder's, named as the folder); the data given with --data.path
     instead is scored as it is."""
-    from toymlx.bundle.inputs import DATA_FILES_KEY, fingerprint
+    from toymlx.bundle.inputs import DATA_FILES_KEY, same_data
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files
 
@@ -157,16 +157,17 @@ def check_run_test_data(bundle) -> None:
         within = f" (in {path}, recorded as {key})"
     else:
         checked, within = path, f" ({key})"
-    now = fingerprint(checked)
-    was = {k: rec.get(k) for k in now}
-    if now == was:
+    same, now = same_data(checked, rec)
+    if same:
         return
 
     def digest(fp: dict) -> str:
-        return f"{fp['bytes']} bytes, sha256 {fp.get('sha256') or fp.get('sample_sha256')}"
+        whole = fp.get("sha256")  # large data read by its samples alone: named so
+        return (f"{fp.get('bytes')} bytes, sha256 {whole}" if whole else
+                f"{fp.get('bytes')} bytes, samples' sha256 {fp.get('sample_sha256')}")
 
     raise ValueError(f"{checked}: --split test: expected the test data the run recorded "
-                     f"at its start{within}: {digest(was)}; found it changed: {digest(now)}; "
+                     f"at its start{within}: {digest(rec)}; found it changed: {digest(now)}; "
                      f"restore it, or score the data as it is now with --data.path {path}")
 
 

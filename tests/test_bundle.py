@@ -1,8 +1,9 @@
 """One run bundle, opened once (`toymlx.runner.bundle.Bundle`): issue 23's ways a bundle still lost or
 mixed a run, each run as a user would (real `toymlx-*` commands, files, signals, processes).
 
-B1. `latest` missing or dangling: the resume (by a relative path too) takes the newest intact
-    checkpoint and says so; eval and generate use it.
+B1. `latest` missing: the resume (by a relative path too) takes the newest checkpoint, intact,
+    and says so; eval and generate use it. `latest` naming a file that is gone: resume, eval
+    and generate refuse, naming it and the checkpoint to pass instead.
 B2. a `latest` symlink loop: one line, exit 2, for --resume, toymlx-eval and toymlx-generate.
 B3. a key missing from config.json: one line naming the file and the key, nothing trained.
 B4. a sweep child whose multi-threaded parent is killed gets the parent-death SIGTERM more than
@@ -85,25 +86,52 @@ def _losses(run: Path) -> list[float]:
 
 
 # ---- B1 ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("latest", ["missing", "dangling"])
-def test_a_missing_or_dangling_latest_resumes_from_the_newest_intact_checkpoint(
-        tmp_path, stopped, straight, monkeypatch, capsys, latest):
-    """A run SIGKILLed the moment its checkpoint landed has step_N and its state, and no
-    `latest` (or one naming a file that is gone); `--resume runs/X` by a relative path took the
-    fallback for a foreign link (rc 2) on main."""
+def test_a_missing_latest_resumes_from_the_newest_intact_checkpoint(
+        tmp_path, stopped, straight, monkeypatch, capsys):
+    """A run SIGKILLed the moment its first checkpoint landed has step_N and its state, and no
+    `latest`: the newest checkpoint is the one it would name; `--resume runs/X` by a relative
+    path took the fallback for a foreign link (rc 2) on main."""
     run = _copy(stopped, tmp_path)
     link = run / "weights" / "latest"
     link.unlink()
-    if latest == "dangling":
-        os.symlink("step_6.gguf", link)
     monkeypatch.chdir(tmp_path)
     assert main(["--resume", "b"]) == 0
-    assert (f"weights/latest {'is missing' if latest == 'missing' else 'names step_6.gguf'}"
-            in capsys.readouterr().err)
+    assert "weights/latest is missing" in capsys.readouterr().err
     (res,) = [e for e in read_events(run) if e["kind"] == "resume"]
     assert res["from_step"] == 4 and "took the newest intact checkpoint, step_4" in res["note"]
     assert _losses(run) == _losses(straight)  # bit-exact, as if never stopped
     assert os.readlink(link) == "step_6.gguf"
+
+
+@pytest.mark.parametrize("reader", ["train", "eval", "generate"])
+def test_a_latest_naming_a_gone_file_is_refused_naming_both(
+        tmp_path, stopped, straight, monkeypatch, capsys, reader):
+    """`latest` names step_6.gguf, deleted: resume went on from step_4 (retraining steps 5-6
+    and setting the record past 4 aside) and eval and generate read step_4, the readers
+    without a word. Now each refuses in one line naming the missing file and the checkpoint
+    to pass instead; `--from step_4` then resumes as a run never stopped."""
+    run = _copy(stopped, tmp_path)
+    link = run / "weights" / "latest"
+    link.unlink()
+    os.symlink("step_6.gguf", link)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    cmd = {"train": (main, ["--resume", "b"]), "eval": (eval_main, ["--model", "b"]),
+           "generate": (generate_main, ["--model", "b", "--prompt", "a", "--max-tokens", "1"])}
+    fn, argv = cmd[reader]
+    assert fn(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err == (
+        f"toymlx-{reader}: error: b/weights/step_6.gguf: expected the run's latest checkpoint "
+        "(b/weights/latest names it), found nothing there; the newest intact checkpoint is "
+        "step_4: toymlx-train --resume b --from step_4 (trains the steps after 4 again), or "
+        "read it as b/weights/step_4.gguf\n")
+    assert not [e for e in read_events(run) if e["kind"] == "resume"]  # nothing touched
+    if reader == "train":
+        assert main(["--resume", "b", "--from", "step_4"]) == 0
+        assert _losses(run) == _losses(straight)
+        assert os.readlink(link) == "step_6.gguf"
 
 
 def test_a_missing_latest_is_read_by_eval(tmp_path, stopped, capsys):

@@ -1374,3 +1374,23 @@ def test_an_extended_runs_older_export_is_renamed_when_it_trains_on(tiny_gguf, t
     assert [(e["step"], e["path"]) for e in events_of(run) if e["kind"] == "export"] == [
         (2, "fused-f32.gguf"), (4, "fused-f32.gguf")]
     assert (run / "fused-f32.gguf").read_bytes() != step2
+
+
+def test_a_second_signal_before_any_checkpoint_says_how_to_start_over(
+        tiny_gguf, tmp_path, capsys, monkeypatch):
+    """Two Ctrl-C during step 2's validation with no checkpoint yet (--checkpoint-every 4):
+    run_end said "resume with --resume RUN (from none)", and that --resume then found no
+    checkpoint. Now it names the command that works, and that command does."""
+    import signal
+
+    _stop_in_pass(monkeypatch, 2, 3, (signal.SIGINT, signal.SIGINT))
+    run = tmp_path / "r"
+    assert _train(_val_run(tiny_gguf, tmp_path, "r", "--checkpoint-every", "4")) == 130
+    end = events_of(run)[-1]
+    assert end["message"] == (f"interrupted after step 2; a second signal skipped its "
+                              f"checkpoint: no checkpoint was written: start it over with "
+                              f"toymlx-train --resume {run} --from step_0")
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert _train(["--resume", str(run), "--from", "step_0", "--no-progress"]) == 0
+    assert events_of(run)[-1]["reason"] == "completed"

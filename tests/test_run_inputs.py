@@ -392,3 +392,81 @@ def test_moved_data_given_on_resume_is_taken_by_its_contents_and_recorded(
     assert _moved(cut)["data.path"]["file"] == str(tmp_path / new)  # carried on
     assert _losses(cut) == pytest.approx(_losses(whole), abs=1e-5)
     assert check_toy_v1(read_events(cut)) == []
+
+
+def test_large_data_copied_without_its_time_is_taken_by_its_bytes(tmp_path, capsys,
+                                                                   monkeypatch):
+    """Data over WHOLE_DIGEST_BYTES (64 MiB; here 4 KiB, samples of 64 bytes) was recorded by
+    size, modification time and 16 samples: `cp big.txt copy.txt` (a new time) given on a
+    resume was refused as "other contents" showing the same digest twice. Now a new time
+    makes all its bytes decide: the copy is taken, a copy with one byte changed between the
+    samples is refused with the SHA-256 of all of it, and so is the file edited in place."""
+    import hashlib
+    import os
+
+    from toymlx.bundle import inputs
+
+    monkeypatch.setattr(inputs, "WHOLE_DIGEST_BYTES", 4096)
+    monkeypatch.setattr(inputs, "SAMPLE_BYTES", 64)
+    monkeypatch.chdir(tmp_path)
+    text = "".join(f"line {i}: once upon a time there was a large file.\n" for i in range(400))
+    big = tmp_path / "big.txt"
+    big.write_text(text)
+    argv = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "1",
+            "--seq-len", "32", "--data.path", "big.txt", "--runs-root", "runs",
+            "--run-id", "r", *TRAIN, "--steps", "4", "--stop-at", "2"]
+    assert _cli("train")(argv) == 0
+    rec = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["data_files"][
+        "data.path"]
+    assert rec["sha256"] == hashlib.sha256(f"|{len(text)}\n{text}".encode()).hexdigest()
+    assert {"mtime_ns", "sample_sha256"} <= set(rec)
+    copy = tmp_path / "copy.txt"
+    shutil.copyfile(big, copy)  # `cp`: the same bytes, a new modification time
+    os.utime(copy, ns=(rec["mtime_ns"] + 10**9, rec["mtime_ns"] + 10**9))
+    capsys.readouterr()
+    assert _cli("train")(["--resume", "runs/r", "--data.path", "copy.txt", "--stop-at", "3",
+                          "--no-progress"]) == 0
+    assert ("toymlx-train: --resume reads --data.path from copy.txt (moved; same contents as "
+            "the run's big.txt)\n") in capsys.readouterr().err
+    # one byte between the samples (sample 0 covers bytes 0-63, sample 1 starts past 1000)
+    edited = text[:500] + "X" + text[501:]
+    (tmp_path / "other.txt").write_text(edited)
+    digest = hashlib.sha256(f"|{len(edited)}\n{edited}".encode()).hexdigest()
+    assert inputs.fingerprint("other.txt", whole=False)["sample_sha256"] == rec["sample_sha256"]
+    assert _cli("train")(["--resume", "runs/r", "--data.path", "other.txt", "--stop-at", "3",
+                          "--no-progress"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {tmp_path / 'other.txt'}: --data.path: expected the run's "
+        f"data.path, recorded as {big} ({len(text)} bytes, sha256 {rec['sha256'][:12]}), found "
+        f"other contents ({len(text)} bytes, sha256 {digest[:12]}); a run keeps its inputs: "
+        "give the path that holds the run's data.path, or start a new run on this one")
+    big.write_text(edited)  # in place: the resume without the flag reads the moved copy, so
+    assert inputs.same_data(big, rec) == (False, inputs.fingerprint(big))  # ask the check
+
+
+def test_large_data_recorded_without_a_whole_digest_is_not_guessed(tmp_path, monkeypatch):
+    """A record of large data written before toymlx kept its whole SHA-256: same size and
+    samples under another modification time cannot be told apart from a change between the
+    samples, so it is one line saying so and how to assert it, not "changed"."""
+    import os
+
+    from toymlx.bundle import inputs
+    from toymlx.bundle.options import RunError
+
+    monkeypatch.setattr(inputs, "WHOLE_DIGEST_BYTES", 4096)
+    data = tmp_path / "big.txt"
+    data.write_text("x" * 5000)
+    rec = inputs.fingerprint(data)
+    del rec["sha256"]
+    assert inputs.same_data(data, rec)[0] is True  # unchanged: the cheap check, nothing read
+    os.utime(data, ns=(rec["mtime_ns"] + 1, rec["mtime_ns"] + 1))
+    with pytest.raises(RunError) as e:
+        inputs.same_data(data, rec)
+    t = rec["mtime_ns"]
+    assert str(e.value) == (
+        f"{data}: expected the run's data (5000 bytes, samples' sha256 "
+        f"{rec['sample_sha256'][:12]}, modification time {t}), found the same size and samples "
+        f"with modification time {t + 1}; the run's record holds no SHA-256 of all of it "
+        "(recorded before toymlx kept one), so whether the rest is the same cannot be told; "
+        f"if it is the run's data, give it the recorded modification time: touch -d "
+        f"@{t // 10**9}.{t % 10**9:09d} {data}")

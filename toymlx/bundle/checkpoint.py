@@ -305,10 +305,13 @@ def resolve_latest(run_dir: str | os.PathLike) -> Path:
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
-    """(the checkpoint `run_dir/weights/latest` names, None), or where that link is missing or
-    names a file that is gone (a run killed between writing a checkpoint and linking it), (the
-    newest intact checkpoint, why it was taken). ResumeError (one line) for a link that cannot
-    be read, loops, or points outside the run's weights/; FileNotFoundError for no checkpoint."""
+    """(the checkpoint `run_dir/weights/latest` names, None), or where that link is missing (a
+    run killed between writing its first checkpoint and linking it) and the newest checkpoint
+    is intact, (that one, why it was taken). ResumeError (one line, naming the newest intact
+    checkpoint to pass instead) for a link that names a file that is gone, or a missing link
+    whose newest checkpoint is damaged: an older checkpoint taken without a word would lose
+    the steps after it; also for a link that cannot be read, loops, or points outside the
+    run's weights/. FileNotFoundError for no checkpoint."""
     run_dir = Path(run_dir)
     weights = run_dir / "weights"
     link = weights / LATEST
@@ -336,9 +339,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
         ckpt = weights / ckpt.name
         if ckpt.is_file():
             return ckpt, None
-        why = f"{link} names {target}, which is gone"
-    else:
-        why = f"{link} is missing"
+        raise ResumeError(f"{ckpt}: expected the run's latest checkpoint ({link} names it), "
+                          f"found nothing there; {intact_hint(run_dir, checkpoint_step(ckpt), True)}")
     found = list_checkpoints(weights)
     if not found:
         owner = held_by(run_dir / LOCK_FILE)
@@ -348,11 +350,28 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
         raise FileNotFoundError(f"{run_dir}: expected a run bundle with weights/latest, "
                                 f"found no checkpoint{live}")
     step = newest_intact(weights)
+    if step != found[-1][0]:
+        raise ResumeError(f"{found[-1][1]}: expected an intact checkpoint ({link} is missing, "
+                          f"and this is the newest), found it damaged; "
+                          f"{intact_hint(run_dir, found[-1][0], True)}")
+    return weights / found[-1][1].name, \
+        f"{link} is missing: took the newest intact checkpoint, step_{step}"
+
+
+def intact_hint(run_dir: Path, below: int | None, lost: bool = False) -> str:
+    """Where to go on from when a checkpoint (at step `below`) cannot be used: the newest
+    intact one before it, as the command that resumes from it; `lost`: also that the steps
+    after it are trained again, and its file, for a command that reads it."""
+    step = newest_intact(run_dir / "weights", below)
     if step is None:
-        raise ResumeError(f"{run_dir}: {why}, and no checkpoint in {weights} is intact "
-                          f"({', '.join(p.name for _, p in found)})")
-    return weights / found[[s for s, _ in found].index(step)][1].name, \
-        f"{why}: took the newest intact checkpoint, step_{step}"
+        return (f"no intact checkpoint is left: start over with toymlx-train --resume {run_dir} "
+                "--from step_0")
+    hint = f"the newest intact checkpoint is step_{step}: toymlx-train --resume {run_dir} " \
+           f"--from step_{step}"
+    if not lost:
+        return hint
+    path = next(p for s, p in list_checkpoints(run_dir / "weights") if s == step)
+    return f"{hint} (trains the steps after {step} again), or read it as {path}"
 
 
 def checkpoint_step(ckpt: Path) -> int | None:

@@ -29,9 +29,10 @@ from-scratch's --tokenizer)."""
 
 
 WHOLE_DIGEST_BYTES = 64 * 2**20
-"""Data up to this size is fingerprinted by the SHA-256 of all of it; larger data by its size,
+"""Data up to this size is fingerprinted by the SHA-256 of all of it; larger data also by its
 newest modification time and the SHA-256 of 16 samples of `SAMPLE_BYTES`, so a resume of a
-run on many GB checks in well under a second."""
+run on many GB checks in well under a second while the data stays where it was (`same_data`);
+a copy (a new modification time) is checked by all its bytes."""
 SAMPLE_BYTES = 2**16
 
 
@@ -52,33 +53,66 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
-    """What identifies a data file or folder's contents: {"bytes", "sha256"} (every name and
-    byte, for data up to WHOLE_DIGEST_BYTES), or {"bytes", "mtime_ns", "sample_sha256"} for
-    larger data (every name and size, and 16 samples spread over the files and their bytes)."""
+def fingerprint(path: str | os.PathLike, whole: bool = True) -> dict[str, Any]:
+    """What identifies a data file or folder's contents: {"bytes", "sha256"} (the SHA-256 of
+    every name, size and byte), and for data over WHOLE_DIGEST_BYTES also "mtime_ns" (the
+    newest) and "sample_sha256" (every name and size, and 16 samples spread over the files and
+    their bytes). `whole=False`: large data without "sha256" (nothing read but the samples)."""
     root = Path(path)
     if kind := special_kind(root):  # reading it would wait for a writer, or never end
         raise RunError(f"{root}: expected a data file or folder, found {kind}")
     files = _files(root)
     sizes = [p.stat().st_size for p in files]
-    digest = hashlib.sha256()
-    for p, n in zip(files, sizes):
-        # os.fsencode: a name's own bytes, also where they are not UTF-8 (a latin-1 file name)
-        digest.update(os.fsencode(f"{p.relative_to(root) if p != root else ''}|{n}\n"))
+    # os.fsencode: a name's own bytes, also where they are not UTF-8 (a latin-1 file name)
+    head = b"".join(os.fsencode(f"{p.relative_to(root) if p != root else ''}|{n}\n")
+                    for p, n in zip(files, sizes))
     large = sum(sizes) > WHOLE_DIGEST_BYTES
-    if not large:
+    out: dict[str, Any] = {"bytes": sum(sizes)}
+    if whole or not large:
+        digest = hashlib.sha256(head)
         for p in files:
             with open(p, "rb") as f:
                 for block in iter(lambda f=f: f.read(2**20), b""):
                     digest.update(block)
-        return {"bytes": sum(sizes), "sha256": digest.hexdigest()}
+        out["sha256"] = digest.hexdigest()
+    if not large:
+        return out
+    digest = hashlib.sha256(head)
     for k in range(16):  # the k-th sample: from the k/15-th file, at k/15 of its bytes
         i = k * (len(files) - 1) // 15
         with open(files[i], "rb") as f:
             f.seek(max(0, (sizes[i] - SAMPLE_BYTES) * k // 15))
             digest.update(f.read(SAMPLE_BYTES))
-    return {"bytes": sum(sizes), "mtime_ns": max(p.stat().st_mtime_ns for p in files),
+    return {**out, "mtime_ns": max(p.stat().st_mtime_ns for p in files),
             "sample_sha256": digest.hexdigest()}
+
+
+def same_data(path: str | os.PathLike, rec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """(whether the data file or folder at `path` holds the contents its recorded `fingerprint`
+    `rec` names, what was read as `fingerprint` names it). Large data with the recorded size,
+    samples and modification time is taken as unchanged, unread; with another modification
+    time (a copy, `cp` without -p) its bytes decide. RunError (one line) where they cannot: a
+    record of large data without "sha256" (written before toymlx kept one) whose samples match."""
+    now = fingerprint(path, whole=False)
+    if now["bytes"] != rec.get("bytes"):
+        return False, now
+    if "sample_sha256" not in now:  # small: all of it was read
+        return now["sha256"] == rec.get("sha256"), now
+    if now["sample_sha256"] != rec.get("sample_sha256"):
+        return False, now
+    if now["mtime_ns"] == rec.get("mtime_ns"):
+        return True, now
+    if not isinstance(rec.get("sha256"), str):
+        t = rec.get("mtime_ns")
+        when = (f"; if it is the run's data, give it the recorded modification time: touch -d "
+                f"@{t // 10**9}.{t % 10**9:09d} {path}" if isinstance(t, int) else "")
+        raise RunError(f"{path}: expected the run's data ({rec.get('bytes')} bytes, "
+                       f"{fingerprint_note(rec)}, modification time {t}), found the same size "
+                       f"and samples with modification time {now['mtime_ns']}; the run's "
+                       "record holds no SHA-256 of all of it (recorded before toymlx kept one), "
+                       f"so whether the rest is the same cannot be told{when}")
+    now = fingerprint(path)
+    return now["sha256"] == rec["sha256"], now
 
 
 def _text_name(name: Path) -> str:
@@ -225,8 +259,8 @@ def same_contents(key: str, rec: dict[str, Any], path: Path) -> tuple[bool, str,
     if key in MODEL_OPTIONS:
         same, found = _same_model(path, {"sha256": rec.get("sha256"), "parts": rec.get("parts")})
         return same, found, f"sha256 {str(rec.get('sha256'))[:12]}{_parts_note(rec)}"
-    now = fingerprint(path)
-    return (now == {k: rec.get(k) for k in now}, f"{now['bytes']} bytes, {fingerprint_note(now)}",
+    same, now = same_data(path, rec)
+    return (same, f"{now['bytes']} bytes, {fingerprint_note(now)}",
             f"{rec.get('bytes')} bytes, {fingerprint_note(rec)}")
 
 
@@ -347,6 +381,9 @@ def _parts_note(rec: dict[str, Any]) -> str:
 
 
 def fingerprint_note(rec: dict[str, Any]) -> str:
-    """A recorded fingerprint as a message names it: its digest's first 12 digits."""
-    d = rec.get("sha256") or rec.get("sample_sha256")
-    return f"sha256 {str(d)[:12]}" if d else "no digest"
+    """A recorded fingerprint as a message names it: its digest's first 12 digits (that of all
+    its bytes, else of its samples)."""
+    if d := rec.get("sha256"):
+        return f"sha256 {str(d)[:12]}"
+    d = rec.get("sample_sha256")
+    return f"samples' sha256 {str(d)[:12]}" if d else "no digest"

@@ -1,5 +1,6 @@
-"""Where a resumed run continues (`Resume`, planned by `toymlx.runner.bundle.Bundle`), and
-the command to go on from when a checkpoint cannot be used (`intact_hint`)."""
+"""Where a resumed run continues (`Resume`, planned by `toymlx.runner.bundle.Bundle`); the
+command to go on from when a checkpoint cannot be used (`intact_hint`) lives with the
+checkpoints, whose `latest_checkpoint` names it too."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toymlx.bundle import checkpoint as ck
+from toymlx.bundle.checkpoint import intact_hint  # noqa: F401 (its import path before)
 
 
 @dataclass
@@ -40,14 +41,3 @@ class Resume:
     def has_start(self) -> bool:
         """Whether the kept events hold the run's run_start."""
         return any(e["kind"] == "run_start" for e in self.kept)
-
-
-def intact_hint(run_dir: Path, below: int | None) -> str:
-    """Where to go on from when a checkpoint (at step `below`) cannot be used: the newest
-    intact one before it, as the command that resumes from it."""
-    step = ck.newest_intact(run_dir / "weights", below)
-    if step is None:
-        return (f"no intact checkpoint is left: start over with toymlx-train --resume {run_dir} "
-                "--from step_0")
-    return f"the newest intact checkpoint is step_{step}: toymlx-train --resume {run_dir} " \
-           f"--from step_{step}"

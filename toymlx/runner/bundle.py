@@ -47,10 +47,10 @@ from toymlx.bundle.inputs import (
     MODEL_OPTIONS,
     adopt_input,
     data_paths,
-    fingerprint,
     fingerprint_note,
     moved_inputs,
     resolve_inputs,
+    same_data,
 )
 from toymlx.bundle.model_store import is_store_name
 from toymlx.bundle.options import (
@@ -290,12 +290,11 @@ class Bundle:
                                f"({rec.get('bytes')} bytes when it started), found nothing "
                                f"there; put it back, or give where it is now: {flag_name(key)} "
                                "PATH")
-            now = fingerprint(path)
-            was = {k: rec.get(k) for k in now}
-            if now != was:
-                what = ("its size" if now["bytes"] != was["bytes"] else "its contents")
+            same, now = same_data(path, rec)
+            if not same:
+                what = ("its size" if now["bytes"] != rec.get("bytes") else "its contents")
                 raise RunError(f"{path}: {flag_name(key)}: expected the data the run started "
-                               f"on ({was['bytes']} bytes, {fingerprint_note(was)}), found {what} changed "
+                               f"on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), found {what} changed "
                                f"({now['bytes']} bytes, {fingerprint_note(now)}); a resumed run trains on "
                                "its own data: restore it, or start a new run on this data")
 

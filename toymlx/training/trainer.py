@@ -70,6 +70,15 @@ def _named(step: int | None) -> str:
     return "none" if step is None else f"step {step}"
 
 
+def _resume_from(run_dir: Path, last: int | None) -> str:
+    """The command that goes on after a stop that skipped its checkpoint: from the newest one
+    (`last`), or where none was written, the run started over (a plain --resume finds none)."""
+    if last is None:
+        return (f"no checkpoint was written: start it over with toymlx-train --resume {run_dir} "
+                "--from step_0")
+    return f"resume with --resume {run_dir} (from step {last})"
+
+
 def _finite(model: nn.Module) -> bool:
     """Whether every trainable parameter is finite (one reduction, checked before writing)."""
     flags = [mx.all(mx.isfinite(v)) for _, v in tree_flatten(model.trainable_parameters())]
@@ -370,8 +379,8 @@ class _Loop:
                     self._wrap_up(stop, bar)
                 together = True
             except KeyboardInterrupt:  # raised by code, not a signal: StopSignals counts those
-                self._end("interrupted", 130, f"interrupted during step {self.step + 1}; resume "
-                          f"with --resume {self.run_dir} from {_named(self.ckpt.last)}")
+                self._end("interrupted", 130, f"interrupted during step {self.step + 1}; "
+                          f"{_resume_from(self.run_dir, self.ckpt.last)}")
             except BaseException as e:
                 self._end("error", 1, f"{type(e).__name__}: {e}")
                 raise
@@ -742,7 +751,7 @@ class _Loop:
                       f"over with toymlx-train --resume {self.run_dir} --from step_0")
         elif requests > 1 and self.ckpt.last != self.step:
             self._end("interrupted", code, f"{what} after step {self.step}; a second signal "
-                      f"skipped its checkpoint: {resume} (from {_named(self.ckpt.last)})")
+                      f"skipped its checkpoint: {_resume_from(self.run_dir, self.ckpt.last)}")
         elif not self._checkpoint(self.step, bar):
             return
         elif self.step == self.cfg.steps:  # trained to the end: what follows is left undone
