@@ -11,6 +11,7 @@ from typing import Any
 
 from toymlx import __version__
 from toymlx.backend.device import blas_summary
+from toymlx.backend.stop import how_stopped
 
 
 def version_text() -> str:
@@ -162,6 +163,6 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     except MemoryError as e:  # numpy's message names the size and shape it wanted
         print(f"{prog}: error: out of memory: {e}; lower --batch-size", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal a command raises (`Stopped`)
         print(file=sys.stderr)
-        return 130
+        return how_stopped(e)[1]

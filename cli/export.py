@@ -16,6 +16,7 @@ from typing import Literal
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
+from toymlx.backend.stop import Stopped
 from toymlx.bundle.outputs import check_output
 from toymlx.gguf.quantize import ExportType
 
@@ -324,7 +325,7 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
 
 
 def _stop(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # the write in flight removes its temporaries, as on Ctrl-C
+    raise Stopped(signum)  # the write in flight removes its temporaries, as on Ctrl-C
 
 
 def main(argv: list[str] | None = None) -> int:

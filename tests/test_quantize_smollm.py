@@ -195,12 +195,12 @@ def _start_and_wait_for_quantizer(work: dict, out: Path) -> subprocess.Popen:
 
 
 def test_killed_export_leaves_nothing_under_the_final_name(work, tmp_path):
-    """SIGTERM while llama.cpp quantizes: exit 130, no file, no temporary. SIGKILL: no file;
+    """SIGTERM while llama.cpp quantizes: exit 143 (128 + SIGTERM), no file, no temporary. SIGKILL: no file;
     its temporaries go at the next export of that name, which succeeds."""
     out = tmp_path / "fused.gguf"
     p = _start_and_wait_for_quantizer(work, out)
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=600) == 130
+    assert p.wait(timeout=600) == 143
     assert not list(tmp_path.iterdir())
     p = _start_and_wait_for_quantizer(work, out)
     os.kill(p.pid, signal.SIGKILL)
