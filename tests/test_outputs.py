@@ -277,3 +277,52 @@ def test_a_folder_where_a_file_is_written_is_refused_before_the_work(made, capsy
         assert line == f"{prog}: error: {path}: {out}: {want}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
     assert list(folder.iterdir()) == []
+
+
+# ---- what a run records is an input of every command given the run --------------------------
+def test_export_refuses_out_equal_to_the_runs_recorded_data(made, tmp_path, capsys, monkeypatch):
+    """`toymlx-export --adapter runs/r --fuse --out chat.jsonl` wrote the fused GGUF over the
+    run's training data (then failed to read it for the held-out note): the files a run's
+    config.json records are inputs of a command given the run, in any spelling."""
+    monkeypatch.chdir(tmp_path)
+    rows = "".join(f'{{"prompt": "q {i}", "completion": "answer number {i}"}}\n'
+                   for i in range(20))
+    (tmp_path / "chat.jsonl").write_text(rows)
+    (tmp_path / "link.jsonl").symlink_to("chat.jsonl")
+    (tmp_path / "sub").mkdir()
+    assert _train(["--recipe", "lora", "--base", str(made / "base.gguf"), "--data.path",
+                   "chat.jsonl", "--run-id", "r", "--steps", "1", "--batch-size", "2",
+                   "--seq-len", "64", "--eval-every", "0", "--eval-batches", "1",
+                   "--no-progress", "--no-compile"]) == 0
+    data = tmp_path / "chat.jsonl"
+    for out in ("chat.jsonl", "./sub/../chat.jsonl", "link.jsonl"):
+        for fuse in (["--fuse"], []):
+            line = refused(capsys, tmp_path, "toymlx-export", _export,
+                           ["--adapter", "runs/r", *fuse, "--out", out])
+            assert line == (f"toymlx-export: error: {Path(out)}: --out: expected a new file, found "
+                            f"the run's --data.path file {data} itself (the same file); writing "
+                            f"it would destroy the input: choose another --out")
+    assert data.read_text() == rows
+
+
+def test_eval_plot_refuses_the_runs_recorded_data(tmp_path, capsys, monkeypatch):
+    """`toymlx-eval --model runs/vit --plot img.npz` drew the confusion matrix over the images
+    the run trained on (read from its config.json, not given as --data.path)."""
+    import numpy as np
+    from toymlx_cli.eval import main as evaluate
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    np.savez("img.npz", x=(rng.random((30, 8, 8)) * 255).astype(np.uint8),
+             y=np.arange(30) % 3)
+    assert _train(["--recipe", "vit-tiny", "--data.path", "img.npz", "--run-id", "vit",
+                   "--steps", "1", "--batch-size", "8", "--model.d-model", "16",
+                   "--model.n-layers", "1", "--model.n-heads", "2", "--model.ffn-dim", "32",
+                   "--no-progress", "--no-compile"]) == 0
+    data = tmp_path / "img.npz"
+    for model in ("runs/vit", "runs/vit/weights/step_1.gguf"):
+        line = refused(capsys, tmp_path, "toymlx-eval", evaluate,
+                       ["--model", model, "--plot", "./img.npz"])
+        assert line == (f"toymlx-eval: error: img.npz: --plot: expected a new file, found the "
+                        f"run's --data.path file {data} itself (the same file); writing it "
+                        f"would destroy the input: choose another --plot")
