@@ -392,3 +392,36 @@ def test_moved_data_given_on_resume_is_taken_by_its_contents_and_recorded(
     assert _moved(cut)["data.path"]["file"] == str(tmp_path / new)  # carried on
     assert _losses(cut) == pytest.approx(_losses(whole), abs=1e-5)
     assert check_toy_v1(read_events(cut)) == []
+
+
+def test_an_init_adapter_is_read_from_the_recorded_file_from_another_folder(trained, tmp_path,
+                                                                           capsys, monkeypatch):
+    """--lora.init-adapter given relative: a resume from step 0 in another folder read that
+    folder's adapter of the same name (recorded nowhere but as typed); it is now recorded with
+    the data, and the restarted run's losses are the ones it trained from its own folder."""
+    where, elsewhere = trained / "where", trained / "elsewhere"
+    monkeypatch.chdir(elsewhere)  # a decoy adapter: elsewhere/runs/rel is another run
+    assert _cli("train")(["--recipe", "lora", "--base", "smol.gguf", "--data.path", "data",
+                          "--runs-root", "runs", "--run-id", "rel", "--lr", "0.05", *TRAIN]) == 0
+    adapter = "runs/rel/weights/adapter_step_2.gguf"
+    assert (where / adapter).read_bytes() != (elsewhere / adapter).read_bytes()
+    monkeypatch.chdir(where)
+    assert _cli("train")(["--recipe", "lora", "--base", "smol.gguf", "--data.path", "data",
+                          "--lora.init-adapter", adapter, "--runs-root", str(tmp_path),
+                          "--run-id", "init", *TRAIN]) == 0
+    saved = json.loads((tmp_path / "init" / "config.json").read_text())
+    assert saved["data_files"]["lora.init_adapter"]["file"] == str(where / adapter)
+
+    def losses() -> list[float]:
+        return [e["loss"] for e in (json.loads(x) for x in
+                                    (tmp_path / "init" / "events.jsonl").read_text().splitlines())
+                if e["kind"] == "step"][-2:]
+
+    first = losses()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(tmp_path / "init"), "--from", "step_0",
+                          "--no-progress"]) == 0
+    assert (f"toymlx-train: --resume reads --lora.init-adapter from {where / adapter} (the run's "
+            f"--lora.init-adapter {adapter})\n") in capsys.readouterr().err
+    assert losses() == first

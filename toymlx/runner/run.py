@@ -239,9 +239,9 @@ def check_utf8_options(options: dict[str, Any], prefix: str = "") -> None:
 
 
 def run_inputs(cfg: TrainConfig) -> list[tuple[str, Any]]:
-    """(flag, path) of every file or folder a run reads: its data, its model files and
-    --lora.init-adapter (what its outputs must not overwrite)."""
-    keys = [*data_paths(cfg), *MODEL_OPTIONS, "lora.init_adapter"]
+    """(flag, path) of every file or folder a run reads: its data (and --lora.init-adapter)
+    and its model files (what its outputs must not overwrite)."""
+    keys = [*data_paths(cfg), *MODEL_OPTIONS]
     return [(flag_name(k), option(cfg, k)) for k in keys]
 
 
