@@ -95,8 +95,8 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
                 ) -> list[tuple[str, str | None]]:
     """Every run's options checked as toymlx-train checks a new run's (tyro's parse, then
     `check_config`), before any run starts: a bad grid value is one line naming its run, not a
-    failure of each run that has it. Returns (flag, path) of what the runs read (`run_inputs`)
-    and the -c file: the sweep's folder must not hold them."""
+    failure of each run that has it. Returns (flag, path) of what the runs read (`run_inputs`,
+    as typed)."""
     from toymlx_cli.config_file import defaults_from_file
     from toymlx_cli.usage import parse_options
 
@@ -106,7 +106,7 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
 
     module = get_recipe(recipe)
     prog = f"toymlx-train --recipe {recipe}"
-    inputs = [("-c/--config", path)]
+    inputs: list[tuple[str, str | None]] = []
     for spec in specs:
         default = (defaults_from_file(module.Config, run_options, path, prog) if run_options
                    else None)
@@ -190,7 +190,7 @@ def _main(argv: list[str] | None) -> int:
                                  _shard(args.shard), args.sweep_id,
                                  retry_failed=not args.no_retry_failed,
                                  progress=not args.no_progress, report_png=not args.no_report,
-                                 run_options=run_options, inputs=inputs)
+                                 run_options=run_options, inputs=inputs, config_file=path)
     except (ValueError, OSError) as e:
         print(f"toymlx-sweep: error: {e}", file=sys.stderr)
         return 2

@@ -579,3 +579,35 @@ def test_a_sweep_too_large_to_plan_is_one_line(tmp_path, capsys, how, want):
     assert sweep_main(["--recipe", "from-scratch", *how, "--runs-root", str(tmp_path)]) == 2
     assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {want}"
     assert time.perf_counter() - t0 < 30 and not any(tmp_path.iterdir())
+
+
+def test_a_sweep_continued_from_another_folder_must_name_the_same_input_files(tmp_path, capsys,
+                                                                            monkeypatch):
+    """Shard 1/2 of a sweep started in A with `--data.path data.txt`, run from B, trained on
+    B/data.txt: the runs a sweep starts later read its typed paths from the current folder.
+    sweep.json now records the file each typed path named, and a continuation where one names
+    another file is refused (a shard of 9/10 owns none of the runs: nothing trains here)."""
+    from cli_errors import error_line
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    for d in (a, b):
+        d.mkdir()
+        (d / "data.txt").write_text(f"text of {d.name} to train on\n" * 40)
+    argv = ["--recipe", "from-scratch", "--data.path", "data.txt", "--grid", "lr=1e-3",
+            "--runs-root", str(tmp_path / "runs"), "--sweep-id", "s", "--shard", "9/10",
+            "--no-progress", "--no-report", *TINY]
+    monkeypatch.chdir(a)
+    assert sweep_main(argv) == 0
+    record = tmp_path / "runs" / "s" / "sweep.json"
+    assert json.loads(record.read_text())["input_files"] == {
+        "--data.path data.txt": str(a / "data.txt")}
+    monkeypatch.chdir(b)
+    capsys.readouterr()
+    assert sweep_main(argv) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: {tmp_path / 'runs' / 's'}: --sweep-id s: expected the options "
+        f"this sweep was started with, found --data.path (data.txt: {b / 'data.txt'} here, "
+        f"{a / 'data.txt'} when the sweep started) changed; give a new --sweep-id to run the "
+        "changed sweep, or put them back")
+    monkeypatch.chdir(a)
+    assert sweep_main(argv) == 0
