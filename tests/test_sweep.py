@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import end_child
 from toymlx_cli.sweep import main as sweep_main
 
 from toymlx import sweeps as sweep
@@ -114,8 +115,7 @@ def test_lock_is_owned_by_a_live_process_and_dies_with_it(tmp_path):
         with pytest.raises(LockHeld, match=rf"test: in use by process {holder.pid} \(.*-c"):
             acquire(path, "test")
     finally:
-        holder.kill()
-        holder.wait()
+        end_child(holder)
     with acquire(path, "test") as lock:  # dead holder: free at once
         with pytest.raises(LockHeld, match=f"process {os.getpid()}"):
             acquire(path, "test")  # a second holder in this very process is refused too
@@ -313,8 +313,7 @@ def test_a_closed_console_stops_the_sweep_as_ctrl_c_does_and_keeps_its_summary(t
         p.stdout.close()
         assert p.wait(timeout=120) == 128 + signal.SIGPIPE
     finally:  # a sweep that does not stop would train for hours: its runs stop with it
-        p.kill()
-        p.wait()
+        end_child(p)
     states = {r["run"]: r["status"] for r in _csv(root / "summary.csv")}
     assert states["lr=0.001"] == "interrupted", states
     events = read_events(root / "lr=0.001")
@@ -436,8 +435,7 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
                                  report_png=False, busy_wait=60.0)
         assert result.states == {"lr=0.002_seed=1": "done", "lr=0.002_seed=2": "skipped"}
     finally:
-        holder.kill()
-        holder.wait()
+        end_child(holder)
 
 
 # ---------------------------------------------------------------- a sweep in one file
