@@ -122,12 +122,14 @@ def output_may_close() -> Iterator[None]:
 
 def run_command(prog: str, args_type: type, run: Callable[[Any], int],
                 argv: list[str] | None, errors: tuple[type[Exception], ...] = (ValueError,
-                                                                           OSError)) -> int:
+                                                                           OSError),
+                outputs: tuple[str, ...] = ()) -> int:
     """What the forward-only commands share: `--version`, the process set-up, `-c/--config FILE`
     (cli/config_file.py), tyro's parse (cli/usage.py), and bad input as one line
     `PROG: error: ...` with exit status 2 (Ctrl-C: 130); a reader that stops early (`| head`)
-    ends it quietly with 0, as Unix tools do."""
-    from toymlx_cli.config_file import CONFIG_HELP, file_defaults
+    ends it quietly with 0, as Unix tools do. `outputs`: the options (fields of `args_type`)
+    that name a file the command writes, refused (`check_output`) where one is the -c file."""
+    from toymlx_cli.config_file import CONFIG_HELP, file_defaults, split_config
     from toymlx_cli.usage import parse_options  # here: --version answers without tyro
 
     from toymlx.backend.device import restart_with_huge_pages, setup_process
@@ -140,10 +142,17 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
         return 0
     try:
         setup_process()
+        config = split_config(argv)[0]
         default, argv = file_defaults(args_type, argv, prog)
         with output_may_close():  # `--help | head`: tyro exits after its help, and Python's
             args = parse_options(  # own flush at exit met the closed pipe (exit status 120)
                 args_type, argv, prog, default, f"{args_type.__doc__}\n\n{CONFIG_HELP}")
+        for name in outputs if config is not None else ():
+            from toymlx.bundle.outputs import check_output
+
+            if out := getattr(args, name):  # the -c file here; the rest by the command itself,
+                check_output(out, [("-c/--config", config)],  # which knows file from folder
+                             f"--{name.replace('_', '-')}", folder=os.path.isdir(out))
     except ValueError as e:  # ConfigFileError, UsageError
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

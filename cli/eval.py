@@ -59,7 +59,7 @@ PROG = "toymlx-eval"
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(PROG, Args, show, argv)
+    return run_command(PROG, Args, show, argv, outputs=("plot",))
 
 
 def show(args: Args) -> int:

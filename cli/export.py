@@ -331,7 +331,8 @@ def _stop(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     old = signal.signal(signal.SIGTERM, _stop)  # a kill stops an export like Ctrl-C does
     try:
-        return run_command(PROG, Args, run, argv, (ValueError, OSError, KeyError, TypeError))
+        return run_command(PROG, Args, run, argv, (ValueError, OSError, KeyError, TypeError),
+                           outputs=("out",))
     finally:
         signal.signal(signal.SIGTERM, old)
 

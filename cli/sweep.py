@@ -91,18 +91,22 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
     return axes
 
 
-def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | None) -> None:
+def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | None
+                ) -> list[tuple[str, str | None]]:
     """Every run's options checked as toymlx-train checks a new run's (tyro's parse, then
     `check_config`), before any run starts: a bad grid value is one line naming its run, not a
-    failure of each run that has it."""
+    failure of each run that has it. Returns (flag, path) of what the runs read (`run_inputs`,
+    as typed)."""
     from toymlx_cli.config_file import defaults_from_file
     from toymlx_cli.usage import parse_options
 
     from toymlx.recipes import get_recipe
+    from toymlx.runner.run import run_inputs
     from toymlx.training.task import check_config
 
     module = get_recipe(recipe)
     prog = f"toymlx-train --recipe {recipe}"
+    inputs: list[tuple[str, str | None]] = []
     for spec in specs:
         default = (defaults_from_file(module.Config, run_options, path, prog) if run_options
                    else None)
@@ -111,6 +115,8 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
             check_config(module, cfg, new_run=True)
         except ValueError as e:
             raise ValueError(f"run {spec.name}: {e}; no run was started") from None
+        inputs += [i for i in run_inputs(cfg) if i not in inputs]
+    return inputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,12 +185,12 @@ def _main(argv: list[str] | None) -> int:
         else:
             specs = sweep.random(passthrough, axes, args.random, args.seed or 0,
                                  recipe=args.recipe)
-        _check_runs(args.recipe, specs, run_options, path)
+        inputs = _check_runs(args.recipe, specs, run_options, path)
         result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers,
                                  _shard(args.shard), args.sweep_id,
                                  retry_failed=not args.no_retry_failed,
                                  progress=not args.no_progress, report_png=not args.no_report,
-                                 run_options=run_options)
+                                 run_options=run_options, inputs=inputs, config_file=path)
     except (ValueError, OSError) as e:
         print(f"toymlx-sweep: error: {e}", file=sys.stderr)
         return 2

@@ -201,7 +201,7 @@ def _main(argv: list[str] | None) -> int:
         cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; the flag keeps toymlx's
         if note:
             print(f"toymlx-train: {config_path}: {note}", file=sys.stderr)
-    return run_training(recipe, module, cfg, bundle)
+    return run_training(recipe, module, cfg, bundle, config_path)
 
 
 if __name__ == "__main__":

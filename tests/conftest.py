@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,15 @@ def on_cpu():
     mx.set_default_device(mx.cpu)
     yield
     mx.set_default_device(old)
+
+
+def end_child(p: subprocess.Popen) -> None:
+    """A test's `finally` for a child it started (a long training run, a lock holder): kill it
+    if it is still running, then reap it, reading what its open pipes still hold (the pipes a
+    test closed are left alone), so no child outlives a test that failed before it ended."""
+    if p.poll() is None:
+        p.kill()
+        for pipe in (p.stdout, p.stderr):
+            if pipe is not None and not pipe.closed:
+                pipe.read()
+        p.wait()

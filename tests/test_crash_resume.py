@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import end_child
 from toymlx_cli.train import main
 
 from toymlx.bundle.checkpoint import list_checkpoints, resolve_latest
@@ -173,9 +174,7 @@ def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_file, second
                 time.sleep(0.0005)
         _, err = p.communicate(timeout=300)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        end_child(p)
     assert p.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     end = read_events(run)[-1]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import end_child
 from toymlx_cli.train import main as train_main
 
 from toymlx.backend.stop import (
@@ -498,9 +499,7 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
             os.kill(json.loads((status / "rank1.start").read_text())["pid"], sig)
         _, err = p.communicate(timeout=300)
     finally:
-        if p.poll() is None:  # its ranks stop with it (test_a_killed_launcher_...)
-            p.kill()
-            p.communicate()
+        end_child(p)  # its ranks stop with it (test_a_killed_launcher_...)
     code = 128 + sig
     _every_rank_ended(p, err, status, code)
     ev = read_events(run)
@@ -544,9 +543,7 @@ def test_a_stop_signal_to_every_process_ends_the_run_with_its_checkpoint(tmp_pat
             os.killpg(group, sig)
         _, err = p.communicate(timeout=120)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        end_child(p)
     code = 128 + sig
     _every_rank_ended(p, err, status, code)
     ev = read_events(run)
@@ -584,9 +581,7 @@ def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path,
                 os.killpg(group, signal.SIGTERM)
         _, err = p.communicate(timeout=120)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        end_child(p)
     assert p.returncode == 143, err[-3000:]
     assert "Traceback" not in err and "failed" not in err and "[WARN]" not in err, err[-3000:]
     line = "toymlx-train: stopped by SIGTERM before the first step; nothing was trained"
@@ -613,9 +608,7 @@ def test_a_second_ctrl_c_stops_ranks_stuck_in_a_collective(tmp_path):
         os.killpg(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=300)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        end_child(p)
     assert p.returncode == 1, err[-3000:]
     assert "toymlx-launch: Ctrl-C passed on again; the ranks get 2 s to end" in err
     assert "toymlx-launch: failed: 2 of 2 ranks did not finish cleanly" in err, err[-3000:]
@@ -642,9 +635,7 @@ def test_one_rank_trains_as_one_process_and_stops_with_its_checkpoint(tmp_path):
         os.killpg(p.pid, signal.SIGINT)  # Ctrl-C in the launcher's terminal
         _, err = p.communicate(timeout=300)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        end_child(p)
     assert p.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "failed" not in err, err[-3000:]
     assert json.loads((status / "rank0.exit").read_text()) == {"code": 130, "error": None}

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from cli_errors import error_line
+from conftest import end_child
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 from mlx import nn
@@ -1289,9 +1290,7 @@ def test_sigterm_during_a_long_validation_pass_ends_the_run_at_once(tmp_path, st
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=300)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        end_child(p)
     assert p.returncode == 143, err[-3000:]
     evs = events_of(run)
     assert not [e for e in evs if e["kind"] == "eval"], out

@@ -277,3 +277,109 @@ def test_a_folder_where_a_file_is_written_is_refused_before_the_work(made, capsy
         assert line == f"{prog}: error: {path}: {out}: {want}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
     assert list(folder.iterdir()) == []
+
+
+# ---- what a run records is an input of every command given the run --------------------------
+def test_export_refuses_out_equal_to_the_runs_recorded_data(made, tmp_path, capsys, monkeypatch):
+    """`toymlx-export --adapter runs/r --fuse --out chat.jsonl` wrote the fused GGUF over the
+    run's training data (then failed to read it for the held-out note): the files a run's
+    config.json records are inputs of a command given the run, in any spelling."""
+    monkeypatch.chdir(tmp_path)
+    rows = "".join(f'{{"prompt": "q {i}", "completion": "answer number {i}"}}\n'
+                   for i in range(20))
+    (tmp_path / "chat.jsonl").write_text(rows)
+    (tmp_path / "link.jsonl").symlink_to("chat.jsonl")
+    (tmp_path / "sub").mkdir()
+    assert _train(["--recipe", "lora", "--base", str(made / "base.gguf"), "--data.path",
+                   "chat.jsonl", "--run-id", "r", "--steps", "1", "--batch-size", "2",
+                   "--seq-len", "64", "--eval-every", "0", "--eval-batches", "1",
+                   "--no-progress", "--no-compile"]) == 0
+    data = tmp_path / "chat.jsonl"
+    for out in ("chat.jsonl", "./sub/../chat.jsonl", "link.jsonl"):
+        for fuse in (["--fuse"], []):
+            line = refused(capsys, tmp_path, "toymlx-export", _export,
+                           ["--adapter", "runs/r", *fuse, "--out", out])
+            assert line == (f"toymlx-export: error: {Path(out)}: --out: expected a new file, found "
+                            f"the run's --data.path file {data} itself (the same file); writing "
+                            f"it would destroy the input: choose another --out")
+    assert data.read_text() == rows
+
+
+def test_eval_plot_refuses_the_runs_recorded_data(tmp_path, capsys, monkeypatch):
+    """`toymlx-eval --model runs/vit --plot img.npz` drew the confusion matrix over the images
+    the run trained on (read from its config.json, not given as --data.path)."""
+    import numpy as np
+    from toymlx_cli.eval import main as evaluate
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    np.savez("img.npz", x=(rng.random((30, 8, 8)) * 255).astype(np.uint8),
+             y=np.arange(30) % 3)
+    assert _train(["--recipe", "vit-tiny", "--data.path", "img.npz", "--run-id", "vit",
+                   "--steps", "1", "--batch-size", "8", "--model.d-model", "16",
+                   "--model.n-layers", "1", "--model.n-heads", "2", "--model.ffn-dim", "32",
+                   "--no-progress", "--no-compile"]) == 0
+    data = tmp_path / "img.npz"
+    for model in ("runs/vit", "runs/vit/weights/step_1.gguf"):
+        line = refused(capsys, tmp_path, "toymlx-eval", evaluate,
+                       ["--model", model, "--plot", "./img.npz"])
+        assert line == (f"toymlx-eval: error: img.npz: --plot: expected a new file, found the "
+                        f"run's --data.path file {data} itself (the same file); writing it "
+                        f"would destroy the input: choose another --plot")
+
+
+# ---- the -c/--config file is an input of every command ----------------------------------------
+def test_export_and_eval_refuse_their_config_file_as_output(made, capsys, monkeypatch):
+    """`toymlx-export -c exp.yaml --out exp.yaml` wrote the GGUF over the options file it was
+    read from, and `toymlx-eval -c ev.yaml --plot ev.yaml` drew the plot over it."""
+    from toymlx_cli.eval import main as evaluate
+
+    monkeypatch.chdir(made)
+    (made / "exp.yaml").write_text("adapter: runs/r1\nfuse: true\n")
+    (made / "ev.yaml").write_text("model: base.gguf\n")
+    line = refused(capsys, made, "toymlx-export", _export, ["-c", "exp.yaml", "--out",
+                                                             "x/../exp.yaml"])
+    assert line == ("toymlx-export: error: x/../exp.yaml: --out: expected a new file, found the "
+                    "-c/--config file exp.yaml itself (the same file); writing it would destroy "
+                    "the input: choose another --out")
+    line = refused(capsys, made, "toymlx-eval", evaluate, ["-c", "ev.yaml", "--plot", "./ev.yaml"])
+    assert line == ("toymlx-eval: error: ev.yaml: --plot: expected a new file, found the "
+                    "-c/--config file ev.yaml itself (the same file); writing it would destroy "
+                    "the input: choose another --plot")
+
+
+def test_train_overwrite_refuses_the_run_its_config_file_is_in(made, capsys):
+    """`toymlx-train -c runs/r1/config.json --run-id r1 --overwrite` replaced the run whose
+    config.json it had just read."""
+    run = made / "runs" / "r1"
+    line = refused(capsys, made, "toymlx-train", _train,
+                   ["-c", str(run / "config.json"), "--runs-root", str(made / "runs"),
+                    "--run-id", "r1", "--overwrite", "--no-progress"])
+    assert line == (f"toymlx-train: error: {run}: --runs-root/--run-id: expected a path that "
+                    f"holds no input, found the -c/--config {run / 'config.json'} inside it; "
+                    f"choose another --runs-root/--run-id")
+
+
+def test_sweep_refuses_a_sweep_folder_holding_its_config_file_or_data(made, tmp_path, capsys,
+                                                                     monkeypatch):
+    """A sweep folder that holds the -c file (named run-options.json, which the sweep writes)
+    or a run's data: the sweep wrote its files into it before any run's own check."""
+    from toymlx_cli.sweep import main as sweep
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "sw" / "run-options.json").write_text(
+        '{"recipe": "vit-tiny", "grid": {"lr": [0.001]}, "steps": 1, "no_progress": true}\n')
+    line = refused(capsys, tmp_path, "toymlx-sweep", sweep,
+                   ["-c", "sw/run-options.json", "--runs-root", ".", "--sweep-id", "sw"])
+    assert line == ("toymlx-sweep: error: sw: --sweep-id: expected a path that holds no input, "
+                    "found the -c/--config sw/run-options.json inside it; choose another "
+                    "--sweep-id")
+    (tmp_path / "sw" / "run-options.json").unlink()
+    (tmp_path / "sw" / "data.txt").write_text("some text to train on\n" * 50)
+    line = refused(capsys, tmp_path, "toymlx-sweep", sweep,
+                   ["--recipe", "from-scratch", "--data.path", "sw/data.txt", "--grid",
+                    "lr=1e-3", "--steps", "1", "--runs-root", ".", "--sweep-id", "sw",
+                    "--no-progress"])
+    assert line == ("toymlx-sweep: error: sw: --sweep-id: expected a path that holds no input, "
+                    "found the --data.path sw/data.txt inside it; choose another --sweep-id")

@@ -470,3 +470,36 @@ def test_large_data_recorded_without_a_whole_digest_is_not_guessed(tmp_path, mon
         "(recorded before toymlx kept one), so whether the rest is the same cannot be told; "
         f"if it is the run's data, give it the recorded modification time: touch -d "
         f"@{t // 10**9}.{t % 10**9:09d} {data}")
+
+
+def test_an_init_adapter_is_read_from_the_recorded_file_from_another_folder(trained, tmp_path,
+                                                                           capsys, monkeypatch):
+    """--lora.init-adapter given relative: a resume from step 0 in another folder read that
+    folder's adapter of the same name (recorded nowhere but as typed); it is now recorded with
+    the data, and the restarted run's losses are the ones it trained from its own folder."""
+    where, elsewhere = trained / "where", trained / "elsewhere"
+    monkeypatch.chdir(elsewhere)  # a decoy adapter: elsewhere/runs/rel is another run
+    assert _cli("train")(["--recipe", "lora", "--base", "smol.gguf", "--data.path", "data",
+                          "--runs-root", "runs", "--run-id", "rel", "--lr", "0.05", *TRAIN]) == 0
+    adapter = "runs/rel/weights/adapter_step_2.gguf"
+    assert (where / adapter).read_bytes() != (elsewhere / adapter).read_bytes()
+    monkeypatch.chdir(where)
+    assert _cli("train")(["--recipe", "lora", "--base", "smol.gguf", "--data.path", "data",
+                          "--lora.init-adapter", adapter, "--runs-root", str(tmp_path),
+                          "--run-id", "init", *TRAIN]) == 0
+    saved = json.loads((tmp_path / "init" / "config.json").read_text())
+    assert saved["data_files"]["lora.init_adapter"]["file"] == str(where / adapter)
+
+    def losses() -> list[float]:
+        return [e["loss"] for e in (json.loads(x) for x in
+                                    (tmp_path / "init" / "events.jsonl").read_text().splitlines())
+                if e["kind"] == "step"][-2:]
+
+    first = losses()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(tmp_path / "init"), "--from", "step_0",
+                          "--no-progress"]) == 0
+    assert (f"toymlx-train: --resume reads --lora.init-adapter from {where / adapter} (the run's "
+            f"--lora.init-adapter {adapter})\n") in capsys.readouterr().err
+    assert losses() == first

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import end_child
 from toymlx_cli.sweep import main as sweep_main
 
 from toymlx import sweeps as sweep
@@ -114,8 +115,7 @@ def test_lock_is_owned_by_a_live_process_and_dies_with_it(tmp_path):
         with pytest.raises(LockHeld, match=rf"test: in use by process {holder.pid} \(.*-c"):
             acquire(path, "test")
     finally:
-        holder.kill()
-        holder.wait()
+        end_child(holder)
     with acquire(path, "test") as lock:  # dead holder: free at once
         with pytest.raises(LockHeld, match=f"process {os.getpid()}"):
             acquire(path, "test")  # a second holder in this very process is refused too
@@ -313,8 +313,7 @@ def test_a_closed_console_stops_the_sweep_as_ctrl_c_does_and_keeps_its_summary(t
         p.stdout.close()
         assert p.wait(timeout=120) == 128 + signal.SIGPIPE
     finally:  # a sweep that does not stop would train for hours: its runs stop with it
-        p.kill()
-        p.wait()
+        end_child(p)
     states = {r["run"]: r["status"] for r in _csv(root / "summary.csv")}
     assert states["lr=0.001"] == "interrupted", states
     events = read_events(root / "lr=0.001")
@@ -436,8 +435,7 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
                                  report_png=False, busy_wait=60.0)
         assert result.states == {"lr=0.002_seed=1": "done", "lr=0.002_seed=2": "skipped"}
     finally:
-        holder.kill()
-        holder.wait()
+        end_child(holder)
 
 
 # ---------------------------------------------------------------- a sweep in one file
@@ -579,3 +577,35 @@ def test_a_sweep_too_large_to_plan_is_one_line(tmp_path, capsys, how, want):
     assert sweep_main(["--recipe", "from-scratch", *how, "--runs-root", str(tmp_path)]) == 2
     assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {want}"
     assert time.perf_counter() - t0 < 30 and not any(tmp_path.iterdir())
+
+
+def test_a_sweep_continued_from_another_folder_must_name_the_same_input_files(tmp_path, capsys,
+                                                                            monkeypatch):
+    """Shard 1/2 of a sweep started in A with `--data.path data.txt`, run from B, trained on
+    B/data.txt: the runs a sweep starts later read its typed paths from the current folder.
+    sweep.json now records the file each typed path named, and a continuation where one names
+    another file is refused (a shard of 9/10 owns none of the runs: nothing trains here)."""
+    from cli_errors import error_line
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    for d in (a, b):
+        d.mkdir()
+        (d / "data.txt").write_text(f"text of {d.name} to train on\n" * 40)
+    argv = ["--recipe", "from-scratch", "--data.path", "data.txt", "--grid", "lr=1e-3",
+            "--runs-root", str(tmp_path / "runs"), "--sweep-id", "s", "--shard", "9/10",
+            "--no-progress", "--no-report", *TINY]
+    monkeypatch.chdir(a)
+    assert sweep_main(argv) == 0
+    record = tmp_path / "runs" / "s" / "sweep.json"
+    assert json.loads(record.read_text())["input_files"] == {
+        "--data.path data.txt": str(a / "data.txt")}
+    monkeypatch.chdir(b)
+    capsys.readouterr()
+    assert sweep_main(argv) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: {tmp_path / 'runs' / 's'}: --sweep-id s: expected the options "
+        f"this sweep was started with, found --data.path (data.txt: {b / 'data.txt'} here, "
+        f"{a / 'data.txt'} when the sweep started) changed; give a new --sweep-id to run the "
+        "changed sweep, or put them back")
+    monkeypatch.chdir(a)
+    assert sweep_main(argv) == 0

@@ -36,15 +36,21 @@ a copy (a new modification time) is checked by all its bytes."""
 SAMPLE_BYTES = 2**16
 
 
+FILE_OPTIONS = ("lora.init_adapter",)
+"""Options outside `data` that name a file or folder a run reads (lora's --lora.init-adapter: an
+adapter GGUF or mlx-lm's adapter folder), recorded and found again as its data is
+(`data_paths`), so a run started from another folder reads the same file."""
+
+
 def data_paths(cfg: Any) -> dict[str, str]:
     """The data files or folders a configuration names: the `data.path`-like options (`path`,
-    `*_path` under `data`) that are set, by dotted key."""
+    `*_path` under `data`) and the `FILE_OPTIONS` that are set, by dotted key."""
     data = getattr(cfg, "data", None)
-    if not dataclasses.is_dataclass(data):
-        return {}
-    return {f"data.{f.name}": v for f in dataclasses.fields(data)
-            if (f.name == "path" or f.name.endswith("_path"))
-            and isinstance(v := getattr(data, f.name), str)}
+    out = {} if not dataclasses.is_dataclass(data) else {
+        f"data.{f.name}": v for f in dataclasses.fields(data)
+        if (f.name == "path" or f.name.endswith("_path"))
+        and isinstance(v := getattr(data, f.name), str)}
+    return {**out, **{k: v for k in FILE_OPTIONS if isinstance(v := option(cfg, k), str)}}
 
 
 def _files(path: Path) -> list[Path]:

@@ -4,7 +4,9 @@
 path that
 - is one of the command's inputs: the same file after resolving symlinks and `..`, or a hard
   link to it (same device and inode), or holds an input (a folder written into: a run folder
-  with --overwrite), or lies inside an input folder (a data folder, a run read);
+  with --overwrite), or lies inside an input folder (a data folder, a run read); an input in a
+  run bundle brings the files its config.json records (`recorded_inputs`: the run's data and
+  model files, which eval and export read through it);
 - lies inside a run bundle (`is_bundle`) other than the ones the command owns (`owns`: the run
   a training writes its --fuse-at-end file into); `runs/<id>/weights/latest`, a link, counts as
   inside its bundle whether or not it resolves;
@@ -19,12 +21,15 @@ Nothing is written by the check, so a refused command leaves every file as it wa
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from toymlx.backend.files import special_kind
 from toymlx.bundle import model_store
+from toymlx.bundle.inputs import DATA_FILES_KEY, MODEL_FILES_KEY
+from toymlx.bundle.options import flag_name
 
 BUNDLE_MARKS = ("config.json", "events.jsonl", "weights", ".lock")
 """What a run bundle (`toymlx.runner.bundle`) holds: config.json and events.jsonl once it has started,
@@ -76,21 +81,50 @@ def store_of(path: Path) -> tuple[str, Path] | None:
     return None
 
 
+def recorded_inputs(bundle: Path) -> list[tuple[str, str]]:
+    """("the run's FLAG", absolute file) of each data and model file a run bundle's config.json
+    records: what a command given the run (eval, export) reads through it. [] for a
+    config.json that cannot be read: the command reading it says why."""
+    try:
+        saved = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    found = []
+    for group in (DATA_FILES_KEY, MODEL_FILES_KEY):
+        records = saved.get(group) if isinstance(saved, dict) else None
+        for key, rec in (records.items() if isinstance(records, dict) else ()):
+            if isinstance(rec, dict) and isinstance(rec.get("file"), str):
+                found.append((f"run's {flag_name(key)}", rec["file"]))
+    return found
+
+
+def _with_recorded(inputs: Iterable[tuple[str, str | os.PathLike | None]]
+                   ) -> list[tuple[str, str | os.PathLike | None]]:
+    """`inputs`, each one in a run bundle followed by the files that run records."""
+    out = []
+    for what, given in inputs:
+        out.append((what, given))
+        if (given is not None and not model_store.is_store_name(given) and Path(given).exists()
+                and (bundle := bundle_of(Path(given))) is not None):
+            out.extend(recorded_inputs(bundle))
+    return out
+
+
 def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]],
                  flag: str = "--out", owns: Iterable[str | os.PathLike] = (),
                  folder: bool = False) -> Path:
     """`out` as a Path, after refusing (OutputError, one line naming both paths) an output
     that is a FIFO, device or socket, a folder where a file is written (a file where a
     `folder` is), is or holds one of `inputs` ((flag, path) pairs; None and missing paths
-    skipped), lies in one of the input folders, in a run bundle not in `owns`, or in a model
-    store."""
+    skipped; one in a run bundle brings the files that run records), lies in one of the input
+    folders, in a run bundle not in `owns`, or in a model store."""
     out = Path(out)
     if kind := special_kind(out):
         raise OutputError(f"{out}: {flag}: expected a regular file or a new name, found {kind} "
                           f"(writing would replace it with a regular file); choose another "
                           f"{flag}")
     real = _real(out)
-    for what, given in inputs:
+    for what, given in _with_recorded(inputs):
         if given is None or model_store.is_store_name(given):
             continue  # a store name: its file lies in a store, which is refused below
         src = Path(given)

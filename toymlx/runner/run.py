@@ -120,14 +120,15 @@ class _Prepared:
 
 
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
-                 bundle: Bundle | None = None) -> int:
-    """Run one recipe with a parsed config (with `bundle`, the opened run `--resume` continues);
+                 bundle: Bundle | None = None, config_file: str | None = None) -> int:
+    """Run one recipe with a parsed config (with `bundle`, the opened run `--resume` continues;
+    `config_file`: the -c file it was read from, an input the run folder must not replace);
     returns the process exit code."""
     with contextlib.ExitStack() as owned:  # the bundle's lock, held until training has ended
         try:
             # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
             setup_process(wide_evaluation=not cfg.grad_checkpoint)
-            run = _prepare(recipe, module, cfg, bundle, owned)
+            run = _prepare(recipe, module, cfg, bundle, owned, config_file)
         except (ValueError, OSError, KeyError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 2
@@ -173,7 +174,7 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
 
 
 def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle | None,
-             owned: contextlib.ExitStack) -> _Prepared:
+             owned: contextlib.ExitStack, config_file: str | None = None) -> _Prepared:
     """Everything before the first step, the bundle owned (locked) through `owned`; raises
     ValueError/OSError with one line when something is off, leaving no new bundle behind."""
     check_config(module, cfg, new_run=bundle is None and not cfg.resume)
@@ -194,7 +195,8 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
     check_utf8_options(asdict(cfg))
     default_id = not cfg.run_id
     cfg.run_id = cfg.run_id or _shared_run_id(recipe, world)
-    run_dir = check_output(Path(cfg.runs_root) / cfg.run_id, run_inputs(cfg),
+    run_dir = check_output(Path(cfg.runs_root) / cfg.run_id,
+                           [*run_inputs(cfg), ("-c/--config", config_file)],
                            "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id],
                            folder=True)
     if rank0:
@@ -237,9 +239,9 @@ def check_utf8_options(options: dict[str, Any], prefix: str = "") -> None:
 
 
 def run_inputs(cfg: TrainConfig) -> list[tuple[str, Any]]:
-    """(flag, path) of every file or folder a run reads: its data, its model files and
-    --lora.init-adapter (what its outputs must not overwrite)."""
-    keys = [*data_paths(cfg), *MODEL_OPTIONS, "lora.init_adapter"]
+    """(flag, path) of every file or folder a run reads: its data (and --lora.init-adapter)
+    and its model files (what its outputs must not overwrite)."""
+    keys = [*data_paths(cfg), *MODEL_OPTIONS]
     return [(flag_name(k), option(cfg, k)) for k in keys]
 
 

@@ -10,15 +10,17 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import random as _random
 import re
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
+from toymlx.bundle.model_store import is_store_name
 from toymlx.bundle.options import BUNDLE_PICK, flag_name
 from toymlx.runner import report
 from toymlx.sweeps.draws import RANGE, parse_range
@@ -301,20 +303,40 @@ def shard_specs(specs: Sequence[RunSpec], shard: tuple[int, int]) -> list[RunSpe
     return [s for k, s in enumerate(specs) if k % n == i]
 
 
+INPUT_FILES_KEY = "input_files"
+"""sweep.json's {"FLAG PATH" (as typed): the absolute file it named, links resolved, when the
+sweep first met it}: a run started later (another --shard, a retry) reads the same typed path
+from the current folder, so a sweep continued where it names another file is refused
+(`changed_options`)."""
+
+
+def input_files(inputs: Iterable[tuple[str, Any]]) -> dict[str, str]:
+    """{"FLAG PATH": its absolute file} of the existing paths among (flag, path) `inputs`."""
+    return {f"{flag} {path}": os.path.realpath(path) for flag, path in inputs
+            if isinstance(path, str) and not is_store_name(path) and os.path.exists(path)}
+
+
 def write_sweep_file(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
-                     run_options: Mapping[str, Any] | None = None) -> None:
+                     run_options: Mapping[str, Any] | None = None,
+                     inputs: Iterable[tuple[str, Any]] = ()) -> None:
+    """sweep.json: the recipe, the config file's options, each run's flags and the runs' input
+    files (`INPUT_FILES_KEY`), merged with what an earlier start recorded."""
     path = sweep_dir / report.SWEEP_FILE
     runs: dict[str, dict] = {}
+    files: dict[str, str] = {}
     try:
         old = json.loads(path.read_text())
         if old.get("recipe") == recipe:
             runs = {r["name"]: r for r in old.get("runs", [])}
+            files = dict(old.get(INPUT_FILES_KEY) or {})
     except (OSError, ValueError, KeyError, TypeError):
         pass
     for s in specs:
         runs[s.name] = {"name": s.name, "params": s.params, "args": list(s.args)}
+    files = {**input_files(inputs), **files}  # the first start's file wins
     atomic.write_text(path, json.dumps({"recipe": recipe, "sweep_id": sweep_dir.name,
                                         **({"run_options": run_options} if run_options else {}),
+                                        **({INPUT_FILES_KEY: files} if files else {}),
                                         "runs": list(runs.values())}, indent=1, default=str))
 
 
@@ -341,10 +363,13 @@ def _leaves(options: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def changed_options(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
-                    run_options: Mapping[str, Any] | None) -> list[str]:
+                    run_options: Mapping[str, Any] | None,
+                    inputs: Iterable[tuple[str, Any]] = ()) -> list[str]:
     """What differs from the sweep already in `sweep_dir` (its sweep.json): the recipe, keys of
-    the options every run takes from the config file, and flags of a run of the same name; []
-    for a new sweep, or the same one (more runs may be added)."""
+    the options every run takes from the config file, flags of a run of the same name, and an
+    input path (`inputs`, (flag, path) as typed) that names another file than when the sweep
+    started ("FLAG (PATH: FILE here, FILE then)"); [] for a new sweep, or the same one (more
+    runs may be added)."""
     try:
         old = json.loads((sweep_dir / report.SWEEP_FILE).read_text())
     except FileNotFoundError:
@@ -366,4 +391,9 @@ f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (a JSON "
             a, b = _flag_values(runs[s.name].get("args", [])), _flag_values(s.args)
             changed += [f for f in sorted(a.keys() | b.keys())
                         if a.get(f) != b.get(f) and f not in changed]
+    then = old.get(INPUT_FILES_KEY) or {}
+    for flag, path in inputs:
+        was = then.get(f"{flag} {path}") if isinstance(path, str) else None
+        if was is not None and (here := os.path.realpath(path)) != was:
+            changed.append(f"{flag} ({path}: {here} here, {was} when the sweep started)")
     return changed

@@ -281,7 +281,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
               workers: int = 1, shard: tuple[int, int] = (0, 1), sweep_id: str | None = None,
               *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
               python: str | None = None, report_png: bool = True,
-              busy_wait: float = 60.0, run_options: Mapping[str, Any] | None = None
+              busy_wait: float = 60.0, run_options: Mapping[str, Any] | None = None,
+              inputs: Sequence[tuple[str, Any]] = (), config_file: str | None = None
               ) -> SweepResult:
     """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
     time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
@@ -289,7 +290,11 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     retried (`retry_failed`); a run whose bundle another process owns is waited for up to
     `busy_wait` seconds, then left to it. A failure is reported and does not stop the others.
     `run_options` (a config file's, as toymlx-train -c reads one) is written to the sweep
-    folder's RUN_OPTIONS_FILE and given to every new run as `-c`, the specs' flags over it."""
+    folder's RUN_OPTIONS_FILE and given to every new run as `-c`, the specs' flags over it.
+    `inputs` ((flag, path): the runs' data and model files, as typed) and `config_file` (the -c
+    file): what the sweep's folder, written into, must not hold or lie in; sweep.json records
+    the files `inputs` name, which a sweep continued from another folder must name again
+    (`changed_options`)."""
     if workers < 1:
         raise ValueError(f"--workers: expected >= 1, found {workers}")
     if not specs:
@@ -302,20 +307,20 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     given = sweep_id is not None
     sweep_id = sweep_id or default_sweep_id(recipe, specs, run_options)
     check_folder_name(sweep_id, "--sweep-id")
-    # its runs' inputs are checked by each toymlx-train; the sweep's own folder here, naming
+    # each run's folder is checked by its toymlx-train; the sweep's own folder here, naming
     # the flag that put it where it is: the root first, then a given --sweep-id in that root
     # (one naming a run's folder)
     check_output(Path(root), [], "--runs-root", folder=True)
-    sweep_dir = check_output(Path(root) / sweep_id, [], "--sweep-id" if given else "--runs-root",
-                             folder=True)
-    changed = changed_options(sweep_dir, recipe, specs, run_options)
+    sweep_dir = check_output(Path(root) / sweep_id, [*inputs, ("-c/--config", config_file)],
+                             "--sweep-id" if given else "--runs-root", folder=True)
+    changed = changed_options(sweep_dir, recipe, specs, run_options, inputs)
     if changed:
         raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this sweep "
                          f"was started with, found {', '.join(changed)} changed; give a new "
                          "--sweep-id to run the changed sweep, or put them back")
     for sub in ("logs", ".locks", ".status"):
         (sweep_dir / sub).mkdir(parents=True, exist_ok=True)
-    write_sweep_file(sweep_dir, recipe, specs, run_options)
+    write_sweep_file(sweep_dir, recipe, specs, run_options, inputs)
     options_file = None
     if run_options:
         options_file = sweep_dir / RUN_OPTIONS_FILE
