@@ -86,7 +86,9 @@ def write(version):
             events.cut_back(d, 2)
 
 
-def die(*a, **k):
+def die(src, dst, *a, **k):
+    if Path(dst).parent != d:  # another file's rename (MLX's kernel folder relinked at start-up)
+        return real_replace(src, dst, *a, **k)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
