@@ -33,16 +33,16 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
 
 def _given_inputs(argv: list[str]) -> dict[str, str]:
     """{option: path} of the input options (`--data.path`, `--data.*-path`, `--base`,
-    `--donor`, `--tokenizer`) a resume's command line gives: the bundle opens with them
-    (`Bundle.open`'s `given`), so data or a model moved since the run started is read from its
-    new place once its contents are checked."""
-    from toymlx.bundle.inputs import MODEL_OPTIONS
+    `--donor`, `--tokenizer`, `--lora.init-adapter`) a resume's command line gives: the bundle
+    opens with them (`Bundle.open`'s `given`), so data, a model or an init adapter moved since
+    the run started is read from its new place once its contents are checked."""
+    from toymlx.bundle.inputs import FILE_OPTIONS, MODEL_OPTIONS
 
     out = {}
     for i, a in enumerate(argv):
         flag, eq, value = a.partition("=")
         key = flag[2:].replace("-", "_") if flag.startswith("--") else ""
-        if key in MODEL_OPTIONS or key.startswith("data.") and (
+        if key in MODEL_OPTIONS or key in FILE_OPTIONS or key.startswith("data.") and (
                 key == "data.path" or key.endswith("_path")):
             if eq:
                 out[key] = value
