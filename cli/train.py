@@ -163,7 +163,8 @@ def _main(argv: list[str] | None) -> int:
             recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
             if recipe in (None, "lora") and is_mlx_lm_config(options, file_recipe is not None):
                 recipe, mlx_lm = "lora", True  # mlx-lm's lora config, with mlx-lm's meaning
-                options, rows, notes = mlx_lm_options(options, config_path)
+                flags = frozenset(a.partition("=")[0] for a in rest if a.startswith("--"))
+                options, rows, notes = mlx_lm_options(options, config_path, flags)
                 rows = _over_the_file(rows, rest)
                 print(f"{config_path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
                 for note in notes:
