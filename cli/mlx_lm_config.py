@@ -422,6 +422,20 @@ def _hub_dataset(source: str, key: str, name: str) -> ConfigFileError:
         f"--local-dir DIR) and give data: DIR")
 
 
+def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: str) -> str:
+    """A config-file error on a toymlx option an mlx-lm key of the file set (`key
+    'data.mask_prompt'`), naming that key as the file has it (`key 'mask_prompt' (toymlx's
+    --data.mask-prompt)`); other errors unchanged."""
+    head = f"{source}: key '"
+    if not message.startswith(head):
+        return message
+    option, _, rest = message[len(head):].partition("'")
+    keys = [k for k, flag, _, _ in rows if flag == _flag(option) and k != "(none)"]
+    if not keys or keys[0] == option:
+        return message
+    return f"{source}: key {keys[0]!r} (toymlx's {_flag(option)}){rest}"
+
+
 def mlx_lm_table(rows: list[tuple[str, str, Any, str]]) -> str:
     """The table printed at start: mlx-lm key, toymlx option, value, and where it came from."""
     head = ("mlx-lm key", "toymlx option", "value", "from")

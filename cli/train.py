@@ -130,6 +130,7 @@ def _main(argv: list[str] | None) -> int:
     )
     from toymlx_cli.mlx_lm_config import (
         is_mlx_lm_config,
+        mlx_lm_error,
         mlx_lm_layers,
         mlx_lm_layers_flag,
         mlx_lm_options,
@@ -186,8 +187,12 @@ def _main(argv: list[str] | None) -> int:
         else:
             module = get_recipe(recipe)
             if config_path is not None:
-                default = defaults_from_file(module.Config, options, config_path,
-                                             f"toymlx-train --recipe {recipe}")
+                try:
+                    default = defaults_from_file(module.Config, options, config_path,
+                                                 f"toymlx-train --recipe {recipe}")
+                except ValueError as e:  # an mlx-lm file: named by its own key
+                    raise ValueError(mlx_lm_error(str(e), rows, config_path) if mlx_lm
+                                     else str(e)) from None
     except (ValueError, OSError) as e:  # RunError, LockHeld, an unknown --recipe; a path the
         # system refuses (a name too long)
         print(f"toymlx-train: error: {e}", file=sys.stderr)

@@ -688,3 +688,20 @@ def test_data_given_on_the_command_line_wins_over_the_file_s_dataset_name(tmp_pa
     assert rows == [["data", "--data.path", str(data), "command", "line,", "over", "the", "file"]]
     saved = json.loads((tmp_path / "r" / "config.json").read_text())["config"]
     assert saved["data"]["path"] == str(data)
+
+
+@pytest.mark.parametrize("extra,line", [
+    ("mask_prompt: yes", ("key 'mask_prompt' (toymlx's --data.mask-prompt): expected true or "
+     "false, found \"yes\" (a string)")),
+    ("lr_schedule: {name: cosine_decay, arguments: [1.0e-4, 10], warmup: 2.5}",
+     "key 'lr_schedule.warmup' (toymlx's --warmup): expected an integer, found 2.5 (a number)"),
+    ("seed: x", "key 'seed': expected an integer, found \"x\" (a string)"),
+])
+def test_a_bad_value_is_named_by_the_file_s_own_key(tmp_path, base, capsys, extra, line):
+    """A value of the wrong type is one line naming the mlx-lm key the file holds; it named
+    toymlx's option ("key 'data.mask_prompt'", "key 'warmup'"), which the file does not have."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {base}\niters: 2\n{extra}\n")
+    assert main(["-c", str(path), "--runs-root", str(tmp_path), "--no-progress"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {path}: {line}; fix it, or remove the "
+                                  "key to take its default")
