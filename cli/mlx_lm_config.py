@@ -49,7 +49,6 @@ example a row, validates at iteration 1 before any update; MLX's Adam betas, and
 decay on every trained array; mask_prompt trains a conversation's last message), where
 toymlx's lora recipe has another default."""
 _NOTED = {
-    "train": "toymlx-train always trains",
     "test_batches": "toymlx's --test scores all of test.jsonl",
     "clear_cache_threshold": "toymlx manages MLX's cache itself",
     "project_name": "W&B's project is WANDB_PROJECT (default toymlx)",
@@ -107,11 +106,16 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def mlx_lm_options(data: dict[str, Any], source: str
+def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = frozenset()
                    ) -> tuple[dict[str, Any], list[tuple[str, str, Any, str]], list[str]]:
     """(toymlx options as dotted keys, the table's rows (mlx-lm key, toymlx option, value,
     "file" or "mlx-lm default"), one note a key not honoured) of an mlx-lm config; ConfigFileError
-    (one line naming the key) for one toymlx cannot honour that changes what is trained."""
+    (one line naming the key) for one toymlx cannot honour that changes what is trained.
+    `flags`: the options the command line gives (`--data.path`), which win over the file's keys
+    as mlx-lm's flags do, so a file key they replace is not refused."""
+    # mlx-lm fills every key whose value is null with its default (`mlx_lm lora`'s main), and
+    # saves null for the keys it left unset (adapter_config.json: lr_schedule, report_to, ...)
+    data = {k: v for k, v in data.items() if v is not None}
     keys = set(data)
     unknown = sorted(k for k in keys if _toymlx_only(k))
     if unknown:
@@ -120,6 +124,8 @@ def mlx_lm_options(data: dict[str, Any], source: str
                               f"config (the file is read as mlx-lm's, for its {why!r}), found "
                               "an unknown key")
     given = {**MLX_LM_DEFAULTS, **data}
+    _want(source, "train", data.get("train", True) is True, "true (toymlx-train trains; a run's "
+          "test.jsonl is scored by toymlx-eval --model RUN --split test)", data.get("train"))
     out: dict[str, Any] = {}
     rows: list[tuple[str, str, Any, str]] = []
     notes = [f"{source}: key {k!r}: not honoured ({why})" for k, why in _NOTED.items()
@@ -172,7 +178,8 @@ def mlx_lm_options(data: dict[str, Any], source: str
     if "hf_dataset" in data:
         _hf_dataset(data["hf_dataset"], source)
     if "data" in data:
-        put("data", "data.path", _data(data["data"], source))
+        put("data", "data.path", data["data"] if "--data.path" in flags
+            else _data(data["data"], source))
     if "adapter_path" in data:
         p = data["adapter_path"]
         _want(source, "adapter_path", isinstance(p, str) and p.strip("/") != "",
@@ -238,8 +245,9 @@ def mlx_lm_layers_flag(cfg: Any) -> str:
 
 def mlx_lm_layers(cfg: Any) -> tuple[Any, str | None]:
     """(cfg, a note or None): num_layers with mlx-lm's meaning, `layers[-max(num_layers, 0):]`:
-    -1, 0 or a count at least the base's block count (its default 16 on a 5-block model) is
-    every block, where toymlx's --lora.layers and --full.layers refuse them as typos. LoRA's
+    -1, 0 or the base's block count is every block, where toymlx's --lora.layers and
+    --full.layers refuse -1 and 0 as typos; a count past the base's blocks (mlx-lm's default 16
+    on a 5-block model), which mlx-lm refuses, is every block too, the note says so. LoRA's
     every block is an unset --lora.layers; a full fine-tune's is --full.layers at the block
     count, which keeps the embeddings, the final norm and the head frozen as mlx-lm does (unset,
     toymlx's full trains them too). A base that cannot be read is left to the recipe, which
@@ -260,12 +268,16 @@ def mlx_lm_layers(cfg: Any) -> tuple[Any, str | None]:
         return cfg, None
     if not isinstance(blocks, int) or 0 < n < blocks:
         return cfg, None
-    rule = f"layers[-{n}:]" if n > 0 else f"every block for {n}"
+    # mlx-lm 0.32's train_model raises for a count past the model's blocks ("Requested to
+    # train 16 layers but the model only has 5 layers"), its default 16 included
+    verb = "trains" if full else "adapts"
+    rule = (f"mlx-lm {verb} layers[-{n}:]" if 0 < n <= blocks else f"mlx-lm {verb} every block "
+            f"for {n}" if n <= 0 else f"mlx-lm refuses more than the base's {blocks}")
     if full:
         note = (f"num_layers {n}: every block of the base's {blocks} trained, the embeddings, "
-                f"final norm and head frozen (mlx-lm trains {rule})")
+                f"final norm and head frozen ({rule})")
         return dataclasses.replace(cfg, full=dataclasses.replace(cfg.full, layers=blocks)), note
-    note = f"num_layers {n}: every block of the base's {blocks} (mlx-lm adapts {rule})"
+    note = f"num_layers {n}: every block of the base's {blocks} ({rule})"
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, layers=None)), note
 
 
@@ -408,6 +420,20 @@ def _hub_dataset(source: str, key: str, name: str) -> ConfigFileError:
         f"Hugging Face datasets, and needs no network), found the dataset name {name!r}; "
         f"download it where there is a network (hf download --repo-type dataset {name} "
         f"--local-dir DIR) and give data: DIR")
+
+
+def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: str) -> str:
+    """A config-file error on a toymlx option an mlx-lm key of the file set (`key
+    'data.mask_prompt'`), naming that key as the file has it (`key 'mask_prompt' (toymlx's
+    --data.mask-prompt)`); other errors unchanged."""
+    head = f"{source}: key '"
+    if not message.startswith(head):
+        return message
+    option, _, rest = message[len(head):].partition("'")
+    keys = [k for k, flag, _, _ in rows if flag == _flag(option) and k != "(none)"]
+    if not keys or keys[0] == option:
+        return message
+    return f"{source}: key {keys[0]!r} (toymlx's {_flag(option)}){rest}"
 
 
 def mlx_lm_table(rows: list[tuple[str, str, Any, str]]) -> str:

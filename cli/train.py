@@ -33,16 +33,16 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
 
 def _given_inputs(argv: list[str]) -> dict[str, str]:
     """{option: path} of the input options (`--data.path`, `--data.*-path`, `--base`,
-    `--donor`, `--tokenizer`) a resume's command line gives: the bundle opens with them
-    (`Bundle.open`'s `given`), so data or a model moved since the run started is read from its
-    new place once its contents are checked."""
-    from toymlx.bundle.inputs import MODEL_OPTIONS
+    `--donor`, `--tokenizer`, `--lora.init-adapter`) a resume's command line gives: the bundle
+    opens with them (`Bundle.open`'s `given`), so data, a model or an init adapter moved since
+    the run started is read from its new place once its contents are checked."""
+    from toymlx.bundle.inputs import FILE_OPTIONS, MODEL_OPTIONS
 
     out = {}
     for i, a in enumerate(argv):
         flag, eq, value = a.partition("=")
         key = flag[2:].replace("-", "_") if flag.startswith("--") else ""
-        if key in MODEL_OPTIONS or key.startswith("data.") and (
+        if key in MODEL_OPTIONS or key in FILE_OPTIONS or key.startswith("data.") and (
                 key == "data.path" or key.endswith("_path")):
             if eq:
                 out[key] = value
@@ -130,6 +130,7 @@ def _main(argv: list[str] | None) -> int:
     )
     from toymlx_cli.mlx_lm_config import (
         is_mlx_lm_config,
+        mlx_lm_error,
         mlx_lm_layers,
         mlx_lm_layers_flag,
         mlx_lm_options,
@@ -163,7 +164,8 @@ def _main(argv: list[str] | None) -> int:
             recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
             if recipe in (None, "lora") and is_mlx_lm_config(options, file_recipe is not None):
                 recipe, mlx_lm = "lora", True  # mlx-lm's lora config, with mlx-lm's meaning
-                options, rows, notes = mlx_lm_options(options, config_path)
+                flags = frozenset(a.partition("=")[0] for a in rest if a.startswith("--"))
+                options, rows, notes = mlx_lm_options(options, config_path, flags)
                 rows = _over_the_file(rows, rest)
                 print(f"{config_path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
                 for note in notes:
@@ -185,8 +187,12 @@ def _main(argv: list[str] | None) -> int:
         else:
             module = get_recipe(recipe)
             if config_path is not None:
-                default = defaults_from_file(module.Config, options, config_path,
-                                             f"toymlx-train --recipe {recipe}")
+                try:
+                    default = defaults_from_file(module.Config, options, config_path,
+                                                 f"toymlx-train --recipe {recipe}")
+                except ValueError as e:  # an mlx-lm file: named by its own key
+                    raise ValueError(mlx_lm_error(str(e), rows, config_path) if mlx_lm
+                                     else str(e)) from None
     except (ValueError, OSError) as e:  # RunError, LockHeld, an unknown --recipe; a path the
         # system refuses (a name too long)
         print(f"toymlx-train: error: {e}", file=sys.stderr)

@@ -126,16 +126,17 @@ def test_the_table_shows_what_the_command_line_gives_over_the_file(tmp_path, bas
 
 
 def test_num_layers_past_the_base_s_blocks_adapts_every_block(tmp_path, base, data, capsys):
-    """mlx-lm adapts `layers[-num_layers:]`: its default 16 on this 2-block base (and any
-    larger count) is every block, where it was refused as "--lora.layers: expected 1..2";
-    toymlx's own --lora.layers keeps its check."""
+    """mlx-lm's default 16 on this 2-block base (and any larger count) is every block, where it
+    was refused as "--lora.layers: expected 1..2"; the note says mlx-lm 0.32 refuses it (it
+    said mlx-lm adapts layers[-16:], but train_model raises past the model's blocks); toymlx's
+    own --lora.layers keeps its check."""
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 1,
                                     "batch_size": 2, "max_seq_length": 32, "val_batches": 1}))
     runs = ["--runs-root", str(tmp_path / "runs"), "--no-progress", "--no-compile"]
     assert main(["-c", str(path), *runs, "--run-id", "r"]) == 0
-    assert (f"toymlx-train: {path}: num_layers 16: every block of the base's 2 (mlx-lm adapts "
-            "layers[-16:])") in capsys.readouterr().err.splitlines()
+    assert (f"toymlx-train: {path}: num_layers 16: every block of the base's 2 (mlx-lm refuses "
+            "more than the base's 2)") in capsys.readouterr().err.splitlines()
     saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
     assert saved["lora"]["layers"] is None
     (start,) = [e for e in read_events(tmp_path / "runs" / "r") if e["kind"] == "run_start"]
@@ -147,7 +148,7 @@ def test_num_layers_past_the_base_s_blocks_adapts_every_block(tmp_path, base, da
 
 @pytest.mark.parametrize("num_layers,trained,note", [
     (None, [0, 1], ("num_layers 16: every block of the base's 2 trained, the embeddings, "
-                    "final norm and head frozen (mlx-lm trains layers[-16:])")),
+                    "final norm and head frozen (mlx-lm refuses more than the base's 2)")),
     (-1, [0, 1], ("num_layers -1: every block of the base's 2 trained, the embeddings, final "
                   "norm and head frozen (mlx-lm trains every block for -1)")),
     (0, [0, 1], ("num_layers 0: every block of the base's 2 trained, the embeddings, final "
@@ -651,3 +652,56 @@ def test_the_val_loss_of_an_iteration_is_noted_as_one_update_apart():
          "update N; toymlx's at step N is after it (one update later; the first, "
          "--eval-at-start's, is the same)")]
     assert mlx_lm_options({"iters": 4}, "f.yaml")[2] == []
+
+
+def test_a_null_key_takes_mlx_lm_s_default_and_train_false_is_refused():
+    """mlx-lm fills a key whose value is null with its default (adapter_config.json saves
+    lr_schedule, report_to, resume_adapter_file ... as null): such a file maps as if the keys
+    were left out; it was refused ("key 'lr_schedule': expected a mapping with name and
+    arguments, found null"). `train: false` (mlx-lm: test only, no training) is refused, where
+    toymlx-train trained 1000 steps under a note; `train: true` is honoured, with no note."""
+    nulls = {"lr_schedule": None, "num_layers": None, "report_to": None, "config": None,
+             "resume_adapter_file": None, "project_name": None, "optimizer_config": None,
+             "lora_parameters": None, "learning_rate": None}
+    assert mlx_lm_options({"iters": 5, **nulls}, "f.yaml") == mlx_lm_options({"iters": 5},
+                                                                             "f.yaml")
+    assert mlx_lm_options({"iters": 5, "train": True}, "f.yaml")[2] == []
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"iters": 5, "train": False}, "f.yaml")
+    assert str(e.value) == ("f.yaml: key 'train': expected true (toymlx-train trains; a run's "
+                            "test.jsonl is scored by toymlx-eval --model RUN --split test), "
+                            "found false")
+
+
+def test_data_given_on_the_command_line_wins_over_the_file_s_dataset_name(tmp_path, base, data,
+                                                                          capsys):
+    """`data: mlx-community/WikiSQL` (mlx-lm's default, saved in its adapter_config.json) with
+    `--data.path DIR`: the flag wins, as mlx-lm's --data does; the file's name was refused
+    before the flag was read."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": "mlx-community/WikiSQL",
+                                    "iters": 1, "batch_size": 2, "max_seq_length": 32,
+                                    "val_batches": 1, "num_layers": 2}))
+    assert main(["-c", str(path), "--data.path", str(data), "--runs-root", str(tmp_path),
+                 "--run-id", "r", "--no-progress", "--no-compile"]) == 0
+    rows = [x.split() for x in capsys.readouterr().out.splitlines() if x.startswith("data ")]
+    assert rows == [["data", "--data.path", str(data), "command", "line,", "over", "the", "file"]]
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())["config"]
+    assert saved["data"]["path"] == str(data)
+
+
+@pytest.mark.parametrize("extra,line", [
+    ("mask_prompt: yes", ("key 'mask_prompt' (toymlx's --data.mask-prompt): expected true or "
+     "false, found \"yes\" (a string)")),
+    ("lr_schedule: {name: cosine_decay, arguments: [1.0e-4, 10], warmup: 2.5}",
+     "key 'lr_schedule.warmup' (toymlx's --warmup): expected an integer, found 2.5 (a number)"),
+    ("seed: x", "key 'seed': expected an integer, found \"x\" (a string)"),
+])
+def test_a_bad_value_is_named_by_the_file_s_own_key(tmp_path, base, capsys, extra, line):
+    """A value of the wrong type is one line naming the mlx-lm key the file holds; it named
+    toymlx's option ("key 'data.mask_prompt'", "key 'warmup'"), which the file does not have."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {base}\niters: 2\n{extra}\n")
+    assert main(["-c", str(path), "--runs-root", str(tmp_path), "--no-progress"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {path}: {line}; fix it, or remove the "
+                                  "key to take its default")

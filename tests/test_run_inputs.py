@@ -503,3 +503,45 @@ def test_an_init_adapter_is_read_from_the_recorded_file_from_another_folder(trai
     assert (f"toymlx-train: --resume reads --lora.init-adapter from {where / adapter} (the run's "
             f"--lora.init-adapter {adapter})\n") in capsys.readouterr().err
     assert losses() == first
+
+
+def test_a_moved_init_adapter_given_on_resume_is_taken_by_its_contents(trained, tmp_path,
+                                                                      capsys, monkeypatch):
+    """A run started from mlx-lm's adapters (`--lora.init-adapter ad1/adapters.safetensors`, or
+    an mlx-lm config's resume_adapter_file), `mv ad1 ad2`, then `--resume RUN
+    --lora.init-adapter ad2/adapters.safetensors`: the same bytes are accepted as moved data is
+    (one line, the resume event's record, the never-stopped run's losses), other contents are
+    one line naming both files. Before, the flag was refused as a changed option, while the
+    missing file's message told the user to give it."""
+    from mlx_lm_adapters import lora_config, make_adapter
+
+    monkeypatch.chdir(tmp_path)
+    make_adapter(trained / "where" / "smol.gguf", tmp_path / "ad1", lora_config(3, 4, 2.0))
+    cut, whole = _cut_and_whole(tmp_path, [
+        "--recipe", "lora", "--base", str(trained / "where" / "smol.gguf"), "--data.path",
+        str(trained / "where" / "data"), "--lora.init-adapter", "ad1/adapters.safetensors",
+        "--lora.targets", "q,k,v,o,gate,up,down", "--lora.rank", "4", "--lora.alpha", "8"])
+    (tmp_path / "ad1").rename(tmp_path / "ad2")
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(cut), "--no-progress"]) == 2
+    assert error_line(capsys) == (
+        "toymlx-train: error: ad1/adapters.safetensors: --lora.init-adapter: expected the run's "
+        f"lora.init_adapter ({(tmp_path / 'ad2' / 'adapters.safetensors').stat().st_size} bytes when it "
+        "started), found nothing there; put it back, or give where it is now: "
+        "--lora.init-adapter PATH")
+    other = trained / "where" / "runs" / "rel" / "weights" / "adapter_step_2.gguf"
+    was = json.loads((cut / "config.json").read_text())["data_files"]["lora.init_adapter"]
+    assert _cli("train")(["--resume", str(cut), "--lora.init-adapter", str(other),
+                          "--no-progress"]) == 2
+    assert error_line(capsys).startswith(
+        f"toymlx-train: error: {other}: --lora.init-adapter: expected the run's "
+        f"lora.init_adapter, recorded as {tmp_path / 'ad1' / 'adapters.safetensors'} "
+        f"({was['bytes']} bytes, sha256 {was['sha256'][:12]}), found other contents (")
+    new = "ad2/adapters.safetensors"
+    assert _cli("train")(["--resume", str(cut), "--lora.init-adapter", new, "--no-progress"]) == 0
+    assert (f"toymlx-train: --resume reads --lora.init-adapter from {new} (moved; same contents "
+            "as the run's ad1/adapters.safetensors)\n") in capsys.readouterr().err
+    assert _moved(cut) == {"lora.init_adapter": {
+        "path": new, "file": str(tmp_path / new),
+        "was": str(tmp_path / "ad1" / "adapters.safetensors")}}
+    assert _losses(cut) == pytest.approx(_losses(whole), abs=1e-5)

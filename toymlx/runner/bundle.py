@@ -285,18 +285,19 @@ class Bundle:
             if not isinstance(path, str):
                 raise RunError(f"{self.path / CONFIG_FILE}: key '{DATA_FILES_KEY}.{key}': "
                                f"expected a path and its fingerprint, found {found_text(rec)}")
+            data = "data" if key.startswith("data.") else key  # lora.init_adapter: an adapter
             if not Path(path).exists():
-                raise RunError(f"{path}: {flag_name(key)}: expected the run's data "
+                raise RunError(f"{path}: {flag_name(key)}: expected the run's {data} "
                                f"({rec.get('bytes')} bytes when it started), found nothing "
                                f"there; put it back, or give where it is now: {flag_name(key)} "
                                "PATH")
             same, now = same_data(path, rec)
             if not same:
                 what = ("its size" if now["bytes"] != rec.get("bytes") else "its contents")
-                raise RunError(f"{path}: {flag_name(key)}: expected the data the run started "
-                               f"on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), found {what} changed "
+                raise RunError(f"{path}: {flag_name(key)}: expected the {data} the run "
+                               f"started on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), found {what} changed "
                                f"({now['bytes']} bytes, {fingerprint_note(now)}); a resumed run trains on "
-                               "its own data: restore it, or start a new run on this data")
+                               f"its own {data}: restore it, or start a new run on this {data}")
 
     def plan_resume(self, from_text: str | None, steps: int) -> Resume:
         """The checkpoint to continue from (`--from`, else the one `latest` names), verified;
