@@ -95,10 +95,14 @@ def export_vit(args: Args) -> int:
     norm = {"toy.pixel_scale": clf.scale, "toy.pixel_mean": clf.mean.tolist(),
             "toy.pixel_std": clf.std.tolist()}
     files = export_timm(args.out, clf.model, norm, clf.names)
-    kwargs = ", ".join(f"{k}={v!r}" for k, v in timm_model_args(clf.model.args).items())
+    if args.out.endswith(".safetensors"):  # the weights alone: timm needs the model's shape
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in timm_model_args(clf.model.args).items())
+        load = f"timm.create_model({TIMM_ARCH!r}, {kwargs}) and load_state_dict"
+    else:  # a folder with config.json: timm reads the shape and the weights from it
+        load = f"timm.create_model('local-dir:{args.out.rstrip('/')}', pretrained=True)"
     print(f"{PROG}: wrote {', '.join(map(str, files))} from {clf.path} in "
-          f"{time.perf_counter() - t0:.1f} s; load with timm.create_model({TIMM_ARCH!r}, "
-          f"{kwargs}) and load_state_dict; inputs NCHW, (pixels / 255 - mean) / std with mean "
+          f"{time.perf_counter() - t0:.1f} s; load with {load}; "
+          f"inputs NCHW, (pixels / 255 - mean) / std with mean "
           f"{[round(float(v), 4) for v in clf.mean]}, std {[round(float(v), 4) for v in clf.std]}",
           file=sys.stderr)
     return 0

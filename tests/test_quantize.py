@@ -225,6 +225,14 @@ def test_adapter_kept_measures_the_share_of_the_update_in_the_file(base_and_run,
         "lost to q4_1's rounding; to keep the fine-tune, export without --dtype (each adapted "
         "tensor in a type that keeps its change), or --dtype q8_0 or f16, or run the base with "
         "the adapter: llama-cli --lora)")
+    # a type's warning suggests only finer types: never the one that lost the change
+    assert kept_note(0.44, "f16") == (
+        "keeps 44% of the adapter's change on the adapted layers' outputs (warning: the rest is "
+        "lost to f16's rounding; to keep the fine-tune, export without --dtype (each adapted "
+        "tensor in a type that keeps its change), or --dtype f32, or run the base with the "
+        "adapter: llama-cli --lora)")
+    assert "or --dtype f16 or f32, or run" in kept_note(0.3, "q8_0")
+    assert "or --dtype f16 or f32, or run" in kept_note(0.3, "bf16")
 
 
 def test_default_is_the_base_own_type(base_and_run, tmp_path):

@@ -90,6 +90,24 @@ def exported(tmp_path):
     return model, tmp_path / "timm"
 
 
+def test_export_says_how_timm_loads_what_it_wrote(tmp_path, capsys):
+    """A folder (config.json beside the weights) loads by `local-dir:`, as docs/IMAGES.md says;
+    a .safetensors file alone needs the model's arguments and load_state_dict."""
+    ckpt = tmp_path / "m.gguf"
+    write_vit(ckpt, ViT(ARGS), NORM, class_names=NAMES)
+    assert export_main(["--model", str(ckpt), "--format", "safetensors",
+                        "--out", str(tmp_path / "vit") + "/"]) == 0
+    err = capsys.readouterr().err
+    assert f"; load with timm.create_model('local-dir:{tmp_path / 'vit'}', pretrained=True); " \
+        "inputs NCHW" in err, err
+    assert export_main(["--model", str(ckpt), "--format", "safetensors",
+                        "--out", str(tmp_path / "w.safetensors")]) == 0
+    err = capsys.readouterr().err
+    assert f"; load with timm.create_model({TIMM_ARCH!r}, num_classes=4, img_size=12, " \
+        "patch_size=4, in_chans=3, embed_dim=24, depth=2, " in err, err
+    assert ") and load_state_dict; inputs NCHW" in err, err
+
+
 def test_export_layout_config_and_numpy_timm_forward(exported):
     model, out = exported
     sd, meta = read_safetensors(out / "model.safetensors")

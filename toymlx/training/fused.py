@@ -51,13 +51,20 @@ def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
     return kept_from(err2, delta2)
 
 
+FINER_TYPES = {"q8_0": "f16 or f32", "bf16": "f16 or f32", "f16": "f32", "f32": ""}
+"""The --dtype a small share's warning suggests after a type: only finer ones (after the
+quantized types: q8_0 or f16)."""
+
+
 def kept_note(kept: float, dtype: str) -> str:
     """What a user reads about `adapter_kept`: the share, and what to do when it is small."""
     note = f"keeps {kept:.0%} of the adapter's change on the adapted layers' outputs"
     if kept < KEPT_WARNING:
+        finer = FINER_TYPES.get(dtype, "q8_0 or f16")
         note += (f" (warning: the rest is lost to {dtype}'s rounding; to keep the fine-tune, "
                  "export without --dtype (each adapted tensor in a type that keeps its change), "
-                 "or --dtype q8_0 or f16, or run the base with the adapter: llama-cli --lora)")
+                 + (f"or --dtype {finer}, " if finer else "")
+                 + "or run the base with the adapter: llama-cli --lora)")
     return note
 
 
