@@ -30,7 +30,8 @@ class Args:
     template; '-' reads it from stdin (as mlx_lm.generate). --chat without it: a conversation
     typed turn by turn, as mlx_lm.chat."""
     max_tokens: int = 128
-    """Most new tokens to generate (generation also stops at the end-of-sequence token)."""
+    """Most new tokens to generate (generation also stops at an end-of-generation token, as
+    llama.cpp: eos, or an end-of-turn token such as <|im_end|> or <|eot_id|>)."""
     temperature: float = 0.7
     """Sampling temperature; 0 is greedy (always the most likely token)."""
     top_p: float = 0.9
@@ -157,11 +158,15 @@ def no_tokens_note(tokenizer, args: Args, ids: list[int], context: int) -> str:
     elif len(ids) >= context:
         why = f"the prompt ({len(ids)} tokens) fills the model's context ({context})"
     else:
-        eos = getattr(tokenizer, "eos_id", None)
+        from toymlx.generation.generate import stop_ids
+
+        eos, stop = getattr(tokenizer, "eos_id", None), sorted(stop_ids(tokenizer))
+        first = (f"the end-of-sequence token {eos}" if stop == [eos] else
+                 "an end-of-generation token (one of " + ", ".join(
+                     f"{i} {tokenizer.token_text(i)}" for i in stop) + ")")
         how = ("rendered through the GGUF's chat template" if templated(tokenizer, args) else
                f"raw text ({_raw_reason(args)})")
-        why = (f"the model ended at once (its first token was the end-of-sequence token {eos}); "
-               f"the prompt was {how}")
+        why = f"the model ended at once (its first token was {first}); the prompt was {how}"
         if args.ignore_chat_template:
             why += ", which an instruct model often ends at once: drop --ignore-chat-template"
     return f"{PROG}: 0 new tokens: {why}"
@@ -227,11 +232,11 @@ def stream(model, tokenizer, ids: list[int], args: Args, out=None, kept=None
     """Write the continuation to `out` (stdout) as it is produced; return (text, token count).
     `model`: an MLX `Llama`, or a `LlamaCppDecoder` (the llama.cpp engine, which keeps a
     conversation's shared start itself); `kept`: MLX's `PromptCache` of a conversation."""
-    from toymlx.generation.generate import LlamaCppDecoder, generate
+    from toymlx.generation.generate import LlamaCppDecoder, generate, stop_ids
 
     out = sys.stdout if out is None else out
     if isinstance(model, LlamaCppDecoder):
-        tokens = model.generate(ids, getattr(tokenizer, "eos_id", None), args.max_tokens,
+        tokens = model.generate(ids, stop_ids(tokenizer), args.max_tokens,
                                 args.temperature, args.top_p, args.top_k, args.min_p,
                                 args.repetition_penalty)
     else:
