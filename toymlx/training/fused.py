@@ -51,13 +51,23 @@ def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
     return kept_from(err2, delta2)
 
 
-def kept_note(kept: float, dtype: str) -> str:
-    """What a user reads about `adapter_kept`: the share, and what to do when it is small."""
+FINER = ("q8_0", "f16", "f32")
+"""Types finer than a small-block quantization, coarse to fine: what `kept_note` offers."""
+
+
+def kept_note(kept: float, dtype: str, flag: str = "--dtype") -> str:
+    """What a user reads about `adapter_kept`: the share, and what to do when it is small:
+    `flag` (toymlx-export's --dtype, or --fuse-at-end) left to keep each adapted tensor's
+    change, or a type finer than `dtype` (none that is `dtype` itself or coarser)."""
     note = f"keeps {kept:.0%} of the adapter's change on the adapted layers' outputs"
     if kept < KEPT_WARNING:
+        low = dtype.lower()
+        finer = FINER[FINER.index(low) + 1:] if low in FINER else FINER[:2]
+        keep = ("export without --dtype" if flag == "--dtype" else f"{flag} base")
         note += (f" (warning: the rest is lost to {dtype}'s rounding; to keep the fine-tune, "
-                 "export without --dtype (each adapted tensor in a type that keeps its change), "
-                 "or --dtype q8_0 or f16, or run the base with the adapter: llama-cli --lora)")
+                 f"{keep} (each adapted tensor in a type that keeps its change), "
+                 + (f"or {flag} {' or '.join(finer)}, " if finer else "")
+                 + "or run the base with the adapter: llama-cli --lora)")
     return note
 
 
