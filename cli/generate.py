@@ -289,6 +289,9 @@ def run(args: Args) -> int:
 
     if args.prompt == "-":
         raw = within_stdin_limit(sys.stdin.buffer.read(STDIN_LIMIT + 1), "--prompt -: stdin")
+        if not raw:  # an empty pipe would be generated from as a raw BOS alone
+            raise UsageError("--prompt -: expected the prompt's text on stdin, found it empty "
+                             "(ended at once)")
         args = dataclasses.replace(args, prompt=utf8_text(raw, "stdin"))
     utf8_text(args.prompt, "--prompt")
     if args.system is not None:
@@ -299,6 +302,9 @@ def run(args: Args) -> int:
                    args.repetition_penalty)  # before the model loads
     if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer
         raise UsageError(f"--seed: expected 0..{2**64 - 1}, found {args.seed}")
+    if args.device == "gpu" and args.engine == "llama.cpp":  # its child decodes on the CPU
+        raise UsageError("--device gpu: expected --engine mlx or auto (--engine llama.cpp "
+                         "decodes on the CPU), found --engine llama.cpp")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
     used = f"{PROG}: {used_files(args.model, args.adapter)}"  # said once the model loads

@@ -736,6 +736,27 @@ def test_prompt_dash_reads_stdin_as_mlx_lm_does(stories_path, capsys, monkeypatc
     assert out.startswith(", there was a little girl"), out  # as with --prompt PROMPT
 
 
+def test_an_empty_stdin_for_prompt_dash_is_refused_not_generated_from_bos(stories_path, capsys,
+                                                                        monkeypatch):
+    """`producer | toymlx-generate --prompt -` where the producer wrote nothing: a BOS-only
+    story was printed with exit 0."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    assert cli.main(["--model", str(stories_path), "--prompt", "-", "--max-tokens", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("toymlx-generate: error: --prompt -: expected the prompt's "
+                                 "text on stdin, found it empty (ended at once)\n")
+
+
+def test_device_gpu_with_the_llamacpp_engine_is_refused(stories_path, capsys):
+    """The llama.cpp engine's child decodes on the CPU: --device gpu was accepted and unused
+    (where MLX has a GPU) or refused for a reason that is not the one (where it has none)."""
+    assert cli.main(["--model", str(stories_path), "--prompt", "hi", "--device", "gpu",
+                     "--engine", "llama.cpp"]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-generate: error: --device gpu: expected --engine mlx or auto (--engine llama.cpp "
+        "decodes on the CPU), found --engine llama.cpp\n")
+
+
 def test_an_endless_stdin_is_refused_at_the_limit_not_read_until_memory_ends(
         stories_path, chat_path, capsys, monkeypatch):
     """`--prompt - < /dev/zero` or `yes | toymlx-generate --prompt -` read stdin to its end,
