@@ -272,6 +272,25 @@ def _continuation(tokenizer, ids: list[int], new: list[int], base: str) -> str:
     return full[len(base):] if full.startswith(base) else tokenizer.decode(new)
 
 
+def store_layers_note(spec: str) -> str | None:
+    """One line for an Ollama model whose manifest carries TEMPLATE, SYSTEM or PARAMETER layers
+    (`ollama run` applies them): toymlx-generate uses the GGUF's chat template and its own
+    flags instead; None for any other model."""
+    from toymlx.bundle.model_store import OLLAMA, is_store_name, resolve
+
+    if not (is_store_name(spec) and spec.startswith(OLLAMA)):
+        return None
+    found = resolve(spec, "--model", with_adapter=True)  # the blobs' hashes are remembered
+    kinds = [k for k in ("template", "system", "params") if k in found.layers]
+    if not kinds:
+        return None
+    what = {"template": "TEMPLATE (the GGUF's tokenizer.chat_template is used)",
+            "system": "SYSTEM (give it as --system)",
+            "params": "PARAMETER (the sampling flags given here are used)"}
+    return (f"{PROG}: {spec}: its Ollama layers {', '.join(what[k] for k in kinds)} are not "
+            "applied")
+
+
 def run(args: Args) -> int:
     from toymlx.backend.device import on_gpu, select_device
     from toymlx.generation.generate import (
@@ -308,6 +327,8 @@ def run(args: Args) -> int:
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
     used = f"{PROG}: {used_files(args.model, args.adapter)}"  # said once the model loads
+    if note := store_layers_note(args.model):
+        used += "\n" + note
     conversation = args.chat and not args.prompt
     gguf_path, adapters = model_files(args.model, args.adapter)
     tokenizer, model_args = load_tokenizer(gguf_path)  # the header alone: no weights read yet
