@@ -30,7 +30,8 @@ class Args:
     template; '-' reads it from stdin (as mlx_lm.generate). --chat without it: a conversation
     typed turn by turn, as mlx_lm.chat."""
     max_tokens: int = 128
-    """Most new tokens to generate (generation also stops at the end-of-sequence token)."""
+    """Most new tokens to generate (generation also stops at an end-of-generation token, as
+    llama.cpp: eos, or an end-of-turn token such as <|im_end|> or <|eot_id|>)."""
     temperature: float = 0.7
     """Sampling temperature; 0 is greedy (always the most likely token)."""
     top_p: float = 0.9
@@ -157,11 +158,15 @@ def no_tokens_note(tokenizer, args: Args, ids: list[int], context: int) -> str:
     elif len(ids) >= context:
         why = f"the prompt ({len(ids)} tokens) fills the model's context ({context})"
     else:
-        eos = getattr(tokenizer, "eos_id", None)
+        from toymlx.generation.generate import stop_ids
+
+        eos, stop = getattr(tokenizer, "eos_id", None), sorted(stop_ids(tokenizer))
+        first = (f"the end-of-sequence token {eos}" if stop == [eos] else
+                 "an end-of-generation token (one of " + ", ".join(
+                     f"{i} {tokenizer.token_text(i)}" for i in stop) + ")")
         how = ("rendered through the GGUF's chat template" if templated(tokenizer, args) else
                f"raw text ({_raw_reason(args)})")
-        why = (f"the model ended at once (its first token was the end-of-sequence token {eos}); "
-               f"the prompt was {how}")
+        why = f"the model ended at once (its first token was {first}); the prompt was {how}"
         if args.ignore_chat_template:
             why += ", which an instruct model often ends at once: drop --ignore-chat-template"
     return f"{PROG}: 0 new tokens: {why}"
@@ -227,11 +232,11 @@ def stream(model, tokenizer, ids: list[int], args: Args, out=None, kept=None
     """Write the continuation to `out` (stdout) as it is produced; return (text, token count).
     `model`: an MLX `Llama`, or a `LlamaCppDecoder` (the llama.cpp engine, which keeps a
     conversation's shared start itself); `kept`: MLX's `PromptCache` of a conversation."""
-    from toymlx.generation.generate import LlamaCppDecoder, generate
+    from toymlx.generation.generate import LlamaCppDecoder, generate, stop_ids
 
     out = sys.stdout if out is None else out
     if isinstance(model, LlamaCppDecoder):
-        tokens = model.generate(ids, getattr(tokenizer, "eos_id", None), args.max_tokens,
+        tokens = model.generate(ids, stop_ids(tokenizer), args.max_tokens,
                                 args.temperature, args.top_p, args.top_k, args.min_p,
                                 args.repetition_penalty)
     else:
@@ -267,6 +272,25 @@ def _continuation(tokenizer, ids: list[int], new: list[int], base: str) -> str:
     return full[len(base):] if full.startswith(base) else tokenizer.decode(new)
 
 
+def store_layers_note(spec: str) -> str | None:
+    """One line for an Ollama model whose manifest carries TEMPLATE, SYSTEM or PARAMETER layers
+    (`ollama run` applies them): toymlx-generate uses the GGUF's chat template and its own
+    flags instead; None for any other model."""
+    from toymlx.bundle.model_store import OLLAMA, is_store_name, resolve
+
+    if not (is_store_name(spec) and spec.startswith(OLLAMA)):
+        return None
+    found = resolve(spec, "--model", with_adapter=True)  # the blobs' hashes are remembered
+    kinds = [k for k in ("template", "system", "params") if k in found.layers]
+    if not kinds:
+        return None
+    what = {"template": "TEMPLATE (the GGUF's tokenizer.chat_template is used)",
+            "system": "SYSTEM (give it as --system)",
+            "params": "PARAMETER (the sampling flags given here are used)"}
+    return (f"{PROG}: {spec}: its Ollama layers {', '.join(what[k] for k in kinds)} are not "
+            "applied")
+
+
 def run(args: Args) -> int:
     from toymlx.backend.device import on_gpu, select_device
     from toymlx.generation.generate import (
@@ -284,6 +308,9 @@ def run(args: Args) -> int:
 
     if args.prompt == "-":
         raw = within_stdin_limit(sys.stdin.buffer.read(STDIN_LIMIT + 1), "--prompt -: stdin")
+        if not raw:  # an empty pipe would be generated from as a raw BOS alone
+            raise UsageError("--prompt -: expected the prompt's text on stdin, found it empty "
+                             "(ended at once)")
         args = dataclasses.replace(args, prompt=utf8_text(raw, "stdin"))
     utf8_text(args.prompt, "--prompt")
     if args.system is not None:
@@ -294,9 +321,14 @@ def run(args: Args) -> int:
                    args.repetition_penalty)  # before the model loads
     if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer
         raise UsageError(f"--seed: expected 0..{2**64 - 1}, found {args.seed}")
+    if args.device == "gpu" and args.engine == "llama.cpp":  # its child decodes on the CPU
+        raise UsageError("--device gpu: expected --engine mlx or auto (--engine llama.cpp "
+                         "decodes on the CPU), found --engine llama.cpp")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
     used = f"{PROG}: {used_files(args.model, args.adapter)}"  # said once the model loads
+    if note := store_layers_note(args.model):
+        used += "\n" + note
     conversation = args.chat and not args.prompt
     gguf_path, adapters = model_files(args.model, args.adapter)
     tokenizer, model_args = load_tokenizer(gguf_path)  # the header alone: no weights read yet

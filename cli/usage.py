@@ -66,6 +66,12 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
     if kind == "UnrecognizedArgs":
         return _unrecognized(event.tokens, cls, argv, event.prog)
     if kind == "MissingArgs":
+        flags = _flags(cls)
+        unknown = [t for t in argv if t.startswith("-") and not _is_number(t) and t != "--"
+                   and t.partition("=")[0].lstrip("-").replace("-", "_") not in flags
+                   and t.partition("=")[0] not in ("-h", "--help")]
+        if unknown:  # `-m FILE` leaves --model missing: the unknown option is what to say
+            return _unrecognized(unknown, cls, argv, event.prog)
         names = ", ".join(a.arg.display_name() for a in event.missing_arguments)
         each = " for each (they are required)" if len(event.missing_arguments) > 1 else \
             " (it is required)"
@@ -172,6 +178,11 @@ def _flags(cls: type) -> dict[str, bool]:
     return out
 
 
+LLAMA_CPP_FLAGS = {"-m": "model", "-p": "prompt", "-n": "max_tokens", "--n-predict": "max_tokens",
+                   "-s": "seed"}
+"""llama.cpp's short flags (llama-cli, llama-completion) -> the option a command names instead."""
+
+
 def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> str:
     """tyro's unrecognized tokens as one line: each unknown option with the closest flag of
     `cls`; a value no option takes with the option before it (a flag that takes no value)."""
@@ -180,7 +191,8 @@ def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> s
     for token in tokens:
         flag, eq, value = token.partition("=")
         if flag.startswith("--") or (flag.startswith("-") and not _is_number(flag)):
-            close = closest_option(flag, flags)
+            close = (f"--{LLAMA_CPP_FLAGS[flag].replace('_', '-')}"
+                     if LLAMA_CPP_FLAGS.get(flag) in flags else closest_option(flag, flags))
             parts.append(f"{flag}: expected an option of {prog}, got an unknown one"
                          + (f"; did you mean {close}?" if close else ""))
             after_unknown = not eq  # a value after it is its own, not a second finding

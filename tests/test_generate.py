@@ -106,6 +106,43 @@ def test_generate_stops_at_eos_and_context(stories):
     assert len(list(generate(short, tok, prompt, max_tokens=10))) == 3 and room > 3
 
 
+@pytest.fixture(scope="module")
+def eot_path(stories_path, tmp_path_factory) -> Path:
+    """stories260K whose `tokenizer.ggml.eot_token_id` is its second greedy token ('▁there')."""
+    from toymlx.gguf.reader import GGUFFile
+
+    with GGUFFile(stories_path) as g:
+        meta = {**g.metadata, "tokenizer.ggml.eot_token_id": EXPECTED_GREEDY[1]}
+        types = {k: t for k, t in g.metadata_types.items() if k in meta}
+        tensors = {n: g.load(n, np.float32) for n in g.tensors}
+    return write_gguf(tmp_path_factory.mktemp("eot") / "eot.gguf", meta, tensors, types=types)
+
+
+def test_generate_stops_at_an_end_of_turn_token_not_only_eos(eot_path, capsys):
+    """llama.cpp (and Ollama) end a generation at any end-of-generation token, not eos alone:
+    at the end-of-turn token, after one token (',')."""
+    model, tok = load_for_generation(eot_path)
+    assert tok.eos_id == 2 and tok.eog_ids == {2, EXPECTED_GREEDY[1]}
+    assert list(generate(model, tok, tok.encode(PROMPT), max_tokens=12)) == EXPECTED_GREEDY[:1]
+    out, err = cli_tokens(["--model", str(eot_path), "--prompt", PROMPT, "--temperature", "0",
+                           "--max-tokens", "12", "--engine", "mlx"], capsys)
+    assert out == ",\n" and "5 prompt + 1 new tokens" in err
+
+
+@pytest.mark.interop
+def test_llamacpp_stops_where_llamacpps_own_completion_stops(eot_path, capsys):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(eot_path), n_ctx=64, verbose=False)
+    done = llm.create_completion(PROMPT, max_tokens=12, temperature=0.0)
+    del llm
+    assert (done["choices"][0]["text"], done["choices"][0]["finish_reason"],
+            done["usage"]["completion_tokens"]) == (",", "stop", 1)
+    out, err = cli_tokens(["--model", str(eot_path), "--prompt", PROMPT, "--temperature", "0",
+                           "--max-tokens", "12", "--engine", "llama.cpp"], capsys)
+    assert out == ",\n" and "5 prompt + 1 new tokens" in err and "llama.cpp)" in err
+
+
 def load_llama_with_context(model, context: int):
     """The same weights with a smaller declared context (to test the context stop cheaply)."""
     from dataclasses import replace
@@ -697,6 +734,27 @@ def test_prompt_dash_reads_stdin_as_mlx_lm_does(stories_path, capsys, monkeypatc
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.startswith(", there was a little girl"), out  # as with --prompt PROMPT
+
+
+def test_an_empty_stdin_for_prompt_dash_is_refused_not_generated_from_bos(stories_path, capsys,
+                                                                        monkeypatch):
+    """`producer | toymlx-generate --prompt -` where the producer wrote nothing: a BOS-only
+    story was printed with exit 0."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    assert cli.main(["--model", str(stories_path), "--prompt", "-", "--max-tokens", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("toymlx-generate: error: --prompt -: expected the prompt's "
+                                 "text on stdin, found it empty (ended at once)\n")
+
+
+def test_device_gpu_with_the_llamacpp_engine_is_refused(stories_path, capsys):
+    """The llama.cpp engine's child decodes on the CPU: --device gpu was accepted and unused
+    (where MLX has a GPU) or refused for a reason that is not the one (where it has none)."""
+    assert cli.main(["--model", str(stories_path), "--prompt", "hi", "--device", "gpu",
+                     "--engine", "llama.cpp"]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-generate: error: --device gpu: expected --engine mlx or auto (--engine llama.cpp "
+        "decodes on the CPU), found --engine llama.cpp\n")
 
 
 def test_an_endless_stdin_is_refused_at_the_limit_not_read_until_memory_ends(

@@ -114,16 +114,18 @@ def test_what_a_user_without_network_sees(offline, tiny_bytes):
                             "repository of GGUF files (a model's own safetensors repository has "
                             "none; name a GGUF conversion of it, often USER/NAME-GGUF); for a GGUF "
                             "one, download it where there is a network: hf download bob/other-GGUF "
-                            "--include '*Q4_K_M*'")
+                            "--include '*Q4_K_M*'; or give the GGUF file itself: --base PATH.gguf")
     with pytest.raises(ModelStoreError) as e:  # a file named: the command fetches just it
         resolve("hf:bob/other-GGUF/o-Q8_0.gguf", "--base")
     assert str(e.value).endswith("HF_HUB_OFFLINE is set; download it where there is a network: "
-                                 "hf download bob/other-GGUF o-Q8_0.gguf")
+                                 "hf download bob/other-GGUF o-Q8_0.gguf; or give the GGUF file "
+                                 "itself: --base PATH.gguf")
     with pytest.raises(ModelStoreError) as e:
         resolve("hf:alice/tiny-GGUF:Q5_K_M", "--base")
     assert str(e.value) == (f"--base hf:alice/tiny-GGUF:Q5_K_M: alice/tiny-GGUF: expected a GGUF "
                             f"of quantization Q5_K_M in its snapshot {COMMIT[:12]} in {offline}, "
-                            "found tiny-Q8_0.gguf; name one as hf:USER/REPO/FILE.gguf or "
+                            "found tiny-Q8_0.gguf (HF_HUB_OFFLINE is set); name one as "
+                            "hf:USER/REPO/FILE.gguf or "
                             "hf:USER/REPO:QUANT")
 
 

@@ -219,6 +219,10 @@ def test_generate_from_ollama_equals_the_plain_path(ollama, stories_path, capsys
         out, err = capsys.readouterr()
         assert rc == 0, err
         assert "5 new tokens" in err
+        # ollama run applies the manifest's template and params; this command says it does not
+        assert ("toymlx-generate: ollama:stories: its Ollama layers TEMPLATE (the GGUF's "
+                "tokenizer.chat_template is used), PARAMETER (the sampling flags given here are "
+                "used) are not applied\n" in err) == (model == "ollama:stories")
         outs.append(out)
     assert outs[0] == outs[1] and outs[0].strip()
     rc = generate_cli.main(["--model", "ollama:nothere", "--prompt", "hi"])

@@ -233,6 +233,13 @@ def test_adapter_kept_measures_the_share_of_the_update_in_the_file(base_and_run,
         "adapter: llama-cli --lora)")
     assert "or --dtype f16 or f32, or run" in kept_note(0.3, "q8_0")
     assert "or --dtype f16 or f32, or run" in kept_note(0.3, "bf16")
+    # never the type that lost it: q8_0 offers f16 or f32; --fuse-at-end names its own choices
+    assert kept_note(0.0, "q8_0", "--fuse-at-end") == (
+        "keeps 0% of the adapter's change on the adapted layers' outputs (warning: the rest is "
+        "lost to q8_0's rounding; to keep the fine-tune, --fuse-at-end base (each adapted tensor "
+        "in a type that keeps its change), or --fuse-at-end f16 or f32, or run the base with the "
+        "adapter: llama-cli --lora)")
+    assert "or --dtype f32, or run" in kept_note(0.1, "f16")
 
 
 def test_default_is_the_base_own_type(base_and_run, tmp_path):

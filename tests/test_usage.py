@@ -113,6 +113,17 @@ def test_mlx_lm_s_ways_are_options_with_help(capsys):
     ("generate", ["--model", "m", "--temp", "0.5"],
      ("toymlx-generate: error: --temp: expected an option of toymlx-generate, got an unknown "
      "one; did you mean --temperature?")),
+    # llama.cpp's short flags: named with toymlx's, not "--model ... is required"
+    ("generate", ["-m", "m.gguf", "-p", "hi", "-n", "3"],
+     ("toymlx-generate: error: -m: expected an option of toymlx-generate, got an unknown one; "
+      "did you mean --model?; -p: expected an option of toymlx-generate, got an unknown one; "
+      "did you mean --prompt?; -n: expected an option of toymlx-generate, got an unknown one; "
+      "did you mean --max-tokens?")),
+    ("generate", ["--model", "m", "--n-predict", "3"],
+     ("toymlx-generate: error: --n-predict: expected an option of toymlx-generate, got an "
+      "unknown one; did you mean --max-tokens?")),
+    ("generate", ["--prompt", "hi"],
+     "toymlx-generate: error: --model: expected a value (it is required), got none"),
     ("classify", ["--model", "m", "--top-k", "three"],
      "toymlx-classify: error: --top-k: expected an integer, got 'three'"),
 ])

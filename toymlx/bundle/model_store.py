@@ -550,7 +550,7 @@ def _resolve_hf(spec: str, flag: str) -> Resolved:
         name = file or pick_hf_file(list(files), quant)
         if name is None or name not in files:
             raise ModelStoreError(_no_file(spec, flag, repo, quant, file, list(files),
-                                           f"its snapshot {commit[:12]} in {cache}"))
+                                           f"its snapshot {commit[:12]} in {cache}", why))
         parts = hf_parts(list(files), name)
         missing = [p for p in parts if p not in files]
         if missing:
@@ -564,22 +564,27 @@ def _resolve_hf(spec: str, flag: str) -> Resolved:
     where = " nor ".join(str(c) for c in hf_cache_dirs())
     if file:
         raise ModelStoreError(f"{flag} {spec}: not in the Hugging Face cache {where} and {why}; "
-                              f"download it where there is a network: hf download {repo} {file}")
+                              f"download it where there is a network: hf download {repo} {file}"
+                              f"; or give the GGUF file itself: {flag} PATH.gguf")
     # the repository's files are not known here: it may be a model's own safetensors one
     raise ModelStoreError(f"{flag} {spec}: not in the Hugging Face cache {where} and {why}, so "
                           f"its files are not known: expected a repository of GGUF files (a "
                           f"model's own safetensors repository has none; name a GGUF conversion "
                           f"of it, often USER/NAME-GGUF); for a GGUF one, download it where there "
-                          f"is a network: hf download {repo} --include '*{quant or 'Q4_K_M'}*'")
+                          f"is a network: hf download {repo} --include '*{quant or 'Q4_K_M'}*'"
+                          f"; or give the GGUF file itself: {flag} PATH.gguf")
 
 
 def _no_file(spec: str, flag: str, repo: str, quant: str | None, file: str | None,
-             files: list[str], where: str) -> str:
+             files: list[str], where: str, why: str | None = None) -> str:
+    """The line for a repository (or its cached snapshot, with `why` the Hub was not asked)
+    that holds no file the name picks."""
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
     want = file or (f"a GGUF of quantization {quant}" if quant else
                     f"a model GGUF ({', '.join(HF_DEFAULT_QUANTS)} or any)")
     return (f"{flag} {spec}: {repo}: expected {want} in {where}, found "
             + (", ".join(ggufs[:MAX_LISTED]) if ggufs else "no GGUF files")
+            + (f" ({why})" if why else "")
             + "; name one as hf:USER/REPO/FILE.gguf or hf:USER/REPO:QUANT")
 
 

@@ -5,8 +5,8 @@ Two engines decode the same GGUF files (`choose_engine`):
   min-p, top-k, repetition penalty) are mlx-lm's, rewritten here so that `toymlx-generate` does
   not import mlx-lm's package (transformers, and PyTorch where installed: 1.2-5 s before the
   first token); they give mlx-lm's tokens for the same seed. toymlx adds the stopping rules
-  (end-of-sequence token, the trained context), seeds MLX's generator so a run repeats
-  exactly, and, where MLX computes on the CPU, cuts a decoded token's fixed costs without
+  (an end-of-generation token, as llama.cpp's, `stop_ids`; the trained context), seeds MLX's
+  generator so a run repeats exactly, and, where MLX computes on the CPU, cuts a decoded token's fixed costs without
   changing what it computes: the one-token steps traced (`CompiledDecode`: the same logits,
   bit for bit), top-p found among the most likely tokens before sorting all
   (`toymlx.generation.sampling.make_sampler`), and OpenBLAS kept off the cores other work
@@ -32,7 +32,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,8 +81,8 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
              min_p: float = 0.0, repetition_penalty: float | None = None,
              kept: PromptCache | None = None) -> Iterator[int]:
-    """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before eos and at the
-    model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples
+    """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before an
+    end-of-generation token (`stop_ids`) and at the model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples
     (`toymlx.generation.sampling`). `kept`: a conversation's caches, kept between calls (`PromptCache`).
     Where MLX computes on the CPU, OpenBLAS runs on `decoding_blas_threads` threads from the
     first token asked for until the last one is handed out or the caller stops reading."""
@@ -94,7 +94,7 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     budget = min(max_tokens, model.args.context - len(prompt_ids))
     if budget <= 0:
         return
-    eos = getattr(tokenizer, "eos_id", None)
+    stop = stop_ids(tokenizer)
     mx.random.seed(seed)
     cpu = not on_gpu()
     sampler = make_sampler(temperature, top_p, min_p, top_k, checked_on_host=cpu)
@@ -102,9 +102,17 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     decoder = CompiledDecode(model) if cpu and CompiledDecode.fits(model) else model
     with use_blas_threads(decoding_blas_threads() if cpu else None):
         for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty, kept):
-            if eos is not None and tok == eos:
+            if tok in stop:
                 return
             yield tok
+
+
+def stop_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids generation stops before, as llama.cpp's `llama_vocab_is_eog` (and Ollama, and
+    llama-cpp-python's completions) stop: eos and the end-of-turn tokens (`eog_ids`), not eos
+    alone: SmolLM2's <|endoftext|>, a file's `tokenizer.ggml.eot_token_id`."""
+    eos = getattr(tokenizer, "eos_id", None)
+    return frozenset(getattr(tokenizer, "eog_ids", ())) | ({eos} if eos is not None else set())
 
 
 def decoding_blas_threads() -> int | None:
@@ -440,16 +448,17 @@ class LlamaCppDecoder:
         how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
         return f"llama.cpp stopped {doing} ({how}{': ' + err[-1] if err else ''})"
 
-    def generate(self, prompt_ids: Sequence[int], eos: int | None, max_tokens: int = 128,
+    def generate(self, prompt_ids: Sequence[int], stop: Collection[int], max_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float | None = None
                  ) -> Iterator[int]:
-        """The new token ids for `prompt_ids`, as the child decodes them; the child stays for
+        """The new token ids for `prompt_ids` up to one of `stop` (`stop_ids`), as the child
+        decodes them; the child stays for
         the next call. Left before the end (the caller stopped reading), the child is stopped."""
         from toymlx.generation.llamacpp_decode import END
 
         budget = min(max_tokens, self.context - len(prompt_ids))
-        self._send({"ids": [int(i) for i in prompt_ids], "eos": eos, "budget": max(budget, 0),
+        self._send({"ids": [int(i) for i in prompt_ids], "stop": sorted(int(i) for i in stop), "budget": max(budget, 0),
                     "temperature": temperature, "top_p": top_p, "top_k": top_k,
                     "min_p": min_p, "repetition_penalty": repetition_penalty or 1.0})
         done = False

@@ -94,8 +94,9 @@ def main() -> None:
         steps = llm.generate(req["ids"], temp=req["temperature"], top_p=req["top_p"],
                              top_k=req["top_k"], min_p=req["min_p"],
                              repeat_penalty=req["repetition_penalty"])
+        stop = set(req["stop"])
         for n, tok in enumerate(steps):
-            if tok == req["eos"] or n >= req["budget"]:
+            if tok in stop or n >= req["budget"]:
                 break
             print(int(tok), flush=True)
         print(END, flush=True)

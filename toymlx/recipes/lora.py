@@ -424,7 +424,8 @@ def build(cfg: Config, ops: Ops) -> Task:
             write_reencoded(out, src.path, run_dir, dtype, progress=cfg.progress)
             kept = adapter_kept(out, src.path, run_dir)
             if kept < KEPT_WARNING:
-                print(f"toymlx: {out} {kept_note(kept, dtype)}", file=sys.stderr)
+                print(f"toymlx: {out} {kept_note(kept, dtype, '--fuse-at-end')}",
+                      file=sys.stderr)
         return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                 "bytes": out.stat().st_size, "adapter_kept": round(kept, 4)}
 

@@ -51,19 +51,24 @@ def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
     return kept_from(err2, delta2)
 
 
-FINER_TYPES = {"q8_0": "f16 or f32", "bf16": "f16 or f32", "f16": "f32", "f32": ""}
-"""The --dtype a small share's warning suggests after a type: only finer ones (after the
-quantized types: q8_0 or f16)."""
+FINER = ("q8_0", "f16", "f32")
+"""Types finer than a small-block quantization, coarse to fine: what `kept_note` offers (after
+bf16, whose 8-bit mantissa q8_0 does not refine: f16 or f32)."""
 
 
-def kept_note(kept: float, dtype: str) -> str:
-    """What a user reads about `adapter_kept`: the share, and what to do when it is small."""
+def kept_note(kept: float, dtype: str, flag: str = "--dtype") -> str:
+    """What a user reads about `adapter_kept`: the share, and what to do when it is small:
+    `flag` (toymlx-export's --dtype, or --fuse-at-end) left to keep each adapted tensor's
+    change, or a type finer than `dtype` (none that is `dtype` itself or coarser)."""
     note = f"keeps {kept:.0%} of the adapter's change on the adapted layers' outputs"
     if kept < KEPT_WARNING:
-        finer = FINER_TYPES.get(dtype, "q8_0 or f16")
+        low = dtype.lower()
+        finer = (FINER[FINER.index(low) + 1:] if low in FINER else
+                 FINER[1:] if low == "bf16" else FINER[:2])
+        keep = ("export without --dtype" if flag == "--dtype" else f"{flag} base")
         note += (f" (warning: the rest is lost to {dtype}'s rounding; to keep the fine-tune, "
-                 "export without --dtype (each adapted tensor in a type that keeps its change), "
-                 + (f"or --dtype {finer}, " if finer else "")
+                 f"{keep} (each adapted tensor in a type that keeps its change), "
+                 + (f"or {flag} {' or '.join(finer)}, " if finer else "")
                  + "or run the base with the adapter: llama-cli --lora)")
     return note
 
