@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from typing import Literal
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
-from toymlx.backend.stop import Stopped
+from toymlx.backend.stop import SIGNALS, stops_raise
 from toymlx.bundle.outputs import check_output
 from toymlx.gguf.quantize import ExportType
 
@@ -328,17 +327,13 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
             f"{ref:.4f}, fused file {got:.4f} ({change})")
 
 
-def _stop(signum: int, frame: object) -> None:
-    raise Stopped(signum)  # the write in flight removes its temporaries, as on Ctrl-C
-
-
 def main(argv: list[str] | None = None) -> int:
-    old = signal.signal(signal.SIGTERM, _stop)  # a kill stops an export like Ctrl-C does
-    try:
+    # Ctrl-C, a kill or a closed terminal stops an export at once, as toymlx-train before its
+    # loop: the write in flight removes its temporaries (SIGINT too where a script started the
+    # export in the background, which Python would otherwise go on ignoring)
+    with stops_raise(SIGNALS):
         return run_command(PROG, Args, run, argv, (ValueError, OSError, KeyError, TypeError),
                            outputs=("out",))
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 if __name__ == "__main__":

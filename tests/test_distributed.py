@@ -669,7 +669,7 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_the_run_folder(tmp_pat
     assert "Traceback" not in p.stderr and not (root / "b").exists()
 
 
-def test_a_stop_during_rank_0_s_export_ends_every_rank_alike(tmp_path):
+def test_a_stop_during_rank_0_s_export_ends_every_rank_alike(tmp_path, stories_path):
     """A 2-rank lora run with --fuse-at-end q4_k_m, SIGTERM to toymlx-launch while rank 0's
     export is in llama.cpp's quantizer (a stand-in that runs 2 minutes): rank 0 ended
     interrupted, exit 143, and rank 1, past its last step and waiting for rank 0, exited 0, so
@@ -689,7 +689,7 @@ def test_a_stop_during_rank_0_s_export_ends_every_rank_alike(tmp_path):
     run = root / "r"
     p = subprocess.Popen(
         [*LAUNCH[:-1], "--status-dir", str(status), "--", *TRAIN, "--recipe", "lora", "--base",
-         str(Path(os.environ["TOYMLX_SHARED"]) / "data" / "models" / "stories260K.gguf"),
+         str(stories_path),
          "--data.path", str(data), "--runs-root", str(root), "--run-id", "r", "--steps", "2",
          "--batch-size", "4", "--seq-len", "64", "--warmup", "1", "--eval-every", "0",
          "--no-progress", "--no-compile", "--fuse-at-end", "q4_k_m"], cwd=tmp_path,
