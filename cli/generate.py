@@ -316,7 +316,10 @@ def run(args: Args) -> int:
     if args.system is not None:
         utf8_text(args.system, "--system")
     if args.max_tokens < 0:
-        raise UsageError(f"--max-tokens: expected >= 0, found {args.max_tokens}")
+        raise UsageError(f"--max-tokens: expected a count >= 0, found {args.max_tokens}; for "
+                         "llama.cpp's -n -1 (on to the end) give a large count, e.g. "
+                         "--max-tokens 100000: generation stops at an end-of-generation token "
+                         "or where the model's context ends")
     check_sampling(args.temperature, args.top_p, args.top_k, args.min_p,
                    args.repetition_penalty)  # before the model loads
     if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer

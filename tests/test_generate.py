@@ -474,6 +474,9 @@ def test_text_that_is_not_utf8_is_one_line(stories_path, capsys, prompt, flag, f
     (["--temperature", "nan"], "--temperature: expected a finite number >= 0, found nan"),
     (["--temperature", "inf"], "--temperature: expected a finite number >= 0, found inf"),
     (["--top-k", "-1"], "--top-k: expected >= 0 (0: off), found -1"),
+    (["--max-tokens", "-1"], ("--max-tokens: expected a count >= 0, found -1; for llama.cpp's "
+     "-n -1 (on to the end) give a large count, e.g. --max-tokens 100000: generation stops at an "
+     "end-of-generation token or where the model's context ends")),
     (["--min-p", "1.5"], "--min-p: expected in [0, 1) (0: off), found 1.5"),
     (["--repetition-penalty", "0"], ("--repetition-penalty: expected a finite number > 0, "
      "found 0.0")),
