@@ -704,9 +704,7 @@ def test_a_stop_during_rank_0_s_export_ends_every_rank_alike(tmp_path, stories_p
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=60)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        end_child(p)
     _every_rank_ended(p, err, status, 143)
     end = read_events(run)[-1]
     assert (end["reason"], end["exit_code"], end["signal"]) == ("interrupted", 143, "SIGTERM")

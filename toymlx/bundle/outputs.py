@@ -21,13 +21,13 @@ Nothing is written by the check, so a refused command leaves every file as it wa
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from toymlx.backend.files import special_kind
 from toymlx.bundle import model_store
+from toymlx.bundle.folder import saved_config
 from toymlx.bundle.inputs import DATA_FILES_KEY, MODEL_FILES_KEY
 from toymlx.bundle.options import flag_name
 
@@ -84,14 +84,11 @@ def store_of(path: Path) -> tuple[str, Path] | None:
 def recorded_inputs(bundle: Path) -> list[tuple[str, str]]:
     """("the run's FLAG", absolute file) of each data and model file a run bundle's config.json
     records: what a command given the run (eval, export) reads through it. [] for a
-    config.json that cannot be read: the command reading it says why."""
-    try:
-        saved = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
+    config.json that cannot be read (`saved_config`): the command reading it says why."""
+    saved = saved_config(bundle) or {}
     found = []
     for group in (DATA_FILES_KEY, MODEL_FILES_KEY):
-        records = saved.get(group) if isinstance(saved, dict) else None
+        records = saved.get(group)
         for key, rec in (records.items() if isinstance(records, dict) else ()):
             if isinstance(rec, dict) and isinstance(rec.get("file"), str):
                 found.append((f"run's {flag_name(key)}", rec["file"]))

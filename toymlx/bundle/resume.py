@@ -1,14 +1,11 @@
 """Where a resumed run continues (`Resume`, planned by `toymlx.runner.bundle.Bundle`); the
-command to go on from when a checkpoint cannot be used (`intact_hint`) lives with the
-checkpoints, whose `latest_checkpoint` names it too."""
+command to go on from when a checkpoint cannot be used is `toymlx.bundle.checkpoint.intact_hint`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from toymlx.bundle.checkpoint import intact_hint  # noqa: F401 (its import path before)
 
 
 @dataclass

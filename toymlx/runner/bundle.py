@@ -63,7 +63,7 @@ from toymlx.bundle.options import (
     option,
     option_items,
 )
-from toymlx.bundle.resume import Resume, intact_hint
+from toymlx.bundle.resume import Resume
 
 
 # ---- the bundle ------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ class Bundle:
         try:
             arrays, meta = ck.open_checkpoint(ckpt)
         except ck.ResumeError as e:
-            raise ck.ResumeError(f"{e}; {intact_hint(self.path, step)}") from None
+            raise ck.ResumeError(f"{e}; {ck.intact_hint(self.path, step)}") from None
         if from_text is None:  # --from step_N adopts the checkpoint and the record as they are
             ck.check_own(ckpt, "--resume", f", or adopt it with --from step_{step}", meta,
                          self.events)

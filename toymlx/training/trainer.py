@@ -37,7 +37,7 @@ from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
 from toymlx.bundle.folder import config_digest, saved_config
 from toymlx.bundle.inputs import MOVED_KEY
 from toymlx.bundle.reporters import open_reporters
-from toymlx.bundle.resume import Resume, intact_hint
+from toymlx.bundle.resume import Resume
 from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
 from toymlx.training.evaluate import Evaluator
@@ -325,7 +325,7 @@ class _Loop:
             try:
                 ck.load_checked(task.load, resume.checkpoint, self.model)
             except ck.ResumeError as e:  # non-finite weights under a checksum that holds
-                raise ck.ResumeError(f"{e}; {intact_hint(run_dir, resume.step)}") from None
+                raise ck.ResumeError(f"{e}; {ck.intact_hint(run_dir, resume.step)}") from None
             restore_resume_arrays(resume.state, self.optimizer, self.scale, self.model)
             self.start = resume.step
         # after the resume restored the optimizer state: the compiled step holds its containers
@@ -772,7 +772,7 @@ class _Loop:
                 bad = ck.nonfinite_tensor(r.checkpoint)
             except ck.ResumeError as e:
                 meta, bad, suspect = {}, None, f"{suspect}, which is damaged ({e})"
-            hint = intact_hint(self.run_dir, r.step)
+            hint = ck.intact_hint(self.run_dir, r.step)
             if bad is not None:
                 suspect += f", which holds non-finite weights ({bad}): {hint}"
             elif "damaged" in suspect:
