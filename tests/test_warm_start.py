@@ -87,6 +87,17 @@ def _cfg(donor, text_file: str, **kw) -> ws.Config:
                      **{**base, **kw})
 
 
+def test_the_donor_s_unread_tensors_are_said_in_one_line(tmp_path, text_file, capsys):
+    """Warm start reads the donor's token table and tokenizer alone: its other tensors were left
+    without a word; now one line names what is taken and how many tensors are not read."""
+    donor = _donor(tmp_path / "d.gguf", qtype=Q.Q8_0)
+    _build(_cfg(donor, text_file))
+    assert capsys.readouterr().err == (
+        f"toymlx: --donor {donor}: takes token_embd.weight (259 x 32, Q8_0) and its tokenizer; "
+        "its 1 other tensors (blocks, norm, head) are not read: the student's blocks start "
+        "from random init\n")
+
+
 # ---- bad donors: one line each, naming file, key/tensor, expected and found ----------------
 def _fails(cfg: ws.Config, *parts: str) -> str:
     with pytest.raises(ValueError) as e:

@@ -47,6 +47,16 @@ class Donor:
     tensor_type: str
     """GGML type the table was stored as (F32, Q8_0, Q4_K, ...)."""
     metadata: dict[str, Any]
+    unread: int = 0
+    """The donor's other tensors (its blocks, norm and head): not read, said in one line
+    (`Donor.note`)."""
+
+    def note(self) -> str:
+        """What warm start takes from the donor and what it leaves, in one line."""
+        rows, width = self.table.shape
+        return (f"--donor {self.path}: takes token_embd.weight ({rows} x {width}, "
+                f"{self.tensor_type}) and its tokenizer; its {self.unread} other tensors (blocks, "
+                "norm, head) are not read: the student's blocks start from random init")
 
 
 def read_donor(path: str | os.PathLike, vocab: int | None = None) -> Donor:
@@ -79,7 +89,8 @@ def read_donor(path: str | os.PathLike, vocab: int | None = None) -> Donor:
         raise GGUFError(f"{g.path}: tensor {name!r} rows: expected at least {want} ({why}), "
                         f"found {rows}")
     table = g.load(name)[:want]
-    return Donor(g.path, width, np.ascontiguousarray(table), info.type_name, dict(g.metadata))
+    return Donor(g.path, width, np.ascontiguousarray(table), info.type_name, dict(g.metadata),
+                 unread=len(g.tensors) - 1)
 
 
 # ---- lenses ------------------------------------------------------------------------------------

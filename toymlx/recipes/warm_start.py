@@ -14,6 +14,7 @@ the from-scratch baseline that isolates what the donor's table contributes.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -147,6 +148,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     validate(cfg)
     w = cfg.warm
     donor = warm.read_donor(model_store.resolve_model(cfg.donor, "--donor"), w.vocab)
+    print(f"toymlx: {donor.note()}", file=sys.stderr)
     tok = donor_tokenizer(donor, donor.table.shape[0])
     vocab = tok.vocab_size
     table = donor.table[:vocab]
