@@ -669,6 +669,7 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_the_run_folder(tmp_pat
     assert "Traceback" not in p.stderr and not (root / "b").exists()
 
 
+@pytest.mark.interop  # the resume writes the file with llama.cpp's own quantizer
 def test_a_stop_during_rank_0_s_export_ends_every_rank_alike(tmp_path, stories_path):
     """A 2-rank lora run with --fuse-at-end q4_k_m, SIGTERM to toymlx-launch while rank 0's
     export is in llama.cpp's quantizer (a stand-in that runs 2 minutes): rank 0 ended

@@ -125,6 +125,7 @@ def test_a_stop_in_llama_cpp_s_quantizer_acts_at_once(base_and_run, tmp_path, si
     assert list(out.parent.iterdir()) == []
 
 
+@pytest.mark.interop  # the resume writes the file with llama.cpp's own quantizer
 def test_a_stop_in_the_fuse_at_end_quantizer_acts_at_once(tmp_path):
     """toymlx-train --fuse-at-end q4_k_m stopped by SIGTERM in llama.cpp's quantizer: it waited
     for the whole call (1.6-1.7 s on SmolLM2-135M; here 120 s). Now it ends interrupted at once
