@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import errno
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from importlib import metadata
@@ -11,7 +12,7 @@ from typing import Any
 
 from toymlx import __version__
 from toymlx.backend.device import blas_summary
-from toymlx.backend.stop import how_stopped
+from toymlx.backend.stop import CONSOLE_GONE, how_stopped
 
 
 def version_text() -> str:
@@ -23,6 +24,31 @@ def version_text() -> str:
     except metadata.PackageNotFoundError:
         mlx = "not installed"
     return f"toymlx {__version__} (mlx {mlx}; BLAS {blas_summary()})"
+
+
+HELP_WIDTH = 80
+"""The fewest columns help and usage text is wrapped at (`readable_width`)."""
+
+
+@contextlib.contextmanager
+def readable_width(least: int = HELP_WIDTH) -> Iterator[None]:
+    """Within it, help, usage and refusals (tyro's and argparse's, which both wrap at
+    `shutil.get_terminal_size()`) are wrapped at no fewer than `least` columns: under COLUMNS=20
+    or a narrow terminal pane tyro's help came out one character a line (toymlx-eval --help:
+    1,046 lines). A terminal as wide or wider keeps its own width. Every command parses its
+    options within it: `cli/usage.py:parse_options` and the argparse commands."""
+    if shutil.get_terminal_size().columns >= least:
+        yield
+        return
+    kept = os.environ.get("COLUMNS")  # what get_terminal_size reads before the terminal
+    os.environ["COLUMNS"] = str(least)
+    try:
+        yield
+    finally:
+        if kept is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = kept
 
 
 def print_version() -> None:
@@ -55,9 +81,49 @@ def drop_output(stream: Any = None) -> None:
     os.close(null)
 
 
-CONSOLE_GONE = (errno.EPIPE, errno.EIO, errno.ENOSPC)
-"""A console write's errors that mean no one can read the console any more: its reader gone
-(`| head`), its terminal closed (a hung-up tty answers EIO), the disk of a redirected log full."""
+STANDARD_STREAMS = ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY),
+                    (2, "stderr", os.O_WRONLY))
+
+
+def open_closed_streams() -> None:
+    """os.devnull on stdin, stdout or stderr where the command was started with it closed
+    (`<&-`, `>&-`, `2>&-`, as some cron and daemon set-ups start it): the console scripts call
+    it first thing. Python starts with that sys.stdout None, where `sys.stdout.flush()` raised
+    (a traceback, exit 1, no run), and the next file the command opened took the free descriptor,
+    so a child's or a C library's console output (a sweep's runs, a launch's ranks) would land in
+    that file (events.jsonl, a checkpoint). The output is discarded, as `>/dev/null` would."""
+    for fd, name, mode in STANDARD_STREAMS:
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            null = os.open(os.devnull, mode)  # the lowest free descriptor: `fd` itself
+        if null != fd:
+            os.dup2(null, fd)  # inheritable, as the standard streams are
+            os.close(null)
+        else:  # os.open's descriptors are not: the huge-page restart's exec, or a child, would
+            os.set_inheritable(fd, True)  # start with it closed again
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False,  # noqa: SIM115
+                                    encoding="utf-8", errors="replace"))
+
+
+def escape_unencodable() -> None:
+    """stdout writes a character its encoding lacks as a backslash escape (`\\xe9`), as Python's
+    stderr already does, instead of raising: under PYTHONIOENCODING=ascii or a Latin-1 locale a
+    run id or path with "é" or an emoji in a report line raised UnicodeEncodeError, which ended
+    a run that had trained and checkpointed as an error (run_end "error", exit 1). A stdout
+    that already escapes (surrogateescape, Python's choice for the C locale) is kept."""
+    if getattr(sys.stdout, "errors", None) == "strict":
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
+def console_streams() -> None:
+    """What every console script does first with its standard streams: closed ones opened on
+    os.devnull (`open_closed_streams`), characters stdout cannot encode escaped
+    (`escape_unencodable`)."""
+    open_closed_streams()
+    escape_unencodable()
 
 
 class KeepOnClosed:
@@ -104,20 +170,66 @@ class KeepOnClosed:
         return getattr(self._stream, name)
 
 
+class NamedStdout:
+    """sys.stdout for a forward command, whose stdout is its answer: a write that fails raises
+    its error with the file named, `[Errno 28] No space left on device: '<stdout>'` (`>/dev/full`,
+    a full disk), where the bare error did not say what was full. What it still buffers is then
+    discarded (`drop_output`): Python 3.11.2 kept it, and its own flush at exit failed again
+    (exit status 120 instead of the error's 2)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _failed(self, e: OSError) -> OSError:
+        if e.errno != errno.EPIPE:  # a BrokenPipeError is handled as `| head` by the caller
+            drop_output(self._stream)
+        return OSError(e.errno, e.strerror, "<stdout>")  # EPIPE: still a BrokenPipeError
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise self._failed(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise self._failed(e) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 @contextlib.contextmanager
-def output_may_close() -> Iterator[None]:
-    """Within it, sys.stdout and sys.stderr are `KeepOnClosed`: for a command whose work goes on
-    when its console reader goes (a training run, a report's file)."""
-    kept = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = KeepOnClosed(kept[0]), KeepOnClosed(kept[1])
+def stdout_named() -> Iterator[None]:
+    """Within it, sys.stdout is a `NamedStdout`."""
+    kept = sys.stdout
+    sys.stdout = NamedStdout(kept)
     try:
         yield
     finally:
-        for stream in (sys.stdout, sys.stderr):  # what is still buffered, while a closed pipe
-            stream.flush()                         # is still handled
+        sys.stdout = kept
+
+
+@contextlib.contextmanager
+def output_may_close(names: tuple[str, ...] = ("stdout", "stderr")) -> Iterator[None]:
+    """Within it, the streams `names` of sys (stdout, stderr) are `KeepOnClosed`: for a command
+    whose work goes on when its console reader goes (a training run, a report's file), and for
+    every command's stderr, which only displays notes and timings."""
+    kept = {name: getattr(sys, name) for name in names}
+    for name, stream in kept.items():
+        setattr(sys, name, KeepOnClosed(stream))
+    try:
+        yield
+    finally:
+        for name in names:  # what is still buffered, while a closed pipe is still handled
+            stream = getattr(sys, name)
+            stream.flush()
             if getattr(stream, "reader_gone", False):  # Python's flush at exit: quiet
                 drop_output(stream._stream)
-        sys.stdout, sys.stderr = kept
+        for name, stream in kept.items():
+            setattr(sys, name, stream)
 
 
 def run_command(prog: str, args_type: type, run: Callable[[Any], int],
@@ -128,7 +240,19 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
     (cli/config_file.py), tyro's parse (cli/usage.py), and bad input as one line
     `PROG: error: ...` with exit status 2 (Ctrl-C: 130); a reader that stops early (`| head`)
     ends it quietly with 0, as Unix tools do. `outputs`: the options (fields of `args_type`)
-    that name a file the command writes, refused (`check_output`) where one is the -c file."""
+    that name a file the command writes, refused (`check_output`) where one is the -c file.
+    A stderr that fails (2>/dev/full, closed, a hung-up terminal) is discarded: it once ended the
+    command at its first note, exit 1, with stdout's answer never written. A stdout that fails
+    is an error naming `<stdout>`, exit status 2."""
+    if argv is None:  # the console script
+        console_streams()
+    with output_may_close(("stderr",)), stdout_named():
+        return _run_command(prog, args_type, run, argv, errors, outputs)
+
+
+def _run_command(prog: str, args_type: type, run: Callable[[Any], int],
+                 argv: list[str] | None, errors: tuple[type[Exception], ...],
+                 outputs: tuple[str, ...]) -> int:
     from toymlx_cli.config_file import CONFIG_HELP, file_defaults, split_config
     from toymlx_cli.usage import parse_options  # here: --version answers without tyro
 
@@ -153,12 +277,13 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
             if out := getattr(args, name):  # the -c file here; the rest by the command itself,
                 check_output(out, [("-c/--config", config)],  # which knows file from folder
                              f"--{name.replace('_', '-')}", folder=os.path.isdir(out))
-    except ValueError as e:  # ConfigFileError, UsageError
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted (an OSError)
         drop_output()
         return 0
+    except (ValueError, OSError) as e:  # ConfigFileError, UsageError; an output the -c file
+        # names that cannot be looked at (a name too long for the file system: a traceback)
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     try:
         code = run(args)
         sys.stdout.flush()  # here: a closed pipe is met now, not in Python's flush at exit
@@ -173,5 +298,7 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
         print(f"{prog}: error: out of memory: {e}; lower --batch-size", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal a command raises (`Stopped`)
-        print(file=sys.stderr)
-        return how_stopped(e)[1]
+        what, code = how_stopped(e)
+        # on a line of its own: Ctrl-C's ^C, or a generated text, may have left one open
+        print(f"\n{prog}: {what}", file=sys.stderr)
+        return code

@@ -1,4 +1,8 @@
-"""toymlx-classify --model runs/<id> IMAGE_OR_DIR ...: the top classes of each image, by name."""
+"""toymlx-classify --model runs/<id> IMAGE_OR_DIR ...: the top classes of each image, by name.
+
+Exit status 0 when every image was classified; 2 when any name gave no answer (a missing file,
+an unreadable image, an empty stdin: each its line on stderr, the others still classified) or
+the command itself was refused."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ class Args:
     """Classify image files with a ViT checkpoint: top-k classes with probabilities."""
 
     inputs: Annotated[tyro.conf.Positional[list[str]], tyro.conf.arg(metavar="IMAGE_OR_DIR")]
-    """Image files, or folders (every image below them)."""
+    """Image files, folders (every image below them), or - (one image's bytes on stdin)."""
     model: str
     """A ViT checkpoint GGUF, or a run directory (its weights/latest)."""
     top_k: int = 5
@@ -45,7 +49,7 @@ def run(args: Args) -> int:
         raise ValueError(f"--batch-size: expected >= 1, found {args.batch_size}")
     select_device(args.device)
     clf = Classifier.load(args.model)
-    files = image_files(args.inputs)
+    files = image_files(args.inputs, sys.stdin.buffer if sys.stdin is not None else None)
     unread = 0
     for f, top in clf.each_top_k(files, min(args.top_k, len(clf.names)), args.batch_size):
         if isinstance(top, Exception):  # named, and the other images still classified
@@ -58,8 +62,10 @@ def run(args: Args) -> int:
             print(f"{f}: " + ", ".join(f"{n} {p:.4f}" for n, p in top))
         sys.stdout.flush()
     if unread and unread < len(files):
+        rest = len(files) - unread
         print(f"{PROG}: error: {unread} of {len(files)} images could not be read (named "
-              f"above); the other {len(files) - unread} are classified", file=sys.stderr)
+              f"above); the other {rest} {'is' if rest == 1 else 'are'} classified",
+              file=sys.stderr)
     return 2 if unread else 0
 
 

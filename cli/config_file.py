@@ -220,6 +220,10 @@ def read_config_file(path: str) -> dict[str, Any]:
         what = getattr(e, "strerror", None) or e
         raise ConfigFileError(f"{p}: -c/--config: expected a readable UTF-8 YAML or JSON file, "
                               f"found {what}") from None
+    if p.suffix.lower() == ".py":  # as YAML, `block_size = 256` lines read as one string
+        raise ConfigFileError(f"{p}: -c/--config: expected a YAML or JSON file, found a Python "
+                              "file (nanoGPT's config/*.py are not run); write its settings as "
+                              "YAML, one `option: value` a line (block_size = 256: seq_len: 256)")
     if p.suffix.lower() == ".json":
         try:
             data = json.loads(text, object_pairs_hook=_json_pairs(str(p)),
@@ -396,8 +400,11 @@ def closest_option(key: str, keys: Iterable[str]) -> str | None:
 
 
 def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str) -> str:
-    close = closest_option(key, table)
-    hint = f"; did you mean {close}?" if close else ""
+    from toymlx_cli.usage import flag_hint  # usage imports this module
+
+    # a nanoGPT or timm setting as its flag names it, else the closest option by spelling
+    said = flag_hint(key, dict.fromkeys(table, False), prog)
+    hint = f"; {said}" if said else ""
     group = sorted(k for k in table if k.startswith(key + "."))
     if group:  # a section given a value (`lora: 8`), not a misspelt option
         more = ", ..." if len(group) > 3 else ""
@@ -541,6 +548,7 @@ def sweep_config(parser: argparse.ArgumentParser, data: dict[str, Any], path: st
             if not isinstance(value, dict):
                 raise ConfigFileError(f"{path}: key 'grid': expected a mapping of option: [values] "
                                       f"or \"log:LO:HI\", found {json.dumps(value)}")
+            _check_not_wandb_grid(value, path)
             grid = _flatten(value, f"{path}: key 'grid'")
         elif name in table and name not in SWEEP_RUN_KEYS:
             _set_default(table[name], name, value, path)
@@ -552,6 +560,23 @@ def sweep_config(parser: argparse.ArgumentParser, data: dict[str, Any], path: st
         else:
             runs[key] = value
     return grid, runs
+
+
+WANDB_PARAMETER_KEYS = {"values", "value", "min", "max", "distribution"}
+"""The keys of a W&B sweep parameter ({values: [...]}, {min, max, distribution})."""
+
+
+def _check_not_wandb_grid(grid: dict[Any, Any], path: str) -> None:
+    """ConfigFileError for a grid key given as a W&B sweep parameter (lr: {values: [1e-3]}):
+    flattened as options, it was refused as `no option --lr.values`, which says nothing of the
+    spelling that is wanted."""
+    for key, value in grid.items():
+        if isinstance(value, dict) and value and set(map(str, value)) <= WANDB_PARAMETER_KEYS:
+            raise ConfigFileError(
+                f"{path}: key 'grid.{key}': expected a list of values or a \"log:LO:HI\" "
+                f"range (uniform:, int:), found {json.dumps(value)}: W&B's form; write "
+                f"{key}: [V1, V2] for values, {key}: \"log:MIN:MAX\" with random: N for a "
+                "distribution")
 
 
 def check_sweep_typos(parser: argparse.ArgumentParser, cls: type, run_options: dict[str, Any],

@@ -106,7 +106,11 @@ def check_window(n: int, seq_len: int, split: str, source: Any, whole: int) -> N
     found = f"{n} in its validation split (of its {whole})" if split == "val" else \
         f"{n} in its test set" if split == "test" else str(n)
     fixes = [f"a shorter --seq-len ({n - 1} or less)"] if n >= 2 else []
-    fixes += {"val": ["--split all (every token)"], "all": ["a longer --data.path file"],
+    # --split all alone is said only where the whole text holds a window: else it fails too
+    every = ("--split all (every token)" if whole > seq_len else
+             f"--split all (every token) with --seq-len {whole - 1} or less" if whole >= 2 else
+             "a longer --data.path file")
+    fixes += {"val": [every], "all": ["a longer --data.path file"],
               "test": ["a longer test set"]}[split]
     raise ValueError(f"{source}: --split {split}: expected at least {seq_len + 1} tokens to "
                      f"score (a window of --seq-len {seq_len} and the token after it), found "
@@ -276,9 +280,12 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
 
 
 def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
-              seq_len: int | None = None, batch_size: int = 256) -> tuple[float, int, str]:
-    """(mean loss, rows, data source) of `model` on a LoRA run's chat/SFT rows of `split`
-    (see `evaluate_chat`), `cfg` the run's configuration (None: --data.path or the default)."""
+              seq_len: int | None = None, batch_size: int = 256, first: int | None = None,
+              progress: str | None = PROG) -> tuple[float, int, str]:
+    """(mean loss, rows scored, data source) of `model` on a LoRA run's chat/SFT rows of `split`
+    (see `evaluate_chat`), `cfg` the run's configuration (None: --data.path or the default);
+    `first`: only the first that many rows (those a run's validation scores); `progress`: the
+    name of the pass's progress bar (drawn on a terminal, `Evaluator`; None: none)."""
     import numpy as np
 
     from toymlx.data.chat import (
@@ -317,6 +324,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         rows, source, fit = sft.val, sft.source, sft.fits["validation"]
         if split == "all":
             rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
+    if first is not None:
+        rows = {k: v[:first] for k, v in rows.items()}
     n = len(rows["inputs"])
     if n == 0:  # nothing to score: say why instead of a loss over no rows
         name = "test" if split == "test" else "validation"
@@ -330,7 +339,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     bs = max(1, min(batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
                 metrics_fn=lm_held_out_sums, test_batches=sft_val_batches(rows, bs, -(-n // bs)))
-    return command_evaluator(task, PROG)(split="test")["test_loss"], n, source
+    return command_evaluator(task, progress)(split="test")["test_loss"], n, source
 
 
 def evaluate(args: Args) -> dict:
@@ -358,7 +367,11 @@ def evaluate(args: Args) -> dict:
         check_no_plot(args, "a LoRA run")
         return evaluate_chat(args, bundle.config)
     path = checkpoint_file(args.model)
-    arch = GGUFFile(path).architecture
+    from toymlx.gguf.llama import check_model_kind
+
+    with GGUFFile(path) as g:
+        check_model_kind(g)  # an adapter, a projector (mmproj): said before its architecture
+        arch = g.architecture
     if arch == "vit":
         return evaluate_images(args, path)
     from toymlx.gguf.llama import ARCHS

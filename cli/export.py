@@ -5,6 +5,7 @@ or toymlx-export --model runs/<vit run> --format safetensors --out DIR|FILE.safe
 from __future__ import annotations
 
 import math
+import shlex
 import shutil
 import sys
 import time
@@ -128,7 +129,7 @@ def export_modelfile(args: Args) -> int:
                 f"fused, {kind}; it "
                 f"{kept_note(adapter_kept(fused, base.path, adapter), args.dtype or 'its')})")
     print(f"{PROG}: wrote {path} ({what}) in {time.perf_counter() - t0:.1f} s; create the "
-          f"Ollama model with: ollama create NAME -f {path}", file=sys.stderr)
+          f"Ollama model with: ollama create NAME -f {shlex.quote(str(path))}", file=sys.stderr)
     if fused:
         print(f"{PROG}: {heldout_note(base.path, args.adapter, fused)}", file=sys.stderr)
     return 0
@@ -140,7 +141,7 @@ def export_mlx_lm(args: Args) -> int:
     --out (llama.cpp's LoRA format) or, with --fuse, fused into the base."""
     import tempfile
 
-    from toymlx.backend.atomic import atomic_open
+    from toymlx.backend.atomic import atomic_open, output_folder
     from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.interop.merge import write_merged
     from toymlx.training.adapter import write_adapter_for
@@ -160,7 +161,8 @@ def export_mlx_lm(args: Args) -> int:
     out = check_output(args.out, [("--base", args.base), ("--base", base),
                                   ("--adapter", args.adapter)])
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="toymlx-export-") as tmp:
+    with (output_folder(out.parent),  # the folders --out needs, removed again if it fails
+          tempfile.TemporaryDirectory(prefix="toymlx-export-") as tmp):
         gguf, kind = write_adapter_for(Path(tmp) / f"{Path(args.adapter).stem}.gguf",
                                        args.adapter, base)
         if not args.fuse:
@@ -168,7 +170,6 @@ def export_mlx_lm(args: Args) -> int:
                 raise ValueError(f"{args.adapter}: --adapter: expected a LoRA adapter to write "
                                  "for llama.cpp, found a DoRA adapter (llama.cpp has no DoRA "
                                  "format); add --fuse to write the full model llama.cpp runs")
-            out.parent.mkdir(parents=True, exist_ok=True)
             with open(gguf, "rb") as f, atomic_open(out) as dst:
                 shutil.copyfileobj(f, dst)
             what = f"mlx-lm adapter {args.adapter}, as llama.cpp's LoRA adapter for {args.base}"
@@ -185,7 +186,7 @@ def export_mlx_lm(args: Args) -> int:
 
 
 def run(args: Args) -> int:
-    from toymlx.backend.atomic import atomic_open
+    from toymlx.backend.atomic import atomic_open, output_folder
     from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
     from toymlx.interop.merge import fine_tune_base, write_fused_exact, write_merged
@@ -224,41 +225,44 @@ def run(args: Args) -> int:
         raise ValueError("--exact-size: expected with --fuse and without --dtype (it writes the "
                          f"base's own types), found {'--dtype' if args.dtype else 'no --fuse'}")
     t0 = time.perf_counter()
-    if args.adapter and not args.fuse:
-        if args.dtype:
-            raise ValueError("--dtype: only applies to a written model (with --fuse or "
-                             "without --adapter); an adapter is written as F32")
-        src = checkpoint_file(args.adapter, "--adapter")
-        if load_adapter(src).kind != "lora":
-            raise ValueError(f"{src}: --adapter: expected a LoRA adapter to write for llama.cpp, "
-                             "found a DoRA adapter (toymlx's own format: llama.cpp has none); "
-                             "add --fuse to write the full model llama.cpp runs")
-        model, _ = load_llama(base, weights="blocks")  # the adapter checked against the base
-        apply_adapter(model, src)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(src, "rb") as f, atomic_open(out) as dst:
-            shutil.copyfileobj(f, dst)
-        what = f"adapter {src}"
-    elif args.exact_size:
-        _, share = write_fused_exact(out, base, args.adapter, progress=sys.stderr.isatty())
-        what = (f"{base_spec} + adapter {args.adapter} (fused in the base's own types, rounded "
-                f"on the run's activations); it keeps {share:.0%} of the adapter's change on "
-                f"those activations, {adapter_kept(out, base, args.adapter):.0%} on isotropic "
-                "inputs" + (" (warning: the rest is below the base's rounding step; export "
-                            "without --exact-size, or run the base with the adapter)"
-                            if share < KEPT_WARNING else ""))
-    elif args.adapter and not args.dtype:
-        kept = write_fused_kept(out, base, args.adapter, progress=sys.stderr.isatty())
-        what = f"{base_spec} + adapter {args.adapter} (fused): {kept.summary()}"
-    elif not args.dtype and (trained_from := fine_tune_base(base_spec)) is not None:
-        kept = write_full_kept(out, trained_from, base, progress=sys.stderr.isatty())
-        what = f"{base_spec} (a full fine-tune of {trained_from}): {kept.summary()}"
-    else:
-        write_merged(out, base, args.adapter, args.dtype, progress=sys.stderr.isatty())
-        what = f"{base_spec}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
-        if args.adapter:
-            what += (f" in {args.dtype}; it "
-                     + kept_note(adapter_kept(out, base, args.adapter), args.dtype))
+    # the folders --out needs, made here and removed again (where empty) if the write fails
+    with output_folder(out.parent):
+        if args.adapter and not args.fuse:
+            if args.dtype:
+                raise ValueError("--dtype: only applies to a written model (with --fuse or "
+                                 "without --adapter); an adapter is written as F32")
+            src = checkpoint_file(args.adapter, "--adapter")
+            if load_adapter(src).kind != "lora":
+                raise ValueError(f"{src}: --adapter: expected a LoRA adapter to write for "
+                                 "llama.cpp, found a DoRA adapter (toymlx's own format: "
+                                 "llama.cpp has none); add --fuse to write the full model "
+                                 "llama.cpp runs")
+            model, _ = load_llama(base, weights="blocks")  # the adapter checked against the base
+            apply_adapter(model, src)
+            with open(src, "rb") as f, atomic_open(out) as dst:
+                shutil.copyfileobj(f, dst)
+            what = f"adapter {src}"
+        elif args.exact_size:
+            _, share = write_fused_exact(out, base, args.adapter, progress=sys.stderr.isatty())
+            what = (f"{base_spec} + adapter {args.adapter} (fused in the base's own types, "
+                    f"rounded on the run's activations); it keeps {share:.0%} of the adapter's "
+                    f"change on those activations, {adapter_kept(out, base, args.adapter):.0%} "
+                    "on isotropic inputs" + (
+                        " (warning: the rest is below the base's rounding step; export without "
+                        "--exact-size, or run the base with the adapter)"
+                        if share < KEPT_WARNING else ""))
+        elif args.adapter and not args.dtype:
+            kept = write_fused_kept(out, base, args.adapter, progress=sys.stderr.isatty())
+            what = f"{base_spec} + adapter {args.adapter} (fused): {kept.summary()}"
+        elif not args.dtype and (trained_from := fine_tune_base(base_spec)) is not None:
+            kept = write_full_kept(out, trained_from, base, progress=sys.stderr.isatty())
+            what = f"{base_spec} (a full fine-tune of {trained_from}): {kept.summary()}"
+        else:
+            write_merged(out, base, args.adapter, args.dtype, progress=sys.stderr.isatty())
+            what = f"{base_spec}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
+            if args.adapter:
+                what += (f" in {args.dtype}; it "
+                         + kept_note(adapter_kept(out, base, args.adapter), args.dtype))
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.adapter and args.fuse:
@@ -301,13 +305,19 @@ def run_base_of(adapter: str | None) -> str:
 
 
 def heldout_note(base: Path, adapter: str, fused: Path) -> str:
-    """The held-out loss of the fused file beside base + adapter's, on the validation rows of
-    the run the adapter comes from (its config.json names its data); or that it was not
-    measured, for an adapter outside a run."""
+    """The held-out loss of the fused file beside base + adapter's, on the validation rows the
+    adapter's run scores at each evaluation (the first --eval-batches x --batch-size); base +
+    adapter's is the run's own figure where it validated the adapter's step in float32
+    (`run_val_loss`), else scored here on the same rows; both as toymlx-eval scores. Or why it
+    was not measured: an adapter outside a run, the run's data gone, no row held out. A
+    progress bar on a terminal names each pass."""
     from toymlx_cli.eval import chat_loss
 
-    from toymlx.data.text import DataError
+    from toymlx.backend.device import on_gpu
+    from toymlx.bundle.checkpoint import checkpoint_file, checkpoint_step
     from toymlx.generation.generate import load_for_generation
+    from toymlx.gguf.llama import frozen_weights
+    from toymlx.models.ops import scoring_ops
     from toymlx.runner.bundle import Bundle
 
     bundle = Bundle.of(adapter, "--adapter")
@@ -315,16 +325,50 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
         return ("held-out loss not measured: the adapter is a file outside a run, so its "
                 "validation data is not known (toymlx-eval --model FUSED --data.path DATA "
                 "measures it)")
+    cfg = bundle.config
+    first = cfg.eval_batches * cfg.batch_size
+    step = checkpoint_step(checkpoint_file(adapter, "--adapter"))
+    ref = run_val_loss(bundle.events, step)
+    whose = f"the run's step-{step} validation" if ref is not None else "scored here"
+
+    def loss(what: str, *paths: Path | str) -> tuple[float, int, str]:
+        # loaded and scored as toymlx-eval scores (on a CPU the run's float32 kernels)
+        gpu = on_gpu()
+        model = load_for_generation(*paths, weights=frozen_weights(gpu), ops=scoring_ops(gpu))
+        return chat_loss(*model, cfg, batch_size=cfg.batch_size, first=first,
+                         progress=f"{PROG}: held-out loss, {what}")
+
     try:
-        ref, n, source = chat_loss(*load_for_generation(base, adapter), bundle.config)
-    except DataError as e:  # the run's data moved or gone: the file is written all the same
+        if ref is None:
+            ref = loss("base + adapter", base, adapter)[0]
+        got, n, source = loss("fused file", fused)
+    except ValueError as e:  # DataError: the run's data moved or gone; or it held out no row
+        # (a ValueError naming --data.val-fraction): the file is written all the same
         return (f"held-out loss not measured: {e} (toymlx-eval --model {fused} --data.path "
                 "DATA measures it)")
-    got, _, _ = chat_loss(*load_for_generation(fused), bundle.config)
     change = (f"{(got - ref) / ref:+.2%}" if math.isfinite(ref) and math.isfinite(got) and ref
               else "no change to give: a loss is not finite")
-    return (f"held-out loss on the run's {n} validation rows ({source}): base + adapter "
-            f"{ref:.4f}, fused file {got:.4f} ({change})")
+    return (f"held-out loss on the {n} validation rows the run scores ({source}; the first "
+            f"--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size}): base + "
+            f"adapter {ref:.4f} ({whose}), fused file {got:.4f} ({change})")
+
+
+def run_val_loss(events: list[dict], step: int | None) -> float | None:
+    """The run's own validation loss of the model at `step` (the last `eval` event of the
+    validation split there), where the run computed in float32 (its `run_start`'s math): the
+    figure the export would score again for base + adapter, on the same rows. None where
+    there is none (a run stopped before its final validation) or the run's math rounded to
+    a narrower type (bfloat16, float16), which the export's float32 scoring would not match."""
+    if step is None:
+        return None
+    start = next((e for e in events if e.get("kind") == "run_start"), {})
+    math_ = start.get("math") or {}
+    base_dtype = (start.get("config") or {}).get("base_dtype_resolved", "float32")
+    if math_.get("dtype") != "float32" or base_dtype in ("bfloat16", "float16"):
+        return None
+    found = [e for e in events if e.get("kind") == "eval" and e.get("step") == step
+             and e.get("split", "val") == "val" and isinstance(e.get("val_loss"), float)]
+    return found[-1]["val_loss"] if found else None
 
 
 def main(argv: list[str] | None = None) -> int:

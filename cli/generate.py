@@ -5,9 +5,11 @@ rendered through the GGUF's chat template wherever it has one, as mlx_lm.generat
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from toymlx_cli import run_command
@@ -44,6 +46,11 @@ class Args:
     """Divide the logits of the last 20 tokens by this (above 1 discourages repeats)."""
     seed: int = 0
     """Seed for sampling, so a run can be repeated exactly."""
+    num_samples: int = 1
+    """Samples to draw from the prompt with the model loaded once (nanoGPT's num_samples):
+    they are drawn with the seeds --seed, --seed + 1, ..., each the text that seed alone
+    prints; on stdout each is followed by a line of 15 dashes. Needs --temperature > 0; at most
+    1,000 (more: another call from --seed 1000 up)."""
     chat: bool = False
     """Without --prompt: a conversation typed turn by turn. With it: the chat template, as by
     default, but an error where the GGUF has none."""
@@ -227,21 +234,24 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
         turns += 1
 
 
-def stream(model, tokenizer, ids: list[int], args: Args, out=None, kept=None
-           ) -> tuple[str, int]:
+def stream(model, tokenizer, ids: list[int], args: Args, out=None, kept=None,
+           decoder=None, fresh: bool = False) -> tuple[str, int]:
     """Write the continuation to `out` (stdout) as it is produced; return (text, token count).
     `model`: an MLX `Llama`, or a `LlamaCppDecoder` (the llama.cpp engine, which keeps a
-    conversation's shared start itself); `kept`: MLX's `PromptCache` of a conversation."""
+    conversation's shared start itself); `kept`: MLX's `PromptCache` of a conversation;
+    `decoder`: MLX's `decoder_for(model)`, made once for several calls; `fresh`: the llama.cpp
+    child decodes as one started with --seed would (a sample of `samples`)."""
     from toymlx.generation.generate import LlamaCppDecoder, generate, stop_ids
 
     out = sys.stdout if out is None else out
     if isinstance(model, LlamaCppDecoder):
         tokens = model.generate(ids, stop_ids(tokenizer), args.max_tokens,
                                 args.temperature, args.top_p, args.top_k, args.min_p,
-                                args.repetition_penalty)
+                                args.repetition_penalty, args.seed if fresh else None)
     else:
         tokens = generate(model, tokenizer, ids, args.max_tokens, args.temperature, args.top_p,
-                          args.seed, args.top_k, args.min_p, args.repetition_penalty, kept)
+                          args.seed, args.top_k, args.min_p, args.repetition_penalty, kept,
+                          decoder)
 
     # Decoding prompt + new tokens and printing the part after the prompt's own decoding keeps
     # word-initial spaces that a tokenizer drops at the start of a text, and re-decoding the
@@ -270,6 +280,65 @@ def stream(model, tokenizer, ids: list[int], args: Args, out=None, kept=None
 def _continuation(tokenizer, ids: list[int], new: list[int], base: str) -> str:
     full = tokenizer.decode(ids + new)
     return full[len(base):] if full.startswith(base) else tokenizer.decode(new)
+
+
+MAX_SAMPLES = 1000
+"""Most samples one call draws: a count no reader reads (a hostile 2**63 decoded until
+killed); the seeds being consecutive, a call from --seed S + 1000 goes on where one stops."""
+
+SEPARATOR = "-" * 15
+"""The line on stdout after each sample of --num-samples above 1, as nanoGPT's sample.py
+prints it: a script splits the output on it, and a sample not followed by it was cut (Ctrl-C)."""
+
+
+def check_samples(args: Args) -> None:
+    """UsageError for a --num-samples that cannot be drawn as its help says."""
+    n = args.num_samples
+    if not 1 <= n <= MAX_SAMPLES:
+        raise UsageError(f"--num-samples: expected a count in 1..{MAX_SAMPLES}, found {n} (more "
+                         f"samples: another call with --seed {MAX_SAMPLES} higher)")
+    if n == 1:
+        return
+    if args.temperature == 0:
+        raise UsageError(f"--num-samples {n}: expected --temperature > 0, found 0 (greedy: "
+                         "every sample would be the same text; drop --num-samples)")
+    if args.chat and not args.prompt:
+        raise UsageError(f"--num-samples {n}: expected a --prompt (a --chat conversation "
+                         "answers each turn once), found none")
+    if args.seed + n - 1 >= 2**64:  # sample k's seed is --seed + k
+        raise UsageError(f"--num-samples {n}: expected --seed + {n - 1} <= {2**64 - 1} (the "
+                         f"samples' seeds run from --seed up), found --seed {args.seed}")
+
+
+def samples(model, tokenizer, ids: list[int], args: Args, engine: str, context: int) -> None:
+    """The --num-samples samples of the prompt on stdout, the k-th (from 0) drawn as `--seed` + k
+    alone draws it (each from an empty KV cache, the MLX model traced once), each followed by
+    SEPARATOR where there are several; a line of counts and timing for each on stderr."""
+    from toymlx.generation.generate import LlamaCppDecoder, decoder_for
+
+    several = args.num_samples > 1
+    decoder = None if isinstance(model, LlamaCppDecoder) else decoder_for(model)
+    for k in range(args.num_samples):
+        one = dataclasses.replace(args, seed=args.seed + k)
+        t0 = time.perf_counter()
+        try:
+            _, n = stream(model, tokenizer, ids, one, decoder=decoder, fresh=several)
+        except KeyboardInterrupt:
+            if several:  # which ones a script can take: those followed by SEPARATOR
+                print(f"\n{PROG}: {k} of {args.num_samples} samples printed whole; sample "
+                      f"{k + 1} (--seed {one.seed}) was cut", file=sys.stderr, end="")
+            raise
+        if several:
+            print(SEPARATOR, flush=True)
+        dt = time.perf_counter() - t0
+        which = f"sample {k + 1} of {args.num_samples} (--seed {one.seed}): " if several else ""
+        print(f"{PROG}: {which}{len(ids)} prompt + {n} new tokens in {dt:.2f} s "
+              f"({n / dt if dt > 0 else 0:.1f} tok/s, {engine})", file=sys.stderr)
+        if n == 0:
+            print(no_tokens_note(tokenizer, args, ids, context), file=sys.stderr)
+        elif n < args.max_tokens and len(ids) + n >= context:
+            print(f"{PROG}: stopped at the model's context: {len(ids)} prompt + {n} new tokens "
+                  f"fill its {context} (--max-tokens {args.max_tokens})", file=sys.stderr)
 
 
 def store_layers_note(spec: str) -> str | None:
@@ -306,6 +375,11 @@ def run(args: Args) -> int:
     )
     from toymlx.generation.sampling import check_top_k
 
+    nanogpt_file = args.prompt.removeprefix("FILE:")
+    if nanogpt_file != args.prompt and Path(nanogpt_file).is_file():  # never taken as the text
+        raise UsageError(f"--prompt: expected the prompt's text, found nanoGPT's "
+                         f"{args.prompt!r} (sample.py's --start=FILE:...); to read "
+                         f"{nanogpt_file}: --prompt - < {shlex.quote(nanogpt_file)}")
     if args.prompt == "-":
         raw = within_stdin_limit(sys.stdin.buffer.read(STDIN_LIMIT + 1), "--prompt -: stdin")
         if not raw:  # an empty pipe would be generated from as a raw BOS alone
@@ -324,6 +398,7 @@ def run(args: Args) -> int:
                    args.repetition_penalty)  # before the model loads
     if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer
         raise UsageError(f"--seed: expected 0..{2**64 - 1}, found {args.seed}")
+    check_samples(args)
     if args.device == "gpu" and args.engine == "llama.cpp":  # its child decodes on the CPU
         raise UsageError("--device gpu: expected --engine mlx or auto (--engine llama.cpp "
                          "decodes on the CPU), found --engine llama.cpp")
@@ -353,9 +428,8 @@ def run(args: Args) -> int:
             model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
                                     context=min(context, len(ids) + args.max_tokens))
             print(used, file=sys.stderr)
-            t0 = time.perf_counter()
             try:
-                _, n = stream(model, tokenizer, ids, args)
+                samples(model, tokenizer, ids, args, engine, context)
             finally:
                 model.close()
     except EngineFailed as e:  # before its first token: nothing is printed yet
@@ -375,16 +449,7 @@ def run(args: Args) -> int:
         ids = prompt_ids(tokenizer, args)
         context = model.args.context
         print(used, file=sys.stderr)
-        t0 = time.perf_counter()
-        _, n = stream(model, tokenizer, ids, args)
-    dt = time.perf_counter() - t0
-    print(f"{PROG}: {len(ids)} prompt + {n} new tokens in {dt:.2f} s "
-          f"({n / dt if dt > 0 else 0:.1f} tok/s, {engine})", file=sys.stderr)
-    if n == 0:
-        print(no_tokens_note(tokenizer, args, ids, context), file=sys.stderr)
-    elif n < args.max_tokens and len(ids) + n >= context:
-        print(f"{PROG}: stopped at the model's context: {len(ids)} prompt + {n} new tokens fill "
-              f"its {context} (--max-tokens {args.max_tokens})", file=sys.stderr)
+        samples(model, tokenizer, ids, args, engine, context)
     return 0
 
 

@@ -5,8 +5,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx_cli import VersionAction, output_may_close
+from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
+
+PEER_FLAGS = {
+    "--nproc_per_node": "torchrun's", "--nproc-per-node": "torchrun's",
+    "--num_processes": "accelerate launch's", "--num-processes": "accelerate launch's",
+    "-np": "mpirun's",
+}
+"""Other launchers' flags for the number of processes, which argparse refused as
+"unrecognized arguments" without naming -n."""
+
+
+def _peer_flag(argv: list[str]) -> str | None:
+    """The line naming -n for the first of another launcher's rank-count flags in argv."""
+    for i, token in enumerate(argv):
+        name, eq, value = token.partition("=")
+        if name in PEER_FLAGS:
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "N")
+            n = value if value.isdigit() else "N"
+            return (f"{name}: {PEER_FLAGS[name]} {name} is toymlx-launch's -n; use "
+                    f"toymlx-launch -n {n} -- toymlx-train ...")
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from toymlx.runner.launch import launch
 
     if argv is None:  # the console script: its ranks inherit the huge-page heap setting
+        console_streams()
         restart_with_huge_pages()
     argv = sys.argv[1:] if argv is None else list(argv)
     command: list[str] = []
@@ -49,11 +70,18 @@ def main(argv: list[str] | None = None) -> int:
         k = argv.index("--")
         argv, command = argv[:k], argv[k + 1:]
     p = _parser()
+    if peer := _peer_flag(argv):
+        print(f"toymlx-launch: error: {peer}", file=sys.stderr)
+        return 2
     try:
-        with output_may_close():  # `--help | head`: argparse exits after its help
-            args = p.parse_args(parser_defaults(p, argv))
-        return launch(args.n, command, hosts=args.hosts, backend=args.backend, grace=args.grace,
-                      status_dir=args.status_dir, env=args.env, port=args.port)
+        # `--help | head`: argparse exits after its help; `| head` while the ranks train: the
+        # launch's own lines are discarded as it stops them (`launch`: exit 141)
+        with output_may_close():
+            with readable_width():
+                args = p.parse_args(parser_defaults(p, argv))
+            return launch(args.n, command, hosts=args.hosts, backend=args.backend,
+                          grace=args.grace, status_dir=args.status_dir, env=args.env,
+                          port=args.port)
     except ValueError as e:
         print(f"toymlx-launch: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ config files are not read here.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,7 @@ example a row, validates at iteration 1 before any update; MLX's Adam betas, and
 decay on every trained array; mask_prompt trains a conversation's last message), where
 toymlx's lora recipe has another default."""
 _NOTED = {
-    "test_batches": "toymlx's --test scores all of test.jsonl",
     "clear_cache_threshold": "toymlx manages MLX's cache itself",
-    "project_name": "W&B's project is WANDB_PROJECT (default toymlx)",
     "trust_remote_code": "toymlx runs no model code from a repository",
     "config": "the file itself",
 }
@@ -69,7 +68,7 @@ _RENAMED = {"iters": "steps", "learning_rate": "lr",
             "optimizer": "optimizer"}
 
 
-_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule"}
+_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule", "test_batches", "project_name"}
 """Keys an mlx-lm file may hold besides MLX_LM_ONLY, MLX_LM_DEFAULTS and _NOTED's."""
 
 
@@ -174,8 +173,11 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         _schedule(data["lr_schedule"], source, put)
     _optimizer_config(data.get("optimizer_config"), given["optimizer"], source, put)
     if "model" in data:
-        put("model", "base", _model(data["model"], source))
-    if "hf_dataset" in data:
+        put("model", "base", data["model"] if "--base" in flags else _model(data["model"], source))
+    if "hf_dataset" in data and "--data.path" in flags:
+        notes.append(f"{source}: key 'hf_dataset': not used (--data.path on the command line "
+                     "gives the data; mlx-lm would read the Hugging Face dataset instead)")
+    elif "hf_dataset" in data:
         _hf_dataset(data["hf_dataset"], source)
     if "data" in data:
         put("data", "data.path", data["data"] if "--data.path" in flags
@@ -186,8 +188,20 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
               "a folder name", p)
         put("adapter_path", "runs_root", str(Path(p).parent))
         put("adapter_path", "run_id", Path(p).name)
+        # mlx_lm.generate --adapter-path would fail on it: "No such file or directory:
+        # 'adapters/adapter_config.json'"
+        notes.append(f"{source}: key 'adapter_path': {p} is the run's folder; its adapters are "
+                     "llama.cpp's GGUFs (weights/adapter_step_N.gguf), not mlx-lm's "
+                     f"adapters.safetensors: toymlx-generate --model {p}, or toymlx-export "
+                     f"--adapter {p} --fuse --out FILE.gguf (mlx_lm.fuse's)")
     if data.get("report_to"):
         put("report_to", "report_to", _report_to(data["report_to"], source))
+    if "project_name" in data:
+        p = data["project_name"]
+        _want(source, "project_name", isinstance(p, str) and p.strip() != "",
+              "a W&B project name", p)
+        put("project_name", "wandb_project", p)
+    notes += _test_batches(data, given["test"], source)
     if data.get("resume_adapter_file") is not None:
         _resume_adapter(data["resume_adapter_file"], source)
     for option, value in MLX_LM_FIXED.items():
@@ -281,6 +295,26 @@ def mlx_lm_layers(cfg: Any) -> tuple[Any, str | None]:
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, layers=None)), note
 
 
+def mlx_lm_rank_given(options: dict[str, Any], rows: list[tuple[str, str, Any, str]],
+                      rank: Any) -> tuple[dict[str, Any], list[tuple[str, str, Any, str]]]:
+    """(options, rows) with --lora.alpha following a --lora.rank the command line gives over the
+    file (`rank`: its text; None when not given, or with --lora.alpha given too): mlx-lm's
+    `scale` multiplies the update whatever the rank, toymlx's alpha / rank does, so alpha is
+    the file's scale (or mlx-lm's default 20) x the given rank, as the file's alpha was x its
+    rank. Left as it is, --lora.rank 2 over mlx-lm's rank 8 would scale the update by 80."""
+    if rank is None or "lora.alpha" not in options:
+        return options, rows
+    try:
+        r = int(rank)
+    except ValueError:  # refused by the parser, naming --lora.rank
+        return options, rows
+    scale = options["lora.alpha"] / options["lora.rank"]
+    alpha = scale * r
+    rows = [(k, o, alpha, f"{f} scale {scale:g} x --lora.rank {r}") if o == "--lora.alpha"
+            else (k, o, v, f) for k, o, v, f in rows]
+    return {**options, "lora.alpha": alpha}, rows
+
+
 def _lora(params: Any, source: str, put) -> None:
     """lora_parameters: rank, scale (toymlx's alpha = scale x rank: the same update), dropout,
     keys. mlx-lm takes the mapping whole (no key falls back to a default) and requires scale."""
@@ -367,7 +401,11 @@ def _model(model: Any, source: str) -> str:
     its Q4_K_M GGUF, as llama.cpp's -hf)."""
     _want(source, "model", isinstance(model, str) and model, "a GGUF file or a model name",
           model)
-    if ":" in model or Path(model).exists() or model.lower().endswith(".gguf"):
+    if ":" in model or Path(model).exists():
+        return model
+    if (Path(source).parent / model).exists() and not Path(model).is_absolute():
+        raise _not_found(source, "model", model, "a GGUF file or a model name")
+    if model.lower().endswith(".gguf"):  # refused by the recipe, named by this key
         return model
     if model.count("/") == 1:
         return "hf:" + model
@@ -377,14 +415,31 @@ def _model(model: Any, source: str) -> str:
 def _data(data: Any, source: str) -> str:
     """data: a local folder in mlx-lm's layout (train.jsonl, valid.jsonl, test.jsonl)."""
     _want(source, "data", isinstance(data, str) and data, "a data folder", data)
-    if not Path(data).exists() and data.count("/") == 1 and not data.startswith((".", "/")):
+    if Path(data).exists():
+        return data
+    if data.count("/") == 1 and not data.startswith((".", "/")) and not (
+            Path(source).parent / data).exists():
         raise _hub_dataset(source, "data", data)
-    return data
+    raise _not_found(source, "data", data, "a data folder (train.jsonl, valid.jsonl, test.jsonl)")
+
+
+def _not_found(source: str, key: str, value: str, expected: str) -> ConfigFileError:
+    """A path in the file that names nothing: a relative one is read from the current
+    directory, as mlx-lm reads it, not from the file's folder (named when it holds one)."""
+    where = "" if Path(value).is_absolute() else (
+        f" (a relative path is read from the current directory, {Path.cwd()}, as mlx-lm reads "
+        "it, not from the file's folder")
+    beside = Path(source).parent / value
+    if where and beside.exists() and Path(source).parent.resolve() != Path.cwd().resolve():
+        where += f"; give {beside}, or run from {Path(source).parent}"
+    return ConfigFileError(f"{source}: key {key!r}: expected {expected}, found nothing at "
+                           f"{value}{where + ')' if where else ''}")
 
 
 def _hf_dataset(value: Any, source: str) -> None:
     """hf_dataset: mlx-lm's Hugging Face datasets ({path, ...} or a list of them), which toymlx
-    does not download: always refused, naming the first dataset's path."""
+    does not download: refused, naming the first dataset's path (unless --data.path is given:
+    a note, in `mlx_lm_options`)."""
     first = value[0] if isinstance(value, list) and value else value
     path = first.get("path") if isinstance(first, dict) else None
     _want(source, "hf_dataset", isinstance(path, str) and path, "a mapping with path (a "
@@ -393,16 +448,55 @@ def _hf_dataset(value: Any, source: str) -> None:
 
 
 def _report_to(value: Any, source: str) -> str:
-    """report_to: mlx-lm's comma list (wandb, swanlab); toymlx reports to wandb and tensorboard."""
-    from toymlx.bundle.reporters import REPORTERS
+    """report_to: mlx-lm's comma list (wandb, swanlab), read by --report-to's own parser (the
+    same names: tensorboard, wandb, all, none)."""
+    from toymlx.bundle.reporters import parse_report_to
 
     _want(source, "report_to", isinstance(value, str), "a comma list of services", value)
-    for name in (n.strip().lower() for n in value.split(",") if n.strip()):
-        if name not in REPORTERS:
-            raise ConfigFileError(f"{source}: key 'report_to': expected a comma list of "
-                                  f"{', '.join(REPORTERS)} (the services toymlx reports to), "
-                                  f"found {name!r}; remove it")
+    try:
+        parse_report_to(value, f"{source}: key 'report_to'")
+    except ValueError as e:
+        raise ConfigFileError(str(e)) from None
     return value
+
+
+def _test_batches(data: dict[str, Any], test: Any, source: str) -> list[str]:
+    """test_batches: mlx-lm's test pass scores its first N batches (-1: all of them); toymlx's
+    --test has no cap and scores all of test.jsonl, so only -1 is honoured, another N refused
+    when test is true (unused otherwise, as in mlx-lm); a note when the file leaves it to
+    mlx-lm's default (500)."""
+    if "test_batches" not in data:
+        return [(f"{source}: key 'test': toymlx's --test scores all of test.jsonl; mlx-lm "
+                 "scores its first 500 batches (test_batches' default; -1 is every batch)")
+                ] if test is True else []
+    n = data["test_batches"]
+    _want(source, "test_batches", _int(n) and (n >= 1 or n == -1),
+          "an integer >= 1, or -1 (every batch)", n)
+    if test is True and n != -1:
+        raise ConfigFileError(f"{source}: key 'test_batches': expected -1 (every batch: "
+                              "toymlx's --test scores all of test.jsonl and cannot stop "
+                              f"earlier), found {n}; set test_batches: -1")
+    return []
+
+
+def mlx_lm_mask_prompt(cfg: Any, source: str) -> None:
+    """ConfigFileError (one line) for mask_prompt true on text data ({"text": ...} rows, or a
+    plain-text file): mlx-lm refuses it ("Prompt masking not supported for text dataset"),
+    where toymlx's lora recipe would train every token of it."""
+    from toymlx.data.chat import data_files, load_examples
+
+    if not cfg.data.mask_prompt or not cfg.data.path:
+        return
+    try:
+        train = data_files(cfg.data.path).train
+        first = load_examples(train)[0]
+    except (ValueError, OSError):  # refused by the recipe, naming the file
+        return
+    if first.kind == "text":
+        raise ConfigFileError(f"{source}: key 'mask_prompt': expected false for text data "
+                              f"({train} holds {{'text': ...}} rows, no prompt and completion "
+                              "or messages; mlx-lm refuses prompt masking on a text dataset), "
+                              "found true")
 
 
 def _resume_adapter(value: Any, source: str) -> None:
@@ -422,18 +516,35 @@ def _hub_dataset(source: str, key: str, name: str) -> ConfigFileError:
         f"--local-dir DIR) and give data: DIR")
 
 
+_FLAG_LINE = re.compile(r"(?:(?P<path>.*?): )?(?P<flag>--[a-z][a-z0-9.-]*)(?P<rest>: .*)",
+                        re.DOTALL)
+"""A line refusing an option after the file was read: `--steps: expected >= 1, found 0`, or
+`PATH: --base: expected an existing GGUF file, ...` for an option that names a path."""
+
+
 def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: str) -> str:
-    """A config-file error on a toymlx option an mlx-lm key of the file set (`key
-    'data.mask_prompt'`), naming that key as the file has it (`key 'mask_prompt' (toymlx's
-    --data.mask-prompt)`); other errors unchanged."""
+    """An error on a toymlx option an mlx-lm key of the file set, naming that key as the file
+    has it: a config-file error (`key 'data.mask_prompt'` -> `key 'mask_prompt' (toymlx's
+    --data.mask-prompt)`) or a later check's (`--steps: ...` -> `F: key 'iters' (toymlx's
+    --steps): ...`; a key the file leaves out is named as mlx-lm's default). Errors on options
+    no key set, or that the command line gives over the file, are unchanged."""
     head = f"{source}: key '"
-    if not message.startswith(head):
+    path = None
+    if message.startswith(head):
+        option, _, rest = message[len(head):].partition("'")
+        flag = _flag(option)
+    elif m := _FLAG_LINE.fullmatch(message):
+        option, flag, path, rest = "", m["flag"], m["path"], m["rest"]
+    else:
         return message
-    option, _, rest = message[len(head):].partition("'")
-    keys = [k for k, flag, _, _ in rows if flag == _flag(option) and k != "(none)"]
-    if not keys or keys[0] == option:
+    row = next((r for r in rows if r[1] == flag and r[0] != "(none)"), None)
+    if row is None or row[0] == option or (row[3] == "command line, over the file"
+                                           and not option):  # the flag's value was refused
         return message
-    return f"{source}: key {keys[0]!r} (toymlx's {_flag(option)}){rest}"
+    key, origin = row[0], row[3]
+    where = (f"mlx-lm's default, not in the file; toymlx's {flag}"
+             if origin.startswith("mlx-lm default") else f"toymlx's {flag}")
+    return f"{source}: key {key!r} ({where}){': ' + path if path else ''}{rest}"
 
 
 def mlx_lm_table(rows: list[tuple[str, str, Any, str]]) -> str:

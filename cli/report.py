@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx_cli import VersionAction, output_may_close
+from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 
@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the console script
+        console_streams()
     p = _parser()
     with output_may_close():  # `| head`: the table is cut short, the report file still drawn
         return _main(p, argv)
@@ -34,13 +36,15 @@ def main(argv: list[str] | None = None) -> int:
 def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
     from toymlx.bundle.outputs import check_output
     from toymlx.runner import report
+    from toymlx.sweeps.summary import recorded_states
 
     try:
-        args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))
+        with readable_width():
+            args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))
         dirs = report.expand_dirs(args.dirs)
         check_output(args.out, [])  # a new file beside the runs, never inside one
         report.check_report_name(args.out)  # before the work, not after the table
-        rows = report.sort_rows(report.summarize(dirs))
+        rows = report.sort_rows(recorded_states(report.summarize(dirs)))
         params = report.add_params(rows)
         print(report.format_table(rows, params))
         try:

@@ -4,9 +4,10 @@ toymlx-sweep -c SWEEP.yaml: the whole sweep in one file."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from toymlx_cli import VersionAction, output_may_close
+from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -37,7 +38,10 @@ examples:
 
 Runs go to RUNS_ROOT/SWEEP_ID/<run name>; running the same command again skips completed
 runs, resumes torn ones and retries failed ones. At the end: summary.csv, summary.jsonl
-and report.png in the sweep folder. Exit status 1 if a run failed.
+and report.png in the sweep folder, best first, and a line naming the best run (lowest
+val_loss or highest accuracy; a diverged run is a result, never best). Exit status 1 if a run
+failed or one of
+those files could not be written (a full disk: named in a line, the others still written).
 """
 
 
@@ -94,12 +98,14 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
 def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | None
                 ) -> list[tuple[str, str | None]]:
     """Every run's options checked as toymlx-train checks a new run's (tyro's parse, then
-    `check_config`), before any run starts: a bad grid value is one line naming its run, not a
-    failure of each run that has it. Returns (flag, path) of what the runs read (`run_inputs`,
-    as typed)."""
+    `check_config`), and its data paths found, before any run starts: a bad grid value is one
+    line naming its run, not a failure of each run that has it. Returns (flag, path) of what
+    the runs read (`run_inputs`, as typed)."""
     from toymlx_cli.config_file import defaults_from_file
     from toymlx_cli.usage import parse_options
 
+    from toymlx.bundle.inputs import data_paths
+    from toymlx.bundle.options import flag_name
     from toymlx.recipes import get_recipe
     from toymlx.runner.run import run_inputs
     from toymlx.training.task import check_config
@@ -113,6 +119,13 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
         try:
             cfg = parse_options(module.Config, list(spec.args), prog, default)
             check_config(module, cfg, new_run=True)
+            # a data path that is not there failed each run that had it, seconds into its start,
+            # the others running (a typo in one grid value found at the end of the sweep)
+            for key, value in data_paths(cfg).items():
+                if not os.path.exists(value):
+                    here = "" if os.path.isabs(value) else f" (in {os.getcwd()})"
+                    raise ValueError(f"{flag_name(key)}: expected an existing file or folder, "
+                                     f"found nothing at {value}{here}")
         except ValueError as e:
             raise ValueError(f"run {spec.name}: {e}; no run was started") from None
         inputs += [i for i in run_inputs(cfg) if i not in inputs]
@@ -122,6 +135,8 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
 def main(argv: list[str] | None = None) -> int:
     # `| head -3`, `2>&1 | head -3`: the rest of the output is discarded, and the sweep stops as on
     # Ctrl-C (its runs checkpoint; summary and report written; exit 141)
+    if argv is None:  # the console script
+        console_streams()
     with output_may_close():
         return _main(argv)
 
@@ -154,10 +169,17 @@ def _main(argv: list[str] | None) -> int:
         path, argv = split_config(argv)
         if path is not None:
             file_grid, run_options = sweep_config(parser, read_config_file(path), path)
+            # argparse's "the following arguments are required: --recipe" said nothing of
+            # the file that lacked it
+            if parser.get_default("recipe") is None and not any(
+                    a == "--recipe" or a.startswith("--recipe=") for a in argv):
+                raise ValueError(f"{path}: key 'recipe': expected the runs' recipe (recipe: "
+                                 "from-scratch, or --recipe NAME), found none")
     except ValueError as e:
         print(f"toymlx-sweep: error: {e}", file=sys.stderr)
         return 2
-    args, rest = parser.parse_known_args(argv)
+    with readable_width():
+        args, rest = parser.parse_known_args(argv)
     passthrough = rest + after
     try:
         if args.config is not None:  # a spelling split_config leaves to argparse (-cFILE)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import sys
+from typing import Any
 
-from toymlx_cli import output_may_close, print_version
+from toymlx_cli import console_streams, output_may_close, print_version
 from toymlx_cli.config_file import CONFIG_HELP
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from toymlx.runner.launch import launched_as_rank, rank_status
 
     if argv is None:  # the console script (or python -m): the heap on huge pages
+        console_streams()
         restart_with_huge_pages()
 
     watch_parent()  # started by toymlx-sweep / toymlx-launch: stop when that parent dies
@@ -108,15 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     return status.code
 
 
-def _over_the_file(rows: list[tuple], argv: list[str]) -> list[tuple]:
-    """The mlx-lm table's rows with the options the command line also gives shown as given
-    there (`--base GGUF -c F`: the GGUF, not the file's `model:`), as tyro will apply them."""
-    given = {}
+def _flags_given(argv: list[str]) -> dict[str, Any]:
+    """The command line's flags and their values as text (`--steps 2`, `--steps=2`; True for
+    a flag without one)."""
+    given: dict[str, Any] = {}
     for i, a in enumerate(argv):
         flag, eq, value = a.partition("=")
         if flag.startswith("--"):
             given[flag] = value if eq else (argv[i + 1] if i + 1 < len(argv)
                                             and not argv[i + 1].startswith("--") else True)
+    return given
+
+
+def _over_the_file(rows: list[tuple], given: dict[str, Any]) -> list[tuple]:
+    """The mlx-lm table's rows with the options the command line also gives (`given`) shown as
+    given there (`--base GGUF -c F`: the GGUF, not the file's `model:`), as tyro will apply
+    them."""
     return [(k, o, given[o], "command line, over the file") if o in given else (k, o, v, f)
             for k, o, v, f in rows]
 
@@ -133,7 +142,9 @@ def _main(argv: list[str] | None) -> int:
         mlx_lm_error,
         mlx_lm_layers,
         mlx_lm_layers_flag,
+        mlx_lm_mask_prompt,
         mlx_lm_options,
+        mlx_lm_rank_given,
         mlx_lm_table,
     )
     from toymlx_cli.usage import UsageError, parse_options
@@ -166,7 +177,10 @@ def _main(argv: list[str] | None) -> int:
                 recipe, mlx_lm = "lora", True  # mlx-lm's lora config, with mlx-lm's meaning
                 flags = frozenset(a.partition("=")[0] for a in rest if a.startswith("--"))
                 options, rows, notes = mlx_lm_options(options, config_path, flags)
-                rows = _over_the_file(rows, rest)
+                given = _flags_given(rest)
+                options, rows = mlx_lm_rank_given(options, rows, None if "--lora.alpha"
+                                                  in given else given.get("--lora.rank"))
+                rows = _over_the_file(rows, given)
                 print(f"{config_path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
                 for note in notes:
                     print(f"toymlx-train: {note}", file=sys.stderr)
@@ -207,7 +221,16 @@ def _main(argv: list[str] | None) -> int:
         cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; the flag keeps toymlx's
         if note:
             print(f"toymlx-train: {config_path}: {note}", file=sys.stderr)
-    return run_training(recipe, module, cfg, bundle, config_path)
+    if mlx_lm and not any(a.partition("=")[0] in ("--data.mask-prompt", "--data.no-mask-prompt")
+                          for a in rest):
+        try:
+            mlx_lm_mask_prompt(cfg, config_path)
+        except ValueError as e:
+            print(f"toymlx-train: error: {e}", file=sys.stderr)
+            return 2
+    # an mlx-lm file's value refused by a later check is named by the file's key, not the flag
+    return run_training(recipe, module, cfg, bundle, config_path, name_keys=(
+        (lambda message: mlx_lm_error(message, rows, config_path)) if mlx_lm else None))
 
 
 if __name__ == "__main__":

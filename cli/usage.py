@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from toymlx_cli import readable_width
 from toymlx_cli.config_file import closest_option, option_table
 
 
@@ -32,7 +33,7 @@ class UsageError(ValueError):
 def parse_options(cls: type, argv: list[str], prog: str, default: Any = None,
                   description: str | None = None) -> Any:
     """tyro.cli(cls) over `argv`; UsageError (one line) for a command line it refuses. `--help`
-    prints tyro's help and exits 0, as tyro does."""
+    prints tyro's help and exits 0, as tyro does, at least `readable_width`'s columns wide."""
     import tyro
 
     from toymlx.bundle.options import check_no_empty_text
@@ -51,7 +52,7 @@ def parse_options(cls: type, argv: list[str], prog: str, default: Any = None,
             raise UsageError(line)
 
     hooked = on_parse_error(refuse) if on_parse_error else contextlib.nullcontext()
-    with hooked:
+    with hooked, readable_width():
         options = tyro.cli(cls, args=argv, prog=prog, default=default, description=description)
     try:
         check_no_empty_text(options)
@@ -178,9 +179,130 @@ def _flags(cls: type) -> dict[str, bool]:
     return out
 
 
-LLAMA_CPP_FLAGS = {"-m": "model", "-p": "prompt", "-n": "max_tokens", "--n-predict": "max_tokens",
-                   "-s": "seed"}
-"""llama.cpp's short flags (llama-cli, llama-completion) -> the option a command names instead."""
+PeerFlags = dict[str, tuple[tuple[str, str], ...]]
+"""Another tool's flag as its users type it -> (an option the command must have, what to say
+after the unknown flag) pairs; the first pair whose option the command has is said, in place
+of the closest option by spelling, which misleads for these (block_size: --batch-size, --opt:
+--stop-at, --amp: --warmup, init_from: --from). A flag with no counterpart is said where an
+option of the commands it concerns is (`steps`: every toymlx-train recipe)."""
+
+LLAMA_CPP_FLAGS: PeerFlags = {
+    "-m": (("model", "did you mean --model?"),),
+    "-p": (("prompt", "did you mean --prompt?"),),
+    "-n": (("max_tokens", "did you mean --max-tokens?"),),
+    "--n-predict": (("max_tokens", "did you mean --max-tokens?"),),
+    "-s": (("seed", "did you mean --seed?"),),
+}
+"""llama.cpp's short flags (llama-cli, llama-completion)."""
+
+NANOGPT_FLAGS: PeerFlags = {
+    "max_iters": (("steps", "nanoGPT's max_iters is toymlx's --steps"),),
+    "learning_rate": (("lr", "nanoGPT's learning_rate is toymlx's --lr"),),
+    "n_layer": (("model.n_layers", "nanoGPT's n_layer is toymlx's --model.n-layers"),
+                ("lora.layers", ("nanoGPT's n_layer is toymlx's --model.n-layers, which a "
+                                 "fine-tune does not take: the --base GGUF's own (--lora.layers "
+                                 "N adapts its last N)"))),
+    "n_head": (("model.n_heads", "nanoGPT's n_head is toymlx's --model.n-heads"),
+               ("lora.layers", ("nanoGPT's n_head is toymlx's --model.n-heads, which a "
+                                "fine-tune does not take: the --base GGUF's own"))),
+    "n_embd": (("model.d_model", "nanoGPT's n_embd is toymlx's --model.d-model"),
+               ("lora.layers", ("nanoGPT's n_embd is toymlx's --model.d-model, which a "
+                                "fine-tune does not take: the --base GGUF's own"))),
+    "block_size": (("seq_len", ("nanoGPT's block_size is toymlx's --seq-len (the model's longest: "
+                                "--model.context)")),
+                   ("model.patch_size", ("nanoGPT's block_size is toymlx's --seq-len, which "
+                                         "vit-tiny does not take: its sequence is the image's "
+                                         "patches, (--data.image-size / --model.patch-size)^2 "
+                                         "of them"))),
+    "gradient_accumulation_steps": (("grad_accum", ("nanoGPT's gradient_accumulation_steps is "
+                                                    "toymlx's --grad-accum")),),
+    "log_interval": (("report_every", "nanoGPT's log_interval is toymlx's --report-every"),),
+    "eval_interval": (("eval_every", "nanoGPT's eval_interval is toymlx's --eval-every"),),
+    "eval_iters": (("eval_batches", "nanoGPT's eval_iters is toymlx's --eval-batches"),),
+    "warmup_iters": (("warmup", "nanoGPT's warmup_iters is toymlx's --warmup"),),
+    "lr_decay_iters": (("steps", ("nanoGPT's lr_decay_iters is toymlx's --steps (the cosine "
+                                  "decays over the whole run)")),),
+    "min_lr": (("min_lr_ratio", ("nanoGPT's min_lr is toymlx's --min-lr-ratio x --lr (6e-5 of "
+                                 "6e-4: 0.1)")),),
+    "decay_lr": (("min_lr_ratio", ("nanoGPT's decay_lr False is toymlx's --min-lr-ratio 1 (no "
+                                   "decay)")),),
+    "out_dir": (("runs_root", ("nanoGPT's out_dir is toymlx's --runs-root and --run-id "
+                               "(runs/RUN_ID)")),
+                ("model", "nanoGPT's out_dir is toymlx's --model RUN_FOLDER")),
+    "init_from": (("resume", "nanoGPT's init_from 'resume' is toymlx's --resume RUN_FOLDER"),
+                  ("model", "nanoGPT's init_from is toymlx's --model RUN_FOLDER")),
+    "eval_only": (("resume", "nanoGPT's eval_only is toymlx-eval --model RUN_FOLDER"),),
+    "always_save": (("checkpoint_every", ("nanoGPT's always_save is toymlx's default (--keep-last "
+                                          "N: fewer)")),),
+    "wandb_log": (("report_to", "nanoGPT's wandb_log is toymlx's --report-to wandb"),),
+    "dataset": (("data.path", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "
+                               "prepare.py's .bin)")),),
+    "dropout": (("steps", "nanoGPT's dropout has no toymlx option (its Llama has no dropout)"),),
+    "bias": (("steps", "nanoGPT's bias has no toymlx option (its Llama has no biases)"),),
+    "backend": (("steps", ("nanoGPT's backend is toymlx-launch -n N -- toymlx-train ... (data "
+                           "parallel)")),),
+    "start": (("prompt", "nanoGPT's start is toymlx's --prompt TEXT (a file: --prompt - < FILE)"),),
+    "max_new_tokens": (("max_tokens", "nanoGPT's max_new_tokens is toymlx's --max-tokens"),),
+}
+"""nanoGPT's train.py and sample.py settings (`--block_size=64`), by name."""
+
+TIMM_FLAGS: PeerFlags = {
+    "--data-dir": (("data.path", ("timm's --data-dir is --data.path here (class subfolders, or "
+                    "train/ and val/ of them)")),),
+    "--epochs": (("steps", ("timm's --epochs is --steps here: optimizer steps, an epoch being "
+                  "the training images / --batch-size")),),
+    "--warmup-epochs": (("warmup", "timm's --warmup-epochs is --warmup here, in steps"),),
+    "--img-size": (("data.image_size", "timm's --img-size is --data.image-size here"),),
+    "--input-size": (("data.image_size", ("timm's --input-size C H W is --data.image-size H "
+                      "here (square images; --data.channels C)")),),
+    "-b": (("batch_size", "timm's -b is --batch-size here"),),
+    "-j": (("data.workers", "timm's -j is --data.workers here"),),
+    "--smoothing": (("label_smoothing", "timm's --smoothing is --label-smoothing here"),),
+    "--drop-path": (("model.drop_path", "timm's --drop-path is --model.drop-path here"),),
+    "--aa": (("data.trivial_augment", ("timm's --aa is --data.trivial-augment here "
+              "(TrivialAugment, timm's --aa trivialaugment; no RandAugment)")),),
+    "--hflip": (("data.flip", "timm's --hflip is --data.flip here (on or off)"),),
+    "--scale": (("data.crop_scale", "timm's --scale MIN MAX is --data.crop-scale MIN here"),),
+    "--clip-grad": (("grad_clip", "timm's --clip-grad is --grad-clip here"),),
+    "--min-lr": (("min_lr_ratio", "timm's --min-lr is --min-lr-ratio here, a fraction of --lr"),),
+    "--output": (("runs_root", "timm's --output is --runs-root here"),),
+    "--experiment": (("run_id", "timm's --experiment is --run-id here"),),
+    "--amp": (("dtype", "timm's --amp is --dtype bfloat16 here (float16: with a loss scale)"),),
+    "--model": (("model.preset", ("timm's --model vit_tiny_patch16_224 is --model.preset "
+                 "vit-tiny here (the recipe is the model; --model.* set its shape)")),),
+    "--opt": (("optimizer", "timm's --opt is --optimizer here"),
+              ("weight_decay", ("this recipe trains with AdamW only (--lr, --weight-decay, "
+               "--beta1, --beta2)"))),
+    "--sched": (("lr_schedule", "timm's --sched is --lr-schedule here"),
+                ("min_lr_ratio", ("the schedule is linear warm-up then cosine decay, the only "
+                 "one (--warmup, --min-lr-ratio)")),),
+    "--reprob": (("data.augment", ("random erasing has no counterpart here (--data.crop, "
+                  "--data.flip, --data.trivial-augment, --data.mixup, --data.cutmix)")),),
+    "--pretrained": (("model.preset", ("vit-tiny trains from scratch; there are no pretrained "
+                      "weights to start from")),),
+    "--num-classes": (("model.preset", ("the classes are the data's (class folders, or the "
+                       "labels)")),),
+}
+"""timm's train.py flags."""
+
+
+def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
+    """What to say after an unknown flag: toymlx's name for llama.cpp's, timm's or nanoGPT's
+    flag (`PeerFlags`), else the closest option by spelling. A peer's flag whose counterpart
+    `prog` lacks (another recipe's or command's: vit-tiny has no --seq-len) is named as that
+    option, not matched by spelling (block_size: --batch-size)."""
+    name = flag.lstrip("-").replace("-", "_")  # nanoGPT's `--NAME=VALUE`, hyphens taken too
+    for table, key in ((LLAMA_CPP_FLAGS, flag), (TIMM_FLAGS, flag), (NANOGPT_FLAGS, name)):
+        said = next((text for option, text in table.get(key, ()) if option in flags), None)
+        if said:
+            return said
+    if flag in TIMM_FLAGS:  # its counterparts are vit-tiny's
+        return (f"timm's {flag} is a flag for images (toymlx-train --recipe vit-tiny); {prog} "
+                "has no counterpart")
+    if name in NANOGPT_FLAGS:
+        return f"{NANOGPT_FLAGS[name][0][1]}; not an option of {prog}"
+    close = closest_option(flag, flags)
+    return f"did you mean {close}?" if close else None
 
 
 def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> str:
@@ -191,17 +313,16 @@ def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> s
     for token in tokens:
         flag, eq, value = token.partition("=")
         if flag.startswith("--") or (flag.startswith("-") and not _is_number(flag)):
-            close = (f"--{LLAMA_CPP_FLAGS[flag].replace('_', '-')}"
-                     if LLAMA_CPP_FLAGS.get(flag) in flags else closest_option(flag, flags))
+            hint = flag_hint(flag, flags, prog)
             parts.append(f"{flag}: expected an option of {prog}, got an unknown one"
-                         + (f"; did you mean {close}?" if close else ""))
+                         + (f"; {hint}" if hint else ""))
             after_unknown = not eq  # a value after it is its own, not a second finding
-            at = _position(argv, token, at)
+            at = _position(argv, token, at, flags) + 1
             continue
         if after_unknown:
             after_unknown = False
             continue
-        at = _position(argv, token, at)
+        at = _position(argv, token, at, flags)
         before, _, value = argv[at].partition("=") if at < len(argv) else ("", "", "")
         if value != token and at > 0:
             before = argv[at - 1].partition("=")[0]
@@ -216,14 +337,35 @@ def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> s
         else:
             parts.append(f"{token!r}: expected an option of {prog}, got a value no option "
                          "takes" + (f" (after {' '.join(argv[max(at - 2, 0):at])})"
-                                    if at > 0 else ""))
+                                    if at > 0 else "") + _report_to_hint(argv, at))
+        at += 1  # a second token spelt the same is a later one (`32 32` named twice the first)
     return "; ".join(parts)
 
 
-def _position(argv: list[str], token: str, start: int) -> int:
-    """Where `token` (or `--x=token`) is in argv from `start`; len(argv) where it is not."""
+def _report_to_hint(argv: list[str], at: int) -> str:
+    """HF Trainer's `--report_to tensorboard wandb` (a list of words): the one comma list that
+    --report-to takes; "" when argv[at] is not such a word."""
+    from toymlx.bundle.reporters import REPORTERS
+
+    start = at
+    while start > 0 and not argv[start - 1].startswith("-"):
+        start -= 1
+    flag, eq, first = argv[start - 1].partition("=") if start > 0 else ("", "", "")
+    words = ([first] if eq else []) + argv[start:at + 1]
+    if (flag.replace("_", "-") != "--report-to" or not eq and start == at
+            or any(w.lower() not in REPORTERS for w in words[-1:])):
+        return ""
+    return f"; --report-to takes one comma list: --report-to {','.join(words)}"
+
+
+def _position(argv: list[str], token: str, start: int, flags: dict[str, bool]) -> int:
+    """Where `token` (or `--x=token`) is in argv from `start`, passing over the value of an
+    option that takes one (`1` of `--steps 1` when `--compile=1` is refused); len(argv) where
+    it is not."""
     for i in range(start, len(argv)):
-        if argv[i] == token or argv[i].partition("=")[2] == token:
+        before = argv[i - 1].lstrip("-").replace("-", "_") if i > 0 else ""
+        taken = argv[i - 1].startswith("--") and flags.get(before) is False
+        if (argv[i] == token and not taken) or argv[i].partition("=")[2] == token:
             return i
     return len(argv)
 

@@ -82,6 +82,19 @@ def on_cpu():
     mx.set_default_device(old)
 
 
+def home_elsewhere(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
+    """HOME set to `home` for a test and the commands it starts (no W&B login, no netrc), with
+    MLX's compiled kernels kept where they are: a command under another HOME found its kernel
+    cache there and pointed the machine's MLX kernel folder (`$TMPDIR/mlx/<version>/cpu`, a
+    link, `toymlx.backend.device.persist_kernels`) into this test's folder, which a later
+    pytest session deletes; a process compiling then failed ("cannot create directories: File
+    exists")."""
+    from toymlx.backend import device
+
+    monkeypatch.setenv("TOYMLX_KERNEL_CACHE", str(device._kernel_cache_root()))
+    monkeypatch.setenv("HOME", str(home))
+
+
 def end_child(p: subprocess.Popen) -> None:
     """A test's `finally` for a child it started (a long training run, a lock holder): kill it
     if it is still running, then reap it, reading what its open pipes still hold (the pipes a

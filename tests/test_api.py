@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from toymlx.bundle.events import read_events
-from toymlx.runner.api import option_flags
+from toymlx.runner.api import keyword_message, option_flags
 
 MATMUL_HEAVY = {"model": {"d_model": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4,
                           "ffn_dim": 768, "context": 128},
@@ -35,8 +35,10 @@ def test_options_are_spelled_as_the_commands_flags():
 def test_a_bad_option_is_the_commands_one_line_error(tmp_path):
     import toymlx
 
-    with pytest.raises(ValueError, match="no-such-flag"):
+    with pytest.raises(ValueError) as caught:
         toymlx.train("from-scratch", no_such_flag=1, runs_root=str(tmp_path), echo=False)
+    assert str(caught.value) == ('toymlx-train: error: no_such_flag: expected an option of '
+                                 'toymlx.train("from-scratch"), got an unknown one')
 
 
 def _median_step(run: Path) -> float:
@@ -164,3 +166,220 @@ def test_a_reader_gone_stops_the_run_as_the_commands_own_and_is_raised_after(tmp
                               f"with --resume {tmp_path / 'r'}")
     assert any(e["kind"] == "checkpoint" and e["step"] == end["final_step"]
                for e in read_events(tmp_path / "r"))
+
+
+def test_ctrl_c_in_the_relays_write_stops_the_run_and_is_raised_after(tmp_path):
+    """Ctrl-C landing in `sys.stdout.write` (a notebook's cell output, a slow console), not in
+    the wait for the child's output: the child is stopped as by Ctrl-C (checkpoint, run_end,
+    resumable) before KeyboardInterrupt is raised here, with the run's last line. It escaped at
+    once, leaving the child training unread, holding its bundle's lock, its events without a
+    run_end; the next train() of the same run was refused as locked."""
+    script = textwrap.dedent(f"""
+        import io, os, signal, sys, time, toymlx
+
+        # Python's own Ctrl-C, as a notebook or a terminal has it (a job a script started in the
+        # background inherits SIGINT ignored, and Python then keeps it ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        class Console(io.TextIOBase):  # Ctrl-C while the first step's line is being written
+            def write(self, s):
+                if "step 1/" in s:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(5)
+                return len(s)
+
+        sys.stdout = Console()
+        try:
+            toymlx.train("from-scratch", model={{"d_model": 32, "n_layers": 1}}, seq_len=32,
+                         batch_size=4, steps=100000, report_every=1, eval_every=0,
+                         compile=False, runs_root={str(tmp_path)!r}, run_id="r")
+        except KeyboardInterrupt as e:
+            last = open({str(tmp_path / "r" / "events.jsonl")!r}).read().splitlines()[-1]
+            print("raised", repr(e), "after", last.split(",")[0], file=sys.stderr)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, check=False)
+    end = read_events(tmp_path / "r")[-1]
+    assert (end["kind"], end["signal"], end["exit_code"]) == ("run_end", "SIGINT", 130), end
+    n, run = end["final_step"], tmp_path / "r"
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"raised KeyboardInterrupt('toymlx: interrupted at step {n}: interrupted after step {n}; "
+        f"resume with resume=\"{run}\". held-out: n/a. bundle: {run}') after "
+        '{"kind": "run_end"'), p.stderr
+
+
+def test_train_leaves_the_calling_process_as_it_found_it(tmp_path):
+    """A notebook's process after toymlx.train: the same signal handlers, streams, working
+    directory, environment and warning filters (the image reader's import once added a global
+    filter silencing Pillow's DecompressionBombWarning; numpy's first import, reading the
+    summary, once added its 4 "size changed" filters ahead of the notebook's own), and a second run with the same options
+    gives the same losses, bit for bit."""
+    script = textwrap.dedent(f"""
+        import json, os, signal, sys, warnings
+        import toymlx  # numpy not imported yet: its first import, in train, adds 4 filters
+        from toymlx.bundle.events import read_events
+
+        def state():
+            return [[repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM,
+                                                         signal.SIGPIPE, signal.SIGHUP)],
+                    id(sys.stdout), id(sys.stderr), os.getcwd(), dict(os.environ),
+                    [repr(f) for f in warnings.filters]]
+
+        before, losses = state(), []
+        for run_id in ("one", "two"):
+            run = toymlx.train("vit-tiny", steps=2, batch_size=8, eval_batches=1, seed=4,
+                               runs_root={str(tmp_path)!r}, run_id=run_id, echo=False)
+            losses.append([e["loss"] for e in read_events(run["path"]) if e["kind"] == "step"])
+        print(json.dumps({{"same": state() == before, "losses": losses}}))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, check=True)
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert got["same"] is True
+    assert len(got["losses"][0]) == 2 and got["losses"][0] == got["losses"][1], got
+
+
+def test_numpy_scalars_are_numbers(tmp_path):
+    """A hand sweep over `np.logspace`/`np.arange` values: numpy's int64 and float32 are numbers,
+    spelled as numpy prints them (np.float32(1e-3) is --lr 0.001, not its float64 widening
+    0.0010000000474974513); they were refused as 'found int64'. A complex is still refused."""
+    import numpy as np
+
+    import toymlx
+
+    run = toymlx.train("from-scratch", **{**TINY, "steps": np.int64(2)}, lr=np.float32(1e-3),
+                       runs_root=str(tmp_path), run_id="np", echo=False)
+    assert (run["status"], run["step"], run["config"]["steps"], run["config"]["lr"]) == (
+        "completed", 2, 2, 0.001)
+    with pytest.raises(toymlx.OptionError, match=r"^lr: expected a str, number, bool, path, "
+                                                 r"dict \(a group of options\) or list, "
+                                                 r"found complex$"):
+        toymlx.train("from-scratch", lr=1j, runs_root=str(tmp_path), echo=False)
+
+
+def test_refused_options_and_failed_runs_are_told_apart_by_type(tmp_path):
+    """`except toymlx.OptionError` (a ValueError: nothing trained, no bundle) against
+    `except toymlx.TrainError` (a RuntimeError: the run started and failed, its summary
+    attached); the failed run's message is its own last line, naming the bundle once (it read
+    '... bundle: DIR (bundle: DIR)')."""
+    import toymlx
+    from toymlx.runner.api import OptionError, TrainError
+
+    assert (toymlx.OptionError, toymlx.TrainError) == (OptionError, TrainError)
+    assert issubclass(OptionError, ValueError) and not issubclass(TrainError, ValueError)
+    with pytest.raises(toymlx.OptionError, match=r"^toymlx-train: error: batch_sise: "
+                                                 r"expected an option of toymlx.train\("
+                                                 r'"from-scratch"\), got an unknown one; did you '
+                                                 r"mean batch_size\?$"):
+        toymlx.train("from-scratch", batch_sise=2, runs_root=str(tmp_path), echo=False)
+    with pytest.raises(toymlx.OptionError, match=r"^recipe: expected one of from-scratch, "
+                                                 r"warm-start, lora, vit-tiny, found None$"):
+        toymlx.train(None, steps=2, runs_root=str(tmp_path))  # was Popen's TypeError
+    assert list(tmp_path.iterdir()) == []
+    run = tmp_path / "div"
+    with pytest.raises(toymlx.TrainError) as caught:
+        toymlx.train("from-scratch", **{**TINY, "steps": 20}, lr=1e4, runs_root=str(tmp_path),
+                     run_id="div", echo=False)
+    e = caught.value
+    assert (e.returncode, e.summary["status"]) == (2, "diverged")
+    assert str(e).startswith("toymlx: diverged at step ") and str(e).count("bundle:") == 1
+    assert str(e).endswith(f"; stopped without checkpointing the bad weights; last good "
+                           f"checkpoint: none. held-out: n/a. bundle: {run}"), str(e)
+
+
+def test_the_commands_flags_are_told_as_the_keywords_train_takes():
+    """One translation (`keyword_message`) of every flag form the command's messages use; a
+    quoted command other than toymlx-train keeps its own flags (toymlx-export's --base is not
+    train's base=, mlx-lm's --iters is mlx-lm's), and so does a word that is not a value."""
+    told = keyword_message(
+        "start it over with toymlx-train --resume runs/x --from step_0 (--no-compile: eager; "
+        "--data.no-pack, --data.path a.jsonl, --lora.rank 8, --fine-tune-type full, --lr 1e-4); "
+        "fuse it: toymlx-export --base runs/x --adapter y; or pass --base m.gguf; --steps is "
+        "the run's total (mlx-lm's --iters); --full.layers N; or give --recipe NAME; "
+        "--lora.init-adapter: expected a file; --grad-checkpoint to save memory",
+        {}, ["lora"])
+    assert told == (
+        'start it over with toymlx.train(resume="runs/x", from_step="step_0") (compile=False: '
+        'eager; data={"pack": False}, data={"path": "a.jsonl"}, lora={"rank": 8}, '
+        'fine_tune_type="full", lr=1e-4); fuse it: toymlx-export --base runs/x --adapter y; or '
+        'pass base="m.gguf"; steps is the run\'s total (mlx-lm\'s --iters); full={"layers": N}; '
+        'or give recipe=NAME; lora={"init_adapter": ...}: expected a file; grad_checkpoint=True '
+        "to save memory")
+    assert option_flags({"from_step": "step_0"}) == ["--from", "step_0"]
+
+
+def test_refusals_and_resume_are_told_in_keywords_and_resume_needs_no_recipe(tmp_path):
+    """The command's refusals, raised by `train`, name the keywords a Python user types
+    (`resume="runs/x"`, `overwrite=True`), not the flags (`pass --resume runs/x`); a resumed run
+    needs no recipe (its bundle records it, as `toymlx-train --resume` needs none); one with
+    neither is refused as before."""
+    import toymlx
+
+    run = tmp_path / "r"
+    toymlx.train("from-scratch", **TINY, runs_root=str(tmp_path), run_id="r", echo=False)
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("from-scratch", **TINY, runs_root=str(tmp_path), run_id="r", echo=False)
+    assert str(caught.value) == (
+        f'toymlx-train: error: {run}: run bundle already exists; pass resume="{run}" to continue '
+        "it, overwrite=True to replace it, or choose another run_id")
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train(resume=str(run), seq_len=64, echo=False)
+    assert str(caught.value) == (
+        f"toymlx-train: error: {run}: resume: seq_len: expected the run's saved seq_len = 32, "
+        "found 64; a resumed run keeps its configuration (only steps and run-local options such "
+        "as eval_every may change): start a new run to change it")
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train(resume=str(run), steps=1, echo=False)
+    assert str(caught.value) == (
+        f"toymlx-train: error: {run}: steps: expected more than the checkpoint's step 2 to "
+        "train on, found 1; steps is the run's total, not steps to add (mlx-lm's --iters): "
+        "steps=3 trains 1 more")
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("vit-tiny", resume=str(run), echo=False)
+    assert str(caught.value) == (f"toymlx-train: error: {run}: resume: expected a run of "
+                                 "recipe 'vit-tiny', found a 'from-scratch' run")
+    resumed = toymlx.train(resume=str(run), steps=3, echo=False)  # was a TypeError
+    assert (resumed["recipe"], resumed["status"], resumed["step"], resumed["path"]) == (
+        "from-scratch", "completed", 3, str(run))
+    with pytest.raises(toymlx.OptionError, match=r"^recipe: expected one of from-scratch, "
+                                                 r"warm-start, lora, vit-tiny, found None$"):
+        toymlx.train(steps=2, runs_root=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_numpy_and_mlx_0d_values_are_the_scalars_they_hold(tmp_path):
+    """`np.bool_` is a flag (it was refused as 'found bool_'; a bool spelled `--compile False`
+    would be tyro's error), a 0-d numpy or MLX array its number (refused as 'found ndarray' /
+    'found array'), a float32 spelled as numpy prints it."""
+    import mlx.core as mx
+    import numpy as np
+
+    import toymlx
+
+    run = toymlx.train("from-scratch", **{**TINY, "steps": np.array(2), "compile": np.bool_(True),
+                                          "eval_every": mx.array(1)},
+                       lr=mx.array(1e-3), progress=np.bool_(False), runs_root=str(tmp_path),
+                       run_id="np", echo=False)
+    cfg = run["config"]
+    assert (run["status"], run["step"], cfg["steps"], cfg["lr"], cfg["compile"],
+            cfg["progress"], cfg["eval_every"]) == ("completed", 2, 2, 0.001, True, False, 1)
+
+
+def test_a_config_file_names_the_recipe_and_the_run(tmp_path):
+    """`config=` a file naming the recipe needs none here, as `toymlx-train -c FILE` needs none
+    (it was a TypeError), and the file's run_id names the bundle (the default id train chose
+    overrode it, a command-line --run-id); a file naming no recipe is the command's refusal."""
+    import toymlx
+
+    (tmp_path / "run.yaml").write_text(json.dumps({"recipe": "from-scratch", "run_id": "filed",
+                                                   **TINY}))
+    (tmp_path / "none.yaml").write_text("steps: 2\n")
+    run = toymlx.train(config=str(tmp_path / "run.yaml"), runs_root=str(tmp_path), echo=False)
+    assert (run["recipe"], run["status"], run["step"], run["path"]) == (
+        "from-scratch", "completed", 2, str(tmp_path / "filed"))
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train(config=str(tmp_path / "none.yaml"), runs_root=str(tmp_path), echo=False)
+    assert str(caught.value) == (
+        f"toymlx-train: error: {tmp_path / 'none.yaml'}: expected a 'recipe' key (one of "
+        "from-scratch, warm-start, lora, vit-tiny), found none; or give recipe=NAME")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["filed", "none.yaml", "run.yaml"]

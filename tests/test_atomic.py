@@ -155,3 +155,65 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 def test_temporaries_are_named_for_their_writer(tmp_path):
     assert atomic.temporary(tmp_path / "a.gguf") == tmp_path / f".a.gguf.tmp-{os.getpid()}"
     assert atomic.TMP_TAG in atomic.temporary(Path("x")).name
+
+
+def test_a_read_only_disk_names_the_file_not_its_temporary(tmp_path, monkeypatch):
+    """On a read-only disk the temporary cannot be created, and removing it (missing) fails
+    too (EROFS): that second error, naming `.plot.png.tmp-<pid>`, replaced the first
+    (toymlx-eval --plot, toymlx-report --out, toymlx-export --fuse), and a link's naming the
+    link's target and temporary. Each names the file being written."""
+    real_open, real_unlink = open, Path.unlink
+
+    def ro(path):
+        return OSError(errno.EROFS, "Read-only file system", str(path))
+
+    def refuse_open(path, *a, **k):
+        if atomic.TMP_TAG in str(path):
+            raise ro(path)
+        return real_open(path, *a, **k)
+
+    def refuse_unlink(self, missing_ok=False):
+        if atomic.TMP_TAG in self.name:  # Linux: EROFS before it looks for the file
+            raise ro(self)
+        return real_unlink(self, missing_ok=missing_ok)
+
+    def refuse_symlink(src, dst, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", src, None, dst)
+
+    monkeypatch.setattr(atomic, "open", refuse_open, raising=False)
+    monkeypatch.setattr(Path, "unlink", refuse_unlink)
+    monkeypatch.setattr(atomic.os, "symlink", refuse_symlink)
+    for name, write in (("plot.png", lambda p: atomic.write_text(p, "x")),
+                        ("latest", lambda p: atomic.symlink("step_2.gguf", p))):
+        with pytest.raises(OSError) as e:
+            write(tmp_path / name)
+        assert str(e.value) == f"[Errno 30] Read-only file system: '{tmp_path / name}'"
+    monkeypatch.undo()
+    # a temporary of the target's own (llama.cpp's F32 input beside a Q4_K_M export) too
+    staged = OSError(errno.ENOSPC, "No space left on device",
+                     str(tmp_path / f".f.gguf.f32{atomic.TMP_TAG}12"))
+    assert atomic.named(staged, tmp_path / "f.gguf").filename == str(tmp_path / "f.gguf")
+    other = OSError(errno.ENOENT, "No such file or directory", "/elsewhere/x")
+    assert atomic.named(other, tmp_path / "f.gguf") is other
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_output_folder_is_removed_when_its_write_fails_where_it_made_it(tmp_path):
+    """The folders `output_folder` made (the deepest first) go again when the block fails; one
+    that was there, or that holds a file, stays."""
+    with pytest.raises(OSError, match="full"), \
+            atomic.output_folder(tmp_path / "a" / "b" / "c") as out:
+        assert out.is_dir()
+        raise OSError(errno.ENOSPC, "full")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "there").mkdir()
+    with pytest.raises(OSError), atomic.output_folder(tmp_path / "there"):
+        raise OSError(errno.ENOSPC, "full")
+    with pytest.raises(OSError), atomic.output_folder(tmp_path / "x" / "y") as out:
+        (out.parent / "kept.txt").write_text("x")
+        raise OSError(errno.ENOSPC, "full")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "there", "x", "x/kept.txt"]
+    with atomic.output_folder(tmp_path / "ok" / "d") as out:  # no failure: kept
+        pass
+    assert out.is_dir()

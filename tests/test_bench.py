@@ -287,7 +287,6 @@ def test_cpu_suite_times_what_users_run(tmp_path):
     assert u["train_command"]["blas"] == u["train_entry_after_mlx"]["blas"] == host["blas"]
     assert u["entry_over_command"] == pytest.approx(
         u["train_entry_after_mlx"]["median_step_s"] / u["train_command"]["median_step_s"])
-    assert u["entry_over_command"] < 1.5, u
     bench_s = info["workloads"][0]["variants"]["toymlx"]["median_s"]
     assert u["command_over_bench_step"] == pytest.approx(
         u["train_command"]["median_step_s"] / bench_s)

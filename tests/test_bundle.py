@@ -251,6 +251,27 @@ def test_a_config_format_5_lora_run_takes_the_options_6_added_at_their_defaults(
                             "run_start event records it")
 
 
+def test_a_config_format_6_run_takes_wandb_project_at_its_default():
+    """--wandb-project came with config.json format 7: a format-6 file lacks it and reads as
+    those runs reported (None: WANDB_PROJECT, else toymlx); a format-7 file without it is
+    damage."""
+    import dataclasses
+
+    from toymlx.bundle.folder import CONFIG_FORMAT, added_since
+    from toymlx.bundle.options import RunError, config_from_dict
+    from toymlx.recipes import lora
+
+    d = json.loads(json.dumps(dataclasses.asdict(lora.Config(base="b.gguf"))))  # as saved
+    del d["wandb_project"]
+    assert config_from_dict(lora.Config, d, "c.json", optional=added_since(6)).wandb_project \
+        is None
+    assert CONFIG_FORMAT == 7
+    with pytest.raises(RunError) as e:
+        config_from_dict(lora.Config, d, "c.json", optional=added_since(7))
+    assert str(e.value).startswith("c.json: key 'config.wandb_project': expected the run's "
+                                   "saved --wandb-project value, found no key")
+
+
 # ---- B4 ---------------------------------------------------------------------------------------
 PARENT = textwrap.dedent("""
     import hashlib, subprocess, sys, threading

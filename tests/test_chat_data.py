@@ -580,6 +580,28 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
     data = SFTData.from_file(folder, tok, seq_len=16, val_fraction=0.5)
     assert data.train["inputs"].shape == (3, 16) and data.val["inputs"].shape == (3, 16)
     assert data.test is None and data.test_batches(4) == []
+    # said, since mlx-lm trains on all of train.jsonl without a valid.jsonl
+    assert data.notes() == [(f"{folder}: no valid.jsonl: the last 3 of train.jsonl's 6 "
+                             "examples validate and are not trained on (--data.val-fraction "
+                             "0.5; mlx-lm trains on all 6 and validates nothing)")]
+    # a file given alone is split as documented, without a note
+    assert SFTData.from_file(folder / "train.jsonl", tok, seq_len=16).notes() == []
+
+
+def test_an_empty_valid_jsonl_is_one_line(tmp_path):
+    """An empty valid.jsonl (which mlx-lm trains without) is named with what to do, not as
+    'empty file; expected UTF-8 text'."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write(folder, "train.jsonl", json.dumps({"text": "abc"}) + "\n")
+    write(folder, "valid.jsonl", "")
+    with pytest.raises(DataError) as e:
+        SFTData.from_file(folder, FakeTokenizer(chat_template=None), seq_len=16)
+    assert str(e.value) == (
+        f"{folder / 'valid.jsonl'}: empty file; expected one example a line "
+        '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}, or no '
+        "valid.jsonl (the last --data.val-fraction 0.1 of train.jsonl then validates; mlx-lm "
+        "would train without validation)")
 
 
 def test_data_folder_without_train_jsonl_is_one_line(tmp_path):

@@ -91,6 +91,12 @@ def test_run_from_another_runs_config_equals_the_same_flags(tmp_path, data):
      "it, or remove the key to take its default")),
     ("resume: runs/x\n", "resume.yaml", ("{p}: key 'resume': expected on the command line "
      "(--resume), found it in a config file")),
+    # nanoGPT's config/train_shakespeare_char.py (before: "expected a mapping of option: value,
+    # found a string", its lines read as one YAML string)
+    ("out_dir = 'out-shakespeare-char'\nblock_size = 256 # context\n", "train_char.py",
+     ("{p}: -c/--config: expected a YAML or JSON file, found a Python file (nanoGPT's "
+      "config/*.py are not run); write its settings as YAML, one `option: value` a line "
+      "(block_size = 256: seq_len: 256)")),
 ])
 def test_bad_config_files_are_one_line(tmp_path, capsys, text, name, want):
     p = tmp_path / name
@@ -412,6 +418,23 @@ def test_a_section_given_a_value_is_named_as_a_section(tmp_path, capsys):
                          "--lora.init-adapter, ...): write it as a mapping, e.g. lora: "
                          "{alpha: ...}"), line
     assert "did you mean" not in line
+
+
+@pytest.mark.parametrize("recipe,hint", [
+    ("vit-tiny", ("nanoGPT's block_size is toymlx's --seq-len, which vit-tiny does not take: its "
+                  "sequence is the image's patches, (--data.image-size / --model.patch-size)^2 "
+                  "of them")),
+    ("lora", "nanoGPT's block_size is toymlx's --seq-len (the model's longest: --model.context)"),
+])
+def test_a_nanogpt_key_in_a_file_is_named_as_its_flag_is(tmp_path, capsys, recipe, hint):
+    """`block_size: 64` in a -c file was told "did you mean --batch-size?" (by spelling), in
+    every recipe; now as on the command line (`usage.flag_hint`)."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"recipe: {recipe}\nblock_size: 64\n")
+    assert main(["-c", str(p), "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {p}: key 'block_size': expected an "
+                                  f"option of toymlx-train --recipe {recipe}, found an unknown "
+                                  f"key; {hint}")
 
 
 @pytest.mark.parametrize("recipe,text,hint", [

@@ -324,7 +324,8 @@ def known_flags() -> set[str]:
         "--recipe", "--version", "-c", "--config"}
 
 
-OTHER_TOOLS = ("python", "pip", "llama-", "ollama", "benchmarks/", "mlx_lm", "unzip")
+OTHER_TOOLS = ("python", "pip", "llama-", "ollama", "benchmarks/", "mlx_lm", "unzip", "torchrun",
+               "accelerate")
 """Inline code that is another program's command line: its flags are not toymlx's."""
 
 
@@ -346,6 +347,178 @@ def test_every_flag_named_in_the_prose_exists():
                     group = flag.endswith(".") and flag.rstrip(".")
                     ok = any(f.startswith(group) for f in flags) if group else flag in flags
                     assert ok, f"{doc}: `{span}` names {flag}, which no toymlx command has"
+
+
+def prose_rows(doc: str) -> str:
+    """A document's prose (code blocks left out), mlx-lm's column of LORA.md's table of
+    equivalents dropped (its flags are mlx-lm's), lines joined so a quote may wrap."""
+    rows = []
+    for row in re.sub(r"```.*?```", "", (REPO / doc).read_text(), flags=re.DOTALL).splitlines():
+        if row.startswith(("| `mlx_lm", "| `--", "| `lora_parameters")):
+            row = row.split("|", 2)[2]
+        rows.append(row)
+    return re.sub(r"\s*\n\s*", " ", "\n".join(rows))
+
+
+_VALUE = r"(`[\w.+]+`|\d[\d.e+-]*%?)"
+QUOTED_DEFAULT = re.compile(
+    r"`(--[a-z][\w.-]*)(?: [A-Z_]+)?`(?: [a-z]+){0,2}(?: is on by default)? \((?:default:? )?"
+    + _VALUE + r"[);,]" + r"|`(--[a-z][\w.-]*)`, " + _VALUE + r"[),]")
+"""A default the prose quotes: `--lr` (2e-4), `--report-every` (default 10), `--grace` seconds
+(10), `--top-p` is on by default (0.9), (`--data.val-fraction`, 0.1) or `--x`, 10%, ..."""
+
+
+def quoted_defaults(text: str) -> list[tuple[str, str]]:
+    """(flag, value) for each default quoted in `text`."""
+    return [(m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+            for m in QUOTED_DEFAULT.finditer(text)]
+
+
+def help_defaults() -> dict[str, set[str]]:
+    """Each flag's defaults as the commands' --help prints them (`(default: X)`), over every
+    command and recipe that has the flag."""
+    import importlib
+    import warnings
+
+    import tyro
+    from toymlx_cli.launch import _parser as launch_parser
+    from toymlx_cli.report import _parser as report_parser
+    from toymlx_cli.sweep import _parser as sweep_parser
+
+    from toymlx.recipes import RECIPES, get_recipe
+
+    parsers = [launch_parser(), report_parser(), sweep_parser()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for cls in [get_recipe(r).Config for r in RECIPES] + [
+                importlib.import_module(f"toymlx_cli.{m}").Args
+                for m in ("eval", "generate", "export", "classify")]:
+            parsers.append(tyro.extras.get_parser(cls))
+    out: dict[str, set[str]] = {}
+    for p in parsers:
+        for a in p._actions:
+            m = re.search(r"\(default: (.*)\)\s*$", a.help or "", re.DOTALL)
+            value = m.group(1) if m else str(a.default)
+            for o in a.option_strings:
+                out.setdefault(o, set()).add(value)
+    return out
+
+
+def same_default(quoted: str, printed: str) -> bool:
+    """A quoted default and the one --help prints are the same value (2e-4 and 0.0002, 10% and
+    0.1, `q` and q)."""
+    quoted = quoted.strip("`")
+    if quoted.endswith("%"):
+        quoted = str(float(quoted[:-1]) / 100)
+    try:
+        return math.isclose(float(quoted), float(printed), rel_tol=1e-12)
+    except ValueError:
+        return quoted == printed
+
+
+def test_every_default_the_docs_quote_is_the_one_help_prints():
+    """A default the prose gives (`--lora.rank` (8)) is the default `--help` prints for that
+    flag: a default changed in the code and not in the docs fails here, naming the doc."""
+    printed = help_defaults()
+    n = 0
+    for doc in DOCS:
+        for flag, value in quoted_defaults(prose_rows(doc)):
+            assert flag in printed, f"{doc}: quotes a default of {flag}, which no command has"
+            assert any(same_default(value, p) for p in printed[flag]), \
+                f"{doc}: `{flag}` ({value}): --help prints the default {sorted(printed[flag])}"
+            n += 1
+    assert n >= 15, n  # the guides quote more defaults than this; a broken reader finds none
+
+
+def test_a_changed_default_fails_the_check():
+    """The check above can fail: a wrong default quoted is not the one --help prints."""
+    printed = help_defaults()
+    quotes = quoted_defaults("`--lora.rank` (16), `--report-every` (default 10) and "
+                             "(`--data.val-fraction`, 20%)")
+    assert quotes == [("--lora.rank", "16"), ("--report-every", "10"),
+                      ("--data.val-fraction", "20%")]
+    assert [any(same_default(v, p) for p in printed[f]) for f, v in quotes] == [
+        False, True, False]
+
+
+SCHEDULE_QUOTE = re.compile(r"\((\d+) -> (\d+) steps of ([\w-]+)(?: with `([^`]+)`)?: "
+                            r"(\S+) against (\S+)\)")
+"""RUNS.md's example of an extended --steps: `(20 -> 40 steps of vit-tiny with `--warmup 0`:
+1.596e-04 against 3.000e-05)`, the rates the resume's line names."""
+
+
+def test_the_extended_schedule_rates_quoted_are_the_schedules():
+    """The two rates RUNS.md quotes for a run extended by `--resume --steps` are the schedule's
+    for that recipe's defaults and the flags quoted (the next step's, the last step's): with
+    vit-tiny's own --warmup (60) a 20-step run is still warming up, and the line reads
+    1.050e-04 against 1.000e-04."""
+    import tyro
+
+    from toymlx.recipes import get_recipe
+    from toymlx.training.schedule import lr_at
+
+    quotes = SCHEDULE_QUOTE.findall(prose_rows("docs/RUNS.md"))
+    assert len(quotes) == 1, quotes
+    old, new, recipe, flags, next_lr, last_lr = quotes[0]
+    cfg = _quiet(tyro.cli, get_recipe(recipe).Config, args=shlex.split(flags or ""))
+    old, new = int(old), int(new)
+    # step N+1 is optimizer step N (0-based) of the new total; step N was N-1 of the old one
+    got = (f"{lr_at(old, cfg.lr, cfg.warmup, new, cfg.min_lr_ratio):.3e}",
+           f"{lr_at(old - 1, cfg.lr, cfg.warmup, old, cfg.min_lr_ratio):.3e}")
+    assert got == (next_lr, last_lr), f"docs/RUNS.md: {quotes[0]}: the schedule gives {got}"
+
+
+def test_every_environment_variable_the_docs_name_is_read():
+    """Each TOYMLX_* variable a document names is read somewhere outside the docs (the package,
+    the commands, the installer, the tests, CI): a variable renamed in the code fails here."""
+    code = "\n".join(p.read_text(errors="replace")
+                     for folder in ("toymlx", "cli", "scripts", "tests", ".ci")
+                     for p in (REPO / folder).rglob("*")
+                     if p.is_file() and p.suffix in ("", ".py", ".sh", ".ps1")
+                     and p.name != "test_docs.py")
+    named = {v: doc for doc in DOCS for v in re.findall(r"\bTOYMLX_[A-Z_]+\b",
+                                                         (REPO / doc).read_text())}
+    assert len(named) >= 8, named
+    for var, doc in sorted(named.items()):
+        assert var in code, f"{doc}: names {var}, which no code reads"
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors a markdown file has: its headings as GitHub spells them, and `<a id>`s."""
+    text = path.read_text()
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    heads = re.findall(r"^#+ (.*)$", prose, flags=re.MULTILINE)
+    return set(re.findall(r'<a id="([\w-]+)"', text)) | {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:scripts|tests|toymlx|cli|benchmarks|docs|\.ci)/[\w./-]*\w)")
+
+
+def test_every_link_and_repository_path_in_the_docs_exists():
+    """Each relative link (`[LORA.md](docs/LORA.md)`, `#the-ggufs-it-takes`, `RUNS.md#locks`)
+    names a file of the checkout and a heading or anchor it has, and each path into the
+    checkout named in the prose (`tests/test_docs.py`, `toymlx/fixtures/digits/`) exists."""
+    n = 0
+    for doc in DOCS:
+        path = REPO / doc
+        text = path.read_text()
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):
+                continue
+            target, _, anchor = link.partition("#")
+            file = (path.parent / target) if target else path
+            assert file.exists(), f"{doc}: a link to {link}, which is not in the checkout"
+            if anchor and file.suffix == ".md":
+                assert anchor in anchors(file), f"{doc}: a link to {link}: no such heading"
+            n += 1
+        prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+        for span in re.findall(r"`([^`]+)`", prose):
+            for p in REPO_PATH.findall(span):
+                if not any(c in p for c in "<*{"):
+                    assert (REPO / p).exists(), f"{doc}: names {p}, which is not in the checkout"
+                    n += 1
+    assert n >= 40, n
 
 
 def test_readme_is_short_and_every_figure_links_to_the_results_table():
@@ -529,6 +702,39 @@ def check_output_shown(block: Block, printed: str) -> None:
             assert shape(ln) in got, (f"{block.where()}: the docs show a line this block's "
                                       f"commands no longer print:\n{ln}\nthey printed:\n"
                                       f"{printed[-3000:]}")
+    for ln in missing_command_lines(block.text, printed):
+        raise AssertionError(f"{block.where()}: the docs show this command's lines but not "
+                             f"this one, which it prints:\n{ln}")
+
+
+def missing_command_lines(shown: str, printed: str) -> list[str]:
+    """The lines a forward command prints (`toymlx-generate: ...`, `toymlx-export: ...`) that an
+    output block leaves out while it shows others of the same command: a reader compares the
+    block with the terminal line by line, so a line it lacks reads as something gone wrong."""
+    shown_lines = {shape(ln) for ln in shown.splitlines()}
+    shown_progs = {m.group(1) for ln in shown.splitlines()
+                   if (m := re.match(r"(toymlx-[a-z]+): ", ln))}
+    return [ln for ln in printed.splitlines()
+            if (m := re.match(r"(toymlx-[a-z]+): ", ln)) and m.group(1) in shown_progs
+            and shape(ln) not in shown_lines]
+
+
+def test_an_output_block_that_leaves_out_a_command_line_fails():
+    """README's generate-and-export block showed toymlx-generate's last line but not its first
+    (the model and adapter it loaded), which a reader sees first: the check names that line, and
+    takes the block once it shows it; a command the block shows nothing of is not asked for."""
+    printed = (
+        "toymlx-generate: model /tmp/x/SmolLM2-135M-Instruct.Q4_1.gguf (the run's --base "
+        "SmolLM2-135M-Instruct.Q4_1.gguf) + adapter runs/chat/weights/adapter_step_3.gguf\n"
+        "You can reverse a list in Python using slicing with a negative step.\n"
+        "toymlx-generate: 39 prompt + 40 new tokens in 10.82 s (3.7 tok/s, mlx)\n"
+        "toymlx-export: wrote ollama-out/Modelfile (FROM /tmp/x/m.gguf) in 3.3 s\n")
+    shown = ("You can reverse a list in Python using slicing with a negative step.\n...\n"
+             "toymlx-generate: 39 prompt + 40 new tokens in 3.99 s (10.0 tok/s, mlx)\n")
+    assert missing_command_lines(shown, printed) == [printed.splitlines()[0]]
+    first = ("toymlx-generate: model /home/you/SmolLM2-135M-Instruct.Q4_1.gguf (the run's --base "
+             "SmolLM2-135M-Instruct.Q4_1.gguf) + adapter runs/chat/weights/adapter_step_30.gguf\n")
+    assert missing_command_lines(first + shown, printed) == []
 
 
 def test_readme_blocks_run(tmp_path, stories_path):

@@ -5,6 +5,7 @@ validator's own rules, and bundles written before `kind` (the `event` key) still
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 from pathlib import Path
 
@@ -104,6 +105,43 @@ def test_torn_last_line_is_skipped(tmp_path):
     evs = read_events(p)
     assert [e["step"] for e in evs] == [1, 2, 3]
     assert read_events(tmp_path / "missing.jsonl") == []
+
+
+class _FillsUp:
+    """The log's file on a disk that fills after `room` more bytes: the write that crosses it
+    is cut short there, as the kernel's is, then fails with ENOSPC."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.f.write(data[: self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_a_full_disk_leaves_no_torn_line(tmp_path):
+    """The disk fills in the middle of an event: events.jsonl kept its first 40 bytes (a torn
+    line that jq and pandas refuse: "Expecting ',' delimiter"); it ends at the last whole
+    event, and the error names the file."""
+    p = tmp_path / "events.jsonl"
+    log = EventLog(p)
+    log.emit("step", step=1, loss=1.0)
+    log._f = _FillsUp(log._f, 40)
+    with pytest.raises(OSError) as e:
+        log.emit("step", step=2, loss=0.5)
+    assert str(e.value) == f"[Errno 28] No space left on device: '{p}'"
+    with pytest.raises(OSError):  # the run's run_end, on the still full disk
+        log.emit("run_end", reason="error", final_step=2)
+    log.close()
+    lines = p.read_bytes().splitlines(keepends=True)
+    assert [json.loads(ln)["step"] for ln in lines] == [1] and lines[0].endswith(b"\n")
 
 
 def _log(path, segments):

@@ -198,17 +198,113 @@ def _train(tmp_path: Path, base: Path, kind: str, *extra: str) -> Path:
     return tmp_path / kind
 
 
-def test_export_prints_the_held_out_loss_beside_base_plus_adapter(bases, tmp_path, capsys):
-    """From a run: the kept-file line (types, share kept, size), then the held-out loss of the
-    fused file and of base + adapter on the run's validation rows, as toymlx-eval scores them."""
-    from toymlx_cli.eval import Args as EvalArgs
-    from toymlx_cli.eval import evaluate_chat
+HELD_OUT_LINE = (r"toymlx-export: held-out loss on the (\d+) validation rows the run scores "
+                 r"\((.+); the first --eval-batches (\d+) x --batch-size (\d+)\): base \+ "
+                 r"adapter ([\d.]+) \((.+)\), fused file ([\d.]+) \(([+-][\d.]+)%\)")
+
+
+def direct_loss(model: Llama, rows: dict[str, np.ndarray]) -> float:
+    """Mean next-token cross-entropy over the masked targets of `rows`, each row's logits in
+    one forward pass and the log-softmax in float64: the figure written from its definition."""
+    model.eval()
+    total = count = 0.0
+    for x, y, m in zip(rows["inputs"], rows["targets"], rows["mask"]):
+        logits = np.array(model.unembed(model.hidden(mx.array(x[None]))), np.float64)[0]
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        total -= float(np.sum(logp[np.arange(len(y)), y] * m))
+        count += float(m.sum())
+    return total / count
+
+
+def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_path, tmp_path,
+                                                                       capsys):
+    """stories260K, 3 steps: the export scores the fused file on the validation rows the run's
+    own evaluation scores (the first --eval-batches x --batch-size: 6 of the 20 here), and
+    takes base + adapter's loss from the run's step-3 validation instead of scoring it again;
+    both printed figures equal a direct computation on those rows to 1e-4, and the count
+    printed is the count scored."""
+    from toymlx_cli.export import main as export
+    from toymlx_cli.train import main as train
+
+    from toymlx.bundle.events import read_events
+    from toymlx.data.chat import SFTData
+    from toymlx.generation.generate import load_for_generation
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, n in (("train", 24), ("valid", 20)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({
+            "prompt": f"Tell me about the number {i}.",
+            "completion": f" Once upon a time there was a number {i % 10}. It was happy."})
+            + "\n" for i in range(n)))
+    assert train(["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
+                  "--run-id", "r", "--steps", "3", "--warmup", "1", "--lr", "1e-2",
+                  "--batch-size", "2", "--eval-batches", "3", "--seq-len", "96",
+                  "--eval-every", "0", "--data.path", str(data), "--data.no-pack",
+                  "--no-progress"]) == 0
+    run = tmp_path / "r"
+    capsys.readouterr()
+    out = tmp_path / "fused.gguf"
+    assert export(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    m = re.fullmatch(HELD_OUT_LINE, line)
+    assert m, line
+    n, source, batches, size, ref, whose, got, change = m.groups()
+    assert (int(n), int(batches), int(size)) == (6, 3, 2)
+    assert (source, whose) == (f"{data / 'train.jsonl'} + {data / 'valid.jsonl'}",
+                               "the run's step-3 validation")
+    run_loss = [e["val_loss"] for e in read_events(run) if e["kind"] == "eval"]
+    assert ref == f"{run_loss[-1]:.4f}"
+
+    model, tok = load_for_generation(run)
+    val = SFTData.from_file(data, tok, 96, True, False).val
+    assert len(val["inputs"]) == 20
+    rows = {k: v[:6] for k, v in val.items()}
+    want_ref = direct_loss(model, rows)
+    want_got = direct_loss(load_for_generation(out)[0], rows)
+    assert abs(float(ref) - want_ref) < 1e-4 + 5e-5  # printed to 4 decimals
+    assert abs(float(got) - want_got) < 1e-4 + 5e-5
+    assert abs(run_loss[-1] - want_ref) < 1e-4
+    assert abs(float(change) - 100 * (want_got - want_ref) / want_ref) < 0.01
+
+
+def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_path, capsys,
+                                                                      monkeypatch):
+    """The held-out pass of the fused file (2 calls of --batch-size rows here) draws a tqdm
+    bar naming it where stderr is a terminal, and none where it is not (a log, a pipe)."""
+    import sys
+
     from toymlx_cli.export import main
 
+    run = _train(tmp_path, bases["q4_1"], "lora", "--eval-batches", "2")
+    bar = "toymlx-export: held-out loss, fused file:"
+    capsys.readouterr()
+    assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "a.gguf")]) == 0
+    assert bar not in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "b.gguf")]) == 0
+    err = capsys.readouterr().err
+    assert f"{bar}   0%" in err and "0/2 [" in err
+    assert err.rstrip().splitlines()[-1].startswith(
+        "toymlx-export: held-out loss on the 4 validation rows the run scores (")
+
+
+def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_step(
+        bases, tmp_path, capsys):
+    """A run stopped before its final validation: base + adapter is scored by the export, on
+    the same rows as the fused file, both loaded and scored as toymlx-eval does."""
+    from toymlx_cli.eval import chat_loss
+    from toymlx_cli.export import main
+
+    from toymlx.backend.device import on_gpu
+    from toymlx.generation.generate import load_for_generation
+    from toymlx.gguf.llama import frozen_weights
+    from toymlx.models.ops import scoring_ops
     from toymlx.runner.bundle import Bundle
 
     base = bases["q4_1"]
-    run = _train(tmp_path, base, "lora")
+    run = _train(tmp_path, base, "lora", "--stop-at", "1")
     capsys.readouterr()
     out = tmp_path / "fused.gguf"
     assert main(["--base", str(base), "--adapter", str(run), "--fuse", "--out", str(out)]) == 0
@@ -220,12 +316,16 @@ def test_export_prints_the_held_out_loss_beside_base_plus_adapter(bases, tmp_pat
         r"outputs \(the base's own type would keep \d+%\); 1\.\d{3}x the base's size in "
         r"[\d.]+ s", lines[0])
     cfg = Bundle.of(run).config
-    ref = evaluate_chat(EvalArgs(model=str(run)), cfg)
-    got = evaluate_chat(EvalArgs(model=str(out)), cfg)
+    gpu = on_gpu()  # loaded as toymlx-eval loads
+    ref, n, source = chat_loss(*load_for_generation(run, weights=frozen_weights(gpu),
+                                                    ops=scoring_ops(gpu)), cfg, first=2)
+    got, _, _ = chat_loss(*load_for_generation(out, weights=frozen_weights(gpu),
+                                               ops=scoring_ops(gpu)), cfg, first=2)
     assert lines[1] == (
-        f"toymlx-export: held-out loss on the run's {ref['rows']} validation rows "
-        f"({ref['data']}): base + adapter {ref['val_loss']:.4f}, fused file "
-        f"{got['val_loss']:.4f} ({(got['val_loss'] - ref['val_loss']) / ref['val_loss']:+.2%})")
+        f"toymlx-export: held-out loss on the {n} validation rows the run scores ({source}; "
+        f"the first --eval-batches 1 x --batch-size 2): base + adapter {ref:.4f} (scored "
+        f"here), fused file {got:.4f} ({(got - ref) / ref:+.2%})")
+    assert n == 2
 
 
 def test_export_of_a_run_whose_data_is_gone_writes_the_file_and_says_why_no_loss(
@@ -249,6 +349,28 @@ def test_export_of_a_run_whose_data_is_gone_writes_the_file_and_says_why_no_loss
         f"file or directory) (toymlx-eval --model {out} --data.path DATA measures it)")
 
 
+def test_export_of_a_run_that_held_out_no_rows_writes_the_file_and_says_why_no_loss(
+        bases, tmp_path, capsys):
+    """A run on 4 examples holds out none (0.1 of 4 rounds to 0; the run itself ends "held-out:
+    n/a"): the fused file was written, then the held-out check failed the command ("error: ...
+    expected validation rows to score, found none", exit 2). Now it ends with 0 and says why."""
+    from toymlx_cli.export import main
+
+    data = tmp_path / "four.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"answer {i}"}) + "\n"
+                            for i in range(4)))
+    run = _train(tmp_path, bases["q4_1"], "lora", "--data.path", str(data))
+    capsys.readouterr()
+    out = tmp_path / "fused.gguf"
+    assert main(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
+    assert GGUFFile(out).tensors
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"toymlx-export: held-out loss not measured: {data}: --split val: expected validation "
+        "rows to score, found none: the run held out no examples (--data.val-fraction 0.1 of 4 "
+        "examples, no valid.jsonl); score them all with --split all (toymlx-eval --model "
+        f"{out} --data.path DATA measures it)")
+
+
 def test_modelfile_fuses_a_dora_adapter_into_the_kept_file(bases, tmp_path, capsys):
     """--format modelfile --fuse takes a DoRA adapter (the fused file needs no adapter format)
     and writes the same file as toymlx-export --fuse; an adapter outside a run: the held-out
@@ -268,6 +390,62 @@ def test_modelfile_fuses_a_dora_adapter_into_the_kept_file(bases, tmp_path, caps
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "toymlx-export: held-out loss not measured: the adapter is a file outside a run, so its "
         "validation data is not known (toymlx-eval --model FUSED --data.path DATA measures it)")
+
+
+def test_modelfile_that_fails_leaves_no_fused_file(bases, tmp_path, monkeypatch, capsys):
+    """--format modelfile --fuse is all or nothing: a Modelfile that cannot be written after
+    the fused GGUF (a full disk) removes that GGUF and the folders the export made; in a
+    folder that was there, only what it wrote goes. The error names the Modelfile."""
+    import errno
+    import os
+
+    from toymlx_cli.export import main
+
+    from toymlx.backend import atomic
+
+    ad = make_adapter(bases["q4_1"], tmp_path / "lora.gguf")
+    replace = os.replace
+
+    def full_disk(src, dst):
+        if Path(dst).name == "Modelfile":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", full_disk)
+    kept = tmp_path / "there" / "keep.txt"
+    kept.parent.mkdir()
+    kept.write_text("x")
+    for out in (tmp_path / "new" / "ollama", kept.parent):
+        capsys.readouterr()
+        assert main(["--adapter", str(ad), "--base", str(bases["q4_1"]), "--format",
+                     "modelfile", "--fuse", "--out", str(out)]) == 2
+        assert capsys.readouterr().err == (f"toymlx-export: error: [Errno 28] No space left on "
+                                           f"device: '{out / 'Modelfile'}'\n")
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in kept.parent.iterdir()) == ["keep.txt"]
+
+
+def test_fused_at_end_that_is_not_recorded_is_removed(bases, tmp_path, monkeypatch, capsys):
+    """--fuse-at-end is all or nothing: where the export event cannot be written after the
+    fused GGUF (a full disk), the GGUF goes too, and the error names events.jsonl."""
+    import errno
+
+    from toymlx.bundle.events import EventLog
+
+    emit = EventLog.emit
+
+    def full_disk(self, kind, **fields):
+        if kind == "export":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return emit(self, kind, **fields)
+
+    monkeypatch.setattr(EventLog, "emit", full_disk)
+    with pytest.raises(AssertionError):
+        _train(tmp_path, bases["q4_1"], "lora", "--fuse-at-end", "base")
+    run = tmp_path / "lora"
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "events.jsonl", "weights"]
+    assert (f"could not write the run bundle ([Errno 28] No space left on device: "
+            f"'{run / 'events.jsonl'}')") in capsys.readouterr().err
 
 
 def test_full_fine_tune_fused_at_end_keeps_what_it_changed(bases, tmp_path):
@@ -298,6 +476,22 @@ def test_full_fine_tune_fused_at_end_keeps_what_it_changed(bases, tmp_path):
         err = np.sum((f.load(name, np.float64) - trained) ** 2)
         assert err <= np.sum((naive - trained) ** 2) + 1e-12, name
     assert n_changed > 0
+
+
+def test_fuse_at_end_draws_no_progress_into_a_log(bases, tmp_path, capsys):
+    """stderr not a terminal (a log file, nohup): --fuse-at-end base wrote its carriage-return
+    counter there ("measuring tensor types: 1/4measuring tensor types: 2/4..."), where the run's
+    own bars and toymlx-export --fuse draw nothing. Now its stderr holds whole lines only."""
+    from toymlx_cli.train import main
+
+    assert main(["--recipe", "lora", "--base", str(bases["q4_1"]), "--runs-root", str(tmp_path),
+                 "--run-id", "r", "--steps", "1", "--batch-size", "2", "--seq-len", "32",
+                 "--eval-every", "0", "--eval-batches", "1", "--lora.targets", TARGETS,
+                 "--no-compile", "--fuse-at-end", "base"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "measuring tensor types" not in err
+    assert err.splitlines()[-1].startswith("toymlx: completed at step 1. ")
+    assert (tmp_path / "r" / "fused-q4_1.gguf").is_file()
 
 
 # ---- llama.cpp runs what the export writes (interop) ---------------------------------------

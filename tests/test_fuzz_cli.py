@@ -435,6 +435,21 @@ def test_generate_findings_are_one_line(stories_path, capsys, argv, want):
     assert error_line(capsys, "toymlx-generate") == f"toymlx-generate: error: {want}"
 
 
+def test_an_output_named_in_a_config_file_too_long_for_the_file_system_is_one_line(
+        tmp_path, capsys, stories_path, monkeypatch):
+    """`toymlx-export -c c.json` whose `out` is 300 characters (the slow tier's fuzz, seed
+    739951): checking the -c file's outputs met "File name too long" as a traceback."""
+    from cli_errors import error_line
+    from toymlx_cli.export import main as export_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps({"base": str(stories_path), "out": "x" * 300}))
+    assert export_main(["-c", str(tmp_path / "c.json")]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        f"toymlx-export: error: [Errno 36] File name too long: '{tmp_path / ('x' * 300)}'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+
+
 def test_eval_out_of_memory_is_one_line(tmp_path, capsys, shared_file):
     """`toymlx-eval --batch-size 10**12` asked numpy for 7.5 TiB: a MemoryError traceback."""
     from cli_errors import error_line

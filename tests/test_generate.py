@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -582,7 +583,19 @@ def bad_inputs(tmp_path: Path, stories_path: Path) -> dict[str, tuple[Path, str]
                {"blk.0.attn_q.weight.lora_a": np.zeros((2, 64), np.float32)})
     empty_run = tmp_path / "runs" / "empty"
     (empty_run / "weights").mkdir(parents=True)
+    # llama-quantize writes zeros where the header goes and the header last: a file it is
+    # still writing (measured on SmolLM2's Q4_1 -> Q8_0: zeros at offset 0 until it returned)
+    writing = tmp_path / "model-q8_0.gguf"
+    writing.write_bytes(bytes(4096) + stories_path.read_bytes()[4096:])
+    half = tmp_path / "half.gguf"
+    half.write_bytes(stories_path.read_bytes()[:592688])
     return {
+        "being written": (writing, (f"{writing}: magic: expected b'GGUF', found zero bytes (a "
+                          "GGUF still being written: llama-quantize writes its header last; "
+                          "or an incomplete copy): wait for its writer to finish")),
+        "truncated": (half, (f"{half}: tensor 'blk.1.ffn_down.weight' data: expected 44032 "
+                      "bytes at offset 551776, found file end at 592688 (file truncated, or "
+                      "still being written?)")),
         "missing": (tmp_path / "nope.gguf", "found nothing at that path"),
         "not a GGUF": (not_gguf, "not a GGUF file"),
         "wrong architecture": (gpt2, "expected one of llama, qwen2, qwen3, gemma3, phi3, found 'gpt2'"),
@@ -750,6 +763,22 @@ def test_an_empty_stdin_for_prompt_dash_is_refused_not_generated_from_bos(storie
                                  "text on stdin, found it empty (ended at once)\n")
 
 
+def test_nanogpts_file_prompt_is_refused_not_taken_as_the_text(stories_path, capsys, tmp_path,
+                                                                monkeypatch):
+    """sample.py's `--start=FILE:prompt.txt` habit as `--prompt FILE:prompt.txt`: the story went
+    on from the 15 characters `FILE:prompt.txt`, exit 0; text that names no file is still text."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my prompt.txt").write_text(PROMPT)
+    assert cli.main(["--model", str(stories_path), "--prompt", "FILE:my prompt.txt"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        "toymlx-generate: error: --prompt: expected the prompt's text, found nanoGPT's "
+        "'FILE:my prompt.txt' (sample.py's --start=FILE:...); to read my prompt.txt: "
+        "--prompt - < 'my prompt.txt'\n")
+    assert cli.main(["--model", str(stories_path), "--prompt", "FILE:none.txt", "--max-tokens",
+                     "2", "--temperature", "0"]) == 0
+
+
 def test_device_gpu_with_the_llamacpp_engine_is_refused(stories_path, capsys):
     """The llama.cpp engine's child decodes on the CPU: --device gpu was accepted and unused
     (where MLX has a GPU) or refused for a reason that is not the one (where it has none)."""
@@ -897,3 +926,106 @@ def test_a_model_of_the_other_kind_names_the_command_that_uses_it(tmp_path, stor
         f"toymlx-classify: error: {stories_path}: metadata key 'general.architecture': "
         "expected 'vit' (an image classifier), found 'llama', a language model: "
         f"toymlx-generate --model {stories_path} uses it")
+
+
+SAMPLED = ["--prompt", PROMPT, "--max-tokens", "20", "--temperature", "0.8", "--seed", "7"]
+
+
+def separate_samples(model: Path, flags: list[str], seeds: range, capsys) -> list[str]:
+    """What one toymlx-generate call per seed prints (`flags` hold --seed 7, replaced)."""
+    at = flags.index("--seed") + 1
+    return [cli_tokens(["--model", str(model), *flags[:at], str(s), *flags[at + 1:]],
+                       capsys)[0] for s in seeds]
+
+
+@pytest.mark.parametrize("engine", ["mlx", pytest.param("llama.cpp", marks=pytest.mark.interop)])
+@pytest.mark.parametrize("template", [False, True])
+def test_num_samples_prints_the_samples_of_consecutive_seeds(stories_path, chat_path, engine,
+                                                             template, capsys, monkeypatch):
+    """--num-samples 3 --seed 7: the texts that --seed 7, 8 and 9 print alone, token for token
+    (each from an empty KV cache), each followed by nanoGPT's line of 15 dashes; a line for
+    each on stderr; the MLX model traced once (where MLX computes on the CPU)."""
+    from toymlx.backend.device import on_gpu
+    from toymlx.generation import generate as gen
+
+    model = chat_path if template else stories_path
+    flags = [*SAMPLED, "--engine", engine]
+    want = separate_samples(model, flags, range(7, 10), capsys)
+    assert len(set(want)) == 3 and all(w.endswith("\n") for w in want)  # three different texts
+    traced = []
+    real = gen.CompiledDecode.__init__
+    monkeypatch.setattr(gen.CompiledDecode, "__init__",
+                        lambda self, m: (traced.append(1), real(self, m))[1])
+    out, err = cli_tokens(["--model", str(model), *flags, "--num-samples", "3"], capsys)
+    assert out == "".join(w + "---------------\n" for w in want)
+    assert out.split(cli.SEPARATOR + "\n") == [*want, ""]  # what a script splits on
+    lines = [x for x in err.splitlines() if " prompt + " in x]
+    assert [x.split(": ")[1] for x in lines] == [
+        "sample 1 of 3 (--seed 7)", "sample 2 of 3 (--seed 8)", "sample 3 of 3 (--seed 9)"]
+    assert len(traced) == (1 if engine == "mlx" and not on_gpu() else 0)
+
+
+def test_one_sample_prints_no_separator(stories_path, capsys):
+    """--num-samples 1 (the default) prints as before: the text, no line of dashes."""
+    one, err = cli_tokens(["--model", str(stories_path), *SAMPLED, "--num-samples", "1"], capsys)
+    assert one == separate_samples(stories_path, SAMPLED, range(7, 8), capsys)[0]
+    assert "---" not in one and "sample 1" not in err
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--num-samples", "0"], ("--num-samples: expected a count in 1..1000, found 0 (more "
+     "samples: another call with --seed 1000 higher)")),
+    (["--num-samples", str(2**63)], (f"--num-samples: expected a count in 1..1000, found "
+     f"{2**63} (more samples: another call with --seed 1000 higher)")),
+    (["--num-samples", "3", "--temperature", "0"],
+     ("--num-samples 3: expected --temperature > 0, found 0 (greedy: every sample would be the "
+     "same text; drop --num-samples)")),
+    (["--num-samples", "2", "--chat", "--prompt", ""],
+     ("--num-samples 2: expected a --prompt (a --chat conversation answers each turn once), "
+     "found none")),
+    (["--num-samples", "3", "--seed", str(2**64 - 2)],
+     (f"--num-samples 3: expected --seed + 2 <= {2**64 - 1} (the samples' seeds run from "
+     f"--seed up), found --seed {2**64 - 2}")),
+])
+def test_num_samples_that_cannot_be_drawn_are_one_line(stories_path, capsys, monkeypatch,
+                                                       flags, want):
+    """Refused before the weights load, in one line."""
+    from toymlx.generation import generate as gen
+
+    monkeypatch.setattr(gen, "load_llama", lambda *a, **k: pytest.fail("weights loaded"))
+    rc = cli.main(["--model", str(stories_path), "--prompt", PROMPT, *flags])
+    out, err = capsys.readouterr()
+    assert (rc, out, err) == (2, "", f"toymlx-generate: error: {want}\n")
+
+
+def test_ctrl_c_between_samples_leaves_the_samples_so_far_whole(stories_path, capsys,
+                                                                monkeypatch):
+    """Ctrl-C as the second of three samples starts: the first, its line of dashes, exit 130,
+    and stderr says which were printed whole."""
+    want = separate_samples(stories_path, SAMPLED, range(7, 8), capsys)[0]
+    real, calls = cli.stream, []
+
+    def stopped_at_the_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(cli, "stream", stopped_at_the_second)
+    rc = cli.main(["--model", str(stories_path), *SAMPLED, "--num-samples", "3"])
+    out, err = capsys.readouterr()
+    assert (rc, out) == (130, want + "---------------\n")
+    assert err.splitlines()[-2:] == [
+        "toymlx-generate: 1 of 3 samples printed whole; sample 2 (--seed 8) was cut",
+        "toymlx-generate: interrupted"]
+
+
+def test_num_samples_into_head_ends_quietly(stories_path):
+    """`--num-samples 3 | head -1`: the first line, exit status 0, no traceback."""
+    cmd = [sys.executable, "-m", "toymlx_cli.generate", "--model", str(stories_path), *SAMPLED,
+           "--num-samples", "3"]
+    r = subprocess.run(f"{shlex.join(cmd)} | head -1; echo \"${{PIPESTATUS[0]}}\" >&2",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.stdout.count("\n") == 1 and r.stdout.startswith(", there was"), r.stdout
+    assert r.stderr.splitlines()[-1] == "0" and "Traceback" not in r.stderr, r.stderr

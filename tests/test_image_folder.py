@@ -128,12 +128,10 @@ def test_a_fifo_named_as_an_image_is_named_not_skipped(tmp_path):
     with pytest.raises(ImageDataError) as e:
         load_images(str(root), image_size=8)
     assert str(e.value) == want
-    with pytest.raises(ImageDataError) as e:
-        image_files([root])
-    assert str(e.value) == want
-    with pytest.raises(ImageDataError) as e:
-        image_files([pipe])
-    assert str(e.value) == f"{pipe}: expected an image file or a folder, found a FIFO (named pipe)"
+    assert [str(e) for e in image_files([root])] == [want]  # in the folder's place
+    assert [str(e) for e in image_files([pipe])] == [
+        (f"{pipe}: expected an image file or a folder, found a FIFO (named pipe); for one "
+         "image sent on stdin, name it -")]
     pipe.unlink()
     assert len(image_files([root])) == 9
 
@@ -178,6 +176,31 @@ def test_a_large_image_is_one_line_naming_the_file_once(tmp_path):
     p = subprocess.run([sys.executable, "-c", code, str(big)], capture_output=True, text=True,
                        timeout=120, check=True)
     assert p.stdout == "(8, 8, 1) 9 9\n"
+    assert p.stderr == (f"toymlx: {big}: a large image, 40 x 30 = 1,200 pixels, over Pillow's "
+                        "limit of 1,000 for untrusted files; decoded as it is\n")
+
+
+def test_reading_images_leaves_the_callers_warnings_as_they_were(tmp_path):
+    """toymlx's one line replaces Pillow's warning for the images toymlx reads, and only those:
+    importing the reader (as `toymlx.train` does, to summarise a run) silenced Pillow's
+    DecompressionBombWarning for the whole process, a notebook's own `Image.open` of a huge
+    untrusted file included, with a filter left in `warnings.filters`."""
+    import subprocess
+    import sys
+
+    big = tmp_path / "big.png"
+    Image.fromarray(np.full((30, 40), 9, np.uint8)).save(big)  # 1200 pixels: over, under 2x
+    code = ("import sys, warnings, numpy; from PIL import Image\n"
+            "Image.MAX_IMAGE_PIXELS = 1000; before = list(warnings.filters)\n"
+            "from toymlx.data.image_folder import decode_image\n"
+            "decode_image(sys.argv[1], 8, 1)\n"
+            "print(warnings.filters == before)\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    Image.open(sys.argv[1]).close()\n"
+            "print([type(x.message).__name__ for x in w])\n")
+    p = subprocess.run([sys.executable, "-c", code, str(big)], capture_output=True, text=True,
+                       timeout=120, check=True)
+    assert p.stdout == "True\n['DecompressionBombWarning']\n"
     assert p.stderr == (f"toymlx: {big}: a large image, 40 x 30 = 1,200 pixels, over Pillow's "
                         "limit of 1,000 for untrusted files; decoded as it is\n")
 
@@ -262,3 +285,72 @@ def test_prefetcher_returns_the_same_values_in_any_order():
         np.testing.assert_array_equal(g, np.random.default_rng(s).random(3))
     p.pool.shutdown(wait=True)
     assert max(calls) <= 9  # never past stop
+
+
+def test_timm_s_train_and_val_folders_are_splits_not_classes(tmp_path):
+    """`root/train/<class>` beside `root/val/<class>`, as timm's --data-dir reads it: trained on
+    train/, validated on val/, with a line saying so (before: two classes, "train" and "val")."""
+    root = tmp_path / "set"
+    make_image_folder(root / "train", per_class=4)
+    make_image_folder(root / "val", per_class=2, seed=1)
+    d = load_images(str(root), image_size=8)
+    assert d.class_names == list(CLASSES)
+    assert (len(d.train_y), len(d.val_y)) == (12, 6)
+    assert d.val_y.tolist() == [0, 0, 1, 1, 2, 2] and d.source == str(root)
+    assert d.notes == [(f"{root}: train/, val/ are splits (timm's layout), not classes: "
+                        f"training on {root / 'train'}, validating on {root / 'val'}")]
+    # no val/: the fixed split of train/; test/ named, never read unless asked
+    (root / "val").rename(root / "test")
+    d = load_images(str(root), 0.25, image_size=8)
+    assert (len(d.train_y), len(d.val_y)) == (9, 3) and d.test_y is None
+    assert d.notes == [(f"{root}: test/, train/ are splits (timm's layout), not classes: "
+                        f"training on {root / 'train'}, validating on a fixed 0.25 of it "
+                        "(--data.val-fraction; no val/, valid/, validation/, eval/, "
+                        f"evaluation/ folder); {root / 'test'} is scored only by "
+                        f"--data.test-path {root / 'test'} --test")]
+    # classes that happen to be called train and test, holding images: classes
+    flat = tmp_path / "flat"
+    for name in ("train", "test"):
+        (flat / name).mkdir(parents=True)
+        for i in range(3):
+            Image.new("L", (8, 8), 40 * i).save(flat / name / f"{i}.png")
+    assert load_images(str(flat), image_size=8).class_names == ["test", "train"]
+    (root / "validation").mkdir()
+    (root / "val").mkdir()
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8)
+    assert str(e.value) == (f"{root}: expected one val folder (timm's layout), found val/ and "
+                            "validation/; merge or rename one")
+
+
+def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):
+    """Images behind a linked subfolder count, as torchvision's ImageFolder follows links (before:
+    skipped without a word); a link to nothing is refused by name (before: skipped)."""
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    elsewhere = make_image_folder(tmp_path / "more", per_class=2, seed=2)
+    (root / "cat" / "more").symlink_to(elsewhere / "cat")
+    (root / "cat" / "loop").symlink_to(root / "cat")  # a link back up: read once
+    files, labels, _ = scan_image_folder(root)
+    assert np.bincount(labels).tolist() == [3, 5, 3]
+    assert sum(f.parent.name == "more" for f in files) == 2
+    (root / "frog" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    with pytest.raises(ImageDataError) as e:
+        scan_image_folder(root)
+    assert str(e.value) == (f"{root / 'frog' / 'gone.png'}: expected an image file, found a link "
+                            f"to {tmp_path / 'nowhere.png'}, which does not exist; restore its "
+                            "target or remove the link")
+
+
+def test_a_test_folder_beside_train_and_val_is_a_test_path_apart_from_training(tmp_path):
+    """`--data.path set --data.test-path set/test --test` in timm's layout: the training images are
+    set/train, so set/test is apart from them (before: refused as overlapping --data.path)."""
+    from toymlx.recipes.vit_tiny import Config, ImageData, validate
+
+    root = tmp_path / "set"
+    for split in ("train", "val", "test"):
+        make_image_folder(root / split, per_class=2)
+    validate(Config(data=ImageData(path=str(root), test_path=str(root / "test")), test=True))
+    with pytest.raises(ValueError) as e:
+        validate(Config(data=ImageData(path=str(root), test_path=str(root / "train" / "cat")),
+                        test=True))
+    assert str(e.value).startswith("--data.test-path: expected images apart from --data.path")

@@ -77,8 +77,7 @@ def test_a_config_run_trains_as_mlx_lm_reads_it(tmp_path, base, data, capsys):
     path.write_text(yaml.safe_dump(cfg))
     assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
     out, err = capsys.readouterr()
-    assert f"{path}: key 'test_batches': not honoured (toymlx's --test scores all of " \
-           "test.jsonl)" in err
+    assert "test_batches" not in err  # test is false: unused, as in mlx-lm
     lines = out.splitlines()
     assert lines[0] == f"{path}: read as mlx-lm's lora config:"
     assert lines[1].split() == ["mlx-lm", "key", "toymlx", "option", "value", "from"]
@@ -123,6 +122,81 @@ def test_the_table_shows_what_the_command_line_gives_over_the_file(tmp_path, bas
     assert rows[("iters", "--steps")] == ["1", "command", "line,", "over", "the", "file"]
     saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
     assert saved["base"] == str(base)
+
+
+def test_a_rank_given_over_the_file_keeps_mlx_lm_s_scale(tmp_path, base, data, capsys):
+    """`-c F --lora.rank 2` over the file's scale 10 (or mlx-lm's default 20): alpha is scale x
+    2, so the update is scaled by the file's scale, as mlx-lm's scale is whatever the rank;
+    alpha was the file's rank's (4 x 10 = 40: a scale of 20 at rank 2)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 1,
+                                    "batch_size": 2, "max_seq_length": 64, "num_layers": 1,
+                                    "val_batches": 1, "lora_parameters": {
+                                        "rank": 4, "scale": 10.0, "dropout": 0.0}}))
+    assert main(["-c", str(path), "--lora.rank", "2", "--no-progress", "--no-compile",
+                 "--runs-root", str(tmp_path / "runs"), "--run-id", "r"]) == 0
+    rows = {tuple(x.split()[:2]): x.split()[2:] for x in capsys.readouterr().out.splitlines()}
+    assert rows[("lora_parameters.rank", "--lora.rank")] == ["2", "command", "line,", "over",
+                                                            "the", "file"]
+    assert rows[("lora_parameters.scale", "--lora.alpha")] == ["20.0", "file", "scale", "10",
+                                                              "x", "--lora.rank", "2"]
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["config"]
+    assert (saved["lora"]["rank"], saved["lora"]["alpha"]) == (2, 20.0)
+    # --lora.alpha given too is toymlx's alpha, as it is typed
+    assert main(["-c", str(path), "--lora.rank=2", "--lora.alpha", "7", "--no-progress",
+                 "--no-compile", "--runs-root", str(tmp_path / "runs"), "--run-id", "r2"]) == 0
+    saved = json.loads((tmp_path / "runs" / "r2" / "config.json").read_text())["config"]
+    assert (saved["lora"]["rank"], saved["lora"]["alpha"]) == (2, 7.0)
+
+
+def test_adapter_path_says_what_the_folder_holds_and_what_reads_it():
+    """mlx-lm's adapter_path is the run folder, whose GGUF adapters mlx_lm.generate
+    --adapter-path does not read (it looks for adapter_config.json): a note says what does."""
+    options, _, notes = mlx_lm_options({"model": "m.gguf", "iters": 1,
+                                        "adapter_path": "out/adapters"}, "f.yaml")
+    assert (options["runs_root"], options["run_id"]) == ("out", "adapters")
+    assert notes == [("f.yaml: key 'adapter_path': out/adapters is the run's folder; its "
+                      "adapters are llama.cpp's GGUFs (weights/adapter_step_N.gguf), not "
+                      "mlx-lm's adapters.safetensors: toymlx-generate --model out/adapters, or "
+                      "toymlx-export --adapter out/adapters --fuse --out FILE.gguf "
+                      "(mlx_lm.fuse's)")]
+
+
+def test_a_relative_path_is_read_from_the_current_directory_and_named(tmp_path,
+                                                                     monkeypatch):
+    """model and data relative to the file's folder, run from elsewhere: as in mlx-lm, read from
+    the current directory, and the line says so and names the file's folder's path (before:
+    "d: cannot read data file (No such file or directory)", no key); a data folder found
+    nowhere is named by its key."""
+    folder = tmp_path / "cfg"
+    (folder / "d").mkdir(parents=True)
+    (folder / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    source = str(Path("cfg") / "c.yaml")
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"model": "/abs/m.gguf", "data": "d", "iters": 1}, source)
+    assert str(e.value) == (
+        "cfg/c.yaml: key 'data': expected a data folder (train.jsonl, valid.jsonl, test.jsonl), "
+        f"found nothing at d (a relative path is read from the current directory, {tmp_path}, "
+        "as mlx-lm reads it, not from the file's folder; give cfg/d, or run from cfg)")
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"model": "m.gguf", "iters": 1}, source)
+    assert str(e.value) == (
+        "cfg/c.yaml: key 'model': expected a GGUF file or a model name, found nothing at m.gguf "
+        f"(a relative path is read from the current directory, {tmp_path}, as mlx-lm reads it, "
+        "not from the file's folder; give cfg/m.gguf, or run from cfg)")
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"data": "/no/such/data", "iters": 1}, source)
+    assert str(e.value) == ("cfg/c.yaml: key 'data': expected a data folder (train.jsonl, "
+                            "valid.jsonl, test.jsonl), found nothing at /no/such/data")
+    # from the file's folder, or with --base and --data.path given over them, they are read
+    monkeypatch.chdir(folder)
+    options, _, _ = mlx_lm_options({"model": "m.gguf", "data": "d", "iters": 1}, "c.yaml")
+    assert (options["base"], options["data.path"]) == ("m.gguf", "d")
+    monkeypatch.chdir(tmp_path)
+    options, _, _ = mlx_lm_options({"model": "m.gguf", "data": "d", "iters": 1}, source,
+                                   frozenset({"--base", "--data.path"}))
+    assert (options["base"], options["data.path"]) == ("m.gguf", "d")
 
 
 def test_num_layers_past_the_base_s_blocks_adapts_every_block(tmp_path, base, data, capsys):
@@ -444,8 +518,14 @@ def test_max_seq_length_cuts_rows_where_mlx_lm_does(tmp_path):
      ("f.yaml: key 'resume_adapter_file': expected an adapter file (mlx-lm's "
       "adapters.safetensors, or an adapter GGUF), found [\"adapters.safetensors\"]")),
     ({"report_to": "wandb,swanlab"},
-     ("f.yaml: key 'report_to': expected a comma list of tensorboard, wandb (the services "
-      "toymlx reports to), found 'swanlab'; remove it")),
+     ("f.yaml: key 'report_to': expected a comma list of tensorboard, wandb, or all or none, "
+      "found 'swanlab'")),
+    ({"report_to": "tb"},
+     ("f.yaml: key 'report_to': expected a comma list of tensorboard, wandb, or all or none, "
+      "found 'tb' (did you mean tensorboard?)")),
+    ({"report_to": "all,wandb"},
+     ("f.yaml: key 'report_to': all stands alone; expected all or a comma list of "
+      "tensorboard, wandb")),
 ])
 def test_a_bad_adapter_key_and_services_are_refused_by_key(extra, line):
     """swanlab was refused naming --report-to; now it is refused as the file is read, naming its
@@ -515,7 +595,8 @@ def test_an_mlx_lm_model_folder_as_the_model_says_to_pass_its_gguf(tmp_path, dat
     path.write_text(yaml.safe_dump({"model": str(folder), "data": str(data), "iters": 1}))
     assert main(["-c", str(path), "--runs-root", str(tmp_path / "runs")]) == 2
     assert error_line(capsys) == (
-        f"toymlx-train: error: {folder}: --base: expected an existing GGUF file, found a Hugging "
+        f"toymlx-train: error: {path}: key 'model' (toymlx's --base): {folder}: expected an "
+        "existing GGUF file, found a Hugging "
         "Face model folder (config.json, as mlx-lm's --model takes); pass the same model's GGUF "
         "as --base (on the command line it overrides an mlx-lm config's model; adapters mlx-lm "
         "trained on the folder are read for it)")
@@ -705,3 +786,144 @@ def test_a_bad_value_is_named_by_the_file_s_own_key(tmp_path, base, capsys, extr
     assert main(["-c", str(path), "--runs-root", str(tmp_path), "--no-progress"]) == 2
     assert error_line(capsys) == (f"toymlx-train: error: {path}: {line}; fix it, or remove the "
                                   "key to take its default")
+
+
+@pytest.mark.parametrize("extra,argv,line", [
+    ({"iters": 0}, [], "{path}: key 'iters' (toymlx's --steps): expected >= 1, found 0"),
+    ({"batch_size": 0}, [],
+     "{path}: key 'batch_size' (toymlx's --batch-size): expected >= 1, found 0"),
+    ({"learning_rate": 0}, [], ("{path}: key 'learning_rate' (toymlx's --lr): expected > 0, "
+     "found 0.0")),
+    ({"lora_parameters": {"rank": 4, "scale": 20, "dropout": 1.5}}, [],
+     ("{path}: key 'lora_parameters.dropout' (toymlx's --lora.dropout): expected in [0, 1), "
+     "found 1.5")),
+    ({"lora_parameters": {"rank": 0, "scale": 20, "dropout": 0}}, [],
+     "{path}: key 'lora_parameters.rank': expected an integer >= 1, found 0"),
+    ({"batch_size": 100}, [],
+     ("{path}: key 'batch_size' (toymlx's --batch-size): expected at most 12 (the training split "
+     "of {data}/train.jsonl + {data}/valid.jsonl holds 12 rows), found 100; use a smaller "
+     "--batch-size or more data")),
+    ({"batch_size": None, "data": "{small}"}, [],
+     ("{path}: key 'batch_size' (mlx-lm's default, not in the file; toymlx's --batch-size): "
+     "expected at most 3 (the training split of {small}/train.jsonl + {small}/valid.jsonl holds "
+     "3 rows), found 4; use a smaller --batch-size or more data")),
+    ({"model": "{tmp}/nope.gguf"}, [],
+     ("{path}: key 'model' (toymlx's --base): {tmp}/nope.gguf: expected an existing GGUF file, "
+     "found nothing")),
+    ({}, ["--steps", "0"], "--steps: expected >= 1, found 0"),  # the flag's value: the flag
+])
+def test_a_value_refused_after_the_file_is_read_is_named_by_the_file_s_key(
+        tmp_path, base, data, capsys, extra, argv, line):
+    """A value the file's mapping passes on and a later check refuses (the recipe's, the
+    trainer's, the data's) is one line naming the file and its mlx-lm key, with toymlx's flag in
+    brackets; it named only toymlx's flag (`--steps: expected >= 1, found 0` for `iters: 0`)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "train.jsonl").write_text("".join((data / "train.jsonl").read_text()
+                                               .splitlines(keepends=True)[:3]))
+    (small / "valid.jsonl").write_text((data / "valid.jsonl").read_text())
+    cfg = {"model": str(base), "data": str(data), "iters": 2, "batch_size": 2,
+           "max_seq_length": 32, "val_batches": 1, "num_layers": 2, **extra}
+    cfg = {k: v.format(small=small, tmp=tmp_path) if isinstance(v, str) else v
+           for k, v in cfg.items()}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["-c", str(path), "--runs-root", str(tmp_path / "runs"), "--no-progress",
+                 *argv]) == 2
+    assert error_line(capsys) == "toymlx-train: error: " + line.format(
+        path=path, data=data, small=small, tmp=tmp_path)
+    assert not list((tmp_path / "runs").glob("*/config.json"))  # no run left behind
+
+
+def test_data_given_on_the_command_line_wins_over_the_file_s_hf_dataset(tmp_path, base, data,
+                                                                        capsys):
+    """`hf_dataset` (mlx-lm's hub datasets) with `--data.path DIR`: the flag gives the data and
+    one note says the file's hf_dataset is not used; it was refused as without the flag."""
+    hub = {"path": "mlx-community/WikiSQL", "train_split": "train[:80%]"}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "hf_dataset": hub, "iters": 1,
+                                    "batch_size": 2, "max_seq_length": 32, "val_batches": 1,
+                                    "num_layers": 2}))
+    assert main(["-c", str(path), "--data.path", str(data), "--runs-root", str(tmp_path),
+                 "--run-id", "r", "--no-progress", "--no-compile"]) == 0
+    err = capsys.readouterr().err
+    assert [x for x in err.splitlines() if "hf_dataset" in x] == [
+        (f"toymlx-train: {path}: key 'hf_dataset': not used (--data.path on the command line "
+        "gives the data; mlx-lm would read the Hugging Face dataset instead)")]
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())["config"]
+    assert saved["data"]["path"] == str(data)
+    with pytest.raises(ConfigFileError) as e:  # without the flag: refused, naming the dataset
+        mlx_lm_options({"iters": 1, "hf_dataset": hub}, "f.yaml", frozenset({"--steps"}))
+    assert str(e.value).startswith("f.yaml: key 'hf_dataset': expected a local folder with "
+                                   "train.jsonl (toymlx reads no Hugging Face datasets")
+
+
+def test_report_to_takes_the_command_line_s_values(monkeypatch):
+    """report_to in an mlx-lm file is read by --report-to's parser: none and all were refused
+    ("expected a comma list of tensorboard, wandb ..., found 'none'; remove it")."""
+    import importlib
+
+    monkeypatch.setattr(importlib, "import_module", lambda name: None)  # both extras "there"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    for value in ("none", "all", "None", "tensorboard,wandb"):
+        assert mlx_lm_options({"iters": 5, "report_to": value}, "f.yaml")[0]["report_to"] == value
+
+
+def test_test_batches_is_honoured_at_minus_one_and_refused_where_it_would_cap():
+    """test_batches was noted as not honoured whatever it was; -1 (mlx-lm: every batch) is
+    toymlx's --test exactly, another count with test: true is refused (toymlx's test pass has
+    no cap), and a test: true file that leaves it out is noted (mlx-lm's default is 500)."""
+    assert mlx_lm_options({"iters": 5, "test": True, "test_batches": -1}, "f.yaml")[2] == []
+    assert mlx_lm_options({"iters": 5, "test_batches": 20}, "f.yaml")[2] == []  # test false
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"iters": 5, "test": True, "test_batches": 20}, "f.yaml")
+    assert str(e.value) == ("f.yaml: key 'test_batches': expected -1 (every batch: toymlx's "
+                            "--test scores all of test.jsonl and cannot stop earlier), found 20; "
+                            "set test_batches: -1")
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"iters": 5, "test_batches": 0}, "f.yaml")
+    assert str(e.value) == ("f.yaml: key 'test_batches': expected an integer >= 1, or -1 (every "
+                            "batch), found 0")
+    assert mlx_lm_options({"iters": 5, "test": True}, "f.yaml")[2] == [
+        ("f.yaml: key 'test': toymlx's --test scores all of test.jsonl; mlx-lm scores its "
+         "first 500 batches (test_batches' default; -1 is every batch)")]
+
+
+def test_project_name_is_the_w_and_b_project_and_the_config_records_it(tmp_path, base, data,
+                                                                        capsys):
+    """project_name was noted as not used (W&B's project came from WANDB_PROJECT only); it is
+    --wandb-project now, which the reporter passes to wandb.init and config.json records."""
+    options, rows, notes = mlx_lm_options({"iters": 5, "project_name": "sql-lora"}, "f.yaml")
+    assert options["wandb_project"] == "sql-lora"
+    assert ("project_name", "--wandb-project", "sql-lora", "file") in rows and notes == []
+    cfg = {"model": str(base), "data": str(data), "iters": 1, "batch_size": 2, "num_layers": 1,
+           "max_seq_length": 64, "val_batches": 1, "project_name": "sql-lora",
+           "adapter_path": str(tmp_path / "runs" / "r")}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    saved = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())
+    assert saved["format"] == 7 and saved["config"]["wandb_project"] == "sql-lora"
+
+
+def test_mask_prompt_on_text_data_is_refused_as_mlx_lm_refuses_it(tmp_path, base, capsys):
+    """mask_prompt: true on {"text": ...} rows trained every token without a word; mlx-lm
+    raises "Prompt masking not supported for text dataset": one line naming file, key, data."""
+    root = tmp_path / "text"
+    root.mkdir()
+    for split in ("train", "valid"):
+        (root / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"text": f"row {i} of some text"}) + "\n" for i in range(6)))
+    cfg = {"model": str(base), "data": str(root), "iters": 1, "batch_size": 2, "num_layers": 1,
+           "max_seq_length": 64, "mask_prompt": True,
+           "adapter_path": str(tmp_path / "runs" / "r")}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["-c", str(path), "--no-progress"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {path}: key 'mask_prompt': expected false for text data "
+        f"({root / 'train.jsonl'} holds {{'text': ...}} rows, no prompt and completion or "
+        "messages; mlx-lm refuses prompt masking on a text dataset), found true")
+    assert not (tmp_path / "runs" / "r").exists()
+    # the command line's --data.no-mask-prompt wins over the file, as mlx-lm's flags do
+    assert main(["-c", str(path), "--no-progress", "--no-compile", "--data.no-mask-prompt"]) == 0

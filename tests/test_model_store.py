@@ -258,6 +258,50 @@ def test_modelfile_from_ollama_and_from_a_path(ollama, stories_path, tmp_path):
     assert quote(" a ") == '" a "' and quote('x\n"y"') == '"""x\n"y""""' and quote("<s>") == "<s>"
 
 
+QUOTED = ('{{ if .System }}<|system|>{{ .System }}</s>{{ end }}<|user|>"""{{ .Prompt }}""" '
+          '</s>\n<|assistant|>"{{ .Response }}"')
+"""A chat template holding \"\"\" mid-line (no line but the last ends in it) and ending in a
+quote: Ollama's parser holds it in \"\"\"...\"\"\"."""
+
+
+def test_a_template_and_system_holding_triple_quotes_round_trip_as_ollama_reads_them(
+        ollama, stories_path, tmp_path):
+    """A TEMPLATE or SYSTEM holding \"\"\" is written in \"\"\"...\"\"\" and read back as Ollama's
+    parser reads it (a \"\"\" value ends at the first line break after which it ends in
+    \"\"\"); one Ollama cannot hold is one line naming its line. toymlx refused every \"\"\", wrote
+    a value starting with a quote bare (`"x"`, which Ollama reads as x), and read back neither a
+    closing \"\"\" followed by spaces nor a CR LF as Ollama does."""
+    model, g = load_llama(stories_path)
+    g.close()
+    apply_lora(model, ("q",), None, 4, 8.0, 0.0)
+    adapter = tmp_path / "ad.gguf"
+    write_adapter(adapter, model, {"general.architecture": "llama"}, {})
+    add_model(ollama, "quoted", stories_path.read_bytes(),
+              {"template": QUOTED.encode(),
+               "system": b'Answer in """quotes""", briefly.\nThen stop.'})
+    path, _, _, _ = write_modelfile(tmp_path / "out", adapter, "ollama:quoted")
+    text = path.read_text()
+    assert f'TEMPLATE """{QUOTED}"""\n' in text
+    assert 'SYSTEM """Answer in """quotes""", briefly.\nThen stop."""\n' in text
+    cmds = parse_modelfile(text)
+    assert ("TEMPLATE", QUOTED) in cmds
+    assert ("SYSTEM", 'Answer in """quotes""", briefly.\nThen stop.') in cmds
+    assert quote('"x"') == '""""x""""' and quote('"x') == '""""x"""'
+    assert parse_modelfile('FROM a\nSYSTEM """one\ntwo"""  \nPARAMETER stop "x"\n') == [
+        ("FROM", "a"), ("SYSTEM", "one\ntwo"), ("PARAMETER stop", "x")]
+    assert parse_modelfile('FROM a\r\nSYSTEM """one\r\ntwo"""\r\n') == [
+        ("FROM", "a"), ("SYSTEM", "one\r\ntwo")]
+    with pytest.raises(ValueError) as e:
+        quote('Say """hi"""\nnow', triple=True)
+    assert str(e.value) == ("Modelfile value 'Say \"\"\"hi\"\"\"\\nnow': expected no line but the "
+                            "last ending in '\"\"\"' (Ollama's parser ends the value there), found "
+                            "line 1 'Say \"\"\"hi\"\"\"'")
+    with pytest.raises(ValueError) as e:
+        quote("a\x1bb")
+    assert str(e.value) == ("Modelfile value 'a\\x1bb': expected printable characters (Ollama's "
+                            "parser drops the others), found '\\x1b'")
+
+
 def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys):
     root = tmp_path / "ollama"
     monkeypatch.setenv("OLLAMA_MODELS", str(root))
@@ -283,12 +327,14 @@ def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys
     with GGUFFile(run / "weights" / "latest") as g:
         assert g.metadata["toy.base"] == "ollama:tiny:1"
 
+    # a folder with a space: the command printed is one a shell runs as it is
     rc = export_cli.main(["--format", "modelfile", "--adapter", str(run), "--out",
-                          str(tmp_path / "mf")])
+                          str(tmp_path / "m f")])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert f"ollama create NAME -f {tmp_path / 'mf' / 'Modelfile'}" in err
-    cmds = parse_modelfile((tmp_path / "mf" / "Modelfile").read_text())
+    assert err.splitlines()[-1].endswith(
+        f"; create the Ollama model with: ollama create NAME -f '{tmp_path}/m f/Modelfile'")
+    cmds = parse_modelfile((tmp_path / "m f" / "Modelfile").read_text())
     assert cmds[0] == ("FROM", str(blob))
     assert cmds[1] == ("ADAPTER", str((run / "weights" / "adapter_step_1.gguf").resolve()))
     assert ("TEMPLATE", TEMPLATE) in cmds
@@ -475,3 +521,26 @@ def test_ollama_model_layer_with_a_path_for_a_digest_is_named(ollama):
                             "expected sha256: and 64 hexadecimal digits, found "
                             "'sha256:../../../etc/passwd'; the manifest is damaged: `ollama pull` "
                             "the model again")
+
+
+def test_a_modelfile_that_cannot_be_written_leaves_no_folder_it_made(stories_path, tmp_path,
+                                                                    capsys, monkeypatch):
+    """`--format modelfile --out DIR` on a full disk: the error, exit 2, and DIR (and a parent
+    it made) gone again, where it was left behind empty; a folder that was there is kept."""
+    import errno
+
+    from toymlx.backend import atomic
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    adapter = _adapter(stories_path, tmp_path / "ad.gguf")
+    monkeypatch.setattr(atomic, "write_text", full)
+    (tmp_path / "kept").mkdir()
+    for out in (tmp_path / "new" / "mf", tmp_path / "kept"):
+        assert export_cli.main(["--format", "modelfile", "--adapter", str(adapter), "--base",
+                                str(stories_path), "--out", str(out)]) == 2
+        assert capsys.readouterr().err == ("toymlx-export: error: [Errno 28] No space left on "
+                                           f"device: '{out / 'Modelfile'}'\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ad.gguf", "kept"]
+    assert not list((tmp_path / "kept").iterdir())

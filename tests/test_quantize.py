@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -24,7 +25,13 @@ from slow_llama_cpp import slow_llama_cpp
 from toymlx.bundle.events import check_toy_v1
 from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import load_llama, write_llama
-from toymlx.gguf.quantize import EXPORT_TYPES, file_type, own_type, write_model_gguf
+from toymlx.gguf.quantize import (
+    EXPORT_TYPES,
+    file_type,
+    llama_quantize,
+    own_type,
+    write_model_gguf,
+)
 from toymlx.gguf.reader import DIGEST_KEY, GGUFError, GGUFFile
 from toymlx.interop.merge import write_merged
 from toymlx.interop.modelfile import parse_modelfile
@@ -121,8 +128,48 @@ def test_a_stop_in_llama_cpp_s_quantizer_acts_at_once(base_and_run, tmp_path, si
         [sys.executable, "-m", "toymlx_cli.export", "--base", str(base), "--adapter", str(run),
          "--fuse", "--dtype", "q4_k_m", "--out", str(out)], out, sig, slow_llama_cpp(tmp_path))
     assert p.returncode == 128 + sig, err
+    # a line that says so (it printed an empty line)
+    assert err.endswith("\ntoymlx-export: " + ("interrupted" if sig == signal.SIGINT else
+                                                "stopped by SIGTERM") + "\n"), err[-500:]
     assert quantizer != p.pid and _gone(quantizer)
     assert list(out.parent.iterdir()) == []
+
+
+FAILING_LLAMA_CPP = """\
+# llama_cpp as a test stands it in: a quantizer that logs two tensors' progress, then fails
+import ctypes
+class _Params(ctypes.Structure):
+    _fields_ = [("ftype", ctypes.c_int)]
+_log = [None]
+def llama_model_quantize_default_params():
+    return _Params()
+def llama_log_callback(f):
+    return f
+def llama_log_set(callback, user_data):
+    _log[0] = callback
+def llama_model_quantize(src, dst, params):
+    for line in ("[   1/   2] token_embd.weight\\n", "[   2/   2] output.weight\\n",
+                 "llama_model_quantize: failed to quantize: No space left on device\\n"):
+        _log[0](2, line.encode(), None)
+    return 1
+"""
+
+
+def test_llama_quantize_shows_its_bar_and_fails_in_llama_cpp_s_words(tmp_path, monkeypatch,
+                                                                       capfd):
+    """llama.cpp's quantizer in its child process (`in_child`): its progress bar on this
+    process's stderr as it runs, and its own "failed" line in the OSError."""
+    shim = tmp_path / "failing" / "llama_cpp"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(FAILING_LLAMA_CPP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(shim.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with pytest.raises(OSError, match=r"^llama\.cpp's quantizer \(q4_0\): its process \(.* -m "
+                       r"toymlx\.gguf\.quantize\) failed: llama_model_quantize: failed to "
+                       r"quantize: No space left on device$"):
+        llama_quantize(tmp_path / "in.gguf", tmp_path / "out.gguf", "q4_0", progress=True)
+    bar = r"\rquantizing q4_0 \(llama\.cpp\): 100%\|\S+\| 2/2 \["
+    assert re.search(bar, capfd.readouterr().err)
 
 
 @pytest.mark.interop  # the resume writes the file with llama.cpp's own quantizer
@@ -280,6 +327,20 @@ def test_full_disk_leaves_nothing_under_the_final_name(base_and_run, tmp_path, d
     assert "File too large" in line and line.endswith("nothing was written under this name")
     assert out.read_bytes() == b"the previous export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.gguf"]
+
+
+def test_full_disk_removes_the_folders_the_export_made(base_and_run, tmp_path):
+    """--out in folders that do not exist yet: a write that cannot finish removes the folders
+    it made (sub/dir), not the one that was there (sub, holding nothing)."""
+    base, run = base_and_run
+    (tmp_path / "sub").mkdir()
+    out = tmp_path / "sub" / "dir" / "deeper" / "fused.gguf"
+    r = export("--base", str(base), "--adapter", str(run), "--fuse", "--dtype", "f32",
+               "--out", str(out), preexec_fn=_limit_file_size(40_000))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"toymlx-export: error: {out}: could not write the f32 model (")
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["sub"]
 
 
 def test_stale_temporaries_of_a_killed_export_are_removed(base_and_run, tmp_path):
@@ -464,3 +525,29 @@ def smollm_like_q8(stories_path, tmp_path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K])
+def test_quantize_tensor_hands_llama_cpp_whole_rows_a_chunk_at_a_time(qtype, monkeypatch):
+    """`quantize_tensor` calls llama.cpp's `ggml_quantize_chunk` on `CHUNK_VALUES` values at a
+    time (a stop's handler runs between two; one call on a 1B model's tensor held a SIGTERM
+    to `toymlx-export --fuse` ~2.7 s): a (4100, 512) tensor in 3 calls of 2048, 2048 and 4 rows,
+    the bytes of one call on it all."""
+    from toymlx.gguf import quantize as qz
+    from toymlx.gguf.fuse import tensor_nbytes
+
+    fn = qz.ggml_quantize_chunk()
+    if fn is None:
+        pytest.skip("llama-cpp-python not installed")
+    w = np.random.default_rng(3).standard_normal((4100, 512)).astype(np.float32)
+    whole = np.empty(tensor_nbytes(qtype, w.shape), np.uint8)
+    assert fn(int(qtype), w.ctypes.data, whole.ctypes.data, 0, 4100, 512, None) == whole.nbytes
+    calls = []
+
+    def counted(*a):
+        calls.append((a[3], a[4]))
+        return fn(*a)
+    monkeypatch.setattr(qz, "ggml_quantize_chunk", lambda: counted)
+    got = qz.quantize_tensor(w, qtype)
+    assert calls == [(0, 2048), (2048 * 512, 2048), (4096 * 512, 4)]
+    assert got.tobytes() == whole.tobytes()

@@ -246,8 +246,10 @@ def test_real_full_disk(tmp_path, data, monkeypatch):
 
 
 def test_runs_folder_turns_unwritable_mid_run(tmp_path, data, monkeypatch, capsys):
-    """weights/ is made immutable (chattr +i: refuses root too) after a few checkpoints: one
-    line, exit 1, earlier checkpoints intact, and the run resumes once it is writable again.
+    """weights/ and the run folder are made immutable (chattr +i: refuses root too) after a
+    few checkpoints: one line, exit 1, earlier checkpoints intact, and the run resumes once it
+    is writable again. (The lock file's removal at the end, refused too, ended the run in a
+    traceback after that line.)
     Where chattr is unavailable, EPERM is injected at the writer instead."""
     probe = tmp_path / "probe"
     probe.mkdir()
@@ -259,6 +261,7 @@ def test_runs_folder_turns_unwritable_mid_run(tmp_path, data, monkeypatch, capsy
         return
     subprocess.run(["chattr", "-i", str(probe)], check=True)
     weights = tmp_path / "r" / "weights"
+    frozen = [str(weights), str(weights.parent)]  # the run folder too: its lock file stays
     try:
         p = subprocess.Popen([sys.executable, "-m", "toymlx_cli.train", "--recipe", "from-scratch",
                               *TINY, "--data.path", data, "--runs-root", str(tmp_path),
@@ -266,39 +269,78 @@ def test_runs_folder_turns_unwritable_mid_run(tmp_path, data, monkeypatch, capsy
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         while not (weights / "step_3.gguf").exists():
             assert p.poll() is None, p.stderr.read()[-3000:]
-        subprocess.run(["chattr", "+i", str(weights)], check=True)
+        subprocess.run(["chattr", "+i", *frozen], check=True)
         _, err = p.communicate(timeout=600)
         assert p.returncode == 1 and "Traceback" not in err, err[-3000:]
         lines = [ln for ln in err.splitlines() if ln.startswith("toymlx-train: error:")]
         assert len(lines) == 1 and "Operation not permitted" in lines[0], err[-3000:]
         assert "earlier checkpoints are intact" in lines[0]
         step = resolve_latest(tmp_path / "r").name
-        subprocess.run(["chattr", "-i", str(weights)], check=True)
+        subprocess.run(["chattr", "-i", *frozen], check=True)
         n = assert_bundle_intact(tmp_path / "r")
         assert step == f"step_{n}.gguf" and n >= 2  # 3 if the link swap got through
         q = _cli("--resume", str(tmp_path / "r"), "--steps", str(n + 2), "--no-progress")
         assert q.returncode == 0, q.stderr[-3000:]
     finally:
-        subprocess.run(["chattr", "-i", str(weights)], capture_output=True, check=False)
+        subprocess.run(["chattr", "-i", *frozen], capture_output=True, check=False)
+
+
+WANTS = ("--runs-root: expected a folder it can write (the run's folder, its lock file, "
+         "config.json, events.jsonl and checkpoints), found")
 
 
 def test_unwritable_runs_root_fails_before_training(tmp_path, capsys, data):
+    """The path refused, why, and what to do, as `--resume` on such a disk says them (before:
+    "runs folder: expected writable, found Read-only file system; choose another
+    --runs-root")."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     rc = train(blocker / "runs", "x", "--steps", "2", data=data)
     assert rc == 2
-    line = error_line(capsys)
-    assert str(blocker) in line and "--runs-root" in line
+    assert error_line(capsys) == (f"toymlx-train: error: {blocker / 'runs' / 'x'}: {WANTS} Not "
+                                  f"a directory at {blocker / 'runs' / 'x'}; choose another "
+                                  "--runs-root")
     ro = tmp_path / "ro"
     if _mount_tmpfs(ro, "64k", ro=True):  # a read-only filesystem stops root too
         try:
-            rc = train(ro, "x", "--steps", "2", data=data)
-            assert rc == 2
-            line = error_line(capsys)
-            assert "Read-only file system" in line and str(ro) in line
+            for root, at in ((ro, ro / "x"), (ro / "deeper", ro / "deeper")):
+                rc = train(root, "x", "--steps", "2", data=data)
+                assert rc == 2
+                assert error_line(capsys) == (
+                    f"toymlx-train: error: {root / 'x'}: {WANTS} Read-only file system at {at}; "
+                    "make room or make it writable, or choose another --runs-root")
             assert not list(ro.iterdir())
         finally:
             _umount(ro)
+
+
+def test_a_full_disk_at_the_start_leaves_no_empty_run_folder(tmp_path, capsys, data,
+                                                            monkeypatch):
+    """Measured on a full tmpfs: the run failed at its lock file with one line, exit 2, and
+    left an empty runs/<id>/ behind (one per try without --run-id, each a new timestamp)."""
+    import os as _os
+
+    from toymlx.backend import lock
+
+    real_open = _os.open
+
+    def full(path, *a, **k):
+        if str(path).endswith(".lock"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(lock.os, "open", full)
+    (tmp_path / "kept").mkdir()  # a folder that was there before is left as it was
+    for run_id in ("x", "kept"):
+        assert train(tmp_path, run_id, "--steps", "2", data=data) == 2
+        assert error_line(capsys) == (
+            f"toymlx-train: error: {tmp_path / run_id}: {WANTS} No space left on device at "
+            f"{tmp_path / run_id / '.lock'}; make room or make it writable, or choose another "
+            "--runs-root")
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                 str(tmp_path / "runs"), "--steps", "2"]) == 2
+    assert f"{WANTS} No space left on device at " in error_line(capsys)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept", "runs"]
 
 
 # ---- bad configuration: one line, exit 2, nothing trained -------------------------------------------

@@ -41,6 +41,21 @@ def _steps(a: int, b: int, loss0: float = 5.0, unit: str = "tokens") -> list[tup
                       f"{unit}_per_s": 1000.0 + s}) for s in range(a, b + 1)]
 
 
+def test_world_size_is_the_last_segment_s(tmp_path):
+    """A 2-rank run (toymlx-launch -n 2) resumed by one process (toymlx-train --resume): its
+    resume event records world_size 1, but the summary said the run_start's 2."""
+    start = ("run_start", {"recipe": "from-scratch", "config": {"steps": 8}, "world_size": 2,
+                           "start_step": 0})
+    run = _bundle(tmp_path / "r", [
+        [start, *_steps(1, 4)],
+        [("resume", {"from_step": 4, "steps": 8, "world_size": 1}), *_steps(5, 8),
+         ("run_end", {"reason": "completed", "message": None})]], config={"steps": 8})
+    (row,) = report.summarize([run])
+    assert (row["status"], row["step"], row["world_size"]) == ("completed", 8, 1)
+    (row,) = report.summarize([_bundle(tmp_path / "one", [[start, *_steps(1, 2)]])])
+    assert row["world_size"] == 2
+
+
 def test_torn_resumed_and_eval_less_bundles(tmp_path):
     start = ("run_start", {"recipe": "from-scratch", "config": {"steps": 8}, "world_size": 1,
                            "start_step": 0})
@@ -267,3 +282,68 @@ def test_runs_of_several_recipes_show_their_recipe_and_what_differs_within_one(t
     assert capsys.readouterr().out.splitlines()[0].split() == header
     w, _ = _png_size(tmp_path / "r.png")
     assert w < 1800  # the curves' width: the table fits under them
+
+
+def test_a_diverged_runs_huge_loss_keeps_the_other_losses_decimals(tmp_path):
+    """A vit-tiny sweep with lr=1e4 diverged at 2.73e+18: the column's decimals were set by it,
+    so the completed runs' final losses 2.166 and 2.228 were printed as 2 and 2."""
+    def row(run, status, final_loss, best):
+        return {"run": run, "path": str(tmp_path / run), "params": {}, "status": status,
+                "step": 12, "final_loss": final_loss, "metric": "accuracy", "best": best,
+                "best_step": 12 if best else None, "final": best, "throughput": 3222.775,
+                "unit": "images/s", "wall_s": 0.76}
+    rows = [row("a", "completed", 2.166159152984619, 0.375),
+            row("b", "completed", 2.227750301361084, 0.3125),
+            row("c", "diverged", 2.730013154732933e+18, None)]
+    texts = report.table_texts(*report.table_rows(rows, []))
+    assert [t[3] for t in texts] == ["2.166", "2.228", "2.73e+18"]
+    assert [t[5] for t in texts] == ["0.3750", "0.3125", "-"]
+    rows[2]["final_loss"] = float("nan")
+    texts = report.table_texts(*report.table_rows(rows, []))
+    assert [t[3] for t in texts] == ["2.166", "2.228", "nan"]
+
+
+def test_a_run_without_a_bundle_adds_no_recipe_column(tmp_path):
+    """A sweep's run that failed before writing its bundle (a data file that is not there), or
+    has not started, has no recipe: it was counted as a second one, so the table grew a recipe
+    column and summary.csv every option of the runs (steps, batch_size, ... 20 columns)."""
+    start = ("run_start", {"recipe": "from-scratch", "config": {"steps": 3}, "world_size": 1})
+    a = _bundle(tmp_path / "a", [[start, *_steps(1, 3), ("eval", {"step": 3, "val_loss": 4.2}),
+                                  ("run_end", {"reason": "completed", "message": None})]],
+                config={"steps": 3, "lr": 3e-3, "batch_size": 2})
+    rows = report.summarize([a, tmp_path / "b"])
+    assert [r["recipe"] for r in rows] == ["from-scratch", None]
+    assert report.recipes(rows) == ["from-scratch"]
+    assert report.format_table(rows, []).splitlines()[0].split() == [
+        "run", "status", "step", "final_loss", "metric", "best", "best_step", "final",
+        "throughput", "unit", "wall_s"]
+    report.write_summary(rows, [], tmp_path)
+    assert (tmp_path / "summary.csv").read_text().splitlines()[0] == (
+        "run,status,step,final_loss,metric,best,best_step,final,throughput,unit,wall_s,message,"
+        "path")
+    assert report.recipes([{"recipe": None}]) == ["-"]
+
+
+def test_toymlx_report_of_a_sweep_shows_a_run_that_failed_before_its_bundle_as_failed(
+        tmp_path, capsys):
+    """toymlx-report runs/SWEEP showed such a run `missing` (its wall time `-`) where the
+    sweep's own summary said `failed`, with the sweep's record of it (.status/RUN.json)."""
+    root = tmp_path / "sw"
+    start = ("run_start", {"recipe": "from-scratch", "config": {"steps": 3}, "world_size": 1})
+    _bundle(root / "lr=0.003", [[start, *_steps(1, 3), ("eval", {"step": 3, "val_loss": 4.25}),
+                                 ("run_end", {"reason": "completed", "message": None})]],
+            config={"steps": 3, "lr": 3e-3})
+    runs = [{"name": n, "params": {"lr": v}, "args": ["--lr", str(v)]}
+            for n, v in (("lr=0.003", 3e-3), ("lr=0.001", 1e-3), ("lr=0.01", 1e-2))]
+    (root / "sweep.json").write_text(json.dumps({"recipe": "from-scratch", "sweep_id": "sw",
+                                                 "runs": runs}))
+    (root / ".status").mkdir()
+    (root / ".status" / "lr=0.001.json").write_text(json.dumps({
+        "state": "failed", "exit_code": 2, "wall_s": 2.7907,
+        "message": "toymlx-train: error: nope.txt: cannot read data file"}))
+    assert report_main([str(root), "--out", str(tmp_path / "rep.html")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in lines[2:]] == [
+        ["lr=0.003", "0.003", "completed"], ["lr=0.001", "0.001", "failed"],
+        ["lr=0.01", "0.01", "pending"]]
+    assert lines[3].endswith("2.79")

@@ -4,6 +4,7 @@ steps leave the curves; a failing reporter never ends the run."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import struct
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import home_elsewhere
 from toymlx_cli.train import main
 
 from toymlx.bundle import reporters
@@ -67,6 +69,12 @@ def test_tensorboard_scalars_are_events_jsonl(tmp_path, text_path):
     end = events[-1]
     assert [(s.step, s.value) for s in acc.Scalars("run/final_loss")] == [
         (20, float(np.float32(end["final_loss"])))]
+    # the run's config, as HF Trainer's TensorBoard callback writes its args: text at step 0
+    (config,) = acc.Tensors("config")
+    text = config.tensor_proto.string_val[0].decode()
+    assert config.step == 0 and text.startswith("```json\n") and text.endswith("\n```")
+    assert json.loads(text[len("```json\n"):-len("\n```")]) == json.loads(json.dumps(
+        events[0]["config"], default=str))
 
 
 def test_a_resume_drops_the_killed_segment_from_the_curves(tmp_path):
@@ -84,6 +92,36 @@ def test_a_resume_drops_the_killed_segment_from_the_curves(tmp_path):
     log.close()
     scalars = [(e.step, e.value) for e in _accumulator(tmp_path).Scalars("train/loss")]
     assert scalars == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0), (6, 106.0)]
+
+
+def test_a_stopped_segments_run_end_leaves_the_curves(tmp_path):
+    """SIGTERM after step 5 (its checkpoint step_5, its run_end at 5), then a resume from 5 to
+    7: events.jsonl drops the first run_end, so must TensorBoard; before, run/final_loss kept
+    both (5, 5.0) and (7, 7.0), as did run/first_step_s."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra")
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, sinks=reporters.open_reporters("tensorboard", tmp_path))
+    for s in range(1, 6):
+        log.emit("step", step=s, loss=10.0 - s)
+    log.emit("checkpoint", step=5)
+    log.emit("run_end", reason="interrupted", final_step=5, final_loss=5.0, exit_code=143,
+             first_step_s=0.5)
+    log.close()
+    kept = [e for e in read_events(tmp_path) if e["kind"] != "run_end"]  # as the resume keeps
+    path.write_text("".join(json.dumps(e) + "\n" for e in kept))
+    log = EventLog(path, sinks=reporters.open_reporters("tensorboard", tmp_path))
+    log.emit("resume", from_step=5)
+    for s in (6, 7):
+        log.emit("step", step=s, loss=10.0 - s)
+    log.emit("run_end", reason="completed", final_step=7, final_loss=3.0, exit_code=0,
+             first_step_s=0.25)
+    log.close()
+    acc = _accumulator(tmp_path)
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (s, 10.0 - s) for s in range(1, 8)]
+    assert [(e.step, e.value) for e in acc.Scalars("checkpoint/step")] == [(5, 5.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("run/final_loss")] == [(7, 3.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("run/first_step_s")] == [(7, 0.25)]
 
 
 def test_missing_package_is_one_line_naming_the_extra(tmp_path, text_path, monkeypatch,
@@ -105,7 +143,55 @@ def test_unknown_service_is_refused_by_name():
     with pytest.raises(ValueError) as e:
         reporters.parse_report_to("tensorboard,swanlab")
     assert str(e.value) == ("--report-to tensorboard,swanlab: expected a comma list of "
-                            "tensorboard, wandb, found 'swanlab'")
+                            "tensorboard, wandb, or all or none, found 'swanlab'")
+
+
+def test_none_all_and_a_typo_as_hf_trainer_users_type_them(monkeypatch):
+    """HF Trainer's `--report_to none` and `all`; a misspelt service names the close one."""
+    monkeypatch.setattr(importlib, "import_module", lambda name: None)  # both extras "there"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert reporters.parse_report_to("none") == ()
+    assert reporters.parse_report_to("None") == ()
+    assert reporters.parse_report_to("all") == ("tensorboard", "wandb")
+    assert reporters.parse_report_to("wandb,") == ("wandb",)
+    with pytest.raises(ValueError) as e:
+        reporters.parse_report_to("tensorbord")
+    assert str(e.value) == ("--report-to tensorbord: expected a comma list of tensorboard, "
+                            "wandb, or all or none, found 'tensorbord' (did you mean "
+                            "tensorboard?)")
+    with pytest.raises(ValueError) as e:
+        reporters.parse_report_to("tensorboard,none")
+    assert str(e.value) == ("--report-to tensorboard,none: none stands alone; expected none "
+                            "or a comma list of tensorboard, wandb")
+
+
+def test_a_package_that_does_not_import_is_one_line_before_the_run_folder(
+        tmp_path, text_path, monkeypatch, capsys):
+    """tensorboard installed but broken (its protobuf): one line naming the extra and the
+    error, exit 2, no run folder; it was a traceback from the trainer after config.json and
+    weights/ were made."""
+    real, found = importlib.import_module, importlib.util.find_spec
+
+    def broken(name, *a):
+        if name.startswith("tensorboard"):
+            raise ImportError("cannot import name 'builder' from 'google.protobuf.internal'")
+        return real(name, *a)
+
+    def installed(name, *a):  # installed, whether or not this environment has the extra
+        return importlib.machinery.ModuleSpec(name, None) if name == "tensorboard" else found(
+            name, *a)
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    monkeypatch.setattr(importlib.util, "find_spec", installed)
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(text_path),
+                 "--runs-root", str(tmp_path), "--run-id", "r", "--report-to",
+                 "tensorboard"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("toymlx-train: error: --report-to tensorboard: the tensorboard package "
+                       "does not import (ImportError: cannot import name 'builder' from "
+                       "'google.protobuf.internal'); reinstall toymlx's tensorboard extra: "
+                       "pip install 'toymlx[tensorboard]'")
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_failing_reporter_is_named_once_and_dropped(tmp_path, capsys):
@@ -169,7 +255,7 @@ def test_wandb_offline_history_is_events_jsonl(tmp_path, text_path, monkeypatch)
     pytest.importorskip("wandb", reason="the wandb extra: pip install 'toymlx[wandb]'")
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no W&B login, so offline
+    home_elsewhere(monkeypatch, tmp_path)  # no ~/.netrc: no W&B login, so offline
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
     run = _run(tmp_path / "runs", text_path, "wandb")
@@ -186,6 +272,15 @@ def test_wandb_offline_history_is_events_jsonl(tmp_path, text_path, monkeypatch)
     assert {s: h["train/loss"] for s, h in history.items() if "train/loss" in h} == losses
     assert {s: h["val/loss"] for s, h in history.items() if "val/loss" in h} == _of(
         events, "eval", "val_loss")
+    # run_end's figures are the W&B run's summary, not a point of its history (a resume's
+    # rewind to the step it resumes from would keep a stopped segment's there)
+    assert not [s for s, h in history.items() if any(k.startswith("run/") for k in h)]
+    summary = {}
+    for rec in _wandb_records(files[0]):
+        if rec.WhichOneof("record_type") == "summary":
+            summary.update({(it.key or "/".join(it.nested_key)): json.loads(it.value_json)
+                            for it in rec.summary.update})
+    assert summary["run/final_loss"] == events[-1]["final_loss"] == losses[20]
 
 
 def _wandb_segments(run: Path) -> list[tuple[str, tuple | None, dict[int, dict]]]:
@@ -215,7 +310,7 @@ def test_a_resume_at_an_earlier_step_rewinds_tensorboard_and_wandb(tmp_path, tex
     pytest.importorskip("wandb", reason="the wandb extra")
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no W&B login: offline
+    home_elsewhere(monkeypatch, tmp_path)  # no W&B login: offline
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
     assert main(["--recipe", "from-scratch", *TINY, "--warmup", "2", "--data.path",
@@ -240,7 +335,8 @@ def test_a_resume_at_an_earlier_step_rewinds_tensorboard_and_wandb(tmp_path, tex
         s: float(np.float32(v)) for s, v in _of(events, "eval", "val_loss").items()}
     # W&B: the resumed segment rewinds the same run to step 10 and logs 11..30
     (id1, branch1, h1), (id2, branch2, h2) = _wandb_segments(run)
-    assert id1 == id2 == "r" and branch1 is None and branch2 == ("r", 10.0, "_step")
+    wid = "r-" + events[0]["run_uid"][:8]  # the run id, then its run_uid's first 8 digits
+    assert id1 == id2 == wid and branch1 is None and branch2 == (wid, 10.0, "_step")
     assert sorted(h1) == list(range(1, 21)) and sorted(h2) == list(range(11, 31))
     rewound = {**{s: row for s, row in h1.items() if s <= 10}, **h2}  # the run W&B keeps
     assert {s: r["train/loss"] for s, r in rewound.items() if "train/loss" in r} == losses
@@ -286,3 +382,105 @@ def test_a_server_refusing_the_rewind_gets_a_new_run_naming_its_parent(tmp_path,
         "(CommError: rewind is not enabled for this entity); the resumed run logs to W&B run "
         "my-run-from-7-1700000000 (group my run, config toymlx_parent my-run, "
         "toymlx_from_step 7), so my-run's steps after 7 are not the resumed run's")
+
+
+def _fake_wandb(monkeypatch, fail_rewind: BaseException | None = None) -> list[dict]:
+    """wandb.init recording its arguments (no W&B run made)."""
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+    inits: list[dict] = []
+
+    class Run:
+        def __init__(self, kw):
+            self.id = kw.get("id")
+
+        def log(self, row, step):
+            pass
+
+        def finish(self, exit_code=0):
+            pass
+
+    def init(**kw):
+        inits.append({k: v for k, v in kw.items() if k not in ("settings", "dir", "config")})
+        if kw.get("resume_from") and fail_rewind is not None:
+            raise fail_rewind
+        return Run(kw)
+
+    monkeypatch.setattr(wandb, "init", init)
+    return inits
+
+
+def test_wandb_ids_are_per_run_and_a_sweeps_trials_are_grouped(tmp_path, monkeypatch, capsys):
+    """--overwrite, or the same grid under another sweep id, is another W&B run: it used to
+    reuse the run id as W&B id with resume="allow", so online (or at `wandb sync`) the new
+    run's steps went into the old run's history; a sweep's trials are grouped by sweep id."""
+    inits = _fake_wandb(monkeypatch)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    for sweep in ("a", "b"):
+        (tmp_path / sweep).mkdir()
+        (tmp_path / sweep / "sweep.json").write_text("{}")
+        rep = reporters.WandbReporter(tmp_path / sweep / "lr=0.001", f"{sweep}1234567ffff")
+        rep({"kind": "run_start", "config": {"lr": 0.001}})
+        rep.close()
+    rep = reporters.WandbReporter(tmp_path / "solo", "0123456789abcdef")
+    rep({"kind": "run_start"})
+    rep.close()
+    assert inits == [
+        {"id": "lr-0-001-a1234567", "resume": "allow", "project": "toymlx", "name": "lr=0.001",
+         "mode": "offline", "group": "a"},
+        {"id": "lr-0-001-b1234567", "resume": "allow", "project": "toymlx", "name": "lr=0.001",
+         "mode": "offline", "group": "b"},
+        {"id": "solo-01234567", "resume": "allow", "project": "toymlx", "name": "solo",
+         "mode": "offline"}]
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx: W&B run solo is offline in {tmp_path / 'solo' / 'wandb'} (WANDB_MODE=offline); "
+        f"upload it with: wandb sync {tmp_path / 'solo' / 'wandb'}/offline-run-*")
+    # a bundle whose W&B run predates the run_uid part keeps its W&B id on resume
+    (tmp_path / "old" / "wandb" / "offline-run-20261128_101010-old").mkdir(parents=True)
+    assert reporters.wandb_id(tmp_path / "old", "0123456789abcdef") == "old"
+
+
+def test_a_local_error_at_the_rewind_is_not_taken_for_a_refusal(tmp_path, monkeypatch):
+    """Only W&B's own errors mean the server refused the rewind; a local one (its folder not
+    writable) drops the reporter with its own error, not a forked W&B run named after it."""
+    inits = _fake_wandb(monkeypatch, NotADirectoryError(20, "Not a directory"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    log = EventLog(tmp_path / "events.jsonl",
+                   sinks=[reporters.WandbReporter(tmp_path / "r", "0123456789abcdef")])
+    log.emit("resume", from_step=10)
+    log.emit("step", step=11, loss=1.0)
+    log.close()
+    assert [i.get("resume_from") for i in inits] == ["r-01234567?_step=10"]
+    assert [e["step"] for e in read_events(tmp_path) if e["kind"] == "step"] == [11]
+
+
+def test_an_abbreviation_names_the_service(monkeypatch):
+    """--report-to tb (wb, wnb) was refused with no hint: difflib finds nothing that close."""
+    for short, full in (("tb", "tensorboard"), ("wb", "wandb"), ("WnB", "wandb")):
+        with pytest.raises(ValueError) as e:
+            reporters.parse_report_to(f"{short},tensorboard")
+        assert str(e.value) == (f"--report-to {short},tensorboard: expected a comma list of "
+                                f"tensorboard, wandb, or all or none, found {short.lower()!r} "
+                                f"(did you mean {full}?)")
+
+
+def test_the_w_and_b_project_is_the_option_s_then_wandb_project(tmp_path, monkeypatch, capsys):
+    """--wandb-project (mlx-lm's project_name) is passed to wandb.init as project=; without
+    it WANDB_PROJECT, else toymlx. WANDB_DIR is not used, and a note says where the files go."""
+    inits = _fake_wandb(monkeypatch)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    for project in ("sql-lora", None):
+        sinks = reporters.open_reporters("wandb", tmp_path / "r", "0123456789abcdef", project)
+        sinks[0]({"kind": "run_start"})
+        sinks[0].close()
+    monkeypatch.delenv("WANDB_PROJECT")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    rep = reporters.WandbReporter(tmp_path / "r", "0123456789abcdef")
+    rep({"kind": "run_start"})
+    rep.close()
+    assert [i["project"] for i in inits] == ["sql-lora", "from-env", "toymlx"]
+    assert capsys.readouterr().err.strip() == (
+        f"toymlx: WANDB_DIR={tmp_path / 'elsewhere'} is not used: W&B's files for r go in its "
+        f"run folder, {tmp_path / 'r' / 'wandb'}")

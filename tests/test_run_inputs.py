@@ -179,6 +179,22 @@ def test_resume_from_another_folder_trains_on_the_recorded_files(trained, tmp_pa
     assert losses("cut") == pytest.approx(losses("whole"), abs=1e-5)
 
 
+def test_a_resume_from_the_same_folder_names_no_input(trained, tmp_path, capsys, monkeypatch):
+    """Each input read where its option as typed still leads (`--base smol.gguf --data.path
+    data`, resumed from the folder they were typed in): no `--resume reads` line, which is for
+    an input read from elsewhere than the option names."""
+    monkeypatch.chdir(trained / "where")
+    assert _cli("train")(["--recipe", "lora", "--base", "smol.gguf", "--data.path", "data",
+                          "--runs-root", str(tmp_path), "--run-id", "here", "--stop-at", "2",
+                          *TRAIN, "--steps", "4"]) == 0
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(tmp_path / "here"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "--resume reads" in line] == []
+    events = [json.loads(x) for x in (tmp_path / "here" / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "step"][-2:] == [3, 4]
+
+
 def test_a_lora_adapter_given_as_the_base_is_one_short_line(trained, tmp_path, capsys):
     ckpt = trained / "where" / "runs" / "rel" / "weights" / "adapter_step_2.gguf"
     for prog, argv in (("export", ["--base", str(ckpt), "--out", str(tmp_path / "x.gguf")]),
@@ -545,3 +561,21 @@ def test_a_moved_init_adapter_given_on_resume_is_taken_by_its_contents(trained, 
         "path": new, "file": str(tmp_path / new),
         "was": str(tmp_path / "ad1" / "adapters.safetensors")}}
     assert _losses(cut) == pytest.approx(_losses(whole), abs=1e-5)
+
+
+def test_a_data_folder_s_fingerprint_reads_through_linked_subfolders(tmp_path):
+    """The images a run trains on through a linked class folder are part of its data's
+    fingerprint, so a resume notices them changed (before: the walk did not follow the link, and
+    an edited image behind it resumed without a word)."""
+    from toymlx.bundle.inputs import fingerprint
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "a.png").write_bytes(b"one")
+    (tmp_path / "data" / "cat").mkdir(parents=True)
+    (tmp_path / "data" / "cat" / "b.png").write_bytes(b"two")
+    (tmp_path / "data" / "dog").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "data" / "cat" / "up").symlink_to(tmp_path / "data")  # a loop: read once
+    before = fingerprint(tmp_path / "data")
+    assert before["bytes"] == 6
+    (tmp_path / "elsewhere" / "a.png").write_bytes(b"ONE")
+    assert fingerprint(tmp_path / "data")["sha256"] != before["sha256"]

@@ -281,6 +281,32 @@ def test_locks_of_dead_owners_do_not_block(tmp_path, data):
     assert main(["--resume", str(run), "--steps", str(last + 2)]) == 0
 
 
+def test_a_resume_on_a_read_only_disk_says_what_to_do(tmp_path, stopped, capsys, monkeypatch):
+    """Measured on a tmpfs remounted read-only: "error: [Errno 30] Read-only file system:
+    '.../.lock'", a file the user never made, and nothing on what to do."""
+    import errno
+
+    from toymlx.backend import lock
+
+    run = tmp_path / "base"
+    shutil.copytree(stopped, run, symlinks=True)
+    before, real_open = _digest(run), os.open
+
+    def ro(path, *a, **k):
+        if str(path).endswith(".lock"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(lock.os, "open", ro)
+    assert main(["--resume", str(run)]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {run}: --resume: expected a run folder it can write (its "
+        f"checkpoints, events.jsonl, its lock file), found Read-only file system at "
+        f"{run / '.lock'}; make room or make it writable, or copy the run to a disk that is "
+        "(cp -a) and resume the copy")
+    assert _digest(run) == before
+
+
 def test_a_full_disk_at_the_lock_is_one_line_and_the_resume_then_works(tmp_path, stopped,
                                                                        capsys, monkeypatch):
     """A resume on a full disk failed writing its lock file's holder with a bare
@@ -299,8 +325,11 @@ def test_a_full_disk_at_the_lock_is_one_line_and_the_resume_then_works(tmp_path,
 
     monkeypatch.setattr(lock.os, "pwrite", full)
     assert main(["--resume", str(run)]) == 2
-    assert error_line(capsys) == (f"toymlx-train: error: [Errno 28] No space left on device: "
-                                  f"'{run / '.lock'}'")
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {run}: --resume: expected a run folder it can write (its "
+        f"checkpoints, events.jsonl, its lock file), found No space left on device at "
+        f"{run / '.lock'}; make room or make it writable, or copy the run to a disk that is "
+        "(cp -a) and resume the copy")
     assert _digest(run) == before and not (run / ".lock").exists()
     monkeypatch.undo()  # room again: the same process resumes it
     assert main(["--resume", str(run)]) == 0

@@ -43,3 +43,17 @@ def test_a_warmup_longer_than_the_run_is_said_and_kept():
     # kept as given (mlx-lm and nanoGPT do not rescale a warm-up): the last update's lr is 6/10
     assert lr_at(cfg.steps - 1, cfg.lr, cfg.warmup, cfg.steps) == pytest.approx(1.2e-4)
     assert warmup_note(TrainConfig(steps=10, warmup=10)) is None  # the last step reaches --lr
+
+
+def test_a_recipe_s_default_warmup_longer_than_the_run_is_not_said():
+    """The guides' `toymlx-train --recipe vit-tiny --steps 20` (its default --warmup 60) printed
+    "--warmup 60 is longer than --steps 20" though the user gave no --warmup."""
+    from toymlx.recipes.lora import Config as LoraConfig
+    from toymlx.recipes.vit_tiny import Config as VitConfig
+
+    assert warmup_note(VitConfig(steps=20)) is None
+    assert warmup_note(TrainConfig(steps=5)) is None  # from-scratch's default 20
+    assert warmup_note(LoraConfig(steps=4)) is None  # lora's default 10
+    assert warmup_note(VitConfig(steps=20, warmup=80)) == (
+        "--warmup 80 is longer than --steps 20: the learning rate is still warming up when the "
+        "run ends (20/80 of the way) and never reaches --lr 0.0003; lower --warmup to reach it")

@@ -5,6 +5,7 @@ against each bundle's own events)."""
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import os
 import re
@@ -62,6 +63,13 @@ def test_grid_rejects_bad_keys_and_clashes():
         sweep.grid(["--run-id", "x"], {"lr": [1e-3]})
     with pytest.raises(ValueError, match="same run name"):
         sweep.grid([], {"x": ["a b", "a-b"]})
+    # a misspelt key named the option it was near only where its last part was exact
+    for key, want in (("lrr", "lr"), ("batchsize", "batch_size"), ("d_model", "model.d_model")):
+        with pytest.raises(ValueError) as e:
+            sweep.parse_axis(f"{key}=1,2", "from-scratch")
+        assert str(e.value) == (f"--grid {key}: expected an option of recipe from-scratch, "
+                                f"found no option --{key.replace('_', '-')} (did you mean "
+                                f"{want}?)")
 
 
 def test_parse_axis_types_values_by_the_recipe():
@@ -157,7 +165,14 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
             "config"]["lr"]
     assert [float(r["best"]) for r in rows] == sorted(float(r["best"]) for r in rows)
     assert len((root / "summary.jsonl").read_text().splitlines()) == 4
-    assert "lr=0.001_model.ffn_dim=32" in capsys.readouterr().out  # the printed table
+    out, err = capsys.readouterr()
+    assert "lr=0.001_model.ffn_dim=32" in out  # the printed table
+    assert err.splitlines()[0] == f"sweep {root}: 4 runs, 4 on this shard (0/1), 2 worker(s)"
+    best = min(runs, key=lambda p: min(_evals(p)))  # from the bundles, not the summary
+    steps = {e["val_loss"]: e["step"] for e in read_events(best) if e["kind"] == "eval"}
+    value = min(_evals(best))
+    assert err.splitlines()[-1] == (f"sweep: best {best.name}: val_loss {value:.4g} at step "
+                                    f"{steps[value]} (lowest of 4 completed runs)")
 
     before = {p.name: (p / "events.jsonl").read_bytes() for p in runs}
     specs = sweep.grid(TINY, {"lr": [1e-3, 3e-3], "model.ffn_dim": [32, 64]},
@@ -166,6 +181,9 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
                              progress=False, report_png=False)
     assert result.states == {p.name: "skipped" for p in runs}
     assert {p.name: (p / "events.jsonl").read_bytes() for p in runs} == before
+    # said up front (with no progress view the table was all a run again printed)
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"sweep {root}: 4 runs, 4 on this shard (0/1), 2 worker(s); 4 finished before, skipped")
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
@@ -196,6 +214,36 @@ def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
                              big_short: "failed"}
     log = (tmp_path / "bad" / "logs" / f"{short}.log").read_text()
     assert "training split has" in log and log.count("start:") == 1
+
+
+def test_a_full_disk_at_the_summary_names_the_file_and_still_reports_the_runs(
+        tmp_path, capsys, monkeypatch):
+    """The disk fills as report.png is drawn (measured: a sweep on a 180 KiB tmpfs whose
+    second run failed at its checkpoint): the sweep ended on "toymlx-sweep: error: [Errno 28]
+    ... report.png", exit 2, without its FAILED lines. Now one line names report.png, the
+    rest of the summary is written and reported, exit 1, and the same command writes it."""
+    from toymlx.runner import report
+
+    def full(rows, out, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out))
+
+    monkeypatch.setattr(report, "render", full)
+    argv = ["--recipe", "from-scratch", "--grid", "data.val_fraction=0.1,0.999999",
+            "--runs-root", str(tmp_path), "--sweep-id", "full", "--no-progress", *TINY]
+    assert sweep_main(argv) == 1
+    err = capsys.readouterr().err
+    png = tmp_path / "full" / "report.png"
+    assert (f"sweep: error: could not write report.png ([Errno 28] No space left on device: "
+            f"'{png}'); the runs are as the table says: free space and run the same command "
+            "again to write it (completed runs are skipped)\n") in err
+    assert "FAILED data.val_fraction=0.999999: toymlx-train: error:" in err
+    assert f"sweep: summary in {tmp_path / 'full' / 'summary.csv'}" in err
+    assert [r["status"] for r in _csv(tmp_path / "full" / "summary.csv")] == ["completed",
+                                                                              "failed"]
+    assert not png.exists()
+    monkeypatch.undo()
+    assert sweep_main([*argv, "--no-retry-failed"]) == 1  # the failed run, reported again
+    assert png.stat().st_size > 0 and "could not write" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("how,want", [
@@ -551,6 +599,14 @@ steps: 4
      "toymlx-train --recipe from-scratch, found an unknown key; did you mean --model.d-model?")),
     ("grid: {lr: [1e-3]}\nrun_id: x", ("key 'run_id': expected no --run-id in a sweep file (the "
      "sweep sets it for each run), found \"x\"; remove it")),
+    # W&B's parameter form (it was 'key 'grid.lr.values': ... found no option --lr.values')
+    ("grid: {lr: {values: [0.001, 0.003]}}", ("key 'grid.lr': expected a list of values or a "
+     "\"log:LO:HI\" range (uniform:, int:), found {\"values\": [0.001, 0.003]}: W&B's form; "
+     "write lr: [V1, V2] for values, lr: \"log:MIN:MAX\" with random: N for a distribution")),
+    ("grid: {lr: {min: 0.0001, max: 0.01, distribution: log_uniform_values}}", (
+     "key 'grid.lr': expected a list of values or a \"log:LO:HI\" range (uniform:, int:), found "
+     "{\"min\": 0.0001, \"max\": 0.01, \"distribution\": \"log_uniform_values\"}: W&B's form; "
+     "write lr: [V1, V2] for values, lr: \"log:MIN:MAX\" with random: N for a distribution")),
 ])
 def test_bad_sweep_files_are_one_line(tmp_path, capsys, text, want):
     from cli_errors import error_line
@@ -559,6 +615,19 @@ def test_bad_sweep_files_are_one_line(tmp_path, capsys, text, want):
     cfg.write_text(f"recipe: from-scratch\nruns_root: {tmp_path / 'runs'}\n{text}\n")
     assert sweep_main(["-c", str(cfg)]) == 2
     assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {cfg}: {want}"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_file_without_a_recipe_says_so_in_one_line(tmp_path, capsys):
+    """It was argparse's usage and `the following arguments are required: --recipe`."""
+    from cli_errors import error_line
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("grid: {lr: [1e-3]}\nsteps: 2\n")
+    assert sweep_main(["-c", str(cfg), "--runs-root", str(tmp_path / "runs")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: {cfg}: key 'recipe': expected the runs' recipe (recipe: "
+        "from-scratch, or --recipe NAME), found none")
     assert not (tmp_path / "runs").exists()
 
 
@@ -609,3 +678,50 @@ def test_a_sweep_continued_from_another_folder_must_name_the_same_input_files(tm
         "changed sweep, or put them back")
     monkeypatch.chdir(a)
     assert sweep_main(argv) == 0
+
+
+def test_a_data_path_that_is_not_there_fails_before_any_run_starts(tmp_path, capsys,
+                                                                   monkeypatch):
+    """--grid data.path=a.txt,nope.txt ran every run: those of nope.txt each failed seconds into
+    its start (`cannot read data file`), found at the end of the sweep."""
+    from cli_errors import error_line
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("hello world, a tiny text. " * 400)
+    argv = ["--recipe", "from-scratch", "--grid", "data.path=a.txt,nope.txt", "--grid",
+            "lr=1e-3,3e-3", "--runs-root", "runs", "--no-progress", "--no-report", *TINY]
+    assert sweep_main(argv) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: run data.path=nope.txt_lr=0.001: --data.path: expected an "
+        f"existing file or folder, found nothing at nope.txt (in {tmp_path}); no run was "
+        "started")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_best_run_is_named_lowest_loss_or_highest_accuracy_never_a_diverged_one():
+    """The sweep named no best run (the table's first row was it, unsaid); Optuna's
+    best_trial, W&B's sweep view name it."""
+    from toymlx.runner.report import sort_rows
+    from toymlx.sweeps.summary import best_line
+
+    def row(run, status, metric, best, step=20):
+        return {"run": run, "status": status, "metric": metric, "best": best,
+                "best_step": None if best is None else step}
+    loss = sort_rows([row("lr=0.001", "completed", "val_loss", 3.2626),
+                      row("lr=10", "diverged", "val_loss", 2.5, 4),  # better, then blew up
+                      row("lr=0.003", "completed", "val_loss", 3.1439, 18),
+                      row("lr=1", "failed", "val_loss", None)])
+    assert best_line(loss) == ("sweep: best lr=0.003: val_loss 3.144 at step 18 (lowest of 2 "
+                               "completed runs)")
+    acc = sort_rows([row("lr=0.001", "completed", "accuracy", 0.3125, 12),
+                     row("lr=0.003", "completed", "accuracy", 0.375, 12)])
+    assert best_line(acc) == ("sweep: best lr=0.003: accuracy 0.375 at step 12 (highest of 2 "
+                              "completed runs)")
+    acc.append(row("lr=0.002", "completed", "accuracy", 0.375, 8))
+    acc.append(row("lr=0.004", "completed", "accuracy", 0.375, 4))
+    assert best_line(sort_rows(acc)) == ("sweep: best lr=0.003: accuracy 0.375 at step 12 "
+                                         "(highest of 4 completed runs; 2 others as good)")
+    assert best_line(sort_rows(acc[:3])).endswith("(highest of 3 completed runs; 1 other as "
+                                                  "good)")
+    assert best_line(sort_rows([row("lr=10", "diverged", "val_loss", 2.5, 4),
+                                row("lr=1", "torn", "val_loss", None)])) is None

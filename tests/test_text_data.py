@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
-from toymlx.data.text import DataError, TokenData, lm_batch, read_text, val_batches
+from toymlx.data import text as text_module
+from toymlx.data import tokenizer as tokenizer_module
+from toymlx.data.text import DataError, TokenData, lm_batch, open_text, read_text, val_batches
+from toymlx.data.tokenizer import Tokenizer, byte_tokenizer
 
 
 class ByteEncoder:
@@ -19,6 +24,9 @@ class ByteEncoder:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         bos = self.add_bos if add_bos is None else add_bos
         return ([self.bos_id] if bos else []) + list(text.encode("utf-8"))
+
+    def encode_stream(self, texts, add_bos: bool | None = None, *, size=None) -> np.ndarray:
+        return np.asarray(self.encode("".join(texts), add_bos), np.int32)
 
 
 # ------------------------------------------------------------------------- read_text
@@ -54,6 +62,69 @@ def test_read_text_strips_bom_and_keeps_text(tmp_path):
 def test_read_text_missing_file(tmp_path):
     with pytest.raises(DataError, match="nope.txt: cannot read"):
         read_text(tmp_path / "nope.txt")
+
+
+def test_read_text_in_pieces_names_the_byte_offset_and_line_across_reads(tmp_path):
+    """A file read 4 bytes at a time: a character cut by a read waits for the next; the first
+    bad byte is named by its offset in the file, as a whole-file read names it."""
+    path = tmp_path / "cut.txt"
+    path.write_bytes("\ufeffa\u00e9\r\n\U0001f44b b\n".encode() + b"c\xe2\x82x\n")
+    size, pieces = open_text(path, block=4)
+    assert size == 20
+    with pytest.raises(DataError) as err:
+        list(pieces)
+    assert str(err.value) == (f"{path}: not valid UTF-8 at byte offset 16 (line 3, byte 0xe2); "
+                              "expected UTF-8 text, re-save the file as UTF-8")
+    path.write_bytes("\ufeffa\u00e9\r\n\U0001f44b b\n".encode())
+    size, pieces = open_text(path, block=1)
+    assert "".join(pieces) == "a\u00e9\r\n\U0001f44b b\n"
+    path.write_bytes("\ufeff \u3000\r\n".encode())  # U+3000: whitespace, as str.strip says
+    with pytest.raises(DataError, match=r"cut\.txt: file has only whitespace; expected"):
+        list(open_text(path, block=2)[1])
+
+
+# one text of emoji, CRLF line ends, "▁", special-token texts, CJK and digits
+MIXED = ("Hello \U0001f44b world\r\nCaf\u00e9 \u2581 na\u00efve \U0001f1eb\U0001f1f7 <s> x </s>"
+         "\r\n\r\n  indented <|endoftext|>tail  <|im_start|>user\r\n\u6570\u5b57 123456 and 'll "
+         "we're\r\n\t\tend \U0001f389\U0001f389\r\n")
+# today's ids (main at 6587dbb: tok.encode(read_text(file))): count, sha256 of the int32 ids
+TODAYS_IDS = {
+    ("bytes", "shakespeare"): (1115395, "3f56641886d5d561"),
+    ("bytes", "mixed"): (5761, "0f183a3d100029f4"),
+    ("models/stories260K.gguf", "shakespeare"): (693364, "e8aa5db962327fd5"),
+    ("models/stories260K.gguf", "mixed"): (4760, "4a7304b10aa88e8c"),
+    ("tokenizers/ggml-vocab-gpt-2.gguf", "shakespeare"): (338025, "0c00ab83dc7f4666"),
+    ("tokenizers/ggml-vocab-gpt-2.gguf", "mixed"): (2800, "a2462742bd205958"),
+    ("tokenizers/ggml-vocab-llama-spm.gguf", "shakespeare"): (368634, "a5686ccf53d989fc"),
+    ("tokenizers/ggml-vocab-llama-spm.gguf", "mixed"): (3481, "22dcf1d4b79bb3b1"),
+    ("tokenizers/ggml-vocab-smollm2.gguf", "shakespeare"): (341094, "48e900acd0e3537d"),
+    ("tokenizers/ggml-vocab-smollm2.gguf", "mixed"): (2559, "003b95fbb5a35449"),
+}
+
+
+@pytest.mark.parametrize("vocab,which", sorted(TODAYS_IDS))
+def test_from_file_in_pieces_gives_todays_ids_as_uint16(vocab, which, shared_file, tmp_path,
+                                                         monkeypatch):
+    """A file read a few KiB (the mixed text: 7 bytes, encoded 5 characters of text at a time)
+    at a time, each piece encoded up to a
+    safe cut: the ids of the whole text as today, one uint16 array (2 bytes an id) that train
+    and val are views of."""
+    tok = byte_tokenizer() if vocab == "bytes" else Tokenizer.from_gguf(shared_file(vocab))
+    if which == "shakespeare":
+        path, block = shared_file("text/tinyshakespeare.txt"), 1 << 12
+    else:
+        path, block = tmp_path / "mixed.txt", 7
+        monkeypatch.setattr(tokenizer_module, "ENCODE_CHARS", 5)
+        path.write_bytes(("\ufeff" + MIXED * 40).encode())
+    monkeypatch.setattr(text_module, "READ_BYTES", block)
+    data = TokenData.from_file(path, tok, seq_len=8, val_fraction=0.1)
+    ids = np.concatenate([data.train, data.val])
+    n, digest = TODAYS_IDS[vocab, which]
+    assert (len(ids), hashlib.sha256(ids.astype(np.int32).tobytes()).hexdigest()[:16]) == \
+        (n, digest)
+    assert (data.train.dtype, data.val.dtype) == (np.uint16, np.uint16)
+    assert data.train.nbytes + data.val.nbytes == 2 * n
+    assert data.train.base is not None and data.train.base is data.val.base
 
 
 # ------------------------------------------------------------------------- split

@@ -108,6 +108,40 @@ def test_export_says_how_timm_loads_what_it_wrote(tmp_path, capsys):
     assert ") and load_state_dict; inputs NCHW" in err, err
 
 
+def test_a_failed_export_leaves_nothing_it_wrote(tmp_path, capsys, monkeypatch):
+    """A config.json that cannot be written (a full disk) takes model.safetensors along and the
+    folders the export made (an existing folder keeps only what it held); a .safetensors file
+    under new folders that fails leaves none of them. The error names the file."""
+    import errno
+    import os
+    from pathlib import Path
+
+    from toymlx.backend import atomic
+
+    ckpt = tmp_path / "m.gguf"
+    write_vit(ckpt, ViT(ARGS), NORM, class_names=NAMES)
+    replace = os.replace
+
+    def full_disk(src, dst):
+        if Path(dst).name in ("config.json", "w.safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", full_disk)
+    (tmp_path / "there").mkdir()
+    (tmp_path / "there" / "keep.txt").write_text("x")
+    for out, failed in [(tmp_path / "new" / "vit", "config.json"),
+                        (tmp_path / "there", "config.json"),
+                        (tmp_path / "a" / "b" / "w.safetensors", "")]:
+        capsys.readouterr()
+        assert export_main(["--model", str(ckpt), "--format", "safetensors",
+                            "--out", str(out)]) == 2
+        assert capsys.readouterr().err == ("toymlx-export: error: [Errno 28] No space left on "
+                                           f"device: '{out / failed if failed else out}'\n")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "m.gguf", "there", "there/keep.txt"]
+
+
 def test_export_layout_config_and_numpy_timm_forward(exported):
     model, out = exported
     sd, meta = read_safetensors(out / "model.safetensors")

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
-from toymlx.data.tokenizer import Tokenizer, byte_tokenizer
+from toymlx.data.merges import PRE_TOKENIZERS
+from toymlx.data.special_tokens import split_special
+from toymlx.data.tokenizer import _CUTS, Tokenizer, _classes, byte_tokenizer
 from toymlx.data.vocab import BYTE_OFFSET, TokenizerError, encode_bytes_np
 from toymlx.gguf.reader import read_metadata
 
@@ -627,3 +629,113 @@ def test_upstream_specials_against_llama_cpp(upstream, models_dir, name):
         for parse in (False, True):
             want = ref.tokenize(text.encode("utf-8"), add_bos=False, special=parse)
             assert tok.encode(text, add_bos=False, parse_special=parse) == want, (i, parse)
+
+
+# ------------------------------------------------------------------ where encode_stream cuts
+# text without an ASCII letter before a space and a letter (byte-level BPE's only cut before)
+NOT_ENGLISH = {
+    "zh": "中文的句子没有空格。第二句也没有空格，只有标点和汉字\n第三段的文字在这里",
+    "ru": "Привет мир, это проверка без латинских букв и цифр",
+    "json": '{"a":[1,2,{"b":"c"}],"d":true,"e":null,"f":[3,4]}',
+    "csv": "12,345,6789\n1,22,333\n4444,55555,666666\n77,8\n",
+    "ar": "كَتَبَ الوَلَدُ الدَّرْسَ فِي البَيْتِ ثُمَّ ذَهَبَ",
+}
+# the last cut `_safe_cut` finds in each (0: none; Llama 3's longest special token text is 30
+# characters, and a cut leaves that many after it)
+NOT_ENGLISH_CUTS = {
+    "gpt2": {"zh": 19, "ru": 28, "json": 34, "csv": 26, "ar": 37},  # after "，", before " л"
+    "smol": {"zh": 19, "ru": 28, "json": 32, "csv": 27, "ar": 34},  # csv: between two digits
+    "llama-bpe": {"zh": 0, "ru": 15, "json": 17, "csv": 13, "ar": 19},
+    "qwen2": {"zh": 18, "ru": 28, "json": 32, "csv": 30, "ar": 37},  # zh: before "，"
+    "qwen35": {"zh": 18, "ru": 28, "json": 32, "csv": 30, "ar": 29},  # ar: marks join letters
+}
+
+
+def _vocab(request, name: str) -> Tokenizer:
+    if name == "gpt2-default":  # GPT-2's vocabulary cut by the "default" pre's four regexes
+        meta = request.getfixturevalue("gpt2").to_metadata()
+        return Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "default"})
+    if name in UPSTREAM:
+        return request.getfixturevalue("upstream")(name)
+    return request.getfixturevalue(name)
+
+
+def _parts(tok: Tokenizer, text: str, cut: int) -> list[int]:
+    return np.concatenate([tok._encode_part(text[:cut], False),
+                           tok._encode_part(text[cut:], True)]).tolist()
+
+
+@pytest.mark.parametrize("name", list(NOT_ENGLISH_CUTS))
+def test_byte_level_bpe_cuts_text_that_is_not_english(request, name):
+    """Chinese, Russian, minified JSON, numbers, Arabic: byte-level BPE finds a cut where its
+    pre-tokenizer's regexes cut (there was none before: the text waited for the next piece
+    without end), and the two parts encode to the ids of the whole."""
+    tok = _vocab(request, name)
+    for kind, text in NOT_ENGLISH.items():
+        cut = tok._safe_cut(text)
+        assert (kind, cut) == (kind, NOT_ENGLISH_CUTS[name][kind])
+        if cut:
+            assert _parts(tok, text, cut) == tok.encode(text, add_bos=False), kind
+
+
+def test_cut_classes_are_the_regex_engines():
+    """Characters are classed by the engine the pre-tokenizers run in, not by Python: U+001C is
+    whitespace to str.isspace and not to \\s; a combining mark is no letter; U+0085 is \\s."""
+    assert _classes("a\x1c\x85\u00a0\n\r'$\u0301\u0663\u00bd\u20ac\u3002 ") == "LOWWRRAPMNNOPW"
+
+
+def test_every_byte_level_pre_tokenizer_has_cut_rules():
+    assert set(_CUTS) == {r.regexes for r in PRE_TOKENIZERS.values() if not r.spm_style}
+
+
+# mixed scripts, digits of other scripts, every kind of whitespace (some \s only to Python or
+# only to the regex engine), contractions, punctuation, "▁", emoji, special-token texts
+FUZZ_ATOMS = (
+    list("abcXYZ") + ["'s", "'S", "'ll", "'re", "'", "'d", "'T"] + list("0123456789")
+    + ["\u0663", "\uff13", "\u00b2", "\u216b", "\u00bd"] + list("жЖяЁ中文日本語ひカ")
+    + ["\u0628\u064e", "\u064e", "e\u0301", "\u0301"]
+    + [" ", " ", " ", "  ", "\t", "\n", "\n", "\r\n", "\r", "\n\n", "\u00a0", "\u3000", "\u2028",
+       "\x0b", "\x0c", "\x1c", "\x85", "\x00"]
+    + list("!.,;:$+<=>^~|-_()[]{}\"/\\@#%&*")
+    + ["\u2014", "\u3002", "\uff0c", "\u3001", "\u00ab", "\u2026", "\u20ac", "\u2581",
+       "\u2581\u2581", "\U0001f44b", "\U0001f1eb\U0001f1f7", "\U00031350", "\u1c89", "\ua7cb"]
+    + ["<s>", "</s>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", " <s> ",
+       "\n<|im_end|>\n", "<|turn>", "<turn|>", "<|user|>", "<|end|>", "<|begin_of_text|>"])
+FUZZ_VOCABS = ["bt", "gpt2", "spm", "smol", "stories", "gpt2-default", "llama-bpe", "qwen2",
+               "qwen35", "gemma-4", "phi-3"]
+
+
+@pytest.mark.parametrize("name", FUZZ_VOCABS)
+def test_every_safe_cut_keeps_the_ids_of_the_whole(request, name):
+    """A seeded fuzz of 300 texts of the atoms above: `encode_stream` of the text in random
+    pieces gives `encode`'s ids, and every cut `_safe_cut` finds splits the text into two
+    parts that encode to them; for byte-level BPE the pre-tokenizer's pieces of the two parts
+    are those of the whole too (ids alone can agree by chance where no merge joins)."""
+    tok = _vocab(request, name)
+    rng = random.Random(name)
+    margin, checked = tok._special_len + 1, 0
+    for _ in range(300):
+        pool = FUZZ_ATOMS if rng.random() < 0.5 else rng.sample(FUZZ_ATOMS, rng.randint(2, 8))
+        text = "".join(rng.choice(pool) for _ in range(rng.randint(1, 120)))
+        whole = tok.encode(text, add_bos=False)
+        cuts, end = [], len(text)
+        while cut := tok._safe_cut(text[:end]):  # every cut, each search ending before the last
+            cuts.append(cut)
+            end = cut + margin - 1
+        for c in rng.sample(cuts, min(len(cuts), 8)):
+            assert _parts(tok, text, c) == whole, (text[:c], text[c:])
+        if tok._cuts is not None:
+            raw = [f for f in split_special(text, tok._partition, True) if isinstance(f, str)]
+            pieces = [p for f in raw for p, _ in tok._hf.pre_tokenizer.pre_tokenize_str(f)]
+            for c in cuts:
+                raw = [f for part in (text[:c], text[c:])
+                       for f in split_special(part, tok._partition, True) if isinstance(f, str)]
+                assert [p for f in raw for p, _ in tok._hf.pre_tokenizer.pre_tokenize_str(f)] \
+                    == pieces, (text[:c], text[c:])
+        checked += len(cuts)
+        sizes, at = [], 0
+        while at < len(text):
+            sizes.append(text[at:at + (n := rng.randint(1, 40))])
+            at += n
+        assert tok.encode_stream(sizes, add_bos=False).tolist() == whole, text
+    assert checked > 2000  # the cuts are there to be checked

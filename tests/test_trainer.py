@@ -4,6 +4,7 @@ exact resume, checkpoint round trip, and the run bundle's events."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,6 +38,39 @@ def _run(tmp: Path, run_id: str, *extra: str, data: str) -> Path:
 
 def _losses(run: Path) -> list[float]:
     return [e["loss"] for e in read_events(run) if e["kind"] == "step"]
+
+
+def _report_lines(out: str) -> dict[int, str]:
+    """step -> its report line, up to the timing figures (steps/s and tokens/s vary)."""
+    import re
+
+    lines = {}
+    for line in out.splitlines():
+        if m := re.fullmatch(r"step (\d+)/\d+: (train loss \S+, lr \S+), \S+ steps/s, \S+ "
+                             r"tokens/s, (\d+ tokens trained), .*", line):
+            lines[int(m[1])] = f"{m[2]}, {m[3]}"
+    return lines
+
+
+def test_a_run_stopped_between_report_lines_resumes_with_the_same_lines(tmp_path, text_file,
+                                                                        capsys):
+    """A nanoGPT user stops a run at step 7 (SIGTERM, Ctrl-C) and compares the resumed run's
+    lines with the run that never stopped: step 10's mean train loss is over steps 6-10 in both
+    (before: over 8-10 alone, the steps this process trained, so the line differed)."""
+    common = ["--steps", "10", "--report-every", "5", "--eval-every", "0", "--no-compile"]
+    _run(tmp_path, "full", *common, data=text_file)
+    full = _report_lines(capsys.readouterr().out)
+    part = _run(tmp_path, "part", *common, "--stop-at", "7", data=text_file)
+    first = _report_lines(capsys.readouterr().out)
+    assert main(["--resume", str(part), "--no-progress"]) == 0
+    resumed = _report_lines(capsys.readouterr().out)
+    assert list(full) == [5, 10] and list(first) == [5] and list(resumed) == [10]
+    assert resumed[10] == full[10]
+    steps = {e["step"]: e for e in read_events(part) if e["kind"] == "step"}
+    mean = sum(steps[s]["loss"] for s in range(6, 11)) / 5
+    assert resumed[10] == (f"train loss {mean:.4f}, lr {steps[10]['lr']:.3e}, "
+                           f"{steps[10]['trained_tokens']} tokens trained")
+    assert steps[10]["trained_tokens"] == 10 * 4 * 32
 
 
 def test_same_seed_same_losses_and_compile_equals_eager(tmp_path, text_file):
@@ -403,3 +437,42 @@ def test_a_cold_cuda_kernel_cache_is_announced_before_the_first_step(tmp_path, t
     (cache / "kernel.ptx").write_text("//")
     _run(tmp_path, "warm", "--steps", "2", "--eval-every", "0", data=text_file)
     assert "CUDA kernels" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_stop_while_a_large_model_s_init_is_evaluated_acts_at_once(tmp_path):
+    """`Stepper.build` evaluates the random init an array at a time (`eval_each`): a SIGTERM 2 s
+    after the run folder is made, while a 0.3B-parameter model's init is evaluated, ends
+    toymlx-train within seconds with its one line, the new run's folder removed (one `mx.eval` of
+    it all held it ~36-52 s on 2 CPU cores)."""
+    import signal
+    import subprocess
+    import time
+
+    exe = Path(sys.executable).parent / "toymlx-train"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "toymlx_cli.train"]
+    p = subprocess.Popen(cmd + ["--recipe", "from-scratch", "--model.d-model", "2048",
+                                "--model.n-layers", "5", "--model.n-heads", "16",
+                                "--model.ffn-dim", "8192", "--steps", "1", "--batch-size", "1",
+                                "--seq-len", "64", "--runs-root", str(tmp_path), "--run-id", "r"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "r" / "config.json").exists() and p.poll() is None:
+            assert time.monotonic() < deadline, "no run folder after 120 s"
+            time.sleep(0.05)
+        time.sleep(2.0)  # the build is quick: the init's evaluation has begun
+        assert p.poll() is None
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143
+    assert err.strip().splitlines()[-1] == ("toymlx-train: stopped by SIGTERM before the first "
+                                            "step; nothing was trained")
+    assert not (tmp_path / "r").exists()  # a new run's folder goes, as before the loop's set-up
+    assert took < 10, took

@@ -36,6 +36,12 @@ def only_line(capsys) -> str:
     (["stray"], f"'stray': expected an option of {LORA}, got a value no option takes"),
     (["--lora.targets", "q", "k"], (f"'k': expected an option of {LORA}, got a value no option "
                                     "takes (after --lora.targets q)")),
+    # HF Trainer's --report_to takes a list of words; --report-to takes one comma list
+    (["--report_to", "tensorboard", "wandb"], (
+        f"'wandb': expected an option of {LORA}, got a value no option takes (after --report_to "
+        "tensorboard); --report-to takes one comma list: --report-to tensorboard,wandb")),
+    (["--report-to", "tensorboard", "foo"], (f"'foo': expected an option of {LORA}, got a value "
+                                             "no option takes (after --report-to tensorboard)")),
     # a missing value
     (["--steps"], "--steps: expected an integer after it, got nothing"),
     (["--steps", "--lr", "1e-4"], "--steps: expected an integer after it, got the option --lr"),
@@ -55,6 +61,9 @@ def only_line(capsys) -> str:
                               "false), got 'maybe'")),
     (["--no-compile=yes"], ("--no-compile: expected no value (a flag; --compile sets it true), "
                             "got 'yes'")),
+    # the value refused is --compile's, not --steps' 1 (before: "'1': ... (after --steps)")
+    (["--steps", "1", "--compile=1"], ("--compile: expected no value (a flag; --no-compile sets "
+                                       "it false), got '1'")),
 ])
 def test_a_refused_lora_command_line_is_one_line(capsys, tmp_path, monkeypatch, args, want):
     monkeypatch.chdir(tmp_path)  # ./runs, the default --runs-root
@@ -104,6 +113,73 @@ def test_mlx_lm_s_ways_are_options_with_help(capsys):
         assert text in out, text
 
 
+SCRATCH = "toymlx-train --recipe from-scratch"
+
+
+def test_nanogpts_settings_name_toymlxs_options(capsys, tmp_path, monkeypatch):
+    """nanoGPT's README command for a CPU, as a nanoGPT user types it: each setting named with
+    toymlx's option (before: block_size -> "did you mean --batch-size?", n_embd, max_iters,
+    log_interval, lr_decay_iters and dropout with no hint)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "from-scratch", "--device=cpu", "--eval_iters=20",
+                 "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4",
+                 "--n_head=4", "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000",
+                 "--dropout=0.0", "--init_from=resume"]) == 2
+    unknown = f"expected an option of {SCRATCH}, got an unknown one; nanoGPT's"
+    assert only_line(capsys).split("; --") == [
+        f"toymlx-train: error: --eval_iters: {unknown} eval_iters is toymlx's --eval-batches",
+        f"log_interval: {unknown} log_interval is toymlx's --report-every",
+        (f"block_size: {unknown} block_size is toymlx's --seq-len (the model's longest: "
+         "--model.context)"),
+        f"n_layer: {unknown} n_layer is toymlx's --model.n-layers",
+        f"n_head: {unknown} n_head is toymlx's --model.n-heads",
+        f"n_embd: {unknown} n_embd is toymlx's --model.d-model",
+        f"max_iters: {unknown} max_iters is toymlx's --steps",
+        (f"lr_decay_iters: {unknown} lr_decay_iters is toymlx's --steps (the cosine decays "
+         "over the whole run)"),
+        f"dropout: {unknown} dropout has no toymlx option (its Llama has no dropout)",
+        f"init_from: {unknown} init_from 'resume' is toymlx's --resume RUN_FOLDER"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_nanogpt_setting_spelt_with_hyphens_is_named_too(capsys, tmp_path, monkeypatch):
+    """`flag_hint` looks nanoGPT's settings up by name, `--block-size` as `--block_size`."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "from-scratch", "--block-size=64"]) == 2
+    assert only_line(capsys) == (
+        f"toymlx-train: error: --block-size: expected an option of {SCRATCH}, got an unknown "
+        "one; nanoGPT's block_size is toymlx's --seq-len (the model's longest: --model.context)")
+
+
+@pytest.mark.parametrize("recipe,flag,want", [
+    ("vit-tiny", "--block_size=64", (
+        "nanoGPT's block_size is toymlx's --seq-len, which vit-tiny does not take: its sequence "
+        "is the image's patches, (--data.image-size / --model.patch-size)^2 of them")),
+    ("lora", "--n_layer=4", (
+        "nanoGPT's n_layer is toymlx's --model.n-layers, which a fine-tune does not take: the "
+        "--base GGUF's own (--lora.layers N adapts its last N)")),
+    ("from-scratch", "--start=hi", (
+        "nanoGPT's start is toymlx's --prompt TEXT (a file: --prompt - < FILE); not an option "
+        "of toymlx-train --recipe from-scratch")),
+    ("lora", "--drop-path=0.1", (
+        "timm's --drop-path is a flag for images (toymlx-train --recipe vit-tiny); toymlx-train "
+        "--recipe lora has no counterpart")),
+])
+def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp_path,
+                                                                     monkeypatch, recipe, flag,
+                                                                     want):
+    """A nanoGPT or timm flag whose counterpart the recipe lacks was matched by spelling to an
+    unrelated option (before: vit-tiny --block_size "did you mean --batch-size?", --start
+    "--eval-at-start?", --drop-path "--stop-at?"); now what it is, and that this recipe does
+    not take it."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", recipe, flag]) == 2
+    assert only_line(capsys) == (
+        f"toymlx-train: error: {flag.partition('=')[0]}: expected an option of toymlx-train "
+        f"--recipe {recipe}, got an unknown one; {want}")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("module,args,want", [
     ("export", [], "toymlx-export: error: --out: expected a value (it is required), got none"),
     ("eval", ["--model", "m", "--batch-size", "x"],
@@ -122,6 +198,13 @@ def test_mlx_lm_s_ways_are_options_with_help(capsys):
     ("generate", ["--model", "m", "--n-predict", "3"],
      ("toymlx-generate: error: --n-predict: expected an option of toymlx-generate, got an "
       "unknown one; did you mean --max-tokens?")),
+    # nanoGPT's sample.py settings
+    ("generate", ["--out_dir=runs/lm", "--start=hi", "--max_new_tokens=5"],
+     ("toymlx-generate: error: --out_dir: expected an option of toymlx-generate, got an unknown "
+      "one; nanoGPT's out_dir is toymlx's --model RUN_FOLDER; --start: expected an option of "
+      "toymlx-generate, got an unknown one; nanoGPT's start is toymlx's --prompt TEXT (a file: "
+      "--prompt - < FILE); --max_new_tokens: expected an option of toymlx-generate, got an "
+      "unknown one; nanoGPT's max_new_tokens is toymlx's --max-tokens")),
     ("generate", ["--prompt", "hi"],
      "toymlx-generate: error: --model: expected a value (it is required), got none"),
     ("classify", ["--model", "m", "--top-k", "three"],
@@ -200,3 +283,79 @@ def test_an_empty_prompt_is_still_taken():
     from toymlx_cli.usage import parse_options
 
     assert parse_options(Args, ["--model", "m", "--prompt", ""], "toymlx-generate").prompt == ""
+
+
+VIT = "toymlx-train --recipe vit-tiny"
+
+
+@pytest.mark.parametrize("args,want", [
+    # timm's train.py flags: toymlx's name for each, not the closest spelling (before: --epochs
+    # had no hint, --opt "did you mean --stop-at?", --amp "did you mean --warmup?")
+    (["--epochs", "2"], (f"--epochs: expected an option of {VIT}, got an unknown one; timm's "
+                         "--epochs is --steps here: optimizer steps, an epoch being the training "
+                         "images / --batch-size")),
+    (["--data-dir", "x"], (f"--data-dir: expected an option of {VIT}, got an unknown one; "
+                           "timm's --data-dir is --data.path here (class subfolders, or train/ "
+                           "and val/ of them)")),
+    (["--opt", "adamw"], (f"--opt: expected an option of {VIT}, got an unknown one; this recipe "
+                          "trains with AdamW only (--lr, --weight-decay, --beta1, --beta2)")),
+    (["--amp"], (f"--amp: expected an option of {VIT}, got an unknown one; timm's --amp is "
+                 "--dtype bfloat16 here (float16: with a loss scale)")),
+    (["-b", "16"], (f"-b: expected an option of {VIT}, got an unknown one; timm's -b is "
+                   "--batch-size here")),
+    # each stray value named at its own place (before: the first '32' twice)
+    (["--input-size", "3", "32", "32"], (
+        f"--input-size: expected an option of {VIT}, got an unknown one; timm's --input-size C "
+        "H W is --data.image-size H here (square images; --data.channels C); '32': expected an "
+        f"option of {VIT}, got a value no option takes (after --input-size 3); '32': expected "
+        f"an option of {VIT}, got a value no option takes (after 3 32)")),
+    (["--stpes", "3"], (f"--stpes: expected an option of {VIT}, got an unknown one; did you mean "
+                       "--steps?")),
+])
+def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, args, want):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "vit-tiny", *args]) == 2
+    assert only_line(capsys) == f"toymlx-train: error: {want}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_timm_s_opt_is_the_lora_recipe_s_optimizer(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "lora", "--opt", "adamw", "--sched", "cosine"]) == 2
+    assert only_line(capsys) == (f"toymlx-train: error: --opt: expected an option of {LORA}, got "
+                                 "an unknown one; timm's --opt is --optimizer here; --sched: "
+                                 f"expected an option of {LORA}, got an unknown one; timm's "
+                                 "--sched is --lr-schedule here")
+
+
+def help_text(monkeypatch, capsys, module: str, args: list[str], columns: int) -> str:
+    """A command's `--help` as printed with the terminal `columns` wide."""
+    import importlib
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"toymlx_cli.{module}").main(args)
+    assert e.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module,args", [
+    ("train", ["--recipe", "lora", "--help"]), ("eval", ["--help"]), ("generate", ["--help"]),
+    ("export", ["--help"]), ("classify", ["--help"]), ("sweep", ["--help"]),
+    ("report", ["--help"]), ("launch", ["--help"])])
+def test_help_on_a_narrow_terminal_is_wrapped_at_80_columns(monkeypatch, capsys, module, args):
+    """COLUMNS=20 (a narrow pane): every command's help is its 80-column help (before:
+    toymlx-eval's came out one character a line, 1,046 lines); COLUMNS is left as it was."""
+    import os
+
+    narrow = help_text(monkeypatch, capsys, module, args, 20)
+    assert os.environ["COLUMNS"] == "20"
+    assert narrow == help_text(monkeypatch, capsys, module, args, 80)
+
+
+def test_a_wide_terminal_keeps_its_width(monkeypatch, capsys):
+    """tyro's table of options spans the terminal: 80 columns under COLUMNS=20, 120 under 120
+    (the -c/--config paragraph is the description's, not wrapped)."""
+    for columns, width in ((20, 80), (120, 120)):
+        out = help_text(monkeypatch, capsys, "eval", ["--help"], columns)
+        assert max(len(line) for line in out.splitlines() if "-c/--config" not in line) == width

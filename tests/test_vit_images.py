@@ -3,8 +3,12 @@ train, checkpoint, resume exactly, classify and evaluate; bad files fail cleanly
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -265,3 +269,126 @@ def test_classify_answers_every_readable_image_when_one_is_not(tmp_path, tiny_ru
          "are classified")]
     assert classify_main(["--model", str(tiny_run), str(bad)]) == 2  # alone: its line only
     assert capsys.readouterr().err.splitlines() == err.splitlines()[:1]
+
+
+class _Pipe(io.BytesIO):
+    """What sys.stdin.buffer is for `cat FILE | toymlx-classify ...` (or a terminal: `tty`)."""
+
+    def __init__(self, data: bytes, tty: bool = False) -> None:
+        super().__init__(data)
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def _stdin(monkeypatch, data: bytes, tty: bool = False) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(_Pipe(data, tty)))
+
+
+def test_classify_dash_reads_one_image_from_stdin_as_its_file_reads(tmp_path, folder, tiny_run,
+                                                                    capsys, monkeypatch):
+    """`cat x.png | toymlx-classify --model RUN -` said "-: no such file or directory". Now `-`
+    is one image's bytes read from stdin, decoded by the files' decoder from memory, named `-`
+    in the answer: the same probabilities as the file's, to the bit (a JPEG too, which Pillow
+    decodes at a reduced scale from a file)."""
+    from toymlx.data.image_folder import ImageBytes
+
+    for img in (folder / "cat" / "01.png", folder / "frog" / "02.jpg"):
+        np.testing.assert_array_equal(decode_image(ImageBytes("-", img.read_bytes()), 8, 3),
+                                      decode_image(img, 8, 3))
+        capsys.readouterr()
+        other = folder / "bird" / "00.png"  # the same batch: its size moves the last bit
+        assert classify_main(["--model", str(tiny_run), "--json", "--top-k", "3", str(img),
+                              str(other)]) == 0
+        want = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+        _stdin(monkeypatch, img.read_bytes())
+        assert classify_main(["--model", str(tiny_run), "--json", "--top-k", "3", "-",
+                              str(other)]) == 0
+        rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+        assert rows == [{"file": "-", "top": want[0]["top"]}, want[1]]  # equal, to the bit
+        assert classify_main(["--model", str(tiny_run), str(img)]) == 0
+        line = capsys.readouterr().out
+        _stdin(monkeypatch, img.read_bytes())
+        assert classify_main(["--model", str(tiny_run), "-"]) == 0
+        assert capsys.readouterr().out == "-" + line.removeprefix(str(img))
+
+
+PNG_NAMES = "png, jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm, pbm"
+
+
+@pytest.mark.parametrize("case", ["empty", "not an image", "endless", "terminal", "twice"])
+def test_classify_dash_on_a_bad_stdin_is_one_line(tiny_run, capsys, monkeypatch, case):
+    """`-` with stdin empty, holding text, an endless stream (read until memory ran out, as
+    `--prompt -` once was), a terminal (it would wait for Ctrl-D), or `-` named twice (stdin
+    holds one image): one line each, exit status 2."""
+    monkeypatch.setattr("toymlx.generation.classify.STDIN_IMAGE_LIMIT", 64)
+    data, tty, argv = {"empty": (b"", False, ["-"]), "not an image": (b"junk\n", False, ["-"]),
+                       "endless": (b"y\n" * 40, False, ["-"]), "terminal": (b"", True, ["-"]),
+                       "twice": (b"junk", False, ["-", "-"])}[case]
+    _stdin(monkeypatch, data, tty)
+    capsys.readouterr()
+    assert classify_main(["--model", str(tiny_run), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == ["toymlx-classify: error: " + {
+        "empty": "-: expected one image's bytes on stdin, found none (stdin was empty)",
+        "not an image": f"-: not an image Pillow can read: expected one of {PNG_NAMES}, found "
+                        "bytes b'junk\\n'; send one image file's bytes on stdin",
+        "endless": "-: expected one image's bytes on stdin, at most 64 bytes (an uncompressed "
+                   "RGB image at Pillow's pixel limit), found more; is stdin an endless stream? "
+                   "A larger image: give its file's name",
+        "terminal": "-: expected one image's bytes piped or redirected to stdin (cat x.png | "
+                    "toymlx-classify --model RUN -), found a terminal",
+        "twice": "IMAGE_OR_DIR: expected '-' (one image read from stdin) at most once, found it "
+                 "2 times; name the other images by their files"}[case]]
+
+
+def test_classify_goes_on_past_a_name_that_gives_no_image(tmp_path, folder, tiny_run, capsys):
+    """`toymlx-classify --model RUN a.png missing.png b.png` (a glob, `xargs`) stopped at the
+    missing name with no answer at all, although an unreadable image let the others be
+    classified. Now a missing name, an empty folder and a FIFO each get their line on stderr
+    in their place, every image is classified as alone, then a count; exit status 2 (as
+    `identify`: non-zero when any was not read)."""
+    good = [folder / "cat" / "01.png", folder / "frog" / "02.jpg"]
+    (empty := tmp_path / "empty").mkdir()
+    os.mkfifo(fifo := tmp_path / "pipe.png")
+    missing = tmp_path / "missing.png"
+    capsys.readouterr()
+    assert classify_main(["--model", str(tiny_run), *map(str, good)]) == 0
+    alone = capsys.readouterr().out
+    assert classify_main(["--model", str(tiny_run), str(missing), str(good[0]), str(empty),
+                          str(fifo), str(good[1])]) == 2
+    out, err = capsys.readouterr()
+    assert out == alone
+    assert err.splitlines() == [
+        f"toymlx-classify: error: {missing}: no such file or directory",
+        (f"toymlx-classify: error: {empty}: expected image files (.png, .jpg, .jpeg, .bmp, "
+         ".gif, .webp, .tif, .tiff, .ppm, .pgm, .pbm) in the folder, found none"),
+        (f"toymlx-classify: error: {fifo}: expected an image file or a folder, found a FIFO "
+         "(named pipe); for one image sent on stdin, name it -"),
+        ("toymlx-classify: error: 3 of 5 images could not be read (named above); the other 2 "
+         "are classified")]
+    assert classify_main(["--model", str(tiny_run), str(missing)]) == 2  # alone: its line only
+    assert capsys.readouterr().err.splitlines() == err.splitlines()[:1]
+
+
+def test_classify_dash_through_a_real_pipe(folder, tiny_run):
+    """The console script's own stdin, a pipe (`cat x.jpg | toymlx-classify ... - FILE`): the
+    answer for `-` equals the file's; /dev/stdin on a pipe is a FIFO, refused with `-` named."""
+    img = folder / "frog" / "02.jpg"
+    cmd = [sys.executable, "-m", "toymlx_cli.classify", "--model", str(tiny_run)]
+    with img.open("rb") as f:
+        cat = subprocess.Popen(["cat"], stdin=f, stdout=subprocess.PIPE)
+        r = subprocess.run([*cmd, "-", str(img)], stdin=cat.stdout, capture_output=True,
+                           text=True, check=False)
+        cat.wait()
+    assert (r.returncode, r.stderr) == (0, "")
+    dash, named = r.stdout.splitlines()
+    assert dash == "-" + named.removeprefix(str(img))
+    r = subprocess.run([*cmd, "/dev/stdin"], input=img.read_bytes(), capture_output=True,
+                       check=False)
+    assert r.returncode == 2
+    assert r.stderr.decode().splitlines()[-1] == (
+        "toymlx-classify: error: /dev/stdin: expected an image file or a folder, found a FIFO "
+        "(named pipe); for one image sent on stdin, name it -")

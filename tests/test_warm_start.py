@@ -238,6 +238,65 @@ def test_pca_lens_orthonormal_and_keeps_most_variance(stories_path):
     assert warm.rms(d.table @ r) == pytest.approx(warm.rms(d.table), rel=1e-4)
 
 
+def test_pca_lens_in_its_child_is_the_same_lens_bit_for_bit(stories_path):
+    """make_lens computes pca in a child process (`pca_lens`): the numbers this process gave."""
+    d = warm.read_donor(stories_path)
+    here = warm.scaled_lens(d.table, warm.pca_basis(d.table, 32))
+    got = warm.make_lens("pca", d.table, 32, np.random.default_rng(0))
+    assert got.dtype == np.float32 and got.shape == (64, 32)
+    assert got.tobytes() == here.tobytes()
+
+
+def test_random_lens_in_its_child_is_the_same_lens_bit_for_bit(stories_path, monkeypatch):
+    """make_lens computes random's scaling in a child process too (`random_lens`: its float64
+    RMS and `table @ basis` held a SIGTERM 12 s for a 49152 x 3072 table): once, through
+    `in_child`, with the numbers this process gave for the same draw."""
+    d = warm.read_donor(stories_path)
+    here = warm.scaled_lens(d.table, warm.random_basis(64, 32, np.random.default_rng(5)))
+    calls = []
+    real = warm.in_child
+    monkeypatch.setattr(warm, "in_child", lambda what, *a: calls.append(what) or real(what, *a))
+    got = warm.make_lens("random", d.table, 32, np.random.default_rng(5))
+    assert calls == ["--warm.lens random"]
+    assert got.dtype == np.float32 and got.shape == (64, 32)
+    assert got.tobytes() == here.tobytes()
+
+
+def test_a_stop_during_a_child_s_long_call_acts_at_once():
+    """`in_child` (warm-start's pca lens: SmolLM2's SVD held a SIGTERM for 6-7 s in one numpy
+    call) waits in slices: a SIGTERM 0.3 s into a 20 s child raises `Stopped` within a second,
+    with its exit code, and kills the child."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from toymlx.backend.stop import SIGNALS, Stopped, how_stopped, in_child, stops_raise
+
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Stopped) as e, stops_raise(SIGNALS):
+            timer.start()
+            in_child("a test", "timeit", ["-n1", "-r1", "import time; time.sleep(20)"], b"")
+        took = time.monotonic() - t0
+    finally:
+        timer.cancel()
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert how_stopped(e.value) == ("stopped by SIGTERM", 143)
+    assert 0.3 <= took < 1.5
+
+
+def test_a_failed_child_is_one_line_naming_it():
+    from toymlx.backend.stop import in_child
+
+    with pytest.raises(OSError, match=r"^a test: its process \(.* -m timeit\) failed: "
+                                      r"ZeroDivisionError: division by zero$"):
+        in_child("a test", "timeit", ["-n1", "-r1", "1/0"], b"")
+
+
 def test_pca_lens_wider_student_keeps_everything(stories_path):
     d = warm.read_donor(stories_path)
     lens = warm.pca_basis(d.table, 96)

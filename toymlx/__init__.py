@@ -18,6 +18,10 @@ from toymlx import _moved
 
 _moved.install()  # toymlx 0.2's flat module paths, for one more release (toymlx._moved)
 
-from toymlx.runner.api import train  # the Python entry point (toymlx.runner.api)
+from toymlx.runner.api import (  # the Python entry point (toymlx.runner.api)
+    OptionError,
+    TrainError,
+    train,
+)
 
-__all__ = ["__version__", "train"]
+__all__ = ["OptionError", "TrainError", "__version__", "train"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
 
@@ -40,6 +40,14 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def discard(tmp: Path) -> None:
+    """Remove a failed write's temporary if it can be: on a read-only disk even removing a
+    missing file fails (EROFS, naming the temporary), which hid the error that ended the write;
+    one left behind is swept by the next write (`remove_stale`)."""
+    with suppress(OSError):
+        tmp.unlink(missing_ok=True)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary name for a writer that takes a file name (llama.cpp's quantizer); what it
@@ -55,10 +63,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.close(fd)
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
         raise named(e, path) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
         raise
     fsync_dir(path.parent)
 
@@ -88,10 +96,19 @@ def remove_stale(path: str | os.PathLike) -> list[Path]:
 
 
 def named(e: OSError, path: str | os.PathLike) -> OSError:
-    """`e` naming the file it failed on: a write's ENOSPC or EFBIG names none by itself."""
-    if e.filename is not None or e.errno is None:
+    """`e` naming the file it failed on: a write's ENOSPC or EFBIG names none by itself, and
+    one refused at the temporary (a read-only or full disk) named `.<name>.tmp-<pid>`, a file
+    the user never asked for."""
+    if e.errno is None or (e.filename is not None and not _is_temporary(e.filename, path)):
         return e
     return OSError(e.errno, e.strerror or str(e), str(path))
+
+
+def _is_temporary(name: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """`name` is one of `path`'s temporaries (`.<name>*.tmp-<pid>` beside it)."""
+    name, path = Path(name), Path(path)
+    return (name.parent == path.parent and name.name.startswith(f".{path.name}")
+            and TMP_TAG in name.name)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -110,11 +127,38 @@ def symlink(target: str, link: str | os.PathLike) -> None:
     """Point the symlink `link` at `target` (a name relative to its folder), atomically."""
     link = Path(link)
     tmp = temporary(link)
-    tmp.unlink(missing_ok=True)
+    discard(tmp)
     try:
         os.symlink(target, tmp)
         os.replace(tmp, link)
+    except OSError as e:  # named for the link: os.symlink's names the target and the temporary
+        discard(tmp)
+        if e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(link)) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
         raise
     fsync_dir(link.parent)
+
+
+@contextmanager
+def output_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """`path` made (its missing parents too) for the block to write into; if the block fails,
+    each folder this call made is removed again where it is empty, so a failed export (a full
+    disk) leaves no empty `--out DIR` behind. A folder that was there before is never removed,
+    nor one that holds anything."""
+    path = Path(path)
+    made = []
+    for folder in (path, *path.parents):
+        if os.path.lexists(folder):
+            break
+        made.append(folder)  # deepest first
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        for folder in made:
+            with suppress(OSError):
+                folder.rmdir()
+        raise

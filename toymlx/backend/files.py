@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
+from pathlib import Path
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -35,3 +37,21 @@ def not_utf8(text: str) -> str | None:
                  f"a lone surrogate U+{c:04X}")
         return f"{found} at character {e.start}"
     return None
+
+
+def names_below(folder: str | os.PathLike) -> Iterator[Path]:
+    """Every name below `folder` that is not a folder (files, links to nothing, FIFOs: the
+    caller decides), through linked subfolders as torchvision's ImageFolder walks them, each
+    real folder once (a link back up the tree is not followed again); hidden names are kept.
+    Data folders are read with it and fingerprinted with it, so a linked class folder is both
+    trained on and part of what a resume checks."""
+    seen = set()
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        for name in sorted(names):
+            yield Path(top, name)

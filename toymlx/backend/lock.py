@@ -12,6 +12,7 @@ names its file and tries again, so two processes never both believe they hold it
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno
 import fcntl
@@ -55,7 +56,10 @@ class Lock:
         if self._fd is None:
             return
         try:
-            self.path.unlink(missing_ok=True)  # while still held: see the module docstring
+            # a folder turned read-only keeps the file, which blocks no one (a flock dies with
+            # its holder); raising here ended a run in a traceback after its error line
+            with contextlib.suppress(OSError):
+                self.path.unlink(missing_ok=True)  # while still held: see the module docstring
         finally:
             os.close(self._fd)
             self._fd = None

@@ -4,15 +4,19 @@ raises into a step, a checkpoint write or a collective."""
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal
 import stat
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from toymlx.backend.lifeline import parent_lost
+from toymlx.backend.lifeline import child_env, parent_lost
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """The stop signals: Ctrl-C, `kill` (systemd, a job scheduler), a closed terminal or ssh session."""
@@ -36,11 +40,18 @@ finds the pipe closed raises SIGPIPE, which a run not under `toymlx-launch` coun
 to stop, as Unix tools end there (and `console_gone`, polled at each step, sees it before any
 write); its console output is discarded from then on (`toymlx_cli.KeepOnClosed`)."""
 
+CONSOLE_GONE = (errno.EPIPE, errno.EIO, errno.ENOSPC)
+"""A console write's errors that mean no one can read the console any more: its reader gone
+(`| head`), its terminal closed (a hung-up tty answers EIO), the disk of a redirected log full."""
+
 SOLO_SIGNALS = (*SIGNALS, READER_GONE)
 """What a run not under `toymlx-launch` counts: `SIGNALS` and its console's reader gone."""
 
 STOP_CODES = frozenset(128 + s for s in SIGNALS)
 """The exit codes of a run stopped by a signal (`StopSignals.exit_code`)."""
+
+WAIT_SLICE = 0.05
+"""Seconds `in_child` waits at a time: about how late a stop signal's handler runs at most."""
 
 
 def console_gone() -> bool:
@@ -118,6 +129,54 @@ def stops_raise(signals: tuple[int, ...]) -> Iterator[None]:
         for sig, handler in old.items():
             if signal.getsignal(sig) is _raise:
                 signal.signal(sig, signal.SIG_IGN if stopped else handler)
+
+
+def in_child(what: str, module: str, args: list[str], data: bytes | memoryview = b"",
+             show_stderr: bool = False) -> bytes:
+    """The output of `python -m module *args` fed `data`, for a long computation that is one
+    call into C, in which Python runs no signal handler (numpy's SVD of SmolLM2's 49152 x 576
+    token table, warm-start's pca lens, held a SIGTERM for 6-7 s; llama.cpp's quantizer holds
+    its process seconds per GB, and ctypes drops a KeyboardInterrupt raised in its log
+    callback). Here the handler runs within `WAIT_SLICE`, as this process waits for the child
+    in slices (not in one wait: the kernel may hand the signal to another thread, which only
+    flags it for this one's next bytecode), and the exception it raises (`stops_raise`'s or
+    `StopSignals.raising`'s `Stopped`, Ctrl-C) kills the child and passes on. A child, not a
+    thread: a numpy call abandoned in a thread hung the process's exit (OpenBLAS's exit handler
+    joins its workers). It runs in a session of its own (a terminal's Ctrl-C reaches this
+    process alone) and tied to this one (`child_env`; it calls `watch_parent`), so it dies with
+    it. Its output goes to a temporary file, not a pipe, so that waiting in slices needs no
+    reader (Python 3.11's `communicate` with a timeout stops writing its input after the first
+    slice). Its stderr is kept for the error, or with `show_stderr` left on this process's (a
+    progress bar), and then the child says why it failed on stdout. OSError naming `what` and
+    the child's last line on that stream (else how it ended) if it fails."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
+                                 stdout=out, stderr=None if show_stderr else err,
+                                 start_new_session=True, env=child_env())
+        try:
+            try:
+                with child.stdin:  # the child reads it as it comes
+                    child.stdin.write(data)
+            except BrokenPipeError:  # it failed before reading it all: it says why
+                pass
+            while True:
+                try:
+                    child.wait(WAIT_SLICE)
+                    break
+                except subprocess.TimeoutExpired:  # a slice over: signal handlers have run
+                    pass
+        finally:
+            if child.poll() is None:  # stopped while it runs: no point in its finishing
+                child.kill()
+                child.wait()
+        if child.returncode != 0:
+            code, said = child.returncode, out if show_stderr else err
+            said.seek(0)
+            why = (said.read().decode("utf-8", "replace").strip().splitlines() or [""])[-1] or (
+                f"killed by signal {-code}" if code < 0 else f"exit status {code}")
+            raise OSError(f"{what}: its process ({sys.executable} -m {module}) failed: {why}")
+        out.seek(0)
+        return out.read()
 
 
 def ignore_stop_signals() -> None:

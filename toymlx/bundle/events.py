@@ -18,6 +18,7 @@ or diverged before its first step ended), run_end's `final_loss` is null.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -84,7 +85,9 @@ class EventLog:
         self._last_loss: tuple[Any, float] = (None, math.nan)  # (step, loss) last emitted
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- held for the run
+            # unbuffered bytes: what a failed write left can be cut off (`emit`), where a
+            # text file's buffer kept it and wrote it out again at close
+            self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115 -- held for the run
             # A crash mid-emit leaves a torn last line; end it, or the first event appended
             # on resume (its run_start) would be glued to it and skipped by read_events.
             if self._f.tell():
@@ -92,7 +95,7 @@ class EventLog:
                     f.seek(-1, os.SEEK_END)
                     torn = f.read(1) != b"\n"
                 if torn:
-                    self._f.write("\n")
+                    self._f.write(b"\n")
 
     def emit(self, kind: str, **fields: Any) -> dict:
         """Write one event: `kind`, `t` and what toy/v1 fixes for the kind (schema, phase,
@@ -105,18 +108,28 @@ class EventLog:
         ev = {"kind": kind, "t": round(time.time() - self.t0, 4), **_fixed(kind),
               **_clean(fields)}
         if self._f is not None:
-            try:
-                self._f.write(json.dumps(ev, ensure_ascii=False, allow_nan=False) + "\n")
-                self._f.flush()
-                os.fsync(self._f.fileno())
-            except OSError as e:
-                raise atomic.named(e, self.path) from None
+            self._append((json.dumps(ev, ensure_ascii=False, allow_nan=False) + "\n"
+                          ).encode("utf-8"))
         for sink in list(self.sinks):
             try:
                 sink(ev)
             except Exception as e:  # noqa: BLE001 -- a reporter's failure must not end the run
                 self._drop(sink, e)
         return ev
+
+    def _append(self, line: bytes) -> None:
+        """`line` at the end of the file, fsynced; a write that fails (a full disk) is cut off
+        again, so the file still ends at its last whole event."""
+        end = self._f.seek(0, os.SEEK_END)
+        try:
+            rest = memoryview(line)
+            while rest:  # a full disk cuts a write short first, then refuses the next
+                rest = rest[self._f.write(rest):]
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self._f.truncate(end)
+            raise atomic.named(e, self.path) from None
 
     def _drop(self, sink: Any, e: BaseException) -> None:
         self.sinks.remove(sink)

@@ -3,7 +3,9 @@ config.json written once (`save_config`) and read back as saved (`read_config`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -26,6 +28,8 @@ CONFIG_KEYS = frozenset({"format", "recipe", "config", DATA_FILES_KEY, MODEL_FIL
 """Every top-level key of config.json (`save_config`)."""
 WRITE_TEST = ".write-test"
 """Written and removed again as a fresh run takes its folder: the folder is writable."""
+UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
+"""The errors of a folder that refuses writes: read-only, not ours, immutable, full."""
 
 
 def lock_run(run_dir: Path) -> Lock:
@@ -49,14 +53,16 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool,
     (`claim_run_dir`) instead of failing."""
     check_folder_name(run_id, "--run-id")
     run_dir = Path(root) / run_id
+    created = default_id or not run_dir.exists()
     try:
         if default_id:
             run_dir = claim_run_dir(Path(root), run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run(run_dir)
     except OSError as e:
-        raise RunError(f"{run_dir}: runs folder: expected writable, found "
-                       f"{e.strerror or e}; choose another --runs-root") from None
+        if created:  # a full disk: the folder was made, its lock file not
+            _remove_empty(run_dir)
+        raise RunError(_cannot_take(run_dir, e)) from None
     try:
         held = [p for p in run_dir.iterdir() if p.name != LOCK_FILE]
         what = folder_kind(run_dir, held)
@@ -79,12 +85,29 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool,
         (run_dir / WRITE_TEST).unlink()
     except OSError as e:
         lock.release()
-        raise RunError(f"{run_dir}: runs folder: expected writable, found "
-                       f"{e.strerror or e}; choose another --runs-root") from None
+        if created:
+            _remove_empty(run_dir)
+        raise RunError(_cannot_take(run_dir, e)) from None
     except BaseException:
         lock.release()
         raise
     return run_dir, lock
+
+
+def _cannot_take(run_dir: Path, e: OSError) -> str:
+    """Why a fresh run cannot take `run_dir`: the error, the path it names (the runs root a
+    read-only disk refused, the lock file a full one did) and what to do."""
+    fix = "make room or make it writable, or " if e.errno in UNWRITABLE else ""
+    return (f"{run_dir}: --runs-root: expected a folder it can write (the run's folder, its "
+            f"lock file, config.json, events.jsonl and checkpoints), found {e.strerror or e} at "
+            f"{e.filename or run_dir}; {fix}choose another --runs-root")
+
+
+def _remove_empty(run_dir: Path) -> None:
+    """Remove the run folder this call made, and its weights/, where nothing else is in them."""
+    for folder in (run_dir / "weights", run_dir):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def claim_run_dir(root: Path, run_id: str) -> Path:
@@ -185,19 +208,19 @@ def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
             f"not a run bundle, holding {_names(held)}; choose another --run-id or --runs-root")
 
 
-CONFIG_FORMAT = 6
+CONFIG_FORMAT = 7
 """config.json's `format`. 2 (toymlx 0.2 on): every option is written, so a missing key is
 damage and refused. A config.json without `format` (written before) is read as it was then: an
 option it lacks (one added since) takes its default, which keeps the old behaviour. An option
 added from now on must bump this and be let off for older formats in `ADDED_IN`."""
 ADDED_IN = {3: ("report_every",), 4: ("report_to", "optimizer", "lr_schedule", "lr_schedule_args",
                                        "warmup_init", "subnormals"), 5: ("full",),
-          6: ("weight_decay_scope", "eval_at_start", "data.train_turns")}
+          6: ("weight_decay_scope", "eval_at_start", "data.train_turns"), 7: ("wandb_project",)}
 """format -> the options it added (dotted: one of a group): a config.json of an older format
 (2 on) lacks them, and they take their defaults there (the training those runs had: toymlx's
 AdamW decaying matrices only and its schedule, no reporters, a full fine-tune of every weight,
-every assistant turn trained, no validation before step 1; subnormals flushed changes no loss
-past float32 rounding)."""
+every assistant turn trained, no validation before step 1, W&B's project from WANDB_PROJECT;
+subnormals flushed changes no loss past float32 rounding)."""
 
 
 def added_since(fmt: int) -> frozenset[str]:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import names_below, special_kind
 from toymlx.bundle import model_store
 from toymlx.bundle.options import RunError, flag_name, found_text, option
 
@@ -55,7 +55,7 @@ def data_paths(cfg: Any) -> dict[str, str]:
 
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        return sorted(p for p in names_below(path) if p.is_file() and not p.name.startswith("."))
     return [path]
 
 
@@ -256,6 +256,16 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
         return used, f"{other} ({typed}, the run's {flag}, with its recorded SHA-256)"
     return used, (f"{used} (the run's {flag} {typed}: {file} is gone, this file has its "
                   "recorded SHA-256)")
+
+
+def read_as_recorded(key: str, rec: dict[str, Any], file: str) -> bool:
+    """Whether `file`, read for the recorded input `key`, is where its option as recorded leads
+    from here and now: the recorded absolute file, which the path as typed (from the current
+    folder, links followed) names too. Only an input read from elsewhere needs saying."""
+    typed = rec.get("path")
+    return (isinstance(typed, str) and file == rec.get("file")
+            and not (key in MODEL_OPTIONS and model_store.is_store_name(typed))
+            and file in (os.path.realpath(typed), os.path.abspath(typed)))
 
 
 def same_contents(key: str, rec: dict[str, Any], path: Path) -> tuple[bool, str, str]:

@@ -68,7 +68,11 @@ class RunOptions:
     report_to: str | None = None
     """Also show the run's step, eval, checkpoint and test figures as scalars in tensorboard
     (event files in the run folder), wandb (offline without a W&B login), or both:
-    tensorboard,wandb (mlx-lm's --report-to; the extras toymlx[tensorboard], toymlx[wandb])."""
+    tensorboard,wandb, or all (mlx-lm's --report-to; none and all as in HF Trainer; the extras
+    toymlx[tensorboard], toymlx[wandb])."""
+    wandb_project: str | None = None
+    """The W&B project of --report-to wandb's run (mlx-lm's project_name; default: WANDB_PROJECT,
+    else toymlx)."""
     force: bool = False
     """Start even when a step's estimated peak exceeds the memory available (the lora recipe
     estimates it before loading; run_start records the estimate either way)."""
@@ -135,7 +139,8 @@ def check_no_empty_text(cfg: Any, prefix: str = "") -> None:
 
 
 _TEXT_KIND = {"run_id": "folder name", "resume": "run folder", "targets": "list of layer names", "system": "message",
-              "from_step": "checkpoint name (step_N)", "report_to": "list of reporters"}
+              "from_step": "checkpoint name (step_N)", "report_to": "list of reporters",
+              "wandb_project": "W&B project name"}
 """What a text option holds where it is not a path, for `check_no_empty_text`'s line."""
 
 

@@ -724,6 +724,8 @@ class SFTData:
     """How each split's examples fit --seq-len ("train", "validation", "test": `Fit`)"""
     seq_len: int = 0
     """The rows' --seq-len, for the notes and errors"""
+    val_note: str | None = None
+    """A data folder without valid.jsonl: which training examples validate instead"""
 
     def split_source(self, split: str) -> str:
         """The file a split's examples came from ("train", "validation" or "test")."""
@@ -735,8 +737,9 @@ class SFTData:
     def notes(self, test: bool = True) -> list[str]:
         """One console line per split whose examples were cut or left out (`Fit.note`); the
         test split's only with `test` (when it is scored)."""
-        return [line for split, fit in self.fits.items() if test or split != "test"
-                if (line := fit.note(self.split_source(split), split, self.seq_len))]
+        return [self.val_note] * bool(self.val_note) + [
+            line for split, fit in self.fits.items() if test or split != "test"
+            if (line := fit.note(self.split_source(split), split, self.seq_len))]
 
     def check_held_out(self, test: bool) -> None:
         """DataError when validation (always scored: at the end of a run if not before) or,
@@ -790,15 +793,28 @@ class SFTData:
         training file; a folder's test.jsonl becomes `test`; every split's rows as `turns`
         says (`TURNS`)."""
         files = data_files(path)
+        if val_path is None and files.valid is not None and files.valid.stat().st_size == 0:
+            raise DataError(f"{files.valid}: empty file; expected one example a line {SHAPES}, "
+                            f"or no valid.jsonl (the last --data.val-fraction {val_fraction} of "
+                            f"train.jsonl then validates; mlx-lm would train without "
+                            f"validation)")
         val_path = val_path if val_path is not None else files.valid
         examples = load_examples(files.train)
+        note = None
         if val_path is not None:
             train, val = examples, load_examples(val_path)
         else:
             train, val = split_examples(examples, val_fraction)
+            if files.train != Path(path):  # a folder in mlx-lm's layout, whose valid.jsonl
+                # mlx-lm would go without: it trains on every example and validates none
+                note = (f"{path}: no valid.jsonl: the last {len(val)} of train.jsonl's "
+                        f"{len(examples)} examples validate and are not trained on "
+                        f"(--data.val-fraction {val_fraction}; mlx-lm trains on all "
+                        f"{len(examples)} and validates nothing)")
         source = str(files.train) if val_path is None else f"{files.train} + {val_path}"
         data = cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack, source,
                                  turns)
+        data = dataclasses.replace(data, val_note=note)
         if files.test is None:
             return data
         test, fit = fitted_rows(load_examples(files.test), tokenizer, seq_len, mask_prompt, pack,

@@ -10,7 +10,10 @@ for training, evaluation and `toymlx-classify`.
 from __future__ import annotations
 
 import gzip
+import io
+import os
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from toymlx.backend.files import not_utf8, special_kind
+from toymlx.backend.files import names_below, not_utf8, special_kind
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
                     ".pgm", ".pbm")
@@ -27,10 +30,10 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".
 
 _GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 
-# Pillow's own warning for a large image is two lines that do not name the file (and
-# catch_warnings cannot scope it: the images decode on threads); `_note_large` says it in one.
-warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
-_NOTED_LARGE: set[Path] = set()
+_NOTED_LARGE: set[Path | ImageBytes] = set()
+_OPENING = threading.Lock()
+"""Held while `_open` silences Pillow's large-image warning: `catch_warnings` saves and restores
+the process's filters, which threads opening images at once would restore out of order."""
 
 
 class ImageDataError(ValueError):
@@ -52,24 +55,45 @@ def read_file(path: Path) -> bytes:
         raise ImageDataError(f"{path}: truncated gzip stream; re-download the file") from None
 
 
-def _open(path: Path) -> Image.Image:
+class ImageBytes:
+    """One image's encoded bytes that no file name reaches (`toymlx-classify -`: stdin),
+    decoded by `decode_image` as a file holding them would be; `name` ("-") stands for it in
+    answers and messages."""
+
+    def __init__(self, name: str, data: bytes) -> None:
+        self.name, self.data = name, data
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _remedy(path: Path | ImageBytes) -> str:
+    return ("send one image file's bytes on stdin" if isinstance(path, ImageBytes)
+            else "remove or replace the file")
+
+
+def _open(path: Path | ImageBytes) -> Image.Image:
     try:
-        im = Image.open(path)
+        # Pillow's own warning for a large image is two lines that do not name the file;
+        # `_note_large` says it in one. Silenced here only: the caller's filters stay as they were
+        with _OPENING, warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(path.data) if isinstance(path, ImageBytes) else path)
         _note_large(path, im.size)
         return im
     except UnidentifiedImageError:
         raise ImageDataError(f"{path}: not an image Pillow can read: expected one of "
                              f"{', '.join(e[1:] for e in IMAGE_EXTENSIONS)}, found "
-                             f"{_sniff(path)}; remove or replace the file") from None
+                             f"{_sniff(path)}; {_remedy(path)}") from None
     except OSError as e:
         raise ImageDataError(f"{path}: cannot open ({e.strerror or e})") from None
     except (ValueError, SyntaxError, Image.DecompressionBombError) as e:
         # a header Pillow cannot parse (a PPM's "Token too long"), or past its pixel limit
-        raise ImageDataError(f"{path}: cannot decode the image ({e}); remove or replace "
-                             "the file") from None
+        raise ImageDataError(f"{path}: cannot decode the image ({e}); {_remedy(path)}"
+                             ) from None
 
 
-def _note_large(path: Path, size: tuple[int, int]) -> None:
+def _note_large(path: Path | ImageBytes, size: tuple[int, int]) -> None:
     """One line on stderr, once a file, for an image over Pillow's pixel limit
     (`Image.MAX_IMAGE_PIXELS`; Pillow refuses one over twice that, as an error)."""
     limit, (w, h) = Image.MAX_IMAGE_PIXELS, size
@@ -80,9 +104,9 @@ def _note_large(path: Path, size: tuple[int, int]) -> None:
           f"limit of {limit:,} for untrusted files; decoded as it is", file=sys.stderr)
 
 
-def _sniff(path: Path) -> str:
+def _sniff(path: Path | ImageBytes) -> str:
     try:
-        head = path.open("rb").read(16)
+        head = path.data[:16] if isinstance(path, ImageBytes) else path.open("rb").read(16)
     except OSError:
         return "an unreadable file"
     if not head:
@@ -102,10 +126,10 @@ def image_size(path: Path) -> tuple[int, int]:
         return im.size
 
 
-def decode_image(path: str | Path, size: int, channels: int) -> np.ndarray:
-    """One image file -> (size, size, channels) uint8: grey or RGB, shorter side resized to
-    `size`, centre-cropped."""
-    path = Path(path)
+def decode_image(path: str | Path | ImageBytes, size: int, channels: int) -> np.ndarray:
+    """One image file (or its bytes) -> (size, size, channels) uint8: grey or RGB, shorter
+    side resized to `size`, centre-cropped."""
+    path = path if isinstance(path, ImageBytes) else Path(path)
     mode = "L" if channels == 1 else "RGB"
     im = _open(path)
     try:
@@ -126,25 +150,59 @@ def decode_image(path: str | Path, size: int, channels: int) -> np.ndarray:
             a = np.asarray(im, np.uint8)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         # Pillow reports a truncated or corrupt stream as OSError or SyntaxError
-        raise ImageDataError(f"{path}: cannot decode the image ({e}); remove or replace "
-                             "the file") from None
+        raise ImageDataError(f"{path}: cannot decode the image ({e}); {_remedy(path)}"
+                             ) from None
     return a.reshape(size, size, channels)
 
 
 def images_below(folder: Path) -> list[Path]:
-    """The image files below `folder` (by extension; hidden names skipped), sorted;
-    ImageDataError naming one that is a FIFO, a device or a socket: opening it could wait
-    forever, and skipping it would drop an image without a word."""
+    """The image files below `folder` (by extension; hidden names skipped), sorted, as
+    `names_below` walks it (through linked subfolders, as torchvision's ImageFolder does);
+    ImageDataError naming one that is a FIFO, a device or a socket (opening it could wait
+    forever) or a link to nothing: skipping either would drop an image without a word."""
     found = []
-    for p in folder.rglob("*"):
+    for p in names_below(folder):
         if p.suffix.lower() not in IMAGE_EXTENSIONS or p.name.startswith("."):
             continue
         if kind := special_kind(p):
-            raise ImageDataError(f"{p}: expected an image file, found {kind}; remove it or put "
-                                 "the image there")
+            raise ImageDataError(f"{p}: expected an image file, found {kind}; remove it or "
+                                 "put the image there")
+        if p.is_symlink() and not p.exists():
+            raise ImageDataError(f"{p}: expected an image file, found a link to "
+                                 f"{os.readlink(p)}, which does not exist; restore its "
+                                 "target or remove the link")
         if p.is_file():
             found.append(p)
     return sorted(found)
+
+
+SPLIT_NAMES = {"train": ("train", "training"),
+               "val": ("val", "valid", "validation", "eval", "evaluation"), "test": ("test",)}
+"""Subfolder names timm's `--data-dir` takes as splits rather than classes, by split."""
+
+
+def split_folders(root: str | Path) -> dict[str, Path] | None:
+    """timm's layout, `root/train/<class>/...` beside `root/val/<class>/...` (and `test/`): the
+    split folders found ({"train": ..., "val": ..., "test": ...}) when every subfolder of `root`
+    is named as a split, one is the training split, and it holds class subfolders; else None
+    (the subfolders are classes)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    subs = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    split_of = {d: split for d in sorted(subs) for split, names in SPLIT_NAMES.items()
+                if d.name in names}
+    train = [d for d, split in split_of.items() if split == "train"]
+    if len(split_of) != len(subs) or not train \
+            or not any(d.is_dir() for t in train for d in t.iterdir()):
+        return None
+    found: dict[str, Path] = {}
+    for d, split in split_of.items():
+        if split in found:
+            raise ImageDataError(f"{root}: expected one {split} folder (timm's layout), found "
+                                 f"{found[split].name}/ and {d.name}/; merge or rename one")
+        found[split] = d
+    return found
 
 
 def scan_image_folder(root: str | Path, min_classes: int = 2

@@ -39,11 +39,13 @@ from toymlx.data import fixture_path
 from toymlx.data.cifar import is_cifar, load_cifar
 from toymlx.data.image_folder import (
     IMAGE_EXTENSIONS,
+    SPLIT_NAMES,
     ImageDataError,
     ImageFiles,
     probe,
     read_file,
     scan_image_folder,
+    split_folders,
 )
 
 SPLIT_SEED = 20240601
@@ -536,7 +538,12 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
         raise ImageDataError(f"channels: expected 1 or 3, found {channels}")
     augment = augment or Augment()
     augment.validate()
-    raw = _load_raw(path, image_size, channels, stream, workers, 1 if classes else 2)
+    layout = None if path is None else split_layout(path, val_path, val_fraction,
+                                                       test_path)
+    raw = _load_raw(layout[0] if layout else path, image_size, channels, stream, workers,
+                    1 if classes else 2)
+    if layout is not None:  # named as given: "data/ (val)" is its val/ folder
+        raw.source, val_path, layout_note = str(path), layout[1], layout[2]
     raw.x = _conform(raw.x, image_size, channels, raw.source)
     if len(raw.x) == 0:
         raise ImageDataError(f"{raw.source}: no images")
@@ -570,7 +577,33 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
                    test_x=test_x, test_y=test_y, test_source=test_source)
     if classes is None:
         out.notes = [n for n in [classes_note(raw, out.train_y, len(names))] if n]
+    if layout is not None:
+        out.notes.insert(0, layout_note)
     return out
+
+
+def split_layout(path: str, val_path: str | None, val_fraction: float,
+                 test_path: str | None = None) -> tuple[str, str | None, str] | None:
+    """For a folder in timm's layout (`train/` and `val/` of class subfolders, `split_folders`):
+    (the training folder, the validation set, a line saying so); None for any other source.
+    A --data.val-path given is kept; without a val/ folder the split is the fixed one of train/."""
+    found = split_folders(path)
+    if found is None:
+        return None
+    train = found["train"]
+    if val_path is None and "val" in found:
+        val_path = str(found["val"])
+        val = f"validating on {val_path}"
+    elif val_path is None:
+        val = (f"validating on a fixed {val_fraction:g} of it (--data.val-fraction; no "
+               f"{'/, '.join(SPLIT_NAMES['val'])}/ folder)")
+    else:
+        val = f"validating on --data.val-path {val_path}"
+    test = (f"; {found['test']} is scored only by --data.test-path {found['test']} --test"
+            if "test" in found and test_path is None else "")
+    return str(train), val_path, (f"{path}: {', '.join(d.name + '/' for d in found.values())} "
+                                  f"are splits (timm's layout), not classes: training on {train}, "
+                                  f"{val}{test}")
 
 
 def check_classes(raw: Raw, y: np.ndarray, names: Sequence[str]) -> None:

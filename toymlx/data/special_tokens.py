@@ -48,7 +48,7 @@ _FIM_OLD_KEYS = {"tokenizer.ggml.fim_pre_token_id": "tokenizer.ggml.prefix_token
                  "tokenizer.ggml.fim_mid_token_id": "tokenizer.ggml.middle_token_id"}
 # gpt-oss: llama.cpp always renders these, as user-defined tokens
 _ALWAYS_USER = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-_C_SPACE = " \t\n\v\f\r"  # C's isspace, which llama.cpp's special-token stripping uses
+C_SPACE = " \t\n\v\f\r"  # C's isspace, which llama.cpp's special-token stripping uses
 
 
 def token_attributes(tokens: list[str], ids: dict[str, int], types: list[int],
@@ -119,9 +119,9 @@ def split_special(text: str, partition: list[tuple[str, int, int]], parse_specia
                     if j:
                         out.append(tok_id)
                     if j and attr & A_RSTRIP:  # C isspace: " \t\n\v\f\r"
-                        p = p.lstrip(_C_SPACE)
+                        p = p.lstrip(C_SPACE)
                     if j < last and attr & A_LSTRIP:
-                        p = p.rstrip(_C_SPACE)
+                        p = p.rstrip(C_SPACE)
                     if p:
                         out.append(p)
             else:

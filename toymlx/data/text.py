@@ -13,11 +13,13 @@ Design choices:
 
 from __future__ import annotations
 
+import codecs
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
@@ -33,31 +35,82 @@ class Encoder(Protocol):
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]: ...
 
+    def encode_stream(self, texts: Iterable[str], add_bos: bool | None = None, *,
+                      size: int | None = None) -> np.ndarray: ...
 
-def read_text(path: str | Path) -> str:
-    """Read a whole file as UTF-8 text, with one-line errors for empty and non-UTF-8 files."""
+
+READ_BYTES = 1 << 22
+"""How much of a text file is read, checked and handed on at a time (4 MiB)."""
+
+
+def _char_end(data: bytes) -> int:
+    """Where the last whole UTF-8 character of `data` ends: a character cut by the end of a
+    read waits for the next read (a byte that cannot start one is left to the decoder)."""
+    for i in range(len(data) - 1, max(len(data) - 4, -1), -1):
+        b = data[i]
+        if b & 0xC0 != 0x80:  # not a continuation byte
+            need = (2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else
+                    4 if b >> 3 == 0b11110 else 1)
+            return i if i + need > len(data) else len(data)
+    return len(data)
+
+
+def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator[str]]:
+    """(the file's size in bytes, its UTF-8 text in pieces of about `block` bytes, default
+    `READ_BYTES`): the file is read once, a block at a time, so a large file is never held
+    whole. The one-line
+    DataErrors of `read_text`: a directory, FIFO or unreadable file here; a byte that is not
+    UTF-8, an empty file or one of whitespace alone from the iterator, once it meets them
+    (the last two at its end). A leading UTF-8 BOM is not content."""
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path}: expected a UTF-8 text file, found a directory")
     if kind := special_kind(path):
         raise DataError(f"{path}: expected a UTF-8 text file, found {kind}")
     try:
-        data = path.read_bytes()
+        f = open(path, "rb")  # noqa: SIM115 (closed by the iterator)
+        size = os.fstat(f.fileno()).st_size
     except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e.strerror or e})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(
-            f"{path}: not valid UTF-8 at byte offset {e.start} (line {line}, byte "
-            f"0x{data[e.start]:02x}); expected UTF-8 text, re-save the file as UTF-8"
-        ) from None
-    text = text.removeprefix("\ufeff")  # a UTF-8 BOM is not content
-    if not text.strip():
-        what = "empty file" if not text else "file has only whitespace"
+    return size, _pieces(path, f, block or READ_BYTES)
+
+
+def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
+    offset = lines = 0  # the file offset of `rest`, and the newlines before it
+    rest, first, seen, content = b"", True, False, False
+    with f:
+        while True:
+            try:
+                more = f.read(block)
+            except OSError as e:
+                raise DataError(f"{path}: cannot read data file ({e.strerror or e})") from None
+            data = rest + more if rest else more
+            end = _char_end(data) if more else len(data)
+            try:
+                text = codecs.utf_8_decode(memoryview(data)[:end], "strict", True)[0]
+            except UnicodeDecodeError as e:
+                line = lines + data.count(b"\n", 0, e.start) + 1
+                raise DataError(
+                    f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {line}, "
+                    f"byte 0x{data[e.start]:02x}); expected UTF-8 text, re-save the file as UTF-8"
+                ) from None
+            if first and text:
+                text, first = text.removeprefix("\ufeff"), False  # a UTF-8 BOM is not content
+            if text:
+                seen, content = True, content or not text.isspace()
+                yield text
+            lines += data.count(b"\n", 0, end)
+            offset, rest = offset + end, data[end:]
+            if not more:
+                break
+    if not content:
+        what = "file has only whitespace" if seen else "empty file"
         raise DataError(f"{path}: {what}; expected UTF-8 text")
-    return text
+
+
+def read_text(path: str | Path) -> str:
+    """Read a whole file as UTF-8 text, with one-line errors for empty and non-UTF-8 files."""
+    return "".join(open_text(path)[1])
 
 
 def _check_sizes(**sizes: int) -> None:
@@ -146,8 +199,9 @@ def val_batches(
 
 @dataclass(frozen=True)
 class TokenData:
-    """Train and validation token ids (np.int32) split from one id sequence (or each from its
-    own file), and optional held-out test ids."""
+    """Train and validation token ids split from one id sequence (or each from its own file),
+    and optional held-out test ids. The ids are int32, or uint16 as a tokenizer of at most
+    65,536 ids encodes a file (train and val then views of one array); batches are int32."""
 
     train: np.ndarray
     """Training ids: the first `1 - val_fraction` of the sequence"""
@@ -175,16 +229,20 @@ class TokenData:
         _check_sizes(seq_len=seq_len)
         if not 0.0 <= val_fraction < 1.0:
             raise DataError(f"{source}: val_fraction must be in [0, 1), got {val_fraction}")
-        ids = np.asarray(ids, dtype=np.int64)
+        # uint16 and int32 ids are kept as they are: train and val are views of them, no copy
+        kept = isinstance(ids, np.ndarray) and ids.dtype in (np.uint16, np.int32)
+        ids = ids if kept else np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1:
             raise DataError(f"{source}: expected a 1-D id sequence, got shape {ids.shape}")
         if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
             raise DataError(f"{source}: token ids must fit int32, got [{ids.min()}, {ids.max()}]")
+        if not kept:
+            ids = ids.astype(np.int32)
         n = len(ids)
         n_val = round(n * val_fraction)  # round, not int(): 0.29 * 100 == 28.999...
         train, val = ids[: n - n_val], ids[n - n_val :]
         if not windows:
-            return cls(train.astype(np.int32), val.astype(np.int32), source)
+            return cls(train, val, source)
         _need_window(
             len(train), seq_len, "training split", source,
             "use a longer text or a shorter seq_len",
@@ -194,15 +252,17 @@ class TokenData:
                 len(val), seq_len, f"validation split ({val_fraction:g} of {n})", source,
                 "use a longer text, a shorter seq_len or a larger val_fraction",
             )
-        return cls(train.astype(np.int32), val.astype(np.int32), source)
+        return cls(train, val, source)
 
     @classmethod
     def from_file(
         cls, path: str | Path, tokenizer: Encoder, seq_len: int, val_fraction: float = 0.1,
         windows: bool = True,
     ) -> TokenData:
-        """Read a UTF-8 text file, encode it whole (tokenizer's default BOS), and split it."""
-        ids = tokenizer.encode(read_text(path))
+        """Read a UTF-8 text file once, a piece at a time, encode it (the ids of the whole text,
+        tokenizer's default BOS) into one array of the vocabulary's id type, and split it."""
+        size, texts = open_text(path)
+        ids = tokenizer.encode_stream(texts, size=size)
         return cls.from_ids(ids, seq_len, val_fraction, source=str(path), windows=windows)
 
     def batch(

@@ -31,11 +31,13 @@ byte value (byte b is id b + 3), stored as a "llama" vocabulary llama.cpp loads 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Regex, normalizers
 
 from toymlx.data.chat_template import compile_template
 from toymlx.data.merges import (
@@ -47,7 +49,7 @@ from toymlx.data.merges import (
     build_spm,
     encode_spm_style,
 )
-from toymlx.data.special_tokens import split_special, token_attributes
+from toymlx.data.special_tokens import C_SPACE, split_special, token_attributes
 from toymlx.data.vocab import (
     A_BYTE,
     A_CONTROL,
@@ -80,6 +82,87 @@ from toymlx.data.vocab import (
     plain_value,
 )
 from toymlx.gguf.reader import read_metadata
+
+ENCODE_CHARS = 1 << 18
+"""How much text one call of the `tokenizers` library encodes in `Tokenizer.encode_stream`."""
+
+# Where each `tokenizer.ggml.pre`'s regexes cut, written over a string of one class letter per
+# character (`_classes`): R "\r"/"\n", W other whitespace (\s), L \p{L}, M \p{M}, N \p{N},
+# A "'", P the rest of [\p{P}$+<=>^~|] (the "default" pre's first regex), O anything else.
+# No regex looks behind, so the pieces after a cut are those of the text after it alone when
+# no piece runs across the cut, and those before it are the same when no match before it looks
+# past it (only (?!\S) and the greedy runs do: each rule ends such a run at the cut). Apostrophes
+# are kept off the left of a cut, where they could begin a contraction ('s 'll ...).
+_GPT2_CUTS = (r"(?<=L)(?=[^L])|(?<=N)(?=[^N])"  # a letter run, a digit run ends
+              r"|(?<=[MPO])(?=[LNWR])"  # a run of other characters ends
+              # two whitespace before a non-space: \s+(?!\S) backs off to the first
+              r"|(?<=[WR])(?=[WR][^WR])")
+# every digit is a piece of its own first; then GPT-2's regex within what lies between
+_SMOLLM_CUTS = (r"(?<=N)|(?=N)|(?<=L)(?=[^L])|(?<=[MPO])(?=[LWR])"
+                r"|(?<=[WR])(?=[WR][LMAPO])")
+# punctuation runs are pieces first; then GPT-2's regex within what lies between
+_DEFAULT_CUTS = (r"(?<=[PA])(?=[^PA])|(?<=[^PA])(?=[PA])"
+                 r"|(?<=L)(?=[NMOWR])|(?<=N)(?=[LMOWR])|(?<=[MO])(?=[LNWR])"
+                 r"|(?<=[WR])(?=[WR][LNMO])")
+
+
+def _llama3_cuts(letter: str, other: str, digits: str) -> str:
+    """Cuts of Llama 3's regex and Qwen's (`letter`, `other`: the class letters of their
+    letter runs and of what is neither letter, digit nor whitespace; `digits`: the cuts among
+    and around digits)."""
+    return (r"(?<=R)(?=[^WR])"  # after newlines, before a non-space: \s*[\r\n]+ ends there
+            rf"|(?<=[{letter}])(?=[^{letter}])"  # a letter run ends
+            rf"|{digits}"
+            rf"|(?<=[{other}])(?=W)"  # a run of other characters ends (not before a newline)
+            r"|(?<=W)(?=W[^WR])")  # two spaces before a non-space: \s+(?!\S) backs off
+
+
+# \p{N}{1,3}: digits are cut in threes from the start of their run, so only at its ends
+_LLAMA3_CUTS = _llama3_cuts("L", "MAPO", r"(?<=N)(?=[^N])|(?<=[LMAPO])(?=N)")
+_QWEN2_CUTS = _llama3_cuts("L", "MAPO", r"(?<=N)|(?<=[LMAPO])(?=N)")  # \p{N}: one a piece
+_QWEN35_CUTS = _llama3_cuts("LM", "APO", r"(?<=N)|(?<=[LMAPO])(?=N)")  # [\p{L}\p{M}]+ runs
+_CUTS = {PRE_TOKENIZERS[name].regexes: re.compile(cuts) for name, cuts in (
+    ("gpt-2", _GPT2_CUTS), ("smollm", _SMOLLM_CUTS), ("default", _DEFAULT_CUTS),
+    ("llama3", _LLAMA3_CUTS), ("qwen2", _QWEN2_CUTS), ("qwen35", _QWEN35_CUTS))}
+"""Cut places by the regexes of a `tokenizer.ggml.pre` (gemma4's are SentencePiece's)."""
+
+# the class letters, an earlier one winning, each tested by the regex engine the pre-tokenizers
+# run in: its Unicode tables are not Python's (with tokenizers 0.23 and Python 3.11, \p{L}
+# holds ~9,000 letters that unicodedata does not know)
+_CLASS_RES = (("R", r"[\r\n]"), ("W", r"\s"), ("L", r"\p{L}"), ("M", r"\p{M}"), ("N", r"\p{N}"),
+              ("A", r"'"), ("P", r"[\p{P}\$\+<=>\^~\|]"))
+_CLASS_OF = np.zeros(0x110000, np.uint8)  # code point -> class letter, 0 until first seen
+
+
+def _classes(text: str) -> str:
+    """One class letter per character of `text` (see `_GPT2_CUTS`)."""
+    points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+    found = _CLASS_OF[points]
+    if not found.all():
+        new = "".join(map(chr, np.unique(points[found == 0]).tolist()))
+        letters = ["O"] * len(new)
+        for letter, pattern in reversed(_CLASS_RES):
+            # a character the pattern matches comes back NUL (NUL itself is in no class)
+            marked = normalizers.Replace(Regex(pattern), "\0").normalize_str(new)
+            for i, (a, b) in enumerate(zip(new, marked, strict=True)):
+                if a != b:
+                    letters[i] = letter
+        _CLASS_OF[[ord(c) for c in new]] = np.frombuffer("".join(letters).encode(), np.uint8)
+        found = _CLASS_OF[points]
+    return found.tobytes().decode("ascii")
+
+
+def _class_cuts(text: str, end: int, low: int, cuts: re.Pattern) -> Iterator[int]:
+    """The places in `text` from `low` to `end` where `cuts` matches its class letters, last
+    first, looking back a growing window at a time."""
+    hi, size = end + 1, 1 << 12
+    while hi > low:
+        lo = max(low, hi - size)
+        start = lo - 1  # the character before a cut, for the look-behind (low >= 1)
+        classes = _classes(text[start:hi + 2])
+        yield from reversed([start + m.start() for m in cuts.finditer(classes, 1)
+                             if start + m.start() < hi])
+        hi, size = lo, size * 4
 
 
 def _describe(value: Any) -> str:
@@ -180,6 +263,15 @@ class Tokenizer:
 
         self._pieces: list[bytes | None] = [None] * n  # filled on first use
         self._byte_layout = self._is_byte_layout()
+        # what `_safe_cut` looks at: the longest special token text, for SentencePiece BPE
+        # (and gemma4's) every two characters side by side in a token, for byte-level BPE
+        # where its pre-tokenizer's regexes cut
+        self._special_len = max((len(t) for t, _, _ in self._partition), default=0)
+        self._pairs: frozenset[str] | None = frozenset(
+            t[i:i + 2] for t in tokens for i in range(len(t) - 1)) \
+            if not self._byte_layout and (pre_rules is None or pre_rules.spm_style) else None
+        self._cuts = _CUTS[pre_rules.regexes] \
+            if pre_rules is not None and not pre_rules.spm_style else None
         if pre_rules is not None:
             merges = self._get_list(K_MERGES, str, "a list of 'left right' merge strings")
             self._hf = build_bpe(self._token_to_id, merges, pre_rules, self.source)
@@ -347,13 +439,7 @@ class Tokenizer:
         """`encode` as an int32 numpy array (vectorised for the byte tokenizer)."""
         if not isinstance(text, str):
             raise TypeError(f"encode: expected str, found {type(text).__name__}")
-        bos = self.add_bos if add_bos is None else bool(add_bos)
-        if bos and self._bos is None:
-            raise TokenizerError(f"{self.source}: {K_BOS}: expected a bos token id to add, "
-                                 "found missing")
-        if add_eos and self._eos is None:
-            raise TokenizerError(f"{self.source}: {K_EOS}: expected an eos token id to add, "
-                                 "found missing")
+        bos = self._check_added(add_bos, add_eos)
         fragments = split_special(text, self._partition, parse_special)
         parts: list[np.ndarray] = []
         if bos:
@@ -368,6 +454,124 @@ class Tokenizer:
         if not parts:
             return np.zeros(0, dtype=np.int32)
         return np.concatenate(parts).astype(np.int32, copy=False)
+
+    @property
+    def id_dtype(self) -> type[np.integer]:
+        """The smallest array type of this vocabulary's ids that `encode_stream` gives: uint16
+        for at most 65,536 ids, else int32."""
+        return np.uint16 if len(self._tokens) <= 1 << 16 else np.int32
+
+    def encode_stream(self, texts: Iterable[str], add_bos: bool | None = None, *,
+                      size: int | None = None) -> np.ndarray:
+        """`encode_np("".join(texts), add_bos)`, the same ids, as an `id_dtype` array, without
+        ever holding the whole text: each piece is cut where the ids of the text before the
+        cut and after it are those of the whole (`_safe_cut`), and what follows the cut waits
+        for the next piece. `size`: the text's size in UTF-8 bytes, where known (the byte
+        vocabulary then writes into one array of that many ids, none copied)."""
+        bos = self._check_added(add_bos, False)
+        dtype = self.id_dtype
+        # the byte vocabulary gives at most one id per byte, plus bos
+        out = (np.empty(size + 1, dtype) if self._byte_layout and size is not None else None)
+        parts: list[np.ndarray] = []
+        n = 0
+
+        def put(ids: np.ndarray) -> None:
+            nonlocal n
+            if out is not None:
+                out[n:n + len(ids)] = ids
+            else:
+                parts.append(ids.astype(dtype))
+            n += len(ids)
+
+        if bos:
+            put(np.array([self._bos], np.int32))
+        carry, continued = "", False  # the text after the last cut; whether it follows a cut
+        # `tokenizers` holds ~150 bytes a character while it merges: a GGUF vocabulary's pieces
+        # are encoded ENCODE_CHARS at a time
+        step = None if self._byte_layout else ENCODE_CHARS
+        pieces = (p[i:i + step] if step else p for p in texts
+                  for i in range(0, len(p), step or max(len(p), 1)))
+        for piece in pieces:
+            text = carry + piece if carry else piece
+            # where the carry held no cut before, it holds none now: look after it alone
+            cut = self._safe_cut(text, max(1, len(carry) - self._special_len - 1))
+            if cut:
+                put(self._encode_part(text[:cut], continued))
+                carry, continued = text[cut:], True
+            else:
+                carry = text
+        if carry:
+            put(self._encode_part(carry, continued))
+        if out is not None:
+            return out[:n]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+    def _check_added(self, add_bos: bool | None, add_eos: bool) -> bool:
+        bos = self.add_bos if add_bos is None else bool(add_bos)
+        if bos and self._bos is None:
+            raise TokenizerError(f"{self.source}: {K_BOS}: expected a bos token id to add, "
+                                 "found missing")
+        if add_eos and self._eos is None:
+            raise TokenizerError(f"{self.source}: {K_EOS}: expected an eos token id to add, "
+                                 "found missing")
+        return bos
+
+    def _encode_part(self, text: str, continued: bool) -> np.ndarray:
+        """The ids of `text`, a part of a longer text cut by `_safe_cut` (`continued`: it
+        follows such a cut, so SentencePiece's space prefix of a fragment is not added again),
+        special tokens cut out as `encode` does."""
+        fragments = split_special(text, self._partition, True)
+        raw = [f for f in fragments if isinstance(f, str)]
+        if continued and self.model == "llama" and self.add_space_prefix and fragments:
+            # the cut was in raw text away from any special token, so this fragment is raw
+            head = np.asarray(self._hf.encode(raw[0].replace(" ", SPACE),
+                                              add_special_tokens=False).ids, np.int32) \
+                if not self._byte_layout else byte_ids(raw[0])
+            encoded = iter([head, *self._encode_raw(raw[1:])])
+        else:
+            encoded = iter(self._encode_raw(raw))
+        return np.concatenate([next(encoded) if isinstance(f, str) else np.array([f], np.int32)
+                               for f in fragments] or [np.zeros(0, np.int32)])
+
+    def _safe_cut(self, text: str, low: int = 1) -> int:
+        """The last place in `text` where it can be cut and its two parts encoded apart with
+        the ids of the whole, one part's after the other's; 0 where none is known. Away from
+        special tokens (their text, and the whitespace they strip, never at a cut), it is:
+        any character boundary for the byte vocabulary (one id per byte); for byte-level BPE,
+        where its `tokenizer.ggml.pre`'s regexes cut the text into the same pieces as they cut
+        the two parts (`_CUTS`: where a run of letters, digits or other characters ends, after
+        a newline, ...); for SentencePiece BPE (and gemma4's form, whose pieces it merges
+        whole), between two characters that no token holds side by side, so no merge can join
+        them. Only cuts at `low` or after are looked for."""
+        # the text after a cut must show any special across it, or just after it
+        margin = self._special_len + 1
+        if len(text) <= margin:
+            return 0
+        if self._byte_layout:
+            candidates: Iterable[int] = range(len(text) - margin, low - 1, -1)
+        elif self._cuts is not None:  # byte-level BPE: the regexes split there
+            candidates = _class_cuts(text, len(text) - margin, low, self._cuts)
+        else:
+            pairs = self._pairs  # spaces are "▁" where the merges see them
+            candidates = (c for c in range(len(text) - margin, low - 1, -1)
+                          if text[c - 1:c + 1].replace(" ", SPACE) not in pairs)
+        for c in candidates:
+            if self._clear_of_specials(text, c):
+                return c
+        return 0
+
+    def _clear_of_specials(self, text: str, cut: int) -> bool:
+        if not self._partition:
+            return True
+        lo, hi = cut, cut  # the whitespace llama.cpp's stripping could take across the cut
+        while lo > 0 and text[lo - 1] in C_SPACE:
+            lo -= 1
+        while hi < len(text) and text[hi] in C_SPACE:
+            hi += 1
+        # a cut's rule may look one character past it (`_GPT2_CUTS`): a special there ends
+        # the raw text the rule saw go on
+        near = text[max(0, lo - self._special_len):hi + self._special_len + 1]
+        return not any(t in near for t, _, _ in self._partition)
 
     def _encode_raw(self, texts: list[str]) -> list[np.ndarray]:
         if not texts:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +21,7 @@ from toymlx.backend.files import special_kind
 from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.data.image_folder import (
     IMAGE_EXTENSIONS,
+    ImageBytes,
     ImageDataError,
     decode_image,
     images_below,
@@ -92,16 +93,20 @@ class Classifier:
                                                    batch_size), k)
         return res
 
-    def each_top_k(self, files: Sequence[Path], k: int = 5, batch_size: int = 64
-                   ) -> Iterator[tuple[Path, list[tuple[str, float]] | ImageDataError]]:
+    def each_top_k(self, files: Sequence[Input], k: int = 5, batch_size: int = 64
+                   ) -> Iterator[tuple[Input, list[tuple[str, float]] | ImageDataError]]:
         """(file, its `top_k`) in order, a batch at a time as each is computed; a file that
-        cannot be decoded comes with its ImageDataError instead, and the others are classified
-        (one corrupt image in a folder of thousands no longer costs every answer)."""
+        cannot be decoded comes with its ImageDataError instead (and an ImageDataError of
+        `image_files` with itself), and the others are classified (one corrupt image in a
+        folder of thousands no longer costs every answer)."""
         for i in range(0, len(files), batch_size):
             chunk, read, failed = files[i:i + batch_size], [], {}
             for f in chunk:
                 try:
-                    read.append(decode_image(f, self.image_size, self.channels))
+                    if isinstance(f, ImageDataError):  # a name that gave no image
+                        failed[f] = f
+                    else:
+                        read.append(decode_image(f, self.image_size, self.channels))
                 except ImageDataError as e:
                     failed[f] = e
             x = np.stack(read) if read else np.zeros((0, 0), np.float32)
@@ -115,23 +120,70 @@ class Classifier:
         return [[(self.names[j], float(row[j])) for j in o] for row, o in zip(p, order)]
 
 
-def image_files(paths: Iterable[str | Path]) -> list[Path]:
-    """Files named on the command line, folders expanded to the images below them (sorted)."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = images_below(p)
-            if not found:
-                raise ImageDataError(f"{p}: expected image files ({', '.join(IMAGE_EXTENSIONS)}) "
-                                     "in the folder, found none")
-            out += found
-        elif p.is_file():
-            out.append(p)
-        elif kind := special_kind(p):
-            raise ImageDataError(f"{p}: expected an image file or a folder, found {kind}")
-        else:
-            raise ImageDataError(f"{p}: no such file or directory")
+STDIN_IMAGE_LIMIT = 256 * 2**20
+"""Most bytes `-` takes from stdin: an uncompressed RGB image at Pillow's pixel limit
+(`Image.MAX_IMAGE_PIXELS`, 89,478,485 pixels x 3 bytes). An endless stream (`yes |`) would be
+read until memory ran out; a larger image is classified by its file's name."""
+
+
+def stdin_image(stream: BinaryIO | None) -> ImageBytes:
+    """The one image whose bytes `stream` (stdin) holds, named "-"; ImageDataError for a
+    terminal, a closed or empty stdin, or more than STDIN_IMAGE_LIMIT bytes."""
+    if stream is None:
+        raise ImageDataError("-: expected one image's bytes on stdin, found stdin closed")
+    if stream.isatty():  # an image is never typed: reading would wait for Ctrl-D
+        raise ImageDataError("-: expected one image's bytes piped or redirected to stdin "
+                             "(cat x.png | toymlx-classify --model RUN -), found a terminal")
+    try:
+        data = stream.read(STDIN_IMAGE_LIMIT + 1)
+    except OSError as e:  # `< folder`: EISDIR
+        raise ImageDataError(f"-: cannot read stdin ({e.strerror or e})") from None
+    if not data:
+        raise ImageDataError("-: expected one image's bytes on stdin, found none (stdin was "
+                             "empty)")
+    if len(data) > STDIN_IMAGE_LIMIT:
+        raise ImageDataError(f"-: expected one image's bytes on stdin, at most "
+                             f"{STDIN_IMAGE_LIMIT:,} bytes (an uncompressed RGB image at "
+                             "Pillow's pixel limit), found more; is stdin an endless stream? "
+                             "A larger image: give its file's name")
+    return ImageBytes("-", data)
+
+
+Input = Path | ImageBytes | ImageDataError
+"""An image to classify: a file, the bytes read from stdin, or why a name gave none."""
+
+
+def image_files(paths: Iterable[str | Path], stdin: BinaryIO | None = None) -> list[Input]:
+    """Files named on the command line, folders expanded to the images below them (sorted),
+    "-" one image read from `stdin` (a file named "-": "./-"). A name that gives no image
+    (nothing there, an empty folder, a FIFO, stdin empty) is its ImageDataError in its place,
+    so that the others are still classified, as `file` and `identify` go on over a glob."""
+    paths = [str(p) for p in paths]
+    if (n := paths.count("-")) > 1:
+        raise ImageDataError(f"IMAGE_OR_DIR: expected '-' (one image read from stdin) at most "
+                             f"once, found it {n} times; name the other images by their files")
+    out: list[Input] = []
+    for name in paths:
+        try:
+            out += [stdin_image(stdin)] if name == "-" else _expand(Path(name))
+        except ImageDataError as e:
+            out.append(e)
     return out
+
+
+def _expand(p: Path) -> list[Path]:
+    if p.is_dir():
+        found = images_below(p)
+        if not found:
+            raise ImageDataError(f"{p}: expected image files ({', '.join(IMAGE_EXTENSIONS)}) "
+                                 "in the folder, found none")
+        return found
+    if p.is_file():
+        return [p]
+    if kind := special_kind(p):
+        raise ImageDataError(f"{p}: expected an image file or a folder, found {kind}; for "
+                             "one image sent on stdin, name it -")
+    raise ImageDataError(f"{p}: no such file or directory")
 
 
 def predict(clf: Classifier, batches: Iterable[dict[str, np.ndarray]]

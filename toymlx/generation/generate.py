@@ -80,10 +80,12 @@ def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float,
 def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
              min_p: float = 0.0, repetition_penalty: float | None = None,
-             kept: PromptCache | None = None) -> Iterator[int]:
+             kept: PromptCache | None = None, decoder: Any = None) -> Iterator[int]:
     """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before an
     end-of-generation token (`stop_ids`) and at the model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples
     (`toymlx.generation.sampling`). `kept`: a conversation's caches, kept between calls (`PromptCache`).
+    `decoder`: `decoder_for(model)`, made once by a caller that generates several times from
+    the model (its traces are made at its first call); None: made here.
     Where MLX computes on the CPU, OpenBLAS runs on `decoding_blas_threads` threads from the
     first token asked for until the last one is handed out or the caller stops reading."""
     if len(prompt_ids) == 0:
@@ -99,12 +101,18 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     cpu = not on_gpu()
     sampler = make_sampler(temperature, top_p, min_p, top_k, checked_on_host=cpu)
     penalty = _penalty(repetition_penalty)
-    decoder = CompiledDecode(model) if cpu and CompiledDecode.fits(model) else model
+    decoder = decoder_for(model) if decoder is None else decoder
     with use_blas_threads(decoding_blas_threads() if cpu else None):
         for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty, kept):
             if tok in stop:
                 return
             yield tok
+
+
+def decoder_for(model: Llama) -> Any:
+    """What `generate` decodes `model` with: its `CompiledDecode` where MLX computes on the CPU
+    and the model fits one, else the model itself (a GPU runs the eager graph)."""
+    return CompiledDecode(model) if not on_gpu() and CompiledDecode.fits(model) else model
 
 
 def stop_ids(tokenizer: Any) -> frozenset[int]:
@@ -450,17 +458,22 @@ class LlamaCppDecoder:
 
     def generate(self, prompt_ids: Sequence[int], stop: Collection[int], max_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 min_p: float = 0.0, repetition_penalty: float | None = None
-                 ) -> Iterator[int]:
+                 min_p: float = 0.0, repetition_penalty: float | None = None,
+                 seed: int | None = None) -> Iterator[int]:
         """The new token ids for `prompt_ids` up to one of `stop` (`stop_ids`), as the child
         decodes them; the child stays for
-        the next call. Left before the end (the caller stopped reading), the child is stopped."""
+        the next call. Left before the end (the caller stopped reading), the child is stopped.
+        `seed`: decode as a child started with this seed would (the sampler reseeded, no
+        computed token reused: one of several samples); None: go on from the last call (a
+        conversation's turn, its shared start reused)."""
         from toymlx.generation.llamacpp_decode import END
 
         budget = min(max_tokens, self.context - len(prompt_ids))
-        self._send({"ids": [int(i) for i in prompt_ids], "stop": sorted(int(i) for i in stop), "budget": max(budget, 0),
-                    "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                    "min_p": min_p, "repetition_penalty": repetition_penalty or 1.0})
+        request = {"ids": [int(i) for i in prompt_ids], "stop": sorted(int(i) for i in stop),
+                   "budget": max(budget, 0), "temperature": temperature, "top_p": top_p,
+                   "top_k": top_k, "min_p": min_p,
+                   "repetition_penalty": repetition_penalty or 1.0}
+        self._send(request if seed is None else {**request, "seed": seed})
         done = False
         try:
             while (line := self._line()) != END:

@@ -2,7 +2,8 @@
 
 It reads one JSON request line on stdin (the model, adapter, context, seed), loads the model in
 llama.cpp (llama-cpp-python) and prints `ready`; then, for each request line that follows (the
-prompt ids and the samplers: one turn of a conversation), each new token id on its own line as
+prompt ids and the samplers: one turn of a conversation, or with `seed` one sample decoded
+afresh), each new token id on its own line as
 it is decoded, flushed, and `END` after the last, until stdin closes. llama.cpp keeps the
 tokens it has computed between requests and computes again only where a prompt departs from
 them (a conversation's next turn repeats the whole conversation so far). Run apart from toymlx-generate so that a
@@ -91,6 +92,9 @@ def main() -> None:
         req = json.loads(line)
         n = decode_threads(os.cpu_count() or 1, idle_cores())
         llama_cpp.llama_set_n_threads(llm.ctx, n, n)
+        if "seed" in req:  # a sample of its own: as a child loaded with this seed decodes it
+            llm.set_seed(req["seed"])
+            llm.reset()  # no prefix reused: the prompt computed in one batch, as at the start
         steps = llm.generate(req["ids"], temp=req["temperature"], top_p=req["top_p"],
                              top_k=req["top_k"], min_p=req["min_p"],
                              repeat_penalty=req["repetition_penalty"])

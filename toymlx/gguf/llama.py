@@ -192,17 +192,37 @@ def _rope_factors(g: GGUFFile, name: str, n: int) -> tuple[float, ...]:
     return tuple(float(x) for x in f)
 
 
-def args_from_gguf(g: GGUFFile) -> LlamaArgs:
-    """LlamaArgs from a GGUF's `<arch>.*` keys and RoPE tensors, checked against its tensors:
-    an unknown architecture, metadata key or tensor is one GGUFError naming it."""
-    if g.metadata.get("general.type") == "adapter":  # not a model: say so before any key
+NOT_A_MODEL = {
+    "mmproj": ("a multimodal projector (mmproj), which llama.cpp loads beside its language "
+               "model (--mmproj); toymlx trains and runs the language model: pass that GGUF"),
+    "imatrix": ("an importance matrix (llama-imatrix's output, for llama-quantize --imatrix); "
+                "pass the model GGUF"),
+}
+"""What a GGUF of each `general.type` other than a model is, and what to pass instead."""
+
+
+def check_model_kind(g: GGUFFile) -> None:
+    """GGUFError, before any other key is read, where the file is not a model: a LoRA adapter,
+    a projector (mmproj; older ones say so by `general.architecture` 'clip' alone), an
+    importance matrix or another `general.type`, saying what to pass instead."""
+    kind = g.metadata.get("general.type", "model")
+    if kind == "adapter":
         raise GGUFError(f"{g.path}: expected a model GGUF, found a LoRA adapter (a LoRA run's "
                         "checkpoint); pass it as --adapter, with its base model as --base "
                         "(toymlx-generate: --model)")
-    kind = g.metadata.get("general.type", "model")
-    if kind != "model":  # e.g. a projector (mmproj) or a vocabulary-only file
-        raise GGUFError(f"{g.path}: metadata key 'general.type': expected 'model' (or absent), "
-                        f"found {kind!r}")
+    key = "general.type"
+    if kind == "model" and g.metadata.get("general.architecture") == "clip":
+        kind, key = "mmproj", "general.architecture"
+    if kind != "model":  # e.g. a vocabulary-only file
+        what = NOT_A_MODEL.get(kind, f"{kind!r}")
+        raise GGUFError(f"{g.path}: metadata key {key!r}: expected a model (general.type "
+                        f"'model' or absent), found {what}")
+
+
+def args_from_gguf(g: GGUFFile) -> LlamaArgs:
+    """LlamaArgs from a GGUF's `<arch>.*` keys and RoPE tensors, checked against its tensors:
+    an unknown architecture, metadata key or tensor is one GGUFError naming it."""
+    check_model_kind(g)
     arch = _arch_of(g)
     check_keys(g, arch)
     k = arch.name + "."

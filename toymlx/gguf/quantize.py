@@ -27,9 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +36,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from tqdm import tqdm
 
 from toymlx.backend import atomic
-from toymlx.backend.lifeline import child_env, watch_parent
+from toymlx.backend.lifeline import watch_parent
+from toymlx.backend.stop import in_child
 from toymlx.gguf.reader import DIGEST_KEY, UINT32, GGUFError, GGUFFile
 from toymlx.gguf.writer import GGUF_PY_TYPES, encode_tensor, write_gguf
 
@@ -154,6 +153,13 @@ def ggml_quantize_chunk() -> Any | None:
     return fn
 
 
+CHUNK_VALUES = 1 << 20
+"""Values `quantize_tensor` hands llama.cpp's `ggml_quantize_chunk` a call, a run of whole rows
+(llama-quantize's own threads split a tensor so, and each row is encoded alone: the same
+bytes): Python runs no signal handler inside one call, and one call on a 1B model's 8192 x
+2048 tensor held a SIGTERM to `toymlx-export --fuse` ~2.7 s on 2 CPU cores."""
+
+
 def quantize_tensor(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """A float32 (out, in) tensor encoded as `qtype`'s raw bytes (uint8): llama.cpp's own
     encoder where installed (the bytes llama-quantize writes for that tensor, no importance
@@ -172,7 +178,9 @@ def quantize_tensor(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     if fn is not None:
         rows = w.size // n_in
         out = np.empty(rows * (n_in // block) * size, np.uint8)
-        n = fn(int(qtype), w.ctypes.data, out.ctypes.data, 0, rows, n_in, None)
+        step = max(1, CHUNK_VALUES // n_in)  # rows a call: a stop's handler runs between two
+        n = sum(fn(int(qtype), w.ctypes.data, out.ctypes.data, r * n_in, min(step, rows - r),
+                   n_in, None) for r in range(0, rows, step))
         if n != out.nbytes:
             raise OSError(f"llama.cpp's ggml_quantize_chunk ({qtype.name}): expected "
                           f"{out.nbytes} bytes, found {n}")
@@ -222,8 +230,8 @@ def write_model_gguf(out: str | os.PathLike, metadata: dict[str, Any],
                               progress=f"writing {out.name}" if progress else None)
         _write_with_llama_cpp(out, meta, types, tensors, dtype, progress)
     except OSError as e:
-        raise OSError(f"{out}: could not write the {dtype} model ({e}); nothing was written "
-                      "under this name") from e
+        raise OSError(f"{out}: could not write the {dtype} model ({atomic.named(e, out)}); "
+                      "nothing was written under this name") from e
     return out
 
 
@@ -238,36 +246,18 @@ def _write_with_llama_cpp(out: Path, meta: dict[str, Any],
         with atomic.atomic_path(out) as tmp:
             llama_quantize(f32, tmp, dtype, progress)
     finally:
-        f32.unlink(missing_ok=True)
+        atomic.discard(f32)  # on a read-only disk, removing it fails too
 
 
 def llama_quantize(src: Path, dst: Path, dtype: str, progress: bool = False) -> None:
-    """`llama-quantize SRC DST TYPE` (llama.cpp's default parameters) in a child process, so
-    that a stop acts at once: llama.cpp's call holds its process until it returns (seconds per
-    GB of model), and a KeyboardInterrupt raised in its log callback is dropped by ctypes. Any
-    exception while it runs (Ctrl-C, `StopSignals.raising`'s `Stopped`) kills the child and
-    passes on, and the caller's `atomic_path` removes what it wrote. The child is in a session
-    of its own, so a terminal's Ctrl-C or a signal to the process group reaches this process
-    alone, and tied to this one (`watch_parent`), so it dies with it. OSError with llama.cpp's
-    own message when it fails (a full disk, an unreadable file)."""
-    t0 = time.perf_counter()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "toymlx.gguf.quantize", os.fspath(src), os.fspath(dst), dtype,
-         "progress" if progress else "quiet"], stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, text=True, start_new_session=True, env=child_env())
-    try:
-        said = child.communicate()[0]
-    finally:
-        if child.poll() is None:  # stopped while it runs: no point in its finishing
-            child.kill()
-            child.wait()
-    if child.returncode != 0:
-        code = child.returncode
-        why = (said.strip().splitlines() or [""])[-1] or (
-            f"its process was killed by signal {-code}" if code < 0 else
-            f"its process ended with exit status {code}")
-        raise OSError(f"llama.cpp's quantizer ({dtype}) failed writing {dst} after "
-                      f"{time.perf_counter() - t0:.1f} s: {why}")
+    """`llama-quantize SRC DST TYPE` (llama.cpp's default parameters) in a child process a stop
+    kills (`in_child`): llama.cpp's call holds its process until it returns (seconds per GB of
+    model). Its progress bar on this process's stderr; the caller's `atomic_path` removes what
+    it wrote. OSError with llama.cpp's own message when it fails (a full disk, an unreadable
+    file)."""
+    in_child(f"llama.cpp's quantizer ({dtype})", __name__,
+             [os.fspath(src), os.fspath(dst), dtype, "progress" if progress else "quiet"],
+             show_stderr=True)
 
 
 def _quantize_here(src: str, dst: str, dtype: str, progress: bool) -> str | None:

@@ -125,7 +125,7 @@ class _Cursor:
     def take(self, n: int, what: str) -> memoryview:
         if n < 0 or self.pos + n > self.size:
             raise self.fail(what, f"{n} more bytes at offset {self.pos}",
-                            f"end of file at {self.size} (file truncated?)")
+                            f"end of file at {self.size} (file truncated, or still being written?)")
         out = memoryview(self.buf)[self.pos:self.pos + n]
         self.pos += n
         return out
@@ -207,7 +207,9 @@ class GGUFFile:
         self.metadata_types: dict[str, tuple[int, int | None]] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self.parts: list[GGUFFile] = [self]
-        self._parse()
+        if not HEADERS.restore(self):
+            self._parse()
+            HEADERS.store(self)
         if whole and self.metadata.get(SPLIT_COUNT, 1) not in (0, 1):  # llama.cpp: n_split > 1
             try:
                 self._join_parts()
@@ -282,6 +284,12 @@ class GGUFFile:
     def _parse(self) -> None:
         c = _Cursor(self._mm, self.path)
         magic = bytes(c.take(4, "magic"))
+        if magic == bytes(4):
+            # llama-quantize and llama-gguf-split write zeros where the header goes and the
+            # header itself last, so a file they are still writing starts so
+            raise GGUFError(f"{self.path}: magic: expected b'GGUF', found zero bytes (a GGUF "
+                            "still being written: llama-quantize writes its header last; or "
+                            "an incomplete copy): wait for its writer to finish")
         if magic != MAGIC:
             raise GGUFError(f"{self.path}: magic: expected b'GGUF', found {magic!r} (not a GGUF file)")
         self.version = c.u32("version")
@@ -324,6 +332,7 @@ class GGUFFile:
             if qtype not in GGML_QUANT_SIZES:
                 raise c.fail(f"tensor {name!r} type", "a GGML type with a known size", qtype.name)
             infos.append((name, ne, qtype, offset))
+        self._header_end = c.pos
         data_start = -(-c.pos // align) * align
         for name, ne, qtype, offset in infos:
             if any(d == 0 for d in ne) or any(d > 1 << 40 for d in ne):
@@ -341,7 +350,8 @@ class GGUFFile:
                                 f"{align}, found {offset}")
             if start + nbytes > c.size:
                 raise GGUFError(f"{self.path}: tensor {name!r} data: expected {nbytes} bytes at "
-                                f"offset {start}, found file end at {c.size} (file truncated?)")
+                                f"offset {start}, found file end at {c.size} (file truncated, or "
+                                "still being written?)")
             if name in self.tensors:
                 raise GGUFError(f"{self.path}: tensor {name!r}: expected unique names, "
                                 "found a duplicate")
@@ -456,6 +466,68 @@ class GGUFFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class HeaderCache:
+    """The parsed headers of the GGUF files this process has opened, so that opening the same
+    file again (a command's checks, tokenizer, loader and export each open the base) maps it
+    without parsing its metadata again: a 49k-token vocabulary is ~0.2 s of CPU a parse, a
+    128k one with its merges over a second.
+
+    Owned by `GGUFFile` (its one instance is `HEADERS`); an entry is keyed by the file's
+    resolved path and size and holds only what the header parse makes (metadata values, their
+    types, the tensor index of offsets, version, alignment), never a mapping or tensor data,
+    so the cache keeps no file pages alive. A hit needs the same header bytes: their BLAKE2b
+    (~1 ms a MB) is checked on every open, so a file rewritten in between (in place or
+    replaced, within one mtime tick or not) is parsed again. Each open gets its own dicts (its
+    metadata may be edited, a multi-part GGUF's first part drops its split keys); the values in
+    them (the token lists) are shared between opens and are read only. At most `size`
+    files, the least recently opened dropped first."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._entries: dict[tuple[str, int], dict[str, Any]] = {}
+
+    @staticmethod
+    def _key(g: GGUFFile) -> tuple[str, int]:
+        return os.path.realpath(g.path), len(g._mm)
+
+    @staticmethod
+    def _digest(g: GGUFFile, end: int) -> bytes:
+        return hashlib.blake2b(memoryview(g._mm)[:end], digest_size=16).digest()
+
+    def restore(self, g: GGUFFile) -> bool:
+        """Fill `g`'s header from the cache when its file's header is the cached one."""
+        key = self._key(g)
+        e = self._entries.get(key)
+        if e is None or self._digest(g, e["header_end"]) != e["digest"]:  # size: in the key
+            return False
+        self._entries[key] = self._entries.pop(key)  # most recently used last
+        g.metadata, g.metadata_types = dict(e["metadata"]), dict(e["metadata_types"])
+        g.tensors = dict(e["tensors"])
+        g.version, g.alignment, g.data_start = e["version"], e["alignment"], e["data_start"]
+        g._header_end = e["header_end"]
+        return True
+
+    def store(self, g: GGUFFile) -> None:
+        """Remember `g`'s freshly parsed header (before any multi-part join edits it)."""
+        key = self._key(g)
+        self._entries.pop(key, None)
+        self._entries[key] = {
+            "metadata": dict(g.metadata), "metadata_types": dict(g.metadata_types),
+            "tensors": dict(g.tensors), "version": g.version, "alignment": g.alignment,
+            "data_start": g.data_start, "header_end": g._header_end,
+            "digest": self._digest(g, g._header_end)}
+        while len(self._entries) > self.size:
+            del self._entries[next(iter(self._entries))]
+
+    def clear(self) -> None:
+        """Forget every header (the next open of each file parses it)."""
+        self._entries.clear()
+
+
+HEADERS = HeaderCache()
+"""The process's parsed GGUF headers (`HeaderCache`); `GGUFFile` reads and fills it."""
 
 
 def data_digest(path: str | os.PathLike, data_start: int,

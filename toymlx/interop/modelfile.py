@@ -8,13 +8,16 @@ instead `FROM` the fused GGUF, and
 when the base came from Ollama's store its `TEMPLATE`, `SYSTEM` and `PARAMETER` layers;
 otherwise no TEMPLATE, so Ollama derives one from the GGUF's `tokenizer.chat_template`.
 `PARAMETER stop` lists the tokenizer's end-of-generation tokens. Values are quoted the way
-Ollama's own `ollama show --modelfile` quotes them.
+Ollama's own `ollama show --modelfile` quotes them, and read back (`parse_modelfile`) by the
+rules of Ollama's parser (parser/parser.go), which the writer checks each value against: a
+\"\"\" inside a TEMPLATE or SYSTEM is held unless a line but the last ends in it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +34,70 @@ from toymlx.runner.bundle import run_base
 MODELFILE = "Modelfile"
 
 
-def quote(value: str) -> str:
-    """A Modelfile value as Ollama's parser reads it back (its `quote`, plus refusing what it
-    cannot hold)."""
-    if '"""' in value:
-        raise ValueError(f'Modelfile value {value[:40]!r}...: expected no \'"""\' (Ollama\'s '
-                         "parser cannot hold it), found one")
-    if "\n" in value or value != value.strip():
-        return f'"""{value}"""' if '"' in value else f'"{value}"'
-    return value
+def quote(value: str, triple: bool = False) -> str:
+    """A Modelfile value as Ollama's parser reads it back: bare, in "..." or, where it holds a
+    quote (or `triple`), in \"\"\"...\"\"\" (Ollama's `quote`, plus a leading quote or a
+    carriage return); ValueError naming what Ollama's parser cannot hold (`_held`)."""
+    text = value
+    if (triple or value != value.strip() or value.startswith('"')
+            or any(c in value for c in "\r\n")):
+        q = '"""' if triple or '"' in value else '"'
+        text = f"{q}{value}{q}"
+    _held(value, text)
+    return text
+
+
+def _held(value: str, text: str) -> None:
+    """ValueError unless Ollama's parser reads `text` back as `value`: a \"\"\" value ends at
+    the first line break after which its text so far, trailing spaces aside, ends in
+    \"\"\"; characters other than printable ones, spaces, tabs and line breaks are dropped."""
+    _, got = _value(text, 0)
+    if got == value:
+        return
+    head = f"Modelfile value {value[:40]!r}{'...' if len(value) > 40 else ''}"
+    bad = next((c for c in value if not (c.isprintable() or c in _KEPT)), None)
+    if bad is not None:
+        raise ValueError(f"{head}: expected printable characters (Ollama's parser drops the "
+                         f"others), found {bad!r}")
+    lines = re.split(r"[\r\n]", value)
+    k = next((k for k, line in enumerate(lines[:-1]) if line.rstrip(" \t").endswith('"""')), None)
+    if k is not None:
+        raise ValueError(f'{head}: expected no line but the last ending in \'"""\' (Ollama\'s '
+                         f"parser ends the value there), found line {k + 1} "
+                         f"{lines[k][-40:]!r}")
+    raise ValueError(f"{head}: expected a value Ollama's parser reads back unchanged, found it "
+                     f"read as {got[:40]!r}")
+
+
+_KEPT = " \t\r\n"
+"""The characters other than printable ones that Ollama's parser keeps in a value."""
+
+
+def _unquote(text: str) -> str | None:
+    """A value's text unquoted as Ollama's parser does, or None while a quote is still open."""
+    for q in ('"""', '"'):
+        if text.startswith(q):
+            return text[len(q):-len(q)] if len(text) >= 2 * len(q) and text.endswith(q) else None
+    return text
+
+
+def _value(text: str, i: int) -> tuple[int, str | None]:
+    """(where the value starting at `text[i]` ends, the value, or None where a quote is still
+    open at the end) by Ollama's rules: the value ends at the first line break (a carriage
+    return or a newline) where the text read so far, spaces trimmed, is complete (bare, or its
+    quotes closed); characters other than printable ones, spaces, tabs and line breaks are
+    dropped (Go's strconv.IsPrint, as Python's str.isprintable)."""
+    kept: list[str] = []
+    while i < len(text):
+        c = text[i]
+        i += 1
+        if c in "\r\n":
+            value = _unquote("".join(kept).strip(_KEPT))
+            if value is not None:
+                return i, value
+        if c in _KEPT or c.isprintable():
+            kept.append(c)
+    return i, _unquote("".join(kept).strip(_KEPT))
 
 
 def lora_run_base(adapter: str | os.PathLike, adapter_file: Path) -> str | None:
@@ -116,8 +174,7 @@ def modelfile_text(base: Resolved, adapter_file: Path, stops: list[str],
                   f"FROM {quote(str(fused.absolute()))}"]
     template = base.layer_text("template")
     if template is not None:
-        lines.append(f'TEMPLATE """{template}"""' if '"""' not in template else
-                     f"TEMPLATE {quote(template)}")
+        lines.append(f"TEMPLATE {quote(template, triple=True)}")
     else:
         lines.append("# No TEMPLATE: Ollama uses the GGUF's tokenizer.chat_template")
     system = base.layer_text("system")
@@ -148,7 +205,8 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     """Write `out_dir/Modelfile` for a LoRA run or adapter GGUF; (its path, the base, the
     adapter file, the fused GGUF or None). `base` defaults to the run's `--base`; with `fuse`,
     `out_dir/fused-TYPE.gguf` (`write_merged`: type `dtype`, default the file that keeps the
-    fine-tune, named after the base's own type) is written first."""
+    fine-tune, named after the base's own type) is written first, and removed again if the
+    Modelfile then fails (nothing of a failed export stays in `out_dir`)."""
     adapter_file = checkpoint_file(adapter, "--adapter").resolve()
     base = base or lora_run_base(adapter, adapter_file)
     if not base:
@@ -163,47 +221,62 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     check_output(out_dir, inputs, folder=True)
     path = check_output(Path(out_dir) / MODELFILE, inputs)
     fused = None
-    if fuse:
-        from toymlx.interop.merge import write_merged  # MLX only when a model is fused
+    with atomic.output_folder(out_dir):  # a failed write leaves no empty folder it made
+        try:
+            if fuse:
+                from toymlx.interop.merge import write_merged  # MLX only when a model is fused
 
-        with GGUFFile(src.path) as g:
-            name = dtype or export_type(g)
-        fused = write_merged(check_output(Path(out_dir) / f"fused-{name}.gguf", inputs),
-                             src.path, adapter_file, dtype, progress)
-    text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(path, text)
+                with GGUFFile(src.path) as g:
+                    name = dtype or export_type(g)
+                fused = write_merged(check_output(Path(out_dir) / f"fused-{name}.gguf", inputs),
+                                     src.path, adapter_file, dtype, progress)
+            text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused)
+            atomic.write_text(path, text)
+        except BaseException:
+            # all or nothing: a Modelfile that cannot be written (a full disk) takes the fused
+            # GGUF written for it along, so --out holds nothing of this export
+            if fused is not None:
+                atomic.discard(fused)
+            raise
     return path, src, adapter_file, fused
 
 
+_COMMAND = re.compile(r"([A-Za-z]+)[ \t]")
+"""A Modelfile command (FROM, TEMPLATE, ...) and the space after it."""
+_NAME = re.compile(r"([A-Za-z0-9_]+)[ \t]")
+"""A PARAMETER's or MESSAGE's name and the space after it."""
+
+
 def parse_modelfile(text: str) -> list[tuple[str, str]]:
-    """(command, value) pairs of a Modelfile, values unquoted; PARAMETER lines give
-    ('PARAMETER name', value). Enough of Ollama's grammar to read back what toymlx writes."""
+    """(command, value) pairs of a Modelfile, values unquoted as Ollama's parser reads them
+    (`_value`); PARAMETER and MESSAGE lines give ('PARAMETER name', value). Command names are
+    not checked against Ollama's list."""
     out: list[tuple[str, str]] = []
-    lines = text.splitlines()
+    text = text.removeprefix("\ufeff")
     i = 0
-    while i < len(lines):
-        line = lines[i].lstrip()
-        i += 1
-        if not line or line.startswith("#"):
+    while i < len(text):
+        c = text[i]
+        if c in _KEPT:
+            i += 1
             continue
-        cmd, _, rest = line.partition(" ")
-        cmd = cmd.upper()
-        if cmd == "PARAMETER":
-            key, _, rest = rest.strip().partition(" ")
-            cmd = f"PARAMETER {key}"
-        rest = rest.lstrip()
-        for q in ('"""', '"'):
-            if rest.startswith(q):
-                rest = rest.rstrip() if rest.rstrip().endswith(q) else rest
-                while not (len(rest) >= 2 * len(q) and rest.endswith(q)) and i < len(lines):
-                    rest += "\n" + lines[i]
-                    i += 1
-                if not rest.endswith(q) or len(rest) < 2 * len(q):
-                    raise ValueError(f"Modelfile {cmd}: expected a closing {q}, found the end")
-                rest = rest[len(q): -len(q)]
-                break
-        else:
-            rest = rest.rstrip()
-        out.append((cmd, rest))
+        if c == "#":  # a comment runs to the line break
+            i = min((j for j in (text.find("\n", i), text.find("\r", i)) if j >= 0),
+                    default=len(text))
+            continue
+        m = _COMMAND.match(text, i)
+        if not m:
+            line = text[i:].splitlines()[0] if text[i:] else ""
+            raise ValueError(f"Modelfile line {text.count(chr(10), 0, i) + 1}: expected a "
+                             f"command and a space (FROM x), found {line[:40]!r}")
+        cmd, i = m[1].upper(), m.end()
+        if cmd in ("PARAMETER", "MESSAGE"):
+            m = _NAME.match(text, i)
+            if not m:
+                raise ValueError(f"Modelfile {cmd}: expected a name and a space, found "
+                                 f"{text[i:i + 40]!r}")
+            cmd, i = f"{cmd} {m[1]}", m.end()
+        i, value = _value(text, i)
+        if value is None:
+            raise ValueError(f"Modelfile {cmd}: expected its quote closed, found the end")
+        out.append((cmd, value))
     return out

@@ -36,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from toymlx.backend.atomic import atomic_open, write_text
+from toymlx.backend.atomic import atomic_open, discard, output_folder, write_text
 from toymlx.models.vit import ViT, ViTArgs
 
 TIMM_ARCH = "vit_tiny_patch16_224"
@@ -124,7 +124,8 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray],
 def export_timm(out: str | os.PathLike, model: ViT, norm: dict[str, Any],
                 class_names: list[str]) -> list[Path]:
     """Write `out` (a .safetensors file) or `out/model.safetensors` + `out/config.json` (a
-    folder, timm's hub layout); returns the files written."""
+    folder, timm's hub layout); returns the files written. A failed write leaves nothing it
+    wrote, nor a folder it made."""
     out = Path(out)
     cfg = timm_config(model.args, norm, class_names)
     meta = {"format": "pt", "timm_architecture": TIMM_ARCH,
@@ -133,10 +134,14 @@ def export_timm(out: str | os.PathLike, model: ViT, norm: dict[str, Any],
             "label_names": json.dumps(cfg["label_names"])}
     tensors = timm_state_dict(model)
     if out.suffix == ".safetensors":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_safetensors(out, tensors, meta)
+        with output_folder(out.parent):  # a failed write leaves no empty folder it made
+            write_safetensors(out, tensors, meta)
         return [out]
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / "model.safetensors", tensors, meta)
-    write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
+    with output_folder(out):  # a failed write leaves no empty folder it made
+        write_safetensors(out / "model.safetensors", tensors, meta)
+        try:
+            write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
+        except BaseException:  # all or nothing: no weights left without the config they need
+            discard(out / "model.safetensors")
+            raise
     return [out / "model.safetensors", out / "config.json"]

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import numpy as np
 
 from toymlx.data.chat import data_files, load_examples, test_file
-from toymlx.data.text import DataError, TokenData, read_text
+from toymlx.data.text import DataError, TokenData
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
 from toymlx.models.losses import lm_loss
 from toymlx.training.task import Task, TrainConfig
@@ -91,7 +91,6 @@ def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
         return TokenData.from_ids(tokenizer.encode(text), seq_len, data.val_fraction, source,
                                   windows)
     if not Path(data.path).is_dir():
-        read_text(data.path)  # clear errors for missing, empty or non-UTF-8 files
         return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction, windows)
     files = data_files(data.path)
     ids = tokenizer.encode(records_text(files.train))

@@ -407,21 +407,22 @@ def build(cfg: Config, ops: Ops) -> Task:
         fine-tune's final checkpoint re-encoded (`write_reencoded` either way)."""
         with GGUFFile(src.path) as g:
             dtype = fuse_type(cfg.fuse_at_end, g)
+        bars = cfg.progress and sys.stderr.isatty()  # as the run's own: none drawn into a log
         out = check_output(run_dir / f"fused-{dtype}.gguf", [("--base", src.path)],
                            "--fuse-at-end", owns=[run_dir])
         if full:
             if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.gguf.fuse)
-                kept = write_full_kept(out, src.path, run_dir, progress=cfg.progress).kept
+                kept = write_full_kept(out, src.path, run_dir, progress=bars).kept
             else:
-                write_reencoded(out, run_dir, None, dtype, progress=cfg.progress)
+                write_reencoded(out, run_dir, None, dtype, progress=bars)
                 kept = None
             return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                     "bytes": out.stat().st_size,
                     **({"fine_tune_kept": round(kept, 4)} if kept is not None else {})}
         if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.gguf.fuse)
-            kept = write_fused_kept(out, src.path, run_dir, progress=cfg.progress).kept
+            kept = write_fused_kept(out, src.path, run_dir, progress=bars).kept
         else:
-            write_reencoded(out, src.path, run_dir, dtype, progress=cfg.progress)
+            write_reencoded(out, src.path, run_dir, dtype, progress=bars)
             kept = adapter_kept(out, src.path, run_dir)
             if kept < KEPT_WARNING:
                 print(f"toymlx: {out} {kept_note(kept, dtype, '--fuse-at-end')}",

@@ -18,6 +18,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
+from toymlx.data.image_folder import split_folders
 from toymlx.data.images import Augment, ImageSet, Prefetcher, load_images
 from toymlx.gguf.vit import load_vit, write_vit
 from toymlx.models.losses import classify_metrics
@@ -199,7 +200,9 @@ def validate(cfg: Config) -> None:
                          "test set at every eval already)")
     if d.test_path is not None:
         test = Path(d.test_path).resolve()
-        for flag, other in (("--data.path", d.path), ("--data.val-path", d.val_path)):
+        split = split_folders(d.path) if d.path is not None else None
+        trained = str(split["train"]) if split else d.path  # timm's layout: its train/
+        for flag, other in (("--data.path", trained), ("--data.val-path", d.val_path)):
             if other is not None and (test.is_relative_to(Path(other).resolve())
                                       or Path(other).resolve().is_relative_to(test)):
                 raise ValueError(f"--data.test-path: expected images apart from {flag} (a test "

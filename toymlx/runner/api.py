@@ -10,7 +10,9 @@
 its flags (`seq_len=256` is `--seq-len 256`, `data={"path": p}` is `--data.path p`, `True`/
 `False` are `--flag`/`--no-flag`), relays its output, and returns the bundle's summary row
 (`toymlx.runner.report.summarize_run`). Bad options are the command's own one-line error, raised as
-`ValueError`; a run that fails raises `TrainError`, naming its bundle.
+`OptionError` (a `ValueError`); a run that fails raises `TrainError` (a `RuntimeError`), naming its
+bundle; both are `toymlx.OptionError` and `toymlx.TrainError` too. Their messages, and Ctrl-C's,
+name the keywords `train` takes where the command's name its flags (`keyword_message`).
 
 Why a child process and not this one: MLX fixes some of its CPU set-up once per process, before
 toymlx can act, and a script that imported `mlx.core` first (every mlx-lm script, most
@@ -24,15 +26,28 @@ and so does a reader of this process's output gone (`python script.py | head -3`
 from __future__ import annotations
 
 import codecs
+import dataclasses
+import json
+import numbers
 import os
+import re
 import signal
 import subprocess
 import sys
+import types
+import typing
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from toymlx.backend.lifeline import child_env
 from toymlx.backend.stop import READER_GONE
+
+
+class OptionError(ValueError):
+    """An option `toymlx.train` refused before any training: a name or value the command does
+    not take, or a value no flag can carry. Nothing was trained and no bundle was written; a
+    `ValueError`, so code catching that still catches it."""
 
 
 class TrainError(RuntimeError):
@@ -49,7 +64,8 @@ def option_flags(options: dict[str, Any], prefix: str = "") -> list[str]:
     several values; None is left to the recipe's default."""
     flags: list[str] = []
     for key, value in options.items():
-        name = prefix + str(key).replace("_", "-")
+        key = str(key)
+        name = "from" if prefix + key == "from_step" else prefix + key.replace("_", "-")
         if isinstance(value, dict):
             flags += option_flags(value, name + ".")
         elif value is None:
@@ -68,50 +84,223 @@ def _negated(name: str) -> str:
     return f"{group}.no-{leaf}" if group else f"no-{leaf}"
 
 
-def train(recipe: str, *, echo: bool = True, **options: Any) -> dict[str, Any]:
+def train(recipe: str | None = None, *, echo: bool = True, **options: Any) -> dict[str, Any]:
     """Train `recipe` with `options` (the flags of `toymlx-train --recipe RECIPE --help`) in a
     fresh process; return the run's summary (status, steps, final loss, held-out metric,
-    throughput, path). `echo=False` keeps the child's output to the error message."""
+    throughput, path). With `resume=`, or `config=` a file naming one, the recipe is the run's
+    or the file's, as the command's.
+    `echo=False` keeps the child's output to the error message."""
+    with warnings.catch_warnings():  # the summary's first numpy import adds numpy's filters
+        return _train(recipe, echo, options)
+
+
+def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str, Any]:
     from toymlx.bundle.options import default_run_id
+    from toymlx.recipes import RECIPES
     from toymlx.runner.report import summarize_run
 
     options = _python_names(options)
-    resume = options.get("resume")
-    if resume is None and options.get("run_id") is None:
+    resume, config = options.get("resume"), options.get("config")
+    # a str the command checks, naming the recipes; None only where the run or file names it
+    if not isinstance(recipe, str) and not (recipe is None and (resume or config) is not None):
+        raise OptionError(f"recipe: expected one of {', '.join(RECIPES)}, found {recipe!r}")
+    if resume is None and config is None and options.get("run_id") is None:
         options["run_id"] = default_run_id(recipe)  # known here, so the bundle can be read
-    run_dir = (Path(resume) if resume is not None
+    # a config file's runs_root and run_id are the child's to read: its bundle is then the
+    # one its last line names
+    run_dir = (Path(resume) if resume is not None else None if config is not None
                else Path(options.get("runs_root") or "runs") / options["run_id"])
-    cmd = [sys.executable, "-m", "toymlx_cli.train", "--recipe", recipe, *option_flags(options)]
-    record = run_dir / "events.jsonl"
-    before = _stamp(record)
+    cmd = [sys.executable, "-m", "toymlx_cli.train",
+           *(["--recipe", recipe] if recipe is not None else []), *option_flags(options)]
+    before = _stamp(run_dir / "events.jsonl") if run_dir is not None else None
     tail = _run_child(cmd, echo)
-    summary = summarize_run(run_dir) if record.exists() else None
+    if run_dir is None and (named := re.search(r"bundle: (.+)$", tail.last_line)):
+        run_dir = Path(named.group(1))  # new to this call: a record there is the run's own
+    summary = (summarize_run(run_dir) if run_dir is not None
+               and (run_dir / "events.jsonl").exists() else None)
+    recipes = [recipe or (summary or {}).get("recipe")]
+    if isinstance(tail.stopped, KeyboardInterrupt):
+        # the run's own last line: the step it stopped at and how to resume it
+        raise KeyboardInterrupt(keyword_message(tail.last_line or f"stopped; bundle: {run_dir}",
+                                                options, recipes))
+    if tail.stopped is not None:
+        raise tail.stopped
     if tail.returncode == 0:
         return summary if summary is not None else {"path": str(run_dir), "status": "empty"}
     last = tail.last_line or f"exit status {tail.returncode}"
     # exit 2 is a refusal of the options, or a run that diverged: only the latter writes the
     # bundle's record (a refused --run-id of an existing run leaves that run's as it was)
-    if tail.returncode == 2 and _stamp(record) == before:
-        raise ValueError(tail.message())
-    raise TrainError(f"{last} (bundle: {run_dir})", tail.returncode, summary)
+    if tail.returncode == 2 and (run_dir is None or _stamp(run_dir / "events.jsonl") == before):
+        raise OptionError(keyword_message(tail.message(), options, recipes))
+    if not last.endswith(f"bundle: {run_dir}"):  # the run's own last line names it already
+        last = f"{last} (bundle: {run_dir})"
+    raise TrainError(keyword_message(last, options, recipes), tail.returncode, summary)
+
+
+_COMMAND = re.compile(r"(?<![\w./-])(toymlx-[a-z]+|llama-[a-z-]+|mlx-lm's|mlx_lm\.[a-z_]+) ")
+"""A command line quoted in a message: toymlx-train's is a call of `train`; another's, up to
+the end of its clause, is left as it is (toymlx-export --base is not train's base=)."""
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9._-]*[a-z0-9]")
+_TOKEN = re.compile(f"{_COMMAND.pattern}|{_FLAG.pattern}")
+_CLAUSE_END = re.compile(r"[;)`]|[.,:](?=\s|$)|$")
+_VALUE_END = ".,;:)`'\""
+
+
+def keyword_message(message: str, options: dict[str, Any],
+                    recipes: list[str | None]) -> str:
+    """`message` (the command's) with toymlx-train's flags as the keywords `train` takes:
+    `--resume runs/x` is `resume="runs/x"`, `--overwrite` `overwrite=True`, `--no-compile`
+    `compile=False`, `--data.path p` `data={"path": "p"}`, a flag named alone (`--seq-len:`)
+    its keyword (`seq_len:`), `toymlx-train --resume R --from step_0` the call
+    `toymlx.train(resume="R", from_step="step_0")`. Only the flags of the `recipes` (all of them
+    where none is known) and those `options` gave are translated; another command's, quoted
+    (`toymlx-export --base B`, mlx-lm's --iters), are its own."""
+    kinds = _flag_kinds(recipes, options)
+    values = sorted({str(v) for v in _leaves(options) if isinstance(v, (str, os.PathLike))},
+                    key=len, reverse=True)
+    out, pos = [], 0
+    while m := _TOKEN.search(message, pos):
+        start, end = m.start(), m.end()
+        out.append(message[pos:start])
+        if m.group(1) == "toymlx-train":
+            args, end = [], end - 1
+            while f := re.match(r" (--[a-z][a-z0-9._-]*[a-z0-9])", message[end:]):
+                flag, value, after = _flag_value(message, end + f.end(), f.group(1), kinds,
+                                                 values)
+                if f.group(1) == "--recipe" and value is not None:
+                    args.insert(0, value)
+                elif f.group(1) in kinds:
+                    args.append(_keyword(flag, value, kinds))
+                else:
+                    break
+                end = after
+            out.append(f"toymlx.train({', '.join(args)})" if args else message[start:end])
+        elif m.group(1):  # another command: its clause as it is
+            end += _CLAUSE_END.search(message[end:]).start()
+            out.append(message[start:end])
+        elif m.group(0) in kinds:
+            flag, value, end = _flag_value(message, end, m.group(0), kinds, values)
+            out.append(_keyword(flag, value, kinds))
+        else:
+            out.append(message[start:end])
+        pos = end
+    return "".join(out) + message[pos:]
+
+
+def _flag_value(message: str, end: int, flag: str, kinds: dict[str, Any],
+                values: list[str]) -> tuple[str, str | None, int]:
+    """(flag, its value as Python spells it or None, where it ends) for `flag` ending at
+    `end`: a value follows only where the flag takes one and the next word is one (a number
+    of a number option, a choice of a choice option, a path, a value `options` gave, or a
+    placeholder in capitals such as RUN)."""
+    kind = kinds.get(flag)
+    if kind in (True, False, None) or not message[end:].startswith(" "):
+        return flag, None, end
+    rest = message[end + 1:]
+    given = next((v for v in values if rest.startswith(v) and
+                  (len(rest) == len(v) or rest[len(v)] in " " + _VALUE_END)), None)
+    word = given or re.match(r"\S*", rest).group(0).rstrip(_VALUE_END)
+    if not word:
+        return flag, None, end
+    if word.isupper() and word.replace("_", "").isalpha():
+        return flag, word, end + 1 + len(word)  # a placeholder
+    if given is None and not (
+            kind is int and re.fullmatch(r"-?\d+", word)
+            or kind is float and re.fullmatch(r"-?[\d.]+(e-?\d+)?", word)
+            or isinstance(kind, tuple) and word in kind
+            or kind is str and re.search(r"[/\\._~\d]", word)):
+        return flag, None, end
+    spelled = word if kind in (int, float) else json.dumps(word)
+    return flag, spelled, end + 1 + len(word)
+
+
+def _keyword(flag: str, value: str | None, kinds: dict[str, Any]) -> str:
+    """`flag` (with `value`, as Python spells it) as the keyword `train` takes."""
+    kind = kinds.get(flag)
+    if isinstance(kind, bool):
+        flag, value = ("--" + flag[2:].replace("no-", "", 1) if not kind else flag,
+                       str(kind))
+    key = "from_step" if flag == "--from" else flag[2:].replace("-", "_")
+    group, _, leaf = key.partition(".")
+    if not leaf:
+        return key if value is None else f"{key}={value}"
+    return f'{group}={{"{leaf}": {"..." if value is None else value}}}'
+
+
+def _flag_kinds(recipes: list[str | None], options: dict[str, Any]) -> dict[str, Any]:
+    """{flag: what it takes} for the recipes' options and the flags `options` gave: True or
+    False for a flag that sets a bool (--x, --no-x), int, float, str, or a tuple of choices."""
+    from toymlx.recipes import RECIPES, get_recipe
+
+    names = [r for r in recipes if r in RECIPES] or list(RECIPES)
+    kinds: dict[str, Any] = {"--recipe": tuple(RECIPES)}
+    for f in option_flags(options):
+        if f.startswith("--"):
+            kinds[f] = str
+    for name in names:
+        kinds.update(_config_kinds(get_recipe(name).Config))
+    return kinds
+
+
+def _config_kinds(cls: type, prefix: str = "") -> dict[str, Any]:
+    """{flag: what it takes} of a (nested) config dataclass (see `_flag_kinds`)."""
+    hints, kinds = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        kind, key = hints[f.name], prefix + f.name
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        flag = "--from" if key == "from_step" else "--" + key.replace("_", "-")
+        if dataclasses.is_dataclass(kind):
+            kinds.update(_config_kinds(kind, key + "."))
+        elif kind is bool:
+            kinds[flag] = True
+            kinds["--" + _negated(flag[2:])] = False
+        elif typing.get_origin(kind) is Literal:
+            kinds[flag] = tuple(map(str, typing.get_args(kind)))
+        else:
+            kinds[flag] = kind if kind in (int, float) else str
+    return kinds
+
+
+def _leaves(options: dict[str, Any]) -> list[Any]:
+    return [x for v in options.values() for x in (_leaves(v) if isinstance(v, dict) else [v])]
 
 
 def _python_names(options: dict[str, Any]) -> dict[str, Any]:
-    """`options` with each name as Python spells it (`**{"run-id": x}` is run_id=x), so the
-    names `train` reads itself (run_id, resume, runs_root) are found however they were given;
-    ValueError for one option given in both spellings, or a value no flag can carry."""
+    """`options` with each name as Python spells it (`**{"run-id": x}` is run_id=x, `**{"from":
+    s}` from_step=s), so the names `train` reads itself (run_id, resume, runs_root) are found
+    however they were given; OptionError for one option given in both spellings, or a value no
+    flag can carry (a numpy scalar is a number: `np.int64(20)` is `--steps 20`,
+    `np.float32(1e-3)` `--lr 0.001`; see `_scalar`)."""
     out: dict[str, Any] = {}
     for key, value in options.items():
-        name = str(key).replace("-", "_")
+        name = "from_step" if key == "from" else str(key).replace("-", "_")
         if name in out:
-            raise ValueError(f"{key}: given twice, as {name} and {key}")
-        if not isinstance(value, (str, int, float, bool, os.PathLike, dict, list, tuple,
+            raise OptionError(f"{key}: given twice, as {name} and {key}")
+        value = _scalar(value)
+        if not isinstance(value, (str, numbers.Real, bool, os.PathLike, dict, list, tuple,
                                   type(None))):
-            raise ValueError(  # noqa: TRY004  (a bad option: ValueError, as the module says)
+            raise OptionError(
                 f"{name}: expected a str, number, bool, path, dict (a group of "
                 f"options) or list, found {type(value).__name__}")
         out[name] = _python_names(value) if isinstance(value, dict) else value
     return out
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy or MLX scalar (`np.bool_(True)`, `np.array(4)`, `mx.array(1e-3)`) as the Python
+    scalar it holds: a bool stays a flag (`--compile`, not `--compile 1`), a float32 keeps its
+    own shortest spelling (numpy's: 0.001, not its float64 widening 0.0010000000474974513)."""
+    if isinstance(value, (str, bool, int, float, os.PathLike, dict, list, tuple, type(None))) \
+            or getattr(value, "ndim", None) != 0 or not hasattr(value, "item"):
+        return value
+    import numpy as np  # a 0-d array: numpy is loaded already, or MLX's array converts to it
+
+    try:
+        value = np.asarray(value)[()]
+    except (TypeError, ValueError, RuntimeError):  # a dtype numpy lacks (MLX's bfloat16)
+        value = value.item()
+    return bool(value) if isinstance(value, np.bool_) else value
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
@@ -124,10 +313,18 @@ def _stamp(path: Path) -> tuple[int, int] | None:
 
 
 class _Output:
-    """What `_run_child` keeps of the child's output: the exit status and the last line."""
+    """What `_run_child` keeps of the child's output: the exit status, the last line, and why
+    this process stopped it (None: it ran to its own end)."""
 
     def __init__(self) -> None:
         self.returncode, self.last_line, self._buf = -1, "", b""
+        self.stopped: BaseException | None = None
+
+    def stop(self, child: subprocess.Popen, sig: int, why: BaseException) -> None:
+        """Ask `child` to stop with `sig`, keeping the first reason to raise once it has."""
+        child.send_signal(sig)
+        if self.stopped is None:
+            self.stopped = why
 
     def feed(self, chunk: bytes) -> None:
         self._buf = (self._buf + chunk)[-8192:]
@@ -148,36 +345,40 @@ class _Output:
 
 def _run_child(cmd: list[str], echo: bool) -> _Output:
     """Run `cmd` tied to this process (it stops if this one dies), its stdout and stderr relayed
-    to `sys.stdout` (a notebook's cell output too) as they come; Ctrl-C here is passed on as
-    the child's own Ctrl-C, then raised here once the child has stopped; so is a reader of this
-    process's output gone (`python script.py | head -3`: the child's own reader gone, SIGPIPE,
-    then BrokenPipeError here)."""
+    to `sys.stdout` (a notebook's cell output too) as they come, and return once it has ended.
+    Ctrl-C here, wherever it lands (waiting for output, or in `sys.stdout.write`), is passed on
+    as the child's own Ctrl-C; a reader of this process's output gone (`python script.py |
+    head -3`) as the child's own reader gone (SIGPIPE), and any other failure to relay as a
+    Ctrl-C: the run checkpoints and ends, its output still read (a child left writing into a
+    pipe nobody reads would hang, holding its bundle's lock); `_Output.stopped` then holds what
+    `train` raises (KeyboardInterrupt, BrokenPipeError, the relay's error)."""
     out, text = _Output(), codecs.getincrementaldecoder("utf-8")(errors="replace")
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env=child_env())
-    interrupted, reader_gone = False, None
     assert child.stdout is not None
+    fd, relaying = child.stdout.fileno(), echo
     while True:
         try:
-            chunk = os.read(child.stdout.fileno(), 65536)
-        except KeyboardInterrupt:
-            interrupted = True
-            child.send_signal(signal.SIGINT)  # the run checkpoints and ends cleanly
-            continue
-        if not chunk:
-            break
-        out.feed(chunk)
-        if echo and reader_gone is None:
-            try:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            out.feed(chunk)
+            if relaying:
                 sys.stdout.write(text.decode(chunk))
                 sys.stdout.flush()
-            except BrokenPipeError as e:
-                # raised now, it left the child orphaned, stopped by its lifeline as a SIGTERM
-                reader_gone = e
-                child.send_signal(READER_GONE)  # the run checkpoints and ends with exit 141
-    out.returncode = child.wait()
-    if interrupted:
-        raise KeyboardInterrupt
-    if reader_gone is not None:
-        raise reader_gone
+        except KeyboardInterrupt as e:
+            out.stop(child, signal.SIGINT, e)  # the run checkpoints and ends cleanly
+        except BrokenPipeError as e:
+            # raised at once, it left the child orphaned, stopped by its lifeline as a SIGTERM
+            relaying = False
+            out.stop(child, READER_GONE, e)  # the run checkpoints and ends with exit 141
+        except Exception as e:  # noqa: BLE001  (sys.stdout closed or replaced: raised below)
+            relaying = False
+            out.stop(child, signal.SIGINT, e)
+    while True:
+        try:
+            out.returncode = child.wait()
+            break
+        except KeyboardInterrupt as e:
+            out.stop(child, signal.SIGINT, e)
     return out

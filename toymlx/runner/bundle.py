@@ -30,12 +30,13 @@ from types import ModuleType
 from typing import Any
 
 from toymlx.backend.files import special_kind
-from toymlx.backend.lock import Lock
+from toymlx.backend.lock import LOCK_FILE, Lock
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle import events as ev
 from toymlx.bundle.folder import (
     CONFIG_FILE,
     CONFIG_FORMAT,
+    UNWRITABLE,
     added_since,
     config_digest,
     lock_run,
@@ -49,6 +50,7 @@ from toymlx.bundle.inputs import (
     data_paths,
     fingerprint_note,
     moved_inputs,
+    read_as_recorded,
     resolve_inputs,
     same_data,
 )
@@ -83,6 +85,9 @@ class Bundle:
         self.used: dict[str, str] = {}
         """Per input option (`base`, `data.path`, ...): the file read for it, and why that one
         (`resolve_inputs`), for the readers to say."""
+        self.told: dict[str, str] = {}
+        """The `used` inputs a resume names: those read from another file than the option as
+        recorded names from here (`inputs.read_as_recorded`)."""
         self.moved: dict[str, dict[str, Any]] = {}
         """Per input read from another place than config.json records (same contents): its
         `inputs.MOVED_KEY` record, which a resume writes in its `resume` event."""
@@ -119,6 +124,10 @@ class Bundle:
             raise RunError(f"{source}: {e}") from None
         bundle = cls(path, saved["recipe"], module, cfg, saved, events)
         bundle.used, bundle.moved = used, moved
+        records = {k: r for g in (DATA_FILES_KEY, MODEL_FILES_KEY)
+                   for k, r in saved.get(g, {}).items() if k in used}
+        bundle.told = {k: note for k, note in used.items()
+                       if not read_as_recorded(k, records[k], str(option(cfg, k)))}
         return bundle
 
     @classmethod
@@ -171,8 +180,17 @@ class Bundle:
     def own(self) -> Lock:
         """Take the bundle's lock (LockHeld naming the owner); the caller holds it while it
         trains. What `open` read stays valid: only an owner writes the bundle, one that still
-        owns it is refused here, and `rewind` cuts back the events file as it is then."""
-        return lock_run(self.path)
+        owns it is refused here, and `rewind` cuts back the events file as it is then. A folder
+        it cannot write (a read-only or full disk) is RunError, before anything is read."""
+        try:
+            return lock_run(self.path)
+        except OSError as e:
+            if e.errno not in UNWRITABLE:
+                raise
+            raise RunError(f"{self.path}: --resume: expected a run folder it can write (its "
+                           f"checkpoints, events.jsonl, its lock file), found {e.strerror} at "
+                           f"{self.path / LOCK_FILE}; make room or make it writable, or copy the "
+                           "run to a disk that is (cp -a) and resume the copy") from None
 
     def resume_defaults(self, given: Any) -> Any:
         """The saved configuration as the options a resume starts from: continuing to the end,

@@ -18,10 +18,12 @@ too. No rank trains on with nothing watching it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -38,7 +40,16 @@ from typing import TextIO
 
 from toymlx.backend import atomic
 from toymlx.backend.lifeline import PARENT_ENV, alive, child_env, watch_parent
-from toymlx.backend.stop import RANK_SIGNALS, STOP_CODES, StopSignals, relayed
+from toymlx.backend.stop import (
+    CONSOLE_GONE,
+    RANK_SIGNALS,
+    READER_GONE,
+    SOLO_SIGNALS,
+    STOP_CODES,
+    StopSignals,
+    relayed,
+    stop_outcome,
+)
 
 STATUS_ENV = "TOYMLX_RANK_STATUS"
 SESSION_GRACE = 60.0
@@ -108,7 +119,10 @@ def _mlx_launch_child() -> None:
     session when the `toymlx-launch` that started it dies; its ranks watch it in turn."""
     from mlx._distributed_utils import launch as mlx_launch  # mlx.launch's own module
 
+    if not colour_wanted(sys.stderr):  # before sys.stderr is the relay, which is no terminal
+        _without_colour(mlx_launch)
     _quiet_stops(mlx_launch)
+    _terminate_unstopped(mlx_launch)
 
     def end_session() -> None:
         # we lead the session: every rank stops after its step, and we end when they have;
@@ -127,7 +141,68 @@ def _mlx_launch_child() -> None:
         signal.signal(sig, lambda signum, frame: None)
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks are our children
     sys.argv[0] = "mlx.launch"
+    sys.stdout, sys.stderr = _relay(sys.stdout), _relay(sys.stderr)
     mlx_launch.main()
+
+
+class _ConsoleFd(io.RawIOBase):
+    """A console descriptor whose writes, once no one can read them (`CONSOLE_GONE`), are
+    discarded."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd = fd
+        self._gone = False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, b) -> int:
+        if not self._gone:
+            try:
+                return os.write(self._fd, b)
+            except OSError as e:
+                if e.errno not in CONSOLE_GONE:
+                    raise
+                self._gone = True
+        return len(b)
+
+
+def _relay(stream: TextIO) -> TextIO:
+    """`stream` (sys.stdout, sys.stderr) as mlx.launch relays the ranks' output through it
+    (`.buffer.write`), discarding it once the console cannot be written: `toymlx-launch ... |
+    head -1`, `>/dev/full` or a hung-up terminal raised in mlx.launch's relay loop, a
+    BrokenPipeError or OSError traceback with the ranks still training, and its loop ended."""
+    return io.TextIOWrapper(io.BufferedWriter(_ConsoleFd(stream.fileno())),
+                            encoding=stream.encoding, errors=stream.errors, line_buffering=True)
+
+
+def colour_wanted(stream: TextIO) -> bool:
+    """Whether `stream` may carry ANSI colour codes: a terminal, with NO_COLOR unset or empty
+    (no-color.org) and TERM other than dumb."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return stream.isatty()
+    except (ValueError, OSError):  # a closed stream
+        return False
+
+
+def _without_colour(mlx_launch: ModuleType) -> None:
+    """mlx.launch's "[INFO] ..." and "[WARN] ..." lines (`log`, `log_warning`) in its words
+    without the ANSI colour codes it wraps them in whatever its stderr is: under NO_COLOR=1,
+    TERM=dumb or into a file they came out as `^[[33m[WARN] Node with rank 0 exited with code 3
+    ^[[0m`."""
+    def log(verbose: bool, *args: object, **kwargs: object) -> None:
+        if verbose:
+            print("[INFO]", *args, **{**kwargs, "file": sys.stderr})
+
+    def log_warning(*args: object, **kwargs: object) -> None:
+        print("[WARN]", *args, **{**kwargs, "file": sys.stderr})
+    mlx_launch.log, mlx_launch.log_warning = log, log_warning
 
 
 def _quiet_stops(mlx_launch: ModuleType) -> None:
@@ -143,6 +218,24 @@ def _quiet_stops(mlx_launch: ModuleType) -> None:
         if m is None or int(m[1]) not in STOP_CODES:
             warn(*args, **kwargs)
     mlx_launch.log_warning = log_warning
+
+
+def _terminate_unstopped(mlx_launch: ModuleType) -> None:
+    """mlx.launch's `RemoteProcess.terminate` (which stops the other ranks once one fails) with
+    the stop signals blocked in its thread, so in the shell it runs to kill a rank: a stop
+    passed on to the session while that shell ran (a SIGTERM to every process as a rank failed
+    from it) killed the shell, and mlx.launch printed a CalledProcessError traceback. The
+    signals are meant for the ranks, which get them; blocked, they reach mlx.launch's main
+    thread, whose handler ignores them, and the shell ends with them still pending."""
+    terminate = mlx_launch.RemoteProcess.terminate
+
+    def unstopped(self: object) -> None:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS)
+        try:
+            terminate(self)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    mlx_launch.RemoteProcess.terminate = unstopped
 
 
 def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | None, str]]:
@@ -187,12 +280,21 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
            backend: str = "ring", grace: float = 10.0, status_dir: str | None = None,
            env: Sequence[str] = (), port: int | None = None,
            stream: TextIO | None = None) -> int:
-    """Run `command` as `n` ranks through mlx.launch; 0 only if every rank exited 0."""
+    """Run `command` as `n` ranks through mlx.launch; 0 only if every rank exited 0. A stop
+    request (Ctrl-C, SIGTERM, SIGHUP, or the reader of this process's output gone: `| head -1`,
+    which the ranks, writing into mlx.launch's pipes, cannot see) is passed on to every rank
+    (`_interrupt`); stopped so, the launch exits as one `toymlx-train` would, 128 + the first
+    signal's number (141 for the reader gone)."""
     stream = stream or sys.stderr
     if n < 1:
         raise ValueError(f"-n: expected >= 1 ranks, found {n}")
     if not command:
         raise ValueError("command: expected the command each rank runs, found none")
+    if command[0].startswith("-"):  # `-- --recipe lora`: toymlx-train left out
+        raise ValueError(f"command: expected the command each rank runs, found the option "
+                         f"{command[0]}; did you mean -- toymlx-train {shlex.join(command)}?")
+    if not hosts:
+        command = [_local_command(command[0]), *command[1:]]
     own = status_dir is None
     folder = Path(tempfile.mkdtemp(prefix="toymlx-launch-") if own else status_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -207,7 +309,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     proc = subprocess.Popen(cmd, start_new_session=True, env=child_env())
     failed_at, passed = None, 0
     try:
-        with StopSignals() as stop:
+        with StopSignals(SOLO_SIGNALS) as stop:
             while proc.poll() is None:
                 if stop.count > passed:
                     passed += 1
@@ -232,13 +334,31 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     if not bad:
         return 0
     if len(bad) == n and all(code in STOP_CODES for code, _ in bad.values()):
-        return bad[0][0]  # every rank stopped by a signal, as one process is: rank 0 said how
+        # every rank stopped by a signal, as one process is: rank 0 said how, or, where the
+        # reader went (passed on as Ctrl-C), as `toymlx-train ... | head` ends: 141
+        return stop_outcome(READER_GONE)[1] if stop.first == READER_GONE else bad[0][0]
     for r, (_, why) in sorted(bad.items()):
         stream.write(f"toymlx-launch: rank {r}: {why}\n")
     stream.write(f"toymlx-launch: failed: {len(bad)} of {n} ranks did not finish cleanly\n")
     stream.flush()
     codes = [c for c, _ in bad.values() if isinstance(c, int) and 0 < c < 256]
     return codes[0] if codes else 1
+
+
+def _local_command(name: str) -> str:
+    """`name`, the command each rank runs on this host, as its ranks' bash finds it: itself
+    where PATH has it (or it names a file), else the script of that name beside this Python (a
+    virtual environment's bin/, not activated: `.venv/bin/toymlx-launch -n 2 -- toymlx-train`,
+    where each rank failed "exec: toymlx-train: not found" and the launch reported "never
+    reported starting"). ValueError (one line) where neither has it."""
+    if os.sep in name or shutil.which(name):
+        return name
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    raise ValueError(f"command: expected a program each rank can run, found {name!r}, which is "
+                     f"not on PATH nor beside {sys.executable}; give its path, or activate the "
+                     "environment toymlx is installed in")
 
 
 def _say_failed(bad: dict[int, tuple[int | None, str]], grace: float, stream: TextIO) -> None:
@@ -258,16 +378,24 @@ def _interrupt(proc: subprocess.Popen, count: int, signum: int, grace: float,
     rank as its own (`relayed`; mlx.launch ignores it): the first stops them all after the same
     step, rank 0 writing a final checkpoint; the second skips that checkpoint if it has not
     begun, and the ranks get `grace` seconds before they are stopped (one blocked in a
-    collective never ends by itself); a third stops them at once. Returns whether it stopped
-    them."""
+    collective never ends by itself); a third stops them at once. The reader of this process's
+    output gone (`READER_GONE`) is passed on as Ctrl-C: a rank counts no SIGPIPE. Returns
+    whether it stopped them."""
     if count > 2:
         stream.write("toymlx-launch: interrupted a third time: stopping every rank now\n")
         stream.flush()
         _kill(proc)
         return True
+    gone = signum == READER_GONE
     try:
-        os.killpg(proc.pid, relayed(signum))
+        os.killpg(proc.pid, relayed(signal.SIGINT if gone else signum))
     except ProcessLookupError:
+        return False
+    if gone:
+        stream.write("toymlx-launch: the reader of its output has gone: Ctrl-C passed on to "
+                     "every rank (toymlx-train stops them all after the same step, with a final "
+                     "checkpoint)\n")
+        stream.flush()
         return False
     what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     stream.write(f"toymlx-launch: {what} passed on to every rank (toymlx-train stops them all "

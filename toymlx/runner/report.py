@@ -142,7 +142,9 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "throughput": statistics.median(rates) if rates else None,
         "unit": rate_key.replace("_per_s", "/s") if rate_key else None,
         "wall_s": round(wall, 2) if events else None,
-        "world_size": starts[-1].get("world_size", 1) if starts else None,
+        # the last segment's: a resume may run on another number of ranks (toymlx-launch -n)
+        "world_size": next((e.get("world_size", 1) for e in reversed(events)
+                            if e["kind"] in ("run_start", "resume")), None),
         "peak_memory_mb": end.get("peak_memory_mb"),
         # the table's `steps` column: the length the run was last given, as the `step` beside it
         "config": {**flatten(config), **({"steps": planned} if "steps" in config else {})},
@@ -246,12 +248,14 @@ def add_params(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def recipes(rows: list[dict[str, Any]]) -> list[str]:
-    """The rows' recipes, in order of first appearance (an unknown one as "-")."""
+    """The rows' recipes, in order of first appearance ("-" only where no row knows one): a run
+    with no bundle yet (pending, or failed before writing one) is of no other recipe; counted as
+    one, it gave a one-recipe sweep a recipe column and every option as a summary.csv column."""
     out: list[str] = []
     for r in rows:
-        if (name := r.get("recipe") or "-") not in out:
+        if (name := r.get("recipe")) and name not in out:
             out.append(name)
-    return out
+    return out or ["-"]
 
 
 def _differ(rows: list[dict[str, Any]], key: str) -> bool:
@@ -304,12 +308,17 @@ def table_rows(rows: list[dict[str, Any]], params: list[str]) -> tuple[list[str]
     return header, cells
 
 
+FIXED_MAX = 1e6
+"""Floats from this size on are shown to 3 significant digits with an exponent (2.73e+18), not
+as grouped digits lined up with their column's (`table_texts`)."""
+
+
 def fmt(v: Any) -> str:
     """A table cell: "-" for None, floats to 4 significant digits (large ones grouped)."""
     if v is None:
         return "-"
     if isinstance(v, float):
-        if abs(v) >= 1e6:
+        if abs(v) >= FIXED_MAX:
             return f"{v:.3g}"
         if abs(v) >= 1e4:
             return f"{v:,.0f}"
@@ -323,21 +332,28 @@ FIGURES = {"final_loss": 6, "best": 6, "final": 6, "test_loss": 6, "test_perplex
 most this many: wall_s is kept to 0.01 s), so their points line up."""
 
 
+def _fixed(v: Any) -> bool:
+    """Whether the table shows the number `v` with its column's decimals (see `FIXED_MAX`)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and (isinstance(v, int) or abs(v) < FIXED_MAX))
+
+
 def table_texts(header: list[str], cells: list[list[Any]]) -> list[list[str]]:
     """The cells as the printed, drawn and HTML tables show them: `fmt`, except a column of
     `FIGURES`, whose numbers get the decimals that show its largest to 4 significant digits
     (losses 5.145 and 4.900, not 5.145 and 4.9; throughput 1,132 and 931, not 1132 and 931.4)."""
     texts = [[fmt(v) for v in row] for row in cells]
     for i, name in enumerate(header):
-        values = [row[i] for row in cells if isinstance(row[i], (int, float))
-                  and not isinstance(row[i], bool)]
+        # a number past FIXED_MAX (a diverged run's loss, 2.73e+18) keeps `fmt`'s form and sets
+        # no decimals: it made the column's other losses 2 and 2 instead of 2.166 and 2.228
+        values = [row[i] for row in cells if _fixed(row[i])]
         if name not in FIGURES or not values:
             continue
-        largest = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
+        largest = max(abs(v) for v in values)
         digits = 3 - math.floor(math.log10(largest)) if largest > 0 else 0
         decimals = min(max(digits, 0), FIGURES[name])
         for row, text in zip(cells, texts):
-            if isinstance(row[i], (int, float)) and not isinstance(row[i], bool):
+            if _fixed(row[i]):
                 text[i] = f"{row[i]:,.{decimals}f}"
     return texts
 

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -69,7 +70,10 @@ def run_ops(cfg: TrainConfig) -> Ops:
 def init_distributed() -> Any:
     """The mx.distributed group when launched by mlx.launch with >1 ranks, else None; OSError
     (one line) when the ranks cannot connect (MLX raises a bare RuntimeError: a traceback)."""
-    if not launched_as_rank() or _one_rank_hostfile():
+    if not launched_as_rank():
+        check_peer_launcher()
+        return None
+    if _one_rank_hostfile():
         return None
     try:
         world = mx.distributed.init()
@@ -80,6 +84,20 @@ def init_distributed() -> Any:
         raise OSError(f"data parallel: expected the ranks to connect, found {why}{hint}"
                       ) from None
     return world if world.size() > 1 else None
+
+
+def check_peer_launcher() -> None:
+    """ValueError when torchrun or accelerate launch started this process as one of several
+    (WORLD_SIZE > 1): toymlx reads mlx.launch's ranks only, so each process trained alone on
+    the whole batch, into its own run folder, and every one exited 0."""
+    size = os.environ.get("WORLD_SIZE", "").strip()
+    if size in ("", "0", "1"):
+        return
+    n = size if size.isdigit() else "N"
+    raise ValueError(f"WORLD_SIZE={size}: expected ranks started by toymlx-launch, found "
+                     f"torchrun's or accelerate's environment (toymlx does not read WORLD_SIZE, "
+                     f"RANK, LOCAL_RANK: each process would train alone on the whole batch); use "
+                     f"toymlx-launch -n {n} -- toymlx-train ..., or unset WORLD_SIZE")
 
 
 def check_shards(batch_size: int, world: Any) -> None:
@@ -116,31 +134,40 @@ class _Prepared:
     world: Any
     resume: Resume | None
     used: dict[str, str]
-    """A resume's inputs: the file read for each, and why that one (`Bundle.used`)."""
+    """A resume's inputs read from elsewhere than recorded: the file read for each, and why that
+    one (`Bundle.told`)."""
+
+
+def _stopped_before_the_first_step(e: KeyboardInterrupt) -> int:
+    """The line of a stop (Ctrl-C, or a signal `stops_raise` raised) that came before the
+    loop's first step, and its exit code."""
+    what, code = how_stopped(e)
+    print(f"toymlx-train: {what} before the first step; nothing was trained", file=sys.stderr)
+    return code
 
 
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
-                 bundle: Bundle | None = None, config_file: str | None = None) -> int:
+                 bundle: Bundle | None = None, config_file: str | None = None,
+                 name_keys: Callable[[str], str] | None = None) -> int:
     """Run one recipe with a parsed config (with `bundle`, the opened run `--resume` continues;
     `config_file`: the -c file it was read from, an input the run folder must not replace);
-    returns the process exit code."""
+    returns the process exit code. `name_keys` rewrites the line of an option refused before
+    the first step (an mlx-lm config's `--steps` named by the file's `iters`)."""
     with contextlib.ExitStack() as owned:  # the bundle's lock, held until training has ended
         try:
             # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
             setup_process(wide_evaluation=not cfg.grad_checkpoint)
             run = _prepare(recipe, module, cfg, bundle, owned, config_file)
         except (ValueError, OSError, KeyError) as e:
-            print(f"toymlx-train: error: {e}", file=sys.stderr)
+            print(f"toymlx-train: error: {name_keys(str(e)) if name_keys else e}",
+                  file=sys.stderr)
             return 2
         except MemoryError as e:  # numpy's message names the size and shape it wanted
             print(f"toymlx-train: error: out of memory before the first step: {e}; lower "
                   "--batch-size, --seq-len or the model's size", file=sys.stderr)
             return 2
         except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal (`stops_raise`)
-            what, code = how_stopped(e)
-            print(f"toymlx-train: {what} before the first step; nothing was trained",
-                  file=sys.stderr)
-            return code
+            return _stopped_before_the_first_step(e)
         if run.resume is not None and run.resume.note:
             print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
         if (note := warmup_note(cfg)) and (run.world is None or run.world.rank() == 0):
@@ -154,6 +181,13 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
         except (RunError, ck.ResumeError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt as e:  # a stop while the loop was set up, before run_start
+            # (`stops_raise`; the loop counts them from run_start on): the weights' evaluation
+            # (`Stepper.build`); a new run's folder goes, as a stop in `_prepare` leaves none
+            if run.resume is None and (run.world is None or run.world.rank() == 0) and not any(
+                    ev["kind"] == "run_start" for ev in read_events(run.run_dir)):
+                shutil.rmtree(run.run_dir, ignore_errors=True)
+            return _stopped_before_the_first_step(e)
         except ValueError as e:  # bad input met mid-run (an image that fails to decode)
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 1
@@ -188,7 +222,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
     if bundle is not None:
         task, resume = bundle.resume_run(recipe, cfg, lambda: _build(module, cfg, ops), ops.dtype,
                                          owned if rank0 else None)
-        return _Prepared(bundle.path, task, world, resume, bundle.used)
+        return _Prepared(bundle.path, task, world, resume, bundle.told)
     for flag, path in run_inputs(cfg):  # before the folder is made: reading one would hang
         if isinstance(path, str) and (kind := special_kind(path)):
             raise ValueError(f"{path}: {flag}: expected a regular file or a folder, found {kind}")

@@ -6,6 +6,7 @@ against a sweep started again by `changed_options`)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import itertools
 import json
@@ -118,7 +119,8 @@ def _check_key(key: str, types: dict[str, Any], recipe: str | None,
     the recipe."""
     key_to_flag(key)
     if types and _norm_key(key) not in types:
-        close = [k for k in types if k.rsplit(".", 1)[-1] == _norm_key(key).rsplit(".", 1)[-1]]
+        close = ([k for k in types if k.rsplit(".", 1)[-1] == _norm_key(key).rsplit(".", 1)[-1]]
+                 or difflib.get_close_matches(_norm_key(key), types, n=1))  # lrr: lr
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ValueError(f"{where or f'--grid {key}'}: expected an option of recipe {recipe}, "
                          f"found no option {key_to_flag(key)}{hint}")

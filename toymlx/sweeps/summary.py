@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -27,6 +27,9 @@ class SweepResult:
     signal: int | None = None
     """The stop signal that stopped this call (SIGINT, SIGTERM, SIGHUP; SIGPIPE for its console
     reader gone), None if none came."""
+    unwritten: list[str] = field(default_factory=list)
+    """The summary files that could not be written (a full or read-only disk), each named on
+    the stream with its error."""
 
     @property
     def failed(self) -> list[str]:
@@ -34,7 +37,8 @@ class SweepResult:
 
     @property
     def ok(self) -> bool:
-        return not self.failed and "interrupted" not in self.states.values()
+        return (not self.failed and "interrupted" not in self.states.values()
+                and not self.unwritten)
 
 
 def summarize_sweep(sweep_dir: str | os.PathLike, report_png: bool = True,
@@ -44,20 +48,16 @@ def summarize_sweep(sweep_dir: str | os.PathLike, report_png: bool = True,
     sweep_dir = Path(sweep_dir)
     stream = stream or sys.stderr
     names = report.sweep_order(sweep_dir)
-    rows = report.summarize([sweep_dir / n for n in names])
-    for r in rows:  # runs that failed before writing a bundle: the sweep's own record
-        if r["status"] in ("missing", "empty"):
-            try:
-                st = json.loads((sweep_dir / ".status" / f"{r['run']}.json").read_text())
-            except (OSError, ValueError):
-                r["status"] = "pending" if r["status"] == "missing" else r["status"]
-                continue
-            if st.get("state") == "failed":
-                r["status"], r["message"] = "failed", st.get("message")
-                r["wall_s"] = round(st["wall_s"], 2) if st.get("wall_s") else None
+    rows = recorded_states(report.summarize([sweep_dir / n for n in names]))
     rows = report.sort_rows(rows)
     params = report.add_params(rows)
-    report.write_summary(rows, params, sweep_dir)
+    unwritten = []
+    # a file that cannot be written (a full disk) is named, and the rest still done: raised,
+    # it ended the sweep before its FAILED lines, with exit status 2 for a failed report.png
+    try:
+        report.write_summary(rows, params, sweep_dir)
+    except OSError as e:
+        unwritten.append(_unwritten(stream, "summary.csv", e))
     print(report.format_table(rows, params), flush=True)
     if report_png:
         try:
@@ -66,7 +66,57 @@ def summarize_sweep(sweep_dir: str | os.PathLike, report_png: bool = True,
             stream.write("sweep: matplotlib is not installed (pip install 'toymlx[report]'); "
                          "no report.png\n")
         else:
-            report.render([Path(r["path"]) for r in rows], sweep_dir / "report.png", rows,
-                          params)
-    stream.write(f"sweep: summary in {sweep_dir / 'summary.csv'}\n")
-    return SweepResult(sweep_dir, rows, params, {})
+            try:
+                report.render([Path(r["path"]) for r in rows], sweep_dir / "report.png", rows,
+                              params)
+            except OSError as e:
+                unwritten.append(_unwritten(stream, "report.png", e))
+    if "summary.csv" not in unwritten:
+        stream.write(f"sweep: summary in {sweep_dir / 'summary.csv'}\n")
+    if best := best_line(rows):
+        stream.write(best + "\n")
+    return SweepResult(sweep_dir, rows, params, {}, unwritten=unwritten)
+
+
+def recorded_states(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` (`report.summarize`), where a sweep's run has no bundle, with the sweep's own
+    record of it (its folder's .status/RUN.json): failed (with its message and wall time)
+    before it wrote one, or pending. toymlx-report of a sweep folder showed these `missing`
+    where the sweep's summary said `failed`."""
+    for r in rows:
+        if r["status"] not in ("missing", "empty"):
+            continue
+        try:
+            st = json.loads((Path(r["path"]).parent / ".status" / f"{r['run']}.json").read_text())
+        except (OSError, ValueError):
+            r["status"] = "pending" if r["status"] == "missing" else r["status"]
+            continue
+        if st.get("state") == "failed":
+            r["status"], r["message"] = "failed", st.get("message")
+            r["wall_s"] = round(st["wall_s"], 2) if st.get("wall_s") else None
+    return rows
+
+
+def best_line(rows: list[dict[str, Any]]) -> str | None:
+    """"sweep: best RUN: METRIC VALUE at step S (lowest of N completed runs)", for `rows` best
+    first (`report.sort_rows`): the table's first row, named as Optuna's best_trial is, with
+    the number of runs exactly as good (a tie: vit-tiny's accuracy on a few images); None where
+    no completed run has a validation figure."""
+    done = [r for r in rows if r["status"] == "completed" and r.get("best") is not None]
+    if not done:
+        return None
+    b = done[0]
+    most = "highest" if report.METRICS.get(b["metric"], False) else "lowest"
+    ties = sum(r["best"] == b["best"] and r["metric"] == b["metric"] for r in done[1:])
+    tie = f"; {ties} other{'s' if ties > 1 else ''} as good" if ties else ""
+    return (f"sweep: best {b['run']}: {b['metric']} {report.fmt(float(b['best']))} at step "
+            f"{b['best_step']} ({most} of {len(done)} completed run"
+            f"{'s' if len(done) > 1 else ''}{tie})")
+
+
+def _unwritten(stream: TextIO, name: str, e: OSError) -> str:
+    """Say that the summary file `name` could not be written, and why; returns `name`."""
+    stream.write(f"sweep: error: could not write {name} ({e}); the runs are as the table "
+                 "says: free space and run the same command again to write it (completed "
+                 "runs are skipped)\n")
+    return name

@@ -325,8 +325,12 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     if run_options:
         options_file = sweep_dir / RUN_OPTIONS_FILE
         atomic.write_text(options_file, json.dumps(run_options, indent=1))
+    # said up front: with --no-progress, a sweep run again printed the same table as the
+    # first time, nothing telling that no run was run
+    done = sum(run_state(sweep_dir / s.name) in ("completed", "diverged") for s in mine)
     stream.write(f"sweep {sweep_dir}: {len(specs)} runs, {len(mine)} on this shard "
-                 f"({shard[0]}/{shard[1]}), {workers} worker(s)\n")
+                 f"({shard[0]}/{shard[1]}), {workers} worker(s)"
+                 + (f"; {done} finished before, skipped" if done else "") + "\n")
     runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
     runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
                      python or sys.executable, LiveView(stream, progress), stream, options_file)

@@ -197,10 +197,14 @@ class Task:
 
 
 def warmup_note(cfg: TrainConfig) -> str | None:
-    """One line when --warmup outlasts --steps (the lr never reaches --lr), None otherwise. The
-    warm-up is kept as given, as mlx-lm's and nanoGPT's schedules keep theirs (a pure function
-    of the step that a longer run, or a resume with more --steps, continues), and said."""
-    if cfg.warmup <= cfg.steps:
+    """One line when --warmup outlasts --steps (the lr never reaches --lr) and is not the
+    recipe's default, None otherwise. The warm-up is kept as given, as mlx-lm's and nanoGPT's
+    schedules keep theirs (a pure function of the step that a longer run, or a resume with more
+    --steps, continues), and said. Not for the default (vit-tiny's 60 in the guides' `--steps
+    20` demos), where the user chose nothing to lower and the line was noise; the value is
+    compared, so a --warmup typed equal to the default is not noted either."""
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "warmup")
+    if cfg.warmup <= cfg.steps or cfg.warmup == default:
         return None
     return (f"--warmup {cfg.warmup} is longer than --steps {cfg.steps}: the learning rate is "
             f"still warming up when the run ends ({cfg.steps}/{cfg.warmup} of the way) and "

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from toymlx.backend import device
+from toymlx.backend.atomic import discard
 from toymlx.backend.device import backend_info
 from toymlx.backend.stop import RANK_SIGNALS, SOLO_SIGNALS, Stopped, StopSignals, stop_outcome
 from toymlx.bundle import checkpoint as ck
@@ -105,6 +106,18 @@ def training_step(model: nn.Module, loss_fn: Callable, optimizer: optim.Optimize
                      scale), streams
 
 
+def eval_each(*trees: Any) -> None:
+    """Evaluate the arrays of `trees` one at a time (the same values as one `mx.eval` of them
+    all). A stop signal's handler runs between two (Python runs none inside one `mx.eval`), so a
+    stop before the loop (`toymlx.backend.stop.stops_raise`) acts within one array's evaluation:
+    one `mx.eval` of a 0.6B-parameter model's random init held a SIGTERM 78 s on 2 CPU cores,
+    its largest array (8192 x 2048) takes ~2 s."""
+    for tree in trees:
+        for _, a in tree_flatten(tree):
+            if isinstance(a, mx.array):
+                mx.eval(a)
+
+
 class Stepper:
     """Optimizer steps of a task taken exactly as `train` takes them (the loop and the benchmark
     both step through it): the optimizer (the task's, else `make_optimizer`) initialised on the
@@ -128,7 +141,7 @@ class Stepper:
     def build(self) -> None:
         """Evaluate the weights and optimizer state and build the compiled step. Call it after a
         resume has restored the optimizer state: the compiled step holds on to its containers."""
-        mx.eval(self.model.parameters(), self.optimizer.state)
+        eval_each(self.model.parameters(), self.optimizer.state)
         self._fn, self.streams = training_step(self.model, self.task.loss_fn, self.optimizer,
                                                self.cfg, self.world, self.scale)
         self.blas_threads = cpu_streams.step_blas_threads(self.n_streams)
@@ -335,13 +348,15 @@ class _Loop:
         est = (task.memory or {}).get("estimate")  # a step's transient memory bounds what is kept
         device.bound_kept_buffers(None if est is None else
                                   (est["activations_mb"] + est["logits_mb"]) << 20)
-        self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
-                            t_offset=resume.t if resume is not None else 0.0,
-                            sinks=open_reporters(cfg.report_to, run_dir) if self.rank0 else [])
         kept = resume.kept if resume is not None else []
         self.run_uid = next((e["run_uid"] for e in kept if e["kind"] == "run_start"
                              and isinstance(e.get("run_uid"), str)), None) or uuid.uuid4().hex
         """The run's id: its run_start's, or new (a fresh run, or a bundle from before it)."""
+        self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
+                            t_offset=resume.t if resume is not None else 0.0,
+                            sinks=open_reporters(cfg.report_to, run_dir, self.run_uid,
+                                                 cfg.wandb_project)
+                            if self.rank0 else [])
         self.ckpt = Checkpointer(task, self.optimizer, self.scale, cfg, run_dir, self.log,
                                  self.rank0, self.start if self.start else None, kept,
                                  self.run_uid)
@@ -361,10 +376,9 @@ class _Loop:
         self.last_eval: dict[str, float] = {}
         self.trained = self._trained_before()
         """Tokens (images) trained on so far: the step events' `trained_<unit>`."""
-        self.window: list[dict] = []
-        """The step events since the last report line."""
-        self.reported = self.trained
-        """`trained` before the window's first step."""
+        self.window, self.reported = self._window_before()
+        """The step events since the last report line; `trained` before the window's first
+        step."""
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
         self._announce(run_config)
@@ -478,7 +492,8 @@ class _Loop:
         disk) ends the run as an error that names the checkpoint, which stays intact. A stop
         request abandons the export at once (`StopSignals.raising`: it writes whole files
         atomically, so its temporaries go and nothing is left under its name): the run ends
-        interrupted by that signal (`_left_undone`)."""
+        interrupted by that signal (`_left_undone`). An export whose event cannot be written is
+        removed again."""
         if bar is not None:
             bar.write(f"training completed: writing the recipe's export of {_named(self.step)}")
         t0 = time.perf_counter()
@@ -493,8 +508,14 @@ class _Loop:
                       f"its export failed: {' '.join(str(e).split())}; rerun the export alone "
                       "(toymlx-export) once the cause is fixed")
             return
-        self.recorded.append(self.log.emit("export", step=self.step,
-                                        seconds=round(time.perf_counter() - t0, 2), **fields))
+        try:
+            self.recorded.append(self.log.emit("export", step=self.step,
+                                            seconds=round(time.perf_counter() - t0, 2), **fields))
+        except BaseException:
+            # all or nothing: an export its events.jsonl does not record (a full disk) is
+            # removed, not left as a file the run never says it wrote (a resume writes it again)
+            discard(self.run_dir / fields["path"])
+            raise
 
     def _end(self, reason: str, exit_code: int, message: str | None) -> None:
         self.reason, self.exit_code, self.message = reason, exit_code, message
@@ -542,6 +563,24 @@ class _Loop:
         if kept and isinstance(kept[-1], int):
             return kept[-1]
         return sum(self.count(self.task.train_batch(s)) for s in range(self.start))
+
+    def _window_before(self) -> tuple[list[dict], int]:
+        """The report window as it stood after step `start`: a run resumed from step 12 with
+        --report-every 10 reports steps 11-20 at step 20, as the run that never stopped does
+        (11 and 12 from the kept step events); empty where a kept event lacks a figure."""
+        every, key = self.cfg.report_every, f"trained_{self.task.unit}"
+        kept = self.resume.kept if self.resume is not None else []
+        last_line = self.start - self.start % every if every else self.start
+        window = [e for e in kept if e["kind"] == "step" and last_line < e.get("step", 0)
+                  <= self.start]
+        before = [e.get(key) for e in kept if e["kind"] == "step" and e.get("step") == last_line]
+        reported = 0 if last_line == 0 else before[-1] if before else None
+        figures = ("loss", "lr", "step_time_s", key, "peak_memory_mb")
+        if ([e["step"] for e in window] != list(range(last_line + 1, self.start + 1))
+                or not isinstance(reported, int)
+                or any(not isinstance(e.get(f), (int, float)) for e in window for f in figures)):
+            return [], self.trained
+        return window, reported
 
     def _say(self, line: str, bar: Any) -> None:
         """A report line on stdout (rank 0): under the progress bar when it is shown."""
