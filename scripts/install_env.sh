@@ -284,13 +284,15 @@ print(kernel_cache_dir())') || return 0
 }
 
 # build_kernels_for MARK WHAT COMMANDS: run COMMANDS (toymlx's own, from $ENV) in a throw-away
-# folder unless MARK exists, then make MARK.
+# folder unless MARK exists, then make MARK. The folder is their TMPDIR too, so MLX's kernel
+# folder there is made a link to this HOME's kernel cache, the one MARK is in: the machine's
+# (/tmp/mlx/<version>/cpu) may link to another HOME's, which toymlx uses as it is.
 build_kernels_for() {
   local mark=$1 what=$2 commands=$3 tmp
   [ ! -f "$mark" ] || return 0
   tmp=$(mktemp -d)
   say "building MLX's CPU kernels for $what"
-  if (cd "$tmp" && PATH="$ENV/bin:$PATH" && eval "$commands" >"$tmp/log" 2>&1); then
+  if (cd "$tmp" && export PATH="$ENV/bin:$PATH" TMPDIR="$tmp" && eval "$commands" >"$tmp/log" 2>&1); then
     mkdir -p "$(dirname "$mark")" && touch "$mark" || true
   else
     say "warning: building the kernels failed (the first training step will build them): $(tail -n 1 "$tmp/log")"

@@ -84,14 +84,20 @@ def on_cpu():
 
 def home_elsewhere(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
     """HOME set to `home` for a test and the commands it starts (no W&B login, no netrc), with
-    MLX's compiled kernels kept where they are: a command under another HOME found its kernel
-    cache there and pointed the machine's MLX kernel folder (`$TMPDIR/mlx/<version>/cpu`, a
-    link, `toymlx.backend.device.persist_kernels`) into this test's folder, which a later
-    pytest session deletes; a process compiling then failed ("cannot create directories: File
-    exists")."""
+    toymlx's kernel cache this machine's: `home`'s `.cache/toymlx/mlx-kernels` is a link to it.
+    A command under a HOME of its own would otherwise keep MLX's kernels in `home`, which a
+    later pytest session deletes: where MLX's kernel folder (`$TMPDIR/mlx/<version>/cpu`,
+    `toymlx.backend.device.persist_kernels`) did not exist yet, the command made it a link into
+    `home`, and once `home` was gone every process compiling a kernel failed ("cannot create
+    directories: File exists") until another made the link again."""
     from toymlx.backend import device
 
-    monkeypatch.setenv("TOYMLX_KERNEL_CACHE", str(device._kernel_cache_root()))
+    cache = home / ".cache" / "toymlx" / "mlx-kernels"
+    if not cache.is_symlink():
+        root = device._kernel_cache_root()
+        root.mkdir(parents=True, exist_ok=True)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.symlink_to(root, target_is_directory=True)
     monkeypatch.setenv("HOME", str(home))
 
 

@@ -254,6 +254,22 @@ def test_other_backends_are_removed_first(tmp_path, present, backend, removed):
     assert ("removing MLX backends" in r.stderr) == bool(removed)
 
 
+def test_the_kernel_warm_up_runs_with_its_throw_away_folder_as_its_tmpdir(tmp_path):
+    """The installer's kernel builds (`build_kernels_for`) run in a throw-away folder that is
+    their TMPDIR too, so MLX's kernel folder there is made a link to this HOME's kernel cache,
+    the one the mark is made in (the machine's /tmp/mlx may link to another HOME's cache,
+    which toymlx uses as it is); the folder is gone after, the mark made."""
+    seen, mark = tmp_path / "seen", tmp_path / "cache" / "main.built"
+    commands = f'echo "$TMPDIR $PWD" > {seen}'
+    r = _shell("bash", f"source scripts/install_env.sh; ENV={tmp_path / 'env'}; "
+               f"build_kernels_for {mark} 'a test' {shlex.quote(commands)}", REPO,
+               _env(TMPDIR=str(tmp_path)))
+    assert r.returncode == 0 and r.stderr == "toymlx: building MLX's CPU kernels for a test\n", r
+    tmpdir, cwd = seen.read_text().split()
+    assert tmpdir == cwd and Path(cwd).parent == tmp_path and not Path(cwd).exists()
+    assert mark.is_file()
+
+
 def test_ci_runs_the_readme_commands_as_written():
     readme = (REPO / "README.md").read_text()
     setup = readme[readme.index("## Set-up"):readme.index("\n## ", readme.index("## Set-up"))]

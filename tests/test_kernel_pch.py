@@ -4,6 +4,8 @@ per compiler and MLX."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -11,6 +13,8 @@ import shutil
 import stat
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -137,8 +141,10 @@ def test_a_link_of_the_older_layout_is_pointed_at_this_cpus_folder(tmp_path, mon
 
 def test_a_chosen_kernel_cache_replaces_toymlx_link_to_another(tmp_path, monkeypatch):
     """TOYMLX_KERNEL_CACHE=<folder> is used where MLX's kernel folder is already toymlx's link to
-    the default cache (and back again once unset); where MLX's folder is its own, one line says
-    the kernels are only copied to the chosen folder."""
+    the default cache and no other process builds through it (while one does, the link stays,
+    said in one line); once unset, the link to the chosen folder, of this build's kernels, is
+    used as it is; where MLX's folder is its own, one line says the kernels are only copied to
+    the chosen folder."""
     import mlx.core as mx
 
     from toymlx.backend import device
@@ -153,11 +159,19 @@ def test_a_chosen_kernel_cache_replaces_toymlx_link_to_another(tmp_path, monkeyp
     monkeypatch.setenv("TOYMLX_KERNEL_CACHE", str(tmp_path / "mine"))
     chosen = device.kernel_cache_dir() / "cpu"
     assert (tmp_path / "mine") in chosen.parents
-    assert device.persist_kernels() == str(chosen)
+    with _built_through(link), pytest.warns(UserWarning) as caught:
+        assert device.persist_kernels() == str(default)
+    [message] = [str(w.message) for w in caught]
+    assert message == (
+        f"TOYMLX_KERNEL_CACHE={tmp_path / 'mine'}: MLX builds its CPU kernels in {link}, a link "
+        f"to {default} that another running toymlx process builds through, so they are not "
+        f"kept in {chosen}; give this process a TMPDIR of its own to keep them there")
+    assert link.resolve() == default.resolve()
+    assert device.persist_kernels() == str(chosen)  # that process has ended
     assert link.resolve() == chosen.resolve()
     monkeypatch.delenv("TOYMLX_KERNEL_CACHE")
-    assert device.persist_kernels() == str(default)
-    assert link.resolve() == default.resolve()
+    assert device.persist_kernels() == str(chosen)
+    assert link.resolve() == chosen.resolve()
     link.unlink()
     link.mkdir()  # MLX's own folder: used as it is, and said so
     (link / "libk.so").write_bytes(b"k")
@@ -168,3 +182,203 @@ def test_a_chosen_kernel_cache_replaces_toymlx_link_to_another(tmp_path, monkeyp
     assert "\n" not in message and f"TOYMLX_KERNEL_CACHE={tmp_path / 'mine'}" in message
     assert f"remove {link}" in message
     assert (chosen / "libk.so").read_bytes() == b"k"
+
+
+@contextlib.contextmanager
+def _built_through(mlx_dir: Path) -> Iterator[None]:
+    """What another running toymlx process that builds MLX's kernels through `mlx_dir` holds: a
+    shared flock on the users' file beside it, through an open file of its own."""
+    from toymlx.backend import device
+
+    fd = os.open(mlx_dir.with_name(device.KERNEL_FOLDER_USERS), os.O_RDONLY | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _in_cache(home: Path, leaf: str) -> Path:
+    """A kernel folder of `home`'s toymlx cache, `<mlx version>/<leaf>/cpu`, made."""
+    import mlx.core as mx
+
+    folder = home / ".cache" / "toymlx" / "mlx-kernels" / mx.__version__ / leaf / "cpu"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def _mlx_kernel_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """MLX's kernel folder under `tmp_path/tmp` (not made), for a process whose HOME is
+    `tmp_path/home-b`."""
+    import mlx.core as mx
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-b" / ".cache"))
+    monkeypatch.delenv("TOYMLX_KERNEL_CACHE", raising=False)
+    link = tmp_path / "tmp" / "mlx" / mx.__version__ / "cpu"
+    link.parent.mkdir(parents=True)
+    return link
+
+
+def test_a_link_into_another_homes_cache_of_this_builds_kernels_is_kept(tmp_path, monkeypatch):
+    """MLX's kernel folder, toymlx's link into another HOME's cache, to this build's kernels (the
+    same MLX, vector set and header: the same code), is used as it is, whether or not a process
+    builds through it: pointed at this HOME's folder, it would be pulled from under a process of
+    that HOME, between writing a kernel's source and g++ reading it."""
+    from toymlx.backend import device
+
+    link = _mlx_kernel_link(tmp_path, monkeypatch)
+    theirs = _in_cache(tmp_path / "home-a", device.kernel_cache_dir().name)
+    link.symlink_to(theirs, target_is_directory=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and nothing said
+        assert device.persist_kernels() == str(theirs)
+        with _built_through(link):
+            assert device.persist_kernels() == str(theirs)
+    assert os.readlink(link) == str(theirs)
+    assert not (tmp_path / "home-b" / ".cache" / "toymlx" / "mlx-kernels").exists()  # nor copied
+
+
+def test_a_dangling_link_is_made_again_even_while_a_process_uses_it(tmp_path, monkeypatch):
+    """MLX's kernel folder, a link to a folder since deleted (a test's HOME): MLX fails every
+    build through it, a running process's too (it does not make the folder again), so it is
+    made again to this build's folder whoever builds through it."""
+    from toymlx.backend import device
+
+    link = _mlx_kernel_link(tmp_path, monkeypatch)
+    gone = _in_cache(tmp_path / "home-a", device.kernel_cache_dir().name)
+    link.symlink_to(gone, target_is_directory=True)
+    shutil.rmtree(tmp_path / "home-a")
+    kept = device.kernel_cache_dir() / "cpu"
+    with _built_through(link):
+        assert device.persist_kernels() == str(kept)
+    assert Path(os.readlink(link)) == kept.resolve()
+
+
+def test_a_link_to_another_builds_kernels_is_made_again_unless_a_process_uses_it(tmp_path,
+                                                                                monkeypatch):
+    """MLX's kernel folder, toymlx's link to another build's kernels (another header's tag: a
+    kernel built with another header must never be found by this build): made again to this
+    build's folder where no other process builds through it; while one does, it stays, and one
+    line says where this process builds its kernels and how to have its own folder."""
+    from toymlx.backend import device
+
+    link = _mlx_kernel_link(tmp_path, monkeypatch)
+    theirs = _in_cache(tmp_path / "home-a", f"{kernel_pch.vector_isa()[0]}-0123456789")
+    link.symlink_to(theirs, target_is_directory=True)
+    kept = device.kernel_cache_dir() / "cpu"
+    with _built_through(link), pytest.warns(UserWarning) as caught:
+        assert device.persist_kernels() == str(theirs)
+    [message] = [str(w.message) for w in caught]
+    assert message == (
+        f"MLX builds its CPU kernels in {link}, a link to {theirs}: another toymlx build's "
+        f"kernels (another vector set or header), which a running process builds through, so "
+        f"this process builds its kernels there, without its own precompiled header, loops and "
+        f"exp and erf forms; give it a TMPDIR of its own to use its kernel folder, {kept}")
+    assert os.readlink(link) == str(theirs)
+    assert device.persist_kernels() == str(kept)  # that process has ended
+    assert Path(os.readlink(link)) == kept.resolve()
+
+
+def test_the_link_leads_to_the_caches_real_folder(tmp_path, monkeypatch):
+    """A HOME whose kernel cache is a link to this machine's (a test's, `home_elsewhere`): MLX's
+    kernel folder is made a link to the machine's folder itself, so it still leads somewhere
+    once that HOME is deleted."""
+    from conftest import home_elsewhere
+
+    from toymlx.backend import device
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setenv("HOME", str(tmp_path / "machine"))
+    for var in ("XDG_CACHE_HOME", "TOYMLX_KERNEL_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    home_elsewhere(monkeypatch, tmp_path / "test-home")
+    kept = device.kernel_cache_dir() / "cpu"
+    assert (tmp_path / "test-home") in kept.parents
+    assert device.persist_kernels() == str(kept)
+    link = tmp_path / "tmp" / "mlx" / kept.parent.parent.name / "cpu"
+    machine = tmp_path / "machine" / ".cache" / "toymlx" / "mlx-kernels"
+    assert Path(os.readlink(link)) == (machine / kept.parent.parent.name / kept.parent.name
+                                       / "cpu").resolve()
+    shutil.rmtree(tmp_path / "test-home")
+    assert link.is_dir()
+
+
+_BUILDER = r"""
+import json, sys
+import toymlx  # noqa: F401  (the BLAS first)
+from toymlx.backend import device, kernel_pch
+kernel_pch.header_tag = lambda: sys.argv[1]  # another build's header
+import mlx.core as mx
+mx.set_default_device(mx.cpu)
+print(json.dumps({"folder": device.persist_kernels()}), flush=True)
+for line in iter(sys.stdin.readline, ""):  # a constant: a kernel of its own, built now
+    k = float(line)
+    try:
+        print(json.dumps({"values": mx.compile(lambda x: x * k + 0.5)(mx.arange(3.0)).tolist()}),
+              flush=True)
+    except RuntimeError as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+"""
+
+_STARTS = """
+import json
+from toymlx.backend import device
+device.setup_process()
+print(json.dumps(device.backend_info()))
+"""
+
+
+def test_a_process_building_through_the_link_keeps_it_from_another_build(tmp_path, monkeypatch):
+    """Two real processes with one TMPDIR, two HOMEs and two builds (two header tags). A links
+    MLX's kernel folder to its own and builds a kernel; B starts while A runs: the link stays
+    A's (it was pointed at B's folder: A's next kernel, built with A's header, landed in B's
+    folder, or was lost where the link turned between MLX writing its source and g++ reading
+    it), B says so in one line, records why it builds no precompiled header and puts none in
+    A's folder; A's next kernel is built in its own folder. A's HOME deleted, A's next build
+    fails (MLX does not make a dangling link's folder again), until B, starting again, makes
+    the link to its own folder although A runs; A then builds again."""
+    from conftest import end_child
+
+    from toymlx.backend import device
+
+    link = _mlx_kernel_link(tmp_path, monkeypatch)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "home-a" / ".cache")}
+    a = subprocess.Popen([sys.executable, "-c", _BUILDER, "a0a0a0a0a0"], env=env, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def a_builds(k: float) -> dict:
+        a.stdin.write(f"{k}\n")
+        a.stdin.flush()
+        return json.loads(a.stdout.readline())
+
+    try:
+        theirs = Path(json.loads(a.stdout.readline())["folder"])
+        assert theirs.parent.name == f"{kernel_pch.vector_isa()[0]}-a0a0a0a0a0"
+        assert Path(os.readlink(link)) == theirs.resolve()
+        assert a_builds(1.5) == {"values": [0.5, 2.0, 3.5]}
+        b = subprocess.run([sys.executable, "-c", _STARTS], env=os.environ, capture_output=True,
+                           text=True, timeout=300, check=False)  # HOME B's cache, the real tag
+        assert b.returncode == 0, b.stderr[-2000:]
+        info = json.loads(b.stdout.strip().splitlines()[-1])
+        assert info["kernel_cache"] == str(theirs.resolve())
+        assert info["kernel_pch"] == ("off (MLX's kernel folder holds another toymlx build's "
+                                      "kernels, in use)")
+        assert info["kernel_forms"].startswith("off (no precompiled header: off (MLX's kernel")
+        assert (f"toymlx: warning: MLX builds its CPU kernels in {link}, a link to "
+                f"{theirs.resolve()}: another toymlx build's kernels") in b.stderr
+        assert Path(os.readlink(link)) == theirs.resolve()
+        assert a_builds(2.5) == {"values": [0.5, 3.0, 5.5]}
+        assert len(list(theirs.glob("lib*.so"))) == 2 and not list(theirs.rglob("*.gch"))
+        assert not (tmp_path / "home-b" / ".cache" / "toymlx" / "mlx-kernels").exists()
+        shutil.rmtree(tmp_path / "home-a")
+        failed = a_builds(3.5)
+        assert "cannot create directories: File exists" in failed["error"], failed
+        kept = device.kernel_cache_dir() / "cpu"  # B again, in this process
+        assert device.persist_kernels() == str(kept)
+        assert Path(os.readlink(link)) == kept.resolve()
+        assert a_builds(4.5) == {"values": [0.5, 5.0, 9.5]}
+        a.stdin.close()
+        assert a.wait(timeout=60) == 0
+    finally:
+        end_child(a)

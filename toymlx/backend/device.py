@@ -30,7 +30,8 @@ import platform
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,15 @@ _NOT_BOUND = ("MLX's CPU matmuls could not be pointed at {path} ({why}), so they
 _CACHE_NOT_USED = ("TOYMLX_KERNEL_CACHE={chosen}: MLX builds its CPU kernels in "
                    "{mlx_dir}, which is not a link toymlx made, so they are only copied to "
                    "{kept} at each start; remove {mlx_dir} to have them built there")
+_CACHE_IN_USE = ("TOYMLX_KERNEL_CACHE={chosen}: MLX builds its CPU kernels in {mlx_dir}, a "
+                 "link to {folder} that another running toymlx process builds through, so "
+                 "they are not kept in {kept}; give this process a TMPDIR of its own to keep "
+                 "them there")
+_ANOTHER_BUILD_IN_USE = ("MLX builds its CPU kernels in {mlx_dir}, a link to {folder}: another "
+                         "toymlx build's kernels (another vector set or header), which a running "
+                         "process builds through, so this process builds its kernels there, "
+                         "without its own precompiled header, loops and exp and erf forms; give "
+                         "it a TMPDIR of its own to use its kernel folder, {kept}")
 _GENERIC = ("{why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
             "set OPENBLAS_CORETYPE={best} before starting, or " + blas.FIX)
 
@@ -80,6 +90,9 @@ class _ProcessState:
     malloc: str = "default"
     bfs_max_width: str | None = None
     kernel_cache: str | None = None
+    kernel_folder_users: dict[Path, int] = field(default_factory=dict)
+    """MLX's kernel folders this process builds through (one per TMPDIR it had), each with the
+    open `KERNEL_FOLDER_USERS` file it holds a shared lock on (`_kernel_folder_decision`)."""
     kernel_pch: str | None = None
     """The precompiled header MLX's kernel builds read (`toymlx.backend.kernel_pch`), or off (why)."""
     kernel_loops: str | None = None
@@ -218,7 +231,10 @@ def setup_process(wide_evaluation: bool = True) -> None:
     p.malloc = tune_malloc()
     p.kernel_cache = persist_kernels()
     if p.kernel_cache:
-        p.kernel_pch = kernel_pch.install(p.kernel_cache)
+        # not this build's header where another build's builds, in use, would find it
+        theirs = _relink_reason(_mlx_kernel_dir(), kernel_cache_dir() / "cpu") == "another build's"
+        p.kernel_pch = ("off (MLX's kernel folder holds another toymlx build's kernels, in use)"
+                        if theirs else kernel_pch.install(p.kernel_cache))
     p.kernel_loops = _install_kernel_loops(p)
     p.kernel_forms = _check_kernel_forms(p)
 
@@ -324,64 +340,168 @@ def _cxx_temp_dir() -> Path:
     return Path("/tmp")
 
 
+KERNEL_FOLDER_USERS = ".cpu.users"
+"""The file beside MLX's kernel folder that each toymlx process building through the folder
+holds a shared `flock` on (`_kernel_folder_decision`)."""
+
+
+def _mlx_kernel_dir() -> Path:
+    """MLX's kernel folder, `$TMPDIR/mlx/<version>/cpu`: one for every process with this TMPDIR."""
+    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
+
+    return _cxx_temp_dir() / "mlx" / mx.__version__ / "cpu"
+
+
 def persist_kernels() -> str | None:
     """Keep MLX's JIT-compiled CPU kernels across reboots; return the folder in use.
 
     MLX compiles each fused elementwise kernel of a compiled step with the system C++ compiler
     (about 0.8 s each; ViT-Tiny's first step builds ~50, 40 s on 2 cores) into
     `$TMPDIR/mlx/<version>/cpu`, and looks there before compiling. Most Linux systems empty
-    /tmp at every reboot. Where that folder does not exist yet, or is a link toymlx made to
-    another folder of its cache (an older layout's), this makes it a link to
-    `kernel_cache_dir()/cpu`, so MLX writes and finds its kernels there; where it already
-    exists (a real folder), MLX keeps using it and the kernels it holds are copied into the
-    kept folder for after the next reboot. The kernels are named after their code, so a stale one is never
-    used for another. Not on macOS (Metal kernels are MLX's own); `TOYMLX_KERNEL_CACHE=off`
-    leaves MLX's folder alone, `TOYMLX_KERNEL_CACHE=<folder>` keeps the kernels there (a link
-    toymlx made to another cache folder is made again to it; where MLX's folder is not such a
-    link, a one-line warning says the kernels are only copied there)."""
+    /tmp at every reboot. Where that folder does not exist yet, this makes it a link to
+    `kernel_cache_dir()/cpu` (by its real path), so MLX writes and finds its kernels there;
+    where it already exists (a real folder, or a link toymlx did not make), MLX keeps using it
+    and the kernels it holds are copied into the kept folder for after the next reboot. The
+    kernels are named after their code, so a stale one is never used for another.
+
+    MLX's folder is shared by every process with this TMPDIR, and each build goes through it
+    (MLX 0.32's `compile` in mlx/backend/cpu/compiled.cpp writes the source there, g++ reads
+    it and writes the library there, MLX then dlopens it): a link pointed elsewhere meanwhile
+    loses that build (g++ finds no source, or MLX no library), and a link whose folder was
+    deleted fails every later one (MLX does not make the folder again: "cannot create
+    directories: File exists"). So a link toymlx made stays as it is where it leads to this
+    build's kernels (`<mlx version>/<vector set>[-<header tag>]/cpu`, as `kernel_cache_dir`),
+    in this cache or another (another HOME's: the same code). It is made again
+    (`_relink_reason`) where it leads nowhere, and, only while no other toymlx process uses it
+    (`_kernel_folder_decision`), where it leads to another build's kernels (the older layout,
+    another vector set or header: never to be found by this build) or where
+    `TOYMLX_KERNEL_CACHE=<folder>` names another folder (a benchmark's cold start). While one
+    does, it stays, and one line says so (`setup_process` then builds no precompiled header
+    into another build's folder). Not on macOS (Metal kernels are MLX's own);
+    `TOYMLX_KERNEL_CACHE=off` leaves MLX's folder alone; where MLX's folder is not a link toymlx
+    made, `TOYMLX_KERNEL_CACHE=<folder>` says in one line that the kernels are only copied
+    there."""
     if sys.platform != "linux" or os.environ.get("TOYMLX_KERNEL_CACHE") == "off":
         return None
-    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
-
-    mlx_dir = _cxx_temp_dir() / "mlx" / mx.__version__ / "cpu"
+    mlx_dir = _mlx_kernel_dir()
     kept = kernel_cache_dir() / "cpu"
-    relink = mlx_dir.is_symlink() and _links_elsewhere_in_the_cache(mlx_dir, kept)
-    if not relink and (mlx_dir.is_symlink() or mlx_dir.exists()):
-        if mlx_dir.is_dir() and not mlx_dir.is_symlink():
-            _keep_new_kernels(mlx_dir, kept)
-        if os.environ.get("TOYMLX_KERNEL_CACHE") and mlx_dir.resolve() != kept.resolve():
-            notice.warn(_CACHE_NOT_USED.format(chosen=os.environ["TOYMLX_KERNEL_CACHE"],
-                                               mlx_dir=mlx_dir, kept=kept), stacklevel=2)
-        return str(mlx_dir.resolve()) if mlx_dir.exists() else None
+    with _kernel_folder_decision(mlx_dir) as alone:
+        why = (_relink_reason(mlx_dir, kept) if mlx_dir.is_symlink()
+               else None if mlx_dir.exists() else "missing")
+        in_use = why if why in ("another build's", "chosen") and not alone() else None
+        if why is not None and in_use is None:
+            return _link_kernel_folder(mlx_dir, kept)
+    if not _made_by_toymlx(mlx_dir, kept) and mlx_dir.is_dir():
+        _keep_new_kernels(mlx_dir, kept)
+    folder = mlx_dir.resolve()
+    chosen = os.environ.get("TOYMLX_KERNEL_CACHE")
+    if in_use == "chosen":
+        notice.warn(_CACHE_IN_USE.format(chosen=chosen, mlx_dir=mlx_dir, folder=folder, kept=kept),
+                    stacklevel=2)
+    elif in_use is not None:
+        notice.warn(_ANOTHER_BUILD_IN_USE.format(mlx_dir=mlx_dir, folder=folder, kept=kept),
+                    stacklevel=2)
+    elif chosen and folder != kept.resolve():
+        notice.warn(_CACHE_NOT_USED.format(chosen=chosen, mlx_dir=mlx_dir, kept=kept),
+                    stacklevel=2)
+    return str(folder) if mlx_dir.exists() else None
+
+
+def _link_kernel_folder(mlx_dir: Path, kept: Path) -> str | None:
+    """Make MLX's kernel folder `mlx_dir` a link to `kept`'s real path (a cache reached through
+    a link, e.g. a test's HOME whose cache links to this machine's, is never left behind in
+    it); return the folder MLX builds in."""
     try:
         kept.mkdir(parents=True, exist_ok=True)
         mlx_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = mlx_dir.with_name(f".cpu.{os.getpid()}")
         tmp.unlink(missing_ok=True)
-        tmp.symlink_to(kept, target_is_directory=True)
-        os.replace(tmp, mlx_dir)  # another process may have made it meanwhile: same link
+        tmp.symlink_to(kept.resolve(), target_is_directory=True)
+        os.replace(tmp, mlx_dir)  # atomic: a build sees the old link or the new one
     except OSError:
         return str(mlx_dir) if mlx_dir.is_dir() else None  # MLX makes its own folder
     return str(kept)
 
 
-def _links_elsewhere_in_the_cache(link: Path, kept: Path) -> bool:
-    """Whether `link` is a link toymlx made into a kernel cache, to another folder than `kept`:
-    a folder of an older layout, of another CPU's vector set, or of another cache root (the
-    default one while `TOYMLX_KERNEL_CACHE` names a folder, or a folder it named before),
-    which is recognised by its layout, `<root>/<mlx version>/<vector set>/cpu`."""
-    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
-
+def _made_by_toymlx(link: Path, kept: Path) -> bool:
+    """Whether `link` (MLX's kernel folder) is a link toymlx made to a kernel cache, recognised
+    by the layout, `<root>/<mlx version>/<vector set>[-<header tag>]/cpu` (the older one:
+    `<root>/<mlx version>/cpu`), in any cache root, or as a folder of this process's roots."""
     try:
-        target = Path(os.readlink(link))
+        target = link.parent / os.readlink(link)
     except OSError:
         return False
-    if target == kept:
-        return False
+    version = kept.parent.parent.name
     roots = (_kernel_cache_root(), _default_kernel_cache_root())
-    if any(target == root or root in target.parents for root in roots):
-        return True
-    return target.name == "cpu" and target.parent.parent.name == mx.__version__
+    return (target.name == "cpu" and version in (target.parent.name, target.parent.parent.name)
+            or any(target == root or root in target.parents for root in roots))
+
+
+def _relink_reason(link: Path, kept: Path) -> str | None:
+    """Why the link `link` (MLX's kernel folder) is to lead to `kept` instead: "dangling" (its
+    folder is gone: MLX would fail every build), "another build's" (toymlx made it to another
+    build's kernels: another vector set or header, or the older layout), "chosen"
+    (`TOYMLX_KERNEL_CACHE` names a folder, and it leads to another); None where it is used as
+    it is: it leads to `kept`, to this build's kernels in another cache (another HOME's), or to
+    a folder toymlx did not make."""
+    if not link.exists():
+        return "dangling"
+    if link.resolve() == kept.resolve() or not _made_by_toymlx(link, kept):
+        return None
+    target = link.parent / os.readlink(link)
+    if (target.parent.parent.name, target.parent.name) != (kept.parent.parent.name,
+                                                           kept.parent.name):
+        return "another build's"
+    return "chosen" if os.environ.get("TOYMLX_KERNEL_CACHE") else None
+
+
+@contextlib.contextmanager
+def _kernel_folder_decision(mlx_dir: Path) -> Iterator[Callable[[], bool]]:
+    """Decide what MLX's kernel folder `mlx_dir` is one toymlx process at a time, then be one of
+    the processes that build through it.
+
+    The block runs under an exclusive `flock` of the folder above `mlx_dir` (another process
+    deciding waits; the block waits on nothing) and gets `alone()`: whether no other running
+    toymlx process builds through `mlx_dir` (none holds a shared `flock` on
+    `KERNEL_FOLDER_USERS` beside it), so that it may be pointed elsewhere. After the block this
+    process holds that shared lock until it ends or decides on that folder again (a forked
+    child shares it); the kernel drops it however the process ends, so a crashed process never
+    keeps the link. Where the lock files cannot be opened (a folder that is not this user's),
+    nothing is locked and `alone()` is True."""
+    p = _PROCESS
+    if mlx_dir in p.kernel_folder_users:  # this process's earlier decision: decided again
+        os.close(p.kernel_folder_users.pop(mlx_dir))
+    import fcntl  # here: Linux only (persist_kernels)
+
+    deciding = users = None
+    try:
+        try:
+            mlx_dir.parent.mkdir(parents=True, exist_ok=True)
+            deciding = os.open(mlx_dir.parent, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(deciding, fcntl.LOCK_EX)
+            users = os.open(mlx_dir.with_name(KERNEL_FOLDER_USERS), os.O_RDONLY | os.O_CREAT,
+                            0o644)
+        except OSError:
+            pass
+
+        def alone() -> bool:
+            if users is None:
+                return True
+            try:
+                fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)  # turned shared below
+            except OSError:
+                return False
+            return True
+
+        yield alone
+        if users is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(users, fcntl.LOCK_SH | fcntl.LOCK_NB)  # no one holds it exclusively
+                p.kernel_folder_users[mlx_dir], users = users, None
+    finally:
+        for fd in (users, deciding):
+            if fd is not None:
+                os.close(fd)
 
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
