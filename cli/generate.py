@@ -5,11 +5,11 @@ rendered through the GGUF's chat template wherever it has one, as mlx_lm.generat
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from toymlx_cli import run_command
@@ -376,7 +376,9 @@ def run(args: Args) -> int:
     from toymlx.generation.sampling import check_top_k
 
     nanogpt_file = args.prompt.removeprefix("FILE:")
-    if nanogpt_file != args.prompt and Path(nanogpt_file).is_file():  # never taken as the text
+    # never taken as the text; a text that cannot be a file's name (longer than the file
+    # system takes) is text, not an error
+    if nanogpt_file != args.prompt and os.path.isfile(nanogpt_file):
         raise UsageError(f"--prompt: expected the prompt's text, found nanoGPT's "
                          f"{args.prompt!r} (sample.py's --start=FILE:...); to read "
                          f"{nanogpt_file}: --prompt - < {shlex.quote(nanogpt_file)}")

@@ -23,6 +23,7 @@ from typing import Any
 
 from toymlx_cli.config_file import ConfigFileError
 
+from toymlx.bundle.model_store import is_hf_repo
 from toymlx.gguf.llama import HF_TARGETS
 
 MLX_LM_ONLY = frozenset({
@@ -68,7 +69,7 @@ _RENAMED = {"iters": "steps", "learning_rate": "lr",
             "optimizer": "optimizer"}
 
 
-_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule", "test_batches", "project_name"}
+_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule"}
 """Keys an mlx-lm file may hold besides MLX_LM_ONLY, MLX_LM_DEFAULTS and _NOTED's."""
 
 
@@ -407,7 +408,7 @@ def _model(model: Any, source: str) -> str:
         raise _not_found(source, "model", model, "a GGUF file or a model name")
     if model.lower().endswith(".gguf"):  # refused by the recipe, named by this key
         return model
-    if model.count("/") == 1:
+    if is_hf_repo(model):
         return "hf:" + model
     return model
 
@@ -417,8 +418,8 @@ def _data(data: Any, source: str) -> str:
     _want(source, "data", isinstance(data, str) and data, "a data folder", data)
     if Path(data).exists():
         return data
-    if data.count("/") == 1 and not data.startswith((".", "/")) and not (
-            Path(source).parent / data).exists():
+    # a folder named with a slash (mlx-lm's default `data/`) is no dataset name
+    if is_hf_repo(data) and not (Path(source).parent / data).exists():
         raise _hub_dataset(source, "data", data)
     raise _not_found(source, "data", data, "a data folder (train.jsonl, valid.jsonl, test.jsonl)")
 

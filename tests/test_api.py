@@ -4,18 +4,20 @@ MLX's reference BLAS on Linux)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shlex
 import statistics
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 
 from toymlx.bundle.events import read_events
-from toymlx.runner.api import keyword_message, option_flags
+from toymlx.runner.api import _run_child, keyword_message, option_flags
 
 MATMUL_HEAVY = {"model": {"d_model": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4,
                           "ffn_dim": 768, "context": 128},
@@ -237,6 +239,17 @@ def test_train_leaves_the_calling_process_as_it_found_it(tmp_path):
     got = json.loads(p.stdout.splitlines()[-1])
     assert got["same"] is True
     assert len(got["losses"][0]) == 2 and got["losses"][0] == got["losses"][1], got
+
+
+def test_each_call_closes_the_pipe_it_read_the_child_from():
+    """The relay's pipe is closed when the child's output ends: it was left to the garbage
+    collector, a ResourceWarning ("unclosed file") and an open descriptor after every call."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        out = _run_child([sys.executable, "-c", "print('done')"], echo=False)
+        gc.collect()
+    assert (out.returncode, out.last_line) == (0, "done")
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
 
 
 def test_numpy_scalars_are_numbers(tmp_path):

@@ -766,7 +766,8 @@ def test_an_empty_stdin_for_prompt_dash_is_refused_not_generated_from_bos(storie
 def test_nanogpts_file_prompt_is_refused_not_taken_as_the_text(stories_path, capsys, tmp_path,
                                                                 monkeypatch):
     """sample.py's `--start=FILE:prompt.txt` habit as `--prompt FILE:prompt.txt`: the story went
-    on from the 15 characters `FILE:prompt.txt`, exit 0; text that names no file is still text."""
+    on from the 15 characters `FILE:prompt.txt`, exit 0; text that names no file is still text,
+    a text too long to be a file's name too (it was refused: "[Errno 36] File name too long")."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my prompt.txt").write_text(PROMPT)
     assert cli.main(["--model", str(stories_path), "--prompt", "FILE:my prompt.txt"]) == 2
@@ -775,8 +776,9 @@ def test_nanogpts_file_prompt_is_refused_not_taken_as_the_text(stories_path, cap
         "toymlx-generate: error: --prompt: expected the prompt's text, found nanoGPT's "
         "'FILE:my prompt.txt' (sample.py's --start=FILE:...); to read my prompt.txt: "
         "--prompt - < 'my prompt.txt'\n")
-    assert cli.main(["--model", str(stories_path), "--prompt", "FILE:none.txt", "--max-tokens",
-                     "2", "--temperature", "0"]) == 0
+    for text in ("FILE:none.txt", "FILE: " + "a long line of notes " * 20):
+        assert cli.main(["--model", str(stories_path), "--prompt", text, "--max-tokens", "2",
+                         "--temperature", "0"]) == 0
 
 
 def test_device_gpu_with_the_llamacpp_engine_is_refused(stories_path, capsys):

@@ -199,6 +199,27 @@ def test_a_relative_path_is_read_from_the_current_directory_and_named(tmp_path,
     assert (options["base"], options["data.path"]) == ("m.gguf", "d")
 
 
+def test_a_missing_folder_named_with_a_slash_is_no_hugging_face_name(tmp_path, monkeypatch):
+    """`data: data/` (mlx-lm's own default) or `./data`, not there: a missing data folder,
+    named so; `data/` was taken for the Hugging Face dataset 'data/' (and `hf download
+    --repo-type dataset data/` offered), `model: ./model` for the repository hf:./model. A
+    USER/REPO name is still one."""
+    monkeypatch.chdir(tmp_path)
+    for data in ("data/", "./data"):
+        with pytest.raises(ConfigFileError) as e:
+            mlx_lm_options({"data": data, "iters": 1}, "c.yaml")
+        assert str(e.value) == (
+            "c.yaml: key 'data': expected a data folder (train.jsonl, valid.jsonl, test.jsonl), "
+            f"found nothing at {data} (a relative path is read from the current directory, "
+            f"{tmp_path}, as mlx-lm reads it, not from the file's folder)")
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"data": "user/set", "iters": 1}, "c.yaml")
+    assert "found the dataset name 'user/set'" in str(e.value)
+    bases = [mlx_lm_options({"model": m, "iters": 1}, "c.yaml")[0]["base"]
+             for m in ("./model", "models/", "user/repo")]
+    assert bases == ["./model", "models/", "hf:user/repo"]
+
+
 def test_num_layers_past_the_base_s_blocks_adapts_every_block(tmp_path, base, data, capsys):
     """mlx-lm's default 16 on this 2-block base (and any larger count) is every block, where it
     was refused as "--lora.layers: expected 1..2"; the note says mlx-lm 0.32 refuses it (it

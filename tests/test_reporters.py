@@ -438,6 +438,13 @@ def test_wandb_ids_are_per_run_and_a_sweeps_trials_are_grouped(tmp_path, monkeyp
     # a bundle whose W&B run predates the run_uid part keeps its W&B id on resume
     (tmp_path / "old" / "wandb" / "offline-run-20261128_101010-old").mkdir(parents=True)
     assert reporters.wandb_id(tmp_path / "old", "0123456789abcdef") == "old"
+    # ... a run id longer than the new id's 55 letters too: its W&B id was its first 64
+    long = "lr=0.0003,batch_size=16,lora.rank=16,lora.alpha=32,warmup=100,seed=1"
+    legacy = long.replace("=", "-").replace(",", "-").replace(".", "-")[:64]
+    (tmp_path / long / "wandb" / f"offline-run-20261128_101010-{legacy}").mkdir(parents=True)
+    assert reporters.wandb_id(tmp_path / long, "0123456789abcdef") == legacy
+    assert reporters.wandb_id(tmp_path / "new" / long, "0123456789abcdef") == (
+        f"{legacy[:55]}-01234567")
 
 
 def test_a_local_error_at_the_rewind_is_not_taken_for_a_refusal(tmp_path, monkeypatch):

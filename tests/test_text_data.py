@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import warnings
 
 import numpy as np
 import pytest
@@ -81,6 +83,21 @@ def test_read_text_in_pieces_names_the_byte_offset_and_line_across_reads(tmp_pat
     path.write_bytes("\ufeff \u3000\r\n".encode())  # U+3000: whitespace, as str.strip says
     with pytest.raises(DataError, match=r"cut\.txt: file has only whitespace; expected"):
         list(open_text(path, block=2)[1])
+
+
+def test_an_iterator_dropped_unread_closes_its_file(tmp_path):
+    """`open_text`'s file is closed with its iterator even where no piece was read (a tokenizer
+    that refuses before reading: no bos id to add): it stayed open until the garbage
+    collector closed it, with a ResourceWarning ("unclosed file")."""
+    path = tmp_path / "t.txt"
+    path.write_text("hello\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        size, pieces = open_text(path)
+        del pieces
+        gc.collect()
+    assert size == 6 and [str(w.message) for w in caught if w.category is ResourceWarning] == []
+    assert "".join(open_text(path)[1]) == "hello\n"
 
 
 # one text of emoji, CRLF line ends, "▁", special-token texts, CJK and digits

@@ -48,6 +48,7 @@ adapter, projector, license, messages."""
 MAX_LISTED = 20
 _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")  # Ollama's name parts (no '/', no '..')
 _DIGEST = re.compile(r"sha256[:-]([0-9a-fA-F]{64})")
+_HF_REPO = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*/[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
 class ModelStoreError(ValueError):
@@ -396,6 +397,13 @@ _NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
 """Parts of a file name that mark a GGUF as a companion, not a model (llama.cpp's list)."""
 
 
+def is_hf_repo(name: str) -> bool:
+    """Whether `name` is spelt as a Hugging Face repository, USER/REPO: letters, digits, '_',
+    '-' and '.' on both sides of its one '/', neither side empty, no '..' (`data/` and
+    `./model` are paths, not repositories)."""
+    return _HF_REPO.fullmatch(name) is not None and ".." not in name
+
+
 def parse_hf_name(name: str) -> tuple[str, str | None, str | None, str | None]:
     """(repo, revision, quant, file) of `USER/REPO[@REV][:QUANT]` or `USER/REPO[@REV]/FILE.gguf`;
     ValueError saying what is expected."""
@@ -410,8 +418,7 @@ def parse_hf_name(name: str) -> tuple[str, str | None, str | None, str | None]:
     if "@" in rest:
         rest, revision = rest.split("@", 1)
     repo = f"{user}/{rest}"
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*/[A-Za-z0-9_][A-Za-z0-9_.\-]*", repo) \
-            or ".." in repo:
+    if not is_hf_repo(repo):
         raise ValueError(f"repository {repo!r}: expected USER/REPO of letters, digits, '_', '-', "
                          "'.'")
     if path and (not path.lower().endswith(".gguf") or ".." in path.split("/")):

@@ -193,11 +193,13 @@ def wandb_id(run_dir: Path, run_uid: str | None = None) -> str:
     """The W&B run id of a toymlx run: its run id, in the letters W&B takes, then the first 8
     hex digits of its run_uid, so that another run under the same id (--overwrite, the same
     grid in another sweep, another runs root) is a new W&B run, not a resume of the old one.
-    A bundle whose W&B run was named before the run_uid part keeps that id (`wandb/` holds it)."""
-    base = re.sub(r"[^A-Za-z0-9_-]", "-", Path(run_dir).name)[:55]
-    if run_uid is None or any((Path(run_dir) / "wandb").glob(f"*run-*_*-{base}")):
-        return base
-    return f"{base}-{run_uid[:8]}"
+    A bundle whose W&B run was named before the run_uid part keeps that id (`wandb/` holds it):
+    the run id's first 64 letters, where the new id keeps 55 before its run_uid part."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", Path(run_dir).name)
+    legacy = name[:64]
+    if run_uid is None or any((Path(run_dir) / "wandb").glob(f"*run-*_*-{legacy}")):
+        return legacy
+    return f"{name[:55]}-{run_uid[:8]}"
 
 
 def wandb_group(run_dir: Path) -> str | None:

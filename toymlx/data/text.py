@@ -72,13 +72,19 @@ def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator
         size = os.fstat(f.fileno()).st_size
     except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e.strerror or e})") from None
-    return size, _pieces(path, f, block or READ_BYTES)
+    pieces = _pieces(path, f, block or READ_BYTES)
+    next(pieces)  # into its `with f`: the file closes with the iterator, read or not
+    return size, pieces
 
 
 def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
+    """`open_text`'s pieces, after one "" that takes the iterator into `with f` (an iterator
+    never started would leave `f` open: a consumer that fails before it reads, a tokenizer
+    without the bos id it must add)."""
     offset = lines = 0  # the file offset of `rest`, and the newlines before it
     rest, first, seen, content = b"", True, False, False
     with f:
+        yield ""
         while True:
             try:
                 more = f.read(block)

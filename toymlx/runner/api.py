@@ -357,24 +357,26 @@ def _run_child(cmd: list[str], echo: bool) -> _Output:
                              env=child_env())
     assert child.stdout is not None
     fd, relaying = child.stdout.fileno(), echo
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            out.feed(chunk)
-            if relaying:
-                sys.stdout.write(text.decode(chunk))
-                sys.stdout.flush()
-        except KeyboardInterrupt as e:
-            out.stop(child, signal.SIGINT, e)  # the run checkpoints and ends cleanly
-        except BrokenPipeError as e:
-            # raised at once, it left the child orphaned, stopped by its lifeline as a SIGTERM
-            relaying = False
-            out.stop(child, READER_GONE, e)  # the run checkpoints and ends with exit 141
-        except Exception as e:  # noqa: BLE001  (sys.stdout closed or replaced: raised below)
-            relaying = False
-            out.stop(child, signal.SIGINT, e)
+    with child.stdout:  # closed once read to its end: each call's pipe, not left to the GC
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                out.feed(chunk)
+                if relaying:
+                    sys.stdout.write(text.decode(chunk))
+                    sys.stdout.flush()
+            except KeyboardInterrupt as e:
+                out.stop(child, signal.SIGINT, e)  # the run checkpoints and ends cleanly
+            except BrokenPipeError as e:
+                # raised at once, it left the child orphaned, stopped by its lifeline as a
+                # SIGTERM
+                relaying = False
+                out.stop(child, READER_GONE, e)  # the run checkpoints and ends with exit 141
+            except Exception as e:  # noqa: BLE001  (sys.stdout closed or replaced: raised below)
+                relaying = False
+                out.stop(child, signal.SIGINT, e)
     while True:
         try:
             out.returncode = child.wait()
