@@ -483,17 +483,18 @@ def _test_batches(data: dict[str, Any], test: Any, source: str) -> list[str]:
 def mlx_lm_mask_prompt(cfg: Any, source: str) -> None:
     """ConfigFileError (one line) for mask_prompt true on text data ({"text": ...} rows, or a
     plain-text file): mlx-lm refuses it ("Prompt masking not supported for text dataset"),
-    where toymlx's lora recipe would train every token of it."""
-    from toymlx.data.chat import data_files, load_examples
+    where toymlx's lora recipe would train every token of it. The file's first example alone
+    is read (`first_kind`): the recipe reads all of train.jsonl once, after this."""
+    from toymlx.data.chat import data_files, first_kind
 
     if not cfg.data.mask_prompt or not cfg.data.path:
         return
     try:
         train = data_files(cfg.data.path).train
-        first = load_examples(train)[0]
+        kind = first_kind(train)
     except (ValueError, OSError):  # refused by the recipe, naming the file
         return
-    if first.kind == "text":
+    if kind == "text":
         raise ConfigFileError(f"{source}: key 'mask_prompt': expected false for text data "
                               f"({train} holds {{'text': ...}} rows, no prompt and completion "
                               "or messages; mlx-lm refuses prompt masking on a text dataset), "

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from toymlx.data.chat import (
+    FIRST_BYTES,
     HELD_OUT_ROWS,
     DataError,
     DataFiles,
@@ -18,6 +19,7 @@ from toymlx.data.chat import (
     SFTData,
     data_files,
     drawn_rows,
+    first_kind,
     fit_rows,
     load_examples,
     pack_or_pad,
@@ -706,3 +708,28 @@ def test_unpacked_runs_meet_their_widest_batch_at_step_0(tmp_path):
     assert packed.first_row is None
     np.testing.assert_array_equal(packed.batch(0, 5, 2)["inputs"],
                                   sft_batch(packed.train, 0, 5, 2)["inputs"])
+
+
+def test_the_first_kind_of_an_example_file_is_read_no_further_than_its_first_example(
+        tmp_path):
+    """`first_kind` stops where the first example ends: a byte no UTF-8 reader takes, three
+    blocks further on, is not met (`load_examples` meets it); each format's first example."""
+    big = tmp_path / "train.jsonl"
+    big.write_bytes(b"\n" + json.dumps({"text": "one"}).encode() + b"\n"
+                    + b"x" * (3 * FIRST_BYTES) + b"\xff\n")
+    assert first_kind(big) == "text"
+    with pytest.raises(DataError, match="not valid UTF-8"):
+        load_examples(big)
+    chat_row = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    files = {"a.jsonl": f"\n{chat_row}\nnot json",
+             "b.json": '[{"prompt": "p", "completion": "c"}, ', "c.txt": "\n\nsome prose\n", "d.jsonl": json.dumps({"text": "no newline"})}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert {n: first_kind(tmp_path / n) for n in files} == {
+        "a.jsonl": "messages", "b.json": "completion", "c.txt": "text", "d.jsonl": "text"}
+    (tmp_path / "e.jsonl").write_text("{bad\n" + chat_row + "\n")  # as load_examples says it
+    with pytest.raises(DataError) as e:
+        first_kind(tmp_path / "e.jsonl")
+    with pytest.raises(DataError) as whole:
+        load_examples(tmp_path / "e.jsonl")
+    assert str(e.value) == str(whole.value)

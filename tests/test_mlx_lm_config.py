@@ -948,3 +948,21 @@ def test_mask_prompt_on_text_data_is_refused_as_mlx_lm_refuses_it(tmp_path, base
     assert not (tmp_path / "runs" / "r").exists()
     # the command line's --data.no-mask-prompt wins over the file, as mlx-lm's flags do
     assert main(["-c", str(path), "--no-progress", "--no-compile", "--data.no-mask-prompt"]) == 0
+
+
+def test_the_mask_prompt_check_reads_train_jsonl_s_first_example_only(tmp_path, base, chats,
+                                                                      monkeypatch):
+    """The check that mask_prompt: true has no text data read all of train.jsonl, and the
+    recipe then read it again: a large file was read twice before step 1. Now the check reads
+    its first example (`first_kind`) and train.jsonl is loaded once."""
+    from toymlx.data import chat
+
+    loaded, load = [], chat.load_examples
+    monkeypatch.setattr(chat, "load_examples", lambda p: loaded.append(Path(p)) or load(p))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(base), "data": str(chats), "iters": 1, "batch_size": 2, "num_layers": 1,
+        "max_seq_length": 64, "mask_prompt": True, "val_batches": 1,
+        "adapter_path": str(tmp_path / "runs" / "r")}))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    assert loaded == [chats / "train.jsonl", chats / "valid.jsonl"]

@@ -304,6 +304,19 @@ def _wandb_segments(run: Path) -> list[tuple[str, tuple | None, dict[int, dict]]
     return out
 
 
+def _wandb_config(path: Path) -> dict:
+    """The config an offline W&B run's file logs (its run record's, then config updates), less
+    W&B's own `_` keys."""
+    config = {}
+    for rec in _wandb_records(path):
+        kind = rec.WhichOneof("record_type")
+        items = (rec.run.config.update if kind == "run" else rec.config.update
+                 if kind == "config" else ())
+        config.update({(it.key or "/".join(it.nested_key)): json.loads(it.value_json)
+                       for it in items})
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
 def test_a_resume_at_an_earlier_step_rewinds_tensorboard_and_wandb(tmp_path, text_path,
                                                                     monkeypatch):
     pytest.importorskip("tensorboard", reason="the tensorboard extra")
@@ -344,6 +357,10 @@ def test_a_resume_at_an_earlier_step_rewinds_tensorboard_and_wandb(tmp_path, tex
         events, "eval", "val_loss")
     assert {s: r["train/loss"] for s, r in h1.items() if s > 10} == {
         s: first[s] for s in range(11, 21)}  # what the rewind drops: the first segment's
+    # each segment logs the run's config (the resumed one had none), at the steps it runs to
+    logged = [_wandb_config(p) for p in sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))]
+    config = json.loads(json.dumps(next(e for e in events if e["kind"] == "run_start")["config"]))
+    assert logged == [config, {**config, "steps": 30}] and config["steps"] == 20
 
 
 def test_a_server_refusing_the_rewind_gets_a_new_run_naming_its_parent(tmp_path, monkeypatch,
@@ -382,6 +399,48 @@ def test_a_server_refusing_the_rewind_gets_a_new_run_naming_its_parent(tmp_path,
         "(CommError: rewind is not enabled for this entity); the resumed run logs to W&B run "
         "my-run-from-7-1700000000 (group my run, config toymlx_parent my-run, "
         "toymlx_from_step 7), so my-run's steps after 7 are not the resumed run's")
+
+
+def test_a_resumed_segment_s_w_and_b_run_carries_the_run_s_config(tmp_path, monkeypatch):
+    """The first segment's wandb.init logs run_start's config; a --resume segment's (W&B's
+    rewind of the run, or the new run a server that refuses the rewind gets) logged none, so
+    its W&B run had no config. Now each carries the run's config (kept in events.jsonl), at
+    the steps the resume runs to."""
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+    configs, refuse = [], []
+
+    class Run:
+        id = "x"
+
+        def log(self, row, step):
+            pass
+
+        def finish(self, exit_code=0):
+            pass
+
+    def init(**kw):
+        configs.append((kw.get("resume_from"), kw.get("config")))
+        if kw.get("resume_from") and refuse:
+            raise wandb.errors.CommError("rewind is not enabled for this entity")
+        return Run()
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setattr(reporters, "wandb_mode", lambda: "online")
+    run, uid = tmp_path / "r", "0123456789abcdef"
+    config = {"lr": 0.001, "steps": 20, "model": {"d_model": 32}, "report_to": "wandb"}
+    for refused in (None, False, True):
+        refuse[:] = [True] if refused else []
+        log = EventLog(run / "events.jsonl", sinks=[reporters.WandbReporter(run, uid)])
+        if refused is None:
+            log.emit("run_start", run_uid=uid, config=config)
+            log.emit("step", step=1, loss=1.0)
+        else:
+            log.emit("resume", from_step=1, steps=30)
+        log.close()
+    resumed = {**config, "steps": 30}
+    assert configs == [(None, config), ("r-01234567?_step=1", resumed),
+                       ("r-01234567?_step=1", resumed),
+                       (None, {**resumed, "toymlx_parent": "r-01234567", "toymlx_from_step": 1})]
 
 
 def _fake_wandb(monkeypatch, fail_rewind: BaseException | None = None) -> list[dict]:

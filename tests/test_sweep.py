@@ -574,6 +574,31 @@ steps: 4
     assert not [p for p in (tmp_path / "file").iterdir() if (p / "events.jsonl").exists()]
 
 
+def test_an_option_spelt_with_hyphens_or_underscores_is_one_sweep(tmp_path):
+    """`--grid batch-size=2,4` and `--grid batch_size=2,4` both sweep --batch-size, but made
+    other run names (batch-size=2, batch_size=2), so another default sweep id and other run
+    ids for the same runs. Now a key is the option's name before any id is made: flags, a
+    file's grid and the API give one sweep, its runs named as config.json names the options."""
+    flags = ["--recipe", "from-scratch", "--runs-root", str(tmp_path), "--no-progress",
+             "--no-report", "--shard", "9/10"]  # a shard owning no run: sweep.json alone
+    assert sweep_main([*flags, "--grid", "batch-size=2,4", "--grid", "model.d-model=32"]) == 0
+    assert sweep_main([*flags, "--grid", "batch_size=2,4", "--grid", "model.d_model=32"]) == 0
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text("grid: {batch-size: [2, 4], model: {d-model: [32]}}\n")
+    assert sweep_main(["-c", str(cfg), *flags]) == 0
+    want = sweep.default_sweep_id("from-scratch", sweep.grid(
+        [], {"batch_size": [2, 4], "model.d_model": [32]}, recipe="from-scratch"))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [want]
+    assert [r["name"] for r in _sweep_json(tmp_path / want)["runs"]] == [
+        "batch_size=2_model.d_model=32", "batch_size=4_model.d_model=32"]
+    assert [s.name for s in sweep.random([], {"model.d-model": [32]}, 1)] == [
+        "model.d_model=32"]
+    with pytest.raises(ValueError) as e:
+        sweep.grid([], {"batch-size": [2], "batch_size": [4]}, recipe="from-scratch")
+    assert str(e.value) == ("--grid batch_size: expected each option once, found --batch-size "
+                            "as both batch-size and batch_size; keep one")
+
+
 @pytest.mark.parametrize("text, want", [
     ("grid: {lr: 0.001}", ("key 'grid.lr': expected a list of values or a \"log:LO:HI\" range, "
      "found 0.001")),

@@ -21,8 +21,8 @@ W&B: one run named after the run id (its W&B id: `wandb_id`, the same across res
 else toymlx), its files under `<run>/wandb` (WANDB_DIR is not used: a note says so); offline
 (`wandb sync` uploads it later) unless WANDB_MODE says otherwise or a W&B login exists (WANDB_API_KEY, or api.wandb.ai in ~/.netrc). A resume from step k rewinds
 that W&B run to step k (W&B's `resume_from="ID?_step=k"`: the same run id, its history cut at
-k, what follows logged by the resumed run); offline, the new segment records the rewind as its
-branch point and `wandb sync` replays it. Where the W&B server refuses a rewind (a preview
+k, what follows logged by the resumed run, with the run's config again); offline, the new
+segment records the rewind as its branch point and `wandb sync` replays it. Where the W&B server refuses a rewind (a preview
 feature), the resumed run goes to a new W&B run that names its parent and step (`fork_note`).
 """
 
@@ -212,7 +212,8 @@ def wandb_group(run_dir: Path) -> str | None:
 class WandbReporter:
     """One W&B run named after the run id, its files under `<run>/wandb` (offline without a
     login: `wandb_mode`); run_start's config becomes the W&B run's config. A resume (its first
-    event) rewinds that W&B run to the step resumed from."""
+    event) rewinds that W&B run to the step resumed from, with the run's config again
+    (`_resumed_config`)."""
 
     def __init__(self, run_dir: Path, run_uid: str | None = None, project: str | None = None):
         self.run_dir, self.run_uid, self._run = run_dir, run_uid, None
@@ -234,12 +235,15 @@ class WandbReporter:
             self._run = wandb.init(id=wid, resume="allow", config=ev.get("config") or {},
                                    **common)
         else:
+            config = self._resumed_config(ev)
             try:  # the steps after k that the resume dropped leave the W&B run's history
-                self._run = wandb.init(resume_from=f"{wid}?_step={k}", **common)
+                self._run = wandb.init(resume_from=f"{wid}?_step={k}", config=config,
+                                       **common)
             except wandb.errors.Error as e:  # a server without W&B's rewind preview
                 self._run = wandb.init(id=f"{wid}-from-{k}-{int(time.time())}",
                                        **{"group": name, **common},
-                                       config={"toymlx_parent": wid, "toymlx_from_step": k})
+                                       config={**config, "toymlx_parent": wid,
+                                               "toymlx_from_step": k})
                 print(fork_note(name, wid, k, self._run.id, e), file=sys.stderr)
         if os.environ.get("WANDB_DIR"):
             # a run folder holds all of its run (a copied or moved folder resumes its W&B run),
@@ -252,6 +256,20 @@ class WandbReporter:
                   f"upload it with: wandb sync {self.run_dir / 'wandb'}/offline-run-*"
                   + (" (in this order: a resume's segment rewinds the run to its step)"
                      if k is not None else ""), file=sys.stderr)
+
+    def _resumed_config(self, resume: dict) -> dict:
+        """The run's config for a resumed segment's W&B run, which had none (the first
+        segment's wandb.init logged it; a rewound or forked run logged nothing): run_start's
+        config, kept in events.jsonl, with the `steps` the resume event says it runs to. A
+        resume changes no other option that shapes what is trained (`Bundle.resume_run`); the
+        run-local ones it may change (--eval-every, --report-to) are run_start's here."""
+        config = next((e["config"] for e in iter_events(self.run_dir)
+                       if e.get("kind") == "run_start" and isinstance(e.get("config"), dict)),
+                      {})
+        steps = resume.get("steps")
+        if isinstance(steps, int) and not isinstance(steps, bool) and "steps" in config:
+            config = {**config, "steps": steps}
+        return config
 
     def __call__(self, ev: dict) -> None:
         if self._run is None:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from toymlx.data.text import DataError, read_text
+from toymlx.data.text import DataError, open_text, read_text
 from toymlx.data.vocab import TokenizerError
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "SFTData",
     "data_files",
     "empty_split_error",
+    "first_kind",
     "fit_rows",
     "fitted_rows",
     "fitted_width",
@@ -236,22 +237,73 @@ def load_examples(path: str | Path) -> list[Example]:
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         examples = _json_array(path, text)
     else:
-        for lineno, raw in enumerate(text.split("\n"), start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno}); "
-                                f"expected one object per line {SHAPES}") from None
-            except RecursionError:
-                raise DataError(f"{path}:{lineno}: expected an object {SHAPES}, found arrays "
-                                "or objects nested too deeply to read") from None
-            examples.append(_parse_record(obj, f"{path}:{lineno}"))
+        examples = [_jsonl_record(raw, path, lineno)
+                    for lineno, raw in enumerate(text.split("\n"), start=1) if raw.strip()]
     if not examples:
         raise DataError(f"{path}: no examples; expected objects {SHAPES}")
     check_one_shape(examples)
     return examples
+
+
+def _jsonl_record(raw: str, path: Path, lineno: int) -> Example:
+    """Line `lineno` (not blank) of a JSONL example file as its example."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno}); "
+                        f"expected one object per line {SHAPES}") from None
+    except RecursionError:
+        raise DataError(f"{path}:{lineno}: expected an object {SHAPES}, found arrays "
+                        "or objects nested too deeply to read") from None
+    return _parse_record(obj, f"{path}:{lineno}")
+
+
+FIRST_BYTES = 1 << 16
+"""How much of an example file `first_kind` reads at a time, until its first example ends."""
+
+
+def first_kind(path: str | Path) -> str:
+    """The kind (`Example.kind`) of the first example of a file `load_examples` reads, which is
+    the whole file's (`check_one_shape`: the first row sets it, as mlx-lm's `create_dataset`
+    picks a file's dataset class), read no further than that example ends: a check made before
+    the run (mlx-lm's mask_prompt on text data) then costs a block of a large train.jsonl, not
+    a second read of all of it. DataError as `load_examples` gives it for what is read; a file
+    whose first example is not found before its end is `load_examples`'s to answer."""
+    path = Path(path)
+    pieces = open_text(path, FIRST_BYTES)[1]
+    parts: list[str] = []
+    size = tried = 0
+    try:
+        for piece in pieces:
+            parts.append(piece)
+            size += len(piece)
+            if size >= 2 * tried:  # each try on twice the text of the last: a long first
+                tried = size       # line costs its length, not its length squared
+                if (kind := _first_kind_in("".join(parts), path)) is not None:
+                    return kind
+    finally:
+        pieces.close()
+    return load_examples(path)[0].kind  # its last line, or no example: the reader's answer
+
+
+def _first_kind_in(text: str, path: Path) -> str | None:
+    """The first example's kind in the start `text` of the file `path`, None until a whole
+    example is there: a JSONL line with its newline, a JSON array's first item."""
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json"):  # plain text: each document is {"text": ...}
+        return "text" if text.strip() else None
+    if suffix == ".json" and text.lstrip().startswith("["):
+        start = text.index("[") + 1
+        start += len(text[start:]) - len(text[start:].lstrip())
+        try:
+            obj = json.JSONDecoder().raw_decode(text, start)[0]
+        except (json.JSONDecodeError, RecursionError):  # cut short, or left to _json_array
+            return None
+        return _parse_record(obj, f"{path}:{text.count(chr(10), 0, start) + 1}").kind
+    for lineno, raw in enumerate(text.split("\n")[:-1], start=1):
+        if raw.strip():
+            return _jsonl_record(raw, path, lineno).kind
+    return None
 
 
 _SHAPE_OF = {"text": '{"text": ...}', "completion": '{"prompt": ..., "completion": ...}',

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from toymlx.backend.device import on_gpu, select_device, setup_process
 from toymlx.backend.files import not_utf8, special_kind
-from toymlx.backend.stop import how_stopped
+from toymlx.backend.stop import how_stopped, ignore_stop_signals
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import prepare_run_dir, save_config
@@ -100,16 +100,27 @@ def check_peer_launcher() -> None:
                      f"toymlx-launch -n {n} -- toymlx-train ..., or unset WORLD_SIZE")
 
 
+class RanksAlike(ValueError):
+    """A refusal every data-parallel rank of `world` meets alike, from what they all share (the
+    options, the number of ranks): rank 0 says it, once for the launch (`_refused`), where each
+    rank said it (`toymlx-launch -n 8`: the same line eight times)."""
+
+    def __init__(self, message: str, world: Any):
+        super().__init__(message)
+        self.world = world
+
+
 def check_shards(batch_size: int, world: Any) -> None:
-    """ValueError unless the global --batch-size splits evenly over the data-parallel ranks:
-    found at the first step, it left a run folder (run_start, run_end "error") that the next
-    try had to --overwrite, and exit status 1."""
+    """RanksAlike (a ValueError) unless the global --batch-size splits evenly over the
+    data-parallel ranks: found at the first step, it left a run folder (run_start, run_end
+    "error") that the next try had to --overwrite, and exit status 1."""
     n = 1 if world is None else world.size()
     if batch_size % n:
         lower, upper = batch_size // n * n, -(-batch_size // n) * n
         fits = f"--batch-size {lower} or {upper}" if lower else f"--batch-size {upper}"
-        raise ValueError(f"--batch-size: expected a multiple of the {n} data-parallel ranks "
-                         f"(it is global, split over them), found {batch_size}; use {fits}")
+        raise RanksAlike(f"--batch-size: expected a multiple of the {n} data-parallel ranks "
+                         f"(it is global, split over them), found {batch_size}; use {fits}",
+                         world)
 
 
 def _one_rank_hostfile() -> bool:
@@ -159,9 +170,8 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             setup_process(wide_evaluation=not cfg.grad_checkpoint)
             run = _prepare(recipe, module, cfg, bundle, owned, config_file)
         except (ValueError, OSError, KeyError) as e:
-            print(f"toymlx-train: error: {name_keys(str(e)) if name_keys else e}",
-                  file=sys.stderr)
-            return 2
+            return _refused(f"toymlx-train: error: {name_keys(str(e)) if name_keys else e}",
+                            e.world if isinstance(e, RanksAlike) else None)
         except MemoryError as e:  # numpy's message names the size and shape it wanted
             print(f"toymlx-train: error: out of memory before the first step: {e}; lower "
                   "--batch-size, --seq-len or the model's size", file=sys.stderr)
@@ -205,6 +215,27 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
     if run.world is None or run.world.rank() == 0:
         _final_line(run.run_dir, end)
     return int(end["exit_code"])
+
+
+def _refused(line: str, world: Any = None) -> int:
+    """Exit status 2 after `line`, the error that ended a run before its first step; for a
+    refusal every rank of `world` meets alike (`RanksAlike`), said by rank 0 alone, the others
+    ending once it has (`_after_rank_0`)."""
+    if world is None or world.rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    if world is not None:
+        _after_rank_0(world)
+    return 2
+
+
+def _after_rank_0(world: Any) -> None:
+    """Ignore stop signals until exit, as ranks that leave a run together do
+    (`_Loop._leave_together`), and wait for every rank of `world`: rank 0 has then said why
+    they end. mlx.launch stops the other ranks (SIGTERM) as soon as one exits non-zero, so a
+    rank that ended first could stop rank 0 before its line (the launch then gave no reason)
+    or just after it (a second line: "stopped by SIGTERM before the first step")."""
+    ignore_stop_signals()
+    mx.eval(mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=world))
 
 
 def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle | None,

@@ -113,6 +113,24 @@ def _norm_key(key: str) -> str:
     return key.replace("-", "_")
 
 
+def _option_axes(axes: Mapping[str, Any], types: dict[str, Any], recipe: str | None
+                 ) -> dict[str, Any]:
+    """`axes` keyed by option name (`_norm_key`: `batch-size` and `batch_size` are both
+    --batch-size), each key checked against the recipe: a spelling made other run names, and
+    so another sweep id and other run ids, for the same runs. ValueError for one option given
+    under two spellings."""
+    out: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    for k, values in axes.items():
+        _check_key(k, types, recipe)
+        name = _norm_key(k)
+        if name in out:
+            raise ValueError(f"--grid {k}: expected each option once, found {key_to_flag(k)} "
+                             f"as both {spelt[name]} and {k}; keep one")
+        out[name], spelt[name] = values, k
+    return out
+
+
 def _check_key(key: str, types: dict[str, Any], recipe: str | None,
                where: str | None = None) -> None:
     """ValueError (starting with `where`, default `--grid KEY`) unless `key` is an option of
@@ -176,12 +194,12 @@ def _make_specs(base: list[str], combos: list[dict[str, Any]],
 def grid(base_args: Sequence[str] | Mapping[str, Any], axes: Mapping[str, Sequence[Any]],
          recipe: str | None = None) -> list[RunSpec]:
     """Every combination of `axes` ({"lr": [1e-4, 3e-4], "lora.rank": [4, 8]}) on top of
-    `base_args` (toymlx-train flags, or a {key: value} dict), first key slowest. With
-    `recipe`, keys are checked against its options (and typed bools spelled right)."""
+    `base_args` (toymlx-train flags, or a {key: value} dict), first key slowest; a key is the
+    option's name whichever way it is spelt (`model.d-model`: model.d_model). With `recipe`,
+    keys are checked against its options (and typed bools spelled right)."""
     types = _field_types(recipe)
     base = _base_args(base_args, types, recipe)
-    for k in axes:
-        _check_key(k, types, recipe)
+    axes = _option_axes(axes, types, recipe)
     _check_no_clash(base, list(axes))
     values = []
     for k, vs in axes.items():
@@ -205,8 +223,7 @@ def random(base_args: Sequence[str] | Mapping[str, Any], space: Mapping[str, Any
         raise ValueError(f"--random: expected 1..{MAX_RUNS} runs, found {n}")
     types = _field_types(recipe)
     base = _base_args(base_args, types, recipe)
-    for k in space:
-        _check_key(k, types, recipe)
+    space = _option_axes(space, types, recipe)
     _check_no_clash(base, list(space))
     rng = _random.Random(seed)
     combos: dict[str, dict[str, Any]] = {}
