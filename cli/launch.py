@@ -7,25 +7,18 @@ import sys
 
 from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
-
-PEER_FLAGS = {
-    "--nproc_per_node": "torchrun's", "--nproc-per-node": "torchrun's",
-    "--num_processes": "accelerate launch's", "--num-processes": "accelerate launch's",
-    "-np": "mpirun's",
-}
-"""Other launchers' flags for the number of processes, which argparse refused as
-"unrecognized arguments" without naming -n."""
+from toymlx_cli.usage import LAUNCHER_FLAGS, peer_hint
 
 
 def _peer_flag(argv: list[str]) -> str | None:
-    """The line naming -n for the first of another launcher's rank-count flags in argv."""
+    """The line naming -n for the first of another launcher's rank-count flags in argv
+    (`usage.LAUNCHER_FLAGS`, beside the other tools' flags toymlx names)."""
     for i, token in enumerate(argv):
         name, eq, value = token.partition("=")
-        if name in PEER_FLAGS:
+        if said := peer_hint(LAUNCHER_FLAGS, name, ("n",)):
             value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "N")
             n = value if value.isdigit() else "N"
-            return (f"{name}: {PEER_FLAGS[name]} {name} is toymlx-launch's -n; use "
-                    f"toymlx-launch -n {n} -- toymlx-train ...")
+            return f"{name}: {said}; use toymlx-launch -n {n} -- toymlx-train ..."
     return None
 
 

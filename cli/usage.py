@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -286,6 +286,22 @@ TIMM_FLAGS: PeerFlags = {
 """timm's train.py flags."""
 
 
+LAUNCHER_FLAGS: PeerFlags = {
+    flag: (("n", f"{tool} {flag} is toymlx-launch's -n"),)
+    for tool, spellings in (("torchrun's", ("--nproc_per_node", "--nproc-per-node")),
+                            ("accelerate launch's", ("--num_processes", "--num-processes")),
+                            ("mpirun's", ("-np",)))
+    for flag in spellings}
+"""Other launchers' flags for the number of processes, toymlx-launch's -n (argparse refused
+them as "unrecognized arguments" without naming -n)."""
+
+
+def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | None:
+    """What `table` says of another tool's `flag` to a command with `options`: the text of its
+    first pair whose option the command has; None for a flag the table lacks."""
+    return next((text for option, text in table.get(flag, ()) if option in options), None)
+
+
 def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     """What to say after an unknown flag: toymlx's name for llama.cpp's, timm's or nanoGPT's
     flag (`PeerFlags`), else the closest option by spelling. A peer's flag whose counterpart
@@ -293,8 +309,7 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     option, not matched by spelling (block_size: --batch-size)."""
     name = flag.lstrip("-").replace("-", "_")  # nanoGPT's `--NAME=VALUE`, hyphens taken too
     for table, key in ((LLAMA_CPP_FLAGS, flag), (TIMM_FLAGS, flag), (NANOGPT_FLAGS, name)):
-        said = next((text for option, text in table.get(key, ()) if option in flags), None)
-        if said:
+        if said := peer_hint(table, key, flags):
             return said
     if flag in TIMM_FLAGS:  # its counterparts are vit-tiny's
         return (f"timm's {flag} is a flag for images (toymlx-train --recipe vit-tiny); {prog} "

@@ -709,6 +709,8 @@ def test_a_command_left_out_after_the_dashes_is_named(capsys):
     (["--nproc_per_node", "2"], "--nproc_per_node", "torchrun's"),
     (["--num_processes=2"], "--num_processes", "accelerate launch's"),
     (["-np", "2"], "-np", "mpirun's"),
+    (["--nproc-per-node=2"], "--nproc-per-node", "torchrun's"),
+    (["--num-processes", "2"], "--num-processes", "accelerate launch's"),
 ])
 def test_another_launcher_s_process_count_names_n(capsys, argv, flag, whose):
     """`toymlx-launch --nproc_per_node 2 -- ...` (torchrun's habit) said only "unrecognized

@@ -165,6 +165,26 @@ def test_each_open_has_its_own_dicts_and_the_cache_holds_no_file_data(tmp_path, 
     assert all(plain(e) for e in HEADERS._entries.values())
 
 
+def test_a_caller_s_edit_of_a_token_list_reaches_no_other_open(tmp_path, vocab_parses):
+    """The cache shared each array value (the token lists) between opens: a caller that
+    appended to or sorted its vocabulary changed every later open's (and `read_metadata`'s),
+    the parsing open's included."""
+    path = write_gguf(tmp_path / "m.gguf", {"general.architecture": "toy", VOCAB: ["c", "a", "b"],
+                                            "tokenizer.ggml.scores": [0.5, -1.0, 2.0]},
+                      {"w": np.arange(8, dtype=np.float32)})
+    want = {VOCAB: ["c", "a", "b"], "tokenizer.ggml.scores": [0.5, -1.0, 2.0]}
+    for _ in range(3):  # the open that parsed (and filled the cache), then two from the cache
+        with GGUFFile(path) as g:
+            assert {k: g.metadata[k] for k in want} == want
+            g.metadata[VOCAB].append("x")
+            g.metadata[VOCAB].sort()
+            g.metadata["tokenizer.ggml.scores"][0] = 9.0
+        meta = reader.read_metadata(path)
+        assert {k: meta[k] for k in want} == want
+        meta[VOCAB].extend(["y", "z"])
+    assert vocab_parses["m.gguf"] == 1  # every open after the first from the cache
+
+
 def test_the_cache_keeps_the_most_recently_opened_files(tmp_path, vocab_parses):
     paths = [_tiny(tmp_path / f"m{i}.gguf", f"n{i}") for i in range(HEADERS.size + 1)]
     for p in paths:

@@ -195,6 +195,23 @@ def test_a_resume_from_the_same_folder_names_no_input(trained, tmp_path, capsys,
     assert [e["step"] for e in events if e["kind"] == "step"][-2:] == [3, 4]
 
 
+def test_the_inputs_a_resume_names_follow_the_bundle_s_record(trained, monkeypatch):
+    """`Bundle.told` (the `used` inputs read from elsewhere than their options as recorded
+    lead) was stored at open beside the `used`, `saved` and `config` it is computed from, so a
+    bundle whose `used` changed kept naming the old inputs; it is computed from them now."""
+    from toymlx.runner.bundle import Bundle
+
+    run = trained / "where" / "runs" / "rel"
+    monkeypatch.chdir(trained / "where")  # where the options were typed: nothing to name
+    here = Bundle.open(run)
+    assert set(here.used) == {"base", "data.path"} and here.told == {}
+    monkeypatch.chdir(trained / "elsewhere")  # ./smol.gguf and ./data are others here
+    there = Bundle.open(run)
+    assert there.told == there.used and set(there.told) == {"base", "data.path"}
+    there.used = {"base": there.used["base"]}
+    assert there.told == {"base": there.used["base"]}
+
+
 def test_a_lora_adapter_given_as_the_base_is_one_short_line(trained, tmp_path, capsys):
     ckpt = trained / "where" / "runs" / "rel" / "weights" / "adapter_step_2.gguf"
     for prog, argv in (("export", ["--base", str(ckpt), "--out", str(tmp_path / "x.gguf")]),

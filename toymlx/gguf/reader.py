@@ -480,9 +480,12 @@ class HeaderCache:
     so the cache keeps no file pages alive. A hit needs the same header bytes: their BLAKE2b
     (~1 ms a MB) is checked on every open, so a file rewritten in between (in place or
     replaced, within one mtime tick or not) is parsed again. Each open gets its own dicts (its
-    metadata may be edited, a multi-part GGUF's first part drops its split keys); the values in
-    them (the token lists) are shared between opens and are read only. At most `size`
-    files, the least recently opened dropped first."""
+    metadata may be edited, a multi-part GGUF's first part drops its split keys) and its own
+    lists: the cache holds each array value (the token lists) as a tuple, copied from the
+    parsing open's list and to each later open's, so a caller that appends to or sorts its
+    vocabulary changes no other open's (callers, the tokenizer first, take GGUF arrays as
+    lists; the copies are ~1 ms for a 128k vocabulary with its merges, against the parse's
+    second). At most `size` files, the least recently opened dropped first."""
 
     def __init__(self, size: int = 8):
         self.size = size
@@ -503,8 +506,8 @@ class HeaderCache:
         if e is None or self._digest(g, e["header_end"]) != e["digest"]:  # size: in the key
             return False
         self._entries[key] = self._entries.pop(key)  # most recently used last
-        g.metadata, g.metadata_types = dict(e["metadata"]), dict(e["metadata_types"])
-        g.tensors = dict(e["tensors"])
+        g.metadata = {k: list(v) if isinstance(v, tuple) else v for k, v in e["metadata"].items()}
+        g.metadata_types, g.tensors = dict(e["metadata_types"]), dict(e["tensors"])
         g.version, g.alignment, g.data_start = e["version"], e["alignment"], e["data_start"]
         g._header_end = e["header_end"]
         return True
@@ -514,7 +517,8 @@ class HeaderCache:
         key = self._key(g)
         self._entries.pop(key, None)
         self._entries[key] = {
-            "metadata": dict(g.metadata), "metadata_types": dict(g.metadata_types),
+            "metadata": {k: tuple(v) if isinstance(v, list) else v for k, v in g.metadata.items()},
+            "metadata_types": dict(g.metadata_types),
             "tensors": dict(g.tensors), "version": g.version, "alignment": g.alignment,
             "data_start": g.data_start, "header_end": g._header_end,
             "digest": self._digest(g, g._header_end)}

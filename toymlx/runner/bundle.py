@@ -85,9 +85,6 @@ class Bundle:
         self.used: dict[str, str] = {}
         """Per input option (`base`, `data.path`, ...): the file read for it, and why that one
         (`resolve_inputs`), for the readers to say."""
-        self.told: dict[str, str] = {}
-        """The `used` inputs a resume names: those read from another file than the option as
-        recorded names from here (`inputs.read_as_recorded`)."""
         self.moved: dict[str, dict[str, Any]] = {}
         """Per input read from another place than config.json records (same contents): its
         `inputs.MOVED_KEY` record, which a resume writes in its `resume` event."""
@@ -124,11 +121,17 @@ class Bundle:
             raise RunError(f"{source}: {e}") from None
         bundle = cls(path, saved["recipe"], module, cfg, saved, events)
         bundle.used, bundle.moved = used, moved
-        records = {k: r for g in (DATA_FILES_KEY, MODEL_FILES_KEY)
-                   for k, r in saved.get(g, {}).items() if k in used}
-        bundle.told = {k: note for k, note in used.items()
-                       if not read_as_recorded(k, records[k], str(option(cfg, k)))}
         return bundle
+
+    @property
+    def told(self) -> dict[str, str]:
+        """The `used` inputs a resume names: those read from another file than the option as
+        recorded names from here (`inputs.read_as_recorded`). Computed from `used`, `saved`
+        and `config` when asked (once, by a resume), so it cannot disagree with them."""
+        records = {k: r for g in (DATA_FILES_KEY, MODEL_FILES_KEY)
+                   for k, r in self.saved.get(g, {}).items() if k in self.used}
+        return {k: note for k, note in self.used.items()
+                if not read_as_recorded(k, records[k], str(option(self.config, k)))}
 
     @classmethod
     def of(cls, path: str | os.PathLike, flag: str = "--model") -> Bundle | None:
