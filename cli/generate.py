@@ -187,10 +187,15 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
     """The conversation of `--chat` without `--prompt`: each line read is a user turn, the
     reply streams to `out`, and the next turn's prompt is the whole conversation rendered
     again, its start, as far as it matches the tokens already computed, taken from the KV
-    caches kept between turns (MLX: `PromptCache`). Returns the number of turns answered."""
-    from toymlx.generation.generate import LlamaCppDecoder, PromptCache
+    caches kept between turns (MLX: `PromptCache`). MLX's decoder (`decoder_for`) is made
+    once for the whole conversation, /reset included: made per turn, every turn traced each
+    block's one-token step again (SmolLM2: 30 blocks, their start and finish). Returns the
+    number of turns answered."""
+    from toymlx.generation.generate import LlamaCppDecoder, PromptCache, decoder_for
 
-    kept = None if isinstance(model, LlamaCppDecoder) else PromptCache()
+    on_mlx = not isinstance(model, LlamaCppDecoder)
+    kept = PromptCache() if on_mlx else None
+    decoder = decoder_for(model) if on_mlx else None
     inp = sys.stdin if inp is None else inp
     out = sys.stdout if out is None else out
     _need_template(tokenizer, args)
@@ -226,7 +231,7 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
             print(f"{PROG}: the conversation ({len(ids)} tokens) fills the model's context "
                   f"({context}); /reset to start again", file=sys.stderr)
             continue
-        reply, n = stream(model, tokenizer, ids, turn, out, kept)
+        reply, n = stream(model, tokenizer, ids, turn, out, kept, decoder)
         if n == 0:
             print(no_tokens_note(tokenizer, turn, ids, context), file=sys.stderr)
         history += [{"role": "user", "content": text},

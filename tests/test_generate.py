@@ -455,6 +455,63 @@ def test_chat_without_a_prompt_is_a_conversation(chat_path, capsys, monkeypatch)
     assert capsys.readouterr().out.splitlines() == [one_shot, second.strip()]
 
 
+def test_a_conversation_traces_its_decoder_once_and_keeps_its_kv_cache(chat_path, monkeypatch):
+    """--chat made generate's CPU decoder (`CompiledDecode`) anew for every turn, so every turn
+    traced each block's one-token step again (a function given to `mx.compile` runs only when
+    it is traced): 10 traces a turn here, 60 for SmolLM2. Now the blocks are traced at the first
+    turn alone, the turn after /reset included; each turn's prefill computes only what the
+    conversation added (the last turn's prompt and reply come from the kept KV cache); and each
+    reply is, token for token, the one a fresh decoder and cache give that turn's prompt with
+    the same seed (sampled), as every turn was answered before."""
+    from toymlx.backend.device import on_gpu
+    from toymlx.generation import generate as gen
+
+    model, tok = gen.load_for_generation(chat_path)
+    args = cli.Args(model=str(chat_path), chat=True, temperature=0.8, seed=7, max_tokens=12)
+    lines = ["Tell me a story", "About a cat", "/reset", "And a dog"]
+    want, prompts, replies, history = [], [], [], []
+    for text in lines:  # each turn from its own decoder and an empty cache
+        if text == "/reset":
+            history = []
+            continue
+        turn = cli.Args(**{**vars(args), "prompt": text})
+        ids = cli.prompt_ids(tok, turn, history)
+        reply, _ = cli.stream(model, tok, ids, turn, out=io.StringIO())
+        prompts.append(ids)
+        replies.append(list(generate(model, tok, ids, 12, 0.8, args.top_p, 7)))
+        want.append(reply)
+        history += [{"role": "user", "content": text},
+                    {"role": "assistant", "content": reply.strip()}]
+    assert len(set(want)) == 3 and all(len(r) == 12 for r in replies)  # each ran to its budget
+
+    traced = []  # at each trace, the turn it is in (from 1: the turns that took a cache)
+    took = []  # (prompt tokens, tokens taken from the kept cache) of each turn
+    real_compile, real_take = mx.compile, gen.PromptCache.take
+
+    def counted_compile(fun, **kw):
+        def traced_fun(*a, **k):
+            traced.append(len(took))
+            return fun(*a, **k)
+        return real_compile(traced_fun, **kw)
+
+    def counted_take(self, m, ids):
+        layers = real_take(self, m, ids)
+        took.append((len(ids), self.reused))
+        return layers
+
+    monkeypatch.setattr(mx, "compile", counted_compile)
+    monkeypatch.setattr(gen.PromptCache, "take", counted_take)
+    turns = cli.chat(model, tok, args, model.args.context,
+                     io.StringIO("".join(x + "\n" for x in lines)), out := io.StringIO())
+    assert turns == 3 and out.getvalue().splitlines() == want
+    assert traced == ([] if on_gpu() else [1] * 2 * len(model.layers))
+    # turn 2: all that turn 1 computed, its prompt and its reply but the last token (never fed
+    # back: the budget ended there); after /reset, nothing
+    shared = len(prompts[0]) + 11
+    assert prompts[1][:shared] == prompts[0] + replies[0][:11]
+    assert took == [(len(prompts[0]), 0), (len(prompts[1]), shared), (len(prompts[2]), 0)]
+
+
 @pytest.mark.parametrize("prompt,flag,found", [
     ("ab\udcffc", "--prompt", "the byte 0xff at character 2"),  # argv's undecodable byte
     ("ab\ud800", "--prompt", "a lone surrogate U+D800 at character 2"),
