@@ -57,6 +57,11 @@ MLX_LM_KEYS = {
 """mlx_lm.lora's config keys -> toymlx's flags, named when such a key is unknown here."""
 
 
+def mlx_lm_hint(key: str) -> str:
+    """toymlx's flag for mlx_lm.lora's `key` (`iters`, or its flag `--iters`)."""
+    return f"mlx-lm's {key} is toymlx's {MLX_LM_KEYS[key.lstrip('-').replace('-', '_')]}"
+
+
 class ConfigFileError(ValueError):
     """A config file that cannot be used; one line naming the file and the key."""
 
@@ -412,7 +417,7 @@ def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str
                 f" write it as a mapping, e.g. {key}: {{{group[0].split('.', 1)[1]}: ...}}")
     if key in MLX_LM_KEYS and not group:  # a plain mlx-lm key; `model.n_layerz` in a recipe
         # with --model.* options is a misspelt option of that group
-        hint = f"; mlx-lm's {key} is toymlx's {MLX_LM_KEYS[key]}"
+        hint = f"; {mlx_lm_hint(key)}"
     return f"{source}: key {key!r}: expected an option of {prog}, found an unknown key{hint}"
 
 

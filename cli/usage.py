@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from toymlx_cli import readable_width
-from toymlx_cli.config_file import closest_option, option_table
+from toymlx_cli.config_file import MLX_LM_KEYS, closest_option, mlx_lm_hint, option_table
 
 
 class UsageError(ValueError):
@@ -235,10 +235,16 @@ NANOGPT_FLAGS: PeerFlags = {
     "always_save": (("checkpoint_every", ("nanoGPT's always_save is toymlx's default (--keep-last "
                                           "N: fewer)")),),
     "wandb_log": (("report_to", "nanoGPT's wandb_log is toymlx's --report-to wandb"),),
-    "dataset": (("data.path", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "
+    "dataset": (("data.image_size", ("nanoGPT's dataset is toymlx's --data.path (images here: "
+                                     "class folders, MNIST's IDX files or a .npz)")),
+                ("data.path", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "
                                "prepare.py's .bin)")),),
-    "dropout": (("steps", "nanoGPT's dropout has no toymlx option (its Llama has no dropout)"),),
-    "bias": (("steps", "nanoGPT's bias has no toymlx option (its Llama has no biases)"),),
+    "dropout": (("model.drop_path", ("nanoGPT's dropout has no toymlx option (vit-tiny's "
+                                     "regularizer is --model.drop-path, stochastic depth)")),
+                ("steps", "nanoGPT's dropout has no toymlx option (its Llama has no dropout)"),),
+    "bias": (("model.patch_size", ("nanoGPT's bias has no toymlx option (vit-tiny's ViT has "
+                                   "biases, as timm's)")),
+             ("steps", "nanoGPT's bias has no toymlx option (its Llama has no biases)"),),
     "backend": (("steps", ("nanoGPT's backend is toymlx-launch -n N -- toymlx-train ... (data "
                            "parallel)")),),
     "start": (("prompt", "nanoGPT's start is toymlx's --prompt TEXT (a file: --prompt - < FILE)"),),
@@ -287,13 +293,16 @@ TIMM_FLAGS: PeerFlags = {
 
 
 LAUNCHER_FLAGS: PeerFlags = {
-    flag: (("n", f"{tool} {flag} is toymlx-launch's -n"),)
+    flag: (("n", f"{tool} {flag} is toymlx-launch's -n"),
+           ("steps", (f"{tool} {flag} is toymlx-launch's -n: toymlx-launch -n N -- toymlx-train "
+                     "...")))
     for tool, spellings in (("torchrun's", ("--nproc_per_node", "--nproc-per-node")),
                             ("accelerate launch's", ("--num_processes", "--num-processes")),
                             ("mpirun's", ("-np",)))
     for flag in spellings}
 """Other launchers' flags for the number of processes, toymlx-launch's -n (argparse refused
-them as "unrecognized arguments" without naming -n)."""
+them as "unrecognized arguments" without naming -n); given to toymlx-train itself (as
+`torchrun --nproc_per_node 2 train.py` reads), the launcher to run it under."""
 
 
 def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | None:
@@ -303,17 +312,25 @@ def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | Non
 
 
 def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
-    """What to say after an unknown flag: toymlx's name for llama.cpp's, timm's or nanoGPT's
-    flag (`PeerFlags`), else the closest option by spelling. A peer's flag whose counterpart
-    `prog` lacks (another recipe's or command's: vit-tiny has no --seq-len) is named as that
-    option, not matched by spelling (block_size: --batch-size)."""
+    """What to say after an unknown flag: toymlx's name for llama.cpp's, another launcher's,
+    timm's, mlx-lm's or nanoGPT's flag (`PeerFlags`, `MLX_LM_KEYS`), else the closest option by
+    spelling. timm's are said only where `prog` trains images (its texts are vit-tiny's: "the
+    training images", "--model.preset vit-tiny"), mlx-lm's only where it fine-tunes a --base
+    (lora). A peer's flag whose counterpart `prog` lacks (another recipe's or command's:
+    vit-tiny has no --seq-len, from-scratch no image flag) is named as that option, not matched
+    by spelling (block_size: --batch-size, --drop-path: --stop-at)."""
     name = flag.lstrip("-").replace("-", "_")  # nanoGPT's `--NAME=VALUE`, hyphens taken too
-    for table, key in ((LLAMA_CPP_FLAGS, flag), (TIMM_FLAGS, flag), (NANOGPT_FLAGS, name)):
+    if name in MLX_LM_KEYS and "base" in flags:  # mlx_lm.lora's flags, `--iters` as `iters`
+        return mlx_lm_hint(flag)
+    images = "data.image_size" in flags  # vit-tiny's option: the command trains images
+    tables = ((LLAMA_CPP_FLAGS, flag), (LAUNCHER_FLAGS, flag),
+              *(((TIMM_FLAGS, flag),) if images else ()), (NANOGPT_FLAGS, name))
+    for table, key in tables:
         if said := peer_hint(table, key, flags):
             return said
     if flag in TIMM_FLAGS:  # its counterparts are vit-tiny's
-        return (f"timm's {flag} is a flag for images (toymlx-train --recipe vit-tiny); {prog} "
-                "has no counterpart")
+        return (f"timm's {flag} is a flag for images (toymlx-train --recipe vit-tiny); not an "
+                f"option of {prog}")
     if name in NANOGPT_FLAGS:
         return f"{NANOGPT_FLAGS[name][0][1]}; not an option of {prog}"
     close = closest_option(flag, flags)

@@ -343,6 +343,34 @@ def test_a_full_disk_at_the_start_leaves_no_empty_run_folder(tmp_path, capsys, d
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept", "runs"]
 
 
+def test_a_failed_claim_leaves_the_run_that_took_the_id_alone(tmp_path, monkeypatch):
+    """Without --run-id two runs started in one second share the id: when this one's claim of
+    the next suffix fails (a full disk), the folder and empty weights/ of the other run, just
+    made, are left alone (before: removed as if this run had made them)."""
+    import os as _os
+
+    from toymlx.bundle import folder
+    from toymlx.bundle.options import RunError
+
+    other = tmp_path / "same-sec"
+    (other / "weights").mkdir(parents=True)  # the other run, before its first checkpoint
+    real_mkdir = _os.mkdir
+
+    def full(path, *a, **k):
+        if str(path) == str(tmp_path / "same-sec-2"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(folder.os, "mkdir", full)
+    with pytest.raises(RunError) as e:
+        folder.prepare_run_dir(str(tmp_path), "same-sec", overwrite=False, default_id=True)
+    assert str(e.value) == (f"{other}: {WANTS} No space left on device at "
+                            f"{tmp_path / 'same-sec-2'}; make room or make it writable, or "
+                            "choose another --runs-root")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "same-sec", "same-sec/weights"]
+
+
 # ---- bad configuration: one line, exit 2, nothing trained -------------------------------------------
 @pytest.mark.parametrize("extra,flag", [
     (["--steps", "0"], "--steps"),

@@ -162,8 +162,8 @@ def test_a_nanogpt_setting_spelt_with_hyphens_is_named_too(capsys, tmp_path, mon
         "nanoGPT's start is toymlx's --prompt TEXT (a file: --prompt - < FILE); not an option "
         "of toymlx-train --recipe from-scratch")),
     ("lora", "--drop-path=0.1", (
-        "timm's --drop-path is a flag for images (toymlx-train --recipe vit-tiny); toymlx-train "
-        "--recipe lora has no counterpart")),
+        "timm's --drop-path is a flag for images (toymlx-train --recipe vit-tiny); not an "
+        "option of toymlx-train --recipe lora")),
 ])
 def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp_path,
                                                                      monkeypatch, recipe, flag,
@@ -319,13 +319,64 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
     assert list(tmp_path.iterdir()) == []
 
 
-def test_timm_s_opt_is_the_lora_recipe_s_optimizer(capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipe,flag,want", [
+    # timm's texts are vit-tiny's (before: from-scratch's --model "is --model.preset vit-tiny
+    # here", --epochs on a text recipe "an epoch being the training images / --batch-size")
+    ("from-scratch", "--model", ("timm's --model is a flag for images (toymlx-train --recipe "
+     "vit-tiny); not an option of toymlx-train --recipe from-scratch")),
+    ("from-scratch", "--epochs", ("timm's --epochs is a flag for images (toymlx-train --recipe "
+     "vit-tiny); not an option of toymlx-train --recipe from-scratch")),
+    ("lora", "--epochs", ("timm's --epochs is a flag for images (toymlx-train --recipe "
+     "vit-tiny); not an option of toymlx-train --recipe lora")),
+    ("lora", "--opt", ("timm's --opt is a flag for images (toymlx-train --recipe vit-tiny); not "
+     "an option of toymlx-train --recipe lora")),
+    # mlx_lm.lora's flags on the lora recipe (before: --model "is a flag for images", --iters
+    # no hint)
+    ("lora", "--model", "mlx-lm's --model is toymlx's --base"),
+    ("lora", "--iters", "mlx-lm's --iters is toymlx's --steps"),
+    ("lora", "--learning-rate", "mlx-lm's --learning-rate is toymlx's --lr"),
+    # nanoGPT's, each recipe its own (before: vit-tiny's --dataset "a text file", --dropout
+    # and --bias "its Llama")
+    ("from-scratch", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "
+     "prepare.py's .bin)")),
+    ("vit-tiny", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (images here: class "
+     "folders, MNIST's IDX files or a .npz)")),
+    ("from-scratch", "--dropout", ("nanoGPT's dropout has no toymlx option (its Llama has no "
+     "dropout)")),
+    ("vit-tiny", "--dropout", ("nanoGPT's dropout has no toymlx option (vit-tiny's regularizer "
+     "is --model.drop-path, stochastic depth)")),
+    ("lora", "--bias", "nanoGPT's bias has no toymlx option (its Llama has no biases)"),
+    ("vit-tiny", "--bias", ("nanoGPT's bias has no toymlx option (vit-tiny's ViT has biases, as "
+     "timm's)")),
+])
+def test_each_recipe_gets_the_peer_table_of_what_it_trains(capsys, tmp_path, monkeypatch,
+                                                           recipe, flag, want):
+    """timm's table only where the command trains images (it has --data.image-size), mlx-lm's
+    only where it fine-tunes a --base, nanoGPT's texts by the recipe's model."""
     monkeypatch.chdir(tmp_path)
-    assert main(["--recipe", "lora", "--opt", "adamw", "--sched", "cosine"]) == 2
-    assert only_line(capsys) == (f"toymlx-train: error: --opt: expected an option of {LORA}, got "
-                                 "an unknown one; timm's --opt is --optimizer here; --sched: "
-                                 f"expected an option of {LORA}, got an unknown one; timm's "
-                                 "--sched is --lr-schedule here")
+    assert main(["--recipe", recipe, flag, "x"]) == 2
+    assert only_line(capsys) == (f"toymlx-train: error: {flag}: expected an option of "
+                                 f"toymlx-train --recipe {recipe}, got an unknown one; {want}")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,tool", [
+    (["--nproc_per_node", "2"], "torchrun's"),
+    (["--nproc-per-node=2"], "torchrun's"),
+    (["--num_processes", "2"], "accelerate launch's"),
+    (["-np", "2"], "mpirun's"),
+])
+def test_another_launcher_s_rank_count_names_toymlx_launch(capsys, tmp_path, monkeypatch, args,
+                                                           tool):
+    """`toymlx-train --nproc_per_node 2`, as `torchrun --nproc_per_node 2 train.py` reads (before:
+    "unknown one" and no hint, --num_processes "did you mean --no-progress?")."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "from-scratch", *args]) == 2
+    flag = args[0].partition("=")[0]
+    assert only_line(capsys) == (
+        f"toymlx-train: error: {flag}: expected an option of {SCRATCH}, got an unknown one; "
+        f"{tool} {flag} is toymlx-launch's -n: toymlx-launch -n N -- toymlx-train ...")
+    assert list(tmp_path.iterdir()) == []
 
 
 def help_text(monkeypatch, capsys, module: str, args: list[str], columns: int) -> str:

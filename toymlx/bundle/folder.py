@@ -53,11 +53,13 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool,
     (`claim_run_dir`) instead of failing."""
     check_folder_name(run_id, "--run-id")
     run_dir = Path(root) / run_id
-    created = default_id or not run_dir.exists()
+    created = False  # by this call: only then is the folder ours to remove on a failure
     try:
         if default_id:
             run_dir = claim_run_dir(Path(root), run_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
+            created = True
+        else:
+            created = _make_dir(run_dir)
         lock = lock_run(run_dir)
     except OSError as e:
         if created:  # a full disk: the folder was made, its lock file not
@@ -101,6 +103,18 @@ def _cannot_take(run_dir: Path, e: OSError) -> str:
     return (f"{run_dir}: --runs-root: expected a folder it can write (the run's folder, its "
             f"lock file, config.json, events.jsonl and checkpoints), found {e.strerror or e} at "
             f"{e.filename or run_dir}; {fix}choose another --runs-root")
+
+
+def _make_dir(run_dir: Path) -> bool:
+    """Make `run_dir` (and the runs root): whether this call made it. Asked of mkdir itself,
+    not of an exists() before it: a folder another process made in between is not ours."""
+    try:
+        run_dir.mkdir(parents=True)
+    except FileExistsError:
+        if not run_dir.is_dir():
+            raise
+        return False
+    return True
 
 
 def _remove_empty(run_dir: Path) -> None:
