@@ -476,25 +476,30 @@ def test_a_closed_stdout_stops_the_run_as_a_signal_would(tmp_path, data, straigh
 # toymlx-train with stdout and stderr on one pipe this process reads; the reader goes after
 # run_end, before or after the final line (toymlx.runner.run._final_line)
 READER_GOES_AT_THE_END = """
-import os, sys, threading, time
+import os, select, sys, threading, time
 import toymlx.runner.run as run
 from toymlx_cli.train import main
 when, args = sys.argv[1], sys.argv[2:]
 r, w = os.pipe()
 os.dup2(w, 1); os.dup2(w, 2); os.close(w)
-got = []
-def read():
-    while b := os.read(r, 65536):
-        got.append(b)
+leave = threading.Event()
+def read():  # `head`: reads until told to go, then closes its end as its exit would
+    while not leave.is_set():
+        if select.select([r], [], [], 0.01)[0] and not os.read(r, 65536):
+            break
+    os.close(r)
 reader = threading.Thread(target=read, daemon=True)
 reader.start()
+def reader_goes():  # its end closed by the reader itself: a read blocked on an fd closed from
+    time.sleep(0.3)  # another thread still takes the next write, then fails on its own
+    leave.set(); reader.join()
 final = run._final_line
 def _final_line(*a, **k):
     if when == "before":
-        time.sleep(0.3); os.close(r)  # the reader has read all so far
+        reader_goes()
     final(*a, **k)
     if when == "after":
-        sys.stderr.flush(); time.sleep(0.3); os.close(r)
+        sys.stderr.flush(); reader_goes()
 run._final_line = _final_line
 code = main(args)
 os.write(os.open("rc", os.O_WRONLY | os.O_CREAT), str(code).encode())
