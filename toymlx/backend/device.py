@@ -333,13 +333,6 @@ def kernel_cache_dir() -> Path:
     return _kernel_cache_root() / mx.__version__ / (isa if tag is None else f"{isa}-{tag}")
 
 
-def _mlx_kernel_dir() -> Path:
-    """Where MLX builds and looks for its CPU kernels: `$TMPDIR/mlx/<version>/cpu`."""
-    import mlx.core as mx  # here, not at the top: this module loads before mlx.core
-
-    return _cxx_temp_dir() / "mlx" / mx.__version__ / "cpu"
-
-
 def _cxx_temp_dir() -> Path:
     """The folder C++'s `std::filesystem::temp_directory_path()` gives MLX on POSIX."""
     for var in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
