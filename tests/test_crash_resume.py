@@ -315,6 +315,7 @@ NOTICE = ("step 1: SIGINT came: stopping after this step (MLX is building its CP
           "cold start; later runs reuse them); a second SIGINT leaves at once, without it")
 
 
+@pytest.mark.slow  # a cold kernel build in a fresh folder: ~14 s each
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's CPU kernels: g++, Linux")
 def test_a_second_ctrl_c_while_the_first_step_builds_kernels_leaves_at_once(tmp_path,
                                                                            shared_file):
@@ -354,6 +355,7 @@ def test_a_second_ctrl_c_while_the_first_step_builds_kernels_leaves_at_once(tmp_
     assert read_events(run)[-1]["final_step"] == 3
 
 
+@pytest.mark.slow  # a cold kernel build in a fresh folder: ~14 s each
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's CPU kernels: g++, Linux")
 def test_a_terminal_s_ctrl_c_in_a_cold_first_step_spares_mlx_s_kernel_build(tmp_path,
                                                                            shared_file):
