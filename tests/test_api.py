@@ -210,6 +210,48 @@ def test_ctrl_c_in_the_relays_write_stops_the_run_and_is_raised_after(tmp_path):
         '{"kind": "run_end"'), p.stderr
 
 
+def test_a_terminal_s_ctrl_c_reaches_the_run_once(tmp_path):
+    """A script's `toymlx.train` in a terminal: Ctrl-C goes to every process of the job, the
+    run's process too, and `train` passes it on to the run as well: two requests, so the run
+    left without its final checkpoint (a second one skips it). The run now has a session of
+    its own, and gets the one `train` passes on: it checkpoints the step it stopped after."""
+    import os
+    import signal
+    import time
+
+    # steps of ~0.4 s: the job's Ctrl-C and the one `train` passes on land in the same step
+    script = textwrap.dedent(f"""
+        import signal, sys, toymlx
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Python has it
+        try:
+            toymlx.train("from-scratch", model={{"d_model": 256, "n_layers": 2}}, seq_len=128,
+                         batch_size=16, steps=100000, report_every=0, eval_every=0,
+                         compile=False, runs_root={str(tmp_path)!r}, run_id="r")
+        except KeyboardInterrupt:
+            print("raised KeyboardInterrupt", file=sys.stderr)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = tmp_path / "r"
+    try:
+        t0 = time.monotonic()
+        while not any(e["kind"] == "step" and e["step"] >= 2 for e in read_events(run)):
+            assert p.poll() is None and time.monotonic() - t0 < 300, p.stderr.read()[-3000:]
+            time.sleep(0.02)
+        os.killpg(p.pid, signal.SIGINT)  # the terminal's Ctrl-C: to the whole job
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert err.strip().splitlines()[-1] == "raised KeyboardInterrupt", err[-3000:]
+    end = read_events(run)[-1]
+    n = end["final_step"]
+    assert (end["kind"], end["signal"], end["exit_code"], end["message"]) == (
+        "run_end", "SIGINT", 130, f"interrupted after step {n}; resume with --resume {run}")
+    assert (run / "weights" / f"step_{n}.gguf").is_file()
+
+
 def test_train_leaves_the_calling_process_as_it_found_it(tmp_path):
     """A notebook's process after toymlx.train: the same signal handlers, streams, working
     directory, environment and warning filters (the image reader's import once added a global

@@ -135,9 +135,10 @@ MID = ["--recipe", "from-scratch", "--model.d-model", "256", "--model.n-layers",
 @pytest.mark.parametrize("second", ["at-once", "mid-write", "after-0.2s"])
 def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_file, second):
     """Ctrl-C twice: the first stops after the step in flight and writes a final checkpoint,
-    the second skips that checkpoint if it has not begun, or lets a begun one finish (2.5M
-    parameters: ~30 MB written, so `mid-write` lands inside it). Every way: exit 130, no
-    traceback, run_end last, and `latest` a verified checkpoint the run resumes from."""
+    the second skips that checkpoint if it has not begun (or, come while the step is
+    evaluated, leaves at once without it), or lets a begun one finish (2.5M parameters: ~30 MB
+    written, so `mid-write` lands inside it). Every way: exit 130, no traceback, run_end last,
+    and `latest` a verified checkpoint the run resumes from."""
     from toymlx.bundle.checkpoint import open_checkpoint
 
     run = tmp_path / "r"
@@ -184,6 +185,8 @@ def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_file, second
     step = int(latest.name[len("step_"):-len(".gguf")])
     if "skipped its checkpoint" in end["message"]:
         assert step < end["final_step"] and step % 4 == 0
+    elif "left at once" in end["message"]:  # the second came while a step was evaluated
+        assert step <= end["final_step"] and step % 4 == 0
     else:
         assert step == end["final_step"]
     if second == "mid-write":
@@ -212,3 +215,238 @@ def test_a_resume_that_changes_steps_says_the_schedule_moved(tmp_path, shared_fi
             ) in capsys.readouterr().out.splitlines()
     assert main(["--resume", str(run), "--steps", "9", "--from", "step_8", "--no-progress"]) == 0
     assert "the learning-rate schedule now spans 9 steps" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------- a stop while MLX builds kernels
+COLD = ["--recipe", "from-scratch", *[a for a in TINY if a != "--no-compile"], "--steps", "3",
+        "--eval-every", "0"]
+"""A compiled run: its first step builds MLX's CPU kernels, tens of them, in a fresh folder."""
+
+
+def _compiling(pid: int) -> bool:
+    """Whether g++'s compiler proper (cc1plus) runs under process `pid`: MLX is building a
+    kernel inside a step, and the shell it started the build with waits for it (a signal in
+    the instant that shell starts ends it, and the step fails: `CutShort`)."""
+    todo = [str(pid)]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in children:
+                try:
+                    if Path(f"/proc/{child}/comm").read_text().strip() == "cc1plus":
+                        return True
+                except OSError:
+                    continue
+                todo.append(child)
+    return False
+
+
+def _compilers_in(folder: Path) -> list[str]:
+    """The processes still building a kernel in `folder` (a run that left them behind)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes()
+        except OSError:
+            continue
+        if b"g++" in text and str(folder).encode() in text:
+            found.append(cmdline.parent.name)
+    return found
+
+
+class _Cold:
+    """`COLD` started in a fresh kernel folder (its own process group, as a terminal's job),
+    once its first step is building a kernel; its output's lines are read as they come."""
+
+    def __init__(self, tmp_path: Path, shared_file):
+        import os
+        import threading
+
+        (tmp_path / "tmp").mkdir()
+        self.env = {**os.environ, "TOYMLX_KERNEL_CACHE": str(tmp_path / "kernels"),
+                    "TMPDIR": str(tmp_path / "tmp")}
+        exe = Path(sys.executable).parent / "toymlx-train"
+        self.cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "toymlx_cli.train"]
+        self.p = p = subprocess.Popen(
+            self.cmd + COLD + ["--data.path", str(shared_file("text/tinyshakespeare.txt")),
+                               "--runs-root", str(tmp_path), "--run-id", "r"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
+            start_new_session=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.readers = [threading.Thread(target=lambda f=f, into=into: into.extend(
+            line.rstrip("\n") for line in iter(f.readline, "")), daemon=True)
+            for f, into in ((p.stdout, self.out), (p.stderr, self.err))]
+        for t in self.readers:
+            t.start()
+        t0 = time.monotonic()
+        # run_start is written just before the loop: a kernel built after it is step 1's
+        while not (any(e["kind"] == "run_start" for e in read_events(tmp_path / "r"))
+                   and _compiling(p.pid)):
+            assert p.poll() is None, self.err[-30:]
+            assert time.monotonic() - t0 < 600, "the first step built no kernel"
+            time.sleep(0.01)
+
+    def said(self, start: str) -> str:
+        """The first line on stdout that starts with `start`, waited for while it runs."""
+        t0 = time.monotonic()
+        while not (said := [line for line in self.out if line.startswith(start)]):
+            assert self.p.poll() is None and time.monotonic() - t0 < 120, self.out
+            time.sleep(0.01)
+        return said[0]
+
+    def end(self, timeout: float) -> int:
+        """Its exit status, once it has ended and its output is read."""
+        try:
+            self.p.wait(timeout)
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+                self.p.wait()
+        for t in self.readers:
+            t.join(60)
+        return self.p.returncode
+
+
+NOTICE = ("step 1: SIGINT came: stopping after this step (MLX is building its CPU kernels: a "
+          "cold start; later runs reuse them); a second SIGINT leaves at once, without it")
+
+
+@pytest.mark.slow  # a cold kernel build in a fresh folder: ~14 s each
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's CPU kernels: g++, Linux")
+def test_a_second_ctrl_c_while_the_first_step_builds_kernels_leaves_at_once(tmp_path,
+                                                                           shared_file):
+    """A cold first step builds MLX's kernels inside one `mx.eval` (ViT-Tiny's: ~50 kernels,
+    40 s on 2 cores), where Python runs no signal handler: a Ctrl-C there went unseen until the
+    step ended, and a second one was not even counted (Python runs a handler once for signals
+    that came together). Now the first is answered at once with what the run waits for, and
+    the second leaves at once: run_end says how to start over, nothing is checkpointed, and
+    the kernel being built is finished by its compiler, so the restarted run finds every
+    library whole."""
+    run = tmp_path / "r"
+    cold = _Cold(tmp_path, shared_file)
+    cold.p.send_signal(signal.SIGINT)
+    assert cold.said("step 1: SIGINT") == NOTICE
+    cold.p.send_signal(signal.SIGINT)
+    code, err = cold.end(120), "\n".join(cold.err)
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    events = read_events(run)
+    assert [e["kind"] for e in events] == ["run_start", "run_end"]
+    message = ("interrupted during step 1: a second SIGINT left at once, without finishing it; "
+               f"no checkpoint was written: start it over with toymlx-train --resume {run} "
+               "--from step_0")
+    end = events[-1]
+    assert (end["reason"], end["final_step"], end["exit_code"], end["signal"],
+            end["message"]) == ("interrupted", 0, 130, "SIGINT", message)
+    assert cold.err[-1] == f"toymlx: interrupted at step 0: {message}. held-out: n/a. bundle: {run}"
+    assert not list_checkpoints(run / "weights")
+    t0 = time.monotonic()
+    while _compilers_in(tmp_path / "tmp"):  # the build in flight, left to finish
+        assert time.monotonic() - t0 < 120
+        time.sleep(0.05)
+    again = subprocess.run([*cold.cmd, "--resume", str(run), "--from", "step_0",
+                            "--no-progress"], env=cold.env, capture_output=True, text=True,
+                           timeout=600, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert read_events(run)[-1]["final_step"] == 3
+
+
+@pytest.mark.slow  # a cold kernel build in a fresh folder: ~14 s each
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's CPU kernels: g++, Linux")
+def test_a_terminal_s_ctrl_c_in_a_cold_first_step_spares_mlx_s_kernel_build(tmp_path,
+                                                                           shared_file):
+    """A terminal's Ctrl-C goes to every process of its job, MLX's kernel build (g++, started
+    by the shell) too: the build died and the step failed with MLX's error. toymlx's g++ shim
+    now ignores it, so the step ends, its checkpoint is written, and the run stops as after
+    any step."""
+    import os
+
+    run = tmp_path / "r"
+    cold = _Cold(tmp_path, shared_file)
+    os.killpg(cold.p.pid, signal.SIGINT)
+    code, err = cold.end(600), "\n".join(cold.err)
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert NOTICE in cold.out
+    end = read_events(run)[-1]
+    assert (end["reason"], end["final_step"], end["exit_code"], end["signal"],
+            end["message"]) == ("interrupted", 1, 130, "SIGINT",
+                                f"interrupted after step 1; resume with --resume {run}")
+    assert [s for s, _ in list_checkpoints(run / "weights")] == [1]
+
+
+def test_signals_that_come_while_the_main_thread_waits_are_each_counted():
+    """Python runs a signal's handler in its main thread, once for signals of one kind that
+    came while that thread waited in C (a step's `mx.eval`; here a read): two Ctrl-Cs there
+    were counted as one request, so the second never skipped the final checkpoint. Each one
+    counts now."""
+    import os
+    import threading
+
+    from toymlx.backend.stop import SOLO_SIGNALS, StopSignals
+
+    done_r, done_w = os.pipe()
+
+    def twice() -> None:  # delivered to this thread while the main one waits in its read
+        time.sleep(0.2)
+        for _ in range(2):
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        os.write(done_w, b"x")
+
+    with StopSignals(SOLO_SIGNALS) as stop:
+        t = threading.Thread(target=twice)
+        t.start()
+        assert os.read(done_r, 1) == b"x"
+        t.join()
+        assert (stop.count, stop.name, stop.exit_code) == (2, "SIGINT", 130)
+    assert stop.count == 2
+    os.close(done_r)
+    os.close(done_w)
+
+
+def test_a_call_that_fails_once_a_stop_came_is_cut_short():
+    """MLX's kernel build, run by the shell in the terminal's job, dies with the same Ctrl-C
+    where toymlx's g++ shim is off (TOYMLX_KERNEL_LOOPS=off), and the step's `mx.eval` raises:
+    inside `waiting` that error, after a stop request, is `CutShort`, a stop (no traceback, the
+    signal's exit status) that names it; without a request it passes as it is."""
+    from toymlx.backend.stop import SOLO_SIGNALS, CutShort, StopSignals
+
+    with StopSignals(SOLO_SIGNALS) as stop:
+        with pytest.raises(CutShort) as cut, stop.waiting(lambda: None, lambda: 0):
+            signal.raise_signal(signal.SIGTERM)
+            raise RuntimeError("[Compile::eval_cpu] Failed to load compiled function")
+        assert (cut.value.signum, str(cut.value.cause)) == (
+            signal.SIGTERM, "[Compile::eval_cpu] Failed to load compiled function")
+        with pytest.raises(RuntimeError, match="its own"), stop.waiting(lambda: None, lambda: 0):
+            raise RuntimeError("its own")
+    assert stop.count == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's CPU kernels: g++, Linux")
+def test_a_kernel_library_a_stop_left_half_written_is_removed(tmp_path, monkeypatch):
+    """A Ctrl-C that killed MLX's kernel build halfway left a truncated library in the kernel
+    folder, which MLX found there and failed to load in every later run ("file too short").
+    Named in the step's error after a stop, that library is removed; a path elsewhere is left
+    alone, and another error removes nothing."""
+    import mlx.core as mx
+
+    from toymlx.backend import device
+
+    folder = tmp_path / "mlx" / mx.__version__ / "cpu"
+    folder.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # MLX's kernel folder is $TMPDIR/mlx/...
+    lib = folder / "libCf4IBroadcastBDf4OAddAC_VV_f4f4_6142509188972423790_strided_4.so"
+    lib.write_bytes(b"\x7fELF")
+    error = RuntimeError(f"Could not load C++ shared library {lib}: file too short")
+    assert device.drop_unloadable_kernel(error) == str(lib) and not lib.exists()
+    other = tmp_path / "libOther.so"
+    other.write_bytes(b"\x7fELF")
+    assert device.drop_unloadable_kernel(
+        RuntimeError(f"Could not load C++ shared library {other}: file too short")) is None
+    assert other.exists()
+    assert device.drop_unloadable_kernel(
+        RuntimeError("[Compile::eval_cpu] Failed to compile function")) is None

@@ -181,3 +181,25 @@ def test_a_process_that_keeps_mlxs_loops_takes_an_inherited_shim_off_its_path(tm
         e = {**env, "TOYMLX_KERNEL_LOOPS": loops}
         subprocess.run([shim, "-c", str(source), "-o", str(tmp_path / "k.o")], env=e, check=True)
         assert ("#pragma GCC ivdep" in source.read_text()) is rewritten
+
+
+def test_the_compiler_the_shim_runs_ignores_the_stop_signals(tmp_path):
+    """A terminal's Ctrl-C goes to every process of its job, MLX's kernel build too: the build
+    died and the step it built for failed. The shim's compiler, and all it runs, now ignore
+    SIGINT, SIGTERM and SIGHUP (the run counts them itself and stops after the step), and
+    SIGPIPE (a run that left at once leaves the build in flight to finish its library)."""
+    import signal
+    import stat
+
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\ngrep '^SigIgn:' /proc/self/status\n")
+    fake.chmod(stat.S_IRWXU)
+    before = os.environ["PATH"]
+    try:
+        shim = kernel_loops.install(tmp_path, str(fake))
+    finally:
+        os.environ["PATH"] = before
+    out = subprocess.run([shim], capture_output=True, text=True, check=True).stdout
+    ignored = int(out.split()[-1], 16)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        assert ignored >> (sig - 1) & 1, sig.name

@@ -739,3 +739,63 @@ def test_every_safe_cut_keeps_the_ids_of_the_whole(request, name):
             at += n
         assert tok.encode_stream(sizes, add_bos=False).tolist() == whole, text
     assert checked > 2000  # the cuts are there to be checked
+
+
+DNA_WARNING = ("{source}: no place to cut the text where its ids stay those of the whole in the "
+               "1,024 characters from character 0 (one run of letters, digits or symbols, as a "
+               "DNA sequence or a script without spaces); cut there anyway, and again wherever "
+               "1,000 characters pass without a place: the few ids beside each such cut may "
+               "differ from those of the text encoded whole")
+
+
+@pytest.fixture
+def dna(monkeypatch) -> str:
+    """5,000 random bases, one run of letters: no place to cut for byte-level BPE, with the
+    text `encode_stream` holds without one cut to 1,000 characters (encoded 256 at a time)."""
+    from toymlx.data import tokenizer
+
+    monkeypatch.setattr(tokenizer, "CARRY_CHARS", 1000)
+    monkeypatch.setattr(tokenizer, "ENCODE_CHARS", 256)
+    rng = random.Random(0)
+    return "".join(rng.choice("ACGT") for _ in range(5000))
+
+
+def test_a_text_without_a_safe_cut_is_cut_anyway_and_said_once(gpt2, dna, monkeypatch):
+    """One run of letters (a DNA sequence, a script without spaces or punctuation) holds no
+    place where byte-level BPE's ids stay those of the whole: it was held whole and encoded in
+    one call (a 200 MB file: ~30 GB in `tokenizers`, each piece appended by a copy of all
+    before it, and no Ctrl-C seen until the call returned). Past `CARRY_CHARS` characters it is
+    cut anyway, with one warning naming the file and where: each call encodes at most
+    CARRY_CHARS + ENCODE_CHARS characters, and the ids are still those of the text's bytes."""
+    from toymlx.backend.notice import ToymlxWarning
+
+    assert gpt2._safe_cut(dna) == 0
+    encoded, part = [], gpt2._encode_part
+    monkeypatch.setattr(gpt2, "_encode_part",
+                        lambda text, continued: encoded.append(len(text)) or part(text, continued))
+    with pytest.warns(ToymlxWarning) as caught:
+        ids = gpt2.encode_stream([dna], add_bos=False, source="dna.txt")
+    assert [str(w.message) for w in caught] == [DNA_WARNING.format(source="dna.txt")]
+    assert sum(encoded) == len(dna) and max(encoded) <= 1000 + 256
+    assert gpt2.decode(ids) == dna
+
+
+def test_a_training_file_cut_anyway_is_named(gpt2, dna, tmp_path, shared_file):
+    """The warning names the file a run reads (`--data.path`), and the run trains on it."""
+    from toymlx_cli.train import main
+
+    from toymlx.backend.notice import ToymlxWarning
+    from toymlx.bundle.events import read_events
+
+    path = tmp_path / "dna.txt"
+    path.write_text(dna)
+    with pytest.warns(ToymlxWarning) as caught:
+        assert main(["--recipe", "from-scratch", "--tokenizer",
+                     str(shared_file("tokenizers/ggml-vocab-gpt-2.gguf")), "--data.path",
+                     str(path), "--model.d-model", "32", "--model.n-layers", "1",
+                     "--model.n-heads", "4", "--model.n-kv-heads", "2", "--model.ffn-dim", "64",
+                     "--model.context", "64", "--seq-len", "32", "--batch-size", "2",
+                     "--steps", "1", "--no-compile", "--no-progress", "--runs-root",
+                     str(tmp_path), "--run-id", "r"]) == 0
+    assert DNA_WARNING.format(source=path) in [str(w.message) for w in caught]
+    assert read_events(tmp_path / "r")[-1]["reason"] == "completed"

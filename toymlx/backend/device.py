@@ -27,6 +27,7 @@ import ctypes
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -421,6 +422,68 @@ def _link_kernel_folder(mlx_dir: Path, kept: Path) -> str | None:
     except OSError:
         return str(mlx_dir) if mlx_dir.is_dir() else None  # MLX makes its own folder
     return str(kept)
+
+
+def kernel_stamp() -> int | None:
+    """When MLX's CPU kernel folder last changed (ns; None: none yet, or not Linux), for
+    `building_kernels`: MLX writes each kernel's source there before it builds it."""
+    if sys.platform != "linux":
+        return None
+    try:
+        return _mlx_kernel_dir().stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def building_kernels(since: int | None) -> bool:
+    """Whether MLX is building CPU kernels in an evaluation that began at `since` (its
+    `kernel_stamp` then): its kernel folder changed since, or a child of this process runs the
+    C++ compiler now (MLX has the shell run `g++` for each kernel a compiled step needs, one at
+    a time, inside the step's evaluation). Linux's /proc; False where it cannot tell."""
+    if kernel_stamp() != since:
+        return True
+    me = os.getpid()
+    try:
+        threads = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return False
+    for tid in threads:
+        try:
+            with open(f"/proc/{me}/task/{tid}/children", "rb") as f:
+                children = f.read().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                with open(b"/proc/" + child + b"/cmdline", "rb") as f:
+                    if b"g++" in f.read():
+                        return True
+            except OSError:
+                continue
+    return False
+
+
+_UNLOADABLE = re.compile(r"Could not load C\+\+ shared library (/\S+?\.so): ")
+"""MLX's error for a kernel library it built and cannot load."""
+
+
+def drop_unloadable_kernel(error: BaseException) -> str | None:
+    """Where `error` is MLX's failure to load a kernel library in its kernel folder, remove that
+    library and return its path (else None). For a build a stop cut short: a terminal's Ctrl-C
+    reaches MLX's compiler too where toymlx's g++ shim is off (`TOYMLX_KERNEL_LOOPS=off`, no
+    kernel folder of toymlx's), and the linker stopped halfway left a truncated library ("file
+    too short") that MLX, finding it there, failed to load in every later run."""
+    found = _UNLOADABLE.search(str(error))
+    if found is None or sys.platform != "linux":
+        return None
+    lib = Path(found.group(1))
+    try:
+        if lib.resolve().parent != _mlx_kernel_dir().resolve():
+            return None
+        lib.unlink()
+    except OSError:
+        return None
+    return str(lib)
 
 
 def _made_by_toymlx(link: Path, kept: Path) -> bool:

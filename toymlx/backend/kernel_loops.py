@@ -26,6 +26,13 @@ this does not recognise is compiled as MLX wrote it; any other command passes th
 unchanged. Of the 252 strided kernels in a training cache, g++ vectorises 199 rewritten loops;
 the rest hold float16 or bfloat16, sqrt or rsqrt (which set errno), or bit operations on bytes.
 
+The shim, the real compiler after it and everything that compiler runs ignore SIGINT, SIGTERM,
+SIGHUP and SIGPIPE (a signal ignored stays ignored across exec): a terminal's Ctrl-C reaches every
+process of its foreground group, MLX's kernel build too, and a build stopped there failed the
+step it was building for. The run counts the signal itself and stops after the step
+(`toymlx.backend.stop.StopSignals`); a run that leaves at once (a second Ctrl-C) leaves the build
+in flight to finish its library, whose output pipe then has no reader.
+
 Kernels built this way live in a kernel folder of their own: `identity()` is part of the
 kernel header's tag (`toymlx.backend.kernel_pch.header_tag`). `TOYMLX_KERNEL_LOOPS=off` leaves
 MLX's loops as they are.
@@ -169,14 +176,14 @@ def is_shim(path: str | os.PathLike) -> bool:
 
 
 def install(cache: str | os.PathLike, compiler: str) -> str:
-    """Put a `g++` that rewrites MLX's strided kernels and then runs `compiler` first on this
-    process's PATH (MLX's kernel builds and every process started from here find it), in place
-    of any other toymlx's; return what `backend_info` records: the shim, or "off (why)". The
-    shim names this Python, this file and `compiler`, and lives in a folder of `cache` named
-    after them: installs sharing a kernel cache each keep their own."""
+    """Put a `g++` that rewrites MLX's strided kernels and then runs `compiler`, deaf to the stop
+    signals, first on this process's PATH (MLX's kernel builds and every process started from
+    here find it), in place of any other toymlx's; return what `backend_info` records: the
+    shim, or "off (why)". The shim names this Python, this file and `compiler`, and lives in a
+    folder of `cache` named after them: installs sharing a kernel cache each keep their own."""
     if os.environ.get("TOYMLX_KERNEL_LOOPS") == "off":
         return "off (TOYMLX_KERNEL_LOOPS=off)"
-    text = (f"#!/bin/sh\n{_MARK}\n"
+    text = (f"#!/bin/sh\n{_MARK}\ntrap '' HUP INT PIPE TERM\n"
             f"exec {shlex.quote(sys.executable)} -S -E {shlex.quote(str(Path(__file__)))} "
             f"{shlex.quote(compiler)} \"$@\"\n")
     shim = Path(cache) / f"bin-{hashlib.sha256(text.encode()).hexdigest()[:10]}" / "g++"

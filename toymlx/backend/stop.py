@@ -4,15 +4,18 @@ raises into a step, a checkpoint write or a collective."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -89,13 +92,30 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+class CutShort(Stopped):
+    """A stop request that came while a call that cannot be cut ran (`StopSignals.waiting`),
+    and the call then failed: `cause`, the exception it raised (MLX's, when the terminal's
+    Ctrl-C also stopped the compiler building one of its kernels)."""
+
+    def __init__(self, signum: int, cause: BaseException):
+        super().__init__(signum)
+        self.cause = cause
+        self.dropped: str | None = None
+        """What the caller removed that the failed call left (a half-built kernel library)."""
+
+
 def stop_outcome(signum: int | None) -> tuple[str, int]:
     """A stop by `signum` in words and its exit code, 128 + the signal's number (the shell's
     convention): ("stopped by SIGTERM", 143), ("interrupted", 130) for Ctrl-C or None (a
     data-parallel rank stopped by another rank's request)."""
     signum = signum or signal.SIGINT
-    name = signal.Signals(signum).name
-    return "interrupted" if signum == signal.SIGINT else f"stopped by {name}", 128 + signum
+    return ("interrupted" if signum == signal.SIGINT else f"stopped by {signal_name(signum)}",
+            128 + signum)
+
+
+def signal_name(signum: int | None) -> str:
+    """A stop signal's name ("SIGTERM"; None: Ctrl-C's, as `stop_outcome` reads it)."""
+    return signal.Signals(signum or signal.SIGINT).name
 
 
 def how_stopped(e: KeyboardInterrupt) -> tuple[str, int]:
@@ -194,6 +214,16 @@ class StopSignals:
     files atomically (a recipe's export after a completed run): inside `raising`, a request
     also raises `Stopped` into it, which abandons it at once, its temporaries removed.
 
+    Each signal is counted as it comes, not as Python runs its handler: Python runs a handler
+    only in the main thread, between two bytecodes, and once for signals of one kind that came
+    meanwhile, so a step's `mx.eval` (one call into C++: a cold first step builds MLX's CPU
+    kernels for tens of seconds) held the first Ctrl-C unseen, and a second one there was not
+    counted at all. Python's C-level handler writes each signal's number to a socket
+    (`signal.set_wakeup_fd`) the moment it comes, and the count is read from there. Inside
+    `waiting` (one such call of the loop) a thread reads it at once: the first request is
+    answered with a line (`on_first`: what the call waits for), a second leaves the process
+    at once (`on_second`: the run's end recorded, nothing being written then).
+
     The death of the parent that started this process (`toymlx.backend.lifeline`) is one request,
     however many SIGTERMs it brings: Linux sends the parent-death signal again as each thread of
     a multi-threaded parent exits, and those repeats must not skip the final checkpoint.
@@ -219,13 +249,23 @@ class StopSignals:
         self._relayed: dict[int, int] = dict.fromkeys(SIGNALS, 0)
         """Each stop signal's count as toymlx-launch passed it on (`RELAYED`)."""
         self._console = 0
-        self.first: int | None = None
-        """The first stop signal (a relayed SIGTERM as SIGTERM), None before one came."""
-        self.last: int | None = None
-        """The latest stop signal, as `first`."""
+        self._first: int | None = None
+        self._last: int | None = None
         self._old: dict[int, Any] = {}
         self._raise = False
         """Inside `raising`: the next request raises `Stopped` as well as being counted."""
+        self._lock = threading.RLock()
+        """Held while the counts change and while `waiting`'s thread acts on them."""
+        self._wake: socket.socket | None = None
+        """The end of the wakeup socket that the signals' numbers are read from (None: not
+        entered, or Python's wakeup fd was not to be had: the handler counts)."""
+        self._wake_in: socket.socket | None = None
+        self._old_wakeup = -1
+        self._watcher: threading.Thread | None = None
+        self._on: tuple[Callable[[], None], Callable[[], None]] | None = None
+        """Inside `waiting`: its (on_first, on_second)."""
+        self._told = False
+        """Whether `waiting`'s on_first has run (once a run)."""
 
     def _count(self, signum: int, frame: Any) -> None:
         if signum == READER_GONE:
@@ -236,17 +276,37 @@ class StopSignals:
             self._relayed[_SENT[signum]] += 1
         else:
             self._own[signum] += 1
-        self.last = _named(signum)
-        if self.first is None:
-            self.first = self.last
+        self._last = _named(signum)
+        if self._first is None:
+            self._first = self._last
+
+    def _drain(self) -> bool:
+        """Count the signals whose numbers wait in the wakeup socket; whether there were any.
+        Call it holding `_lock`."""
+        got = False
+        while self._wake is not None:
+            try:
+                data = self._wake.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # closed
+                break
+            for signum in data:
+                if signum in self.signals:  # not `__exit__`'s 0, nor another handler's signal
+                    self._count(signum, None)
+                    got = True
+            if not data:
+                break
+        return got
 
     def _signal(self, signum: int, frame: Any) -> None:
-        """The stop signals' handler: counts the request (`_count`); inside `raising`, raises
-        it too."""
-        self._count(signum, frame)
+        """The stop signals' handler: counts the request where no wakeup socket does
+        (`_count`); inside `raising`, raises it too."""
+        if self._wake is None:
+            self._count(signum, frame)
         if self._raise:
             self._raise = False  # once: a second must not cut into the first's clean-up
-            raise Stopped(self.last or signum)
+            raise Stopped(_named(signum))
 
     @contextmanager
     def raising(self) -> Iterator[None]:
@@ -266,6 +326,75 @@ class StopSignals:
         finally:
             self._raise = False
 
+    @contextmanager
+    def waiting(self, on_first: Callable[[], None], on_second: Callable[[], None]
+                ) -> Iterator[None]:
+        """The block is one call that cannot be cut (a step's `mx.eval`: Python runs no handler
+        until it returns, and a cold first step builds MLX's CPU kernels for tens of seconds):
+        while it runs, a thread reads the stop signals as they come. The first request calls
+        `on_first` at once (a line saying what the run waits for before it stops); a second
+        (the first counted before the block included) calls `on_second`, which records how
+        the run ended, and the process exits at once with the first signal's code
+        (`exit_code`), the call abandoned: only for a block that writes nothing (a failure of
+        `on_second` is one line on stderr, and the process exits all the same). A request that
+        comes while the
+        block runs and an exception then leaves it (MLX's kernel build, run by the shell in
+        the terminal's process group, stopped by the same Ctrl-C) raises `CutShort` from that
+        exception. Without a wakeup socket the block just runs."""
+        if self._wake is None:
+            yield
+            return
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="toymlx-stop-watch",
+                                             daemon=True)
+            self._watcher.start()
+        before = self.count
+        with self._lock:
+            self._on = (on_first, on_second)
+        try:
+            yield
+        except Exception as e:
+            if self.count > before:
+                raise CutShort(self.first or signal.SIGINT, e) from e
+            raise
+        finally:
+            with self._lock:  # after the thread's on_second, which never returns
+                self._on = None
+
+    def _watch(self) -> None:
+        """`waiting`'s thread: counts each signal as its number arrives, and acts on it while
+        a `waiting` block runs."""
+        wake = self._wake
+        while wake is not None and wake.fileno() >= 0:
+            try:
+                select.select([wake], [], [])
+            except (OSError, ValueError):  # closed by `__exit__`
+                return
+            with self._lock:
+                if self._wake is None:
+                    return
+                if not self._drain() or self._on is None:
+                    continue
+                on_first, on_second = self._on
+                if self._requests() > 1:
+                    self._leave(on_second)
+                if not self._told:
+                    self._told = True
+                    with contextlib.suppress(OSError, ValueError):  # a console that cannot
+                        on_first()  # be written: the line is lost, the run goes on
+
+    def _leave(self, on_second: Callable[[], None]) -> None:
+        """`waiting`'s second request: `on_second`, then exit at once with `exit_code`."""
+        try:
+            on_second()
+        except BaseException as e:  # noqa: BLE001 (said; the process leaves all the same)
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(f"toymlx: {type(e).__name__}: {e}\n")
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+        os._exit(self.exit_code)
+
     @property
     def count(self) -> int:
         """Requests so far. SIGTERMs are told apart when the count is read, not as they come:
@@ -276,14 +405,34 @@ class StopSignals:
         signal the more of the two counts, not their sum. A console pipe whose reader has gone
         is seen here too (polled, no write needed), so that `| head -3` stops the run after the
         step in flight, not at its next report line (a LoRA run's 10 steps later)."""
-        if READER_GONE in self.signals and not self._console and console_gone():
-            self._count(READER_GONE, None)  # gone since the last line: stop now, not there
+        with self._lock:
+            self._drain()
+            if READER_GONE in self.signals and not self._console and console_gone():
+                self._count(READER_GONE, None)  # gone since the last line: stop now, not there
+            return self._requests()
+
+    def _requests(self) -> int:
+        """`count` of the signals counted so far."""
         own = dict(self._own)
         if own[signal.SIGTERM] > 1 and parent_lost():
             own[signal.SIGTERM] = 1
         # a console gone is a request only alone: a lost parent also closes its pipe, and that
         # closed pipe must not skip the final checkpoint as a second request would
         return sum(max(own[s], self._relayed[s]) for s in SIGNALS) or self._console
+
+    @property
+    def first(self) -> int | None:
+        """The first stop signal (a relayed SIGTERM as SIGTERM), None before one came."""
+        with self._lock:
+            self._drain()
+            return self._first
+
+    @property
+    def last(self) -> int | None:
+        """The latest stop signal, as `first`."""
+        with self._lock:
+            self._drain()
+            return self._last
 
     @property
     def exit_code(self) -> int:
@@ -293,7 +442,8 @@ class StopSignals:
     @property
     def name(self) -> str | None:
         """The first signal's name ("SIGTERM"), None before one came."""
-        return None if self.first is None else signal.Signals(self.first).name
+        first = self.first
+        return None if first is None else signal_name(first)
 
     def ignore(self) -> None:
         """Ignore every stop signal from now until the process exits (nothing is put back)."""
@@ -303,8 +453,33 @@ class StopSignals:
     def __enter__(self) -> StopSignals:  # noqa: PYI034
         for sig in self.signals:
             self._old[sig] = signal.signal(sig, self._signal)
+        wake, wake_in = socket.socketpair()
+        wake.setblocking(False)
+        wake_in.setblocking(False)
+        try:
+            self._old_wakeup = signal.set_wakeup_fd(wake_in.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):  # not to be had: the handler counts
+            wake.close()
+            wake_in.close()
+        else:
+            self._wake, self._wake_in = wake, wake_in
         return self
 
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if self._wake is None:
+            return
+        signal.set_wakeup_fd(self._old_wakeup)
+        with self._lock:
+            self._drain()  # the last counts stay readable
+            wake, wake_in, self._wake, self._wake_in = self._wake, self._wake_in, None, None
+        try:
+            wake_in.send(b"\0")  # wakes the thread, which then sees no socket
+        except OSError:
+            pass
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+        wake.close()
+        wake_in.close()

@@ -14,14 +14,17 @@ Design choices:
 from __future__ import annotations
 
 import codecs
+import contextlib
 import math
 import os
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import numpy as np
+from tqdm import tqdm
 
 from toymlx.backend.files import special_kind
 
@@ -36,11 +39,15 @@ class Encoder(Protocol):
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]: ...
 
     def encode_stream(self, texts: Iterable[str], add_bos: bool | None = None, *,
-                      size: int | None = None) -> np.ndarray: ...
+                      size: int | None = None, source: str | None = None) -> np.ndarray: ...
 
 
 READ_BYTES = 1 << 22
 """How much of a text file is read, checked and handed on at a time (4 MiB)."""
+
+BAR_BYTES = 1 << 24
+"""A text file at least this large (16 MiB) is tokenized under a progress bar, where stderr is
+a terminal: with a BPE tokenizer, 200 MB of text took ~3 minutes on a 2-core CPU."""
 
 
 def _char_end(data: bytes) -> int:
@@ -203,6 +210,23 @@ def val_batches(
     return [{"inputs": inputs[i], "targets": targets[i], "mask": mask[i]} for i in range(n_batches)]
 
 
+def _bar(path: str | Path, size: int) -> Any:
+    """The progress bar of tokenizing a file of `size` bytes (None: none drawn), on stderr
+    where that is a terminal and the file holds at least `BAR_BYTES`."""
+    if size < BAR_BYTES or not sys.stderr.isatty():
+        return contextlib.nullcontext(None)
+    return tqdm(total=size, desc=f"tokenizing {Path(path).name}", unit="B", unit_scale=True,
+                dynamic_ncols=True, leave=False, file=sys.stderr)
+
+
+def _counted(texts: Iterable[str], bar: Any) -> Iterator[str]:
+    """`texts`, each piece's UTF-8 bytes counted on `bar` once the next one is asked for."""
+    for text in texts:
+        yield text
+        if bar is not None:
+            bar.update(len(text.encode("utf-8")))
+
+
 @dataclass(frozen=True)
 class TokenData:
     """Train and validation token ids split from one id sequence (or each from its own file),
@@ -268,7 +292,8 @@ class TokenData:
         """Read a UTF-8 text file once, a piece at a time, encode it (the ids of the whole text,
         tokenizer's default BOS) into one array of the vocabulary's id type, and split it."""
         size, texts = open_text(path)
-        ids = tokenizer.encode_stream(texts, size=size)
+        with _bar(path, size) as bar:
+            ids = tokenizer.encode_stream(_counted(texts, bar), size=size, source=str(path))
         return cls.from_ids(ids, seq_len, val_fraction, source=str(path), windows=windows)
 
     def batch(

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Regex, normalizers
 
+from toymlx.backend import notice
 from toymlx.data.chat_template import compile_template
 from toymlx.data.merges import (
     PRE_TOKENIZERS,
@@ -85,6 +86,14 @@ from toymlx.gguf.reader import read_metadata
 
 ENCODE_CHARS = 1 << 18
 """How much text one call of the `tokenizers` library encodes in `Tokenizer.encode_stream`."""
+
+CARRY_CHARS = 1 << 20
+"""The most text `Tokenizer.encode_stream` holds while it finds no safe cut (`_safe_cut`):
+beyond it the text is cut anyway (`_forced_cut`). A text with no safe cut at all (one run of
+letters: a DNA sequence, a script written without spaces or punctuation) was held whole and
+encoded in one call: ~150 bytes a character in `tokenizers` (a 200 MB file: 30 GB), each piece
+appended to the held text by a copy of it (quadratic), and no Ctrl-C seen until the call
+returned."""
 
 # Where each `tokenizer.ggml.pre`'s regexes cut, written over a string of one class letter per
 # character (`_classes`): R "\r"/"\n", W other whitespace (\s), L \p{L}, M \p{M}, N \p{N},
@@ -462,12 +471,15 @@ class Tokenizer:
         return np.uint16 if len(self._tokens) <= 1 << 16 else np.int32
 
     def encode_stream(self, texts: Iterable[str], add_bos: bool | None = None, *,
-                      size: int | None = None) -> np.ndarray:
+                      size: int | None = None, source: str | None = None) -> np.ndarray:
         """`encode_np("".join(texts), add_bos)`, the same ids, as an `id_dtype` array, without
         ever holding the whole text: each piece is cut where the ids of the text before the
         cut and after it are those of the whole (`_safe_cut`), and what follows the cut waits
-        for the next piece. `size`: the text's size in UTF-8 bytes, where known (the byte
-        vocabulary then writes into one array of that many ids, none copied)."""
+        for the next piece. Where no such cut comes within `CARRY_CHARS` characters, the text
+        is cut there anyway (`_forced_cut`), with one warning naming `source` (the file) and
+        where: the ids beside such a cut may differ from the whole text's. `size`: the text's
+        size in UTF-8 bytes, where known (the byte vocabulary then writes into one array of
+        that many ids, none copied)."""
         bos = self._check_added(add_bos, False)
         dtype = self.id_dtype
         # the byte vocabulary gives at most one id per byte, plus bos
@@ -486,6 +498,7 @@ class Tokenizer:
         if bos:
             put(np.array([self._bos], np.int32))
         carry, continued = "", False  # the text after the last cut; whether it follows a cut
+        done, forced = 0, False  # characters before `carry`; whether a cut was forced
         # `tokenizers` holds ~150 bytes a character while it merges: a GGUF vocabulary's pieces
         # are encoded ENCODE_CHARS at a time
         step = None if self._byte_layout else ENCODE_CHARS
@@ -495,7 +508,20 @@ class Tokenizer:
             text = carry + piece if carry else piece
             # where the carry held no cut before, it holds none now: look after it alone
             cut = self._safe_cut(text, max(1, len(carry) - self._special_len - 1))
+            if not cut and len(text) > CARRY_CHARS:
+                cut = self._forced_cut(text)
+                if cut and not forced:
+                    forced = True
+                    notice.warn(
+                        f"{source or 'the text'}: no place to cut the text where its ids stay "
+                        f"those of the whole in the {len(text):,} characters from character "
+                        f"{done:,} (one run of letters, digits or symbols, as a DNA sequence or "
+                        "a script without spaces); cut there anyway, and again wherever "
+                        f"{CARRY_CHARS:,} characters pass without a place: the few ids beside "
+                        "each such cut may differ from those of the text encoded whole",
+                        stacklevel=2)
             if cut:
+                done += cut
                 put(self._encode_part(text[:cut], continued))
                 carry, continued = text[cut:], True
             else:
@@ -559,6 +585,13 @@ class Tokenizer:
             if self._clear_of_specials(text, c):
                 return c
         return 0
+
+    def _forced_cut(self, text: str) -> int:
+        """Where `encode_stream` cuts `text` that holds no safe cut (`_safe_cut`): the last
+        character boundary that leaves special tokens whole (`_clear_of_specials`), as far
+        from the end as a safe cut would be; 0 where there is none."""
+        end = len(text) - self._special_len - 1
+        return next((c for c in range(end, 0, -1) if self._clear_of_specials(text, c)), 0)
 
     def _clear_of_specials(self, text: str, cut: int) -> bool:
         if not self._partition:

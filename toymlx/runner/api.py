@@ -347,14 +347,17 @@ def _run_child(cmd: list[str], echo: bool) -> _Output:
     """Run `cmd` tied to this process (it stops if this one dies), its stdout and stderr relayed
     to `sys.stdout` (a notebook's cell output too) as they come, and return once it has ended.
     Ctrl-C here, wherever it lands (waiting for output, or in `sys.stdout.write`), is passed on
-    as the child's own Ctrl-C; a reader of this process's output gone (`python script.py |
-    head -3`) as the child's own reader gone (SIGPIPE), and any other failure to relay as a
+    as the child's own Ctrl-C, once: the child runs in a session of its own, where a terminal's
+    Ctrl-C, sent to every process of its job, does not reach it too (two, they were a second
+    request: the run left without its final checkpoint); a reader of this process's output
+    gone (`python script.py | head -3`) as the child's own reader gone (SIGPIPE), and any
+    other failure to relay as a
     Ctrl-C: the run checkpoints and ends, its output still read (a child left writing into a
     pipe nobody reads would hang, holding its bundle's lock); `_Output.stopped` then holds what
     `train` raises (KeyboardInterrupt, BrokenPipeError, the relay's error)."""
     out, text = _Output(), codecs.getincrementaldecoder("utf-8")(errors="replace")
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             env=child_env())
+                             env=child_env(), start_new_session=True)
     assert child.stdout is not None
     fd, relaying = child.stdout.fileno(), echo
     with child.stdout:  # closed once read to its end: each call's pipe, not left to the GC

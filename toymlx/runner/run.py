@@ -187,7 +187,8 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                   file=sys.stderr)
         try:
             end = train(run.task, cfg, run.run_dir, _public_config(cfg), world=run.world,
-                        resume=run.resume, launched=launched_as_rank())
+                        resume=run.resume, launched=launched_as_rank(),
+                        at_exit=lambda end: _final_line(run.run_dir, end))
         except (RunError, ck.ResumeError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 2

@@ -14,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from toymlx.backend import device
+from toymlx.backend.stop import CutShort
 from toymlx.training import cpu_streams
 from toymlx.training.step import micro_batch
 from toymlx.training.task import Task
@@ -64,12 +65,16 @@ class Evaluator:
         return out
 
     def __call__(self, max_batches: int | None = None, split: str = "val",
-                 stop: Callable[[], int] | None = None) -> dict[str, float] | None:
+                 stop: Callable[[], int] | None = None,
+                 waiting: Callable[[], Any] | None = None) -> dict[str, float] | None:
         """Metrics over the validation batches (`split="test"`: the test batches), the first
         `max_batches`; the loss is `<split>_loss`, and a test split's other metrics are
         `test_<name>` (test_accuracy) so that they never read as the validation figures.
         `stop` (requests to stop so far) is read before each micro-batch: None once it is
-        non-zero, the pass abandoned (a long --test pass must not hold off a Ctrl-C)."""
+        non-zero, the pass abandoned (a long --test pass must not hold off a Ctrl-C).
+        `waiting`: the context each micro-batch is evaluated in, one call that cannot be cut
+        (`toymlx.backend.stop.StopSignals.waiting`); a micro-batch a stop cut short (MLX's
+        kernel build stopped by the same Ctrl-C) abandons the pass too."""
         totals: dict[str, float] = {}
         model = self.task.model
         was_training = model.training
@@ -83,8 +88,12 @@ class Evaluator:
                         if stop is not None and stop():
                             return None
                         parts = self._sums(micro_batch(b, i))
-                        with device.evaluating(self.blas_threads, self.subnormals):
-                            mx.eval(parts)
+                        try:
+                            with (device.evaluating(self.blas_threads, self.subnormals),
+                                  (waiting or contextlib.nullcontext)()):
+                                mx.eval(parts)
+                        except CutShort:
+                            return None
                         for sums in parts:
                             for k, v in sums.items():
                                 totals[k] = totals.get(k, 0.0) + float(v.item())

@@ -32,7 +32,17 @@ from tqdm import tqdm
 from toymlx.backend import device
 from toymlx.backend.atomic import discard
 from toymlx.backend.device import backend_info
-from toymlx.backend.stop import RANK_SIGNALS, SOLO_SIGNALS, Stopped, StopSignals, stop_outcome
+from toymlx.backend.stop import (
+    RANK_SIGNALS,
+    READER_GONE,
+    SOLO_SIGNALS,
+    CutShort,
+    Stopped,
+    StopSignals,
+    how_stopped,
+    signal_name,
+    stop_outcome,
+)
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
 from toymlx.bundle.folder import config_digest, saved_config
@@ -151,12 +161,13 @@ class Stepper:
         """CPU streams the built step spreads over (None: not built yet)."""
         return len(self.streams) or None
 
-    def step(self, s: int, global_batch: dict[str, np.ndarray], requests: int = 0
-             ) -> dict[str, mx.array]:
+    def step(self, s: int, global_batch: dict[str, np.ndarray], requests: int = 0,
+             waiting: Callable[[], Any] | None = None) -> dict[str, mx.array]:
         """Optimizer step `s` (0-based) on `global_batch` (this rank's shard of it), evaluated
         with the model and optimizer state; returns the step's outputs (loss, grad_norm, and the
         loss scale's with float16; data parallel, "stop_flags": the ranks' `stop_flags` of their
-        `requests` to stop, summed)."""
+        `requests` to stop, summed). `waiting`: the context the evaluation runs in, one call
+        that cannot be cut (`StopSignals.waiting`)."""
         if self._fn is None:
             raise RuntimeError("Stepper.step: expected build() to have run, found no step")
         batch = {k: mx.array(v) for k, v in _shard(global_batch, self.world).items()}
@@ -164,7 +175,8 @@ class Stepper:
         # resumed run draws exactly what an uninterrupted one would.
         mx.random.seed(step_seed(self.cfg.seed, s))
         out = self._call(batch, requests)
-        with device.evaluating(self.blas_threads, cpu_streams.subnormals_of(self.model)):
+        with (device.evaluating(self.blas_threads, cpu_streams.subnormals_of(self.model)),
+              (waiting or contextlib.nullcontext)()):
             mx.eval(out, self.model.state, self.optimizer.state)
         return out
 
@@ -321,11 +333,15 @@ class _Loop:
     `run` emits run_start (or a resume event), trains, and emits run_end from one place."""
 
     def __init__(self, task: Task, cfg: TrainConfig, run_dir: Path, world: Any,
-                 resume: Resume | None, launched: bool = False):
+                 resume: Resume | None, launched: bool = False,
+                 at_exit: Callable[[dict], None] | None = None):
         self.task, self.cfg, self.run_dir, self.world = task, cfg, run_dir, world
         self.resume = resume
         self.launched = launched
         """A rank of toymlx-launch: its stop signals come relayed (`RANK_SIGNALS`)."""
+        self.at_exit = at_exit
+        """Called with run_end where a second stop request leaves the process at once
+        (`_waiting`), which then exits without returning."""
         self.rank0 = world is None or world.rank() == 0
         self.solo = world is None or world.size() == 1
         """One process (no data-parallel peers to agree with)."""
@@ -392,24 +408,84 @@ class _Loop:
                 if self.reason == "completed":
                     self._wrap_up(stop, bar)
                 together = True
-            except KeyboardInterrupt:  # raised by code, not a signal: StopSignals counts those
-                self._end("interrupted", 130, f"interrupted during step {self.step + 1}; "
+            except KeyboardInterrupt as e:  # raised by code (StopSignals counts the signals),
+                # or a stop that came while a step was evaluated, which then failed (`CutShort`)
+                what, code = how_stopped(e)
+                cut = ""
+                if isinstance(e, CutShort):
+                    self.signal = signal_name(e.signum)
+                    cut = (f", which failed once {self.signal} came ({type(e.cause).__name__}: "
+                           f"{' '.join(str(e.cause).split())[:300]})"
+                           + (f"; the kernel library it stopped halfway, {e.dropped}, is "
+                              "removed (the next run builds it again)" if e.dropped else ""))
+                self._end("interrupted", code, f"{what} during step {self.step + 1}{cut}; "
                           f"{_resume_from(self.run_dir, self.ckpt.last)}")
             except BaseException as e:
                 self._end("error", 1, f"{type(e).__name__}: {e}")
                 raise
             finally:
-                end = self.log.emit("run_end", reason=self.reason, final_step=self.step,
-                                    final_loss=self.log.loss_at(self.step),
-                                    exit_code=self.exit_code,
-                                    message=self.message,
-                                    **({"signal": self.signal} if self.signal else {}),
-                                    first_step_s=self.t_first,
-                                    **device.peak_memory())
-                self.log.close()
+                end = self._run_end()
             if together and not self.solo:
                 end["exit_code"] = self._leave_together(stop)
         return end
+
+    def _run_end(self) -> dict:
+        """Write run_end (how the run ended: `_end`'s) and close the log; returns the event."""
+        end = self.log.emit("run_end", reason=self.reason, final_step=self.step,
+                            final_loss=self.log.loss_at(self.step), exit_code=self.exit_code,
+                            message=self.message,
+                            **({"signal": self.signal} if self.signal else {}),
+                            first_step_s=self.t_first, **device.peak_memory())
+        self.log.close()
+        return end
+
+    def _waiting(self, stop: StopSignals, bar: Any, step: int, part: str
+                 ) -> Callable[[], Any] | None:
+        """The context of one evaluation that cannot be cut (`StopSignals.waiting`): step
+        `step` ("step"), or a batch of the validation or --test pass after it ("validation",
+        "--test"). A first request there says at once what the run waits for (a cold step
+        builds MLX's CPU kernels for tens of seconds: ViT-Tiny's first step ~40 s on 2 cores),
+        and the run stops as ever after it; a second one leaves at once, without it: run_end
+        says how to resume, from the last checkpoint, and the run's last line is printed
+        (`at_exit`). Nothing is written during the evaluation, so nothing is lost that was
+        saved. Only a process alone: data-parallel ranks agree on stops at a step
+        (toymlx-launch ends them on a second request)."""
+        if not self.solo or self.launched:
+            return None
+        after = "this step" if part == "step" else f"this {part} batch"
+        during = f"step {step}" if part == "step" else f"the {part} pass after step {step}"
+
+        def second() -> None:
+            what, code = stop_outcome(stop.first)
+            self.signal = stop.name
+            self._end("interrupted", code, f"{what} during {during}: a second "
+                      f"{signal_name(stop.last)} left at once, without finishing it; "
+                      f"{_resume_from(self.run_dir, self.ckpt.last)}")
+            end = self._run_end()
+            if bar is not None:
+                bar.close()
+            if self.at_exit is not None and self.rank0:
+                self.at_exit(end)
+
+        @contextlib.contextmanager
+        def waiting() -> Any:
+            since = device.kernel_stamp()
+
+            def first() -> None:
+                if stop.first == READER_GONE:  # no one reads the console
+                    return
+                name = stop.name
+                kernels = (" (MLX is building its CPU kernels: a cold start; later runs reuse "
+                           "them)" if device.building_kernels(since) else "")
+                self._say(f"step {step}: {name} came: stopping after {after}{kernels}; a "
+                          f"second {name} leaves at once, without it", bar)
+            try:
+                with stop.waiting(first, second):
+                    yield
+            except CutShort as e:  # a kernel build the signal stopped: never loaded again
+                e.dropped = device.drop_unloadable_kernel(e.cause)
+                raise
+        return waiting
 
     def _stops(self, stop: StopSignals) -> int:
         """Stop requests so far. Data parallel: the most any rank had counted when the last step
@@ -440,7 +516,8 @@ class _Loop:
         if self.task.test_batches and not self._done("test"):
             if self._stops(stop):
                 return self._left_undone(stop, "--test", "before")
-            if not self._test(bar, lambda: self._stops(stop)):
+            if not self._test(bar, lambda: self._stops(stop),
+                              self._waiting(stop, bar, self.step, "--test")):
                 self._say(f"step {self.step}: --test abandoned ({stop.name} came during its "
                           f"pass; toymlx-train --resume {self.run_dir} scores it)", bar)
                 return self._left_undone(stop, "--test", "during")
@@ -613,7 +690,7 @@ class _Loop:
         if note := self._schedule_note():
             self._say(note, bar)
         for s in range(self.start, cfg.steps):
-            if not self._step(s, bar, stop.count):
+            if not self._step(s, bar, stop.count, self._waiting(stop, bar, s + 1, "step")):
                 return
             done = s + 1
             if cfg.report_every and (done % cfg.report_every == 0 or done == cfg.steps):
@@ -633,9 +710,11 @@ class _Loop:
                 break
         self._checkpoint(self.step, bar)
 
-    def _step(self, s: int, bar: Any, requests: int) -> bool:
+    def _step(self, s: int, bar: Any, requests: int,
+              waiting: Callable[[], Any] | None = None) -> bool:
         """Optimizer step `s` (0-based) and its event (`requests`: this rank's requests to stop
-        so far, which the step shares with the others); False if the run diverged in it."""
+        so far, which the step shares with the others; `waiting`: the context of its evaluation,
+        `_waiting`); False if the run diverged in it."""
         t0 = time.perf_counter()
         # the first step also traces the step for every other batch width the run will see
         traced = self._trace_widths(s) if s == self.start else None
@@ -645,7 +724,7 @@ class _Loop:
         # step's time reads against its batch's size
         width = ({"batch_width": next(iter(global_batch.values())).shape[-1]}
                  if self.task.batch_widths is not None else {})
-        out = self.stepper.step(s, global_batch, requests)
+        out = self.stepper.step(s, global_batch, requests, waiting)
         if "stop_flags" in out:  # data parallel
             self.agreed = agreed_requests(out["stop_flags"])
         dt = time.perf_counter() - t0
@@ -736,7 +815,8 @@ class _Loop:
         if not self.task.val_batches:  # nothing held out (--data.val-fraction 0): no figures
             return True
         t0 = time.perf_counter()
-        metrics = self.evaluator(self.cfg.eval_batches, stop=lambda: self._stops(stop))
+        metrics = self.evaluator(self.cfg.eval_batches, stop=lambda: self._stops(stop),
+                                 waiting=self._waiting(stop, bar, step, "validation"))
         if metrics is None:
             self.abandoned = step
             self._say(f"step {step}: validation abandoned ({stop.name} came during its pass; "
@@ -749,12 +829,14 @@ class _Loop:
         self._say(eval_line(self.recorded[-1]), bar)
         return True
 
-    def _test(self, bar: Any, stops: Callable[[], int]) -> bool:
+    def _test(self, bar: Any, stops: Callable[[], int],
+              waiting: Callable[[], Any] | None = None) -> bool:
         """The completed run's held-out test figures (`--test`), once at the end: the loss and
         the task's metrics (a classifier's test_accuracy), and a language model's perplexity;
-        False if a stop request (`stops`) came during the pass, which is then abandoned."""
+        False if a stop request (`stops`) came during the pass, which is then abandoned
+        (`waiting`: the context of each batch's evaluation, `_waiting`)."""
         t0 = time.perf_counter()
-        metrics = self.evaluator(split="test", stop=stops)
+        metrics = self.evaluator(split="test", stop=stops, waiting=waiting)
         if metrics is None:
             return False
         if self.task.unit == "tokens":
@@ -850,9 +932,11 @@ def _config_sha256(run_dir: Path) -> str | None:
 
 
 def train(task: Task, cfg: TrainConfig, run_dir: Path, run_config: dict[str, Any],
-          world: Any = None, resume: Resume | None = None, launched: bool = False
-          ) -> dict[str, Any]:
+          world: Any = None, resume: Resume | None = None, launched: bool = False,
+          at_exit: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Run the loop; returns the run_end event. Rank 0 alone writes the bundle. `launched`:
     this process is a rank of `toymlx-launch` (its only one for `-n 1`, `world` None), whose
-    stop signals arrive relayed (`RANK_SIGNALS`)."""
-    return _Loop(task, cfg, run_dir, world, resume, launched).run(run_config)
+    stop signals arrive relayed (`RANK_SIGNALS`). `at_exit`: called with run_end where a second
+    stop request during a step's evaluation ends the process at once (`_Loop._waiting`), in
+    place of returning."""
+    return _Loop(task, cfg, run_dir, world, resume, launched, at_exit).run(run_config)
