@@ -276,9 +276,6 @@ TIMM_FLAGS: PeerFlags = {
     "--amp": (("dtype", "timm's --amp is --dtype bfloat16 here (float16: with a loss scale)"),),
     "--model": (("model.preset", ("timm's --model vit_tiny_patch16_224 is --model.preset "
                  "vit-tiny here (the recipe is the model; --model.* set its shape)")),),
-    "--opt": (("optimizer", "timm's --opt is --optimizer here"),
-              ("weight_decay", ("this recipe trains with AdamW only (--lr, --weight-decay, "
-               "--beta1, --beta2)"))),
     "--sched": (("lr_schedule", "timm's --sched is --lr-schedule here"),
                 ("min_lr_ratio", ("the schedule is linear warm-up then cosine decay, the only "
                  "one (--warmup, --min-lr-ratio)")),),
@@ -305,6 +302,17 @@ them as "unrecognized arguments" without naming -n); given to toymlx-train itsel
 `torchrun --nproc_per_node 2 train.py` reads), the launcher to run it under."""
 
 
+OPTIMIZER_FLAGS: PeerFlags = {
+    flag: (("optimizer", f"{whose} is --optimizer here"),
+           ("weight_decay", ("this recipe trains with AdamW only (--lr, --weight-decay, "
+                             "--beta1, --beta2)")))
+    for flag, whose in (("--opt", "timm's and mlx_lm.lora's --opt"),  # mlx-lm's: argparse's
+                        ("--optim", "HF Trainer's --optim"))}  # abbreviation of --optimizer
+"""Other trainers' flags that choose the optimizer, for every recipe: lora's --optimizer, or
+the recipe's one optimizer (the others: AdamW). Not in timm's table, which only a command that
+trains images reads: lora's --opt said "a flag for images" where it has --optimizer."""
+
+
 def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | None:
     """What `table` says of another tool's `flag` to a command with `options`: the text of its
     first pair whose option the command has; None for a flag the table lacks."""
@@ -313,7 +321,7 @@ def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | Non
 
 def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     """What to say after an unknown flag: toymlx's name for llama.cpp's, another launcher's,
-    timm's, mlx-lm's or nanoGPT's flag (`PeerFlags`, `MLX_LM_KEYS`), else the closest option by
+    another trainer's optimizer flag, timm's, mlx-lm's or nanoGPT's flag (`PeerFlags`, `MLX_LM_KEYS`), else the closest option by
     spelling. timm's are said only where `prog` trains images (its texts are vit-tiny's: "the
     training images", "--model.preset vit-tiny"), mlx-lm's only where it fine-tunes a --base
     (lora). A peer's flag whose counterpart `prog` lacks (another recipe's or command's:
@@ -323,7 +331,7 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     if name in MLX_LM_KEYS and "base" in flags:  # mlx_lm.lora's flags, `--iters` as `iters`
         return mlx_lm_hint(flag)
     images = "data.image_size" in flags  # vit-tiny's option: the command trains images
-    tables = ((LLAMA_CPP_FLAGS, flag), (LAUNCHER_FLAGS, flag),
+    tables = ((LLAMA_CPP_FLAGS, flag), (LAUNCHER_FLAGS, flag), (OPTIMIZER_FLAGS, flag),
               *(((TIMM_FLAGS, flag),) if images else ()), (NANOGPT_FLAGS, name))
     for table, key in tables:
         if said := peer_hint(table, key, flags):

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -785,6 +786,33 @@ def test_mlx_launch_s_kill_shell_outlives_a_stop_passed_on_as_it_runs():
     rank.terminate()
     assert rank.out == "alive\n"
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before  # the mask put back
+
+
+def test_the_failed_ranks_summary_is_a_line_per_outcome_not_per_rank(tmp_path):
+    """toymlx-launch -n N closed with a line per failed rank: 8 where one rank failed and
+    mlx.launch stopped the other 7. Ranks with the same outcome now share a line; the ranks
+    that differ are named on their own (the outcomes read from fake status files)."""
+    from toymlx.runner.launch import _SILENT, failure_lines, failures
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no longer running on this host: a rank killed without a report
+    for r in range(8):
+        (tmp_path / f"rank{r}.start").write_text(json.dumps(
+            {"pid": gone.pid, "host": socket.gethostname()}))
+    (tmp_path / "rank1.exit").write_text(json.dumps({"code": 1, "error": "RuntimeError: x"}))
+    assert failure_lines(failures(tmp_path, 8, final=True), 8) == [
+        "ranks 0, 2-7: " + _SILENT,
+        "rank 1: exit code 1: RuntimeError: x",
+        "failed: 8 of 8 ranks did not finish cleanly"]
+    bad = {r: (None, "never reported starting") for r in range(8)}
+    assert failure_lines(bad, 8) == ["ranks 0-7: never reported starting",
+                                     "failed: 8 of 8 ranks did not finish cleanly"]
+    bad = {0: (3, "exit code 3"), 2: (3, "exit code 3"), 3: (3, "exit code 3"),
+           4: (None, _SILENT), 6: (1, "exit code 1"), 7: (3, "exit code 3")}
+    assert failure_lines(bad, 8) == ["ranks 0, 2-3, 7: exit code 3",
+                                     "rank 4: " + _SILENT,
+                                     "rank 6: exit code 1",
+                                     "failed: 6 of 8 ranks did not finish cleanly"]
 
 
 def test_a_second_ctrl_c_stops_ranks_stuck_in_a_collective(tmp_path):

@@ -934,7 +934,7 @@ def test_mlx_decoding_on_the_cpu_runs_the_blas_on_the_idle_cores(stories, monkey
     ids = tok.encode(PROMPT)
 
     def decode_seeing_threads(idle: float) -> tuple[list[int], set[int | None]]:
-        monkeypatch.setattr(g, "idle_cores", lambda: idle)
+        monkeypatch.setattr(g, "DECODING_IDLE", lambda: idle)
         out, seen = [], set()
         for t in generate(model, tok, ids, 12):
             seen.add(blas_threads())  # between tokens, while the next one is computed
@@ -954,6 +954,61 @@ def test_mlx_decoding_on_the_cpu_runs_the_blas_on_the_idle_cores(stories, monkey
     assert blas_threads() == 1  # idle_cores still says 0.0
     early.close()
     assert blas_threads() == have
+
+
+def test_idle_cores_are_sampled_once_not_at_every_decoding_call(monkeypatch):
+    """Each decoding call slept 0.1 s to sample the idle cores: every turn of a --chat and
+    every prompt of a batch paid it. `IdleCores` sleeps at the first call only; later calls
+    measure over the time since the call before (its decoding, this process's own CPU time
+    counted idle), a window under 0.1 s takes the last figure, one over a minute samples anew;
+    without /proc/stat every call reads the load average (no sleep)."""
+    from toymlx.generation import llamacpp_decode as d
+
+    sampled = []
+
+    def idle_cores():
+        sampled.append(1)
+        return 1.25
+
+    monkeypatch.setattr(d, "idle_cores", idle_cores)
+    monkeypatch.setattr(d.os, "cpu_count", lambda: 2)
+    # (idle, total, own jiffies, seconds): 2 cores, 100 jiffies a second each
+    marks = iter([d.CpuMark(0, 0, 0, 0.0),  # the first call: sampled
+                  d.CpuMark(10, 20, 0, 0.1),  # read after the sample (the window's start)
+                  d.CpuMark(110, 420, 150, 2.1),  # 100 idle + 150 own of 400: 1.25 cores
+                  d.CpuMark(112, 430, 150, 2.15),  # 0.05 s later: the last figure
+                  d.CpuMark(420, 830, 150, 4.1),  # 310 idle of 410 since 2.1 s (not 2.15)
+                  d.CpuMark(0, 0, 0, 70.0),  # over a minute since: sampled anew
+                  d.CpuMark(0, 0, 0, 70.1)])
+    monkeypatch.setattr(d, "cpu_mark", lambda: next(marks))
+    idle = d.IdleCores()
+    got = [idle() for _ in range(5)]
+    assert got == [1.25, 1.25, 1.25, pytest.approx(2 * 310 / 410), 1.25]
+    assert len(sampled) == 2
+    monkeypatch.setattr(d, "cpu_mark", lambda: None)  # macOS: the load average each call
+    assert [idle(), idle()] == [1.25, 1.25] and len(sampled) == 4
+
+
+def test_a_chat_samples_the_idle_cores_at_its_first_turn_only(chat_path, monkeypatch):
+    """Where MLX decodes on 2+ BLAS threads, a --chat conversation's turns slept 0.1 s each to
+    sample the idle cores (`decoding_blas_threads`); now its first turn only does."""
+    from toymlx.backend.device import blas_threads, on_gpu
+    from toymlx.generation import generate as g
+    from toymlx.generation import llamacpp_decode as d
+
+    have = blas_threads()
+    if on_gpu() or have is None or have < 2:
+        pytest.skip("needs MLX on the CPU with a toymlx-controlled BLAS on 2+ threads")
+    sampled = []
+    real = d.idle_cores
+    monkeypatch.setattr(d, "idle_cores", lambda: sampled.append(1) or real(0.0))
+    monkeypatch.setattr(g, "DECODING_IDLE", d.IdleCores())  # as a fresh process's
+    model, tok = g.load_for_generation(chat_path)
+    stdin = io.StringIO("Tell me a story\nAbout a cat\nAnd a dog\nThe end\n")
+    turns = cli.chat(model, tok, cli.Args(model=str(chat_path), chat=True, temperature=0.0,
+                                           max_tokens=4), model.args.context, stdin,
+                     io.StringIO())
+    assert turns == 4 and len(sampled) == 1
 
 
 def test_a_model_of_the_other_kind_names_the_command_that_uses_it(tmp_path, stories_path,

@@ -328,8 +328,15 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
      "vit-tiny); not an option of toymlx-train --recipe from-scratch")),
     ("lora", "--epochs", ("timm's --epochs is a flag for images (toymlx-train --recipe "
      "vit-tiny); not an option of toymlx-train --recipe lora")),
-    ("lora", "--opt", ("timm's --opt is a flag for images (toymlx-train --recipe vit-tiny); not "
-     "an option of toymlx-train --recipe lora")),
+    # other trainers' optimizer flags: lora's --optimizer, the others' one optimizer (before:
+    # lora's --opt "a flag for images (toymlx-train --recipe vit-tiny)", which has no --opt
+    # either, from-scratch's --optim no hint)
+    ("lora", "--opt", "timm's and mlx_lm.lora's --opt is --optimizer here"),
+    ("lora", "--optim", "HF Trainer's --optim is --optimizer here"),
+    ("from-scratch", "--opt", ("this recipe trains with AdamW only (--lr, --weight-decay, "
+     "--beta1, --beta2)")),
+    ("warm-start", "--optim", ("this recipe trains with AdamW only (--lr, --weight-decay, "
+     "--beta1, --beta2)")),
     # mlx_lm.lora's flags on the lora recipe (before: --model "is a flag for images", --iters
     # no hint)
     ("lora", "--model", "mlx-lm's --model is toymlx's --base"),

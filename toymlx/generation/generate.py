@@ -43,7 +43,7 @@ from toymlx.backend.device import blas_threads, on_gpu, use_blas_threads
 from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.bundle.model_store import is_store_name, resolve, resolve_model
 from toymlx.data.tokenizer import Tokenizer
-from toymlx.generation.llamacpp_decode import decode_threads, idle_cores
+from toymlx.generation.llamacpp_decode import IdleCores, decode_threads
 from toymlx.generation.sampling import (
     PENALTY_CONTEXT,
     check_top_k,
@@ -132,11 +132,17 @@ def decoding_blas_threads() -> int | None:
     for each other at the end of every one: with another program holding a core, the thread
     on that core stalls every product. SmolLM2-135M on a 2-core AMD EPYC with other work on
     both cores: 0.3 tok/s on 2 threads, 3.8-7.8 on 1, the same tokens. Idle cores: as many
-    threads as before. Sampling the cores' idle time takes 0.1 s, once a call."""
+    threads as before. Sampling the cores' idle time takes 0.1 s: paid at a process's first
+    call only, later calls measure over the time since the one before (`IdleCores`)."""
     have = blas_threads()
     if have is None or have <= 1:
         return have
-    return decode_threads(have, idle_cores())
+    return decode_threads(have, DECODING_IDLE())
+
+
+DECODING_IDLE = IdleCores()
+"""The idle cores `decoding_blas_threads` sees: one meter for the process, so that each
+`generate` call of a chat or a batch measures over the time since the last."""
 
 
 @dataclass

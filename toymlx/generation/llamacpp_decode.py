@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 END = "end"
 """The line after a request's last token."""
@@ -71,6 +72,63 @@ def idle_cores(window: float = 0.1) -> float:
     return max(0.0, cores - os.getloadavg()[0])
 
 
+@dataclass(frozen=True)
+class CpuMark:
+    """/proc/stat's idle and total jiffies, this process's own CPU time in jiffies (all its
+    threads), and when they were read (`time.monotonic`)."""
+
+    idle: int
+    total: int
+    own: int
+    at: float
+
+
+def cpu_mark() -> CpuMark | None:
+    """This machine's CPU times now (`CpuMark`), or None where there is no /proc/stat."""
+    times = _cpu_times()
+    if times is None:
+        return None
+    t = os.times()
+    return CpuMark(*times, round((t.user + t.system) * os.sysconf("SC_CLK_TCK")), time.monotonic())
+
+
+def idle_cores_between(before: CpuMark, after: CpuMark) -> float:
+    """How many cores other programs left idle between two marks: the idle share plus this
+    process's own share (its threads are done when the next decoding starts) times the cores;
+    0 to the cores."""
+    cores = os.cpu_count() or 1
+    total = after.total - before.total
+    if total <= 0:
+        return float(cores)
+    free = after.idle - before.idle + after.own - before.own
+    return min(float(cores), max(0.0, cores * free / total))
+
+
+@dataclass
+class IdleCores:
+    """`idle_cores` for each decoding call, its 0.1 s sleep paid once, not at every turn of a
+    chat or prompt of a batch: a call measures over the time since the call before it (that
+    call's decoding, own threads counted idle, and the pause after it), as long as that is
+    `MIN_WINDOW` to `MAX_WINDOW` seconds; a shorter one takes the last figure (its window
+    grows to the next call); a first call, a longer one (the average of a long pause hides a
+    program started at its end) and a machine without /proc/stat ask `idle_cores`."""
+
+    MIN_WINDOW = 0.1
+    MAX_WINDOW = 60.0
+    mark: CpuMark | None = None
+    last: float | None = None
+
+    def __call__(self) -> float:
+        now = cpu_mark()
+        if now is None:
+            return idle_cores()  # the load average: no sleep
+        if self.mark is None or self.last is None or now.at - self.mark.at > self.MAX_WINDOW:
+            self.last, self.mark = idle_cores(), cpu_mark()
+        elif now.at - self.mark.at >= self.MIN_WINDOW:
+            self.last, self.mark = idle_cores_between(self.mark, now), now
+        return self.last
+
+
 def decode_threads(cores: int, idle: float) -> int:
     """llama.cpp's threads for a turn (and OpenBLAS's for an MLX decoding call on the CPU,
     `toymlx.generation.generate.decoding_blas_threads`): one per idle core, at least 1. Its threads wait for each
@@ -88,9 +146,10 @@ def main() -> None:
                           n_threads=os.cpu_count(), last_n_tokens_size=20,
                           lora_path=req["adapter"])
     print("ready", flush=True)
+    idle = IdleCores()
     for line in sys.stdin:  # a prompt and its samplers, per turn
         req = json.loads(line)
-        n = decode_threads(os.cpu_count() or 1, idle_cores())
+        n = decode_threads(os.cpu_count() or 1, idle())
         llama_cpp.llama_set_n_threads(llm.ctx, n, n)
         if "seed" in req:  # a sample of its own: as a child loaded with this seed decodes it
             llm.set_seed(req["seed"])

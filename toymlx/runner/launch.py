@@ -261,6 +261,31 @@ def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | Non
     return out
 
 
+def failure_lines(bad: dict[int, tuple[int | None, str]], n: int) -> list[str]:
+    """The launch's closing summary of its failed ranks (`failures`): one line per outcome,
+    naming the ranks that share it ("ranks 0, 2-7: ended without reporting ..."), first the
+    outcome of the lowest rank, then the count. A line per rank made `-n 64` print 64
+    where one rank failed and mlx.launch stopped the rest."""
+    groups: dict[str, list[int]] = {}
+    for r, (_, why) in sorted(bad.items()):
+        groups.setdefault(why, []).append(r)
+    return [f"{_ranks(ranks)}: {why}" for why, ranks in groups.items()] + [
+        f"failed: {len(bad)} of {n} ranks did not finish cleanly"]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 3", or "ranks 0, 2-7" for sorted rank numbers: runs of consecutive ranks as
+    first-last."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    spans = [str(a[0]) if len(a) == 1 else f"{a[0]}-{a[-1]}" for a in runs]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
+
+
 def _free_port_base(n: int) -> int:
     """A port P with P..P+n-1 free on this host (the ring backend listens on one per rank),
     so two launches on one machine do not collide on mlx.launch's fixed default."""
@@ -337,9 +362,8 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
         # every rank stopped by a signal, as one process is: rank 0 said how, or, where the
         # reader went (passed on as Ctrl-C), as `toymlx-train ... | head` ends: 141
         return stop_outcome(READER_GONE)[1] if stop.first == READER_GONE else bad[0][0]
-    for r, (_, why) in sorted(bad.items()):
-        stream.write(f"toymlx-launch: rank {r}: {why}\n")
-    stream.write(f"toymlx-launch: failed: {len(bad)} of {n} ranks did not finish cleanly\n")
+    for line in failure_lines(bad, n):
+        stream.write(f"toymlx-launch: {line}\n")
     stream.flush()
     codes = [c for c, _ in bad.values() if isinstance(c, int) and 0 < c < 256]
     return codes[0] if codes else 1
