@@ -255,15 +255,20 @@ def _head(pieces: Iterator[str]) -> str:
 
 def _lines(pieces: Iterable[str]) -> Iterator[tuple[int, str]]:
     """(line number from 1, line without its "\n") of a text given in pieces, as
-    `enumerate(text.split("\n"), start=1)` gives them for the whole text."""
-    lineno, rest = 1, ""
+    `enumerate(text.split("\n"), start=1)` gives them for the whole text. A line longer than a
+    piece is joined once, when it ends (not grown a piece at a time: its length squared)."""
+    lineno, parts = 1, []  # the pieces of the line not yet ended
     for piece in pieces:
-        lines = (rest + piece).split("\n") if rest else piece.split("\n")
-        rest = lines.pop()
+        lines = piece.split("\n")
+        if len(lines) == 1:
+            parts.append(piece)
+            continue
+        lines[0] = "".join([*parts, lines[0]]) if parts else lines[0]
+        parts = [lines.pop()]
         for line in lines:
             yield lineno, line
             lineno += 1
-    yield lineno, rest
+    yield lineno, "".join(parts)
 
 
 def _documents(path: Path, lines: Iterable[tuple[int, str]]) -> list[Example]:
