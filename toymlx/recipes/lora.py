@@ -361,7 +361,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     tok = Tokenizer.from_metadata(meta, source=src.path)  # its errors name the GGUF
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
-                             turns=cfg.data.train_turns)
+                             turns=cfg.data.train_turns, progress=cfg.progress)
     data.check_held_out(cfg.test)
     # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation
     for note in data.notes(cfg.test):
