@@ -27,21 +27,19 @@ Rendered templates are encoded with `add_bos=False`, as Hugging Face does
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
 import json
 import math
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from tqdm import tqdm
 
+from toymlx.backend.progress import pass_bar
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
 
@@ -991,7 +989,7 @@ def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: 
     examples peaked at 2.1 GB that way, 0.97 GB this way. `progress`: the name of a bar over
     the examples, drawn where stderr is a terminal (those 100,000 took over a minute)."""
     seqs = []
-    with _bar(len(examples), progress) as bar:
+    with pass_bar(len(examples), progress, "example") as bar:
         for e in examples:
             ids, mask = tokenize_example(e, tokenizer, mask_prompt, turns)
             seqs.append((np.asarray(ids, np.int32), np.asarray(mask, np.uint8)))
@@ -1003,13 +1001,3 @@ def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: 
 def _named(split: str, progress: bool) -> str | None:
     """The name of `split`'s tokenizing bar, None without `progress`."""
     return f"tokenizing {split} examples" if progress else None
-
-
-def _bar(total: int, progress: str | None) -> Any:
-    """A progress bar of `total` examples named `progress` (None: none drawn), on stderr where
-    that is a terminal (a log file or a pipe gets none), gone once the examples are done, as
-    `toymlx.training.evaluate.Evaluator`'s pass bars are."""
-    if progress is None or total < 2 or not sys.stderr.isatty():
-        return contextlib.nullcontext(None)
-    return tqdm(total=total, desc=progress, unit="example", dynamic_ncols=True, leave=False,
-                file=sys.stderr)

@@ -14,19 +14,17 @@ Design choices:
 from __future__ import annotations
 
 import codecs
-import contextlib
 import math
 import os
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import numpy as np
-from tqdm import tqdm
 
 from toymlx.backend.files import special_kind
+from toymlx.backend.progress import pass_bar
 
 
 class DataError(ValueError):
@@ -211,12 +209,10 @@ def val_batches(
 
 
 def _bar(path: str | Path, size: int) -> Any:
-    """The progress bar of tokenizing a file of `size` bytes (None: none drawn), on stderr
-    where that is a terminal and the file holds at least `BAR_BYTES`."""
-    if size < BAR_BYTES or not sys.stderr.isatty():
-        return contextlib.nullcontext(None)
-    return tqdm(total=size, desc=f"tokenizing {Path(path).name}", unit="B", unit_scale=True,
-                dynamic_ncols=True, leave=False, file=sys.stderr)
+    """The progress bar of tokenizing a file of `size` bytes (None: none drawn), where the
+    file holds at least `BAR_BYTES` (`pass_bar`)."""
+    return pass_bar(size, f"tokenizing {Path(path).name}", "B", least=BAR_BYTES,
+                    unit_scale=True)
 
 
 def _counted(texts: Iterable[str], bar: Any) -> Iterator[str]:

@@ -5,15 +5,14 @@ compiled once per run and spread over the training step's CPU streams (`Evaluato
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from tqdm import tqdm
 
 from toymlx.backend import device
+from toymlx.backend.progress import pass_bar
 from toymlx.backend.stop import CutShort
 from toymlx.training import cpu_streams
 from toymlx.training.step import micro_batch
@@ -106,12 +105,9 @@ class Evaluator:
                 for k, v in totals.items()}
 
     def _bar(self, total: int) -> Any:
-        """The pass's progress bar (None: none drawn), on stderr where that is a terminal and
-        the pass has more than one micro-batch."""
-        if self.progress is None or total < 2 or not sys.stderr.isatty():
-            return contextlib.nullcontext(None)
-        return tqdm(total=total, desc=self.progress, unit="batch", dynamic_ncols=True,
-                    leave=False, file=sys.stderr)
+        """The pass's progress bar (None: none drawn), where the pass has more than one
+        micro-batch (`pass_bar`)."""
+        return pass_bar(total, self.progress, "batch")
 
 
 def command_evaluator(task: Task, progress: str | None = None) -> Evaluator:
