@@ -85,14 +85,25 @@ def test_training_ops_resolve_auto_per_device():
         training_ops(False, "float16", "vectorised")
 
 
+def _half_llama_args(text_file: str) -> list[str]:
+    return ["--steps", "30", "--eval-every", "0", "--data.path", text_file, *LLAMA]
+
+
+@pytest.fixture(scope="module")
+def llama_f32_losses(tmp_path_factory, text_file) -> list[float]:
+    """The float32 losses both half-precision runs are held to (one run, read only)."""
+    run = _train(tmp_path_factory.mktemp("f32"), "f32", "from-scratch",
+                 *_half_llama_args(text_file))
+    return [e["loss"] for e in _steps(run)]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_llama_follows_float32(tmp_path, text_file, dtype):
+def test_half_precision_llama_follows_float32(tmp_path, text_file, llama_f32_losses, dtype):
     """30 steps of the tiny Llama in half precision stay within 0.05 nats of float32's losses
     at every step (measured: bf16 ~0.01-0.02, f16 ~0.002); master weights and moments stay
     float32, and run_start records the math."""
-    common = ["--steps", "30", "--eval-every", "0", "--data.path", text_file, *LLAMA]
-    ref = [e["loss"] for e in _steps(_train(tmp_path, "f32", "from-scratch", *common))]
-    run = _train(tmp_path, dtype, "from-scratch", *common, "--dtype", dtype)
+    ref = llama_f32_losses
+    run = _train(tmp_path, dtype, "from-scratch", *_half_llama_args(text_file), "--dtype", dtype)
     steps = _steps(run)
     got = [e["loss"] for e in steps]
     gap = np.abs(np.array(got) - np.array(ref))
