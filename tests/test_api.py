@@ -257,7 +257,7 @@ def test_train_leaves_the_calling_process_as_it_found_it(tmp_path):
     directory, environment and warning filters (the image reader's import once added a global
     filter silencing Pillow's DecompressionBombWarning; numpy's first import, reading the
     summary, once added its 4 "size changed" filters ahead of the notebook's own), and a second run with the same options
-    gives the same losses, bit for bit."""
+    gives the same losses, bit for bit. A small ViT: none of it depends on the model's size."""
     script = textwrap.dedent(f"""
         import json, os, signal, sys, warnings
         import toymlx  # numpy not imported yet: its first import, in train, adds 4 filters
@@ -272,6 +272,8 @@ def test_train_leaves_the_calling_process_as_it_found_it(tmp_path):
         before, losses = state(), []
         for run_id in ("one", "two"):
             run = toymlx.train("vit-tiny", steps=2, batch_size=8, eval_batches=1, seed=4,
+                               model={{"d_model": 48, "n_layers": 2, "n_heads": 2,
+                                       "ffn_dim": 96}},
                                runs_root={str(tmp_path)!r}, run_id=run_id, echo=False)
             losses.append([e["loss"] for e in read_events(run["path"]) if e["kind"] == "step"])
         print(json.dumps({{"same": state() == before, "losses": losses}}))

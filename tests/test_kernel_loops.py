@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import end_child
 
 from toymlx.backend import kernel_loops
 
@@ -122,21 +123,31 @@ print(json.dumps({"values": out, "loops": info.get("kernel_loops"),
 """
 
 
-def _run_cases(tmp_path: Path, **env: str) -> dict:
+def _start_cases(tmp_path: Path, **env: str) -> subprocess.Popen:
     """`_CASES` in a fresh process with empty kernel folders."""
     (tmp_path / "tmp").mkdir(parents=True)
     e = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
          **env}
     e.pop("TOYMLX_KERNEL_CACHE", None)
-    p = subprocess.run([sys.executable, "-c", _CASES], env=e, capture_output=True, text=True,
-                       timeout=900, check=False)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", _CASES], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _cases_of(p: subprocess.Popen) -> dict:
+    out, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_rewritten_kernels_compute_mlxs_values_bit_for_bit(tmp_path):
-    new = _run_cases(tmp_path / "new")
-    old = _run_cases(tmp_path / "old", TOYMLX_KERNEL_LOOPS="off")
+    # both at once: each builds its kernels cold with g++ (one core each), ~10 s one after other
+    procs = [_start_cases(tmp_path / "new"),
+             _start_cases(tmp_path / "old", TOYMLX_KERNEL_LOOPS="off")]
+    try:
+        new, old = (_cases_of(p) for p in procs)
+    finally:
+        for p in procs:
+            end_child(p)
     assert new["loops"].endswith("/g++") and kernel_loops.is_shim(new["loops"])
     assert old["loops"] == "off (TOYMLX_KERNEL_LOOPS=off)"
     assert new["folder"] != old["folder"]  # kernels of either kind are never found by the other
