@@ -3,11 +3,11 @@
 `mlx.launch` exits 0 whatever its ranks do, and a rank whose peer died can block in an
 `all_sum` forever. `launch(n, command)` runs `mlx.launch` in its own session and hands every
 rank `TOYMLX_RANK_STATUS=<dir>`; `rank_status()` (around `toymlx-train`'s main) writes
-`<dir>/rank<r>.start` (pid, host) when a rank starts and `<dir>/rank<r>.exit` (its exit code
-and error) when it ends, however it ends short of being killed. The launch succeeds only if
-every rank wrote exit code 0. A rank that reports failure, or whose process is gone without
-a report (killed, segfault), fails the launch: the other ranks get `grace` seconds to end,
-then the whole session is terminated.
+`<dir>/rank<r>.start` (pid, host, its mlx.launch temp files) when a rank starts and
+`<dir>/rank<r>.exit` (its exit code and error) when it ends, however it ends short of being
+killed. The launch succeeds only if every rank wrote exit code 0. A rank that reports
+failure, or whose process is gone without a report (killed, segfault), fails the launch: the
+other ranks get `grace` seconds to end, then the whole session is terminated.
 
 `mlx.launch` runs as `python -m toymlx.runner.launch` (`_mlx_launch_child`), tied to `toymlx-launch`
 by `toymlx.backend.lifeline`: if `toymlx-launch` dies, even by SIGKILL, the launcher asks its
