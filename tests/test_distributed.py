@@ -228,19 +228,20 @@ def test_before_the_loop_a_stop_signal_raises_as_ctrl_c_does():
             signal.signal(s, h)
 
 
-def _launch(tmp: Path, cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def _launch(tmp: Path, cmd: list[str], timeout: float = 300,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+                          check=False, env=env and {**os.environ, **env})
 
 
 def _losses(run: Path) -> list[float]:
     return [e["loss"] for e in read_events(run) if e["kind"] == "step"]
 
 
-def _check_parity(tmp_path: Path, extra: list[str]) -> None:
+def _check_parity(tmp_path: Path, extra: list[str], env: dict[str, str] | None = None) -> None:
     root = tmp_path / "runs"
     assert train_main([*ARGS, *extra, "--runs-root", str(root), "--run-id", "one"]) == 0
-    p = _launch(tmp_path, [*LAUNCH, *TRAIN, *ARGS, *extra, "--runs-root", str(root)])
+    p = _launch(tmp_path, [*LAUNCH, *TRAIN, *ARGS, *extra, "--runs-root", str(root)], env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     (dp,) = [d for d in root.iterdir() if d.name != "one"]  # the shared default run id
 
@@ -263,7 +264,13 @@ def _check_parity(tmp_path: Path, extra: list[str]) -> None:
 
 
 def test_two_ranks_match_one_process_eager(tmp_path):
-    _check_parity(tmp_path, ["--no-compile"])
+    """... and leave nothing in the temp folder: mlx.launch's launch script left each rank's
+    pidfile and hostfile there (`mktemp`'s tmp.*: 4 files a launch), which toymlx-launch now
+    removes once its ranks have ended."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    _check_parity(tmp_path, ["--no-compile"], env={"TMPDIR": str(tmp)})
+    assert sorted(f.name for f in tmp.glob("tmp.*")) == []
 
 
 @pytest.mark.slow
@@ -298,8 +305,13 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
     script.write_text(FAIL_RANK1)
     root = tmp_path / "runs"
     args = [*ARGS, "--no-compile", "--runs-root", str(root)]
-    p = _launch(tmp_path, [*LAUNCH, sys.executable, str(script), *args, "--run-id", "w"])
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = _launch(tmp_path, [*LAUNCH, sys.executable, str(script), *args, "--run-id", "w"],
+                env={"TMPDIR": str(tmp)})
     assert p.returncode == 1
+    # the ranks' pidfiles and hostfiles in mktemp's folder, removed once they ended (4 before)
+    assert sorted(f.name for f in tmp.glob("tmp.*")) == []
     assert "toymlx-launch: rank 1: exit code 1: RuntimeError: injected failure on rank 1" \
         in p.stderr
     assert "toymlx-launch: failed: 2 of 2 ranks did not finish cleanly" in p.stderr

@@ -3,17 +3,23 @@
 `mlx.launch` exits 0 whatever its ranks do, and a rank whose peer died can block in an
 `all_sum` forever. `launch(n, command)` runs `mlx.launch` in its own session and hands every
 rank `TOYMLX_RANK_STATUS=<dir>`; `rank_status()` (around `toymlx-train`'s main) writes
-`<dir>/rank<r>.start` (pid, host) when a rank starts and `<dir>/rank<r>.exit` (its exit code
-and error) when it ends, however it ends short of being killed. The launch succeeds only if
-every rank wrote exit code 0. A rank that reports failure, or whose process is gone without
-a report (killed, segfault), fails the launch: the other ranks get `grace` seconds to end,
-then the whole session is terminated.
+`<dir>/rank<r>.start` (pid, host, its mlx.launch temp files) when a rank starts and
+`<dir>/rank<r>.exit` (its exit code and error) when it ends, however it ends short of being
+killed. The launch succeeds only if every rank wrote exit code 0. A rank that reports
+failure, or whose process is gone without a report (killed, segfault), fails the launch: the
+other ranks get `grace` seconds to end, then the whole session is terminated.
 
 `mlx.launch` runs as `python -m toymlx.runner.launch` (`_mlx_launch_child`), tied to `toymlx-launch`
 by `toymlx.backend.lifeline`: if `toymlx-launch` dies, even by SIGKILL, the launcher asks its
 ranks to stop (SIGTERM: each ends after the same step, with a final checkpoint) and kills its
 session `SESSION_GRACE` seconds later; each rank, tied to the launcher the same way, stops
 too. No rank trains on with nothing watching it.
+
+mlx.launch runs each rank through a bash script that leaves two files in the temp folder
+(`mktemp`'s, `$TMPDIR` or /tmp) for good: the rank's pidfile (removed only by its kill path)
+and its hostfile (`MLX_HOSTFILE`). Each rank names them in its start report (`_mlx_temp_files`)
+and `toymlx-launch` removes them once mlx.launch's whole session has ended
+(`_remove_mlx_temp_files`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -55,6 +62,8 @@ STATUS_ENV = "TOYMLX_RANK_STATUS"
 SESSION_GRACE = 60.0
 """Seconds mlx.launch's session gets to stop by itself (each rank: its step, then a final
 checkpoint) once the toymlx-launch that started it died, before it is killed."""
+_MKTEMP_NAME = re.compile(r"tmp\.[A-Za-z0-9]{10}")
+"""The name `mktemp` gives a file it makes with no template."""
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
            "rank failed")
 
@@ -90,7 +99,8 @@ def rank_status() -> Iterator[RankStatus]:
         yield status
         return
     base = Path(folder) / f"rank{rank}"
-    _write(base.with_suffix(".start"), {"pid": os.getpid(), "host": socket.gethostname()})
+    _write(base.with_suffix(".start"), {"pid": os.getpid(), "host": socket.gethostname(),
+                                        **_mlx_temp_files()})
     error = None
     try:
         yield status
@@ -105,6 +115,87 @@ def rank_status() -> Iterator[RankStatus]:
         raise
     finally:
         _write(base.with_suffix(".exit"), {"code": status.code, "error": error})
+
+
+def _mktemp_file(entry: os.DirEntry | Path) -> bool:
+    """Whether `entry` is a plain file (no link) named as `mktemp` names one."""
+    try:
+        return (bool(_MKTEMP_NAME.fullmatch(entry.name))
+                and stat.S_ISREG(os.lstat(entry).st_mode))
+    except OSError:
+        return False
+
+
+def _holds(path: str | os.PathLike, content: str) -> bool:
+    """Whether file `path` holds exactly `content` (its size checked before it is read)."""
+    try:
+        if os.lstat(path).st_size != len(content):
+            return False
+        with open(path) as f:
+            return f.read() == content
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _mlx_temp_files() -> dict[str, str]:
+    """This rank's files that mlx.launch's launch script made with `mktemp` and never removes:
+    its hostfile (`MLX_HOSTFILE`) and its pidfile (the script's PID, which is this process's:
+    the script execs the rank), the newest `tmp.*` file in the temp folder that holds exactly
+    that PID (an older one is a leftover of an earlier process with the same PID). Only those
+    directly in `mktemp`'s temp folder, named as `mktemp` names them: anything else is not
+    mlx.launch's to remove."""
+    tmp = Path(os.environ.get("TMPDIR") or "/tmp")
+    out: dict[str, str] = {}
+    host = Path(os.environ.get("MLX_HOSTFILE", ""))
+    if host.parent == tmp and _mktemp_file(host):
+        out["hostfile"] = str(host)
+    pid = f"{os.getpid()}\n"
+    newest = None
+    try:
+        with os.scandir(tmp) as entries:
+            for e in entries:
+                if (e.name != host.name and _mktemp_file(e) and _holds(e.path, pid)
+                        and (newest is None or e.stat().st_mtime_ns > newest[0])):
+                    newest = (e.stat().st_mtime_ns, e.path)
+    except OSError:
+        pass
+    if newest:
+        out["pidfile"] = newest[1]
+    return out
+
+
+def _session_ended(pgid: int, wait: float = 5.0) -> bool:
+    """Whether no process is left in process group `pgid` (mlx.launch's session: it and its
+    ranks), waiting up to `wait` seconds for the last to go (a SIGKILLed rank is reaped by
+    init after its launcher)."""
+    end = time.time() + wait
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        if time.time() > end:
+            return False
+        time.sleep(0.1)
+
+
+def _remove_mlx_temp_files(status_dir: Path, n: int) -> None:
+    """Remove the temp files each rank on this host named in its start report
+    (`_mlx_temp_files`), once mlx.launch's session has ended: its kill path reads (then
+    removes) a pidfile while any rank may still be stopped. A pidfile goes only while it still
+    holds that rank's PID; a rank that never reported leaves its files."""
+    host = socket.gethostname()
+    for r in range(n):
+        start = _read(status_dir / f"rank{r}.start")
+        if not start or start.get("host") != host:
+            continue
+        files = [(start.get("hostfile"), None), (start.get("pidfile"), f"{start.get('pid')}\n")]
+        for path, content in files:
+            if (isinstance(path, str) and _mktemp_file(Path(path))
+                    and (content is None or _holds(path, content))):
+                Path(path).unlink(missing_ok=True)
 
 
 def _read(path: Path) -> dict | None:
@@ -354,6 +445,8 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     finally:
         proc.wait()
     bad = failures(folder, n, final=True)
+    if _session_ended(proc.pid):
+        _remove_mlx_temp_files(folder, n)
     if own:
         shutil.rmtree(folder, ignore_errors=True)
     if not bad:
