@@ -290,6 +290,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
 
     from toymlx.data.chat import (
         SFTData,
+        SplitExamples,
         empty_split_error,
         fitted_rows,
         load_examples,
@@ -314,27 +315,34 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     seq_len = seq_len or getattr(cfg, "seq_len", None) or 256
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
     turns = data.get("train_turns", "assistant")
+    bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
     if split == "test":
         f = test_file(path)
-        rows, fit = fitted_rows(load_examples(f), tok, seq_len, mask, pack, turns)
-        source = str(f)
+        rows, fit = fitted_rows(load_examples(f), tok, seq_len, mask, pack, turns,
+                                "test" if bar else None)
+        source = where = str(f)
+        trained = None  # not said: a test file without examples is refused as it is read
+    elif split == "val":  # the validation examples alone: the training ones are not tokenized
+        ex = SplitExamples.of(path or DEFAULT_DATA, data.get("val_fraction", 0.1))
+        rows, fit = fitted_rows(ex.val, tok, seq_len, mask, pack, turns,
+                                "validation" if bar else None)
+        source, where, trained = ex.source, ex.val_source, len(ex.train)
     else:
         sft = SFTData.from_file(path or DEFAULT_DATA, tok, seq_len, mask, pack,
-                                data.get("val_fraction", 0.1), turns=turns)
-        rows, source, fit = sft.val, sft.source, sft.fits["validation"]
-        if split == "all":
-            rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
+                                data.get("val_fraction", 0.1), turns=turns, progress=bar)
+        source, where, fit = sft.source, sft.split_source("validation"), sft.fits["validation"]
+        rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
+        trained = sft.fits["train"].examples
     if first is not None:
         rows = {k: v[:first] for k, v in rows.items()}
     n = len(rows["inputs"])
     if n == 0:  # nothing to score: say why instead of a loss over no rows
-        name = "test" if split == "test" else "validation"
-        where = source if split == "test" else sft.split_source("validation")
         if fit.examples:
-            raise empty_split_error(where, name, fit, seq_len)
+            raise empty_split_error(where, "test" if split == "test" else "validation", fit,
+                                    seq_len)
         raise ValueError(f"{where}: --split val: expected validation rows to score, found "
                          f"none: the run held out no examples (--data.val-fraction "
-                         f"{data.get('val_fraction', 0.1)} of {sft.fits['train'].examples} "
+                         f"{data.get('val_fraction', 0.1)} of {trained} "
                          f"examples, no valid.jsonl); score them all with --split all")
     bs = max(1, min(batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},

@@ -464,6 +464,42 @@ def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_
     assert json.loads(capsys.readouterr().out)["data"] == str(test)
 
 
+def test_eval_split_val_tokenizes_the_validation_examples_alone(tiny_gguf, tmp_path, capsys,
+                                                                 monkeypatch):
+    """`toymlx-eval --split val` tokenized every training example too before scoring the
+    validation rows alone (a 100,000-row train.jsonl: over a minute, and its rows' memory);
+    now only the examples it scores are tokenized, with valid.jsonl and with the last
+    --data.val-fraction of the training file, and the loss is the run's own last one."""
+    from toymlx_cli.eval import main as eval_main
+
+    from toymlx.data import chat
+
+    tokenized = []
+
+    def counted(example, *a, **k):
+        tokenized.append(example.source.rsplit(":", 1)[0])
+        return tokenize(example, *a, **k)
+
+    tokenize = chat.tokenize_example
+    for name, data in (("folder", mlx_lm_folder(tmp_path / "data", n_test=0)),
+                       ("file", mlx_lm_folder(tmp_path / "one", n_valid=0, n_test=0)
+                        / "train.jsonl")):
+        assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                       str(tmp_path), "--run-id", name, "--steps", "1", "--batch-size", "2",
+                       "--seq-len", "64", "--no-progress", "--no-compile", "--data.val-fraction",
+                       "0.25", "--data.path", str(data)]) == 0
+        last = [e for e in events_of(tmp_path / name) if e["kind"] == "eval"][-1]["val_loss"]
+        capsys.readouterr()
+        monkeypatch.setattr(chat, "tokenize_example", counted)
+        tokenized.clear()
+        assert eval_main(["--model", str(tmp_path / name)]) == 0
+        monkeypatch.setattr(chat, "tokenize_example", tokenize)
+        out = json.loads(capsys.readouterr().out)
+        valid = str(data / "valid.jsonl") if name == "folder" else str(data)
+        assert (name, tokenized) == (name, [valid] * 3)  # 3 of 12 with the val-fraction
+        assert out["rows"] == 3 and out["val_loss"] == pytest.approx(last, abs=1e-5)
+
+
 def test_eval_of_a_run_with_no_validation_rows_says_why(tiny_gguf, tmp_path, capsys):
     """A run that held out nothing (--data.val-fraction 0) shows no empty eval line, and
     toymlx-eval on it says in one line why there is nothing to score (was a KeyError)."""

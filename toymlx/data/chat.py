@@ -49,6 +49,7 @@ __all__ = [
     "Example",
     "Fit",
     "SFTData",
+    "SplitExamples",
     "data_files",
     "empty_split_error",
     "first_kind",
@@ -803,6 +804,55 @@ def empty_split_error(source: str, split: str, fit: Fit, seq_len: int) -> DataEr
 
 
 @dataclass(frozen=True)
+class SplitExamples:
+    """A data path's examples by split, read but not tokenized: what `SFTData.from_file`
+    tokenizes, and what `toymlx-eval --split val` needs alone (the validation examples, without
+    tokenizing a 100,000-row train.jsonl it does not score)."""
+
+    train: list[Example]
+    val: list[Example]
+    source: str
+    """As `SFTData.source`: the training file, or "TRAIN + VALID" with a validation file."""
+    note: str | None
+    """`SFTData.val_note`: a folder without valid.jsonl, validated by train.jsonl's last part."""
+    test: Path | None
+    """A folder's test.jsonl."""
+
+    @property
+    def val_source(self) -> str:
+        """The file the validation examples came from (`SFTData.split_source`'s)."""
+        return self.source.split(" + ")[-1]
+
+    @classmethod
+    def of(cls, path: str | Path, val_fraction: float = 0.1,
+           val_path: str | Path | None = None) -> SplitExamples:
+        """`path`'s examples (a file, or an mlx-lm data folder: `data_files`); validation is
+        `val_path` or the folder's valid.jsonl if given, else the last `val_fraction` of the
+        training file."""
+        files = data_files(path)
+        if val_path is None and files.valid is not None and files.valid.stat().st_size == 0:
+            raise DataError(f"{files.valid}: empty file; expected one example a line {SHAPES}, "
+                            f"or no valid.jsonl (the last --data.val-fraction {val_fraction} of "
+                            f"train.jsonl then validates; mlx-lm would train without "
+                            f"validation)")
+        val_path = val_path if val_path is not None else files.valid
+        examples = load_examples(files.train)
+        note = None
+        if val_path is not None:
+            train, val = examples, load_examples(val_path)
+        else:
+            train, val = split_examples(examples, val_fraction)
+            if files.train != Path(path):  # a folder in mlx-lm's layout, whose valid.jsonl
+                # mlx-lm would go without: it trains on every example and validates none
+                note = (f"{path}: no valid.jsonl: the last {len(val)} of train.jsonl's "
+                        f"{len(examples)} examples validate and are not trained on "
+                        f"(--data.val-fraction {val_fraction}; mlx-lm trains on all "
+                        f"{len(examples)} and validates nothing)")
+        source = str(files.train) if val_path is None else f"{files.train} + {val_path}"
+        return cls(train, val, source, note, files.test)
+
+
+@dataclass(frozen=True)
 class SFTData:
     """Train, validation and (optional) test rows for fine-tuning, built once from example
     files."""
@@ -866,7 +916,7 @@ class SFTData:
         tokenizer's EOS (always under mask 0). `progress`: a bar over each split's examples
         on a terminal (`fitted_rows`)."""
         rows, fit = fitted_rows(train, tokenizer, seq_len, mask_prompt, pack, turns,
-                                _named("training", progress))
+                                "training" if progress else None)
         if len(rows["inputs"]) == 0:
             if fit.untrained == fit.examples:
                 raise DataError(f"{source}: no training example has a trained token: no "
@@ -876,7 +926,7 @@ class SFTData:
                             f"first seq_len+1 = {seq_len + 1} tokens; raise seq_len, shorten "
                             f"prompts, or set mask_prompt=False")
         val_rows, val_fit = fitted_rows(val, tokenizer, seq_len, mask_prompt, pack, turns,
-                                        _named("validation", progress))
+                                        "validation" if progress else None)
         return cls(rows, val_rows, source, fit.truncated, pack=pack,
                    fits={"train": fit, "validation": val_fit}, seq_len=seq_len)
 
@@ -897,34 +947,15 @@ class SFTData:
         `val_path` or the folder's valid.jsonl if given, else the last `val_fraction` of the
         training file; a folder's test.jsonl becomes `test`; every split's rows as `turns`
         says (`TURNS`); `progress` as `from_examples`'s."""
-        files = data_files(path)
-        if val_path is None and files.valid is not None and files.valid.stat().st_size == 0:
-            raise DataError(f"{files.valid}: empty file; expected one example a line {SHAPES}, "
-                            f"or no valid.jsonl (the last --data.val-fraction {val_fraction} of "
-                            f"train.jsonl then validates; mlx-lm would train without "
-                            f"validation)")
-        val_path = val_path if val_path is not None else files.valid
-        examples = load_examples(files.train)
-        note = None
-        if val_path is not None:
-            train, val = examples, load_examples(val_path)
-        else:
-            train, val = split_examples(examples, val_fraction)
-            if files.train != Path(path):  # a folder in mlx-lm's layout, whose valid.jsonl
-                # mlx-lm would go without: it trains on every example and validates none
-                note = (f"{path}: no valid.jsonl: the last {len(val)} of train.jsonl's "
-                        f"{len(examples)} examples validate and are not trained on "
-                        f"(--data.val-fraction {val_fraction}; mlx-lm trains on all "
-                        f"{len(examples)} and validates nothing)")
-        source = str(files.train) if val_path is None else f"{files.train} + {val_path}"
-        data = cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack, source,
-                                 turns, progress)
-        data = dataclasses.replace(data, val_note=note)
-        if files.test is None:
+        ex = SplitExamples.of(path, val_fraction, val_path)
+        data = cls.from_examples(ex.train, ex.val, tokenizer, seq_len, mask_prompt, pack,
+                                 ex.source, turns, progress)
+        data = dataclasses.replace(data, val_note=ex.note)
+        if ex.test is None:
             return data
-        test, fit = fitted_rows(load_examples(files.test), tokenizer, seq_len, mask_prompt, pack,
-                                turns, _named("test", progress))
-        return dataclasses.replace(data, test=test, test_source=str(files.test),
+        test, fit = fitted_rows(load_examples(ex.test), tokenizer, seq_len, mask_prompt, pack,
+                                turns, "test" if progress else None)
+        return dataclasses.replace(data, test=test, test_source=str(ex.test),
                                    fits={**data.fits, "test": fit})
 
     @functools.cached_property
@@ -981,23 +1012,19 @@ def held_out_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len
 
 def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: int,
                 mask_prompt: bool = True, pack: bool = False, turns: str = "assistant",
-                progress: str | None = None) -> tuple[dict[str, np.ndarray], Fit]:
+                split: str | None = None) -> tuple[dict[str, np.ndarray], Fit]:
     """`pack_or_pad` rows of `examples` and how they fit (`Fit`: what was cut or left out);
     `turns` as `tokenize_example`'s. Each example's ids and mask are kept as int32 and uint8
     arrays as soon as it is tokenized (5 bytes a token), not as lists of Python ints (16 to
     44), which `pack_or_pad` then copied whole: `SFTData.from_file` on 100,000 SmolLM2 chat
-    examples peaked at 2.1 GB that way, 0.97 GB this way. `progress`: the name of a bar over
-    the examples, drawn where stderr is a terminal (those 100,000 took over a minute)."""
+    examples peaked at 2.1 GB that way, 0.97 GB this way. `split`: the split named on a bar over
+    the examples ("training": `tokenizing training examples`), drawn where stderr is a terminal
+    (those 100,000 took over a minute); None: none."""
     seqs = []
-    with pass_bar(len(examples), progress, "example") as bar:
+    with pass_bar(len(examples), split and f"tokenizing {split} examples", "example") as bar:
         for e in examples:
             ids, mask = tokenize_example(e, tokenizer, mask_prompt, turns)
             seqs.append((np.asarray(ids, np.int32), np.asarray(mask, np.uint8)))
             if bar is not None:
                 bar.update()
     return pack_or_pad(seqs, seq_len, tokenizer.eos_id, pack), Fit.of(seqs, seq_len, pack)
-
-
-def _named(split: str, progress: bool) -> str | None:
-    """The name of `split`'s tokenizing bar, None without `progress`."""
-    return f"tokenizing {split} examples" if progress else None
