@@ -3,10 +3,12 @@ fits is never refused; run_start records the estimate and what is kept, run_end 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -113,9 +115,12 @@ def test_estimate_of_an_8b_header(header_8b):
 
 def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, tmp_path,
                                                                      capsys, monkeypatch):
-    # config.json's SHA-256 of the base, taken before the estimate, reads the 8B-shaped hole
-    # (4.6 GB of zeros: 6-12 s on 2 cores) and is no part of what is refused
-    monkeypatch.setattr(model_store, "file_sha256", lambda path: "0" * 64)
+    # the refusal needs the header alone: config.json's SHA-256 of the base (a read of the
+    # whole 8B-shaped hole, 4.6 GB: 6-12 s on 2 cores) is taken only for a run that starts
+    hashed = []
+    real = model_store.file_sha256
+    monkeypatch.setattr(model_store, "file_sha256",
+                        lambda path: hashed.append(Path(path)) or real(path))
     monkeypatch.setenv(memory.AVAILABLE_ENV, str(4 * 10**9))
     rc = _train(["--recipe", "lora", "--base", str(header_8b), "--runs-root", str(tmp_path),
                  "--lora.targets", "q,v", "--batch-size", "1", "--seq-len", "512",
@@ -133,6 +138,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, 
             "--grad-checkpoint, a smaller --batch-size or --seq-len, fewer --lora.layers, or "
             "--force to start anyway") in line
     assert list(tmp_path.iterdir()) == []  # no run folder left behind
+    assert hashed == []  # nothing read past the header
 
 
 TINY = tiny(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, context=256)
@@ -157,7 +163,15 @@ def test_a_run_that_fits_is_never_refused_and_records_its_memory(tiny_gguf, tmp_
               "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-batches", "1",
               "--no-progress"]
     monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
+    # the base is read whole once, for config.json (its cache emptied: nothing hashed before)
+    reads = []
+    monkeypatch.setattr(model_store, "_VERIFIED", {})
+    monkeypatch.setattr(model_store, "hashlib", SimpleNamespace(
+        sha256=lambda: reads.append(1) or hashlib.sha256()))
     assert _train([*common, "--run-id", "fits"]) == 0  # this machine's own MemAvailable
+    assert len(reads) == 1
+    recorded = json.loads((tmp_path / "fits" / "config.json").read_text())["model_files"]
+    assert recorded["base"]["sha256"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     events = _events(tmp_path / "fits")
     start, end = events[0], events[-1]
     mem = start["memory"]

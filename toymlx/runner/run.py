@@ -272,9 +272,12 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
         run_dir = _shared_claim(run_dir, cfg.run_id, world)
         cfg.run_id = run_dir.name
     try:
+        # the task first: its refusals read headers (a base too large for memory, from its
+        # GGUF header) and come before config.json's SHA-256 of every model file, a read of a
+        # whole multi-GB base; the files are hashed once either way (`file_sha256`)
+        task = _build(module, cfg, ops)
         if rank0:
             save_config(run_dir, recipe, cfg)
-        task = _build(module, cfg, ops)
     except BaseException:
         if rank0:  # ours, and nothing of a run in it yet
             shutil.rmtree(run_dir, ignore_errors=True)
