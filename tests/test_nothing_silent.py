@@ -438,6 +438,28 @@ def test_a_resume_refuses_an_emptied_or_missing_record(runs, capsys, damage, fou
     assert [e["kind"] for e in _events(a)][:2] == ["run_start", "resume"]
 
 
+@pytest.mark.parametrize("found", ["an empty file", "no file"])
+def test_a_run_killed_before_its_run_start_line_is_started_over(runs, capsys, found):
+    """A run killed before its first checkpoint and before its run_start line (events.jsonl is
+    made empty just before that line is written) holds no step: a resume says so and how to
+    start it over, for an empty events.jsonl as for none (the empty file was refused as a lost
+    record, whose advice, --from step_N, named no step there is); `--from step_0` runs it."""
+    a, _ = runs
+    events = a / "events.jsonl"
+    events.write_text("") if found == "an empty file" else events.unlink()
+    for ckpt in (a / "weights").iterdir():
+        shutil.rmtree(ckpt) if ckpt.is_dir() and not ckpt.is_symlink() else ckpt.unlink()
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {events}: --resume: found {found} and no checkpoint: the run "
+        f"stopped before its first step; start it over with its saved configuration: "
+        f"toymlx-train --resume {a} --from step_0")
+    assert _resume(a, "--from", "step_0") == 0
+    ev = _events(a)
+    assert [e["kind"] for e in ev][:2] == ["run_start", "resume"]
+    assert [e["step"] for e in ev if e["kind"] == "step"] == [1, 2, 3]
+
+
 def test_weights_replaced_by_a_file_never_advises_discarding_checkpoints(runs, capsys):
     a, _ = runs
     shutil.move(a / "weights", a / "weights.bak")

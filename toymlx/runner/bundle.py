@@ -242,8 +242,11 @@ class Bundle:
         if start is None:
             found = ("no file" if not events.exists() else "an empty file"
                      if not self.events else f"{len(self.events)} events without it")
-            if not events.exists() and not ck.list_checkpoints(self.path / "weights"):
-                raise RunError(f"{events}: --resume: found no file and no checkpoint: the run "
+            # nothing of a run yet, killed before its run_start line: events.jsonl is created
+            # (empty) just before it is written
+            if (not events.exists() or not self.events) and not ck.list_checkpoints(
+                    self.path / "weights"):
+                raise RunError(f"{events}: --resume: found {found} and no checkpoint: the run "
                                "stopped before its first step; start it over with its saved "
                                f"configuration: toymlx-train --resume {self.path} --from step_0")
             raise RunError(f"{events}: --resume: expected the run's record from its run_start, "
