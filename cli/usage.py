@@ -321,10 +321,10 @@ def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | Non
 
 def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     """What to say after an unknown flag: toymlx's name for llama.cpp's, another launcher's,
-    another trainer's optimizer flag, timm's, mlx-lm's or nanoGPT's flag (`PeerFlags`, `MLX_LM_KEYS`), else the closest option by
-    spelling. timm's are said only where `prog` trains images (its texts are vit-tiny's: "the
-    training images", "--model.preset vit-tiny"), mlx-lm's only where it fine-tunes a --base
-    (lora). A peer's flag whose counterpart `prog` lacks (another recipe's or command's:
+    another trainer's optimizer flag, timm's, mlx-lm's or nanoGPT's flag (`PeerFlags`,
+    `MLX_LM_KEYS`), else the closest option by spelling. timm's are said only where `prog`
+    trains images (its texts are vit-tiny's: "the training images", "--model.preset
+    vit-tiny"), mlx-lm's only where it fine-tunes a --base (lora). A peer's flag whose counterpart `prog` lacks (another recipe's or command's:
     vit-tiny has no --seq-len, from-scratch no image flag) is named as that option, not matched
     by spelling (block_size: --batch-size, --drop-path: --stop-at)."""
     name = flag.lstrip("-").replace("-", "_")  # nanoGPT's `--NAME=VALUE`, hyphens taken too
