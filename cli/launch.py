@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
                     "seconds instead of waiting on a collective that never completes. Ctrl-C, "
                     "SIGTERM or SIGHUP stops every rank after the same step, with a final "
                     "checkpoint; the exit status is then 128 + the signal's number.")
-    p.add_argument("-n", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("-n", type=int, default=2,
+                   help="ranks (default 2); with --hosts, ranks on each host")
     p.add_argument("--hosts", help="comma-separated hosts for mlx.launch (default: this one)")
     p.add_argument("--backend", default="ring", help="mlx.launch backend (default ring)")
     p.add_argument("--grace", type=float, default=10.0,

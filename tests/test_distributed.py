@@ -321,6 +321,110 @@ def test_a_failing_rank_fails_the_launch(tmp_path):
     _check_rank0_did_not_complete(root / "w")
 
 
+# `ssh [-tt] [-o OPTION] HOST COMMAND`, as mlx.launch runs a rank (and its kill script) on
+# another host: COMMAND run by bash on this machine as if on HOST, with HOST's own temp folder
+# ($FAKE_HOSTS/HOST) and host name (FAKE_HOSTNAME, which FAKE_SITE's sitecustomize reports)
+FAKE_SSH = """#!/bin/bash
+while [[ $1 == -* ]]; do
+    if [[ $1 == -o ]]; then shift; fi
+    shift
+done
+host=$1
+shift
+export TMPDIR="$FAKE_HOSTS/$host" FAKE_HOSTNAME="$host"
+export PYTHONPATH="$FAKE_SITE${PYTHONPATH:+:$PYTHONPATH}"
+exec bash -c "$*"
+"""
+FAKE_HOSTNAME = """import os, socket
+if os.environ.get("FAKE_HOSTNAME"):
+    socket.gethostname = lambda: os.environ["FAKE_HOSTNAME"]
+"""
+HOSTS = ("127.0.0.2", "127.0.0.3")  # on Linux all of 127/8 is this machine's loopback
+
+
+def _fake_hosts(tmp: Path) -> tuple[list[str], dict[str, str]]:
+    """toymlx-launch's arguments and environment for a 2-rank launch over two fake hosts
+    (`FAKE_SSH`), each with its own temp folder (`tmp/hosts/HOST`), this host's its own
+    (`tmp/tmp`)."""
+    for h in HOSTS:
+        try:
+            with socket.socket() as s:
+                s.bind((h, 0))
+        except OSError:
+            pytest.skip(f"the fake hosts need {h} to be this machine's (Linux loopback)")
+    bin_, site = tmp / "bin", tmp / "site"
+    for folder in (bin_, site, tmp / "tmp", *(tmp / "hosts" / h for h in HOSTS)):
+        folder.mkdir(parents=True)
+    (bin_ / "ssh").write_text(FAKE_SSH)
+    (bin_ / "stty").write_text("#!/bin/sh\n")  # the launch script's `stty -echo`: no terminal
+    for tool in ("ssh", "stty"):
+        (bin_ / tool).chmod(0o755)
+    (site / "sitecustomize.py").write_text(FAKE_HOSTNAME)
+    env = {"PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(tmp / "tmp"),
+           "FAKE_HOSTS": str(tmp / "hosts"), "FAKE_SITE": str(site)}
+    launch = [sys.executable, "-m", "toymlx_cli.launch", "-n", "1", "--hosts", ",".join(HOSTS),
+              "--port", str(_free_port_base(2))]
+    return launch, env
+
+
+def _left_behind(tmp: Path) -> list[str]:
+    """The files named as `mktemp` names them left in the fake hosts' temp folders and this
+    host's (MLX's own cache, `mlx/VERSION/`, stays there by design)."""
+    return sorted(str(f.relative_to(tmp)) for d in ("hosts", "tmp")
+                  for f in (tmp / d).rglob("tmp.*"))
+
+
+def test_a_launch_over_other_hosts_leaves_no_temp_files_there(tmp_path):
+    """mlx.launch's launch script leaves each rank's pidfile and hostfile (`mktemp`'s tmp.*) in
+    the temp folder of the host the rank ran on; toymlx-launch removed them on this host only,
+    and a launch over two hosts left 2 on each."""
+    launch, env = _fake_hosts(tmp_path)
+    root = tmp_path / "runs"
+    p = _launch(tmp_path, [*launch, "--", *TRAIN, *ARGS, "--no-compile", "--steps", "2",
+                           "--runs-root", str(root), "--run-id", "dp"], env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [e["world_size"] for e in read_events(root / "dp") if e["kind"] == "run_start"] == [2]
+    assert _left_behind(tmp_path) == []
+
+
+def test_a_failing_rank_on_another_host_leaves_no_temp_files(tmp_path):
+    """... nor does a failing rank, which removes its files as it ends: mlx.launch's kill script
+    for another rank, run after that rank removed its pidfile, does not fail. `-n 1` over two
+    hosts is 2 ranks (mlx.launch's -n is per host): toymlx-launch watched only rank 0, and
+    named rank 1's failure nowhere ("failed: 1 of 1 ranks")."""
+    launch, env = _fake_hosts(tmp_path)
+    script = tmp_path / "fail_rank1.py"
+    script.write_text(FAIL_RANK1)
+    p = _launch(tmp_path, [*launch, "--", sys.executable, str(script), *ARGS, "--no-compile",
+                           "--runs-root", str(tmp_path / "runs"), "--run-id", "w"], env=env)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "rank 1: exit code 1: RuntimeError: injected failure on rank 1" in p.stderr
+    assert "CalledProcessError" not in p.stderr  # mlx.launch's kill script, its pidfile gone
+    assert _left_behind(tmp_path) == []
+
+
+def test_ctrl_c_on_a_launch_over_other_hosts_leaves_no_temp_files(tmp_path):
+    """... nor does Ctrl-C: mlx.launch's kill script for the rank still ending once the other
+    ended with 130 printed a CalledProcessError traceback where that rank had removed its
+    pidfile."""
+    launch, env = _fake_hosts(tmp_path)
+    run = tmp_path / "runs" / "part"
+    p = subprocess.Popen([*launch, "--", *TRAIN, *STOP_ARGS, "--runs-root", str(run.parent),
+                          "--run-id", "part"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, **env})
+    try:
+        _wait_for_step(p, run, 3)
+        os.killpg(p.pid, signal.SIGINT)  # as a terminal sends Ctrl-C
+        _, err = p.communicate(timeout=300)
+    finally:
+        end_child(p)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "[WARN]" not in err, err[-3000:]
+    assert read_events(run)[-1]["reason"] == "interrupted"
+    assert _left_behind(tmp_path) == []
+
+
 EXIT_3 = [sys.executable, "-c", "import sys; sys.exit(3)"]
 WARN_3 = "[WARN] Node with rank 0 exited with code 3"
 

@@ -15,11 +15,14 @@ ranks to stop (SIGTERM: each ends after the same step, with a final checkpoint) 
 session `SESSION_GRACE` seconds later; each rank, tied to the launcher the same way, stops
 too. No rank trains on with nothing watching it.
 
-mlx.launch runs each rank through a bash script that leaves two files in the temp folder
-(`mktemp`'s, `$TMPDIR` or /tmp) for good: the rank's pidfile (removed only by its kill path)
-and its hostfile (`MLX_HOSTFILE`). Each rank names them in its start report (`_mlx_temp_files`)
-and `toymlx-launch` removes them once mlx.launch's whole session has ended
-(`_remove_mlx_temp_files`).
+mlx.launch runs each rank through a bash script (over ssh on another host) that leaves two
+files in that host's temp folder (`mktemp`'s, `$TMPDIR` or /tmp) for good: the rank's pidfile
+(removed only by its kill path) and its hostfile (`MLX_HOSTFILE`). Each rank names them in its
+start report (`_mlx_temp_files`) and removes them itself as it ends, on whatever host it ran
+(`rank_status`); mlx.launch's kill path, which may run after, is made to pass over a pidfile
+already gone (`_kill_script_tolerant`). A rank killed before it could (SIGKILL after `grace`)
+leaves them: `toymlx-launch` removes those on this host once mlx.launch's whole session has
+ended (`_remove_mlx_temp_files`); on another host they stay.
 """
 
 from __future__ import annotations
@@ -99,8 +102,8 @@ def rank_status() -> Iterator[RankStatus]:
         yield status
         return
     base = Path(folder) / f"rank{rank}"
-    _write(base.with_suffix(".start"), {"pid": os.getpid(), "host": socket.gethostname(),
-                                        **_mlx_temp_files()})
+    start = {"pid": os.getpid(), "host": socket.gethostname(), **_mlx_temp_files()}
+    _write(base.with_suffix(".start"), start)
     error = None
     try:
         yield status
@@ -114,6 +117,7 @@ def rank_status() -> Iterator[RankStatus]:
         status.code, error = 1, f"{type(e).__name__}: {e}"
         raise
     finally:
+        _remove_temp_files(start)
         _write(base.with_suffix(".exit"), {"code": status.code, "error": error})
 
 
@@ -181,21 +185,30 @@ def _session_ended(pgid: int, wait: float = 5.0) -> bool:
         time.sleep(0.1)
 
 
+def _remove_temp_files(start: dict) -> None:
+    """Remove the mlx.launch temp files a rank's start report `start` names
+    (`_mlx_temp_files`), on the host this runs on: the pidfile only while it still holds that
+    rank's PID."""
+    files = [(start.get("hostfile"), None), (start.get("pidfile"), f"{start.get('pid')}\n")]
+    for path, content in files:
+        if (isinstance(path, str) and _mktemp_file(Path(path))
+                and (content is None or _holds(path, content))):
+            try:
+                Path(path).unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
 def _remove_mlx_temp_files(status_dir: Path, n: int) -> None:
-    """Remove the temp files each rank on this host named in its start report
-    (`_mlx_temp_files`), once mlx.launch's session has ended: its kill path reads (then
-    removes) a pidfile while any rank may still be stopped. A pidfile goes only while it still
-    holds that rank's PID; a rank that never reported leaves its files."""
+    """Remove the temp files each rank on this host named in its start report and left, killed
+    before it removed them itself (`rank_status`), once mlx.launch's session has ended: its
+    kill path reads (then removes) a pidfile while any rank may still be stopped. A rank that
+    never reported leaves its files."""
     host = socket.gethostname()
     for r in range(n):
         start = _read(status_dir / f"rank{r}.start")
-        if not start or start.get("host") != host:
-            continue
-        files = [(start.get("hostfile"), None), (start.get("pidfile"), f"{start.get('pid')}\n")]
-        for path, content in files:
-            if (isinstance(path, str) and _mktemp_file(Path(path))
-                    and (content is None or _holds(path, content))):
-                Path(path).unlink(missing_ok=True)
+        if start and start.get("host") == host:
+            _remove_temp_files(start)
 
 
 def _read(path: Path) -> dict | None:
@@ -214,6 +227,7 @@ def _mlx_launch_child() -> None:
         _without_colour(mlx_launch)
     _quiet_stops(mlx_launch)
     _terminate_unstopped(mlx_launch)
+    _kill_script_tolerant(mlx_launch)
 
     def end_session() -> None:
         # we lead the session: every rank stops after its step, and we end when they have;
@@ -329,6 +343,19 @@ def _terminate_unstopped(mlx_launch: ModuleType) -> None:
     mlx_launch.RemoteProcess.terminate = unstopped
 
 
+def _kill_script_tolerant(mlx_launch: ModuleType) -> None:
+    """mlx.launch's kill script for a rank (`RemoteProcess.make_kill_script`: read its pidfile,
+    kill that PID, `rm` the pidfile) ending with status 0 where the pidfile is gone: the rank
+    removes it as it ends (`rank_status`), and the script's failing `rm` had mlx.launch, which
+    runs it with `check=True`, print a CalledProcessError traceback. With no pidfile it prints
+    0, "not killed", as for a rank that had ended."""
+    make = mlx_launch.RemoteProcess.make_kill_script
+
+    def make_kill_script(pidfile: str) -> str:
+        return f"{make(pidfile)} || true"
+    mlx_launch.RemoteProcess.make_kill_script = staticmethod(make_kill_script)
+
+
 def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | None, str]]:
     """rank -> (exit code or None, why) for each failed rank, from the status files; with
     `final`, a rank that left no exit report counts as failed."""
@@ -396,11 +423,12 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
            backend: str = "ring", grace: float = 10.0, status_dir: str | None = None,
            env: Sequence[str] = (), port: int | None = None,
            stream: TextIO | None = None) -> int:
-    """Run `command` as `n` ranks through mlx.launch; 0 only if every rank exited 0. A stop
-    request (Ctrl-C, SIGTERM, SIGHUP, or the reader of this process's output gone: `| head -1`,
-    which the ranks, writing into mlx.launch's pipes, cannot see) is passed on to every rank
-    (`_interrupt`); stopped so, the launch exits as one `toymlx-train` would, 128 + the first
-    signal's number (141 for the reader gone)."""
+    """Run `command` as `n` ranks through mlx.launch (`n` on each of `hosts`, comma-separated,
+    as mlx.launch's -n); 0 only if every rank exited 0. A stop request (Ctrl-C, SIGTERM,
+    SIGHUP, or the reader of this process's output gone: `| head -1`, which the ranks, writing
+    into mlx.launch's pipes, cannot see) is passed on to every rank (`_interrupt`); stopped so,
+    the launch exits as one `toymlx-train` would, 128 + the first signal's number (141 for the
+    reader gone)."""
     stream = stream or sys.stderr
     if n < 1:
         raise ValueError(f"-n: expected >= 1 ranks, found {n}")
@@ -418,6 +446,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
         old.unlink()
     if port is None and backend == "ring" and not hosts:
         port = _free_port_base(n)
+    ranks = n * len(hosts.split(",")) if hosts else n
     cmd = [sys.executable, "-m", "toymlx.runner.launch", "--backend", backend, "-n", str(n),
            *(["--hosts", hosts] if hosts else []), *(["-p", str(port)] if port else []),
            "--env", f"{STATUS_ENV}={folder}",
@@ -434,7 +463,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
                     if passed == 2:
                         failed_at = failed_at or time.time()
                 if failed_at is None:
-                    bad = failures(folder, n, final=False)
+                    bad = failures(folder, ranks, final=False)
                     if bad:
                         failed_at = time.time()
                         _say_failed(bad, grace, stream)
@@ -444,18 +473,18 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
                 time.sleep(0.2)
     finally:
         proc.wait()
-    bad = failures(folder, n, final=True)
+    bad = failures(folder, ranks, final=True)
     if _session_ended(proc.pid):
-        _remove_mlx_temp_files(folder, n)
+        _remove_mlx_temp_files(folder, ranks)
     if own:
         shutil.rmtree(folder, ignore_errors=True)
     if not bad:
         return 0
-    if len(bad) == n and all(code in STOP_CODES for code, _ in bad.values()):
+    if len(bad) == ranks and all(code in STOP_CODES for code, _ in bad.values()):
         # every rank stopped by a signal, as one process is: rank 0 said how, or, where the
         # reader went (passed on as Ctrl-C), as `toymlx-train ... | head` ends: 141
         return stop_outcome(READER_GONE)[1] if stop.first == READER_GONE else bad[0][0]
-    for line in failure_lines(bad, n):
+    for line in failure_lines(bad, ranks):
         stream.write(f"toymlx-launch: {line}\n")
     stream.flush()
     codes = [c for c, _ in bad.values() if isinstance(c, int) and 0 < c < 256]
