@@ -822,6 +822,27 @@ def test_a_command_left_out_after_the_dashes_is_named(capsys):
         "--recipe; did you mean -- toymlx-train --recipe lora --lora.rank 4?\n")
 
 
+def test_other_machines_without_a_shared_status_folder_are_refused(capsys, monkeypatch):
+    """`toymlx-launch --hosts A,B` without --status-dir: each rank on another machine wrote its
+    start report into a temporary folder made on this one, which does not exist there, and
+    failed before training (FileNotFoundError). Refused before anything is launched; a host
+    that is this machine (loopback, its own name) needs no shared folder."""
+    import subprocess as sp
+
+    from toymlx.runner.launch import other_machines
+    from toymlx_cli.launch import main as launch_main
+
+    monkeypatch.setattr(sp, "Popen", lambda *a, **k: pytest.fail(f"launched {a}"))
+    away = "192.0.2.7"  # TEST-NET-1 (RFC 5737): never one of this machine's addresses
+    assert launch_main(["-n", "1", "--hosts", f"127.0.0.1,{away}", "--", "toymlx-train"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-launch: error: --hosts 127.0.0.1,{away}: expected --status-dir FOLDER, a "
+        "folder every host sees at the same path (a shared file system): each rank reports "
+        "there how it ended, and a temporary folder made here does not exist on "
+        f"{away}\n")
+    assert other_machines(["127.0.0.1", "localhost", socket.gethostname(), away]) == [away]
+
+
 @pytest.mark.parametrize("argv,flag,whose", [
     (["--nproc_per_node", "2"], "--nproc_per_node", "torchrun's"),
     (["--num_processes=2"], "--num_processes", "accelerate launch's"),

@@ -440,6 +440,11 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     if not hosts:
         command = [_local_command(command[0]), *command[1:]]
     own = status_dir is None
+    if hosts and own and (away := other_machines(hosts.split(","))):
+        raise ValueError(f"--hosts {hosts}: expected --status-dir FOLDER, a folder every host "
+                         f"sees at the same path (a shared file system): each rank reports "
+                         f"there how it ended, and a temporary folder made here does not exist "
+                         f"on {', '.join(away)}")
     folder = Path(tempfile.mkdtemp(prefix="toymlx-launch-") if own else status_dir)
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("rank*.*"):
@@ -489,6 +494,33 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     stream.flush()
     codes = [c for c, _ in bad.values() if isinstance(c, int) and 0 < c < 256]
     return codes[0] if codes else 1
+
+
+def other_machines(hosts: Sequence[str]) -> list[str]:
+    """Those of `hosts` that are not this machine: a name or address with no address this
+    machine can bind (loopback, its own interfaces), or one that does not resolve here."""
+    away = []
+    for host in hosts:
+        try:
+            addresses = {a[4][0] for a in socket.getaddrinfo(host.strip(), None,
+                                                             type=socket.SOCK_STREAM)}
+        except (OSError, UnicodeError):
+            away.append(host)
+            continue
+        if not any(_bindable(a) for a in addresses):
+            away.append(host)
+    return away
+
+
+def _bindable(address: str) -> bool:
+    """Whether this machine can bind `address` (so it is one of its own)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
 
 
 def _local_command(name: str) -> str:
