@@ -827,12 +827,11 @@ def test_other_machines_without_a_shared_status_folder_are_refused(capsys, monke
     start report into a temporary folder made on this one, which does not exist there, and
     failed before training (FileNotFoundError). Refused before anything is launched; a host
     that is this machine (loopback, its own name) needs no shared folder."""
-    import subprocess as sp
-
-    from toymlx.runner.launch import other_machines
     from toymlx_cli.launch import main as launch_main
 
-    monkeypatch.setattr(sp, "Popen", lambda *a, **k: pytest.fail(f"launched {a}"))
+    from toymlx.runner.launch import other_machines
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail(f"launched {a}"))
     away = "192.0.2.7"  # TEST-NET-1 (RFC 5737): never one of this machine's addresses
     assert launch_main(["-n", "1", "--hosts", f"127.0.0.1,{away}", "--", "toymlx-train"]) == 2
     assert capsys.readouterr().err == (
