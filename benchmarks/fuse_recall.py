@@ -124,7 +124,7 @@ def main() -> int:
     report = {}
     for name, (path, lora) in models.items():
         model, tok = (load_for_generation(path, lora) if lora else load_for_generation(path))
-        loss, rows, _ = chat_loss(model, tok, bundle.config, "test")
+        loss, rows = chat_loss(model, tok, bundle.config, "test")[:2]
         mine = toymlx_answers(model, tok, questions)
         cpp = llama_cpp_answers(path, questions, lora)
         report[name] = {

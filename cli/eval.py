@@ -17,7 +17,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import tyro
 from toymlx_cli import run_command
@@ -46,6 +46,11 @@ class Args:
     """Examples per forward pass."""
     seq_len: int | None = None
     """Llama only: tokens per window (default: a run's own --seq-len, else 256)."""
+    max_examples: Annotated[int | None, tyro.conf.arg(aliases=("--limit",))] = None
+    """Score only the first N examples of the split, in its fixed order (the same ones every
+    call), for a quick estimate: images (a ViT), windows of --seq-len tokens (a text run),
+    chat/SFT rows (a LoRA run; a Llama GGUF's --split test); the report says N of how many.
+    More than the split holds scores all of it. Default: the whole split."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
@@ -79,6 +84,21 @@ def check_sizes(args: Args) -> None:
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
                          f"else 256), found {args.seq_len}")
+    if args.max_examples is not None and args.max_examples < 1:
+        raise ValueError(f"--max-examples: expected >= 1 examples to score (or leave it out: "
+                         f"the whole split), found {args.max_examples}")
+
+
+def subset(limit: int | None, scored: int, total: int, split: str, unit: str,
+           rows: str = "") -> dict:
+    """The report's words on how much of `split` --max-examples `limit` scored: `scored` of
+    its `total` `unit` (`rows`: what they made, said first); nothing without the flag."""
+    if limit is None:
+        return {}
+    part = f"the first {scored} of {total}" if scored < total else f"all {total}"
+    which = {"val": "validation ", "test": "test "}.get(split, "")
+    return {"subset": f"{rows}{part} {which}{unit} (--max-examples {limit})", "scored": scored,
+            "of": total}
 
 
 def check_no_plot(args: Args, found: str) -> None:
@@ -202,6 +222,8 @@ def _run_config(model: str):
 
 def evaluate_images(args: Args, path: Path) -> dict:
     """Accuracy, per-class accuracy and the confusion matrix of a ViT checkpoint."""
+    import numpy as np
+
     from toymlx.data.images import load_images
     from toymlx.generation.classify import (
         Classifier,
@@ -235,17 +257,28 @@ def evaluate_images(args: Args, path: Path) -> dict:
                          f"found none: --data.val-fraction {run.get('val_fraction', 0.1)} of "
                          f"{len(data.train_y)} images holds none out; score them all with "
                          "--split all")
-    batches = list(data.val_batches(args.batch_size))
-    if every and len(data.train_y):
-        data.val_x, data.val_y = data.train_x, data.train_y
-        batches += list(data.val_batches(args.batch_size))
+    parts = [(data.val_x, data.val_y)] + [(data.train_x, data.train_y)] * bool(
+        every and len(data.train_y))  # in this order: the split's fixed order
+    total = sum(len(y) for _, y in parts)
+    batches, left = [], total if args.max_examples is None else args.max_examples
+    for x, y in parts:
+        take = min(left, len(y))
+        if take:  # a streamed set's first images alone are decoded
+            data.val_x, data.val_y = (x if take == len(y) else x.subset(np.arange(take)) if
+                                      hasattr(x, "subset") else x[:take]), y[:take]
+            batches += list(data.val_batches(args.batch_size))
+        left -= take
     pred, true, loss = predict(clf, batches)
+    limited = subset(args.max_examples, len(true), total, args.split, "images")
     m = confusion(pred, true, len(clf.names))
     if args.plot:
         plot_confusion(m, clf.names, args.plot)
     out = {"model": str(path), "data": data.source, "split": args.split, **report(m, clf.names),
-           f"{'test' if args.split == 'test' else 'val'}_loss": loss / max(len(true), 1)}
+           f"{'test' if args.split == 'test' else 'val'}_loss": loss / max(len(true), 1),
+           **limited}
     text = format_report(m, clf.names) + f"\n\nmodel {path}\ndata {data.source} ({args.split})"
+    if limited:
+        text += f"\nscored {limited['subset']}"
     if args.plot:
         text += f"\nplot {args.plot}"
     out["text"] = text
@@ -271,25 +304,43 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
         check_context(args.seq_len, model, args.model)
     print(f"{PROG}: {used_files(args.model)}", file=sys.stderr)
     split = args.split or "val"  # Args built in code skip `evaluate`'s `default_split`
-    loss, n, source = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len,
-                                args.batch_size)
+    r = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len, args.batch_size,
+                  first=args.max_examples)
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
-    return {"model": str(args.model), "data": source, "split": split, "rows": n,
-            names[0]: loss, names[1]: math.exp(loss)}
+    # rows: the examples of one row each (padded) or run together (packed, --data.pack)
+    limited = subset(args.max_examples, r.examples, r.of, split, "examples",
+                     f"{r.rows} rows made of ")
+    return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
+            names[0]: r.loss, names[1]: math.exp(r.loss), **limited}
+
+
+class HeldOut(NamedTuple):
+    """What `chat_loss` scored."""
+
+    loss: float
+    """Mean loss a trained token"""
+    rows: int
+    """Rows scored"""
+    source: str
+    """The data they came from"""
+    examples: int
+    """Examples tokenized into those rows (with `first`: those up to the last row's)"""
+    of: int
+    """Examples in the split"""
 
 
 def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
               seq_len: int | None = None, batch_size: int = 256, first: int | None = None,
-              progress: str | None = PROG) -> tuple[float, int, str]:
-    """(mean loss, rows scored, data source) of `model` on a LoRA run's chat/SFT rows of `split`
-    (see `evaluate_chat`), `cfg` the run's configuration (None: --data.path or the default);
-    `first`: only the first that many rows (those a run's validation scores); `progress`: the
-    name of the pass's progress bar (drawn on a terminal, `Evaluator`; None: none)."""
+              progress: str | None = PROG) -> HeldOut:
+    """What `model` scores on a LoRA run's chat/SFT rows of `split` (see `evaluate_chat`), `cfg`
+    the run's configuration (None: --data.path or the default); `first`: only the first that
+    many rows (those a run's validation scores, or --max-examples), no example after them
+    tokenized; `progress`: the name of the pass's progress bar (drawn on a terminal,
+    `Evaluator`; None: none)."""
     import numpy as np
 
     from toymlx.data.chat import (
-        SFTData,
         SplitExamples,
         empty_split_error,
         fitted_rows,
@@ -316,25 +367,29 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
     turns = data.get("train_turns", "assistant")
     bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
+
+    def rows_of(examples: list, name: str, most: int | None) -> tuple[dict, Any]:
+        return fitted_rows(examples, tok, seq_len, mask, pack, turns, name if bar else None,
+                           first=most)
+
     if split == "test":
         f = test_file(path)
-        rows, fit = fitted_rows(load_examples(f), tok, seq_len, mask, pack, turns,
-                                "test" if bar else None)
+        examples = load_examples(f)
+        rows, fit = rows_of(examples, "test", first)
         source = where = str(f)
-        trained = None  # not said: a test file without examples is refused as it is read
-    elif split == "val":  # the validation examples alone: the training ones are not tokenized
+        # trained: not said (a test file without examples is refused as it is read)
+        trained, total, tokenized = None, len(examples), fit.examples
+    else:  # the validation examples alone (val), or the training ones first (all)
         ex = SplitExamples.of(path or DEFAULT_DATA, data.get("val_fraction", 0.1))
-        rows, fit = fitted_rows(ex.val, tok, seq_len, mask, pack, turns,
-                                "validation" if bar else None)
         source, where, trained = ex.source, ex.val_source, len(ex.train)
-    else:
-        sft = SFTData.from_file(path or DEFAULT_DATA, tok, seq_len, mask, pack,
-                                data.get("val_fraction", 0.1), turns=turns, progress=bar)
-        source, where, fit = sft.source, sft.split_source("validation"), sft.fits["validation"]
-        rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
-        trained = sft.fits["train"].examples
-    if first is not None:
-        rows = {k: v[:first] for k, v in rows.items()}
+        parts = [] if split == "val" else [rows_of(ex.train, "training", first)]
+        made = sum(len(r["inputs"]) for r, _ in parts)
+        if first is None or made < first:
+            parts.append(rows_of(ex.val, "validation", None if first is None else first - made))
+        rows = {k: np.concatenate([r[k] for r, _ in parts]) for k in parts[0][0]}
+        fit = parts[-1][1]  # the validation examples' unless --max-examples rows came first
+        total = len(ex.val) + (0 if split == "val" else len(ex.train))
+        tokenized = sum(f.examples for _, f in parts)
     n = len(rows["inputs"])
     if n == 0:  # nothing to score: say why instead of a loss over no rows
         if fit.examples:
@@ -347,7 +402,21 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     bs = max(1, min(batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
                 metrics_fn=lm_held_out_sums, test_batches=sft_val_batches(rows, bs, -(-n // bs)))
-    return command_evaluator(task, progress)(split="test")["test_loss"], n, source
+    loss = command_evaluator(task, progress)(split="test")["test_loss"]
+    return HeldOut(loss, n, source, tokenized, total)
+
+
+def first_windows(batches: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:
+    """The text batches (1, B, T) cut to their first `n` windows in order (None: all)."""
+    if n is None:
+        return batches
+    out = []
+    for b in batches:
+        if n <= 0:
+            break
+        out.append({k: v[:, :n] for k, v in b.items()})
+        n -= b["mask"].shape[1]
+    return out
 
 
 def evaluate(args: Args) -> dict:
@@ -414,6 +483,10 @@ def evaluate(args: Args) -> dict:
         bs = max(1, args.batch_size // 16)
         vb = (td.test_batches(bs, seq_len) if args.split == "test" else
               td.val_batches(bs, seq_len, 10**9))
+        windows = (len(scored) - 1) // seq_len  # every window of the split: what vb holds
+        vb = first_windows(vb, args.max_examples)
+        limited = subset(args.max_examples, min(windows, args.max_examples or windows),
+                         windows, args.split, f"windows of {seq_len} tokens")
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
         m = command_evaluator(task, PROG)()
         mx.eval()
@@ -422,9 +495,9 @@ def evaluate(args: Args) -> dict:
         if args.split == "test":  # named as the run's test event names them
             return {"model": str(path), "data": td.test_source, "split": "test",
                     "test_loss": m["val_loss"], "test_perplexity": math.exp(m["val_loss"]),
-                    **scored}
+                    **scored, **limited}
         return {"model": str(path), "data": td.source, "split": args.split, **m,
-                "perplexity": math.exp(m["val_loss"]), **scored}
+                "perplexity": math.exp(m["val_loss"]), **scored, **limited}
     raise ValueError(f"{path}: metadata key 'general.architecture': expected vit or one of "
                      f"{', '.join(ARCHS)}, found {arch!r}")
 

@@ -341,7 +341,7 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
     try:
         if ref is None:
             ref = loss("base + adapter", base, adapter)[0]
-        got, n, source = loss("fused file", fused)
+        got, n, source = loss("fused file", fused)[:3]
     except ValueError as e:  # DataError: the run's data moved or gone; or it held out no row
         # (a ValueError naming --data.val-fraction): the file is written all the same
         return (f"held-out loss not measured: {e} (toymlx-eval --model {fused} --data.path "

@@ -886,3 +886,33 @@ def test_tokenizing_shows_a_bar_on_a_terminal_only(tmp_path, monkeypatch, capsys
     monkeypatch.undo()
     SFTData.from_file(path, tok, 100, val_fraction=0.2, progress=True)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_fitted_rows_first_are_the_first_of_all_rows_from_the_fewest_examples(pack):
+    """`fitted_rows(first=N)` (toymlx-eval --max-examples) gives the first N of the rows every
+    example makes, packed or padded, with examples that make no row among them (no completion
+    under mask_prompt; a prompt longer than the row), and tokenizes no example after the one
+    that completes them: `Fit` counts those tokenized."""
+    from toymlx.data.chat import fitted_rows
+
+    tok = FakeTokenizer(chat_template=None)
+    seq_len = 16
+    examples = [Example(f"f:{i}", prompt="q" * (3 + 29 * (i % 7 == 3)),
+                        completion="" if i % 5 == 2 else f"a{i}" * (1 + i % 4))
+                for i in range(60)]
+    whole, _ = fitted_rows(examples, tok, seq_len, True, pack)
+    assert len(whole["inputs"]) > 20
+
+    def same(i: int, n: int) -> bool:  # the first i examples' rows begin with the first n
+        part = fitted_rows(examples[:i], tok, seq_len, True, pack)[0]
+        return len(part["inputs"]) >= min(n, len(whole["inputs"])) and all(
+            np.array_equal(part[k][:n], v[:n]) for k, v in whole.items())
+
+    for n in (1, 2, 5, 13, len(whole["inputs"]), 10**6):
+        rows, fit = fitted_rows(examples, tok, seq_len, True, pack, first=n)
+        for k, v in whole.items():
+            np.testing.assert_array_equal(rows[k], v[:n], err_msg=f"{k}, first={n}")
+        # more rows than all make: every example is tokenized to find that out
+        assert fit.examples == (60 if n > len(whole["inputs"]) else
+                                next(i for i in range(1, 61) if same(i, n))), n

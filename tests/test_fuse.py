@@ -318,9 +318,9 @@ def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_ste
     cfg = Bundle.of(run).config
     gpu = on_gpu()  # loaded as toymlx-eval loads
     ref, n, source = chat_loss(*load_for_generation(run, weights=frozen_weights(gpu),
-                                                    ops=scoring_ops(gpu)), cfg, first=2)
-    got, _, _ = chat_loss(*load_for_generation(out, weights=frozen_weights(gpu),
-                                               ops=scoring_ops(gpu)), cfg, first=2)
+                                                    ops=scoring_ops(gpu)), cfg, first=2)[:3]
+    got = chat_loss(*load_for_generation(out, weights=frozen_weights(gpu),
+                                               ops=scoring_ops(gpu)), cfg, first=2).loss
     assert lines[1] == (
         f"toymlx-export: held-out loss on the {n} validation rows the run scores ({source}; "
         f"the first --eval-batches 1 x --batch-size 2): base + adapter {ref:.4f} (scored "

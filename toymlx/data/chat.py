@@ -1012,19 +1012,61 @@ def held_out_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len
 
 def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: int,
                 mask_prompt: bool = True, pack: bool = False, turns: str = "assistant",
-                split: str | None = None) -> tuple[dict[str, np.ndarray], Fit]:
+                split: str | None = None, first: int | None = None
+                ) -> tuple[dict[str, np.ndarray], Fit]:
     """`pack_or_pad` rows of `examples` and how they fit (`Fit`: what was cut or left out);
     `turns` as `tokenize_example`'s. Each example's ids and mask are kept as int32 and uint8
     arrays as soon as it is tokenized (5 bytes a token), not as lists of Python ints (16 to
     44), which `pack_or_pad` then copied whole: `SFTData.from_file` on 100,000 SmolLM2 chat
     examples peaked at 2.1 GB that way, 0.97 GB this way. `split`: the split named on a bar over
     the examples ("training": `tokenizing training examples`), drawn where stderr is a terminal
-    (those 100,000 took over a minute); None: none."""
+    (those 100,000 took over a minute); None: none. `first`: only the first that many rows,
+    the same as the first of all the examples' rows, tokenizing no example after the one that
+    completes them (`Fit` then counts the examples tokenized)."""
     seqs = []
+    done = _RowsDone(first, seq_len, pack)
     with pass_bar(len(examples), split and f"tokenizing {split} examples", "example") as bar:
         for e in examples:
             ids, mask = tokenize_example(e, tokenizer, mask_prompt, turns)
             seqs.append((np.asarray(ids, np.int32), np.asarray(mask, np.uint8)))
             if bar is not None:
                 bar.update()
-    return pack_or_pad(seqs, seq_len, tokenizer.eos_id, pack), Fit.of(seqs, seq_len, pack)
+            if done(seqs):
+                break
+    rows = pack_or_pad(seqs, seq_len, tokenizer.eos_id, pack)
+    if first is not None:
+        rows = {k: v[:first] for k, v in rows.items()}
+    return rows, Fit.of(seqs, seq_len, pack)
+
+
+class _RowsDone:
+    """Whether `fitted_rows`'s examples so far make its `first` rows in full, as every example
+    would make them (never, with `first` None), counting as `pack_or_pad` keeps rows (those
+    with a trained target). Padded, an example makes one row or none; packed, row r is whole
+    once the examples reach its last token, r * seq_len + seq_len, and holds a target when
+    one of the trained flags of its positions r * seq_len + 1 on is set (an example's first
+    token never is)."""
+
+    def __init__(self, first: int | None, seq_len: int, pack: bool):
+        self.first, self.seq_len, self.pack = first, seq_len, pack
+        self.rows = 0  # rows kept so far (whole ones, packed)
+        self.whole = 0  # packed: whole rows counted
+        self.flags, self.at = np.zeros(0, np.uint8), 0  # packed: flags from position `at` on
+
+    def __call__(self, seqs: list[tuple[np.ndarray, np.ndarray]]) -> bool:
+        if self.first is None:
+            return False
+        mask, t = seqs[-1][1], self.seq_len
+        if not self.pack:
+            self.rows += bool(np.any(mask[1:t + 1]))
+            return self.rows >= self.first
+        if len(mask):
+            self.flags = np.concatenate([self.flags, [0], mask[1:]]).astype(np.uint8)
+        end = self.at + len(self.flags)  # positions held so far
+        while (self.whole + 1) * t <= end - 1:
+            lo = self.whole * t + 1 - self.at
+            self.rows += bool(self.flags[lo:lo + t].any())
+            self.whole += 1
+        cut = self.whole * t + 1 - self.at  # positions of counted rows are not needed again
+        self.flags, self.at = self.flags[cut:], self.at + cut
+        return self.rows >= self.first

@@ -1,0 +1,169 @@
+"""toymlx-eval --max-examples N (alias --limit): the first N examples of the split, scored as
+the whole split scores them, for every kind of model eval scores, with the report saying N of
+how many."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from image_files import make_image_folder
+from test_lora import mlx_lm_folder, tiny_gguf  # noqa: F401  (fixture)
+from toymlx_cli.eval import main as eval_main
+from toymlx_cli.train import main as train_main
+
+from toymlx.data import chat
+from toymlx.data.tokenizer import Tokenizer
+from toymlx.gguf.llama import load_llama
+
+
+def _json(capsys, *argv: str) -> dict:
+    capsys.readouterr()
+    assert eval_main(["--model", *map(str, argv)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _mean_ce(model, inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> float:
+    """The mean cross-entropy of `model` over the masked targets, in float64 NumPy."""
+    logits = np.asarray(model(mx.array(inputs)).astype(mx.float32), np.float64)  # (N, T, V)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, targets[..., None].astype(np.int64), -1)[..., 0]
+    return float((ce * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("flag", ["--max-examples", "--limit"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_count_below_one_is_one_line(flag, value, capsys):
+    assert eval_main(["--model", "nowhere.gguf", flag, value]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-eval: error: --max-examples: expected >= 1 examples to score (or leave it out: "
+        f"the whole split), found {value}\n")
+
+
+def test_a_count_not_an_integer_is_one_line(capsys):
+    assert eval_main(["--model", "nowhere.gguf", "--limit", "1.5"]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-eval: error: --limit: expected an integer or None, got '1.5'\n")
+
+
+def test_vit_scores_the_first_images_as_a_folder_of_them_alone(tmp_path, capsys):
+    """A ViT on --split all of its 9 images (class folders in order), --max-examples 5: the same
+    accuracy, matrix and loss as a folder holding those 5 images alone, in the JSON and the
+    text report; more than the set holds scores it all."""
+    folder = make_image_folder(tmp_path / "imgs", per_class=3)
+    assert train_main(["--recipe", "vit-tiny", "--model.d-model", "32", "--model.n-layers", "1",
+                       "--model.n-heads", "2", "--model.ffn-dim", "64", "--batch-size", "4",
+                       "--no-progress", "--steps", "2", "--data.image-size", "8",
+                       "--data.path", str(folder), "--runs-root", str(tmp_path / "runs"),
+                       "--run-id", "vit"]) == 0
+    run = tmp_path / "runs" / "vit"
+    files = sorted(p for p in folder.rglob("*") if p.is_file())  # cat/00.png, cat/01.png, ..
+    first = tmp_path / "first"
+    for f in files[:5]:
+        (first / f.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, first / f.parent.name / f.name)
+    want = _json(capsys, run, "--data.path", first, "--json")
+    got = _json(capsys, run, "--data.path", folder, "--split", "all", "--json",
+                "--max-examples", "5", "--batch-size", "2")
+    assert want["images"] == 5 and got["confusion"] == want["confusion"]
+    assert got["accuracy"] == want["accuracy"]
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+    assert (got["subset"], got["scored"], got["of"]) == (
+        "the first 5 of 9 images (--max-examples 5)", 5, 9)
+    whole = _json(capsys, run, "--data.path", folder, "--split", "all", "--json")
+    every = _json(capsys, run, "--data.path", folder, "--split", "all", "--json", "--limit",
+                  "100")
+    assert every.pop("subset") == "all 9 images (--max-examples 100)"
+    assert {k: v for k, v in every.items() if k not in ("scored", "of")} == whole
+    assert eval_main(["--model", str(run), "--data.path", str(folder), "--split", "all",
+                      "--limit", "5"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0] == f"accuracy {want['accuracy']:.4f} on 5 images"
+    assert text[-1] == "scored the first 5 of 9 images (--max-examples 5)"
+
+
+def test_text_scores_the_first_windows_of_the_split(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A Llama on a text file (--split all): the first 3 of its windows of --seq-len tokens,
+    the loss a NumPy cross-entropy over those windows gives, and the report says 3 of how
+    many; more than it holds scores them all."""
+    from toymlx.recipes.common import TextData, load_token_data
+
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    got = _json(capsys, tiny_gguf, "--data.path", text, "--seq-len", "16", "--max-examples",
+                "3")
+    model, g = load_llama(tiny_gguf, weights="float32")
+    td = load_token_data(TextData(str(text)), Tokenizer.from_metadata(g.metadata), 16,
+                         windows=False)
+    g.close()
+    tokens = np.concatenate([td.train, td.val])
+    n = (len(tokens) - 1) // 16
+    last = len(tokens) - 17  # windows spread evenly over the split (`toymlx.data.text`)
+    starts = [k * last // (n - 1) for k in range(3)]
+    win = np.stack([tokens[s:s + 17] for s in starts])
+    assert got["val_loss"] == pytest.approx(_mean_ce(model, win[:, :-1], win[:, 1:],
+                                                     np.ones((3, 16))), rel=1e-4)
+    assert (got["subset"], got["scored"], got["of"], got["tokens_scored"]) == (
+        f"the first 3 of {n} windows of 16 tokens (--max-examples 3)", 3, n, 48)
+    whole = _json(capsys, tiny_gguf, "--data.path", text, "--seq-len", "16")
+    every = _json(capsys, tiny_gguf, "--data.path", text, "--seq-len", "16", "--limit", "999")
+    assert every["subset"] == f"all {n} windows of 16 tokens (--max-examples 999)"
+    assert every["val_loss"] == whole["val_loss"] and every["tokens_scored"] == 16 * n
+
+
+def test_gguf_split_test_scores_the_first_packed_rows(tiny_gguf, tmp_path, capsys,  # noqa: F811
+                                                      monkeypatch):
+    """A Llama GGUF of its own, --split test on chat examples (packed rows): --max-examples 2
+    scores the first 2 rows of all the examples' rows (the loss NumPy gives on them),
+    tokenizing no example after those rows."""
+    test = mlx_lm_folder(tmp_path / "data", n_train=0, n_valid=0, n_test=40) / "test.jsonl"
+    tokenize, seen = chat.tokenize_example, []
+
+    def counted(example, *a, **k):
+        seen.append(example)
+        return tokenize(example, *a, **k)
+
+    monkeypatch.setattr(chat, "tokenize_example", counted)
+    got = _json(capsys, tiny_gguf, "--split", "test", "--data.path", test, "--seq-len", "32",
+                "--max-examples", "2")
+    monkeypatch.setattr(chat, "tokenize_example", tokenize)
+    model, g = load_llama(tiny_gguf, weights="float32")
+    tok = Tokenizer.from_metadata(g.metadata)
+    g.close()
+    examples = chat.load_examples(test)
+    rows = chat.pack_or_pad([chat.tokenize_example(e, tok, True) for e in examples], 32,
+                            tok.eos_id, pack=True)
+    assert len(rows["inputs"]) > 10
+    want = _mean_ce(model, rows["inputs"][:2], rows["targets"][:2], rows["mask"][:2])
+    assert got["test_loss"] == pytest.approx(want, rel=1e-4)
+    k = len(seen)
+    assert got["rows"] == 2 and 2 <= k < 10  # stopped once 2 full rows were made
+    assert (got["subset"], got["scored"], got["of"]) == (
+        f"2 rows made of the first {k} of 40 test examples (--max-examples 2)", k, 40)
+
+
+def test_lora_run_scores_the_first_validation_rows(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A LoRA run (one example a row, --data.no-pack) on its validation rows: --max-examples 3
+    gives the loss of a file holding the first 3 validation examples alone; more than it
+    holds scores them all."""
+    data = mlx_lm_folder(tmp_path / "data", n_valid=8, n_test=0)
+    assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                       str(tmp_path), "--run-id", "r", "--steps", "1", "--batch-size", "2",
+                       "--seq-len", "64", "--no-progress", "--no-compile", "--data.no-pack",
+                       "--data.path", str(data)]) == 0
+    first = tmp_path / "first.jsonl"
+    first.write_text("".join((data / "valid.jsonl").read_text().splitlines(True)[:3]))
+    want = _json(capsys, tmp_path / "r", "--data.path", first)  # --split all of 3
+    got = _json(capsys, tmp_path / "r", "--max-examples", "3")
+    assert want["rows"] == got["rows"] == 3
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
+    assert (got["subset"], got["scored"], got["of"]) == (
+        "3 rows made of the first 3 of 8 validation examples (--max-examples 3)", 3, 8)
+    whole = _json(capsys, tmp_path / "r")
+    every = _json(capsys, tmp_path / "r", "--limit", "50")
+    assert every["subset"] == "8 rows made of all 8 validation examples (--max-examples 50)"
+    assert every["val_loss"] == whole["val_loss"] and every["rows"] == 8
