@@ -326,11 +326,12 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         ex = SplitExamples.of(path or DEFAULT_DATA, data.get("val_fraction", 0.1))
         rows, fit = fitted_rows(ex.val, tok, seq_len, mask, pack, turns,
                                 "validation" if bar else None)
-        source, where, trained = ex.source, ex.val_source, len(ex.train)
+        source, where, trained = str(ex.source), ex.source.of("validation"), len(ex.train)
     else:
         sft = SFTData.from_file(path or DEFAULT_DATA, tok, seq_len, mask, pack,
                                 data.get("val_fraction", 0.1), turns=turns, progress=bar)
-        source, where, fit = sft.source, sft.split_source("validation"), sft.fits["validation"]
+        source, where, fit = (str(sft.source), sft.split_source("validation"),
+                              sft.fits["validation"])
         rows = {k: np.concatenate([sft.train[k], v]) for k, v in sft.val.items()}
         trained = sft.fits["train"].examples
     if first is not None:

@@ -452,7 +452,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches, cfg.grad_checkpoint),
         save=save, load=load, model_info=info,
         config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,
-                     "data_source": data.source,
+                     "data_source": str(data.source),
                      **({"test_source": data.test_source,
                          "test_rows": len(data.test["inputs"])} if data.test is not None
                         else {}),
