@@ -381,7 +381,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         trained, total, tokenized = None, len(examples), fit.examples
     else:  # the validation examples alone (val), or the training ones first (all)
         ex = SplitExamples.of(path or DEFAULT_DATA, data.get("val_fraction", 0.1))
-        source, where, trained = ex.source, ex.val_source, len(ex.train)
+        source, where, trained = str(ex.source), ex.source.of("validation"), len(ex.train)
         parts = [] if split == "val" else [rows_of(ex.train, "training", first)]
         made = sum(len(r["inputs"]) for r, _ in parts)
         if first is None or made < first:
@@ -443,18 +443,20 @@ def evaluate(args: Args) -> dict:
     if bundle is not None and bundle.recipe == "lora":
         check_no_plot(args, "a LoRA run")
         return evaluate_chat(args, bundle.config)
-    path = checkpoint_file(args.model)
+    # the header's refusals first; an Ollama blob's SHA-256 (a read of the whole model) after
+    path = checkpoint_file(args.model, check_digest=False)
     from toymlx.gguf.llama import check_model_kind
 
     with GGUFFile(path) as g:
         check_model_kind(g)  # an adapter, a projector (mmproj): said before its architecture
         arch = g.architecture
     if arch == "vit":
-        return evaluate_images(args, path)
+        return evaluate_images(args, checkpoint_file(args.model))
     from toymlx.gguf.llama import ARCHS
 
     if arch in ARCHS:
         check_no_plot(args, f"a {arch} model")
+        path = checkpoint_file(args.model)
         from toymlx.backend.device import on_gpu
         from toymlx.data.text import TokenData
         from toymlx.data.tokenizer import Tokenizer

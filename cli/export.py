@@ -157,9 +157,10 @@ def export_mlx_lm(args: Args) -> int:
     if args.dtype and not args.fuse:
         raise ValueError("--dtype: only applies to a written model (with --fuse or without "
                          "--adapter); an adapter is written as F32")
-    base = checkpoint_file(args.base, "--base")
+    base = checkpoint_file(args.base, "--base", check_digest=False)
     out = check_output(args.out, [("--base", args.base), ("--base", base),
                                   ("--adapter", args.adapter)])
+    base = checkpoint_file(args.base, "--base")  # an Ollama blob's SHA-256: the whole base read
     t0 = time.perf_counter()
     with (output_folder(out.parent),  # the folders --out needs, removed again if it fails
           tempfile.TemporaryDirectory(prefix="toymlx-export-") as tmp):
@@ -217,13 +218,16 @@ def run(args: Args) -> int:
     base_spec = args.base or run_base_of(args.adapter)
     if args.base and args.adapter and (note := moved_base_note(args.base, args.adapter)):
         print(f"{PROG}: reads --base from {note}", file=sys.stderr)
-    base = checkpoint_file(base_spec, "--base")  # a path, a run, or ollama:NAME / lmstudio:NAME
+    # a path, a run, or ollama:NAME / lmstudio:NAME / hf:...; an Ollama blob's SHA-256 (a read
+    # of the whole base) after the cheap refusals: the output, the flags
+    base = checkpoint_file(base_spec, "--base", check_digest=False)
     adapter = checkpoint_file(args.adapter, "--adapter") if args.adapter else None
     out = check_output(args.out, [("--base", base_spec), ("--base", base),
                                   ("--adapter", args.adapter), ("--adapter", adapter)])
     if args.exact_size and (not args.fuse or args.dtype):
         raise ValueError("--exact-size: expected with --fuse and without --dtype (it writes the "
                          f"base's own types), found {'--dtype' if args.dtype else 'no --fuse'}")
+    base = checkpoint_file(base_spec, "--base")
     t0 = time.perf_counter()
     # the folders --out needs, made here and removed again (where empty) if the write fails
     with output_folder(out.parent):

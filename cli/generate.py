@@ -354,7 +354,7 @@ def store_layers_note(spec: str) -> str | None:
 
     if not (is_store_name(spec) and spec.startswith(OLLAMA)):
         return None
-    found = resolve(spec, "--model", with_adapter=True)  # the blobs' hashes are remembered
+    found = resolve(spec, "--model", with_adapter=True, check_digest=False)  # its layers alone
     kinds = [k for k in ("template", "system", "params") if k in found.layers]
     if not kinds:
         return None
@@ -411,13 +411,16 @@ def run(args: Args) -> int:
                          "decodes on the CPU), found --engine llama.cpp")
     select_device(args.device)
     engine = choose_engine(args.engine, on_gpu())
-    used = f"{PROG}: {used_files(args.model, args.adapter)}"  # said once the model loads
+    # the header's refusals first (--top-k past the vocabulary); an Ollama blob's SHA-256 (a
+    # read of the whole model) after them, before the weights load. `used`: said once it loads
+    used = f"{PROG}: {used_files(args.model, args.adapter, check_digest=False)}"
     if note := store_layers_note(args.model):
         used += "\n" + note
     conversation = args.chat and not args.prompt
-    gguf_path, adapters = model_files(args.model, args.adapter)
+    gguf_path, adapters = model_files(args.model, args.adapter, check_digest=False)
     tokenizer, model_args = load_tokenizer(gguf_path)  # the header alone: no weights read yet
     check_top_k(args.top_k, model_args.vocab_size, gguf_path)
+    gguf_path, adapters = model_files(args.model, args.adapter)
     try:
         if engine == "llama.cpp":
             if conversation:

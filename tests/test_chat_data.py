@@ -15,9 +15,11 @@ from toymlx.data.chat import (
     HELD_OUT_ROWS,
     DataError,
     DataFiles,
+    DataSource,
     Example,
     Fit,
     SFTData,
+    SplitExamples,
     data_files,
     drawn_rows,
     first_kind,
@@ -565,7 +567,7 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
     data = SFTData.from_file(folder, tok, seq_len=16, val_fraction=0.5)
     assert data.train["inputs"].shape == (6, 16) and data.val["inputs"].shape == (2, 16)
     assert data.test["inputs"].shape == (3, 16) and data.test_source == str(folder / "test.jsonl")
-    assert data.source == f"{folder / 'train.jsonl'} + {folder / 'valid.jsonl'}"
+    assert str(data.source) == f"{folder / 'train.jsonl'} + {folder / 'valid.jsonl'}"
     # the first test row is BOS + "test0" + "ab" + EOS, completion and EOS trained
     assert tok.decode(data.test["targets"][0, :8].tolist()) == "test0ab</s>"
     assert data.test["mask"][0].sum() == 3
@@ -589,6 +591,31 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
                              "0.5; mlx-lm trains on all 6 and validates nothing)")]
     # a file given alone is split as documented, without a note
     assert SFTData.from_file(folder / "train.jsonl", tok, seq_len=16).notes() == []
+
+
+def test_split_files_are_kept_apart_not_parsed_from_the_display(tmp_path):
+    """Each split names its own file where a path holds " + " (the shown "TRAIN + VALID"
+    joins them): it was split back out of that text, so a folder "chat + more" without
+    valid.jsonl named "more/train.jsonl" as its validation file, and a file "a + b.jsonl"
+    given with "c + d.jsonl" named "a" and "d.jsonl"."""
+    tok = FakeTokenizer(chat_template=None)
+    rows = "".join(json.dumps({"prompt": f"p{i}", "completion": "ab"}) + "\n" for i in range(4))
+    folder = tmp_path / "chat + more"
+    folder.mkdir()
+    write(folder, "train.jsonl", rows)
+    data = SFTData.from_file(folder, tok, seq_len=16, val_fraction=0.5)
+    train = str(folder / "train.jsonl")
+    assert data.split_source("train") == data.split_source("validation") == train
+    assert str(data.source) == train
+    write(tmp_path, "a + b.jsonl", rows)
+    write(tmp_path, "c + d.jsonl", rows)
+    data = SFTData.from_file(tmp_path / "a + b.jsonl", tok, seq_len=16,
+                             val_path=tmp_path / "c + d.jsonl")
+    assert data.split_source("train") == str(tmp_path / "a + b.jsonl")
+    assert data.split_source("validation") == str(tmp_path / "c + d.jsonl")
+    assert str(data.source) == f"{tmp_path / 'a + b.jsonl'} + {tmp_path / 'c + d.jsonl'}"
+    ex = SplitExamples.of(folder, 0.5)
+    assert ex.source == DataSource(train) and ex.source.of("validation") == train
 
 
 def test_an_empty_valid_jsonl_is_one_line(tmp_path):

@@ -141,6 +141,48 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, 
     assert hashed == []  # nothing read past the header
 
 
+def test_an_ollama_base_is_refused_before_its_blob_is_hashed(header_8b, tmp_path, capsys,
+                                                            monkeypatch):
+    """An `ollama:` base's blob is checked against its name (a SHA-256 of the whole file, 4.6 GB
+    here) only once the run would start: a run too large for memory, a bad flag and a runs
+    root that is a file are refused from the manifest and the header alone; a run that passes
+    them has its blob checked before loading (a wrong digest refused as a damaged blob)."""
+    root = tmp_path / "ollama"
+    digest = "0" * 64  # the manifest's; the blob's own is never computed here
+    (root / "blobs").mkdir(parents=True)
+    blob = root / "blobs" / f"sha256-{digest}"
+    os.link(header_8b, blob)  # the 8B-shaped hole, not copied
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / "big" / "8b"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [
+        {"mediaType": model_store.MODEL_LAYER, "digest": f"sha256:{digest}",
+         "size": blob.stat().st_size}]}))
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    hashed = []
+    monkeypatch.setattr(model_store, "file_sha256",
+                        lambda path: hashed.append(Path(path)) or "f" * 64)
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(4 * 10**9))
+    runs = tmp_path / "runs"
+    common = ["--recipe", "lora", "--base", "ollama:big:8b", "--lora.targets", "q,v",
+              "--batch-size", "1", "--seq-len", "512", "--grad-checkpoint", "--no-progress"]
+    assert _train([*common, "--runs-root", str(runs)]) == 2
+    assert error_line(capsys).startswith("toymlx-train: error: --base ollama:big:8b: a training "
+                                         "step needs about ")
+    assert _train([*common, "--runs-root", str(runs), "--lora.rank", "0"]) == 2
+    assert error_line(capsys) == "toymlx-train: error: --lora.rank: expected >= 1, found 0"
+    (tmp_path / "a-file").write_text("")
+    assert _train([*common, "--runs-root", str(tmp_path / "a-file")]) == 2
+    assert "--runs-root: expected a folder" in error_line(capsys)
+    assert hashed == [] and list(runs.iterdir()) == []  # no run folder left behind
+    # --force passes the memory check: the blob is checked now, before a weight is read
+    assert _train([*common, "--runs-root", str(runs), "--force"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: --base ollama:big:8b: {blob}: expected SHA-256 {digest} (its "
+        f"name), found {'f' * 64}; the blob is damaged or was replaced: `ollama rm` and "
+        "`ollama pull` the model again")
+    assert hashed == [blob] and list(runs.iterdir()) == []
+
+
 TINY = tiny(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, context=256)
 
 

@@ -258,6 +258,43 @@ def test_modelfile_from_ollama_and_from_a_path(ollama, stories_path, tmp_path):
     assert quote(" a ") == '" a "' and quote('x\n"y"') == '"""x\n"y""""' and quote("<s>") == "<s>"
 
 
+def test_commands_refuse_their_output_and_flags_before_hashing_an_ollama_model(
+        ollama, stories_path, tmp_path, capsys, monkeypatch):
+    """The SHA-256 of an Ollama model's blob (a read of the whole file) comes after what a
+    command refuses cheaply: export's --out that is a folder, --exact-size without --fuse, a
+    Modelfile folder that is a file; toymlx-eval's --plot for a language model; toymlx-generate's
+    --top-k past the vocabulary. An export that goes ahead checks the blob, once."""
+    from toymlx_cli.eval import main as eval_main
+
+    from toymlx.bundle import model_store
+
+    hashed = []
+    real = model_store.file_sha256
+    monkeypatch.setattr(model_store, "file_sha256",
+                        lambda path: hashed.append(Path(path)) or real(path))
+    adapter = _adapter(stories_path, tmp_path / "ad.gguf")
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "a-file").write_text("")
+    for argv, found in (
+            (["--base", "ollama:stories", "--out", str(tmp_path / "a-folder")],
+             "expected a file name, found a folder"),
+            (["--base", "ollama:stories", "--adapter", str(adapter), "--exact-size", "--out",
+              str(tmp_path / "x.gguf")], "--exact-size: expected with --fuse"),
+            (["--format", "modelfile", "--adapter", str(adapter), "--base", "ollama:stories",
+              "--out", str(tmp_path / "a-file")], "expected a folder (new or existing)")):
+        assert export_cli.main(argv) == 2
+        assert found in capsys.readouterr().err
+    assert eval_main(["--model", "ollama:stories", "--plot", str(tmp_path / "c.png")]) == 2
+    assert f"--plot {tmp_path / 'c.png'}: expected a ViT model" in capsys.readouterr().err
+    assert generate_cli.main(["--model", "ollama:stories", "--prompt", "x", "--top-k",
+                              "100000"]) == 2
+    assert "--top-k: expected 0 (off) or below 512" in capsys.readouterr().err
+    assert hashed == []
+    assert export_cli.main(["--format", "modelfile", "--adapter", str(adapter), "--base",
+                            "ollama:stories", "--out", str(tmp_path / "mf")]) == 0
+    assert hashed == [blob_of(ollama, stories_path.read_bytes())]
+
+
 QUOTED = ('{{ if .System }}<|system|>{{ .System }}</s>{{ end }}<|user|>"""{{ .Prompt }}""" '
           '</s>\n<|assistant|>"{{ .Response }}"')
 """A chat template holding \"\"\" mid-line (no line but the last ends in it) and ending in a

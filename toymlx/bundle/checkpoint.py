@@ -196,13 +196,15 @@ def _latest_target(weights: Path) -> str | None:
         return None
 
 
-def checkpoint_file(path: str | os.PathLike, flag: str = "--model") -> Path:
+def checkpoint_file(path: str | os.PathLike, flag: str = "--model", check_digest: bool = True
+                    ) -> Path:
     """The one "file or run folder -> weights" resolver: a GGUF path as given, or the
     checkpoint of a run folder (`latest_checkpoint`), or a model in Ollama's or LM Studio's
-    store (`model_store`); FileNotFoundError naming `flag`, ResumeError (one line) for a broken
-    `latest` or a checkpoint whose recorded step or id disagrees with its name."""
+    store (`model_store.resolve`, which takes `check_digest`); FileNotFoundError naming `flag`,
+    ResumeError (one line) for a broken `latest` or a checkpoint whose recorded step or id
+    disagrees with its name."""
     if is_store_name(path):
-        return resolve_model(path, flag)
+        return resolve_model(path, flag, check_digest)
     p = Path(path)
     if (p / "adapters.safetensors").is_file() or (
             p.suffix == ".safetensors" and (p.parent / "adapter_config.json").is_file()):

@@ -239,8 +239,9 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
                                f"run's {key} back there")
         return file, f"{file} (the run's {flag} {typed})"
     gone = (typed, f"{typed} (the run's {flag}: {file} is gone, and so is {typed})")
-    try:
-        other = model_store.resolve_model(typed, flag) if model else Path(typed)
+    try:  # its contents compared with the record below; the blob's own SHA-256 when it loads
+        other = model_store.resolve_model(typed, flag, check_digest=False) if model \
+            else Path(typed)
     except model_store.ModelStoreError:
         return gone
     if not other.exists():  # nothing to mistake for it: whoever needs the file says it is gone
@@ -317,8 +318,9 @@ def adopt_input(key: str, rec: dict[str, Any], given: str) -> tuple[str, str] | 
     store = key in MODEL_OPTIONS and model_store.is_store_name(given)
     if (given == typed) if store else os.path.realpath(given) == file:
         return None
-    try:
-        found = model_store.resolve_model(given, flag) if store else Path(given)
+    try:  # its contents compared with the record below; the blob's own SHA-256 when it loads
+        found = model_store.resolve_model(given, flag, check_digest=False) if store \
+            else Path(given)
     except model_store.ModelStoreError as e:
         raise RunError(str(e)) from None
     where = os.path.abspath(found)

@@ -8,7 +8,8 @@ Every option that takes a GGUF model file (`--base`, `--donor`, `--model`) goes 
   installs `/usr/share/ollama/.ollama/models`) holds `manifests/HOST/NAMESPACE/MODEL/TAG`, a
   Docker distribution v2 manifest whose layer of media type `application/vnd.ollama.image.model`
   names the GGUF as `blobs/sha256-HEX`. The blob's SHA-256 is checked against its name (once
-  per process), so a damaged or swapped file is refused rather than trained on.
+  per process; `check_digests`, after a caller's cheap refusals), so a damaged or swapped file
+  is refused rather than trained on.
 - `hf:USER/REPO[@REVISION][:QUANT]` or `hf:USER/REPO[@REVISION]/FILE.gguf`: a GGUF of a Hugging
   Face repository, through `huggingface_hub` (its cache, HF_HOME/HF_HUB_CACHE, HF_HUB_OFFLINE,
   the user's token, revisions, its download progress bar); the file chosen as llama.cpp's `-hf`
@@ -72,6 +73,8 @@ class Resolved:
     adapter: Path | None = None
     """Ollama: the blob of the manifest's ADAPTER layer (a llama.cpp LoRA GGUF, checked against
     its digest), which the model is made of as much as of `path`; None without one."""
+    adapter_digest: str | None = None
+    """`sha256:HEX` of `adapter` (its name in the manifest)."""
     source: dict[str, Any] = field(default_factory=dict)
     """Hugging Face: {"hf_repo", "hf_revision" (the commit), "hf_file"}, recorded beside the
     file's SHA-256 in config.json."""
@@ -131,16 +134,20 @@ def gguf_parts(path: Path) -> list[Path]:
         return [path]
 
 
-def resolve_model(spec: str | os.PathLike, flag: str = "--model") -> Path:
-    """The GGUF file `spec` names: a path as given, or the file of a store name."""
-    return resolve(spec, flag).path
+def resolve_model(spec: str | os.PathLike, flag: str = "--model", check_digest: bool = True
+                  ) -> Path:
+    """The GGUF file `spec` names: a path as given, or the file of a store name (`resolve`)."""
+    return resolve(spec, flag, check_digest=check_digest).path
 
 
-def resolve(spec: str | os.PathLike, flag: str = "--model", with_adapter: bool = False
-            ) -> Resolved:
+def resolve(spec: str | os.PathLike, flag: str = "--model", with_adapter: bool = False,
+            check_digest: bool = True) -> Resolved:
     """`resolve_model` with the provenance; ModelStoreError (one line, naming `flag`). An
     Ollama model with an ADAPTER layer is refused by name unless the caller applies that
-    adapter (`with_adapter`: `Resolved.adapter`); the bare base would be another model."""
+    adapter (`with_adapter`: `Resolved.adapter`); the bare base would be another model.
+    `check_digest=False`: an Ollama blob's SHA-256 (a read of the whole file) is left to
+    `check_digests`, for a caller that reads headers and refuses cheaply (a run too large for
+    memory, a bad flag, an output it cannot write) before it reads the weights."""
     if not is_store_name(spec):
         return Resolved(str(spec), Path(spec))
     spec = str(spec)
@@ -152,6 +159,8 @@ def resolve(spec: str | os.PathLike, flag: str = "--model", with_adapter: bool =
                               f"adapter {found.adapter}; toymlx-generate --model {spec} applies "
                               f"it, or fuse it: toymlx-export --base {found.path} --adapter "
                               f"{found.adapter} --fuse --out FILE.gguf")
+    if check_digest:
+        check_digests(found, flag)
     return found
 
 
@@ -274,20 +283,18 @@ def _from_manifest(spec: str, flag: str, root: Path, manifest: Path, short: str)
     if not model_blob.is_file():
         raise ModelStoreError(f"{flag} {spec}: {model_blob}: expected the model's blob ({digest} "
                               "in the manifest), found nothing; `ollama pull` it again")
-    _check_blob(model_blob, digest, flag, spec)
-    _check_gguf(model_blob, "model", flag, spec)
+    _check_gguf(model_blob, digest, "model", flag, spec)
     if len(adapters) > 1:
         raise ModelStoreError(f"{flag} {spec}: {manifest}: expected at most one ADAPTER layer, "
                               f"found {len(adapters)} ({', '.join(str(b) for b, _ in adapters)})")
-    adapter = None
+    adapter, adapter_digest = None, None
     for adapter, adapter_digest in adapters:
         if not adapter.is_file():
             raise ModelStoreError(f"{flag} {spec}: {adapter}: expected the blob of its ADAPTER "
                                   f"layer ({adapter_digest} in the manifest), found nothing; "
                                   "`ollama pull` it again")
-        _check_blob(adapter, adapter_digest, flag, spec)
-        _check_gguf(adapter, "ADAPTER", flag, spec)
-    return Resolved(spec, model_blob, "ollama", short, digest, blobs, adapter)
+        _check_gguf(adapter, adapter_digest, "ADAPTER", flag, spec)
+    return Resolved(spec, model_blob, "ollama", short, digest, blobs, adapter, adapter_digest)
 
 
 def _blob(root: Path, hexdigest: str) -> Path:
@@ -312,14 +319,27 @@ def file_sha256(path: Path) -> str:
     return _VERIFIED[key]
 
 
-def _check_gguf(blob: Path, layer: str, flag: str, spec: str) -> None:
-    """ModelStoreError naming the model and the blob unless the blob starts as a GGUF does."""
+def _check_gguf(blob: Path, digest: str, layer: str, flag: str, spec: str) -> None:
+    """ModelStoreError naming the model and the blob unless the blob starts as a GGUF does (a
+    blob damaged since its download said to be damaged: `_check_blob`)."""
     with open(blob, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
+        _check_blob(blob, digest, flag, spec)
         raise ModelStoreError(f"{flag} {spec}: {blob}: expected a GGUF file (its {layer} layer), "
                               f"found a file starting {magic!r}; this Ollama model is not "
                               "stored in a form toymlx can read")
+
+
+def check_digests(found: Resolved, flag: str) -> None:
+    """ModelStoreError (one line naming `flag`, the model and the blob) unless each Ollama blob
+    of `found` (its model and ADAPTER layers) has the SHA-256 its name gives: a read of each
+    whole file, once per process (`file_sha256`); nothing to check for other stores."""
+    if found.store != "ollama":
+        return
+    _check_blob(found.path, str(found.digest), flag, found.spec)
+    if found.adapter is not None:
+        _check_blob(found.adapter, str(found.adapter_digest), flag, found.spec)
 
 
 def _check_blob(blob: Path, digest: str, flag: str, spec: str) -> None:

@@ -46,6 +46,7 @@ from toymlx.data.vocab import TokenizerError
 __all__ = [
     "DataError",
     "DataFiles",
+    "DataSource",
     "Example",
     "Fit",
     "SFTData",
@@ -804,6 +805,24 @@ def empty_split_error(source: str, split: str, fit: Fit, seq_len: int) -> DataEr
 
 
 @dataclass(frozen=True)
+class DataSource:
+    """The files a data path's training and validation examples came from: `train`, and `valid`
+    where a validation file is given (else the last part of `train` validates)."""
+
+    train: str
+    valid: str | None = None
+
+    def __str__(self) -> str:
+        """"TRAIN + VALID" with a validation file, else TRAIN: as run_start's `data_source` and
+        the messages name the data."""
+        return self.train if self.valid is None else f"{self.train} + {self.valid}"
+
+    def of(self, split: str) -> str:
+        """The file a split's examples came from ("train" or "validation")."""
+        return (self.valid or self.train) if split == "validation" else self.train
+
+
+@dataclass(frozen=True)
 class SplitExamples:
     """A data path's examples by split, read but not tokenized: what `SFTData.from_file`
     tokenizes, and what `toymlx-eval --split val` needs alone (the validation examples, without
@@ -811,17 +830,12 @@ class SplitExamples:
 
     train: list[Example]
     val: list[Example]
-    source: str
-    """As `SFTData.source`: the training file, or "TRAIN + VALID" with a validation file."""
+    source: DataSource
+    """The training file, and the validation file where one is given."""
     note: str | None
     """`SFTData.val_note`: a folder without valid.jsonl, validated by train.jsonl's last part."""
     test: Path | None
     """A folder's test.jsonl."""
-
-    @property
-    def val_source(self) -> str:
-        """The file the validation examples came from (`SFTData.split_source`'s)."""
-        return self.source.split(" + ")[-1]
 
     @classmethod
     def of(cls, path: str | Path, val_fraction: float = 0.1,
@@ -848,7 +862,7 @@ class SplitExamples:
                         f"{len(examples)} examples validate and are not trained on "
                         f"(--data.val-fraction {val_fraction}; mlx-lm trains on all "
                         f"{len(examples)} and validates nothing)")
-        source = str(files.train) if val_path is None else f"{files.train} + {val_path}"
+        source = DataSource(str(files.train), None if val_path is None else str(val_path))
         return cls(train, val, source, note, files.test)
 
 
@@ -861,8 +875,8 @@ class SFTData:
     """Training rows, each array `(N, seq_len)`"""
     val: dict[str, np.ndarray]
     """Validation rows, each array `(M, seq_len)`; M may be 0"""
-    source: str
-    """The file(s) the examples came from"""
+    source: DataSource
+    """The file(s) the examples came from (`str`: as run_start's data_source shows them)"""
     n_truncated: int = 0
     """Padding mode: examples longer than seq_len + 1 tokens whose end was cut off"""
     test: dict[str, np.ndarray] | None = None
@@ -879,10 +893,7 @@ class SFTData:
 
     def split_source(self, split: str) -> str:
         """The file a split's examples came from ("train", "validation" or "test")."""
-        if split == "test":
-            return str(self.test_source)
-        # `source` is "TRAIN + VALID" with a validation file, else the file both split from
-        return self.source.split(" + ")[-1 if split == "validation" else 0]
+        return str(self.test_source) if split == "test" else self.source.of(split)
 
     def notes(self, test: bool = True) -> list[str]:
         """One console line per split whose examples were cut or left out (`Fit.note`); the
@@ -908,7 +919,7 @@ class SFTData:
         seq_len: int,
         mask_prompt: bool = True,
         pack: bool = False,
-        source: str = "<examples>",
+        source: DataSource = DataSource("<examples>"),
         turns: str = "assistant",
         progress: bool = False,
     ) -> SFTData:

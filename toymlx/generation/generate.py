@@ -278,12 +278,14 @@ def _lora_run_base(path: str | os.PathLike) -> str | None:
     return found[0] if found is not None else None
 
 
-def used_files(path: str | os.PathLike, adapter: str | os.PathLike | None = None) -> str:
+def used_files(path: str | os.PathLike, adapter: str | os.PathLike | None = None,
+               check_digest: bool = True) -> str:
     """Which files `--model` (and `--adapter`) are read from, for a reader to say: the model
-    GGUF (a LoRA run's base: the file its run recorded, and why that one) and the adapters."""
-    gguf_path, adapters = model_files(path, adapter)
+    GGUF (a LoRA run's base: the file its run recorded, and why that one) and the adapters;
+    `check_digest` as `model_files`'."""
+    gguf_path, adapters = model_files(path, adapter, check_digest)
     found = run_base(path)  # a full fine-tune's checkpoint is a model itself: no base read
-    base = found is not None and resolve_model(found[0]) == gguf_path
+    base = found is not None and resolve_model(found[0], check_digest=check_digest) == gguf_path
     text = f"model {found[1] if base else gguf_path}"
     return text + "".join(f" + adapter {a}" for a in adapters)
 
@@ -305,18 +307,20 @@ def choose_engine(name: str, on_gpu: bool) -> str:
     return name
 
 
-def model_files(path: str | os.PathLike, adapter: str | os.PathLike | None = None
-                ) -> tuple[Path, list[Path]]:
+def model_files(path: str | os.PathLike, adapter: str | os.PathLike | None = None,
+                check_digest: bool = True) -> tuple[Path, list[Path]]:
     """The files a `--model` (and `--adapter`) name: the model GGUF, and the LoRA adapter GGUFs
     on top of it in order. A LoRA run or adapter file comes with the base it was trained on, and
-    an Ollama model with the adapter of its manifest's ADAPTER layer."""
+    an Ollama model with the adapter of its manifest's ADAPTER layer. `check_digest=False`:
+    for headers alone, an Ollama blob's SHA-256 (a read of the whole file) not yet checked
+    (`model_store.resolve`); call again with it before the weights are read."""
     if is_store_name(path):
-        found = resolve(path, "--model", with_adapter=True)
+        found = resolve(path, "--model", with_adapter=True, check_digest=check_digest)
         gguf_path, adapters = found.path, [found.adapter] if found.adapter is not None else []
     else:
-        gguf_path, adapters = checkpoint_file(path), []
+        gguf_path, adapters = checkpoint_file(path, check_digest=check_digest), []
     if adapter is not None:
-        adapters.append(checkpoint_file(adapter, "--adapter"))
+        adapters.append(checkpoint_file(adapter, "--adapter", check_digest))
     g = GGUFFile(gguf_path)
     kind, base = g.metadata.get("general.type"), g.metadata.get("toy.base")
     g.close()
@@ -324,7 +328,7 @@ def model_files(path: str | os.PathLike, adapter: str | os.PathLike | None = Non
         return gguf_path, adapters
     base = _lora_run_base(path) or base
     if isinstance(base, str) and (Path(base).is_file() or is_store_name(base)):
-        model, under = model_files(base)
+        model, under = model_files(base, check_digest=check_digest)
         return model, [*under, gguf_path, *adapters]
     raise GGUFError(f"{gguf_path}: metadata key 'general.type': expected a model, found a "
                     "LoRA adapter (pass its base model as --model and this as --adapter"

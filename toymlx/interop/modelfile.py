@@ -24,7 +24,7 @@ from typing import Any
 from toymlx.backend import atomic
 from toymlx.backend.files import special_kind
 from toymlx.bundle.checkpoint import checkpoint_file
-from toymlx.bundle.model_store import Resolved, is_store_name, resolve
+from toymlx.bundle.model_store import Resolved, check_digests, is_store_name, resolve
 from toymlx.bundle.outputs import check_output
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.quantize import export_type
@@ -212,7 +212,8 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     if not base:
         raise ValueError(f"--base: expected the GGUF {adapter_file} was trained on (not "
                          "recorded by its run), found none; pass --base")
-    src = resolve(base, "--base")
+    # an Ollama blob's SHA-256 (a read of the whole base) after the cheap refusals below
+    src = resolve(base, "--base", check_digest=False)
     if not src.path.is_file():
         raise FileNotFoundError(f"{base}: --base: expected an existing GGUF file, found "
                                 f"{'a directory' if src.path.is_dir() else special_kind(src.path) or 'nothing'}")
@@ -220,6 +221,7 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     inputs = [("--adapter", adapter), ("--adapter", adapter_file), ("--base", src.path)]
     check_output(out_dir, inputs, folder=True)
     path = check_output(Path(out_dir) / MODELFILE, inputs)
+    check_digests(src, "--base")
     fused = None
     with atomic.output_folder(out_dir):  # a failed write leaves no empty folder it made
         try:

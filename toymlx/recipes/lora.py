@@ -205,7 +205,8 @@ def validate(cfg: Config) -> None:
         raise ValueError("--base: expected the path of a llama GGUF to adapter-train, found "
                          "none (e.g. --base SmolLM2-135M-Instruct.Q4_1.gguf)")
     refuse_run_folder(cfg.base, "--base")
-    base = model_store.resolve_model(cfg.base, "--base")
+    # headers alone until the run is known to fit: an Ollama blob's SHA-256 in `build`
+    base = model_store.resolve_model(cfg.base, "--base", check_digest=False)
     if base.is_dir() and (base / "config.json").is_file():  # mlx-lm's --model, an mlx-lm config's model
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found a Hugging "
                          "Face model folder (config.json, as mlx-lm's --model takes); pass the "
@@ -217,7 +218,7 @@ def validate(cfg: Config) -> None:
                          f"{'a directory' if base.is_dir() else special_kind(base) or 'nothing'}")
     parse_targets(cfg.lora.targets)
     if cfg.fuse_at_end:  # the type is checked now, not after training
-        with GGUFFile(model_store.resolve_model(cfg.base, "--base")) as g:
+        with GGUFFile(base) as g:
             fuse_type(cfg.fuse_at_end, g)
     if cfg.lora.rank < 1:
         raise ValueError(f"--lora.rank: expected >= 1, found {cfg.lora.rank}")
@@ -330,7 +331,9 @@ def build(cfg: Config, ops: Ops) -> Task:
     mx.random.seed(cfg.seed)
     full = cfg.fine_tune_type == "full"
     some = full and cfg.full.layers is not None  # a full fine-tune of the last N blocks
-    src = model_store.resolve(cfg.base, "--base")  # a path, or ollama:NAME / lmstudio:NAME
+    # a path, or ollama:NAME / lmstudio:NAME / hf:...; an Ollama blob's SHA-256 (a read of the
+    # whole file) checked once the run fits, before its weights load
+    src = model_store.resolve(cfg.base, "--base", check_digest=False)
     with GGUFFile(src.path) as g:
         types = "/".join(sorted(set(projection_types(g).values())))
         a = args_from_gguf(g)
@@ -349,6 +352,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         dtype = "float32" if full and not some else resolve_base_dtype(
             cfg.base_dtype, on_gpu(), cfg.grad_checkpoint, lambda held: step_estimate(held).total)
         fits = memory.check_fits(step_estimate(dtype), f"--base {cfg.base}", cfg.force)
+    model_store.check_digests(src, "--base")
     model, g = load_llama(src.path, ops, dtype, trained)
     if some:  # mlx-lm's full fine-tune: model.freeze(), then each trained block unfrozen
         model.freeze()
@@ -448,7 +452,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches, cfg.grad_checkpoint),
         save=save, load=load, model_info=info,
         config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,
-                     "data_source": data.source,
+                     "data_source": str(data.source),
                      **({"test_source": data.test_source,
                          "test_rows": len(data.test["inputs"])} if data.test is not None
                         else {}),
