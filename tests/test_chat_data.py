@@ -943,3 +943,124 @@ def test_fitted_rows_first_are_the_first_of_all_rows_from_the_fewest_examples(pa
         # more rows than all make: every example is tokenized to find that out
         assert fit.examples == (60 if n > len(whole["inputs"]) else
                                 next(i for i in range(1, 61) if same(i, n))), n
+
+
+class BatchFakeTokenizer(FakeTokenizer):
+    """`FakeTokenizer` with `encode_batch`, as `Tokenizer` has it, counting its calls."""
+
+    def __init__(self, chat_template: str | None = CHATML) -> None:
+        super().__init__(chat_template)
+        self.calls: list[tuple[int, bool | None]] = []
+
+    def encode_batch(self, texts: list[str], add_bos: bool | None = None) -> list[np.ndarray]:
+        self.calls.append((len(texts), add_bos))
+        return [np.array(self.encode(t, add_bos), np.int32) for t in texts]
+
+
+VARIED = [
+    Example("v:1", messages=({"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "café 日本語 🙂?"},
+                             {"role": "assistant", "content": "Oui, naïve 🙂."})),
+    Example("v:2", text="plain text <|im_end|> with a special"),
+    Example("v:3", messages=({"role": "user", "content": ""},
+                             {"role": "assistant", "content": ""},
+                             {"role": "user", "content": "again"},
+                             {"role": "assistant", "content": "a\n\nb"},
+                             {"role": "tool", "content": "{}"})),
+    Example("v:4", messages=({"role": "user", "content": "no answer"},)),
+    Example("v:5", text="x" * 70),
+    Example("v:6", messages=({"role": "user", "content": "q"},
+                             {"role": "assistant", "content": "long " * 20})),
+    Example("v:7", text="ü"),
+]
+
+
+@pytest.mark.parametrize("mask_prompt", [True, False])
+@pytest.mark.parametrize("turns", ["assistant", "last"])
+@pytest.mark.parametrize("pack", [False, True])
+def test_examples_tokenized_together_give_each_example_s_own_ids_and_mask(
+        monkeypatch, mask_prompt, turns, pack):
+    """`fitted_rows` tokenizes examples a batch at a time, with one `encode_batch` call for
+    the pieces of each `add_bos` in a batch (SmolLM2's chat examples: 1.3 ms each, one call a
+    piece): the rows and their fit are those of each example tokenized alone (`tokenize_example`
+    with a tokenizer that has no `encode_batch`), for chat, text and completion examples mixed
+    in one batch (their pieces encoded with and without BOS), batches cut mid-list."""
+    import toymlx.data.chat as chat_mod
+
+    monkeypatch.setattr(chat_mod, "TOKENIZE_EXAMPLES", 3)
+    for template, examples in ((CHATML, VARIED), (None, [
+            Example("c:1", prompt="2+2?", completion="4"), Example("c:2", text="text"),
+            Example("c:3", prompt="", completion="é"), Example("c:4", prompt="q" * 30,
+                                                              completion="a" * 30)])):
+        alone = [tokenize_example(e, FakeTokenizer(template), mask_prompt, turns)
+                 for e in examples]
+        tok = BatchFakeTokenizer(template)
+        rows, fit = chat_mod.fitted_rows(examples, tok, 16, mask_prompt, pack, turns)
+        want = pack_or_pad(alone, 16, tok.eos_id, pack)
+        assert fit == Fit.of(alone, 16, pack)
+        assert {k: v.tolist() for k, v in rows.items()} == {k: v.tolist() for k, v in want.items()}
+        # one call per add_bos a batch of 3, not one a piece
+        want_calls = []
+        for i in range(0, len(examples), 3):
+            bos = [b for e in examples[i:i + 3]
+                   for _, b, _ in chat_mod._pieces(e, tok, mask_prompt, turns)[0]]
+            want_calls += [(bos.count(b), b) for b in dict.fromkeys(bos)]
+        assert tok.calls == want_calls
+        assert len(want_calls) < sum(n for n, _ in want_calls)
+
+
+@pytest.fixture(scope="module")
+def smol(shared_file):
+    from toymlx.data.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(shared_file("tokenizers/ggml-vocab-smollm2.gguf"))
+
+
+SMOL_CHATS = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "café 日本語 🙂?"},
+     {"role": "assistant", "content": " Oui,\n\n naïve 🙂."}, {"role": "user", "content": ""},
+     {"role": "assistant", "content": ""}, {"role": "user", "content": "12345 again"},
+     {"role": "assistant", "content": "\nLast <|im_end|> one\t"}],
+    [{"role": "user", "content": "no answer"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "q " * 40},
+     {"role": "assistant", "content": "a " * 40}, {"role": "tool", "content": "{\"x\": 1}"}],
+]
+
+
+def _smol_rows_digests(tok) -> dict[str, str]:
+    """sha256 of the rows (inputs, targets, mask) and fit of `SMOL_CHATS` for each option."""
+    import hashlib
+
+    from toymlx.data.chat import fitted_rows
+
+    examples = [Example(f"s:{i}", messages=tuple(m)) for i, m in enumerate(SMOL_CHATS)]
+    out = {}
+    for mask_prompt in (True, False):
+        for turns in ("assistant", "last"):
+            for pack in (False, True):
+                rows, fit = fitted_rows(examples, tok, 24, mask_prompt, pack, turns)
+                h = hashlib.sha256(repr(fit).encode())
+                for k in ("inputs", "targets", "mask"):
+                    h.update(repr((rows[k].dtype.str, rows[k].shape)).encode() + rows[k].tobytes())
+                out[f"{mask_prompt}-{turns}-{pack}"] = h.hexdigest()[:16]
+    return out
+
+
+def test_smollm2_chat_rows_are_those_of_one_tokenizer_call_a_piece(smol):
+    """SmolLM2's chat rows (system, multi-turn, unicode, empty turns, a special token's text in
+    a turn, a last turn not the assistant's; each `turns`, with and without mask_prompt and
+    packing) are bit for bit those session 40's loader made with one tokenizer call a piece
+    (digests taken at a4e0387), and a turn's ids are its text's own, encoded apart."""
+    ids, mask = tokenize_example(Example("s", messages=tuple(SMOL_CHATS[0])), smol, True)
+    prompt = smol.apply_chat_template(SMOL_CHATS[0][:1], add_generation_prompt=True)
+    want = smol.encode(prompt, add_bos=False), smol.encode("Yo<|im_end|>\n", add_bos=False)
+    assert (ids, mask) == (want[0] + want[1], [0] * len(want[0]) + [1] * len(want[1]))
+    assert _smol_rows_digests(smol) == SMOL_DIGESTS
+
+
+SMOL_DIGESTS = {  # mask_prompt-turns-pack; without mask_prompt `turns` changes nothing
+    "True-assistant-False": "b61e5a4b49a00ed0", "True-assistant-True": "dc39e69170b20df2",
+    "True-last-False": "c87d9f82fe0c8da7", "True-last-True": "f4bff10e874d582c",
+    "False-assistant-False": "a983430f6ef6076c", "False-assistant-True": "e09c5b0a0e210955",
+    "False-last-False": "a983430f6ef6076c", "False-last-True": "e09c5b0a0e210955"}

@@ -115,22 +115,13 @@ def test_text_scores_the_first_windows_of_the_split(tiny_gguf, tmp_path, capsys)
     assert every["val_loss"] == whole["val_loss"] and every["tokens_scored"] == 16 * n
 
 
-def test_gguf_split_test_scores_the_first_packed_rows(tiny_gguf, tmp_path, capsys,  # noqa: F811
-                                                      monkeypatch):
+def test_gguf_split_test_scores_the_first_packed_rows(tiny_gguf, tmp_path, capsys):  # noqa: F811
     """A Llama GGUF of its own, --split test on chat examples (packed rows): --max-examples 2
-    scores the first 2 rows of all the examples' rows (the loss NumPy gives on them),
-    tokenizing no example after those rows."""
+    scores the first 2 rows of all the examples' rows (the loss NumPy gives on them), and
+    counts as scored the examples up to the one that completes them."""
     test = mlx_lm_folder(tmp_path / "data", n_train=0, n_valid=0, n_test=40) / "test.jsonl"
-    tokenize, seen = chat.tokenize_example, []
-
-    def counted(example, *a, **k):
-        seen.append(example)
-        return tokenize(example, *a, **k)
-
-    monkeypatch.setattr(chat, "tokenize_example", counted)
     got = _json(capsys, tiny_gguf, "--split", "test", "--data.path", test, "--seq-len", "32",
                 "--max-examples", "2")
-    monkeypatch.setattr(chat, "tokenize_example", tokenize)
     model, g = load_llama(tiny_gguf, weights="float32")
     tok = Tokenizer.from_metadata(g.metadata)
     g.close()
@@ -140,8 +131,12 @@ def test_gguf_split_test_scores_the_first_packed_rows(tiny_gguf, tmp_path, capsy
     assert len(rows["inputs"]) > 10
     want = _mean_ce(model, rows["inputs"][:2], rows["targets"][:2], rows["mask"][:2])
     assert got["test_loss"] == pytest.approx(want, rel=1e-4)
-    k = len(seen)
+    k = got["scored"]
     assert got["rows"] == 2 and 2 <= k < 10  # stopped once 2 full rows were made
+    fewer = chat.pack_or_pad([chat.tokenize_example(e, tok, True) for e in examples[:k - 1]],
+                             32, tok.eos_id, pack=True)
+    # the k-th example completes them: without it the second row is cut short (padded)
+    assert not np.array_equal(fewer["inputs"][:2], rows["inputs"][:2])
     assert (got["subset"], got["scored"], got["of"]) == (
         f"2 rows made of the first {k} of 40 test examples (--max-examples 2)", k, 40)
 

@@ -480,7 +480,7 @@ def test_eval_split_val_tokenizes_the_validation_examples_alone(tiny_gguf, tmp_p
         tokenized.append(example.source.rsplit(":", 1)[0])
         return tokenize(example, *a, **k)
 
-    tokenize = chat.tokenize_example
+    tokenize = chat._pieces  # each example's, as tokenizing cuts it
     for name, data in (("folder", mlx_lm_folder(tmp_path / "data", n_test=0)),
                        ("file", mlx_lm_folder(tmp_path / "one", n_valid=0, n_test=0)
                         / "train.jsonl")):
@@ -490,10 +490,10 @@ def test_eval_split_val_tokenizes_the_validation_examples_alone(tiny_gguf, tmp_p
                        "0.25", "--data.path", str(data)]) == 0
         last = [e for e in events_of(tmp_path / name) if e["kind"] == "eval"][-1]["val_loss"]
         capsys.readouterr()
-        monkeypatch.setattr(chat, "tokenize_example", counted)
+        monkeypatch.setattr(chat, "_pieces", counted)
         tokenized.clear()
         assert eval_main(["--model", str(tmp_path / name)]) == 0
-        monkeypatch.setattr(chat, "tokenize_example", tokenize)
+        monkeypatch.setattr(chat, "_pieces", tokenize)
         out = json.loads(capsys.readouterr().out)
         valid = str(data / "valid.jsonl") if name == "folder" else str(data)
         assert (name, tokenized) == (name, [valid] * 3)  # 3 of 12 with the val-fraction

@@ -191,6 +191,27 @@ def test_smollm2_chat_template(smol):
     assert ids.count(1) == 3 and ids.count(2) == 3
 
 
+BATCH_TEXTS = ["Hello world", "", "<|im_start|>user\n12345<|im_end|>\n", "  multiple",
+               "café 東京 🙂\n\n", "<|im_end|>", " \t\n", "x" * 300]
+
+
+@pytest.mark.parametrize("name", ["smol", "spm", "byte"])
+@pytest.mark.parametrize("add_bos", [None, False, True])
+def test_encode_batch_gives_each_text_s_own_ids(spm, smol, name, add_bos):
+    """`encode_batch` (one call into `tokenizers` for the raw text of all the texts, as chat
+    data is tokenized) gives each text the int32 ids `encode` gives it alone: specials, empty
+    texts, BOS and unicode in any order."""
+    tok = {"smol": smol, "spm": spm, "byte": byte_tokenizer()}[name]
+    batch = tok.encode_batch(BATCH_TEXTS, add_bos)
+    assert all(ids.dtype == np.int32 for ids in batch)
+    assert [ids.tolist() for ids in batch] == [tok.encode(t, add_bos) for t in BATCH_TEXTS]
+    assert [ids.tolist() for ids in tok.encode_batch(BATCH_TEXTS[::-1], add_bos)] == [
+        ids.tolist() for ids in batch[::-1]]
+    if name == "smol" and not add_bos:
+        assert [ids.tolist() for ids in batch[:4]] == [
+            [19556, 905], [], [1, 4093, 198, 33, 34, 35, 36, 37, 2, 198], [216, 2701]]
+
+
 def test_no_chat_template_is_a_clear_error(spm):
     assert spm.chat_template is None
     with pytest.raises(TokenizerError, match="tokenizer.chat_template: expected"):

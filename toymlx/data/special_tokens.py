@@ -108,7 +108,9 @@ def split_special(text: str, partition: list[tuple[str, int, int]], parse_specia
     for tok_text, tok_id, attr in partition:
         if not parse_special and attr & (A_CONTROL | A_UNKNOWN):
             continue
-        if not any(isinstance(f, str) and tok_text in f for f in frags):
+        # the whole text first: one scan, where most specials are not found at all
+        if tok_text not in text or not any(isinstance(f, str) and tok_text in f
+                                           for f in frags):
             continue
         out: list[str | int] = []
         for f in frags:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -446,23 +446,30 @@ class Tokenizer:
     def encode_np(self, text: str, add_bos: bool | None = None, *, add_eos: bool = False,
                   parse_special: bool = True) -> np.ndarray:
         """`encode` as an int32 numpy array (vectorised for the byte tokenizer)."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode: expected str, found {type(text).__name__}")
-        bos = self._check_added(add_bos, add_eos)
-        fragments = split_special(text, self._partition, parse_special)
-        parts: list[np.ndarray] = []
-        if bos:
-            parts.append(np.array([self._bos], dtype=np.int32))
-        raw = [f for f in fragments if isinstance(f, str)]
-        encoded = iter(self._encode_raw(raw))
-        for frag in fragments:
-            parts.append(next(encoded) if isinstance(frag, str)
-                         else np.array([frag], dtype=np.int32))
+        ids = self.encode_batch([text], add_bos, parse_special=parse_special)[0]
         if add_eos:
-            parts.append(np.array([self._eos], dtype=np.int32))
-        if not parts:
-            return np.zeros(0, dtype=np.int32)
-        return np.concatenate(parts).astype(np.int32, copy=False)
+            self._check_added(add_bos, add_eos)
+            ids = np.append(ids, np.int32(self._eos))
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None, *,
+                     parse_special: bool = True) -> list[np.ndarray]:
+        """`encode_np(text, add_bos)` of each of `texts`, the same int32 ids, with one call into
+        `tokenizers` for the raw text of them all (its `encode_batch`) instead of one a text:
+        a chat file's examples are cut into many short pieces (`toymlx.data.chat`), and a call
+        costs more than its few tokens do."""
+        for text in texts:
+            if not isinstance(text, str):
+                raise TypeError(f"encode: expected str, found {type(text).__name__}")
+        bos = self._check_added(add_bos, False)
+        fragments = [split_special(text, self._partition, parse_special) for text in texts]
+        encoded = iter(self._encode_raw([f for frags in fragments for f in frags
+                                         if isinstance(f, str)]))
+        head = [np.array([self._bos], dtype=np.int32)] if bos else []
+        return [np.concatenate(head + [next(encoded) if isinstance(f, str)
+                                       else np.array([f], dtype=np.int32) for f in frags]
+                               ).astype(np.int32, copy=False)
+                if head or frags else np.zeros(0, dtype=np.int32) for frags in fragments]
 
     @property
     def id_dtype(self) -> type[np.integer]:
