@@ -185,7 +185,7 @@ def test_disk_full_mid_run_keeps_earlier_checkpoints(tmp_path, capsys, monkeypat
     assert f"; a checkpoint takes {size / 2**20:.1f} MiB here (step_2's files) and " in line
     assert line.endswith(" MiB are free: free space, or --runs-root on a larger disk (each "
                          "checkpoint is written in full before --keep-last removes an older "
-                         "one)")
+                         f"one); then resume with --resume {run} (from step 2)")
     assert assert_bundle_intact(run) == 2
     end = read_events(run)[-1]
     assert end["kind"] == "run_end" and end["reason"] == "error" and end["final_step"] == 3
@@ -233,6 +233,7 @@ def test_real_full_disk(tmp_path, data, monkeypatch):
         run = mnt / "r"
         step = assert_bundle_intact(run)
         assert step >= 1
+        assert err[0].endswith(f"; then resume with --resume {run} (from step {step})"), err[0]
         # free room (drop the oldest checkpoints) and resume from latest
         for s, ckpt in list_checkpoints(run / "weights")[:-1]:
             ckpt.unlink()

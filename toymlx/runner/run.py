@@ -39,7 +39,7 @@ from toymlx.models.ops import Ops, training_ops
 from toymlx.runner.bundle import Bundle
 from toymlx.runner.launch import launched_as_rank
 from toymlx.training.task import Task, TrainConfig, check_config, warmup_note
-from toymlx.training.trainer import train
+from toymlx.training.trainer import resume_from, train
 
 
 def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
@@ -203,19 +203,29 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 1
         except OSError as e:
-            try:
-                kept = (f"earlier checkpoints are intact (weights/latest -> "
-                        f"{os.readlink(run.run_dir / 'weights' / ck.LATEST)})")
-            except OSError:
-                kept = "no checkpoint was completed"
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                kept += ck.room_note(run.run_dir / "weights")
             print(f"toymlx-train: error: {run.run_dir}: could not write the run bundle ({e}); "
-                  f"{kept}", file=sys.stderr)
+                  f"{_after_write_error(run.run_dir, e)}", file=sys.stderr)
             return 1
     if run.world is None or run.world.rank() == 0:
         _final_line(run.run_dir, end)
     return int(end["exit_code"])
+
+
+def _after_write_error(run_dir: Path, e: OSError) -> str:
+    """What a run that `e` ended mid-run (a full disk) kept, the room a checkpoint needs where
+    the disk is full, and the command that goes on once it can write again: from the checkpoint
+    `latest` names, or where none was completed, the run started over."""
+    weights = run_dir / "weights"
+    try:
+        latest = os.readlink(weights / ck.LATEST)
+    except OSError:
+        latest = None
+    room = ck.room_note(weights) if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    step = None if latest is None else ck.checkpoint_step(Path(latest))
+    if step is None:
+        return f"{resume_from(run_dir, None)}{room}"
+    return (f"earlier checkpoints are intact (weights/latest -> {latest}){room}; then "
+            f"{resume_from(run_dir, step)}")
 
 
 def _refused(line: str, world: Any = None) -> int:
