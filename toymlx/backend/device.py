@@ -486,6 +486,34 @@ def drop_unloadable_kernel(error: BaseException) -> str | None:
     return str(lib)
 
 
+_UNBUILT = re.compile(r"\[Compile::eval_cpu\] Failed to compile function .*?the output is: ?(.*)",
+                     re.DOTALL)
+"""MLX's error for a kernel its compiler failed to build (the compiler's output at the end)."""
+
+
+def kernel_build_failure(error: BaseException) -> str | None:
+    """Where `error` is MLX's failure to build a CPU kernel (its compiler failed: a full disk,
+    "final link failed: No space left on device"), one line saying so: the kernel folder, the
+    compiler's first line, what is free there where the disk is full, and what to do; else
+    None. MLX's own error is a screenful (the compiler's command and output)."""
+    found = _UNBUILT.search(str(error))
+    if found is None:
+        return None
+    said = next((ln.strip() for ln in found.group(1).splitlines() if ln.strip()),
+                "no output")[:300]
+    folder = _mlx_kernel_dir()
+    with contextlib.suppress(OSError):
+        folder = folder.resolve()
+    line = f"MLX could not build a CPU kernel in {folder} (its compiler: {said})"
+    if "No space left on device" in said or "Disk quota exceeded" in said:
+        with contextlib.suppress(OSError):
+            fs = os.statvfs(folder)
+            line += f"; {fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB are free there"
+        line += (": free space there, or set TOYMLX_KERNEL_CACHE to a folder on a larger disk, "
+                 "or train with --no-compile (no kernels to build)")
+    return line
+
+
 def _made_by_toymlx(link: Path, kept: Path) -> bool:
     """Whether `link` (MLX's kernel folder) is a link toymlx made to a kernel cache, recognised
     by the layout, `<root>/<mlx version>/<vector set>[-<header tag>]/cpu` (the older one:
