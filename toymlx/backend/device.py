@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import (
+    atomic,
     blas,
     blas_rebind,
     fpenv,
@@ -292,17 +293,18 @@ def kernel_forms() -> bool:
 
 def _keep_new_kernels(mlx_dir: Path, kept: Path) -> None:
     """Copy the kernels MLX built in its own temporary folder that `kept` lacks (each through
-    a temporary name, so a reader never sees half a library)."""
+    a temporary name, so a reader never sees half a library, removed where the copy fails: a
+    full disk is left no fuller)."""
+    tmp = kept / f".partial-{os.getpid()}"  # MLX's names fill NAME_MAX already
     try:
         kept.mkdir(parents=True, exist_ok=True)
         have = {p.name for p in kept.iterdir()}
         for lib in mlx_dir.glob("*.so"):
             if lib.name not in have:
-                tmp = kept / f".partial-{os.getpid()}"  # MLX's names fill NAME_MAX already
                 shutil.copyfile(lib, tmp)
                 os.replace(tmp, kept / lib.name)
     except OSError:
-        pass  # a cache: MLX compiles what it lacks
+        atomic.discard(tmp)  # a cache: MLX compiles what it lacks
 
 
 def _kernel_cache_root() -> Path:
