@@ -216,6 +216,46 @@ def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
     assert "training split has" in log and log.count("start:") == 1
 
 
+def test_a_run_a_full_disk_failed_is_resumed_from_its_checkpoint(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A run the disk filled under (ENOSPC at its 3rd checkpoint) is failed; the sweep says its
+    checkpoints are intact, and the same command once there is room resumes it from step 4
+    (before: retried from step 0 with --overwrite, its checkpoints deleted: a full disk cost
+    every run it stopped all of its steps)."""
+    from toymlx_cli.train import main as train_main
+
+    import toymlx.bundle.checkpoint as ck
+
+    calls, save = {"n": 0}, ck.save_state
+
+    def full(path, arrays, meta):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return save(path, arrays, meta)
+
+    args = [*TINY, "--checkpoint-every", "2"]
+    monkeypatch.setattr(ck, "save_state", full)
+    run = tmp_path / "s" / "lr=0.001"
+    assert train_main(["--recipe", "from-scratch", "--runs-root", str(tmp_path / "s"),
+                       "--run-id", run.name, *args, "--lr", "0.001"]) == 1
+    monkeypatch.undo()
+    assert [ev["reason"] for ev in read_events(run) if ev["kind"] == "run_end"] == ["error"]
+    capsys.readouterr()
+    argv = ["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root", str(tmp_path),
+            "--sweep-id", "s", "--no-progress", "--no-report", *args]
+    assert sweep_main([*argv, "--no-retry-failed"]) == 1
+    assert (f"sweep: {run.name}: its checkpoints are intact: free space (or make the folder "
+            "writable) and run the same command again; it resumes from them\n"
+            ) in capsys.readouterr().err
+    assert sweep_main(argv) == 0
+    assert "resume: toymlx-train --resume" in (tmp_path / "s" / "logs" / f"{run.name}.log"
+                                               ).read_text()
+    events = read_events(run)
+    assert [ev["from_step"] for ev in events if ev["kind"] == "resume"] == [4]
+    assert [ev["step"] for ev in events if ev["kind"] == "step"] == list(range(1, 11))
+
+
 def test_a_full_disk_at_the_summary_names_the_file_and_still_reports_the_runs(
         tmp_path, capsys, monkeypatch):
     """The disk fills as report.png is drawn (measured: a sweep on a 180 KiB tmpfs whose

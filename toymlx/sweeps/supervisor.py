@@ -18,6 +18,7 @@ alone any run whose bundle another live process still owns.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -36,7 +37,7 @@ from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
 from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
-from toymlx.bundle.folder import check_folder_name
+from toymlx.bundle.folder import UNWRITABLE, check_folder_name
 from toymlx.bundle.outputs import check_output
 from toymlx.runner import report
 from toymlx.sweeps.live import EventTail, LiveView, SweptRun
@@ -75,6 +76,18 @@ def _has_checkpoint(run_dir: Path) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+def failed_on_the_disk(run_dir: Path) -> bool:
+    """Whether the run's last attempt ended on a disk that refused its writes (full, over
+    quota, read-only: its run_end's error, or MLX's kernel build's): what it had checkpointed
+    is good, so once there is room it is resumed, not started over (a full disk cost every run
+    it stopped all its steps)."""
+    ends = [ev for ev in read_events(run_dir) if ev["kind"] == "run_end"] if run_dir.is_dir() \
+        else []
+    said = str(ends[-1].get("message") or "") if ends else ""
+    return (any(f"OSError: [Errno {n}] " in said for n in UNWRITABLE)
+            or any(os.strerror(n) in said for n in (errno.ENOSPC, errno.EDQUOT)))
 
 
 def _recorded(sweep_dir: Path, r: SweptRun, key: str = "state") -> Any:
@@ -210,7 +223,7 @@ class _Runner:
             r.message = r.message or _recorded(self.sweep_dir, r, "message")
             r.release()
             return
-        if state == "resumable" and _has_checkpoint(r.dir):
+        if (state == "resumable" or failed_on_the_disk(r.dir)) and _has_checkpoint(r.dir):
             r.action = "resume"
             cmd = ["--resume", str(r.dir), "--no-progress"]
         else:  # new, failed, or stopped before its first checkpoint: start (over)
@@ -343,6 +356,10 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         if r.state in ("failed", "diverged"):
             stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
                          f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
+            if r.state == "failed" and failed_on_the_disk(r.dir) and _has_checkpoint(r.dir):
+                stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: free space (or "
+                             "make the folder writable) and run the same command again; it "
+                             "resumes from them\n")
         elif r.state == "elsewhere":
             stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
     if interrupted:
