@@ -234,9 +234,15 @@ class _Runner:
                    *(["--overwrite"] if r.dir.exists() else [])]
         log_path = self.sweep_dir / "logs" / f"{r.spec.name}.log"
         r.log = open(log_path, "ab")  # noqa: SIM115  (open for the run's lifetime)
-        r.log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {r.action}: toymlx-train "
-                    f"{' '.join(cmd)}\n".encode())
-        r.log.flush()
+        try:
+            r.log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {r.action}: toymlx-train "
+                        f"{' '.join(cmd)}\n".encode())
+            r.log.flush()
+        except OSError as e:  # a full disk's names no file
+            with contextlib.suppress(OSError):
+                r.log.close()
+            r.release()
+            raise atomic.named(e, log_path) from None
         # a resumed run's history is shown, but its outcome is read from what it adds
         r.tail = EventTail(r.dir / "events.jsonl", skip_existing=True)
         if r.action == "resume":
@@ -265,9 +271,13 @@ class _Runner:
             r.state = "failed"
             r.message = r.message or _last_error(self.sweep_dir / "logs" /
                                                  f"{r.spec.name}.log") or f"exit code {code}"
-        atomic.write_text(self.sweep_dir / ".status" / f"{r.spec.name}.json", json.dumps({
-            "state": r.state, "exit_code": code, "message": r.message, "wall_s": r.wall,
-            "host": socket.gethostname(), "finished_at": time.time()}))
+        try:
+            atomic.write_text(self.sweep_dir / ".status" / f"{r.spec.name}.json", json.dumps({
+                "state": r.state, "exit_code": code, "message": r.message, "wall_s": r.wall,
+                "host": socket.gethostname(), "finished_at": time.time()}))
+        except OSError as e:  # a full disk: the sweep goes on (the run's events say how it
+            # ended; before, the sweep ended here, its other runs killed, no summary written)
+            self.stream.write(f"sweep: {r.spec.name}: could not record how it ended ({e})\n")
         r.release()
 
     def _forward(self, active: list[SweptRun], requests: int, grace: float = 120.0) -> None:
