@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,17 @@ def on_cpu():
     mx.set_default_device(mx.cpu)
     yield
     mx.set_default_device(old)
+
+
+@pytest.fixture
+def big_files() -> Iterator[list[Path]]:
+    """Paths a test adds its large files to (a SmolLM2 F32 export is 513 MiB), removed when it
+    ends, passed or failed: pytest keeps the `tmp_path` folders of the last 3 sessions, so the
+    slow tiers' exports stayed on disk (GBs) after every run."""
+    made: list[Path] = []
+    yield made
+    for p in made:
+        p.unlink(missing_ok=True)
 
 
 def home_elsewhere(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:

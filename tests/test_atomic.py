@@ -217,3 +217,39 @@ def test_an_output_folder_is_removed_when_its_write_fails_where_it_made_it(tmp_p
     with atomic.output_folder(tmp_path / "ok" / "d") as out:  # no failure: kept
         pass
     assert out.is_dir()
+
+
+def test_a_gguf_on_a_full_disk_says_what_it_takes_against_what_is_free(tmp_path, monkeypatch):
+    """A GGUF write a full disk stops (an export, a checkpoint) names the file, the size it
+    takes (the size it has once written) and what is free there, and leaves nothing behind
+    (before: "No space left on device" alone, the user left to guess how much to free)."""
+    import numpy as np
+
+    from toymlx.gguf.writer import write_gguf
+
+    tensors = {"w": np.arange(70_000, dtype=np.float32).reshape(700, 100)}
+    size = write_gguf(tmp_path / "whole.gguf", {"general.name": "x"}, tensors).stat().st_size
+    real_open = open
+
+    def full_disk(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if "w" in mode and atomic.TMP_TAG in str(path):
+            f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return f
+
+    monkeypatch.setattr(atomic, "open", full_disk, raising=False)
+    out = tmp_path / "out" / "m.gguf"
+    with pytest.raises(OSError) as e:
+        write_gguf(out, {"general.name": "x"}, tensors)
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize / 2**20
+    said = str(e.value)
+    assert said.startswith(f"[Errno 28] No space left on device (the file takes "
+                           f"{size / 2**20:.1f} MiB; "), said
+    assert said.endswith(f" MiB are free there): '{out}'"), said
+    assert abs(float(said.split("; ")[1].split(" MiB")[0]) - free) < 64, said  # others write
+    assert list(out.parent.iterdir()) == []
+    # any other error passes as it is
+    with pytest.raises(OSError) as e, atomic.room_for(10):
+        raise OSError(errno.EACCES, "Permission denied", str(out))
+    assert str(e.value) == f"[Errno 13] Permission denied: '{out}'"

@@ -423,7 +423,8 @@ def test_a_file_size_limit_names_the_file(tmp_path, data):
     run = tmp_path / "f"
     assert (f"[Errno 27] File too large: '{run / 'weights' / 'step_2.state.safetensors'}'"
             in line), line
-    assert line.endswith("no checkpoint was completed"), line
+    assert line.endswith(f"no checkpoint was written: start it over with toymlx-train --resume "
+                         f"{run} --from step_0"), line
     assert not list((run / "weights").iterdir())  # nothing half-written left behind
 
 

@@ -214,3 +214,50 @@ def test_the_compiler_the_shim_runs_ignores_the_stop_signals(tmp_path):
     ignored = int(out.split()[-1], 16)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
         assert ignored >> (sig - 1) & 1, sig.name
+
+
+# ---- a full disk leaves no temporary behind -----------------------------------------------------
+def _full_disk(*_a, **_k):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_shim_that_cannot_be_written_leaves_no_temporary(tmp_path, monkeypatch):
+    """The shim's write fails (a full disk): kernel loops are off (why), and its folder holds
+    no `.g++.<pid>` (before: left there, on the disk that was full)."""
+    monkeypatch.setattr(kernel_loops.os, "replace", _full_disk)
+    said = kernel_loops.install(tmp_path, "g++")
+    assert said == "off ([Errno 28] No space left on device)", said
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_a_rewrite_that_cannot_be_written_leaves_the_kernel_as_mlx_wrote_it(tmp_path,
+                                                                           monkeypatch):
+    """Rewriting a strided kernel fails at its rename (a full disk): the source is MLX's, and
+    no `.<name>.<pid>` is left beside it."""
+    source, text = tmp_path / "k.cpp", LAYER_NORM_KERNEL
+    assert kernel_loops.rewrite(text) is not None  # one it rewrites
+    source.write_text(text)
+    monkeypatch.setattr(kernel_loops.os, "replace", _full_disk)
+    kernel_loops._rewrite_file(source)
+    assert source.read_text() == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.cpp"]
+
+
+def test_kernels_that_cannot_be_kept_leave_no_partial_copy(tmp_path, monkeypatch):
+    """Copying MLX's kernels into toymlx's cache fails midway (a full disk): the cache holds no
+    `.partial-<pid>` (before: a half-copied library left on the disk that was full)."""
+    from toymlx.backend import device
+
+    mlx_dir, kept = tmp_path / "mlx", tmp_path / "kept"
+    mlx_dir.mkdir()
+    (mlx_dir / "a.so").write_bytes(b"\x7fELF" + bytes(4096))
+
+    def half(src, dst):
+        Path(dst).write_bytes(Path(src).read_bytes()[:100])
+        _full_disk()
+
+    monkeypatch.setattr(device.shutil, "copyfile", half)
+    device._keep_new_kernels(mlx_dir, kept)
+    assert list(kept.iterdir()) == []

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -94,10 +95,13 @@ def llamacpp(tmp: Path, model: Path, lora: Path | None = None, tokens: list[int]
 
 # ---- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def f32_base(smollm_gguf, tmp_path_factory) -> Path:  # noqa: F811
-    """An F32 copy of the Q4_1 base (every tensor dequantized exactly)."""
-    return write_merged(tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf", smollm_gguf,
-                        None, "f32")
+def f32_base(smollm_gguf, tmp_path_factory) -> Iterator[Path]:  # noqa: F811
+    """An F32 copy of the Q4_1 base (every tensor dequantized exactly), removed after the
+    module (513 MiB; pytest keeps the last few temp folders)."""
+    out = write_merged(tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf", smollm_gguf,
+                       None, "f32")
+    yield out
+    out.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +191,8 @@ def test_lora_training_lowers_validation_loss(smollm_gguf, tmp_path):  # noqa: F
 
 
 @pytest.mark.interop
-def test_llamacpp_applies_the_adapter_like_toymlx(smollm_gguf, f32_base, tok, tmp_path):  # noqa: F811
+def test_llamacpp_applies_the_adapter_like_toymlx(smollm_gguf, f32_base, tok, tmp_path,  # noqa: F811
+                                                  big_files):
     """The change an adapter makes to llama.cpp's logits equals the change it makes in toymlx."""
     model, g = load_llama(f32_base)
     tokens = prompt_tokens(tok, "Which Python function returns the length of a list?")
@@ -210,6 +215,7 @@ def test_llamacpp_applies_the_adapter_like_toymlx(smollm_gguf, f32_base, tok, tm
     assert err <= 1e-3 * size
 
     # the fused model: toymlx and llama.cpp both compute base + adapter
+    big_files.append(tmp_path / "merged.gguf")  # F32: 513 MiB
     merged = write_merged(tmp_path / "merged.gguf", f32_base, adapter, "f32")
     lora_logits = base_logits + ours
     fused, _ = load_llama(merged)

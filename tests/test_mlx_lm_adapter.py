@@ -489,7 +489,7 @@ def test_an_mlx_lm_config_resumes_mlx_lm_s_smollm2_adapters(smollm_gguf, smol_tr
 @pytest.mark.slow
 @pytest.mark.interop
 def test_llama_cpp_runs_mlx_lm_s_smollm2_adapters_exported(smollm_gguf, smol_trained,  # noqa: F811
-                                                           tmp_path):
+                                                           tmp_path, big_files):
     """The adapter GGUF on the F32 copy of the base computes toymlx's logits within 5e-4
     (measured 1.8e-4); on the Q4_1 base, and the fused file, llama.cpp answers the taught question
     as mlx-lm does."""
@@ -505,6 +505,7 @@ def test_llama_cpp_runs_mlx_lm_s_smollm2_adapters_exported(smollm_gguf, smol_tra
     assert _export("--adapter", str(folder), "--base", str(smollm_gguf), "--out", str(out)) == 0
     assert _export("--adapter", str(folder), "--base", str(smollm_gguf), "--fuse", "--out",
                    str(fused)) == 0
+    big_files.append(tmp_path / "f32.gguf")  # 513 MiB
     f32 = write_merged(tmp_path / "f32.gguf", smollm_gguf, None, "f32")
     ids = _chat_ids(tok, TAUGHT)
     ours = logits(toy(smollm_gguf, folder), ids)

@@ -20,10 +20,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -63,19 +65,23 @@ def train(base: Path, runs: Path, run_id: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def work(smollm_gguf, tmp_path_factory) -> dict:  # noqa: F811
+def work(smollm_gguf, tmp_path_factory) -> Iterator[dict]:  # noqa: F811
     """The Q4_1 base, its F32 copy, a Q4_K_M base made from that by llama.cpp, a LoRA run on
-    each, and the evaluation tokens (a chat prompt and the start of an answer)."""
+    each, and the evaluation tokens (a chat prompt and the start of an answer). The folder,
+    where the tests also write their exports (with the F32 copy, three F32 fused files of
+    513 MiB each: ~3.3 GB in all), is removed after the module: pytest keeps the last few temp
+    folders."""
     d = tmp_path_factory.mktemp("fusequant")
     f32 = write_merged(d / "base-f32.gguf", smollm_gguf, None, "f32")
     q4km = d / "base-q4_k_m.gguf"
     quantize(f32, q4km, "Q4_K_M")
     tok = Tokenizer.from_gguf(smollm_gguf)
     text = tok.apply_chat_template([{"role": "user", "content": TEXT[0]}], True) + TEXT[1]
-    return {"dir": d, "q4_1": smollm_gguf, "f32": f32, "q4_k_m": q4km,
-            "run_q4_1": train(smollm_gguf, d / "runs", "q4_1"),
-            "run_q4_k_m": train(q4km, d / "runs", "q4_k_m"),
-            "ids": tok.encode(text, add_bos=False)}
+    yield {"dir": d, "q4_1": smollm_gguf, "f32": f32, "q4_k_m": q4km,
+           "run_q4_1": train(smollm_gguf, d / "runs", "q4_1"),
+           "run_q4_k_m": train(q4km, d / "runs", "q4_k_m"),
+           "ids": tok.encode(text, add_bos=False)}
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def mean_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:

@@ -185,7 +185,7 @@ def test_disk_full_mid_run_keeps_earlier_checkpoints(tmp_path, capsys, monkeypat
     assert f"; a checkpoint takes {size / 2**20:.1f} MiB here (step_2's files) and " in line
     assert line.endswith(" MiB are free: free space, or --runs-root on a larger disk (each "
                          "checkpoint is written in full before --keep-last removes an older "
-                         "one)")
+                         f"one); then resume with --resume {run} (from step 2)")
     assert assert_bundle_intact(run) == 2
     end = read_events(run)[-1]
     assert end["kind"] == "run_end" and end["reason"] == "error" and end["final_step"] == 3
@@ -233,6 +233,7 @@ def test_real_full_disk(tmp_path, data, monkeypatch):
         run = mnt / "r"
         step = assert_bundle_intact(run)
         assert step >= 1
+        assert err[0].endswith(f"; then resume with --resume {run} (from step {step})"), err[0]
         # free room (drop the oldest checkpoints) and resume from latest
         for s, ckpt in list_checkpoints(run / "weights")[:-1]:
             ckpt.unlink()
@@ -243,6 +244,57 @@ def test_real_full_disk(tmp_path, data, monkeypatch):
         assert resumes[-1]["from_step"] == step
     finally:
         _umount(mnt)
+
+
+_UNBUILT = ('[Compile::eval_cpu] Failed to compile function Df4IBroadcastB_VCC_f4_829_contiguous: '
+            'Failed to execute command with return code 1: "g++ -std=c++17 -O3 -Wall -fPIC -shared '
+            '"/tmp/mlx/0.32.4/cpu/tmp_8b8c241f.cpp" -o "/tmp/mlx/0.32.4/cpu/tmp_8b8c241f.so" 2>&1", '
+            'the output is: /usr/bin/ld: final link failed: No space left on device\n'
+            'collect2: error: ld returned 1 exit status\n')
+"""MLX 0.32's error where g++ could not write a kernel library (its kernel folder's disk full)."""
+
+
+def test_kernel_build_on_a_full_disk_is_one_line(tmp_path, data, monkeypatch, capsys):
+    """MLX's compiler fails mid-run (its kernel folder's disk is full): one line naming the
+    folder, the compiler's error and what to do, then the --resume command from the last
+    checkpoint, exit 1, no traceback (before: MLX's RuntimeError, a screen of traceback)."""
+    from toymlx.backend import device
+    from toymlx.training import trainer
+
+    calls = {"n": 0}
+    step = trainer.Stepper.step
+
+    def failing(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError(_UNBUILT)
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(trainer.Stepper, "step", failing)
+    assert train(tmp_path, "k", "--steps", "5", "--checkpoint-every", "2", data=data) == 1
+    folder = device._mlx_kernel_dir().resolve()
+    line = error_line(capsys)
+    assert line.startswith(f"toymlx-train: error: MLX could not build a CPU kernel in {folder} "
+                           "(its compiler: /usr/bin/ld: final link failed: No space left on "
+                           "device); "), line
+    assert line.endswith(": free space there, or set TOYMLX_KERNEL_CACHE to a folder on a larger "
+                         "disk, or train with --no-compile (no kernels to build); earlier "
+                         "checkpoints are intact (weights/latest -> step_2.gguf); then resume "
+                         f"with --resume {tmp_path / 'k'} (from step 2)"), line
+    assert assert_bundle_intact(tmp_path / "k") == 2
+    monkeypatch.undo()
+    assert main(["--resume", str(tmp_path / "k"), "--steps", "3", "--no-progress"]) == 0
+
+
+def test_other_runtime_errors_are_not_taken_for_a_kernel_build():
+    """Only MLX's compile failure is read as one; another compiler error is named as it is."""
+    from toymlx.backend.device import kernel_build_failure
+
+    assert kernel_build_failure(RuntimeError("[matmul] Last dimension mismatch")) is None
+    assert kernel_build_failure(RuntimeError(_UNBUILT.replace("No space left on device",
+                                                              "undefined reference"))
+                                ).endswith("(its compiler: /usr/bin/ld: final link failed: "
+                                           "undefined reference)")
 
 
 def test_runs_folder_turns_unwritable_mid_run(tmp_path, data, monkeypatch, capsys):

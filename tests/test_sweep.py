@@ -216,6 +216,99 @@ def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
     assert "training split has" in log and log.count("start:") == 1
 
 
+def test_a_run_a_full_disk_failed_is_resumed_from_its_checkpoint(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A run the disk filled under (ENOSPC at its 3rd checkpoint) is failed; the sweep says its
+    checkpoints are intact, and the same command once there is room resumes it from step 4
+    (before: retried from step 0 with --overwrite, its checkpoints deleted: a full disk cost
+    every run it stopped all of its steps)."""
+    from toymlx_cli.train import main as train_main
+
+    import toymlx.bundle.checkpoint as ck
+
+    calls, save = {"n": 0}, ck.save_state
+
+    def full(path, arrays, meta):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return save(path, arrays, meta)
+
+    args = [*TINY, "--checkpoint-every", "2"]
+    monkeypatch.setattr(ck, "save_state", full)
+    run = tmp_path / "s" / "lr=0.001"
+    assert train_main(["--recipe", "from-scratch", "--runs-root", str(tmp_path / "s"),
+                       "--run-id", run.name, *args, "--lr", "0.001"]) == 1
+    monkeypatch.undo()
+    assert [ev["reason"] for ev in read_events(run) if ev["kind"] == "run_end"] == ["error"]
+    capsys.readouterr()
+    argv = ["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root", str(tmp_path),
+            "--sweep-id", "s", "--no-progress", "--no-report", *args]
+    assert sweep_main([*argv, "--no-retry-failed"]) == 1
+    assert (f"sweep: {run.name}: its checkpoints are intact: free space (or make the folder "
+            "writable) and run the same command again; it resumes from them\n"
+            ) in capsys.readouterr().err
+    assert sweep_main(argv) == 0
+    assert "resume: toymlx-train --resume" in (tmp_path / "s" / "logs" / f"{run.name}.log"
+                                               ).read_text()
+    events = read_events(run)
+    assert [ev["from_step"] for ev in events if ev["kind"] == "resume"] == [4]
+    assert [ev["step"] for ev in events if ev["kind"] == "step"] == list(range(1, 11))
+
+
+def test_a_run_s_record_a_full_disk_refuses_does_not_end_the_sweep(tmp_path, capsys,
+                                                                     monkeypatch):
+    """The sweep's record of how a run ended (.status/RUN.json) cannot be written (a full
+    disk): one line names it, and the sweep goes on to its other runs and its summary (before:
+    toymlx-sweep ended there, exit 2, the other runs killed and no summary written)."""
+    from toymlx.sweeps import supervisor
+
+    write = supervisor.atomic.write_text
+
+    def full(path, text):
+        if ".status" in str(path) and "lr=0.001" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write(path, text)
+
+    monkeypatch.setattr(supervisor.atomic, "write_text", full)
+    argv = ["--recipe", "from-scratch", "--grid", "lr=1e-3,2e-3", "--runs-root", str(tmp_path),
+            "--sweep-id", "s", "--no-progress", "--no-report", *TINY]
+    assert sweep_main(argv) == 0
+    err = capsys.readouterr().err
+    status = tmp_path / "s" / ".status" / "lr=0.001.json"
+    assert (f"sweep: lr=0.001: could not record how it ended ([Errno 28] No space left on "
+            f"device: '{status}')\n") in err
+    assert [r["status"] for r in _csv(tmp_path / "s" / "summary.csv")] == ["completed"] * 2
+
+
+def test_a_run_log_a_full_disk_refuses_is_named(tmp_path, capsys, monkeypatch):
+    """A run's log cannot be written (a full disk): the sweep's error names the log (before:
+    "[Errno 28] No space left on device", no file)."""
+    from toymlx.sweeps import supervisor
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            return len(b)
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(supervisor, "open", lambda path, mode: Full(open(path, mode)),  # noqa: SIM115
+                        raising=False)
+    argv = ["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root", str(tmp_path),
+            "--sweep-id", "s", "--no-progress", "--no-report", *TINY]
+    assert sweep_main(argv) == 2
+    log = tmp_path / "s" / "logs" / "lr=0.001.log"
+    assert capsys.readouterr().err.endswith(
+        f"toymlx-sweep: error: [Errno 28] No space left on device: '{log}'\n")
+
+
 def test_a_full_disk_at_the_summary_names_the_file_and_still_reports_the_runs(
         tmp_path, capsys, monkeypatch):
     """The disk fills as report.png is drawn (measured: a sweep on a 180 KiB tmpfs whose

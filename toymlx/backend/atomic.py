@@ -9,6 +9,7 @@ file stays as it was; an OSError (a full disk, a file-size limit) names the targ
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -102,6 +103,26 @@ def named(e: OSError, path: str | os.PathLike) -> OSError:
     if e.errno is None or (e.filename is not None and not _is_temporary(e.filename, path)):
         return e
     return OSError(e.errno, e.strerror or str(e), str(path))
+
+
+@contextmanager
+def room_for(size: int) -> Iterator[None]:
+    """A block that writes one file of about `size` bytes (outside its `atomic_open`, so its
+    temporary is gone): a full disk's OSError (ENOSPC, EDQUOT) then says how much the file takes
+    against what is free on its disk, "No space left on device (the file takes 812.3 MiB;
+    402.0 MiB are free there)"; any other error passes as it is."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or e.filename is None:
+            raise
+        try:
+            fs = os.statvfs(Path(e.filename).parent)
+        except OSError:
+            raise e from None
+        free = fs.f_bavail * fs.f_frsize
+        raise OSError(e.errno, f"{e.strerror or e} (the file takes {size / 2**20:.1f} MiB; "
+                      f"{free / 2**20:.1f} MiB are free there)", e.filename) from None
 
 
 def _is_temporary(name: str | os.PathLike, path: str | os.PathLike) -> bool:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import (
+    atomic,
     blas,
     blas_rebind,
     fpenv,
@@ -292,17 +293,18 @@ def kernel_forms() -> bool:
 
 def _keep_new_kernels(mlx_dir: Path, kept: Path) -> None:
     """Copy the kernels MLX built in its own temporary folder that `kept` lacks (each through
-    a temporary name, so a reader never sees half a library)."""
+    a temporary name, so a reader never sees half a library, removed where the copy fails: a
+    full disk is left no fuller)."""
+    tmp = kept / f".partial-{os.getpid()}"  # MLX's names fill NAME_MAX already
     try:
         kept.mkdir(parents=True, exist_ok=True)
         have = {p.name for p in kept.iterdir()}
         for lib in mlx_dir.glob("*.so"):
             if lib.name not in have:
-                tmp = kept / f".partial-{os.getpid()}"  # MLX's names fill NAME_MAX already
                 shutil.copyfile(lib, tmp)
                 os.replace(tmp, kept / lib.name)
     except OSError:
-        pass  # a cache: MLX compiles what it lacks
+        atomic.discard(tmp)  # a cache: MLX compiles what it lacks
 
 
 def _kernel_cache_root() -> Path:
@@ -484,6 +486,34 @@ def drop_unloadable_kernel(error: BaseException) -> str | None:
     except OSError:
         return None
     return str(lib)
+
+
+_UNBUILT = re.compile(r"\[Compile::eval_cpu\] Failed to compile function .*?the output is: ?(.*)",
+                     re.DOTALL)
+"""MLX's error for a kernel its compiler failed to build (the compiler's output at the end)."""
+
+
+def kernel_build_failure(error: BaseException) -> str | None:
+    """Where `error` is MLX's failure to build a CPU kernel (its compiler failed: a full disk,
+    "final link failed: No space left on device"), one line saying so: the kernel folder, the
+    compiler's first line, what is free there where the disk is full, and what to do; else
+    None. MLX's own error is a screenful (the compiler's command and output)."""
+    found = _UNBUILT.search(str(error))
+    if found is None:
+        return None
+    said = next((ln.strip() for ln in found.group(1).splitlines() if ln.strip()),
+                "no output")[:300]
+    folder = _mlx_kernel_dir()
+    with contextlib.suppress(OSError):
+        folder = folder.resolve()
+    line = f"MLX could not build a CPU kernel in {folder} (its compiler: {said})"
+    if "No space left on device" in said or "Disk quota exceeded" in said:
+        with contextlib.suppress(OSError):
+            fs = os.statvfs(folder)
+            line += f"; {fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB are free there"
+        line += (": free space there, or set TOYMLX_KERNEL_CACHE to a folder on a larger disk, "
+                 "or train with --no-compile (no kernels to build)")
+    return line
 
 
 def _made_by_toymlx(link: Path, kept: Path) -> bool:

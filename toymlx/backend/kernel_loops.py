@@ -187,14 +187,15 @@ def install(cache: str | os.PathLike, compiler: str) -> str:
             f"exec {shlex.quote(sys.executable)} -S -E {shlex.quote(str(Path(__file__)))} "
             f"{shlex.quote(compiler)} \"$@\"\n")
     shim = Path(cache) / f"bin-{hashlib.sha256(text.encode()).hexdigest()[:10]}" / "g++"
+    tmp = shim.with_name(f".g++.{os.getpid()}")
     try:
         if not shim.is_file() or shim.read_text() != text:
             shim.parent.mkdir(parents=True, exist_ok=True)
-            tmp = shim.with_name(f".g++.{os.getpid()}")
             tmp.write_text(text)
             tmp.chmod(0o755)
             os.replace(tmp, shim)  # a build running now sees the whole file or none
     except OSError as e:
+        _discard(tmp)
         return f"off ({' '.join(str(e).split())[:200]})"
     uninstall()
     path = os.environ.get("PATH")
@@ -216,14 +217,23 @@ def uninstall() -> None:
 def _rewrite_file(path: Path) -> None:
     """Rewrite the kernel in `path` in place (through a temporary file) where it is an MLX
     strided kernel; leave it as MLX wrote it otherwise, or if anything fails."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         new = rewrite(path.read_text())
         if new is not None:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_text(new)
             os.replace(tmp, path)
     except (OSError, UnicodeDecodeError, ValueError):
-        pass  # MLX's own loop: slower, never wrong
+        _discard(tmp)  # MLX's own loop: slower, never wrong
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a failed write's temporary (a full disk is left no fuller); `atomic.discard`,
+    which this file, run by the shim as a script without toymlx on its path, cannot import."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def main(argv: list[str]) -> None:

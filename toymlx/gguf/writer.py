@@ -21,7 +21,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm import tqdm
 
-from toymlx.backend.atomic import atomic_open
+from toymlx.backend.atomic import atomic_open, room_for
 from toymlx.gguf.reader import (
     ARRAY,
     BOOL,
@@ -203,8 +203,10 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
 
     path.parent.mkdir(parents=True, exist_ok=True)
     sha = hashlib.sha256()
-    with atomic_open(path) as f, tqdm(total=offset, desc=progress, unit="B", unit_scale=True,
-                                      disable=progress is None, file=sys.stderr) as bar:
+    head = 24 + sum(map(len, kv)) + sum(map(len, infos))
+    with (room_for(head + (-head % alignment) + offset), atomic_open(path) as f,
+          tqdm(total=offset, desc=progress, unit="B", unit_scale=True, disable=progress is None,
+               file=sys.stderr) as bar):
         f.write(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
         f.writelines(kv + infos)
         _pad(f, alignment)

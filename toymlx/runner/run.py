@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from toymlx.backend.device import on_gpu, select_device, setup_process
+from toymlx.backend.device import kernel_build_failure, on_gpu, select_device, setup_process
 from toymlx.backend.files import not_utf8, special_kind
 from toymlx.backend.stop import how_stopped, ignore_stop_signals
 from toymlx.bundle import checkpoint as ck
@@ -39,7 +39,7 @@ from toymlx.models.ops import Ops, training_ops
 from toymlx.runner.bundle import Bundle
 from toymlx.runner.launch import launched_as_rank
 from toymlx.training.task import Task, TrainConfig, check_config, warmup_note
-from toymlx.training.trainer import train
+from toymlx.training.trainer import resume_from, train
 
 
 def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
@@ -203,19 +203,34 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 1
         except OSError as e:
-            try:
-                kept = (f"earlier checkpoints are intact (weights/latest -> "
-                        f"{os.readlink(run.run_dir / 'weights' / ck.LATEST)})")
-            except OSError:
-                kept = "no checkpoint was completed"
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                kept += ck.room_note(run.run_dir / "weights")
+            room = (ck.room_note(run.run_dir / "weights")
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT) else "")
             print(f"toymlx-train: error: {run.run_dir}: could not write the run bundle ({e}); "
-                  f"{kept}", file=sys.stderr)
+                  f"{_kept(run.run_dir, room)}", file=sys.stderr)
+            return 1
+        except RuntimeError as e:  # MLX's, where its compiler failed (a full disk)
+            if (why := kernel_build_failure(e)) is None:
+                raise
+            print(f"toymlx-train: error: {why}; {_kept(run.run_dir)}", file=sys.stderr)
             return 1
     if run.world is None or run.world.rank() == 0:
         _final_line(run.run_dir, end)
     return int(end["exit_code"])
+
+
+def _kept(run_dir: Path, room: str = "") -> str:
+    """What a run an error ended mid-run (a full disk) kept, `room` (what a checkpoint needs
+    there, `room_note`), and the command that goes on once the error is mended: from the
+    checkpoint `latest` names, or where none was completed, the run started over."""
+    try:
+        latest = os.readlink(run_dir / "weights" / ck.LATEST)
+    except OSError:
+        latest = ""
+    step = ck.checkpoint_step(Path(latest))
+    if step is None:
+        return f"{resume_from(run_dir, None)}{room}"
+    return (f"earlier checkpoints are intact (weights/latest -> {latest}){room}; then "
+            f"{resume_from(run_dir, step)}")
 
 
 def _refused(line: str, world: Any = None) -> int:

@@ -18,6 +18,7 @@ alone any run whose bundle another live process still owns.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -36,7 +37,7 @@ from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
 from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
-from toymlx.bundle.folder import check_folder_name
+from toymlx.bundle.folder import UNWRITABLE, check_folder_name
 from toymlx.bundle.outputs import check_output
 from toymlx.runner import report
 from toymlx.sweeps.live import EventTail, LiveView, SweptRun
@@ -75,6 +76,18 @@ def _has_checkpoint(run_dir: Path) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+def failed_on_the_disk(run_dir: Path) -> bool:
+    """Whether the run's last attempt ended on a disk that refused its writes (full, over
+    quota, read-only: its run_end's error, or MLX's kernel build's): what it had checkpointed
+    is good, so once there is room it is resumed, not started over (a full disk cost every run
+    it stopped all its steps)."""
+    ends = [ev for ev in read_events(run_dir) if ev["kind"] == "run_end"] if run_dir.is_dir() \
+        else []
+    said = str(ends[-1].get("message") or "") if ends else ""
+    return (any(f"OSError: [Errno {n}] " in said for n in UNWRITABLE)
+            or any(os.strerror(n) in said for n in (errno.ENOSPC, errno.EDQUOT)))
 
 
 def _recorded(sweep_dir: Path, r: SweptRun, key: str = "state") -> Any:
@@ -210,7 +223,7 @@ class _Runner:
             r.message = r.message or _recorded(self.sweep_dir, r, "message")
             r.release()
             return
-        if state == "resumable" and _has_checkpoint(r.dir):
+        if (state == "resumable" or failed_on_the_disk(r.dir)) and _has_checkpoint(r.dir):
             r.action = "resume"
             cmd = ["--resume", str(r.dir), "--no-progress"]
         else:  # new, failed, or stopped before its first checkpoint: start (over)
@@ -221,9 +234,15 @@ class _Runner:
                    *(["--overwrite"] if r.dir.exists() else [])]
         log_path = self.sweep_dir / "logs" / f"{r.spec.name}.log"
         r.log = open(log_path, "ab")  # noqa: SIM115  (open for the run's lifetime)
-        r.log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {r.action}: toymlx-train "
-                    f"{' '.join(cmd)}\n".encode())
-        r.log.flush()
+        try:
+            r.log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {r.action}: toymlx-train "
+                        f"{' '.join(cmd)}\n".encode())
+            r.log.flush()
+        except OSError as e:  # a full disk's names no file
+            with contextlib.suppress(OSError):
+                r.log.close()
+            r.release()
+            raise atomic.named(e, log_path) from None
         # a resumed run's history is shown, but its outcome is read from what it adds
         r.tail = EventTail(r.dir / "events.jsonl", skip_existing=True)
         if r.action == "resume":
@@ -252,9 +271,13 @@ class _Runner:
             r.state = "failed"
             r.message = r.message or _last_error(self.sweep_dir / "logs" /
                                                  f"{r.spec.name}.log") or f"exit code {code}"
-        atomic.write_text(self.sweep_dir / ".status" / f"{r.spec.name}.json", json.dumps({
-            "state": r.state, "exit_code": code, "message": r.message, "wall_s": r.wall,
-            "host": socket.gethostname(), "finished_at": time.time()}))
+        try:
+            atomic.write_text(self.sweep_dir / ".status" / f"{r.spec.name}.json", json.dumps({
+                "state": r.state, "exit_code": code, "message": r.message, "wall_s": r.wall,
+                "host": socket.gethostname(), "finished_at": time.time()}))
+        except OSError as e:  # a full disk: the sweep goes on (the run's events say how it
+            # ended; before, the sweep ended here, its other runs killed, no summary written)
+            self.stream.write(f"sweep: {r.spec.name}: could not record how it ended ({e})\n")
         r.release()
 
     def _forward(self, active: list[SweptRun], requests: int, grace: float = 120.0) -> None:
@@ -343,6 +366,10 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         if r.state in ("failed", "diverged"):
             stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
                          f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
+            if r.state == "failed" and failed_on_the_disk(r.dir) and _has_checkpoint(r.dir):
+                stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: free space (or "
+                             "make the folder writable) and run the same command again; it "
+                             "resumes from them\n")
         elif r.state == "elsewhere":
             stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
     if interrupted:

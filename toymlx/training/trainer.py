@@ -81,7 +81,7 @@ def _named(step: int | None) -> str:
     return "none" if step is None else f"step {step}"
 
 
-def _resume_from(run_dir: Path, last: int | None) -> str:
+def resume_from(run_dir: Path, last: int | None) -> str:
     """The command that goes on after a stop that skipped its checkpoint: from the newest one
     (`last`), or where none was written, the run started over (a plain --resume finds none)."""
     if last is None:
@@ -419,7 +419,7 @@ class _Loop:
                            + (f"; the kernel library it stopped halfway, {e.dropped}, is "
                               "removed (the next run builds it again)" if e.dropped else ""))
                 self._end("interrupted", code, f"{what} during step {self.step + 1}{cut}; "
-                          f"{_resume_from(self.run_dir, self.ckpt.last)}")
+                          f"{resume_from(self.run_dir, self.ckpt.last)}")
             except BaseException as e:
                 self._end("error", 1, f"{type(e).__name__}: {e}")
                 raise
@@ -460,7 +460,7 @@ class _Loop:
             self.signal = stop.name
             self._end("interrupted", code, f"{what} during {during}: a second "
                       f"{signal_name(stop.last)} left at once, without finishing it; "
-                      f"{_resume_from(self.run_dir, self.ckpt.last)}")
+                      f"{resume_from(self.run_dir, self.ckpt.last)}")
             end = self._run_end()
             if bar is not None:
                 bar.close()
@@ -872,7 +872,7 @@ class _Loop:
                       f"over with toymlx-train --resume {self.run_dir} --from step_0")
         elif requests > 1 and self.ckpt.last != self.step:
             self._end("interrupted", code, f"{what} after step {self.step}; a second signal "
-                      f"skipped its checkpoint: {_resume_from(self.run_dir, self.ckpt.last)}")
+                      f"skipped its checkpoint: {resume_from(self.run_dir, self.ckpt.last)}")
         elif not self._checkpoint(self.step, bar):
             return
         elif self.step == self.cfg.steps:  # trained to the end: what follows is left undone
