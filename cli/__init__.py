@@ -297,6 +297,13 @@ def _run_command(prog: str, args_type: type, run: Callable[[Any], int],
     except MemoryError as e:  # numpy's message names the size and shape it wanted
         print(f"{prog}: error: out of memory: {e}; lower --batch-size", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # MLX's, where its compiler failed (a full disk): a screenful
+        from toymlx.backend.device import kernel_build_failure
+
+        if (why := kernel_build_failure(e)) is None:
+            raise
+        print(f"{prog}: error: {why}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal a command raises (`Stopped`)
         what, code = how_stopped(e)
         # on a line of its own: Ctrl-C's ^C, or a generated text, may have left one open

@@ -286,6 +286,41 @@ def test_kernel_build_on_a_full_disk_is_one_line(tmp_path, data, monkeypatch, ca
     assert main(["--resume", str(tmp_path / "k"), "--steps", "3", "--no-progress"]) == 0
 
 
+def test_a_forward_only_command_s_kernel_build_on_a_full_disk_is_one_line(monkeypatch, capsys):
+    """toymlx-eval, -generate, -classify, -export (`run_command`) compile too: MLX's compile
+    failure there was a traceback and the compiler's command; one line now, exit 1, without
+    toymlx-train's --no-compile, which they do not have."""
+    from dataclasses import dataclass
+
+    from toymlx_cli import run_command
+
+    from toymlx.backend import device
+
+    @dataclass
+    class Args:
+        """A command."""
+
+        model: str = "m.gguf"
+
+    def failing(args):
+        raise RuntimeError(_UNBUILT)
+
+    assert run_command("toymlx-eval", Args, failing, []) == 1
+    folder = device._mlx_kernel_dir().resolve()
+    err = capsys.readouterr().err
+    assert err.startswith(f"toymlx-eval: error: MLX could not build a CPU kernel in {folder} "
+                          "(its compiler: /usr/bin/ld: final link failed: No space left on "
+                          "device); "), err
+    assert err.endswith(" MiB are free there: free space there, or set TOYMLX_KERNEL_CACHE to "
+                        "a folder on a larger disk\n"), err
+
+    def other(args):
+        raise RuntimeError("[matmul] Last dimension mismatch")
+
+    with pytest.raises(RuntimeError, match="matmul"):  # not taken for one: raised as it is
+        run_command("toymlx-eval", Args, other, [])
+
+
 def test_other_runtime_errors_are_not_taken_for_a_kernel_build():
     """Only MLX's compile failure is read as one; another compiler error is named as it is."""
     from toymlx.backend.device import kernel_build_failure

@@ -493,11 +493,12 @@ _UNBUILT = re.compile(r"\[Compile::eval_cpu\] Failed to compile function .*?the 
 """MLX's error for a kernel its compiler failed to build (the compiler's output at the end)."""
 
 
-def kernel_build_failure(error: BaseException) -> str | None:
+def kernel_build_failure(error: BaseException, also: str = "") -> str | None:
     """Where `error` is MLX's failure to build a CPU kernel (its compiler failed: a full disk,
     "final link failed: No space left on device"), one line saying so: the kernel folder, the
-    compiler's first line, what is free there where the disk is full, and what to do; else
-    None. MLX's own error is a screenful (the compiler's command and output)."""
+    compiler's first line, what is free there where the disk is full, and what to do (`also`:
+    the command's own way round it, toymlx-train's --no-compile); else None. MLX's own error
+    is a screenful (the compiler's command and output)."""
     found = _UNBUILT.search(str(error))
     if found is None:
         return None
@@ -511,8 +512,8 @@ def kernel_build_failure(error: BaseException) -> str | None:
         with contextlib.suppress(OSError):
             fs = os.statvfs(folder)
             line += f"; {fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB are free there"
-        line += (": free space there, or set TOYMLX_KERNEL_CACHE to a folder on a larger disk, "
-                 "or train with --no-compile (no kernels to build)")
+        line += (": free space there, or set TOYMLX_KERNEL_CACHE to a folder on a larger disk"
+                 + (f", or {also}" if also else ""))
     return line
 
 

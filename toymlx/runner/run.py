@@ -209,13 +209,17 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                   f"{_kept(run.run_dir, room)}", file=sys.stderr)
             return 1
         except RuntimeError as e:  # MLX's, where its compiler failed (a full disk)
-            if (why := kernel_build_failure(e)) is None:
+            if (why := kernel_build_failure(e, NO_KERNELS)) is None:
                 raise
             print(f"toymlx-train: error: {why}; {_kept(run.run_dir)}", file=sys.stderr)
             return 1
     if run.world is None or run.world.rank() == 0:
         _final_line(run.run_dir, end)
     return int(end["exit_code"])
+
+
+NO_KERNELS = "train with --no-compile (no kernels to build)"
+"""toymlx-train's way round a kernel build that fails (`kernel_build_failure`)."""
 
 
 def _kept(run_dir: Path, room: str = "") -> str:
