@@ -746,7 +746,27 @@ def test_readme_blocks_run(tmp_path, stories_path):
     assert {p.name for p in runs.iterdir()} == {"chat", "lm", "warm"}
     events = (runs / "chat" / "events.jsonl").read_text()
     assert '"kind": "resume"' in events.replace('"kind":"resume"', '"kind": "resume"')
-    assert (tmp_path / "ollama-out" / "Modelfile").is_file()
+    modelfile = (tmp_path / "ollama-out" / "Modelfile").read_text()
+    # the guides say FROM and ADAPTER name the base and the adapter by absolute paths
+    named = dict(ln.split(" ", 1) for ln in modelfile.splitlines() if ln.startswith(("FROM ", "ADAPTER ")))
+    assert set(named) == {"FROM", "ADAPTER"} and all(Path(v).is_absolute() for v in named.values()), \
+        modelfile
+    assert named["ADAPTER"].endswith("runs/chat/weights/adapter_step_3.gguf"), modelfile
+
+
+def test_lora_guides_test_set_is_held_out(tmp_path):
+    """LORA.md's data folder holds out its test.jsonl: no test example is also a training one
+    (the guide once made test.jsonl the first 3 lines of train.jsonl, so `--test` scored rows
+    the run had trained on). The guide's shell commands run here without its toymlx ones."""
+    for b in blocks("docs/LORA.md"):
+        if b.lang == "sh" and b.needs is None:
+            script = "\n".join(ln for ln in logical_lines_keep_heredocs(b.text)
+                               if not ln.startswith("toymlx-"))
+            subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, check=True)
+    train = (tmp_path / "chat-data" / "train.jsonl").read_text().splitlines()
+    test = (tmp_path / "chat-data" / "test.jsonl").read_text().splitlines()
+    assert train and test
+    assert not set(train) & set(test), f"LORA.md: test.jsonl rows also in train.jsonl: {test}"
 
 
 @pytest.mark.slow

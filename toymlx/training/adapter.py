@@ -20,6 +20,7 @@ and written as an adapter GGUF for llama.cpp (`write_adapter_for`).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,15 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import encode_tensor, write_gguf
 from toymlx.models.layers import BlockLinear, replace_submodule, submodule
 from toymlx.models.llama import Llama, LlamaArgs
-from toymlx.models.lora import ADAPTER_KINDS, TARGETS, LoRALinear, base_dims, lora_layers
-from toymlx.training.mlx_lm_adapter import mlx_lm_files, read_mlx_lm_adapter
+from toymlx.models.lora import (
+    ADAPTER_KINDS,
+    TARGETS,
+    LoRALinear,
+    base_dims,
+    block_targets,
+    lora_layers,
+)
+from toymlx.training.mlx_lm_adapter import lora_flags, mlx_lm_files, read_mlx_lm_adapter
 
 
 def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str, Any],
@@ -236,6 +244,19 @@ def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike) -> Llama:
     return model
 
 
+def _adapted_flags(names, a: LlamaArgs) -> str:
+    """The --lora options that adapt exactly the GGUF tensors `names` of a model with args `a`
+    (`lora_flags`); '' where no options do."""
+    target_of = {path: t for t, path in TARGETS.items()}
+    found = set()
+    for name in names:
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", gguf_to_toy(name, a.fused_gate_up) or "")
+        if m is None or m.group(2) not in target_of:
+            return ""
+        found.add((int(m.group(1)), target_of[m.group(2)]))
+    return lora_flags(found, a.n_layers, block_targets(a))
+
+
 def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
     """Copy an adapter file's A and B (and DoRA's m) into the model's existing LoRA layers:
     resume, or a new run started from an adapter (`--lora.init-adapter`).
@@ -257,18 +278,21 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
     if set(have) != set(ad.pairs):
         extra = sorted(set(ad.pairs) - set(have))
         missing = sorted(set(have) - set(ad.pairs))
-        flags = ad.metadata.get("toy.mlx_lm_flags") if mlx_lm else ""
+        flags = (ad.metadata.get("toy.mlx_lm_flags") if mlx_lm
+                 else _adapted_flags(ad.pairs, model.args))
+        whose = "mlx-lm's adapter" if mlx_lm else "the adapter"
         raise GGUFError(f"{ad.path}: tensors: expected LoRA pairs for exactly the model's "
                         f"{len(have)} adapted weights, found {len(ad.pairs)} (missing "
                         f"{missing[:2]}, unexpected {extra[:2]})"
-                        + (f"; mlx-lm's adapter is this run's with {flags}" if flags else ""))
+                        + (f"; {whose} is this run's with {flags}" if flags else ""))
     targets = _adapter_targets(model, ad)
     for name, (_, a, b) in targets.items():
         m = have[name]
         if a.shape[0] != m.rank or (ad.alpha or a.shape[0]) != m.alpha:
             hint = (f" (mlx-lm's lora_parameters rank {a.shape[0]} and scale "
-                    f"{ad.alpha / a.shape[0]:g}: --lora.alpha is scale x rank)"
-                    if "toy.mlx_lm_adapter" in ad.metadata else "")
+                    f"{ad.alpha / a.shape[0]:g}: --lora.alpha is scale x rank)" if mlx_lm else
+                    f"; pass --lora.rank {a.shape[0]} --lora.alpha "
+                    f"{ad.alpha or a.shape[0]:g} to start from it")
             raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected rank {m.rank} and "
                             f"alpha {m.alpha} (this run's), found rank {a.shape[0]} and alpha "
                             f"{ad.alpha}{hint}")

@@ -88,7 +88,7 @@ def _no_weights(weights: Path) -> MlxLmError:
     return MlxLmError(f"{folder}: expected mlx-lm's {ADAPTER_FILE} beside {CONFIG_FILE}, {fix}")
 
 
-def _flags(found: set[tuple[int, str]], n_layers: int, have: tuple[str, ...]) -> str:
+def lora_flags(found: set[tuple[int, str]], n_layers: int, have: tuple[str, ...]) -> str:
     """The --lora options that adapt exactly the (block, target) pairs `found`: the same
     targets in each of the last blocks; '' where no options do."""
     blocks = sorted({b for b, _ in found})
@@ -220,5 +220,5 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
     if not pairs:
         raise MlxLmError(f"{weights}: keys: expected lora_a/lora_b pairs, found none")
     return MlxLmAdapter(weights, kind, scale * rank, pairs, magnitudes if kind == "dora" else None,
-                        _flags(found, a.n_layers, have))
+                        lora_flags(found, a.n_layers, have))
 
