@@ -303,7 +303,7 @@ def run_base_of(adapter: str | None) -> str:
     if base is None:
         raise ValueError(f"--base: expected the GGUF {adapter} was trained on (not recorded by "
                          "its run or adapter), found none; pass --base")
-    print(f"{PROG}: base {found[1] if found is not None else base} (no --base given)",
+    print(f"{PROG}: no --base given: base {found[1] if found is not None else base}",
           file=sys.stderr)
     return base
 
@@ -352,7 +352,8 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
                 "DATA measures it)")
     change = (f"{(got - ref) / ref:+.2%}" if math.isfinite(ref) and math.isfinite(got) and ref
               else "no change to give: a loss is not finite")
-    return (f"held-out loss on the {n} validation rows the run scores ({source}; the first "
+    rows = "the validation row" if n == 1 else f"the {n} validation rows"
+    return (f"held-out loss on {rows} the run scores ({source}; the first "
             f"--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size}): base + "
             f"adapter {ref:.4f} ({whose}), fused file {got:.4f} ({change})")
 

@@ -353,7 +353,7 @@ def test_recipe_writes_adapters_and_resumes(tiny_gguf, tmp_path):
 def test_recipe_requires_base(tmp_path, capsys):
     rc = _train(["--recipe", "lora", "--runs-root", str(tmp_path), "--no-progress"])
     assert rc == 2
-    assert "--base: expected the path of a llama GGUF" in capsys.readouterr().err
+    assert "--base: expected the path of a GGUF to adapter-train" in capsys.readouterr().err
     rc = _train(["--recipe", "lora", "--base", str(tmp_path / "nope.gguf"),
                  "--runs-root", str(tmp_path), "--no-progress"])
     assert rc == 2 and "nope.gguf: --base: expected an existing GGUF file" in \

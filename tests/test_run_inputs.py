@@ -142,8 +142,8 @@ def test_export_without_base_writes_the_same_bytes(trained, tmp_path, capsys, mo
     capsys.readouterr()
     assert export(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "a.gguf")]) == 0
     err = capsys.readouterr().err
-    assert (f"toymlx-export: base {trained / 'where' / 'smol.gguf'} (the run's --base "
-            "smol.gguf) (no --base given)") in err
+    assert (f"toymlx-export: no --base given: base {trained / 'where' / 'smol.gguf'} (the "
+            "run's --base smol.gguf)") in err
     assert export(["--adapter", str(run), "--fuse", "--base", str(trained / "where" / "smol.gguf"),
                    "--out", str(tmp_path / "b.gguf")]) == 0
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()

@@ -1,4 +1,4 @@
-"""Recipe `lora`: fine-tune a llama GGUF with chat/SFT data: LoRA, DoRA or every weight.
+"""Recipe `lora`: fine-tune a GGUF (llama, qwen2, qwen3, gemma3, phi3) with chat/SFT data: LoRA, DoRA or every weight.
 
 The base model and its tokenizer and chat template come from `--base` (any llama GGUF;
 quantized files are dequantized exactly, or kept quantized with `--base-dtype quantized`).
@@ -90,7 +90,8 @@ class LoRAOptions:
     dropout: float = 0.0
     """Dropout on the adapter's input during training."""
     targets: str = "q"
-    """Comma list of projections to adapt: q, k, v, o, gate, up, down."""
+    """Comma list of projections to adapt: q, k, v, o, gate, up, down (phi3's fused ones:
+    qkv, o, gate_up, down)."""
     layers: int | None = None
     """Adapt only the last N blocks (default: all; mlx-lm's --num-layers)."""
     init_adapter: str | None = None
@@ -202,7 +203,7 @@ class Config(TrainConfig):
 def validate(cfg: Config) -> None:
     """Check the LoRA options before anything is loaded; ValueError names the flag."""
     if not cfg.base:
-        raise ValueError("--base: expected the path of a llama GGUF to adapter-train, found "
+        raise ValueError("--base: expected the path of a GGUF to adapter-train, found "
                          "none (e.g. --base SmolLM2-135M-Instruct.Q4_1.gguf)")
     refuse_run_folder(cfg.base, "--base")
     # headers alone until the run is known to fit: an Ollama blob's SHA-256 in `build`
