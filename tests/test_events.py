@@ -144,6 +144,24 @@ def test_a_full_disk_leaves_no_torn_line(tmp_path):
     assert [json.loads(ln)["step"] for ln in lines] == [1] and lines[0].endswith(b"\n")
 
 
+def test_a_torn_line_ended_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    """A resume ends the torn line a crash left (its newline) as it opens events.jsonl; on a
+    full disk that write's error named no file ("[Errno 28] No space left on device")."""
+    from toymlx.bundle import events
+
+    def full_disk(path, mode="r", **kw):  # the log's appending file on a full disk
+        f = open(path, mode, **kw)  # noqa: SIM115 -- the log holds it
+        return _FillsUp(f, 0) if mode == "ab" else f
+
+    p = tmp_path / "events.jsonl"
+    p.write_bytes(b'{"kind": "step", "step": 1}\n{"kind": "st')
+    monkeypatch.setattr(events, "open", full_disk, raising=False)
+    with pytest.raises(OSError) as e:
+        EventLog(p)
+    assert str(e.value) == f"[Errno 28] No space left on device: '{p}'"
+    assert p.read_bytes() == b'{"kind": "step", "step": 1}\n{"kind": "st'  # as it was
+
+
 def _log(path, segments):
     for seg in segments:
         log = EventLog(path / "events.jsonl")

@@ -94,8 +94,8 @@ class EventLog:
                 with open(self.path, "rb") as f:
                     f.seek(-1, os.SEEK_END)
                     torn = f.read(1) != b"\n"
-                if torn:
-                    self._f.write(b"\n")
+                if torn:  # on a full disk: the error names events.jsonl
+                    self._append(b"\n")
 
     def emit(self, kind: str, **fields: Any) -> dict:
         """Write one event: `kind`, `t` and what toy/v1 fixes for the kind (schema, phase,
