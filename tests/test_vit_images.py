@@ -362,7 +362,8 @@ def test_classify_goes_on_past_a_name_that_gives_no_image(tmp_path, folder, tiny
     out, err = capsys.readouterr()
     assert out == alone
     assert err.splitlines() == [
-        f"toymlx-classify: error: {missing}: no such file or directory",
+        (f"toymlx-classify: error: {missing}: expected an image file or a folder, found nothing "
+         "at that path"),
         (f"toymlx-classify: error: {empty}: expected image files (.png, .jpg, .jpeg, .bmp, "
          ".gif, .webp, .tif, .tiff, .ppm, .pgm, .pbm) in the folder, found none"),
         (f"toymlx-classify: error: {fifo}: expected an image file or a folder, found a FIFO "

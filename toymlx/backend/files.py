@@ -24,6 +24,24 @@ def special_kind(path: str | os.PathLike) -> str | None:
     return next((name for test, name in _KINDS if test(mode)), None)
 
 
+def nothing_there(path: str | os.PathLike) -> str:
+    """What is found at a path that holds nothing, for an error's "found ...": "nothing at that
+    path", with the likely cause where one is plain: a link to a missing file, a file where a
+    folder is named (`x/y`), or a `~` the shell left as it is (quoted, after `--opt=`, or in a
+    -c file), which names a folder `~` here, not the home folder."""
+    text, p = str(path), Path(path)
+    if p.is_symlink():
+        return f"nothing at that path (a link to {os.readlink(p)}, which is missing)"
+    if text.startswith("~"):
+        return (f"nothing at that path ({text.split(os.sep, 1)[0]} is expanded only by the "
+                "shell, not inside quotes, after --opt= or in a -c file: write "
+                f"{os.path.expanduser(text)})")
+    above = next((a for a in p.parents if a.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"nothing at that path ({above} is a file, not a folder)"
+    return "nothing at that path"
+
+
 def not_utf8(text: str) -> str | None:
     """The first thing in `text` that UTF-8 cannot encode, described ("the byte 0xe9 at
     character 3": a byte of a non-UTF-8 file name or command line, which Python carries as a

@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from toymlx.backend import atomic
+from toymlx.backend.files import nothing_there
 from toymlx.backend.lock import LOCK_FILE, held_by
 from toymlx.bundle.model_store import is_store_name, resolve_model
 from toymlx.gguf.reader import GGUFError, GGUFFile
@@ -222,7 +223,7 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model") -> Path:
                 "run's latest (a run still training keeps only its last --keep-last "
                 "checkpoints); run the command again to read the run's new latest")
         raise FileNotFoundError(f"{p}: {flag}: expected a GGUF file or a run directory, found "
-                                "nothing at that path")
+                                f"{nothing_there(p)}")
     check_name(p)
     check_own(p, flag)
     return p

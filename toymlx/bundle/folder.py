@@ -322,6 +322,7 @@ def refuse_run_folder(spec: str | os.PathLike, flag: str) -> None:
     else:
         base = ((saved_config(spec) or {}).get(MODEL_FILES_KEY) or {}).get("base") or {}
         fix = ("its checkpoints are LoRA adapters: pass its base"
-               + (f" (--base {base['file']})" if isinstance(base.get("file"), str) else "")
-               + f" and --lora.init-adapter {spec} to start from its adapter")
+               + (f" ({flag} {base['file']})" if isinstance(base.get("file"), str) else "")
+               + (f" and --lora.init-adapter {spec} to start from its adapter"
+                  if flag == "--base" else ""))  # --donor, --tokenizer: the base is what they read
     raise ValueError(f"{spec}: {flag}: expected a GGUF file, found a toymlx run folder; {fix}")

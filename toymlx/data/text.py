@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import nothing_there, special_kind
 from toymlx.backend.progress import pass_bar
 
 
@@ -75,6 +75,8 @@ def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator
     try:
         f = open(path, "rb")  # noqa: SIM115 (closed by the iterator)
         size = os.fstat(f.fileno()).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        raise DataError(f"{path}: expected a UTF-8 text file, found {nothing_there(path)}") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e.strerror or e})") from None
     pieces = _pieces(path, f, block or READ_BYTES)
