@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 from cli_errors import error_line
 
-from toymlx.backend.files import nothing_there
+from toymlx.backend.files import json_fault, nothing_there
 
 
 def test_nothing_there_names_a_dangling_link_a_file_as_folder_and_an_unexpanded_tilde(
@@ -46,3 +47,49 @@ def test_a_path_given_with_a_tilde_the_shell_left_is_named_with_its_expansion(
         "expanded only by the shell, not inside quotes, after --opt= or in a -c file: write "
         f"{os.path.expanduser('~/toymlx-test-missing')})")
     assert not list(tmp_path.glob("runs/*"))  # no run folder begun
+
+
+def _fault(text: str, line: bool = True) -> str:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return json_fault(e, line)
+    raise AssertionError(text)
+
+
+def test_json_fault_says_where_the_text_ends_before_its_json_and_reads_once_at():
+    """json's "Unterminated string starting at" was printed "starting at at column 11"; a
+    file cut short read like any typo, and an empty file as "Expecting value"."""
+    assert _fault('{"a": 1,}') == "Expecting property name enclosed in double quotes at line 1 column 9"
+    assert _fault('{"a": 1, "b": "tw', line=False) == (
+        "Unterminated string starting at column 15, where the text ends: cut short?")
+    assert _fault('{\n  "a": 1,\n') == ("Expecting property name enclosed in double quotes at "
+                                        "line 3 column 1, where the text ends: cut short?")
+    assert _fault(" \n") == "an empty file"
+
+
+@pytest.mark.parametrize("cut", [0, 60])
+def test_a_cut_chat_file_and_a_cut_config_json_say_the_text_ends(tmp_path, capsys, cut,
+                                                                 shared_file):
+    """A chat JSONL cut inside its last line, and a run's config.json cut or emptied (a copy
+    stopped), each named for what it is."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.train import main as train_main
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": f"What is {i}?", "completion": f"{i}."}) + "\n"
+                            for i in range(20))[:-10])
+    assert train_main(["--recipe", "lora", "--base", str(shared_file("models/stories260K.gguf")),
+                       "--data.path", str(chat), "--runs-root", str(tmp_path)]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"toymlx-train: error: {chat}:20: bad JSON (Unterminated string "
+                           "starting at column ") and ", where the text ends: cut short?)" in line
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"format": 7, "recipe": "from-scratch",
+                                                 "config": {"steps": 2}}, indent=2)[:cut])
+    assert eval_main(["--model", str(run)]) == 2
+    line = error_line(capsys, "toymlx-eval")
+    assert line.startswith(f"toymlx-eval: error: {run / 'config.json'}: expected JSON, found ")
+    assert line.endswith("found an empty file" if cut == 0 else
+                         ", where the text ends: cut short?"), line

@@ -4,6 +4,7 @@ be a regular file (or a folder where one is expected) first (`special_kind`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Iterator
@@ -40,6 +41,21 @@ def nothing_there(path: str | os.PathLike) -> str:
     if above is not None and not above.is_dir():
         return f"nothing at that path ({above} is a file, not a folder)"
     return "nothing at that path"
+
+
+def json_fault(e: json.JSONDecodeError, line: bool = True) -> str:
+    """json's complaint and where ("Expecting value at line 3 column 1"; `line` False: the
+    column alone, for one line of JSONL), and "where the text ends: cut short?" where the text
+    stops before its JSON does (a copy or download cut off, or for JSONL an object spread
+    over several lines); "an empty file" for no text. json's own "Unterminated string starting
+    at" read "at at column 11"."""
+    if not e.doc.strip():
+        return "an empty file" if line else "an empty line"
+    at = f"line {e.lineno} column {e.colno}" if line else f"column {e.colno}"
+    text = f"{e.msg} {at}" if e.msg.endswith(" at") else f"{e.msg} at {at}"
+    if e.msg.startswith("Unterminated") or e.pos >= len(e.doc.rstrip()):
+        text += ", where the text ends: cut short?"
+    return text
 
 
 def not_utf8(text: str) -> str | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import json_fault, special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
@@ -268,8 +268,7 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise RunError(f"{p}: expected a readable UTF-8 file, found {e}") from None
     except json.JSONDecodeError as e:
-        raise RunError(f"{p}: expected JSON, found {e.msg} at line {e.lineno} column "
-                       f"{e.colno}") from None
+        raise RunError(f"{p}: expected JSON, found {json_fault(e)}") from None
     except RecursionError:
         raise RunError(f"{p}: expected the run's saved config, found JSON nested too deeply "
                        "to read") from None
