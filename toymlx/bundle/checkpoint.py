@@ -300,6 +300,19 @@ def _state_header(path: Path) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
+def _runs_in(folder: Path) -> list[str]:
+    """The names of the run bundles (a config.json or events.jsonl) in `folder`, which is not
+    one itself: a runs root or a sweep's folder, given where one run is read."""
+    from toymlx.bundle.events import EVENTS_FILE
+
+    def bundle(p: Path) -> bool:
+        return (p / "config.json").is_file() or (p / EVENTS_FILE).is_file()
+
+    if not folder.is_dir() or bundle(folder):
+        return []
+    return sorted(c.name for c in folder.iterdir() if c.is_dir() and bundle(c))
+
+
 def resolve_latest(run_dir: str | os.PathLike) -> Path:
     """The checkpoint a run folder continues from (`latest_checkpoint`, without the why)."""
     return latest_checkpoint(run_dir)[0]
@@ -343,6 +356,11 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
         raise ResumeError(f"{ckpt}: expected the run's latest checkpoint ({link} names it), "
                           f"found nothing there; {intact_hint(run_dir, checkpoint_step(ckpt), True)}")
     found = list_checkpoints(weights)
+    if not found and (runs := _runs_in(run_dir)):  # `runs` or a sweep's folder, not one run
+        raise FileNotFoundError(
+            f"{run_dir}: expected a run bundle with weights/latest, found a folder of "
+            f"{len(runs)} run bundle{'s' if len(runs) > 1 else ''} ({', '.join(runs[:3])}"
+            f"{', ...' if len(runs) > 3 else ''}); name one of them, e.g. {run_dir / runs[0]}")
     if not found:
         owner = held_by(run_dir / LOCK_FILE)
         live = ("" if owner is None else
