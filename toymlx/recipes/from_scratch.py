@@ -52,7 +52,10 @@ class Config(TrainConfig):
 
 
 def validate(cfg: Config) -> None:
-    """--test needs a data folder with test.jsonl; the data itself is checked as it is read."""
+    """The model's shape (before any file is read: a sweep refuses a bad grid value before
+    its runs start), --test's data folder with test.jsonl; the data itself is checked as it is
+    read."""
+    cfg.model.build_args(vocab_size=1)  # the vocabulary is the tokenizer's, not yet read
     if cfg.tokenizer is not None:
         refuse_run_folder(cfg.tokenizer, "--tokenizer")
     if cfg.test:
