@@ -93,3 +93,17 @@ def test_a_cut_chat_file_and_a_cut_config_json_say_the_text_ends(tmp_path, capsy
     assert line.startswith(f"toymlx-eval: error: {run / 'config.json'}: expected JSON, found ")
     assert line.endswith("found an empty file" if cut == 0 else
                          ", where the text ends: cut short?"), line
+
+
+def test_a_gguf_given_as_the_text_to_train_on_is_named_as_a_model(tmp_path, capsys, shared_file):
+    """`--data.path model.gguf` (the model where the data goes) read "not valid UTF-8 at byte
+    offset 7554 ...; re-save the file as UTF-8", advice no one can take for a GGUF."""
+    from toymlx_cli.train import main as train_main
+
+    gguf = shared_file("models/stories260K.gguf")
+    assert train_main(["--recipe", "from-scratch", "--data.path", str(gguf), "--runs-root",
+                       str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {gguf}: expected UTF-8 text, found a GGUF model file: --data.path "
+        "takes text (a model is --base, --donor, --tokenizer or toymlx-eval's --model)")
+    assert not list(tmp_path.glob("runs/*"))

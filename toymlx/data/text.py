@@ -102,6 +102,10 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
             try:
                 text = codecs.utf_8_decode(memoryview(data)[:end], "strict", True)[0]
             except UnicodeDecodeError as e:
+                if offset == 0 and data.startswith(b"GGUF"):  # --data.path given the model
+                    raise DataError(f"{path}: expected UTF-8 text, found a GGUF model file: "
+                                    "--data.path takes text (a model is --base, --donor, "
+                                    "--tokenizer or toymlx-eval's --model)") from None
                 line = lines + data.count(b"\n", 0, e.start) + 1
                 raise DataError(
                     f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {line}, "
