@@ -350,6 +350,22 @@ def test_a_config_json_of_a_format_this_toymlx_does_not_know_is_refused(runs, ca
                                      if fmt == 99 else ""))
 
 
+def test_a_resume_of_the_runs_root_or_a_runs_weights_names_the_run_to_pass(runs, capsys):
+    """`--resume runs` or `--resume runs/a/weights` read "runs/config.json: --resume: expected
+    the run's saved config, found no file", as for a damaged run."""
+    from toymlx_cli.train import main as train_main
+
+    a, _ = runs
+    assert train_main(["--resume", str(a.parent)]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a.parent}: --resume: expected a run bundle folder, found a "
+        f"folder of 2 run bundles (a, b); name one of them, e.g. {a}")
+    assert train_main(["--resume", str(a / "weights")]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'weights'}: --resume: expected a run bundle folder, found "
+        f"the weights folder of the run {a}; name the run: {a}")
+
+
 def test_a_resume_refuses_another_runs_events_jsonl(runs, capsys):
     """Another run's events.jsonl copied in beside an untouched config.json: the two files are
     named as different runs' (both run ids), not config.json as edited; nothing changed."""

@@ -300,17 +300,26 @@ def _state_header(path: Path) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-def _runs_in(folder: Path) -> list[str]:
-    """The names of the run bundles (a config.json or events.jsonl) in `folder`, which is not
-    one itself: a runs root or a sweep's folder, given where one run is read."""
+def not_one_run(folder: str | os.PathLike) -> str | None:
+    """What a folder given where one run is read holds instead, and what to name ("a folder of
+    2 run bundles (a, b); name one of them, e.g. runs/a"): a runs root or a sweep's folder, or
+    a run's own weights/; None for any other folder (the caller says what it lacks)."""
     from toymlx.bundle.events import EVENTS_FILE
 
     def bundle(p: Path) -> bool:
         return (p / "config.json").is_file() or (p / EVENTS_FILE).is_file()
 
+    folder = Path(folder)
     if not folder.is_dir() or bundle(folder):
-        return []
-    return sorted(c.name for c in folder.iterdir() if c.is_dir() and bundle(c))
+        return None
+    if folder.name == "weights" and bundle(folder.parent):
+        return f"the weights folder of the run {folder.parent}; name the run: {folder.parent}"
+    runs = sorted(c.name for c in folder.iterdir() if c.is_dir() and bundle(c))
+    if not runs:
+        return None
+    return (f"a folder of {len(runs)} run bundle{'s' if len(runs) > 1 else ''} "
+            f"({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}); name one of them, "
+            f"e.g. {folder / runs[0]}")
 
 
 def resolve_latest(run_dir: str | os.PathLike) -> Path:
@@ -356,11 +365,9 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
         raise ResumeError(f"{ckpt}: expected the run's latest checkpoint ({link} names it), "
                           f"found nothing there; {intact_hint(run_dir, checkpoint_step(ckpt), True)}")
     found = list_checkpoints(weights)
-    if not found and (runs := _runs_in(run_dir)):  # `runs` or a sweep's folder, not one run
-        raise FileNotFoundError(
-            f"{run_dir}: expected a run bundle with weights/latest, found a folder of "
-            f"{len(runs)} run bundle{'s' if len(runs) > 1 else ''} ({', '.join(runs[:3])}"
-            f"{', ...' if len(runs) > 3 else ''}); name one of them, e.g. {run_dir / runs[0]}")
+    if not found and (other := not_one_run(run_dir)):
+        raise FileNotFoundError(f"{run_dir}: expected a run bundle with weights/latest, "
+                                f"found {other}")
     if not found:
         owner = held_by(run_dir / LOCK_FILE)
         live = ("" if owner is None else

@@ -263,6 +263,9 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
     try:
         saved = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if other := ck.not_one_run(run_dir):  # the runs root, a sweep's folder, weights/
+            raise RunError(f"{run_dir}: {flag}: expected a run bundle folder, found "
+                           f"{other}") from None
         raise RunError(f"{p}: {flag}: expected the run's saved config, found no file (a run "
                        "folder of toymlx-train has one)") from None
     except (OSError, UnicodeDecodeError) as e:
