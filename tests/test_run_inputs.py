@@ -621,3 +621,15 @@ def test_a_data_folder_s_fingerprint_reads_through_linked_subfolders(tmp_path):
     assert before["bytes"] == 6
     (tmp_path / "elsewhere" / "a.png").write_bytes(b"ONE")
     assert fingerprint(tmp_path / "data")["sha256"] != before["sha256"]
+
+
+def test_a_model_or_a_full_model_run_as_the_adapter_to_export_is_named(tmp_path, capsys):
+    """`toymlx-export --adapter RUN` of a from-scratch run (or a model GGUF), no --base, read
+    "--base: expected the GGUF RUN was trained on (not recorded by its run or adapter), found
+    none; pass --base": a model has no base; it is exported as --base."""
+    model = tiny(tmp_path / "m.gguf", 3)
+    assert _cli("export")(["--adapter", str(model), "--out", str(tmp_path / "o.gguf")]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        f"toymlx-export: error: {model}: --adapter: expected a LoRA adapter or a LoRA run, found "
+        f"a model ({model}); export a model as --base {model}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
