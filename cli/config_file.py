@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import json_fault, special_kind
 
 CONFIG_FLAGS = ("-c", "--config")
 CONFIG_HELP = ("-c/--config FILE: options from a YAML or JSON file, keys spelled as the flags "
@@ -234,8 +234,7 @@ def read_config_file(path: str) -> dict[str, Any]:
             data = json.loads(text, object_pairs_hook=_json_pairs(str(p)),
                               parse_constant=_no_constant)
         except json.JSONDecodeError as e:
-            raise ConfigFileError(f"{p}: expected JSON, found {e.msg} at line {e.lineno} "
-                                  f"column {e.colno}") from None
+            raise ConfigFileError(f"{p}: expected JSON, found {json_fault(e)}") from None
         except ConfigFileError:
             raise
         except ValueError as e:  # NaN, Infinity

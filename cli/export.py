@@ -291,6 +291,7 @@ def run_base_of(adapter: str | None) -> str:
     """The base to export when --base is not given: the one the --adapter's LoRA run (or its
     adapter GGUF's `toy.base`) records; says which file that is."""
     from toymlx.bundle.checkpoint import checkpoint_file
+    from toymlx.gguf.reader import read_metadata
     from toymlx.interop.modelfile import lora_run_base
     from toymlx.runner.bundle import run_base
 
@@ -298,8 +299,12 @@ def run_base_of(adapter: str | None) -> str:
         raise ValueError("--base: expected the llama GGUF to export (or --model with --format "
                          "safetensors for a ViT), found none")
     found = run_base(adapter, "--adapter")
-    base = found[0] if found is not None else lora_run_base(
-        adapter, checkpoint_file(adapter, "--adapter"))
+    ckpt = checkpoint_file(adapter, "--adapter")
+    base = found[0] if found is not None else lora_run_base(adapter, ckpt)
+    if base is None and ckpt.is_file() and read_metadata(ckpt).get("general.type") != "adapter":
+        # a from-scratch or warm-start run, or a model: there is no base, it is one
+        raise ValueError(f"{adapter}: --adapter: expected a LoRA adapter or a LoRA run, found "
+                         f"a model ({ckpt}); export a model as --base {ckpt}")
     if base is None:
         raise ValueError(f"--base: expected the GGUF {adapter} was trained on (not recorded by "
                          "its run or adapter), found none; pass --base")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Container, Sequence
@@ -96,7 +97,9 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
     if kind == "BadValue":  # too few values: the flag last, or another option after it
         after = argv[at + 1] if at is not None and at + 1 < len(argv) else None
         return (f"{flag}: expected {expected} after it, got "
-                + (f"the option {after}" if after else "nothing"))
+                + (f"the option {after}" if after else "nothing")
+                + (f"; for the file {after}, write {flag} ./{after}"  # a name starting with -
+                   if after and os.path.lexists(after) else ""))
     nargs = arg.lowered.nargs
     given = " ".join(values[:nargs] if isinstance(nargs, int) else values)
     if _expected(arg.field.type) is None:  # a type toymlx has no words for: tyro's reason

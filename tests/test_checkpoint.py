@@ -214,3 +214,26 @@ def test_a_run_still_training_without_a_checkpoint_says_so(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         ck.checkpoint_file(run)
     assert str(e.value) == bare
+
+
+def test_a_folder_of_runs_given_as_one_run_names_them(tmp_path):
+    """`--model runs` (the runs root, or a sweep's folder) or `--model runs/a/weights` read
+    "expected a run bundle with weights/latest, found no checkpoint", as for a run that wrote
+    none."""
+    for name in ("b", "a"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    (tmp_path / "not-a-run").mkdir()
+    with pytest.raises(FileNotFoundError) as e:
+        ck.latest_checkpoint(tmp_path)
+    assert str(e.value) == (f"{tmp_path}: expected a run bundle with weights/latest, found a "
+                            f"folder of 2 run bundles (a, b); name one of them, e.g. "
+                            f"{tmp_path / 'a'}")
+    with pytest.raises(FileNotFoundError, match="found no checkpoint$"):
+        ck.latest_checkpoint(tmp_path / "a")
+    (tmp_path / "a" / "weights").mkdir()
+    with pytest.raises(FileNotFoundError) as e:  # its weights/: "found no checkpoint" too
+        ck.latest_checkpoint(tmp_path / "a" / "weights")
+    assert str(e.value) == (f"{tmp_path / 'a' / 'weights'}: expected a run bundle with "
+                            f"weights/latest, found the weights folder of the run "
+                            f"{tmp_path / 'a'}; name the run: {tmp_path / 'a'}")

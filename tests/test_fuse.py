@@ -345,8 +345,8 @@ def test_export_of_a_run_whose_data_is_gone_writes_the_file_and_says_why_no_loss
     assert main(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
     assert GGUFFile(out).tensors
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"toymlx-export: held-out loss not measured: {data}: cannot read data file (No such "
-        f"file or directory) (toymlx-eval --model {out} --data.path DATA measures it)")
+        f"toymlx-export: held-out loss not measured: {data}: expected a UTF-8 text file, found "
+        f"nothing at that path (toymlx-eval --model {out} --data.path DATA measures it)")
 
 
 def test_export_of_a_run_that_held_out_no_rows_writes_the_file_and_says_why_no_loss(

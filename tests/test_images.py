@@ -217,7 +217,8 @@ def test_npz_errors(tmp_path):
     np.savez(p, x=np.zeros((4, 3, 3)), y=np.zeros(3, np.int64))
     with pytest.raises(ImageDataError, match=r"y: expected \(4,\) integer labels, found \(3,\)"):
         load_images(str(p))
-    with pytest.raises(ImageDataError, match="no such file or directory"):
+    with pytest.raises(ImageDataError, match="expected a folder of images or a data set file, "
+                       "found nothing at that path"):
         load_images(str(tmp_path / "missing.npz"))
 
 

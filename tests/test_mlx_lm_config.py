@@ -830,7 +830,7 @@ def test_a_bad_value_is_named_by_the_file_s_own_key(tmp_path, base, capsys, extr
      "3 rows), found 4; use a smaller --batch-size or more data")),
     ({"model": "{tmp}/nope.gguf"}, [],
      ("{path}: key 'model' (toymlx's --base): {tmp}/nope.gguf: expected an existing GGUF file, "
-     "found nothing")),
+     "found nothing at that path")),
     ({}, ["--steps", "0"], "--steps: expected >= 1, found 0"),  # the flag's value: the flag
 ])
 def test_a_value_refused_after_the_file_is_read_is_named_by_the_file_s_key(

@@ -296,6 +296,76 @@ def test_a_resume_refuses_an_edited_config_json(runs, capsys):
                                                 if e["kind"] == "run_start")["config_sha256"]
 
 
+def test_an_edited_config_json_names_the_key_edited_not_one_the_run_resolved(runs, capsys):
+    """run_start records some options as resolved (from-scratch's tokenizer None as "bytes"),
+    and the first key differing from that record was named: model.d_model edited read "key
+    'config.tokenizer': expected 'bytes' ..., found None", whose fix ("put it back") is not
+    one. Now the key named is the one whose recorded value gives back the recorded digest;
+    where no one key does (two edited), the digests are named."""
+    a, _ = runs
+    saved = json.loads((a / "config.json").read_text())
+    d_model = saved["config"]["model"]["d_model"]
+    saved["config"]["model"]["d_model"] = 2 * d_model
+    (a / "config.json").write_text(json.dumps(saved, indent=2))
+    assert _resume(a) == 2
+    assert error_line(capsys).startswith(
+        f"toymlx-train: error: {a / 'config.json'}: key 'config.model.d_model': expected "
+        f"{d_model} (recorded when the run started), found {2 * d_model}: config.json was edited")
+    saved["config"]["lr"] = 0.5
+    (a / "config.json").write_text(json.dumps(saved, indent=2))
+    assert _resume(a) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"toymlx-train: error: {a / 'config.json'}: expected the contents "
+                           "recorded when the run started (sha256 "), line
+
+
+def test_a_resume_of_an_events_jsonl_cut_inside_its_first_line_says_so(runs, capsys):
+    """events.jsonl cut inside its run_start line (a copy taken while the run started) was
+    "found an empty file" for a file of hundreds of bytes."""
+    a, _ = runs
+    events = a / "events.jsonl"
+    events.write_bytes(events.read_bytes()[:300])
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {events}: --resume: expected the run's record from its "
+        "run_start, found 300 bytes but no event (a line cut short or garbled); resuming would "
+        "start a new record and lose the steps before: put the run's events.jsonl back, or "
+        "adopt the run as it is with --from step_N")
+
+
+@pytest.mark.parametrize("fmt", [99, 0])
+def test_a_config_json_of_a_format_this_toymlx_does_not_know_is_refused(runs, capsys, fmt):
+    """config.json's `format` from a newer toymlx (99) was read as this one's: toymlx-eval and
+    -generate scored the run with options it may lack, a resume blamed another key."""
+    from toymlx_cli.eval import main as eval_main
+
+    a, _ = runs
+    saved = json.loads((a / "config.json").read_text())
+    saved["format"] = fmt
+    (a / "config.json").write_text(json.dumps(saved, indent=2))
+    assert eval_main(["--model", str(a)]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {a / 'config.json'}: key 'format': expected 1..7 (toymlx 0.2.0 "
+        f"writes 7), found {fmt}" + ("; the run was made by a newer toymlx: use that one"
+                                     if fmt == 99 else ""))
+
+
+def test_a_resume_of_the_runs_root_or_a_runs_weights_names_the_run_to_pass(runs, capsys):
+    """`--resume runs` or `--resume runs/a/weights` read "runs/config.json: --resume: expected
+    the run's saved config, found no file", as for a damaged run."""
+    from toymlx_cli.train import main as train_main
+
+    a, _ = runs
+    assert train_main(["--resume", str(a.parent)]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a.parent}: --resume: expected a run bundle folder, found a "
+        f"folder of 2 run bundles (a, b); name one of them, e.g. {a}")
+    assert train_main(["--resume", str(a / "weights")]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'weights'}: --resume: expected a run bundle folder, found "
+        f"the weights folder of the run {a}; name the run: {a}")
+
+
 def test_a_resume_refuses_another_runs_events_jsonl(runs, capsys):
     """Another run's events.jsonl copied in beside an untouched config.json: the two files are
     named as different runs' (both run ids), not config.json as edited; nothing changed."""

@@ -383,3 +383,18 @@ def test_sweep_refuses_a_sweep_folder_holding_its_config_file_or_data(made, tmp_
                     "--no-progress"])
     assert line == ("toymlx-sweep: error: sw: --sweep-id: expected a path that holds no input, "
                     "found the --data.path sw/data.txt inside it; choose another --sweep-id")
+
+
+def test_an_output_under_a_file_is_refused_before_the_work(tmp_path):
+    """`--out notes.txt/x.gguf` (a file where a folder is named) ended toymlx-export with
+    "[Errno 17] File exists: 'notes.txt'", naming neither the option nor the fault."""
+    from toymlx.bundle.outputs import OutputError, check_output
+
+    (tmp_path / "notes.txt").write_text("x")
+    for out in (tmp_path / "notes.txt" / "x.gguf", tmp_path / "notes.txt" / "d" / "x.gguf"):
+        with pytest.raises(OutputError) as e:
+            check_output(out, [], "--out")
+        assert str(e.value) == (f"{out}: --out: expected a path in a folder, found "
+                                f"{tmp_path / 'notes.txt'} is a file, not a folder; choose "
+                                "another --out")
+    assert check_output(tmp_path / "new" / "x.gguf", [], "--out") == tmp_path / "new" / "x.gguf"

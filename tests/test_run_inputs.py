@@ -314,6 +314,31 @@ def test_a_lora_run_folder_as_the_base_names_its_base_and_init_adapter(trained, 
         f" and --lora.init-adapter {run} to start from its adapter")
 
 
+def test_a_lora_adapter_or_run_as_donor_or_tokenizer_names_the_option_and_its_base(
+        trained, tmp_path, capsys):
+    """An adapter GGUF as warm-start's --donor was "metadata key 'llama.embedding_length':
+    expected present, found missing", as from-scratch's --tokenizer "tokenizer.ggml.model:
+    expected one of [...], found missing key"; a LoRA run folder as --donor advised
+    `--base` and `--lora.init-adapter`, which warm-start does not take."""
+    run = trained / "where" / "runs" / "rel"
+    ckpt = run / "weights" / "adapter_step_2.gguf"
+    for recipe, flag in (("warm-start", "--donor"), ("from-scratch", "--tokenizer")):
+        capsys.readouterr()
+        assert _cli("train")(["--recipe", recipe, flag, str(ckpt), "--runs-root",
+                              str(tmp_path), *TRAIN]) == 2
+        assert error_line(capsys) == (
+            f"toymlx-train: error: {ckpt}: {flag}: expected a model GGUF, found a LoRA adapter (a "
+            "LoRA run's checkpoint), which holds no tokenizer or base weights; pass its base "
+            "model (smol.gguf)")
+    assert _cli("train")(["--recipe", "warm-start", "--donor", str(run), "--runs-root",
+                          str(tmp_path), *TRAIN]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {run}: --donor: expected a GGUF file, found a toymlx run folder; "
+        f"its checkpoints are LoRA adapters: pass its base (--donor "
+        f"{trained / 'where' / 'smol.gguf'})")
+    assert not any(tmp_path.iterdir())
+
+
 def test_from_scratch_takes_its_vocabulary_from_tokenizer_and_a_changed_file_is_refused(
         tmp_path, capsys, shared_file):
     """`--tokenizer FILE.gguf` (llama.cpp's vocab-only Llama SPM file, 32,000 tokens): the model's
@@ -596,3 +621,15 @@ def test_a_data_folder_s_fingerprint_reads_through_linked_subfolders(tmp_path):
     assert before["bytes"] == 6
     (tmp_path / "elsewhere" / "a.png").write_bytes(b"ONE")
     assert fingerprint(tmp_path / "data")["sha256"] != before["sha256"]
+
+
+def test_a_model_or_a_full_model_run_as_the_adapter_to_export_is_named(tmp_path, capsys):
+    """`toymlx-export --adapter RUN` of a from-scratch run (or a model GGUF), no --base, read
+    "--base: expected the GGUF RUN was trained on (not recorded by its run or adapter), found
+    none; pass --base": a model has no base; it is exported as --base."""
+    model = tiny(tmp_path / "m.gguf", 3)
+    assert _cli("export")(["--adapter", str(model), "--out", str(tmp_path / "o.gguf")]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        f"toymlx-export: error: {model}: --adapter: expected a LoRA adapter or a LoRA run, found "
+        f"a model ({model}); export a model as --base {model}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

@@ -816,6 +816,22 @@ def test_a_data_path_that_is_not_there_fails_before_any_run_starts(tmp_path, cap
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_model_shape_that_cannot_be_built_fails_before_any_run_starts(tmp_path, capsys,
+                                                                       monkeypatch):
+    """--grid model.d_model=30,32 passed the sweep's check of every run's options and ran: the
+    run of 30 (not a multiple of the 8 heads) FAILED at its start, found at the end."""
+    from cli_errors import error_line
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--recipe", "from-scratch", "--grid", "model.d_model=30,32", "--runs-root", "runs",
+            "--no-progress", "--no-report", "--steps", "1"]
+    assert sweep_main(argv) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: run model.d_model=30: model.d_model: expected a multiple of "
+        "n_heads=8, found 30; no run was started")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_best_run_is_named_lowest_loss_or_highest_accuracy_never_a_diverged_one():
     """The sweep named no best run (the table's first row was it, unsaid); Optuna's
     best_trial, W&B's sweep view name it."""

@@ -63,7 +63,7 @@ def test_read_text_strips_bom_and_keeps_text(tmp_path):
 
 
 def test_read_text_missing_file(tmp_path):
-    with pytest.raises(DataError, match="nope.txt: cannot read"):
+    with pytest.raises(DataError, match="nope.txt: expected a UTF-8 text file, found nothing at that path$"):
         read_text(tmp_path / "nope.txt")
 
 

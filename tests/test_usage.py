@@ -72,6 +72,19 @@ def test_a_refused_lora_command_line_is_one_line(capsys, tmp_path, monkeypatch, 
     assert list(tmp_path.iterdir()) == []  # refused before any run folder
 
 
+def test_a_file_named_like_an_option_after_a_flag_is_told_how_to_pass(capsys, tmp_path,
+                                                                     monkeypatch):
+    """`--base -m.gguf` (a file whose name starts with -) read "expected a value or None after
+    it, got the option -m.gguf", with no way out named; `./-m.gguf` is one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-m.gguf").write_bytes(b"")
+    assert main(["--recipe", "lora", "--base", "-m.gguf"]) == 2
+    assert only_line(capsys) == (
+        "toymlx-train: error: --base: expected a value or None after it, got the option "
+        "-m.gguf; for the file -m.gguf, write --base ./-m.gguf")
+    assert [p.name for p in tmp_path.iterdir()] == ["-m.gguf"]
+
+
 def test_a_bad_bool_value_names_its_choices(capsys, tmp_path):
     """A `bool | None` option takes True, False or None as a value."""
     assert main(["--recipe", "vit-tiny", "--runs-root", str(tmp_path),

@@ -245,7 +245,8 @@ def test_eval_split_val_of_a_set_too_small_to_hold_one_out_is_one_line(tmp_path,
 
 
 def test_classify_answers_every_readable_image_when_one_is_not(tmp_path, tiny_run, capsys):
-    """A folder of images with one corrupt file (a PNG cut short): toymlx-classify printed one
+    """A folder of images with one corrupt file (a PNG cut short, named as one: it was "found
+    bytes b'\\x89PNG...'", as for a file of no image kind): toymlx-classify printed one
     error line and nothing else, every other image's answer lost (all were computed before any
     was printed). Now each readable image gets its answer, the same as alone, the unreadable one
     its error line, then a count; exit status 2."""
@@ -263,8 +264,8 @@ def test_classify_answers_every_readable_image_when_one_is_not(tmp_path, tiny_ru
     assert capsys.readouterr().out == out  # the same answers as without the corrupt file
     assert err.splitlines() == [
         (f"toymlx-classify: error: {bad}: not an image Pillow can read: expected one of png, "
-         "jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm, pbm, found bytes "
-         "b'\\x89PNG\\r\\n\\x1a\\n'; remove or replace the file"),
+         "jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm, pbm, found a PNG file of 40 bytes "
+         "whose header Pillow cannot read (cut short?); remove or replace the file"),
         ("toymlx-classify: error: 1 of 6 images could not be read (named above); the other 5 "
          "are classified")]
     assert classify_main(["--model", str(tiny_run), str(bad)]) == 2  # alone: its line only
@@ -362,7 +363,8 @@ def test_classify_goes_on_past_a_name_that_gives_no_image(tmp_path, folder, tiny
     out, err = capsys.readouterr()
     assert out == alone
     assert err.splitlines() == [
-        f"toymlx-classify: error: {missing}: no such file or directory",
+        (f"toymlx-classify: error: {missing}: expected an image file or a folder, found nothing "
+         "at that path"),
         (f"toymlx-classify: error: {empty}: expected image files (.png, .jpg, .jpeg, .bmp, "
          ".gif, .webp, .tif, .tiff, .ppm, .pgm, .pbm) in the folder, found none"),
         (f"toymlx-classify: error: {fifo}: expected an image file or a folder, found a FIFO "

@@ -4,6 +4,7 @@ be a regular file (or a folder where one is expected) first (`special_kind`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Iterator
@@ -22,6 +23,39 @@ def special_kind(path: str | os.PathLike) -> str | None:
     except (OSError, ValueError):  # missing, unreadable, a name too long, a NUL byte
         return None
     return next((name for test, name in _KINDS if test(mode)), None)
+
+
+def nothing_there(path: str | os.PathLike) -> str:
+    """What is found at a path that holds nothing, for an error's "found ...": "nothing at that
+    path", with the likely cause where one is plain: a link to a missing file, a file where a
+    folder is named (`x/y`), or a `~` the shell left as it is (quoted, after `--opt=`, or in a
+    -c file), which names a folder `~` here, not the home folder."""
+    text, p = str(path), Path(path)
+    if p.is_symlink():
+        return f"nothing at that path (a link to {os.readlink(p)}, which is missing)"
+    if text.startswith("~"):
+        return (f"nothing at that path ({text.split(os.sep, 1)[0]} is expanded only by the "
+                "shell, not inside quotes, after --opt= or in a -c file: write "
+                f"{os.path.expanduser(text)})")
+    above = next((a for a in p.parents if a.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"nothing at that path ({above} is a file, not a folder)"
+    return "nothing at that path"
+
+
+def json_fault(e: json.JSONDecodeError, line: bool = True) -> str:
+    """json's complaint and where ("Expecting value at line 3 column 1"; `line` False: the
+    column alone, for one line of JSONL), and "where the text ends: cut short?" where the text
+    stops before its JSON does (a copy or download cut off, or for JSONL an object spread
+    over several lines); "an empty file" for no text. json's own "Unterminated string starting
+    at" read "at at column 11"."""
+    if not e.doc.strip():
+        return "an empty file" if line else "an empty line"
+    at = f"line {e.lineno} column {e.colno}" if line else f"column {e.colno}"
+    text = f"{e.msg} {at}" if e.msg.endswith(" at") else f"{e.msg} at {at}"
+    if e.msg.startswith("Unterminated") or e.pos >= len(e.doc.rstrip()):
+        text += ", where the text ends: cut short?"
+    return text
 
 
 def not_utf8(text: str) -> str | None:

@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from toymlx.backend import atomic
+from toymlx.backend.files import nothing_there
 from toymlx.backend.lock import LOCK_FILE, held_by
 from toymlx.bundle.model_store import is_store_name, resolve_model
 from toymlx.gguf.reader import GGUFError, GGUFFile
@@ -224,7 +225,7 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model", check_digest
                 "run's latest (a run still training keeps only its last --keep-last "
                 "checkpoints); run the command again to read the run's new latest")
         raise FileNotFoundError(f"{p}: {flag}: expected a GGUF file or a run directory, found "
-                                "nothing at that path")
+                                f"{nothing_there(p)}")
     check_name(p)
     check_own(p, flag)
     return p
@@ -301,6 +302,28 @@ def _state_header(path: Path) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
+def not_one_run(folder: str | os.PathLike) -> str | None:
+    """What a folder given where one run is read holds instead, and what to name ("a folder of
+    2 run bundles (a, b); name one of them, e.g. runs/a"): a runs root or a sweep's folder, or
+    a run's own weights/; None for any other folder (the caller says what it lacks)."""
+    from toymlx.bundle.events import EVENTS_FILE
+
+    def bundle(p: Path) -> bool:
+        return (p / "config.json").is_file() or (p / EVENTS_FILE).is_file()
+
+    folder = Path(folder)
+    if not folder.is_dir() or bundle(folder):
+        return None
+    if folder.name == "weights" and bundle(folder.parent):
+        return f"the weights folder of the run {folder.parent}; name the run: {folder.parent}"
+    runs = sorted(c.name for c in folder.iterdir() if c.is_dir() and bundle(c))
+    if not runs:
+        return None
+    return (f"a folder of {len(runs)} run bundle{'s' if len(runs) > 1 else ''} "
+            f"({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}); name one of them, "
+            f"e.g. {folder / runs[0]}")
+
+
 def resolve_latest(run_dir: str | os.PathLike) -> Path:
     """The checkpoint a run folder continues from (`latest_checkpoint`, without the why)."""
     return latest_checkpoint(run_dir)[0]
@@ -344,6 +367,9 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
         raise ResumeError(f"{ckpt}: expected the run's latest checkpoint ({link} names it), "
                           f"found nothing there; {intact_hint(run_dir, checkpoint_step(ckpt), True)}")
     found = list_checkpoints(weights)
+    if not found and (other := not_one_run(run_dir)):
+        raise FileNotFoundError(f"{run_dir}: expected a run bundle with weights/latest, "
+                                f"found {other}")
     if not found:
         owner = held_by(run_dir / LOCK_FILE)
         live = ("" if owner is None else

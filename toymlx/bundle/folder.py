@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import json_fault, special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
@@ -263,13 +263,15 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
     try:
         saved = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if other := ck.not_one_run(run_dir):  # the runs root, a sweep's folder, weights/
+            raise RunError(f"{run_dir}: {flag}: expected a run bundle folder, found "
+                           f"{other}") from None
         raise RunError(f"{p}: {flag}: expected the run's saved config, found no file (a run "
                        "folder of toymlx-train has one)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RunError(f"{p}: expected a readable UTF-8 file, found {e}") from None
     except json.JSONDecodeError as e:
-        raise RunError(f"{p}: expected JSON, found {e.msg} at line {e.lineno} column "
-                       f"{e.colno}") from None
+        raise RunError(f"{p}: expected JSON, found {json_fault(e)}") from None
     except RecursionError:
         raise RunError(f"{p}: expected the run's saved config, found JSON nested too deeply "
                        "to read") from None
@@ -322,6 +324,7 @@ def refuse_run_folder(spec: str | os.PathLike, flag: str) -> None:
     else:
         base = ((saved_config(spec) or {}).get(MODEL_FILES_KEY) or {}).get("base") or {}
         fix = ("its checkpoints are LoRA adapters: pass its base"
-               + (f" (--base {base['file']})" if isinstance(base.get("file"), str) else "")
-               + f" and --lora.init-adapter {spec} to start from its adapter")
+               + (f" ({flag} {base['file']})" if isinstance(base.get("file"), str) else "")
+               + (f" and --lora.init-adapter {spec} to start from its adapter"
+                  if flag == "--base" else ""))  # --donor, --tokenizer: the base is what they read
     raise ValueError(f"{spec}: {flag}: expected a GGUF file, found a toymlx run folder; {fix}")

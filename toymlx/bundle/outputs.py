@@ -148,6 +148,10 @@ def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
         raise OutputError(f"{out}: {flag}: expected a path outside model stores, found it "
                           f"inside {store[0]} {store[1]} (its files are named by their "
                           f"contents); choose another {flag}")
+    above = next((a for a in out.parents if a.exists()), None)
+    if above is not None and not above.is_dir():  # its folder would be made: "File exists"
+        raise OutputError(f"{out}: {flag}: expected a path in a folder, found {above} is a "
+                          f"file, not a folder; choose another {flag}")
     if not folder and out.is_dir():  # found only at the end, after the work, by the rename
         raise OutputError(f"{out}: {flag}: expected a file name, found a folder; name a file "
                           f"in it, or choose another {flag}")

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from toymlx.backend.files import json_fault
 from toymlx.backend.progress import pass_bar
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
@@ -201,7 +202,7 @@ def _json_array(path: Path, text: str) -> list[Example]:
         try:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: bad JSON ({e.msg} at column {e.colno}); "
+            raise DataError(f"{path}:{e.lineno}: bad JSON ({json_fault(e, line=False)}); "
                             f"expected an array of objects {SHAPES}") from None
         except RecursionError:
             raise DataError(f"{path}:{line(pos)}: expected an object {SHAPES}, found arrays or "
@@ -301,7 +302,7 @@ def _jsonl_record(raw: str, path: Path, lineno: int) -> Example:
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno}); "
+        raise DataError(f"{path}:{lineno}: bad JSON ({json_fault(e, line=False)}); "
                         f"expected one object per line {SHAPES}") from None
     except RecursionError:
         raise DataError(f"{path}:{lineno}: expected an object {SHAPES}, found arrays "

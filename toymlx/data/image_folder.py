@@ -104,13 +104,26 @@ def _note_large(path: Path | ImageBytes, size: tuple[int, int]) -> None:
           f"limit of {limit:,} for untrusted files; decoded as it is", file=sys.stderr)
 
 
+IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"),
+               (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+"""The first bytes of the image kinds toymlx reads (WEBP: RIFF....WEBP, in `_sniff`)."""
+
+
 def _sniff(path: Path | ImageBytes) -> str:
     try:
-        head = path.data[:16] if isinstance(path, ImageBytes) else path.open("rb").read(16)
+        if isinstance(path, ImageBytes):
+            head, size = path.data[:16], len(path.data)
+        else:
+            with path.open("rb") as f:
+                head, size = f.read(16), os.fstat(f.fileno()).st_size
     except OSError:
         return "an unreadable file"
     if not head:
         return "an empty file"
+    kind = next((k for magic, k in IMAGE_MAGIC if head.startswith(magic)),
+                "WEBP" if head[:4] == b"RIFF" and head[8:12] == b"WEBP" else None)
+    if kind is not None:  # its kind, with a header Pillow cannot parse: a file cut short
+        return f"a {kind} file of {size} bytes whose header Pillow cannot read (cut short?)"
     return f"bytes {head[:8]!r}"
 
 

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
+from toymlx.backend.files import nothing_there
 from toymlx.data import augment as A
 from toymlx.data import fixture_path
 from toymlx.data.cifar import is_cifar, load_cifar
@@ -227,7 +228,8 @@ def _load_raw(path: str | None, size: int | None, channels: int | None,
         return Raw(x, y, "uci-digits")
     p = Path(path)
     if not p.exists():
-        raise ImageDataError(f"{p}: no such file or directory")
+        raise ImageDataError(f"{p}: expected a folder of images or a data set file, found "
+                             f"{nothing_there(p)}")
     if not _is_image_folder(p):
         return _load_arrays(p)
     files, y, names = scan_image_folder(p, min_classes)

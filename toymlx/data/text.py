@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import nothing_there, special_kind
 from toymlx.backend.progress import pass_bar
 
 
@@ -75,6 +75,8 @@ def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator
     try:
         f = open(path, "rb")  # noqa: SIM115 (closed by the iterator)
         size = os.fstat(f.fileno()).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        raise DataError(f"{path}: expected a UTF-8 text file, found {nothing_there(path)}") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e.strerror or e})") from None
     pieces = _pieces(path, f, block or READ_BYTES)
@@ -100,6 +102,10 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
             try:
                 text = codecs.utf_8_decode(memoryview(data)[:end], "strict", True)[0]
             except UnicodeDecodeError as e:
+                if offset == 0 and data.startswith(b"GGUF"):  # --data.path given the model
+                    raise DataError(f"{path}: expected UTF-8 text, found a GGUF model file: "
+                                    "--data.path takes text (a model is --base, --donor, "
+                                    "--tokenizer or toymlx-eval's --model)") from None
                 line = lines + data.count(b"\n", 0, e.start) + 1
                 raise DataError(
                     f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {line}, "

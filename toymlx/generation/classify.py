@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.backend.atomic import atomic_open
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import nothing_there, special_kind
 from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.data.image_folder import (
     IMAGE_EXTENSIONS,
@@ -183,7 +183,7 @@ def _expand(p: Path) -> list[Path]:
     if kind := special_kind(p):
         raise ImageDataError(f"{p}: expected an image file or a folder, found {kind}; for "
                              "one image sent on stdin, name it -")
-    raise ImageDataError(f"{p}: no such file or directory")
+    raise ImageDataError(f"{p}: expected an image file or a folder, found {nothing_there(p)}")
 
 
 def predict(clf: Classifier, batches: Iterable[dict[str, np.ndarray]]

@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 
 from toymlx.gguf.blocks import CODECS, split_rows
 from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
-from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile, check_finite
+from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile, check_finite, refuse_adapter
 from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
 from toymlx.models.layers import (
     BlockEmbedding,
@@ -201,15 +201,13 @@ NOT_A_MODEL = {
 """What a GGUF of each `general.type` other than a model is, and what to pass instead."""
 
 
-def check_model_kind(g: GGUFFile) -> None:
-    """GGUFError, before any other key is read, where the file is not a model: a LoRA adapter,
-    a projector (mmproj; older ones say so by `general.architecture` 'clip' alone), an
-    importance matrix or another `general.type`, saying what to pass instead."""
+def check_model_kind(g: GGUFFile, flag: str | None = None) -> None:
+    """GGUFError, before any other key is read, where the file is not a model: a LoRA adapter
+    (`refuse_adapter`; `flag` the option that gave it), a projector (mmproj; older ones say so
+    by `general.architecture` 'clip' alone), an importance matrix or another `general.type`,
+    saying what to pass instead."""
+    refuse_adapter(g.path, g.metadata, flag)
     kind = g.metadata.get("general.type", "model")
-    if kind == "adapter":
-        raise GGUFError(f"{g.path}: expected a model GGUF, found a LoRA adapter (a LoRA run's "
-                        "checkpoint); pass it as --adapter, with its base model as --base "
-                        "(toymlx-generate: --model)")
     key = "general.type"
     if kind == "model" and g.metadata.get("general.architecture") == "clip":
         kind, key = "mmproj", "general.architecture"

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import nothing_there, special_kind
 
 MAGIC = b"GGUF"
 DIGEST_KEY = "toy.tensor_sha256"
@@ -56,6 +56,22 @@ TYPE_NAMES = {UINT8: "uint8", INT8: "int8", UINT16: "uint16", INT16: "int16", UI
 
 class GGUFError(ValueError):
     """A GGUF file that cannot be used; the message is one line naming file, key and values."""
+
+
+def refuse_adapter(path: str | os.PathLike, metadata: dict[str, Any], flag: str | None = None) -> None:
+    """GGUFError where the file is a LoRA adapter (`general.type` 'adapter': no tokenizer, no
+    base weights) given where a model is read; with `flag` (--donor, --tokenizer), the option
+    and its fix: the adapter's base, as toymlx's adapters record it (`toy.base`)."""
+    if metadata.get("general.type") != "adapter":
+        return
+    if flag is None:
+        raise GGUFError(f"{path}: expected a model GGUF, found a LoRA adapter (a LoRA run's "
+                        "checkpoint); pass it as --adapter, with its base model as --base "
+                        "(toymlx-generate: --model)")
+    base = metadata.get("toy.base")
+    raise GGUFError(f"{path}: {flag}: expected a model GGUF, found a LoRA adapter (a LoRA run's "
+                    "checkpoint), which holds no tokenizer or base weights; pass its base model"
+                    + (f" ({base})" if isinstance(base, str) else ""))
 
 
 def split_name(name: str) -> tuple[str, int, int] | None:
@@ -195,9 +211,9 @@ class GGUFFile:
                 if size == 0:
                     raise GGUFError(f"{self.path}: file: expected a GGUF file, found an empty file")
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except FileNotFoundError:
-            raise GGUFError(f"{self.path}: file: expected an existing GGUF file, found nothing "
-                            "at that path") from None
+        except (FileNotFoundError, NotADirectoryError):
+            raise GGUFError(f"{self.path}: file: expected an existing GGUF file, found "
+                            f"{nothing_there(self.path)}") from None
         except IsADirectoryError:
             raise GGUFError(f"{self.path}: file: expected a GGUF file, found a directory") from None
         except PermissionError:

@@ -41,6 +41,7 @@ class LlamaOptions:
     """Share the embedding and output matrices (default: the preset's)."""
 
     def build_args(self, vocab_size: int) -> LlamaArgs:
+        """The preset's LlamaArgs with the fields given, checked (`LlamaArgs.validate`)."""
         over = {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name != "preset" and getattr(self, f.name) is not None}
         args = PRESETS[self.preset](vocab_size=vocab_size, **over)

@@ -17,6 +17,7 @@ from toymlx.bundle import model_store
 from toymlx.bundle.folder import refuse_run_folder
 from toymlx.data.tokenizer import Tokenizer, byte_tokenizer
 from toymlx.gguf.llama import load_llama_into, write_llama
+from toymlx.gguf.reader import read_metadata, refuse_adapter
 from toymlx.models.llama import Llama
 from toymlx.models.ops import Ops
 from toymlx.recipes.common import (
@@ -51,7 +52,10 @@ class Config(TrainConfig):
 
 
 def validate(cfg: Config) -> None:
-    """--test needs a data folder with test.jsonl; the data itself is checked as it is read."""
+    """The model's shape (before any file is read: a sweep refuses a bad grid value before
+    its runs start), --test's data folder with test.jsonl; the data itself is checked as it is
+    read."""
+    cfg.model.build_args(vocab_size=1)  # the vocabulary is the tokenizer's, not yet read
     if cfg.tokenizer is not None:
         refuse_run_folder(cfg.tokenizer, "--tokenizer")
     if cfg.test:
@@ -62,7 +66,10 @@ def tokenizer(cfg: Config) -> Tokenizer:
     """The model's tokenizer: --tokenizer's GGUF's, else bytes."""
     if cfg.tokenizer is None:
         return byte_tokenizer()
-    return Tokenizer.from_gguf(model_store.resolve_model(cfg.tokenizer, "--tokenizer"))
+    path = model_store.resolve_model(cfg.tokenizer, "--tokenizer")
+    meta = read_metadata(path)
+    refuse_adapter(path, meta, "--tokenizer")
+    return Tokenizer.from_metadata(meta, path)
 
 
 def build(cfg: Config, ops: Ops) -> Task:

@@ -30,7 +30,7 @@ from mlx import nn
 from toymlx.backend.lifeline import watch_parent
 from toymlx.backend.stop import in_child
 from toymlx.bundle import checkpoint as ck
-from toymlx.gguf.llama import ARCHS, SUPPORTED, llama_tensors, load_llama_weights
+from toymlx.gguf.llama import ARCHS, SUPPORTED, check_model_kind, llama_tensors, load_llama_weights
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.ops import EXACT, Ops
@@ -70,6 +70,7 @@ def read_donor(path: str | os.PathLike, vocab: int | None = None) -> Donor:
     whose width is not <arch>.embedding_length, or fewer rows than asked for.
     """
     g = GGUFFile(path)  # missing, unreadable, not GGUF, truncated: one-line GGUFError
+    check_model_kind(g, "--donor")
     arch = g.metadata.get("general.architecture")
     if arch not in ARCHS:
         raise GGUFError(f"{g.path}: metadata key 'general.architecture': expected one of "

@@ -77,7 +77,9 @@ class Config(TrainConfig):
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no file; the donor itself is checked when it is read."""
+    """Checks that need no file (the student's shape among them); the donor itself is checked
+    when it is read."""
+    cfg.model.build_args(vocab_size=1)  # the vocabulary is the donor's, not yet read
     if not cfg.donor:
         raise ValueError("--donor: expected a llama GGUF to take the token table from, "
                          "found none")

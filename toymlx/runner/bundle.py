@@ -21,14 +21,16 @@ one line naming the first).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from toymlx import __version__
 from toymlx.backend.files import special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock
 from toymlx.bundle import checkpoint as ck
@@ -110,6 +112,11 @@ class Bundle:
         if not isinstance(fmt, int) or isinstance(fmt, bool):
             raise RunError(f"{source}: key 'format': expected an integer (toymlx writes "
                            f"{CONFIG_FORMAT}), found {found_text(fmt)}")
+        if not 1 <= fmt <= CONFIG_FORMAT:  # a newer toymlx's options would be misread
+            raise RunError(f"{source}: key 'format': expected 1..{CONFIG_FORMAT} (toymlx "
+                           f"{__version__} writes {CONFIG_FORMAT}), found {fmt}"
+                           + ("; the run was made by a newer toymlx: use that one"
+                              if fmt > CONFIG_FORMAT else ""))
         cfg = config_from_dict(module.Config, saved["config"], source, complete=fmt >= 2,
                                optional=added_since(fmt))  # see CONFIG_FORMAT
         events = ev.read_events(path)
@@ -240,8 +247,10 @@ class Bundle:
         start = self.start_event
         events = self.path / ev.EVENTS_FILE
         if start is None:
-            found = ("no file" if not events.exists() else "an empty file"
-                     if not self.events else f"{len(self.events)} events without it")
+            size = events.stat().st_size if events.is_file() else 0
+            found = ("no file" if not events.exists() else f"{len(self.events)} events "
+                     "without it" if self.events else f"{size} bytes but no event (a line "
+                     "cut short or garbled)" if size else "an empty file")
             # nothing of a run yet, killed before its run_start line: events.jsonl is created
             # (empty) just before it is written
             if (not events.exists() or not self.events) and not ck.list_checkpoints(
@@ -264,9 +273,9 @@ class Bundle:
                            f"{self.path / CONFIG_FILE} holds (run_id {ours!r}), found that of "
                            f"run_id {theirs!r}: the two files belong to different runs; put "
                            "back this run's own events.jsonl (or config.json)")
-        key = next((k for k in now if k in was and now[k] != was[k]), None)
-        what = (f"key 'config.{key}': expected {was[key]!r} (recorded when the run started), "
-                f"found {now[key]!r}" if key is not None else
+        edit = _edited_key(self.saved, was, want)
+        what = (f"key 'config.{edit[0]}': expected {edit[1]!r} (recorded when the run "
+                f"started), found {edit[2]!r}" if edit is not None else
                 f"expected the contents recorded when the run started (sha256 {want[:12]}), "
                 f"found others (sha256 {config_digest(self.saved)[:12]})")
         raise RunError(f"{self.path / CONFIG_FILE}: {what}: config.json was edited after the "
@@ -464,6 +473,32 @@ def run_base(path: str | os.PathLike, flag: str = "--model") -> tuple[str, str] 
         return None
     return str(base), bundle.used.get("base", f"{base} (the run's --base)")
 
+
+
+def _edited_key(saved: dict[str, Any], was: dict[str, Any], want: str) -> tuple[str, Any, Any] | None:
+    """(dotted key, recorded value, value now) of the one option of config.json whose recorded
+    value (run_start's `config`, `was`) gives back the digest run_start recorded (`want`); None
+    where no single option does (several edited, or a key outside "config"). run_start records
+    some options as the run resolved them (from-scratch's tokenizer None as "bytes"), so a key
+    that merely differs from the record is not named: it may not be the one edited."""
+    def leaves(now: dict[str, Any], rec: dict[str, Any], at: tuple[str, ...]) -> Iterator:
+        for k, v in now.items():
+            if k not in rec:
+                continue
+            if isinstance(v, dict) and isinstance(rec[k], dict):
+                yield from leaves(v, rec[k], (*at, k))
+            elif v != rec[k]:
+                yield (*at, k), rec[k], v
+
+    for path, recorded, now in leaves(saved["config"], was, ()):
+        trial = copy.deepcopy(saved)
+        inner = trial["config"]
+        for k in path[:-1]:
+            inner = inner[k]
+        inner[path[-1]] = recorded
+        if config_digest(trial) == want:
+            return ".".join(path), recorded, now
+    return None
 
 
 def _same_place(was: Any, given: Any) -> bool:

@@ -1,0 +1,109 @@
+"""What a path holds, said before anything opens it (`toymlx.backend.files`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from cli_errors import error_line
+
+from toymlx.backend.files import json_fault, nothing_there
+
+
+def test_nothing_there_names_a_dangling_link_a_file_as_folder_and_an_unexpanded_tilde(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plain").write_text("x")
+    (tmp_path / "link.gguf").symlink_to("gone.gguf")
+    assert nothing_there("missing.gguf") == "nothing at that path"
+    assert nothing_there("plain/m.gguf") == "nothing at that path (plain is a file, not a folder)"
+    assert nothing_there("link.gguf") == ("nothing at that path (a link to gone.gguf, which is "
+                                          "missing)")
+    assert nothing_there("~/m.gguf") == (
+        "nothing at that path (~ is expanded only by the shell, not inside quotes, after "
+        f"--opt= or in a -c file: write {os.path.expanduser('~/m.gguf')})")
+
+
+@pytest.mark.parametrize("prog,argv,flag", [
+    ("eval", ["--model"], "--model: expected a GGUF file or a run directory"),
+    ("train", ["--recipe", "from-scratch", "--data.path"], "expected a UTF-8 text file"),
+    ("train", ["--recipe", "vit-tiny", "--data.path"],
+     "expected a folder of images or a data set file"),
+    ("train", ["--recipe", "lora", "--base"], "--base: expected an existing GGUF file"),
+])
+def test_a_path_given_with_a_tilde_the_shell_left_is_named_with_its_expansion(
+        tmp_path, capsys, monkeypatch, prog, argv, flag):
+    """`--base='~/m.gguf'`, or `base: ~/m.gguf` in a -c file, reached the command as typed, and
+    its "found nothing" (or "no such file or directory") gave no reason; it names the fix now."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(f"toymlx_cli.{prog}").main
+    assert main([*argv, "~/toymlx-test-missing", "--runs-root", "runs"]
+                if prog == "train" else [*argv, "~/toymlx-test-missing"]) == 2
+    assert error_line(capsys, f"toymlx-{prog}") == (
+        f"toymlx-{prog}: error: ~/toymlx-test-missing: {flag}, found nothing at that path (~ is "
+        "expanded only by the shell, not inside quotes, after --opt= or in a -c file: write "
+        f"{os.path.expanduser('~/toymlx-test-missing')})")
+    assert not list(tmp_path.glob("runs/*"))  # no run folder begun
+
+
+def _fault(text: str, line: bool = True) -> str:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return json_fault(e, line)
+    raise AssertionError(text)
+
+
+def test_json_fault_says_where_the_text_ends_before_its_json_and_reads_once_at():
+    """json's "Unterminated string starting at" was printed "starting at at column 11"; a
+    file cut short read like any typo, and an empty file as "Expecting value"."""
+    assert _fault('{"a": 1,}') == "Expecting property name enclosed in double quotes at line 1 column 9"
+    assert _fault('{"a": 1, "b": "tw', line=False) == (
+        "Unterminated string starting at column 15, where the text ends: cut short?")
+    assert _fault('{\n  "a": 1,\n') == ("Expecting property name enclosed in double quotes at "
+                                        "line 3 column 1, where the text ends: cut short?")
+    assert _fault(" \n") == "an empty file"
+
+
+@pytest.mark.parametrize("cut", [0, 60])
+def test_a_cut_chat_file_and_a_cut_config_json_say_the_text_ends(tmp_path, capsys, cut,
+                                                                 shared_file):
+    """A chat JSONL cut inside its last line, and a run's config.json cut or emptied (a copy
+    stopped), each named for what it is."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.train import main as train_main
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": f"What is {i}?", "completion": f"{i}."}) + "\n"
+                            for i in range(20))[:-10])
+    assert train_main(["--recipe", "lora", "--base", str(shared_file("models/stories260K.gguf")),
+                       "--data.path", str(chat), "--runs-root", str(tmp_path)]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"toymlx-train: error: {chat}:20: bad JSON (Unterminated string "
+                           "starting at column ") and ", where the text ends: cut short?)" in line
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"format": 7, "recipe": "from-scratch",
+                                                 "config": {"steps": 2}}, indent=2)[:cut])
+    assert eval_main(["--model", str(run)]) == 2
+    line = error_line(capsys, "toymlx-eval")
+    assert line.startswith(f"toymlx-eval: error: {run / 'config.json'}: expected JSON, found ")
+    assert line.endswith("found an empty file" if cut == 0 else
+                         ", where the text ends: cut short?"), line
+
+
+def test_a_gguf_given_as_the_text_to_train_on_is_named_as_a_model(tmp_path, capsys, shared_file):
+    """`--data.path model.gguf` (the model where the data goes) read "not valid UTF-8 at byte
+    offset 7554 ...; re-save the file as UTF-8", advice no one can take for a GGUF."""
+    from toymlx_cli.train import main as train_main
+
+    gguf = shared_file("models/stories260K.gguf")
+    assert train_main(["--recipe", "from-scratch", "--data.path", str(gguf), "--runs-root",
+                       str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {gguf}: expected UTF-8 text, found a GGUF model file: --data.path "
+        "takes text (a model is --base, --donor, --tokenizer or toymlx-eval's --model)")
+    assert not list(tmp_path.glob("runs/*"))
