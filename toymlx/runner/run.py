@@ -285,6 +285,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
                            "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id],
                            folder=True)
     if rank0:
+        made = missing_folders(Path(cfg.runs_root))  # ours to remove again, left empty
         run_dir, lock = prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite, default_id)
         owned.enter_context(lock)
     if default_id:  # the folder rank 0 claimed, maybe with a suffix
@@ -298,10 +299,25 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
         if rank0:
             save_config(run_dir, recipe, cfg)
     except BaseException:
-        if rank0:  # ours, and nothing of a run in it yet
+        if rank0:  # ours, and nothing of a run in it yet; so the --runs-root folders it made
             shutil.rmtree(run_dir, ignore_errors=True)
+            for folder in made:
+                try:
+                    folder.rmdir()  # only where empty: another run may have started in it
+                except OSError:
+                    break
         raise
     return _Prepared(run_dir, task, world, None, {})
+
+
+def missing_folders(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first: the folders a
+    `mkdir(parents=True)` of it makes."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def _build(module: ModuleType, cfg: TrainConfig, ops: Ops) -> Task:
