@@ -223,6 +223,8 @@ def read_config_file(path: str) -> dict[str, Any]:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         what = getattr(e, "strerror", None) or e
+        if isinstance(e, UnicodeDecodeError) and e.object[:4] == b"GGUF":  # `-c model.gguf`
+            what = "a GGUF model file (a model is --base, --donor or --model)"
         raise ConfigFileError(f"{p}: -c/--config: expected a readable UTF-8 YAML or JSON file, "
                               f"found {what}") from None
     if p.suffix.lower() == ".py":  # as YAML, `block_size = 256` lines read as one string

@@ -132,6 +132,17 @@ def test_missing_file_and_resume_with_config(tmp_path, capsys):
     assert "a resumed run keeps its saved configuration" in error_line(capsys)
 
 
+def test_a_gguf_given_as_the_config_file_is_named(tmp_path, capsys):
+    """`-c model.gguf` (a model where the config file goes) said "'utf-8' codec can't decode
+    byte 0x80 in position 9: invalid start byte"."""
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(128, 256)))
+    assert main(["--recipe", "lora", "-c", str(p)]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {p}: -c/--config: expected a readable "
+                                  "UTF-8 YAML or JSON file, found a GGUF model file (a model is "
+                                  "--base, --donor or --model)")
+
+
 def test_forward_only_command_takes_a_config_file(tmp_path, data, capsys):
     from toymlx_cli.eval import main as eval_main
 
