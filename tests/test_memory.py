@@ -172,15 +172,16 @@ def test_an_ollama_base_is_refused_before_its_blob_is_hashed(header_8b, tmp_path
     assert error_line(capsys) == "toymlx-train: error: --lora.rank: expected >= 1, found 0"
     (tmp_path / "a-file").write_text("")
     assert _train([*common, "--runs-root", str(tmp_path / "a-file")]) == 2
-    assert "--runs-root: expected a folder" in error_line(capsys)
-    assert hashed == [] and list(runs.iterdir()) == []  # no run folder left behind
+    assert error_line(capsys).endswith(f"{tmp_path / 'a-file'} is a file, not a folder; "
+                                       "choose another --runs-root/--run-id")
+    assert hashed == [] and not runs.exists()  # no run folder left behind, nor runs/ made
     # --force passes the memory check: the blob is checked now, before a weight is read
     assert _train([*common, "--runs-root", str(runs), "--force"]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: --base ollama:big:8b: {blob}: expected SHA-256 {digest} (its "
         f"name), found {'f' * 64}; the blob is damaged or was replaced: `ollama rm` and "
         "`ollama pull` the model again")
-    assert hashed == [blob] and list(runs.iterdir()) == []
+    assert hashed == [blob] and not runs.exists()
 
 
 TINY = tiny(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, context=256)
