@@ -39,7 +39,7 @@ class Args:
 
 def run(args: Args) -> int:
     from toymlx.backend.device import select_device
-    from toymlx.generation.classify import Classifier, image_files
+    from toymlx.generation.classify import Classifier, image_files, input_name
 
     if not args.inputs:
         raise ValueError("IMAGE_OR_DIR: expected at least one image file or folder, found none")
@@ -56,10 +56,10 @@ def run(args: Args) -> int:
             unread += 1
             print(f"{PROG}: error: {top}", file=sys.stderr)
         elif args.json:
-            print(json.dumps({"file": str(f), "top": [{"class": n, "probability": p}
+            print(json.dumps({"file": input_name(f), "top": [{"class": n, "probability": p}
                                                       for n, p in top]}))
         else:
-            print(f"{f}: " + ", ".join(f"{n} {p:.4f}" for n, p in top))
+            print(f"{input_name(f)}: " + ", ".join(f"{n} {p:.4f}" for n, p in top))
         sys.stdout.flush()
     if unread and unread < len(files):
         rest = len(files) - unread

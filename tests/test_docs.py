@@ -541,6 +541,28 @@ def test_readme_is_short_and_every_figure_links_to_the_results_table():
                 assert "RESULTS.md#" in row, f"README.md: a figure without its RESULTS link:\n{row}"
 
 
+def test_text_guides_vocabularies_and_parameter_counts_are_the_models():
+    """docs/TEXT.md's "Bytes (259 ids ...)" and "SmolLM2's 49,152 tokens make the tiny preset
+    15.5M parameters instead of 3.0M" are what the code builds: a changed preset or byte
+    vocabulary fails here, naming the sentence."""
+    from mlx.utils import tree_flatten
+
+    from toymlx.data.tokenizer import byte_tokenizer
+    from toymlx.models.llama import Llama, smollm2_135m, tiny
+
+    text = " ".join((REPO / "docs" / "TEXT.md").read_text().split())
+    ids = re.search(r"Bytes \(([\d,]+) ids", text)
+    counts = re.search(r"SmolLM2's ([\d,]+) tokens make the tiny preset ([\d.]+)M parameters "
+                       r"instead of ([\d.]+)M", text)
+    assert ids and counts, "docs/TEXT.md: the byte vocabulary or the parameter counts moved"
+    assert int(ids.group(1).replace(",", "")) == byte_tokenizer().vocab_size == tiny().vocab_size
+    smol = int(counts.group(1).replace(",", ""))
+    assert smol == smollm2_135m().vocab_size
+    for vocab, quoted in ((smol, counts.group(2)), (tiny().vocab_size, counts.group(3))):
+        n = sum(v.size for _, v in tree_flatten(Llama(tiny(vocab_size=vocab)).parameters()))
+        assert f"{n / 1e6:.1f}" == quoted, f"docs/TEXT.md: {quoted}M parameters, built {n:,}"
+
+
 # ---- running the blocks -----------------------------------------------------------------------
 
 def _shrunk(n: int) -> int:

@@ -315,6 +315,23 @@ def test_classify_dash_reads_one_image_from_stdin_as_its_file_reads(tmp_path, fo
         assert capsys.readouterr().out == "-" + line.removeprefix(str(img))
 
 
+def test_classify_names_a_file_called_dash_apart_from_stdin(tmp_path, folder, tiny_run, capsys,
+                                                           monkeypatch):
+    """docs/IMAGES.md: a file named `-` is `./-`. Its answer was printed as `-: ...`, the name
+    of stdin's image (Path("./-") prints "-"), and a missing `./-` as "-: no such file". Now
+    such a file keeps its `./`, in the answer, in --json and in the error line."""
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert classify_main(["--model", str(tiny_run), "./-"]) == 2
+    assert capsys.readouterr().err == ("toymlx-classify: error: ./-: expected an image file or "
+                                       "a folder, found nothing at that path\n")
+    (tmp_path / "-").write_bytes((folder / "cat" / "01.png").read_bytes())
+    assert classify_main(["--model", str(tiny_run), "./-"]) == 0
+    assert capsys.readouterr().out.startswith("./-: ")
+    assert classify_main(["--model", str(tiny_run), "--json", "./-"]) == 0
+    assert json.loads(capsys.readouterr().out)["file"] == "./-"
+
+
 PNG_NAMES = "png, jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm, pbm"
 
 

@@ -171,19 +171,27 @@ def image_files(paths: Iterable[str | Path], stdin: BinaryIO | None = None) -> l
     return out
 
 
+def input_name(f: Path | ImageBytes) -> str:
+    """The name an answer is printed under: the file's path, with the "./" that Path drops
+    kept before a name starting with "-" (a file named "-" is "./-", stdin's image "-")."""
+    name = str(f)
+    return f"./{name}" if isinstance(f, Path) and name.startswith("-") else name
+
+
 def _expand(p: Path) -> list[Path]:
+    name = input_name(p)
     if p.is_dir():
         found = images_below(p)
         if not found:
-            raise ImageDataError(f"{p}: expected image files ({', '.join(IMAGE_EXTENSIONS)}) "
+            raise ImageDataError(f"{name}: expected image files ({', '.join(IMAGE_EXTENSIONS)}) "
                                  "in the folder, found none")
         return found
     if p.is_file():
         return [p]
     if kind := special_kind(p):
-        raise ImageDataError(f"{p}: expected an image file or a folder, found {kind}; for "
+        raise ImageDataError(f"{name}: expected an image file or a folder, found {kind}; for "
                              "one image sent on stdin, name it -")
-    raise ImageDataError(f"{p}: expected an image file or a folder, found {nothing_there(p)}")
+    raise ImageDataError(f"{name}: expected an image file or a folder, found {nothing_there(p)}")
 
 
 def predict(clf: Classifier, batches: Iterable[dict[str, np.ndarray]]
