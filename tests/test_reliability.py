@@ -384,9 +384,10 @@ def test_unwritable_runs_root_fails_before_training(tmp_path, capsys, data):
     blocker.write_text("not a folder")
     rc = train(blocker / "runs", "x", "--steps", "2", data=data)
     assert rc == 2
-    assert error_line(capsys) == (f"toymlx-train: error: {blocker / 'runs' / 'x'}: {WANTS} Not "
-                                  f"a directory at {blocker / 'runs' / 'x'}; choose another "
-                                  "--runs-root")
+    assert error_line(capsys) == (f"toymlx-train: error: {blocker / 'runs' / 'x'}: "
+                                  "--runs-root/--run-id: expected a path in a folder, found "
+                                  f"{blocker} is a file, not a folder; choose another "
+                                  "--runs-root/--run-id")
     ro = tmp_path / "ro"
     if _mount_tmpfs(ro, "64k", ro=True):  # a read-only filesystem stops root too
         try:
