@@ -329,6 +329,37 @@ OTHER_TOOLS = ("python", "pip", "llama-", "ollama", "benchmarks/", "mlx_lm", "un
 """Inline code that is another program's command line: its flags are not toymlx's."""
 
 
+COMMON_OPTIONS = re.compile(r"Every recipe takes `([^`]+)`, and the text recipes \(([^)]+)\) "
+                            r"`([^`]+)`")
+"""RUNS.md's "Common options": the flags every recipe takes, then the text recipes' own."""
+
+
+def test_the_common_options_are_every_recipes():
+    """Each flag RUNS.md says every recipe takes is one of each recipe's flags, and those it
+    names for the text recipes are theirs (vit-tiny has no --seq-len: the guide once listed
+    it among every recipe's)."""
+    import warnings
+
+    import tyro
+
+    from toymlx.recipes import RECIPES, get_recipe
+
+    quotes = COMMON_OPTIONS.findall(prose_rows("docs/RUNS.md"))
+    assert len(quotes) == 1, quotes
+    every, text_recipes, text_flags = quotes[0]
+    wanted = {r: re.findall(r"--[a-z][\w.-]*", every) for r in RECIPES}
+    for r in text_recipes.split(", "):
+        wanted[r] += re.findall(r"--[a-z][\w.-]*", text_flags)
+    assert len(wanted["vit-tiny"]) >= 20, wanted
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for recipe, flags in wanted.items():
+            parser = tyro.extras.get_parser(get_recipe(recipe).Config)
+            has = {o for a in parser._actions for o in a.option_strings}
+            missing = [f for f in flags if f not in has]
+            assert not missing, f"docs/RUNS.md: {recipe} has no {missing}"
+
+
 def test_every_flag_named_in_the_prose_exists():
     """A flag named in the prose (`--lora.rank`) is one a toymlx command has: a renamed flag
     fails here too, not only in the command blocks. mlx-lm's flags in LORA.md's table of
