@@ -331,6 +331,20 @@ OTHER_TOOLS = ("python", "pip", "llama-", "ollama", "benchmarks/", "mlx_lm", "un
 
 COMMON_OPTIONS = re.compile(r"Every recipe takes `([^`]+)`, and the text recipes \(([^)]+)\) "
                             r"`([^`]+)`")
+
+
+def test_a_sweep_cut_short_by_head_pipes_its_progress():
+    """`toymlx-sweep` prints its progress on stderr and only the final table on stdout, so a
+    plain `toymlx-sweep ... | head -3` waits for the whole sweep (head never has its 3 lines);
+    an example of a reader that stops reading pipes stderr too (`2>&1 | head -3`). SWEEPS.md
+    once gave the plain one."""
+    n = 0
+    for doc in DOCS:
+        for span in re.findall(r"`(toymlx-sweep [^`]*\|\s*head[^`]*)`", prose_rows(doc)):
+            assert "2>&1" in span, f"{doc}: `{span}`: the sweep's progress is on stderr; " \
+                                   f"write `toymlx-sweep ... 2>&1 | head -3`"
+            n += 1
+    assert n >= 1
 """RUNS.md's "Common options": the flags every recipe takes, then the text recipes' own."""
 
 
