@@ -329,6 +329,51 @@ OTHER_TOOLS = ("python", "pip", "llama-", "ollama", "benchmarks/", "mlx_lm", "un
 """Inline code that is another program's command line: its flags are not toymlx's."""
 
 
+COMMON_OPTIONS = re.compile(r"Every recipe takes `([^`]+)`, and the text recipes \(([^)]+)\) "
+                            r"`([^`]+)`")
+
+
+def test_a_sweep_cut_short_by_head_pipes_its_progress():
+    """`toymlx-sweep` prints its progress on stderr and only the final table on stdout, so a
+    plain `toymlx-sweep ... | head -3` waits for the whole sweep (head never has its 3 lines);
+    an example of a reader that stops reading pipes stderr too (`2>&1 | head -3`). SWEEPS.md
+    once gave the plain one."""
+    n = 0
+    for doc in DOCS:
+        for span in re.findall(r"`(toymlx-sweep [^`]*\|\s*head[^`]*)`", prose_rows(doc)):
+            assert "2>&1" in span, f"{doc}: `{span}`: the sweep's progress is on stderr; " \
+                                   f"write `toymlx-sweep ... 2>&1 | head -3`"
+            n += 1
+    assert n >= 1
+"""RUNS.md's "Common options": the flags every recipe takes, then the text recipes' own."""
+
+
+def test_the_common_options_are_every_recipes():
+    """Each flag RUNS.md says every recipe takes is one of each recipe's flags, and those it
+    names for the text recipes are theirs (vit-tiny has no --seq-len: the guide once listed
+    it among every recipe's)."""
+    import warnings
+
+    import tyro
+
+    from toymlx.recipes import RECIPES, get_recipe
+
+    quotes = COMMON_OPTIONS.findall(prose_rows("docs/RUNS.md"))
+    assert len(quotes) == 1, quotes
+    every, text_recipes, text_flags = quotes[0]
+    wanted = {r: re.findall(r"--[a-z][\w.-]*", every) for r in RECIPES}
+    for r in text_recipes.split(", "):
+        wanted[r] += re.findall(r"--[a-z][\w.-]*", text_flags)
+    assert len(wanted["vit-tiny"]) >= 20, wanted
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for recipe, flags in wanted.items():
+            parser = tyro.extras.get_parser(get_recipe(recipe).Config)
+            has = {o for a in parser._actions for o in a.option_strings}
+            missing = [f for f in flags if f not in has]
+            assert not missing, f"docs/RUNS.md: {recipe} has no {missing}"
+
+
 def test_every_flag_named_in_the_prose_exists():
     """A flag named in the prose (`--lora.rank`) is one a toymlx command has: a renamed flag
     fails here too, not only in the command blocks. mlx-lm's flags in LORA.md's table of

@@ -113,7 +113,7 @@ class _Runner:
     """One machine's share of a sweep in flight: runs started as `toymlx-train` children,
     `workers` at a time, watched until they end, and stopped on a stop request as a run is
     (`StopSignals`: SIGINT, SIGTERM, SIGHUP for a closed terminal or ssh session, and the reader
-    of its console gone, `toymlx-sweep ... | head -3`), the first of them kept (`first`).
+    of its console gone, `toymlx-sweep ... 2>&1 | head -3`), the first of them kept (`first`).
 
     Each child is tied to this process (`lifeline`): if the sweep dies, even by SIGKILL, its
     children stop with a final checkpoint instead of training on unwatched. A child gets its
