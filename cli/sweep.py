@@ -133,8 +133,9 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    # `| head -3`, `2>&1 | head -3`: the rest of the output is discarded, and the sweep stops as on
-    # Ctrl-C (its runs checkpoint; summary and report written; exit 141)
+    # `2>&1 | head -3`: the rest of the output is discarded, and the sweep stops as on Ctrl-C
+    # (its runs checkpoint; summary and report written; exit 141); `| head -3` alone reads
+    # stdout, which has only the final table
     if argv is None:  # the console script
         console_streams()
     with output_may_close():
