@@ -105,6 +105,16 @@ def named(e: OSError, path: str | os.PathLike) -> OSError:
     return OSError(e.errno, e.strerror or str(e), str(path))
 
 
+def free_bytes(folder: str | os.PathLike) -> int | None:
+    """The bytes this user may still write on the disk that holds `folder`; None where that
+    cannot be measured."""
+    try:
+        fs = os.statvfs(folder)
+    except OSError:
+        return None
+    return fs.f_bavail * fs.f_frsize
+
+
 @contextmanager
 def room_for(size: int) -> Iterator[None]:
     """A block that writes one file of about `size` bytes (outside its `atomic_open`, so its
@@ -116,11 +126,8 @@ def room_for(size: int) -> Iterator[None]:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT) or e.filename is None:
             raise
-        try:
-            fs = os.statvfs(Path(e.filename).parent)
-        except OSError:
+        if (free := free_bytes(Path(e.filename).parent)) is None:
             raise e from None
-        free = fs.f_bavail * fs.f_frsize
         raise OSError(e.errno, f"{e.strerror or e} (the file takes {size / 2**20:.1f} MiB; "
                       f"{free / 2**20:.1f} MiB are free there)", e.filename) from None
 

@@ -509,9 +509,8 @@ def kernel_build_failure(error: BaseException, also: str = "") -> str | None:
         folder = folder.resolve()
     line = f"MLX could not build a CPU kernel in {folder} (its compiler: {said})"
     if "No space left on device" in said or "Disk quota exceeded" in said:
-        with contextlib.suppress(OSError):
-            fs = os.statvfs(folder)
-            line += f"; {fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB are free there"
+        if (free := atomic.free_bytes(folder)) is not None:
+            line += f"; {free / 2**20:.1f} MiB are free there"
         line += (": free space there, or set TOYMLX_KERNEL_CACHE to a folder on a larger disk"
                  + (f", or {also}" if also else ""))
     return line

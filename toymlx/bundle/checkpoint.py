@@ -421,10 +421,7 @@ def room_note(weights: Path) -> str:
     """For a write that found the disk full: the room one checkpoint takes (the newest's files)
     against what is free there, and what to do ("" where nothing can be measured)."""
     found = list_checkpoints(weights)
-    try:
-        fs = os.statvfs(weights if weights.is_dir() else weights.parent)
-        free = fs.f_bavail * fs.f_frsize
-    except OSError:
+    if (free := atomic.free_bytes(weights if weights.is_dir() else weights.parent)) is None:
         return ""
     if not found:
         return f"; {free / 2**20:.1f} MiB are free there: free space, or --runs-root on a larger disk"

@@ -1082,14 +1082,14 @@ def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: 
     from no example after the one that completes them (`Fit` counts the examples up to it;
     the rest of its batch is tokenized and dropped)."""
     seqs: list[tuple[np.ndarray, np.ndarray]] = []
-    done = _RowsDone(first, seq_len, pack)
+    done = None if first is None else _RowsDone(first, seq_len, pack)
     with pass_bar(len(examples), split and f"tokenizing {split} examples", "example") as bar:
         for start in range(0, len(examples), TOKENIZE_EXAMPLES):
             chunk = examples[start:start + TOKENIZE_EXAMPLES]
             seqs.extend(_tokenized(chunk, tokenizer, mask_prompt, turns))
             if bar is not None:
                 bar.update(len(chunk))
-            if first is not None:  # the example that completes the rows ends them
+            if done is not None:  # the example that completes the rows ends them
                 end = next((k + 1 for k in range(len(seqs) - len(chunk), len(seqs))
                             if done(seqs[k][1])), None)
                 if end is not None:
@@ -1103,13 +1103,13 @@ def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: 
 
 class _RowsDone:
     """Whether `fitted_rows`'s examples so far make its `first` rows in full, as every example
-    would make them (never, with `first` None), counting as `pack_or_pad` keeps rows (those
+    would make them, counting as `pack_or_pad` keeps rows (those
     with a trained target). Padded, an example makes one row or none; packed, row r is whole
     once the examples reach its last token, r * seq_len + seq_len, and holds a target when
     one of the trained flags of its positions r * seq_len + 1 on is set (an example's first
     token never is)."""
 
-    def __init__(self, first: int | None, seq_len: int, pack: bool):
+    def __init__(self, first: int, seq_len: int, pack: bool):
         self.first, self.seq_len, self.pack = first, seq_len, pack
         self.rows = 0  # rows kept so far (whole ones, packed)
         self.whole = 0  # packed: whole rows counted
@@ -1117,8 +1117,6 @@ class _RowsDone:
 
     def __call__(self, mask: np.ndarray) -> bool:
         """Whether the rows are made, with the example of trained flags `mask` next."""
-        if self.first is None:
-            return False
         t = self.seq_len
         if not self.pack:
             self.rows += bool(np.any(mask[1:t + 1]))
