@@ -440,7 +440,8 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     if not hosts:
         command = [_local_command(command[0]), *command[1:]]
     own = status_dir is None
-    if hosts and own and (away := other_machines(hosts.split(","))):
+    machines = hosts.split(",") if hosts else []
+    if own and (away := other_machines(machines)):
         raise ValueError(f"--hosts {hosts}: expected --status-dir FOLDER, a folder every host "
                          f"sees at the same path (a shared file system): each rank reports "
                          f"there how it ended, and a temporary folder made here does not exist "
@@ -451,7 +452,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
         old.unlink()
     if port is None and backend == "ring" and not hosts:
         port = _free_port_base(n)
-    ranks = n * len(hosts.split(",")) if hosts else n
+    ranks = n * len(machines) if machines else n
     cmd = [sys.executable, "-m", "toymlx.runner.launch", "--backend", backend, "-n", str(n),
            *(["--hosts", hosts] if hosts else []), *(["-p", str(port)] if port else []),
            "--env", f"{STATUS_ENV}={folder}",
