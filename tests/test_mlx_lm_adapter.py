@@ -188,54 +188,56 @@ def _broken(folder: Path, edit) -> Path:
     return out
 
 
+def _error(path: Path, args) -> str:
+    """read_mlx_lm_adapter's error for `path` on a base of shape `args`, checked to be one line."""
+    with pytest.raises(MlxLmError) as e:
+        read_mlx_lm_adapter(path, args)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
 def test_bad_adapters_are_one_line_naming_file_and_key(stories_path, tmp_path):
     folder = make_adapter(stories_path, tmp_path / "adapters", lora_config(2, 4, 2.0))
     args = toy(stories_path).args
     st = "adapters.safetensors"
 
-    def line(path) -> str:
-        with pytest.raises(MlxLmError) as e:
-            read_mlx_lm_adapter(path, args)
-        assert "\n" not in str(e.value)
-        return str(e.value)
-
     lone = tmp_path / "lone"
     lone.mkdir()
     shutil.copy(folder / st, lone / st)
-    assert line(lone) == (
+    assert _error(lone, args) == (
         f"{lone}/adapter_config.json: expected mlx-lm's adapter config beside {st} (mlx_lm.lora "
         "writes both; it gives lora_parameters.scale and rank), found no file; copy it from the "
         "adapter's folder")
     deep = _broken(folder, lambda w: w.update({
         "model.layers.7.self_attn.q_proj.lora_a": w["model.layers.4.self_attn.q_proj.lora_a"],
         "model.layers.7.self_attn.q_proj.lora_b": w["model.layers.4.self_attn.q_proj.lora_b"]}))
-    assert line(deep) == (
+    assert _error(deep, args) == (
         f"{deep}/{st}: key 'model.layers.7.self_attn.q_proj.lora_a': expected a block of the "
         "base's 5 (0..4), found block 7 (wrong base?)")
     early = _broken(folder, lambda w: w.update({
         "model.layers.0.self_attn.q_proj.lora_a": w["model.layers.4.self_attn.q_proj.lora_a"],
         "model.layers.0.self_attn.q_proj.lora_b": w["model.layers.4.self_attn.q_proj.lora_b"]}))
-    assert line(early) == (
+    assert _error(early, args) == (
         f"{early}/{st}: key 'model.layers.0.self_attn.q_proj.lora_a': expected blocks 3..4 "
         "(num_layers 2 in adapter_config.json: the last 2), found block 0")
     key = "model.layers.3.mlp.down_proj.lora_a"
     rank8 = _broken(folder, lambda w: w.update({key: mx.zeros((172, 8))}))
-    assert line(rank8) == (
+    assert _error(rank8, args) == (
         f"{rank8}/{st}: key '{key}': expected shape (172, 4) (the base's blk.3.ffn_down.weight "
         "(64, 172), lora_parameters.rank 4 in adapter_config.json), found (172, 8)")
     half = _broken(folder, lambda w: w.pop("model.layers.4.mlp.up_proj.lora_b"))
-    assert line(half) == (
+    assert _error(half, args) == (
         f"{half}/{st}: key 'model.layers.4.mlp.up_proj.lora_b': expected present (with lora_a), "
         "found missing")
     other = _broken(folder, lambda w: w.update({"model.embed_tokens.lora_a": mx.zeros((2, 2))}))
-    assert line(other) == (
+    assert _error(other, args) == (
         f"{other}/{st}: key 'model.embed_tokens.lora_a': expected model.layers.N.<module>.lora_a, "
         ".lora_b (or DoRA's .m) with <module> one of self_attn.q_proj, self_attn.k_proj, "
         "self_attn.v_proj, self_attn.qkv_proj, self_attn.o_proj, mlp.gate_proj, mlp.up_proj, "
         "mlp.gate_up_proj, mlp.down_proj, found another key")
     fused = _broken(folder, lambda w: w.update(
         {"model.layers.4.self_attn.qkv_proj.lora_a": mx.zeros((64, 4))}))
-    assert line(fused) == (
+    assert _error(fused, args) == (
         f"{fused}/{st}: key 'model.layers.4.self_attn.qkv_proj.lora_a': expected a projection "
         "this llama base has (self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, "
         "self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj), found self_attn.qkv_proj")
@@ -248,10 +250,10 @@ def test_bad_adapters_are_one_line_naming_file_and_key(stories_path, tmp_path):
         bad = _broken(folder, lambda w: None)
         c = json.loads((bad / "adapter_config.json").read_text())
         (bad / "adapter_config.json").write_text(json.dumps({**c, **conf}))
-        assert line(bad) == f"{bad}/adapter_config.json: {want}"
+        assert _error(bad, args) == f"{bad}/adapter_config.json: {want}"
     magnitude = _broken(folder, lambda w: w.update(
         {"model.layers.4.self_attn.q_proj.m": mx.ones((64,))}))
-    assert line(magnitude) == (
+    assert _error(magnitude, args) == (
         f"{magnitude}/{st}: key 'model.layers.4.self_attn.q_proj.m': expected lora_a and lora_b "
         "only (fine_tune_type 'lora' in adapter_config.json), found DoRA's magnitude")
     # where a command reads a GGUF and not mlx-lm's adapters, one line says how to convert them
@@ -278,20 +280,14 @@ def test_a_folder_without_its_adapter_file_and_another_model_s_adapter_are_one_l
     args = toy(stories_path).args
     st, conf = "adapters.safetensors", "adapter_config.json"
 
-    def line(path, a=args) -> str:
-        with pytest.raises(MlxLmError) as e:
-            read_mlx_lm_adapter(path, a)
-        assert "\n" not in str(e.value)
-        return str(e.value)
-
     saved = tmp_path / "saved"
     saved.mkdir()
     shutil.copy(folder / conf, saved / conf)
-    assert line(saved) == (f"{saved}: expected mlx-lm's {st} beside {conf}, found none; copy it "
-                           "from the adapter's folder")
+    assert _error(saved, args) == (f"{saved}: expected mlx-lm's {st} beside {conf}, found none; "
+                                   "copy it from the adapter's folder")
     for n in (100, 200):
         shutil.copy(folder / st, saved / f"{n:07d}_adapters.safetensors")
-    assert line(saved) == (
+    assert _error(saved, args) == (
         f"{saved}: expected mlx-lm's {st} beside {conf}, found only its checkpoints "
         f"(0000100_adapters.safetensors, 0000200_adapters.safetensors); pass one as the "
         f"adapter: {saved}/0000200_adapters.safetensors")
@@ -300,13 +296,11 @@ def test_a_folder_without_its_adapter_file_and_another_model_s_adapter_are_one_l
     peft.mkdir()
     shutil.copy(folder / conf, peft / conf)
     shutil.copy(folder / st, peft / "adapter_model.safetensors")
-    assert line(peft) == (
+    assert _error(peft, args) == (
         f"{peft}: expected mlx-lm's {st} beside {conf}, found adapter_model.safetensors: Hugging "
         "Face PEFT's adapter, not mlx-lm's; convert it with llama.cpp's convert_lora_to_gguf.py")
     wide = dataclasses.replace(args, d_model=128, n_layers=30)  # SmolLM2's depth, wider
-    with pytest.raises(MlxLmError) as e:
-        read_mlx_lm_adapter(folder, wide)
-    assert str(e.value) == (
+    assert _error(folder, wide) == (
         f"{folder}/{st}: key 'model.layers.3.mlp.down_proj.lora_b': expected shape (4, 128) (the "
         "base's blk.3.ffn_down.weight (128, 172)), found (4, 64): an adapter for another model "
         "(adapter_config.json's model: HuggingFaceTB/SmolLM2-135M-Instruct); give --base that "

@@ -202,11 +202,9 @@ def _json_array(path: Path, text: str) -> list[Example]:
         try:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: bad JSON ({json_fault(e, line=False)}); "
-                            f"expected an array of objects {SHAPES}") from None
-        except RecursionError:
-            raise DataError(f"{path}:{line(pos)}: expected an object {SHAPES}, found arrays or "
-                            "objects nested too deeply to read") from None
+            raise _unreadable(f"{path}:{e.lineno}", e, "an array of objects") from None
+        except RecursionError as e:
+            raise _unreadable(f"{path}:{line(pos)}", e, "an array of objects") from None
         examples.append(_parse_record(obj, f"{path}:{line(pos)}"))
         pos = end
         while pos < len(text) and text[pos].isspace():
@@ -301,13 +299,19 @@ def _jsonl_record(raw: str, path: Path, lineno: int) -> Example:
     """Line `lineno` (not blank) of a JSONL example file as its example."""
     try:
         obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno}: bad JSON ({json_fault(e, line=False)}); "
-                        f"expected one object per line {SHAPES}") from None
-    except RecursionError:
-        raise DataError(f"{path}:{lineno}: expected an object {SHAPES}, found arrays "
-                        "or objects nested too deeply to read") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise _unreadable(f"{path}:{lineno}", e, "one object per line") from None
     return _parse_record(obj, f"{path}:{lineno}")
+
+
+def _unreadable(where: str, e: json.JSONDecodeError | RecursionError, expected: str) -> DataError:
+    """The error for an example file's JSON at `where` (PATH:LINE) that does not read: bad JSON
+    (the file's layout being `expected`), or nested past Python's recursion limit."""
+    if isinstance(e, RecursionError):
+        return DataError(f"{where}: expected an object {SHAPES}, found arrays or objects nested "
+                         "too deeply to read")
+    return DataError(f"{where}: bad JSON ({json_fault(e, line=False)}); expected {expected} "
+                     f"{SHAPES}")
 
 
 FIRST_BYTES = 1 << 16
