@@ -45,7 +45,8 @@ def main() -> int:
     sweep_id = a.sweep_id or f"lora-rank-{Path(a.base).stem}"
     result = run_sweep("lora", specs, a.runs_root, workers=a.workers, shard=(i, n),
                        sweep_id=sweep_id)
-    best = next((r for r in result.rows if r["best"] is not None), None)
+    best = next((r for r in result.rows  # best first; a diverged run is no answer
+                 if r["status"] == "completed" and r["best"] is not None), None)
     if best is not None:
         print(f"best: lora.rank={best['params']['lora.rank']}, val_loss {best['best']:.4f} "
               f"({result.sweep_dir / 'report.png'})")

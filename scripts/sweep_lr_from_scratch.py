@@ -33,7 +33,8 @@ def main() -> int:
     i, n = (int(x) for x in a.shard.split("/"))
     result = run_sweep("from-scratch", specs, a.runs_root, workers=a.workers, shard=(i, n),
                        sweep_id=a.sweep_id)
-    best = next((r for r in result.rows if r["best"] is not None), None)
+    best = next((r for r in result.rows  # best first; a diverged run is no answer
+                 if r["status"] == "completed" and r["best"] is not None), None)
     if best is not None:
         print(f"best: lr={best['params']['lr']:g}, val_loss {best['best']:.4f} at step "
               f"{best['best_step']} ({result.sweep_dir / 'report.png'})")
