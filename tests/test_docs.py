@@ -528,6 +528,56 @@ def test_every_environment_variable_the_docs_name_is_read():
         assert var in code, f"{doc}: names {var}, which no code reads"
 
 
+INTERNAL_VARIABLES = {
+    "TOYMLX_PARENT_PID": "set by a toymlx parent for its children (toymlx/backend/lifeline.py)",
+    "TOYMLX_RANK_STATUS": "set by toymlx-launch for its ranks (toymlx/runner/launch.py)",
+    "TOYMLX_RESTARTED": "set by a command's huge-page restart (toymlx/backend/device.py)",
+}
+"""TOYMLX_* variables the code reads that toymlx sets itself, for a process of its own: no
+user sets them, so no guide names them."""
+
+
+def test_every_environment_variable_the_code_reads_is_named():
+    """The other way round: each TOYMLX_* variable the package, the commands or the installer
+    read is named in README or a guide, where users look (TOYMLX_MEMORY_AVAILABLE, which sets
+    the memory `--base-dtype auto`, the memory check and toymlx-generate plan for, was named
+    only in RESULTS.md), unless toymlx sets it itself for its own children."""
+    code = "\n".join(p.read_text(errors="replace")
+                     for folder in ("toymlx", "cli", "scripts")
+                     for p in (REPO / folder).rglob("*")
+                     if p.is_file() and p.suffix in ("", ".py", ".sh", ".ps1"))
+    read = set(re.findall(r"\bTOYMLX_[A-Z_]+\b", code))
+    named = {v for doc in DOCS for v in re.findall(r"\bTOYMLX_[A-Z_]+\b", (REPO / doc).read_text())}
+    assert set(INTERNAL_VARIABLES) <= read, sorted(set(INTERNAL_VARIABLES) - read)
+    missing = sorted(read - named - set(INTERNAL_VARIABLES))
+    assert not missing, f"no guide names {missing}, which the code reads: name each in the guide " \
+        "users read for it (docs/INSTALL.md: installing; docs/PERFORMANCE.md: speed and memory)"
+
+
+def pyproject_section(name: str) -> str:
+    """The text of one `[name]` table of pyproject.toml (Python 3.10 has no tomllib)."""
+    m = re.search(rf"^\[{re.escape(name)}\]\n(.*?)(?=^\[|\Z)", (REPO / "pyproject.toml").read_text(),
+                  re.MULTILINE | re.DOTALL)
+    assert m, f"pyproject.toml: no [{name}]"
+    return m.group(1)
+
+
+def test_install_guide_names_every_extra_and_test_tier():
+    """docs/INSTALL.md names each extra pyproject.toml defines (`tensorboard` and `wandb`, which
+    CI installs, and `test`, which the installer always adds, were missing) and each pytest
+    marker, a test tier (`gpu` was missing); and the slow tiers it quotes are .ci/run's."""
+    guide = (REPO / "docs/INSTALL.md").read_text()
+    extras = re.findall(r"^([\w-]+) = \[", pyproject_section("project.optional-dependencies"),
+                        re.MULTILINE)
+    markers = re.findall(r'^\s*"([\w-]+): ', pyproject_section("tool.pytest.ini_options"),
+                         re.MULTILINE)
+    assert {"cpu", "cuda", "mkl", "test", "bench"} <= set(extras) and "slow" in markers
+    for name in extras + markers:
+        assert f"`{name}`" in guide, f"docs/INSTALL.md: no `{name}` (pyproject.toml defines it)"
+    ci = re.search(r'-m "([^"]+)"', (REPO / ".ci/run").read_text()).group(1)
+    assert f'-m "{ci}"' in guide, f"docs/INSTALL.md: .ci/run's slow tiers are -m \"{ci}\""
+
+
 def anchors(path: Path) -> set[str]:
     """The anchors a markdown file has: its headings as GitHub spells them, and `<a id>`s."""
     text = path.read_text()
