@@ -38,7 +38,7 @@ from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
 from toymlx.runner.bundle import Bundle
 from toymlx.runner.launch import launched_as_rank
-from toymlx.training.task import Task, TrainConfig, check_config, warmup_note
+from toymlx.training.task import Task, TrainConfig, check_config, half_precision_note, warmup_note
 from toymlx.training.trainer import resume_from, train
 
 
@@ -180,8 +180,9 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             return _stopped_before_the_first_step(e)
         if run.resume is not None and run.resume.note:
             print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
-        if (note := warmup_note(cfg)) and (run.world is None or run.world.rank() == 0):
-            print(f"toymlx-train: {note}", file=sys.stderr)
+        for note in (warmup_note(cfg), half_precision_note(cfg.dtype, on_gpu())):
+            if note and (run.world is None or run.world.rank() == 0):
+                print(f"toymlx-train: {note}", file=sys.stderr)
         for key, note in run.used.items() if run.world is None or run.world.rank() == 0 else ():
             print(f"toymlx-train: --resume reads {flag_name(key)} from {note}",
                   file=sys.stderr)

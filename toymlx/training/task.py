@@ -211,6 +211,17 @@ def warmup_note(cfg: TrainConfig) -> str | None:
             f"never reaches --lr {cfg.lr:g}; lower --warmup to reach it")
 
 
+def half_precision_note(dtype: str, gpu: bool) -> str | None:
+    """One line when --dtype asks for half precision on the CPU, None otherwise: MLX's
+    bfloat16/float16 CPU kernels have no BLAS, and a step runs ~20x slower than in float32
+    (docs/RESULTS.md, r-cpu-half), which nothing else would say. Kept as asked (a user may
+    want the GPU's numerics on a CPU), and said, as warmup_note says its case."""
+    if gpu or dtype not in ("bfloat16", "float16"):
+        return None
+    return (f"--dtype {dtype} on the CPU: MLX computes half precision there without BLAS, "
+            f"~20x slower a step than float32; --dtype auto (float32 on the CPU) trains faster")
+
+
 def decayed(cfg: TrainingOptions) -> Callable[[str, Any], bool]:
     """Whether AdamW's weight decay falls on a trained array (path, array), as
     --weight-decay-scope says: a matrix (ndim >= 2), or any."""
