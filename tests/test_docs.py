@@ -513,6 +513,49 @@ def test_the_extended_schedule_rates_quoted_are_the_schedules():
     assert got == (next_lr, last_lr), f"docs/RUNS.md: {quotes[0]}: the schedule gives {got}"
 
 
+def documented_event_keys() -> dict[str, set[str]]:
+    """RUNS.md's table of events.jsonl's keys: each kind's keys (`split: "test"` is `split`)."""
+    text = (REPO / "docs" / "RUNS.md").read_text()
+    table = text[text.index("### events.jsonl"):].split("\n### ", 1)[0]
+    return {m.group(1): set(re.findall(r"`(\w+)", m.group(2)))
+            for m in re.finditer(r"^\| `(\w+)` \| (.*) \|$", table, flags=re.MULTILINE)}
+
+
+def undocumented_event_keys(events: list[dict], documented: dict[str, set[str]]) -> set[str]:
+    """`kind.key` for each key of `events` that RUNS.md's table leaves out (`kind`, `t`: every
+    event's)."""
+    return {f"{e['kind']}.{k}" for e in events for k in e
+            if k not in ("kind", "t") and k not in documented.get(e["kind"], set())}
+
+
+def test_the_documented_event_keys_fail_on_a_key_left_out():
+    """The check of RUNS.md's event table against a run's events.jsonl can fail: a key the table
+    lacks, or a kind it lacks, is named."""
+    documented = documented_event_keys()
+    assert {"run_start", "step", "eval", "checkpoint", "resume", "export", "run_end"} <= \
+        set(documented), documented
+    assert {"trained_images", "trained_tokens", "peak_rss_mb"} <= documented["step"]
+    events = [{"kind": "step", "t": 0.1, "step": 1, "loss": 2.0, "new_key": 1},
+              {"kind": "new_kind", "t": 0.2, "x": 1}]
+    assert undocumented_event_keys(events, documented) == {"step.new_key", "new_kind.x"}
+
+
+def test_every_run_end_reason_is_documented():
+    """Each `reason` the trainer can write into run_end (`_end("diverged", ...)`, `stopped`,
+    `completed`) is named in RUNS.md's list of reasons and exit statuses: a new way for a run
+    to end fails here until the reference says what it means."""
+    code = (REPO / "toymlx" / "training" / "trainer.py").read_text()
+    reasons = set(re.findall(r'_end\(\s*"(\w+)"', code)) | set(
+        re.findall(r'self\.reason(?:, [\w.]+)* = "(\w+)"', code))
+    assert {"completed", "stopped", "interrupted", "diverged"} <= reasons, reasons
+    prose = prose_rows("docs/RUNS.md")
+    listed = re.search(r"`run_end`'s `reason` and exit status: (.*?)\. A crashed run has none",
+                       prose)
+    assert listed, "docs/RUNS.md: the list of run_end reasons moved"
+    missing = reasons - set(re.findall(r"`(\w+)` \(", listed.group(1)))
+    assert not missing, f"docs/RUNS.md: run_end reasons the list leaves out: {sorted(missing)}"
+
+
 def test_every_environment_variable_the_docs_name_is_read():
     """Each TOYMLX_* variable a document names is read somewhere outside the docs (the package,
     the commands, the installer, the tests, CI): a variable renamed in the code fails here."""
@@ -928,3 +971,11 @@ def test_guide_blocks_run(doc, tmp_path, stories_path):
     """Each guide's runnable blocks, Python ones included, in a folder of their own."""
     ran = run_doc(doc, tmp_path, stories_path, python=True)
     assert ran, f"{doc}: no block ran"
+    if doc == "docs/RUNS.md":  # its reference lists every key its runs' events carry
+        from toymlx.bundle.events import read_events
+
+        bundles = sorted((tmp_path / "runs").iterdir())
+        assert len(bundles) >= 4, bundles
+        events = [e for b in bundles for e in read_events(b)]
+        missing = undocumented_event_keys(events, documented_event_keys())
+        assert not missing, f"docs/RUNS.md: events.jsonl keys its table leaves out: {missing}"
