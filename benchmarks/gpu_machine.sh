@@ -172,9 +172,13 @@ make_kernel_cache() {  # make_kernel_cache OUT_PREFIX: MLX's and the driver's ca
 
 run() {
   [[ -d $HOME_DIR/site/toymlx ]] || die "nothing installed under $HOME_DIR: run install first"
-  # the working tree's toymlx first, so code changed since prepare runs as it is now; the
-  # installed wheel gives the commands (toymlx-train ...) and the dependencies
-  PYTHONPATH="$PWD:$HOME_DIR/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$HOME_DIR/site/bin:$PATH" "$@"
+  # the working tree's packages first, so code changed since prepare runs as it is now: toymlx
+  # from $PWD, and cli as toymlx_cli through a link (the wheel's toymlx_cli is prepare's copy,
+  # and the tree's cli imports itself by that name); the installed wheel gives the commands
+  # (toymlx-train ...) and the dependencies
+  mkdir -p "$HOME_DIR/tree" && ln -sfn "$PWD/cli" "$HOME_DIR/tree/toymlx_cli"
+  PYTHONPATH="$PWD:$HOME_DIR/tree:$HOME_DIR/site${PYTHONPATH:+:$PYTHONPATH}" \
+    PATH="$HOME_DIR/site/bin:$PATH" "$@"
 }
 
 case ${1:-} in
