@@ -21,19 +21,21 @@
 # compiled LoRA step took 96-120 s of MLX's CUDA kernel builds and ViT-Tiny's 40-75 s):
 #   0. install (the last part completes the set), nvidia-smi                         - / 10
 #   1. LoRA in bfloat16, toymlx against mlx-lm, 135M and 360M at 8 x 512 (bench.py;
-#      time and peak memory)                                     -> lora_bf16.json  240 / 170
+#      time and peak memory)                                     -> lora_bf16.json  220 / 170
 #   2. ViT-Tiny 224 and from-scratch 360M, toymlx against PyTorch eager
-#      (bench.py)                                                -> vit_bf16.json   180 / 130
-#   3. memory on a Q4_K_M base (benchmarks/memory.py's 1b/3b/8b rows): NOT RUN here; their
-#      files are written by llama.cpp's quantizer with SmolLM2's tokenizer (shapes.py), and
-#      the lent machine has neither llama-cpp-python nor SmolLM2's GGUF (94 MB, over a
-#      carry). Step 1's peak-MB columns are the LoRA shapes' memory.
-#   4. the `gpu`-marked tests (tests/test_gpu.py), into the log                      100 / 70
+#      (bench.py)                                                -> vit_bf16.json   160 / 130
+#   3. memory with a Q4_K_M base: the Llama-3.2-1B-shaped file written (shapes.py, by the
+#      llama.cpp and SmolLM2 tokenizer prepare carried; skipped without them), then
+#      toymlx-train's LoRA at 1 x 512 on it (memory.py's 1b-1x512 row: MLX's peak, step
+#      time, the adapter loaded by llama.cpp)                    -> memory.json  90+120 / 40+80
+#   4. the `gpu`-marked tests (tests/test_gpu.py), into the log                       90 / 70
 #   5. decoding token by token, toymlx eager and CompiledDecode against mlx-lm
-#      (gpu_decode.py, 135M)                                     -> decode.json      70 / 50
+#      (gpu_decode.py, 135M)                                     -> decode.json      60 / 50
 #   6. with time left: float32 LoRA 135M against mlx-lm, then ViT-Tiny 224 against
-#      torch.compile (bench.py)                                  -> more.json        rest
+#      torch.compile (bench.py), their tables into the log                          rest
 #   7. MLX's and the driver's kernel caches packed into $OUT for the next machine   (20)
+# Not here: memory.py has no mlx-lm row on the 1B/3B/8B shapes, and the 3B and 8B files take
+# minutes to write; they need a session of their own.
 #
 #   bash benchmarks/gpu_session.sh .gpu/partN BUDGET      (carry: [".gpu/partN"])
 set -uo pipefail
@@ -48,6 +50,7 @@ left() { echo $((budget - (SECONDS - t0))); }
 log=$out/session.log
 step() {  # step CAP COMMAND...: COMMAND under gpu_machine.sh, killed after CAP seconds or at
   local cap=$1  # the end of the budget, whichever comes first; skipped with under 30 s left
+  # (status 1); else COMMAND's status
   shift
   local limit
   limit=$(left)
@@ -55,7 +58,9 @@ step() {  # step CAP COMMAND...: COMMAND under gpu_machine.sh, killed after CAP 
   if ((limit < 30)); then echo "== skipped ($limit s left): $*" | tee -a "$log"; return 1; fi
   echo "== $* (at most $limit s)" | tee -a "$log"
   timeout "$limit" bash benchmarks/gpu_machine.sh run "$@" 2>&1 | tee -a "$log"
-  echo "== exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "== exit $rc after $((SECONDS - t0)) s" | tee -a "$log"
+  return "$rc"
 }
 
 bash benchmarks/gpu_machine.sh install "$part" 2>&1 | tee -a "$log"
@@ -63,17 +68,22 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
   | tee -a "$log"
 echo "installed after $((SECONDS - t0)) s" | tee -a "$log"
 
-step 240 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx mlx-lm \
+step 220 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx mlx-lm \
   --only lora-q-135m-8x512 lora-q-360m-8x512 --rounds 6 --json "$out/lora_bf16.json"
-step 180 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx torch \
+step 160 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx torch \
   --only vit-tiny-224 scratch-360m-8x1024 --rounds 6 --json "$out/vit_bf16.json"
-echo "== skipped: memory on a Q4_K_M base (no llama-cpp-python or SmolLM2 GGUF here)" \
-  | tee -a "$log"
-step 100 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
-step 70 python3 benchmarks/gpu_decode.py --device gpu --only lora-q-135m-8x512 --tokens 128 \
+if bash benchmarks/gpu_machine.sh run python3 -c "import llama_cpp" 2>/dev/null; then
+  step 90 python3 benchmarks/shapes.py llama-3.2-1b \
+    && step 120 python3 benchmarks/memory.py --only 1b-1x512 --json "$out/memory.json"
+else
+  echo "== skipped: memory with a Q4_K_M base (prepare carried no llama-cpp-python)" \
+    | tee -a "$log"
+fi
+step 90 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
+step 60 python3 benchmarks/gpu_decode.py --device gpu --only lora-q-135m-8x512 --tokens 128 \
   --rounds 3 --json "$out/decode.json"
 step 90 python3 benchmarks/bench.py --device gpu --dtype float32 --impl toymlx mlx-lm \
-  --only lora-q-135m-8x512 --rounds 4 --json "$out/more.json"
+  --only lora-q-135m-8x512 --rounds 4  # its table in the log: $OUT holds 8 files
 step 600 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx torch \
   torch-compile --only vit-tiny-224 --rounds 4  # its table in the log: $OUT holds 8 files
 echo "session done after $((SECONDS - t0)) s" | tee -a "$log"

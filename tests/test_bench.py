@@ -638,14 +638,15 @@ def test_unpacked_run_names_the_step_each_kernel_was_built_in(unpacked_run, tmp_
 
 
 def _session_steps() -> list[list[str]]:
-    """The commands `benchmarks/gpu_session.sh` runs on a lent GPU (its `step CAP ...` lines,
+    """The commands `benchmarks/gpu_session.sh` runs on a lent GPU (its `step CAP ...` calls,
     continuations joined, comments dropped), each as the words after the cap."""
     text = (REPO / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
     steps = []
     for line in text.splitlines():
-        words = line.split("#")[0].split()
-        if words[:1] == ["step"] and words[1].isdigit():
-            steps.append([w.strip('"').replace("$out", "/tmp/out") for w in words[2:]])
+        for call in line.split("#")[0].split("&&"):
+            words = call.split()
+            if words[:1] == ["step"] and words[1].isdigit():
+                steps.append([w.strip('"').replace("$out", "/tmp/out") for w in words[2:]])
     return steps
 
 
@@ -654,7 +655,7 @@ def test_gpu_session_steps_name_scripts_and_flags_that_exist(monkeypatch):
     file of this checkout, and its flags are ones that script's parser takes: bench.py's fit
     together for the GPU suite (`bench.check`), gpu_decode.py's workloads exist."""
     steps = _session_steps()
-    assert len(steps) >= 5, steps
+    assert len(steps) >= 7, steps
     bench = _benchmark_module(monkeypatch, "bench")
     gpu_decode = _benchmark_module(monkeypatch, "gpu_decode")
     for words in steps:
@@ -681,6 +682,13 @@ def test_gpu_session_steps_name_scripts_and_flags_that_exist(monkeypatch):
             assert chosen == {"device": "gpu"}, words
             only = args[args.index("--only") + 1:args.index("--tokens")]
             assert all(gpu_decode.find(name).lora for name in only), only
+        elif script.name == "shapes.py":
+            shapes = _benchmark_module(monkeypatch, "shapes")
+            assert args and all(name in shapes.SHAPES for name in args), words
+        elif script.name == "memory.py":
+            memory = _benchmark_module(monkeypatch, "memory")
+            assert args[0] == "--only" and args[2] == "--json", words
+            assert memory.ROWS[args[1]].runner == "toymlx", words
         else:
             pytest.fail(f"a step this test does not check yet: {words}")
 
