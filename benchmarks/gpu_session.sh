@@ -63,7 +63,13 @@ step() {  # step CAP COMMAND...: COMMAND under gpu_machine.sh, killed after CAP 
   return "$rc"
 }
 
-bash benchmarks/gpu_machine.sh install "$part" 2>&1 | tee -a "$log"
+# a failed install, or a set still incomplete (a fresh machine: the one that stored the
+# earlier parts went back), leaves nothing to run: stop at once, said in the log
+if ! bash benchmarks/gpu_machine.sh install "$part" 2>&1 | tee -a "$log" \
+    || ! bash benchmarks/gpu_machine.sh run true 2>&1 | tee -a "$log"; then
+  echo "== nothing installed after $((SECONDS - t0)) s (above): no step can run" | tee -a "$log"
+  exit 1
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
   | tee -a "$log"
 echo "installed after $((SECONDS - t0)) s" | tee -a "$log"
