@@ -8,11 +8,15 @@
 # The plan for 15 minutes of device time (all calls together; a machine idle ~30 s goes back):
 #   status                                    free: is a machine lent to this task at all?
 #   call 1: bash benchmarks/gpu_machine.sh install .gpu/part1      carry [".gpu/part1"]
-#           timeout_s 180; ~60-120 s of machine start + ~5 s (stores the piece)
+#           timeout_s 60; ~60-120 s of machine start + ~5 s (stores the piece)
 #   call 2, AT ONCE (have it typed before call 1 returns):
 #           bash benchmarks/gpu_session.sh .gpu/part2 540           carry [".gpu/part2"]
 #           timeout_s 600; ~20 s of transfer + 540 s + ~20 s for the kernel caches
 #   give_back at once (the idle wait counts).      Total ~12.5 of the 15 minutes.
+#   Where call 2 says "nothing installed" (the machine went back between the calls and a fresh
+#   one lacks part1), it ends at once: calls 1 and 2 again, with a smaller BUDGET to fit.
+# The working tree travels with each part: part1 55.0 MB, part2 56.6 MB (session 42's prepare)
+# + the tree (~5 MB), under the tool's 64 MiB; keep untracked files out of the checkout.
 # (Where prepare made more parts, every part but the last goes through `install`, back to back,
 # and the last through this script.) Here, afterwards: the log and JSON into docs/, and the
 # kernel caches joined for the next machine (gpu_machine.sh's header).
