@@ -31,11 +31,15 @@ PART_BYTES=${TOYMLX_GPU_PART_BYTES:-55000000}  # + the small wheels + the tree <
 PY_VERSION=${TOYMLX_GPU_PYTHON:-3.12}
 KERNEL_CACHE=${TOYMLX_GPU_KERNEL_CACHE:-$HOME/.cache/toymlx/gpu/kernels-mlx-$(python3 -c \
   "import importlib.metadata as m; print(m.version('mlx'))" 2>/dev/null || echo none).tgz}
-KERNELS_IN_LAST_PART=12000000  # the last wheel part (~43 MB) + this + the tree < 64 MiB
+LAST_PART_BYTES=${TOYMLX_GPU_LAST_PART_BYTES:-60000000}  # + the tree (~5 MB) < 64 MiB
 # The lent machine's image already has numpy, transformers, tokenizers, jinja2, pillow, tqdm,
 # pyyaml, safetensors and NVIDIA's CUDA 13 libraries (../.library/device/KINDS.md)
 PACKAGES=(mlx mlx-cuda-13 mlx-lm gguf tyro docstring-parser typeguard typing-extensions
           scipy-openblas32)  # MLX's CPU BLAS (toymlx.backend.blas)
+# Where llama-cpp-python is installed here, prepare also carries it (its package as built here,
+# llama_cpp.tgz, ~10 MB, and diskcache, which it imports) and SmolLM2's tokenizer alone
+# (smollm2-vocab.gguf, ~2 MB, for $TOYMLX_SHAPES_VOCAB): benchmarks/shapes.py writes the
+# Q4_K_M files of benchmarks/memory.py's 1b/3b/8b rows with llama.cpp's quantizer there.
 
 die() { echo "gpu_machine.sh: $*" >&2; exit 1; }
 
@@ -48,8 +52,11 @@ version_here() {  # the version of a package in this environment (MLX's CUDA whe
 
 prepare() {
   rm -rf "$WORK" && mkdir -p "$WORK/wheels"
-  local specs=() p
+  local specs=() p llama_cpp
   for p in "${PACKAGES[@]}"; do specs+=("$p==$(version_here "$p")"); done
+  llama_cpp=$(python3 -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))' \
+    2>/dev/null || true)
+  [[ -n $llama_cpp ]] && specs+=("diskcache==$(version_here diskcache)")
   echo "downloading for Python $PY_VERSION, manylinux x86_64: ${specs[*]}"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
     --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 \
@@ -57,6 +64,11 @@ prepare() {
     -d "$WORK/wheels" "${specs[@]}"
   # toymlx itself as a wheel built here (that machine may lack setuptools)
   python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/wheels" .
+  if [[ -n $llama_cpp ]]; then  # see PACKAGES above; no llama-cpp-python: memory.py's rows skip
+    tar czf "$WORK/wheels/llama_cpp.tgz" -C "$(dirname "$llama_cpp")" llama_cpp \
+      "$(cd "$(dirname "$llama_cpp")" && ls -d llama_cpp_python-*.dist-info)"
+    python3 benchmarks/shapes.py --write-vocab "$WORK/wheels/smollm2-vocab.gguf"
+  fi
   # the big wheel travels in pieces; every other wheel rides with the last (smallest) piece
   local big
   big=$(ls "$WORK"/wheels/mlx_cuda_13-*.whl) || die "no mlx-cuda-13 wheel was downloaded"
@@ -65,10 +77,11 @@ prepare() {
   for p in "${pieces[@]}"; do
     n=$((n + 1)) && mkdir -p "$WORK/part$n" && mv "$p" "$WORK/part$n/"
   done
-  find "$WORK/wheels" -name '*.whl' ! -name 'mlx_cuda_13-*' -exec cp {} "$WORK/part$n/" \;
+  find "$WORK/wheels" -type f ! -name 'mlx_cuda_13-*' -exec cp {} "$WORK/part$n/" \;
   local k=0 all=$n
   if [[ -f $KERNEL_CACHE ]]; then  # MLX's and the driver's kernel caches (see above)
-    if (( $(stat -c %s "$KERNEL_CACHE") <= KERNELS_IN_LAST_PART )); then
+    if (( $(du -sb "$WORK/part$n" | cut -f1) + $(stat -c %s "$KERNEL_CACHE") \
+          <= LAST_PART_BYTES )); then
       cp "$KERNEL_CACHE" "$WORK/part$n/kernels.tgz.00" && k=1
     else
       split -b "$PART_BYTES" -d -a 2 "$KERNEL_CACHE" "$WORK/kernels.tgz."
@@ -127,6 +140,8 @@ install_wheels() {  # install_wheels WHEEL SHA256: join the big wheel, check it,
     || die "$wheel: SHA-256 does not match $HOME_DIR/parts/MANIFEST (a piece is damaged)"
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target "$HOME_DIR/site" "$HOME_DIR"/parts/*.whl
+  if [[ -f $HOME_DIR/parts/llama_cpp.tgz ]]; then tar xzf "$HOME_DIR/parts/llama_cpp.tgz" \
+    -C "$HOME_DIR/site"; fi
   # MLX's CUDA library finds NVIDIA's (cuBLAS, cuDNN, NCCL, ...) at $ORIGIN/../../nvidia, i.e.
   # beside itself in site-packages: point that at the machine's own NVIDIA wheels
   local nvidia
@@ -172,9 +187,16 @@ make_kernel_cache() {  # make_kernel_cache OUT_PREFIX: MLX's and the driver's ca
 
 run() {
   [[ -d $HOME_DIR/site/toymlx ]] || die "nothing installed under $HOME_DIR: run install first"
-  # the working tree's toymlx first, so code changed since prepare runs as it is now; the
-  # installed wheel gives the commands (toymlx-train ...) and the dependencies
-  PYTHONPATH="$PWD:$HOME_DIR/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$HOME_DIR/site/bin:$PATH" "$@"
+  # the working tree's packages first, so code changed since prepare runs as it is now: toymlx
+  # from $PWD, and cli as toymlx_cli through a link (the wheel's toymlx_cli is prepare's copy,
+  # and the tree's cli imports itself by that name); the installed wheel gives the commands
+  # (toymlx-train ...) and the dependencies
+  mkdir -p "$HOME_DIR/tree" && ln -sfn "$PWD/cli" "$HOME_DIR/tree/toymlx_cli"
+  if [[ -f $HOME_DIR/parts/smollm2-vocab.gguf ]]; then  # shapes.py's SmolLM2 tokenizer
+    export TOYMLX_SHAPES_VOCAB=${TOYMLX_SHAPES_VOCAB:-$HOME_DIR/parts/smollm2-vocab.gguf}
+  fi
+  PYTHONPATH="$PWD:$HOME_DIR/tree:$HOME_DIR/site${PYTHONPATH:+:$PYTHONPATH}" \
+    PATH="$HOME_DIR/site/bin:$PATH" "$@"
 }
 
 case ${1:-} in

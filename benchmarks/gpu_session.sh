@@ -1,27 +1,47 @@
 #!/usr/bin/env bash
-# One lent GPU's checks in one device call, each inside what is left of BUDGET seconds, the
-# log ($OUT/session.log) and each step's JSON under $OUT as they are written (so a call cut
-# short still brings back what finished; the device tool brings back at most 8 files):
+# A lent GPU's checks for issue 50 in one device call, in priority order, each step capped in
+# time and none past BUDGET seconds; the log ($OUT/session.log) and each step's JSON are written
+# under $OUT as they go (bench.py rewrites its JSON after every workload), so a call cut short
+# still brings back what finished. The device tool brings back at most 8 files: the 5 below and
+# up to 3 kernel-cache pieces.
+#
+# The plan for 15 minutes of device time (all calls together; a machine idle ~30 s goes back):
+#   status                                    free: is a machine lent to this task at all?
+#   call 1: bash benchmarks/gpu_machine.sh install .gpu/part1      carry [".gpu/part1"]
+#           timeout_s 60; ~60-120 s of machine start + ~5 s (stores the piece)
+#   call 2, AT ONCE (have it typed before call 1 returns):
+#           bash benchmarks/gpu_session.sh .gpu/part2 540           carry [".gpu/part2"]
+#           timeout_s 600; ~20 s of transfer + 540 s + ~20 s for the kernel caches
+#   give_back at once (the idle wait counts).      Total ~12.5 of the 15 minutes.
+#   Where call 2 says "nothing installed" (the machine went back between the calls and a fresh
+#   one lacks part1), it ends at once: calls 1 and 2 again, with a smaller BUDGET to fit.
+# The working tree travels with each part: part1 55.0 MB, part2 56.6 MB (session 42's prepare)
+# + the tree (~5 MB), under the tool's 64 MiB; keep untracked files out of the checkout.
+# (Where prepare made more parts, every part but the last goes through `install`, back to back,
+# and the last through this script.) Here, afterwards: the log and JSON into docs/, and the
+# kernel caches joined for the next machine (gpu_machine.sh's header).
+#
+# The steps (cap / expected seconds; expected from sessions 19 and 26 on an H200, whose first
+# compiled LoRA step took 96-120 s of MLX's CUDA kernel builds and ViT-Tiny's 40-75 s):
+#   0. install (the last part completes the set), nvidia-smi                         - / 10
+#   1. LoRA in bfloat16, toymlx against mlx-lm, 135M and 360M at 8 x 512 (bench.py;
+#      time and peak memory)                                     -> lora_bf16.json  220 / 170
+#   2. ViT-Tiny 224 and from-scratch 360M, toymlx against PyTorch eager
+#      (bench.py)                                                -> vit_bf16.json   160 / 130
+#   3. memory with a Q4_K_M base: the Llama-3.2-1B-shaped file written (shapes.py, by the
+#      llama.cpp and SmolLM2 tokenizer prepare carried; skipped without them), then
+#      toymlx-train's LoRA at 1 x 512 on it (memory.py's 1b-1x512 row: MLX's peak, step
+#      time, the adapter loaded by llama.cpp)                    -> memory.json  90+120 / 40+80
+#   4. the `gpu`-marked tests (tests/test_gpu.py), into the log                       90 / 70
+#   5. decoding token by token, toymlx eager and CompiledDecode against mlx-lm
+#      (gpu_decode.py, 135M)                                     -> decode.json      60 / 50
+#   6. with time left: float32 LoRA 135M against mlx-lm, then ViT-Tiny 224 against
+#      torch.compile (bench.py), their tables into the log                          rest
+#   7. MLX's and the driver's kernel caches packed into $OUT for the next machine   (20)
+# Not here: memory.py has no mlx-lm row on the 1B/3B/8B shapes, and the 3B and 8B files take
+# minutes to write; they need a session of their own.
 #
 #   bash benchmarks/gpu_session.sh .gpu/partN BUDGET      (carry: [".gpu/partN"])
-#
-# after `bash benchmarks/gpu_machine.sh install .gpu/partK` stored the other parts in earlier
-# calls, back to back. It installs (the last part completes the set), then runs:
-#   1. benchmarks/bench.py --device gpu in bfloat16: every GPU workload against mlx-lm and
-#      PyTorch eager in the same rounds (issue 50's table);
-#   2. the `gpu`-marked tests (tests/test_gpu.py), then benchmarks/gpu_decode.py: decoding
-#      token by token, toymlx eager (what a GPU runs) and CompiledDecode against mlx-lm's;
-#   3. benchmarks/ops_ab.py on ViT-Tiny 224 with PyTorch in the same rounds and each row's
-#      kernels profiled: attention padded to 128 rows (MLX's fused CUDA backward) against the
-#      default; then the 360M LoRA step's logits sizes and attention, with mlx-lm;
-#   4. with time left: benchmarks/decode.py, then the bench in float32;
-#   5. MLX's and the driver's kernel caches packed into $OUT for the next machine.
-# The last part is the one that completes the set: the wheels' last, or the kernel cache's
-# where prepare gave it parts of its own.
-# Session 26 (an H200) ran ops_ab first: 5 s of install, 180 s for the LoRA comparison (a first
-# step of 109 s: MLX's CUDA kernels), 115 s for ViT's (75 s), 68 s of tests, 60 s for two bench
-# workloads whose kernels were built, 74 s of decode.py. The kernel caches carried since may
-# shorten those first steps.
 set -uo pipefail
 
 part=${1:?usage: gpu_session.sh .gpu/partN BUDGET_SECONDS}
@@ -32,35 +52,50 @@ export PYTHONUNBUFFERED=1
 t0=$SECONDS
 left() { echo $((budget - (SECONDS - t0))); }
 log=$out/session.log
-in_time() {  # in_time RESERVE COMMAND...: run COMMAND under gpu_machine.sh, killed so that
-  local reserve=$1  # RESERVE seconds of the budget stay for what follows
+step() {  # step CAP COMMAND...: COMMAND under gpu_machine.sh, killed after CAP seconds or at
+  local cap=$1  # the end of the budget, whichever comes first; skipped with under 30 s left
+  # (status 1); else COMMAND's status
   shift
-  local limit=$(($(left) - reserve))
+  local limit
+  limit=$(left)
+  ((limit > cap)) && limit=$cap
   if ((limit < 30)); then echo "== skipped ($limit s left): $*" | tee -a "$log"; return 1; fi
   echo "== $* (at most $limit s)" | tee -a "$log"
   timeout "$limit" bash benchmarks/gpu_machine.sh run "$@" 2>&1 | tee -a "$log"
-  echo "== exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "== exit $rc after $((SECONDS - t0)) s" | tee -a "$log"
+  return "$rc"
 }
 
-bash benchmarks/gpu_machine.sh install "$part" 2>&1 | tee -a "$log"
+# a failed install, or a set still incomplete (a fresh machine: the one that stored the
+# earlier parts went back), leaves nothing to run: stop at once, said in the log
+if ! bash benchmarks/gpu_machine.sh install "$part" 2>&1 | tee -a "$log" \
+    || ! bash benchmarks/gpu_machine.sh run true 2>&1 | tee -a "$log"; then
+  echo "== nothing installed after $((SECONDS - t0)) s (above): no step can run" | tee -a "$log"
+  exit 1
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
   | tee -a "$log"
 echo "installed after $((SECONDS - t0)) s" | tee -a "$log"
 
-in_time 200 python3 benchmarks/bench.py --device gpu --dtype bfloat16 \
-  --impl toymlx mlx-lm torch --rounds 6 --json "$out/gpu_bf16.json"
-in_time 110 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
-in_time 90 python3 benchmarks/gpu_decode.py --device gpu \
-  --only lora-q-135m-8x512 lora-q-360m-8x512 --tokens 256 --rounds 3 --json "$out/decode.json"
-in_time 60 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
-  --only vit-tiny-224 --variants default padded-attention --peers torch --profile --rounds 6 \
-  --json "$out/ab_vit.json"
-in_time 20 python3 benchmarks/ops_ab.py --device gpu --dtype bfloat16 \
-  --only lora-q-360m-8x512 --variants default logits-2^22 logits-2^24 recompute-attention \
-  --peers mlx-lm --profile --rounds 6 --json "$out/ab_lora.json"
-in_time 10 python3 benchmarks/decode.py
-in_time 5 python3 benchmarks/bench.py --device gpu --dtype float32 \
-  --impl toymlx mlx-lm torch --rounds 4  # its table in the log: $OUT holds 8 files at most
+step 220 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx mlx-lm \
+  --only lora-q-135m-8x512 lora-q-360m-8x512 --rounds 6 --json "$out/lora_bf16.json"
+step 160 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx torch \
+  --only vit-tiny-224 scratch-360m-8x1024 --rounds 6 --json "$out/vit_bf16.json"
+if bash benchmarks/gpu_machine.sh run python3 -c "import llama_cpp" 2>/dev/null; then
+  step 90 python3 benchmarks/shapes.py llama-3.2-1b \
+    && step 120 python3 benchmarks/memory.py --only 1b-1x512 --json "$out/memory.json"
+else
+  echo "== skipped: memory with a Q4_K_M base (prepare carried no llama-cpp-python)" \
+    | tee -a "$log"
+fi
+step 90 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
+step 60 python3 benchmarks/gpu_decode.py --device gpu --only lora-q-135m-8x512 --tokens 128 \
+  --rounds 3 --json "$out/decode.json"
+step 90 python3 benchmarks/bench.py --device gpu --dtype float32 --impl toymlx mlx-lm \
+  --only lora-q-135m-8x512 --rounds 4  # its table in the log: $OUT holds 8 files
+step 600 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx torch \
+  torch-compile --only vit-tiny-224 --rounds 4  # its table in the log: $OUT holds 8 files
 echo "session done after $((SECONDS - t0)) s" | tee -a "$log"
 # MLX's and the driver's kernel caches for the next lent machine (gpu_machine.sh's header says
 # how to keep them here): up to 3 files, which with the 5 above is the device tool's 8

@@ -19,6 +19,7 @@ llama.cpp's own quantizer (`llama_model_quantize`, as `llama-quantize F16 OUT Q4
 the file, and the F16 is deleted. Files are kept in a cache folder and reused.
 
     python benchmarks/shapes.py llama-3.2-1b gemma-3-270m [--cache DIR]
+    python benchmarks/shapes.py --write-vocab smollm2-vocab.gguf   # for $TOYMLX_SHAPES_VOCAB
 
 prints one JSON line per file: its path, size, and (when written now) seconds and the peak
 RSS of this process (`ru_maxrss`: run one name per process to measure each).
@@ -97,11 +98,18 @@ GEMMA_TEMPLATE = (
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
+VOCAB_ENV = "TOYMLX_SHAPES_VOCAB"
+"""A GGUF holding SmolLM2's tokenizer.* keys (`write_vocab`'s file), read instead of the real
+SmolLM2 GGUF (94 MB) where set: a lent GPU machine has no network and carries 64 MiB a call
+(`gpu_machine.sh prepare` carries this file, ~2 MB)."""
+
+
 def smollm2_vocab() -> Typed:
-    """Every tokenizer.* key of the real SmolLM2-135M-Instruct GGUF, with its own types."""
+    """Every tokenizer.* key of the real SmolLM2-135M-Instruct GGUF, with its own types (read
+    from $TOYMLX_SHAPES_VOCAB where set)."""
     from user_paths import smollm_gguf
 
-    with GGUFFile(smollm_gguf()) as g:
+    with GGUFFile(os.environ.get(VOCAB_ENV) or smollm_gguf()) as g:
         return {k: (v, GGUFValueType(g.metadata_types[k][0]),
                     None if g.metadata_types[k][1] is None
                     else GGUFValueType(g.metadata_types[k][1]))
@@ -155,6 +163,17 @@ def _model_metadata(a: LlamaArgs, name: str) -> Typed:
 
 
 # ---- writing -------------------------------------------------------------------------------
+def write_vocab(path: Path) -> None:
+    """A GGUF of SmolLM2's tokenizer.* keys alone, no tensors (for `VOCAB_ENV`)."""
+    w = GGUFWriter(path, "llama")
+    for k, (v, vt, et) in smollm2_vocab().items():
+        w.add_key_value(k, v, vt, et)
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+
+
 def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
               progress: Callable[[str], None] | None = None) -> None:
     """Stream an F16 GGUF of shape `a` to `path`: tensor infos, then each tensor's random data
@@ -226,9 +245,16 @@ def shape_file(shape: str | Shape, cache: str | os.PathLike = DEFAULT_CACHE,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("names", nargs="+", choices=list(SHAPES))
+    p.add_argument("names", nargs="*", help=f"some of {', '.join(SHAPES)}")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder of the files")
+    p.add_argument("--write-vocab", type=Path, metavar="GGUF",
+                   help=f"write SmolLM2's tokenizer alone to GGUF (for ${VOCAB_ENV})")
     args = p.parse_args(argv)
+    unknown = [n for n in args.names if n not in SHAPES]
+    if unknown:
+        p.error(f"names: expected some of {', '.join(SHAPES)}, found {unknown}")
+    if args.write_vocab:
+        write_vocab(args.write_vocab)
     for name in args.names:
         path, took = shape_file(name, args.cache,
                                 progress=lambda s: print(s, file=sys.stderr, flush=True))

@@ -635,3 +635,76 @@ def test_unpacked_run_names_the_step_each_kernel_was_built_in(unpacked_run, tmp_
                            {"kernel": "b.so", "during_step": 2},
                            {"kernel": "c.so", "during_step": 2},
                            {"kernel": "d.so", "during_step": 3}]
+
+
+def _session_steps() -> list[list[str]]:
+    """The commands `benchmarks/gpu_session.sh` runs on a lent GPU (its `step CAP ...` calls,
+    continuations joined, comments dropped), each as the words after the cap."""
+    text = (REPO / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
+    steps = []
+    for line in text.splitlines():
+        for call in line.split("#")[0].split("&&"):
+            words = call.split()
+            if words[:1] == ["step"] and words[1].isdigit():
+                steps.append([w.strip('"').replace("$out", "/tmp/out") for w in words[2:]])
+    return steps
+
+
+def test_gpu_session_steps_name_scripts_and_flags_that_exist(monkeypatch):
+    """Every step of the GPU session (the 15 device minutes: no time for a wrong flag) names a
+    file of this checkout, and its flags are ones that script's parser takes: bench.py's fit
+    together for the GPU suite (`bench.check`), gpu_decode.py's workloads exist."""
+    steps = _session_steps()
+    assert len(steps) >= 7, steps
+    bench = _benchmark_module(monkeypatch, "bench")
+    gpu_decode = _benchmark_module(monkeypatch, "gpu_decode")
+    for words in steps:
+        assert words[0] == "python3", words
+        if words[1] == "-m":
+            assert words[2] == "pytest" and (REPO / words[words.index("-m", 3) + 2]).is_file()
+            continue
+        script = REPO / words[1]
+        assert script.is_file(), words
+        args = words[2:]
+        if script.name == "bench.py":
+            a = bench.parse(args)
+            assert a.device == "gpu" and bench.check(a, gpu=True) is None, words
+        elif script.name == "gpu_decode.py":
+            chosen: dict[str, str] = {}
+
+            def stop_at_device(name: str, chosen: dict[str, str] = chosen) -> None:
+                chosen["device"] = name
+                raise SystemExit(0)
+
+            monkeypatch.setattr(gpu_decode, "select_device", stop_at_device)
+            with pytest.raises(SystemExit):
+                gpu_decode.main(args)
+            assert chosen == {"device": "gpu"}, words
+            only = args[args.index("--only") + 1:args.index("--tokens")]
+            assert all(gpu_decode.find(name).lora for name in only), only
+        elif script.name == "shapes.py":
+            shapes = _benchmark_module(monkeypatch, "shapes")
+            assert args and all(name in shapes.SHAPES for name in args), words
+        elif script.name == "memory.py":
+            memory = _benchmark_module(monkeypatch, "memory")
+            assert args[0] == "--only" and args[2] == "--json", words
+            assert memory.ROWS[args[1]].runner == "toymlx", words
+        else:
+            pytest.fail(f"a step this test does not check yet: {words}")
+
+
+def test_gpu_machine_runs_the_trees_cli_not_the_wheels(tmp_path):
+    """`gpu_machine.sh run` imports toymlx and toymlx_cli from the working tree, not the copies
+    in the wheel that `prepare` built (older than the tree by the time a GPU is lent)."""
+    site = tmp_path / "site"
+    for pkg in ("toymlx", "toymlx_cli"):
+        (site / pkg).mkdir(parents=True)
+        (site / pkg / "__init__.py").write_text("raise ImportError('the wheel copy')\n")
+    env = {**os.environ, "TOYMLX_GPU_HOME": str(tmp_path)}
+    probe = ("import importlib.util as u; "
+             "print(u.find_spec('toymlx').origin); print(u.find_spec('toymlx_cli').origin)")
+    out = subprocess.run(["bash", "benchmarks/gpu_machine.sh", "run", sys.executable, "-c", probe],
+                         env=env, cwd=REPO, check=True, capture_output=True, text=True).stdout
+    found = [Path(p).resolve() for p in out.split()]
+    assert found == [(REPO / "toymlx" / "__init__.py").resolve(),
+                     (REPO / "cli" / "__init__.py").resolve()], found

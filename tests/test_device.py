@@ -165,6 +165,28 @@ def test_the_cuda_kernel_cache_is_where_mlx_keeps_its_ptx(monkeypatch, tmp_path)
     assert device.cuda_kernel_cache() is None
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_buffer_cache_is_bounded_to_a_step_only_on_the_cpu(monkeypatch, gpu):
+    """`bound_kept_buffers` bounds MLX's buffer cache to a step's transient memory on the CPU;
+    on a GPU (a fake one here) it leaves MLX's limit as it is: freed GPU buffers beyond the
+    bound would go back to the driver and be allocated again every step."""
+    import mlx.core as mx
+
+    from toymlx.backend import device
+
+    monkeypatch.setattr(device, "on_gpu", lambda: gpu)
+    monkeypatch.setattr(device, "_PROCESS", device._ProcessState())  # malloc "default": no glibc
+    mine = 1 << 30
+    original = mx.set_cache_limit(mine)
+    try:
+        device.bound_kept_buffers(1 << 20)
+        after = mx.set_cache_limit(original)
+    finally:
+        mx.set_cache_limit(original)
+    assert after == (mine if gpu else 1 << 20)
+    assert device.kept_buffers()["mlx_cache_limit_mb"] == (None if gpu else 1)
+
+
 @pytest.mark.parametrize("value,ok", [("junk", False), ("0", False), ("", False),
                                       ("5x", False), ("1", True), (" 7", True),
                                       ("1000000", True), ("-1", True)])

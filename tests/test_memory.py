@@ -243,3 +243,20 @@ def test_a_memory_override_that_is_no_byte_count_is_refused(monkeypatch, value):
         memory.available_memory()
     assert str(e.value) == (f"TOYMLX_MEMORY_AVAILABLE: expected a number of bytes (0 or more), "
                             f"found {value!r}")
+
+
+def test_on_a_cuda_gpu_the_memory_available_is_the_gpus(monkeypatch):
+    """Where MLX computes on a CUDA GPU (faked here), a step's estimate is held against that
+    GPU's free memory (MLX's device_info), not the host's MemAvailable; elsewhere MemAvailable."""
+    import mlx.core as mx
+
+    from toymlx.backend import device
+
+    monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
+    monkeypatch.setattr(mx, "device_info", lambda: {"free_memory": 123 * 2**30,
+                                                    "total_memory": 140 * 2**30})
+    monkeypatch.setattr(device, "gpu_kind", lambda: "cuda")
+    assert memory.available_memory() == (123 * 2**30,
+                                         "the CUDA GPU's free memory (MLX's device_info)")
+    monkeypatch.setattr(device, "gpu_kind", lambda: None)
+    assert memory.available_memory()[1] == "MemAvailable"

@@ -52,3 +52,22 @@ def test_synthetic_vocabulary_has_the_size_asked_and_unique_tokens():
     tokens = v["tokenizer.ggml.tokens"][0]
     assert len(tokens) == len(set(tokens)) == 262144
     assert len(v["tokenizer.ggml.scores"][0]) == len(v["tokenizer.ggml.token_type"][0]) == 262144
+
+
+def test_a_vocabulary_file_stands_in_for_the_smollm2_gguf(monkeypatch, tmp_path, stories_path):
+    """`write_vocab` writes a GGUF of the tokenizer.* keys alone, and with $TOYMLX_SHAPES_VOCAB
+    naming it `smollm2_vocab` reads the same keys, values and types back (what a lent GPU
+    machine, without the 94 MB SmolLM2 file, writes the Llama shapes' files with); the source
+    here is the tiny stories260K GGUF, named the same way."""
+    monkeypatch.setenv(shapes.VOCAB_ENV, str(stories_path))
+    want = shapes.smollm2_vocab()
+    out = tmp_path / "vocab.gguf"
+    shapes.write_vocab(out)
+    with GGUFFile(out) as g:
+        assert not g.tensors
+    monkeypatch.setenv(shapes.VOCAB_ENV, str(out))
+    got = shapes.smollm2_vocab()
+    assert "tokenizer.ggml.tokens" in got and got.keys() == want.keys()
+    for k, (v, vt, et) in want.items():
+        assert got[k][1:] == (vt, et), k
+        assert (list(got[k][0]) == list(v)) if isinstance(v, (list, tuple)) else got[k][0] == v

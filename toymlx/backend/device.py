@@ -715,17 +715,22 @@ def bound_kept_buffers(step_bytes: int | None) -> None:
     """Keep only what a step reuses: glibc's freed heap (its trim threshold) and MLX's buffer
     cache bounded to `step_bytes` (a step's transient memory, `toymlx.training.memory.Estimate`), and
     what loading left freed handed back now (`malloc_trim`). None: the process's settings as
-    they are. `kept_buffers` says what is kept."""
+    they are. `kept_buffers` says what is kept.
+    MLX's cache is bounded only where MLX computes on the CPU (the estimate is of the CPU step's
+    sizes): on a GPU a freed buffer beyond the bound goes back to the driver (cudaFree waits for
+    the device) and is allocated again next step, while the peak MLX reports counts no cached
+    buffer; there MLX's own limit stays, as mlx-lm trains with it."""
     p = _PROCESS
     if step_bytes is None:
         return
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
 
     step_bytes = int(step_bytes)
-    before = mx.set_cache_limit(step_bytes)
-    if before < step_bytes:  # a bound, never a raise (MLX's CPU allocator keeps little)
-        mx.set_cache_limit(before)
-    p.mlx_cache_limit = min(before, step_bytes)
+    if not on_gpu():
+        before = mx.set_cache_limit(step_bytes)
+        if before < step_bytes:  # a bound, never a raise (MLX's CPU allocator keeps little)
+            mx.set_cache_limit(before)
+        p.mlx_cache_limit = min(before, step_bytes)
     if p.malloc == "glibc-retain":
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold = -1

@@ -176,7 +176,9 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
 
 def available_memory() -> tuple[int | None, str]:
     """(bytes this process may use, where that came from); (None, why) where it is unknown.
-    Linux: /proc/meminfo's MemAvailable; a Mac's GPU: MLX's max recommended working set."""
+    Linux: /proc/meminfo's MemAvailable, or where MLX computes on a CUDA GPU that GPU's free
+    memory (`cuda_free_memory`: the step's arrays live there, not in the host's RAM); a Mac's
+    GPU: MLX's max recommended working set."""
     env = os.environ.get(AVAILABLE_ENV)
     if env is not None:
         try:
@@ -196,6 +198,9 @@ def available_memory() -> tuple[int | None, str]:
             ws = None
         if ws:
             return int(ws), "MLX's max recommended working set"
+    gpu = cuda_free_memory()
+    if gpu is not None:
+        return gpu, "the CUDA GPU's free memory (MLX's device_info)"
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -204,6 +209,23 @@ def available_memory() -> tuple[int | None, str]:
     except OSError:
         pass
     return None, "unknown on this platform"
+
+
+def cuda_free_memory() -> int | None:
+    """The free memory of MLX's default device where it is a CUDA GPU (MLX 0.32's
+    `device_info()` free_memory, else total_memory), None elsewhere or where MLX does not say."""
+    from toymlx.backend import device
+
+    if device.gpu_kind() != "cuda":
+        return None
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+    except Exception:  # noqa: BLE001  (device_info is backend-specific)
+        return None
+    n = info.get("free_memory") or info.get("total_memory")
+    return int(n) if n else None
 
 
 def within_half_available(need: int) -> tuple[bool, int | None]:
