@@ -165,7 +165,7 @@ backend_extra() {
 }
 
 # The BLAS extra: on an Intel CPU with the CPU backend, Intel's MKL from pip (toymlx[mkl]), the
-# BLAS PyTorch's wheels carry, which runs these steps 5-10% faster there than OpenBLAS;
+# BLAS PyTorch's wheels carry, which runs these steps 4-16% faster (ViT-Tiny 4-9%, LoRA 8-16%: docs/RESULTS.md, r-mkl) there than OpenBLAS;
 # TOYMLX_BLAS set (openblas, or a library's path) keeps OpenBLAS alone. Nothing elsewhere.
 blas_extra() {
   [ "$OS" = Linux ] && [ "${BACKEND:-}" = cpu ] && [ "$ARCH" = x86_64 ] || return 0
