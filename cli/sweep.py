@@ -104,6 +104,7 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
     from toymlx_cli.config_file import defaults_from_file
     from toymlx_cli.usage import parse_options
 
+    from toymlx.backend.files import empty_folder, nothing_there
     from toymlx.bundle.inputs import data_paths
     from toymlx.bundle.options import flag_name
     from toymlx.recipes import get_recipe
@@ -119,13 +120,13 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
         try:
             cfg = parse_options(module.Config, list(spec.args), prog, default)
             check_config(module, cfg, new_run=True)
-            # a data path that is not there failed each run that had it, seconds into its start,
-            # the others running (a typo in one grid value found at the end of the sweep)
+            # a data path that is not there, or an empty folder, failed each run that had it,
+            # seconds into its start, the others running (a typo in one grid value found at the
+            # end of the sweep); found as toymlx-train says it (`nothing_there`)
             for key, value in data_paths(cfg).items():
-                if not os.path.exists(value):
-                    here = "" if os.path.isabs(value) else f" (in {os.getcwd()})"
-                    raise ValueError(f"{flag_name(key)}: expected an existing file or folder, "
-                                     f"found nothing at {value}{here}")
+                if not os.path.exists(value) or empty_folder(value):
+                    raise ValueError(f"{flag_name(key)} {value}: expected an existing file or "
+                                     f"folder, found {nothing_there(value)}")
         except ValueError as e:
             raise ValueError(f"run {spec.name}: {e}; no run was started") from None
         inputs += [i for i in run_inputs(cfg) if i not in inputs]

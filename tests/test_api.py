@@ -440,3 +440,15 @@ def test_a_config_file_names_the_recipe_and_the_run(tmp_path):
         f"toymlx-train: error: {tmp_path / 'none.yaml'}: expected a 'recipe' key (one of "
         "from-scratch, warm-start, lora, vit-tiny), found none; or give recipe=NAME")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["filed", "none.yaml", "run.yaml"]
+
+
+def test_a_model_shape_it_cannot_build_is_told_in_the_keywords_given(tmp_path):
+    """toymlx-train names the flags of a shape it cannot build (`--model.n-heads`); `train`
+    names the keywords (`model={"n_heads": ...}`), as for every other option."""
+    import toymlx
+
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("from-scratch", model={"n_heads": 5}, runs_root=str(tmp_path), echo=False)
+    assert str(caught.value) == ('toymlx-train: error: model={"n_heads": ...}: expected a divisor '
+                                 'of model={"d_model": ...} (256), found 5')
+    assert not any(tmp_path.iterdir())

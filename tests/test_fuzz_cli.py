@@ -430,7 +430,7 @@ def test_fuzz_every_flag_and_key_every_value(tmp_path, shared_file, capsys, monk
     (["--recipe", "from-scratch", "--cpu-streams", "100"],
      "--cpu-streams: expected 0..64 (0: auto), found 100"),
     (["--recipe", "from-scratch", "--model.rope-base", "0"],
-     "model.rope_base: expected > 0, found 0.0"),
+     "--model.rope-base: expected > 0, found 0.0"),
 ])
 def test_train_findings_are_one_line(tmp_path, capsys, argv, want):
     """A traceback (a name too long, 2**64 inside MLX), a run that never started (10**15 CPU

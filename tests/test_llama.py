@@ -66,6 +66,26 @@ def test_presets():
     assert out.shape == (1, 3, 259)
 
 
+@pytest.mark.parametrize("over, want", [
+    ({"vocab_size": 0}, "model.vocab_size: expected > 0, found 0"),
+    ({"d_model": 30}, "model.d_model: expected a multiple of model.n_heads (8), found 30"),
+    ({"n_kv_heads": 3}, "model.n_kv_heads: expected a divisor of model.n_heads (8), found 3"),
+    ({"rope_base": 0.0}, "model.rope_base: expected > 0, found 0.0"),
+    ({"d_model": 24}, ("model.d_model: expected a multiple of 2 x model.n_heads (8) (an even "
+                      "width per head for RoPE), found 24")),
+    ({"key_length": 7}, "model.key_length: expected an even number for RoPE, found 7"),
+    ({"activation": "relu"}, "model.activation: expected silu or gelu_tanh, found 'relu'"),
+    ({"sliding_layers": (True,)}, ("model.sliding_layers: expected one entry per block of "
+                                  "model.n_layers (4), found 1")),
+])
+def test_bad_args_name_the_field_and_the_fields_they_depend_on(over, want):
+    """A model built from Python (or a GGUF's metadata) names its fields; toymlx-train names the
+    flags instead (tests/test_trainer.py)."""
+    with pytest.raises(ValueError) as caught:
+        Llama(tiny(**over))
+    assert str(caught.value) == want
+
+
 def test_loading_a_damaged_toymlx_gguf_names_it(tmp_path):
     """A toymlx GGUF records the SHA-256 of its tensor data; load_llama checks it, so bytes
     damaged on disk fail with one line naming the file instead of loading as other weights."""

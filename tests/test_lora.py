@@ -1096,10 +1096,42 @@ def test_run_starts_from_an_adapter(tiny_gguf, tmp_path, capsys):
     assert line.endswith("; the adapter is this run's with --lora.targets q,v --lora.layers 3")
     assert _train([*args, "--run-id", "model", "--lora.init-adapter", str(tiny_gguf)]) == 2
     assert error_line(capsys) == (
-        f"toymlx-train: error: {tiny_gguf}: metadata key 'general.type': expected 'adapter' (a "
-        "LoRA adapter GGUF), found None (a model; pass it as the base and the adapter "
-        "separately)")
+        f"toymlx-train: error: {tiny_gguf}: --lora.init-adapter: expected {_ADAPTER_TAKES}, "
+        "found a llama model, not an adapter (general.type unset, no lora_a/lora_b tensors); "
+        "pass it as --base to fine-tune it")
     assert not any((tmp_path / n).exists() for n in ("r8", "kq", "model"))
+
+
+_ADAPTER_TAKES = ("an adapter GGUF (a lora run's adapter_step_N.gguf, or llama.cpp's) or a "
+                  "lora run's folder")
+
+
+@pytest.mark.parametrize("recipe, argv, what, instead", [
+    ("from-scratch", ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
+                      "--model.n-kv-heads", "2", "--seq-len", "32"],
+     "a llama model", "pass {ckpt} as --base to fine-tune it"),
+    ("vit-tiny", ["--model.n-layers", "1"],
+     "a vit model", "an image classifier cannot be adapted by the lora recipe"),
+])
+def test_a_run_of_another_recipe_as_the_initial_adapter_is_named(tiny_gguf, tmp_path, capsys,
+                                                                   recipe, argv, what, instead):
+    """--lora.init-adapter given a from-scratch or vit-tiny run (its checkpoint a model GGUF)
+    was told `metadata key 'general.type': expected 'adapter' ..., found None (a model; pass it
+    as the base and the adapter separately)`, toymlx-export's hint, naming no option."""
+    assert _train(["--recipe", recipe, "--run-id", "other", "--runs-root", str(tmp_path),
+                   "--steps", "1", "--batch-size", "2", "--eval-every", "0", "--no-compile",
+                   "--no-progress", *argv]) == 0
+    capsys.readouterr()
+    run = tmp_path / "other"
+    data = mlx_lm_folder(tmp_path / "data")
+    assert _train(recipe_args(tiny_gguf, tmp_path, data, "--run-id", "lora",
+                              "--lora.init-adapter", str(run))) == 2
+    ckpt = run / "weights" / "step_1.gguf"
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {run}: --lora.init-adapter: expected {_ADAPTER_TAKES}, found a "
+        f"{recipe} run whose checkpoint weights/step_1.gguf is {what}, not an adapter "
+        f"(general.type unset, no lora_a/lora_b tensors); {instead.format(ckpt=ckpt)}")
+    assert not (tmp_path / "lora").exists()
 
 
 def test_an_unpacked_run_traces_every_width_at_its_first_step(tiny_gguf, tmp_path):

@@ -313,3 +313,18 @@ def test_base_weight_forms_against_llamacpp_on_the_f32_copy(smollm_gguf, f32_bas
               f"top-1 agreement {errs[what][1]:.3f}")
     assert errs["quantized (Q4_1 blocks), float32 compute"][0] < 1e-3
     assert errs["bfloat16 weights, bfloat16 compute"][1] >= 0.9
+
+
+def test_the_model_itself_as_the_initial_adapter_is_named_a_model(smollm_gguf):  # noqa: F811
+    """SmolLM2's own GGUF (general.type 'model') as --lora.init-adapter got toymlx-export's
+    hint (`pass it as the base and the adapter separately`)."""
+    from toymlx.gguf.reader import GGUFError
+    from toymlx.training.adapter import load_adapter
+
+    with pytest.raises(GGUFError) as caught:
+        load_adapter(smollm_gguf, flag="--lora.init-adapter")
+    assert str(caught.value) == (
+        f"{smollm_gguf}: --lora.init-adapter: expected an adapter GGUF (a lora run's "
+        "adapter_step_N.gguf, or llama.cpp's) or a lora run's folder, found a llama model, not "
+        "an adapter (general.type 'model', no lora_a/lora_b tensors); pass it as --base to "
+        "fine-tune it")

@@ -798,22 +798,35 @@ def test_a_sweep_continued_from_another_folder_must_name_the_same_input_files(tm
     assert sweep_main(argv) == 0
 
 
+@pytest.mark.parametrize("name, found", [
+    ("nope.txt", "nothing at that path"),
+    ("empty", "an empty folder"),
+    ("dangling", "nothing at that path (a link to gone.txt, which is missing)"),
+])
 def test_a_data_path_that_is_not_there_fails_before_any_run_starts(tmp_path, capsys,
-                                                                   monkeypatch):
+                                                                   monkeypatch, name, found):
     """--grid data.path=a.txt,nope.txt ran every run: those of nope.txt each failed seconds into
-    its start (`cannot read data file`), found at the end of the sweep."""
+    its start (`cannot read data file`), found at the end of the sweep; an empty folder still
+    did, and a missing path was "found nothing at nope.txt" where toymlx-train says what is
+    there (`nothing_there`: a link to a missing file, a `~` the shell left)."""
     from cli_errors import error_line
+    from toymlx_cli.train import main as train_main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.txt").write_text("hello world, a tiny text. " * 400)
-    argv = ["--recipe", "from-scratch", "--grid", "data.path=a.txt,nope.txt", "--grid",
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "dangling").symlink_to("gone.txt")
+    argv = ["--recipe", "from-scratch", "--grid", f"data.path=a.txt,{name}", "--grid",
             "lr=1e-3,3e-3", "--runs-root", "runs", "--no-progress", "--no-report", *TINY]
     assert sweep_main(argv) == 2
     assert error_line(capsys, "toymlx-sweep") == (
-        "toymlx-sweep: error: run data.path=nope.txt_lr=0.001: --data.path: expected an "
-        f"existing file or folder, found nothing at nope.txt (in {tmp_path}); no run was "
-        "started")
+        f"toymlx-sweep: error: run data.path={name}_lr=0.001: --data.path {name}: expected an "
+        f"existing file or folder, found {found}; no run was started")
     assert not (tmp_path / "runs").exists()
+    # toymlx-train finds the same there
+    assert train_main(["--recipe", "from-scratch", "--data.path", name, "--runs-root", "runs",
+                       *TINY]) == 2
+    assert error_line(capsys, "toymlx-train").endswith(f", found {found}")
 
 
 def test_a_model_shape_that_cannot_be_built_fails_before_any_run_starts(tmp_path, capsys,
@@ -827,8 +840,8 @@ def test_a_model_shape_that_cannot_be_built_fails_before_any_run_starts(tmp_path
             "--no-progress", "--no-report", "--steps", "1"]
     assert sweep_main(argv) == 2
     assert error_line(capsys, "toymlx-sweep") == (
-        "toymlx-sweep: error: run model.d_model=30: model.d_model: expected a multiple of "
-        "n_heads=8, found 30; no run was started")
+        "toymlx-sweep: error: run model.d_model=30: --model.d-model: expected a multiple of "
+        "--model.n-heads (8), found 30; no run was started")
     assert not (tmp_path / "runs").exists()
 
 

@@ -476,3 +476,54 @@ def test_a_stop_while_a_large_model_s_init_is_evaluated_acts_at_once(tmp_path):
                                             "step; nothing was trained")
     assert not (tmp_path / "r").exists()  # a new run's folder goes, as before the loop's set-up
     assert took < 10, took
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--recipe", "from-scratch", "--model.d-model", "30"],
+     "--model.d-model: expected a multiple of --model.n-heads (8), found 30"),
+    (["--recipe", "from-scratch", "--model.n-heads", "5"],
+     "--model.n-heads: expected a divisor of --model.d-model (256), found 5"),
+    (["--recipe", "from-scratch", "--model.n-kv-heads", "3"],
+     "--model.n-kv-heads: expected a divisor of --model.n-heads (8), found 3"),
+    (["--recipe", "from-scratch", "--model.n-heads", "2"],
+     "--model.n-heads: expected a multiple of --model.n-kv-heads (4), found 2"),
+    (["--recipe", "from-scratch", "--model.d-model", "24", "--model.n-heads", "8"],
+     ("--model.d-model: expected a multiple of 2 x --model.n-heads (8) (an even width per head "
+     "for RoPE), found 24")),
+    (["--recipe", "from-scratch", "--model.n-heads", "256"],
+     ("--model.n-heads: expected a divisor of --model.d-model (256) leaving an even width per "
+     "head for RoPE, found 256")),
+    (["--recipe", "from-scratch", "--model.n-layers", "0"],
+     "--model.n-layers: expected > 0, found 0"),
+    (["--recipe", "warm-start", "--model.ffn-dim", "0"], "--model.ffn-dim: expected > 0, found 0"),
+    (["--recipe", "from-scratch", "--model.rope-base", "-1"],
+     "--model.rope-base: expected > 0, found -1.0"),
+    (["--recipe", "vit-tiny", "--model.n-heads", "5"],
+     "--model.n-heads: expected a divisor of --model.d-model (192), found 5"),
+    (["--recipe", "vit-tiny", "--model.d-model", "100"],
+     "--model.d-model: expected a multiple of --model.n-heads (3), found 100"),
+    (["--recipe", "vit-tiny", "--model.patch-size", "3"],
+     "--model.patch-size: expected a divisor of --data.image-size (8), found 3"),
+    (["--recipe", "vit-tiny", "--model.preset", "vit-tiny-8", "--data.image-size", "9"],
+     "--data.image-size: expected a multiple of --model.patch-size (2), found 9"),
+    (["--recipe", "vit-tiny", "--model.n-layers", "0"],
+     "--model.n-layers: expected > 0, found 0"),
+])
+def test_a_model_shape_it_cannot_build_names_the_flags_given(tmp_path, capsys, argv, want):
+    """`--recipe vit-tiny --model.n-heads 5` was refused as `--model: model.d_model: expected a
+    multiple of n_heads=5, found 192`: the field, not the flag, and not the one typed."""
+    from cli_errors import error_line
+
+    assert main([*argv, "--steps", "1", "--runs-root", str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {want}"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_config_files_model_shape_is_named_by_its_key_spelled_as_the_flag(tmp_path, capsys):
+    """A -c file's keys are spelled as the flags, and a later check names them so (`--steps`)."""
+    from cli_errors import error_line
+
+    (tmp_path / "c.yaml").write_text("recipe: from-scratch\nmodel: {n_kv_heads: 3}\n")
+    assert main(["-c", str(tmp_path / "c.yaml"), "--runs-root", str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == ("toymlx-train: error: --model.n-kv-heads: expected a divisor "
+                                  "of --model.n-heads (8), found 3")

@@ -45,9 +45,11 @@ def test_preset_overrides():
 
 
 def test_bad_args_and_inputs_raise_named_errors():
-    with pytest.raises(ValueError, match=r"patch_size: expected a divisor of image_size=8, found"):
+    with pytest.raises(ValueError, match=r"^model.patch_size: expected a divisor of "
+                       r"model.image_size \(8\), found 3$"):
         ViT(vit_tiny_8(patch_size=3))
-    with pytest.raises(ValueError, match=r"model.d_model: expected a multiple of n_heads=5"):
+    with pytest.raises(ValueError, match=r"^model.d_model: expected a multiple of model.n_heads "
+                       r"\(5\), found 192$"):
         ViT(vit_tiny_8(n_heads=5))
     with pytest.raises(ValueError, match=r"gelu: expected one of erf, tanh, fast, found 'relu'"):
         ViT(vit_tiny_8(gelu="relu"))

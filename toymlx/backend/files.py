@@ -25,12 +25,24 @@ def special_kind(path: str | os.PathLike) -> str | None:
     return next((name for test, name in _KINDS if test(mode)), None)
 
 
+def empty_folder(path: str | os.PathLike) -> bool:
+    """True for a folder (or a link to one) with no entries at all, hidden ones included."""
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except (OSError, ValueError):  # not a folder, missing, unreadable, a NUL byte
+        return False
+
+
 def nothing_there(path: str | os.PathLike) -> str:
-    """What is found at a path that holds nothing, for an error's "found ...": "nothing at that
-    path", with the likely cause where one is plain: a link to a missing file, a file where a
-    folder is named (`x/y`), or a `~` the shell left as it is (quoted, after `--opt=`, or in a
-    -c file), which names a folder `~` here, not the home folder."""
+    """What is found at a path that holds nothing, for an error's "found ...": "an empty
+    folder" (`empty_folder`), else "nothing at that path", with the likely cause where one is
+    plain: a link to a missing file, a file where a folder is named (`x/y`), or a `~` the shell
+    left as it is (quoted, after `--opt=`, or in a -c file), which names a folder `~` here, not
+    the home folder."""
     text, p = str(path), Path(path)
+    if empty_folder(p):
+        return "an empty folder"
     if p.is_symlink():
         return f"nothing at that path (a link to {os.readlink(p)}, which is missing)"
     if text.startswith("~"):

@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from toymlx.models.checks import ArgsError
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.layers import Embedding, Linear, RMSNorm
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
@@ -106,30 +107,29 @@ class LlamaArgs:
         return self.key_length or self.d_model // self.n_heads
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when the shape is inconsistent."""
+        """Raise ArgsError (a ValueError) naming the field when the shape is inconsistent."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name}: expected > 0, found {getattr(self, name)}")
+                raise ArgsError(self, name, "> 0")
         if self.key_length is None and self.d_model % self.n_heads:
-            raise ValueError(
-                f"model.d_model: expected a multiple of n_heads={self.n_heads}, found {self.d_model}"
-            )
+            raise ArgsError(self, "d_model", "a multiple of {n_heads}",
+                            alt=("n_heads", "a divisor of {d_model}"))
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_kv_heads: expected a divisor of n_heads={self.n_heads}, "
-                f"found {self.n_kv_heads}"
-            )
+            raise ArgsError(self, "n_kv_heads", "a divisor of {n_heads}",
+                            alt=("n_heads", "a multiple of {n_kv_heads}"))
         if not self.rope_base > 0:  # 0, negative or nan: every rotation is nan from step 0
-            raise ValueError(f"model.rope_base: expected > 0, found {self.rope_base}")
-        if self.head_dim % 2:
-            raise ValueError(f"model head_dim: expected an even number for RoPE, found "
-                             f"{self.head_dim}")
+            raise ArgsError(self, "rope_base", "> 0")
+        if self.head_dim % 2 and self.key_length is not None:
+            raise ArgsError(self, "key_length", "an even number for RoPE")
+        if self.head_dim % 2:  # d_model // n_heads
+            raise ArgsError(self, "d_model", "a multiple of 2 x {n_heads} (an even width per "
+                            "head for RoPE)", alt=("n_heads", ("a divisor of {d_model} leaving "
+                                                              "an even width per head for RoPE")))
         if self.activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"model.activation: expected silu or gelu_tanh, found "
-                             f"{self.activation!r}")
+            raise ArgsError(self, "activation", "silu or gelu_tanh", repr(self.activation))
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
-            raise ValueError(f"model.sliding_layers: expected {self.n_layers} entries, found "
-                             f"{len(self.sliding_layers)}")
+            raise ArgsError(self, "sliding_layers", "one entry per block of {n_layers}",
+                            f"{len(self.sliding_layers)}")
 
     def rope(self, layer: int) -> Rope:
         """Block `layer`'s RoPE (gemma3's sliding layers have their own base and no scaling)."""

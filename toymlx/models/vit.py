@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from toymlx.models.checks import ArgsError
 from toymlx.models.layers import DropPath, LayerNorm, Linear
 from toymlx.models.ops import EXACT, Ops
 
@@ -63,22 +64,21 @@ class ViTArgs:
         return self.d_model // self.n_heads
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when the shape is inconsistent."""
+        """Raise ArgsError (a ValueError) naming the field when the shape is inconsistent."""
         for name in ("image_size", "patch_size", "channels", "d_model", "n_layers", "n_heads",
                      "ffn_dim", "num_classes"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name}: expected > 0, found {getattr(self, name)}")
+                raise ArgsError(self, name, "> 0")
         if self.image_size % self.patch_size:
-            raise ValueError(f"model.patch_size: expected a divisor of image_size="
-                             f"{self.image_size}, found {self.patch_size}")
+            raise ArgsError(self, "patch_size", "a divisor of {image_size}",
+                            alt=("image_size", "a multiple of {patch_size}"))
         if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model: expected a multiple of n_heads={self.n_heads}, "
-                             f"found {self.d_model}")
+            raise ArgsError(self, "d_model", "a multiple of {n_heads}",
+                            alt=("n_heads", "a divisor of {d_model}"))
         if not 0.0 <= self.drop_path < 1.0:
-            raise ValueError(f"model.drop_path: expected in [0, 1), found {self.drop_path}")
+            raise ArgsError(self, "drop_path", "in [0, 1)")
         if self.gelu not in GELU_FORMS:
-            raise ValueError(f"model.gelu: expected one of {', '.join(GELU_FORMS)}, found "
-                             f"{self.gelu!r}")
+            raise ArgsError(self, "gelu", f"one of {', '.join(GELU_FORMS)}", repr(self.gelu))
 
 
 def vit_tiny(**kw) -> ViTArgs:

@@ -10,9 +10,10 @@ import numpy as np
 
 from toymlx.data.chat import data_files, load_examples, test_file
 from toymlx.data.text import DataError, TokenData
+from toymlx.models.checks import ArgsError
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
 from toymlx.models.losses import lm_loss
-from toymlx.training.task import Task, TrainConfig
+from toymlx.training.task import Task, TrainConfig, model_error
 
 DEFAULT_CORPUS = "python-docs"
 
@@ -41,11 +42,15 @@ class LlamaOptions:
     """Share the embedding and output matrices (default: the preset's)."""
 
     def build_args(self, vocab_size: int) -> LlamaArgs:
-        """The preset's LlamaArgs with the fields given, checked (`LlamaArgs.validate`)."""
+        """The preset's LlamaArgs with the fields given, checked (`LlamaArgs.validate`; its error
+        names the flags, `model_error`)."""
         over = {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name != "preset" and getattr(self, f.name) is not None}
         args = PRESETS[self.preset](vocab_size=vocab_size, **over)
-        args.validate()
+        try:
+            args.validate()
+        except ArgsError as e:
+            raise model_error(e, self) from None
         return args
 
 

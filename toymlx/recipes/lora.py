@@ -392,7 +392,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         apply_lora(model, targets, cfg.lora.layers, cfg.lora.rank, cfg.lora.alpha,
                    cfg.lora.dropout, kind=cfg.fine_tune_type)
         if cfg.lora.init_adapter:
-            load_adapter_weights(model, cfg.lora.init_adapter)
+            load_adapter_weights(model, cfg.lora.init_adapter, "--lora.init-adapter")
 
         def save(path: Path, m, extra: dict) -> None:
             write_adapter(path, m, base_meta, {**extra, "toy.base": base_label},

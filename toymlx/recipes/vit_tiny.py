@@ -21,10 +21,11 @@ import numpy as np
 from toymlx.data.image_folder import split_folders
 from toymlx.data.images import Augment, ImageSet, Prefetcher, load_images
 from toymlx.gguf.vit import load_vit, write_vit
+from toymlx.models.checks import ArgsError
 from toymlx.models.losses import classify_metrics
 from toymlx.models.ops import Ops
 from toymlx.models.vit import PRESETS, ViT, ViTArgs
-from toymlx.training.task import Task, TrainConfig
+from toymlx.training.task import Task, TrainConfig, model_error
 
 AUTO_PATCH_8 = (8, 4)
 """(image side, patch side): preset auto trains 8x8 images with 4x4 patches (measured faster and
@@ -220,7 +221,11 @@ def auto_patch(side: int) -> int:
     return min(options, key=lambda p: (abs(side // p - 8), -p))
 
 
-def model_args(opts: ViTOptions, data: ImageSet) -> ViTArgs:
+def model_args(opts: ViTOptions, data: ImageSet, data_opts: ImageData | None = None) -> ViTArgs:
+    """The ViTArgs of `opts` for `data` (its image shape and classes), checked; an error names
+    the flags, the image side and channels as --data.image-size and --data.channels
+    (`data_opts`: the options given, which decide which flag of two a fault is told of)."""
+    data_opts = data_opts or ImageData()
     h, w, c = data.image_shape
     preset = opts.preset
     if preset == "auto":
@@ -238,8 +243,10 @@ def model_args(opts: ViTOptions, data: ImageSet) -> ViTArgs:
                    **over)
     try:
         args.validate()
-    except ValueError as e:
-        raise ValueError(f"--model: {e}") from None
+    except ArgsError as e:  # the image side and channels are the data's, or these flags'
+        raise model_error(e, opts, {"image_size": ("--data.image-size", data_opts.image_size),
+                                    "channels": ("--data.channels", data_opts.channels)}
+                          ) from None
     return args
 
 
@@ -254,7 +261,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     if cfg.batch_size > len(data.train_x):
         raise ValueError(f"--batch-size: expected at most the {len(data.train_x)} training "
                          f"images of {data.source}, found {cfg.batch_size}")
-    args = model_args(cfg.model, data)
+    args = model_args(cfg.model, data, cfg.data)
     mx.random.seed(cfg.seed)
     model = ViT(args, ops)
     norm = {"toy.pixel_scale": float(data.scale), "toy.pixel_mean": data.mean.tolist(),

@@ -30,6 +30,7 @@ import numpy as np
 from mlx import nn
 
 from toymlx.bundle.checkpoint import checkpoint_file
+from toymlx.bundle.folder import saved_config
 from toymlx.gguf.llama import gguf_to_toy, load_llama, toy_to_gguf
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import encode_tensor, write_gguf
@@ -117,13 +118,40 @@ class Adapter:
         return self.magnitudes[name][:, None] / np.linalg.norm(v, axis=1)[:, None] * v - w
 
 
-def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None) -> Adapter:
-    """Read and check a llama.cpp LoRA adapter GGUF (one-line GGUFError when it is not one),
-    or mlx-lm's adapter folder for a base of shape `base` (which says how llama's q/k rows
-    are ordered in the GGUF)."""
+_A_MODEL = {"--lora.init-adapter": (
+    "an adapter GGUF (a lora run's adapter_step_N.gguf, or llama.cpp's) or a lora run's folder",
+    "pass {model} as --base to fine-tune it")}
+"""Flags whose error for a model GGUF where an adapter belongs is `_a_model`'s: {flag: (what it
+takes, what to do with a language model instead)}."""
+
+
+def _a_model(given: str | os.PathLike, path: Path, meta: dict[str, Any], flag: str) -> str:
+    """The error for a model GGUF at `path` (no lora tensors) given as `flag`'s adapter
+    (`given`: the file, or the run folder whose checkpoint it is): what it is, what to pass."""
+    takes, instead = _A_MODEL[flag]
+    arch = meta.get("general.architecture")
+    kind = meta.get("general.type")
+    what = (f"a{'n' if str(arch)[:1] in 'aeiou' else ''} {arch} model, not an adapter "
+            f"(general.type {'unset' if kind is None else repr(kind)}, no lora_a/lora_b tensors)")
+    model = "it"
+    if Path(given).is_dir():
+        recipe = (saved_config(given) or {}).get("recipe")
+        what = (f"{'a ' + recipe if isinstance(recipe, str) else 'a'} run whose checkpoint "
+                f"{path.relative_to(given) if path.is_relative_to(given) else path} is {what}")
+        model = str(path)
+    if arch == "vit":
+        instead = "an image classifier cannot be adapted by the lora recipe"
+    return f"{given}: {flag}: expected {takes}, found {what}; {instead.format(model=model)}"
+
+
+def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
+                 flag: str = "--adapter") -> Adapter:
+    """Read and check a llama.cpp LoRA adapter GGUF (a file or a run folder: its latest; a
+    one-line GGUFError naming `flag` when it is not one), or mlx-lm's adapter folder for a
+    base of shape `base` (which says how llama's q/k rows are ordered in the GGUF)."""
     if mlx_lm_files(path) is not None:
         if base is None:
-            raise ValueError(f"{path}: --adapter: expected an adapter GGUF here, found mlx-lm's "
+            raise ValueError(f"{path}: {flag}: expected an adapter GGUF here, found mlx-lm's "
                              f"adapters; convert them for their base: toymlx-export --adapter "
                              f"{path} --base BASE.gguf --out adapter.gguf")
         m = read_mlx_lm_adapter(path, base)
@@ -131,10 +159,13 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None) -> Adap
                 "adapter.type": m.kind, "adapter.lora.alpha": m.alpha,
                 "toy.mlx_lm_adapter": str(m.path), "toy.mlx_lm_flags": m.flags}
         return Adapter(str(m.path), base.arch, m.alpha, m.pairs, meta, m.kind, m.magnitudes)
-    path = checkpoint_file(path, "--adapter")
+    given, path = path, checkpoint_file(path, flag)
     g = GGUFFile(path)
     meta = g.metadata
     kind = meta.get("general.type")
+    if kind != "adapter" and flag in _A_MODEL and not any(
+            n.endswith((".lora_a", ".lora_b")) for n in g.tensors):
+        raise GGUFError(_a_model(given, path, meta, flag))
     if kind != "adapter":
         hint = (" (a model; pass it as the base and the adapter separately)" if kind == "model"
                 or "tokenizer.ggml.tokens" in meta else "")
@@ -257,14 +288,15 @@ def _adapted_flags(names, a: LlamaArgs) -> str:
     return lora_flags(found, a.n_layers, block_targets(a))
 
 
-def load_adapter_weights(model: nn.Module, path: str | os.PathLike) -> None:
+def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
+                         flag: str = "--adapter") -> None:
     """Copy an adapter file's A and B (and DoRA's m) into the model's existing LoRA layers:
     resume, or a new run started from an adapter (`--lora.init-adapter`).
 
     The file (or mlx-lm's adapter folder) must hold exactly the model's LoRA layers, of the
     same kind, ranks and alpha.
     """
-    ad = load_adapter(path, model.args)
+    ad = load_adapter(path, model.args, flag)
     check_arch(ad, model.args.arch)
     have = {toy_to_gguf(p + ".weight"): m for p, m in lora_layers(model).items()}
     kind = next((k for k, c in ADAPTER_KINDS.items()

@@ -22,6 +22,7 @@ from mlx import nn
 
 from toymlx.bundle.options import RunOptions, flag_name
 from toymlx.bundle.reporters import parse_report_to
+from toymlx.models.checks import ArgsError, field_name
 from toymlx.training.optimizers import AdamW
 from toymlx.training.schedule import lr_at
 
@@ -97,6 +98,18 @@ def _numbers(cfg: Any, prefix: str = "") -> list[tuple[str, int | float]]:
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             out.append((prefix + f.name, v))
     return out
+
+
+def model_error(e: ArgsError, options: Any,
+                more: dict[str, tuple[str, Any]] | None = None) -> ValueError:
+    """A model's ArgsError as toymlx-train's flags name it: a field of the recipe's model
+    `options` (cfg.model) by `flag_name`, one that another option sets by `more` ({field: (its
+    flag, the value given or None)}: vit's image_size, --data.image-size), any other as the
+    model names it; where the fault is of two fields, told of the one given."""
+    flags = {f.name: (flag_name(f"model.{f.name}"), getattr(options, f.name))
+             for f in dataclasses.fields(options)} | (more or {})
+    given = {k for k, (_, v) in flags.items() if v is not None}
+    return ValueError(e.text(lambda f: flags[f][0] if f in flags else field_name(f), given))
 
 
 def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) -> None:
