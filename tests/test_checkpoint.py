@@ -237,3 +237,14 @@ def test_a_folder_of_runs_given_as_one_run_names_them(tmp_path):
     assert str(e.value) == (f"{tmp_path / 'a' / 'weights'}: expected a run bundle with "
                             f"weights/latest, found the weights folder of the run "
                             f"{tmp_path / 'a'}; name the run: {tmp_path / 'a'}")
+
+
+def test_an_empty_folder_given_as_a_run_is_named_with_its_flag(tmp_path):
+    """`--lora.init-adapter empty/` (or `--model empty/`) read "empty: expected a run bundle
+    with weights/latest, found no checkpoint", naming no flag; an empty folder is nothing there,
+    said as for a missing path."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError) as e:
+        ck.checkpoint_file(tmp_path / "empty", "--lora.init-adapter")
+    assert str(e.value) == (f"{tmp_path / 'empty'}: --lora.init-adapter: expected a GGUF file or "
+                            "a run directory, found an empty folder")

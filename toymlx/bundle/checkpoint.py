@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from toymlx.backend import atomic
-from toymlx.backend.files import nothing_there
+from toymlx.backend.files import empty_folder, nothing_there
 from toymlx.backend.lock import LOCK_FILE, held_by
 from toymlx.bundle.model_store import is_store_name, resolve_model
 from toymlx.gguf.reader import GGUFError, GGUFFile
@@ -212,9 +212,9 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model", check_digest
         raise ValueError(f"{p}: {flag}: expected a GGUF file or a run directory, found mlx-lm's "
                          f"adapters; convert them for their base: toymlx-export --adapter {p} "
                          "--base BASE.gguf --out adapter.gguf")
-    if p.is_dir():
+    if p.is_dir() and not empty_folder(p):
         p = latest_checkpoint(p)[0]
-    elif not p.exists():
+    elif not p.exists() or p.is_dir():
         run = p.parent.parent
         if (p.parent.name == "weights" and checkpoint_step(p) is not None
                 and (run / "events.jsonl").is_file()):
