@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from toymlx_cli.train import main
 
 from toymlx.bundle.checkpoint import resolve_latest
@@ -11,6 +12,7 @@ from toymlx.bundle.events import read_events
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.vit import load_vit
 from toymlx.models.ops import Ops
+from toymlx.recipes import vit_tiny
 from toymlx.runner.run import run_ops
 
 SMALL = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
@@ -175,3 +177,22 @@ def test_auto_patch_size_on_8x8_and_explicit_choices_win():
     assert model_args(ViTOptions(), rgb224).patch_size == 16
     c = Config()
     assert (c.steps, c.batch_size, c.label_smoothing) == (400, 64, 0.1)
+
+
+def test_the_vit_body_is_checked_before_any_image_is_read(tmp_path):
+    """--model.n-heads 5 (192 wide) was refused only once the images were read, so a sweep
+    with `--grid model.n_heads=3,5` started its runs before refusing them; now `validate`
+    refuses it with no data there at all, naming the flags, as the text recipes do."""
+    def refused(**model) -> str:
+        cfg = vit_tiny.Config(model=vit_tiny.ViTOptions(**model),
+                              data=vit_tiny.ImageData(path=str(tmp_path / "not-there")))
+        with pytest.raises(ValueError) as e:
+            vit_tiny.validate(cfg)
+        return str(e.value)
+
+    assert refused(n_heads=5) == ("--model.n-heads: expected a divisor of --model.d-model "
+                                  "(192), found 5")
+    assert refused(d_model=100, n_heads=3) == ("--model.d-model: expected a multiple of "
+                                               "--model.n-heads (3), found 100")
+    assert refused(n_layers=0) == "--model.n-layers: expected > 0, found 0"
+    vit_tiny.validate(vit_tiny.Config(model=vit_tiny.ViTOptions(n_heads=4, patch_size=5)))  # no image yet

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import mlx.core as mx
 import numpy as np
@@ -195,6 +195,7 @@ def validate(cfg: Config) -> None:
     for flag, ok, want, found in checks:
         if not ok:
             raise ValueError(f"{flag}: expected {want}, found {found}")
+    check_body(cfg.model, d)
     if cfg.test and d.test_path is None:
         raise ValueError("--test: expected --data.test-path naming a held-out test set, found "
                          "none (a CIFAR or MNIST folder as --data.path validates on its official "
@@ -230,8 +231,7 @@ def model_args(opts: ViTOptions, data: ImageSet, data_opts: ImageData | None = N
     preset = opts.preset
     if preset == "auto":
         preset = {8: "vit-tiny-8", 28: "vit-tiny-28", 224: "vit-tiny"}.get(h, "vit-tiny-28")
-    over = {f.name: getattr(opts, f.name) for f in fields(opts)
-            if f.name != "preset" and getattr(opts, f.name) is not None}
+    over = _overrides(opts)
     if opts.preset == "auto" and "patch_size" not in over:
         if h == AUTO_PATCH_8[0]:
             over["patch_size"] = AUTO_PATCH_8[1]
@@ -241,13 +241,36 @@ def model_args(opts: ViTOptions, data: ImageSet, data_opts: ImageData | None = N
         raise ValueError(f"{data.source}: images: expected square images, found {h}x{w}")
     args = replace(PRESETS[preset](), image_size=h, channels=c, num_classes=data.num_classes,
                    **over)
+    return _checked(args, opts, data_opts)
+
+
+def _overrides(opts: ViTOptions) -> dict[str, Any]:
+    """The --model.* fields given, over the preset's."""
+    return {f.name: getattr(opts, f.name) for f in fields(opts)
+            if f.name != "preset" and getattr(opts, f.name) is not None}
+
+
+def _checked(args: ViTArgs, opts: ViTOptions, data_opts: ImageData) -> ViTArgs:
+    """`args`, validated; an error names the flags (the image side and channels are the
+    data's, or --data.image-size's and --data.channels')."""
     try:
         args.validate()
-    except ArgsError as e:  # the image side and channels are the data's, or these flags'
+    except ArgsError as e:
         raise model_error(e, opts, {"image_size": ("--data.image-size", data_opts.image_size),
                                     "channels": ("--data.channels", data_opts.channels)}
                           ) from None
     return args
+
+
+def check_body(opts: ViTOptions, data_opts: ImageData) -> None:
+    """The shape's checks that need no image (widths, heads, depth, drop path): before the
+    data is read, so that a sweep refuses a bad grid value before its runs start, as the text
+    recipes do. The image side, channels and classes are checked with the data
+    (`model_args`)."""
+    preset = "vit-tiny-28" if opts.preset == "auto" else opts.preset  # the same Tiny body
+    body = replace(PRESETS[preset](), **_overrides(opts))
+    _checked(replace(body, image_size=max(body.patch_size, 1), channels=1, num_classes=2), opts,
+             data_opts)
 
 
 def build(cfg: Config, ops: Ops) -> Task:
