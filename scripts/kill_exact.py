@@ -51,7 +51,7 @@ def wait_and_stop(p: subprocess.Popen, run: Path, mode: str, sig: int, eval_ever
     start, n0, d, seen = time.monotonic(), len(steps_logged(run)), r.uniform(0.0, 1.0), None
     while p.poll() is None and time.monotonic() - start < WAIT_LIMIT:
         now = time.monotonic() - start
-        if mode == "startup" and now >= 4.0 * d:
+        if mode == "startup" and now >= 2.5 * d:  # imports, resume load, first step
             break
         if mode == "checkpoint" and tmps(run / "weights"):
             break
@@ -125,14 +125,17 @@ def kill_exact(config: str, kills: int, seed: int, sig: int, root: Path) -> dict
         with open(log, "ab") as f:
             p = subprocess.Popen(train_cmd() + cmd, stdout=f, stderr=f, start_new_session=True)
         out["kills"].append(wait_and_stop(p, run, MODES[k % len(MODES)], sig, eval_every, r))
+        if out["kills"][-1].get("exited") == 0:  # it ran to its end before this stop came
+            break
         if list(run.glob("weights/*step_*.gguf")):
             cmd = ["--resume", str(run)]
         else:  # stopped before its first checkpoint: nothing to resume, start it over
             cmd = fresh + ["--overwrite"]
-    q = subprocess.run(train_cmd() + cmd, capture_output=True, check=False, text=True)
-    out["final_rc"] = q.returncode
+    q = None if out["kills"][-1].get("exited") == 0 else subprocess.run(
+        train_cmd() + cmd, capture_output=True, check=False, text=True)
+    out["final_rc"] = q.returncode if q else 0
     out["differences"] = (differences(outcome(root / "uninterrupted"), outcome(run))
-                          if q.returncode == 0 else [q.stderr.strip()[-2000:]])
+                          if not q or q.returncode == 0 else [q.stderr.strip()[-2000:]])
     return out
 
 
