@@ -60,6 +60,29 @@ def test_kill_at_any_instant_many(tmp_path, shared_file):
     assert set(s["modes"]) == {"tmp", "new-gguf", "after-ckpt", "startup"}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "sig", "shared"), [
+    ("from-scratch", "KILL", "text/tinystories_sample.txt"),
+    ("lora", "INT", "models/stories260K.gguf"),
+])
+def test_a_run_stopped_and_resumed_again_and_again_ends_bit_exact(tmp_path, shared_file, config,
+                                                                   sig, shared):
+    """scripts/kill_exact.py: stopped at start, mid-step, mid-validation and mid-checkpoint,
+    resumed each time, the run's losses, final tensors and optimizer state equal an
+    uninterrupted run's bit for bit."""
+    shared_file(shared)
+    summary = tmp_path / "exact.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "kill_exact.py"), config, "--kills", "4",
+           "--signal", sig, "--root", str(tmp_path / "runs"), "--json", str(summary)]
+    p = subprocess.run(cmd, capture_output=True, check=False, text=True, timeout=1800, cwd=REPO)
+    assert summary.exists(), p.stdout + p.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["differences"] == [], p.stdout
+    assert s["final_rc"] == 0 and p.returncode == 0
+    assert [k["mode"] for k in s["kills"] if "exited" not in k] == [
+        "startup", "step", "eval", "checkpoint"]
+
+
 def test_resume_after_a_torn_event_line(tmp_path, shared_file):
     """A kill mid-emit leaves half a line; the resumed run's events must still be readable."""
     data = str(shared_file("text/tinystories_sample.txt"))
