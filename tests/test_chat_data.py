@@ -186,6 +186,14 @@ def test_malformed_line_names_file_line_and_expectation(tmp_path, bad_line, expe
         assert part in msg
 
 
+def test_a_null_value_is_named_once(tmp_path):
+    """A null where a string belongs read "found null null" (its kind, then its JSON text)."""
+    path = write(tmp_path, "train.jsonl", '{"text": null}\n')
+    with pytest.raises(DataError) as err:
+        load_examples(path)
+    assert str(err.value) == f'{path}:1: expected "text" to be a string, found null'
+
+
 def test_file_level_errors(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')

@@ -794,3 +794,41 @@ def test_a_first_step_that_overflows_blames_the_base_not_the_learning_rate(
     assert ", computed before any update from the base as loaded (its adapters are still " \
            "zero" in end["message"]
     assert "not the learning rate" in capsys.readouterr().err
+
+
+def _set_metadata(path: Path, key: str, value: float) -> None:
+    """Overwrite the scalar metadata value `key` of GGUF `path` in place (same type and size:
+    what a hex editor or a flipped bit leaves; the recorded tensor digest still holds)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path), "r+")
+    f = r.fields[key]
+    f.parts[f.data[0]][0] = value
+    r.data.flush()
+    del r
+
+
+def test_readers_refuse_a_checkpoint_whose_model_metadata_was_edited(runs, capsys):
+    """A run's checkpoint with its RoPE base changed in the metadata (the tensor data, and so
+    `toy.tensor_sha256`, untouched) was scored, generated from and exported as another model
+    without a word; every reader and the resume now name the key, the run's value and the
+    file's."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.generate import main as generate_main
+
+    a, _ = runs
+    ckpt = a / "weights" / "step_2.gguf"
+    _set_metadata(ckpt, "llama.rope.freq_base", 20000.0)
+    want = (f"{ckpt}: metadata key 'llama.rope.freq_base': expected 10000 (the run's model "
+            "rope_base, as run_start records it), found 20000: the file was edited or damaged; "
+            "put this run's checkpoint back")
+    assert eval_main(["--model", str(a)]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {want}"
+    assert generate_main(["--model", str(a), "--prompt", "Once", "--max-tokens", "1"]) == 2
+    assert error_line(capsys, "toymlx-generate") == f"toymlx-generate: error: {want}"
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys).startswith(f"toymlx-train: error: {want}")
+    assert _files(a) == before
+    _set_metadata(ckpt, "llama.rope.freq_base", 10000.0)
+    assert eval_main(["--model", str(a)]) == 0

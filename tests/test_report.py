@@ -347,3 +347,25 @@ def test_toymlx_report_of_a_sweep_shows_a_run_that_failed_before_its_bundle_as_f
         ["lr=0.003", "0.003", "completed"], ["lr=0.001", "0.001", "failed"],
         ["lr=0.01", "0.01", "pending"]]
     assert lines[3].endswith("2.79")
+
+
+def test_a_bundle_every_other_reader_refuses_is_reported_with_a_warning(tmp_path):
+    """config.json edited to the wrong types: eval, generate, export and resume refuse the run
+    in one line; the report drew the edited values ("ten" steps) as the run's without a word.
+    It still shows the row, and now says why the run is refused, naming the file and key."""
+    from toymlx_cli.train import main as train_main
+
+    from toymlx.backend.notice import ToymlxWarning
+
+    assert train_main(["--recipe", "from-scratch", *TINY[:-3], "--steps", "2", "--no-compile",
+                       "--no-progress", "--runs-root", str(tmp_path), "--run-id", "a"]) == 0
+    config = tmp_path / "a" / "config.json"
+    saved = json.loads(config.read_text())
+    saved["config"]["steps"] = "ten"
+    config.write_text(json.dumps(saved))
+    with pytest.warns(ToymlxWarning) as seen:
+        (row,) = report.summarize([tmp_path / "a"])
+    assert [str(w.message) for w in seen] == [
+        (f"{config}: key 'config.steps': expected an integer, found \"ten\" (a string); fix it "
+         "to the run's value; its row shows what its files still tell")]
+    assert row["status"] == "completed"

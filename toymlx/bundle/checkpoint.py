@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from toymlx.backend import atomic
@@ -253,7 +254,7 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
     if meta is None:
         try:
             with GGUFFile(ckpt) as g:
-                meta = {k: g.metadata.get(k) for k in (RUN_KEY, "general.run_id")}
+                meta = dict(g.metadata)
         except GGUFError:
             return  # not a GGUF: the loader says so, naming the file
     if meta.get(RUN_KEY) != ours:
@@ -261,6 +262,33 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
                           f"found one of run_uid {meta.get(RUN_KEY) or '(none recorded)'} (run "
                           f"{meta.get('general.run_id')!r}); put this run's checkpoint "
                           f"back{fix}")
+    start = next(e for e in events if e["kind"] == "run_start")
+    check_recorded_model(ckpt, meta, start.get("model") or {}, fix)
+
+
+# Checkpoint metadata that changes what a model computes without changing a tensor's shape
+# (`toy.tensor_sha256` covers the tensor data only), against run_start's `model` record.
+_MODEL_KEYS = {"adapter.lora.alpha": "lora_alpha", "{arch}.rope.freq_base": "rope_base",
+               "{arch}.attention.layer_norm_rms_epsilon": "norm_eps",
+               "{arch}.context_length": "context"}
+
+
+def check_recorded_model(ckpt: Path, meta: dict[str, Any], model: dict[str, Any],
+                         fix: str = "") -> None:
+    """ResumeError where a run's checkpoint holds a value of `_MODEL_KEYS` other than the one
+    its run_start records (compared as the float32 the GGUF stores): a metadata value edited
+    or damaged would otherwise be read silently (LoRA alpha, RoPE base, norm epsilon). `fix`:
+    what else to do, as `check_own`'s."""
+    arch = meta.get("general.architecture")
+    for pattern, field in _MODEL_KEYS.items():
+        key = pattern.format(arch=arch)
+        got, want = meta.get(key), model.get(field)
+        if not isinstance(got, (int, float)) or not isinstance(want, (int, float)):
+            continue
+        if np.float32(got) != np.float32(want):
+            raise ResumeError(f"{ckpt}: metadata key {key!r}: expected {want:g} (the run's "
+                              f"model {field}, as run_start records it), found {got:g}: the file "
+                              f"was edited or damaged; put this run's checkpoint back{fix}")
 
 
 def check_name(ckpt: Path) -> None:

@@ -121,6 +121,8 @@ def _found(value: Any) -> str:
             str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
     if isinstance(value, dict):
         return f"object with keys {sorted(value)}"
+    if value is None:  # its kind is its text: "null", not "null null"
+        return "null"
     text = json.dumps(value, ensure_ascii=False)
     return f"{kind} {text[:40] + '...' if len(text) > 40 else text}"
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
+from toymlx.backend.notice import warn
 from toymlx.bundle.events import read_events
-from toymlx.bundle.folder import saved_config
+from toymlx.bundle.folder import CONFIG_FILE, saved_config
 from toymlx.bundle.options import RUN_LOCAL, RunError
 from toymlx.runner.bundle import Bundle
 
@@ -90,7 +91,9 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         bundle = Bundle.open(run_dir, "toymlx-report")
         saved: dict[str, Any] | None = bundle.saved
         events = bundle.events
-    except RunError:  # a damaged or unfinished bundle: show what its files still tell
+    except RunError as e:  # a damaged or unfinished bundle: show what its files still tell
+        if (run_dir / CONFIG_FILE).is_file():  # damaged, as every other reader would say
+            warn(f"{e}; its row shows what its files still tell")
         saved = saved_config(run_dir)
         events = read_events(run_dir) if run_dir.is_dir() else []
     status, message = run_status(events)
