@@ -834,19 +834,6 @@ def test_readers_refuse_a_checkpoint_whose_model_metadata_was_edited(runs, capsy
     assert eval_main(["--model", str(a)]) == 0
 
 
-def _vit_run(tmp_path: Path) -> Path:
-    from image_files import make_image_folder
-    from toymlx_cli.train import main as train_main
-
-    folder = make_image_folder(tmp_path / "imgs", per_class=3)
-    assert train_main(["--recipe", "vit-tiny", "--model.d-model", "32", "--model.n-layers", "1",
-                       "--model.n-heads", "2", "--model.ffn-dim", "64", "--batch-size", "4",
-                       "--no-progress", "--no-compile", "--steps", "2", "--data.image-size", "8",
-                       "--data.path", str(folder), "--runs-root", str(tmp_path / "runs"),
-                       "--run-id", "vit", "--eval-every", "0"]) == 0
-    return tmp_path / "runs" / "vit"
-
-
 @pytest.mark.parametrize("key,value,field,want,found", [
     ("vit.attention.layer_norm_epsilon", 1e-3, "norm_eps", "1e-06", "0.001"),
     ("vit.attention.head_count", 4, "n_heads", "2", "4")])
@@ -856,9 +843,10 @@ def test_readers_refuse_a_vit_checkpoint_whose_model_metadata_was_edited(
     head count (recorded, never compared) edited was scored as another model without a word;
     eval and the resume now name the key and both values. A run whose run_start predates the
     record (no norm_eps) still opens, is scored and resumes."""
+    from test_eval import vit_run
     from toymlx_cli.eval import main as eval_main
 
-    run = _vit_run(tmp_path)
+    run, _ = vit_run(tmp_path)
     capsys.readouterr()
     ckpt = (run / "weights" / "latest").resolve()
     with GGUFFile(ckpt) as g:
