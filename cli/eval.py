@@ -486,7 +486,8 @@ def evaluate(args: Args) -> dict:
         check_context(seq_len, model, path)
         if args.split == "test":  # the run's data folder's test.jsonl, as its --test scores it
             check_test_folder(data.path, "--split test")
-        td = load_token_data(data, tok, seq_len, test=args.split == "test", windows=False)
+        td = load_token_data(data, tok, seq_len, test=args.split == "test", windows=False,
+                             progress=args.progress)
         whole = len(td.train) + len(td.val)
         if args.split == "all":
             td = TokenData(td.train, np.concatenate([td.train, td.val]), td.source)

@@ -19,6 +19,7 @@ from toymlx_cli.eval import main as eval_main
 from toymlx_cli.train import main as train_main
 
 from toymlx.data import chat
+from toymlx.data import text as text_module
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import load_llama
 
@@ -208,7 +209,7 @@ def _with_bars(monkeypatch, capsys, *argv: str) -> tuple[str, list[tuple], str]:
     assert eval_main(list(argv)) == 0  # stderr captured: not a terminal
     assert capsys.readouterr().out == out
     assert bars == drawn  # neither drew one
-    return out, [b for b in drawn if b[0] == "toymlx-eval"], term.getvalue()
+    return out, drawn, term.getvalue()
 
 
 def test_a_progress_bar_counts_what_eval_scores_and_leaves_the_report_alone(
@@ -230,17 +231,21 @@ def test_a_progress_bar_counts_what_eval_scores_and_leaves_the_report_alone(
 
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    size = text.stat().st_size
+    monkeypatch.setattr(text_module, "BAR_BYTES", 100)  # a large file: tokenized under a bar
     for extra in ([], ["--max-examples", "3"]):
         out, bars, err = _with_bars(monkeypatch, capsys, "--model", str(tiny_gguf),
                                     "--data.path", str(text), "--seq-len", "16", *extra)
         n = json.loads(out)["tokens_scored"] // 16  # windows: batches of 16 rows
         assert n == 3 if extra else n % 16  # the last of them filled with padding rows
-        assert bars == [("toymlx-eval", "window", n, n)] and f" 0/{n} " in err
+        assert bars == [("tokenizing t.txt", "B", size, size), ("toymlx-eval", "window", n, n)]
+        assert f" 0/{n} " in err
 
     test = mlx_lm_folder(tmp_path / "data", n_train=0, n_valid=0, n_test=40) / "test.jsonl"
     out, bars, err = _with_bars(monkeypatch, capsys, "--model", str(tiny_gguf), "--split",
                                 "test", "--data.path", str(test), "--seq-len", "32",
                                 "--batch-size", "8")
     rows = json.loads(out)["rows"]
-    assert rows > 10 and bars == [("toymlx-eval", "row", rows, rows)]
-    assert f" 0/{rows} " in err and "tokenizing test examples" in err
+    assert rows > 10 and bars == [("tokenizing test examples", "example", 40, 40),
+                                  ("toymlx-eval", "row", rows, rows)]
+    assert f" 0/{rows} " in err
