@@ -12,6 +12,7 @@ GGUF of its own) on test.jsonl. --split test scores what `toymlx-train --test` s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -58,6 +59,9 @@ class Args:
     report extra)."""
     json: bool = False
     """ViT only: print the report as JSON (per-class accuracy and the matrix) instead of text."""
+    progress: bool = True
+    """A progress bar on stderr where it is a terminal, counting the images, windows or chat
+    rows scored of the split's total (--no-progress: none); stdout holds the report alone."""
 
 
 PROG = "toymlx-eval"
@@ -99,6 +103,11 @@ def subset(limit: int | None, scored: int, total: int, split: str, unit: str,
     which = {"val": "validation ", "test": "test "}.get(split, "")
     return {"subset": f"{rows}{part} {which}{unit} (--max-examples {limit})", "scored": scored,
             "of": total}
+
+
+def bar_name(args: Args) -> str | None:
+    """The name of the scoring pass's progress bar, None where --no-progress hides it."""
+    return PROG if args.progress else None
 
 
 def check_no_plot(args: Args, found: str) -> None:
@@ -263,12 +272,14 @@ def evaluate_images(args: Args, path: Path) -> dict:
     batches, left = [], total if args.max_examples is None else args.max_examples
     for x, y in parts:
         take = min(left, len(y))
-        if take:  # a streamed set's first images alone are decoded
+        if take:  # a streamed set's first images alone are decoded, each batch as it is scored
             data.val_x, data.val_y = (x if take == len(y) else x.subset(np.arange(take)) if
                                       hasattr(x, "subset") else x[:take]), y[:take]
-            batches += list(data.val_batches(args.batch_size))
+            batches.append(data.val_batches(args.batch_size))
         left -= take
-    pred, true, loss = predict(clf, batches)
+    scored = total if args.max_examples is None else min(total, args.max_examples)
+    pred, true, loss = predict(clf, itertools.chain.from_iterable(batches), scored,
+                               bar_name(args))
     limited = subset(args.max_examples, len(true), total, args.split, "images")
     m = confusion(pred, true, len(clf.names))
     if args.plot:
@@ -305,7 +316,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     print(f"{PROG}: {used_files(args.model)}", file=sys.stderr)
     split = args.split or "val"  # Args built in code skip `evaluate`'s `default_split`
     r = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len, args.batch_size,
-                  first=args.max_examples)
+                  first=args.max_examples, progress=bar_name(args))
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
@@ -402,7 +413,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     bs = max(1, min(batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
                 metrics_fn=lm_held_out_sums, test_batches=sft_val_batches(rows, bs, -(-n // bs)))
-    loss = command_evaluator(task, progress)(split="test")["test_loss"]
+    loss = command_evaluator(task, progress, "row")(split="test")["test_loss"]
     return HeldOut(loss, n, source, tokenized, total)
 
 
@@ -475,7 +486,8 @@ def evaluate(args: Args) -> dict:
         check_context(seq_len, model, path)
         if args.split == "test":  # the run's data folder's test.jsonl, as its --test scores it
             check_test_folder(data.path, "--split test")
-        td = load_token_data(data, tok, seq_len, test=args.split == "test", windows=False)
+        td = load_token_data(data, tok, seq_len, test=args.split == "test", windows=False,
+                             progress=args.progress)
         whole = len(td.train) + len(td.val)
         if args.split == "all":
             td = TokenData(td.train, np.concatenate([td.train, td.val]), td.source)
@@ -490,7 +502,7 @@ def evaluate(args: Args) -> dict:
         limited = subset(args.max_examples, min(windows, args.max_examples or windows),
                          windows, args.split, f"windows of {seq_len} tokens")
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
-        m = command_evaluator(task, PROG)()
+        m = command_evaluator(task, bar_name(args), "window")()
         mx.eval()
         # how much was scored: the whole split, where a run's own val_loss reads --eval-batches
         scored = {"tokens_scored": int(sum(b["mask"].sum() for b in vb)), "seq_len": seq_len}

@@ -4,8 +4,11 @@ how many."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -16,8 +19,20 @@ from toymlx_cli.eval import main as eval_main
 from toymlx_cli.train import main as train_main
 
 from toymlx.data import chat
+from toymlx.data import text as text_module
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import load_llama
+
+
+def vit_run(tmp_path) -> tuple[Path, Path]:
+    """(a finished 2-step vit-tiny run of 8x8 images, the folder of 9 images it trained on)."""
+    folder = make_image_folder(tmp_path / "imgs", per_class=3)
+    assert train_main(["--recipe", "vit-tiny", "--model.d-model", "32", "--model.n-layers", "1",
+                       "--model.n-heads", "2", "--model.ffn-dim", "64", "--batch-size", "4",
+                       "--no-progress", "--steps", "2", "--data.image-size", "8",
+                       "--data.path", str(folder), "--runs-root", str(tmp_path / "runs"),
+                       "--run-id", "vit"]) == 0
+    return tmp_path / "runs" / "vit", folder
 
 
 def _json(capsys, *argv: str) -> dict:
@@ -54,13 +69,7 @@ def test_vit_scores_the_first_images_as_a_folder_of_them_alone(tmp_path, capsys)
     """A ViT on --split all of its 9 images (class folders in order), --max-examples 5: the same
     accuracy, matrix and loss as a folder holding those 5 images alone, in the JSON and the
     text report; more than the set holds scores it all."""
-    folder = make_image_folder(tmp_path / "imgs", per_class=3)
-    assert train_main(["--recipe", "vit-tiny", "--model.d-model", "32", "--model.n-layers", "1",
-                       "--model.n-heads", "2", "--model.ffn-dim", "64", "--batch-size", "4",
-                       "--no-progress", "--steps", "2", "--data.image-size", "8",
-                       "--data.path", str(folder), "--runs-root", str(tmp_path / "runs"),
-                       "--run-id", "vit"]) == 0
-    run = tmp_path / "runs" / "vit"
+    run, folder = vit_run(tmp_path)
     files = sorted(p for p in folder.rglob("*") if p.is_file())  # cat/00.png, cat/01.png, ..
     first = tmp_path / "first"
     for f in files[:5]:
@@ -162,3 +171,81 @@ def test_lora_run_scores_the_first_validation_rows(tiny_gguf, tmp_path, capsys):
     every = _json(capsys, tmp_path / "r", "--limit", "50")
     assert every["subset"] == "8 rows made of all 8 validation examples (--max-examples 50)"
     assert every["val_loss"] == whole["val_loss"] and every["rows"] == 8
+
+
+class _Terminal(io.StringIO):
+    """A stderr that is a terminal (where toymlx draws its bars)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _with_bars(monkeypatch, capsys, *argv: str) -> tuple[str, list[tuple], str]:
+    """toymlx-eval `argv` with stderr a terminal: (stdout, (desc, unit, total, counted) of each
+    bar drawn, what stderr got); then the same with --no-progress and with stderr not a
+    terminal: no bar, and stdout byte for byte the same."""
+    from toymlx.backend import progress
+
+    bars: list[tuple] = []
+
+    class Recorded(progress.tqdm):
+        def close(self) -> None:
+            if not self.disable:
+                bars.append((self.desc, self.unit, self.total, self.n))
+            super().close()
+
+    monkeypatch.setattr(progress, "tqdm", Recorded)
+    capsys.readouterr()
+    term = _Terminal()
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stderr", term)
+        assert eval_main(list(argv)) == 0
+    out = capsys.readouterr().out
+    drawn = bars[:]
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stderr", _Terminal())
+        assert eval_main([*argv, "--no-progress"]) == 0
+    assert capsys.readouterr().out == out
+    assert eval_main(list(argv)) == 0  # stderr captured: not a terminal
+    assert capsys.readouterr().out == out
+    assert bars == drawn  # neither drew one
+    return out, drawn, term.getvalue()
+
+
+def test_a_progress_bar_counts_what_eval_scores_and_leaves_the_report_alone(
+        tiny_gguf, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Scoring a whole split printed nothing for minutes (a LoRA run's 1,658 chat rows: over
+    20 minutes on 2 cores). On a terminal a bar on stderr now counts the images, windows or
+    chat rows scored, to the total the report names (a text split's padding rows not among
+    them); --no-progress or a stderr that is no terminal draws none; stdout is the same."""
+    run, folder = vit_run(tmp_path)
+    vit = ["--model", str(run), "--data.path", str(folder), "--split",
+           "all", "--batch-size", "2"]
+    for extra, n in [([], 9), (["--max-examples", "5"], 5)]:
+        out, bars, err = _with_bars(monkeypatch, capsys, *vit, *extra)
+        assert bars == [("toymlx-eval", "image", n, n)] and f" 0/{n} " in err
+        assert f" on {n} images" in out.splitlines()[0]
+        assert "toymlx-eval" not in out
+    out, bars, _ = _with_bars(monkeypatch, capsys, *vit, "--json")
+    assert json.loads(out)["images"] == 9 and bars == [("toymlx-eval", "image", 9, 9)]
+
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    size = text.stat().st_size
+    monkeypatch.setattr(text_module, "BAR_BYTES", 100)  # a large file: tokenized under a bar
+    for extra in ([], ["--max-examples", "3"]):
+        out, bars, err = _with_bars(monkeypatch, capsys, "--model", str(tiny_gguf),
+                                    "--data.path", str(text), "--seq-len", "16", *extra)
+        n = json.loads(out)["tokens_scored"] // 16  # windows: batches of 16 rows
+        assert n == 3 if extra else n % 16  # the last of them filled with padding rows
+        assert bars == [("tokenizing t.txt", "B", size, size), ("toymlx-eval", "window", n, n)]
+        assert f" 0/{n} " in err
+
+    test = mlx_lm_folder(tmp_path / "data", n_train=0, n_valid=0, n_test=40) / "test.jsonl"
+    out, bars, err = _with_bars(monkeypatch, capsys, "--model", str(tiny_gguf), "--split",
+                                "test", "--data.path", str(test), "--seq-len", "32",
+                                "--batch-size", "8")
+    rows = json.loads(out)["rows"]
+    assert rows > 10 and bars == [("tokenizing test examples", "example", 40, 40),
+                                  ("toymlx-eval", "row", rows, rows)]
+    assert f" 0/{rows} " in err

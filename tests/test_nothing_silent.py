@@ -832,3 +832,44 @@ def test_readers_refuse_a_checkpoint_whose_model_metadata_was_edited(runs, capsy
     assert _files(a) == before
     _set_metadata(ckpt, "llama.rope.freq_base", 10000.0)
     assert eval_main(["--model", str(a)]) == 0
+
+
+@pytest.mark.parametrize("key,value,field,want,found", [
+    ("vit.attention.layer_norm_epsilon", 1e-3, "norm_eps", "1e-06", "0.001"),
+    ("vit.attention.head_count", 4, "n_heads", "2", "4")])
+def test_readers_refuse_a_vit_checkpoint_whose_model_metadata_was_edited(
+        tmp_path, capsys, key, value, field, want, found):
+    """A vit run's checkpoint with its LayerNorm epsilon (which run_start did not record) or its
+    head count (recorded, never compared) edited was scored as another model without a word;
+    eval and the resume now name the key and both values. A run whose run_start predates the
+    record (no norm_eps) still opens, is scored and resumes."""
+    from test_eval import vit_run
+    from toymlx_cli.eval import main as eval_main
+
+    run, _ = vit_run(tmp_path)
+    capsys.readouterr()
+    ckpt = (run / "weights" / "latest").resolve()
+    with GGUFFile(ckpt) as g:
+        was = g.metadata[key]
+    _set_metadata(ckpt, key, value)
+    line = (f"{ckpt}: metadata key {key!r}: expected {want} (the run's model {field}, as "
+            f"run_start records it), found {found}: the file was edited or damaged; put this "
+            "run's checkpoint back")
+    assert eval_main(["--model", str(run)]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {line}"
+    before = _files(run)
+    assert _resume(run) == 2
+    assert error_line(capsys).startswith(f"toymlx-train: error: {line}")
+    assert _files(run) == before
+    _set_metadata(ckpt, key, was)
+    assert eval_main(["--model", str(run)]) == 0
+    # a run recorded before the model record held these: opened, scored and resumed as it is
+    events = run / "events.jsonl"
+    rows = [json.loads(ln) for ln in events.read_text().splitlines()]
+    for e in rows:
+        if e["kind"] == "run_start":
+            for k in ("norm_eps", "pixel_scale", "pixel_mean", "pixel_std"):
+                del e["model"][k]
+    events.write_text("".join(json.dumps(e) + "\n" for e in rows))
+    assert eval_main(["--model", str(run)]) == 0
+    assert _resume(run, "--no-progress", "--no-compile") == 0

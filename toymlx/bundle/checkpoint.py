@@ -267,28 +267,59 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
 
 
 # Checkpoint metadata that changes what a model computes without changing a tensor's shape
-# (`toy.tensor_sha256` covers the tensor data only), against run_start's `model` record.
+# (`toy.tensor_sha256` covers the tensor data only), against run_start's `model` record (a
+# vit run's epsilon, heads, activation and input normalisation: recorded since session 42).
 _MODEL_KEYS = {"adapter.lora.alpha": "lora_alpha", "{arch}.rope.freq_base": "rope_base",
                "{arch}.attention.layer_norm_rms_epsilon": "norm_eps",
-               "{arch}.context_length": "context"}
+               "{arch}.context_length": "context",
+               "vit.attention.layer_norm_epsilon": "norm_eps", "vit.attention.head_count": "n_heads",
+               "vit.gelu": "gelu", "toy.pixel_scale": "pixel_scale",
+               "toy.pixel_mean": "pixel_mean", "toy.pixel_std": "pixel_std"}
+# model record keys a run_start written before them lacks: a resume compares them only where
+# the run recorded them (`Bundle.check_model`)
+LATER_MODEL_KEYS = ("norm_eps", "pixel_scale", "pixel_mean", "pixel_std")
+
+
+def _same_value(got: Any, want: Any) -> bool | None:
+    """Whether metadata value `got` is the recorded `want` (numbers and lists of them compared
+    as the float32 the GGUF stores); None where `want` records nothing comparable."""
+    if isinstance(want, str):
+        return got == want
+    if isinstance(want, bool):
+        return None
+    if isinstance(want, (int, float)):
+        return isinstance(got, (int, float)) and bool(np.float32(got) == np.float32(want))
+    if isinstance(want, list) and all(isinstance(v, (int, float)) for v in want):
+        return (isinstance(got, list) and len(got) == len(want)
+                and all(isinstance(v, (int, float)) for v in got)
+                and bool(np.array_equal(np.float32(got), np.float32(want))))
+    return None
 
 
 def check_recorded_model(ckpt: Path, meta: dict[str, Any], model: dict[str, Any],
                          fix: str = "") -> None:
     """ResumeError where a run's checkpoint holds a value of `_MODEL_KEYS` other than the one
     its run_start records (compared as the float32 the GGUF stores): a metadata value edited
-    or damaged would otherwise be read silently (LoRA alpha, RoPE base, norm epsilon). `fix`:
-    what else to do, as `check_own`'s."""
+    or damaged would otherwise be read silently (LoRA alpha, RoPE base, norm epsilon, a ViT's
+    heads, GELU and pixel normalisation). A key the record lacks (a run recorded before it) or
+    the file lacks (its loader names it) is not compared. `fix`: what else to do, as
+    `check_own`'s."""
     arch = meta.get("general.architecture")
     for pattern, field in _MODEL_KEYS.items():
         key = pattern.format(arch=arch)
         got, want = meta.get(key), model.get(field)
-        if not isinstance(got, (int, float)) or not isinstance(want, (int, float)):
-            continue
-        if np.float32(got) != np.float32(want):
-            raise ResumeError(f"{ckpt}: metadata key {key!r}: expected {want:g} (the run's "
-                              f"model {field}, as run_start records it), found {got:g}: the file "
-                              f"was edited or damaged; put this run's checkpoint back{fix}")
+        if got is not None and _same_value(got, want) is False:
+            raise ResumeError(f"{ckpt}: metadata key {key!r}: expected {_shown(want)} (the run's "
+                              f"model {field}, as run_start records it), found {_shown(got)}: "
+                              f"the file was edited or damaged; put this run's checkpoint "
+                              f"back{fix}")
+
+
+def _shown(v: Any) -> str:
+    """A recorded or found value as the refusal names it (numbers as %g)."""
+    if isinstance(v, list):
+        return "[" + ", ".join(_shown(x) for x in v) + "]"
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
 def check_name(ckpt: Path) -> None:

@@ -214,11 +214,11 @@ def val_batches(
     return [{"inputs": inputs[i], "targets": targets[i], "mask": mask[i]} for i in range(n_batches)]
 
 
-def _bar(path: str | Path, size: int) -> Any:
+def _bar(path: str | Path, size: int, progress: bool = True) -> Any:
     """The progress bar of tokenizing a file of `size` bytes (None: none drawn), where the
-    file holds at least `BAR_BYTES` (`pass_bar`)."""
-    return pass_bar(size, f"tokenizing {Path(path).name}", "B", least=BAR_BYTES,
-                    unit_scale=True)
+    file holds at least `BAR_BYTES` (`pass_bar`) and `progress` asks for one."""
+    return pass_bar(size, f"tokenizing {Path(path).name}" if progress else None, "B",
+                    least=BAR_BYTES, unit_scale=True)
 
 
 def _counted(texts: Iterable[str], bar: Any) -> Iterator[str]:
@@ -289,12 +289,13 @@ class TokenData:
     @classmethod
     def from_file(
         cls, path: str | Path, tokenizer: Encoder, seq_len: int, val_fraction: float = 0.1,
-        windows: bool = True,
+        windows: bool = True, progress: bool = True,
     ) -> TokenData:
         """Read a UTF-8 text file once, a piece at a time, encode it (the ids of the whole text,
-        tokenizer's default BOS) into one array of the vocabulary's id type, and split it."""
+        tokenizer's default BOS) into one array of the vocabulary's id type, and split it;
+        `progress`: a bar on a terminal for a large file (`_bar`)."""
         size, texts = open_text(path)
-        with _bar(path, size) as bar:
+        with _bar(path, size, progress) as bar:
             ids = tokenizer.encode_stream(_counted(texts, bar), size=size, source=str(path))
         return cls.from_ids(ids, seq_len, val_fraction, source=str(path), windows=windows)
 

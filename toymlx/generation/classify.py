@@ -18,6 +18,7 @@ import numpy as np
 
 from toymlx.backend.atomic import atomic_open
 from toymlx.backend.files import nothing_there, special_kind
+from toymlx.backend.progress import pass_bar
 from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.data.image_folder import (
     IMAGE_EXTENSIONS,
@@ -194,19 +195,23 @@ def _expand(p: Path) -> list[Path]:
     raise ImageDataError(f"{name}: expected an image file or a folder, found {nothing_there(p)}")
 
 
-def predict(clf: Classifier, batches: Iterable[dict[str, np.ndarray]]
-            ) -> tuple[np.ndarray, np.ndarray, float]:
+def predict(clf: Classifier, batches: Iterable[dict[str, np.ndarray]], images: int = 0,
+            progress: str | None = None) -> tuple[np.ndarray, np.ndarray, float]:
     """(predicted, true labels, summed cross-entropy) over validation batches (label -1:
-    padding, dropped)."""
+    padding, dropped). `progress`: the name of a bar on stderr where that is a terminal
+    (`pass_bar`), counting the images scored (their labels) of `images`."""
     preds, labels, loss = [], [], 0.0
-    for b in batches:
-        x, y = b["images"].reshape(-1, *b["images"].shape[-3:]), b["labels"].reshape(-1)
-        keep = y >= 0
-        logits = clf.model(mx.array(x)).astype(mx.float32)
-        ce = np.asarray(clf.model.ops.cross_entropy(logits, mx.array(np.maximum(y, 0))))
-        preds.append(np.asarray(mx.argmax(logits, axis=-1))[keep])
-        labels.append(y[keep])
-        loss += float(ce[keep].sum())
+    with pass_bar(images, progress, "image") as bar:
+        for b in batches:
+            x, y = b["images"].reshape(-1, *b["images"].shape[-3:]), b["labels"].reshape(-1)
+            keep = y >= 0
+            logits = clf.model(mx.array(x)).astype(mx.float32)
+            ce = np.asarray(clf.model.ops.cross_entropy(logits, mx.array(np.maximum(y, 0))))
+            preds.append(np.asarray(mx.argmax(logits, axis=-1))[keep])
+            labels.append(y[keep])
+            loss += float(ce[keep].sum())
+            if bar is not None:
+                bar.update(int(keep.sum()))
     return np.concatenate(preds), np.concatenate(labels), loss
 
 

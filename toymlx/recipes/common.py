@@ -87,17 +87,19 @@ def records_text(path: Path) -> str:
 
 
 def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
-                    windows: bool = True) -> TokenData:
+                    windows: bool = True, progress: bool = True) -> TokenData:
     """The token ids of --data.path: the default corpus or a text file (validation: the last
     val_fraction), or an mlx-lm data folder (validation: valid.jsonl, else the last val_fraction
     of train.jsonl; with `test`, test.jsonl as the test ids). `windows`: `TokenData.from_ids`'s
-    (training's check that each split holds a window; toymlx-eval checks the one it scores)."""
+    (training's check that each split holds a window; toymlx-eval checks the one it scores);
+    `progress`: `TokenData.from_file`'s (--no-progress: False)."""
     if data.path is None:
         text, source = default_corpus()
         return TokenData.from_ids(tokenizer.encode(text), seq_len, data.val_fraction, source,
                                   windows)
     if not Path(data.path).is_dir():
-        return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction, windows)
+        return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction, windows,
+                                   progress)
     files = data_files(data.path)
     ids = tokenizer.encode(records_text(files.train))
     if files.valid is None:

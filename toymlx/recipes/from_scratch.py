@@ -76,7 +76,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     tok = tokenizer(cfg)
     args = cfg.model.build_args(tok.vocab_size)
     check_seq_len(cfg.seq_len, args)
-    data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test)
+    data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test, progress=cfg.progress)
     mx.random.seed(cfg.seed)
     model = Llama(args, ops)
     tok_meta = tok.to_metadata()

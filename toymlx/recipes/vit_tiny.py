@@ -300,7 +300,10 @@ def build(cfg: Config, ops: Ops) -> Task:
     info = {"arch": "vit", "image_size": args.image_size, "patch_size": args.patch_size,
             "channels": args.channels, "d_model": args.d_model, "n_layers": args.n_layers,
             "n_heads": args.n_heads, "ffn_dim": args.ffn_dim, "num_classes": args.num_classes,
-            "gelu": args.gelu}
+            "gelu": args.gelu, "norm_eps": args.norm_eps,
+            # the checkpoint's input normalisation: what its readers compare (`check_own`)
+            "pixel_scale": norm["toy.pixel_scale"], "pixel_mean": norm["toy.pixel_mean"],
+            "pixel_std": norm["toy.pixel_std"]}
     if args.drop_path:
         info["drop_path"] = args.drop_path
 

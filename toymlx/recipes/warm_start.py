@@ -160,7 +160,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     if w.init == "random":
         table = rng.normal(0.0, warm.rms(table), table.shape).astype(np.float32)
     lens = warm.make_lens(w.lens, table, args.d_model, rng)
-    data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test)
+    data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test, progress=cfg.progress)
     top = max(int(ids.max(initial=0)) for ids in (data.train, data.val, data.test)
               if ids is not None)
     if top >= vocab:

@@ -437,6 +437,8 @@ class Bundle:
         now = {k: v for k, v in json.loads(json.dumps(model_info, default=str)).items()
                if k not in skip}
         for k in sorted(set(was) | set(now)):
+            if k in ck.LATER_MODEL_KEYS and k not in was:
+                continue  # a run recorded before toymlx recorded it
             if was.get(k) != now.get(k):
                 raise RunError(f"{self.path}: --resume: model {k}: expected {was.get(k)!r} (the "
                                f"run's), found {now.get(k)!r}; a resumed run keeps its model "

@@ -31,12 +31,15 @@ class Evaluator:
     CPU streams, one compiled function each, evaluated together under `blas_threads` BLAS
     threads per call (`toymlx.cpu_streams`). Metrics are sums over rows, so a split changes
     nothing but the order of the additions. With `progress` (a name, toymlx-eval's), a pass
-    draws a progress bar of its micro-batches on stderr where that is a terminal (a pass of a
-    whole data folder takes minutes on a CPU); a run's own passes sit under its step bar."""
+    draws a progress bar on stderr where that is a terminal (a pass of a whole data folder
+    takes minutes on a CPU), counting the rows it scored (`unit`s: windows, chat rows) of the
+    pass's total (`scored_rows`); a run's own passes sit under its step bar."""
 
     def __init__(self, task: Task, compile: bool = True, n_streams: int = 1,
-                 blas_threads: int | None = None, progress: str | None = None):
+                 blas_threads: int | None = None, progress: str | None = None,
+                 unit: str = "row"):
         self.task, self.blas_threads, self.progress = task, blas_threads, progress
+        self.unit = unit
         fn, model = task.metrics_fn or _loss_metrics(task.loss_fn), task.model
         on_cpu = mx.default_device() == mx.cpu
         self.subnormals = cpu_streams.subnormals_of(model)
@@ -81,12 +84,13 @@ class Evaluator:
         batches = self.task.test_batches if split == "test" else self.task.val_batches
         batches = batches[:max_batches]
         try:
-            with self._bar(sum(next(iter(b.values())).shape[0] for b in batches)) as bar:
+            with self._bar(batches) as bar:
                 for b in batches:
                     for i in range(next(iter(b.values())).shape[0]):  # the micro-batch axis
                         if stop is not None and stop():
                             return None
-                        parts = self._sums(micro_batch(b, i))
+                        micro = micro_batch(b, i)
+                        parts = self._sums(micro)
                         try:
                             with (device.evaluating(self.blas_threads, self.subnormals),
                                   (waiting or contextlib.nullcontext)()):
@@ -97,24 +101,36 @@ class Evaluator:
                             for k, v in sums.items():
                                 totals[k] = totals.get(k, 0.0) + float(v.item())
                         if bar is not None:
-                            bar.update()
+                            bar.update(scored_rows(micro))
         finally:
             model.train(was_training)
         n = totals.pop("n", 0.0) or 1.0
         return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
                 for k, v in totals.items()}
 
-    def _bar(self, total: int) -> Any:
-        """The pass's progress bar (None: none drawn), where the pass has more than one
-        micro-batch (`pass_bar`)."""
-        return pass_bar(total, self.progress, "batch")
+    def _bar(self, batches: list[dict[str, Any]]) -> Any:
+        """The pass's progress bar over the rows `batches` hold (None: none drawn), where they
+        hold more than one (`pass_bar`)."""
+        if self.progress is None:
+            return pass_bar(0, None, self.unit)
+        total = sum(scored_rows(micro_batch(b, i)) for b in batches
+                    for i in range(next(iter(b.values())).shape[0]))
+        return pass_bar(total, self.progress, self.unit)
 
 
-def command_evaluator(task: Task, progress: str | None = None) -> Evaluator:
+def scored_rows(micro: dict[str, Any]) -> int:
+    """The rows of a micro-batch that hold a scored target (a 1 in `mask`, else a `labels` of 0
+    or more): what a pass's bar counts, the padding rows that fill a last batch left out."""
+    m = np.asarray(micro["mask"]) != 0 if "mask" in micro else np.asarray(micro["labels"]) >= 0
+    return int(m.reshape(m.shape[0], -1).any(axis=1).sum())
+
+
+def command_evaluator(task: Task, progress: str | None = None, unit: str = "row") -> Evaluator:
     """The `Evaluator` of a command outside a run (toymlx-eval): compiled, over the CPU streams
-    and BLAS threads a run on this machine would step with; `progress` names its bar."""
+    and BLAS threads a run on this machine would step with; `progress` names its bar, counting
+    `unit`s."""
     n = cpu_streams.stream_count(0)
-    return Evaluator(task, True, n, cpu_streams.step_blas_threads(n), progress)
+    return Evaluator(task, True, n, cpu_streams.step_blas_threads(n), progress, unit)
 
 
 def evaluate(task: Task, max_batches: int | None = None, split: str = "val"
