@@ -285,10 +285,26 @@ def check_recorded_model(ckpt: Path, meta: dict[str, Any], model: dict[str, Any]
         got, want = meta.get(key), model.get(field)
         if not isinstance(got, (int, float)) or not isinstance(want, (int, float)):
             continue
-        if np.float32(got) != np.float32(want):
-            raise ResumeError(f"{ckpt}: metadata key {key!r}: expected {want:g} (the run's "
-                              f"model {field}, as run_start records it), found {got:g}: the file "
-                              f"was edited or damaged; put this run's checkpoint back{fix}")
+        if _stored(got) != _stored(want):
+            raise ResumeError(f"{ckpt}: metadata key {key!r}: expected {_shown(want)} (the "
+                              f"run's model {field}, as run_start records it), found "
+                              f"{_shown(got)}: the file was edited or damaged; put this run's "
+                              f"checkpoint back{fix}")
+
+
+def _stored(v: int | float) -> int | np.float32:
+    """A metadata number as the GGUF holds it: an integer exactly (a context of 2**24 + 1 is
+    not 2**24), a float as float32."""
+    return v if isinstance(v, int) else np.float32(v)
+
+
+def _shown(v: int | float) -> str:
+    """`_stored(v)` in its shortest text that reads back as itself (1e-05, 10000, 1.0000001e-05:
+    two values that differ never look the same)."""
+    if isinstance(v, int):
+        return str(v)
+    short = f"{v:g}"
+    return short if np.float32(float(short)) == np.float32(v) else str(np.float32(v))
 
 
 def check_name(ckpt: Path) -> None:
