@@ -1463,3 +1463,20 @@ def test_a_second_signal_before_any_checkpoint_says_how_to_start_over(
     capsys.readouterr()
     assert _train(["--resume", str(run), "--from", "step_0", "--no-progress"]) == 0
     assert events_of(run)[-1]["reason"] == "completed"
+
+
+@pytest.mark.parametrize("meta, want", [
+    ({"general.type": "imatrix"},
+     "metadata key 'general.type': expected 'adapter' (a LoRA adapter GGUF), found 'imatrix'"),
+])
+def test_a_gguf_that_is_no_model_as_the_initial_adapter_is_not_called_a_model(tmp_path, meta,
+                                                                             want):
+    """`_a_model`'s line (a model GGUF given as --lora.init-adapter: pass it as --base) was said
+    of any GGUF without lora tensors: an importance matrix read "found a None model, not an
+    adapter ...; pass it as --base to fine-tune it". A file that is no model is named by its
+    general.type, as for --adapter."""
+    path = write_gguf(tmp_path / "x.gguf", meta, {"blk.0.attn_q.weight.in_sum2":
+                                                  np.ones((4,), np.float32)})
+    with pytest.raises(GGUFError) as e:
+        load_adapter(path, flag="--lora.init-adapter")
+    assert str(e.value) == f"{path}: {want}"

@@ -292,13 +292,13 @@ def check_recorded_model(ckpt: Path, meta: dict[str, Any], model: dict[str, Any]
                               f"checkpoint back{fix}")
 
 
-def _stored(v: int | float) -> int | np.float32:
+def _stored(v: float) -> int | np.float32:
     """A metadata number as the GGUF holds it: an integer exactly (a context of 2**24 + 1 is
     not 2**24), a float as float32."""
     return v if isinstance(v, int) else np.float32(v)
 
 
-def _shown(v: int | float) -> str:
+def _shown(v: float) -> str:
     """`_stored(v)` in its shortest text that reads back as itself (1e-05, 10000, 1.0000001e-05:
     two values that differ never look the same)."""
     if isinstance(v, int):

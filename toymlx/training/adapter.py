@@ -163,8 +163,9 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
     g = GGUFFile(path)
     meta = g.metadata
     kind = meta.get("general.type")
-    if kind != "adapter" and flag in _A_MODEL and not any(
-            n.endswith((".lora_a", ".lora_b")) for n in g.tensors):
+    if kind in (None, "model") and flag in _A_MODEL and isinstance(
+            meta.get("general.architecture"), str) and g.tensors and not any(
+            n.endswith((".lora_a", ".lora_b")) for n in g.tensors):  # a model: what to pass
         raise GGUFError(_a_model(given, path, meta, flag))
     if kind != "adapter":
         hint = (" (a model; pass it as the base and the adapter separately)" if kind == "model"
