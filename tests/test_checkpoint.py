@@ -270,3 +270,13 @@ def test_a_recorded_model_value_is_compared_and_shown_as_the_gguf_holds_it(tmp_p
                                 {"norm_eps": 1e-5})
     assert "expected 1e-05 (the run's model norm_eps" in str(e.value)
     assert "found 1.0000001e-05:" in str(e.value)
+
+
+@pytest.mark.parametrize("model", ["llama", 5, ["rope_base"]])
+def test_a_run_start_whose_model_record_is_no_object_is_no_traceback(tmp_path, model):
+    """An edited events.jsonl's run_start "model" as a string or number raised AttributeError
+    ('str' object has no attribute 'get') in every reader of the run's checkpoint; it is read
+    as no record (the run's own readers name the key, `events.check_events`)."""
+    events = [{"kind": "run_start", "run_uid": "u1", "model": model}]
+    meta = {ck.RUN_KEY: "u1", "general.architecture": "llama", "llama.context_length": 64}
+    ck.check_own(tmp_path / "weights" / "step_1.gguf", "--model", meta=meta, events=events)

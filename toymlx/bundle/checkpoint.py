@@ -262,8 +262,8 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
                           f"found one of run_uid {meta.get(RUN_KEY) or '(none recorded)'} (run "
                           f"{meta.get('general.run_id')!r}); put this run's checkpoint "
                           f"back{fix}")
-    start = next(e for e in events if e["kind"] == "run_start")
-    check_recorded_model(ckpt, meta, start.get("model") or {}, fix)
+    model = next(e for e in events if e["kind"] == "run_start").get("model")
+    check_recorded_model(ckpt, meta, model if isinstance(model, dict) else {}, fix)
 
 
 # Checkpoint metadata that changes what a model computes without changing a tensor's shape
