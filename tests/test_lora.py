@@ -149,6 +149,21 @@ def test_adapter_gguf_round_trip(tiny_gguf, tmp_path):
     assert mx.array_equal(resumed(TOKENS), want).item()
 
 
+@pytest.mark.parametrize("alpha", [0.3, 8])
+def test_an_alpha_float32_cannot_hold_exactly_goes_back_into_its_run(tiny_gguf, tmp_path, alpha):
+    """adapter.lora.alpha is float32: --lora.alpha 0.3 read back as 0.30000001192092896, which
+    the exact comparison refused, so no run of such an alpha could resume ("expected ... alpha
+    0.3, found ... alpha 0.30000001192092896; pass --lora.alpha 0.3"), nor start from it."""
+    model = apply_lora(base(tiny_gguf), "q", rank=4, alpha=alpha)
+    randomize_b(model)
+    path = write_adapter(tmp_path / "a.gguf", model, {"general.architecture": "llama"})
+    resumed = apply_lora(base(tiny_gguf), "q", rank=4, alpha=alpha)
+    load_adapter_weights(resumed, path)
+    assert mx.array_equal(resumed(TOKENS), model(TOKENS)).item()
+    with pytest.raises(GGUFError, match=r"alpha 0\.31 \(this run's\)"):
+        load_adapter_weights(apply_lora(base(tiny_gguf), "q", rank=4, alpha=0.31), path)
+
+
 def test_adapter_errors(tiny_gguf, tmp_path):
     with pytest.raises(GGUFError, match=r"'general\.type': expected 'adapter' \(a LoRA adapter "
                                         r"GGUF\), found None \(a model"):

@@ -285,21 +285,22 @@ def check_recorded_model(ckpt: Path, meta: dict[str, Any], model: dict[str, Any]
         got, want = meta.get(key), model.get(field)
         if not isinstance(got, (int, float)) or not isinstance(want, (int, float)):
             continue
-        if _stored(got) != _stored(want):
+        if as_stored(got) != as_stored(want):
             raise ResumeError(f"{ckpt}: metadata key {key!r}: expected {_shown(want)} (the "
                               f"run's model {field}, as run_start records it), found "
                               f"{_shown(got)}: the file was edited or damaged; put this run's "
                               f"checkpoint back{fix}")
 
 
-def _stored(v: float) -> int | np.float32:
-    """A metadata number as the GGUF holds it: an integer exactly (a context of 2**24 + 1 is
-    not 2**24), a float as float32."""
+def as_stored(v: float) -> int | np.float32:
+    """A metadata number as a GGUF holds it, to compare a value given with one read back: an
+    integer exactly (a context of 2**24 + 1 is not 2**24), a float as float32 (--lora.alpha 0.3
+    reads back as 0.30000001192092896)."""
     return v if isinstance(v, int) else np.float32(v)
 
 
 def _shown(v: float) -> str:
-    """`_stored(v)` in its shortest text that reads back as itself (1e-05, 10000, 1.0000001e-05:
+    """`as_stored(v)` in its shortest text that reads back as itself (1e-05, 10000, 1.0000001e-05:
     two values that differ never look the same)."""
     if isinstance(v, int):
         return str(v)
