@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.names if n not in SHAPES]
     if unknown:
         p.error(f"names: expected some of {', '.join(SHAPES)}, found {unknown}")
+    if not args.names and not args.write_vocab:  # nothing to do is no success
+        p.error(f"names: expected some of {', '.join(SHAPES)} (or --write-vocab), found none")
     if args.write_vocab:
         write_vocab(args.write_vocab)
     for name in args.names:

@@ -134,8 +134,12 @@ def kill_exact(config: str, kills: int, seed: int, sig: int, root: Path) -> dict
     q = None if out["kills"][-1].get("exited") == 0 else subprocess.run(
         train_cmd() + cmd, capture_output=True, check=False, text=True)
     out["final_rc"] = q.returncode if q else 0
-    out["differences"] = (differences(outcome(root / "uninterrupted"), outcome(run))
-                          if not q or q.returncode == 0 else [q.stderr.strip()[-2000:]])
+    # a run that failed by itself before a stop came is a finding, even where a resume mended it
+    crashed = [f"stop {i} ({k['mode']}): the run exited by itself with status {k['exited']} "
+               f"before the stop (see {log})" for i, k in enumerate(out["kills"])
+               if k.get("exited", 0) != 0]
+    out["differences"] = crashed + (differences(outcome(root / "uninterrupted"), outcome(run))
+                                    if not q or q.returncode == 0 else [q.stderr.strip()[-2000:]])
     return out
 
 

@@ -248,3 +248,35 @@ def test_an_empty_folder_given_as_a_run_is_named_with_its_flag(tmp_path):
         ck.checkpoint_file(tmp_path / "empty", "--lora.init-adapter")
     assert str(e.value) == (f"{tmp_path / 'empty'}: --lora.init-adapter: expected a GGUF file or "
                             "a run directory, found an empty folder")
+
+
+def test_a_recorded_model_value_is_compared_and_shown_as_the_gguf_holds_it(tmp_path):
+    """`check_recorded_model` compared every value as float32: a context of 2**24 + 1 edited to
+    2**24 passed (both round to 2**24), and a norm epsilon one float32 step off read "expected
+    1e-05 ..., found 1e-05". Integers are compared exactly, floats as float32 and shown in the
+    shortest text that tells them apart; values the GGUF holds as float32 still pass."""
+    meta = {"general.architecture": "llama", "llama.context_length": 2**24,
+            "llama.attention.layer_norm_rms_epsilon": float(np.float32(1e-5)),
+            "llama.rope.freq_base": 10000}
+    ck.check_recorded_model(tmp_path, meta, {"context": 2**24, "norm_eps": 1e-5,
+                                             "rope_base": 10000.0})
+    with pytest.raises(ck.ResumeError) as e:
+        ck.check_recorded_model(tmp_path, meta, {"context": 2**24 + 1})
+    assert "'llama.context_length': expected 16777217 (the run's model context" in str(e.value)
+    assert "found 16777216:" in str(e.value)
+    off = float(np.nextafter(np.float32(1e-5), np.float32(1)))
+    with pytest.raises(ck.ResumeError) as e:
+        ck.check_recorded_model(tmp_path, {**meta, "llama.attention.layer_norm_rms_epsilon": off},
+                                {"norm_eps": 1e-5})
+    assert "expected 1e-05 (the run's model norm_eps" in str(e.value)
+    assert "found 1.0000001e-05:" in str(e.value)
+
+
+@pytest.mark.parametrize("model", ["llama", 5, ["rope_base"]])
+def test_a_run_start_whose_model_record_is_no_object_is_no_traceback(tmp_path, model):
+    """An edited events.jsonl's run_start "model" as a string or number raised AttributeError
+    ('str' object has no attribute 'get') in every reader of the run's checkpoint; it is read
+    as no record (the run's own readers name the key, `events.check_events`)."""
+    events = [{"kind": "run_start", "run_uid": "u1", "model": model}]
+    meta = {ck.RUN_KEY: "u1", "general.architecture": "llama", "llama.context_length": 64}
+    ck.check_own(tmp_path / "weights" / "step_1.gguf", "--model", meta=meta, events=events)

@@ -149,6 +149,21 @@ def test_adapter_gguf_round_trip(tiny_gguf, tmp_path):
     assert mx.array_equal(resumed(TOKENS), want).item()
 
 
+@pytest.mark.parametrize("alpha", [0.3, 8])
+def test_an_alpha_float32_cannot_hold_exactly_goes_back_into_its_run(tiny_gguf, tmp_path, alpha):
+    """adapter.lora.alpha is float32: --lora.alpha 0.3 read back as 0.30000001192092896, which
+    the exact comparison refused, so no run of such an alpha could resume ("expected ... alpha
+    0.3, found ... alpha 0.30000001192092896; pass --lora.alpha 0.3"), nor start from it."""
+    model = apply_lora(base(tiny_gguf), "q", rank=4, alpha=alpha)
+    randomize_b(model)
+    path = write_adapter(tmp_path / "a.gguf", model, {"general.architecture": "llama"})
+    resumed = apply_lora(base(tiny_gguf), "q", rank=4, alpha=alpha)
+    load_adapter_weights(resumed, path)
+    assert mx.array_equal(resumed(TOKENS), model(TOKENS)).item()
+    with pytest.raises(GGUFError, match=r"alpha 0\.31 \(this run's\)"):
+        load_adapter_weights(apply_lora(base(tiny_gguf), "q", rank=4, alpha=0.31), path)
+
+
 def test_adapter_errors(tiny_gguf, tmp_path):
     with pytest.raises(GGUFError, match=r"'general\.type': expected 'adapter' \(a LoRA adapter "
                                         r"GGUF\), found None \(a model"):
@@ -1463,3 +1478,20 @@ def test_a_second_signal_before_any_checkpoint_says_how_to_start_over(
     capsys.readouterr()
     assert _train(["--resume", str(run), "--from", "step_0", "--no-progress"]) == 0
     assert events_of(run)[-1]["reason"] == "completed"
+
+
+@pytest.mark.parametrize("meta, want", [
+    ({"general.type": "imatrix"},
+     "metadata key 'general.type': expected 'adapter' (a LoRA adapter GGUF), found 'imatrix'"),
+])
+def test_a_gguf_that_is_no_model_as_the_initial_adapter_is_not_called_a_model(tmp_path, meta,
+                                                                             want):
+    """`_a_model`'s line (a model GGUF given as --lora.init-adapter: pass it as --base) was said
+    of any GGUF without lora tensors: an importance matrix read "found a None model, not an
+    adapter ...; pass it as --base to fine-tune it". A file that is no model is named by its
+    general.type, as for --adapter."""
+    path = write_gguf(tmp_path / "x.gguf", meta, {"blk.0.attn_q.weight.in_sum2":
+                                                  np.ones((4,), np.float32)})
+    with pytest.raises(GGUFError) as e:
+        load_adapter(path, flag="--lora.init-adapter")
+    assert str(e.value) == f"{path}: {want}"

@@ -260,3 +260,18 @@ def test_on_a_cuda_gpu_the_memory_available_is_the_gpus(monkeypatch):
                                          "the CUDA GPU's free memory (MLX's device_info)")
     monkeypatch.setattr(device, "gpu_kind", lambda: None)
     assert memory.available_memory()[1] == "MemAvailable"
+
+
+def test_a_full_cuda_gpu_has_nothing_available(monkeypatch):
+    """MLX's free_memory 0 (another process holds the GPU) read as falsy and fell back to the
+    GPU's total memory: a step that cannot fit was let start."""
+    import mlx.core as mx
+
+    from toymlx.backend import device
+
+    monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
+    monkeypatch.setattr(device, "gpu_kind", lambda: "cuda")
+    monkeypatch.setattr(mx, "device_info", lambda: {"free_memory": 0, "total_memory": 2**37})
+    assert memory.cuda_free_memory() == 0
+    monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 2**37})  # an older MLX
+    assert memory.cuda_free_memory() == 2**37

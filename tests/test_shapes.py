@@ -71,3 +71,13 @@ def test_a_vocabulary_file_stands_in_for_the_smollm2_gguf(monkeypatch, tmp_path,
     for k, (v, vt, et) in want.items():
         assert got[k][1:] == (vt, et), k
         assert (list(got[k][0]) == list(v)) if isinstance(v, (list, tuple)) else got[k][0] == v
+
+
+def test_nothing_asked_is_an_error(capsys):
+    """`names` became optional with --write-vocab: `shapes.py` alone wrote nothing and exited 0."""
+    with pytest.raises(SystemExit) as e:
+        shapes.main([])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: names: expected some of " + ", ".join(shapes.SHAPES) + " (or --write-vocab), "
+        "found none")

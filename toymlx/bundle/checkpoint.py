@@ -262,8 +262,8 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
                           f"found one of run_uid {meta.get(RUN_KEY) or '(none recorded)'} (run "
                           f"{meta.get('general.run_id')!r}); put this run's checkpoint "
                           f"back{fix}")
-    start = next(e for e in events if e["kind"] == "run_start")
-    check_recorded_model(ckpt, meta, start.get("model") or {}, fix)
+    model = next(e for e in events if e["kind"] == "run_start").get("model")
+    check_recorded_model(ckpt, meta, model if isinstance(model, dict) else {}, fix)
 
 
 # Checkpoint metadata that changes what a model computes without changing a tensor's shape
@@ -282,17 +282,17 @@ LATER_MODEL_KEYS = ("norm_eps", "pixel_scale", "pixel_mean", "pixel_std")
 
 def _same_value(got: Any, want: Any) -> bool | None:
     """Whether metadata value `got` is the recorded `want` (numbers and lists of them compared
-    as the float32 the GGUF stores); None where `want` records nothing comparable."""
+    as the GGUF stores them, `as_stored`); None where `want` records nothing comparable."""
     if isinstance(want, str):
         return got == want
     if isinstance(want, bool):
         return None
     if isinstance(want, (int, float)):
-        return isinstance(got, (int, float)) and bool(np.float32(got) == np.float32(want))
+        return isinstance(got, (int, float)) and bool(as_stored(got) == as_stored(want))
     if isinstance(want, list) and all(isinstance(v, (int, float)) for v in want):
         return (isinstance(got, list) and len(got) == len(want)
                 and all(isinstance(v, (int, float)) for v in got)
-                and bool(np.array_equal(np.float32(got), np.float32(want))))
+                and all(bool(as_stored(g) == as_stored(w)) for g, w in zip(got, want)))
     return None
 
 
@@ -315,11 +315,25 @@ def check_recorded_model(ckpt: Path, meta: dict[str, Any], model: dict[str, Any]
                               f"back{fix}")
 
 
+def as_stored(v: float) -> int | np.float32:
+    """A metadata number as a GGUF holds it, to compare a value given with one read back: an
+    integer exactly (a context of 2**24 + 1 is not 2**24), a float as float32 (--lora.alpha 0.3
+    reads back as 0.30000001192092896)."""
+    return v if isinstance(v, int) else np.float32(v)
+
+
 def _shown(v: Any) -> str:
-    """A recorded or found value as the refusal names it (numbers as %g)."""
+    """A recorded or found value as the refusal names it: a number as `as_stored(v)` in its
+    shortest text that reads back as itself (1e-05, 10000, 1.0000001e-05: two values that
+    differ never look the same), a list item by item, anything else as repr."""
     if isinstance(v, list):
         return "[" + ", ".join(_shown(x) for x in v) + "]"
-    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, int):
+        return str(v)
+    short = f"{v:g}"
+    return short if np.float32(float(short)) == np.float32(v) else str(np.float32(v))
 
 
 def check_name(ckpt: Path) -> None:

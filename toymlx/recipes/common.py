@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,7 +13,7 @@ from toymlx.data.text import DataError, TokenData
 from toymlx.models.checks import ArgsError
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
 from toymlx.models.losses import lm_loss
-from toymlx.training.task import Task, TrainConfig, model_error
+from toymlx.training.task import Task, TrainConfig, model_error, preset_overrides
 
 DEFAULT_CORPUS = "python-docs"
 
@@ -44,9 +44,7 @@ class LlamaOptions:
     def build_args(self, vocab_size: int) -> LlamaArgs:
         """The preset's LlamaArgs with the fields given, checked (`LlamaArgs.validate`; its error
         names the flags, `model_error`)."""
-        over = {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "preset" and getattr(self, f.name) is not None}
-        args = PRESETS[self.preset](vocab_size=vocab_size, **over)
+        args = PRESETS[self.preset](vocab_size=vocab_size, **preset_overrides(self))
         try:
             args.validate()
         except ArgsError as e:

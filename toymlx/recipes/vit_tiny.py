@@ -11,9 +11,9 @@ follows the image and set size (`augment_for`) unless a `--data.*` flag says oth
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import mlx.core as mx
 import numpy as np
@@ -25,7 +25,7 @@ from toymlx.models.checks import ArgsError
 from toymlx.models.losses import classify_metrics
 from toymlx.models.ops import Ops
 from toymlx.models.vit import PRESETS, ViT, ViTArgs
-from toymlx.training.task import Task, TrainConfig, model_error
+from toymlx.training.task import Task, TrainConfig, model_error, preset_overrides
 
 AUTO_PATCH_8 = (8, 4)
 """(image side, patch side): preset auto trains 8x8 images with 4x4 patches (measured faster and
@@ -231,7 +231,7 @@ def model_args(opts: ViTOptions, data: ImageSet, data_opts: ImageData | None = N
     preset = opts.preset
     if preset == "auto":
         preset = {8: "vit-tiny-8", 28: "vit-tiny-28", 224: "vit-tiny"}.get(h, "vit-tiny-28")
-    over = _overrides(opts)
+    over = preset_overrides(opts)
     if opts.preset == "auto" and "patch_size" not in over:
         if h == AUTO_PATCH_8[0]:
             over["patch_size"] = AUTO_PATCH_8[1]
@@ -242,12 +242,6 @@ def model_args(opts: ViTOptions, data: ImageSet, data_opts: ImageData | None = N
     args = replace(PRESETS[preset](), image_size=h, channels=c, num_classes=data.num_classes,
                    **over)
     return _checked(args, opts, data_opts)
-
-
-def _overrides(opts: ViTOptions) -> dict[str, Any]:
-    """The --model.* fields given, over the preset's."""
-    return {f.name: getattr(opts, f.name) for f in fields(opts)
-            if f.name != "preset" and getattr(opts, f.name) is not None}
 
 
 def _checked(args: ViTArgs, opts: ViTOptions, data_opts: ImageData) -> ViTArgs:
@@ -268,7 +262,7 @@ def check_body(opts: ViTOptions, data_opts: ImageData) -> None:
     recipes do. The image side, channels and classes are checked with the data
     (`model_args`)."""
     preset = "vit-tiny-28" if opts.preset == "auto" else opts.preset  # the same Tiny body
-    body = replace(PRESETS[preset](), **_overrides(opts))
+    body = replace(PRESETS[preset](), **preset_overrides(opts))
     _checked(replace(body, image_size=max(body.patch_size, 1), channels=1, num_classes=2), opts,
              data_opts)
 

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from toymlx.bundle.checkpoint import checkpoint_file
+from toymlx.bundle.checkpoint import as_stored, checkpoint_file
 from toymlx.bundle.folder import saved_config
 from toymlx.gguf.llama import gguf_to_toy, load_llama, toy_to_gguf
 from toymlx.gguf.reader import GGUFError, GGUFFile
@@ -163,8 +163,9 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
     g = GGUFFile(path)
     meta = g.metadata
     kind = meta.get("general.type")
-    if kind != "adapter" and flag in _A_MODEL and not any(
-            n.endswith((".lora_a", ".lora_b")) for n in g.tensors):
+    if kind in (None, "model") and flag in _A_MODEL and isinstance(
+            meta.get("general.architecture"), str) and g.tensors and not any(
+            n.endswith((".lora_a", ".lora_b")) for n in g.tensors):  # a model: what to pass
         raise GGUFError(_a_model(given, path, meta, flag))
     if kind != "adapter":
         hint = (" (a model; pass it as the base and the adapter separately)" if kind == "model"
@@ -320,7 +321,7 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
     targets = _adapter_targets(model, ad)
     for name, (_, a, b) in targets.items():
         m = have[name]
-        if a.shape[0] != m.rank or (ad.alpha or a.shape[0]) != m.alpha:
+        if a.shape[0] != m.rank or as_stored(ad.alpha or a.shape[0]) != as_stored(m.alpha):
             hint = (f" (mlx-lm's lora_parameters rank {a.shape[0]} and scale "
                     f"{ad.alpha / a.shape[0]:g}: --lora.alpha is scale x rank)" if mlx_lm else
                     f"; pass --lora.rank {a.shape[0]} --lora.alpha "

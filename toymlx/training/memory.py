@@ -224,8 +224,8 @@ def cuda_free_memory() -> int | None:
         info = mx.device_info()
     except Exception:  # noqa: BLE001  (device_info is backend-specific)
         return None
-    n = info.get("free_memory") or info.get("total_memory")
-    return int(n) if n else None
+    n = info.get("free_memory", info.get("total_memory"))  # 0 free is 0, not the total
+    return int(n) if isinstance(n, int) else None
 
 
 def within_half_available(need: int) -> tuple[bool, int | None]:

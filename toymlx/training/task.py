@@ -100,6 +100,13 @@ def _numbers(cfg: Any, prefix: str = "") -> list[tuple[str, int | float]]:
     return out
 
 
+def preset_overrides(options: Any) -> dict[str, Any]:
+    """The fields of a recipe's model `options` (cfg.model) that were given, over the preset's:
+    every one but `preset` that is not None."""
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+            if f.name != "preset" and getattr(options, f.name) is not None}
+
+
 def model_error(e: ArgsError, options: Any,
                 more: dict[str, tuple[str, Any]] | None = None) -> ValueError:
     """A model's ArgsError as toymlx-train's flags name it: a field of the recipe's model
