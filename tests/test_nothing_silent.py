@@ -834,6 +834,26 @@ def test_readers_refuse_a_checkpoint_whose_model_metadata_was_edited(runs, capsy
     assert eval_main(["--model", str(a)]) == 0
 
 
+@pytest.mark.parametrize("key,field", [("llama.attention.head_count", "n_heads"),
+                                       ("llama.attention.head_count_kv", "n_kv_heads")])
+def test_readers_refuse_a_llama_checkpoint_whose_head_count_was_edited(runs, capsys, key, field):
+    """A Llama checkpoint's head counts set the attention's head width, not a tensor's shape:
+    halved in the metadata, the same tensors were scored as another model without a word."""
+    from toymlx_cli.eval import main as eval_main
+
+    a, _ = runs
+    ckpt = a / "weights" / "step_2.gguf"
+    heads = next(e for e in _events(a) if e["kind"] == "run_start")["model"][field]
+    _set_metadata(ckpt, key, heads // 2)
+    assert eval_main(["--model", str(a)]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {ckpt}: metadata key {key!r}: expected {heads} (the run's model "
+        f"{field}, as run_start records it), found {heads // 2}: the file was edited or "
+        "damaged; put this run's checkpoint back")
+    _set_metadata(ckpt, key, heads)
+    assert eval_main(["--model", str(a)]) == 0
+
+
 @pytest.mark.parametrize("key,value,field,want,found", [
     ("vit.attention.layer_norm_epsilon", 1e-3, "norm_eps", "1e-06", "0.001"),
     ("vit.attention.head_count", 4, "n_heads", "2", "4")])

@@ -271,7 +271,8 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
 # vit run's epsilon, heads, activation and input normalisation: recorded since session 42).
 _MODEL_KEYS = {"adapter.lora.alpha": "lora_alpha", "{arch}.rope.freq_base": "rope_base",
                "{arch}.attention.layer_norm_rms_epsilon": "norm_eps",
-               "{arch}.context_length": "context",
+               "{arch}.context_length": "context", "{arch}.attention.head_count": "n_heads",
+               "{arch}.attention.head_count_kv": "n_kv_heads",
                "vit.attention.layer_norm_epsilon": "norm_eps", "vit.attention.head_count": "n_heads",
                "vit.gelu": "gelu", "toy.pixel_scale": "pixel_scale",
                "toy.pixel_mean": "pixel_mean", "toy.pixel_std": "pixel_std"}
@@ -287,8 +288,8 @@ def _same_value(got: Any, want: Any) -> bool | None:
         return got == want
     if isinstance(want, bool):
         return None
-    if isinstance(want, (int, float)):
-        return isinstance(got, (int, float)) and bool(as_stored(got) == as_stored(want))
+    if isinstance(want, (int, float)):  # a list there (per-layer head counts): not comparable
+        return bool(as_stored(got) == as_stored(want)) if isinstance(got, (int, float)) else None
     if isinstance(want, list) and all(isinstance(v, (int, float)) for v in want):
         return (isinstance(got, list) and len(got) == len(want)
                 and all(isinstance(v, (int, float)) for v in got)
