@@ -271,8 +271,9 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
 
 def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_path, capsys,
                                                                       monkeypatch):
-    """The held-out pass of the fused file (2 calls of --batch-size rows here) draws a tqdm
-    bar naming it where stderr is a terminal, and none where it is not (a log, a pipe)."""
+    """The held-out pass of the fused file (4 rows in 2 calls of --batch-size here) draws a tqdm
+    bar naming it, counting rows, where stderr is a terminal, and none where it is not (a log,
+    a pipe)."""
     import sys
 
     from toymlx_cli.export import main
@@ -285,7 +286,7 @@ def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_p
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "b.gguf")]) == 0
     err = capsys.readouterr().err
-    assert f"{bar}   0%" in err and "0/2 [" in err
+    assert f"{bar}   0%" in err and "0/4 [" in err and "row/s" in err  # the rows it scores
     assert err.rstrip().splitlines()[-1].startswith(
         "toymlx-export: held-out loss on the 4 validation rows the run scores (")
 
