@@ -246,7 +246,8 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
         if ckpt.parent.name != "weights" or not (run / EVENTS_FILE).is_file():
             return
         events = read_events(run)
-    ours = next((e.get("run_uid") for e in events if e["kind"] == "run_start"), None)
+    start = next((e for e in events if e["kind"] == "run_start"), {})
+    ours = start.get("run_uid")
     if not isinstance(ours, str):
         return  # a record with no run_start: the run's own readers name what is missing
     if f"weights/{ckpt.name}" in {e.get("checkpoint") for e in events if e["kind"] == "resume"}:
@@ -262,7 +263,7 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
                           f"found one of run_uid {meta.get(RUN_KEY) or '(none recorded)'} (run "
                           f"{meta.get('general.run_id')!r}); put this run's checkpoint "
                           f"back{fix}")
-    model = next(e for e in events if e["kind"] == "run_start").get("model")
+    model = start.get("model")
     check_recorded_model(ckpt, meta, model if isinstance(model, dict) else {}, fix)
 
 
@@ -300,9 +301,9 @@ def _same_value(got: Any, want: Any) -> bool | None:
 def check_recorded_model(ckpt: Path, meta: dict[str, Any], model: dict[str, Any],
                          fix: str = "") -> None:
     """ResumeError where a run's checkpoint holds a value of `_MODEL_KEYS` other than the one
-    its run_start records (compared as the float32 the GGUF stores): a metadata value edited
-    or damaged would otherwise be read silently (LoRA alpha, RoPE base, norm epsilon, a ViT's
-    heads, GELU and pixel normalisation). A key the record lacks (a run recorded before it) or
+    its run_start records (compared as the GGUF stores it, `_same_value`): a metadata value
+    edited or damaged would otherwise be read silently (LoRA alpha, RoPE base, norm epsilon,
+    context length, head counts, a ViT's GELU and pixel normalisation). A key the record lacks (a run recorded before it) or
     the file lacks (its loader names it) is not compared. `fix`: what else to do, as
     `check_own`'s."""
     arch = meta.get("general.architecture")

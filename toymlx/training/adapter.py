@@ -118,17 +118,16 @@ class Adapter:
         return self.magnitudes[name][:, None] / np.linalg.norm(v, axis=1)[:, None] * v - w
 
 
-_A_MODEL = {"--lora.init-adapter": (
-    "an adapter GGUF (a lora run's adapter_step_N.gguf, or llama.cpp's) or a lora run's folder",
-    "pass {model} as --base to fine-tune it")}
-"""Flags whose error for a model GGUF where an adapter belongs is `_a_model`'s: {flag: (what it
-takes, what to do with a language model instead)}."""
+INIT_ADAPTER = "--lora.init-adapter"
+"""The one flag whose error for a model GGUF where an adapter belongs is `_a_model`'s (export's
+and generate's --adapter keep their own hint)."""
 
 
 def _a_model(given: str | os.PathLike, path: Path, meta: dict[str, Any], flag: str) -> str:
     """The error for a model GGUF at `path` (no lora tensors) given as `flag`'s adapter
     (`given`: the file, or the run folder whose checkpoint it is): what it is, what to pass."""
-    takes, instead = _A_MODEL[flag]
+    takes = ("an adapter GGUF (a lora run's adapter_step_N.gguf, or llama.cpp's) or a lora "
+             "run's folder")
     arch = meta.get("general.architecture")
     kind = meta.get("general.type")
     what = (f"a{'n' if str(arch)[:1] in 'aeiou' else ''} {arch} model, not an adapter "
@@ -139,9 +138,9 @@ def _a_model(given: str | os.PathLike, path: Path, meta: dict[str, Any], flag: s
         what = (f"{'a ' + recipe if isinstance(recipe, str) else 'a'} run whose checkpoint "
                 f"{path.relative_to(given) if path.is_relative_to(given) else path} is {what}")
         model = str(path)
-    if arch == "vit":
-        instead = "an image classifier cannot be adapted by the lora recipe"
-    return f"{given}: {flag}: expected {takes}, found {what}; {instead.format(model=model)}"
+    instead = ("an image classifier cannot be adapted by the lora recipe" if arch == "vit"
+               else f"pass {model} as --base to fine-tune it")
+    return f"{given}: {flag}: expected {takes}, found {what}; {instead}"
 
 
 def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
@@ -163,7 +162,7 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
     g = GGUFFile(path)
     meta = g.metadata
     kind = meta.get("general.type")
-    if kind in (None, "model") and flag in _A_MODEL and isinstance(
+    if kind in (None, "model") and flag == INIT_ADAPTER and isinstance(
             meta.get("general.architecture"), str) and g.tensors and not any(
             n.endswith((".lora_a", ".lora_b")) for n in g.tensors):  # a model: what to pass
         raise GGUFError(_a_model(given, path, meta, flag))
