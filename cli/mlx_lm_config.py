@@ -522,6 +522,10 @@ _FLAG_LINE = re.compile(r"(?:(?P<path>.*?): )?(?P<flag>--[a-z][a-z0-9.-]*)(?P<re
                         re.DOTALL)
 """A line refusing an option after the file was read: `--steps: expected >= 1, found 0`, or
 `PATH: --base: expected an existing GGUF file, ...` for an option that names a path."""
+_FLAG_VALUE_LINE = re.compile(r"(?P<flag>--[a-z][a-z0-9.-]*) (?P<value>\S+?)(?P<rest>: .*)",
+                              re.DOTALL)
+"""A line refusing an option's value, named after the flag: `--base hf:USER/REPO: not in the
+Hugging Face cache ...` (a `model` the file gives as a Hugging Face repository)."""
 
 
 def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: str) -> str:
@@ -537,6 +541,9 @@ def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: st
         flag = _flag(option)
     elif m := _FLAG_LINE.fullmatch(message):
         option, flag, path, rest = "", m["flag"], m["path"], m["rest"]
+    elif (m := _FLAG_VALUE_LINE.fullmatch(message)) and any(
+            r[1] == m["flag"] and r[2] == m["value"] for r in rows):
+        option, flag, path, rest = "", m["flag"], m["value"], m["rest"]
     else:
         return message
     row = next((r for r in rows if r[1] == flag and r[0] != "(none)"), None)

@@ -42,8 +42,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = "README.md"
-GUIDES = ["docs/LORA.md", "docs/TEXT.md", "docs/RUNS.md", "docs/IMAGES.md", "docs/SWEEPS.md",
-          "docs/PERFORMANCE.md", "docs/INSTALL.md"]
+GUIDES = ["docs/LORA.md", "docs/MLX_LM.md", "docs/TEXT.md", "docs/RUNS.md", "docs/IMAGES.md",
+          "docs/SWEEPS.md", "docs/PERFORMANCE.md", "docs/INSTALL.md"]
 DOCS = [README, *GUIDES]
 NEEDS = re.compile(r"^# needs: (\S.*)$")
 FILE_BLOCK = re.compile(r"^# (\S+\.(?:yaml|yml|json))$")
@@ -376,7 +376,7 @@ def test_the_common_options_are_every_recipes():
 
 def test_every_flag_named_in_the_prose_exists():
     """A flag named in the prose (`--lora.rank`) is one a toymlx command has: a renamed flag
-    fails here too, not only in the command blocks. mlx-lm's flags in LORA.md's table of
+    fails here too, not only in the command blocks. mlx-lm's flags in MLX_LM.md's tables of
     equivalents (its first column) and other programs' command lines are not toymlx's."""
     flags = known_flags()
     for doc in DOCS:
@@ -395,7 +395,7 @@ def test_every_flag_named_in_the_prose_exists():
 
 
 def prose_rows(doc: str) -> str:
-    """A document's prose (code blocks left out), mlx-lm's column of LORA.md's table of
+    """A document's prose (code blocks left out), mlx-lm's column of MLX_LM.md's tables of
     equivalents dropped (its flags are mlx-lm's), lines joined so a quote may wrap."""
     rows = []
     for row in re.sub(r"```.*?```", "", (REPO / doc).read_text(), flags=re.DOTALL).splitlines():

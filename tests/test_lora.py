@@ -1495,3 +1495,24 @@ def test_a_gguf_that_is_no_model_as_the_initial_adapter_is_not_called_a_model(tm
     with pytest.raises(GGUFError) as e:
         load_adapter(path, flag="--lora.init-adapter")
     assert str(e.value) == f"{path}: {want}"
+
+
+def test_a_batch_larger_than_the_packed_rows_names_the_examples_and_no_pack(tiny_gguf, tmp_path,
+                                                                             capsys):
+    """Six short examples pack into fewer rows than the default batch of 4: the error names the
+    examples, the rows they pack into and --data.no-pack (mlx-lm's one example a row), where it
+    said only that the training split of train.jsonl + valid.jsonl "holds 2 rows", which reads
+    as a miscount of the six. No run folder is left behind."""
+    data = mlx_lm_folder(tmp_path / "data", n_train=6, n_valid=2, n_test=0)
+    assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                   str(tmp_path / "runs"), "--run-id", "r", "--steps", "1", "--seq-len", "128",
+                   "--no-progress", "--no-compile", "--data.path", str(data)]) == 2
+    assert error_line(capsys) == (
+        "toymlx-train: error: --batch-size: expected at most 3 (the 6 training examples of "
+        f"{data}/train.jsonl pack into 3 rows of --seq-len 128), found 4; use --batch-size 3, "
+        "--data.no-pack (one example a row), or more data")
+    assert not (tmp_path / "runs" / "r").exists()
+    assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                   str(tmp_path / "runs"), "--run-id", "r", "--steps", "1", "--seq-len", "128",
+                   "--no-progress", "--no-compile", "--data.path", str(data),
+                   "--data.no-pack", "--eval-every", "0"]) == 0

@@ -966,3 +966,23 @@ def test_the_mask_prompt_check_reads_train_jsonl_s_first_example_only(tmp_path, 
         "adapter_path": str(tmp_path / "runs" / "r")}))
     assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
     assert loaded == [chats / "train.jsonl", chats / "valid.jsonl"]
+
+
+def test_a_hugging_face_model_the_hub_cannot_give_is_named_by_the_file_s_key(
+        tmp_path, data, capsys, monkeypatch):
+    """`model: USER/REPO` (mlx-lm's Hugging Face folder, read as hf:) that is in no cache and
+    cannot be fetched: the line names the file and its key 'model', toymlx's --base in brackets,
+    as a missing GGUF path is; it began `--base hf:USER/REPO: ...`, naming a flag the user never
+    typed."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("LLAMA_CACHE", raising=False)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": "someone/NoSuchModel", "data": str(data),
+                                    "iters": 1, "batch_size": 2, "max_seq_length": 32}))
+    assert main(["-c", str(path), "--runs-root", str(tmp_path / "runs"), "--no-progress"]) == 2
+    line = error_line(capsys)
+    assert line.startswith(
+        f"toymlx-train: error: {path}: key 'model' (toymlx's --base): hf:someone/NoSuchModel: "
+        f"not in the Hugging Face cache {tmp_path / 'hub'} and HF_HUB_OFFLINE is set"), line
+    assert line.endswith("or give the GGUF file itself: --base PATH.gguf"), line
