@@ -327,7 +327,6 @@ def resolve_base_dtype(choice: str, gpu: bool, memory_first: bool,
     return "float32" if memory.within_half_available(step_bytes("float32"))[0] else "blocks"
 
 
-
 def check_packed_batch(batch_size: int, data: SFTData) -> None:
     """--batch-size against packed training rows: ValueError naming the examples and the rows
     they pack into (6 short examples are 2 rows of 256 tokens, not 6; mlx-lm's one example a
@@ -339,6 +338,7 @@ def check_packed_batch(batch_size: int, data: SFTData) -> None:
                      f"examples of {data.source.of('train')} pack into {rows} rows of --seq-len "
                      f"{data.seq_len}), found {batch_size}; use --batch-size {rows}, "
                      "--data.no-pack (one example a row), or more data")
+
 
 def build(cfg: Config, ops: Ops) -> Task:
     validate(cfg)
