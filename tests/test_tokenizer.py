@@ -792,8 +792,8 @@ def test_a_text_without_a_safe_cut_is_cut_anyway_and_said_once(gpt2, dna, monkey
 
     assert gpt2._safe_cut(dna) == 0
     encoded, part = [], gpt2._encode_part
-    monkeypatch.setattr(gpt2, "_encode_part",
-                        lambda text, continued: encoded.append(len(text)) or part(text, continued))
+    monkeypatch.setattr(gpt2, "_encode_part", lambda text, continued, **kw: encoded.append(
+        len(text)) or part(text, continued, **kw))
     with pytest.warns(ToymlxWarning) as caught:
         ids = gpt2.encode_stream([dna], add_bos=False, source="dna.txt")
     assert [str(w.message) for w in caught] == [DNA_WARNING.format(source="dna.txt")]
@@ -820,3 +820,101 @@ def test_a_training_file_cut_anyway_is_named(gpt2, dna, tmp_path, shared_file):
                      str(tmp_path), "--run-id", "r"]) == 0
     assert DNA_WARNING.format(source=path) in [str(w.message) for w in caught]
     assert read_events(tmp_path / "r")[-1]["reason"] == "completed"
+
+
+# ------------------------------------------------------------- long fragments in encode_batch
+class _CountingHF:
+    """A `tokenizers.Tokenizer` that records the length of every text it is given."""
+
+    def __init__(self, hf):
+        self._hf, self.lengths = hf, []
+
+    def encode(self, text, **kw):
+        self.lengths.append(len(text))
+        return self._hf.encode(text, **kw)
+
+    def encode_batch(self, texts, **kw):
+        self.lengths.extend(map(len, texts))
+        return self._hf.encode_batch(texts, **kw)
+
+
+def _whole_ids(tok: Tokenizer, texts: list[str], parse_special: bool, monkeypatch
+               ) -> list[list[int]]:
+    """`encode_batch`'s ids with every raw-text fragment encoded whole in one call."""
+    from toymlx.data import tokenizer
+
+    bound = tokenizer.ENCODE_CHARS
+    monkeypatch.setattr(tokenizer, "ENCODE_CHARS", 1 << 40)
+    ids = tok.encode_batch(texts, False, parse_special=parse_special)
+    monkeypatch.setattr(tokenizer, "ENCODE_CHARS", bound)
+    return [i.tolist() for i in ids]
+
+
+@pytest.mark.parametrize("name", [v for v in FUZZ_VOCABS if v != "bt"])
+def test_encode_batch_cuts_a_long_fragment_with_the_ids_of_the_whole(request, name,
+                                                                     monkeypatch):
+    """A raw-text fragment longer than `ENCODE_CHARS` (here 64) is encoded in parts cut where
+    the ids stay those of the whole (a 50 MB chat message held ~10 GB in `tokenizers`): a
+    seeded fuzz of 60 texts of the atoms above, special-token texts inside and beside the cuts,
+    with and without `parse_special`, gives the ids of every fragment encoded whole."""
+    from toymlx.data import tokenizer
+
+    monkeypatch.setattr(tokenizer, "ENCODE_CHARS", 64)
+    tok = _vocab(request, name)
+    rng = random.Random(name)
+    texts = []
+    for _ in range(60):
+        pool = FUZZ_ATOMS if rng.random() < 0.5 else rng.sample(FUZZ_ATOMS, rng.randint(2, 8))
+        texts.append("".join(rng.choice(pool) for _ in range(rng.randint(100, 400))))
+    texts += ["short", "<|im_start|>hi<|im_end|>", ""]
+    for parse in (True, False):
+        whole = _whole_ids(tok, texts, parse, monkeypatch)
+        counting = _CountingHF(tok._hf)
+        monkeypatch.setattr(tok, "_hf", counting)
+        assert [i.tolist() for i in tok.encode_batch(texts, False, parse_special=parse)] == whole
+        monkeypatch.setattr(tok, "_hf", counting._hf)
+        for text, ids in zip(texts, whole):
+            assert tok.encode(text, False, parse_special=parse) == ids, text
+        # most of the long texts hold a safe cut: most calls are short
+        assert sorted(counting.lengths)[len(counting.lengths) * 9 // 10] <= 200, parse
+
+
+def test_encode_batch_encodes_a_long_message_in_parts(smol, monkeypatch):
+    """A chat message of 200,000 characters is encoded `ENCODE_CHARS` (here 1,000) at a time,
+    not in one call of all of it, with the ids of the whole; the short texts beside it go into
+    `tokenizers` in one batch, as before."""
+    from toymlx.data import tokenizer
+
+    rng = random.Random(1)
+    words = ["the", "cat", "sat", "on", "a", "mat,", "and", "then", "42", "times.\n", "東京"]
+    long = " ".join(rng.choice(words) for _ in range(60_000))[:200_000]
+    texts = ["<|im_start|>user\n", long, "<|im_end|>\n<|im_start|>assistant\n", "Hi."]
+    whole = [i.tolist() for i in smol.encode_batch(texts, False)]
+    assert len(whole[1]) > 40_000
+    monkeypatch.setattr(tokenizer, "ENCODE_CHARS", 1000)
+    counting = _CountingHF(smol._hf)
+    monkeypatch.setattr(smol, "_hf", counting)
+    batched = []
+    monkeypatch.setattr(counting, "encode_batch", lambda texts, **kw: batched.append(
+        list(map(len, texts))) or counting._hf.encode_batch(texts, **kw))
+    assert [i.tolist() for i in smol.encode_batch(texts, False)] == whole
+    assert batched == [[5, 1, 10, 3]]  # "user\n", "\n", "assistant\n", "Hi." in one call
+    # 200 pieces, each cut at its last safe place, what follows it carried to the next
+    assert len(counting.lengths) >= 190 and max(counting.lengths) <= 1100
+
+
+def test_encode_batch_holds_a_text_without_a_safe_cut_whole(gpt2, dna, monkeypatch):
+    """Where a long fragment holds no safe cut (5,000 bases, `CARRY_CHARS` 1,000), encode_batch
+    does not cut it by force as `encode_stream` does: the text is held to the first safe cut
+    after it and encoded in one call, the ids those of the whole, with no warning."""
+    import warnings
+
+    texts = [dna + "\n\nGATTACA is a film", "x"]
+    whole = _whole_ids(gpt2, texts, True, monkeypatch)
+    counting = _CountingHF(gpt2._hf)
+    monkeypatch.setattr(gpt2, "_hf", counting)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [i.tolist() for i in gpt2.encode_batch(texts, False)] == whole
+    # "x", then the bases held to the first safe cut after them (a newline ends the run)
+    assert counting.lengths[0] == 1 and 5000 <= counting.lengths[1] <= 5002

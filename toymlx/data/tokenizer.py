@@ -85,7 +85,8 @@ from toymlx.data.vocab import (
 from toymlx.gguf.reader import read_metadata
 
 ENCODE_CHARS = 1 << 18
-"""How much text one call of the `tokenizers` library encodes in `Tokenizer.encode_stream`."""
+"""How much text one call of the `tokenizers` library encodes in `Tokenizer.encode_stream`, and
+the longest raw-text fragment `Tokenizer.encode_batch` encodes in one call (longer ones are cut)."""
 
 CARRY_CHARS = 1 << 20
 """The most text `Tokenizer.encode_stream` holds while it finds no safe cut (`_safe_cut`):
@@ -457,19 +458,33 @@ class Tokenizer:
         """`encode_np(text, add_bos)` of each of `texts`, the same int32 ids, with one call into
         `tokenizers` for the raw text of them all (its `encode_batch`) instead of one a text:
         a chat file's examples are cut into many short pieces (`toymlx.data.chat`), and a call
-        costs more than its few tokens do."""
+        costs more than its few tokens do. A raw-text fragment longer than `ENCODE_CHARS` is
+        encoded apart, in parts cut where its ids stay those of the whole (`_encode_cut`):
+        `tokenizers` holds ~150 bytes a character while it merges (a 50 MB chat message: 10 GB)."""
         for text in texts:
             if not isinstance(text, str):
                 raise TypeError(f"encode: expected str, found {type(text).__name__}")
         bos = self._check_added(add_bos, False)
         fragments = [split_special(text, self._partition, parse_special) for text in texts]
-        encoded = iter(self._encode_raw([f for frags in fragments for f in frags
-                                         if isinstance(f, str)]))
+        raw = [f for frags in fragments for f in frags if isinstance(f, str)]
+        short = iter(self._encode_raw([f for f in raw if not self._is_long(f)]))
+        encoded = iter([self._encode_long(f, parse_special) if self._is_long(f) else next(short)
+                        for f in raw])
         head = [np.array([self._bos], dtype=np.int32)] if bos else []
         return [np.concatenate(head + [next(encoded) if isinstance(f, str)
                                        else np.array([f], dtype=np.int32) for f in frags]
                                ).astype(np.int32, copy=False)
                 if head or frags else np.zeros(0, dtype=np.int32) for frags in fragments]
+
+    def _is_long(self, fragment: str) -> bool:
+        """Whether `encode_batch` encodes this raw-text fragment in parts (the byte vocabulary
+        holds one id a byte, whatever the length)."""
+        return not self._byte_layout and len(fragment) > ENCODE_CHARS
+
+    def _encode_long(self, fragment: str, parse_special: bool) -> np.ndarray:
+        """The ids `_encode_raw` gives one raw-text fragment, encoded in parts; where no safe
+        cut comes the text is held until one does, never cut by force: the ids never change."""
+        return np.concatenate(list(self._encode_cut([fragment], parse_special=parse_special)))
 
     @property
     def id_dtype(self) -> type[np.integer]:
@@ -504,40 +519,50 @@ class Tokenizer:
 
         if bos:
             put(np.array([self._bos], np.int32))
-        carry, continued = "", False  # the text after the last cut; whether it follows a cut
-        done, forced = 0, False  # characters before `carry`; whether a cut was forced
-        # `tokenizers` holds ~150 bytes a character while it merges: a GGUF vocabulary's pieces
-        # are encoded ENCODE_CHARS at a time
+        for ids in self._encode_cut(texts, force=source or "the text"):
+            put(ids)
+        if out is not None:
+            return out[:n]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+    def _encode_cut(self, texts: Iterable[str], *, parse_special: bool = True,
+                    force: str | None = None) -> Iterator[np.ndarray]:
+        """The ids of `"".join(texts)` part by part, never holding the whole text: it is read
+        `ENCODE_CHARS` characters at a time (a GGUF vocabulary's: `tokenizers` holds ~150 bytes
+        a character while it merges), each part cut where the ids of the text before the cut
+        and after it are those of the whole (`_safe_cut`), what follows the cut waiting for the
+        next piece. `force`: the text's name (the file) where a cut is forced once `CARRY_CHARS`
+        characters pass without a safe one (`_forced_cut`, one warning naming it); None: the
+        text is held until a safe cut comes, so the ids are always those of the whole."""
         step = None if self._byte_layout else ENCODE_CHARS
         pieces = (p[i:i + step] if step else p for p in texts
                   for i in range(0, len(p), step or max(len(p), 1)))
+        carry, continued = "", False  # the text after the last cut; whether it follows a cut
+        done, forced = 0, False  # characters before `carry`; whether a cut was forced
         for piece in pieces:
             text = carry + piece if carry else piece
             # where the carry held no cut before, it holds none now: look after it alone
             cut = self._safe_cut(text, max(1, len(carry) - self._special_len - 1))
-            if not cut and len(text) > CARRY_CHARS:
+            if not cut and force is not None and len(text) > CARRY_CHARS:
                 cut = self._forced_cut(text)
                 if cut and not forced:
                     forced = True
                     notice.warn(
-                        f"{source or 'the text'}: no place to cut the text where its ids stay "
+                        f"{force}: no place to cut the text where its ids stay "
                         f"those of the whole in the {len(text):,} characters from character "
                         f"{done:,} (one run of letters, digits or symbols, as a DNA sequence or "
                         "a script without spaces); cut there anyway, and again wherever "
                         f"{CARRY_CHARS:,} characters pass without a place: the few ids beside "
                         "each such cut may differ from those of the text encoded whole",
-                        stacklevel=2)
+                        stacklevel=3)  # the caller of encode_stream
             if cut:
                 done += cut
-                put(self._encode_part(text[:cut], continued))
+                yield self._encode_part(text[:cut], continued, parse_special=parse_special)
                 carry, continued = text[cut:], True
             else:
                 carry = text
         if carry:
-            put(self._encode_part(carry, continued))
-        if out is not None:
-            return out[:n]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+            yield self._encode_part(carry, continued, parse_special=parse_special)
 
     def _check_added(self, add_bos: bool | None, add_eos: bool) -> bool:
         bos = self.add_bos if add_bos is None else bool(add_bos)
@@ -549,11 +574,12 @@ class Tokenizer:
                                  "found missing")
         return bos
 
-    def _encode_part(self, text: str, continued: bool) -> np.ndarray:
+    def _encode_part(self, text: str, continued: bool, *, parse_special: bool = True
+                     ) -> np.ndarray:
         """The ids of `text`, a part of a longer text cut by `_safe_cut` (`continued`: it
         follows such a cut, so SentencePiece's space prefix of a fragment is not added again),
-        special tokens cut out as `encode` does."""
-        fragments = split_special(text, self._partition, True)
+        special tokens cut out as `encode` does with `parse_special`."""
+        fragments = split_special(text, self._partition, parse_special)
         raw = [f for f in fragments if isinstance(f, str)]
         if continued and self.model == "llama" and self.add_space_prefix and fragments:
             # the cut was in raw text away from any special token, so this fragment is raw
