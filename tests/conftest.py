@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-import toymlx  # noqa: F401  (OpenBLAS before mlx)
+# The host's own OPENBLAS_CORETYPE (a cloud image may set one: Haswell on an AVX-512 AMD EPYC,
+# where SkylakeX's sgemm runs 2-3x faster) would choose the kernels of every test process and
+# warn on each one's stderr: the tests run with the kernels toymlx chooses from cpuid, and
+# test_blas sets the variable itself where it tests a user's own choice.
+os.environ.pop("OPENBLAS_CORETYPE", None)
+
+import toymlx  # noqa: F401  (OpenBLAS before mlx; after the line above)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TOYMLX_SHARED", REPO.parent / "shared")) / "data"
