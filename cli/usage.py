@@ -291,6 +291,10 @@ TIMM_FLAGS: PeerFlags = {
 }
 """timm's train.py flags."""
 
+PEER_VALUES = {"--input-size": 3, "--scale": 2}
+"""How many values those of the peers' flags that take more than one take (timm's
+`--input-size 3 32 32`): each is the flag's own, not a value no option takes."""
+
 
 LAUNCHER_FLAGS: PeerFlags = {
     flag: (("n", f"{tool} {flag} is toymlx-launch's -n"),
@@ -352,18 +356,20 @@ def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> s
     """tyro's unrecognized tokens as one line: each unknown option with the closest flag of
     `cls`; a value no option takes with the option before it (a flag that takes no value)."""
     flags = _flags(cls)
-    parts, at, after_unknown = [], 0, False
+    parts, at, after_unknown = [], 0, 0
     for token in tokens:
         flag, eq, value = token.partition("=")
         if flag.startswith("--") or (flag.startswith("-") and not _is_number(flag)):
             hint = flag_hint(flag, flags, prog)
             parts.append(f"{flag}: expected an option of {prog}, got an unknown one"
                          + (f"; {hint}" if hint else ""))
-            after_unknown = not eq  # a value after it is its own, not a second finding
+            # the values after it are its own, not a second finding
+            after_unknown = 0 if eq else PEER_VALUES.get(flag, 1)
             at = _position(argv, token, at, flags) + 1
             continue
         if after_unknown:
-            after_unknown = False
+            after_unknown -= 1
+            at = _position(argv, token, at, flags) + 1
             continue
         at = _position(argv, token, at, flags)
         before, _, value = argv[at].partition("=") if at < len(argv) else ("", "", "")

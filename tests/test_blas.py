@@ -113,6 +113,13 @@ def test_the_users_coretype_wins_and_a_generic_one_is_one_line():
     [line] = [w for w in r["warned"] if core in w]
     assert "\n" not in line and "GFLOPS" in line and "OPENBLAS_CORETYPE=" in line
     assert f"best: {_avx2()[0]}" in line
+    # the variable chose them, so the fix is the variable's, not another library (pip's
+    # scipy-openblas32, loaded already, obeys it as well)
+    best = _avx2()[0]
+    assert line.endswith(
+        " GFLOPS here. Fix: the environment sets OPENBLAS_CORETYPE=Nehalem, which OpenBLAS obeys: "
+        f"unset it (toymlx then chooses {best} from this CPU's flags) or set "
+        f"OPENBLAS_CORETYPE={best}")
 
 
 def test_toymlx_blas_chooses_another_library():

@@ -893,3 +893,87 @@ def test_readers_refuse_a_vit_checkpoint_whose_model_metadata_was_edited(
     events.write_text("".join(json.dumps(e) + "\n" for e in rows))
     assert eval_main(["--model", str(run)]) == 0
     assert _resume(run, "--no-progress", "--no-compile") == 0
+
+
+def _swap_class_names(path: Path, i: int, j: int) -> None:
+    """Swap class names `i` and `j` (of one length) of GGUF `path` in place: the tensors, and
+    so `toy.tensor_sha256`, untouched."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path), "r+")
+    f = r.fields["toy.class_names"]
+    a, b = f.parts[f.data[i]], f.parts[f.data[j]]
+    a[:], b[:] = b.copy(), a.copy()
+    r.data.flush()
+    del r
+
+
+def test_readers_refuse_a_vit_checkpoint_whose_class_names_were_swapped(tmp_path, capsys):
+    """Two class names swapped in a vit run's checkpoint labelled every image of those classes
+    under the other's name, in toymlx-classify and toymlx-eval, without a word: the readers and
+    the resume now name the first differing item and both names. A run recorded before the
+    count and digest is still compared by the names it lists, and opens."""
+    from test_eval import vit_run
+    from toymlx_cli.classify import main as classify_main
+    from toymlx_cli.eval import main as eval_main
+
+    run, folder = vit_run(tmp_path)
+    capsys.readouterr()
+    ckpt = (run / "weights" / "latest").resolve()
+    start = next(e for e in _events(run) if e["kind"] == "run_start")["config"]
+    assert (start["class_names"], start["class_count"]) == (["bird", "cat", "frog"], 3)
+    _swap_class_names(ckpt, 0, 2)
+    with GGUFFile(ckpt) as g:
+        assert g.metadata["toy.class_names"] == ["frog", "cat", "bird"]
+    line = (f"{ckpt}: metadata key 'toy.class_names': item 0: expected 'bird' (the run's class "
+            "name, as run_start records it), found 'frog': the file was edited or damaged; put "
+            "this run's checkpoint back")
+    assert eval_main(["--model", str(run)]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {line}"
+    image = str(folder / "bird" / "00.png")
+    assert classify_main(["--model", str(run), image]) == 2
+    assert error_line(capsys, "toymlx-classify") == f"toymlx-classify: error: {line}"
+    before = _files(run)
+    assert _resume(run) == 2
+    assert error_line(capsys).startswith(f"toymlx-train: error: {line}")
+    assert _files(run) == before
+    # a run recorded before class_count and class_names_sha256: its names still compared
+    events = run / "events.jsonl"
+    rows = [json.loads(ln) for ln in events.read_text().splitlines()]
+    for e in rows:
+        if e["kind"] == "run_start":
+            del e["config"]["class_count"], e["config"]["class_names_sha256"]
+    events.write_text("".join(json.dumps(e) + "\n" for e in rows))
+    assert eval_main(["--model", str(run)]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {line}"
+    _swap_class_names(ckpt, 0, 2)
+    assert classify_main(["--model", str(run), image]) == 0
+
+
+def test_class_names_past_those_run_start_lists_are_compared_by_count_and_digest(tmp_path):
+    """run_start lists the first 100 class names; a checkpoint of 1000 classes with names 500
+    and 501 swapped, or one name dropped, is refused by the recorded count and SHA-256."""
+    from toymlx.bundle.checkpoint import ResumeError, check_recorded_classes
+    from toymlx.gguf.vit import class_names_sha256
+
+    names = [f"c{i}" for i in range(1000)]
+    config = {"class_names": names[:100], "class_count": 1000,
+              "class_names_sha256": class_names_sha256(names)}
+    ckpt = tmp_path / "step_1.gguf"
+    check_recorded_classes(ckpt, {"toy.class_names": names}, config)  # the same: passes
+    swapped = [*names[:500], names[501], names[500], *names[502:]]
+    with pytest.raises(ResumeError) as e:
+        check_recorded_classes(ckpt, {"toy.class_names": swapped}, config)
+    assert str(e.value) == (
+        f"{ckpt}: metadata key 'toy.class_names': expected the run's 1000 names (sha256 "
+        f"{class_names_sha256(names)[:12]}, as run_start records them), found others (sha256 "
+        f"{class_names_sha256(swapped)[:12]}; the first 100, those run_start lists, agree): "
+        "the file was edited or damaged; put this run's checkpoint back")
+    with pytest.raises(ResumeError) as e:
+        check_recorded_classes(ckpt, {"toy.class_names": names[:999]}, config)
+    assert str(e.value) == (
+        f"{ckpt}: metadata key 'toy.class_names': expected 1000 names (the run's classes, as "
+        "run_start records them), found 999: the file was edited or damaged; put this run's "
+        "checkpoint back")
+    # an older record: the first 100 only, so a list of 1000 is compared by those
+    check_recorded_classes(ckpt, {"toy.class_names": swapped}, {"class_names": names[:100]})

@@ -316,12 +316,18 @@ VIT = "toymlx-train --recipe vit-tiny"
                  "--dtype bfloat16 here (float16: with a loss scale)")),
     (["-b", "16"], (f"-b: expected an option of {VIT}, got an unknown one; timm's -b is "
                    "--batch-size here")),
-    # each stray value named at its own place (before: the first '32' twice)
+    # timm's flag's own three values are its own (before: each '32' named as a value no option
+    # takes, and before that the first '32' twice); a fourth is a stray, named at its place
     (["--input-size", "3", "32", "32"], (
         f"--input-size: expected an option of {VIT}, got an unknown one; timm's --input-size C "
+        "H W is --data.image-size H here (square images; --data.channels C)")),
+    (["--input-size", "3", "32", "32", "32"], (
+        f"--input-size: expected an option of {VIT}, got an unknown one; timm's --input-size C "
         "H W is --data.image-size H here (square images; --data.channels C); '32': expected an "
-        f"option of {VIT}, got a value no option takes (after --input-size 3); '32': expected "
-        f"an option of {VIT}, got a value no option takes (after 3 32)")),
+        f"option of {VIT}, got a value no option takes (after 32 32)")),
+    (["--scale", "0.08", "1.0"], (
+        f"--scale: expected an option of {VIT}, got an unknown one; timm's --scale MIN MAX is "
+        "--data.crop-scale MIN here")),
     (["--stpes", "3"], (f"--stpes: expected an option of {VIT}, got an unknown one; did you mean "
                        "--steps?")),
 ])

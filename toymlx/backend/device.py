@@ -68,6 +68,10 @@ _ANOTHER_BUILD_IN_USE = ("MLX builds its CPU kernels in {mlx_dir}, a link to {fo
                          "it a TMPDIR of its own to use its kernel folder, {kept}")
 _GENERIC = ("{why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
             "set OPENBLAS_CORETYPE={best} before starting, or " + blas.FIX)
+# the user's OPENBLAS_CORETYPE chose the kernels: another library would obey it too
+_USERS_CORE = ("{why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: the "
+               "environment sets {core_from}, which OpenBLAS obeys: unset it (toymlx then "
+               "chooses {best} from this CPU's flags) or set OPENBLAS_CORETYPE={best}")
 
 BFS_MAX_WIDTH = "1000000"
 """MLX orders each evaluation breadth-first up to MLX_BFS_MAX_WIDTH nodes, then depth-first.
@@ -184,8 +188,10 @@ def _bind_openblas(p: _ProcessState) -> None:
         os.register_at_fork(after_in_parent=_restart_blas_workers)
         why = blas.generic_core(lib)
         if why is not None:
-            _warn_blas(p, _GENERIC.format(why=why, gflops=blas.sgemm_gflops(lib),
-                                          best=blas.core_for_cpu(*blas.cpu_flags())[0]))
+            users = (lib.core_from or "").startswith("OPENBLAS_CORETYPE=")
+            _warn_blas(p, (_USERS_CORE if users else _GENERIC).format(
+                why=why, gflops=blas.sgemm_gflops(lib), core_from=lib.core_from,
+                best=blas.core_for_cpu(*blas.cpu_flags())[0]))
         return
     _warn_blas(p, chosen or _NO_BLAS)
 

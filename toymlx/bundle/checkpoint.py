@@ -263,8 +263,9 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
                           f"found one of run_uid {meta.get(RUN_KEY) or '(none recorded)'} (run "
                           f"{meta.get('general.run_id')!r}); put this run's checkpoint "
                           f"back{fix}")
-    model = start.get("model")
+    model, config = start.get("model"), start.get("config")
     check_recorded_model(ckpt, meta, model if isinstance(model, dict) else {}, fix)
+    check_recorded_classes(ckpt, meta, config if isinstance(config, dict) else {}, fix)
 
 
 # Checkpoint metadata that changes what a model computes without changing a tensor's shape
@@ -315,6 +316,45 @@ def check_recorded_model(ckpt: Path, meta: dict[str, Any], model: dict[str, Any]
                               f"model {field}, as run_start records it), found {_shown(got)}: "
                               f"the file was edited or damaged; put this run's checkpoint "
                               f"back{fix}")
+
+
+def check_recorded_classes(ckpt: Path, meta: dict[str, Any], config: dict[str, Any],
+                           fix: str = "") -> None:
+    """ResumeError where a ViT checkpoint's `toy.class_names` are not those its run_start
+    records (`class_names`: the first `RECORDED_CLASS_NAMES`; `class_count` and
+    `class_names_sha256`: the whole list, recorded since session 43): names swapped or edited
+    would otherwise label every image wrongly. What the record lacks is not compared; a list
+    shorter than `RECORDED_CLASS_NAMES` recorded without a count is the whole list."""
+    from toymlx.gguf.vit import RECORDED_CLASS_NAMES, class_names_sha256
+
+    got, want = meta.get("toy.class_names"), config.get("class_names")
+    if not (_strings(got) and _strings(want)):
+        return  # nothing recorded, or a list the loader refuses, naming the file
+    key, back = "metadata key 'toy.class_names'", f"put this run's checkpoint back{fix}"
+    for i, (w, g) in enumerate(zip(want, got)):
+        if w != g:
+            raise ResumeError(f"{ckpt}: {key}: item {i}: expected {w!r} (the run's class name, "
+                              f"as run_start records it), found {g!r}: the file was edited or "
+                              f"damaged; {back}")
+    count = config.get("class_count")
+    if not isinstance(count, int) and len(want) < RECORDED_CLASS_NAMES:
+        count = len(want)
+    if isinstance(count, int) and len(got) != count:
+        raise ResumeError(f"{ckpt}: {key}: expected {count} names (the run's classes, as "
+                          f"run_start records them), found {len(got)}: the file was edited or "
+                          f"damaged; {back}")
+    digest = config.get("class_names_sha256")
+    if isinstance(digest, str) and class_names_sha256(got) != digest:
+        # the first names agree (compared above): the difference lies past them
+        raise ResumeError(f"{ckpt}: {key}: expected the run's {len(got)} names (sha256 "
+                          f"{digest[:12]}, as run_start records them), found others (sha256 "
+                          f"{class_names_sha256(got)[:12]}; the first {len(want)}, those "
+                          f"run_start lists, agree): the file was edited or damaged; {back}")
+
+
+def _strings(v: Any) -> bool:
+    """Whether `v` is a list of strings."""
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
 def as_stored(v: float) -> int | np.float32:

@@ -22,6 +22,8 @@ checkpoint classifies raw images on its own.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from typing import Any
@@ -130,6 +132,16 @@ def load_vit(path: str | os.PathLike, ops: Ops = EXACT) -> tuple[ViT, dict[str, 
     norm = {k: g.metadata[k] for k in ("toy.pixel_scale", "toy.pixel_mean", "toy.pixel_std")
             if k in g.metadata}
     return model, norm, g
+
+
+def class_names_sha256(names: list[str]) -> str:
+    """The SHA-256 of a whole list of class names (as JSON, UTF-8): what run_start records
+    beside the first `RECORDED_CLASS_NAMES` of them, so a reader can compare a long list."""
+    return hashlib.sha256(json.dumps(list(names), ensure_ascii=False).encode()).hexdigest()
+
+
+# class names run_start records one by one (the rest by count and `class_names_sha256`)
+RECORDED_CLASS_NAMES = 100
 
 
 def class_names(g: GGUFFile) -> list[str]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from toymlx.data.image_folder import split_folders
 from toymlx.data.images import Augment, ImageSet, Prefetcher, load_images
-from toymlx.gguf.vit import load_vit, write_vit
+from toymlx.gguf.vit import RECORDED_CLASS_NAMES, class_names_sha256, load_vit, write_vit
 from toymlx.models.checks import ArgsError
 from toymlx.models.losses import classify_metrics
 from toymlx.models.ops import Ops
@@ -313,7 +313,10 @@ def build(cfg: Config, ops: Ops) -> Task:
             "data_source": data.source, "augment": aug.crop != "none" or aug.flip or aug.trivial,
             "crop": aug.crop, "max_shift": aug.pad, "flip": aug.flip, "trivial_augment": aug.trivial,
             "mixup": aug.mixup, "cutmix": aug.cutmix, "label_smoothing": cfg.label_smoothing,
-            "class_names": data.class_names[:100], **data.describe()},
+            "class_names": data.class_names[:RECORDED_CLASS_NAMES],
+            # the whole list, for readers comparing a checkpoint's `toy.class_names` (`check_own`)
+            "class_count": len(data.class_names),
+            "class_names_sha256": class_names_sha256(data.class_names), **data.describe()},
         metrics_fn=classify_metrics, unit="images",
         count=lambda b: int(np.prod(b["labels"].shape)),
         test_batches=data.test_batches(cfg.batch_size, pad_last=True))
