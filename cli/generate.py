@@ -315,12 +315,50 @@ def check_samples(args: Args) -> None:
                          f"samples' seeds run from --seed up), found --seed {args.seed}")
 
 
+def trained_window(model: str) -> int | None:
+    """The --seq-len of the from-scratch or warm-start run `model` lies in (the run folder, or a
+    checkpoint in its weights/), from its run_start; None for any other model or record."""
+    from pathlib import Path
+
+    from toymlx.bundle.events import iter_events
+    from toymlx.bundle.model_store import is_store_name
+    from toymlx.bundle.outputs import bundle_of
+
+    run = None if is_store_name(model) else bundle_of(Path(model))
+    if run is None:
+        return None
+    try:
+        start = next((e for e in iter_events(run) if e.get("kind") == "run_start"), None)
+    except (OSError, ValueError):  # the run's own readers name what is wrong with it
+        return None
+    if not isinstance(start, dict) or start.get("recipe") not in ("from-scratch", "warm-start"):
+        return None  # a lora run's base read longer texts than its --seq-len
+    seq_len = (start.get("config") or {}).get("seq_len")
+    return seq_len if isinstance(seq_len, int) and seq_len > 0 else None
+
+
+def window_note(model: str, n_prompt: int, max_tokens: int, context: int) -> str | None:
+    """One warning line where prompt and new tokens run past the windows the run trained on:
+    its checkpoints carry the preset's longer context, but past --seq-len tokens the model reads
+    positions it never saw and the text falls apart (nanoGPT's sample.py keeps only the last
+    block_size tokens; this decoder keeps them all)."""
+    window = trained_window(model)
+    if window is None or window >= context or n_prompt + max_tokens <= window:
+        return None
+    return (f"{PROG}: warning: {model}: trained on windows of {window} tokens (--seq-len "
+            f"{window}); {n_prompt} prompt + {max_tokens} new tokens (--max-tokens) run past "
+            f"them, where the text falls apart; --max-tokens {max(window - n_prompt, 0)} stays "
+            f"within them (nanoGPT's sample.py keeps only the last block_size tokens)")
+
+
 def samples(model, tokenizer, ids: list[int], args: Args, engine: str, context: int) -> None:
     """The --num-samples samples of the prompt on stdout, the k-th (from 0) drawn as `--seed` + k
     alone draws it (each from an empty KV cache, the MLX model traced once), each followed by
     SEPARATOR where there are several; a line of counts and timing for each on stderr."""
     from toymlx.generation.generate import LlamaCppDecoder, decoder_for
 
+    if note := window_note(args.model, len(ids), args.max_tokens, context):
+        print(note, file=sys.stderr)
     several = args.num_samples > 1
     decoder = None if isinstance(model, LlamaCppDecoder) else decoder_for(model)
     for k in range(args.num_samples):

@@ -31,6 +31,9 @@ def test_nothing_there_names_a_dangling_link_a_file_as_folder_and_an_unexpanded_
     ("train", ["--recipe", "vit-tiny", "--data.path"],
      "expected a folder of images or a data set file"),
     ("train", ["--recipe", "lora", "--base"], "--base: expected an existing GGUF file"),
+    ("train", ["--recipe", "from-scratch", "--tokenizer"],
+     "--tokenizer: expected an existing GGUF file"),
+    ("train", ["--recipe", "warm-start", "--donor"], "--donor: expected an existing GGUF file"),
 ])
 def test_a_path_given_with_a_tilde_the_shell_left_is_named_with_its_expansion(
         tmp_path, capsys, monkeypatch, prog, argv, flag):

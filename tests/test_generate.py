@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
 import shlex
 import shutil
@@ -1143,3 +1144,22 @@ def test_num_samples_into_head_ends_quietly(stories_path):
                        timeout=300, check=False)
     assert r.stdout.count("\n") == 1 and r.stdout.startswith(", there was"), r.stdout
     assert r.stderr.splitlines()[-1] == "0" and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("recipe, max_tokens, warned", [
+    ("from-scratch", 12, True), ("from-scratch", 4, False), ("lora", 12, False)])
+def test_a_sample_past_the_runs_training_window_is_warned_of(tmp_path, stories_path, capsys,
+                                                             recipe, max_tokens, warned):
+    # nanoGPT's Shakespeare on a CPU: --seq-len 64 with a 1024-token preset context, then 500
+    # new tokens; past 64 the text falls apart, where sample.py (which crops) stays readable
+    run = make_run_dir(tmp_path, stories_path)
+    start = {"kind": "run_start", "recipe": recipe, "config": {"seq_len": 16}}
+    (run / "events.jsonl").write_text(json.dumps(start) + "\n")
+    out, err = cli_tokens(["--model", str(run), "--prompt", PROMPT, "--max-tokens",
+                           str(max_tokens), "--temperature", "0"], capsys)
+    warning = (f"toymlx-generate: warning: {run}: trained on windows of 16 tokens (--seq-len "
+               f"16); 5 prompt + 12 new tokens (--max-tokens) run past them, where the text "
+               f"falls apart; --max-tokens 11 stays within them (nanoGPT's sample.py keeps only "
+               f"the last block_size tokens)")
+    assert (warning in err.splitlines()) is warned, err
+    assert f"{max_tokens} new tokens" in err and out.startswith(", there"), out

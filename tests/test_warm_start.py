@@ -115,7 +115,7 @@ def test_no_donor(text_file):
 
 def test_missing_donor(tmp_path, text_file):
     p = tmp_path / "nope.gguf"
-    _fails(_cfg(p, text_file), str(p), "expected an existing GGUF file", "found nothing")
+    _fails(_cfg(p, text_file), f"{p}: --donor: expected an existing GGUF file, found nothing")
 
 
 def test_unreadable_donor(tmp_path, text_file):

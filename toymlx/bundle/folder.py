@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
-from toymlx.backend.files import json_fault, special_kind
+from toymlx.backend.files import json_fault, nothing_there, special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
@@ -305,6 +305,20 @@ def saved_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     except (OSError, ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
     return saved if isinstance(saved, dict) and isinstance(saved.get("config"), dict) else None
+
+
+def check_model_file(spec: str | os.PathLike, flag: str) -> None:
+    """ValueError (one line naming `flag`) where a model option (`--donor`, `--tokenizer`)
+    names no file: nothing at the path, a folder (a run folder: `refuse_run_folder`'s message),
+    a FIFO or a device. A store name passes: its resolver names what it lacks."""
+    refuse_run_folder(spec, flag)
+    if is_store_name(spec) or Path(spec).is_file():
+        return
+    if not Path(spec).exists():
+        raise ValueError(f"{spec}: {flag}: expected an existing GGUF file, found "
+                         f"{nothing_there(spec)}")
+    found = "a directory" if Path(spec).is_dir() else special_kind(spec) or "no regular file"
+    raise ValueError(f"{spec}: {flag}: expected a GGUF file, found {found}")
 
 
 def refuse_run_folder(spec: str | os.PathLike, flag: str) -> None:

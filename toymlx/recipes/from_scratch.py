@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from toymlx.bundle import model_store
-from toymlx.bundle.folder import refuse_run_folder
+from toymlx.bundle.folder import check_model_file
 from toymlx.data.tokenizer import Tokenizer, byte_tokenizer
 from toymlx.gguf.llama import load_llama_into, write_llama
 from toymlx.gguf.reader import read_metadata, refuse_adapter
@@ -57,7 +57,7 @@ def validate(cfg: Config) -> None:
     read."""
     cfg.model.build_args(vocab_size=1)  # the vocabulary is the tokenizer's, not yet read
     if cfg.tokenizer is not None:
-        refuse_run_folder(cfg.tokenizer, "--tokenizer")
+        check_model_file(cfg.tokenizer, "--tokenizer")
     if cfg.test:
         check_test_folder(cfg.data.path)
 

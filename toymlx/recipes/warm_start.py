@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.bundle import model_store
-from toymlx.bundle.folder import refuse_run_folder
+from toymlx.bundle.folder import check_model_file
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import write_llama
 from toymlx.gguf.reader import GGUFError
@@ -83,7 +83,7 @@ def validate(cfg: Config) -> None:
     if not cfg.donor:
         raise ValueError("--donor: expected a llama GGUF to take the token table from, "
                          "found none")
-    refuse_run_folder(cfg.donor, "--donor")
+    check_model_file(cfg.donor, "--donor")
     if cfg.warm.freeze_embeddings < -1:
         raise ValueError(f"--warm.freeze-embeddings: expected -1, 0 or a step count, "
                          f"found {cfg.warm.freeze_embeddings}")
