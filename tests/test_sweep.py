@@ -574,11 +574,11 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
         result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
-                                 report_png=False, busy_wait=2.0)
+                                 report_png=False, busy_wait=1.0)
         assert result.states == {"lr=0.002_seed=1": "elsewhere", "lr=0.002_seed=2": "done"}
-        assert time.monotonic() - t0 >= 2.0
+        assert time.monotonic() - t0 >= 1.0
         assert (run / "config.json").read_text() == started  # untouched
-        threading.Timer(1.0, holder.kill).start()  # the owner ends while the sweep waits
+        threading.Timer(0.5, holder.kill).start()  # the owner ends while the sweep waits
         result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
                                  report_png=False, busy_wait=60.0)
         assert result.states == {"lr=0.002_seed=1": "done", "lr=0.002_seed=2": "skipped"}
