@@ -708,7 +708,11 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
     assert _losses(run) == uninterrupted  # bit for bit
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+# SIGINT and SIGHUP in the slow tier: their two copies counted as one request are tested in
+# the default tier in one process (test_a_sigint_or_sighup_a_rank_gets_itself_and_relayed_...),
+# and a launch's SIGTERM case runs this same path end to end
+@pytest.mark.parametrize("sig", [signal.SIGTERM, *(pytest.param(s, marks=pytest.mark.slow)
+                                                   for s in (signal.SIGINT, signal.SIGHUP))])
 def test_a_stop_signal_to_every_process_ends_the_run_with_its_checkpoint(tmp_path, sig):
     """The default tier's check of a stop signal to every process of a 2-rank run at once (a
     job scheduler, `systemctl stop`, `kill -INT -- -PGID` of each group): the launch exits
@@ -775,7 +779,10 @@ def test_a_reader_gone_stops_every_rank_as_ctrl_c_does_and_exits_141(tmp_path):
     assert [step for step, _ in list_checkpoints(run / "weights")] == [s]
 
 
-@pytest.mark.parametrize("to", ["launcher", "all"])
+# "all" in the slow tier: a rank's own SIGTERM and its relay met before the loop are one stop,
+# tested in one process in the default tier (test_before_the_loop_a_stop_signal_raises_...),
+# and "launcher" runs this path end to end
+@pytest.mark.parametrize("to", ["launcher", pytest.param("all", marks=pytest.mark.slow)])
 def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path, to):
     """SIGTERM to toymlx-launch (or to every process) while its ranks set up: each ends at
     once, as on Ctrl-C there, with one line and exit code 143, and so does the launch. Ranks
@@ -1011,6 +1018,10 @@ def test_one_rank_trains_as_one_process_and_stops_with_its_checkpoint(tmp_path):
     assert len(_losses(root / "one")) == 40
 
 
+# slow: the refusal, said by rank 0 alone before any folder is made, is tested in one process
+# in the default tier (test_a_refusal_every_rank_meets_is_said_by_rank_0_alone); here, through
+# a real 2-rank launch
+@pytest.mark.slow
 def test_a_batch_the_ranks_cannot_split_is_refused_before_the_run_folder(tmp_path):
     """`toymlx-launch -n 2 -- toymlx-train --batch-size 5`: found at the first step, it left a
     run folder (run_start, run_end "error") that the corrected command then met as "run bundle

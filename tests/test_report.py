@@ -257,7 +257,8 @@ def test_runs_of_several_recipes_show_their_recipe_and_what_differs_within_one(t
     common = ["--steps", "2", "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1",
               "--no-progress", "--no-compile", "--runs-root", str(runs)]
     for run_id, argv in (
-            ("v", ["--recipe", "vit-tiny"]),
+            ("v", ["--recipe", "vit-tiny", "--model.d-model", "32", "--model.n-layers", "1",
+                   "--model.n-heads", "2", "--model.ffn-dim", "64"]),
             ("f", ["--recipe", "from-scratch", "--data.path", str(tmp_path / "t.txt"),
                    "--model.d-model", "32", "--model.n-layers", "1", "--seq-len", "32"]),
             *((f"l{r}", ["--recipe", "lora", "--base", str(tmp_path / "base.gguf"),
