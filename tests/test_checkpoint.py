@@ -280,3 +280,16 @@ def test_a_run_start_whose_model_record_is_no_object_is_no_traceback(tmp_path, m
     events = [{"kind": "run_start", "run_uid": "u1", "model": model}]
     meta = {ck.RUN_KEY: "u1", "general.architecture": "llama", "llama.context_length": 64}
     ck.check_own(tmp_path / "weights" / "step_1.gguf", "--model", meta=meta, events=events)
+
+
+def test_a_checkpoint_into_a_run_folder_removed_mid_run_is_refused(tmp_path):
+    """A sweep's run folder deleted while the run trained: its next checkpoint made the folder
+    again, holding weights/ alone, and the sweep run again refused to --overwrite that folder
+    (no config.json, no events.jsonl) on every try."""
+    run_dir = tmp_path / "lr=0.002"
+    with pytest.raises(FileNotFoundError) as e:
+        ck.save_checkpoint(run_dir / "weights", "step_", 200, lambda p: p.write_bytes(b""), {},
+                           {"step": 200})
+    assert str(e.value) == (f"[Errno 2] expected the run's folder, found it removed while the "
+                            f"run trained; step 200 not saved: '{run_dir}'")
+    assert not run_dir.exists()
