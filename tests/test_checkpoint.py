@@ -293,3 +293,24 @@ def test_a_checkpoint_into_a_run_folder_removed_mid_run_is_refused(tmp_path):
     assert str(e.value) == (f"[Errno 2] expected the run's folder, found it removed while the "
                             f"run trained; step 200 not saved: '{run_dir}'")
     assert not run_dir.exists()
+
+
+def test_a_run_whose_folder_is_removed_mid_run_ends_in_one_line(tmp_path, capsys, monkeypatch,
+                                                                 shared_file):
+    """It trained on, wrote its checkpoints into the folder made again and said "completed";
+    then it was told to `--resume` a folder that is gone."""
+    real = ck.save_checkpoint
+
+    def removed_first(weights: Path, *args):
+        shutil.rmtree(weights.parent)
+        return real(weights, *args)
+
+    monkeypatch.setattr(ck, "save_checkpoint", removed_first)
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path",
+                 str(shared_file("text/tinystories_sample.txt")), "--runs-root", str(tmp_path),
+                 "--run-id", "gone", "--steps", "2", "--eval-every", "0"]) == 1
+    assert error_line(capsys, "toymlx-train") == (
+        f"toymlx-train: error: {tmp_path / 'gone'}: expected the run's folder, found it removed "
+        "while the run trained; step 2 not saved; nothing of the run is left: run the same "
+        "command again to start it over")
+    assert not (tmp_path / "gone").exists()
