@@ -89,8 +89,18 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
 
     axes = {k: sweep.file_axis(k, v, args.recipe, f"{path}: key 'grid.{k}'")
             for k, v in file_grid.items()}
-    for key, values in (sweep.parse_axis(g, args.recipe) for g in args.grid):
-        same = [k for k in axes if k.replace("-", "_") == key.replace("-", "_")]
+    given: dict[str, str] = {}  # option name -> the --grid that gave it
+    for g in args.grid:
+        key, values = sweep.parse_axis(g, args.recipe)
+        name = key.replace("-", "_")
+        # a second --grid of one key replaced the first: `--grid lr=1e-3 --grid lr=3e-3` ran
+        # 3e-3 alone, the 1e-3 run silently never made
+        if name in given:
+            raise ValueError(f"--grid {g}: expected each option in one --grid, found it also in "
+                             f"--grid {given[name]}; give its values together "
+                             f"(--grid {key}=V1,V2)")
+        given[name] = g
+        same = [k for k in axes if k.replace("-", "_") == name]
         axes[same[0] if same else key] = values
     return axes
 

@@ -280,3 +280,37 @@ def test_a_run_start_whose_model_record_is_no_object_is_no_traceback(tmp_path, m
     events = [{"kind": "run_start", "run_uid": "u1", "model": model}]
     meta = {ck.RUN_KEY: "u1", "general.architecture": "llama", "llama.context_length": 64}
     ck.check_own(tmp_path / "weights" / "step_1.gguf", "--model", meta=meta, events=events)
+
+
+def test_a_checkpoint_into_a_run_folder_removed_mid_run_is_refused(tmp_path):
+    """A sweep's run folder deleted while the run trained: its next checkpoint made the folder
+    again, holding weights/ alone, and the sweep run again refused to --overwrite that folder
+    (no config.json, no events.jsonl) on every try."""
+    run_dir = tmp_path / "lr=0.002"
+    with pytest.raises(FileNotFoundError) as e:
+        ck.save_checkpoint(run_dir / "weights", "step_", 200, lambda p: p.write_bytes(b""), {},
+                           {"step": 200})
+    assert str(e.value) == (f"[Errno 2] expected the run's folder, found it removed while the "
+                            f"run trained; step 200 not saved: '{run_dir}'")
+    assert not run_dir.exists()
+
+
+def test_a_run_whose_folder_is_removed_mid_run_ends_in_one_line(tmp_path, capsys, monkeypatch,
+                                                                 shared_file):
+    """It trained on, wrote its checkpoints into the folder made again and said "completed";
+    then it was told to `--resume` a folder that is gone."""
+    real = ck.save_checkpoint
+
+    def removed_first(weights: Path, *args):
+        shutil.rmtree(weights.parent)
+        return real(weights, *args)
+
+    monkeypatch.setattr(ck, "save_checkpoint", removed_first)
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path",
+                 str(shared_file("text/tinystories_sample.txt")), "--runs-root", str(tmp_path),
+                 "--run-id", "gone", "--steps", "2", "--eval-every", "0"]) == 1
+    assert error_line(capsys, "toymlx-train") == (
+        f"toymlx-train: error: {tmp_path / 'gone'}: expected the run's folder, found it removed "
+        "while the run trained; step 2 not saved; nothing of the run is left: run the same "
+        "command again to start it over")
+    assert not (tmp_path / "gone").exists()

@@ -370,3 +370,19 @@ def test_a_bundle_every_other_reader_refuses_is_reported_with_a_warning(tmp_path
         (f"{config}: key 'config.steps': expected an integer, found \"ten\" (a string); fix it "
          "to the run's value; its row shows what its files still tell")]
     assert row["status"] == "completed"
+
+
+def test_a_folder_of_sweeps_is_named_and_a_run_named_twice_is_shown_once(tmp_path):
+    """`toymlx-report runs` (sweeps inside) said "found neither"; `toymlx-report runs/s
+    runs/s/b` showed run b twice."""
+    sweep_dir = tmp_path / "runs" / "s"
+    for name in ("a", "b"):
+        _bundle(sweep_dir / name, [[("run_start", {}), *_steps(1, 2)]])
+    (sweep_dir / "sweep.json").write_text(json.dumps({"runs": [{"name": "a"}, {"name": "b"}]}))
+    with pytest.raises(ValueError) as e:
+        report.expand_dirs([tmp_path / "runs"])
+    assert str(e.value) == (f"{tmp_path / 'runs'}: expected a run bundle (events.jsonl or "
+                            "config.json) or a folder of run bundles, found a folder of sweeps "
+                            f"(s): name them, as in toymlx-report {sweep_dir}")
+    assert report.expand_dirs([sweep_dir, sweep_dir / "b", sweep_dir / ".." / "s" / "a"]) == [
+        sweep_dir / "a", sweep_dir / "b"]

@@ -358,6 +358,23 @@ def test_a_bad_grid_value_fails_before_any_run_starts(tmp_path, capsys, how, wan
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("grids", [["lr=1e-3", "lr=3e-3"],
+                                   ["model.ffn_dim=32", "model.ffn-dim=64"]])
+def test_one_key_in_two_grid_flags_is_refused(tmp_path, capsys, grids):
+    """The second --grid of a key replaced the first: `--grid lr=1e-3 --grid lr=3e-3` ran
+    lr=0.003 alone, the lr=0.001 run never made and nothing said."""
+    from cli_errors import error_line
+
+    argv = ["--recipe", "from-scratch", "--grid", grids[0], "--grid", grids[1], "--runs-root",
+            str(tmp_path / "runs"), "--no-progress", "--no-report", *TINY]
+    assert sweep_main(argv) == 2
+    key = grids[1].partition("=")[0]
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: --grid {grids[1]}: expected each option in one --grid, found it "
+        f"also in --grid {grids[0]}; give its values together (--grid {key}=V1,V2)")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_changed_sweep_under_the_same_id_is_refused_naming_the_changed_keys(tmp_path, capsys):
     """Re-running `toymlx-sweep -c FILE` after editing it reported the old runs as completed
     and rewrote run-options.json; a new --sweep-id runs the edited sweep."""

@@ -170,7 +170,14 @@ def save_checkpoint(weights: Path, prefix: str, step: int, write: Callable[[Path
                     state_arrays: dict[str, Any], state_meta: dict[str, Any]) -> Path:
     """State, then model file, then link: the order that keeps `latest` always valid. On any
     failure (a full disk) every file of this checkpoint is removed again."""
-    weights.mkdir(parents=True, exist_ok=True)
+    # the run's folder removed by hand while it trained (a sweep's run deleted mid-way): made
+    # again, it held weights/ alone, a folder that is no run, which the sweep run again then
+    # refused to --overwrite every time; the run now fails, its folder left gone
+    if not weights.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "expected the run's folder, found it removed "
+                                f"while the run trained; step {step} not saved",
+                                str(weights.parent))
+    weights.mkdir(exist_ok=True)
     ckpt = weights / f"{prefix}{step}.gguf"
     try:
         save_state(state_path(ckpt), state_arrays, state_meta)

@@ -183,22 +183,30 @@ def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def expand_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """Run bundles named by `paths`: each is a bundle, or a folder of bundles (a sweep)."""
+    """Run bundles named by `paths`: each is a bundle, or a folder of bundles (a sweep); a run
+    named twice (a sweep and one of its runs) is shown once."""
     out: list[Path] = []
     for p in map(Path, paths):
         if _is_bundle(p):
-            out.append(p)
+            subs = [p]
         elif p.is_dir():
             names = sweep_order(p)
             subs = [p / n for n in names] if names else sorted(
                 (c for c in p.iterdir() if _is_bundle(c)), key=lambda c: c.name)
             if not subs:
+                # `toymlx-report runs`, the folder of sweeps: "found neither" did not say where
+                # the runs were
+                sweeps = sorted(c.name for c in p.iterdir() if sweep_order(c))
+                found = (f"a folder of sweeps ({', '.join(sweeps[:3])}"
+                         f"{', ...' if len(sweeps) > 3 else ''}): name them, as in "
+                         f"toymlx-report {p / sweeps[0]}" if sweeps else "neither")
                 raise ValueError(f"{p}: expected a run bundle (events.jsonl or config.json) or a "
-                                 "folder of run bundles, found neither")
-            out.extend(subs)
+                                 f"folder of run bundles, found {found}")
         else:
             raise ValueError(f"{p}: expected a run bundle or sweep folder, found "
                              f"{'a file' if p.exists() else 'nothing'}")
+        seen = {d.resolve() for d in out}
+        out.extend(d for d in subs if d.resolve() not in seen)
     return out
 
 

@@ -204,6 +204,12 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 1
         except OSError as e:
+            if not run.run_dir.is_dir():  # removed by hand while it trained (`save_checkpoint`):
+                # "--resume DIR --from step_0", the advice below, names a folder that is gone
+                said = e.strerror if e.filename == str(run.run_dir) else str(e)
+                print(f"toymlx-train: error: {run.run_dir}: {said}; nothing of the run is "
+                      "left: run the same command again to start it over", file=sys.stderr)
+                return 1
             room = (ck.room_note(run.run_dir / "weights")
                     if e.errno in (errno.ENOSPC, errno.EDQUOT) else "")
             print(f"toymlx-train: error: {run.run_dir}: could not write the run bundle ({e}); "
