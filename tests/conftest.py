@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 # The host's own OPENBLAS_CORETYPE (a cloud image may set one: Haswell on an AVX-512 AMD EPYC,
-# where SkylakeX's sgemm runs 2-3x faster) would choose the kernels of every test process and
+# where SkylakeX's sgemm runs ~2x faster) would choose the kernels of every test process and
 # warn on each one's stderr: the tests run with the kernels toymlx chooses from cpuid, and
 # test_blas sets the variable itself where it tests a user's own choice.
 os.environ.pop("OPENBLAS_CORETYPE", None)
