@@ -350,6 +350,37 @@ def test_export_of_a_run_whose_data_is_gone_writes_the_file_and_says_why_no_loss
         f"nothing at that path (toymlx-eval --model {out} --data.path DATA measures it)")
 
 
+def test_export_of_a_run_on_a_data_folder_names_valid_jsonl_as_its_rows_source(
+        bases, tmp_path, capsys):
+    """A run on an mlx-lm data folder validates on valid.jsonl alone: the export's held-out line
+    named "train.jsonl + valid.jsonl" as the validation rows' source; so does toymlx-eval's
+    `data` for --split val (--split all scores both files and names both)."""
+    from toymlx_cli.eval import chat_loss
+    from toymlx_cli.export import main
+
+    from toymlx.generation.generate import load_for_generation
+    from toymlx.runner.bundle import Bundle
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split, n in (("train", 8), ("valid", 4)):
+        (folder / f"{split}.jsonl").write_text("".join(
+            json.dumps({"prompt": f"{split} q{i}", "completion": f"answer {i}"}) + "\n"
+            for i in range(n)))
+    run = _train(tmp_path, bases["q4_1"], "lora", "--data.path", str(folder))
+    capsys.readouterr()
+    out = tmp_path / "fused.gguf"
+    assert main(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"toymlx-export: held-out loss on the 2 validation rows the run scores ({folder}/"
+        "valid.jsonl; the first --eval-batches 1 x --batch-size 2): base + adapter ")
+    model = load_for_generation(run)
+    cfg = Bundle.of(run).config
+    assert chat_loss(*model, cfg, "val", progress=None).source == f"{folder}/valid.jsonl"
+    assert chat_loss(*model, cfg, "all", progress=None).source == (
+        f"{folder}/train.jsonl + {folder}/valid.jsonl")
+
+
 def test_export_of_a_run_that_held_out_no_rows_writes_the_file_and_says_why_no_loss(
         bases, tmp_path, capsys):
     """A run on 4 examples holds out none (0.1 of 4 rounds to 0; the run itself ends "held-out:
