@@ -973,7 +973,7 @@ def test_a_hugging_face_model_the_hub_cannot_give_is_named_by_the_file_s_key(
     """`model: USER/REPO` (mlx-lm's Hugging Face folder, read as hf:) that is in no cache and
     cannot be fetched: the line names the file and its key 'model', toymlx's --base in brackets,
     as a missing GGUF path is; it began `--base hf:USER/REPO: ...`, naming a flag the user never
-    typed."""
+    typed, and its closing advice names the file's key as well (it said `--base PATH.gguf`)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.delenv("LLAMA_CACHE", raising=False)
@@ -985,4 +985,5 @@ def test_a_hugging_face_model_the_hub_cannot_give_is_named_by_the_file_s_key(
     assert line.startswith(
         f"toymlx-train: error: {path}: key 'model' (toymlx's --base): hf:someone/NoSuchModel: "
         f"not in the Hugging Face cache {tmp_path / 'hub'} and HF_HUB_OFFLINE is set"), line
-    assert line.endswith("or give the GGUF file itself: --base PATH.gguf"), line
+    assert line.endswith(f"or give the GGUF file itself: set model: PATH.gguf in {path} (or "
+                         "pass --base PATH.gguf)"), line
