@@ -384,15 +384,18 @@ def test_export_of_a_run_on_a_data_folder_names_valid_jsonl_as_its_rows_source(
 def test_export_of_a_run_that_held_out_no_rows_writes_the_file_and_says_why_no_loss(
         bases, tmp_path, capsys):
     """A run on 4 examples holds out none (0.1 of 4 rounds to 0; the run itself ends "held-out:
-    n/a"): the fused file was written, then the held-out check failed the command ("error: ...
-    expected validation rows to score, found none", exit 2). Now it ends with 0 and says why."""
+    none", where it said "n/a"): the fused file was written, then the held-out check failed the
+    command ("error: ... expected validation rows to score, found none", exit 2). Now it ends
+    with 0 and says why."""
     from toymlx_cli.export import main
 
     data = tmp_path / "four.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"answer {i}"}) + "\n"
                             for i in range(4)))
     run = _train(tmp_path, bases["q4_1"], "lora", "--data.path", str(data))
-    capsys.readouterr()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "toymlx: completed at step 2. held-out: none (the data holds out nothing to validate "
+        f"on). bundle: {run}")
     out = tmp_path / "fused.gguf"
     assert main(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
     assert GGUFFile(out).tensors
