@@ -280,3 +280,12 @@ def test_a_run_start_whose_model_record_is_no_object_is_no_traceback(tmp_path, m
     events = [{"kind": "run_start", "run_uid": "u1", "model": model}]
     meta = {ck.RUN_KEY: "u1", "general.architecture": "llama", "llama.context_length": 64}
     ck.check_own(tmp_path / "weights" / "step_1.gguf", "--model", meta=meta, events=events)
+
+
+def test_from_takes_a_bare_step_number_and_a_checkpoint_file_name():
+    """docs/RUNS.md: `--from 100` is taken as `step_100`, as is a checkpoint's file name."""
+    assert [ck.parse_from(t) for t in ("100", "step_100", "adapter_step_100.gguf", " 7 ")] == [
+        100, 100, 100, 7]
+    with pytest.raises(ValueError) as e:
+        ck.parse_from("latest")
+    assert str(e.value) == "--from: expected a checkpoint such as step_20 (or 20), found 'latest'"
