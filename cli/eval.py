@@ -392,7 +392,9 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         trained, total, tokenized = None, len(examples), fit.examples
     else:  # the validation examples alone (val), or the training ones first (all)
         ex = SplitExamples.of(path or DEFAULT_DATA, data.get("val_fraction", 0.1))
-        source, where, trained = str(ex.source), ex.source.of("validation"), len(ex.train)
+        where, trained = ex.source.of("validation"), len(ex.train)
+        # the file(s) the scored rows came from: valid.jsonl alone for --split val
+        source = where if split == "val" else str(ex.source)
         parts = [] if split == "val" else [rows_of(ex.train, "training", first)]
         made = sum(len(r["inputs"]) for r, _ in parts)
         if first is None or made < first:

@@ -551,6 +551,9 @@ def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: st
                                            and not option):  # the flag's value was refused
         return message
     key, origin = row[0], row[3]
+    hint = f"{flag} PATH.gguf"  # the model store's closing advice, in the file's own terms
+    if rest.endswith(hint) and origin == "file":
+        rest = rest[: -len(hint)] + f"set {key}: PATH.gguf in {source} (or pass {hint})"
     where = (f"mlx-lm's default, not in the file; toymlx's {flag}"
              if origin.startswith("mlx-lm default") else f"toymlx's {flag}")
     return f"{source}: key {key!r} ({where}){': ' + path if path else ''}{rest}"

@@ -206,7 +206,8 @@ def test_ctrl_c_in_the_relays_write_stops_the_run_and_is_raised_after(tmp_path):
     n, run = end["final_step"], tmp_path / "r"
     assert p.stderr.strip().splitlines()[-1] == (
         f"raised KeyboardInterrupt('toymlx: interrupted at step {n}: interrupted after step {n}; "
-        f"resume with resume=\"{run}\". held-out: n/a. bundle: {run}') after "
+        f"resume with resume=\"{run}\". held-out: not measured yet (no validation before the "
+        f"stop). bundle: {run}') after "
         '{"kind": "run_end"'), p.stderr
 
 
@@ -341,7 +342,8 @@ def test_refused_options_and_failed_runs_are_told_apart_by_type(tmp_path):
     assert (e.returncode, e.summary["status"]) == (2, "diverged")
     assert str(e).startswith("toymlx: diverged at step ") and str(e).count("bundle:") == 1
     assert str(e).endswith(f"; stopped without checkpointing the bad weights; last good "
-                           f"checkpoint: none. held-out: n/a. bundle: {run}"), str(e)
+                           f"checkpoint: none. held-out: not measured yet (no validation "
+                           f"before the stop). bundle: {run}"), str(e)
 
 
 def test_the_commands_flags_are_told_as_the_keywords_train_takes():

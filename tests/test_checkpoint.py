@@ -314,3 +314,12 @@ def test_a_run_whose_folder_is_removed_mid_run_ends_in_one_line(tmp_path, capsys
         "while the run trained; step 2 not saved; nothing of the run is left: run the same "
         "command again to start it over")
     assert not (tmp_path / "gone").exists()
+
+
+def test_from_takes_a_bare_step_number_and_a_checkpoint_file_name():
+    """docs/RUNS.md: `--from 100` is taken as `step_100`, as is a checkpoint's file name."""
+    assert [ck.parse_from(t) for t in ("100", "step_100", "adapter_step_100.gguf", " 7 ")] == [
+        100, 100, 100, 7]
+    with pytest.raises(ValueError) as e:
+        ck.parse_from("latest")
+    assert str(e.value) == "--from: expected a checkpoint such as step_20 (or 20), found 'latest'"

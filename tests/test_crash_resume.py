@@ -380,7 +380,8 @@ def test_a_second_ctrl_c_while_the_first_step_builds_kernels_leaves_at_once(tmp_
     end = events[-1]
     assert (end["reason"], end["final_step"], end["exit_code"], end["signal"],
             end["message"]) == ("interrupted", 0, 130, "SIGINT", message)
-    assert cold.err[-1] == f"toymlx: interrupted at step 0: {message}. held-out: n/a. bundle: {run}"
+    assert cold.err[-1] == (f"toymlx: interrupted at step 0: {message}. held-out: not measured "
+                            f"yet (no validation before the stop). bundle: {run}")
     assert not list_checkpoints(run / "weights")
     t0 = time.monotonic()
     while _compilers_in(tmp_path / "tmp"):  # the build in flight, left to finish

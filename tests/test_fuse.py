@@ -224,12 +224,14 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
     takes base + adapter's loss from the run's step-3 validation instead of scoring it again;
     both printed figures equal a direct computation on those rows to 1e-4, and the count
     printed is the count scored."""
+    from toymlx_cli.eval import chat_loss
     from toymlx_cli.export import main as export
     from toymlx_cli.train import main as train
 
     from toymlx.bundle.events import read_events
     from toymlx.data.chat import SFTData
     from toymlx.generation.generate import load_for_generation
+    from toymlx.runner.bundle import Bundle
 
     data = tmp_path / "data"
     data.mkdir()
@@ -252,12 +254,15 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
     assert m, line
     n, source, batches, size, ref, whose, got, change = m.groups()
     assert (int(n), int(batches), int(size)) == (6, 3, 2)
-    assert (source, whose) == (f"{data / 'train.jsonl'} + {data / 'valid.jsonl'}",
-                               "the run's step-3 validation")
+    # the rows' own file: it named "train.jsonl + valid.jsonl", as toymlx-eval's `data` did
+    assert (source, whose) == (str(data / "valid.jsonl"), "the run's step-3 validation")
     run_loss = [e["val_loss"] for e in read_events(run) if e["kind"] == "eval"]
     assert ref == f"{run_loss[-1]:.4f}"
 
     model, tok = load_for_generation(run)
+    cfg = Bundle.of(run).config  # --split all scores both files and names both
+    assert [chat_loss(model, tok, cfg, split, first=1, progress=None).source
+            for split in ("val", "all")] == [source, f"{data / 'train.jsonl'} + {source}"]
     val = SFTData.from_file(data, tok, 96, True, False).val
     assert len(val["inputs"]) == 20
     rows = {k: v[:6] for k, v in val.items()}
@@ -353,15 +358,18 @@ def test_export_of_a_run_whose_data_is_gone_writes_the_file_and_says_why_no_loss
 def test_export_of_a_run_that_held_out_no_rows_writes_the_file_and_says_why_no_loss(
         bases, tmp_path, capsys):
     """A run on 4 examples holds out none (0.1 of 4 rounds to 0; the run itself ends "held-out:
-    n/a"): the fused file was written, then the held-out check failed the command ("error: ...
-    expected validation rows to score, found none", exit 2). Now it ends with 0 and says why."""
+    none", where it said "n/a"): the fused file was written, then the held-out check failed the
+    command ("error: ... expected validation rows to score, found none", exit 2). Now it ends
+    with 0 and says why."""
     from toymlx_cli.export import main
 
     data = tmp_path / "four.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"answer {i}"}) + "\n"
                             for i in range(4)))
     run = _train(tmp_path, bases["q4_1"], "lora", "--data.path", str(data))
-    capsys.readouterr()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "toymlx: completed at step 2. held-out: none (the data holds out nothing to validate "
+        f"on). bundle: {run}")
     out = tmp_path / "fused.gguf"
     assert main(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
     assert GGUFFile(out).tensors

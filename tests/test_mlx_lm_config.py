@@ -822,11 +822,11 @@ def test_a_bad_value_is_named_by_the_file_s_own_key(tmp_path, base, capsys, extr
      "{path}: key 'lora_parameters.rank': expected an integer >= 1, found 0"),
     ({"batch_size": 100}, [],
      ("{path}: key 'batch_size' (toymlx's --batch-size): expected at most 12 (the training split "
-     "of {data}/train.jsonl + {data}/valid.jsonl holds 12 rows), found 100; use a smaller "
+     "of {data}/train.jsonl holds 12 rows), found 100; use a smaller "
      "--batch-size or more data")),
     ({"batch_size": None, "data": "{small}"}, [],
      ("{path}: key 'batch_size' (mlx-lm's default, not in the file; toymlx's --batch-size): "
-     "expected at most 3 (the training split of {small}/train.jsonl + {small}/valid.jsonl holds "
+     "expected at most 3 (the training split of {small}/train.jsonl holds "
      "3 rows), found 4; use a smaller --batch-size or more data")),
     ({"model": "{tmp}/nope.gguf"}, [],
      ("{path}: key 'model' (toymlx's --base): {tmp}/nope.gguf: expected an existing GGUF file, "
@@ -973,7 +973,7 @@ def test_a_hugging_face_model_the_hub_cannot_give_is_named_by_the_file_s_key(
     """`model: USER/REPO` (mlx-lm's Hugging Face folder, read as hf:) that is in no cache and
     cannot be fetched: the line names the file and its key 'model', toymlx's --base in brackets,
     as a missing GGUF path is; it began `--base hf:USER/REPO: ...`, naming a flag the user never
-    typed."""
+    typed, and its closing advice names the file's key as well (it said `--base PATH.gguf`)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.delenv("LLAMA_CACHE", raising=False)
@@ -985,4 +985,5 @@ def test_a_hugging_face_model_the_hub_cannot_give_is_named_by_the_file_s_key(
     assert line.startswith(
         f"toymlx-train: error: {path}: key 'model' (toymlx's --base): hf:someone/NoSuchModel: "
         f"not in the Hugging Face cache {tmp_path / 'hub'} and HF_HUB_OFFLINE is set"), line
-    assert line.endswith("or give the GGUF file itself: --base PATH.gguf"), line
+    assert line.endswith(f"or give the GGUF file itself: set model: PATH.gguf in {path} (or "
+                         "pass --base PATH.gguf)"), line

@@ -327,13 +327,18 @@ def resolve_base_dtype(choice: str, gpu: bool, memory_first: bool,
     return "float32" if memory.within_half_available(step_bytes("float32"))[0] else "blocks"
 
 
-def check_packed_batch(batch_size: int, data: SFTData) -> None:
-    """--batch-size against packed training rows: ValueError naming the examples and the rows
-    they pack into (6 short examples are 2 rows of 256 tokens, not 6; mlx-lm's one example a
-    row is --data.no-pack), where the run's general check would name only the rows."""
+def check_train_batch(batch_size: int, data: SFTData) -> None:
+    """--batch-size against the training rows: ValueError naming the file they came from
+    (train.jsonl alone, where the run's general check names the data's files), and for packed
+    rows the examples they pack into (6 short examples are 2 rows of 256 tokens, not 6;
+    mlx-lm's one example a row is --data.no-pack)."""
     rows, fit = len(data.train["inputs"]), data.fits.get("train")
-    if not data.pack or fit is None or batch_size <= rows or fit.examples <= rows:
+    if batch_size <= rows:
         return
+    if not data.pack or fit is None or fit.examples <= rows:
+        raise ValueError(f"--batch-size: expected at most {rows} (the training split of "
+                         f"{data.source.of('train')} holds {rows} rows), found {batch_size}; "
+                         "use a smaller --batch-size or more data")
     raise ValueError(f"--batch-size: expected at most {rows} (the {fit.examples} training "
                      f"examples of {data.source.of('train')} pack into {rows} rows of --seq-len "
                      f"{data.seq_len}), found {batch_size}; use --batch-size {rows}, "
@@ -381,7 +386,7 @@ def build(cfg: Config, ops: Ops) -> Task:
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
                              turns=cfg.data.train_turns, progress=cfg.progress)
     data.check_held_out(cfg.test)
-    check_packed_batch(cfg.batch_size, data)
+    check_train_batch(cfg.batch_size, data)
     # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation
     for note in data.notes(cfg.test):
         print(f"toymlx: {note}", file=sys.stderr)

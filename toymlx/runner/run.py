@@ -399,5 +399,16 @@ def _final_line(run_dir: Path, end: dict) -> None:
         msg += f": {end['message']}"
     exports = [e for e in events if e["kind"] == "export" and e.get("step") == at]
     made = f" export: {run_dir / exports[-1]['path']}." if exports else ""
-    print(f"toymlx: {msg}. held-out: {figures or 'n/a'}.{made} bundle: {run_dir}",
-          file=sys.stderr)
+    print(f"toymlx: {msg}. held-out: {figures or _no_figures(events, end)}.{made} bundle: "
+          f"{run_dir}", file=sys.stderr)
+
+
+def _no_figures(events: list[dict], end: dict) -> str:
+    """The last line's words for a run without a held-out figure (events.jsonl records none):
+    its data held nothing out, or no validation pass ran before it ended."""
+    starts = [e.get("config", {}) for e in events if e["kind"] == "run_start"]
+    if starts and 0 in (starts[-1].get("val_rows"), starts[-1].get("val_tokens")):
+        return "none (the data holds out nothing to validate on)"
+    if end["reason"] == "completed":
+        return "not measured (no validation pass ran)"
+    return "not measured yet (no validation before the stop)"
