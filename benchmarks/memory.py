@@ -143,8 +143,9 @@ def run_row(row: Row, runs: Path) -> dict[str, Any]:
     if child.returncode != 0:
         rec["error"] = out.strip().splitlines()[-1] if out.strip() else ""
         return rec
-    events = [json.loads(x) for x in (runs / row.name / "events.jsonl").read_text().splitlines()
-              if x.strip()]
+    from toymlx.bundle.events import read_events  # a torn or damaged line is skipped
+
+    events = read_events(runs / row.name)
     steps = [e for e in events if e["kind"] == "step"]
     end = next(e for e in events if e["kind"] == "run_end")
     start = next(e for e in events if e["kind"] == "run_start")

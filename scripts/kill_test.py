@@ -12,7 +12,7 @@ load, first step). After each kill the bundle must hold:
 - `weights/latest` names a complete GGUF that load_llama loads, whose `general.step` is its
   file's step, with a complete resume state beside it;
 - every `step_*.gguf` present loads, and has its state file (state is written first);
-- `events.jsonl` reads with read_events, with at most one torn line per kill.
+- `events.jsonl` reads with read_log: at most one torn line (its last), no damage.
 
 The next cycle resumes the run with `--resume`, and its `resume` event must show from_step
 equal to the step `latest` named when it was launched; the bundle keeps one run_start and each
@@ -111,7 +111,7 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
     """The invariants after a kill; AssertionError naming what broke."""
     import toymlx  # noqa: F401
     from toymlx.bundle.checkpoint import list_checkpoints, load_state, resolve_latest, state_path
-    from toymlx.bundle.events import read_events
+    from toymlx.bundle.events import damage_note, read_log
     from toymlx.gguf.llama import load_llama
 
     weights = run / "weights"
@@ -130,22 +130,17 @@ def check_bundle(run: Path, kills_so_far: int) -> dict:
     # killed between the GGUF's rename and the link swap, the newest file is one step ahead
     top = max(s for s, _ in found)
     assert top - step in (0, 1), f"latest is step {step}, newest checkpoint step {top}"
-    events = read_events(run)
+    log = read_log(run)
+    events = log.events
     kinds = [e["kind"] for e in events]
     assert kinds.count("run_start") <= 1 and kinds[:1] in ([], ["run_start"]), "run_start"
     steps = [e["step"] for e in events if e["kind"] == "step"]
     assert steps == list(range(1, len(steps) + 1)), f"steps not 1..N once: {steps[-12:]}"
-    raw = (run / "events.jsonl").read_bytes().split(b"\n")
-    garbage = 0
-    for line in raw:
-        if not line.strip():
-            continue
-        try:
-            json.loads(line)
-        except ValueError:
-            garbage += 1
-    assert garbage <= kills_so_far, f"{garbage} unreadable event lines after {kills_so_far} kills"
-    return {"latest": step, "n_ckpt": len(found), "events": len(events), "torn": garbage}
+    # a kill leaves at most its torn last line (a resume moves it out): never what
+    # toymlx-report would name as damage
+    assert not log.damaged, damage_note(log.path, log.damaged)
+    assert len(log.torn) <= 1, f"torn lines {log.torn} after {kills_so_far} kills"
+    return {"latest": step, "n_ckpt": len(found), "events": len(events), "torn": len(log.torn)}
 
 
 def resumes(run: Path) -> list[dict]:

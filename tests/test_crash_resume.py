@@ -83,26 +83,48 @@ def test_a_run_stopped_and_resumed_again_and_again_ends_bit_exact(tmp_path, shar
         "startup", "step", "eval", "checkpoint"]
 
 
-def test_resume_after_a_torn_event_line(tmp_path, shared_file):
-    """A kill mid-emit leaves half a line; the resumed run's events must still be readable."""
+def test_resume_after_a_torn_event_line(tmp_path, shared_file, capsys):
+    """A kill mid-emit leaves half a line; the resumed run's events must still be readable. A
+    garbled line no kill leaves (damage) is named as the resume moves it out; the torn one is
+    not."""
     data = str(shared_file("text/tinystories_sample.txt"))
     run = tmp_path / "r"
     assert main(["--recipe", "from-scratch", *TINY, "--steps", "6", "--stop-at", "3",
                  "--checkpoint-every", "1", "--data.path", data, "--runs-root", str(tmp_path),
                  "--run-id", "r"]) == 0
     events = run / "events.jsonl"
-    raw = events.read_bytes()
-    last = raw.rstrip(b"\n").rfind(b"\n") + 1
-    events.write_bytes(raw[: last + (len(raw) - last) // 2])  # the run_end line, torn
+    lines = events.read_bytes().splitlines(keepends=True)
+    at = next(i for i, x in enumerate(lines) if b'"checkpoint"' in x)  # step 1's checkpoint
+    lines[at] = lines[at][:30] + b"\x00" * 8 + lines[at][38:]
+    lines[-1] = lines[-1][: len(lines[-1]) // 2]  # the run_end line, torn
+    events.write_bytes(b"".join(lines))
+    capsys.readouterr()
     assert main(["--resume", str(run), "--no-progress"]) == 0
+    damage = (f"{events}: line {at + 1}: expected an event (one JSON object a line), found a "
+              "garbled line that no kill or resume explains: the file was damaged; moved to "
+              "events.superseded.jsonl")
+    assert damage in capsys.readouterr().err
     ev = read_events(run)
     assert [e["kind"] for e in ev].count("run_start") == 1
     (res,) = [e for e in ev if e["kind"] == "resume"]
     assert res["from_step"] == 3 and res["previous_end"] == "torn"  # its run_end was torn
+    assert res["note"] == damage  # the torn run_end line is not named
     assert [e["step"] for e in ev if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]
     assert ev[-1]["kind"] == "run_end" and ev[-1]["reason"] == "completed"
     assert ev[-1]["final_step"] == 6
     load_llama(resolve_latest(run))
+    # step 5's line garbled in place: a resume refuses the gap, naming the line
+    lines = events.read_bytes().splitlines(keepends=True)
+    at = next(i for i, x in enumerate(lines) if b'"step": 5,' in x and b'"kind": "step"' in x)
+    lines[at] = lines[at][:10] + b"\x00" * 4 + lines[at][14:]
+    events.write_bytes(b"".join(lines))
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--steps", "8", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-train: error: {events}: --resume: expected each step once up to the "
+        f"checkpoint's step 6, found no step 5 (line {at + 1} garbled: the file was damaged); "
+        "resuming would leave step 5 missing for good: put the run's events.jsonl back, or go "
+        "on from a checkpoint before it with --from step_4\n")
 
 
 def _signal_args(shared_file, root: Path) -> list[str]:

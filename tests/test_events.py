@@ -13,7 +13,7 @@ import pytest
 from toymlx_cli.train import main
 
 import toymlx
-from toymlx.bundle.events import EventLog, read_events
+from toymlx.bundle.events import EventLog, damage_note, parse_event, read_events, read_log
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
@@ -107,6 +107,41 @@ def test_torn_last_line_is_skipped(tmp_path):
     assert read_events(tmp_path / "missing.jsonl") == []
 
 
+_EV = b'{"kind": "step", "step": 1}\n'
+_START, _RESUME = b'{"kind": "run_start"}\n', b'{"kind": "resume", "from_step": 1}\n'
+
+
+@pytest.mark.parametrize(("lines", "torn", "damaged"), [
+    ([_START, _EV, b'{"kind": "st'], [3], []),  # killed mid-write (or a write under way)
+    ([_START, _EV, b'{"kind": "st\n', _RESUME, _EV], [3], []),  # killed, then resumed
+    ([_START, b'{"ki\n', b'{"kind": "run_st\n', _START, _EV], [2, 3], []),  # older toymlx
+    ([_START, _EV, b"\n", _EV], [], []),  # a blank line loses nothing
+    ([_START, b'{"kind": "st\x00\x00ep"}\n', _EV, b'{"kind": "run_e'], [4], [2]),
+    ([_START, _EV, b"[1, 2]\n", b"garbage\n"], [], [3, 4]),  # whole lines at the end
+])
+def test_scan_tells_a_killed_run_s_torn_lines_from_damage(tmp_path, lines, torn, damaged):
+    """A line that is no event is torn where a crash explains it (the last line cut short, or
+    lines just before a run_start or resume); anything else is damage, named by its number."""
+    p = tmp_path / "events.jsonl"
+    p.write_bytes(b"".join(lines))
+    log = read_log(tmp_path)
+    assert (log.torn, log.damaged, log.lines) == (torn, damaged, len(lines))
+    assert log.events == read_events(p) and len(log.events) == sum(
+        parse_event(x) is not None for x in lines)
+    assert log.cut_short == (not lines[-1].endswith(b"\n"))
+
+
+def test_damage_note_names_the_file_and_the_lines(tmp_path):
+    p = tmp_path / "events.jsonl"
+    tail = ("expected an event (one JSON object a line), found {} that no kill or resume "
+            "explains: the file was damaged")
+    assert damage_note(p, []) is None
+    assert damage_note(p, [7]) == f"{p}: line 7: " + tail.format("a garbled line")
+    assert damage_note(p, [3, 4]) == f"{p}: lines 3 and 4: " + tail.format("garbled lines")
+    assert damage_note(p, [2, 5, 9, 11, 12]) == (f"{p}: lines 2, 5, 9 and 2 more: "
+                                                + tail.format("garbled lines"))
+
+
 class _FillsUp:
     """The log's file on a disk that fills after `room` more bytes: the write that crosses it
     is cut short there, as the kernel's is, then fails with ENOSPC."""
@@ -186,6 +221,7 @@ def test_cut_back_leaves_one_run_with_each_step_once(tmp_path):
     assert [e["kind"] for e in kept] == ["run_start", "step", "step", "step", "step",
                                           "checkpoint"]
     assert cut.dropped == 5 and cut.previous_end == "interrupted"
+    assert cut.damaged == []  # the torn last line is what a kill leaves
     assert cut.t == max(e["t"] for e in read_events(tmp_path / SUPERSEDED) + kept)
     gone = (tmp_path / SUPERSEDED).read_text().splitlines()
     assert len(gone) == 5 and gone[-1] == '{"event": "step", "st'

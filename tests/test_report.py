@@ -97,6 +97,61 @@ def test_torn_resumed_and_eval_less_bundles(tmp_path):
     assert text.splitlines()[0].split()[:3] == ["run", "lr", "status"]
 
 
+def _garble(run: Path, at: int, cut_tail: bool = False) -> None:
+    """Line `at` (from 1) of the run's events.jsonl garbled in place; `cut_tail`: the file cut
+    off in the middle of its last line, as a copy or a disk may."""
+    p = run / "events.jsonl"
+    lines = p.read_bytes().splitlines(keepends=True)
+    lines[at - 1] = lines[at - 1][:12] + b"\x00\x00\x00" + lines[at - 1][20:]
+    if cut_tail:
+        lines[-1] = lines[-1][:25]
+    p.write_bytes(b"".join(lines))
+
+
+def test_a_garbled_line_no_resume_explains_is_named_once(tmp_path, recwarn):
+    """A completed run whose events.jsonl has a garbled middle line and a cut-off tail showed as
+    "torn" with no word; a killed and resumed run's torn line still goes in silence."""
+    start = ("run_start", {"recipe": "from-scratch", "config": {"steps": 4}, "start_step": 0})
+    end = ("run_end", {"reason": "completed", "message": None})
+    cfg = {"steps": 4, "lr": 1e-3}
+    damaged = _bundle(tmp_path / "damaged", [[start, *_steps(1, 4), end]], config=cfg)
+    _garble(damaged, 3, cut_tail=True)  # step 2's line, and the run_end's
+    # killed mid-write after step 2, then resumed: the torn line ends just before the resume
+    resumed = _bundle(tmp_path / "resumed", [[start, *_steps(1, 2)]], torn_tail=True,
+                      config=cfg)
+    log = EventLog(resumed / "events.jsonl")
+    log.emit("resume", from_step=2, steps=4)
+    for kind, fields in [*_steps(3, 4), end]:
+        log.emit(kind, **fields)
+    log.close()
+
+    rows = {r["run"]: r for r in report.summarize([damaged, resumed])}
+    events = damaged / "events.jsonl"
+    assert [str(w.message) for w in recwarn] == [(
+        f"{events}: line 3: expected an event (one JSON object a line), found a garbled line "
+        "that no kill or resume explains: the file was damaged; its last line, 6, is cut short "
+        "too, so its status \"torn\" (no run_end) may be the damage's, not a kill's; its row "
+        "shows what the other lines tell")]
+    # the rows as the files tell them: the damaged run's step 2 and run_end are gone
+    assert (rows["damaged"]["status"], rows["damaged"]["step"]) == ("torn", 4)
+    assert rows["damaged"]["final_loss"] == pytest.approx(4.6)
+    assert (rows["resumed"]["status"], rows["resumed"]["step"]) == ("completed", 4)
+
+
+def test_a_garbled_line_of_a_completed_run_is_named_without_its_status(tmp_path, recwarn):
+    """Damage that leaves run_end in place: the warning names the line, the status stands."""
+    run = _bundle(tmp_path / "r", [[("run_start", {"recipe": "from-scratch", "config": {
+        "steps": 3}}), *_steps(1, 3), ("run_end", {"reason": "completed", "message": None})]],
+        config={"steps": 3})
+    _garble(run, 2)
+    (row,) = report.summarize([run])
+    assert [str(w.message) for w in recwarn] == [(
+        f"{run / 'events.jsonl'}: line 2: expected an event (one JSON object a line), found a "
+        "garbled line that no kill or resume explains: the file was damaged; its row shows "
+        "what the other lines tell")]
+    assert (row["status"], row["step"]) == ("completed", 3)
+
+
 def test_accuracy_is_the_metric_of_classifier_runs(tmp_path):
     run = _bundle(tmp_path / "vit", [[
         ("run_start", {"recipe": "vit-tiny", "config": {"steps": 4}}),

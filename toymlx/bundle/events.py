@@ -4,9 +4,11 @@ This module owns the format: `EventLog.emit` is the only writer, `read_events`/`
 (and `parse_event` for a reader following a growing file) the only readers, and
 `check_toy_v1` says where a bundle's events depart from it. One JSON object per line,
 flushed and fsynced per event, so a crash loses at most the line being written; readers skip
-a torn last line. A resume first cuts the log back to its checkpoint (`cut_back`), so a run
-killed and resumed any number of times still reads as one run: one run_start, each step
-once, at most one run_end, and `t` never going back (toymlx's `resume` event marks where).
+a torn last line, and `scan` tells such a line from damage (a garbled line no crash explains),
+which a reader then names (`Log.damaged`). A resume first cuts the log back to its checkpoint
+(`cut_back`), so a run killed and resumed any number of times still reads as one run: one
+run_start, each step once, at most one run_end, and `t` never going back (toymlx's `resume`
+event marks where).
 
 toy/v1 names each event's type under `kind` (`run_start`, `step`, `run_end`; toymlx adds
 `eval`, `checkpoint`, `resume`, ...). Bundles written before toymlx 0.2 named it `event`; the
@@ -27,7 +29,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,9 +161,112 @@ class EventLog:
             self._f = None
 
 
+RESTARTS = ("run_start", "resume")
+"""What a process going on with a killed run writes first. Lines that are no event just before
+one of them are the torn line the kill left (and what a kill during the restart left): a resume
+moves such lines out now (`cut_back`), older toymlx left them, its resume a second run_start."""
+
+
+def scan(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes, dict | None, str | None]]:
+    """Each line of an events.jsonl, in order, as (its number from 1, the line, its event or
+    None, what a line that is no event is): "torn" where a crash explains it (the last line cut
+    short: a kill mid-write, or a write still under way; lines just before a run_start or
+    resume: a killed run's torn line, then its restart), "damaged" where nothing does (a garbled
+    line among the events, or a whole line at the end: the file was changed after it was
+    written), "blank" for an empty line (nothing lost). The one reading of the lines every
+    reader shares (`iter_events`, `read_log`, `cut_back`)."""
+    held: list[tuple[int, bytes]] = []  # lines that are no event, until the next event says why
+    for n, raw in enumerate(lines, 1):
+        ev = parse_event(raw)
+        if ev is None:
+            held.append((n, raw))
+            continue
+        why = "torn" if ev["kind"] in RESTARTS else "damaged"
+        for m, bad in held:
+            yield m, bad, None, why if bad.strip() else "blank"
+        held = []
+        yield n, raw, ev, None
+    for m, bad in held:
+        yield m, bad, None, ("blank" if not bad.strip() else "damaged" if bad.endswith(b"\n")
+                             else "torn")
+
+
+def _log_path(path: str | os.PathLike) -> Path:
+    """The events.jsonl of a bundle folder or the file itself; ValueError (one line) where it is
+    a FIFO, a device or a socket, which is read no further."""
+    p = Path(path)
+    if not p.is_file():  # a folder, or one not made yet (a run starting while it is read)
+        p = p / "events.jsonl"
+    if kind := special_kind(p):  # a FIFO or a device is no log: reading it could wait forever
+        raise ValueError(f"{p}: expected a regular file (the run's event log), found {kind}; "
+                         f"put the run's events.jsonl back in its place")
+    return p
+
+
+def _scan_file(p: Path) -> Iterator[tuple[int, bytes, dict | None, str | None]]:
+    """`scan` of the file `p`; nothing where it is missing."""
+    try:
+        f = open(p, "rb")  # noqa: SIM115 (a missing file ends the iterator; closed just below)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with f:
+        yield from scan(f)
+
+
+@dataclass
+class Log:
+    """A bundle's events as read (`read_log`), and its lines that were no event."""
+
+    path: Path
+    events: list[dict]
+    lines: int
+    """How many lines the file had."""
+    torn: list[int]
+    """The numbers (from 1) of the lines a crash explains (`scan`): skipped in silence."""
+    damaged: list[int]
+    """The numbers of the garbled lines no crash explains: the reader names them."""
+
+    @property
+    def cut_short(self) -> bool:
+        """Whether the last line is cut short (what a kill mid-write leaves, or a write still
+        under way): the run may have gone on past its last event."""
+        return self.lines in self.torn
+
+
+def damage_note(path: Path, damaged: list[int]) -> str | None:
+    """One line naming the `damaged` lines of the events file `path` (`Log.damaged`), None where
+    there are none; the caller adds what it does without them."""
+    if not damaged:
+        return None
+    what = "a garbled line" if len(damaged) == 1 else "garbled lines"
+    return (f"{path}: {line_numbers(damaged)}: expected an event (one JSON object a line), found "
+            f"{what} that no kill or resume explains: the file was damaged")
+
+
+def line_numbers(n: list[int]) -> str:
+    """"line 7", "lines 3 and 4", "lines 2, 5, 9 and 2 more"."""
+    return (f"line {n[0]}" if len(n) == 1 else
+            f"lines {', '.join(map(str, n[:-1]))} and {n[-1]}" if len(n) <= 3 else
+            f"lines {', '.join(map(str, n[:3]))} and {len(n) - 3} more")
+
+
+def read_log(path: str | os.PathLike) -> Log:
+    """The events of a bundle folder or events.jsonl (see `read_events`), with the lines that
+    were no event, torn or damaged (`scan`)."""
+    p = _log_path(path)
+    log = Log(p, [], 0, [], [])
+    for n, _, ev, what in _scan_file(p):
+        log.lines = n
+        if ev is not None:
+            log.events.append(ev)
+        elif what in ("torn", "damaged"):
+            getattr(log, what).append(n)
+    return log
+
+
 def read_events(path: str | os.PathLike) -> list[dict]:
     """All complete events of a bundle; a torn or garbled line is skipped, not fatal."""
-    return list(iter_events(path))
+    return read_log(path).events
 
 
 def parse_event(raw: bytes | str) -> dict | None:
@@ -183,21 +288,9 @@ def parse_event(raw: bytes | str) -> dict | None:
 def iter_events(path: str | os.PathLike) -> Iterator[dict]:
     """The events of a bundle folder or events.jsonl, one by one (see `read_events`); ValueError
     (one line) where events.jsonl is a FIFO, a device or a socket, which is read no further."""
-    p = Path(path)
-    if not p.is_file():  # a folder, or one not made yet (a run starting while it is read)
-        p = p / "events.jsonl"
-    if kind := special_kind(p):  # a FIFO or a device is no log: reading it could wait forever
-        raise ValueError(f"{p}: expected a regular file (the run's event log), found {kind}; "
-                         f"put the run's events.jsonl back in its place")
-    try:
-        f = open(p, "rb")  # noqa: SIM115 (a missing file ends the iterator; closed just below)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    with f:
-        for raw in f:
-            ev = parse_event(raw)
-            if ev is not None:
-                yield ev
+    for _, _, ev, _ in _scan_file(_log_path(path)):
+        if ev is not None:
+            yield ev
 
 
 SUPERSEDED = "events.superseded.jsonl"
@@ -214,6 +307,8 @@ class Cut:
     lines, and the extra run_starts of bundles written before resume events existed)."""
     previous_end: str
     """The dropped run_end's reason, or "torn" when the run had none (it was killed)."""
+    damaged: list[int]
+    """The numbers of the dropped lines that were damage, not torn (`scan`), as they stood."""
     t: float
     """The latest `t` of any event, kept or dropped: the resumed clock starts there."""
     kept: list[dict]
@@ -226,8 +321,9 @@ def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
     it, and the run_end go to events.superseded.jsonl. A resumed run then reads as one run: one
     run_start, each step once, one run_end (toy/v1)."""
     path = Path(run_dir) / "events.jsonl"
-    raw = path.read_bytes().splitlines(keepends=True) if path.exists() else []
-    parsed = [parse_event(line) for line in raw]
+    lines = list(_scan_file(path))
+    raw = [line for _, line, _, _ in lines]
+    parsed = [ev for _, _, ev, _ in lines]
     drop = [ev is None for ev in parsed]
 
     def back_to(k: int, upto: int) -> None:  # drop what lies past step k among lines < upto
@@ -260,7 +356,8 @@ def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
             os.fsync(f.fileno())
         atomic.write_bytes(path, b"".join(line for line, d in zip(raw, drop) if not d))
     return Cut(dropped=len(gone), previous_end=ends[-1].get("reason", "unknown") if ends
-               else "torn", t=max(times, default=0.0),
+               else "torn", damaged=[n for n, _, _, what in lines if what == "damaged"],
+               t=max(times, default=0.0),
                kept=[ev for ev, d in zip(parsed, drop) if ev is not None and not d])
 
 

@@ -76,13 +76,15 @@ class Bundle:
     events, its checkpoints. `Bundle.open` is how every reader and the resume open a run."""
 
     def __init__(self, path: Path, recipe: str, module: ModuleType, config: Any,
-                 saved: dict[str, Any], events: list[dict]):
+                 saved: dict[str, Any], log: ev.Log):
         self.path, self.recipe, self.module = path, recipe, module
         self.config = config
         """The recipe's Config as the run was started, `steps` as its last resume extended it."""
         self.saved = saved
         """config.json as read (`recipe`, `config`, `data_files`)."""
-        self.events = events
+        self.log = log
+        """events.jsonl as read at open, with its torn and damaged lines (`events.Log`)."""
+        self.events = log.events
         """events.jsonl as read at open (as a resume's `rewind` left it, after)."""
         self.used: dict[str, str] = {}
         """Per input option (`base`, `data.path`, ...): the file read for it, and why that one
@@ -119,14 +121,14 @@ class Bundle:
                               if fmt > CONFIG_FORMAT else ""))
         cfg = config_from_dict(module.Config, saved["config"], source, complete=fmt >= 2,
                                optional=added_since(fmt))  # see CONFIG_FORMAT
-        events = ev.read_events(path)
-        cfg, used, moved = resolve_inputs(cfg, saved, source, given, moved_inputs(events))
-        cfg.steps = _planned_steps(events, cfg.steps)
+        log = ev.read_log(path)
+        cfg, used, moved = resolve_inputs(cfg, saved, source, given, moved_inputs(log.events))
+        cfg.steps = _planned_steps(log.events, cfg.steps)
         try:
             check_config(module, cfg)
         except ValueError as e:
             raise RunError(f"{source}: {e}") from None
-        bundle = cls(path, saved["recipe"], module, cfg, saved, events)
+        bundle = cls(path, saved["recipe"], module, cfg, saved, log)
         bundle.used, bundle.moved = used, moved
         return bundle
 
@@ -383,10 +385,13 @@ class Bundle:
         if missing > step:
             return
         before = [s for s, _ in ck.list_checkpoints(self.path / "weights") if s < missing]
+        # a step's line garbled in place reads as a step missing: say which line it may be
+        why = (f" ({ev.line_numbers(self.log.damaged)} garbled: the file was damaged)"
+               if self.log.damaged else "")
         raise RunError(f"{self.path / ev.EVENTS_FILE}: --resume: expected each step once up to "
-                       f"the checkpoint's step {step}, found no step {missing}; resuming would "
-                       f"leave step {missing} missing for good: put the run's events.jsonl back, "
-                       f"or go on from a checkpoint before it with --from "
+                       f"the checkpoint's step {step}, found no step {missing}{why}; resuming "
+                       f"would leave step {missing} missing for good: put the run's events.jsonl "
+                       f"back, or go on from a checkpoint before it with --from "
                        f"step_{before[-1] if before else 0}")
 
     def _check_steps(self, resume: Resume, steps: int) -> Resume:
@@ -457,6 +462,10 @@ class Bundle:
             resume.note = f"{resume.note}; {note}" if resume.note else note
         cut = ev.cut_back(self.path, resume.step)
         resume.dropped, resume.previous_end, resume.t = cut.dropped, cut.previous_end, cut.t
+        damage = ev.damage_note(self.path / ev.EVENTS_FILE, cut.damaged)
+        if damage:  # a torn line goes in silence: a kill leaves one, and this resume follows it
+            note = f"{damage}; moved to {ev.SUPERSEDED}"
+            resume.note = f"{resume.note}; {note}" if resume.note else note
         resume.kept = cut.kept
         self.events = cut.kept
         weights = self.path / "weights"

@@ -22,7 +22,7 @@ from typing import Any
 
 from toymlx.backend import atomic
 from toymlx.backend.notice import warn
-from toymlx.bundle.events import read_events
+from toymlx.bundle.events import damage_note, read_events, read_log
 from toymlx.bundle.folder import CONFIG_FILE, saved_config
 from toymlx.bundle.options import RUN_LOCAL, RunError
 from toymlx.runner.bundle import Bundle
@@ -90,13 +90,20 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         bundle = Bundle.open(run_dir, "toymlx-report")
         saved: dict[str, Any] | None = bundle.saved
-        events = bundle.events
+        log = bundle.log
     except RunError as e:  # a damaged or unfinished bundle: show what its files still tell
         if (run_dir / CONFIG_FILE).is_file():  # damaged, as every other reader would say
             warn(f"{e}; its row shows what its files still tell")
         saved = saved_config(run_dir)
-        events = read_events(run_dir) if run_dir.is_dir() else []
+        log = read_log(run_dir) if run_dir.is_dir() else None
+    events = log.events if log is not None else []
     status, message = run_status(events)
+    if log is not None and (note := damage_note(log.path, log.damaged)):
+        # a killed run's torn line is said by its status; a garbled line no kill leaves is not
+        if status == "torn":
+            note += (f"; its last line, {log.lines}, is cut short too" if log.cut_short else
+                     "") + ", so its status \"torn\" (no run_end) may be the damage's, not a kill's"
+        warn(f"{note}; its row shows what the other lines tell")
     if not run_dir.exists():
         status = "missing"
     starts = [e for e in events if e["kind"] == "run_start"]
