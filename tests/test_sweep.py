@@ -131,6 +131,76 @@ def test_lock_is_owned_by_a_live_process_and_dies_with_it(tmp_path):
     assert not path.exists() and lock is not None  # released and removed
 
 
+# ---------------------------------------------------------------- the live view
+
+def test_a_log_not_a_terminal_gets_a_line_of_the_runs_in_flight_every_interval():
+    """Not on a terminal (a log file, CI, nohup) a line came only on a run's change of state
+    or a new validation figure: with LoRA's eval interval, ~7 minutes with nothing while the
+    runs trained. Now a line of the runs in flight every `heartbeat` seconds of the view's
+    clock (steps/s over the steps since the last such line, from their step times); a
+    terminal keeps its table."""
+    import io
+
+    from toymlx.sweeps.live import LiveView, SweptRun
+
+    def steps(r, first, last, seconds, loss):
+        r.absorb([{"kind": "step", "step": s, "loss": loss, "step_time_s": seconds,
+                   "tokens_per_s": 512.0} for s in range(first, last + 1)])
+
+    now = [1000.0]
+    out = io.StringIO()
+    view = LiveView(out, True, heartbeat=60.0, clock=lambda: now[0])
+    a, b, c = runs = [SweptRun(sweep.RunSpec(n, {}, ()), Path(n))
+                      for n in ("lr=0.001", "lr=0.003", "lr=0.01")]
+    a.state = b.state = "running"
+    a.absorb([{"kind": "run_start", "config": {"steps": 1000}, "start_step": 0}])
+    steps(b, 1, 400, 0.5, 3.0)  # a resumed run's history, read before it started
+    b.absorb([{"kind": "resume", "steps": 1000, "from_step": 400}])
+    view.update(runs)
+    assert out.getvalue().splitlines() == [
+        "sweep: lr=0.001  running  step 0/1000  loss -  -  -  -",
+        "sweep: lr=0.003  running  step 400/1000  loss 3  -  512 tokens/s  -"]
+    steps(a, 1, 30, 0.5, 3.25)
+    steps(b, 401, 430, 0.25, 2.5)
+    now[0] += 59.5
+    view.update(runs)
+    assert len(out.getvalue().splitlines()) == 2  # not yet
+    now[0] += 0.5
+    view.update(runs)
+    view.update(runs)  # once per interval
+    assert out.getvalue().splitlines()[2:] == [
+        ("sweep: after 1m00s: 2 running, 1 pending; lr=0.001 step 30/1000 loss 3.25 2 steps/s; "
+         "lr=0.003 step 430/1000 loss 2.5 4 steps/s")]
+    # a finished run, one that made no step since (validating), one just started
+    a.state, c.state = "done", "running"
+    now[0] += 60.0
+    view.update(runs)
+    assert out.getvalue().splitlines()[3:] == [
+        "sweep: lr=0.001  done  step 30/1000  loss 3.25  -  512 tokens/s  -",
+        "sweep: lr=0.01  running  step -  loss -  -  -  -",
+        ("sweep: after 2m00s: 2 running, 1 done; lr=0.003 step 430/1000 loss 2.5 (no step in "
+         "1m00s); lr=0.01 step 0 (starting)")]
+    steps(b, 431, 436, 0.75, 2.375)
+    steps(c, 1, 1, 8.0, 4.0)
+    now[0] += 3600.0
+    view.update(runs)
+    assert out.getvalue().splitlines()[6:] == [
+        ("sweep: after 1h02m: 2 running, 1 done; lr=0.003 step 436/1000 loss 2.375 1.333 "
+         "steps/s; lr=0.01 step 1 loss 4 0.125 steps/s")]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, enabled in ((Terminal(), True), (io.StringIO(), False)):  # --no-progress
+        now[0] = 0.0
+        view = LiveView(stream, enabled, heartbeat=60.0, clock=lambda: now[0])
+        view.update(runs, force=True)
+        now[0] = 120.0
+        view.update(runs, force=True)
+        assert "after" not in stream.getvalue()
+
+
 # ---------------------------------------------------------------- real sweeps
 
 def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_path, capsys):

@@ -40,7 +40,7 @@ from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import UNWRITABLE, check_folder_name
 from toymlx.bundle.outputs import check_output
 from toymlx.runner import report
-from toymlx.sweeps.live import EventTail, LiveView, SweptRun
+from toymlx.sweeps.live import HEARTBEAT_S, EventTail, LiveView, SweptRun
 from toymlx.sweeps.spec import (
     RunSpec,
     changed_options,
@@ -305,8 +305,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
               *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
               python: str | None = None, report_png: bool = True,
               busy_wait: float = 60.0, run_options: Mapping[str, Any] | None = None,
-              inputs: Sequence[tuple[str, Any]] = (), config_file: str | None = None
-              ) -> SweepResult:
+              inputs: Sequence[tuple[str, Any]] = (), config_file: str | None = None,
+              heartbeat: float = HEARTBEAT_S) -> SweepResult:
     """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
     time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
     report.png). Completed (and diverged) runs are skipped, torn ones resumed, failed ones
@@ -317,7 +317,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     `inputs` ((flag, path): the runs' data and model files, as typed) and `config_file` (the -c
     file): what the sweep's folder, written into, must not hold or lie in; sweep.json records
     the files `inputs` name, which a sweep continued from another folder must name again
-    (`changed_options`)."""
+    (`changed_options`). With `progress` and a `stream` that is not a terminal, a line of the
+    runs in flight every `heartbeat` seconds."""
     if workers < 1:
         raise ValueError(f"--workers: expected >= 1, found {workers}")
     if not specs:
@@ -356,7 +357,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
                  + (f"; {done} finished before, skipped" if done else "") + "\n")
     runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
     runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
-                     python or sys.executable, LiveView(stream, progress), stream, options_file)
+                     python or sys.executable, LiveView(stream, progress, heartbeat), stream,
+                     options_file)
     interrupted = runner.run()
 
     result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
