@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -677,6 +678,60 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
 
 def _sweep_json(root: Path) -> dict:
     return json.loads((root / "sweep.json").read_text())
+
+
+def test_two_sweeps_of_one_id_with_other_options_started_at_once_one_is_refused(
+        tmp_path, monkeypatch):
+    """Two sweeps of one --sweep-id with other options, started at the same instant, both
+    passed the "options changed" check before either wrote sweep.json, and both ran. The
+    check and the write are now under one lock: here the test is the first sweep, between its
+    check and its write (holding that lock); the second waits for it, then is refused with
+    the one-line message, and the first one's record stands."""
+    from toymlx.sweeps import supervisor
+    from toymlx.sweeps.spec import write_sweep_file
+
+    first = sweep.grid([*TINY, "--steps", "3"], {"lr": [1e-3]}, recipe="from-scratch")
+    second = sweep.grid([*TINY, "--steps", "2"], {"lr": [1e-3]}, recipe="from-scratch")
+    root, made = tmp_path / "s", tmp_path / "first"
+    (root / ".locks").mkdir(parents=True)
+    made.mkdir()
+    write_sweep_file(made, "from-scratch", first)  # what the first sweep writes
+    # the second sweep at the lock, or (no lock) past its check: then the first one writes
+    reached = threading.Event()
+    real_acquire, real_changed = supervisor.acquire, supervisor.changed_options
+
+    def acquire(path, *args, **kw):
+        if Path(path) == root / ".locks" / "sweep.json.lock":
+            reached.set()
+        return real_acquire(path, *args, **kw)
+
+    def changed_options(*args, **kw):
+        out = real_changed(*args, **kw)
+        reached.set()
+        return out
+
+    monkeypatch.setattr(supervisor, "acquire", acquire)
+    monkeypatch.setattr(supervisor, "changed_options", changed_options)
+    outcome: list = []
+
+    def second_sweep():
+        try:
+            outcome.append(sweep.run_sweep("from-scratch", second, tmp_path, sweep_id="s",
+                                           progress=False, report_png=False))
+        except ValueError as e:
+            outcome.append(e)
+
+    with real_acquire(root / ".locks" / "sweep.json.lock", "the first sweep"):
+        thread = threading.Thread(target=second_sweep)
+        thread.start()
+        assert reached.wait(120), "the second sweep never reached the check"
+        shutil.copyfile(made / "sweep.json", root / "sweep.json")
+    thread.join(300)
+    assert [str(x) for x in outcome] == [
+        (f"{root}: --sweep-id s: expected the options this sweep was started with, found "
+         "--steps changed; give a new --sweep-id to run the changed sweep, or put them back")]
+    assert (root / "sweep.json").read_bytes() == (made / "sweep.json").read_bytes()
+    assert not (root / "lr=0.001").exists()
 
 
 def test_sweep_from_a_file_runs_the_runs_of_the_same_flags(tmp_path, capsys):
