@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-retry-failed", action="store_true",
                    help="on a restart, report failed runs instead of running them again")
     p.add_argument("--no-report", action="store_true", help="skip report.png")
-    p.add_argument("--no-progress", action="store_true", help="no live progress table")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no live progress (a table on a terminal, lines elsewhere)")
     p.add_argument("--version", action=VersionAction)
     return p
 

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,6 +130,76 @@ def test_lock_is_owned_by_a_live_process_and_dies_with_it(tmp_path):
             acquire(path, "test")  # a second holder in this very process is refused too
         assert json.loads(path.read_text())["pid"] == os.getpid()
     assert not path.exists() and lock is not None  # released and removed
+
+
+# ---------------------------------------------------------------- the live view
+
+def test_a_log_not_a_terminal_gets_a_line_of_the_runs_in_flight_every_interval():
+    """Not on a terminal (a log file, CI, nohup) a line came only on a run's change of state
+    or a new validation figure: with LoRA's eval interval, ~7 minutes with nothing while the
+    runs trained. Now a line of the runs in flight every `heartbeat` seconds of the view's
+    clock (steps/s over the steps since the last such line, from their step times); a
+    terminal keeps its table."""
+    import io
+
+    from toymlx.sweeps.live import LiveView, SweptRun
+
+    def steps(r, first, last, seconds, loss):
+        r.absorb([{"kind": "step", "step": s, "loss": loss, "step_time_s": seconds,
+                   "tokens_per_s": 512.0} for s in range(first, last + 1)])
+
+    now = [1000.0]
+    out = io.StringIO()
+    view = LiveView(out, True, heartbeat=60.0, clock=lambda: now[0])
+    a, b, c = runs = [SweptRun(sweep.RunSpec(n, {}, ()), Path(n))
+                      for n in ("lr=0.001", "lr=0.003", "lr=0.01")]
+    a.state = b.state = "running"
+    a.absorb([{"kind": "run_start", "config": {"steps": 1000}, "start_step": 0}])
+    steps(b, 1, 400, 0.5, 3.0)  # a resumed run's history, read before it started
+    b.absorb([{"kind": "resume", "steps": 1000, "from_step": 400}])
+    view.update(runs)
+    assert out.getvalue().splitlines() == [
+        "sweep: lr=0.001  running  step 0/1000  loss -  -  -  -",
+        "sweep: lr=0.003  running  step 400/1000  loss 3  -  512 tokens/s  -"]
+    steps(a, 1, 30, 0.5, 3.25)
+    steps(b, 401, 430, 0.25, 2.5)
+    now[0] += 59.5
+    view.update(runs)
+    assert len(out.getvalue().splitlines()) == 2  # not yet
+    now[0] += 0.5
+    view.update(runs)
+    view.update(runs)  # once per interval
+    assert out.getvalue().splitlines()[2:] == [
+        ("sweep: after 1m00s: 2 running, 1 pending; lr=0.001 step 30/1000 loss 3.25 2 steps/s; "
+         "lr=0.003 step 430/1000 loss 2.5 4 steps/s")]
+    # a finished run, one that made no step since (validating), one just started
+    a.state, c.state = "done", "running"
+    now[0] += 60.0
+    view.update(runs)
+    assert out.getvalue().splitlines()[3:] == [
+        "sweep: lr=0.001  done  step 30/1000  loss 3.25  -  512 tokens/s  -",
+        "sweep: lr=0.01  running  step -  loss -  -  -  -",
+        ("sweep: after 2m00s: 2 running, 1 done; lr=0.003 step 430/1000 loss 2.5 (no step in "
+         "1m00s); lr=0.01 step 0 (starting)")]
+    steps(b, 431, 436, 0.75, 2.375)
+    steps(c, 1, 1, 8.0, 4.0)
+    now[0] += 3600.0
+    view.update(runs)
+    assert out.getvalue().splitlines()[6:] == [
+        ("sweep: after 1h02m: 2 running, 1 done; lr=0.003 step 436/1000 loss 2.375 1.333 "
+         "steps/s; lr=0.01 step 1 loss 4 0.125 steps/s")]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, enabled in ((Terminal(), True), (io.StringIO(), False)):  # --no-progress
+        now[0] = 0.0
+        view = LiveView(stream, enabled, heartbeat=60.0, clock=lambda: now[0])
+        view.update(runs, force=True)
+        now[0] = 120.0
+        view.update(runs, force=True)
+        assert "after" not in stream.getvalue()
 
 
 # ---------------------------------------------------------------- real sweeps
@@ -607,6 +678,60 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
 
 def _sweep_json(root: Path) -> dict:
     return json.loads((root / "sweep.json").read_text())
+
+
+def test_two_sweeps_of_one_id_with_other_options_started_at_once_one_is_refused(
+        tmp_path, monkeypatch):
+    """Two sweeps of one --sweep-id with other options, started at the same instant, both
+    passed the "options changed" check before either wrote sweep.json, and both ran. The
+    check and the write are now under one lock: here the test is the first sweep, between its
+    check and its write (holding that lock); the second waits for it, then is refused with
+    the one-line message, and the first one's record stands."""
+    from toymlx.sweeps import supervisor
+    from toymlx.sweeps.spec import write_sweep_file
+
+    first = sweep.grid([*TINY, "--steps", "3"], {"lr": [1e-3]}, recipe="from-scratch")
+    second = sweep.grid([*TINY, "--steps", "2"], {"lr": [1e-3]}, recipe="from-scratch")
+    root, made = tmp_path / "s", tmp_path / "first"
+    (root / ".locks").mkdir(parents=True)
+    made.mkdir()
+    write_sweep_file(made, "from-scratch", first)  # what the first sweep writes
+    # the second sweep at the lock, or (no lock) past its check: then the first one writes
+    reached = threading.Event()
+    real_acquire, real_changed = supervisor.acquire, supervisor.changed_options
+
+    def acquire(path, *args, **kw):
+        if Path(path) == root / ".locks" / "sweep.json.lock":
+            reached.set()
+        return real_acquire(path, *args, **kw)
+
+    def changed_options(*args, **kw):
+        out = real_changed(*args, **kw)
+        reached.set()
+        return out
+
+    monkeypatch.setattr(supervisor, "acquire", acquire)
+    monkeypatch.setattr(supervisor, "changed_options", changed_options)
+    outcome: list = []
+
+    def second_sweep():
+        try:
+            outcome.append(sweep.run_sweep("from-scratch", second, tmp_path, sweep_id="s",
+                                           progress=False, report_png=False))
+        except ValueError as e:
+            outcome.append(e)
+
+    with real_acquire(root / ".locks" / "sweep.json.lock", "the first sweep"):
+        thread = threading.Thread(target=second_sweep)
+        thread.start()
+        assert reached.wait(120), "the second sweep never reached the check"
+        shutil.copyfile(made / "sweep.json", root / "sweep.json")
+    thread.join(300)
+    assert [str(x) for x in outcome] == [
+        (f"{root}: --sweep-id s: expected the options this sweep was started with, found "
+         "--steps changed; give a new --sweep-id to run the changed sweep, or put them back")]
+    assert (root / "sweep.json").read_bytes() == (made / "sweep.json").read_bytes()
+    assert not (root / "lr=0.001").exists()
 
 
 def test_sweep_from_a_file_runs_the_runs_of_the_same_flags(tmp_path, capsys):

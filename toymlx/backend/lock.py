@@ -21,6 +21,7 @@ import os
 import shlex
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,16 +105,22 @@ def held_by(path: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
-def acquire(path: str | os.PathLike, what: str) -> Lock:
-    """Take the exclusive lock `path` (created if missing) without waiting; LockHeld naming the
-    holder when another process has it. `what` names the locked thing in messages."""
+def acquire(path: str | os.PathLike, what: str, wait: float = 0.0) -> Lock:
+    """Take the exclusive lock `path` (created if missing), waiting up to `wait` seconds for
+    another holder to let go; LockHeld naming the holder when it still has it. `what` names
+    the locked thing in messages."""
     path = Path(path)
-    for _ in range(20):
+    deadline = time.monotonic() + wait
+    changed = 0
+    while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
             raise LockHeld(what, holder(path)) from None
         except OSError as e:
             os.close(fd)
@@ -127,6 +134,10 @@ def acquire(path: str | os.PathLike, what: str) -> Lock:
             same = False
         if not same:  # released and removed by its last holder after we opened it
             os.close(fd)
+            changed += 1
+            if changed >= 20:
+                raise OSError(errno.EAGAIN,
+                              f"{path}: could not take the lock (it kept changing hands)")
             continue
         lock = Lock(path, fd)
         try:
@@ -136,4 +147,3 @@ def acquire(path: str | os.PathLike, what: str) -> Lock:
             lock.release()
             raise named(e, path) from None
         return lock
-    raise OSError(errno.EAGAIN, f"{path}: could not take the lock (it kept changing hands)")

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -15,6 +16,11 @@ from toymlx.backend.lock import Lock
 from toymlx.bundle.events import parse_event
 from toymlx.runner import report
 from toymlx.sweeps.spec import RunSpec
+
+HEARTBEAT_S = 60.0
+"""Seconds between the lines that say how the runs in flight progress, when the view is not
+a terminal (a log file, CI, nohup): the other lines come only when a run's state or validation
+figure changes, which left a log silent for minutes while the runs trained."""
 
 
 class EventTail:
@@ -63,6 +69,10 @@ class SweptRun:
     val: float | None = None
     rate: float | None = None
     unit: str = ""
+    timed_steps: int = 0
+    step_seconds: float = 0.0
+    """How many step events were read that give their time, and those times' sum (steps/s
+    over a span: the difference of two readings, as train's report line computes it)."""
     started: float = 0.0
     wall: float | None = None
     message: str | None = None
@@ -84,6 +94,9 @@ class SweptRun:
             elif kind == "step":
                 self.step = e.get("step", self.step)
                 self.loss = report.number(e.get("loss"))
+                if (dt := report.number(e.get("step_time_s"))) is not None:
+                    self.timed_steps += 1
+                    self.step_seconds += dt
                 for k, v in e.items():
                     if k.endswith("_per_s"):
                         self.rate, self.unit = report.number(v), k.replace("_per_s", "/s")
@@ -100,15 +113,30 @@ class SweptRun:
             self.lock = None
 
 
-class LiveView:
-    """The live progress table: redrawn in place on a TTY, one line per change otherwise."""
+def _elapsed(seconds: float) -> str:
+    """45s, 2m05s, 1h02m."""
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
-    def __init__(self, stream: TextIO, enabled: bool):
+
+class LiveView:
+    """The live progress table: redrawn in place on a TTY; otherwise one line per change of a
+    run's state or validation figure, and every `heartbeat` seconds (read from `clock`) one
+    line of the runs in flight (`heartbeat_line`)."""
+
+    def __init__(self, stream: TextIO, enabled: bool, heartbeat: float = HEARTBEAT_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.stream, self.enabled = stream, enabled
         self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
         self.drawn = 0
         self.last: dict[str, str] = {}
         self.t_draw = 0.0
+        self.heartbeat, self.clock = heartbeat, clock
+        self.t_start = self.t_beat = clock()
+        self.timed: dict[str, tuple[int, float, float]] = {}
+        """Each running run's (timed_steps, step_seconds, clock) at the last heartbeat (or when
+        first seen running): its steps/s since then."""
 
     def cells(self, r: SweptRun) -> list[str]:
         steps = f"{r.step}/{r.steps}" if r.steps else str(r.step or "-")
@@ -155,3 +183,37 @@ class LiveView:
                 self.stream.write(f"sweep: {c[0]}  {c[1]}  step {c[2]}  loss {c[3]}  {c[4]}  "
                                   f"{c[5]}  {c[6]}\n")
                 self.stream.flush()
+        running = [r for r in runs if r.state == "running"]
+        now = self.clock()
+        for r in running:
+            self.timed.setdefault(r.spec.name, (r.timed_steps, r.step_seconds, now))
+        if running and now - self.t_beat >= self.heartbeat:
+            self.stream.write(self.heartbeat_line(runs, now) + "\n")
+            self.stream.flush()
+
+    def heartbeat_line(self, runs: list[SweptRun], now: float) -> str:
+        """`sweep: after 2m00s: 2 running, 1 pending; lr=0.001 step 120/1000 loss 3.214 2.5
+        steps/s; lr=0.003 step 0 (starting)`: the time since the view started, how many runs
+        are in each state, and each running run's step, latest train loss and steps/s over its
+        steps since the last such line (their step times, as train's report line counts them);
+        the next line counts from `now`."""
+        counts: dict[str, int] = {"running": 0}
+        for r in runs:
+            counts[r.state] = counts.get(r.state, 0) + 1
+        parts = []
+        for r in (r for r in runs if r.state == "running"):
+            n0, s0, t0 = self.timed.get(r.spec.name, (r.timed_steps, r.step_seconds, now))
+            n, s = r.timed_steps - n0, r.step_seconds - s0
+            self.timed[r.spec.name] = (r.timed_steps, r.step_seconds, now)
+            part = f"{r.spec.name} step {r.step}" + (f"/{r.steps}" if r.steps else "")
+            part += f" loss {report.fmt(r.loss)}" if r.loss is not None else ""
+            if n > 0 and s > 0:
+                part += f" {report.fmt(n / s)} steps/s"
+            elif not r.timed_steps or t0 > self.t_beat:  # first seen since the last line
+                part += " (starting)"
+            else:  # validating, checkpointing
+                part += f" (no step in {_elapsed(now - t0)})"
+            parts.append(part)
+        self.t_beat = now
+        return (f"sweep: after {_elapsed(now - self.t_start)}: "
+                + ", ".join(f"{n} {k}" for k, n in counts.items()) + "; " + "; ".join(parts))

@@ -8,11 +8,12 @@ Every combination is its own run bundle, `<root>/<sweep_id>/<run name>`, named f
 values. A sweep folder also holds `sweep.json` (the specs), `logs/<run>.log` (each run's
 output), `.locks/` (one `flock` per run while a sweep runs it, so two sweeps, or machines
 sharing the folder over a filesystem with locks such as NFS, never run one run twice; the lock
-dies with its holder), `.status/` (exit codes), and at the end `summary.csv`, `summary.jsonl`
-and `report.png`. Each run is a `toymlx-train` child tied to the sweep: if the sweep is
-killed, its children checkpoint and stop. Starting the same sweep again skips completed runs,
-resumes torn or interrupted ones from their latest checkpoint, retries failed ones, and leaves
-alone any run whose bundle another live process still owns.
+dies with its holder; and one while a starting sweep checks and writes sweep.json),
+`.status/` (exit codes), and at the end `summary.csv`, `summary.jsonl` and `report.png`.
+Each run is a `toymlx-train` child tied to the sweep: if the sweep is killed, its children
+checkpoint and stop. Starting the same sweep again skips completed runs, resumes torn or
+interrupted ones from their latest checkpoint, retries failed ones, and leaves alone any run
+whose bundle another live process still owns.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import UNWRITABLE, check_folder_name
 from toymlx.bundle.outputs import check_output
 from toymlx.runner import report
-from toymlx.sweeps.live import EventTail, LiveView, SweptRun
+from toymlx.sweeps.live import HEARTBEAT_S, EventTail, LiveView, SweptRun
 from toymlx.sweeps.spec import (
     RunSpec,
     changed_options,
@@ -53,6 +54,14 @@ from toymlx.sweeps.summary import SweepResult, summarize_sweep
 RUN_OPTIONS_FILE = "run-options.json"
 """In the sweep folder: the options every run takes from the sweep's config file, handed to each
 new run as `toymlx-train -c` (its flags, the grid's values among them, over it)."""
+
+RECORD_LOCK = f"{report.SWEEP_FILE}.lock"
+"""In the sweep folder's .locks/: held while a starting sweep checks its options against
+sweep.json and writes it (no run's lock: a run's name holds "=", or is "base")."""
+
+RECORD_WAIT_S = 30.0
+"""How long a starting sweep waits for another to end that check and write (it takes
+milliseconds), before it names the holder and stops."""
 
 
 def run_state(run_dir: Path) -> str:
@@ -305,8 +314,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
               *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
               python: str | None = None, report_png: bool = True,
               busy_wait: float = 60.0, run_options: Mapping[str, Any] | None = None,
-              inputs: Sequence[tuple[str, Any]] = (), config_file: str | None = None
-              ) -> SweepResult:
+              inputs: Sequence[tuple[str, Any]] = (), config_file: str | None = None,
+              heartbeat: float = HEARTBEAT_S) -> SweepResult:
     """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
     time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
     report.png). Completed (and diverged) runs are skipped, torn ones resumed, failed ones
@@ -317,7 +326,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     `inputs` ((flag, path): the runs' data and model files, as typed) and `config_file` (the -c
     file): what the sweep's folder, written into, must not hold or lie in; sweep.json records
     the files `inputs` name, which a sweep continued from another folder must name again
-    (`changed_options`)."""
+    (`changed_options`). With `progress` and a `stream` that is not a terminal, a line of the
+    runs in flight every `heartbeat` seconds."""
     if workers < 1:
         raise ValueError(f"--workers: expected >= 1, found {workers}")
     if not specs:
@@ -336,18 +346,23 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     check_output(Path(root), [], "--runs-root", folder=True)
     sweep_dir = check_output(Path(root) / sweep_id, [*inputs, ("-c/--config", config_file)],
                              "--sweep-id" if given else "--runs-root", folder=True)
-    changed = changed_options(sweep_dir, recipe, specs, run_options, inputs)
-    if changed:
-        raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this sweep "
-                         f"was started with, found {', '.join(changed)} changed; give a new "
-                         "--sweep-id to run the changed sweep, or put them back")
-    for sub in ("logs", ".locks", ".status"):
-        (sweep_dir / sub).mkdir(parents=True, exist_ok=True)
-    write_sweep_file(sweep_dir, recipe, specs, run_options, inputs)
-    options_file = None
-    if run_options:
-        options_file = sweep_dir / RUN_OPTIONS_FILE
-        atomic.write_text(options_file, json.dumps(run_options, indent=1))
+    (sweep_dir / ".locks").mkdir(parents=True, exist_ok=True)
+    # the check and the write under one lock: two sweeps of one id with other options, started
+    # at once, both found no sweep.json, and both ran, each its own options
+    with acquire(sweep_dir / ".locks" / RECORD_LOCK, str(sweep_dir / report.SWEEP_FILE),
+                 wait=RECORD_WAIT_S):
+        changed = changed_options(sweep_dir, recipe, specs, run_options, inputs)
+        if changed:
+            raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this "
+                             f"sweep was started with, found {', '.join(changed)} changed; give "
+                             "a new --sweep-id to run the changed sweep, or put them back")
+        for sub in ("logs", ".status"):
+            (sweep_dir / sub).mkdir(exist_ok=True)
+        write_sweep_file(sweep_dir, recipe, specs, run_options, inputs)
+        options_file = None
+        if run_options:
+            options_file = sweep_dir / RUN_OPTIONS_FILE
+            atomic.write_text(options_file, json.dumps(run_options, indent=1))
     # said up front: with --no-progress, a sweep run again printed the same table as the
     # first time, nothing telling that no run was run
     done = sum(run_state(sweep_dir / s.name) in ("completed", "diverged") for s in mine)
@@ -356,7 +371,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
                  + (f"; {done} finished before, skipped" if done else "") + "\n")
     runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
     runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
-                     python or sys.executable, LiveView(stream, progress), stream, options_file)
+                     python or sys.executable, LiveView(stream, progress, heartbeat), stream,
+                     options_file)
     interrupted = runner.run()
 
     result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
