@@ -407,7 +407,8 @@ def _no_figures(events: list[dict], end: dict) -> str:
     """The last line's words for a run without a held-out figure (events.jsonl records none):
     its data held nothing out, or no validation pass ran before it ended."""
     starts = [e.get("config", {}) for e in events if e["kind"] == "run_start"]
-    if starts and 0 in (starts[-1].get("val_rows"), starts[-1].get("val_tokens")):
+    # the held-out count each recipe records: lora's rows, the text recipes' tokens, vit's images
+    if starts and 0 in (starts[-1].get(k) for k in ("val_rows", "val_tokens", "val_images")):
         return "none (the data holds out nothing to validate on)"
     if end["reason"] == "completed":
         return "not measured (no validation pass ran)"
