@@ -207,8 +207,13 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             if not run.run_dir.is_dir():  # removed by hand while it trained (`save_checkpoint`):
                 # "--resume DIR --from step_0", the advice below, names a folder that is gone
                 said = e.strerror if e.filename == str(run.run_dir) else str(e)
+                # a resume's own command would now find no folder to resume
+                again = ("left: run the same command again to start it over" if run.resume is None
+                         else f"left to resume: start it over with toymlx-train --recipe {recipe} "
+                         "and the options it was started with (its config.json went with the "
+                         "folder)")
                 print(f"toymlx-train: error: {run.run_dir}: {said}; nothing of the run is "
-                      "left: run the same command again to start it over", file=sys.stderr)
+                      f"{again}", file=sys.stderr)
                 return 1
             room = (ck.room_note(run.run_dir / "weights")
                     if e.errno in (errno.ENOSPC, errno.EDQUOT) else "")
