@@ -345,10 +345,13 @@ def window_note(model: str, n_prompt: int, max_tokens: int, context: int) -> str
     window = trained_window(model)
     if window is None or window >= context or n_prompt + max_tokens <= window:
         return None
+    # a prompt as long as the window leaves no --max-tokens within it (0 would sample nothing)
+    fix = (f"--max-tokens {window - n_prompt} stays within them" if n_prompt < window else
+           f"the prompt alone fills them: a prompt under {window} tokens leaves room")
     return (f"{PROG}: warning: {model}: trained on windows of {window} tokens (--seq-len "
             f"{window}); {n_prompt} prompt + {max_tokens} new tokens (--max-tokens) run past "
-            f"them, where the text falls apart; --max-tokens {max(window - n_prompt, 0)} stays "
-            f"within them (nanoGPT's sample.py keeps only the last block_size tokens)")
+            f"them, where the text falls apart; {fix} (nanoGPT's sample.py keeps only the last "
+            "block_size tokens)")
 
 
 def samples(model, tokenizer, ids: list[int], args: Args, engine: str, context: int) -> None:

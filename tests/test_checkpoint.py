@@ -316,6 +316,31 @@ def test_a_run_whose_folder_is_removed_mid_run_ends_in_one_line(tmp_path, capsys
     assert not (tmp_path / "gone").exists()
 
 
+def test_a_resumed_run_whose_folder_is_removed_is_not_told_to_resume_again(tmp_path, capsys,
+                                                                            monkeypatch,
+                                                                            shared_file):
+    """The same for `--resume RUN`: "run the same command again" named a command that can only
+    fail now (the folder it resumes is gone, config.json with it): it says to start over."""
+    data = str(shared_file("text/tinystories_sample.txt"))
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                 str(tmp_path), "--run-id", "gone", "--steps", "2", "--eval-every", "0"]) == 0
+    real = ck.save_checkpoint
+
+    def removed_first(weights: Path, *args):
+        shutil.rmtree(weights.parent)
+        return real(weights, *args)
+
+    monkeypatch.setattr(ck, "save_checkpoint", removed_first)
+    capsys.readouterr()
+    assert main(["--resume", str(tmp_path / "gone"), "--steps", "4"]) == 1
+    assert error_line(capsys, "toymlx-train") == (
+        f"toymlx-train: error: {tmp_path / 'gone'}: expected the run's folder, found it removed "
+        "while the run trained; step 4 not saved; nothing of the run is left to resume: start "
+        "it over with toymlx-train --recipe from-scratch and the options it was started with "
+        "(its config.json went with the folder)")
+    assert not (tmp_path / "gone").exists()
+
+
 def test_from_takes_a_bare_step_number_and_a_checkpoint_file_name():
     """docs/RUNS.md: `--from 100` is taken as `step_100`, as is a checkpoint's file name."""
     assert [ck.parse_from(t) for t in ("100", "step_100", "adapter_step_100.gguf", " 7 ")] == [

@@ -1163,3 +1163,16 @@ def test_a_sample_past_the_runs_training_window_is_warned_of(tmp_path, stories_p
                f"the last block_size tokens)")
     assert (warning in err.splitlines()) is warned, err
     assert f"{max_tokens} new tokens" in err and out.startswith(", there"), out
+
+
+def test_a_prompt_filling_the_runs_window_is_not_told_to_sample_nothing(tmp_path, stories_path):
+    """A 20-token prompt on a run of --seq-len 16: the warning ended "--max-tokens 0 stays
+    within them", which samples nothing and still runs past the window; it names the prompt."""
+    run = make_run_dir(tmp_path, stories_path)
+    start = {"kind": "run_start", "recipe": "warm-start", "config": {"seq_len": 16}}
+    (run / "events.jsonl").write_text(json.dumps(start) + "\n")
+    assert cli.window_note(str(run), 20, 5, 512) == (
+        f"toymlx-generate: warning: {run}: trained on windows of 16 tokens (--seq-len 16); 20 "
+        "prompt + 5 new tokens (--max-tokens) run past them, where the text falls apart; the "
+        "prompt alone fills them: a prompt under 16 tokens leaves room (nanoGPT's sample.py "
+        "keeps only the last block_size tokens)")

@@ -134,6 +134,36 @@ def test_lock_is_owned_by_a_live_process_and_dies_with_it(tmp_path):
 
 # ---------------------------------------------------------------- the live view
 
+def test_a_resumed_runs_steps_per_s_counts_only_the_steps_it_trains():
+    """A resumed run's history is read before it starts; then its resume cuts events.jsonl
+    back and writes it anew, which the sweep reads again from its start (`EventTail`): the
+    kept steps were counted twice, and the first line after it gave the old steps' rate (400
+    steps at 2 steps/s beside 20 new ones at 4: "2.049 steps/s"), not the resumed run's."""
+    import io
+
+    from toymlx.sweeps.live import LiveView, SweptRun
+
+    def steps(first, last, seconds):  # `t` goes on from the run's clock, as events.jsonl's
+        return [{"kind": "step", "step": s, "t": s * seconds, "loss": 3.0, "step_time_s": seconds}
+                for s in range(first, last + 1)]
+
+    now = [1000.0]
+    out = io.StringIO()
+    view = LiveView(out, True, heartbeat=60.0, clock=lambda: now[0])
+    r = SweptRun(sweep.RunSpec("lr=0.001", {}, ()), Path("lr=0.001"))
+    history = steps(1, 400, 0.5)
+    r.absorb(history)  # read before the resumed process starts
+    r.state = "running"
+    view.update([r])
+    resumed = [{"kind": "resume", "t": 200.0, "steps": 1000, "from_step": 400}]
+    new = [{**e, "t": 200.0 + (e["step"] - 400) * 0.25} for e in steps(401, 420, 0.25)]
+    r.absorb(history + resumed + new)  # the file cut back and written anew, read again
+    now[0] += 60.0
+    view.update([r])
+    assert out.getvalue().splitlines()[-1] == (
+        "sweep: after 1m00s: 1 running; lr=0.001 step 420/1000 loss 3 4 steps/s")
+
+
 def test_a_log_not_a_terminal_gets_a_line_of_the_runs_in_flight_every_interval():
     """Not on a terminal (a log file, CI, nohup) a line came only on a run's change of state
     or a new validation figure: with LoRA's eval interval, ~7 minutes with nothing while the

@@ -411,3 +411,14 @@ def test_classify_dash_through_a_real_pipe(folder, tiny_run):
     assert r.stderr.decode().splitlines()[-1] == (
         "toymlx-classify: error: /dev/stdin: expected an image file or a folder, found a FIFO "
         "(named pipe); for one image sent on stdin, name it -")
+
+
+def test_a_run_holding_out_no_images_says_so_in_its_last_line(tmp_path, folder, capsys):
+    """--data.val-fraction 0 holds out no image: the last line said "not measured (no
+    validation pass ran)", as if a pass had been skipped, where the text recipes' and lora's
+    runs say the data holds out nothing (`_no_figures` read val_rows and val_tokens alone)."""
+    run = _train(tmp_path, "all", folder, "--data.image-size", "8", "--steps", "2",
+                 "--data.val-fraction", "0")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "toymlx: completed at step 2. held-out: none (the data holds out nothing to validate "
+        f"on). bundle: {run}")

@@ -207,8 +207,13 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             if not run.run_dir.is_dir():  # removed by hand while it trained (`save_checkpoint`):
                 # "--resume DIR --from step_0", the advice below, names a folder that is gone
                 said = e.strerror if e.filename == str(run.run_dir) else str(e)
+                # a resume's own command would now find no folder to resume
+                again = ("left: run the same command again to start it over" if run.resume is None
+                         else f"left to resume: start it over with toymlx-train --recipe {recipe} "
+                         "and the options it was started with (its config.json went with the "
+                         "folder)")
                 print(f"toymlx-train: error: {run.run_dir}: {said}; nothing of the run is "
-                      "left: run the same command again to start it over", file=sys.stderr)
+                      f"{again}", file=sys.stderr)
                 return 1
             room = (ck.room_note(run.run_dir / "weights")
                     if e.errno in (errno.ENOSPC, errno.EDQUOT) else "")
@@ -407,7 +412,8 @@ def _no_figures(events: list[dict], end: dict) -> str:
     """The last line's words for a run without a held-out figure (events.jsonl records none):
     its data held nothing out, or no validation pass ran before it ended."""
     starts = [e.get("config", {}) for e in events if e["kind"] == "run_start"]
-    if starts and 0 in (starts[-1].get("val_rows"), starts[-1].get("val_tokens")):
+    # the held-out count each recipe records: lora's rows, the text recipes' tokens, vit's images
+    if starts and 0 in (starts[-1].get(k) for k in ("val_rows", "val_tokens", "val_images")):
         return "none (the data holds out nothing to validate on)"
     if end["reason"] == "completed":
         return "not measured (no validation pass ran)"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -73,6 +74,10 @@ class SweptRun:
     step_seconds: float = 0.0
     """How many step events were read that give their time, and those times' sum (steps/s
     over a span: the difference of two readings, as train's report line computes it)."""
+    timed_t: float = -math.inf
+    """The latest `t` of those steps: a resume's events.jsonl, cut back and written anew, is
+    read again from its start (`EventTail`), and the steps it kept, read before, are not
+    counted again (a run's `t` never goes back, a resume's clock going on from its last)."""
     started: float = 0.0
     wall: float | None = None
     message: str | None = None
@@ -94,9 +99,12 @@ class SweptRun:
             elif kind == "step":
                 self.step = e.get("step", self.step)
                 self.loss = report.number(e.get("loss"))
-                if (dt := report.number(e.get("step_time_s"))) is not None:
+                t = report.number(e.get("t"))
+                if (dt := report.number(e.get("step_time_s"))) is not None and (
+                        t is None or t > self.timed_t):
                     self.timed_steps += 1
                     self.step_seconds += dt
+                    self.timed_t = self.timed_t if t is None else t
                 for k, v in e.items():
                     if k.endswith("_per_s"):
                         self.rate, self.unit = report.number(v), k.replace("_per_s", "/s")
