@@ -8,7 +8,7 @@ import os
 import pytest
 from cli_errors import error_line
 
-from toymlx.backend.files import json_fault, nothing_there
+from toymlx.backend.files import json_fault, not_a_file, nothing_there
 
 
 def test_nothing_there_names_a_dangling_link_a_file_as_folder_and_an_unexpanded_tilde(
@@ -23,6 +23,19 @@ def test_nothing_there_names_a_dangling_link_a_file_as_folder_and_an_unexpanded_
     assert nothing_there("~/m.gguf") == (
         "nothing at that path (~ is expanded only by the shell, not inside quotes, after "
         f"--opt= or in a -c file: write {os.path.expanduser('~/m.gguf')})")
+
+
+def test_not_a_file_names_what_stands_where_a_file_was_expected(tmp_path, monkeypatch):
+    """One helper for --base, --donor, --tokenizer and the Modelfile's base (each had its own
+    copy, one saying a bare "nothing")."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "link.gguf").symlink_to("gone.gguf")
+    assert not_a_file("empty") == "a directory"
+    assert not_a_file("pipe") == "a FIFO (named pipe)"
+    assert not_a_file("missing.gguf") == "nothing at that path"
+    assert not_a_file("link.gguf") == "nothing at that path (a link to gone.gguf, which is missing)"
 
 
 @pytest.mark.parametrize("prog,argv,flag", [

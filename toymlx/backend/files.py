@@ -55,6 +55,14 @@ def nothing_there(path: str | os.PathLike) -> str:
     return "nothing at that path"
 
 
+def not_a_file(path: str | os.PathLike) -> str:
+    """What stands at `path` where a regular file was expected, for an error's "found ...":
+    "a directory", a special file's kind (`special_kind`), else `nothing_there`'s words."""
+    if Path(path).is_dir():
+        return "a directory"
+    return special_kind(path) or nothing_there(path)
+
+
 def json_fault(e: json.JSONDecodeError, line: bool = True) -> str:
     """json's complaint and where ("Expecting value at line 3 column 1"; `line` False: the
     column alone, for one line of JSONL), and "where the text ends: cut short?" where the text

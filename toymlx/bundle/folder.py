@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
-from toymlx.backend.files import json_fault, nothing_there, special_kind
+from toymlx.backend.files import json_fault, not_a_file, nothing_there, special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
@@ -317,8 +317,7 @@ def check_model_file(spec: str | os.PathLike, flag: str) -> None:
     if not Path(spec).exists():
         raise ValueError(f"{spec}: {flag}: expected an existing GGUF file, found "
                          f"{nothing_there(spec)}")
-    found = "a directory" if Path(spec).is_dir() else special_kind(spec) or "no regular file"
-    raise ValueError(f"{spec}: {flag}: expected a GGUF file, found {found}")
+    raise ValueError(f"{spec}: {flag}: expected a GGUF file, found {not_a_file(spec)}")
 
 
 def refuse_run_folder(spec: str | os.PathLike, flag: str) -> None:

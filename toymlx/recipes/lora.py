@@ -34,7 +34,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from toymlx.backend.device import on_gpu
-from toymlx.backend.files import nothing_there, special_kind
+from toymlx.backend.files import not_a_file
 from toymlx.bundle import model_store
 from toymlx.bundle.folder import refuse_run_folder
 from toymlx.bundle.outputs import check_output
@@ -216,7 +216,7 @@ def validate(cfg: Config) -> None:
                          "for it)")
     if not base.is_file():
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
-                         f"{'a directory' if base.is_dir() else special_kind(base) or nothing_there(base)}")
+                         f"{not_a_file(base)}")
     parse_targets(cfg.lora.targets)
     if cfg.fuse_at_end:  # the type is checked now, not after training
         with GGUFFile(base) as g:
