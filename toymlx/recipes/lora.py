@@ -329,7 +329,8 @@ def resolve_base_dtype(choice: str, gpu: bool, memory_first: bool,
 
 def check_train_batch(batch_size: int, data: SFTData) -> None:
     """--batch-size against the training rows: ValueError naming the file they came from
-    (train.jsonl alone, where the run's general check names the data's files), and for packed
+    (train.jsonl alone; the run's general check, `runner.run.check_batch_fits`, covers the other
+    recipes' windows and images), and for packed
     rows the examples they pack into (6 short examples are 2 rows of 256 tokens, not 6;
     mlx-lm's one example a row is --data.no-pack)."""
     rows, fit = len(data.train["inputs"]), data.fits.get("train")

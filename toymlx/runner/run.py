@@ -43,12 +43,12 @@ from toymlx.training.trainer import resume_from, train
 
 
 def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
-    """--batch-size against the training set the task reports (a batch must fit in it)."""
+    """--batch-size against the training set the task reports (a batch must fit in it). LoRA's
+    rows are checked by the recipe as it reads them (`lora.check_train_batch`: the file they
+    came from, the examples packed into them)."""
     if "train_tokens" in info and "seq_len" in info:
         n = (info["train_tokens"] - 1) // info["seq_len"]
         what = f"{n} windows of --seq-len {info['seq_len']} in {info['train_tokens']} tokens"
-    elif "train_rows" in info:
-        n, what = info["train_rows"], f"{info['train_rows']} rows"
     elif "train_images" in info:
         n, what = info["train_images"], f"{info['train_images']} images"
     else:
