@@ -112,6 +112,23 @@ def test_plain_text_splits_documents_at_blank_lines(tmp_path):
         ("text", "para one\nline two", f"{path}:1"), ("text", "para two", f"{path}:6")]
 
 
+def test_a_split_that_holds_out_none_is_said_before_the_run(tmp_path):
+    """--data.val-fraction 0.1 of 4 examples rounds to none: the run would train without
+    validation, said only by its last line ("held-out: none"), so a note says it first."""
+    text = write(tmp_path, "story.txt", "one long document\nwith no blank line\n")
+    assert SplitExamples.of(text).note == (
+        f"{text}: --data.val-fraction 0.1 of 1 example holds out none, so the run validates "
+        "nothing (a plain-text file's examples are its documents, separated by blank lines); "
+        "add examples, raise --data.val-fraction, or use a data folder with a valid.jsonl")
+    rows = write(tmp_path, "rows.jsonl", "".join(f'{{"text": "t{i}"}}\n' for i in range(4)))
+    assert SplitExamples.of(rows).note == (
+        f"{rows}: --data.val-fraction 0.1 of 4 examples holds out none, so the run validates "
+        "nothing; add examples, raise --data.val-fraction, or use a data folder with a "
+        "valid.jsonl")
+    assert SplitExamples.of(rows, val_fraction=0.25).note is None  # one example validates
+    assert SplitExamples.of(rows, val_fraction=0.0).note is None  # none asked for
+
+
 def test_json_array_file_with_line_numbers(tmp_path):
     content = '[\n  {"prompt": "q",\n   "completion": "a"},\n  {"prompt": "p",\n   "completion": "c"}\n]\n'
     path = write(tmp_path, "data.json", content)

@@ -367,9 +367,12 @@ def test_export_of_a_run_that_held_out_no_rows_writes_the_file_and_says_why_no_l
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"answer {i}"}) + "\n"
                             for i in range(4)))
     run = _train(tmp_path, bases["q4_1"], "lora", "--data.path", str(data))
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "toymlx: completed at step 2. held-out: none (the data holds out nothing to validate "
-        f"on). bundle: {run}")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("toymlx: completed at step 2. held-out: none (the data holds out nothing "
+                       f"to validate on). bundle: {run}")
+    assert (f"toymlx: {data}: --data.val-fraction 0.1 of 4 examples holds out none, so the run "
+            "validates nothing; add examples, raise --data.val-fraction, or use a data folder "
+            "with a valid.jsonl") in err  # said before the first step too
     out = tmp_path / "fused.gguf"
     assert main(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
     assert GGUFFile(out).tensors

@@ -436,6 +436,16 @@ def test_file(path: str | Path) -> Path:
     return test
 
 
+def none_held_out(train: Path, n: int, val_fraction: float) -> str:
+    """`SFTData.val_note` where --data.val-fraction of too few examples rounds to none: the run
+    trains without validation, said before the first step (not only by its last line)."""
+    documents = (" (a plain-text file's examples are its documents, separated by blank lines)"
+                 if train.suffix not in (".jsonl", ".json") else "")
+    return (f"{train}: --data.val-fraction {val_fraction} of {n} example{'s' * (n != 1)} holds "
+            f"out none, so the run validates nothing{documents}; add examples, raise "
+            f"--data.val-fraction, or use a data folder with a valid.jsonl")
+
+
 def split_examples(
     examples: Sequence[Example], val_fraction: float = 0.1
 ) -> tuple[list[Example], list[Example]]:
@@ -880,7 +890,8 @@ class SplitExamples:
     source: DataSource
     """The training file, and the validation file where one is given."""
     note: str | None
-    """`SFTData.val_note`: a folder without valid.jsonl, validated by train.jsonl's last part."""
+    """`SFTData.val_note`: a folder without valid.jsonl, validated by train.jsonl's last part; or a
+    split that holds out none (`none_held_out`)."""
     test: Path | None
     """A folder's test.jsonl."""
 
@@ -903,7 +914,9 @@ class SplitExamples:
             train, val = examples, load_examples(val_path)
         else:
             train, val = split_examples(examples, val_fraction)
-            if files.train != Path(path):  # a folder in mlx-lm's layout, whose valid.jsonl
+            if not val and val_fraction > 0:  # too few examples: the run would validate nothing
+                note = none_held_out(files.train, len(examples), val_fraction)
+            elif files.train != Path(path):  # a folder in mlx-lm's layout, whose valid.jsonl
                 # mlx-lm would go without: it trains on every example and validates none
                 note = (f"{path}: no valid.jsonl: the last {len(val)} of train.jsonl's "
                         f"{len(examples)} examples validate and are not trained on "
