@@ -822,12 +822,12 @@ def test_a_bad_value_is_named_by_the_file_s_own_key(tmp_path, base, capsys, extr
      "{path}: key 'lora_parameters.rank': expected an integer >= 1, found 0"),
     ({"batch_size": 100}, [],
      ("{path}: key 'batch_size' (toymlx's --batch-size): expected at most 12 (the training split "
-     "of {data}/train.jsonl holds 12 rows), found 100; use a smaller "
-     "--batch-size or more data")),
+     "of {data}/train.jsonl holds 12 rows), found 100; use --batch-size "
+     "12 or less, or more data")),
     ({"batch_size": None, "data": "{small}"}, [],
      ("{path}: key 'batch_size' (mlx-lm's default, not in the file; toymlx's --batch-size): "
      "expected at most 3 (the training split of {small}/train.jsonl holds "
-     "3 rows), found 4; use a smaller --batch-size or more data")),
+     "3 rows), found 4; use --batch-size 3 or less, or more data")),
     ({"model": "{tmp}/nope.gguf"}, [],
      ("{path}: key 'model' (toymlx's --base): {tmp}/nope.gguf: expected an existing GGUF file, "
      "found nothing at that path")),

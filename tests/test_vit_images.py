@@ -422,3 +422,21 @@ def test_a_run_holding_out_no_images_says_so_in_its_last_line(tmp_path, folder, 
     assert capsys.readouterr().err.splitlines()[-1] == (
         "toymlx: completed at step 2. held-out: none (the data holds out nothing to validate "
         f"on). bundle: {run}")
+
+
+def test_a_batch_larger_than_the_training_images_names_the_size_that_fits(tmp_path, folder,
+                                                                          capsys):
+    """The folder's 30 images leave 27 to train on (--data.val-fraction 0.1): --batch-size 64
+    said "expected at most the 27 training images of DIR, found 64" without a fix, in words of
+    its own where the text recipes' check (`check_batch_fits`) says the same thing; now it is
+    that one check, before the model is made, and nothing is left behind."""
+    from cli_errors import error_line
+
+    capsys.readouterr()
+    assert train_main(["--recipe", "vit-tiny", *TINY, "--batch-size", "64", "--data.path",
+                       str(folder), "--data.image-size", "8", "--runs-root",
+                       str(tmp_path / "runs"), "--run-id", "big", "--steps", "2"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: --batch-size: expected at most 27 (the training split of {folder} "
+        "holds 27 images), found 64; use --batch-size 27 or less, or more data")
+    assert not (tmp_path / "runs" / "big").exists()

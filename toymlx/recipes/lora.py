@@ -339,7 +339,7 @@ def check_train_batch(batch_size: int, data: SFTData) -> None:
     if not data.pack or fit is None or fit.examples <= rows:
         raise ValueError(f"--batch-size: expected at most {rows} (the training split of "
                          f"{data.source.of('train')} holds {rows} rows), found {batch_size}; "
-                         "use a smaller --batch-size or more data")
+                         f"use --batch-size {rows} or less, or more data")
     raise ValueError(f"--batch-size: expected at most {rows} (the {fit.examples} training "
                      f"examples of {data.source.of('train')} pack into {rows} rows of --seq-len "
                      f"{data.seq_len}), found {batch_size}; use --batch-size {rows}, "

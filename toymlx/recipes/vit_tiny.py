@@ -25,7 +25,13 @@ from toymlx.models.checks import ArgsError
 from toymlx.models.losses import classify_metrics
 from toymlx.models.ops import Ops
 from toymlx.models.vit import PRESETS, ViT, ViTArgs
-from toymlx.training.task import Task, TrainConfig, model_error, preset_overrides
+from toymlx.training.task import (
+    Task,
+    TrainConfig,
+    check_batch_fits,
+    model_error,
+    preset_overrides,
+)
 
 AUTO_PATCH_8 = (8, 4)
 """(image side, patch side): preset auto trains 8x8 images with 4x4 patches (measured faster and
@@ -275,9 +281,8 @@ def build(cfg: Config, ops: Ops) -> Task:
     for note in data.notes:
         print(f"toymlx: {note}", file=sys.stderr)
     data.augment = augment_for(d, data.image_shape, len(data.train_x))
-    if cfg.batch_size > len(data.train_x):
-        raise ValueError(f"--batch-size: expected at most the {len(data.train_x)} training "
-                         f"images of {data.source}, found {cfg.batch_size}")
+    check_batch_fits(cfg.batch_size, {"train_images": len(data.train_x),
+                                      "data_source": data.source})  # before the model is made
     args = model_args(cfg.model, data, cfg.data)
     mx.random.seed(cfg.seed)
     model = ViT(args, ops)

@@ -38,25 +38,15 @@ from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
 from toymlx.runner.bundle import Bundle
 from toymlx.runner.launch import launched_as_rank
-from toymlx.training.task import Task, TrainConfig, check_config, half_precision_note, warmup_note
+from toymlx.training.task import (
+    Task,
+    TrainConfig,
+    check_batch_fits,
+    check_config,
+    half_precision_note,
+    warmup_note,
+)
 from toymlx.training.trainer import resume_from, train
-
-
-def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
-    """--batch-size against the training set the task reports (a batch must fit in it). LoRA's
-    rows are checked by the recipe as it reads them (`lora.check_train_batch`: the file they
-    came from, the examples packed into them)."""
-    if "train_tokens" in info and "seq_len" in info:
-        n = (info["train_tokens"] - 1) // info["seq_len"]
-        what = f"{n} windows of --seq-len {info['seq_len']} in {info['train_tokens']} tokens"
-    elif "train_images" in info:
-        n, what = info["train_images"], f"{info['train_images']} images"
-    else:
-        return
-    if batch_size > n:
-        raise ValueError(f"--batch-size: expected at most {n} (the training split of "
-                         f"{info.get('data_source', 'the data')} holds {what}), found "
-                         f"{batch_size}; use a smaller --batch-size or more data")
 
 
 def run_ops(cfg: TrainConfig) -> Ops:

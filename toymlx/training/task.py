@@ -216,6 +216,24 @@ class Task:
     for run_start; None where the recipe makes no estimate."""
 
 
+def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
+    """--batch-size against the training set a task reports (`Task.config_info`: a batch must
+    fit in it), checked by the runner after `build`, and by vit-tiny as soon as its images are
+    read. LoRA's rows are checked by the recipe as it reads them (`lora.check_train_batch`: the
+    file they came from, the examples packed into them)."""
+    if "train_tokens" in info and "seq_len" in info:
+        n = (info["train_tokens"] - 1) // info["seq_len"]
+        what = f"{n} windows of --seq-len {info['seq_len']} in {info['train_tokens']} tokens"
+    elif "train_images" in info:
+        n, what = info["train_images"], f"{info['train_images']} images"
+    else:
+        return
+    if batch_size > n:
+        raise ValueError(f"--batch-size: expected at most {n} (the training split of "
+                         f"{info.get('data_source', 'the data')} holds {what}), found "
+                         f"{batch_size}; use --batch-size {n} or less, or more data")
+
+
 def warmup_note(cfg: TrainConfig) -> str | None:
     """One line when --warmup outlasts --steps (the lr never reaches --lr) and is not the
     recipe's default, None otherwise. The warm-up is kept as given, as mlx-lm's and nanoGPT's
