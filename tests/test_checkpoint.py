@@ -282,6 +282,25 @@ def test_a_run_start_whose_model_record_is_no_object_is_no_traceback(tmp_path, m
     ck.check_own(tmp_path / "weights" / "step_1.gguf", "--model", meta=meta, events=events)
 
 
+def test_refusing_another_runs_checkpoint_names_the_records_garbled_lines(tmp_path):
+    """Garbled lines of events.jsonl may have held the resume event adopting the checkpoint:
+    the refusal names them (one line in all), and is as before where there are none."""
+    ckpt = tmp_path / "weights" / "step_2.gguf"
+    events = [{"kind": "run_start", "run_uid": "u1"}]
+    meta = {ck.RUN_KEY: "u2", "general.run_id": "b"}
+    base = (f"{ckpt}: --resume: expected a checkpoint of this run (run_uid u1), found one of "
+            "run_uid u2 (run 'b'); put this run's checkpoint back, or adopt it with --from step_2")
+    for damaged, tail in (([], ""), ([3, 5], (
+            f"; {tmp_path / 'events.jsonl'}: lines 3 and 5: expected an event (one JSON object a "
+            "line), found garbled lines that no kill or resume explains: the file was damaged, "
+            "and the resume event adopting this checkpoint (--from step_2) may be one of them: "
+            "if the run adopted it, put the run's events.jsonl back instead"))):
+        with pytest.raises(ck.ResumeError) as e:
+            ck.check_own(ckpt, "--resume", ", or adopt it with --from step_2", meta, events,
+                         damaged)
+        assert str(e.value) == base + tail
+
+
 def test_a_checkpoint_into_a_run_folder_removed_mid_run_is_refused(tmp_path):
     """A sweep's run folder deleted while the run trained: its next checkpoint made the folder
     again, holding weights/ alone, and the sweep run again refused to --overwrite that folder

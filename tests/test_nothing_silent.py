@@ -462,6 +462,47 @@ def test_readers_refuse_another_runs_checkpoint_pair_as_resume_does(runs, capsys
     assert eval_main(["--model", str(ckpt)]) == 0
 
 
+def test_readers_refusing_an_adopted_checkpoint_name_a_garbled_record(runs, capsys):
+    """Another run's pair adopted with --from step_2, then the resume line that records it
+    garbled: toymlx-eval and toymlx-generate refused the pair as another run's without a word
+    about events.jsonl; the refusal now names the garbled line, which may be the record at
+    fault, not the file."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.generate import main as generate_main
+
+    a, b = runs
+    for name in ("step_2.gguf", "step_2.state.safetensors"):
+        shutil.copy(b / "weights" / name, a / "weights" / name)
+    assert _resume(a, "--from", "step_2") == 0
+    ours = next(e for e in _events(a) if e["kind"] == "run_start")["run_uid"]
+    theirs = next(e for e in _events(b) if e["kind"] == "run_start")["run_uid"]
+    events = a / "events.jsonl"
+    lines = events.read_bytes().splitlines(keepends=True)
+    n = next(i for i, x in enumerate(lines) if b'"kind": "resume"' in x)
+    lines[n] = lines[n][:30] + b"\x00" + lines[n][31:]
+    events.write_bytes(b"".join(lines))
+    ckpt = a / "weights" / "step_2.gguf"
+    want = (f"{ckpt}: --model: expected a checkpoint of this run (run_uid {ours}), found one of "
+            f"run_uid {theirs} (run 'b'); put this run's checkpoint back; {events}: line "
+            f"{n + 1}: expected an event (one JSON object a line), found a garbled line that no "
+            "kill or resume explains: the file was damaged, and the resume event adopting this "
+            "checkpoint (--from step_2) may be that line: if the run adopted it, put the run's "
+            "events.jsonl back instead")
+    assert eval_main(["--model", str(ckpt)]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {want}"
+    assert generate_main(["--model", str(ckpt), "--prompt", "Once", "--max-tokens", "1"]) == 2
+    assert error_line(capsys, "toymlx-generate") == f"toymlx-generate: error: {want}"
+    assert eval_main(["--model", str(a)]) == 0  # the run's latest, its own step_3, is read
+    for p in (a / "weights").glob("step_3*"):  # killed before step_3: a resume goes on from 2
+        p.unlink()
+    (a / "weights" / "latest").unlink()
+    before = _files(a)
+    assert _resume(a, "--steps", "4") == 2
+    assert error_line(capsys) == "toymlx-train: error: " + want.replace(
+        "--model", "--resume").replace("back;", "back, or adopt it with --from step_2;")
+    assert _files(a) == before
+
+
 def test_a_resume_of_a_completed_run_names_its_steps_not_a_flag_never_given(runs, capsys):
     """--resume alone on a completed run once read "--steps: expected more than the
     checkpoint's step 2 ..., found 2" though no --steps was given; a --steps that is given

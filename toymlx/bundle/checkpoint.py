@@ -240,19 +240,23 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model", check_digest
 
 
 def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None = None,
-              events: list[dict] | None = None) -> None:
+              events: list[dict] | None = None, damaged: list[int] | None = None) -> None:
     """ResumeError unless a checkpoint in a run's weights/ (beside its events.jsonl) was written
     by that run (its `RUN_KEY` against run_start's run_uid) or adopted by it (a resume event
     naming it: --from step_N): another run's pair copied into weights/ is refused by every
-    reader, as by a resume. `fix`: what else to do. `meta` (the checkpoint's metadata) and
-    `events` (the run's), where the caller has read them already. Files outside a run pass."""
-    from toymlx.bundle.events import EVENTS_FILE, read_events
+    reader, as by a resume. `fix`: what else to do. `meta` (the checkpoint's metadata), and
+    `events` and `damaged` (the run's, as `read_log` reads them), where the caller has read
+    them already. The refusal names events.jsonl's garbled lines: one may be the resume event
+    that adopted the checkpoint, so the record, not the file, may be at fault. Files outside a
+    run pass."""
+    from toymlx.bundle.events import EVENTS_FILE, damage_note, read_log
 
     run = ckpt.parent.parent
     if events is None:
         if ckpt.parent.name != "weights" or not (run / EVENTS_FILE).is_file():
             return
-        events = read_events(run)
+        log = read_log(run)
+        events, damaged = log.events, log.damaged
     start = next((e for e in events if e["kind"] == "run_start"), {})
     ours = start.get("run_uid")
     if not isinstance(ours, str):
@@ -266,10 +270,17 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
         except GGUFError:
             return  # not a GGUF: the loader says so, naming the file
     if meta.get(RUN_KEY) != ours:
+        note = damage_note(run / EVENTS_FILE, damaged or [])
+        if note:
+            step = checkpoint_step(ckpt)
+            note = (f"; {note}, and the resume event adopting this checkpoint (--from "
+                    f"step_{'N' if step is None else step}) may be "
+                    f"{'that line' if len(damaged) == 1 else 'one of them'}: if the run adopted "
+                    "it, put the run's events.jsonl back instead")
         raise ResumeError(f"{ckpt}: {flag}: expected a checkpoint of this run (run_uid {ours}), "
                           f"found one of run_uid {meta.get(RUN_KEY) or '(none recorded)'} (run "
                           f"{meta.get('general.run_id')!r}); put this run's checkpoint "
-                          f"back{fix}")
+                          f"back{fix}{note or ''}")
     model, config = start.get("model"), start.get("config")
     check_recorded_model(ckpt, meta, model if isinstance(model, dict) else {}, fix)
     check_recorded_classes(ckpt, meta, config if isinstance(config, dict) else {}, fix)

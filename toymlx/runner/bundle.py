@@ -369,7 +369,7 @@ class Bundle:
             raise ck.ResumeError(f"{e}; {ck.intact_hint(self.path, step)}") from None
         if from_text is None:  # --from step_N adopts the checkpoint and the record as they are
             ck.check_own(ckpt, "--resume", f", or adopt it with --from step_{step}", meta,
-                         self.events)
+                         self.events, self.log.damaged)
             self._check_step_record(step)
         return self._check_steps(Resume(step, ckpt, state=arrays, steps_before=self.config.steps,
                                         note=note), steps)
