@@ -155,9 +155,7 @@ def _given(argv: list[str], names: Sequence[str]) -> tuple[int | None, list[str]
     for i in range(len(argv) - 1, -1, -1):
         flag, eq, value = argv[i].partition("=")
         if flag.replace("_", "-") in spelt:
-            if eq:
-                return i, [value]
-            values = []
+            values = [value] if eq else []  # `--x=1 2`: tyro takes 1 and 2, as `--x 1 2`
             for token in argv[i + 1:]:
                 if token.startswith("--"):
                     break
@@ -293,7 +291,8 @@ TIMM_FLAGS: PeerFlags = {
 
 PEER_VALUES = {"--input-size": 3, "--scale": 2}
 """How many values those of the peers' flags that take more than one take (timm's
-`--input-size 3 32 32`): each is the flag's own, not a value no option takes."""
+`--input-size 3 32 32`, or `--input-size=3 32 32`, its `=` value the first): each is the
+flag's own, not a value no option takes."""
 
 
 LAUNCHER_FLAGS: PeerFlags = {
@@ -356,21 +355,22 @@ def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> s
     """tyro's unrecognized tokens as one line: each unknown option with the closest flag of
     `cls`; a value no option takes with the option before it (a flag that takes no value)."""
     flags = _flags(cls)
-    parts, at, after_unknown = [], 0, 0
+    parts, at, owed = [], 0, 0
     for token in tokens:
         flag, eq, value = token.partition("=")
         if flag.startswith("--") or (flag.startswith("-") and not _is_number(flag)):
             hint = flag_hint(flag, flags, prog)
             parts.append(f"{flag}: expected an option of {prog}, got an unknown one"
                          + (f"; {hint}" if hint else ""))
-            # the values after it are its own, not a second finding
-            after_unknown = 0 if eq else PEER_VALUES.get(flag, 1)
+            # the values right after it are its own (`=`'s the first), not a second finding
+            owed = PEER_VALUES.get(flag, 1) - bool(eq)
             at = _position(argv, token, at, flags) + 1
             continue
-        if after_unknown:
-            after_unknown -= 1
-            at = _position(argv, token, at, flags) + 1
+        if owed and _position(argv, token, at, flags) == at:
+            owed -= 1
+            at += 1
             continue
+        owed = 0  # another option came between: the unknown flag's values have ended
         at = _position(argv, token, at, flags)
         before, _, value = argv[at].partition("=") if at < len(argv) else ("", "", "")
         if value != token and at > 0:
@@ -384,9 +384,12 @@ def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> s
                          f"{'sets it true' if leaf.startswith('no_') else 'sets it false'}), "
                          f"got {token!r}")
         else:
+            # the two tokens before it, or one `--x=v` (the flag and its value)
+            shown = argv[at - 1:at] if at > 0 and _is_inline(argv[at - 1]) else \
+                argv[max(at - 2, 0):at]
             parts.append(f"{token!r}: expected an option of {prog}, got a value no option "
-                         "takes" + (f" (after {' '.join(argv[max(at - 2, 0):at])})"
-                                    if at > 0 else "") + _report_to_hint(argv, at))
+                         "takes" + (f" (after {' '.join(shown)})" if at > 0 else "")
+                         + _report_to_hint(argv, at))
         at += 1  # a second token spelt the same is a later one (`32 32` named twice the first)
     return "; ".join(parts)
 
@@ -408,15 +411,22 @@ def _report_to_hint(argv: list[str], at: int) -> str:
 
 
 def _position(argv: list[str], token: str, start: int, flags: dict[str, bool]) -> int:
-    """Where `token` (or `--x=token`) is in argv from `start`, passing over the value of an
-    option that takes one (`1` of `--steps 1` when `--compile=1` is refused); len(argv) where
-    it is not."""
+    """Where `token` (or a flag's `--compile=token`) is in argv from `start`, passing over the
+    value of an option that takes one (`1` of `--steps 1`, and of `--steps=1`, when
+    `--compile=1` is refused); len(argv) where it is not."""
     for i in range(start, len(argv)):
         before = argv[i - 1].lstrip("-").replace("-", "_") if i > 0 else ""
         taken = argv[i - 1].startswith("--") and flags.get(before) is False
-        if (argv[i] == token and not taken) or argv[i].partition("=")[2] == token:
+        name, eq, value = argv[i].partition("=")
+        flag = name.startswith("--") and flags.get(name.lstrip("-").replace("-", "_")) is True
+        if (argv[i] == token and not taken) or (eq and value == token and flag):
             return i
     return len(argv)
+
+
+def _is_inline(token: str) -> bool:
+    """`--x=v` (or `-x=v`): an option and its value in one token."""
+    return token.startswith("-") and "=" in token and not _is_number(token)
 
 
 def _is_number(text: str) -> bool:

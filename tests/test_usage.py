@@ -64,6 +64,23 @@ def only_line(capsys) -> str:
     # the value refused is --compile's, not --steps' 1 (before: "'1': ... (after --steps)")
     (["--steps", "1", "--compile=1"], ("--compile: expected no value (a flag; --no-compile sets "
                                        "it false), got '1'")),
+    # `--flag=VALUE` gives the first of the flag's values, not its only one (before: "got '1'",
+    # a number, and "(after 3 --lora.targets=q)", --steps' 3 shown as the context)
+    (["--lr-schedule-args", "1", "x"], "--lr-schedule-args: expected numbers, got '1 x'"),
+    (["--lr-schedule-args=1", "x"], "--lr-schedule-args: expected numbers, got '1 x'"),
+    (["--steps", "3", "--lora.targets=q", "k"], (f"'k': expected an option of {LORA}, got a value "
+                                                 "no option takes (after --lora.targets=q)")),
+    # a flag's `=VALUE` is found only in a flag's token (before: --seed=3's 3 taken for the
+    # refused '3', which was named with no option before it, and --compile's not named)
+    (["--steps=3", "3"], (f"'3': expected an option of {LORA}, got a value no option takes "
+                          "(after --steps=3)")),
+    (["--seed=3", "--compile=3"], ("--compile: expected no value (a flag; --no-compile sets it "
+                                   "false), got '3'")),
+    # an unknown flag's value is the token right after it, not one after another option (before:
+    # 'stray' taken as --zzzz's value and not named)
+    (["--zzzz", "--steps", "3", "stray"], (f"--zzzz: expected an option of {LORA}, got an "
+                                           f"unknown one; 'stray': expected an option of {LORA}, "
+                                           "got a value no option takes (after --steps 3)")),
 ])
 def test_a_refused_lora_command_line_is_one_line(capsys, tmp_path, monkeypatch, args, want):
     monkeypatch.chdir(tmp_path)  # ./runs, the default --runs-root
@@ -328,6 +345,31 @@ VIT = "toymlx-train --recipe vit-tiny"
     (["--scale", "0.08", "1.0"], (
         f"--scale: expected an option of {VIT}, got an unknown one; timm's --scale MIN MAX is "
         "--data.crop-scale MIN here")),
+    # `--flag=VALUE` is the first of the flag's values, said in the same one line as with a
+    # space (before: each later value named as a value no option takes, "(after --input-size=3)")
+    (["--input-size=3", "32", "32"], (
+        f"--input-size: expected an option of {VIT}, got an unknown one; timm's --input-size C "
+        "H W is --data.image-size H here (square images; --data.channels C)")),
+    (["--input-size=3", "32", "32", "99"], (
+        f"--input-size: expected an option of {VIT}, got an unknown one; timm's --input-size C "
+        "H W is --data.image-size H here (square images; --data.channels C); '99': expected an "
+        f"option of {VIT}, got a value no option takes (after 32 32)")),
+    (["--scale=0.08", "1.0"], (
+        f"--scale: expected an option of {VIT}, got an unknown one; timm's --scale MIN MAX is "
+        "--data.crop-scale MIN here")),
+    (["--scale", "0.08", "1.0", "7"], (
+        f"--scale: expected an option of {VIT}, got an unknown one; timm's --scale MIN MAX is "
+        f"--data.crop-scale MIN here; '7': expected an option of {VIT}, got a value no option "
+        "takes (after 0.08 1.0)")),
+    (["--scale=0.08", "1.0", "7"], (
+        f"--scale: expected an option of {VIT}, got an unknown one; timm's --scale MIN MAX is "
+        f"--data.crop-scale MIN here; '7': expected an option of {VIT}, got a value no option "
+        "takes (after --scale=0.08 1.0)")),
+    # its values stop at the next option (before: '99' taken as --scale's second and not named)
+    (["--scale", "0.08", "--steps", "3", "99"], (
+        f"--scale: expected an option of {VIT}, got an unknown one; timm's --scale MIN MAX is "
+        f"--data.crop-scale MIN here; '99': expected an option of {VIT}, got a value no option "
+        "takes (after --steps 3)")),
     (["--stpes", "3"], (f"--stpes: expected an option of {VIT}, got an unknown one; did you mean "
                        "--steps?")),
 ])
