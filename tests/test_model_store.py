@@ -27,6 +27,7 @@ from toymlx.bundle.model_store import (
 from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import load_llama, write_llama
 from toymlx.gguf.reader import GGUFFile
+from toymlx.gguf.writer import write_gguf
 from toymlx.interop.modelfile import parse_modelfile, quote, write_modelfile
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.lora import apply_lora
@@ -252,9 +253,19 @@ def test_modelfile_from_ollama_and_from_a_path(ollama, stories_path, tmp_path):
     path, base, _, _ = write_modelfile(tmp_path / "out2", adapter, str(stories_path))
     text = path.read_text()
     assert "TEMPLATE" not in text.replace("# No TEMPLATE", "")
-    assert "# No TEMPLATE: Ollama uses the GGUF's tokenizer.chat_template" in text
+    # stories260K has no chat template: Ollama then passes the prompt as it is ({{ .Prompt }})
+    assert ("# No TEMPLATE: the GGUF has no tokenizer.chat_template, so Ollama passes the "
+            "prompt as it is\n") in text
     assert parse_modelfile(text)[:2] == [("FROM", str(stories_path.absolute())),
                                          ("ADAPTER", str(adapter.resolve()))]
+    g = GGUFFile(stories_path)
+    chat = tmp_path / "stories-chat.gguf"
+    write_gguf(chat, {**g.metadata, "tokenizer.chat_template": CHATML},
+               {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
+    g.close()
+    text = write_modelfile(tmp_path / "out3", adapter, str(chat))[0].read_text()
+    assert "TEMPLATE" not in text.replace("# No TEMPLATE", "")
+    assert "# No TEMPLATE: Ollama uses the GGUF's tokenizer.chat_template\n" in text
     assert quote(" a ") == '" a "' and quote('x\n"y"') == '"""x\n"y""""' and quote("<s>") == "<s>"
 
 

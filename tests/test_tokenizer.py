@@ -822,6 +822,42 @@ def test_a_training_file_cut_anyway_is_named(gpt2, dna, tmp_path, shared_file):
     assert read_events(tmp_path / "r")[-1]["reason"] == "completed"
 
 
+def test_a_plain_text_run_on_a_chat_model_s_tokenizer_writes_no_chat_template(
+        smol, shared_file, tmp_path, capsys):
+    """from-scratch with SmolLM2's tokenizer (which holds a chat template) trains on plain text
+    alone: its checkpoint carries every other tokenizer key of the file but no
+    `tokenizer.chat_template`, so llama-cli starts no conversation mode and toymlx-generate
+    continues the prompt as it is (`--system` is refused: no template to put it in)."""
+    from toymlx_cli.generate import main as generate
+    from toymlx_cli.train import main
+
+    from toymlx.bundle.checkpoint import resolve_latest
+    from toymlx.data.vocab import K_TEMPLATE
+
+    assert smol.chat_template and not smol.to_metadata(chat_template=False).get(K_TEMPLATE)
+    vocab = shared_file("tokenizers/ggml-vocab-smollm2.gguf")
+    text = tmp_path / "t.txt"
+    text.write_text("ROMEO: But soft, what light through yonder window breaks?\n" * 40)
+    assert main(["--recipe", "from-scratch", "--tokenizer", str(vocab), "--data.path", str(text),
+                 "--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
+                 "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
+                 "--seq-len", "32", "--batch-size", "2", "--steps", "1", "--no-compile",
+                 "--no-progress", "--runs-root", str(tmp_path), "--run-id", "r"]) == 0
+    meta = read_metadata(resolve_latest(tmp_path / "r"))
+    want = {k: v for k, v in read_metadata(vocab).items() if k.startswith("tokenizer.")}
+    assert K_TEMPLATE in want
+    got = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    assert K_TEMPLATE not in got and sorted(got) == sorted(set(want) - {K_TEMPLATE})
+    assert got["tokenizer.ggml.tokens"] == want["tokenizer.ggml.tokens"]
+    capsys.readouterr()
+    run = tmp_path / "r"
+    assert generate(["--model", str(run), "--prompt", "ROMEO:", "--system", "Be brief",
+                     "--max-tokens", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "toymlx-generate: error: --system: expected a prompt rendered through a chat "
+        f"template, found {run} has no tokenizer.chat_template")
+
+
 # ------------------------------------------------------------- long fragments in encode_batch
 class _CountingHF:
     """A `tokenizers.Tokenizer` that records the length of every text it is given."""

@@ -43,10 +43,13 @@ def text_file(shared_file, tmp_path_factory) -> str:
 
 def _donor(path: Path, width: int = 32, rows: int | None = None, arch: str = "llama",
            table: bool = True, table_width: int | None = None, qtype: Q | None = None,
-           seed: int = 0) -> Path:
-    """A small donor GGUF: the byte tokenizer's 259 tokens and a random table."""
+           seed: int = 0, chat_template: str | None = None) -> Path:
+    """A small donor GGUF: the byte tokenizer's 259 tokens (and `chat_template`, a chat
+    model's) and a random table."""
     meta = {"general.architecture": arch, f"{arch}.embedding_length": width,
             **byte_tokenizer().to_metadata()}
+    if chat_template is not None:
+        meta["tokenizer.chat_template"] = chat_template
     t = np.random.default_rng(seed).normal(0, 0.3, (rows or 259, table_width or width))
     t = t.astype(np.float32)
     tensors = {}
@@ -356,6 +359,22 @@ def test_first_loss_near_uniform(stories_path, text_file):
 
 
 # ---- training: folded export, freezing, resume ------------------------------------------
+def test_a_chat_donor_s_template_stays_out_of_the_checkpoint(tmp_path, text_file):
+    """The student trains on plain text alone: its checkpoint takes the donor's tokenizer but
+    not its `tokenizer.chat_template` (llama-cli and Ollama would wrap prompts in it)."""
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    donor = _donor(tmp_path / "chat_donor.gguf", chat_template=template)
+    assert GGUFFile(donor).metadata["tokenizer.chat_template"] == template
+    cfg = _cfg(donor, text_file, steps=1)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert train(_build(cfg), cfg, run, {})["reason"] == "completed"
+    meta = GGUFFile(resolve_latest(run)).metadata
+    assert "tokenizer.chat_template" not in meta
+    assert meta["tokenizer.ggml.tokens"] == byte_tokenizer().to_metadata()[
+        "tokenizer.ggml.tokens"]
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_folded_checkpoint_matches_training_logits(tmp_path, stories_path, text_file, tied):
     cfg = _cfg(stories_path, text_file, steps=5, model={**W32, "tie_embeddings": tied})

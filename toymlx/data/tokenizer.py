@@ -717,13 +717,17 @@ class Tokenizer:
                                **context)
 
     # -------------------------------------------------------------- metadata out
-    def to_metadata(self) -> dict[str, Any]:
+    def to_metadata(self, chat_template: bool = True) -> dict[str, Any]:
         """The `tokenizer.ggml.*` (+ `tokenizer.chat_template`) keys, for writing a GGUF.
 
         Lists are the originals (token_type ints, scores floats); ids are ints; flags bools.
+        `chat_template=False` leaves the template out: a model trained on plain text never saw
+        its turns, and llama-cli and Ollama wrap every prompt in a template the GGUF carries.
         """
         meta: dict[str, Any] = {}
         for key, value in self._meta.items():
+            if key == K_TEMPLATE and not chat_template:
+                continue
             if key == K_TYPES:
                 value = [int(v) for v in value]
             elif key == K_SCORES:

@@ -6,7 +6,8 @@ the fused model (`fuse=True`: `DIR/fused-TYPE.gguf`, the base's own type by defa
 The file holds `FROM` (the base GGUF, absolute), `ADAPTER` (the adapter GGUF, absolute) or
 instead `FROM` the fused GGUF, and
 when the base came from Ollama's store its `TEMPLATE`, `SYSTEM` and `PARAMETER` layers;
-otherwise no TEMPLATE, so Ollama derives one from the GGUF's `tokenizer.chat_template`.
+otherwise no TEMPLATE, so Ollama derives one from the GGUF's `tokenizer.chat_template`, or,
+where the GGUF has none (a from-scratch base), passes the prompt as it is (`{{ .Prompt }}`).
 `PARAMETER stop` lists the tokenizer's end-of-generation tokens. Values are quoted the way
 Ollama's own `ollama show --modelfile` quotes them, and read back (`parse_modelfile`) by the
 rules of Ollama's parser (parser/parser.go), which the writer checks each value against: a
@@ -27,6 +28,7 @@ from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.bundle.model_store import Resolved, check_digests, is_store_name, resolve
 from toymlx.bundle.outputs import check_output
 from toymlx.data.tokenizer import Tokenizer
+from toymlx.data.vocab import K_TEMPLATE
 from toymlx.gguf.quantize import export_type
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.runner.bundle import run_base
@@ -160,10 +162,18 @@ def stop_tokens(base: Path) -> list[str]:
     return [tok.token_text(i) for i in sorted(tok.eog_ids)]
 
 
+def has_chat_template(base: Path) -> bool:
+    """Whether the GGUF carries a `tokenizer.chat_template` (Ollama derives its TEMPLATE
+    from it)."""
+    with GGUFFile(base) as g:
+        return bool(g.metadata.get(K_TEMPLATE))
+
+
 def modelfile_text(base: Resolved, adapter_file: Path, stops: list[str],
-                   fused: Path | None = None) -> str:
+                   fused: Path | None = None, chat_template: bool = True) -> str:
     """The Modelfile for `base` + `adapter_file` (absolute paths), or FROM `fused` (the two
-    fused into one GGUF)."""
+    fused into one GGUF); `chat_template`: whether the base GGUF has one (`has_chat_template`),
+    which the comment standing for a missing TEMPLATE says."""
     lines = ["# Written by toymlx-export; create the model with: ollama create NAME -f Modelfile",
              f"# base: {base.spec}" + (f" ({base.digest})" if base.digest else "")]
     if fused is None:
@@ -175,8 +185,11 @@ def modelfile_text(base: Resolved, adapter_file: Path, stops: list[str],
     template = base.layer_text("template")
     if template is not None:
         lines.append(f"TEMPLATE {quote(template, triple=True)}")
-    else:
+    elif chat_template:
         lines.append("# No TEMPLATE: Ollama uses the GGUF's tokenizer.chat_template")
+    else:
+        lines.append("# No TEMPLATE: the GGUF has no tokenizer.chat_template, so Ollama passes "
+                     "the prompt as it is")
     system = base.layer_text("system")
     if system:
         lines.append(f"SYSTEM {quote(system)}")
@@ -232,7 +245,8 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
                     name = dtype or export_type(g)
                 fused = write_merged(check_output(Path(out_dir) / f"fused-{name}.gguf", inputs),
                                      src.path, adapter_file, dtype, progress)
-            text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused)
+            text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused,
+                                  has_chat_template(src.path))
             atomic.write_text(path, text)
         except BaseException:
             # all or nothing: a Modelfile that cannot be written (a full disk) takes the fused

@@ -4,6 +4,8 @@ data folder of {"text": ...} records, whose test.jsonl `--test` scores at the en
 Bytes are the vocabulary (256 byte tokens plus <unk>, <s>, </s>) unless `--tokenizer` names a
 GGUF whose tokenizer to use instead (SmolLM2's 49,152 BPE tokens, say, as nanoGPT trains on
 GPT-2's); either is stored in each checkpoint, so the checkpoints run in llama.cpp as they are.
+A chat model's `tokenizer.chat_template` is left out: the model learns plain text alone, and
+llama-cli and Ollama would wrap every prompt in turns it never saw.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test, progress=cfg.progress)
     mx.random.seed(cfg.seed)
     model = Llama(args, ops)
-    tok_meta = tok.to_metadata()
+    tok_meta = tok.to_metadata(chat_template=False)  # trained on plain text alone
 
     def save(path: Path, m: Llama, extra: dict) -> None:
         write_llama(path, m, tok_meta, extra, name="toymlx from-scratch", dtype=cfg.save_dtype)

@@ -5,7 +5,8 @@ learned lens (donor width x student width) into its own width; everything else s
 random init, the final norm's weight (with a tied head) at `warm.head_norm_weight`: first
 logits of unit spread. It uses the donor's tokenizer, and its checkpoints are plain llama GGUFs
 with the lens folded into `token_embd.weight` (see toymlx/recipes/warm.py; the unfolded table
-and lens for resume live in `step_N.warm.safetensors` beside each checkpoint).
+and lens for resume live in `step_N.warm.safetensors` beside each checkpoint), without the
+donor's `tokenizer.chat_template`: the student learns plain text alone.
 
 `--warm.init random` keeps everything (shape, vocabulary, tokenizer, lens rule, optimizer, the
 rest of the init) and replaces only the donor table's values by Gaussian noise of the same RMS:
@@ -174,7 +175,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         model.norm.weight = mx.full(model.norm.weight.shape, weight, dtype=mx.float32)
     if w.freeze_embeddings == -1:
         model.embed.freeze(keys=["weight"])
-    tok_meta = tok.to_metadata()
+    tok_meta = tok.to_metadata(chat_template=False)  # trained on plain text alone
     info = {"donor": donor.path, "donor_width": donor.width, "donor_tensor_type":
             donor.tensor_type, "lens": w.lens, "init": w.init,
             "freeze_embeddings": w.freeze_embeddings, "vocab": vocab}
