@@ -53,10 +53,10 @@ def _given_inputs(argv: list[str]) -> dict[str, str]:
 
 
 def _usage() -> str:
-    from toymlx.recipes import RECIPES
+    from toymlx.recipes import RECIPES, SUMMARIES
 
     return ("usage: toymlx-train --recipe NAME [-c FILE] [options]\n\nrecipes:\n"
-            + "".join(f"  {n}\n" for n in RECIPES)
+            + "".join(f"  {n:<14}{SUMMARIES[n]}\n" for n in RECIPES)
             + "\n`toymlx-train --recipe NAME --help` lists every option of a recipe.\n"
             + CONFIG_HELP + " A run's config.json starts a new run with its settings:\n"
             "  toymlx-train -c runs/<id>/config.json --run-id new\n"

@@ -979,3 +979,18 @@ def test_guide_blocks_run(doc, tmp_path, stories_path):
         events = [e for b in bundles for e in read_events(b)]
         missing = undocumented_event_keys(events, documented_event_keys())
         assert not missing, f"docs/RUNS.md: events.jsonl keys its table leaves out: {missing}"
+
+
+def test_toymlx_train_alone_lists_the_readme_s_recipes_each_with_what_it_trains(capsys):
+    """`toymlx-train` with no recipe listed the recipes' names alone; a newcomer's first command
+    now says what each trains, and names the README table's recipes, no more and no fewer."""
+    from toymlx_cli.train import main as train_main
+
+    from toymlx.recipes import RECIPES, SUMMARIES
+
+    assert train_main([]) == 2
+    listed = capsys.readouterr().err.split("recipes:\n")[1].split("\n\n")[0].splitlines()
+    assert listed == [f"  {n:<14}{SUMMARIES[n]}" for n in RECIPES]
+    readme = (REPO / README).read_text(encoding="utf-8")
+    table = re.findall(r"^\| `([a-z-]+)` \| ", readme.split("## Set-up")[0], re.MULTILINE)
+    assert sorted(table) == sorted(RECIPES) == sorted(SUMMARIES)

@@ -15,6 +15,14 @@ RECIPES: dict[str, str] = {
     "vit-tiny": "toymlx.recipes.vit_tiny",
 }
 
+SUMMARIES: dict[str, str] = {
+    "from-scratch": "a small Llama from random init on any text (default: the Python docs)",
+    "warm-start": "a new Llama whose token embeddings start from a donor GGUF's",
+    "lora": "fine-tune a GGUF you have (--base FILE.gguf): LoRA, DoRA or every weight",
+    "vit-tiny": "a ViT-Tiny image classifier on your images (default: 8x8 digits shipped)",
+}
+"""What each recipe trains, in one line: `toymlx-train` with no recipe lists them."""
+
 
 def get_recipe(name: str) -> ModuleType:
     """The recipe module for `name`, or a ValueError listing the known ones."""
