@@ -36,7 +36,7 @@ from typing import Any
 
 from toymlx import __version__
 from toymlx.backend import atomic
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import shortlist, special_kind
 
 EVENTS_FILE = "events.jsonl"
 """A bundle's event log, beside config.json."""
@@ -247,7 +247,7 @@ def line_numbers(n: list[int]) -> str:
     """"line 7", "lines 3 and 4", "lines 2, 5, 9 and 2 more"."""
     return (f"line {n[0]}" if len(n) == 1 else
             f"lines {', '.join(map(str, n[:-1]))} and {n[-1]}" if len(n) <= 3 else
-            f"lines {', '.join(map(str, n[:3]))} and {len(n) - 3} more")
+            f"lines {shortlist([str(k) for k in n], 3)}")
 
 
 def read_log(path: str | os.PathLike) -> Log:
