@@ -293,6 +293,12 @@ def iter_events(path: str | os.PathLike) -> Iterator[dict]:
             yield ev
 
 
+def run_start(events: Iterable[dict]) -> dict | None:
+    """The first run_start of `events` (a list, or `iter_events`, then read no further), None
+    where there is none: the one lookup of what a run recorded when it started."""
+    return next((e for e in events if e.get("kind") == "run_start"), None)
+
+
 SUPERSEDED = "events.superseded.jsonl"
 """Beside events.jsonl: the lines a resume took out of it, appended in their order."""
 _STEPPED = ("step", "eval", "checkpoint", "export")
