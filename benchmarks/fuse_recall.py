@@ -115,8 +115,7 @@ def main() -> int:
         p.error("expected --run, --questions and --word (or --make-data DIR)")
     questions = json.loads(Path(a.questions).read_text())
     bundle = Bundle.of(a.run)
-    base = Path(a.base or next(e for e in bundle.events
-                               if e["kind"] == "run_start")["config"]["base_file"])
+    base = Path(a.base or bundle.start_event["config"]["base_file"])
     adapter = checkpoint_file(a.run, "--run")
     models = {"base + adapter": (base, adapter)}
     models.update({n: (Path(f), None) for n, f in (s.split("=", 1) for s in a.fused)})

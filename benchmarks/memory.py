@@ -143,12 +143,12 @@ def run_row(row: Row, runs: Path) -> dict[str, Any]:
     if child.returncode != 0:
         rec["error"] = out.strip().splitlines()[-1] if out.strip() else ""
         return rec
-    from toymlx.bundle.events import read_events  # a torn or damaged line is skipped
+    from toymlx.bundle.events import read_events, run_start  # a torn or damaged line is skipped
 
     events = read_events(runs / row.name)
     steps = [e for e in events if e["kind"] == "step"]
     end = next(e for e in events if e["kind"] == "run_end")
-    start = next(e for e in events if e["kind"] == "run_start")
+    start = run_start(events)
     times = [e["step_time_s"] for e in steps[2:]] or [e["step_time_s"] for e in steps]
     rec.update(steps=len(steps), step_s=round(statistics.median(times), 3),
                trained_tokens_per_s=round(statistics.median(

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend.device import backend_info, blas_summary
-from toymlx.bundle.events import read_events
+from toymlx.bundle.events import read_events, run_start
 
 REPO = Path(__file__).resolve().parent.parent
 LORA_SHAPE = {"seq_len": 256, "batch_size": 4, "lora": {"targets": "q"}}
@@ -89,7 +89,7 @@ def host_line(h: dict[str, Any]) -> str:
 def _steps(run: Path, first_timed: int = 2) -> dict[str, Any]:
     """The run's first step and the median of its steps from `first_timed` (1-based) on."""
     times = [e["step_time_s"] for e in read_events(run) if e["kind"] == "step"]
-    backend = next(e for e in read_events(run) if e["kind"] == "run_start")["backend"]
+    backend = run_start(read_events(run))["backend"]
     return {"first_step_s": times[0], "median_step_s": statistics.median(times[first_timed - 1:]),
             "median_of_steps": f"{first_timed}-{len(times)}", "steps": len(times),
             "blas": backend.get("blas"), "max_step_s": max(times[first_timed - 1:])}

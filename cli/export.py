@@ -369,9 +369,11 @@ def run_val_loss(events: list[dict], step: int | None) -> float | None:
     figure the export would score again for base + adapter, on the same rows. None where
     there is none (a run stopped before its final validation) or the run's math rounded to
     a narrower type (bfloat16, float16), which the export's float32 scoring would not match."""
+    from toymlx.bundle.events import run_start
+
     if step is None:
         return None
-    start = next((e for e in events if e.get("kind") == "run_start"), {})
+    start = run_start(events) or {}
     math_ = start.get("math") or {}
     base_dtype = (start.get("config") or {}).get("base_dtype_resolved", "float32")
     if math_.get("dtype") != "float32" or base_dtype in ("bfloat16", "float16"):

@@ -320,7 +320,7 @@ def trained_window(model: str) -> int | None:
     checkpoint in its weights/), from its run_start; None for any other model or record."""
     from pathlib import Path
 
-    from toymlx.bundle.events import iter_events
+    from toymlx.bundle.events import iter_events, run_start
     from toymlx.bundle.model_store import is_store_name
     from toymlx.bundle.outputs import bundle_of
 
@@ -328,10 +328,10 @@ def trained_window(model: str) -> int | None:
     if run is None:
         return None
     try:
-        start = next((e for e in iter_events(run) if e.get("kind") == "run_start"), None)
+        start = run_start(iter_events(run))
     except (OSError, ValueError):  # the run's own readers name what is wrong with it
         return None
-    if not isinstance(start, dict) or start.get("recipe") not in ("from-scratch", "warm-start"):
+    if start is None or start.get("recipe") not in ("from-scratch", "warm-start"):
         return None  # a lora run's base read longer texts than its --seq-len
     seq_len = (start.get("config") or {}).get("seq_len")
     return seq_len if isinstance(seq_len, int) and seq_len > 0 else None

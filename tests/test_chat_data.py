@@ -674,6 +674,18 @@ def test_data_folder_without_train_jsonl_is_one_line(tmp_path):
         data_files(tmp_path / "empty")
 
 
+def test_a_data_folder_s_files_are_named_up_to_six(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i in range(8):
+        write(folder, f"part-{i}.jsonl", "{}")
+    with pytest.raises(DataError) as e:
+        data_files(folder)
+    assert str(e.value).endswith("(mlx-lm's layout), found part-0.jsonl, part-1.jsonl, "
+                                 "part-2.jsonl, part-3.jsonl, part-4.jsonl, part-5.jsonl and "
+                                 "2 more")
+
+
 @pytest.mark.parametrize("name", ["val.jsonl", "Valid.jsonl", "validation.jsonl"])
 def test_a_jsonl_file_a_data_folder_would_not_read_is_named(tmp_path, name):
     """A misnamed validation file (mlx-lm refuses the folder: no valid.jsonl) was left out

@@ -13,7 +13,15 @@ import pytest
 from toymlx_cli.train import main
 
 import toymlx
-from toymlx.bundle.events import EventLog, damage_note, parse_event, read_events, read_log
+from toymlx.bundle.events import (
+    EventLog,
+    damage_note,
+    iter_events,
+    parse_event,
+    read_events,
+    read_log,
+    run_start,
+)
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
         "--model.n-kv-heads", "2", "--model.ffn-dim", "64", "--model.context", "64",
@@ -140,6 +148,21 @@ def test_damage_note_names_the_file_and_the_lines(tmp_path):
     assert damage_note(p, [3, 4]) == f"{p}: lines 3 and 4: " + tail.format("garbled lines")
     assert damage_note(p, [2, 5, 9, 11, 12]) == (f"{p}: lines 2, 5, 9 and 2 more: "
                                                 + tail.format("garbled lines"))
+
+
+def test_run_start_is_the_first_one_and_reads_an_iterator_no_further(tmp_path):
+    """One lookup of a run's run_start for every reader (Bundle.start_event, check_own,
+    toymlx-generate's trained window, the export's own validation loss)."""
+    p = tmp_path / "events.jsonl"
+    lines = [{"kind": "step", "step": 0}, {"kind": "run_start", "run_uid": "a"},
+             {"kind": "run_start", "run_uid": "b"}, {"kind": "run_end"}]
+    p.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert run_start(read_events(p)) == {"kind": "run_start", "run_uid": "a"}
+    it = iter_events(p)
+    assert run_start(it)["run_uid"] == "a"
+    assert next(it)["run_uid"] == "b"  # the lookup stopped at the first: the rest is unread
+    assert run_start([lines[0], lines[3]]) is None
+    assert run_start([]) is None
 
 
 class _FillsUp:

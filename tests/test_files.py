@@ -8,7 +8,7 @@ import os
 import pytest
 from cli_errors import error_line
 
-from toymlx.backend.files import json_fault, not_a_file, nothing_there
+from toymlx.backend.files import json_fault, not_a_file, nothing_there, shortlist
 
 
 def test_nothing_there_names_a_dangling_link_a_file_as_folder_and_an_unexpanded_tilde(
@@ -82,6 +82,17 @@ def test_json_fault_says_where_the_text_ends_before_its_json_and_reads_once_at()
     assert _fault('{\n  "a": 1,\n') == ("Expecting property name enclosed in double quotes at "
                                         "line 3 column 1, where the text ends: cut short?")
     assert _fault(" \n") == "an empty file"
+
+
+def test_shortlist_cuts_a_list_after_its_cap_and_counts_the_rest():
+    """The one "a, b and N more" of every message that lists what it found (Ollama's and LM
+    Studio's models, a data folder's files, a run folder's, events.jsonl's line numbers)."""
+    names = ["a", "b", "c", "d", "e"]
+    assert shortlist(names, 2) == "a, b and 3 more"
+    assert shortlist(names, 4) == "a, b, c, d and 1 more"
+    assert shortlist(names, 5) == shortlist(names, 6) == "a, b, c, d, e"
+    assert shortlist(("x",), 1) == "x"
+    assert shortlist([], 3) == ""
 
 
 @pytest.mark.parametrize("cut", [0, 60])

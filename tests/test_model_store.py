@@ -140,6 +140,19 @@ def test_ollama_listing_is_cut_at_twenty(tmp_path, monkeypatch):
     assert str(e.value).endswith("m18:latest, m19:latest and 3 more")
 
 
+def test_lmstudio_hits_are_cut_at_twenty(tmp_path, monkeypatch):
+    repo = tmp_path / "models" / "pub" / "many-GGUF"
+    repo.mkdir(parents=True)
+    for i in range(23):
+        (repo / f"m{i:02d}.gguf").write_bytes(b"")
+    monkeypatch.setenv("LMSTUDIO_MODELS", str(tmp_path / "models"))
+    with pytest.raises(ModelStoreError) as e:
+        resolve_model("lmstudio:pub/many-GGUF", "--base")
+    assert str(e.value).endswith("pub/many-GGUF/m18.gguf, pub/many-GGUF/m19.gguf and 3 more; "
+                                 "name one, e.g. lmstudio:pub/many-GGUF/m00.gguf")
+    assert ": names 23 GGUFs in LM Studio's folder " in str(e.value)
+
+
 def test_ollama_manifest_without_model_layer_and_damaged_blob(ollama, stories_path):
     with pytest.raises(ModelStoreError) as e:
         resolve_model("ollama:nomodel", "--model")

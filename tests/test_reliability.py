@@ -524,6 +524,22 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path, capsys, data):
     assert sorted(p.name for p in plain.iterdir()) == ["notes.txt"]
 
 
+def test_a_folder_that_is_not_a_run_is_named_by_its_first_four_names(tmp_path):
+    from toymlx.bundle import folder
+    from toymlx.bundle.options import RunError
+
+    plain = tmp_path / "d"
+    (plain / "sub").mkdir(parents=True)
+    for name in ("a.txt", "b.txt", "c.txt", "e.txt", "f.txt"):
+        (plain / name).write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(RunError) as e:
+            folder.prepare_run_dir(str(tmp_path), "d", overwrite=overwrite)
+        assert "holding a.txt, b.txt, c.txt, e.txt and 2 more; " in str(e.value)
+    assert sorted(p.name for p in plain.iterdir()) == ["a.txt", "b.txt", "c.txt", "e.txt",
+                                                       "f.txt", "sub"]
+
+
 def test_overwrite_refuses_a_run_holding_files_toymlx_did_not_write(tmp_path, capsys, data):
     """--overwrite replaces what toymlx wrote in a run (TensorBoard and W&B files, superseded
     checkpoints, a fused export, temporaries included), never a user's own files beside it:

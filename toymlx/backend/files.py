@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
@@ -61,6 +61,14 @@ def not_a_file(path: str | os.PathLike) -> str:
     if Path(path).is_dir():
         return "a directory"
     return special_kind(path) or nothing_there(path)
+
+
+def shortlist(names: Sequence[str], cap: int) -> str:
+    """`names` for an error's "found ..." or "holding ...", cut after the first `cap`: "a, b and
+    3 more" (5 names, cap 2), "a, b" (2 names, cap 2 or more), "" (none). One helper, so every
+    such list reads alike; each message keeps its own cap."""
+    more = f" and {len(names) - cap} more" if len(names) > cap else ""
+    return ", ".join(names[:cap]) + more
 
 
 def json_fault(e: json.JSONDecodeError, line: bool = True) -> str:

@@ -249,7 +249,7 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
     them already. The refusal names events.jsonl's garbled lines: one may be the resume event
     that adopted the checkpoint, so the record, not the file, may be at fault. Files outside a
     run pass."""
-    from toymlx.bundle.events import EVENTS_FILE, damage_note, read_log
+    from toymlx.bundle.events import EVENTS_FILE, damage_note, read_log, run_start
 
     run = ckpt.parent.parent
     if events is None:
@@ -257,7 +257,7 @@ def check_own(ckpt: Path, flag: str, fix: str = "", meta: dict[str, Any] | None 
             return
         log = read_log(run)
         events, damaged = log.events, log.damaged
-    start = next((e for e in events if e["kind"] == "run_start"), {})
+    start = run_start(events) or {}
     ours = start.get("run_uid")
     if not isinstance(ours, str):
         return  # a record with no run_start: the run's own readers name what is missing

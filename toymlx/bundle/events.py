@@ -36,7 +36,7 @@ from typing import Any
 
 from toymlx import __version__
 from toymlx.backend import atomic
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import shortlist, special_kind
 
 EVENTS_FILE = "events.jsonl"
 """A bundle's event log, beside config.json."""
@@ -247,7 +247,7 @@ def line_numbers(n: list[int]) -> str:
     """"line 7", "lines 3 and 4", "lines 2, 5, 9 and 2 more"."""
     return (f"line {n[0]}" if len(n) == 1 else
             f"lines {', '.join(map(str, n[:-1]))} and {n[-1]}" if len(n) <= 3 else
-            f"lines {', '.join(map(str, n[:3]))} and {len(n) - 3} more")
+            f"lines {shortlist([str(k) for k in n], 3)}")
 
 
 def read_log(path: str | os.PathLike) -> Log:
@@ -291,6 +291,12 @@ def iter_events(path: str | os.PathLike) -> Iterator[dict]:
     for _, _, ev, _ in _scan_file(_log_path(path)):
         if ev is not None:
             yield ev
+
+
+def run_start(events: Iterable[dict]) -> dict | None:
+    """The first run_start of `events` (a list, or `iter_events`, then read no further), None
+    where there is none: the one lookup of what a run recorded when it started."""
+    return next((e for e in events if e.get("kind") == "run_start"), None)
 
 
 SUPERSEDED = "events.superseded.jsonl"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
-from toymlx.backend.files import json_fault, not_a_file, nothing_there, special_kind
+from toymlx.backend.files import json_fault, not_a_file, nothing_there, shortlist, special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
@@ -77,7 +77,7 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool,
                            "choose another --run-id or --runs-root")
         if foreign := not_written_by_toymlx(run_dir):  # a run's folder, and someone's files in it
             raise RunError(f"{run_dir}: --overwrite: expected only the files toymlx writes in "
-                           f"a run bundle, found others too: {_shown(foreign)}; nothing was "
+                           f"a run bundle, found others too: {shortlist(foreign, 4)}; nothing was "
                            "removed: move them out of the run folder, or choose another "
                            "--run-id or --runs-root")
         for p in held:  # --overwrite: we own the folder, so nobody is writing into it
@@ -197,14 +197,9 @@ def not_written_by_toymlx(run_dir: Path) -> list[str]:
     return found
 
 
-def _shown(names: list[str], shown: int = 4) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
-
-
 def _names(held: list[Path], shown: int = 4) -> str:
-    return _shown(sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
-                         for p in held), shown)
+    return shortlist(sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
+                            for p in held), shown)
 
 
 def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toymlx.backend.files import shortlist
 from toymlx.gguf.reader import GGUFError, GGUFFile, split_name, split_part_name
 
 OLLAMA = "ollama:"
@@ -168,8 +169,7 @@ def _listing(names: list[str]) -> str:
     names = sorted(names)
     if not names:
         return "it holds no models"
-    more = f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
-    return "it has: " + ", ".join(names[:MAX_LISTED]) + more
+    return "it has: " + shortlist(names, MAX_LISTED)
 
 
 # ---- Ollama ---------------------------------------------------------------------------------
@@ -399,10 +399,8 @@ def _resolve_lmstudio(spec: str, flag: str) -> Resolved:
             return Resolved(spec, root / hits[0], "lmstudio", hits[0])
         if len(hits) > 1:
             raise ModelStoreError(f"{flag} {spec}: names {len(hits)} GGUFs in LM Studio's folder "
-                                  f"{root}: {', '.join(hits[:MAX_LISTED])}"
-                                  + (f" and {len(hits) - MAX_LISTED} more" if len(hits) >
-                                     MAX_LISTED else "")
-                                  + f"; name one, e.g. lmstudio:{hits[0]}")
+                                  f"{root}: {shortlist(hits, MAX_LISTED)}; name one, e.g. "
+                                  f"lmstudio:{hits[0]}")
     listed = "; ".join(f"{r}: {_listing(list_lmstudio(r))}" if len(present) > 1
                        else _listing(list_lmstudio(r)) for r in present)
     where = " or ".join(map(str, present))

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toymlx.bundle.events import iter_events
+from toymlx.bundle.events import iter_events, run_start
 
 REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 """--report-to's names -> the toymlx extra that installs each (`pip install 'toymlx[NAME]'`)."""
@@ -263,9 +263,8 @@ class WandbReporter:
         config, kept in events.jsonl, with the `steps` the resume event says it runs to. A
         resume changes no other option that shapes what is trained (`Bundle.resume_run`); the
         run-local ones it may change (--eval-every, --report-to) are run_start's here."""
-        config = next((e["config"] for e in iter_events(self.run_dir)
-                       if e.get("kind") == "run_start" and isinstance(e.get("config"), dict)),
-                      {})
+        config = (run_start(e for e in iter_events(self.run_dir)
+                            if isinstance(e.get("config"), dict)) or {}).get("config", {})
         steps = resume.get("steps")
         if isinstance(steps, int) and not isinstance(steps, bool) and "steps" in config:
             config = {**config, "steps": steps}

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import json_fault
+from toymlx.backend.files import json_fault, shortlist
 from toymlx.backend.progress import pass_bar
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
@@ -407,9 +407,8 @@ def data_files(path: str | Path) -> DataFiles:
             raise DataError(f"{path / name}: data folder: expected a file, found "
                             f"{'a directory' if (path / name).is_dir() else 'a device or pipe'}")
     if not (path / "train.jsonl").is_file():
-        shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
         raise DataError(f"{path}: data folder: expected {FOLDER_LAYOUT} (mlx-lm's layout), "
-                        f"found {shown or 'an empty folder'}")
+                        f"found {shortlist(found, 6) or 'an empty folder'}")
 
     unread = [n for n in found if n.lower().endswith(".jsonl") and not n.startswith(".")
               and n not in ("train.jsonl", "valid.jsonl", "test.jsonl")]

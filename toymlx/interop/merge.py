@@ -172,7 +172,7 @@ def fine_tune_base(run_or_checkpoint: str | os.PathLike) -> Path | None:
     bundle = Bundle.of(run_or_checkpoint, "--base")
     if bundle is None or getattr(bundle.config, "fine_tune_type", None) != "full":
         return None
-    start = next((e for e in bundle.events if e["kind"] == "run_start"), {})
+    start = bundle.start_event or {}
     recorded = start.get("config", {}).get("base_file")
     if not recorded or not Path(recorded).is_file():
         raise FileNotFoundError(f"{bundle.path}: run_start 'base_file': expected the file the "

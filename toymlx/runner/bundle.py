@@ -287,7 +287,7 @@ class Bundle:
     @property
     def start_event(self) -> dict | None:
         """The run's run_start event, as read (None: events.jsonl lacks it)."""
-        return next((e for e in self.events if e["kind"] == "run_start"), None)
+        return ev.run_start(self.events)
 
     def check_options(self, recipe: str, given: Any) -> None:
         """RunError unless `given` (a resume's options) keeps the run's recipe and every saved
@@ -427,7 +427,7 @@ class Bundle:
     def check_model(self, model_info: dict[str, Any], dtype: str | None = None) -> None:
         """RunError unless the model built now has the run's shape (and compute `dtype`:
         `--dtype auto` resolves by device, and --device may change on resume)."""
-        start = next((e for e in self.events if e["kind"] == "run_start"), None)
+        start = self.start_event
         if start is None:  # nothing recorded: the checkpoint load still checks every shape
             return
         trained = (start.get("math") or {}).get("dtype")

@@ -44,7 +44,7 @@ from toymlx.backend.stop import (
     stop_outcome,
 )
 from toymlx.bundle import checkpoint as ck
-from toymlx.bundle.events import EventLog, git_info, host_info, now_iso
+from toymlx.bundle.events import EventLog, git_info, host_info, now_iso, run_start
 from toymlx.bundle.folder import config_digest, saved_config
 from toymlx.bundle.inputs import MOVED_KEY
 from toymlx.bundle.reporters import open_reporters
@@ -365,8 +365,8 @@ class _Loop:
         device.bound_kept_buffers(None if est is None else
                                   (est["activations_mb"] + est["logits_mb"]) << 20)
         kept = resume.kept if resume is not None else []
-        self.run_uid = next((e["run_uid"] for e in kept if e["kind"] == "run_start"
-                             and isinstance(e.get("run_uid"), str)), None) or uuid.uuid4().hex
+        recorded = run_start(e for e in kept if isinstance(e.get("run_uid"), str))
+        self.run_uid = (recorded or {}).get("run_uid") or uuid.uuid4().hex
         """The run's id: its run_start's, or new (a fresh run, or a bundle from before it)."""
         self.log = EventLog(run_dir / "events.jsonl", enabled=self.rank0,
                             t_offset=resume.t if resume is not None else 0.0,
