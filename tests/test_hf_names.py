@@ -129,6 +129,16 @@ def test_what_a_user_without_network_sees(offline, tiny_bytes):
                             "hf:USER/REPO:QUANT")
 
 
+def test_a_repository_of_many_ggufs_says_how_many_it_left_out(offline):
+    """A snapshot of 23 GGUFs, none the quantization asked for: the line listed 20 of them as if
+    they were all; now it says "and 3 more", as every such list does (`shortlist`)."""
+    names = [f"m-{i:02d}.Q8_0.gguf" for i in range(23)]
+    put_in_hf_cache(offline, "carol/many-GGUF", {n: n.encode() for n in names})
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:carol/many-GGUF:Q5_K_M", "--base")
+    assert f"found {', '.join(names[:20])} and 3 more (HF_HUB_OFFLINE is set);" in str(e.value)
+
+
 def test_an_unreachable_hub_fails_fast_with_the_clear_line(offline, monkeypatch):
     """Without HF_HUB_OFFLINE, huggingface_hub retried an unreachable Hub five times (about
     25 s, "Retrying in 8s [Retry 5/5]") before the caches were searched; a connect check now

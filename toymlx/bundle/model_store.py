@@ -608,7 +608,7 @@ def _no_file(spec: str, flag: str, repo: str, quant: str | None, file: str | Non
     want = file or (f"a GGUF of quantization {quant}" if quant else
                     f"a model GGUF ({', '.join(HF_DEFAULT_QUANTS)} or any)")
     return (f"{flag} {spec}: {repo}: expected {want} in {where}, found "
-            + (", ".join(ggufs[:MAX_LISTED]) if ggufs else "no GGUF files")
+            + (shortlist(ggufs, MAX_LISTED) or "no GGUF files")
             + (f" ({why})" if why else "")
             + "; name one as hf:USER/REPO/FILE.gguf or hf:USER/REPO:QUANT")
 
