@@ -62,6 +62,16 @@ def parse_options(cls: type, argv: list[str], prog: str, default: Any = None,
     return options
 
 
+EXAMPLES = {
+    "toymlx-eval": "toymlx-eval --model runs/RUN_ID",
+    "toymlx-generate": "toymlx-generate --model runs/RUN_ID --prompt TEXT",
+    "toymlx-classify": "toymlx-classify --model runs/RUN_ID IMAGE",
+    "toymlx-export": "toymlx-export --adapter runs/RUN_ID --fuse --out FILE.gguf",
+}
+"""A command typed as it would be, for a line naming a required option left out: what a newcomer
+who types the command alone sees first."""
+
+
 def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
     """The event (tyro._errors' ParseErrorEvent) as one line, or None for tyro's own box."""
     kind = type(event).__name__
@@ -77,7 +87,9 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
         names = ", ".join(a.arg.display_name() for a in event.missing_arguments)
         each = " for each (they are required)" if len(event.missing_arguments) > 1 else \
             " (it is required)"
-        return f"{names}: expected a value{each}, got none"
+        example = EXAMPLES.get(event.prog)
+        return f"{names}: expected a value{each}, got none" + (
+            f"; e.g. {example} ({event.prog} --help lists every option)" if example else "")
     if kind == "MutexConflict":
         return (f"{event.first_token}, {event.second_token}: expected one of them, got both")
     if kind not in ("BadValue", "InvalidChoice", "InstantiationFailure"):

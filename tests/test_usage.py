@@ -211,7 +211,16 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
 
 
 @pytest.mark.parametrize("module,args,want", [
-    ("export", [], "toymlx-export: error: --out: expected a value (it is required), got none"),
+    # the command alone: the option it needs, and the command as it is typed
+    ("export", [], ("toymlx-export: error: --out: expected a value (it is required), got none; "
+                    "e.g. toymlx-export --adapter runs/RUN_ID --fuse --out FILE.gguf "
+                    "(toymlx-export --help lists every option)")),
+    ("eval", [], ("toymlx-eval: error: --model: expected a value (it is required), got none; "
+                  "e.g. toymlx-eval --model runs/RUN_ID (toymlx-eval --help lists every "
+                  "option)")),
+    ("classify", [], ("toymlx-classify: error: --model: expected a value (it is required), got "
+                      "none; e.g. toymlx-classify --model runs/RUN_ID IMAGE (toymlx-classify "
+                      "--help lists every option)")),
     ("eval", ["--model", "m", "--batch-size", "x"],
      "toymlx-eval: error: --batch-size: expected an integer, got 'x'"),
     ("eval", ["--data-path"],
@@ -236,7 +245,9 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
       "--prompt - < FILE); --max_new_tokens: expected an option of toymlx-generate, got an "
       "unknown one; nanoGPT's max_new_tokens is toymlx's --max-tokens")),
     ("generate", ["--prompt", "hi"],
-     "toymlx-generate: error: --model: expected a value (it is required), got none"),
+     ("toymlx-generate: error: --model: expected a value (it is required), got none; e.g. "
+      "toymlx-generate --model runs/RUN_ID --prompt TEXT (toymlx-generate --help lists every "
+      "option)")),
     ("classify", ["--model", "m", "--top-k", "three"],
      "toymlx-classify: error: --top-k: expected an integer, got 'three'"),
 ])
