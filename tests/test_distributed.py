@@ -38,6 +38,11 @@ from toymlx.training.trainer import _shard
 ARGS = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "2",
         "--seq-len", "32", "--batch-size", "4", "--grad-accum", "2", "--steps", "20",
         "--eval-every", "10", "--eval-batches", "2", "--no-progress"]
+# no periodic checkpoint and no evaluation: every step since the start is one only a final
+# checkpoint keeps
+STOP_ARGS = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "2",
+             "--seq-len", "32", "--batch-size", "4", "--grad-accum", "2", "--steps", "40",
+             "--eval-every", "0", "--checkpoint-every", "1000", "--no-progress", "--no-compile"]
 LAUNCH = [sys.executable, "-m", "toymlx_cli.launch", "-n", "2", "--"]
 TRAIN = [sys.executable, "-m", "toymlx_cli.train"]
 
@@ -238,61 +243,90 @@ def _losses(run: Path) -> list[float]:
     return [e["loss"] for e in read_events(run) if e["kind"] == "step"]
 
 
-def _check_parity(tmp_path: Path, extra: list[str], env: dict[str, str] | None = None) -> None:
-    root = tmp_path / "runs"
-    assert train_main([*ARGS, *extra, "--runs-root", str(root), "--run-id", "one"]) == 0
-    p = _launch(tmp_path, [*LAUNCH, *TRAIN, *ARGS, *extra, "--runs-root", str(root)], env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    (dp,) = [d for d in root.iterdir() if d.name != "one"]  # the shared default run id
+# an evaluation every 10 steps: it changes no training state (a run with it and one without log
+# the same losses, to the bit), so the 2-rank run below is both the parity test's and the
+# uninterrupted run the stop tests resume to
+EVAL = ["--eval-every", "10", "--eval-batches", "2"]
 
-    one, two = _losses(root / "one"), _losses(dp)
-    assert len(one) == len(two) == 20
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[float]:
+    """The losses of one process's run of STOP_ARGS (40 steps), made once for the tests that
+    compare with it."""
+    root = tmp_path_factory.mktemp("one")
+    assert train_main([*STOP_ARGS, "--runs-root", str(root), "--run-id", "one"]) == 0
+    return _losses(root / "one")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, Path]:
+    """A 2-rank run of STOP_ARGS and EVAL that never stopped, under the ranks' shared default
+    run id, and the temp folder (TMPDIR) its launch had: made once for the tests that read
+    it."""
+    tmp = tmp_path_factory.mktemp("dp")
+    (tmp / "tmp").mkdir()
+    p = _launch(tmp, [*LAUNCH, *TRAIN, *STOP_ARGS, *EVAL, "--runs-root", str(tmp / "runs")],
+                env={"TMPDIR": str(tmp / "tmp")})
+    assert p.returncode == 0, p.stderr[-3000:]
+    (dp,) = (tmp / "runs").iterdir()
+    return dp, tmp / "tmp"
+
+
+def _check_parity(one: list[float], dp: Path, steps: int) -> None:
+    """The 2-rank run `dp` logged the losses `one` of one process with the same global batch,
+    each line once, and rank 0 alone wrote its bundle."""
+    two = _losses(dp)
+    assert len(one) == len(two) == steps
     np.testing.assert_allclose(two, one, atol=1e-4, rtol=0)
     ev = read_events(dp)
     lines = (dp / "events.jsonl").read_text().splitlines()
     assert len(lines) == len(set(lines)) == len(ev)  # no line written twice
     starts = [e for e in ev if e["kind"] == "run_start"]
     assert len(starts) == 1 and starts[0]["world_size"] == 2
-    assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, 21))
+    assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, steps + 1))
     assert [e["kind"] for e in ev].count("run_end") == 1 and ev[-1]["reason"] == "completed"
     if starts[0]["backend"].get("blas") in ("openblas", "mkl"):  # ranks share the cores
         assert starts[0]["backend"]["blas_threads"] == 1
     # rank 0 alone writes the bundle: its files and nothing else
     files = sorted(str(f.relative_to(dp)) for f in dp.rglob("*"))
     assert files == ["config.json", "events.jsonl", "weights", "weights/latest",
-                     "weights/step_20.gguf", "weights/step_20.state.safetensors"]
+                     f"weights/step_{steps}.gguf", f"weights/step_{steps}.state.safetensors"]
 
 
-def test_two_ranks_match_one_process_eager(tmp_path):
+def test_two_ranks_match_one_process_eager(one_process, two_ranks):
     """... and leave nothing in the temp folder: mlx.launch's launch script left each rank's
     pidfile and hostfile there (`mktemp`'s tmp.*: 4 files a launch), which toymlx-launch now
     removes once its ranks have ended."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    _check_parity(tmp_path, ["--no-compile"], env={"TMPDIR": str(tmp)})
+    dp, tmp = two_ranks
+    _check_parity(one_process, dp, 40)
     assert sorted(f.name for f in tmp.glob("tmp.*")) == []
 
 
 @pytest.mark.slow
 def test_two_ranks_match_one_process_compiled(tmp_path):
     """The compiled step with its all_sums (a cold g++ cache took 4.5 min on 2 busy cores)."""
-    _check_parity(tmp_path, [])
+    root = tmp_path / "runs"
+    assert train_main([*ARGS, "--runs-root", str(root), "--run-id", "one"]) == 0
+    p = _launch(tmp_path, [*LAUNCH, *TRAIN, *ARGS, "--runs-root", str(root)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    (dp,) = [d for d in root.iterdir() if d.name != "one"]  # the shared default run id
+    _check_parity(_losses(root / "one"), dp, 20)
 
 
-def test_a_run_resumes_on_another_number_of_ranks_as_if_uninterrupted(tmp_path):
+def test_a_run_resumes_on_another_number_of_ranks_as_if_uninterrupted(tmp_path, one_process):
     """2 ranks to step 4 resumed by one process to 8, and one process to 4 resumed by 2 ranks:
-    the uninterrupted run's losses (measured equal to the bit), each segment's world_size."""
+    the uninterrupted run's losses (measured equal to the bit), each segment's world_size. The
+    uninterrupted run is one process's 40 steps, its first 8: the warm-up's 20 steps do not
+    depend on --steps (as the segments, --steps 4 resumed with --steps 8, need)."""
     root = tmp_path / "runs"
     args = [*ARGS, "--no-compile", "--checkpoint-every", "4", "--runs-root", str(root)]
-    assert train_main([*args, "--steps", "8", "--run-id", "whole"]) == 0
     p = _launch(tmp_path, [*LAUNCH, *TRAIN, *args, "--steps", "4", "--run-id", "two"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert train_main(["--resume", str(root / "two"), "--steps", "8"]) == 0
     assert train_main([*args, "--steps", "4", "--run-id", "one"]) == 0
     p = _launch(tmp_path, [*LAUNCH, *TRAIN, "--resume", str(root / "one"), "--steps", "8"])
     assert p.returncode == 0, p.stderr[-3000:]
-    whole = _losses(root / "whole")
-    assert len(whole) == 8
+    whole = one_process[:8]
     for run, sizes in (("two", [2, 1]), ("one", [1, 2])):
         np.testing.assert_allclose(_losses(root / run), whole, atol=1e-4, rtol=0)
         ev = read_events(root / run)
@@ -589,13 +623,6 @@ def _running(pid: int) -> bool:
     return bool(out) and not out.startswith("Z")
 
 
-# no periodic checkpoint and no evaluation: every step since the start is one only a final
-# checkpoint keeps
-STOP_ARGS = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "2",
-             "--seq-len", "32", "--batch-size", "4", "--grad-accum", "2", "--steps", "40",
-             "--eval-every", "0", "--checkpoint-every", "1000", "--no-progress", "--no-compile"]
-
-
 def _start(tmp: Path, cmd: list[str]) -> subprocess.Popen:
     """`cmd` in a process group of its own, as a terminal starts a command: Ctrl-C there is
     SIGINT to the group."""
@@ -609,15 +636,6 @@ def _wait_for_step(p: subprocess.Popen, run: Path, step: int) -> None:
         assert p.poll() is None, p.stderr.read()[-3000:]
         assert time.monotonic() - t0 < 300
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[float]:
-    """The losses of a 2-rank run of STOP_ARGS that never stopped."""
-    tmp = tmp_path_factory.mktemp("dp")
-    p = _launch(tmp, [*LAUNCH, *TRAIN, *STOP_ARGS, "--runs-root", str(tmp), "--run-id", "full"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    return _losses(tmp / "full")
 
 
 # how a stop reaches the 2-rank run: the signal, sent to the launcher's process group (a terminal's
@@ -650,8 +668,8 @@ def _groups(p: subprocess.Popen, status: Path) -> set[int]:
 @pytest.mark.parametrize("how", ["SIGTERM", *(pytest.param(h, marks=pytest.mark.slow) for h in
                                               ("SIGTERM to every process", "Ctrl-C", "SIGHUP",
                                                "SIGINT to rank 1"))])
-def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path,
-                                                                           uninterrupted, how):
+def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_path, two_ranks,
+                                                                           how):
     """Ctrl-C, SIGTERM or SIGHUP on toymlx-launch ends a 2-rank run as it ends one process:
     every rank stops after the same step S, rank 0 writes the checkpoint of S and run_end
     "interrupted" naming the signal, the launch exits 128 + its number (130, 143, 129) without
@@ -704,6 +722,7 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
     resumed = _launch(tmp_path, [*LAUNCH, *TRAIN, "--resume", str(run), "--no-progress"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert read_events(run)[-1]["reason"] == "completed"
+    uninterrupted = _losses(two_ranks[0])  # its evaluations change no loss (EVAL)
     assert len(uninterrupted) == 40
     assert _losses(run) == uninterrupted  # bit for bit
 
@@ -983,7 +1002,7 @@ def test_a_second_ctrl_c_stops_ranks_stuck_in_a_collective(tmp_path):
 
 
 
-def test_one_rank_trains_as_one_process_and_stops_with_its_checkpoint(tmp_path):
+def test_one_rank_trains_as_one_process_and_stops_with_its_checkpoint(tmp_path, one_process):
     """`toymlx-launch -n 1` (a script's `-n $N` with N=1): mlx.launch hands its only rank an
     MLX_HOSTFILE holding no hosts, and the rank failed at once with MLX's JSON parse error
     ("data parallel: expected the ranks to connect, found [json.exception.parse_error.101]
@@ -992,7 +1011,6 @@ def test_one_rank_trains_as_one_process_and_stops_with_its_checkpoint(tmp_path):
     run_end "interrupted during step N", no final checkpoint, the steps since the last one
     lost), and --resume continues to one process's losses, bit for bit."""
     root = tmp_path / "runs"
-    assert train_main([*STOP_ARGS, "--runs-root", str(root), "--run-id", "one"]) == 0
     status = tmp_path / "status"
     p = _start(tmp_path, [sys.executable, "-m", "toymlx_cli.launch", "-n", "1", "--status-dir",
                           str(status), "--", *TRAIN, *STOP_ARGS, "--runs-root", str(root),
@@ -1014,8 +1032,8 @@ def test_one_rank_trains_as_one_process_and_stops_with_its_checkpoint(tmp_path):
     assert end["message"] == f"interrupted after step {s}; resume with --resume {root / 'n1'}"
     assert [step for step, _ in list_checkpoints(root / "n1" / "weights")] == [s]
     assert train_main(["--resume", str(root / "n1"), "--no-progress"]) == 0
-    assert _losses(root / "n1") == _losses(root / "one")  # bit for bit, 40 steps
-    assert len(_losses(root / "one")) == 40
+    assert _losses(root / "n1") == one_process  # bit for bit, 40 steps
+    assert len(one_process) == 40
 
 
 # slow: the refusal, said by rank 0 alone before any folder is made, is tested in one process
