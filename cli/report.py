@@ -1,12 +1,16 @@
-"""toymlx-report RUN_OR_SWEEP_DIR... [--out report.png|report.html]: curves and a summary."""
+"""toymlx-report [RUN_OR_SWEEP_DIR...] [--out report.png|report.html]: curves and a summary."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
+
+DEFAULT_DIR = "runs"
+"""What `toymlx-report` alone reports: every run and sweep under --runs-root's default."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -15,8 +19,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="toymlx-report", allow_abbrev=False,
         description="Draw training loss, validation and learning-rate curves of run bundles "
                     "side by side, with a summary table (also printed).")
-    p.add_argument("dirs", nargs="+", metavar="RUN_OR_SWEEP_DIR",
-                   help="run bundles (runs/<id>), or sweep folders holding run bundles")
+    p.add_argument("dirs", nargs="*", metavar="RUN_OR_SWEEP_DIR",
+                   help=f"run bundles (runs/<id>), or sweep folders holding run bundles "
+                        f"(default: {DEFAULT_DIR}, the folder toymlx-train and toymlx-sweep "
+                        f"write into)")
     p.add_argument("--out", default="report.png",
                    help="report.png (curves + table panel) or report.html (self-contained); "
                         "default report.png")
@@ -41,7 +47,11 @@ def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
     try:
         with readable_width():
             args = p.parse_args(parser_defaults(p, sys.argv[1:] if argv is None else argv))
-        dirs = report.expand_dirs(args.dirs)
+        if not args.dirs and not os.path.lexists(DEFAULT_DIR):
+            raise ValueError(f"{DEFAULT_DIR}: expected the runs folder toymlx-train writes "
+                             f"here (toymlx-report alone reports it), found nothing at that "
+                             f"path; name the runs: toymlx-report RUN_OR_SWEEP_DIR ...")
+        dirs = report.expand_dirs(args.dirs or [DEFAULT_DIR])
         check_output(args.out, [])  # a new file beside the runs, never inside one
         report.check_report_name(args.out)  # before the work, not after the table
         rows = report.sort_rows(recorded_states(report.summarize(dirs)))

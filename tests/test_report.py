@@ -226,6 +226,27 @@ def test_an_out_it_cannot_draw_is_refused_before_the_table(tmp_path, capsys):
                    "'rep.pdf'\n")
 
 
+def test_toymlx_report_alone_reports_the_runs_folder_here(tmp_path, capsys, monkeypatch):
+    """`toymlx-report` with no folder was argparse's "the following arguments are required";
+    alone it now reports ./runs (where toymlx-train and toymlx-sweep write), and where there is
+    none it says so in one line."""
+    pytest.importorskip("matplotlib", reason="the report extra: pip install 'toymlx[report]'")
+    monkeypatch.chdir(tmp_path)
+    assert report_main([]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-report: error: runs: expected the runs folder toymlx-train writes here "
+        "(toymlx-report alone reports it), found nothing at that path; name the runs: "
+        "toymlx-report RUN_OR_SWEEP_DIR ...\n")
+    for name in ("a", "b"):
+        _bundle(tmp_path / "runs" / name, [[("run_start", {"recipe": "from-scratch",
+                                                            "config": {"steps": 3}}),
+                                            *_steps(1, 3)]])
+    assert report_main(["--out", "r.html"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[2:]] == ["a", "b"]
+    assert (tmp_path / "r.html").is_file()
+
+
 def test_the_table_lines_up_numbers_and_keeps_the_csv_exact(tmp_path):
     """The printed table left-aligned numbers at 4 significant digits each (5.145 over 4.9,
     1132 over 931.4, wall_s 0.55 over 0.9); now a measured column shows one number of decimals
