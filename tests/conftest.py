@@ -15,7 +15,7 @@ import pytest
 # test_blas sets the variable itself where it tests a user's own choice.
 os.environ.pop("OPENBLAS_CORETYPE", None)
 
-import toymlx  # noqa: F401  (OpenBLAS before mlx; after the line above)
+import toymlx  # OpenBLAS before mlx; after the line above
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TOYMLX_SHARED", REPO.parent / "shared")) / "data"
@@ -63,6 +63,21 @@ def shared_file():
 @pytest.fixture(scope="session")
 def stories_path(shared_file) -> Path:
     return shared_file("models/stories260K.gguf")
+
+
+def pytest_sessionstart(session):
+    """Compile toymlx's sources to bytecode once, before the tests start their ~500 commands and
+    child processes: where the environment sets PYTHONDONTWRITEBYTECODE (this project's CI
+    machine does), each of them compiled every module it imported again, ~0.15 s of a 0.5 s
+    start; measured on the subprocess-heavy test files, 10-20% of their time. Python checks
+    each file's bytecode against its source, so an edited file is compiled again; where the
+    package's folder is not writable (a system install) nothing is written and nothing fails."""
+    import compileall
+
+    import toymlx_cli
+
+    for package in (toymlx, toymlx_cli):
+        compileall.compile_dir(Path(package.__file__).parent, quiet=2)
 
 
 def pytest_collection_modifyitems(config, items):
