@@ -45,13 +45,17 @@ those files could not be written (a full disk: named in a line, the others still
 """
 
 
+EXAMPLE = "toymlx-sweep --recipe vit-tiny --grid lr=1e-3,3e-3 -- --steps 100"
+"""A sweep as it is typed, for the line that says what `toymlx-sweep` alone lacks."""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toymlx-sweep", allow_abbrev=False, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Run a grid or random search of toymlx-train runs.")
     p.add_argument("-c", "--config", metavar="FILE",
                    help="the sweep's options and every run's from a YAML or JSON file (below)")
-    p.add_argument("--recipe", required=True, help="recipe of every run (as in toymlx-train)")
+    p.add_argument("--recipe", help="recipe of every run (as in toymlx-train; required)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="values of one option (repeat for more); with --random also "
                         "KEY=log:LO:HI, KEY=uniform:LO:HI or KEY=int:LO:HI")
@@ -166,7 +170,7 @@ def _main(argv: list[str] | None) -> int:
     from toymlx import sweeps as sweep
     from toymlx.backend.device import restart_with_huge_pages
     from toymlx.backend.stop import stop_outcome
-    from toymlx.recipes import get_recipe
+    from toymlx.recipes import RECIPES, get_recipe
 
     if argv is None:  # the console script: its runs inherit the huge-page heap setting
         restart_with_huge_pages()
@@ -195,6 +199,9 @@ def _main(argv: list[str] | None) -> int:
         args, rest = parser.parse_known_args(argv)
     passthrough = rest + after
     try:
+        if args.recipe is None:  # argparse's "the following arguments are required: --recipe"
+            raise ValueError(f"--recipe: expected the runs' recipe (one of "
+                             f"{', '.join(RECIPES)}), found none; e.g. {EXAMPLE}")
         if args.config is not None:  # a spelling split_config leaves to argparse (-cFILE)
             raise ValueError(f"-c/--config: expected -c FILE or --config=FILE, found "
                              f"-c{args.config}")

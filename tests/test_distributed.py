@@ -846,6 +846,10 @@ def test_a_command_left_out_after_the_dashes_is_named(capsys):
     assert capsys.readouterr().err == (
         "toymlx-launch: error: command: expected the command each rank runs, found the option "
         "--recipe; did you mean -- toymlx-train --recipe lora --lora.rank 4?\n")
+    assert launch_main(["-n", "2"]) == 2  # none at all: a launch as it is typed
+    assert capsys.readouterr().err == (
+        "toymlx-launch: error: command: expected the command each rank runs, found none; e.g. "
+        "toymlx-launch -n 2 -- toymlx-train --recipe vit-tiny\n")
 
 
 def test_other_machines_without_a_shared_status_folder_are_refused(capsys, monkeypatch):

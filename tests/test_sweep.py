@@ -915,6 +915,22 @@ def test_bad_sweep_files_are_one_line(tmp_path, capsys, text, want):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("argv", [[], ["--grid", "lr=1e-3,3e-3"]])
+def test_a_sweep_without_a_recipe_names_the_recipes_and_a_sweep_as_typed(tmp_path, capsys,
+                                                                         monkeypatch, argv):
+    """`toymlx-sweep` alone (or with a grid and no --recipe) was argparse's usage block and "the
+    following arguments are required: --recipe": one line now, the recipes and an example."""
+    from cli_errors import error_line
+
+    monkeypatch.chdir(tmp_path)
+    assert sweep_main(argv) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: --recipe: expected the runs' recipe (one of from-scratch, "
+        "warm-start, lora, vit-tiny), found none; e.g. toymlx-sweep --recipe vit-tiny --grid "
+        "lr=1e-3,3e-3 -- --steps 100")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sweep_file_without_a_recipe_says_so_in_one_line(tmp_path, capsys):
     """It was argparse's usage and `the following arguments are required: --recipe`."""
     from cli_errors import error_line

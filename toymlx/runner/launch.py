@@ -433,7 +433,8 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     if n < 1:
         raise ValueError(f"-n: expected >= 1 ranks, found {n}")
     if not command:
-        raise ValueError("command: expected the command each rank runs, found none")
+        raise ValueError("command: expected the command each rank runs, found none; e.g. "
+                         "toymlx-launch -n 2 -- toymlx-train --recipe vit-tiny")
     if command[0].startswith("-"):  # `-- --recipe lora`: toymlx-train left out
         raise ValueError(f"command: expected the command each rank runs, found the option "
                          f"{command[0]}; did you mean -- toymlx-train {shlex.join(command)}?")
