@@ -105,6 +105,43 @@ def test_jsonl_parses_each_shape_with_line_numbers(tmp_path):
                               {"role": "assistant", "content": "yo"})
 
 
+def test_sharegpt_and_alpaca_records_read_as_the_shapes_they_mean(tmp_path):
+    """The two layouts Hugging Face's chat datasets come in most were refused ("expected one of
+    {"text": ...}, ... found keys ['conversations']", as mlx-lm's "Unsupported data format"):
+    ShareGPT's turns read as messages, Alpaca's instruction and input as the prompt."""
+    share = write(tmp_path, "share.jsonl", json.dumps({"conversations": [
+        {"from": "system", "value": "Be brief."}, {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "hello"}, {"role": "user", "content": "and?"},
+        {"from": "chatgpt", "value": "bye"}]}) + "\n")
+    [ex] = load_examples(share)
+    assert ex.kind == "messages" and ex.messages == (
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "bye"})
+    alpaca = write(tmp_path, "alpaca.jsonl", "".join(json.dumps(r) + "\n" for r in (
+        {"instruction": "Add them.", "input": "2 3", "output": "5"},
+        {"instruction": "Say hi.", "input": "", "output": "hi"},
+        {"instruction": "Say bye.", "output": "bye"})))
+    assert [(e.kind, e.prompt, e.completion) for e in load_examples(alpaca)] == [
+        ("completion", "Add them.\n\n2 3", "5"), ("completion", "Say hi.", "hi"),
+        ("completion", "Say bye.", "bye")]
+    for record, want in (
+            ({"conversations": []}, ('expected "conversations" (ShareGPT\'s) to be a non-empty '
+                                    'array of {"from", "value"} objects, found array []')),
+            ({"conversations": [{"from": "bot", "value": "x"}]},
+             ("expected conversations[0].from to be one of system, human, user, gpt, assistant, "
+             'chatgpt, model, tool, found string "bot"')),
+            ({"conversations": [{"from": "human"}]},
+             ('expected conversations[0] to be an object with "from" and "value" (ShareGPT\'s), '
+             "found object with keys ['from']")),
+            ({"instruction": "x", "output": 5},
+             'expected "output" (Alpaca\'s) to be a string, found number 5')):
+        bad = write(tmp_path, "bad.jsonl", json.dumps(record) + "\n")
+        with pytest.raises(DataError) as e:
+            load_examples(bad)
+        assert str(e.value) == f"{bad}:1: {want}"
+
+
 def test_plain_text_splits_documents_at_blank_lines(tmp_path):
     path = write(tmp_path, "notes.txt", "para one\nline two\n\n  \n\npara two\r\n")
     ex = load_examples(path)

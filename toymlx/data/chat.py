@@ -127,9 +127,58 @@ def _found(value: Any) -> str:
     return f"{kind} {text[:40] + '...' if len(text) > 40 else text}"
 
 
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+                  "tool": "tool"}
+"""ShareGPT's `from` names, as the roles of toymlx's (and mlx-lm's) `messages`."""
+
+
+def _peer_record(obj: dict, where: str) -> dict | None:
+    """A record in one of the two layouts Hugging Face's chat datasets come in most, as the shape
+    it means, where it has none of toymlx's keys: ShareGPT's {"conversations": [{"from",
+    "value"}]} as {"messages"} (its roles by `SHAREGPT_ROLES`; turns already {"role",
+    "content"} kept), Alpaca's {"instruction", "input", "output"} as {"prompt", "completion"}
+    (the prompt the instruction, then a blank line and the input where there is one). None
+    for any other record. mlx-lm reads neither and says "Unsupported data format"."""
+    if any(k in obj for k in ("text", "prompt", "completion", "messages")):
+        return None
+    if "conversations" in obj:
+        turns = obj["conversations"]
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f'{where}: expected "conversations" (ShareGPT\'s) to be a non-empty '
+                            f'array of {{"from", "value"}} objects, found {_found(turns)}')
+        messages = []
+        for j, turn in enumerate(turns):
+            if isinstance(turn, dict) and "role" in turn:
+                messages.append(turn)
+                continue
+            if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+                raise DataError(f'{where}: expected conversations[{j}] to be an object with '
+                                f'"from" and "value" (ShareGPT\'s), found {_found(turn)}')
+            role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn["from"], str) else None
+            if role is None:
+                raise DataError(f"{where}: expected conversations[{j}].from to be one of "
+                                f"{', '.join(SHAREGPT_ROLES)}, found {_found(turn['from'])}")
+            if not isinstance(turn["value"], str):
+                raise DataError(f'{where}: expected conversations[{j}].value to be a string, '
+                                f"found {_found(turn['value'])}")
+            messages.append({"role": role, "content": turn["value"]})
+        return {"messages": messages, **({"tools": obj["tools"]} if "tools" in obj else {})}
+    if "instruction" in obj and "output" in obj:
+        for key in ("instruction", "input", "output"):
+            if not isinstance(obj.get(key, ""), str):
+                raise DataError(f'{where}: expected "{key}" (Alpaca\'s) to be a string, found '
+                                f"{_found(obj[key])}")
+        given = obj.get("input", "")
+        return {"prompt": obj["instruction"] + (f"\n\n{given}" if given.strip() else ""),
+                "completion": obj["output"]}
+    return None
+
+
 def _parse_record(obj: Any, where: str) -> Example:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object {SHAPES}, found {_found(obj)}")
+    obj = _peer_record(obj, where) or obj
     shapes = [s for s, keys in (("text", ("text",)), ("prompt/completion", ("prompt", "completion")),
                                 ("messages", ("messages",))) if any(k in obj for k in keys)]
     if len(shapes) != 1:
