@@ -122,6 +122,32 @@ def test_a_cut_chat_file_and_a_cut_config_json_say_the_text_ends(tmp_path, capsy
                          ", where the text ends: cut short?"), line
 
 
+@pytest.mark.parametrize("name,head,want", [
+    ("train.parquet", b"PAR1\x15\x04\x15\xa0", (
+        "a Parquet file (Hugging Face datasets' files): convert it to JSONL first, e.g. "
+        "pandas.read_parquet('{file}').to_json('train.jsonl', orient='records', lines=True)")),
+    ("data.arrow", b"ARROW1\x00\x00\xff", (
+        "an Arrow file (a Hugging Face datasets cache): save it as JSONL first, e.g. "
+        "datasets.Dataset.from_file('{file}').to_json('train.jsonl')")),
+    ("train.jsonl.gz", b"\x1f\x8b\x08\x00", ("a gzip-compressed file: decompress it first "
+                                             "(gunzip {file})")),
+    ("data.zip", b"PK\x03\x04\x14\x00\x08\x08\xa4", ("a zip archive: extract its files first "
+                                                  "(unzip {file})"))])
+def test_data_files_that_are_not_text_are_named_with_what_to_do(tmp_path, capsys, name, head,
+                                                                want):
+    """A dataset's Parquet or Arrow file, a .jsonl.gz, a zip: each read "not valid UTF-8 at byte
+    offset N ...; re-save the file as UTF-8", advice no one can take for them."""
+    from toymlx_cli.train import main as train_main
+
+    data = tmp_path / name
+    data.write_bytes(head + bytes(range(128, 256)) * 4)
+    assert train_main(["--recipe", "from-scratch", "--data.path", str(data), "--runs-root",
+                       str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {data}: expected UTF-8 text, found "
+                                  + want.format(file=data))
+    assert not list(tmp_path.glob("runs/*"))
+
+
 def test_a_gguf_given_as_the_text_to_train_on_is_named_as_a_model(tmp_path, capsys, shared_file):
     """`--data.path model.gguf` (the model where the data goes) read "not valid UTF-8 at byte
     offset 7554 ...; re-save the file as UTF-8", advice no one can take for a GGUF."""

@@ -60,6 +60,21 @@ def _char_end(data: bytes) -> int:
     return len(data)
 
 
+NOT_TEXT = {
+    b"GGUF": ("a GGUF model file: --data.path takes text (a model is --base, --donor, "
+              "--tokenizer or toymlx-eval's --model)"),
+    b"PAR1": ("a Parquet file (Hugging Face datasets' files): convert it to JSONL first, e.g. "
+              "pandas.read_parquet('{file}').to_json('train.jsonl', orient='records', lines=True)"),
+    b"ARROW1": ("an Arrow file (a Hugging Face datasets cache): save it as JSONL first, e.g. "
+                "datasets.Dataset.from_file('{file}').to_json('train.jsonl')"),
+    b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {file})",
+    b"PK\x03\x04": "a zip archive: extract its files first (unzip {file})",
+}
+"""Files people give as data that are not text, by their first bytes (read where the text is
+not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" ({file}: the
+file's path)."""
+
+
 def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator[str]]:
     """(the file's size in bytes, its UTF-8 text in pieces of about `block` bytes, default
     `READ_BYTES`): the file is read once, a block at a time, so a large file is never held
@@ -102,10 +117,11 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
             try:
                 text = codecs.utf_8_decode(memoryview(data)[:end], "strict", True)[0]
             except UnicodeDecodeError as e:
-                if offset == 0 and data.startswith(b"GGUF"):  # --data.path given the model
-                    raise DataError(f"{path}: expected UTF-8 text, found a GGUF model file: "
-                                    "--data.path takes text (a model is --base, --donor, "
-                                    "--tokenizer or toymlx-eval's --model)") from None
+                found = offset == 0 and next((what for magic, what in NOT_TEXT.items()
+                                              if data.startswith(magic)), None)
+                if found:  # advice for the file it is, not "re-save it as UTF-8"
+                    raise DataError(f"{path}: expected UTF-8 text, found "
+                                    f"{found.format(file=path)}") from None
                 line = lines + data.count(b"\n", 0, e.start) + 1
                 raise DataError(
                     f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {line}, "
