@@ -655,6 +655,22 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
     assert SFTData.from_file(folder / "train.jsonl", tok, seq_len=16).notes() == []
 
 
+def test_a_table_of_prompts_read_as_plain_text_is_said_before_the_run(tmp_path):
+    """A .csv of prompt,completion columns trained as plain text (its lines one document) without
+    a word: a note now says how it is read and how to convert it; a .tsv names its separator."""
+    tok = FakeTokenizer(chat_template=None)
+    rows = "".join(f"What is {i}+{i}?,{2 * i}\n\n" for i in range(10))
+    for name, sep in (("qa.csv", ""), ("qa.tsv", ", sep='\\t'")):
+        path = write(tmp_path, name, "prompt,completion\n\n" + rows)
+        data = SFTData.from_file(path, tok, seq_len=64)
+        assert data.notes() == [
+            (f"{path}: a {name[3:].upper()} file is read as plain text (each run of non-blank "
+            "lines one example), not as columns; for prompt/completion or text columns, convert "
+            f"it to JSONL first: pandas.read_csv('{path}'{sep}).to_json('train.jsonl', "
+            "orient='records', lines=True)")]
+    assert SFTData.from_file(write(tmp_path, "qa.txt", rows), tok, seq_len=64).notes() == []
+
+
 def test_split_files_are_kept_apart_not_parsed_from_the_display(tmp_path):
     """Each split names its own file where a path holds " + " (the shown "TRAIN + VALID"
     joins them): it was split back out of that text, so a folder "chat + more" without

@@ -494,6 +494,20 @@ def none_held_out(train: Path, n: int, val_fraction: float) -> str:
             f"--data.val-fraction, or use a data folder with a valid.jsonl")
 
 
+def table_note(path: str) -> str | None:
+    """The line for a .csv or .tsv example file, which `load_examples` reads as plain text (its
+    documents: runs of non-blank lines), not as columns: a table of prompts and completions
+    would train as text without a word. None for any other file."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".csv", ".tsv"):
+        return None
+    sep = ", sep='\\t'" if suffix == ".tsv" else ""
+    return (f"{path}: a {suffix[1:].upper()} file is read as plain text (each run of non-blank "
+            f"lines one example), not as columns; for prompt/completion or text columns, "
+            f"convert it to JSONL first: pandas.read_csv('{path}'{sep}).to_json('train.jsonl', "
+            f"orient='records', lines=True)")
+
+
 def split_examples(
     examples: Sequence[Example], val_fraction: float = 0.1
 ) -> tuple[list[Example], list[Example]]:
@@ -1006,7 +1020,9 @@ class SFTData:
     def notes(self, test: bool = True) -> list[str]:
         """One console line per split whose examples were cut or left out (`Fit.note`); the
         test split's only with `test` (when it is scored)."""
-        return [self.val_note] * bool(self.val_note) + [
+        tables = [note for f in (self.source.train, self.source.valid) if f
+                  if (note := table_note(f))]
+        return tables + [self.val_note] * bool(self.val_note) + [
             line for split, fit in self.fits.items() if test or split != "test"
             if (line := fit.note(self.split_source(split), split, self.seq_len))]
 
