@@ -462,13 +462,23 @@ def test_readers_refuse_another_runs_checkpoint_pair_as_resume_does(runs, capsys
     assert eval_main(["--model", str(ckpt)]) == 0
 
 
+
+def _readers_refuse(model, want: str, capsys) -> None:
+    """toymlx-eval and toymlx-generate on `model` both refuse in the one line `want`."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.generate import main as generate_main
+
+    assert eval_main(["--model", str(model)]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {want}"
+    assert generate_main(["--model", str(model), "--prompt", "Once", "--max-tokens", "1"]) == 2
+    assert error_line(capsys, "toymlx-generate") == f"toymlx-generate: error: {want}"
+
 def test_readers_refusing_an_adopted_checkpoint_name_a_garbled_record(runs, capsys):
     """Another run's pair adopted with --from step_2, then the resume line that records it
     garbled: toymlx-eval and toymlx-generate refused the pair as another run's without a word
     about events.jsonl; the refusal now names the garbled line, which may be the record at
     fault, not the file."""
     from toymlx_cli.eval import main as eval_main
-    from toymlx_cli.generate import main as generate_main
 
     a, b = runs
     for name in ("step_2.gguf", "step_2.state.safetensors"):
@@ -488,10 +498,7 @@ def test_readers_refusing_an_adopted_checkpoint_name_a_garbled_record(runs, caps
             "kill or resume explains: the file was damaged, and the resume event adopting this "
             "checkpoint (--from step_2) may be that line: if the run adopted it, put the run's "
             "events.jsonl back instead")
-    assert eval_main(["--model", str(ckpt)]) == 2
-    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {want}"
-    assert generate_main(["--model", str(ckpt), "--prompt", "Once", "--max-tokens", "1"]) == 2
-    assert error_line(capsys, "toymlx-generate") == f"toymlx-generate: error: {want}"
+    _readers_refuse(ckpt, want, capsys)
     assert eval_main(["--model", str(a)]) == 0  # the run's latest, its own step_3, is read
     for p in (a / "weights").glob("step_3*"):  # killed before step_3: a resume goes on from 2
         p.unlink()
@@ -855,7 +862,6 @@ def test_readers_refuse_a_checkpoint_whose_model_metadata_was_edited(runs, capsy
     without a word; every reader and the resume now name the key, the run's value and the
     file's."""
     from toymlx_cli.eval import main as eval_main
-    from toymlx_cli.generate import main as generate_main
 
     a, _ = runs
     ckpt = a / "weights" / "step_2.gguf"
@@ -863,10 +869,7 @@ def test_readers_refuse_a_checkpoint_whose_model_metadata_was_edited(runs, capsy
     want = (f"{ckpt}: metadata key 'llama.rope.freq_base': expected 10000 (the run's model "
             "rope_base, as run_start records it), found 20000: the file was edited or damaged; "
             "put this run's checkpoint back")
-    assert eval_main(["--model", str(a)]) == 2
-    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {want}"
-    assert generate_main(["--model", str(a), "--prompt", "Once", "--max-tokens", "1"]) == 2
-    assert error_line(capsys, "toymlx-generate") == f"toymlx-generate: error: {want}"
+    _readers_refuse(a, want, capsys)
     before = _files(a)
     assert _resume(a) == 2
     assert error_line(capsys).startswith(f"toymlx-train: error: {want}")

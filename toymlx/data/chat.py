@@ -275,6 +275,12 @@ def _json_array(path: Path, text: str) -> list[Example]:
     return examples
 
 
+def is_plain_text(path: Path) -> bool:
+    """Whether `load_examples` reads `path` as plain text (documents at blank lines): any file
+    but a .jsonl or .json, whatever the case of its suffix."""
+    return path.suffix.lower() not in (".jsonl", ".json")
+
+
 def load_examples(path: str | Path) -> list[Example]:
     """Read a `.jsonl`/`.json` example file or a plain-text file (documents at blank lines).
     A JSONL or plain-text file is read a block at a time (`_lines`), each line parsed as it
@@ -287,7 +293,7 @@ def load_examples(path: str | Path) -> list[Example]:
         if path.suffix.lower() == ".json" and head.lstrip().startswith("["):
             return _examples(path, _json_array(path, head + "".join(pieces)))
         lines = _lines(itertools.chain((head,), pieces))
-        if path.suffix.lower() not in (".jsonl", ".json"):
+        if is_plain_text(path):
             return _documents(path, lines)
         return _examples(path, [_jsonl_record(raw, path, lineno)
                                 for lineno, raw in lines if raw.strip()])
@@ -396,10 +402,9 @@ def first_kind(path: str | Path) -> str:
 def _first_kind_in(text: str, path: Path) -> str | None:
     """The first example's kind in the start `text` of the file `path`, None until a whole
     example is there: a JSONL line with its newline, a JSON array's first item."""
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json"):  # plain text: each document is {"text": ...}
+    if is_plain_text(path):  # each document is {"text": ...}
         return "text" if text.strip() else None
-    if suffix == ".json" and text.lstrip().startswith("["):
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         start = text.index("[") + 1
         start += len(text[start:]) - len(text[start:].lstrip())
         try:
@@ -488,7 +493,7 @@ def none_held_out(train: Path, n: int, val_fraction: float) -> str:
     """`SFTData.val_note` where --data.val-fraction of too few examples rounds to none: the run
     trains without validation, said before the first step (not only by its last line)."""
     documents = (" (a plain-text file's examples are its documents, separated by blank lines)"
-                 if train.suffix not in (".jsonl", ".json") else "")
+                 if is_plain_text(train) else "")
     return (f"{train}: --data.val-fraction {val_fraction} of {n} example{'s' * (n != 1)} holds "
             f"out none, so the run validates nothing{documents}; add examples, raise "
             f"--data.val-fraction, or use a data folder with a valid.jsonl")
