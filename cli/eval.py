@@ -305,6 +305,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     import math
 
     from toymlx.backend.device import on_gpu
+    from toymlx.backend.files import counted
     from toymlx.generation.generate import load_for_generation, used_files
     from toymlx.gguf.llama import frozen_weights
     from toymlx.models.ops import scoring_ops
@@ -321,7 +322,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
     limited = subset(args.max_examples, r.examples, r.of, split, "examples",
-                     f"{r.rows} rows made of ")
+                     f"{counted(r.rows, 'row')} made of ")
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
             names[0]: r.loss, names[1]: math.exp(r.loss), **limited}
 

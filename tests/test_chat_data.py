@@ -503,7 +503,7 @@ def test_rows_cut_or_dropped_at_seq_len_are_said_per_split(tmp_path):
     with pytest.raises(DataError) as e:
         data.check_held_out(test=True)
     assert str(e.value) == (f"{folder}/test.jsonl: test: expected rows to score, found none: "
-                            "of its 1 examples, 1 with no trained token within the first 9 "
+                            "of its 1 example, 1 with no trained token within the first 9 "
                             "(prompts longer than --seq-len 8); raise --seq-len or shorten "
                             "the prompts")
     # packing cuts nothing: an example runs on into the next row

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import json_fault, shortlist
+from toymlx.backend.files import counted, json_fault, shortlist
 from toymlx.backend.progress import pass_bar
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
@@ -494,7 +494,7 @@ def none_held_out(train: Path, n: int, val_fraction: float) -> str:
     trains without validation, said before the first step (not only by its last line)."""
     documents = (" (a plain-text file's examples are its documents, separated by blank lines)"
                  if is_plain_text(train) else "")
-    return (f"{train}: --data.val-fraction {val_fraction} of {n} example{'s' * (n != 1)} holds "
+    return (f"{train}: --data.val-fraction {val_fraction} of {counted(n, 'example')} holds "
             f"out none, so the run validates nothing{documents}; add examples, raise "
             f"--data.val-fraction, or use a data folder with a valid.jsonl")
 
@@ -521,7 +521,7 @@ def split_examples(
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     n_val = round(len(examples) * val_fraction)
     if len(examples) - n_val < 1:
-        raise DataError(f"{len(examples)} examples leave none for training at "
+        raise DataError(f"{counted(len(examples), 'example')} leave none for training at "
                         f"val_fraction={val_fraction}; add examples or lower val_fraction")
     return list(examples[: len(examples) - n_val]), list(examples[len(examples) - n_val :])
 
@@ -912,7 +912,7 @@ class Fit:
                          f"completion)")
         if not parts:
             return None
-        return f"{source}: {split}: of {self.examples} examples, {', '.join(parts)}"
+        return f"{source}: {split}: of {counted(self.examples, 'example')}, {', '.join(parts)}"
 
 
 def empty_split_error(source: str, split: str, fit: Fit, seq_len: int) -> DataError:
@@ -925,7 +925,7 @@ def empty_split_error(source: str, split: str, fit: Fit, seq_len: int) -> DataEr
         why.append(f"{fit.untrained} with nothing to train (no assistant turn or completion)")
     fix = "raise --seq-len or shorten the prompts" if fit.dropped else "add answers to train"
     return DataError(f"{source}: {split}: expected rows to score, found none: of its "
-                     f"{fit.examples} examples, {' and '.join(why)}; {fix}")
+                     f"{counted(fit.examples, 'example')}, {' and '.join(why)}; {fix}")
 
 
 @dataclass(frozen=True)
