@@ -104,6 +104,10 @@ class Example:
     messages: tuple[dict[str, Any], ...] | None = None
     tools: tuple[dict[str, Any], ...] | None = None
     """mlx-lm's `tools` beside `messages`: function schemas the chat template renders"""
+    read_from: str | None = None
+    """The key of another tool's layout the record was written in, where it was read as one of
+    toymlx's shapes (`_peer_record`): "conversations" (ShareGPT's, read as `messages`); None for
+    toymlx's own. An error about the shape names what the user wrote."""
 
     @property
     def kind(self) -> str:
@@ -178,7 +182,9 @@ def _peer_record(obj: dict, where: str) -> dict | None:
 def _parse_record(obj: Any, where: str) -> Example:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object {SHAPES}, found {_found(obj)}")
-    obj = _peer_record(obj, where) or obj
+    peer = _peer_record(obj, where)
+    read_from = "conversations" if peer is not None and "messages" in peer else None
+    obj = peer or obj
     shapes = [s for s, keys in (("text", ("text",)), ("prompt/completion", ("prompt", "completion")),
                                 ("messages", ("messages",))) if any(k in obj for k in keys)]
     if len(shapes) != 1:
@@ -232,7 +238,8 @@ def _parse_record(obj: Any, where: str) -> Example:
         # mlx-lm's tool-use fields, for the template to render; other keys are ignored
         msg.update({k: m[k] for k in TOOL_KEYS.get(m["role"], ()) if k in m})
         out.append(msg)
-    return Example(where, messages=tuple(out), tools=tuple(tools) if tools else None)
+    return Example(where, messages=tuple(out), tools=tuple(tools) if tools else None,
+                   read_from=read_from)
 
 
 def _json_array(path: Path, text: str) -> list[Example]:
@@ -653,6 +660,12 @@ def _pieces(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool, turns
         prompt = [(example.prompt, None, int(not mask_prompt))] if example.prompt else []
         return [*prompt, (example.completion, False, 1)], True
     assert example.messages is not None
+    if example.read_from == "conversations" and not getattr(tokenizer, "chat_template", None):
+        raise DataError(f'{example.source}: "conversations" (ShareGPT\'s, read as \'messages\'): '
+                        "expected a tokenizer with a chat template to render the turns, found "
+                        "none in this one; use a base with a chat template (an instruct model), "
+                        'or write each example as {"prompt", "completion"} (the human turn and '
+                        "the gpt answer), which trains without one")
     return _message_pieces(example.messages, tokenizer, mask_prompt, example.source,
                            example.tools, turns), False
 
