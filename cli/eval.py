@@ -233,6 +233,7 @@ def evaluate_images(args: Args, path: Path) -> dict:
     """Accuracy, per-class accuracy and the confusion matrix of a ViT checkpoint."""
     import numpy as np
 
+    from toymlx.backend.files import counted
     from toymlx.data.images import load_images
     from toymlx.generation.classify import (
         Classifier,
@@ -264,7 +265,8 @@ def evaluate_images(args: Args, path: Path) -> dict:
     if not every and len(data.val_y) == 0:  # numpy's "need at least one array to concatenate"
         raise ValueError(f"{data.source}: --split val: expected validation images to score, "
                          f"found none: --data.val-fraction {run.get('val_fraction', 0.1)} of "
-                         f"{len(data.train_y)} images holds none out; score them all with "
+                         f"{counted(len(data.train_y), 'image')} holds none out; score them "
+                         "all with "
                          "--split all")
     parts = [(data.val_x, data.val_y)] + [(data.train_x, data.train_y)] * bool(
         every and len(data.train_y))  # in this order: the split's fixed order

@@ -546,7 +546,7 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], gen: b
     # Templates fail in many ways (Jinja errors, their own raise_exception(), a KeyError on a
     # missing field); all of them mean this example cannot be rendered.
     except Exception as e:  # noqa: BLE001
-        raise DataError(f"{source}: chat template failed on {len(messages)} message(s): "
+        raise DataError(f"{source}: chat template failed on {counted(len(messages), 'message')}: "
                         f"{type(e).__name__}: {e}") from None
 
 

@@ -272,7 +272,8 @@ def plot_confusion(m: np.ndarray, names: list[str], out: str | Path) -> Path:
                     ax.text(j, i, str(m[i, j]), ha="center", va="center", fontsize=8,
                             color="white" if norm[i, j] > 0.5 else "black")
     fig.colorbar(im, ax=ax, fraction=0.046, label="fraction of the true class")
-    ax.set_title(f"accuracy {np.trace(m) / max(m.sum(), 1):.4f} on {counted(int(m.sum()), 'image')}")
+    ax.set_title(f"accuracy {np.trace(m) / max(m.sum(), 1):.4f} on "
+                 f"{counted(int(m.sum()), 'image')}")
     fig.tight_layout()
     out = Path(out)
     with atomic_open(out) as f:

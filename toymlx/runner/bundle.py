@@ -358,7 +358,8 @@ class Bundle:
                 lost = max((e["step"] for e in self.events
                             if e["kind"] == "step" and isinstance(e.get("step"), int)), default=0)
                 raise RunError(f"{self.path}: --resume: found no checkpoint: the run stopped at "
-                               f"step {lost}, before its first checkpoint ({counted(lost, 'step')} lost); "
+                               f"step {lost}, before its first checkpoint "
+                               f"({counted(lost, 'step')} lost); "
                                "start it over with its saved configuration: toymlx-train "
                                f"--resume {self.path} --from step_0")
             ckpt, note = ck.latest_checkpoint(self.path)
@@ -401,7 +402,8 @@ class Bundle:
             if resume.step == steps and (end := self._unfinished()):
                 # its last step and checkpoint were written, what follows them was not (the
                 # final validation, --test, the recipe's export, run_end): the resume does it
-                note = (f"the run trained all {counted(steps, 'step')} but did not complete ({end}): "
+                note = (f"the run trained all {counted(steps, 'step')} but did not complete "
+                        f"({end}): "
                         f"finishing it from step_{steps} (what follows the last step: final "
                         "validation, --test, the export; then run_end)")
                 resume.note = f"{resume.note}; {note}" if resume.note else note

@@ -294,7 +294,8 @@ class _Runner:
         """Pass each new stop request on as SIGINT (the run checkpoints and ends; a second one
         skips that checkpoint); after `grace` seconds the rest are killed."""
         if not self.forwarded:
-            self.stream.write(f"sweep: stopping {counted(len(active), 'run')} (they checkpoint first)...\n")
+            self.stream.write(f"sweep: stopping {counted(len(active), 'run')} (they checkpoint "
+                              "first)...\n")
             self.stop_by = time.time() + grace
         self.forwarded = requests
         for r in active:

@@ -224,7 +224,8 @@ def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
     file they came from, the examples packed into them)."""
     if "train_tokens" in info and "seq_len" in info:
         n = (info["train_tokens"] - 1) // info["seq_len"]
-        what = f"{counted(n, 'window')} of --seq-len {info['seq_len']} in {info['train_tokens']} tokens"
+        what = (f"{counted(n, 'window')} of --seq-len {info['seq_len']} in "
+                f"{info['train_tokens']} tokens")
     elif "train_images" in info:
         n, what = info["train_images"], counted(info["train_images"], "image")
     else:
