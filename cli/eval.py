@@ -233,6 +233,7 @@ def evaluate_images(args: Args, path: Path) -> dict:
     """Accuracy, per-class accuracy and the confusion matrix of a ViT checkpoint."""
     import numpy as np
 
+    from toymlx.backend.files import counted
     from toymlx.data.images import load_images
     from toymlx.generation.classify import (
         Classifier,
@@ -264,7 +265,8 @@ def evaluate_images(args: Args, path: Path) -> dict:
     if not every and len(data.val_y) == 0:  # numpy's "need at least one array to concatenate"
         raise ValueError(f"{data.source}: --split val: expected validation images to score, "
                          f"found none: --data.val-fraction {run.get('val_fraction', 0.1)} of "
-                         f"{len(data.train_y)} images holds none out; score them all with "
+                         f"{counted(len(data.train_y), 'image')} holds none out; score them "
+                         "all with "
                          "--split all")
     parts = [(data.val_x, data.val_y)] + [(data.train_x, data.train_y)] * bool(
         every and len(data.train_y))  # in this order: the split's fixed order
@@ -305,6 +307,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     import math
 
     from toymlx.backend.device import on_gpu
+    from toymlx.backend.files import counted
     from toymlx.generation.generate import load_for_generation, used_files
     from toymlx.gguf.llama import frozen_weights
     from toymlx.models.ops import scoring_ops
@@ -321,7 +324,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
     limited = subset(args.max_examples, r.examples, r.of, split, "examples",
-                     f"{r.rows} rows made of ")
+                     f"{counted(r.rows, 'row')} made of ")
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
             names[0]: r.loss, names[1]: math.exp(r.loss), **limited}
 

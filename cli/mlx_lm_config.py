@@ -23,6 +23,7 @@ from typing import Any
 
 from toymlx_cli.config_file import ConfigFileError
 
+from toymlx.backend.files import counted
 from toymlx.bundle.model_store import is_hf_repo
 from toymlx.gguf.llama import HF_TARGETS
 
@@ -231,8 +232,9 @@ def _micro_steps(given: dict[str, Any], in_file: set[str], source: str, put
               "are averaged over their targets together (mlx-lm averages each micro-batch's "
               "mean)")]
     if iters % accum:
-        notes.append(f"{source}: key 'iters': {iters} micro-batches are {iters // accum} optimizer "
-                     f"steps of {accum}; mlx-lm's last {iters % accum} update nothing and are not "
+        notes.append(f"{source}: key 'iters': {iters} micro-batches are "
+                     f"{counted(iters // accum, 'optimizer step')} of {accum}; mlx-lm's last "
+                     f"{iters % accum} update nothing and are not "
                      "drawn")
     put("iters", "steps", iters // accum, _origin("iters" in in_file, origin))
     for key, option in (("steps_per_eval", "eval_every"), ("steps_per_report", "report_every"),
@@ -241,9 +243,11 @@ def _micro_steps(given: dict[str, Any], in_file: set[str], source: str, put
         _want(source, key, _int(n) and n >= 1, "an integer >= 1", n)
         every = max(n // accum, 1)
         if n % accum:
-            notes.append(f"{source}: key {key!r}: every {n} micro-batches falls inside an "
+            notes.append(f"{source}: key {key!r}: every "
+                         f"{counted(n, 'micro-batch', 'micro-batches')} falls inside an "
                          f"accumulation of {accum}; toymlx's --{option.replace('_', '-')} is "
-                         f"every {every} optimizer steps ({every * accum} micro-batches)")
+                         f"every {counted(every, 'optimizer step')} ({every * accum} "
+                         "micro-batches)")
         put(key, option, every, _origin(key in in_file, origin))
     return notes
 

@@ -374,6 +374,27 @@ def test_messages_errors_name_the_example():
         tokenize_example(Example("d.jsonl:4", messages=msgs), FakeTokenizer(raising), True)
 
 
+def test_sharegpt_conversations_without_a_chat_template_name_what_the_user_wrote(tmp_path):
+    """ShareGPT's records on a base with no chat template said "'messages' examples need a
+    tokenizer with a chat template ... use 'text' or 'prompt'/'completion' examples": a key the
+    user never wrote. It names "conversations" and says how to train without a template."""
+    path = write(tmp_path, "share.jsonl", "".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}) + "\n"
+        for i in range(4)))
+    with pytest.raises(DataError) as e:
+        SFTData.from_file(path, FakeTokenizer(None), seq_len=32)
+    assert str(e.value) == (
+        f'{path}:1: "conversations" (ShareGPT\'s, read as \'messages\'): expected a tokenizer '
+        "with a chat template to render the turns, found none in this one; use a base with a "
+        'chat template (an instruct model), or write each example as {"prompt", "completion"} '
+        "(the human turn and the gpt answer), which trains without one")
+    # the same turns written as messages keep their own words
+    msgs = write(tmp_path, "msgs.jsonl", json.dumps({"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
+    with pytest.raises(DataError, match=r"msgs\.jsonl:1: 'messages' examples need a tokenizer"):
+        SFTData.from_file(msgs, FakeTokenizer(None), seq_len=32)
+
+
 # ------------------------------------------------------------------------- rows
 
 
@@ -503,7 +524,7 @@ def test_rows_cut_or_dropped_at_seq_len_are_said_per_split(tmp_path):
     with pytest.raises(DataError) as e:
         data.check_held_out(test=True)
     assert str(e.value) == (f"{folder}/test.jsonl: test: expected rows to score, found none: "
-                            "of its 1 examples, 1 with no trained token within the first 9 "
+                            "of its 1 example, 1 with no trained token within the first 9 "
                             "(prompts longer than --seq-len 8); raise --seq-len or shorten "
                             "the prompts")
     # packing cuts nothing: an example runs on into the next row

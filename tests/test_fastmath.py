@@ -12,6 +12,7 @@ attention and whole-model gradients; every result must be finite where the exact
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -398,27 +399,43 @@ def _bits_equal(a: mx.array, b: mx.array) -> bool:
                                               | (np.isnan(a) & np.isnan(b))))
 
 
-@pytest.fixture(scope="module")
-def kernel_forms():
-    """This process set up as a command sets it up: MLX's kernel folder, the precompiled header
-    carrying `fastmath.kernel_source`, the check (Linux: MLX builds its CPU kernels with g++)."""
+def in_a_process_of_its_own(tmp_path, check: str, *args: str) -> None:
+    """Run `check(device, *args)` of this file in a process set up as a command sets it up:
+    `device.setup_process()` first thing, with a TMPDIR of its own, so MLX's kernel folder
+    (`$TMPDIR/mlx/<version>/cpu`) is a link toymlx made to its kernel folder for this header.
+    Not in pytest's process: there any test before these that compiled a step (this file's
+    first ones) had MLX make that folder itself, a real folder, without toymlx's header, which
+    set-up keeps as it is (and so does every later session with this TMPDIR), and the checks
+    skipped ("not toymlx's for this header") when the file ran alone, in most orders, or from
+    a TMPDIR used before. AssertionError with the child's last lines where a check fails."""
+    import os
+    import subprocess
     import sys
-
-    from toymlx.backend import device
     if not sys.platform.startswith("linux"):
         pytest.skip("MLX's CPU kernels are built with g++ from toymlx's header on Linux only")
-    device.setup_process()
-    forms = device.backend_info().get("kernel_forms", "")
-    if forms.startswith("off (MLX builds its kernels in"):
-        pytest.skip(f"this process's MLX kernel folder is not toymlx's for this header: {forms}")
-    return device
+    (tmp_path / "tmp").mkdir()
+    code = ("import sys\nfrom toymlx.backend import device\ndevice.setup_process()\n"
+            "import mlx.core as mx\nmx.set_default_device(mx.cpu)\n"
+            f"sys.path.insert(0, {str(Path(__file__).parent)!r})\nimport test_fastmath\n"
+            f"test_fastmath.{check}(device, *{args!r})\nprint('checked')\n")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                          text=True, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
+                          timeout=900)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1:] == ["checked"], (
+        done.stdout[-2000:] + done.stderr[-4000:])
 
 
-def test_kernel_forms_compute_every_function_bit_for_bit_as_the_composed_forms(kernel_forms):
+def test_kernel_forms_compute_every_function_bit_for_bit_as_the_composed_forms(tmp_path):
     """Every fastmath function with `in_kernel` (MLX's exp and erf ops, in kernels built with
     toymlx's header), compiled as a step is, against the composed forms: the same bits for
     values and gradients over the whole float range, NaN and the infinities included."""
-    assert kernel_forms.backend_info()["kernel_forms"] == "checked"
+    in_a_process_of_its_own(tmp_path, "every_function_bit_for_bit")
+
+
+def every_function_bit_for_bit(kernel_forms) -> None:
+    """`test_kernel_forms_compute_every_function_bit_for_bit_as_the_composed_forms`, in a
+    process set up as a command (`in_a_process_of_its_own`)."""
+    assert kernel_forms.backend_info()["kernel_forms"] == "checked", kernel_forms.backend_info()
     assert kernel_forms.kernel_forms()
     from toymlx.models.ops import training_ops
     assert training_ops(False).kernel_forms and not training_ops(False, compiled=False).kernel_forms
@@ -445,10 +462,17 @@ def test_kernel_forms_compute_every_function_bit_for_bit_as_the_composed_forms(k
 
 
 @pytest.mark.parametrize("kind", ["vit", "llama"])
-def test_a_step_with_kernel_forms_is_the_composed_step_bit_for_bit(kernel_forms, kind):
+def test_a_step_with_kernel_forms_is_the_composed_step_bit_for_bit(tmp_path, kind):
     """A compiled loss and gradients (ViT: GELU, attention, classification; Llama: SwiGLU,
     causal attention with its -inf mask, cross-entropy): the model's Ops with kernel_forms
     against without, every bit the same."""
+    in_a_process_of_its_own(tmp_path, "step_bit_for_bit", kind)
+
+
+def step_bit_for_bit(kernel_forms, kind: str) -> None:
+    """`test_a_step_with_kernel_forms_is_the_composed_step_bit_for_bit`, in a process set up
+    as a command (`in_a_process_of_its_own`)."""
+    assert kernel_forms.backend_info()["kernel_forms"] == "checked", kernel_forms.backend_info()
     from dataclasses import replace
     mx.random.seed(5)
     rng = np.random.default_rng(2)

@@ -8,7 +8,7 @@ import os
 import pytest
 from cli_errors import error_line
 
-from toymlx.backend.files import json_fault, not_a_file, nothing_there, shortlist
+from toymlx.backend.files import counted, json_fault, not_a_file, nothing_there, shortlist
 
 
 def test_nothing_there_names_a_dangling_link_a_file_as_folder_and_an_unexpanded_tilde(
@@ -93,6 +93,16 @@ def test_shortlist_cuts_a_list_after_its_cap_and_counts_the_rest():
     assert shortlist(names, 5) == shortlist(names, 6) == "a, b, c, d, e"
     assert shortlist(("x",), 1) == "x"
     assert shortlist([], 3) == ""
+
+
+def test_counted_says_one_without_a_plural():
+    """A count a user can bring to 1 read "1 rows", "1 steps lost", "1 examples"."""
+    assert counted(1, "row") == "1 row"
+    assert counted(2, "row") == "2 rows"
+    assert counted(0, "step") == "0 steps"
+    assert counted(1, "class", "classes") == "1 class"
+    assert counted(3, "class", "classes") == "3 classes"
+    assert counted(1, "run bundle") == "1 run bundle"
 
 
 @pytest.mark.parametrize("cut", [0, 60])

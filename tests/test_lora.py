@@ -1497,6 +1497,19 @@ def test_a_gguf_that_is_no_model_as_the_initial_adapter_is_not_called_a_model(tm
     assert str(e.value) == f"{path}: {want}"
 
 
+def test_a_batch_larger_than_one_training_row_says_one_row(tiny_gguf, tmp_path, capsys):
+    """One training example, one row a example (--data.no-pack): the error read "holds 1
+    rows"."""
+    data = mlx_lm_folder(tmp_path / "data", n_train=1, n_valid=1, n_test=0)
+    assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                   str(tmp_path / "runs"), "--run-id", "r", "--steps", "1", "--seq-len", "128",
+                   "--no-progress", "--no-compile", "--data.path", str(data),
+                   "--data.no-pack"]) == 2
+    assert error_line(capsys) == (
+        "toymlx-train: error: --batch-size: expected at most 1 (the training split of "
+        f"{data}/train.jsonl holds 1 row), found 4; use --batch-size 1 or less, or more data")
+
+
 def test_a_batch_larger_than_the_packed_rows_names_the_examples_and_no_pack(tiny_gguf, tmp_path,
                                                                              capsys):
     """Six short examples pack into fewer rows than the default batch of 4: the error names the

@@ -238,6 +238,26 @@ def test_a_broken_config_json_is_one_line(tmp_path, stopped, capsys, edit, want)
 
 
 # ---- 5. killed before its first checkpoint ---------------------------------------------------
+def test_a_run_stopped_at_step_1_before_its_first_checkpoint_says_1_step_lost(tmp_path, data,
+                                                                             capsys):
+    """A run whose record ends at step 1, no checkpoint written: "(1 steps lost)" read wrong.
+    Made in-process: a 1-step run, its checkpoint and run_end taken away."""
+    run = tmp_path / "one"
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                 str(tmp_path), "--run-id", "one", "--steps", "1"]) == 0
+    shutil.rmtree(run / "weights")
+    (run / "weights").mkdir()
+    events = run / "events.jsonl"
+    lines = events.read_text().splitlines(keepends=True)
+    events.write_text("".join(x for x in lines if json.loads(x)["kind"] != "run_end"))
+    capsys.readouterr()
+    assert main(["--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert line == (f"toymlx-train: error: {run}: --resume: found no checkpoint: the run stopped "
+                    "at step 1, before its first checkpoint (1 step lost); start it over with "
+                    f"its saved configuration: toymlx-train --resume {run} --from step_0"), line
+
+
 def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, data, capsys):
     run = tmp_path / "early"
     fresh = ["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",

@@ -268,7 +268,7 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
     assert len((root / "summary.jsonl").read_text().splitlines()) == 4
     out, err = capsys.readouterr()
     assert "lr=0.001_model.ffn_dim=32" in out  # the printed table
-    assert err.splitlines()[0] == f"sweep {root}: 4 runs, 4 on this shard (0/1), 2 worker(s)"
+    assert err.splitlines()[0] == f"sweep {root}: 4 runs, 4 on this shard (0/1), 2 workers"
     best = min(runs, key=lambda p: min(_evals(p)))  # from the bundles, not the summary
     steps = {e["val_loss"]: e["step"] for e in read_events(best) if e["kind"] == "eval"}
     value = min(_evals(best))
@@ -284,7 +284,7 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
     assert {p.name: (p / "events.jsonl").read_bytes() for p in runs} == before
     # said up front (with no progress view the table was all a run again printed)
     assert capsys.readouterr().err.splitlines()[0] == (
-        f"sweep {root}: 4 runs, 4 on this shard (0/1), 2 worker(s); 4 finished before, skipped")
+        f"sweep {root}: 4 runs, 4 on this shard (0/1), 2 workers; 4 finished before, skipped")
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):

@@ -71,6 +71,13 @@ def shortlist(names: Sequence[str], cap: int) -> str:
     return ", ".join(names[:cap]) + more
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and `noun` for a message, the noun plural unless `n` is 1: "1 row", "2 rows", "0
+    rows"; `plural` where an added s will not do ("1 class", "3 classes"). One helper, so a
+    count a user can bring to 1 (one training row, a run stopped at step 1) reads right."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def json_fault(e: json.JSONDecodeError, line: bool = True) -> str:
     """json's complaint and where ("Expecting value at line 3 column 1"; `line` False: the
     column alone, for one line of JSONL), and "where the text ends: cut short?" where the text

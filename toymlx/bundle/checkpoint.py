@@ -30,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from toymlx.backend import atomic
-from toymlx.backend.files import empty_folder, nothing_there
+from toymlx.backend.files import counted, empty_folder, nothing_there
 from toymlx.backend.lock import LOCK_FILE, held_by
 from toymlx.bundle.model_store import is_store_name, resolve_model
 from toymlx.gguf.reader import GGUFError, GGUFFile
@@ -452,7 +452,7 @@ def not_one_run(folder: str | os.PathLike) -> str | None:
     runs = sorted(c.name for c in folder.iterdir() if c.is_dir() and bundle(c))
     if not runs:
         return None
-    return (f"a folder of {len(runs)} run bundle{'s' if len(runs) > 1 else ''} "
+    return (f"a folder of {counted(len(runs), 'run bundle')} "
             f"({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}); name one of them, "
             f"e.g. {folder / runs[0]}")
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from toymlx.backend.files import names_below, special_kind
+from toymlx.backend.files import counted, names_below, special_kind
 from toymlx.bundle import model_store
 from toymlx.bundle.options import RunError, flag_name, found_text, option
 
@@ -208,7 +208,7 @@ def _same_model(path: Path, rec: dict[str, Any]) -> tuple[bool, str]:
         return True, ""
     now = model_store.gguf_parts(path)
     if len(now) != len(parts):
-        return False, f"{len(now)} part{'s' if len(now) > 1 else ''}, not {len(parts)}"
+        return False, f"{counted(len(now), 'part')}, not {len(parts)}"
     for i, (part, want) in enumerate(zip(now[1:], parts[1:]), 2):
         same, digest = _same_file(part, want if isinstance(want, dict) else {})
         if not same:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import json_fault, shortlist
+from toymlx.backend.files import counted, json_fault, shortlist
 from toymlx.backend.progress import pass_bar
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
@@ -104,6 +104,10 @@ class Example:
     messages: tuple[dict[str, Any], ...] | None = None
     tools: tuple[dict[str, Any], ...] | None = None
     """mlx-lm's `tools` beside `messages`: function schemas the chat template renders"""
+    read_from: str | None = None
+    """The key of another tool's layout the record was written in, where it was read as one of
+    toymlx's shapes (`_peer_record`): "conversations" (ShareGPT's, read as `messages`); None for
+    toymlx's own. An error about the shape names what the user wrote."""
 
     @property
     def kind(self) -> str:
@@ -178,7 +182,9 @@ def _peer_record(obj: dict, where: str) -> dict | None:
 def _parse_record(obj: Any, where: str) -> Example:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object {SHAPES}, found {_found(obj)}")
-    obj = _peer_record(obj, where) or obj
+    peer = _peer_record(obj, where)
+    read_from = "conversations" if peer is not None and "messages" in peer else None
+    obj = peer or obj
     shapes = [s for s, keys in (("text", ("text",)), ("prompt/completion", ("prompt", "completion")),
                                 ("messages", ("messages",))) if any(k in obj for k in keys)]
     if len(shapes) != 1:
@@ -232,7 +238,8 @@ def _parse_record(obj: Any, where: str) -> Example:
         # mlx-lm's tool-use fields, for the template to render; other keys are ignored
         msg.update({k: m[k] for k in TOOL_KEYS.get(m["role"], ()) if k in m})
         out.append(msg)
-    return Example(where, messages=tuple(out), tools=tuple(tools) if tools else None)
+    return Example(where, messages=tuple(out), tools=tuple(tools) if tools else None,
+                   read_from=read_from)
 
 
 def _json_array(path: Path, text: str) -> list[Example]:
@@ -494,7 +501,7 @@ def none_held_out(train: Path, n: int, val_fraction: float) -> str:
     trains without validation, said before the first step (not only by its last line)."""
     documents = (" (a plain-text file's examples are its documents, separated by blank lines)"
                  if is_plain_text(train) else "")
-    return (f"{train}: --data.val-fraction {val_fraction} of {n} example{'s' * (n != 1)} holds "
+    return (f"{train}: --data.val-fraction {val_fraction} of {counted(n, 'example')} holds "
             f"out none, so the run validates nothing{documents}; add examples, raise "
             f"--data.val-fraction, or use a data folder with a valid.jsonl")
 
@@ -521,7 +528,7 @@ def split_examples(
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     n_val = round(len(examples) * val_fraction)
     if len(examples) - n_val < 1:
-        raise DataError(f"{len(examples)} examples leave none for training at "
+        raise DataError(f"{counted(len(examples), 'example')} leave none for training at "
                         f"val_fraction={val_fraction}; add examples or lower val_fraction")
     return list(examples[: len(examples) - n_val]), list(examples[len(examples) - n_val :])
 
@@ -539,7 +546,7 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], gen: b
     # Templates fail in many ways (Jinja errors, their own raise_exception(), a KeyError on a
     # missing field); all of them mean this example cannot be rendered.
     except Exception as e:  # noqa: BLE001
-        raise DataError(f"{source}: chat template failed on {len(messages)} message(s): "
+        raise DataError(f"{source}: chat template failed on {counted(len(messages), 'message')}: "
                         f"{type(e).__name__}: {e}") from None
 
 
@@ -653,6 +660,12 @@ def _pieces(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool, turns
         prompt = [(example.prompt, None, int(not mask_prompt))] if example.prompt else []
         return [*prompt, (example.completion, False, 1)], True
     assert example.messages is not None
+    if example.read_from == "conversations" and not getattr(tokenizer, "chat_template", None):
+        raise DataError(f'{example.source}: "conversations" (ShareGPT\'s, read as \'messages\'): '
+                        "expected a tokenizer with a chat template to render the turns, found "
+                        "none in this one; use a base with a chat template (an instruct model), "
+                        'or write each example as {"prompt", "completion"} (the human turn and '
+                        "the gpt answer), which trains without one")
     return _message_pieces(example.messages, tokenizer, mask_prompt, example.source,
                            example.tools, turns), False
 
@@ -912,7 +925,7 @@ class Fit:
                          f"completion)")
         if not parts:
             return None
-        return f"{source}: {split}: of {self.examples} examples, {', '.join(parts)}"
+        return f"{source}: {split}: of {counted(self.examples, 'example')}, {', '.join(parts)}"
 
 
 def empty_split_error(source: str, split: str, fit: Fit, seq_len: int) -> DataError:
@@ -925,7 +938,7 @@ def empty_split_error(source: str, split: str, fit: Fit, seq_len: int) -> DataEr
         why.append(f"{fit.untrained} with nothing to train (no assistant turn or completion)")
     fix = "raise --seq-len or shorten the prompts" if fit.dropped else "add answers to train"
     return DataError(f"{source}: {split}: expected rows to score, found none: of its "
-                     f"{fit.examples} examples, {' and '.join(why)}; {fix}")
+                     f"{counted(fit.examples, 'example')}, {' and '.join(why)}; {fix}")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
-from toymlx.backend.files import nothing_there
+from toymlx.backend.files import counted, nothing_there
 from toymlx.data import augment as A
 from toymlx.data import fixture_path
 from toymlx.data.cifar import is_cifar, load_cifar
@@ -567,8 +567,8 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
             train_idx, val_idx = np.arange(raw.n_train), np.arange(raw.n_train, len(raw.x))
         val_x, val_y = _take(raw.x, val_idx), y[val_idx]
     if len(train_idx) == 0:
-        raise ImageDataError(f"{raw.source}: training split is empty ({len(raw.x)} images, "
-                             f"val_fraction={val_fraction})")
+        raise ImageDataError(f"{raw.source}: training split is empty "
+                             f"({counted(len(raw.x), 'image')}, val_fraction={val_fraction})")
     train_x = _take(raw.x, train_idx)
     scale = raw.scale or float(np.max(raw.x)) or 1.0
     mean, std = _channel_stats(train_x, scale)
@@ -614,8 +614,9 @@ def check_classes(raw: Raw, y: np.ndarray, names: Sequence[str]) -> None:
     found = np.unique(y)
     if len(found) < 2:
         raise ImageDataError(f"{raw.source}: {raw.label_key}: expected at least 2 classes, "
-                             f"found 1 ({names[int(found[0])]!r} for all {len(y)} images); a "
-                             "classifier needs two or more classes")
+                             f"found 1 ({names[int(found[0])]!r} for all "
+                             f"{counted(len(y), 'image')}); a classifier needs two or more "
+                             "classes")
 
 
 def classes_note(raw: Raw, train_y: np.ndarray, num_classes: int) -> str | None:

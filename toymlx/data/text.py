@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import nothing_there, special_kind
+from toymlx.backend.files import counted, nothing_there, special_kind
 from toymlx.backend.progress import pass_bar
 
 
@@ -155,8 +155,8 @@ def _check_sizes(**sizes: int) -> None:
 def _need_window(n: int, seq_len: int, what: str, source: str, hint: str) -> None:
     if n < seq_len + 1:
         raise DataError(
-            f"{source}: {what} has {n} tokens but one window needs seq_len+1 = {seq_len + 1}; "
-            f"{hint}"
+            f"{source}: {what} has {counted(n, 'token')} but one window needs seq_len+1 = "
+            f"{seq_len + 1}; {hint}"
         )
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.backend.atomic import atomic_open
-from toymlx.backend.files import nothing_there, special_kind
+from toymlx.backend.files import counted, nothing_there, special_kind
 from toymlx.backend.progress import pass_bar
 from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.data.image_folder import (
@@ -236,7 +236,7 @@ def format_report(m: np.ndarray, names: list[str]) -> str:
     """A text table of per-class accuracy, then the confusion matrix (rows: true class)."""
     r = report(m, names)
     w = max(5, *(len(n) for n in names))
-    lines = [f"accuracy {r['accuracy']:.4f} on {r['images']} images", "",
+    lines = [f"accuracy {r['accuracy']:.4f} on {counted(r['images'], 'image')}", "",
              f"{'class':<{w}}  images  accuracy"]
     for n in names:
         a, c = r["per_class"][n]["accuracy"], r["per_class"][n]["images"]
@@ -272,7 +272,8 @@ def plot_confusion(m: np.ndarray, names: list[str], out: str | Path) -> Path:
                     ax.text(j, i, str(m[i, j]), ha="center", va="center", fontsize=8,
                             color="white" if norm[i, j] > 0.5 else "black")
     fig.colorbar(im, ax=ax, fraction=0.046, label="fraction of the true class")
-    ax.set_title(f"accuracy {np.trace(m) / max(m.sum(), 1):.4f} on {int(m.sum())} images")
+    ax.set_title(f"accuracy {np.trace(m) / max(m.sum(), 1):.4f} on "
+                 f"{counted(int(m.sum()), 'image')}")
     fig.tight_layout()
     out = Path(out)
     with atomic_open(out) as f:

@@ -34,7 +34,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from toymlx.backend.device import on_gpu
-from toymlx.backend.files import not_a_file
+from toymlx.backend.files import counted, not_a_file
 from toymlx.bundle import model_store
 from toymlx.bundle.folder import refuse_run_folder
 from toymlx.bundle.outputs import check_output
@@ -338,11 +338,12 @@ def check_train_batch(batch_size: int, data: SFTData) -> None:
         return
     if not data.pack or fit is None or fit.examples <= rows:
         raise ValueError(f"--batch-size: expected at most {rows} (the training split of "
-                         f"{data.source.of('train')} holds {rows} rows), found {batch_size}; "
-                         f"use --batch-size {rows} or less, or more data")
+                         f"{data.source.of('train')} holds {counted(rows, 'row')}), found "
+                         f"{batch_size}; use --batch-size {rows} or less, or more data")
     raise ValueError(f"--batch-size: expected at most {rows} (the {fit.examples} training "
-                     f"examples of {data.source.of('train')} pack into {rows} rows of --seq-len "
-                     f"{data.seq_len}), found {batch_size}; use --batch-size {rows}, "
+                     f"examples of {data.source.of('train')} pack into "
+                     f"{counted(rows, 'row')} of --seq-len {data.seq_len}), found "
+                     f"{batch_size}; use --batch-size {rows}, "
                      "--data.no-pack (one example a row), or more data")
 
 

@@ -31,7 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from toymlx import __version__
-from toymlx.backend.files import special_kind
+from toymlx.backend.files import counted, special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle import events as ev
@@ -250,7 +250,7 @@ class Bundle:
         events = self.path / ev.EVENTS_FILE
         if start is None:
             size = events.stat().st_size if events.is_file() else 0
-            found = ("no file" if not events.exists() else f"{len(self.events)} events "
+            found = ("no file" if not events.exists() else f"{counted(len(self.events), 'event')} "
                      "without it" if self.events else f"{size} bytes but no event (a line "
                      "cut short or garbled)" if size else "an empty file")
             # nothing of a run yet, killed before its run_start line: events.jsonl is created
@@ -358,7 +358,8 @@ class Bundle:
                 lost = max((e["step"] for e in self.events
                             if e["kind"] == "step" and isinstance(e.get("step"), int)), default=0)
                 raise RunError(f"{self.path}: --resume: found no checkpoint: the run stopped at "
-                               f"step {lost}, before its first checkpoint ({lost} steps lost); "
+                               f"step {lost}, before its first checkpoint "
+                               f"({counted(lost, 'step')} lost); "
                                "start it over with its saved configuration: toymlx-train "
                                f"--resume {self.path} --from step_0")
             ckpt, note = ck.latest_checkpoint(self.path)
@@ -401,7 +402,8 @@ class Bundle:
             if resume.step == steps and (end := self._unfinished()):
                 # its last step and checkpoint were written, what follows them was not (the
                 # final validation, --test, the recipe's export, run_end): the resume does it
-                note = (f"the run trained all {steps} steps but did not complete ({end}): "
+                note = (f"the run trained all {counted(steps, 'step')} but did not complete "
+                        f"({end}): "
                         f"finishing it from step_{steps} (what follows the last step: final "
                         "validation, --test, the export; then run_end)")
                 resume.note = f"{resume.note}; {note}" if resume.note else note

@@ -49,6 +49,7 @@ from types import ModuleType
 from typing import TextIO
 
 from toymlx.backend import atomic
+from toymlx.backend.files import counted
 from toymlx.backend.lifeline import PARENT_ENV, alive, child_env, watch_parent
 from toymlx.backend.stop import (
     CONSOLE_GONE,
@@ -388,7 +389,7 @@ def failure_lines(bad: dict[int, tuple[int | None, str]], n: int) -> list[str]:
     for r, (_, why) in sorted(bad.items()):
         groups.setdefault(why, []).append(r)
     return [f"{_ranks(ranks)}: {why}" for why, ranks in groups.items()] + [
-        f"failed: {len(bad)} of {n} ranks did not finish cleanly"]
+        f"failed: {len(bad)} of {counted(n, 'rank')} did not finish cleanly"]
 
 
 def _ranks(ranks: list[int]) -> str:

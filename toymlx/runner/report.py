@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import atomic
+from toymlx.backend.files import counted
 from toymlx.backend.notice import warn
 from toymlx.bundle.events import damage_note, read_events, read_log
 from toymlx.bundle.folder import CONFIG_FILE, saved_config
@@ -558,7 +559,7 @@ def _html(rows: list[dict[str, Any]], params: list[str], png_b64: str) -> str:
         "<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;"
         "font-size:13px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
         "th{background:#eee}img{max-width:100%}</style></head><body>\n"
-        f"<h2>toymlx report: {len(rows)} run(s)</h2>\n"
+        f"<h2>toymlx report: {counted(len(rows), 'run')}</h2>\n"
         f"<img alt='loss, validation and learning-rate curves' "
         f"src='data:image/png;base64,{png_b64}'>\n"
         f"<table><tr>{head}</tr>\n{body}</table>\n"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from toymlx.backend.files import counted
 from toymlx.runner import report
 
 
@@ -108,10 +109,9 @@ def best_line(rows: list[dict[str, Any]]) -> str | None:
     b = done[0]
     most = "highest" if report.METRICS.get(b["metric"], False) else "lowest"
     ties = sum(r["best"] == b["best"] and r["metric"] == b["metric"] for r in done[1:])
-    tie = f"; {ties} other{'s' if ties > 1 else ''} as good" if ties else ""
+    tie = f"; {counted(ties, 'other')} as good" if ties else ""
     return (f"sweep: best {b['run']}: {b['metric']} {report.fmt(float(b['best']))} at step "
-            f"{b['best_step']} ({most} of {len(done)} completed run"
-            f"{'s' if len(done) > 1 else ''}{tie})")
+            f"{b['best_step']} ({most} of {counted(len(done), 'completed run')}{tie})")
 
 
 def _unwritten(stream: TextIO, name: str, e: OSError) -> str:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from toymlx.backend import atomic
+from toymlx.backend.files import counted
 from toymlx.backend.lifeline import child_env
 from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
 from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals
@@ -293,7 +294,8 @@ class _Runner:
         """Pass each new stop request on as SIGINT (the run checkpoints and ends; a second one
         skips that checkpoint); after `grace` seconds the rest are killed."""
         if not self.forwarded:
-            self.stream.write(f"sweep: stopping {len(active)} run(s) (they checkpoint first)...\n")
+            self.stream.write(f"sweep: stopping {counted(len(active), 'run')} (they checkpoint "
+                              "first)...\n")
             self.stop_by = time.time() + grace
         self.forwarded = requests
         for r in active:
@@ -366,8 +368,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     # said up front: with --no-progress, a sweep run again printed the same table as the
     # first time, nothing telling that no run was run
     done = sum(run_state(sweep_dir / s.name) in ("completed", "diverged") for s in mine)
-    stream.write(f"sweep {sweep_dir}: {len(specs)} runs, {len(mine)} on this shard "
-                 f"({shard[0]}/{shard[1]}), {workers} worker(s)"
+    stream.write(f"sweep {sweep_dir}: {counted(len(specs), 'run')}, {len(mine)} on this shard "
+                 f"({shard[0]}/{shard[1]}), {counted(workers, 'worker')}"
                  + (f"; {done} finished before, skipped" if done else "") + "\n")
     runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
     runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,

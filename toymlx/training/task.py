@@ -20,6 +20,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx import nn
 
+from toymlx.backend.files import counted
 from toymlx.bundle.options import RunOptions, flag_name
 from toymlx.bundle.reporters import parse_report_to
 from toymlx.models.checks import ArgsError, field_name
@@ -223,9 +224,10 @@ def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
     file they came from, the examples packed into them)."""
     if "train_tokens" in info and "seq_len" in info:
         n = (info["train_tokens"] - 1) // info["seq_len"]
-        what = f"{n} windows of --seq-len {info['seq_len']} in {info['train_tokens']} tokens"
+        what = (f"{counted(n, 'window')} of --seq-len {info['seq_len']} in "
+                f"{info['train_tokens']} tokens")
     elif "train_images" in info:
-        n, what = info["train_images"], f"{info['train_images']} images"
+        n, what = info["train_images"], counted(info["train_images"], "image")
     else:
         return
     if batch_size > n:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from toymlx.backend import device
 from toymlx.backend.atomic import discard
 from toymlx.backend.device import backend_info
+from toymlx.backend.files import counted
 from toymlx.backend.stop import (
     RANK_SIGNALS,
     READER_GONE,
@@ -560,7 +561,7 @@ class _Loop:
         undone = parts[parts.index(part):] if part in parts else [part]
         alone = (f"; or {self.task.export_later(self.run_dir)} writes the export alone"
                  if "the export" in undone and self.task.export_later else "")
-        self._end("interrupted", code, f"{what} {when} {part} (all {n} steps trained, "
+        self._end("interrupted", code, f"{what} {when} {part} (all {counted(n, 'step')} trained, "
                   f"checkpoint step_{n} written): left undone: {_listed(undone)}; {resume} "
                   f"finishes it without training{alone}")
 
