@@ -743,6 +743,16 @@ def test_a_table_s_rows_are_numbered_as_a_spreadsheet_shows_them(tmp_path):
     ("qa.csv", "prompt,completion\na,b\nWhat is 1,2?,3\n",
      ('row 3: expected 2 fields (prompt, completion), found 3: field 3 is past the last column '
      '("completion"); a field that holds a comma goes in double quotes')),
+    ("qa.csv", "prompt;completion\na;b\n",
+     ("row 1 (the header): expected the columns of one record shape (text; prompt and "
+      "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "
+      "found ['prompt;completion']: one column holding ';', where a .csv's columns are "
+      "separated by commas; save it with commas (or tabs, as a .tsv)")),
+    ("qa.csv", "prompt\tcompletion\na\tb\n",
+     ("row 1 (the header): expected the columns of one record shape (text; prompt and "
+      "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "
+      "found ['prompt\\tcompletion']: one column holding '\\t', where a .csv's columns are "
+      "separated by commas; name it .tsv")),
     ("qa.tsv", ",prompt\tcompletion\n0\tp\tc\nno tab\n",
      ("row 1 (the header): expected the columns of one record shape (text; prompt and "
      "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "

@@ -408,7 +408,7 @@ def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Ex
             continue
         if header is None:
             header, header_row = cells, row
-            _table_header(path, header, row, kind)
+            _table_header(path, header, row, sep)
             continue
         if len(cells) != len(header):
             few = len(cells) < len(header)
@@ -430,11 +430,13 @@ def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Ex
                         f"{header_row}), found none")
 
 
-def _table_header(path: Path, header: list[str], row: int, kind: str) -> None:
-    """DataError (one line) where a table's header (its row `row`) names a column twice, gives
-    chat turns, or makes no record: the record its columns would give, each cell filled, is
-    what the reader refuses."""
+def _table_header(path: Path, header: list[str], row: int, sep: str) -> None:
+    """DataError (one line) where a table's header (its row `row`, fields separated by `sep`)
+    names a column twice, gives chat turns, or makes no record: the record its columns would
+    give, each cell filled, is what the reader refuses (a header of one column holding another
+    separator, a European spreadsheet's ';', says so)."""
     where = f"{path}: row {row} (the header)"
+    kind = "CSV" if sep == "," else "TSV"
     twice = next((c for j, c in enumerate(header) if c and c in header[:j]), None)
     if twice is not None:
         raise DataError(f'{where}: expected each column once, found "{twice}" twice')
@@ -446,8 +448,14 @@ def _table_header(path: Path, header: list[str], row: int, kind: str) -> None:
     try:
         _parse_record({c: "x" for c in header if c}, where, _column)
     except DataError:
+        other = next((c for c in (";", "\t", ",", "|") if c != sep and len(header) == 1
+                      and c in header[0]), None)
+        fix = {"\t": "; name it .tsv", ",": "; name it .csv"}.get(
+            other or "", "; save it with commas (or tabs, as a .tsv)")
+        hint = (f": one column holding {other!r}, where a .{kind.lower()}'s columns are "
+                f"separated by {'commas' if sep == ',' else 'tabs'}{fix}" if other else "")
         raise DataError(f"{where}: expected the columns of one record shape ({TABLE_COLUMNS}; "
-                        f"others are ignored), found {header}") from None
+                        f"others are ignored), found {header}{hint}") from None
 
 
 def _examples(path: Path, examples: list[Example]) -> list[Example]:
