@@ -676,20 +676,146 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
     assert SFTData.from_file(folder / "train.jsonl", tok, seq_len=16).notes() == []
 
 
-def test_a_table_of_prompts_read_as_plain_text_is_said_before_the_run(tmp_path):
-    """A .csv of prompt,completion columns trained as plain text (its lines one document) without
-    a word: a note now says how it is read and how to convert it; a .tsv names its separator."""
-    tok = FakeTokenizer(chat_template=None)
-    rows = "".join(f"What is {i}+{i}?,{2 * i}\n\n" for i in range(10))
-    for name, sep in (("qa.csv", ""), ("qa.tsv", ", sep='\\t'")):
-        path = write(tmp_path, name, "prompt,completion\n\n" + rows)
-        data = SFTData.from_file(path, tok, seq_len=64)
-        assert data.notes() == [
-            (f"{path}: a {name[3:].upper()} file is read as plain text (each run of non-blank "
-            "lines one example), not as columns; for prompt/completion or text columns, convert "
-            f"it to JSONL first: pandas.read_csv('{path}'{sep}).to_json('train.jsonl', "
-            "orient='records', lines=True)")]
-    assert SFTData.from_file(write(tmp_path, "qa.txt", rows), tok, seq_len=64).notes() == []
+QA = [("What is 2+2, in words?", 'It is "four".'), ("List two fruits.", "apple,\npear"),
+      ("", "an empty prompt trains the completion alone"), ("Say hi.", "hi")]
+"""Prompts and completions with the commas, quotes and line breaks a CSV quotes."""
+
+
+def _cell(value: str, sep: str) -> str:
+    """`value` as RFC 4180 writes it: in double quotes (each doubled) where it needs them."""
+    quote = any(c in value for c in (sep, '"', "\n"))
+    return '"' + value.replace('"', '""') + '"' if quote else value
+
+
+def _table(columns: list[str], rows: list[tuple[str, ...]], sep: str = ",",
+           end: str = "\n") -> str:
+    return "".join(sep.join(_cell(v, sep) for v in r) + end for r in [tuple(columns), *rows])
+
+
+def _jsonl(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_csv_or_tsv_table_gives_the_rows_of_the_same_records_as_jsonl(tmp_path, pack):
+    """A .csv or .tsv file with a header was read as plain text (its lines one document, a
+    note said); its rows are now the JSONL records of the same keys, through the same record
+    reader: quoted commas, doubled quotes and a multi-line field, a tab-separated file with
+    CRLF line ends, a UTF-8 BOM, Alpaca's columns, a text column, and unnamed or other
+    columns (pandas' index) left out: the same tokenized rows, array for array."""
+    tok = FakeTokenizer()
+    records = [{"prompt": p, "completion": c} for p, c in QA]
+    alpaca = [{"instruction": p, "input": i, "output": c}
+              for (p, c), i in zip(QA, ("", "red ones", "", "x"))]
+    texts = [{"text": c} for _, c in QA]
+    cases = [
+        ("qa.csv", _table(["prompt", "completion"], QA), records),
+        ("qa.tsv", _table(["prompt", "completion"], QA, "\t", "\r\n"), records),
+        ("bom.csv", "\ufeff" + _table(["prompt", "completion"], QA), records),
+        ("alpaca.csv", _table(["instruction", "input", "output"],
+                              [tuple(r.values()) for r in alpaca]), alpaca),
+        ("text.csv", _table(["", "text", "source"], [(str(k), c, "web") for k, (_, c)
+                                                     in enumerate(QA)]), texts),
+    ]
+    for name, table, same in cases:
+        data = SFTData.from_file(write(tmp_path, name, table), tok, seq_len=96, pack=pack,
+                                 val_fraction=0.25)
+        want = SFTData.from_file(write(tmp_path, name + ".jsonl", _jsonl(same)), tok,
+                                 seq_len=96, pack=pack, val_fraction=0.25)
+        for split in ("train", "val"):
+            got, ref = getattr(data, split), getattr(want, split)
+            assert got.keys() == ref.keys() and len(ref["inputs"]), (name, split)
+            for key in ref:
+                np.testing.assert_array_equal(got[key], ref[key], err_msg=f"{name} {split} {key}")
+        assert data.notes() == want.notes() == []  # no longer "read as plain text"
+    ex = load_examples(tmp_path / "qa.csv")
+    assert [(e.source, e.prompt, e.completion) for e in ex] == [
+        (f"{tmp_path / 'qa.csv'}: row {r}", p, c) for r, (p, c) in zip((2, 3, 4, 5), QA)]
+    assert load_examples(tmp_path / "bom.csv")[0].prompt == QA[0][0]
+    assert [first_kind(tmp_path / n) for n in ("qa.tsv", "alpaca.csv", "text.csv")] == [
+        "completion", "completion", "text"]
+
+
+def test_a_table_s_rows_are_numbered_as_a_spreadsheet_shows_them(tmp_path):
+    """Row 1 is the header; a quoted field's line breaks stay in its row; blank rows and rows
+    of empty fields count, and are skipped as blank JSONL lines are."""
+    path = write(tmp_path, "qa.csv", 'prompt,completion\n"a\nb","c\n\nd"\n\n,\nx,y\n')
+    assert [(e.source, e.prompt, e.completion) for e in load_examples(path)] == [
+        (f"{path}: row 2", "a\nb", "c\n\nd"), (f"{path}: row 5", "x", "y")]
+
+
+@pytest.mark.parametrize("name, table, want", [
+    ("qa.csv", "question,answer\nq,a\n",
+     ("row 1 (the header): expected the columns of one record shape (text; prompt and "
+     "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "
+     "found ['question', 'answer']")),
+    ("qa.csv", "text,prompt,completion\nt,p,c\n",
+     ("row 1 (the header): expected the columns of one record shape (text; prompt and "
+     "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "
+     "found ['text', 'prompt', 'completion']")),
+    ("chat.csv", 'id,messages\n1,"[{""role"": ""user""}]"\n',
+     ('row 1 (the header): column "messages": chat turns need JSON, not a CSV cell; write the '
+     'examples as JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} a line')),
+    ("chat.tsv", "conversations\nx\n",
+     ('row 1 (the header): column "conversations": chat turns need JSON, not a TSV cell; write '
+     'the examples as JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} a line')),
+    ("qa.csv", "prompt,text,prompt\na,b,c\n",
+     'row 1 (the header): expected each column once, found "prompt" twice'),
+    ("qa.csv", "prompt,completion\na,b\nWhat is 1,2?,3\n",
+     ('row 3: expected 2 fields (prompt, completion), found 3: field 3 is past the last column '
+     '("completion"); a field that holds a comma goes in double quotes')),
+    ("qa.csv", "prompt;completion\na;b\n",
+     ("row 1 (the header): expected the columns of one record shape (text; prompt and "
+      "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "
+      "found ['prompt;completion']: one column holding ';', where a .csv's columns are "
+      "separated by commas; save it with commas (or tabs, as a .tsv)")),
+    ("qa.csv", "prompt\tcompletion\na\tb\n",
+     ("row 1 (the header): expected the columns of one record shape (text; prompt and "
+      "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "
+      "found ['prompt\\tcompletion']: one column holding '\\t', where a .csv's columns are "
+      "separated by commas; name it .tsv")),
+    ("qa.tsv", ",prompt\tcompletion\n0\tp\tc\nno tab\n",
+     ("row 1 (the header): expected the columns of one record shape (text; prompt and "
+     "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "
+     "found [',prompt', 'completion']")),
+    ("qa.tsv", "\tprompt\tcompletion\n0\tp\tc\n1\tline\n",
+     ('row 3: expected 3 fields ((unnamed), prompt, completion), found 2: none for column '
+     '"completion"; a field that holds a line break goes in double quotes')),
+    ("qa.csv", "prompt,completion\na,b\n\nc, \n",
+     "row 4: expected column \"completion\" to be a non-empty string, found ' '"),
+    ("text.csv", "text,id\n,7\nb,8\n",
+     "row 2: expected column \"text\" to be a non-empty string, found ''"),
+    ("alpaca.csv", "instruction,input,output\nAdd,2 3,\n",
+     "row 2: expected column \"output\" (Alpaca's) to be a non-empty string, found ''"),
+    ("qa.csv", 'prompt,completion\na,b\nc,"d\ne\n',
+     ('row 3 (from line 3): bad CSV (unexpected end of data); a field that holds a comma, a '
+     'double quote or a line break goes in double quotes, each double quote in it doubled: '
+     '"say ""hi"""')),
+    ("qa.csv", 'prompt,completion\n"a" b,c\n',
+     ('row 2 (from line 2): bad CSV (\',\' expected after \'"\'); a field that holds a comma, a '
+     'double quote or a line break goes in double quotes, each double quote in it doubled: '
+     '"say ""hi"""')),
+    ("qa.csv", ",,\n\n,\n", ("expected a CSV header row (text; prompt and completion; or "
+                               "Alpaca's instruction, input (optional) and output), found only "
+                               "empty rows")),
+    ("qa.csv", "prompt,completion\n\n", ("no examples; expected rows after the header (row 1), "
+     "found none")),
+])
+def test_a_table_s_errors_name_its_file_row_and_column(tmp_path, name, table, want):
+    path = write(tmp_path, name, table)
+    # the header and first row's errors the same before the run (mlx-lm's mask_prompt check)
+    for read in (load_examples, *[first_kind] * (not want.startswith(("row 3", "row 4")))):
+        with pytest.raises(DataError) as e:
+            read(path)
+        assert str(e.value) == f"{path}: {want}"
+
+
+def test_an_empty_alpaca_output_is_named_as_written(tmp_path):
+    """An empty Alpaca "output" was refused as an empty "completion", a key the file never had."""
+    bad = write(tmp_path, "alpaca.jsonl", _jsonl([{"instruction": "x", "output": " "}]))
+    with pytest.raises(DataError) as e:
+        load_examples(bad)
+    assert str(e.value) == f"{bad}:1: expected \"output\" (Alpaca's) to be a non-empty string, found ' '"
 
 
 def test_split_files_are_kept_apart_not_parsed_from_the_display(tmp_path):

@@ -7,6 +7,11 @@ File formats (`load_examples`):
   `"tools": [...]` (handed to a chat template that takes `tools`; assistant messages may
   carry `tool_calls`, tool messages `name` and `tool_call_id`). Other keys are ignored; blank lines are skipped. A
   `.json` file may instead hold one JSON array of such objects.
+- `.csv` (comma) and `.tsv` (tab): a table with a header row (RFC 4180 quoting, as Python's
+  `csv` reads it), each further row one record keyed by the header, read as the JSONL record
+  of those keys would be (`_table_examples`): columns `text`, `prompt` and `completion`, or
+  Alpaca's `instruction`, `input` and `output`; other columns are ignored. Chat turns
+  (`messages`) need JSONL.
 - a folder in mlx-lm's layout (`data_files`): `train.jsonl`, optional `valid.jsonl` and
   `test.jsonl`.
 - any other file is plain UTF-8 text split into documents at blank lines (a line with only
@@ -27,12 +32,13 @@ Rendered templates are encoded with `add_bos=False`, as Hugging Face does
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import functools
 import itertools
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -97,7 +103,7 @@ class Example:
     """One training example; exactly one of `text`, `prompt`+`completion`, `messages` is set."""
 
     source: str
-    """`path:line` where the example starts, for error messages"""
+    """`path:line` where the example starts (a table's `path: row N`), for error messages"""
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
@@ -137,13 +143,25 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 """ShareGPT's `from` names, as the roles of toymlx's (and mlx-lm's) `messages`."""
 
 
-def _peer_record(obj: dict, where: str) -> dict | None:
+def _quoted(key: str) -> str:
+    """A record's key as a JSONL record's errors name it; a table's are its columns
+    (`_column`)."""
+    return f'"{key}"'
+
+
+def _column(key: str) -> str:
+    """A table's key, as its errors name it: the column."""
+    return f'column "{key}"'
+
+
+def _peer_record(obj: dict, where: str, name: Callable[[str], str] = _quoted) -> dict | None:
     """A record in one of the two layouts Hugging Face's chat datasets come in most, as the shape
     it means, where it has none of toymlx's keys: ShareGPT's {"conversations": [{"from",
     "value"}]} as {"messages"} (its roles by `SHAREGPT_ROLES`; turns already {"role",
     "content"} kept), Alpaca's {"instruction", "input", "output"} as {"prompt", "completion"}
     (the prompt the instruction, then a blank line and the input where there is one). None
-    for any other record. mlx-lm reads neither and says "Unsupported data format"."""
+    for any other record. mlx-lm reads neither and says "Unsupported data format". `name`:
+    how errors name a key (`_quoted`; a table's `_column`)."""
     if any(k in obj for k in ("text", "prompt", "completion", "messages")):
         return None
     if "conversations" in obj:
@@ -171,18 +189,23 @@ def _peer_record(obj: dict, where: str) -> dict | None:
     if "instruction" in obj and "output" in obj:
         for key in ("instruction", "input", "output"):
             if not isinstance(obj.get(key, ""), str):
-                raise DataError(f'{where}: expected "{key}" (Alpaca\'s) to be a string, found '
+                raise DataError(f"{where}: expected {name(key)} (Alpaca's) to be a string, found "
                                 f"{_found(obj[key])}")
+        if not obj["output"].strip():  # the completion it becomes, named as the user wrote it
+            raise DataError(f"{where}: expected {name('output')} (Alpaca's) to be a non-empty "
+                            f"string, found {obj['output']!r}")
         given = obj.get("input", "")
         return {"prompt": obj["instruction"] + (f"\n\n{given}" if given.strip() else ""),
                 "completion": obj["output"]}
     return None
 
 
-def _parse_record(obj: Any, where: str) -> Example:
+def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted) -> Example:
+    """A record (a JSON object, or a table's row keyed by its header) as its example; `name`:
+    how errors name a key (`_quoted`; a table's `_column`)."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object {SHAPES}, found {_found(obj)}")
-    peer = _peer_record(obj, where)
+    peer = _peer_record(obj, where, name)
     read_from = "conversations" if peer is not None and "messages" in peer else None
     obj = peer or obj
     shapes = [s for s, keys in (("text", ("text",)), ("prompt/completion", ("prompt", "completion")),
@@ -194,14 +217,16 @@ def _parse_record(obj: Any, where: str) -> Example:
 
     def string(key: str, value: Any, non_empty: bool) -> str:
         if not isinstance(value, str):
-            raise DataError(f'{where}: expected "{key}" to be a string, found {_found(value)}')
+            raise DataError(f"{where}: expected {name(key)} to be a string, found {_found(value)}")
         if non_empty and not value.strip():
-            raise DataError(f'{where}: expected "{key}" to be a non-empty string, found {value!r}')
+            raise DataError(f"{where}: expected {name(key)} to be a non-empty string, found "
+                            f"{value!r}")
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON's "\ud800": text no tokenizer can encode
-            raise DataError(f'{where}: expected "{key}" to be UTF-8 text, found a lone surrogate '
-                            f"U+{ord(value[e.start]):04X} at character {e.start}") from None
+            raise DataError(f"{where}: expected {name(key)} to be UTF-8 text, found a lone "
+                            f"surrogate U+{ord(value[e.start]):04X} at character {e.start}"
+                            ) from None
         return value
 
     if shapes[0] == "text":
@@ -282,17 +307,24 @@ def _json_array(path: Path, text: str) -> list[Example]:
     return examples
 
 
+TABLES = {".csv": ",", ".tsv": "\t"}
+"""The example files read as tables (`_table_examples`), by suffix, and their delimiters."""
+TABLE_COLUMNS = "text; prompt and completion; or Alpaca's instruction, input (optional) and output"
+"""The columns of each record shape a table's header may give (the record reader decides)."""
+
+
 def is_plain_text(path: Path) -> bool:
     """Whether `load_examples` reads `path` as plain text (documents at blank lines): any file
-    but a .jsonl or .json, whatever the case of its suffix."""
-    return path.suffix.lower() not in (".jsonl", ".json")
+    but a .jsonl, .json, .csv or .tsv, whatever the case of its suffix."""
+    return path.suffix.lower() not in (".jsonl", ".json", *TABLES)
 
 
 def load_examples(path: str | Path) -> list[Example]:
-    """Read a `.jsonl`/`.json` example file or a plain-text file (documents at blank lines).
-    A JSONL or plain-text file is read a block at a time (`_lines`), each line parsed as it
-    comes: a 100 MB train.jsonl never held whole, nor as a list of its lines, beside its
-    examples (its text alone, as one string, took 1 GB with a character past U+FFFF in it)."""
+    """Read a `.jsonl`/`.json` example file, a `.csv`/`.tsv` table (`_table_examples`) or a
+    plain-text file (documents at blank lines). A JSONL, table or plain-text file is read a
+    block at a time (`_lines`), each line parsed as it comes: a 100 MB train.jsonl never held
+    whole, nor as a list of its lines, beside its examples (its text alone, as one string, took
+    1 GB with a character past U+FFFF in it)."""
     path = Path(path)
     pieces = open_text(path)[1]
     try:
@@ -300,6 +332,8 @@ def load_examples(path: str | Path) -> list[Example]:
         if path.suffix.lower() == ".json" and head.lstrip().startswith("["):
             return _examples(path, _json_array(path, head + "".join(pieces)))
         lines = _lines(itertools.chain((head,), pieces))
+        if path.suffix.lower() in TABLES:
+            return list(_table_examples(path, lines))
         if is_plain_text(path):
             return _documents(path, lines)
         return _examples(path, [_jsonl_record(raw, path, lineno)
@@ -351,6 +385,86 @@ def _documents(path: Path, lines: Iterable[tuple[int, str]]) -> list[Example]:
     return examples
 
 
+def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Example]:
+    """A .csv or .tsv file's examples (`lines`: `_lines`'s), one a row after its header, each
+    the example its JSONL record would give: the row's cells keyed by the header's columns
+    (unnamed ones left out), through the same record reader (`_parse_record`). Rows are
+    numbered as a spreadsheet shows them, the header row 1 (a quoted field's line breaks stay
+    in its row); rows of empty fields only are skipped, as blank JSONL lines are. One-line
+    DataErrors: a header whose columns make no record (`TABLE_COLUMNS`), or give `messages`
+    (chat turns need JSON); a row of too many or too few fields; a field the reader refuses (an
+    empty completion: `found ''`, naming the column); text that is not RFC 4180 CSV."""
+    sep = TABLES[path.suffix.lower()]
+    kind, sep_name = ("CSV", "comma") if sep == "," else ("TSV", "tab")
+    reader = csv.reader((raw + "\n" for _, raw in lines), delimiter=sep, strict=True)
+    header: list[str] | None = None
+    row = header_row = count = 0  # the row read last, the header's, examples so far
+    while True:
+        start = reader.line_num + 1
+        try:
+            cells = next(reader, None)
+        except csv.Error as e:
+            raise DataError(
+                f"{path}: row {row + 1} (from line {start}): bad {kind} ({e}); a field that "
+                f"holds a {sep_name}, a double quote or a line break goes in double quotes, each "
+                f'double quote in it doubled: "say ""hi"""') from None
+        if cells is None:
+            break
+        row += 1
+        if not any(cells):  # a blank line, or a row of empty fields
+            continue
+        if header is None:
+            header, header_row = cells, row
+            _table_header(path, header, row, sep)
+            continue
+        if len(cells) != len(header):
+            few = len(cells) < len(header)
+            extra = (f'none for column "{header[len(cells)]}"; a field that holds a line break '
+                     f"goes in double quotes" if few else
+                     f'field {len(header) + 1} is past the last column ("{header[-1]}"); a '
+                     f"field that holds a {sep_name} goes in double quotes")
+            columns = ", ".join(c or "(unnamed)" for c in header)
+            raise DataError(f"{path}: row {row}: expected {len(header)} fields ({columns}), "
+                            f"found {len(cells)}: {extra}")
+        count += 1
+        yield _parse_record({k: v for k, v in zip(header, cells) if k}, f"{path}: row {row}",
+                            _column)
+    if header is None:
+        raise DataError(f"{path}: expected a {kind} header row ({TABLE_COLUMNS}), found only "
+                        f"empty rows")
+    if not count:
+        raise DataError(f"{path}: no examples; expected rows after the header (row "
+                        f"{header_row}), found none")
+
+
+def _table_header(path: Path, header: list[str], row: int, sep: str) -> None:
+    """DataError (one line) where a table's header (its row `row`, fields separated by `sep`)
+    names a column twice, gives chat turns, or makes no record: the record its columns would
+    give, each cell filled, is what the reader refuses (a header of one column holding another
+    separator, a European spreadsheet's ';', says so)."""
+    where = f"{path}: row {row} (the header)"
+    kind = "CSV" if sep == "," else "TSV"
+    twice = next((c for j, c in enumerate(header) if c and c in header[:j]), None)
+    if twice is not None:
+        raise DataError(f'{where}: expected each column once, found "{twice}" twice')
+    chat = next((c for c in header if c in ("messages", "conversations")), None)
+    if chat is not None:
+        raise DataError(f'{where}: column "{chat}": chat turns need JSON, not a {kind} cell; '
+                        f"write the examples as JSONL, one "
+                        f'{{"messages": [{{"role": ..., "content": ...}}, ...]}} a line')
+    try:
+        _parse_record({c: "x" for c in header if c}, where, _column)
+    except DataError:
+        other = next((c for c in (";", "\t", ",", "|") if c != sep and len(header) == 1
+                      and c in header[0]), None)
+        fix = {"\t": "; name it .tsv", ",": "; name it .csv"}.get(
+            other or "", "; save it with commas (or tabs, as a .tsv)")
+        hint = (f": one column holding {other!r}, where a .{kind.lower()}'s columns are "
+                f"separated by {'commas' if sep == ',' else 'tabs'}{fix}" if other else "")
+        raise DataError(f"{where}: expected the columns of one record shape ({TABLE_COLUMNS}; "
+                        f"others are ignored), found {header}{hint}") from None
+
+
 def _examples(path: Path, examples: list[Example]) -> list[Example]:
     """A JSONL or JSON file's examples, checked: at least one, one shape (`check_one_shape`)."""
     if not examples:
@@ -390,6 +504,12 @@ def first_kind(path: str | Path) -> str:
     a second read of all of it. DataError as `load_examples` gives it for what is read; a file
     whose first example is not found before its end is `load_examples`'s to answer."""
     path = Path(path)
+    if path.suffix.lower() in TABLES:  # the header sets every row's kind: the first row's
+        pieces = open_text(path, FIRST_BYTES)[1]
+        try:
+            return next(_table_examples(path, _lines(pieces))).kind
+        finally:
+            pieces.close()
     pieces = open_text(path, FIRST_BYTES)[1]
     parts: list[str] = []
     size = tried = 0
@@ -504,20 +624,6 @@ def none_held_out(train: Path, n: int, val_fraction: float) -> str:
     return (f"{train}: --data.val-fraction {val_fraction} of {counted(n, 'example')} holds "
             f"out none, so the run validates nothing{documents}; add examples, raise "
             f"--data.val-fraction, or use a data folder with a valid.jsonl")
-
-
-def table_note(path: str) -> str | None:
-    """The line for a .csv or .tsv example file, which `load_examples` reads as plain text (its
-    documents: runs of non-blank lines), not as columns: a table of prompts and completions
-    would train as text without a word. None for any other file."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in (".csv", ".tsv"):
-        return None
-    sep = ", sep='\\t'" if suffix == ".tsv" else ""
-    return (f"{path}: a {suffix[1:].upper()} file is read as plain text (each run of non-blank "
-            f"lines one example), not as columns; for prompt/completion or text columns, "
-            f"convert it to JSONL first: pandas.read_csv('{path}'{sep}).to_json('train.jsonl', "
-            f"orient='records', lines=True)")
 
 
 def split_examples(
@@ -1038,9 +1144,7 @@ class SFTData:
     def notes(self, test: bool = True) -> list[str]:
         """One console line per split whose examples were cut or left out (`Fit.note`); the
         test split's only with `test` (when it is scored)."""
-        tables = [note for f in (self.source.train, self.source.valid) if f
-                  if (note := table_note(f))]
-        return tables + [self.val_note] * bool(self.val_note) + [
+        return [self.val_note] * bool(self.val_note) + [
             line for split, fit in self.fits.items() if test or split != "test"
             if (line := fit.note(self.split_source(split), split, self.seq_len))]
 

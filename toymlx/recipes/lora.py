@@ -113,12 +113,15 @@ class FullOptions:
 
 @dataclass
 class ChatDataOptions:
-    """Supervised fine-tuning examples (JSONL: text, prompt/completion or messages [+ tools])."""
+    """Supervised fine-tuning examples (JSONL: text, prompt/completion or messages [+ tools];
+    CSV/TSV: text or prompt/completion columns)."""
 
     path: str | None = None
-    """An example file, or a folder in mlx-lm's layout: train.jsonl, optional valid.jsonl
-    (else the split below) and test.jsonl (--test); default: the Python stdlib Q&A shipped in
-    toymlx/fixtures/python_qa/."""
+    """An example file (.jsonl or .json; a .csv or .tsv with a header row: text,
+    prompt,completion or instruction,input,output columns; any other file: plain text, its
+    documents at blank lines), or a folder in mlx-lm's layout: train.jsonl, optional
+    valid.jsonl (else the split below) and test.jsonl (--test); default: the Python stdlib Q&A
+    shipped in toymlx/fixtures/python_qa/."""
     mask_prompt: bool = True
     """Train on the answers only (prompts and chat headers get no loss)."""
     train_turns: Literal["assistant", "last"] = "assistant"
