@@ -122,6 +122,18 @@ def test_help_is_still_tyros_full_help(capsys):
     assert "Optimizer steps to train for" in out  # the field docstrings, as help
 
 
+def test_grad_accum_s_help_says_the_gradients_are_averaged(capsys):
+    """HF Trainer's gradient_accumulation_steps averages over the step's tokens, and so does
+    toymlx's step (`make_update`: the sums divided by the count); the help said "summed", which
+    reads as a step --grad-accum times larger."""
+    with pytest.raises(SystemExit):
+        main(["--recipe", "lora", "--help"])
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert ("--grad-accum INT Micro-batches per optimizer step, their gradients averaged as one "
+            "batch of --batch-size x --grad-accum rows (over every scored token or image of the "
+            "step). (default: 1)") in out
+
+
 def test_mlx_lm_s_ways_are_options_with_help(capsys):
     """What an mlx-lm config file sets for mlx-lm's meaning is an option of its own, with its
     choices, default and docstring in --help: the turns a conversation trains, what AdamW
