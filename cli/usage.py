@@ -301,6 +301,76 @@ TIMM_FLAGS: PeerFlags = {
 }
 """timm's train.py flags."""
 
+HF_FLAGS: PeerFlags = {
+    "per_device_train_batch_size": (("batch_size", ("HF Trainer's per_device_train_batch_size is "
+                                                    "toymlx's --batch-size")),),
+    "gradient_accumulation_steps": (("grad_accum", ("HF Trainer's gradient_accumulation_steps is "
+                                                    "toymlx's --grad-accum")),),
+    "max_steps": (("steps", "HF Trainer's max_steps is toymlx's --steps"),),
+    "num_train_epochs": (("steps", ("HF Trainer's num_train_epochs is toymlx's --steps, in "
+                                    "optimizer steps (an epoch: the training rows / (--batch-size "
+                                    "x --grad-accum))")),),
+    "warmup_steps": (("warmup", "HF Trainer's warmup_steps is toymlx's --warmup"),),
+    "warmup_ratio": (("warmup", ("HF Trainer's warmup_ratio is toymlx's --warmup, in steps (the "
+                                 "ratio x --steps)")),),
+    "lr_scheduler_type": (("lr_schedule", (
+        "HF Trainer's lr_scheduler_type is toymlx's --lr-schedule, whose default warmup-cosine "
+        "decays to --min-lr-ratio (0.1) x --lr: HF's cosine is --min-lr-ratio 0, its linear "
+        "--lr-schedule linear_schedule --lr-schedule-args LR 0 STEPS-WARMUP (2e-4 0 55 for "
+        "--steps 60 --warmup 5), its constant_with_warmup --lr-schedule constant")),),
+    "max_grad_norm": (("grad_clip", "HF Trainer's max_grad_norm is toymlx's --grad-clip"),),
+    "adam_beta2": (("beta2", ("HF Trainer's adam_beta2 is toymlx's --beta2 (HF's default 0.999; "
+                              "toymlx's 0.95)")),),
+    "logging_steps": (("report_every", "HF Trainer's logging_steps is toymlx's --report-every"),),
+    "eval_steps": (("eval_every", "HF Trainer's eval_steps is toymlx's --eval-every"),),
+    "save_steps": (("checkpoint_every", "HF Trainer's save_steps is toymlx's --checkpoint-every"),),
+    "save_total_limit": (("keep_last", "HF Trainer's save_total_limit is toymlx's --keep-last"),),
+    "output_dir": (("runs_root", ("HF Trainer's output_dir is toymlx's --runs-root and --run-id "
+                                  "(runs/RUN_ID)")),),
+    "resume_from_checkpoint": (("resume", ("HF Trainer's resume_from_checkpoint is toymlx's "
+                                           "--resume RUN_FOLDER")),),
+    "bf16": (("steps", ("HF Trainer's bf16 is toymlx's --dtype bfloat16 (auto: bfloat16 on a "
+                        "GPU, float32 on the CPU)")),),
+    "fp16": (("steps", "HF Trainer's fp16 is toymlx's --dtype float16 (with a loss scale)"),),
+    "gradient_checkpointing": (("grad_checkpoint", ("HF Trainer's gradient_checkpointing is "
+                                                    "toymlx's --grad-checkpoint")),),
+    "use_gradient_checkpointing": (("grad_checkpoint", ("Unsloth's use_gradient_checkpointing is "
+                                                        "toymlx's --grad-checkpoint")),),
+    "packing": (("data.pack", ("TRL's packing is toymlx's --data.pack, on by default (packing "
+                               "False: --data.no-pack)")),),
+    "dataset_text_field": (("data.path", ("TRL's dataset_text_field has no toymlx option: a "
+                                          "record's keys name its shape (text, prompt and "
+                                          "completion, messages, Alpaca's instruction, input and "
+                                          "output)")),),
+    "r": (("lora.rank", "PEFT's r is toymlx's --lora.rank"),),
+    "lora_alpha": (("lora.alpha", ("PEFT's lora_alpha is toymlx's --lora.alpha (the adapters "
+                                   "scaled by alpha / rank, as PEFT's)")),),
+    "lora_dropout": (("lora.dropout", "PEFT's lora_dropout is toymlx's --lora.dropout"),),
+    "target_modules": (("lora.targets", ("PEFT's target_modules is toymlx's --lora.targets, in "
+                                         "short names (q_proj, ..., down_proj: "
+                                         "q,k,v,o,gate,up,down)")),),
+    "use_rslora": (("lora.alpha", ("PEFT's use_rslora has no toymlx option: the adapters are "
+                                   "scaled by --lora.alpha / rank (rsLoRA's alpha / sqrt(rank): "
+                                   "--lora.alpha alpha x sqrt(rank))")),),
+    "random_state": (("seed", "Unsloth's random_state is toymlx's --seed"),),
+    "load_in_4bit": (("base_dtype", ("Unsloth's load_in_4bit is a 4-bit --base GGUF (Q4_K_M, "
+                                     "Q4_1) with --base-dtype blocks (its own blocks in memory; "
+                                     "auto holds them where memory is short)")),),
+    "model_name": (("base", "Unsloth's model_name is toymlx's --base (a GGUF, or hf:USER/REPO)"),),
+    "train_on_responses_only": (("data.mask_prompt", (
+        "Unsloth's train_on_responses_only is toymlx's default, --data.mask-prompt "
+        "(--data.no-mask-prompt trains on the prompts too)")),),
+    "quantization_method": (("fuse_at_end", ("Unsloth's quantization_method is toymlx's "
+                                             "--fuse-at-end TYPE (or toymlx-export --fuse --dtype "
+                                             "TYPE)")),
+                            ("adapter", ("Unsloth's quantization_method is toymlx-export's "
+                                         "--dtype (with --fuse: --dtype q4_k_m)"))),
+}
+"""Hugging Face's (Trainer's, TRL's SFTConfig's, PEFT's LoraConfig's) and Unsloth's settings
+(Unsloth's notebooks: r, lora_alpha, target_modules, max_steps, ...), by name; a setting spelt
+as toymlx's option (seed, weight_decay, report_to) needs none, mlx-lm's (learning_rate,
+max_seq_length) is said by `MLX_LM_KEYS`."""
+
 PEER_VALUES = {"--input-size": 3, "--scale": 2}
 """How many values those of the peers' flags that take more than one take (timm's
 `--input-size 3 32 32`, or `--input-size=3 32 32`, its `=` value the first): each is the
@@ -321,11 +391,13 @@ them as "unrecognized arguments" without naming -n); given to toymlx-train itsel
 
 
 OPTIMIZER_FLAGS: PeerFlags = {
-    flag: (("optimizer", f"{whose} is --optimizer here"),
+    flag: (("optimizer", f"{whose} is --optimizer here{values}"),
            ("weight_decay", ("this recipe trains with AdamW only (--lr, --weight-decay, "
                              "--beta1, --beta2)")))
-    for flag, whose in (("--opt", "timm's and mlx_lm.lora's --opt"),  # mlx-lm's: argparse's
-                        ("--optim", "HF Trainer's --optim"))}  # abbreviation of --optimizer
+    for flag, whose, values in (
+        ("--opt", "timm's and mlx_lm.lora's --opt", ""),  # mlx-lm's: argparse's abbreviation
+        ("--optim", "HF Trainer's --optim",  # of --optimizer; Unsloth's notebooks: adamw_8bit
+         " (its adamw_torch and adamw_8bit: adamw, whose moments are float32)"))}
 """Other trainers' flags that choose the optimizer, for every recipe: lora's --optimizer, or
 the recipe's one optimizer (the others: AdamW). Not in timm's table, which only a command that
 trains images reads: lora's --opt said "a flag for images" where it has --optimizer."""
@@ -339,10 +411,11 @@ def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | Non
 
 def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     """What to say after an unknown flag: toymlx's name for llama.cpp's, another launcher's,
-    another trainer's optimizer flag, timm's, mlx-lm's or nanoGPT's flag (`PeerFlags`,
-    `MLX_LM_KEYS`), else the closest option by spelling. timm's are said only where `prog`
-    trains images (its texts are vit-tiny's: "the training images", "--model.preset
-    vit-tiny"), mlx-lm's only where it fine-tunes a --base (lora). A peer's flag whose counterpart `prog` lacks (another recipe's or command's:
+    another trainer's optimizer flag, timm's, mlx-lm's, Hugging Face's and Unsloth's or
+    nanoGPT's flag (`PeerFlags`, `MLX_LM_KEYS`), else the closest option by spelling. timm's are
+    said only where `prog` trains images (its texts are vit-tiny's: "the training images",
+    "--model.preset vit-tiny"), mlx-lm's and Hugging Face's only where it takes a --base (lora,
+    toymlx-export). A peer's flag whose counterpart `prog` lacks (another recipe's or command's:
     vit-tiny has no --seq-len, from-scratch no image flag) is named as that option, not matched
     by spelling (block_size: --batch-size, --drop-path: --stop-at)."""
     name = flag.lstrip("-").replace("-", "_")  # nanoGPT's `--NAME=VALUE`, hyphens taken too
@@ -350,7 +423,8 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
         return mlx_lm_hint(flag)
     images = "data.image_size" in flags  # vit-tiny's option: the command trains images
     tables = ((LLAMA_CPP_FLAGS, flag), (LAUNCHER_FLAGS, flag), (OPTIMIZER_FLAGS, flag),
-              *(((TIMM_FLAGS, flag),) if images else ()), (NANOGPT_FLAGS, name))
+              *(((TIMM_FLAGS, flag),) if images else ()),
+              *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name))
     for table, key in tables:
         if said := peer_hint(table, key, flags):
             return said

@@ -23,7 +23,7 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
 from toymlx.interop.merge import write_merged
 from toymlx.models.llama import Llama, tiny
-from toymlx.models.lora import DoRALinear, LoRALinear, apply_lora, fuse, lora_layers
+from toymlx.models.lora import DoRALinear, LoRALinear, apply_lora, fuse, lora_layers, parse_targets
 from toymlx.models.losses import lm_loss
 from toymlx.models.ops import EXACT as EXACT_OPS
 from toymlx.recipes.lora import resolve_base_dtype
@@ -102,6 +102,23 @@ def test_unknown_target_and_bad_layers_name_the_flag(tiny_gguf):
     with pytest.raises(ValueError, match=r"--lora\.layers: expected 1\.\.3"):
         apply_lora(model, "q", layers=4)
     assert not lora_layers(model)
+
+
+@pytest.mark.parametrize("targets,said", [
+    ("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "q,k,v,o,gate,up,down"),
+    ("self_attn.q_proj,v", "q,v"),  # mlx-lm's keys, one of toymlx's among them
+    ("all-linear", "q,k,v,o,gate,up,down"),
+])
+def test_hugging_face_s_target_modules_are_named_as_toymlx_s(targets, said):
+    """PEFT's (Unsloth's) target_modules given to --lora.targets: the error says the same list
+    in toymlx's names (before: "found unknown target 'q_proj'" alone)."""
+    with pytest.raises(ValueError) as e:
+        parse_targets(targets)
+    first = targets.split(",")[0]
+    assert str(e.value) == (
+        "--lora.targets: expected a comma list of q, k, v, qkv, o, gate, up, gate_up, down; "
+        f"found unknown target {first!r} (Hugging Face's names; toymlx's are --lora.targets "
+        f"{said})")
 
 
 def test_fuse_matches_lora_forward(tiny_gguf):

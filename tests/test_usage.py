@@ -122,6 +122,18 @@ def test_help_is_still_tyros_full_help(capsys):
     assert "Optimizer steps to train for" in out  # the field docstrings, as help
 
 
+def test_grad_accum_s_help_says_the_gradients_are_averaged(capsys):
+    """HF Trainer's gradient_accumulation_steps averages over the step's tokens, and so does
+    toymlx's step (`make_update`: the sums divided by the count); the help said "summed", which
+    reads as a step --grad-accum times larger."""
+    with pytest.raises(SystemExit):
+        main(["--recipe", "lora", "--help"])
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert ("--grad-accum INT Micro-batches per optimizer step, their gradients averaged as one "
+            "batch of --batch-size x --grad-accum rows (over every scored token or image of the "
+            "step). (default: 1)") in out
+
+
 def test_mlx_lm_s_ways_are_options_with_help(capsys):
     """What an mlx-lm config file sets for mlx-lm's meaning is an option of its own, with its
     choices, default and docstring in --help: the turns a conversation trains, what AdamW
@@ -179,6 +191,92 @@ def test_a_nanogpt_setting_spelt_with_hyphens_is_named_too(capsys, tmp_path, mon
     assert only_line(capsys) == (
         f"toymlx-train: error: --block-size: expected an option of {SCRATCH}, got an unknown "
         "one; nanoGPT's block_size is toymlx's --seq-len (the model's longest: --model.context)")
+
+
+def test_unsloths_notebook_settings_name_toymlxs_options(capsys, tmp_path, monkeypatch):
+    """Unsloth's LoRA notebook's settings (PEFT's LoraConfig, HF Trainer's TrainingArguments),
+    typed as flags on the lora recipe: each named with toymlx's option (before: warmup_steps
+    "did you mean --warmup-init?", random_state "--from-step?", target_modules,
+    per_device_train_batch_size and load_in_4bit no hint, gradient_accumulation_steps
+    "nanoGPT's")."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "lora", "--load-in-4bit", "--lora_alpha=16",
+                 "--target-modules", "q_proj,k_proj", "--per_device_train_batch_size=2",
+                 "--gradient-accumulation-steps", "4", "--warmup_steps=5", "--max-steps", "60",
+                 "--lr_scheduler_type=linear", "--random-state", "3407",
+                 "--use-rslora"]) == 2
+    unknown = f"expected an option of {LORA}, got an unknown one;"
+    assert only_line(capsys).split("; --") == [
+        (f"toymlx-train: error: --load-in-4bit: {unknown} Unsloth's load_in_4bit is a 4-bit "
+         "--base GGUF (Q4_K_M, Q4_1) with --base-dtype blocks (its own blocks in memory; auto "
+         "holds them where memory is short)"),
+        (f"lora_alpha: {unknown} PEFT's lora_alpha is toymlx's --lora.alpha (the adapters scaled "
+         "by alpha / rank, as PEFT's)"),
+        (f"target-modules: {unknown} PEFT's target_modules is toymlx's --lora.targets, in short "
+         "names (q_proj, ..., down_proj: q,k,v,o,gate,up,down)"),
+        (f"per_device_train_batch_size: {unknown} HF Trainer's per_device_train_batch_size is "
+         "toymlx's --batch-size"),
+        (f"gradient-accumulation-steps: {unknown} HF Trainer's gradient_accumulation_steps is "
+         "toymlx's --grad-accum"),
+        f"warmup_steps: {unknown} HF Trainer's warmup_steps is toymlx's --warmup",
+        f"max-steps: {unknown} HF Trainer's max_steps is toymlx's --steps",
+        (f"lr_scheduler_type: {unknown} HF Trainer's lr_scheduler_type is toymlx's "
+         "--lr-schedule, whose default warmup-cosine decays to --min-lr-ratio (0.1) x --lr: "
+         "HF's cosine is --min-lr-ratio 0, its linear --lr-schedule linear_schedule "
+         "--lr-schedule-args LR 0 STEPS-WARMUP (2e-4 0 55 for --steps 60 --warmup 5), its "
+         "constant_with_warmup --lr-schedule constant"),
+        f"random-state: {unknown} Unsloth's random_state is toymlx's --seed",
+        (f"use-rslora: {unknown} PEFT's use_rslora has no toymlx option: the adapters are scaled "
+         "by --lora.alpha / rank (rsLoRA's alpha / sqrt(rank): --lora.alpha alpha x "
+         "sqrt(rank))")]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("recipe,args,want", [
+    # Hugging Face's names are said to a fine-tune; a from-scratch run keeps nanoGPT's texts
+    ("from-scratch", ["--gradient_accumulation_steps=4"],
+     "nanoGPT's gradient_accumulation_steps is toymlx's --grad-accum"),
+    # Unsloth's GGUF export: the run's --fuse-at-end, toymlx-export's --dtype
+    ("lora", ["--quantization-method", "q4_k_m"],
+     ("Unsloth's quantization_method is toymlx's --fuse-at-end TYPE (or toymlx-export --fuse "
+      "--dtype TYPE)")),
+    # HF Trainer's own names of toymlx's options
+    ("lora", ["--output_dir", "outputs"],
+     "HF Trainer's output_dir is toymlx's --runs-root and --run-id (runs/RUN_ID)"),
+    ("lora", ["--save-steps", "10"], "HF Trainer's save_steps is toymlx's --checkpoint-every"),
+    ("lora", ["--eval_steps", "10"], "HF Trainer's eval_steps is toymlx's --eval-every"),
+    ("lora", ["--packing", "False"],
+     "TRL's packing is toymlx's --data.pack, on by default (packing False: --data.no-pack)"),
+])
+def test_hf_s_names_are_said_where_a_base_is_fine_tuned(capsys, tmp_path, monkeypatch, recipe,
+                                                         args, want):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", recipe, *args]) == 2
+    assert only_line(capsys) == (
+        f"toymlx-train: error: {args[0].partition('=')[0]}: expected an option of toymlx-train "
+        f"--recipe {recipe}, got an unknown one; {want}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unsloths_gguf_quantization_is_toymlx_export_s_dtype(capsys):
+    from toymlx_cli.export import main as export
+
+    assert export(["--adapter", "runs/x", "--fuse", "--out", "x.gguf",
+                   "--quantization_method", "q4_k_m"]) == 2
+    assert only_line(capsys) == (
+        "toymlx-export: error: --quantization_method: expected an option of toymlx-export, got "
+        "an unknown one; Unsloth's quantization_method is toymlx-export's --dtype (with --fuse: "
+        "--dtype q4_k_m)")
+
+
+def test_a_peft_key_in_a_config_file_is_named_as_its_flag_is(capsys, tmp_path, monkeypatch):
+    """PEFT's `r: 16` in a lora -c file (before: "did you mean --run-id?" or nothing)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text("r: 16\n")
+    assert main(["--recipe", "lora", "-c", "c.yaml"]) == 2
+    assert only_line(capsys) == (
+        "toymlx-train: error: c.yaml: key 'r': expected an option of toymlx-train --recipe lora, "
+        "found an unknown key; PEFT's r is toymlx's --lora.rank")
 
 
 @pytest.mark.parametrize("recipe,flag,want", [
@@ -404,7 +502,8 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
     # lora's --opt "a flag for images (toymlx-train --recipe vit-tiny)", which has no --opt
     # either, from-scratch's --optim no hint)
     ("lora", "--opt", "timm's and mlx_lm.lora's --opt is --optimizer here"),
-    ("lora", "--optim", "HF Trainer's --optim is --optimizer here"),
+    ("lora", "--optim", ("HF Trainer's --optim is --optimizer here (its adamw_torch and "
+     "adamw_8bit: adamw, whose moments are float32)")),
     ("from-scratch", "--opt", ("this recipe trains with AdamW only (--lr, --weight-decay, "
      "--beta1, --beta2)")),
     ("warm-start", "--optim", ("this recipe trains with AdamW only (--lr, --weight-decay, "

@@ -155,9 +155,30 @@ def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
                          f"{targets!r}")
     bad = [t for t in names if t not in TARGETS]
     if bad:
+        said = hf_targets(names)
         raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
-                         f"unknown target {bad[0]!r}")
+                         f"unknown target {bad[0]!r}"
+                         + (f" (Hugging Face's names; toymlx's are --lora.targets {said})" if said
+                            else ""))
     return tuple(dict.fromkeys(names))
+
+
+def hf_targets(names: Sequence[str]) -> str | None:
+    """PEFT's (Unsloth's, mlx-lm's) target_modules as --lora.targets names: `q_proj`,
+    `self_attn.q_proj` or `all-linear` ("q,k,v,o,gate,up,down"); None where a name is neither
+    toymlx's nor Hugging Face's."""
+    from toymlx.gguf.llama import HF_TARGETS
+
+    hf = {**HF_TARGETS, **{path.rpartition(".")[2]: t for path, t in HF_TARGETS.items()}}
+    out: list[str] = []
+    for n in names:
+        if n == "all-linear":  # PEFT's every linear layer of a block (phi3: its fused ones)
+            out += [t for t in TARGETS if t not in FUSED]
+        elif n in TARGETS or n in hf:
+            out.append(hf.get(n, n))
+        else:
+            return None
+    return ",".join(dict.fromkeys(out))
 
 
 FUSED: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}

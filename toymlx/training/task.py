@@ -38,7 +38,8 @@ class TrainingOptions:
     batch_size: int = 16
     """Sequences or images per micro-batch (global, over all data-parallel ranks)."""
     grad_accum: int = 1
-    """Micro-batches whose gradients are summed into one optimizer step."""
+    """Micro-batches per optimizer step, their gradients averaged as one batch of
+    --batch-size x --grad-accum rows (over every scored token or image of the step)."""
     lr: float = 3e-3
     """Peak learning rate, reached after warm-up."""
     warmup: int = 20
