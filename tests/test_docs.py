@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from smollm import smollm_gguf  # noqa: F401
+from smollm import smollm_gguf  # noqa: F401  (session fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 README = "README.md"
@@ -966,13 +966,15 @@ def test_lora_guides_test_set_is_held_out(tmp_path):
     assert not set(train) & set(test), f"LORA.md: test.jsonl rows also in train.jsonl: {test}"
 
 
-NUMBER_WORDS = "zero one two three four five six seven eight nine ten".split()
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+                "ten"]
 
 
 @pytest.mark.smollm
 @pytest.mark.parametrize("doc, train", [("docs/LORA.md", "chat.jsonl"),
                                         ("docs/MLX_LM.md", "data/train.jsonl")])
-def test_the_guides_packed_row_counts_are_smollm2_s(doc, train, tmp_path, smollm_gguf):
+def test_the_guides_packed_row_counts_are_smollm2_s(doc, train, tmp_path,
+                                                    smollm_gguf):  # noqa: F811
     """The first fine-tune of LORA.md and of MLX_LM.md says how many rows its training
     examples make packed (why it passes --data.no-pack): counted here as the run packs them,
     with the real SmolLM2 tokenizer and chat template at the default --seq-len 256 (LORA.md
