@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from smollm import smollm_gguf  # noqa: F401  (session fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 README = "README.md"
@@ -963,6 +964,40 @@ def test_lora_guides_test_set_is_held_out(tmp_path):
     test = (tmp_path / "chat-data" / "test.jsonl").read_text().splitlines()
     assert train and test
     assert not set(train) & set(test), f"LORA.md: test.jsonl rows also in train.jsonl: {test}"
+
+
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+                "ten"]
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("doc, train", [("docs/LORA.md", "chat.jsonl"),
+                                        ("docs/MLX_LM.md", "data/train.jsonl")])
+def test_the_guides_packed_row_counts_are_smollm2_s(doc, train, tmp_path,
+                                                    smollm_gguf):  # noqa: F811
+    """The first fine-tune of LORA.md and of MLX_LM.md says how many rows its training
+    examples make packed (why it passes --data.no-pack): counted here as the run packs them,
+    with the real SmolLM2 tokenizer and chat template at the default --seq-len 256 (LORA.md
+    said "Ten short examples make one row": its nine training examples make two)."""
+    from toymlx.data.chat import fitted_rows, load_examples, split_examples
+    from toymlx.generation.generate import load_tokenizer
+    for b in blocks(doc):
+        if b.lang == "sh" and b.needs is None:
+            script = "\n".join(ln for ln in logical_lines_keep_heredocs(b.text)
+                               if not ln.startswith("toymlx-"))
+            subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, check=True)
+    prose = " ".join(re.sub(r"```.*?```", "", (REPO / doc).read_text(), flags=re.DOTALL).split())
+    said = re.search(r"(\w+) (?:short |training )*examples make (?:only )?(\w+) rows?\b", prose)
+    assert said, f"{doc}: no sentence saying how many rows the examples make packed"
+    examples = load_examples(tmp_path / train)
+    if train.endswith("chat.jsonl"):  # a file: its last --data.val-fraction validates
+        examples, _ = split_examples(examples, 0.1)
+    tokenizer, _ = load_tokenizer(smollm_gguf)
+    rows, _ = fitted_rows(examples, tokenizer, 256, pack=True)
+    found = (len(examples), len(rows["inputs"]))
+    assert tuple(NUMBER_WORDS.index(w.lower()) for w in said.groups()) == found, (
+        f"{doc}: '{said.group(0)}': expected {NUMBER_WORDS[found[0]]} examples making "
+        f"{NUMBER_WORDS[found[1]]} rows, as SmolLM2's tokens pack them")
 
 
 @pytest.mark.slow
