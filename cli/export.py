@@ -122,12 +122,12 @@ def export_modelfile(args: Args) -> int:
                                                  progress=sys.stderr.isatty())
     what = f"FROM {base.path}, ADAPTER {adapter}"
     if fused:
-        from toymlx.training.fused import adapter_kept, kept_note
+        from toymlx.training.fused import adapter_retention, kept_note
 
         kind = args.dtype or "each adapted tensor in a type that keeps its change"
         what = (f"FROM {fused} ({fused.stat().st_size / 2**20:.1f} MiB: {base.path} + {adapter} "
                 f"fused, {kind}; it "
-                f"{kept_note(adapter_kept(fused, base.path, adapter), args.dtype or 'its')})")
+                f"{kept_note(adapter_retention(fused, base.path, adapter), args.dtype or 'its')})")
     print(f"{PROG}: wrote {path} ({what}) in {time.perf_counter() - t0:.1f} s; create the "
           f"Ollama model with: ollama create NAME -f {shlex.quote(str(path))}", file=sys.stderr)
     if fused:
@@ -145,7 +145,7 @@ def export_mlx_lm(args: Args) -> int:
     from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.interop.merge import write_merged
     from toymlx.training.adapter import write_adapter_for
-    from toymlx.training.fused import adapter_kept, kept_note, write_fused_kept
+    from toymlx.training.fused import adapter_retention, kept_note, write_fused_kept
 
     if not args.base:
         raise ValueError(f"{args.adapter}: --base: expected the GGUF the mlx-lm adapter goes on "
@@ -177,7 +177,7 @@ def export_mlx_lm(args: Args) -> int:
         elif args.dtype:
             write_merged(out, base, gguf, args.dtype, progress=sys.stderr.isatty())
             what = (f"{args.base} + mlx-lm adapter {args.adapter} (fused) in {args.dtype}; it "
-                    + kept_note(adapter_kept(out, base, gguf), args.dtype))
+                    + kept_note(adapter_retention(out, base, gguf), args.dtype))
         else:
             kept = write_fused_kept(out, base, gguf, progress=sys.stderr.isatty())
             what = f"{args.base} + mlx-lm adapter {args.adapter} (fused): {kept.summary()}"
@@ -195,6 +195,7 @@ def run(args: Args) -> int:
     from toymlx.training.fused import (
         KEPT_WARNING,
         adapter_kept,
+        adapter_retention,
         kept_note,
         write_full_kept,
         write_fused_kept,
@@ -266,7 +267,7 @@ def run(args: Args) -> int:
             what = f"{base_spec}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
             if args.adapter:
                 what += (f" in {args.dtype}; it "
-                         + kept_note(adapter_kept(out, base, args.adapter), args.dtype))
+                         + kept_note(adapter_retention(out, base, args.adapter), args.dtype))
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.adapter and args.fuse:

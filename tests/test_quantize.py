@@ -290,6 +290,47 @@ def test_adapter_kept_measures_the_share_of_the_update_in_the_file(base_and_run,
     assert "or --dtype f32, or run" in kept_note(0.1, "f16")
 
 
+def test_adapter_retention_tells_rounding_noise_from_an_erased_change(base_and_run, tmp_path):
+    """`along`, the share of the change the file's weights move along: 1 for the F32 fused file,
+    0 for the base, 1/2 for base + delta/2, and still 1 for base + delta + noise 3x the change's
+    size that knows nothing of it (`kept` 0 there: the noise counts against it). The note says
+    such a file keeps the change under noise, and calls a change lost only where it is erased
+    (a Q4_1 base fused into Q4_1; measured on SmolLM2 in RESULTS.md, session 45)."""
+    from toymlx.training.adapter import load_adapter
+    from toymlx.training.fused import Retention, adapter_retention, kept_note
+
+    base, run = base_and_run
+    f32 = adapter_retention(write_merged(tmp_path / "f32.gguf", base, run, "f32"), base, run)
+    assert f32.kept > 0.9999 and f32.along > 0.9999 and f32.noise < 1e-4
+    assert adapter_retention(base, base, run) == (0.0, 0.0, 1.0)
+    ad, g = load_adapter(run), GGUFFile(base)
+    w = {n: g.load(n, np.float32) for n in g.tensors}
+    rng = np.random.default_rng(0)
+    for name, share, noise in (("half", 0.5, 0.0), ("noisy", 1.0, 3.0)):
+        t = dict(w)
+        for n in ad.pairs:
+            d = ad.delta(n, w[n]).astype(np.float64)
+            e = rng.standard_normal(d.shape)
+            e -= np.vdot(e, d) / np.vdot(d, d) * d  # no part along the change
+            e *= noise * np.linalg.norm(d) / np.linalg.norm(e)
+            t[n] = (w[n] + share * d + e).astype(np.float32)
+        write_model_gguf(tmp_path / f"{name}.gguf", dict(g.metadata), dict(g.metadata_types), t,
+                         "f32")
+        r = adapter_retention(tmp_path / f"{name}.gguf", base, run)
+        assert abs(r.along - share) < 1e-4 and abs(r.noise - max(noise, 1 - share)) < 1e-3
+        assert abs(r.kept - max(0.0, 1 - r.noise)) < 1e-9
+    assert kept_note(Retention(0.0, 0.97, 34.9), "q4_k_m") == (
+        "keeps 97% of the adapter's change in its weights, under q4_k_m's rounding noise 34.9x "
+        "the change's size on the adapted layers' outputs (so 0% kept by that measure: the noise "
+        "of any file rounded to q4_k_m; the held-out loss measures what the fine-tune kept); to "
+        "keep the change exact, export without --dtype (each adapted tensor in a type that keeps "
+        "its change), or --dtype q8_0 or f16, or run the base with the adapter: llama-cli --lora")
+    # a change the rounding erased is still called lost, with the same figure as a float gives
+    assert kept_note(Retention(0.0, 0.2, 1.05), "q4_1") == kept_note(0.0, "q4_1")
+    assert "the rest is lost to q4_1's rounding" in kept_note(0.0, "q4_1")
+    assert kept_note(Retention(0.9, 0.99, 0.1), "q8_0") == kept_note(0.9, "q8_0")
+
+
 def test_default_is_the_base_own_type(base_and_run, tmp_path):
     """No --dtype: the base's general.file_type (here F32, and a base that says Q8_0 over F32
     tensors: its tensors stay F32); --dtype q8_0: every matrix re-quantized."""

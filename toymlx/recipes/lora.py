@@ -61,7 +61,7 @@ from toymlx.training import memory
 from toymlx.training.adapter import load_adapter_weights, write_adapter
 from toymlx.training.fused import (
     KEPT_WARNING,
-    adapter_kept,
+    adapter_retention,
     kept_note,
     write_full_kept,
     write_fused_kept,
@@ -452,9 +452,10 @@ def build(cfg: Config, ops: Ops) -> Task:
             kept = write_fused_kept(out, src.path, run_dir, progress=bars).kept
         else:
             write_reencoded(out, src.path, run_dir, dtype, progress=bars)
-            kept = adapter_kept(out, src.path, run_dir)
+            retention = adapter_retention(out, src.path, run_dir)
+            kept = retention.kept
             if kept < KEPT_WARNING:
-                print(f"toymlx: {out} {kept_note(kept, dtype, '--fuse-at-end')}",
+                print(f"toymlx: {out} {kept_note(retention, dtype, '--fuse-at-end')}",
                       file=sys.stderr)
         return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                 "bytes": out.stat().st_size, "adapter_kept": round(kept, 4)}

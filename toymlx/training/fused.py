@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from mlx.utils import tree_flatten
@@ -36,19 +36,47 @@ def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
     output error on isotropic inputs against the change's own output. Rounding the untouched
     part of W again counts as error, never as change (1: all of it kept; 0: noise as large as
     the change). Weights dequantized by gguf-py, sums in float64."""
+    return adapter_retention(fused, base, adapter).kept
+
+
+class Retention(NamedTuple):
+    """How much of an adapter's change a fused file keeps (`adapter_retention`)."""
+
+    kept: float
+    """`adapter_kept`: 1 - `noise` clipped to [0, 1]."""
+    along: float
+    """The share of the change the file's weights still move along: with D, W and Q as in
+    `adapter_kept`, sum <Q - W, D> / sum ||D||^2 clipped to [0, 1]."""
+    noise: float
+    """sqrt(sum ||Q - F||^2 / sum ||D||^2): the file's error on the adapted layers' outputs
+    (isotropic inputs) as a multiple of the change's own."""
+
+
+def adapter_retention(fused: str | os.PathLike, base: str | os.PathLike,
+                      adapter: str | os.PathLike) -> Retention:
+    """`Retention` of the adapter's change in the fused file. `along` tells rounding
+    noise from an erased change: re-rounding onto another grid (a Q4_1 base written as Q4_K_M)
+    adds noise that knows nothing of D, so the file still moves by D on average (near 1, however
+    large the noise), where rounding W + D onto W's own grid returns W (near 0: the change is
+    gone). One pass over the adapted tensors."""
     from toymlx.gguf.fuse import kept_from
 
     ad = load_adapter(adapter)
-    err2 = delta2 = 0.0
+    err2 = delta2 = along = 0.0
     with GGUFFile(base) as g, GGUFFile(fused) as f:
         for name in ad.pairs:
             w = g.load(name, np.float32)
-            d = ad.delta(name, w)
-            e = f.load(name, np.float64) - (w + d)
+            d = ad.delta(name, w).astype(np.float64)
+            moved = f.load(name, np.float64) - w
+            e = moved - d
             err2, delta2 = err2 + float(np.vdot(e, e)), delta2 + float(np.vdot(d, d))
+            along += float(np.vdot(moved, d))
             f.release(name)
             g.release(name)
-    return kept_from(err2, delta2)
+    if delta2 <= 0.0:
+        return Retention(1.0, 1.0, 0.0)
+    return Retention(kept_from(err2, delta2), float(min(1.0, max(0.0, along / delta2))),
+                     float(np.sqrt(err2 / delta2)))
 
 
 FINER = ("q8_0", "f16", "f32")
@@ -56,21 +84,31 @@ FINER = ("q8_0", "f16", "f32")
 bf16, whose 8-bit mantissa q8_0 does not refine: f16 or f32)."""
 
 
-def kept_note(kept: float, dtype: str, flag: str = "--dtype") -> str:
+def kept_note(kept: float | Retention, dtype: str, flag: str = "--dtype") -> str:
     """What a user reads about `adapter_kept`: the share, and what to do when it is small:
     `flag` (toymlx-export's --dtype, or --fuse-at-end) left to keep each adapted tensor's
-    change, or a type finer than `dtype` (none that is `dtype` itself or coarser)."""
+    change, or a type finer than `dtype` (none that is `dtype` itself or coarser). Given a
+    `Retention`, a small share whose change the weights still move along (`along`) is rounding
+    noise over a change that survives, and is said as such: only a change erased is lost."""
+    r = kept if isinstance(kept, Retention) else None
+    kept = r.kept if r is not None else kept
     note = f"keeps {kept:.0%} of the adapter's change on the adapted layers' outputs"
-    if kept < KEPT_WARNING:
-        low = dtype.lower()
-        finer = (FINER[FINER.index(low) + 1:] if low in FINER else
-                 FINER[1:] if low == "bf16" else FINER[:2])
-        keep = ("export without --dtype" if flag == "--dtype" else f"{flag} base")
-        note += (f" (warning: the rest is lost to {dtype}'s rounding; to keep the fine-tune, "
-                 f"{keep} (each adapted tensor in a type that keeps its change), "
-                 + (f"or {flag} {' or '.join(finer)}, " if finer else "")
-                 + "or run the base with the adapter: llama-cli --lora)")
-    return note
+    if kept >= KEPT_WARNING:
+        return note
+    low = dtype.lower()
+    finer = (FINER[FINER.index(low) + 1:] if low in FINER else
+             FINER[1:] if low == "bf16" else FINER[:2])
+    keep = ("export without --dtype" if flag == "--dtype" else f"{flag} base")
+    fix = (f"{keep} (each adapted tensor in a type that keeps its change), "
+           + (f"or {flag} {' or '.join(finer)}, " if finer else "")
+           + "or run the base with the adapter: llama-cli --lora")
+    if r is not None and r.along >= KEPT_WARNING:
+        return (f"keeps {r.along:.0%} of the adapter's change in its weights, under {dtype}'s "
+                f"rounding noise {r.noise:.1f}x the change's size on the adapted layers' outputs "
+                f"(so {kept:.0%} kept by that measure: the noise of any file rounded to {dtype}; "
+                f"the held-out loss measures what the fine-tune kept); to keep the change "
+                f"exact, {fix}")
+    return note + f" (warning: the rest is lost to {dtype}'s rounding; to keep the fine-tune, {fix})"
 
 
 def write_reencoded(out: str | os.PathLike, base: str | os.PathLike,
