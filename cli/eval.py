@@ -298,6 +298,16 @@ def evaluate_images(args: Args, path: Path) -> dict:
     return out
 
 
+def chat_records(path: str) -> bool:
+    """Whether --data.path (a file, or a data folder's train.jsonl) holds chat/SFT examples:
+    prompt/completion, messages, or their peers' layouts (ShareGPT, Alpaca, a table of them).
+    A Llama scores those as `evaluate_chat` does, never as the text of their JSON."""
+    from toymlx.data.chat import data_files, first_kind, is_plain_text
+
+    f = data_files(path).train
+    return not is_plain_text(f) and first_kind(f) != "text"
+
+
 def evaluate_chat(args: Args, cfg: Any) -> dict:
     """Loss and perplexity of a LoRA run (base + adapter, or a full fine-tune's checkpoint) or a
     Llama checkpoint on chat/SFT examples, rows built as training built them (the run's
@@ -484,6 +494,8 @@ def evaluate(args: Args) -> dict:
         text_run = isinstance(getattr(cfg, "data", None), TextData)  # from-scratch, warm-start
         if args.split == "test" and not text_run:  # a GGUF of its own: chat/SFT test examples
             return evaluate_chat(args, cfg)
+        if args.data_path is not None and args.split != "test" and chat_records(args.data_path):
+            return evaluate_chat(args, cfg)  # scored as rows of prompt and answer, as trained
         model, g = load_llama(path, scoring_ops(on_gpu()), weights=frozen_weights(on_gpu()))
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
         data = cfg.data if args.data_path is None and text_run else TextData(args.data_path)

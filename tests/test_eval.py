@@ -150,6 +150,55 @@ def test_gguf_split_test_scores_the_first_packed_rows(tiny_gguf, tmp_path, capsy
         f"2 rows made of the first {k} of 40 test examples (--max-examples 2)", k, 40)
 
 
+def test_a_jsonl_file_of_chat_records_is_scored_as_rows_not_as_json_text(
+        tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A Llama GGUF of its own on a .jsonl file of prompt/completion records (no --split): its
+    packed rows (the training split's, then the held-out split's, as training built them), the
+    completions' tokens scored: the loss NumPy gives on them; not the text of the JSON, braces
+    and keys and prompts, as it was scored before."""
+    test = mlx_lm_folder(tmp_path / "data", n_train=0, n_valid=0, n_test=40) / "test.jsonl"
+    one = tmp_path / "qa.jsonl"
+    shutil.copyfile(test, one)
+    got = _json(capsys, tiny_gguf, "--data.path", one, "--seq-len", "32")
+    model, g = load_llama(tiny_gguf, weights="float32")
+    tok = Tokenizer.from_metadata(g.metadata)
+    g.close()
+    examples = chat.load_examples(one)  # the training split's rows, then the held-out 10%'s
+    parts = [chat.pack_or_pad([chat.tokenize_example(e, tok, True) for e in part], 32,
+                              tok.eos_id, pack=True) for part in (examples[:36], examples[36:])]
+    rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    want = _mean_ce(model, rows["inputs"], rows["targets"], rows["mask"])
+    assert got["split"] == "all" and got["rows"] == len(rows["inputs"])
+    assert got["val_loss"] == pytest.approx(want, rel=1e-4)
+
+
+def test_a_jsonl_file_of_text_records_gives_their_text_not_their_json(tmp_path):
+    """--data.path a .jsonl file of {"text"} records (from-scratch, warm-start, toymlx-eval):
+    the ids of their texts joined by blank lines, as a text file of them gives, and as a data
+    folder's train.jsonl is read; the JSON around them was trained before. Other records: one
+    line naming the file, the line and the kind."""
+    from toymlx.data.tokenizer import byte_tokenizer
+    from toymlx.recipes.common import TextData, load_token_data
+
+    texts = ["the quick brown fox", 'jumps "over" the lazy dog', "and naps.\nThe end"]
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    plain = tmp_path / "t.txt"
+    plain.write_text("\n\n".join(texts))
+    tok = byte_tokenizer()
+    got = load_token_data(TextData(str(jsonl), 0.25), tok, 8)
+    want = load_token_data(TextData(str(plain), 0.25), tok, 8)
+    assert np.array_equal(got.train, want.train) and np.array_equal(got.val, want.val)
+    assert got.source == str(jsonl)
+    pc = tmp_path / "pc.jsonl"
+    pc.write_text('{"prompt": "a", "completion": "b"}\n')
+    with pytest.raises(text_module.DataError, match=r"pc\.jsonl:1: expected a \{\"text\": "
+                       r"\.\.\.\} record \(this recipe trains on plain text\), found a "
+                       r"completion record; such records fine-tune a model: toymlx-train "
+                       r"--recipe lora --base MODEL\.gguf --data\.path .*pc\.jsonl$"):
+        load_token_data(TextData(str(pc)), tok, 8)
+
+
 def test_lora_run_scores_the_first_validation_rows(tiny_gguf, tmp_path, capsys):  # noqa: F811
     """A LoRA run (one example a row, --data.no-pack) on its validation rows: --max-examples 3
     gives the loss of a file holding the first 3 validation examples alone; more than it

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from toymlx.data.chat import data_files, load_examples, test_file
+from toymlx.data.chat import data_files, is_plain_text, load_examples, test_file
 from toymlx.data.text import DataError, TokenData
 from toymlx.models.checks import ArgsError
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
@@ -57,9 +57,10 @@ class TextData:
     """Text to train on."""
 
     path: str | None = None
-    """A UTF-8 text file, or a folder in mlx-lm's layout: train.jsonl, optional valid.jsonl and
-    test.jsonl (--test) of {"text": ...} records, each file's texts joined by blank lines;
-    default: the Python documentation topics that CPython ships."""
+    """A UTF-8 text file, a .jsonl file of {"text": ...} records, or a folder in mlx-lm's
+    layout: train.jsonl, optional valid.jsonl and test.jsonl (--test) of such records, each
+    file's texts joined by blank lines; default: the Python documentation topics that CPython
+    ships."""
     val_fraction: float = 0.1
     """Fraction of the tokens, taken from the end, held out for validation (not used when a
     data folder has valid.jsonl)."""
@@ -80,7 +81,9 @@ def records_text(path: Path) -> str:
     other = next((e for e in examples if e.kind != "text"), None)
     if other is not None:
         raise DataError(f"{other.source}: expected a {{\"text\": ...}} record (this recipe trains "
-                        f"on plain text), found a {other.kind} record")
+                        f"on plain text), found a {other.kind} record; such records fine-tune "
+                        f"a model: toymlx-train --recipe lora --base MODEL.gguf --data.path "
+                        f"{path}")
     return "\n\n".join(e.text for e in examples)
 
 
@@ -96,6 +99,10 @@ def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
         return TokenData.from_ids(tokenizer.encode(text), seq_len, data.val_fraction, source,
                                   windows)
     if not Path(data.path).is_dir():
+        if not is_plain_text(Path(data.path)):  # a .jsonl (.json, .csv, .tsv) of its records,
+            # read as a data folder's train.jsonl is: their texts, never the JSON around them
+            return TokenData.from_ids(tokenizer.encode(records_text(Path(data.path))), seq_len,
+                                      data.val_fraction, str(data.path), windows)
         return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction, windows,
                                    progress)
     files = data_files(data.path)
