@@ -25,7 +25,7 @@ from toymlx_cli.config_file import ConfigFileError
 
 from toymlx.backend.files import counted
 from toymlx.bundle.model_store import is_hf_repo
-from toymlx.gguf.llama import HF_TARGETS
+from toymlx.models.lora import HF_TARGETS
 
 MLX_LM_ONLY = frozenset({
     "train", "iters", "learning_rate", "num_layers", "lora_parameters", "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",

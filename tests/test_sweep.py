@@ -1067,3 +1067,20 @@ def test_the_best_run_is_named_lowest_loss_or_highest_accuracy_never_a_diverged_
                                                   "good)")
     assert best_line(sort_rows([row("lr=10", "diverged", "val_loss", 2.5, 4),
                                 row("lr=1", "torn", "val_loss", None)])) is None
+
+
+def test_a_pending_sigkill_marks_a_dying_parent():
+    """`lifeline.kill_pending` reads /proc/PID/status: SIGKILL (bit 9) pending for the thread or
+    the process marks a parent killed whose main thread has not begun to exit, so the parent-
+    death signal its other threads' exits repeat is not a second request (which skips the
+    final checkpoint); other pending signals, or none, do not. A live process has none."""
+    from toymlx.backend.lifeline import _dying, kill_pending
+
+    status = b"Name:\tpython\nSigQ:\t0/95000\nSigPnd:\t%s\nShdPnd:\t%s\nSigBlk:\t0\n"
+    assert kill_pending(status % (b"0000000000000100", b"0000000000000000"))
+    assert kill_pending(status % (b"0000000000000000", b"0000000000004100"))
+    assert not kill_pending(status % (b"0000000000004000", b"0000000000000002"))  # TERM, INT
+    assert not kill_pending(status % (b"0000000000000000", b"0000000000000000"))
+    if sys.platform.startswith("linux"):
+        assert kill_pending(Path(f"/proc/{os.getpid()}/status").read_bytes()) is False
+        assert _dying(os.getpid()) is False

@@ -66,13 +66,30 @@ def _dying(pid: int) -> bool:
     """Whether process `pid` is exiting or dead and not yet reaped (Linux's /proc; False
     elsewhere, where the parent-death signal is the watch thread's one SIGTERM). Its main
     thread is checked: the one that started us, whose exit sends the first signal, while the
-    process's other threads, exiting too, still keep getppid() pointing at it."""
+    process's other threads, exiting too, still keep getppid() pointing at it. A main thread
+    with a SIGKILL pending is dying too: its other threads may exit first, each exit a
+    parent-death signal here, before it begins to (a `kill -9` of a sweep once left a run
+    counting the second as a second request, which skipped its final checkpoint)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rpartition(b")")[2].split()
-        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+        if fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING):
+            return True
+        with open(f"/proc/{pid}/status", "rb") as f:
+            return kill_pending(f.read())
     except (OSError, IndexError, ValueError):
         return False
+
+
+def kill_pending(status: bytes) -> bool:
+    """Whether a /proc/PID/status text shows SIGKILL pending, for the thread (SigPnd) or the
+    whole process (ShdPnd): a process killed whose threads have not all begun to exit."""
+    bit = 1 << (signal.SIGKILL - 1)
+    for line in status.splitlines():
+        key, _, value = line.partition(b":")
+        if key in (b"SigPnd", b"ShdPnd") and int(value.strip() or b"0", 16) & bit:
+            return True
+    return False
 
 
 def watch_parent(on_loss: Callable[[], None] | None = None, every: float = 0.5) -> bool:

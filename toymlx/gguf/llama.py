@@ -3,8 +3,8 @@
 toymlx parameter paths (`layers.3.attn.q_proj.weight`) map one-to-one onto llama.cpp's tensor
 names (`blk.3.attn_q.weight`); both are stored `(out, in)`, and q/k keep GGUF's adjacent-pair
 RoPE layout, so no model tensor is ever permuted or split into heads. What comes from Hugging
-Face's layout (mlx-lm's adapters: `HF_TARGETS`) is put into the GGUF's here, in one place:
-`hf_rows_to_gguf` permutes llama's q/k rows as llama.cpp's converter permuted the base's.
+Face's layout (mlx-lm's adapters, their targets named by `toymlx.models.lora.HF_TARGETS`) is
+put into the GGUF's here, in one place: `hf_rows_to_gguf` permutes llama's q/k rows as llama.cpp's converter permuted the base's.
 """
 
 from __future__ import annotations
@@ -116,14 +116,6 @@ def toy_to_gguf(path: str) -> str:
     if m and m.group(2) in _BLOCK_INV:
         return f"blk.{m.group(1)}.{_BLOCK_INV[m.group(2)]}.{m.group(3)}"
     raise KeyError(f"no GGUF name for parameter {path!r}")
-
-
-HF_TARGETS: dict[str, str] = {
-    "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
-    "self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o", "mlp.gate_proj": "gate",
-    "mlp.up_proj": "up", "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down"}
-"""Hugging Face's (and mlx-lm's) projection paths inside a decoder block -> toymlx's
---lora.targets names (`toymlx.models.lora.TARGETS` gives their paths)."""
 
 
 def hf_permuted_heads(a: LlamaArgs, name: str) -> int | None:

@@ -163,12 +163,18 @@ def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+HF_TARGETS: dict[str, str] = {
+    "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
+    "self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o", "mlp.gate_proj": "gate",
+    "mlp.up_proj": "up", "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down"}
+"""Hugging Face's (and mlx-lm's) projection paths inside a decoder block -> toymlx's
+--lora.targets names (`toymlx.models.lora.TARGETS` gives their paths)."""
+
+
 def hf_targets(names: Sequence[str]) -> str | None:
     """PEFT's (Unsloth's, mlx-lm's) target_modules as --lora.targets names: `q_proj`,
     `self_attn.q_proj` or `all-linear` ("q,k,v,o,gate,up,down"); None where a name is neither
     toymlx's nor Hugging Face's."""
-    from toymlx.gguf.llama import HF_TARGETS
-
     hf = {**HF_TARGETS, **{path.rpartition(".")[2]: t for path, t in HF_TARGETS.items()}}
     out: list[str] = []
     for n in names:

@@ -23,14 +23,13 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.gguf.llama import (
-    HF_TARGETS,
     expected_shapes,
     hf_permuted_heads,
     hf_rows_to_gguf,
     toy_to_gguf,
 )
 from toymlx.models.llama import LlamaArgs
-from toymlx.models.lora import TARGETS, block_targets
+from toymlx.models.lora import HF_TARGETS, TARGETS, block_targets
 
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
