@@ -12,7 +12,7 @@ the activations, to 8 bits) -- `base_margin`, measured on the base (the quantize
 F32 copy) -- and re-quantizing a fine-tune onto a 4-bit grid can round away at most the
 fine-tune's own effect (`effect`, F32 fused vs F32 base): the fused file's logits stay within
 `base_margin + effect` of the F32 fused model's, and the figures are printed for
-docs/RESULTS.md, with the share of the adapter's update each file holds (`adapter_kept`). Last, a killed export (SIGTERM, SIGKILL) leaves nothing under the final name.
+docs/RESULTS.md, with the share of the adapter's update each file holds (`adapter_kept`, and `along`: `adapter_retention`). Last, a killed export (SIGTERM, SIGKILL) leaves nothing under the final name.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from smollm import smollm_gguf  # noqa: F401  (session fixture)
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.reader import DIGEST_KEY, GGUFFile
 from toymlx.interop.merge import write_merged
-from toymlx.training.fused import adapter_kept, kept_note
+from toymlx.training.fused import adapter_retention, kept_note
 
 pytestmark = [pytest.mark.smollm, pytest.mark.interop]
 
@@ -101,7 +101,7 @@ def check_fused(work: dict, base: Path, run: Path, dtype: str, qtype: str,
     said = export("--base", str(base), "--adapter", str(run), "--fuse", "--out", str(out),
                   "--dtype", dtype)
     seconds = time.perf_counter() - t0
-    kept = adapter_kept(out, base, run)
+    kept = adapter_retention(out, base, run)  # as the export's line reports it
     f32 = d / f"{name}-f32.gguf"
     export("--base", str(base), "--adapter", str(run), "--fuse", "--dtype", "f32",
            "--out", str(f32))
@@ -122,7 +122,7 @@ def check_fused(work: dict, base: Path, run: Path, dtype: str, qtype: str,
            (("fused", out), ("fused_f32", f32), ("base_q", base_q), ("base_f32", work["f32"]))}
     figures = {"type": qtype, "bytes": out.stat().st_size, "base_bytes": base.stat().st_size,
                "export_s": round(seconds, 1), "types": _type_counts(out),
-               "adapter_kept": round(kept, 3)}
+               "adapter_kept": round(kept.kept, 3), "along": round(kept.along, 3)}
     for key, (a, b) in {"fused_vs_f32": ("fused", "fused_f32"),
                         "base_margin": ("base_q", "base_f32"),
                         "effect": ("fused_f32", "base_f32"),
@@ -179,6 +179,8 @@ def test_dtype_q4_k_m_from_the_q4_1_base(work):
     quantize(work["f32"], base_q, "Q4_K_M")
     f = check_fused(work, work["q4_1"], work["run_q4_1"], "q4_k_m", "Q4_K_M", base_q)
     assert f["types"] == _type_counts(base_q)
+    # another grid than the base's: the change survives under the noise, and the line says so
+    assert f["along"] > 0.9, f
 
 
 def _type_counts(path: Path) -> dict[str, int]:
