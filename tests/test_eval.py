@@ -199,6 +199,42 @@ def test_a_jsonl_file_of_text_records_gives_their_text_not_their_json(tmp_path):
         load_token_data(TextData(str(pc)), tok, 8)
 
 
+def test_a_table_without_a_text_column_is_one_line_naming_its_columns(tmp_path, capsys):
+    """--data.path a .csv of texts (from-scratch, warm-start, toymlx-eval): its "text" column's
+    cells, as a text file of them gives. A table without one was refused at row 2 as a
+    prompt/completion record (Alpaca's columns too), or as a header of no record shape (with
+    the fine-tune shapes this recipe never trains on); now the header's columns are named
+    beside the one expected, before a run is made."""
+    from toymlx.data.tokenizer import byte_tokenizer
+    from toymlx.recipes.common import TextData, load_token_data
+
+    texts = ["the quick brown fox", 'jumps "over", the lazy dog', "and naps.\nThe end"]
+    table = tmp_path / "t.csv"
+    table.write_text("id,text\n" + "".join(f'{i},"{t.replace(chr(34), 2 * chr(34))}"\n'
+                                            for i, t in enumerate(texts)) + ",\n")
+    plain = tmp_path / "t.txt"
+    plain.write_text("\n\n".join(texts))
+    tok = byte_tokenizer()
+    got = load_token_data(TextData(str(table), 0.25), tok, 8)
+    want = load_token_data(TextData(str(plain), 0.25), tok, 8)
+    assert np.array_equal(got.train, want.train) and np.array_equal(got.val, want.val)
+    hint = ("; such records fine-tune a model: toymlx-train --recipe lora --base MODEL.gguf "
+            "--data.path {p}")
+    for name, header, found in [("pc.csv", "prompt,completion", "prompt, completion" + hint),
+                                ("alpaca.tsv", "instruction\tinput\toutput",
+                                 "instruction, input, output" + hint),
+                                ("qa.csv", "question,answer", "question, answer")]:
+        p = tmp_path / name
+        p.write_text("\n" + header + "\n" + header.replace("\t", "\ta") + "a\n")
+        assert train_main(["--recipe", "from-scratch", "--data.path", str(p), "--runs-root",
+                           str(tmp_path / "runs"), "--steps", "1"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f'toymlx-train: error: {p}: row 2 (the header): expected a column "text" (this '
+            f"recipe trains on plain text; other columns are ignored), found columns "
+            + found.format(p=p)]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_lora_run_scores_the_first_validation_rows(tiny_gguf, tmp_path, capsys):  # noqa: F811
     """A LoRA run (one example a row, --data.no-pack) on its validation rows: --max-examples 3
     gives the loss of a file holding the first 3 validation examples alone; more than it
