@@ -859,8 +859,8 @@ def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
     assert _train(common + ["--run-id", "bad"]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {data}: data folder: expected train.jsonl (required), valid.jsonl "
-        "and test.jsonl (optional) (mlx-lm's layout), found test.jsonl, training.jsonl, "
-        "valid.jsonl")
+        "and test.jsonl (optional) (mlx-lm's layout; .json, .csv or .tsv in place of .jsonl), "
+        "found test.jsonl, training.jsonl, valid.jsonl")
     assert not (tmp_path / "bad").exists()
     (data / "training.jsonl").rename(data / "train.jsonl")
     (data / "test.jsonl").unlink()

@@ -8,7 +8,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from toymlx.data.chat import TABLES, data_files, is_plain_text, load_examples, table_header, test_file
+from toymlx.data.chat import (
+    TABLES,
+    data_files,
+    is_plain_text,
+    load_examples,
+    table_header,
+    test_file,
+)
 from toymlx.data.text import DataError, TokenData
 from toymlx.models.checks import ArgsError
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
@@ -57,10 +64,10 @@ class TextData:
     """Text to train on."""
 
     path: str | None = None
-    """A UTF-8 text file, a .jsonl file of {"text": ...} records, or a folder in mlx-lm's
-    layout: train.jsonl, optional valid.jsonl and test.jsonl (--test) of such records, each
-    file's texts joined by blank lines; default: the Python documentation topics that CPython
-    ships."""
+    """A UTF-8 text file, a .jsonl file of {"text": ...} records (a .csv or .tsv: its text
+    column), or a folder in mlx-lm's layout: train.jsonl, optional valid.jsonl and test.jsonl
+    (--test) of such records (or .csv, .tsv files of those names), each file's texts joined by
+    blank lines; default: the Python documentation topics that CPython ships."""
     val_fraction: float = 0.1
     """Fraction of the tokens, taken from the end, held out for validation (not used when a
     data folder has valid.jsonl)."""
