@@ -15,7 +15,7 @@ from typing import Literal
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
-from toymlx.backend.files import not_utf8
+from toymlx.backend.files import counted, not_utf8
 
 PROG = "toymlx-generate"
 
@@ -163,7 +163,7 @@ def no_tokens_note(tokenizer, args: Args, ids: list[int], context: int) -> str:
     if args.max_tokens == 0:
         why = "--max-tokens is 0"
     elif len(ids) >= context:
-        why = f"the prompt ({len(ids)} tokens) fills the model's context ({context})"
+        why = f"the prompt ({counted(len(ids), 'token')}) fills the model's context ({context})"
     else:
         from toymlx.generation.generate import stop_ids
 
@@ -349,7 +349,7 @@ def window_note(model: str, n_prompt: int, max_tokens: int, context: int) -> str
     fix = (f"--max-tokens {window - n_prompt} stays within them" if n_prompt < window else
            f"the prompt alone fills them: a prompt under {window} tokens leaves room")
     return (f"{PROG}: warning: {model}: trained on windows of {window} tokens (--seq-len "
-            f"{window}); {n_prompt} prompt + {max_tokens} new tokens (--max-tokens) run past "
+            f"{window}); {n_prompt} prompt + {counted(max_tokens, 'new token')} (--max-tokens) run past "
             f"them, where the text falls apart; {fix} (nanoGPT's sample.py keeps only the last "
             "block_size tokens)")
 

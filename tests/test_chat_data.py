@@ -675,6 +675,10 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
                              "0.5; mlx-lm trains on all 6 and validates nothing)")]
     # a file given alone is split as documented, without a note
     assert SFTData.from_file(folder / "train.jsonl", tok, seq_len=16).notes() == []
+    # one held out: "the last 1 of train.jsonl's 6 examples validate and are" was said
+    assert SplitExamples.of(folder, 0.1).note == (
+        f"{folder}: no valid.jsonl: the last 1 of train.jsonl's 6 examples validates and is not "
+        "trained on (--data.val-fraction 0.1; mlx-lm trains on all 6 and validates nothing)")
 
 
 QA = [("What is 2+2, in words?", 'It is "four".'), ("List two fruits.", "apple,\npear"),
@@ -779,6 +783,9 @@ def test_a_table_s_rows_are_numbered_as_a_spreadsheet_shows_them(tmp_path):
      ("row 1 (the header): expected the columns of one record shape (text; prompt and "
      "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "
      "found [',prompt', 'completion']")),
+    ("text.csv", "text\na\nb,c\n",
+     ('row 3: expected 1 field (text), found 2: field 2 is past the last column ("text"); a '
+      "field that holds a comma goes in double quotes")),
     ("qa.tsv", "\tprompt\tcompletion\n0\tp\tc\n1\tline\n",
      ('row 3: expected 3 fields ((unnamed), prompt, completion), found 2: none for column '
      '"completion"; a field that holds a line break goes in double quotes')),

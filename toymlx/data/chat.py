@@ -415,7 +415,7 @@ def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Ex
                      f'field {len(header) + 1} is past the last column ("{header[-1]}"); a '
                      f"field that holds a {sep_name} goes in double quotes")
             columns = ", ".join(c or "(unnamed)" for c in header)
-            raise DataError(f"{path}: row {row}: expected {len(header)} fields ({columns}), "
+            raise DataError(f"{path}: row {row}: expected {counted(len(header), 'field')} ({columns}), "
                             f"found {len(cells)}: {extra}")
         count += 1
         yield _parse_record({k: v for k, v in zip(header, cells) if k}, f"{path}: row {row}",
@@ -1163,8 +1163,10 @@ class SplitExamples:
                 note = none_held_out(files.train, len(examples), val_fraction)
             elif files.train != Path(path):  # a folder in mlx-lm's layout, whose valid.jsonl
                 # mlx-lm would go without: it trains on every example and validates none
+                one = len(val) == 1
                 note = (f"{path}: no valid.jsonl: the last {len(val)} of {files.train.name}'s "
-                        f"{len(examples)} examples validate and are not trained on "
+                        f"{len(examples)} examples {'validates' if one else 'validate'} and "
+                        f"{'is' if one else 'are'} not trained on "
                         f"(--data.val-fraction {val_fraction}; mlx-lm trains on all "
                         f"{len(examples)} and validates nothing)")
         source = DataSource(str(files.train), None if val_path is None else str(val_path))
