@@ -163,7 +163,7 @@ def no_tokens_note(tokenizer, args: Args, ids: list[int], context: int) -> str:
     if args.max_tokens == 0:
         why = "--max-tokens is 0"
     elif len(ids) >= context:
-        why = f"the prompt ({counted(len(ids), 'token')}) fills the model's context ({context})"
+        why = f"the prompt ({len(ids)} tokens) fills the model's context ({context})"
     else:
         from toymlx.generation.generate import stop_ids
 
