@@ -415,8 +415,8 @@ def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Ex
                      f'field {len(header) + 1} is past the last column ("{header[-1]}"); a '
                      f"field that holds a {sep_name} goes in double quotes")
             columns = ", ".join(c or "(unnamed)" for c in header)
-            raise DataError(f"{path}: row {row}: expected {counted(len(header), 'field')} ({columns}), "
-                            f"found {len(cells)}: {extra}")
+            raise DataError(f"{path}: row {row}: expected {counted(len(header), 'field')} "
+                            f"({columns}), found {len(cells)}: {extra}")
         count += 1
         yield _parse_record({k: v for k, v in zip(header, cells) if k}, f"{path}: row {row}",
                             _column)
@@ -657,9 +657,9 @@ def _split_file(folder: Path, split: str) -> Path | None:
                             f"{'a directory' if f.is_dir() else 'a device or pipe'}")
     if len(given) > 1:
         names = ", ".join(f.name for f in given[:-1]) + f" and {given[-1].name}"
+        other = "other" if len(given) == 2 else "others"
         raise DataError(f"{folder}: data folder: expected one {split} file, found {names}; "
-                        f"keep the one to read and move the {'other' if len(given) == 2 else 'others'}"
-                        f" out")
+                        f"keep the one to read and move the {other} out")
     return given[0] if given else None
 
 
