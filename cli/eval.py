@@ -94,15 +94,20 @@ def check_sizes(args: Args) -> None:
 
 
 def subset(limit: int | None, scored: int, total: int, split: str, unit: str,
-           rows: str = "") -> dict:
+           rows: str = "", tail: str = "") -> dict:
     """The report's words on how much of `split` --max-examples `limit` scored: `scored` of
-    its `total` `unit` (`rows`: what they made, said first); nothing without the flag."""
+    its `total` `unit`s (`unit` one, as `counted` takes it: "example"; `tail` after it: " of 16
+    tokens"; `rows`: what they made, said first); nothing without the flag. A split of one
+    is "the only validation example", not "all 1 validation examples"."""
+    from toymlx.backend.files import counted
+
     if limit is None:
         return {}
-    part = f"the first {scored} of {total}" if scored < total else f"all {total}"
     which = {"val": "validation ", "test": "test "}.get(split, "")
-    return {"subset": f"{rows}{part} {which}{unit} (--max-examples {limit})", "scored": scored,
-            "of": total}
+    whole = counted(total, which + unit) + tail
+    part = (f"the first {scored} of {whole}" if scored < total else
+            f"all {whole}" if total != 1 else f"the only {which}{unit}{tail}")
+    return {"subset": f"{rows}{part} (--max-examples {limit})", "scored": scored, "of": total}
 
 
 def bar_name(args: Args) -> str | None:
@@ -282,7 +287,7 @@ def evaluate_images(args: Args, path: Path) -> dict:
     scored = total if args.max_examples is None else min(total, args.max_examples)
     pred, true, loss = predict(clf, itertools.chain.from_iterable(batches), scored,
                                bar_name(args))
-    limited = subset(args.max_examples, len(true), total, args.split, "images")
+    limited = subset(args.max_examples, len(true), total, args.split, "image")
     m = confusion(pred, true, len(clf.names))
     if args.plot:
         plot_confusion(m, clf.names, args.plot)
@@ -333,7 +338,7 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
-    limited = subset(args.max_examples, r.examples, r.of, split, "examples",
+    limited = subset(args.max_examples, r.examples, r.of, split, "example",
                      f"{counted(r.rows, 'row')} made of ")
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
             names[0]: r.loss, names[1]: math.exp(r.loss), **limited}
@@ -364,6 +369,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     `Evaluator`; None: none)."""
     import numpy as np
 
+    from toymlx.backend.files import counted
     from toymlx.data.chat import (
         SplitExamples,
         empty_split_error,
@@ -423,8 +429,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
                                     seq_len)
         raise ValueError(f"{where}: --split val: expected validation rows to score, found "
                          f"none: the run held out no examples (--data.val-fraction "
-                         f"{data.get('val_fraction', 0.1)} of {trained} "
-                         f"examples, no valid.jsonl); score them all with --split all")
+                         f"{data.get('val_fraction', 0.1)} of {counted(trained, 'example')}, "
+                         f"no valid.jsonl); score them all with --split all")
     bs = max(1, min(batch_size, n))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
                 metrics_fn=lm_held_out_sums, test_batches=sft_val_batches(rows, bs, -(-n // bs)))
@@ -517,7 +523,7 @@ def evaluate(args: Args) -> dict:
         windows = (len(scored) - 1) // seq_len  # every window of the split: what vb holds
         vb = first_windows(vb, args.max_examples)
         limited = subset(args.max_examples, min(windows, args.max_examples or windows),
-                         windows, args.split, f"windows of {seq_len} tokens")
+                         windows, args.split, "window", tail=f" of {seq_len} tokens")
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
         m = command_evaluator(task, bar_name(args), "window")()
         mx.eval()

@@ -15,7 +15,7 @@ from typing import Literal
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
-from toymlx.backend.files import not_utf8
+from toymlx.backend.files import counted, not_utf8
 
 PROG = "toymlx-generate"
 
@@ -349,9 +349,9 @@ def window_note(model: str, n_prompt: int, max_tokens: int, context: int) -> str
     fix = (f"--max-tokens {window - n_prompt} stays within them" if n_prompt < window else
            f"the prompt alone fills them: a prompt under {window} tokens leaves room")
     return (f"{PROG}: warning: {model}: trained on windows of {window} tokens (--seq-len "
-            f"{window}); {n_prompt} prompt + {max_tokens} new tokens (--max-tokens) run past "
-            f"them, where the text falls apart; {fix} (nanoGPT's sample.py keeps only the last "
-            "block_size tokens)")
+            f"{window}); {n_prompt} prompt + {counted(max_tokens, 'new token')} (--max-tokens) "
+            f"run past them, where the text falls apart; {fix} (nanoGPT's sample.py keeps only "
+            "the last block_size tokens)")
 
 
 def samples(model, tokenizer, ids: list[int], args: Args, engine: str, context: int) -> None:

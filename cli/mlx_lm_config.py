@@ -231,11 +231,12 @@ def _micro_steps(given: dict[str, Any], in_file: set[str], source: str, put
     notes = [(f"{source}: key 'grad_accumulation_steps': the {accum} micro-batches' gradients "
               "are averaged over their targets together (mlx-lm averages each micro-batch's "
               "mean)")]
-    if iters % accum:
+    if left := iters % accum:
         notes.append(f"{source}: key 'iters': {iters} micro-batches are "
                      f"{counted(iters // accum, 'optimizer step')} of {accum}; mlx-lm's last "
-                     f"{iters % accum} update nothing and are not "
-                     "drawn")
+                     f"{counted(left, 'micro-batch', 'micro-batches')} "
+                     f"{'updates' if left == 1 else 'update'} nothing and "
+                     f"{'is' if left == 1 else 'are'} not drawn")
     put("iters", "steps", iters // accum, _origin("iters" in in_file, origin))
     for key, option in (("steps_per_eval", "eval_every"), ("steps_per_report", "report_every"),
                         ("save_every", "checkpoint_every")):

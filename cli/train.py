@@ -14,7 +14,10 @@ import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
 
 def _split_recipe(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
-    pre = argparse.ArgumentParser(add_help=False)
+    """--recipe's and --resume's values, and the command line without --recipe. Spelt out only:
+    argparse's abbreviations took PEFT's (Unsloth's) `--r 16` for --recipe or --resume ("ambiguous
+    option"), where tyro then names it as --lora.rank (`usage.HF_FLAGS`)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--recipe")
     pre.add_argument("--resume")
     known, _ = pre.parse_known_args(argv)

@@ -10,6 +10,7 @@ import jinja2
 import numpy as np
 import pytest
 
+from toymlx.data import chat
 from toymlx.data.chat import (
     FIRST_BYTES,
     HELD_OUT_ROWS,
@@ -674,6 +675,10 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
                              "0.5; mlx-lm trains on all 6 and validates nothing)")]
     # a file given alone is split as documented, without a note
     assert SFTData.from_file(folder / "train.jsonl", tok, seq_len=16).notes() == []
+    # one held out: "the last 1 of train.jsonl's 6 examples validate and are" was said
+    assert SplitExamples.of(folder, 0.1).note == (
+        f"{folder}: no valid.jsonl: the last 1 of train.jsonl's 6 examples validates and is not "
+        "trained on (--data.val-fraction 0.1; mlx-lm trains on all 6 and validates nothing)")
 
 
 QA = [("What is 2+2, in words?", 'It is "four".'), ("List two fruits.", "apple,\npear"),
@@ -778,6 +783,9 @@ def test_a_table_s_rows_are_numbered_as_a_spreadsheet_shows_them(tmp_path):
      ("row 1 (the header): expected the columns of one record shape (text; prompt and "
      "completion; or Alpaca's instruction, input (optional) and output; others are ignored), "
      "found [',prompt', 'completion']")),
+    ("text.csv", "text\na\nb,c\n",
+     ('row 3: expected 1 field (text), found 2: field 2 is past the last column ("text"); a '
+      "field that holds a comma goes in double quotes")),
     ("qa.tsv", "\tprompt\tcompletion\n0\tp\tc\n1\tline\n",
      ('row 3: expected 3 fields ((unnamed), prompt, completion), found 2: none for column '
      '"completion"; a field that holds a line break goes in double quotes')),
@@ -808,6 +816,27 @@ def test_a_table_s_errors_name_its_file_row_and_column(tmp_path, name, table, wa
         with pytest.raises(DataError) as e:
             read(path)
         assert str(e.value) == f"{path}: {want}"
+
+
+def test_a_table_cell_past_csv_s_field_limit_is_read_whole(tmp_path):
+    """A cell of a long document (300,000 characters, over Python csv's 131,072) was refused as
+    "bad CSV (field larger than field limit (131072))"; it is read whole, and csv's limit, a
+    setting of the whole process, is the same after (and between the rows of a paused
+    read) as before."""
+    import csv
+
+    before = csv.field_size_limit()
+    long = "".join(chr(ord("a") + i % 26) for i in range(300_000))
+    for name, sep in (("long.csv", ","), ("long.tsv", "\t")):
+        path = write(tmp_path, name, _table(["text", "id"], [(long, "1"), ("short", "2")], sep))
+        ex = load_examples(path)
+        assert [(e.source, len(e.text)) for e in ex] == [(f"{path}: row 2", 300_000),
+                                                         (f"{path}: row 3", 5)]
+        assert ex[0].text == long and first_kind(path) == "text"
+        assert csv.field_size_limit() == before
+    rows = chat._table_examples(path, chat._lines([path.read_text()]))
+    assert next(rows).text == long and csv.field_size_limit() == before  # paused after a row
+    rows.close()
 
 
 def test_an_empty_alpaca_output_is_named_as_written(tmp_path):
@@ -859,6 +888,65 @@ def test_an_empty_valid_jsonl_is_one_line(tmp_path):
         "would train without validation)")
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_data_folder_of_tables_gives_the_rows_of_its_jsonl_files(tmp_path, pack):
+    """A data folder holding train.csv (valid.tsv, test.json) where mlx-lm's has train.jsonl
+    was refused ("expected train.jsonl"); each split's file is read as that file alone is: the
+    same rows, array for array, as the folder of the same records in JSONL, and the note of a
+    folder without a validation file names train.csv."""
+    tok = FakeTokenizer(chat_template=None)
+    split_rows = {name: [(f"{name} {i}, quoted", f'"{i}"\nok') for i in range(n)]
+                  for name, n in (("train", 6), ("valid", 2), ("test", 3))}
+    tables, jsonl = tmp_path / "tables", tmp_path / "jsonl"
+    tables.mkdir()
+    jsonl.mkdir()
+    write(tables, "train.csv", _table(["prompt", "completion"], split_rows["train"]))
+    write(tables, "valid.tsv", _table(["instruction", "output"], split_rows["valid"], "\t"))
+    write(tables, "test.json", json.dumps([{"prompt": p, "completion": c}
+                                           for p, c in split_rows["test"]]))
+    for name, rows in split_rows.items():
+        write(jsonl, f"{name}.jsonl", _jsonl([{"prompt": p, "completion": c} for p, c in rows]))
+    assert data_files(tables) == DataFiles(tables / "train.csv", tables / "valid.tsv",
+                                           tables / "test.json")
+    for drop in ((), ("valid",)):
+        for folder in (tables, jsonl):
+            for f in folder.iterdir():
+                if f.stem in drop:
+                    f.unlink()
+        data = SFTData.from_file(tables, tok, seq_len=32, pack=pack, val_fraction=0.5)
+        want = SFTData.from_file(jsonl, tok, seq_len=32, pack=pack, val_fraction=0.5)
+        for split in ("train", "val", "test"):
+            got, ref = getattr(data, split), getattr(want, split)
+            assert len(ref["inputs"]), split
+            for key in ref:
+                np.testing.assert_array_equal(got[key], ref[key], err_msg=f"{split} {key}")
+    assert data.test_source == str(tables / "test.json")
+    assert data.notes() == [(f"{tables}: no valid.jsonl: the last 3 of train.csv's 6 examples "
+                             "validate and are not trained on (--data.val-fraction 0.5; mlx-lm "
+                             "trains on all 6 and validates nothing)")]
+
+
+def test_a_split_given_twice_in_a_data_folder_is_one_line(tmp_path):
+    """train.jsonl beside train.csv: which one trains would be a guess, so neither does."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write(folder, "train.jsonl", '{"text": "a"}\n')
+    write(folder, "train.csv", "text\nb\n")
+    with pytest.raises(DataError) as e:
+        data_files(folder)
+    assert str(e.value) == (f"{folder}: data folder: expected one train file, found train.jsonl "
+                            "and train.csv; keep the one to read and move the other out")
+    write(folder, "valid.json", "[]")
+    write(folder, "valid.tsv", "text\nc\n")
+    write(folder, "valid.jsonl", "")
+    (folder / "train.jsonl").unlink()
+    with pytest.raises(DataError) as e:
+        data_files(folder)
+    assert str(e.value) == (f"{folder}: data folder: expected one valid file, found valid.jsonl, "
+                            "valid.json and valid.tsv; keep the one to read and move the "
+                            "others out")
+
+
 def test_data_folder_without_train_jsonl_is_one_line(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
@@ -867,8 +955,8 @@ def test_data_folder_without_train_jsonl_is_one_line(tmp_path):
     with pytest.raises(DataError) as e:
         data_files(folder)
     assert str(e.value) == (f"{folder}: data folder: expected train.jsonl (required), "
-                            "valid.jsonl and test.jsonl (optional) (mlx-lm's layout), found "
-                            "training.jsonl, valid.jsonl")
+                            "valid.jsonl and test.jsonl (optional) (mlx-lm's layout; .json, "
+                            ".csv or .tsv in place of .jsonl), found training.jsonl, valid.jsonl")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="found an empty folder"):
         data_files(tmp_path / "empty")
@@ -881,12 +969,13 @@ def test_a_data_folder_s_files_are_named_up_to_six(tmp_path):
         write(folder, f"part-{i}.jsonl", "{}")
     with pytest.raises(DataError) as e:
         data_files(folder)
-    assert str(e.value).endswith("(mlx-lm's layout), found part-0.jsonl, part-1.jsonl, "
+    assert str(e.value).endswith("in place of .jsonl), found part-0.jsonl, part-1.jsonl, "
                                  "part-2.jsonl, part-3.jsonl, part-4.jsonl, part-5.jsonl and "
                                  "2 more")
 
 
-@pytest.mark.parametrize("name", ["val.jsonl", "Valid.jsonl", "validation.jsonl"])
+@pytest.mark.parametrize("name", ["val.jsonl", "Valid.jsonl", "validation.jsonl", "val.csv",
+                                  "Train.tsv"])
 def test_a_jsonl_file_a_data_folder_would_not_read_is_named(tmp_path, name):
     """A misnamed validation file (mlx-lm refuses the folder: no valid.jsonl) was left out
     without a word: the run held out a slice of train.jsonl instead, or nothing
@@ -901,8 +990,9 @@ def test_a_jsonl_file_a_data_folder_would_not_read_is_named(tmp_path, name):
         data_files(folder)
     assert str(e.value) == (f"{folder / name}: data folder: expected only train.jsonl "
                             "(required), valid.jsonl and test.jsonl (optional) (mlx-lm's "
-                            f"layout), found {name} too, which would not be read; rename it "
-                            "(valid.jsonl: the validation examples) or move it out")
+                            "layout; .json, .csv or .tsv in place of .jsonl), found "
+                            f"{name} too, which would not be read; rename it (valid.jsonl: the "
+                            "validation examples) or move it out")
 
 
 TOOLS_TEMPLATE = (  # a template that lists the tools first, as Qwen2.5's and Llama 3.1's do

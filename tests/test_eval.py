@@ -93,6 +93,28 @@ def test_vit_scores_the_first_images_as_a_folder_of_them_alone(tmp_path, capsys)
     text = capsys.readouterr().out.splitlines()
     assert text[0] == f"accuracy {want['accuracy']:.4f} on 5 images"
     assert text[-1] == "scored the first 5 of 9 images (--max-examples 5)"
+    one = tmp_path / "one"  # a set of one image was "all 1 images"
+    (one / files[0].parent.name).mkdir(parents=True)
+    shutil.copy(files[0], one / files[0].parent.name / files[0].name)
+    got = _json(capsys, run, "--data.path", one, "--split", "all", "--json", "--limit", "5")
+    assert (got["subset"], got["scored"], got["of"]) == ("the only image (--max-examples 5)",
+                                                         1, 1)
+
+
+def test_a_subset_of_one_reads_as_one():
+    """The report's words on --max-examples where a count is 1: "all 1 validation examples" and
+    "the first 1 of 1 windows" were said."""
+    from toymlx_cli.eval import subset
+
+    assert subset(None, 1, 1, "val", "example") == {}
+    assert subset(5, 1, 1, "val", "example", "1 row made of ")["subset"] == (
+        "1 row made of the only validation example (--max-examples 5)")
+    assert subset(1, 1, 2, "test", "example")["subset"] == (
+        "the first 1 of 2 test examples (--max-examples 1)")
+    assert subset(3, 1, 1, "all", "window", tail=" of 16 tokens")["subset"] == (
+        "the only window of 16 tokens (--max-examples 3)")
+    assert subset(3, 2, 2, "all", "window", tail=" of 16 tokens")["subset"] == (
+        "all 2 windows of 16 tokens (--max-examples 3)")
 
 
 def test_text_scores_the_first_windows_of_the_split(tiny_gguf, tmp_path, capsys):  # noqa: F811
@@ -172,6 +194,20 @@ def test_a_jsonl_file_of_chat_records_is_scored_as_rows_not_as_json_text(
     assert got["val_loss"] == pytest.approx(want, rel=1e-4)
 
 
+def _reads_as_the_texts(path: Path, texts: list[str]):
+    """`load_token_data` of --data.path `path`, checked to hold the ids a text file of `texts`
+    (joined by blank lines, beside `path`) gives, split for split."""
+    from toymlx.data.tokenizer import byte_tokenizer
+    from toymlx.recipes.common import TextData, load_token_data
+
+    plain = path.with_suffix(".txt")
+    plain.write_text("\n\n".join(texts))
+    got = load_token_data(TextData(str(path), 0.25), byte_tokenizer(), 8)
+    want = load_token_data(TextData(str(plain), 0.25), byte_tokenizer(), 8)
+    assert np.array_equal(got.train, want.train) and np.array_equal(got.val, want.val)
+    return got
+
+
 def test_a_jsonl_file_of_text_records_gives_their_text_not_their_json(tmp_path):
     """--data.path a .jsonl file of {"text"} records (from-scratch, warm-start, toymlx-eval):
     the ids of their texts joined by blank lines, as a text file of them gives, and as a data
@@ -183,13 +219,8 @@ def test_a_jsonl_file_of_text_records_gives_their_text_not_their_json(tmp_path):
     texts = ["the quick brown fox", 'jumps "over" the lazy dog', "and naps.\nThe end"]
     jsonl = tmp_path / "t.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    plain = tmp_path / "t.txt"
-    plain.write_text("\n\n".join(texts))
+    assert _reads_as_the_texts(jsonl, texts).source == str(jsonl)
     tok = byte_tokenizer()
-    got = load_token_data(TextData(str(jsonl), 0.25), tok, 8)
-    want = load_token_data(TextData(str(plain), 0.25), tok, 8)
-    assert np.array_equal(got.train, want.train) and np.array_equal(got.val, want.val)
-    assert got.source == str(jsonl)
     pc = tmp_path / "pc.jsonl"
     pc.write_text('{"prompt": "a", "completion": "b"}\n')
     with pytest.raises(text_module.DataError, match=r"pc\.jsonl:1: expected a \{\"text\": "
@@ -197,6 +228,34 @@ def test_a_jsonl_file_of_text_records_gives_their_text_not_their_json(tmp_path):
                        r"completion record; such records fine-tune a model: toymlx-train "
                        r"--recipe lora --base MODEL\.gguf --data\.path .*pc\.jsonl$"):
         load_token_data(TextData(str(pc)), tok, 8)
+
+
+def test_a_table_without_a_text_column_is_one_line_naming_its_columns(tmp_path, capsys):
+    """--data.path a .csv of texts (from-scratch, warm-start, toymlx-eval): its "text" column's
+    cells, as a text file of them gives. A table without one was refused at row 2 as a
+    prompt/completion record (Alpaca's columns too), or as a header of no record shape (with
+    the fine-tune shapes this recipe never trains on); now the header's columns are named
+    beside the one expected, before a run is made."""
+    texts = ["the quick brown fox", 'jumps "over", the lazy dog', "and naps.\nThe end"]
+    table = tmp_path / "t.csv"  # a row of empty fields last: skipped, as a blank line is
+    table.write_text("id,text\n" + "".join(f'{i},"{t.replace(chr(34), 2 * chr(34))}"\n'
+                                            for i, t in enumerate(texts)) + ",\n")
+    _reads_as_the_texts(table, texts)
+    hint = ("; such records fine-tune a model: toymlx-train --recipe lora --base MODEL.gguf "
+            "--data.path {p}")
+    for name, header, found in [("pc.csv", "prompt,completion", "prompt, completion" + hint),
+                                ("alpaca.tsv", "instruction\tinput\toutput",
+                                 "instruction, input, output" + hint),
+                                ("qa.csv", "question,answer", "question, answer")]:
+        p = tmp_path / name
+        p.write_text("\n" + header + "\n" + header.replace("\t", "\ta") + "a\n")
+        assert train_main(["--recipe", "from-scratch", "--data.path", str(p), "--runs-root",
+                           str(tmp_path / "runs"), "--steps", "1"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f'toymlx-train: error: {p}: row 2 (the header): expected a column "text" (this '
+            f"recipe trains on plain text; other columns are ignored), found columns "
+            + found.format(p=p)]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_lora_run_scores_the_first_validation_rows(tiny_gguf, tmp_path, capsys):  # noqa: F811

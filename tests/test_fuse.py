@@ -601,3 +601,20 @@ def test_gptq_blocks_decode_and_lower_the_output_error(qtype):
     q = dequantize_tensor(gptq_quantize(w, x.T @ x, t), t, w.shape)
     test = inputs(500)
     assert np.linalg.norm(test @ (q - w).T) < 0.5 * np.linalg.norm(test @ (rtn - w).T)
+
+
+def test_a_summary_of_one_changed_tensor_reads_as_one(tmp_path):
+    """`KeptFile.summary` of an export that changed one tensor (LoRA on one projection of one
+    block) said "1 changed tensors"."""
+    from gguf.constants import GGMLQuantizationType as T
+
+    from toymlx.gguf.fuse import Choice, KeptFile, Option
+
+    out = tmp_path / "fused.gguf"
+    out.write_bytes(b"x" * 150)
+    one = Choice("blk.0.attn_q.weight", T.Q4_1, [Option(T.Q8_0, 40, 0.0)],
+                 Option(T.Q4_1, 20, 1.0), 4.0)
+    assert KeptFile(out, [one], base_bytes=100).summary() == (
+        "1 changed tensor written as 1 Q8_0, the rest copied from the base; it keeps 100% of "
+        "the fine-tune's change on the changed layers' outputs (the base's own type would keep "
+        "50%); 1.500x the base's size")

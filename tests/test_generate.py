@@ -1176,3 +1176,5 @@ def test_a_prompt_filling_the_runs_window_is_not_told_to_sample_nothing(tmp_path
         "prompt + 5 new tokens (--max-tokens) run past them, where the text falls apart; the "
         "prompt alone fills them: a prompt under 16 tokens leaves room (nanoGPT's sample.py "
         "keeps only the last block_size tokens)")
+    assert "; 16 prompt + 1 new token (--max-tokens) run past them" in cli.window_note(
+        str(run), 16, 1, 512)  # was "1 new tokens"

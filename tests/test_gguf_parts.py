@@ -232,3 +232,21 @@ def test_a_store_name_of_a_multi_part_gguf_opens_whole(model_files, tmp_path, mo
     assert found.path == root / "pub" / "tiny-00001-of-00003.gguf"
     assert [Path(p["file"]).name for p in found.record("base")["base_parts"]] == [
         p.name for p in parts]
+
+
+def test_a_gguf_of_two_parts_names_its_other_part_as_one(model_files, tmp_path):
+    """A two-part GGUF's messages said "its 1 other parts" and "and 1 more parts"."""
+    (tmp_path / "two").mkdir()
+    parts = split_gguf(model_files[0], tmp_path / "two" / "tiny.gguf", per_part=10)
+    assert len(parts) == 2
+    rec = model_record(str(parts[0]), "--base")
+    data = bytearray(parts[1].read_bytes())
+    data[-40] ^= 0xFF  # inside the last tensor of the second part
+    parts[1].write_bytes(bytes(data))
+    with GGUFFile(parts[0]) as g, pytest.raises(GGUFError) as e:
+        g.verify_digest()
+    assert str(e.value).startswith(f"{parts[0]} (and its 1 other part): tensor data: expected "
+                                   "sha256 ")
+    with pytest.raises(RunError) as e:
+        locate_input("base", rec, "config.json")
+    assert f"(sha256 {rec['sha256'][:12]}, and 1 more part), found other contents" in str(e.value)

@@ -859,8 +859,8 @@ def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
     assert _train(common + ["--run-id", "bad"]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {data}: data folder: expected train.jsonl (required), valid.jsonl "
-        "and test.jsonl (optional) (mlx-lm's layout), found test.jsonl, training.jsonl, "
-        "valid.jsonl")
+        "and test.jsonl (optional) (mlx-lm's layout; .json, .csv or .tsv in place of .jsonl), "
+        "found test.jsonl, training.jsonl, valid.jsonl")
     assert not (tmp_path / "bad").exists()
     (data / "training.jsonl").rename(data / "train.jsonl")
     (data / "test.jsonl").unlink()
@@ -1546,3 +1546,18 @@ def test_a_batch_larger_than_the_packed_rows_names_the_examples_and_no_pack(tiny
                    str(tmp_path / "runs"), "--run-id", "r", "--steps", "1", "--seq-len", "128",
                    "--no-progress", "--no-compile", "--data.path", str(data),
                    "--data.no-pack", "--eval-every", "0"]) == 0
+
+
+def test_an_adapter_for_other_weights_names_the_model_s_one_as_one(tmp_path):
+    """A model with one adapted weight (--lora.targets q --lora.layers 1) given an adapter of
+    another: the error said "the model's 1 adapted weights"."""
+    args = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, context=64)
+    theirs, mine = Llama(args), Llama(args)
+    apply_lora(theirs, ["v"], 1, 2, 4.0, 0.0)
+    apply_lora(mine, ["q"], 1, 2, 4.0, 0.0)
+    path = write_adapter(tmp_path / "v.gguf", theirs, {"general.architecture": "llama"})
+    with pytest.raises(GGUFError) as e:
+        load_adapter_weights(mine, path)
+    assert str(e.value).startswith(
+        f"{path}: tensors: expected LoRA pairs for exactly the model's 1 adapted weight, found 1 "
+        "(missing ['blk.1.attn_q.weight'], unexpected ['blk.1.attn_v.weight'])")

@@ -492,7 +492,7 @@ def test_grad_accumulation_counts_mlx_lm_s_micro_batches(tmp_path, base, data, c
         (f"toymlx-train: {path}: key 'grad_accumulation_steps': the 2 micro-batches' gradients "
          "are averaged over their targets together (mlx-lm averages each micro-batch's mean)"),
         (f"toymlx-train: {path}: key 'iters': 7 micro-batches are 3 optimizer steps of 2; "
-         "mlx-lm's last 1 update nothing and are not drawn"),
+         "mlx-lm's last 1 micro-batch updates nothing and is not drawn"),
         (f"toymlx-train: {path}: key 'steps_per_report': every 3 micro-batches falls inside an "
          "accumulation of 2; toymlx's --report-every is every 1 optimizer step (2 "
          "micro-batches)")]

@@ -247,6 +247,11 @@ def test_unsloths_notebook_settings_name_toymlxs_options(capsys, tmp_path, monke
     ("lora", ["--eval_steps", "10"], "HF Trainer's eval_steps is toymlx's --eval-every"),
     ("lora", ["--packing", "False"],
      "TRL's packing is toymlx's --data.pack, on by default (packing False: --data.no-pack)"),
+    # PEFT's (Unsloth's) r: argparse's abbreviations took it for --recipe or --resume
+    # ("ambiguous option: --r could match --recipe, --resume")
+    ("lora", ["--r", "16"], "PEFT's r is toymlx's --lora.rank"),
+    ("lora", ["--r=16"], "PEFT's r is toymlx's --lora.rank"),
+    ("lora", ["--lora_dropout", "0.05"], "PEFT's lora_dropout is toymlx's --lora.dropout"),
 ])
 def test_hf_s_names_are_said_where_a_base_is_fine_tuned(capsys, tmp_path, monkeypatch, recipe,
                                                          args, want):

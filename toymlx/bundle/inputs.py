@@ -395,7 +395,7 @@ def _locate(key: str, rec: dict[str, Any], given: str | None, moved: dict[str, A
 
 def _parts_note(rec: dict[str, Any]) -> str:
     parts = rec.get("parts")
-    return f", and {len(parts) - 1} more parts" if isinstance(parts, list) else ""
+    return f", and {counted(len(parts) - 1, 'more part')}" if isinstance(parts, list) else ""
 
 
 def fingerprint_note(rec: dict[str, Any]) -> str:

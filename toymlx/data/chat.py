@@ -13,7 +13,8 @@ File formats (`load_examples`):
   Alpaca's `instruction`, `input` and `output`; other columns are ignored. Chat turns
   (`messages`) need JSONL.
 - a folder in mlx-lm's layout (`data_files`): `train.jsonl`, optional `valid.jsonl` and
-  `test.jsonl`.
+  `test.jsonl`; each may be a `.json`, `.csv` or `.tsv` file instead (`train.csv`), read as
+  that file alone is.
 - any other file is plain UTF-8 text split into documents at blank lines (a line with only
   whitespace counts as blank). Each document becomes one `{"text": ...}` example, which is
   what the same paragraphs written as JSONL would give; to train on a whole file as one
@@ -311,6 +312,10 @@ TABLES = {".csv": ",", ".tsv": "\t"}
 """The example files read as tables (`_table_examples`), by suffix, and their delimiters."""
 TABLE_COLUMNS = "text; prompt and completion; or Alpaca's instruction, input (optional) and output"
 """The columns of each record shape a table's header may give (the record reader decides)."""
+TABLE_FIELD_LIMIT = 2**31 - 1
+"""The most characters a table's cell may hold (`_table_row`): Python's csv refuses a field over
+131,072 ("field larger than field limit"), a long document's text; this one a C long holds on
+every platform (sys.maxsize overflows csv's limit where a long is 32 bits, as on Windows)."""
 
 
 def is_plain_text(path: Path) -> bool:
@@ -396,23 +401,9 @@ def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Ex
     empty completion: `found ''`, naming the column); text that is not RFC 4180 CSV."""
     sep = TABLES[path.suffix.lower()]
     kind, sep_name = ("CSV", "comma") if sep == "," else ("TSV", "tab")
-    reader = csv.reader((raw + "\n" for _, raw in lines), delimiter=sep, strict=True)
     header: list[str] | None = None
-    row = header_row = count = 0  # the row read last, the header's, examples so far
-    while True:
-        start = reader.line_num + 1
-        try:
-            cells = next(reader, None)
-        except csv.Error as e:
-            raise DataError(
-                f"{path}: row {row + 1} (from line {start}): bad {kind} ({e}); a field that "
-                f"holds a {sep_name}, a double quote or a line break goes in double quotes, each "
-                f'double quote in it doubled: "say ""hi"""') from None
-        if cells is None:
-            break
-        row += 1
-        if not any(cells):  # a blank line, or a row of empty fields
-            continue
+    header_row = count = 0  # the header's row, examples so far
+    for row, cells in _table_rows(path, lines):
         if header is None:
             header, header_row = cells, row
             _table_header(path, header, row, sep)
@@ -424,8 +415,8 @@ def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Ex
                      f'field {len(header) + 1} is past the last column ("{header[-1]}"); a '
                      f"field that holds a {sep_name} goes in double quotes")
             columns = ", ".join(c or "(unnamed)" for c in header)
-            raise DataError(f"{path}: row {row}: expected {len(header)} fields ({columns}), "
-                            f"found {len(cells)}: {extra}")
+            raise DataError(f"{path}: row {row}: expected {counted(len(header), 'field')} "
+                            f"({columns}), found {len(cells)}: {extra}")
         count += 1
         yield _parse_record({k: v for k, v in zip(header, cells) if k}, f"{path}: row {row}",
                             _column)
@@ -435,6 +426,55 @@ def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Ex
     if not count:
         raise DataError(f"{path}: no examples; expected rows after the header (row "
                         f"{header_row}), found none")
+
+
+def _table_rows(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[tuple[int, list[str]]]:
+    """(row number, cells) of each row of a .csv or .tsv file (`lines`: `_lines`'s) that holds
+    a non-empty field, rows numbered as a spreadsheet shows them (a blank line, or a row of
+    empty fields, is skipped but counted); DataError (one line) at text that is not RFC 4180
+    CSV."""
+    sep = TABLES[path.suffix.lower()]
+    kind, sep_name = ("CSV", "comma") if sep == "," else ("TSV", "tab")
+    reader = csv.reader((raw + "\n" for _, raw in lines), delimiter=sep, strict=True)
+    row = 0  # the row read last
+    while True:
+        start = reader.line_num + 1
+        try:
+            cells = _table_row(reader)
+        except csv.Error as e:
+            raise DataError(
+                f"{path}: row {row + 1} (from line {start}): bad {kind} ({e}); a field that "
+                f"holds a {sep_name}, a double quote or a line break goes in double quotes, each "
+                f'double quote in it doubled: "say ""hi"""') from None
+        if cells is None:
+            return
+        row += 1
+        if any(cells):
+            yield row, cells
+
+
+def table_header(path: str | Path) -> tuple[int, list[str]] | None:
+    """A .csv or .tsv file's header (`TABLES`): its row number and columns, read no further
+    than that row (`FIRST_BYTES` at a time); None for a file of empty rows (`load_examples`
+    names it)."""
+    path = Path(path)
+    pieces = open_text(path, FIRST_BYTES)[1]
+    try:
+        return next(_table_rows(path, _lines(pieces)), None)
+    finally:
+        pieces.close()
+
+
+def _table_row(reader: Iterator[list[str]]) -> list[str] | None:
+    """The csv reader's next row (None at the end), its cells up to `TABLE_FIELD_LIMIT`
+    characters each. csv's limit is one setting of the whole process: raised for this call
+    alone and put back, so other readers in the process (a user's own, in a notebook) keep
+    theirs, and a generator paused between rows holds nothing changed."""
+    limit = csv.field_size_limit(TABLE_FIELD_LIMIT)
+    try:
+        return next(reader, None)
+    finally:
+        csv.field_size_limit(limit)
 
 
 def _table_header(path: Path, header: list[str], row: int, sep: str) -> None:
@@ -574,34 +614,53 @@ class DataFiles:
 
 
 FOLDER_LAYOUT = "train.jsonl (required), valid.jsonl and test.jsonl (optional)"
+SPLIT_SUFFIXES = (".jsonl", ".json", *TABLES)
+"""The suffixes a data folder's split files may have, read as a single file of that suffix is
+(`load_examples`): mlx-lm's .jsonl, or a .json, .csv or .tsv file in its place."""
+FOLDER_FILES = f"{FOLDER_LAYOUT} (mlx-lm's layout; .json, .csv or .tsv in place of .jsonl)"
 
 
 def data_files(path: str | Path) -> DataFiles:
-    """A file as itself, or an mlx-lm data folder (`FOLDER_LAYOUT`); DataError names what a
-    folder without train.jsonl holds, or a JSONL file beside it that would not be read."""
+    """A file as itself, or an mlx-lm data folder (`FOLDER_LAYOUT`), each split's file with one
+    of `SPLIT_SUFFIXES` (train.csv read as a train.csv given alone is); DataError names what a
+    folder without a train file holds, a split given twice (train.jsonl and train.csv), or an
+    example file beside them that would not be read."""
     path = Path(path)
     if not path.is_dir():
         return DataFiles(path)
     found = sorted(p.name for p in path.iterdir())
-    for name in ("train.jsonl", "valid.jsonl", "test.jsonl"):
-        if (path / name).exists() and not (path / name).is_file():
-            raise DataError(f"{path / name}: data folder: expected a file, found "
-                            f"{'a directory' if (path / name).is_dir() else 'a device or pipe'}")
-    if not (path / "train.jsonl").is_file():
-        raise DataError(f"{path}: data folder: expected {FOLDER_LAYOUT} (mlx-lm's layout), "
-                        f"found {shortlist(found, 6) or 'an empty folder'}")
+    splits = {split: _split_file(path, split) for split in ("train", "valid", "test")}
+    if splits["train"] is None:
+        raise DataError(f"{path}: data folder: expected {FOLDER_FILES}, found "
+                        f"{shortlist(found, 6) or 'an empty folder'}")
 
-    unread = [n for n in found if n.lower().endswith(".jsonl") and not n.startswith(".")
-              and n not in ("train.jsonl", "valid.jsonl", "test.jsonl")]
-    if unread:  # a misnamed split (val.jsonl, Valid.jsonl) was left out without a word
-        raise DataError(f"{path / unread[0]}: data folder: expected only {FOLDER_LAYOUT} "
-                        f"(mlx-lm's layout), found {unread[0]} too, which would not be read; "
-                        f"rename it (valid.jsonl: the validation examples) or move it out")
+    # a misnamed split (val.jsonl, Valid.csv) was left out without a word; a .json is often
+    # something else (a dataset's dataset_info.json), so only a split's own name is read as one
+    unread = [n for n in found if n.lower().endswith((".jsonl", *TABLES)) and not n.startswith(".")
+              and path / n not in splits.values()]
+    if unread:
+        raise DataError(f"{path / unread[0]}: data folder: expected only {FOLDER_FILES}, found "
+                        f"{unread[0]} too, which would not be read; rename it (valid.jsonl: the "
+                        f"validation examples) or move it out")
+    return DataFiles(splits["train"], splits["valid"], splits["test"])
 
-    def optional(name: str) -> Path | None:
-        return path / name if (path / name).is_file() else None
 
-    return DataFiles(path / "train.jsonl", optional("valid.jsonl"), optional("test.jsonl"))
+def _split_file(folder: Path, split: str) -> Path | None:
+    """The file of `split` ("train", "valid", "test") in a data folder: the one of
+    `SPLIT_SUFFIXES` there, None for none; DataError for a name there that is not a file (a
+    folder) or for two (train.jsonl and train.csv: which one trains would be a guess)."""
+    given = [folder / f"{split}{suffix}" for suffix in SPLIT_SUFFIXES
+             if (folder / f"{split}{suffix}").exists()]
+    for f in given:
+        if not f.is_file():
+            raise DataError(f"{f}: data folder: expected a file, found "
+                            f"{'a directory' if f.is_dir() else 'a device or pipe'}")
+    if len(given) > 1:
+        names = ", ".join(f.name for f in given[:-1]) + f" and {given[-1].name}"
+        other = "other" if len(given) == 2 else "others"
+        raise DataError(f"{folder}: data folder: expected one {split} file, found {names}; "
+                        f"keep the one to read and move the {other} out")
+    return given[0] if given else None
 
 
 def test_file(path: str | Path) -> Path:
@@ -1090,9 +1149,9 @@ class SplitExamples:
         files = data_files(path)
         if val_path is None and files.valid is not None and files.valid.stat().st_size == 0:
             raise DataError(f"{files.valid}: empty file; expected one example a line {SHAPES}, "
-                            f"or no valid.jsonl (the last --data.val-fraction {val_fraction} of "
-                            f"train.jsonl then validates; mlx-lm would train without "
-                            f"validation)")
+                            f"or no {files.valid.name} (the last --data.val-fraction "
+                            f"{val_fraction} of {files.train.name} then validates; mlx-lm would "
+                            f"train without validation)")
         val_path = val_path if val_path is not None else files.valid
         examples = load_examples(files.train)
         note = None
@@ -1104,8 +1163,10 @@ class SplitExamples:
                 note = none_held_out(files.train, len(examples), val_fraction)
             elif files.train != Path(path):  # a folder in mlx-lm's layout, whose valid.jsonl
                 # mlx-lm would go without: it trains on every example and validates none
-                note = (f"{path}: no valid.jsonl: the last {len(val)} of train.jsonl's "
-                        f"{len(examples)} examples validate and are not trained on "
+                one = len(val) == 1
+                note = (f"{path}: no valid.jsonl: the last {len(val)} of {files.train.name}'s "
+                        f"{len(examples)} examples {'validates' if one else 'validate'} and "
+                        f"{'is' if one else 'are'} not trained on "
                         f"(--data.val-fraction {val_fraction}; mlx-lm trains on all "
                         f"{len(examples)} and validates nothing)")
         source = DataSource(str(files.train), None if val_path is None else str(val_path))

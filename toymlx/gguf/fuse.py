@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from toymlx.backend.files import counted
 from toymlx.gguf.quantize import (
     GGUF_PY_TENSOR_TYPES,
     dequantize_tensor,
@@ -199,7 +200,7 @@ class KeptFile:
         grown = ("" if self.within is None else
                  f" (within {self.within[0]:.2f}x it would keep {self.within[1]:.0%}: "
                  "--exact-size keeps the base's size, --dtype picks one type)")
-        return (f"{len(self.choices)} changed tensors written as "
+        return (f"{counted(len(self.choices), 'changed tensor')} written as "
                 f"{', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}, the rest copied "
                 f"from the base; it keeps {self.kept:.0%} of the fine-tune's change on the "
                 f"changed layers' outputs (the base's own type would keep {naive:.0%}); "

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from toymlx.backend.files import nothing_there, special_kind
+from toymlx.backend.files import counted, nothing_there, special_kind
 
 MAGIC = b"GGUF"
 DIGEST_KEY = "toy.tensor_sha256"
@@ -454,7 +454,7 @@ class GGUFFile:
                           *[(p.path, p.data_start) for p in self.parts[1:]])
         if got != want:
             where = self.path if len(self.parts) == 1 else (
-                f"{self.path} (and its {len(self.parts) - 1} other parts)")
+                f"{self.path} (and its {counted(len(self.parts) - 1, 'other part')})")
             raise GGUFError(f"{where}: tensor data: expected sha256 {want[:16]} (recorded "
                             f"when it was written), found {got[:16]}: the file is damaged")
 

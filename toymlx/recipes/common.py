@@ -8,7 +8,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from toymlx.data.chat import data_files, is_plain_text, load_examples, test_file
+from toymlx.data.chat import (
+    TABLES,
+    data_files,
+    is_plain_text,
+    load_examples,
+    table_header,
+    test_file,
+)
 from toymlx.data.text import DataError, TokenData
 from toymlx.models.checks import ArgsError
 from toymlx.models.llama import PRESETS, Llama, LlamaArgs
@@ -57,10 +64,10 @@ class TextData:
     """Text to train on."""
 
     path: str | None = None
-    """A UTF-8 text file, a .jsonl file of {"text": ...} records, or a folder in mlx-lm's
-    layout: train.jsonl, optional valid.jsonl and test.jsonl (--test) of such records, each
-    file's texts joined by blank lines; default: the Python documentation topics that CPython
-    ships."""
+    """A UTF-8 text file, a .jsonl file of {"text": ...} records (a .csv or .tsv: its text
+    column), or a folder in mlx-lm's layout: train.jsonl, optional valid.jsonl and test.jsonl
+    (--test) of such records (or .csv, .tsv files of those names), each file's texts joined by
+    blank lines; default: the Python documentation topics that CPython ships."""
     val_fraction: float = 0.1
     """Fraction of the tokens, taken from the end, held out for validation (not used when a
     data folder has valid.jsonl)."""
@@ -74,17 +81,40 @@ def default_corpus() -> tuple[str, str]:
     return text, "python-docs (pydoc_data.topics, the Python documentation's topic pages)"
 
 
+FINE_TUNE_HINT = ("such records fine-tune a model: toymlx-train --recipe lora --base MODEL.gguf "
+                  "--data.path {path}")
+"""What to do with an example file of records this recipe does not train on."""
+
+
 def records_text(path: Path) -> str:
-    """The {"text": ...} records of one JSONL file joined by blank lines: the stream a text file
-    of those paragraphs gives; DataError naming the first record of another shape."""
+    """The {"text": ...} records of one JSONL file (or .json, .csv, .tsv) joined by blank lines:
+    the stream a text file of those paragraphs gives; DataError naming the first record of
+    another shape, or a table's columns where it has no "text" column (`check_text_column`)."""
+    check_text_column(path)
     examples = load_examples(path)
     other = next((e for e in examples if e.kind != "text"), None)
     if other is not None:
         raise DataError(f"{other.source}: expected a {{\"text\": ...}} record (this recipe trains "
-                        f"on plain text), found a {other.kind} record; such records fine-tune "
-                        f"a model: toymlx-train --recipe lora --base MODEL.gguf --data.path "
-                        f"{path}")
+                        f"on plain text), found a {other.kind} record; "
+                        + FINE_TUNE_HINT.format(path=path))
     return "\n\n".join(e.text for e in examples)
+
+
+def check_text_column(path: Path) -> None:
+    """DataError (one line) where `path` is a .csv or .tsv file whose header has no "text"
+    column, naming the columns it has: read as records, its other columns give no text to
+    train on (a prompt/completion table would be refused at row 2 as a record, a table of
+    other columns as a record shape this recipe never trains on)."""
+    if path.suffix.lower() not in TABLES or (found := table_header(path)) is None:
+        return
+    row, columns = found
+    if "text" in columns:
+        return
+    records = any(c in columns for c in ("prompt", "completion", "instruction", "output"))
+    raise DataError(f'{path}: row {row} (the header): expected a column "text" (this recipe '
+                    f"trains on plain text; other columns are ignored), found columns "
+                    f"{', '.join(c or '(unnamed)' for c in columns)}"
+                    + ("; " + FINE_TUNE_HINT.format(path=path) if records else ""))
 
 
 def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,

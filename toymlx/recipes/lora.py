@@ -120,8 +120,8 @@ class ChatDataOptions:
     """An example file (.jsonl or .json; a .csv or .tsv with a header row: text,
     prompt,completion or instruction,input,output columns; any other file: plain text, its
     documents at blank lines), or a folder in mlx-lm's layout: train.jsonl, optional
-    valid.jsonl (else the split below) and test.jsonl (--test); default: the Python stdlib Q&A
-    shipped in toymlx/fixtures/python_qa/."""
+    valid.jsonl (else the split below) and test.jsonl (--test), each may be .json, .csv or .tsv
+    instead; default: the Python stdlib Q&A shipped in toymlx/fixtures/python_qa/."""
     mask_prompt: bool = True
     """Train on the answers only (prompts and chat headers get no loss)."""
     train_turns: Literal["assistant", "last"] = "assistant"

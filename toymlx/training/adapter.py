@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from toymlx.backend.files import counted
 from toymlx.bundle.checkpoint import as_stored, checkpoint_file
 from toymlx.bundle.folder import saved_config
 from toymlx.gguf.llama import gguf_to_toy, load_llama, toy_to_gguf
@@ -314,7 +315,7 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
                  else _adapted_flags(ad.pairs, model.args))
         whose = "mlx-lm's adapter" if mlx_lm else "the adapter"
         raise GGUFError(f"{ad.path}: tensors: expected LoRA pairs for exactly the model's "
-                        f"{len(have)} adapted weights, found {len(ad.pairs)} (missing "
+                        f"{counted(len(have), 'adapted weight')}, found {len(ad.pairs)} (missing "
                         f"{missing[:2]}, unexpected {extra[:2]})"
                         + (f"; {whose} is this run's with {flags}" if flags else ""))
     targets = _adapter_targets(model, ad)
