@@ -405,8 +405,8 @@ def gain_note(base: float, tuned: float, fused: float, dtype: str | None = None)
     else:
         note = f"the fused file keeps {share:.0%} of the fine-tune's held-out gain"
     if dtype and share < KEPT_WARNING:
-        note += (f" (--dtype {dtype} also rounded the base's own tensors onto its grid, "
-                 "which costs held-out loss of its own)")
+        note += (f"; --dtype {dtype} rounded the base's own tensors onto its grid too, which "
+                 "costs held-out loss of its own")
     return note
 
 
