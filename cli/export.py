@@ -446,9 +446,9 @@ def run_val_loss(events: list[dict], step: int | None) -> float | None:
     """The run's own validation loss of the model at `step` (the last `eval` event of the
     validation split there), where the run computed in float32 (its `run_start`'s math): the
     figure the export would score again for base + adapter (at step 0, --eval-at-start's: the
-    base), on the same rows. None where
-    there is none (a run stopped before its final validation) or the run's math rounded to
-    a narrower type (bfloat16, float16), which the export's float32 scoring would not match."""
+    base), on the same rows. None where there is none (a run stopped before its final
+    validation) or the run's math rounded to a narrower type (bfloat16, float16), which the
+    export's float32 scoring would not match."""
     from toymlx.bundle.events import run_start
 
     if step is None:

@@ -290,22 +290,24 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
 
 def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_path, capsys,
                                                                       monkeypatch):
-    """The held-out pass of the fused file (4 rows in 2 calls of --batch-size here) draws a tqdm
-    bar naming it, counting rows, where stderr is a terminal, and none where it is not (a log,
-    a pipe)."""
+    """The held-out pass of the fused file (4 rows in 2 calls of --batch-size here), and of the
+    base (the run made no step-0 validation), each draws a tqdm bar naming it, counting rows,
+    where stderr is a terminal, and none where it is not (a log, a pipe)."""
     import sys
 
     from toymlx_cli.export import main
 
     run = _train(tmp_path, bases["q4_1"], "lora", "--eval-batches", "2")
-    bar = "toymlx-export: held-out loss, fused file:"
+    bars = [f"toymlx-export: held-out loss, {what}:" for what in ("base", "fused file")]
     capsys.readouterr()
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "a.gguf")]) == 0
-    assert bar not in capsys.readouterr().err
+    assert "held-out loss, " not in capsys.readouterr().err
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "b.gguf")]) == 0
     err = capsys.readouterr().err
-    assert f"{bar}   0%" in err and "0/4 [" in err and "row/s" in err  # the rows it scores
+    assert all(f"{bar}   0%" in err for bar in bars), err
+    assert "0/4 [" in err and "row/s" in err  # the rows it scores
+    assert "held-out loss, base + adapter:" not in err  # the run's step-2 figure
     assert err.rstrip().splitlines()[-1].startswith(
         "toymlx-export: held-out loss on the 4 validation rows the run scores (")
 
