@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from toymlx_cli import run_command
 
@@ -19,6 +19,9 @@ import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 from toymlx.backend.stop import SIGNALS, stops_raise
 from toymlx.bundle.outputs import check_output
 from toymlx.gguf.quantize import ExportType
+
+if TYPE_CHECKING:
+    from toymlx.runner.bundle import Bundle
 
 PROG = "toymlx-export"
 
@@ -36,7 +39,8 @@ class Args:
                         (llama-cpp-python), byte for byte what llama-quantize writes from the
                         fused F32 model (rounding may erase a small fine-tune: the export says
                         how much of it the file keeps). From a run, the held-out loss of the
-                        fused file is printed beside base + adapter's.
+                        fused file is printed beside the base's and base + adapter's, with the
+                        share of the fine-tune's gain it keeps.
     --adapter A alone:  the adapter GGUF itself, checked against the base; mlx-lm's adapter
                         folder converted to one (llama's q/k rows in the GGUF's order).
     no --adapter:       the base re-encoded at --dtype (--dtype f32: an F32 copy of a Q4_1 file).
@@ -131,7 +135,8 @@ def export_modelfile(args: Args) -> int:
     print(f"{PROG}: wrote {path} ({what}) in {time.perf_counter() - t0:.1f} s; create the "
           f"Ollama model with: ollama create NAME -f {shlex.quote(str(path))}", file=sys.stderr)
     if fused:
-        print(f"{PROG}: {heldout_note(base.path, args.adapter, fused)}", file=sys.stderr)
+        print(f"{PROG}: {heldout_note(base.path, args.adapter, fused, args.dtype)}",
+              file=sys.stderr)
     return 0
 
 
@@ -271,7 +276,7 @@ def run(args: Args) -> int:
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.adapter and args.fuse:
-        print(f"{PROG}: {heldout_note(base, args.adapter, out)}", file=sys.stderr)
+        print(f"{PROG}: {heldout_note(base, args.adapter, out, args.dtype)}", file=sys.stderr)
     return 0
 
 
@@ -314,13 +319,16 @@ def run_base_of(adapter: str | None) -> str:
     return base
 
 
-def heldout_note(base: Path, adapter: str, fused: Path) -> str:
-    """The held-out loss of the fused file beside base + adapter's, on the validation rows the
-    adapter's run scores at each evaluation (the first --eval-batches x --batch-size); base +
-    adapter's is the run's own figure where it validated the adapter's step in float32
-    (`run_val_loss`), else scored here on the same rows; both as toymlx-eval scores. Or why it
-    was not measured: an adapter outside a run, the run's data gone, no row held out. A
-    progress bar on a terminal names each pass."""
+def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None) -> str:
+    """The held-out loss of the fused file beside the base's and base + adapter's, on the
+    validation rows the adapter's run scores at each evaluation (the first --eval-batches x
+    --batch-size), and the share of the fine-tune's gain the file keeps (`gain_note`; `dtype`:
+    the --dtype every tensor was rounded to, if any). Base + adapter's is the run's own figure
+    where it validated the adapter's step in float32 (`run_val_loss`), the base's the run's
+    step-0 validation (--eval-at-start; a run from a zero adapter, on this base), else each is
+    scored here on the same rows; all as toymlx-eval scores. Or why it was not measured: an
+    adapter outside a run, the run's data gone, no row held out. A progress bar on a terminal
+    names each pass."""
     from toymlx_cli.eval import chat_loss
 
     from toymlx.backend.device import on_gpu
@@ -338,8 +346,13 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
     cfg = bundle.config
     first = cfg.eval_batches * cfg.batch_size
     step = checkpoint_step(checkpoint_file(adapter, "--adapter"))
-    ref = run_val_loss(bundle.events, step)
-    whose = f"the run's step-{step} validation" if ref is not None else "scored here"
+    own = trained_on(bundle, base)  # the run's figures are of this base
+    ref = run_val_loss(bundle.events, step) if own else None
+    # step 0 is the base alone where the adapter started at zero (lora_b = 0; DoRA's m = |W|)
+    start = run_val_loss(bundle.events, 0) if own and not cfg.lora.init_adapter else None
+
+    start_from = "the run's step-0 validation" if start is not None else "scored here"
+    ref_from = f"the run's step-{step} validation" if ref is not None else "scored here"
 
     def loss(what: str, *paths: Path | str) -> tuple[float, int, str]:
         # loaded and scored as toymlx-eval scores (on a CPU the run's float32 kernels)
@@ -349,6 +362,8 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
                          progress=f"{PROG}: held-out loss, {what}")
 
     try:
+        if start is None:
+            start = loss("base", base)[0]
         if ref is None:
             ref = loss("base + adapter", base, adapter)[0]
         got, n, source = loss("fused file", fused)[:3]
@@ -360,16 +375,80 @@ def heldout_note(base: Path, adapter: str, fused: Path) -> str:
               else "no change to give: a loss is not finite")
     rows = "the validation row" if n == 1 else f"the {n} validation rows"
     return (f"held-out loss on {rows} the run scores ({source}; the first "
-            f"--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size}): base + "
-            f"adapter {ref:.4f} ({whose}), fused file {got:.4f} ({change})")
+            f"--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size}): "
+            f"base {start:.4f} ({start_from}), base + adapter {ref:.4f} ({ref_from}), fused "
+            f"file {got:.4f} ({change}); {gain_note(start, ref, got, regrid(base, dtype))}")
+
+
+def gain_note(base: float, tuned: float, fused: float, dtype: str | None = None) -> str:
+    """What the fused file keeps of the fine-tune's held-out gain, from the three losses: the
+    share (base - fused) / (base - tuned) in words, or plainly why there is no share (no gain,
+    a loss worse than the base's, a loss not finite). Below `KEPT_WARNING` where --dtype
+    `dtype` rounded the base's own tensors onto another grid (`regrid`), it says so: a cost of
+    its own, not the fine-tune's."""
+    from toymlx.training.fused import KEPT_WARNING
+
+    if not all(map(math.isfinite, (base, tuned, fused))):
+        return "no share of the fine-tune's gain to give: a loss is not finite"
+    gain = base - tuned
+    if gain < GAIN_STEP:  # none, or below the figures' printed precision
+        return ("the fine-tune made no held-out gain to keep: base + adapter's loss is "
+                + (f"{-gain:.4f} above the base's" if gain <= -GAIN_STEP else
+                   "the base's to 4 decimals"))
+    share = (base - fused) / gain
+    if share > 1:
+        note = (f"the fused file keeps all of the fine-tune's held-out gain ({share:.0%}: its "
+                f"loss is {tuned - fused:.4f} below base + adapter's)")
+    elif share < 0:
+        note = (f"the fused file keeps none of the fine-tune's held-out gain (its loss is "
+                f"{fused - base:.4f} above the base's)")
+    else:
+        note = f"the fused file keeps {share:.0%} of the fine-tune's held-out gain"
+    if dtype and share < KEPT_WARNING:
+        note += (f"; --dtype {dtype} rounded the base's own tensors onto its grid too, which "
+                 "costs held-out loss of its own")
+    return note
+
+
+GAIN_STEP = 5e-5
+"""The smallest held-out gain `gain_note` gives a share of: half the last printed decimal, where
+two losses printed to 4 decimals would read the same."""
+
+
+def regrid(base: Path, dtype: str | None) -> str | None:
+    """`dtype` where an export --dtype `dtype` rounds the base's own tensors onto another grid
+    (it is not the base's type, `export_type`); None where they keep their values."""
+    from toymlx.gguf.quantize import export_type
+    from toymlx.gguf.reader import GGUFFile
+
+    if not dtype:
+        return None
+    with GGUFFile(base) as g:
+        return dtype if dtype.lower() != export_type(g) else None
+
+
+def trained_on(bundle: Bundle, base: Path) -> bool:
+    """Whether `base` holds the base the LoRA run `bundle` trained on (its file, or the same
+    contents elsewhere: `Bundle.given_input`): the run's own validation figures are then of
+    this base, where another base (a --base given to the export) needs its own."""
+    from toymlx.bundle.checkpoint import checkpoint_file
+    from toymlx.bundle.options import RunError
+
+    try:
+        recorded = checkpoint_file(bundle.config.base, "--base", check_digest=False)
+    except (RunError, OSError, ValueError):
+        return False
+    return (recorded.resolve() == Path(base).resolve()
+            or bundle.given_input("base", str(base)) is not None)
 
 
 def run_val_loss(events: list[dict], step: int | None) -> float | None:
     """The run's own validation loss of the model at `step` (the last `eval` event of the
     validation split there), where the run computed in float32 (its `run_start`'s math): the
-    figure the export would score again for base + adapter, on the same rows. None where
-    there is none (a run stopped before its final validation) or the run's math rounded to
-    a narrower type (bfloat16, float16), which the export's float32 scoring would not match."""
+    figure the export would score again for base + adapter (at step 0, --eval-at-start's: the
+    base), on the same rows. None where there is none (a run stopped before its final
+    validation) or the run's math rounded to a narrower type (bfloat16, float16), which the
+    export's float32 scoring would not match."""
     from toymlx.bundle.events import run_start
 
     if step is None:

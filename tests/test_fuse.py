@@ -9,8 +9,10 @@ llama-cpp-python is installed, else gguf-py's encoders, the same reference round
   lower wherever another type was chosen; LoRA, DoRA and a full fine-tune;
 - the retention figure is a share in [0, 1] of the change, on the adapted layers' outputs;
 - a file that would keep less than half the change is refused, naming --dtype;
-- the export prints the held-out loss of the fused file beside base + adapter's, the numbers
-  toymlx-eval gives, and the Modelfile's fused file (DoRA too) is the same file;
+- the export prints the held-out loss of the fused file beside the base's and base + adapter's,
+  the numbers toymlx-eval gives (the run's own where it validated that base and step), and the
+  share of the fine-tune's gain the file keeps; the Modelfile's fused file (DoRA too) is the
+  same file;
 - llama.cpp loads every file the export writes (interop).
 """
 
@@ -199,8 +201,9 @@ def _train(tmp_path: Path, base: Path, kind: str, *extra: str) -> Path:
 
 
 HELD_OUT_LINE = (r"toymlx-export: held-out loss on the (\d+) validation rows the run scores "
-                 r"\((.+); the first --eval-batches (\d+) x --batch-size (\d+)\): base \+ "
-                 r"adapter ([\d.]+) \((.+)\), fused file ([\d.]+) \(([+-][\d.]+)%\)")
+                 r"\((.+); the first --eval-batches (\d+) x --batch-size (\d+)\): base "
+                 r"([\d.]+) \((.+)\), base \+ adapter ([\d.]+) \((.+)\), fused file ([\d.]+) "
+                 r"\(([+-][\d.]+)%\); (.+)")
 
 
 def direct_loss(model: Llama, rows: dict[str, np.ndarray]) -> float:
@@ -221,9 +224,10 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
                                                                        capsys):
     """stories260K, 3 steps: the export scores the fused file on the validation rows the run's
     own evaluation scores (the first --eval-batches x --batch-size: 6 of the 20 here), and
-    takes base + adapter's loss from the run's step-3 validation instead of scoring it again;
-    both printed figures equal a direct computation on those rows to 1e-4, and the count
-    printed is the count scored."""
+    takes base + adapter's loss from the run's step-3 validation and the base's from its
+    step-0 one (--eval-at-start) instead of scoring them again; the three printed figures equal
+    a direct computation on those rows to 1e-4, the count printed is the count scored, and the
+    share of the gain kept is (base - fused) / (base - base + adapter) of those."""
     from toymlx_cli.eval import chat_loss
     from toymlx_cli.export import main as export
     from toymlx_cli.train import main as train
@@ -244,7 +248,7 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
                   "--run-id", "r", "--steps", "3", "--warmup", "1", "--lr", "1e-2",
                   "--batch-size", "2", "--eval-batches", "3", "--seq-len", "96",
                   "--eval-every", "0", "--data.path", str(data), "--data.no-pack",
-                  "--no-progress"]) == 0
+                  "--eval-at-start", "--no-progress"]) == 0
     run = tmp_path / "r"
     capsys.readouterr()
     out = tmp_path / "fused.gguf"
@@ -252,12 +256,14 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
     line = capsys.readouterr().err.strip().splitlines()[-1]
     m = re.fullmatch(HELD_OUT_LINE, line)
     assert m, line
-    n, source, batches, size, ref, whose, got, change = m.groups()
+    n, source, batches, size, start, start_whose, ref, whose, got, change, note = m.groups()
     assert (int(n), int(batches), int(size)) == (6, 3, 2)
     # the rows' own file: it named "train.jsonl + valid.jsonl", as toymlx-eval's `data` did
-    assert (source, whose) == (str(data / "valid.jsonl"), "the run's step-3 validation")
+    assert (source, start_whose, whose) == (str(data / "valid.jsonl"),
+                                            "the run's step-0 validation",
+                                            "the run's step-3 validation")
     run_loss = [e["val_loss"] for e in read_events(run) if e["kind"] == "eval"]
-    assert ref == f"{run_loss[-1]:.4f}"
+    assert len(run_loss) == 2 and (start, ref) == (f"{run_loss[0]:.4f}", f"{run_loss[-1]:.4f}")
 
     model, tok = load_for_generation(run)
     cfg = Bundle.of(run).config  # --split all scores both files and names both
@@ -268,40 +274,51 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
     rows = {k: v[:6] for k, v in val.items()}
     want_ref = direct_loss(model, rows)
     want_got = direct_loss(load_for_generation(out)[0], rows)
-    assert abs(float(ref) - want_ref) < 1e-4 + 5e-5  # printed to 4 decimals
+    want_start = direct_loss(load_for_generation(stories_path)[0], rows)
+    assert abs(float(start) - want_start) < 1e-4 + 5e-5  # printed to 4 decimals
+    assert abs(float(ref) - want_ref) < 1e-4 + 5e-5
     assert abs(float(got) - want_got) < 1e-4 + 5e-5
-    assert abs(run_loss[-1] - want_ref) < 1e-4
+    assert abs(run_loss[0] - want_start) < 1e-4 and abs(run_loss[-1] - want_ref) < 1e-4
     assert abs(float(change) - 100 * (want_got - want_ref) / want_ref) < 0.01
+    # the share by hand, from the float64 losses: 3 steps at 1e-2 gain, and the file keeps it
+    assert want_start - want_ref > 0.01
+    share = (want_start - want_got) / (want_start - want_ref)
+    kept = re.fullmatch(r"the fused file keeps (\d+)% of the fine-tune's held-out gain", note)
+    assert kept and 0.9 < share <= 1.0 and abs(int(kept.group(1)) - 100 * share) <= 0.5 + 0.1, (
+        note, share)
 
 
 def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_path, capsys,
                                                                       monkeypatch):
-    """The held-out pass of the fused file (4 rows in 2 calls of --batch-size here) draws a tqdm
-    bar naming it, counting rows, where stderr is a terminal, and none where it is not (a log,
-    a pipe)."""
+    """The held-out pass of the fused file (4 rows in 2 calls of --batch-size here), and of the
+    base (the run made no step-0 validation), each draws a tqdm bar naming it, counting rows,
+    where stderr is a terminal, and none where it is not (a log, a pipe)."""
     import sys
 
     from toymlx_cli.export import main
 
     run = _train(tmp_path, bases["q4_1"], "lora", "--eval-batches", "2")
-    bar = "toymlx-export: held-out loss, fused file:"
+    bars = [f"toymlx-export: held-out loss, {what}:" for what in ("base", "fused file")]
     capsys.readouterr()
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "a.gguf")]) == 0
-    assert bar not in capsys.readouterr().err
+    assert "held-out loss, " not in capsys.readouterr().err
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "b.gguf")]) == 0
     err = capsys.readouterr().err
-    assert f"{bar}   0%" in err and "0/4 [" in err and "row/s" in err  # the rows it scores
+    assert all(f"{bar}   0%" in err for bar in bars), err
+    assert "0/4 [" in err and "row/s" in err  # the rows it scores
+    assert "held-out loss, base + adapter:" not in err  # the run's step-2 figure
     assert err.rstrip().splitlines()[-1].startswith(
         "toymlx-export: held-out loss on the 4 validation rows the run scores (")
 
 
 def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_step(
         bases, tmp_path, capsys):
-    """A run stopped before its final validation: base + adapter is scored by the export, on
-    the same rows as the fused file, both loaded and scored as toymlx-eval does."""
+    """A run stopped before its final validation, without --eval-at-start: the base and base +
+    adapter are scored by the export, on the same rows as the fused file, all loaded and scored
+    as toymlx-eval does."""
     from toymlx_cli.eval import chat_loss
-    from toymlx_cli.export import main
+    from toymlx_cli.export import gain_note, main
 
     from toymlx.backend.device import on_gpu
     from toymlx.generation.generate import load_for_generation
@@ -323,15 +340,108 @@ def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_ste
         r"[\d.]+ s", lines[0])
     cfg = Bundle.of(run).config
     gpu = on_gpu()  # loaded as toymlx-eval loads
-    ref, n, source = chat_loss(*load_for_generation(run, weights=frozen_weights(gpu),
-                                                    ops=scoring_ops(gpu)), cfg, first=2)[:3]
-    got = chat_loss(*load_for_generation(out, weights=frozen_weights(gpu),
-                                               ops=scoring_ops(gpu)), cfg, first=2).loss
+    held = [chat_loss(*load_for_generation(path, weights=frozen_weights(gpu),
+                                           ops=scoring_ops(gpu)), cfg, first=2)
+            for path in (base, run, out)]  # the base alone, base + adapter, the fused file
+    start, ref, got = (h.loss for h in held)
+    n, source = held[1].rows, held[1].source
     assert lines[1] == (
         f"toymlx-export: held-out loss on the {n} validation rows the run scores ({source}; "
-        f"the first --eval-batches 1 x --batch-size 2): base + adapter {ref:.4f} (scored "
-        f"here), fused file {got:.4f} ({(got - ref) / ref:+.2%})")
+        f"the first --eval-batches 1 x --batch-size 2): base {start:.4f} (scored here), base + "
+        f"adapter {ref:.4f} (scored here), fused file {got:.4f} ({(got - ref) / ref:+.2%}); "
+        f"{gain_note(start, ref, got)}")
     assert n == 2
+
+
+def test_gain_note_gives_the_share_of_the_gain_kept_or_says_why_there_is_none(bases):
+    """The share of the fine-tune's held-out gain a fused file keeps, (base - fused) / (base -
+    base + adapter), checked by hand on session 45's figures, and in words where a ratio would
+    mean nothing: no gain, a loss worse than base + adapter's or the base's, a loss not finite.
+    Where --dtype rounded the base's own tensors onto another grid, a low share says so."""
+    from toymlx_cli.export import gain_note, regrid
+
+    keeps = "the fused file keeps {} of the fine-tune's held-out gain"
+    none = "the fine-tune made no held-out gain to keep: base + adapter's loss is {}"
+    cases = [  # (base, base + adapter, fused, --dtype), what is said
+        # README's run fused --dtype q4_k_m: (2.8780 - 2.8752) / (2.8780 - 2.7986) = 0.0353
+        ((2.8780, 2.7986, 2.8752, None), keeps.format("4%")),
+        ((2.8780, 2.7986, 2.8752, "q4_k_m"), keeps.format("4%") + (
+            "; --dtype q4_k_m rounded the base's own tensors onto its grid too, which costs "
+            "held-out loss of its own")),
+        # the docs' run fused --dtype q4_k_m: 4.8121, 4.6992, 4.8919, worse than the base
+        ((4.8121, 4.6992, 4.8919, "q4_k_m"), keeps.format("none") + (
+            " (its loss is 0.0798 above the base's); --dtype q4_k_m rounded the base's own "
+            "tensors onto its grid too, which costs held-out loss of its own")),
+        # the Unsloth walk: (3.01 - 1.13) / (3.01 - 0.87) = 1.88 / 2.14 = 0.8785: no remark
+        ((3.01, 0.87, 1.13, "q4_k_m"), keeps.format("88%")),
+        ((2.0, 1.5, 1.4, None), keeps.format("all") + (
+            " (120%: its loss is 0.1000 below base + adapter's)")),
+        ((2.0, 1.5, 2.1, None), keeps.format("none") + " (its loss is 0.1000 above the base's)"),
+        ((2.0, 2.1, 2.0, None), none.format("0.1000 above the base's")),
+        ((2.0, 1.99998, 1.5, None), none.format("the base's to 4 decimals")),
+        ((2.0, float("nan"), 1.9, None),
+         "no share of the fine-tune's gain to give: a loss is not finite"),
+    ]
+    assert [gain_note(*given) for given, _ in cases] == [said for _, said in cases]
+    # --dtype of the base's own type rounds its tensors onto the grid they are on
+    assert [regrid(bases["q4_1"], t) for t in (None, "q4_1", "q8_0")] == [None, None, "q8_0"]
+
+
+def test_export_takes_the_runs_figures_only_for_its_base_from_a_zero_adapter(bases, tmp_path,
+                                                                             capsys):
+    """--eval-at-start's step-0 validation is the base's loss (the adapter starts at zero): the
+    export takes it, and the final one for base + adapter, where it fuses onto the run's base
+    (its file, or a copy elsewhere), and scores both itself onto another base (--base Q8_0 for
+    a Q4_1 run) or where the run started from --lora.init-adapter (its step 0 is not the
+    base's); each scored figure is toymlx-eval's, and the run's step 0 matches the base's."""
+    import shutil
+
+    from toymlx_cli.eval import chat_loss
+    from toymlx_cli.export import main
+
+    from toymlx.backend.device import on_gpu
+    from toymlx.bundle.events import read_events
+    from toymlx.generation.generate import load_for_generation
+    from toymlx.gguf.llama import frozen_weights
+    from toymlx.models.ops import scoring_ops
+    from toymlx.runner.bundle import Bundle
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run = _train(tmp_path / "a", bases["q4_1"], "lora", "--eval-at-start")
+    again = _train(tmp_path / "b", bases["q4_1"], "lora", "--eval-at-start",
+                   "--lora.init-adapter", str(run))
+    cfg = Bundle.of(run).config
+    gpu = on_gpu()
+
+    def scored(*paths: Path) -> float:  # as toymlx-eval scores
+        return chat_loss(*load_for_generation(*paths, weights=frozen_weights(gpu),
+                                              ops=scoring_ops(gpu)), cfg, first=2).loss
+
+    def said(*args: Path | str) -> tuple[str, ...]:
+        capsys.readouterr()
+        assert main([*map(str, args), "--fuse", "--out", str(tmp_path / "f.gguf")]) == 0
+        m = re.fullmatch(HELD_OUT_LINE, capsys.readouterr().err.strip().splitlines()[-1])
+        assert m
+        return m.group(5, 6, 7, 8)
+
+    def figures(r: Path) -> list[float]:
+        return [e["val_loss"] for e in read_events(r) if e["kind"] == "eval"]
+
+    first, last = figures(run)
+    on_q4_1 = (f"{first:.4f}", "the run's step-0 validation", f"{last:.4f}",
+               "the run's step-2 validation")
+    assert abs(first - scored(bases["q4_1"])) < 1e-4
+    assert said("--adapter", run) == on_q4_1
+    copy = shutil.copy(bases["q4_1"], tmp_path / "copy.gguf")
+    assert said("--adapter", run, "--base", copy) == on_q4_1
+    q8 = bases["q8_0"]
+    assert said("--adapter", run, "--base", q8) == (
+        f"{scored(q8):.4f}", "scored here", f"{scored(q8, run):.4f}", "scored here")
+    start, end = figures(again)
+    assert abs(start - last) < 1e-4  # its step 0 is base + the first run's adapter
+    assert said("--adapter", again) == (f"{scored(bases['q4_1']):.4f}", "scored here",
+                                        f"{end:.4f}", "the run's step-2 validation")
 
 
 def test_export_of_a_run_whose_data_is_gone_writes_the_file_and_says_why_no_loss(

@@ -322,7 +322,7 @@ def test_adapter_retention_tells_rounding_noise_from_an_erased_change(base_and_r
     assert kept_note(Retention(0.0, 0.97, 34.9), "q4_k_m") == (
         "keeps 97% of the adapter's change in its weights, under q4_k_m's rounding noise 34.9x "
         "the change's size on the adapted layers' outputs (so 0% kept by that measure: the noise "
-        "of any file rounded to q4_k_m; the held-out loss measures what the fine-tune kept); to "
+        "of any file rounded to q4_k_m; the held-out gain measures what the fine-tune kept); to "
         "keep the change exact, export without --dtype (each adapted tensor in a type that keeps "
         "its change), or --dtype q8_0 or f16, or run the base with the adapter: llama-cli --lora")
     # a change the rounding erased is still called lost, with the same figure as a float gives

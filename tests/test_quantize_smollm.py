@@ -45,11 +45,38 @@ TEXT = ("What does Python's functools.lru_cache do, and when should I avoid it?"
 
 
 def export(*argv: str) -> str:
-    """toymlx-export in a child process, as a user runs it; its "wrote" line."""
+    """toymlx-export in a child process, as a user runs it; its "wrote" line, and after it the
+    held-out line of a fused export."""
     r = subprocess.run([sys.executable, "-m", "toymlx_cli.export", *argv], check=False,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    return next(s for s in reversed(r.stderr.splitlines()) if s.startswith("toymlx-export: wrote"))
+    return "\n".join(s for s in r.stderr.splitlines()
+                     if s.startswith(("toymlx-export: wrote", "toymlx-export: held-out")))
+
+
+def check_gain(said: str, regrid: bool) -> float:
+    """The held-out line's share of the fine-tune's gain against (base - fused) / (base - base +
+    adapter) of its three printed losses (4 decimals each: the percentage within that rounding),
+    and its --dtype remark where the export rounded the base's own tensors onto another grid
+    (`regrid`) and kept under half; returns the share."""
+    held = said.splitlines()[-1]
+    m = re.fullmatch(r"toymlx-export: held-out loss .*: base ([\d.]+) \(scored here\), base \+ "
+                     r"adapter ([\d.]+) \(.+\), fused file ([\d.]+) \(.+?\); (.+)", held)
+    assert m, said
+    base, tuned, fused = (float(m[i]) for i in (1, 2, 3))
+    gain = base - tuned
+    assert gain > 0.001, said  # the fixture's 4 steps at 2e-3 lower the held-out loss
+    share = (base - fused) / gain
+    slack = 100 * 2e-4 / gain + 0.5  # three losses rounded to 4 decimals, the share to 1%
+    pct = re.match(r"the fused file keeps (\d+)% of the fine-tune's held-out gain", m[4])
+    if pct:
+        assert abs(int(pct[1]) - 100 * share) <= slack, (said, share)
+    else:
+        assert m[4].startswith("the fused file keeps all" if share > 1 else
+                               "the fused file keeps none"), (said, share)
+    assert ("rounded the base's own tensors onto its grid too" in m[4]) == (
+        regrid and share < 0.5), said
+    return share
 
 
 def train(base: Path, runs: Path, run_id: str) -> Path:
@@ -107,6 +134,8 @@ def check_fused(work: dict, base: Path, run: Path, dtype: str, qtype: str,
            "--out", str(f32))
     mine = GGUFFile(out)
     assert f"it {kept_note(kept, dtype)} in " in said
+    # base_q is the base itself where --dtype is the base's own type, else its grid's copy
+    gain = check_gain(said, regrid=base_q != base)
     ref = d / f"{name}-llama-quantize.gguf"
     quantize(f32, ref, qtype)
     theirs = GGUFFile(ref)
@@ -122,7 +151,8 @@ def check_fused(work: dict, base: Path, run: Path, dtype: str, qtype: str,
            (("fused", out), ("fused_f32", f32), ("base_q", base_q), ("base_f32", work["f32"]))}
     figures = {"type": qtype, "bytes": out.stat().st_size, "base_bytes": base.stat().st_size,
                "export_s": round(seconds, 1), "types": _type_counts(out),
-               "adapter_kept": round(kept.kept, 3), "along": round(kept.along, 3)}
+               "adapter_kept": round(kept.kept, 3), "along": round(kept.along, 3),
+               "gain_kept": round(gain, 3)}
     for key, (a, b) in {"fused_vs_f32": ("fused", "fused_f32"),
                         "base_margin": ("base_q", "base_f32"),
                         "effect": ("fused_f32", "base_f32"),
