@@ -25,6 +25,7 @@ from toymlx.models.ops import Ops
 from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
+    check_reading,
     check_seq_len,
     check_test_folder,
     llama_model_info,
@@ -58,6 +59,7 @@ def validate(cfg: Config) -> None:
     its runs start), --test's data folder with test.jsonl; the data itself is checked as it is
     read."""
     cfg.model.build_args(vocab_size=1)  # the vocabulary is the tokenizer's, not yet read
+    check_reading(cfg.data)
     if cfg.tokenizer is not None:
         check_model_file(cfg.tokenizer, "--tokenizer")
     if cfg.test:

@@ -34,6 +34,7 @@ from toymlx.recipes import warm
 from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
+    check_reading,
     check_seq_len,
     check_test_folder,
     llama_model_info,
@@ -81,6 +82,7 @@ def validate(cfg: Config) -> None:
     """Checks that need no file (the student's shape among them); the donor itself is checked
     when it is read."""
     cfg.model.build_args(vocab_size=1)  # the vocabulary is the donor's, not yet read
+    check_reading(cfg.data)
     if not cfg.donor:
         raise ValueError("--donor: expected a llama GGUF to take the token table from, "
                          "found none")
