@@ -24,6 +24,9 @@ class Resume:
     why this checkpoint and not the one `latest` names (it was missing or dangling), what it
     finishes or sets aside, how an older run's data is read."""
     dropped: int = 0
+    damaged: list[int] = field(default_factory=list)
+    """The garbled lines (numbers as they stood) its cut moved out of events.jsonl
+    (`events.Cut.damaged`): the resume event records them (`events.DAMAGED_KEY`)."""
     previous_end: str = "torn"
     t: float = 0.0
     kept: list[dict] = field(default_factory=list, repr=False)

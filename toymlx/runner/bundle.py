@@ -396,8 +396,9 @@ class Bundle:
             return
         before = [s for s, _ in ck.list_checkpoints(self.path / "weights") if s < missing]
         # a step's line garbled in place reads as a step missing: say which line it may be
+        moved = ev.moved_damage(self.events)  # or garbled before, and cut out by a resume
         why = (f" ({ev.line_numbers(self.log.damaged)} garbled: the file was damaged)"
-               if self.log.damaged else "")
+               if self.log.damaged else f" ({moved})" if moved else "")
         raise RunError(f"{self.path / ev.EVENTS_FILE}: --resume: expected each step once up to "
                        f"the checkpoint's step {step}, found no step {missing}{why}; resuming "
                        f"would leave step {missing} missing for good: put the run's events.jsonl "
@@ -495,6 +496,7 @@ class Bundle:
             resume.add_note(note)
         cut = ev.cut_back(self.path, resume.step)
         resume.dropped, resume.previous_end, resume.t = cut.dropped, cut.previous_end, cut.t
+        resume.damaged = cut.damaged
         damage = ev.damage_note(self.path / ev.EVENTS_FILE, cut.damaged)
         if damage:  # a torn line goes in silence: a kill leaves one, and this resume follows it
             note = f"{damage}; moved to {ev.SUPERSEDED}"
