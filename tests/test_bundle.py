@@ -319,18 +319,22 @@ def _as_format_7(run: Path) -> None:
 
 def test_a_run_records_how_it_read_its_data_file(tmp_path, records, data):
     """config.json (format 8) holds --data.read-as as the run read its file: records for a
-    .jsonl, text for a text file, none for a data folder (always records)."""
+    .jsonl, text for a text file, none for a data folder (always records); by the file the
+    run reads, also where a -c file named another."""
     folder = tmp_path / "mlx_lm_data"
     folder.mkdir()
     shutil.copy(records, folder / "train.jsonl")
+    (tmp_path / "c.yaml").write_text(f"recipe: from-scratch\ndata:\n  path: {data}\n")
     got = {}
-    for name, path in [("jsonl", records), ("txt", data), ("folder", folder)]:
-        assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(path), "--runs-root",
-                     str(tmp_path), "--run-id", name, "--steps", "1"]) == 0
+    for name, path, more in [("jsonl", records, []), ("txt", data, []),
+                             ("folder", folder, []),
+                             ("over_c", records, ["-c", str(tmp_path / "c.yaml")])]:
+        assert main([*more, "--recipe", "from-scratch", *TINY, "--data.path", str(path),
+                     "--runs-root", str(tmp_path), "--run-id", name, "--steps", "1"]) == 0
         saved = json.loads((tmp_path / name / "config.json").read_text())
         assert saved["format"] == 8
         got[name] = saved["config"]["data"]["read_as"]
-    assert got == {"jsonl": "records", "txt": "text", "folder": None}
+    assert got == {"jsonl": "records", "txt": "text", "folder": None, "over_c": "records"}
 
 
 def test_the_text_reading_of_a_jsonl_file_is_its_bytes(records):

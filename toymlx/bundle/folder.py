@@ -4,6 +4,7 @@ config.json written once (`save_config`) and read back as saved (`read_config`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import hashlib
@@ -11,6 +12,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,15 +246,20 @@ AS_BEFORE = {"data.read_as": ("text", "data.path", ("a single --data.path file w
                                                     "JSON included"))}
 """Options of `ADDED_IN` whose default is not what the runs before them did: {dotted key: (the
 value those runs had, the option naming the file it is about, what they did)}; an older
-config.json that lacks one takes that value wherever the option's own default (resolved from
-the options: a data file's name) differs from it (`as_before`)."""
+config.json that lacks one takes that value wherever a new run would settle the option
+otherwise (`as_before`)."""
 
 
-def as_before(cfg: Any, saved_config: dict[str, Any], fmt: int, source: str) -> dict[str, str]:
+def as_before(cfg: Any, saved_config: dict[str, Any], fmt: int, source: str,
+              settle: Callable[[Any], None] | None) -> dict[str, str]:
     """Give each `AS_BEFORE` option that `cfg` (read from `source`, a config.json of format
     `fmt` whose "config" is `saved_config`) lacks in the file the value runs had before it,
-    where its default resolved to another (set, not None: an option that applies); {dotted key:
-    one line naming the file, for the readers to say} of each option set."""
+    where the recipe's `settle` (what a new run does with the options as given) gives it
+    another value (not None: an option that applies); {dotted key: one line naming the file,
+    for the readers to say} of each option set."""
+    settled = copy.deepcopy(cfg)
+    if settle is not None:
+        settle(settled)
     notes = {}
     for key, (value, about, then) in AS_BEFORE.items():
         *parents, name = key.split(".")
@@ -262,7 +269,7 @@ def as_before(cfg: Any, saved_config: dict[str, Any], fmt: int, source: str) -> 
             group = group.get(part) if isinstance(group, dict) else None
         if (key not in added_since(fmt) or not dataclasses.is_dataclass(holder)
                 or not isinstance(group, dict) or name in group
-                or getattr(holder, name, None) in (None, value)):
+                or option(settled, key) in (None, value)):
             continue
         setattr(holder, name, value)
         flag = flag_name(key)

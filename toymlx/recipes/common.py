@@ -68,18 +68,21 @@ class TextData:
     """How a single --data.path file is read: records (the texts of its {"text": ...} records)
     or text (its characters as they are, JSON and all); default: records for a .jsonl, .json,
     .csv or .tsv file, text for any other. A data folder's files are always records. A run
-    records it in config.json, so a resume reads its data as it started."""
-
-    def __post_init__(self) -> None:
-        # settled when the options are read, so config.json records how the file is read
-        if self.read_as is None and self.path is not None and not Path(self.path).is_dir():
-            self.read_as = file_reading(Path(self.path))
+    records the one it takes in config.json, so a resume reads its data as it started."""
 
 
 def file_reading(path: Path) -> Literal["records", "text"]:
     """How a single data file is read unless --data.read-as says: as its records where
     `load_examples` reads it so (`is_plain_text`), else as text."""
     return "text" if is_plain_text(path) else "records"
+
+
+def settle_reading(data: TextData) -> None:
+    """Give --data.read-as, where not given, the reading the file's name takes (`file_reading`)
+    as a new run starts: config.json then records how the run reads its file, and a resume reads
+    it so whatever the name of the file it is found in."""
+    if data.read_as is None and data.path is not None and not Path(data.path).is_dir():
+        data.read_as = file_reading(Path(data.path))
 
 
 def default_corpus() -> tuple[str, str]:

@@ -31,6 +31,7 @@ from toymlx.recipes.common import (
     llama_model_info,
     lm_task,
     load_token_data,
+    settle_reading,
 )
 from toymlx.training.task import Task, TrainConfig
 
@@ -52,6 +53,11 @@ class Config(TrainConfig):
     """At the end of a completed run, score the data folder's test.jsonl (--data.path in
     mlx-lm's layout): loss and perplexity over all its windows of --seq-len tokens, an `eval`
     event with split "test" (later: `toymlx-eval --model RUN --split test`)."""
+
+
+def settle(cfg: Config) -> None:
+    """A new run's options that its inputs decide, given their values (`settle_reading`)."""
+    settle_reading(cfg.data)
 
 
 def validate(cfg: Config) -> None:

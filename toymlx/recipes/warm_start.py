@@ -40,6 +40,7 @@ from toymlx.recipes.common import (
     llama_model_info,
     lm_task,
     load_token_data,
+    settle_reading,
 )
 from toymlx.training.task import Task, TrainConfig, decayed
 
@@ -76,6 +77,11 @@ class Config(TrainConfig):
     mlx-lm's layout), tokenized by the donor's tokenizer: loss and perplexity over all its
     windows of --seq-len tokens, an `eval` event with split "test" (later:
     `toymlx-eval --model RUN --split test`)."""
+
+
+def settle(cfg: Config) -> None:
+    """A new run's options that its inputs decide, given their values (`settle_reading`)."""
+    settle_reading(cfg.data)
 
 
 def validate(cfg: Config) -> None:

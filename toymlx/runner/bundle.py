@@ -125,7 +125,8 @@ class Bundle:
                               if fmt > CONFIG_FORMAT else ""))
         cfg = config_from_dict(module.Config, saved["config"], source, complete=fmt >= 2,
                                optional=added_since(fmt))  # see CONFIG_FORMAT
-        before = as_before(cfg, saved["config"], fmt, source)  # the paths as recorded
+        before = as_before(cfg, saved["config"], fmt, source,  # the paths as recorded
+                           getattr(module, "settle", None))
         log = ev.read_log(path)
         cfg, used, moved = resolve_inputs(cfg, saved, source, given, moved_inputs(log.events))
         cfg.steps = _planned_steps(log.events, cfg.steps)
