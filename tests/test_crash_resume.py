@@ -84,6 +84,13 @@ def test_a_run_stopped_and_resumed_again_and_again_ends_bit_exact(tmp_path, shar
         "startup", "step", "eval", "checkpoint"]
 
 
+def _moved_out(events: Path, line: int) -> str:
+    """What a resume says of the garbled `line` of `events` it moved out."""
+    return (f"{events}: line {line}: expected an event (one JSON object a line), found a "
+            "garbled line that no kill or resume explains: the file was damaged; moved to "
+            "events.superseded.jsonl")
+
+
 def test_resume_after_a_torn_event_line(tmp_path, shared_file, capsys):
     """A kill mid-emit leaves half a line; the resumed run's events must still be readable. A
     garbled line no kill leaves (damage) is named as the resume moves it out; the torn one is
@@ -101,9 +108,7 @@ def test_resume_after_a_torn_event_line(tmp_path, shared_file, capsys):
     events.write_bytes(b"".join(lines))
     capsys.readouterr()
     assert main(["--resume", str(run), "--no-progress"]) == 0
-    damage = (f"{events}: line {at + 1}: expected an event (one JSON object a line), found a "
-              "garbled line that no kill or resume explains: the file was damaged; moved to "
-              "events.superseded.jsonl")
+    damage = _moved_out(events, at + 1)
     assert damage in capsys.readouterr().err
     ev = read_events(run)
     assert [e["kind"] for e in ev].count("run_start") == 1
@@ -152,9 +157,7 @@ def test_a_resume_line_edited_by_hand_is_damage_not_a_restart(tmp_path, shared_f
     events.write_bytes(b"".join(lines))
     capsys.readouterr()
     assert main(["--resume", str(run), "--no-progress"]) == 0
-    damage = (f"{events}: line {at + 1}: expected an event (one JSON object a line), found a "
-              "garbled line that no kill or resume explains: the file was damaged; moved to "
-              "events.superseded.jsonl")
+    damage = _moved_out(events, at + 1)
     assert f"toymlx-train: {damage}\n" in capsys.readouterr().err
     ev = read_events(run)
     assert [e["from_step"] for e in ev if e["kind"] == "resume"] == [4]

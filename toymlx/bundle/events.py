@@ -181,8 +181,8 @@ def restart_problem(ev: dict) -> str | None:
         v = ev.get(key)
         if v is not None and (not isinstance(v, want) or isinstance(v, bool)
                               or (want is int and v < 0)):
-            return f"key {key!r}: expected {'a step' if want is int else 'a path'}, found " \
-                   f"{json.dumps(v)}"
+            return (f"key {key!r}: expected {'a step' if want is int else 'a path'}, found "
+                    f"{json.dumps(v)}")
     return None
 
 

@@ -235,7 +235,6 @@ every assistant turn trained, no validation before step 1, W&B's project from WA
 subnormals flushed changes no loss past float32 rounding), or their `AS_BEFORE` value."""
 
 
-
 def added_since(fmt: int) -> frozenset[str]:
     """The options a config.json of format `fmt` was written without (`ADDED_IN`)."""
     return frozenset(k for f, keys in ADDED_IN.items() if fmt < f for k in keys)

@@ -109,8 +109,9 @@ def records_text(path: Path) -> str:
 def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
                     windows: bool = True, progress: bool = True) -> TokenData:
     """The token ids of --data.path: the default corpus or a file, its records' texts or its
-    text as `data.read_as` says (validation: the last val_fraction), or an mlx-lm data folder (validation: valid.jsonl, else the last val_fraction
-    of train.jsonl; with `test`, test.jsonl as the test ids). `windows`: `TokenData.from_ids`'s
+    text as `data.read_as` says (validation: the last val_fraction), or an mlx-lm data folder
+    (validation: valid.jsonl, else the last val_fraction of train.jsonl; with `test`,
+    test.jsonl as the test ids). `windows`: `TokenData.from_ids`'s
     (training's check that each split holds a window; toymlx-eval checks the one it scores);
     `progress`: `TokenData.from_file`'s (--no-progress: False)."""
     if data.path is None:
