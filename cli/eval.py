@@ -209,23 +209,29 @@ def check_run_test_data(bundle) -> None:
                      f"restore it, or score the data as it is now with --data.path {path}")
 
 
-def default_split(args: Args, bundle) -> str:
-    """--split as given; else val on the run's own data (the held-out split its training
+def reads_run_data(args: Args, bundle) -> bool:
+    """Whether eval reads the data of the run `--model` names: no --data.path, or one naming
+    the run's own file, or a copy of it elsewhere (said: `Bundle.given_input`)."""
+    if bundle is None or args.data_path is None:
+        return bundle is not None
+    from toymlx.bundle.options import option
+
+    own = option(bundle.config, "data.path")
+    if isinstance(own, str) and Path(own).resolve() == Path(args.data_path).resolve():
+        return True
+    if note := bundle.given_input("data.path", args.data_path):
+        print(f"{PROG}: reads --data.path from {note}", file=sys.stderr)
+        return True  # the run's own data, moved
+    return False
+
+
+def default_split(args: Args, own: bool) -> str:
+    """--split as given; else val on the run's own data (`own`: the held-out split its training
     evaluated), and all on --data.path data the run did not train on: no part of it was held
     out from training, so a 10% split of it would only score fewer examples."""
     if args.split is not None:
         return args.split
-    if args.data_path is None:
-        return "val"
-    from toymlx.bundle.options import option
-
-    own = option(bundle.config, "data.path") if bundle is not None else None
-    same = isinstance(own, str) and Path(own).resolve() == Path(args.data_path).resolve()
-    if not same and bundle is not None and (note := bundle.given_input("data.path",
-                                                                       args.data_path)):
-        print(f"{PROG}: reads --data.path from {note}", file=sys.stderr)
-        same = True  # the run's own data, moved: its held-out split, as training scored it
-    return "val" if same else "all"
+    return "val" if args.data_path is None or own else "all"
 
 
 def _run_config(model: str):
@@ -469,7 +475,8 @@ def evaluate(args: Args) -> dict:
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
                      "--plot")
     bundle = _run_bundle(args.model)
-    args = dataclasses.replace(args, split=default_split(args, bundle))
+    own = reads_run_data(args, bundle)
+    args = dataclasses.replace(args, split=default_split(args, own))
     if bundle is not None and args.split == "test" and args.data_path is None:
         check_run_test_data(bundle)
     if bundle is not None and bundle.recipe == "lora":
@@ -500,11 +507,17 @@ def evaluate(args: Args) -> dict:
         text_run = isinstance(getattr(cfg, "data", None), TextData)  # from-scratch, warm-start
         if args.split == "test" and not text_run:  # a GGUF of its own: chat/SFT test examples
             return evaluate_chat(args, cfg)
-        if args.data_path is not None and args.split != "test" and chat_records(args.data_path):
+        run_data = own and text_run  # read as the run read it (its --data.read-as)
+        if args.data_path is not None and args.split != "test" and not run_data \
+                and chat_records(args.data_path):
             return evaluate_chat(args, cfg)  # scored as rows of prompt and answer, as trained
         model, g = load_llama(path, scoring_ops(on_gpu()), weights=frozen_weights(on_gpu()))
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
-        data = cfg.data if args.data_path is None and text_run else TextData(args.data_path)
+        if run_data:
+            for note in bundle.before.values():  # an older run's data, read as it was then
+                print(f"{PROG}: {note}", file=sys.stderr)
+        data = (TextData(args.data_path) if not run_data else cfg.data if args.data_path is None
+                else dataclasses.replace(cfg.data, path=args.data_path))
         seq_len = args.seq_len or getattr(cfg, "seq_len", 256)
         check_context(seq_len, model, path)
         if args.split == "test":  # the run's data folder's test.jsonl, as its --test scores it

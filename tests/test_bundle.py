@@ -265,11 +265,156 @@ def test_a_config_format_6_run_takes_wandb_project_at_its_default():
     del d["wandb_project"]
     assert config_from_dict(lora.Config, d, "c.json", optional=added_since(6)).wandb_project \
         is None
-    assert CONFIG_FORMAT == 7
+    assert CONFIG_FORMAT >= 7
     with pytest.raises(RunError) as e:
         config_from_dict(lora.Config, d, "c.json", optional=added_since(7))
     assert str(e.value).startswith("c.json: key 'config.wandb_project': expected the run's "
                                    "saved --wandb-project value, found no key")
+
+
+# ---- a .jsonl data file, read as text by the runs before --data.read-as ------------------------
+@pytest.fixture(scope="module")
+def records(tmp_path_factory, data) -> Path:
+    """A .jsonl file of {"text": ...} records: each line of the stories one record."""
+    path = tmp_path_factory.mktemp("records") / "stories.jsonl"
+    lines = [ln for ln in Path(data).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    path.write_text("".join(json.dumps({"text": ln}) + "\n" for ln in lines[:80]),
+                    encoding="utf-8")
+    return path
+
+
+def _records_run(root: Path, run_id: str, records: Path, *more: str) -> Path:
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(records), "--runs-root",
+                 str(root), "--run-id", run_id, "--steps", "6", "--checkpoint-every", "2",
+                 *more]) == 0
+    return root / run_id
+
+
+@pytest.fixture(scope="module")
+def as_text(tmp_path_factory, records) -> Path:
+    """6 steps on the .jsonl read as text, as toymlx read every single file before it read
+    records: the losses a resumed older run must repeat bit for bit."""
+    return _records_run(tmp_path_factory.mktemp("as_text"), "t", records, "--data.read-as",
+                        "text")
+
+
+def _as_format_7(run: Path) -> None:
+    """config.json as toymlx wrote it before --data.read-as (format 7, no data.read_as), and
+    run_start as it recorded it: the digest of that config.json, its options without it."""
+    from toymlx.bundle.folder import config_digest
+
+    saved = json.loads((run / "config.json").read_text())
+    saved["format"] = 7
+    del saved["config"]["data"]["read_as"]
+    (run / "config.json").write_text(json.dumps(saved, indent=2))
+    lines = []
+    for line in (run / "events.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e["kind"] == "run_start":
+            e["config_sha256"] = config_digest(saved)
+            del e["config"]["data"]["read_as"]
+        lines.append(json.dumps(e))
+    (run / "events.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_a_run_records_how_it_read_its_data_file(tmp_path, records, data):
+    """config.json (format 8) holds --data.read-as as the run read its file: records for a
+    .jsonl, text for a text file, none for a data folder (always records); by the file the
+    run reads, also where a -c file named another."""
+    folder = tmp_path / "mlx_lm_data"
+    folder.mkdir()
+    shutil.copy(records, folder / "train.jsonl")
+    (tmp_path / "c.yaml").write_text(f"recipe: from-scratch\ndata:\n  path: {data}\n")
+    got = {}
+    for name, path, more in [("jsonl", records, []), ("txt", data, []),
+                             ("folder", folder, []),
+                             ("over_c", records, ["-c", str(tmp_path / "c.yaml")])]:
+        assert main([*more, "--recipe", "from-scratch", *TINY, "--data.path", str(path),
+                     "--runs-root", str(tmp_path), "--run-id", name, "--steps", "1"]) == 0
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        assert saved["format"] == 8
+        got[name] = saved["config"]["data"]["read_as"]
+    assert got == {"jsonl": "records", "txt": "text", "folder": None, "over_c": "records"}
+
+
+def test_the_text_reading_of_a_jsonl_file_is_its_bytes(records):
+    """--data.read-as text gives the ids of the file's bytes, JSON and all (hand-computed: BOS 1,
+    then byte b as id b + 3), as toymlx read any single file before it read records."""
+    import numpy as np
+
+    from toymlx.data.tokenizer import byte_tokenizer
+    from toymlx.recipes.common import TextData, load_token_data
+
+    td = load_token_data(TextData(str(records), 0.1, "text"), byte_tokenizer(), 32)
+    want = [1] + [b + 3 for b in records.read_bytes()]
+    assert np.concatenate([td.train, td.val]).tolist() == want
+    rec = load_token_data(TextData(str(records)), byte_tokenizer(), 32)  # the default: records
+    assert len(rec.train) + len(rec.val) < len(want)  # their texts alone
+
+
+def test_an_older_run_on_a_jsonl_file_resumes_reading_it_as_text(tmp_path, records, as_text,
+                                                                  capsys):
+    """A run started before toymlx read a .jsonl --data.path as its records (config.json
+    format 7, no data.read_as) trained on the file's text: its resume reads it so, says so in
+    one line (and its resume event), and repeats the losses of a run on the text straight
+    through, where the records' reading trains on other tokens. toymlx-eval of it reads the
+    data as the run did, and says so."""
+    run = _records_run(tmp_path, "o", records, "--data.read-as", "text", "--stop-at", "4")
+    _as_format_7(run)
+    capsys.readouterr()
+    assert main(["--resume", str(run)]) == 0
+    note = (f"{records}: --data.path read as text (--data.read-as text), as the run read it: "
+            f"{run / 'config.json'} (format 7) predates --data.read-as, and then a single "
+            "--data.path file was read as plain text whatever its name, a .jsonl's JSON included")
+    assert f"toymlx-train: {note}\n" in capsys.readouterr().err
+    assert [e["note"] for e in read_events(run) if e["kind"] == "resume"] == [note]
+    assert _losses(run) == _losses(as_text)
+    as_records = _records_run(tmp_path, "r", records)
+    assert _losses(as_records)[0] != _losses(as_text)[0]
+    capsys.readouterr()
+    scores = []
+    for r in (run, as_text):
+        assert eval_main(["--model", str(r), "--no-progress"]) == 0
+        out = capsys.readouterr()
+        scores.append({k: json.loads(out.out)[k] for k in ("val_loss", "tokens_scored")})
+        assert (f"toymlx-eval: {note}" in out.err) == (r == run), out.err
+    assert scores[0] == scores[1]
+
+
+def test_an_older_run_read_otherwise_than_its_record_says_is_refused(tmp_path, records, capsys):
+    """A config.json without data.read_as whose run read its .jsonl as records (a toymlx of the
+    days between the two changes): read as text its data gives other token counts than
+    run_start recorded, and the resume refuses in one line, nothing trained."""
+    run = _records_run(tmp_path, "w", records, "--stop-at", "4")
+    start = next(e for e in read_events(run) if e["kind"] == "run_start")["config"]
+    _as_format_7(run)
+    events = (run / "events.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(["--resume", str(run)]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"toymlx-train: error: {records}: --resume: expected "
+                           f"{start['train_tokens']} train_tokens, {start['val_tokens']} "
+                           "val_tokens (the run's, as it read its data when it started), found "), line
+    assert ("this toymlx reads the data otherwise than the one that started the run "
+            "(--data.read-as text taken for a config.json without it); resume it with that "
+            "toymlx") in line
+    assert (run / "events.jsonl").read_bytes() == events
+
+
+@pytest.mark.parametrize("given,want", [
+    ("folder", ("--data.read-as: expected a single --data.path file, found {path}, a data "
+                "folder (its files are always read as records)")),
+    ("txt", ("--data.read-as records: expected a .jsonl, .json, .csv or .tsv --data.path (a "
+             "file of records), found {path}; any other file is read as text")),
+])
+def test_data_read_as_that_does_not_fit_the_path_is_one_line(tmp_path, data, capsys, given,
+                                                              want):
+    path = tmp_path if given == "folder" else data
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(path), "--data.read-as",
+                 "records" if given == "txt" else "text", "--runs-root", str(tmp_path / "runs"),
+                 "--steps", "1"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {want.format(path=path)}"
+    assert not (tmp_path / "runs").exists()
 
 
 # ---- B4 ---------------------------------------------------------------------------------------

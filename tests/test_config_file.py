@@ -55,7 +55,7 @@ seed: 7
     c = got["config"]
     assert (c["lr"], c["batch_size"], c["grad_accum"], c["seed"], c["compile"]) == (
         0.001, 3, 2, 7, False)
-    assert c["data"] == {"path": data, "val_fraction": 0.2}
+    assert c["data"] == {"path": data, "val_fraction": 0.2, "read_as": "text"}  # a .txt
     assert c["model"]["d_model"] == 32 and c["model"]["n_heads"] == 4
     # flags after the file win
     assert c["steps"] == 2 and c["model"]["n_layers"] == 2

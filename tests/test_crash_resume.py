@@ -23,6 +23,7 @@ from toymlx_cli.train import main
 from toymlx.bundle.checkpoint import list_checkpoints, resolve_latest
 from toymlx.bundle.events import read_events
 from toymlx.gguf.llama import load_llama
+from toymlx.runner.report import summarize
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "4",
@@ -83,6 +84,13 @@ def test_a_run_stopped_and_resumed_again_and_again_ends_bit_exact(tmp_path, shar
         "startup", "step", "eval", "checkpoint"]
 
 
+def _moved_out(events: Path, line: int) -> str:
+    """What a resume says of the garbled `line` of `events` it moved out."""
+    return (f"{events}: line {line}: expected an event (one JSON object a line), found a "
+            "garbled line that no kill or resume explains: the file was damaged; moved to "
+            "events.superseded.jsonl")
+
+
 def test_resume_after_a_torn_event_line(tmp_path, shared_file, capsys):
     """A kill mid-emit leaves half a line; the resumed run's events must still be readable. A
     garbled line no kill leaves (damage) is named as the resume moves it out; the torn one is
@@ -100,15 +108,20 @@ def test_resume_after_a_torn_event_line(tmp_path, shared_file, capsys):
     events.write_bytes(b"".join(lines))
     capsys.readouterr()
     assert main(["--resume", str(run), "--no-progress"]) == 0
-    damage = (f"{events}: line {at + 1}: expected an event (one JSON object a line), found a "
-              "garbled line that no kill or resume explains: the file was damaged; moved to "
-              "events.superseded.jsonl")
+    damage = _moved_out(events, at + 1)
     assert damage in capsys.readouterr().err
     ev = read_events(run)
     assert [e["kind"] for e in ev].count("run_start") == 1
     (res,) = [e for e in ev if e["kind"] == "resume"]
     assert res["from_step"] == 3 and res["previous_end"] == "torn"  # its run_end was torn
     assert res["note"] == damage  # the torn run_end line is not named
+    assert res["damaged_lines"] == [at + 1]  # the file holds no other trace of it
+    with pytest.warns(UserWarning) as said:  # toymlx-report, later, still says it
+        summarize([run])
+    assert [str(w.message) for w in said] == [
+        (f"{events}: line {at + 1} as it stood before the resume from step 3: a garbled line "
+         "that no kill or resume explains, moved to events.superseded.jsonl: the file was "
+         "damaged")]
     assert [e["step"] for e in ev if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]
     assert ev[-1]["kind"] == "run_end" and ev[-1]["reason"] == "completed"
     assert ev[-1]["final_step"] == 6
@@ -125,6 +138,32 @@ def test_resume_after_a_torn_event_line(tmp_path, shared_file, capsys):
         f"checkpoint's step 6, found no step 5 (line {at + 1} garbled: the file was damaged); "
         "resuming would leave step 5 missing for good: put the run's events.jsonl back, or go "
         "on from a checkpoint before it with --from step_4\n")
+
+
+def test_a_resume_line_edited_by_hand_is_damage_not_a_restart(tmp_path, shared_file, capsys):
+    """A resume event whose from_step was edited into text still parses: the next resume
+    stopped on "invalid literal for int() with base 10: 'x'"; it is damage like a garbled
+    line, named and moved out as one, and the run goes on to its end."""
+    data = str(shared_file("text/tinystories_sample.txt"))
+    run = tmp_path / "r"
+    assert main(["--recipe", "from-scratch", *TINY, "--steps", "6", "--stop-at", "2",
+                 "--checkpoint-every", "1", "--data.path", data, "--runs-root", str(tmp_path),
+                 "--run-id", "r"]) == 0
+    assert main(["--resume", str(run), "--stop-at", "4", "--no-progress"]) == 0
+    events = run / "events.jsonl"
+    lines = events.read_bytes().splitlines(keepends=True)
+    at = next(i for i, x in enumerate(lines) if b'"kind": "resume"' in x)
+    lines[at] = lines[at].replace(b'"from_step": 2', b'"from_step": "x"')
+    events.write_bytes(b"".join(lines))
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--no-progress"]) == 0
+    damage = _moved_out(events, at + 1)
+    assert f"toymlx-train: {damage}\n" in capsys.readouterr().err
+    ev = read_events(run)
+    assert [e["from_step"] for e in ev if e["kind"] == "resume"] == [4]
+    assert [e["step"] for e in ev if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]
+    assert ev[-1]["kind"] == "run_end" and ev[-1]["reason"] == "completed"
+    assert b'"from_step": "x"' in (run / "events.superseded.jsonl").read_bytes()
 
 
 def _signal_args(shared_file, root: Path) -> list[str]:

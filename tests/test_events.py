@@ -20,6 +20,7 @@ from toymlx.bundle.events import (
     parse_event,
     read_events,
     read_log,
+    restart_problem,
     run_start,
 )
 
@@ -126,6 +127,10 @@ _START, _RESUME = b'{"kind": "run_start"}\n', b'{"kind": "resume", "from_step": 
     ([_START, _EV, b"\n", _EV], [], []),  # a blank line loses nothing
     ([_START, b'{"kind": "st\x00\x00ep"}\n', _EV, b'{"kind": "run_e'], [4], [2]),
     ([_START, _EV, b"[1, 2]\n", b"garbage\n"], [], [3, 4]),  # whole lines at the end
+    # a resume line edited by hand that still parses: no restart, and explains nothing
+    ([_START, _EV, b'{"kind": "resume", "from_step": "x"}\n', _EV], [], [3]),
+    ([_START, _EV, b'{"kind": "st\n', b'{"kind": "resume", "checkpoint": 4}\n', _EV], [], [3, 4]),
+    ([_START, b'{"kind": "run_start", "start_step": -1}\n', _EV], [], [2]),
 ])
 def test_scan_tells_a_killed_run_s_torn_lines_from_damage(tmp_path, lines, torn, damaged):
     """A line that is no event is torn where a crash explains it (the last line cut short, or
@@ -135,7 +140,7 @@ def test_scan_tells_a_killed_run_s_torn_lines_from_damage(tmp_path, lines, torn,
     log = read_log(tmp_path)
     assert (log.torn, log.damaged, log.lines) == (torn, damaged, len(lines))
     assert log.events == read_events(p) and len(log.events) == sum(
-        parse_event(x) is not None for x in lines)
+        (e := parse_event(x)) is not None and restart_problem(e) is None for x in lines)
     assert log.cut_short == (not lines[-1].endswith(b"\n"))
 
 

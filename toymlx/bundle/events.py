@@ -167,17 +167,40 @@ one of them are the torn line the kill left (and what a kill during the restart 
 moves such lines out now (`cut_back`), older toymlx left them, its resume a second run_start."""
 
 
+_RESTART_FIELDS = {"run_start": {"start_step": int}, "resume": {"from_step": int, "steps": int,
+                                                                  "checkpoint": str}}
+"""The fields of a restart event that `cut_back` and the readers act on, by their type (each
+may be missing or null: older toymlx wrote fewer)."""
+
+
+def restart_problem(ev: dict) -> str | None:
+    """Why a run_start or resume event cannot be what toymlx wrote (a field of its
+    `_RESTART_FIELDS` of another type, a step below 0: a line edited by hand that still
+    parses), None where it can: such a line is damage, not a restart (`scan`)."""
+    for key, want in _RESTART_FIELDS.get(ev["kind"], {}).items():
+        v = ev.get(key)
+        if v is not None and (not isinstance(v, want) or isinstance(v, bool)
+                              or (want is int and v < 0)):
+            return (f"key {key!r}: expected {'a step' if want is int else 'a path'}, found "
+                    f"{json.dumps(v)}")
+    return None
+
+
 def scan(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes, dict | None, str | None]]:
     """Each line of an events.jsonl, in order, as (its number from 1, the line, its event or
     None, what a line that is no event is): "torn" where a crash explains it (the last line cut
     short: a kill mid-write, or a write still under way; lines just before a run_start or
     resume: a killed run's torn line, then its restart), "damaged" where nothing does (a garbled
     line among the events, or a whole line at the end: the file was changed after it was
-    written), "blank" for an empty line (nothing lost). The one reading of the lines every
-    reader shares (`iter_events`, `read_log`, `cut_back`)."""
+    written), "blank" for an empty line (nothing lost). A run_start or resume line that
+    parses but holds what toymlx never writes there (`restart_problem`) is no event either: no
+    restart it explains, damage like a garbled line. The one reading of the lines every reader
+    shares (`iter_events`, `read_log`, `cut_back`)."""
     held: list[tuple[int, bytes]] = []  # lines that are no event, until the next event says why
     for n, raw in enumerate(lines, 1):
         ev = parse_event(raw)
+        if ev is not None and restart_problem(ev) is not None:
+            ev = None
         if ev is None:
             held.append((n, raw))
             continue
@@ -301,6 +324,27 @@ def run_start(events: Iterable[dict]) -> dict | None:
 
 SUPERSEDED = "events.superseded.jsonl"
 """Beside events.jsonl: the lines a resume took out of it, appended in their order."""
+DAMAGED_KEY = "damaged_lines"
+"""A `resume` event's key: the numbers (from 1, as they stood) of the garbled lines no kill or
+resume explains (`Log.damaged`) that its `cut_back` moved to `SUPERSEDED`; events.jsonl holds
+no trace of them but this, which later readers say (`moved_damage`)."""
+
+
+def moved_damage(events: list[dict]) -> str | None:
+    """What the resumes among `events` moved out of events.jsonl as damage (their
+    `DAMAGED_KEY`), as a message says it; None where they moved none."""
+    moved = [(e[DAMAGED_KEY], e.get("from_step")) for e in events if e["kind"] == "resume"
+             and isinstance(e.get(DAMAGED_KEY), list) and e[DAMAGED_KEY]
+             and all(isinstance(n, int) for n in e[DAMAGED_KEY])]
+    if not moved:
+        return None
+    what = "a garbled line" if sum(len(n) for n, _ in moved) == 1 else "garbled lines"
+    where = "; ".join(f"{line_numbers(n)} as it stood before the resume from step {k}"
+                      for n, k in moved)
+    return (f"{where}: {what} that no kill or resume explains, moved to {SUPERSEDED}: the file "
+            "was damaged")
+
+
 _STEPPED = ("step", "eval", "checkpoint", "export")
 
 

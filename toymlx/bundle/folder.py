@@ -4,6 +4,7 @@ config.json written once (`save_config`) and read back as saved (`read_config`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import hashlib
@@ -11,6 +12,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
 from toymlx.bundle.inputs import DATA_FILES_KEY, MODEL_FILES_KEY, data_files, model_files
 from toymlx.bundle.model_store import is_store_name
-from toymlx.bundle.options import RunError, found_text
+from toymlx.bundle.options import RunError, flag_name, found_text, option
 
 CONFIG_FILE = "config.json"
 CONFIG_KEYS = frozenset({"format", "recipe", "config", DATA_FILES_KEY, MODEL_FILES_KEY})
@@ -217,24 +219,63 @@ def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
             f"not a run bundle, holding {_names(held)}; choose another --run-id or --runs-root")
 
 
-CONFIG_FORMAT = 7
+CONFIG_FORMAT = 8
 """config.json's `format`. 2 (toymlx 0.2 on): every option is written, so a missing key is
 damage and refused. A config.json without `format` (written before) is read as it was then: an
 option it lacks (one added since) takes its default, which keeps the old behaviour. An option
 added from now on must bump this and be let off for older formats in `ADDED_IN`."""
 ADDED_IN = {3: ("report_every",), 4: ("report_to", "optimizer", "lr_schedule", "lr_schedule_args",
                                        "warmup_init", "subnormals"), 5: ("full",),
-          6: ("weight_decay_scope", "eval_at_start", "data.train_turns"), 7: ("wandb_project",)}
+          6: ("weight_decay_scope", "eval_at_start", "data.train_turns"), 7: ("wandb_project",),
+          8: ("data.read_as",)}
 """format -> the options it added (dotted: one of a group): a config.json of an older format
 (2 on) lacks them, and they take their defaults there (the training those runs had: toymlx's
 AdamW decaying matrices only and its schedule, no reporters, a full fine-tune of every weight,
 every assistant turn trained, no validation before step 1, W&B's project from WANDB_PROJECT;
-subnormals flushed changes no loss past float32 rounding)."""
+subnormals flushed changes no loss past float32 rounding), or their `AS_BEFORE` value."""
 
 
 def added_since(fmt: int) -> frozenset[str]:
     """The options a config.json of format `fmt` was written without (`ADDED_IN`)."""
     return frozenset(k for f, keys in ADDED_IN.items() if fmt < f for k in keys)
+
+
+AS_BEFORE = {"data.read_as": ("text", "data.path", ("a single --data.path file was read as "
+                                                    "plain text whatever its name, a .jsonl's "
+                                                    "JSON included"))}
+"""Options of `ADDED_IN` whose default is not what the runs before them did: {dotted key: (the
+value those runs had, the option naming the file it is about, what they did)}; an older
+config.json that lacks one takes that value wherever a new run would settle the option
+otherwise (`as_before`)."""
+
+
+def as_before(cfg: Any, saved_config: dict[str, Any], fmt: int, source: str,
+              settle: Callable[[Any], None] | None) -> dict[str, str]:
+    """Give each `AS_BEFORE` option that `cfg` (read from `source`, a config.json of format
+    `fmt` whose "config" is `saved_config`) lacks in the file the value runs had before it,
+    where the recipe's `settle` (what a new run does with the options as given) gives it
+    another value (not None: an option that applies); {dotted key: one line naming the file,
+    for the readers to say} of each option set."""
+    settled = copy.deepcopy(cfg)
+    if settle is not None:
+        settle(settled)
+    notes = {}
+    for key, (value, about, then) in AS_BEFORE.items():
+        *parents, name = key.split(".")
+        holder, group = cfg, saved_config
+        for part in parents:
+            holder = getattr(holder, part, None)
+            group = group.get(part) if isinstance(group, dict) else None
+        if (key not in added_since(fmt) or not dataclasses.is_dataclass(holder)
+                or not isinstance(group, dict) or name in group
+                or option(settled, key) in (None, value)):
+            continue
+        setattr(holder, name, value)
+        flag = flag_name(key)
+        notes[key] = (f"{option(cfg, about)}: {flag_name(about)} read as {value} ({flag} "
+                      f"{value}), as the run read it: {source} (format {fmt}) predates {flag}, "
+                      f"and then {then}")
+    return notes
 
 
 def save_config(run_dir: Path, recipe: str, cfg: Any) -> None:

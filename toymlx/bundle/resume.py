@@ -20,8 +20,13 @@ class Resume:
     steps_before: int = 0
     """The run's total steps before this resume."""
     note: str | None = None
-    """Why this checkpoint and not the one `latest` names (it was missing or dangling)."""
+    """What the resume says before its first step, and its `resume` event records (`add_note`):
+    why this checkpoint and not the one `latest` names (it was missing or dangling), what it
+    finishes or sets aside, how an older run's data is read."""
     dropped: int = 0
+    damaged: list[int] = field(default_factory=list)
+    """The garbled lines (numbers as they stood) its cut moved out of events.jsonl
+    (`events.Cut.damaged`): the resume event records them (`events.DAMAGED_KEY`)."""
     previous_end: str = "torn"
     t: float = 0.0
     kept: list[dict] = field(default_factory=list, repr=False)
@@ -33,6 +38,10 @@ class Resume:
     moved: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The inputs read from another place than config.json records (`Bundle.moved`): the resume
     event records them (`inputs.MOVED_KEY`)."""
+
+    def add_note(self, note: str) -> None:
+        """Add `note` to what the resume says (`note`: one line, the notes joined by "; ")."""
+        self.note = f"{self.note}; {note}" if self.note else note
 
     @property
     def has_start(self) -> bool:

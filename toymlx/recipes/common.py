@@ -71,6 +71,25 @@ class TextData:
     val_fraction: float = 0.1
     """Fraction of the tokens, taken from the end, held out for validation (not used when a
     data folder has valid.jsonl)."""
+    read_as: Literal["records", "text"] | None = None
+    """How a single --data.path file is read: records (the texts of its {"text": ...} records)
+    or text (its characters as they are, JSON and all); default: records for a .jsonl, .json,
+    .csv or .tsv file, text for any other. A data folder's files are always records. A run
+    records the one it takes in config.json, so a resume reads its data as it started."""
+
+
+def file_reading(path: Path) -> Literal["records", "text"]:
+    """How a single data file is read unless --data.read-as says: as its records where
+    `load_examples` reads it so (`is_plain_text`), else as text."""
+    return "text" if is_plain_text(path) else "records"
+
+
+def settle_reading(data: TextData) -> None:
+    """Give --data.read-as, where not given, the reading the file's name takes (`file_reading`)
+    as a new run starts: config.json then records how the run reads its file, and a resume reads
+    it so whatever the name of the file it is found in."""
+    if data.read_as is None and data.path is not None and not Path(data.path).is_dir():
+        data.read_as = file_reading(Path(data.path))
 
 
 def default_corpus() -> tuple[str, str]:
@@ -119,9 +138,10 @@ def check_text_column(path: Path) -> None:
 
 def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
                     windows: bool = True, progress: bool = True) -> TokenData:
-    """The token ids of --data.path: the default corpus or a text file (validation: the last
-    val_fraction), or an mlx-lm data folder (validation: valid.jsonl, else the last val_fraction
-    of train.jsonl; with `test`, test.jsonl as the test ids). `windows`: `TokenData.from_ids`'s
+    """The token ids of --data.path: the default corpus or a file, its records' texts or its
+    text as `data.read_as` says (validation: the last val_fraction), or an mlx-lm data folder
+    (validation: valid.jsonl, else the last val_fraction of train.jsonl; with `test`,
+    test.jsonl as the test ids). `windows`: `TokenData.from_ids`'s
     (training's check that each split holds a window; toymlx-eval checks the one it scores);
     `progress`: `TokenData.from_file`'s (--no-progress: False)."""
     if data.path is None:
@@ -129,8 +149,8 @@ def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
         return TokenData.from_ids(tokenizer.encode(text), seq_len, data.val_fraction, source,
                                   windows)
     if not Path(data.path).is_dir():
-        if not is_plain_text(Path(data.path)):  # a .jsonl (.json, .csv, .tsv) of its records,
-            # read as a data folder's train.jsonl is: their texts, never the JSON around them
+        if (data.read_as or file_reading(Path(data.path))) == "records":  # read as a data
+            # folder's train.jsonl is: their texts, never the JSON around them
             return TokenData.from_ids(tokenizer.encode(records_text(Path(data.path))), seq_len,
                                       data.val_fraction, str(data.path), windows)
         return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction, windows,
@@ -148,6 +168,21 @@ def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
     f = test_file(data.path)
     return replace(td, test=np.asarray(tokenizer.encode(records_text(f)), np.int32),
                    test_source=str(f))
+
+
+def check_reading(data: TextData) -> None:
+    """ValueError unless --data.read-as fits --data.path: a single file, and records only of a
+    file read as records (.jsonl, .json, .csv, .tsv)."""
+    if data.read_as is None:
+        return
+    if data.path is None or Path(data.path).is_dir():
+        found = "no --data.path (the default data)" if data.path is None else \
+            f"{data.path}, a data folder (its files are always read as records)"
+        raise ValueError(f"--data.read-as: expected a single --data.path file, found {found}")
+    if data.read_as == "records" and file_reading(Path(data.path)) == "text":
+        raise ValueError(f"--data.read-as records: expected a .jsonl, .json, .csv or .tsv "
+                         f"--data.path (a file of records), found {data.path}; any other file "
+                         "is read as text")
 
 
 def check_test_folder(path: str | None, flag: str = "--test") -> None:

@@ -25,11 +25,13 @@ from toymlx.models.ops import Ops
 from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
+    check_reading,
     check_seq_len,
     check_test_folder,
     llama_model_info,
     lm_task,
     load_token_data,
+    settle_reading,
 )
 from toymlx.training.task import Task, TrainConfig
 
@@ -53,11 +55,17 @@ class Config(TrainConfig):
     event with split "test" (later: `toymlx-eval --model RUN --split test`)."""
 
 
+def settle(cfg: Config) -> None:
+    """A new run's options that its inputs decide, given their values (`settle_reading`)."""
+    settle_reading(cfg.data)
+
+
 def validate(cfg: Config) -> None:
     """The model's shape (before any file is read: a sweep refuses a bad grid value before
     its runs start), --test's data folder with test.jsonl; the data itself is checked as it is
     read."""
     cfg.model.build_args(vocab_size=1)  # the vocabulary is the tokenizer's, not yet read
+    check_reading(cfg.data)
     if cfg.tokenizer is not None:
         check_model_file(cfg.tokenizer, "--tokenizer")
     if cfg.test:

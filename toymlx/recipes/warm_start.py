@@ -34,11 +34,13 @@ from toymlx.recipes import warm
 from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
+    check_reading,
     check_seq_len,
     check_test_folder,
     llama_model_info,
     lm_task,
     load_token_data,
+    settle_reading,
 )
 from toymlx.training.task import Task, TrainConfig, decayed
 
@@ -77,10 +79,16 @@ class Config(TrainConfig):
     `toymlx-eval --model RUN --split test`)."""
 
 
+def settle(cfg: Config) -> None:
+    """A new run's options that its inputs decide, given their values (`settle_reading`)."""
+    settle_reading(cfg.data)
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no file (the student's shape among them); the donor itself is checked
     when it is read."""
     cfg.model.build_args(vocab_size=1)  # the vocabulary is the donor's, not yet read
+    check_reading(cfg.data)
     if not cfg.donor:
         raise ValueError("--donor: expected a llama GGUF to take the token table from, "
                          "found none")

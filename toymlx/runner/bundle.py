@@ -40,6 +40,7 @@ from toymlx.bundle.folder import (
     CONFIG_FORMAT,
     UNWRITABLE,
     added_since,
+    as_before,
     config_digest,
     lock_run,
     read_config,
@@ -92,6 +93,9 @@ class Bundle:
         self.moved: dict[str, dict[str, Any]] = {}
         """Per input read from another place than config.json records (same contents): its
         `inputs.MOVED_KEY` record, which a resume writes in its `resume` event."""
+        self.before: dict[str, str] = {}
+        """The options an older config.json lacks that take the value its runs had then
+        (`folder.as_before`): {dotted key: one line, for the readers to say}."""
 
     @classmethod
     def open(cls, path: str | os.PathLike, flag: str = "--resume",
@@ -121,6 +125,8 @@ class Bundle:
                               if fmt > CONFIG_FORMAT else ""))
         cfg = config_from_dict(module.Config, saved["config"], source, complete=fmt >= 2,
                                optional=added_since(fmt))  # see CONFIG_FORMAT
+        before = as_before(cfg, saved["config"], fmt, source,  # the paths as recorded
+                           getattr(module, "settle", None))
         log = ev.read_log(path)
         cfg, used, moved = resolve_inputs(cfg, saved, source, given, moved_inputs(log.events))
         cfg.steps = _planned_steps(log.events, cfg.steps)
@@ -129,7 +135,7 @@ class Bundle:
         except ValueError as e:
             raise RunError(f"{source}: {e}") from None
         bundle = cls(path, saved["recipe"], module, cfg, saved, log)
-        bundle.used, bundle.moved = used, moved
+        bundle.used, bundle.moved, bundle.before = used, moved, before
         return bundle
 
     @property
@@ -232,8 +238,12 @@ class Bundle:
                            f"--stop-at counts the run's steps: --stop-at {resume.step + 1} or "
                            "more, or --from an earlier checkpoint")
         resume.moved = self.moved
+        for note in self.before.values():
+            resume.add_note(note)
         task = build()
         self.check_model(task.model_info, dtype)
+        if resume.step > 0:  # step_0 starts the run over: its record goes
+            self.check_data_read(task.config_info)
         if owned is not None:
             self.rewind(resume, cfg.steps)
         else:
@@ -387,8 +397,9 @@ class Bundle:
             return
         before = [s for s, _ in ck.list_checkpoints(self.path / "weights") if s < missing]
         # a step's line garbled in place reads as a step missing: say which line it may be
+        moved = ev.moved_damage(self.events)  # or garbled before, and cut out by a resume
         why = (f" ({ev.line_numbers(self.log.damaged)} garbled: the file was damaged)"
-               if self.log.damaged else "")
+               if self.log.damaged else f" ({moved})" if moved else "")
         raise RunError(f"{self.path / ev.EVENTS_FILE}: --resume: expected each step once up to "
                        f"the checkpoint's step {step}, found no step {missing}{why}; resuming "
                        f"would leave step {missing} missing for good: put the run's events.jsonl "
@@ -406,7 +417,7 @@ class Bundle:
                         f"({end}): "
                         f"finishing it from step_{steps} (what follows the last step: final "
                         "validation, --test, the export; then run_end)")
-                resume.note = f"{resume.note}; {note}" if resume.note else note
+                resume.add_note(note)
                 return resume
             raise RunError(f"{self.path}: completed at step {resume.step} (its --steps); pass "
                            f"--steps N (more than {resume.step}) to train on")
@@ -451,6 +462,28 @@ class Bundle:
                                f"run's), found {now.get(k)!r}; a resumed run keeps its model "
                                "(start a new run to change it)")
 
+    def check_data_read(self, config_info: dict[str, Any]) -> None:
+        """RunError unless the data gives the token counts its run_start recorded (training,
+        validation, test): the data's contents are checked by their fingerprints, and a
+        toymlx that reads them otherwise (a .jsonl as records, not text) trains on other
+        tokens under the run's name."""
+        was = ((self.start_event or {}).get("config") or {})
+        keys = [k for k in ("train_tokens", "val_tokens", "test_tokens")
+                if isinstance(was.get(k), int) and isinstance(config_info.get(k), int)]
+        if all(was[k] == config_info[k] for k in keys):
+            return
+        commit = ((self.start_event or {}).get("git") or {}).get("sha")
+        taken = "".join(f" ({flag_name(k)} {option(self.config, k)} taken for a config.json "
+                        "without it)" for k in self.before)
+        raise RunError(f"{config_info.get('data_source')}: --resume: expected "
+                       f"{', '.join(f'{was[k]} {k}' for k in keys)} (the run's, as it read its "
+                       f"data when it started), found "
+                       f"{', '.join(f'{config_info[k]} {k}' for k in keys)}: this toymlx "
+                       f"reads the data otherwise than the one that started the run{taken}; "
+                       "resume it with that toymlx" + (f" (git {str(commit)[:12]})" if commit
+                                                      else "") + ", or start a new run on the "
+                       "data")
+
     def rewind(self, resume: Resume, steps: int) -> None:
         """Cut the bundle back to `resume.step` (only while owning it, just before training
         on to `steps`): the events past it to events.superseded.jsonl, later checkpoints to
@@ -461,13 +494,14 @@ class Bundle:
             note = (f"{self.path / old} is the export of {new.split('.')[-2]}, not of the "
                     f"weights this run ends with: renamed {new} (the run writes {old} when it "
                     "completes)")
-            resume.note = f"{resume.note}; {note}" if resume.note else note
+            resume.add_note(note)
         cut = ev.cut_back(self.path, resume.step)
         resume.dropped, resume.previous_end, resume.t = cut.dropped, cut.previous_end, cut.t
+        resume.damaged = cut.damaged
         damage = ev.damage_note(self.path / ev.EVENTS_FILE, cut.damaged)
         if damage:  # a torn line goes in silence: a kill leaves one, and this resume follows it
             note = f"{damage}; moved to {ev.SUPERSEDED}"
-            resume.note = f"{resume.note}; {note}" if resume.note else note
+            resume.add_note(note)
         resume.kept = cut.kept
         self.events = cut.kept
         weights = self.path / "weights"

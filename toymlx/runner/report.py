@@ -23,7 +23,7 @@ from typing import Any
 from toymlx.backend import atomic
 from toymlx.backend.files import counted
 from toymlx.backend.notice import warn
-from toymlx.bundle.events import damage_note, read_events, read_log
+from toymlx.bundle.events import damage_note, moved_damage, read_events, read_log
 from toymlx.bundle.folder import CONFIG_FILE, saved_config
 from toymlx.bundle.options import RUN_LOCAL, RunError
 from toymlx.runner.bundle import Bundle
@@ -105,6 +105,8 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
             note += (f"; its last line, {log.lines}, is cut short too" if log.cut_short else
                      "") + ", so its status \"torn\" (no run_end) may be the damage's, not a kill's"
         warn(f"{note}; its row shows what the other lines tell")
+    if log is not None and (moved := moved_damage(events)):
+        warn(f"{log.path}: {moved}")  # cut out by a resume: no other trace of it is left
     if not run_dir.exists():
         status = "missing"
     starts = [e for e in events if e["kind"] == "run_start"]

@@ -297,6 +297,8 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
         # the task first: its refusals read headers (a base too large for memory, from its
         # GGUF header) and come before config.json's SHA-256 of every model file, a read of a
         # whole multi-GB base; the files are hashed once either way (`file_sha256`)
+        if hasattr(module, "settle"):  # so config.json records what the run does
+            module.settle(cfg)
         task = _build(module, cfg, ops)
         if rank0:
             save_config(run_dir, recipe, cfg)

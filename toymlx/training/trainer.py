@@ -45,7 +45,7 @@ from toymlx.backend.stop import (
     stop_outcome,
 )
 from toymlx.bundle import checkpoint as ck
-from toymlx.bundle.events import EventLog, git_info, host_info, now_iso, run_start
+from toymlx.bundle.events import DAMAGED_KEY, EventLog, git_info, host_info, now_iso, run_start
 from toymlx.bundle.folder import config_digest, saved_config
 from toymlx.bundle.inputs import MOVED_KEY
 from toymlx.bundle.reporters import open_reporters
@@ -627,6 +627,7 @@ class _Loop:
                 **({"set_aside": r.set_aside} if r.set_aside else {}),
                 **({"exports_set_aside": r.exports_aside} if r.exports_aside else {}),
                 **({MOVED_KEY: r.moved} if r.moved else {}),
+                **({DAMAGED_KEY: r.damaged} if r.damaged else {}),
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
 
