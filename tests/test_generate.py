@@ -1267,7 +1267,8 @@ def test_a_sample_past_the_runs_training_window_goes_on_by_context_shifts(tmp_pa
     """nanoGPT's Shakespeare on a CPU: --seq-len 64 with a 1024-token preset context, then 500
     new tokens fell apart past 64 (sample.py, which crops, stays readable). Here --seq-len 16:
     the text goes on by shifts within the 16-token window (the tokens of `generate`'s shift,
-    on both engines), and one line says where the first came; --no-context-shift stops there."""
+    on both engines; sampled, the same text again for a seed), and one line says where the
+    first came; --no-context-shift stops there."""
     run = seq_len_run(tmp_path, stories_path)
     model, tok = load_for_generation(run)
     flags = ["--model", str(run), "--prompt", PROMPT, "--temperature", "0", "--engine", engine]
@@ -1280,6 +1281,9 @@ def test_a_sample_past_the_runs_training_window_goes_on_by_context_shifts(tmp_pa
             "dropping the older 8); --max-tokens 11 stays within it, --no-context-shift stops "
             "there; a run trained on a longer --seq-len reads further")
     assert [x for x in err.splitlines() if "context shift" in x] == [note], err
+    sampled = [cli_tokens([*flags, "--max-tokens", "40", "--temperature", "0.8", "--seed", "5"],
+                          capsys) for _ in range(2)]
+    assert sampled[0][0] == sampled[1][0] and "context shift after new token 11" in sampled[0][1]
     out, err = cli_tokens([*flags, "--max-tokens", "11"], capsys)  # within the window: no line
     assert out == tok.decode(want[:11]) + "\n" and "context shift" not in err
     out, err = cli_tokens([*flags, "--max-tokens", "30", "--no-context-shift"], capsys)
