@@ -34,6 +34,13 @@ class Args:
     max_tokens: int = 128
     """Most new tokens to generate (generation also stops at an end-of-generation token, as
     llama.cpp: eos, or an end-of-turn token such as <|im_end|> or <|eot_id|>)."""
+    context_shift: bool = True
+    """Where the text reaches the window the model reads at once (a from-scratch or warm-start
+    run's --seq-len, else the model's context) and more tokens are asked for, drop its older
+    half and go on from the newer half, computed again: no token is predicted from more than
+    the window (nanoGPT's sample.py reads the last block_size tokens; llama.cpp's
+    --context-shift, off by default there). --no-context-shift stops at the window. A --chat
+    conversation stops at the model's context (/reset)."""
     temperature: float = 0.7
     """Sampling temperature; 0 is greedy (always the most likely token)."""
     top_p: float = 0.9
@@ -156,14 +163,14 @@ def _need_template(tokenizer, args: Args) -> None:
                          "found none (drop --chat to continue plain text)")
 
 
-def no_tokens_note(tokenizer, args: Args, ids: list[int], context: int) -> str:
+def no_tokens_note(tokenizer, args: Args, ids: list[int], window: Window) -> str:
     """Why a generation made no new token, in one line: --max-tokens 0, a prompt that fills
-    the context, or the model ending at once, and whether the prompt went through the chat
-    template."""
+    the window (without a context shift), or the model ending at once, and whether the prompt
+    went through the chat template."""
     if args.max_tokens == 0:
         why = "--max-tokens is 0"
-    elif len(ids) >= context:
-        why = f"the prompt ({len(ids)} tokens) fills the model's context ({context})"
+    elif len(ids) >= window.size:
+        why = f"the prompt ({len(ids)} tokens) fills {window}"
     else:
         from toymlx.generation.generate import stop_ids
 
@@ -233,30 +240,35 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
             continue
         reply, n = stream(model, tokenizer, ids, turn, out, kept, decoder)
         if n == 0:
-            print(no_tokens_note(tokenizer, turn, ids, context), file=sys.stderr)
+            print(no_tokens_note(tokenizer, turn, ids, Window(context)), file=sys.stderr)
         history += [{"role": "user", "content": text},
                     {"role": "assistant", "content": reply.strip()}]
         turns += 1
 
 
 def stream(model, tokenizer, ids: list[int], args: Args, out=None, kept=None,
-           decoder=None, fresh: bool = False) -> tuple[str, int]:
+           decoder=None, fresh: bool = False, window: Window | None = None) -> tuple[str, int]:
     """Write the continuation to `out` (stdout) as it is produced; return (text, token count).
     `model`: an MLX `Llama`, or a `LlamaCppDecoder` (the llama.cpp engine, which keeps a
     conversation's shared start itself); `kept`: MLX's `PromptCache` of a conversation;
     `decoder`: MLX's `decoder_for(model)`, made once for several calls; `fresh`: the llama.cpp
-    child decodes as one started with --seed would (a sample of `samples`)."""
+    child decodes as one started with --seed would (a sample of `samples`); `window`: the
+    window of `samples` (shifted past unless --no-context-shift); None: the model's context,
+    where a conversation stops."""
     from toymlx.generation.generate import LlamaCppDecoder, generate, stop_ids
 
     out = sys.stdout if out is None else out
+    size = None if window is None else window.size
+    shift = window is not None and args.context_shift
     if isinstance(model, LlamaCppDecoder):
         tokens = model.generate(ids, stop_ids(tokenizer), args.max_tokens,
                                 args.temperature, args.top_p, args.top_k, args.min_p,
-                                args.repetition_penalty, args.seed if fresh else None)
+                                args.repetition_penalty, args.seed if fresh else None, size,
+                                shift)
     else:
         tokens = generate(model, tokenizer, ids, args.max_tokens, args.temperature, args.top_p,
                           args.seed, args.top_k, args.min_p, args.repetition_penalty, kept,
-                          decoder)
+                          decoder, size, shift)
 
     # Decoding prompt + new tokens and printing the part after the prompt's own decoding keeps
     # word-initial spaces that a tokenizer drops at the start of a text, and re-decoding the
@@ -337,38 +349,76 @@ def trained_window(model: str) -> int | None:
     return seq_len if isinstance(seq_len, int) and seq_len > 0 else None
 
 
-def window_note(model: str, n_prompt: int, max_tokens: int, context: int) -> str | None:
-    """One warning line where prompt and new tokens run past the windows the run trained on:
-    its checkpoints carry the preset's longer context, but past --seq-len tokens the model reads
-    positions it never saw and the text falls apart (nanoGPT's sample.py keeps only the last
-    block_size tokens; this decoder keeps them all)."""
-    window = trained_window(model)
-    if window is None or window >= context or n_prompt + max_tokens <= window:
+@dataclass(frozen=True)
+class Window:
+    """The most tokens of text the model reads at once in toymlx-generate, and what sets it:
+    a from-scratch or warm-start run's --seq-len (`trained`), else the model's context."""
+
+    size: int
+    trained: bool = False
+
+    def __str__(self) -> str:
+        if self.trained:
+            return f"the {self.size}-token window the run trained on (--seq-len {self.size})"
+        return f"the model's context ({self.size} tokens)"
+
+
+def reading_window(model: str, context: int) -> Window:
+    """The window `samples` keeps the text within: the run's trained window where `model` is a
+    from-scratch or warm-start run that recorded one shorter than the context (its checkpoints
+    carry the preset's longer context, but past --seq-len tokens the model reads positions it
+    never trained on and the text falls apart), else the model's context."""
+    trained = trained_window(model)
+    return Window(trained, True) if trained is not None and trained < context else Window(context)
+
+
+def prompt_cut_note(n_prompt: int, window: Window) -> str | None:
+    """One line where the context shift cuts the prompt (it fills the window); None if not."""
+    from toymlx.generation.window import in_view
+
+    kept = in_view(n_prompt, window.size)
+    if kept == n_prompt:
         return None
-    # a prompt as long as the window leaves no --max-tokens within it (0 would sample nothing)
-    fix = (f"--max-tokens {window - n_prompt} stays within them" if n_prompt < window else
-           f"the prompt alone fills them: a prompt under {window} tokens leaves room")
-    return (f"{PROG}: warning: {model}: trained on windows of {window} tokens (--seq-len "
-            f"{window}); {n_prompt} prompt + {counted(max_tokens, 'new token')} (--max-tokens) "
-            f"run past them, where the text falls apart; {fix} (nanoGPT's sample.py keeps only "
-            "the last block_size tokens)")
+    return (f"{PROG}: the prompt ({n_prompt} tokens) fills {window}: the model reads its last "
+            f"{counted(kept, 'token')} (the context shift; a prompt under {window.size} tokens "
+            "is read whole)")
 
 
-def samples(model, tokenizer, ids: list[int], args: Args, engine: str, context: int) -> None:
+def shift_note(n_prompt: int, n_new: int, window: Window) -> str | None:
+    """One line where a sample of `n_new` tokens went past the window by context shifts: where
+    the first came, what each dropped, and how to stay within; None where none came."""
+    from toymlx.generation.window import in_view, shift_keep, shifts
+
+    count = shifts(n_prompt, n_new, window.size)
+    if count == 0:
+        return None
+    room, keep = window.size - in_view(n_prompt, window.size), shift_keep(window.size)
+    further = "; a run trained on a longer --seq-len reads further" if window.trained else ""
+    return (f"{PROG}: context shift after new token {room}: the text filled {window}, so the "
+            f"model went on from its last {counted(keep, 'token')}, computed again, and reads "
+            f"no further back ({counted(count, 'shift')} in {n_new} new tokens, each dropping "
+            f"the older {window.size - keep}); --max-tokens {room} stays within it, "
+            f"--no-context-shift stops there{further}")
+
+
+def samples(model, tokenizer, ids: list[int], args: Args, engine: str, window: Window) -> None:
     """The --num-samples samples of the prompt on stdout, the k-th (from 0) drawn as `--seed` + k
     alone draws it (each from an empty KV cache, the MLX model traced once), each followed by
-    SEPARATOR where there are several; a line of counts and timing for each on stderr."""
+    SEPARATOR where there are several; a line of counts and timing for each on stderr, and
+    where the text reaches `window`, a line on the first context shift (or the stop)."""
     from toymlx.generation.generate import LlamaCppDecoder, decoder_for
 
-    if note := window_note(args.model, len(ids), args.max_tokens, context):
+    if args.context_shift and (note := prompt_cut_note(len(ids), window)):
         print(note, file=sys.stderr)
     several = args.num_samples > 1
     decoder = None if isinstance(model, LlamaCppDecoder) else decoder_for(model)
+    shift_told = False
     for k in range(args.num_samples):
         one = dataclasses.replace(args, seed=args.seed + k)
         t0 = time.perf_counter()
         try:
-            _, n = stream(model, tokenizer, ids, one, decoder=decoder, fresh=several)
+            _, n = stream(model, tokenizer, ids, one, decoder=decoder, fresh=several,
+                          window=window)
         except KeyboardInterrupt:
             if several:  # which ones a script can take: those followed by SEPARATOR
                 print(f"\n{PROG}: {k} of {args.num_samples} samples printed whole; sample "
@@ -381,10 +431,14 @@ def samples(model, tokenizer, ids: list[int], args: Args, engine: str, context: 
         print(f"{PROG}: {which}{len(ids)} prompt + {n} new tokens in {dt:.2f} s "
               f"({n / dt if dt > 0 else 0:.1f} tok/s, {engine})", file=sys.stderr)
         if n == 0:
-            print(no_tokens_note(tokenizer, args, ids, context), file=sys.stderr)
-        elif n < args.max_tokens and len(ids) + n >= context:
-            print(f"{PROG}: stopped at the model's context: {len(ids)} prompt + {n} new tokens "
-                  f"fill its {context} (--max-tokens {args.max_tokens})", file=sys.stderr)
+            print(no_tokens_note(tokenizer, args, ids, window), file=sys.stderr)
+        elif args.context_shift:
+            if not shift_told and (note := shift_note(len(ids), n, window)):
+                print(note, file=sys.stderr)
+                shift_told = True
+        elif n < args.max_tokens and len(ids) + n >= window.size:
+            print(f"{PROG}: stopped at {window}: {len(ids)} prompt + {n} new tokens fill it "
+                  f"(--max-tokens {args.max_tokens}, --no-context-shift)", file=sys.stderr)
 
 
 def store_layers_note(spec: str) -> str | None:
@@ -441,7 +495,7 @@ def run(args: Args) -> int:
         raise UsageError(f"--max-tokens: expected a count >= 0, found {args.max_tokens}; for "
                          "llama.cpp's -n -1 (on to the end) give a large count, e.g. "
                          "--max-tokens 100000: generation stops at an end-of-generation token "
-                         "or where the model's context ends")
+                         "(or at the model's window, with --no-context-shift)")
     check_sampling(args.temperature, args.top_p, args.top_k, args.min_p,
                    args.repetition_penalty)  # before the model loads
     if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer
@@ -475,12 +529,13 @@ def run(args: Args) -> int:
                     model.close()
                 return 0
             ids = prompt_ids(tokenizer, args)
-            context = model_args.context
+            window = reading_window(args.model, model_args.context)
+            # the text in view never holds more than the window (nor the prompt and new tokens)
             model = LlamaCppDecoder(gguf_path, adapters, seed=args.seed,
-                                    context=min(context, len(ids) + args.max_tokens))
+                                    context=min(window.size, len(ids) + args.max_tokens))
             print(used, file=sys.stderr)
             try:
-                samples(model, tokenizer, ids, args, engine, context)
+                samples(model, tokenizer, ids, args, engine, window)
             finally:
                 model.close()
     except EngineFailed as e:  # before its first token: nothing is printed yet
@@ -498,9 +553,8 @@ def run(args: Args) -> int:
             chat(model, tokenizer, args, model.args.context)
             return 0
         ids = prompt_ids(tokenizer, args)
-        context = model.args.context
         print(used, file=sys.stderr)
-        samples(model, tokenizer, ids, args, engine, context)
+        samples(model, tokenizer, ids, args, engine, reading_window(args.model, model.args.context))
     return 0
 
 

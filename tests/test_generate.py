@@ -535,7 +535,7 @@ def test_text_that_is_not_utf8_is_one_line(stories_path, capsys, prompt, flag, f
     (["--top-k", "-1"], "--top-k: expected >= 0 (0: off), found -1"),
     (["--max-tokens", "-1"], ("--max-tokens: expected a count >= 0, found -1; for llama.cpp's "
      "-n -1 (on to the end) give a large count, e.g. --max-tokens 100000: generation stops at an "
-     "end-of-generation token or where the model's context ends")),
+     "end-of-generation token (or at the model's window, with --no-context-shift)")),
     (["--min-p", "1.5"], "--min-p: expected in [0, 1) (0: off), found 1.5"),
     (["--repetition-penalty", "0"], ("--repetition-penalty: expected a finite number > 0, "
      "found 0.0")),
@@ -875,21 +875,28 @@ def test_an_endless_stdin_is_refused_at_the_limit_not_read_until_memory_ends(
 
 
 def test_a_generation_cut_by_the_context_says_so(stories_path, tmp_path, capsys):
+    """--no-context-shift stops at the model's context, and says so; by default the context
+    shift goes on to --max-tokens, from the same first tokens, on both engines."""
     from toymlx.gguf.fuse import write_with_tensors
     from toymlx.gguf.reader import GGUFFile
 
     short = tmp_path / "short.gguf"
     with GGUFFile(stories_path) as g:
         write_with_tensors(short, g, {}, {"llama.context_length": 24})
+    flags = ["--model", str(short), "--prompt", PROMPT, "--max-tokens", "100", "--temperature",
+             "0"]
     for engine in ("mlx", *(("llama.cpp",) if importlib.util.find_spec("llama_cpp") else ())):
-        rc = cli.main(["--model", str(short), "--prompt", PROMPT, "--max-tokens", "100",
-                       "--temperature", "0", "--engine", engine])
-        err = capsys.readouterr().err
+        rc = cli.main([*flags, "--engine", engine, "--no-context-shift"])
+        stopped, err = capsys.readouterr()
         assert rc == 0, err
         line = next(ln for ln in err.splitlines() if "stopped at" in ln)
         prompt = int(err.split(" prompt + ")[0].rsplit(" ", 1)[-1])
-        assert line == (f"toymlx-generate: stopped at the model's context: {prompt} prompt + "
-                        f"{24 - prompt} new tokens fill its 24 (--max-tokens 100)"), err
+        assert line == (f"toymlx-generate: stopped at the model's context (24 tokens): {prompt} "
+                        f"prompt + {24 - prompt} new tokens fill it (--max-tokens 100, "
+                        "--no-context-shift)"), err
+        shifted, err = cli_tokens([*flags, "--engine", engine], capsys)
+        assert f"{prompt} prompt + 100 new tokens" in err and "stopped at" not in err
+        assert shifted.startswith(stopped.rstrip("\n")) and len(shifted) > 3 * len(stopped)
 
 
 def test_llamacpp_threads_follow_the_idle_cores(monkeypatch):
@@ -1146,35 +1153,199 @@ def test_num_samples_into_head_ends_quietly(stories_path):
     assert r.stderr.splitlines()[-1] == "0" and "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("recipe, max_tokens, warned", [
-    ("from-scratch", 12, True), ("from-scratch", 4, False), ("lora", 12, False)])
-def test_a_sample_past_the_runs_training_window_is_warned_of(tmp_path, stories_path, capsys,
-                                                             recipe, max_tokens, warned):
-    # nanoGPT's Shakespeare on a CPU: --seq-len 64 with a 1024-token preset context, then 500
-    # new tokens; past 64 the text falls apart, where sample.py (which crops) stays readable
+def shift_reference(model, ids: list[int], n: int, window: int) -> list[int]:
+    """Reference for the context shift: no cache, the text in view (`in_window`: whole while it
+    leaves room, else its newer half) through the model for every new token, greedy."""
+    from toymlx.generation.window import in_window
+
+    text, out = list(ids), []
+    view = in_window(text, window)
+    for _ in range(n):
+        logits = model(mx.array([view]))[0, -1]  # (V,)
+        tok = int(mx.argmax(logits).item())
+        out.append(tok)
+        view = in_window(view + [tok], window)
+    return out
+
+
+class Recorded:
+    """A decoder that records each call: (cache offset before it, tokens put through, logits)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def make_cache(self):
+        return self.inner.make_cache()
+
+    def __call__(self, tokens, cache=None):
+        offset = cache[0].offset
+        logits = self.inner(tokens, cache)
+        self.calls.append((offset, tokens.shape[-1], logits[0, -1]))
+        return logits
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_greedy_tokens_after_a_context_shift_are_a_fresh_decode_of_the_kept_tokens(
+        stories, compiled):
+    """A 16-token window, a 5-token prompt, 30 new tokens: the text fills the window after 11,
+    the model goes on from its last 8 (computed again from position 0), and again after 8 more
+    (3 shifts, `window.shifts`). Greedy tokens equal the cache-free reference that reads the
+    last 8 tokens each time the view fills; after the first shift they equal a fresh decode of
+    the kept 8 tokens; the first post-shift logits equal a full forward over them. Both
+    decoders: the traced one-token steps (MLX on a CPU) and the eager model (a GPU's)."""
+    from toymlx.generation.generate import CompiledDecode
+    from toymlx.generation.window import shifts
+
+    model, tok = stories
+    prompt = tok.encode(PROMPT)
+    assert len(prompt) == 5
+    decoder = Recorded(CompiledDecode(model) if compiled else model)
+    got = list(generate(model, tok, prompt, 30, window=16, shift=True, decoder=decoder))
+    assert got == shift_reference(model, prompt, 30, 16)
+    assert got[:11] == list(generate(model, tok, prompt, 11))  # no shift before the view fills
+    kept = (prompt + got)[8:16]  # the text's tokens 8..15: the newer half of the full window
+    assert got[11:19] == list(generate(model, tok, kept, 8))
+    assert got[11:19] != list(generate(model, tok, prompt + got[:11], 8))  # the shift matters
+    refills = [i for i, (offset, n, _) in enumerate(decoder.calls) if offset == 0 and n > 1]
+    assert len(refills) - 1 == shifts(5, 30, 16) == 3  # the prompt's prefill, then one a shift
+    assert [decoder.calls[i][1] for i in refills] == [4, 7, 7, 7]
+    assert max(offset + n for offset, n, _ in decoder.calls) == 15  # never a 16th position
+    after = np.array(decoder.calls[refills[1] + 1][2])  # the first step after the shift
+    assert decoder.calls[refills[1] + 1][:2] == (7, 1)
+    full = np.array(model(mx.array([kept]))[0, -1])
+    diff, scale = float(np.abs(after - full).max()), float(np.abs(full).max())
+    print(f"first step after the shift vs a full forward over the kept 8 tokens: max abs logit "
+          f"diff {diff:.3g} (max |logit| {scale:.1f})")
+    assert diff <= 1e-6 * scale
+
+
+def test_without_the_shift_generation_stops_where_the_first_shift_would_come(stories):
+    """--no-context-shift's path: the window stops the text at 16 tokens, the 11 tokens the
+    shifted decode makes before its first shift."""
+    model, tok = stories
+    prompt = tok.encode(PROMPT)
+    stopped = list(generate(model, tok, prompt, 30, window=16))
+    assert stopped == list(generate(model, tok, prompt, 30, window=16, shift=True))[:11]
+    with pytest.raises(ValueError, match=r"window: expected 1\.\.2048 tokens \(the model's "
+                       r"context\), found 4096"):
+        next(generate(model, tok, prompt, 3, window=4096))
+    with pytest.raises(ValueError, match="expected a window of at least 2 tokens"):
+        next(generate(model, tok, prompt, 3, window=1, shift=True))
+
+
+def test_a_prompt_that_fills_the_window_is_cut_to_its_newer_half(stories):
+    """A 20-token prompt, a 16-token window: the model reads the prompt's last 8 tokens, and
+    what it writes is a fresh decode of those 8, up to the next shift."""
+    model, tok = stories
+    prompt = tok.encode("Once upon a time, there was a little girl named Lily. She loved to")
+    assert len(prompt) == 20
+    got = list(generate(model, tok, prompt, 12, window=16, shift=True))
+    assert got[:8] == list(generate(model, tok, prompt[-8:], 8))
+    assert got == shift_reference(model, prompt, 12, 16)
+    assert got[:8] != list(generate(model, tok, prompt, 8))
+
+
+def test_sampling_through_context_shifts_repeats_for_a_seed(stories):
+    model, tok = stories
+    prompt = tok.encode(PROMPT)
+    a, b, c = (list(generate(model, tok, prompt, 40, temperature=1.0, seed=s, window=12,
+                             shift=True)) for s in (3, 3, 4))
+    assert a == b != c and len(a) == 40
+
+
+def seq_len_run(tmp_path: Path, stories_path: Path, recipe: str = "from-scratch") -> Path:
+    """A run folder holding stories260K whose run_start records --seq-len 16."""
     run = make_run_dir(tmp_path, stories_path)
     start = {"kind": "run_start", "recipe": recipe, "config": {"seq_len": 16}}
     (run / "events.jsonl").write_text(json.dumps(start) + "\n")
-    out, err = cli_tokens(["--model", str(run), "--prompt", PROMPT, "--max-tokens",
-                           str(max_tokens), "--temperature", "0"], capsys)
-    warning = (f"toymlx-generate: warning: {run}: trained on windows of 16 tokens (--seq-len "
-               f"16); 5 prompt + 12 new tokens (--max-tokens) run past them, where the text "
-               f"falls apart; --max-tokens 11 stays within them (nanoGPT's sample.py keeps only "
-               f"the last block_size tokens)")
-    assert (warning in err.splitlines()) is warned, err
-    assert f"{max_tokens} new tokens" in err and out.startswith(", there"), out
+    return run
 
 
-def test_a_prompt_filling_the_runs_window_is_not_told_to_sample_nothing(tmp_path, stories_path):
-    """A 20-token prompt on a run of --seq-len 16: the warning ended "--max-tokens 0 stays
-    within them", which samples nothing and still runs past the window; it names the prompt."""
-    run = make_run_dir(tmp_path, stories_path)
-    start = {"kind": "run_start", "recipe": "warm-start", "config": {"seq_len": 16}}
-    (run / "events.jsonl").write_text(json.dumps(start) + "\n")
-    assert cli.window_note(str(run), 20, 5, 512) == (
-        f"toymlx-generate: warning: {run}: trained on windows of 16 tokens (--seq-len 16); 20 "
-        "prompt + 5 new tokens (--max-tokens) run past them, where the text falls apart; the "
-        "prompt alone fills them: a prompt under 16 tokens leaves room (nanoGPT's sample.py "
-        "keeps only the last block_size tokens)")
-    assert "; 16 prompt + 1 new token (--max-tokens) run past them" in cli.window_note(
-        str(run), 16, 1, 512)  # was "1 new tokens"
+@pytest.mark.parametrize("engine", ["mlx", pytest.param("llama.cpp", marks=pytest.mark.interop)])
+def test_a_sample_past_the_runs_training_window_goes_on_by_context_shifts(tmp_path, stories_path,
+                                                                         capsys, engine):
+    """nanoGPT's Shakespeare on a CPU: --seq-len 64 with a 1024-token preset context, then 500
+    new tokens fell apart past 64 (sample.py, which crops, stays readable). Here --seq-len 16:
+    the text goes on by shifts within the 16-token window (the tokens of `generate`'s shift,
+    on both engines; sampled, the same text again for a seed), and one line says where the
+    first came; --no-context-shift stops there."""
+    run = seq_len_run(tmp_path, stories_path)
+    model, tok = load_for_generation(run)
+    flags = ["--model", str(run), "--prompt", PROMPT, "--temperature", "0", "--engine", engine]
+    out, err = cli_tokens([*flags, "--max-tokens", "30"], capsys)
+    want = list(generate(model, tok, tok.encode(PROMPT), 30, window=16, shift=True))
+    assert out == tok.decode(want) + "\n"
+    note = ("toymlx-generate: context shift after new token 11: the text filled the 16-token "
+            "window the run trained on (--seq-len 16), so the model went on from its last 8 "
+            "tokens, computed again, and reads no further back (3 shifts in 30 new tokens, each "
+            "dropping the older 8); --max-tokens 11 stays within it, --no-context-shift stops "
+            "there; a run trained on a longer --seq-len reads further")
+    assert [x for x in err.splitlines() if "context shift" in x] == [note], err
+    sampled = [cli_tokens([*flags, "--max-tokens", "40", "--temperature", "0.8", "--seed", "5"],
+                          capsys) for _ in range(2)]
+    assert sampled[0][0] == sampled[1][0] and "context shift after new token 11" in sampled[0][1]
+    out, err = cli_tokens([*flags, "--max-tokens", "11"], capsys)  # within the window: no line
+    assert out == tok.decode(want[:11]) + "\n" and "context shift" not in err
+    out, err = cli_tokens([*flags, "--max-tokens", "30", "--no-context-shift"], capsys)
+    assert out == tok.decode(want[:11]) + "\n"
+    assert err.splitlines()[-1] == (
+        "toymlx-generate: stopped at the 16-token window the run trained on (--seq-len 16): 5 "
+        "prompt + 11 new tokens fill it (--max-tokens 30, --no-context-shift)")
+
+
+def test_a_lora_runs_window_is_the_models_context(tmp_path, stories_path, capsys):
+    """A lora run's base read longer texts than its --seq-len: no shift at 16 tokens."""
+    run = seq_len_run(tmp_path, stories_path, recipe="lora")
+    assert cli.reading_window(str(run), 2048) == cli.Window(2048)
+    assert cli.reading_window(str(seq_len_run(tmp_path / "b", stories_path)), 2048) == \
+        cli.Window(16, trained=True)
+    assert cli.reading_window(str(seq_len_run(tmp_path / "c", stories_path)), 12) == \
+        cli.Window(12)  # a context under the trained window: the context
+    _, err = cli_tokens(["--model", str(run), "--prompt", PROMPT, "--max-tokens", "20",
+                         "--temperature", "0"], capsys)
+    assert "context shift" not in err and "20 new tokens" in err
+
+
+@pytest.mark.parametrize("engine", ["mlx", pytest.param("llama.cpp", marks=pytest.mark.interop)])
+def test_a_prompt_filling_the_runs_window_is_cut_with_one_line(tmp_path, stories_path, capsys,
+                                                               engine):
+    """A 20-token prompt on a run of --seq-len 16: the model reads its last 8 tokens, and a
+    line says so; --no-context-shift makes no token and says the prompt fills the window."""
+    run = seq_len_run(tmp_path, stories_path, recipe="warm-start")
+    model, tok = load_for_generation(run)
+    text = "Once upon a time, there was a little girl named Lily. She loved to"
+    flags = ["--model", str(run), "--prompt", text, "--temperature", "0", "--max-tokens", "6",
+             "--engine", engine]
+    ids = tok.encode(text)
+    new = list(generate(model, tok, ids[-8:], 6))
+    out, err = cli_tokens(flags, capsys)
+    assert out == tok.decode(ids + new)[len(tok.decode(ids)):] + "\n"  # after the whole prompt
+    assert err.splitlines()[1] == (
+        "toymlx-generate: the prompt (20 tokens) fills the 16-token window the run trained on "
+        "(--seq-len 16): the model reads its last 8 tokens (the context shift; a prompt under 16 "
+        "tokens is read whole)")
+    assert "20 prompt + 6 new tokens" in err and "context shift after" not in err
+    out, err = cli_tokens([*flags, "--no-context-shift"], capsys)
+    assert out == "" and err.splitlines()[-1] == (
+        "toymlx-generate: 0 new tokens: the prompt (20 tokens) fills the 16-token window the run "
+        "trained on (--seq-len 16)")
+
+
+def test_the_shift_notes_count_as_the_decoder_shifts():
+    """`shifts` against the rule written out: after a prompt of p tokens (cut to 8 where it
+    fills the 16-token window) the view grows a token a step and falls to 8 where it is full."""
+    from toymlx.generation.window import in_window, shifts
+
+    for p in (1, 5, 15, 16, 40):
+        view, total = len(in_window(range(p), 16)), 0
+        for n in range(1, 61):
+            if view >= 16:
+                view, total = 8, total + 1
+            view += 1
+            assert shifts(p, n, 16) == total, (p, n)
+    assert cli.shift_note(5, 11, cli.Window(24)) is None
+    assert cli.shift_note(5, 20, cli.Window(24)) == (
+        "toymlx-generate: context shift after new token 19: the text filled the model's context "
+        "(24 tokens), so the model went on from its last 12 tokens, computed again, and reads no "
+        "further back (1 shift in 20 new tokens, each dropping the older 12); --max-tokens 19 "
+        "stays within it, --no-context-shift stops there")

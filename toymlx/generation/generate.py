@@ -5,7 +5,8 @@ Two engines decode the same GGUF files (`choose_engine`):
   min-p, top-k, repetition penalty) are mlx-lm's, rewritten here so that `toymlx-generate` does
   not import mlx-lm's package (transformers, and PyTorch where installed: 1.2-5 s before the
   first token); they give mlx-lm's tokens for the same seed. toymlx adds the stopping rules
-  (an end-of-generation token, as llama.cpp's, `stop_ids`; the trained context), seeds MLX's
+  (an end-of-generation token, as llama.cpp's, `stop_ids`), what happens at the window the model
+  reads at once (a stop, or a context shift: `toymlx.generation.window`), seeds MLX's
   generator so a run repeats exactly, and, where MLX computes on the CPU, cuts a decoded token's fixed costs without
   changing what it computes: the one-token steps traced (`CompiledDecode`: the same logits,
   bit for bit), top-p found among the most likely tokens before sorting all
@@ -50,6 +51,7 @@ from toymlx.generation.sampling import (
     make_sampler,
     repetition_penalty,
 )
+from toymlx.generation.window import check_window, in_window, shift_keep
 from toymlx.gguf.llama import ARCHS, args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.kv_cache import KVCache
@@ -80,20 +82,30 @@ def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float,
 def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
              min_p: float = 0.0, repetition_penalty: float | None = None,
-             kept: PromptCache | None = None, decoder: Any = None) -> Iterator[int]:
+             kept: PromptCache | None = None, decoder: Any = None, window: int | None = None,
+             shift: bool = False) -> Iterator[int]:
     """Yield up to `max_tokens` new token ids after `prompt_ids`; stops before an
-    end-of-generation token (`stop_ids`) and at the model's context. Temperature 0 is greedy; otherwise sampled as mlx-lm samples
-    (`toymlx.generation.sampling`). `kept`: a conversation's caches, kept between calls (`PromptCache`).
-    `decoder`: `decoder_for(model)`, made once by a caller that generates several times from
-    the model (its traces are made at its first call); None: made here.
+    end-of-generation token (`stop_ids`). Temperature 0 is greedy; otherwise sampled as mlx-lm
+    samples (`toymlx.generation.sampling`). `kept`: a conversation's caches, kept between calls
+    (`PromptCache`). `decoder`: `decoder_for(model)`, made once by a caller that generates
+    several times from the model (its traces are made at its first call); None: made here.
+    `window`: the most tokens of text the model reads at once (a from-scratch run's --seq-len;
+    None: the model's context). Where the text reaches it, generation stops, or with `shift`
+    goes on from its newer half (`toymlx.generation.window`: a prompt that fills the window
+    cut so too), each prediction reading at most `window` tokens at positions 0..window-1.
     Where MLX computes on the CPU, OpenBLAS runs on `decoding_blas_threads` threads from the
     first token asked for until the last one is handed out or the caller stops reading."""
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
     check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
     check_top_k(top_k, model.args.vocab_size)  # greedy too: the flag is wrong either way
-    # past the trained context the model's output is meaningless
-    budget = min(max_tokens, model.args.context - len(prompt_ids))
+    window = model.args.context if window is None else window
+    if not 0 < window <= model.args.context:  # past the trained context the output is meaningless
+        raise ValueError(f"window: expected 1..{model.args.context} tokens (the model's "
+                         f"context), found {window}")
+    if shift:
+        check_window(window)
+    budget = max_tokens if shift else min(max_tokens, window - len(prompt_ids))
     if budget <= 0:
         return
     stop = stop_ids(tokenizer)
@@ -103,7 +115,8 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     penalty = _penalty(repetition_penalty)
     decoder = decoder_for(model) if decoder is None else decoder
     with use_blas_threads(decoding_blas_threads() if cpu else None):
-        for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty, kept):
+        for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty, kept,
+                          window if shift else None):
             if tok in stop:
                 return
             yield tok
@@ -178,24 +191,25 @@ def _penalty(factor: float | None):
 def decode(model: Any, prompt_ids: list[int], max_tokens: int,
            sampler: Callable[[mx.array], mx.array],
            penalty: Callable[[mx.array, mx.array], mx.array] | None = None,
-           kept: PromptCache | None = None) -> Iterator[int]:
+           kept: PromptCache | None = None, window: int | None = None) -> Iterator[int]:
     """`max_tokens` token ids after the prompt, as mlx-lm's `generate_step` makes them: the
     prompt but its last token into the KV caches `PREFILL_CHUNK` at a time, then one token at
     a time, each step's graph built (and sent to the device) while the previous token is
-    handed out. `penalty(recent tokens, logits)`: mlx-lm's repetition penalty. `kept`: caches
-    that outlive the call (`PromptCache`), the prompt's shared start taken from them."""
+    handed out. `penalty(recent tokens, logits)`: mlx-lm's repetition penalty, over the text's
+    last tokens (a shift does not change what it looks at). `kept`: caches that outlive the
+    call (`PromptCache`), the prompt's shared start taken from them. `window`: the context
+    shift (`toymlx.generation.window`): the prompt cut to fit it, and before a token is put
+    through the model where the text in view holds `window` tokens, the caches emptied and
+    the newer half put through again from position 0; None: the caller's `max_tokens` keeps
+    the text within the model's context."""
+    recent = mx.array(prompt_ids[-PENALTY_CONTEXT:], dtype=mx.int32) if penalty else None
+    if window is not None:
+        check_window(window)
+        prompt_ids = in_window(prompt_ids, window)
     cache = model.make_cache() if kept is None else kept.take(model, prompt_ids)
     fed = [] if kept is None else kept.ids  # the ids whose keys and values are in `cache`
-    prompt = mx.array(prompt_ids, dtype=mx.int32)
-    recent = prompt[-PENALTY_CONTEXT:] if penalty else None  # what the penalty looks at
-    done = len(fed)
-    while len(prompt_ids) - done > 1:
-        n = min(PREFILL_CHUNK, len(prompt_ids) - done - 1)
-        model(prompt[None, done:done + n], cache)
-        mx.eval([c.state for c in cache])
-        done += n
-        mx.clear_cache()
-    fed += prompt_ids[len(fed):]
+    _prefill(model, cache, prompt_ids[len(fed):-1])
+    fed += prompt_ids[len(fed):]  # the last one's keys and values: computed by the first step
 
     def step(tokens: mx.array) -> mx.array:
         nonlocal recent
@@ -208,11 +222,22 @@ def decode(model: Any, prompt_ids: list[int], max_tokens: int,
             recent = mx.concatenate([recent, token])[-PENALTY_CONTEXT:]
         return token
 
-    token = step(prompt[done:])
+    def after(token: mx.array) -> mx.array:
+        """The token that follows `token` (not yet in `fed`), the context shifted first where
+        the text in view, `token` included, fills the window."""
+        if window is not None and len(fed) + 1 >= window:
+            newer = fed[len(fed) - shift_keep(window) + 1:]  # with `token`: the newer half
+            for c in cache:
+                c.keep(0)
+            fed[:] = newer
+            _prefill(model, cache, newer)
+        return step(token)
+
+    token = step(mx.array(prompt_ids[-1:], dtype=mx.int32))
     mx.async_eval(token)
     for n in range(max_tokens):
         if n + 1 < max_tokens:
-            following = step(token)
+            following = after(token)
             mx.async_eval(following)
         value = int(token.item())
         if n + 1 < max_tokens:
@@ -222,6 +247,14 @@ def decode(model: Any, prompt_ids: list[int], max_tokens: int,
             mx.clear_cache()
         if n + 1 < max_tokens:
             token = following
+
+
+def _prefill(model: Any, cache: list[Any], ids: Sequence[int]) -> None:
+    """Put `ids` through the model into the KV caches, `PREFILL_CHUNK` at a time."""
+    for at in range(0, len(ids), PREFILL_CHUNK):
+        model(mx.array(ids[at:at + PREFILL_CHUNK], dtype=mx.int32)[None], cache)
+        mx.eval([c.state for c in cache])
+        mx.clear_cache()
 
 
 class CompiledDecode:
@@ -469,20 +502,30 @@ class LlamaCppDecoder:
     def generate(self, prompt_ids: Sequence[int], stop: Collection[int], max_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float | None = None,
-                 seed: int | None = None) -> Iterator[int]:
+                 seed: int | None = None, window: int | None = None,
+                 shift: bool = False) -> Iterator[int]:
         """The new token ids for `prompt_ids` up to one of `stop` (`stop_ids`), as the child
         decodes them; the child stays for
         the next call. Left before the end (the caller stopped reading), the child is stopped.
         `seed`: decode as a child started with this seed would (the sampler reseeded, no
         computed token reused: one of several samples); None: go on from the last call (a
-        conversation's turn, its shared start reused)."""
+        conversation's turn, its shared start reused). `window`, `shift`: as `generate`'s
+        (None: the context the child was started with); llama.cpp's sampler starts its random
+        stream again from the seed at each shift."""
         from toymlx.generation.llamacpp_decode import END
 
-        budget = min(max_tokens, self.context - len(prompt_ids))
+        window = self.context if window is None else window
+        if shift:
+            check_window(window)
+            prompt_ids = in_window(prompt_ids, window)
+        budget = max_tokens if shift else min(max_tokens, window - len(prompt_ids))
+        if budget <= 0:  # nothing to decode (a prompt longer than the child's context fails)
+            return
         request = {"ids": [int(i) for i in prompt_ids], "stop": sorted(int(i) for i in stop),
-                   "budget": max(budget, 0), "temperature": temperature, "top_p": top_p,
+                   "budget": budget, "temperature": temperature, "top_p": top_p,
                    "top_k": top_k, "min_p": min_p,
-                   "repetition_penalty": repetition_penalty or 1.0}
+                   "repetition_penalty": repetition_penalty or 1.0,
+                   "window": window if shift else None}
         self._send(request if seed is None else {**request, "seed": seed})
         done = False
         try:

@@ -3,8 +3,8 @@
 It reads one JSON request line on stdin (the model, adapter, context, seed), loads the model in
 llama.cpp (llama-cpp-python) and prints `ready`; then, for each request line that follows (the
 prompt ids and the samplers: one turn of a conversation, or with `seed` one sample decoded
-afresh), each new token id on its own line as
-it is decoded, flushed, and `END` after the last, until stdin closes. llama.cpp keeps the
+afresh; with `window`, past it by context shifts, `shifted`), each new token id on its own line
+as it is decoded, flushed, and `END` after the last, until stdin closes. llama.cpp keeps the
 tokens it has computed between requests and computes again only where a prompt departs from
 them (a conversation's next turn repeats the whole conversation so far). Run apart from toymlx-generate so that a
 llama.cpp crash on a given CPU (one llama-cpp-python build segfaulted decoding Q4_1 on an
@@ -17,7 +17,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 END = "end"
 """The line after a request's last token."""
@@ -137,6 +139,26 @@ def decode_threads(cores: int, idle: float) -> int:
     return max(1, min(cores, int(idle + 0.5)))
 
 
+def shifted(llm: Any, req: dict[str, Any]) -> Iterator[int]:
+    """The tokens llama.cpp decodes after the request's ids, endless: where the request names a
+    `window`, the text in view goes on from its newer half each time it fills the window
+    (`toymlx.generation.window`), llama.cpp computing those tokens again from position 0 (a
+    fresh start: the kept tokens share no start with what it holds)."""
+    from toymlx.generation.window import in_window
+
+    ids, window = list(req["ids"]), req.get("window")
+    while True:
+        # a copy: llama-cpp-python's generate reuses the list it is given for its own tokens
+        for tok in llm.generate(list(ids), temp=req["temperature"], top_p=req["top_p"],
+                                top_k=req["top_k"], min_p=req["min_p"],
+                                repeat_penalty=req["repetition_penalty"]):
+            yield tok
+            ids.append(tok)
+            if window is not None and len(ids) >= window:
+                ids = in_window(ids, window)
+                break
+
+
 def main() -> None:
     import llama_cpp
 
@@ -154,11 +176,8 @@ def main() -> None:
         if "seed" in req:  # a sample of its own: as a child loaded with this seed decodes it
             llm.set_seed(req["seed"])
             llm.reset()  # no prefix reused: the prompt computed in one batch, as at the start
-        steps = llm.generate(req["ids"], temp=req["temperature"], top_p=req["top_p"],
-                             top_k=req["top_k"], min_p=req["min_p"],
-                             repeat_penalty=req["repetition_penalty"])
         stop = set(req["stop"])
-        for n, tok in enumerate(steps):
+        for n, tok in enumerate(shifted(llm, req)):
             if tok in stop or n >= req["budget"]:
                 break
             print(int(tok), flush=True)
