@@ -1,8 +1,8 @@
 """The Llama-family decoder in mlx.nn, in llama.cpp's GGUF conventions.
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
-(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text) and phi3. They are one
-pre-norm transformer with a handful of switches, each a field of `LlamaArgs`:
+(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text) and phi3. They are
+one pre-norm transformer with a handful of switches, each a field of `LlamaArgs`:
 
 | switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 |
 | --- | --- | --- | --- | --- | --- | --- |
