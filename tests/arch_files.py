@@ -4,7 +4,9 @@ no converter: `arch_gguf(kind, path)`.
 
 Kinds exercise every switch of the decoder: `llama3` (a rope_freqs tensor), `llama-bias`
 (attention biases, which llama files may carry), `qwen2` (q/k/v biases, NEOX RoPE), `qwen3`
-(q/k norms, a head wider than d_model / n_heads), `gemma3` (sandwich norms, GeGLU, sliding
+(q/k norms, a head wider than d_model / n_heads), `gemma2` (sandwich norms, GeGLU, a sliding
+window on every other block, embedding scale, soft-capped attention scores and logits, caps
+small enough to bind), `gemma3` (sandwich norms, GeGLU, sliding
 window layers with their own RoPE base, linear scaling on the global layers, embedding scale,
 soft-capped logits), `phi3` (fused qkv and gate_up, partial RoPE, longrope factors with an
 attention factor). The tokenizer is toymlx's byte vocabulary (259 tokens).
@@ -20,7 +22,7 @@ from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.reader import FLOAT32, UINT32
 from toymlx.gguf.writer import write_gguf
 
-KINDS = ("llama", "llama3", "llama-bias", "qwen2", "qwen3", "gemma3", "phi3")
+KINDS = ("llama", "llama3", "llama-bias", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 VOCAB = 259
 
 
@@ -31,6 +33,8 @@ def _spec(kind: str) -> dict:
         s.update(hd=32)
     if kind == "gemma3":
         s.update(layers=6)
+    if kind == "gemma2":
+        s.update(layers=4, hd=32)
     if kind in ("phi3", "llama"):
         s.update(tied=False)
     return s
@@ -73,7 +77,7 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
         t[p + "attn_output.weight"] = mat(d, H * hd)
         if arch in ("qwen3", "gemma3"):
             t[p + "attn_q_norm.weight"], t[p + "attn_k_norm.weight"] = norm(hd), norm(hd)
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             t[p + "post_attention_norm.weight"] = norm(d)
         t[p + "ffn_norm.weight"] = norm(d)
         if arch == "phi3":
@@ -81,7 +85,7 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
         else:
             t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"] = mat(F, d), mat(F, d)
         t[p + "ffn_down.weight"] = mat(d, F)
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             t[p + "post_ffw_norm.weight"] = norm(d)
 
     k = arch + "."
@@ -103,6 +107,11 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
                      k + "rope.scaling.type": "linear", k + "rope.scaling.factor": 8.0,
                      k + "final_logit_softcapping": 30.0})
         floats += [k + "rope.scaling.factor", k + "final_logit_softcapping"]
+    if arch == "gemma2":  # as llama.cpp's converter writes it, but caps that bind here
+        meta.update({k + "attention.sliding_window": 4, k + "rope.freq_base": 20000.0,
+                     k + "attn_logit_softcapping": 1.0, k + "final_logit_softcapping": 8.0,
+                     k + "attention.key_length": hd, k + "attention.value_length": hd})
+        floats += [k + "attn_logit_softcapping", k + "final_logit_softcapping"]
     if arch == "phi3":
         n_rot = 12  # partial rotary: 12 of 16 dims
         meta.update({k + "rope.dimension_count": n_rot, k + "rope.scaling.type": "longrope",

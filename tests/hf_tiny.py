@@ -26,6 +26,12 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    and llama.cpp's pattern of 6 agree; the converter writes no pattern),
                    MQA 4/1, head_dim 32, query_pre_attn_scalar = head_dim, local RoPE base
                    1e4 / global 1e6, tied, gemma-style SentencePiece vocab
+    gemma2         Gemma 2 (Gemma2ForCausalLM): 4 layers, sliding window 8 on layers 0 and 2
+                   (transformers' and llama.cpp's alternation agree), head_dim 32,
+                   query_pre_attn_scalar = head_dim, attention scores soft-capped at 0.5 and
+                   logits at 2 (Gemma 2's are 50 and 30; these bind on these weights: without
+                   them transformers' logits move by 0.07 and 0.2), rope_theta 1e4 (the
+                   converter writes no RoPE base), tied, gemma-style SentencePiece vocab
     phi3           Phi-3-mini layout: fused qkv and gate_up, untied, SentencePiece vocab
                    with Phi-3's special tokens, sliding_window 2047 (llama.cpp ignores it;
                    the 40-token tests stay far inside it)
@@ -40,8 +46,8 @@ The tokenizer. The converter needs one in the checkpoint folder, and the real vo
 gets a 512-token vocabulary cut from the real one that llama.cpp ships for tokenizer tests
 (`models/ggml-vocab-*.gguf` in the same source tree):
 
-- SentencePiece kinds (llama, mistral, gemma3, phi3*): a `tokenizer.model` holding the first
-  pieces of ggml-vocab-llama-spm.gguf / ggml-vocab-phi-3.gguf (for gemma3 behind gemma's
+- SentencePiece kinds (llama, mistral, gemma2, gemma3, phi3*): a `tokenizer.model` holding the
+  first pieces of ggml-vocab-llama-spm.gguf / ggml-vocab-phi-3.gguf (for Gemma behind gemma's
   special tokens pad/eos/bos/unk/mask/start_of_turn/end_of_turn), with byte fallback, written
   as the SentencePiece protobuf directly. The converter reads it as it reads any
   `tokenizer.model`: no change to the converter.
@@ -83,7 +89,7 @@ SCRIPT = Path(__file__).resolve()
 VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
-              "phi3-longrope")
+              "phi3-longrope", "gemma2")
 KINDS = BASE_KINDS + tuple(f"{k}-q" for k in BASE_KINDS)
 # Types `llamacpp_quantize` accepts (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
@@ -99,7 +105,7 @@ class ConversionError(RuntimeError):
 @dataclass(frozen=True)
 class Spec:
     kind: str
-    family: str  # llama | mistral | qwen2 | qwen3 | gemma3 | phi3
+    family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2
     hidden: int
     ff: int
@@ -133,6 +139,9 @@ def spec(kind: str) -> Spec:
         return Spec(**{**s, "head_dim": wide}, family="qwen3", tokenizer="bpe-qwen2", tied=True)
     if base == "gemma3":
         return Spec(**{**s, "layers": 6, "kv_heads": 1, "head_dim": wide}, family="gemma3",
+                    tokenizer="spm-gemma", tied=True)
+    if base == "gemma2":
+        return Spec(**{**s, "layers": 4, "head_dim": wide}, family="gemma2",
                     tokenizer="spm-gemma", tied=True)
     if base == "phi3":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=False)
@@ -184,6 +193,12 @@ def hf_config(sp: Spec, tok: dict):
             query_pre_attn_scalar=hd, hidden_activation="gelu_pytorch_tanh",
             rope_parameters={"full_attention": _rope(1000000.0),
                              "sliding_attention": _rope(10000.0)})
+    if sp.family == "gemma2":
+        return tf.Gemma2Config(
+            **common, max_position_embeddings=8192, rms_norm_eps=1e-6, sliding_window=8,
+            query_pre_attn_scalar=hd, hidden_activation="gelu_pytorch_tanh",
+            attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
+            rope_parameters=_rope(10000.0))
     # phi3
     rot = sp.extra.get("partial_rotary_factor", 1.0)
     if sp.extra.get("longrope"):
@@ -207,7 +222,8 @@ def _model_class(sp: Spec):
 
     return {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
             "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
-            "gemma3": tf.Gemma3ForCausalLM, "phi3": tf.Phi3ForCausalLM}[sp.family]
+            "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
+            "phi3": tf.Phi3ForCausalLM}[sp.family]
 
 
 # ---- tokenizers -------------------------------------------------------------------------
@@ -417,7 +433,7 @@ def tiny_hf_checkpoint(kind: str, out_dir: str | Path, tree: str | Path | None =
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = _model_class(sp)(config).to(torch.float32).eval()
-    _randomize(model, seed * 1000 + KINDS.index(kind), gemma=sp.family == "gemma3")
+    _randomize(model, seed * 1000 + KINDS.index(kind), gemma=sp.family.startswith("gemma"))
     model.save_pretrained(out)
     _write_json(out / MANIFEST, {"kind": kind, "family": sp.family, "tokenizer": sp.tokenizer,
                                  "pre": tok.get("pre"), "seed": seed,

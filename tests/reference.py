@@ -1,12 +1,13 @@
 """An independent float64 numpy forward of llama.cpp's decoders, reading GGUF with gguf-py (not
 toymlx).
 
-Written from llama.cpp's graph code (src/models/{llama,qwen2,qwen3,gemma3,phi3}.cpp) and its
+Written from llama.cpp's graph code (src/models/{llama,qwen2,qwen3,gemma2,gemma3,phi3}.cpp) and its
 RoPE (`ggml_rope_ext`): (out, in) weights; RMSNorm; RoPE on adjacent pairs for arch llama and
 on halves (NEOX) for the others, angle pos * freq_scale * base^(-2i/n_rot) / factor_i, cos and
 sin times attn_factor; GQA head h -> kv head h // (n_head // n_kv); gated FFN (SiLU, or GELU's
-tanh form for gemma3; phi3's ffn_up holds gate then up); tied output when output.weight is
-absent. Each switch is read from the file the way llama.cpp reads it.
+tanh form for gemma2 and gemma3; phi3's ffn_up holds gate then up); gemma2's attention scores
+soft-capped before the mask; tied output when output.weight is absent. Each switch is read from
+the file the way llama.cpp reads it, with its defaults where a key is absent.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-NEOX = {"qwen2", "qwen3", "gemma3", "phi3"}
+NEOX = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3"}
+GEMMA = {"gemma2", "gemma3"}
+# llama.cpp's gemma2 where its file is silent (src/models/gemma2.cpp, llama-hparams.h): a 4096
+# window on every other block, scores capped at 50, logits at 30, sliding RoPE base = global
+GEMMA2_DEFAULTS = {"window": 4096, "pattern": 2, "attn_softcap": 50.0, "softcap": 30.0}
 
 
 def _field(r: GGUFReader, key: str, default=None):
@@ -32,17 +37,21 @@ def load_reference(path) -> tuple[dict, dict[str, np.ndarray]]:
     r = GGUFReader(str(path))
     arch = _field(r, "general.architecture")
     k = arch + "."
+    g2 = GEMMA2_DEFAULTS if arch == "gemma2" else {}
+    base = _field(r, k + "rope.freq_base", 10000.0)
     hp = {
         "arch": arch,
         "d": _field(r, k + "embedding_length"),
         "n_layers": _field(r, k + "block_count"),
         "n_heads": _field(r, k + "attention.head_count"),
         "eps": _field(r, k + "attention.layer_norm_rms_epsilon"),
-        "base": _field(r, k + "rope.freq_base", 10000.0),
-        "base_swa": _field(r, k + "rope.freq_base_swa", 10000.0),
-        "window": _field(r, k + "attention.sliding_window", 0) if arch == "gemma3" else 0,
-        "pattern": _field(r, k + "attention.sliding_window_pattern", 6),
-        "softcap": _field(r, k + "final_logit_softcapping", 0.0),
+        "base": base,
+        "base_swa": _field(r, k + "rope.freq_base_swa", base if g2 else 10000.0),
+        "window": (_field(r, k + "attention.sliding_window", g2.get("window", 0))
+                   if arch in GEMMA else 0),
+        "pattern": _field(r, k + "attention.sliding_window_pattern", g2.get("pattern", 6)),
+        "softcap": _field(r, k + "final_logit_softcapping", g2.get("softcap", 0.0)),
+        "attn_softcap": _field(r, k + "attn_logit_softcapping", g2.get("attn_softcap", 0.0)),
         "scaling": _field(r, k + "rope.scaling.type", "linear"),
         "factor": _field(r, k + "rope.scaling.factor", 0.0),
         "attn_factor": _field(r, k + "rope.scaling.attn_factor", 1.0),
@@ -111,11 +120,12 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
         swa = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
     swa = [s and hp["window"] > 0 for s in swa]
     q_scale = 1 / np.sqrt(hd)
-    if arch == "gemma3" and n_layers == 62:
+    if (arch, n_layers) in (("gemma2", 46), ("gemma3", 62)):  # the 27B shapes
         q_scale = 1 / np.sqrt(d / H)
+    cap = hp["attn_softcap"]
 
     x = w["token_embd.weight"][tokens]  # (T, d)
-    if arch == "gemma3":
+    if arch in GEMMA:
         x = x * np.sqrt(d)
     dist = pos[:, None] - pos[None, :]  # query - key
     for i in range(n_layers):
@@ -131,9 +141,10 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
         if p + "attn_q_norm.weight" in w:
             q = _rms(q, w[p + "attn_q_norm.weight"], eps)
             kk = _rms(kk, w[p + "attn_k_norm.weight"], eps)
-        if swa[i]:  # gemma3's sliding layers: their own base, no scaling
-            q = _rope(q, pos, hp["n_rot"], hp["base_swa"], 1.0, None, 1.0, neox)
-            kk = _rope(kk, pos, hp["n_rot"], hp["base_swa"], 1.0, None, 1.0, neox)
+        if swa[i]:  # Gemma's sliding layers: their own base; gemma3's without scaling
+            s_swa = scale if arch == "gemma2" else 1.0
+            q = _rope(q, pos, hp["n_rot"], hp["base_swa"], s_swa, None, 1.0, neox)
+            kk = _rope(kk, pos, hp["n_rot"], hp["base_swa"], s_swa, None, 1.0, neox)
         else:
             q = _rope(q, pos, hp["n_rot"], hp["base"], scale, factors, mscale, neox)
             kk = _rope(kk, pos, hp["n_rot"], hp["base"], scale, factors, mscale, neox)
@@ -144,7 +155,10 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
         out = np.empty((T, H, hd))
         for hh in range(H):
             kv = hh // (H // Hkv)
-            s = q[:, hh] @ kk[:, kv].T * q_scale + mask
+            s = q[:, hh] @ kk[:, kv].T * q_scale
+            if cap:  # gemma2: before the mask
+                s = cap * np.tanh(s / cap)
+            s = s + mask
             s = np.exp(s - s.max(-1, keepdims=True))
             out[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
         a = out.reshape(T, H * hd) @ w[p + "attn_output.weight"].T + w.get(p + "attn_output.bias",
@@ -158,7 +172,7 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
         else:  # phi3: gate and up in one tensor, gate first
             g, u = np.split(h @ w[p + "ffn_up.weight"].T, 2, axis=-1)
         gelu = _gelu_fp16_table if gelu_fp16 else _gelu_tanh
-        act = gelu(g) if arch == "gemma3" else g / (1 + np.exp(-g))
+        act = gelu(g) if arch in GEMMA else g / (1 + np.exp(-g))
         f = (act * u) @ w[p + "ffn_down.weight"].T
         if p + "post_ffw_norm.weight" in w:
             f = _rms(f, w[p + "post_ffw_norm.weight"], eps)

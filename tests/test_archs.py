@@ -1,5 +1,5 @@
 """Every decoder architecture toymlx loads (llama incl. Llama 3's rope_freqs, qwen2, qwen3,
-gemma3, phi3): logits against an independent float64 numpy forward (tests/reference.py), the
+gemma2, gemma3, phi3): logits against an independent float64 numpy forward (tests/reference.py), the
 training kernels against the exact ones, LoRA adapters and fused exports round-tripped, and
 every unknown architecture, key or tensor refused by name. The llama.cpp comparisons of the
 same files are in the interop tier at the end.
@@ -56,7 +56,7 @@ def test_logits_match_float64_reference(files, kind):
 
 def test_each_switch_changes_the_logits(files):
     """The switches are read, not defaulted: the Llama 3 file without its rope_freqs tensor,
-    and gemma3 without its sliding window, compute other logits."""
+    and gemma2 without its attention soft cap, compute other logits."""
     model, _g = load_llama(files["llama3"])
     assert model.args.rope_factors == (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0) or \
         np.allclose(model.args.rope_factors, (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0))
@@ -68,6 +68,13 @@ def test_each_switch_changes_the_logits(files):
     hp, w = load_reference(files["llama3"])
     del w["rope_freqs.weight"]
     assert np.abs(forward(hp, w, IDS) - logits(model)).max() > 0.1
+    gemma2, _ = load_llama(files["gemma2"])
+    a = gemma2.args
+    assert (a.sliding_layers, a.sliding_window) == ((True, False) * 2, 4)
+    assert (a.attn_softcap, a.final_softcap, a.rope_base_sliding) == (1.0, 8.0, a.rope_base)
+    assert (a.qk_norm, a.attn_scale) == (False, 32 ** -0.5)
+    hp, w = load_reference(files["gemma2"])
+    assert np.abs(forward({**hp, "attn_softcap": 0.0}, w, IDS) - logits(gemma2)).max() > 0.1
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -220,6 +227,109 @@ def test_write_llama_says_phi3_and_refuses_what_no_file_says(files, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_gemma2_soft_caps_attention_in_every_ops(files):
+    """Gemma 2's attention soft cap in each way a model computes: MLX's ops (the capped scores
+    composed, as MLX's fused kernel cannot cap), the CPU's vectorised kernels, fast RoPE (a
+    GPU's), and bfloat16 (a GPU's training dtype), each against the float64 reference; without
+    the cap the reference moves by more than any of their margins."""
+    hp, w = load_reference(files["gemma2"])
+    ref = forward(hp, w, IDS)
+    uncapped = float(np.abs(forward({**hp, "attn_softcap": 0.0}, w, IDS) - ref).max())
+    # bfloat16: 0.14 here (the capped scores in float32 instead: 0.12), against 0.16-0.21 for
+    # qwen3 and gemma3 through MLX's fused attention, whose logits reach 3x these
+    for ops, tol in ((Ops(), 1e-4), (Ops(kernels="vectorised"), 1e-4),
+                     (Ops(exact_rope=False), 2e-4), (Ops(dtype="bfloat16"), 0.25)):
+        diff = float(np.abs(logits(load_llama(files["gemma2"], ops)[0]) - ref).max())
+        report(f"gemma2 {ops.kernels} {ops.dtype} exact_rope={ops.exact_rope}",
+               max_abs_diff=diff, uncapped_reference_moves=uncapped)
+        assert diff < tol < uncapped
+
+
+def _gemma2_file(files, tmp_path, **meta) -> str:
+    """The gemma2 file with its `gemma2.*` keys changed by `meta` (None: removed)."""
+    drop = [k for k, v in meta.items() if v is None]
+    return _copy(files["gemma2"], tmp_path / "g.gguf",
+                 {k: v for k, v in meta.items() if v is not None}, drop_meta=drop)
+
+
+def test_gemma2_keys_a_file_lacks_take_llamacpp_defaults(files, tmp_path):
+    """A gemma2 file without its soft caps, window or RoPE bases computes as llama.cpp does:
+    attention capped at 50, logits at 30, a 4096-key window on every other block, sliding
+    blocks at the file's own RoPE base; the reference (read the same way) agrees."""
+    p = _gemma2_file(files, tmp_path, **{f"gemma2.{k}": None for k in (
+        "attn_logit_softcapping", "final_logit_softcapping", "attention.sliding_window",
+        "rope.freq_base")})
+    a = args_from_gguf(GGUFFile(p))
+    assert (a.attn_softcap, a.final_softcap, a.sliding_window) == (50.0, 30.0, 4096)
+    assert (a.rope_base, a.rope_base_sliding, a.sliding_layers) == (10000.0, 10000.0,
+                                                                     (True, False) * 2)
+    hp, w = load_reference(p)
+    assert np.abs(logits(load_llama(p)[0]) - forward(hp, w, IDS)).max() < 1e-4
+
+
+@pytest.mark.parametrize(("meta", "message"), [
+    ({"gemma2.attention.sliding_window": 0},
+     (r"'gemma2\.attention\.sliding_window': expected a window > 0 \(llama\.cpp's default "
+      r"4096\), found 0$")),
+    ({"gemma2.attn_logit_softcapping": 0.0},
+     r"'gemma2\.attn_logit_softcapping': expected a finite value > 0, found 0\.0$"),
+    ({"gemma2.rope.scaling.type": "linear", "gemma2.rope.scaling.factor": 2.0},
+     r"'gemma2\.rope\.scaling\.type': expected one of none for gemma2, found 'linear'$"),
+    ({"gemma2.rope.freq_base_swa": 0.0},
+     r"'gemma2\.rope\.freq_base_swa': expected a finite value > 0, found 0\.0$"),
+])
+def test_gemma2_keys_llamacpp_would_misread_are_refused(files, tmp_path, meta, message):
+    """A zero window (llama.cpp would mask every key), a zero cap (a division by it), linear RoPE
+    scaling (llama.cpp scales the sliding blocks too, toymlx's Gemma RoPE does not) and a zero
+    RoPE base are one line naming the file and key."""
+    with pytest.raises(GGUFError, match=r"g\.gguf: metadata key " + message):
+        load_llama(_gemma2_file(files, tmp_path, **meta))
+
+
+def test_write_llama_says_gemma2_and_refuses_what_llamacpp_would_add(files, tmp_path):
+    """A gemma2 model's own RoPE base on its sliding blocks is written as rope.freq_base_swa
+    (llama.cpp reads it), its caps as their keys; the 27B shape (46 blocks) scales queries by
+    1/sqrt(d/heads) and round-trips; a gemma2 model without a cap or a window is refused by
+    field, since llama.cpp would cap and slide it by default."""
+    model, _ = load_llama(files["gemma2"])
+    own = Llama(replace(model.args, rope_base_sliding=10000.0))
+    own.update(model.parameters())
+    write_llama(tmp_path / "own.gguf", own, byte_metadata())
+    meta = GGUFFile(tmp_path / "own.gguf").metadata
+    assert (meta["gemma2.rope.freq_base_swa"], meta["gemma2.attn_logit_softcapping"]) == (
+        10000.0, 1.0)
+    again, _ = load_llama(tmp_path / "own.gguf")
+    assert again.args == own.args and np.array_equal(logits(again), logits(own))
+    hp, w = load_reference(tmp_path / "own.gguf")
+    assert np.abs(logits(own) - forward(hp, w, IDS)).max() < 1e-4
+
+    a = replace(model.args, n_layers=46, sliding_layers=(True, False) * 23, attn_scale=16 ** -0.5)
+    wide = Llama(a)  # random init: d/heads = 16, head width 32
+    write_llama(tmp_path / "27b.gguf", wide, byte_metadata())
+    again, _ = load_llama(tmp_path / "27b.gguf")
+    assert again.args == a
+    hp, w = load_reference(tmp_path / "27b.gguf")
+    assert np.abs(logits(again) - forward(hp, w, IDS)).max() < 1e-4
+    with pytest.raises(ValueError, match=r"found attn_scale=0\.1767\d+ \(gemma2 files of this "
+                                         r"shape scale queries by 0\.25\)$"):
+        llama_metadata(replace(a, attn_scale=32 ** -0.5))
+
+    refused = {
+        "attn_softcap": (r"attn_softcap=None \(llama\.cpp caps gemma2's attention scores at 50 "
+                         r"where a file says no cap\)"),
+        "final_softcap": (r"final_softcap=None \(llama\.cpp caps gemma2's logits at 30 where a "
+                          r"file says no cap\)"),
+        "sliding_window": (r"sliding_window=None \(llama\.cpp's gemma2 slides a 4096-key window "
+                           r"over every other block from the first where a file says none\)")}
+    for field, found in refused.items():
+        change = {field: None} | ({"sliding_layers": None} if field == "sliding_window" else {})
+        with pytest.raises(ValueError, match=("expected a shape a gemma2 GGUF can say, found "
+                                              + found + "$")):
+            llama_metadata(replace(model.args, **change))
+    with pytest.raises(ValueError, match=r"found attn_softcap=1\.0 \(only gemma2 files say it\)$"):
+        llama_metadata(replace(load_llama(files["gemma3"])[0].args, attn_softcap=1.0))
+
+
 # ---- nothing is loaded and ignored --------------------------------------------------------
 def _copy(src, dst, meta_update=None, drop_meta=(), tensors_update=None):
     g = GGUFFile(src)
@@ -254,7 +364,7 @@ def test_unknown_metadata_key_is_refused_by_name(files, tmp_path):
 def test_unknown_architecture_and_rope_scaling_are_refused(files, tmp_path):
     p = _copy(files["llama"], tmp_path / "x.gguf", {"general.architecture": "mamba"})
     with pytest.raises(GGUFError, match=r"'general\.architecture': expected one of llama, qwen2, "
-                                        r"qwen3, gemma3, phi3, found 'mamba'"):
+                                        r"qwen3, gemma2, gemma3, phi3, found 'mamba'"):
         load_llama(p)
     p = _copy(files["qwen2"], tmp_path / "y.gguf", {"qwen2.rope.scaling.type": "yarn",
                                                     "qwen2.rope.scaling.factor": 4.0})
@@ -272,7 +382,7 @@ def test_unknown_architecture_and_rope_scaling_are_refused(files, tmp_path):
 @pytest.mark.interop
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_match_llamacpp(files, kind):
-    """llama.cpp (f32 KV cache, flash attention off) on the same files. gemma3's margin is
+    """llama.cpp (f32 KV cache, flash attention off) on the same files. The Gemma margin is
     llama.cpp's: its CPU GELU rounds the input to float16 and reads a float16 table."""
     from llamacpp_runner import llamacpp_logits
 
@@ -282,11 +392,11 @@ def test_logits_match_llamacpp(files, kind):
     diff = float(np.abs(mine - ref).max())
     top1 = float((mine.argmax(-1) == ref.argmax(-1)).mean())
     report(f"{kind} vs llama.cpp", max_abs_diff=diff, top1=top1)
-    assert diff < (5e-3 if kind == "gemma3" else 1e-4) and top1 == 1.0
+    assert diff < (5e-3 if kind.startswith("gemma") else 1e-4) and top1 == 1.0
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def test_llamacpp_reads_what_write_llama_writes(files, kind, tmp_path):
     """The files write_llama writes of every architecture (phi3 without longrope) compute in
     llama.cpp what they compute in toymlx, within the margins of the converter's files."""
@@ -298,7 +408,7 @@ def test_llamacpp_reads_what_write_llama_writes(files, kind, tmp_path):
     ref, _ = llamacpp_logits(tmp_path / "w.gguf", IDS)
     diff = float(np.abs(mine - ref).max())
     report(f"{kind} written vs llama.cpp", max_abs_diff=diff)
-    assert diff < (5e-3 if kind == "gemma3" else 1e-4)
+    assert diff < (5e-3 if kind.startswith("gemma") else 1e-4)
 
 
 @pytest.mark.interop
@@ -320,7 +430,7 @@ def test_llamacpp_applies_our_adapter(files, kind, tmp_path):
     ref, _ = llamacpp_logits_lora(files[kind], ad, IDS)
     merged = write_merged(tmp_path / "merged.gguf", files[kind], ad, "f32")
     ref_fused, _ = llamacpp_logits_lora(merged, None, IDS)
-    tol = 5e-3 if kind == "gemma3" else 1e-4
+    tol = 5e-3 if kind.startswith("gemma") else 1e-4
     d_lora, d_fused = float(np.abs(mine - ref).max()), float(np.abs(mine - ref_fused).max())
     report(f"{kind} adapter in llama.cpp", lora_max_abs_diff=d_lora, fused_max_abs_diff=d_fused)
     assert d_lora < tol and d_fused < tol
@@ -347,7 +457,7 @@ def _quantized_copy(src, dst, qtype: str):
 
 
 @pytest.mark.parametrize("qtype", QUANTS)
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def test_quantized_files_of_every_architecture(files, kind, qtype, tmp_path):
     """A file in each type people download that gguf-py writes: dequantized exactly (the
     reference dequantizes the same blocks in float64); Q4_0/Q4_1/Q8_0 also held as MLX

@@ -280,6 +280,40 @@ def test_block_causal_attention_equals_fast_sdpa(T, S, block):
         close(a, b, 1e-5)
 
 
+def _capped_attention_f64(q, k, v, scale: float, cap: float, window: int | None) -> np.ndarray:
+    """float64 numpy: softmax(cap tanh(q k^T scale / cap) [causal, window]) v, the queries the
+    last T of S positions, query head h reading kv head h // (H // Hkv)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    T, S, rep = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = cap * np.tanh(q @ k.swapaxes(-1, -2) * scale / cap)  # (B,H,T,S)
+    dist = np.arange(S - T, S)[:, None] - np.arange(S)[None]  # query - key
+    s = np.where((dist >= 0) & (dist < (window or S + 1)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("T, S, window", [(70, 70, None), (70, 70, 9), (1, 40, 9), (1, 40, None)])
+def test_soft_capped_attention_equals_float64(T, S, window):
+    """Gemma 2's soft-capped scores (cap * tanh(s / cap) before the mask) in fastmath's block
+    attention (training on the CPU) and in Ops' composed form (MLX's ops, any device): both
+    within 1e-5 of float64, their gradients equal; uncapped, the same inputs move far more."""
+    mx.random.seed(6)
+    q = mx.random.normal((2, 6, T, 8)) * 3
+    k = mx.random.normal((2, 2, S, 8))
+    v = mx.random.normal((2, 2, S, 8))
+    ref = _capped_attention_f64(q, k, v, 0.3, 2.0, window)
+    got = {}
+    for name, ops in (("fast", FAST), ("mlx", MLX)):
+        got[name] = value_and_grads(
+            lambda a, b, c, ops=ops: ops.attention(a, b, c, 0.3, True, window, softcap=2.0),
+            (q, k, v))
+        close(got[name][0], ref, 1e-5)
+    for a, b in zip(got["fast"][1], got["mlx"][1]):
+        close(a, b, 1e-5)
+    assert np.abs(np.array(MLX.attention(q, k, v, 0.3, True, window)) - ref).max() > 0.05
+
+
 def _retained_arrays_per_layer(act, n: int = 512, f: int = 256) -> float:
     """(tokens, ffn) float32 arrays a compiled backward pass holds per `act(gate, up)` layer: the
     growth of MLX's peak from a 30-layer to a 50-layer chain, per layer (chains longer than

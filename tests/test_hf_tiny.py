@@ -34,13 +34,13 @@ from toymlx.models.llama import Llama
 
 pytestmark = pytest.mark.interop
 
-N_TOKENS = 40  # crosses gemma3's sliding window (8) and phi3-longrope's original context (32)
+N_TOKENS = 40  # crosses the Gemma sliding windows (8) and phi3-longrope's original context (32)
 HF_TOL = 1e-4  # llama.cpp f32 against transformers f32 on O(1) logits (measured: ~1e-6)
-# gemma3: ~1e-3 from the first position on, most of it llama.cpp's GELU, which looks its
+# gemma2, gemma3: ~1e-3 from the first position on, most of it llama.cpp's GELU, which looks its
 # values up in a float16 table (emulating that in transformers leaves 2e-4); the sliding
 # window itself agrees (without it transformers moves by 0.4-1.9 after position 8)
 GELU_TOL = 5e-3
-QUANT_KINDS = ("llama-q", "qwen3-q", "gemma3-q")
+QUANT_KINDS = ("llama-q", "qwen3-q", "gemma2-q", "gemma3-q")
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
 
 
@@ -67,14 +67,14 @@ def test_converted_matches_llamacpp_and_hf(kind, tiny_hf, tiny_gguf):  # noqa: F
     diff = float(np.abs(got - ref).max())
     report(f"{kind} logits", llamacpp_vs_hf_max_abs=diff, logit_std=float(ref.std()),
            n_vocab=info["n_vocab"], load_s=round(info["load_s"], 2))
-    assert diff < (GELU_TOL if kind.startswith("gemma3") else HF_TOL), f"{kind}: llama.cpp and transformers differ by {diff}"
+    assert diff < (GELU_TOL if kind.startswith("gemma") else HF_TOL), f"{kind}: llama.cpp and transformers differ by {diff}"
     # toymlx on the converter's file: against transformers (exact GELU) and llama.cpp
     mine = toymlx_logits(path, ids, long_factors=kind.startswith("phi3-longrope"))
     d_hf, d_cpp = float(np.abs(mine - ref).max()), float(np.abs(mine - got).max())
     report(f"{kind} toymlx", toymlx_vs_hf_max_abs=d_hf, toymlx_vs_llamacpp_max_abs=d_cpp,
            top1_vs_llamacpp=float((mine.argmax(-1) == got.argmax(-1)).mean()))
     assert d_hf < HF_TOL, f"{kind}: toymlx and transformers differ by {d_hf}"
-    assert d_cpp < (GELU_TOL if kind.startswith("gemma3") else HF_TOL), \
+    assert d_cpp < (GELU_TOL if kind.startswith("gemma") else HF_TOL), \
         f"{kind}: toymlx and llama.cpp differ by {d_cpp}"
 
 

@@ -75,6 +75,8 @@ def test_presets():
                       "width per head for RoPE), found 24")),
     ({"key_length": 7}, "model.key_length: expected an even number for RoPE, found 7"),
     ({"activation": "relu"}, "model.activation: expected silu or gelu_tanh, found 'relu'"),
+    ({"attn_softcap": 0.0}, "model.attn_softcap: expected > 0 or None (no cap), found 0.0"),
+    ({"final_softcap": -30.0}, "model.final_softcap: expected > 0 or None (no cap), found -30.0"),
     ({"sliding_layers": (True,)}, ("model.sliding_layers: expected one entry per block of "
                                   "model.n_layers (4), found 1")),
 ])

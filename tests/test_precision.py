@@ -382,16 +382,20 @@ def _loss_and_grads(args, ops: Ops, tokens: mx.array):
 
 
 @pytest.mark.parametrize("kernels", ["vectorised", "mlx"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 def test_attention_recomputed_in_the_backward_pass_gives_the_same_gradients(
         monkeypatch, kernels, arch):
-    """A block's attention (q/k norms, RoPE, scores, softmax, values) is recomputed in the
-    backward pass instead of kept (`Ops.recomputed`): the loss and every gradient, the trainable
-    q/k norms' included, bit for bit those of the attention kept whole."""
+    """A block's attention (q/k norms, RoPE, scores, gemma2's soft cap, softmax, values) is
+    recomputed in the backward pass instead of kept (`Ops.recomputed`): the loss and every
+    gradient, the trainable q/k norms' included, bit for bit those of the attention kept whole."""
     args = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
     if arch == "gemma3":
         args = replace(args, arch="gemma3", key_length=32, qk_norm=True, post_norms=True,
                        embed_scale=True, activation="gelu_tanh", rope_neox=True)
+    if arch == "gemma2":
+        args = replace(args, arch="gemma2", key_length=32, post_norms=True, embed_scale=True,
+                       activation="gelu_tanh", rope_neox=True, attn_softcap=1.0,
+                       final_softcap=8.0, sliding_window=16, sliding_layers=(True, False))
     tokens = mx.array(np.random.default_rng(5).integers(0, 259, (2, 97)).astype(np.int32))
     ops = Ops(kernels=kernels)
     loss, grads = _loss_and_grads(args, ops, tokens)

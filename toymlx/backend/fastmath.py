@@ -384,7 +384,7 @@ def cross_entropy(logits: mx.array, targets: mx.array, in_kernel: bool = False) 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
               causal: bool = False, block: int = 64, window: int | None = None,
-              in_kernel: bool = False) -> mx.array:
+              in_kernel: bool = False, softcap: float | None = None) -> mx.array:
     """softmax(q k^T scale [+ causal mask]) v for q (B,H,T,hd) and k, v (B,Hkv,S,hd), where q's
     T rows are the last T of the S positions; with GQA, query head h reads kv head
     h // (H // Hkv). Each kv head's query heads share one (rep*T, hd) x (hd, S) matmul.
@@ -396,6 +396,9 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
 
     `window` (causal only): a query sees only the keys fewer than `window` positions back
     (sliding-window attention, llama.cpp's standard SWA).
+
+    `softcap`: the scores soft-capped to +-softcap, softcap * tanh(scores / softcap), before the
+    mask (Gemma 2's attention logit soft-capping; MLX's own tanh, one scalar loop).
     """
     B, H, T, hd = q.shape
     n_kv, S = k.shape[1], k.shape[2]
@@ -404,6 +407,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         q = q * scale
     if not causal or (T == 1 and (window is None or S <= window)):
         s = q.reshape(B, n_kv, rep * T, hd) @ k.swapaxes(-1, -2)  # (B,Hkv,rep*T,S)
+        s = _capped(s, softcap)
         return (softmax(s, in_kernel) @ v).reshape(B, H, T, hd)  # (B,H,T,hd)
     outs = []
     # the query blocks as one split: its backward pass concatenates their gradients, where a
@@ -414,12 +418,17 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         b = min(a + block, T)
         end = S - T + b  # keys 0 .. end-1 are visible to some row of this block
         qb = qa.reshape(B, n_kv, rep * (b - a), hd)  # head h = kv * rep + r
-        s = qb @ k[:, :, :end].swapaxes(-1, -2)  # (B,Hkv,rep*(b-a),end)
+        s = _capped(qb @ k[:, :, :end].swapaxes(-1, -2), softcap)  # (B,Hkv,rep*(b-a),end)
         dist = mx.arange(S - T + a, S - T + b)[:, None] - mx.arange(end)[None]  # (b-a,end)
         keep = dist >= 0 if window is None else (dist >= 0) & (dist < window)
         s = mx.where(mx.tile(keep, (rep, 1)), s, -mx.inf)
         outs.append((softmax(s, in_kernel) @ v[:, :, :end]).reshape(B, H, b - a, hd))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # (B,H,T,hd)
+
+
+def _capped(s: mx.array, softcap: float | None) -> mx.array:
+    """Attention scores soft-capped to +-softcap (unchanged where softcap is None)."""
+    return s if not softcap else softcap * mx.tanh(s / softcap)
 
 
 def _row_sum(x: mx.array) -> mx.array:

@@ -63,6 +63,11 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("llama", {}, frozenset()),
     Arch("qwen2", {"rope_neox": True, "attn_bias": True}, frozenset()),
     Arch("qwen3", {"rope_neox": True, "qk_norm": True}, frozenset()),
+    Arch("gemma2", {"rope_neox": True, "post_norms": True, "embed_scale": True,
+                    "activation": "gelu_tanh"},
+         frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
+                    "rope.freq_base_swa", "attn_logit_softcapping", "final_logit_softcapping"}),
+         rope_scaling=("none",)),  # llama.cpp would scale its sliding blocks too
     Arch("gemma3", {"rope_neox": True, "qk_norm": True, "post_norms": True, "embed_scale": True,
                     "activation": "gelu_tanh"},
          frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
@@ -73,6 +78,35 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          rope_scaling=("none", "linear", "longrope")),
 )}
 """The architectures toymlx loads, by general.architecture."""
+
+
+@dataclass(frozen=True)
+class Gemma:
+    """What llama.cpp assumes of a Gemma architecture's file where a key is absent."""
+
+    pattern: int
+    """Every n-th block attends globally, the others slide (attention.sliding_window_pattern)."""
+    window: int
+    """attention.sliding_window; 0: no block slides."""
+    final_softcap: float
+    """final_logit_softcapping; 0: the logits are not capped."""
+    attn_softcap: float | None
+    """attn_logit_softcapping; None: the architecture never caps its attention scores."""
+    slides: str
+    """Which blocks slide, in words."""
+    swa_base_is_rope_base: bool
+    """rope.freq_base_swa is the file's rope.freq_base (else 10000)."""
+    wide_query_blocks: int
+    """Block count of the 27B shape, whose queries are scaled by 1/sqrt(d/heads)."""
+
+
+GEMMA = {"gemma2": Gemma(pattern=2, window=4096, final_softcap=30.0, attn_softcap=50.0,
+                         slides="every other block from the first",
+                         swa_base_is_rope_base=True, wide_query_blocks=46),
+         "gemma3": Gemma(pattern=6, window=0, final_softcap=0.0, attn_softcap=None,
+                         slides="every block but each sixth",
+                         swa_base_is_rope_base=False, wide_query_blocks=62)}
+"""The Gemma architectures' defaults, from llama.cpp's hparams loading (src/models/gemma*.cpp)."""
 SUPPORTED = ", ".join(ARCHS)
 INFORMATIONAL = ("general.", "tokenizer.", "quantize.", "toy.")
 """Metadata prefixes that describe a file without changing what its model computes."""
@@ -122,7 +156,7 @@ def hf_permuted_heads(a: LlamaArgs, name: str) -> int | None:
     """The heads by which llama.cpp's converter permuted tensor `name`'s rows from Hugging
     Face's layout: llama's q (n_heads) and k (n_kv_heads), whose RoPE turns adjacent pairs in
     the GGUF and each head's halves in HF; None for every other tensor, and for the NEOX
-    architectures (qwen2, qwen3, gemma3, phi3), whose files keep HF's rows."""
+    architectures (qwen2, qwen3, gemma2, gemma3, phi3), whose files keep HF's rows."""
     if a.rope_neox or a.fused_qkv:
         return None
     leaf = name.split(".")[-2] if name.startswith("blk.") else ""
@@ -288,23 +322,9 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     # llama.cpp multiplies cos and sin by rope.scaling.attn_factor whatever the scaling type
     sw["rope_mscale"] = _positive(g, k + "rope.scaling.attn_factor", float(
         g.get(k + "rope.scaling.attn_factor", (int, float), 1.0)))
-    if arch.name == "gemma3":
-        window = g.get(k + "attention.sliding_window", int, 0)
-        if window > 0:
-            pattern = g.metadata.get(k + "attention.sliding_window_pattern", 6)
-            if isinstance(pattern, (list, tuple)):
-                sliding = tuple(bool(x) for x in pattern)
-            elif isinstance(pattern, int) and pattern >= 0:
-                sliding = _sliding_blocks(n_layers, pattern)
-            else:
-                raise GGUFError(f"{g.path}: metadata key '{k}attention.sliding_window_pattern'"
-                                f": expected an int or a bool per block, found {pattern!r}")
-            sw.update(sliding_window=window, sliding_layers=sliding,
-                      rope_base_sliding=float(g.get(k + "rope.freq_base_swa", (int, float),
-                                                    10000.0)))
-        cap = float(g.get(k + "final_logit_softcapping", (int, float), 0.0))
-        sw["final_softcap"] = cap or None
-        sw["attn_scale"] = _gemma3_query_scale(d, n_heads, n_layers, head_dim)
+    if arch.name in GEMMA:
+        sw.update(_gemma_switches(g, GEMMA[arch.name], n_layers, rope_base))
+        sw["attn_scale"] = _gemma_query_scale(arch.name, d, n_heads, n_layers, head_dim)
     if arch.name == "llama":  # llama files may carry attention biases
         sw["attn_bias"] = "blk.0.attn_q.bias" in g.tensors
         sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
@@ -321,6 +341,44 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: {e}") from None
     check_shapes(g, args, rope_tensors(longrope, "rope_freqs.weight" in g.tensors))
     return args
+
+
+def _gemma_switches(g: GGUFFile, gemma: Gemma, n_layers: int, rope_base: float
+                    ) -> dict[str, Any]:
+    """A Gemma file's sliding window, its blocks and RoPE base, and its soft caps, each from its
+    key or llama.cpp's default where the file has none."""
+    k = g.metadata["general.architecture"] + "."
+    sw: dict[str, Any] = {}
+    window = g.get(k + "attention.sliding_window", int, gemma.window)
+    if window > 0:
+        pattern = g.metadata.get(k + "attention.sliding_window_pattern", gemma.pattern)
+        if isinstance(pattern, (list, tuple)):
+            sliding = tuple(bool(x) for x in pattern)
+        elif isinstance(pattern, int) and pattern >= 0:
+            sliding = _sliding_blocks(n_layers, pattern)
+        else:
+            raise GGUFError(f"{g.path}: metadata key '{k}attention.sliding_window_pattern'"
+                            f": expected an int or a bool per block, found {pattern!r}")
+        base = rope_base if gemma.swa_base_is_rope_base else 10000.0
+        sw.update(sliding_window=window, sliding_layers=sliding,
+                  rope_base_sliding=_positive(g, k + "rope.freq_base_swa", float(
+                      g.get(k + "rope.freq_base_swa", (int, float), base))))
+    elif gemma.window:  # llama.cpp slides these blocks whatever the file says
+        raise GGUFError(f"{g.path}: metadata key '{k}attention.sliding_window': expected a "
+                        f"window > 0 (llama.cpp's default {gemma.window}), found {window}")
+    sw["final_softcap"] = _softcap(g, k + "final_logit_softcapping", gemma.final_softcap)
+    if gemma.attn_softcap is not None:
+        sw["attn_softcap"] = _softcap(g, k + "attn_logit_softcapping", gemma.attn_softcap)
+    return sw
+
+
+def _softcap(g: GGUFFile, key: str, default: float) -> float | None:
+    """A soft cap from `key` (its default where absent); None where the default is 0 (no cap).
+    A file's 0 is refused where llama.cpp caps by default: it would divide by it."""
+    cap = float(g.get(key, (int, float), default))
+    if cap == 0.0 and not default:
+        return None
+    return _positive(g, key, cap)
 
 
 def rope_tensors(longrope: bool, has_freqs: bool) -> set[str]:
@@ -544,22 +602,24 @@ _SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "post_norms", "embed_scale", "
 does not name them)."""
 
 
-def _sliding_blocks(n_layers: int, pattern: int = 6) -> tuple[bool, ...]:
-    """llama.cpp's gemma3 blocks for `sliding_window_pattern` n: sliding, but every n-th block
-    dense (0: every block slides); its gemma3 fixes n = 6."""
+def _sliding_blocks(n_layers: int, pattern: int) -> tuple[bool, ...]:
+    """llama.cpp's Gemma blocks for `sliding_window_pattern` n: sliding, but every n-th block
+    dense (0: every block slides); n = 2 for gemma2, 6 for gemma3 (`GEMMA`)."""
     return tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers))
 
 
-def _gemma3_query_scale(d_model: int, n_heads: int, n_layers: int, head_dim: int) -> float:
-    """llama.cpp's gemma3 query scale: 1/sqrt(head width), but 1/sqrt(d/heads) for the 27B
-    shape (62 blocks)."""
-    return (d_model // n_heads if n_layers == 62 else head_dim) ** -0.5
+def _gemma_query_scale(arch: str, d_model: int, n_heads: int, n_layers: int,
+                       head_dim: int) -> float:
+    """llama.cpp's Gemma query scale: 1/sqrt(head width), but 1/sqrt(d/heads) for the 27B
+    shape (46 blocks of gemma2, 62 of gemma3)."""
+    wide = n_layers == GEMMA[arch].wide_query_blocks
+    return (d_model // n_heads if wide else head_dim) ** -0.5
 
 
 def _loaded_attn_scale(a: LlamaArgs) -> float:
     """The query scale `args_from_gguf` gives a file of this shape."""
-    if a.arch == "gemma3":
-        return _gemma3_query_scale(a.d_model, a.n_heads, a.n_layers, a.head_dim)
+    if a.arch in GEMMA:
+        return _gemma_query_scale(a.arch, a.d_model, a.n_heads, a.n_layers, a.head_dim)
     return a.head_dim ** -0.5
 
 
@@ -587,20 +647,37 @@ def unwritable(a: LlamaArgs) -> list[str]:
     if (a.attn_scale or a.head_dim ** -0.5) != _loaded_attn_scale(a):
         out.append(f"attn_scale={a.attn_scale} ({a.arch} files of this shape scale queries by "
                    f"{_loaded_attn_scale(a)})")
-    if a.arch == "gemma3" and a.sliding_window:
-        if a.sliding_layers != _sliding_blocks(a.n_layers):
-            out.append(f"sliding_layers={a.sliding_layers!r} (llama.cpp's gemma3 slides every "
-                       "block but each sixth)")
+    return out + _gemma_unwritable(a)
+
+
+def _gemma_unwritable(a: LlamaArgs) -> list[str]:
+    """`unwritable`'s findings in the fields only Gemma files say: the sliding window, its
+    blocks and RoPE base, and the soft caps."""
+    gemma, out = GEMMA.get(a.arch), []
+    if gemma is not None and a.sliding_window:
+        if a.sliding_layers != _sliding_blocks(a.n_layers, gemma.pattern):
+            out.append(f"sliding_layers={a.sliding_layers!r} (llama.cpp's {a.arch} slides "
+                       f"{gemma.slides})")
     else:
-        if a.sliding_window is not None and a.arch != "gemma3":
-            out.append(f"sliding_window={a.sliding_window} (only gemma3 files say it)")
+        if gemma is not None and gemma.window:
+            out.append(f"sliding_window={a.sliding_window} (llama.cpp's {a.arch} slides a "
+                       f"{gemma.window}-key window over {gemma.slides} where a file says none)")
+        elif a.sliding_window is not None and gemma is None:
+            out.append(f"sliding_window={a.sliding_window} (only {' and '.join(GEMMA)} files "
+                       "say it)")
         if a.sliding_layers is not None:
-            out.append(f"sliding_layers={a.sliding_layers!r} (only gemma3 files with a sliding "
-                       "window say it)")
-    if a.rope_base_sliding != 10000.0:
+            out.append(f"sliding_layers={a.sliding_layers!r} (only {' and '.join(GEMMA)} files "
+                       "with a sliding window say it)")
+    if a.rope_base_sliding != 10000.0 and not (gemma and gemma.swa_base_is_rope_base):
         out.append(f"rope_base_sliding={a.rope_base_sliding} (llama.cpp's gemma3 fixes 10000)")
-    if a.final_softcap is not None and a.arch != "gemma3":
-        out.append(f"final_softcap={a.final_softcap} (only gemma3 files say it)")
+    for field, what in (("final_softcap", "logits"), ("attn_softcap", "attention scores")):
+        cap, default = getattr(a, field), getattr(gemma, field, None)
+        if cap is not None and default is None:
+            says = " and ".join(n for n, gm in GEMMA.items() if getattr(gm, field) is not None)
+            out.append(f"{field}={cap} (only {says} files say it)")
+        elif cap is None and default:
+            out.append(f"{field}=None (llama.cpp caps {a.arch}'s {what} at {default:g} where "
+                       "a file says no cap)")
     return out
 
 
@@ -634,10 +711,14 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         meta[k + "rope.scaling.factor"] = 1.0 / a.rope_scale
     if a.rope_mscale != 1.0:
         meta[k + "rope.scaling.attn_factor"] = float(a.rope_mscale)
-    if a.sliding_window:  # the blocks that slide and their RoPE base are llama.cpp's own
+    if a.sliding_window:  # the blocks that slide are llama.cpp's own
         meta[k + "attention.sliding_window"] = a.sliding_window
+        if a.rope_base_sliding != a.rope_base and GEMMA[a.arch].swa_base_is_rope_base:
+            meta[k + "rope.freq_base_swa"] = float(a.rope_base_sliding)
     if a.final_softcap is not None:
         meta[k + "final_logit_softcapping"] = float(a.final_softcap)
+    if a.attn_softcap is not None:
+        meta[k + "attn_logit_softcapping"] = float(a.attn_softcap)
     return meta
 
 

@@ -1,19 +1,20 @@
 """The Llama-family decoder in mlx.nn, in llama.cpp's GGUF conventions.
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
-(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma3 (text) and phi3. They are one
-pre-norm transformer with a handful of switches, each a field of `LlamaArgs`:
+(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text) and phi3. They are
+one pre-norm transformer with a handful of switches, each a field of `LlamaArgs`:
 
-| switch | llama | qwen2 | qwen3 | gemma3 | phi3 |
-| --- | --- | --- | --- | --- | --- |
-| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves |
-| q/k/v biases | optional | yes | | | |
-| per-head q/k RMSNorm before RoPE | | | yes | yes | |
-| embeddings times sqrt(d_model) | | | | yes | |
-| norms after attention and MLP too | | | | yes | |
-| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | SiLU |
-| fused projections | | | | | qkv, gate_up |
-| sliding-window layers | | | | 5 of 6 | |
+| switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 |
+| --- | --- | --- | --- | --- | --- | --- |
+| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | halves |
+| q/k/v biases | optional | yes | | | | |
+| per-head q/k RMSNorm before RoPE | | | yes | | yes | |
+| embeddings times sqrt(d_model) | | | | yes | yes | |
+| norms after attention and MLP too | | | | yes | yes | |
+| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | GELU (tanh) | SiLU |
+| fused projections | | | | | | qkv, gate_up |
+| sliding-window layers | | | | 1 of 2 | 5 of 6 | |
+| soft-capped attention scores | | | | yes | | |
 
 Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
@@ -63,7 +64,7 @@ class LlamaArgs:
     """Per-head width where it is not d_model // n_heads (llama.attention.key_length)."""
     # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
     arch: str = "llama"
-    """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma3 or phi3."""
+    """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma2, gemma3 or phi3."""
     rope_neox: bool = False
     """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
     rope_dims: int | None = None
@@ -81,11 +82,12 @@ class LlamaArgs:
     qk_norm: bool = False
     """Per-head RMSNorm of q and k before RoPE (qwen3, gemma3)."""
     post_norms: bool = False
-    """RMSNorm of each block's attention and MLP outputs before the residual add (gemma3)."""
+    """RMSNorm of each block's attention and MLP outputs before the residual add (gemma2,
+    gemma3)."""
     embed_scale: bool = False
-    """Token embeddings times sqrt(d_model) (gemma3)."""
+    """Token embeddings times sqrt(d_model) (gemma2, gemma3)."""
     activation: str = "silu"
-    """The gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, gemma3)."""
+    """The gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, gemma2 and gemma3)."""
     fused_qkv: bool = False
     """q, k and v as one projection `qkv_proj` (phi3's attn_qkv)."""
     fused_gate_up: bool = False
@@ -95,11 +97,15 @@ class LlamaArgs:
     sliding_window: int | None = None
     """Keys a sliding layer's query sees (itself included)."""
     sliding_layers: tuple[bool, ...] | None = None
-    """Which blocks use the sliding window (gemma3: all but every sixth)."""
+    """Which blocks use the sliding window (gemma2: every other one from the first; gemma3: all
+    but every sixth)."""
     rope_base_sliding: float = 10000.0
-    """RoPE base of the sliding layers (gemma3: rope.freq_base_swa)."""
+    """RoPE base of the sliding layers (rope.freq_base_swa; gemma2's default is rope_base)."""
     final_softcap: float | None = None
     """Logits soft-capped to +-cap by cap * tanh(logits / cap) (final_logit_softcapping)."""
+    attn_softcap: float | None = None
+    """Attention scores (q k^T times the query scale) soft-capped to +-cap by
+    cap * tanh(scores / cap) before the mask and softmax (gemma2's attn_logit_softcapping)."""
 
     @property
     def head_dim(self) -> int:
@@ -127,6 +133,10 @@ class LlamaArgs:
                                                               "an even width per head for RoPE")))
         if self.activation not in ("silu", "gelu_tanh"):
             raise ArgsError(self, "activation", "silu or gelu_tanh", repr(self.activation))
+        for name in ("final_softcap", "attn_softcap"):  # cap * tanh(x / cap): nan at 0
+            cap = getattr(self, name)
+            if cap is not None and not cap > 0:
+                raise ArgsError(self, name, "> 0 or None (no cap)")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
             raise ArgsError(self, "sliding_layers", "one entry per block of {n_layers}",
                             f"{len(self.sliding_layers)}")
@@ -183,6 +193,7 @@ class Attention(nn.Module):
         self.scale = a.attn_scale or a.head_dim ** -0.5
         self.rope = a.rope(layer)
         self.window = a.sliding_window if a.is_sliding(layer) else None
+        self.softcap = a.attn_softcap
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         if a.fused_qkv:
             self.qkv_proj = Linear(a.d_model, q + 2 * kv, bias=a.attn_bias, ops=ops)
@@ -254,7 +265,8 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)  # (B,Hkv,S,hd): every position so far
-        o = self.ops.attention(q, k, v, self.scale, causal=True, window=self.window)  # (B,H,T,hd)
+        o = self.ops.attention(q, k, v, self.scale, causal=True, window=self.window,
+                               softcap=self.softcap)  # (B,H,T,hd)
         return o.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B,T,H*hd)
 
 

@@ -216,19 +216,24 @@ class Ops:
         raise ValueError(f"gelu: expected erf, tanh or fast, found {form!r}")
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
-                  causal: bool, window: int | None = None) -> mx.array:
+                  causal: bool, window: int | None = None,
+                  softcap: float | None = None) -> mx.array:
         """softmax(q k^T scale [causal]) v for q (B,H,T,hd), k/v (B,Hkv,S,hd); q's T rows are
         the last T of the S positions; query head h reads kv head h // (H // Hkv). `window`
-        (causal only): each query sees the keys fewer than `window` positions back."""
+        (causal only): each query sees the keys fewer than `window` positions back. `softcap`:
+        the scores soft-capped to +-softcap (softcap * tanh(scores / softcap)) before the mask,
+        which MLX's fused kernel cannot do (`capped_attention`)."""
         if self.kernels == "vectorised":
             return fastmath.attention(q, k, v, scale, causal=causal, window=window,
-                                      in_kernel=self.kernel_forms)
+                                      in_kernel=self.kernel_forms, softcap=softcap)
         T, S = q.shape[2], k.shape[2]
         if window is not None and S > window:
-            dist = mx.arange(S - T, S)[:, None] - mx.arange(S)[None]  # (T,S) query - key
-            mask = (dist >= 0) & (dist < window)
+            mask = attention_mask(T, S, window)
         else:
             mask = "causal" if causal and T > 1 else None
+        if softcap:
+            return capped_attention(q, k, v, scale, softcap,
+                                    attention_mask(T, S) if mask == "causal" else mask)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
     def rope_tables(self, rope: Rope, head_dim: int, offset: int, T: int) -> RopeTables:
@@ -317,6 +322,31 @@ class Ops:
         if not self.grad_checkpoint:
             return layer(*args)
         return _checkpointed(layer)(layer.trainable_parameters(), *args)
+
+
+def attention_mask(T: int, S: int, window: int | None = None) -> mx.array:
+    """(T,S) bool: which of S keys each of the last T positions sees (causal; `window`: only
+    the keys fewer than `window` positions back)."""
+    dist = mx.arange(S - T, S)[:, None] - mx.arange(S)[None]  # (T,S) query - key
+    return dist >= 0 if window is None else (dist >= 0) & (dist < window)
+
+
+def capped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float,
+                     mask: mx.array | None) -> mx.array:
+    """softmax(softcap * tanh(q k^T scale / softcap) [mask]) v, composed of MLX's ops on any
+    device: q (B,H,T,hd), k/v (B,Hkv,S,hd), query head h reading kv head h // (H // Hkv), `mask`
+    (T,S) bool or None. The capped scores and their softmax are float32 whatever the dtype, as
+    MLX's fused kernel accumulates them."""
+    B, H, T, hd = q.shape
+    n_kv = k.shape[1]
+    rep = H // n_kv
+    qg = q.reshape(B, n_kv, rep * T, hd)  # (B,Hkv,rep*T,hd): head h = kv * rep + r
+    s = ((qg * scale) @ k.swapaxes(-1, -2)).astype(mx.float32)  # (B,Hkv,rep*T,S)
+    s = softcap * mx.tanh(s / softcap)
+    if mask is not None:
+        s = mx.where(mx.tile(mask, (rep, 1)), s, -mx.inf)
+    p = mx.softmax(s, axis=-1).astype(v.dtype)
+    return (p @ v).reshape(B, H, T, hd)  # (B,H,T,hd)
 
 
 _GELU_TANH_C = float(np.sqrt(2 / np.pi))
