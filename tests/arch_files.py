@@ -7,7 +7,8 @@ Kinds exercise every switch of the decoder: `llama3` (a rope_freqs tensor), `lla
 (q/k norms, a head wider than d_model / n_heads), `gemma3` (sandwich norms, GeGLU, sliding
 window layers with their own RoPE base, linear scaling on the global layers, embedding scale,
 soft-capped logits), `phi3` (fused qkv and gate_up, partial RoPE, longrope factors with an
-attention factor). The tokenizer is toymlx's byte vocabulary (259 tokens).
+attention factor), `smollm3` (no RoPE on every 4th block), `granite` (embedding, residual,
+attention and logit scalars). The tokenizer is toymlx's byte vocabulary (259 tokens).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.reader import FLOAT32, UINT32
 from toymlx.gguf.writer import write_gguf
 
-KINDS = ("llama", "llama3", "llama-bias", "qwen2", "qwen3", "gemma3", "phi3")
+KINDS = ("llama", "llama3", "llama-bias", "qwen2", "qwen3", "gemma3", "phi3", "smollm3",
+         "granite")
 VOCAB = 259
 
 
@@ -31,6 +33,8 @@ def _spec(kind: str) -> dict:
         s.update(hd=32)
     if kind == "gemma3":
         s.update(layers=6)
+    if kind == "smollm3":
+        s.update(layers=4)  # block 3 has no RoPE
     if kind in ("phi3", "llama"):
         s.update(tied=False)
     return s
@@ -111,6 +115,11 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
         floats.append(k + "rope.scaling.attn_factor")
         t["rope_factors_short.weight"] = np.linspace(1.0, 3.0, n_rot // 2).astype(np.float32)
         t["rope_factors_long.weight"] = np.linspace(1.0, 30.0, n_rot // 2).astype(np.float32)
+    if arch == "granite":  # granite-3.3-2b's scalars, but a query scale far from 1/sqrt(16)
+        granite = {"embedding_scale": 12.0, "residual_scale": 0.22, "attention.scale": 0.05,
+                   "logit_scale": 2.5}
+        meta.update({k + key: v for key, v in granite.items()})
+        floats += [k + key for key in granite]
     for key in floats:
         types[key] = (FLOAT32, None)
     meta.update(byte_metadata())

@@ -1,12 +1,16 @@
 """An independent float64 numpy forward of llama.cpp's decoders, reading GGUF with gguf-py (not
 toymlx).
 
-Written from llama.cpp's graph code (src/models/{llama,qwen2,qwen3,gemma3,phi3}.cpp) and its
+Written from llama.cpp's graph code (src/models/{llama,qwen2,qwen3,gemma3,phi3,smollm3,
+granite}.cpp) and its
 RoPE (`ggml_rope_ext`): (out, in) weights; RMSNorm; RoPE on adjacent pairs for arch llama and
 on halves (NEOX) for the others, angle pos * freq_scale * base^(-2i/n_rot) / factor_i, cos and
 sin times attn_factor; GQA head h -> kv head h // (n_head // n_kv); gated FFN (SiLU, or GELU's
 tanh form for gemma3; phi3's ffn_up holds gate then up); tied output when output.weight is
-absent. Each switch is read from the file the way llama.cpp reads it.
+absent; smollm3 rotates no block il with (il + 1) % 4 == 0; granite multiplies the embeddings
+by embedding_scale and each residual branch by residual_scale, scales q k^T by attention.scale
+and divides the logits by logit_scale. Each switch is read from the file the way llama.cpp
+reads it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ def load_reference(path) -> tuple[dict, dict[str, np.ndarray]]:
         "scaling": _field(r, k + "rope.scaling.type", "linear"),
         "factor": _field(r, k + "rope.scaling.factor", 0.0),
         "attn_factor": _field(r, k + "rope.scaling.attn_factor", 1.0),
+        "embedding_scale": _field(r, k + "embedding_scale", 0.0),
+        "residual_scale": _field(r, k + "residual_scale", 0.0),
+        "attention_scale": _field(r, k + "attention.scale", 0.0),
+        "logit_scale": _field(r, k + "logit_scale", 1.0),
     }
     hp["n_kv"] = _field(r, k + "attention.head_count_kv", hp["n_heads"])
     hp["hd"] = _field(r, k + "attention.key_length", hp["d"] // hp["n_heads"])
@@ -113,10 +121,15 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
     q_scale = 1 / np.sqrt(hd)
     if arch == "gemma3" and n_layers == 62:
         q_scale = 1 / np.sqrt(d / H)
+    if hp["attention_scale"]:
+        q_scale = hp["attention_scale"]
+    resid = hp["residual_scale"] or 1.0
 
     x = w["token_embd.weight"][tokens]  # (T, d)
     if arch == "gemma3":
         x = x * np.sqrt(d)
+    if hp["embedding_scale"]:
+        x = x * hp["embedding_scale"]
     dist = pos[:, None] - pos[None, :]  # query - key
     for i in range(n_layers):
         p = f"blk.{i}."
@@ -131,7 +144,9 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
         if p + "attn_q_norm.weight" in w:
             q = _rms(q, w[p + "attn_q_norm.weight"], eps)
             kk = _rms(kk, w[p + "attn_k_norm.weight"], eps)
-        if swa[i]:  # gemma3's sliding layers: their own base, no scaling
+        if arch == "smollm3" and (i + 1) % 4 == 0:
+            pass  # no RoPE in this block
+        elif swa[i]:  # gemma3's sliding layers: their own base, no scaling
             q = _rope(q, pos, hp["n_rot"], hp["base_swa"], 1.0, None, 1.0, neox)
             kk = _rope(kk, pos, hp["n_rot"], hp["base_swa"], 1.0, None, 1.0, neox)
         else:
@@ -151,7 +166,7 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
                                                                             0.0)
         if p + "post_attention_norm.weight" in w:
             a = _rms(a, w[p + "post_attention_norm.weight"], eps)
-        x = x + a
+        x = x + a * resid
         h = _rms(x, w[p + "ffn_norm.weight"], eps)
         if p + "ffn_gate.weight" in w:
             g, u = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
@@ -162,9 +177,9 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
         f = (act * u) @ w[p + "ffn_down.weight"].T
         if p + "post_ffw_norm.weight" in w:
             f = _rms(f, w[p + "post_ffw_norm.weight"], eps)
-        x = x + f
+        x = x + f * resid
     x = _rms(x, w["output_norm.weight"], eps)
-    logits = x @ w.get("output.weight", w["token_embd.weight"]).T
+    logits = x @ w.get("output.weight", w["token_embd.weight"]).T / hp["logit_scale"]
     if hp["softcap"]:
         logits = hp["softcap"] * np.tanh(logits / hp["softcap"])
     return logits

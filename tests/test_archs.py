@@ -1,5 +1,5 @@
 """Every decoder architecture toymlx loads (llama incl. Llama 3's rope_freqs, qwen2, qwen3,
-gemma3, phi3): logits against an independent float64 numpy forward (tests/reference.py), the
+gemma3, phi3, smollm3, granite): logits against an independent float64 numpy forward (tests/reference.py), the
 training kernels against the exact ones, LoRA adapters and fused exports round-tripped, and
 every unknown architecture, key or tensor refused by name. The llama.cpp comparisons of the
 same files are in the interop tier at the end.
@@ -8,6 +8,7 @@ same files are in the interop tier at the end.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import mlx.core as mx
@@ -17,7 +18,13 @@ from arch_files import KINDS, arch_gguf
 from reference import forward, load_reference
 
 from toymlx.data.vocab import byte_metadata
-from toymlx.gguf.llama import args_from_gguf, llama_metadata, load_llama, write_llama
+from toymlx.gguf.llama import (
+    SUPPORTED,
+    args_from_gguf,
+    llama_metadata,
+    load_llama,
+    write_llama,
+)
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import write_gguf
 from toymlx.interop.merge import write_merged
@@ -56,7 +63,8 @@ def test_logits_match_float64_reference(files, kind):
 
 def test_each_switch_changes_the_logits(files):
     """The switches are read, not defaulted: the Llama 3 file without its rope_freqs tensor,
-    and gemma3 without its sliding window, compute other logits."""
+    and gemma3 without its sliding window, compute other logits; smollm3's every 4th block
+    skips RoPE, and each granite scalar changes the logits."""
     model, _g = load_llama(files["llama3"])
     assert model.args.rope_factors == (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0) or \
         np.allclose(model.args.rope_factors, (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0))
@@ -68,6 +76,19 @@ def test_each_switch_changes_the_logits(files):
     hp, w = load_reference(files["llama3"])
     del w["rope_freqs.weight"]
     assert np.abs(forward(hp, w, IDS) - logits(model)).max() > 0.1
+    smol, _ = load_llama(files["smollm3"])
+    assert [smol.args.has_rope(i) for i in range(4)] == [True, True, True, False]
+    rotated = Llama(replace(smol.args, no_rope_interval=0))
+    rotated.update(smol.parameters())
+    assert np.abs(logits(rotated) - logits(smol)).max() > 0.1
+    granite, _ = load_llama(files["granite"])
+    a = granite.args
+    assert (a.embedding_multiplier, a.residual_multiplier, a.attn_scale, a.logits_scaling) == \
+        (12.0, pytest.approx(0.22), pytest.approx(0.05), 2.5)
+    for field in ("embedding_multiplier", "residual_multiplier", "attn_scale", "logits_scaling"):
+        plain = Llama(replace(a, **{field: None if field == "attn_scale" else 1.0}))
+        plain.update(granite.parameters())
+        assert np.abs(logits(plain) - logits(granite)).max() > 0.01, field  # 100x the margin
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -253,8 +274,8 @@ def test_unknown_metadata_key_is_refused_by_name(files, tmp_path):
 
 def test_unknown_architecture_and_rope_scaling_are_refused(files, tmp_path):
     p = _copy(files["llama"], tmp_path / "x.gguf", {"general.architecture": "mamba"})
-    with pytest.raises(GGUFError, match=r"'general\.architecture': expected one of llama, qwen2, "
-                                        r"qwen3, gemma3, phi3, found 'mamba'"):
+    with pytest.raises(GGUFError, match=rf"'general\.architecture': expected one of "
+                                        rf"{re.escape(SUPPORTED)}, found 'mamba'"):
         load_llama(p)
     p = _copy(files["qwen2"], tmp_path / "y.gguf", {"qwen2.rope.scaling.type": "yarn",
                                                     "qwen2.rope.scaling.factor": 4.0})
@@ -286,7 +307,8 @@ def test_logits_match_llamacpp(files, kind):
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3", "smollm3",
+                                  "granite"])
 def test_llamacpp_reads_what_write_llama_writes(files, kind, tmp_path):
     """The files write_llama writes of every architecture (phi3 without longrope) compute in
     llama.cpp what they compute in toymlx, within the margins of the converter's files."""
@@ -347,7 +369,8 @@ def _quantized_copy(src, dst, qtype: str):
 
 
 @pytest.mark.parametrize("qtype", QUANTS)
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3", "smollm3",
+                                  "granite"])
 def test_quantized_files_of_every_architecture(files, kind, qtype, tmp_path):
     """A file in each type people download that gguf-py writes: dequantized exactly (the
     reference dequantizes the same blocks in float64); Q4_0/Q4_1/Q8_0 also held as MLX

@@ -59,6 +59,10 @@ COMMON_KEYS = frozenset({
     "rope.freq_base", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "expert_count",
     "expert_used_count"})
+GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
+                   "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
+"""granite's `<arch>.` scalar keys -> the LlamaArgs fields they set (beside attention.scale,
+which is `attn_scale`)."""
 ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("llama", {}, frozenset()),
     Arch("qwen2", {"rope_neox": True, "attn_bias": True}, frozenset()),
@@ -71,6 +75,9 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          # llama.cpp reads phi3's sliding_window and turns it off (so does toymlx)
          frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
          rope_scaling=("none", "linear", "longrope")),
+    # llama.cpp fixes smollm3's no-RoPE blocks (every 4th); no key says them
+    Arch("smollm3", {"no_rope_interval": 4}, frozenset()),
+    Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}),
 )}
 """The architectures toymlx loads, by general.architecture."""
 SUPPORTED = ", ".join(ARCHS)
@@ -121,8 +128,9 @@ def toy_to_gguf(path: str) -> str:
 def hf_permuted_heads(a: LlamaArgs, name: str) -> int | None:
     """The heads by which llama.cpp's converter permuted tensor `name`'s rows from Hugging
     Face's layout: llama's q (n_heads) and k (n_kv_heads), whose RoPE turns adjacent pairs in
-    the GGUF and each head's halves in HF; None for every other tensor, and for the NEOX
-    architectures (qwen2, qwen3, gemma3, phi3), whose files keep HF's rows."""
+    the GGUF and each head's halves in HF (smollm3's and granite's too: their converter is
+    llama's); None for every other tensor, and for the NEOX architectures (qwen2, qwen3,
+    gemma3, phi3), whose files keep HF's rows."""
     if a.rope_neox or a.fused_qkv:
         return None
     leaf = name.split(".")[-2] if name.startswith("blk.") else ""
@@ -305,6 +313,8 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         cap = float(g.get(k + "final_logit_softcapping", (int, float), 0.0))
         sw["final_softcap"] = cap or None
         sw["attn_scale"] = _gemma3_query_scale(d, n_heads, n_layers, head_dim)
+    if arch.name == "granite":
+        sw.update(granite_scalars(g, k))
     if arch.name == "llama":  # llama files may carry attention biases
         sw["attn_bias"] = "blk.0.attn_q.bias" in g.tensors
         sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
@@ -321,6 +331,28 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: {e}") from None
     check_shapes(g, args, rope_tensors(longrope, "rope_freqs.weight" in g.tensors))
     return args
+
+
+def granite_scalars(g: GGUFFile, k: str) -> dict[str, float]:
+    """The LlamaArgs fields a granite file's scalars set, each where llama.cpp applies it:
+    embedding_scale (the token embeddings times it), residual_scale (each block's attention
+    and MLP outputs times it), attention.scale (q k^T times it, for 1/sqrt(head_dim)),
+    logit_scale (the logits divided by it). llama.cpp reads an absent or 0 scale as none
+    (logit_scale it requires); `rope.scaling.finetuned` false turns its RoPE off, which no
+    dense Granite does and toymlx refuses."""
+    if not g.get(k + "rope.scaling.finetuned", bool, True):
+        raise GGUFError(f"{g.path}: metadata key '{k}rope.scaling.finetuned': expected true "
+                        "(granite files whose blocks all skip RoPE are not supported), found "
+                        "false")
+    out: dict[str, float] = {}
+    for key, field in GRANITE_SCALARS.items():
+        v = float(g.get(k + key, (int, float), 0.0))
+        if v:
+            out[field] = _positive(g, k + key, v)
+    scale = float(g.get(k + "attention.scale", (int, float), 0.0))
+    if scale:
+        out["attn_scale"] = _positive(g, k + "attention.scale", scale)
+    return out
 
 
 def rope_tensors(longrope: bool, has_freqs: bool) -> set[str]:
@@ -539,7 +571,7 @@ def _quantized_linear(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
 
 
 _SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "post_norms", "embed_scale", "activation",
-             "fused_qkv", "fused_gate_up")
+             "fused_qkv", "fused_gate_up", "no_rope_interval")
 """LlamaArgs fields that an architecture fixes (`Arch.switches`; LlamaArgs' default where it
 does not name them)."""
 
@@ -560,6 +592,8 @@ def _loaded_attn_scale(a: LlamaArgs) -> float:
     """The query scale `args_from_gguf` gives a file of this shape."""
     if a.arch == "gemma3":
         return _gemma3_query_scale(a.d_model, a.n_heads, a.n_layers, a.head_dim)
+    if a.arch == "granite":  # granite.attention.scale says any
+        return a.attn_scale or a.head_dim ** -0.5
     return a.head_dim ** -0.5
 
 
@@ -601,6 +635,9 @@ def unwritable(a: LlamaArgs) -> list[str]:
         out.append(f"rope_base_sliding={a.rope_base_sliding} (llama.cpp's gemma3 fixes 10000)")
     if a.final_softcap is not None and a.arch != "gemma3":
         out.append(f"final_softcap={a.final_softcap} (only gemma3 files say it)")
+    for key, field in GRANITE_SCALARS.items():
+        if getattr(a, field) != 1.0 and a.arch != "granite":
+            out.append(f"{field}={getattr(a, field)} (only granite files say it: {key})")
     return out
 
 
@@ -638,6 +675,11 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         meta[k + "attention.sliding_window"] = a.sliding_window
     if a.final_softcap is not None:
         meta[k + "final_logit_softcapping"] = float(a.final_softcap)
+    if a.arch == "granite":  # llama.cpp requires logit_scale; the others, where not 1
+        meta.update({k + key: float(getattr(a, field)) for key, field in GRANITE_SCALARS.items()
+                     if key == "logit_scale" or getattr(a, field) != 1.0})
+        if a.attn_scale is not None:
+            meta[k + "attention.scale"] = float(a.attn_scale)
     return meta
 
 

@@ -1,19 +1,22 @@
 """The Llama-family decoder in mlx.nn, in llama.cpp's GGUF conventions.
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
-(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma3 (text) and phi3. They are one
-pre-norm transformer with a handful of switches, each a field of `LlamaArgs`:
+(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma3 (text), phi3, smollm3 and
+granite. They are one pre-norm transformer with a handful of switches, each a field of
+`LlamaArgs`:
 
-| switch | llama | qwen2 | qwen3 | gemma3 | phi3 |
-| --- | --- | --- | --- | --- | --- |
-| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves |
-| q/k/v biases | optional | yes | | | |
-| per-head q/k RMSNorm before RoPE | | | yes | yes | |
-| embeddings times sqrt(d_model) | | | | yes | |
-| norms after attention and MLP too | | | | yes | |
-| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | SiLU |
-| fused projections | | | | | qkv, gate_up |
-| sliding-window layers | | | | 5 of 6 | |
+| switch | llama | qwen2 | qwen3 | gemma3 | phi3 | smollm3 | granite |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | adjacent | adjacent |
+| blocks without RoPE | | | | | | every 4th | |
+| q/k/v biases | optional | yes | | | | | |
+| per-head q/k RMSNorm before RoPE | | | yes | yes | | | |
+| embeddings times sqrt(d_model) | | | | yes | | | |
+| embeddings, residual branches, 1/logits times a file's scalar | | | | | | | yes |
+| norms after attention and MLP too | | | | yes | | | |
+| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | SiLU | SiLU | SiLU |
+| fused projections | | | | | qkv, gate_up | | |
+| sliding-window layers | | | | 5 of 6 | | | |
 
 Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
@@ -63,7 +66,8 @@ class LlamaArgs:
     """Per-head width where it is not d_model // n_heads (llama.attention.key_length)."""
     # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
     arch: str = "llama"
-    """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma3 or phi3."""
+    """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma3, phi3, smollm3 or
+    granite."""
     rope_neox: bool = False
     """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
     rope_dims: int | None = None
@@ -100,6 +104,15 @@ class LlamaArgs:
     """RoPE base of the sliding layers (gemma3: rope.freq_base_swa)."""
     final_softcap: float | None = None
     """Logits soft-capped to +-cap by cap * tanh(logits / cap) (final_logit_softcapping)."""
+    no_rope_interval: int = 0
+    """RoPE skipped on every n-th block, counting from 1 (smollm3: 4); 0: every block rotates."""
+    embedding_multiplier: float = 1.0
+    """Token embeddings times this (granite.embedding_scale)."""
+    residual_multiplier: float = 1.0
+    """Each block's attention and MLP outputs times this before their residual adds
+    (granite.residual_scale)."""
+    logits_scaling: float = 1.0
+    """Logits divided by this (granite.logit_scale)."""
 
     @property
     def head_dim(self) -> int:
@@ -127,6 +140,11 @@ class LlamaArgs:
                                                               "an even width per head for RoPE")))
         if self.activation not in ("silu", "gelu_tanh"):
             raise ArgsError(self, "activation", "silu or gelu_tanh", repr(self.activation))
+        if self.no_rope_interval < 0:
+            raise ArgsError(self, "no_rope_interval", ">= 0 (0: every block rotates)")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if not 0 < getattr(self, name) < float("inf"):  # nan too
+                raise ArgsError(self, name, "a finite number > 0")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
             raise ArgsError(self, "sliding_layers", "one entry per block of {n_layers}",
                             f"{len(self.sliding_layers)}")
@@ -140,6 +158,10 @@ class LlamaArgs:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window and self.sliding_layers and self.sliding_layers[layer])
+
+    def has_rope(self, layer: int) -> bool:
+        """Block `layer` rotates q and k (smollm3's every 4th does not: llama.cpp's rule)."""
+        return not (self.no_rope_interval and (layer + 1) % self.no_rope_interval == 0)
 
 
 def tiny(**kw) -> LlamaArgs:
@@ -181,7 +203,7 @@ class Attention(nn.Module):
         self.args = a
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale = a.attn_scale or a.head_dim ** -0.5
-        self.rope = a.rope(layer)
+        self.rope = a.rope(layer) if a.has_rope(layer) else None
         self.window = a.sliding_window if a.is_sliding(layer) else None
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         if a.fused_qkv:
@@ -234,7 +256,7 @@ class Attention(nn.Module):
     def heads(self, q: mx.array, k: mx.array, v: mx.array, offset: int,
               tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """The projections split into heads: q (B,H,T,hd), k and v (B,Hkv,T,hd), q and k normed
-        (qk_norm) and rotated at positions offset..offset+T-1."""
+        (qk_norm) and rotated at positions offset..offset+T-1 (unless the block has no RoPE)."""
         B, T, _ = q.shape
         hd = self.head_dim
         q = q.reshape(B, T, self.n_heads, hd)  # (B,T,H,hd)
@@ -244,8 +266,9 @@ class Attention(nn.Module):
         q = q.transpose(0, 2, 1, 3)  # (B,H,T,hd)
         k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         v = v.reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
-        q = self.ops.rope(q, self.rope, offset, tables)
-        k = self.ops.rope(k, self.rope, offset, tables)
+        if self.rope is not None:
+            q = self.ops.rope(q, self.rope, offset, tables)
+            k = self.ops.rope(k, self.rope, offset, tables)
         return q, k, v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: Any = None) -> mx.array:
@@ -292,6 +315,7 @@ class Block(nn.Module):
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.post_norms = a.post_norms
+        self.residual_multiplier = a.residual_multiplier
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         if cache is None:
@@ -310,9 +334,14 @@ class Block(nn.Module):
         """The block's output from its input x and the attention's `o` (before o_proj): both
         residual branches, the MLP's included."""
         a = self.attn.o_proj(o)
-        x = x + (self.attn_post_norm(a) if self.post_norms else a)
+        x = x + self.branch(self.attn_post_norm(a) if self.post_norms else a)
         m = self.mlp(self.ffn_norm(x))
-        return x + (self.ffn_post_norm(m) if self.post_norms else m)
+        return x + self.branch(self.ffn_post_norm(m) if self.post_norms else m)
+
+    def branch(self, y: mx.array) -> mx.array:
+        """A residual branch's output as it is added: times residual_multiplier (granite)."""
+        r = self.residual_multiplier
+        return y if r == 1.0 else y * r
 
 
 class Llama(nn.Module):
@@ -341,8 +370,11 @@ class Llama(nn.Module):
         self.update(tree_unflatten([(k, init(k, v)) for k, v in tree_flatten(self.parameters())]))
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
-        """(B, T) token ids -> (B, T, D) rows of the token table (times sqrt(D) for gemma3)."""
+        """(B, T) token ids -> (B, T, D) rows of the token table (times sqrt(D) for gemma3, times
+        embedding_multiplier for granite)."""
         h = self.embed(tokens)
+        if self.args.embedding_multiplier != 1.0:
+            h = h * self.args.embedding_multiplier
         return h * (self.args.d_model ** 0.5) if self.args.embed_scale else h
 
     def unembed(self, h: mx.array) -> mx.array:
@@ -366,11 +398,20 @@ class Llama(nn.Module):
         return "embed" if self.args.tie_embeddings else "output"
 
     def hidden(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
-        """(B, T) token ids -> (B, T, D) final normed hidden states, before `unembed`."""
+        """(B, T) token ids -> (B, T, D) final hidden states as the head reads them
+        (`head_input`), before `unembed`."""
         h = self.embed_tokens(tokens)  # (B,T,D)
         for i, layer in enumerate(self.layers):
             h = self.ops.block(layer, h) if cache is None else layer(h, cache[i])
-        return self.norm(h)
+        return self.head_input(h)
+
+    def head_input(self, h: mx.array) -> mx.array:
+        """(B, T, D) the last block's output -> what the output head reads: normed, and divided
+        by logits_scaling (granite's logits are divided by it; dividing the head's input
+        instead leaves every reader of the head, a frozen one's slices too, the same)."""
+        h = self.norm(h)
+        s = self.args.logits_scaling
+        return h if s == 1.0 else h * (1.0 / s)
 
     def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.unembed(self.hidden(tokens, cache))  # (B,T,V)
