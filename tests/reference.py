@@ -2,14 +2,15 @@
 toymlx).
 
 Written from llama.cpp's graph code (src/models/{llama,qwen2,qwen3,gemma3,phi3,smollm3,
-granite}.cpp) and its
+granite,olmo2}.cpp) and its
 RoPE (`ggml_rope_ext`): (out, in) weights; RMSNorm; RoPE on adjacent pairs for arch llama and
 on halves (NEOX) for the others, angle pos * freq_scale * base^(-2i/n_rot) / factor_i, cos and
 sin times attn_factor; GQA head h -> kv head h // (n_head // n_kv); gated FFN (SiLU, or GELU's
 tanh form for gemma3; phi3's ffn_up holds gate then up); tied output when output.weight is
 absent; smollm3 rotates no block il with (il + 1) % 4 == 0; granite multiplies the embeddings
 by embedding_scale and each residual branch by residual_scale, scales q k^T by attention.scale
-and divides the logits by logit_scale. Each switch is read from the file the way llama.cpp
+and divides the logits by logit_scale; olmo2 has no attn_norm/ffn_norm (its branches read the
+residual stream as it is) and norms q and k over the whole projection. Each switch is read from the file the way llama.cpp
 reads it.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-NEOX = {"qwen2", "qwen3", "gemma3", "phi3"}
+NEOX = {"qwen2", "qwen3", "gemma3", "phi3", "olmo2"}
 
 
 def _field(r: GGUFReader, key: str, default=None):
@@ -133,15 +134,18 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
     dist = pos[:, None] - pos[None, :]  # query - key
     for i in range(n_layers):
         p = f"blk.{i}."
-        h = _rms(x, w[p + "attn_norm.weight"], eps)
+        h = _rms(x, w[p + "attn_norm.weight"], eps) if p + "attn_norm.weight" in w else x
         if p + "attn_qkv.weight" in w:
             qkv = h @ w[p + "attn_qkv.weight"].T
             q, kk, v = np.split(qkv, [H * hd, H * hd + Hkv * hd], axis=-1)
         else:
             q, kk, v = (h @ w[p + f"attn_{n}.weight"].T + w.get(p + f"attn_{n}.bias", 0.0)
                         for n in "qkv")
+        if arch == "olmo2":  # over the whole projection
+            q = _rms(q, w[p + "attn_q_norm.weight"], eps)
+            kk = _rms(kk, w[p + "attn_k_norm.weight"], eps)
         q, kk, v = q.reshape(T, H, hd), kk.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
-        if p + "attn_q_norm.weight" in w:
+        if p + "attn_q_norm.weight" in w and arch != "olmo2":  # per head
             q = _rms(q, w[p + "attn_q_norm.weight"], eps)
             kk = _rms(kk, w[p + "attn_k_norm.weight"], eps)
         if arch == "smollm3" and (i + 1) % 4 == 0:
@@ -167,7 +171,7 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
         if p + "post_attention_norm.weight" in w:
             a = _rms(a, w[p + "post_attention_norm.weight"], eps)
         x = x + a * resid
-        h = _rms(x, w[p + "ffn_norm.weight"], eps)
+        h = _rms(x, w[p + "ffn_norm.weight"], eps) if p + "ffn_norm.weight" in w else x
         if p + "ffn_gate.weight" in w:
             g, u = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
         else:  # phi3: gate and up in one tensor, gate first

@@ -1,5 +1,5 @@
 """Every decoder architecture toymlx loads (llama incl. Llama 3's rope_freqs, qwen2, qwen3,
-gemma3, phi3, smollm3, granite): logits against an independent float64 numpy forward (tests/reference.py), the
+gemma3, phi3, smollm3, granite, olmo2): logits against an independent float64 numpy forward (tests/reference.py), the
 training kernels against the exact ones, LoRA adapters and fused exports round-tripped, and
 every unknown architecture, key or tensor refused by name. The llama.cpp comparisons of the
 same files are in the interop tier at the end.
@@ -64,7 +64,8 @@ def test_logits_match_float64_reference(files, kind):
 def test_each_switch_changes_the_logits(files):
     """The switches are read, not defaulted: the Llama 3 file without its rope_freqs tensor,
     and gemma3 without its sliding window, compute other logits; smollm3's every 4th block
-    skips RoPE, and each granite scalar changes the logits."""
+    skips RoPE, and each granite scalar changes the logits; olmo2's q/k norms span the whole
+    projection, and its blocks have no pre-norms."""
     model, _g = load_llama(files["llama3"])
     assert model.args.rope_factors == (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0) or \
         np.allclose(model.args.rope_factors, (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0))
@@ -89,6 +90,10 @@ def test_each_switch_changes_the_logits(files):
         plain = Llama(replace(a, **{field: None if field == "attn_scale" else 1.0}))
         plain.update(granite.parameters())
         assert np.abs(logits(plain) - logits(granite)).max() > 0.01, field  # 100x the margin
+    olmo, _ = load_llama(files["olmo2"])
+    block = olmo.layers[0]
+    assert "attn_norm" not in block and "ffn_norm" not in block
+    assert (block.attn.q_norm.weight.shape, block.attn.k_norm.weight.shape) == ((64,), (32,))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -308,7 +313,7 @@ def test_logits_match_llamacpp(files, kind):
 
 @pytest.mark.interop
 @pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3", "smollm3",
-                                  "granite"])
+                                  "granite", "olmo2"])
 def test_llamacpp_reads_what_write_llama_writes(files, kind, tmp_path):
     """The files write_llama writes of every architecture (phi3 without longrope) compute in
     llama.cpp what they compute in toymlx, within the margins of the converter's files."""
@@ -370,7 +375,7 @@ def _quantized_copy(src, dst, qtype: str):
 
 @pytest.mark.parametrize("qtype", QUANTS)
 @pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3", "smollm3",
-                                  "granite"])
+                                  "granite", "olmo2"])
 def test_quantized_files_of_every_architecture(files, kind, qtype, tmp_path):
     """A file in each type people download that gguf-py writes: dequantized exactly (the
     reference dequantizes the same blocks in float64); Q4_0/Q4_1/Q8_0 also held as MLX

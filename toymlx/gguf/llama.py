@@ -78,6 +78,8 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     # llama.cpp fixes smollm3's no-RoPE blocks (every 4th); no key says them
     Arch("smollm3", {"no_rope_interval": 4}, frozenset()),
     Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}),
+    Arch("olmo2", {"rope_neox": True, "qk_norm_whole": True, "pre_norms": False,
+                   "post_norms": True}, frozenset()),
 )}
 """The architectures toymlx loads, by general.architecture."""
 SUPPORTED = ", ".join(ARCHS)
@@ -130,7 +132,7 @@ def hf_permuted_heads(a: LlamaArgs, name: str) -> int | None:
     Face's layout: llama's q (n_heads) and k (n_kv_heads), whose RoPE turns adjacent pairs in
     the GGUF and each head's halves in HF (smollm3's and granite's too: their converter is
     llama's); None for every other tensor, and for the NEOX architectures (qwen2, qwen3,
-    gemma3, phi3), whose files keep HF's rows."""
+    gemma3, phi3, olmo2), whose files keep HF's rows."""
     if a.rope_neox or a.fused_qkv:
         return None
     leaf = name.split(".")[-2] if name.startswith("blk.") else ""
@@ -315,6 +317,9 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         sw["attn_scale"] = _gemma3_query_scale(d, n_heads, n_layers, head_dim)
     if arch.name == "granite":
         sw.update(granite_scalars(g, k))
+    if arch.name == "olmo2" and "output.weight" not in g.tensors:  # llama.cpp requires it
+        raise GGUFError(f"{g.path}: tensor 'output.weight': expected present (olmo2 files "
+                        "carry their own output head), found missing")
     if arch.name == "llama":  # llama files may carry attention biases
         sw["attn_bias"] = "blk.0.attn_q.bias" in g.tensors
         sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
@@ -369,7 +374,7 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
     shapes = {"token_embd.weight": (a.vocab_size, a.d_model), "output_norm.weight": (a.d_model,)}
     if not a.tie_embeddings:
         shapes["output.weight"] = (a.vocab_size, a.d_model)
-    per: dict[str, tuple[int, ...]] = {"attn_norm.weight": (a.d_model,)}
+    per: dict[str, tuple[int, ...]] = {"attn_norm.weight": (a.d_model,)} if a.pre_norms else {}
     if a.fused_qkv:
         per["attn_qkv.weight"] = (q + 2 * kv, a.d_model)
     else:
@@ -382,9 +387,12 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
         per["attn_output.bias"] = (a.d_model,)
     if a.qk_norm:
         per.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+    if a.qk_norm_whole:
+        per.update({"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)})
     if a.post_norms:
         per["post_attention_norm.weight"] = (a.d_model,)
-    per["ffn_norm.weight"] = (a.d_model,)
+    if a.pre_norms:
+        per["ffn_norm.weight"] = (a.d_model,)
     if a.fused_gate_up:
         per["ffn_up.weight"] = (2 * a.ffn_dim, a.d_model)
     else:
@@ -570,8 +578,8 @@ def _quantized_linear(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
     return q
 
 
-_SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "post_norms", "embed_scale", "activation",
-             "fused_qkv", "fused_gate_up", "no_rope_interval")
+_SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "qk_norm_whole", "pre_norms", "post_norms",
+             "embed_scale", "activation", "fused_qkv", "fused_gate_up", "no_rope_interval")
 """LlamaArgs fields that an architecture fixes (`Arch.switches`; LlamaArgs' default where it
 does not name them)."""
 
@@ -607,6 +615,8 @@ def unwritable(a: LlamaArgs) -> list[str]:
         want = arch.switches.get(k, getattr(plain, k))
         if getattr(a, k) != want and not (k == "attn_bias" and a.arch == "llama"):
             out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
+    if a.tie_embeddings and a.arch == "olmo2":
+        out.append("tie_embeddings=True (llama.cpp's olmo2 reads an output.weight)")
     if a.out_bias and a.arch != "llama":
         out.append("out_bias=True (only llama files carry an attention output bias)")
     if a.rope_dims is not None and a.rope_dims != a.head_dim and not a.rope_neox:

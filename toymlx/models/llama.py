@@ -1,22 +1,22 @@
 """The Llama-family decoder in mlx.nn, in llama.cpp's GGUF conventions.
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
-(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma3 (text), phi3, smollm3 and
-granite. They are one pre-norm transformer with a handful of switches, each a field of
-`LlamaArgs`:
+(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma3 (text), phi3, smollm3, granite
+and olmo2. They are one transformer with a handful of switches, each a field of `LlamaArgs`:
 
-| switch | llama | qwen2 | qwen3 | gemma3 | phi3 | smollm3 | granite |
-| --- | --- | --- | --- | --- | --- | --- | --- |
-| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | adjacent | adjacent |
-| blocks without RoPE | | | | | | every 4th | |
-| q/k/v biases | optional | yes | | | | | |
-| per-head q/k RMSNorm before RoPE | | | yes | yes | | | |
-| embeddings times sqrt(d_model) | | | | yes | | | |
-| embeddings, residual branches, 1/logits times a file's scalar | | | | | | | yes |
-| norms after attention and MLP too | | | | yes | | | |
-| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | SiLU | SiLU | SiLU |
-| fused projections | | | | | qkv, gate_up | | |
-| sliding-window layers | | | | 5 of 6 | | | |
+| switch | llama | qwen2 | qwen3 | gemma3 | phi3 | smollm3 | granite | olmo2 |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | adjacent | adjacent | halves |
+| blocks without RoPE | | | | | | every 4th | | |
+| q/k/v biases | optional | yes | | | | | | |
+| q/k RMSNorm before RoPE | | | per head | per head | | | | whole |
+| embeddings times sqrt(d_model) | | | | yes | | | | |
+| embeddings, residual branches, 1/logits times a file's scalar | | | | | | | yes | |
+| norms before attention and MLP | yes | yes | yes | yes | yes | yes | yes | |
+| norms after attention and MLP | | | | yes | | | | yes |
+| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | SiLU | SiLU | SiLU | SiLU |
+| fused projections | | | | | qkv, gate_up | | | |
+| sliding-window layers | | | | 5 of 6 | | | | |
 
 Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
@@ -66,8 +66,8 @@ class LlamaArgs:
     """Per-head width where it is not d_model // n_heads (llama.attention.key_length)."""
     # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
     arch: str = "llama"
-    """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma3, phi3, smollm3 or
-    granite."""
+    """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma3, phi3, smollm3, granite or
+    olmo2."""
     rope_neox: bool = False
     """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
     rope_dims: int | None = None
@@ -84,8 +84,13 @@ class LlamaArgs:
     """The attention output projection carries a bias (llama files may)."""
     qk_norm: bool = False
     """Per-head RMSNorm of q and k before RoPE (qwen3, gemma3)."""
+    qk_norm_whole: bool = False
+    """RMSNorm of q and k over the whole projection, every head at once, before RoPE (olmo2)."""
+    pre_norms: bool = True
+    """RMSNorm of each block's input to attention and to the MLP (all but olmo2)."""
     post_norms: bool = False
-    """RMSNorm of each block's attention and MLP outputs before the residual add (gemma3)."""
+    """RMSNorm of each block's attention and MLP outputs before the residual add (gemma3,
+    olmo2)."""
     embed_scale: bool = False
     """Token embeddings times sqrt(d_model) (gemma3)."""
     activation: str = "silu"
@@ -140,6 +145,9 @@ class LlamaArgs:
                                                               "an even width per head for RoPE")))
         if self.activation not in ("silu", "gelu_tanh"):
             raise ArgsError(self, "activation", "silu or gelu_tanh", repr(self.activation))
+        if self.qk_norm and self.qk_norm_whole:
+            raise ArgsError(self, "qk_norm_whole", "False where qk_norm is True (per head or "
+                            "whole, not both)")
         if self.no_rope_interval < 0:
             raise ArgsError(self, "no_rope_interval", ">= 0 (0: every block rotates)")
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
@@ -213,10 +221,10 @@ class Attention(nn.Module):
             self.k_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
             self.v_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
         self.o_proj = Linear(q, a.d_model, bias=a.out_bias, ops=ops)
-        if a.qk_norm:
-            self.q_norm = RMSNorm(a.head_dim, eps=a.norm_eps, ops=ops)
-            self.k_norm = RMSNorm(a.head_dim, eps=a.norm_eps, ops=ops)
-        self.qk_norm = a.qk_norm
+        if a.qk_norm or a.qk_norm_whole:  # per head (hd values) or whole (q, kv values)
+            self.q_norm = RMSNorm(q if a.qk_norm_whole else a.head_dim, eps=a.norm_eps, ops=ops)
+            self.k_norm = RMSNorm(kv if a.qk_norm_whole else a.head_dim, eps=a.norm_eps, ops=ops)
+        self.qk_norm, self.qk_norm_whole = a.qk_norm, a.qk_norm_whole
 
     # Training and scoring call it whole (__call__); generation in two parts, around its KV
     # cache (qkv, then attend); o_proj is Block.finish's.
@@ -256,9 +264,12 @@ class Attention(nn.Module):
     def heads(self, q: mx.array, k: mx.array, v: mx.array, offset: int,
               tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """The projections split into heads: q (B,H,T,hd), k and v (B,Hkv,T,hd), q and k normed
-        (qk_norm) and rotated at positions offset..offset+T-1 (unless the block has no RoPE)."""
+        (qk_norm, qk_norm_whole) and rotated at positions offset..offset+T-1 (unless the block
+        has no RoPE)."""
         B, T, _ = q.shape
         hd = self.head_dim
+        if self.qk_norm_whole:  # over each token's H*hd (Hkv*hd) values
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.n_heads, hd)  # (B,T,H,hd)
         k = k.reshape(B, T, self.n_kv, hd)  # (B,T,Hkv,hd)
         if self.qk_norm:  # over each head's hd values
@@ -307,19 +318,20 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, a: LlamaArgs, ops: Ops, layer: int = 0):
         super().__init__()
-        self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        if a.pre_norms:
+            self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+            self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.attn = Attention(a, ops, layer)
-        self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.mlp = MLP(a, ops)
         if a.post_norms:
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
-        self.post_norms = a.post_norms
+        self.pre_norms, self.post_norms = a.pre_norms, a.post_norms
         self.residual_multiplier = a.residual_multiplier
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         if cache is None:
-            return self.finish(x, self.attn(self.attn_norm(x)))
+            return self.finish(x, self.attn(self.pre(x, "attn_norm")))
         return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache))
 
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
@@ -328,15 +340,20 @@ class Block(nn.Module):
     def start(self, x: mx.array, offset: int, tables: RopeTables | None = None
               ) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v of the normed x (`Attention.qkv`)."""
-        return self.attn.qkv(self.attn_norm(x), offset, tables)
+        return self.attn.qkv(self.pre(x, "attn_norm"), offset, tables)
 
     def finish(self, x: mx.array, o: mx.array) -> mx.array:
         """The block's output from its input x and the attention's `o` (before o_proj): both
         residual branches, the MLP's included."""
         a = self.attn.o_proj(o)
         x = x + self.branch(self.attn_post_norm(a) if self.post_norms else a)
-        m = self.mlp(self.ffn_norm(x))
+        m = self.mlp(self.pre(x, "ffn_norm"))
         return x + self.branch(self.ffn_post_norm(m) if self.post_norms else m)
+
+    def pre(self, x: mx.array, norm: str) -> mx.array:
+        """x as a residual branch reads it: normed by `norm` (attn_norm or ffn_norm), or as it
+        is where the block has no pre-norms (olmo2)."""
+        return self[norm](x) if self.pre_norms else x
 
     def branch(self, y: mx.array) -> mx.array:
         """A residual branch's output as it is added: times residual_multiplier (granite)."""
