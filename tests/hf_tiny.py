@@ -39,6 +39,8 @@ rows that K-quants can hold, for `llamacpp_quantize`):
     granite        GraniteForCausalLM (Granite 3.x dense): granite-3.3-2b's embedding (12) and
                    residual (0.22) multipliers, attention_multiplier 0.05, logits_scaling 2.5,
                    tied, byte-level BPE
+    olmo2          Olmo2ForCausalLM (OLMo 2): norms after attention and MLP only, q/k RMS norms
+                   over the whole projection, untied, byte-level BPE
 
 The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
 (32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
@@ -88,7 +90,7 @@ SCRIPT = Path(__file__).resolve()
 VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
-              "phi3-longrope", "smollm3", "granite")
+              "phi3-longrope", "smollm3", "granite", "olmo2")
 KINDS = BASE_KINDS + tuple(f"{k}-q" for k in BASE_KINDS)
 # Types `llamacpp_quantize` accepts (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
@@ -104,7 +106,7 @@ class ConversionError(RuntimeError):
 @dataclass(frozen=True)
 class Spec:
     kind: str
-    family: str  # llama | mistral | qwen2 | qwen3 | gemma3 | phi3 | smollm3 | granite
+    family: str  # llama | mistral | qwen2 | qwen3 | gemma3 | phi3 | smollm3 | granite | olmo2
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2
     hidden: int
     ff: int
@@ -145,6 +147,8 @@ def spec(kind: str) -> Spec:
         return Spec(**{**s, "layers": 4}, family="smollm3", tokenizer="bpe-llama3", tied=True)
     if base == "granite":
         return Spec(**s, family="granite", tokenizer="bpe-llama3", tied=True)
+    if base == "olmo2":
+        return Spec(**s, family="olmo2", tokenizer="bpe-llama3", tied=False)
     if base == "phi3-partial":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=True,
                     extra={"partial_rotary_factor": 0.75})
@@ -202,6 +206,9 @@ def hf_config(sp: Spec, tok: dict):
                                 rope_parameters=_rope(10000000.0), embedding_multiplier=12.0,
                                 residual_multiplier=0.22, attention_multiplier=0.05,
                                 logits_scaling=2.5)
+    if sp.family == "olmo2":
+        return tf.Olmo2Config(**common, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                              rope_parameters=_rope(500000.0))
     # phi3
     rot = sp.extra.get("partial_rotary_factor", 1.0)
     if sp.extra.get("longrope"):
@@ -226,7 +233,8 @@ def _model_class(sp: Spec):
     return {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
             "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
             "gemma3": tf.Gemma3ForCausalLM, "phi3": tf.Phi3ForCausalLM,
-            "smollm3": tf.SmolLM3ForCausalLM, "granite": tf.GraniteForCausalLM}[sp.family]
+            "smollm3": tf.SmolLM3ForCausalLM, "granite": tf.GraniteForCausalLM,
+            "olmo2": tf.Olmo2ForCausalLM}[sp.family]
 
 
 # ---- tokenizers -------------------------------------------------------------------------
