@@ -246,6 +246,40 @@ def test_write_llama_says_phi3_and_refuses_what_no_file_says(files, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_the_switches_of_smollm3_granite_and_olmo2_are_their_files_alone(files, tmp_path):
+    """write_llama refuses a model whose switches its architecture's files cannot say (no-RoPE
+    blocks, granite's scalars, a tied olmo2), by field; the loader refuses a granite file that
+    turns RoPE off and an olmo2 file without its output head, as llama.cpp would."""
+    smol, _ = load_llama(files["smollm3"])
+    granite, _ = load_llama(files["granite"])
+    olmo, _ = load_llama(files["olmo2"])
+    cases = [
+        (replace(smol.args, arch="llama"), (r"found no_rope_interval=4 \(llama files compute "
+                                          r"with 0\)$")),
+        (replace(granite.args, arch="llama", attn_scale=None),
+         (r"found embedding_multiplier=12\.0 \(only granite files say it: embedding_scale\); "
+         r"residual_multiplier=0\.2199.* \(only granite files say it: residual_scale\); "
+         r"logits_scaling=2\.5 \(only granite files say it: logit_scale\)$")),
+        (replace(olmo.args, tie_embeddings=True),
+         r"found tie_embeddings=True \(llama\.cpp's olmo2 reads an output\.weight\)$"),
+    ]
+    for args, want in cases:
+        with pytest.raises(ValueError, match=r"expected a shape a \w+ GGUF can say, " + want):
+            llama_metadata(args)
+    p = _copy(files["granite"], tmp_path / "g.gguf", {"granite.rope.scaling.finetuned": False})
+    with pytest.raises(GGUFError, match=r"g\.gguf: metadata key 'granite\.rope\.scaling\."
+                                        r"finetuned': expected true \(granite files whose blocks "
+                                        r"all skip RoPE are not supported\), found false$"):
+        load_llama(p)
+    g = GGUFFile(files["olmo2"])
+    tied = {n: g.load(n, np.float32) for n in g.tensors if n != "output.weight"}
+    p = write_gguf(tmp_path / "o.gguf", dict(g.metadata), tied, types=dict(g.metadata_types))
+    with pytest.raises(GGUFError, match=r"o\.gguf: tensor 'output\.weight': expected present "
+                                        r"\(olmo2 files carry their own output head\), found "
+                                        r"missing$"):
+        load_llama(p)
+
+
 # ---- nothing is loaded and ignored --------------------------------------------------------
 def _copy(src, dst, meta_update=None, drop_meta=(), tensors_update=None):
     g = GGUFFile(src)
