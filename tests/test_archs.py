@@ -85,7 +85,7 @@ def test_each_switch_changes_the_logits(files):
     granite, _ = load_llama(files["granite"])
     a = granite.args
     assert (a.embedding_multiplier, a.residual_multiplier, a.attn_scale, a.logits_scaling) == \
-        (12.0, pytest.approx(0.22), pytest.approx(0.05), 2.5)
+        (2.0, pytest.approx(0.45), pytest.approx(0.05), 2.5)
     for field in ("embedding_multiplier", "residual_multiplier", "attn_scale", "logits_scaling"):
         plain = Llama(replace(a, **{field: None if field == "attn_scale" else 1.0}))
         plain.update(granite.parameters())
@@ -257,8 +257,8 @@ def test_the_switches_of_smollm3_granite_and_olmo2_are_their_files_alone(files, 
         (replace(smol.args, arch="llama"), (r"found no_rope_interval=4 \(llama files compute "
                                           r"with 0\)$")),
         (replace(granite.args, arch="llama", attn_scale=None),
-         (r"found embedding_multiplier=12\.0 \(only granite files say it: embedding_scale\); "
-         r"residual_multiplier=0\.2199.* \(only granite files say it: residual_scale\); "
+         (r"found embedding_multiplier=2\.0 \(only granite files say it: embedding_scale\); "
+         r"residual_multiplier=0\.4499.* \(only granite files say it: residual_scale\); "
          r"logits_scaling=2\.5 \(only granite files say it: logit_scale\)$")),
         (replace(olmo.args, tie_embeddings=True),
          r"found tie_embeddings=True \(llama\.cpp's olmo2 reads an output\.weight\)$"),
