@@ -9,7 +9,9 @@ window on every other block, embedding scale, soft-capped attention scores and l
 small enough to bind), `gemma3` (sandwich norms, GeGLU, sliding
 window layers with their own RoPE base, linear scaling on the global layers, embedding scale,
 soft-capped logits), `phi3` (fused qkv and gate_up, partial RoPE, longrope factors with an
-attention factor). The tokenizer is toymlx's byte vocabulary (259 tokens).
+attention factor), `smollm3` (no RoPE on every 4th block), `granite` (embedding, residual,
+attention and logit scalars), `olmo2` (norms after attention and MLP only, q/k norms over the
+whole projection). The tokenizer is toymlx's byte vocabulary (259 tokens).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.reader import FLOAT32, UINT32
 from toymlx.gguf.writer import write_gguf
 
-KINDS = ("llama", "llama3", "llama-bias", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+KINDS = ("llama", "llama3", "llama-bias", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+         "smollm3", "granite", "olmo2")
 VOCAB = 259
 
 
@@ -35,7 +38,9 @@ def _spec(kind: str) -> dict:
         s.update(layers=6)
     if kind == "gemma2":
         s.update(layers=4, hd=32)
-    if kind in ("phi3", "llama"):
+    if kind == "smollm3":
+        s.update(layers=4)  # block 3 has no RoPE
+    if kind in ("phi3", "llama", "olmo2"):
         s.update(tied=False)
     return s
 
@@ -62,7 +67,8 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
         t["output.weight"] = mat(VOCAB, d)
     for i in range(s["layers"]):
         p = f"blk.{i}."
-        t[p + "attn_norm.weight"] = norm(d)
+        if arch != "olmo2":
+            t[p + "attn_norm.weight"] = norm(d)
         if arch == "phi3":
             t[p + "attn_qkv.weight"] = mat(H * hd + 2 * Hkv * hd, d)
         else:
@@ -77,15 +83,18 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
         t[p + "attn_output.weight"] = mat(d, H * hd)
         if arch in ("qwen3", "gemma3"):
             t[p + "attn_q_norm.weight"], t[p + "attn_k_norm.weight"] = norm(hd), norm(hd)
-        if arch in ("gemma2", "gemma3"):
+        if arch == "olmo2":  # over the whole projection
+            t[p + "attn_q_norm.weight"], t[p + "attn_k_norm.weight"] = norm(H * hd), norm(Hkv * hd)
+        if arch in ("gemma2", "gemma3", "olmo2"):
             t[p + "post_attention_norm.weight"] = norm(d)
-        t[p + "ffn_norm.weight"] = norm(d)
+        if arch != "olmo2":
+            t[p + "ffn_norm.weight"] = norm(d)
         if arch == "phi3":
             t[p + "ffn_up.weight"] = mat(2 * F, d)
         else:
             t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"] = mat(F, d), mat(F, d)
         t[p + "ffn_down.weight"] = mat(d, F)
-        if arch in ("gemma2", "gemma3"):
+        if arch in ("gemma2", "gemma3", "olmo2"):
             t[p + "post_ffw_norm.weight"] = norm(d)
 
     k = arch + "."
@@ -120,6 +129,12 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
         floats.append(k + "rope.scaling.attn_factor")
         t["rope_factors_short.weight"] = np.linspace(1.0, 3.0, n_rot // 2).astype(np.float32)
         t["rope_factors_long.weight"] = np.linspace(1.0, 30.0, n_rot // 2).astype(np.float32)
+    if arch == "granite":  # each far from 1 (granite-3.3-2b's embeddings x 12 would drown the
+        # blocks in this file's 0.5-std table: an adapter would move the logits less than Q4_K)
+        granite = {"embedding_scale": 2.0, "residual_scale": 0.45, "attention.scale": 0.05,
+                   "logit_scale": 2.5}
+        meta.update({k + key: v for key, v in granite.items()})
+        floats += [k + key for key in granite]
     for key in floats:
         types[key] = (FLOAT32, None)
     meta.update(byte_metadata())

@@ -40,6 +40,13 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    original context 32, so a context above 32 uses the long factors in both
                    llama.cpp (it decides on n_ctx, 64 in llamacpp_runner) and transformers
                    (it decides on the sequence length: keep test sequences above 32 tokens)
+    smollm3        SmolLM3ForCausalLM: 4 layers, the 4th without RoPE (no_rope_layer_interval
+                   4, llama.cpp's fixed rule), tied, byte-level BPE (Llama 3's)
+    granite        GraniteForCausalLM (Granite 3.x dense): granite-3.3-2b's embedding (12) and
+                   residual (0.22) multipliers, attention_multiplier 0.05, logits_scaling 2.5,
+                   tied, byte-level BPE
+    olmo2          Olmo2ForCausalLM (OLMo 2): norms after attention and MLP only, q/k RMS norms
+                   over the whole projection, untied, byte-level BPE
 
 The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
 (32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
@@ -89,7 +96,7 @@ SCRIPT = Path(__file__).resolve()
 VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
-              "phi3-longrope", "gemma2")
+              "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2")
 KINDS = BASE_KINDS + tuple(f"{k}-q" for k in BASE_KINDS)
 # Types `llamacpp_quantize` accepts (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
@@ -105,7 +112,8 @@ class ConversionError(RuntimeError):
 @dataclass(frozen=True)
 class Spec:
     kind: str
-    family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3
+    family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite
+    # | olmo2
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2
     hidden: int
     ff: int
@@ -145,6 +153,12 @@ def spec(kind: str) -> Spec:
                     tokenizer="spm-gemma", tied=True)
     if base == "phi3":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=False)
+    if base == "smollm3":
+        return Spec(**{**s, "layers": 4}, family="smollm3", tokenizer="bpe-llama3", tied=True)
+    if base == "granite":
+        return Spec(**s, family="granite", tokenizer="bpe-llama3", tied=True)
+    if base == "olmo2":
+        return Spec(**s, family="olmo2", tokenizer="bpe-llama3", tied=False)
     if base == "phi3-partial":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=True,
                     extra={"partial_rotary_factor": 0.75})
@@ -199,6 +213,18 @@ def hf_config(sp: Spec, tok: dict):
             query_pre_attn_scalar=hd, hidden_activation="gelu_pytorch_tanh",
             attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
             rope_parameters=_rope(10000.0))
+    if sp.family == "smollm3":
+        return tf.SmolLM3Config(**common, max_position_embeddings=65536, rms_norm_eps=1e-6,
+                                use_sliding_window=False, no_rope_layer_interval=4,
+                                rope_parameters=_rope(5000000.0))
+    if sp.family == "granite":
+        return tf.GraniteConfig(**common, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                rope_parameters=_rope(10000000.0), embedding_multiplier=12.0,
+                                residual_multiplier=0.22, attention_multiplier=0.05,
+                                logits_scaling=2.5)
+    if sp.family == "olmo2":
+        return tf.Olmo2Config(**common, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                              rope_parameters=_rope(500000.0))
     # phi3
     rot = sp.extra.get("partial_rotary_factor", 1.0)
     if sp.extra.get("longrope"):
@@ -223,7 +249,8 @@ def _model_class(sp: Spec):
     return {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
             "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
             "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
-            "phi3": tf.Phi3ForCausalLM}[sp.family]
+            "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
+            "granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM}[sp.family]
 
 
 # ---- tokenizers -------------------------------------------------------------------------

@@ -1,13 +1,18 @@
 """An independent float64 numpy forward of llama.cpp's decoders, reading GGUF with gguf-py (not
 toymlx).
 
-Written from llama.cpp's graph code (src/models/{llama,qwen2,qwen3,gemma2,gemma3,phi3}.cpp) and its
-RoPE (`ggml_rope_ext`): (out, in) weights; RMSNorm; RoPE on adjacent pairs for arch llama and
-on halves (NEOX) for the others, angle pos * freq_scale * base^(-2i/n_rot) / factor_i, cos and
-sin times attn_factor; GQA head h -> kv head h // (n_head // n_kv); gated FFN (SiLU, or GELU's
-tanh form for gemma2 and gemma3; phi3's ffn_up holds gate then up); gemma2's attention scores
-soft-capped before the mask; tied output when output.weight is absent. Each switch is read from
-the file the way llama.cpp reads it, with its defaults where a key is absent.
+Written from llama.cpp's graph code (src/models/{llama,qwen2,qwen3,gemma2,gemma3,phi3,smollm3,
+granite,olmo2}.cpp) and its RoPE (`ggml_rope_ext`): (out, in) weights; RMSNorm; RoPE on
+adjacent pairs for arch llama and on halves (NEOX) for the others, angle
+pos * freq_scale * base^(-2i/n_rot) / factor_i, cos and sin times attn_factor; GQA head h ->
+kv head h // (n_head // n_kv); gated FFN (SiLU, or GELU's tanh form for gemma2 and gemma3;
+phi3's ffn_up holds gate then up); gemma2's attention scores soft-capped before the mask; tied
+output when output.weight is absent; smollm3 rotates no block il with (il + 1) % 4 == 0;
+granite multiplies the embeddings by embedding_scale and each residual branch by
+residual_scale, scales q k^T by attention.scale and divides the logits by logit_scale; olmo2
+has no attn_norm/ffn_norm (its branches read the residual stream as it is) and norms q and k
+over the whole projection. Each switch is read from the file the way llama.cpp reads it, with
+its defaults where a key is absent.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-NEOX = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3"}
+NEOX = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"}
 GEMMA = {"gemma2", "gemma3"}
 # llama.cpp's gemma2 where its file is silent (src/models/gemma2.cpp, llama-hparams.h): a 4096
 # window on every other block, scores capped at 50, logits at 30, sliding RoPE base = global
@@ -55,6 +60,10 @@ def load_reference(path) -> tuple[dict, dict[str, np.ndarray]]:
         "scaling": _field(r, k + "rope.scaling.type", "linear"),
         "factor": _field(r, k + "rope.scaling.factor", 0.0),
         "attn_factor": _field(r, k + "rope.scaling.attn_factor", 1.0),
+        "embedding_scale": _field(r, k + "embedding_scale", 0.0),
+        "residual_scale": _field(r, k + "residual_scale", 0.0),
+        "attention_scale": _field(r, k + "attention.scale", 0.0),
+        "logit_scale": _field(r, k + "logit_scale", 1.0),
     }
     hp["n_kv"] = _field(r, k + "attention.head_count_kv", hp["n_heads"])
     hp["hd"] = _field(r, k + "attention.key_length", hp["d"] // hp["n_heads"])
@@ -123,25 +132,35 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
     if (arch, n_layers) in (("gemma2", 46), ("gemma3", 62)):  # the 27B shapes
         q_scale = 1 / np.sqrt(d / H)
     cap = hp["attn_softcap"]
+    if hp["attention_scale"]:
+        q_scale = hp["attention_scale"]
+    resid = hp["residual_scale"] or 1.0
 
     x = w["token_embd.weight"][tokens]  # (T, d)
     if arch in GEMMA:
         x = x * np.sqrt(d)
+    if hp["embedding_scale"]:
+        x = x * hp["embedding_scale"]
     dist = pos[:, None] - pos[None, :]  # query - key
     for i in range(n_layers):
         p = f"blk.{i}."
-        h = _rms(x, w[p + "attn_norm.weight"], eps)
+        h = _rms(x, w[p + "attn_norm.weight"], eps) if p + "attn_norm.weight" in w else x
         if p + "attn_qkv.weight" in w:
             qkv = h @ w[p + "attn_qkv.weight"].T
             q, kk, v = np.split(qkv, [H * hd, H * hd + Hkv * hd], axis=-1)
         else:
             q, kk, v = (h @ w[p + f"attn_{n}.weight"].T + w.get(p + f"attn_{n}.bias", 0.0)
                         for n in "qkv")
-        q, kk, v = q.reshape(T, H, hd), kk.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
-        if p + "attn_q_norm.weight" in w:
+        if arch == "olmo2":  # over the whole projection
             q = _rms(q, w[p + "attn_q_norm.weight"], eps)
             kk = _rms(kk, w[p + "attn_k_norm.weight"], eps)
-        if swa[i]:  # Gemma's sliding layers: their own base; gemma3's without scaling
+        q, kk, v = q.reshape(T, H, hd), kk.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
+        if p + "attn_q_norm.weight" in w and arch != "olmo2":  # per head
+            q = _rms(q, w[p + "attn_q_norm.weight"], eps)
+            kk = _rms(kk, w[p + "attn_k_norm.weight"], eps)
+        if arch == "smollm3" and (i + 1) % 4 == 0:
+            pass  # no RoPE in this block
+        elif swa[i]:  # Gemma's sliding layers: their own base; gemma3's without scaling
             s_swa = scale if arch == "gemma2" else 1.0
             q = _rope(q, pos, hp["n_rot"], hp["base_swa"], s_swa, None, 1.0, neox)
             kk = _rope(kk, pos, hp["n_rot"], hp["base_swa"], s_swa, None, 1.0, neox)
@@ -165,8 +184,8 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
                                                                             0.0)
         if p + "post_attention_norm.weight" in w:
             a = _rms(a, w[p + "post_attention_norm.weight"], eps)
-        x = x + a
-        h = _rms(x, w[p + "ffn_norm.weight"], eps)
+        x = x + a * resid
+        h = _rms(x, w[p + "ffn_norm.weight"], eps) if p + "ffn_norm.weight" in w else x
         if p + "ffn_gate.weight" in w:
             g, u = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
         else:  # phi3: gate and up in one tensor, gate first
@@ -176,9 +195,9 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
         f = (act * u) @ w[p + "ffn_down.weight"].T
         if p + "post_ffw_norm.weight" in w:
             f = _rms(f, w[p + "post_ffw_norm.weight"], eps)
-        x = x + f
+        x = x + f * resid
     x = _rms(x, w["output_norm.weight"], eps)
-    logits = x @ w.get("output.weight", w["token_embd.weight"]).T
+    logits = x @ w.get("output.weight", w["token_embd.weight"]).T / hp["logit_scale"]
     if hp["softcap"]:
         logits = hp["softcap"] * np.tanh(logits / hp["softcap"])
     return logits

@@ -1,13 +1,14 @@
 """Every decoder architecture toymlx loads (llama incl. Llama 3's rope_freqs, qwen2, qwen3,
-gemma2, gemma3, phi3): logits against an independent float64 numpy forward (tests/reference.py), the
-training kernels against the exact ones, LoRA adapters and fused exports round-tripped, and
-every unknown architecture, key or tensor refused by name. The llama.cpp comparisons of the
+gemma2, gemma3, phi3, smollm3, granite, olmo2): logits against an independent float64 numpy
+forward (tests/reference.py), the training kernels against the exact ones, LoRA adapters and
+fused exports round-tripped, and every unknown architecture, key or tensor refused by name. The llama.cpp comparisons of the
 same files are in the interop tier at the end.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import mlx.core as mx
@@ -17,7 +18,13 @@ from arch_files import KINDS, arch_gguf
 from reference import forward, load_reference
 
 from toymlx.data.vocab import byte_metadata
-from toymlx.gguf.llama import args_from_gguf, llama_metadata, load_llama, write_llama
+from toymlx.gguf.llama import (
+    SUPPORTED,
+    args_from_gguf,
+    llama_metadata,
+    load_llama,
+    write_llama,
+)
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import write_gguf
 from toymlx.interop.merge import write_merged
@@ -56,7 +63,9 @@ def test_logits_match_float64_reference(files, kind):
 
 def test_each_switch_changes_the_logits(files):
     """The switches are read, not defaulted: the Llama 3 file without its rope_freqs tensor,
-    and gemma2 without its attention soft cap, compute other logits."""
+    gemma2 without its attention soft cap, and gemma3 without its sliding window, compute other
+    logits; smollm3's every 4th block skips RoPE, and each granite scalar changes the logits;
+    olmo2's q/k norms span the whole projection, and its blocks have no pre-norms."""
     model, _g = load_llama(files["llama3"])
     assert model.args.rope_factors == (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0) or \
         np.allclose(model.args.rope_factors, (1.0, 1.0, 1.5, 2.6, 4.0, 8.0, 8.0, 8.0))
@@ -75,6 +84,23 @@ def test_each_switch_changes_the_logits(files):
     assert (a.qk_norm, a.attn_scale) == (False, 32 ** -0.5)
     hp, w = load_reference(files["gemma2"])
     assert np.abs(forward({**hp, "attn_softcap": 0.0}, w, IDS) - logits(gemma2)).max() > 0.1
+    smol, _ = load_llama(files["smollm3"])
+    assert [smol.args.has_rope(i) for i in range(4)] == [True, True, True, False]
+    rotated = Llama(replace(smol.args, no_rope_interval=0))
+    rotated.update(smol.parameters())
+    assert np.abs(logits(rotated) - logits(smol)).max() > 0.1
+    granite, _ = load_llama(files["granite"])
+    a = granite.args
+    assert (a.embedding_multiplier, a.residual_multiplier, a.attn_scale, a.logits_scaling) == \
+        (2.0, pytest.approx(0.45), pytest.approx(0.05), 2.5)
+    for field in ("embedding_multiplier", "residual_multiplier", "attn_scale", "logits_scaling"):
+        plain = Llama(replace(a, **{field: None if field == "attn_scale" else 1.0}))
+        plain.update(granite.parameters())
+        assert np.abs(logits(plain) - logits(granite)).max() > 0.01, field  # 100x the margin
+    olmo, _ = load_llama(files["olmo2"])
+    block = olmo.layers[0]
+    assert "attn_norm" not in block and "ffn_norm" not in block
+    assert (block.attn.q_norm.weight.shape, block.attn.k_norm.weight.shape) == ((64,), (32,))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -328,6 +354,38 @@ def test_write_llama_says_gemma2_and_refuses_what_llamacpp_would_add(files, tmp_
             llama_metadata(replace(model.args, **change))
     with pytest.raises(ValueError, match=r"found attn_softcap=1\.0 \(only gemma2 files say it\)$"):
         llama_metadata(replace(load_llama(files["gemma3"])[0].args, attn_softcap=1.0))
+def test_the_switches_of_smollm3_granite_and_olmo2_are_their_files_alone(files, tmp_path):
+    """write_llama refuses a model whose switches its architecture's files cannot say (no-RoPE
+    blocks, granite's scalars, a tied olmo2), by field; the loader refuses a granite file that
+    turns RoPE off and an olmo2 file without its output head, as llama.cpp would."""
+    smol, _ = load_llama(files["smollm3"])
+    granite, _ = load_llama(files["granite"])
+    olmo, _ = load_llama(files["olmo2"])
+    cases = [
+        (replace(smol.args, arch="llama"), (r"found no_rope_interval=4 \(llama files compute "
+                                          r"with 0\)$")),
+        (replace(granite.args, arch="llama", attn_scale=None),
+         (r"found embedding_multiplier=2\.0 \(only granite files say it: embedding_scale\); "
+         r"residual_multiplier=0\.4499.* \(only granite files say it: residual_scale\); "
+         r"logits_scaling=2\.5 \(only granite files say it: logit_scale\)$")),
+        (replace(olmo.args, tie_embeddings=True),
+         r"found tie_embeddings=True \(llama\.cpp's olmo2 reads an output\.weight\)$"),
+    ]
+    for args, want in cases:
+        with pytest.raises(ValueError, match=r"expected a shape a \w+ GGUF can say, " + want):
+            llama_metadata(args)
+    p = _copy(files["granite"], tmp_path / "g.gguf", {"granite.rope.scaling.finetuned": False})
+    with pytest.raises(GGUFError, match=r"g\.gguf: metadata key 'granite\.rope\.scaling\."
+                                        r"finetuned': expected true \(granite files whose blocks "
+                                        r"all skip RoPE are not supported\), found false$"):
+        load_llama(p)
+    g = GGUFFile(files["olmo2"])
+    tied = {n: g.load(n, np.float32) for n in g.tensors if n != "output.weight"}
+    p = write_gguf(tmp_path / "o.gguf", dict(g.metadata), tied, types=dict(g.metadata_types))
+    with pytest.raises(GGUFError, match=r"o\.gguf: tensor 'output\.weight': expected present "
+                                        r"\(olmo2 files carry their own output head\), found "
+                                        r"missing$"):
+        load_llama(p)
 
 
 # ---- nothing is loaded and ignored --------------------------------------------------------
@@ -363,8 +421,8 @@ def test_unknown_metadata_key_is_refused_by_name(files, tmp_path):
 
 def test_unknown_architecture_and_rope_scaling_are_refused(files, tmp_path):
     p = _copy(files["llama"], tmp_path / "x.gguf", {"general.architecture": "mamba"})
-    with pytest.raises(GGUFError, match=r"'general\.architecture': expected one of llama, qwen2, "
-                                        r"qwen3, gemma2, gemma3, phi3, found 'mamba'"):
+    with pytest.raises(GGUFError, match=rf"'general\.architecture': expected one of "
+                                        rf"{re.escape(SUPPORTED)}, found 'mamba'"):
         load_llama(p)
     p = _copy(files["qwen2"], tmp_path / "y.gguf", {"qwen2.rope.scaling.type": "yarn",
                                                     "qwen2.rope.scaling.factor": 4.0})
@@ -396,7 +454,8 @@ def test_logits_match_llamacpp(files, kind):
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                                  "smollm3", "granite", "olmo2"])
 def test_llamacpp_reads_what_write_llama_writes(files, kind, tmp_path):
     """The files write_llama writes of every architecture (phi3 without longrope) compute in
     llama.cpp what they compute in toymlx, within the margins of the converter's files."""
@@ -457,7 +516,8 @@ def _quantized_copy(src, dst, qtype: str):
 
 
 @pytest.mark.parametrize("qtype", QUANTS)
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                                  "smollm3", "granite", "olmo2"])
 def test_quantized_files_of_every_architecture(files, kind, qtype, tmp_path):
     """A file in each type people download that gguf-py writes: dequantized exactly (the
     reference dequantizes the same blocks in float64); Q4_0/Q4_1/Q8_0 also held as MLX

@@ -294,6 +294,22 @@ def test_check_toy_v1_names_a_gap_or_a_repeat_in_the_steps(completed):
         "in order), found 2: a step repeated or out of order")]
 
 
+def test_check_toy_v1_knows_the_model_keys_of_every_architecture_toymlx_loads(completed):
+    """A run_start of each decoder architecture `ARCHS` loads (smollm3, granite and olmo2 were
+    unknown to the check: their model keys went unchecked) must carry the language model's
+    sizes and context: one left out is named."""
+    from toymlx.bundle.events import check_toy_v1
+    from toymlx.gguf.llama import ARCHS
+
+    events = read_events(completed)
+    for arch in ARCHS:
+        start = {**events[0], "model": {**events[0]["model"], "arch": arch}}
+        assert check_toy_v1([start, *events[1:]]) == [], arch
+        del start["model"]["vocab"]
+        assert check_toy_v1([start, *events[1:]]) == [
+            "event 1 (run_start): key 'model.vocab': missing"], arch
+
+
 def test_an_events_file_that_is_a_fifo_is_named_not_read(tmp_path, capsys, data):
     """A run folder whose events.jsonl is a FIFO read as an "empty" run (toymlx-report) or "an
     empty file" (--resume); now one line names the file and what it is, and nothing waits for

@@ -19,7 +19,7 @@ from toymlx_cli import generate as cli
 
 from toymlx.bundle.checkpoint import update_latest
 from toymlx.generation.generate import generate, load_for_generation
-from toymlx.gguf.llama import load_llama
+from toymlx.gguf.llama import SUPPORTED, load_llama
 from toymlx.gguf.writer import write_gguf
 
 PROMPT = "Once upon a time"
@@ -656,7 +656,7 @@ def bad_inputs(tmp_path: Path, stories_path: Path) -> dict[str, tuple[Path, str]
                       "still being written?)")),
         "missing": (tmp_path / "nope.gguf", "found nothing at that path"),
         "not a GGUF": (not_gguf, "not a GGUF file"),
-        "wrong architecture": (gpt2, "expected one of llama, qwen2, qwen3, gemma2, gemma3, phi3, found 'gpt2'"),
+        "wrong architecture": (gpt2, f"expected one of {SUPPORTED}, found 'gpt2'"),
         "adapter as model": (adapter, "--adapter"),
         "run without checkpoints": (empty_run, "found no checkpoint"),
     }
@@ -1038,7 +1038,7 @@ def test_a_model_of_the_other_kind_names_the_command_that_uses_it(tmp_path, stor
     assert cli.main(["--model", str(vit), "--prompt", "hi"]) == 2
     assert error_line(capsys, "toymlx-generate") == (
         f"toymlx-generate: error: {vit}: metadata key 'general.architecture': expected a "
-        "language model (llama, qwen2, qwen3, gemma2, gemma3, phi3), found 'vit', an image "
+        f"language model ({SUPPORTED}), found 'vit', an image "
         f"classifier: toymlx-classify --model {vit} IMAGE uses it")
     image = tmp_path / "x.png"
     from PIL import Image

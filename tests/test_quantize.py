@@ -456,7 +456,8 @@ def test_write_model_gguf_refuses_an_unknown_type(tmp_path):
 
 # ---- llama.cpp's quantizer, every architecture (interop) -----------------------------------
 @pytest.mark.interop
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                                  "smollm3", "granite", "olmo2"])
 def test_every_architecture_fused_in_a_k_quant_mixture(kind, tmp_path):
     """The same path for every architecture: an adapter on every projection fused into
     Q4_K_M equals llama-quantize's output for the F32 fused export, byte for byte; llama.cpp

@@ -298,10 +298,12 @@ class CompiledDecode:
         h = model.embed_tokens(tokens)  # (B,1,D)
         for i, block in enumerate(model.layers):
             offset = cache[i].offset
-            tables = model.ops.rope_tables(block.attn.rope, block.attn.head_dim, offset, 1)
+            rope = block.attn.rope  # None: a block without RoPE (smollm3's every 4th)
+            tables = None if rope is None else model.ops.rope_tables(rope, block.attn.head_dim,
+                                                                      offset, 1)
             q, k, v = self._start[i](h, tables=tables)
             h = self._finish[i](h, block.attn.attend(q, k, v, cache[i]))
-        return model.unembed(model.norm(h))
+        return model.unembed(model.head_input(h))
 
 
 def _lora_run_base(path: str | os.PathLike) -> str | None:

@@ -59,6 +59,10 @@ COMMON_KEYS = frozenset({
     "rope.freq_base", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "expert_count",
     "expert_used_count"})
+GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
+                   "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
+"""granite's `<arch>.` scalar keys -> the LlamaArgs fields they set (beside attention.scale,
+which is `attn_scale`)."""
 ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("llama", {}, frozenset()),
     Arch("qwen2", {"rope_neox": True, "attn_bias": True}, frozenset()),
@@ -76,6 +80,11 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          # llama.cpp reads phi3's sliding_window and turns it off (so does toymlx)
          frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
          rope_scaling=("none", "linear", "longrope")),
+    # llama.cpp fixes smollm3's no-RoPE blocks (every 4th); no key says them
+    Arch("smollm3", {"no_rope_interval": 4}, frozenset()),
+    Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}),
+    Arch("olmo2", {"rope_neox": True, "qk_norm_whole": True, "pre_norms": False,
+                   "post_norms": True}, frozenset()),
 )}
 """The architectures toymlx loads, by general.architecture."""
 
@@ -155,8 +164,9 @@ def toy_to_gguf(path: str) -> str:
 def hf_permuted_heads(a: LlamaArgs, name: str) -> int | None:
     """The heads by which llama.cpp's converter permuted tensor `name`'s rows from Hugging
     Face's layout: llama's q (n_heads) and k (n_kv_heads), whose RoPE turns adjacent pairs in
-    the GGUF and each head's halves in HF; None for every other tensor, and for the NEOX
-    architectures (qwen2, qwen3, gemma2, gemma3, phi3), whose files keep HF's rows."""
+    the GGUF and each head's halves in HF (smollm3's and granite's too: their converter is
+    llama's); None for every other tensor, and for the NEOX architectures (qwen2, qwen3,
+    gemma2, gemma3, phi3, olmo2), whose files keep HF's rows."""
     if a.rope_neox or a.fused_qkv:
         return None
     leaf = name.split(".")[-2] if name.startswith("blk.") else ""
@@ -325,6 +335,11 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     if arch.name in GEMMA:
         sw.update(_gemma_switches(g, GEMMA[arch.name], n_layers, rope_base))
         sw["attn_scale"] = _gemma_query_scale(arch.name, d, n_heads, n_layers, head_dim)
+    if arch.name == "granite":
+        sw.update(granite_scalars(g, k))
+    if arch.name == "olmo2" and "output.weight" not in g.tensors:  # llama.cpp requires it
+        raise GGUFError(f"{g.path}: tensor 'output.weight': expected present (olmo2 files "
+                        "carry their own output head), found missing")
     if arch.name == "llama":  # llama files may carry attention biases
         sw["attn_bias"] = "blk.0.attn_q.bias" in g.tensors
         sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
@@ -381,6 +396,28 @@ def _softcap(g: GGUFFile, key: str, default: float) -> float | None:
     return _positive(g, key, cap)
 
 
+def granite_scalars(g: GGUFFile, k: str) -> dict[str, float]:
+    """The LlamaArgs fields a granite file's scalars set, each where llama.cpp applies it:
+    embedding_scale (the token embeddings times it), residual_scale (each block's attention
+    and MLP outputs times it), attention.scale (q k^T times it, for 1/sqrt(head_dim)),
+    logit_scale (the logits divided by it). llama.cpp reads an absent or 0 scale as none
+    (logit_scale it requires); `rope.scaling.finetuned` false turns its RoPE off, which no
+    dense Granite does and toymlx refuses."""
+    if not g.get(k + "rope.scaling.finetuned", bool, True):
+        raise GGUFError(f"{g.path}: metadata key '{k}rope.scaling.finetuned': expected true "
+                        "(granite files whose blocks all skip RoPE are not supported), found "
+                        "false")
+    out: dict[str, float] = {}
+    for key, field in GRANITE_SCALARS.items():
+        v = float(g.get(k + key, (int, float), 0.0))
+        if v:
+            out[field] = _positive(g, k + key, v)
+    scale = float(g.get(k + "attention.scale", (int, float), 0.0))
+    if scale:
+        out["attn_scale"] = _positive(g, k + "attention.scale", scale)
+    return out
+
+
 def rope_tensors(longrope: bool, has_freqs: bool) -> set[str]:
     """The RoPE constant tensors a file with (or without) longrope carries."""
     if longrope:
@@ -395,7 +432,7 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
     shapes = {"token_embd.weight": (a.vocab_size, a.d_model), "output_norm.weight": (a.d_model,)}
     if not a.tie_embeddings:
         shapes["output.weight"] = (a.vocab_size, a.d_model)
-    per: dict[str, tuple[int, ...]] = {"attn_norm.weight": (a.d_model,)}
+    per: dict[str, tuple[int, ...]] = {"attn_norm.weight": (a.d_model,)} if a.pre_norms else {}
     if a.fused_qkv:
         per["attn_qkv.weight"] = (q + 2 * kv, a.d_model)
     else:
@@ -408,9 +445,12 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
         per["attn_output.bias"] = (a.d_model,)
     if a.qk_norm:
         per.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+    if a.qk_norm_whole:
+        per.update({"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)})
     if a.post_norms:
         per["post_attention_norm.weight"] = (a.d_model,)
-    per["ffn_norm.weight"] = (a.d_model,)
+    if a.pre_norms:
+        per["ffn_norm.weight"] = (a.d_model,)
     if a.fused_gate_up:
         per["ffn_up.weight"] = (2 * a.ffn_dim, a.d_model)
     else:
@@ -596,8 +636,8 @@ def _quantized_linear(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
     return q
 
 
-_SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "post_norms", "embed_scale", "activation",
-             "fused_qkv", "fused_gate_up")
+_SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "qk_norm_whole", "pre_norms", "post_norms",
+             "embed_scale", "activation", "fused_qkv", "fused_gate_up", "no_rope_interval")
 """LlamaArgs fields that an architecture fixes (`Arch.switches`; LlamaArgs' default where it
 does not name them)."""
 
@@ -620,6 +660,8 @@ def _loaded_attn_scale(a: LlamaArgs) -> float:
     """The query scale `args_from_gguf` gives a file of this shape."""
     if a.arch in GEMMA:
         return _gemma_query_scale(a.arch, a.d_model, a.n_heads, a.n_layers, a.head_dim)
+    if a.arch == "granite":  # granite.attention.scale says any
+        return a.attn_scale or a.head_dim ** -0.5
     return a.head_dim ** -0.5
 
 
@@ -633,6 +675,8 @@ def unwritable(a: LlamaArgs) -> list[str]:
         want = arch.switches.get(k, getattr(plain, k))
         if getattr(a, k) != want and not (k == "attn_bias" and a.arch == "llama"):
             out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
+    if a.tie_embeddings and a.arch == "olmo2":
+        out.append("tie_embeddings=True (llama.cpp's olmo2 reads an output.weight)")
     if a.out_bias and a.arch != "llama":
         out.append("out_bias=True (only llama files carry an attention output bias)")
     if a.rope_dims is not None and a.rope_dims != a.head_dim and not a.rope_neox:
@@ -678,6 +722,9 @@ def _gemma_unwritable(a: LlamaArgs) -> list[str]:
         elif cap is None and default:
             out.append(f"{field}=None (llama.cpp caps {a.arch}'s {what} at {default:g} where "
                        "a file says no cap)")
+    for key, field in GRANITE_SCALARS.items():
+        if getattr(a, field) != 1.0 and a.arch != "granite":
+            out.append(f"{field}={getattr(a, field)} (only granite files say it: {key})")
     return out
 
 
@@ -719,6 +766,11 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         meta[k + "final_logit_softcapping"] = float(a.final_softcap)
     if a.attn_softcap is not None:
         meta[k + "attn_logit_softcapping"] = float(a.attn_softcap)
+    if a.arch == "granite":  # llama.cpp requires logit_scale; the others, where not 1
+        meta.update({k + key: float(getattr(a, field)) for key, field in GRANITE_SCALARS.items()
+                     if key == "logit_scale" or getattr(a, field) != 1.0})
+        if a.attn_scale is not None:
+            meta[k + "attention.scale"] = float(a.attn_scale)
     return meta
 
 

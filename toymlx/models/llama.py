@@ -1,20 +1,24 @@
 """The Llama-family decoder in mlx.nn, in llama.cpp's GGUF conventions.
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
-(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text) and phi3. They are
-one pre-norm transformer with a handful of switches, each a field of `LlamaArgs`:
+(Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text), phi3, smollm3,
+granite and olmo2. They are one transformer with a handful of switches, each a field of
+`LlamaArgs`:
 
-| switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 |
-| --- | --- | --- | --- | --- | --- | --- |
-| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | halves |
-| q/k/v biases | optional | yes | | | | |
-| per-head q/k RMSNorm before RoPE | | | yes | | yes | |
-| embeddings times sqrt(d_model) | | | | yes | yes | |
-| norms after attention and MLP too | | | | yes | yes | |
-| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | GELU (tanh) | SiLU |
-| fused projections | | | | | | qkv, gate_up |
-| sliding-window layers | | | | 1 of 2 | 5 of 6 | |
-| soft-capped attention scores | | | | yes | | |
+| switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite | olmo2 |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | halves | adjacent | adjacent | halves |
+| blocks without RoPE | | | | | | | every 4th | | |
+| q/k/v biases | optional | yes | | | | | | | |
+| q/k RMSNorm before RoPE | | | per head | | per head | | | | whole |
+| embeddings times sqrt(d_model) | | | | yes | yes | | | | |
+| embeddings, residual branches, 1/logits times a file's scalar | | | | | | | | yes | |
+| norms before attention and MLP | yes | yes | yes | yes | yes | yes | yes | yes | |
+| norms after attention and MLP | | | | yes | yes | | | | yes |
+| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | GELU (tanh) | SiLU | SiLU | SiLU | SiLU |
+| fused projections | | | | | | qkv, gate_up | | | |
+| sliding-window layers | | | | 1 of 2 | 5 of 6 | | | | |
+| soft-capped attention scores | | | | yes | | | | | |
 
 Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
@@ -64,7 +68,8 @@ class LlamaArgs:
     """Per-head width where it is not d_model // n_heads (llama.attention.key_length)."""
     # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
     arch: str = "llama"
-    """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma2, gemma3 or phi3."""
+    """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3,
+    granite or olmo2."""
     rope_neox: bool = False
     """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
     rope_dims: int | None = None
@@ -81,9 +86,13 @@ class LlamaArgs:
     """The attention output projection carries a bias (llama files may)."""
     qk_norm: bool = False
     """Per-head RMSNorm of q and k before RoPE (qwen3, gemma3)."""
+    qk_norm_whole: bool = False
+    """RMSNorm of q and k over the whole projection, every head at once, before RoPE (olmo2)."""
+    pre_norms: bool = True
+    """RMSNorm of each block's input to attention and to the MLP (all but olmo2)."""
     post_norms: bool = False
     """RMSNorm of each block's attention and MLP outputs before the residual add (gemma2,
-    gemma3)."""
+    gemma3, olmo2)."""
     embed_scale: bool = False
     """Token embeddings times sqrt(d_model) (gemma2, gemma3)."""
     activation: str = "silu"
@@ -106,6 +115,15 @@ class LlamaArgs:
     attn_softcap: float | None = None
     """Attention scores (q k^T times the query scale) soft-capped to +-cap by
     cap * tanh(scores / cap) before the mask and softmax (gemma2's attn_logit_softcapping)."""
+    no_rope_interval: int = 0
+    """RoPE skipped on every n-th block, counting from 1 (smollm3: 4); 0: every block rotates."""
+    embedding_multiplier: float = 1.0
+    """Token embeddings times this (granite.embedding_scale)."""
+    residual_multiplier: float = 1.0
+    """Each block's attention and MLP outputs times this before their residual adds
+    (granite.residual_scale)."""
+    logits_scaling: float = 1.0
+    """Logits divided by this (granite.logit_scale)."""
 
     @property
     def head_dim(self) -> int:
@@ -137,6 +155,14 @@ class LlamaArgs:
             cap = getattr(self, name)
             if cap is not None and not cap > 0:
                 raise ArgsError(self, name, "> 0 or None (no cap)")
+        if self.qk_norm and self.qk_norm_whole:
+            raise ArgsError(self, "qk_norm_whole", "False where qk_norm is True (per head or "
+                            "whole, not both)")
+        if self.no_rope_interval < 0:
+            raise ArgsError(self, "no_rope_interval", ">= 0 (0: every block rotates)")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if not 0 < getattr(self, name) < float("inf"):  # nan too
+                raise ArgsError(self, name, "a finite number > 0")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
             raise ArgsError(self, "sliding_layers", "one entry per block of {n_layers}",
                             f"{len(self.sliding_layers)}")
@@ -150,6 +176,10 @@ class LlamaArgs:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window and self.sliding_layers and self.sliding_layers[layer])
+
+    def has_rope(self, layer: int) -> bool:
+        """Block `layer` rotates q and k (smollm3's every 4th does not: llama.cpp's rule)."""
+        return not (self.no_rope_interval and (layer + 1) % self.no_rope_interval == 0)
 
 
 def tiny(**kw) -> LlamaArgs:
@@ -191,7 +221,7 @@ class Attention(nn.Module):
         self.args = a
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale = a.attn_scale or a.head_dim ** -0.5
-        self.rope = a.rope(layer)
+        self.rope = a.rope(layer) if a.has_rope(layer) else None
         self.window = a.sliding_window if a.is_sliding(layer) else None
         self.softcap = a.attn_softcap
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -202,10 +232,10 @@ class Attention(nn.Module):
             self.k_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
             self.v_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
         self.o_proj = Linear(q, a.d_model, bias=a.out_bias, ops=ops)
-        if a.qk_norm:
-            self.q_norm = RMSNorm(a.head_dim, eps=a.norm_eps, ops=ops)
-            self.k_norm = RMSNorm(a.head_dim, eps=a.norm_eps, ops=ops)
-        self.qk_norm = a.qk_norm
+        if a.qk_norm or a.qk_norm_whole:  # per head (hd values) or whole (q, kv values)
+            self.q_norm = RMSNorm(q if a.qk_norm_whole else a.head_dim, eps=a.norm_eps, ops=ops)
+            self.k_norm = RMSNorm(kv if a.qk_norm_whole else a.head_dim, eps=a.norm_eps, ops=ops)
+        self.qk_norm, self.qk_norm_whole = a.qk_norm, a.qk_norm_whole
 
     # Training and scoring call it whole (__call__); generation in two parts, around its KV
     # cache (qkv, then attend); o_proj is Block.finish's.
@@ -245,9 +275,12 @@ class Attention(nn.Module):
     def heads(self, q: mx.array, k: mx.array, v: mx.array, offset: int,
               tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """The projections split into heads: q (B,H,T,hd), k and v (B,Hkv,T,hd), q and k normed
-        (qk_norm) and rotated at positions offset..offset+T-1."""
+        (qk_norm, qk_norm_whole) and rotated at positions offset..offset+T-1 (unless the block
+        has no RoPE)."""
         B, T, _ = q.shape
         hd = self.head_dim
+        if self.qk_norm_whole:  # over each token's H*hd (Hkv*hd) values
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.n_heads, hd)  # (B,T,H,hd)
         k = k.reshape(B, T, self.n_kv, hd)  # (B,T,Hkv,hd)
         if self.qk_norm:  # over each head's hd values
@@ -255,8 +288,9 @@ class Attention(nn.Module):
         q = q.transpose(0, 2, 1, 3)  # (B,H,T,hd)
         k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         v = v.reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
-        q = self.ops.rope(q, self.rope, offset, tables)
-        k = self.ops.rope(k, self.rope, offset, tables)
+        if self.rope is not None:
+            q = self.ops.rope(q, self.rope, offset, tables)
+            k = self.ops.rope(k, self.rope, offset, tables)
         return q, k, v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: Any = None) -> mx.array:
@@ -296,18 +330,20 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, a: LlamaArgs, ops: Ops, layer: int = 0):
         super().__init__()
-        self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        if a.pre_norms:
+            self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+            self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.attn = Attention(a, ops, layer)
-        self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.mlp = MLP(a, ops)
         if a.post_norms:
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
-        self.post_norms = a.post_norms
+        self.pre_norms, self.post_norms = a.pre_norms, a.post_norms
+        self.residual_multiplier = a.residual_multiplier
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         if cache is None:
-            return self.finish(x, self.attn(self.attn_norm(x)))
+            return self.finish(x, self.attn(self.pre(x, "attn_norm")))
         return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache))
 
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
@@ -316,15 +352,25 @@ class Block(nn.Module):
     def start(self, x: mx.array, offset: int, tables: RopeTables | None = None
               ) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v of the normed x (`Attention.qkv`)."""
-        return self.attn.qkv(self.attn_norm(x), offset, tables)
+        return self.attn.qkv(self.pre(x, "attn_norm"), offset, tables)
 
     def finish(self, x: mx.array, o: mx.array) -> mx.array:
         """The block's output from its input x and the attention's `o` (before o_proj): both
         residual branches, the MLP's included."""
         a = self.attn.o_proj(o)
-        x = x + (self.attn_post_norm(a) if self.post_norms else a)
-        m = self.mlp(self.ffn_norm(x))
-        return x + (self.ffn_post_norm(m) if self.post_norms else m)
+        x = x + self.branch(self.attn_post_norm(a) if self.post_norms else a)
+        m = self.mlp(self.pre(x, "ffn_norm"))
+        return x + self.branch(self.ffn_post_norm(m) if self.post_norms else m)
+
+    def pre(self, x: mx.array, norm: str) -> mx.array:
+        """x as a residual branch reads it: normed by `norm` (attn_norm or ffn_norm), or as it
+        is where the block has no pre-norms (olmo2)."""
+        return self[norm](x) if self.pre_norms else x
+
+    def branch(self, y: mx.array) -> mx.array:
+        """A residual branch's output as it is added: times residual_multiplier (granite)."""
+        r = self.residual_multiplier
+        return y if r == 1.0 else y * r
 
 
 class Llama(nn.Module):
@@ -353,8 +399,11 @@ class Llama(nn.Module):
         self.update(tree_unflatten([(k, init(k, v)) for k, v in tree_flatten(self.parameters())]))
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
-        """(B, T) token ids -> (B, T, D) rows of the token table (times sqrt(D) for gemma3)."""
+        """(B, T) token ids -> (B, T, D) rows of the token table (times sqrt(D) for gemma3, times
+        embedding_multiplier for granite)."""
         h = self.embed(tokens)
+        if self.args.embedding_multiplier != 1.0:
+            h = h * self.args.embedding_multiplier
         return h * (self.args.d_model ** 0.5) if self.args.embed_scale else h
 
     def unembed(self, h: mx.array) -> mx.array:
@@ -378,11 +427,20 @@ class Llama(nn.Module):
         return "embed" if self.args.tie_embeddings else "output"
 
     def hidden(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
-        """(B, T) token ids -> (B, T, D) final normed hidden states, before `unembed`."""
+        """(B, T) token ids -> (B, T, D) final hidden states as the head reads them
+        (`head_input`), before `unembed`."""
         h = self.embed_tokens(tokens)  # (B,T,D)
         for i, layer in enumerate(self.layers):
             h = self.ops.block(layer, h) if cache is None else layer(h, cache[i])
-        return self.norm(h)
+        return self.head_input(h)
+
+    def head_input(self, h: mx.array) -> mx.array:
+        """(B, T, D) the last block's output -> what the output head reads: normed, and divided
+        by logits_scaling (granite's logits are divided by it; dividing the head's input
+        instead leaves every reader of the head, a frozen one's slices too, the same)."""
+        h = self.norm(h)
+        s = self.args.logits_scaling
+        return h if s == 1.0 else h * (1.0 / s)
 
     def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.unembed(self.hidden(tokens, cache))  # (B,T,V)
