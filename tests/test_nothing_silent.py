@@ -338,6 +338,7 @@ def test_a_resume_of_an_events_jsonl_cut_inside_its_first_line_says_so(runs, cap
 def test_a_config_json_of_a_format_this_toymlx_does_not_know_is_refused(runs, capsys, fmt):
     """config.json's `format` from a newer toymlx (99) was read as this one's: toymlx-eval and
     -generate scored the run with options it may lack, a resume blamed another key."""
+    from toymlx.bundle.folder import CONFIG_FORMAT
     from toymlx_cli.eval import main as eval_main
 
     a, _ = runs
@@ -346,8 +347,8 @@ def test_a_config_json_of_a_format_this_toymlx_does_not_know_is_refused(runs, ca
     (a / "config.json").write_text(json.dumps(saved, indent=2))
     assert eval_main(["--model", str(a)]) == 2
     assert error_line(capsys, "toymlx-eval") == (
-        f"toymlx-eval: error: {a / 'config.json'}: key 'format': expected 1..7 (toymlx 0.2.0 "
-        f"writes 7), found {fmt}" + ("; the run was made by a newer toymlx: use that one"
+        f"toymlx-eval: error: {a / 'config.json'}: key 'format': expected 1..{CONFIG_FORMAT} "
+        f"(toymlx 0.2.0 writes {CONFIG_FORMAT}), found {fmt}" + ("; the run was made by a newer toymlx: use that one"
                                      if fmt == 99 else ""))
 
 
