@@ -40,7 +40,11 @@ class Args:
     half and go on from the newer half, computed again: no token is predicted from more than
     the window (nanoGPT's sample.py reads the last block_size tokens; llama.cpp's
     --context-shift, off by default there). --no-context-shift stops at the window. A --chat
-    conversation stops at the model's context (/reset)."""
+    conversation instead drops its earliest whole turns (a message and its reply; the --system
+    message and the newest message kept) where the next would leave no room for a reply
+    (--max-tokens, at most half the context), as Ollama and LM Studio do, and says so; a reply
+    itself stops at the context. --no-context-shift: a conversation that fills the context stops
+    (/reset)."""
     temperature: float = 0.7
     """Sampling temperature; 0 is greedy (always the most likely token)."""
     top_p: float = 0.9
@@ -196,8 +200,11 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
     again, its start, as far as it matches the tokens already computed, taken from the KV
     caches kept between turns (MLX: `PromptCache`). MLX's decoder (`decoder_for`) is made
     once for the whole conversation, /reset included: made per turn, every turn traced each
-    block's one-token step again (SmolLM2: 30 blocks, their start and finish). Returns the
-    number of turns answered."""
+    block's one-token step again (SmolLM2: 30 blocks, their start and finish). Where the next
+    turn would not leave room for its reply in `context`, its earliest turns are dropped for
+    good (`fitted`; not with --no-context-shift, which stops there), one line on stderr saying
+    so, and the caches keep only the start the new prompt shares with them (the system
+    message's). Returns the number of turns answered."""
     from toymlx.generation.generate import LlamaCppDecoder, PromptCache, decoder_for
 
     on_mlx = not isinstance(model, LlamaCppDecoder)
@@ -233,17 +240,84 @@ def chat(model, tokenizer, args: Args, context: int, inp=None, out=None) -> int:
         if not text:
             continue
         turn = Args(**{**vars(args), "prompt": text})
-        ids = prompt_ids(tokenizer, turn, history)
-        if len(ids) >= context:
-            print(f"{PROG}: the conversation ({len(ids)} tokens) fills the model's context "
-                  f"({context}); /reset to start again", file=sys.stderr)
+        if args.context_shift:
+            ids, dropped = fitted(tokenizer, turn, history, context)
+        else:
+            ids, dropped = prompt_ids(tokenizer, turn, history), 0
+        if len(ids) >= context:  # the conversation so far is kept for a shorter message
+            print(full_note(turn, len(ids), context), file=sys.stderr)
             continue
+        if dropped:
+            history = history[2 * dropped:]
+            print(dropped_note(turn, dropped, len(history) // 2, len(ids), context),
+                  file=sys.stderr)
         reply, n = stream(model, tokenizer, ids, turn, out, kept, decoder)
         if n == 0:
             print(no_tokens_note(tokenizer, turn, ids, Window(context)), file=sys.stderr)
+        elif n < args.max_tokens and len(ids) + n >= context:
+            print(reply_cut_note(turn, len(ids), n, context), file=sys.stderr)
         history += [{"role": "user", "content": text},
                     {"role": "assistant", "content": reply.strip()}]
         turns += 1
+
+
+def reply_room(args: Args, context: int) -> int:
+    """The tokens a --chat turn keeps free in the model's context for its reply: --max-tokens,
+    at most half the context (a larger --max-tokens would leave no room for the conversation;
+    a reply that runs past the context stops there)."""
+    return min(args.max_tokens, context // 2)
+
+
+def fitted(tokenizer, turn: Args, history: list[dict[str, str]],
+           context: int) -> tuple[list[int], int]:
+    """The prompt ids of a --chat turn (`prompt_ids`), and how many of `history`'s earliest
+    turns (a user message and its reply each) they leave out: none where the whole
+    conversation leaves `reply_room` in `context`, else the fewest that do, or all of them.
+    The system message and the new message are always kept, and whole turns go, so that the
+    template renders a conversation that starts with a user's message (Ollama's `chatPrompt`
+    drops single messages, llama.cpp's conversation mode drops tokens and can cut a message)."""
+    room = reply_room(turn, context)
+    dropped = 0
+    while True:
+        ids = prompt_ids(tokenizer, turn, history[2 * dropped:])
+        if len(ids) + room <= context or 2 * dropped >= len(history):
+            return ids, dropped
+        dropped += 1
+
+
+def full_note(args: Args, n_prompt: int, context: int) -> str:
+    """One line for a --chat turn whose prompt of `n_prompt` tokens fills `context`: with the
+    context shift, the new message alone (the earlier turns all left out) does, and the turn is
+    skipped; without it, the conversation does, and it stops."""
+    if not args.context_shift:
+        return (f"{PROG}: the conversation ({n_prompt} tokens) fills the model's context "
+                f"({context}); /reset to start again")
+    system = " with the system message" if args.system else ""
+    return (f"{PROG}: your message ({n_prompt} tokens through the chat template{system}) fills "
+            f"the model's context ({context}) alone; the turn is skipped, the conversation goes "
+            "on")
+
+
+def dropped_note(args: Args, dropped: int, kept: int, n_prompt: int, context: int) -> str:
+    """One line for a --chat turn that dropped the `dropped` earliest turns of the conversation
+    (`fitted`), `kept` earlier turns left, `n_prompt` tokens now read."""
+    parts = (["the system message"] if args.system else []) + \
+        ([counted(kept, "earlier turn")] if kept else []) + ["your message"]
+    reads = f"{', '.join(parts[:-1])} and {parts[-1]}" if len(parts) > 1 else parts[0]
+    return (f"{PROG}: dropped the conversation's earliest {counted(dropped, 'turn')} (a message "
+            f"and its reply each) to fit the model's context ({context} tokens) with room for a "
+            f"{reply_room(args, context)}-token reply; the model reads {reads} ({n_prompt} "
+            "tokens)")
+
+
+def reply_cut_note(args: Args, n_prompt: int, n_new: int, context: int) -> str:
+    """One line for a --chat reply that stopped at `context` (not at --max-tokens): llama.cpp's
+    conversation mode without its context shift stops there too. A token-level shift inside the
+    reply would cut the system message and the turn's own start out of what the model reads."""
+    then = ("the next turn drops the earliest turns to make room" if args.context_shift else
+            "/reset to start again (--no-context-shift)")
+    return (f"{PROG}: the reply stopped at the model's context ({context} tokens: {n_prompt} of "
+            f"the conversation, {n_new} of the reply; --max-tokens {args.max_tokens}); {then}")
 
 
 def stream(model, tokenizer, ids: list[int], args: Args, out=None, kept=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -1349,3 +1350,206 @@ def test_the_shift_notes_count_as_the_decoder_shifts():
         "(24 tokens), so the model went on from its last 12 tokens, computed again, and reads no "
         "further back (1 shift in 20 new tokens, each dropping the older 12); --max-tokens 19 "
         "stays within it, --no-context-shift stops there")
+
+
+@pytest.fixture(scope="module")
+def short_chat_path(tmp_path_factory, stories_path):
+    """stories260K with the ChatML template and a 256-token context: a few turns of 12-token
+    replies fill it."""
+    from toymlx.gguf.fuse import write_with_tensors
+    from toymlx.gguf.reader import GGUFFile
+
+    path = tmp_path_factory.mktemp("short-chat") / "short-chat.gguf"
+    with GGUFFile(stories_path) as g:
+        write_with_tensors(path, g, {}, {"llama.context_length": 256,
+                                         "tokenizer.chat_template": CHATML})
+    return path
+
+
+TURNS = ["Tell me a story", "About a cat", "And a dog", "Then what", "The end", "/reset",
+         "Tell me a story"]
+
+
+def chatml_ids(tok, system: str, pairs: list[tuple[str, str]], user: str) -> list[int]:
+    """Reference prompt: the template rendered over exactly these messages (the system message,
+    the (user, reply) pairs, the new user message), then encoded (ChatML writes no BOS)."""
+    messages = [{"role": "system", "content": system}]
+    for asked, answered in pairs:
+        messages += [{"role": "user", "content": asked}, {"role": "assistant", "content": answered}]
+    messages.append({"role": "user", "content": user})
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def recorded_chat(monkeypatch, model, tok, args: cli.Args, lines: list[str],
+                  decoder: bool = False):
+    """Run `cli.chat` over `lines` in the 256-token context, recording each turn's prompt ids,
+    reply and (with `decoder`) its decoder's calls. Returns (turns, stderr lines, prompts,
+    replies, calls per turn)."""
+    from toymlx.generation import generate as gen
+
+    prompts, replies, calls = [], [], []
+    real_stream, real_decoder_for = cli.stream, gen.decoder_for
+    decoders: list[Recorded] = []
+
+    def stream(m, t, ids, a, *rest, **kw):
+        start = len(decoders[0].calls) if decoders else 0
+        reply = real_stream(m, t, ids, a, *rest, **kw)
+        prompts.append(list(ids))
+        replies.append(reply[0].strip())
+        calls.append(decoders[0].calls[start:] if decoders else [])
+        return reply
+
+    def decoder_for(m):
+        decoders.append(Recorded(real_decoder_for(m)))
+        return decoders[-1]
+
+    monkeypatch.setattr(cli, "stream", stream)
+    if decoder:
+        monkeypatch.setattr(gen, "decoder_for", decoder_for)
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    turns = cli.chat(model, tok, args, 256, io.StringIO("".join(x + "\n" for x in lines)),
+                     io.StringIO())
+    monkeypatch.undo()
+    return turns, err.getvalue().splitlines(), prompts, replies, calls
+
+
+def test_a_chat_past_the_context_drops_its_earliest_turns(short_chat_path, monkeypatch):
+    """A --chat conversation stopped at the model's context ('/reset to start again'). Now, where
+    the next prompt and a --max-tokens reply would not fit, the earliest whole turns are dropped
+    (the system message and the new message kept) and one line says how many: the prompt is the
+    template rendered over exactly the kept messages, the fewest dropped that leave the room;
+    the reply is, token for token, a fresh conversation's from those messages, and its first
+    logits a full forward over that prompt (the KV cache kept only for the shared start, the
+    system message's); /reset starts again."""
+    model, tok = load_for_generation(short_chat_path)
+    args = cli.Args(model=str(short_chat_path), chat=True, temperature=0.0, max_tokens=12,
+                    system="Be kind")
+    turns, err, prompts, replies, calls = recorded_chat(monkeypatch, model, tok, args, TURNS,
+                                                        decoder=True)
+    assert turns == 6 and all(replies)
+    asked = [t for t in TURNS if t != "/reset"]
+    pairs = list(zip(asked, replies))
+    kept_from = [0, 0, 0, 1, 2, 5]  # the first pair each turn's prompt holds (5: after /reset)
+    for k, first in enumerate(kept_from):
+        want = chatml_ids(tok, "Be kind", pairs[first:k], asked[k])
+        assert prompts[k] == want, k
+        assert len(want) + 12 <= 256  # room for the reply ...
+        if first > 0 and k < 5:  # ... and one turn more would not have left it
+            assert len(chatml_ids(tok, "Be kind", pairs[first - 1:k], asked[k])) + 12 > 256
+    assert [len(p) for p in prompts] == [77, 141, 204, 201, 199, 77]
+    assert err == [
+        f"toymlx-generate: dropped the conversation's earliest 1 turn (a message and its reply "
+        f"each) to fit the model's context (256 tokens) with room for a 12-token reply; the model "
+        f"reads the system message, 2 earlier turns and your message ({n} tokens)"
+        for n in (201, 199)]
+    assert replies[5] == replies[0]  # /reset: the first turn again
+
+    for k in (3, 4):  # after each drop: a fresh decoder and cache over the kept messages
+        fresh = list(generate(model, tok, prompts[k], 12))
+        assert replies[k] == tok.decode(prompts[k] + fresh)[len(tok.decode(prompts[k])):].strip()
+        prefill, first_step = calls[k][0], calls[k][1]
+        shared = next(i for i, (a, b) in enumerate(zip(prompts[k], prompts[k - 1])) if a != b)
+        assert prefill[:2] == (shared, len(prompts[k]) - 1 - shared)  # from the shared start on
+        assert shared < len(chatml_ids(tok, "Be kind", [], ""))  # the system message's and less
+        assert first_step[:2] == (len(prompts[k]) - 1, 1)
+        full = np.array(model(mx.array([prompts[k]]))[0, -1])
+        diff = float(np.abs(np.array(first_step[2]) - full).max())
+        print(f"turn {k + 1}: first logits after the drop vs a full forward over the kept "
+              f"{len(prompts[k])} tokens: max abs diff {diff:.3g} (max |logit| "
+              f"{float(np.abs(full).max()):.1f})")
+        assert diff <= 1e-5 * float(np.abs(full).max())
+
+
+def test_a_sampled_chat_after_a_drop_answers_as_a_fresh_one(short_chat_path, monkeypatch):
+    """Sampled (--temperature 0.8 --seed 7): each turn's reply, those after a drop included, is
+    the one a fresh decoder and KV cache give that turn's prompt with the same seed."""
+    model, tok = load_for_generation(short_chat_path)
+    args = cli.Args(model=str(short_chat_path), chat=True, temperature=0.8, seed=7,
+                    max_tokens=12, system="Be kind")
+    _, err, prompts, replies, _ = recorded_chat(monkeypatch, model, tok, args, TURNS[:5])
+    assert any("dropped the conversation's earliest" in line for line in err), err
+    for ids, reply in zip(prompts, replies):
+        assert cli.stream(model, tok, ids, args, out=io.StringIO())[0].strip() == reply
+
+
+def test_without_the_context_shift_a_chat_stops_at_the_context(short_chat_path, monkeypatch):
+    """--no-context-shift: the conversation that fills the context is not answered, as before
+    (the whole conversation rendered, one line each turn), until /reset; a reply that reaches
+    the context stops there with one line."""
+    model, tok = load_for_generation(short_chat_path)
+    args = cli.Args(model=str(short_chat_path), chat=True, temperature=0.0, max_tokens=12,
+                    system="Be kind", context_shift=False)
+    turns, err, prompts, replies, _ = recorded_chat(monkeypatch, model, tok, args, TURNS)
+    asked = [t for t in TURNS if t != "/reset"]
+    pairs = list(zip(asked, replies[:3]))
+    full = [len(chatml_ids(tok, "Be kind", pairs, asked[k])) for k in (3, 4)]
+    assert turns == 4 and [len(p) for p in prompts] == [77, 141, 204, 77] and full[0] >= 256
+    assert err == [f"toymlx-generate: the conversation ({n} tokens) fills the model's context "
+                   "(256); /reset to start again" for n in full]
+    long = dataclasses.replace(args, max_tokens=400)  # a reply cut at the context: one line
+    turns, err, _, replies, _ = recorded_chat(monkeypatch, model, tok, long, TURNS[:2])
+    both = len(chatml_ids(tok, "Be kind", [(TURNS[0], replies[0])], TURNS[1]))
+    assert turns == 1 and err == [
+        ("toymlx-generate: the reply stopped at the model's context (256 tokens: 77 of the "
+         "conversation, 179 of the reply; --max-tokens 400); /reset to start again "
+         "(--no-context-shift)"),
+        (f"toymlx-generate: the conversation ({both} tokens) fills the model's context (256); "
+         "/reset to start again")]
+
+
+def test_a_chat_message_too_long_alone_is_skipped_and_a_reply_stops_at_the_context(
+        short_chat_path, monkeypatch):
+    """A message that fills the context by itself is one line, the conversation kept for the
+    next; a reply that reaches the context (--max-tokens 400: room is kept for at most half the
+    context, 128 tokens) stops there with one line, and the next turn drops it."""
+    model, tok = load_for_generation(short_chat_path)
+    args = cli.Args(model=str(short_chat_path), chat=True, temperature=0.0, max_tokens=12,
+                    system="Be kind")
+    lines = ["Tell me a story", "x" * 300, "About a cat"]
+    turns, err, prompts, replies, _ = recorded_chat(monkeypatch, model, tok, args, lines)
+    alone = len(chatml_ids(tok, "Be kind", [], "x" * 300))
+    assert turns == 2 and err == [(
+        f"toymlx-generate: your message ({alone} tokens through the chat template with the "
+        "system message) fills the model's context (256) alone; the turn is skipped, the "
+        "conversation goes on")]
+    assert prompts[1] == chatml_ids(tok, "Be kind", [(lines[0], replies[0])], lines[2])
+
+    long = dataclasses.replace(args, max_tokens=400)
+    turns, err, prompts, replies, _ = recorded_chat(monkeypatch, model, tok, long,
+                                                    ["Tell me a story", "About a cat"])
+    assert turns == 2 and len(prompts[0]) == 77 and len(tok.encode(replies[0])) > 100
+    assert prompts[1] == chatml_ids(tok, "Be kind", [], "About a cat")
+    cut = [(f"toymlx-generate: the reply stopped at the model's context (256 tokens: {len(ids)} "
+            f"of the conversation, {256 - len(ids)} of the reply; --max-tokens 400); the next "
+            "turn drops the earliest turns to make room") for ids in prompts]
+    assert err == [cut[0], (
+        "toymlx-generate: dropped the conversation's earliest 1 turn (a message and its reply "
+        "each) to fit the model's context (256 tokens) with room for a 128-token reply; the "
+        f"model reads the system message and your message ({len(prompts[1])} tokens)"), cut[1]]
+
+
+@pytest.mark.interop
+def test_llamacpp_chat_drops_the_same_turns(short_chat_path, capsys, monkeypatch):
+    """--engine llama.cpp --chat in the 256-token context: the same turns dropped, the same
+    lines, and the words MLX's engine gives (greedy on the F32 model), its child computing
+    the kept conversation again where the prompt departs from what it holds."""
+    flags = ["--model", str(short_chat_path), "--chat", "--temperature", "0", "--system",
+             "Be kind"]
+    seen = {}
+    for engine in ("mlx", "llama.cpp"):
+        for budget, lines in (("12", TURNS), ("400", TURNS[:2])):  # 400: replies cut
+            monkeypatch.setattr(sys, "stdin", io.StringIO("".join(x + "\n" for x in lines)))
+            assert cli.main([*flags, "--max-tokens", budget, "--engine", engine]) == 0
+            out, err = capsys.readouterr()
+            seen[engine, budget] = (out.splitlines(), err.splitlines()[1:])  # after "model"
+    assert len(seen["mlx", "12"][0]) == 6
+    assert [line.split("; the model reads")[1] for line in seen["mlx", "12"][1]] == [
+        " the system message, 2 earlier turns and your message (201 tokens)",
+        " the system message, 2 earlier turns and your message (199 tokens)"]
+    assert [line.split(" (")[0] for line in seen["mlx", "400"][1]] == [
+        "toymlx-generate: the reply stopped at the model's context",
+        "toymlx-generate: dropped the conversation's earliest 1 turn",
+        "toymlx-generate: the reply stopped at the model's context"]
+    for budget in ("12", "400"):
+        assert seen["llama.cpp", budget] == seen["mlx", budget]
