@@ -338,8 +338,9 @@ def test_a_resume_of_an_events_jsonl_cut_inside_its_first_line_says_so(runs, cap
 def test_a_config_json_of_a_format_this_toymlx_does_not_know_is_refused(runs, capsys, fmt):
     """config.json's `format` from a newer toymlx (99) was read as this one's: toymlx-eval and
     -generate scored the run with options it may lack, a resume blamed another key."""
-    from toymlx.bundle.folder import CONFIG_FORMAT
     from toymlx_cli.eval import main as eval_main
+
+    from toymlx.bundle.folder import CONFIG_FORMAT
 
     a, _ = runs
     saved = json.loads((a / "config.json").read_text())
