@@ -60,13 +60,16 @@ class ComposedAttention(Ops):
     """Ops whose attention is composed of MLX's plain ops (differentiated op by op)."""
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
-                  causal: bool, window: int | None = None) -> mx.array:
+                  causal: bool, window: int | None = None,
+                  softcap: float | None = None) -> mx.array:
         if window is not None:
             raise ValueError("composed-attention: sliding windows are not composed here")
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = (mx.repeat(t, groups, axis=1) for t in (k, v))
         scores = (q * scale) @ k.swapaxes(-1, -2)
+        if softcap:  # before the mask, as Ops.attention caps
+            scores = softcap * mx.tanh(scores / softcap)
         T, S = q.shape[2], k.shape[2]
         if causal and T > 1:
             future = mx.arange(S)[None] > mx.arange(S - T, S)[:, None]
@@ -81,10 +84,12 @@ class PaddedAttention(Ops):
     PAD = 128
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float,
-                  causal: bool, window: int | None = None) -> mx.array:
+                  causal: bool, window: int | None = None,
+                  softcap: float | None = None) -> mx.array:
         T, S = q.shape[2], k.shape[2]
-        if causal or window is not None or (T % self.PAD == 0 and S % self.PAD == 0):
-            return super().attention(q, k, v, scale, causal, window)
+        if (causal or window is not None or softcap
+                or (T % self.PAD == 0 and S % self.PAD == 0)):
+            return super().attention(q, k, v, scale, causal, window, softcap)
         Tp, Sp = -(-T // self.PAD) * self.PAD, -(-S // self.PAD) * self.PAD
 
         def pad(x: mx.array, n: int) -> mx.array:

@@ -319,7 +319,10 @@ def _reference_loss(a, weights: dict, tokens: np.ndarray, scale: float) -> float
           "eps": a.norm_eps, "base": a.rope_base, "base_swa": a.rope_base_sliding,
           "window": a.sliding_window or 0, "pattern": 6, "softcap": a.final_softcap or 0.0,
           "scaling": "linear", "factor": 1 / a.rope_scale if a.rope_scale != 1 else 0.0,
-          "attn_factor": 1.0}
+          "attn_factor": 1.0, "attn_softcap": a.attn_softcap or 0.0,
+          "embedding_scale": a.embedding_multiplier, "residual_scale": a.residual_multiplier,
+          "attention_scale": a.attn_scale if a.arch == "granite" else 0.0,
+          "logit_scale": a.logits_scaling}
     losses = []
     for row in tokens:  # (T+1,)
         z = forward(hp, w, list(row[:-1]))  # (T, V)
