@@ -491,9 +491,9 @@ def test_an_error_the_template_raises_is_one_line(tmp_path, stories_path, capsys
     rc = cli.main(["--model", str(path), "--prompt", "Hi", "--system", "Be brief."])
     err = capsys.readouterr().err
     assert rc == 2 and err.splitlines() == [
-        f"toymlx-generate: error: {path}: tokenizer.chat_template: expected to render a "
-        "conversation of roles system, user, found the template's error: Only tool turns are "
-        "supported"]
+        (f"toymlx-generate: error: {path}: tokenizer.chat_template: expected to render a "
+         "conversation of roles system, user, found the template's error: Only tool turns are "
+         "supported")]
 
 
 def test_chat_without_a_prompt_is_a_conversation(chat_path, capsys, monkeypatch):
