@@ -413,32 +413,29 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def chat_path(tmp_path_factory, stories_path):
-    """stories260K with a ChatML template in its metadata (its vocabulary has no ChatML tokens:
-    the template's text is tokenized as text)."""
+def with_template(stories_path, path: Path, template: str) -> Path:
+    """stories260K written to `path` with `template` as its tokenizer.chat_template (its
+    vocabulary has none of the template's special tokens: their text is tokenized as text)."""
     from toymlx.gguf.reader import GGUFFile
 
-    g = GGUFFile(stories_path)
-    path = tmp_path_factory.mktemp("chat") / "stories-chat.gguf"
-    write_gguf(path, {**g.metadata, "tokenizer.chat_template": CHATML},
-               {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
-    g.close()
+    with GGUFFile(stories_path) as g:
+        write_gguf(path, {**g.metadata, "tokenizer.chat_template": template},
+                   {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
     return path
+
+
+@pytest.fixture(scope="module")
+def chat_path(tmp_path_factory, stories_path):
+    """stories260K with a ChatML template in its metadata."""
+    return with_template(stories_path, tmp_path_factory.mktemp("chat") / "stories-chat.gguf",
+                         CHATML)
 
 
 @pytest.fixture(scope="module")
 def gemma_chat_path(tmp_path_factory, stories_path):
-    """stories260K with Gemma 2's chat template (no system role; its turn markers tokenized as
-    text)."""
-    from toymlx.gguf.reader import GGUFFile
-
-    g = GGUFFile(stories_path)
-    path = tmp_path_factory.mktemp("gemma-chat") / "stories-gemma.gguf"
-    write_gguf(path, {**g.metadata, "tokenizer.chat_template": GEMMA2},
-               {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
-    g.close()
-    return path
+    """stories260K with Gemma 2's chat template (no system role)."""
+    return with_template(stories_path,
+                         tmp_path_factory.mktemp("gemma-chat") / "stories-gemma.gguf", GEMMA2)
 
 
 def test_system_on_a_template_without_the_role_goes_where_llamacpp_puts_it(gemma_chat_path,
@@ -480,14 +477,8 @@ def test_system_on_a_template_with_the_role_is_a_system_message(chat_path, capsy
 def test_an_error_the_template_raises_is_one_line(tmp_path, stories_path, capsys):
     """A template's own raise_exception on the prompt (here: any conversation) was a jinja2
     traceback; now one line naming the file, the roles and the template's message."""
-    from toymlx.gguf.reader import GGUFFile
-
-    g = GGUFFile(stories_path)
-    path = tmp_path / "raising.gguf"
-    write_gguf(path, {**g.metadata, "tokenizer.chat_template":
-                      "{{ raise_exception('Only tool turns are supported') }}"},
-               {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
-    g.close()
+    path = with_template(stories_path, tmp_path / "raising.gguf",
+                         "{{ raise_exception('Only tool turns are supported') }}")
     rc = cli.main(["--model", str(path), "--prompt", "Hi", "--system", "Be brief."])
     err = capsys.readouterr().err
     assert rc == 2 and err.splitlines() == [
