@@ -409,6 +409,22 @@ def test_a_system_message_on_a_template_without_the_role_says_where_its_text_goe
     assert tok.apply_chat_template(moved) == "<s>" + GEMMA_LLAMACPP
 
 
+@pytest.mark.interop
+def test_gemma_llamacpp_is_llamacpps_own_rendering():
+    """GEMMA_LLAMACPP (the reference above) is what llama.cpp's built-in Gemma template
+    renders today for the system message and GEMMA_CONVERSATION."""
+    import ctypes
+
+    import llama_cpp
+
+    msgs = [("system", GEMMA_SYSTEM)] + [(m["role"], m["content"]) for m in GEMMA_CONVERSATION]
+    chat_msgs = (llama_cpp.llama_chat_message * len(msgs))(
+        *[llama_cpp.llama_chat_message(role=r.encode(), content=c.encode()) for r, c in msgs])
+    buf = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_chat_apply_template(b"gemma", chat_msgs, len(msgs), True, buf, 4096)
+    assert buf.raw[:n].decode() == GEMMA_LLAMACPP
+
+
 def test_sharegpt_conversations_without_a_chat_template_name_what_the_user_wrote(tmp_path):
     """ShareGPT's records on a base with no chat template said "'messages' examples need a
     tokenizer with a chat template ... use 'text' or 'prompt'/'completion' examples": a key the
