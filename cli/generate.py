@@ -69,7 +69,9 @@ class Args:
     """Continue --prompt as raw text even where the GGUF has a chat template (mlx_lm.generate's
     flag; an instruct model often ends at once on raw text)."""
     system: str | None = None
-    """An optional system message placed before the user's (the chat template only)."""
+    """An optional system message placed before the user's (the chat template only; where the
+    template has no system role, as Gemma's, at the start of the user's message, as llama.cpp
+    puts it)."""
     adapter: str | None = None
     """A LoRA adapter GGUF (or a LoRA run directory) to apply on top of --model."""
     device: Literal["auto", "cpu", "gpu"] = "auto"
@@ -149,16 +151,54 @@ def prompt_ids(tokenizer, args: Args, history: list[dict[str, str]] | None = Non
             raise UsageError("--prompt: expected text (this tokenizer adds no BOS token), "
                              "found an empty prompt")
         return ids
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages += history or []
-    messages.append({"role": "user", "content": args.prompt})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    messages = [*(history or []), {"role": "user", "content": args.prompt}]
+    if args.system:
+        messages = with_system(tokenizer, args.system, messages)
+    text = render_chat(tokenizer, messages, args.model)
     # A template that writes the BOS token itself must not get a second one from encode.
     bos = tokenizer.bos_id
     ids = tokenizer.encode(text)
     if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
         ids = ids[1:]
     return ids
+
+
+def render_chat(tokenizer, messages: list[dict[str, str]], model: str) -> str:
+    """The chat template over `messages` with the assistant's header after them; an error the
+    template raises itself (its `raise_exception`, a Jinja error) is a UsageError naming the
+    file, not a traceback."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except jinja2.TemplateError as e:
+        roles = ", ".join(m["role"] for m in messages)
+        raise UsageError(f"{model}: tokenizer.chat_template: expected to render a conversation "
+                         f"of roles {roles}, found the template's error: {e}") from None
+
+
+def with_system(tokenizer, system: str, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """`messages` (a user's first) with --system's message: before them, or, where the template
+    has no system role, at the start of the first user message (`system_in_user`)."""
+    from toymlx.data.chat_template import system_in_user, system_refused
+
+    if system_refused(tokenizer) is None:
+        return [{"role": "system", "content": system}, *messages]
+    return system_in_user(messages, system)
+
+
+def system_note(tokenizer, args: Args, gguf_path: str) -> str | None:
+    """One line where --system goes into the first user message (`with_system`); else None."""
+    from toymlx.data.chat_template import system_refused
+
+    if not args.system or not tokenizer.chat_template or args.ignore_chat_template:
+        return None
+    refused = system_refused(tokenizer)
+    if refused is None:
+        return None
+    return (f"{PROG}: {gguf_path}: its chat template has no system role (it raises "
+            f"{refused!r}): --system starts the first user message instead, a blank line "
+            "after it, as llama.cpp's Gemma template puts it")
 
 
 def _need_template(tokenizer, args: Args) -> None:
@@ -588,6 +628,8 @@ def run(args: Args) -> int:
     conversation = args.chat and not args.prompt
     gguf_path, adapters = model_files(args.model, args.adapter, check_digest=False)
     tokenizer, model_args = load_tokenizer(gguf_path)  # the header alone: no weights read yet
+    if note := system_note(tokenizer, args, gguf_path):
+        used += "\n" + note
     check_top_k(args.top_k, model_args.vocab_size, gguf_path)
     gguf_path, adapters = model_files(args.model, args.adapter)
     try:

@@ -9,6 +9,7 @@ from typing import ClassVar
 import jinja2
 import numpy as np
 import pytest
+from chat_templates import GEMMA2, GEMMA_CONVERSATION, GEMMA_LLAMACPP, GEMMA_SYSTEM
 
 from toymlx.data import chat
 from toymlx.data.chat import (
@@ -373,6 +374,55 @@ def test_messages_errors_name_the_example():
     raising = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(DataError, match=r"^d\.jsonl:4: chat template failed"):
         tokenize_example(Example("d.jsonl:4", messages=msgs), FakeTokenizer(raising), True)
+
+
+class HFTemplateTokenizer(FakeTokenizer):
+    """FakeTokenizer rendering its template as a GGUF's is (`compile_template`: HF's sandbox
+    with `raise_exception`)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kw) -> str:
+        from toymlx.data.chat_template import compile_template
+
+        return compile_template(self.chat_template, "fake").render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token="<s>", **kw)
+
+
+def test_a_system_message_on_a_template_without_the_role_says_where_its_text_goes():
+    """Gemma 2's template refuses a system message; the error said only the template's words.
+    It now says where the text goes: where llama.cpp's Gemma template (and toymlx-generate
+    --system) puts it, which `system_in_user` renders exactly as llama.cpp does."""
+    from toymlx.data.chat_template import system_in_user, system_refused
+
+    tok = HFTemplateTokenizer(GEMMA2)
+    msgs = ({"role": "system", "content": "Be brief."}, *GEMMA_CONVERSATION[:2])
+    with pytest.raises(DataError) as e:
+        tokenize_example(Example("d.jsonl:4", messages=msgs), tok, True)
+    assert str(e.value) == (
+        "d.jsonl:4: chat template failed on 3 messages: TemplateError: System role not "
+        "supported; this base's template has no system role: move the system message's text to "
+        "the start of the first user message (toymlx-generate --system does, as llama.cpp does "
+        "for Gemma)")
+    assert system_refused(tok) == "System role not supported"
+    assert system_refused(HFTemplateTokenizer(CHATML)) is None
+    assert system_refused(HFTemplateTokenizer("{{ raise_exception('no') }}")) is None
+    moved = system_in_user(GEMMA_CONVERSATION, GEMMA_SYSTEM)
+    assert tok.apply_chat_template(moved) == "<s>" + GEMMA_LLAMACPP
+
+
+@pytest.mark.interop
+def test_gemma_llamacpp_is_llamacpps_own_rendering():
+    """GEMMA_LLAMACPP (the reference above) is what llama.cpp's built-in Gemma template
+    renders today for the system message and GEMMA_CONVERSATION."""
+    import ctypes
+
+    import llama_cpp
+
+    msgs = [("system", GEMMA_SYSTEM)] + [(m["role"], m["content"]) for m in GEMMA_CONVERSATION]
+    chat_msgs = (llama_cpp.llama_chat_message * len(msgs))(
+        *[llama_cpp.llama_chat_message(role=r.encode(), content=c.encode()) for r, c in msgs])
+    buf = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_chat_apply_template(b"gemma", chat_msgs, len(msgs), True, buf, 4096)
+    assert buf.raw[:n].decode() == GEMMA_LLAMACPP
 
 
 def test_sharegpt_conversations_without_a_chat_template_name_what_the_user_wrote(tmp_path):

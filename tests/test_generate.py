@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from chat_templates import GEMMA2, GEMMA_CONVERSATION, GEMMA_LLAMACPP, GEMMA_SYSTEM
 from toymlx_cli import generate as cli
 
 from toymlx.bundle.checkpoint import update_latest
@@ -413,18 +414,78 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def chat_path(tmp_path_factory, stories_path):
-    """stories260K with a ChatML template in its metadata (its vocabulary has no ChatML tokens:
-    the template's text is tokenized as text)."""
+def with_template(stories_path, path: Path, template: str) -> Path:
+    """stories260K written to `path` with `template` as its tokenizer.chat_template (its
+    vocabulary has none of the template's special tokens: their text is tokenized as text)."""
     from toymlx.gguf.reader import GGUFFile
 
-    g = GGUFFile(stories_path)
-    path = tmp_path_factory.mktemp("chat") / "stories-chat.gguf"
-    write_gguf(path, {**g.metadata, "tokenizer.chat_template": CHATML},
-               {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
-    g.close()
+    with GGUFFile(stories_path) as g:
+        write_gguf(path, {**g.metadata, "tokenizer.chat_template": template},
+                   {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
     return path
+
+
+@pytest.fixture(scope="module")
+def chat_path(tmp_path_factory, stories_path):
+    """stories260K with a ChatML template in its metadata."""
+    return with_template(stories_path, tmp_path_factory.mktemp("chat") / "stories-chat.gguf",
+                         CHATML)
+
+
+@pytest.fixture(scope="module")
+def gemma_chat_path(tmp_path_factory, stories_path):
+    """stories260K with Gemma 2's chat template (no system role)."""
+    return with_template(stories_path,
+                         tmp_path_factory.mktemp("gemma-chat") / "stories-gemma.gguf", GEMMA2)
+
+
+def test_system_on_a_template_without_the_role_goes_where_llamacpp_puts_it(gemma_chat_path,
+                                                                         capsys):
+    """Gemma's template raises "System role not supported" on a system message: --system was a
+    jinja2 traceback. Now its text starts the first user message, as llama.cpp's own Gemma
+    template renders it (GEMMA_LLAMACPP, from llama_chat_apply_template), and a line says so;
+    a template that takes a system role still gets one."""
+    from toymlx.generation.generate import load_for_generation
+
+    _, tok = load_for_generation(gemma_chat_path)
+    args = cli.Args(model=str(gemma_chat_path), prompt=GEMMA_CONVERSATION[-1]["content"],
+                    system=GEMMA_SYSTEM)
+    ids = cli.prompt_ids(tok, args, GEMMA_CONVERSATION[:-1])
+    assert ids[0] == tok.bos_id and tok.bos_id not in ids[1:]  # the template's BOS, once
+    assert tok.decode(ids) == GEMMA_LLAMACPP
+    rc = cli.main(["--model", str(gemma_chat_path), "--prompt", "Hi", "--system", "Be brief.",
+                   "--max-tokens", "3", "--temperature", "0"])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 0
+    assert err[1] == (f"toymlx-generate: {gemma_chat_path}: its chat template has no system role "
+                      "(it raises 'System role not supported'): --system starts the first user "
+                      "message instead, a blank line after it, as llama.cpp's Gemma template "
+                      "puts it")
+    assert cli.system_note(tok, cli.Args(model="m", prompt="Hi"), "m") is None  # no --system
+
+
+def test_system_on_a_template_with_the_role_is_a_system_message(chat_path, capsys):
+    from toymlx.generation.generate import load_for_generation
+
+    _, tok = load_for_generation(chat_path)
+    args = cli.Args(model=str(chat_path), prompt="Hi", system="Be brief.")
+    assert tok.decode(cli.prompt_ids(tok, args)) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert cli.system_note(tok, args, "m") is None
+
+
+def test_an_error_the_template_raises_is_one_line(tmp_path, stories_path, capsys):
+    """A template's own raise_exception on the prompt (here: any conversation) was a jinja2
+    traceback; now one line naming the file, the roles and the template's message."""
+    path = with_template(stories_path, tmp_path / "raising.gguf",
+                         "{{ raise_exception('Only tool turns are supported') }}")
+    rc = cli.main(["--model", str(path), "--prompt", "Hi", "--system", "Be brief."])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.splitlines() == [
+        (f"toymlx-generate: error: {path}: tokenizer.chat_template: expected to render a "
+         "conversation of roles system, user, found the template's error: Only tool turns are "
+         "supported")]
 
 
 def test_chat_without_a_prompt_is_a_conversation(chat_path, capsys, monkeypatch):

@@ -48,6 +48,7 @@ import numpy as np
 
 from toymlx.backend.files import counted, json_fault, shortlist
 from toymlx.backend.progress import pass_bar
+from toymlx.data.chat_template import system_refused
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
 
@@ -711,8 +712,13 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], gen: b
     # Templates fail in many ways (Jinja errors, their own raise_exception(), a KeyError on a
     # missing field); all of them mean this example cannot be rendered.
     except Exception as e:  # noqa: BLE001
+        hint = ""
+        if any(m.get("role") == "system" for m in messages) and system_refused(tokenizer):
+            hint = ("; this base's template has no system role: move the system message's text "
+                    "to the start of the first user message (toymlx-generate --system does, as "
+                    "llama.cpp does for Gemma)")
         raise DataError(f"{source}: chat template failed on {counted(len(messages), 'message')}: "
-                        f"{type(e).__name__}: {e}") from None
+                        f"{type(e).__name__}: {e}{hint}") from None
 
 
 def template_takes_tools(template: str) -> bool:

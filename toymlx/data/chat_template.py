@@ -44,3 +44,30 @@ def compile_template(source_text: str, where: str):
                              f"a syntax error at line {e.lineno}: {e.message}") from None
     _TEMPLATES[source_text] = template
     return template
+
+
+def system_refused(tokenizer) -> str | None:
+    """The error of a chat template that refuses a system message but renders its text in the
+    user's (Gemma's "System role not supported"); None for a template that takes one, or that
+    refuses more than the role."""
+    import jinja2
+
+    try:
+        tokenizer.apply_chat_template([{"role": "system", "content": "s"},
+                                       {"role": "user", "content": "u"}])
+        return None
+    except jinja2.TemplateError as e:
+        refused = str(e)
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "s\n\nu"}])
+    except jinja2.TemplateError:
+        return None
+    return refused
+
+
+def system_in_user(messages: list[dict[str, Any]], system: str) -> list[dict[str, Any]]:
+    """`messages` (a user's first) with `system` at the start of the first user message, a
+    blank line between, as llama.cpp's own Gemma template puts a system message
+    (llm_chat_apply_template: Gemma has no system role)."""
+    first = messages[0]
+    return [{**first, "content": f"{system.strip()}\n\n{first['content']}"}, *messages[1:]]
