@@ -46,18 +46,25 @@ _NEWLINE_RUNS_RE = r"[^\n]+|[\n]+"
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
 _SMOLLM_RES = (r"\p{N}", _GPT2_RE)
 
-# pre name -> what llama.cpp does; names grouped as llama.cpp groups them.
+# pre name -> what llama.cpp does; names grouped as llama.cpp groups them (the cases of
+# llm_tokenizer_bpe's regex switch, split where their flags differ). Granite 3.x files say
+# "refact", SmolLM3's "smaug-bpe", OLMo 2's "dbrx"; Gemma's are SentencePiece ("llama").
+# Left out: names whose files need what toymlx does not do (add_sep: jina-v1-en, jina-v2-code,
+# roberta-bpe, modern-bert's files; granite-embed-multi-311m's gemma4 form in a gpt2 file).
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {"default": PreTokenizer(_DEFAULT_RES)}
 for _name in ("gpt-2", "phi-2", "mpt", "olmo", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de",
-              "gigachat", "mellum", "exaone4"):
+              "gigachat", "mellum", "exaone4", "a.x-4.0", "jais", "trillion", "granite-docling"):
     PRE_TOKENIZERS[_name] = PreTokenizer((_GPT2_RE,))
 for _name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
               "mellum2"):
     PRE_TOKENIZERS[_name] = PreTokenizer(_SMOLLM_RES)
 for _name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-              "lfm2"):
+              "lfm2", "jina-v5-nano"):
     PRE_TOKENIZERS[_name] = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
-for _name in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan"):
+for _name in ("dbrx", "smaug-bpe"):  # Llama 3's regex, merged by rank throughout, no bos
+    PRE_TOKENIZERS[_name] = PreTokenizer((_LLAMA3_RE,))
+for _name in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
+              "solar-open"):
     PRE_TOKENIZERS[_name] = PreTokenizer((_QWEN2_RE,))
 PRE_TOKENIZERS["qwen35"] = PreTokenizer((_QWEN35_RE,))
 PRE_TOKENIZERS["gemma4"] = PreTokenizer((_NEWLINE_RUNS_RE,), force_bos=True, spm_style=True)

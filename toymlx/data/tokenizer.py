@@ -6,7 +6,8 @@ Three llama.cpp vocabulary types are supported (`tokenizer.ggml.model`):
   uses for `tokenizer.ggml.pre` (`src/llama-vocab.cpp`, `llm_tokenizer_bpe`), each regex
   splitting the pieces of the previous one, matches and the text between them both kept as
   pieces; every piece is byte-mapped (GPT-2's bytes->unicode table) and merged by rank.
-  GPT-2, Llama 3 (`llama-bpe`), Qwen2.5/Qwen3 (`qwen2`), Qwen3.5 (`qwen35`), SmolLM, ...
+  GPT-2, Llama 3 (`llama-bpe`), Qwen2.5/Qwen3 (`qwen2`), Qwen3.5 (`qwen35`), SmolLM,
+  SmolLM3 (`smaug-bpe`), OLMo 2 (`dbrx`), Granite 3 (`refact`), ...
 - ``"llama"``: SentencePiece BPE (`tokens` + `scores` + `token_type`). llama.cpp prepends a
   space to every raw-text fragment when `add_space_prefix` (default true), replaces every space
   by U+2581 "▁", then repeatedly merges the adjacent pair whose concatenation is the
