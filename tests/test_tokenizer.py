@@ -610,6 +610,31 @@ def test_pre_names_of_other_files_known_ids(models_dir, name):
         assert tok.decode(want) == text
 
 
+def cut_spm_meta(path: Path, n: int) -> dict:
+    """The tokenizer.* metadata of the SentencePiece vocabulary at `path` cut to its first `n`
+    tokens, as `tests/hf_tiny.py` cuts one: llama-spm's first 512 hold the byte tokens and
+    merged pieces ("er", "▁t") but none of the characters alone ("e", "▁")."""
+    meta = {k: v for k, v in read_metadata(path).items() if k.startswith("tokenizer.")}
+    cut = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+    return {k: v[:n] if k in cut else v for k, v in meta.items()}
+
+
+# ids llama.cpp gives with llama-spm's first 512 tokens: a character that is no token ("H",
+# "▁", "e") still merges into the tokens that hold it ("▁H" 379), left alone it is its bytes
+CUT_SPM_IDS = {"Hello world": [1, 379, 295, 417, 281, 272, 430],
+               " Hello world": [1, 229, 153, 132, 379, 295, 417, 281, 272, 430],
+               "a\n\nb": [1, 263, 13, 13, 101]}
+
+
+def test_cut_sentencepiece_vocabulary_known_ids(shared_file):
+    tok = Tokenizer.from_metadata(cut_spm_meta(shared_file("tokenizers/ggml-vocab-llama-spm.gguf"),
+                                               512))
+    assert tok.vocab_size == 512
+    for text, want in CUT_SPM_IDS.items():
+        assert tok.encode(text) == want, text
+    assert tok.decode(CUT_SPM_IDS["Hello world"]) == "Hello world"
+
+
 # ------------------------------------------------------------------ llama.cpp itself (interop)
 @pytest.mark.interop
 def test_against_llama_cpp(shared_file, models_dir, tmp_path):
@@ -674,18 +699,12 @@ def inp_texts(models: Path) -> list[str]:
             for text in inp.read_bytes().decode("utf-8").split(SEP)]
 
 
-@pytest.mark.interop
-@pytest.mark.parametrize("name", list(RENAMED))
-def test_pre_names_of_other_files_against_llama_cpp(models_dir, tmp_path, name):
-    """A vocabulary under each pre name of `RENAMED`, written to a file and loaded by llama.cpp:
-    the ids of llama.cpp's own test strings and of hard ones, with and without bos and the
-    parsing of special tokens, are llama.cpp's."""
+def assert_ids_of_llama_cpp(path: Path, texts: list[str]) -> None:
+    """toymlx's ids of every text are llama.cpp's (llama-cpp-python, vocab_only) for the GGUF
+    at `path`, with and without bos and the parsing of special tokens."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    path = vocab_gguf(tmp_path / f"{name}.gguf", renamed_meta(models_dir, name))
     ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     tok = Tokenizer.from_gguf(path)
-    texts = inp_texts(models_dir) + HARD_TEXTS
-    assert tok.pre == name and len(texts) > 600
     for text in texts:
         data = text.encode("utf-8")
         for special in (False, True):
@@ -693,6 +712,28 @@ def test_pre_names_of_other_files_against_llama_cpp(models_dir, tmp_path, name):
                 data, add_bos=True, special=special), (text, special)
             assert tok.encode(text, add_bos=False, parse_special=special) == ref.tokenize(
                 data, add_bos=False, special=special), (text, special)
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", list(RENAMED))
+def test_pre_names_of_other_files_against_llama_cpp(models_dir, tmp_path, name):
+    """A vocabulary under each pre name of `RENAMED`, written to a file and loaded by llama.cpp:
+    the ids of llama.cpp's own test strings and of hard ones are llama.cpp's."""
+    path = vocab_gguf(tmp_path / f"{name}.gguf", renamed_meta(models_dir, name))
+    texts = inp_texts(models_dir) + HARD_TEXTS
+    assert Tokenizer.from_gguf(path).pre == name and len(texts) > 600
+    assert_ids_of_llama_cpp(path, texts)
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("prefix", [True, False])
+def test_cut_sentencepiece_vocabulary_against_llama_cpp(shared_file, models_dir, tmp_path,
+                                                        prefix):
+    """llama-spm's first 512 tokens (`cut_spm_meta`), with add_space_prefix as Llama's files
+    have it and without as Gemma's: llama.cpp's ids on its test strings and hard ones."""
+    meta = cut_spm_meta(shared_file("tokenizers/ggml-vocab-llama-spm.gguf"), 512)
+    path = vocab_gguf(tmp_path / "cut.gguf", {**meta, "tokenizer.ggml.add_space_prefix": prefix})
+    assert_ids_of_llama_cpp(path, inp_texts(models_dir) + HARD_TEXTS)
 
 
 def _llama_detokenize(llama_cpp, vocab, ids: list[int]) -> str:

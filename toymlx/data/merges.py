@@ -117,19 +117,49 @@ def build_bpe(vocab: dict[str, int], merges: list[str], rules: PreTokenizer, sou
 
 
 def build_spm(tokens: list[str], scores: list[float], vocab: dict[str, int],
-              unk: int | None):
+              unk: int | None) -> tuple[HFTokenizer, list[list[int]]]:
     """SentencePiece BPE as HF BPE: every split of a token into two tokens is a merge,
     ranked by the merged token's score (highest first). Equal scores go lower id first,
     where llama.cpp takes the leftmost pair: the same for vocabularies whose scores differ
-    (Llama 2, Phi-3, Gemma)."""
+    (Llama 2, Phi-3, Gemma).
+
+    llama.cpp's symbols start as characters, and a character that is no token still merges
+    into the tokens that hold it (a vocabulary cut short: `tests/hf_tiny.py`'s 512 tokens
+    hold "er" but no "e"); HF BPE would turn it into its bytes first. Such a character is a
+    stand-in symbol here, id `len(tokens) + i`, and the list returned holds, for each, the ids
+    llama.cpp gives it where it stays unmerged (its byte tokens), for `resegment`. Real
+    vocabularies (Llama 2, Phi-3, Gemma's 262k) hold every character of their tokens: none."""
     scores = np.asarray(scores, dtype=np.float64)
     order = np.lexsort((np.arange(len(scores)), -scores)).tolist()
     texts = [tokens[i] for i in order]
+    loose = sorted({c for t in tokens for c in t}.difference(vocab))
+    symbols = {**vocab, **{c: len(tokens) + i for i, c in enumerate(loose)}}
     merges = [(a, b) for t in texts for cut in range(1, len(t))
-              if (a := t[:cut]) in vocab and (b := t[cut:]) in vocab]
+              if (a := t[:cut]) in symbols and (b := t[cut:]) in symbols]
     unk_text = tokens[unk] if unk is not None else None
-    bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk_text, byte_fallback=True)
-    return HFTokenizer(bpe)
+    bpe = models.BPE(vocab=symbols, merges=merges, unk_token=unk_text, byte_fallback=True)
+    return HFTokenizer(bpe), [_byte_fallback(c, vocab, unk) for c in loose]
+
+
+def _byte_fallback(char: str, vocab: dict[str, int], unk: int | None) -> list[int]:
+    """The ids of a character that is no token, as HF BPE's byte fallback gives them: its
+    `<0xXX>` byte tokens, or the unknown token where one of them is missing."""
+    ids = [vocab.get(f"<0x{b:02X}>") for b in char.encode("utf-8")]
+    if all(i is not None for i in ids):
+        return ids
+    return [unk] if unk is not None else []
+
+
+def resegment(ids: list[int], n_tokens: int, loose: list[list[int]]) -> np.ndarray:
+    """HF BPE's ids of `build_spm`'s model as llama.cpp's: a stand-in symbol (id `n_tokens`
+    + i) left unmerged becomes `loose[i]`, its character's byte tokens."""
+    arr = np.asarray(ids, dtype=np.int32)
+    if not loose or not arr.size or arr.max() < n_tokens:
+        return arr
+    out: list[int] = []
+    for i in arr.tolist():
+        out.extend(loose[i - n_tokens] if i >= n_tokens else (i,))
+    return np.asarray(out, dtype=np.int32)
 
 
 def encode_spm_style(hf: HFTokenizer, vocab: dict[str, int], text: str) -> np.ndarray:
