@@ -57,7 +57,8 @@ gets a 512-token vocabulary cut from the real one that llama.cpp ships for token
   first pieces of ggml-vocab-llama-spm.gguf / ggml-vocab-phi-3.gguf (for Gemma behind gemma's
   special tokens pad/eos/bos/unk/mask/start_of_turn/end_of_turn), with byte fallback, written
   as the SentencePiece protobuf directly. The converter reads it as it reads any
-  `tokenizer.model`: no change to the converter.
+  `tokenizer.model`: no change to the converter. The cut holds merged pieces ("er", "▁t")
+  without the characters alone ("e", "▁"), which llama.cpp (and toymlx) still merge.
 - Byte-level BPE kinds (llama3, qwen2, qwen3): a `tokenizer.json` (HF `tokenizers`) with the
   family's 256 byte tokens, its first merges whose parts stay in the cut vocabulary, its
   pre-tokenizer regex and a few of its special tokens. The converter identifies BPE

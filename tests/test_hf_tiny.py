@@ -25,9 +25,10 @@ from hf_tiny import (
     tiny_hf,  # noqa: F401
     token_ids,
 )
-from llamacpp_runner import llamacpp_logits
+from llamacpp_runner import llamacpp_logits, llamacpp_tokenize
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
+from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import load_llama, load_llama_weights
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.llama import Llama
@@ -41,6 +42,9 @@ HF_TOL = 1e-4  # llama.cpp f32 against transformers f32 on O(1) logits (measured
 # window itself agrees (without it transformers moves by 0.4-1.9 after position 8)
 GELU_TOL = 5e-3
 QUANT_KINDS = ("llama-q", "qwen3-q", "gemma2-q", "gemma3-q")
+# tokenized by the converter's file: the cut vocabularies hold merged pieces ("er") without
+# their characters ("e"), which still merge in llama.cpp (toymlx.data.merges.build_spm)
+TEXTS = ["Hello world", " Hello  world\n\nand 12345 don't", "héllo wörld 🦙", "<bos>x</s>"]
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
 
 
@@ -58,6 +62,8 @@ def test_converted_matches_llamacpp_and_hf(kind, tiny_hf, tiny_gguf):  # noqa: F
            convert_s=round(tiny_gguf.seconds[(kind, "f32")], 1),
            size_kb=round(path.stat().st_size / 1024), metadata=s["metadata"],
            global_tensors=layout["global"], block_tensors=layout["block"])
+    tok = Tokenizer.from_gguf(path)
+    assert [tok.encode(t, parse_special=False) for t in TEXTS] == llamacpp_tokenize(path, TEXTS)
     ids = token_ids(hf_dir, N_TOKENS)
     got, info = llamacpp_logits(path, ids)
     assert got.shape == (N_TOKENS, VOCAB) and info["n_vocab"] == VOCAB

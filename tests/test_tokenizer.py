@@ -575,20 +575,73 @@ def test_unknown_pre_is_refused(upstream):
         Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "qwen9"}, source="q.gguf")
 
 
+# ------------------------------------------------------------------ pre names of other files
+# pre name -> the upstream vocabulary it is tried on, one whose regexes llama.cpp gives it too:
+# OLMo 2's files say "dbrx", SmolLM3's "smaug-bpe", Granite 3.x's "refact" (Gemma 2's are
+# SentencePiece); the rest share a case of llama.cpp's regex switch with a name toymlx had
+RENAMED = {"dbrx": "llama-bpe", "smaug-bpe": "llama-bpe", "jina-v5-nano": "llama-bpe",
+           "refact": "refact", "kormo": "qwen2", "f2llmv2": "qwen2", "solar-open": "qwen2",
+           "a.x-4.0": "gpt-2", "jais": "gpt-2", "trillion": "gpt-2", "granite-docling": "gpt-2"}
+# ids llama.cpp gives (add_bos as the file leaves it: Llama 3's has no add_bos_token key) with
+# Llama 3's vocabulary under each name: " việc" and " Việt" are tokens, which llama-bpe
+# (ignore_merges) takes whole and dbrx and smaug-bpe reach by no merge; only llama-bpe adds bos
+RENAMED_IDS = {
+    "llama-bpe": {" việc": [128000, 100769], " Việt Nam": [128000, 101798, 31074],
+                  "12345 don't": [128000, 4513, 1774, 1541, 956]},
+    "dbrx": {" việc": [3355, 26298, 66], " Việt Nam": [11655, 26298, 83, 31074],
+             "12345 don't": [4513, 1774, 1541, 956]}}
+RENAMED_IDS["smaug-bpe"] = RENAMED_IDS["dbrx"]
+
+
+def renamed_meta(models: Path, name: str) -> dict:
+    """The tokenizer.* metadata of upstream vocabulary `RENAMED[name]`, its pre set to `name`."""
+    meta = {k: v for k, v in read_metadata(upstream_path(models, RENAMED[name])).items()
+            if k.startswith("tokenizer.")}
+    return {**meta, "tokenizer.ggml.pre": name}
+
+
+@pytest.mark.parametrize("name", list(RENAMED_IDS))
+def test_pre_names_of_other_files_known_ids(models_dir, name):
+    tok = Tokenizer.from_metadata(renamed_meta(models_dir, name) if name in RENAMED else
+                                  read_metadata(upstream_path(models_dir, name)))
+    assert (tok.pre, tok.add_bos) == (name, name == "llama-bpe")
+    for text, want in RENAMED_IDS[name].items():
+        assert tok.encode(text) == want, text
+        assert tok.decode(want) == text
+
+
+def cut_spm_meta(path: Path, n: int) -> dict:
+    """The tokenizer.* metadata of the SentencePiece vocabulary at `path` cut to its first `n`
+    tokens, as `tests/hf_tiny.py` cuts one: llama-spm's first 512 hold the byte tokens and
+    merged pieces ("er", "▁t") but none of the characters alone ("e", "▁")."""
+    meta = {k: v for k, v in read_metadata(path).items() if k.startswith("tokenizer.")}
+    cut = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+    return {k: v[:n] if k in cut else v for k, v in meta.items()}
+
+
+# ids llama.cpp gives with llama-spm's first 512 tokens: a character that is no token ("H",
+# "▁", "e") still merges into the tokens that hold it ("▁H" 379), left alone it is its bytes
+CUT_SPM_IDS = {"Hello world": [1, 379, 295, 417, 281, 272, 430],
+               " Hello world": [1, 229, 153, 132, 379, 295, 417, 281, 272, 430],
+               "a\n\nb": [1, 263, 13, 13, 101]}
+
+
+def test_cut_sentencepiece_vocabulary_known_ids(shared_file):
+    tok = Tokenizer.from_metadata(cut_spm_meta(shared_file("tokenizers/ggml-vocab-llama-spm.gguf"),
+                                               512))
+    assert tok.vocab_size == 512
+    for text, want in CUT_SPM_IDS.items():
+        assert tok.encode(text) == want, text
+    assert tok.decode(CUT_SPM_IDS["Hello world"]) == "Hello world"
+
+
 # ------------------------------------------------------------------ llama.cpp itself (interop)
 @pytest.mark.interop
 def test_against_llama_cpp(shared_file, models_dir, tmp_path):
     """Random text tokenized by llama.cpp (llama-cpp-python, vocab_only) and by us; where
     llama.cpp's detokenizer gives the text back, ours does too."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    from toymlx.gguf.writer import write_gguf
-
-    bytes_path = tmp_path / "bytes.gguf"
-    write_gguf(bytes_path, {"general.architecture": "llama", "llama.context_length": 64,
-                            "llama.embedding_length": 64, "llama.block_count": 1,
-                            "llama.feed_forward_length": 64, "llama.attention.head_count": 8,
-                            "llama.attention.layer_norm_rms_epsilon": 1e-5,
-                            **byte_tokenizer().to_metadata()}, {})
+    bytes_path = vocab_gguf(tmp_path / "bytes.gguf", byte_tokenizer().to_metadata())
     paths = [shared_file("tokenizers/ggml-vocab-gpt-2.gguf"),
              shared_file("tokenizers/ggml-vocab-llama-spm.gguf"),
              shared_file("tokenizers/ggml-vocab-smollm2.gguf"),
@@ -613,6 +666,74 @@ def test_against_llama_cpp(shared_file, models_dir, tmp_path):
             ids = ref.tokenize(text.encode("utf-8"), add_bos=False, special=False)
             if _llama_detokenize(llama_cpp, vocab, ids) == text:
                 assert tok.decode(ids) == text, (path.name, text)
+
+
+def vocab_gguf(path: Path, tokenizer_meta: dict) -> Path:
+    """A GGUF of `tokenizer_meta` and a llama header, no tensors: enough for llama.cpp's
+    vocab_only load."""
+    from toymlx.gguf.writer import write_gguf
+
+    return write_gguf(path, {"general.architecture": "llama", "llama.context_length": 64,
+                             "llama.embedding_length": 64, "llama.block_count": 1,
+                             "llama.feed_forward_length": 64, "llama.attention.head_count": 8,
+                             "llama.attention.layer_norm_rms_epsilon": 1e-5,
+                             **tokenizer_meta}, {})
+
+
+# digit runs, contractions in both cases, runs of newlines and spaces, carriage returns, marks,
+# scripts without spaces, emoji, and special-token texts
+HARD_TEXTS = ["1", "12", "123", "1234", "1234567890", "3.14159", "1,000,000", "x2024y", "٣٤٥",
+              "don't", "DON'T", "I'm", "we'LL", "they're", "you've", "'s", "it''s", "' s",
+              "\n", "\n\n", "\n\n\n", "a\n\nb", " \n", "\r\n", "a\r\n\r\nb", "\t\tx",
+              "  ", "   a", "a   ", "a  \n  b", "\u00a0x", "\u3000y", "e\u0301", "résumé",
+              "Ünïcödé", "中文的句子没有空格", "日本語のテキスト", "Привет, мир!", "مرحبا بالعالم",
+              "🦙🦙 llamas", "👨‍👩‍👧", "<|begin_of_text|>hi<|eot_id|>",
+              "<|im_start|>user\nhi<|im_end|>", "<|endoftext|> x", "<fim_prefix>a<fim_suffix>",
+              "```python\nprint('x')\n```", "$+<=>^~|", "a.b,c;d:e!f?g"]
+
+
+def inp_texts(models: Path) -> list[str]:
+    """Every test string of llama.cpp's models/ggml-vocab-*.gguf.inp files, split as
+    test-tokenizer-0 splits them."""
+    return [text for inp in sorted(models.glob("ggml-vocab-*.gguf.inp"))
+            for text in inp.read_bytes().decode("utf-8").split(SEP)]
+
+
+def assert_ids_of_llama_cpp(path: Path, texts: list[str]) -> None:
+    """toymlx's ids of every text are llama.cpp's (llama-cpp-python, vocab_only) for the GGUF
+    at `path`, with and without bos and the parsing of special tokens."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    tok = Tokenizer.from_gguf(path)
+    for text in texts:
+        data = text.encode("utf-8")
+        for special in (False, True):
+            assert tok.encode(text, parse_special=special) == ref.tokenize(
+                data, add_bos=True, special=special), (text, special)
+            assert tok.encode(text, add_bos=False, parse_special=special) == ref.tokenize(
+                data, add_bos=False, special=special), (text, special)
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", list(RENAMED))
+def test_pre_names_of_other_files_against_llama_cpp(models_dir, tmp_path, name):
+    """A vocabulary under each pre name of `RENAMED`, written to a file and loaded by llama.cpp:
+    the ids of llama.cpp's own test strings and of hard ones are llama.cpp's."""
+    path = vocab_gguf(tmp_path / f"{name}.gguf", renamed_meta(models_dir, name))
+    texts = inp_texts(models_dir) + HARD_TEXTS
+    assert Tokenizer.from_gguf(path).pre == name and len(texts) > 600
+    assert_ids_of_llama_cpp(path, texts)
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("prefix", [True, False])
+def test_cut_sentencepiece_vocabulary_against_llama_cpp(shared_file, models_dir, tmp_path,
+                                                        prefix):
+    """llama-spm's first 512 tokens (`cut_spm_meta`), with add_space_prefix as Llama's files
+    have it and without as Gemma's: llama.cpp's ids on its test strings and hard ones."""
+    meta = cut_spm_meta(shared_file("tokenizers/ggml-vocab-llama-spm.gguf"), 512)
+    path = vocab_gguf(tmp_path / "cut.gguf", {**meta, "tokenizer.ggml.add_space_prefix": prefix})
+    assert_ids_of_llama_cpp(path, inp_texts(models_dir) + HARD_TEXTS)
 
 
 def _llama_detokenize(llama_cpp, vocab, ids: list[int]) -> str:

@@ -46,18 +46,25 @@ _NEWLINE_RUNS_RE = r"[^\n]+|[\n]+"
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
 _SMOLLM_RES = (r"\p{N}", _GPT2_RE)
 
-# pre name -> what llama.cpp does; names grouped as llama.cpp groups them.
+# pre name -> what llama.cpp does; names grouped as llama.cpp groups them (the cases of
+# llm_tokenizer_bpe's regex switch, split where their flags differ). Granite 3.x files say
+# "refact", SmolLM3's "smaug-bpe", OLMo 2's "dbrx"; Gemma's are SentencePiece ("llama").
+# Left out: names whose files need what toymlx does not do (add_sep: jina-v1-en, jina-v2-code,
+# roberta-bpe, modern-bert's files; granite-embed-multi-311m's gemma4 form in a gpt2 file).
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {"default": PreTokenizer(_DEFAULT_RES)}
 for _name in ("gpt-2", "phi-2", "mpt", "olmo", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de",
-              "gigachat", "mellum", "exaone4"):
+              "gigachat", "mellum", "exaone4", "a.x-4.0", "jais", "trillion", "granite-docling"):
     PRE_TOKENIZERS[_name] = PreTokenizer((_GPT2_RE,))
 for _name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
               "mellum2"):
     PRE_TOKENIZERS[_name] = PreTokenizer(_SMOLLM_RES)
 for _name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-              "lfm2"):
+              "lfm2", "jina-v5-nano"):
     PRE_TOKENIZERS[_name] = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
-for _name in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan"):
+for _name in ("dbrx", "smaug-bpe"):  # Llama 3's regex, merged by rank throughout, no bos
+    PRE_TOKENIZERS[_name] = PreTokenizer((_LLAMA3_RE,))
+for _name in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
+              "solar-open"):
     PRE_TOKENIZERS[_name] = PreTokenizer((_QWEN2_RE,))
 PRE_TOKENIZERS["qwen35"] = PreTokenizer((_QWEN35_RE,))
 PRE_TOKENIZERS["gemma4"] = PreTokenizer((_NEWLINE_RUNS_RE,), force_bos=True, spm_style=True)
@@ -110,19 +117,49 @@ def build_bpe(vocab: dict[str, int], merges: list[str], rules: PreTokenizer, sou
 
 
 def build_spm(tokens: list[str], scores: list[float], vocab: dict[str, int],
-              unk: int | None):
+              unk: int | None) -> tuple[HFTokenizer, list[list[int]]]:
     """SentencePiece BPE as HF BPE: every split of a token into two tokens is a merge,
     ranked by the merged token's score (highest first). Equal scores go lower id first,
     where llama.cpp takes the leftmost pair: the same for vocabularies whose scores differ
-    (Llama 2, Phi-3, Gemma)."""
+    (Llama 2, Phi-3, Gemma).
+
+    llama.cpp's symbols start as characters, and a character that is no token still merges
+    into the tokens that hold it (a vocabulary cut short: `tests/hf_tiny.py`'s 512 tokens
+    hold "er" but no "e"); HF BPE would turn it into its bytes first. Such a character is a
+    stand-in symbol here, id `len(tokens) + i`, and the list returned holds, for each, the ids
+    llama.cpp gives it where it stays unmerged (its byte tokens), for `resegment`. Real
+    vocabularies (Llama 2, Phi-3, Gemma's 262k) hold every character of their tokens: none."""
     scores = np.asarray(scores, dtype=np.float64)
     order = np.lexsort((np.arange(len(scores)), -scores)).tolist()
     texts = [tokens[i] for i in order]
+    loose = sorted({c for t in tokens for c in t}.difference(vocab))
+    symbols = {**vocab, **{c: len(tokens) + i for i, c in enumerate(loose)}}
     merges = [(a, b) for t in texts for cut in range(1, len(t))
-              if (a := t[:cut]) in vocab and (b := t[cut:]) in vocab]
+              if (a := t[:cut]) in symbols and (b := t[cut:]) in symbols]
     unk_text = tokens[unk] if unk is not None else None
-    bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk_text, byte_fallback=True)
-    return HFTokenizer(bpe)
+    bpe = models.BPE(vocab=symbols, merges=merges, unk_token=unk_text, byte_fallback=True)
+    return HFTokenizer(bpe), [_byte_fallback(c, vocab, unk) for c in loose]
+
+
+def _byte_fallback(char: str, vocab: dict[str, int], unk: int | None) -> list[int]:
+    """The ids of a character that is no token, as HF BPE's byte fallback gives them: its
+    `<0xXX>` byte tokens, or the unknown token where one of them is missing."""
+    ids = [vocab.get(f"<0x{b:02X}>") for b in char.encode("utf-8")]
+    if all(i is not None for i in ids):
+        return ids
+    return [unk] if unk is not None else []
+
+
+def resegment(ids: list[int], n_tokens: int, loose: list[list[int]]) -> np.ndarray:
+    """HF BPE's ids of `build_spm`'s model as llama.cpp's: a stand-in symbol (id `n_tokens`
+    + i) left unmerged becomes `loose[i]`, its character's byte tokens."""
+    arr = np.asarray(ids, dtype=np.int32)
+    if not loose or not arr.size or arr.max() < n_tokens:
+        return arr
+    out: list[int] = []
+    for i in arr.tolist():
+        out.extend(loose[i - n_tokens] if i >= n_tokens else (i,))
+    return np.asarray(out, dtype=np.int32)
 
 
 def encode_spm_style(hf: HFTokenizer, vocab: dict[str, int], text: str) -> np.ndarray:

@@ -6,12 +6,14 @@ Three llama.cpp vocabulary types are supported (`tokenizer.ggml.model`):
   uses for `tokenizer.ggml.pre` (`src/llama-vocab.cpp`, `llm_tokenizer_bpe`), each regex
   splitting the pieces of the previous one, matches and the text between them both kept as
   pieces; every piece is byte-mapped (GPT-2's bytes->unicode table) and merged by rank.
-  GPT-2, Llama 3 (`llama-bpe`), Qwen2.5/Qwen3 (`qwen2`), Qwen3.5 (`qwen35`), SmolLM, ...
+  GPT-2, Llama 3 (`llama-bpe`), Qwen2.5/Qwen3 (`qwen2`), Qwen3.5 (`qwen35`), SmolLM,
+  SmolLM3 (`smaug-bpe`), OLMo 2 (`dbrx`), Granite 3 (`refact`), ...
 - ``"llama"``: SentencePiece BPE (`tokens` + `scores` + `token_type`). llama.cpp prepends a
   space to every raw-text fragment when `add_space_prefix` (default true), replaces every space
   by U+2581 "▁", then repeatedly merges the adjacent pair whose concatenation is the
-  highest-scoring token (ties: leftmost); characters that end up in no token fall back to the
-  `<0xXX>` byte tokens. Llama 2, Phi-3, Gemma 1-3.
+  highest-scoring token (ties: leftmost), a character that is no token itself merging too;
+  characters that end up in no token fall back to the `<0xXX>` byte tokens. Llama 2, Phi-3,
+  Gemma 1-3.
 - ``"gemma4"``: BPE by merge rank on raw UTF-8 (no byte mapping) after the "▁" escape, the
   text cut only into runs of newlines and runs of other characters, `<0xXX>` byte fallback;
   llama.cpp always adds bos for it (Gemma 4).
@@ -49,6 +51,7 @@ from toymlx.data.merges import (
     build_bpe,
     build_spm,
     encode_spm_style,
+    resegment,
 )
 from toymlx.data.special_tokens import C_SPACE, split_special, token_attributes
 from toymlx.data.vocab import (
@@ -282,12 +285,15 @@ class Tokenizer:
             if not self._byte_layout and (pre_rules is None or pre_rules.spm_style) else None
         self._cuts = _CUTS[pre_rules.regexes] \
             if pre_rules is not None and not pre_rules.spm_style else None
+        self._loose: list[list[int]] = []  # build_spm's stand-ins' ids, for `resegment`
         if pre_rules is not None:
             merges = self._get_list(K_MERGES, str, "a list of 'left right' merge strings")
             self._hf = build_bpe(self._token_to_id, merges, pre_rules, self.source)
+        elif self._byte_layout:
+            self._hf = None
         else:
-            self._hf = None if self._byte_layout else build_spm(
-                self._tokens, self._scores, self._token_to_id, self._unk)
+            self._hf, self._loose = build_spm(self._tokens, self._scores, self._token_to_id,
+                                              self._unk)
 
     # -------------------------------------------------------------- construction helpers
     @classmethod
@@ -583,8 +589,8 @@ class Tokenizer:
         raw = [f for f in fragments if isinstance(f, str)]
         if continued and self.model == "llama" and self.add_space_prefix and fragments:
             # the cut was in raw text away from any special token, so this fragment is raw
-            head = np.asarray(self._hf.encode(raw[0].replace(" ", SPACE),
-                                              add_special_tokens=False).ids, np.int32) \
+            head = self._hf_ids(self._hf.encode(raw[0].replace(" ", SPACE),
+                                                add_special_tokens=False).ids) \
                 if not self._byte_layout else byte_ids(raw[0])
             encoded = iter([head, *self._encode_raw(raw[1:])])
         else:
@@ -653,7 +659,11 @@ class Tokenizer:
             encs = [self._hf.encode(texts[0], add_special_tokens=False)]
         else:
             encs = self._hf.encode_batch(texts, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int32) for e in encs]
+        return [self._hf_ids(e.ids) for e in encs]
+
+    def _hf_ids(self, ids: list[int]) -> np.ndarray:
+        """The `tokenizers` library's ids of a raw-text fragment as llama.cpp's."""
+        return resegment(ids, len(self._tokens), self._loose)
 
     # -------------------------------------------------------------- decoding
     def piece_bytes(self, token_id: int) -> bytes:
