@@ -37,6 +37,8 @@ CONFIGS = {
              "--steps", "40", "--checkpoint-every", "5", "--eval-every", "10"],
 }
 MODES = ["startup", "step", "eval", "checkpoint"]
+NICE = 5
+"""How much lower the stopped runs' priority is than the watcher's."""
 
 
 def steps_logged(run: Path) -> list[int]:
@@ -123,7 +125,10 @@ def kill_exact(config: str, kills: int, seed: int, sig: int, root: Path) -> dict
     cmd = fresh
     for k in range(kills):
         with open(log, "ab") as f:
-            p = subprocess.Popen(train_cmd() + cmd, stdout=f, stderr=f, start_new_session=True)
+            # niced, so that the watcher's 0.5 ms polls run at once on a busy machine and see
+            # a checkpoint's short-lived temporary file (a LoRA adapter's is written in ~1 ms)
+            p = subprocess.Popen(["nice", "-n", str(NICE), *train_cmd(), *cmd], stdout=f,
+                                 stderr=f, start_new_session=True)
         out["kills"].append(wait_and_stop(p, run, MODES[k % len(MODES)], sig, eval_every, r))
         if out["kills"][-1].get("exited") == 0:  # it ran to its end before this stop came
             break

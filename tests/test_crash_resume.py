@@ -70,18 +70,26 @@ def test_a_run_stopped_and_resumed_again_and_again_ends_bit_exact(tmp_path, shar
                                                                    sig, shared):
     """scripts/kill_exact.py: stopped at start, mid-step, mid-validation and mid-checkpoint,
     resumed each time, the run's losses, final tensors and optimizer state equal an
-    uninterrupted run's bit for bit."""
+    uninterrupted run's bit for bit. A stop can miss its moment on a busy machine (a LoRA
+    adapter's checkpoint is on disk for about a millisecond): then the whole check runs again
+    with other moments, each attempt bit-exact, until one has made all four stops (3 at most)."""
     shared_file(shared)
-    summary = tmp_path / "exact.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "kill_exact.py"), config, "--kills", "4",
-           "--signal", sig, "--root", str(tmp_path / "runs"), "--json", str(summary)]
-    p = subprocess.run(cmd, capture_output=True, check=False, text=True, timeout=1800, cwd=REPO)
-    assert summary.exists(), p.stdout + p.stderr[-3000:]
-    s = json.loads(summary.read_text())
-    assert s["differences"] == [], p.stdout
-    assert s["final_rc"] == 0 and p.returncode == 0
-    assert [k["mode"] for k in s["kills"] if "exited" not in k] == [
-        "startup", "step", "eval", "checkpoint"]
+    made = []
+    for seed in range(3):
+        summary = tmp_path / f"exact{seed}.json"
+        cmd = [sys.executable, str(REPO / "scripts" / "kill_exact.py"), config, "--kills", "4",
+               "--signal", sig, "--seed", str(seed), "--root", str(tmp_path / f"runs{seed}"),
+               "--json", str(summary)]
+        p = subprocess.run(cmd, capture_output=True, check=False, text=True, timeout=1800,
+                           cwd=REPO)
+        assert summary.exists(), p.stdout + p.stderr[-3000:]
+        s = json.loads(summary.read_text())
+        assert s["differences"] == [], p.stdout
+        assert s["final_rc"] == 0 and p.returncode == 0
+        made = [k["mode"] for k in s["kills"] if "exited" not in k]
+        if len(made) == 4:
+            break
+    assert made == ["startup", "step", "eval", "checkpoint"]
 
 
 def _moved_out(events: Path, line: int) -> str:
