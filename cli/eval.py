@@ -513,11 +513,13 @@ def evaluate(args: Args) -> dict:
             return evaluate_chat(args, cfg)  # scored as rows of prompt and answer, as trained
         model, g = load_llama(path, scoring_ops(on_gpu()), weights=frozen_weights(on_gpu()))
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
-        if run_data:
+        if not run_data:
+            data = TextData(args.data_path)
+        else:  # read as the run read it: its options, its file where it was found
             for note in bundle.before.values():  # an older run's data, read as it was then
                 print(f"{PROG}: {note}", file=sys.stderr)
-        data = (TextData(args.data_path) if not run_data else cfg.data if args.data_path is None
-                else dataclasses.replace(cfg.data, path=args.data_path))
+            data = cfg.data if args.data_path is None else dataclasses.replace(
+                cfg.data, path=args.data_path)
         seq_len = args.seq_len or getattr(cfg, "seq_len", 256)
         check_context(seq_len, model, path)
         if args.split == "test":  # the run's data folder's test.jsonl, as its --test scores it

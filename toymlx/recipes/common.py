@@ -84,10 +84,12 @@ def file_reading(path: Path) -> Literal["records", "text"]:
     return "text" if is_plain_text(path) else "records"
 
 
-def settle_reading(data: TextData) -> None:
-    """Give --data.read-as, where not given, the reading the file's name takes (`file_reading`)
-    as a new run starts: config.json then records how the run reads its file, and a resume reads
-    it so whatever the name of the file it is found in."""
+def settle_reading(cfg: Any) -> None:
+    """A text recipe's `settle` (from-scratch, warm-start): give --data.read-as, where not
+    given, the reading the file's name takes (`file_reading`) as a new run starts: config.json
+    then records how the run reads its file, and a resume reads it so whatever the name of the
+    file it is found in."""
+    data = cfg.data
     if data.read_as is None and data.path is not None and not Path(data.path).is_dir():
         data.read_as = file_reading(Path(data.path))
 

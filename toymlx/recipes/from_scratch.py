@@ -55,9 +55,8 @@ class Config(TrainConfig):
     event with split "test" (later: `toymlx-eval --model RUN --split test`)."""
 
 
-def settle(cfg: Config) -> None:
-    """A new run's options that its inputs decide, given their values (`settle_reading`)."""
-    settle_reading(cfg.data)
+settle = settle_reading
+"""A new run's options that its inputs decide, given their values."""
 
 
 def validate(cfg: Config) -> None:
