@@ -387,26 +387,77 @@ class HFTemplateTokenizer(FakeTokenizer):
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token="<s>", **kw)
 
 
-def test_a_system_message_on_a_template_without_the_role_says_where_its_text_goes():
-    """Gemma 2's template refuses a system message; the error said only the template's words.
-    It now says where the text goes: where llama.cpp's Gemma template (and toymlx-generate
-    --system) puts it, which `system_in_user` renders exactly as llama.cpp does."""
+def test_a_system_message_on_a_template_without_the_role_starts_the_first_user_message():
+    """Gemma 2's template refuses a system message; training refused such examples while
+    toymlx-generate --system put the text where llama.cpp's Gemma template does. Training now
+    puts it there too (`system_in_user`: llama.cpp's rendering, GEMMA_LLAMACPP), trains the
+    answers alone, and says once per split how many examples it moved."""
     from toymlx.data.chat_template import system_in_user, system_refused
 
     tok = HFTemplateTokenizer(GEMMA2)
-    msgs = ({"role": "system", "content": "Be brief."}, *GEMMA_CONVERSATION[:2])
-    with pytest.raises(DataError) as e:
-        tokenize_example(Example("d.jsonl:4", messages=msgs), tok, True)
-    assert str(e.value) == (
-        "d.jsonl:4: chat template failed on 3 messages: TemplateError: System role not "
-        "supported; this base's template has no system role: move the system message's text to "
-        "the start of the first user message (toymlx-generate --system does, as llama.cpp does "
-        "for Gemma)")
+    answer = {"role": "assistant", "content": "A dict."}
+    msgs = ({"role": "system", "content": GEMMA_SYSTEM}, *GEMMA_CONVERSATION, answer)
+    ids, mask = tokenize_example(Example("d.jsonl:4", messages=msgs), tok, True)
+    assert tok.decode(ids) == "<s>" + GEMMA_LLAMACPP + "A dict.<end_of_turn>\n"
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert tok.decode(trained) == "A sequence.<end_of_turn>\nA dict.<end_of_turn>\n"
     assert system_refused(tok) == "System role not supported"
     assert system_refused(HFTemplateTokenizer(CHATML)) is None
     assert system_refused(HFTemplateTokenizer("{{ raise_exception('no') }}")) is None
     moved = system_in_user(GEMMA_CONVERSATION, GEMMA_SYSTEM)
     assert tok.apply_chat_template(moved) == "<s>" + GEMMA_LLAMACPP
+    # one line a split, naming how many examples were moved (3 of 4 training examples here)
+    plain = Example("d.jsonl:5", messages=(*GEMMA_CONVERSATION, answer))
+    train = [Example(f"d.jsonl:{k}", messages=msgs) for k in (1, 2, 3)] + [plain]
+    data = SFTData.from_examples(train, [], tok, 256, source=DataSource("d.jsonl"))
+    assert data.fits["train"].merged == 3
+    assert data.notes() == [(
+        "d.jsonl: train: of 4 examples, 3 with a system message, which this base's chat "
+        "template has no role for: its text starts the first user message, a blank line after "
+        "it (as llama.cpp and toymlx-generate --system put it)")]
+    # a system message anywhere else is still the template's error, with where to put it
+    late = (*GEMMA_CONVERSATION[:2], {"role": "system", "content": "Be brief."},
+            GEMMA_CONVERSATION[2], answer)
+    with pytest.raises(DataError, match=r"^d\.jsonl:4: chat template failed on 5 messages: "
+                                        r"TemplateError: Conversation roles must alternate.*"
+                                        r"; this base's template has no system role: toymlx puts "
+                                        r"a first system message"):
+        tokenize_example(Example("d.jsonl:4", messages=late), tok, True)
+
+
+R1_LIKE = ("{% for m in messages %}{% if m.role == 'user' %}<U>{{ m.content }}{% else %}"
+           "<Assistant>{{ m.content }}</s>{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}<Assistant><think>\n{% endif %}")
+"""DeepSeek-R1's shape: a generation prompt that goes on past the header a turn is written
+with (`<think>\n`), which the turns never contain."""
+
+
+@pytest.mark.parametrize("answer", ["a", "<t", "A sequence.", "ss"])
+def test_a_generation_prompt_longer_than_the_turn_header_trains_the_answer(answer):
+    """The answer is found after the header the prompt and the turn share, even where it also
+    stands inside the header ("a", "ss" in "Assistant") or starts as the prompt goes on ("<t" as
+    "<think>"); what the prompt adds is not trained."""
+    tok = HFTemplateTokenizer(R1_LIKE)
+    msgs = ({"role": "user", "content": "q"}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": "r"}, {"role": "assistant", "content": answer})
+    ids, mask = tokenize_example(Example("d.jsonl:1", messages=msgs), tok, True)
+    assert tok.decode(ids) == f"<U>q<Assistant>{answer}</s><U>r<Assistant>{answer}</s>"
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == (
+        f"{answer}</s>{answer}</s>")
+
+
+def test_system_refused_renders_once_per_template(monkeypatch):
+    """`system_refused` renders the template twice to answer; toymlx-generate asks it twice a
+    call and training once an example, so the answer is kept per template text."""
+    from toymlx.data.chat_template import system_refused
+
+    calls = []
+    tok = HFTemplateTokenizer(GEMMA2.replace("System role", "System  role"))  # a new text
+    render = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda m, *a, **k: calls.append(m) or
+                        render(m, *a, **k))
+    assert [system_refused(tok) for _ in range(3)] == ["System  role not supported"] * 3
+    assert len(calls) == 2
 
 
 @pytest.mark.interop
@@ -1417,7 +1468,10 @@ def _smol_rows_digests(tok) -> dict[str, str]:
         for turns in ("assistant", "last"):
             for pack in (False, True):
                 rows, fit = fitted_rows(examples, tok, 24, mask_prompt, pack, turns)
-                h = hashlib.sha256(repr(fit).encode())
+                assert fit.merged == 0  # SmolLM2's template has a system role
+                # Fit's fields as a4e0387 had them (and its repr): `merged` came later
+                h = hashlib.sha256(f"Fit(examples={fit.examples}, truncated={fit.truncated}, "
+                                   f"dropped={fit.dropped}, untrained={fit.untrained})".encode())
                 for k in ("inputs", "targets", "mask"):
                     h.update(repr((rows[k].dtype.str, rows[k].shape)).encode() + rows[k].tobytes())
                 out[f"{mask_prompt}-{turns}-{pack}"] = h.hexdigest()[:16]

@@ -39,6 +39,7 @@ import functools
 import itertools
 import json
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ import numpy as np
 
 from toymlx.backend.files import counted, json_fault, shortlist
 from toymlx.backend.progress import pass_bar
-from toymlx.data.chat_template import system_refused
+from toymlx.data.chat_template import system_in_user, system_refused
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
 
@@ -260,10 +261,16 @@ def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted) ->
         if m["role"] not in ROLES:
             raise DataError(f"{where}: expected messages[{j}].role to be one of "
                             f"{', '.join(ROLES)}, found {_found(m['role'])}")
-        msg = {"role": m["role"], "content": string(f"messages[{j}].content",
-                                                    m.get("content", ""), non_empty=False)}
-        # mlx-lm's tool-use fields, for the template to render; other keys are ignored
-        msg.update({k: m[k] for k in TOOL_KEYS.get(m["role"], ()) if k in m})
+        # OpenAI's exports write `"content": null` beside tool calls: no content, as left out
+        content = m.get("content", "")
+        if content is None and m.get("tool_calls"):
+            content = ""
+        msg = {"role": m["role"], "content": string(f"messages[{j}].content", content,
+                                                    non_empty=False)}
+        # mlx-lm's tool-use fields, for the template to render; other keys are ignored, and a
+        # null one is left out as transformers leaves it (`"tool_calls": null` is no tool call
+        # to a template asking `'tool_calls' in message`, as Llama 3.1's does)
+        msg.update({k: m[k] for k in TOOL_KEYS.get(m["role"], ()) if m.get(k) is not None})
         out.append(msg)
     return Example(where, messages=tuple(out), tools=tuple(tools) if tools else None,
                    read_from=read_from)
@@ -714,9 +721,10 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], gen: b
     except Exception as e:  # noqa: BLE001
         hint = ""
         if any(m.get("role") == "system" for m in messages) and system_refused(tokenizer):
-            hint = ("; this base's template has no system role: move the system message's text "
-                    "to the start of the first user message (toymlx-generate --system does, as "
-                    "llama.cpp does for Gemma)")
+            hint = ("; this base's template has no system role: toymlx puts a first system "
+                    "message, before a user's, at the start of that user message (as "
+                    "toymlx-generate --system and llama.cpp do for Gemma); move this one's text "
+                    "into a user message")
         raise DataError(f"{source}: chat template failed on {counted(len(messages), 'message')}: "
                         f"{type(e).__name__}: {e}{hint}") from None
 
@@ -749,9 +757,10 @@ def _message_pieces(
     assistant is not trained) to the end of `render(messages[:i+1], False)` (so its content
     and end-of-turn token are). last (mlx-lm's ChatDataset under --mask-prompt): one span from
     the end of `render(messages[:-1], add_generation_prompt=<the last role is assistant>)` to
-    the end of the conversation, whatever the last message's role. Each render must be a
-    string prefix of the full render; a template that rewrites earlier turns (e.g. stripping
-    reasoning) fails loudly here.
+    the end of the conversation, whatever the last message's role (an assistant's: its
+    `_turn_span`). Each turn must be found in the full render as `_turn_span` says; a template
+    that rewrites an earlier assistant turn (Qwen3's drops the empty `<think>` block it writes
+    for the last) fails loudly here, naming `--data.train-turns last`.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{source}: 'messages' examples need a tokenizer with a chat template, "
@@ -770,31 +779,75 @@ def _message_pieces(
     if not mask_prompt:
         return [(full, False, 1)]
     spans: list[tuple[int, int]] = []
-    if turns == "last":
-        before = _render(tokenizer, messages[:-1], messages[-1]["role"] == "assistant", source,
-                         tools)
+    if turns == "last" and messages[-1]["role"] != "assistant":
+        before = _render(tokenizer, messages[:-1], False, source, tools)
         if not full.startswith(before):
             raise DataError(f"{source}: chat template renders message prefixes inconsistently, "
                             f"so the last message messages[{len(messages) - 1}] cannot be "
                             f"located; set mask_prompt=False to train on the whole conversation")
         spans.append((len(before), len(full)))
     else:
+        last = turns == "last"
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = _render(tokenizer, messages[:i], True, source, tools)
-            upto = _render(tokenizer, messages[: i + 1], False, source, tools)
-            prev_end = spans[-1][1] if spans else 0
-            if not (full.startswith(before) and full.startswith(upto)
-                    and prev_end <= len(before) <= len(upto)):
-                raise DataError(f"{source}: chat template renders message prefixes "
-                                f"inconsistently, so assistant turn messages[{i}] cannot be "
-                                f"located; set mask_prompt=False to train on the whole "
-                                f"conversation")
-            spans.append((len(before), len(upto)))
+            if m["role"] == "assistant" and (not last or i == len(messages) - 1):
+                prev_end = spans[-1][1] if spans else 0
+                spans.append(_turn_span(tokenizer, messages, i, full, prev_end, source, tools))
     cuts = sorted({0, len(full), *(c for span in spans for c in span)})
     return [(full[a:b], False, int(any(s <= a and b <= e for s, e in spans)))
             for a, b in itertools.pairwise(cuts)]
+
+
+def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, full: str,
+               prev_end: int, source: str, tools: Sequence[dict[str, Any]] | None
+               ) -> tuple[int, int]:
+    """The characters of `full` (the conversation rendered) that train assistant turn
+    `messages[i]`: what the template writes for the turn when it is the last, after the
+    assistant's header, i.e. `render(messages[:i+1])` after `render(messages[:i],
+    add_generation_prompt=True)`. Two kinds of template render these as no prefix of `full`:
+    - a generation prompt longer than the header of a rendered turn (DeepSeek-R1's
+      `<｜Assistant｜><think>\n`, the turn `<｜Assistant｜>` + answer): the span starts where the
+      turn's content does, after the header both share (`_header_end`); the rest of the prompt,
+      which the template never writes into the conversation, is not trained;
+    - the EOS token after the last message without a generation prompt (Phi-3's and Phi-4's
+      `{% else %}{{ eos_token }}`): a turn before the last ends before it; the last trains it.
+    Anything else (a template that rewrites the turn once another follows) is a DataError."""
+    before = _render(tokenizer, messages[:i], True, source, tools)
+    upto = _render(tokenizer, messages[: i + 1], False, source, tools)
+    start = len(before)
+    if not (upto.startswith(before) and full.startswith(before)):
+        start = _header_end(tokenizer, messages, i, upto, before, source, tools)
+    end = len(upto)
+    eos = getattr(tokenizer, "eos_token", "")
+    if not full.startswith(upto) and eos and upto.endswith(eos) and full.endswith(eos):
+        end -= len(eos)
+    if not (start is not None and full.startswith(upto[:end]) and prev_end <= start <= end):
+        fix = ("the template writes it one way as the last turn and another once a message "
+               "follows (Qwen3's drops the <think> block of an earlier turn): set "
+               "--data.train-turns last to train the last turn as the template renders it for "
+               "generation, split the conversation into one example per assistant turn, or "
+               if i < len(messages) - 1 else "")
+        raise DataError(f"{source}: chat template renders message prefixes inconsistently, so "
+                        f"assistant turn messages[{i}] cannot be located; {fix}set "
+                        f"mask_prompt=False to train on the whole conversation")
+    return start, end
+
+
+def _header_end(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, upto: str,
+                before: str, source: str, tools: Sequence[dict[str, Any]] | None) -> int | None:
+    """Where assistant turn `messages[i]`'s content starts in `upto` (the conversation rendered
+    up to it) when the generation prompt `before` is the turn's header and more: the history
+    `render(messages[:i])` is a prefix of both, the content follows it after a header that
+    `before` starts with. The last place the content starts within the text `before` and
+    `upto` share: an earlier one lies in the header ("a" in `<｜Assistant｜>`); the shared text
+    may run into the content ("<b>" after `<｜Assistant｜>`, the prompt going on `<think>`).
+    None when not so."""
+    history = _render(tokenizer, messages[:i], False, source, tools)
+    content = messages[i].get("content") or ""
+    if not (content and upto.startswith(history)):
+        return None
+    shared = len(os.path.commonprefix([before, upto]))
+    at = upto.rfind(content, len(history), shared + len(content))
+    return at if at >= 0 else None
 
 
 def tokenize_example(
@@ -837,8 +890,21 @@ def _pieces(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool, turns
                         "none in this one; use a base with a chat template (an instruct model), "
                         'or write each example as {"prompt", "completion"} (the human turn and '
                         "the gpt answer), which trains without one")
-    return _message_pieces(example.messages, tokenizer, mask_prompt, example.source,
-                           example.tools, turns), False
+    messages = example.messages
+    if system_merged(example, tokenizer):
+        messages = system_in_user(list(messages[1:]), messages[0]["content"])
+    return _message_pieces(messages, tokenizer, mask_prompt, example.source, example.tools,
+                           turns), False
+
+
+def system_merged(example: Example, tokenizer: ChatTokenizer) -> bool:
+    """Whether `example` opens with a system message and then a user's, on a chat template with
+    no system role (`system_refused`: Gemma's): its text then starts the first user message
+    (`system_in_user`), as toymlx-generate --system and llama.cpp put it."""
+    m = example.messages
+    return (m is not None and len(m) > 1 and m[0]["role"] == "system" and m[1]["role"] == "user"
+            and bool(getattr(tokenizer, "chat_template", None))
+            and system_refused(tokenizer) is not None)
 
 
 def _encode_pieces(tokenizer: ChatTokenizer, pieces: Sequence[Piece]) -> list[np.ndarray]:
@@ -1064,6 +1130,9 @@ class Fit:
     untrained: int = 0
     """Examples with no trained target at all (e.g. messages with no assistant turn under
     mask_prompt), so they make no row"""
+    merged: int = 0
+    """Examples whose system message starts their first user message instead, the chat
+    template having no system role (`system_merged`)"""
 
     @classmethod
     def of(cls, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int,
@@ -1094,6 +1163,10 @@ class Fit:
         if self.untrained:
             parts.append(f"{self.untrained} dropped (nothing to train: no assistant turn or "
                          f"completion)")
+        if self.merged:
+            parts.append(f"{self.merged} with a system message, which this base's chat template "
+                         f"has no role for: its text starts the first user message, a blank line "
+                         f"after it (as llama.cpp and toymlx-generate --system put it)")
         if not parts:
             return None
         return f"{source}: {split}: of {counted(self.examples, 'example')}, {', '.join(parts)}"
@@ -1370,7 +1443,8 @@ def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: 
     rows = pack_or_pad(seqs, seq_len, tokenizer.eos_id, pack)
     if first is not None:
         rows = {k: v[:first] for k, v in rows.items()}
-    return rows, Fit.of(seqs, seq_len, pack)
+    merged = sum(system_merged(e, tokenizer) for e in examples[:len(seqs)])
+    return rows, dataclasses.replace(Fit.of(seqs, seq_len, pack), merged=merged)
 
 
 class _RowsDone:

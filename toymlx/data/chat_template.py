@@ -1,15 +1,51 @@
 """Chat templates: a GGUF's `tokenizer.chat_template` compiled as Hugging Face renders it
-(jinja2 sandbox, trim_blocks + lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`),
-once per template text."""
+(jinja2 sandbox, trim_blocks + lstrip_blocks, loop controls, `raise_exception`, `tojson`,
+`strftime_now`, the `{% generation %}` block that marks an assistant's text), once per template
+text. `render_context` gives the variables Hugging Face always passes (`tools` and `documents`,
+None unless given)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from toymlx.data.vocab import K_TEMPLATE, TokenizerError
 
 _TEMPLATES: dict[str, Any] = {}
+_REFUSED: dict[str, str | None] = {}
+"""`system_refused`'s answer, by template text."""
+
+
+def _generation_extension():
+    """The `{% generation %}...{% endgeneration %}` block of Hugging Face's templates (LFM2.5,
+    Laguna): it marks the assistant's text for `return_assistant_tokens_mask` and renders its
+    body unchanged, which is all toymlx needs (it finds the assistant's text by rendering
+    prefixes). Without it such a template is a syntax error."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags: ClassVar[set[str]] = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            # a call block, as Hugging Face's is: a `set` inside stays inside, as there
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller) -> str:
+            return caller()
+
+    return Generation
+
+
+def render_context(bos_token: str, eos_token: str, **kwargs: Any) -> dict[str, Any]:
+    """The variables a template renders with besides `messages` and `add_generation_prompt`:
+    the special tokens, `tools` and `documents` (None unless in `kwargs`, as Hugging Face
+    passes them: a template that tests `tools is not none` without `is defined` first would
+    otherwise take an undefined list for a given one), and `kwargs`."""
+    return {"bos_token": bos_token, "eos_token": eos_token, "tools": None, "documents": None,
+            **kwargs}
 
 
 def compile_template(source_text: str, where: str):
@@ -33,7 +69,8 @@ def compile_template(source_text: str, where: str):
         return datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols",
+                                                    _generation_extension()])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -49,18 +86,24 @@ def compile_template(source_text: str, where: str):
 def system_refused(tokenizer) -> str | None:
     """The error of a chat template that refuses a system message but renders its text in the
     user's (Gemma's "System role not supported"); None for a template that takes one, or that
-    refuses more than the role."""
-    import jinja2
+    refuses more than the role. Asked once per template text (it renders twice)."""
+    source = tokenizer.chat_template
+    if source not in _REFUSED:
+        _REFUSED[source] = _system_refused(tokenizer)
+    return _REFUSED[source]
 
+
+def _system_refused(tokenizer) -> str | None:
+    # a template fails in many ways (its raise_exception, a TypeError on a missing `tools`)
     try:
         tokenizer.apply_chat_template([{"role": "system", "content": "s"},
                                        {"role": "user", "content": "u"}])
         return None
-    except jinja2.TemplateError as e:
+    except Exception as e:  # noqa: BLE001
         refused = str(e)
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "s\n\nu"}])
-    except jinja2.TemplateError:
+    except Exception:  # noqa: BLE001
         return None
     return refused
 

@@ -42,7 +42,7 @@ import numpy as np
 from tokenizers import Regex, normalizers
 
 from toymlx.backend import notice
-from toymlx.data.chat_template import compile_template
+from toymlx.data.chat_template import compile_template, render_context
 from toymlx.data.merges import (
     PRE_TOKENIZERS,
     SUPPORTED_PRE,
@@ -401,6 +401,11 @@ class Tokenizer:
         return self._eos
 
     @property
+    def eos_token(self) -> str:
+        """The EOS token's text, a chat template's `eos_token` ("" without an EOS)."""
+        return self._tokens[self._eos] if self._eos is not None else ""
+
+    @property
     def unk_id(self) -> int | None:
         return self._unk
 
@@ -714,17 +719,15 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render the GGUF's `tokenizer.chat_template` as Hugging Face does (jinja2 sandbox,
-        trim_blocks + lstrip_blocks; variables messages, add_generation_prompt, bos_token,
-        eos_token, plus any `kwargs`)."""
+        trim_blocks + lstrip_blocks; variables messages, add_generation_prompt and
+        `render_context`'s: bos_token, eos_token, tools and documents, plus any `kwargs`)."""
         if not self._chat_template:
             raise TokenizerError(f"{self.source}: {K_TEMPLATE}: expected a Jinja chat template, "
                                  "found missing key")
         template = compile_template(self._chat_template, self.source)
         bos = self._tokens[self._bos] if self._bos is not None else ""
-        eos = self._tokens[self._eos] if self._eos is not None else ""
-        context = {"bos_token": bos, "eos_token": eos, **kwargs}
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               **context)
+                               **render_context(bos, self.eos_token, **kwargs))
 
     # -------------------------------------------------------------- metadata out
     def to_metadata(self, chat_template: bool = True) -> dict[str, Any]:
