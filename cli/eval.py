@@ -43,8 +43,15 @@ class Args:
     run's data folder's test.jsonl (--data.path here: every image of it, a data folder's
     test.jsonl, or a JSONL file of chat examples). Default: val on the run's own data, all on
     --data.path data the run did not train on."""
-    batch_size: int = 256
-    """Examples per forward pass."""
+    batch_size: int | None = None
+    """Examples per forward pass (a text model's windows: this over 16). Default: on a run's
+    own validation split, the run's --batch-size (config.json), so that the batches are those
+    its eval events scored; else 256."""
+    eval_batches: int | None = None
+    """A run's own validation split (--split val on its data): score its first N batches of
+    --batch-size (a text run: N x --batch-size windows spread over the split), as
+    `toymlx-train --eval-batches` does; -1 (mlx-lm's --val-batches -1): every row. Default:
+    the run's own --eval-batches (config.json), so the loss is its last eval event's."""
     seq_len: int | None = None
     """Llama only: tokens per window (default: a run's own --seq-len, else 256)."""
     max_examples: Annotated[int | None, tyro.conf.arg(aliases=("--limit",))] = None
@@ -82,9 +89,16 @@ def show(args: Args) -> int:
 
 def check_sizes(args: Args) -> None:
     """--batch-size and --seq-len are counts: 0 or less is a typo, never "the default"."""
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1 examples per forward pass, found "
                          f"{args.batch_size}")
+    if args.eval_batches is not None and args.eval_batches < 1 and args.eval_batches != -1:
+        raise ValueError(f"--eval-batches: expected >= 1 batches, or -1 (every validation row), "
+                         f"found {args.eval_batches}")
+    if args.eval_batches is not None and args.max_examples is not None:
+        raise ValueError(f"--eval-batches {args.eval_batches} --max-examples "
+                         f"{args.max_examples}: expected one of them (--max-examples scores the "
+                         "first N of the whole split); drop one")
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
                          f"else 256), found {args.seq_len}")
@@ -108,6 +122,56 @@ def subset(limit: int | None, scored: int, total: int, split: str, unit: str,
     part = (f"the first {scored} of {whole}" if scored < total else
             f"all {whole}" if total != 1 else f"the only {which}{unit}{tail}")
     return {"subset": f"{rows}{part} (--max-examples {limit})", "scored": scored, "of": total}
+
+
+class RunRows(NamedTuple):
+    """Which validation rows (text windows, images) a pass against a run scores: `batches`
+    batches of `batch_size` (None: every row), as the run's own validation picks them (the
+    first rows; a text run's windows spread over the split); `own` where that is the run's
+    own --eval-batches and --batch-size, whose loss is then its eval events'."""
+
+    batch_size: int
+    batches: int | None
+    own: bool
+
+    def words(self, scored: int, total: int, unit: str) -> dict:
+        """The report's words on the rows scored (`scored` of the split's `total` `unit`s), as
+        `subset` gives them for --max-examples."""
+        from toymlx.backend.files import counted
+
+        whole = counted(total, f"validation {unit}")
+        if self.batches is None:
+            said = f"all {whole} (--eval-batches -1)"
+        else:
+            part = f"{scored} of {whole}" if scored < total else f"all {whole}"
+            rule = f"--eval-batches {self.batches} x --batch-size {self.batch_size}"
+            more = "; --eval-batches -1 scores all" if scored < total else ""
+            said = (f"the run's eval rows: {part} ({rule}, its config.json){more}" if self.own
+                    else f"{part} ({rule}){more}")
+        return {"subset": said, "scored": scored, "of": total}
+
+
+def run_rows(cfg: Any, eval_batches: int | None = None, batch_size: int | None = None,
+             seq_len: int | None = None) -> RunRows:
+    """The validation rows a pass against the run of config `cfg` scores: those of its own
+    validation (--eval-batches x --batch-size of its config.json, the rows its eval events
+    score), unless `eval_batches` (-1: every row) or `batch_size` (toymlx-eval's flags) say
+    otherwise; a `seq_len` other than the run's makes other windows. The one rule toymlx-eval
+    and toymlx-export --fuse score held-out rows of a run by."""
+    size = cfg.batch_size if batch_size is None else batch_size
+    batches = cfg.eval_batches if eval_batches is None else eval_batches
+    own = (size, batches) == (cfg.batch_size, cfg.eval_batches) and seq_len in (
+        None, getattr(cfg, "seq_len", None))
+    return RunRows(size, None if batches == -1 else batches, own)
+
+
+def check_no_eval_batches(args: Args, found: str) -> None:
+    """--eval-batches picks a run's own validation rows: given where eval scores other data
+    (`found`), it is refused in one line, not ignored."""
+    if args.eval_batches is not None:
+        raise ValueError(f"--eval-batches {args.eval_batches}: expected a run's own validation "
+                         f"split to take batches of (--split val on its data), found {found}; "
+                         "drop --eval-batches (that split is scored whole)")
 
 
 def bar_name(args: Args) -> str | None:
@@ -240,8 +304,9 @@ def _run_config(model: str):
     return bundle.config if bundle is not None else None
 
 
-def evaluate_images(args: Args, path: Path) -> dict:
-    """Accuracy, per-class accuracy and the confusion matrix of a ViT checkpoint."""
+def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict:
+    """Accuracy, per-class accuracy and the confusion matrix of a ViT checkpoint (`rows`: the
+    first images of a run's own validation split that `run_rows` picks)."""
     import numpy as np
 
     from toymlx.backend.files import counted
@@ -282,18 +347,24 @@ def evaluate_images(args: Args, path: Path) -> dict:
     parts = [(data.val_x, data.val_y)] + [(data.train_x, data.train_y)] * bool(
         every and len(data.train_y))  # in this order: the split's fixed order
     total = sum(len(y) for _, y in parts)
+    size = rows.batch_size if rows is not None else args.batch_size or 256
     batches, left = [], total if args.max_examples is None else args.max_examples
+    if rows is not None and rows.batches is not None:
+        left = min(total, rows.batches * size)
     for x, y in parts:
         take = min(left, len(y))
         if take:  # a streamed set's first images alone are decoded, each batch as it is scored
             data.val_x, data.val_y = (x if take == len(y) else x.subset(np.arange(take)) if
                                       hasattr(x, "subset") else x[:take]), y[:take]
-            batches.append(data.val_batches(args.batch_size))
+            batches.append(data.val_batches(size))
         left -= take
     scored = total if args.max_examples is None else min(total, args.max_examples)
+    if rows is not None and rows.batches is not None:
+        scored = min(total, rows.batches * size)
     pred, true, loss = predict(clf, itertools.chain.from_iterable(batches), scored,
                                bar_name(args))
-    limited = subset(args.max_examples, len(true), total, args.split, "image")
+    limited = (rows.words(len(true), total, "image") if rows is not None else
+               subset(args.max_examples, len(true), total, args.split, "image"))
     m = confusion(pred, true, len(clf.names))
     if args.plot:
         plot_confusion(m, clf.names, args.plot)
@@ -301,7 +372,7 @@ def evaluate_images(args: Args, path: Path) -> dict:
            f"{'test' if args.split == 'test' else 'val'}_loss": loss / max(len(true), 1),
            **limited}
     text = format_report(m, clf.names) + f"\n\nmodel {path}\ndata {data.source} ({args.split})"
-    if limited:
+    if limited and not (rows is not None and len(true) == total):  # all of it: said above
         text += f"\nscored {limited['subset']}"
     if args.plot:
         text += f"\nplot {args.plot}"
@@ -319,12 +390,13 @@ def chat_records(path: str) -> bool:
     return not is_plain_text(f) and first_kind(f) != "text"
 
 
-def evaluate_chat(args: Args, cfg: Any) -> dict:
+def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     """Loss and perplexity of a LoRA run (base + adapter, or a full fine-tune's checkpoint) or a
     Llama checkpoint on chat/SFT examples, rows built as training built them (the run's
     --seq-len, --data.mask-prompt, --data.train-turns, --data.pack): its validation rows (a
     data folder's valid.jsonl, else the split training used), every row (--split all), or
-    test.jsonl (--split test: what `toymlx-train --test` records at the end of a run)."""
+    test.jsonl (--split test: what `toymlx-train --test` records at the end of a run); `rows`:
+    those of a run's own validation split that `run_rows` picks."""
     import math
 
     from toymlx.backend.device import on_gpu
@@ -339,13 +411,15 @@ def evaluate_chat(args: Args, cfg: Any) -> dict:
         check_context(args.seq_len, model, args.model)
     print(f"{PROG}: {used_files(args.model)}", file=sys.stderr)
     split = args.split or "val"  # Args built in code skip `evaluate`'s `default_split`
-    r = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len, args.batch_size,
-                  first=args.max_examples, progress=bar_name(args))
+    r = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len,
+                  args.batch_size or 256, first=args.max_examples, progress=bar_name(args),
+                  pick=rows)
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
-    limited = subset(args.max_examples, r.examples, r.of, split, "example",
-                     f"{counted(r.rows, 'row')} made of ")
+    limited = (rows.words(r.rows, r.split_rows, "row") if rows is not None else
+               subset(args.max_examples, r.examples, r.of, split, "example",
+                      f"{counted(r.rows, 'row')} made of "))
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
             names[0]: r.loss, names[1]: math.exp(r.loss), **limited}
 
@@ -363,16 +437,25 @@ class HeldOut(NamedTuple):
     """Examples tokenized into those rows (with `first`: those up to the last row's)"""
     of: int
     """Examples in the split"""
+    split_rows: int
+    """Rows those examples made (with `first`: those made up to it)"""
+    row_loss: Any = None
+    """With `per_row`: each scored row's summed loss (rows,) float64, in the scoring order"""
+    row_n: Any = None
+    """With `per_row`: each scored row's trained targets (rows,)"""
 
 
 def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
               seq_len: int | None = None, batch_size: int = 256, first: int | None = None,
-              progress: str | None = PROG) -> HeldOut:
+              progress: str | None = PROG, pick: RunRows | None = None,
+              per_row: bool = False) -> HeldOut:
     """What `model` scores on a LoRA run's chat/SFT rows of `split` (see `evaluate_chat`), `cfg`
     the run's configuration (None: --data.path or the default); `first`: only the first that
-    many rows (those a run's validation scores, or --max-examples), no example after them
-    tokenized; `progress`: the name of the pass's progress bar (drawn on a terminal,
-    `Evaluator`; None: none)."""
+    many rows (--max-examples), no example after them tokenized; `pick` (instead, on the
+    validation split): the rows `run_rows` picks, batched as the run's validation batches
+    them (`held_out_call_rows` a call), so that the loss is its eval events'; `per_row`: each
+    row's loss sum and count too (`lm_held_out_rows`); `progress`: the name of the pass's
+    progress bar (drawn on a terminal, `Evaluator`; None: none)."""
     import numpy as np
 
     from toymlx.backend.files import counted
@@ -380,11 +463,12 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         SplitExamples,
         empty_split_error,
         fitted_rows,
+        held_out_call_rows,
         load_examples,
         sft_val_batches,
         test_file,
     )
-    from toymlx.models.losses import lm_held_out_sums, lm_loss
+    from toymlx.models.losses import lm_held_out_rows, lm_held_out_sums, lm_loss
     from toymlx.recipes.lora import DEFAULT_DATA
     from toymlx.training.evaluate import command_evaluator
     from toymlx.training.task import Task
@@ -400,6 +484,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
                          f"test.jsonl, found a run trained on one file, {path} (its training and "
                          "validation rows, no test set); give the test examples with --data.path")
     seq_len = seq_len or getattr(cfg, "seq_len", None) or 256
+    pick = pick if split == "val" else None
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
     turns = data.get("train_turns", "assistant")
     bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
@@ -437,11 +522,20 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
                          f"none: the run held out no examples (--data.val-fraction "
                          f"{data.get('val_fraction', 0.1)} of {counted(trained, 'example')}, "
                          f"no valid.jsonl); score them all with --split all")
-    bs = max(1, min(batch_size, n))
+    if pick is None:
+        bs = max(1, min(batch_size, n))
+        batches = sft_val_batches(rows, bs, -(-n // bs))
+    else:  # as the run's validation: its first rows, `held_out_call_rows` a call
+        bs = pick.batch_size
+        batches = sft_val_batches(rows, bs, pick.batches or -(-n // bs), held_out_call_rows(
+            bs, bool(getattr(cfg, "grad_checkpoint", False))))
     task = Task("eval", model, lm_loss, lambda s: {}, [], None, None, {},
-                metrics_fn=lm_held_out_sums, test_batches=sft_val_batches(rows, bs, -(-n // bs)))
-    loss = command_evaluator(task, progress, "row")(split="test")["test_loss"]
-    return HeldOut(loss, n, source, tokenized, total)
+                metrics_fn=lm_held_out_rows if per_row else lm_held_out_sums,
+                test_batches=batches)
+    m = command_evaluator(task, progress, "row")(split="test")
+    scored = sum(b["inputs"].shape[1] for b in batches)
+    return HeldOut(m["test_loss"], scored, source, tokenized, total, n, m.get("row_loss"),
+                   m.get("row_n"))
 
 
 def first_windows(batches: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:
@@ -479,9 +573,23 @@ def evaluate(args: Args) -> dict:
     args = dataclasses.replace(args, split=default_split(args, own))
     if bundle is not None and args.split == "test" and args.data_path is None:
         check_run_test_data(bundle)
+    # a run's own validation split: the rows its eval events score (`run_rows`), unless
+    # --max-examples asks for the first N of the whole split
+    rows = None
+    if bundle is None:
+        check_no_eval_batches(args, f"{args.model}, a model outside a run")
+    elif not own:
+        check_no_eval_batches(args, f"--data.path {args.data_path}, data the run did not "
+                              "train on")
+    elif args.split != "val":
+        check_no_eval_batches(args, f"--split {args.split}")
+    elif args.max_examples is None:
+        text = bundle.recipe in ("from-scratch", "warm-start")  # --batch-size / 16 windows
+        rows = run_rows(bundle.config, args.eval_batches, args.batch_size and (
+            max(1, args.batch_size // 16) if text else args.batch_size), args.seq_len)
     if bundle is not None and bundle.recipe == "lora":
         check_no_plot(args, "a LoRA run")
-        return evaluate_chat(args, bundle.config)
+        return evaluate_chat(args, bundle.config, rows)
     # the header's refusals first; an Ollama blob's SHA-256 (a read of the whole model) after
     path = checkpoint_file(args.model, check_digest=False)
     from toymlx.gguf.llama import check_model_kind
@@ -490,7 +598,7 @@ def evaluate(args: Args) -> dict:
         check_model_kind(g)  # an adapter, a projector (mmproj): said before its architecture
         arch = g.architecture
     if arch == "vit":
-        return evaluate_images(args, checkpoint_file(args.model))
+        return evaluate_images(args, checkpoint_file(args.model), rows)
     from toymlx.gguf.llama import ARCHS
 
     if arch in ARCHS:
@@ -532,13 +640,17 @@ def evaluate(args: Args) -> dict:
         scored, source = (td.test, td.test_source) if args.split == "test" else (td.val,
                                                                                  td.source)
         check_window(len(scored), seq_len, args.split, source, whole)
-        bs = max(1, args.batch_size // 16)
+        picked = rows if run_data else None  # a run's own rows, as its validation picks them
+        bs = picked.batch_size if picked is not None else max(1, (args.batch_size or 256) // 16)
         vb = (td.test_batches(bs, seq_len) if args.split == "test" else
-              td.val_batches(bs, seq_len, 10**9))
-        windows = (len(scored) - 1) // seq_len  # every window of the split: what vb holds
+              td.val_batches(bs, seq_len, picked.batches or 10**9 if picked else 10**9))
+        windows = (len(scored) - 1) // seq_len  # every window of the split
         vb = first_windows(vb, args.max_examples)
-        limited = subset(args.max_examples, min(windows, args.max_examples or windows),
-                         windows, args.split, "window", tail=f" of {seq_len} tokens")
+        limited = (picked.words(windows if picked.batches is None else
+                                min(windows, picked.batches * bs), windows, "window")
+                   if picked is not None else
+                   subset(args.max_examples, min(windows, args.max_examples or windows),
+                          windows, args.split, "window", tail=f" of {seq_len} tokens"))
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
         m = command_evaluator(task, bar_name(args), "window")()
         mx.eval()

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from toymlx_cli import run_command
 
@@ -21,6 +21,8 @@ from toymlx.bundle.outputs import check_output
 from toymlx.gguf.quantize import ExportType
 
 if TYPE_CHECKING:
+    from toymlx_cli.eval import HeldOut
+
     from toymlx.runner.bundle import Bundle
 
 PROG = "toymlx-export"
@@ -321,15 +323,17 @@ def run_base_of(adapter: str | None) -> str:
 
 def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None) -> str:
     """The held-out loss of the fused file beside the base's and base + adapter's, on the
-    validation rows the adapter's run scores at each evaluation (the first --eval-batches x
-    --batch-size), and the share of the fine-tune's gain the file keeps (`gain_note`; `dtype`:
-    the --dtype every tensor was rounded to, if any). Base + adapter's is the run's own figure
-    where it validated the adapter's step in float32 (`run_val_loss`), the base's the run's
-    step-0 validation (--eval-at-start; a run from a zero adapter, on this base), else each is
-    scored here on the same rows; all as toymlx-eval scores. Or why it was not measured: an
-    adapter outside a run, the run's data gone, no row held out. A progress bar on a terminal
-    names each pass."""
-    from toymlx_cli.eval import chat_loss
+    validation rows the adapter's run scores at each evaluation (`run_rows`: the first
+    --eval-batches x --batch-size, as toymlx-eval scores by default), and the share of the
+    fine-tune's gain the file keeps (`gain_note`, with the gain's standard error from the rows'
+    paired losses, `gain_error`; `dtype`: the --dtype every tensor was rounded to, if any).
+    Base + adapter's is the run's own figure where it validated the adapter's step in float32
+    (`run_val_loss`), the base's the run's step-0 validation (--eval-at-start; a run from a
+    zero adapter, on this base), else each is scored here; each is scored here row by row for
+    the standard error all the same, on the same rows, as toymlx-eval scores. Or why it was not
+    measured: an adapter outside a run, the run's data gone, no row held out. A progress bar
+    on a terminal names each pass."""
+    from toymlx_cli.eval import chat_loss, run_rows
 
     from toymlx.backend.device import on_gpu
     from toymlx.bundle.checkpoint import checkpoint_file, checkpoint_step
@@ -344,7 +348,7 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
                 "validation data is not known (toymlx-eval --model FUSED --data.path DATA "
                 "measures it)")
     cfg = bundle.config
-    first = cfg.eval_batches * cfg.batch_size
+    pick = run_rows(cfg)
     step = checkpoint_step(checkpoint_file(adapter, "--adapter"))
     own = trained_on(bundle, base)  # the run's figures are of this base
     ref = run_val_loss(bundle.events, step) if own else None
@@ -354,38 +358,63 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
     start_from = "the run's step-0 validation" if start is not None else "scored here"
     ref_from = f"the run's step-{step} validation" if ref is not None else "scored here"
 
-    def loss(what: str, *paths: Path | str) -> tuple[float, int, str]:
+    def loss(what: str, *paths: Path | str) -> HeldOut:
         # loaded and scored as toymlx-eval scores (on a CPU the run's float32 kernels)
         gpu = on_gpu()
         model = load_for_generation(*paths, weights=frozen_weights(gpu), ops=scoring_ops(gpu))
-        return chat_loss(*model, cfg, batch_size=cfg.batch_size, first=first,
+        return chat_loss(*model, cfg, pick=pick, per_row=True,
                          progress=f"{PROG}: held-out loss, {what}")
 
     try:
-        if start is None:
-            start = loss("base", base)[0]
-        if ref is None:
-            ref = loss("base + adapter", base, adapter)[0]
-        got, n, source = loss("fused file", fused)[:3]
+        at_start, tuned = loss("base", base), loss("base + adapter", base, adapter)
+        start = at_start.loss if start is None else start
+        ref = tuned.loss if ref is None else ref
+        held = loss("fused file", fused)
     except ValueError as e:  # DataError: the run's data moved or gone; or it held out no row
         # (a ValueError naming --data.val-fraction): the file is written all the same
         return (f"held-out loss not measured: {e} (toymlx-eval --model {fused} --data.path "
                 "DATA measures it)")
+    got, n = held.loss, held.rows
     change = (f"{(got - ref) / ref:+.2%}" if math.isfinite(ref) and math.isfinite(got) and ref
               else "no change to give: a loss is not finite")
     rows = "the validation row" if n == 1 else f"the {n} validation rows"
-    return (f"held-out loss on {rows} the run scores ({source}; the first "
+    error = gain_error(at_start.row_loss, tuned.row_loss, tuned.row_n)
+    return (f"held-out loss on {rows} the run scores ({held.source}; the first "
             f"--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size}): "
             f"base {start:.4f} ({start_from}), base + adapter {ref:.4f} ({ref_from}), fused "
-            f"file {got:.4f} ({change}); {gain_note(start, ref, got, regrid(base, dtype))}")
+            f"file {got:.4f} ({change}); "
+            f"{gain_note(start, ref, got, regrid(base, dtype), error, n)}")
 
 
-def gain_note(base: float, tuned: float, fused: float, dtype: str | None = None) -> str:
+def gain_error(base_rows: Any, tuned_rows: Any, counts: Any) -> float:
+    """The standard error of a held-out gain, base - tuned, each loss the mean over the trained
+    tokens of the same rows: `base_rows` and `tuned_rows` each row's summed loss, `counts` its
+    trained tokens. The rows are the units (tokens of a row are not independent): with the
+    paired differences d_i = base_i - tuned_i, N = sum n_i and the gain G = sum d_i / N, the
+    ratio estimator's sqrt(R / (R - 1) * sum (d_i - G n_i)^2) / N over the R rows that hold a
+    trained token; NaN for fewer than 2 such rows (no spread to measure)."""
+    import numpy as np
+
+    d = np.asarray(base_rows, np.float64) - np.asarray(tuned_rows, np.float64)
+    n = np.asarray(counts, np.float64)
+    d, n = d[n > 0], n[n > 0]
+    if len(n) < 2:
+        return math.nan
+    gain = d.sum() / n.sum()
+    return float(math.sqrt(len(n) / (len(n) - 1) * ((d - gain * n) ** 2).sum()) / n.sum())
+
+
+def gain_note(base: float, tuned: float, fused: float, dtype: str | None = None,
+              error: float | None = None, rows: int | None = None) -> str:
     """What the fused file keeps of the fine-tune's held-out gain, from the three losses: the
     share (base - fused) / (base - tuned) in words, or plainly why there is no share (no gain,
-    a loss worse than the base's, a loss not finite). Below `KEPT_WARNING` where --dtype
-    `dtype` rounded the base's own tensors onto another grid (`regrid`), it says so: a cost of
-    its own, not the fine-tune's."""
+    a loss worse than the base's, a loss not finite). With the gain's standard error `error`
+    over `rows` validation rows (`gain_error`): a gain within `NOISE_ERRORS` of them of zero,
+    or from fewer than `MIN_GAIN_ROWS` rows, is said to be within noise instead of a share
+    (on one or two rows a share read 117% or 5%), and a share says the gain's error. Below
+    `KEPT_WARNING` where --dtype `dtype` rounded the base's own tensors onto another grid
+    (`regrid`), it says so: a cost of its own, not the fine-tune's."""
+    from toymlx.backend.files import counted
     from toymlx.training.fused import KEPT_WARNING
 
     if not all(map(math.isfinite, (base, tuned, fused))):
@@ -395,6 +424,18 @@ def gain_note(base: float, tuned: float, fused: float, dtype: str | None = None)
         return ("the fine-tune made no held-out gain to keep: base + adapter's loss is "
                 + (f"{-gain:.4f} above the base's" if gain <= -GAIN_STEP else
                    "the base's to 4 decimals"))
+    measured = ""
+    if rows is not None:
+        on = f"the fine-tune's held-out gain on {counted(rows, 'validation row')}"
+        more = "more validation rows (--data.val-fraction, or a larger valid.jsonl) measure it"
+        if rows < MIN_GAIN_ROWS or error is None or not math.isfinite(error):
+            spread = f" +- {error:.4f}" if error is not None and math.isfinite(error) else ""
+            return (f"{on} cannot be told from noise ({gain:.4f}{spread} nats; fewer than "
+                    f"{MIN_GAIN_ROWS} rows give no share of it): {more}")
+        if gain < NOISE_ERRORS * error:
+            return (f"{on} is within noise ({gain:.4f} +- {error:.4f} nats, under "
+                    f"{NOISE_ERRORS:g} standard errors): {more}")
+        measured = f"; {on}: {gain:.4f} +- {error:.4f} nats"
     share = (base - fused) / gain
     if share > 1:
         note = (f"the fused file keeps all of the fine-tune's held-out gain ({share:.0%}: its "
@@ -407,12 +448,20 @@ def gain_note(base: float, tuned: float, fused: float, dtype: str | None = None)
     if dtype and share < KEPT_WARNING:
         note += (f"; --dtype {dtype} rounded the base's own tensors onto its grid too, which "
                  "costs held-out loss of its own")
-    return note
+    return note + measured
 
 
 GAIN_STEP = 5e-5
 """The smallest held-out gain `gain_note` gives a share of: half the last printed decimal, where
 two losses printed to 4 decimals would read the same."""
+
+NOISE_ERRORS = 2.0
+"""A held-out gain under this many standard errors (`gain_error`) is within noise: about the
+95% two-sided bound, where a share of it would be a ratio of noise."""
+
+MIN_GAIN_ROWS = 5
+"""Fewer validation rows than this give no share: their standard error rests on too few
+differences to bound the gain (with 2 rows, one degree of freedom)."""
 
 
 def regrid(base: Path, dtype: str | None) -> str | None:

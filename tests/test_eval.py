@@ -357,3 +357,129 @@ def test_a_progress_bar_counts_what_eval_scores_and_leaves_the_report_alone(
     assert rows > 10 and bars == [("tokenizing test examples", "example", 40, 40),
                                   ("toymlx-eval", "row", rows, rows)]
     assert f" 0/{rows} " in err
+
+
+def _last_eval(run: Path) -> float:
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    return [e for e in events if e["kind"] == "eval"][-1]["val_loss"]
+
+
+def test_a_text_run_is_scored_on_its_own_eval_windows_by_default(tmp_path, capsys,
+                                                                 shared_file):
+    """toymlx-eval RUN scored every validation row where the run's eval events score the first
+    --eval-batches x --batch-size (a gemma2 run: 6.5630 on 32 rows, toymlx-eval 6.5644 on 35):
+    a from-scratch run's own windows are now scored by default, in its batches, the loss its
+    last eval event's; --eval-batches -1 (mlx-lm's "all") scores every window; each against
+    float64 NumPy over the same windows."""
+    from toymlx.recipes.common import TextData, load_token_data
+
+    text = tmp_path / "t.txt"
+    text.write_text(shared_file("text/tinystories_sample.txt").read_text()[:6000])
+    assert train_main(["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers",
+                       "1", "--model.n-heads", "4", "--model.n-kv-heads", "2",
+                       "--model.ffn-dim", "64", "--model.context", "64", "--seq-len", "16",
+                       "--steps", "2", "--batch-size", "2", "--eval-batches", "2",
+                       "--data.path", str(text), "--runs-root", str(tmp_path), "--run-id", "t",
+                       "--no-progress"]) == 0
+    run = tmp_path / "t"
+    model, g = load_llama(run / "weights" / "step_2.gguf")
+    td = load_token_data(TextData(str(text)), Tokenizer.from_metadata(g.metadata), 16)
+    g.close()
+    n = (len(td.val) - 1) // 16
+
+    def by_numpy(batch_size: int, batches: int) -> float:
+        b = {k: np.concatenate(list(v)) for k, v in zip(
+            ("inputs", "targets", "mask"), zip(*[(x["inputs"][0], x["targets"][0], x["mask"][0])
+                                                 for x in td.val_batches(batch_size, 16,
+                                                                         batches)]))}
+        return _mean_ce(model, b["inputs"], b["targets"], b["mask"])
+
+    got = _json(capsys, run)
+    assert abs(got["val_loss"] - _last_eval(run)) <= 1e-6
+    assert got["val_loss"] == pytest.approx(by_numpy(2, 2), abs=1e-5)
+    said = (f"the run's eval rows: 4 of {n} validation windows (--eval-batches 2 x --batch-size "
+            "2, its config.json); --eval-batches -1 scores all")
+    assert (got["subset"], got["scored"], got["of"]) == (said, 4, n)
+    every = _json(capsys, run, "--eval-batches", "-1")
+    assert (every["subset"], every["scored"]) == (f"all {n} validation windows (--eval-batches -1)",
+                                                  n)
+    assert every["tokens_scored"] == 16 * n
+    assert every["val_loss"] == pytest.approx(by_numpy(n, 1), abs=1e-5)
+
+
+def test_a_lora_run_is_scored_on_its_own_eval_rows_by_default(tmp_path, capsys, stories_path):
+    """A LoRA run on ../shared's stories260K, 7 validation rows of which its eval events score
+    the first --eval-batches 2 x --batch-size 2: toymlx-eval RUN scores those 4 in the run's
+    batches, the loss its last eval event's; --eval-batches -1 all 7, as the whole split
+    (--max-examples past its end) scores them."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, n in (("train", 12), ("valid", 7)):  # stories260K has no chat template
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({
+            "prompt": f"Tell me about the number {i}.",
+            "completion": f" Once upon a time there was a number {i % 10}. It was happy."})
+            + "\n" for i in range(n)))
+    assert train_main(["--recipe", "lora", "--base", str(stories_path), "--runs-root",
+                       str(tmp_path), "--run-id", "l", "--steps", "2", "--batch-size", "2",
+                       "--eval-batches", "2", "--seq-len", "32", "--data.no-pack",
+                       "--no-progress", "--data.path", str(data)]) == 0
+    run = tmp_path / "l"
+    got = _json(capsys, run)
+    assert abs(got["val_loss"] - _last_eval(run)) <= 1e-6
+    said = ("the run's eval rows: 4 of 7 validation rows (--eval-batches 2 x --batch-size 2, its "
+            "config.json); --eval-batches -1 scores all")
+    assert (got["subset"], got["scored"], got["of"], got["rows"]) == (said, 4, 7, 4)
+    every = _json(capsys, run, "--eval-batches", "-1")
+    whole = _json(capsys, run, "--max-examples", "100")
+    assert (every["subset"], every["rows"], whole["rows"]) == (
+        "all 7 validation rows (--eval-batches -1)", 7, 7)
+    assert every["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-6)
+    assert abs(every["val_loss"] - got["val_loss"]) > 1e-4  # other rows: another figure
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--eval-batches", "0"], ("--eval-batches: expected >= 1 batches, or -1 (every validation "
+                               "row), found 0")),
+    (["--eval-batches", "2", "--max-examples", "3"], ("--eval-batches 2 --max-examples 3: "
+     "expected one of them (--max-examples scores the first N of the whole split); drop one")),
+])
+def test_eval_batches_out_of_place_is_one_line(argv, said, capsys):
+    assert eval_main(["--model", "nowhere.gguf", *argv]) == 2
+    assert capsys.readouterr().err == f"toymlx-eval: error: {said}\n"
+
+
+def test_eval_batches_on_data_a_run_did_not_validate_is_one_line(
+        tiny_gguf, tmp_path, capsys):  # noqa: F811
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(text), "--seq-len", "16",
+                      "--eval-batches", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-eval: error: --eval-batches 2: expected a run's own validation split to take "
+        f"batches of (--split val on its data), found {tiny_gguf}, a model outside a run; drop "
+        "--eval-batches (that split is scored whole)\n")
+
+
+def test_a_vit_run_is_scored_on_its_own_eval_images_by_default(tmp_path, capsys):
+    """A vit-tiny run scoring --eval-batches 1 x --batch-size 4 of its 6 validation images:
+    toymlx-eval RUN scores those 4, its accuracy and loss the run's last eval event's;
+    --eval-batches -1 all 6."""
+    folder = make_image_folder(tmp_path / "imgs", per_class=4)
+    assert train_main(["--recipe", "vit-tiny", "--model.d-model", "32", "--model.n-layers", "1",
+                       "--model.n-heads", "2", "--model.ffn-dim", "64", "--batch-size", "4",
+                       "--no-progress", "--steps", "2", "--data.image-size", "8",
+                       "--eval-batches", "1", "--data.val-fraction", "0.5",
+                       "--data.path", str(folder), "--runs-root", str(tmp_path / "runs"),
+                       "--run-id", "vit"]) == 0
+    run = tmp_path / "runs" / "vit"
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    last = [e for e in events if e["kind"] == "eval"][-1]
+    got = _json(capsys, run, "--json")
+    said = ("the run's eval rows: 4 of 6 validation images (--eval-batches 1 x --batch-size 4, "
+            "its config.json); --eval-batches -1 scores all")
+    assert (got["subset"], got["images"]) == (said, 4)
+    assert got["accuracy"] == last["accuracy"]
+    assert got["val_loss"] == pytest.approx(last["val_loss"], abs=1e-6)
+    every = _json(capsys, run, "--json", "--eval-batches", "-1")
+    assert (every["subset"], every["images"]) == ("all 6 validation images (--eval-batches -1)",
+                                                  6)

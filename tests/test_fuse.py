@@ -19,6 +19,7 @@ llama-cpp-python is installed, else gguf-py's encoders, the same reference round
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -206,18 +207,24 @@ HELD_OUT_LINE = (r"toymlx-export: held-out loss on the (\d+) validation rows the
                  r"\(([+-][\d.]+)%\); (.+)")
 
 
-def direct_loss(model: Llama, rows: dict[str, np.ndarray]) -> float:
-    """Mean next-token cross-entropy over the masked targets of `rows`, each row's logits in
-    one forward pass and the log-softmax in float64: the figure written from its definition."""
+def direct_rows(model: Llama, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's summed next-token cross-entropy over its masked targets and their count, its
+    logits in one forward pass and the log-softmax in float64: from the definition."""
     model.eval()
-    total = count = 0.0
+    sums, counts = [], []
     for x, y, m in zip(rows["inputs"], rows["targets"], rows["mask"]):
         logits = np.array(model.unembed(model.hidden(mx.array(x[None]))), np.float64)[0]
         logp = logits - logits.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-        total -= float(np.sum(logp[np.arange(len(y)), y] * m))
-        count += float(m.sum())
-    return total / count
+        sums.append(-float(np.sum(logp[np.arange(len(y)), y] * m)))
+        counts.append(float(m.sum()))
+    return np.array(sums), np.array(counts)
+
+
+def direct_loss(model: Llama, rows: dict[str, np.ndarray]) -> float:
+    """Mean next-token cross-entropy over the masked targets of `rows` (`direct_rows`)."""
+    sums, counts = direct_rows(model, rows)
+    return float(sums.sum() / counts.sum())
 
 
 def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_path, tmp_path,
@@ -227,8 +234,10 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
     takes base + adapter's loss from the run's step-3 validation and the base's from its
     step-0 one (--eval-at-start) instead of scoring them again; the three printed figures equal
     a direct computation on those rows to 1e-4, the count printed is the count scored, and the
-    share of the gain kept is (base - fused) / (base - base + adapter) of those."""
+    share of the gain kept is (base - fused) / (base - base + adapter) of those, the gain's
+    standard error that of the rows' float64 losses (`gain_error`)."""
     from toymlx_cli.eval import chat_loss
+    from toymlx_cli.export import gain_error
     from toymlx_cli.export import main as export
     from toymlx_cli.train import main as train
 
@@ -272,9 +281,10 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
     val = SFTData.from_file(data, tok, 96, True, False).val
     assert len(val["inputs"]) == 20
     rows = {k: v[:6] for k, v in val.items()}
-    want_ref = direct_loss(model, rows)
+    ref_rows, counts = direct_rows(model, rows)
+    start_rows = direct_rows(load_for_generation(stories_path)[0], rows)[0]
+    want_ref, want_start = ref_rows.sum() / counts.sum(), start_rows.sum() / counts.sum()
     want_got = direct_loss(load_for_generation(out)[0], rows)
-    want_start = direct_loss(load_for_generation(stories_path)[0], rows)
     assert abs(float(start) - want_start) < 1e-4 + 5e-5  # printed to 4 decimals
     assert abs(float(ref) - want_ref) < 1e-4 + 5e-5
     assert abs(float(got) - want_got) < 1e-4 + 5e-5
@@ -283,22 +293,31 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
     # the share by hand, from the float64 losses: 3 steps at 1e-2 gain, and the file keeps it
     assert want_start - want_ref > 0.01
     share = (want_start - want_got) / (want_start - want_ref)
-    kept = re.fullmatch(r"the fused file keeps (\d+)% of the fine-tune's held-out gain", note)
+    kept = re.fullmatch(r"the fused file keeps (\d+)% of the fine-tune's held-out gain; the "
+                        r"fine-tune's held-out gain on 6 validation rows: ([\d.]+) \+- ([\d.]+) "
+                        r"nats", note)
     assert kept and 0.9 < share <= 1.0 and abs(int(kept.group(1)) - 100 * share) <= 0.5 + 0.1, (
         note, share)
+    error = gain_error(start_rows, ref_rows, counts)  # by hand: test_gain_error_by_hand
+    assert abs(float(kept.group(2)) - (float(start) - float(ref))) < 1e-4 + 1e-9
+    assert abs(float(kept.group(3)) - error) < 5e-5 + 1e-5
+    assert want_start - want_ref > 2 * error  # a gain the rows measure
 
 
 def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_path, capsys,
                                                                       monkeypatch):
-    """The held-out pass of the fused file (4 rows in 2 calls of --batch-size here), and of the
-    base (the run made no step-0 validation), each draws a tqdm bar naming it, counting rows,
-    where stderr is a terminal, and none where it is not (a log, a pipe)."""
+    """The held-out pass of the fused file (4 rows in one call of the run's held-out batches
+    here), of the base (the run made no step-0 validation) and of base + adapter (its rows'
+    own losses, for the gain's standard error, beside the run's step-2 figure) each draws a
+    tqdm bar naming it, counting rows, where stderr is a terminal, and none where it is not (a
+    log, a pipe)."""
     import sys
 
     from toymlx_cli.export import main
 
     run = _train(tmp_path, bases["q4_1"], "lora", "--eval-batches", "2")
-    bars = [f"toymlx-export: held-out loss, {what}:" for what in ("base", "fused file")]
+    bars = [f"toymlx-export: held-out loss, {what}:" for what in ("base", "base + adapter",
+                                                                   "fused file")]
     capsys.readouterr()
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "a.gguf")]) == 0
     assert "held-out loss, " not in capsys.readouterr().err
@@ -307,7 +326,6 @@ def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_p
     err = capsys.readouterr().err
     assert all(f"{bar}   0%" in err for bar in bars), err
     assert "0/4 [" in err and "row/s" in err  # the rows it scores
-    assert "held-out loss, base + adapter:" not in err  # the run's step-2 figure
     assert err.rstrip().splitlines()[-1].startswith(
         "toymlx-export: held-out loss on the 4 validation rows the run scores (")
 
@@ -316,9 +334,9 @@ def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_ste
         bases, tmp_path, capsys):
     """A run stopped before its final validation, without --eval-at-start: the base and base +
     adapter are scored by the export, on the same rows as the fused file, all loaded and scored
-    as toymlx-eval does."""
-    from toymlx_cli.eval import chat_loss
-    from toymlx_cli.export import gain_note, main
+    as toymlx-eval does; on its 2 rows the gain is said to be noise, with its standard error."""
+    from toymlx_cli.eval import chat_loss, run_rows
+    from toymlx_cli.export import gain_error, gain_note, main
 
     from toymlx.backend.device import on_gpu
     from toymlx.generation.generate import load_for_generation
@@ -341,16 +359,21 @@ def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_ste
     cfg = Bundle.of(run).config
     gpu = on_gpu()  # loaded as toymlx-eval loads
     held = [chat_loss(*load_for_generation(path, weights=frozen_weights(gpu),
-                                           ops=scoring_ops(gpu)), cfg, first=2)
+                                           ops=scoring_ops(gpu)), cfg, pick=run_rows(cfg),
+                      per_row=True)
             for path in (base, run, out)]  # the base alone, base + adapter, the fused file
     start, ref, got = (h.loss for h in held)
     n, source = held[1].rows, held[1].source
+    error = gain_error(held[0].row_loss, held[1].row_loss, held[1].row_n)
     assert lines[1] == (
         f"toymlx-export: held-out loss on the {n} validation rows the run scores ({source}; "
         f"the first --eval-batches 1 x --batch-size 2): base {start:.4f} (scored here), base + "
         f"adapter {ref:.4f} (scored here), fused file {got:.4f} ({(got - ref) / ref:+.2%}); "
-        f"{gain_note(start, ref, got)}")
-    assert n == 2
+        f"{gain_note(start, ref, got, None, error, n)}")
+    assert n == 2 and "on 2 validation rows cannot be told from noise (" in lines[1]
+    # the rows' own losses add up to the figures printed
+    assert [h.row_loss.sum() / h.row_n.sum() for h in held] == pytest.approx([start, ref, got],
+                                                                             abs=1e-6)
 
 
 def test_gain_note_gives_the_share_of_the_gain_kept_or_says_why_there_is_none(bases):
@@ -385,6 +408,50 @@ def test_gain_note_gives_the_share_of_the_gain_kept_or_says_why_there_is_none(ba
     assert [gain_note(*given) for given, _ in cases] == [said for _, said in cases]
     # --dtype of the base's own type rounds its tensors onto the grid they are on
     assert [regrid(bases["q4_1"], t) for t in (None, "q4_1", "q8_0")] == [None, None, "q8_0"]
+
+
+def test_gain_error_by_hand():
+    """The gain's standard error over rows, sqrt(R / (R - 1) * sum (d_i - G n_i)^2) / N, on
+    rows worked by hand: base sums 3, 2, 4, 1, 5 and base + adapter's 2.5, 1.9, 3, 1.1, 4.5 over
+    2, 1, 3, 1, 3 tokens: d = .5, .1, 1, -.1, .5, N = 10, G = 0.2, d - G n = .1, -.1, .4, -.3,
+    -.1, whose squares sum to 0.28: sqrt(5 / 4 * 0.28) / 10 = 0.0591608. Rows of no trained
+    token are left out; one row has no spread (NaN)."""
+    from toymlx_cli.export import gain_error
+
+    base, tuned, n = [3.0, 2.0, 4.0, 1.0, 5.0], [2.5, 1.9, 3.0, 1.1, 4.5], [2, 1, 3, 1, 3]
+    assert gain_error(base, tuned, n) == pytest.approx(math.sqrt(5 / 4 * 0.28) / 10, rel=1e-12)
+    assert gain_error(base + [0.0], tuned + [0.0], n + [0]) == gain_error(base, tuned, n)
+    # two rows: d = .5, .1 over 2, 1 tokens: G = 0.2, d - G n = .1, -.1: sqrt(2 * 0.02) / 3
+    assert gain_error(base[:2], tuned[:2], n[:2]) == pytest.approx(0.2 / 3, rel=1e-12)
+    assert math.isnan(gain_error(base[:1], tuned[:1], n[:1]))
+
+
+def test_gain_note_says_a_gain_within_noise_instead_of_a_share():
+    """On one or two validation rows the share read 117% or 5%: noise. A gain under 2 standard
+    errors (hand-computed: G = 0.02, d - G n = .06, .08, .04, -.22, .04, squares summing to
+    0.0616: sqrt(5 / 4 * 0.0616) / 10 = 0.02775), or from fewer than 5 rows, is said to be
+    within noise, with its figures, instead of a share; a measured one gives the share and its
+    error (the rows of `test_gain_error_by_hand`: 0.2 +- 0.0592)."""
+    from toymlx_cli.export import gain_error, gain_note
+
+    more = "more validation rows (--data.val-fraction, or a larger valid.jsonl) measure it"
+    base, n = [3.0, 2.0, 4.0, 1.0, 5.0], [2, 1, 3, 1, 3]  # mean 15 / 10 = 1.5
+    close = [2.9, 1.9, 3.9, 1.2, 4.9]  # mean 14.8 / 10 = 1.48
+    error = gain_error(base, close, n)
+    assert error == pytest.approx(math.sqrt(5 / 4 * 0.0616) / 10, rel=1e-12)
+    assert gain_note(1.5, 1.48, 1.49, None, error, 5) == (
+        "the fine-tune's held-out gain on 5 validation rows is within noise (0.0200 +- 0.0277 "
+        f"nats, under 2 standard errors): {more}")
+    far = gain_error(base, [2.5, 1.9, 3.0, 1.1, 4.5], n)  # mean 13 / 10 = 1.3
+    assert gain_note(1.5, 1.3, 1.36, None, far, 5) == (
+        "the fused file keeps 70% of the fine-tune's held-out gain; the fine-tune's held-out "
+        "gain on 5 validation rows: 0.2000 +- 0.0592 nats")
+    assert gain_note(1.5, 1.3, 1.36, None, 0.2 / 3, 2) == (
+        "the fine-tune's held-out gain on 2 validation rows cannot be told from noise (0.2000 "
+        f"+- 0.0667 nats; fewer than 5 rows give no share of it): {more}")
+    assert gain_note(1.5, 1.3, 1.36, None, math.nan, 1) == (
+        "the fine-tune's held-out gain on 1 validation row cannot be told from noise (0.2000 "
+        f"nats; fewer than 5 rows give no share of it): {more}")
 
 
 def test_export_takes_the_runs_figures_only_for_its_base_from_a_zero_adapter(bases, tmp_path,

@@ -325,7 +325,7 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
                       "none; e.g. toymlx-classify --model runs/RUN_ID IMAGE (toymlx-classify "
                       "--help lists every option)")),
     ("eval", ["--model", "m", "--batch-size", "x"],
-     "toymlx-eval: error: --batch-size: expected an integer, got 'x'"),
+     "toymlx-eval: error: --batch-size: expected an integer or None, got 'x'"),
     ("eval", ["--data-path"],
      "toymlx-eval: error: --data-path: expected a value or None after it, got nothing"),
     ("generate", ["--model", "m", "--temp", "0.5"],

@@ -55,7 +55,13 @@ def lm_loss(model: nn.Module, batch: dict[str, mx.array], chunk: int | None = No
 
 def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.array,
                   chunk: int, grad: bool = True) -> mx.array:
-    """sum(cross_entropy(model.unembed(h), targets) * mask) over (B, T), `chunk` tokens of
+    """sum(cross_entropy(model.unembed(h), targets) * mask) over (B, T): `masked_ce`'s sum."""
+    return masked_ce(model, h, targets, mask, chunk, grad).sum()
+
+
+def masked_ce(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.array,
+              chunk: int, grad: bool = True) -> mx.array:
+    """cross_entropy(model.unembed(h), targets) * mask, (B, T), `chunk` tokens of
     logits at a time, each chunk recomputed in the backward pass. The per-token losses are
     joined before the masked sum, so it adds in the order the whole-logits loss does. A frozen
     head: `frozen_head_cross_entropy` (`grad`: the sum will be differentiated).
@@ -75,9 +81,9 @@ def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.arr
     if head is not None:
         ce = frozen_head_cross_entropy(h.reshape(N, D), targets.reshape(N), head, model.ops,
                                        model.args.final_softcap, grad)
-        return (ce.reshape(B, T) * mask).sum()
+        return ce.reshape(B, T) * mask
     if N <= chunk:
-        return (_ce(model, h, targets) * mask).sum()
+        return _ce(model, h, targets) * mask
     h = h.reshape(1, N, D)  # (1, B*T, D): chunks may cross rows
     targets = targets.reshape(1, N)
     key = model.head_key()
@@ -96,7 +102,7 @@ def masked_ce_sum(model: nn.Module, h: mx.array, targets: mx.array, mask: mx.arr
         tc = targets[:, a:a + chunk]
         ce.append(recompute_in_backward(lambda p, x, tc=tc: forward(p, x, tc), params, hc))
     model.update(params)  # the custom function leaves its inner arrays in the model
-    return (mx.concatenate(ce, axis=1).reshape(B, T) * mask).sum()
+    return mx.concatenate(ce, axis=1).reshape(B, T) * mask
 
 
 HEAD_SLICE_VALUES = 1 << 20
@@ -289,10 +295,25 @@ def lm_held_out_sums(model: nn.Module, batch: dict[str, mx.array]) -> dict[str, 
     (`toymlx.data.chat.sft_val_batches`). The same values as `lm_loss` (`masked_ce_sum` over
     the hidden states there), rows of logits being independent: the unembedding and the
     cross-entropy skip the prompts and the padding."""
+    ce, weight = _held_out_ce(model, batch)
+    return {"loss": ce.sum(), "n": weight.sum()}
+
+
+def lm_held_out_rows(model: nn.Module, batch: dict[str, mx.array]) -> dict[str, mx.array]:
+    """`lm_held_out_sums` (the same sums, added in the same order) and each row's own:
+    `row_loss` (B,) its summed cross-entropy, `row_n` (B,) its trained targets; the paired
+    differences of two models' rows give a standard error of their losses' difference
+    (`toymlx_cli.export.gain_note`)."""
+    ce, weight = _held_out_ce(model, batch)
+    return {"loss": ce.sum(), "n": weight.sum(), "row_loss": ce.sum(axis=-1),
+            "row_n": weight.sum(axis=-1)}
+
+
+def _held_out_ce(model: nn.Module, batch: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+    """The masked cross-entropy (B, P) at each row's trained positions, and their weights."""
     h = model.hidden(batch["inputs"])  # (B, T, D)
     pos, weight = batch["positions"], batch["position_mask"]
-    total = masked_ce_sum(model, mx.take_along_axis(h, pos[..., None], axis=1),
-                          mx.take_along_axis(batch["targets"], pos, axis=1), weight,
-                          logits_chunk(model.args.vocab_size, model.ops.logits_values),
-                          grad=False)
-    return {"loss": total, "n": weight.sum()}
+    ce = masked_ce(model, mx.take_along_axis(h, pos[..., None], axis=1),
+                   mx.take_along_axis(batch["targets"], pos, axis=1), weight,
+                   logits_chunk(model.args.vocab_size, model.ops.logits_values), grad=False)
+    return ce, weight

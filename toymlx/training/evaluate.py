@@ -68,7 +68,7 @@ class Evaluator:
 
     def __call__(self, max_batches: int | None = None, split: str = "val",
                  stop: Callable[[], int] | None = None,
-                 waiting: Callable[[], Any] | None = None) -> dict[str, float] | None:
+                 waiting: Callable[[], Any] | None = None) -> dict[str, Any] | None:
         """Metrics over the validation batches (`split="test"`: the test batches), the first
         `max_batches`; the loss is `<split>_loss`, and a test split's other metrics are
         `test_<name>` (test_accuracy) so that they never read as the validation figures.
@@ -76,8 +76,11 @@ class Evaluator:
         non-zero, the pass abandoned (a long --test pass must not hold off a Ctrl-C).
         `waiting`: the context each micro-batch is evaluated in, one call that cannot be cut
         (`toymlx.backend.stop.StopSignals.waiting`); a micro-batch a stop cut short (MLX's
-        kernel build stopped by the same Ctrl-C) abandons the pass too."""
+        kernel build stopped by the same Ctrl-C) abandons the pass too. A metric named
+        `ROW_PREFIX`... (`lm_held_out_rows`) is each row's own: returned as it is, (rows,)
+        float64 in the order the batches hold them, not summed."""
         totals: dict[str, float] = {}
+        rows: dict[str, list[np.ndarray]] = {}
         model = self.task.model
         was_training = model.training
         model.eval()
@@ -99,14 +102,18 @@ class Evaluator:
                             return None
                         for sums in parts:
                             for k, v in sums.items():
-                                totals[k] = totals.get(k, 0.0) + float(v.item())
+                                if k.startswith(ROW_PREFIX):  # (B,): each row's own, in order
+                                    rows.setdefault(k, []).append(np.array(v, np.float64))
+                                else:
+                                    totals[k] = totals.get(k, 0.0) + float(v.item())
                         if bar is not None:
                             bar.update(scored_rows(micro))
         finally:
             model.train(was_training)
         n = totals.pop("n", 0.0) or 1.0
-        return {(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
-                for k, v in totals.items()}
+        return {**{(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
+                   for k, v in totals.items()},
+                **{k: np.concatenate(v) for k, v in rows.items()}}
 
     def _bar(self, batches: list[dict[str, Any]]) -> Any:
         """The pass's progress bar over the rows `batches` hold (None: none drawn), where they
@@ -116,6 +123,10 @@ class Evaluator:
         total = sum(scored_rows(micro_batch(b, i)) for b in batches
                     for i in range(next(iter(b.values())).shape[0]))
         return pass_bar(total, self.progress, self.unit)
+
+
+ROW_PREFIX = "row_"
+"""A metric of each row (B,), not a sum over them: `Evaluator` returns these rows joined."""
 
 
 def scored_rows(micro: dict[str, Any]) -> int:
