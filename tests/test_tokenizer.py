@@ -624,7 +624,8 @@ NEW_PRE = {
     "deepseek-coder": ({"x.\n\ny": [87, 13, 185, 185, 88],
                         "DON'T don't": [35, 1236, 6, 51, 1115, 6, 83], "12345": [16, 17, 18, 19, 20]},
                        (True, False)),
-    # U+3000 is a piece of its own; Arabic letters are no letters, each its own piece
+    # U+3000 is a piece of its own; Arabic is none of its letters' scripts: the words and the
+    # space between them are one piece (merged as far as the vocabulary goes)
     "deepseek-llm": ({"中文\u3000中文。\u3000。": [43757, 88946, 43757, 398, 88946, 398],
                       "مرحبا بالعالم 1": [24048, 21437, 78930, 41737, 12241, 49838, 61072, 64040,
                                           61072, 24048, 207, 16]}, (True, False)),
