@@ -47,6 +47,10 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    tied, byte-level BPE
     olmo2          Olmo2ForCausalLM (OLMo 2): norms after attention and MLP only, q/k RMS norms
                    over the whole projection, untied, byte-level BPE
+    phi4-mini      Phi-4-mini-instruct's layout: phi3 with partial_rotary_factor 0.75 and
+                   "longrope" factors for the rotated part only (original context 32, as
+                   phi3-longrope), GQA 4/2, tied, sliding_window 262144, and a byte-level BPE
+                   vocabulary with GPT-4o's regex (pre "gpt-4o", tokenizer_class GPT2Tokenizer)
 
 The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
 (32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
@@ -59,14 +63,14 @@ gets a 512-token vocabulary cut from the real one that llama.cpp ships for token
   as the SentencePiece protobuf directly. The converter reads it as it reads any
   `tokenizer.model`: no change to the converter. The cut holds merged pieces ("er", "▁t")
   without the characters alone ("e", "▁"), which llama.cpp (and toymlx) still merge.
-- Byte-level BPE kinds (llama3, qwen2, qwen3): a `tokenizer.json` (HF `tokenizers`) with the
+- Byte-level BPE kinds (llama3, qwen2, qwen3, phi4-mini): a `tokenizer.json` (HF `tokenizers`) with the
   family's 256 byte tokens, its first merges whose parts stay in the cut vocabulary, its
   pre-tokenizer regex and a few of its special tokens. The converter identifies BPE
   pre-tokenizers by a hash of the token ids of a fixed text; a cut vocabulary gives other ids,
   so the hash is not recognised. The one shim (`_child_convert`): the converter's
   `TextModel.get_vocab_base_pre` is wrapped so that, when its own table does not know the
   hash, it returns the pre-tokenizer name the checkpoint declares in `toymlx_tiny.json`
-  ("llama-bpe" or "qwen2", the regex the tokenizer was built with). Nothing else in the
+  ("llama-bpe", "qwen2" or "gpt-4o", the regex the tokenizer was built with). Nothing else in the
   converter is touched: the hyperparameter, tensor-name, permutation and extra-tensor code
   under test runs as llama.cpp ships it.
 
@@ -97,8 +101,12 @@ SCRIPT = Path(__file__).resolve()
 VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
-              "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2")
-KINDS = BASE_KINDS + tuple(f"{k}-q" for k in BASE_KINDS)
+              "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini")
+# a kind's weights are seeded by its place here: kinds added later (from phi4-mini on) go after
+# the first ones' -q twins, so that no kind's weights change when one is added
+_FIRST = BASE_KINDS[:BASE_KINDS.index("phi4-mini")]
+KINDS = (_FIRST + tuple(f"{k}-q" for k in _FIRST)
+         + tuple(k for b in BASE_KINDS[len(_FIRST):] for k in (b, f"{b}-q")))
 # Types `llamacpp_quantize` accepts (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
                "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",
@@ -115,7 +123,7 @@ class Spec:
     kind: str
     family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite
     # | olmo2
-    tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2
+    tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2 | bpe-gpt4o
     hidden: int
     ff: int
     layers: int
@@ -160,6 +168,10 @@ def spec(kind: str) -> Spec:
         return Spec(**s, family="granite", tokenizer="bpe-llama3", tied=True)
     if base == "olmo2":
         return Spec(**s, family="olmo2", tokenizer="bpe-llama3", tied=False)
+    if base == "phi4-mini":
+        return Spec(**s, family="phi3", tokenizer="bpe-gpt4o", tied=True,
+                    extra={"partial_rotary_factor": 0.75, "longrope": True,
+                           "sliding_window": 262144})
     if base == "phi3-partial":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=True,
                     extra={"partial_rotary_factor": 0.75})
@@ -228,17 +240,19 @@ def hf_config(sp: Spec, tok: dict):
                               rope_parameters=_rope(500000.0))
     # phi3
     rot = sp.extra.get("partial_rotary_factor", 1.0)
+    partial = {"partial_rotary_factor": rot} if rot != 1.0 else {}
     if sp.extra.get("longrope"):
-        n = int(hd * rot) // 2
+        n = int(hd * rot) // 2  # a factor per rotated pair
         g = np.random.default_rng(7)
         rope = _rope(10000.0, rope_type="longrope",
                      short_factor=[round(float(x), 4) for x in 1.0 + 0.5 * g.random(n)],
                      long_factor=[round(float(x), 4) for x in 1.0 + 3.0 * g.random(n)],
-                     original_max_position_embeddings=32)
+                     original_max_position_embeddings=32, **partial)
         return tf.Phi3Config(**common, max_position_embeddings=128, rms_norm_eps=1e-5,
-                             original_max_position_embeddings=32, sliding_window=2047,
+                             original_max_position_embeddings=32,
+                             sliding_window=sp.extra.get("sliding_window", 2047),
                              rope_parameters=rope)
-    rope = _rope(10000.0, **({"partial_rotary_factor": rot} if rot != 1.0 else {}))
+    rope = _rope(10000.0, **partial)
     return tf.Phi3Config(**common, max_position_embeddings=4096, rms_norm_eps=1e-5,
                          original_max_position_embeddings=4096, sliding_window=2047,
                          rope_parameters=rope)
@@ -356,6 +370,13 @@ LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GPT-4o's (Phi-4's tokenizer.json), as Hugging Face writes it
+_CASED = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_UNCASED = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_APOS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O_PAT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}*{_UNCASED}+{_APOS}"
+             rf"|[^\r\n\p{{L}}\p{{N}}]?{_CASED}+{_UNCASED}*{_APOS}"
+             r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
@@ -376,6 +397,10 @@ def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
         specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                     "<|end_header_id|>", "<|eot_id|>"]
         pat, pre = LLAMA3_PAT, "llama-bpe"
+    elif which == "bpe-gpt4o":  # Llama 3's vocabulary under Phi-4-mini's regex and specials
+        meta = _vocab_gguf(tree, "llama-bpe")
+        specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+        pat, pre = GPT4O_PAT, "gpt-4o"
     else:
         meta = _vocab_gguf(tree, "qwen2")
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -415,6 +440,10 @@ def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
             special_tokens=[("<|begin_of_text|>", bos)])
         ids = {"bos": bos, "eos": sid["<|eot_id|>"]}
         cfg.update(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    elif which == "bpe-gpt4o":  # the converter reads a BPE vocabulary by this class alone
+        ids = {"bos": None, "eos": sid["<|end|>"], "pad": sid["<|endoftext|>"]}
+        cfg.update(tokenizer_class="GPT2Tokenizer", bos_token="<|endoftext|>",
+                   eos_token="<|end|>", pad_token="<|endoftext|>", add_bos_token=False)
     else:
         ids = {"bos": None, "eos": sid["<|im_end|>"], "pad": sid["<|endoftext|>"]}
         cfg.update(bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",

@@ -20,6 +20,7 @@ from hf_tiny import (
     gguf_summary,
     hf_logits,
     llamacpp_quantize,
+    spec,
     tensor_layout,
     tiny_gguf,  # noqa: F401  (session fixtures)
     tiny_hf,  # noqa: F401
@@ -35,7 +36,7 @@ from toymlx.models.llama import Llama
 
 pytestmark = pytest.mark.interop
 
-N_TOKENS = 40  # crosses the Gemma sliding windows (8) and phi3-longrope's original context (32)
+N_TOKENS = 40  # crosses the Gemma sliding windows (8) and the longrope kinds' original context (32)
 HF_TOL = 1e-4  # llama.cpp f32 against transformers f32 on O(1) logits (measured: ~1e-6)
 # gemma2, gemma3: ~1e-3 from the first position on, most of it llama.cpp's GELU, which looks its
 # values up in a float16 table (emulating that in transformers leaves 2e-4); the sliding
@@ -75,7 +76,7 @@ def test_converted_matches_llamacpp_and_hf(kind, tiny_hf, tiny_gguf):  # noqa: F
            n_vocab=info["n_vocab"], load_s=round(info["load_s"], 2))
     assert diff < (GELU_TOL if kind.startswith("gemma") else HF_TOL), f"{kind}: llama.cpp and transformers differ by {diff}"
     # toymlx on the converter's file: against transformers (exact GELU) and llama.cpp
-    mine = toymlx_logits(path, ids, long_factors=kind.startswith("phi3-longrope"))
+    mine = toymlx_logits(path, ids, long_factors=spec(kind).extra.get("longrope", False))
     d_hf, d_cpp = float(np.abs(mine - ref).max()), float(np.abs(mine - got).max())
     report(f"{kind} toymlx", toymlx_vs_hf_max_abs=d_hf, toymlx_vs_llamacpp_max_abs=d_cpp,
            top1_vs_llamacpp=float((mine.argmax(-1) == got.argmax(-1)).mean()))
@@ -129,3 +130,16 @@ def test_quantized_copies_load(kind, qtype, tiny_hf, tiny_gguf, tmp_path):  # no
            size_kb=round(dst.stat().st_size / 1024), tensor_types_global_and_block0=types,
            max_abs_vs_f32=diff, logit_std=float(ref.std()))
     assert diff < 0.5 * float(np.abs(ref).max()) + 0.5
+
+
+@pytest.mark.parametrize("kind", ["phi3-longrope", "phi4-mini"])
+def test_longrope_short_factors_within_the_original_context(kind, tiny_hf, tiny_gguf):  # noqa: F811
+    """Within longrope's original context (32 here) transformers rotates by the short factors,
+    as toymlx always does: toymlx's logits on the file are transformers' for 24 tokens (llama.cpp
+    picks its factors by n_ctx, 64 in llamacpp_runner: the long ones, checked above)."""
+    ids = token_ids(tiny_hf(kind), 24)
+    ref = hf_logits(tiny_hf(kind), ids)
+    mine = toymlx_logits(tiny_gguf(kind), ids)
+    d_hf = float(np.abs(mine - ref).max())
+    report(f"{kind} short factors", toymlx_vs_hf_max_abs=d_hf, logit_std=float(ref.std()))
+    assert d_hf < HF_TOL, f"{kind}: toymlx and transformers differ by {d_hf}"

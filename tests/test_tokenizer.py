@@ -393,7 +393,8 @@ def test_from_gguf_names_the_file(tmp_path):
 # ------------------------------------------------------------------ llama.cpp's vocab test files
 # models/ggml-vocab-<name>.gguf of llama.cpp's source tree (the llama-cpp-python sdist), with the
 # ids llama.cpp's test-tokenizer-0 expects: name -> number of vectors
-UPSTREAM = {"qwen2": 46, "llama-bpe": 46, "phi-3": 46, "gemma-4": 46, "qwen35": 50}
+UPSTREAM = {"qwen2": 46, "llama-bpe": 46, "phi-3": 46, "gemma-4": 46, "qwen35": 50,
+            "deepseek-coder": 46, "deepseek-llm": 46}
 
 
 @pytest.fixture(scope="module")
@@ -436,6 +437,8 @@ UPSTREAM_FLAGS = {
     "llama-bpe": ("gpt2", "llama-bpe", True, 128000, 128001, {128001, 128009}),
     "phi-3": ("llama", None, True, 1, 32000, {2, 32000, 32007}),
     "gemma-4": ("gemma4", "gemma4", True, 2, 1, {1, 50, 106}),
+    "deepseek-coder": ("gpt2", "deepseek-coder", True, 32013, 32014, {32014}),
+    "deepseek-llm": ("gpt2", "deepseek-llm", True, 100000, 100001, {100001}),
 }
 
 
@@ -578,10 +581,15 @@ def test_unknown_pre_is_refused(upstream):
 # ------------------------------------------------------------------ pre names of other files
 # pre name -> the upstream vocabulary it is tried on, one whose regexes llama.cpp gives it too:
 # OLMo 2's files say "dbrx", SmolLM3's "smaug-bpe", Granite 3.x's "refact" (Gemma 2's are
-# SentencePiece); the rest share a case of llama.cpp's regex switch with a name toymlx had
+# SentencePiece); the rest share a case of llama.cpp's regex switch with a name toymlx had.
+# Then the names of `NEW_PRE`, whose regexes no other name has: their own vocabulary where
+# llama.cpp ships one (DeepSeek's), else Llama 3's, a 128k byte-level BPE like theirs.
 RENAMED = {"dbrx": "llama-bpe", "smaug-bpe": "llama-bpe", "jina-v5-nano": "llama-bpe",
            "refact": "refact", "kormo": "qwen2", "f2llmv2": "qwen2", "solar-open": "qwen2",
-           "a.x-4.0": "gpt-2", "jais": "gpt-2", "trillion": "gpt-2", "granite-docling": "gpt-2"}
+           "a.x-4.0": "gpt-2", "jais": "gpt-2", "trillion": "gpt-2", "granite-docling": "gpt-2",
+           "grok-2": "qwen2", "gpt-4o": "llama-bpe", "tekken": "llama-bpe",
+           "seed-coder": "llama-bpe", "superbpe": "llama-bpe", "deepseek-coder": "deepseek-coder",
+           "deepseek-llm": "deepseek-llm", "viking": "llama-bpe"}
 # ids llama.cpp gives (add_bos as the file leaves it: Llama 3's has no add_bos_token key) with
 # Llama 3's vocabulary under each name: " việc" and " Việt" are tokens, which llama-bpe
 # (ignore_merges) takes whole and dbrx and smaug-bpe reach by no merge; only llama-bpe adds bos
@@ -591,6 +599,53 @@ RENAMED_IDS = {
     "dbrx": {" việc": [3355, 26298, 66], " Việt Nam": [11655, 26298, 83, 31074],
              "12345 don't": [4513, 1774, 1541, 956]}}
 RENAMED_IDS["smaug-bpe"] = RENAMED_IDS["dbrx"]
+
+
+# Files of architectures toymlx loads: Phi-4 and Phi-4-mini say "gpt-4o", Mistral-Nemo and
+# Ministral-8B "tekken", Seed-Coder-8B "seed-coder", OLMo 2 SuperBPE "superbpe", DeepSeek-Coder
+# 1.3B/6.7B "deepseek-coder", DeepSeek-LLM 7B "deepseek-llm", Viking 7B "viking". Text -> ids (add_bos False) as
+# llama.cpp gives them with each name's `RENAMED` vocabulary, each showing what the name does
+# that Llama 3's regex does not; and (add_bos as the file leaves it, ignore_merges)
+NEW_PRE = {
+    # a letter run splits where lower case turns upper; three digits a piece; "/" after newlines
+    "gpt-4o": ({"JavaScript YouTube iPhone": [15391, 6035, 1472, 12115, 602, 7084],
+                "12345 don't": [4513, 1774, 1541, 956], "a./\n/b": [64, 1761, 198, 14, 65]},
+               (False, False)),
+    # as gpt-4o, but one digit a piece; a piece that is a token is that token (" việc")
+    "tekken": ({"JavaScript YouTube": [15391, 6035, 1472, 12115], "12345": [16, 17, 18, 19, 20],
+                " việc": [100769]}, (True, True)),
+    # as Qwen2, but punctuation takes no newlines after it
+    "seed-coder": ({"x.\n\ny": [87, 13, 271, 88], "12345": [16, 17, 18, 19, 20]},
+                   (False, False)),
+    # pieces run across spaces; digit runs cut in threes from the right
+    "superbpe": ({"12345 1234567": [717, 12901, 220, 16, 11727, 19282],
+                  "  two   spaces": [256, 20375, 262, 45385]}, (False, False)),
+    # each newline alone, apostrophes apart, digits one a piece
+    "deepseek-coder": ({"x.\n\ny": [87, 13, 185, 185, 88],
+                        "DON'T don't": [35, 1236, 6, 51, 1115, 6, 83], "12345": [16, 17, 18, 19, 20]},
+                       (True, False)),
+    # U+3000 is a piece of its own; Arabic is none of its letters' scripts: the words and the
+    # space between them are one piece (merged as far as the vocabulary goes)
+    "deepseek-llm": ({"中文\u3000中文。\u3000。": [43757, 88946, 43757, 398, 88946, 398],
+                      "مرحبا بالعالم 1": [24048, 21437, 78930, 41737, 12241, 49838, 61072, 64040,
+                                          61072, 24048, 207, 16]}, (True, False)),
+    # words take the space before them, what is between them is one piece, digits one a piece
+    "viking": ({"Hello, world. a  b": [9906, 11, 1917, 13, 264, 220, 293],
+                "hyvää päivää!\n\nNo niin… 123": [8671, 85, 43543, 93464, 344, 43543, 2268, 2822,
+                                                 13080, 258, 1981, 220, 16, 17, 18]},
+               (False, False)),
+}
+
+
+@pytest.mark.parametrize("name", list(NEW_PRE))
+def test_pre_names_of_other_regexes_known_ids(models_dir, name):
+    tok = Tokenizer.from_metadata(renamed_meta(models_dir, name))
+    cases, (add_bos, ignore_merges) = NEW_PRE[name]
+    assert (tok.pre, tok.add_bos, PRE_TOKENIZERS[name].ignore_merges) == (name, add_bos,
+                                                                         ignore_merges)
+    for text, want in cases.items():
+        assert tok.encode(text, add_bos=False) == want, text
+        assert tok.decode(want) == text
 
 
 def renamed_meta(models: Path, name: str) -> dict:
@@ -793,6 +848,14 @@ NOT_ENGLISH_CUTS = {
     "llama-bpe": {"zh": 0, "ru": 15, "json": 17, "csv": 13, "ar": 19},
     "qwen2": {"zh": 18, "ru": 28, "json": 32, "csv": 30, "ar": 37},  # zh: before "，"
     "qwen35": {"zh": 18, "ru": 28, "json": 32, "csv": 30, "ar": 29},  # ar: marks join letters
+    # Llama 3's vocabulary: as llama-bpe's cuts, but superbpe's only beside digits
+    "gpt-4o": {"zh": 0, "ru": 15, "json": 17, "csv": 13, "ar": 19},
+    "tekken": {"zh": 0, "ru": 15, "json": 17, "csv": 13, "ar": 19},
+    "seed-coder": {"zh": 0, "ru": 15, "json": 17, "csv": 13, "ar": 19},
+    "superbpe": {"zh": 0, "ru": 0, "json": 9, "csv": 13, "ar": 0},
+    "deepseek-coder": {"zh": 10, "ru": 28, "json": 25, "csv": 22, "ar": 29},  # zh: after "。"
+    "deepseek-llm": {"zh": 0, "ru": 0, "json": 9, "csv": 21, "ar": 0},  # newlines, digits only
+    "viking": {"zh": 0, "ru": 15, "json": 9, "csv": 13, "ar": 15},
 }
 
 
@@ -802,6 +865,8 @@ def _vocab(request, name: str) -> Tokenizer:
         return Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "default"})
     if name in UPSTREAM:
         return request.getfixturevalue("upstream")(name)
+    if name in NEW_PRE:  # Llama 3's vocabulary under the name
+        return Tokenizer.from_metadata(renamed_meta(request.getfixturevalue("models_dir"), name))
     return request.getfixturevalue(name)
 
 
@@ -847,7 +912,7 @@ FUZZ_ATOMS = (
     + ["<s>", "</s>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", " <s> ",
        "\n<|im_end|>\n", "<|turn>", "<turn|>", "<|user|>", "<|end|>", "<|begin_of_text|>"])
 FUZZ_VOCABS = ["bt", "gpt2", "spm", "smol", "stories", "gpt2-default", "llama-bpe", "qwen2",
-               "qwen35", "gemma-4", "phi-3"]
+               "qwen35", "gemma-4", "phi-3", *NEW_PRE]
 
 
 @pytest.mark.parametrize("name", FUZZ_VOCABS)

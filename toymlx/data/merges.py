@@ -43,6 +43,52 @@ _QWEN2_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]
 _QWEN35_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _NEWLINE_RUNS_RE = r"[^\n]+|[\n]+"
+# Phi-4's and Mistral-Nemo's regexes split a letter run where lower case turns upper ("camelCase":
+# "camel", "Case"). llama.cpp runs them with std::regex on text whose non-ASCII characters it
+# first replaces by one stand-in per category: every non-ASCII letter is then both upper and
+# lower case, and a combining mark is no letter. These are llama.cpp's spellings of them, which
+# say exactly that ("a letter that is not a-z", "a letter that is not A-Z").
+_UPPER = r"(?:(?=\p{L})[^a-z])"
+_LOWER = r"(?:(?=\p{L})[^A-Z])"
+_NOT_LN = r"[^\r\n\p{L}\p{N}]?"
+_GPT4O_RE = (f"{_NOT_LN}{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|{_NOT_LN}{_UPPER}+{_LOWER}*"
+             + _CONTRACTIONS + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_RE = (f"{_NOT_LN}{_UPPER}*{_LOWER}+|{_NOT_LN}{_UPPER}+{_LOWER}*"
+              r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's, but a run of other characters takes no newlines after it
+_SEED_CODER_RE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}\r\n]+"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# SuperBPE merges across spaces: only runs of digits are cut out, and cut in threes from their
+# right end (llama.cpp's std::regex \d is ASCII's 0-9 alone)
+_SUPERBPE_RES = (r"\p{N}+", r"(?=(?:[0-9]{3})+(?![0-9]))")
+# DeepSeek's: each newline alone, runs of letters (DeepSeek LLM's: of cased scripts only) and of
+# punctuation, runs of CJK and Hangul (the range U+0800-U+4E00 with them, whitespace excepted:
+# llama.cpp replaces non-ASCII whitespace by a stand-in before it matches), then digits
+# (DeepSeek-Coder's each alone, DeepSeek LLM's in runs)
+_DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff&&[^\\s]]+"
+_DEEPSEEK_CODER_RES = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, r"\p{N}")
+_DEEPSEEK_LETTERS = (
+    "A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1"
+    "\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5"
+    "\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a"
+    "\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d"
+    "\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3"
+    "\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115"
+    "\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+    "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3"
+    "\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf"
+    "\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f"
+    "\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2"
+    "\U000118a0-\U000118df\U0001e900-\U0001e943")
+# U+3000 (ideographic space) ends the punctuation range in llama.cpp's regex but is whitespace
+# there, which \s? takes instead
+_DEEPSEEK_LLM_RES = ("[\r\n]", r"\s?[" + _DEEPSEEK_LETTERS + "]+",
+                     r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3001\u3002]+",
+                     r"\s+$", _DEEPSEEK_CJK, r"\p{N}+")
+# Viking's: runs of anything but whitespace and a few punctuation marks (with the one space
+# before such a run), then each digit alone
+_VIKING_RES = (" ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+", r"\p{N}")
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
 _SMOLLM_RES = (r"\p{N}", _GPT2_RE)
 
@@ -50,7 +96,12 @@ _SMOLLM_RES = (r"\p{N}", _GPT2_RE)
 # llm_tokenizer_bpe's regex switch, split where their flags differ). Granite 3.x files say
 # "refact", SmolLM3's "smaug-bpe", OLMo 2's "dbrx"; Gemma's are SentencePiece ("llama").
 # Left out: names whose files need what toymlx does not do (add_sep: jina-v1-en, jina-v2-code,
-# roberta-bpe, modern-bert's files; granite-embed-multi-311m's gemma4 form in a gpt2 file).
+# roberta-bpe, modern-bert's files; granite-embed-multi-311m's gemma4 form in a gpt2 file), and
+# names whose models are of architectures toymlx does not load (falcon, bloom, poro-chat,
+# gpt3-finnish, chatglm-bpe, glm4, glm5, chameleon, jais-2, tiny_aya, cohere2moe, kimi-k2,
+# deepseek-v3, hunyuan-dense, hy_v4, joyai-llm, spark2_5, youtu, afmoe, bailingmoe,
+# bailingmoe2, llada-moe, exaone-moe, laguna, minicpm5, sarvam-moe, granite-embed-multi-97m;
+# ufakzeka, whose model's architecture llama.cpp's converter does not say).
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {"default": PreTokenizer(_DEFAULT_RES)}
 for _name in ("gpt-2", "phi-2", "mpt", "olmo", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de",
               "gigachat", "mellum", "exaone4", "a.x-4.0", "jais", "trillion", "granite-docling"):
@@ -64,9 +115,17 @@ for _name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtra
 for _name in ("dbrx", "smaug-bpe"):  # Llama 3's regex, merged by rank throughout, no bos
     PRE_TOKENIZERS[_name] = PreTokenizer((_LLAMA3_RE,))
 for _name in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
-              "solar-open"):
+              "solar-open", "grok-2"):
     PRE_TOKENIZERS[_name] = PreTokenizer((_QWEN2_RE,))
 PRE_TOKENIZERS["qwen35"] = PreTokenizer((_QWEN35_RE,))
+for _name in ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"):
+    PRE_TOKENIZERS[_name] = PreTokenizer((_GPT4O_RE,))
+PRE_TOKENIZERS["tekken"] = PreTokenizer((_TEKKEN_RE,), ignore_merges=True, add_bos=True)
+PRE_TOKENIZERS["seed-coder"] = PreTokenizer((_SEED_CODER_RE,))
+PRE_TOKENIZERS["superbpe"] = PreTokenizer(_SUPERBPE_RES)
+PRE_TOKENIZERS["deepseek-coder"] = PreTokenizer(_DEEPSEEK_CODER_RES)
+PRE_TOKENIZERS["deepseek-llm"] = PreTokenizer(_DEEPSEEK_LLM_RES)
+PRE_TOKENIZERS["viking"] = PreTokenizer(_VIKING_RES)
 PRE_TOKENIZERS["gemma4"] = PreTokenizer((_NEWLINE_RUNS_RE,), force_bos=True, spm_style=True)
 SUPPORTED_PRE = tuple(PRE_TOKENIZERS)
 

@@ -7,7 +7,10 @@ Three llama.cpp vocabulary types are supported (`tokenizer.ggml.model`):
   splitting the pieces of the previous one, matches and the text between them both kept as
   pieces; every piece is byte-mapped (GPT-2's bytes->unicode table) and merged by rank.
   GPT-2, Llama 3 (`llama-bpe`), Qwen2.5/Qwen3 (`qwen2`), Qwen3.5 (`qwen35`), SmolLM,
-  SmolLM3 (`smaug-bpe`), OLMo 2 (`dbrx`), Granite 3 (`refact`), ...
+  SmolLM3 (`smaug-bpe`), OLMo 2 (`dbrx`; its SuperBPE variant `superbpe`), Granite 3
+  (`refact`), Phi-4 and Phi-4-mini (`gpt-4o`), Mistral-Nemo and Ministral (`tekken`),
+  DeepSeek-Coder (`deepseek-coder`), DeepSeek-LLM (`deepseek-llm`), Seed-Coder
+  (`seed-coder`), Viking (`viking`), ...
 - ``"llama"``: SentencePiece BPE (`tokens` + `scores` + `token_type`). llama.cpp prepends a
   space to every raw-text fragment when `add_space_prefix` (default true), replaces every space
   by U+2581 "▁", then repeatedly merges the adjacent pair whose concatenation is the
@@ -119,12 +122,15 @@ _DEFAULT_CUTS = (r"(?<=[PA])(?=[^PA])|(?<=[^PA])(?=[PA])"
                  r"|(?<=[WR])(?=[WR][LNMO])")
 
 
-def _llama3_cuts(letter: str, other: str, digits: str) -> str:
-    """Cuts of Llama 3's regex and Qwen's (`letter`, `other`: the class letters of their
-    letter runs and of what is neither letter, digit nor whitespace; `digits`: the cuts among
-    and around digits)."""
-    return (r"(?<=R)(?=[^WR])"  # after newlines, before a non-space: \s*[\r\n]+ ends there
-            rf"|(?<=[{letter}])(?=[^{letter}])"  # a letter run ends
+def _llama3_cuts(letter: str, other: str, digits: str, *, letter_tail: str = "",
+                 newline_tail: str = "") -> str:
+    """Cuts of Llama 3's regex and its kin, Qwen's, GPT-4o's (`letter`, `other`: the class
+    letters of their letter runs and of what is neither letter, digit nor whitespace; `digits`:
+    the cuts among and around digits; `letter_tail`: what a letter run takes after it, GPT-4o's
+    contractions; `newline_tail`: what a run of other characters takes after its newlines,
+    GPT-4o's "/")."""
+    return (rf"(?<=R)(?=[^WR{newline_tail}])"  # after newlines, before a non-space
+            rf"|(?<=[{letter}])(?=[^{letter}{letter_tail}])"  # a letter run ends
             rf"|{digits}"
             rf"|(?<=[{other}])(?=W)"  # a run of other characters ends (not before a newline)
             r"|(?<=W)(?=W[^WR])")  # two spaces before a non-space: \s+(?!\S) backs off
@@ -134,9 +140,28 @@ def _llama3_cuts(letter: str, other: str, digits: str) -> str:
 _LLAMA3_CUTS = _llama3_cuts("L", "MAPO", r"(?<=N)(?=[^N])|(?<=[LMAPO])(?=N)")
 _QWEN2_CUTS = _llama3_cuts("L", "MAPO", r"(?<=N)|(?<=[LMAPO])(?=N)")  # \p{N}: one a piece
 _QWEN35_CUTS = _llama3_cuts("LM", "APO", r"(?<=N)|(?<=[LMAPO])(?=N)")  # [\p{L}\p{M}]+ runs
+# Phi-4's (a letter run ends at a case change or takes a contraction) and Mistral-Nemo's (no
+# contractions, digits one a piece): Llama 3's cuts where no case is looked at
+_GPT4O_CUTS = _llama3_cuts("L", "MAPO", r"(?<=N)(?=[^N])|(?<=[LMAPO])(?=N)", letter_tail="A",
+                           newline_tail="P")
+_TEKKEN_CUTS = _llama3_cuts("L", "MAPO", r"(?<=N)|(?<=[LMAPO])(?=N)", newline_tail="P")
+# only digit runs are cut out, and cut counting from their right end
+_SUPERBPE_CUTS = r"(?<=N)(?=[^N])|(?<=[^N])(?=N)"
+# newlines, digits (each a piece in the end: a CJK run holding one is cut there too), a letter
+# run's end, and its start where no whitespace before it joins it
+_DEEPSEEK_CODER_CUTS = r"(?<=R)|(?=R)|(?<=N)|(?=N)|(?<=L)(?=[^L])|(?<=[MNAPO])(?=L)"
+# DeepSeek LLM's letter runs are of some scripts only, and "\s+$" takes the whitespace at the
+# end of a piece: only newlines, and digit runs' ends where no whitespace is before them
+_DEEPSEEK_LLM_CUTS = r"(?<=R)|(?=R)|(?<=N)(?=[^N])|(?<=[LMAPO])(?=N)"
+# Viking's: a word's end before whitespace, its start after a newline (what lies between words
+# is one piece, and a word takes the one space before it), digits where no space is before them
+_VIKING_CUTS = r"(?<=N)|(?<=[^W])(?=N)|(?<=[LMN])(?=[WR])|(?<=R)(?=[LMN])"
 _CUTS = {PRE_TOKENIZERS[name].regexes: re.compile(cuts) for name, cuts in (
     ("gpt-2", _GPT2_CUTS), ("smollm", _SMOLLM_CUTS), ("default", _DEFAULT_CUTS),
-    ("llama3", _LLAMA3_CUTS), ("qwen2", _QWEN2_CUTS), ("qwen35", _QWEN35_CUTS))}
+    ("llama3", _LLAMA3_CUTS), ("qwen2", _QWEN2_CUTS), ("qwen35", _QWEN35_CUTS),
+    ("gpt-4o", _GPT4O_CUTS), ("tekken", _TEKKEN_CUTS), ("seed-coder", _QWEN2_CUTS),
+    ("superbpe", _SUPERBPE_CUTS), ("deepseek-coder", _DEEPSEEK_CODER_CUTS),
+    ("deepseek-llm", _DEEPSEEK_LLM_CUTS), ("viking", _VIKING_CUTS))}
 """Cut places by the regexes of a `tokenizer.ggml.pre` (gemma4's are SentencePiece's)."""
 
 # the class letters, an earlier one winning, each tested by the regex engine the pre-tokenizers
