@@ -446,6 +446,33 @@ def test_a_generation_prompt_longer_than_the_turn_header_trains_the_answer(answe
         f"{answer}</s>{answer}</s>")
 
 
+LAST_USER_MARKED = ("{% set last = (messages | selectattr('role', 'equalto', 'user') | list)[-1] %}"
+                    "{% for m in messages %}{% if m.role == 'user' %}[INST{% if m == last %}!"
+                    "{% endif %}]{{ m.content }}[/INST]{% else %}HEAD{{ m.content }}</s>"
+                    "{% endif %}{% endfor %}{% if add_generation_prompt %}HEAD{% endif %}")
+"""Mistral-Nemo's shape (its tool list): text before the last user message only, so no earlier
+turn's prefix render starts the conversation's; "HEAD" the assistant's header."""
+
+
+@pytest.mark.parametrize("header", ["<|im_start|>", ""])
+def test_turns_a_later_message_rewrites_train_where_the_conversation_writes_them(header):
+    """Each turn trains its answer and end where the whole render writes it, after the previous
+    trained turn: three equal answers, users' messages holding the answer's text, with and
+    without an assistant header; --data.train-turns last trains the last only."""
+    tok = FakeTokenizer(LAST_USER_MARKED.replace("HEAD", header))
+    users, answer = ["say same", "same again", "x"], "same"
+    msgs = tuple(m for u in users for m in ({"role": "user", "content": u},
+                                            {"role": "assistant", "content": answer}))
+    marks = ["", "", "!"]
+    pieces = [p for u, mark in zip(users, marks, strict=True)
+              for p in ((f"[INST{mark}]{u}[/INST]{header}", 0), (f"{answer}</s>", 1))]
+    for turns, trained in (("assistant", [1, 3, 5]), ("last", [5])):
+        ids, mask = tokenize_example(Example("d.jsonl:1", messages=msgs), tok, True, turns)
+        assert ids == [i for text, _ in pieces for i in tok.encode(text, add_bos=False)]
+        assert mask == [int(k in trained) for k, (text, _) in enumerate(pieces)
+                        for _ in tok.encode(text, add_bos=False)]
+
+
 def test_system_refused_renders_once_per_template(monkeypatch):
     """`system_refused` renders the template twice to answer; toymlx-generate asks it twice a
     call and training once an example, so the answer is kept per template text."""

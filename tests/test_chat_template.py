@@ -206,17 +206,22 @@ class TextTokenizer:
             **render_context(BOS, EOS, **kw))
 
 
-def trained_texts(tok: TextTokenizer, example: Example, turns: str = "assistant"
-                  ) -> tuple[str, list[str]]:
-    """The example's text and each run of its trained tokens, as text."""
-    ids, mask = tokenize_example(example, tok, True, turns)
+def trained_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    """Each run of consecutive trained ids."""
     runs: list[list[int]] = []
     for k, (i, m) in enumerate(zip(ids, mask, strict=True)):
         if m:
             if k == 0 or not mask[k - 1]:
                 runs.append([])
             runs[-1].append(i)
-    return bytes(ids).decode(), [bytes(r).decode() for r in runs]
+    return runs
+
+
+def trained_texts(tok: TextTokenizer, example: Example, turns: str = "assistant"
+                  ) -> tuple[str, list[str]]:
+    """The example's text and each run of its trained tokens, as text."""
+    ids, mask = tokenize_example(example, tok, True, turns)
+    return bytes(ids).decode(), [bytes(r).decode() for r in trained_runs(ids, mask)]
 
 
 CHAT = [SYSTEM, USER1, ANSWER1, USER2, ANSWER2]
@@ -226,15 +231,15 @@ PROMPT_ONLY = {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "<think>\n",
 """Generation prompts that end in text the template never writes into a rendered turn
 (DeepSeek-R1's `<｜Assistant｜><think>\\n`, llama.cpp's copies adding `</think>` where
 `enable_thinking` is not true, against `<｜Assistant｜>` + answer in the turn): not trained."""
-REFUSED = {
-    "Qwen-Qwen3-0.6B.jinja": "turns",
-    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "system",
-}
-"""Templates that write a turn of CHAT one way while it is the last and another once a message
-follows, so training every assistant turn of CHAT is refused: Qwen3 writes an empty `<think>`
-block in the last turn only ("turns": --data.train-turns last trains the last as generation
-writes it); Mistral-Nemo writes the system text into the last user message, and drops it when an
-assistant's turn ends the conversation ("system": refused with it, trained without it)."""
+SYSTEM_DROPPED = {"mistralai-Mistral-Nemo-Instruct-2407.jinja"}
+"""Templates that leave a system message out of a conversation ending in an assistant's turn:
+Mistral-Nemo writes the system text into the last message only when that is a user's, so
+training CHAT is refused (every turn, and the last) and trains without the system message."""
+REWRITTEN = {"Qwen-Qwen3-0.6B.jinja"}
+"""Templates that write an assistant turn one way while it is the last and another once a user
+message follows (Qwen3: an empty `<think>` block in the last turn only), so an earlier turn
+trains as the whole conversation writes it (`_history_span`): `Turn.before` + text + `Turn.end`,
+no `last_before`."""
 
 
 @pytest.mark.parametrize("name", sorted(set(LOADED) - set(VARIABLES)))
@@ -246,24 +251,24 @@ def test_training_trains_the_answers_and_end_of_turn_as_the_template_writes_them
     last_end, last_before = turn.last_end or turn.end, turn.before if turn.last_before is None \
         else turn.last_before
     tools = TOOLS if name in TOOL_USE else None
-    chat = CHAT[1:] if REFUSED.get(name) == "system" else CHAT
+    chat = CHAT[1:] if name in SYSTEM_DROPPED else CHAT
     merged = "System role not supported" in source  # Gemma's: no system role
     rendered_as = ([{**USER1, "content": f"{SYSTEM['content']}\n\n{USER1['content']}"},
                     *CHAT[2:]] if merged else chat)
     full = hf_render(source, rendered_as, False, tools)
     example = Example("d.jsonl:1", messages=tuple(chat), tools=tools and tuple(tools))
-    if name in REFUSED:
+    if name in SYSTEM_DROPPED:
         refused = Example("d.jsonl:1", messages=tuple(CHAT))
-        with pytest.raises(DataError, match=r"messages\[2\] cannot be located; the template "
-                                            r"writes it one way as the last turn"):
-            trained_texts(tok, refused)
-    if REFUSED.get(name) == "turns":
-        text, runs = trained_texts(tok, example, "last")
-        assert runs == [last_before + ANSWER2["content"] + last_end]
-    else:
-        text, runs = trained_texts(tok, example)
-        assert runs == [turn.before + ANSWER1["content"] + turn.end,
-                        last_before + ANSWER2["content"] + last_end]
+        for turns, i in (("assistant", 2), ("last", 4)):
+            with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template leaves the system "
+                                                r"message messages\[0\] out of the conversation's"
+                                                rf" render .* assistant turn messages\[{i}\] "
+                                                r"cannot be located .*: move it to the start of "
+                                                r"the first user message$"):
+                trained_texts(tok, refused, turns)
+    text, runs = trained_texts(tok, example)
+    assert runs == [turn.before + ANSWER1["content"] + turn.end,
+                    last_before + ANSWER2["content"] + last_end]
     assert text == full  # toymlx's pieces make up transformers' rendering
     # the last turn trains as generation writes it: what follows the generation prompt
     prompt = hf_render(source, rendered_as[:-1], True, tools)
@@ -338,3 +343,148 @@ def test_null_tool_fields_render_as_transformers_leaves_them_out(tmp_path, llama
     assert text == hf_render(source, meant, False, TOOLS)
     assert runs == [ANSWER1["content"] + EOT,
                     '{"name": "get_weather", "parameters": {"city": "Paris"}}' + EOT]
+
+
+# ------------------------------------------------------------- turns the history rewrites
+USER3 = {"role": "user", "content": "And a set?"}
+ANSWER3 = {"role": "assistant", "content": "A bag."}
+CHAT3 = [SYSTEM, USER1, ANSWER1, USER2, ANSWER2, USER3, ANSWER3]
+
+
+def trained_spans(tok: TextTokenizer, example: Example, turns: str = "assistant"
+                  ) -> tuple[str, list[tuple[int, str]]]:
+    """The example's text and each run of its trained tokens as (character offset, text)."""
+    text, runs = trained_texts(tok, example, turns)
+    ids, mask = tokenize_example(example, tok, True, turns)
+    starts = [k for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1])]
+    return text, [(len(bytes(ids[:k]).decode()), r) for k, r in zip(starts, runs, strict=True)]
+
+
+@pytest.mark.parametrize("name", sorted(set(LOADED) - set(VARIABLES)))
+def test_three_turns_train_each_answer_where_the_whole_render_writes_it(
+        name, llamacpp_source, pinned_clock, monkeypatch):  # noqa: F811
+    """Every assistant turn of a 3-turn chat trains its text and end of turn, between the user
+    messages around it, and nothing else. The templates whose prefix renders locate every turn
+    (all but REWRITTEN) never reach `_history_span`: their masks are those of the prefix rule
+    alone, as before it was added."""
+    import toymlx.data.chat as chat_module
+
+    source = template_text(llamacpp_source, name)
+    tok, turn = TextTokenizer(source), LOADED[name]
+    last_end = turn.last_end or turn.end
+    last_before = turn.before if turn.last_before is None else turn.last_before
+    tools = TOOLS if name in TOOL_USE else None
+    chat = CHAT3[1:] if name in SYSTEM_DROPPED else CHAT3
+    rendered_as = ([{**USER1, "content": f"{SYSTEM['content']}\n\n{USER1['content']}"},
+                    *CHAT3[2:]] if "System role not supported" in source else chat)
+    if name not in REWRITTEN:
+        def unreached(*args, **kwargs):
+            raise AssertionError("_history_span reached")
+        monkeypatch.setattr(chat_module, "_history_span", unreached)
+    example = Example("d.jsonl:1", messages=tuple(chat), tools=tools and tuple(tools))
+    text, spans = trained_spans(tok, example)
+    assert text == hf_render(source, rendered_as, False, tools)
+    answers = [ANSWER1, ANSWER2, ANSWER3]
+    assert [r for _, r in spans] == [turn.before + a["content"] + turn.end for a in answers[:2]
+                                     ] + [last_before + ANSWER3["content"] + last_end]
+    users = [text.index(u["content"]) for u in (USER1, USER2, USER3)] + [len(text)]
+    for k, (at, run) in enumerate(spans):  # the k-th answer's, after the k-th user's message
+        assert users[k] < at and at + len(run) <= users[k + 1]
+        assert text.index(answers[k]["content"], users[k]) == at + len(turn.before if k < 2
+                                                                       else last_before)
+    # --data.train-turns last: the last turn only, as generation writes it
+    assert [r for _, r in trained_spans(tok, example, "last")[1]] == [
+        last_before + ANSWER3["content"] + last_end]
+
+
+QWEN3 = "Qwen-Qwen3-0.6B.jinja"
+
+
+def test_qwen3_trains_earlier_turns_as_the_history_writes_them(llamacpp_source):  # noqa: F811
+    """Qwen3 writes an empty `<think>` block before the last turn only (after the last user
+    message): the earlier answers train without it, as the conversation's render writes them
+    (what Unsloth's train_on_responses_only and TRL's assistant masks train), the last with it;
+    the untrained text is the render's headers and user messages."""
+    tok = TextTokenizer(template_text(llamacpp_source, QWEN3))
+    text, spans = trained_spans(tok, Example("d.jsonl:1", messages=tuple(CHAT3)))
+    assert [r for _, r in spans] == ["A sequence.<|im_end|>\n", "A mapping.<|im_end|>\n",
+                                     "<think>\n\n</think>\n\nA bag.<|im_end|>\n"]
+    cuts = [0] + [c for at, r in spans for c in (at, at + len(r))] + [len(text)]
+    assert [text[a:b] for a, b in zip(cuts[::2], cuts[1::2], strict=True)] == [
+        ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is a list?"
+         "<|im_end|>\n<|im_start|>assistant\n"),
+        "<|im_start|>user\nAnd a dict?<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\nAnd a set?<|im_end|>\n<|im_start|>assistant\n", ""]
+    assert trained_texts(tok, Example("d.jsonl:1", messages=tuple(CHAT3)), "last")[1] == [
+        "<think>\n\n</think>\n\nA bag.<|im_end|>\n"]
+
+
+def test_qwen3_tool_call_turn_trains_the_call_as_the_history_writes_it(llamacpp_source,  # noqa: F811
+                                                                       pinned_clock):
+    """An agent's turn that only calls a tool (no content) before the tool's answer and the
+    final answer: Qwen3 writes it with a `<think>` block when last, without once the tool
+    answers; the call and its end train as the history writes them."""
+    source = template_text(llamacpp_source, QWEN3)
+    call = {"type": "function", "function": {"name": "get_weather",
+                                             "arguments": {"city": "Paris"}}}
+    chat = [USER1, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "get_weather", "content": "Sunny"}, ANSWER1]
+    example = Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS))
+    text, runs = trained_texts(TextTokenizer(source), example)
+    assert text == hf_render(source, chat, False, TOOLS)
+    call_text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert runs == [f"<tool_call>\n{call_text}\n</tool_call><|im_end|>\n",
+                    "<think>\n\n</think>\n\nA sequence.<|im_end|>\n"]
+
+
+@pytest.mark.parametrize("name", [QWEN3, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"])
+def test_an_earlier_turn_whose_reasoning_the_template_strips_is_a_one_line_error(
+        name, llamacpp_source):  # noqa: F811
+    """Qwen3 and DeepSeek-R1 write an earlier turn without the `<think>` reasoning its content
+    holds: the content is nowhere in the render, so the turn cannot be located."""
+    tok = TextTokenizer(template_text(llamacpp_source, name))
+    thought = {"role": "assistant", "content": "<think>\nLists hold items.\n</think>\n\nA sequence."}
+    example = Example("d.jsonl:1", messages=(USER1, thought, USER2, ANSWER2))
+    with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template renders message prefixes "
+                                        r"inconsistently, so assistant turn messages\[1\] cannot "
+                                        r"be located; .*--data.train-turns last.*mask_prompt=False"
+                                        r" to train on the whole conversation$"):
+        trained_texts(tok, example)
+    assert trained_texts(tok, example, "last")[1] == [
+        ("<think>\n\n</think>\n\n" if name == QWEN3 else "") + ANSWER2["content"]
+        + LOADED[name].end]
+
+
+def test_mistral_nemo_with_tools_trains_turns_its_tool_list_moves(llamacpp_source):  # noqa: F811
+    """Mistral-Nemo writes the tool list before the last user message, so an earlier turn's
+    prefix render has it where the conversation's has not; its header is empty, and each
+    answer trains where it and the EOS after it follow the previous one."""
+    name = "mistralai-Mistral-Nemo-Instruct-2407.jinja"
+    source = template_text(llamacpp_source, name)
+    example = Example("d.jsonl:1", messages=tuple(CHAT3[1:]), tools=tuple(TOOLS))
+    text, spans = trained_spans(TextTokenizer(source), example)
+    assert text == hf_render(source, CHAT3[1:], False, TOOLS)
+    assert [r for _, r in spans] == ["A sequence.<EOS>", "A mapping.<EOS>", "A bag.<EOS>"]
+    assert [text[:at][-7:] for at, _ in spans] == ["[/INST]"] * 3
+    assert text.index("[AVAILABLE_TOOLS]") > spans[1][0]  # before the last user message only
+
+
+def test_qwen3_trained_tokens_with_its_real_vocabulary(llamacpp_source):  # noqa: F811
+    """Qwen3's template with Qwen's vocabulary (llama.cpp's models/ggml-vocab-qwen2.gguf, the
+    one Qwen3's GGUFs carry): each run of trained ids is its answer and `<|im_end|>\\n` encoded
+    alone, `<|im_end|>` one special token, the ids of the whole render those of the text."""
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.data.vocab import K_TEMPLATE
+    from toymlx.gguf.reader import read_metadata
+
+    vocab = llamacpp_source / "models" / "ggml-vocab-qwen2.gguf"
+    meta = {**read_metadata(vocab), K_TEMPLATE: template_text(llamacpp_source, QWEN3)}
+    tok = Tokenizer.from_metadata(meta, vocab)
+    ids, mask = tokenize_example(Example("d.jsonl:1", messages=tuple(CHAT3)), tok, True)
+    runs = trained_runs(ids, mask)
+    assert runs == [tok.encode(t, add_bos=False) for t in (
+        "A sequence.<|im_end|>\n", "A mapping.<|im_end|>\n",
+        "<think>\n\n</think>\n\nA bag.<|im_end|>\n")]
+    assert ids == tok.encode(tok.apply_chat_template(list(CHAT3), False), add_bos=False)
+    (im_end,) = tok.encode("<|im_end|>", add_bos=False)
+    assert [run.count(im_end) for run in runs] == [1, 1, 1]

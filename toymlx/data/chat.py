@@ -760,7 +760,7 @@ def _message_pieces(
     the end of the conversation, whatever the last message's role (an assistant's: its
     `_turn_span`). Each turn must be found in the full render as `_turn_span` says; a template
     that rewrites an earlier assistant turn (Qwen3's drops the empty `<think>` block it writes
-    for the last) fails loudly here, naming `--data.train-turns last`.
+    for the last) trains that turn as the full render writes it (`_history_span`).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{source}: 'messages' examples need a tokenizer with a chat template, "
@@ -810,7 +810,9 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
       which the template never writes into the conversation, is not trained;
     - the EOS token after the last message without a generation prompt (Phi-3's and Phi-4's
       `{% else %}{{ eos_token }}`): a turn before the last ends before it; the last trains it.
-    Anything else (a template that rewrites the turn once another follows) is a DataError."""
+    A template that rewrites the turn once another follows (Qwen3's drops the `<think>` block
+    of an earlier turn; Mistral-Nemo's moves the system text into the last user message) trains
+    the turn as `full` writes it (`_history_span`); where that fails too, a DataError."""
     before = _render(tokenizer, messages[:i], True, source, tools)
     upto = _render(tokenizer, messages[: i + 1], False, source, tools)
     start = len(before)
@@ -820,16 +822,68 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
     eos = getattr(tokenizer, "eos_token", "")
     if not full.startswith(upto) and eos and upto.endswith(eos) and full.endswith(eos):
         end -= len(eos)
-    if not (start is not None and full.startswith(upto[:end]) and prev_end <= start <= end):
+    if start is not None and full.startswith(upto[:end]) and prev_end <= start <= end:
+        return start, end
+    span = _history_span(tokenizer, messages, i, full, prev_end, before, upto, source, tools)
+    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
+    if span is None and system.strip() and system not in full:
+        raise DataError(f"{source}: chat template leaves the system message messages[0] out of "
+                        f"the conversation's render (Mistral-Nemo's writes it into the last "
+                        f"message only when that is a user's), so assistant turn messages[{i}] "
+                        f"cannot be located as the model would read it; expected the system "
+                        f"text in the render, found none: move it to the start of the first "
+                        f"user message")
+    if span is None:
         fix = ("the template writes it one way as the last turn and another once a message "
-               "follows (Qwen3's drops the <think> block of an earlier turn): set "
-               "--data.train-turns last to train the last turn as the template renders it for "
-               "generation, split the conversation into one example per assistant turn, or "
-               if i < len(messages) - 1 else "")
+               "follows, and its text is not found verbatim, after its header, in the whole "
+               "conversation's render (DeepSeek-R1's strips <think> reasoning from an earlier "
+               "turn): set --data.train-turns last to train the last turn as the template "
+               "renders it for generation, split the conversation into one example per "
+               "assistant turn, or " if i < len(messages) - 1 else "")
         raise DataError(f"{source}: chat template renders message prefixes inconsistently, so "
                         f"assistant turn messages[{i}] cannot be located; {fix}set "
                         f"mask_prompt=False to train on the whole conversation")
-    return start, end
+    return span
+
+
+def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int,
+                  full: str, prev_end: int, before: str, upto: str, source: str,
+                  tools: Sequence[dict[str, Any]] | None) -> tuple[int, int] | None:
+    """The characters of `full` that train assistant turn `messages[i]` as the whole
+    conversation writes it, for a template whose prefix renders are no prefixes of `full`
+    (`_turn_span`): Unsloth's `train_on_responses_only` and TRL's assistant masks train a turn
+    of the history so, as the model reads it at inference. The turn's header is what the
+    generation prompt `before` and the turn's own render `upto` write after the history
+    `render(messages[:i])` (their shared text: `_header_end`'s); its end-of-turn text what
+    `upto` writes after the content (`<|im_end|>\n`; a tool call and its end). The span is the
+    content, verbatim, and that end, at the first header in `full` after `prev_end` (the
+    previous trained span); with an empty header (Mistral-Nemo's), the first place after it
+    where they are written; after the history too where `full` starts with it. None where not
+    so (a template that rewrites the content itself: DeepSeek-R1's strips `<think>` reasoning)."""
+    history = _render(tokenizer, messages[:i], False, source, tools)
+    if not (before.startswith(history) and upto.startswith(history)):
+        return None
+    header = os.path.commonprefix([before[len(history):], upto[len(history):]])
+    written = upto[len(history) + len(header):]  # the turn after its header, written as the last
+    content = messages[i].get("content") or ""
+    if not (header or content):  # nothing to find it by
+        return None
+    # what may follow the content as its end: from its earliest place in `written` (the longest
+    # end: an empty content's is all of a tool call) to its last
+    ends = [written[k + len(content):] for k in range(len(written) - len(content) + 1)
+            if written.startswith(content, k)]
+    # after the previous trained span, and after the history where `full` starts with it
+    at = full.find(header, max(prev_end, len(history) * full.startswith(history)))
+    while at >= 0:
+        start = at + len(header)
+        turn = next((content + end for end in ends if full.startswith(content + end, start)),
+                    None)
+        if turn is not None:
+            return start, start + len(turn)
+        if header:  # the turn is the first assistant header's: a later one is another turn's
+            return None
+        at = full.find(header, at + 1)
+    return None
 
 
 def _header_end(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, upto: str,
