@@ -868,16 +868,16 @@ def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], 
     content = messages[i].get("content") or ""
     if not (header or content):  # nothing to find it by
         return None
-    # what may follow the content as its end: from its earliest place in `written` (the longest
-    # end: an empty content's is all of a tool call) to its last
-    ends = [written[k + len(content):] for k in range(len(written) - len(content) + 1)
+    # where the content's end may start in `written`: after its earliest place (the longest end:
+    # an empty content's is all of a tool call) to its last; offsets, not a copy of each end
+    ends = [k + len(content) for k in range(len(written) - len(content) + 1)
             if written.startswith(content, k)]
     # after the previous trained span, and after the history where `full` starts with it
     at = full.find(header, max(prev_end, len(history) * full.startswith(history)))
     while at >= 0:
         start = at + len(header)
-        turn = next((content + end for end in ends if full.startswith(content + end, start)),
-                    None)
+        turn = next((content + written[e:] for e in ends
+                     if full.startswith(content + written[e:], start)), None)
         if turn is not None:
             return start, start + len(turn)
         if header:  # the turn is the first assistant header's: a later one is another turn's
