@@ -259,13 +259,13 @@ def test_training_trains_the_answers_and_end_of_turn_as_the_template_writes_them
     example = Example("d.jsonl:1", messages=tuple(chat), tools=tools and tuple(tools))
     if name in SYSTEM_DROPPED:
         refused = Example("d.jsonl:1", messages=tuple(CHAT))
-        for turns, i in (("assistant", 2), ("last", 4)):
+        for mask_prompt, turns in ((True, "assistant"), (True, "last"), (False, "assistant")):
             with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template leaves the system "
                                                 r"message messages\[0\] out of the conversation's"
-                                                rf" render .* assistant turn messages\[{i}\] "
-                                                r"cannot be located .*: move it to the start of "
-                                                r"the first user message$"):
-                trained_texts(tok, refused, turns)
+                                                r" render .*, so the model would train without "
+                                                r"it; .*: move it to the start of the first user "
+                                                r"message$"):
+                tokenize_example(refused, tok, mask_prompt, turns)
     text, runs = trained_texts(tok, example)
     assert runs == [turn.before + ANSWER1["content"] + turn.end,
                     last_before + ANSWER2["content"] + last_end]

@@ -776,6 +776,13 @@ def _message_pieces(
                         "would be trained as an empty answer); remove the tool calls or use a "
                         "base whose template renders them")
     full = _render(tokenizer, messages, False, source, tools)
+    system = messages[0]["content"].strip() if messages[0]["role"] == "system" else ""
+    if system and system not in full:
+        raise DataError(f"{source}: chat template leaves the system message messages[0] out of "
+                        f"the conversation's render (Mistral-Nemo's writes it into the last "
+                        f"message only when that is a user's), so the model would train without "
+                        f"it; expected the system text in the render, found none: move it to "
+                        f"the start of the first user message")
     if not mask_prompt:
         return [(full, False, 1)]
     spans: list[tuple[int, int]] = []
@@ -825,14 +832,6 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
     if start is not None and full.startswith(upto[:end]) and prev_end <= start <= end:
         return start, end
     span = _history_span(tokenizer, messages, i, full, prev_end, before, upto, source, tools)
-    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
-    if span is None and system.strip() and system not in full:
-        raise DataError(f"{source}: chat template leaves the system message messages[0] out of "
-                        f"the conversation's render (Mistral-Nemo's writes it into the last "
-                        f"message only when that is a user's), so assistant turn messages[{i}] "
-                        f"cannot be located as the model would read it; expected the system "
-                        f"text in the render, found none: move it to the start of the first "
-                        f"user message")
     if span is None:
         fix = ("the template writes it one way as the last turn and another once a message "
                "follows, and its text is not found verbatim, after its header, in the whole "
