@@ -8,12 +8,17 @@ There is no model hub here, so the benchmark writes the files people run at thei
 | llama-3.2-1b | llama | 2048 | 16 | 8192 | 32/8 | 64 | SmolLM2's 49,152 | tied |
 | llama-3.2-3b | llama | 3072 | 28 | 8192 | 24/8 | 128 | SmolLM2's 49,152 | tied |
 | llama-3.1-8b | llama | 4096 | 32 | 14336 | 32/8 | 128 | SmolLM2's 49,152 (not Llama 3's 128,256) | untied |
+| qwen3-1.7b | qwen3 | 2048 | 28 | 6144 | 16/8 | 128 | Qwen2's 151,936 + Qwen3's added tokens | tied |
 
 Weights are N(0, 0.02) and norms 1; the Llama shapes carry no `rope_freqs` (Llama 3's RoPE
 scaling changes no array's size). The Llama shapes take the real SmolLM2-135M-Instruct GGUF's
 tokenizer metadata as it is (`user_paths.smollm_gguf`); Gemma 3's 262,144-token vocabulary is
 `synthetic_spm`, a SentencePiece vocabulary of that size that toymlx's `Tokenizer` and llama.cpp
-load. The F16 model is streamed to disk one tensor at a time (gguf-py's `GGUFWriter`: tensor
+load. Qwen3 takes llama.cpp's `models/ggml-vocab-qwen2.gguf` (Qwen2's BPE, which Qwen3 keeps)
+with Qwen3's added tokens written over the padding ids 151646-151668 (`<think>` is 151667),
+Qwen3's ids (eos `<|im_end|>`, pad and bos `<|endoftext|>`, no bos added) and Qwen3's real chat
+template (`models/templates/Qwen-Qwen3-0.6B.jinja`), from llama.cpp's source tree
+(`qwen3_vocab`). The F16 model is streamed to disk one tensor at a time (gguf-py's `GGUFWriter`: tensor
 infos first, then each tensor's data as it is drawn, so an 8B's 16 GB never sits in memory),
 llama.cpp's own quantizer (`llama_model_quantize`, as `llama-quantize F16 OUT Q4_K_M`) writes
 the file, and the F16 is deleted. Files are kept in a cache folder and reused.
@@ -61,7 +66,8 @@ class Shape:
     name: str
     args: LlamaArgs
     vocab: str
-    """"smollm2": the real SmolLM2 GGUF's tokenizer; "synthetic": `synthetic_spm`."""
+    """"smollm2": the real SmolLM2 GGUF's tokenizer; "synthetic": `synthetic_spm`; "qwen3":
+    `qwen3_vocab`."""
 
 
 def _llama(d: int, layers: int, ffn: int, heads: int, kv: int, tied: bool) -> LlamaArgs:
@@ -80,11 +86,19 @@ def _gemma3_270m() -> LlamaArgs:
                    sliding_layers=tuple(i % 6 < 5 for i in range(n_layers)))  # 5 of 6 slide
 
 
+def _qwen3(d: int, layers: int, ffn: int, heads: int, kv: int, tied: bool) -> LlamaArgs:
+    return replace(LlamaArgs(), arch="qwen3", **ARCHS["qwen3"].switches, vocab_size=151936,
+                   d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv, key_length=128,
+                   ffn_dim=ffn, context=40960, rope_base=1e6, norm_eps=1e-6,
+                   tie_embeddings=tied)
+
+
 SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("gemma-3-270m", _gemma3_270m(), "synthetic"),
     Shape("llama-3.2-1b", _llama(2048, 16, 8192, 32, 8, tied=True), "smollm2"),
     Shape("llama-3.2-3b", _llama(3072, 28, 8192, 24, 8, tied=True), "smollm2"),
     Shape("llama-3.1-8b", _llama(4096, 32, 14336, 32, 8, tied=False), "smollm2"),
+    Shape("qwen3-1.7b", _qwen3(2048, 28, 6144, 16, 8, tied=True), "qwen3"),
 )}
 
 
@@ -114,6 +128,69 @@ def smollm2_vocab() -> Typed:
                     None if g.metadata_types[k][1] is None
                     else GGUFValueType(g.metadata_types[k][1]))
                 for k, v in g.metadata.items() if k.startswith("tokenizer.")}
+
+
+LLAMACPP_TREE_ENV = "TOYMLX_LLAMACPP_TREE"
+"""llama.cpp's source tree (`vendor/llama.cpp` of the llama-cpp-python sdist) where set; else
+the one tests/llamacpp_source.py unpacks into ~/.cache/toymlx for the installed version."""
+
+QWEN3_ADDED = (
+    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+    "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
+    "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+    "<tool_response>", "</tool_response>", "<think>", "</think>")
+"""Qwen3's added tokens from id 151646 on (its tokenizer.json); the `<|...|>` ones are special
+(control), the tag ones are not (user-defined), as llama.cpp's converter types them."""
+
+
+def llamacpp_tree() -> Path:
+    """llama.cpp's source tree ($TOYMLX_LLAMACPP_TREE, else the tests' unpacked sdist)."""
+    import importlib.metadata
+
+    if os.environ.get(LLAMACPP_TREE_ENV):
+        tree = Path(os.environ[LLAMACPP_TREE_ENV])
+    else:
+        version = importlib.metadata.version("llama_cpp_python")
+        cache = Path(os.environ.get("TOYMLX_CACHE") or Path.home() / ".cache" / "toymlx")
+        tree = cache / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not (tree / "models" / "ggml-vocab-qwen2.gguf").is_file():
+        raise FileNotFoundError(f"{tree}: expected llama.cpp's source tree with "
+                                f"models/ggml-vocab-qwen2.gguf, found none (set "
+                                f"${LLAMACPP_TREE_ENV} or run tests/test_chat_template.py once)")
+    return tree
+
+
+def qwen3_vocab() -> Typed:
+    """Qwen3's tokenizer: llama.cpp's Qwen2 BPE vocabulary with Qwen3's added tokens, ids and
+    real chat template."""
+    tree = llamacpp_tree()
+    with GGUFFile(tree / "models" / "ggml-vocab-qwen2.gguf") as g:
+        tokens = list(g.metadata["tokenizer.ggml.tokens"])
+        types = list(g.metadata["tokenizer.ggml.token_type"])
+        merges = list(g.metadata["tokenizer.ggml.merges"])
+    first = 151646
+    control, user_defined = 3, 4  # llama.cpp's token types
+    for i, t in enumerate(QWEN3_ADDED):
+        if tokens[first + i] != f"[PAD{first + i}]":
+            raise ValueError(f"ggml-vocab-qwen2.gguf: tokenizer.ggml.tokens[{first + i}]: "
+                             f"expected [PAD{first + i}], found {tokens[first + i]!r}")
+        tokens[first + i] = t
+        types[first + i] = control if t.startswith("<|") else user_defined
+    template = (tree / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    u32, arr = GGUFValueType.UINT32, GGUFValueType.ARRAY
+    return {
+        "tokenizer.ggml.model": ("gpt2", GGUFValueType.STRING, None),
+        "tokenizer.ggml.pre": ("qwen2", GGUFValueType.STRING, None),
+        "tokenizer.ggml.tokens": (tokens, arr, GGUFValueType.STRING),
+        "tokenizer.ggml.token_type": (types, arr, GGUFValueType.INT32),
+        "tokenizer.ggml.merges": (merges, arr, GGUFValueType.STRING),
+        "tokenizer.ggml.eos_token_id": (151645, u32, None),
+        "tokenizer.ggml.padding_token_id": (151643, u32, None),
+        "tokenizer.ggml.bos_token_id": (151643, u32, None),
+        "tokenizer.ggml.add_bos_token": (False, GGUFValueType.BOOL, None),
+        "tokenizer.chat_template": (template, GGUFValueType.STRING, None),
+    }
 
 
 def synthetic_spm(size: int) -> Typed:
@@ -221,7 +298,9 @@ def shape_file(shape: str | Shape, cache: str | os.PathLike = DEFAULT_CACHE,
     cache.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale(out)  # the F16 and quantized temporaries of a writer that was killed
     t0 = time.perf_counter()
-    vocab = smollm2_vocab() if shape.vocab == "smollm2" else synthetic_spm(shape.args.vocab_size)
+    vocabs = {"smollm2": smollm2_vocab, "qwen3": qwen3_vocab,
+              "synthetic": lambda: synthetic_spm(shape.args.vocab_size)}
+    vocab = vocabs[shape.vocab]()
     n_tokens = len(vocab["tokenizer.ggml.tokens"][0])
     if n_tokens != shape.args.vocab_size:
         raise ValueError(f"{name}: tokenizer.ggml.tokens: expected {shape.args.vocab_size} "

@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import shapes
+from llamacpp_source import llamacpp_source  # noqa: F401
 
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import args_from_gguf, check_shapes
@@ -45,6 +46,32 @@ def test_tiny_gemma3_shape_written_quantized_and_reused(tmp_path):
     assert tok.decode(tok.encode("abc zz", add_bos=False)) == "abc zz"
     again, took = shapes.shape_file(shape, tmp_path)
     assert again == path and took == {}
+
+
+@pytest.mark.interop  # llama.cpp's quantizer, tokenizer and source tree
+def test_tiny_qwen3_shape_carries_qwen3s_vocabulary_and_template(tmp_path, monkeypatch,
+                                                                 llamacpp_source):
+    """The qwen3 shape: Qwen2's BPE with Qwen3's added tokens, ids and real chat template; a
+    two-turn chat rendered by the file's template tokenizes to llama.cpp's ids (`<think>` one
+    token, 151667, as in Qwen3's tokenizer.json)."""
+    import llama_cpp
+
+    monkeypatch.setenv(shapes.LLAMACPP_TREE_ENV, str(llamacpp_source))
+    args = replace(shapes.SHAPES["qwen3-1.7b"].args, d_model=256, n_layers=2, ffn_dim=512,
+                   n_heads=4, n_kv_heads=2)  # heads 128 wide: key_length set
+    path, _ = shapes.shape_file(shapes.Shape("tiny-qwen3", args, "qwen3"), tmp_path)
+    with GGUFFile(path) as g:
+        assert args_from_gguf(g) == replace(args, norm_eps=float(np.float32(1e-6)))
+        assert g.get("tokenizer.ggml.eos_token_id", int) == 151645
+        assert g.get("tokenizer.chat_template", str) == (
+            llamacpp_source / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    tok = Tokenizer.from_gguf(path)
+    text = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi é 日本<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\nHello!<|im_end|>\n")
+    ids = tok.encode(text, add_bos=False)
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    assert ids == llm.tokenize(text.encode(), add_bos=False, special=True)
+    assert ids[:2] == [151644, 8948] and 151667 in ids and 151668 in ids
 
 
 def test_synthetic_vocabulary_has_the_size_asked_and_unique_tokens():
