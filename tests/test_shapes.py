@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import shapes
-from llamacpp_source import llamacpp_source  # noqa: F401
+from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import args_from_gguf, check_shapes
@@ -50,7 +50,7 @@ def test_tiny_gemma3_shape_written_quantized_and_reused(tmp_path):
 
 @pytest.mark.interop  # llama.cpp's quantizer, tokenizer and source tree
 def test_tiny_qwen3_shape_carries_qwen3s_vocabulary_and_template(tmp_path, monkeypatch,
-                                                                 llamacpp_source):
+                                                                 llamacpp_source):  # noqa: F811
     """The qwen3 shape: Qwen2's BPE with Qwen3's added tokens, ids and real chat template; a
     two-turn chat rendered by the file's template tokenizes to llama.cpp's ids (`<think>` one
     token, 151667, as in Qwen3's tokenizer.json)."""
