@@ -73,6 +73,35 @@ def test_a_run_stopped_between_report_lines_resumes_with_the_same_lines(tmp_path
     assert steps[10]["trained_tokens"] == 10 * 4 * 32
 
 
+@pytest.mark.parametrize("quiet_s", [0.0, 1e9])
+def test_slow_steps_print_a_line_between_report_lines_where_no_bar_is_drawn(
+        tmp_path, text_file, capsys, monkeypatch, quiet_s):
+    """A Qwen3-1.7B user with 70-130 s steps and the output in a log file saw nothing for the
+    first 10 steps (--report-every 10): a step that ends QUIET_LINE_S or more after the last
+    line prints its own loss and time (here 0 s: every step; 1e9 s: none), and the report
+    lines stay as they were."""
+    from toymlx.training import trainer
+
+    monkeypatch.setattr(trainer, "QUIET_LINE_S", quiet_s)
+    run = _run(tmp_path, "r", "--steps", "7", "--report-every", "5", "--eval-every", "0",
+               "--no-compile", data=text_file)
+    out = capsys.readouterr().out
+    losses = {e["step"]: e["loss"] for e in read_events(run) if e["kind"] == "step"}
+    import re
+
+    step_lines = {int(m[1]): (float(m[2]), int(m[3])) for m in re.finditer(
+        r"^step (\d+)/7: loss (\S+), \S+ s this step \(the report line of the steps since "
+        r"the last comes at step (\d+)\)$", out, re.MULTILINE)}
+    if quiet_s:
+        assert step_lines == {}
+    else:  # steps 5 and 7 have their report lines
+        assert sorted(step_lines) == [1, 2, 3, 4, 6]
+        for step, (loss, due) in step_lines.items():
+            assert loss == pytest.approx(losses[step], abs=5e-5)
+            assert due == (5 if step < 5 else 7)
+    assert sorted(_report_lines(out)) == [5, 7]
+
+
 def test_same_seed_same_losses_and_compile_equals_eager(tmp_path, text_file):
     a = _losses(_run(tmp_path, "a", "--steps", "6", data=text_file))
     b = _losses(_run(tmp_path, "b", "--steps", "6", data=text_file))

@@ -314,6 +314,19 @@ def report_line(window: list[dict], unit: str, before: int, steps: int) -> str:
                else "RSS not reported"))
 
 
+QUIET_LINE_S = 60.0
+"""Where no progress bar is drawn (a log file, a pipe), the longest a run goes without a line on
+stdout between report lines: an 8B base's steps of a minute or more would otherwise leave
+--report-every 10 silent for ten minutes or more (`step_line`)."""
+
+
+def step_line(event: dict, steps: int, next_report: int) -> str:
+    """The line of one step event between report lines (`QUIET_LINE_S`): its own loss and time,
+    and where the next report line comes."""
+    return (f"step {event['step']}/{steps}: loss {event['loss']:.4f}, {event['step_time_s']:.1f} s "
+            f"this step (the report line of the steps since the last comes at step {next_report})")
+
+
 def eval_line(ev: dict) -> str:
     """The line of an `eval` event: its figures and how long the pass took."""
     figures = ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
@@ -396,6 +409,8 @@ class _Loop:
         self.window, self.reported = self._window_before()
         """The step events since the last report line; `trained` before the window's first
         step."""
+        self.said_at = time.monotonic()
+        """When the last line went to stdout (`_say`), for `step_line`."""
 
     def run(self, run_config: dict[str, Any]) -> dict[str, Any]:
         self._announce(run_config)
@@ -665,6 +680,7 @@ class _Loop:
         """A report line on stdout (rank 0): under the progress bar when it is shown."""
         if not self.rank0:
             return
+        self.said_at = time.monotonic()
         if bar is not None:
             bar.write(line, file=sys.stdout)
         else:
@@ -698,6 +714,10 @@ class _Loop:
             if cfg.report_every and (done % cfg.report_every == 0 or done == cfg.steps):
                 self._say(report_line(self.window, self.task.unit, self.reported, cfg.steps), bar)
                 self.window, self.reported = [], self.trained
+            elif (cfg.report_every and bar is None and self.window
+                  and time.monotonic() - self.said_at >= QUIET_LINE_S):
+                due = min(cfg.steps, done - done % cfg.report_every + cfg.report_every)
+                self._say(step_line(self.window[-1], cfg.steps, due), bar)
             # a stop skips (before it) or abandons (during it) the step's validation: the
             # checkpoint below is then `_interrupted`'s, and a resume from it validates first
             if not self._stops(stop) and self._eval_due(done):
