@@ -534,8 +534,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
                 test_batches=batches)
     m = command_evaluator(task, progress, "row")(split="test")
     scored = sum(b["inputs"].shape[1] for b in batches)
-    return HeldOut(m["test_loss"], scored, source, tokenized, total, n, m.get("row_loss"),
-                   m.get("row_n"))
+    return HeldOut(m["test_loss"], scored, source, tokenized, total, n, m.get("test_row_loss"),
+                   m.get("test_row_n"))
 
 
 def first_windows(batches: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from toymlx_cli import run_command
 
@@ -329,10 +329,13 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
     paired losses, `gain_error`; `dtype`: the --dtype every tensor was rounded to, if any).
     Base + adapter's is the run's own figure where it validated the adapter's step in float32
     (`run_val_loss`), the base's the run's step-0 validation (--eval-at-start; a run from a
-    zero adapter, on this base), else each is scored here; each is scored here row by row for
-    the standard error all the same, on the same rows, as toymlx-eval scores. Or why it was not
-    measured: an adapter outside a run, the run's data gone, no row held out. A progress bar
-    on a terminal names each pass."""
+    zero adapter, on this base), else each is scored here, on the same rows, as toymlx-eval
+    scores; its rows' own losses for the standard error are the run's too where its event
+    recorded them (`run_val_rows`), else that model is scored here row by row all the same
+    (a run from before the events held them): one pass, the fused file's, where the run has
+    both. Or why it was not measured: an adapter outside a run, the run's data gone, no row
+    held out. A progress bar on a terminal names each pass."""
+    import numpy as np
     from toymlx_cli.eval import chat_loss, run_rows
 
     from toymlx.backend.device import on_gpu
@@ -354,6 +357,8 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
     ref = run_val_loss(bundle.events, step) if own else None
     # step 0 is the base alone where the adapter started at zero (lora_b = 0; DoRA's m = |W|)
     start = run_val_loss(bundle.events, 0) if own and not cfg.lora.init_adapter else None
+    start_rows = run_val_rows(bundle.events, 0) if start is not None else None
+    tuned_rows = run_val_rows(bundle.events, step) if ref is not None else None
 
     start_from = "the run's step-0 validation" if start is not None else "scored here"
     ref_from = f"the run's step-{step} validation" if ref is not None else "scored here"
@@ -366,10 +371,19 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
                          progress=f"{PROG}: held-out loss, {what}")
 
     try:
-        at_start, tuned = loss("base", base), loss("base + adapter", base, adapter)
-        start = at_start.loss if start is None else start
-        ref = tuned.loss if ref is None else ref
         held = loss("fused file", fused)
+        # the run's rows are these rows where each holds the trained tokens the fused pass's
+        # does (the data unchanged since), else that model is scored here
+        start_rows, tuned_rows = (r if r is not None and np.array_equal(r.n, held.row_n)
+                                  else None for r in (start_rows, tuned_rows))
+        if start_rows is None:
+            at_start = loss("base", base)
+            start = at_start.loss if start is None else start
+            start_rows = RowLosses(at_start.row_loss, at_start.row_n)
+        if tuned_rows is None:
+            tuned = loss("base + adapter", base, adapter)
+            ref = tuned.loss if ref is None else ref
+            tuned_rows = RowLosses(tuned.row_loss, tuned.row_n)
     except ValueError as e:  # DataError: the run's data moved or gone; or it held out no row
         # (a ValueError naming --data.val-fraction): the file is written all the same
         return (f"held-out loss not measured: {e} (toymlx-eval --model {fused} --data.path "
@@ -378,7 +392,7 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
     change = (f"{(got - ref) / ref:+.2%}" if math.isfinite(ref) and math.isfinite(got) and ref
               else "no change to give: a loss is not finite")
     rows = "the validation row" if n == 1 else f"the {n} validation rows"
-    error = gain_error(at_start.row_loss, tuned.row_loss, tuned.row_n)
+    error = gain_error(start_rows.loss, tuned_rows.loss, tuned_rows.n)
     return (f"held-out loss on {rows} the run scores ({held.source}; the first "
             f"--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size}): "
             f"base {start:.4f} ({start_from}), base + adapter {ref:.4f} ({ref_from}), fused "
@@ -491,13 +505,46 @@ def trained_on(bundle: Bundle, base: Path) -> bool:
             or bundle.given_input("base", str(base)) is not None)
 
 
-def run_val_loss(events: list[dict], step: int | None) -> float | None:
-    """The run's own validation loss of the model at `step` (the last `eval` event of the
-    validation split there), where the run computed in float32 (its `run_start`'s math): the
-    figure the export would score again for base + adapter (at step 0, --eval-at-start's: the
-    base), on the same rows. None where there is none (a run stopped before its final
-    validation) or the run's math rounded to a narrower type (bfloat16, float16), which the
-    export's float32 scoring would not match."""
+class RowLosses(NamedTuple):
+    """Each validation row's summed loss and trained tokens, in the order the run batches them
+    (`toymlx_cli.eval.run_rows`)."""
+
+    loss: Any
+    """(rows,) float64"""
+    n: Any
+    """(rows,) the row's trained tokens"""
+
+
+ROWS_RTOL = 1e-5
+"""How far the mean of a run's recorded rows (`run_val_rows`) may be from its val_loss,
+relative: the run adds each micro-batch's float32 sum where the rows are float32 sums of one
+row each, so the two agree to float32 rounding (about 1e-7 on the runs measured), not
+bit for bit; rows of other data or another model are off by far more."""
+
+
+def run_val_rows(events: list[dict], step: int) -> RowLosses | None:
+    """The rows' own losses of the run's validation at `step` (the event `run_val_loss` takes
+    its figure from: `val_row_loss`, `val_row_n`, recorded by runs since session 48), None
+    where it recorded none or they do not add up to its val_loss (`ROWS_RTOL`), so that the
+    export scores that model again."""
+    import numpy as np
+
+    ev = run_val_event(events, step)
+    loss, n = (ev or {}).get("val_row_loss"), (ev or {}).get("val_row_n")
+    if not (isinstance(loss, list) and isinstance(n, list) and len(loss) == len(n) > 0
+            and all(isinstance(x, float) for x in loss)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in n)):
+        return None
+    rows = RowLosses(np.asarray(loss, np.float64), np.asarray(n, np.float64))
+    total = rows.n.sum()
+    if not total or abs(rows.loss.sum() / total - ev["val_loss"]) > ROWS_RTOL * abs(
+            ev["val_loss"]):
+        return None
+    return rows
+
+
+def run_val_event(events: list[dict], step: int | None) -> dict | None:
+    """The `eval` event `run_val_loss` takes its figure from, None where there is none."""
     from toymlx.bundle.events import run_start
 
     if step is None:
@@ -509,7 +556,18 @@ def run_val_loss(events: list[dict], step: int | None) -> float | None:
         return None
     found = [e for e in events if e.get("kind") == "eval" and e.get("step") == step
              and e.get("split", "val") == "val" and isinstance(e.get("val_loss"), float)]
-    return found[-1]["val_loss"] if found else None
+    return found[-1] if found else None
+
+
+def run_val_loss(events: list[dict], step: int | None) -> float | None:
+    """The run's own validation loss of the model at `step` (the last `eval` event of the
+    validation split there), where the run computed in float32 (its `run_start`'s math): the
+    figure the export would score again for base + adapter (at step 0, --eval-at-start's: the
+    base), on the same rows. None where there is none (a run stopped before its final
+    validation) or the run's math rounded to a narrower type (bfloat16, float16), which the
+    export's float32 scoring would not match (`run_val_event`)."""
+    ev = run_val_event(events, step)
+    return None if ev is None else ev["val_loss"]
 
 
 def main(argv: list[str] | None = None) -> int:

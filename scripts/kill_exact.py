@@ -95,7 +95,8 @@ def outcome(run: Path) -> dict:
     state = {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in load_file(state_path(latest)).items()}
     return {"steps": [(e["step"], e["loss"], e.get("grad_norm"), e.get("lr"))
                       for e in ev if e.get("kind") == "step"],
-            "evals": [(e["step"], e.get("val_loss")) for e in ev if e.get("kind") == "eval"],
+            "evals": [(e["step"], e.get("val_loss"), e.get("val_row_loss"), e.get("val_row_n"))
+                      for e in ev if e.get("kind") == "eval"],
             "ends": [(e.get("reason"), e.get("final_step"), e.get("final_loss"))
                      for e in ev if e.get("kind") == "run_end"],
             "file": latest.name, "tensors": tensors, "state": state}

@@ -227,24 +227,10 @@ def direct_loss(model: Llama, rows: dict[str, np.ndarray]) -> float:
     return float(sums.sum() / counts.sum())
 
 
-def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_path, tmp_path,
-                                                                       capsys):
-    """stories260K, 3 steps: the export scores the fused file on the validation rows the run's
-    own evaluation scores (the first --eval-batches x --batch-size: 6 of the 20 here), and
-    takes base + adapter's loss from the run's step-3 validation and the base's from its
-    step-0 one (--eval-at-start) instead of scoring them again; the three printed figures equal
-    a direct computation on those rows to 1e-4, the count printed is the count scored, and the
-    share of the gain kept is (base - fused) / (base - base + adapter) of those, the gain's
-    standard error that of the rows' float64 losses (`gain_error`)."""
-    from toymlx_cli.eval import chat_loss
-    from toymlx_cli.export import gain_error
-    from toymlx_cli.export import main as export
+def _stories_run(tmp_path: Path, stories_path: Path) -> Path:
+    """stories260K's LoRA run "r" of 3 steps on a chat data folder (24 training examples, 20
+    validation ones, unpacked), validated at steps 0 and 3 on the first 3 x 2 rows."""
     from toymlx_cli.train import main as train
-
-    from toymlx.bundle.events import read_events
-    from toymlx.data.chat import SFTData
-    from toymlx.generation.generate import load_for_generation
-    from toymlx.runner.bundle import Bundle
 
     data = tmp_path / "data"
     data.mkdir()
@@ -258,7 +244,29 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
                   "--batch-size", "2", "--eval-batches", "3", "--seq-len", "96",
                   "--eval-every", "0", "--data.path", str(data), "--data.no-pack",
                   "--eval-at-start", "--no-progress"]) == 0
-    run = tmp_path / "r"
+    return tmp_path / "r"
+
+
+def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_path, tmp_path,
+                                                                       capsys):
+    """stories260K, 3 steps: the export scores the fused file on the validation rows the run's
+    own evaluation scores (the first --eval-batches x --batch-size: 6 of the 20 here), and
+    takes base + adapter's loss from the run's step-3 validation and the base's from its
+    step-0 one (--eval-at-start) instead of scoring them again; the three printed figures equal
+    a direct computation on those rows to 1e-4, the count printed is the count scored, and the
+    share of the gain kept is (base - fused) / (base - base + adapter) of those, the gain's
+    standard error that of the rows' float64 losses (`gain_error`)."""
+    from toymlx_cli.eval import chat_loss
+    from toymlx_cli.export import gain_error
+    from toymlx_cli.export import main as export
+
+    from toymlx.bundle.events import read_events
+    from toymlx.data.chat import SFTData
+    from toymlx.generation.generate import load_for_generation
+    from toymlx.runner.bundle import Bundle
+
+    run = _stories_run(tmp_path, stories_path)
+    data = tmp_path / "data"
     capsys.readouterr()
     out = tmp_path / "fused.gguf"
     assert export(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
@@ -304,20 +312,79 @@ def test_export_scores_the_rows_the_run_validates_and_reuses_its_loss(stories_pa
     assert want_start - want_ref > 2 * error  # a gain the rows measure
 
 
+def test_export_takes_the_rows_losses_from_the_run_and_scores_the_fused_file_alone(
+        stories_path, tmp_path, capsys, monkeypatch):
+    """A LoRA run's validation events record each row's summed loss and trained tokens
+    (val_row_loss, val_row_n: the 3 x 2 rows it scores, against a float64 computation from the
+    definition to 1e-4), which add up to its val_loss; the export of a run validated at step 0
+    and its last step takes the base's and base + adapter's rows from those events and scores
+    the fused file alone (one pass), printing the line, and the gain's standard error, that
+    scoring all three gives, as it does for a run whose events hold no rows (one from before
+    them) or rows that do not add up to their val_loss (3 passes)."""
+    import toymlx_cli.eval
+    import toymlx_cli.export
+    from toymlx_cli.export import main as export
+
+    from toymlx.bundle.events import read_events
+    from toymlx.data.chat import SFTData
+    from toymlx.generation.generate import load_for_generation
+
+    run = _stories_run(tmp_path, stories_path)
+    evals = [e for e in read_events(run) if e["kind"] == "eval"]
+    model, tok = load_for_generation(run)
+    rows = {k: v[:6] for k, v in SFTData.from_file(tmp_path / "data", tok, 96, True, False)
+            .val.items()}
+    for e, scored in zip(evals, (load_for_generation(stories_path)[0], model)):
+        sums, counts = direct_rows(scored, rows)
+        assert [int(x) for x in counts] == e["val_row_n"] and all(
+            type(n) is int for n in e["val_row_n"])
+        assert np.abs(np.array(e["val_row_loss"]) - sums).max() < 1e-4
+        total = sum(e["val_row_loss"]) / sum(e["val_row_n"])  # float32 sums of each row
+        assert abs(total - e["val_loss"]) < 1e-6 * e["val_loss"]
+    assert [e["step"] for e in evals] == [0, 3]
+
+    passes, errors = [], []
+    scorer, error_of = toymlx_cli.eval.chat_loss, toymlx_cli.export.gain_error
+    monkeypatch.setattr(toymlx_cli.eval, "chat_loss",
+                        lambda *a, **k: passes.append(k["progress"]) or scorer(*a, **k))
+    monkeypatch.setattr(toymlx_cli.export, "gain_error",
+                        lambda *a: errors.append(error_of(*a)) or errors[-1])
+
+    def exported(name: str) -> tuple[list[str], str]:
+        passes.clear()
+        capsys.readouterr()
+        assert export(["--adapter", str(run), "--fuse", "--out", str(tmp_path / name)]) == 0
+        return [p.removeprefix("toymlx-export: held-out loss, ") for p in passes], \
+            capsys.readouterr().err.strip().splitlines()[-1]
+
+    done, line = exported("one.gguf")
+    assert done == ["fused file"] and re.fullmatch(HELD_OUT_LINE, line), line
+    events = (run / "events.jsonl").read_text().splitlines()
+    for old, change in (("no rows", lambda e: e.pop("val_row_loss")),  # before they were kept
+                        ("wrong rows", lambda e: e["val_row_loss"].__setitem__(0, 0.0))):
+        kept = []
+        for text in events:
+            e = json.loads(text)
+            if e["kind"] == "eval":
+                change(e)
+            kept.append(json.dumps(e))
+        (run / "events.jsonl").write_text("\n".join(kept) + "\n")
+        assert exported(f"{old}.gguf") == (["fused file", "base", "base + adapter"], line), old
+        assert abs(errors[-1] - errors[0]) <= 1e-12 * errors[0]
+
+
 def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_path, capsys,
                                                                       monkeypatch):
     """The held-out pass of the fused file (4 rows in one call of the run's held-out batches
-    here), of the base (the run made no step-0 validation) and of base + adapter (its rows'
-    own losses, for the gain's standard error, beside the run's step-2 figure) each draws a
-    tqdm bar naming it, counting rows, where stderr is a terminal, and none where it is not (a
-    log, a pipe)."""
+    here) and of the base (the run made no step-0 validation) each draws a tqdm bar naming it,
+    counting rows, where stderr is a terminal, and none where it is not (a log, a pipe); base
+    + adapter is not scored (the run's step-2 validation recorded its rows' losses)."""
     import sys
 
     from toymlx_cli.export import main
 
     run = _train(tmp_path, bases["q4_1"], "lora", "--eval-batches", "2")
-    bars = [f"toymlx-export: held-out loss, {what}:" for what in ("base", "base + adapter",
-                                                                   "fused file")]
+    bars = [f"toymlx-export: held-out loss, {what}:" for what in ("base", "fused file")]
     capsys.readouterr()
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "a.gguf")]) == 0
     assert "held-out loss, " not in capsys.readouterr().err
@@ -325,6 +392,7 @@ def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_p
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "b.gguf")]) == 0
     err = capsys.readouterr().err
     assert all(f"{bar}   0%" in err for bar in bars), err
+    assert "held-out loss, base + adapter" not in err
     assert "0/4 [" in err and "row/s" in err  # the rows it scores
     assert err.rstrip().splitlines()[-1].startswith(
         "toymlx-export: held-out loss on the 4 validation rows the run scores (")

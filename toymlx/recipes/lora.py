@@ -54,7 +54,7 @@ from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.layers import model_bytes
 from toymlx.models.lora import apply_lora, check_targets, parse_targets, target_blocks
-from toymlx.models.losses import lm_held_out_sums, lm_loss
+from toymlx.models.losses import lm_held_out_rows, lm_loss
 from toymlx.models.ops import Ops
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
 from toymlx.training import memory
@@ -471,7 +471,7 @@ def build(cfg: Config, ops: Ops) -> Task:
 
     # n_params and n_trainable are added by the trainer to run_start's model record
     return Task(
-        recipe="lora", model=model, loss_fn=lm_loss, metrics_fn=lm_held_out_sums,
+        recipe="lora", model=model, loss_fn=lm_loss, metrics_fn=lm_held_out_rows,
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
         batch_widths=None if data.pack else (
             lambda steps: data.batch_widths(steps, cfg.seed, cfg.batch_size, cfg.grad_accum)),

@@ -77,8 +77,9 @@ class Evaluator:
         `waiting`: the context each micro-batch is evaluated in, one call that cannot be cut
         (`toymlx.backend.stop.StopSignals.waiting`); a micro-batch a stop cut short (MLX's
         kernel build stopped by the same Ctrl-C) abandons the pass too. A metric named
-        `ROW_PREFIX`... (`lm_held_out_rows`) is each row's own: returned as it is, (rows,)
-        float64 in the order the batches hold them, not summed."""
+        `ROW_PREFIX`... (`lm_held_out_rows`) is each row's own: returned as
+        `<split>_<name>` (val_row_loss), (rows,) float64 in the order the batches hold them,
+        not summed."""
         totals: dict[str, float] = {}
         rows: dict[str, list[np.ndarray]] = {}
         model = self.task.model
@@ -113,7 +114,7 @@ class Evaluator:
         n = totals.pop("n", 0.0) or 1.0
         return {**{(f"{split}_{k}" if k == "loss" or split == "test" else k): v / n
                    for k, v in totals.items()},
-                **{k: np.concatenate(v) for k, v in rows.items()}}
+                **{f"{split}_{k}": np.concatenate(v) for k, v in rows.items()}}
 
     def _bar(self, batches: list[dict[str, Any]]) -> Any:
         """The pass's progress bar over the rows `batches` hold (None: none drawn), where they

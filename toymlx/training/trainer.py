@@ -52,7 +52,7 @@ from toymlx.bundle.reporters import open_reporters
 from toymlx.bundle.resume import Resume
 from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
-from toymlx.training.evaluate import Evaluator
+from toymlx.training.evaluate import ROW_PREFIX, Evaluator
 from toymlx.training.schedule import lr_at
 from toymlx.training.step import LossScale, agreed_requests, make_step, step_state, stop_flags
 from toymlx.training.task import Task, TrainConfig, make_optimizer
@@ -333,6 +333,23 @@ def eval_line(ev: dict) -> str:
                         if isinstance(v, float) and k not in ("t", "seconds"))
     where = "test" if ev.get("split") == "test" else f"step {ev['step']}"
     return f"{where}: {figures} ({ev['seconds']:.2f} s)"
+
+
+def recorded_figures(metrics: dict[str, Any], split: str) -> dict[str, Any]:
+    """A pass's figures as its `eval` event records them. Each row's own (`ROW_PREFIX`: a LoRA
+    run's summed loss and trained tokens a row, `lm_held_out_rows`): on the validation split
+    as lists in the order its batches hold the rows (val_row_loss floats, val_row_n ints), at
+    most --eval-batches x --batch-size of them, from which toymlx-export --fuse takes the
+    gain's standard error instead of scoring the base and base + adapter again; on the test
+    split, scored whole and unbounded, left out."""
+    rows = f"{split}_{ROW_PREFIX}"
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if not k.startswith(rows):
+            out[k] = v
+        elif split == "val":
+            out[k] = [int(x) for x in v] if k == f"{rows}n" else [float(x) for x in v]
+    return out
 
 
 def checkpoint_line(ev: dict, run_dir: Path) -> str:
@@ -844,6 +861,7 @@ class _Loop:
             self._say(f"step {step}: validation abandoned ({stop.name} came during its pass; "
                       "a --resume from this step runs it first)", bar)
             return False
+        metrics = recorded_figures(metrics, "val")
         self.last_eval = metrics
         self.ckpt.score(step, metrics)
         self.recorded.append(self.log.emit("eval", step=step, **metrics,
@@ -861,6 +879,7 @@ class _Loop:
         metrics = self.evaluator(split="test", stop=stops, waiting=waiting)
         if metrics is None:
             return False
+        metrics = recorded_figures(metrics, "test")
         if self.task.unit == "tokens":
             metrics["test_perplexity"] = math.exp(metrics["test_loss"])
         self.recorded.append(self.log.emit("eval", step=self.step, split="test", **metrics,
