@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from image_files import make_image_folder
-from test_lora import mlx_lm_folder, tiny_gguf  # noqa: F401  (fixture)
+from test_lora import mlx_lm_folder, number_stories_folder, tiny_gguf  # noqa: F401  (fixture)
 from toymlx_cli.eval import main as eval_main
 from toymlx_cli.train import main as train_main
 
@@ -412,13 +412,7 @@ def test_a_lora_run_is_scored_on_its_own_eval_rows_by_default(tmp_path, capsys, 
     the first --eval-batches 2 x --batch-size 2: toymlx-eval RUN scores those 4 in the run's
     batches, the loss its last eval event's; --eval-batches -1 all 7, as the whole split
     (--max-examples past its end) scores them."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for name, n in (("train", 12), ("valid", 7)):  # stories260K has no chat template
-        (data / f"{name}.jsonl").write_text("".join(json.dumps({
-            "prompt": f"Tell me about the number {i}.",
-            "completion": f" Once upon a time there was a number {i % 10}. It was happy."})
-            + "\n" for i in range(n)))
+    data = number_stories_folder(tmp_path / "data", {"train": 12, "valid": 7})
     assert train_main(["--recipe", "lora", "--base", str(stories_path), "--runs-root",
                        str(tmp_path), "--run-id", "l", "--steps", "2", "--batch-size", "2",
                        "--eval-batches", "2", "--seq-len", "32", "--data.no-pack",

@@ -230,15 +230,10 @@ def direct_loss(model: Llama, rows: dict[str, np.ndarray]) -> float:
 def _stories_run(tmp_path: Path, stories_path: Path) -> Path:
     """stories260K's LoRA run "r" of 3 steps on a chat data folder (24 training examples, 20
     validation ones, unpacked), validated at steps 0 and 3 on the first 3 x 2 rows."""
+    from test_lora import number_stories_folder
     from toymlx_cli.train import main as train
 
-    data = tmp_path / "data"
-    data.mkdir()
-    for name, n in (("train", 24), ("valid", 20)):
-        (data / f"{name}.jsonl").write_text("".join(json.dumps({
-            "prompt": f"Tell me about the number {i}.",
-            "completion": f" Once upon a time there was a number {i % 10}. It was happy."})
-            + "\n" for i in range(n)))
+    data = number_stories_folder(tmp_path / "data", {"train": 24, "valid": 20})
     assert train(["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
                   "--run-id", "r", "--steps", "3", "--warmup", "1", "--lr", "1e-2",
                   "--batch-size", "2", "--eval-batches", "3", "--seq-len", "96",

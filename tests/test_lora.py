@@ -451,6 +451,19 @@ def mlx_lm_folder(path: Path, n_train: int = 12, n_valid: int = 3, n_test: int =
     return path
 
 
+def number_stories_folder(path: Path, counts: dict[str, int],
+                          prompt: str = "Tell me about the number {i}.") -> Path:
+    """A data folder of prompt/completion records ("Once upon a time there was a number ..."),
+    `counts` rows in each split's .jsonl: for bases without a chat template (stories260K)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name, n in counts.items():
+        (path / f"{name}.jsonl").write_text("".join(json.dumps({
+            "prompt": prompt.format(i=i),
+            "completion": f" Once upon a time there was a number {i % 10}. It was happy."})
+            + "\n" for i in range(n)))
+    return path
+
+
 def events_of(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
 
@@ -1367,13 +1380,8 @@ def test_sigterm_during_a_long_validation_pass_ends_the_run_at_once(tmp_path, st
     import sys
     import time
 
-    data = tmp_path / "data"
-    data.mkdir()
-    for name, n in (("train", 40), ("valid", 4000)):
-        (data / f"{name}.jsonl").write_text("".join(json.dumps({
-            "prompt": f"Tell me a story about the number {i}.",
-            "completion": f" Once upon a time there was a number {i % 10}. It was happy."})
-            + "\n" for i in range(n)))
+    data = number_stories_folder(tmp_path / "data", {"train": 40, "valid": 4000},
+                                 prompt="Tell me a story about the number {i}.")
     run = tmp_path / "r"
     exe = Path(sys.executable).parent / "toymlx-train"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "toymlx_cli.train"]
