@@ -91,6 +91,9 @@ LOADED = {
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": Turn("qwen2", R1_END),
     # an empty reasoning block in the last turn only (after the last user message)
     "Qwen-Qwen3-0.6B.jinja": Turn("qwen3", IM_END, last_before="<think>\n\n</think>\n\n"),
+    # the generation prompt opens the reasoning block (`<think>\n`): the last turn trains the
+    # rest of it, as generation writes it; an earlier turn is written without one
+    "Qwen3.5-4B.jinja": Turn("qwen35", IM_END, last_before="\n</think>\n\n"),
     "google-gemma-2-2b-it.jinja": Turn("gemma2", "<end_of_turn>\n"),
     # the EOS token after the last message when no generation prompt follows
     "microsoft-Phi-3.5-mini-instruct.jinja": Turn("phi3", "<|end|>\n", "<|end|>\n" + EOS),
@@ -231,15 +234,29 @@ PROMPT_ONLY = {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "<think>\n",
 """Generation prompts that end in text the template never writes into a rendered turn
 (DeepSeek-R1's `<｜Assistant｜><think>\\n`, llama.cpp's copies adding `</think>` where
 `enable_thinking` is not true, against `<｜Assistant｜>` + answer in the turn): not trained."""
-SYSTEM_DROPPED = {"mistralai-Mistral-Nemo-Instruct-2407.jinja"}
+NEMO = "mistralai-Mistral-Nemo-Instruct-2407.jinja"
+SYSTEM_IN_LAST_PROMPT = {NEMO}
 """Templates that leave a system message out of a conversation ending in an assistant's turn:
-Mistral-Nemo writes the system text into the last message only when that is a user's, so
-training CHAT is refused (every turn, and the last) and trains without the system message."""
-REWRITTEN = {"Qwen-Qwen3-0.6B.jinja"}
+Mistral-Nemo writes the system text into the last message only when that is a user's, so it is
+in the last turn's generation prompt alone. A conversation trains as the model meets its last
+turn: that prompt, as transformers renders it, then the turn as the whole render writes it; the
+earlier turns as both write them (without the system text, which the model never sees there)."""
+REWRITTEN = {"Qwen-Qwen3-0.6B.jinja", "Qwen3.5-4B.jinja", NEMO}
 """Templates that write an assistant turn one way while it is the last and another once a user
-message follows (Qwen3: an empty `<think>` block in the last turn only), so an earlier turn
+message follows (Qwen3: an empty `<think>` block in the last turn only; Qwen3.5: a `<think>`
+block; Mistral-Nemo: the system text before the last user message), so an earlier turn
 trains as the whole conversation writes it (`_history_span`): `Turn.before` + text + `Turn.end`,
 no `last_before`."""
+
+
+def rendered_as_trained(source: str, name: str, chat: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None, last: str) -> str:
+    """transformers' rendering of `chat` as toymlx trains it: the whole conversation; with
+    SYSTEM_IN_LAST_PROMPT's template, the last turn's prompt, then `last` (the turn as
+    trained)."""
+    if name in SYSTEM_IN_LAST_PROMPT:
+        return hf_render(source, chat[:-1], True, tools) + last
+    return hf_render(source, chat, False, tools)
 
 
 @pytest.mark.parametrize("name", sorted(set(LOADED) - set(VARIABLES)))
@@ -251,25 +268,16 @@ def test_training_trains_the_answers_and_end_of_turn_as_the_template_writes_them
     last_end, last_before = turn.last_end or turn.end, turn.before if turn.last_before is None \
         else turn.last_before
     tools = TOOLS if name in TOOL_USE else None
-    chat = CHAT[1:] if name in SYSTEM_DROPPED else CHAT
     merged = "System role not supported" in source  # Gemma's: no system role
     rendered_as = ([{**USER1, "content": f"{SYSTEM['content']}\n\n{USER1['content']}"},
-                    *CHAT[2:]] if merged else chat)
-    full = hf_render(source, rendered_as, False, tools)
-    example = Example("d.jsonl:1", messages=tuple(chat), tools=tools and tuple(tools))
-    if name in SYSTEM_DROPPED:
-        refused = Example("d.jsonl:1", messages=tuple(CHAT))
-        for mask_prompt, turns in ((True, "assistant"), (True, "last"), (False, "assistant")):
-            with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template leaves the system "
-                                                r"message messages\[0\] out of the conversation's"
-                                                r" render .*, so the model would train without "
-                                                r"it; .*: move it to the start of the first user "
-                                                r"message$"):
-                tokenize_example(refused, tok, mask_prompt, turns)
+                    *CHAT[2:]] if merged else CHAT)
+    example = Example("d.jsonl:1", messages=tuple(CHAT), tools=tools and tuple(tools))
     text, runs = trained_texts(tok, example)
     assert runs == [turn.before + ANSWER1["content"] + turn.end,
                     last_before + ANSWER2["content"] + last_end]
+    full = rendered_as_trained(source, name, rendered_as, tools, runs[-1])
     assert text == full  # toymlx's pieces make up transformers' rendering
+    assert SYSTEM["content"] in full
     # the last turn trains as generation writes it: what follows the generation prompt
     prompt = hf_render(source, rendered_as[:-1], True, tools)
     assert full.endswith(runs[-1])
@@ -374,16 +382,15 @@ def test_three_turns_train_each_answer_where_the_whole_render_writes_it(
     last_end = turn.last_end or turn.end
     last_before = turn.before if turn.last_before is None else turn.last_before
     tools = TOOLS if name in TOOL_USE else None
-    chat = CHAT3[1:] if name in SYSTEM_DROPPED else CHAT3
     rendered_as = ([{**USER1, "content": f"{SYSTEM['content']}\n\n{USER1['content']}"},
-                    *CHAT3[2:]] if "System role not supported" in source else chat)
+                    *CHAT3[2:]] if "System role not supported" in source else CHAT3)
     if name not in REWRITTEN:
         def unreached(*args, **kwargs):
             raise AssertionError("_history_span reached")
         monkeypatch.setattr(chat_module, "_history_span", unreached)
-    example = Example("d.jsonl:1", messages=tuple(chat), tools=tools and tuple(tools))
+    example = Example("d.jsonl:1", messages=tuple(CHAT3), tools=tools and tuple(tools))
     text, spans = trained_spans(tok, example)
-    assert text == hf_render(source, rendered_as, False, tools)
+    assert text == rendered_as_trained(source, name, rendered_as, tools, spans[-1][1])
     answers = [ANSWER1, ANSWER2, ANSWER3]
     assert [r for _, r in spans] == [turn.before + a["content"] + turn.end for a in answers[:2]
                                      ] + [last_before + ANSWER3["content"] + last_end]

@@ -43,7 +43,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -741,6 +741,40 @@ def template_takes_tools(template: str) -> bool:
         return False  # the render reports the template's own error
 
 
+class Rendered(NamedTuple):
+    """A render of a conversation's messages in which its assistant turns are located
+    (`_history_span`): the messages, whether with a generation prompt, the text; and, for the
+    last turn's prompt (`_last_turn_prompt`), where the last turn starts in the conversation's
+    own render."""
+
+    messages: Sequence[dict[str, Any]]
+    gen: bool
+    text: str
+    turn_at: int = 0
+
+
+def _last_turn_prompt(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], full: str,
+                      source: str, tools: Sequence[dict[str, Any]] | None) -> Rendered | None:
+    """The conversation as the model meets its last turn, for a template that writes the system
+    message only into the prompt of the last turn (Mistral-Nemo's, into the last user message):
+    the generation prompt `render(messages[:-1], add_generation_prompt=True)`, then the turn as
+    the conversation's render `full` writes it. Located by position (`_around`): the render of
+    each with `CONTENT_MARK` in place of the last user message ends the same after it up to the
+    prompt's end (the user's text, its end, the assistant's header); what `full` writes after
+    that is the turn. None where the conversation does not end in a user's message and an
+    assistant's, or where the two do not end so."""
+    n = len(messages)
+    if n < 2 or messages[-1]["role"] != "assistant" or messages[-2]["role"] != "user":
+        return None
+    prompt = _render(tokenizer, messages[:-1], True, source, tools)
+    asked = _around(tokenizer, messages[:-1], n - 2, True, source, tools)
+    said = _around(tokenizer, messages, n - 2, False, source, tools)
+    if asked is None or said is None or not (prompt.endswith(asked[1]) and full.endswith(said[1])
+                                             and said[1].startswith(asked[1])):
+        return None
+    return Rendered(messages[:-1], True, prompt, len(full) - len(said[1]) + len(asked[1]))
+
+
 Piece = tuple[str, bool | None, int]
 """A text of an example to encode, the `add_bos` to encode it with, and the loss mask of its
 tokens: an example's ids are its pieces' ids one after another (`_pieces`)."""
@@ -776,13 +810,16 @@ def _message_pieces(
                         "would be trained as an empty answer); remove the tool calls or use a "
                         "base whose template renders them")
     full = _render(tokenizer, messages, False, source, tools)
+    whole = Rendered(messages, False, full)
     system = messages[0]["content"].strip() if messages[0]["role"] == "system" else ""
     if system and system not in full:
-        raise DataError(f"{source}: chat template leaves the system message messages[0] out of "
-                        f"the conversation's render (Mistral-Nemo's writes it into the last "
-                        f"message only when that is a user's), so the model would train without "
-                        f"it; expected the system text in the render, found none: move it to "
-                        f"the start of the first user message")
+        whole = _last_turn_prompt(tokenizer, messages, full, source, tools)
+        if whole is None or system not in whole.text:
+            raise DataError(f"{source}: chat template leaves the system message messages[0] out "
+                            f"of the conversation's render and of the last turn's prompt, so the "
+                            f"model would train without it; expected the system text in the "
+                            f"render, found none: move it to the start of the first user message")
+        full = whole.text + full[whole.turn_at:]  # the last turn as its prompt meets it
     if not mask_prompt:
         return [(full, False, 1)]
     spans: list[tuple[int, int]] = []
@@ -798,15 +835,19 @@ def _message_pieces(
         for i, m in enumerate(messages):
             if m["role"] == "assistant" and (not last or i == len(messages) - 1):
                 prev_end = spans[-1][1] if spans else 0
-                spans.append(_turn_span(tokenizer, messages, i, full, prev_end, source, tools))
+                if i == len(whole.messages):  # the last turn, after its prompt `whole`
+                    spans.append((len(whole.text), len(full)))
+                    continue
+                spans.append(_turn_span(tokenizer, messages, i, full, prev_end, source, tools,
+                                        whole))
     cuts = sorted({0, len(full), *(c for span in spans for c in span)})
     return [(full[a:b], False, int(any(s <= a and b <= e for s, e in spans)))
             for a, b in itertools.pairwise(cuts)]
 
 
 def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, full: str,
-               prev_end: int, source: str, tools: Sequence[dict[str, Any]] | None
-               ) -> tuple[int, int]:
+               prev_end: int, source: str, tools: Sequence[dict[str, Any]] | None,
+               whole: Rendered | None = None) -> tuple[int, int]:
     """The characters of `full` (the conversation rendered) that train assistant turn
     `messages[i]`: what the template writes for the turn when it is the last, after the
     assistant's header, i.e. `render(messages[:i+1])` after `render(messages[:i],
@@ -817,9 +858,10 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
       which the template never writes into the conversation, is not trained;
     - the EOS token after the last message without a generation prompt (Phi-3's and Phi-4's
       `{% else %}{{ eos_token }}`): a turn before the last ends before it; the last trains it.
-    A template that rewrites the turn once another follows (Qwen3's drops the `<think>` block
-    of an earlier turn; Mistral-Nemo's moves the system text into the last user message) trains
-    the turn as `full` writes it (`_history_span`); where that fails too, a DataError."""
+    A template that rewrites the turn once another follows (Qwen3's and Qwen3.5's drop the
+    `<think>` block of an earlier turn; Mistral-Nemo's moves the system text into the last user
+    message) trains the turn as `full` writes it (`_history_span`; `whole` as its); where that
+    fails too, a DataError."""
     before = _render(tokenizer, messages[:i], True, source, tools)
     upto = _render(tokenizer, messages[: i + 1], False, source, tools)
     start = len(before)
@@ -831,58 +873,91 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
         end -= len(eos)
     if start is not None and full.startswith(upto[:end]) and prev_end <= start <= end:
         return start, end
-    span = _history_span(tokenizer, messages, i, full, prev_end, before, upto, source, tools)
+    span = _history_span(tokenizer, messages, i, prev_end, upto, source, tools,
+                         whole or Rendered(messages, False, full))
     if span is None:
         fix = ("the template writes it one way as the last turn and another once a message "
-               "follows, and its text is not found verbatim, after its header, in the whole "
-               "conversation's render (DeepSeek-R1's strips <think> reasoning from an earlier "
-               "turn): set --data.train-turns last to train the last turn as the template "
-               "renders it for generation, split the conversation into one example per "
-               "assistant turn, or " if i < len(messages) - 1 else "")
+               "follows, and where the whole conversation's render writes its content is not "
+               "followed by the end the turn has as the last: set --data.train-turns last to "
+               "train the last turn as the template renders it for generation, split the "
+               "conversation into one example per assistant turn, or "
+               if i < len(messages) - 1 else
+               "its content is not written in the conversation's render as given (DeepSeek-R1's "
+               "drops the <think> reasoning of every turn, so it would train without it): "
+               "remove the reasoning from the last answer to train it as the template writes "
+               "it, or ")
         raise DataError(f"{source}: chat template renders message prefixes inconsistently, so "
                         f"assistant turn messages[{i}] cannot be located; {fix}set "
                         f"mask_prompt=False to train on the whole conversation")
     return span
 
 
+CONTENT_MARK = "toymlx\u00b7content\u00b7mark"
+"""Text put in place of a message's content to find, by position, where a render writes it
+(`_around`): no whitespace for a template to trim, no `</think>` for one to split at."""
+
+
+def _around(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, gen: bool,
+            source: str, tools: Sequence[dict[str, Any]] | None) -> tuple[str, str] | None:
+    """What the render of `messages` (with a generation prompt where `gen`) writes before and
+    after the content of `messages[i]`: the render with `CONTENT_MARK` in place of that content,
+    cut at the mark; None where the mark is not written once."""
+    marked = [*messages[:i], {**messages[i], "content": CONTENT_MARK}, *messages[i + 1:]]
+    text = _render(tokenizer, marked, gen, source, tools)
+    if text.count(CONTENT_MARK) != 1:
+        return None
+    head, tail = text.split(CONTENT_MARK)
+    return head, tail
+
+
 def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int,
-                  full: str, prev_end: int, before: str, upto: str, source: str,
-                  tools: Sequence[dict[str, Any]] | None) -> tuple[int, int] | None:
+                  prev_end: int, upto: str, source: str, tools: Sequence[dict[str, Any]] | None,
+                  whole: Rendered) -> tuple[int, int] | None:
     """The characters of `full` that train assistant turn `messages[i]` as the whole
     conversation writes it, for a template whose prefix renders are no prefixes of `full`
     (`_turn_span`): Unsloth's `train_on_responses_only` and TRL's assistant masks train a turn
-    of the history so, as the model reads it at inference. The turn's header is what the
-    generation prompt `before` and the turn's own render `upto` write after the history
-    `render(messages[:i])` (their shared text: `_header_end`'s); its end-of-turn text what
-    `upto` writes after the content (`<|im_end|>\n`; a tool call and its end). The span is the
-    content, verbatim, and that end, at the first header in `full` after `prev_end` (the
-    previous trained span); with an empty header (Mistral-Nemo's), the first place after it
-    where they are written; after the history too where `full` starts with it. None where not
-    so (a template that rewrites the content itself: DeepSeek-R1's strips `<think>` reasoning)."""
-    history = _render(tokenizer, messages[:i], False, source, tools)
-    if not (before.startswith(history) and upto.startswith(history)):
+    of the history so, as the model reads it at inference. Located by render positions, not by
+    searching text: `full` is the render of `whole` (its messages, and whether with a generation
+    prompt: the last turn's prompt, `_last_turn_prompt`'s), and the same render with
+    `CONTENT_MARK` in place of the turn's content (`_around`) gives the text before it (a prefix
+    of `full`) and after it (a suffix); between them lies the content as `full` writes it (its
+    `<think>` reasoning dropped by Qwen3's, Qwen3.5's, QwQ's, DeepSeek-R1's). The span is that,
+    and the end the turn has as the last (`upto`: `render(messages[:i+1])`; after its content,
+    `<|im_end|>\n`, a tool call and its end), which `full` must write next. A content that
+    `full` writes as nothing (a turn that only calls a tool, or its reasoning alone) trains the
+    end `upto` writes with an empty content, where `full` writes that next. None where neither
+    holds."""
+    full = whole.text
+    around = _around(tokenizer, whole.messages, i, whole.gen, source, tools)
+    last = _around(tokenizer, messages[: i + 1], i, False, source, tools)
+    if around is None or last is None or not full.startswith(around[0]):
         return None
-    header = os.path.commonprefix([before[len(history):], upto[len(history):]])
-    written = upto[len(history) + len(header):]  # the turn after its header, written as the last
+    start = len(around[0])
+    if start < prev_end:
+        return None
+    final = i == len(messages) - 1  # a thought the template drops there is not trained at all
     content = messages[i].get("content") or ""
-    if not (header or content):  # nothing to find it by
-        return None
-    # where the content's end may start in `written`: after its earliest place (the longest end:
-    # an empty content's is all of a tool call) to its last; offsets, not a copy of each end
-    ends = [k + len(content) for k in range(len(written) - len(content) + 1)
-            if written.startswith(content, k)]
-    # after the previous trained span, and after the history where `full` starts with it
-    at = full.find(header, max(prev_end, len(history) * full.startswith(history)))
-    while at >= 0:
-        start = at + len(header)
-        turn = next((content + written[e:] for e in ends
-                     if full.startswith(content + written[e:], start)), None)
-        if turn is not None:
-            return start, start + len(turn)
-        if header:  # the turn is the first assistant header's: a later one is another turn's
+    written = full[start:len(full) - len(around[1])]
+    if len(full) - len(around[1]) >= start and full.endswith(around[1]) and \
+            upto.endswith(last[1]) and around[1].startswith(last[1]):
+        if final and thought_dropped(content, written):
             return None
-        at = full.find(header, at + 1)
+        return start, len(full) - len(around[1]) + len(last[1])
+    # the content written as nothing: the turn's end, as it is with an empty content
+    empty = [*messages[:i], {**messages[i], "content": ""}]
+    end = _render(tokenizer, empty, False, source, tools)
+    if end.startswith(last[0]) and full.startswith(end[len(last[0]):], start):
+        if final and thought_dropped(content, ""):
+            return None
+        return start, start + len(end) - len(last[0])
     return None
+
+
+def thought_dropped(content: str, written: str) -> bool:
+    """Whether a render writes an assistant's `content` as `written` without the `<think>`
+    reasoning it holds (the text up to its `</think>`, which Qwen3's, Qwen3.5's, QwQ's and
+    DeepSeek-R1's templates drop from earlier turns)."""
+    return "</think>" in content and "</think>" not in written
 
 
 def _header_end(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, upto: str,
@@ -958,6 +1033,39 @@ def system_merged(example: Example, tokenizer: ChatTokenizer) -> bool:
     return (m is not None and len(m) > 1 and m[0]["role"] == "system" and m[1]["role"] == "user"
             and bool(getattr(tokenizer, "chat_template", None))
             and system_refused(tokenizer) is not None)
+
+
+def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool,
+                       turns: str) -> int:
+    """How many assistant turns of `example` hold `<think>` reasoning that the chat template
+    leaves out of the conversation it renders (`thought_dropped`: Qwen3's, Qwen3.5's, QwQ's and
+    DeepSeek-R1's drop it from a turn once a user message follows), so that it is not trained:
+    their answers train as the render writes them, which is how the model meets those turns at
+    inference; `Fit.thoughts` counts them so that it is said, not silent. 0 where only the last
+    turn trains (`mask_prompt` with `turns` "last": the others are prompt), or for no messages.
+    Found by position where the template writes a marked content once (`_around`), else by the
+    reasoning's text missing from the render."""
+    if example.messages is None or (mask_prompt and turns == "last") or not any(
+            m["role"] == "assistant" and "</think>" in (m.get("content") or "")
+            for m in example.messages) or not getattr(tokenizer, "chat_template", None):
+        return 0
+    messages = list(example.messages)
+    if system_merged(example, tokenizer):
+        messages = system_in_user(messages[1:], messages[0]["content"])
+    full = _render(tokenizer, messages, False, example.source, example.tools)
+    count = 0
+    for i, m in enumerate(messages):
+        content = m.get("content") or ""
+        if m["role"] != "assistant" or "</think>" not in content:
+            continue
+        around = _around(tokenizer, messages, i, False, example.source, example.tools)
+        if around is not None and full.startswith(around[0]) and full.endswith(around[1]):
+            written = full[len(around[0]):len(full) - len(around[1])]
+        else:
+            reasoning = content.split("</think>")[0].split("<think>")[-1].strip()
+            written = content if reasoning in full else ""
+        count += thought_dropped(content, written)
+    return count
 
 
 def _encode_pieces(tokenizer: ChatTokenizer, pieces: Sequence[Piece]) -> list[np.ndarray]:
@@ -1186,6 +1294,9 @@ class Fit:
     merged: int = 0
     """Examples whose system message starts their first user message instead, the chat
     template having no system role (`system_merged`)"""
+    thoughts: int = 0
+    """Assistant turns whose `<think>` reasoning the chat template leaves out of the
+    conversation it renders, so that it is not trained (`untrained_thoughts`)"""
 
     @classmethod
     def of(cls, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int,
@@ -1220,6 +1331,12 @@ class Fit:
             parts.append(f"{self.merged} with a system message, which this base's chat template "
                          f"has no role for: its text starts the first user message, a blank line "
                          f"after it (as llama.cpp and toymlx-generate --system put it)")
+        if self.thoughts:
+            parts.append(f"{counted(self.thoughts, 'assistant turn')} with <think> reasoning "
+                         f"the chat template leaves out of the conversation it renders (as the "
+                         f"model meets those turns at inference), so their answers train without "
+                         f"it; --data.train-turns last trains only each final turn, as "
+                         f"generation writes it")
         if not parts:
             return None
         return f"{source}: {split}: of {counted(self.examples, 'example')}, {', '.join(parts)}"
@@ -1497,7 +1614,10 @@ def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: 
     if first is not None:
         rows = {k: v[:first] for k, v in rows.items()}
     merged = sum(system_merged(e, tokenizer) for e in examples[:len(seqs)])
-    return rows, dataclasses.replace(Fit.of(seqs, seq_len, pack), merged=merged)
+    thoughts = sum(untrained_thoughts(e, tokenizer, mask_prompt, turns)
+                   for e in examples[:len(seqs)])
+    return rows, dataclasses.replace(Fit.of(seqs, seq_len, pack), merged=merged,
+                                     thoughts=thoughts)
 
 
 class _RowsDone:
