@@ -444,22 +444,85 @@ def test_qwen3_tool_call_turn_trains_the_call_as_the_history_writes_it(llamacpp_
                     "<think>\n\n</think>\n\nA sequence.<|im_end|>\n"]
 
 
-@pytest.mark.parametrize("name", [QWEN3, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"])
-def test_an_earlier_turn_whose_reasoning_the_template_strips_is_a_one_line_error(
+THOUGHT = {"role": "assistant", "content": "<think>\nLists hold items.\n</think>\n\nA sequence."}
+R1_QWEN, R1_LLAMA = ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+                     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja")
+QWEN35 = "Qwen3.5-4B.jinja"
+THOUGHT_DROPPED = {
+    QWEN3: ["A sequence.<|im_end|>\n", "<think>\n\n</think>\n\nA mapping.<|im_end|>\n"],
+    QWEN35: ["A sequence.<|im_end|>\n", "\n</think>\n\nA mapping.<|im_end|>\n"],
+    "Qwen-QwQ-32B.jinja": ["A sequence.<|im_end|>\n", "A mapping.<|im_end|>\n"],
+    # R1 keeps what follows `</think>` as it is: the blank line before the answer
+    R1_QWEN: ["\n\nA sequence.<｜end▁of▁sentence｜>", "A mapping.<｜end▁of▁sentence｜>"],
+    R1_LLAMA: ["\n\nA sequence.<｜end▁of▁sentence｜>", "A mapping.<｜end▁of▁sentence｜>"],
+}
+"""The trained runs of [USER1, THOUGHT, USER2, ANSWER2]: the earlier turn as the conversation's
+render writes it, its reasoning dropped by the template, the last as generation writes it."""
+
+
+@pytest.mark.parametrize("name", sorted(THOUGHT_DROPPED))
+def test_an_earlier_turn_whose_reasoning_the_template_drops_trains_its_answer_and_says_so(
         name, llamacpp_source):  # noqa: F811
-    """Qwen3 and DeepSeek-R1 write an earlier turn without the `<think>` reasoning its content
-    holds: the content is nowhere in the render, so the turn cannot be located."""
-    tok = TextTokenizer(template_text(llamacpp_source, name))
-    thought = {"role": "assistant", "content": "<think>\nLists hold items.\n</think>\n\nA sequence."}
-    example = Example("d.jsonl:1", messages=(USER1, thought, USER2, ANSWER2))
-    with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template renders message prefixes "
-                                        r"inconsistently, so assistant turn messages\[1\] cannot "
-                                        r"be located; .*--data.train-turns last.*mask_prompt=False"
-                                        r" to train on the whole conversation$"):
-        trained_texts(tok, example)
-    assert trained_texts(tok, example, "last")[1] == [
-        ("<think>\n\n</think>\n\n" if name == QWEN3 else "") + ANSWER2["content"]
-        + LOADED[name].end]
+    """An earlier assistant turn whose content holds `<think>` reasoning, on a template that
+    drops it once a user message follows: the model meets that turn at inference as the render
+    writes it (the answer alone), so it trains so, found by position; the dropped reasoning is
+    counted in the split's note, under mask_prompt (every turn) and without it (the whole
+    render, which drops it as mlx-lm's does), not under --data.train-turns last (not trained)."""
+    from toymlx.data.chat import fitted_rows
+
+    source = template_text(llamacpp_source, name)
+    tok = TextTokenizer(source)
+    chat = [USER1, THOUGHT, USER2, ANSWER2]
+    example = Example("d.jsonl:1", messages=tuple(chat))
+    text, runs = trained_texts(tok, example)
+    assert text == hf_render(source, chat, False)
+    assert runs == THOUGHT_DROPPED[name]
+    assert "Lists hold items." not in text
+    for mask_prompt, turns, thoughts in ((True, "assistant", 1), (False, "assistant", 1),
+                                         (True, "last", 0)):
+        fit = fitted_rows([example] * 2, tok, 512, mask_prompt, False, turns)[1]
+        assert fit.thoughts == 2 * thoughts
+    assert fit.note("d.jsonl", "train", 512) is None
+    fit = fitted_rows([example] * 2, tok, 512)[1]
+    assert fit.note("d.jsonl", "train", 512) == (
+        "d.jsonl: train: of 2 examples, 2 assistant turns with <think> reasoning the chat "
+        "template leaves out of the conversation it renders (as the model meets those turns at "
+        "inference), so their answers train without it; --data.train-turns last trains only "
+        "each final turn, as generation writes it")
+
+
+@pytest.mark.parametrize("name", sorted(THOUGHT_DROPPED))
+def test_a_last_turn_with_reasoning_trains_it_where_the_template_writes_it(
+        name, llamacpp_source):  # noqa: F811
+    """The last turn's reasoning: Qwen3, Qwen3.5 and QwQ write it in the last turn, which
+    trains it as generation writes it (Qwen3.5's prompt holds the `<think>\n`); DeepSeek-R1's
+    drop it from every turn, so training it is a one-line error (mask_prompt=False trains the
+    whole render without it, counted)."""
+    from toymlx.data.chat import fitted_rows
+
+    source = template_text(llamacpp_source, name)
+    tok = TextTokenizer(source)
+    chat = [USER1, ANSWER1, USER2, THOUGHT]
+    example = Example("d.jsonl:1", messages=tuple(chat))
+    if name in (R1_QWEN, R1_LLAMA):
+        for turns in ("assistant", "last"):
+            with pytest.raises(DataError, match=r"^d\.jsonl:1: assistant turn messages\[3\]: "
+                                                r"expected its <think> reasoning in the "
+                                                r"conversation's render, found it dropped by "
+                                                r"the chat template .*; remove the reasoning "
+                                                r"from the last answer to train the answer as "
+                                                r"the template writes it$"):
+                trained_texts(tok, example, turns)
+        assert fitted_rows([example], tok, 512, False)[1].thoughts == 1
+        return
+    text, runs = trained_texts(tok, example)
+    assert text == hf_render(source, chat, False)
+    thought = {QWEN35: "Lists hold items.\n</think>\n\nA sequence.<|im_end|>\n"}.get(
+        name, "<think>\nLists hold items.\n</think>\n\nA sequence.<|im_end|>\n")
+    assert runs == ["A sequence.<|im_end|>\n", thought]
+    assert text.endswith(thought)
+    assert hf_render(source, chat[:-1], True) == text[:-len(thought)] + PROMPT_ONLY.get(name, "")
+    assert fitted_rows([example], tok, 512)[1].thoughts == 0
 
 
 def test_mistral_nemo_with_tools_trains_turns_its_tool_list_moves(llamacpp_source):  # noqa: F811

@@ -876,16 +876,19 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
     span = _history_span(tokenizer, messages, i, prev_end, upto, source, tools,
                          whole or Rendered(messages, False, full))
     if span is None:
-        fix = ("the template writes it one way as the last turn and another once a message "
-               "follows, and where the whole conversation's render writes its content is not "
-               "followed by the end the turn has as the last: set --data.train-turns last to "
-               "train the last turn as the template renders it for generation, split the "
-               "conversation into one example per assistant turn, or "
-               if i < len(messages) - 1 else
-               "its content is not written in the conversation's render as given (DeepSeek-R1's "
-               "drops the <think> reasoning of every turn, so it would train without it): "
-               "remove the reasoning from the last answer to train it as the template writes "
-               "it, or ")
+        final = i == len(messages) - 1
+        if final and "</think>" in (messages[i].get("content") or ""):
+            raise DataError(f"{source}: assistant turn messages[{i}]: expected its <think> "
+                            f"reasoning in the conversation's render, found it dropped by the "
+                            f"chat template (DeepSeek-R1's drops it from every turn), so it "
+                            f"would train without it; remove the reasoning from the last "
+                            f"answer to train the answer as the template writes it")
+        fix = "" if final else (
+            "the template writes it one way as the last turn and another once a message "
+            "follows, and where the whole conversation's render writes its content is not "
+            "followed by the end the turn has as the last: set --data.train-turns last to train "
+            "the last turn as the template renders it for generation, split the conversation "
+            "into one example per assistant turn, or ")
         raise DataError(f"{source}: chat template renders message prefixes inconsistently, so "
                         f"assistant turn messages[{i}] cannot be located; {fix}set "
                         f"mask_prompt=False to train on the whole conversation")
