@@ -558,3 +558,91 @@ def test_qwen3_trained_tokens_with_its_real_vocabulary(llamacpp_source):  # noqa
     assert ids == tok.encode(tok.apply_chat_template(list(CHAT3), False), add_bos=False)
     (im_end,) = tok.encode("<|im_end|>", add_bos=False)
     assert [run.count(im_end) for run in runs] == [1, 1, 1]
+
+
+def test_mistral_nemo_with_a_system_message_trains_as_its_last_turns_prompt_meets_it(
+        llamacpp_source):  # noqa: F811
+    """Mistral-Nemo writes the system text before the last user message, and only where that
+    is the last message: the whole render of a chat ending in an answer has none. Each answer
+    trains as the model meets it at inference: the earlier ones in the history, without the
+    system text; the last after its generation prompt, which holds it."""
+    source = template_text(llamacpp_source, NEMO)
+    tok = TextTokenizer(source)
+    text, spans = trained_spans(tok, Example("d.jsonl:1", messages=tuple(CHAT3)))
+    assert text == ("<BOS>[INST]What is a list?[/INST]A sequence.<EOS>[INST]And a dict?[/INST]"
+                    "A mapping.<EOS>[INST]You are terse.\n\nAnd a set?[/INST]A bag.<EOS>")
+    assert text == hf_render(source, CHAT3[:-1], True) + "A bag.<EOS>"
+    assert spans == [(33, "A sequence.<EOS>"), (73, "A mapping.<EOS>"), (127, "A bag.<EOS>")]
+    assert trained_spans(tok, Example("d.jsonl:1", messages=tuple(CHAT3)), "last")[1] == [
+        (127, "A bag.<EOS>")]
+    ids, mask = tokenize_example(Example("d.jsonl:1", messages=tuple(CHAT3)), tok, False)
+    assert bytes(ids).decode() == text and all(mask)
+    # a last answer after a tool's result: the template writes the system text nowhere
+    call = {"id": "abcdefghi", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    chat = [SYSTEM, USER1, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "get_weather", "tool_call_id": "abcdefghi",
+             "content": "Sunny"}, ANSWER1]
+    assert SYSTEM["content"] not in hf_render(source, chat[:-1], True, TOOLS)
+    with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template leaves the system message "
+                                        r"messages\[0\] out of the conversation's render and of "
+                                        r"the last turn's prompt, so the model would train "
+                                        r"without it; .*: move it to the start of the first "
+                                        r"user message$"):
+        trained_texts(tok, Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS)))
+
+
+MISTRAL_TOOLS = {
+    NEMO: '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, '
+          '"id": "abcdefghi"}]<EOS>',
+    "unsloth-mistral-Devstral-Small-2507.jinja": '[TOOL_CALLS]get_weather[ARGS]{"city": '
+                                                 '"Paris"}<EOS>',
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": '[TOOL_CALLS]get_weather[CALL_ID]abcdefghi'
+                                                 '[ARGS]{"city": "Paris"}<EOS>',
+}
+"""Each Mistral template's tool-call turn as trained: written from `tool_calls` alone."""
+
+
+@pytest.mark.parametrize("system", [False, True])
+@pytest.mark.parametrize("name", sorted(MISTRAL_TOOLS))
+def test_mistral_tool_call_turns_before_a_later_question_train_after_the_message_before(
+        name, system, llamacpp_source, pinned_clock):  # noqa: F811
+    """A tool-call turn, its result, an answer, then another question and answer, on the
+    Mistral templates (Nemo's and Mistral-Small-3.2's tool list and system text move to the
+    last user message): the tool-call turn never writes its content, so it is located after
+    the message before it, by position; every turn trains as the template writes it, and the
+    pieces make up transformers' rendering (Nemo's with a system message: the last turn's
+    prompt and the last turn). This failed before with the tool list on Nemo and Small-3.2."""
+    source = template_text(llamacpp_source, name)
+    call = {"id": "abcdefghi", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    chat = [*([SYSTEM] if system else []), USER1,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "get_weather", "tool_call_id": "abcdefghi",
+             "content": "Sunny"}, ANSWER1, USER2, ANSWER2]
+    example = Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS))
+    text, spans = trained_spans(TextTokenizer(source), example)
+    runs = [MISTRAL_TOOLS[name], "A sequence.<EOS>", "A mapping.<EOS>"]
+    assert [r for _, r in spans] == runs
+    assert text == rendered_as_trained(source, name if system else "", chat, TOOLS, runs[-1])
+    results = text.index("Sunny")
+    assert spans[0][0] + len(runs[0]) <= results < spans[1][0]
+
+
+def test_an_answer_a_user_message_quotes_trains_where_the_render_writes_the_turn(
+        llamacpp_source):  # noqa: F811
+    """Mistral-Nemo's assistant turn has no header and its tool list moves, so an earlier turn
+    was found by searching the render for its answer and EOS after the previous turn: a user
+    message quoting them ("Say A sequence.<EOS> back.") took the turn's place, and its text
+    trained instead of the answer (span at 15, inside the user message). Turns are now found
+    by position."""
+    source = template_text(llamacpp_source, NEMO)
+    quoting = {"role": "user", "content": "Say A sequence.<EOS> back."}
+    chat = [quoting, ANSWER1, USER2, ANSWER2, USER3, ANSWER3]
+    example = Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS))
+    text, spans = trained_spans(TextTokenizer(source), example)
+    assert text == hf_render(source, chat, False, TOOLS)
+    assert text.startswith("<BOS>[INST]Say A sequence.<EOS> back.[/INST]A sequence.<EOS>")
+    assert spans[0][0] == 44
+    assert [r for _, r in spans] == ["A sequence.<EOS>", "A mapping.<EOS>", "A bag.<EOS>"]
+    assert [text[:at][-7:] for at, _ in spans] == ["[/INST]"] * 3

@@ -933,7 +933,9 @@ def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], 
     full = whole.text
     around = _around(tokenizer, whole.messages, i, whole.gen, source, tools)
     last = _around(tokenizer, messages[: i + 1], i, False, source, tools)
-    if around is None or last is None or not full.startswith(around[0]):
+    if around is None or last is None:  # a content the template never writes (a tool call's)
+        return _after_previous(tokenizer, messages, i, prev_end, source, tools, whole)
+    if not full.startswith(around[0]):
         return None
     start = len(around[0])
     if start < prev_end:
@@ -954,6 +956,32 @@ def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], 
             return None
         return start, start + len(end) - len(last[0])
     return None
+
+
+def _after_previous(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int,
+                    prev_end: int, source: str, tools: Sequence[dict[str, Any]] | None,
+                    whole: Rendered) -> tuple[int, int] | None:
+    """`_history_span` for a turn whose content the template never writes (Mistral's tool-call
+    turn, written from its `tool_calls` alone), located after the message before it, by
+    position: the renders with `CONTENT_MARK` in place of that message's content (`_around`)
+    give what each writes after it: the generation prompt its end and the assistant's header,
+    the turn's own render (as the last) that and the turn; `whole.text` must write the same
+    header and turn there. None where not so, or where no message precedes it."""
+    if i == 0:
+        return None
+    full = whole.text
+    ours = _around(tokenizer, whole.messages, i - 1, whole.gen, source, tools)
+    asked = _around(tokenizer, messages[:i], i - 1, True, source, tools)
+    said = _around(tokenizer, messages[: i + 1], i - 1, False, source, tools)
+    if ours is None or asked is None or said is None or not (
+            full.startswith(ours[0]) and full.endswith(ours[1])):
+        return None
+    header = os.path.commonprefix([asked[1], said[1]])
+    turn = said[1][len(header):]
+    start = len(full) - len(ours[1]) + len(header)
+    if not (turn and ours[1].startswith(header + turn) and prev_end <= start):
+        return None
+    return start, start + len(turn)
 
 
 def thought_dropped(content: str, written: str) -> bool:
