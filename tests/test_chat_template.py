@@ -646,3 +646,56 @@ def test_an_answer_a_user_message_quotes_trains_where_the_render_writes_the_turn
     assert spans[0][0] == 44
     assert [r for _, r in spans] == ["A sequence.<EOS>", "A mapping.<EOS>", "A bag.<EOS>"]
     assert [text[:at][-7:] for at, _ in spans] == ["[/INST]"] * 3
+
+
+def test_qwen35_trains_earlier_turns_as_the_history_writes_them_with_its_real_vocabulary(
+        llamacpp_source, pinned_clock):  # noqa: F811
+    """Qwen3.5's generation prompt opens the reasoning block (`<|im_start|>assistant\\n<think>\\n`)
+    and its last turn writes one (empty without reasoning), an earlier turn none: the earlier
+    answers train as the conversation's render writes them, the last as generation goes on
+    after the prompt. With Qwen3.5's vocabulary (llama.cpp's models/ggml-vocab-qwen35.gguf) each
+    run of trained ids is its text encoded alone, `<|im_end|>` one special token a run, and the
+    ids those of transformers' generation prompt for the last turn and of the turn; the same
+    with a tools list and a tool-call turn."""
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.data.vocab import K_TEMPLATE
+    from toymlx.gguf.reader import read_metadata
+
+    source = template_text(llamacpp_source, QWEN35)
+    text, spans = trained_spans(TextTokenizer(source), Example("d.jsonl:1", messages=tuple(CHAT3)))
+    assert text == hf_render(source, CHAT3, False)
+    runs = ["A sequence.<|im_end|>\n", "A mapping.<|im_end|>\n", "\n</think>\n\nA bag.<|im_end|>\n"]
+    assert [r for _, r in spans] == runs
+    cuts = [0] + [c for at, r in spans for c in (at, at + len(r))] + [len(text)]
+    assert [text[a:b] for a, b in zip(cuts[::2], cuts[1::2], strict=True)] == [
+        ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is a list?"
+         "<|im_end|>\n<|im_start|>assistant\n"),
+        "<|im_start|>user\nAnd a dict?<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\nAnd a set?<|im_end|>\n<|im_start|>assistant\n<think>\n", ""]
+
+    vocab = llamacpp_source / "models" / "ggml-vocab-qwen35.gguf"
+    meta = {**read_metadata(vocab), K_TEMPLATE: source}
+    tok = Tokenizer.from_metadata(meta, vocab)
+    (im_end,) = tok.encode("<|im_end|>", add_bos=False)
+    call = {"type": "function", "function": {"name": "get_weather",
+                                             "arguments": {"city": "Paris"}}}
+    tool_chat = [SYSTEM, USER1, {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "name": "get_weather", "content": "Sunny"}, ANSWER1,
+                 USER2, ANSWER2]
+    call_text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "</function>\n</tool_call><|im_end|>\n")
+    for chat, tools, texts in (
+            (CHAT3, None, runs),
+            (tool_chat, TOOLS, [call_text, "A sequence.<|im_end|>\n",
+                                "\n</think>\n\nA mapping.<|im_end|>\n"])):
+        example = Example("d.jsonl:1", messages=tuple(chat), tools=tools and tuple(tools))
+        ids, mask = tokenize_example(example, tok, True)
+        trained = trained_runs(ids, mask)
+        assert trained == [tok.encode(t, add_bos=False) for t in texts]
+        # the ids of transformers' generation prompt for the last turn, then of the turn: the
+        # prompt ends "<think>\n" and the turn starts "\n</think>", which the whole text's
+        # BPE would merge into one "\n\n" token the model never meets after that prompt
+        prompt = hf_render(source, chat[:-1], True, tools)
+        assert ids == tok.encode(prompt, add_bos=False) + tok.encode(texts[-1], add_bos=False)
+        assert hf_render(source, chat, False, tools) == prompt + texts[-1]
+        assert [run.count(im_end) for run in trained] == [1, 1, 1]
