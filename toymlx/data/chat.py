@@ -858,10 +858,12 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
       which the template never writes into the conversation, is not trained;
     - the EOS token after the last message without a generation prompt (Phi-3's and Phi-4's
       `{% else %}{{ eos_token }}`): a turn before the last ends before it; the last trains it.
-    A template that rewrites the turn once another follows (Qwen3's and Qwen3.5's drop the
-    `<think>` block of an earlier turn; Mistral-Nemo's moves the system text into the last user
-    message) trains the turn as `full` writes it (`_history_span`; `whole` as its); where that
-    fails too, a DataError."""
+    A template that rewrites an earlier turn once another follows (Qwen3's and Qwen3.5's drop
+    the `<think>` block; Mistral-Nemo's moves the system text into the last user message)
+    trains the turn as `full` writes it, as the model meets it in the history at inference
+    (`_history_span`; `whole` as its); where that fails too, or the conversation's last message
+    is not found after its generation prompt (a prompt whose header no turn is written with,
+    or DeepSeek-R1's dropping the turn's own reasoning), a DataError."""
     before = _render(tokenizer, messages[:i], True, source, tools)
     upto = _render(tokenizer, messages[: i + 1], False, source, tools)
     start = len(before)
@@ -873,10 +875,10 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
         end -= len(eos)
     if start is not None and full.startswith(upto[:end]) and prev_end <= start <= end:
         return start, end
-    span = _history_span(tokenizer, messages, i, prev_end, upto, source, tools,
-                         whole or Rendered(messages, False, full))
+    final = i == len(messages) - 1  # trained as generation writes it, or not at all
+    span = None if final else _history_span(tokenizer, messages, i, prev_end, upto, source,
+                                            tools, whole or Rendered(messages, False, full))
     if span is None:
-        final = i == len(messages) - 1
         if final and "</think>" in (messages[i].get("content") or ""):
             raise DataError(f"{source}: assistant turn messages[{i}]: expected its <think> "
                             f"reasoning in the conversation's render, found it dropped by the "
@@ -940,20 +942,13 @@ def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], 
     start = len(around[0])
     if start < prev_end:
         return None
-    final = i == len(messages) - 1  # a thought the template drops there is not trained at all
-    content = messages[i].get("content") or ""
-    written = full[start:len(full) - len(around[1])]
     if len(full) - len(around[1]) >= start and full.endswith(around[1]) and \
             upto.endswith(last[1]) and around[1].startswith(last[1]):
-        if final and thought_dropped(content, written):
-            return None
         return start, len(full) - len(around[1]) + len(last[1])
     # the content written as nothing: the turn's end, as it is with an empty content
     empty = [*messages[:i], {**messages[i], "content": ""}]
     end = _render(tokenizer, empty, False, source, tools)
     if end.startswith(last[0]) and full.startswith(end[len(last[0]):], start):
-        if final and thought_dropped(content, ""):
-            return None
         return start, start + len(end) - len(last[0])
     return None
 
