@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
-from toymlx.data.chat import DataError, Example, tokenize_example
+from toymlx.data.chat import TURNS, DataError, Example, tokenize_example
 from toymlx.data.chat_template import compile_template, render_context
 
 TOOLS = [{"type": "function", "function": {
@@ -444,18 +444,31 @@ def test_qwen3_tool_call_turn_trains_the_call_as_the_history_writes_it(llamacpp_
                     "<think>\n\n</think>\n\nA sequence.<|im_end|>\n"]
 
 
-@pytest.mark.parametrize("name", [QWEN3, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"])
+R1_QWEN = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+
+
+def unwritten(i: int) -> str:
+    """The start of the error for assistant turn `messages[i]`, whose content the template
+    writes nowhere (a pattern)."""
+    return (rf"^d\.jsonl:1: chat template writes assistant turn messages\[{i}\] without part "
+            r"of its content \(it is nowhere in the turn's own render: .*\), so the turn cannot "
+            r"be trained as written; remove that part of the content, ")
+
+
+@pytest.mark.parametrize("name", [QWEN3, R1_QWEN])
 def test_an_earlier_turn_whose_reasoning_the_template_strips_is_a_one_line_error(
         name, llamacpp_source):  # noqa: F811
     """Qwen3 and DeepSeek-R1 write an earlier turn without the `<think>` reasoning its content
-    holds: the content is nowhere in the render, so the turn cannot be located."""
+    holds: the content is nowhere in the render, so the turn cannot be located. DeepSeek-R1's
+    writes no turn with it, last or not: the error says the template drops that text."""
     tok = TextTokenizer(template_text(llamacpp_source, name))
     thought = {"role": "assistant", "content": "<think>\nLists hold items.\n</think>\n\nA sequence."}
     example = Example("d.jsonl:1", messages=(USER1, thought, USER2, ANSWER2))
-    with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template renders message prefixes "
-                                        r"inconsistently, so assistant turn messages\[1\] cannot "
-                                        r"be located; .*--data.train-turns last.*mask_prompt=False"
-                                        r" to train on the whole conversation$"):
+    cause = unwritten(1) if name == R1_QWEN else (r"^d\.jsonl:1: chat template renders message "
+                                               r"prefixes inconsistently, so assistant turn "
+                                               r"messages\[1\] cannot be located; .*")
+    with pytest.raises(DataError, match=cause + r"set --data.train-turns last.*mask_prompt=False"
+                                               r" to train on the whole conversation.*$"):
         trained_texts(tok, example)
     assert trained_texts(tok, example, "last")[1] == [
         ("<think>\n\n</think>\n\n" if name == QWEN3 else "") + ANSWER2["content"]
@@ -495,3 +508,64 @@ def test_qwen3_trained_tokens_with_its_real_vocabulary(llamacpp_source):  # noqa
     assert ids == tok.encode(tok.apply_chat_template(list(CHAT3), False), add_bos=False)
     (im_end,) = tok.encode("<|im_end|>", add_bos=False)
     assert [run.count(im_end) for run in runs] == [1, 1, 1]
+
+
+# ------------------------------------------------------------------------------- Gemma 4
+GEMMA4 = ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"]
+
+
+def gemma4_tokenizer(tree: Path, name: str):
+    """llama.cpp's Gemma 4 vocabulary (models/ggml-vocab-gemma-4.gguf) with template `name`."""
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.data.vocab import K_TEMPLATE
+    from toymlx.gguf.reader import read_metadata
+
+    vocab = tree / "models" / "ggml-vocab-gemma-4.gguf"
+    return Tokenizer.from_metadata({**read_metadata(vocab), K_TEMPLATE: template_text(tree, name)},
+                                   vocab)
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_trains_each_answer_trimmed_as_its_template_writes_it(name, llamacpp_source):  # noqa: F811
+    """Gemma 4 writes an answer trimmed (`strip_thinking(...) | trim`) and its generation prompt
+    goes on past the turn's header (`<|turn>model\\n<|channel>thought\\n<channel|>`), so an
+    answer with spaces or newlines around it was found in neither prefix render and refused.
+    With its real vocabulary: each run of trained ids is the trimmed answer and `<turn|>\\n`
+    encoded alone, `<turn|>` one special token, the ids of the whole those of the render (as
+    transformers renders it); the empty thought channel is in no trained run."""
+    tok = gemma4_tokenizer(llamacpp_source, name)
+    padded = [SYSTEM, USER1, {**ANSWER1, "content": "  A sequence.\n"}, USER2,
+              {**ANSWER2, "content": "\nA mapping.  "}, USER3, ANSWER3]
+    full = hf_render(tok.chat_template, padded, False).replace(BOS, "<bos>")
+    assert tok.apply_chat_template(padded, False) == full
+    assert full.startswith("<bos><|turn>system\nYou are terse.<turn|>\n<|turn>user\n")
+    for turns, answers in (("assistant", ("A sequence.", "A mapping.", "A bag.")),
+                           ("last", ("A bag.",))):
+        ids, mask = tokenize_example(Example("d.jsonl:1", messages=tuple(padded)), tok, True,
+                                     turns)
+        assert ids == tok.encode(full, add_bos=False) and ids[0] == tok.bos_id
+        runs = trained_runs(ids, mask)
+        assert runs == [tok.encode(a + "<turn|>\n", add_bos=False) for a in answers]
+        assert [run.count(106) for run in runs] == [1] * len(answers)  # <turn|>: one token
+        assert 100 not in ids  # <|channel>: only the generation prompt writes it
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_thought_in_an_answer_is_a_one_line_error(name, llamacpp_source):  # noqa: F811
+    """Gemma 4's template strips a `<|channel>...<channel|>` thought from every answer, the last
+    too, so an answer holding one cannot be trained as written: refused in one line, in both
+    --data.train-turns modes (an earlier turn's with `last` trains the last turn only)."""
+    tok = TextTokenizer(template_text(llamacpp_source, name))
+    thought = {**ANSWER1, "content": "<|channel>thought\nLists hold items.<channel|>A sequence."}
+    last_only = r"or set mask_prompt=False to train on the whole conversation as the template " \
+                r"renders it$"
+    for turns in TURNS:
+        with pytest.raises(DataError, match=unwritten(4) + last_only):
+            trained_texts(tok, Example("d.jsonl:1", messages=(*CHAT[:3], USER2, thought)), turns)
+    example = Example("d.jsonl:1", messages=(USER1, thought, USER2, ANSWER2))
+    with pytest.raises(DataError, match=unwritten(1) + "set --data.train-turns last to train the "
+                                                    "last turn only, " + last_only):
+        trained_texts(tok, example)
+    assert trained_texts(tok, example, "last")[1] == ["A mapping.<turn|>\n"]
+    # the template's own thought-stripping, as transformers renders it
+    assert "Lists hold items" not in hf_render(tok.chat_template, list(example.messages), False)

@@ -15,6 +15,7 @@ from toymlx.data.merges import PRE_TOKENIZERS
 from toymlx.data.special_tokens import split_special
 from toymlx.data.tokenizer import _CUTS, Tokenizer, _classes, byte_tokenizer
 from toymlx.data.vocab import BYTE_OFFSET, TokenizerError, encode_bytes_np
+from toymlx.generation.generate import stop_ids
 from toymlx.gguf.reader import read_metadata
 
 SEP = "\n__ggml_vocab_test__\n"
@@ -843,7 +844,9 @@ def _llama_detokenize(llama_cpp, vocab, ids: list[int]) -> str:
 @pytest.mark.parametrize("name", list(UPSTREAM))
 def test_upstream_specials_against_llama_cpp(upstream, models_dir, name):
     """End-of-generation ids and every special token's text (each way of parsing) as llama.cpp
-    has them after its load-time fixes (control tokens by text, Phi-3's right-strip)."""
+    has them after its load-time fixes (control tokens by text, Phi-3's right-strip); the ids
+    toymlx-generate stops before are llama.cpp's end-of-generation set (Gemma 4's: <eos>,
+    <|tool_response>, <turn|>; its "</s>" a normal token)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     ref = llama_cpp.Llama(model_path=str(upstream_path(models_dir, name)), vocab_only=True,
                           verbose=False)
@@ -851,7 +854,8 @@ def test_upstream_specials_against_llama_cpp(upstream, models_dir, name):
     tok = upstream(name)
     n = tok.vocab_size
     assert llama_cpp.llama_vocab_n_tokens(vocab) == n
-    assert tok.eog_ids == {i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    eog = {i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    assert tok.eog_ids == eog == stop_ids(tok) == UPSTREAM_FLAGS[name][5]
     special = 1 | 8 | 16  # llama_token_attr: unknown, control, user-defined
     ids = [i for i in range(n)
            if llama_cpp.llama_vocab_get_attr(vocab, i) & special or tok.token_type(i) != 1]
