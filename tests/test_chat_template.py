@@ -426,16 +426,20 @@ def test_qwen3_trains_earlier_turns_as_the_history_writes_them(llamacpp_source):
         "<think>\n\n</think>\n\nA bag.<|im_end|>\n"]
 
 
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather",
+                                                "arguments": {"city": "Paris"}}}
+TOOL_CHAT = [USER1, {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]},
+             {"role": "tool", "name": "get_weather", "content": "Sunny"}, ANSWER1]
+"""An agent's turn that only calls a tool, the tool's answer, the final answer."""
+
+
 def test_qwen3_tool_call_turn_trains_the_call_as_the_history_writes_it(llamacpp_source,  # noqa: F811
                                                                        pinned_clock):
     """An agent's turn that only calls a tool (no content) before the tool's answer and the
     final answer: Qwen3 writes it with a `<think>` block when last, without once the tool
     answers; the call and its end train as the history writes them."""
     source = template_text(llamacpp_source, QWEN3)
-    call = {"type": "function", "function": {"name": "get_weather",
-                                             "arguments": {"city": "Paris"}}}
-    chat = [USER1, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "get_weather", "content": "Sunny"}, ANSWER1]
+    chat = TOOL_CHAT
     example = Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS))
     text, runs = trained_texts(TextTokenizer(source), example)
     assert text == hf_render(source, chat, False, TOOLS)
@@ -569,3 +573,43 @@ def test_gemma4_thought_in_an_answer_is_a_one_line_error(name, llamacpp_source):
     assert trained_texts(tok, example, "last")[1] == ["A mapping.<turn|>\n"]
     # the template's own thought-stripping, as transformers renders it
     assert "Lists hold items" not in hf_render(tok.chat_template, list(example.messages), False)
+
+
+GEMMA4_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_tool_call_turn_trains_the_call_as_the_template_ends_it(name, llamacpp_source,  # noqa: F811
+                                                                      pinned_clock):
+    """A turn that only calls a tool, the tool's answer, the final answer. Gemma 4's generation
+    prompt and the call share `<|` after `<|turn>model\\n` (`<|channel>`, `<|tool_call>`): the
+    call trains whole, from the header a plain answer has. It ends as the template ends it when
+    last: `<|tool_response>` (an end-of-generation token, where the tool's answer goes in) in
+    the 31B template, `<turn|>\\n` in the interleaved one; the tool's answer is not trained. A
+    call beside text the 31B template writes after the tool's answer is refused in one line."""
+    source = template_text(llamacpp_source, name)
+    chat = TOOL_CHAT
+    example = Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS))
+    text, runs = trained_texts(TextTokenizer(source), example)
+    assert text == hf_render(source, chat, False, TOOLS)
+    interleaved = name.endswith("-interleaved.jinja")
+    call_end = "<turn|>\n" if interleaved else "<|tool_response>"
+    assert runs == [GEMMA4_CALL + call_end, "A sequence.<turn|>\n"]
+    tok = gemma4_tokenizer(llamacpp_source, name)
+    ids, mask = tokenize_example(example, tok, True)
+    trained = trained_runs(ids, mask)
+    assert trained == [tok.encode(r, add_bos=False) for r in runs]
+    assert trained[0][0] == 48 and trained[0].count(49) == 1  # <|tool_call>, <tool_call|>
+    # one end-of-generation token, at the call's end: <turn|> (then "\n"), <|tool_response>
+    assert [t for t in trained[0] if t in tok.eog_ids] == [106 if interleaved else 50]
+    assert trained[0][-1] == (107 if interleaved else 50)
+    said = (*chat[:1], {**chat[1], "content": "Let me check."}, *chat[2:])
+    said_example = Example("d.jsonl:1", messages=said, tools=tuple(TOOLS))
+    if interleaved:  # the text after the call, in the same turn
+        assert trained_texts(TextTokenizer(source), said_example)[1][0] == (
+            GEMMA4_CALL + "Let me check.<turn|>\n")
+    else:  # written after the tool's answer once it follows
+        with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template renders message "
+                                            r"prefixes inconsistently, so assistant turn "
+                                            r"messages\[1\] cannot be located; "):
+            trained_texts(TextTokenizer(source), said_example)

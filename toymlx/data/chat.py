@@ -908,14 +908,35 @@ def _header_end(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i:
     Gemma 4's prompt goes on `<|channel>thought\n<channel|>`). None when not so."""
     history = _render(tokenizer, messages[:i], False, source, tools)
     content = messages[i].get("content") or ""
-    if not (content and upto.startswith(history)):
+    if not upto.startswith(history):
         return None
     shared = len(os.path.commonprefix([before, upto]))
     for text in filter(None, dict.fromkeys((content, content.strip()))):
         at = upto.rfind(text, len(history), shared + len(text))
         if at >= 0:
             return at
+    # no content there (a turn that only calls a tool, or writes its call first: Gemma 4's
+    # `<|turn>model\n<|tool_call>...`, whose `<|` the prompt's `<|channel>` shares): after the
+    # header the template writes before a plain answer, where the prompt starts with it too
+    # and the content is written after it
+    probe = [*messages[:i], {"role": "assistant", "content": _PROBE}]
+    try:
+        answered = _render(tokenizer, probe, False, source, tools)
+    except DataError:
+        return None
+    at = answered.find(_PROBE, len(history))
+    if not (answered.startswith(history) and at >= 0):
+        return None
+    header = answered[len(history):at]
+    if (before.startswith(history + header) and upto.startswith(history + header)
+            and content.strip() in upto[at:]):  # a content the template drops is not found
+        return at
     return None
+
+
+_PROBE = "toymlx-answer-probe"
+"""The content of the assistant message `_header_end` renders to find where a template's
+answer starts (no whitespace, no markup a template would trim or split on)."""
 
 
 def tokenize_example(
