@@ -827,13 +827,15 @@ def test_cut_sentencepiece_vocabulary_against_llama_cpp(shared_file, models_dir,
     assert_ids_of_llama_cpp(path, inp_texts(models_dir) + HARD_TEXTS)
 
 
-def _llama_detokenize(llama_cpp, vocab, ids: list[int]) -> str:
-    """llama.cpp's own llama_detokenize (remove_special, specials not rendered)."""
+def _llama_detokenize(llama_cpp, vocab, ids: list[int], remove_special: bool = True,
+                      unparse_special: bool = False) -> str:
+    """llama.cpp's own llama_detokenize (by default: bos removed, specials not rendered)."""
     arr = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
     size = 16 * len(ids) + 16
     for _ in range(2):
         buf = ctypes.create_string_buffer(size)
-        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, True, False)
+        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, remove_special,
+                                       unparse_special)
         if n >= 0:
             return buf.raw[:n].decode("utf-8", errors="replace")
         size = -n
@@ -865,6 +867,33 @@ def test_upstream_specials_against_llama_cpp(upstream, models_dir, name):
         for parse in (False, True):
             want = ref.tokenize(text.encode("utf-8"), add_bos=False, special=parse)
             assert tok.encode(text, add_bos=False, parse_special=parse) == want, (i, parse)
+
+
+@pytest.mark.interop
+def test_gemma4_decode_against_llama_cpp(upstream, models_dir):
+    """Gemma 4's ids of a rendered chat with its control tokens (<bos>, <|turn>, <turn|>, <eos>),
+    visible ones (<|channel>, <|tool_call>, <|"|>; <|tool_response>, which llama.cpp makes a
+    control token as it ends generation), byte tokens and newline runs: decoded with the
+    specials as llama_detokenize renders them, and without (skip_special: bos removed, control
+    tokens dropped, visible ones kept); token by token as generation streams them."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = llama_cpp.Llama(model_path=str(upstream_path(models_dir, "gemma-4")), vocab_only=True,
+                          verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(ref.model)
+    tok = upstream("gemma-4")
+    text = ("<bos><|turn>system\nBe  brief. <turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+            '<|tool_call>call:f{x:<|"|>a<|"|>}<tool_call|><|tool_response>é 🦙\ue000 \n\n\n x<eos>')
+    try:
+        ids = ref.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        assert tok.encode(text, add_bos=False) == ids and {48, 50, 52, 100, 105} < set(ids)
+        assert tok.decode(ids, skip_special=False) == _llama_detokenize(
+            llama_cpp, vocab, ids, remove_special=False, unparse_special=True) == text
+        shown = _llama_detokenize(llama_cpp, vocab, ids)
+        assert tok.decode(ids) == shown and shown.startswith("system\nBe  brief. \nmodel\n<|chan")
+        assert [tok.piece_bytes(i) for i in ids] == [ref.detokenize([i], special=True)
+                                                     for i in ids]
+    finally:
+        ref.close()
 
 
 # ------------------------------------------------------------------ where encode_stream cuts
