@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
-from toymlx.data.chat import DataError, Example, tokenize_example
+from toymlx.data.chat import TURNS, DataError, Example, tokenize_example
 from toymlx.data.chat_template import compile_template, render_context
 
 TOOLS = [{"type": "function", "function": {
@@ -95,6 +95,8 @@ LOADED = {
     # rest of it, as generation writes it; an earlier turn is written without one
     "Qwen3.5-4B.jinja": Turn("qwen35", IM_END, last_before="\n</think>\n\n"),
     "google-gemma-2-2b-it.jinja": Turn("gemma2", "<end_of_turn>\n"),
+    "google-gemma-4-31B-it.jinja": Turn("gemma4", "<turn|>\n"),
+    "google-gemma-4-31B-it-interleaved.jinja": Turn("gemma4", "<turn|>\n"),
     # the EOS token after the last message when no generation prompt follows
     "microsoft-Phi-3.5-mini-instruct.jinja": Turn("phi3", "<|end|>\n", "<|end|>\n" + EOS),
     "HuggingFaceTB-SmolLM3-3B.jinja": Turn("smollm3", IM_END),
@@ -230,10 +232,13 @@ def trained_texts(tok: TextTokenizer, example: Example, turns: str = "assistant"
 CHAT = [SYSTEM, USER1, ANSWER1, USER2, ANSWER2]
 PROMPT_ONLY = {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "<think>\n",
                "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "<think>\n</think>",
-               "Qwen-QwQ-32B.jinja": "<think>\n</think>"}
+               "Qwen-QwQ-32B.jinja": "<think>\n</think>",
+               "google-gemma-4-31B-it.jinja": "<|channel>thought\n<channel|>",
+               "google-gemma-4-31B-it-interleaved.jinja": "<|channel>thought\n<channel|>"}
 """Generation prompts that end in text the template never writes into a rendered turn
 (DeepSeek-R1's `<｜Assistant｜><think>\\n`, llama.cpp's copies adding `</think>` where
-`enable_thinking` is not true, against `<｜Assistant｜>` + answer in the turn): not trained."""
+`enable_thinking` is not true, Gemma 4's empty thought channel where it is not, against
+`<｜Assistant｜>` / `<|turn>model\\n` + answer in the turn): not trained."""
 NEMO = "mistralai-Mistral-Nemo-Instruct-2407.jinja"
 SYSTEM_IN_LAST_PROMPT = {NEMO}
 """Templates that leave a system message out of a conversation ending in an assistant's turn:
@@ -299,7 +304,9 @@ def test_a_template_needing_variables_of_its_own_is_a_one_line_error(llamacpp_so
 
 REAL_VOCABS = {"meta-llama-Llama-3.1-8B-Instruct.jinja": "llama-bpe",
                "Qwen-Qwen2.5-7B-Instruct.jinja": "qwen2",
-               "microsoft-Phi-3.5-mini-instruct.jinja": "phi-3"}
+               "microsoft-Phi-3.5-mini-instruct.jinja": "phi-3",
+               "google-gemma-4-31B-it.jinja": "gemma-4",
+               "google-gemma-4-31B-it-interleaved.jinja": "gemma-4"}
 """Templates trained again with their family's real vocabulary (llama.cpp's
 models/ggml-vocab-NAME.gguf), where the end-of-turn markers are single special tokens."""
 
@@ -426,16 +433,20 @@ def test_qwen3_trains_earlier_turns_as_the_history_writes_them(llamacpp_source):
         "<think>\n\n</think>\n\nA bag.<|im_end|>\n"]
 
 
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather",
+                                                "arguments": {"city": "Paris"}}}
+TOOL_CHAT = [USER1, {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]},
+             {"role": "tool", "name": "get_weather", "content": "Sunny"}, ANSWER1]
+"""An agent's turn that only calls a tool, the tool's answer, the final answer."""
+
+
 def test_qwen3_tool_call_turn_trains_the_call_as_the_history_writes_it(llamacpp_source,  # noqa: F811
                                                                        pinned_clock):
     """An agent's turn that only calls a tool (no content) before the tool's answer and the
     final answer: Qwen3 writes it with a `<think>` block when last, without once the tool
     answers; the call and its end train as the history writes them."""
     source = template_text(llamacpp_source, QWEN3)
-    call = {"type": "function", "function": {"name": "get_weather",
-                                             "arguments": {"city": "Paris"}}}
-    chat = [USER1, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "get_weather", "content": "Sunny"}, ANSWER1]
+    chat = TOOL_CHAT
     example = Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS))
     text, runs = trained_texts(TextTokenizer(source), example)
     assert text == hf_render(source, chat, False, TOOLS)
@@ -458,6 +469,14 @@ THOUGHT_DROPPED = {
 }
 """The trained runs of [USER1, THOUGHT, USER2, ANSWER2]: the earlier turn as the conversation's
 render writes it, its reasoning dropped by the template, the last as generation writes it."""
+
+
+def unwritten(i: int) -> str:
+    """The start of the error for assistant turn `messages[i]`, whose content the template
+    writes nowhere (a pattern)."""
+    return (rf"^d\.jsonl:1: chat template writes assistant turn messages\[{i}\] without part "
+            r"of its content \(it is nowhere in the turn's own render: .*\), so the turn cannot "
+            r"be trained as written; remove that part of the content, ")
 
 
 @pytest.mark.parametrize("name", sorted(THOUGHT_DROPPED))
@@ -485,10 +504,10 @@ def test_an_earlier_turn_whose_reasoning_the_template_drops_trains_its_answer_an
     assert fit.note("d.jsonl", "train", 512) is None
     fit = fitted_rows([example] * 2, tok, 512)[1]
     assert fit.note("d.jsonl", "train", 512) == (
-        "d.jsonl: train: of 2 examples, 2 assistant turns with <think> reasoning the chat "
-        "template leaves out of the conversation it renders (as the model meets those turns at "
-        "inference), so their answers train without it; --data.train-turns last trains only "
-        "each final turn, as generation writes it")
+        "d.jsonl: train: of 2 examples, 2 assistant turns with reasoning (<think>...</think>, "
+        "<|channel>...<channel|>) the chat template leaves out of the conversation it renders, "
+        "as the model meets those turns at inference, so only their answers train; "
+        "--data.train-turns last trains only each final turn, as generation writes it")
 
 
 @pytest.mark.parametrize("name", sorted(THOUGHT_DROPPED))
@@ -506,12 +525,9 @@ def test_a_last_turn_with_reasoning_trains_it_where_the_template_writes_it(
     example = Example("d.jsonl:1", messages=tuple(chat))
     if name in (R1_QWEN, R1_LLAMA):
         for turns in ("assistant", "last"):
-            with pytest.raises(DataError, match=r"^d\.jsonl:1: assistant turn messages\[3\]: "
-                                                r"expected its <think> reasoning in the "
-                                                r"conversation's render, found it dropped by "
-                                                r"the chat template .*; remove the reasoning "
-                                                r"from the last answer to train the answer as "
-                                                r"the template writes it$"):
+            with pytest.raises(DataError, match=unwritten(3) + r"or set mask_prompt=False to "
+                                                r"train on the whole conversation as the "
+                                                r"template renders it$"):
                 trained_texts(tok, example, turns)
         assert fitted_rows([example], tok, 512, False)[1].thoughts == 1
         return
@@ -699,3 +715,108 @@ def test_qwen35_trains_earlier_turns_as_the_history_writes_them_with_its_real_vo
         assert ids == tok.encode(prompt, add_bos=False) + tok.encode(texts[-1], add_bos=False)
         assert hf_render(source, chat, False, tools) == prompt + texts[-1]
         assert [run.count(im_end) for run in trained] == [1, 1, 1]
+
+
+# ------------------------------------------------------------------------------- Gemma 4
+GEMMA4 = ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"]
+
+
+def gemma4_tokenizer(tree: Path, name: str):
+    """llama.cpp's Gemma 4 vocabulary (models/ggml-vocab-gemma-4.gguf) with template `name`."""
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.data.vocab import K_TEMPLATE
+    from toymlx.gguf.reader import read_metadata
+
+    vocab = tree / "models" / "ggml-vocab-gemma-4.gguf"
+    return Tokenizer.from_metadata({**read_metadata(vocab), K_TEMPLATE: template_text(tree, name)},
+                                   vocab)
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_trains_each_answer_trimmed_as_its_template_writes_it(name, llamacpp_source):  # noqa: F811
+    """Gemma 4 writes an answer trimmed (`strip_thinking(...) | trim`) and its generation prompt
+    goes on past the turn's header (`<|turn>model\\n<|channel>thought\\n<channel|>`), so an
+    answer with spaces or newlines around it was found in neither prefix render and refused.
+    With its real vocabulary: each run of trained ids is the trimmed answer and `<turn|>\\n`
+    encoded alone, `<turn|>` one special token, the ids of the whole those of the render (as
+    transformers renders it); the empty thought channel is in no trained run."""
+    tok = gemma4_tokenizer(llamacpp_source, name)
+    padded = [SYSTEM, USER1, {**ANSWER1, "content": "  A sequence.\n"}, USER2,
+              {**ANSWER2, "content": "\nA mapping.  "}, USER3, ANSWER3]
+    full = hf_render(tok.chat_template, padded, False).replace(BOS, "<bos>")
+    assert tok.apply_chat_template(padded, False) == full
+    assert full.startswith("<bos><|turn>system\nYou are terse.<turn|>\n<|turn>user\n")
+    for turns, answers in (("assistant", ("A sequence.", "A mapping.", "A bag.")),
+                           ("last", ("A bag.",))):
+        ids, mask = tokenize_example(Example("d.jsonl:1", messages=tuple(padded)), tok, True,
+                                     turns)
+        assert ids == tok.encode(full, add_bos=False) and ids[0] == tok.bos_id
+        runs = trained_runs(ids, mask)
+        assert runs == [tok.encode(a + "<turn|>\n", add_bos=False) for a in answers]
+        assert [run.count(106) for run in runs] == [1] * len(answers)  # <turn|>: one token
+        assert 100 not in ids  # <|channel>: only the generation prompt writes it
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_thought_in_the_last_answer_is_refused_in_an_earlier_one_not_trained(name, llamacpp_source):  # noqa: F811
+    """Gemma 4's template strips a `<|channel>...<channel|>` thought from every answer, the last
+    too, so a last answer holding one cannot be trained as written: refused in one line, in
+    both --data.train-turns modes. An earlier answer's trains as the render writes it, as the
+    model meets it at inference (the answer alone), counted in the split's note."""
+    from toymlx.data.chat import fitted_rows
+
+    tok = TextTokenizer(template_text(llamacpp_source, name))
+    thought = {**ANSWER1, "content": "<|channel>thought\nLists hold items.<channel|>A sequence."}
+    last_only = r"or set mask_prompt=False to train on the whole conversation as the template " \
+                r"renders it$"
+    for turns in TURNS:
+        with pytest.raises(DataError, match=unwritten(4) + last_only):
+            trained_texts(tok, Example("d.jsonl:1", messages=(*CHAT[:3], USER2, thought)), turns)
+    example = Example("d.jsonl:1", messages=(USER1, thought, USER2, ANSWER2))
+    text, runs = trained_texts(tok, example)
+    assert text == hf_render(tok.chat_template, list(example.messages), False)
+    assert runs == ["A sequence.<turn|>\n", "A mapping.<turn|>\n"]
+    assert fitted_rows([example], tok, 512)[1].thoughts == 1
+    assert trained_texts(tok, example, "last")[1] == ["A mapping.<turn|>\n"]
+    # the template's own thought-stripping, as transformers renders it
+    assert "Lists hold items" not in hf_render(tok.chat_template, list(example.messages), False)
+
+
+GEMMA4_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_tool_call_turn_trains_the_call_as_the_template_ends_it(name, llamacpp_source,  # noqa: F811
+                                                                      pinned_clock):
+    """A turn that only calls a tool, the tool's answer, the final answer. Gemma 4's generation
+    prompt and the call share `<|` after `<|turn>model\\n` (`<|channel>`, `<|tool_call>`): the
+    call trains whole, from the header a plain answer has. It ends as the template ends it when
+    last: `<|tool_response>` (an end-of-generation token, where the tool's answer goes in) in
+    the 31B template, `<turn|>\\n` in the interleaved one; the tool's answer is not trained. A
+    call beside text the 31B template writes after the tool's answer is refused in one line."""
+    source = template_text(llamacpp_source, name)
+    chat = TOOL_CHAT
+    example = Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS))
+    text, runs = trained_texts(TextTokenizer(source), example)
+    assert text == hf_render(source, chat, False, TOOLS)
+    interleaved = name.endswith("-interleaved.jinja")
+    call_end = "<turn|>\n" if interleaved else "<|tool_response>"
+    assert runs == [GEMMA4_CALL + call_end, "A sequence.<turn|>\n"]
+    tok = gemma4_tokenizer(llamacpp_source, name)
+    ids, mask = tokenize_example(example, tok, True)
+    trained = trained_runs(ids, mask)
+    assert trained == [tok.encode(r, add_bos=False) for r in runs]
+    assert trained[0][0] == 48 and trained[0].count(49) == 1  # <|tool_call>, <tool_call|>
+    # one end-of-generation token, at the call's end: <turn|> (then "\n"), <|tool_response>
+    assert [t for t in trained[0] if t in tok.eog_ids] == [106 if interleaved else 50]
+    assert trained[0][-1] == (107 if interleaved else 50)
+    said = (*chat[:1], {**chat[1], "content": "Let me check."}, *chat[2:])
+    said_example = Example("d.jsonl:1", messages=said, tools=tuple(TOOLS))
+    if interleaved:  # the text after the call, in the same turn
+        assert trained_texts(TextTokenizer(source), said_example)[1][0] == (
+            GEMMA4_CALL + "Let me check.<turn|>\n")
+    else:  # written after the tool's answer once it follows
+        with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template renders message "
+                                            r"prefixes inconsistently, so assistant turn "
+                                            r"messages\[1\] cannot be located; "):
+            trained_texts(TextTokenizer(source), said_example)

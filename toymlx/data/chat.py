@@ -878,13 +878,17 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
     final = i == len(messages) - 1  # trained as generation writes it, or not at all
     span = None if final else _history_span(tokenizer, messages, i, prev_end, upto, source,
                                             tools, whole or Rendered(messages, False, full))
+    content = (messages[i].get("content") or "").strip()
+    if span is None and content not in upto:
+        last = "" if final else "set --data.train-turns last to train the last turn only, "
+        raise DataError(f"{source}: chat template writes assistant turn messages[{i}] without "
+                        f"part of its content (it is nowhere in the turn's own render: Gemma "
+                        f"4's strips <|channel>...<channel|> thoughts from every answer, "
+                        f"DeepSeek-R1's <think> reasoning), so the turn cannot be trained as "
+                        f"written; remove that part of the content, {last}or set "
+                        f"mask_prompt=False to train on the whole conversation as the template "
+                        f"renders it")
     if span is None:
-        if final and "</think>" in (messages[i].get("content") or ""):
-            raise DataError(f"{source}: assistant turn messages[{i}]: expected its <think> "
-                            f"reasoning in the conversation's render, found it dropped by the "
-                            f"chat template (DeepSeek-R1's drops it from every turn), so it "
-                            f"would train without it; remove the reasoning from the last "
-                            f"answer to train the answer as the template writes it")
         fix = "" if final else (
             "the template writes it one way as the last turn and another once a message "
             "follows, and where the whole conversation's render writes its content is not "
@@ -979,11 +983,18 @@ def _after_previous(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]]
     return start, start + len(turn)
 
 
+REASONING_ENDS = ("</think>", "<channel|>")
+"""The ends of the reasoning an assistant's content may open with, which chat templates drop
+from the turns they render (Qwen3's, Qwen3.5's, QwQ's, DeepSeek-R1's `<think>...</think>`;
+Gemma 4's `<|channel>thought...<channel|>`): a content holding one is checked for it
+(`untrained_thoughts`)."""
+
+
 def thought_dropped(content: str, written: str) -> bool:
-    """Whether a render writes an assistant's `content` as `written` without the `<think>`
-    reasoning it holds (the text up to its `</think>`, which Qwen3's, Qwen3.5's, QwQ's and
-    DeepSeek-R1's templates drop from earlier turns)."""
-    return "</think>" in content and "</think>" not in written
+    """Whether a render writes an assistant's `content` (holding reasoning: `REASONING_ENDS`) as
+    `written` without part of it: the reasoning, which the template drops (its trimming of
+    the whole content aside)."""
+    return any(end in content for end in REASONING_ENDS) and content.strip() not in written
 
 
 def _header_end(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, upto: str,
@@ -994,14 +1005,39 @@ def _header_end(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i:
     `before` starts with. The last place the content starts within the text `before` and
     `upto` share: an earlier one lies in the header ("a" in `<｜Assistant｜>`); the shared text
     may run into the content ("<b>" after `<｜Assistant｜>`, the prompt going on `<think>`).
-    None when not so."""
+    The content as written, else trimmed, as Gemma's templates write an answer (`| trim`;
+    Gemma 4's prompt goes on `<|channel>thought\n<channel|>`). None when not so."""
     history = _render(tokenizer, messages[:i], False, source, tools)
     content = messages[i].get("content") or ""
-    if not (content and upto.startswith(history)):
+    if not upto.startswith(history):
         return None
     shared = len(os.path.commonprefix([before, upto]))
-    at = upto.rfind(content, len(history), shared + len(content))
-    return at if at >= 0 else None
+    for text in filter(None, dict.fromkeys((content, content.strip()))):
+        at = upto.rfind(text, len(history), shared + len(text))
+        if at >= 0:
+            return at
+    # no content there (a turn that only calls a tool, or writes its call first: Gemma 4's
+    # `<|turn>model\n<|tool_call>...`, whose `<|` the prompt's `<|channel>` shares): after the
+    # header the template writes before a plain answer, where the prompt starts with it too
+    # and the content is written after it
+    probe = [*messages[:i], {"role": "assistant", "content": _PROBE}]
+    try:
+        answered = _render(tokenizer, probe, False, source, tools)
+    except DataError:
+        return None
+    at = answered.find(_PROBE, len(history))
+    if not (answered.startswith(history) and at >= 0):
+        return None
+    header = answered[len(history):at]
+    if (before.startswith(history + header) and upto.startswith(history + header)
+            and content.strip() in upto[at:]):  # a content the template drops is not found
+        return at
+    return None
+
+
+_PROBE = "toymlx-answer-probe"
+"""The content of the assistant message `_header_end` renders to find where a template's
+answer starts (no whitespace, no markup a template would trim or split on)."""
 
 
 def tokenize_example(
@@ -1063,16 +1099,17 @@ def system_merged(example: Example, tokenizer: ChatTokenizer) -> bool:
 
 def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool,
                        turns: str) -> int:
-    """How many assistant turns of `example` hold `<think>` reasoning that the chat template
-    leaves out of the conversation it renders (`thought_dropped`: Qwen3's, Qwen3.5's, QwQ's and
-    DeepSeek-R1's drop it from a turn once a user message follows), so that it is not trained:
+    """How many assistant turns of `example` hold reasoning that the chat template leaves out of
+    the conversation it renders (`thought_dropped`: Qwen3's, Qwen3.5's and QwQ's drop `<think>`
+    reasoning from a turn once a user message follows, DeepSeek-R1's and Gemma 4's from every
+    turn), so that it is not trained:
     their answers train as the render writes them, which is how the model meets those turns at
     inference; `Fit.thoughts` counts them so that it is said, not silent. 0 where only the last
     turn trains (`mask_prompt` with `turns` "last": the others are prompt), or for no messages.
     Found by position where the template writes a marked content once (`_around`), else by the
-    reasoning's text missing from the render."""
+    content's text missing from the render."""
     if example.messages is None or (mask_prompt and turns == "last") or not any(
-            m["role"] == "assistant" and "</think>" in (m.get("content") or "")
+            m["role"] == "assistant" and thought_dropped(m.get("content") or "", "")
             for m in example.messages) or not getattr(tokenizer, "chat_template", None):
         return 0
     messages = list(example.messages)
@@ -1082,14 +1119,13 @@ def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: 
     count = 0
     for i, m in enumerate(messages):
         content = m.get("content") or ""
-        if m["role"] != "assistant" or "</think>" not in content:
+        if m["role"] != "assistant" or not thought_dropped(content, ""):
             continue
         around = _around(tokenizer, messages, i, False, example.source, example.tools)
         if around is not None and full.startswith(around[0]) and full.endswith(around[1]):
             written = full[len(around[0]):len(full) - len(around[1])]
-        else:
-            reasoning = content.split("</think>")[0].split("<think>")[-1].strip()
-            written = content if reasoning in full else ""
+        else:  # the content itself, as a text of the render
+            written = full
         count += thought_dropped(content, written)
     return count
 
@@ -1321,7 +1357,7 @@ class Fit:
     """Examples whose system message starts their first user message instead, the chat
     template having no system role (`system_merged`)"""
     thoughts: int = 0
-    """Assistant turns whose `<think>` reasoning the chat template leaves out of the
+    """Assistant turns whose reasoning (`<think>...</think>`) the chat template leaves out of the
     conversation it renders, so that it is not trained (`untrained_thoughts`)"""
 
     @classmethod
@@ -1358,11 +1394,11 @@ class Fit:
                          f"has no role for: its text starts the first user message, a blank line "
                          f"after it (as llama.cpp and toymlx-generate --system put it)")
         if self.thoughts:
-            parts.append(f"{counted(self.thoughts, 'assistant turn')} with <think> reasoning "
-                         f"the chat template leaves out of the conversation it renders (as the "
-                         f"model meets those turns at inference), so their answers train without "
-                         f"it; --data.train-turns last trains only each final turn, as "
-                         f"generation writes it")
+            parts.append(f"{counted(self.thoughts, 'assistant turn')} with reasoning "
+                         f"(<think>...</think>, <|channel>...<channel|>) the chat template leaves "
+                         f"out of the conversation it renders, as the model meets those turns at "
+                         f"inference, so only their answers train; --data.train-turns last "
+                         f"trains only each final turn, as generation writes it")
         if not parts:
             return None
         return f"{source}: {split}: of {counted(self.examples, 'example')}, {', '.join(parts)}"
