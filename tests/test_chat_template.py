@@ -375,6 +375,12 @@ def trained_spans(tok: TextTokenizer, example: Example, turns: str = "assistant"
     return text, [(len(bytes(ids[:k]).decode()), r) for k, r in zip(starts, runs, strict=True)]
 
 
+def untrained(text: str, spans: list[tuple[int, str]]) -> list[str]:
+    """The text around the trained runs `spans` (`trained_spans`'s), in order."""
+    cuts = [0] + [c for at, r in spans for c in (at, at + len(r))] + [len(text)]
+    return [text[a:b] for a, b in zip(cuts[::2], cuts[1::2], strict=True)]
+
+
 @pytest.mark.parametrize("name", sorted(set(LOADED) - set(VARIABLES)))
 def test_three_turns_train_each_answer_where_the_whole_render_writes_it(
         name, llamacpp_source, pinned_clock, monkeypatch):  # noqa: F811
@@ -423,8 +429,7 @@ def test_qwen3_trains_earlier_turns_as_the_history_writes_them(llamacpp_source):
     text, spans = trained_spans(tok, Example("d.jsonl:1", messages=tuple(CHAT3)))
     assert [r for _, r in spans] == ["A sequence.<|im_end|>\n", "A mapping.<|im_end|>\n",
                                      "<think>\n\n</think>\n\nA bag.<|im_end|>\n"]
-    cuts = [0] + [c for at, r in spans for c in (at, at + len(r))] + [len(text)]
-    assert [text[a:b] for a, b in zip(cuts[::2], cuts[1::2], strict=True)] == [
+    assert untrained(text, spans) == [
         ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is a list?"
          "<|im_end|>\n<|im_start|>assistant\n"),
         "<|im_start|>user\nAnd a dict?<|im_end|>\n<|im_start|>assistant\n",
@@ -682,8 +687,7 @@ def test_qwen35_trains_earlier_turns_as_the_history_writes_them_with_its_real_vo
     assert text == hf_render(source, CHAT3, False)
     runs = ["A sequence.<|im_end|>\n", "A mapping.<|im_end|>\n", "\n</think>\n\nA bag.<|im_end|>\n"]
     assert [r for _, r in spans] == runs
-    cuts = [0] + [c for at, r in spans for c in (at, at + len(r))] + [len(text)]
-    assert [text[a:b] for a, b in zip(cuts[::2], cuts[1::2], strict=True)] == [
+    assert untrained(text, spans) == [
         ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is a list?"
          "<|im_end|>\n<|im_start|>assistant\n"),
         "<|im_start|>user\nAnd a dict?<|im_end|>\n<|im_start|>assistant\n",
