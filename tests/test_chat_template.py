@@ -298,7 +298,11 @@ def test_a_template_needing_variables_of_its_own_is_a_one_line_error(llamacpp_so
     name = "fireworks-ai-llama-3-firefunction-v2.jinja"
     tok = TextTokenizer(template_text(llamacpp_source, name))
     with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template failed on 2 messages: "
-                                        r"UndefinedError: 'functions' is undefined$"):
+                                        r"UndefinedError: 'functions' is undefined; a variable "
+                                        r"of the template's own, which toymlx passes none of "
+                                        r"\(.*firefunction-v2's reads `functions` and `datetime`"
+                                        r", which its callers pass per call\): use a base whose "
+                                        r"template renders from those alone$"):
         trained_texts(tok, Example("d.jsonl:1", messages=(USER1, ANSWER1)))
 
 

@@ -725,6 +725,12 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], gen: b
                     "message, before a user's, at the start of that user message (as "
                     "toymlx-generate --system and llama.cpp do for Gemma); move this one's text "
                     "into a user message")
+        elif type(e).__name__ == "UndefinedError" and str(e).endswith("' is undefined"):
+            # jinja2's for a top-level name nothing passes (not a message's missing field)
+            hint = ("; a variable of the template's own, which toymlx passes none of (it renders "
+                    "the messages, tools and special tokens, as transformers does by default; "
+                    "firefunction-v2's reads `functions` and `datetime`, which its callers pass "
+                    "per call): use a base whose template renders from those alone")
         raise DataError(f"{source}: chat template failed on {counted(len(messages), 'message')}: "
                         f"{type(e).__name__}: {e}{hint}") from None
 
