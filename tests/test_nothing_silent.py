@@ -765,10 +765,17 @@ _ONLY_KEYS = ("expected only keys toymlx computes with (llama.* for llama: atten
      ("tensor 'blk.0.foo.weight': expected only the tensors a llama model of this shape computes "
      f"with, found this one too; not loaded, so that nothing is ignored (supported "
      f"architectures: {SUPPORTED})")),
-    ({"add": {"llama.rope.scaling.type": ("yarn", "STRING"),
+    ({"add": {"llama.rope.scaling.type": ("longrope", "STRING"),
               "llama.rope.scaling.factor": (4.0, "FLOAT32")}},
-     ("metadata key 'llama.rope.scaling.type': expected one of none, linear for llama, found "
-     "'yarn'")),
+     ("metadata key 'llama.rope.scaling.type': expected one of none, linear, yarn for llama, "
+      "found 'longrope'")),
+    # llama.cpp's llama does not read YaRN's betas: a file's other value would be ignored
+    ({"add": {"llama.rope.scaling.type": ("yarn", "STRING"),
+              "llama.rope.scaling.factor": (4.0, "FLOAT32"),
+              "llama.rope.scaling.yarn_beta_fast": (16.0, "FLOAT32")}},
+     ("metadata key 'llama.rope.scaling.yarn_beta_fast': expected 32 (llama.cpp does not read "
+      "this key for llama and computes with 32; Hugging Face's model would use the file's), "
+      "found 16")),
     ({"add": {"llama.attention.sliding_window": (32, "UINT32")}},
      "metadata key 'llama.attention.sliding_window': " + _ONLY_KEYS),
     ({"arch": "mamba"}, (f"metadata key 'general.architecture': expected one of {SUPPORTED}, "
