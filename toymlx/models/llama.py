@@ -2,8 +2,9 @@
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
 (Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text), phi3, smollm3,
-granite and olmo2. They are one transformer with a handful of switches, each a field of
-`LlamaArgs`:
+granite, olmo2 and mistral3 (Ministral 3: llama's switches, YaRN RoPE and an attention
+temperature on the queries). They are one transformer with a handful of switches, each a field
+of `LlamaArgs`:
 
 | switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite | olmo2 |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
@@ -70,7 +71,7 @@ class LlamaArgs:
     # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
     arch: str = "llama"
     """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3,
-    granite or olmo2."""
+    granite, olmo2 or mistral3."""
     rope_neox: bool = False
     """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
     rope_dims: int | None = None
