@@ -61,7 +61,7 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    mscale_all_dim 0.5 (magnitude (1 + 0.1 ln 16) / (1 + 0.05 ln 16)), and
                    Llama 4's attention temperature 0.1 over the original context: queries at
                    positions 16-31 times 1 + 0.1 ln 2, 32-47 times 1 + 0.1 ln 3; untied,
-                   SentencePiece vocab
+                   SentencePiece vocab, Ministral-3-14B-Reasoning-2512's chat template
 
 The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
 (32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
@@ -119,6 +119,9 @@ BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", 
 _FIRST = BASE_KINDS[:BASE_KINDS.index("phi4-mini")]
 KINDS = (_FIRST + tuple(f"{k}-q" for k in _FIRST)
          + tuple(k for b in BASE_KINDS[len(_FIRST):] for k in (b, f"{b}-q")))
+MINISTRAL3_TEMPLATE = "mistralai-Ministral-3-14B-Reasoning-2512.jinja"
+"""The ministral3 kind's chat template (llama.cpp's models/templates), which the converter
+writes as tokenizer.chat_template."""
 # Types `llamacpp_quantize` accepts (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
                "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",
@@ -517,6 +520,11 @@ def tiny_hf_checkpoint(kind: str, out_dir: str | Path, tree: str | Path | None =
         tok = _spm_tokenizer(tree, sp.tokenizer, out)
     else:
         tok = _bpe_tokenizer(tree, sp.tokenizer, out)
+    if sp.family == "ministral3":  # Ministral 3's chat template, where its tokenizer has it
+        cfg = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+        cfg["chat_template"] = (tree / "models" / "templates" / MINISTRAL3_TEMPLATE).read_text(
+            encoding="utf-8")
+        _write_json(out / "tokenizer_config.json", cfg)
     config = hf_config(sp, tok)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

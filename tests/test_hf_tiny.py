@@ -149,7 +149,9 @@ def test_longrope_short_factors_within_the_original_context(kind, tiny_hf, tiny_
 def test_yarn_kinds_train_and_their_fused_export_runs_in_llamacpp(kind, tiny_hf, tiny_gguf,  # noqa: F811
                                                                   tmp_path):
     """The converter's YaRN files through toymlx's own paths: a LoRA run (toymlx-train, two
-    rows, so every step sees the same batch) lowers its loss; `toymlx-export --fuse` writes a
+    rows, so every step sees the same batch; ministral3's are chats in Ministral 3's own
+    template, which the converter wrote into its file) lowers its loss; `toymlx-export --fuse`
+    writes a
     file whose RoPE keys are the base's (YaRN's type, factor, original context, mistral3's
     betas, log multiplier and temperature), which llama.cpp computes as toymlx does, and which
     is the run's base + adapter."""
@@ -160,9 +162,18 @@ def test_yarn_kinds_train_and_their_fused_export_runs_in_llamacpp(kind, tiny_hf,
     from toymlx.generation.generate import load_for_generation
 
     base = tiny_gguf(kind)
-    data = number_stories_folder(tmp_path / "data", {"train": 2, "valid": 2})
+    data, seq = number_stories_folder(tmp_path / "data", {"train": 2, "valid": 2}), 48
+    if kind == "ministral3":
+        data, seq = tmp_path / "chats", 128
+        data.mkdir()
+        for split in ("train", "valid"):
+            (data / f"{split}.jsonl").write_text("".join(json.dumps({"messages": [
+                {"role": "system", "content": "Be terse."},
+                {"role": "user", "content": f"Name the number {i}."},
+                {"role": "assistant", "content": f"It is {i}."}]}) + "\n" for i in range(2)))
+        assert "[SYSTEM_PROMPT]" in GGUFFile(base).metadata["tokenizer.chat_template"]
     args = recipe_args(base, tmp_path, data, "--lora.targets", "q,k,v,o,gate,up,down",
-                       "--lora.rank", "4", "--steps", "6", "--seq-len", "48")
+                       "--lora.rank", "4", "--steps", "6", "--seq-len", str(seq))
     assert train([*args, "--run-id", "r"]) == 0
     run = tmp_path / "r"
     losses = step_losses(run)
