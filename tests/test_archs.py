@@ -458,6 +458,31 @@ def test_yarn_and_temperature_switches_change_the_logits(files):
         (True, 1 / 16, 8, (4.0, 0.25), 0.5, pytest.approx(0.1))
 
 
+def test_yarn_keys_llamacpp_does_not_read_and_mistral3_experts(files, tmp_path):
+    """The converter writes a Hugging Face config's YaRN `attention_factor` and betas into any
+    architecture's file; llama.cpp's qwen3 reads neither (DeepSeek-R1-0528-Qwen3-8B's config
+    says attn_factor 0.8782, llama.cpp computes with 1 + 0.1 ln 4): such a key loads where it
+    says what llama.cpp computes with, and is refused by name where it does not. A mistral3
+    file with experts is refused as every mixture of experts is."""
+    k = "qwen3.rope.scaling."
+    same = _copy(files["qwen3-yarn"], tmp_path / "same.gguf",
+                 {k + "yarn_attn_factor": 1 + 0.1 * np.log(4.0), k + "yarn_beta_fast": 32.0,
+                  k + "yarn_ext_factor": 1.0})
+    assert np.array_equal(logits(load_llama(same)[0]), logits(load_llama(files["qwen3-yarn"])[0]))
+    p = _copy(files["qwen3-yarn"], tmp_path / "r1.gguf", {k + "yarn_attn_factor": 0.8782488562869419})
+    with pytest.raises(GGUFError, match=r"r1\.gguf: metadata key 'qwen3\.rope\.scaling\."
+                                        r"yarn_attn_factor': expected 1\.138629 \(llama\.cpp does "
+                                        r"not read this key for qwen3 and computes with 1\.138629; "
+                                        r"Hugging Face's model would use the file's\), found "
+                                        r"0\.8782489$"):
+        load_llama(p)
+    p = _copy(files["mistral3"], tmp_path / "moe.gguf", {"mistral3.expert_count": 8})
+    with pytest.raises(GGUFError, match=r"moe\.gguf: metadata key 'mistral3\.expert_count': "
+                                        r"expected 0 \(dense models; mixture-of-experts files are "
+                                        r"not supported\), found 8$"):
+        load_llama(p)
+
+
 def test_unknown_tensor_is_refused_by_name(files, tmp_path):
     p = _copy(files["qwen2"], tmp_path / "x.gguf",
               tensors_update={"blk.0.attn_gate.weight": np.zeros((64, 64), np.float32)})

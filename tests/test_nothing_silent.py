@@ -800,8 +800,8 @@ _ONLY_KEYS = ("expected only keys toymlx computes with (llama.* for llama: atten
     ({"add": {"llama.expert_used_count": (2, "UINT32")}},
      ("metadata key 'llama.expert_used_count': expected 0 (dense models; mixture-of-experts "
      "files are not supported), found 2")),
-], ids=["extra-tensor", "yarn", "sliding-window", "architecture", "vocab-size", "general-type",
-        "clip-architecture", "imatrix", "experts-used"])
+], ids=["extra-tensor", "longrope", "yarn-beta", "sliding-window", "architecture", "vocab-size",
+        "general-type", "clip-architecture", "imatrix", "experts-used"])
 def test_a_base_with_what_toymlx_does_not_compute_is_refused_by_every_command(
         tmp_path, stories_path, chat, shared_file, capsys, variant, want):
     """stories260K written again by gguf-py with one tensor or key toymlx does not compute

@@ -180,8 +180,8 @@ def hf_permuted_heads(a: LlamaArgs, name: str) -> int | None:
     """The heads by which llama.cpp's converter permuted tensor `name`'s rows from Hugging
     Face's layout: llama's q (n_heads) and k (n_kv_heads), whose RoPE turns adjacent pairs in
     the GGUF and each head's halves in HF (smollm3's, granite's and mistral3's too: their
-    converter is llama's); None for every other tensor, and for the NEOX architectures (qwen2, qwen3,
-    gemma2, gemma3, phi3, olmo2), whose files keep HF's rows."""
+    converter is llama's); None for every other tensor, and for the NEOX architectures (qwen2,
+    qwen3, gemma2, gemma3, phi3, olmo2), whose files keep HF's rows."""
     if a.rope_neox or a.fused_qkv:
         return None
     leaf = name.split(".")[-2] if name.startswith("blk.") else ""
