@@ -458,6 +458,38 @@ def test_yarn_and_temperature_switches_change_the_logits(files):
         (True, 1 / 16, 8, (4.0, 0.25), 0.5, pytest.approx(0.1))
 
 
+YARN_KEYS = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+             "rope.scaling.original_context_length": 8}
+"""Qwen3-128K's YaRN keys on the scale of these files' 20 tokens."""
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm3", "granite", "olmo2"])
+def test_yarn_in_every_architecture_llamacpp_scales_alike(files, kind, tmp_path):
+    """The other architectures whose llama.cpp graph takes YaRN as qwen3's does, with
+    Qwen3-128K's keys: toymlx's logits are the float64 reference's, and YaRN moves them."""
+    arch = args_from_gguf(GGUFFile(files[kind])).arch
+    p = _copy(files[kind], tmp_path / "yarn.gguf", {f"{arch}.{k}": v for k, v in YARN_KEYS.items()})
+    model, _ = load_llama(p)
+    hp, w = load_reference(p)
+    diff = float(np.abs(logits(model) - forward(hp, w, IDS)).max())
+    moved = float(np.abs(logits(model) - logits(load_llama(files[kind])[0])).max())
+    report(f"{kind} with YaRN", max_abs_diff=diff, moved_by_yarn=moved)
+    assert diff < 1e-4 and moved > 1e-2
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm3", "granite", "olmo2"])
+def test_yarn_in_every_architecture_matches_llamacpp(files, kind, tmp_path):
+    from llamacpp_runner import llamacpp_logits
+
+    arch = args_from_gguf(GGUFFile(files[kind])).arch
+    p = _copy(files[kind], tmp_path / "yarn.gguf", {f"{arch}.{k}": v for k, v in YARN_KEYS.items()})
+    ref, _ = llamacpp_logits(p, IDS)
+    diff = float(np.abs(logits(load_llama(p)[0]) - ref).max())
+    report(f"{kind} with YaRN vs llama.cpp", max_abs_diff=diff)
+    assert diff < 1e-4
+
+
 def test_yarn_keys_llamacpp_does_not_read_and_mistral3_experts(files, tmp_path):
     """The converter writes a Hugging Face config's YaRN `attention_factor` and betas into any
     architecture's file; llama.cpp's qwen3 reads neither (DeepSeek-R1-0528-Qwen3-8B's config

@@ -73,7 +73,7 @@ YARN = ("none", "linear", "yarn")
 parameters to ggml_rope_ext unchanged (`LlamaArgs.yarn_rope`)."""
 YARN_READ = frozenset({"rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
                        "rope.scaling.yarn_log_multiplier"})
-"""The YaRN keys llama.cpp's mistral3 loader reads (its llama, qwen2 and qwen3 read none)."""
+"""The YaRN keys llama.cpp's mistral3 loader reads (its other YARN architectures read none)."""
 BIASED = ("llama", "mistral3")
 """The architectures whose files may carry attention biases and a rope_freqs tensor."""
 ARCHS: dict[str, Arch] = {a.name: a for a in (
@@ -96,10 +96,10 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
          rope_scaling=("none", "linear", "longrope")),
     # llama.cpp fixes smollm3's no-RoPE blocks (every 4th); no key says them
-    Arch("smollm3", {"no_rope_interval": 4}, frozenset()),
-    Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}),
+    Arch("smollm3", {"no_rope_interval": 4}, frozenset(), rope_scaling=YARN),
+    Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}, rope_scaling=YARN),
     Arch("olmo2", {"rope_neox": True, "qk_norm_whole": True, "pre_norms": False,
-                   "post_norms": True}, frozenset()),
+                   "post_norms": True}, frozenset(), rope_scaling=YARN),
 )}
 """The architectures toymlx loads, by general.architecture."""
 

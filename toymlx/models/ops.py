@@ -262,8 +262,9 @@ class Ops:
                                scale=1.0 if rope.yarn else rope.scale, offset=offset,
                                freqs=freqs)
             mscale = rope.mscale
-            if rope.temperature is not None:  # (T, 1): one magnitude per position
-                mscale = mx.array(rope.magnitudes(int(offset), T)[:, None].astype(np.float32))
+            if rope.temperature is not None:  # (T, 1): one magnitude per position, x's dtype
+                mscale = mx.array(rope.magnitudes(int(offset), T)[:, None].astype(np.float32)
+                                  ).astype(out.dtype)
             if isinstance(mscale, float) and mscale == 1.0:
                 return out
             if dims == x.shape[-1]:
