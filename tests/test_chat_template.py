@@ -85,6 +85,9 @@ LOADED = {
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": Turn("llama", R1_END),
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": Turn("llama", EOS),
     "unsloth-mistral-Devstral-Small-2507.jinja": Turn("llama", EOS),
+    # Ministral 3 (mistral3): its reasoning system prompt where a chat has none, answers ended
+    # by the EOS token, [THINK] blocks only where a message's content is a list of chunks
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja": Turn("mistral3", EOS),
     "Bielik-11B-v3.0-Instruct.jinja": Turn("llama", IM_END),
     "Qwen-Qwen2.5-7B-Instruct.jinja": Turn("qwen2", IM_END),
     "Qwen-QwQ-32B.jinja": Turn("qwen2", IM_END),
