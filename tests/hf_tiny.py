@@ -101,7 +101,7 @@ SCRIPT = Path(__file__).resolve()
 VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
-              "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini")
+              "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini", "qwen35")
 # a kind's weights are seeded by its place here: kinds added later (from phi4-mini on) go after
 # the first ones' -q twins, so that no kind's weights change when one is added
 _FIRST = BASE_KINDS[:BASE_KINDS.index("phi4-mini")]
@@ -172,6 +172,13 @@ def spec(kind: str) -> Spec:
         return Spec(**s, family="phi3", tokenizer="bpe-gpt4o", tied=True,
                     extra={"partial_rotary_factor": 0.75, "longrope": True,
                            "sliding_window": 262144})
+    if base == "qwen35":  # 3 Gated DeltaNet blocks, then a full-attention one; 2 k heads, 4 v
+        lin = 64 if q else 16
+        return Spec(**{**s, "layers": 4, "head_dim": wide}, family="qwen35",
+                    tokenizer="bpe-qwen35", tied=True,
+                    extra={"linear_key_head_dim": lin, "linear_value_head_dim": lin,
+                           "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                           "mrope_section": [6, 5, 5] if q else [2, 1, 1]})
     if base == "phi3-partial":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=True,
                     extra={"partial_rotary_factor": 0.75})
@@ -235,6 +242,13 @@ def hf_config(sp: Spec, tok: dict):
                                 rope_parameters=_rope(10000000.0), embedding_multiplier=12.0,
                                 residual_multiplier=0.22, attention_multiplier=0.05,
                                 logits_scaling=2.5)
+    if sp.family == "qwen35":
+        lin = {k: v for k, v in sp.extra.items() if k.startswith("linear_")}
+        rope = _rope(10000000.0, partial_rotary_factor=0.25, mrope_interleaved=True,
+                     mrope_section=sp.extra["mrope_section"])
+        return tf.Qwen3_5TextConfig(**common, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                    linear_conv_kernel_dim=4, full_attention_interval=4,
+                                    rope_parameters=rope, **lin)
     if sp.family == "olmo2":
         return tf.Olmo2Config(**common, max_position_embeddings=4096, rms_norm_eps=1e-6,
                               rope_parameters=_rope(500000.0))
@@ -265,7 +279,8 @@ def _model_class(sp: Spec):
             "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
             "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
             "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
-            "granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM}[sp.family]
+            "granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
+            "qwen35": tf.Qwen3_5ForCausalLM}[sp.family]
 
 
 # ---- tokenizers -------------------------------------------------------------------------
@@ -370,6 +385,9 @@ LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's: qwen2's with combining marks (\p{M}) inside letter runs
+QWEN35_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # GPT-4o's (Phi-4's tokenizer.json), as Hugging Face writes it
 _CASED = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
 _UNCASED = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
@@ -401,6 +419,10 @@ def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
         meta = _vocab_gguf(tree, "llama-bpe")
         specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
         pat, pre = GPT4O_PAT, "gpt-4o"
+    elif which == "bpe-qwen35":
+        meta = _vocab_gguf(tree, "qwen35")
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        pat, pre = QWEN35_PAT, "qwen35"
     else:
         meta = _vocab_gguf(tree, "qwen2")
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -419,7 +441,7 @@ def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
         if a in vocab and b in vocab and a + b in vocab:
             merges.append((a, b))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=which == "bpe-llama3"))
-    if which == "bpe-qwen2":
+    if which in ("bpe-qwen2", "bpe-qwen35"):
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(pat), behavior="isolated", invert=False),
@@ -573,6 +595,8 @@ def _child_convert(tree: str, hf_dir: str, out: str, outtype: str, pre: str) -> 
         base.TextModel.get_vocab_base_pre = declared_pre
     converter = str(Path(tree) / "convert_hf_to_gguf.py")
     sys.argv = [converter, hf_dir, "--outfile", out, "--outtype", outtype]
+    if manifest(hf_dir)["family"] == "qwen35":  # its converter asserts MTP weights unless told
+        sys.argv.append("--no-mtp")  # there are none (transformers' model has no MTP block)
     runpy.run_path(converter, run_name="__main__")
 
 
