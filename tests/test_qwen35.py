@@ -1,0 +1,215 @@
+"""Qwen3.5 (`qwen35`): the tiny converted checkpoint (tests/hf_tiny.py kind qwen35: 3 Gated
+DeltaNet blocks and a gated full-attention one, 2 k heads serving 4 value heads) trained with
+LoRA, its adapter applied by llama.cpp, its fused export loaded by llama.cpp, quantized copies,
+cached decoding against the full forward, and the files toymlx refuses. Its logits against
+llama.cpp's and transformers' are test_hf_tiny.py's (kinds qwen35, qwen35-q).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from hf_tiny import (
+    llamacpp_quantize,
+    tiny_gguf,  # noqa: F401  (session fixtures)
+    tiny_hf,  # noqa: F401
+    token_ids,
+)
+from llamacpp_runner import llamacpp_logits, llamacpp_logits_lora
+from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
+
+from toymlx.gguf.llama import args_from_gguf, load_llama
+from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.writer import write_gguf
+from toymlx.interop.merge import write_merged
+from toymlx.models.gated_delta import gated_delta_rule
+from toymlx.models.lora import apply_lora, block_targets, lora_layers
+from toymlx.models.losses import lm_loss
+from toymlx.models.ops import training_ops
+from toymlx.training.adapter import write_adapter
+from toymlx.training.step import make_step
+
+N_TOKENS = 40
+TOL = 1e-4  # float32 files: what every other kind holds against llama.cpp (measured ~2e-5)
+ALL = "q,k,v,o,gate,up,down,qkv,z,beta,alpha,out"
+
+
+def report(what: str, **figures) -> None:
+    print(f"\n[qwen35] {what}: " + json.dumps(figures, default=float))
+
+
+def logits(model, ids) -> np.ndarray:
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+def test_gated_delta_rule_matches_a_float64_loop():
+    """The recurrence against numpy in float64, written from transformers'
+    `torch_recurrent_gated_delta_rule` (state (dk, dv) per head, decay, delta update, read)."""
+    rng = np.random.default_rng(0)
+    B, T, H, d = 2, 7, 3, 5
+    q, k, v = (rng.standard_normal((B, T, H, d)) for _ in range(3))
+    g, beta = -rng.random((B, T, H)), rng.random((B, T, H))
+    s = np.zeros((B, H, d, d))
+    want = np.zeros((B, T, H, d))
+    for t in range(T):
+        s = s * np.exp(g[:, t])[..., None, None]
+        mem = np.einsum("bhkv,bhk->bhv", s, k[:, t])
+        s = s + np.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - mem) * beta[:, t, :, None])
+        want[:, t] = np.einsum("bhkv,bhk->bhv", s, q[:, t])
+    got, state = gated_delta_rule(*(mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta)))
+    assert float(np.abs(np.array(got) - want).max()) < 1e-5
+    assert float(np.abs(np.array(state) - s).max()) < 1e-5
+
+
+
+@pytest.mark.interop
+def test_lora_trains_and_llamacpp_applies_the_adapter(tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """Five AdamW steps of LoRA on every projection llama.cpp adapts (full attention's q, k, v,
+    o; the linear blocks' qkv, z, beta, alpha, out; the MLP's) lower the loss on a fixed batch;
+    the adapter toymlx writes, applied by llama.cpp (--lora), and the fused export, loaded by
+    llama.cpp, give toymlx's adapted logits."""
+    path = tiny_gguf("qwen35")
+    ids = token_ids(tiny_hf("qwen35"), N_TOKENS)
+    model, g = load_llama(path, training_ops(on_gpu=False))
+    mx.random.seed(0)
+    apply_lora(model, ALL, rank=4, alpha=8.0)
+    paths = list(lora_layers(model))
+    assert "layers.3.attn.q_proj" in paths and "layers.0.attn.q_proj" not in paths
+    assert {"layers.0.attn.qkv_proj", "layers.0.attn.z_proj", "layers.0.attn.beta_proj",
+            "layers.0.attn.alpha_proj", "layers.0.attn.out_proj", "layers.0.mlp.down_proj"
+            } <= set(paths)
+    step = make_step(model, lm_loss, optim.AdamW(1e-2))
+    x = mx.array([[ids[:-1]]])
+    batch = {"inputs": x, "targets": mx.array([[ids[1:]]]), "mask": mx.ones(x.shape)}
+    losses, seconds = [], []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        losses.append(float(step(batch)["loss"]))
+        seconds.append(time.perf_counter() - t0)
+    report("lora steps", losses=losses, seconds_per_step=float(np.median(seconds[1:])),
+           first_step_s=seconds[0], tokens=len(ids) - 1)
+    assert losses[-1] < losses[0] - 0.05
+    exact, _ = load_llama(path)
+    apply_lora(exact, ALL, rank=4, alpha=8.0)
+    exact.update(model.trainable_parameters())
+    mine = logits(exact, ids)
+    ad = write_adapter(tmp_path / "adapter.gguf", exact, dict(g.metadata))
+    ref, _ = llamacpp_logits_lora(path, ad, ids)
+    base, _ = llamacpp_logits(path, ids)
+    merged = write_merged(tmp_path / "merged.gguf", path, ad)
+    fused, _ = llamacpp_logits(merged, ids)
+    d_lora, d_fused = float(np.abs(mine - ref).max()), float(np.abs(mine - fused).max())
+    report("adapter in llama.cpp", lora_max_abs_diff=d_lora, fused_max_abs_diff=d_fused,
+           adapter_moves_logits_by=float(np.abs(ref - base).max()))
+    assert np.abs(ref - base).max() > 0.05  # the adapter is applied, and it matters
+    assert d_lora < TOL and d_fused < TOL
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_quantized_copies(qtype, tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """llama-quantize's copies of the 256-wide twin: toymlx's logits on the quantized file equal
+    llama.cpp's on the file's own values dequantized to F32 (llama.cpp on the quantized file
+    itself also rounds activations to 8 bits inside its quantized matmuls: that margin is
+    reported, toymlx's distance to it too)."""
+    src = tiny_gguf("qwen35-q")
+    dst = tmp_path / f"{qtype}.gguf"
+    q = llamacpp_quantize(src, dst, qtype)
+    ids = token_ids(tiny_hf("qwen35-q"), N_TOKENS)
+    got, _ = llamacpp_logits(dst, ids)
+    ref, _ = llamacpp_logits(src, ids)
+    dequantized, _ = llamacpp_logits(_rewrite(dst, tmp_path / "f32.gguf",
+                                              {"general.file_type": 0}), ids)
+    model, _ = load_llama(dst)
+    mine = logits(model, ids)
+    d_exact = float(np.abs(mine - dequantized).max())
+    report(f"{qtype}", toymlx_vs_llamacpp_on_its_values_max_abs=d_exact,
+           toymlx_vs_llamacpp_max_abs=float(np.abs(mine - got).max()),
+           llamacpp_vs_its_f32=float(np.abs(got - ref).max()),
+           top1_vs_llamacpp=float((mine.argmax(-1) == got.argmax(-1)).mean()),
+           types=sorted(set(q["types"].values())))
+    assert d_exact < TOL
+
+
+@pytest.mark.interop
+def test_cached_decoding_equals_the_full_forward(tiny_gguf):  # noqa: F811
+    """Prefill 7 tokens, then one token at a time through the conv/state caches of the linear
+    blocks and the KV cache of the attention block: every position's logits equal the full
+    forward's."""
+    model, _ = load_llama(tiny_gguf("qwen35"))
+    ids = [int(x) for x in np.random.default_rng(2).integers(0, 500, 20)]
+    full = logits(model, ids)
+    cache = model.make_cache()
+    steps = [np.array(model(mx.array([ids[:7]]), cache)[0])]
+    steps += [np.array(model(mx.array([[t]]), cache)[0]) for t in ids[7:]]
+    diff = float(np.abs(np.concatenate(steps) - full).max())
+    report("cached decoding", max_abs_diff=diff)
+    assert diff < 1e-5
+
+
+def _rewrite(src, dst, meta_edit=None, tensors_edit=None):
+    """A copy of GGUF `src` at `dst` with metadata and tensors edited (dicts of name -> value,
+    None removes)."""
+    g = GGUFFile(src)
+    meta = {k: v for k, v in g.metadata.items() if not k.startswith("GGUF.")}
+    tensors = {n: g.load(n, np.float32) for n in g.tensors}
+    for d, edit in ((meta, meta_edit or {}), (tensors, tensors_edit or {})):
+        for k, v in edit.items():
+            if v is None:
+                d.pop(k, None)
+            else:
+                d[k] = v
+    write_gguf(dst, meta, tensors)
+    return dst
+
+
+@pytest.mark.interop
+def test_mtp_blocks_are_not_run_and_bad_files_are_refused(tiny_gguf, tmp_path):  # noqa: F811
+    """A file with an MTP (nextn) block after the decoder's loads as the decoder alone (llama.cpp's
+    plain decoding does not run it either); a MoE file, M-RoPE sections that leave a rotated
+    pair to the fourth position, and a value width other than the key width are refused in one
+    line naming the key."""
+    path = tiny_gguf("qwen35")
+    g = GGUFFile(path)
+    mtp = {f"blk.4.{n[6:]}": g.load(n, np.float32) for n in g.tensors if n.startswith("blk.3.")}
+    extra = _rewrite(path, tmp_path / "mtp.gguf", {"qwen35.block_count": 5,
+                                                   "qwen35.nextn_predict_layers": 1}, mtp)
+    model, _ = load_llama(extra)
+    plain, _ = load_llama(path)
+    ids = [1, 2, 3, 4]
+    assert model.args.n_layers == 4
+    assert np.array_equal(logits(model, ids), logits(plain, ids))
+    cases = {
+        "moe": ({"general.architecture": "qwen35moe"}, (r"'general\.architecture': expected one "
+                r"of .*qwen35, found 'qwen35moe'")),
+        "sections": ({"qwen35.rope.dimension_sections": [1, 1, 2, 0]},
+                     (r"'qwen35\.rope\.dimension_sections': expected sections whose "
+                     r"interleaving covers all 4 rotated pairs")),
+        "inner": ({"qwen35.ssm.inner_size": 32}, r"'qwen35\.ssm\.inner_size': expected 64"),
+    }
+    for name, (meta, message) in cases.items():
+        if name == "moe":
+            meta = {**{k.replace("qwen35.", "qwen35moe.", 1): v for k, v in g.metadata.items()
+                       if k.startswith("qwen35.")},
+                    **{k: None for k in g.metadata if k.startswith("qwen35.")}, **meta}
+        bad = _rewrite(path, tmp_path / f"{name}.gguf", meta)
+        with pytest.raises(GGUFError, match=message):
+            args_from_gguf(GGUFFile(bad))
+
+
+def test_targets_per_block_kind():
+    """q, k, v, o in qwen35's full-attention blocks, qkv, z, beta, alpha, out in its linear
+    ones, the MLP's in both."""
+    from toymlx.models.llama import LlamaArgs
+
+    a = LlamaArgs(arch="qwen35", attn_out_gate=True, qk_norm=True, rope_neox=True,
+                  linear_layers=(True, True, True, False), ssm_head_dim=8, ssm_k_heads=2,
+                  ssm_v_heads=4)
+    assert block_targets(a, 0) == ("qkv", "gate", "up", "down", "z", "beta", "alpha", "out")
+    assert block_targets(a, 3) == ("q", "k", "v", "o", "gate", "up", "down")
+    assert set(block_targets(a)) == set(block_targets(a, 0)) | set(block_targets(a, 3))
