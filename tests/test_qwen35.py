@@ -152,6 +152,28 @@ def test_cached_decoding_equals_the_full_forward(tiny_gguf):  # noqa: F811
     assert diff < 1e-5
 
 
+@pytest.mark.interop
+def test_generation_is_llamacpps_greedy(tiny_hf, tiny_gguf):  # noqa: F811
+    """`generate` (greedy) gives llama.cpp's greedy tokens; a second call through a kept
+    `PromptCache` whose prompt diverges from what the caches hold starts the recurrent states
+    over and still gives llama.cpp's tokens for that prompt."""
+    from llamacpp_runner import llamacpp_greedy
+
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.generation.generate import PromptCache, generate
+
+    path = tiny_gguf("qwen35")
+    model, _ = load_llama(path)
+    tok = Tokenizer.from_gguf(path)
+    ids = token_ids(tiny_hf("qwen35"), 12)
+    kept = PromptCache()
+    for prompt in (ids, ids[:6] + ids[:6]):
+        mine = list(generate(model, tok, prompt, max_tokens=10, kept=kept))
+        ref = llamacpp_greedy(path, prompt, 10)
+        report("greedy", prompt=prompt, toymlx=mine, llamacpp=ref, reused=kept.reused)
+        assert mine == ref[:len(mine)] and len(mine) >= min(len(ref), 1)
+
+
 def _rewrite(src, dst, meta_edit=None, tensors_edit=None):
     """A copy of GGUF `src` at `dst` with metadata and tensors edited (dicts of name -> value,
     None removes)."""

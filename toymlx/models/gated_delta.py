@@ -49,12 +49,29 @@ from toymlx.models.ops import Ops
 @dataclass
 class DeltaCache:
     """One linear-attention block's recurrent state during generation: `conv` (B, K-1,
-    conv_dim), the last K-1 inputs of the convolution, and `state` (B, Hv, dk, dv)."""
+    conv_dim), the last K-1 inputs of the convolution, and `ssm` (B, Hv, dk, dv), the delta
+    rule's state. The interface is `KVCache`'s: `offset`, `keep`, `state`."""
 
     conv: mx.array | None = None
-    state: mx.array | None = None
+    ssm: mx.array | None = None
     offset: int = 0
     """Tokens seen (the KV caches' name for it, so that a step reads any cache alike)."""
+
+    def keep(self, n: int) -> None:
+        """Forget positions n and after: all (n = 0) or none (n = offset); a recurrent state
+        cannot be rewound to a position in between (`PromptCache.take` starts over)."""
+        if n == self.offset:
+            return
+        if n != 0:
+            raise ValueError(f"DeltaCache.keep: expected 0 or {self.offset} positions (a "
+                             f"recurrent state cannot be rewound), found {n}")
+        self.conv, self.ssm, self.offset = None, None, 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The conv inputs and the delta rule's state, to evaluate (empty before the first
+        token)."""
+        return [a for a in (self.conv, self.ssm) if a is not None]
 
 
 def causal_conv(x: mx.array, weight: mx.array, past: mx.array | None = None
@@ -141,9 +158,9 @@ class GatedDeltaNet(nn.Module):
             q, k = mx.tile(q, (1, 1, hv // hk, 1)), mx.tile(k, (1, 1, hv // hk, 1))
         beta = mx.sigmoid(self.beta_proj(x).astype(mx.float32))  # (B,T,hv)
         g = self.ssm_a * nn.softplus(self.alpha_proj(x).astype(mx.float32) + self.dt_bias)
-        o, state = gated_delta_rule(q, k, v, g, beta, None if cache is None else cache.state)
+        o, state = gated_delta_rule(q, k, v, g, beta, None if cache is None else cache.ssm)
         if cache is not None:
-            cache.conv, cache.state, cache.offset = past, state, cache.offset + T
+            cache.conv, cache.ssm, cache.offset = past, state, cache.offset + T
         z = self.z_proj(x).reshape(B, T, hv, dk).astype(mx.float32)
         o = self.norm(o.astype(x.dtype)) * nn.silu(z).astype(x.dtype)  # (B,T,hv,dk)
         return self.out_proj(o.reshape(B, T, hv * dk))
