@@ -51,6 +51,12 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    "longrope" factors for the rotated part only (original context 32, as
                    phi3-longrope), GQA 4/2, tied, sliding_window 262144, and a byte-level BPE
                    vocabulary with GPT-4o's regex (pre "gpt-4o", tokenizer_class GPT2Tokenizer)
+    qwen35         Qwen3_5ForCausalLM (Qwen3.5 dense text): 4 layers, Gated DeltaNet linear
+                   attention on layers 0-2 (2 k heads of 16 serving 4 value heads, conv kernel
+                   4) and gated full attention on layer 3 (head_dim 32, a quarter rotated,
+                   mrope_section [2, 1, 1] interleaved), tied, byte-level BPE cut from
+                   ggml-vocab-qwen35 (pre "qwen35"); converted with --no-mtp (the converter
+                   asserts MTP weights otherwise; transformers' model has none)
 
 The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
 (32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
@@ -63,15 +69,15 @@ gets a 512-token vocabulary cut from the real one that llama.cpp ships for token
   as the SentencePiece protobuf directly. The converter reads it as it reads any
   `tokenizer.model`: no change to the converter. The cut holds merged pieces ("er", "▁t")
   without the characters alone ("e", "▁"), which llama.cpp (and toymlx) still merge.
-- Byte-level BPE kinds (llama3, qwen2, qwen3, phi4-mini): a `tokenizer.json` (HF `tokenizers`) with the
-  family's 256 byte tokens, its first merges whose parts stay in the cut vocabulary, its
-  pre-tokenizer regex and a few of its special tokens. The converter identifies BPE
+- Byte-level BPE kinds (llama3, qwen2, qwen3, phi4-mini, qwen35): a `tokenizer.json` (HF
+  `tokenizers`) with the family's 256 byte tokens, its first merges whose parts stay in the
+  cut vocabulary, its pre-tokenizer regex and a few of its special tokens. The converter identifies BPE
   pre-tokenizers by a hash of the token ids of a fixed text; a cut vocabulary gives other ids,
   so the hash is not recognised. The one shim (`_child_convert`): the converter's
   `TextModel.get_vocab_base_pre` is wrapped so that, when its own table does not know the
   hash, it returns the pre-tokenizer name the checkpoint declares in `toymlx_tiny.json`
-  ("llama-bpe", "qwen2" or "gpt-4o", the regex the tokenizer was built with). Nothing else in the
-  converter is touched: the hyperparameter, tensor-name, permutation and extra-tensor code
+  ("llama-bpe", "qwen2", "gpt-4o" or "qwen35", the regex the tokenizer was built with). Nothing
+  else in the converter is touched (but qwen35's --no-mtp, above): the hyperparameter, tensor-name, permutation and extra-tensor code
   under test runs as llama.cpp ships it.
 
 Token ids for tests: `token_ids(kind, n)` gives seeded ids below the vocabulary's special
@@ -122,8 +128,9 @@ class ConversionError(RuntimeError):
 class Spec:
     kind: str
     family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite
-    # | olmo2
+    # | olmo2 | qwen35
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2 | bpe-gpt4o
+    # | bpe-qwen35
     hidden: int
     ff: int
     layers: int

@@ -20,6 +20,11 @@ granite and olmo2. They are one transformer with a handful of switches, each a f
 | sliding-window layers | | | | 1 of 2 | 5 of 6 | | | | |
 | soft-capped attention scores | | | | yes | | | | | |
 
+qwen35 (Qwen3.5, dense) is qwen3's block with two more switches: `attn_out_gate` (each head's
+attention output times the sigmoid of a gate its q projection carries) and `linear_layers`
+(3 of every 4 blocks mix tokens by Gated DeltaNet linear attention instead,
+`toymlx.models.gated_delta`); RoPE turns the first quarter of each head (`rope_dims`).
+
 Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
 weight is ever permuted. Query head h reads kv head h // (n_heads // n_kv_heads). The math runs through the `Ops` the model is built with
@@ -70,7 +75,7 @@ class LlamaArgs:
     # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
     arch: str = "llama"
     """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3,
-    granite or olmo2."""
+    granite, olmo2 or qwen35."""
     rope_neox: bool = False
     """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
     rope_dims: int | None = None

@@ -35,6 +35,8 @@ ssm_alpha and ssm_out, each of which llama.cpp's adapters adapt)."""
 LINEAR_TARGETS = ("qkv", "z", "beta", "alpha", "out", "gate", "up", "down")
 """The targets a qwen35 linear-attention block has (its full-attention blocks have q, k, v, o
 and the MLP's)."""
+LINEAR_ONLY = ("z", "beta", "alpha", "out")
+"""The targets no block but a qwen35 linear-attention one has."""
 
 def base_dims(linear: nn.Module) -> tuple[int, int]:
     """(n_out, n_in) of a float, block-held or MLX-quantized linear layer."""
@@ -185,7 +187,7 @@ def hf_targets(names: Sequence[str]) -> str | None:
     out: list[str] = []
     for n in names:
         if n == "all-linear":  # PEFT's every linear layer of a block (phi3: its fused ones)
-            out += [t for t in TARGETS if t not in FUSED]
+            out += [t for t in TARGETS if t not in FUSED and t not in LINEAR_ONLY]
         elif n in TARGETS or n in hf:
             out.append(hf.get(n, n))
         else:
@@ -202,7 +204,7 @@ def block_targets(a: LlamaArgs, layer: int | None = None) -> tuple[str, ...]:
     blocks), in TARGETS' order."""
     absent = set(FUSED["qkv"]) if a.fused_qkv else {"qkv"}
     absent |= set(FUSED["gate_up"]) if a.fused_gate_up else {"gate_up"}
-    absent |= set(LINEAR_TARGETS) - {"gate", "up", "down"}
+    absent |= set(LINEAR_ONLY)
     if a.linear_layers and (layer is None or a.is_linear(layer)):
         linear = set(LINEAR_TARGETS)
         if layer is not None:
@@ -221,8 +223,7 @@ def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
             continue
         fused = next((f for f, parts in FUSED.items() if t in parts), None)
         what = (f"{t} is part of phi3's fused {fused}" if fused is not None
-                else "qkv is phi3's fused projection and qwen35's linear-attention one"
-                if t == "qkv" else f"{t} is phi3's fused projection" if t in FUSED
+                else f"{t} is phi3's fused projection" if t in FUSED
                 else f"{t} is a projection of qwen35's linear-attention blocks")
         raise ValueError(f"--lora.targets: {what}; this {a.arch} base has {','.join(have)}")
 
