@@ -27,7 +27,7 @@ from toymlx.gguf.llama import args_from_gguf, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import write_gguf
 from toymlx.interop.merge import write_merged
-from toymlx.models.gated_delta import gated_delta_rule
+from toymlx.models.gated_delta import delta_chunks, delta_steps
 from toymlx.models.lora import apply_lora, block_targets, lora_layers
 from toymlx.models.losses import lm_loss
 from toymlx.models.ops import training_ops
@@ -47,24 +47,41 @@ def logits(model, ids) -> np.ndarray:
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
-def test_gated_delta_rule_matches_a_float64_loop():
+@pytest.mark.parametrize("chunk", [None, 4, 64])
+def test_gated_delta_rule_matches_a_float64_loop(chunk):
     """The recurrence against numpy in float64, written from transformers'
-    `torch_recurrent_gated_delta_rule` (state (dk, dv) per head, decay, delta update, read)."""
+    `torch_recurrent_gated_delta_rule` (state (dk, dv) per head, decay, delta update, read):
+    one step per token (chunk None) and by chunks (4: two chunks and a padded one; 64: one
+    padded chunk), from zeros and from a given state; and the chunked form's gradients are the
+    step form's."""
     rng = np.random.default_rng(0)
-    B, T, H, d = 2, 7, 3, 5
-    q, k, v = (rng.standard_normal((B, T, H, d)) for _ in range(3))
+    B, T, H, d = 2, 11, 3, 5
+    q, k, v = (rng.standard_normal((B, T, H, d)) * 0.5 for _ in range(3))
     g, beta = -rng.random((B, T, H)), rng.random((B, T, H))
-    s = np.zeros((B, H, d, d))
+    s0 = rng.standard_normal((B, H, d, d)) * 0.3
+    s = s0.copy()
     want = np.zeros((B, T, H, d))
     for t in range(T):
         s = s * np.exp(g[:, t])[..., None, None]
         mem = np.einsum("bhkv,bhk->bhv", s, k[:, t])
         s = s + np.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - mem) * beta[:, t, :, None])
         want[:, t] = np.einsum("bhkv,bhk->bhv", s, q[:, t])
-    got, state = gated_delta_rule(*(mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta)))
+    args = [mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta)]
+    state = mx.array(s0.astype(np.float32))
+    got, last = (delta_steps(*args, state) if chunk is None
+                 else delta_chunks(*args, state, chunk=chunk))
     assert float(np.abs(np.array(got) - want).max()) < 1e-5
-    assert float(np.abs(np.array(state) - s).max()) < 1e-5
+    assert float(np.abs(np.array(last) - s).max()) < 1e-5
+    if chunk is not None:
+        def loss(fn, *xs):
+            o, st = fn(*xs)
+            return (o * o).sum() + st.sum()
 
+        ref = mx.grad(lambda *xs: loss(delta_steps, *xs), argnums=(0, 1, 2, 3, 4))(*args)
+        grads = mx.grad(lambda *xs: loss(lambda *ys: delta_chunks(*ys, chunk=chunk), *xs),
+                        argnums=(0, 1, 2, 3, 4))(*args)
+        for r, x in zip(ref, grads, strict=True):
+            assert float(mx.abs(r - x).max()) < 1e-4
 
 
 @pytest.mark.interop

@@ -30,8 +30,9 @@ and the conv, attn_gate, ssm_beta/alpha, ssm_a, ssm_dt, ssm_out's columns) to ti
 that GGUF value head j reads k head j % Hk (`ggml_repeat`). toymlx keeps the file's order and
 tiles q and k, so no tensor is permuted.
 
-The recurrence is a loop over time in MLX ops (`gated_delta_rule`): it runs on any MLX device
-and MLX differentiates through it, T small steps per block (a chunked form would batch them).
+The recurrence is written in MLX ops, so it runs on any MLX device and MLX differentiates through
+it: a prompt or training sequence 64 tokens at a time (`delta_chunks`, transformers' chunked
+form), a decoded token one step (`delta_steps`, its recurrent form).
 Generation keeps each block's last K-1 conv inputs and its state S (`DeltaCache`).
 """
 
@@ -93,11 +94,26 @@ def l2_norm(x: mx.array, eps: float) -> mx.array:
     return x * mx.rsqrt(mx.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+CHUNK = 64
+"""Tokens per chunk of `delta_chunks` (transformers' `torch_chunk_gated_delta_rule`'s)."""
+
+
 def gated_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                      state: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """The gated delta rule over time, one step per token: q, k (B, T, H, dk) (q already
-    scaled), v (B, T, H, dv), g and beta (B, T, H), `state` (B, H, dk, dv) (zeros if None).
-    Returns o (B, T, H, dv) and the final state. Float32 throughout."""
+    """The gated delta rule over T tokens: q, k (B, T, H, dk) (q already scaled), v (B, T, H,
+    dv), g and beta (B, T, H), `state` (B, H, dk, dv) (zeros if None). Returns o (B, T, H, dv)
+    and the final state, float32: one token a time (`delta_steps`), several a chunk at a time
+    (`delta_chunks`, the same values to float32 rounding)."""
+    if q.shape[1] == 1:
+        return delta_steps(q, k, v, g, beta, state)
+    return delta_chunks(q, k, v, g, beta, state)
+
+
+def delta_steps(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                state: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """`gated_delta_rule` one step per token (transformers' `torch_recurrent_gated_delta_rule`):
+    S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q. Differentiated, it keeps T
+    states of (dk, dv) per head for the backward pass."""
     B, T, H, dk = k.shape
     dv = v.shape[-1]
     s = mx.zeros((B, H, dk, dv), mx.float32) if state is None else state
@@ -111,6 +127,59 @@ def gated_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: m
         s = s + kt[..., None] * delta[..., None, :]
         outs.append((s * q[:, t, :, :, None]).sum(axis=-2))  # (B,H,dv): S^T q
     return mx.stack(outs, axis=1), s
+
+
+def delta_chunks(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                 state: mx.array | None = None, chunk: int = CHUNK
+                 ) -> tuple[mx.array, mx.array]:
+    """`gated_delta_rule` `chunk` tokens at a time (transformers' `torch_chunk_gated_delta_rule`,
+    the WY form): within a chunk, with G the cumulative sum of g and A the strictly lower
+    (chunk, chunk) matrix beta_i k_i.k_j exp(G_i - G_j), the state's updates are the rows of
+    (I + A)^-1 applied to beta v and to beta k exp(G); the chunk's outputs read the state it
+    starts from plus its own causal, decayed q k^T. (I + A)^-1 is the product (I - A)(I + A^2)
+    (I + A^4)... (A is nilpotent: A^chunk = 0), matrix products that run on any MLX device,
+    instead of transformers' row-by-row substitution. Its backward pass keeps a state per
+    chunk, not per token. T is padded to whole chunks with beta = g = 0 (no update, no decay)."""
+    B, T, H, dk = k.shape
+    dv, C = v.shape[-1], chunk
+    pad = -T % C
+    if pad:
+        def padded(x: mx.array) -> mx.array:
+            return mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+        q, k, v, g, beta = (padded(x) for x in (q, k, v, g, beta))
+    N = (T + pad) // C
+
+    def chunks(x: mx.array) -> mx.array:  # (B, T, H, d) -> (B, H, N, C, d)
+        return x.reshape(B, N, C, H, -1).transpose(0, 3, 1, 2, 4)
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    g = mx.cumsum(chunks(g[..., None])[..., 0], axis=-1)  # (B,H,N,C): G within each chunk
+    beta = chunks(beta[..., None])  # (B,H,N,C,1)
+    kb, vb = k * beta, v * beta
+    lower = mx.tril(mx.ones((C, C), dtype=mx.bool_))
+    # exp(G_i - G_j) at j <= i (every exponent <= 0), 0 above the diagonal
+    decay = mx.exp(mx.where(lower, g[..., :, None] - g[..., None, :], -mx.inf))
+    a = (kb @ k.swapaxes(-1, -2)) * decay * mx.tril(mx.ones((C, C)), -1)  # (B,H,N,C,C)
+    inverse, power, n = mx.eye(C) - a, a, 2
+    while n < C:  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
+        power = power @ power
+        inverse = inverse + inverse @ power
+        n *= 2
+    value = inverse @ vb  # (B,H,N,C,dv)
+    k_decayed = inverse @ (kb * mx.exp(g)[..., None])  # (B,H,N,C,dk)
+    s = mx.zeros((B, H, dk, dv), mx.float32) if state is None else state
+    outs = []
+    for i in range(N):
+        qi, ki, gi = q[:, :, i], k[:, :, i], g[:, :, i]
+        new = value[:, :, i] - k_decayed[:, :, i] @ s  # (B,H,C,dv)
+        outs.append((qi * mx.exp(gi)[..., None]) @ s
+                    + ((qi @ ki.swapaxes(-1, -2)) * decay[:, :, i]) @ new)
+        last = gi[..., -1:]  # (B,H,1): the chunk's whole decay
+        s = (s * mx.exp(last)[..., None]
+             + (ki * mx.exp(last - gi)[..., None]).swapaxes(-1, -2) @ new)
+    o = mx.stack(outs, axis=2).reshape(B, H, N * C, dv).transpose(0, 2, 1, 3)
+    return o[:, :T], s
 
 
 class DepthwiseConv(nn.Module):
