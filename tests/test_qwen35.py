@@ -166,7 +166,7 @@ def test_cached_decoding_equals_the_full_forward(tiny_gguf):  # noqa: F811
     steps += [np.array(model(mx.array([[t]]), cache)[0]) for t in ids[7:]]
     diff = float(np.abs(np.concatenate(steps) - full).max())
     report("cached decoding", max_abs_diff=diff)
-    assert diff < 1e-5
+    assert diff < TOL  # chunks (prefill, full forward) and steps round differently
 
 
 @pytest.mark.interop
