@@ -23,7 +23,7 @@ from hf_tiny import (
 from llamacpp_runner import llamacpp_logits, llamacpp_logits_lora
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
-from toymlx.gguf.llama import args_from_gguf, load_llama
+from toymlx.gguf.llama import args_from_gguf, load_llama, write_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import write_gguf
 from toymlx.interop.merge import write_merged
@@ -189,6 +189,25 @@ def test_generation_is_llamacpps_greedy(tiny_hf, tiny_gguf):  # noqa: F811
         ref = llamacpp_greedy(path, prompt, 10)
         report("greedy", prompt=prompt, toymlx=mine, llamacpp=ref, reused=kept.reused)
         assert mine == ref[:len(mine)] and len(mine) >= min(len(ref), 1)
+
+
+@pytest.mark.interop
+def test_write_llama_writes_a_file_llamacpp_reads(tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """`write_llama` (checkpoints, full fine-tunes) on the loaded model: toymlx reads back the
+    same args, and llama.cpp computes toymlx's logits on it (its keys, the M-RoPE sections
+    toymlx chooses included, are llama.cpp's)."""
+    path = tiny_gguf("qwen35")
+    model, g = load_llama(path)
+    out = tmp_path / "written.gguf"
+    write_llama(out, model, {k: v for k, v in g.metadata.items() if k.startswith("tokenizer.")})
+    assert GGUFFile(out).metadata["qwen35.rope.dimension_sections"] == [2, 1, 1, 0]
+    again, _ = load_llama(out)
+    assert again.args == model.args
+    ids = token_ids(tiny_hf("qwen35"), N_TOKENS)
+    ref, _ = llamacpp_logits(out, ids)
+    diff = float(np.abs(logits(model, ids) - ref).max())
+    report("write_llama in llama.cpp", max_abs_diff=diff)
+    assert diff < TOL
 
 
 def _rewrite(src, dst, meta_edit=None, tensors_edit=None):

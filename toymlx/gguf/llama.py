@@ -793,6 +793,10 @@ def unwritable(a: LlamaArgs) -> list[str]:
             out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
     if a.tie_embeddings and a.arch == "olmo2":
         out.append("tie_embeddings=True (llama.cpp's olmo2 reads an output.weight)")
+    if a.arch == "qwen35" and not a.linear_layers:
+        out.append("linear_layers=None (qwen35 files say which blocks are linear attention)")
+    elif a.arch != "qwen35" and a.linear_layers:
+        out.append("linear_layers (only qwen35 files have linear-attention blocks)")
     if a.out_bias and a.arch != "llama":
         out.append("out_bias=True (only llama files carry an attention output bias)")
     if a.rope_dims is not None and a.rope_dims != a.head_dim and not a.rope_neox:
@@ -882,12 +886,26 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         meta[k + "final_logit_softcapping"] = float(a.final_softcap)
     if a.attn_softcap is not None:
         meta[k + "attn_logit_softcapping"] = float(a.attn_softcap)
+    if a.arch == "qwen35":
+        meta.update(qwen35_metadata(a))
     if a.arch == "granite":  # llama.cpp requires logit_scale; the others, where not 1
         meta.update({k + key: float(getattr(a, field)) for key, field in GRANITE_SCALARS.items()
                      if key == "logit_scale" or getattr(a, field) != 1.0})
         if a.attn_scale is not None:
             meta[k + "attention.scale"] = float(a.attn_scale)
     return meta
+
+
+def qwen35_metadata(a: LlamaArgs) -> dict[str, Any]:
+    """A qwen35 file's keys beside the common ones (those `qwen35_switches` reads), its M-RoPE
+    sections the interleaving that turns every rotated pair by the text position (a third of
+    the pairs each, time first: the converter's [11, 11, 10, 0] for 32 pairs)."""
+    k, n = "qwen35.", (a.rope_dims or a.head_dim) // 2
+    return {k + "ssm.conv_kernel": a.ssm_conv_kernel, k + "ssm.state_size": a.ssm_head_dim,
+            k + "ssm.group_count": a.ssm_k_heads, k + "ssm.time_step_rank": a.ssm_v_heads,
+            k + "ssm.inner_size": a.ssm_v_heads * a.ssm_head_dim,
+            k + "attention.recurrent_layers": list(a.linear_layers or ()),
+            k + "rope.dimension_sections": [-(-n // 3), -(-(n - 1) // 3), -(-(n - 2) // 3), 0]}
 
 
 LLAMA_TYPES = {"general.file_type": (UINT32, None)}
