@@ -30,6 +30,7 @@ from typing import Any
 from toymlx.gguf.blocks import CODECS, held_bytes
 from toymlx.gguf.llama import args_from_gguf, block_tensors, tensor_route
 from toymlx.gguf.reader import GGUFFile
+from toymlx.models.gated_delta import CHUNK
 from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
 from toymlx.models.ops import Ops
@@ -110,9 +111,10 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops) -> int:
     mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
     kept = 6 * d + q + 2 * kv + mlp
     attention = attention_values(a, seq_len)
-    if a.linear_layers:  # every block counted as a Gated DeltaNet one, the larger: its
-        # recurrence keeps each token's (dk, dv) state per value head, twice (decayed, updated)
-        kept += 2 * a.ssm_v_heads * a.ssm_head_dim ** 2
+    if a.linear_layers:  # every block counted as a Gated DeltaNet one, the larger: by chunks
+        # of CHUNK tokens its delta rule keeps about 16 (CHUNK, CHUNK) matrices (decays, the
+        # inverse's powers and products) and 2 (dk, dv) states per chunk, per value head
+        kept += a.ssm_v_heads * (16 * CHUNK + 2 * a.ssm_head_dim ** 2 // CHUNK)
     if ops.grad_checkpoint or ops.keeps_attention(attention):
         return kept + attention
     return kept
