@@ -77,8 +77,8 @@ gets a 512-token vocabulary cut from the real one that llama.cpp ships for token
   `TextModel.get_vocab_base_pre` is wrapped so that, when its own table does not know the
   hash, it returns the pre-tokenizer name the checkpoint declares in `toymlx_tiny.json`
   ("llama-bpe", "qwen2", "gpt-4o" or "qwen35", the regex the tokenizer was built with). Nothing
-  else in the converter is touched (but qwen35's --no-mtp, above): the hyperparameter, tensor-name, permutation and extra-tensor code
-  under test runs as llama.cpp ships it.
+  else in the converter is touched (but qwen35's --no-mtp, above): the hyperparameter,
+  tensor-name, permutation and extra-tensor code under test runs as llama.cpp ships it.
 
 Token ids for tests: `token_ids(kind, n)` gives seeded ids below the vocabulary's special
 tokens (the first is the BOS id where the family has one). Test modules import the
@@ -602,8 +602,9 @@ def _child_convert(tree: str, hf_dir: str, out: str, outtype: str, pre: str) -> 
         base.TextModel.get_vocab_base_pre = declared_pre
     converter = str(Path(tree) / "convert_hf_to_gguf.py")
     sys.argv = [converter, hf_dir, "--outfile", out, "--outtype", outtype]
-    if manifest(hf_dir)["family"] == "qwen35":  # its converter asserts MTP weights unless told
-        sys.argv.append("--no-mtp")  # there are none (transformers' model has no MTP block)
+    said = Path(hf_dir) / MANIFEST
+    if said.is_file() and manifest(hf_dir)["family"] == "qwen35":  # its converter asserts MTP
+        sys.argv.append("--no-mtp")  # weights unless told there are none (transformers' has none)
     runpy.run_path(converter, run_name="__main__")
 
 
