@@ -8,6 +8,7 @@ llama.cpp's and transformers' are test_hf_tiny.py's (kinds qwen35, qwen35-q).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import mlx.core as mx
@@ -227,21 +228,50 @@ def _rewrite(src, dst, meta_edit=None, tensors_edit=None):
 
 
 @pytest.mark.interop
-def test_mtp_blocks_are_not_run_and_bad_files_are_refused(tiny_gguf, tmp_path):  # noqa: F811
-    """A file with an MTP (nextn) block after the decoder's loads as the decoder alone (llama.cpp's
-    plain decoding does not run it either); a MoE file, M-RoPE sections that leave a rotated
-    pair to the fourth position, and a value width other than the key width are refused in one
+def test_the_converters_mtp_block_is_not_run(tiny_hf, tiny_gguf, tmp_path,  # noqa: F811
+                                             llamacpp_source):  # noqa: F811
+    """The tiny checkpoint with an MTP block (`mtp.*` tensors and `mtp_num_hidden_layers`, as
+    Qwen3.5's own checkpoints carry), through llama.cpp's converter (its default keeps the block,
+    as `blk.4.*` with nextn tensors): llama.cpp's plain decoding and toymlx both compute the file
+    without it, the logits of the file without it."""
+    from hf_tiny import gguf_from_hf
+    from safetensors.numpy import load_file, save_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_hf("qwen35"), hf)
+    weights = load_file(hf / "model.safetensors")
+    rng = np.random.default_rng(5)
+    block = "model.layers.3."  # the MTP block is a full-attention block, plus its fc and norms
+    weights.update({"mtp.layers.0." + k[len(block):]: v + 0.05 * rng.standard_normal(v.shape)
+                    .astype(np.float32) for k, v in weights.items() if k.startswith(block)})
+    d = weights["model.norm.weight"].shape[0]
+    weights.update({"mtp.fc.weight": 0.05 * rng.standard_normal((d, 2 * d)).astype(np.float32),
+                    **{f"mtp.{n}.weight": np.zeros(d, np.float32) for n in (
+                        "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    path = tmp_path / "mtp.gguf"
+    gguf_from_hf(hf, path, "f32", tree=llamacpp_source)
+    g = GGUFFile(path)
+    assert (g.metadata["qwen35.block_count"], g.metadata["qwen35.nextn_predict_layers"]) == (5, 1)
+    assert "blk.4.nextn.eh_proj.weight" in g.tensors and "blk.4.attn_q.weight" in g.tensors
+    ids = token_ids(hf, N_TOKENS)
+    model, _ = load_llama(path)
+    assert model.args.n_layers == 4
+    mine, plain = logits(model, ids), logits(load_llama(tiny_gguf("qwen35"))[0], ids)
+    ref, _ = llamacpp_logits(path, ids)
+    report("mtp file", toymlx_vs_llamacpp_max_abs=float(np.abs(mine - ref).max()))
+    assert np.array_equal(mine, plain) and float(np.abs(mine - ref).max()) < TOL
+
+
+@pytest.mark.interop
+def test_files_toymlx_does_not_compute_are_refused(tiny_gguf, tmp_path):  # noqa: F811
+    """A MoE file, M-RoPE sections that leave a rotated pair to the fourth position (llama.cpp
+    would leave it unrotated), and a value width other than the key width are refused in one
     line naming the key."""
     path = tiny_gguf("qwen35")
     g = GGUFFile(path)
-    mtp = {f"blk.4.{n[6:]}": g.load(n, np.float32) for n in g.tensors if n.startswith("blk.3.")}
-    extra = _rewrite(path, tmp_path / "mtp.gguf", {"qwen35.block_count": 5,
-                                                   "qwen35.nextn_predict_layers": 1}, mtp)
-    model, _ = load_llama(extra)
-    plain, _ = load_llama(path)
-    ids = [1, 2, 3, 4]
-    assert model.args.n_layers == 4
-    assert np.array_equal(logits(model, ids), logits(plain, ids))
     cases = {
         "moe": ({"general.architecture": "qwen35moe"}, (r"'general\.architecture': expected one "
                 r"of .*qwen35, found 'qwen35moe'")),
