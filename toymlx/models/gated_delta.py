@@ -31,7 +31,7 @@ that GGUF value head j reads k head j % Hk (`ggml_repeat`). toymlx keeps the fil
 tiles q and k, so no tensor is permuted.
 
 The recurrence is written in MLX ops, so it runs on any MLX device and MLX differentiates through
-it: a prompt or training sequence 64 tokens at a time (`delta_chunks`, transformers' chunked
+it: a prompt or training sequence `CHUNK` tokens at a time (`delta_chunks`, transformers' chunked
 form), a decoded token one step (`delta_steps`, its recurrent form).
 Generation keeps each block's last K-1 conv inputs and its state S (`DeltaCache`).
 """
@@ -94,8 +94,10 @@ def l2_norm(x: mx.array, eps: float) -> mx.array:
     return x * mx.rsqrt(mx.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-CHUNK = 64
-"""Tokens per chunk of `delta_chunks` (transformers' `torch_chunk_gated_delta_rule`'s)."""
+CHUNK = 32
+"""Tokens per chunk of `delta_chunks` (transformers' take 64; on a 2-core CPU, a forward and
+backward of a Qwen3.5-0.8B-shaped block over 256 tokens took 0.3-0.8 s by 16, 0.5-1.8 s by
+32, 4-7 s by 64, MLX's batched 64 x 64 products being slow there)."""
 
 
 def gated_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
