@@ -51,6 +51,17 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    "longrope" factors for the rotated part only (original context 32, as
                    phi3-longrope), GQA 4/2, tied, sliding_window 262144, and a byte-level BPE
                    vocabulary with GPT-4o's regex (pre "gpt-4o", tokenizer_class GPT2Tokenizer)
+    qwen3-yarn     qwen3 with Qwen3-128K's "yarn" RoPE scaling (factor 4), original context 16
+                   and rope_theta 1e6: YaRN's ramp runs over frequencies 0-2 of 16 (one half
+                   mixed) and cos/sin are magnified by 1 + 0.1 ln 4; transformers' YaRN does
+                   not depend on the sequence length, so both references agree at any length
+    ministral3     Ministral3ForCausalLM (Ministral 3, llama.cpp's mistral3): llama's layout,
+                   "yarn" factor 16 over original context 16, beta_fast 4 and beta_slow 0.5
+                   (the ramp over frequencies 0-3; llama.cpp's defaults 32/1 would give 0-2),
+                   mscale_all_dim 0.5 (magnitude (1 + 0.1 ln 16) / (1 + 0.05 ln 16)), and
+                   Llama 4's attention temperature 0.1 over the original context: queries at
+                   positions 16-31 times 1 + 0.1 ln 2, 32-47 times 1 + 0.1 ln 3; untied,
+                   SentencePiece vocab, Ministral-3-14B-Reasoning-2512's chat template
     qwen35         Qwen3_5ForCausalLM (Qwen3.5 dense text): 4 layers, Gated DeltaNet linear
                    attention on layers 0-2 (2 k heads of 16 serving 4 value heads, conv kernel
                    4) and gated full attention on layer 3 (head_dim 32, a quarter rotated,
@@ -107,12 +118,16 @@ SCRIPT = Path(__file__).resolve()
 VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
-              "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini", "qwen35")
+              "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini",
+              "qwen3-yarn", "ministral3", "qwen35")
 # a kind's weights are seeded by its place here: kinds added later (from phi4-mini on) go after
 # the first ones' -q twins, so that no kind's weights change when one is added
 _FIRST = BASE_KINDS[:BASE_KINDS.index("phi4-mini")]
 KINDS = (_FIRST + tuple(f"{k}-q" for k in _FIRST)
          + tuple(k for b in BASE_KINDS[len(_FIRST):] for k in (b, f"{b}-q")))
+MINISTRAL3_TEMPLATE = "mistralai-Ministral-3-14B-Reasoning-2512.jinja"
+"""The ministral3 kind's chat template (llama.cpp's models/templates), which the converter
+writes as tokenizer.chat_template."""
 # Types `llamacpp_quantize` accepts (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
                "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",
@@ -128,7 +143,7 @@ class ConversionError(RuntimeError):
 class Spec:
     kind: str
     family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite
-    # | olmo2 | qwen35
+    # | olmo2 | ministral3 | qwen35
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2 | bpe-gpt4o
     # | bpe-qwen35
     hidden: int
@@ -179,6 +194,12 @@ def spec(kind: str) -> Spec:
         return Spec(**s, family="phi3", tokenizer="bpe-gpt4o", tied=True,
                     extra={"partial_rotary_factor": 0.75, "longrope": True,
                            "sliding_window": 262144})
+    if base == "qwen3-yarn":
+        return Spec(**{**s, "head_dim": wide}, family="qwen3", tokenizer="bpe-qwen2", tied=True,
+                    extra={"yarn": True})
+    if base == "ministral3":
+        return Spec(**{**s, "head_dim": wide}, family="ministral3", tokenizer="spm-llama",
+                    tied=False)
     if base == "qwen35":  # 3 Gated DeltaNet blocks, then a full-attention one; 2 k heads, 4 v
         lin = 64 if q else 16
         return Spec(**{**s, "layers": 4, "head_dim": wide}, family="qwen35",
@@ -224,10 +245,22 @@ def hf_config(sp: Spec, tok: dict):
     if sp.family == "qwen2":
         return tf.Qwen2Config(**common, max_position_embeddings=32768, rms_norm_eps=1e-6,
                               use_sliding_window=False, rope_parameters=_rope(1000000.0))
+    if sp.family == "qwen3" and sp.extra.get("yarn"):
+        rope = _rope(1000000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+        return tf.Qwen3Config(**common, max_position_embeddings=64, rms_norm_eps=1e-6,
+                              attention_bias=False, use_sliding_window=False,
+                              rope_parameters=rope)
     if sp.family == "qwen3":
         return tf.Qwen3Config(**common, max_position_embeddings=40960, rms_norm_eps=1e-6,
                               attention_bias=False, use_sliding_window=False,
                               rope_parameters=_rope(1000000.0))
+    if sp.family == "ministral3":
+        rope = _rope(10000.0, rope_type="yarn", type="yarn", factor=16.0,
+                     original_max_position_embeddings=16, max_position_embeddings=256,
+                     beta_fast=4.0, beta_slow=0.5, mscale=1.0, mscale_all_dim=0.5,
+                     llama_4_scaling_beta=0.1)
+        return tf.Ministral3Config(**common, max_position_embeddings=256, rms_norm_eps=1e-5,
+                                   rope_parameters=rope)
     if sp.family == "gemma3":
         return tf.Gemma3TextConfig(
             **common, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=8,
@@ -287,6 +320,7 @@ def _model_class(sp: Spec):
             "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
             "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
             "granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
+            "ministral3": tf.Ministral3ForCausalLM,
             "qwen35": tf.Qwen3_5ForCausalLM}[sp.family]
 
 
@@ -515,6 +549,11 @@ def tiny_hf_checkpoint(kind: str, out_dir: str | Path, tree: str | Path | None =
         tok = _spm_tokenizer(tree, sp.tokenizer, out)
     else:
         tok = _bpe_tokenizer(tree, sp.tokenizer, out)
+    if sp.family == "ministral3":  # Ministral 3's chat template, where its tokenizer has it
+        cfg = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+        cfg["chat_template"] = (tree / "models" / "templates" / MINISTRAL3_TEMPLATE).read_text(
+            encoding="utf-8")
+        _write_json(out / "tokenizer_config.json", cfg)
     config = hf_config(sp, tok)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

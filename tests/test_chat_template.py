@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
-from toymlx.data.chat import DataError, Example, tokenize_example
+from toymlx.data.chat import TURNS, DataError, Example, tokenize_example
 from toymlx.data.chat_template import compile_template, render_context
 
 TOOLS = [{"type": "function", "function": {
@@ -85,6 +85,9 @@ LOADED = {
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": Turn("llama", R1_END),
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": Turn("llama", EOS),
     "unsloth-mistral-Devstral-Small-2507.jinja": Turn("llama", EOS),
+    # Ministral 3 (mistral3): its reasoning system prompt where a chat has none, answers ended
+    # by the EOS token, [THINK] blocks only where a message's content is a list of chunks
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja": Turn("mistral3", EOS),
     "Bielik-11B-v3.0-Instruct.jinja": Turn("llama", IM_END),
     "Qwen-Qwen2.5-7B-Instruct.jinja": Turn("qwen2", IM_END),
     "Qwen-QwQ-32B.jinja": Turn("qwen2", IM_END),
@@ -92,6 +95,8 @@ LOADED = {
     # an empty reasoning block in the last turn only (after the last user message)
     "Qwen-Qwen3-0.6B.jinja": Turn("qwen3", IM_END, last_before="<think>\n\n</think>\n\n"),
     "google-gemma-2-2b-it.jinja": Turn("gemma2", "<end_of_turn>\n"),
+    "google-gemma-4-31B-it.jinja": Turn("gemma4", "<turn|>\n"),
+    "google-gemma-4-31B-it-interleaved.jinja": Turn("gemma4", "<turn|>\n"),
     # the EOS token after the last message when no generation prompt follows
     "microsoft-Phi-3.5-mini-instruct.jinja": Turn("phi3", "<|end|>\n", "<|end|>\n" + EOS),
     "HuggingFaceTB-SmolLM3-3B.jinja": Turn("smollm3", IM_END),
@@ -227,10 +232,13 @@ def trained_texts(tok: TextTokenizer, example: Example, turns: str = "assistant"
 CHAT = [SYSTEM, USER1, ANSWER1, USER2, ANSWER2]
 PROMPT_ONLY = {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "<think>\n",
                "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "<think>\n</think>",
-               "Qwen-QwQ-32B.jinja": "<think>\n</think>"}
+               "Qwen-QwQ-32B.jinja": "<think>\n</think>",
+               "google-gemma-4-31B-it.jinja": "<|channel>thought\n<channel|>",
+               "google-gemma-4-31B-it-interleaved.jinja": "<|channel>thought\n<channel|>"}
 """Generation prompts that end in text the template never writes into a rendered turn
 (DeepSeek-R1's `<｜Assistant｜><think>\\n`, llama.cpp's copies adding `</think>` where
-`enable_thinking` is not true, against `<｜Assistant｜>` + answer in the turn): not trained."""
+`enable_thinking` is not true, Gemma 4's empty thought channel where it is not, against
+`<｜Assistant｜>` / `<|turn>model\\n` + answer in the turn): not trained."""
 SYSTEM_DROPPED = {"mistralai-Mistral-Nemo-Instruct-2407.jinja"}
 """Templates that leave a system message out of a conversation ending in an assistant's turn:
 Mistral-Nemo writes the system text into the last message only when that is a user's, so
@@ -291,7 +299,9 @@ def test_a_template_needing_variables_of_its_own_is_a_one_line_error(llamacpp_so
 
 REAL_VOCABS = {"meta-llama-Llama-3.1-8B-Instruct.jinja": "llama-bpe",
                "Qwen-Qwen2.5-7B-Instruct.jinja": "qwen2",
-               "microsoft-Phi-3.5-mini-instruct.jinja": "phi-3"}
+               "microsoft-Phi-3.5-mini-instruct.jinja": "phi-3",
+               "google-gemma-4-31B-it.jinja": "gemma-4",
+               "google-gemma-4-31B-it-interleaved.jinja": "gemma-4"}
 """Templates trained again with their family's real vocabulary (llama.cpp's
 models/ggml-vocab-NAME.gguf), where the end-of-turn markers are single special tokens."""
 
@@ -419,16 +429,20 @@ def test_qwen3_trains_earlier_turns_as_the_history_writes_them(llamacpp_source):
         "<think>\n\n</think>\n\nA bag.<|im_end|>\n"]
 
 
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather",
+                                                "arguments": {"city": "Paris"}}}
+TOOL_CHAT = [USER1, {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]},
+             {"role": "tool", "name": "get_weather", "content": "Sunny"}, ANSWER1]
+"""An agent's turn that only calls a tool, the tool's answer, the final answer."""
+
+
 def test_qwen3_tool_call_turn_trains_the_call_as_the_history_writes_it(llamacpp_source,  # noqa: F811
                                                                        pinned_clock):
     """An agent's turn that only calls a tool (no content) before the tool's answer and the
     final answer: Qwen3 writes it with a `<think>` block when last, without once the tool
     answers; the call and its end train as the history writes them."""
     source = template_text(llamacpp_source, QWEN3)
-    call = {"type": "function", "function": {"name": "get_weather",
-                                             "arguments": {"city": "Paris"}}}
-    chat = [USER1, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "get_weather", "content": "Sunny"}, ANSWER1]
+    chat = TOOL_CHAT
     example = Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS))
     text, runs = trained_texts(TextTokenizer(source), example)
     assert text == hf_render(source, chat, False, TOOLS)
@@ -437,18 +451,31 @@ def test_qwen3_tool_call_turn_trains_the_call_as_the_history_writes_it(llamacpp_
                     "<think>\n\n</think>\n\nA sequence.<|im_end|>\n"]
 
 
-@pytest.mark.parametrize("name", [QWEN3, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"])
+R1_QWEN = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+
+
+def unwritten(i: int) -> str:
+    """The start of the error for assistant turn `messages[i]`, whose content the template
+    writes nowhere (a pattern)."""
+    return (rf"^d\.jsonl:1: chat template writes assistant turn messages\[{i}\] without part "
+            r"of its content \(it is nowhere in the turn's own render: .*\), so the turn cannot "
+            r"be trained as written; remove that part of the content, ")
+
+
+@pytest.mark.parametrize("name", [QWEN3, R1_QWEN])
 def test_an_earlier_turn_whose_reasoning_the_template_strips_is_a_one_line_error(
         name, llamacpp_source):  # noqa: F811
     """Qwen3 and DeepSeek-R1 write an earlier turn without the `<think>` reasoning its content
-    holds: the content is nowhere in the render, so the turn cannot be located."""
+    holds: the content is nowhere in the render, so the turn cannot be located. DeepSeek-R1's
+    writes no turn with it, last or not: the error says the template drops that text."""
     tok = TextTokenizer(template_text(llamacpp_source, name))
     thought = {"role": "assistant", "content": "<think>\nLists hold items.\n</think>\n\nA sequence."}
     example = Example("d.jsonl:1", messages=(USER1, thought, USER2, ANSWER2))
-    with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template renders message prefixes "
-                                        r"inconsistently, so assistant turn messages\[1\] cannot "
-                                        r"be located; .*--data.train-turns last.*mask_prompt=False"
-                                        r" to train on the whole conversation$"):
+    cause = unwritten(1) if name == R1_QWEN else (r"^d\.jsonl:1: chat template renders message "
+                                               r"prefixes inconsistently, so assistant turn "
+                                               r"messages\[1\] cannot be located; .*")
+    with pytest.raises(DataError, match=cause + r"set --data.train-turns last.*mask_prompt=False"
+                                               r" to train on the whole conversation.*$"):
         trained_texts(tok, example)
     assert trained_texts(tok, example, "last")[1] == [
         ("<think>\n\n</think>\n\n" if name == QWEN3 else "") + ANSWER2["content"]
@@ -488,3 +515,104 @@ def test_qwen3_trained_tokens_with_its_real_vocabulary(llamacpp_source):  # noqa
     assert ids == tok.encode(tok.apply_chat_template(list(CHAT3), False), add_bos=False)
     (im_end,) = tok.encode("<|im_end|>", add_bos=False)
     assert [run.count(im_end) for run in runs] == [1, 1, 1]
+
+
+# ------------------------------------------------------------------------------- Gemma 4
+GEMMA4 = ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"]
+
+
+def gemma4_tokenizer(tree: Path, name: str):
+    """llama.cpp's Gemma 4 vocabulary (models/ggml-vocab-gemma-4.gguf) with template `name`."""
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.data.vocab import K_TEMPLATE
+    from toymlx.gguf.reader import read_metadata
+
+    vocab = tree / "models" / "ggml-vocab-gemma-4.gguf"
+    return Tokenizer.from_metadata({**read_metadata(vocab), K_TEMPLATE: template_text(tree, name)},
+                                   vocab)
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_trains_each_answer_trimmed_as_its_template_writes_it(name, llamacpp_source):  # noqa: F811
+    """Gemma 4 writes an answer trimmed (`strip_thinking(...) | trim`) and its generation prompt
+    goes on past the turn's header (`<|turn>model\\n<|channel>thought\\n<channel|>`), so an
+    answer with spaces or newlines around it was found in neither prefix render and refused.
+    With its real vocabulary: each run of trained ids is the trimmed answer and `<turn|>\\n`
+    encoded alone, `<turn|>` one special token, the ids of the whole those of the render (as
+    transformers renders it); the empty thought channel is in no trained run."""
+    tok = gemma4_tokenizer(llamacpp_source, name)
+    padded = [SYSTEM, USER1, {**ANSWER1, "content": "  A sequence.\n"}, USER2,
+              {**ANSWER2, "content": "\nA mapping.  "}, USER3, ANSWER3]
+    full = hf_render(tok.chat_template, padded, False).replace(BOS, "<bos>")
+    assert tok.apply_chat_template(padded, False) == full
+    assert full.startswith("<bos><|turn>system\nYou are terse.<turn|>\n<|turn>user\n")
+    for turns, answers in (("assistant", ("A sequence.", "A mapping.", "A bag.")),
+                           ("last", ("A bag.",))):
+        ids, mask = tokenize_example(Example("d.jsonl:1", messages=tuple(padded)), tok, True,
+                                     turns)
+        assert ids == tok.encode(full, add_bos=False) and ids[0] == tok.bos_id
+        runs = trained_runs(ids, mask)
+        assert runs == [tok.encode(a + "<turn|>\n", add_bos=False) for a in answers]
+        assert [run.count(106) for run in runs] == [1] * len(answers)  # <turn|>: one token
+        assert 100 not in ids  # <|channel>: only the generation prompt writes it
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_thought_in_an_answer_is_a_one_line_error(name, llamacpp_source):  # noqa: F811
+    """Gemma 4's template strips a `<|channel>...<channel|>` thought from every answer, the last
+    too, so an answer holding one cannot be trained as written: refused in one line, in both
+    --data.train-turns modes (an earlier turn's with `last` trains the last turn only)."""
+    tok = TextTokenizer(template_text(llamacpp_source, name))
+    thought = {**ANSWER1, "content": "<|channel>thought\nLists hold items.<channel|>A sequence."}
+    last_only = r"or set mask_prompt=False to train on the whole conversation as the template " \
+                r"renders it$"
+    for turns in TURNS:
+        with pytest.raises(DataError, match=unwritten(4) + last_only):
+            trained_texts(tok, Example("d.jsonl:1", messages=(*CHAT[:3], USER2, thought)), turns)
+    example = Example("d.jsonl:1", messages=(USER1, thought, USER2, ANSWER2))
+    with pytest.raises(DataError, match=unwritten(1) + "set --data.train-turns last to train the "
+                                                    "last turn only, " + last_only):
+        trained_texts(tok, example)
+    assert trained_texts(tok, example, "last")[1] == ["A mapping.<turn|>\n"]
+    # the template's own thought-stripping, as transformers renders it
+    assert "Lists hold items" not in hf_render(tok.chat_template, list(example.messages), False)
+
+
+GEMMA4_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_tool_call_turn_trains_the_call_as_the_template_ends_it(name, llamacpp_source,  # noqa: F811
+                                                                      pinned_clock):
+    """A turn that only calls a tool, the tool's answer, the final answer. Gemma 4's generation
+    prompt and the call share `<|` after `<|turn>model\\n` (`<|channel>`, `<|tool_call>`): the
+    call trains whole, from the header a plain answer has. It ends as the template ends it when
+    last: `<|tool_response>` (an end-of-generation token, where the tool's answer goes in) in
+    the 31B template, `<turn|>\\n` in the interleaved one; the tool's answer is not trained. A
+    call beside text the 31B template writes after the tool's answer is refused in one line."""
+    source = template_text(llamacpp_source, name)
+    chat = TOOL_CHAT
+    example = Example("d.jsonl:1", messages=tuple(chat), tools=tuple(TOOLS))
+    text, runs = trained_texts(TextTokenizer(source), example)
+    assert text == hf_render(source, chat, False, TOOLS)
+    interleaved = name.endswith("-interleaved.jinja")
+    call_end = "<turn|>\n" if interleaved else "<|tool_response>"
+    assert runs == [GEMMA4_CALL + call_end, "A sequence.<turn|>\n"]
+    tok = gemma4_tokenizer(llamacpp_source, name)
+    ids, mask = tokenize_example(example, tok, True)
+    trained = trained_runs(ids, mask)
+    assert trained == [tok.encode(r, add_bos=False) for r in runs]
+    assert trained[0][0] == 48 and trained[0].count(49) == 1  # <|tool_call>, <tool_call|>
+    # one end-of-generation token, at the call's end: <turn|> (then "\n"), <|tool_response>
+    assert [t for t in trained[0] if t in tok.eog_ids] == [106 if interleaved else 50]
+    assert trained[0][-1] == (107 if interleaved else 50)
+    said = (*chat[:1], {**chat[1], "content": "Let me check."}, *chat[2:])
+    said_example = Example("d.jsonl:1", messages=said, tools=tuple(TOOLS))
+    if interleaved:  # the text after the call, in the same turn
+        assert trained_texts(TextTokenizer(source), said_example)[1][0] == (
+            GEMMA4_CALL + "Let me check.<turn|>\n")
+    else:  # written after the tool's answer once it follows
+        with pytest.raises(DataError, match=r"^d\.jsonl:1: chat template renders message "
+                                            r"prefixes inconsistently, so assistant turn "
+                                            r"messages\[1\] cannot be located; "):
+            trained_texts(TextTokenizer(source), said_example)

@@ -832,11 +832,22 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
     if start is not None and full.startswith(upto[:end]) and prev_end <= start <= end:
         return start, end
     span = _history_span(tokenizer, messages, i, full, prev_end, before, upto, source, tools)
+    content = (messages[i].get("content") or "").strip()
+    if span is None and content not in upto:
+        last = ("set --data.train-turns last to train the last turn only, "
+                if i < len(messages) - 1 else "")
+        raise DataError(f"{source}: chat template writes assistant turn messages[{i}] without "
+                        f"part of its content (it is nowhere in the turn's own render: Gemma "
+                        f"4's strips <|channel>...<channel|> thoughts from every answer, "
+                        f"DeepSeek-R1's <think> reasoning), so the turn cannot be trained as "
+                        f"written; remove that part of the content, {last}or set "
+                        f"mask_prompt=False to train on the whole conversation as the template "
+                        f"renders it")
     if span is None:
         fix = ("the template writes it one way as the last turn and another once a message "
                "follows, and its text is not found verbatim, after its header, in the whole "
-               "conversation's render (DeepSeek-R1's strips <think> reasoning from an earlier "
-               "turn): set --data.train-turns last to train the last turn as the template "
+               "conversation's render (Qwen3's strips <think> reasoning from an earlier turn): "
+               "set --data.train-turns last to train the last turn as the template "
                "renders it for generation, split the conversation into one example per "
                "assistant turn, or " if i < len(messages) - 1 else "")
         raise DataError(f"{source}: chat template renders message prefixes inconsistently, so "
@@ -893,14 +904,39 @@ def _header_end(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i:
     `before` starts with. The last place the content starts within the text `before` and
     `upto` share: an earlier one lies in the header ("a" in `<｜Assistant｜>`); the shared text
     may run into the content ("<b>" after `<｜Assistant｜>`, the prompt going on `<think>`).
-    None when not so."""
+    The content as written, else trimmed, as Gemma's templates write an answer (`| trim`;
+    Gemma 4's prompt goes on `<|channel>thought\n<channel|>`). None when not so."""
     history = _render(tokenizer, messages[:i], False, source, tools)
     content = messages[i].get("content") or ""
-    if not (content and upto.startswith(history)):
+    if not upto.startswith(history):
         return None
     shared = len(os.path.commonprefix([before, upto]))
-    at = upto.rfind(content, len(history), shared + len(content))
-    return at if at >= 0 else None
+    for text in filter(None, dict.fromkeys((content, content.strip()))):
+        at = upto.rfind(text, len(history), shared + len(text))
+        if at >= 0:
+            return at
+    # no content there (a turn that only calls a tool, or writes its call first: Gemma 4's
+    # `<|turn>model\n<|tool_call>...`, whose `<|` the prompt's `<|channel>` shares): after the
+    # header the template writes before a plain answer, where the prompt starts with it too
+    # and the content is written after it
+    probe = [*messages[:i], {"role": "assistant", "content": _PROBE}]
+    try:
+        answered = _render(tokenizer, probe, False, source, tools)
+    except DataError:
+        return None
+    at = answered.find(_PROBE, len(history))
+    if not (answered.startswith(history) and at >= 0):
+        return None
+    header = answered[len(history):at]
+    if (before.startswith(history + header) and upto.startswith(history + header)
+            and content.strip() in upto[at:]):  # a content the template drops is not found
+        return at
+    return None
+
+
+_PROBE = "toymlx-answer-probe"
+"""The content of the assistant message `_header_end` renders to find where a template's
+answer starts (no whitespace, no markup a template would trim or split on)."""
 
 
 def tokenize_example(

@@ -304,10 +304,13 @@ class CompiledDecode:
         h = model.embed_tokens(tokens)  # (B,1,D)
         for i, block in enumerate(model.layers):
             offset = cache[i].offset
-            rope = block.attn.rope  # None: a block without RoPE (smollm3's every 4th)
-            tables = None if rope is None else model.ops.rope_tables(rope, block.attn.head_dim,
-                                                                      offset, 1)
-            q, k, v = self._start[i](h, tables=tables)
+            rope, q_rope = block.attn.rope, block.attn.q_rope  # None: a block without RoPE
+            tables = q_tables = None  # (smollm3's every 4th)
+            if rope is not None:
+                tables = model.ops.rope_tables(rope, block.attn.head_dim, offset, 1)
+            if q_rope != rope:  # mistral3's queries: their temperature at this position
+                q_tables = model.ops.rope_tables(q_rope, block.attn.head_dim, offset, 1)
+            q, k, v = self._start[i](h, tables=tables, q_tables=q_tables)
             h = self._finish[i](h, block.attn.attend(q, k, v, cache[i]))
         return model.unembed(model.head_input(h))
 

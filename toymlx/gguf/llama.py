@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from toymlx.backend.notice import warn
 from toymlx.gguf.blocks import CODECS, split_rows
 from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile, check_finite, refuse_adapter
@@ -59,6 +60,12 @@ COMMON_KEYS = frozenset({
     "rope.freq_base", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "expert_count",
     "expert_used_count"})
+YARN_UNREAD = ("rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+               "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor")
+"""YaRN keys llama.cpp's converter writes from a Hugging Face config where it has them, and
+which llama.cpp's loader does not read for some architectures (`YARN_READ` says which it
+reads): ignored there as llama.cpp ignores them, with a warning where they say otherwise
+(`_yarn_switches`)."""
 QWEN35_KEYS = ("rope.dimension_sections", "ssm.conv_kernel", "ssm.inner_size",
                "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
                "full_attention_interval", "attention.recurrent_layers", "nextn_predict_layers")
@@ -67,10 +74,20 @@ GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 """granite's `<arch>.` scalar keys -> the LlamaArgs fields they set (beside attention.scale,
 which is `attn_scale`)."""
+YARN = ("none", "linear", "yarn")
+"""rope.scaling.type values of the architectures whose llama.cpp graph hands its context's YaRN
+parameters to ggml_rope_ext unchanged (`LlamaArgs.yarn_rope`)."""
+YARN_READ = frozenset({"rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+                       "rope.scaling.yarn_log_multiplier"})
+"""The YaRN keys llama.cpp's mistral3 loader reads (its other YARN architectures read none)."""
+BIASED = ("llama", "mistral3")
+"""The architectures whose files may carry attention biases and a rope_freqs tensor."""
 ARCHS: dict[str, Arch] = {a.name: a for a in (
-    Arch("llama", {}, frozenset()),
-    Arch("qwen2", {"rope_neox": True, "attn_bias": True}, frozenset()),
-    Arch("qwen3", {"rope_neox": True, "qk_norm": True}, frozenset()),
+    Arch("llama", {}, frozenset(), rope_scaling=YARN),
+    Arch("qwen2", {"rope_neox": True, "attn_bias": True}, frozenset(), rope_scaling=YARN),
+    Arch("qwen3", {"rope_neox": True, "qk_norm": True}, frozenset(), rope_scaling=YARN),
+    # Ministral 3: llama's layout, YaRN, and Llama 4's attention temperature on the queries
+    Arch("mistral3", {}, YARN_READ | {"attention.temperature_scale"}, rope_scaling=YARN),
     Arch("gemma2", {"rope_neox": True, "post_norms": True, "embed_scale": True,
                     "activation": "gelu_tanh"},
          frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
@@ -85,10 +102,10 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
          rope_scaling=("none", "linear", "longrope")),
     # llama.cpp fixes smollm3's no-RoPE blocks (every 4th); no key says them
-    Arch("smollm3", {"no_rope_interval": 4}, frozenset()),
-    Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}),
+    Arch("smollm3", {"no_rope_interval": 4}, frozenset(), rope_scaling=YARN),
+    Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}, rope_scaling=YARN),
     Arch("olmo2", {"rope_neox": True, "qk_norm_whole": True, "pre_norms": False,
-                   "post_norms": True}, frozenset()),
+                   "post_norms": True}, frozenset(), rope_scaling=YARN),
     # Qwen3.5 dense: Gated DeltaNet blocks (toymlx.models.gated_delta) and gated full attention
     Arch("qwen35", {"rope_neox": True, "qk_norm": True, "attn_out_gate": True},
          frozenset(QWEN35_KEYS), rope_scaling=("none",)),
@@ -187,9 +204,9 @@ def toy_to_gguf(path: str) -> str:
 def hf_permuted_heads(a: LlamaArgs, name: str) -> int | None:
     """The heads by which llama.cpp's converter permuted tensor `name`'s rows from Hugging
     Face's layout: llama's q (n_heads) and k (n_kv_heads), whose RoPE turns adjacent pairs in
-    the GGUF and each head's halves in HF (smollm3's and granite's too: their converter is
-    llama's); None for every other tensor, and for the NEOX architectures (qwen2, qwen3,
-    gemma2, gemma3, phi3, olmo2), whose files keep HF's rows."""
+    the GGUF and each head's halves in HF (smollm3's, granite's and mistral3's too: their
+    converter is llama's); None for every other tensor, and for the NEOX architectures (qwen2,
+    qwen3, gemma2, gemma3, phi3, olmo2), whose files keep HF's rows."""
     if a.rope_neox or a.fused_qkv:
         return None
     leaf = name.split(".")[-2] if name.startswith("blk.") else ""
@@ -224,6 +241,9 @@ def check_keys(g: GGUFFile, arch: Arch) -> None:
         if key.startswith(INFORMATIONAL):
             continue
         if key.startswith(prefix) and key[len(prefix):] in COMMON_KEYS | arch.keys:
+            continue
+        if key.startswith(prefix) and key[len(prefix):] in YARN_UNREAD and "yarn" in \
+                arch.rope_scaling:  # read, or checked against what llama.cpp computes with
             continue
         raise GGUFError(f"{g.path}: metadata key {key!r}: expected only keys toymlx computes "
                         f"with ({prefix}* for {arch.name}: "
@@ -346,7 +366,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: metadata key '{k}rope.scaling.type': expected one of "
                         f"{', '.join(arch.rope_scaling)} for {arch.name}, found {scaling!r}")
     factor = float(g.get(k + "rope.scaling.factor", (int, float), 0.0))
-    if scaling == "linear" and factor not in (0.0, 1.0):
+    if scaling in ("linear", "yarn") and factor not in (0.0, 1.0):
         sw["rope_scale"] = 1.0 / _positive(g, k + "rope.scaling.factor", factor)
     # phi3 files carry longrope's factors with or without rope.scaling.type = longrope
     longrope = scaling == "longrope" or (arch.name == "phi3" and
@@ -362,6 +382,11 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     # llama.cpp multiplies cos and sin by rope.scaling.attn_factor whatever the scaling type
     sw["rope_mscale"] = _positive(g, k + "rope.scaling.attn_factor", float(
         g.get(k + "rope.scaling.attn_factor", (int, float), 1.0)))
+    if k + "rope.scaling.original_context_length" in g.metadata:
+        sw["rope_orig_context"] = int(_positive(g, k + "rope.scaling.original_context_length",
+                                                g.get(k + "rope.scaling.original_context_length",
+                                                      int)))
+    sw.update(_yarn_switches(g, arch, scaling, sw))
     if arch.name in GEMMA:
         sw.update(_gemma_switches(g, GEMMA[arch.name], n_layers, rope_base))
         sw["attn_scale"] = _gemma_query_scale(arch.name, d, n_heads, n_layers, head_dim)
@@ -372,7 +397,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     if arch.name == "olmo2" and "output.weight" not in g.tensors:  # llama.cpp requires it
         raise GGUFError(f"{g.path}: tensor 'output.weight': expected present (olmo2 files "
                         "carry their own output head), found missing")
-    if arch.name == "llama":  # llama files may carry attention biases
+    if arch.name in BIASED:  # their files may carry attention biases
         sw["attn_bias"] = "blk.0.attn_q.bias" in g.tensors
         sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
     args = LlamaArgs(
@@ -388,6 +413,49 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: {e}") from None
     check_shapes(g, args, rope_tensors(longrope, "rope_freqs.weight" in g.tensors))
     return args
+
+
+def _yarn_switches(g: GGUFFile, arch: Arch, scaling: str, sw: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """The LlamaArgs fields of a file's YaRN keys and mistral3's attention temperature, as
+    llama.cpp reads them for `arch` (`sw`: the RoPE fields read so far). A YaRN key llama.cpp
+    does not read for `arch` (`YARN_UNREAD`) is ignored as llama.cpp ignores it, and said in one
+    warning where it differs from what llama.cpp computes with (transformers would use it:
+    DeepSeek-R1-0528-Qwen3-8B's attn_factor 0.8782, where llama.cpp's qwen3 computes with
+    1 + 0.1 ln 4): a fine-tune must meet the model the file's users run."""
+    k = arch.name + "."
+    out: dict[str, Any] = {"rope_yarn": scaling == "yarn"}
+    beta = [32.0, 1.0]  # llama.cpp's yarn_beta_fast, yarn_beta_slow
+    for i, key in enumerate(("rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")):
+        if key in arch.keys and k + key in g.metadata:
+            beta[i] = _positive(g, k + key, float(g.get(k + key, (int, float))))
+    out["rope_yarn_beta"] = tuple(beta)
+    if "rope.scaling.yarn_log_multiplier" in arch.keys:
+        mul = float(g.get(k + "rope.scaling.yarn_log_multiplier", (int, float), 0.0))
+        if not math.isfinite(mul):
+            raise GGUFError(f"{g.path}: metadata key '{k}rope.scaling.yarn_log_multiplier': "
+                            f"expected a finite number, found {mul!r}")
+        out["rope_yarn_log_mul"] = mul
+    if "attention.temperature_scale" in arch.keys:
+        t = float(g.get(k + "attention.temperature_scale", (int, float), 0.0))
+        out["attn_temperature"] = t if t == 0.0 else _positive(
+            g, k + "attention.temperature_scale", t)
+    args = LlamaArgs(**{f: v for f, v in {**sw, **out}.items()
+                        if f in ("rope_scale", "rope_mscale", "rope_yarn", "rope_yarn_beta",
+                                 "rope_yarn_log_mul")})
+    computed = {"rope.scaling.yarn_beta_fast": beta[0], "rope.scaling.yarn_beta_slow": beta[1],
+                "rope.scaling.yarn_ext_factor": 1.0 if out["rope_yarn"] else 0.0,
+                "rope.scaling.yarn_attn_factor": args.yarn_rope()[1]}
+    for key in YARN_UNREAD:
+        if key in arch.keys or k + key not in g.metadata:
+            continue
+        said, want = float(g.get(k + key, (int, float))), computed[key]
+        if not math.isclose(said, want, rel_tol=1e-6):
+            warn(f"{g.path}: metadata key '{k}{key}' says {said:.7g}, which llama.cpp does not "
+                 f"read for {arch.name}: it computes with {want:.7g}, and so does toymlx, so "
+                 "that training meets the model llama.cpp, Ollama and LM Studio run (Hugging "
+                 "Face's model would use the file's value)")
+    return out
 
 
 def _gemma_switches(g: GGUFFile, gemma: Gemma, n_layers: int, rope_base: float
@@ -789,7 +857,7 @@ def unwritable(a: LlamaArgs) -> list[str]:
     arch, plain, out = ARCHS[a.arch], LlamaArgs(), []
     for k in _SWITCHES:
         want = arch.switches.get(k, getattr(plain, k))
-        if getattr(a, k) != want and not (k == "attn_bias" and a.arch == "llama"):
+        if getattr(a, k) != want and not (k == "attn_bias" and a.arch in BIASED):
             out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
     if a.tie_embeddings and a.arch == "olmo2":
         out.append("tie_embeddings=True (llama.cpp's olmo2 reads an output.weight)")
@@ -797,21 +865,40 @@ def unwritable(a: LlamaArgs) -> list[str]:
         out.append("linear_layers=None (qwen35 files say which blocks are linear attention)")
     elif a.arch != "qwen35" and a.linear_layers:
         out.append("linear_layers (only qwen35 files have linear-attention blocks)")
-    if a.out_bias and a.arch != "llama":
-        out.append("out_bias=True (only llama files carry an attention output bias)")
+    if a.out_bias and a.arch not in BIASED:
+        out.append("out_bias=True (only llama and mistral3 files carry an attention output "
+                   "bias)")
     if a.rope_dims is not None and a.rope_dims != a.head_dim and not a.rope_neox:
         out.append(f"rope_dims={a.rope_dims} ({a.arch} rotates the whole head)")
-    if a.rope_factors is not None and a.arch != "llama":
+    if a.rope_factors is not None and a.arch not in BIASED:
         out.append("rope_factors (phi3 files carry longrope's short and long factors, and a "
                    "model holds only the short ones)" if a.arch == "phi3" else
-                   "rope_factors (only llama files carry a rope_freqs tensor)")
+                   "rope_factors (only llama and mistral3 files carry a rope_freqs tensor)")
     if a.rope_mscale != 1.0 and "rope.scaling.attn_factor" not in arch.keys:
         out.append(f"rope_mscale={a.rope_mscale} ({a.arch} files have no rope.scaling."
                    "attn_factor)")
     if (a.attn_scale or a.head_dim ** -0.5) != _loaded_attn_scale(a):
         out.append(f"attn_scale={a.attn_scale} ({a.arch} files of this shape scale queries by "
                    f"{_loaded_attn_scale(a)})")
-    return out + _gemma_unwritable(a)
+    return out + _yarn_unwritable(a, arch) + _gemma_unwritable(a)
+
+
+def _yarn_unwritable(a: LlamaArgs, arch: Arch) -> list[str]:
+    """`unwritable`'s findings in the YaRN fields and mistral3's attention temperature."""
+    out, plain = [], LlamaArgs()
+    if a.rope_yarn and "yarn" not in arch.rope_scaling:
+        out.append(f"rope_yarn=True ({a.arch} files say rope.scaling.type "
+                   f"{', '.join(arch.rope_scaling)})")
+    if a.rope_yarn_beta != plain.rope_yarn_beta and "rope.scaling.yarn_beta_fast" not in \
+            arch.keys:
+        out.append(f"rope_yarn_beta={a.rope_yarn_beta} (llama.cpp's {a.arch} computes with "
+                   f"{plain.rope_yarn_beta})")
+    if a.rope_yarn_log_mul and "rope.scaling.yarn_log_multiplier" not in arch.keys:
+        out.append(f"rope_yarn_log_mul={a.rope_yarn_log_mul} (llama.cpp's {a.arch} reads no "
+                   "rope.scaling.yarn_log_multiplier)")
+    if a.attn_temperature and "attention.temperature_scale" not in arch.keys:
+        out.append(f"attn_temperature={a.attn_temperature} (only mistral3 files say it)")
+    return out
 
 
 def _gemma_unwritable(a: LlamaArgs) -> list[str]:
@@ -873,9 +960,18 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         k + "rope.freq_base": float(a.rope_base),
         k + "attention.layer_norm_rms_epsilon": float(a.norm_eps),
     }
-    if a.rope_scale != 1.0:
-        meta[k + "rope.scaling.type"] = "linear"
+    if a.rope_scale != 1.0 or a.rope_yarn:
+        meta[k + "rope.scaling.type"] = "yarn" if a.rope_yarn else "linear"
         meta[k + "rope.scaling.factor"] = 1.0 / a.rope_scale
+    if a.rope_orig_context is not None:
+        meta[k + "rope.scaling.original_context_length"] = a.rope_orig_context
+    if a.rope_yarn_beta != LlamaArgs().rope_yarn_beta:
+        meta[k + "rope.scaling.yarn_beta_fast"] = float(a.rope_yarn_beta[0])
+        meta[k + "rope.scaling.yarn_beta_slow"] = float(a.rope_yarn_beta[1])
+    if a.rope_yarn_log_mul:
+        meta[k + "rope.scaling.yarn_log_multiplier"] = float(a.rope_yarn_log_mul)
+    if a.attn_temperature:
+        meta[k + "attention.temperature_scale"] = float(a.attn_temperature)
     if a.rope_mscale != 1.0:
         meta[k + "rope.scaling.attn_factor"] = float(a.rope_mscale)
     if a.sliding_window:  # the blocks that slide are llama.cpp's own

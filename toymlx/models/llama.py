@@ -2,8 +2,9 @@
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
 (Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text), phi3, smollm3,
-granite and olmo2. They are one transformer with a handful of switches, each a field of
-`LlamaArgs`:
+granite, olmo2 and mistral3 (Ministral 3: llama's switches, YaRN RoPE and an attention
+temperature on the queries). They are one transformer with a handful of switches, each a field
+of `LlamaArgs`:
 
 | switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite | olmo2 |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
@@ -34,6 +35,7 @@ it with the run's `Ops`. Generation keeps keys and values in `models/kv_cache.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,7 +47,7 @@ from toymlx.models.checks import ArgsError
 from toymlx.models.gated_delta import DeltaCache, GatedDeltaNet
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.layers import Embedding, Linear, RMSNorm
-from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
+from toymlx.models.ops import EXACT, Ops, Rope, RopeTables, yarn_corr_dims
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class LlamaArgs:
     # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
     arch: str = "llama"
     """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3,
-    granite, olmo2 or qwen35."""
+    granite, olmo2, mistral3 or qwen35."""
     rope_neox: bool = False
     """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
     rope_dims: int | None = None
@@ -86,6 +88,21 @@ class LlamaArgs:
     """Position scale of RoPE (1 / rope.scaling.factor with linear scaling)."""
     rope_mscale: float = 1.0
     """Magnitude of RoPE's cos and sin (rope.scaling.attn_factor)."""
+    rope_yarn: bool = False
+    """RoPE scaled by YaRN (rope.scaling.type yarn): rope_scale interpolates the slow
+    frequencies only, and cos and sin are magnified (`yarn_rope`)."""
+    rope_yarn_beta: tuple[float, float] = (32.0, 1.0)
+    """YaRN's beta_fast and beta_slow: the rotations over the original context that bound its
+    ramp (rope.scaling.yarn_beta_fast / yarn_beta_slow, which llama.cpp reads for mistral3)."""
+    rope_yarn_log_mul: float = 0.0
+    """YaRN's mscale_all_dim (rope.scaling.yarn_log_multiplier, mistral3's): the magnitude is
+    (1 + 0.1 ln f) / (1 + 0.1 * this * ln f) where it is not 0."""
+    rope_orig_context: int | None = None
+    """The original context that YaRN's ramp and mistral3's attention temperature count in
+    (rope.scaling.original_context_length; None: `context`)."""
+    attn_temperature: float = 0.0
+    """Queries times 1 + this * ln(floor(pos / original context) + 1) after RoPE (mistral3's
+    attention.temperature_scale, Llama 4's scaling); 0: none."""
     attn_bias: bool = False
     """q, k and v projections carry biases (qwen2)."""
     out_bias: bool = False
@@ -196,13 +213,50 @@ class LlamaArgs:
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
             raise ArgsError(self, "sliding_layers", "one entry per block of {n_layers}",
                             f"{len(self.sliding_layers)}")
+        if self.rope_orig_context is not None and self.rope_orig_context <= 0:
+            raise ArgsError(self, "rope_orig_context", "> 0 or None (the context)")
+        if not all(0 < b < float("inf") for b in self.rope_yarn_beta):
+            raise ArgsError(self, "rope_yarn_beta", "two finite numbers > 0")
+        if not 0 < self.rope_scale < float("inf"):
+            raise ArgsError(self, "rope_scale", "a finite number > 0")
 
-    def rope(self, layer: int) -> Rope:
-        """Block `layer`'s RoPE (gemma3's sliding layers have their own base and no scaling)."""
+    def rope(self, layer: int, query: bool = False) -> Rope:
+        """Block `layer`'s RoPE (gemma3's sliding layers have their own base and no scaling);
+        `query`: the queries', with mistral3's attention temperature where it has one."""
         if self.is_sliding(layer):
             return Rope(self.rope_base_sliding, self.rope_dims, self.rope_neox)
+        yarn, mscale = self.yarn_rope()
+        temperature = None
+        if query and self.attn_temperature:
+            temperature = (self.attn_temperature, self.rope_orig_context or self.context)
         return Rope(self.rope_base, self.rope_dims, self.rope_neox, self.rope_factors,
-                    self.rope_scale, self.rope_mscale)
+                    self.rope_scale, mscale, yarn, temperature)
+
+    def yarn_rope(self) -> tuple[tuple[float, float] | None, float]:
+        """(YaRN's correction dims or None, the magnitude of cos and sin), as llama.cpp sets
+        them up (llama_context's constructor, then ggml's `rope_yarn`): with factor
+        f = 1/rope_scale, ext_factor 1 and llama.cpp's mscale 1, the magnitude is
+        rope_mscale * g(f, 1) / g(f, log_mul) (rope_yarn_log_mul set; g(f, 1) alone where not),
+        g(f, m) = 1 + 0.1 m ln f for f > 1 (else 1): ggml multiplies by 1 + 0.1 ln f, which
+        llama.cpp divides out beforehand.
+
+        Where transformers' `_compute_yarn_parameters` differs: it applies a config's
+        `attention_factor` (llama.cpp's converter writes it as rope.scaling.yarn_attn_factor,
+        which llama.cpp's loaders of these architectures do not read) and uses a config's
+        `mscale` beside `mscale_all_dim` (llama.cpp assumes mscale 1 but for deepseek2), and
+        its ramp divides by high - low where llama.cpp's by max(0.001, high - low)."""
+        if not self.rope_yarn:
+            return None, self.rope_mscale
+        dims = self.rope_dims or self.head_dim
+        dims_lh = yarn_corr_dims(dims, self.rope_orig_context or self.context, self.rope_base,
+                                 *self.rope_yarn_beta)
+        f = 1.0 / self.rope_scale
+
+        def g(m: float) -> float:
+            return 1.0 if f <= 1.0 else 1.0 + 0.1 * m * math.log(f)
+
+        mscale = g(1.0) / g(self.rope_yarn_log_mul) if self.rope_yarn_log_mul else g(1.0)
+        return dims_lh, self.rope_mscale * mscale
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window and self.sliding_layers and self.sliding_layers[layer])
@@ -256,6 +310,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale = a.attn_scale or a.head_dim ** -0.5
         self.rope = a.rope(layer) if a.has_rope(layer) else None
+        # the queries' RoPE: mistral3's attention temperature scales theirs alone
+        self.q_rope = a.rope(layer, query=True) if a.has_rope(layer) else None
         self.window = a.sliding_window if a.is_sliding(layer) else None
         self.softcap = a.attn_softcap
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -309,12 +365,13 @@ class Attention(nn.Module):
         """The attention's output (B,T,H*hd) times sigmoid(gate), where there is one."""
         return o if gate is None else o * mx.sigmoid(gate).astype(o.dtype)
 
-    def qkv(self, x: mx.array, offset: int, tables: RopeTables | None = None
-            ) -> tuple[mx.array, mx.array, mx.array]:
+    def qkv(self, x: mx.array, offset: int, tables: RopeTables | None = None,
+            q_tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """q (B,H,T,hd), k and v (B,Hkv,T,hd) of x (B,T,D) at positions offset..offset+T-1:
         projected, q and k normed (qk_norm) and rotated (`tables`: that position's RoPE tables,
-        `Ops.rope_tables`, for a step traced once and called at every position)."""
-        return self.heads(*self.project(x), offset, tables)
+        `Ops.rope_tables`, for a step traced once and called at every position; `q_tables`:
+        the queries' own, where `q_rope` is not `rope`)."""
+        return self.heads(*self.project(x), offset, tables, q_tables)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """q (B,T,H*hd), k and v (B,T,Hkv*hd): the projections of x (B,T,D)."""
@@ -325,7 +382,8 @@ class Attention(nn.Module):
         return qkv[..., :q_w], qkv[..., q_w:q_w + kv_w], qkv[..., q_w + kv_w:]
 
     def heads(self, q: mx.array, k: mx.array, v: mx.array, offset: int,
-              tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
+              tables: RopeTables | None = None, q_tables: RopeTables | None = None
+              ) -> tuple[mx.array, mx.array, mx.array]:
         """The projections split into heads: q (B,H,T,hd), k and v (B,Hkv,T,hd), q and k normed
         (qk_norm, qk_norm_whole) and rotated at positions offset..offset+T-1 (unless the block
         has no RoPE)."""
@@ -341,7 +399,7 @@ class Attention(nn.Module):
         k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         v = v.reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         if self.rope is not None:
-            q = self.ops.rope(q, self.rope, offset, tables)
+            q = self.ops.rope(q, self.q_rope, offset, tables if q_tables is None else q_tables)
             k = self.ops.rope(k, self.rope, offset, tables)
         return q, k, v
 
@@ -409,10 +467,10 @@ class Block(nn.Module):
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
     # stay the same at every position (toymlx.generation.generate.CompiledDecode):
     # start (norm, q/k/v, RoPE) -> attn.attend (the KV cache, attention) -> finish.
-    def start(self, x: mx.array, offset: int, tables: RopeTables | None = None
-              ) -> tuple[mx.array, mx.array, mx.array]:
+    def start(self, x: mx.array, offset: int, tables: RopeTables | None = None,
+              q_tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v of the normed x (`Attention.qkv`)."""
-        return self.attn.qkv(self.pre(x, "attn_norm"), offset, tables)
+        return self.attn.qkv(self.pre(x, "attn_norm"), offset, tables, q_tables)
 
     def finish(self, x: mx.array, o: mx.array) -> mx.array:
         """The block's output from its input x and the attention's `o` (before o_proj): both
