@@ -37,7 +37,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.checks import ArgsError
-from toymlx.models.kv_cache import KVCache
+from toymlx.models.kv_cache import KVCache, SharedKV
 from toymlx.models.layers import Embedding, Linear, RMSNorm
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
 
@@ -124,11 +124,63 @@ class LlamaArgs:
     (granite.residual_scale)."""
     logits_scaling: float = 1.0
     """Logits divided by this (granite.logit_scale)."""
+    # ---- gemma4's (module docstring of toymlx.gguf.gemma4 for what each is and where from)
+    key_length_sliding: int | None = None
+    """Per-head width of the sliding blocks where it is not head_dim (attention.key_length_swa;
+    head_dim is then the full-attention blocks')."""
+    rope_dims_sliding: int | None = None
+    """Rotated width per head of the sliding blocks (rope.dimension_count_swa); None: the whole
+    head (gemma2 and gemma3 files: their rope_dims)."""
+    kv_heads_per_block: tuple[int, ...] | None = None
+    """Key/value heads of each block where they are not all n_kv_heads (a head_count_kv
+    array)."""
+    v_norm: bool = False
+    """Each value head RMS-normed without a weight before attention."""
+    k_eq_v: bool = False
+    """The full-attention blocks have no v_proj: their values are their keys' projection,
+    before the keys' norm and RoPE (attention_k_eq_v)."""
+    shared_kv_layers: int = 0
+    """The last n blocks project no keys or values: each attends over those of an earlier
+    block (`kv_source`, llama.cpp's rule) with its own queries (attention.shared_kv_layers)."""
+    per_layer_dim: int = 0
+    """Width of each block's per-layer embedding input (PLE; embedding_length_per_layer_input);
+    0: none."""
+    layer_scales: bool = False
+    """Each block's output times a scalar of its own (`out_scale`, layer_output_scale)."""
 
     @property
     def head_dim(self) -> int:
-        """Per-head width of q, k and v."""
+        """Per-head width of q, k and v (of the full-attention blocks where the sliding ones
+        differ: `layer_head_dim`)."""
         return self.key_length or self.d_model // self.n_heads
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Per-head width of block `layer`'s q, k and v."""
+        if self.key_length_sliding and self.is_sliding(layer):
+            return self.key_length_sliding
+        return self.head_dim
+
+    def kv_heads(self, layer: int) -> int:
+        """Key/value heads of block `layer`."""
+        return self.kv_heads_per_block[layer] if self.kv_heads_per_block else self.n_kv_heads
+
+    def kv_source(self, layer: int) -> int | None:
+        """The block whose keys and values block `layer` attends over, where it projects none of
+        its own (the last `shared_kv_layers`): llama.cpp's rule (llama-model.cpp, the KV cache's
+        `reuse` for gemma3n and gemma4), the last block with its own for a full-attention
+        block, the one before that for a sliding one; None: its own."""
+        first = self.n_layers - self.shared_kv_layers
+        if layer < first:
+            return None
+        return first - (2 if self.is_sliding(layer) else 1)
+
+    def kv_role(self, layer: int) -> str | None:
+        """"reader" (attends over `kv_source`'s keys and values), "source" (a reader's source)
+        or None."""
+        if self.kv_source(layer) is not None:
+            return "reader"
+        readers = range(self.n_layers - self.shared_kv_layers, self.n_layers)
+        return "source" if any(self.kv_source(r) == layer for r in readers) else None
 
     def validate(self) -> None:
         """Raise ArgsError (a ValueError) naming the field when the shape is inconsistent."""
@@ -166,11 +218,42 @@ class LlamaArgs:
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
             raise ArgsError(self, "sliding_layers", "one entry per block of {n_layers}",
                             f"{len(self.sliding_layers)}")
+        self._validate_gemma4()
+
+    def _validate_gemma4(self) -> None:
+        """The per-block shapes (sliding head width, kv heads per block) and the shared-KV
+        tail: each reader's source a block of its own kind, as transformers reads it too."""
+        if self.key_length_sliding is not None and (self.key_length_sliding <= 0
+                                                    or self.key_length_sliding % 2):
+            raise ArgsError(self, "key_length_sliding", "an even number > 0 for RoPE")
+        if self.kv_heads_per_block is not None:
+            if len(self.kv_heads_per_block) != self.n_layers:
+                raise ArgsError(self, "kv_heads_per_block", "one entry per block of {n_layers}",
+                                f"{len(self.kv_heads_per_block)}")
+            if any(n <= 0 or self.n_heads % n for n in self.kv_heads_per_block):
+                raise ArgsError(self, "kv_heads_per_block", "divisors of {n_heads}")
+        if self.per_layer_dim < 0:
+            raise ArgsError(self, "per_layer_dim", ">= 0 (0: no per-layer embeddings)")
+        n = self.shared_kv_layers
+        if n == 0:
+            return
+        if not 0 < n <= self.n_layers - 2:
+            raise ArgsError(self, "shared_kv_layers", "0..{n_layers} - 2 (llama.cpp reads "
+                            "the last two blocks with their own keys and values)")
+        for r in range(self.n_layers - n, self.n_layers):
+            s = self.kv_source(r)
+            assert s is not None
+            if (self.is_sliding(s) != self.is_sliding(r) or self.kv_heads(s) != self.kv_heads(r)
+                    or self.layer_head_dim(s) != self.layer_head_dim(r)):
+                raise ArgsError(self, "shared_kv_layers", "a tail whose blocks read a block of "
+                                "their own kind (llama.cpp reads block "
+                                f"{s} for block {r}, transformers the last of its kind)")
 
     def rope(self, layer: int) -> Rope:
-        """Block `layer`'s RoPE (gemma3's sliding layers have their own base and no scaling)."""
+        """Block `layer`'s RoPE (the Gemmas' sliding layers have their own base and width, and
+        no scaling or factors: gemma4's rope_freqs are its full-attention blocks')."""
         if self.is_sliding(layer):
-            return Rope(self.rope_base_sliding, self.rope_dims, self.rope_neox)
+            return Rope(self.rope_base_sliding, self.rope_dims_sliding, self.rope_neox)
         return Rope(self.rope_base, self.rope_dims, self.rope_neox, self.rope_factors,
                     self.rope_scale, self.rope_mscale)
 
@@ -219,22 +302,28 @@ class Attention(nn.Module):
         super().__init__()
         self.ops = ops
         self.args = a
-        self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.scale = a.attn_scale or a.head_dim ** -0.5
+        hd, n_kv = a.layer_head_dim(layer), a.kv_heads(layer)
+        self.n_heads, self.n_kv, self.head_dim = a.n_heads, n_kv, hd
+        self.scale = a.attn_scale or hd ** -0.5
         self.rope = a.rope(layer) if a.has_rope(layer) else None
         self.window = a.sliding_window if a.is_sliding(layer) else None
         self.softcap = a.attn_softcap
-        q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        self.own_kv = a.kv_source(layer) is None  # False: reads an earlier block's (gemma4)
+        self.v_norm, self.eps = a.v_norm, a.norm_eps
+        q, kv = a.n_heads * hd, n_kv * hd
         if a.fused_qkv:
             self.qkv_proj = Linear(a.d_model, q + 2 * kv, bias=a.attn_bias, ops=ops)
         else:
             self.q_proj = Linear(a.d_model, q, bias=a.attn_bias, ops=ops)
-            self.k_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
-            self.v_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
+            if self.own_kv:
+                self.k_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
+            if self.own_kv and not (a.k_eq_v and not a.is_sliding(layer)):
+                self.v_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
         self.o_proj = Linear(q, a.d_model, bias=a.out_bias, ops=ops)
         if a.qk_norm or a.qk_norm_whole:  # per head (hd values) or whole (q, kv values)
-            self.q_norm = RMSNorm(q if a.qk_norm_whole else a.head_dim, eps=a.norm_eps, ops=ops)
-            self.k_norm = RMSNorm(kv if a.qk_norm_whole else a.head_dim, eps=a.norm_eps, ops=ops)
+            self.q_norm = RMSNorm(q if a.qk_norm_whole else hd, eps=a.norm_eps, ops=ops)
+            if self.own_kv:
+                self.k_norm = RMSNorm(kv if a.qk_norm_whole else hd, eps=a.norm_eps, ops=ops)
         self.qk_norm, self.qk_norm_whole = a.qk_norm, a.qk_norm_whole
 
     # Training and scoring call it whole (__call__); generation in two parts, around its KV
@@ -264,10 +353,14 @@ class Attention(nn.Module):
         `Ops.rope_tables`, for a step traced once and called at every position)."""
         return self.heads(*self.project(x), offset, tables)
 
-    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """q (B,T,H*hd), k and v (B,T,Hkv*hd): the projections of x (B,T,D)."""
+    def project(self, x: mx.array) -> tuple[mx.array, Any, Any]:
+        """q (B,T,H*hd), k and v (B,T,Hkv*hd): the projections of x (B,T,D); k and v None in a
+        block that reads an earlier one's (`own_kv`), v k's where it has no v_proj (k_eq_v)."""
         if "qkv_proj" not in self:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if not self.own_kv:
+                return self.q_proj(x), None, None
+            k = self.k_proj(x)
+            return self.q_proj(x), k, self.v_proj(x) if "v_proj" in self else k
         q_w, kv_w = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         qkv = self.qkv_proj(x)  # (B,T,q+2kv): q, then k, then v
         return qkv[..., :q_w], qkv[..., q_w:q_w + kv_w], qkv[..., q_w + kv_w:]
@@ -282,14 +375,22 @@ class Attention(nn.Module):
         if self.qk_norm_whole:  # over each token's H*hd (Hkv*hd) values
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.n_heads, hd)  # (B,T,H,hd)
-        k = k.reshape(B, T, self.n_kv, hd)  # (B,T,Hkv,hd)
         if self.qk_norm:  # over each head's hd values
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         q = q.transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
-        v = v.reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         if self.rope is not None:
             q = self.ops.rope(q, self.rope, offset, tables)
+        if k is None:  # a block reading an earlier one's keys and values
+            return q, k, v
+        k = k.reshape(B, T, self.n_kv, hd)  # (B,T,Hkv,hd)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
+        v = v.reshape(B, T, self.n_kv, hd)
+        if self.v_norm:  # weightless (gemma4)
+            v = self.ops.rms_norm(v, mx.ones((hd,), v.dtype), self.eps)
+        v = v.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
+        if self.rope is not None:
             k = self.ops.rope(k, self.rope, offset, tables)
         return q, k, v
 
@@ -297,7 +398,9 @@ class Attention(nn.Module):
         """(B,T,H*hd): attention over `cache`'s positions with k, v appended (or over k, v
         alone), before o_proj."""
         B, _, T, _ = q.shape
-        if cache is not None:
+        if cache is not None and k is None:  # an earlier block's (`SharedKV`)
+            k, v = cache.fetch(T)
+        elif cache is not None:
             k, v = cache.update_and_fetch(k, v)  # (B,Hkv,S,hd): every position so far
         o = self.ops.attention(q, k, v, self.scale, causal=True, window=self.window,
                                softcap=self.softcap)  # (B,H,T,hd)
@@ -327,9 +430,21 @@ class MLP(nn.Module):
         return self.down_proj(act(gate, up))
 
 
+class Scale(nn.Module):
+    """x times one trained scalar, `weight` (1,) (gemma4's layer_output_scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = mx.ones((1,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x * self.weight
+
+
 class Block(nn.Module):
     def __init__(self, a: LlamaArgs, ops: Ops, layer: int = 0):
         super().__init__()
+        self.ops = ops
         if a.pre_norms:
             self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
@@ -338,13 +453,31 @@ class Block(nn.Module):
         if a.post_norms:
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        if a.per_layer_dim:  # gemma4's per-layer embedding input, after the MLP
+            self.ple_gate = Linear(a.d_model, a.per_layer_dim, bias=False, ops=ops)
+            self.ple_proj = Linear(a.per_layer_dim, a.d_model, bias=False, ops=ops)
+            self.ple_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        if a.layer_scales:
+            self.out_scale = Scale()
         self.pre_norms, self.post_norms = a.pre_norms, a.post_norms
         self.residual_multiplier = a.residual_multiplier
+        self.has_ple, self.kv_role = bool(a.per_layer_dim), a.kv_role(layer)
 
-    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        if cache is None:
-            return self.finish(x, self.attn(self.pre(x, "attn_norm")))
-        return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache))
+    def __call__(self, x: mx.array, *inputs: mx.array, cache: Any = None) -> Any:
+        """The block's output (B,T,D). `inputs`: its per-layer embedding input (B,T,P) where
+        the model has them (per_layer_dim), then, without a cache, the keys and values
+        (B,Hkv,T,hd) of its `kv_source` where it reads an earlier block's. Without a cache a
+        block that is a source returns (output, its keys, its values)."""
+        ple = inputs[0] if self.has_ple else None
+        if cache is not None:
+            return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache), ple)
+        if self.kv_role is None:
+            return self.finish(x, self.attn(self.pre(x, "attn_norm")), ple)
+        q, k, v = self.start(x, 0)  # keys and values handed on: kept, not recomputed
+        if self.kv_role == "reader":
+            k, v = inputs[-2:]
+        h = self.finish(x, self.attn.attend(q, k, v), ple)
+        return (h, k, v) if self.kv_role == "source" else h
 
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
     # stay the same at every position (toymlx.generation.generate.CompiledDecode):
@@ -354,13 +487,17 @@ class Block(nn.Module):
         """q, k, v of the normed x (`Attention.qkv`)."""
         return self.attn.qkv(self.pre(x, "attn_norm"), offset, tables)
 
-    def finish(self, x: mx.array, o: mx.array) -> mx.array:
+    def finish(self, x: mx.array, o: mx.array, ple: mx.array | None = None) -> mx.array:
         """The block's output from its input x and the attention's `o` (before o_proj): both
-        residual branches, the MLP's included."""
+        residual branches, the MLP's included, then gemma4's per-layer input `ple` (B,T,P)
+        and output scale."""
         a = self.attn.o_proj(o)
         x = x + self.branch(self.attn_post_norm(a) if self.post_norms else a)
         m = self.mlp(self.pre(x, "ffn_norm"))
-        return x + self.branch(self.ffn_post_norm(m) if self.post_norms else m)
+        x = x + self.branch(self.ffn_post_norm(m) if self.post_norms else m)
+        if ple is not None:  # gelu_tanh(gate x) * ple, projected back and normed
+            x = x + self.ple_norm(self.ple_proj(self.ops.gelu_mul(self.ple_gate(x), ple)))
+        return self.out_scale(x) if "out_scale" in self else x
 
     def pre(self, x: mx.array, norm: str) -> mx.array:
         """x as a residual branch reads it: normed by `norm` (attn_norm or ffn_norm), or as it
@@ -381,6 +518,11 @@ class Llama(nn.Module):
         self.embed = Embedding(args.vocab_size, args.d_model, ops)
         self.layers = [Block(args, ops, i) for i in range(args.n_layers)]
         self.norm = RMSNorm(args.d_model, eps=args.norm_eps, ops=ops)
+        if args.per_layer_dim:  # gemma4's per-layer embeddings: a table and a projection
+            width = args.per_layer_dim * args.n_layers  # every block's, side by side
+            self.ple_embed = Embedding(args.vocab_size, width, ops)
+            self.ple_proj = Linear(args.d_model, width, bias=False, ops=ops)
+            self.ple_norm = RMSNorm(args.per_layer_dim, eps=args.norm_eps, ops=ops)
         if not args.tie_embeddings:
             self.output = Linear(args.d_model, args.vocab_size, bias=False, ops=ops)
         self._init_weights()
@@ -391,7 +533,7 @@ class Llama(nn.Module):
         resid_std = std / (2 * self.args.n_layers) ** 0.5
 
         def init(path: str, w: mx.array) -> mx.array:
-            if path.endswith("norm.weight"):
+            if path.endswith(("norm.weight", "out_scale.weight")):
                 return w
             s = resid_std if path.endswith(("o_proj.weight", "down_proj.weight")) else std
             return mx.random.normal(w.shape, scale=s)
@@ -430,9 +572,31 @@ class Llama(nn.Module):
         """(B, T) token ids -> (B, T, D) final hidden states as the head reads them
         (`head_input`), before `unembed`."""
         h = self.embed_tokens(tokens)  # (B,T,D)
+        ple = self.per_layer_inputs(tokens, h) if self.args.per_layer_dim else None
+        shared: dict[int, tuple[mx.array, mx.array]] = {}  # a source block's keys and values
         for i, layer in enumerate(self.layers):
-            h = self.ops.block(layer, h) if cache is None else layer(h, cache[i])
+            inputs = () if ple is None else (ple[:, :, i, :],)
+            if cache is not None:
+                h = layer(h, *inputs, cache=cache[i])
+                continue
+            src = self.args.kv_source(i)
+            out = self.ops.block(layer, h, *inputs, *(shared[src] if src is not None else ()))
+            if layer.kv_role == "source":
+                h, shared[i] = out[0], (out[1], out[2])
+            else:
+                h = out
         return self.head_input(h)
+
+    def per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
+        """(B,T,n_layers,P) every block's per-layer input (gemma4's PLE), from the ids (B,T)
+        and their scaled embeddings h (B,T,D): (norm(ple_proj(h) / sqrt(D)) + ple_embed[ids]
+        * sqrt(P)) / sqrt(2), llama.cpp's project_per_layer_inputs and build_inp_per_layer
+        (transformers' the same)."""
+        B, T = tokens.shape
+        L, P = self.args.n_layers, self.args.per_layer_dim
+        rows = self.ple_embed(tokens).reshape(B, T, L, P) * (P ** 0.5)
+        proj = (self.ple_proj(h) * (self.args.d_model ** -0.5)).reshape(B, T, L, P)
+        return (self.ple_norm(proj) + rows) * (2.0 ** -0.5)
 
     def head_input(self, h: mx.array) -> mx.array:
         """(B, T, D) the last block's output -> what the output head reads: normed, and divided
@@ -445,6 +609,12 @@ class Llama(nn.Module):
     def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.unembed(self.hidden(tokens, cache))  # (B,T,V)
 
-    def make_cache(self) -> list[KVCache]:
-        """One KV cache per block, for generation."""
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> list[KVCache | SharedKV]:
+        """One KV cache per block, for generation; a block that reads an earlier one's keys
+        and values (gemma4's shared-KV tail) a view of that block's."""
+        caches: list[KVCache | SharedKV] = []
+        for i in range(len(self.layers)):
+            src = self.args.kv_source(i)
+            source = caches[src] if src is not None else None
+            caches.append(KVCache() if source is None else SharedKV(source))
+        return caches

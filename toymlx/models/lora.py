@@ -198,6 +198,17 @@ def block_targets(a: LlamaArgs) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t not in absent)
 
 
+def block_has(a: LlamaArgs, layer: int) -> tuple[str, ...]:
+    """The targets block `layer` has: `block_targets`, less k and v where it reads an earlier
+    block's keys and values and v where its values are its keys' projection (gemma4)."""
+    have = block_targets(a)
+    if a.kv_source(layer) is not None:
+        return tuple(t for t in have if t not in ("k", "v"))
+    if a.k_eq_v and not a.is_sliding(layer):
+        return tuple(t for t in have if t != "v")
+    return have
+
+
 def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
     """ValueError naming --lora.targets for a target this architecture lacks: phi3's fused qkv
     or gate_up on another base, or q, k, v, gate or up on phi3's; checked from the args, before
@@ -234,6 +245,8 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
     model.freeze()
     for i in blocks:
         for t in names:
+            if t not in block_has(model.args, i):
+                continue  # gemma4's shared-KV blocks: no k, v of their own to adapt
             path = f"layers.{i}.{TARGETS[t]}"
             base = submodule(model, path)
             if isinstance(base, LoRALinear):
