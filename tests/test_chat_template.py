@@ -92,6 +92,8 @@ LOADED = {
     # an empty reasoning block in the last turn only (after the last user message)
     "Qwen-Qwen3-0.6B.jinja": Turn("qwen3", IM_END, last_before="<think>\n\n</think>\n\n"),
     "google-gemma-2-2b-it.jinja": Turn("gemma2", "<end_of_turn>\n"),
+    "google-gemma-4-31B-it.jinja": Turn("gemma4", "<turn|>\n"),
+    "google-gemma-4-31B-it-interleaved.jinja": Turn("gemma4", "<turn|>\n"),
     # the EOS token after the last message when no generation prompt follows
     "microsoft-Phi-3.5-mini-instruct.jinja": Turn("phi3", "<|end|>\n", "<|end|>\n" + EOS),
     "HuggingFaceTB-SmolLM3-3B.jinja": Turn("smollm3", IM_END),
@@ -227,10 +229,13 @@ def trained_texts(tok: TextTokenizer, example: Example, turns: str = "assistant"
 CHAT = [SYSTEM, USER1, ANSWER1, USER2, ANSWER2]
 PROMPT_ONLY = {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "<think>\n",
                "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "<think>\n</think>",
-               "Qwen-QwQ-32B.jinja": "<think>\n</think>"}
+               "Qwen-QwQ-32B.jinja": "<think>\n</think>",
+               "google-gemma-4-31B-it.jinja": "<|channel>thought\n<channel|>",
+               "google-gemma-4-31B-it-interleaved.jinja": "<|channel>thought\n<channel|>"}
 """Generation prompts that end in text the template never writes into a rendered turn
 (DeepSeek-R1's `<｜Assistant｜><think>\\n`, llama.cpp's copies adding `</think>` where
-`enable_thinking` is not true, against `<｜Assistant｜>` + answer in the turn): not trained."""
+`enable_thinking` is not true, Gemma 4's empty thought channel where it is not, against
+`<｜Assistant｜>` / `<|turn>model\\n` + answer in the turn): not trained."""
 SYSTEM_DROPPED = {"mistralai-Mistral-Nemo-Instruct-2407.jinja"}
 """Templates that leave a system message out of a conversation ending in an assistant's turn:
 Mistral-Nemo writes the system text into the last message only when that is a user's, so
@@ -291,7 +296,9 @@ def test_a_template_needing_variables_of_its_own_is_a_one_line_error(llamacpp_so
 
 REAL_VOCABS = {"meta-llama-Llama-3.1-8B-Instruct.jinja": "llama-bpe",
                "Qwen-Qwen2.5-7B-Instruct.jinja": "qwen2",
-               "microsoft-Phi-3.5-mini-instruct.jinja": "phi-3"}
+               "microsoft-Phi-3.5-mini-instruct.jinja": "phi-3",
+               "google-gemma-4-31B-it.jinja": "gemma-4",
+               "google-gemma-4-31B-it-interleaved.jinja": "gemma-4"}
 """Templates trained again with their family's real vocabulary (llama.cpp's
 models/ggml-vocab-NAME.gguf), where the end-of-turn markers are single special tokens."""
 

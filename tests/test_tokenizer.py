@@ -754,22 +754,54 @@ def inp_texts(models: Path) -> list[str]:
             for text in inp.read_bytes().decode("utf-8").split(SEP)]
 
 
-def assert_ids_of_llama_cpp(path: Path, texts: list[str]) -> None:
+def assert_ids_of_llama_cpp(path: Path, texts: list[str]) -> tuple[int, int]:
     """toymlx's ids of every text are llama.cpp's (llama-cpp-python, vocab_only) for the GGUF
-    at `path`, with and without bos and the parsing of special tokens."""
+    at `path`, with and without bos and the parsing of special tokens; and where llama.cpp's
+    detokenizer gives a text back from its ids, toymlx's decode does too. Returns the number
+    of ids compared and of texts llama.cpp gives back."""
     llama_cpp = pytest.importorskip("llama_cpp")
     ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(ref.model)
     tok = Tokenizer.from_gguf(path)
+    compared = given_back = 0
     try:
         for text in texts:
             data = text.encode("utf-8")
             for special in (False, True):
-                assert tok.encode(text, parse_special=special) == ref.tokenize(
-                    data, add_bos=True, special=special), (text, special)
-                assert tok.encode(text, add_bos=False, parse_special=special) == ref.tokenize(
-                    data, add_bos=False, special=special), (text, special)
+                for add_special in (True, False):  # llama.cpp's: bos where the file adds it
+                    want = ref.tokenize(data, add_bos=add_special, special=special)
+                    got = tok.encode(text, add_bos=None if add_special else False,
+                                     parse_special=special)
+                    assert got == want, (text, add_special, special)
+                    compared += len(want)
+            ids = ref.tokenize(data, add_bos=False, special=False)
+            if _llama_detokenize(llama_cpp, vocab, ids) == text:
+                assert tok.decode(ids) == text, text
+                given_back += 1
     finally:  # freed now: a model left to the interpreter's exit leaks llama-cpp's /dev/null
         ref.close()
+    return compared, given_back
+
+
+# Gemma 4's own: its visible (user-defined) tokens, which llama.cpp cuts out however specials
+# are parsed, beside its control ones; runs of newlines longer than any newline token, and
+# split by other text; "▁" written in the text; characters no token holds (<0xXX> bytes)
+GEMMA4_TEXTS = ["\n" * 40, "\n" * 7 + "x" + "\n" * 33, "\r\n\r\n", "a\tb\t\tc", "    four",
+                "\t\n \n", "▁x ▁ y", "\u2581\u2581", "\ue000\U000f0000", "\U00031350", "\x00a",
+                "<|channel>thought\n<channel|>Hi", "<|tool_call>call:f{x:<|\"|>a<|\"|>}<tool_call|>",
+                "<|turn>model\n", "<bos><eos><pad>", "<|tool_response>", "<turn|>", "<|think|>",
+                "<|image|><|audio|>", "x" * 300, "ab " * 50]
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_vocabularies_against_llama_cpp(models_dir, name):
+    """Each of llama.cpp's vocabulary files with every test string of its .inp files, the hard
+    texts and Gemma 4's: the ids (with and without bos, specials parsed or not) and the decoded
+    text are llama.cpp's. gemma-4: 777 texts, 3,108 encodings, 26,456 ids, 745 texts given back."""
+    texts = inp_texts(models_dir) + HARD_TEXTS + GEMMA4_TEXTS
+    compared, given_back = assert_ids_of_llama_cpp(upstream_path(models_dir, name), texts)
+    assert compared > 4 * len(texts) and given_back > len(texts) * 0.9, (compared, given_back)
 
 
 @pytest.mark.interop
