@@ -2,23 +2,30 @@
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
 (Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text), phi3, smollm3,
-granite and olmo2. They are one transformer with a handful of switches, each a field of
-`LlamaArgs`:
+granite, olmo2 and gemma4 (dense, text). They are one transformer with a handful of switches,
+each a field of `LlamaArgs`:
 
-| switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite | olmo2 |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | halves | adjacent | adjacent | halves |
-| blocks without RoPE | | | | | | | every 4th | | |
-| q/k/v biases | optional | yes | | | | | | | |
-| q/k RMSNorm before RoPE | | | per head | | per head | | | | whole |
-| embeddings times sqrt(d_model) | | | | yes | yes | | | | |
-| embeddings, residual branches, 1/logits times a file's scalar | | | | | | | | yes | |
-| norms before attention and MLP | yes | yes | yes | yes | yes | yes | yes | yes | |
-| norms after attention and MLP | | | | yes | yes | | | | yes |
-| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | GELU (tanh) | SiLU | SiLU | SiLU | SiLU |
-| fused projections | | | | | | qkv, gate_up | | | |
-| sliding-window layers | | | | 1 of 2 | 5 of 6 | | | | |
-| soft-capped attention scores | | | | yes | | | | | |
+| switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite | olmo2 | gemma4 |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | halves | adjacent | adjacent | halves | halves |
+| blocks without RoPE | | | | | | | every 4th | | | |
+| q/k/v biases | optional | yes | | | | | | | | |
+| q/k RMSNorm before RoPE | | | per head | | per head | | | | whole | per head |
+| embeddings times sqrt(d_model) | | | | yes | yes | | | | | yes |
+| embeddings, residual branches, 1/logits times a file's scalar | | | | | | | | yes | | |
+| norms before attention and MLP | yes | yes | yes | yes | yes | yes | yes | yes | | yes |
+| norms after attention and MLP | | | | yes | yes | | | | yes | yes |
+| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | GELU (tanh) | SiLU | SiLU | SiLU | SiLU | GELU (tanh) |
+| fused projections | | | | | | qkv, gate_up | | | | |
+| sliding-window layers | | | | 1 of 2 | 5 of 6 | | | | | per file |
+| soft-capped attention scores | | | | yes | | | | | | |
+
+gemma4 has more (toymlx/gguf/gemma4.py says what each is): sliding and full blocks of different
+head widths (`key_length_sliding`, `kv_heads_per_block`), unscaled scores (`attn_scale` 1),
+values RMS-normed (`v_norm`), v = k's projection where a block has no v_proj (`k_eq_v`), a tail
+of blocks attending over an earlier block's keys and values (`shared_kv_layers`, `kv_source`),
+per-layer embeddings added after each MLP (`per_layer_dim`, `Llama.per_layer_inputs`) and a
+scalar per block (`layer_scales`).
 
 Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
