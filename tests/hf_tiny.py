@@ -55,7 +55,8 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    and full attention alternating from a sliding one, sliding heads 16 wide
                    and full ones 32 (-q: 64, 128), MQA 4/1, "proportional" RoPE 0.25 on the
                    full layers (the converter's rope_freqs), the last 2 layers reading layers
-                   2's and 3's keys and values, per-layer embeddings of 8 (-q: 64), random
+                   2's and 3's keys and values with MLPs twice as wide (E2B's
+                   use_double_wide_mlp), per-layer embeddings of 8 (-q: 64), random
                    layer scalars, logits capped at 2 (binds), tied, a SentencePiece-style BPE
                    tokenizer.json (Gemma 4's merges) for the converter's LlamaHfVocab
 
@@ -238,6 +239,7 @@ def hf_config(sp: Spec, tok: dict):
             hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=2.0,
             layer_types=["sliding_attention", "full_attention"] * (sp.layers // 2),
             global_head_dim=sp.extra["global_head_dim"], num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
             hidden_size_per_layer_input=sp.extra["ple"], vocab_size_per_layer_input=VOCAB,
             rope_parameters={"sliding_attention": _rope(10000.0),
                              "full_attention": {"rope_type": "proportional",

@@ -50,13 +50,15 @@ def logits(model, ids) -> np.ndarray:
 
 def test_the_file_is_gemma4_with_every_piece(tiny_gguf):  # noqa: F811
     """The converter's file has what the tests below exercise: both head widths, a shared-KV
-    tail without keys and values, per-layer embeddings, layer scalars, rope_freqs."""
+    tail without keys and values and with wider MLPs, per-layer embeddings, layer scalars,
+    rope_freqs."""
     g = GGUFFile(tiny_gguf("gemma4"))
     a = args_from_gguf(g)
     assert (a.arch, a.head_dim, a.key_length_sliding, a.shared_kv_layers, a.per_layer_dim,
             a.layer_scales, a.attn_scale, a.final_softcap) == ("gemma4", 32, 16, 2, 8, True,
                                                                1.0, 2.0)
     assert a.sliding_layers == (True, False) * 3 and a.sliding_window == 8
+    assert a.ffn_dims_per_block == (128,) * 4 + (256,) * 2  # use_double_wide_mlp
     assert [a.kv_source(i) for i in range(6)] == [None] * 4 + [2, 3]
     big = float(np.float32(1e30))  # proportional: a quarter of the pairs turn
     assert a.rope_factors == (1.0,) * 4 + (big,) * 12

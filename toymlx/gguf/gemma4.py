@@ -81,14 +81,16 @@ SWA_BASE = 10000.0
 """llama.cpp's rope.freq_base_swa where a file has none."""
 
 
-def kv_heads(g: GGUFFile, k: str, n_heads: int) -> tuple[int, tuple[int, ...] | None]:
-    """head_count_kv: one count (n_kv_heads, None) or one per block (the first, the tuple)."""
-    v = g.metadata.get(k + "attention.head_count_kv", n_heads)
+def per_block(g: GGUFFile, key: str, default: int | None = None
+              ) -> tuple[int, tuple[int, ...] | None]:
+    """A count said once or once per block (head_count_kv, feed_forward_length): (the count,
+    None) or (the first block's, the tuple where they differ)."""
+    v = g.metadata.get(key, default) if default is not None else g.get(key, (int, list))
     if isinstance(v, (list, tuple)):
         counts = tuple(int(x) for x in v)
-        if not counts:
-            raise GGUFError(f"{g.path}: metadata key '{k}attention.head_count_kv': expected a "
-                            "count or one per block, found an empty array")
+        if not counts or isinstance(v[0], bool):
+            raise GGUFError(f"{g.path}: metadata key {key!r}: expected a count or one per "
+                            f"block, found {v!r:.60}")
         return counts[0], counts if len(set(counts)) > 1 else None
     return int(v), None
 
@@ -191,6 +193,8 @@ def metadata(a: LlamaArgs) -> dict[str, Any]:
         k + "embedding_length_per_layer_input": a.per_layer_dim}
     if a.kv_heads_per_block:
         meta[k + "attention.head_count_kv"] = list(a.kv_heads_per_block)
+    if a.ffn_dims_per_block:
+        meta[k + "feed_forward_length"] = list(a.ffn_dims_per_block)
     return meta
 
 
@@ -204,4 +208,8 @@ def unwritable(a: LlamaArgs) -> list[str]:
         out.append(f"attn_scale={a.attn_scale} (llama.cpp's gemma4 does not scale q k^T)")
     if a.attn_softcap is not None:
         out.append(f"attn_softcap={a.attn_softcap} (gemma4 files do not cap attention)")
+    for f in ("ffn_dims_per_block", "kv_heads_per_block"):
+        v = getattr(a, f)
+        if v is not None and len(set(v)) == 1:
+            out.append(f"{f}={v!r} (a file says one count where every block has it)")
     return out

@@ -272,8 +272,12 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: metadata key '{k}embedding_length': expected "
                         f"{table.shape[1]} (the width of tensor 'token_embd.weight'), found {d}")
     n_heads = g.get(k + "attention.head_count", int)
-    n_kv, kv_per_block = (gemma4.kv_heads(g, k, n_heads) if arch.name == "gemma4" else
+    n_kv, kv_per_block = (gemma4.per_block(g, k + "attention.head_count_kv", n_heads)
+                          if arch.name == "gemma4" else
                           (g.get(k + "attention.head_count_kv", int, n_heads), None))
+    ffn, ffn_per_block = (gemma4.per_block(g, k + "feed_forward_length")
+                          if arch.name == "gemma4" else
+                          (g.get(k + "feed_forward_length", int), None))
     if n_heads <= 0 or d <= 0 or n_kv <= 0 or n_heads % n_kv:
         raise GGUFError(f"{g.path}: metadata key '{k}attention.head_count_kv': expected a "
                         f"positive divisor of head_count={n_heads}, found {n_kv}")
@@ -343,7 +347,8 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         sw["attn_scale"] = _gemma_query_scale(arch.name, d, n_heads, n_layers, head_dim)
         sw["rope_dims_sliding"] = None if rope_dims == head_dim else rope_dims
     if arch.name == "gemma4":
-        sw.update(gemma4.switches(g, n_layers, head_dim), kv_heads_per_block=kv_per_block)
+        sw.update(gemma4.switches(g, n_layers, head_dim), kv_heads_per_block=kv_per_block,
+                  ffn_dims_per_block=ffn_per_block)
     if arch.name == "granite":
         sw.update(granite_scalars(g, k))
     if arch.name == "olmo2" and "output.weight" not in g.tensors:  # llama.cpp requires it
@@ -354,7 +359,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
     args = LlamaArgs(
         vocab_size=vocab, d_model=d, n_layers=n_layers,
-        n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=g.get(k + "feed_forward_length", int),
+        n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=ffn,
         context=context, rope_base=rope_base, norm_eps=norm_eps,
         tie_embeddings="output.weight" not in g.tensors,
         key_length=None if head_dim == d // n_heads else head_dim,
@@ -478,12 +483,12 @@ def block_shapes(a: LlamaArgs, i: int) -> dict[str, tuple[int, ...]]:
         per["post_attention_norm.weight"] = (a.d_model,)
     if a.pre_norms:
         per["ffn_norm.weight"] = (a.d_model,)
+    f = a.layer_ffn(i)
     if a.fused_gate_up:
-        per["ffn_up.weight"] = (2 * a.ffn_dim, a.d_model)
+        per["ffn_up.weight"] = (2 * f, a.d_model)
     else:
-        per.update({"ffn_gate.weight": (a.ffn_dim, a.d_model),
-                    "ffn_up.weight": (a.ffn_dim, a.d_model)})
-    per["ffn_down.weight"] = (a.d_model, a.ffn_dim)
+        per.update({"ffn_gate.weight": (f, a.d_model), "ffn_up.weight": (f, a.d_model)})
+    per["ffn_down.weight"] = (a.d_model, f)
     if a.post_norms:
         per["post_ffw_norm.weight"] = (a.d_model,)
     per.update(gemma4.per_block_shapes(a, i))
@@ -732,7 +737,8 @@ def _gemma4_fields(a: LlamaArgs) -> list[str]:
     """The gemma4-only fields of `a` (another architecture) that are not their defaults."""
     plain = LlamaArgs()
     out = [f"{f}={getattr(a, f)!r} (only gemma4 files say it)" for f in (
-        "key_length_sliding", "kv_heads_per_block", "k_eq_v", "shared_kv_layers",
+        "key_length_sliding", "kv_heads_per_block", "ffn_dims_per_block", "k_eq_v",
+        "shared_kv_layers",
         "per_layer_dim", "layer_scales") if getattr(a, f) != getattr(plain, f)]
     said = a.rope_dims if a.arch in GEMMA else None  # gemma2, gemma3: their rope_dims
     if a.rope_dims_sliding != said:

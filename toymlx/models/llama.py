@@ -21,7 +21,8 @@ each a field of `LlamaArgs`:
 | soft-capped attention scores | | | | yes | | | | | | |
 
 gemma4 has more (toymlx/gguf/gemma4.py says what each is): sliding and full blocks of different
-head widths (`key_length_sliding`, `kv_heads_per_block`), unscaled scores (`attn_scale` 1),
+head widths (`key_length_sliding`, `kv_heads_per_block`), MLP widths per block
+(`ffn_dims_per_block`), unscaled scores (`attn_scale` 1),
 values RMS-normed (`v_norm`), v = k's projection where a block has no v_proj (`k_eq_v`), a tail
 of blocks attending over an earlier block's keys and values (`shared_kv_layers`, `kv_source`),
 per-layer embeddings added after each MLP (`per_layer_dim`, `Llama.per_layer_inputs`) and a
@@ -138,6 +139,9 @@ class LlamaArgs:
     rope_dims_sliding: int | None = None
     """Rotated width per head of the sliding blocks (rope.dimension_count_swa); None: the whole
     head (gemma2 and gemma3 files: their rope_dims)."""
+    ffn_dims_per_block: tuple[int, ...] | None = None
+    """MLP hidden width of each block where they are not all ffn_dim (a feed_forward_length
+    array: gemma4's E2B doubles it in its shared-KV tail, use_double_wide_mlp)."""
     kv_heads_per_block: tuple[int, ...] | None = None
     """Key/value heads of each block where they are not all n_kv_heads (a head_count_kv
     array)."""
@@ -166,6 +170,10 @@ class LlamaArgs:
         if self.key_length_sliding and self.is_sliding(layer):
             return self.key_length_sliding
         return self.head_dim
+
+    def layer_ffn(self, layer: int) -> int:
+        """MLP hidden width of block `layer`."""
+        return self.ffn_dims_per_block[layer] if self.ffn_dims_per_block else self.ffn_dim
 
     def kv_heads(self, layer: int) -> int:
         """Key/value heads of block `layer`."""
@@ -233,6 +241,10 @@ class LlamaArgs:
         if self.key_length_sliding is not None and (self.key_length_sliding <= 0
                                                     or self.key_length_sliding % 2):
             raise ArgsError(self, "key_length_sliding", "an even number > 0 for RoPE")
+        if self.ffn_dims_per_block is not None and (
+                len(self.ffn_dims_per_block) != self.n_layers
+                or min(self.ffn_dims_per_block) <= 0):
+            raise ArgsError(self, "ffn_dims_per_block", "a width > 0 per block of {n_layers}")
         if self.kv_heads_per_block is not None:
             if len(self.kv_heads_per_block) != self.n_layers:
                 raise ArgsError(self, "kv_heads_per_block", "one entry per block of {n_layers}",
@@ -415,16 +427,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, a: LlamaArgs, ops: Ops):
+    def __init__(self, a: LlamaArgs, ops: Ops, layer: int = 0):
         super().__init__()
         self.ops = ops
         self.activation = a.activation
+        f = a.layer_ffn(layer)
         if a.fused_gate_up:
-            self.gate_up_proj = Linear(a.d_model, 2 * a.ffn_dim, bias=False, ops=ops)
+            self.gate_up_proj = Linear(a.d_model, 2 * f, bias=False, ops=ops)
         else:
-            self.gate_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
-            self.up_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
-        self.down_proj = Linear(a.ffn_dim, a.d_model, bias=False, ops=ops)
+            self.gate_proj = Linear(a.d_model, f, bias=False, ops=ops)
+            self.up_proj = Linear(a.d_model, f, bias=False, ops=ops)
+        self.down_proj = Linear(f, a.d_model, bias=False, ops=ops)
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
@@ -456,7 +469,7 @@ class Block(nn.Module):
             self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.attn = Attention(a, ops, layer)
-        self.mlp = MLP(a, ops)
+        self.mlp = MLP(a, ops, layer)
         if a.post_norms:
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
