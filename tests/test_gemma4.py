@@ -48,6 +48,29 @@ def logits(model, ids) -> np.ndarray:
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
+def adam_steps(model, hf_dir, steps: int, lr: float) -> tuple[list[float], dict]:
+    """`steps` Adam steps of the model's trainable parameters on one fixed batch (2 rows of N
+    seeded ids): each step's loss before it, and the first step's gradients."""
+    import mlx.optimizers as optim
+
+    ids = mx.array([token_ids(hf_dir, N + 1, seed=s) for s in range(2)])
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": mx.ones((2, N))}
+    opt = optim.Adam(learning_rate=lr)
+
+    def loss_fn(params):
+        model.update(params)
+        return lm_loss(model, batch)[0]
+
+    losses, first = [], {}
+    for _ in range(steps):
+        loss, grads = mx.value_and_grad(loss_fn)(model.trainable_parameters())
+        first = first or grads
+        opt.update(model, grads)
+        mx.eval(model.parameters(), loss)
+        losses.append(float(loss))
+    return losses, first
+
+
 def test_the_file_is_gemma4_with_every_piece(tiny_gguf):  # noqa: F811
     """The converter's file has what the tests below exercise: both head widths, a shared-KV
     tail without keys and values and with wider MLPs, per-layer embeddings, layer scalars,
@@ -115,7 +138,6 @@ def test_generation_with_the_cache_is_the_full_forward(tiny_hf, tiny_gguf):  # n
 def test_a_lora_step_lowers_the_loss(tiny_hf, tiny_gguf, grad_checkpoint):  # noqa: F811
     """LoRA on q,k,v,o,gate,up,down (the shared-KV blocks: q,o,gate,up,down), the training Ops:
     five Adam steps on one batch lower its loss; the base stays frozen."""
-    import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
     ops = training_ops(False, grad_checkpoint=grad_checkpoint)
@@ -126,20 +148,7 @@ def test_a_lora_step_lowers_the_loss(tiny_hf, tiny_gguf, grad_checkpoint):  # no
     assert not any(f"layers.{i}.attn.{p}" in k for k in trained for i in (4, 5)
                    for p in ("k_proj", "v_proj"))
     assert len(trained) == 2 * (7 * 4 + 5 * 2)
-    ids = mx.array([token_ids(tiny_hf("gemma4"), N + 1, seed=s) for s in range(2)])
-    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": mx.ones((2, N))}
-    opt = optim.Adam(learning_rate=1e-2)
-
-    def loss_fn(params):
-        model.update(params)
-        return lm_loss(model, batch)[0]
-
-    losses = []
-    for _ in range(5):
-        loss, grads = mx.value_and_grad(loss_fn)(model.trainable_parameters())
-        opt.update(model, grads)
-        mx.eval(model.parameters(), loss)
-        losses.append(float(loss))
+    losses, _ = adam_steps(model, tiny_hf("gemma4"), 5, 1e-2)
     report(f"lora steps grad_checkpoint={grad_checkpoint}", losses=losses)
     assert losses[-1] < losses[0] - 0.1
 
@@ -233,26 +242,11 @@ def test_write_llama_round_trips_and_llamacpp_reads_it(tiny_hf, tiny_gguf, tmp_p
 def test_a_full_fine_tune_step_lowers_the_loss(tiny_hf, tiny_gguf):  # noqa: F811
     """Every weight trained (the per-layer table, projections and layer scalars too): every
     parameter gets a gradient, and three Adam steps lower the batch's loss."""
-    import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
     model, _ = load_llama(tiny_gguf("gemma4"), training_ops(False))
-    ids = mx.array([token_ids(tiny_hf("gemma4"), N + 1, seed=s) for s in range(2)])
-    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": mx.ones((2, N))}
-    opt = optim.Adam(learning_rate=1e-3)
-
-    def loss_fn(params):
-        model.update(params)
-        return lm_loss(model, batch)[0]
-
-    losses = []
-    for i in range(3):
-        loss, grads = mx.value_and_grad(loss_fn)(model.trainable_parameters())
-        if i == 0:
-            zero = [k for k, v in tree_flatten(grads) if not bool(mx.any(v != 0))]
-            assert not zero, zero
-        opt.update(model, grads)
-        mx.eval(model.parameters(), loss)
-        losses.append(float(loss))
+    losses, first = adam_steps(model, tiny_hf("gemma4"), 3, 1e-3)
+    zero = [k for k, v in tree_flatten(first) if not bool(mx.any(v != 0))]
+    assert not zero, zero
     report("full steps", losses=losses)
     assert losses[-1] < losses[0] - 0.1

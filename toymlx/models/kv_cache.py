@@ -50,9 +50,7 @@ class KVCache:
 
     def keep(self, n: int) -> None:
         """Forget positions n and after (the buffers stay; the next update overwrites them)."""
-        if not 0 <= n <= self.offset:
-            raise ValueError(f"KVCache.keep: expected 0..{self.offset} positions, found {n}")
-        self.offset = n
+        self.offset = kept(self, n)
 
     @property
     def state(self) -> list[mx.array]:
@@ -80,11 +78,17 @@ class SharedKV:
 
     def keep(self, n: int) -> None:
         """Forget positions n and after (the source keeps its own count)."""
-        if not 0 <= n <= self.offset:
-            raise ValueError(f"SharedKV.keep: expected 0..{self.offset} positions, found {n}")
-        self.offset = n
+        self.offset = kept(self, n)
 
     @property
     def state(self) -> list[mx.array]:
         """Nothing of its own to evaluate."""
         return []
+
+
+def kept(cache: KVCache | SharedKV, n: int) -> int:
+    """n, the positions a cache's `keep` keeps; ValueError where it holds fewer."""
+    if not 0 <= n <= cache.offset:
+        raise ValueError(f"{type(cache).__name__}.keep: expected 0..{cache.offset} positions, "
+                         f"found {n}")
+    return n
