@@ -250,3 +250,49 @@ def test_a_full_fine_tune_step_lowers_the_loss(tiny_hf, tiny_gguf):  # noqa: F81
     assert not zero, zero
     report("full steps", losses=losses)
     assert losses[-1] < losses[0] - 0.1
+
+
+def test_the_31b_layout_keys_as_values_and_kv_heads_per_block(tiny_hf, llamacpp_source,  # noqa: F811
+                                                              tmp_path):
+    """Gemma 4 31B's layout, which the tiny kind lacks: full blocks without v_proj (values are
+    the keys' projection, attention_k_eq_v), their own kv head count (a head_count_kv array),
+    no shared-KV tail and no per-layer embeddings. The tiny kind's tokenizer files, a
+    transformers model of that config, llama.cpp's converter: toymlx against both."""
+    import shutil
+
+    import torch
+    import transformers as tf
+    from hf_tiny import VOCAB, _randomize, gguf_from_hf
+
+    src, hf = tiny_hf("gemma4"), tmp_path / "hf"
+    hf.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "toymlx_tiny.json"):
+        shutil.copy(src / name, hf / name)
+    config = tf.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0, sliding_window=8, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=2.0,
+        rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "proportional",
+                                            "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1e6}})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.Gemma4ForCausalLM(config).to(torch.float32).eval()
+    _randomize(model, 4031, gemma=False, unscaled_scores=True)
+    model.save_pretrained(hf)
+    path = tmp_path / "g31.gguf"
+    gguf_from_hf(hf, path, tree=llamacpp_source)
+    a = args_from_gguf(GGUFFile(path))
+    assert a.k_eq_v and a.kv_heads_per_block == (2, 1, 2, 1) and not a.per_layer_dim
+    assert "blk.1.attn_v.weight" not in GGUFFile(path).tensors
+    ids = token_ids(hf, N)
+    ref = hf_logits(hf, ids)
+    cpp, _ = llamacpp_logits(path, ids)
+    mine = logits(load_llama(path)[0], ids)
+    d_hf, d_cpp = float(np.abs(mine - ref).max()), float(np.abs(mine - cpp).max())
+    report("31b layout", toymlx_vs_hf=d_hf, toymlx_vs_llamacpp=d_cpp, logit_std=float(ref.std()))
+    assert d_hf < HF_TOL and d_cpp < GELU_TOL
