@@ -296,3 +296,46 @@ def test_the_31b_layout_keys_as_values_and_kv_heads_per_block(tiny_hf, llamacpp_
     d_hf, d_cpp = float(np.abs(mine - ref).max()), float(np.abs(mine - cpp).max())
     report("31b layout", toymlx_vs_hf=d_hf, toymlx_vs_llamacpp=d_cpp, logit_std=float(ref.std()))
     assert d_hf < HF_TOL and d_cpp < GELU_TOL
+
+
+def _changed(src, dst, meta=None, drop=(), tensors=None):
+    """A copy of GGUF `src` at `dst` with metadata `meta` set, keys `drop` removed and
+    `tensors` added."""
+    from toymlx.gguf.writer import write_gguf
+
+    g = GGUFFile(src)
+    m = {k: v for k, v in g.metadata.items() if k not in drop} | (meta or {})
+    t = {n: g.load(n, np.float32) for n in g.tensors} | (tensors or {})
+    return write_gguf(dst, m, t, types={k: v for k, v in g.metadata_types.items() if k in m})
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"drop": ["gemma4.attention.sliding_window_pattern"]},
+     (r"metadata key 'gemma4\.attention\.sliding_window_pattern': expected a bool per block "
+     r"\(6\), found None$")),
+    ({"meta": {"gemma4.attention.shared_kv_layers": 3}},
+     (r"shared_kv_layers.*llama\.cpp reads block 2 for block 3, transformers the last of its "
+     r"kind")),
+    ({"tensors": {"blk.0.ffn_gate_inp.weight": np.zeros((4, 64), np.float32)}},
+     (r"tensor 'blk\.0\.ffn_gate_inp\.weight': expected a dense gemma4 \(mixture-of-experts "
+     r"files are not supported\), found an expert tensor$")),
+])
+def test_what_llamacpp_and_transformers_would_read_apart_is_one_line(tiny_gguf, tmp_path,  # noqa: F811
+                                                                    change, message):
+    """No pattern, a shared-KV tail whose blocks llama.cpp and transformers would give
+    different keys and values, an expert tensor: each one line naming the file and the key,
+    field or tensor."""
+    p = _changed(tiny_gguf("gemma4"), tmp_path / "x.gguf", **change)
+    with pytest.raises(GGUFError, match=r"x\.gguf: .*" + message):
+        load_llama(p)
+
+
+def test_no_logit_cap_key_is_llamacpps_30(tiny_gguf, tmp_path):  # noqa: F811
+    """llama.cpp caps gemma4's logits at 30 where a file has no final_logit_softcapping (what
+    the converter writes for transformers' None) and not at all where it says 0."""
+    none = _changed(tiny_gguf("gemma4"), tmp_path / "a.gguf",
+                    drop=["gemma4.final_logit_softcapping"])
+    zero = _changed(tiny_gguf("gemma4"), tmp_path / "b.gguf",
+                    meta={"gemma4.final_logit_softcapping": 0.0})
+    assert args_from_gguf(GGUFFile(none)).final_softcap == 30.0
+    assert args_from_gguf(GGUFFile(zero)).final_softcap is None
