@@ -9,6 +9,12 @@ There is no model hub here, so the benchmark writes the files people run at thei
 | llama-3.2-3b | llama | 3072 | 28 | 8192 | 24/8 | 128 | SmolLM2's 49,152 | tied |
 | llama-3.1-8b | llama | 4096 | 32 | 14336 | 32/8 | 128 | SmolLM2's 49,152 (not Llama 3's 128,256) | untied |
 | qwen3-1.7b | qwen3 | 2048 | 28 | 6144 | 16/8 | 128 | Qwen2's 151,936 + Qwen3's added tokens | tied |
+| gemma-4-e2b | gemma4 | 1536 | 35 | 6144 (12288 in the 20 shared-KV layers) | 8/1 | 256 sliding, 512 full | 262,144, synthetic SentencePiece | tied |
+
+Gemma 4 E2B's (google/gemma-4-E2B's text config): every 5th layer full attention, window 512,
+the last 20 layers reading layers 13's and 14's keys and values, per-layer embeddings of 256
+(its 262,144 x 8,960 table, most of the file), proportional RoPE (`rope_freqs`: a quarter of the
+full layers' pairs turn), layer scalars 1, logits capped at 30.
 
 Weights are N(0, 0.02) and norms 1; the Llama shapes carry no `rope_freqs` (Llama 3's RoPE
 scaling changes no array's size). The Llama shapes take the real SmolLM2-135M-Instruct GGUF's
@@ -86,6 +92,20 @@ def _gemma3_270m() -> LlamaArgs:
                    sliding_layers=tuple(i % 6 < 5 for i in range(n_layers)))  # 5 of 6 slide
 
 
+def _gemma4_e2b() -> LlamaArgs:
+    n_layers, shared, head_full = 35, 20, 512
+    turned = head_full // 2 // 4  # proportional RoPE: partial_rotary_factor 0.25
+    return replace(LlamaArgs(), arch="gemma4", **ARCHS["gemma4"].switches, vocab_size=262144,
+                   d_model=1536, n_layers=n_layers, n_heads=8, n_kv_heads=1,
+                   key_length=head_full, key_length_sliding=256, ffn_dim=6144,
+                   ffn_dims_per_block=(6144,) * (n_layers - shared) + (12288,) * shared,
+                   context=131072, rope_base=1e6, norm_eps=1e-6, tie_embeddings=True,
+                   sliding_window=512, sliding_layers=tuple(i % 5 < 4 for i in range(n_layers)),
+                   rope_factors=(1.0,) * turned + (1e30,) * (head_full // 2 - turned),
+                   shared_kv_layers=shared, per_layer_dim=256, layer_scales=True,
+                   final_softcap=30.0)
+
+
 def _qwen3(d: int, layers: int, ffn: int, heads: int, kv: int, tied: bool) -> LlamaArgs:
     return replace(LlamaArgs(), arch="qwen3", **ARCHS["qwen3"].switches, vocab_size=151936,
                    d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv, key_length=128,
@@ -99,6 +119,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("llama-3.2-3b", _llama(3072, 28, 8192, 24, 8, tied=True), "smollm2"),
     Shape("llama-3.1-8b", _llama(4096, 32, 14336, 32, 8, tied=False), "smollm2"),
     Shape("qwen3-1.7b", _qwen3(2048, 28, 6144, 16, 8, tied=True), "qwen3"),
+    Shape("gemma-4-e2b", _gemma4_e2b(), "synthetic"),
 )}
 
 
@@ -233,6 +254,10 @@ def _model_metadata(a: LlamaArgs, name: str) -> Typed:
             continue  # GGUFWriter writes it
         if k == "general.file_type":
             v = 1  # MOSTLY_F16
+        if isinstance(v, list):  # gemma4's per-block pattern and widths
+            et = GGUFValueType.BOOL if isinstance(v[0], bool) else GGUFValueType.UINT32
+            out[k] = (v, GGUFValueType.ARRAY, et)
+            continue
         vt = (GGUFValueType.STRING if isinstance(v, str) else GGUFValueType.FLOAT32
               if isinstance(v, float) else GGUFValueType.UINT32)
         out[k] = (v, vt, None)
@@ -254,8 +279,11 @@ def write_vocab(path: Path) -> None:
 def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
               progress: Callable[[str], None] | None = None) -> None:
     """Stream an F16 GGUF of shape `a` to `path`: tensor infos, then each tensor's random data
-    drawn and written one at a time (matrices F16 N(0, STD), norms F32 ones)."""
+    drawn and written one at a time (matrices F16 N(0, STD), norms F32 ones; RoPE factors
+    as `rope_freqs`)."""
     shapes = expected_shapes(a)
+    if a.rope_factors is not None:
+        shapes["rope_freqs.weight"] = (len(a.rope_factors),)
     w = GGUFWriter(path, a.arch)
     for k, (v, vt, et) in meta.items():
         w.add_key_value(k, v, vt, et)
@@ -267,6 +295,9 @@ def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for i, (name, shape) in enumerate(shapes.items()):
+        if name == "rope_freqs.weight":
+            w.write_tensor_data(np.array(a.rope_factors, np.float32))
+            continue
         if len(shape) == 1:
             w.write_tensor_data(np.ones(shape, np.float32))
             continue

@@ -68,6 +68,14 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    mrope_section [2, 1, 1] interleaved), tied, byte-level BPE cut from
                    ggml-vocab-qwen35 (pre "qwen35"); converted with --no-mtp (the converter
                    asserts MTP weights otherwise; transformers' model has none)
+    gemma4         Gemma 4 text (Gemma4ForCausalLM, E2B's layout): 6 layers, sliding (window 8)
+                   and full attention alternating from a sliding one, sliding heads 16 wide
+                   and full ones 32 (-q: 64, 128), MQA 4/1, "proportional" RoPE 0.25 on the
+                   full layers (the converter's rope_freqs), the last 2 layers reading layers
+                   2's and 3's keys and values with MLPs twice as wide (E2B's
+                   use_double_wide_mlp), per-layer embeddings of 8 (-q: 64), random
+                   layer scalars, logits capped at 2 (binds), tied, a SentencePiece-style BPE
+                   tokenizer.json (Gemma 4's merges) for the converter's LlamaHfVocab
 
 The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
 (32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
@@ -119,7 +127,7 @@ VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
               "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini",
-              "qwen3-yarn", "ministral3", "qwen35")
+              "qwen3-yarn", "ministral3", "qwen35", "gemma4")
 # a kind's weights are seeded by its place here: kinds added later (from phi4-mini on) go after
 # the first ones' -q twins, so that no kind's weights change when one is added
 _FIRST = BASE_KINDS[:BASE_KINDS.index("phi4-mini")]
@@ -143,9 +151,9 @@ class ConversionError(RuntimeError):
 class Spec:
     kind: str
     family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite
-    # | olmo2 | ministral3 | qwen35
+    # | olmo2 | ministral3 | qwen35 | gemma4
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2 | bpe-gpt4o
-    # | bpe-qwen35
+    # | bpe-qwen35 | bpe-gemma4
     hidden: int
     ff: int
     layers: int
@@ -207,6 +215,10 @@ def spec(kind: str) -> Spec:
                     extra={"linear_key_head_dim": lin, "linear_value_head_dim": lin,
                            "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                            "mrope_section": [6, 5, 5] if q else [2, 1, 1]})
+    if base == "gemma4":
+        return Spec(**{**s, "layers": 6, "kv_heads": 1, "head_dim": 64 if q else 16},
+                    family="gemma4", tokenizer="bpe-gemma4", tied=True,
+                    extra={"global_head_dim": wide, "ple": 64 if q else 8})
     if base == "phi3-partial":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=True,
                     extra={"partial_rotary_factor": 0.75})
@@ -267,6 +279,18 @@ def hf_config(sp: Spec, tok: dict):
             query_pre_attn_scalar=hd, hidden_activation="gelu_pytorch_tanh",
             rope_parameters={"full_attention": _rope(1000000.0),
                              "sliding_attention": _rope(10000.0)})
+    if sp.family == "gemma4":
+        return tf.Gemma4TextConfig(
+            **common, max_position_embeddings=131072, rms_norm_eps=1e-6, sliding_window=8,
+            hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=2.0,
+            layer_types=["sliding_attention", "full_attention"] * (sp.layers // 2),
+            global_head_dim=sp.extra["global_head_dim"], num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=sp.extra["ple"], vocab_size_per_layer_input=VOCAB,
+            rope_parameters={"sliding_attention": _rope(10000.0),
+                             "full_attention": {"rope_type": "proportional",
+                                                "partial_rotary_factor": 0.25,
+                                                "rope_theta": 1000000.0}})
     if sp.family == "gemma2":
         return tf.Gemma2Config(
             **common, max_position_embeddings=8192, rms_norm_eps=1e-6, sliding_window=8,
@@ -318,6 +342,7 @@ def _model_class(sp: Spec):
     return {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
             "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
             "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
+            "gemma4": tf.Gemma4ForCausalLM,
             "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
             "granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
             "ministral3": tf.Ministral3ForCausalLM,
@@ -516,10 +541,54 @@ def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
     return {**ids, "pre": pre, "first_special": n, "first_normal": 0, "merges": len(merges)}
 
 
+def _gemma4_tokenizer(tree: Path, out: Path) -> dict:
+    """tokenizer.json (+ tokenizer_config.json) of VOCAB tokens cut from Gemma 4's: its
+    specials, 256 byte-fallback tokens, printable ASCII, "▁" and newline, then the pieces its
+    merges make of those in rank order; spaces normalized to "▁" (SentencePiece-style BPE, as
+    llama.cpp's gemma4 tokenizer reads it). Returns the special ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    meta = _vocab_gguf(tree, "gemma-4")
+    toks, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
+    known = {t for t, ty in zip(toks, types, strict=True) if ty == 1}
+    pieces = specials + [t for t, ty in zip(toks, types, strict=True) if ty == 6]
+    pieces += [t for t in toks if len(t) == 1 and t in known
+               and ((t.isascii() and t.isprintable()) or t in "▁\n")]
+    have, merges = set(pieces), []
+    for m in meta["tokenizer.ggml.merges"]:
+        if len(pieces) >= VOCAB:
+            break
+        cut = m.find(" ", 1)
+        a, b = m[:cut], m[cut + 1:]
+        if a in have and b in have and a + b in known and a + b not in have:
+            pieces.append(a + b)
+            have.add(a + b)
+            merges.append((a, b))
+    vocab = {t: i for i, t in enumerate(pieces)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
+                               unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+        "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "mask_token": "<mask>", "model_max_length": 131072})
+    return {"pad": 0, "eos": 1, "bos": 2, "unk": 3, "first_special": len(pieces),
+            "first_normal": len(specials), "merges": len(merges)}
+
+
 # ---- the checkpoint ---------------------------------------------------------------------
-def _randomize(model, seed: int, gemma: bool) -> None:
+def _randomize(model, seed: int, gemma: bool, unscaled_scores: bool = False) -> None:
     """Seeded weights: matrices and embeddings N(0, 0.05), biases N(0, 0.05), norm weights
-    1 + N(0, 0.1) as applied (gemma stores w with (1 + w) applied: N(0, 0.1) stored)."""
+    1 + N(0, 0.1) as applied (gemma2/3 store w with (1 + w) applied: N(0, 0.1) stored; gemma4
+    stores w as applied), gemma4's layer scalars (buffers) 1 + N(0, 0.1). `unscaled_scores`
+    (gemma4: q k^T times 1): the q and k norms' weights times head_dim^-1/4, so that the scores
+    are O(1) as a trained model's are (else random heads of 128 give scores of ~10, whose
+    softmax turns on the quantizer's rounding: Q4_K_M moved the tiny model's logits by 2.3)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -528,8 +597,13 @@ def _randomize(model, seed: int, gemma: bool) -> None:
             r = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if "norm" in name:
                 p.copy_(0.1 * r if gemma else 1.0 + 0.1 * r)
+                if unscaled_scores and name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.mul_(p.shape[0] ** -0.25)
             else:
                 p.copy_(0.05 * r)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("layer_scalar"):
+                b.copy_(1.0 + 0.1 * torch.randn(b.shape, generator=g, dtype=torch.float32))
 
 
 def tiny_hf_checkpoint(kind: str, out_dir: str | Path, tree: str | Path | None = None,
@@ -547,6 +621,8 @@ def tiny_hf_checkpoint(kind: str, out_dir: str | Path, tree: str | Path | None =
     out.mkdir(parents=True, exist_ok=True)
     if sp.tokenizer.startswith("spm"):
         tok = _spm_tokenizer(tree, sp.tokenizer, out)
+    elif sp.tokenizer == "bpe-gemma4":
+        tok = _gemma4_tokenizer(tree, out)
     else:
         tok = _bpe_tokenizer(tree, sp.tokenizer, out)
     if sp.family == "ministral3":  # Ministral 3's chat template, where its tokenizer has it
@@ -558,7 +634,8 @@ def tiny_hf_checkpoint(kind: str, out_dir: str | Path, tree: str | Path | None =
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = _model_class(sp)(config).to(torch.float32).eval()
-    _randomize(model, seed * 1000 + KINDS.index(kind), gemma=sp.family.startswith("gemma"))
+    _randomize(model, seed * 1000 + KINDS.index(kind),
+               gemma=sp.family in ("gemma2", "gemma3"), unscaled_scores=sp.family == "gemma4")
     model.save_pretrained(out)
     _write_json(out / MANIFEST, {"kind": kind, "family": sp.family, "tokenizer": sp.tokenizer,
                                  "pre": tok.get("pre"), "seed": seed,

@@ -42,7 +42,7 @@ HF_TOL = 1e-4  # llama.cpp f32 against transformers f32 on O(1) logits (measured
 # values up in a float16 table (emulating that in transformers leaves 2e-4); the sliding
 # window itself agrees (without it transformers moves by 0.4-1.9 after position 8)
 GELU_TOL = 5e-3
-QUANT_KINDS = ("llama-q", "qwen3-q", "gemma2-q", "gemma3-q")
+QUANT_KINDS = ("llama-q", "qwen3-q", "gemma2-q", "gemma3-q", "gemma4-q")
 # tokenized by the converter's file: the cut vocabularies hold merged pieces ("er") without
 # their characters ("e"), which still merge in llama.cpp (toymlx.data.merges.build_spm)
 TEXTS = ["Hello world", " Hello  world\n\nand 12345 don't", "héllo wörld 🦙", "<bos>x</s>"]

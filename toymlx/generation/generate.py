@@ -282,9 +282,16 @@ class CompiledDecode:
         self.model = model
         # the position reaches `start` only through its tables (an int would be a constant of
         # the trace, traced again at every position)
-        self._start = [mx.compile(functools.partial(b.start, offset=0), inputs=b.state)
-                       for b in model.layers]
+        self._start = [mx.compile(self._starter(b), inputs=b.state) for b in model.layers]
         self._finish = [mx.compile(b.finish, inputs=b.state) for b in model.layers]
+
+    @staticmethod
+    def _starter(block: Any) -> Callable:
+        """block.start at the position its tables say; q alone where the block reads an
+        earlier block's keys and values (a traced function returns arrays only)."""
+        if block.attn.own_kv:
+            return functools.partial(block.start, offset=0)
+        return lambda x, tables=None, q_tables=None: block.start(x, 0, tables, q_tables)[0]
 
     @staticmethod
     def fits(model: Any) -> bool:
@@ -302,6 +309,7 @@ class CompiledDecode:
             return self.model(tokens, cache)
         model = self.model
         h = model.embed_tokens(tokens)  # (B,1,D)
+        ple = model.per_layer_inputs(tokens, h) if model.args.per_layer_dim else None
         for i, block in enumerate(model.layers):
             offset = cache[i].offset
             rope, q_rope = block.attn.rope, block.attn.q_rope  # None: a block without RoPE
@@ -310,8 +318,10 @@ class CompiledDecode:
                 tables = model.ops.rope_tables(rope, block.attn.head_dim, offset, 1)
             if q_rope != rope:  # mistral3's queries: their temperature at this position
                 q_tables = model.ops.rope_tables(q_rope, block.attn.head_dim, offset, 1)
-            q, k, v = self._start[i](h, tables=tables, q_tables=q_tables)
-            h = self._finish[i](h, block.attn.attend(q, k, v, cache[i]))
+            out = self._start[i](h, tables=tables, q_tables=q_tables)  # gemma4's shared-KV
+            q, k, v = out if block.attn.own_kv else (out, None, None)  # tail: q alone
+            o = block.attn.attend(q, k, v, cache[i])
+            h = self._finish[i](h, o, *(() if ple is None else (ple[:, :, i, :],)))
         return model.unembed(model.head_input(h))
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from toymlx.backend.notice import warn
+from toymlx.gguf import gemma4
 from toymlx.gguf.blocks import CODECS, split_rows
 from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile, check_finite, refuse_adapter
@@ -109,6 +110,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     # Qwen3.5 dense: Gated DeltaNet blocks (toymlx.models.gated_delta) and gated full attention
     Arch("qwen35", {"rope_neox": True, "qk_norm": True, "attn_out_gate": True},
          frozenset(QWEN35_KEYS), rope_scaling=("none",)),
+    Arch("gemma4", gemma4.SWITCHES, gemma4.KEYS, rope_scaling=("none",)),
 )}
 """The architectures toymlx loads, by general.architecture."""
 
@@ -145,13 +147,16 @@ INFORMATIONAL = ("general.", "tokenizer.", "quantize.", "toy.")
 """Metadata prefixes that describe a file without changing what its model computes."""
 
 _GLOBAL = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
-           "output.weight": "output.weight"}
+           "output.weight": "output.weight", "per_layer_token_embd.weight": "ple_embed.weight",
+           "per_layer_model_proj.weight": "ple_proj.weight",
+           "per_layer_proj_norm.weight": "ple_norm.weight"}
 _BLOCK = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj",
           "attn_v": "attn.v_proj", "attn_qkv": "attn.qkv_proj", "attn_output": "attn.o_proj",
           "attn_q_norm": "attn.q_norm", "attn_k_norm": "attn.k_norm",
           "post_attention_norm": "attn_post_norm", "ffn_norm": "ffn_norm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          "post_ffw_norm": "ffn_post_norm",
+          "post_ffw_norm": "ffn_post_norm", "inp_gate": "ple_gate", "proj": "ple_proj",
+          "post_norm": "ple_norm", "layer_output_scale": "out_scale",
           # qwen35's linear-attention blocks (toymlx.models.gated_delta)
           "attn_gate": "attn.z_proj", "ssm_beta": "attn.beta_proj",
           "ssm_alpha": "attn.alpha_proj", "ssm_out": "attn.out_proj", "ssm_norm": "attn.norm",
@@ -310,7 +315,12 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: metadata key '{k}embedding_length': expected "
                         f"{table.shape[1]} (the width of tensor 'token_embd.weight'), found {d}")
     n_heads = g.get(k + "attention.head_count", int)
-    n_kv = g.get(k + "attention.head_count_kv", int, n_heads)
+    n_kv, kv_per_block = (gemma4.per_block(g, k + "attention.head_count_kv", n_heads)
+                          if arch.name == "gemma4" else
+                          (g.get(k + "attention.head_count_kv", int, n_heads), None))
+    ffn, ffn_per_block = (gemma4.per_block(g, k + "feed_forward_length")
+                          if arch.name == "gemma4" else
+                          (g.get(k + "feed_forward_length", int), None))
     if n_heads <= 0 or d <= 0 or n_kv <= 0 or n_heads % n_kv:
         raise GGUFError(f"{g.path}: metadata key '{k}attention.head_count_kv': expected a "
                         f"positive divisor of head_count={n_heads}, found {n_kv}")
@@ -390,6 +400,10 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     if arch.name in GEMMA:
         sw.update(_gemma_switches(g, GEMMA[arch.name], n_layers, rope_base))
         sw["attn_scale"] = _gemma_query_scale(arch.name, d, n_heads, n_layers, head_dim)
+        sw["rope_dims_sliding"] = None if rope_dims == head_dim else rope_dims
+    if arch.name == "gemma4":
+        sw.update(gemma4.switches(g, n_layers, head_dim), kv_heads_per_block=kv_per_block,
+                  ffn_dims_per_block=ffn_per_block)
     if arch.name == "granite":
         sw.update(granite_scalars(g, k))
     if arch.name == "qwen35":
@@ -402,7 +416,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
     args = LlamaArgs(
         vocab_size=vocab, d_model=d, n_layers=n_layers,
-        n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=g.get(k + "feed_forward_length", int),
+        n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=ffn,
         context=context, rope_base=rope_base, norm_eps=norm_eps,
         tie_embeddings="output.weight" not in g.tensors,
         key_length=None if head_dim == d // n_heads else head_dim,
@@ -585,24 +599,41 @@ def rope_tensors(longrope: bool, has_freqs: bool) -> set[str]:
 def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
     """Every llama.cpp tensor name this model has, with its numpy (out, in) shape: the
     parameters, then the RoPE constants its file carries."""
-    q, kv, hd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.head_dim
     shapes = {"token_embd.weight": (a.vocab_size, a.d_model), "output_norm.weight": (a.d_model,)}
     if not a.tie_embeddings:
         shapes["output.weight"] = (a.vocab_size, a.d_model)
+    shapes.update(gemma4.global_shapes(a))
+    for i in range(a.n_layers):
+        for n, s in block_shapes(a, i).items():
+            shapes[f"blk.{i}.{n}"] = s
+    return shapes
+
+
+def block_shapes(a: LlamaArgs, i: int) -> dict[str, tuple[int, ...]]:
+    """Block i's tensors (names after `blk.i.`) and shapes: the same in every block but
+    gemma4's, whose sliding and full blocks differ in width and whose shared-KV tail has no
+    keys or values."""
+    hd = a.layer_head_dim(i)
+    q, kv = a.n_heads * hd, a.kv_heads(i) * hd
+    own_kv = a.kv_source(i) is None
     per: dict[str, tuple[int, ...]] = {"attn_norm.weight": (a.d_model,)} if a.pre_norms else {}
     if a.fused_qkv:
         per["attn_qkv.weight"] = (q + 2 * kv, a.d_model)
     else:
-        per.update({"attn_q.weight": (2 * q if a.attn_out_gate else q, a.d_model),
-                    "attn_k.weight": (kv, a.d_model),
-                    "attn_v.weight": (kv, a.d_model)})
+        per["attn_q.weight"] = (2 * q if a.attn_out_gate else q, a.d_model)
+        if own_kv:
+            per["attn_k.weight"] = (kv, a.d_model)
+        if own_kv and not (a.k_eq_v and not a.is_sliding(i)):
+            per["attn_v.weight"] = (kv, a.d_model)
     if a.attn_bias:
         per.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
     per["attn_output.weight"] = (a.d_model, q)
     if a.out_bias:
         per["attn_output.bias"] = (a.d_model,)
     if a.qk_norm:
-        per.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+        per["attn_q_norm.weight"] = (hd,)
+        if own_kv:
+            per["attn_k_norm.weight"] = (hd,)
     if a.qk_norm_whole:
         per.update({"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)})
     if a.post_norms:
@@ -610,19 +641,16 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
     if a.pre_norms:  # qwen35's is named post_attention_norm (`gguf_to_toy`)
         per["post_attention_norm.weight" if a.arch == "qwen35" else "ffn_norm.weight"] = (
             a.d_model,)
+    f = a.layer_ffn(i)
     if a.fused_gate_up:
-        per["ffn_up.weight"] = (2 * a.ffn_dim, a.d_model)
+        per["ffn_up.weight"] = (2 * f, a.d_model)
     else:
-        per.update({"ffn_gate.weight": (a.ffn_dim, a.d_model),
-                    "ffn_up.weight": (a.ffn_dim, a.d_model)})
-    per["ffn_down.weight"] = (a.d_model, a.ffn_dim)
+        per.update({"ffn_gate.weight": (f, a.d_model), "ffn_up.weight": (f, a.d_model)})
+    per["ffn_down.weight"] = (a.d_model, f)
     if a.post_norms:
         per["post_ffw_norm.weight"] = (a.d_model,)
-    linear = linear_shapes(a, per) if a.linear_layers else per
-    for i in range(a.n_layers):
-        for n, s in (linear if a.is_linear(i) else per).items():
-            shapes[f"blk.{i}.{n}"] = s
-    return shapes
+    per.update(gemma4.per_block_shapes(a, i))
+    return linear_shapes(a, per) if a.is_linear(i) else per
 
 
 def linear_shapes(a: LlamaArgs, per: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -772,6 +800,10 @@ def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
     mx.eval(model.parameters())
 
 
+EMBEDDINGS = ("token_embd.weight", "per_layer_token_embd.weight")
+"""The tables a model gathers rows of (gemma4's per-layer one is its biggest tensor)."""
+
+
 def _block_layer(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
                  ) -> BlockLinear | BlockEmbedding:
     """Tensor `name` as its own blocks: the token table as a `BlockEmbedding`, any other
@@ -784,7 +816,7 @@ def _block_layer(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
         check_finite(g.path, name, v, f"block scales ({k!r})")
     blocks = {k: mx.array(v) for k, v in parts.items()}
     mx.eval(blocks)  # copied now, so the mapping's pages can go
-    if name == "token_embd.weight":
+    if name in EMBEDDINGS:  # tables read a row at a time
         return BlockEmbedding(codec, blocks, n_out, n_in, ops)
     b = None
     if bias is not None:
@@ -821,7 +853,7 @@ def _quantized_linear(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
 
 _SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "qk_norm_whole", "pre_norms", "post_norms",
              "embed_scale", "activation", "fused_qkv", "fused_gate_up", "no_rope_interval",
-             "attn_out_gate")
+             "attn_out_gate", "v_norm")
 """LlamaArgs fields that an architecture fixes (`Arch.switches`; LlamaArgs' default where it
 does not name them)."""
 
@@ -846,6 +878,8 @@ def _loaded_attn_scale(a: LlamaArgs) -> float:
         return _gemma_query_scale(a.arch, a.d_model, a.n_heads, a.n_layers, a.head_dim)
     if a.arch == "granite":  # granite.attention.scale says any
         return a.attn_scale or a.head_dim ** -0.5
+    if a.arch == "gemma4":
+        return 1.0
     return a.head_dim ** -0.5
 
 
@@ -870,17 +904,21 @@ def unwritable(a: LlamaArgs) -> list[str]:
                    "bias)")
     if a.rope_dims is not None and a.rope_dims != a.head_dim and not a.rope_neox:
         out.append(f"rope_dims={a.rope_dims} ({a.arch} rotates the whole head)")
-    if a.rope_factors is not None and a.arch not in BIASED:
+    if a.rope_factors is not None and a.arch not in (*BIASED, "gemma4"):
         out.append("rope_factors (phi3 files carry longrope's short and long factors, and a "
                    "model holds only the short ones)" if a.arch == "phi3" else
-                   "rope_factors (only llama and mistral3 files carry a rope_freqs tensor)")
+                   "rope_factors (only llama, mistral3 and gemma4 files carry a rope_freqs "
+                   "tensor)")
     if a.rope_mscale != 1.0 and "rope.scaling.attn_factor" not in arch.keys:
         out.append(f"rope_mscale={a.rope_mscale} ({a.arch} files have no rope.scaling."
                    "attn_factor)")
     if (a.attn_scale or a.head_dim ** -0.5) != _loaded_attn_scale(a):
         out.append(f"attn_scale={a.attn_scale} ({a.arch} files of this shape scale queries by "
                    f"{_loaded_attn_scale(a)})")
-    return out + _yarn_unwritable(a, arch) + _gemma_unwritable(a)
+    out += _yarn_unwritable(a, arch)
+    if a.arch == "gemma4":
+        return out + gemma4.unwritable(a)
+    return out + _gemma4_fields(a) + _gemma_unwritable(a)
 
 
 def _yarn_unwritable(a: LlamaArgs, arch: Arch) -> list[str]:
@@ -898,6 +936,20 @@ def _yarn_unwritable(a: LlamaArgs, arch: Arch) -> list[str]:
                    "rope.scaling.yarn_log_multiplier)")
     if a.attn_temperature and "attention.temperature_scale" not in arch.keys:
         out.append(f"attn_temperature={a.attn_temperature} (only mistral3 files say it)")
+    return out
+
+
+def _gemma4_fields(a: LlamaArgs) -> list[str]:
+    """The gemma4-only fields of `a` (another architecture) that are not their defaults."""
+    plain = LlamaArgs()
+    out = [f"{f}={getattr(a, f)!r} (only gemma4 files say it)" for f in (
+        "key_length_sliding", "kv_heads_per_block", "ffn_dims_per_block", "k_eq_v",
+        "shared_kv_layers",
+        "per_layer_dim", "layer_scales") if getattr(a, f) != getattr(plain, f)]
+    said = a.rope_dims if a.arch in GEMMA else None  # gemma2, gemma3: their rope_dims
+    if a.rope_dims_sliding != said:
+        out.append(f"rope_dims_sliding={a.rope_dims_sliding} ({a.arch} files say "
+                   f"{said} (None: the whole head))")
     return out
 
 
@@ -974,11 +1026,13 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         meta[k + "attention.temperature_scale"] = float(a.attn_temperature)
     if a.rope_mscale != 1.0:
         meta[k + "rope.scaling.attn_factor"] = float(a.rope_mscale)
-    if a.sliding_window:  # the blocks that slide are llama.cpp's own
+    if a.arch == "gemma4":
+        meta.update(gemma4.metadata(a))
+    elif a.sliding_window:  # the blocks that slide are llama.cpp's own
         meta[k + "attention.sliding_window"] = a.sliding_window
         if a.rope_base_sliding != a.rope_base and GEMMA[a.arch].swa_base_is_rope_base:
             meta[k + "rope.freq_base_swa"] = float(a.rope_base_sliding)
-    if a.final_softcap is not None:
+    if a.final_softcap is not None and a.arch != "gemma4":
         meta[k + "final_logit_softcapping"] = float(a.final_softcap)
     if a.attn_softcap is not None:
         meta[k + "attn_logit_softcapping"] = float(a.attn_softcap)

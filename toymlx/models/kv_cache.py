@@ -50,11 +50,45 @@ class KVCache:
 
     def keep(self, n: int) -> None:
         """Forget positions n and after (the buffers stay; the next update overwrites them)."""
-        if not 0 <= n <= self.offset:
-            raise ValueError(f"KVCache.keep: expected 0..{self.offset} positions, found {n}")
-        self.offset = n
+        self.offset = kept(self, n)
 
     @property
     def state(self) -> list[mx.array]:
         """The buffers, to evaluate (empty before the first update)."""
         return [a for a in (self.keys, self.values) if a is not None]
+
+
+class SharedKV:
+    """A block's view of an earlier block's `KVCache` (gemma4's shared-KV tail: it projects no
+    keys or values and attends over its source's, which has already taken this step's)."""
+
+    def __init__(self, source: KVCache | SharedKV) -> None:
+        self.source = source if isinstance(source, KVCache) else source.source
+        self.offset = 0
+
+    def fetch(self, n: int) -> tuple[mx.array, mx.array]:
+        """The source's keys and values of positions 0..offset+n-1, this block's queries being
+        the last n of them."""
+        self.offset += n
+        src = self.source
+        if src.keys is None or src.values is None or src.offset != self.offset:
+            raise ValueError(f"SharedKV: expected the source block's cache at position "
+                             f"{self.offset}, found it at {src.offset}")
+        return src.keys[..., :self.offset, :], src.values[..., :self.offset, :]
+
+    def keep(self, n: int) -> None:
+        """Forget positions n and after (the source keeps its own count)."""
+        self.offset = kept(self, n)
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Nothing of its own to evaluate."""
+        return []
+
+
+def kept(cache: KVCache | SharedKV, n: int) -> int:
+    """n, the positions a cache's `keep` keeps; ValueError where it holds fewer."""
+    if not 0 <= n <= cache.offset:
+        raise ValueError(f"{type(cache).__name__}.keep: expected 0..{cache.offset} positions, "
+                         f"found {n}")
+    return n

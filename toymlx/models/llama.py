@@ -2,24 +2,32 @@
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
 (Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text), phi3, smollm3,
-granite, olmo2 and mistral3 (Ministral 3: llama's switches, YaRN RoPE and an attention
-temperature on the queries). They are one transformer with a handful of switches, each a field
-of `LlamaArgs`:
+granite, olmo2, mistral3 (Ministral 3: llama's switches, YaRN RoPE and an attention
+temperature on the queries) and gemma4 (dense, text). They are one transformer with a handful of
+switches, each a field of `LlamaArgs`:
 
-| switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite | olmo2 |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | halves | adjacent | adjacent | halves |
-| blocks without RoPE | | | | | | | every 4th | | |
-| q/k/v biases | optional | yes | | | | | | | |
-| q/k RMSNorm before RoPE | | | per head | | per head | | | | whole |
-| embeddings times sqrt(d_model) | | | | yes | yes | | | | |
-| embeddings, residual branches, 1/logits times a file's scalar | | | | | | | | yes | |
-| norms before attention and MLP | yes | yes | yes | yes | yes | yes | yes | yes | |
-| norms after attention and MLP | | | | yes | yes | | | | yes |
-| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | GELU (tanh) | SiLU | SiLU | SiLU | SiLU |
-| fused projections | | | | | | qkv, gate_up | | | |
-| sliding-window layers | | | | 1 of 2 | 5 of 6 | | | | |
-| soft-capped attention scores | | | | yes | | | | | |
+| switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite | olmo2 | gemma4 |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| RoPE pairs | adjacent | halves (NEOX) | halves | halves | halves | halves | adjacent | adjacent | halves | halves |
+| blocks without RoPE | | | | | | | every 4th | | | |
+| q/k/v biases | optional | yes | | | | | | | | |
+| q/k RMSNorm before RoPE | | | per head | | per head | | | | whole | per head |
+| embeddings times sqrt(d_model) | | | | yes | yes | | | | | yes |
+| embeddings, residual branches, 1/logits times a file's scalar | | | | | | | | yes | | |
+| norms before attention and MLP | yes | yes | yes | yes | yes | yes | yes | yes | | yes |
+| norms after attention and MLP | | | | yes | yes | | | | yes | yes |
+| gated activation | SiLU | SiLU | SiLU | GELU (tanh) | GELU (tanh) | SiLU | SiLU | SiLU | SiLU | GELU (tanh) |
+| fused projections | | | | | | qkv, gate_up | | | | |
+| sliding-window layers | | | | 1 of 2 | 5 of 6 | | | | | per file |
+| soft-capped attention scores | | | | yes | | | | | | |
+
+gemma4 has more (toymlx/gguf/gemma4.py says what each is): sliding and full blocks of different
+head widths (`key_length_sliding`, `kv_heads_per_block`), MLP widths per block
+(`ffn_dims_per_block`), unscaled scores (`attn_scale` 1),
+values RMS-normed (`v_norm`), v = k's projection where a block has no v_proj (`k_eq_v`), a tail
+of blocks attending over an earlier block's keys and values (`shared_kv_layers`, `kv_source`),
+per-layer embeddings added after each MLP (`per_layer_dim`, `Llama.per_layer_inputs`) and a
+scalar per block (`layer_scales`).
 
 qwen35 (Qwen3.5, dense) is qwen3's block with two more switches: `attn_out_gate` (each head's
 attention output times the sigmoid of a gate its q projection carries) and `linear_layers`
@@ -45,7 +53,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.checks import ArgsError
 from toymlx.models.gated_delta import DeltaCache, GatedDeltaNet
-from toymlx.models.kv_cache import KVCache
+from toymlx.models.kv_cache import KVCache, SharedKV
 from toymlx.models.layers import Embedding, Linear, RMSNorm
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables, yarn_corr_dims
 
@@ -162,11 +170,70 @@ class LlamaArgs:
     """q/k heads of a linear block (ssm.group_count)."""
     ssm_v_heads: int = 16
     """Value heads of a linear block, a multiple of ssm_k_heads (ssm.time_step_rank)."""
+    # ---- gemma4's (module docstring of toymlx.gguf.gemma4 for what each is and where from)
+    key_length_sliding: int | None = None
+    """Per-head width of the sliding blocks where it is not head_dim (attention.key_length_swa;
+    head_dim is then the full-attention blocks')."""
+    rope_dims_sliding: int | None = None
+    """Rotated width per head of the sliding blocks (rope.dimension_count_swa); None: the whole
+    head (gemma2 and gemma3 files: their rope_dims)."""
+    ffn_dims_per_block: tuple[int, ...] | None = None
+    """MLP hidden width of each block where they are not all ffn_dim (a feed_forward_length
+    array: gemma4's E2B doubles it in its shared-KV tail, use_double_wide_mlp)."""
+    kv_heads_per_block: tuple[int, ...] | None = None
+    """Key/value heads of each block where they are not all n_kv_heads (a head_count_kv
+    array)."""
+    v_norm: bool = False
+    """Each value head RMS-normed without a weight before attention."""
+    k_eq_v: bool = False
+    """The full-attention blocks have no v_proj: their values are their keys' projection,
+    before the keys' norm and RoPE (attention_k_eq_v)."""
+    shared_kv_layers: int = 0
+    """The last n blocks project no keys or values: each attends over those of an earlier
+    block (`kv_source`, llama.cpp's rule) with its own queries (attention.shared_kv_layers)."""
+    per_layer_dim: int = 0
+    """Width of each block's per-layer embedding input (PLE; embedding_length_per_layer_input);
+    0: none."""
+    layer_scales: bool = False
+    """Each block's output times a scalar of its own (`out_scale`, layer_output_scale)."""
 
     @property
     def head_dim(self) -> int:
-        """Per-head width of q, k and v."""
+        """Per-head width of q, k and v (of the full-attention blocks where the sliding ones
+        differ: `layer_head_dim`)."""
         return self.key_length or self.d_model // self.n_heads
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Per-head width of block `layer`'s q, k and v."""
+        if self.key_length_sliding and self.is_sliding(layer):
+            return self.key_length_sliding
+        return self.head_dim
+
+    def layer_ffn(self, layer: int) -> int:
+        """MLP hidden width of block `layer`."""
+        return self.ffn_dims_per_block[layer] if self.ffn_dims_per_block else self.ffn_dim
+
+    def kv_heads(self, layer: int) -> int:
+        """Key/value heads of block `layer`."""
+        return self.kv_heads_per_block[layer] if self.kv_heads_per_block else self.n_kv_heads
+
+    def kv_source(self, layer: int) -> int | None:
+        """The block whose keys and values block `layer` attends over, where it projects none of
+        its own (the last `shared_kv_layers`): llama.cpp's rule (llama-model.cpp, the KV cache's
+        `reuse` for gemma3n and gemma4), the last block with its own for a full-attention
+        block, the one before that for a sliding one; None: its own."""
+        first = self.n_layers - self.shared_kv_layers
+        if layer < first:
+            return None
+        return first - (2 if self.is_sliding(layer) else 1)
+
+    def kv_role(self, layer: int) -> str | None:
+        """"reader" (attends over `kv_source`'s keys and values), "source" (a reader's source)
+        or None."""
+        if self.kv_source(layer) is not None:
+            return "reader"
+        readers = range(self.n_layers - self.shared_kv_layers, self.n_layers)
+        return "source" if any(self.kv_source(r) == layer for r in readers) else None
 
     def validate(self) -> None:
         """Raise ArgsError (a ValueError) naming the field when the shape is inconsistent."""
@@ -219,12 +286,47 @@ class LlamaArgs:
             raise ArgsError(self, "rope_yarn_beta", "two finite numbers > 0")
         if not 0 < self.rope_scale < float("inf"):
             raise ArgsError(self, "rope_scale", "a finite number > 0")
+        self._validate_gemma4()
+
+    def _validate_gemma4(self) -> None:
+        """The per-block shapes (sliding head width, kv heads per block) and the shared-KV
+        tail: each reader's source a block of its own kind, as transformers reads it too."""
+        if self.key_length_sliding is not None and (self.key_length_sliding <= 0
+                                                    or self.key_length_sliding % 2):
+            raise ArgsError(self, "key_length_sliding", "an even number > 0 for RoPE")
+        if self.ffn_dims_per_block is not None and (
+                len(self.ffn_dims_per_block) != self.n_layers
+                or min(self.ffn_dims_per_block) <= 0):
+            raise ArgsError(self, "ffn_dims_per_block", "a width > 0 per block of {n_layers}")
+        if self.kv_heads_per_block is not None:
+            if len(self.kv_heads_per_block) != self.n_layers:
+                raise ArgsError(self, "kv_heads_per_block", "one entry per block of {n_layers}",
+                                f"{len(self.kv_heads_per_block)}")
+            if any(n <= 0 or self.n_heads % n for n in self.kv_heads_per_block):
+                raise ArgsError(self, "kv_heads_per_block", "divisors of {n_heads}")
+        if self.per_layer_dim < 0:
+            raise ArgsError(self, "per_layer_dim", ">= 0 (0: no per-layer embeddings)")
+        n = self.shared_kv_layers
+        if n == 0:
+            return
+        if not 0 < n <= self.n_layers - 2:
+            raise ArgsError(self, "shared_kv_layers", "0..{n_layers} - 2 (llama.cpp reads "
+                            "the last two blocks with their own keys and values)")
+        for r in range(self.n_layers - n, self.n_layers):
+            s = self.kv_source(r)
+            assert s is not None
+            if (self.is_sliding(s) != self.is_sliding(r) or self.kv_heads(s) != self.kv_heads(r)
+                    or self.layer_head_dim(s) != self.layer_head_dim(r)):
+                raise ArgsError(self, "shared_kv_layers", "a tail whose blocks read a block of "
+                                "their own kind (llama.cpp reads block "
+                                f"{s} for block {r}, transformers the last of its kind)")
 
     def rope(self, layer: int, query: bool = False) -> Rope:
-        """Block `layer`'s RoPE (gemma3's sliding layers have their own base and no scaling);
-        `query`: the queries', with mistral3's attention temperature where it has one."""
+        """Block `layer`'s RoPE (the Gemmas' sliding layers have their own base and width, and
+        no scaling or factors: gemma4's rope_freqs are its full-attention blocks'); `query`: the
+        queries', with mistral3's attention temperature where it has one."""
         if self.is_sliding(layer):
-            return Rope(self.rope_base_sliding, self.rope_dims, self.rope_neox)
+            return Rope(self.rope_base_sliding, self.rope_dims_sliding, self.rope_neox)
         yarn, mscale = self.yarn_rope()
         temperature = None
         if query and self.attn_temperature:
@@ -307,26 +409,32 @@ class Attention(nn.Module):
         super().__init__()
         self.ops = ops
         self.args = a
-        self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.scale = a.attn_scale or a.head_dim ** -0.5
+        hd, n_kv = a.layer_head_dim(layer), a.kv_heads(layer)
+        self.n_heads, self.n_kv, self.head_dim = a.n_heads, n_kv, hd
+        self.scale = a.attn_scale or hd ** -0.5
         self.rope = a.rope(layer) if a.has_rope(layer) else None
         # the queries' RoPE: mistral3's attention temperature scales theirs alone
         self.q_rope = a.rope(layer, query=True) if a.has_rope(layer) else None
         self.window = a.sliding_window if a.is_sliding(layer) else None
         self.softcap = a.attn_softcap
-        q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        self.own_kv = a.kv_source(layer) is None  # False: reads an earlier block's (gemma4)
+        self.v_norm, self.eps = a.v_norm, a.norm_eps
+        q, kv = a.n_heads * hd, n_kv * hd
         self.out_gate = a.attn_out_gate
         if a.fused_qkv:
             self.qkv_proj = Linear(a.d_model, q + 2 * kv, bias=a.attn_bias, ops=ops)
         else:
             self.q_proj = Linear(a.d_model, 2 * q if a.attn_out_gate else q, bias=a.attn_bias,
                                  ops=ops)
-            self.k_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
-            self.v_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
+            if self.own_kv:
+                self.k_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
+            if self.own_kv and not (a.k_eq_v and not a.is_sliding(layer)):
+                self.v_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
         self.o_proj = Linear(q, a.d_model, bias=a.out_bias, ops=ops)
         if a.qk_norm or a.qk_norm_whole:  # per head (hd values) or whole (q, kv values)
-            self.q_norm = RMSNorm(q if a.qk_norm_whole else a.head_dim, eps=a.norm_eps, ops=ops)
-            self.k_norm = RMSNorm(kv if a.qk_norm_whole else a.head_dim, eps=a.norm_eps, ops=ops)
+            self.q_norm = RMSNorm(q if a.qk_norm_whole else hd, eps=a.norm_eps, ops=ops)
+            if self.own_kv:
+                self.k_norm = RMSNorm(kv if a.qk_norm_whole else hd, eps=a.norm_eps, ops=ops)
         self.qk_norm, self.qk_norm_whole = a.qk_norm, a.qk_norm_whole
 
     # Training and scoring call it whole (__call__); generation in two parts, around its KV
@@ -373,10 +481,14 @@ class Attention(nn.Module):
         the queries' own, where `q_rope` is not `rope`)."""
         return self.heads(*self.project(x), offset, tables, q_tables)
 
-    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """q (B,T,H*hd), k and v (B,T,Hkv*hd): the projections of x (B,T,D)."""
+    def project(self, x: mx.array) -> tuple[mx.array, Any, Any]:
+        """q (B,T,H*hd), k and v (B,T,Hkv*hd): the projections of x (B,T,D); k and v None in a
+        block that reads an earlier one's (`own_kv`), v k's where it has no v_proj (k_eq_v)."""
         if "qkv_proj" not in self:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if not self.own_kv:
+                return self.q_proj(x), None, None
+            k = self.k_proj(x)
+            return self.q_proj(x), k, self.v_proj(x) if "v_proj" in self else k
         q_w, kv_w = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         qkv = self.qkv_proj(x)  # (B,T,q+2kv): q, then k, then v
         return qkv[..., :q_w], qkv[..., q_w:q_w + kv_w], qkv[..., q_w + kv_w:]
@@ -392,14 +504,22 @@ class Attention(nn.Module):
         if self.qk_norm_whole:  # over each token's H*hd (Hkv*hd) values
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.n_heads, hd)  # (B,T,H,hd)
-        k = k.reshape(B, T, self.n_kv, hd)  # (B,T,Hkv,hd)
         if self.qk_norm:  # over each head's hd values
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         q = q.transpose(0, 2, 1, 3)  # (B,H,T,hd)
-        k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
-        v = v.reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         if self.rope is not None:
             q = self.ops.rope(q, self.q_rope, offset, tables if q_tables is None else q_tables)
+        if k is None:  # a block reading an earlier one's keys and values
+            return q, k, v
+        k = k.reshape(B, T, self.n_kv, hd)  # (B,T,Hkv,hd)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
+        v = v.reshape(B, T, self.n_kv, hd)
+        if self.v_norm:  # weightless (gemma4)
+            v = self.ops.rms_norm(v, mx.ones((hd,), v.dtype), self.eps)
+        v = v.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
+        if self.rope is not None:
             k = self.ops.rope(k, self.rope, offset, tables)
         return q, k, v
 
@@ -407,7 +527,9 @@ class Attention(nn.Module):
         """(B,T,H*hd): attention over `cache`'s positions with k, v appended (or over k, v
         alone), before o_proj."""
         B, _, T, _ = q.shape
-        if cache is not None:
+        if cache is not None and k is None:  # an earlier block's (`SharedKV`)
+            k, v = cache.fetch(T)
+        elif cache is not None:
             k, v = cache.update_and_fetch(k, v)  # (B,Hkv,S,hd): every position so far
         o = self.ops.attention(q, k, v, self.scale, causal=True, window=self.window,
                                softcap=self.softcap)  # (B,H,T,hd)
@@ -415,16 +537,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, a: LlamaArgs, ops: Ops):
+    def __init__(self, a: LlamaArgs, ops: Ops, layer: int = 0):
         super().__init__()
         self.ops = ops
         self.activation = a.activation
+        f = a.layer_ffn(layer)
         if a.fused_gate_up:
-            self.gate_up_proj = Linear(a.d_model, 2 * a.ffn_dim, bias=False, ops=ops)
+            self.gate_up_proj = Linear(a.d_model, 2 * f, bias=False, ops=ops)
         else:
-            self.gate_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
-            self.up_proj = Linear(a.d_model, a.ffn_dim, bias=False, ops=ops)
-        self.down_proj = Linear(a.ffn_dim, a.d_model, bias=False, ops=ops)
+            self.gate_proj = Linear(a.d_model, f, bias=False, ops=ops)
+            self.up_proj = Linear(a.d_model, f, bias=False, ops=ops)
+        self.down_proj = Linear(f, a.d_model, bias=False, ops=ops)
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
@@ -437,32 +560,62 @@ class MLP(nn.Module):
         return self.down_proj(act(gate, up))
 
 
+class Scale(nn.Module):
+    """x times one trained scalar, `weight` (1,) (gemma4's layer_output_scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = mx.ones((1,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x * self.weight
+
+
 class Block(nn.Module):
     def __init__(self, a: LlamaArgs, ops: Ops, layer: int = 0):
         super().__init__()
+        self.ops = ops
         if a.pre_norms:
             self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.linear = a.is_linear(layer)
         self.attn = GatedDeltaNet(a, ops) if self.linear else Attention(a, ops, layer)
-        self.mlp = MLP(a, ops)
+        self.mlp = MLP(a, ops, layer)
         if a.post_norms:
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        if a.per_layer_dim:  # gemma4's per-layer embedding input, after the MLP
+            self.ple_gate = Linear(a.d_model, a.per_layer_dim, bias=False, ops=ops)
+            self.ple_proj = Linear(a.per_layer_dim, a.d_model, bias=False, ops=ops)
+            self.ple_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
+        if a.layer_scales:
+            self.out_scale = Scale()
         self.pre_norms, self.post_norms = a.pre_norms, a.post_norms
         self.residual_multiplier = a.residual_multiplier
+        self.has_ple, self.kv_role = bool(a.per_layer_dim), a.kv_role(layer)
 
-    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+    def __call__(self, x: mx.array, *inputs: mx.array, cache: Any = None) -> Any:
+        """The block's output (B,T,D). `inputs`: its per-layer embedding input (B,T,P) where
+        the model has them (per_layer_dim), then, without a cache, the keys and values
+        (B,Hkv,T,hd) of its `kv_source` where it reads an earlier block's. Without a cache a
+        block that is a source returns (output, its keys, its values)."""
+        ple = inputs[0] if self.has_ple else None
         if self.linear:  # Gated DeltaNet: its own output projection, its own cache
-            return self.close(x, self.attn(self.pre(x, "attn_norm"), cache))
-        if cache is None:
-            return self.finish(x, self.attn(self.pre(x, "attn_norm")))
-        if self.attn.out_gate:
+            return self.close(x, self.attn(self.pre(x, "attn_norm"), cache), ple)
+        if cache is not None and self.attn.out_gate:
             q, k, v = self.attn.project(self.pre(x, "attn_norm"))
             q, gate = self.attn.split_gate(q)
             o = self.attn.attend(*self.attn.heads(q, k, v, cache.offset), cache)
-            return self.finish(x, self.attn.gated(o, gate))
-        return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache))
+            return self.finish(x, self.attn.gated(o, gate), ple)
+        if cache is not None:
+            return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache), ple)
+        if self.kv_role is None:
+            return self.finish(x, self.attn(self.pre(x, "attn_norm")), ple)
+        q, k, v = self.start(x, 0)  # keys and values handed on: kept, not recomputed
+        if self.kv_role == "reader":
+            k, v = inputs[-2:]
+        h = self.finish(x, self.attn.attend(q, k, v), ple)
+        return (h, k, v) if self.kv_role == "source" else h
 
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
     # stay the same at every position (toymlx.generation.generate.CompiledDecode):
@@ -472,16 +625,20 @@ class Block(nn.Module):
         """q, k, v of the normed x (`Attention.qkv`)."""
         return self.attn.qkv(self.pre(x, "attn_norm"), offset, tables, q_tables)
 
-    def finish(self, x: mx.array, o: mx.array) -> mx.array:
+    def finish(self, x: mx.array, o: mx.array, ple: mx.array | None = None) -> mx.array:
         """The block's output from its input x and the attention's `o` (before o_proj): both
-        residual branches, the MLP's included."""
-        return self.close(x, self.attn.o_proj(o))
+        residual branches, the MLP's included, then gemma4's per-layer input `ple` (B,T,P)
+        and output scale."""
+        return self.close(x, self.attn.o_proj(o), ple)
 
-    def close(self, x: mx.array, a: mx.array) -> mx.array:
+    def close(self, x: mx.array, a: mx.array, ple: mx.array | None = None) -> mx.array:
         """The block's output from its input x and its attention branch `a` (after o_proj)."""
         x = x + self.branch(self.attn_post_norm(a) if self.post_norms else a)
         m = self.mlp(self.pre(x, "ffn_norm"))
-        return x + self.branch(self.ffn_post_norm(m) if self.post_norms else m)
+        x = x + self.branch(self.ffn_post_norm(m) if self.post_norms else m)
+        if ple is not None:  # gelu_tanh(gate x) * ple, projected back and normed
+            x = x + self.ple_norm(self.ple_proj(self.ops.gelu_mul(self.ple_gate(x), ple)))
+        return self.out_scale(x) if "out_scale" in self else x
 
     def pre(self, x: mx.array, norm: str) -> mx.array:
         """x as a residual branch reads it: normed by `norm` (attn_norm or ffn_norm), or as it
@@ -502,6 +659,11 @@ class Llama(nn.Module):
         self.embed = Embedding(args.vocab_size, args.d_model, ops)
         self.layers = [Block(args, ops, i) for i in range(args.n_layers)]
         self.norm = RMSNorm(args.d_model, eps=args.norm_eps, ops=ops)
+        if args.per_layer_dim:  # gemma4's per-layer embeddings: a table and a projection
+            width = args.per_layer_dim * args.n_layers  # every block's, side by side
+            self.ple_embed = Embedding(args.vocab_size, width, ops)
+            self.ple_proj = Linear(args.d_model, width, bias=False, ops=ops)
+            self.ple_norm = RMSNorm(args.per_layer_dim, eps=args.norm_eps, ops=ops)
         if not args.tie_embeddings:
             self.output = Linear(args.d_model, args.vocab_size, bias=False, ops=ops)
         self._init_weights()
@@ -512,8 +674,8 @@ class Llama(nn.Module):
         resid_std = std / (2 * self.args.n_layers) ** 0.5
 
         def init(path: str, w: mx.array) -> mx.array:
-            if path.endswith(("norm.weight", ".ssm_a", ".dt_bias")):  # -1 and 0: a decay of
-                return w  # exp(-softplus(0)) = 0.5 per token in linear blocks
+            if path.endswith(("norm.weight", "out_scale.weight", ".ssm_a", ".dt_bias")):
+                return w  # -1 and 0: a decay of exp(-softplus(0)) = 0.5 per token (linear)
             s = resid_std if path.endswith(("o_proj.weight", "down_proj.weight")) else std
             return mx.random.normal(w.shape, scale=s)
 
@@ -551,9 +713,31 @@ class Llama(nn.Module):
         """(B, T) token ids -> (B, T, D) final hidden states as the head reads them
         (`head_input`), before `unembed`."""
         h = self.embed_tokens(tokens)  # (B,T,D)
+        ple = self.per_layer_inputs(tokens, h) if self.args.per_layer_dim else None
+        shared: dict[int, tuple[mx.array, mx.array]] = {}  # a source block's keys and values
         for i, layer in enumerate(self.layers):
-            h = self.ops.block(layer, h) if cache is None else layer(h, cache[i])
+            inputs = () if ple is None else (ple[:, :, i, :],)
+            if cache is not None:
+                h = layer(h, *inputs, cache=cache[i])
+                continue
+            src = self.args.kv_source(i)
+            out = self.ops.block(layer, h, *inputs, *(shared[src] if src is not None else ()))
+            if layer.kv_role == "source":
+                h, shared[i] = out[0], (out[1], out[2])
+            else:
+                h = out
         return self.head_input(h)
+
+    def per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array:
+        """(B,T,n_layers,P) every block's per-layer input (gemma4's PLE), from the ids (B,T)
+        and their scaled embeddings h (B,T,D): (norm(ple_proj(h) / sqrt(D)) + ple_embed[ids]
+        * sqrt(P)) / sqrt(2), llama.cpp's project_per_layer_inputs and build_inp_per_layer
+        (transformers' the same)."""
+        B, T = tokens.shape
+        L, P = self.args.n_layers, self.args.per_layer_dim
+        rows = self.ple_embed(tokens).reshape(B, T, L, P) * (P ** 0.5)
+        proj = (self.ple_proj(h) * (self.args.d_model ** -0.5)).reshape(B, T, L, P)
+        return (self.ple_norm(proj) + rows) * (2.0 ** -0.5)
 
     def head_input(self, h: mx.array) -> mx.array:
         """(B, T, D) the last block's output -> what the output head reads: normed, and divided
@@ -566,7 +750,15 @@ class Llama(nn.Module):
     def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.unembed(self.hidden(tokens, cache))  # (B,T,V)
 
-    def make_cache(self) -> list[KVCache | DeltaCache]:
-        """One KV cache per block, for generation (a linear block's: its conv inputs and
-        state)."""
-        return [DeltaCache() if layer.linear else KVCache() for layer in self.layers]
+    def make_cache(self) -> list[KVCache | SharedKV | DeltaCache]:
+        """One KV cache per block, for generation; a block that reads an earlier one's keys
+        and values (gemma4's shared-KV tail) a view of that block's; a linear block's its conv
+        inputs and state (qwen35)."""
+        caches: list[KVCache | SharedKV | DeltaCache] = []
+        for i, layer in enumerate(self.layers):
+            src = self.args.kv_source(i)
+            if layer.linear:
+                caches.append(DeltaCache())
+            else:
+                caches.append(KVCache() if src is None else SharedKV(caches[src]))
+        return caches

@@ -201,7 +201,9 @@ FUSED: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "gate_up": ("gate",
 
 def block_targets(a: LlamaArgs, layer: int | None = None) -> tuple[str, ...]:
     """The --lora.targets names block `layer` of this architecture has (None: any of its
-    blocks), in TARGETS' order."""
+    blocks), in TARGETS' order: qwen35's linear-attention blocks have their own; a gemma4 block
+    reading an earlier block's keys and values has no k or v, and one whose values are its keys'
+    projection no v."""
     absent = set(FUSED["qkv"]) if a.fused_qkv else {"qkv"}
     absent |= set(FUSED["gate_up"]) if a.fused_gate_up else {"gate_up"}
     absent |= set(LINEAR_ONLY)
@@ -210,6 +212,10 @@ def block_targets(a: LlamaArgs, layer: int | None = None) -> tuple[str, ...]:
         if layer is not None:
             return tuple(t for t in TARGETS if t in linear)
         absent -= linear
+    if layer is not None and a.kv_source(layer) is not None:
+        absent |= {"k", "v"}
+    elif layer is not None and a.k_eq_v and not a.is_sliding(layer):
+        absent.add("v")
     return tuple(t for t in TARGETS if t not in absent)
 
 
@@ -251,7 +257,7 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
     for i in blocks:
         have = block_targets(model.args, i)
         for t in names:
-            if t not in have:  # qwen35: q, k, v, o in its full-attention blocks alone
+            if t not in have:  # qwen35's blocks of each kind; gemma4's shared-KV tail
                 continue
             path = f"layers.{i}.{TARGETS[t]}"
             base = submodule(model, path)

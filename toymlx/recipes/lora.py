@@ -1,4 +1,4 @@
-"""Recipe `lora`: fine-tune a GGUF (llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, granite, olmo2, mistral3) with chat/SFT data: LoRA, DoRA or every weight.
+"""Recipe `lora`: fine-tune a GGUF (llama, qwen2, qwen3, qwen35, gemma2, gemma3, gemma4, phi3, smollm3, granite, olmo2, mistral3) with chat/SFT data: LoRA, DoRA or every weight.
 
 The base model and its tokenizer and chat template come from `--base` (any llama GGUF;
 quantized files are dequantized exactly, or kept quantized with `--base-dtype quantized`).

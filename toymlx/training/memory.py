@@ -107,9 +107,10 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops) -> int:
     backward pass (`Ops.recomputed`), unless they are few enough to keep
     (`Ops.keeps_attention`), or the block is the one `--grad-checkpoint` is recomputing, which
     keeps them all."""
-    q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
+    q, kv, d = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model
+    f = sum(a.layer_ffn(i) for i in range(a.n_layers)) // a.n_layers  # gemma4's differ
     mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
-    kept = 6 * d + q + 2 * kv + mlp
+    kept = 6 * d + q + 2 * kv + mlp + 3 * a.per_layer_dim  # gemma4's PLE: gate, GELU, product
     attention = attention_values(a, seq_len)
     if a.linear_layers:  # every block counted as a Gated DeltaNet one, the larger: by chunks
         # of CHUNK tokens its delta rule keeps about 16 (CHUNK, CHUNK) matrices (decays, the
