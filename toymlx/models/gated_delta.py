@@ -39,16 +39,12 @@ Generation keeps each block's last K-1 conv inputs and its state S (`DeltaCache`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx import nn
 
 from toymlx.models.layers import Linear, RMSNorm
 from toymlx.models.ops import Ops
-
-if TYPE_CHECKING:  # llama.py builds this module's blocks
-    from toymlx.models.llama import LlamaArgs
 
 
 @dataclass
@@ -200,7 +196,7 @@ class GatedDeltaNet(nn.Module):
     """A Qwen3.5 linear-attention mixer (see the module docstring); its output, after
     `out_proj`, is the block's attention branch."""
 
-    def __init__(self, a: LlamaArgs, ops: Ops):
+    def __init__(self, a, ops: Ops):  # a: the model's LlamaArgs (llama.py imports this module)
         super().__init__()
         self.ops = ops
         self.hk, self.hv, self.dk = a.ssm_k_heads, a.ssm_v_heads, a.ssm_head_dim
