@@ -553,6 +553,82 @@ def test_a_last_turn_with_reasoning_trains_it_where_the_template_writes_it(
     assert fitted_rows([example], tok, 512)[1].thoughts == 0
 
 
+FIELD = {"role": "assistant", "content": "A sequence.", "reasoning_content": "Lists hold items."}
+"""THOUGHT with its reasoning in DeepSeek's API field (`reasoning_content`), not its content."""
+
+
+def in_content(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`chat` with FIELD written as THOUGHT (its reasoning as `<think>` in the content)."""
+    return [THOUGHT if m is FIELD else m for m in chat]
+
+
+@pytest.mark.parametrize("name", sorted(THOUGHT_DROPPED))
+def test_reasoning_in_a_field_trains_as_the_template_writes_it(name, llamacpp_source):  # noqa: F811
+    """Reasoning in `reasoning_content` reaches the template as transformers hands it the
+    message. Qwen3 and Qwen3.5 read it: an earlier turn's and the last turn's train exactly as
+    the same reasoning in `<think>` in the content does (the render the same, found by position
+    with the mark standing for both), the earlier one counted as dropped; the last trains its
+    thought, pinned. QwQ and DeepSeek-R1 read no field: the render is that of the answer alone,
+    trained so, and the field is counted as never written (not refused: transformers and mlx-lm
+    train so)."""
+    from toymlx.data.chat import fitted_rows
+
+    source = template_text(llamacpp_source, name)
+    tok = TextTokenizer(source)
+    last = {QWEN3: "<think>\nLists hold items.\n</think>\n\nA sequence.<|im_end|>\n",
+            QWEN35: "Lists hold items.\n</think>\n\nA sequence.<|im_end|>\n"}
+    for chat in ([USER1, FIELD, USER2, ANSWER2], [USER1, ANSWER1, USER2, FIELD]):
+        field = Example("d.jsonl:1", messages=tuple(chat))
+        text, runs = trained_texts(tok, field)
+        assert text == hf_render(source, chat, False)
+        fit = fitted_rows([field], tok, 512)[1]
+        if name in last:
+            think = Example("d.jsonl:1", messages=tuple(in_content(chat)))
+            assert (text, runs) == trained_texts(tok, think)
+            assert (fit.thoughts, fit.unread) == (int(chat[1] is FIELD), {})
+            assert fitted_rows([think], tok, 512)[1].thoughts == fit.thoughts
+            if chat[-1] is FIELD:
+                assert runs == ["A sequence.<|im_end|>\n", last[name]]
+            continue
+        plain = [ANSWER1 if m is FIELD else m for m in chat]
+        assert (text, runs) == trained_texts(tok, Example("d.jsonl:1", messages=tuple(plain)))
+        assert "Lists hold items." not in text
+        assert (fit.thoughts, fit.unread) == (0, {"reasoning_content": 1})
+
+
+def test_a_reasoning_field_the_template_never_writes_is_counted_or_refused(llamacpp_source):  # noqa: F811
+    """A reasoning field no render writes: Llama 3.1's template reads none, so the answers
+    train as without it and the split's note counts the messages, naming the field and the
+    template by the model's name; Qwen3's reads `reasoning_content`, so the same thought given
+    as `reasoning` (OpenRouter's) would train every turn with an empty thought: a one-line
+    error naming the field to rename it to."""
+    from toymlx.data.chat import fitted_rows
+
+    class Named(TextTokenizer):
+        name = "Llama 3.1 8B Instruct"
+
+    llama = Named(template_text(llamacpp_source, "meta-llama-Llama-3.1-8B-Instruct.jinja"))
+    chat = [USER1, FIELD, USER2, {**ANSWER2, "reasoning": "Maps hold pairs."}]
+    example = Example("d.jsonl:1", messages=tuple(chat))
+    plain = Example("d.jsonl:1", messages=(USER1, ANSWER1, USER2, ANSWER2))
+    assert tokenize_example(example, llama, True) == tokenize_example(plain, llama, True)
+    fit = fitted_rows([example] * 3, llama, 512, False)[1]
+    assert fit.unread == {"reasoning_content": 3, "reasoning": 3}
+    assert fit.note("d.jsonl", "train", 512) == (
+        "d.jsonl: train: of 3 examples, 6 messages with a reasoning_content or reasoning field "
+        "Llama 3.1 8B Instruct's chat template never writes, so that reasoning is not trained "
+        "(as transformers and mlx-lm leave it out)")
+    qwen3 = TextTokenizer(template_text(llamacpp_source, QWEN3))
+    given = Example("d.jsonl:1", messages=(USER1, ANSWER1, USER2,
+                                            {**ANSWER2, "reasoning": "Maps hold pairs."}))
+    with pytest.raises(DataError) as err:
+        fitted_rows([given], qwen3, 512)
+    assert str(err.value) == (
+        "d.jsonl:1: messages[3].reasoning: expected the field this chat template reads the "
+        "reasoning from, reasoning_content, found reasoning, which it never writes (the turn "
+        "would train without its thought); rename the field reasoning_content")
+
+
 def test_mistral_nemo_with_tools_trains_turns_its_tool_list_moves(llamacpp_source):  # noqa: F811
     """Mistral-Nemo writes the tool list before the last user message, so an earlier turn's
     prefix render has it where the conversation's has not; its header is empty, and each

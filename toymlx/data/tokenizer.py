@@ -443,6 +443,13 @@ class Tokenizer:
         return self._chat_template
 
     @property
+    def name(self) -> str | None:
+        """The model's name (GGUF `general.name`) where the metadata gives one: the data notes
+        name a chat template by it."""
+        name = self._meta.get(K_NAME)
+        return name if isinstance(name, str) and name.strip() else None
+
+    @property
     def is_byte_tokenizer(self) -> bool:
         """Whether this is the `byte_tokenizer()` layout (byte b <-> id b + 3)."""
         return self._byte_layout
