@@ -19,7 +19,7 @@ import pytest
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
 from toymlx.data.chat import TURNS, DataError, Example, tokenize_example
-from toymlx.data.chat_template import compile_template, render_context
+from toymlx.data.chat_template import compile_template, reasoning_aliased, render_context
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -35,6 +35,11 @@ CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
     "system+user": [SYSTEM, USER1],
     "multi-turn": [SYSTEM, USER1, ANSWER1, USER2],
     "ends with assistant": [USER1, ANSWER1, USER2, ANSWER2],
+    # reasoning in each of its fields (transformers hands each on under its other names)
+    "reasoning fields": [
+        USER1, {**ANSWER1, "reasoning_content": "Lists hold items."}, USER2,
+        {**ANSWER2, "thinking": "Maps hold pairs."}, {"role": "user", "content": "And a set?"},
+        {"role": "assistant", "content": "A bag.", "reasoning": "Sets hold each item once."}],
 }
 BOS, EOS = "<BOS>", "<EOS>"
 PINNED = datetime.datetime(2026, 3, 14, 15, 9, 26)
@@ -129,7 +134,7 @@ def toymlx_render(source: str, messages: list[dict[str, Any]], generation_prompt
     """toymlx's rendering, as `Tokenizer.apply_chat_template` does it."""
     extra = {"tools": tools, **variables} if tools else variables
     return compile_template(source, "test").render(
-        messages=messages, add_generation_prompt=generation_prompt,
+        messages=reasoning_aliased(messages), add_generation_prompt=generation_prompt,
         **render_context(BOS, EOS, **extra))
 
 
@@ -210,7 +215,7 @@ class TextTokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kw) -> str:
         return compile_template(self.chat_template, "test").render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=reasoning_aliased(messages), add_generation_prompt=add_generation_prompt,
             **render_context(BOS, EOS, **kw))
 
 
@@ -599,9 +604,11 @@ def test_reasoning_in_a_field_trains_as_the_template_writes_it(name, llamacpp_so
 def test_a_reasoning_field_the_template_never_writes_is_counted_or_refused(llamacpp_source):  # noqa: F811
     """A reasoning field no render writes: Llama 3.1's template reads none, so the answers
     train as without it and the split's note counts the messages, naming the field and the
-    template by the model's name; Qwen3's reads `reasoning_content`, so the same thought given
-    as `reasoning` (OpenRouter's) would train every turn with an empty thought: a one-line
-    error naming the field to rename it to."""
+    template by the model's name. Qwen3's reads `reasoning_content`, which transformers fills
+    from OpenRouter's `reasoning` too: trained as that field is. Solar Open's reads only
+    `reasoning`, which transformers fills from no other: DeepSeek's `reasoning_content` there
+    would train every turn without its thought, a one-line error naming the field to rename it
+    to."""
     from toymlx.data.chat import fitted_rows
 
     class Named(TextTokenizer):
@@ -618,15 +625,21 @@ def test_a_reasoning_field_the_template_never_writes_is_counted_or_refused(llama
         "d.jsonl: train: of 3 examples, 6 messages with a reasoning_content or reasoning field "
         "Llama 3.1 8B Instruct's chat template never writes, so that reasoning is not trained "
         "(as transformers and mlx-lm leave it out)")
+
     qwen3 = TextTokenizer(template_text(llamacpp_source, QWEN3))
-    given = Example("d.jsonl:1", messages=(USER1, ANSWER1, USER2,
-                                            {**ANSWER2, "reasoning": "Maps hold pairs."}))
+    renamed = [{**USER1}, {"role": "assistant", "content": "A sequence.",
+                           "reasoning": "Lists hold items."}]
+    assert trained_texts(qwen3, Example("d.jsonl:1", messages=tuple(renamed))) == \
+        trained_texts(qwen3, Example("d.jsonl:1", messages=(USER1, FIELD)))
+    assert fitted_rows([Example("d.jsonl:1", messages=tuple(renamed))], qwen3, 512)[1].unread == {}
+
+    solar = TextTokenizer(template_text(llamacpp_source, "upstage-Solar-Open-100B.jinja"))
     with pytest.raises(DataError) as err:
-        fitted_rows([given], qwen3, 512)
+        fitted_rows([Example("d.jsonl:1", messages=(USER1, FIELD))], solar, 512)
     assert str(err.value) == (
-        "d.jsonl:1: messages[3].reasoning: expected the field this chat template reads the "
-        "reasoning from, reasoning_content, found reasoning, which it never writes (the turn "
-        "would train without its thought); rename the field reasoning_content")
+        "d.jsonl:1: messages[1].reasoning_content: expected the field this chat template reads "
+        "the reasoning from, reasoning, found reasoning_content, which it never writes (the "
+        "turn would train without its thought); rename the field reasoning")
 
 
 def test_mistral_nemo_with_tools_trains_turns_its_tool_list_moves(llamacpp_source):  # noqa: F811

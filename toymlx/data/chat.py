@@ -40,7 +40,6 @@ import itertools
 import json
 import math
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ import numpy as np
 
 from toymlx.backend.files import counted, json_fault, shortlist
 from toymlx.backend.progress import pass_bar
-from toymlx.data.chat_template import system_in_user, system_refused
+from toymlx.data.chat_template import REASONING_FIELDS, system_in_user, system_refused
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
 
@@ -82,12 +81,6 @@ ROLES = ("system", "user", "assistant", "tool")
 TURNS = ("assistant", "last")
 """Which messages of a conversation train under mask_prompt: every assistant turn (toymlx's),
 or the last message (mlx-lm's)."""
-REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
-"""The fields a message's reasoning comes in, beside its content (strings): DeepSeek's API and
-vLLM's `reasoning_content` (which Qwen3's, Qwen3.5's, GLM's, MiniMax's templates read),
-OpenRouter's and vLLM's `reasoning` (Laguna's, Solar Open's), gpt-oss's `thinking` (LFM2.5's,
-Command A's). Rendered as the template writes them, as the `<think>` reasoning of a content is
-(`untrained_thoughts`); one the template never writes is counted (`unread_fields`)."""
 SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
 
 
@@ -277,7 +270,7 @@ def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted) ->
         # a template asking `'tool_calls' in message`, as Llama 3.1's does)
         msg = {k: v for k, v in m.items() if v is not None}
         msg["content"] = string(f"messages[{j}].content", content, non_empty=False)
-        for key in REASONING_KEYS:
+        for key in REASONING_FIELDS:
             if key in msg:
                 string(f"messages[{j}].{key}", msg[key], non_empty=False)
         out.append(msg)
@@ -926,7 +919,7 @@ def _around(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int
     """What the render of `messages` (with a generation prompt where `gen`) writes before and
     after the content of `messages[i]`: the render with `CONTENT_MARK` in place of that content,
     cut at the mark; None where the mark is not written once. The mark stands for the message's
-    reasoning fields too (`REASONING_KEYS`, left out), as it stands for `<think>` reasoning in a
+    reasoning fields too (`REASONING_FIELDS`, left out), as it stands for `<think>` reasoning in a
     content: what the render writes of either lies between the two parts."""
     marked = [*messages[:i], _unreasoned(messages[i], CONTENT_MARK), *messages[i + 1:]]
     text = _render(tokenizer, marked, gen, source, tools)
@@ -937,8 +930,8 @@ def _around(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int
 
 
 def _unreasoned(message: dict[str, Any], content: str) -> dict[str, Any]:
-    """`message` with `content`, without its reasoning fields (`REASONING_KEYS`)."""
-    return {**{k: v for k, v in message.items() if k not in REASONING_KEYS}, "content": content}
+    """`message` with `content`, without its reasoning fields (`REASONING_FIELDS`)."""
+    return {**{k: v for k, v in message.items() if k not in REASONING_FIELDS}, "content": content}
 
 
 def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int,
@@ -1129,9 +1122,9 @@ def _chat_messages(example: Example, tokenizer: ChatTokenizer) -> list[dict[str,
 
 
 def _field_thought(message: dict[str, Any]) -> str:
-    """The reasoning a message gives in a field (`REASONING_KEYS`, the first not blank), "" for
+    """The reasoning a message gives in a field (`REASONING_FIELDS`, the first not blank), "" for
     none."""
-    return next((message[k] for k in REASONING_KEYS if message.get(k, "").strip()), "")
+    return next((message[k] for k in REASONING_FIELDS if message.get(k, "").strip()), "")
 
 
 def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool,
@@ -1169,35 +1162,32 @@ def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: 
     return count
 
 
-def _reads(template: str, key: str) -> bool:
-    """Whether a Jinja chat template reads the message field `key` (`message.key`,
-    `message['key']`, `.get('key')`; any variable name)."""
-    return re.search(rf"""\.{key}\b|\[['"]{key}['"]\]|get\(['"]{key}['"]""", template) is not None
-
-
 def unread_fields(example: Example, tokenizer: ChatTokenizer) -> list[tuple[int, str]]:
-    """(index, key) of each reasoning field (`REASONING_KEYS`, not blank) of `example`'s messages
-    that the chat template never writes: the message's render as the last, with and without the
-    field, is the same (`reasoning_content` on Llama 3.1's, or on DeepSeek-R1's, which reads no
-    field). transformers and mlx-lm hand the template the field and train without it alike, as
+    """(index, key) of each reasoning field (`REASONING_FIELDS`, not blank) of `example`'s
+    messages that the chat template never writes: the message's render as the last, with and
+    without the field, is the same (`reasoning_content` on Llama 3.1's, or on DeepSeek-R1's,
+    which read no field; transformers hands a template the field under `reasoning_content` and
+    `thinking` too, `reasoning_aliased`). transformers and mlx-lm train without it alike, as
     toymlx does; `Fit.unread` counts them so that it is said. A DataError where the template
-    reads another of the keys instead (Qwen3's `reasoning_content` given as `reasoning`): every
-    turn would train with an empty thought, which the data plainly did not mean; renaming the
-    field fixes it."""
-    template = getattr(tokenizer, "chat_template", None)
-    if example.messages is None or not template or not any(
-            m.get(k, "").strip() for m in example.messages for k in REASONING_KEYS):
+    writes the same text given under another of the keys (a template that reads only
+    `reasoning`, given `reasoning_content`): that field's thought would be lost in every turn,
+    which renaming it saves."""
+    if example.messages is None or not getattr(tokenizer, "chat_template", None) or not any(
+            m.get(k, "").strip() for m in example.messages for k in REASONING_FIELDS):
         return []
     messages = _chat_messages(example, tokenizer)
     out = []
     for i, m in enumerate(messages):
-        for key in (k for k in REASONING_KEYS if m.get(k, "").strip()):
-            given = _render(tokenizer, messages[:i + 1], False, example.source, example.tools)
+        for key in (k for k in REASONING_FIELDS if m.get(k, "").strip()):
             left = {k: v for k, v in m.items() if k != key}
-            if given != _render(tokenizer, [*messages[:i], left], False, example.source,
-                                example.tools):
+            without = _render(tokenizer, [*messages[:i], left], False, example.source,
+                              example.tools)
+            if without != _render(tokenizer, messages[:i + 1], False, example.source,
+                                  example.tools):
                 continue
-            other = next((k for k in REASONING_KEYS if k != key and _reads(template, k)), None)
+            other = next((k for k in REASONING_FIELDS if k not in m and _render(
+                tokenizer, [*messages[:i], {**left, k: m[key]}], False, example.source,
+                example.tools) != without), None)
             if other is not None:
                 raise DataError(f"{example.source}: messages[{i}].{key}: expected the field this "
                                 f"chat template reads the reasoning from, {other}, found {key}, "
@@ -1437,7 +1427,7 @@ class Fit:
     """Assistant turns whose reasoning (`<think>...</think>`) the chat template leaves out of the
     conversation it renders, so that it is not trained (`untrained_thoughts`)"""
     unread: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Messages by reasoning field (`REASONING_KEYS`) whose field the chat template never
+    """Messages by reasoning field (`REASONING_FIELDS`) whose field the chat template never
     writes, so that it is not trained (`unread_fields`)"""
     template: str = ""
     """The chat template's model name (GGUF `general.name`), for the note on `unread`; "" for
