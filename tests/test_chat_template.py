@@ -675,6 +675,16 @@ def test_qwen3_trained_tokens_with_its_real_vocabulary(llamacpp_source):  # noqa
     assert ids == tok.encode(tok.apply_chat_template(list(CHAT3), False), add_bos=False)
     (im_end,) = tok.encode("<|im_end|>", add_bos=False)
     assert [run.count(im_end) for run in runs] == [1, 1, 1]
+    # reasoning in DeepSeek's field: the ids and mask of the same reasoning in the content;
+    # the earlier turn's dropped, the last turn's trained where the template writes it
+    maps = {"role": "assistant", "content": "A mapping.", "reasoning_content": "Maps hold pairs."}
+    field = Example("d.jsonl:1", messages=(USER1, FIELD, USER2, maps))
+    think = Example("d.jsonl:1", messages=(USER1, THOUGHT, USER2, {
+        "role": "assistant", "content": "<think>\nMaps hold pairs.\n</think>\n\nA mapping."}))
+    ids, mask = tokenize_example(field, tok, True)
+    assert (ids, mask) == tokenize_example(think, tok, True)
+    assert trained_runs(ids, mask) == [tok.encode(t, add_bos=False) for t in (
+        "A sequence.<|im_end|>\n", "<think>\nMaps hold pairs.\n</think>\n\nA mapping.<|im_end|>\n")]
 
 
 def test_mistral_nemo_with_a_system_message_trains_as_its_last_turns_prompt_meets_it(
@@ -815,6 +825,19 @@ def test_qwen35_trains_earlier_turns_as_the_history_writes_them_with_its_real_vo
         assert ids == tok.encode(prompt, add_bos=False) + tok.encode(texts[-1], add_bos=False)
         assert hf_render(source, chat, False, tools) == prompt + texts[-1]
         assert [run.count(im_end) for run in trained] == [1, 1, 1]
+    # reasoning in DeepSeek's field: the ids and mask of the same reasoning in the content,
+    # the last turn's thought trained after the prompt's `<think>\n`, as generation writes it
+    maps = {"role": "assistant", "content": "A mapping.", "reasoning_content": "Maps hold pairs."}
+    chat = [USER1, FIELD, USER2, maps]
+    think = [USER1, THOUGHT, USER2, {
+        "role": "assistant", "content": "<think>\nMaps hold pairs.\n</think>\n\nA mapping."}]
+    ids, mask = tokenize_example(Example("d.jsonl:1", messages=tuple(chat)), tok, True)
+    assert (ids, mask) == tokenize_example(Example("d.jsonl:1", messages=tuple(think)), tok, True)
+    last = "Maps hold pairs.\n</think>\n\nA mapping.<|im_end|>\n"
+    assert trained_runs(ids, mask) == [tok.encode(t, add_bos=False)
+                                       for t in ("A sequence.<|im_end|>\n", last)]
+    assert ids == tok.encode(hf_render(source, chat[:-1], True), add_bos=False) + \
+        tok.encode(last, add_bos=False)
 
 
 # ------------------------------------------------------------------------------- Gemma 4

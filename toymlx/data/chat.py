@@ -5,8 +5,13 @@ File formats (`load_examples`):
   reads: `{"text": ...}`, `{"prompt": ..., "completion": ...}` and
   `{"messages": [{"role": ..., "content": ...}, ...]}`, the last optionally with mlx-lm's
   `"tools": [...]` (handed to a chat template that takes `tools`; assistant messages may
-  carry `tool_calls`, tool messages `name` and `tool_call_id`). Other keys are ignored; blank lines are skipped. A
-  `.json` file may instead hold one JSON array of such objects.
+  carry `tool_calls`, tool messages `name` and `tool_call_id`). A message's reasoning may come
+  in a field (`reasoning_content`, `thinking` or `reasoning`, a string: `REASONING_FIELDS`),
+  trained where the template writes it as `<think>` reasoning in the content is; one it never
+  writes is counted in the split's note (`unread_fields`). Each message goes to the template
+  whole, as transformers and mlx-lm hand it: a key the template reads nowhere (`id`, `weight`)
+  changes nothing, and a null one is left out. Other keys of a record are ignored; blank lines
+  are skipped. A `.json` file may instead hold one JSON array of such objects.
 - `.csv` (comma) and `.tsv` (tab): a table with a header row (RFC 4180 quoting, as Python's
   `csv` reads it), each further row one record keyed by the header, read as the JSONL record
   of those keys would be (`_table_examples`): columns `text`, `prompt` and `completion`, or
