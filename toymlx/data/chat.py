@@ -1133,16 +1133,16 @@ def _field_thought(message: dict[str, Any]) -> str:
 
 
 def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool,
-                       turns: str) -> int:
+                       turns: str, unread: Sequence[tuple[int, str]] | None = None) -> int:
     """How many assistant turns of `example` hold reasoning that the chat template leaves out of
     the conversation it renders (`thought_dropped`: Qwen3's, Qwen3.5's and QwQ's drop `<think>`
     reasoning from a turn once a user message follows, DeepSeek-R1's and Gemma 4's from every
     turn; Qwen3's and Qwen3.5's drop a `reasoning_content` field so too), so that it is not
     trained: their answers train as the render writes them, which is how the model meets those
     turns at inference; `Fit.thoughts` counts them so that it is said, not silent. A field the
-    template never writes, in any turn, is `unread_fields`'s, not counted here. 0 where only the
-    last turn trains (`mask_prompt` with `turns` "last": the others are prompt), or for no
-    messages. Found by position where the template writes a marked content once (`_around`,
+    template never writes, in any turn, is `unread_fields`'s (`unread`, where already found),
+    not counted here. 0 where only the last turn trains (`mask_prompt` with `turns` "last": the
+    others are prompt), or for no messages. Found by position where the template writes a marked content once (`_around`,
     which leaves the fields out), else by the thought's text missing from the render."""
     if example.messages is None or (mask_prompt and turns == "last") or not any(
             m["role"] == "assistant" and (_field_thought(m) or
@@ -1150,12 +1150,12 @@ def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: 
             for m in example.messages) or not getattr(tokenizer, "chat_template", None):
         return 0
     messages = _chat_messages(example, tokenizer)
-    unread = {i for i, _ in unread_fields(example, tokenizer)}
+    unread_at = {i for i, _ in (unread_fields(example, tokenizer) if unread is None else unread)}
     full = _render(tokenizer, messages, False, example.source, example.tools)
     count = 0
     for i, m in enumerate(messages):
         content = m.get("content") or ""
-        field = "" if i in unread else _field_thought(m)
+        field = "" if i in unread_at else _field_thought(m)
         if m["role"] != "assistant" or not (field or thought_dropped(content, "")):
             continue
         around = _around(tokenizer, messages, i, False, example.source, example.tools)
@@ -1760,11 +1760,12 @@ def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: 
     if first is not None:
         rows = {k: v[:first] for k, v in rows.items()}
     merged = sum(system_merged(e, tokenizer) for e in examples[:len(seqs)])
-    thoughts = sum(untrained_thoughts(e, tokenizer, mask_prompt, turns)
-                   for e in examples[:len(seqs)])
+    thoughts = 0
     unread: dict[str, int] = {}
     for e in examples[:len(seqs)]:
-        for _, key in unread_fields(e, tokenizer):
+        fields = unread_fields(e, tokenizer)
+        thoughts += untrained_thoughts(e, tokenizer, mask_prompt, turns, fields)
+        for _, key in fields:
             unread[key] = unread.get(key, 0) + 1
     name = getattr(tokenizer, "name", None)
     return rows, dataclasses.replace(Fit.of(seqs, seq_len, pack), merged=merged,
