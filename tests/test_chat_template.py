@@ -660,6 +660,7 @@ def test_qwen3_trained_tokens_with_its_real_vocabulary(llamacpp_source):  # noqa
     """Qwen3's template with Qwen's vocabulary (llama.cpp's models/ggml-vocab-qwen2.gguf, the
     one Qwen3's GGUFs carry): each run of trained ids is its answer and `<|im_end|>\\n` encoded
     alone, `<|im_end|>` one special token, the ids of the whole render those of the text."""
+    from toymlx.data.chat import fitted_rows
     from toymlx.data.tokenizer import Tokenizer
     from toymlx.data.vocab import K_TEMPLATE
     from toymlx.gguf.reader import read_metadata
@@ -685,6 +686,13 @@ def test_qwen3_trained_tokens_with_its_real_vocabulary(llamacpp_source):  # noqa
     assert (ids, mask) == tokenize_example(think, tok, True)
     assert trained_runs(ids, mask) == [tok.encode(t, add_bos=False) for t in (
         "A sequence.<|im_end|>\n", "<think>\nMaps hold pairs.\n</think>\n\nA mapping.<|im_end|>\n")]
+    # QwQ's template reads no field: the note names it by the file's general.name
+    qwq_template = template_text(llamacpp_source, "Qwen-QwQ-32B.jinja")
+    qwq = Tokenizer.from_metadata({**meta, K_TEMPLATE: qwq_template}, vocab)
+    assert fitted_rows([field], qwq, 512)[1].note("d.jsonl", "train", 512) == (
+        "d.jsonl: train: of 1 example, 2 messages with a reasoning_content field qwen2's chat "
+        "template never writes, so that reasoning is not trained (as transformers and mlx-lm "
+        "leave it out)")
 
 
 def test_mistral_nemo_with_a_system_message_trains_as_its_last_turns_prompt_meets_it(

@@ -284,6 +284,9 @@ class Tokenizer:
         self._chat_template: str | None = template or None
 
         name = meta.get(K_NAME)
+        self.name: str | None = name.strip() if isinstance(name, str) and name.strip() else None
+        """The model's name (GGUF `general.name`) where the metadata gives one: the data notes
+        name a chat template by it."""
         attrs, eog = token_attributes(self._tokens, self._token_to_id, self._types, self._meta,
                                       self._eos, name.lower() if isinstance(name, str) else "")
         self._attrs = attrs
@@ -441,13 +444,6 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
-
-    @property
-    def name(self) -> str | None:
-        """The model's name (GGUF `general.name`) where the metadata gives one: the data notes
-        name a chat template by it."""
-        name = self._meta.get(K_NAME)
-        return name if isinstance(name, str) and name.strip() else None
 
     @property
     def is_byte_tokenizer(self) -> bool:
