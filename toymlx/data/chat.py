@@ -1142,8 +1142,9 @@ def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: 
     turns at inference; `Fit.thoughts` counts them so that it is said, not silent. A field the
     template never writes, in any turn, is `unread_fields`'s (`unread`, where already found),
     not counted here. 0 where only the last turn trains (`mask_prompt` with `turns` "last": the
-    others are prompt), or for no messages. Found by position where the template writes a marked content once (`_around`,
-    which leaves the fields out), else by the thought's text missing from the render."""
+    others are prompt), or for no messages. Found by position where the template writes a
+    marked content once (`_around`, which leaves the fields out), else by the thought's text
+    missing from the render."""
     if example.messages is None or (mask_prompt and turns == "last") or not any(
             m["role"] == "assistant" and (_field_thought(m) or
                                           thought_dropped(m.get("content") or "", ""))
