@@ -62,6 +62,12 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    Llama 4's attention temperature 0.1 over the original context: queries at
                    positions 16-31 times 1 + 0.1 ln 2, 32-47 times 1 + 0.1 ln 3; untied,
                    SentencePiece vocab, Ministral-3-14B-Reasoning-2512's chat template
+    qwen35         Qwen3_5ForCausalLM (Qwen3.5 dense text): 4 layers, Gated DeltaNet linear
+                   attention on layers 0-2 (2 k heads of 16 serving 4 value heads, conv kernel
+                   4) and gated full attention on layer 3 (head_dim 32, a quarter rotated,
+                   mrope_section [2, 1, 1] interleaved), tied, byte-level BPE cut from
+                   ggml-vocab-qwen35 (pre "qwen35"); converted with --no-mtp (the converter
+                   asserts MTP weights otherwise; transformers' model has none)
 
 The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
 (32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
@@ -74,16 +80,16 @@ gets a 512-token vocabulary cut from the real one that llama.cpp ships for token
   as the SentencePiece protobuf directly. The converter reads it as it reads any
   `tokenizer.model`: no change to the converter. The cut holds merged pieces ("er", "▁t")
   without the characters alone ("e", "▁"), which llama.cpp (and toymlx) still merge.
-- Byte-level BPE kinds (llama3, qwen2, qwen3, phi4-mini): a `tokenizer.json` (HF `tokenizers`) with the
-  family's 256 byte tokens, its first merges whose parts stay in the cut vocabulary, its
-  pre-tokenizer regex and a few of its special tokens. The converter identifies BPE
+- Byte-level BPE kinds (llama3, qwen2, qwen3, phi4-mini, qwen35): a `tokenizer.json` (HF
+  `tokenizers`) with the family's 256 byte tokens, its first merges whose parts stay in the
+  cut vocabulary, its pre-tokenizer regex and a few of its special tokens. The converter identifies BPE
   pre-tokenizers by a hash of the token ids of a fixed text; a cut vocabulary gives other ids,
   so the hash is not recognised. The one shim (`_child_convert`): the converter's
   `TextModel.get_vocab_base_pre` is wrapped so that, when its own table does not know the
   hash, it returns the pre-tokenizer name the checkpoint declares in `toymlx_tiny.json`
-  ("llama-bpe", "qwen2" or "gpt-4o", the regex the tokenizer was built with). Nothing else in the
-  converter is touched: the hyperparameter, tensor-name, permutation and extra-tensor code
-  under test runs as llama.cpp ships it.
+  ("llama-bpe", "qwen2", "gpt-4o" or "qwen35", the regex the tokenizer was built with). Nothing
+  else in the converter is touched (but qwen35's --no-mtp, above): the hyperparameter,
+  tensor-name, permutation and extra-tensor code under test runs as llama.cpp ships it.
 
 Token ids for tests: `token_ids(kind, n)` gives seeded ids below the vocabulary's special
 tokens (the first is the BOS id where the family has one). Test modules import the
@@ -113,7 +119,7 @@ VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
               "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini",
-              "qwen3-yarn", "ministral3")
+              "qwen3-yarn", "ministral3", "qwen35")
 # a kind's weights are seeded by its place here: kinds added later (from phi4-mini on) go after
 # the first ones' -q twins, so that no kind's weights change when one is added
 _FIRST = BASE_KINDS[:BASE_KINDS.index("phi4-mini")]
@@ -137,8 +143,9 @@ class ConversionError(RuntimeError):
 class Spec:
     kind: str
     family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite
-    # | olmo2 | ministral3
+    # | olmo2 | ministral3 | qwen35
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2 | bpe-gpt4o
+    # | bpe-qwen35
     hidden: int
     ff: int
     layers: int
@@ -193,6 +200,13 @@ def spec(kind: str) -> Spec:
     if base == "ministral3":
         return Spec(**{**s, "head_dim": wide}, family="ministral3", tokenizer="spm-llama",
                     tied=False)
+    if base == "qwen35":  # 3 Gated DeltaNet blocks, then a full-attention one; 2 k heads, 4 v
+        lin = 64 if q else 16
+        return Spec(**{**s, "layers": 4, "head_dim": wide}, family="qwen35",
+                    tokenizer="bpe-qwen35", tied=True,
+                    extra={"linear_key_head_dim": lin, "linear_value_head_dim": lin,
+                           "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                           "mrope_section": [6, 5, 5] if q else [2, 1, 1]})
     if base == "phi3-partial":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=True,
                     extra={"partial_rotary_factor": 0.75})
@@ -268,6 +282,13 @@ def hf_config(sp: Spec, tok: dict):
                                 rope_parameters=_rope(10000000.0), embedding_multiplier=12.0,
                                 residual_multiplier=0.22, attention_multiplier=0.05,
                                 logits_scaling=2.5)
+    if sp.family == "qwen35":
+        lin = {k: v for k, v in sp.extra.items() if k.startswith("linear_")}
+        rope = _rope(10000000.0, partial_rotary_factor=0.25, mrope_interleaved=True,
+                     mrope_section=sp.extra["mrope_section"])
+        return tf.Qwen3_5TextConfig(**common, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                    linear_conv_kernel_dim=4, full_attention_interval=4,
+                                    rope_parameters=rope, **lin)
     if sp.family == "olmo2":
         return tf.Olmo2Config(**common, max_position_embeddings=4096, rms_norm_eps=1e-6,
                               rope_parameters=_rope(500000.0))
@@ -299,7 +320,8 @@ def _model_class(sp: Spec):
             "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
             "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
             "granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
-            "ministral3": tf.Ministral3ForCausalLM}[sp.family]
+            "ministral3": tf.Ministral3ForCausalLM,
+            "qwen35": tf.Qwen3_5ForCausalLM}[sp.family]
 
 
 # ---- tokenizers -------------------------------------------------------------------------
@@ -404,6 +426,9 @@ LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's: qwen2's with combining marks (\p{M}) inside letter runs
+QWEN35_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # GPT-4o's (Phi-4's tokenizer.json), as Hugging Face writes it
 _CASED = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
 _UNCASED = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
@@ -435,6 +460,10 @@ def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
         meta = _vocab_gguf(tree, "llama-bpe")
         specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
         pat, pre = GPT4O_PAT, "gpt-4o"
+    elif which == "bpe-qwen35":
+        meta = _vocab_gguf(tree, "qwen35")
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        pat, pre = QWEN35_PAT, "qwen35"
     else:
         meta = _vocab_gguf(tree, "qwen2")
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -453,7 +482,7 @@ def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
         if a in vocab and b in vocab and a + b in vocab:
             merges.append((a, b))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=which == "bpe-llama3"))
-    if which == "bpe-qwen2":
+    if which in ("bpe-qwen2", "bpe-qwen35"):
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(pat), behavior="isolated", invert=False),
@@ -612,6 +641,11 @@ def _child_convert(tree: str, hf_dir: str, out: str, outtype: str, pre: str) -> 
         base.TextModel.get_vocab_base_pre = declared_pre
     converter = str(Path(tree) / "convert_hf_to_gguf.py")
     sys.argv = [converter, hf_dir, "--outfile", out, "--outtype", outtype]
+    said = Path(hf_dir) / MANIFEST
+    if said.is_file() and manifest(hf_dir)["family"] == "qwen35" and not json.loads(
+            (Path(hf_dir) / "config.json").read_text()).get("mtp_num_hidden_layers"):
+        sys.argv.append("--no-mtp")  # its converter asserts MTP weights unless told there are
+        # none (transformers' model has none; tests/test_qwen35.py adds some)
     runpy.run_path(converter, run_name="__main__")
 
 

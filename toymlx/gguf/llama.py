@@ -66,6 +66,10 @@ YARN_UNREAD = ("rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
 which llama.cpp's loader does not read for some architectures (`YARN_READ` says which it
 reads): ignored there as llama.cpp ignores them, with a warning where they say otherwise
 (`_yarn_switches`)."""
+QWEN35_KEYS = ("rope.dimension_sections", "ssm.conv_kernel", "ssm.inner_size",
+               "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+               "full_attention_interval", "attention.recurrent_layers", "nextn_predict_layers")
+"""qwen35's `<arch>.` keys beside COMMON_KEYS (`qwen35_switches` reads them)."""
 GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 """granite's `<arch>.` scalar keys -> the LlamaArgs fields they set (beside attention.scale,
@@ -102,6 +106,9 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}, rope_scaling=YARN),
     Arch("olmo2", {"rope_neox": True, "qk_norm_whole": True, "pre_norms": False,
                    "post_norms": True}, frozenset(), rope_scaling=YARN),
+    # Qwen3.5 dense: Gated DeltaNet blocks (toymlx.models.gated_delta) and gated full attention
+    Arch("qwen35", {"rope_neox": True, "qk_norm": True, "attn_out_gate": True},
+         frozenset(QWEN35_KEYS), rope_scaling=("none",)),
 )}
 """The architectures toymlx loads, by general.architecture."""
 
@@ -144,24 +151,38 @@ _BLOCK = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_p
           "attn_q_norm": "attn.q_norm", "attn_k_norm": "attn.k_norm",
           "post_attention_norm": "attn_post_norm", "ffn_norm": "ffn_norm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          "post_ffw_norm": "ffn_post_norm"}
+          "post_ffw_norm": "ffn_post_norm",
+          # qwen35's linear-attention blocks (toymlx.models.gated_delta)
+          "attn_gate": "attn.z_proj", "ssm_beta": "attn.beta_proj",
+          "ssm_alpha": "attn.alpha_proj", "ssm_out": "attn.out_proj", "ssm_norm": "attn.norm",
+          "ssm_conv1d": "attn.conv1d"}
 _BLOCK_INV = {v: k for k, v in _BLOCK.items()} | {"mlp.gate_up_proj": "ffn_up"}
+_BLOCK_ODD = {"ssm_a": "attn.ssm_a", "ssm_dt.bias": "attn.dt_bias"}
+"""qwen35's block tensors whose names are not `<tensor>.weight` or `.bias` of a module."""
+_BLOCK_ODD_INV = {v: k for k, v in _BLOCK_ODD.items()}
+_ODD_RE = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)")
+_TOY_ODD_RE = re.compile(r"layers\.(\d+)\.(attn\.ssm_a|attn\.dt_bias)")
 _GGUF_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _TOY_RE = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 """Constants of RoPE that llama.cpp files carry as tensors (not trained)."""
 
 
-def gguf_to_toy(name: str, fused_gate_up: bool = False) -> str | None:
+def gguf_to_toy(name: str, fused_gate_up: bool = False, arch: str = "") -> str | None:
     """toymlx parameter path for a llama.cpp tensor name (None if not a decoder parameter);
-    phi3's `ffn_up` is the fused gate-and-up projection."""
+    phi3's `ffn_up` is the fused gate-and-up projection, qwen35's `post_attention_norm` the
+    norm before its MLP (`ffn_norm`: it norms the residual, not the attention's output)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
+    if m := _ODD_RE.fullmatch(name):
+        return f"layers.{m.group(1)}.{_BLOCK_ODD[m.group(2)]}"
     m = _GGUF_RE.fullmatch(name)
     if m and m.group(2) in _BLOCK:
         path = _BLOCK[m.group(2)]
         if fused_gate_up and path == "mlp.up_proj":
             path = "mlp.gate_up_proj"
+        if arch == "qwen35" and path == "attn_post_norm":
+            path = "ffn_norm"
         return f"layers.{m.group(1)}.{path}.{m.group(3)}"
     return None
 
@@ -172,6 +193,8 @@ def toy_to_gguf(path: str) -> str:
     for g, t in _GLOBAL.items():
         if path == t:
             return g
+    if m := _TOY_ODD_RE.fullmatch(path):
+        return f"blk.{m.group(1)}.{_BLOCK_ODD_INV[m.group(2)]}"
     m = _TOY_RE.fullmatch(path)
     if m and m.group(2) in _BLOCK_INV:
         return f"blk.{m.group(1)}.{_BLOCK_INV[m.group(2)]}.{m.group(3)}"
@@ -322,6 +345,13 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: metadata key '{k}block_count': expected 1..{most} "
                         f"(at least 5 tensors per block, {len(g.tensors)} in the file), "
                         f"found {n_layers}")
+    # qwen35's MTP (nextn) blocks come after the decoder's; llama.cpp's plain decoding does not
+    # run them (its graph stops at n_layer - nextn), and neither does toymlx
+    nextn = g.get(k + "nextn_predict_layers", int, 0) if arch.name == "qwen35" else 0
+    if not 0 <= nextn < n_layers:
+        raise GGUFError(f"{g.path}: metadata key '{k}nextn_predict_layers': expected 0.."
+                        f"{n_layers - 1} (fewer than block_count), found {nextn}")
+    n_layers -= nextn
     context = int(_positive(g, k + "context_length", g.get(k + "context_length", int)))
     rope_base = _positive(g, k + "rope.freq_base",
                           float(g.get(k + "rope.freq_base", (int, float), 10000.0)))
@@ -362,6 +392,8 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         sw["attn_scale"] = _gemma_query_scale(arch.name, d, n_heads, n_layers, head_dim)
     if arch.name == "granite":
         sw.update(granite_scalars(g, k))
+    if arch.name == "qwen35":
+        sw.update(qwen35_switches(g, k, n_layers, rope_dims))
     if arch.name == "olmo2" and "output.weight" not in g.tensors:  # llama.cpp requires it
         raise GGUFError(f"{g.path}: tensor 'output.weight': expected present (olmo2 files "
                         "carry their own output head), found missing")
@@ -486,6 +518,63 @@ def granite_scalars(g: GGUFFile, k: str) -> dict[str, float]:
     return out
 
 
+def qwen35_switches(g: GGUFFile, k: str, n_layers: int, rope_dims: int) -> dict[str, Any]:
+    """A qwen35 file's linear-attention shape and blocks, each key as llama.cpp reads it
+    (`llama_model_qwen35::load_arch_hparams`), and its M-RoPE sections checked to rotate text
+    as toymlx does (`check_text_mrope`)."""
+    sw: dict[str, Any] = {}
+    for key, field in (("ssm.conv_kernel", "ssm_conv_kernel"), ("ssm.state_size", "ssm_head_dim"),
+                       ("ssm.group_count", "ssm_k_heads"), ("ssm.time_step_rank", "ssm_v_heads")):
+        sw[field] = g.get(k + key, int)
+        if sw[field] <= 0:
+            raise GGUFError(f"{g.path}: metadata key '{k}{key}': expected > 0, found {sw[field]}")
+    inner = g.get(k + "ssm.inner_size", int)
+    if inner != sw["ssm_v_heads"] * sw["ssm_head_dim"]:  # llama.cpp: head_v_dim = head_k_dim
+        raise GGUFError(f"{g.path}: metadata key '{k}ssm.inner_size': expected "
+                        f"{sw['ssm_v_heads'] * sw['ssm_head_dim']} (time_step_rank x "
+                        f"state_size: value heads as wide as key heads), found {inner}")
+    if sw["ssm_v_heads"] % sw["ssm_k_heads"]:
+        raise GGUFError(f"{g.path}: metadata key '{k}ssm.time_step_rank': expected a multiple "
+                        f"of ssm.group_count={sw['ssm_k_heads']}, found {sw['ssm_v_heads']}")
+    said = g.metadata.get(k + "attention.recurrent_layers")
+    if said is not None:  # one bool per block, MTP blocks (not recurrent) included
+        if not (isinstance(said, list) and len(said) >= n_layers
+                and all(isinstance(x, bool) for x in said)):
+            raise GGUFError(f"{g.path}: metadata key '{k}attention.recurrent_layers': expected "
+                            f"a bool per block ({n_layers} or more), found {said!r:.80}")
+        sw["linear_layers"] = tuple(said[:n_layers])
+    else:
+        every = g.get(k + "full_attention_interval", int, 4)
+        if every <= 0:
+            raise GGUFError(f"{g.path}: metadata key '{k}full_attention_interval': expected "
+                            f"> 0, found {every}")
+        sw["linear_layers"] = tuple((i + 1) % every != 0 for i in range(n_layers))
+    check_text_mrope(g, k, rope_dims)
+    return sw
+
+
+def check_text_mrope(g: GGUFFile, k: str, rope_dims: int) -> None:
+    """qwen35 rotates q and k by interleaved M-RoPE (ggml's IMROPE, `ggml_mrope_cache_init`):
+    rotated pair i, at sector s = i mod (the sections' sum), turns by the time, height or
+    width position as s % 3 is 0, 1 or 2, while s < 3 x that axis's section, and by a fourth
+    position otherwise. llama.cpp gives a text token its position as time, height and width
+    and 0 as the fourth (llama-graph.cpp), so where every pair falls in one of the three the
+    rotation is plain NEOX RoPE over `rope_dims` (transformers' `Qwen3_5TextRotaryEmbedding`
+    computes the same); a file leaving a pair to the fourth (unrotated) is refused."""
+    sections = g.get(k + "rope.dimension_sections", list)
+    if (len(sections) != 4 or not all(isinstance(x, int) and x >= 0 for x in sections)
+            or not sum(sections)):
+        raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_sections': expected 4 "
+                        f"counts >= 0, not all 0, found {sections!r}")
+    for i in range(rope_dims // 2):
+        s = i % sum(sections)
+        if not s < 3 * sections[s % 3]:
+            raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_sections': expected "
+                            f"sections whose interleaving covers all {rope_dims // 2} rotated "
+                            f"pairs with text positions, found {sections} (pair {i} turns by "
+                            "the fourth position)")
+
+
 def rope_tensors(longrope: bool, has_freqs: bool) -> set[str]:
     """The RoPE constant tensors a file with (or without) longrope carries."""
     if longrope:
@@ -504,7 +593,8 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
     if a.fused_qkv:
         per["attn_qkv.weight"] = (q + 2 * kv, a.d_model)
     else:
-        per.update({"attn_q.weight": (q, a.d_model), "attn_k.weight": (kv, a.d_model),
+        per.update({"attn_q.weight": (2 * q if a.attn_out_gate else q, a.d_model),
+                    "attn_k.weight": (kv, a.d_model),
                     "attn_v.weight": (kv, a.d_model)})
     if a.attn_bias:
         per.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
@@ -517,8 +607,9 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
         per.update({"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)})
     if a.post_norms:
         per["post_attention_norm.weight"] = (a.d_model,)
-    if a.pre_norms:
-        per["ffn_norm.weight"] = (a.d_model,)
+    if a.pre_norms:  # qwen35's is named post_attention_norm (`gguf_to_toy`)
+        per["post_attention_norm.weight" if a.arch == "qwen35" else "ffn_norm.weight"] = (
+            a.d_model,)
     if a.fused_gate_up:
         per["ffn_up.weight"] = (2 * a.ffn_dim, a.d_model)
     else:
@@ -527,15 +618,29 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
     per["ffn_down.weight"] = (a.d_model, a.ffn_dim)
     if a.post_norms:
         per["post_ffw_norm.weight"] = (a.d_model,)
+    linear = linear_shapes(a, per) if a.linear_layers else per
     for i in range(a.n_layers):
-        for n, s in per.items():
+        for n, s in (linear if a.is_linear(i) else per).items():
             shapes[f"blk.{i}.{n}"] = s
     return shapes
 
 
+def linear_shapes(a: LlamaArgs, per: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A qwen35 linear-attention block's tensors (`toymlx.models.gated_delta`): the norms and
+    MLP of `per` (a full-attention block's), Gated DeltaNet's in place of the attention's."""
+    d, hv, dk = a.d_model, a.ssm_v_heads, a.ssm_head_dim
+    conv = 2 * a.ssm_k_heads * dk + hv * dk
+    out = {n: s for n, s in per.items() if not n.startswith("attn_") or n == "attn_norm.weight"}
+    out.update({"attn_qkv.weight": (conv, d), "attn_gate.weight": (hv * dk, d),
+                "ssm_conv1d.weight": (conv, a.ssm_conv_kernel), "ssm_dt.bias": (hv,),
+                "ssm_a": (hv,), "ssm_beta.weight": (hv, d), "ssm_alpha.weight": (hv, d),
+                "ssm_norm.weight": (dk,), "ssm_out.weight": (d, hv * dk)})
+    return out
+
+
 def parameter_names(a: LlamaArgs) -> dict[str, str]:
     """llama.cpp tensor name -> toymlx parameter path, for every parameter of the model."""
-    return {n: gguf_to_toy(n, a.fused_gate_up) for n in expected_shapes(a)}
+    return {n: gguf_to_toy(n, a.fused_gate_up, a.arch) for n in expected_shapes(a)}
 
 
 def check_shapes(g: GGUFFile, a: LlamaArgs, rope: set[str] | None = None) -> None:
@@ -552,11 +657,20 @@ def check_shapes(g: GGUFFile, a: LlamaArgs, rope: set[str] | None = None) -> Non
                             f"{a.arch}.* hyperparameters, found {tuple(found)}")
     rope = set(ROPE_TENSORS) if rope is None else rope
     for name in g.tensors:
-        if name not in want and name not in rope:
+        if name not in want and name not in rope and not mtp_block(g, name, a):
             raise GGUFError(f"{g.path}: tensor {name!r}: expected only the tensors a "
                             f"{a.arch} model of this shape computes with, found this one too; "
                             "not loaded, so that nothing is ignored (supported architectures: "
                             f"{SUPPORTED})")
+
+
+def mtp_block(g: GGUFFile, name: str, a: LlamaArgs) -> bool:
+    """Tensor `name` belongs to one of a qwen35 file's MTP blocks (`nextn_predict_layers`
+    after the decoder's): the draft head of llama.cpp's speculative decoding, which its plain
+    decoding never runs (`llama_model_qwen35::graph`), nor toymlx."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    nextn = g.metadata.get("qwen35.nextn_predict_layers", 0) if a.arch == "qwen35" else 0
+    return m is not None and a.n_layers <= int(m.group(1)) < a.n_layers + nextn
 
 
 WEIGHTS = ("float32", "bfloat16", "float16", "blocks", "quantized")
@@ -607,7 +721,8 @@ def tensor_route(g: GGUFFile, name: str, weights: str,
     dtype, or float32 for 1-D tensors and those in `trained`), "blocks"
     (`BlockLinear`/`BlockEmbedding`) or "mlx" (MLX's quantized layer)."""
     info = g.tensors[name]
-    matrix = len(info.shape) == 2 and name.endswith(".weight")
+    matrix = (len(info.shape) == 2 and name.endswith(".weight")
+              and not name.endswith("ssm_conv1d.weight"))  # a convolution's, not a Linear's
     if (weights not in ("blocks", "quantized") or not matrix or info.type not in CODECS
             or name in trained):
         return "float"
@@ -705,7 +820,8 @@ def _quantized_linear(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
 
 
 _SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "qk_norm_whole", "pre_norms", "post_norms",
-             "embed_scale", "activation", "fused_qkv", "fused_gate_up", "no_rope_interval")
+             "embed_scale", "activation", "fused_qkv", "fused_gate_up", "no_rope_interval",
+             "attn_out_gate")
 """LlamaArgs fields that an architecture fixes (`Arch.switches`; LlamaArgs' default where it
 does not name them)."""
 
@@ -745,6 +861,10 @@ def unwritable(a: LlamaArgs) -> list[str]:
             out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
     if a.tie_embeddings and a.arch == "olmo2":
         out.append("tie_embeddings=True (llama.cpp's olmo2 reads an output.weight)")
+    if a.arch == "qwen35" and not a.linear_layers:
+        out.append("linear_layers=None (qwen35 files say which blocks are linear attention)")
+    elif a.arch != "qwen35" and a.linear_layers:
+        out.append("linear_layers (only qwen35 files have linear-attention blocks)")
     if a.out_bias and a.arch not in BIASED:
         out.append("out_bias=True (only llama and mistral3 files carry an attention output "
                    "bias)")
@@ -862,12 +982,26 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         meta[k + "final_logit_softcapping"] = float(a.final_softcap)
     if a.attn_softcap is not None:
         meta[k + "attn_logit_softcapping"] = float(a.attn_softcap)
+    if a.arch == "qwen35":
+        meta.update(qwen35_metadata(a))
     if a.arch == "granite":  # llama.cpp requires logit_scale; the others, where not 1
         meta.update({k + key: float(getattr(a, field)) for key, field in GRANITE_SCALARS.items()
                      if key == "logit_scale" or getattr(a, field) != 1.0})
         if a.attn_scale is not None:
             meta[k + "attention.scale"] = float(a.attn_scale)
     return meta
+
+
+def qwen35_metadata(a: LlamaArgs) -> dict[str, Any]:
+    """A qwen35 file's keys beside the common ones (those `qwen35_switches` reads), its M-RoPE
+    sections the interleaving that turns every rotated pair by the text position (a third of
+    the pairs each, time first: the converter's [11, 11, 10, 0] for 32 pairs)."""
+    k, n = "qwen35.", (a.rope_dims or a.head_dim) // 2
+    return {k + "ssm.conv_kernel": a.ssm_conv_kernel, k + "ssm.state_size": a.ssm_head_dim,
+            k + "ssm.group_count": a.ssm_k_heads, k + "ssm.time_step_rank": a.ssm_v_heads,
+            k + "ssm.inner_size": a.ssm_v_heads * a.ssm_head_dim,
+            k + "attention.recurrent_layers": list(a.linear_layers or ()),
+            k + "rope.dimension_sections": [-(-n // 3), -(-(n - 1) // 3), -(-(n - 2) // 3), 0]}
 
 
 LLAMA_TYPES = {"general.file_type": (UINT32, None)}

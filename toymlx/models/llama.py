@@ -21,6 +21,11 @@ of `LlamaArgs`:
 | sliding-window layers | | | | 1 of 2 | 5 of 6 | | | | |
 | soft-capped attention scores | | | | yes | | | | | |
 
+qwen35 (Qwen3.5, dense) is qwen3's block with two more switches: `attn_out_gate` (each head's
+attention output times the sigmoid of a gate its q projection carries) and `linear_layers`
+(3 of every 4 blocks mix tokens by Gated DeltaNet linear attention instead,
+`toymlx.models.gated_delta`); RoPE turns the first quarter of each head (`rope_dims`).
+
 Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
 weight is ever permuted. Query head h reads kv head h // (n_heads // n_kv_heads). The math runs through the `Ops` the model is built with
@@ -39,6 +44,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.checks import ArgsError
+from toymlx.models.gated_delta import DeltaCache, GatedDeltaNet
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.layers import Embedding, Linear, RMSNorm
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables, yarn_corr_dims
@@ -71,7 +77,7 @@ class LlamaArgs:
     # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
     arch: str = "llama"
     """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3,
-    granite, olmo2 or mistral3."""
+    granite, olmo2, mistral3 or qwen35."""
     rope_neox: bool = False
     """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
     rope_dims: int | None = None
@@ -141,6 +147,21 @@ class LlamaArgs:
     (granite.residual_scale)."""
     logits_scaling: float = 1.0
     """Logits divided by this (granite.logit_scale)."""
+    attn_out_gate: bool = False
+    """The q projection carries a second half per head, whose sigmoid gates that head's
+    attention output before o_proj (qwen35's full-attention blocks)."""
+    linear_layers: tuple[bool, ...] | None = None
+    """Which blocks mix tokens by Gated DeltaNet linear attention instead of softmax attention
+    (qwen35: 3 of every 4; `toymlx.models.gated_delta`)."""
+    ssm_conv_kernel: int = 4
+    """Tokens the linear blocks' causal convolution spans (ssm.conv_kernel)."""
+    ssm_head_dim: int = 128
+    """Width of a linear block's k and v heads, its state being (width, width) per value head
+    (ssm.state_size)."""
+    ssm_k_heads: int = 16
+    """q/k heads of a linear block (ssm.group_count)."""
+    ssm_v_heads: int = 16
+    """Value heads of a linear block, a multiple of ssm_k_heads (ssm.time_step_rank)."""
 
     @property
     def head_dim(self) -> int:
@@ -180,6 +201,15 @@ class LlamaArgs:
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
             if not 0 < getattr(self, name) < float("inf"):  # nan too
                 raise ArgsError(self, name, "a finite number > 0")
+        if self.linear_layers is not None:
+            if len(self.linear_layers) != self.n_layers:
+                raise ArgsError(self, "linear_layers", "one entry per block of {n_layers}",
+                                f"{len(self.linear_layers)}")
+            for name in ("ssm_conv_kernel", "ssm_head_dim", "ssm_k_heads", "ssm_v_heads"):
+                if getattr(self, name) <= 0:
+                    raise ArgsError(self, name, "> 0")
+            if self.ssm_v_heads % self.ssm_k_heads:
+                raise ArgsError(self, "ssm_v_heads", "a multiple of {ssm_k_heads}")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
             raise ArgsError(self, "sliding_layers", "one entry per block of {n_layers}",
                             f"{len(self.sliding_layers)}")
@@ -231,6 +261,10 @@ class LlamaArgs:
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window and self.sliding_layers and self.sliding_layers[layer])
 
+    def is_linear(self, layer: int) -> bool:
+        """Block `layer` is a Gated DeltaNet linear-attention block (qwen35)."""
+        return bool(self.linear_layers and self.linear_layers[layer])
+
     def has_rope(self, layer: int) -> bool:
         """Block `layer` rotates q and k (smollm3's every 4th does not: llama.cpp's rule)."""
         return not (self.no_rope_interval and (layer + 1) % self.no_rope_interval == 0)
@@ -281,10 +315,12 @@ class Attention(nn.Module):
         self.window = a.sliding_window if a.is_sliding(layer) else None
         self.softcap = a.attn_softcap
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        self.out_gate = a.attn_out_gate
         if a.fused_qkv:
             self.qkv_proj = Linear(a.d_model, q + 2 * kv, bias=a.attn_bias, ops=ops)
         else:
-            self.q_proj = Linear(a.d_model, q, bias=a.attn_bias, ops=ops)
+            self.q_proj = Linear(a.d_model, 2 * q if a.attn_out_gate else q, bias=a.attn_bias,
+                                 ops=ops)
             self.k_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
             self.v_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
         self.o_proj = Linear(q, a.d_model, bias=a.out_bias, ops=ops)
@@ -301,6 +337,7 @@ class Attention(nn.Module):
         what it needs (`Ops.recomputed`: q/k norms, RoPE, the scores and their softmax), unless
         that takes few enough values a token to keep (`Ops.keeps_attention`)."""
         q, k, v = self.project(x)
+        q, gate = self.split_gate(q)
         norms = {n: self[n].trainable_parameters() for n in ("q_norm", "k_norm") if n in self}
 
         def attend(p: dict, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
@@ -308,10 +345,25 @@ class Attention(nn.Module):
             return self.attend(*self.heads(q, k, v, 0))
 
         if self.ops.keeps_attention(attention_values(self.args, x.shape[1])):
-            return attend(norms, q, k, v)
+            return self.gated(attend(norms, q, k, v), gate)
         o = self.ops.recomputed(attend, norms, q, k, v)
         self.update(norms)  # the recomputation leaves its inner arrays in the module
-        return o
+        return self.gated(o, gate)
+
+    def split_gate(self, q: mx.array) -> tuple[mx.array, mx.array | None]:
+        """q (B,T,H*hd) and the output gate (B,T,H*hd) of the q projection (B,T,H*2hd), whose
+        head h holds its q then its gate (qwen35's attn_q); (q, None) without a gate."""
+        if not self.out_gate:
+            return q, None
+        B, T, _ = q.shape
+        qg = q.reshape(B, T, self.n_heads, 2 * self.head_dim)
+        flat = (B, T, self.n_heads * self.head_dim)
+        return qg[..., :self.head_dim].reshape(flat), qg[..., self.head_dim:].reshape(flat)
+
+    @staticmethod
+    def gated(o: mx.array, gate: mx.array | None) -> mx.array:
+        """The attention's output (B,T,H*hd) times sigmoid(gate), where there is one."""
+        return o if gate is None else o * mx.sigmoid(gate).astype(o.dtype)
 
     def qkv(self, x: mx.array, offset: int, tables: RopeTables | None = None,
             q_tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
@@ -391,7 +443,8 @@ class Block(nn.Module):
         if a.pre_norms:
             self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
-        self.attn = Attention(a, ops, layer)
+        self.linear = a.is_linear(layer)
+        self.attn = GatedDeltaNet(a, ops) if self.linear else Attention(a, ops, layer)
         self.mlp = MLP(a, ops)
         if a.post_norms:
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
@@ -400,8 +453,15 @@ class Block(nn.Module):
         self.residual_multiplier = a.residual_multiplier
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        if self.linear:  # Gated DeltaNet: its own output projection, its own cache
+            return self.close(x, self.attn(self.pre(x, "attn_norm"), cache))
         if cache is None:
             return self.finish(x, self.attn(self.pre(x, "attn_norm")))
+        if self.attn.out_gate:
+            q, k, v = self.attn.project(self.pre(x, "attn_norm"))
+            q, gate = self.attn.split_gate(q)
+            o = self.attn.attend(*self.attn.heads(q, k, v, cache.offset), cache)
+            return self.finish(x, self.attn.gated(o, gate))
         return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache))
 
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
@@ -415,7 +475,10 @@ class Block(nn.Module):
     def finish(self, x: mx.array, o: mx.array) -> mx.array:
         """The block's output from its input x and the attention's `o` (before o_proj): both
         residual branches, the MLP's included."""
-        a = self.attn.o_proj(o)
+        return self.close(x, self.attn.o_proj(o))
+
+    def close(self, x: mx.array, a: mx.array) -> mx.array:
+        """The block's output from its input x and its attention branch `a` (after o_proj)."""
         x = x + self.branch(self.attn_post_norm(a) if self.post_norms else a)
         m = self.mlp(self.pre(x, "ffn_norm"))
         return x + self.branch(self.ffn_post_norm(m) if self.post_norms else m)
@@ -449,8 +512,8 @@ class Llama(nn.Module):
         resid_std = std / (2 * self.args.n_layers) ** 0.5
 
         def init(path: str, w: mx.array) -> mx.array:
-            if path.endswith("norm.weight"):
-                return w
+            if path.endswith(("norm.weight", ".ssm_a", ".dt_bias")):  # -1 and 0: a decay of
+                return w  # exp(-softplus(0)) = 0.5 per token in linear blocks
             s = resid_std if path.endswith(("o_proj.weight", "down_proj.weight")) else std
             return mx.random.normal(w.shape, scale=s)
 
@@ -503,6 +566,7 @@ class Llama(nn.Module):
     def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.unembed(self.hidden(tokens, cache))  # (B,T,V)
 
-    def make_cache(self) -> list[KVCache]:
-        """One KV cache per block, for generation."""
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> list[KVCache | DeltaCache]:
+        """One KV cache per block, for generation (a linear block's: its conv inputs and
+        state)."""
+        return [DeltaCache() if layer.linear else KVCache() for layer in self.layers]

@@ -91,7 +91,8 @@ class LoRAOptions:
     """Dropout on the adapter's input during training."""
     targets: str = "q"
     """Comma list of projections to adapt: q, k, v, o, gate, up, down (phi3's fused ones:
-    qkv, o, gate_up, down)."""
+    qkv, o, gate_up, down; qwen35's linear-attention blocks: qkv, z, beta, alpha, out, its
+    q, k, v, o being its full-attention blocks')."""
     layers: int | None = None
     """Adapt only the last N blocks (default: all; mlx-lm's --num-layers)."""
     init_adapter: str | None = None
