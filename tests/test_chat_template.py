@@ -19,7 +19,7 @@ import pytest
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 
 from toymlx.data.chat import TURNS, DataError, Example, tokenize_example
-from toymlx.data.chat_template import compile_template, render_context
+from toymlx.data.chat_template import compile_template, reasoning_aliased, render_context
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -35,6 +35,11 @@ CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
     "system+user": [SYSTEM, USER1],
     "multi-turn": [SYSTEM, USER1, ANSWER1, USER2],
     "ends with assistant": [USER1, ANSWER1, USER2, ANSWER2],
+    # reasoning in each of its fields (transformers hands each on under its other names)
+    "reasoning fields": [
+        USER1, {**ANSWER1, "reasoning_content": "Lists hold items."}, USER2,
+        {**ANSWER2, "thinking": "Maps hold pairs."}, {"role": "user", "content": "And a set?"},
+        {"role": "assistant", "content": "A bag.", "reasoning": "Sets hold each item once."}],
 }
 BOS, EOS = "<BOS>", "<EOS>"
 PINNED = datetime.datetime(2026, 3, 14, 15, 9, 26)
@@ -129,7 +134,7 @@ def toymlx_render(source: str, messages: list[dict[str, Any]], generation_prompt
     """toymlx's rendering, as `Tokenizer.apply_chat_template` does it."""
     extra = {"tools": tools, **variables} if tools else variables
     return compile_template(source, "test").render(
-        messages=messages, add_generation_prompt=generation_prompt,
+        messages=reasoning_aliased(messages), add_generation_prompt=generation_prompt,
         **render_context(BOS, EOS, **extra))
 
 
@@ -210,7 +215,7 @@ class TextTokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kw) -> str:
         return compile_template(self.chat_template, "test").render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=reasoning_aliased(messages), add_generation_prompt=add_generation_prompt,
             **render_context(BOS, EOS, **kw))
 
 
@@ -553,6 +558,90 @@ def test_a_last_turn_with_reasoning_trains_it_where_the_template_writes_it(
     assert fitted_rows([example], tok, 512)[1].thoughts == 0
 
 
+FIELD = {"role": "assistant", "content": "A sequence.", "reasoning_content": "Lists hold items."}
+"""THOUGHT with its reasoning in DeepSeek's API field (`reasoning_content`), not its content."""
+
+
+def in_content(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`chat` with FIELD written as THOUGHT (its reasoning as `<think>` in the content)."""
+    return [THOUGHT if m is FIELD else m for m in chat]
+
+
+@pytest.mark.parametrize("name", sorted(THOUGHT_DROPPED))
+def test_reasoning_in_a_field_trains_as_the_template_writes_it(name, llamacpp_source):  # noqa: F811
+    """Reasoning in `reasoning_content` reaches the template as transformers hands it the
+    message. Qwen3 and Qwen3.5 read it: an earlier turn's and the last turn's train exactly as
+    the same reasoning in `<think>` in the content does (the render the same, found by position
+    with the mark standing for both), the earlier one counted as dropped; the last trains its
+    thought, pinned. QwQ and DeepSeek-R1 read no field: the render is that of the answer alone,
+    trained so, and the field is counted as never written (not refused: transformers and mlx-lm
+    train so)."""
+    from toymlx.data.chat import fitted_rows
+
+    source = template_text(llamacpp_source, name)
+    tok = TextTokenizer(source)
+    last = {QWEN3: "<think>\nLists hold items.\n</think>\n\nA sequence.<|im_end|>\n",
+            QWEN35: "Lists hold items.\n</think>\n\nA sequence.<|im_end|>\n"}
+    for chat in ([USER1, FIELD, USER2, ANSWER2], [USER1, ANSWER1, USER2, FIELD]):
+        field = Example("d.jsonl:1", messages=tuple(chat))
+        text, runs = trained_texts(tok, field)
+        assert text == hf_render(source, chat, False)
+        fit = fitted_rows([field], tok, 512)[1]
+        if name in last:
+            think = Example("d.jsonl:1", messages=tuple(in_content(chat)))
+            assert (text, runs) == trained_texts(tok, think)
+            assert (fit.thoughts, fit.unread) == (int(chat[1] is FIELD), {})
+            assert fitted_rows([think], tok, 512)[1].thoughts == fit.thoughts
+            if chat[-1] is FIELD:
+                assert runs == ["A sequence.<|im_end|>\n", last[name]]
+            continue
+        plain = [ANSWER1 if m is FIELD else m for m in chat]
+        assert (text, runs) == trained_texts(tok, Example("d.jsonl:1", messages=tuple(plain)))
+        assert "Lists hold items." not in text
+        assert (fit.thoughts, fit.unread) == (0, {"reasoning_content": 1})
+
+
+def test_a_reasoning_field_the_template_never_writes_is_counted_or_refused(llamacpp_source):  # noqa: F811
+    """A reasoning field no render writes: Llama 3.1's template reads none, so the answers
+    train as without it and the split's note counts the messages, naming the field and the
+    template by the model's name. Qwen3's reads `reasoning_content`, which transformers fills
+    from OpenRouter's `reasoning` too: trained as that field is. Solar Open's reads only
+    `reasoning`, which transformers fills from no other: DeepSeek's `reasoning_content` there
+    would train every turn without its thought, a one-line error naming the field to rename it
+    to."""
+    from toymlx.data.chat import fitted_rows
+
+    class Named(TextTokenizer):
+        name = "Llama 3.1 8B Instruct"
+
+    llama = Named(template_text(llamacpp_source, "meta-llama-Llama-3.1-8B-Instruct.jinja"))
+    chat = [USER1, FIELD, USER2, {**ANSWER2, "reasoning": "Maps hold pairs."}]
+    example = Example("d.jsonl:1", messages=tuple(chat))
+    plain = Example("d.jsonl:1", messages=(USER1, ANSWER1, USER2, ANSWER2))
+    assert tokenize_example(example, llama, True) == tokenize_example(plain, llama, True)
+    fit = fitted_rows([example] * 3, llama, 512, False)[1]
+    assert fit.unread == {"reasoning_content": 3, "reasoning": 3}
+    assert fit.note("d.jsonl", "train", 512) == (
+        "d.jsonl: train: of 3 examples, 6 messages with a reasoning_content or reasoning field "
+        "Llama 3.1 8B Instruct's chat template never writes, so that reasoning is not trained "
+        "(as transformers and mlx-lm leave it out)")
+
+    qwen3 = TextTokenizer(template_text(llamacpp_source, QWEN3))
+    renamed = [{**USER1}, {"role": "assistant", "content": "A sequence.",
+                           "reasoning": "Lists hold items."}]
+    assert trained_texts(qwen3, Example("d.jsonl:1", messages=tuple(renamed))) == \
+        trained_texts(qwen3, Example("d.jsonl:1", messages=(USER1, FIELD)))
+    assert fitted_rows([Example("d.jsonl:1", messages=tuple(renamed))], qwen3, 512)[1].unread == {}
+
+    solar = TextTokenizer(template_text(llamacpp_source, "upstage-Solar-Open-100B.jinja"))
+    with pytest.raises(DataError) as err:
+        fitted_rows([Example("d.jsonl:1", messages=(USER1, FIELD))], solar, 512)
+    assert str(err.value) == (
+        "d.jsonl:1: messages[1].reasoning_content: expected the field this chat template reads "
+        "the reasoning from, reasoning, found reasoning_content, which it never writes (the "
+        "turn would train without its thought); rename the field reasoning")
+
+
 def test_mistral_nemo_with_tools_trains_turns_its_tool_list_moves(llamacpp_source):  # noqa: F811
     """Mistral-Nemo writes the tool list before the last user message, so an earlier turn's
     prefix render has it where the conversation's has not; its header is empty, and each
@@ -571,6 +660,7 @@ def test_qwen3_trained_tokens_with_its_real_vocabulary(llamacpp_source):  # noqa
     """Qwen3's template with Qwen's vocabulary (llama.cpp's models/ggml-vocab-qwen2.gguf, the
     one Qwen3's GGUFs carry): each run of trained ids is its answer and `<|im_end|>\\n` encoded
     alone, `<|im_end|>` one special token, the ids of the whole render those of the text."""
+    from toymlx.data.chat import fitted_rows
     from toymlx.data.tokenizer import Tokenizer
     from toymlx.data.vocab import K_TEMPLATE
     from toymlx.gguf.reader import read_metadata
@@ -586,6 +676,23 @@ def test_qwen3_trained_tokens_with_its_real_vocabulary(llamacpp_source):  # noqa
     assert ids == tok.encode(tok.apply_chat_template(list(CHAT3), False), add_bos=False)
     (im_end,) = tok.encode("<|im_end|>", add_bos=False)
     assert [run.count(im_end) for run in runs] == [1, 1, 1]
+    # reasoning in DeepSeek's field: the ids and mask of the same reasoning in the content;
+    # the earlier turn's dropped, the last turn's trained where the template writes it
+    maps = {"role": "assistant", "content": "A mapping.", "reasoning_content": "Maps hold pairs."}
+    field = Example("d.jsonl:1", messages=(USER1, FIELD, USER2, maps))
+    think = Example("d.jsonl:1", messages=(USER1, THOUGHT, USER2, {
+        "role": "assistant", "content": "<think>\nMaps hold pairs.\n</think>\n\nA mapping."}))
+    ids, mask = tokenize_example(field, tok, True)
+    assert (ids, mask) == tokenize_example(think, tok, True)
+    assert trained_runs(ids, mask) == [tok.encode(t, add_bos=False) for t in (
+        "A sequence.<|im_end|>\n", "<think>\nMaps hold pairs.\n</think>\n\nA mapping.<|im_end|>\n")]
+    # QwQ's template reads no field: the note names it by the file's general.name
+    qwq_template = template_text(llamacpp_source, "Qwen-QwQ-32B.jinja")
+    qwq = Tokenizer.from_metadata({**meta, K_TEMPLATE: qwq_template}, vocab)
+    assert fitted_rows([field], qwq, 512)[1].note("d.jsonl", "train", 512) == (
+        "d.jsonl: train: of 1 example, 2 messages with a reasoning_content field qwen2's chat "
+        "template never writes, so that reasoning is not trained (as transformers and mlx-lm "
+        "leave it out)")
 
 
 def test_mistral_nemo_with_a_system_message_trains_as_its_last_turns_prompt_meets_it(
@@ -726,6 +833,19 @@ def test_qwen35_trains_earlier_turns_as_the_history_writes_them_with_its_real_vo
         assert ids == tok.encode(prompt, add_bos=False) + tok.encode(texts[-1], add_bos=False)
         assert hf_render(source, chat, False, tools) == prompt + texts[-1]
         assert [run.count(im_end) for run in trained] == [1, 1, 1]
+    # reasoning in DeepSeek's field: the ids and mask of the same reasoning in the content,
+    # the last turn's thought trained after the prompt's `<think>\n`, as generation writes it
+    maps = {"role": "assistant", "content": "A mapping.", "reasoning_content": "Maps hold pairs."}
+    chat = [USER1, FIELD, USER2, maps]
+    think = [USER1, THOUGHT, USER2, {
+        "role": "assistant", "content": "<think>\nMaps hold pairs.\n</think>\n\nA mapping."}]
+    ids, mask = tokenize_example(Example("d.jsonl:1", messages=tuple(chat)), tok, True)
+    assert (ids, mask) == tokenize_example(Example("d.jsonl:1", messages=tuple(think)), tok, True)
+    last = "Maps hold pairs.\n</think>\n\nA mapping.<|im_end|>\n"
+    assert trained_runs(ids, mask) == [tok.encode(t, add_bos=False)
+                                       for t in ("A sequence.<|im_end|>\n", last)]
+    assert ids == tok.encode(hf_render(source, chat[:-1], True), add_bos=False) + \
+        tok.encode(last, add_bos=False)
 
 
 # ------------------------------------------------------------------------------- Gemma 4

@@ -5,8 +5,13 @@ File formats (`load_examples`):
   reads: `{"text": ...}`, `{"prompt": ..., "completion": ...}` and
   `{"messages": [{"role": ..., "content": ...}, ...]}`, the last optionally with mlx-lm's
   `"tools": [...]` (handed to a chat template that takes `tools`; assistant messages may
-  carry `tool_calls`, tool messages `name` and `tool_call_id`). Other keys are ignored; blank lines are skipped. A
-  `.json` file may instead hold one JSON array of such objects.
+  carry `tool_calls`, tool messages `name` and `tool_call_id`). A message's reasoning may come
+  in a field (`reasoning_content`, `thinking` or `reasoning`, a string: `REASONING_FIELDS`),
+  trained where the template writes it as `<think>` reasoning in the content is; one it never
+  writes is counted in the split's note (`unread_fields`). Each message goes to the template
+  whole, as transformers and mlx-lm hand it: a key the template reads nowhere (`id`, `weight`)
+  changes nothing, and a null one is left out. Other keys of a record are ignored; blank lines
+  are skipped. A `.json` file may instead hold one JSON array of such objects.
 - `.csv` (comma) and `.tsv` (tab): a table with a header row (RFC 4180 quoting, as Python's
   `csv` reads it), each further row one record keyed by the header, read as the JSONL record
   of those keys would be (`_table_examples`): columns `text`, `prompt` and `completion`, or
@@ -49,7 +54,7 @@ import numpy as np
 
 from toymlx.backend.files import counted, json_fault, shortlist
 from toymlx.backend.progress import pass_bar
-from toymlx.data.chat_template import system_in_user, system_refused
+from toymlx.data.chat_template import REASONING_FIELDS, system_in_user, system_refused
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
 
@@ -81,7 +86,6 @@ ROLES = ("system", "user", "assistant", "tool")
 TURNS = ("assistant", "last")
 """Which messages of a conversation train under mask_prompt: every assistant turn (toymlx's),
 or the last message (mlx-lm's)."""
-TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("name", "tool_call_id")}
 SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
 
 
@@ -265,12 +269,15 @@ def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted) ->
         content = m.get("content", "")
         if content is None and m.get("tool_calls"):
             content = ""
-        msg = {"role": m["role"], "content": string(f"messages[{j}].content", content,
-                                                    non_empty=False)}
-        # mlx-lm's tool-use fields, for the template to render; other keys are ignored, and a
-        # null one is left out as transformers leaves it (`"tool_calls": null` is no tool call
-        # to a template asking `'tool_calls' in message`, as Llama 3.1's does)
-        msg.update({k: m[k] for k in TOOL_KEYS.get(m["role"], ()) if m.get(k) is not None})
+        # every other key goes to the template as transformers and mlx-lm hand it the whole
+        # message (mlx-lm's tool fields, the reasoning fields; one no template reads changes
+        # nothing); a null one is left out, as no field (`"tool_calls": null` is no tool call to
+        # a template asking `'tool_calls' in message`, as Llama 3.1's does)
+        msg = {k: v for k, v in m.items() if v is not None}
+        msg["content"] = string(f"messages[{j}].content", content, non_empty=False)
+        for key in REASONING_FIELDS:
+            if key in msg:
+                string(f"messages[{j}].{key}", msg[key], non_empty=False)
         out.append(msg)
     return Example(where, messages=tuple(out), tools=tuple(tools) if tools else None,
                    read_from=read_from)
@@ -916,13 +923,20 @@ def _around(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int
             source: str, tools: Sequence[dict[str, Any]] | None) -> tuple[str, str] | None:
     """What the render of `messages` (with a generation prompt where `gen`) writes before and
     after the content of `messages[i]`: the render with `CONTENT_MARK` in place of that content,
-    cut at the mark; None where the mark is not written once."""
-    marked = [*messages[:i], {**messages[i], "content": CONTENT_MARK}, *messages[i + 1:]]
+    cut at the mark; None where the mark is not written once. The mark stands for the message's
+    reasoning fields too (`REASONING_FIELDS`, left out), as it stands for `<think>` reasoning in a
+    content: what the render writes of either lies between the two parts."""
+    marked = [*messages[:i], _unreasoned(messages[i], CONTENT_MARK), *messages[i + 1:]]
     text = _render(tokenizer, marked, gen, source, tools)
     if text.count(CONTENT_MARK) != 1:
         return None
     head, tail = text.split(CONTENT_MARK)
     return head, tail
+
+
+def _unreasoned(message: dict[str, Any], content: str) -> dict[str, Any]:
+    """`message` with `content`, without its reasoning fields (`REASONING_FIELDS`)."""
+    return {**{k: v for k, v in message.items() if k not in REASONING_FIELDS}, "content": content}
 
 
 def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int,
@@ -956,7 +970,7 @@ def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], 
             upto.endswith(last[1]) and around[1].startswith(last[1]):
         return start, len(full) - len(around[1]) + len(last[1])
     # the content written as nothing: the turn's end, as it is with an empty content
-    empty = [*messages[:i], {**messages[i], "content": ""}]
+    empty = [*messages[:i], _unreasoned(messages[i], "")]
     end = _render(tokenizer, empty, False, source, tools)
     if end.startswith(last[0]) and full.startswith(end[len(last[0]):], start):
         return start, start + len(end) - len(last[0])
@@ -1103,37 +1117,90 @@ def system_merged(example: Example, tokenizer: ChatTokenizer) -> bool:
             and system_refused(tokenizer) is not None)
 
 
+def _chat_messages(example: Example, tokenizer: ChatTokenizer) -> list[dict[str, Any]]:
+    """The messages of `example` as its render takes them (`system_merged`: the system text in
+    the first user message)."""
+    messages = list(example.messages or ())
+    if system_merged(example, tokenizer):
+        messages = system_in_user(messages[1:], messages[0]["content"])
+    return messages
+
+
+def _field_thought(message: dict[str, Any]) -> str:
+    """The reasoning a message gives in a field (`REASONING_FIELDS`, the first not blank), "" for
+    none."""
+    return next((message[k] for k in REASONING_FIELDS if message.get(k, "").strip()), "")
+
+
 def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool,
-                       turns: str) -> int:
+                       turns: str, unread: Sequence[tuple[int, str]] | None = None) -> int:
     """How many assistant turns of `example` hold reasoning that the chat template leaves out of
     the conversation it renders (`thought_dropped`: Qwen3's, Qwen3.5's and QwQ's drop `<think>`
     reasoning from a turn once a user message follows, DeepSeek-R1's and Gemma 4's from every
-    turn), so that it is not trained:
-    their answers train as the render writes them, which is how the model meets those turns at
-    inference; `Fit.thoughts` counts them so that it is said, not silent. 0 where only the last
-    turn trains (`mask_prompt` with `turns` "last": the others are prompt), or for no messages.
-    Found by position where the template writes a marked content once (`_around`), else by the
-    content's text missing from the render."""
+    turn; Qwen3's and Qwen3.5's drop a `reasoning_content` field so too), so that it is not
+    trained: their answers train as the render writes them, which is how the model meets those
+    turns at inference; `Fit.thoughts` counts them so that it is said, not silent. A field the
+    template never writes, in any turn, is `unread_fields`'s (`unread`, where already found),
+    not counted here. 0 where only the last turn trains (`mask_prompt` with `turns` "last": the
+    others are prompt), or for no messages. Found by position where the template writes a
+    marked content once (`_around`, which leaves the fields out), else by the thought's text
+    missing from the render."""
     if example.messages is None or (mask_prompt and turns == "last") or not any(
-            m["role"] == "assistant" and thought_dropped(m.get("content") or "", "")
+            m["role"] == "assistant" and (_field_thought(m) or
+                                          thought_dropped(m.get("content") or "", ""))
             for m in example.messages) or not getattr(tokenizer, "chat_template", None):
         return 0
-    messages = list(example.messages)
-    if system_merged(example, tokenizer):
-        messages = system_in_user(messages[1:], messages[0]["content"])
+    messages = _chat_messages(example, tokenizer)
+    unread_at = {i for i, _ in (unread_fields(example, tokenizer) if unread is None else unread)}
     full = _render(tokenizer, messages, False, example.source, example.tools)
     count = 0
     for i, m in enumerate(messages):
         content = m.get("content") or ""
-        if m["role"] != "assistant" or not thought_dropped(content, ""):
+        field = "" if i in unread_at else _field_thought(m)
+        if m["role"] != "assistant" or not (field or thought_dropped(content, "")):
             continue
         around = _around(tokenizer, messages, i, False, example.source, example.tools)
         if around is not None and full.startswith(around[0]) and full.endswith(around[1]):
             written = full[len(around[0]):len(full) - len(around[1])]
         else:  # the content itself, as a text of the render
             written = full
-        count += thought_dropped(content, written)
+        count += field.strip() not in written if field else thought_dropped(content, written)
     return count
+
+
+def unread_fields(example: Example, tokenizer: ChatTokenizer) -> list[tuple[int, str]]:
+    """(index, key) of each reasoning field (`REASONING_FIELDS`, not blank) of `example`'s
+    messages that the chat template never writes: the message's render as the last, with and
+    without the field, is the same (`reasoning_content` on Llama 3.1's, or on DeepSeek-R1's,
+    which read no field; transformers hands a template the field under `reasoning_content` and
+    `thinking` too, `reasoning_aliased`). transformers and mlx-lm train without it alike, as
+    toymlx does; `Fit.unread` counts them so that it is said. A DataError where the template
+    writes the same text given under another of the keys (a template that reads only
+    `reasoning`, given `reasoning_content`): that field's thought would be lost in every turn,
+    which renaming it saves."""
+    if example.messages is None or not getattr(tokenizer, "chat_template", None) or not any(
+            m.get(k, "").strip() for m in example.messages for k in REASONING_FIELDS):
+        return []
+    messages = _chat_messages(example, tokenizer)
+    out = []
+    for i, m in enumerate(messages):
+        for key in (k for k in REASONING_FIELDS if m.get(k, "").strip()):
+            left = {k: v for k, v in m.items() if k != key}
+            without = _render(tokenizer, [*messages[:i], left], False, example.source,
+                              example.tools)
+            if without != _render(tokenizer, messages[:i + 1], False, example.source,
+                                  example.tools):
+                continue
+            other = next((k for k in REASONING_FIELDS if k not in m and _render(
+                tokenizer, [*messages[:i], {**left, k: m[key]}], False, example.source,
+                example.tools) != without), None)
+            if other is not None:
+                raise DataError(f"{example.source}: messages[{i}].{key}: expected the field this "
+                                f"chat template reads the reasoning from, {other}, found {key}, "
+                                f"which it never writes (the turn would train without its "
+                                f"thought); rename the field {other}")
+            out.append((i, key))
+    return out
 
 
 def _encode_pieces(tokenizer: ChatTokenizer, pieces: Sequence[Piece]) -> list[np.ndarray]:
@@ -1365,6 +1432,12 @@ class Fit:
     thoughts: int = 0
     """Assistant turns whose reasoning (`<think>...</think>`) the chat template leaves out of the
     conversation it renders, so that it is not trained (`untrained_thoughts`)"""
+    unread: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Messages by reasoning field (`REASONING_FIELDS`) whose field the chat template never
+    writes, so that it is not trained (`unread_fields`)"""
+    template: str = ""
+    """The chat template's model name (GGUF `general.name`), for the note on `unread`; "" for
+    none"""
 
     @classmethod
     def of(cls, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int,
@@ -1405,6 +1478,12 @@ class Fit:
                          f"out of the conversation it renders, as the model meets those turns at "
                          f"inference, so only their answers train; --data.train-turns last "
                          f"trains only each final turn, as generation writes it")
+        if self.unread:
+            fields = " or ".join(self.unread)
+            which = f"{self.template}'s chat template" if self.template else "the chat template"
+            parts.append(f"{counted(sum(self.unread.values()), 'message')} with a {fields} field "
+                         f"{which} never writes, so that reasoning is not trained (as "
+                         f"transformers and mlx-lm leave it out)")
         if not parts:
             return None
         return f"{source}: {split}: of {counted(self.examples, 'example')}, {', '.join(parts)}"
@@ -1682,10 +1761,17 @@ def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: 
     if first is not None:
         rows = {k: v[:first] for k, v in rows.items()}
     merged = sum(system_merged(e, tokenizer) for e in examples[:len(seqs)])
-    thoughts = sum(untrained_thoughts(e, tokenizer, mask_prompt, turns)
-                   for e in examples[:len(seqs)])
+    thoughts = 0
+    unread: dict[str, int] = {}
+    for e in examples[:len(seqs)]:
+        fields = unread_fields(e, tokenizer)
+        thoughts += untrained_thoughts(e, tokenizer, mask_prompt, turns, fields)
+        for _, key in fields:
+            unread[key] = unread.get(key, 0) + 1
+    name = getattr(tokenizer, "name", None)
     return rows, dataclasses.replace(Fit.of(seqs, seq_len, pack), merged=merged,
-                                     thoughts=thoughts)
+                                     thoughts=thoughts, unread=unread,
+                                     template=name if isinstance(name, str) else "")
 
 
 class _RowsDone:
