@@ -107,10 +107,10 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}, rope_scaling=YARN),
     Arch("olmo2", {"rope_neox": True, "qk_norm_whole": True, "pre_norms": False,
                    "post_norms": True}, frozenset(), rope_scaling=YARN),
+    Arch("gemma4", gemma4.SWITCHES, gemma4.KEYS, rope_scaling=("none",)),
     # Qwen3.5 dense: Gated DeltaNet blocks (toymlx.models.gated_delta) and gated full attention
     Arch("qwen35", {"rope_neox": True, "qk_norm": True, "attn_out_gate": True},
          frozenset(QWEN35_KEYS), rope_scaling=("none",)),
-    Arch("gemma4", gemma4.SWITCHES, gemma4.KEYS, rope_scaling=("none",)),
 )}
 """The architectures toymlx loads, by general.architecture."""
 
