@@ -10,6 +10,7 @@ There is no model hub here, so the benchmark writes the files people run at thei
 | llama-3.1-8b | llama | 4096 | 32 | 14336 | 32/8 | 128 | SmolLM2's 49,152 (not Llama 3's 128,256) | untied |
 | qwen3-1.7b | qwen3 | 2048 | 28 | 6144 | 16/8 | 128 | Qwen2's 151,936 + Qwen3's added tokens | tied |
 | gemma-4-e2b | gemma4 | 1536 | 35 | 6144 (12288 in the 20 shared-KV layers) | 8/1 | 256 sliding, 512 full | 262,144, synthetic SentencePiece | tied |
+| qwen3.5-0.8b | qwen35 | 1024 | 24 (18 linear) | 3584 | 8/2 | 256 | 248,320, Qwen2's BPE padded | tied |
 
 Gemma 4 E2B's (google/gemma-4-E2B's text config): every 5th layer full attention, window 512,
 the last 20 layers reading layers 13's and 14's keys and values, per-layer embeddings of 256
@@ -24,7 +25,13 @@ load. Qwen3 takes llama.cpp's `models/ggml-vocab-qwen2.gguf` (Qwen2's BPE, which
 with Qwen3's added tokens written over the padding ids 151646-151668 (`<think>` is 151667),
 Qwen3's ids (eos `<|im_end|>`, pad and bos `<|endoftext|>`, no bos added) and Qwen3's real chat
 template (`models/templates/Qwen-Qwen3-0.6B.jinja`), from llama.cpp's source tree
-(`qwen3_vocab`). The F16 model is streamed to disk one tensor at a time (gguf-py's `GGUFWriter`: tensor
+(`qwen3_vocab`). Qwen3.5 (`qwen35_vocab`) takes `models/ggml-vocab-qwen35.gguf` the same way:
+that file is Qwen2's 151,936 tokens and merges under Qwen3.5's pre-tokenizer (`qwen35`), not
+Qwen3.5's own 248K BPE, which the tree does not carry; it is padded with `[PADn]` tokens to
+Qwen3.5's 248,320 rows (the embedding's real size) and carries Qwen3.5's chat template
+(`models/templates/Qwen3.5-4B.jinja`). Qwen3.5-0.8B's text config: 3 of every 4 blocks Gated
+DeltaNet (16 k and 16 v heads of 128, kernel 4), full attention 8/2 heads of 256 with RoPE on
+the first 64 dimensions (base 1e7). The F16 model is streamed to disk one tensor at a time (gguf-py's `GGUFWriter`: tensor
 infos first, then each tensor's data as it is drawn, so an 8B's 16 GB never sits in memory),
 llama.cpp's own quantizer (`llama_model_quantize`, as `llama-quantize F16 OUT Q4_K_M`) writes
 the file, and the F16 is deleted. Files are kept in a cache folder and reused.
@@ -63,6 +70,9 @@ FILE_TYPE = "q4_k_m"
 STD = 0.02
 CHUNK_VALUES = 1 << 24
 """Random values drawn at once while a tensor is made (64 MB of float32)."""
+F32_MATRICES = ("ssm_conv1d.weight",)
+"""Matrices llama.cpp's converter writes F32 (qwen35's convolution: its quantizer keeps them
+as they are, and ggml's ssm_conv reads F32 weights)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,7 @@ class Shape:
     args: LlamaArgs
     vocab: str
     """"smollm2": the real SmolLM2 GGUF's tokenizer; "synthetic": `synthetic_spm`; "qwen3":
-    `qwen3_vocab`."""
+    `qwen3_vocab`; "qwen35": `qwen35_vocab`."""
 
 
 def _llama(d: int, layers: int, ffn: int, heads: int, kv: int, tied: bool) -> LlamaArgs:
@@ -113,6 +123,17 @@ def _qwen3(d: int, layers: int, ffn: int, heads: int, kv: int, tied: bool) -> Ll
                    tie_embeddings=tied)
 
 
+def _qwen35(d: int, layers: int, ffn: int, heads: int, kv: int, v_heads: int) -> LlamaArgs:
+    """Qwen3.5 dense (transformers' Qwen3_5TextConfig at the size): heads 256 wide, RoPE on a
+    quarter of each (partial_rotary_factor 0.25), linear blocks of 16 k heads of 128."""
+    return replace(LlamaArgs(), arch="qwen35", **ARCHS["qwen35"].switches, vocab_size=248320,
+                   d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv, key_length=256,
+                   rope_dims=64, ffn_dim=ffn, context=262144, rope_base=1e7, norm_eps=1e-6,
+                   tie_embeddings=True,
+                   linear_layers=tuple((i + 1) % 4 != 0 for i in range(layers)),
+                   ssm_conv_kernel=4, ssm_head_dim=128, ssm_k_heads=16, ssm_v_heads=v_heads)
+
+
 SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("gemma-3-270m", _gemma3_270m(), "synthetic"),
     Shape("llama-3.2-1b", _llama(2048, 16, 8192, 32, 8, tied=True), "smollm2"),
@@ -120,6 +141,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("llama-3.1-8b", _llama(4096, 32, 14336, 32, 8, tied=False), "smollm2"),
     Shape("qwen3-1.7b", _qwen3(2048, 28, 6144, 16, 8, tied=True), "qwen3"),
     Shape("gemma-4-e2b", _gemma4_e2b(), "synthetic"),
+    Shape("qwen3.5-0.8b", _qwen35(1024, 24, 3584, 8, 2, v_heads=16), "qwen35"),
 )}
 
 
@@ -185,8 +207,22 @@ def llamacpp_tree() -> Path:
 def qwen3_vocab() -> Typed:
     """Qwen3's tokenizer: llama.cpp's Qwen2 BPE vocabulary with Qwen3's added tokens, ids and
     real chat template."""
+    return qwen_vocab("ggml-vocab-qwen2.gguf", "qwen2", "Qwen-Qwen3-0.6B.jinja", 151936)
+
+
+def qwen35_vocab() -> Typed:
+    """Qwen3.5's pre-tokenizer and chat template over llama.cpp's Qwen2 BPE vocabulary with
+    Qwen3's added tokens (the ids the template's tokens take), padded to Qwen3.5's 248,320."""
+    return qwen_vocab("ggml-vocab-qwen35.gguf", "qwen35", "Qwen3.5-4B.jinja", 248320)
+
+
+def qwen_vocab(vocab: str, pre: str, template: str, size: int) -> Typed:
+    """llama.cpp's `models/<vocab>` tokens and merges with Qwen3's added tokens written over the
+    padding ids from 151646, user-defined `[PADn]` tokens up to `size`, Qwen3's ids (eos
+    `<|im_end|>`, pad and bos `<|endoftext|>`, no bos added), pre-tokenizer `pre` and
+    `models/templates/<template>`."""
     tree = llamacpp_tree()
-    with GGUFFile(tree / "models" / "ggml-vocab-qwen2.gguf") as g:
+    with GGUFFile(tree / "models" / vocab) as g:
         tokens = list(g.metadata["tokenizer.ggml.tokens"])
         types = list(g.metadata["tokenizer.ggml.token_type"])
         merges = list(g.metadata["tokenizer.ggml.merges"])
@@ -194,15 +230,16 @@ def qwen3_vocab() -> Typed:
     control, user_defined = 3, 4  # llama.cpp's token types
     for i, t in enumerate(QWEN3_ADDED):
         if tokens[first + i] != f"[PAD{first + i}]":
-            raise ValueError(f"ggml-vocab-qwen2.gguf: tokenizer.ggml.tokens[{first + i}]: "
+            raise ValueError(f"{vocab}: tokenizer.ggml.tokens[{first + i}]: "
                              f"expected [PAD{first + i}], found {tokens[first + i]!r}")
         tokens[first + i] = t
         types[first + i] = control if t.startswith("<|") else user_defined
-    template = (tree / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), size)]
+    types += [user_defined] * (size - len(types))
     u32, arr = GGUFValueType.UINT32, GGUFValueType.ARRAY
     return {
         "tokenizer.ggml.model": ("gpt2", GGUFValueType.STRING, None),
-        "tokenizer.ggml.pre": ("qwen2", GGUFValueType.STRING, None),
+        "tokenizer.ggml.pre": (pre, GGUFValueType.STRING, None),
         "tokenizer.ggml.tokens": (tokens, arr, GGUFValueType.STRING),
         "tokenizer.ggml.token_type": (types, arr, GGUFValueType.INT32),
         "tokenizer.ggml.merges": (merges, arr, GGUFValueType.STRING),
@@ -210,7 +247,8 @@ def qwen3_vocab() -> Typed:
         "tokenizer.ggml.padding_token_id": (151643, u32, None),
         "tokenizer.ggml.bos_token_id": (151643, u32, None),
         "tokenizer.ggml.add_bos_token": (False, GGUFValueType.BOOL, None),
-        "tokenizer.chat_template": (template, GGUFValueType.STRING, None),
+        "tokenizer.chat_template": ((tree / "models" / "templates" / template).read_text(),
+                                    GGUFValueType.STRING, None),
     }
 
 
@@ -254,9 +292,10 @@ def _model_metadata(a: LlamaArgs, name: str) -> Typed:
             continue  # GGUFWriter writes it
         if k == "general.file_type":
             v = 1  # MOSTLY_F16
-        if isinstance(v, list):  # gemma4's per-block pattern and widths
-            et = GGUFValueType.BOOL if isinstance(v[0], bool) else GGUFValueType.UINT32
-            out[k] = (v, GGUFValueType.ARRAY, et)
+        if isinstance(v, list):  # gemma4's per-block pattern and widths, qwen35's
+            # recurrent_layers and dimension_sections (llama.cpp reads INT32 and UINT32 alike)
+            out[k] = (v, GGUFValueType.ARRAY, GGUFValueType.BOOL if v and isinstance(v[0], bool)
+                      else GGUFValueType.INT32)
             continue
         vt = (GGUFValueType.STRING if isinstance(v, str) else GGUFValueType.FLOAT32
               if isinstance(v, float) else GGUFValueType.UINT32)
@@ -279,8 +318,8 @@ def write_vocab(path: Path) -> None:
 def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
               progress: Callable[[str], None] | None = None) -> None:
     """Stream an F16 GGUF of shape `a` to `path`: tensor infos, then each tensor's random data
-    drawn and written one at a time (matrices F16 N(0, STD), norms F32 ones; RoPE factors
-    as `rope_freqs`)."""
+    drawn and written one at a time (matrices F16 N(0, STD), vectors F32 `vector`; RoPE
+    factors as `rope_freqs`)."""
     shapes = expected_shapes(a)
     if a.rope_factors is not None:
         shapes["rope_freqs.weight"] = (len(a.rope_factors),)
@@ -288,7 +327,7 @@ def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
     for k, (v, vt, et) in meta.items():
         w.add_key_value(k, v, vt, et)
     for name, shape in shapes.items():
-        dt = np.float32 if len(shape) == 1 else np.float16
+        dt = np.float32 if len(shape) == 1 or name.endswith(F32_MATRICES) else np.float16
         w.add_tensor_info(name, shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize)
     w.write_header_to_file(path)
     w.write_kv_data_to_file()
@@ -299,9 +338,9 @@ def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
             w.write_tensor_data(np.array(a.rope_factors, np.float32))
             continue
         if len(shape) == 1:
-            w.write_tensor_data(np.ones(shape, np.float32))
+            w.write_tensor_data(vector(name, shape, rng))
             continue
-        t = np.empty(shape, np.float16)
+        t = np.empty(shape, np.float32 if name.endswith(F32_MATRICES) else np.float16)
         rows = max(1, CHUNK_VALUES // shape[1])
         for r in range(0, shape[0], rows):
             t[r:r + rows] = rng.standard_normal((min(rows, shape[0] - r), shape[1]),
@@ -311,6 +350,15 @@ def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
         if progress and (i + 1) % 16 == 0:
             progress(f"{path.name}: {i + 1}/{len(shapes)} tensors")
     w.close()
+
+
+def vector(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A 1-D tensor's values: ones (norms, qwen35's dt bias as transformers initializes it),
+    but qwen35's ssm_a, the decay rate -A with A ~ U(0.01, 16) as transformers initializes
+    A_log (ones would make every linear block's state grow e-fold a token)."""
+    if name.endswith(".ssm_a"):
+        return -rng.uniform(0.01, 16, shape).astype(np.float32)
+    return np.ones(shape, np.float32)
 
 
 def shape_file(shape: str | Shape, cache: str | os.PathLike = DEFAULT_CACHE,
@@ -329,7 +377,7 @@ def shape_file(shape: str | Shape, cache: str | os.PathLike = DEFAULT_CACHE,
     cache.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale(out)  # the F16 and quantized temporaries of a writer that was killed
     t0 = time.perf_counter()
-    vocabs = {"smollm2": smollm2_vocab, "qwen3": qwen3_vocab,
+    vocabs = {"smollm2": smollm2_vocab, "qwen3": qwen3_vocab, "qwen35": qwen35_vocab,
               "synthetic": lambda: synthetic_spm(shape.args.vocab_size)}
     vocab = vocabs[shape.vocab]()
     n_tokens = len(vocab["tokenizer.ggml.tokens"][0])

@@ -74,6 +74,48 @@ def test_tiny_qwen3_shape_carries_qwen3s_vocabulary_and_template(tmp_path, monke
     assert ids[:2] == [151644, 8948] and 151667 in ids and 151668 in ids
 
 
+@pytest.mark.interop  # llama.cpp's quantizer, tokenizer, source tree and qwen35 graph
+def test_tiny_qwen35_shape_loads_and_runs_in_llamacpp(tmp_path, monkeypatch,
+                                                      llamacpp_source):  # noqa: F811
+    """The qwen3.5 shape at two blocks: its list keys (recurrent_layers, dimension_sections) are
+    arrays (they were written as one uint32 and the writer failed), its convolution F32 as the
+    converter writes it (an F16 one crashed llama.cpp's ssm_conv) and its decay rates negative
+    (ones made the state grow e-fold a token); toymlx reads the shape back, the vocabulary is
+    padded to 248,320 and tokenizes a Qwen3.5 chat as llama.cpp does, and toymlx's last-token
+    logits are llama.cpp's within its 8-bit activation rounding."""
+    import llama_cpp
+
+    from toymlx.gguf.llama import load_llama
+
+    monkeypatch.setenv(shapes.LLAMACPP_TREE_ENV, str(llamacpp_source))
+    args = replace(shapes.SHAPES["qwen3.5-0.8b"].args, d_model=256, n_layers=2, ffn_dim=512,
+                   linear_layers=(True, False))
+    path, _ = shapes.shape_file(shapes.Shape("tiny-qwen35", args, "qwen35"), tmp_path)
+    with GGUFFile(path) as g:
+        assert args_from_gguf(g) == replace(args, norm_eps=float(np.float32(1e-6)))
+        assert g.tensors["blk.0.ssm_conv1d.weight"].type_name == "F32"
+        assert (g.load("blk.0.ssm_a") < 0).all()
+        assert len(g.metadata["tokenizer.ggml.tokens"]) == 248320
+        assert g.get("tokenizer.ggml.pre", str) == "qwen35"
+        assert g.get("tokenizer.chat_template", str) == (
+            llamacpp_source / "models" / "templates" / "Qwen3.5-4B.jinja").read_text()
+    tok = Tokenizer.from_gguf(path)
+    text = "<|im_start|>user\nHi é 日本 12345<|im_end|>\n<|im_start|>assistant\n<think>\n\n"
+    ids = tok.encode(text, add_bos=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=64, verbose=False, logits_all=True)
+    assert ids == llm.tokenize(text.encode(), add_bos=False, special=True)
+    llm.eval(ids)
+    import mlx.core as mx
+
+    model, _ = load_llama(path)
+    mine = np.array(model(mx.array([ids]))[0, -1])
+    theirs = np.array(llm.scores[len(ids) - 1])
+    # llama.cpp rounds activations to 8 bits inside its Q4_K / Q6_K dot products (the margin
+    # test_qwen35.py's test_quantized_copies reports): 0.034 here, on logits up to 1.6
+    assert np.abs(mine - theirs).max() < 0.05
+    assert np.corrcoef(mine, theirs)[0, 1] > 0.99
+
+
 def test_synthetic_vocabulary_has_the_size_asked_and_unique_tokens():
     v = shapes.synthetic_spm(262144)
     tokens = v["tokenizer.ggml.tokens"][0]

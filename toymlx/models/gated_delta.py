@@ -94,10 +94,11 @@ def l2_norm(x: mx.array, eps: float) -> mx.array:
     return x * mx.rsqrt(mx.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-CHUNK = 32
+CHUNK = 16
 """Tokens per chunk of `delta_chunks` (transformers' take 64; on a 2-core CPU, a forward and
 backward of a Qwen3.5-0.8B-shaped block over 256 tokens took 0.3-0.8 s by 16, 0.5-1.8 s by
-32, 4-7 s by 64, MLX's batched 64 x 64 products being slow there)."""
+32, 4-7 s by 64, MLX's batched 64 x 64 products being slow there; at the default chat batch,
+4 x 160 tokens, 0.26-0.39 s by 16 against 0.7-1.4 s by 32, interleaved runs at load 5)."""
 
 
 def gated_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
