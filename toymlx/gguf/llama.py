@@ -33,6 +33,7 @@ from toymlx.models.layers import (
     submodule,
 )
 from toymlx.models.llama import Llama, LlamaArgs
+from toymlx.models.moe import BlockExperts
 from toymlx.models.ops import DTYPES, EXACT, Ops
 
 CHECKPOINT_FORMAT = "toy/gguf-v1"
@@ -67,6 +68,8 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("llama", {}, frozenset()),
     Arch("qwen2", {"rope_neox": True, "attn_bias": True}, frozenset()),
     Arch("qwen3", {"rope_neox": True, "qk_norm": True}, frozenset()),
+    Arch("qwen3moe", {"rope_neox": True, "qk_norm": True},
+         frozenset({"expert_feed_forward_length"})),
     Arch("gemma2", {"rope_neox": True, "post_norms": True, "embed_scale": True,
                     "activation": "gelu_tanh"},
          frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
@@ -87,6 +90,8 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
                    "post_norms": True}, frozenset()),
 )}
 """The architectures toymlx loads, by general.architecture."""
+MOE_ARCHS = ("qwen3moe",)
+"""The architectures whose blocks' MLPs are mixtures of experts (`toymlx.models.moe.MoE`)."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,9 @@ _BLOCK = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_p
           "attn_q_norm": "attn.q_norm", "attn_k_norm": "attn.k_norm",
           "post_attention_norm": "attn_post_norm", "ffn_norm": "ffn_norm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          "post_ffw_norm": "ffn_post_norm"}
+          "post_ffw_norm": "ffn_post_norm", "ffn_gate_inp": "mlp.router",
+          "ffn_gate_exps": "mlp.gate_exps", "ffn_up_exps": "mlp.up_exps",
+          "ffn_down_exps": "mlp.down_exps"}
 _BLOCK_INV = {v: k for k, v in _BLOCK.items()} | {"mlp.gate_up_proj": "ffn_up"}
 _GGUF_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _TOY_RE = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
@@ -283,10 +290,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     if not arch.switches.get("rope_neox") and rope_dims != head_dim:
         raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_count': expected "
                         f"{head_dim} (full-head RoPE for {arch.name}), found {rope_dims}")
-    for key in ("expert_count", "expert_used_count"):  # llama.cpp: both 0 in a dense model
-        if n := g.get(k + key, int, 0):
-            raise GGUFError(f"{g.path}: metadata key '{k}{key}': expected 0 (dense models; "
-                            f"mixture-of-experts files are not supported), found {n}")
+    moe = _moe_switches(g, arch)
     if "token_embd.weight" not in g.tensors:
         raise GGUFError(f"{g.path}: tensor 'token_embd.weight': expected present, found missing")
     vocab = g.tensors["token_embd.weight"].shape[0]
@@ -349,13 +353,41 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         context=context, rope_base=rope_base, norm_eps=norm_eps,
         tie_embeddings="output.weight" not in g.tensors,
         key_length=None if head_dim == d // n_heads else head_dim,
-        arch=arch.name, rope_dims=None if rope_dims == head_dim else rope_dims, **sw)
+        arch=arch.name, rope_dims=None if rope_dims == head_dim else rope_dims, **sw, **moe)
     try:
         args.validate()
     except ValueError as e:
         raise GGUFError(f"{g.path}: {e}") from None
     check_shapes(g, args, rope_tensors(longrope, "rope_freqs.weight" in g.tensors))
     return args
+
+
+def _moe_switches(g: GGUFFile, arch: Arch) -> dict[str, Any]:
+    """A mixture-of-experts file's expert_count, expert_used_count and
+    expert_feed_forward_length as LlamaArgs fields; in a dense architecture's file both counts
+    must be 0 (llama.cpp's dense models)."""
+    k = arch.name + "."
+    if arch.name not in MOE_ARCHS:
+        for key in ("expert_count", "expert_used_count"):
+            if n := g.get(k + key, int, 0):
+                raise GGUFError(f"{g.path}: metadata key '{k}{key}': expected 0 ({arch.name} "
+                                f"is dense; mixtures of experts load as "
+                                f"{', '.join(MOE_ARCHS)}), found {n}")
+        return {}
+    n = g.get(k + "expert_count", int)
+    if n <= 0:
+        raise GGUFError(f"{g.path}: metadata key '{k}expert_count': expected > 0 "
+                        f"({arch.name} is a mixture of experts), found {n}")
+    used = g.get(k + "expert_used_count", int)
+    if not 1 <= used <= n:
+        raise GGUFError(f"{g.path}: metadata key '{k}expert_used_count': expected 1..{n} "
+                        f"(expert_count), found {used}")
+    width = g.get(k + "expert_feed_forward_length", int, 0)
+    if width < 0:
+        raise GGUFError(f"{g.path}: metadata key '{k}expert_feed_forward_length': expected "
+                        f"> 0 (or absent: feed_forward_length / expert_used_count), found "
+                        f"{width}")
+    return {"n_experts": n, "n_experts_used": used, "expert_ffn_dim": width or None}
 
 
 def _gemma_switches(g: GGUFFile, gemma: Gemma, n_layers: int, rope_base: float
@@ -451,12 +483,19 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
         per["post_attention_norm.weight"] = (a.d_model,)
     if a.pre_norms:
         per["ffn_norm.weight"] = (a.d_model,)
-    if a.fused_gate_up:
+    if a.n_experts:  # numpy (out, in) with the experts first
+        e, f = a.n_experts, a.expert_width
+        per.update({"ffn_gate_inp.weight": (e, a.d_model),
+                    "ffn_gate_exps.weight": (e, f, a.d_model),
+                    "ffn_up_exps.weight": (e, f, a.d_model),
+                    "ffn_down_exps.weight": (e, a.d_model, f)})
+    elif a.fused_gate_up:
         per["ffn_up.weight"] = (2 * a.ffn_dim, a.d_model)
     else:
         per.update({"ffn_gate.weight": (a.ffn_dim, a.d_model),
                     "ffn_up.weight": (a.ffn_dim, a.d_model)})
-    per["ffn_down.weight"] = (a.d_model, a.ffn_dim)
+    if not a.n_experts:
+        per["ffn_down.weight"] = (a.d_model, a.ffn_dim)
     if a.post_norms:
         per["post_ffw_norm.weight"] = (a.d_model,)
     for i in range(a.n_layers):
@@ -539,11 +578,12 @@ def tensor_route(g: GGUFFile, name: str, weights: str,
     dtype, or float32 for 1-D tensors and those in `trained`), "blocks"
     (`BlockLinear`/`BlockEmbedding`) or "mlx" (MLX's quantized layer)."""
     info = g.tensors[name]
-    matrix = len(info.shape) == 2 and name.endswith(".weight")
+    matrix = len(info.shape) in (2, 3) and name.endswith(".weight")  # 3-D: experts
     if (weights not in ("blocks", "quantized") or not matrix or info.type not in CODECS
             or name in trained):
         return "float"
-    if weights == "quantized" and name.startswith("blk.") and info.type in EXACT_QUANTS:
+    if (weights == "quantized" and name.startswith("blk.") and info.type in EXACT_QUANTS
+            and len(info.shape) == 2):
         return "mlx"
     return "blocks"
 
@@ -590,17 +630,20 @@ def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
 
 
 def _block_layer(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
-                 ) -> BlockLinear | BlockEmbedding:
-    """Tensor `name` as its own blocks: the token table as a `BlockEmbedding`, any other
-    matrix as a `BlockLinear` (with the float32 tensor `bias`, if given)."""
+                 ) -> BlockLinear | BlockEmbedding | BlockExperts:
+    """Tensor `name` as its own blocks: the token table as a `BlockEmbedding`, a 3-D expert
+    tensor as `BlockExperts`, any other matrix as a `BlockLinear` (with the float32 tensor
+    `bias`, if given)."""
     info = g.tensors[name]
     codec = CODECS[info.type]
-    n_out, n_in = info.shape
     parts = split_rows(codec, g.raw(name), info.shape)
     for k, v in parts.items():  # the scales (float16 fields); the codes are integers
         check_finite(g.path, name, v, f"block scales ({k!r})")
     blocks = {k: mx.array(v) for k, v in parts.items()}
     mx.eval(blocks)  # copied now, so the mapping's pages can go
+    if len(info.shape) == 3:
+        return BlockExperts(codec, blocks, *info.shape, ops)
+    n_out, n_in = info.shape
     if name == "token_embd.weight":
         return BlockEmbedding(codec, blocks, n_out, n_in, ops)
     b = None
@@ -675,6 +718,12 @@ def unwritable(a: LlamaArgs) -> list[str]:
         want = arch.switches.get(k, getattr(plain, k))
         if getattr(a, k) != want and not (k == "attn_bias" and a.arch == "llama"):
             out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
+    if bool(a.n_experts) != (a.arch in MOE_ARCHS):
+        out.append(f"n_experts={a.n_experts} ({a.arch} files are "
+                   f"{'mixtures of experts' if a.arch in MOE_ARCHS else 'dense'})")
+    if a.n_experts and not a.moe_norm_topk:
+        out.append(f"moe_norm_topk=False (llama.cpp's {a.arch} always renormalizes the chosen "
+                   "experts' weights)")
     if a.tie_embeddings and a.arch == "olmo2":
         out.append("tie_embeddings=True (llama.cpp's olmo2 reads an output.weight)")
     if a.out_bias and a.arch != "llama":
@@ -753,6 +802,9 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         k + "rope.freq_base": float(a.rope_base),
         k + "attention.layer_norm_rms_epsilon": float(a.norm_eps),
     }
+    if a.n_experts:
+        meta.update({k + "expert_count": a.n_experts, k + "expert_used_count": a.n_experts_used,
+                     k + "expert_feed_forward_length": a.expert_width})
     if a.rope_scale != 1.0:
         meta[k + "rope.scaling.type"] = "linear"
         meta[k + "rope.scaling.factor"] = 1.0 / a.rope_scale
@@ -792,7 +844,8 @@ def llama_tensor(model: Llama, flat: dict[str, Any], key: str) -> np.ndarray:
     if w is None and f"{base}.linear.{leaf}" in flat:  # a LoRA-wrapped projection keeps
         w = flat[f"{base}.linear.{leaf}"]  # its base weight under `.linear`
     elif w is None:  # a frozen matrix held as blocks or MLX-quantized: its exact decoding
-        w = dense_weight(submodule(model, base))
+        m = submodule(model, base)
+        w = m.dense() if isinstance(m, BlockExperts) else dense_weight(m)
     return np.asarray(w.astype(mx.float32))
 
 

@@ -20,6 +20,9 @@ granite and olmo2. They are one transformer with a handful of switches, each a f
 | sliding-window layers | | | | 1 of 2 | 5 of 6 | | | | |
 | soft-capped attention scores | | | | yes | | | | | |
 
+qwen3moe is qwen3 with each block's MLP a mixture of experts (`n_experts`,
+`toymlx.models.moe.MoE`).
+
 Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
 weight is ever permuted. Query head h reads kv head h // (n_heads // n_kv_heads). The math runs through the `Ops` the model is built with
@@ -39,6 +42,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from toymlx.models.checks import ArgsError
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.layers import Embedding, Linear, RMSNorm
+from toymlx.models.moe import MoE
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
 
 
@@ -124,6 +128,20 @@ class LlamaArgs:
     (granite.residual_scale)."""
     logits_scaling: float = 1.0
     """Logits divided by this (granite.logit_scale)."""
+    n_experts: int = 0
+    """Experts of each block's mixture-of-experts MLP (expert_count); 0: a dense MLP."""
+    n_experts_used: int = 0
+    """Experts each token is routed to (expert_used_count)."""
+    expert_ffn_dim: int | None = None
+    """An expert's SwiGLU width (expert_feed_forward_length); None: ffn_dim // n_experts_used,
+    llama.cpp's default."""
+    moe_norm_topk: bool = True
+    """The chosen experts' router probabilities divided by their sum (qwen3moe: always)."""
+
+    @property
+    def expert_width(self) -> int:
+        """An expert's SwiGLU width."""
+        return self.expert_ffn_dim or self.ffn_dim // max(self.n_experts_used, 1)
 
     @property
     def head_dim(self) -> int:
@@ -163,6 +181,10 @@ class LlamaArgs:
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
             if not 0 < getattr(self, name) < float("inf"):  # nan too
                 raise ArgsError(self, name, "a finite number > 0")
+        if self.n_experts and not 1 <= self.n_experts_used <= self.n_experts:
+            raise ArgsError(self, "n_experts_used", "1..{n_experts}")
+        if self.n_experts and self.expert_width <= 0:
+            raise ArgsError(self, "expert_ffn_dim", "> 0")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
             raise ArgsError(self, "sliding_layers", "one entry per block of {n_layers}",
                             f"{len(self.sliding_layers)}")
@@ -334,7 +356,8 @@ class Block(nn.Module):
             self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.attn = Attention(a, ops, layer)
-        self.mlp = MLP(a, ops)
+        self.mlp = (MoE(a.d_model, a.n_experts, a.n_experts_used, a.expert_width,
+                        a.moe_norm_topk, ops) if a.n_experts else MLP(a, ops))
         if a.post_norms:
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
