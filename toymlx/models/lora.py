@@ -26,9 +26,12 @@ from toymlx.models.ops import EXACT
 TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj",
                            "qkv": "attn.qkv_proj", "o": "attn.o_proj", "gate": "mlp.gate_proj",
                            "up": "mlp.up_proj", "gate_up": "mlp.gate_up_proj",
-                           "down": "mlp.down_proj"}
+                           "down": "mlp.down_proj", "router": "mlp.router"}
 """--lora.targets short names -> projection paths inside a decoder block (qkv and gate_up:
-phi3's fused projections, which it has instead of q, k, v and gate, up)."""
+phi3's fused projections, which it has instead of q, k, v and gate, up; router: a mixture of
+experts' `ffn_gate_inp`, which it has instead of gate, up and down)."""
+EXPERT_TENSORS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
+"""The MLP targets a mixture-of-experts block holds as 3-D expert tensors instead."""
 
 def base_dims(linear: nn.Module) -> tuple[int, int]:
     """(n_out, n_in) of a float, block-held or MLX-quantized linear layer."""
@@ -179,7 +182,7 @@ def hf_targets(names: Sequence[str]) -> str | None:
     out: list[str] = []
     for n in names:
         if n == "all-linear":  # PEFT's every linear layer of a block (phi3: its fused ones)
-            out += [t for t in TARGETS if t not in FUSED]
+            out += [t for t in TARGETS if t not in FUSED and t != "router"]
         elif n in TARGETS or n in hf:
             out.append(hf.get(n, n))
         else:
@@ -195,6 +198,7 @@ def block_targets(a: LlamaArgs) -> tuple[str, ...]:
     """The --lora.targets names a block of this architecture has, in TARGETS' order."""
     absent = set(FUSED["qkv"]) if a.fused_qkv else {"qkv"}
     absent |= set(FUSED["gate_up"]) if a.fused_gate_up else {"gate_up"}
+    absent |= {"gate_up", *EXPERT_TENSORS} if a.n_experts else {"router"}
     return tuple(t for t in TARGETS if t not in absent)
 
 
@@ -206,6 +210,13 @@ def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
     for t in names:
         if t in have:
             continue
+        if a.n_experts and t in EXPERT_TENSORS:
+            raise ValueError(f"--lora.targets: {t} is the experts' 3-D tensor "
+                             f"{EXPERT_TENSORS[t]} in this {a.arch} base, which toymlx's LoRA "
+                             f"does not adapt yet (llama.cpp's adapters may); its block has {','.join(have)}")
+        if t == "router":
+            raise ValueError(f"--lora.targets: router is a mixture of experts' ffn_gate_inp; "
+                             f"this {a.arch} base is dense and has {','.join(have)}")
         fused = next((f for f, parts in FUSED.items() if t in parts), None)
         what = (f"{t} is phi3's fused projection" if fused is None
                 else f"{t} is part of phi3's fused {fused}")

@@ -49,6 +49,10 @@ DECODED_COPIES = 6
 """float32 copies of the largest decoded slice of a block-held weight alive at once in a step
 (measured: the Llama-3.2-1B shape at 4 x 256 on two CPU streams peaked 254 MB higher by MLX's
 count with whole weights, the largest 64 MB, than with 16 MB slices: 5.3 copies of the 48 MB)."""
+EXPERT_DECODED_COPIES = 2
+"""float32 copies of a block-held 3-D expert tensor alive at once in a step: it is decoded
+whole where it is used (`toymlx.models.moe.BlockExperts`), gate's and up's one after the other
+(an assumption, not yet measured on a large mixture of experts)."""
 AVAILABLE_ENV = "TOYMLX_MEMORY_AVAILABLE"
 """Bytes to take as this machine's available memory instead of asking it (tests only)."""
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -88,6 +92,9 @@ def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
     else:
         dims = {"q": (q, d), "k": (kv, d), "v": (kv, d)}
     dims["o"] = (d, q)
+    if a.n_experts:  # a mixture of experts: its router is the MLP's one projection
+        dims["router"] = (a.n_experts, d)
+        return dims
     dims.update({"gate_up": (2 * f, d)} if a.fused_gate_up else {"gate": (f, d), "up": (f, d)})
     dims["down"] = (d, f)
     return dims
@@ -103,6 +110,8 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops) -> int:
     keeps them all."""
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
     mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
+    if a.n_experts:  # the router's probabilities; each chosen expert's gate, up, product, down
+        mlp = 2 * a.n_experts + a.n_experts_used * (3 * a.expert_width + d)
     kept = 6 * d + q + 2 * kv + mlp
     attention = attention_values(a, seq_len)
     if ops.grad_checkpoint or ops.keeps_attention(attention):
@@ -170,7 +179,10 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
                       if name.startswith("blk.")
                       and tensor_route(g, name, held, train) == "blocks"]
     largest = max(held_as_blocks, default=0)
-    decoded = min(largest, ops.decode_slice or largest) * 4 * DECODED_COPIES
+    experts = max((t.n_elements for name, t in g.tensors.items() if len(t.shape) == 3
+                   and tensor_route(g, name, held, train) == "blocks"), default=0)
+    decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
+                  experts * EXPERT_DECODED_COPIES) * 4
     return Estimate(base, trained, acts, logits, decoded)
 
 

@@ -1,0 +1,185 @@
+"""Mixtures of experts (qwen3moe): toymlx against llama.cpp and transformers on the tiny
+Qwen3MoeForCausalLM checkpoints of tests/hf_tiny.py (llama.cpp's converter; `-q`: 256 wide,
+quantized by llama.cpp's quantizer).
+
+test_hf_tiny.py checks the F32 files' logits (kinds qwen3moe, qwen3moe-q). Here: the routing
+is not decided by ties (so 1e-6 logit agreement is not luck), the quantized experts held in
+their blocks compute what float32 does, the quantized file against llama.cpp, a LoRA step on
+the attention and router lowers the loss, the adapter loads in llama.cpp with toymlx's logits,
+greedy decoding with the KV cache is llama.cpp's, and the expert tensors are refused as LoRA
+targets in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hf_tiny import (
+    hf_logits,
+    llamacpp_quantize,
+    tiny_gguf,  # noqa: F401  (session fixtures)
+    tiny_hf,  # noqa: F401
+    token_ids,
+)
+from llamacpp_runner import llamacpp_greedy, llamacpp_logits
+from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
+from mlx import nn
+
+from toymlx.data.tokenizer import Tokenizer
+from toymlx.gguf.llama import load_llama
+from toymlx.models.lora import apply_lora, lora_layers
+from toymlx.models.moe import BlockExperts, ExpertLinear, MoE
+from toymlx.training.adapter import write_adapter
+
+pytestmark = pytest.mark.interop
+
+N_TOKENS = 40
+HF_TOL = 1e-4  # as test_hf_tiny's F32 kinds
+
+
+def report(what: str, **figures) -> None:
+    print(f"\n[moe] {what}: " + json.dumps(figures, default=str))
+
+
+def logits(model, ids) -> np.ndarray:
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+def routing_margins(model, ids) -> list[float]:
+    """Per MoE block, the smallest gap over the tokens between the k-th and (k+1)-th router
+    probability: the distance from a different choice of experts."""
+    gaps: list[float] = []
+    for layer in model.layers:
+        moe = layer.mlp
+        route = moe.route
+
+        def recording(h, moe=moe, route=route):
+            p = mx.sort(mx.softmax(moe.router(h).astype(mx.float32), axis=-1), axis=-1)
+            k = moe.n_used
+            gaps.append(float((p[:, -k] - p[:, -k - 1]).min()))
+            return route(h)
+
+        moe.route = recording
+    model(mx.array([ids]))
+    for layer in model.layers:
+        del layer.mlp.route
+    return gaps
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3moe-q"])
+def test_routing_is_not_decided_by_ties(kind, tiny_hf, tiny_gguf):  # noqa: F811
+    model, _ = load_llama(tiny_gguf(kind))
+    assert all(isinstance(b.mlp, MoE) for b in model.layers)
+    ids = token_ids(tiny_hf(kind), N_TOKENS)
+    gaps = routing_margins(model, ids)
+    report(f"{kind} routing", smallest_topk_gap_per_block=gaps)
+    assert len(gaps) == model.args.n_layers and min(gaps) > 1e-4  # logits agree to 1e-5
+
+
+def test_quantized_experts_in_blocks(tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """Q4_K_M (llama.cpp keeps the expert tensors as K-quants): held in their blocks, toymlx
+    computes exactly what the float32-decoded file computes, a generation step (fewer
+    token-expert pairs than experts: only the chosen experts decoded) too; against llama.cpp,
+    which also rounds activations to 8 bits in its quantized products, the logits move by its
+    own quantization margin where that flips a token's experts, and little elsewhere."""
+    kind = "qwen3moe-q"
+    src = tiny_gguf(kind)
+    dst = tmp_path / "q4km.gguf"
+    q = llamacpp_quantize(src, dst, "Q4_K_M")
+    assert q["types"]["blk.0.ffn_up_exps.weight"] in ("Q4_K", "Q5_K", "Q6_K")
+    ids = token_ids(tiny_hf(kind), N_TOKENS)
+    blocks, _ = load_llama(dst, weights="blocks")
+    assert isinstance(blocks.layers[0].mlp.up_exps, BlockExperts)
+    floats, _ = load_llama(dst)
+    assert isinstance(floats.layers[0].mlp.up_exps, ExpertLinear)
+    mine = logits(blocks, ids)
+    assert np.array_equal(mine, logits(floats, ids))
+    one = [logits(blocks, ids[t:t + 1]) for t in range(4)]
+    assert all(np.array_equal(o, logits(floats, ids[t:t + 1])) for t, o in enumerate(one))
+    cpp, _ = llamacpp_logits(dst, ids)
+    ref, _ = llamacpp_logits(src, ids)
+    per_pos = np.abs(mine - cpp).max(-1)
+    own = float(np.abs(cpp - ref).max())
+    report("qwen3moe-q Q4_K_M", toymlx_vs_llamacpp_max_abs=float(per_pos.max()),
+           toymlx_vs_llamacpp_median_position=float(np.median(per_pos)),
+           llamacpp_q4km_vs_its_f32=own, top1=float((mine.argmax(-1) == cpp.argmax(-1)).mean()))
+    assert per_pos.max() <= own and np.median(per_pos) < 0.15
+
+
+def _fixed_batch(ids: list[int]) -> tuple[mx.array, mx.array]:
+    x = mx.array([ids[:-1], ids[::-1][:-1]])
+    y = mx.array([ids[1:], ids[::-1][1:]])
+    return x, y
+
+
+def test_lora_step_lowers_the_loss_and_llamacpp_loads_the_adapter(tiny_hf, tiny_gguf,  # noqa: F811
+                                                                   tmp_path):
+    """LoRA on the attention and the router (llama.cpp's `build_moe_ffn` applies an adapter to
+    `ffn_gate_inp`): a step lowers the loss on a fixed batch; the adapter file loads in
+    llama.cpp, whose logits with it are toymlx's."""
+    kind = "qwen3moe"
+    path = tiny_gguf(kind)
+    ids = token_ids(tiny_hf(kind), N_TOKENS)
+    model, g = load_llama(path)
+    meta = {k: v for k, v in g.metadata.items() if k.startswith("general.")}
+    apply_lora(model, "q,k,v,o,router", rank=4, alpha=8.0)
+    assert "layers.1.mlp.router" in lora_layers(model)
+    x, y = _fixed_batch(ids)
+
+    def loss_fn(m):
+        return nn.losses.cross_entropy(m(x), y, reduction="mean")
+
+    opt_step = nn.value_and_grad(model, loss_fn)
+    import mlx.optimizers as optim
+
+    opt = optim.Adam(learning_rate=2e-3)
+    losses, seconds = [], []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        loss, grads = opt_step(model)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, loss)
+        seconds.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    after = float(loss_fn(model))
+    router_b = np.abs(np.array(lora_layers(model)["layers.0.mlp.router"].lora_b)).max()
+    report("qwen3moe lora", losses=losses + [after], step_s=seconds, router_lora_b_max=router_b)
+    assert after < losses[-1] < losses[0] and router_b > 0  # the router's adapter trained too
+    out = write_adapter(tmp_path / "moe-adapter.gguf", model, meta)
+    want = logits(model, ids)
+    got, _ = llamacpp_logits(path, ids, lora=out)
+    base, _ = llamacpp_logits(path, ids)
+    d = float(np.abs(want - got).max())
+    report("qwen3moe adapter in llama.cpp", toymlx_vs_llamacpp_max_abs=d,
+           adapter_moves_llamacpp_by=float(np.abs(got - base).max()))
+    assert d < HF_TOL and np.abs(got - base).max() > 1e-2
+
+
+def test_greedy_decoding_with_the_kv_cache_is_llamacpp_s(tiny_hf, tiny_gguf):  # noqa: F811
+    from toymlx.generation.generate import generate
+
+    kind = "qwen3moe-q"  # 256 wide: its greedy reply varies (the 64-wide one repeats a token)
+    path = tiny_gguf(kind)
+    model, _ = load_llama(path)
+    prompt = token_ids(tiny_hf(kind), 8, seed=1)
+    mine = list(generate(model, Tokenizer.from_gguf(path), prompt, max_tokens=16))
+    theirs = llamacpp_greedy(path, prompt, max_tokens=16)
+    report(f"{kind} greedy", toymlx=mine, llamacpp=theirs)
+    assert mine == theirs and len(mine) == 16 and len(set(mine)) > 4
+    full = logits(model, prompt + mine)  # the cached steps' choices are the full forward's
+    assert [int(t) for t in full[len(prompt) - 1:-1].argmax(-1)] == mine
+    ref = hf_logits(tiny_hf(kind), prompt + mine)
+    assert np.abs(full - ref).max() < HF_TOL
+
+
+def test_expert_tensors_are_refused_as_lora_targets(tiny_gguf):  # noqa: F811
+    model, _ = load_llama(tiny_gguf("qwen3moe"))
+    with pytest.raises(ValueError, match=r"^--lora\.targets: up is the experts' 3-D tensor "
+                                         r"ffn_up_exps in this qwen3moe base, .*; its block has "
+                                         r"q,k,v,o,router$"):
+        apply_lora(model, "q,up")
+    assert not lora_layers(model)  # nothing half-applied
