@@ -6,8 +6,8 @@ test_hf_tiny.py checks the F32 files' logits (kinds qwen3moe, qwen3moe-q). Here:
 is not decided by ties (so 1e-6 logit agreement is not luck), the quantized experts held in
 their blocks compute what float32 does, the quantized file against llama.cpp, a LoRA step on
 the attention and router lowers the loss, the adapter loads in llama.cpp with toymlx's logits,
-greedy decoding with the KV cache is llama.cpp's, and the expert tensors are refused as LoRA
-targets in one line.
+`toymlx-export --fuse` writes a file llama.cpp computes the adapter with, greedy decoding with
+the KV cache is llama.cpp's, and the expert tensors are refused as LoRA targets in one line.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def test_lora_step_lowers_the_loss_and_llamacpp_loads_the_adapter(tiny_hf, tiny_
     ids = token_ids(tiny_hf(kind), N_TOKENS)
     model, g = load_llama(path)
     meta = {k: v for k, v in g.metadata.items() if k.startswith("general.")}
+    mx.random.seed(0)
     apply_lora(model, "q,k,v,o,router", rank=4, alpha=8.0)
     assert "layers.1.mlp.router" in lora_layers(model)
     x, y = _fixed_batch(ids)
@@ -157,6 +158,17 @@ def test_lora_step_lowers_the_loss_and_llamacpp_loads_the_adapter(tiny_hf, tiny_
     report("qwen3moe adapter in llama.cpp", toymlx_vs_llamacpp_max_abs=d,
            adapter_moves_llamacpp_by=float(np.abs(got - base).max()))
     assert d < HF_TOL and np.abs(got - base).max() > 1e-2
+    # toymlx-export --fuse: the adapted tensors are dense (attention, router), the experts
+    # are copied from the base; llama.cpp's logits on the fused file are the adapter's
+    from toymlx_cli.export import main as export
+
+    fused = tmp_path / "fused.gguf"
+    assert export(["--base", str(path), "--adapter", str(out), "--fuse", "--out",
+                   str(fused)]) == 0
+    on_fused, _ = llamacpp_logits(fused, ids)
+    d_fused = float(np.abs(on_fused - want).max())
+    report("qwen3moe fused in llama.cpp", llamacpp_fused_vs_toymlx_adapter_max_abs=d_fused)
+    assert d_fused < HF_TOL
 
 
 def test_greedy_decoding_with_the_kv_cache_is_llamacpp_s(tiny_hf, tiny_gguf):  # noqa: F811
