@@ -3,11 +3,12 @@ Qwen3MoeForCausalLM checkpoints of tests/hf_tiny.py (llama.cpp's converter; `-q`
 quantized by llama.cpp's quantizer).
 
 test_hf_tiny.py checks the F32 files' logits (kinds qwen3moe, qwen3moe-q). Here: the routing
-is not decided by ties (so 1e-6 logit agreement is not luck), the quantized experts held in
-their blocks compute what float32 does, the quantized file against llama.cpp, a LoRA step on
-the attention and router lowers the loss, the adapter loads in llama.cpp with toymlx's logits,
-`toymlx-export --fuse` writes a file llama.cpp computes the adapter with, greedy decoding with
-the KV cache is llama.cpp's, and the expert tensors are refused as LoRA targets in one line.
+is not decided by ties (so 1e-6 logit agreement is not luck); the quantized experts held in
+their blocks compute what float32 does, forward and backward; the quantized file against
+llama.cpp; a LoRA step on the attention and router lowers the loss; adapters load in llama.cpp
+with toymlx's logits, LoRA on the experts' 3-D tensors too (a pair per expert, as llama.cpp
+applies them); `toymlx-export --fuse` writes a file llama.cpp computes the adapter with;
+greedy decoding with the KV cache is llama.cpp's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hf_tiny import (
 from llamacpp_runner import llamacpp_greedy, llamacpp_logits
 from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 from mlx import nn
+from mlx.utils import tree_flatten
 
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import load_llama
@@ -188,10 +190,98 @@ def test_greedy_decoding_with_the_kv_cache_is_llamacpp_s(tiny_hf, tiny_gguf):  #
     assert np.abs(full - ref).max() < HF_TOL
 
 
-def test_expert_tensors_are_refused_as_lora_targets(tiny_gguf):  # noqa: F811
+def test_dora_on_experts_and_a_dense_router_are_refused(tiny_gguf):  # noqa: F811
+    from toymlx.models.llama import LlamaArgs
+    from toymlx.models.lora import check_targets
+
     model, _ = load_llama(tiny_gguf("qwen3moe"))
-    with pytest.raises(ValueError, match=r"^--lora\.targets: up is the experts' 3-D tensor "
-                                         r"ffn_up_exps in this qwen3moe base, .*; its block has "
-                                         r"q,k,v,o,router$"):
-        apply_lora(model, "q,up")
+    with pytest.raises(ValueError, match=r"^--lora\.targets: up is the experts' 3-D tensor in "
+                                         r"this qwen3moe base, which only --fine-tune-type lora "
+                                         r"adapts \(llama.cpp applies a LoRA pair per expert\), "
+                                         r"found dora$"):
+        apply_lora(model, "q,up", kind="dora")
     assert not lora_layers(model)  # nothing half-applied
+    with pytest.raises(ValueError, match=r"^--lora\.targets: router is a mixture of experts' "
+                                         r"ffn_gate_inp; this llama base is dense and has "
+                                         r"q,k,v,o,gate,up,down$"):
+        check_targets(("q", "router"), LlamaArgs())
+
+
+def test_expert_lora_loads_in_llamacpp(tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """LoRA on the 3-D expert tensors: an A and B per expert (llama.cpp's adapter loader takes
+    `ffn_*_exps` pairs of ne {in, r, E} and {r, out, E} and `build_lora_mm_id` applies each
+    token's chosen experts' pairs), trained a step, written, read back and run by llama.cpp;
+    its logits are toymlx's; `toymlx-export --fuse` writes the changed expert tensors, and
+    llama.cpp's logits on that file are the adapter's."""
+    from toymlx.training.adapter import apply_adapter, load_adapter
+
+    kind = "qwen3moe"
+    path = tiny_gguf(kind)
+    ids = token_ids(tiny_hf(kind), N_TOKENS)
+    model, g = load_llama(path)
+    meta = {k: v for k, v in g.metadata.items() if k.startswith("general.")}
+    mx.random.seed(0)
+    apply_lora(model, "q,gate,up,down", rank=4, alpha=8.0)
+    m = lora_layers(model)["layers.0.mlp.up_exps"]
+    assert m.lora_a.shape == (8, 4, 64) and m.lora_b.shape == (8, 64, 4)
+    mx.random.seed(1)
+    for layer in lora_layers(model).values():
+        layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.3
+    want = logits(model, ids)
+    out = write_adapter(tmp_path / "experts.gguf", model, meta)
+    ad = load_adapter(out)
+    assert ad.pairs["blk.1.ffn_down_exps.weight"][0].shape == (8, 4, 64)
+    again = apply_adapter(load_llama(path)[0], out)
+    assert np.array_equal(logits(again, ids), want)
+    got, _ = llamacpp_logits(path, ids, lora=out)
+    base, _ = llamacpp_logits(path, ids)
+    d = float(np.abs(got - want).max())
+    report("qwen3moe expert lora in llama.cpp", toymlx_vs_llamacpp_max_abs=d,
+           adapter_moves_llamacpp_by=float(np.abs(got - base).max()))
+    assert d < HF_TOL and np.abs(got - base).max() > 1e-1
+    from toymlx_cli.export import main as export  # fused: the expert tensors changed
+
+    fused = tmp_path / "fused.gguf"
+    assert export(["--base", str(path), "--adapter", str(out), "--fuse", "--out",
+                   str(fused)]) == 0
+    on_fused, _ = llamacpp_logits(fused, ids)
+    report("qwen3moe expert lora fused in llama.cpp",
+           llamacpp_fused_vs_toymlx_adapter_max_abs=float(np.abs(on_fused - want).max()))
+    assert np.abs(on_fused - want).max() < HF_TOL
+    # a step trains the experts' pairs: their gradient reaches A and B
+    x, y = _fixed_batch(ids)
+    _, grads = nn.value_and_grad(model, lambda mm: nn.losses.cross_entropy(
+        mm(x), y, reduction="mean"))(model)
+    ga = dict(tree_flatten(grads))["layers.0.mlp.gate_exps.lora_a"]
+    assert ga.shape == (8, 4, 64) and float(mx.abs(ga).max()) > 0
+
+
+def test_expert_lora_on_block_held_experts(tiny_gguf, tmp_path):  # noqa: F811
+    """Q4_K_M experts held in their blocks (decoded in the step, decoded again in the backward
+    pass: `toymlx.models.moe.decoded_experts`'s own gradient) against the same file decoded to
+    float32 (MLX's autograd through gather_mm): equal logits, and equal gradients of every LoRA
+    pair, the attention's (reached through the experts' input gradient) and the experts'."""
+    dst = tmp_path / "q4km.gguf"
+    llamacpp_quantize(tiny_gguf("qwen3moe-q"), dst, "Q4_K_M")
+    ids = list(range(3, 3 + 24))
+    x, y = _fixed_batch(ids)
+    grads, outs = [], []
+    for weights in ("blocks", "float32"):
+        model, _ = load_llama(dst, weights=weights)
+        held = type(model.layers[0].mlp.up_exps)
+        assert held is (BlockExperts if weights == "blocks" else ExpertLinear)
+        mx.random.seed(0)
+        apply_lora(model, "q,gate,down", rank=4, alpha=8.0)
+        mx.random.seed(1)
+        for layer in lora_layers(model).values():
+            layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.1
+        loss, g = nn.value_and_grad(model, lambda mm: nn.losses.cross_entropy(
+            mm(x), y, reduction="mean"))(model)
+        grads.append(dict(tree_flatten(g)))
+        outs.append(float(loss))
+    worst = max(float(mx.abs(grads[0][k] - v).max() / (mx.abs(v).max() + 1e-12))
+                for k, v in grads[1].items())
+    report("qwen3moe-q Q4_K_M expert lora blocks vs float32", loss=outs,
+           largest_relative_gradient_difference=worst)
+    assert outs[0] == pytest.approx(outs[1], abs=1e-6) and worst < 1e-4
+    assert set(grads[0]) == set(grads[1]) and "layers.1.mlp.down_exps.lora_a" in grads[0]

@@ -41,6 +41,7 @@ class ExpertLinear(nn.Module):
     def __init__(self, n_experts: int, n_out: int, n_in: int, ops: Ops = EXACT):
         super().__init__()
         self.ops = ops
+        self.n_experts, self.n_out, self.n_in = int(n_experts), int(n_out), int(n_in)
         self.weight = mx.zeros((n_experts, n_out, n_in))
 
     def __call__(self, x: mx.array, idx: mx.array) -> mx.array:

@@ -85,15 +85,19 @@ class Estimate:
 
 
 def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
-    """(n_out, n_in) of each projection of a block, by --lora.targets name."""
+    """(n_out, n_in) of each projection of a block, by --lora.targets name; a mixture of
+    experts' gate, up and down summed over its experts ((E * out, E * in): what a LoRA pair
+    per expert holds)."""
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
     if a.fused_qkv:
         dims = {"qkv": (q + 2 * kv, d)}
     else:
         dims = {"q": (q, d), "k": (kv, d), "v": (kv, d)}
     dims["o"] = (d, q)
-    if a.n_experts:  # a mixture of experts: its router is the MLP's one projection
-        dims["router"] = (a.n_experts, d)
+    if a.n_experts:  # a mixture of experts: its router, and its experts' 3-D tensors
+        e, f = a.n_experts, a.expert_width
+        dims.update({"gate": (e * f, e * d), "up": (e * f, e * d), "down": (e * d, e * f),
+                     "router": (e, d)})
         return dims
     dims.update({"gate_up": (2 * f, d)} if a.fused_gate_up else {"gate": (f, d), "up": (f, d)})
     dims["down"] = (d, f)
