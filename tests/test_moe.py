@@ -112,6 +112,17 @@ def test_quantized_experts_in_blocks(tiny_hf, tiny_gguf, tmp_path):  # noqa: F81
     assert per_pos.max() <= own and np.median(per_pos) < 0.15
 
 
+def adapted(tiny_hf, tiny_gguf, targets: str):  # noqa: F811
+    """The tiny qwen3moe file, its test ids, its model with seeded LoRA (rank 4, alpha 8) on
+    `targets`, and its general.* metadata (for the adapter file)."""
+    path = tiny_gguf("qwen3moe")
+    model, g = load_llama(path)
+    meta = {k: v for k, v in g.metadata.items() if k.startswith("general.")}
+    mx.random.seed(0)
+    apply_lora(model, targets, rank=4, alpha=8.0)
+    return path, token_ids(tiny_hf("qwen3moe"), N_TOKENS), model, meta
+
+
 def _fixed_batch(ids: list[int]) -> tuple[mx.array, mx.array]:
     x = mx.array([ids[:-1], ids[::-1][:-1]])
     y = mx.array([ids[1:], ids[::-1][1:]])
@@ -123,13 +134,7 @@ def test_lora_step_lowers_the_loss_and_llamacpp_loads_the_adapter(tiny_hf, tiny_
     """LoRA on the attention and the router (llama.cpp's `build_moe_ffn` applies an adapter to
     `ffn_gate_inp`): a step lowers the loss on a fixed batch; the adapter file loads in
     llama.cpp, whose logits with it are toymlx's."""
-    kind = "qwen3moe"
-    path = tiny_gguf(kind)
-    ids = token_ids(tiny_hf(kind), N_TOKENS)
-    model, g = load_llama(path)
-    meta = {k: v for k, v in g.metadata.items() if k.startswith("general.")}
-    mx.random.seed(0)
-    apply_lora(model, "q,k,v,o,router", rank=4, alpha=8.0)
+    path, ids, model, meta = adapted(tiny_hf, tiny_gguf, "q,k,v,o,router")
     assert "layers.1.mlp.router" in lora_layers(model)
     x, y = _fixed_batch(ids)
 
@@ -153,24 +158,27 @@ def test_lora_step_lowers_the_loss_and_llamacpp_loads_the_adapter(tiny_hf, tiny_
     report("qwen3moe lora", losses=losses + [after], step_s=seconds, router_lora_b_max=router_b)
     assert after < losses[-1] < losses[0] and router_b > 0  # the router's adapter trained too
     out = write_adapter(tmp_path / "moe-adapter.gguf", model, meta)
-    want = logits(model, ids)
-    got, _ = llamacpp_logits(path, ids, lora=out)
-    base, _ = llamacpp_logits(path, ids)
-    d = float(np.abs(want - got).max())
-    report("qwen3moe adapter in llama.cpp", toymlx_vs_llamacpp_max_abs=d,
-           adapter_moves_llamacpp_by=float(np.abs(got - base).max()))
-    assert d < HF_TOL and np.abs(got - base).max() > 1e-2
     # toymlx-export --fuse: the adapted tensors are dense (attention, router), the experts
-    # are copied from the base; llama.cpp's logits on the fused file are the adapter's
+    # are copied from the base
+    in_llamacpp(path, out, ids, logits(model, ids), tmp_path, "qwen3moe attention+router")
+
+
+def in_llamacpp(path, adapter, ids, want: np.ndarray, tmp_path, what: str) -> None:
+    """llama.cpp's logits with `adapter` on base `path`, and on the file `toymlx-export --fuse`
+    writes of the two, are toymlx's (`want`); the adapter moves them."""
     from toymlx_cli.export import main as export
 
+    got, _ = llamacpp_logits(path, ids, lora=adapter)
+    base, _ = llamacpp_logits(path, ids)
     fused = tmp_path / "fused.gguf"
-    assert export(["--base", str(path), "--adapter", str(out), "--fuse", "--out",
+    assert export(["--base", str(path), "--adapter", str(adapter), "--fuse", "--out",
                    str(fused)]) == 0
     on_fused, _ = llamacpp_logits(fused, ids)
-    d_fused = float(np.abs(on_fused - want).max())
-    report("qwen3moe fused in llama.cpp", llamacpp_fused_vs_toymlx_adapter_max_abs=d_fused)
-    assert d_fused < HF_TOL
+    d, d_fused = float(np.abs(want - got).max()), float(np.abs(on_fused - want).max())
+    report(f"{what} adapter in llama.cpp", toymlx_vs_llamacpp_max_abs=d,
+           llamacpp_fused_vs_toymlx_adapter_max_abs=d_fused,
+           adapter_moves_llamacpp_by=float(np.abs(got - base).max()))
+    assert d < HF_TOL and d_fused < HF_TOL and np.abs(got - base).max() > 1e-2
 
 
 def test_greedy_decoding_with_the_kv_cache_is_llamacpp_s(tiny_hf, tiny_gguf):  # noqa: F811
@@ -215,13 +223,7 @@ def test_expert_lora_loads_in_llamacpp(tiny_hf, tiny_gguf, tmp_path):  # noqa: F
     llama.cpp's logits on that file are the adapter's."""
     from toymlx.training.adapter import apply_adapter, load_adapter
 
-    kind = "qwen3moe"
-    path = tiny_gguf(kind)
-    ids = token_ids(tiny_hf(kind), N_TOKENS)
-    model, g = load_llama(path)
-    meta = {k: v for k, v in g.metadata.items() if k.startswith("general.")}
-    mx.random.seed(0)
-    apply_lora(model, "q,gate,up,down", rank=4, alpha=8.0)
+    path, ids, model, meta = adapted(tiny_hf, tiny_gguf, "q,gate,up,down")
     m = lora_layers(model)["layers.0.mlp.up_exps"]
     assert m.lora_a.shape == (8, 4, 64) and m.lora_b.shape == (8, 64, 4)
     mx.random.seed(1)
@@ -233,21 +235,7 @@ def test_expert_lora_loads_in_llamacpp(tiny_hf, tiny_gguf, tmp_path):  # noqa: F
     assert ad.pairs["blk.1.ffn_down_exps.weight"][0].shape == (8, 4, 64)
     again = apply_adapter(load_llama(path)[0], out)
     assert np.array_equal(logits(again, ids), want)
-    got, _ = llamacpp_logits(path, ids, lora=out)
-    base, _ = llamacpp_logits(path, ids)
-    d = float(np.abs(got - want).max())
-    report("qwen3moe expert lora in llama.cpp", toymlx_vs_llamacpp_max_abs=d,
-           adapter_moves_llamacpp_by=float(np.abs(got - base).max()))
-    assert d < HF_TOL and np.abs(got - base).max() > 1e-1
-    from toymlx_cli.export import main as export  # fused: the expert tensors changed
-
-    fused = tmp_path / "fused.gguf"
-    assert export(["--base", str(path), "--adapter", str(out), "--fuse", "--out",
-                   str(fused)]) == 0
-    on_fused, _ = llamacpp_logits(fused, ids)
-    report("qwen3moe expert lora fused in llama.cpp",
-           llamacpp_fused_vs_toymlx_adapter_max_abs=float(np.abs(on_fused - want).max()))
-    assert np.abs(on_fused - want).max() < HF_TOL
+    in_llamacpp(path, out, ids, want, tmp_path, "qwen3moe experts")  # fused: experts changed
     # a step trains the experts' pairs: their gradient reaches A and B
     x, y = _fixed_batch(ids)
     _, grads = nn.value_and_grad(model, lambda mm: nn.losses.cross_entropy(
