@@ -9,6 +9,8 @@ There is no model hub here, so the benchmark writes the files people run at thei
 | llama-3.2-3b | llama | 3072 | 28 | 8192 | 24/8 | 128 | SmolLM2's 49,152 | tied |
 | llama-3.1-8b | llama | 4096 | 32 | 14336 | 32/8 | 128 | SmolLM2's 49,152 (not Llama 3's 128,256) | untied |
 | qwen3-1.7b | qwen3 | 2048 | 28 | 6144 | 16/8 | 128 | Qwen2's 151,936 + Qwen3's added tokens | tied |
+| qwen3-30b-a3b | qwen3moe | 2048 | 48 | 128 experts of 768, 8 used | 32/4 | 128 | as qwen3-1.7b | untied |
+| qwen3-30b-a3b-2l | qwen3moe | the same, 2 layers (its file's blocks, at 1/24 of the layers) | | | | | | |
 
 Weights are N(0, 0.02) and norms 1; the Llama shapes carry no `rope_freqs` (Llama 3's RoPE
 scaling changes no array's size). The Llama shapes take the real SmolLM2-135M-Instruct GGUF's
@@ -93,12 +95,20 @@ def _qwen3(d: int, layers: int, ffn: int, heads: int, kv: int, tied: bool) -> Ll
                    tie_embeddings=tied)
 
 
+def _qwen3_30b_a3b(layers: int) -> LlamaArgs:
+    """Qwen3-30B-A3B's shape (its config.json) with `layers` blocks."""
+    return replace(_qwen3(2048, layers, 6144, 32, 4, tied=False), arch="qwen3moe",
+                   n_experts=128, n_experts_used=8, expert_ffn_dim=768)
+
+
 SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("gemma-3-270m", _gemma3_270m(), "synthetic"),
     Shape("llama-3.2-1b", _llama(2048, 16, 8192, 32, 8, tied=True), "smollm2"),
     Shape("llama-3.2-3b", _llama(3072, 28, 8192, 24, 8, tied=True), "smollm2"),
     Shape("llama-3.1-8b", _llama(4096, 32, 14336, 32, 8, tied=False), "smollm2"),
     Shape("qwen3-1.7b", _qwen3(2048, 28, 6144, 16, 8, tied=True), "qwen3"),
+    Shape("qwen3-30b-a3b", _qwen3_30b_a3b(48), "qwen3"),
+    Shape("qwen3-30b-a3b-2l", _qwen3_30b_a3b(2), "qwen3"),
 )}
 
 
@@ -271,10 +281,11 @@ def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
             w.write_tensor_data(np.ones(shape, np.float32))
             continue
         t = np.empty(shape, np.float16)
-        rows = max(1, CHUNK_VALUES // shape[1])
-        for r in range(0, shape[0], rows):
-            t[r:r + rows] = rng.standard_normal((min(rows, shape[0] - r), shape[1]),
-                                                dtype=np.float32) * STD
+        flat = t.reshape(-1, shape[-1])  # an expert tensor's (E, out, in) as E * out rows
+        rows = max(1, CHUNK_VALUES // shape[-1])
+        for r in range(0, flat.shape[0], rows):
+            flat[r:r + rows] = rng.standard_normal((min(rows, flat.shape[0] - r), shape[-1]),
+                                                   dtype=np.float32) * STD
         w.write_tensor_data(t)
         del t
         if progress and (i + 1) % 16 == 0:

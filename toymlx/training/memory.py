@@ -15,7 +15,8 @@ The estimate adds, in bytes:
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
   gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
 - decoded: a block-held base's float weights, decoded where used: the largest block-held
-  matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies.
+  matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies;
+  or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies.
 - runtime: Python, MLX and the tokenizer (`RUNTIME_BYTES`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
@@ -49,10 +50,11 @@ DECODED_COPIES = 6
 """float32 copies of the largest decoded slice of a block-held weight alive at once in a step
 (measured: the Llama-3.2-1B shape at 4 x 256 on two CPU streams peaked 254 MB higher by MLX's
 count with whole weights, the largest 64 MB, than with 16 MB slices: 5.3 copies of the 48 MB)."""
-EXPERT_DECODED_COPIES = 2
+EXPERT_DECODED_COPIES = 4
 """float32 copies of a block-held 3-D expert tensor alive at once in a step: it is decoded
-whole where it is used (`toymlx.models.moe.BlockExperts`), gate's and up's one after the other
-(an assumption, not yet measured on a large mixture of experts)."""
+whole where it is used (`toymlx.models.moe.BlockExperts`), with the decoding's temporaries
+(measured: Qwen3-30B-A3B's shape with 2 blocks, Q4_K_M, 1 x 256 tokens, LoRA q,k,v,o, peaked
+3.8 GB by MLX's count over 1.15 GB of blocks: about 3.1 copies of its 805 MB tensors)."""
 AVAILABLE_ENV = "TOYMLX_MEMORY_AVAILABLE"
 """Bytes to take as this machine's available memory instead of asking it (tests only)."""
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -180,7 +182,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         (lo, hi), = head_slices(a.vocab_size, tokens, a.d_model, ops.logits_values)[:1]
         logits = (hi - lo) * (HEAD_LOGITS_COPIES * tokens + 2 * a.d_model) * 4
     held_as_blocks = [t.n_elements for name, t in g.tensors.items()
-                      if name.startswith("blk.")
+                      if name.startswith("blk.") and len(t.shape) == 2
                       and tensor_route(g, name, held, train) == "blocks"]
     largest = max(held_as_blocks, default=0)
     experts = max((t.n_elements for name, t in g.tensors.items() if len(t.shape) == 3
