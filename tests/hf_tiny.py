@@ -55,6 +55,8 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    block's MLP 8 experts of width ff / 2 with 2 used per token, their
                    weights renormalized (norm_topk_prob, as Qwen3-30B-A3B has it), byte-level
                    BPE (pre "qwen2")
+    mixtral        MixtralForCausalLM (Mixtral-8x7B's layout, converted as a `llama` file with
+                   experts): 8 experts of width ff, 2 used, GQA 4/2, untied, SentencePiece vocab
 
 The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
 (32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
@@ -106,7 +108,7 @@ VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
               "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini",
-              "qwen3moe")
+              "qwen3moe", "mixtral")
 # a kind's weights are seeded by its place here: kinds added later (from phi4-mini on) go after
 # the first ones' -q twins, so that no kind's weights change when one is added
 _FIRST = BASE_KINDS[:BASE_KINDS.index("phi4-mini")]
@@ -126,8 +128,8 @@ class ConversionError(RuntimeError):
 @dataclass(frozen=True)
 class Spec:
     kind: str
-    family: str  # llama | mistral | qwen2 | qwen3 | qwen3moe | gemma2 | gemma3 | phi3 | smollm3
-    # | granite | olmo2
+    family: str  # llama | mistral | mixtral | qwen2 | qwen3 | qwen3moe | gemma2 | gemma3 | phi3
+    # | smollm3 | granite | olmo2
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2 | bpe-gpt4o
     hidden: int
     ff: int
@@ -180,6 +182,9 @@ def spec(kind: str) -> Spec:
     if base == "qwen3moe":
         return Spec(**{**s, "head_dim": wide}, family="qwen3moe", tokenizer="bpe-qwen2",
                     tied=True, extra={"experts": 8, "experts_used": 2, "expert_ff": ff // 2})
+    if base == "mixtral":
+        return Spec(**s, family="mixtral", tokenizer="spm-llama", tied=False,
+                    extra={"experts": 8, "experts_used": 2})
     if base == "phi3-partial":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=True,
                     extra={"partial_rotary_factor": 0.75})
@@ -230,6 +235,11 @@ def hf_config(sp: Spec, tok: dict):
                                  num_experts_per_tok=sp.extra["experts_used"],
                                  moe_intermediate_size=sp.extra["expert_ff"],
                                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if sp.family == "mixtral":
+        return tf.MixtralConfig(**common, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                sliding_window=None, rope_parameters=_rope(1000000.0),
+                                num_local_experts=sp.extra["experts"],
+                                num_experts_per_tok=sp.extra["experts_used"])
     if sp.family == "gemma3":
         return tf.Gemma3TextConfig(
             **common, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=8,
@@ -279,7 +289,7 @@ def _model_class(sp: Spec):
 
     return {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
             "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
-            "qwen3moe": tf.Qwen3MoeForCausalLM,
+            "qwen3moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
             "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
             "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
             "granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM}[sp.family]

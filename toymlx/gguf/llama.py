@@ -90,8 +90,11 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
                    "post_norms": True}, frozenset()),
 )}
 """The architectures toymlx loads, by general.architecture."""
-MOE_ARCHS = ("qwen3moe",)
-"""The architectures whose blocks' MLPs are mixtures of experts (`toymlx.models.moe.MoE`)."""
+MOE_ARCHS = ("qwen3moe", "llama")
+"""The architectures whose blocks' MLPs may be mixtures of experts (`toymlx.models.moe.MoE`):
+qwen3moe's always are; llama's are where `expert_count` > 0 (Mixtral)."""
+DENSE_ALLOWED = ("llama",)
+"""The mixture-of-experts architectures whose files may be dense (expert_count 0)."""
 
 
 @dataclass(frozen=True)
@@ -374,7 +377,12 @@ def _moe_switches(g: GGUFFile, arch: Arch) -> dict[str, Any]:
                                 f"is dense; mixtures of experts load as "
                                 f"{', '.join(MOE_ARCHS)}), found {n}")
         return {}
-    n = g.get(k + "expert_count", int)
+    n = g.get(k + "expert_count", int, 0 if arch.name in DENSE_ALLOWED else ...)
+    if n == 0 and arch.name in DENSE_ALLOWED:  # llama.cpp: a dense model uses no experts
+        if used := g.get(k + "expert_used_count", int, 0):
+            raise GGUFError(f"{g.path}: metadata key '{k}expert_used_count': expected 0 "
+                            f"(expert_count is 0: a dense {arch.name} model), found {used}")
+        return {}
     if n <= 0:
         raise GGUFError(f"{g.path}: metadata key '{k}expert_count': expected > 0 "
                         f"({arch.name} is a mixture of experts), found {n}")
@@ -382,6 +390,9 @@ def _moe_switches(g: GGUFFile, arch: Arch) -> dict[str, Any]:
     if not 1 <= used <= n:
         raise GGUFError(f"{g.path}: metadata key '{k}expert_used_count': expected 1..{n} "
                         f"(expert_count), found {used}")
+    if arch.name == "llama":  # Mixtral: each expert is feed_forward_length wide
+        return {"n_experts": n, "n_experts_used": used,
+                "expert_ffn_dim": g.get(k + "feed_forward_length", int)}
     width = g.get(k + "expert_feed_forward_length", int, 0)
     if width < 0:
         raise GGUFError(f"{g.path}: metadata key '{k}expert_feed_forward_length': expected "
@@ -718,9 +729,13 @@ def unwritable(a: LlamaArgs) -> list[str]:
         want = arch.switches.get(k, getattr(plain, k))
         if getattr(a, k) != want and not (k == "attn_bias" and a.arch == "llama"):
             out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
-    if bool(a.n_experts) != (a.arch in MOE_ARCHS):
+    if a.n_experts and a.arch not in MOE_ARCHS or not a.n_experts and a.arch in MOE_ARCHS \
+            and a.arch not in DENSE_ALLOWED:
         out.append(f"n_experts={a.n_experts} ({a.arch} files are "
                    f"{'mixtures of experts' if a.arch in MOE_ARCHS else 'dense'})")
+    if a.n_experts and a.arch == "llama" and a.expert_width != a.ffn_dim:
+        out.append(f"expert_ffn_dim={a.expert_ffn_dim} (llama's experts are "
+                   f"feed_forward_length={a.ffn_dim} wide)")
     if a.n_experts and not a.moe_norm_topk:
         out.append(f"moe_norm_topk=False (llama.cpp's {a.arch} always renormalizes the chosen "
                    "experts' weights)")
@@ -803,8 +818,9 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         k + "attention.layer_norm_rms_epsilon": float(a.norm_eps),
     }
     if a.n_experts:
-        meta.update({k + "expert_count": a.n_experts, k + "expert_used_count": a.n_experts_used,
-                     k + "expert_feed_forward_length": a.expert_width})
+        meta.update({k + "expert_count": a.n_experts, k + "expert_used_count": a.n_experts_used})
+        if a.arch != "llama":  # llama's experts are feed_forward_length wide
+            meta[k + "expert_feed_forward_length"] = a.expert_width
     if a.rope_scale != 1.0:
         meta[k + "rope.scaling.type"] = "linear"
         meta[k + "rope.scaling.factor"] = 1.0 / a.rope_scale
