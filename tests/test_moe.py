@@ -111,7 +111,10 @@ def test_quantized_experts_in_blocks(tiny_hf, tiny_gguf, tmp_path):  # noqa: F81
     report("qwen3moe-q Q4_K_M", toymlx_vs_llamacpp_max_abs=float(per_pos.max()),
            toymlx_vs_llamacpp_median_position=float(np.median(per_pos)),
            llamacpp_q4km_vs_its_f32=own, top1=float((mine.argmax(-1) == cpp.argmax(-1)).mean()))
-    assert per_pos.max() <= own and np.median(per_pos) < 0.15
+    # test_hf_tiny's quantized tolerance (within llama.cpp's own move, top-1 agreeing on 90%),
+    # and most positions (those whose experts agree) much closer
+    assert per_pos.max() <= max(own, 0.05) and (mine.argmax(-1) == cpp.argmax(-1)).mean() >= 0.9
+    assert np.median(per_pos) < 0.15
 
 
 def adapted(tiny_hf, tiny_gguf, targets: str, kind: str = "qwen3moe"):  # noqa: F811
