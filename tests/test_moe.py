@@ -1,5 +1,6 @@
-"""Mixtures of experts (qwen3moe): toymlx against llama.cpp and transformers on the tiny
-Qwen3MoeForCausalLM checkpoints of tests/hf_tiny.py (llama.cpp's converter; `-q`: 256 wide,
+"""Mixtures of experts (qwen3moe; Mixtral's llama and qwen2moe where a test names them): toymlx
+against llama.cpp and transformers on the tiny Qwen3MoeForCausalLM (MixtralForCausalLM,
+Qwen2MoeForCausalLM) checkpoints of tests/hf_tiny.py (llama.cpp's converter; `-q`: 256 wide,
 quantized by llama.cpp's quantizer).
 
 test_hf_tiny.py checks the F32 files' logits (kinds qwen3moe, qwen3moe-q). Here: the routing
@@ -72,7 +73,8 @@ def routing_margins(model, ids) -> list[float]:
     return gaps
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3moe-q", "mixtral", "mixtral-q"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3moe-q", "mixtral", "mixtral-q", "qwen2moe",
+                                  "qwen2moe-q"])
 def test_routing_is_not_decided_by_ties(kind, tiny_hf, tiny_gguf):  # noqa: F811
     model, _ = load_llama(tiny_gguf(kind))
     assert all(isinstance(b.mlp, MoE) for b in model.layers)
@@ -220,7 +222,7 @@ def test_dora_on_experts_and_a_dense_router_are_refused(tiny_gguf):  # noqa: F81
         check_targets(("q", "router"), LlamaArgs())
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral", "qwen2moe"])
 def test_expert_lora_loads_in_llamacpp(kind, tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
     """LoRA on the 3-D expert tensors: an A and B per expert (llama.cpp's adapter loader takes
     `ffn_*_exps` pairs of ne {in, r, E} and {r, out, E} and `build_lora_mm_id` applies each

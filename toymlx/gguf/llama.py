@@ -70,6 +70,8 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("qwen3", {"rope_neox": True, "qk_norm": True}, frozenset()),
     Arch("qwen3moe", {"rope_neox": True, "qk_norm": True},
          frozenset({"expert_feed_forward_length"})),
+    Arch("qwen2moe", {"rope_neox": True, "attn_bias": True, "moe_norm_topk": False},
+         frozenset({"expert_feed_forward_length", "expert_shared_feed_forward_length"})),
     Arch("gemma2", {"rope_neox": True, "post_norms": True, "embed_scale": True,
                     "activation": "gelu_tanh"},
          frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
@@ -90,9 +92,10 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
                    "post_norms": True}, frozenset()),
 )}
 """The architectures toymlx loads, by general.architecture."""
-MOE_ARCHS = ("qwen3moe", "llama")
+MOE_ARCHS = ("qwen3moe", "qwen2moe", "llama")
 """The architectures whose blocks' MLPs may be mixtures of experts (`toymlx.models.moe.MoE`):
-qwen3moe's always are; llama's are where `expert_count` > 0 (Mixtral)."""
+qwen3moe's and qwen2moe's always are (qwen2moe's with a shared expert); llama's are where
+`expert_count` > 0 (Mixtral)."""
 DENSE_ALLOWED = ("llama",)
 """The mixture-of-experts architectures whose files may be dense (expert_count 0)."""
 
@@ -137,7 +140,9 @@ _BLOCK = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_p
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
           "post_ffw_norm": "ffn_post_norm", "ffn_gate_inp": "mlp.router",
           "ffn_gate_exps": "mlp.gate_exps", "ffn_up_exps": "mlp.up_exps",
-          "ffn_down_exps": "mlp.down_exps"}
+          "ffn_down_exps": "mlp.down_exps", "ffn_gate_inp_shexp": "mlp.shared_gate",
+          "ffn_gate_shexp": "mlp.shared.gate_proj", "ffn_up_shexp": "mlp.shared.up_proj",
+          "ffn_down_shexp": "mlp.shared.down_proj"}
 _BLOCK_INV = {v: k for k, v in _BLOCK.items()} | {"mlp.gate_up_proj": "ffn_up"}
 _GGUF_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _TOY_RE = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
@@ -398,7 +403,11 @@ def _moe_switches(g: GGUFFile, arch: Arch) -> dict[str, Any]:
         raise GGUFError(f"{g.path}: metadata key '{k}expert_feed_forward_length': expected "
                         f"> 0 (or absent: feed_forward_length / expert_used_count), found "
                         f"{width}")
-    return {"n_experts": n, "n_experts_used": used, "expert_ffn_dim": width or None}
+    out = {"n_experts": n, "n_experts_used": used, "expert_ffn_dim": width or None}
+    if arch.name == "qwen2moe":  # llama.cpp: feed_forward_length where the key is absent
+        shared = g.get(k + "expert_shared_feed_forward_length", int, 0)
+        out["shared_expert_ffn_dim"] = shared or g.get(k + "feed_forward_length", int)
+    return out
 
 
 def _gemma_switches(g: GGUFFile, gemma: Gemma, n_layers: int, rope_base: float
@@ -500,6 +509,11 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
                     "ffn_gate_exps.weight": (e, f, a.d_model),
                     "ffn_up_exps.weight": (e, f, a.d_model),
                     "ffn_down_exps.weight": (e, a.d_model, f)})
+        if s := a.shared_expert_ffn_dim:
+            per.update({"ffn_gate_inp_shexp.weight": (1, a.d_model),
+                        "ffn_gate_shexp.weight": (s, a.d_model),
+                        "ffn_up_shexp.weight": (s, a.d_model),
+                        "ffn_down_shexp.weight": (a.d_model, s)})
     elif a.fused_gate_up:
         per["ffn_up.weight"] = (2 * a.ffn_dim, a.d_model)
     else:
@@ -736,9 +750,13 @@ def unwritable(a: LlamaArgs) -> list[str]:
     if a.n_experts and a.arch == "llama" and a.expert_width != a.ffn_dim:
         out.append(f"expert_ffn_dim={a.expert_ffn_dim} (llama's experts are "
                    f"feed_forward_length={a.ffn_dim} wide)")
-    if a.n_experts and not a.moe_norm_topk:
-        out.append(f"moe_norm_topk=False (llama.cpp's {a.arch} always renormalizes the chosen "
-                   "experts' weights)")
+    norm = arch.switches.get("moe_norm_topk", True)
+    if a.n_experts and a.moe_norm_topk != norm:
+        out.append(f"moe_norm_topk={a.moe_norm_topk} (llama.cpp's {a.arch} "
+                   f"{'always' if norm else 'never'} renormalizes the chosen experts' weights)")
+    if bool(a.shared_expert_ffn_dim) != (a.n_experts > 0 and a.arch == "qwen2moe"):
+        out.append(f"shared_expert_ffn_dim={a.shared_expert_ffn_dim} (only qwen2moe files, "
+                   "always, have a shared expert)")
     if a.tie_embeddings and a.arch == "olmo2":
         out.append("tie_embeddings=True (llama.cpp's olmo2 reads an output.weight)")
     if a.out_bias and a.arch != "llama":
@@ -821,6 +839,8 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         meta.update({k + "expert_count": a.n_experts, k + "expert_used_count": a.n_experts_used})
         if a.arch != "llama":  # llama's experts are feed_forward_length wide
             meta[k + "expert_feed_forward_length"] = a.expert_width
+        if a.shared_expert_ffn_dim:
+            meta[k + "expert_shared_feed_forward_length"] = a.shared_expert_ffn_dim
     if a.rope_scale != 1.0:
         meta[k + "rope.scaling.type"] = "linear"
         meta[k + "rope.scaling.factor"] = 1.0 / a.rope_scale

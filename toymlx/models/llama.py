@@ -136,7 +136,11 @@ class LlamaArgs:
     """An expert's SwiGLU width (expert_feed_forward_length); None: ffn_dim // n_experts_used,
     llama.cpp's default."""
     moe_norm_topk: bool = True
-    """The chosen experts' router probabilities divided by their sum (qwen3moe: always)."""
+    """The chosen experts' router probabilities divided by their sum (qwen3moe, Mixtral: always;
+    qwen2moe: never)."""
+    shared_expert_ffn_dim: int = 0
+    """Width of a shared expert every token takes beside its routed ones
+    (expert_shared_feed_forward_length, qwen2moe); 0: none."""
 
     @property
     def expert_width(self) -> int:
@@ -356,8 +360,10 @@ class Block(nn.Module):
             self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.attn = Attention(a, ops, layer)
+        shared = (MLP(replace(a, ffn_dim=a.shared_expert_ffn_dim), ops)
+                  if a.shared_expert_ffn_dim else None)
         self.mlp = (MoE(a.d_model, a.n_experts, a.n_experts_used, a.expert_width,
-                        a.moe_norm_topk, ops) if a.n_experts else MLP(a, ops))
+                        a.moe_norm_topk, ops, shared) if a.n_experts else MLP(a, ops))
         if a.post_norms:
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)

@@ -119,11 +119,16 @@ class BlockExperts(nn.Module):
 
 class MoE(nn.Module):
     """Qwen3-MoE's feed-forward block: a router over `n_experts` SwiGLU experts, `n_used` of
-    them per token (the module docstring has the math)."""
+    them per token (the module docstring has the math); with `shared` (qwen2moe's shared expert,
+    a dense MLP every token takes), its output times sigmoid(`shared_gate` x) is added
+(`ffn_gate_inp_shexp`, (1, D) as llama.cpp's converter writes it)."""
 
     def __init__(self, d_model: int, n_experts: int, n_used: int, ffn_dim: int,
-                 norm_topk: bool = True, ops: Ops = EXACT):
+                 norm_topk: bool = True, ops: Ops = EXACT, shared: nn.Module | None = None):
         super().__init__()
+        if shared is not None:
+            self.shared = shared
+            self.shared_gate = Linear(d_model, 1, bias=False, ops=ops)
         self.ops, self.n_used, self.norm_topk = ops, int(n_used), bool(norm_topk)
         self.router = Linear(d_model, n_experts, bias=False, ops=ops)
         self.gate_exps = ExpertLinear(n_experts, ffn_dim, d_model, ops)
@@ -148,4 +153,6 @@ class MoE(nn.Module):
         act = self.ops.silu_mul(self.gate_exps(xe, idx), self.up_exps(xe, idx))  # (N,k,1,F)
         y = self.down_exps(act, idx)[:, :, 0, :]  # (N, k, D)
         y = (y * w[..., None].astype(y.dtype)).sum(axis=1)
+        if "shared" in self:
+            y = y + self.shared(h) * mx.sigmoid(self.shared_gate(h)).astype(y.dtype)
         return y.reshape(*lead, d)

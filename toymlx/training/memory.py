@@ -117,7 +117,8 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops) -> int:
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
     mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
     if a.n_experts:  # the router's probabilities; each chosen expert's gate, up, product, down
-        mlp = 2 * a.n_experts + a.n_experts_used * (3 * a.expert_width + d)
+        mlp = (2 * a.n_experts + a.n_experts_used * (3 * a.expert_width + d)
+               + 4 * a.shared_expert_ffn_dim)  # qwen2moe's shared expert: a dense MLP
     kept = 6 * d + q + 2 * kv + mlp
     attention = attention_values(a, seq_len)
     if ops.grad_checkpoint or ops.keeps_attention(attention):
