@@ -89,6 +89,8 @@ def model_config(a: LlamaArgs) -> dict[str, Any]:
     cannot = {k: getattr(a, k) != v for k, v in ARCHS[a.arch].switches.items()}
     cannot |= {"rope_factors": a.rope_factors is not None, "rope_mscale": a.rope_mscale != 1.0,
               "out_bias": a.out_bias,
+              # YaRN and mistral3's temperature: a benchmark of the plain RoPE compares alike
+              "rope_yarn": a.rope_yarn, "attn_temperature": a.attn_temperature != 0.0,
               # mlx-lm's qwen2 and phi3 derive the head width from hidden_size / heads
               "key_length": a.arch in ("qwen2", "phi3") and hd != a.d_model // a.n_heads,
               "rope_dims": a.arch != "phi3" and rope_dims != hd,

@@ -11,7 +11,12 @@ window layers with their own RoPE base, linear scaling on the global layers, emb
 soft-capped logits), `phi3` (fused qkv and gate_up, partial RoPE, longrope factors with an
 attention factor), `smollm3` (no RoPE on every 4th block), `granite` (embedding, residual,
 attention and logit scalars), `olmo2` (norms after attention and MLP only, q/k norms over the
-whole projection). The tokenizer is toymlx's byte vocabulary (259 tokens).
+whole projection), `qwen3-yarn` (qwen3 with YaRN: factor 4 over an original context of 8, its
+ramp over frequencies 0-3 of 8 and magnitude binding in 20 tokens), `mistral3` (Ministral 3:
+llama's layout, RoPE base 100 and YaRN factor 16 over 8 tokens with beta_fast 4, beta_slow
+0.25 (the ramp over frequencies 0-3 of 8; llama.cpp's default betas give 0-1) and log
+multiplier 0.5, and the attention temperature 0.1 on queries from position 8 on). The
+tokenizer is toymlx's byte vocabulary (259 tokens).
 """
 
 from __future__ import annotations
@@ -25,14 +30,14 @@ from toymlx.gguf.reader import FLOAT32, UINT32
 from toymlx.gguf.writer import write_gguf
 
 KINDS = ("llama", "llama3", "llama-bias", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
-         "smollm3", "granite", "olmo2")
+         "smollm3", "granite", "olmo2", "qwen3-yarn", "mistral3")
 VOCAB = 259
 
 
 def _spec(kind: str) -> dict:
     s = {"arch": kind.split("-")[0].replace("llama3", "llama"), "d": 64, "heads": 4, "kv": 2,
          "hd": 16, "ffn": 96, "layers": 2, "tied": True}
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3-yarn"):
         s.update(hd=32)
     if kind == "gemma3":
         s.update(layers=6)
@@ -40,7 +45,7 @@ def _spec(kind: str) -> dict:
         s.update(layers=4, hd=32)
     if kind == "smollm3":
         s.update(layers=4)  # block 3 has no RoPE
-    if kind in ("phi3", "llama", "olmo2"):
+    if kind in ("phi3", "llama", "olmo2", "mistral3"):
         s.update(tied=False)
     return s
 
@@ -135,6 +140,20 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
                    "logit_scale": 2.5}
         meta.update({k + key: v for key, v in granite.items()})
         floats += [k + key for key in granite]
+    if kind == "qwen3-yarn":  # as the converter writes Qwen3-128K's
+        meta.update({k + "rope.scaling.type": "yarn", k + "rope.scaling.factor": 4.0,
+                     k + "rope.scaling.original_context_length": 8})
+        floats.append(k + "rope.scaling.factor")
+        types[k + "rope.scaling.original_context_length"] = (UINT32, None)
+    if arch == "mistral3":  # as the converter writes Ministral 3's, on a small scale
+        yarn = {"rope.scaling.factor": 16.0, "rope.scaling.yarn_beta_fast": 4.0,
+                "rope.scaling.yarn_beta_slow": 0.25, "rope.scaling.yarn_log_multiplier": 0.5,
+                "attention.temperature_scale": 0.1, "rope.freq_base": 100.0}
+        meta.update({k + "rope.scaling.type": "yarn",
+                     k + "rope.scaling.original_context_length": 8,
+                     **{k + key: v for key, v in yarn.items()}})
+        floats += [k + key for key in yarn]
+        types[k + "rope.scaling.original_context_length"] = (UINT32, None)
     for key in floats:
         types[key] = (FLOAT32, None)
     meta.update(byte_metadata())

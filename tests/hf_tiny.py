@@ -51,6 +51,23 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    "longrope" factors for the rotated part only (original context 32, as
                    phi3-longrope), GQA 4/2, tied, sliding_window 262144, and a byte-level BPE
                    vocabulary with GPT-4o's regex (pre "gpt-4o", tokenizer_class GPT2Tokenizer)
+    qwen3-yarn     qwen3 with Qwen3-128K's "yarn" RoPE scaling (factor 4), original context 16
+                   and rope_theta 1e6: YaRN's ramp runs over frequencies 0-2 of 16 (one half
+                   mixed) and cos/sin are magnified by 1 + 0.1 ln 4; transformers' YaRN does
+                   not depend on the sequence length, so both references agree at any length
+    ministral3     Ministral3ForCausalLM (Ministral 3, llama.cpp's mistral3): llama's layout,
+                   "yarn" factor 16 over original context 16, beta_fast 4 and beta_slow 0.5
+                   (the ramp over frequencies 0-3; llama.cpp's defaults 32/1 would give 0-2),
+                   mscale_all_dim 0.5 (magnitude (1 + 0.1 ln 16) / (1 + 0.05 ln 16)), and
+                   Llama 4's attention temperature 0.1 over the original context: queries at
+                   positions 16-31 times 1 + 0.1 ln 2, 32-47 times 1 + 0.1 ln 3; untied,
+                   SentencePiece vocab, Ministral-3-14B-Reasoning-2512's chat template
+    qwen35         Qwen3_5ForCausalLM (Qwen3.5 dense text): 4 layers, Gated DeltaNet linear
+                   attention on layers 0-2 (2 k heads of 16 serving 4 value heads, conv kernel
+                   4) and gated full attention on layer 3 (head_dim 32, a quarter rotated,
+                   mrope_section [2, 1, 1] interleaved), tied, byte-level BPE cut from
+                   ggml-vocab-qwen35 (pre "qwen35"); converted with --no-mtp (the converter
+                   asserts MTP weights otherwise; transformers' model has none)
     qwen3moe       Qwen3MoeForCausalLM (Qwen3-30B-A3B's layout): qwen3's attention, every
                    block's MLP 8 experts of width ff / 2 with 2 used per token, their
                    weights renormalized (norm_topk_prob, as Qwen3-30B-A3B has it), byte-level
@@ -72,16 +89,16 @@ gets a 512-token vocabulary cut from the real one that llama.cpp ships for token
   as the SentencePiece protobuf directly. The converter reads it as it reads any
   `tokenizer.model`: no change to the converter. The cut holds merged pieces ("er", "▁t")
   without the characters alone ("e", "▁"), which llama.cpp (and toymlx) still merge.
-- Byte-level BPE kinds (llama3, qwen2, qwen3, phi4-mini): a `tokenizer.json` (HF `tokenizers`) with the
-  family's 256 byte tokens, its first merges whose parts stay in the cut vocabulary, its
-  pre-tokenizer regex and a few of its special tokens. The converter identifies BPE
+- Byte-level BPE kinds (llama3, qwen2, qwen3, phi4-mini, qwen35): a `tokenizer.json` (HF
+  `tokenizers`) with the family's 256 byte tokens, its first merges whose parts stay in the
+  cut vocabulary, its pre-tokenizer regex and a few of its special tokens. The converter identifies BPE
   pre-tokenizers by a hash of the token ids of a fixed text; a cut vocabulary gives other ids,
   so the hash is not recognised. The one shim (`_child_convert`): the converter's
   `TextModel.get_vocab_base_pre` is wrapped so that, when its own table does not know the
   hash, it returns the pre-tokenizer name the checkpoint declares in `toymlx_tiny.json`
-  ("llama-bpe", "qwen2" or "gpt-4o", the regex the tokenizer was built with). Nothing else in the
-  converter is touched: the hyperparameter, tensor-name, permutation and extra-tensor code
-  under test runs as llama.cpp ships it.
+  ("llama-bpe", "qwen2", "gpt-4o" or "qwen35", the regex the tokenizer was built with). Nothing
+  else in the converter is touched (but qwen35's --no-mtp, above): the hyperparameter,
+  tensor-name, permutation and extra-tensor code under test runs as llama.cpp ships it.
 
 Token ids for tests: `token_ids(kind, n)` gives seeded ids below the vocabulary's special
 tokens (the first is the BOS id where the family has one). Test modules import the
@@ -111,12 +128,16 @@ VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
               "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini",
+              "qwen3-yarn", "ministral3", "qwen35",
               "qwen3moe", "mixtral", "qwen2moe")
 # a kind's weights are seeded by its place here: kinds added later (from phi4-mini on) go after
 # the first ones' -q twins, so that no kind's weights change when one is added
 _FIRST = BASE_KINDS[:BASE_KINDS.index("phi4-mini")]
 KINDS = (_FIRST + tuple(f"{k}-q" for k in _FIRST)
          + tuple(k for b in BASE_KINDS[len(_FIRST):] for k in (b, f"{b}-q")))
+MINISTRAL3_TEMPLATE = "mistralai-Ministral-3-14B-Reasoning-2512.jinja"
+"""The ministral3 kind's chat template (llama.cpp's models/templates), which the converter
+writes as tokenizer.chat_template."""
 # Types `llamacpp_quantize` accepts (llama.cpp's LLAMA_FTYPE_MOSTLY_<name>).
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
                "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",
@@ -132,8 +153,9 @@ class ConversionError(RuntimeError):
 class Spec:
     kind: str
     family: str  # llama | mistral | mixtral | qwen2 | qwen2moe | qwen3 | qwen3moe | gemma2
-    # | gemma3 | phi3 | smollm3 | granite | olmo2
+    # | gemma3 | phi3 | smollm3 | granite | olmo2 | ministral3 | qwen35
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2 | bpe-gpt4o
+    # | bpe-qwen35
     hidden: int
     ff: int
     layers: int
@@ -182,6 +204,19 @@ def spec(kind: str) -> Spec:
         return Spec(**s, family="phi3", tokenizer="bpe-gpt4o", tied=True,
                     extra={"partial_rotary_factor": 0.75, "longrope": True,
                            "sliding_window": 262144})
+    if base == "qwen3-yarn":
+        return Spec(**{**s, "head_dim": wide}, family="qwen3", tokenizer="bpe-qwen2", tied=True,
+                    extra={"yarn": True})
+    if base == "ministral3":
+        return Spec(**{**s, "head_dim": wide}, family="ministral3", tokenizer="spm-llama",
+                    tied=False)
+    if base == "qwen35":  # 3 Gated DeltaNet blocks, then a full-attention one; 2 k heads, 4 v
+        lin = 64 if q else 16
+        return Spec(**{**s, "layers": 4, "head_dim": wide}, family="qwen35",
+                    tokenizer="bpe-qwen35", tied=True,
+                    extra={"linear_key_head_dim": lin, "linear_value_head_dim": lin,
+                           "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                           "mrope_section": [6, 5, 5] if q else [2, 1, 1]})
     if base == "qwen3moe":
         return Spec(**{**s, "head_dim": wide}, family="qwen3moe", tokenizer="bpe-qwen2",
                     tied=True, extra={"experts": 8, "experts_used": 2, "expert_ff": ff // 2})
@@ -229,10 +264,22 @@ def hf_config(sp: Spec, tok: dict):
     if sp.family == "qwen2":
         return tf.Qwen2Config(**common, max_position_embeddings=32768, rms_norm_eps=1e-6,
                               use_sliding_window=False, rope_parameters=_rope(1000000.0))
+    if sp.family == "qwen3" and sp.extra.get("yarn"):
+        rope = _rope(1000000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+        return tf.Qwen3Config(**common, max_position_embeddings=64, rms_norm_eps=1e-6,
+                              attention_bias=False, use_sliding_window=False,
+                              rope_parameters=rope)
     if sp.family == "qwen3":
         return tf.Qwen3Config(**common, max_position_embeddings=40960, rms_norm_eps=1e-6,
                               attention_bias=False, use_sliding_window=False,
                               rope_parameters=_rope(1000000.0))
+    if sp.family == "ministral3":
+        rope = _rope(10000.0, rope_type="yarn", type="yarn", factor=16.0,
+                     original_max_position_embeddings=16, max_position_embeddings=256,
+                     beta_fast=4.0, beta_slow=0.5, mscale=1.0, mscale_all_dim=0.5,
+                     llama_4_scaling_beta=0.1)
+        return tf.Ministral3Config(**common, max_position_embeddings=256, rms_norm_eps=1e-5,
+                                   rope_parameters=rope)
     if sp.family == "qwen3moe":
         return tf.Qwen3MoeConfig(**common, max_position_embeddings=40960, rms_norm_eps=1e-6,
                                  attention_bias=False, use_sliding_window=False,
@@ -275,6 +322,13 @@ def hf_config(sp: Spec, tok: dict):
                                 rope_parameters=_rope(10000000.0), embedding_multiplier=12.0,
                                 residual_multiplier=0.22, attention_multiplier=0.05,
                                 logits_scaling=2.5)
+    if sp.family == "qwen35":
+        lin = {k: v for k, v in sp.extra.items() if k.startswith("linear_")}
+        rope = _rope(10000000.0, partial_rotary_factor=0.25, mrope_interleaved=True,
+                     mrope_section=sp.extra["mrope_section"])
+        return tf.Qwen3_5TextConfig(**common, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                    linear_conv_kernel_dim=4, full_attention_interval=4,
+                                    rope_parameters=rope, **lin)
     if sp.family == "olmo2":
         return tf.Olmo2Config(**common, max_position_embeddings=4096, rms_norm_eps=1e-6,
                               rope_parameters=_rope(500000.0))
@@ -307,7 +361,9 @@ def _model_class(sp: Spec):
             "qwen2moe": tf.Qwen2MoeForCausalLM,
             "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
             "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
-            "granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM}[sp.family]
+            "granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
+            "ministral3": tf.Ministral3ForCausalLM,
+            "qwen35": tf.Qwen3_5ForCausalLM}[sp.family]
 
 
 # ---- tokenizers -------------------------------------------------------------------------
@@ -412,6 +468,9 @@ LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's: qwen2's with combining marks (\p{M}) inside letter runs
+QWEN35_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # GPT-4o's (Phi-4's tokenizer.json), as Hugging Face writes it
 _CASED = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
 _UNCASED = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
@@ -443,6 +502,10 @@ def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
         meta = _vocab_gguf(tree, "llama-bpe")
         specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
         pat, pre = GPT4O_PAT, "gpt-4o"
+    elif which == "bpe-qwen35":
+        meta = _vocab_gguf(tree, "qwen35")
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        pat, pre = QWEN35_PAT, "qwen35"
     else:
         meta = _vocab_gguf(tree, "qwen2")
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -461,7 +524,7 @@ def _bpe_tokenizer(tree: Path, which: str, out: Path) -> dict:
         if a in vocab and b in vocab and a + b in vocab:
             merges.append((a, b))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=which == "bpe-llama3"))
-    if which == "bpe-qwen2":
+    if which in ("bpe-qwen2", "bpe-qwen35"):
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(pat), behavior="isolated", invert=False),
@@ -528,6 +591,11 @@ def tiny_hf_checkpoint(kind: str, out_dir: str | Path, tree: str | Path | None =
         tok = _spm_tokenizer(tree, sp.tokenizer, out)
     else:
         tok = _bpe_tokenizer(tree, sp.tokenizer, out)
+    if sp.family == "ministral3":  # Ministral 3's chat template, where its tokenizer has it
+        cfg = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+        cfg["chat_template"] = (tree / "models" / "templates" / MINISTRAL3_TEMPLATE).read_text(
+            encoding="utf-8")
+        _write_json(out / "tokenizer_config.json", cfg)
     config = hf_config(sp, tok)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -615,6 +683,11 @@ def _child_convert(tree: str, hf_dir: str, out: str, outtype: str, pre: str) -> 
         base.TextModel.get_vocab_base_pre = declared_pre
     converter = str(Path(tree) / "convert_hf_to_gguf.py")
     sys.argv = [converter, hf_dir, "--outfile", out, "--outtype", outtype]
+    said = Path(hf_dir) / MANIFEST
+    if said.is_file() and manifest(hf_dir)["family"] == "qwen35" and not json.loads(
+            (Path(hf_dir) / "config.json").read_text()).get("mtp_num_hidden_layers"):
+        sys.argv.append("--no-mtp")  # its converter asserts MTP weights unless told there are
+        # none (transformers' model has none; tests/test_qwen35.py adds some)
     runpy.run_path(converter, run_name="__main__")
 
 

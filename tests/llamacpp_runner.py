@@ -93,7 +93,7 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, timeout: float = 600)
 def _child_logits(model: str, tokens_path: str, out_path: str, lora: str | None = None) -> dict:
     from llama_cpp import Llama
 
-    from toymlx.generation.llamacpp_decode import plain_cpu_buffers
+    from toymlx.generation.llamacpp_decode import YARN_FROM_MODEL, plain_cpu_buffers
 
     plain_cpu_buffers(model)  # the same llama.cpp set-up as toymlx-generate --engine llama.cpp
 
@@ -102,7 +102,8 @@ def _child_logits(model: str, tokens_path: str, out_path: str, lora: str | None 
     t0 = time.perf_counter()
     llm = Llama(model_path=model, logits_all=True, n_ctx=max(n, 64), n_batch=max(n, 64),
                 n_ubatch=max(n, 64), type_k=0, type_v=0, flash_attn=False, n_threads=2,
-                n_threads_batch=2, verbose=False, **({"lora_path": lora} if lora else {}))
+                n_threads_batch=2, verbose=False, **YARN_FROM_MODEL,
+                **({"lora_path": lora} if lora else {}))
     t1 = time.perf_counter()
     llm.eval(tokens)
     t2 = time.perf_counter()
@@ -115,7 +116,7 @@ def _child_greedy(model: str, prompt_path: str, out_path: str, max_tokens: int,
                   lora: str | None = None) -> dict:
     from llama_cpp import Llama
 
-    from toymlx.generation.llamacpp_decode import plain_cpu_buffers
+    from toymlx.generation.llamacpp_decode import YARN_FROM_MODEL, plain_cpu_buffers
 
     plain_cpu_buffers(model)
     prompt = json.loads(Path(prompt_path).read_text())
@@ -123,7 +124,8 @@ def _child_greedy(model: str, prompt_path: str, out_path: str, max_tokens: int,
     # logits_all: `scores` holds every position's row (else only the first)
     llm = Llama(model_path=model, logits_all=True, n_ctx=max(n, 64), n_batch=max(n, 64),
                 n_ubatch=max(n, 64), type_k=0, type_v=0, flash_attn=False, n_threads=2,
-                n_threads_batch=2, verbose=False, **({"lora_path": lora} if lora else {}))
+                n_threads_batch=2, verbose=False, **YARN_FROM_MODEL,
+                **({"lora_path": lora} if lora else {}))
     llm.eval(prompt)
     new: list[int] = []
     for _ in range(max_tokens):

@@ -8,6 +8,9 @@ pos * freq_scale * base^(-2i/n_rot) / factor_i, cos and sin times attn_factor; G
 kv head h // (n_head // n_kv); gated FFN (SiLU, or GELU's tanh form for gemma2 and gemma3;
 phi3's ffn_up holds gate then up); gemma2's attention scores soft-capped before the mask; tied
 output when output.weight is absent; smollm3 rotates no block il with (il + 1) % 4 == 0;
+YaRN (rope.scaling.type yarn) mixes interpolated and extrapolated angles over ggml's ramp
+(`yarn_angles_and_magnitude`, ggml's `rope_yarn` and llama_context's set-up in float64);
+mistral3 multiplies its rotated queries by 1 + temperature_scale * ln(floor(pos / n_orig) + 1);
 granite multiplies the embeddings by embedding_scale and each residual branch by
 residual_scale, scales q k^T by attention.scale and divides the logits by logit_scale; olmo2
 has no attn_norm/ffn_norm (its branches read the residual stream as it is) and norms q and k
@@ -64,6 +67,12 @@ def load_reference(path) -> tuple[dict, dict[str, np.ndarray]]:
         "residual_scale": _field(r, k + "residual_scale", 0.0),
         "attention_scale": _field(r, k + "attention.scale", 0.0),
         "logit_scale": _field(r, k + "logit_scale", 1.0),
+        "n_orig": _field(r, k + "rope.scaling.original_context_length",
+                         _field(r, k + "context_length")),
+        "beta_fast": _field(r, k + "rope.scaling.yarn_beta_fast", 32.0),
+        "beta_slow": _field(r, k + "rope.scaling.yarn_beta_slow", 1.0),
+        "log_mul": _field(r, k + "rope.scaling.yarn_log_multiplier", 0.0),
+        "temperature": _field(r, k + "attention.temperature_scale", 0.0),
     }
     hp["n_kv"] = _field(r, k + "attention.head_count_kv", hp["n_heads"])
     hp["hd"] = _field(r, k + "attention.key_length", hp["d"] // hp["n_heads"])
@@ -79,12 +88,51 @@ def _rms(x, g, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
 
-def _rope(x, pos, n_rot, base, scale, factors, mscale, neox):
-    """x (T, heads, hd): the first n_rot dims of each head rotated."""
+def yarn_angles_and_magnitude(pos, n_rot, base, freq_scale, n_orig, beta_fast, beta_slow,
+                              log_mul=0.0, attn_factor=1.0):
+    """YaRN's angles (T, n_rot/2) and the magnitude of cos and sin, float64, transcribed from
+    llama.cpp: `ggml_rope_yarn_corr_dims` (ggml.c), `rope_yarn` and `rope_yarn_ramp`
+    (ggml-cpu/ops.cpp, ext_factor 1) and llama_context's yarn_attn_factor (get_mscale, the
+    log multiplier's ratio, the cancellation of rope_yarn's own 1 + 0.1 ln(1/freq_scale), then
+    times rope.scaling.attn_factor)."""
+    def corr_dim(n_rotations):
+        return n_rot * np.log(n_orig / (n_rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    low = max(0.0, np.floor(corr_dim(beta_fast)))
+    high = min(n_rot - 1.0, np.ceil(corr_dim(beta_slow)))
+    theta_scale = base ** (-2.0 / n_rot)
+    factor = 1.0 / freq_scale
+
+    def get_mscale(scale, mscale):
+        return 1.0 if scale <= 1.0 else 0.1 * mscale * np.log(scale) + 1.0
+
+    if log_mul:
+        attn = get_mscale(factor, 1.0) / get_mscale(factor, log_mul)
+    else:
+        attn = get_mscale(factor, 1.0)
+    attn *= 1.0 / (1.0 + 0.1 * np.log(factor))
+    attn *= attn_factor
+    ang = np.empty((len(pos), n_rot // 2))
+    for j, p in enumerate(pos):
+        theta = p  # theta_base = pos, times theta_scale per pair, as ggml_rope_cache_init
+        for i0 in range(0, n_rot, 2):
+            interp = freq_scale * theta
+            y = (i0 // 2 - low) / max(0.001, high - low)
+            mix = 1 - min(1.0, max(0.0, y))
+            ang[j, i0 // 2] = interp * (1 - mix) + theta * mix
+            theta *= theta_scale
+    return ang, attn * (1.0 + 0.1 * np.log(1.0 / freq_scale))
+
+
+def _rope(x, pos, n_rot, base, scale, factors, mscale, neox, yarn=None):
+    """x (T, heads, hd): the first n_rot dims of each head rotated; `yarn`: (angles,
+    magnitude) from `yarn_angles_and_magnitude` in place of linear scaling's."""
     inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # (n_rot/2,)
     if factors is not None:
         inv = inv / factors
     ang = pos[:, None] * scale * inv[None, :]  # (T, n_rot/2)
+    if yarn is not None:
+        ang, mscale = yarn
     cos, sin = (np.cos(ang) * mscale)[:, None], (np.sin(ang) * mscale)[:, None]
     out = x.copy()
     if neox:
@@ -121,6 +169,15 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
     else:
         factors, mscale = w.get("rope_freqs.weight"), 1.0
     scale = 1.0 / hp["factor"] if hp["scaling"] == "linear" and hp["factor"] else 1.0
+    yarn = None
+    if hp["scaling"] == "yarn":  # this reference's files carry no rope_freqs with YaRN
+        yarn = yarn_angles_and_magnitude(pos, hp["n_rot"], hp["base"],
+                                         1.0 / hp["factor"] if hp["factor"] else 1.0,
+                                         hp["n_orig"], hp["beta_fast"], hp["beta_slow"],
+                                         hp["log_mul"], hp["attn_factor"])
+    temperature = np.ones(T)
+    if hp["temperature"]:  # llm_graph_input_attn_temp, mistral3's offset 0
+        temperature = np.log(np.floor(pos / hp["n_orig"]) + 1.0) * hp["temperature"] + 1.0
     pattern = hp["pattern"]
     n_layers = hp["n_layers"]
     if isinstance(pattern, list):
@@ -165,8 +222,9 @@ def forward(hp: dict, w: dict[str, np.ndarray], tokens: list[int],
             q = _rope(q, pos, hp["n_rot"], hp["base_swa"], s_swa, None, 1.0, neox)
             kk = _rope(kk, pos, hp["n_rot"], hp["base_swa"], s_swa, None, 1.0, neox)
         else:
-            q = _rope(q, pos, hp["n_rot"], hp["base"], scale, factors, mscale, neox)
-            kk = _rope(kk, pos, hp["n_rot"], hp["base"], scale, factors, mscale, neox)
+            q = _rope(q, pos, hp["n_rot"], hp["base"], scale, factors, mscale, neox, yarn)
+            kk = _rope(kk, pos, hp["n_rot"], hp["base"], scale, factors, mscale, neox, yarn)
+            q = q * temperature[:, None, None]
         keep = dist >= 0
         if swa[i]:
             keep &= dist < hp["window"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import replace
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ import pytest
 from arch_files import KINDS, arch_gguf
 from reference import forward, load_reference
 
+from toymlx.backend.notice import ToymlxWarning
 from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.llama import (
     SUPPORTED,
@@ -399,6 +401,131 @@ def _copy(src, dst, meta_update=None, drop_meta=(), tensors_update=None):
     return write_gguf(dst, meta, tensors, types=types)
 
 
+@pytest.mark.parametrize("dims,orig,base,factor,beta", [
+    (32, 16, 1e6, 4.0, (32.0, 1.0)),  # the ramp over frequencies 0-2 (qwen3-yarn's shape)
+    (16, 8, 100.0, 16.0, (4.0, 0.25)),  # over 0-3, with other betas (mistral3's)
+    (128, 32768, 1e6, 4.0, (32.0, 1.0)),  # Qwen3-8B's YaRN (128K)
+    (128, 16384, 1e6, 16.0, (32.0, 1.0)),  # Ministral 3's
+    (64, 4096, 1e4, 8.0, (32.0, 1.0))])
+def test_yarn_frequencies_are_ggml_formula(dims, orig, base, factor, beta):
+    """toymlx's YaRN RoPE tables (the exact forward's and generation's) and the wavelengths
+    `mx.fast.rope` gets (the GPU's training) against an fp64 numpy transcription of ggml's
+    `rope_yarn` and llama_context's magnitude (tests/reference.py): angles, and cos and sin."""
+    from reference import yarn_angles_and_magnitude
+
+    from toymlx.models.llama import LlamaArgs
+    from toymlx.models.ops import _rope_tables, _rope_wavelengths
+
+    a = LlamaArgs(d_model=dims * 2, n_heads=2, n_kv_heads=2, rope_base=base,
+                  rope_scale=1.0 / factor, rope_yarn=True, rope_yarn_beta=beta,
+                  rope_orig_context=orig, context=orig * int(factor))
+    rope = a.rope(0)
+    low, high = rope.yarn
+    assert 0 <= low < high <= dims - 1  # the ramp binds: some frequencies are mixed
+    pos = np.array([0, 1, 7, 100, 5000, orig * factor - 1], np.float64)
+    want, magnitude = yarn_angles_and_magnitude(pos, dims, base, 1.0 / factor, orig, *beta)
+    assert rope.mscale == pytest.approx(magnitude, rel=1e-12)
+    assert rope.mscale == pytest.approx(1 + 0.1 * np.log(factor), rel=1e-12)
+    for p in pos:
+        cos, sin = _rope_tables(rope, dims, int(p), 1)
+        c = np.cos(want[list(pos).index(p)]) * magnitude
+        s = np.sin(want[list(pos).index(p)]) * magnitude
+        assert np.abs(np.array(cos)[0] - c).max() < 2e-6 and np.abs(np.array(sin)[0] - s).max() < 2e-6
+    inv = 1.0 / np.array(_rope_wavelengths(rope, dims), np.float64)  # float32 wavelengths
+    assert np.allclose(inv, want[1], rtol=1e-6)  # position 1's angles are the frequencies
+    mixed = (np.arange(dims // 2) > low) & (np.arange(dims // 2) < high)
+    plain = base ** (-np.arange(0, dims, 2) / dims)
+    assert not np.allclose(want[1][mixed], plain[mixed] / factor)  # neither interpolated
+    assert not np.allclose(want[1][mixed], plain[mixed])  # nor extrapolated
+
+
+def test_yarn_and_temperature_switches_change_the_logits(files):
+    """The YaRN files' switches bind on the 20 test tokens: without YaRN's ramp and magnitude
+    (linear scaling instead), without mistral3's betas or log multiplier, or without its
+    attention temperature, the float64 reference moves far from toymlx's logits."""
+    for kind, changes in (("qwen3-yarn", {"scaling": "linear"}),
+                          ("mistral3", {"scaling": "linear"}),
+                          ("mistral3", {"beta_fast": 32.0, "beta_slow": 1.0}),
+                          ("mistral3", {"log_mul": 0.0}),
+                          ("mistral3", {"temperature": 0.0})):
+        model, _ = load_llama(files[kind])
+        hp, w = load_reference(files[kind])
+        assert np.abs(forward(hp, w, IDS) - logits(model)).max() < 1e-4
+        moved = float(np.abs(forward({**hp, **changes}, w, IDS) - logits(model)).max())
+        report(f"{kind} without {changes}", max_abs_diff=moved)
+        assert moved > 1e-2, (kind, changes)
+    a = load_llama(files["mistral3"])[0].args
+    assert (a.rope_yarn, a.rope_scale, a.rope_orig_context, a.rope_yarn_beta,
+            a.rope_yarn_log_mul, a.attn_temperature) == \
+        (True, 1 / 16, 8, (4.0, 0.25), 0.5, pytest.approx(0.1))
+
+
+YARN_KEYS = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+             "rope.scaling.original_context_length": 8}
+"""Qwen3-128K's YaRN keys on the scale of these files' 20 tokens."""
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm3", "granite", "olmo2"])
+def test_yarn_in_every_architecture_llamacpp_scales_alike(files, kind, tmp_path):
+    """The other architectures whose llama.cpp graph takes YaRN as qwen3's does, with
+    Qwen3-128K's keys: toymlx's logits are the float64 reference's, and YaRN moves them."""
+    arch = args_from_gguf(GGUFFile(files[kind])).arch
+    p = _copy(files[kind], tmp_path / "yarn.gguf", {f"{arch}.{k}": v for k, v in YARN_KEYS.items()})
+    model, _ = load_llama(p)
+    hp, w = load_reference(p)
+    diff = float(np.abs(logits(model) - forward(hp, w, IDS)).max())
+    moved = float(np.abs(logits(model) - logits(load_llama(files[kind])[0])).max())
+    report(f"{kind} with YaRN", max_abs_diff=diff, moved_by_yarn=moved)
+    assert diff < 1e-4 and moved > 1e-2
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm3", "granite", "olmo2"])
+def test_yarn_in_every_architecture_matches_llamacpp(files, kind, tmp_path):
+    from llamacpp_runner import llamacpp_logits
+
+    arch = args_from_gguf(GGUFFile(files[kind])).arch
+    p = _copy(files[kind], tmp_path / "yarn.gguf", {f"{arch}.{k}": v for k, v in YARN_KEYS.items()})
+    ref, _ = llamacpp_logits(p, IDS)
+    diff = float(np.abs(logits(load_llama(p)[0]) - ref).max())
+    report(f"{kind} with YaRN vs llama.cpp", max_abs_diff=diff)
+    assert diff < 1e-4
+
+
+def test_yarn_keys_llamacpp_does_not_read_and_mistral3_experts(files, tmp_path):
+    """The converter writes a Hugging Face config's YaRN `attention_factor` and betas into any
+    architecture's file; llama.cpp's qwen3 reads neither (DeepSeek-R1-0528-Qwen3-8B's config
+    says attn_factor 0.8782, llama.cpp computes with 1 + 0.1 ln 4): such a key is ignored as
+    llama.cpp ignores it, so a fine-tune meets the model the file's users run, and a value other
+    than llama.cpp's is said in one warning naming the key. A mistral3 file with experts is
+    refused: llama.cpp's mistral3 is dense."""
+    k = "qwen3.rope.scaling."
+    plain = logits(load_llama(files["qwen3-yarn"])[0])
+    same = _copy(files["qwen3-yarn"], tmp_path / "same.gguf",
+                 {k + "yarn_attn_factor": 1 + 0.1 * np.log(4.0), k + "yarn_beta_fast": 32.0,
+                  k + "yarn_ext_factor": 1.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert np.array_equal(logits(load_llama(same)[0]), plain)
+    p = _copy(files["qwen3-yarn"], tmp_path / "r1.gguf",
+              {k + "yarn_attn_factor": 0.8782488562869419, k + "yarn_beta_fast": 16.0})
+    with pytest.warns(ToymlxWarning) as seen:
+        got = logits(load_llama(p)[0])
+    assert np.array_equal(got, plain)
+    said = sorted(str(w.message) for w in seen)
+    assert len(said) == 2 and all(m.startswith(f"{p}: metadata key 'qwen3.rope.scaling.")
+                                  for m in said), said
+    assert "'qwen3.rope.scaling.yarn_attn_factor' says 0.8782489, which llama.cpp does not read " \
+        "for qwen3: it computes with 1.138629, and so does toymlx" in said[0]
+    assert "'qwen3.rope.scaling.yarn_beta_fast' says 16, which llama.cpp does not read for " \
+        "qwen3: it computes with 32" in said[1]
+    p = _copy(files["mistral3"], tmp_path / "moe.gguf", {"mistral3.expert_count": 8})
+    with pytest.raises(GGUFError, match=r"moe\.gguf: metadata key 'mistral3\.expert_count': "
+                                        r"expected 0 \(mistral3 is dense; mixtures of experts "
+                                        r"load as qwen3moe, qwen2moe, llama\), found 8$"):
+        load_llama(p)
+
+
 def test_unknown_tensor_is_refused_by_name(files, tmp_path):
     p = _copy(files["qwen2"], tmp_path / "x.gguf",
               tensors_update={"blk.0.attn_gate.weight": np.zeros((64, 64), np.float32)})
@@ -424,10 +551,10 @@ def test_unknown_architecture_and_rope_scaling_are_refused(files, tmp_path):
     with pytest.raises(GGUFError, match=rf"'general\.architecture': expected one of "
                                         rf"{re.escape(SUPPORTED)}, found 'mamba'"):
         load_llama(p)
-    p = _copy(files["qwen2"], tmp_path / "y.gguf", {"qwen2.rope.scaling.type": "yarn",
-                                                    "qwen2.rope.scaling.factor": 4.0})
-    with pytest.raises(GGUFError, match=r"'qwen2\.rope\.scaling\.type': expected one of none, "
-                                        r"linear for qwen2, found 'yarn'"):
+    p = _copy(files["phi3"], tmp_path / "y.gguf", {"phi3.rope.scaling.type": "yarn",
+                                                   "phi3.rope.scaling.factor": 4.0})
+    with pytest.raises(GGUFError, match=r"'phi3\.rope\.scaling\.type': expected one of none, "
+                                        r"linear, longrope for phi3, found 'yarn'"):
         load_llama(p)
     # a rope_freqs tensor whose length is not rope dims / 2
     p = _copy(files["llama3"], tmp_path / "z.gguf",
@@ -455,7 +582,7 @@ def test_logits_match_llamacpp(files, kind):
 
 @pytest.mark.interop
 @pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
-                                  "smollm3", "granite", "olmo2"])
+                                  "smollm3", "granite", "olmo2", "qwen3-yarn", "mistral3"])
 def test_llamacpp_reads_what_write_llama_writes(files, kind, tmp_path):
     """The files write_llama writes of every architecture (phi3 without longrope) compute in
     llama.cpp what they compute in toymlx, within the margins of the converter's files."""

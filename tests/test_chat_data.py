@@ -104,7 +104,7 @@ def test_jsonl_parses_each_shape_with_line_numbers(tmp_path):
     assert ex[0].text == "hello"
     assert (ex[1].prompt, ex[1].completion) == ("2+2?", "4")
     assert ex[2].messages == ({"role": "system", "content": ""}, {"role": "user", "content": "hi"},
-                              {"role": "assistant", "content": "yo"})
+                              {"role": "assistant", "content": "yo", "name": "x"})  # as given
 
 
 def test_sharegpt_and_alpaca_records_read_as_the_shapes_they_mean(tmp_path):
@@ -1121,6 +1121,39 @@ def test_a_jsonl_file_a_data_folder_would_not_read_is_named(tmp_path, name):
                             "layout; .json, .csv or .tsv in place of .jsonl), found "
                             f"{name} too, which would not be read; rename it (valid.jsonl: the "
                             "validation examples) or move it out")
+
+
+NAMED = ("{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}\n"
+         "{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML with a message's `name` after its role, as Kimi-K3's and StepFun's templates read it."""
+
+
+def test_other_message_keys_reach_the_template_as_transformers_hands_them(tmp_path):
+    """transformers and mlx-lm hand a chat template each message whole: a key it reads (a
+    user's `name`) is rendered, one it reads nowhere (`id`, `weight`) changes nothing; a null
+    one is left out, as transformers leaves it. A reasoning field that is no string is a
+    one-line error naming the file, line and key."""
+    record = {"messages": [{"role": "user", "content": "Hi", "name": "Ann", "id": 7},
+                           {"role": "assistant", "content": "Hello.", "weight": 0,
+                            "reasoning": None}]}
+    (ex,) = load_examples(write(tmp_path, "named.jsonl", json.dumps(record) + "\n"))
+    assert ex.messages == ({"role": "user", "content": "Hi", "name": "Ann", "id": 7},
+                           {"role": "assistant", "content": "Hello.", "weight": 0})
+    tok = FakeTokenizer(NAMED, add_bos=False)
+    ids, mask = tokenize_example(ex, tok, mask_prompt=True)
+    assert tok.decode(ids) == ("<|im_start|>user Ann\nHi<|im_end|>\n<|im_start|>assistant\n"
+                               "Hello.<|im_end|>\n")
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "Hello.<|im_end|>\n"
+    for key, value, found in (("reasoning_content", ["a"], 'array ["a"]'),
+                              ("thinking", 5, "number 5"), ("reasoning", {}, "object with keys []")):
+        record["messages"][1][key] = value
+        path = write(tmp_path, "bad.jsonl", '{"text": "x"}\n' + json.dumps(record) + "\n")
+        with pytest.raises(DataError) as err:
+            load_examples(path)
+        assert str(err.value) == (f'{path}:2: expected "messages[1].{key}" to be a string, '
+                                  f"found {found}")
+        del record["messages"][1][key]
 
 
 TOOLS_TEMPLATE = (  # a template that lists the tools first, as Qwen2.5's and Llama 3.1's do

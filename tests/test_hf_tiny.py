@@ -143,3 +143,58 @@ def test_longrope_short_factors_within_the_original_context(kind, tiny_hf, tiny_
     d_hf = float(np.abs(mine - ref).max())
     report(f"{kind} short factors", toymlx_vs_hf_max_abs=d_hf, logit_std=float(ref.std()))
     assert d_hf < HF_TOL, f"{kind}: toymlx and transformers differ by {d_hf}"
+
+
+@pytest.mark.parametrize("kind", ["qwen3-yarn", "ministral3"])
+def test_yarn_kinds_train_and_their_fused_export_runs_in_llamacpp(kind, tiny_hf, tiny_gguf,  # noqa: F811
+                                                                  tmp_path):
+    """The converter's YaRN files through toymlx's own paths: a LoRA run (toymlx-train, two
+    rows, so every step sees the same batch; ministral3's are chats in Ministral 3's own
+    template, which the converter wrote into its file) lowers its loss; `toymlx-export --fuse`
+    writes a
+    file whose RoPE keys are the base's (YaRN's type, factor, original context, mistral3's
+    betas, log multiplier and temperature), which llama.cpp computes as toymlx does, and which
+    is the run's base + adapter."""
+    from test_lora import number_stories_folder, recipe_args, step_losses
+    from toymlx_cli.export import main as export
+    from toymlx_cli.train import main as train
+
+    from toymlx.generation.generate import load_for_generation
+
+    base = tiny_gguf(kind)
+    data, seq = number_stories_folder(tmp_path / "data", {"train": 2, "valid": 2}), 48
+    if kind == "ministral3":
+        data, seq = tmp_path / "chats", 128
+        data.mkdir()
+        for split in ("train", "valid"):
+            (data / f"{split}.jsonl").write_text("".join(json.dumps({"messages": [
+                {"role": "system", "content": "Be terse."},
+                {"role": "user", "content": f"Name the number {i}."},
+                {"role": "assistant", "content": f"It is {i}."}]}) + "\n" for i in range(2)))
+        assert "[SYSTEM_PROMPT]" in GGUFFile(base).metadata["tokenizer.chat_template"]
+    args = recipe_args(base, tmp_path, data, "--lora.targets", "q,k,v,o,gate,up,down",
+                       "--lora.rank", "4", "--steps", "6", "--seq-len", str(seq))
+    assert train([*args, "--run-id", "r"]) == 0
+    run = tmp_path / "r"
+    losses = step_losses(run)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.05, losses
+    out = tmp_path / "fused.gguf"
+    assert export(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
+    arch = GGUFFile(base).metadata["general.architecture"]
+    rope = {k: v for k, v in GGUFFile(base).metadata.items()
+            if k.startswith((f"{arch}.rope.", f"{arch}.attention.temperature"))}
+    assert rope[f"{arch}.rope.scaling.type"] == "yarn"
+    fused_meta = GGUFFile(out).metadata
+    assert {k: fused_meta.get(k) for k in rope} == rope
+    ids = token_ids(tiny_hf(kind), N_TOKENS)
+    mine = toymlx_logits(out, ids)
+    ref, _ = llamacpp_logits(out, ids)
+    import mlx.core as mx
+
+    adapted = np.array(load_for_generation(run)[0](mx.array([ids]))[0])
+    d_cpp, d_run = float(np.abs(mine - ref).max()), float(np.abs(mine - adapted).max())
+    d_base = float(np.abs(adapted - toymlx_logits(base, ids)).max())
+    report(f"{kind} lora run", losses=losses, fused_toymlx_vs_llamacpp_max_abs=d_cpp,
+           fused_vs_base_plus_adapter_max_abs=d_run, adapter_moves_logits_by=d_base,
+           rope_keys=rope)
+    assert d_cpp < HF_TOL and d_run < 1e-4 and d_base > 1e-3

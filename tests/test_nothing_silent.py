@@ -765,10 +765,10 @@ _ONLY_KEYS = ("expected only keys toymlx computes with (llama.* for llama: atten
      ("tensor 'blk.0.foo.weight': expected only the tensors a llama model of this shape computes "
      f"with, found this one too; not loaded, so that nothing is ignored (supported "
      f"architectures: {SUPPORTED})")),
-    ({"add": {"llama.rope.scaling.type": ("yarn", "STRING"),
+    ({"add": {"llama.rope.scaling.type": ("longrope", "STRING"),
               "llama.rope.scaling.factor": (4.0, "FLOAT32")}},
-     ("metadata key 'llama.rope.scaling.type': expected one of none, linear for llama, found "
-     "'yarn'")),
+     ("metadata key 'llama.rope.scaling.type': expected one of none, linear, yarn for llama, "
+      "found 'longrope'")),
     ({"add": {"llama.attention.sliding_window": (32, "UINT32")}},
      "metadata key 'llama.attention.sliding_window': " + _ONLY_KEYS),
     ({"arch": "mamba"}, (f"metadata key 'general.architecture': expected one of {SUPPORTED}, "
@@ -793,8 +793,8 @@ _ONLY_KEYS = ("expected only keys toymlx computes with (llama.* for llama: atten
     ({"add": {"llama.expert_used_count": (2, "UINT32")}},
      ("metadata key 'llama.expert_used_count': expected 0 (expert_count is 0: a dense llama "
      "model), found 2")),
-], ids=["extra-tensor", "yarn", "sliding-window", "architecture", "vocab-size", "general-type",
-        "clip-architecture", "imatrix", "experts-used"])
+], ids=["extra-tensor", "longrope", "sliding-window", "architecture", "vocab-size",
+        "general-type", "clip-architecture", "imatrix", "experts-used"])
 def test_a_base_with_what_toymlx_does_not_compute_is_refused_by_every_command(
         tmp_path, stories_path, chat, shared_file, capsys, variant, want):
     """stories260K written again by gguf-py with one tensor or key toymlx does not compute

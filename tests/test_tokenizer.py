@@ -15,6 +15,7 @@ from toymlx.data.merges import PRE_TOKENIZERS
 from toymlx.data.special_tokens import split_special
 from toymlx.data.tokenizer import _CUTS, Tokenizer, _classes, byte_tokenizer
 from toymlx.data.vocab import BYTE_OFFSET, TokenizerError, encode_bytes_np
+from toymlx.generation.generate import stop_ids
 from toymlx.gguf.reader import read_metadata
 
 SEP = "\n__ggml_vocab_test__\n"
@@ -754,22 +755,54 @@ def inp_texts(models: Path) -> list[str]:
             for text in inp.read_bytes().decode("utf-8").split(SEP)]
 
 
-def assert_ids_of_llama_cpp(path: Path, texts: list[str]) -> None:
+def assert_ids_of_llama_cpp(path: Path, texts: list[str]) -> tuple[int, int]:
     """toymlx's ids of every text are llama.cpp's (llama-cpp-python, vocab_only) for the GGUF
-    at `path`, with and without bos and the parsing of special tokens."""
+    at `path`, with and without bos and the parsing of special tokens; and where llama.cpp's
+    detokenizer gives a text back from its ids, toymlx's decode does too. Returns the number
+    of ids compared and of texts llama.cpp gives back."""
     llama_cpp = pytest.importorskip("llama_cpp")
     ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(ref.model)
     tok = Tokenizer.from_gguf(path)
+    compared = given_back = 0
     try:
         for text in texts:
             data = text.encode("utf-8")
             for special in (False, True):
-                assert tok.encode(text, parse_special=special) == ref.tokenize(
-                    data, add_bos=True, special=special), (text, special)
-                assert tok.encode(text, add_bos=False, parse_special=special) == ref.tokenize(
-                    data, add_bos=False, special=special), (text, special)
+                for add_special in (True, False):  # llama.cpp's: bos where the file adds it
+                    want = ref.tokenize(data, add_bos=add_special, special=special)
+                    got = tok.encode(text, add_bos=None if add_special else False,
+                                     parse_special=special)
+                    assert got == want, (text, add_special, special)
+                    compared += len(want)
+            ids = ref.tokenize(data, add_bos=False, special=False)
+            if _llama_detokenize(llama_cpp, vocab, ids) == text:
+                assert tok.decode(ids) == text, text
+                given_back += 1
     finally:  # freed now: a model left to the interpreter's exit leaks llama-cpp's /dev/null
         ref.close()
+    return compared, given_back
+
+
+# Gemma 4's own: its visible (user-defined) tokens, which llama.cpp cuts out however specials
+# are parsed, beside its control ones; runs of newlines longer than any newline token, and
+# split by other text; "▁" written in the text; characters no token holds (<0xXX> bytes)
+GEMMA4_TEXTS = ["\n" * 40, "\n" * 7 + "x" + "\n" * 33, "\r\n\r\n", "a\tb\t\tc", "    four",
+                "\t\n \n", "▁x ▁ y", "\u2581\u2581", "\ue000\U000f0000", "\U00031350", "\x00a",
+                "<|channel>thought\n<channel|>Hi", "<|tool_call>call:f{x:<|\"|>a<|\"|>}<tool_call|>",
+                "<|turn>model\n", "<bos><eos><pad>", "<|tool_response>", "<turn|>", "<|think|>",
+                "<|image|><|audio|>", "x" * 300, "ab " * 50]
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_vocabularies_against_llama_cpp(models_dir, name):
+    """Each of llama.cpp's vocabulary files with every test string of its .inp files, the hard
+    texts and Gemma 4's: the ids (with and without bos, specials parsed or not) and the decoded
+    text are llama.cpp's. gemma-4: 777 texts, 3,108 encodings, 26,456 ids, 745 texts given back."""
+    texts = inp_texts(models_dir) + HARD_TEXTS + GEMMA4_TEXTS
+    compared, given_back = assert_ids_of_llama_cpp(upstream_path(models_dir, name), texts)
+    assert compared > 4 * len(texts) and given_back > len(texts) * 0.9, (compared, given_back)
 
 
 @pytest.mark.interop
@@ -794,13 +827,15 @@ def test_cut_sentencepiece_vocabulary_against_llama_cpp(shared_file, models_dir,
     assert_ids_of_llama_cpp(path, inp_texts(models_dir) + HARD_TEXTS)
 
 
-def _llama_detokenize(llama_cpp, vocab, ids: list[int]) -> str:
-    """llama.cpp's own llama_detokenize (remove_special, specials not rendered)."""
+def _llama_detokenize(llama_cpp, vocab, ids: list[int], remove_special: bool = True,
+                      unparse_special: bool = False) -> str:
+    """llama.cpp's own llama_detokenize (by default: bos removed, specials not rendered)."""
     arr = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
     size = 16 * len(ids) + 16
     for _ in range(2):
         buf = ctypes.create_string_buffer(size)
-        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, True, False)
+        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, remove_special,
+                                       unparse_special)
         if n >= 0:
             return buf.raw[:n].decode("utf-8", errors="replace")
         size = -n
@@ -811,7 +846,9 @@ def _llama_detokenize(llama_cpp, vocab, ids: list[int]) -> str:
 @pytest.mark.parametrize("name", list(UPSTREAM))
 def test_upstream_specials_against_llama_cpp(upstream, models_dir, name):
     """End-of-generation ids and every special token's text (each way of parsing) as llama.cpp
-    has them after its load-time fixes (control tokens by text, Phi-3's right-strip)."""
+    has them after its load-time fixes (control tokens by text, Phi-3's right-strip); the ids
+    toymlx-generate stops before are llama.cpp's end-of-generation set (Gemma 4's: <eos>,
+    <|tool_response>, <turn|>; its "</s>" a normal token)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     ref = llama_cpp.Llama(model_path=str(upstream_path(models_dir, name)), vocab_only=True,
                           verbose=False)
@@ -819,7 +856,8 @@ def test_upstream_specials_against_llama_cpp(upstream, models_dir, name):
     tok = upstream(name)
     n = tok.vocab_size
     assert llama_cpp.llama_vocab_n_tokens(vocab) == n
-    assert tok.eog_ids == {i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    eog = {i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    assert tok.eog_ids == eog == stop_ids(tok) == UPSTREAM_FLAGS[name][5]
     special = 1 | 8 | 16  # llama_token_attr: unknown, control, user-defined
     ids = [i for i in range(n)
            if llama_cpp.llama_vocab_get_attr(vocab, i) & special or tok.token_type(i) != 1]
@@ -829,6 +867,33 @@ def test_upstream_specials_against_llama_cpp(upstream, models_dir, name):
         for parse in (False, True):
             want = ref.tokenize(text.encode("utf-8"), add_bos=False, special=parse)
             assert tok.encode(text, add_bos=False, parse_special=parse) == want, (i, parse)
+
+
+@pytest.mark.interop
+def test_gemma4_decode_against_llama_cpp(upstream, models_dir):
+    """Gemma 4's ids of a rendered chat with its control tokens (<bos>, <|turn>, <turn|>, <eos>),
+    visible ones (<|channel>, <|tool_call>, <|"|>; <|tool_response>, which llama.cpp makes a
+    control token as it ends generation), byte tokens and newline runs: decoded with the
+    specials as llama_detokenize renders them, and without (skip_special: bos removed, control
+    tokens dropped, visible ones kept); token by token as generation streams them."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = llama_cpp.Llama(model_path=str(upstream_path(models_dir, "gemma-4")), vocab_only=True,
+                          verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(ref.model)
+    tok = upstream("gemma-4")
+    text = ("<bos><|turn>system\nBe  brief. <turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+            '<|tool_call>call:f{x:<|"|>a<|"|>}<tool_call|><|tool_response>é 🦙\ue000 \n\n\n x<eos>')
+    try:
+        ids = ref.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        assert tok.encode(text, add_bos=False) == ids and {48, 50, 52, 100, 105} < set(ids)
+        assert tok.decode(ids, skip_special=False) == _llama_detokenize(
+            llama_cpp, vocab, ids, remove_special=False, unparse_special=True) == text
+        shown = _llama_detokenize(llama_cpp, vocab, ids)
+        assert tok.decode(ids) == shown and shown.startswith("system\nBe  brief. \nmodel\n<|chan")
+        assert [tok.piece_bytes(i) for i in ids] == [ref.detokenize([i], special=True)
+                                                     for i in ids]
+    finally:
+        ref.close()
 
 
 # ------------------------------------------------------------------ where encode_stream cuts

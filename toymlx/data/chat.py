@@ -5,8 +5,13 @@ File formats (`load_examples`):
   reads: `{"text": ...}`, `{"prompt": ..., "completion": ...}` and
   `{"messages": [{"role": ..., "content": ...}, ...]}`, the last optionally with mlx-lm's
   `"tools": [...]` (handed to a chat template that takes `tools`; assistant messages may
-  carry `tool_calls`, tool messages `name` and `tool_call_id`). Other keys are ignored; blank lines are skipped. A
-  `.json` file may instead hold one JSON array of such objects.
+  carry `tool_calls`, tool messages `name` and `tool_call_id`). A message's reasoning may come
+  in a field (`reasoning_content`, `thinking` or `reasoning`, a string: `REASONING_FIELDS`),
+  trained where the template writes it as `<think>` reasoning in the content is; one it never
+  writes is counted in the split's note (`unread_fields`). Each message goes to the template
+  whole, as transformers and mlx-lm hand it: a key the template reads nowhere (`id`, `weight`)
+  changes nothing, and a null one is left out. Other keys of a record are ignored; blank lines
+  are skipped. A `.json` file may instead hold one JSON array of such objects.
 - `.csv` (comma) and `.tsv` (tab): a table with a header row (RFC 4180 quoting, as Python's
   `csv` reads it), each further row one record keyed by the header, read as the JSONL record
   of those keys would be (`_table_examples`): columns `text`, `prompt` and `completion`, or
@@ -43,13 +48,13 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from toymlx.backend.files import counted, json_fault, shortlist
 from toymlx.backend.progress import pass_bar
-from toymlx.data.chat_template import system_in_user, system_refused
+from toymlx.data.chat_template import REASONING_FIELDS, system_in_user, system_refused
 from toymlx.data.text import DataError, open_text
 from toymlx.data.vocab import TokenizerError
 
@@ -81,7 +86,6 @@ ROLES = ("system", "user", "assistant", "tool")
 TURNS = ("assistant", "last")
 """Which messages of a conversation train under mask_prompt: every assistant turn (toymlx's),
 or the last message (mlx-lm's)."""
-TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("name", "tool_call_id")}
 SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
 
 
@@ -265,12 +269,15 @@ def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted) ->
         content = m.get("content", "")
         if content is None and m.get("tool_calls"):
             content = ""
-        msg = {"role": m["role"], "content": string(f"messages[{j}].content", content,
-                                                    non_empty=False)}
-        # mlx-lm's tool-use fields, for the template to render; other keys are ignored, and a
-        # null one is left out as transformers leaves it (`"tool_calls": null` is no tool call
-        # to a template asking `'tool_calls' in message`, as Llama 3.1's does)
-        msg.update({k: m[k] for k in TOOL_KEYS.get(m["role"], ()) if m.get(k) is not None})
+        # every other key goes to the template as transformers and mlx-lm hand it the whole
+        # message (mlx-lm's tool fields, the reasoning fields; one no template reads changes
+        # nothing); a null one is left out, as no field (`"tool_calls": null` is no tool call to
+        # a template asking `'tool_calls' in message`, as Llama 3.1's does)
+        msg = {k: v for k, v in m.items() if v is not None}
+        msg["content"] = string(f"messages[{j}].content", content, non_empty=False)
+        for key in REASONING_FIELDS:
+            if key in msg:
+                string(f"messages[{j}].{key}", msg[key], non_empty=False)
         out.append(msg)
     return Example(where, messages=tuple(out), tools=tuple(tools) if tools else None,
                    read_from=read_from)
@@ -725,6 +732,12 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], gen: b
                     "message, before a user's, at the start of that user message (as "
                     "toymlx-generate --system and llama.cpp do for Gemma); move this one's text "
                     "into a user message")
+        elif type(e).__name__ == "UndefinedError" and str(e).endswith("' is undefined"):
+            # jinja2's for a top-level name nothing passes (not a message's missing field)
+            hint = ("; a variable of the template's own, which toymlx passes none of (it renders "
+                    "the messages, tools and special tokens, as transformers does by default; "
+                    "firefunction-v2's reads `functions` and `datetime`, which its callers pass "
+                    "per call): use a base whose template renders from those alone")
         raise DataError(f"{source}: chat template failed on {counted(len(messages), 'message')}: "
                         f"{type(e).__name__}: {e}{hint}") from None
 
@@ -739,6 +752,40 @@ def template_takes_tools(template: str) -> bool:
         return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
     except jinja2.TemplateError:
         return False  # the render reports the template's own error
+
+
+class Rendered(NamedTuple):
+    """A render of a conversation's messages in which its assistant turns are located
+    (`_history_span`): the messages, whether with a generation prompt, the text; and, for the
+    last turn's prompt (`_last_turn_prompt`), where the last turn starts in the conversation's
+    own render."""
+
+    messages: Sequence[dict[str, Any]]
+    gen: bool
+    text: str
+    turn_at: int = 0
+
+
+def _last_turn_prompt(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], full: str,
+                      source: str, tools: Sequence[dict[str, Any]] | None) -> Rendered | None:
+    """The conversation as the model meets its last turn, for a template that writes the system
+    message only into the prompt of the last turn (Mistral-Nemo's, into the last user message):
+    the generation prompt `render(messages[:-1], add_generation_prompt=True)`, then the turn as
+    the conversation's render `full` writes it. Located by position (`_around`): the render of
+    each with `CONTENT_MARK` in place of the last user message ends the same after it up to the
+    prompt's end (the user's text, its end, the assistant's header); what `full` writes after
+    that is the turn. None where the conversation does not end in a user's message and an
+    assistant's, or where the two do not end so."""
+    n = len(messages)
+    if n < 2 or messages[-1]["role"] != "assistant" or messages[-2]["role"] != "user":
+        return None
+    prompt = _render(tokenizer, messages[:-1], True, source, tools)
+    asked = _around(tokenizer, messages[:-1], n - 2, True, source, tools)
+    said = _around(tokenizer, messages, n - 2, False, source, tools)
+    if asked is None or said is None or not (prompt.endswith(asked[1]) and full.endswith(said[1])
+                                             and said[1].startswith(asked[1])):
+        return None
+    return Rendered(messages[:-1], True, prompt, len(full) - len(said[1]) + len(asked[1]))
 
 
 Piece = tuple[str, bool | None, int]
@@ -776,13 +823,16 @@ def _message_pieces(
                         "would be trained as an empty answer); remove the tool calls or use a "
                         "base whose template renders them")
     full = _render(tokenizer, messages, False, source, tools)
+    whole = Rendered(messages, False, full)
     system = messages[0]["content"].strip() if messages[0]["role"] == "system" else ""
     if system and system not in full:
-        raise DataError(f"{source}: chat template leaves the system message messages[0] out of "
-                        f"the conversation's render (Mistral-Nemo's writes it into the last "
-                        f"message only when that is a user's), so the model would train without "
-                        f"it; expected the system text in the render, found none: move it to "
-                        f"the start of the first user message")
+        whole = _last_turn_prompt(tokenizer, messages, full, source, tools)
+        if whole is None or system not in whole.text:
+            raise DataError(f"{source}: chat template leaves the system message messages[0] out "
+                            f"of the conversation's render and of the last turn's prompt, so the "
+                            f"model would train without it; expected the system text in the "
+                            f"render, found none: move it to the start of the first user message")
+        full = whole.text + full[whole.turn_at:]  # the last turn as its prompt meets it
     if not mask_prompt:
         return [(full, False, 1)]
     spans: list[tuple[int, int]] = []
@@ -798,15 +848,19 @@ def _message_pieces(
         for i, m in enumerate(messages):
             if m["role"] == "assistant" and (not last or i == len(messages) - 1):
                 prev_end = spans[-1][1] if spans else 0
-                spans.append(_turn_span(tokenizer, messages, i, full, prev_end, source, tools))
+                if i == len(whole.messages):  # the last turn, after its prompt `whole`
+                    spans.append((len(whole.text), len(full)))
+                    continue
+                spans.append(_turn_span(tokenizer, messages, i, full, prev_end, source, tools,
+                                        whole))
     cuts = sorted({0, len(full), *(c for span in spans for c in span)})
     return [(full[a:b], False, int(any(s <= a and b <= e for s, e in spans)))
             for a, b in itertools.pairwise(cuts)]
 
 
 def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, full: str,
-               prev_end: int, source: str, tools: Sequence[dict[str, Any]] | None
-               ) -> tuple[int, int]:
+               prev_end: int, source: str, tools: Sequence[dict[str, Any]] | None,
+               whole: Rendered | None = None) -> tuple[int, int]:
     """The characters of `full` (the conversation rendered) that train assistant turn
     `messages[i]`: what the template writes for the turn when it is the last, after the
     assistant's header, i.e. `render(messages[:i+1])` after `render(messages[:i],
@@ -817,9 +871,12 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
       which the template never writes into the conversation, is not trained;
     - the EOS token after the last message without a generation prompt (Phi-3's and Phi-4's
       `{% else %}{{ eos_token }}`): a turn before the last ends before it; the last trains it.
-    A template that rewrites the turn once another follows (Qwen3's drops the `<think>` block
-    of an earlier turn; Mistral-Nemo's moves the system text into the last user message) trains
-    the turn as `full` writes it (`_history_span`); where that fails too, a DataError."""
+    A template that rewrites an earlier turn once another follows (Qwen3's and Qwen3.5's drop
+    the `<think>` block; Mistral-Nemo's moves the system text into the last user message)
+    trains the turn as `full` writes it, as the model meets it in the history at inference
+    (`_history_span`; `whole` as its); where that fails too, or the conversation's last message
+    is not found after its generation prompt (a prompt whose header no turn is written with,
+    or DeepSeek-R1's dropping the turn's own reasoning), a DataError."""
     before = _render(tokenizer, messages[:i], True, source, tools)
     upto = _render(tokenizer, messages[: i + 1], False, source, tools)
     start = len(before)
@@ -831,58 +888,133 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
         end -= len(eos)
     if start is not None and full.startswith(upto[:end]) and prev_end <= start <= end:
         return start, end
-    span = _history_span(tokenizer, messages, i, full, prev_end, before, upto, source, tools)
+    final = i == len(messages) - 1  # trained as generation writes it, or not at all
+    span = None if final else _history_span(tokenizer, messages, i, prev_end, upto, source,
+                                            tools, whole or Rendered(messages, False, full))
+    content = (messages[i].get("content") or "").strip()
+    if span is None and content not in upto:
+        last = "" if final else "set --data.train-turns last to train the last turn only, "
+        raise DataError(f"{source}: chat template writes assistant turn messages[{i}] without "
+                        f"part of its content (it is nowhere in the turn's own render: Gemma "
+                        f"4's strips <|channel>...<channel|> thoughts from every answer, "
+                        f"DeepSeek-R1's <think> reasoning), so the turn cannot be trained as "
+                        f"written; remove that part of the content, {last}or set "
+                        f"mask_prompt=False to train on the whole conversation as the template "
+                        f"renders it")
     if span is None:
-        fix = ("the template writes it one way as the last turn and another once a message "
-               "follows, and its text is not found verbatim, after its header, in the whole "
-               "conversation's render (DeepSeek-R1's strips <think> reasoning from an earlier "
-               "turn): set --data.train-turns last to train the last turn as the template "
-               "renders it for generation, split the conversation into one example per "
-               "assistant turn, or " if i < len(messages) - 1 else "")
+        fix = "" if final else (
+            "the template writes it one way as the last turn and another once a message "
+            "follows, and where the whole conversation's render writes its content is not "
+            "followed by the end the turn has as the last: set --data.train-turns last to train "
+            "the last turn as the template renders it for generation, split the conversation "
+            "into one example per assistant turn, or ")
         raise DataError(f"{source}: chat template renders message prefixes inconsistently, so "
                         f"assistant turn messages[{i}] cannot be located; {fix}set "
                         f"mask_prompt=False to train on the whole conversation")
     return span
 
 
+CONTENT_MARK = "toymlx\u00b7content\u00b7mark"
+"""Text put in place of a message's content to find, by position, where a render writes it
+(`_around`): no whitespace for a template to trim, no `</think>` for one to split at."""
+
+
+def _around(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, gen: bool,
+            source: str, tools: Sequence[dict[str, Any]] | None) -> tuple[str, str] | None:
+    """What the render of `messages` (with a generation prompt where `gen`) writes before and
+    after the content of `messages[i]`: the render with `CONTENT_MARK` in place of that content,
+    cut at the mark; None where the mark is not written once. The mark stands for the message's
+    reasoning fields too (`REASONING_FIELDS`, left out), as it stands for `<think>` reasoning in a
+    content: what the render writes of either lies between the two parts."""
+    marked = [*messages[:i], _unreasoned(messages[i], CONTENT_MARK), *messages[i + 1:]]
+    text = _render(tokenizer, marked, gen, source, tools)
+    if text.count(CONTENT_MARK) != 1:
+        return None
+    head, tail = text.split(CONTENT_MARK)
+    return head, tail
+
+
+def _unreasoned(message: dict[str, Any], content: str) -> dict[str, Any]:
+    """`message` with `content`, without its reasoning fields (`REASONING_FIELDS`)."""
+    return {**{k: v for k, v in message.items() if k not in REASONING_FIELDS}, "content": content}
+
+
 def _history_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int,
-                  full: str, prev_end: int, before: str, upto: str, source: str,
-                  tools: Sequence[dict[str, Any]] | None) -> tuple[int, int] | None:
+                  prev_end: int, upto: str, source: str, tools: Sequence[dict[str, Any]] | None,
+                  whole: Rendered) -> tuple[int, int] | None:
     """The characters of `full` that train assistant turn `messages[i]` as the whole
     conversation writes it, for a template whose prefix renders are no prefixes of `full`
     (`_turn_span`): Unsloth's `train_on_responses_only` and TRL's assistant masks train a turn
-    of the history so, as the model reads it at inference. The turn's header is what the
-    generation prompt `before` and the turn's own render `upto` write after the history
-    `render(messages[:i])` (their shared text: `_header_end`'s); its end-of-turn text what
-    `upto` writes after the content (`<|im_end|>\n`; a tool call and its end). The span is the
-    content, verbatim, and that end, at the first header in `full` after `prev_end` (the
-    previous trained span); with an empty header (Mistral-Nemo's), the first place after it
-    where they are written; after the history too where `full` starts with it. None where not
-    so (a template that rewrites the content itself: DeepSeek-R1's strips `<think>` reasoning)."""
-    history = _render(tokenizer, messages[:i], False, source, tools)
-    if not (before.startswith(history) and upto.startswith(history)):
+    of the history so, as the model reads it at inference. Located by render positions, not by
+    searching text: `full` is the render of `whole` (its messages, and whether with a generation
+    prompt: the last turn's prompt, `_last_turn_prompt`'s), and the same render with
+    `CONTENT_MARK` in place of the turn's content (`_around`) gives the text before it (a prefix
+    of `full`) and after it (a suffix); between them lies the content as `full` writes it (its
+    `<think>` reasoning dropped by Qwen3's, Qwen3.5's, QwQ's, DeepSeek-R1's). The span is that,
+    and the end the turn has as the last (`upto`: `render(messages[:i+1])`; after its content,
+    `<|im_end|>\n`, a tool call and its end), which `full` must write next. A content that
+    `full` writes as nothing (a turn that only calls a tool, or its reasoning alone) trains the
+    end `upto` writes with an empty content, where `full` writes that next. None where neither
+    holds."""
+    full = whole.text
+    around = _around(tokenizer, whole.messages, i, whole.gen, source, tools)
+    last = _around(tokenizer, messages[: i + 1], i, False, source, tools)
+    if around is None or last is None:  # a content the template never writes (a tool call's)
+        return _after_previous(tokenizer, messages, i, prev_end, source, tools, whole)
+    if not full.startswith(around[0]):
         return None
-    header = os.path.commonprefix([before[len(history):], upto[len(history):]])
-    written = upto[len(history) + len(header):]  # the turn after its header, written as the last
-    content = messages[i].get("content") or ""
-    if not (header or content):  # nothing to find it by
+    start = len(around[0])
+    if start < prev_end:
         return None
-    # where the content's end may start in `written`: after its earliest place (the longest end:
-    # an empty content's is all of a tool call) to its last; offsets, not a copy of each end
-    ends = [k + len(content) for k in range(len(written) - len(content) + 1)
-            if written.startswith(content, k)]
-    # after the previous trained span, and after the history where `full` starts with it
-    at = full.find(header, max(prev_end, len(history) * full.startswith(history)))
-    while at >= 0:
-        start = at + len(header)
-        turn = next((content + written[e:] for e in ends
-                     if full.startswith(content + written[e:], start)), None)
-        if turn is not None:
-            return start, start + len(turn)
-        if header:  # the turn is the first assistant header's: a later one is another turn's
-            return None
-        at = full.find(header, at + 1)
+    if len(full) - len(around[1]) >= start and full.endswith(around[1]) and \
+            upto.endswith(last[1]) and around[1].startswith(last[1]):
+        return start, len(full) - len(around[1]) + len(last[1])
+    # the content written as nothing: the turn's end, as it is with an empty content
+    empty = [*messages[:i], _unreasoned(messages[i], "")]
+    end = _render(tokenizer, empty, False, source, tools)
+    if end.startswith(last[0]) and full.startswith(end[len(last[0]):], start):
+        return start, start + len(end) - len(last[0])
     return None
+
+
+def _after_previous(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int,
+                    prev_end: int, source: str, tools: Sequence[dict[str, Any]] | None,
+                    whole: Rendered) -> tuple[int, int] | None:
+    """`_history_span` for a turn whose content the template never writes (Mistral's tool-call
+    turn, written from its `tool_calls` alone), located after the message before it, by
+    position: the renders with `CONTENT_MARK` in place of that message's content (`_around`)
+    give what each writes after it: the generation prompt its end and the assistant's header,
+    the turn's own render (as the last) that and the turn; `whole.text` must write the same
+    header and turn there. None where not so, or where no message precedes it."""
+    if i == 0:
+        return None
+    full = whole.text
+    ours = _around(tokenizer, whole.messages, i - 1, whole.gen, source, tools)
+    asked = _around(tokenizer, messages[:i], i - 1, True, source, tools)
+    said = _around(tokenizer, messages[: i + 1], i - 1, False, source, tools)
+    if ours is None or asked is None or said is None or not (
+            full.startswith(ours[0]) and full.endswith(ours[1])):
+        return None
+    header = os.path.commonprefix([asked[1], said[1]])
+    turn = said[1][len(header):]
+    start = len(full) - len(ours[1]) + len(header)
+    if not (turn and ours[1].startswith(header + turn) and prev_end <= start):
+        return None
+    return start, start + len(turn)
+
+
+REASONING_ENDS = ("</think>", "<channel|>")
+"""The ends of the reasoning an assistant's content may open with, which chat templates drop
+from the turns they render (Qwen3's, Qwen3.5's, QwQ's, DeepSeek-R1's `<think>...</think>`;
+Gemma 4's `<|channel>thought...<channel|>`): a content holding one is checked for it
+(`untrained_thoughts`)."""
+
+
+def thought_dropped(content: str, written: str) -> bool:
+    """Whether a render writes an assistant's `content` (holding reasoning: `REASONING_ENDS`) as
+    `written` without part of it: the reasoning, which the template drops (its trimming of
+    the whole content aside)."""
+    return any(end in content for end in REASONING_ENDS) and content.strip() not in written
 
 
 def _header_end(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: int, upto: str,
@@ -893,14 +1025,39 @@ def _header_end(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i:
     `before` starts with. The last place the content starts within the text `before` and
     `upto` share: an earlier one lies in the header ("a" in `<｜Assistant｜>`); the shared text
     may run into the content ("<b>" after `<｜Assistant｜>`, the prompt going on `<think>`).
-    None when not so."""
+    The content as written, else trimmed, as Gemma's templates write an answer (`| trim`;
+    Gemma 4's prompt goes on `<|channel>thought\n<channel|>`). None when not so."""
     history = _render(tokenizer, messages[:i], False, source, tools)
     content = messages[i].get("content") or ""
-    if not (content and upto.startswith(history)):
+    if not upto.startswith(history):
         return None
     shared = len(os.path.commonprefix([before, upto]))
-    at = upto.rfind(content, len(history), shared + len(content))
-    return at if at >= 0 else None
+    for text in filter(None, dict.fromkeys((content, content.strip()))):
+        at = upto.rfind(text, len(history), shared + len(text))
+        if at >= 0:
+            return at
+    # no content there (a turn that only calls a tool, or writes its call first: Gemma 4's
+    # `<|turn>model\n<|tool_call>...`, whose `<|` the prompt's `<|channel>` shares): after the
+    # header the template writes before a plain answer, where the prompt starts with it too
+    # and the content is written after it
+    probe = [*messages[:i], {"role": "assistant", "content": _PROBE}]
+    try:
+        answered = _render(tokenizer, probe, False, source, tools)
+    except DataError:
+        return None
+    at = answered.find(_PROBE, len(history))
+    if not (answered.startswith(history) and at >= 0):
+        return None
+    header = answered[len(history):at]
+    if (before.startswith(history + header) and upto.startswith(history + header)
+            and content.strip() in upto[at:]):  # a content the template drops is not found
+        return at
+    return None
+
+
+_PROBE = "toymlx-answer-probe"
+"""The content of the assistant message `_header_end` renders to find where a template's
+answer starts (no whitespace, no markup a template would trim or split on)."""
 
 
 def tokenize_example(
@@ -958,6 +1115,92 @@ def system_merged(example: Example, tokenizer: ChatTokenizer) -> bool:
     return (m is not None and len(m) > 1 and m[0]["role"] == "system" and m[1]["role"] == "user"
             and bool(getattr(tokenizer, "chat_template", None))
             and system_refused(tokenizer) is not None)
+
+
+def _chat_messages(example: Example, tokenizer: ChatTokenizer) -> list[dict[str, Any]]:
+    """The messages of `example` as its render takes them (`system_merged`: the system text in
+    the first user message)."""
+    messages = list(example.messages or ())
+    if system_merged(example, tokenizer):
+        messages = system_in_user(messages[1:], messages[0]["content"])
+    return messages
+
+
+def _field_thought(message: dict[str, Any]) -> str:
+    """The reasoning a message gives in a field (`REASONING_FIELDS`, the first not blank), "" for
+    none."""
+    return next((message[k] for k in REASONING_FIELDS if message.get(k, "").strip()), "")
+
+
+def untrained_thoughts(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool,
+                       turns: str, unread: Sequence[tuple[int, str]] | None = None) -> int:
+    """How many assistant turns of `example` hold reasoning that the chat template leaves out of
+    the conversation it renders (`thought_dropped`: Qwen3's, Qwen3.5's and QwQ's drop `<think>`
+    reasoning from a turn once a user message follows, DeepSeek-R1's and Gemma 4's from every
+    turn; Qwen3's and Qwen3.5's drop a `reasoning_content` field so too), so that it is not
+    trained: their answers train as the render writes them, which is how the model meets those
+    turns at inference; `Fit.thoughts` counts them so that it is said, not silent. A field the
+    template never writes, in any turn, is `unread_fields`'s (`unread`, where already found),
+    not counted here. 0 where only the last turn trains (`mask_prompt` with `turns` "last": the
+    others are prompt), or for no messages. Found by position where the template writes a
+    marked content once (`_around`, which leaves the fields out), else by the thought's text
+    missing from the render."""
+    if example.messages is None or (mask_prompt and turns == "last") or not any(
+            m["role"] == "assistant" and (_field_thought(m) or
+                                          thought_dropped(m.get("content") or "", ""))
+            for m in example.messages) or not getattr(tokenizer, "chat_template", None):
+        return 0
+    messages = _chat_messages(example, tokenizer)
+    unread_at = {i for i, _ in (unread_fields(example, tokenizer) if unread is None else unread)}
+    full = _render(tokenizer, messages, False, example.source, example.tools)
+    count = 0
+    for i, m in enumerate(messages):
+        content = m.get("content") or ""
+        field = "" if i in unread_at else _field_thought(m)
+        if m["role"] != "assistant" or not (field or thought_dropped(content, "")):
+            continue
+        around = _around(tokenizer, messages, i, False, example.source, example.tools)
+        if around is not None and full.startswith(around[0]) and full.endswith(around[1]):
+            written = full[len(around[0]):len(full) - len(around[1])]
+        else:  # the content itself, as a text of the render
+            written = full
+        count += field.strip() not in written if field else thought_dropped(content, written)
+    return count
+
+
+def unread_fields(example: Example, tokenizer: ChatTokenizer) -> list[tuple[int, str]]:
+    """(index, key) of each reasoning field (`REASONING_FIELDS`, not blank) of `example`'s
+    messages that the chat template never writes: the message's render as the last, with and
+    without the field, is the same (`reasoning_content` on Llama 3.1's, or on DeepSeek-R1's,
+    which read no field; transformers hands a template the field under `reasoning_content` and
+    `thinking` too, `reasoning_aliased`). transformers and mlx-lm train without it alike, as
+    toymlx does; `Fit.unread` counts them so that it is said. A DataError where the template
+    writes the same text given under another of the keys (a template that reads only
+    `reasoning`, given `reasoning_content`): that field's thought would be lost in every turn,
+    which renaming it saves."""
+    if example.messages is None or not getattr(tokenizer, "chat_template", None) or not any(
+            m.get(k, "").strip() for m in example.messages for k in REASONING_FIELDS):
+        return []
+    messages = _chat_messages(example, tokenizer)
+    out = []
+    for i, m in enumerate(messages):
+        for key in (k for k in REASONING_FIELDS if m.get(k, "").strip()):
+            left = {k: v for k, v in m.items() if k != key}
+            without = _render(tokenizer, [*messages[:i], left], False, example.source,
+                              example.tools)
+            if without != _render(tokenizer, messages[:i + 1], False, example.source,
+                                  example.tools):
+                continue
+            other = next((k for k in REASONING_FIELDS if k not in m and _render(
+                tokenizer, [*messages[:i], {**left, k: m[key]}], False, example.source,
+                example.tools) != without), None)
+            if other is not None:
+                raise DataError(f"{example.source}: messages[{i}].{key}: expected the field this "
+                                f"chat template reads the reasoning from, {other}, found {key}, "
+                                f"which it never writes (the turn would train without its "
+                                f"thought); rename the field {other}")
+            out.append((i, key))
+    return out
 
 
 def _encode_pieces(tokenizer: ChatTokenizer, pieces: Sequence[Piece]) -> list[np.ndarray]:
@@ -1186,6 +1429,15 @@ class Fit:
     merged: int = 0
     """Examples whose system message starts their first user message instead, the chat
     template having no system role (`system_merged`)"""
+    thoughts: int = 0
+    """Assistant turns whose reasoning (`<think>...</think>`) the chat template leaves out of the
+    conversation it renders, so that it is not trained (`untrained_thoughts`)"""
+    unread: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Messages by reasoning field (`REASONING_FIELDS`) whose field the chat template never
+    writes, so that it is not trained (`unread_fields`)"""
+    template: str = ""
+    """The chat template's model name (GGUF `general.name`), for the note on `unread`; "" for
+    none"""
 
     @classmethod
     def of(cls, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int,
@@ -1220,6 +1472,18 @@ class Fit:
             parts.append(f"{self.merged} with a system message, which this base's chat template "
                          f"has no role for: its text starts the first user message, a blank line "
                          f"after it (as llama.cpp and toymlx-generate --system put it)")
+        if self.thoughts:
+            parts.append(f"{counted(self.thoughts, 'assistant turn')} with reasoning "
+                         f"(<think>...</think>, <|channel>...<channel|>) the chat template leaves "
+                         f"out of the conversation it renders, as the model meets those turns at "
+                         f"inference, so only their answers train; --data.train-turns last "
+                         f"trains only each final turn, as generation writes it")
+        if self.unread:
+            fields = " or ".join(self.unread)
+            which = f"{self.template}'s chat template" if self.template else "the chat template"
+            parts.append(f"{counted(sum(self.unread.values()), 'message')} with a {fields} field "
+                         f"{which} never writes, so that reasoning is not trained (as "
+                         f"transformers and mlx-lm leave it out)")
         if not parts:
             return None
         return f"{source}: {split}: of {counted(self.examples, 'example')}, {', '.join(parts)}"
@@ -1497,7 +1761,17 @@ def fitted_rows(examples: Sequence[Example], tokenizer: ChatTokenizer, seq_len: 
     if first is not None:
         rows = {k: v[:first] for k, v in rows.items()}
     merged = sum(system_merged(e, tokenizer) for e in examples[:len(seqs)])
-    return rows, dataclasses.replace(Fit.of(seqs, seq_len, pack), merged=merged)
+    thoughts = 0
+    unread: dict[str, int] = {}
+    for e in examples[:len(seqs)]:
+        fields = unread_fields(e, tokenizer)
+        thoughts += untrained_thoughts(e, tokenizer, mask_prompt, turns, fields)
+        for _, key in fields:
+            unread[key] = unread.get(key, 0) + 1
+    name = getattr(tokenizer, "name", None)
+    return rows, dataclasses.replace(Fit.of(seqs, seq_len, pack), merged=merged,
+                                     thoughts=thoughts, unread=unread,
+                                     template=name if isinstance(name, str) else "")
 
 
 class _RowsDone:

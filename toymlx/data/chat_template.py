@@ -48,6 +48,27 @@ def render_context(bos_token: str, eos_token: str, **kwargs: Any) -> dict[str, A
             **kwargs}
 
 
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+"""The fields a message's reasoning comes in beside its content, in transformers' order
+(`_REASONING_FIELDS`): DeepSeek's API and vLLM's `reasoning_content` (Qwen3's, Qwen3.5's,
+GLM's, MiniMax's templates read it), gpt-oss's `thinking` (LFM2.5's, Command A's), OpenRouter's
+`reasoning` (Laguna's, Solar Open's)."""
+
+
+def reasoning_aliased(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with the reasoning of each that has one (its first `REASONING_FIELDS` field
+    that is not null) also under `reasoning_content` and, where it has none, `thinking`: what
+    transformers' render gives a template (`_alias_reasoning_fields`, 5.x), so that Qwen3's reads
+    OpenRouter's `reasoning` and gpt-oss's DeepSeek's `reasoning_content`. `reasoning` itself is
+    filled from neither."""
+    out = []
+    for m in messages:
+        thought = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        out.append(m if thought is None else {"thinking": thought, **m,
+                                              "reasoning_content": thought})
+    return out
+
+
 def compile_template(source_text: str, where: str):
     """The template of `source_text`, compiled once; TokenizerError naming `where` when
     it is not valid Jinja."""

@@ -45,7 +45,7 @@ import numpy as np
 from tokenizers import Regex, normalizers
 
 from toymlx.backend import notice
-from toymlx.data.chat_template import compile_template, render_context
+from toymlx.data.chat_template import compile_template, reasoning_aliased, render_context
 from toymlx.data.merges import (
     PRE_TOKENIZERS,
     SUPPORTED_PRE,
@@ -284,6 +284,9 @@ class Tokenizer:
         self._chat_template: str | None = template or None
 
         name = meta.get(K_NAME)
+        self.name: str | None = name.strip() if isinstance(name, str) and name.strip() else None
+        """The model's name (GGUF `general.name`) where the metadata gives one: the data notes
+        name a chat template by it."""
         attrs, eog = token_attributes(self._tokens, self._token_to_id, self._types, self._meta,
                                       self._eos, name.lower() if isinstance(name, str) else "")
         self._attrs = attrs
@@ -745,13 +748,15 @@ class Tokenizer:
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render the GGUF's `tokenizer.chat_template` as Hugging Face does (jinja2 sandbox,
         trim_blocks + lstrip_blocks; variables messages, add_generation_prompt and
-        `render_context`'s: bos_token, eos_token, tools and documents, plus any `kwargs`)."""
+        `render_context`'s: bos_token, eos_token, tools and documents, plus any `kwargs`), each
+        message's reasoning field under the names transformers gives it (`reasoning_aliased`)."""
         if not self._chat_template:
             raise TokenizerError(f"{self.source}: {K_TEMPLATE}: expected a Jinja chat template, "
                                  "found missing key")
         template = compile_template(self._chat_template, self.source)
         bos = self._tokens[self._bos] if self._bos is not None else ""
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return template.render(messages=reasoning_aliased(messages),
+                               add_generation_prompt=add_generation_prompt,
                                **render_context(bos, self.eos_token, **kwargs))
 
     # -------------------------------------------------------------- metadata out

@@ -54,6 +54,7 @@ from toymlx.generation.sampling import (
 from toymlx.generation.window import check_window, in_window, shift_keep
 from toymlx.gguf.llama import ARCHS, args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.models.gated_delta import DeltaCache
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
 from toymlx.models.ops import EXACT, Ops
@@ -178,6 +179,8 @@ class PromptCache:
         limit = min(len(self.ids), len(prompt_ids) - 1)
         while n < limit and self.ids[n] == prompt_ids[n]:
             n += 1
+        if n < len(self.ids) and any(isinstance(c, DeltaCache) for c in self.layers):
+            n = 0  # a recurrent state (qwen35's linear blocks) cannot be rewound: start over
         for c in self.layers:
             c.keep(n)
         self.ids, self.reused = list(prompt_ids[:n]), n
@@ -285,8 +288,11 @@ class CompiledDecode:
 
     @staticmethod
     def fits(model: Any) -> bool:
-        """A toymlx Llama computing RoPE from tables (the compiled steps take them as inputs)."""
-        return isinstance(model, Llama) and model.ops.exact_rope
+        """A toymlx Llama computing RoPE from tables (the compiled steps take them as inputs),
+        every block softmax attention without an output gate (qwen35's blocks decode eagerly:
+        their caches and gates are not `start`/`attend`/`finish`'s)."""
+        return (isinstance(model, Llama) and model.ops.exact_rope
+                and not model.args.linear_layers and not model.args.attn_out_gate)
 
     def make_cache(self) -> list[Any]:
         return self.model.make_cache()
@@ -298,10 +304,13 @@ class CompiledDecode:
         h = model.embed_tokens(tokens)  # (B,1,D)
         for i, block in enumerate(model.layers):
             offset = cache[i].offset
-            rope = block.attn.rope  # None: a block without RoPE (smollm3's every 4th)
-            tables = None if rope is None else model.ops.rope_tables(rope, block.attn.head_dim,
-                                                                      offset, 1)
-            q, k, v = self._start[i](h, tables=tables)
+            rope, q_rope = block.attn.rope, block.attn.q_rope  # None: a block without RoPE
+            tables = q_tables = None  # (smollm3's every 4th)
+            if rope is not None:
+                tables = model.ops.rope_tables(rope, block.attn.head_dim, offset, 1)
+            if q_rope != rope:  # mistral3's queries: their temperature at this position
+                q_tables = model.ops.rope_tables(q_rope, block.attn.head_dim, offset, 1)
+            q, k, v = self._start[i](h, tables=tables, q_tables=q_tables)
             h = self._finish[i](h, block.attn.attend(q, k, v, cache[i]))
         return model.unembed(model.head_input(h))
 

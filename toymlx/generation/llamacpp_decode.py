@@ -25,6 +25,13 @@ END = "end"
 """The line after a request's last token."""
 
 
+YARN_FROM_MODEL = {"yarn_beta_fast": -1.0, "yarn_beta_slow": -1.0, "yarn_attn_factor": -1.0}
+"""llama-cpp-python's `Llama` arguments for the file's own YaRN parameters, as llama.cpp's CLI
+and server take them (their defaults are -1, "from the model"): llama-cpp-python's defaults
+(beta_fast 32, beta_slow 1) replace a file's rope.scaling.yarn_beta_fast/slow (Ministral 3's
+mistral3 reads them), and its 1.0 a file's yarn_attn_factor."""
+
+
 def plain_cpu_buffers(model: str) -> None:
     """Load a quantized model without llama.cpp's extra CPU buffer types (AMX tiles, repacked
     weights): llama-cpp-python 0.3.36 segfaults decoding a SmolLM2 Q4_1 file in them on an Intel host with
@@ -166,7 +173,7 @@ def main() -> None:
     plain_cpu_buffers(req["model"])
     llm = llama_cpp.Llama(req["model"], n_ctx=req["context"], seed=req["seed"], verbose=False,
                           n_threads=os.cpu_count(), last_n_tokens_size=20,
-                          lora_path=req["adapter"])
+                          lora_path=req["adapter"], **YARN_FROM_MODEL)
     print("ready", flush=True)
     idle = IdleCores()
     for line in sys.stdin:  # a prompt and its samplers, per turn

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from toymlx.backend.notice import warn
 from toymlx.gguf.blocks import CODECS, split_rows
 from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile, check_finite, refuse_adapter
@@ -60,14 +61,34 @@ COMMON_KEYS = frozenset({
     "rope.freq_base", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "expert_count",
     "expert_used_count"})
+YARN_UNREAD = ("rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+               "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor")
+"""YaRN keys llama.cpp's converter writes from a Hugging Face config where it has them, and
+which llama.cpp's loader does not read for some architectures (`YARN_READ` says which it
+reads): ignored there as llama.cpp ignores them, with a warning where they say otherwise
+(`_yarn_switches`)."""
+QWEN35_KEYS = ("rope.dimension_sections", "ssm.conv_kernel", "ssm.inner_size",
+               "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+               "full_attention_interval", "attention.recurrent_layers", "nextn_predict_layers")
+"""qwen35's `<arch>.` keys beside COMMON_KEYS (`qwen35_switches` reads them)."""
 GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 """granite's `<arch>.` scalar keys -> the LlamaArgs fields they set (beside attention.scale,
 which is `attn_scale`)."""
+YARN = ("none", "linear", "yarn")
+"""rope.scaling.type values of the architectures whose llama.cpp graph hands its context's YaRN
+parameters to ggml_rope_ext unchanged (`LlamaArgs.yarn_rope`)."""
+YARN_READ = frozenset({"rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+                       "rope.scaling.yarn_log_multiplier"})
+"""The YaRN keys llama.cpp's mistral3 loader reads (its other YARN architectures read none)."""
+BIASED = ("llama", "mistral3")
+"""The architectures whose files may carry attention biases and a rope_freqs tensor."""
 ARCHS: dict[str, Arch] = {a.name: a for a in (
-    Arch("llama", {}, frozenset()),
-    Arch("qwen2", {"rope_neox": True, "attn_bias": True}, frozenset()),
-    Arch("qwen3", {"rope_neox": True, "qk_norm": True}, frozenset()),
+    Arch("llama", {}, frozenset(), rope_scaling=YARN),
+    Arch("qwen2", {"rope_neox": True, "attn_bias": True}, frozenset(), rope_scaling=YARN),
+    Arch("qwen3", {"rope_neox": True, "qk_norm": True}, frozenset(), rope_scaling=YARN),
+    # Ministral 3: llama's layout, YaRN, and Llama 4's attention temperature on the queries
+    Arch("mistral3", {}, YARN_READ | {"attention.temperature_scale"}, rope_scaling=YARN),
     Arch("qwen3moe", {"rope_neox": True, "qk_norm": True},
          frozenset({"expert_feed_forward_length"})),
     Arch("qwen2moe", {"rope_neox": True, "attn_bias": True, "moe_norm_topk": False},
@@ -86,10 +107,13 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
          rope_scaling=("none", "linear", "longrope")),
     # llama.cpp fixes smollm3's no-RoPE blocks (every 4th); no key says them
-    Arch("smollm3", {"no_rope_interval": 4}, frozenset()),
-    Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}),
+    Arch("smollm3", {"no_rope_interval": 4}, frozenset(), rope_scaling=YARN),
+    Arch("granite", {}, frozenset(GRANITE_SCALARS) | {"attention.scale"}, rope_scaling=YARN),
     Arch("olmo2", {"rope_neox": True, "qk_norm_whole": True, "pre_norms": False,
-                   "post_norms": True}, frozenset()),
+                   "post_norms": True}, frozenset(), rope_scaling=YARN),
+    # Qwen3.5 dense: Gated DeltaNet blocks (toymlx.models.gated_delta) and gated full attention
+    Arch("qwen35", {"rope_neox": True, "qk_norm": True, "attn_out_gate": True},
+         frozenset(QWEN35_KEYS), rope_scaling=("none",)),
 )}
 """The architectures toymlx loads, by general.architecture."""
 MOE_ARCHS = ("qwen3moe", "qwen2moe", "llama")
@@ -142,24 +166,38 @@ _BLOCK = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_p
           "ffn_gate_exps": "mlp.gate_exps", "ffn_up_exps": "mlp.up_exps",
           "ffn_down_exps": "mlp.down_exps", "ffn_gate_inp_shexp": "mlp.shared_gate",
           "ffn_gate_shexp": "mlp.shared.gate_proj", "ffn_up_shexp": "mlp.shared.up_proj",
-          "ffn_down_shexp": "mlp.shared.down_proj"}
+          "ffn_down_shexp": "mlp.shared.down_proj",
+          # qwen35's linear-attention blocks (toymlx.models.gated_delta)
+          "attn_gate": "attn.z_proj", "ssm_beta": "attn.beta_proj",
+          "ssm_alpha": "attn.alpha_proj", "ssm_out": "attn.out_proj", "ssm_norm": "attn.norm",
+          "ssm_conv1d": "attn.conv1d"}
 _BLOCK_INV = {v: k for k, v in _BLOCK.items()} | {"mlp.gate_up_proj": "ffn_up"}
+_BLOCK_ODD = {"ssm_a": "attn.ssm_a", "ssm_dt.bias": "attn.dt_bias"}
+"""qwen35's block tensors whose names are not `<tensor>.weight` or `.bias` of a module."""
+_BLOCK_ODD_INV = {v: k for k, v in _BLOCK_ODD.items()}
+_ODD_RE = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)")
+_TOY_ODD_RE = re.compile(r"layers\.(\d+)\.(attn\.ssm_a|attn\.dt_bias)")
 _GGUF_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _TOY_RE = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 """Constants of RoPE that llama.cpp files carry as tensors (not trained)."""
 
 
-def gguf_to_toy(name: str, fused_gate_up: bool = False) -> str | None:
+def gguf_to_toy(name: str, fused_gate_up: bool = False, arch: str = "") -> str | None:
     """toymlx parameter path for a llama.cpp tensor name (None if not a decoder parameter);
-    phi3's `ffn_up` is the fused gate-and-up projection."""
+    phi3's `ffn_up` is the fused gate-and-up projection, qwen35's `post_attention_norm` the
+    norm before its MLP (`ffn_norm`: it norms the residual, not the attention's output)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
+    if m := _ODD_RE.fullmatch(name):
+        return f"layers.{m.group(1)}.{_BLOCK_ODD[m.group(2)]}"
     m = _GGUF_RE.fullmatch(name)
     if m and m.group(2) in _BLOCK:
         path = _BLOCK[m.group(2)]
         if fused_gate_up and path == "mlp.up_proj":
             path = "mlp.gate_up_proj"
+        if arch == "qwen35" and path == "attn_post_norm":
+            path = "ffn_norm"
         return f"layers.{m.group(1)}.{path}.{m.group(3)}"
     return None
 
@@ -170,6 +208,8 @@ def toy_to_gguf(path: str) -> str:
     for g, t in _GLOBAL.items():
         if path == t:
             return g
+    if m := _TOY_ODD_RE.fullmatch(path):
+        return f"blk.{m.group(1)}.{_BLOCK_ODD_INV[m.group(2)]}"
     m = _TOY_RE.fullmatch(path)
     if m and m.group(2) in _BLOCK_INV:
         return f"blk.{m.group(1)}.{_BLOCK_INV[m.group(2)]}.{m.group(3)}"
@@ -179,9 +219,9 @@ def toy_to_gguf(path: str) -> str:
 def hf_permuted_heads(a: LlamaArgs, name: str) -> int | None:
     """The heads by which llama.cpp's converter permuted tensor `name`'s rows from Hugging
     Face's layout: llama's q (n_heads) and k (n_kv_heads), whose RoPE turns adjacent pairs in
-    the GGUF and each head's halves in HF (smollm3's and granite's too: their converter is
-    llama's); None for every other tensor, and for the NEOX architectures (qwen2, qwen3,
-    gemma2, gemma3, phi3, olmo2), whose files keep HF's rows."""
+    the GGUF and each head's halves in HF (smollm3's, granite's and mistral3's too: their
+    converter is llama's); None for every other tensor, and for the NEOX architectures (qwen2,
+    qwen3, gemma2, gemma3, phi3, olmo2), whose files keep HF's rows."""
     if a.rope_neox or a.fused_qkv:
         return None
     leaf = name.split(".")[-2] if name.startswith("blk.") else ""
@@ -216,6 +256,9 @@ def check_keys(g: GGUFFile, arch: Arch) -> None:
         if key.startswith(INFORMATIONAL):
             continue
         if key.startswith(prefix) and key[len(prefix):] in COMMON_KEYS | arch.keys:
+            continue
+        if key.startswith(prefix) and key[len(prefix):] in YARN_UNREAD and "yarn" in \
+                arch.rope_scaling:  # read, or checked against what llama.cpp computes with
             continue
         raise GGUFError(f"{g.path}: metadata key {key!r}: expected only keys toymlx computes "
                         f"with ({prefix}* for {arch.name}: "
@@ -314,6 +357,13 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: metadata key '{k}block_count': expected 1..{most} "
                         f"(at least 5 tensors per block, {len(g.tensors)} in the file), "
                         f"found {n_layers}")
+    # qwen35's MTP (nextn) blocks come after the decoder's; llama.cpp's plain decoding does not
+    # run them (its graph stops at n_layer - nextn), and neither does toymlx
+    nextn = g.get(k + "nextn_predict_layers", int, 0) if arch.name == "qwen35" else 0
+    if not 0 <= nextn < n_layers:
+        raise GGUFError(f"{g.path}: metadata key '{k}nextn_predict_layers': expected 0.."
+                        f"{n_layers - 1} (fewer than block_count), found {nextn}")
+    n_layers -= nextn
     context = int(_positive(g, k + "context_length", g.get(k + "context_length", int)))
     rope_base = _positive(g, k + "rope.freq_base",
                           float(g.get(k + "rope.freq_base", (int, float), 10000.0)))
@@ -328,7 +378,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         raise GGUFError(f"{g.path}: metadata key '{k}rope.scaling.type': expected one of "
                         f"{', '.join(arch.rope_scaling)} for {arch.name}, found {scaling!r}")
     factor = float(g.get(k + "rope.scaling.factor", (int, float), 0.0))
-    if scaling == "linear" and factor not in (0.0, 1.0):
+    if scaling in ("linear", "yarn") and factor not in (0.0, 1.0):
         sw["rope_scale"] = 1.0 / _positive(g, k + "rope.scaling.factor", factor)
     # phi3 files carry longrope's factors with or without rope.scaling.type = longrope
     longrope = scaling == "longrope" or (arch.name == "phi3" and
@@ -344,15 +394,22 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     # llama.cpp multiplies cos and sin by rope.scaling.attn_factor whatever the scaling type
     sw["rope_mscale"] = _positive(g, k + "rope.scaling.attn_factor", float(
         g.get(k + "rope.scaling.attn_factor", (int, float), 1.0)))
+    if k + "rope.scaling.original_context_length" in g.metadata:
+        sw["rope_orig_context"] = int(_positive(g, k + "rope.scaling.original_context_length",
+                                                g.get(k + "rope.scaling.original_context_length",
+                                                      int)))
+    sw.update(_yarn_switches(g, arch, scaling, sw))
     if arch.name in GEMMA:
         sw.update(_gemma_switches(g, GEMMA[arch.name], n_layers, rope_base))
         sw["attn_scale"] = _gemma_query_scale(arch.name, d, n_heads, n_layers, head_dim)
     if arch.name == "granite":
         sw.update(granite_scalars(g, k))
+    if arch.name == "qwen35":
+        sw.update(qwen35_switches(g, k, n_layers, rope_dims))
     if arch.name == "olmo2" and "output.weight" not in g.tensors:  # llama.cpp requires it
         raise GGUFError(f"{g.path}: tensor 'output.weight': expected present (olmo2 files "
                         "carry their own output head), found missing")
-    if arch.name == "llama":  # llama files may carry attention biases
+    if arch.name in BIASED:  # their files may carry attention biases
         sw["attn_bias"] = "blk.0.attn_q.bias" in g.tensors
         sw["out_bias"] = "blk.0.attn_output.bias" in g.tensors
     args = LlamaArgs(
@@ -407,6 +464,49 @@ def _moe_switches(g: GGUFFile, arch: Arch) -> dict[str, Any]:
     if arch.name == "qwen2moe":  # llama.cpp: feed_forward_length where the key is absent
         shared = g.get(k + "expert_shared_feed_forward_length", int, 0)
         out["shared_expert_ffn_dim"] = shared or g.get(k + "feed_forward_length", int)
+    return out
+
+
+def _yarn_switches(g: GGUFFile, arch: Arch, scaling: str, sw: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """The LlamaArgs fields of a file's YaRN keys and mistral3's attention temperature, as
+    llama.cpp reads them for `arch` (`sw`: the RoPE fields read so far). A YaRN key llama.cpp
+    does not read for `arch` (`YARN_UNREAD`) is ignored as llama.cpp ignores it, and said in one
+    warning where it differs from what llama.cpp computes with (transformers would use it:
+    DeepSeek-R1-0528-Qwen3-8B's attn_factor 0.8782, where llama.cpp's qwen3 computes with
+    1 + 0.1 ln 4): a fine-tune must meet the model the file's users run."""
+    k = arch.name + "."
+    out: dict[str, Any] = {"rope_yarn": scaling == "yarn"}
+    beta = [32.0, 1.0]  # llama.cpp's yarn_beta_fast, yarn_beta_slow
+    for i, key in enumerate(("rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")):
+        if key in arch.keys and k + key in g.metadata:
+            beta[i] = _positive(g, k + key, float(g.get(k + key, (int, float))))
+    out["rope_yarn_beta"] = tuple(beta)
+    if "rope.scaling.yarn_log_multiplier" in arch.keys:
+        mul = float(g.get(k + "rope.scaling.yarn_log_multiplier", (int, float), 0.0))
+        if not math.isfinite(mul):
+            raise GGUFError(f"{g.path}: metadata key '{k}rope.scaling.yarn_log_multiplier': "
+                            f"expected a finite number, found {mul!r}")
+        out["rope_yarn_log_mul"] = mul
+    if "attention.temperature_scale" in arch.keys:
+        t = float(g.get(k + "attention.temperature_scale", (int, float), 0.0))
+        out["attn_temperature"] = t if t == 0.0 else _positive(
+            g, k + "attention.temperature_scale", t)
+    args = LlamaArgs(**{f: v for f, v in {**sw, **out}.items()
+                        if f in ("rope_scale", "rope_mscale", "rope_yarn", "rope_yarn_beta",
+                                 "rope_yarn_log_mul")})
+    computed = {"rope.scaling.yarn_beta_fast": beta[0], "rope.scaling.yarn_beta_slow": beta[1],
+                "rope.scaling.yarn_ext_factor": 1.0 if out["rope_yarn"] else 0.0,
+                "rope.scaling.yarn_attn_factor": args.yarn_rope()[1]}
+    for key in YARN_UNREAD:
+        if key in arch.keys or k + key not in g.metadata:
+            continue
+        said, want = float(g.get(k + key, (int, float))), computed[key]
+        if not math.isclose(said, want, rel_tol=1e-6):
+            warn(f"{g.path}: metadata key '{k}{key}' says {said:.7g}, which llama.cpp does not "
+                 f"read for {arch.name}: it computes with {want:.7g}, and so does toymlx, so "
+                 "that training meets the model llama.cpp, Ollama and LM Studio run (Hugging "
+                 "Face's model would use the file's value)")
     return out
 
 
@@ -470,6 +570,63 @@ def granite_scalars(g: GGUFFile, k: str) -> dict[str, float]:
     return out
 
 
+def qwen35_switches(g: GGUFFile, k: str, n_layers: int, rope_dims: int) -> dict[str, Any]:
+    """A qwen35 file's linear-attention shape and blocks, each key as llama.cpp reads it
+    (`llama_model_qwen35::load_arch_hparams`), and its M-RoPE sections checked to rotate text
+    as toymlx does (`check_text_mrope`)."""
+    sw: dict[str, Any] = {}
+    for key, field in (("ssm.conv_kernel", "ssm_conv_kernel"), ("ssm.state_size", "ssm_head_dim"),
+                       ("ssm.group_count", "ssm_k_heads"), ("ssm.time_step_rank", "ssm_v_heads")):
+        sw[field] = g.get(k + key, int)
+        if sw[field] <= 0:
+            raise GGUFError(f"{g.path}: metadata key '{k}{key}': expected > 0, found {sw[field]}")
+    inner = g.get(k + "ssm.inner_size", int)
+    if inner != sw["ssm_v_heads"] * sw["ssm_head_dim"]:  # llama.cpp: head_v_dim = head_k_dim
+        raise GGUFError(f"{g.path}: metadata key '{k}ssm.inner_size': expected "
+                        f"{sw['ssm_v_heads'] * sw['ssm_head_dim']} (time_step_rank x "
+                        f"state_size: value heads as wide as key heads), found {inner}")
+    if sw["ssm_v_heads"] % sw["ssm_k_heads"]:
+        raise GGUFError(f"{g.path}: metadata key '{k}ssm.time_step_rank': expected a multiple "
+                        f"of ssm.group_count={sw['ssm_k_heads']}, found {sw['ssm_v_heads']}")
+    said = g.metadata.get(k + "attention.recurrent_layers")
+    if said is not None:  # one bool per block, MTP blocks (not recurrent) included
+        if not (isinstance(said, list) and len(said) >= n_layers
+                and all(isinstance(x, bool) for x in said)):
+            raise GGUFError(f"{g.path}: metadata key '{k}attention.recurrent_layers': expected "
+                            f"a bool per block ({n_layers} or more), found {said!r:.80}")
+        sw["linear_layers"] = tuple(said[:n_layers])
+    else:
+        every = g.get(k + "full_attention_interval", int, 4)
+        if every <= 0:
+            raise GGUFError(f"{g.path}: metadata key '{k}full_attention_interval': expected "
+                            f"> 0, found {every}")
+        sw["linear_layers"] = tuple((i + 1) % every != 0 for i in range(n_layers))
+    check_text_mrope(g, k, rope_dims)
+    return sw
+
+
+def check_text_mrope(g: GGUFFile, k: str, rope_dims: int) -> None:
+    """qwen35 rotates q and k by interleaved M-RoPE (ggml's IMROPE, `ggml_mrope_cache_init`):
+    rotated pair i, at sector s = i mod (the sections' sum), turns by the time, height or
+    width position as s % 3 is 0, 1 or 2, while s < 3 x that axis's section, and by a fourth
+    position otherwise. llama.cpp gives a text token its position as time, height and width
+    and 0 as the fourth (llama-graph.cpp), so where every pair falls in one of the three the
+    rotation is plain NEOX RoPE over `rope_dims` (transformers' `Qwen3_5TextRotaryEmbedding`
+    computes the same); a file leaving a pair to the fourth (unrotated) is refused."""
+    sections = g.get(k + "rope.dimension_sections", list)
+    if (len(sections) != 4 or not all(isinstance(x, int) and x >= 0 for x in sections)
+            or not sum(sections)):
+        raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_sections': expected 4 "
+                        f"counts >= 0, not all 0, found {sections!r}")
+    for i in range(rope_dims // 2):
+        s = i % sum(sections)
+        if not s < 3 * sections[s % 3]:
+            raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_sections': expected "
+                            f"sections whose interleaving covers all {rope_dims // 2} rotated "
+                            f"pairs with text positions, found {sections} (pair {i} turns by "
+                            "the fourth position)")
+
+
 def rope_tensors(longrope: bool, has_freqs: bool) -> set[str]:
     """The RoPE constant tensors a file with (or without) longrope carries."""
     if longrope:
@@ -488,7 +645,8 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
     if a.fused_qkv:
         per["attn_qkv.weight"] = (q + 2 * kv, a.d_model)
     else:
-        per.update({"attn_q.weight": (q, a.d_model), "attn_k.weight": (kv, a.d_model),
+        per.update({"attn_q.weight": (2 * q if a.attn_out_gate else q, a.d_model),
+                    "attn_k.weight": (kv, a.d_model),
                     "attn_v.weight": (kv, a.d_model)})
     if a.attn_bias:
         per.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
@@ -501,8 +659,9 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
         per.update({"attn_q_norm.weight": (q,), "attn_k_norm.weight": (kv,)})
     if a.post_norms:
         per["post_attention_norm.weight"] = (a.d_model,)
-    if a.pre_norms:
-        per["ffn_norm.weight"] = (a.d_model,)
+    if a.pre_norms:  # qwen35's is named post_attention_norm (`gguf_to_toy`)
+        per["post_attention_norm.weight" if a.arch == "qwen35" else "ffn_norm.weight"] = (
+            a.d_model,)
     if a.n_experts:  # numpy (out, in) with the experts first
         e, f = a.n_experts, a.expert_width
         per.update({"ffn_gate_inp.weight": (e, a.d_model),
@@ -523,15 +682,29 @@ def expected_shapes(a: LlamaArgs) -> dict[str, tuple[int, ...]]:
         per["ffn_down.weight"] = (a.d_model, a.ffn_dim)
     if a.post_norms:
         per["post_ffw_norm.weight"] = (a.d_model,)
+    linear = linear_shapes(a, per) if a.linear_layers else per
     for i in range(a.n_layers):
-        for n, s in per.items():
+        for n, s in (linear if a.is_linear(i) else per).items():
             shapes[f"blk.{i}.{n}"] = s
     return shapes
 
 
+def linear_shapes(a: LlamaArgs, per: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A qwen35 linear-attention block's tensors (`toymlx.models.gated_delta`): the norms and
+    MLP of `per` (a full-attention block's), Gated DeltaNet's in place of the attention's."""
+    d, hv, dk = a.d_model, a.ssm_v_heads, a.ssm_head_dim
+    conv = 2 * a.ssm_k_heads * dk + hv * dk
+    out = {n: s for n, s in per.items() if not n.startswith("attn_") or n == "attn_norm.weight"}
+    out.update({"attn_qkv.weight": (conv, d), "attn_gate.weight": (hv * dk, d),
+                "ssm_conv1d.weight": (conv, a.ssm_conv_kernel), "ssm_dt.bias": (hv,),
+                "ssm_a": (hv,), "ssm_beta.weight": (hv, d), "ssm_alpha.weight": (hv, d),
+                "ssm_norm.weight": (dk,), "ssm_out.weight": (d, hv * dk)})
+    return out
+
+
 def parameter_names(a: LlamaArgs) -> dict[str, str]:
     """llama.cpp tensor name -> toymlx parameter path, for every parameter of the model."""
-    return {n: gguf_to_toy(n, a.fused_gate_up) for n in expected_shapes(a)}
+    return {n: gguf_to_toy(n, a.fused_gate_up, a.arch) for n in expected_shapes(a)}
 
 
 def check_shapes(g: GGUFFile, a: LlamaArgs, rope: set[str] | None = None) -> None:
@@ -548,11 +721,20 @@ def check_shapes(g: GGUFFile, a: LlamaArgs, rope: set[str] | None = None) -> Non
                             f"{a.arch}.* hyperparameters, found {tuple(found)}")
     rope = set(ROPE_TENSORS) if rope is None else rope
     for name in g.tensors:
-        if name not in want and name not in rope:
+        if name not in want and name not in rope and not mtp_block(g, name, a):
             raise GGUFError(f"{g.path}: tensor {name!r}: expected only the tensors a "
                             f"{a.arch} model of this shape computes with, found this one too; "
                             "not loaded, so that nothing is ignored (supported architectures: "
                             f"{SUPPORTED})")
+
+
+def mtp_block(g: GGUFFile, name: str, a: LlamaArgs) -> bool:
+    """Tensor `name` belongs to one of a qwen35 file's MTP blocks (`nextn_predict_layers`
+    after the decoder's): the draft head of llama.cpp's speculative decoding, which its plain
+    decoding never runs (`llama_model_qwen35::graph`), nor toymlx."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    nextn = g.metadata.get("qwen35.nextn_predict_layers", 0) if a.arch == "qwen35" else 0
+    return m is not None and a.n_layers <= int(m.group(1)) < a.n_layers + nextn
 
 
 WEIGHTS = ("float32", "bfloat16", "float16", "blocks", "quantized")
@@ -603,7 +785,8 @@ def tensor_route(g: GGUFFile, name: str, weights: str,
     dtype, or float32 for 1-D tensors and those in `trained`), "blocks"
     (`BlockLinear`/`BlockEmbedding`) or "mlx" (MLX's quantized layer)."""
     info = g.tensors[name]
-    matrix = len(info.shape) in (2, 3) and name.endswith(".weight")  # 3-D: experts
+    matrix = (len(info.shape) in (2, 3) and name.endswith(".weight")  # 3-D: experts
+              and not name.endswith("ssm_conv1d.weight"))  # a convolution's, not a Linear's
     if (weights not in ("blocks", "quantized") or not matrix or info.type not in CODECS
             or name in trained):
         return "float"
@@ -705,7 +888,8 @@ def _quantized_linear(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
 
 
 _SWITCHES = ("rope_neox", "attn_bias", "qk_norm", "qk_norm_whole", "pre_norms", "post_norms",
-             "embed_scale", "activation", "fused_qkv", "fused_gate_up", "no_rope_interval")
+             "embed_scale", "activation", "fused_qkv", "fused_gate_up", "no_rope_interval",
+             "attn_out_gate")
 """LlamaArgs fields that an architecture fixes (`Arch.switches`; LlamaArgs' default where it
 does not name them)."""
 
@@ -741,7 +925,7 @@ def unwritable(a: LlamaArgs) -> list[str]:
     arch, plain, out = ARCHS[a.arch], LlamaArgs(), []
     for k in _SWITCHES:
         want = arch.switches.get(k, getattr(plain, k))
-        if getattr(a, k) != want and not (k == "attn_bias" and a.arch == "llama"):
+        if getattr(a, k) != want and not (k == "attn_bias" and a.arch in BIASED):
             out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
     if a.n_experts and a.arch not in MOE_ARCHS or not a.n_experts and a.arch in MOE_ARCHS \
             and a.arch not in DENSE_ALLOWED:
@@ -759,21 +943,44 @@ def unwritable(a: LlamaArgs) -> list[str]:
                    "always, have a shared expert)")
     if a.tie_embeddings and a.arch == "olmo2":
         out.append("tie_embeddings=True (llama.cpp's olmo2 reads an output.weight)")
-    if a.out_bias and a.arch != "llama":
-        out.append("out_bias=True (only llama files carry an attention output bias)")
+    if a.arch == "qwen35" and not a.linear_layers:
+        out.append("linear_layers=None (qwen35 files say which blocks are linear attention)")
+    elif a.arch != "qwen35" and a.linear_layers:
+        out.append("linear_layers (only qwen35 files have linear-attention blocks)")
+    if a.out_bias and a.arch not in BIASED:
+        out.append("out_bias=True (only llama and mistral3 files carry an attention output "
+                   "bias)")
     if a.rope_dims is not None and a.rope_dims != a.head_dim and not a.rope_neox:
         out.append(f"rope_dims={a.rope_dims} ({a.arch} rotates the whole head)")
-    if a.rope_factors is not None and a.arch != "llama":
+    if a.rope_factors is not None and a.arch not in BIASED:
         out.append("rope_factors (phi3 files carry longrope's short and long factors, and a "
                    "model holds only the short ones)" if a.arch == "phi3" else
-                   "rope_factors (only llama files carry a rope_freqs tensor)")
+                   "rope_factors (only llama and mistral3 files carry a rope_freqs tensor)")
     if a.rope_mscale != 1.0 and "rope.scaling.attn_factor" not in arch.keys:
         out.append(f"rope_mscale={a.rope_mscale} ({a.arch} files have no rope.scaling."
                    "attn_factor)")
     if (a.attn_scale or a.head_dim ** -0.5) != _loaded_attn_scale(a):
         out.append(f"attn_scale={a.attn_scale} ({a.arch} files of this shape scale queries by "
                    f"{_loaded_attn_scale(a)})")
-    return out + _gemma_unwritable(a)
+    return out + _yarn_unwritable(a, arch) + _gemma_unwritable(a)
+
+
+def _yarn_unwritable(a: LlamaArgs, arch: Arch) -> list[str]:
+    """`unwritable`'s findings in the YaRN fields and mistral3's attention temperature."""
+    out, plain = [], LlamaArgs()
+    if a.rope_yarn and "yarn" not in arch.rope_scaling:
+        out.append(f"rope_yarn=True ({a.arch} files say rope.scaling.type "
+                   f"{', '.join(arch.rope_scaling)})")
+    if a.rope_yarn_beta != plain.rope_yarn_beta and "rope.scaling.yarn_beta_fast" not in \
+            arch.keys:
+        out.append(f"rope_yarn_beta={a.rope_yarn_beta} (llama.cpp's {a.arch} computes with "
+                   f"{plain.rope_yarn_beta})")
+    if a.rope_yarn_log_mul and "rope.scaling.yarn_log_multiplier" not in arch.keys:
+        out.append(f"rope_yarn_log_mul={a.rope_yarn_log_mul} (llama.cpp's {a.arch} reads no "
+                   "rope.scaling.yarn_log_multiplier)")
+    if a.attn_temperature and "attention.temperature_scale" not in arch.keys:
+        out.append(f"attn_temperature={a.attn_temperature} (only mistral3 files say it)")
+    return out
 
 
 def _gemma_unwritable(a: LlamaArgs) -> list[str]:
@@ -841,9 +1048,18 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
             meta[k + "expert_feed_forward_length"] = a.expert_width
         if a.shared_expert_ffn_dim:
             meta[k + "expert_shared_feed_forward_length"] = a.shared_expert_ffn_dim
-    if a.rope_scale != 1.0:
-        meta[k + "rope.scaling.type"] = "linear"
+    if a.rope_scale != 1.0 or a.rope_yarn:
+        meta[k + "rope.scaling.type"] = "yarn" if a.rope_yarn else "linear"
         meta[k + "rope.scaling.factor"] = 1.0 / a.rope_scale
+    if a.rope_orig_context is not None:
+        meta[k + "rope.scaling.original_context_length"] = a.rope_orig_context
+    if a.rope_yarn_beta != LlamaArgs().rope_yarn_beta:
+        meta[k + "rope.scaling.yarn_beta_fast"] = float(a.rope_yarn_beta[0])
+        meta[k + "rope.scaling.yarn_beta_slow"] = float(a.rope_yarn_beta[1])
+    if a.rope_yarn_log_mul:
+        meta[k + "rope.scaling.yarn_log_multiplier"] = float(a.rope_yarn_log_mul)
+    if a.attn_temperature:
+        meta[k + "attention.temperature_scale"] = float(a.attn_temperature)
     if a.rope_mscale != 1.0:
         meta[k + "rope.scaling.attn_factor"] = float(a.rope_mscale)
     if a.sliding_window:  # the blocks that slide are llama.cpp's own
@@ -854,12 +1070,26 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         meta[k + "final_logit_softcapping"] = float(a.final_softcap)
     if a.attn_softcap is not None:
         meta[k + "attn_logit_softcapping"] = float(a.attn_softcap)
+    if a.arch == "qwen35":
+        meta.update(qwen35_metadata(a))
     if a.arch == "granite":  # llama.cpp requires logit_scale; the others, where not 1
         meta.update({k + key: float(getattr(a, field)) for key, field in GRANITE_SCALARS.items()
                      if key == "logit_scale" or getattr(a, field) != 1.0})
         if a.attn_scale is not None:
             meta[k + "attention.scale"] = float(a.attn_scale)
     return meta
+
+
+def qwen35_metadata(a: LlamaArgs) -> dict[str, Any]:
+    """A qwen35 file's keys beside the common ones (those `qwen35_switches` reads), its M-RoPE
+    sections the interleaving that turns every rotated pair by the text position (a third of
+    the pairs each, time first: the converter's [11, 11, 10, 0] for 32 pairs)."""
+    k, n = "qwen35.", (a.rope_dims or a.head_dim) // 2
+    return {k + "ssm.conv_kernel": a.ssm_conv_kernel, k + "ssm.state_size": a.ssm_head_dim,
+            k + "ssm.group_count": a.ssm_k_heads, k + "ssm.time_step_rank": a.ssm_v_heads,
+            k + "ssm.inner_size": a.ssm_v_heads * a.ssm_head_dim,
+            k + "attention.recurrent_layers": list(a.linear_layers or ()),
+            k + "rope.dimension_sections": [-(-n // 3), -(-(n - 1) // 3), -(-(n - 2) // 3), 0]}
 
 
 LLAMA_TYPES = {"general.file_type": (UINT32, None)}

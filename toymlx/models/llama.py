@@ -2,8 +2,9 @@
 
 One decoder computes every architecture toymlx loads from GGUF (`LlamaArgs.arch`): llama
 (Llama 1-3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3, gemma2, gemma3 (text), phi3, smollm3,
-granite and olmo2. They are one transformer with a handful of switches, each a field of
-`LlamaArgs`:
+granite, olmo2 and mistral3 (Ministral 3: llama's switches, YaRN RoPE and an attention
+temperature on the queries). They are one transformer with a handful of switches, each a field
+of `LlamaArgs`:
 
 | switch | llama | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite | olmo2 |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
@@ -23,6 +24,11 @@ granite and olmo2. They are one transformer with a handful of switches, each a f
 qwen3moe is qwen3 with each block's MLP a mixture of experts (`n_experts`,
 `toymlx.models.moe.MoE`).
 
+qwen35 (Qwen3.5, dense) is qwen3's block with two more switches: `attn_out_gate` (each head's
+attention output times the sigmoid of a gate its q projection carries) and `linear_layers`
+(3 of every 4 blocks mix tokens by Gated DeltaNet linear attention instead,
+`toymlx.models.gated_delta`); RoPE turns the first quarter of each head (`rope_dims`).
+
 Weights are `(out, in)`; q/k keep the file's RoPE layout (llama.cpp's converter permutes
 llama's q/k for adjacent pairs; the NEOX architectures keep Hugging Face's halves), so no
 weight is ever permuted. Query head h reads kv head h // (n_heads // n_kv_heads). The math runs through the `Ops` the model is built with
@@ -32,6 +38,7 @@ it with the run's `Ops`. Generation keeps keys and values in `models/kv_cache.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,10 +47,11 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from toymlx.models.checks import ArgsError
+from toymlx.models.gated_delta import DeltaCache, GatedDeltaNet
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.layers import Embedding, Linear, RMSNorm
 from toymlx.models.moe import MoE
-from toymlx.models.ops import EXACT, Ops, Rope, RopeTables
+from toymlx.models.ops import EXACT, Ops, Rope, RopeTables, yarn_corr_dims
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,7 @@ class LlamaArgs:
     # ---- the architecture switches (set from a GGUF's metadata; see the module docstring)
     arch: str = "llama"
     """llama.cpp's general.architecture: llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3,
-    granite or olmo2."""
+    granite, olmo2, mistral3 or qwen35."""
     rope_neox: bool = False
     """RoPE rotates halves (x[i], x[i+d/2]) instead of adjacent pairs."""
     rope_dims: int | None = None
@@ -84,6 +92,21 @@ class LlamaArgs:
     """Position scale of RoPE (1 / rope.scaling.factor with linear scaling)."""
     rope_mscale: float = 1.0
     """Magnitude of RoPE's cos and sin (rope.scaling.attn_factor)."""
+    rope_yarn: bool = False
+    """RoPE scaled by YaRN (rope.scaling.type yarn): rope_scale interpolates the slow
+    frequencies only, and cos and sin are magnified (`yarn_rope`)."""
+    rope_yarn_beta: tuple[float, float] = (32.0, 1.0)
+    """YaRN's beta_fast and beta_slow: the rotations over the original context that bound its
+    ramp (rope.scaling.yarn_beta_fast / yarn_beta_slow, which llama.cpp reads for mistral3)."""
+    rope_yarn_log_mul: float = 0.0
+    """YaRN's mscale_all_dim (rope.scaling.yarn_log_multiplier, mistral3's): the magnitude is
+    (1 + 0.1 ln f) / (1 + 0.1 * this * ln f) where it is not 0."""
+    rope_orig_context: int | None = None
+    """The original context that YaRN's ramp and mistral3's attention temperature count in
+    (rope.scaling.original_context_length; None: `context`)."""
+    attn_temperature: float = 0.0
+    """Queries times 1 + this * ln(floor(pos / original context) + 1) after RoPE (mistral3's
+    attention.temperature_scale, Llama 4's scaling); 0: none."""
     attn_bias: bool = False
     """q, k and v projections carry biases (qwen2)."""
     out_bias: bool = False
@@ -146,6 +169,21 @@ class LlamaArgs:
     def expert_width(self) -> int:
         """An expert's SwiGLU width."""
         return self.expert_ffn_dim or self.ffn_dim // max(self.n_experts_used, 1)
+    attn_out_gate: bool = False
+    """The q projection carries a second half per head, whose sigmoid gates that head's
+    attention output before o_proj (qwen35's full-attention blocks)."""
+    linear_layers: tuple[bool, ...] | None = None
+    """Which blocks mix tokens by Gated DeltaNet linear attention instead of softmax attention
+    (qwen35: 3 of every 4; `toymlx.models.gated_delta`)."""
+    ssm_conv_kernel: int = 4
+    """Tokens the linear blocks' causal convolution spans (ssm.conv_kernel)."""
+    ssm_head_dim: int = 128
+    """Width of a linear block's k and v heads, its state being (width, width) per value head
+    (ssm.state_size)."""
+    ssm_k_heads: int = 16
+    """q/k heads of a linear block (ssm.group_count)."""
+    ssm_v_heads: int = 16
+    """Value heads of a linear block, a multiple of ssm_k_heads (ssm.time_step_rank)."""
 
     @property
     def head_dim(self) -> int:
@@ -189,19 +227,69 @@ class LlamaArgs:
             raise ArgsError(self, "n_experts_used", "1..{n_experts}")
         if self.n_experts and self.expert_width <= 0:
             raise ArgsError(self, "expert_ffn_dim", "> 0")
+        if self.linear_layers is not None:
+            if len(self.linear_layers) != self.n_layers:
+                raise ArgsError(self, "linear_layers", "one entry per block of {n_layers}",
+                                f"{len(self.linear_layers)}")
+            for name in ("ssm_conv_kernel", "ssm_head_dim", "ssm_k_heads", "ssm_v_heads"):
+                if getattr(self, name) <= 0:
+                    raise ArgsError(self, name, "> 0")
+            if self.ssm_v_heads % self.ssm_k_heads:
+                raise ArgsError(self, "ssm_v_heads", "a multiple of {ssm_k_heads}")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.n_layers:
             raise ArgsError(self, "sliding_layers", "one entry per block of {n_layers}",
                             f"{len(self.sliding_layers)}")
+        if self.rope_orig_context is not None and self.rope_orig_context <= 0:
+            raise ArgsError(self, "rope_orig_context", "> 0 or None (the context)")
+        if not all(0 < b < float("inf") for b in self.rope_yarn_beta):
+            raise ArgsError(self, "rope_yarn_beta", "two finite numbers > 0")
+        if not 0 < self.rope_scale < float("inf"):
+            raise ArgsError(self, "rope_scale", "a finite number > 0")
 
-    def rope(self, layer: int) -> Rope:
-        """Block `layer`'s RoPE (gemma3's sliding layers have their own base and no scaling)."""
+    def rope(self, layer: int, query: bool = False) -> Rope:
+        """Block `layer`'s RoPE (gemma3's sliding layers have their own base and no scaling);
+        `query`: the queries', with mistral3's attention temperature where it has one."""
         if self.is_sliding(layer):
             return Rope(self.rope_base_sliding, self.rope_dims, self.rope_neox)
+        yarn, mscale = self.yarn_rope()
+        temperature = None
+        if query and self.attn_temperature:
+            temperature = (self.attn_temperature, self.rope_orig_context or self.context)
         return Rope(self.rope_base, self.rope_dims, self.rope_neox, self.rope_factors,
-                    self.rope_scale, self.rope_mscale)
+                    self.rope_scale, mscale, yarn, temperature)
+
+    def yarn_rope(self) -> tuple[tuple[float, float] | None, float]:
+        """(YaRN's correction dims or None, the magnitude of cos and sin), as llama.cpp sets
+        them up (llama_context's constructor, then ggml's `rope_yarn`): with factor
+        f = 1/rope_scale, ext_factor 1 and llama.cpp's mscale 1, the magnitude is
+        rope_mscale * g(f, 1) / g(f, log_mul) (rope_yarn_log_mul set; g(f, 1) alone where not),
+        g(f, m) = 1 + 0.1 m ln f for f > 1 (else 1): ggml multiplies by 1 + 0.1 ln f, which
+        llama.cpp divides out beforehand.
+
+        Where transformers' `_compute_yarn_parameters` differs: it applies a config's
+        `attention_factor` (llama.cpp's converter writes it as rope.scaling.yarn_attn_factor,
+        which llama.cpp's loaders of these architectures do not read) and uses a config's
+        `mscale` beside `mscale_all_dim` (llama.cpp assumes mscale 1 but for deepseek2), and
+        its ramp divides by high - low where llama.cpp's by max(0.001, high - low)."""
+        if not self.rope_yarn:
+            return None, self.rope_mscale
+        dims = self.rope_dims or self.head_dim
+        dims_lh = yarn_corr_dims(dims, self.rope_orig_context or self.context, self.rope_base,
+                                 *self.rope_yarn_beta)
+        f = 1.0 / self.rope_scale
+
+        def g(m: float) -> float:
+            return 1.0 if f <= 1.0 else 1.0 + 0.1 * m * math.log(f)
+
+        mscale = g(1.0) / g(self.rope_yarn_log_mul) if self.rope_yarn_log_mul else g(1.0)
+        return dims_lh, self.rope_mscale * mscale
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window and self.sliding_layers and self.sliding_layers[layer])
+
+    def is_linear(self, layer: int) -> bool:
+        """Block `layer` is a Gated DeltaNet linear-attention block (qwen35)."""
+        return bool(self.linear_layers and self.linear_layers[layer])
 
     def has_rope(self, layer: int) -> bool:
         """Block `layer` rotates q and k (smollm3's every 4th does not: llama.cpp's rule)."""
@@ -248,13 +336,17 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale = a.attn_scale or a.head_dim ** -0.5
         self.rope = a.rope(layer) if a.has_rope(layer) else None
+        # the queries' RoPE: mistral3's attention temperature scales theirs alone
+        self.q_rope = a.rope(layer, query=True) if a.has_rope(layer) else None
         self.window = a.sliding_window if a.is_sliding(layer) else None
         self.softcap = a.attn_softcap
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        self.out_gate = a.attn_out_gate
         if a.fused_qkv:
             self.qkv_proj = Linear(a.d_model, q + 2 * kv, bias=a.attn_bias, ops=ops)
         else:
-            self.q_proj = Linear(a.d_model, q, bias=a.attn_bias, ops=ops)
+            self.q_proj = Linear(a.d_model, 2 * q if a.attn_out_gate else q, bias=a.attn_bias,
+                                 ops=ops)
             self.k_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
             self.v_proj = Linear(a.d_model, kv, bias=a.attn_bias, ops=ops)
         self.o_proj = Linear(q, a.d_model, bias=a.out_bias, ops=ops)
@@ -271,6 +363,7 @@ class Attention(nn.Module):
         what it needs (`Ops.recomputed`: q/k norms, RoPE, the scores and their softmax), unless
         that takes few enough values a token to keep (`Ops.keeps_attention`)."""
         q, k, v = self.project(x)
+        q, gate = self.split_gate(q)
         norms = {n: self[n].trainable_parameters() for n in ("q_norm", "k_norm") if n in self}
 
         def attend(p: dict, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
@@ -278,17 +371,33 @@ class Attention(nn.Module):
             return self.attend(*self.heads(q, k, v, 0))
 
         if self.ops.keeps_attention(attention_values(self.args, x.shape[1])):
-            return attend(norms, q, k, v)
+            return self.gated(attend(norms, q, k, v), gate)
         o = self.ops.recomputed(attend, norms, q, k, v)
         self.update(norms)  # the recomputation leaves its inner arrays in the module
-        return o
+        return self.gated(o, gate)
 
-    def qkv(self, x: mx.array, offset: int, tables: RopeTables | None = None
-            ) -> tuple[mx.array, mx.array, mx.array]:
+    def split_gate(self, q: mx.array) -> tuple[mx.array, mx.array | None]:
+        """q (B,T,H*hd) and the output gate (B,T,H*hd) of the q projection (B,T,H*2hd), whose
+        head h holds its q then its gate (qwen35's attn_q); (q, None) without a gate."""
+        if not self.out_gate:
+            return q, None
+        B, T, _ = q.shape
+        qg = q.reshape(B, T, self.n_heads, 2 * self.head_dim)
+        flat = (B, T, self.n_heads * self.head_dim)
+        return qg[..., :self.head_dim].reshape(flat), qg[..., self.head_dim:].reshape(flat)
+
+    @staticmethod
+    def gated(o: mx.array, gate: mx.array | None) -> mx.array:
+        """The attention's output (B,T,H*hd) times sigmoid(gate), where there is one."""
+        return o if gate is None else o * mx.sigmoid(gate).astype(o.dtype)
+
+    def qkv(self, x: mx.array, offset: int, tables: RopeTables | None = None,
+            q_tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """q (B,H,T,hd), k and v (B,Hkv,T,hd) of x (B,T,D) at positions offset..offset+T-1:
         projected, q and k normed (qk_norm) and rotated (`tables`: that position's RoPE tables,
-        `Ops.rope_tables`, for a step traced once and called at every position)."""
-        return self.heads(*self.project(x), offset, tables)
+        `Ops.rope_tables`, for a step traced once and called at every position; `q_tables`:
+        the queries' own, where `q_rope` is not `rope`)."""
+        return self.heads(*self.project(x), offset, tables, q_tables)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """q (B,T,H*hd), k and v (B,T,Hkv*hd): the projections of x (B,T,D)."""
@@ -299,7 +408,8 @@ class Attention(nn.Module):
         return qkv[..., :q_w], qkv[..., q_w:q_w + kv_w], qkv[..., q_w + kv_w:]
 
     def heads(self, q: mx.array, k: mx.array, v: mx.array, offset: int,
-              tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
+              tables: RopeTables | None = None, q_tables: RopeTables | None = None
+              ) -> tuple[mx.array, mx.array, mx.array]:
         """The projections split into heads: q (B,H,T,hd), k and v (B,Hkv,T,hd), q and k normed
         (qk_norm, qk_norm_whole) and rotated at positions offset..offset+T-1 (unless the block
         has no RoPE)."""
@@ -315,7 +425,7 @@ class Attention(nn.Module):
         k = k.transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         v = v.reshape(B, T, self.n_kv, hd).transpose(0, 2, 1, 3)  # (B,Hkv,T,hd)
         if self.rope is not None:
-            q = self.ops.rope(q, self.rope, offset, tables)
+            q = self.ops.rope(q, self.q_rope, offset, tables if q_tables is None else q_tables)
             k = self.ops.rope(k, self.rope, offset, tables)
         return q, k, v
 
@@ -359,7 +469,8 @@ class Block(nn.Module):
         if a.pre_norms:
             self.attn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
-        self.attn = Attention(a, ops, layer)
+        self.linear = a.is_linear(layer)
+        self.attn = GatedDeltaNet(a, ops) if self.linear else Attention(a, ops, layer)
         shared = (MLP(replace(a, ffn_dim=a.shared_expert_ffn_dim), ops)
                   if a.shared_expert_ffn_dim else None)
         self.mlp = (MoE(a.d_model, a.n_experts, a.n_experts_used, a.expert_width,
@@ -371,22 +482,32 @@ class Block(nn.Module):
         self.residual_multiplier = a.residual_multiplier
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        if self.linear:  # Gated DeltaNet: its own output projection, its own cache
+            return self.close(x, self.attn(self.pre(x, "attn_norm"), cache))
         if cache is None:
             return self.finish(x, self.attn(self.pre(x, "attn_norm")))
+        if self.attn.out_gate:
+            q, k, v = self.attn.project(self.pre(x, "attn_norm"))
+            q, gate = self.attn.split_gate(q)
+            o = self.attn.attend(*self.attn.heads(q, k, v, cache.offset), cache)
+            return self.finish(x, self.attn.gated(o, gate))
         return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache))
 
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
     # stay the same at every position (toymlx.generation.generate.CompiledDecode):
     # start (norm, q/k/v, RoPE) -> attn.attend (the KV cache, attention) -> finish.
-    def start(self, x: mx.array, offset: int, tables: RopeTables | None = None
-              ) -> tuple[mx.array, mx.array, mx.array]:
+    def start(self, x: mx.array, offset: int, tables: RopeTables | None = None,
+              q_tables: RopeTables | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v of the normed x (`Attention.qkv`)."""
-        return self.attn.qkv(self.pre(x, "attn_norm"), offset, tables)
+        return self.attn.qkv(self.pre(x, "attn_norm"), offset, tables, q_tables)
 
     def finish(self, x: mx.array, o: mx.array) -> mx.array:
         """The block's output from its input x and the attention's `o` (before o_proj): both
         residual branches, the MLP's included."""
-        a = self.attn.o_proj(o)
+        return self.close(x, self.attn.o_proj(o))
+
+    def close(self, x: mx.array, a: mx.array) -> mx.array:
+        """The block's output from its input x and its attention branch `a` (after o_proj)."""
         x = x + self.branch(self.attn_post_norm(a) if self.post_norms else a)
         m = self.mlp(self.pre(x, "ffn_norm"))
         return x + self.branch(self.ffn_post_norm(m) if self.post_norms else m)
@@ -420,8 +541,8 @@ class Llama(nn.Module):
         resid_std = std / (2 * self.args.n_layers) ** 0.5
 
         def init(path: str, w: mx.array) -> mx.array:
-            if path.endswith("norm.weight"):
-                return w
+            if path.endswith(("norm.weight", ".ssm_a", ".dt_bias")):  # -1 and 0: a decay of
+                return w  # exp(-softplus(0)) = 0.5 per token in linear blocks
             s = resid_std if path.endswith(("o_proj.weight", "down_proj.weight")) else std
             return mx.random.normal(w.shape, scale=s)
 
@@ -474,6 +595,7 @@ class Llama(nn.Module):
     def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
         return self.unembed(self.hidden(tokens, cache))  # (B,T,V)
 
-    def make_cache(self) -> list[KVCache]:
-        """One KV cache per block, for generation."""
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> list[KVCache | DeltaCache]:
+        """One KV cache per block, for generation (a linear block's: its conv inputs and
+        state)."""
+        return [DeltaCache() if layer.linear else KVCache() for layer in self.layers]

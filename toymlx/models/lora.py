@@ -27,10 +27,19 @@ from toymlx.models.ops import EXACT
 TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj",
                            "qkv": "attn.qkv_proj", "o": "attn.o_proj", "gate": "mlp.gate_proj",
                            "up": "mlp.up_proj", "gate_up": "mlp.gate_up_proj",
-                           "down": "mlp.down_proj", "router": "mlp.router"}
+                           "down": "mlp.down_proj", "z": "attn.z_proj", "beta": "attn.beta_proj",
+                           "alpha": "attn.alpha_proj", "out": "attn.out_proj",
+                           "router": "mlp.router"}
 """--lora.targets short names -> projection paths inside a decoder block (qkv and gate_up:
-phi3's fused projections, which it has instead of q, k, v and gate, up; router: a mixture of
+phi3's fused projections, which it has instead of q, k, v and gate, up; qkv, z, beta, alpha
+and out: the projections of qwen35's linear-attention blocks, attn_qkv, attn_gate, ssm_beta,
+ssm_alpha and ssm_out, each of which llama.cpp's adapters adapt; router: a mixture of
 experts' `ffn_gate_inp`, which it has instead of gate, up and down)."""
+LINEAR_TARGETS = ("qkv", "z", "beta", "alpha", "out", "gate", "up", "down")
+"""The targets a qwen35 linear-attention block has (its full-attention blocks have q, k, v, o
+and the MLP's)."""
+LINEAR_ONLY = ("z", "beta", "alpha", "out")
+"""The targets no block but a qwen35 linear-attention one has."""
 EXPERT_TARGETS = {"gate": "mlp.gate_exps", "up": "mlp.up_exps", "down": "mlp.down_exps"}
 """The MLP targets' paths in a mixture-of-experts block: its 3-D expert tensors (ffn_gate_exps,
 ffn_up_exps, ffn_down_exps), one A and B per expert (`ExpertLoRA`)."""
@@ -220,7 +229,8 @@ def hf_targets(names: Sequence[str]) -> str | None:
     out: list[str] = []
     for n in names:
         if n == "all-linear":  # PEFT's every linear layer of a block (phi3: its fused ones)
-            out += [t for t in TARGETS if t not in FUSED and t != "router"]
+            out += [t for t in TARGETS
+                    if t not in FUSED and t not in LINEAR_ONLY and t != "router"]
         elif n in TARGETS or n in hf:
             out.append(hf.get(n, n))
         else:
@@ -232,11 +242,18 @@ FUSED: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "gate_up": ("gate",
 """The fused projections -> the targets each holds (phi3 is the architecture that has them)."""
 
 
-def block_targets(a: LlamaArgs) -> tuple[str, ...]:
-    """The --lora.targets names a block of this architecture has, in TARGETS' order."""
+def block_targets(a: LlamaArgs, layer: int | None = None) -> tuple[str, ...]:
+    """The --lora.targets names block `layer` of this architecture has (None: any of its
+    blocks), in TARGETS' order."""
     absent = set(FUSED["qkv"]) if a.fused_qkv else {"qkv"}
     absent |= set(FUSED["gate_up"]) if a.fused_gate_up else {"gate_up"}
+    absent |= set(LINEAR_ONLY)
     absent |= {"gate_up"} if a.n_experts else {"router"}
+    if a.linear_layers and (layer is None or a.is_linear(layer)):
+        linear = set(LINEAR_TARGETS)
+        if layer is not None:
+            return tuple(t for t in TARGETS if t in linear)
+        absent -= linear
     return tuple(t for t in TARGETS if t not in absent)
 
 
@@ -252,8 +269,9 @@ def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
             raise ValueError(f"--lora.targets: router is a mixture of experts' ffn_gate_inp; "
                              f"this {a.arch} base is dense and has {','.join(have)}")
         fused = next((f for f, parts in FUSED.items() if t in parts), None)
-        what = (f"{t} is phi3's fused projection" if fused is None
-                else f"{t} is part of phi3's fused {fused}")
+        what = (f"{t} is part of phi3's fused {fused}" if fused is not None
+                else f"{t} is phi3's fused projection" if t in FUSED
+                else f"{t} is a projection of qwen35's linear-attention blocks")
         raise ValueError(f"--lora.targets: {what}; this {a.arch} base has {','.join(have)}")
 
 
@@ -283,7 +301,10 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
                          f"(llama.cpp applies a LoRA pair per expert), found {kind}")
     model.freeze()
     for i in blocks:
+        have = block_targets(model.args, i)
         for t in names:
+            if t not in have:  # qwen35: q, k, v, o in its full-attention blocks alone
+                continue
             path = f"layers.{i}.{target_path(t, model.args)}"
             base = submodule(model, path)
             if isinstance(base, LoRALinear):

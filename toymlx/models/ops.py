@@ -255,15 +255,21 @@ class Ops:
         if tables is not None and not self.exact_rope:
             raise ValueError("rope: tables need exact_rope=True")
         if not self.exact_rope:
+            # YaRN's mix is no uniform scale: its wavelengths carry the scale, the kernel none
+            freqs = _rope_wavelengths(rope, dims) if rope.factors or rope.yarn else None
             out = mx.fast.rope(x, dims, traditional=not rope.neox,
-                               base=None if rope.factors else rope.base, scale=rope.scale,
-                               offset=offset, freqs=_rope_wavelengths(rope) if rope.factors
-                               else None)
-            if rope.mscale == 1.0:
+                               base=None if freqs is not None else rope.base,
+                               scale=1.0 if rope.yarn else rope.scale, offset=offset,
+                               freqs=freqs)
+            mscale = rope.mscale
+            if rope.temperature is not None:  # (T, 1): one magnitude per position, x's dtype
+                mscale = mx.array(rope.magnitudes(int(offset), T)[:, None].astype(np.float32)
+                                  ).astype(out.dtype)
+            if isinstance(mscale, float) and mscale == 1.0:
                 return out
             if dims == x.shape[-1]:
-                return out * rope.mscale
-            return mx.concatenate([out[..., :dims] * rope.mscale, out[..., dims:]], axis=-1)
+                return out * mscale
+            return mx.concatenate([out[..., :dims] * mscale, out[..., dims:]], axis=-1)
         cos, sin = tables or _rope_tables(rope, dims, int(offset), T)  # (T, dims/2) each
         if x.dtype != mx.float32:
             cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
@@ -393,8 +399,9 @@ RopeTables = tuple[mx.array, mx.array]
 @dataclass(frozen=True)
 class Rope:
     """One layer's rotary position embedding, as llama.cpp's `ggml_rope_ext` computes it:
-    angle_i = pos * scale * base^(-2i/dims) / factors[i] for i < dims/2, cos and sin times
-    `mscale`."""
+    angle_i = pos * base^(-2i/dims) / factors[i] * s_i for i < dims/2, with s_i = `scale`
+    (linear scaling) or YaRN's mix of it and 1 (`yarn`), cos and sin times `mscale` (and, for
+    mistral3's queries, times a `temperature` of the position)."""
 
     base: float = 10000.0
     """Frequency base (rope.freq_base; Gemma 3's sliding layers: rope.freq_base_swa)."""
@@ -405,26 +412,65 @@ class Rope:
     factors: tuple[float, ...] | None = None
     """Per-frequency divisors (Llama 3's rope_freqs tensor, Phi-3's rope_factors_short)."""
     scale: float = 1.0
-    """Position scale (1 / rope.scaling.factor for linear scaling)."""
+    """Position scale (1 / rope.scaling.factor for linear and YaRN scaling)."""
     mscale: float = 1.0
-    """Magnitude of cos and sin (rope.scaling.attn_factor)."""
+    """Magnitude of cos and sin (rope.scaling.attn_factor; with YaRN, times its own)."""
+    yarn: tuple[float, float] | None = None
+    """YaRN's correction dims (low, high), `yarn_corr_dims`: frequency i's s_i is
+    scale * (1 - r_i) + r_i with r_i = 1 - clamp((i - low) / max(0.001, high - low), 0, 1)
+    (ggml's `rope_yarn_ramp`, ext_factor 1): the fast frequencies (i <= low) keep their
+    angles, the slow ones (i >= high) are interpolated by `scale`. None: no YaRN."""
+    temperature: tuple[float, int] | None = None
+    """(beta, length): cos and sin at position p also times 1 + beta * ln(floor(p / length)
+    + 1), Llama 4's attention temperature as llama.cpp's mistral3 applies it to its queries
+    (`llm_graph_input_attn_temp`, offset 0); None: none."""
+
+    def magnitudes(self, offset: int, T: int) -> np.ndarray:
+        """float64 (T,): the magnitude of cos and sin at positions offset..offset+T-1."""
+        m = np.full(T, self.mscale, np.float64)
+        if self.temperature is not None:
+            beta, length = self.temperature
+            pos = np.arange(offset, offset + T, dtype=np.float64)
+            m = m * (1.0 + beta * np.log(np.floor(pos / length) + 1.0))
+        return m
+
+
+def yarn_corr_dims(dims: int, orig_context: int, base: float, beta_fast: float,
+                   beta_slow: float) -> tuple[float, float]:
+    """YaRN's correction dims as ggml computes them (`ggml_rope_yarn_corr_dims`, float32 as
+    there): the frequency index at which a frequency turns `beta_fast` (then `beta_slow`) times
+    over `orig_context` positions, floored (ceiled), clamped to 0..dims-1. Transformers'
+    `_compute_yarn_parameters` floors and ceils the same (its `truncate`, default true)."""
+    f = np.float32
+
+    def corr_dim(n_rot: float) -> np.float32:
+        ratio = f(orig_context) / (f(n_rot) * f(2) * f(np.pi))
+        return f(dims) * np.log(ratio, dtype=f) / (f(2) * np.log(f(base), dtype=f))
+
+    low = float(np.floor(corr_dim(beta_fast)))
+    high = float(np.ceil(corr_dim(beta_slow)))
+    return max(0.0, low), min(float(dims - 1), high)
 
 
 def _rope_inverse_wavelengths(rope: Rope, dims: int) -> np.ndarray:
-    """scale * base^(-2i/dims) / factors[i], float64 (dims/2,)."""
+    """base^(-2i/dims) / factors[i] * s_i (`Rope`), float64 (dims/2,)."""
     inv = rope.base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
     if rope.factors:
         inv = inv / np.asarray(rope.factors, np.float64)
-    return inv * rope.scale
+    if rope.yarn is None:
+        return inv * rope.scale
+    low, high = rope.yarn
+    y = (np.arange(dims // 2, dtype=np.float64) - low) / max(0.001, high - low)
+    extrapolated = 1.0 - np.clip(y, 0.0, 1.0)  # ggml's ramp_mix (ext_factor 1)
+    return inv * (rope.scale * (1.0 - extrapolated) + extrapolated)
 
 
-def _rope_wavelengths(rope: Rope) -> mx.array:
-    """What `mx.fast.rope`'s `freqs` takes: base^(2i/dims) * factors[i] (its scale applied by
-    the kernel)."""
-    dims = 2 * len(rope.factors)
-    return mx.array((1.0 / _rope_inverse_wavelengths(Rope(rope.base, dims, rope.neox,
-                                                            rope.factors), dims)
-                     ).astype(np.float32))
+def _rope_wavelengths(rope: Rope, dims: int) -> mx.array:
+    """What `mx.fast.rope`'s `freqs` takes: base^(2i/dims) * factors[i], its scale applied by
+    the kernel; with YaRN, 1 / `_rope_inverse_wavelengths` (the scale in it, the kernel's 1)."""
+    if rope.yarn is None:
+        rope = Rope(rope.base, dims, rope.neox, rope.factors)
+    return mx.array((1.0 / _rope_inverse_wavelengths(rope, dims)).astype(np.float32))
 
 
 @mx.custom_function
@@ -453,7 +499,8 @@ def _rope_tables(rope: Rope, dims: int, offset: int, T: int) -> tuple[mx.array, 
     Cached: constants of a traced step, and generation asks for one offset after another."""
     ang = np.arange(offset, offset + T, dtype=np.float64)[:, None] * \
         _rope_inverse_wavelengths(rope, dims)  # (T, dims/2)
-    cos, sin = np.cos(ang) * rope.mscale, np.sin(ang) * rope.mscale
+    m = rope.magnitudes(offset, T)[:, None]
+    cos, sin = np.cos(ang) * m, np.sin(ang) * m
     return mx.array(cos.astype(np.float32)), mx.array(sin.astype(np.float32))
 
 

@@ -1,4 +1,4 @@
-"""Recipe `lora`: fine-tune a GGUF (llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, granite, olmo2) with chat/SFT data: LoRA, DoRA or every weight.
+"""Recipe `lora`: fine-tune a GGUF (llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, granite, olmo2, mistral3) with chat/SFT data: LoRA, DoRA or every weight.
 
 The base model and its tokenizer and chat template come from `--base` (any llama GGUF;
 quantized files are dequantized exactly, or kept quantized with `--base-dtype quantized`).
@@ -91,7 +91,8 @@ class LoRAOptions:
     """Dropout on the adapter's input during training."""
     targets: str = "q"
     """Comma list of projections to adapt: q, k, v, o, gate, up, down (phi3's fused ones:
-    qkv, o, gate_up, down)."""
+    qkv, o, gate_up, down; qwen35's linear-attention blocks: qkv, z, beta, alpha, out, its
+    q, k, v, o being its full-attention blocks')."""
     layers: int | None = None
     """Adapt only the last N blocks (default: all; mlx-lm's --num-layers)."""
     init_adapter: str | None = None

@@ -31,6 +31,7 @@ from typing import Any
 from toymlx.gguf.blocks import CODECS, held_bytes
 from toymlx.gguf.llama import args_from_gguf, block_tensors, tensor_route
 from toymlx.gguf.reader import GGUFFile
+from toymlx.models.gated_delta import CHUNK
 from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
 from toymlx.models.ops import Ops
@@ -87,14 +88,14 @@ class Estimate:
 
 
 def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
-    """(n_out, n_in) of each projection of a block, by --lora.targets name; a mixture of
-    experts' gate, up and down summed over its experts ((E * out, E * in): what a LoRA pair
-    per expert holds)."""
+    """(n_out, n_in) of each projection of a block, by --lora.targets name (qwen35: of either
+    kind of block, its q carrying the output gate); a mixture of experts' gate, up and down
+    summed over its experts ((E * out, E * in): what a LoRA pair per expert holds)."""
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
     if a.fused_qkv:
         dims = {"qkv": (q + 2 * kv, d)}
     else:
-        dims = {"q": (q, d), "k": (kv, d), "v": (kv, d)}
+        dims = {"q": (2 * q if a.attn_out_gate else q, d), "k": (kv, d), "v": (kv, d)}
     dims["o"] = (d, q)
     if a.n_experts:  # a mixture of experts: its router, and its experts' 3-D tensors
         e, f = a.n_experts, a.expert_width
@@ -103,6 +104,10 @@ def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
         return dims
     dims.update({"gate_up": (2 * f, d)} if a.fused_gate_up else {"gate": (f, d), "up": (f, d)})
     dims["down"] = (d, f)
+    if a.linear_layers:  # Gated DeltaNet's (toymlx.models.gated_delta)
+        hv, dk = a.ssm_v_heads, a.ssm_head_dim
+        dims.update({"qkv": (2 * a.ssm_k_heads * dk + hv * dk, d), "z": (hv * dk, d),
+                     "beta": (hv, d), "alpha": (hv, d), "out": (d, hv * dk)})
     return dims
 
 
@@ -121,6 +126,10 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops) -> int:
                + 4 * a.shared_expert_ffn_dim)  # qwen2moe's shared expert: a dense MLP
     kept = 6 * d + q + 2 * kv + mlp
     attention = attention_values(a, seq_len)
+    if a.linear_layers:  # every block counted as a Gated DeltaNet one, the larger: by chunks
+        # of CHUNK tokens its delta rule keeps about 16 (CHUNK, CHUNK) matrices (decays, the
+        # inverse's powers and products) and 2 (dk, dv) states per chunk, per value head
+        kept += a.ssm_v_heads * (16 * CHUNK + 2 * a.ssm_head_dim ** 2 // CHUNK)
     if ops.grad_checkpoint or ops.keeps_attention(attention):
         return kept + attention
     return kept

@@ -1,0 +1,303 @@
+"""Qwen3.5 (`qwen35`): the tiny converted checkpoint (tests/hf_tiny.py kind qwen35: 3 Gated
+DeltaNet blocks and a gated full-attention one, 2 k heads serving 4 value heads) trained with
+LoRA, its adapter applied by llama.cpp, its fused export loaded by llama.cpp, quantized copies,
+cached decoding against the full forward, and the files toymlx refuses. Its logits against
+llama.cpp's and transformers' are test_hf_tiny.py's (kinds qwen35, qwen35-q).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from hf_tiny import (
+    llamacpp_quantize,
+    tiny_gguf,  # noqa: F401  (session fixtures)
+    tiny_hf,  # noqa: F401
+    token_ids,
+)
+from llamacpp_runner import llamacpp_logits, llamacpp_logits_lora
+from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
+
+from toymlx.gguf.llama import args_from_gguf, load_llama, write_llama
+from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.writer import write_gguf
+from toymlx.interop.merge import write_merged
+from toymlx.models.gated_delta import delta_chunks, delta_steps
+from toymlx.models.lora import apply_lora, block_targets, lora_layers
+from toymlx.models.losses import lm_loss
+from toymlx.models.ops import training_ops
+from toymlx.training.adapter import write_adapter
+from toymlx.training.step import make_step
+
+N_TOKENS = 40
+TOL = 1e-4  # float32 files: what every other kind holds against llama.cpp (measured ~2e-5)
+ALL = "q,k,v,o,gate,up,down,qkv,z,beta,alpha,out"
+
+
+def report(what: str, **figures) -> None:
+    print(f"\n[qwen35] {what}: " + json.dumps(figures, default=float))
+
+
+def logits(model, ids) -> np.ndarray:
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("chunk", [None, 4, 64])
+def test_gated_delta_rule_matches_a_float64_loop(chunk):
+    """The recurrence against numpy in float64, written from transformers'
+    `torch_recurrent_gated_delta_rule` (state (dk, dv) per head, decay, delta update, read):
+    one step per token (chunk None) and by chunks (4: two chunks and a padded one; 64: one
+    padded chunk), from zeros and from a given state; and the chunked form's gradients are the
+    step form's."""
+    rng = np.random.default_rng(0)
+    B, T, H, d = 2, 11, 3, 5
+    q, k, v = (rng.standard_normal((B, T, H, d)) * 0.5 for _ in range(3))
+    g, beta = -rng.random((B, T, H)), rng.random((B, T, H))
+    s0 = rng.standard_normal((B, H, d, d)) * 0.3
+    s = s0.copy()
+    want = np.zeros((B, T, H, d))
+    for t in range(T):
+        s = s * np.exp(g[:, t])[..., None, None]
+        mem = np.einsum("bhkv,bhk->bhv", s, k[:, t])
+        s = s + np.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - mem) * beta[:, t, :, None])
+        want[:, t] = np.einsum("bhkv,bhk->bhv", s, q[:, t])
+    args = [mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta)]
+    state = mx.array(s0.astype(np.float32))
+    got, last = (delta_steps(*args, state) if chunk is None
+                 else delta_chunks(*args, state, chunk=chunk))
+    assert float(np.abs(np.array(got) - want).max()) < 1e-5
+    assert float(np.abs(np.array(last) - s).max()) < 1e-5
+    if chunk is not None:
+        def loss(fn, *xs):
+            o, st = fn(*xs)
+            return (o * o).sum() + st.sum()
+
+        ref = mx.grad(lambda *xs: loss(delta_steps, *xs), argnums=(0, 1, 2, 3, 4))(*args)
+        grads = mx.grad(lambda *xs: loss(lambda *ys: delta_chunks(*ys, chunk=chunk), *xs),
+                        argnums=(0, 1, 2, 3, 4))(*args)
+        for r, x in zip(ref, grads, strict=True):
+            assert float(mx.abs(r - x).max()) < 1e-4
+
+
+@pytest.mark.interop
+def test_lora_trains_and_llamacpp_applies_the_adapter(tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """Five AdamW steps of LoRA on every projection llama.cpp adapts (full attention's q, k, v,
+    o; the linear blocks' qkv, z, beta, alpha, out; the MLP's) lower the loss on a fixed batch;
+    the adapter toymlx writes, applied by llama.cpp (--lora), and the fused export, loaded by
+    llama.cpp, give toymlx's adapted logits."""
+    path = tiny_gguf("qwen35")
+    ids = token_ids(tiny_hf("qwen35"), N_TOKENS)
+    model, g = load_llama(path, training_ops(on_gpu=False))
+    mx.random.seed(0)
+    apply_lora(model, ALL, rank=4, alpha=8.0)
+    paths = list(lora_layers(model))
+    assert "layers.3.attn.q_proj" in paths and "layers.0.attn.q_proj" not in paths
+    assert {"layers.0.attn.qkv_proj", "layers.0.attn.z_proj", "layers.0.attn.beta_proj",
+            "layers.0.attn.alpha_proj", "layers.0.attn.out_proj", "layers.0.mlp.down_proj"
+            } <= set(paths)
+    step = make_step(model, lm_loss, optim.AdamW(1e-2))
+    x = mx.array([[ids[:-1]]])
+    batch = {"inputs": x, "targets": mx.array([[ids[1:]]]), "mask": mx.ones(x.shape)}
+    losses, seconds = [], []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        losses.append(float(step(batch)["loss"]))
+        seconds.append(time.perf_counter() - t0)
+    report("lora steps", losses=losses, seconds_per_step=float(np.median(seconds[1:])),
+           first_step_s=seconds[0], tokens=len(ids) - 1)
+    assert losses[-1] < losses[0] - 0.05
+    exact, _ = load_llama(path)
+    apply_lora(exact, ALL, rank=4, alpha=8.0)
+    exact.update(model.trainable_parameters())
+    mine = logits(exact, ids)
+    ad = write_adapter(tmp_path / "adapter.gguf", exact, dict(g.metadata))
+    ref, _ = llamacpp_logits_lora(path, ad, ids)
+    base, _ = llamacpp_logits(path, ids)
+    merged = write_merged(tmp_path / "merged.gguf", path, ad)
+    fused, _ = llamacpp_logits(merged, ids)
+    d_lora, d_fused = float(np.abs(mine - ref).max()), float(np.abs(mine - fused).max())
+    report("adapter in llama.cpp", lora_max_abs_diff=d_lora, fused_max_abs_diff=d_fused,
+           adapter_moves_logits_by=float(np.abs(ref - base).max()))
+    assert np.abs(ref - base).max() > 0.05  # the adapter is applied, and it matters
+    assert d_lora < TOL and d_fused < TOL
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_quantized_copies(qtype, tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """llama-quantize's copies of the 256-wide twin: toymlx's logits on the quantized file equal
+    llama.cpp's on the file's own values dequantized to F32 (llama.cpp on the quantized file
+    itself also rounds activations to 8 bits inside its quantized matmuls: that margin is
+    reported, toymlx's distance to it too)."""
+    src = tiny_gguf("qwen35-q")
+    dst = tmp_path / f"{qtype}.gguf"
+    q = llamacpp_quantize(src, dst, qtype)
+    ids = token_ids(tiny_hf("qwen35-q"), N_TOKENS)
+    got, _ = llamacpp_logits(dst, ids)
+    ref, _ = llamacpp_logits(src, ids)
+    dequantized, _ = llamacpp_logits(_rewrite(dst, tmp_path / "f32.gguf",
+                                              {"general.file_type": 0}), ids)
+    model, _ = load_llama(dst)
+    mine = logits(model, ids)
+    d_exact = float(np.abs(mine - dequantized).max())
+    report(f"{qtype}", toymlx_vs_llamacpp_on_its_values_max_abs=d_exact,
+           toymlx_vs_llamacpp_max_abs=float(np.abs(mine - got).max()),
+           llamacpp_vs_its_f32=float(np.abs(got - ref).max()),
+           top1_vs_llamacpp=float((mine.argmax(-1) == got.argmax(-1)).mean()),
+           types=sorted(set(q["types"].values())))
+    assert d_exact < TOL
+
+
+@pytest.mark.interop
+def test_cached_decoding_equals_the_full_forward(tiny_gguf):  # noqa: F811
+    """Prefill 7 tokens, then one token at a time through the conv/state caches of the linear
+    blocks and the KV cache of the attention block: every position's logits equal the full
+    forward's."""
+    model, _ = load_llama(tiny_gguf("qwen35"))
+    ids = [int(x) for x in np.random.default_rng(2).integers(0, 500, 20)]
+    full = logits(model, ids)
+    cache = model.make_cache()
+    steps = [np.array(model(mx.array([ids[:7]]), cache)[0])]
+    steps += [np.array(model(mx.array([[t]]), cache)[0]) for t in ids[7:]]
+    diff = float(np.abs(np.concatenate(steps) - full).max())
+    report("cached decoding", max_abs_diff=diff)
+    assert diff < TOL  # chunks (prefill, full forward) and steps round differently
+
+
+@pytest.mark.interop
+def test_generation_is_llamacpps_greedy(tiny_hf, tiny_gguf):  # noqa: F811
+    """`generate` (greedy) gives llama.cpp's greedy tokens; a second call through a kept
+    `PromptCache` whose prompt diverges from what the caches hold starts the recurrent states
+    over and still gives llama.cpp's tokens for that prompt."""
+    from llamacpp_runner import llamacpp_greedy
+
+    from toymlx.data.tokenizer import Tokenizer
+    from toymlx.generation.generate import PromptCache, generate
+
+    path = tiny_gguf("qwen35")
+    model, _ = load_llama(path)
+    tok = Tokenizer.from_gguf(path)
+    ids = token_ids(tiny_hf("qwen35"), 12)
+    kept = PromptCache()
+    for prompt in (ids, ids[:6] + ids[:6]):
+        mine = list(generate(model, tok, prompt, max_tokens=10, kept=kept))
+        ref = llamacpp_greedy(path, prompt, 10)
+        report("greedy", prompt=prompt, toymlx=mine, llamacpp=ref, reused=kept.reused)
+        assert mine == ref[:len(mine)] and len(mine) >= min(len(ref), 1)
+
+
+@pytest.mark.interop
+def test_write_llama_writes_a_file_llamacpp_reads(tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """`write_llama` (checkpoints, full fine-tunes) on the loaded model: toymlx reads back the
+    same args, and llama.cpp computes toymlx's logits on it (its keys, the M-RoPE sections
+    toymlx chooses included, are llama.cpp's)."""
+    path = tiny_gguf("qwen35")
+    model, g = load_llama(path)
+    out = tmp_path / "written.gguf"
+    write_llama(out, model, {k: v for k, v in g.metadata.items() if k.startswith("tokenizer.")})
+    assert GGUFFile(out).metadata["qwen35.rope.dimension_sections"] == [2, 1, 1, 0]
+    again, _ = load_llama(out)
+    assert again.args == model.args
+    ids = token_ids(tiny_hf("qwen35"), N_TOKENS)
+    ref, _ = llamacpp_logits(out, ids)
+    diff = float(np.abs(logits(model, ids) - ref).max())
+    report("write_llama in llama.cpp", max_abs_diff=diff)
+    assert diff < TOL
+
+
+def _rewrite(src, dst, meta_edit=None, tensors_edit=None):
+    """A copy of GGUF `src` at `dst` with metadata and tensors edited (dicts of name -> value,
+    None removes)."""
+    g = GGUFFile(src)
+    meta = {k: v for k, v in g.metadata.items() if not k.startswith("GGUF.")}
+    tensors = {n: g.load(n, np.float32) for n in g.tensors}
+    for d, edit in ((meta, meta_edit or {}), (tensors, tensors_edit or {})):
+        for k, v in edit.items():
+            if v is None:
+                d.pop(k, None)
+            else:
+                d[k] = v
+    write_gguf(dst, meta, tensors)
+    return dst
+
+
+@pytest.mark.interop
+def test_the_converters_mtp_block_is_not_run(tiny_hf, tiny_gguf, tmp_path,  # noqa: F811
+                                             llamacpp_source):  # noqa: F811
+    """The tiny checkpoint with an MTP block (`mtp.*` tensors and `mtp_num_hidden_layers`, as
+    Qwen3.5's own checkpoints carry), through llama.cpp's converter (its default keeps the block,
+    as `blk.4.*` with nextn tensors): llama.cpp's plain decoding and toymlx both compute the file
+    without it, the logits of the file without it."""
+    from hf_tiny import gguf_from_hf
+    from safetensors.numpy import load_file, save_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_hf("qwen35"), hf)
+    weights = load_file(hf / "model.safetensors")
+    rng = np.random.default_rng(5)
+    block = "model.layers.3."  # the MTP block is a full-attention block, plus its fc and norms
+    weights.update({"mtp.layers.0." + k[len(block):]: v + 0.05 * rng.standard_normal(v.shape)
+                    .astype(np.float32) for k, v in weights.items() if k.startswith(block)})
+    d = weights["model.norm.weight"].shape[0]
+    weights.update({"mtp.fc.weight": 0.05 * rng.standard_normal((d, 2 * d)).astype(np.float32),
+                    **{f"mtp.{n}.weight": np.zeros(d, np.float32) for n in (
+                        "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    path = tmp_path / "mtp.gguf"
+    gguf_from_hf(hf, path, "f32", tree=llamacpp_source)
+    g = GGUFFile(path)
+    assert (g.metadata["qwen35.block_count"], g.metadata["qwen35.nextn_predict_layers"]) == (5, 1)
+    assert "blk.4.nextn.eh_proj.weight" in g.tensors and "blk.4.attn_q.weight" in g.tensors
+    ids = token_ids(hf, N_TOKENS)
+    model, _ = load_llama(path)
+    assert model.args.n_layers == 4
+    mine, plain = logits(model, ids), logits(load_llama(tiny_gguf("qwen35"))[0], ids)
+    ref, _ = llamacpp_logits(path, ids)
+    report("mtp file", toymlx_vs_llamacpp_max_abs=float(np.abs(mine - ref).max()))
+    assert np.array_equal(mine, plain) and float(np.abs(mine - ref).max()) < TOL
+
+
+@pytest.mark.interop
+def test_files_toymlx_does_not_compute_are_refused(tiny_gguf, tmp_path):  # noqa: F811
+    """A MoE file, M-RoPE sections that leave a rotated pair to the fourth position (llama.cpp
+    would leave it unrotated), and a value width other than the key width are refused in one
+    line naming the key."""
+    path = tiny_gguf("qwen35")
+    g = GGUFFile(path)
+    cases = {
+        "moe": ({"general.architecture": "qwen35moe"}, (r"'general\.architecture': expected one "
+                r"of .*qwen35, found 'qwen35moe'")),
+        "sections": ({"qwen35.rope.dimension_sections": [1, 1, 2, 0]},
+                     (r"'qwen35\.rope\.dimension_sections': expected sections whose "
+                     r"interleaving covers all 4 rotated pairs")),
+        "inner": ({"qwen35.ssm.inner_size": 32}, r"'qwen35\.ssm\.inner_size': expected 64"),
+    }
+    for name, (meta, message) in cases.items():
+        if name == "moe":
+            meta = {**{k.replace("qwen35.", "qwen35moe.", 1): v for k, v in g.metadata.items()
+                       if k.startswith("qwen35.")},
+                    **{k: None for k in g.metadata if k.startswith("qwen35.")}, **meta}
+        bad = _rewrite(path, tmp_path / f"{name}.gguf", meta)
+        with pytest.raises(GGUFError, match=message):
+            args_from_gguf(GGUFFile(bad))
+
+
+def test_targets_per_block_kind():
+    """q, k, v, o in qwen35's full-attention blocks, qkv, z, beta, alpha, out in its linear
+    ones, the MLP's in both."""
+    from toymlx.models.llama import LlamaArgs
+
+    a = LlamaArgs(arch="qwen35", attn_out_gate=True, qk_norm=True, rope_neox=True,
+                  linear_layers=(True, True, True, False), ssm_head_dim=8, ssm_k_heads=2,
+                  ssm_v_heads=4)
+    assert block_targets(a, 0) == ("qkv", "gate", "up", "down", "z", "beta", "alpha", "out")
+    assert block_targets(a, 3) == ("q", "k", "v", "o", "gate", "up", "down")
+    assert set(block_targets(a)) == set(block_targets(a, 0)) | set(block_targets(a, 3))
