@@ -11,6 +11,8 @@ There is no model hub here, so the benchmark writes the files people run at thei
 | qwen3-1.7b | qwen3 | 2048 | 28 | 6144 | 16/8 | 128 | Qwen2's 151,936 + Qwen3's added tokens | tied |
 | gemma-4-e2b | gemma4 | 1536 | 35 | 6144 (12288 in the 20 shared-KV layers) | 8/1 | 256 sliding, 512 full | 262,144, synthetic SentencePiece | tied |
 | qwen3.5-0.8b | qwen35 | 1024 | 24 (18 linear) | 3584 | 8/2 | 256 | 248,320, Qwen2's BPE padded | tied |
+| qwen3-30b-a3b | qwen3moe | 2048 | 48 | 128 experts of 768, 8 used | 32/4 | 128 | as qwen3-1.7b | untied |
+| qwen3-30b-a3b-2l | qwen3moe | the same, 2 layers (its file's blocks, at 1/24 of the layers) | | | | | | |
 
 Gemma 4 E2B's (google/gemma-4-E2B's text config): every 5th layer full attention, window 512,
 the last 20 layers reading layers 13's and 14's keys and values, per-layer embeddings of 256
@@ -134,6 +136,12 @@ def _qwen35(d: int, layers: int, ffn: int, heads: int, kv: int, v_heads: int) ->
                    ssm_conv_kernel=4, ssm_head_dim=128, ssm_k_heads=16, ssm_v_heads=v_heads)
 
 
+def _qwen3_30b_a3b(layers: int) -> LlamaArgs:
+    """Qwen3-30B-A3B's shape (its config.json) with `layers` blocks."""
+    return replace(_qwen3(2048, layers, 6144, 32, 4, tied=False), arch="qwen3moe",
+                   n_experts=128, n_experts_used=8, expert_ffn_dim=768)
+
+
 SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("gemma-3-270m", _gemma3_270m(), "synthetic"),
     Shape("llama-3.2-1b", _llama(2048, 16, 8192, 32, 8, tied=True), "smollm2"),
@@ -142,6 +150,8 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("qwen3-1.7b", _qwen3(2048, 28, 6144, 16, 8, tied=True), "qwen3"),
     Shape("gemma-4-e2b", _gemma4_e2b(), "synthetic"),
     Shape("qwen3.5-0.8b", _qwen35(1024, 24, 3584, 8, 2, v_heads=16), "qwen35"),
+    Shape("qwen3-30b-a3b", _qwen3_30b_a3b(48), "qwen3"),
+    Shape("qwen3-30b-a3b-2l", _qwen3_30b_a3b(2), "qwen3"),
 )}
 
 
@@ -341,10 +351,11 @@ def write_f16(path: Path, a: LlamaArgs, meta: Typed, seed: int = 0,
             w.write_tensor_data(vector(name, shape, rng))
             continue
         t = np.empty(shape, np.float32 if name.endswith(F32_MATRICES) else np.float16)
-        rows = max(1, CHUNK_VALUES // shape[1])
-        for r in range(0, shape[0], rows):
-            t[r:r + rows] = rng.standard_normal((min(rows, shape[0] - r), shape[1]),
-                                                dtype=np.float32) * STD
+        flat = t.reshape(-1, shape[-1])  # an expert tensor's (E, out, in) as E * out rows
+        rows = max(1, CHUNK_VALUES // shape[-1])
+        for r in range(0, flat.shape[0], rows):
+            flat[r:r + rows] = rng.standard_normal((min(rows, flat.shape[0] - r), shape[-1]),
+                                                   dtype=np.float32) * STD
         w.write_tensor_data(t)
         del t
         if progress and (i + 1) % 16 == 0:

@@ -76,6 +76,15 @@ rows that K-quants can hold, for `llamacpp_quantize`):
                    use_double_wide_mlp), per-layer embeddings of 8 (-q: 64), random
                    layer scalars, logits capped at 2 (binds), tied, a SentencePiece-style BPE
                    tokenizer.json (Gemma 4's merges) for the converter's LlamaHfVocab
+    qwen3moe       Qwen3MoeForCausalLM (Qwen3-30B-A3B's layout): qwen3's attention, every
+                   block's MLP 8 experts of width ff / 2 with 2 used per token, their
+                   weights renormalized (norm_topk_prob, as Qwen3-30B-A3B has it), byte-level
+                   BPE (pre "qwen2")
+    mixtral        MixtralForCausalLM (Mixtral-8x7B's layout, converted as a `llama` file with
+                   experts): 8 experts of width ff, 2 used, GQA 4/2, untied, SentencePiece vocab
+    qwen2moe       Qwen2MoeForCausalLM (Qwen1.5-MoE-A2.7B's layout): qwen2's attention (q/k/v
+                   biases), 8 experts of width ff / 2, 2 used, weights not renormalized, and a
+                   shared expert of width ff behind a sigmoid gate; untied, byte-level BPE
 
 The tokenizer. The converter needs one in the checkpoint folder, and the real vocabularies
 (32k to 262k tokens) would make the embedding most of the file. Each checkpoint therefore
@@ -127,7 +136,8 @@ VOCAB = 512  # tokens in every tiny checkpoint's vocabulary
 MANIFEST = "toymlx_tiny.json"
 BASE_KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial",
               "phi3-longrope", "gemma2", "smollm3", "granite", "olmo2", "phi4-mini",
-              "qwen3-yarn", "ministral3", "qwen35", "gemma4")
+              "qwen3-yarn", "ministral3", "qwen35", "gemma4",
+              "qwen3moe", "mixtral", "qwen2moe")
 # a kind's weights are seeded by its place here: kinds added later (from phi4-mini on) go after
 # the first ones' -q twins, so that no kind's weights change when one is added
 _FIRST = BASE_KINDS[:BASE_KINDS.index("phi4-mini")]
@@ -150,8 +160,8 @@ class ConversionError(RuntimeError):
 @dataclass(frozen=True)
 class Spec:
     kind: str
-    family: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | smollm3 | granite
-    # | olmo2 | ministral3 | qwen35 | gemma4
+    family: str  # llama | mistral | mixtral | qwen2 | qwen2moe | qwen3 | qwen3moe | gemma2
+    # | gemma3 | phi3 | smollm3 | granite | olmo2 | ministral3 | qwen35 | gemma4
     tokenizer: str  # spm-llama | spm-gemma | spm-phi3 | bpe-llama3 | bpe-qwen2 | bpe-gpt4o
     # | bpe-qwen35 | bpe-gemma4
     hidden: int
@@ -219,6 +229,15 @@ def spec(kind: str) -> Spec:
         return Spec(**{**s, "layers": 6, "kv_heads": 1, "head_dim": 64 if q else 16},
                     family="gemma4", tokenizer="bpe-gemma4", tied=True,
                     extra={"global_head_dim": wide, "ple": 64 if q else 8})
+    if base == "qwen3moe":
+        return Spec(**{**s, "head_dim": wide}, family="qwen3moe", tokenizer="bpe-qwen2",
+                    tied=True, extra={"experts": 8, "experts_used": 2, "expert_ff": ff // 2})
+    if base == "qwen2moe":
+        return Spec(**s, family="qwen2moe", tokenizer="bpe-qwen2", tied=False,
+                    extra={"experts": 8, "experts_used": 2, "expert_ff": ff // 2})
+    if base == "mixtral":
+        return Spec(**s, family="mixtral", tokenizer="spm-llama", tied=False,
+                    extra={"experts": 8, "experts_used": 2})
     if base == "phi3-partial":
         return Spec(**s, family="phi3", tokenizer="spm-phi3", tied=True,
                     extra={"partial_rotary_factor": 0.75})
@@ -273,6 +292,27 @@ def hf_config(sp: Spec, tok: dict):
                      llama_4_scaling_beta=0.1)
         return tf.Ministral3Config(**common, max_position_embeddings=256, rms_norm_eps=1e-5,
                                    rope_parameters=rope)
+    if sp.family == "qwen3moe":
+        return tf.Qwen3MoeConfig(**common, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                 attention_bias=False, use_sliding_window=False,
+                                 rope_parameters=_rope(1000000.0),
+                                 num_experts=sp.extra["experts"],
+                                 num_experts_per_tok=sp.extra["experts_used"],
+                                 moe_intermediate_size=sp.extra["expert_ff"],
+                                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if sp.family == "qwen2moe":
+        return tf.Qwen2MoeConfig(**common, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                                 use_sliding_window=False, rope_parameters=_rope(1000000.0),
+                                 num_experts=sp.extra["experts"],
+                                 num_experts_per_tok=sp.extra["experts_used"],
+                                 moe_intermediate_size=sp.extra["expert_ff"],
+                                 shared_expert_intermediate_size=sp.ff, norm_topk_prob=False,
+                                 decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True)
+    if sp.family == "mixtral":
+        return tf.MixtralConfig(**common, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                sliding_window=None, rope_parameters=_rope(1000000.0),
+                                num_local_experts=sp.extra["experts"],
+                                num_experts_per_tok=sp.extra["experts_used"])
     if sp.family == "gemma3":
         return tf.Gemma3TextConfig(
             **common, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=8,
@@ -341,6 +381,8 @@ def _model_class(sp: Spec):
 
     return {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
             "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
+            "qwen3moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
+            "qwen2moe": tf.Qwen2MoeForCausalLM,
             "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
             "gemma4": tf.Gemma4ForCausalLM,
             "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,

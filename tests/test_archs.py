@@ -498,7 +498,7 @@ def test_yarn_keys_llamacpp_does_not_read_and_mistral3_experts(files, tmp_path):
     says attn_factor 0.8782, llama.cpp computes with 1 + 0.1 ln 4): such a key is ignored as
     llama.cpp ignores it, so a fine-tune meets the model the file's users run, and a value other
     than llama.cpp's is said in one warning naming the key. A mistral3 file with experts is
-    refused as every mixture of experts is."""
+    refused: llama.cpp's mistral3 is dense."""
     k = "qwen3.rope.scaling."
     plain = logits(load_llama(files["qwen3-yarn"])[0])
     same = _copy(files["qwen3-yarn"], tmp_path / "same.gguf",
@@ -521,8 +521,8 @@ def test_yarn_keys_llamacpp_does_not_read_and_mistral3_experts(files, tmp_path):
         "qwen3: it computes with 32" in said[1]
     p = _copy(files["mistral3"], tmp_path / "moe.gguf", {"mistral3.expert_count": 8})
     with pytest.raises(GGUFError, match=r"moe\.gguf: metadata key 'mistral3\.expert_count': "
-                                        r"expected 0 \(dense models; mixture-of-experts files are "
-                                        r"not supported\), found 8$"):
+                                        r"expected 0 \(mistral3 is dense; mixtures of experts "
+                                        r"load as qwen3moe, qwen2moe, llama\), found 8$"):
         load_llama(p)
 
 

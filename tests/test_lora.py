@@ -97,8 +97,8 @@ def test_targets_and_last_layers(tiny_gguf):
 def test_unknown_target_and_bad_layers_name_the_flag(tiny_gguf):
     model = base(tiny_gguf)
     with pytest.raises(ValueError, match=r"--lora\.targets: expected a comma list of q, k, v, qkv, o, "
-                                         r"gate, up, gate_up, down, z, beta, alpha, out; found "
-                                         r"unknown target 'qq'"):
+                                         r"gate, up, gate_up, down, z, beta, alpha, out, router; "
+                                         r"found unknown target 'qq'"):
         apply_lora(model, "q,qq")
     with pytest.raises(ValueError, match=r"--lora\.layers: expected 1\.\.3"):
         apply_lora(model, "q", layers=4)
@@ -118,7 +118,7 @@ def test_hugging_face_s_target_modules_are_named_as_toymlx_s(targets, said):
     first = targets.split(",")[0]
     assert str(e.value) == (
         "--lora.targets: expected a comma list of q, k, v, qkv, o, gate, up, gate_up, down, z, "
-        f"beta, alpha, out; found unknown target {first!r} (Hugging Face's names; toymlx's are "
+        f"beta, alpha, out, router; found unknown target {first!r} (Hugging Face's names; toymlx's are "
         f"--lora.targets {said})")
 
 

@@ -791,8 +791,8 @@ _ONLY_KEYS = ("expected only keys toymlx computes with (llama.* for llama: atten
       "an importance matrix (llama-imatrix's output, for llama-quantize --imatrix); pass the "
       "model GGUF")),
     ({"add": {"llama.expert_used_count": (2, "UINT32")}},
-     ("metadata key 'llama.expert_used_count': expected 0 (dense models; mixture-of-experts "
-     "files are not supported), found 2")),
+     ("metadata key 'llama.expert_used_count': expected 0 (expert_count is 0: a dense llama "
+     "model), found 2")),
 ], ids=["extra-tensor", "longrope", "sliding-window", "architecture", "vocab-size",
         "general-type", "clip-architecture", "imatrix", "experts-used"])
 def test_a_base_with_what_toymlx_does_not_compute_is_refused_by_every_command(

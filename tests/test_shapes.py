@@ -116,6 +116,30 @@ def test_tiny_qwen35_shape_loads_and_runs_in_llamacpp(tmp_path, monkeypatch,
     assert np.corrcoef(mine, theirs)[0, 1] > 0.99
 
 
+@pytest.mark.interop  # llama.cpp's quantizer and source tree
+def test_tiny_qwen3moe_shape_keeps_its_experts_in_k_quants(tmp_path, monkeypatch,
+                                                            llamacpp_source):  # noqa: F811
+    """The Qwen3-30B-A3B shape, small: its 3-D expert tensors are streamed (E * out rows of
+    random values) and quantized by llama.cpp as K-quants; toymlx reads the shape back and holds
+    them in their blocks."""
+    from toymlx.gguf.llama import load_llama
+    from toymlx.models.moe import BlockExperts
+
+    monkeypatch.setenv(shapes.LLAMACPP_TREE_ENV, str(llamacpp_source))
+    args = replace(shapes.SHAPES["qwen3-30b-a3b-2l"].args, d_model=256, n_heads=4,
+                   n_kv_heads=2, n_experts=4, n_experts_used=2, expert_ffn_dim=256)
+    path, _ = shapes.shape_file(shapes.Shape("tiny-qwen3moe", args, "qwen3"), tmp_path)
+    with GGUFFile(path) as g:
+        assert args_from_gguf(g) == replace(args, norm_eps=float(np.float32(1e-6)))
+        assert g.tensors["blk.0.ffn_up_exps.weight"].shape == (4, 256, 256)
+        assert g.tensors["blk.0.ffn_up_exps.weight"].type_name in ("Q4_K", "Q6_K")
+        w = g.load("blk.1.ffn_down_exps.weight")
+        assert 0.015 < float(w.std()) < 0.025  # N(0, 0.02) in every expert
+        assert float(np.abs(w[0] - w[3]).max()) > 0
+    model, _ = load_llama(path, weights="blocks")
+    assert isinstance(model.layers[1].mlp.down_exps, BlockExperts)
+
+
 def test_synthetic_vocabulary_has_the_size_asked_and_unique_tokens():
     v = shapes.synthetic_spm(262144)
     tokens = v["tokenizer.ggml.tokens"][0]

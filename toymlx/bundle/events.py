@@ -449,7 +449,7 @@ _REQUIRED: dict[str, dict[str, Any]] = {
 _LM = ("vocab", "d_model", "n_layers")
 _MODEL = {"llama": _LM, "qwen2": _LM, "qwen3": _LM, "gemma2": _LM, "gemma3": _LM, "phi3": _LM,
           "smollm3": _LM, "granite": _LM, "olmo2": _LM, "mistral3": _LM, "gemma4": _LM,
-          "qwen35": _LM,
+          "qwen35": _LM, "qwen3moe": _LM, "qwen2moe": _LM,
           "vit": ("image_size", "patch_size", "d_model", "n_layers", "num_classes")}
 """What run_start's model carries per architecture (the language models are the decoders
 `toymlx.gguf.llama.ARCHS` loads)."""

@@ -35,6 +35,7 @@ from toymlx.models.layers import (
     submodule,
 )
 from toymlx.models.llama import Llama, LlamaArgs
+from toymlx.models.moe import BlockExperts
 from toymlx.models.ops import DTYPES, EXACT, Ops
 
 CHECKPOINT_FORMAT = "toy/gguf-v1"
@@ -89,6 +90,10 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("qwen3", {"rope_neox": True, "qk_norm": True}, frozenset(), rope_scaling=YARN),
     # Ministral 3: llama's layout, YaRN, and Llama 4's attention temperature on the queries
     Arch("mistral3", {}, YARN_READ | {"attention.temperature_scale"}, rope_scaling=YARN),
+    Arch("qwen3moe", {"rope_neox": True, "qk_norm": True},
+         frozenset({"expert_feed_forward_length"})),
+    Arch("qwen2moe", {"rope_neox": True, "attn_bias": True, "moe_norm_topk": False},
+         frozenset({"expert_feed_forward_length", "expert_shared_feed_forward_length"})),
     Arch("gemma2", {"rope_neox": True, "post_norms": True, "embed_scale": True,
                     "activation": "gelu_tanh"},
          frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
@@ -113,6 +118,12 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          frozenset(QWEN35_KEYS), rope_scaling=("none",)),
 )}
 """The architectures toymlx loads, by general.architecture."""
+MOE_ARCHS = ("qwen3moe", "qwen2moe", "llama")
+"""The architectures whose blocks' MLPs may be mixtures of experts (`toymlx.models.moe.MoE`):
+qwen3moe's and qwen2moe's always are (qwen2moe's with a shared expert); llama's are where
+`expert_count` > 0 (Mixtral)."""
+DENSE_ALLOWED = ("llama",)
+"""The mixture-of-experts architectures whose files may be dense (expert_count 0)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +168,11 @@ _BLOCK = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_p
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
           "post_ffw_norm": "ffn_post_norm", "inp_gate": "ple_gate", "proj": "ple_proj",
           "post_norm": "ple_norm", "layer_output_scale": "out_scale",
+          "ffn_gate_inp": "mlp.router",
+          "ffn_gate_exps": "mlp.gate_exps", "ffn_up_exps": "mlp.up_exps",
+          "ffn_down_exps": "mlp.down_exps", "ffn_gate_inp_shexp": "mlp.shared_gate",
+          "ffn_gate_shexp": "mlp.shared.gate_proj", "ffn_up_shexp": "mlp.shared.up_proj",
+          "ffn_down_shexp": "mlp.shared.down_proj",
           # qwen35's linear-attention blocks (toymlx.models.gated_delta)
           "attn_gate": "attn.z_proj", "ssm_beta": "attn.beta_proj",
           "ssm_alpha": "attn.alpha_proj", "ssm_out": "attn.out_proj", "ssm_norm": "attn.norm",
@@ -336,10 +352,7 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
     if not arch.switches.get("rope_neox") and rope_dims != head_dim:
         raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_count': expected "
                         f"{head_dim} (full-head RoPE for {arch.name}), found {rope_dims}")
-    for key in ("expert_count", "expert_used_count"):  # llama.cpp: both 0 in a dense model
-        if n := g.get(k + key, int, 0):
-            raise GGUFError(f"{g.path}: metadata key '{k}{key}': expected 0 (dense models; "
-                            f"mixture-of-experts files are not supported), found {n}")
+    moe = _moe_switches(g, arch)
     if "token_embd.weight" not in g.tensors:
         raise GGUFError(f"{g.path}: tensor 'token_embd.weight': expected present, found missing")
     vocab = g.tensors["token_embd.weight"].shape[0]
@@ -420,13 +433,53 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
         context=context, rope_base=rope_base, norm_eps=norm_eps,
         tie_embeddings="output.weight" not in g.tensors,
         key_length=None if head_dim == d // n_heads else head_dim,
-        arch=arch.name, rope_dims=None if rope_dims == head_dim else rope_dims, **sw)
+        arch=arch.name, rope_dims=None if rope_dims == head_dim else rope_dims, **sw, **moe)
     try:
         args.validate()
     except ValueError as e:
         raise GGUFError(f"{g.path}: {e}") from None
     check_shapes(g, args, rope_tensors(longrope, "rope_freqs.weight" in g.tensors))
     return args
+
+
+def _moe_switches(g: GGUFFile, arch: Arch) -> dict[str, Any]:
+    """A mixture-of-experts file's expert_count, expert_used_count and
+    expert_feed_forward_length as LlamaArgs fields; in a dense architecture's file both counts
+    must be 0 (llama.cpp's dense models)."""
+    k = arch.name + "."
+    if arch.name not in MOE_ARCHS:
+        for key in ("expert_count", "expert_used_count"):
+            if n := g.get(k + key, int, 0):
+                raise GGUFError(f"{g.path}: metadata key '{k}{key}': expected 0 ({arch.name} "
+                                f"is dense; mixtures of experts load as "
+                                f"{', '.join(MOE_ARCHS)}), found {n}")
+        return {}
+    n = g.get(k + "expert_count", int, 0 if arch.name in DENSE_ALLOWED else ...)
+    if n == 0 and arch.name in DENSE_ALLOWED:  # llama.cpp: a dense model uses no experts
+        if used := g.get(k + "expert_used_count", int, 0):
+            raise GGUFError(f"{g.path}: metadata key '{k}expert_used_count': expected 0 "
+                            f"(expert_count is 0: a dense {arch.name} model), found {used}")
+        return {}
+    if n <= 0:
+        raise GGUFError(f"{g.path}: metadata key '{k}expert_count': expected > 0 "
+                        f"({arch.name} is a mixture of experts), found {n}")
+    used = g.get(k + "expert_used_count", int)
+    if not 1 <= used <= n:
+        raise GGUFError(f"{g.path}: metadata key '{k}expert_used_count': expected 1..{n} "
+                        f"(expert_count), found {used}")
+    if arch.name == "llama":  # Mixtral: each expert is feed_forward_length wide
+        return {"n_experts": n, "n_experts_used": used,
+                "expert_ffn_dim": g.get(k + "feed_forward_length", int)}
+    width = g.get(k + "expert_feed_forward_length", int, 0)
+    if width < 0:
+        raise GGUFError(f"{g.path}: metadata key '{k}expert_feed_forward_length': expected "
+                        f"> 0 (or absent: feed_forward_length / expert_used_count), found "
+                        f"{width}")
+    out = {"n_experts": n, "n_experts_used": used, "expert_ffn_dim": width or None}
+    if arch.name == "qwen2moe":  # llama.cpp: feed_forward_length where the key is absent
+        shared = g.get(k + "expert_shared_feed_forward_length", int, 0)
+        out["shared_expert_ffn_dim"] = shared or g.get(k + "feed_forward_length", int)
+    return out
 
 
 def _yarn_switches(g: GGUFFile, arch: Arch, scaling: str, sw: dict[str, Any]
@@ -641,12 +694,24 @@ def block_shapes(a: LlamaArgs, i: int) -> dict[str, tuple[int, ...]]:
     if a.pre_norms:  # qwen35's is named post_attention_norm (`gguf_to_toy`)
         per["post_attention_norm.weight" if a.arch == "qwen35" else "ffn_norm.weight"] = (
             a.d_model,)
-    f = a.layer_ffn(i)
-    if a.fused_gate_up:
-        per["ffn_up.weight"] = (2 * f, a.d_model)
+    if a.n_experts:  # numpy (out, in) with the experts first
+        e, f = a.n_experts, a.expert_width
+        per.update({"ffn_gate_inp.weight": (e, a.d_model),
+                    "ffn_gate_exps.weight": (e, f, a.d_model),
+                    "ffn_up_exps.weight": (e, f, a.d_model),
+                    "ffn_down_exps.weight": (e, a.d_model, f)})
+        if s := a.shared_expert_ffn_dim:
+            per.update({"ffn_gate_inp_shexp.weight": (1, a.d_model),
+                        "ffn_gate_shexp.weight": (s, a.d_model),
+                        "ffn_up_shexp.weight": (s, a.d_model),
+                        "ffn_down_shexp.weight": (a.d_model, s)})
     else:
-        per.update({"ffn_gate.weight": (f, a.d_model), "ffn_up.weight": (f, a.d_model)})
-    per["ffn_down.weight"] = (a.d_model, f)
+        f = a.layer_ffn(i)
+        if a.fused_gate_up:
+            per["ffn_up.weight"] = (2 * f, a.d_model)
+        else:
+            per.update({"ffn_gate.weight": (f, a.d_model), "ffn_up.weight": (f, a.d_model)})
+        per["ffn_down.weight"] = (a.d_model, f)
     if a.post_norms:
         per["post_ffw_norm.weight"] = (a.d_model,)
     per.update(gemma4.per_block_shapes(a, i))
@@ -749,12 +814,13 @@ def tensor_route(g: GGUFFile, name: str, weights: str,
     dtype, or float32 for 1-D tensors and those in `trained`), "blocks"
     (`BlockLinear`/`BlockEmbedding`) or "mlx" (MLX's quantized layer)."""
     info = g.tensors[name]
-    matrix = (len(info.shape) == 2 and name.endswith(".weight")
+    matrix = (len(info.shape) in (2, 3) and name.endswith(".weight")  # 3-D: experts
               and not name.endswith("ssm_conv1d.weight"))  # a convolution's, not a Linear's
     if (weights not in ("blocks", "quantized") or not matrix or info.type not in CODECS
             or name in trained):
         return "float"
-    if weights == "quantized" and name.startswith("blk.") and info.type in EXACT_QUANTS:
+    if (weights == "quantized" and name.startswith("blk.") and info.type in EXACT_QUANTS
+            and len(info.shape) == 2):
         return "mlx"
     return "blocks"
 
@@ -805,17 +871,20 @@ EMBEDDINGS = ("token_embd.weight", "per_layer_token_embd.weight")
 
 
 def _block_layer(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
-                 ) -> BlockLinear | BlockEmbedding:
-    """Tensor `name` as its own blocks: the token table as a `BlockEmbedding`, any other
-    matrix as a `BlockLinear` (with the float32 tensor `bias`, if given)."""
+                 ) -> BlockLinear | BlockEmbedding | BlockExperts:
+    """Tensor `name` as its own blocks: the token table as a `BlockEmbedding`, a 3-D expert
+    tensor as `BlockExperts`, any other matrix as a `BlockLinear` (with the float32 tensor
+    `bias`, if given)."""
     info = g.tensors[name]
     codec = CODECS[info.type]
-    n_out, n_in = info.shape
     parts = split_rows(codec, g.raw(name), info.shape)
     for k, v in parts.items():  # the scales (float16 fields); the codes are integers
         check_finite(g.path, name, v, f"block scales ({k!r})")
     blocks = {k: mx.array(v) for k, v in parts.items()}
     mx.eval(blocks)  # copied now, so the mapping's pages can go
+    if len(info.shape) == 3:
+        return BlockExperts(codec, blocks, *info.shape, ops)
+    n_out, n_in = info.shape
     if name in EMBEDDINGS:  # tables read a row at a time
         return BlockEmbedding(codec, blocks, n_out, n_in, ops)
     b = None
@@ -893,6 +962,20 @@ def unwritable(a: LlamaArgs) -> list[str]:
         want = arch.switches.get(k, getattr(plain, k))
         if getattr(a, k) != want and not (k == "attn_bias" and a.arch in BIASED):
             out.append(f"{k}={getattr(a, k)!r} ({a.arch} files compute with {want!r})")
+    if a.n_experts and a.arch not in MOE_ARCHS or not a.n_experts and a.arch in MOE_ARCHS \
+            and a.arch not in DENSE_ALLOWED:
+        out.append(f"n_experts={a.n_experts} ({a.arch} files are "
+                   f"{'mixtures of experts' if a.arch in MOE_ARCHS else 'dense'})")
+    if a.n_experts and a.arch == "llama" and a.expert_width != a.ffn_dim:
+        out.append(f"expert_ffn_dim={a.expert_ffn_dim} (llama's experts are "
+                   f"feed_forward_length={a.ffn_dim} wide)")
+    norm = arch.switches.get("moe_norm_topk", True)
+    if a.n_experts and a.moe_norm_topk != norm:
+        out.append(f"moe_norm_topk={a.moe_norm_topk} (llama.cpp's {a.arch} "
+                   f"{'always' if norm else 'never'} renormalizes the chosen experts' weights)")
+    if bool(a.shared_expert_ffn_dim) != (a.n_experts > 0 and a.arch == "qwen2moe"):
+        out.append(f"shared_expert_ffn_dim={a.shared_expert_ffn_dim} (only qwen2moe files, "
+                   "always, have a shared expert)")
     if a.tie_embeddings and a.arch == "olmo2":
         out.append("tie_embeddings=True (llama.cpp's olmo2 reads an output.weight)")
     if a.arch == "qwen35" and not a.linear_layers:
@@ -1012,6 +1095,12 @@ def llama_metadata(a: LlamaArgs, name: str = "toymlx") -> dict[str, Any]:
         k + "rope.freq_base": float(a.rope_base),
         k + "attention.layer_norm_rms_epsilon": float(a.norm_eps),
     }
+    if a.n_experts:
+        meta.update({k + "expert_count": a.n_experts, k + "expert_used_count": a.n_experts_used})
+        if a.arch != "llama":  # llama's experts are feed_forward_length wide
+            meta[k + "expert_feed_forward_length"] = a.expert_width
+        if a.shared_expert_ffn_dim:
+            meta[k + "expert_shared_feed_forward_length"] = a.shared_expert_ffn_dim
     if a.rope_scale != 1.0 or a.rope_yarn:
         meta[k + "rope.scaling.type"] = "yarn" if a.rope_yarn else "linear"
         meta[k + "rope.scaling.factor"] = 1.0 / a.rope_scale
@@ -1076,7 +1165,8 @@ def llama_tensor(model: Llama, flat: dict[str, Any], key: str) -> np.ndarray:
     if w is None and f"{base}.linear.{leaf}" in flat:  # a LoRA-wrapped projection keeps
         w = flat[f"{base}.linear.{leaf}"]  # its base weight under `.linear`
     elif w is None:  # a frozen matrix held as blocks or MLX-quantized: its exact decoding
-        w = dense_weight(submodule(model, base))
+        m = submodule(model, base)
+        w = m.dense() if isinstance(m, BlockExperts) else dense_weight(m)
     return np.asarray(w.astype(mx.float32))
 
 

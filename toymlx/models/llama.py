@@ -29,6 +29,9 @@ of blocks attending over an earlier block's keys and values (`shared_kv_layers`,
 per-layer embeddings added after each MLP (`per_layer_dim`, `Llama.per_layer_inputs`) and a
 scalar per block (`layer_scales`).
 
+qwen3moe is qwen3 with each block's MLP a mixture of experts (`n_experts`,
+`toymlx.models.moe.MoE`).
+
 qwen35 (Qwen3.5, dense) is qwen3's block with two more switches: `attn_out_gate` (each head's
 attention output times the sigmoid of a gate its q projection carries) and `linear_layers`
 (3 of every 4 blocks mix tokens by Gated DeltaNet linear attention instead,
@@ -55,6 +58,7 @@ from toymlx.models.checks import ArgsError
 from toymlx.models.gated_delta import DeltaCache, GatedDeltaNet
 from toymlx.models.kv_cache import KVCache, SharedKV
 from toymlx.models.layers import Embedding, Linear, RMSNorm
+from toymlx.models.moe import MoE
 from toymlx.models.ops import EXACT, Ops, Rope, RopeTables, yarn_corr_dims
 
 
@@ -155,6 +159,24 @@ class LlamaArgs:
     (granite.residual_scale)."""
     logits_scaling: float = 1.0
     """Logits divided by this (granite.logit_scale)."""
+    n_experts: int = 0
+    """Experts of each block's mixture-of-experts MLP (expert_count); 0: a dense MLP."""
+    n_experts_used: int = 0
+    """Experts each token is routed to (expert_used_count)."""
+    expert_ffn_dim: int | None = None
+    """An expert's SwiGLU width (expert_feed_forward_length); None: ffn_dim // n_experts_used,
+    llama.cpp's default."""
+    moe_norm_topk: bool = True
+    """The chosen experts' router probabilities divided by their sum (qwen3moe, Mixtral: always;
+    qwen2moe: never)."""
+    shared_expert_ffn_dim: int = 0
+    """Width of a shared expert every token takes beside its routed ones
+    (expert_shared_feed_forward_length, qwen2moe); 0: none."""
+
+    @property
+    def expert_width(self) -> int:
+        """An expert's SwiGLU width."""
+        return self.expert_ffn_dim or self.ffn_dim // max(self.n_experts_used, 1)
     attn_out_gate: bool = False
     """The q projection carries a second half per head, whose sigmoid gates that head's
     attention output before o_proj (qwen35's full-attention blocks)."""
@@ -268,6 +290,10 @@ class LlamaArgs:
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
             if not 0 < getattr(self, name) < float("inf"):  # nan too
                 raise ArgsError(self, name, "a finite number > 0")
+        if self.n_experts and not 1 <= self.n_experts_used <= self.n_experts:
+            raise ArgsError(self, "n_experts_used", "1..{n_experts}")
+        if self.n_experts and self.expert_width <= 0:
+            raise ArgsError(self, "expert_ffn_dim", "> 0")
         if self.linear_layers is not None:
             if len(self.linear_layers) != self.n_layers:
                 raise ArgsError(self, "linear_layers", "one entry per block of {n_layers}",
@@ -580,7 +606,10 @@ class Block(nn.Module):
             self.ffn_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
         self.linear = a.is_linear(layer)
         self.attn = GatedDeltaNet(a, ops) if self.linear else Attention(a, ops, layer)
-        self.mlp = MLP(a, ops, layer)
+        shared = (MLP(replace(a, ffn_dim=a.shared_expert_ffn_dim), ops)
+                  if a.shared_expert_ffn_dim else None)
+        self.mlp = (MoE(a.d_model, a.n_experts, a.n_experts_used, a.expert_width,
+                        a.moe_norm_topk, ops, shared) if a.n_experts else MLP(a, ops, layer))
         if a.post_norms:
             self.attn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)
             self.ffn_post_norm = RMSNorm(a.d_model, eps=a.norm_eps, ops=ops)

@@ -21,26 +21,38 @@ from mlx import nn
 
 from toymlx.models.layers import BlockLinear, Linear, dense_weight, replace_submodule, submodule
 from toymlx.models.llama import Llama, LlamaArgs
+from toymlx.models.moe import BlockExperts, ExpertLinear, expert_product
 from toymlx.models.ops import EXACT
 
 TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj",
                            "qkv": "attn.qkv_proj", "o": "attn.o_proj", "gate": "mlp.gate_proj",
                            "up": "mlp.up_proj", "gate_up": "mlp.gate_up_proj",
                            "down": "mlp.down_proj", "z": "attn.z_proj", "beta": "attn.beta_proj",
-                           "alpha": "attn.alpha_proj", "out": "attn.out_proj"}
+                           "alpha": "attn.alpha_proj", "out": "attn.out_proj",
+                           "router": "mlp.router"}
 """--lora.targets short names -> projection paths inside a decoder block (qkv and gate_up:
 phi3's fused projections, which it has instead of q, k, v and gate, up; qkv, z, beta, alpha
 and out: the projections of qwen35's linear-attention blocks, attn_qkv, attn_gate, ssm_beta,
-ssm_alpha and ssm_out, each of which llama.cpp's adapters adapt)."""
+ssm_alpha and ssm_out, each of which llama.cpp's adapters adapt; router: a mixture of
+experts' `ffn_gate_inp`, which it has instead of gate, up and down)."""
 LINEAR_TARGETS = ("qkv", "z", "beta", "alpha", "out", "gate", "up", "down")
 """The targets a qwen35 linear-attention block has (its full-attention blocks have q, k, v, o
 and the MLP's)."""
 LINEAR_ONLY = ("z", "beta", "alpha", "out")
 """The targets no block but a qwen35 linear-attention one has."""
+EXPERT_TARGETS = {"gate": "mlp.gate_exps", "up": "mlp.up_exps", "down": "mlp.down_exps"}
+"""The MLP targets' paths in a mixture-of-experts block: its 3-D expert tensors (ffn_gate_exps,
+ffn_up_exps, ffn_down_exps), one A and B per expert (`ExpertLoRA`)."""
+
+
+def target_path(t: str, a: LlamaArgs) -> str:
+    """The path of target `t` inside a block of a model with args `a`."""
+    return EXPERT_TARGETS[t] if a.n_experts and t in EXPERT_TARGETS else TARGETS[t]
 
 def base_dims(linear: nn.Module) -> tuple[int, int]:
-    """(n_out, n_in) of a float, block-held or MLX-quantized linear layer."""
-    if isinstance(linear, BlockLinear):
+    """(n_out, n_in) of a float, block-held or MLX-quantized linear layer (of each expert, for
+    an expert tensor)."""
+    if isinstance(linear, (BlockLinear, ExpertLinear, BlockExperts)):
         return linear.n_out, linear.n_in
     if isinstance(linear, nn.QuantizedLinear):
         n_out, packed = linear.weight.shape
@@ -52,7 +64,10 @@ def base_dims(linear: nn.Module) -> tuple[int, int]:
 
 
 def base_weight(linear: nn.Module) -> mx.array:
-    """The (n_out, n_in) weight of a linear layer, decoded or dequantized if need be."""
+    """The (n_out, n_in) weight of a linear layer, decoded or dequantized if need be ((E, n_out,
+    n_in) for an expert tensor)."""
+    if isinstance(linear, (ExpertLinear, BlockExperts)):
+        return linear.dense()
     return dense_weight(linear)
 
 
@@ -148,6 +163,33 @@ class DoRALinear(LoRALinear):
         return fused
 
 
+class ExpertLoRA(LoRALinear):
+    """LoRA on a frozen 3-D expert tensor (E, out, in): an A (r, in) and B (out, r) per expert,
+    `lora_a` (E, r, in) and `lora_b` (E, out, r), each token's chosen experts' applied to it,
+    as llama.cpp's `build_lora_mm_id` applies an adapter's `*_exps` pair (GGUF ne {in, r, E}
+    and {r, out, E})."""
+
+    def __init__(self, linear: nn.Module, rank: int = 8, alpha: float = 16.0,
+                 dropout: float = 0.0):
+        super().__init__(linear, rank, alpha, dropout)
+        n_out, n_in = base_dims(linear)
+        bound = 1.0 / math.sqrt(n_in)
+        self.lora_a = mx.random.uniform(-bound, bound, (linear.n_experts, rank, n_in))
+        self.lora_b = mx.zeros((linear.n_experts, n_out, rank))
+
+    def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
+        y = self.linear(x, idx)  # (N, k, 1, out)
+        z = expert_product(self.dropout(x), self.lora_a, idx) * self.scale  # (N, k, 1, r)
+        return y + expert_product(z, self.lora_b, idx).astype(y.dtype)
+
+    def fuse(self) -> ExpertLinear:
+        """A float expert tensor computing W + scale * B A per expert (float32)."""
+        fused = ExpertLinear(self.linear.n_experts, self.linear.n_out, self.linear.n_in,
+                             getattr(self.linear, "ops", EXACT))
+        fused.weight = base_weight(self.linear).astype(mx.float32) + self.delta()
+        return fused
+
+
 ADAPTER_KINDS: dict[str, type[LoRALinear]] = {"lora": LoRALinear, "dora": DoRALinear}
 """An adapter file's `adapter.type` -> the layer that computes it."""
 
@@ -187,7 +229,8 @@ def hf_targets(names: Sequence[str]) -> str | None:
     out: list[str] = []
     for n in names:
         if n == "all-linear":  # PEFT's every linear layer of a block (phi3: its fused ones)
-            out += [t for t in TARGETS if t not in FUSED and t not in LINEAR_ONLY]
+            out += [t for t in TARGETS
+                    if t not in FUSED and t not in LINEAR_ONLY and t != "router"]
         elif n in TARGETS or n in hf:
             out.append(hf.get(n, n))
         else:
@@ -207,6 +250,7 @@ def block_targets(a: LlamaArgs, layer: int | None = None) -> tuple[str, ...]:
     absent = set(FUSED["qkv"]) if a.fused_qkv else {"qkv"}
     absent |= set(FUSED["gate_up"]) if a.fused_gate_up else {"gate_up"}
     absent |= set(LINEAR_ONLY)
+    absent |= {"gate_up"} if a.n_experts else {"router"}
     if a.linear_layers and (layer is None or a.is_linear(layer)):
         linear = set(LINEAR_TARGETS)
         if layer is not None:
@@ -227,6 +271,9 @@ def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
     for t in names:
         if t in have:
             continue
+        if t == "router":
+            raise ValueError(f"--lora.targets: router is a mixture of experts' ffn_gate_inp; "
+                             f"this {a.arch} base is dense and has {','.join(have)}")
         fused = next((f for f, parts in FUSED.items() if t in parts), None)
         what = (f"{t} is part of phi3's fused {fused}" if fused is not None
                 else f"{t} is phi3's fused projection" if t in FUSED
@@ -253,18 +300,24 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
     names = parse_targets(targets)
     blocks = target_blocks(len(model.layers), layers)
     check_targets(names, model.args)
+    experts = [t for t in names if model.args.n_experts and t in EXPERT_TARGETS]
+    if experts and kind != "lora":
+        raise ValueError(f"--lora.targets: {experts[0]} is the experts' 3-D tensor in this "
+                         f"{model.args.arch} base, which only --fine-tune-type lora adapts "
+                         f"(llama.cpp applies a LoRA pair per expert), found {kind}")
     model.freeze()
     for i in blocks:
         have = block_targets(model.args, i)
         for t in names:
             if t not in have:  # qwen35's blocks of each kind; gemma4's shared-KV tail
                 continue
-            path = f"layers.{i}.{TARGETS[t]}"
+            path = f"layers.{i}.{target_path(t, model.args)}"
             base = submodule(model, path)
             if isinstance(base, LoRALinear):
                 raise TypeError(f"{path}: expected a plain projection, found one already "
                                 "wrapped in LoRA")
-            replace_submodule(model, path, layer.from_base(base, rank, alpha, dropout))
+            wrap = ExpertLoRA if t in experts else layer
+            replace_submodule(model, path, wrap.from_base(base, rank, alpha, dropout))
     return model
 
 

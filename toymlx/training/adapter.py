@@ -39,12 +39,15 @@ from toymlx.models.layers import BlockLinear, replace_submodule, submodule
 from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.lora import (
     ADAPTER_KINDS,
+    EXPERT_TARGETS,
     TARGETS,
+    ExpertLoRA,
     LoRALinear,
     base_dims,
     block_targets,
     lora_layers,
 )
+from toymlx.models.moe import BlockExperts, ExpertLinear
 from toymlx.training.mlx_lm_adapter import lora_flags, mlx_lm_files, read_mlx_lm_adapter
 
 
@@ -66,12 +69,13 @@ def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str
         raise ValueError(f"write_adapter: expected one lora alpha for every layer (the file "
                          f"holds one adapter.lora.alpha), found {sorted(alphas)}")
     tensors: dict[str, np.ndarray] = {}
-    short = {v: k for k, v in TARGETS.items()}
+    short = {v: k for k, v in {**TARGETS, **EXPERT_TARGETS}.items()}
     kinds, blocks = [], []
     for p, m in layers.items():
         name = toy_to_gguf(p + ".weight")
-        tensors[name + ".lora_a"] = np.asarray(m.lora_a.astype(mx.float32))  # (r, in)
-        tensors[name + ".lora_b"] = np.asarray(m.lora_b.astype(mx.float32))  # (out, r)
+        # (r, in) and (out, r); an expert tensor's (E, r, in) and (E, out, r)
+        tensors[name + ".lora_a"] = np.asarray(m.lora_a.astype(mx.float32))
+        tensors[name + ".lora_b"] = np.asarray(m.lora_b.astype(mx.float32))
         if kind == "dora":
             tensors[name + ".dora_m"] = np.asarray(m.m.astype(mx.float32))  # (out,)
         _, i, rest = p.split(".", 2)
@@ -90,6 +94,11 @@ def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str
     }
     meta.update(extra or {})
     return write_gguf(path, meta, {n: encode_tensor(n, t, dtype) for n, t in tensors.items()})
+
+
+def shape_text(*dims: Any) -> str:
+    """A shape as an error message writes it, its names unquoted: (r, 64), (8, 64, r)."""
+    return "(" + ", ".join(str(d) for d in dims) + ")"
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,7 @@ class Adapter:
         scale * B A (alpha 0 means scale 1, as llama.cpp reads it); DoRA rescales W + that to
         its magnitude m per row, as `DoRALinear.fuse` does."""
         a, b = self.pairs[name]
-        r = a.shape[0]
+        r = a.shape[-2]  # an expert tensor's pairs are (E, r, in) and (E, out, r)
         d = LoRALinear.scale_of(r, self.alpha or r) * (b.astype(np.float64) @ a)
         if self.kind != "dora":
             return d
@@ -190,9 +199,9 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
         if half == "dora_m":
             halves.setdefault(base, {})[half] = arr.copy()
             continue
-        if arr.ndim != 2:
-            raise GGUFError(f"{path}: tensor {name!r}: expected 2 dimensions, found shape "
-                            f"{arr.shape}")
+        if arr.ndim not in (2, 3):
+            raise GGUFError(f"{path}: tensor {name!r}: expected 2 dimensions (3 for an "
+                            f"expert tensor's), found shape {arr.shape}")
         halves.setdefault(base, {})[half] = arr.copy()
     pairs, magnitudes = {}, {}
     for base, h in halves.items():
@@ -210,9 +219,10 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
                             f"'{base}.{'lora_a' if missing == 'lora_b' else 'lora_b'}'), "
                             "found missing")
         a, b = h["lora_a"], h["lora_b"]
-        if a.shape[0] != b.shape[1]:
-            raise GGUFError(f"{path}: tensor '{base}.lora_b' shape: expected (n_out, "
-                            f"{a.shape[0]}) to match lora_a's rank, found {b.shape}")
+        if a.shape[-2] != b.shape[-1] or a.shape[:-2] != b.shape[:-2]:
+            raise GGUFError(f"{path}: tensor '{base}.lora_b' shape: expected "
+                            f"{shape_text(*a.shape[:-2], 'n_out', a.shape[-2])} to match "
+                            f"lora_a's rank, found {b.shape}")
         pairs[base] = (a, b)
     if not pairs:
         raise GGUFError(f"{path}: tensors: expected lora_a/lora_b pairs, found none")
@@ -234,16 +244,21 @@ def _adapter_targets(model: nn.Module, ad: Adapter) -> dict[str, tuple[str, np.n
             module = None
         if isinstance(module, LoRALinear):
             module = module.linear
-        if not isinstance(module, (nn.Linear, nn.QuantizedLinear, BlockLinear)) or \
-                key == "embed.weight":
+        experts = isinstance(module, (ExpertLinear, BlockExperts))
+        linear = isinstance(module, (nn.Linear, nn.QuantizedLinear, BlockLinear))
+        if not (linear or experts) or key == "embed.weight":
             raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection weight "
-                            f"of the base (blk.N.attn_q/k/v/qkv/output, ffn_gate/up/down), found "
-                            f"no such weight in a {len(model.layers)}-block base")
+                            f"of the base (blk.N.attn_q/k/v/qkv/output, ffn_gate/up/down, "
+                            f"ffn_gate_inp, ffn_*_exps), found no such weight in a "
+                            f"{len(model.layers)}-block base")
         n_out, n_in = base_dims(module)
-        if a.shape[1] != n_in or b.shape[0] != n_out:
+        lead = (module.n_experts,) if experts else ()
+        if a.shape[:-2] != lead or a.shape[-1] != n_in or b.shape[-2] != n_out:
             raise GGUFError(f"{ad.path}: tensor '{name}.lora_a'/'.lora_b' shapes: expected "
-                            f"(r, {n_in}) and ({n_out}, r) to fit the base's {name} "
-                            f"({n_out}, {n_in}), found {a.shape} and {b.shape} (wrong base?)")
+                            f"{shape_text(*lead, 'r', n_in)} and "
+                            f"{shape_text(*lead, n_out, 'r')} to fit the base's {name} "
+                            f"{shape_text(*lead, n_out, n_in)}, found {a.shape} and {b.shape} "
+                            "(wrong base?)")
         out[name] = (key[: -len(".weight")], a, b)
     return out
 
@@ -265,9 +280,10 @@ def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike) -> Llama:
         if isinstance(base, LoRALinear):
             raise TypeError(f"{path}: expected a plain projection, found one already "
                             "wrapped in LoRA (apply one adapter per model)")
-        rank = a.shape[0]
+        rank = a.shape[-2]
         # llama.cpp: alpha 0 (or absent) means scale 1, i.e. alpha = r.
-        m = ADAPTER_KINDS[ad.kind].from_base(base, rank, ad.alpha or float(rank))
+        layer = ExpertLoRA if a.ndim == 3 else ADAPTER_KINDS[ad.kind]
+        m = layer.from_base(base, rank, ad.alpha or float(rank))
         m.lora_a, m.lora_b = mx.array(a), mx.array(b)
         if ad.magnitudes is not None:
             m.m = mx.array(ad.magnitudes[name])
@@ -279,7 +295,7 @@ def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike) -> Llama:
 def _adapted_flags(names, a: LlamaArgs) -> str:
     """The --lora options that adapt exactly the GGUF tensors `names` of a model with args `a`
     (`lora_flags`); '' where no options do."""
-    target_of = {path: t for t, path in TARGETS.items()}
+    target_of = {path: t for t, path in {**TARGETS, **EXPERT_TARGETS}.items()}
     found = set()
     for name in names:
         m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", gguf_to_toy(name, a.fused_gate_up) or "")
@@ -321,13 +337,14 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
     targets = _adapter_targets(model, ad)
     for name, (_, a, b) in targets.items():
         m = have[name]
-        if a.shape[0] != m.rank or as_stored(ad.alpha or a.shape[0]) != as_stored(m.alpha):
-            hint = (f" (mlx-lm's lora_parameters rank {a.shape[0]} and scale "
-                    f"{ad.alpha / a.shape[0]:g}: --lora.alpha is scale x rank)" if mlx_lm else
-                    f"; pass --lora.rank {a.shape[0]} --lora.alpha "
-                    f"{ad.alpha or a.shape[0]:g} to start from it")
+        r = a.shape[-2]
+        if r != m.rank or as_stored(ad.alpha or r) != as_stored(m.alpha):
+            hint = (f" (mlx-lm's lora_parameters rank {r} and scale "
+                    f"{ad.alpha / r:g}: --lora.alpha is scale x rank)" if mlx_lm else
+                    f"; pass --lora.rank {r} --lora.alpha "
+                    f"{ad.alpha or r:g} to start from it")
             raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected rank {m.rank} and "
-                            f"alpha {m.alpha} (this run's), found rank {a.shape[0]} and alpha "
+                            f"alpha {m.alpha} (this run's), found rank {r} and alpha "
                             f"{ad.alpha}{hint}")
         m.lora_a, m.lora_b = mx.array(a), mx.array(b)
         if ad.magnitudes is not None:

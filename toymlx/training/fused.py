@@ -22,7 +22,7 @@ from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
 from toymlx.gguf.writer import FILE_TYPE, Deferred, encode_tensor, encoded_type, write_gguf
 from toymlx.models.llama import Llama
 from toymlx.models.lora import fuse
-from toymlx.training.adapter import apply_adapter, check_arch, load_adapter
+from toymlx.training.adapter import apply_adapter, check_arch, load_adapter, shape_text
 
 KEPT_WARNING = 0.5
 """Below this share of the adapter's change kept, a fused export says so (see adapter_kept)."""
@@ -152,12 +152,14 @@ def write_fused_kept(out: str | os.PathLike, base: str | os.PathLike,
         check_arch(ad, str(g.metadata.get("general.architecture", "llama")))
         for name, (a, b) in ad.pairs.items():
             info = g.tensors.get(name)
-            if info is None or len(info.shape) != 2 or name == "token_embd.weight":
+            if info is None or len(info.shape) not in (2, 3) or name == "token_embd.weight":
                 raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection "
                                 f"weight of the base {base}, found no such weight")
-            if (b.shape[0], a.shape[1]) != info.shape:
+            lead = tuple(info.shape[:-2])  # an expert tensor's (E,)
+            if (*a.shape[:-2], b.shape[-2], a.shape[-1]) != tuple(info.shape):
                 raise GGUFError(f"{ad.path}: tensor '{name}.lora_a'/'.lora_b' shapes: expected "
-                                f"(r, {info.shape[1]}) and ({info.shape[0]}, r) to fit the "
+                                f"{shape_text(*lead, 'r', info.shape[-1])} and "
+                                f"{shape_text(*lead, info.shape[-2], 'r')} to fit the "
                                 f"base's {name} {info.shape}, found {a.shape} and {b.shape} "
                                 "(wrong base?)")
 

@@ -15,7 +15,8 @@ The estimate adds, in bytes:
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
   gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
 - decoded: a block-held base's float weights, decoded where used: the largest block-held
-  matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies.
+  matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies;
+  or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies.
 - runtime: Python, MLX and the tokenizer (`RUNTIME_BYTES`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
@@ -50,6 +51,11 @@ DECODED_COPIES = 6
 """float32 copies of the largest decoded slice of a block-held weight alive at once in a step
 (measured: the Llama-3.2-1B shape at 4 x 256 on two CPU streams peaked 254 MB higher by MLX's
 count with whole weights, the largest 64 MB, than with 16 MB slices: 5.3 copies of the 48 MB)."""
+EXPERT_DECODED_COPIES = 4
+"""float32 copies of a block-held 3-D expert tensor alive at once in a step: it is decoded
+whole where it is used (`toymlx.models.moe.BlockExperts`), with the decoding's temporaries
+(measured: Qwen3-30B-A3B's shape with 2 blocks, Q4_K_M, 1 x 256 tokens, LoRA q,k,v,o, peaked
+3.8 GB by MLX's count over 1.15 GB of blocks: about 3.1 copies of its 805 MB tensors)."""
 AVAILABLE_ENV = "TOYMLX_MEMORY_AVAILABLE"
 """Bytes to take as this machine's available memory instead of asking it (tests only)."""
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -83,13 +89,19 @@ class Estimate:
 
 def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
     """(n_out, n_in) of each projection of a block, by --lora.targets name (qwen35: of either
-    kind of block, its q carrying the output gate)."""
+    kind of block, its q carrying the output gate); a mixture of experts' gate, up and down
+    summed over its experts ((E * out, E * in): what a LoRA pair per expert holds)."""
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
     if a.fused_qkv:
         dims = {"qkv": (q + 2 * kv, d)}
     else:
         dims = {"q": (2 * q if a.attn_out_gate else q, d), "k": (kv, d), "v": (kv, d)}
     dims["o"] = (d, q)
+    if a.n_experts:  # a mixture of experts: its router, and its experts' 3-D tensors
+        e, f = a.n_experts, a.expert_width
+        dims.update({"gate": (e * f, e * d), "up": (e * f, e * d), "down": (e * d, e * f),
+                     "router": (e, d)})
+        return dims
     dims.update({"gate_up": (2 * f, d)} if a.fused_gate_up else {"gate": (f, d), "up": (f, d)})
     dims["down"] = (d, f)
     if a.linear_layers:  # Gated DeltaNet's (toymlx.models.gated_delta)
@@ -110,6 +122,9 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops) -> int:
     q, kv, d = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model
     f = sum(a.layer_ffn(i) for i in range(a.n_layers)) // a.n_layers  # gemma4's differ
     mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
+    if a.n_experts:  # the router's probabilities; each chosen expert's gate, up, product, down
+        mlp = (2 * a.n_experts + a.n_experts_used * (3 * a.expert_width + d)
+               + 4 * a.shared_expert_ffn_dim)  # qwen2moe's shared expert: a dense MLP
     kept = 6 * d + q + 2 * kv + mlp + 3 * a.per_layer_dim  # gemma4's PLE: gate, GELU, product
     attention = attention_values(a, seq_len)
     if a.linear_layers:  # every block counted as a Gated DeltaNet one, the larger: by chunks
@@ -178,10 +193,13 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         (lo, hi), = head_slices(a.vocab_size, tokens, a.d_model, ops.logits_values)[:1]
         logits = (hi - lo) * (HEAD_LOGITS_COPIES * tokens + 2 * a.d_model) * 4
     held_as_blocks = [t.n_elements for name, t in g.tensors.items()
-                      if name.startswith("blk.")
+                      if name.startswith("blk.") and len(t.shape) == 2
                       and tensor_route(g, name, held, train) == "blocks"]
     largest = max(held_as_blocks, default=0)
-    decoded = min(largest, ops.decode_slice or largest) * 4 * DECODED_COPIES
+    experts = max((t.n_elements for name, t in g.tensors.items() if len(t.shape) == 3
+                   and tensor_route(g, name, held, train) == "blocks"), default=0)
+    decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
+                  experts * EXPERT_DECODED_COPIES) * 4
     return Estimate(base, trained, acts, logits, decoded)
 
 

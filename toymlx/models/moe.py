@@ -1,0 +1,158 @@
+"""A mixture-of-experts feed-forward block (Qwen3-MoE's), in llama.cpp's GGUF conventions.
+
+llama.cpp's `build_moe_ffn` (src/llama-graph.cpp) for qwen3moe, which `MoE` computes: the
+router `ffn_gate_inp` (E, D) gives each token E logits; their softmax (float32) are the
+probabilities; the `k` largest pick the token's experts (`expert_used_count`); their
+probabilities, divided by their sum (qwen3moe always renormalizes: `norm_w` true, clamped at
+float16's smallest normal 6.1e-5), weight the experts' SwiGLU outputs
+`down_e(silu(gate_e x) * up_e x)`, which are summed. The expert tensors are 3-D, `(E, out, in)`
+in numpy order (experts as GGUF's last dimension): `ffn_gate_exps` and `ffn_up_exps`
+(E, F, D), `ffn_down_exps` (E, D, F), F the expert width (`expert_feed_forward_length`).
+
+Each token's experts are applied with `mx.gather_mm` (a matrix-level gather, the same on the
+CPU, Metal and CUDA): a float-held expert tensor is an `ExpertLinear`; a quantized one stays in
+its GGUF blocks (`BlockExperts`), decoded where it is used and decoded again in the backward
+pass rather than kept, as `toymlx.models.layers.BlockLinear` does for a 2-D matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx import nn
+
+from toymlx.models.layers import PART, BlockCodec, Linear, after
+from toymlx.models.ops import EXACT, Ops
+
+WEIGHT_SUM_FLOOR = 6.103515625e-5
+"""llama.cpp clamps the selected experts' probability sum at float16's smallest normal."""
+
+
+def expert_product(x: mx.array, w: mx.array, idx: mx.array) -> mx.array:
+    """x @ w[idx].T per token and chosen expert: x (N, 1 or k, 1, in), w (E, out, in), idx
+    (N, k) -> (N, k, 1, out)."""
+    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx)
+
+
+class ExpertLinear(nn.Module):
+    """E float projections `weight` (E, out, in), applied per token to its chosen experts."""
+
+    def __init__(self, n_experts: int, n_out: int, n_in: int, ops: Ops = EXACT):
+        super().__init__()
+        self.ops = ops
+        self.n_experts, self.n_out, self.n_in = int(n_experts), int(n_out), int(n_in)
+        self.weight = mx.zeros((n_experts, n_out, n_in))
+
+    def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
+        x = self.ops.cast(x)
+        return expert_product(x, self.ops.cast(self.weight), idx)
+
+    def dense(self) -> mx.array:
+        return self.weight
+
+
+def decoded_experts(codec: BlockCodec, names: tuple[str, ...], n_experts: int, n_out: int,
+                    n_in: int) -> Callable:
+    """(x, idx, *block arrays) -> `expert_product` with the experts decoded from their blocks
+    (arrays led by E * out rows): only the chosen experts' blocks where there are fewer
+    (token, expert) pairs than experts (a generation step), else the whole tensor, decoded
+    once; decoded again in the backward pass rather than kept."""
+
+    def weights(arrays: tuple[mx.array, ...], idx: mx.array, x: mx.array
+                ) -> tuple[mx.array, mx.array]:
+        held = after(list(arrays), x)
+        parts = {k: v.reshape(n_experts, n_out, *v.shape[1:])
+                 for k, v in zip(names, held, strict=True)}
+        if idx.size < n_experts:  # (N, k, out, in): each pair's own expert
+            w = codec.decode({k: v[idx] for k, v in parts.items()})
+            return w.reshape(*idx.shape, n_out, n_in), None
+        return codec.decode(parts).reshape(n_experts, n_out, n_in), idx
+
+    def apply(a: mx.array, w: mx.array, idx: mx.array | None, transpose: bool) -> mx.array:
+        w = w.astype(a.dtype)
+        if idx is None:  # w (N, k, out, in) already gathered
+            return a @ (w if transpose else w.swapaxes(-1, -2))
+        return mx.gather_mm(a, w if transpose else w.swapaxes(-1, -2), rhs_indices=idx)
+
+    @mx.custom_function
+    def product(x: mx.array, idx: mx.array, *arrays: mx.array) -> mx.array:
+        w, gidx = weights(arrays, idx, x)
+        return apply(x, w, gidx, transpose=False)  # (N, k, 1, out)
+
+    @product.vjp
+    def product_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+        x, idx, *arrays = primals
+        w, gidx = weights(tuple(arrays), idx, cotangent)
+        dx = apply(cotangent, w, gidx, transpose=True)  # (N, k, 1, in)
+        if x.shape[1] == 1 and dx.shape[1] != 1:  # x was shared by the token's k experts
+            dx = dx.sum(axis=1, keepdims=True)
+        return (dx, mx.zeros_like(idx), *(mx.zeros_like(v) for v in arrays))
+
+    return product
+
+
+class BlockExperts(nn.Module):
+    """A frozen 3-D expert tensor (E, out, in) held as its GGUF blocks (`blocks`: arrays led by
+    E * out rows, `toymlx.gguf.blocks.split_rows`), kept as frozen parameters `block_*`."""
+
+    def __init__(self, codec: BlockCodec, blocks: dict[str, mx.array], n_experts: int,
+                 n_out: int, n_in: int, ops: Ops = EXACT):
+        super().__init__()
+        self.codec, self.ops = codec, ops
+        self.n_experts, self.n_out, self.n_in = int(n_experts), int(n_out), int(n_in)
+        self.parts = tuple(blocks)
+        for k, v in blocks.items():
+            self[PART + k] = v
+        self._product = decoded_experts(codec, self.parts, self.n_experts, self.n_out,
+                                        self.n_in)
+        self.freeze()
+
+    def dense(self) -> mx.array:
+        """The float32 (E, out, in) tensor."""
+        blocks = {k: self[PART + k] for k in self.parts}
+        return self.codec.decode(blocks).reshape(self.n_experts, self.n_out, self.n_in)
+
+    def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
+        return self._product(self.ops.cast(x), idx, *(self[PART + k] for k in self.parts))
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE's feed-forward block: a router over `n_experts` SwiGLU experts, `n_used` of
+    them per token (the module docstring has the math); with `shared` (qwen2moe's shared expert,
+    a dense MLP every token takes), its output times sigmoid(`shared_gate` x) is added
+(`ffn_gate_inp_shexp`, (1, D) as llama.cpp's converter writes it)."""
+
+    def __init__(self, d_model: int, n_experts: int, n_used: int, ffn_dim: int,
+                 norm_topk: bool = True, ops: Ops = EXACT, shared: nn.Module | None = None):
+        super().__init__()
+        if shared is not None:
+            self.shared = shared
+            self.shared_gate = Linear(d_model, 1, bias=False, ops=ops)
+        self.ops, self.n_used, self.norm_topk = ops, int(n_used), bool(norm_topk)
+        self.router = Linear(d_model, n_experts, bias=False, ops=ops)
+        self.gate_exps = ExpertLinear(n_experts, ffn_dim, d_model, ops)
+        self.up_exps = ExpertLinear(n_experts, ffn_dim, d_model, ops)
+        self.down_exps = ExpertLinear(n_experts, d_model, ffn_dim, ops)
+
+    def route(self, h: mx.array) -> tuple[mx.array, mx.array]:
+        """h (N, D) -> the chosen experts (N, k) and their float32 weights (N, k)."""
+        probs = mx.softmax(self.router(h).astype(mx.float32), axis=-1)  # (N, E)
+        k = self.n_used
+        idx = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k])
+        w = mx.take_along_axis(probs, idx, axis=-1)  # (N, k)
+        if self.norm_topk:
+            w = w / mx.maximum(w.sum(axis=-1, keepdims=True), WEIGHT_SUM_FLOOR)
+        return idx, w
+
+    def __call__(self, x: mx.array) -> mx.array:
+        lead, d = x.shape[:-1], x.shape[-1]
+        h = x.reshape(-1, d)  # (N, D)
+        idx, w = self.route(h)
+        xe = h[:, None, None, :]  # (N, 1, 1, D): shared by the token's k experts
+        act = self.ops.silu_mul(self.gate_exps(xe, idx), self.up_exps(xe, idx))  # (N,k,1,F)
+        y = self.down_exps(act, idx)[:, :, 0, :]  # (N, k, D)
+        y = (y * w[..., None].astype(y.dtype)).sum(axis=1)
+        if "shared" in self:
+            y = y + self.shared(h) * mx.sigmoid(self.shared_gate(h)).astype(y.dtype)
+        return y.reshape(*lead, d)
