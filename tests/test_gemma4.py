@@ -216,8 +216,9 @@ def test_a_mixture_of_experts_file_is_one_line(llamacpp_source):  # noqa: F811
     path = llamacpp_source / "models" / "ggml-vocab-gemma-4.gguf"
     with pytest.raises(GGUFError) as e:
         args_from_gguf(GGUFFile(path))
-    assert str(e.value) == (f"{path}: metadata key 'gemma4.expert_count': expected 0 (dense "
-                            "models; mixture-of-experts files are not supported), found 128")
+    assert str(e.value) == (f"{path}: metadata key 'gemma4.expert_count': expected 0 (gemma4 is "
+                            "dense; mixtures of experts load as qwen3moe, qwen2moe, llama), "
+                            "found 128")
 
 
 def test_write_llama_round_trips_and_llamacpp_reads_it(tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
