@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from dataclasses import replace
 
 import mlx.core as mx
@@ -18,7 +17,6 @@ import pytest
 from arch_files import KINDS, arch_gguf
 from reference import forward, load_reference
 
-from toymlx.backend.notice import ToymlxWarning
 from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.llama import (
     SUPPORTED,
@@ -495,30 +493,21 @@ def test_yarn_in_every_architecture_matches_llamacpp(files, kind, tmp_path):
 def test_yarn_keys_llamacpp_does_not_read_and_mistral3_experts(files, tmp_path):
     """The converter writes a Hugging Face config's YaRN `attention_factor` and betas into any
     architecture's file; llama.cpp's qwen3 reads neither (DeepSeek-R1-0528-Qwen3-8B's config
-    says attn_factor 0.8782, llama.cpp computes with 1 + 0.1 ln 4): such a key is ignored as
-    llama.cpp ignores it, so a fine-tune meets the model the file's users run, and a value other
-    than llama.cpp's is said in one warning naming the key. A mistral3 file with experts is
-    refused: llama.cpp's mistral3 is dense."""
+    says attn_factor 0.8782, llama.cpp computes with 1 + 0.1 ln 4): such a key loads where it
+    says what llama.cpp computes with, and is refused by name where it does not. A mistral3
+    file with experts is refused: llama.cpp's mistral3 is dense."""
     k = "qwen3.rope.scaling."
-    plain = logits(load_llama(files["qwen3-yarn"])[0])
     same = _copy(files["qwen3-yarn"], tmp_path / "same.gguf",
                  {k + "yarn_attn_factor": 1 + 0.1 * np.log(4.0), k + "yarn_beta_fast": 32.0,
                   k + "yarn_ext_factor": 1.0})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert np.array_equal(logits(load_llama(same)[0]), plain)
-    p = _copy(files["qwen3-yarn"], tmp_path / "r1.gguf",
-              {k + "yarn_attn_factor": 0.8782488562869419, k + "yarn_beta_fast": 16.0})
-    with pytest.warns(ToymlxWarning) as seen:
-        got = logits(load_llama(p)[0])
-    assert np.array_equal(got, plain)
-    said = sorted(str(w.message) for w in seen)
-    assert len(said) == 2 and all(m.startswith(f"{p}: metadata key 'qwen3.rope.scaling.")
-                                  for m in said), said
-    assert "'qwen3.rope.scaling.yarn_attn_factor' says 0.8782489, which llama.cpp does not read " \
-        "for qwen3: it computes with 1.138629, and so does toymlx" in said[0]
-    assert "'qwen3.rope.scaling.yarn_beta_fast' says 16, which llama.cpp does not read for " \
-        "qwen3: it computes with 32" in said[1]
+    assert np.array_equal(logits(load_llama(same)[0]), logits(load_llama(files["qwen3-yarn"])[0]))
+    p = _copy(files["qwen3-yarn"], tmp_path / "r1.gguf", {k + "yarn_attn_factor": 0.8782488562869419})
+    with pytest.raises(GGUFError, match=r"r1\.gguf: metadata key 'qwen3\.rope\.scaling\."
+                                        r"yarn_attn_factor': expected 1\.138629 \(llama\.cpp does "
+                                        r"not read this key for qwen3 and computes with 1\.138629; "
+                                        r"Hugging Face's model would use the file's\), found "
+                                        r"0\.8782489$"):
+        load_llama(p)
     p = _copy(files["mistral3"], tmp_path / "moe.gguf", {"mistral3.expert_count": 8})
     with pytest.raises(GGUFError, match=r"moe\.gguf: metadata key 'mistral3\.expert_count': "
                                         r"expected 0 \(mistral3 is dense; mixtures of experts "

@@ -769,6 +769,13 @@ _ONLY_KEYS = ("expected only keys toymlx computes with (llama.* for llama: atten
               "llama.rope.scaling.factor": (4.0, "FLOAT32")}},
      ("metadata key 'llama.rope.scaling.type': expected one of none, linear, yarn for llama, "
       "found 'longrope'")),
+    # llama.cpp's llama does not read YaRN's betas: a file's other value would be ignored
+    ({"add": {"llama.rope.scaling.type": ("yarn", "STRING"),
+              "llama.rope.scaling.factor": (4.0, "FLOAT32"),
+              "llama.rope.scaling.yarn_beta_fast": (16.0, "FLOAT32")}},
+     ("metadata key 'llama.rope.scaling.yarn_beta_fast': expected 32 (llama.cpp does not read "
+      "this key for llama and computes with 32; Hugging Face's model would use the file's), "
+      "found 16")),
     ({"add": {"llama.attention.sliding_window": (32, "UINT32")}},
      "metadata key 'llama.attention.sliding_window': " + _ONLY_KEYS),
     ({"arch": "mamba"}, (f"metadata key 'general.architecture': expected one of {SUPPORTED}, "
@@ -793,7 +800,7 @@ _ONLY_KEYS = ("expected only keys toymlx computes with (llama.* for llama: atten
     ({"add": {"llama.expert_used_count": (2, "UINT32")}},
      ("metadata key 'llama.expert_used_count': expected 0 (expert_count is 0: a dense llama "
      "model), found 2")),
-], ids=["extra-tensor", "longrope", "sliding-window", "architecture", "vocab-size",
+], ids=["extra-tensor", "longrope", "yarn-beta", "sliding-window", "architecture", "vocab-size",
         "general-type", "clip-architecture", "imatrix", "experts-used"])
 def test_a_base_with_what_toymlx_does_not_compute_is_refused_by_every_command(
         tmp_path, stories_path, chat, shared_file, capsys, variant, want):

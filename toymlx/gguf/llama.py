@@ -20,7 +20,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from toymlx.backend.notice import warn
 from toymlx.gguf import gemma4
 from toymlx.gguf.blocks import CODECS, split_rows
 from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
@@ -66,8 +65,7 @@ YARN_UNREAD = ("rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
                "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor")
 """YaRN keys llama.cpp's converter writes from a Hugging Face config where it has them, and
 which llama.cpp's loader does not read for some architectures (`YARN_READ` says which it
-reads): ignored there as llama.cpp ignores them, with a warning where they say otherwise
-(`_yarn_switches`)."""
+reads): accepted there only where they say what llama.cpp computes with (`_yarn_switches`)."""
 QWEN35_KEYS = ("rope.dimension_sections", "ssm.conv_kernel", "ssm.inner_size",
                "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
                "full_attention_interval", "attention.recurrent_layers", "nextn_predict_layers")
@@ -486,10 +484,8 @@ def _yarn_switches(g: GGUFFile, arch: Arch, scaling: str, sw: dict[str, Any]
                    ) -> dict[str, Any]:
     """The LlamaArgs fields of a file's YaRN keys and mistral3's attention temperature, as
     llama.cpp reads them for `arch` (`sw`: the RoPE fields read so far). A YaRN key llama.cpp
-    does not read for `arch` (`YARN_UNREAD`) is ignored as llama.cpp ignores it, and said in one
-    warning where it differs from what llama.cpp computes with (transformers would use it:
-    DeepSeek-R1-0528-Qwen3-8B's attn_factor 0.8782, where llama.cpp's qwen3 computes with
-    1 + 0.1 ln 4): a fine-tune must meet the model the file's users run."""
+    does not read for `arch` (`YARN_UNREAD`) is accepted where it says what llama.cpp computes
+    with anyway, and refused where it says otherwise: transformers would compute with it."""
     k = arch.name + "."
     out: dict[str, Any] = {"rope_yarn": scaling == "yarn"}
     beta = [32.0, 1.0]  # llama.cpp's yarn_beta_fast, yarn_beta_slow
@@ -518,10 +514,10 @@ def _yarn_switches(g: GGUFFile, arch: Arch, scaling: str, sw: dict[str, Any]
             continue
         said, want = float(g.get(k + key, (int, float))), computed[key]
         if not math.isclose(said, want, rel_tol=1e-6):
-            warn(f"{g.path}: metadata key '{k}{key}' says {said:.7g}, which llama.cpp does not "
-                 f"read for {arch.name}: it computes with {want:.7g}, and so does toymlx, so "
-                 "that training meets the model llama.cpp, Ollama and LM Studio run (Hugging "
-                 "Face's model would use the file's value)")
+            raise GGUFError(f"{g.path}: metadata key '{k}{key}': expected {want:.7g} (llama.cpp "
+                            f"does not read this key for {arch.name} and computes with "
+                            f"{want:.7g}; Hugging Face's model would use the file's), found "
+                            f"{said:.7g}")
     return out
 
 
