@@ -368,3 +368,58 @@ def test_a_non_finite_recurrent_parameter_is_refused_at_load(name, tiny_gguf, tm
                     rf"^{re.escape(str(out))}: tensor '{re.escape(name)}' \(block \d\): "
                     rf"expected finite values, found {found} in 1 of")):
                 load_llama(out, weights=weights)
+
+
+def test_targets_that_miss_blocks_are_said():
+    """Where --lora.targets reach fewer of the adapted blocks than all, `target_reach` says how
+    many and which targets reach the others, in one line: qwen35's default q on a 0.8B's 24
+    blocks, q and v on its last 4 (--lora.layers 4), qkv alone; targets reaching every block
+    say nothing."""
+    from toymlx.models.llama import LlamaArgs
+    from toymlx.models.lora import target_reach
+
+    a = LlamaArgs(arch="qwen35", n_layers=24, attn_out_gate=True, qk_norm=True,
+                  rope_neox=True, linear_layers=tuple(i % 4 != 3 for i in range(24)),
+                  ssm_head_dim=8, ssm_k_heads=2, ssm_v_heads=4)
+    linear = "which qkv, z, beta, alpha, out, gate, up, down reach"
+    assert target_reach(a, ["q"], range(24)) == (6, (
+        "--lora.targets q reaches 6 of the 24 qwen35 blocks it adapts; not the other 18 "
+        f"linear-attention blocks (0-2, 4-6, 8-10, 12-14, 16-18, 20-22), {linear}"))
+    assert target_reach(a, ["q", "v"], range(20, 24)) == (1, (
+        "--lora.targets q,v reaches 1 of the 4 qwen35 blocks it adapts; not the other 3 "
+        f"linear-attention blocks (20-22), {linear}"))
+    assert target_reach(a, ["qkv"], range(24)) == (18, (
+        "--lora.targets qkv reaches 18 of the 24 qwen35 blocks it adapts; not the other 6 "
+        "blocks (3, 7, 11, 15, 19, 23), which q, k, v, o, gate, up, down reach"))
+    assert target_reach(a, ["q", "down"], range(24)) == (24, None)
+    assert target_reach(a, ["q", "z"], range(24)) == (24, None)
+
+
+@pytest.mark.interop
+def test_the_default_targets_say_the_blocks_they_miss(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """toymlx-train --recipe lora on qwen35 with the default --lora.targets (q): the console
+    says in one line that q reaches 1 of the 4 blocks and which targets reach the 3
+    linear-attention ones, and run_start records the count and the same line; on resume
+    (the same model) nothing is refused; all targets say nothing."""
+    from test_lora import _train, mlx_lm_folder
+
+    base = _chat_base(tiny_gguf, tmp_path)
+    common = ["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path),
+              "--data.path", str(mlx_lm_folder(tmp_path / "data")), "--steps", "2",
+              "--batch-size", "2", "--seq-len", "64", "--no-progress", "--no-compile"]
+    line = ("--lora.targets q reaches 1 of the 4 qwen35 blocks it adapts; not the other 3 "
+            "linear-attention blocks (0-2), which qkv, z, beta, alpha, out, gate, up, down "
+            "reach")
+    capsys.readouterr()
+    assert _train(common + ["--run-id", "q", "--stop-at", "1"]) == 0
+    assert f"toymlx: {line}\n" in capsys.readouterr().err
+    start = json.loads((tmp_path / "q" / "events.jsonl").read_text().splitlines()[0])
+    assert start["kind"] == "run_start"
+    assert (start["model"]["lora_targets"], start["model"]["lora_blocks_reached"],
+            start["model"]["lora_reach"]) == ("q", 1, line)
+    assert _train(["--resume", str(tmp_path / "q"), "--no-progress"]) == 0
+    assert capsys.readouterr().err.count(line) == 1
+    assert _train(common + ["--run-id", "all", "--lora.targets", ALL]) == 0
+    assert "reaches" not in capsys.readouterr().err
+    start = json.loads((tmp_path / "all" / "events.jsonl").read_text().splitlines()[0])
+    assert start["model"]["lora_blocks_reached"] == 4 and "lora_reach" not in start["model"]
