@@ -316,12 +316,15 @@ def _chat_base(tiny_gguf, tmp_path):  # noqa: F811
 
 @pytest.mark.interop
 @pytest.mark.parametrize("kind", ["lora", "full"])
-def test_a_run_stopped_at_a_checkpoint_resumes_bit_exact(kind, tiny_gguf, tmp_path):  # noqa: F811
+def test_a_run_stopped_at_a_checkpoint_resumes_bit_exact(kind, tiny_gguf, tmp_path,  # noqa: F811
+                                                         capsys):
     """toymlx-train --recipe lora on qwen35 with an mlx-lm data folder of chat records, 8 steps
     checkpointed every 2: stopped after step 4's checkpoint and resumed, every logged loss
     (training and held-out) and the final adapter (LoRA on every target of both block kinds)
-    or weights (--fine-tune-type full) equal the uninterrupted run's, bit for bit."""
+    or weights (--fine-tune-type full) equal the uninterrupted run's, bit for bit; toymlx-eval
+    on the run scores its held-out rows at the run's last validation loss."""
     from test_lora import _train, mlx_lm_folder
+    from toymlx_cli.eval import main as eval_main
 
     base = _chat_base(tiny_gguf, tmp_path)
     common = ["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path),
@@ -349,6 +352,10 @@ def test_a_run_stopped_at_a_checkpoint_resumes_bit_exact(kind, tiny_gguf, tmp_pa
     assert len(a.tensors) == (31 * 2 if kind == "lora" else len(GGUFFile(base).tensors))
     for name in a.tensors:
         assert np.array_equal(a.load(name, np.float32), b.load(name, np.float32)), name
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "cut")]) == 0
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["val_loss"] == pytest.approx(whole[-1][2], abs=1e-4)  # other kernels, same math
 
 
 @pytest.mark.interop

@@ -246,7 +246,7 @@ class GatedDeltaNet(nn.Module):
 
     def output(self, x: mx.array, o: mx.array) -> mx.array:
         """The branch's output (B, T, D) from the normed x (B, T, D) and the rule's o (B, T, Hv,
-        dk): o normed per head, times SiLU(z), then out_proj (steps 6)."""
+        dk): o normed per head, times SiLU(z), then out_proj (step 6)."""
         B, T, _ = x.shape
         z = self.z_proj(x).reshape(B, T, self.hv, self.dk).astype(mx.float32)
         o = self.norm(o.astype(x.dtype)) * nn.silu(z).astype(x.dtype)  # (B,T,hv,dk)
