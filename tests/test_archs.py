@@ -10,15 +10,18 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from arch_files import KINDS, arch_gguf
+from mlx.utils import tree_flatten, tree_unflatten
 from reference import forward, load_reference
 
 from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.llama import (
+    ARCHS,
     SUPPORTED,
     args_from_gguf,
     llama_metadata,
@@ -125,8 +128,40 @@ def test_generation_cache_matches_full_forward(files, kind):
     assert np.abs(np.stack(steps) - full).max() < 1e-4
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_compiled_decoding_is_the_eager_model_bit_for_bit(files, kind):
+def qwen35_gguf(path: Path, seed: int = 0) -> Path:
+    """A random-weight qwen35 GGUF (3 Gated DeltaNet blocks and a gated full-attention one, 2 k
+    heads serving 4 value heads) over the byte vocabulary, written by toymlx: decays, dt biases
+    and convolutions drawn too, so the recurrence carries something from token to token."""
+    from toymlx.models.llama import LlamaArgs
+
+    args = replace(LlamaArgs(), arch="qwen35", **ARCHS["qwen35"].switches, vocab_size=300,
+                   d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, context=256,
+                   key_length=32, rope_dims=8, linear_layers=(True, True, True, False),
+                   ssm_conv_kernel=4, ssm_head_dim=16, ssm_k_heads=2, ssm_v_heads=4)
+    mx.random.seed(seed)
+    model = Llama(args)
+    rng = np.random.default_rng(seed)
+
+    def drawn(name: str, w: mx.array) -> mx.array:
+        if name.endswith(".ssm_a"):  # -exp(A_log), A in [0.1, 2]
+            return mx.array(-rng.uniform(0.1, 2.0, w.shape).astype(np.float32))
+        if name.endswith((".dt_bias", "norm.weight")):
+            return w + mx.array(0.2 * rng.standard_normal(w.shape).astype(np.float32))
+        return w * 4  # N(0, 0.08), as the other kinds' files
+
+    model.update(tree_unflatten([(k, drawn(k, v)) for k, v in tree_flatten(model.parameters())]))
+    write_llama(path, model, byte_metadata())
+    return path
+
+
+@pytest.fixture(scope="module")
+def decoding_files(files, tmp_path_factory):
+    """`files` and a qwen35 one (`qwen35_gguf`)."""
+    return {**files, "qwen35": qwen35_gguf(tmp_path_factory.mktemp("qwen35") / "q.gguf")}
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "qwen35"])
+def test_compiled_decoding_is_the_eager_model_bit_for_bit(decoding_files, kind):
     """generate's CPU decoder (CompiledDecode: each block's start and finish traced once, the
     KV cache and attention eager) against the model itself: a prompt, then token by token past
     the sliding windows, the same logits to the bit; and weights changed after the steps were
@@ -135,14 +170,15 @@ def test_compiled_decoding_is_the_eager_model_bit_for_bit(files, kind):
 
     from toymlx.generation.generate import CompiledDecode
 
-    model, _ = load_llama(files[kind])
+    model, _ = load_llama(decoding_files[kind])
     decoder = CompiledDecode(model)
-    eager, traced = model.make_cache(), decoder.make_cache()
-    prompt, rest = mx.array([IDS[:4]]), IDS[4:]
-    assert mx.array_equal(model(prompt, eager), decoder(prompt, traced))
-    for t in rest:
-        want, got = model(mx.array([[t]]), eager), decoder(mx.array([[t]]), traced)
-        assert mx.array_equal(want, got), (kind, t, float(mx.abs(want - got).max()))
+    for start in (4, 1):  # a prompt; one token (qwen35: the first step starts the states)
+        eager, traced = model.make_cache(), decoder.make_cache()
+        prompt, rest = mx.array([IDS[:start]]), IDS[start:]
+        assert mx.array_equal(model(prompt, eager), decoder(prompt, traced))
+        for t in rest:
+            want, got = model(mx.array([[t]]), eager), decoder(mx.array([[t]]), traced)
+            assert mx.array_equal(want, got), (kind, t, float(mx.abs(want - got).max()))
     model.update(tree_map(lambda w: w * 1.5, model.parameters()))
     assert mx.array_equal(model(mx.array([[7]]), eager), decoder(mx.array([[7]]), traced))
 

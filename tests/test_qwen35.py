@@ -8,6 +8,7 @@ llama.cpp's and transformers' are test_hf_tiny.py's (kinds qwen35, qwen35-q).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 
@@ -301,3 +302,131 @@ def test_targets_per_block_kind():
     assert block_targets(a, 0) == ("qkv", "gate", "up", "down", "z", "beta", "alpha", "out")
     assert block_targets(a, 3) == ("q", "k", "v", "o", "gate", "up", "down")
     assert set(block_targets(a)) == set(block_targets(a, 0)) | set(block_targets(a, 3))
+
+
+def _chat_base(tiny_gguf, tmp_path):  # noqa: F811
+    """The tiny converted file with a ChatML template (Qwen's turn markers; the tiny tokenizer
+    has none), so that a data folder of chat records trains on it."""
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+                "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+                "{{ '<|im_start|>assistant\n' }}{% endif %}")
+    return _rewrite(tiny_gguf("qwen35"), tmp_path / "chat.gguf",
+                    {"tokenizer.chat_template": template})
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_a_run_stopped_at_a_checkpoint_resumes_bit_exact(kind, tiny_gguf, tmp_path,  # noqa: F811
+                                                         capsys):
+    """toymlx-train --recipe lora on qwen35 with an mlx-lm data folder of chat records, 8 steps
+    checkpointed every 2: stopped after step 4's checkpoint and resumed, every logged loss
+    (training and held-out) and the final adapter (LoRA on every target of both block kinds)
+    or weights (--fine-tune-type full) equal the uninterrupted run's, bit for bit; toymlx-eval
+    on the run scores its held-out rows at the run's last validation loss."""
+    from test_lora import _train, mlx_lm_folder
+    from toymlx_cli.eval import main as eval_main
+
+    base = _chat_base(tiny_gguf, tmp_path)
+    common = ["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path),
+              "--data.path", str(mlx_lm_folder(tmp_path / "data")), "--steps", "8",
+              "--checkpoint-every", "2", "--eval-every", "4", "--batch-size", "2",
+              "--seq-len", "64", "--lr", "1e-2", "--no-progress"]
+    common += (["--fine-tune-type", "full"] if kind == "full" else ["--lora.targets", ALL])
+    assert _train(common + ["--run-id", "whole"]) == 0
+    assert _train(common + ["--run-id", "cut", "--stop-at", "4"]) == 0
+    assert (tmp_path / "cut" / "weights" / "latest").resolve().name.endswith("_4.gguf")
+    assert _train(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
+
+    def logged(run: str) -> list:
+        return [(e["kind"], e["step"], e.get("loss", e.get("val_loss")))
+                for e in map(json.loads, (tmp_path / run / "events.jsonl").read_text()
+                             .splitlines()) if e["kind"] in ("step", "eval")]
+
+    whole, cut = logged("whole"), logged("cut")
+    assert [s for k, s, _ in whole if k == "step"] == list(range(1, 9))
+    assert whole[-1][2] < whole[0][2]  # it trains
+    assert cut == whole
+    a = GGUFFile((tmp_path / "whole" / "weights" / "latest").resolve())
+    b = GGUFFile((tmp_path / "cut" / "weights" / "latest").resolve())
+    assert sorted(a.tensors) == sorted(b.tensors)
+    assert len(a.tensors) == (31 * 2 if kind == "lora" else len(GGUFFile(base).tensors))
+    for name in a.tensors:
+        assert np.array_equal(a.load(name, np.float32), b.load(name, np.float32)), name
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "cut")]) == 0
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["val_loss"] == pytest.approx(whole[-1][2], abs=1e-4)  # other kernels, same math
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", ["blk.1.ssm_a", "blk.0.ssm_conv1d.weight", "blk.2.ssm_dt.bias"])
+def test_a_non_finite_recurrent_parameter_is_refused_at_load(name, tiny_gguf, tmp_path):  # noqa: F811
+    """A NaN or an infinity in a linear block's decay (ssm_a), convolution or dt bias is refused
+    as the file is read, in one line naming the file and the tensor, however the weights are
+    held."""
+    path = tiny_gguf("qwen35")
+    g = GGUFFile(path)
+    for bad, found in ((np.nan, "NaN"), (-np.inf, "-Inf")):
+        values = g.load(name, np.float32).copy()
+        values.flat[1] = bad
+        out = _rewrite(path, tmp_path / "bad.gguf", tensors_edit={name: values})
+        for weights in ("float32", "blocks"):
+            with pytest.raises(GGUFError, match=(
+                    rf"^{re.escape(str(out))}: tensor '{re.escape(name)}' \(block \d\): "
+                    rf"expected finite values, found {found} in 1 of")):
+                load_llama(out, weights=weights)
+
+
+def test_targets_that_miss_blocks_are_said():
+    """Where --lora.targets reach fewer of the adapted blocks than all, `target_reach` says how
+    many and which targets reach the others, in one line: qwen35's default q on a 0.8B's 24
+    blocks, q and v on its last 4 (--lora.layers 4), qkv alone; targets reaching every block
+    say nothing."""
+    from toymlx.models.llama import LlamaArgs
+    from toymlx.models.lora import target_reach
+
+    a = LlamaArgs(arch="qwen35", n_layers=24, attn_out_gate=True, qk_norm=True,
+                  rope_neox=True, linear_layers=tuple(i % 4 != 3 for i in range(24)),
+                  ssm_head_dim=8, ssm_k_heads=2, ssm_v_heads=4)
+    linear = "which qkv, z, beta, alpha, out, gate, up, down reach"
+    assert target_reach(a, ["q"], range(24)) == (6, (
+        "--lora.targets q reaches 6 of the 24 qwen35 blocks it adapts; not the other 18 "
+        f"linear-attention blocks (0-2, 4-6, 8-10, 12-14, 16-18, 20-22), {linear}"))
+    assert target_reach(a, ["q", "v"], range(20, 24)) == (1, (
+        "--lora.targets q,v reaches 1 of the 4 qwen35 blocks it adapts; not the other 3 "
+        f"linear-attention blocks (20-22), {linear}"))
+    assert target_reach(a, ["qkv"], range(24)) == (18, (
+        "--lora.targets qkv reaches 18 of the 24 qwen35 blocks it adapts; not the other 6 "
+        "blocks (3, 7, 11, 15, 19, 23), which q, k, v, o, gate, up, down reach"))
+    assert target_reach(a, ["q", "down"], range(24)) == (24, None)
+    assert target_reach(a, ["q", "z"], range(24)) == (24, None)
+
+
+@pytest.mark.interop
+def test_the_default_targets_say_the_blocks_they_miss(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """toymlx-train --recipe lora on qwen35 with the default --lora.targets (q): the console
+    says in one line that q reaches 1 of the 4 blocks and which targets reach the 3
+    linear-attention ones, and run_start records the count and the same line; on resume
+    (the same model) nothing is refused; all targets say nothing."""
+    from test_lora import _train, mlx_lm_folder
+
+    base = _chat_base(tiny_gguf, tmp_path)
+    common = ["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path),
+              "--data.path", str(mlx_lm_folder(tmp_path / "data")), "--steps", "2",
+              "--batch-size", "2", "--seq-len", "64", "--no-progress", "--no-compile"]
+    line = ("--lora.targets q reaches 1 of the 4 qwen35 blocks it adapts; not the other 3 "
+            "linear-attention blocks (0-2), which qkv, z, beta, alpha, out, gate, up, down "
+            "reach")
+    capsys.readouterr()
+    assert _train(common + ["--run-id", "q", "--stop-at", "1"]) == 0
+    assert f"toymlx: {line}\n" in capsys.readouterr().err
+    start = json.loads((tmp_path / "q" / "events.jsonl").read_text().splitlines()[0])
+    assert start["kind"] == "run_start"
+    assert (start["model"]["lora_targets"], start["model"]["lora_blocks_reached"],
+            start["model"]["lora_reach"]) == ("q", 1, line)
+    assert _train(["--resume", str(tmp_path / "q"), "--no-progress"]) == 0
+    assert capsys.readouterr().err.count(line) == 1
+    assert _train(common + ["--run-id", "all", "--lora.targets", ALL]) == 0
+    assert "reaches" not in capsys.readouterr().err
+    start = json.loads((tmp_path / "all" / "events.jsonl").read_text().splitlines()[0])
+    assert start["model"]["lora_blocks_reached"] == 4 and "lora_reach" not in start["model"]

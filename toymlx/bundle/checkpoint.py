@@ -298,7 +298,8 @@ _MODEL_KEYS = {"adapter.lora.alpha": "lora_alpha", "{arch}.rope.freq_base": "rop
                "toy.pixel_mean": "pixel_mean", "toy.pixel_std": "pixel_std"}
 # model record keys a run_start written before them lacks: a resume compares them only where
 # the run recorded them (`Bundle.check_model`)
-LATER_MODEL_KEYS = ("norm_eps", "pixel_scale", "pixel_mean", "pixel_std")
+LATER_MODEL_KEYS = ("norm_eps", "pixel_scale", "pixel_mean", "pixel_std", "lora_blocks_reached",
+                    "lora_reach")
 
 
 def _same_value(got: Any, want: Any) -> bool | None:

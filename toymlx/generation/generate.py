@@ -54,7 +54,7 @@ from toymlx.generation.sampling import (
 from toymlx.generation.window import check_window, in_window, shift_keep
 from toymlx.gguf.llama import ARCHS, args_from_gguf, float32_bytes, frozen_weights, load_llama
 from toymlx.gguf.reader import GGUFError, GGUFFile
-from toymlx.models.gated_delta import DeltaCache
+from toymlx.models.gated_delta import DeltaCache, delta_steps
 from toymlx.models.kv_cache import KVCache
 from toymlx.models.llama import Llama
 from toymlx.models.ops import EXACT, Ops
@@ -269,6 +269,9 @@ class CompiledDecode:
     Zen 4), and Python builds the graph anew for every token. Traced, the elementwise chains
     (norms, RoPE, SwiGLU, residuals) are fused and the graph is replayed without Python. What
     stays eager is what changes shape with every token: the KV cache and the attention over it.
+    qwen35's Gated DeltaNet blocks trace around their one-token recurrence (`delta_steps`, eager:
+    traced, its exp would be toymlx's kernel form, `toymlx.backend.fastmath`, not MLX's op the
+    model computes with), their conv inputs and state going in and out of the traced parts.
     The logits are the eager model's, bit for bit (tests/test_archs.py, every architecture).
 
     The blocks' parameters are inputs of the traced functions (`inputs=block.state`), not
@@ -281,25 +284,51 @@ class CompiledDecode:
             raise ValueError("CompiledDecode: expected a Llama with exact_rope Ops")
         self.model = model
         # the position reaches `start` only through its tables (an int would be a constant of
-        # the trace, traced again at every position)
+        # the trace, traced again at every position); a linear block is traced whole
         self._start = [mx.compile(self._starter(b), inputs=b.state) for b in model.layers]
-        self._finish = [mx.compile(b.finish, inputs=b.state) for b in model.layers]
+        self._finish = [mx.compile(self._finisher(b), inputs=b.state) for b in model.layers]
 
     @staticmethod
     def _starter(block: Any) -> Callable:
         """block.start at the position its tables say; q alone where the block reads an
-        earlier block's keys and values (a traced function returns arrays only)."""
+        earlier block's keys and values (a traced function returns arrays only); q, k, v and
+        the output gate where it has one (qwen35's full-attention blocks); a linear block's
+        whole step (`_linear_step`)."""
+        if block.linear:  # the normed input, the rule's inputs and the conv's last inputs
+            return lambda x, conv: (normed := block.pre(x, "attn_norm"),
+                                    *block.attn.rule_inputs(normed, conv))
+        if block.attn.out_gate:
+            def start(x, tables=None, q_tables=None):
+                q, k, v = block.attn.project(block.pre(x, "attn_norm"))
+                q, gate = block.attn.split_gate(q)
+                return (*block.attn.heads(q, k, v, 0, tables, q_tables), gate)
+
+            return start
         if block.attn.own_kv:
             return functools.partial(block.start, offset=0)
         return lambda x, tables=None, q_tables=None: block.start(x, 0, tables, q_tables)[0]
 
     @staticmethod
+    def _finisher(block: Any) -> Callable:
+        """block.finish, the attention's output gated first where the block has a gate; a
+        linear block's `_linear_finish`."""
+        if block.linear:
+            return functools.partial(CompiledDecode._linear_finish, block)
+        if block.attn.out_gate:
+            return lambda x, o, gate, *ple: block.finish(x, block.attn.gated(o, gate), *ple)
+        return block.finish
+
+    @staticmethod
+    def _linear_finish(block: Any, x: mx.array, normed: mx.array, o: mx.array, *ple: mx.array
+                       ) -> mx.array:
+        """A Gated DeltaNet block's output from its input x, its normed input and the gated
+        delta rule's o."""
+        return block.close(x, block.attn.output(normed, o), *ple)
+
+    @staticmethod
     def fits(model: Any) -> bool:
-        """A toymlx Llama computing RoPE from tables (the compiled steps take them as inputs),
-        every block softmax attention without an output gate (qwen35's blocks decode eagerly:
-        their caches and gates are not `start`/`attend`/`finish`'s)."""
-        return (isinstance(model, Llama) and model.ops.exact_rope
-                and not model.args.linear_layers and not model.args.attn_out_gate)
+        """A toymlx Llama computing RoPE from tables (the compiled steps take them as inputs)."""
+        return isinstance(model, Llama) and model.ops.exact_rope
 
     def make_cache(self) -> list[Any]:
         return self.model.make_cache()
@@ -311,6 +340,15 @@ class CompiledDecode:
         h = model.embed_tokens(tokens)  # (B,1,D)
         ple = model.per_layer_inputs(tokens, h) if model.args.per_layer_dim else None
         for i, block in enumerate(model.layers):
+            more = () if ple is None else (ple[:, :, i, :],)
+            if block.linear:  # qwen35's Gated DeltaNet: the recurrence itself eager (its
+                c = cache[i]  # exp is MLX's op there, a traced one computes other values)
+                conv, ssm = (c.conv, c.ssm) if c.conv is not None else _zero_state(block, h)
+                normed, q, k, v, g, beta, c.conv = self._start[i](h, conv)
+                o, c.ssm = delta_steps(q, k, v, g, beta, ssm)
+                h = self._finish[i](h, normed, o, *more)
+                c.offset += 1
+                continue
             offset = cache[i].offset
             rope, q_rope = block.attn.rope, block.attn.q_rope  # None: a block without RoPE
             tables = q_tables = None  # (smollm3's every 4th)
@@ -319,10 +357,20 @@ class CompiledDecode:
             if q_rope != rope:  # mistral3's queries: their temperature at this position
                 q_tables = model.ops.rope_tables(q_rope, block.attn.head_dim, offset, 1)
             out = self._start[i](h, tables=tables, q_tables=q_tables)  # gemma4's shared-KV
-            q, k, v = out if block.attn.own_kv else (out, None, None)  # tail: q alone
+            gate = (out[3],) if block.attn.out_gate else ()  # tail: q alone; qwen35's: a gate
+            q, k, v = out[:3] if block.attn.own_kv else (out, None, None)
             o = block.attn.attend(q, k, v, cache[i])
-            h = self._finish[i](h, o, *(() if ple is None else (ple[:, :, i, :],)))
+            h = self._finish[i](h, o, *gate, *more)
         return model.unembed(model.head_input(h))
+
+
+def _zero_state(block: Any, x: mx.array) -> tuple[mx.array, mx.array]:
+    """A linear block's conv inputs (B, K-1, conv_dim) and state (B, Hv, dk, dk) before its
+    first token: zeros, float32, as `GatedDeltaNet` starts from without a cache."""
+    attn = block.attn
+    channels, kernel = attn.conv1d.weight.shape
+    return (mx.zeros((x.shape[0], kernel - 1, channels), mx.float32),
+            mx.zeros((x.shape[0], attn.hv, attn.dk, attn.dk), mx.float32))
 
 
 def _lora_run_base(path: str | os.PathLike) -> str | None:

@@ -216,11 +216,23 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, cache: DeltaCache | None = None) -> mx.array:
         """(B, T, D) normed input -> (B, T, D) the block's attention branch; with `cache`,
         continued from its conv inputs and state, which it then holds."""
+        q, k, v, g, beta, past = self.rule_inputs(x, None if cache is None else cache.conv)
+        o, state = gated_delta_rule(q, k, v, g, beta, None if cache is None else cache.ssm)
+        if cache is not None:
+            cache.conv, cache.ssm, cache.offset = past, state, cache.offset + x.shape[1]
+        return self.output(x, o)
+
+    # In two parts around the recurrence, so that a one-token decoding step can trace them
+    # (toymlx.generation.generate.CompiledDecode) and leave the rule's exp to MLX's own op.
+    def rule_inputs(self, x: mx.array, past: mx.array | None = None
+                    ) -> tuple[mx.array, ...]:
+        """The gated delta rule's q, k (B, T, Hv, dk), v (B, T, Hv, dk), g and beta (B, T, Hv)
+        for the normed x (B, T, D), float32, and the convolution's last K-1 inputs (steps 1-4
+        of the module docstring; `past`: the inputs before x, zeros if None)."""
         B, T, _ = x.shape
         hk, hv, dk = self.hk, self.hv, self.dk
         mixed = self.qkv_proj(x).astype(mx.float32)  # (B,T,conv_dim)
-        conv, past = causal_conv(mixed, self.conv1d.weight.astype(mx.float32),
-                                 None if cache is None else cache.conv)
+        conv, past = causal_conv(mixed, self.conv1d.weight.astype(mx.float32), past)
         q = conv[..., :hk * dk].reshape(B, T, hk, dk)
         k = conv[..., hk * dk:2 * hk * dk].reshape(B, T, hk, dk)
         v = conv[..., 2 * hk * dk:].reshape(B, T, hv, dk)
@@ -230,9 +242,12 @@ class GatedDeltaNet(nn.Module):
             q, k = mx.tile(q, (1, 1, hv // hk, 1)), mx.tile(k, (1, 1, hv // hk, 1))
         beta = mx.sigmoid(self.beta_proj(x).astype(mx.float32))  # (B,T,hv)
         g = self.ssm_a * nn.softplus(self.alpha_proj(x).astype(mx.float32) + self.dt_bias)
-        o, state = gated_delta_rule(q, k, v, g, beta, None if cache is None else cache.ssm)
-        if cache is not None:
-            cache.conv, cache.ssm, cache.offset = past, state, cache.offset + T
-        z = self.z_proj(x).reshape(B, T, hv, dk).astype(mx.float32)
+        return q, k, v, g, beta, past
+
+    def output(self, x: mx.array, o: mx.array) -> mx.array:
+        """The branch's output (B, T, D) from the normed x (B, T, D) and the rule's o (B, T, Hv,
+        dk): o normed per head, times SiLU(z), then out_proj (step 6)."""
+        B, T, _ = x.shape
+        z = self.z_proj(x).reshape(B, T, self.hv, self.dk).astype(mx.float32)
         o = self.norm(o.astype(x.dtype)) * nn.silu(z).astype(x.dtype)  # (B,T,hv,dk)
-        return self.out_proj(o.reshape(B, T, hv * dk))
+        return self.out_proj(o.reshape(B, T, self.hv * self.dk))

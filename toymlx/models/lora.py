@@ -263,6 +263,41 @@ def block_targets(a: LlamaArgs, layer: int | None = None) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t not in absent)
 
 
+def target_reach(a: LlamaArgs, names: Sequence[str], blocks: Sequence[int]
+                 ) -> tuple[int, str | None]:
+    """How many of `blocks` (those --lora.layers picks) the targets `names` reach, and, where
+    that is fewer than all, one line saying so and which targets reach the others: on qwen35
+    the default q reaches its full-attention blocks alone (6 of a 0.8B's 24), not its
+    linear-attention ones; on gemma4 k and v miss its shared-KV tail. None where all."""
+    reached = [i for i in blocks if set(names) & set(block_targets(a, i))]
+    if len(reached) == len(blocks):
+        return len(reached), None
+    missed: dict[tuple[str, ...], list[int]] = {}
+    for i in blocks:
+        if i not in reached:
+            missed.setdefault(block_targets(a, i), []).append(i)
+    others = []
+    for have, where in missed.items():
+        kind = "linear-attention " if a.is_linear(where[0]) else ""
+        have = sorted(have, key=lambda t: TARGETS[t].startswith("mlp."))  # attention's first
+        others.append(f"{len(where)} {kind}block{'s' if len(where) > 1 else ''} "
+                      f"{_spans(where)}, which {', '.join(have)} reach")
+    return len(reached), (
+        f"--lora.targets {','.join(names)} reaches {len(reached)} of the {len(blocks)} "
+        f"{a.arch} blocks it adapts; not the other {'; '.join(others)}")
+
+
+def _spans(blocks: Sequence[int]) -> str:
+    """Block indices as ranges: (0-2, 4-6, 8)."""
+    spans: list[list[int]] = []
+    for i in blocks:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return "(" + ", ".join(f"{s}" if s == e else f"{s}-{e}" for s, e in spans) + ")"
+
+
 def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
     """ValueError naming --lora.targets for a target this architecture lacks: phi3's fused qkv
     or gate_up on another base, or q, k, v, gate or up on phi3's; checked from the args, before

@@ -53,7 +53,13 @@ from toymlx.gguf.quant import projection_types
 from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.layers import model_bytes
-from toymlx.models.lora import apply_lora, check_targets, parse_targets, target_blocks
+from toymlx.models.lora import (
+    apply_lora,
+    check_targets,
+    parse_targets,
+    target_blocks,
+    target_reach,
+)
 from toymlx.models.losses import lm_held_out_rows, lm_loss
 from toymlx.models.ops import Ops
 from toymlx.recipes.common import check_seq_len, check_test_folder, llama_model_info
@@ -427,8 +433,12 @@ def build(cfg: Config, ops: Ops) -> Task:
             load_adapter_weights(m, path)
 
         prefix = "adapter_step_"
+        reached, note = target_reach(args, targets, target_blocks(args.n_layers, cfg.lora.layers))
+        if note is not None:  # qwen35's default q: its full-attention blocks alone
+            print(f"toymlx: {note}", file=sys.stderr)
         info.update(lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
-                    lora_targets=",".join(targets), lora_layers=cfg.lora.layers or args.n_layers)
+                    lora_targets=",".join(targets), lora_layers=cfg.lora.layers or args.n_layers,
+                    lora_blocks_reached=reached, **({"lora_reach": note} if note else {}))
     if src.digest:  # a resume re-resolves the name: refused if the tag now names another blob
         info["base_sha256"] = src.digest.removeprefix("sha256:")
 
