@@ -263,9 +263,11 @@ def block_targets(a: LlamaArgs, layer: int | None = None) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t not in absent)
 
 
-def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
+def check_targets(names: Sequence[str], a: LlamaArgs, layers: int | None = None) -> None:
     """ValueError naming --lora.targets for a target this architecture lacks: phi3's fused qkv
-    or gate_up on another base, or q, k, v, gate or up on phi3's; checked from the args, before
+    or gate_up on another base, or q, k, v, gate or up on phi3's; and, with `layers`
+    (--lora.layers), for one that none of the last `layers` blocks has (gemma4's shared-KV
+    tail: no k or v), which would otherwise adapt nothing. Checked from the args, before
     anything (the memory estimate too) sizes the targets' projections."""
     have = block_targets(a)
     for t in names:
@@ -279,6 +281,18 @@ def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
                 else f"{t} is phi3's fused projection" if t in FUSED
                 else f"{t} is a projection of qwen35's linear-attention blocks")
         raise ValueError(f"--lora.targets: {what}; this {a.arch} base has {','.join(have)}")
+    if layers is None:
+        return
+    blocks = target_blocks(a.n_layers, layers)
+    there = {t for i in blocks for t in block_targets(a, i)}
+    missing = [t for t in names if t not in there]
+    if missing:  # gemma4's shared-KV tail has no k or v; qwen35's blocks of one kind
+        which = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
+        raise ValueError(f"--lora.targets: expected projections that {which} (the last "
+                         f"{layers} of this {a.arch} base, --lora.layers) have: "
+                         f"{','.join(t for t in TARGETS if t in there)}; found "
+                         f"{','.join(missing)}, which none of them has: drop it or raise "
+                         "--lora.layers")
 
 
 def target_blocks(n_layers: int, layers: int | None, flag: str = "--lora.layers") -> range:
@@ -299,7 +313,7 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
     layer = ADAPTER_KINDS[kind]
     names = parse_targets(targets)
     blocks = target_blocks(len(model.layers), layers)
-    check_targets(names, model.args)
+    check_targets(names, model.args, layers)
     experts = [t for t in names if model.args.n_experts and t in EXPERT_TARGETS]
     if experts and kind != "lora":
         raise ValueError(f"--lora.targets: {experts[0]} is the experts' 3-D tensor in this "
