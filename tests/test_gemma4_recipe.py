@@ -127,3 +127,18 @@ def test_targets_the_chosen_blocks_lack_are_one_line(base, tmp_path, capsys):
     wrapped = lora_layers(apply_lora(load_llama(base)[0], "q,k", layers=3, rank=2))
     assert sorted(wrapped) == ["layers.3.attn.k_proj", "layers.3.attn.q_proj",
                                "layers.4.attn.q_proj", "layers.5.attn.q_proj"]
+
+
+@pytest.mark.parametrize("key", ["rope.freq_base_swa", "final_logit_softcapping"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_gemma4_key_that_is_not_finite_is_refused_by_name(base, tmp_path, key, value):
+    """An infinite sliding RoPE base (no sliding block would rotate) or logit cap (every logit
+    0 * inf = NaN) loaded before; now both, and NaN, are one line naming the key."""
+    g = GGUFFile(base)
+    assert "gemma4." + key in g.metadata  # write_llama writes both
+    bad = write_gguf(tmp_path / "bad.gguf", {**g.metadata, "gemma4." + key: value},
+                     {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
+    with pytest.raises(GGUFError, match=rf"bad\.gguf: metadata key 'gemma4\.{key}': expected "
+                                        rf"a finite value >(= 0 \(0: no cap\)| 0), found "
+                                        rf"{value}$"):
+        load_llama(bad)
