@@ -107,23 +107,25 @@ def test_a_damaged_gemma4_tensor_is_refused_at_load_by_name(base, tmp_path, caps
     assert want in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_targets_the_chosen_blocks_lack_are_one_line(base, tmp_path, capsys):
-    """--lora.layers 2 picks the shared-KV tail, which has no k or v: asking for k or v there
-    is refused by name (it adapted nothing, and with only k,v MLX failed on an empty gradient);
-    with --lora.layers 3 block 3's k is there, and only the blocks that have it are wrapped."""
+def test_targets_the_chosen_blocks_all_lack_are_one_line(base, tmp_path, capsys):
+    """--lora.layers 2 picks the shared-KV tail, which has no k or v: asking for k,v only there
+    would train nothing (MLX failed on an empty gradient) and is refused by name; with q too,
+    as with --lora.layers 3 (block 3 has k), each block gets the targets it has."""
     from toymlx_cli.train import main as train
 
     from toymlx.models.lora import apply_lora, lora_layers
 
     capsys.readouterr()
     assert train(["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path),
-                  "--steps", "1", "--no-progress", "--lora.targets", "q,k,v",
+                  "--steps", "1", "--no-progress", "--lora.targets", "k,v",
                   "--lora.layers", "2"]) == 2
     assert capsys.readouterr().err.strip().endswith(
-        "--lora.targets: expected projections that blocks 4-5 (the last 2 of this gemma4 "
-        "base, --lora.layers) have: q,o,gate,up,down; found k,v, which none of them has: drop "
-        "it or raise --lora.layers")
-    assert not (tmp_path / "runs").exists() and len(list(tmp_path.iterdir())) == 0
+        "--lora.targets: expected a projection that blocks 4-5 (the last 2 of this gemma4 "
+        "base, --lora.layers) have: q,o,gate,up,down; found k,v, none of which they have, so "
+        "nothing would train: add one of theirs or raise --lora.layers")
+    assert list(tmp_path.iterdir()) == []  # no run folder
+    tail = lora_layers(apply_lora(load_llama(base)[0], "q,k,v", layers=2, rank=2))
+    assert sorted(tail) == ["layers.4.attn.q_proj", "layers.5.attn.q_proj"]
     wrapped = lora_layers(apply_lora(load_llama(base)[0], "q,k", layers=3, rank=2))
     assert sorted(wrapped) == ["layers.3.attn.k_proj", "layers.3.attn.q_proj",
                                "layers.4.attn.q_proj", "layers.5.attn.q_proj"]

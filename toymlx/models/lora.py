@@ -266,9 +266,11 @@ def block_targets(a: LlamaArgs, layer: int | None = None) -> tuple[str, ...]:
 def check_targets(names: Sequence[str], a: LlamaArgs, layers: int | None = None) -> None:
     """ValueError naming --lora.targets for a target this architecture lacks: phi3's fused qkv
     or gate_up on another base, or q, k, v, gate or up on phi3's; and, with `layers`
-    (--lora.layers), for one that none of the last `layers` blocks has (gemma4's shared-KV
-    tail: no k or v), which would otherwise adapt nothing. Checked from the args, before
-    anything (the memory estimate too) sizes the targets' projections."""
+    (--lora.layers), for targets of which the last `layers` blocks have none (k,v on
+    gemma4's shared-KV tail), which would train nothing (a block lacking some of them is
+    skipped for those, as `apply_lora` does on every base: mlx-lm's every-projection default).
+    Checked from the args, before anything (the memory estimate too) sizes the targets'
+    projections."""
     have = block_targets(a)
     for t in names:
         if t in have:
@@ -284,14 +286,13 @@ def check_targets(names: Sequence[str], a: LlamaArgs, layers: int | None = None)
     if layers is None:
         return
     blocks = target_blocks(a.n_layers, layers)
-    there = {t for i in blocks for t in block_targets(a, i)}
-    missing = [t for t in names if t not in there]
-    if missing:  # gemma4's shared-KV tail has no k or v; qwen35's blocks of one kind
+    there = [t for t in TARGETS if any(t in block_targets(a, i) for i in blocks)]
+    if not any(t in there for t in names):  # else a block's absent ones are skipped, as in all
         which = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
-        raise ValueError(f"--lora.targets: expected projections that {which} (the last "
+        raise ValueError(f"--lora.targets: expected a projection that {which} (the last "
                          f"{layers} of this {a.arch} base, --lora.layers) have: "
-                         f"{','.join(t for t in TARGETS if t in there)}; found "
-                         f"{','.join(missing)}, which none of them has: drop it or raise "
+                         f"{','.join(there)}; found {','.join(names)}, none of which they "
+                         "have, so nothing would train: add one of theirs or raise "
                          "--lora.layers")
 
 
