@@ -2,9 +2,10 @@
 `gemma4_gguf`: every piece of the converter's tiny `gemma4` kind, the byte vocabulary): a
 `toymlx-train --recipe lora` run stopped after a checkpoint and resumed is the uninterrupted run
 bit for bit (LoRA and full fine-tune: the shared-KV tail, per-layer embeddings and layer
-scalars go through the resume state), and a base with a NaN or infinity in one of gemma4's own
-tensors is refused at load, naming it. llama.cpp comparisons of gemma4 runs: test_gemma4.py and
-test_hf_tiny.py (interop).
+scalars go through the resume state); a base with a NaN or infinity in one of gemma4's own
+tensors, or an infinite sliding RoPE base or logit cap, is refused at load, naming it; LoRA
+targets that none of the --lora.layers blocks has (k,v on the shared-KV tail) are one line.
+llama.cpp comparisons of gemma4 runs: test_gemma4.py and test_hf_tiny.py (interop).
 """
 
 from __future__ import annotations
