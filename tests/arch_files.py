@@ -158,3 +158,30 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
         types[key] = (FLOAT32, None)
     meta.update(byte_metadata())
     return write_gguf(path, meta, t, types=types)
+
+
+def gemma4_gguf(path: str | Path, seed: int = 0) -> Path:
+    """A random-weight dense Gemma 4 GGUF at `path` with no converter (tests/hf_tiny.py's
+    `gemma4` kind's shape: sliding blocks of head width 16 every other one from the first, full
+    ones of 32 with proportional RoPE factors, a shared-KV tail of 2 without k/v and with
+    double-wide MLPs, per-layer embeddings of width 8, layer scalars, logits capped at 30),
+    written by toymlx's `write_llama`, which llama.cpp reads as the converter's files
+    (test_gemma4.py); the byte vocabulary."""
+    import mlx.core as mx
+
+    from toymlx.gguf.llama import write_llama
+    from toymlx.models.llama import Llama, LlamaArgs
+
+    big = float(np.float32(1e30))  # a proportional factor: the pair does not turn
+    a = LlamaArgs(vocab_size=VOCAB, d_model=64, n_layers=6, n_heads=4, n_kv_heads=1,
+                  ffn_dim=128, context=256, rope_base=1e6, norm_eps=1e-6, key_length=32,
+                  arch="gemma4", rope_neox=True, rope_factors=(1.0,) * 4 + (big,) * 12,
+                  qk_norm=True, post_norms=True, embed_scale=True, activation="gelu_tanh",
+                  attn_scale=1.0, sliding_window=8, sliding_layers=(True, False) * 3,
+                  final_softcap=30.0, key_length_sliding=16,
+                  ffn_dims_per_block=(128,) * 4 + (256,) * 2, v_norm=True, shared_kv_layers=2,
+                  per_layer_dim=8, layer_scales=True)
+    mx.random.seed(seed)
+    model = Llama(a)
+    write_llama(path, model, byte_metadata())
+    return Path(path)

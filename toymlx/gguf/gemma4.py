@@ -60,6 +60,7 @@ NEOX RoPE, embeddings times sqrt(d_model)) with these differences:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from toymlx.gguf.reader import GGUFError, GGUFFile
@@ -118,13 +119,13 @@ def switches(g: GGUFFile, n_layers: int, head_dim: int) -> dict[str, Any]:
         raise GGUFError(f"{g.path}: metadata key '{k}rope.dimension_count_swa': expected an "
                         f"even number in 2..{swa_dim}, found {swa_rot}")
     base = float(g.get(k + "rope.freq_base_swa", (int, float), SWA_BASE))
-    if not base > 0:
-        raise GGUFError(f"{g.path}: metadata key '{k}rope.freq_base_swa': expected > 0, "
-                        f"found {base}")
+    if not (math.isfinite(base) and base > 0):  # inf: the sliding blocks would not turn
+        raise GGUFError(f"{g.path}: metadata key '{k}rope.freq_base_swa': expected a finite "
+                        f"value > 0, found {base}")
     cap = float(g.get(k + "final_logit_softcapping", (int, float), FINAL_SOFTCAP))
-    if cap < 0:
-        raise GGUFError(f"{g.path}: metadata key '{k}final_logit_softcapping': expected >= 0 "
-                        f"(0: no cap), found {cap}")
+    if not (math.isfinite(cap) and cap >= 0):  # inf: every logit 0 * inf = NaN
+        raise GGUFError(f"{g.path}: metadata key '{k}final_logit_softcapping': expected a "
+                        f"finite value >= 0 (0: no cap), found {cap}")
     shared = g.get(k + "attention.shared_kv_layers", int, 0)
     ple = g.get(k + "embedding_length_per_layer_input", int, 0)
     if shared < 0 or ple < 0:

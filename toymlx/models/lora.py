@@ -298,10 +298,14 @@ def _spans(blocks: Sequence[int]) -> str:
     return "(" + ", ".join(f"{s}" if s == e else f"{s}-{e}" for s, e in spans) + ")"
 
 
-def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
+def check_targets(names: Sequence[str], a: LlamaArgs, layers: int | None = None) -> None:
     """ValueError naming --lora.targets for a target this architecture lacks: phi3's fused qkv
-    or gate_up on another base, or q, k, v, gate or up on phi3's; checked from the args, before
-    anything (the memory estimate too) sizes the targets' projections."""
+    or gate_up on another base, or q, k, v, gate or up on phi3's; and, with `layers`
+    (--lora.layers), for targets of which the last `layers` blocks have none (k,v on
+    gemma4's shared-KV tail), which would train nothing (a block lacking some of them is
+    skipped for those, as `apply_lora` does on every base: mlx-lm's every-projection default).
+    Checked from the args, before anything (the memory estimate too) sizes the targets'
+    projections."""
     have = block_targets(a)
     for t in names:
         if t in have:
@@ -314,6 +318,17 @@ def check_targets(names: Sequence[str], a: LlamaArgs) -> None:
                 else f"{t} is phi3's fused projection" if t in FUSED
                 else f"{t} is a projection of qwen35's linear-attention blocks")
         raise ValueError(f"--lora.targets: {what}; this {a.arch} base has {','.join(have)}")
+    if layers is None:
+        return
+    blocks = target_blocks(a.n_layers, layers)
+    there = [t for t in TARGETS if any(t in block_targets(a, i) for i in blocks)]
+    if not any(t in there for t in names):  # else a block's absent ones are skipped, as in all
+        which = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
+        raise ValueError(f"--lora.targets: expected a projection that {which} (the last "
+                         f"{layers} of this {a.arch} base, --lora.layers) have: "
+                         f"{','.join(there)}; found {','.join(names)}, none of which they "
+                         "have, so nothing would train: add one of theirs or raise "
+                         "--lora.layers")
 
 
 def target_blocks(n_layers: int, layers: int | None, flag: str = "--lora.layers") -> range:
@@ -334,7 +349,7 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
     layer = ADAPTER_KINDS[kind]
     names = parse_targets(targets)
     blocks = target_blocks(len(model.layers), layers)
-    check_targets(names, model.args)
+    check_targets(names, model.args, layers)
     experts = [t for t in names if model.args.n_experts and t in EXPERT_TARGETS]
     if experts and kind != "lora":
         raise ValueError(f"--lora.targets: {experts[0]} is the experts' 3-D tensor in this "

@@ -369,7 +369,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         types = "/".join(sorted(set(projection_types(g).values())))
         a = args_from_gguf(g)
         if not full:  # before the memory estimate, which sizes each target's projection
-            check_targets(parse_targets(cfg.lora.targets), a)
+            check_targets(parse_targets(cfg.lora.targets), a, cfg.lora.layers)
         trained_blocks = target_blocks(a.n_layers, cfg.full.layers, "--full.layers")
         trained = block_tensors(g.tensors, trained_blocks) if some else frozenset()
 

@@ -1,0 +1,147 @@
+"""Gemma 4 through the commands a user runs, on a converter-free file (tests/arch_files.py's
+`gemma4_gguf`: every piece of the converter's tiny `gemma4` kind, the byte vocabulary): a
+`toymlx-train --recipe lora` run stopped after a checkpoint and resumed is the uninterrupted run
+bit for bit (LoRA and full fine-tune: the shared-KV tail, per-layer embeddings and layer
+scalars go through the resume state); a base with a NaN or infinity in one of gemma4's own
+tensors, or an infinite sliding RoPE base or logit cap, is refused at load, naming it; LoRA
+targets that none of the --lora.layers blocks has (k,v on the shared-KV tail) are one line.
+llama.cpp comparisons of gemma4 runs: test_gemma4.py and test_hf_tiny.py (interop).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from arch_files import gemma4_gguf
+
+from toymlx.gguf.llama import load_llama
+from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.writer import write_gguf
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return gemma4_gguf(tmp_path_factory.mktemp("gemma4") / "gemma4.gguf")
+
+
+def _text_folder(path: Path) -> Path:
+    """mlx-lm's data layout with text records."""
+    path.mkdir()
+    for split, n in (("train", 12), ("valid", 2)):
+        (path / f"{split}.jsonl").write_text("".join(json.dumps({
+            "text": f"Once upon a time there was a number {i}. It liked {i * 3 % 7} friends."})
+            + "\n" for i in range(n)))
+    return path
+
+
+def _events(run: Path, kind: str) -> list[tuple]:
+    rows = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    return [(e["step"], e.get("loss"), e.get("val_loss")) for e in rows if e["kind"] == kind]
+
+
+@pytest.mark.parametrize("fine_tune", ["lora", "full"])
+def test_a_stopped_and_resumed_run_is_the_uninterrupted_one_bit_for_bit(base, tmp_path,
+                                                                       fine_tune):
+    """4 compiled steps, checkpoints every 2, stopped after step 2's and resumed: every step's
+    and validation's loss and every checkpoint's tensors equal the uninterrupted run's."""
+    from toymlx_cli.train import main as train
+
+    data = _text_folder(tmp_path / "data")
+    args = ["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path),
+            "--data.path", str(data), "--steps", "4", "--batch-size", "2", "--seq-len", "32",
+            "--lr", "1e-2", "--warmup", "1", "--eval-every", "2", "--eval-batches", "1",
+            "--checkpoint-every", "2", "--no-progress", "--fine-tune-type", fine_tune]
+    if fine_tune == "lora":
+        args += ["--lora.targets", "q,k,v,o,gate,up,down", "--lora.rank", "4"]
+    assert train([*args, "--run-id", "whole"]) == 0
+    assert train([*args, "--run-id", "cut", "--stop-at", "2"]) == 0
+    assert train(["--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    steps = _events(whole, "step")
+    assert len(steps) == 4 and steps[-1][1] < steps[0][1]  # it trains
+    assert _events(cut, "step") == steps and _events(cut, "eval") == _events(whole, "eval")
+    files = sorted(p.name for p in (whole / "weights").glob("*.gguf"))
+    assert len(files) == 2
+    for name in files:
+        a, b = GGUFFile(whole / "weights" / name), GGUFFile(cut / "weights" / name)
+        assert set(a.tensors) == set(b.tensors)
+        moved = [n for n in a.tensors if not np.array_equal(a.load(n), b.load(n))]
+        assert not moved, (name, moved)
+    if fine_tune == "full":  # gemma4's own tensors are trained and kept
+        a0, a4 = GGUFFile(base), GGUFFile(whole / "weights" / files[-1])
+        for n in ("per_layer_token_embd.weight", "blk.5.layer_output_scale.weight"):
+            assert not np.array_equal(a0.load(n), a4.load(n)), n
+
+
+@pytest.mark.parametrize(("tensor", "value"), [
+    ("per_layer_token_embd.weight", np.nan),
+    ("per_layer_model_proj.weight", np.inf),
+    ("blk.2.layer_output_scale.weight", np.nan),
+    ("blk.0.attn_k_norm.weight", -np.inf),  # a sliding block's
+])
+def test_a_damaged_gemma4_tensor_is_refused_at_load_by_name(base, tmp_path, capsys, tensor,
+                                                            value):
+    """One value NaN or infinite in a tensor only gemma4 has: load_llama (both ways it holds a
+    base) and toymlx-train refuse the file in one line naming it and the tensor."""
+    from toymlx_cli.train import main as train
+
+    g = GGUFFile(base)
+    t = {n: g.load(n) for n in g.tensors}
+    t[tensor] = t[tensor].copy()
+    t[tensor].flat[t[tensor].size // 2] = value
+    bad = write_gguf(tmp_path / "bad.gguf", dict(g.metadata), t, types=dict(g.metadata_types))
+    kind = "NaN" if np.isnan(value) else "+Inf" if value > 0 else "-Inf"
+    want = (f"bad.gguf: tensor '{tensor}'" + (" (block " + tensor.split(".")[1] + ")"
+                                              if tensor.startswith("blk.") else "")
+            + f": expected finite values, found {kind} in 1 of {t[tensor].size}")
+    for weights in ("float32", "blocks"):
+        with pytest.raises(GGUFError, match=want.replace("(", r"\(").replace(")", r"\)")
+                           .replace(".", r"\.").replace("+", r"\+")):
+            load_llama(bad, weights=weights)
+    capsys.readouterr()
+    assert train(["--recipe", "lora", "--base", str(bad), "--runs-root", str(tmp_path / "runs"),
+                  "--steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert want in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_targets_the_chosen_blocks_all_lack_are_one_line(base, tmp_path, capsys):
+    """--lora.layers 2 picks the shared-KV tail, which has no k or v: asking for k,v only there
+    would train nothing (MLX failed on an empty gradient) and is refused by name; with q too,
+    as with --lora.layers 3 (block 3 has k), each block gets the targets it has."""
+    from toymlx_cli.train import main as train
+
+    from toymlx.models.lora import apply_lora, lora_layers
+
+    capsys.readouterr()
+    assert train(["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path),
+                  "--steps", "1", "--no-progress", "--lora.targets", "k,v",
+                  "--lora.layers", "2"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--lora.targets: expected a projection that blocks 4-5 (the last 2 of this gemma4 "
+        "base, --lora.layers) have: q,o,gate,up,down; found k,v, none of which they have, so "
+        "nothing would train: add one of theirs or raise --lora.layers")
+    assert list(tmp_path.iterdir()) == []  # no run folder
+    tail = lora_layers(apply_lora(load_llama(base)[0], "q,k,v", layers=2, rank=2))
+    assert sorted(tail) == ["layers.4.attn.q_proj", "layers.5.attn.q_proj"]
+    wrapped = lora_layers(apply_lora(load_llama(base)[0], "q,k", layers=3, rank=2))
+    assert sorted(wrapped) == ["layers.3.attn.k_proj", "layers.3.attn.q_proj",
+                               "layers.4.attn.q_proj", "layers.5.attn.q_proj"]
+
+
+@pytest.mark.parametrize("key", ["rope.freq_base_swa", "final_logit_softcapping"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_gemma4_key_that_is_not_finite_is_refused_by_name(base, tmp_path, key, value):
+    """An infinite sliding RoPE base (no sliding block would rotate) or logit cap (every logit
+    0 * inf = NaN) loaded before; now both, and NaN, are one line naming the key."""
+    g = GGUFFile(base)
+    assert "gemma4." + key in g.metadata  # write_llama writes both
+    bad = write_gguf(tmp_path / "bad.gguf", {**g.metadata, "gemma4." + key: value},
+                     {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
+    with pytest.raises(GGUFError, match=rf"bad\.gguf: metadata key 'gemma4\.{key}': expected "
+                                        rf"a finite value >(= 0 \(0: no cap\)| 0), found "
+                                        rf"{value}$"):
+        load_llama(bad)
