@@ -182,11 +182,15 @@ def in_llamacpp(path, adapter, ids, want: np.ndarray, tmp_path, what: str) -> No
     assert export(["--base", str(path), "--adapter", str(adapter), "--fuse", "--out",
                    str(fused)]) == 0
     on_fused, _ = llamacpp_logits(fused, ids)
+    mine_fused = logits(load_llama(fused)[0], ids)  # toymlx reading the file it wrote
     d, d_fused = float(np.abs(want - got).max()), float(np.abs(on_fused - want).max())
+    d_mine = float(np.abs(on_fused - mine_fused).max())
     report(f"{what} adapter in llama.cpp", toymlx_vs_llamacpp_max_abs=d,
            llamacpp_fused_vs_toymlx_adapter_max_abs=d_fused,
+           llamacpp_fused_vs_toymlx_fused_max_abs=d_mine,
            adapter_moves_llamacpp_by=float(np.abs(got - base).max()))
-    assert d < HF_TOL and d_fused < HF_TOL and np.abs(got - base).max() > 1e-2
+    assert d < HF_TOL and d_fused < HF_TOL and d_mine < HF_TOL
+    assert np.abs(got - base).max() > 1e-2
 
 
 def test_greedy_decoding_with_the_kv_cache_is_llamacpp_s(tiny_hf, tiny_gguf):  # noqa: F811
@@ -230,6 +234,8 @@ def test_expert_lora_loads_in_llamacpp(kind, tiny_hf, tiny_gguf, tmp_path):  # n
     token's chosen experts' pairs), trained a step, written, read back and run by llama.cpp;
     its logits are toymlx's; `toymlx-export --fuse` writes the changed expert tensors, and
     llama.cpp's logits on that file are the adapter's."""
+    from toymlx.generation.generate import generate, load_for_generation
+    from toymlx.interop.modelfile import write_modelfile
     from toymlx.training.adapter import apply_adapter, load_adapter
 
     path, ids, model, meta = adapted(tiny_hf, tiny_gguf, "q,gate,up,down", kind)
@@ -245,6 +251,19 @@ def test_expert_lora_loads_in_llamacpp(kind, tiny_hf, tiny_gguf, tmp_path):  # n
     again = apply_adapter(load_llama(path)[0], out)
     assert np.array_equal(logits(again, ids), want)
     in_llamacpp(path, out, ids, want, tmp_path, f"{kind} experts")  # fused: experts changed
+    # toymlx-generate --adapter: greedy decoding with the KV cache (a token at a time: each
+    # step's own experts' pairs) is llama.cpp's with the adapter
+    prompt = token_ids(tiny_hf(kind), 8, seed=21)
+    model_ad, tok = load_for_generation(path, adapter=out)
+    mine = list(generate(model_ad, tok, prompt, max_tokens=12))
+    theirs = llamacpp_greedy(path, prompt, max_tokens=12, lora=out)
+    report(f"{kind} experts greedy with the adapter", toymlx=mine, llamacpp=theirs)
+    assert mine == theirs and len(mine) > 0
+    # toymlx-export --format modelfile checks the adapter against its base: a pair per expert
+    # (3-D) against the 3-D expert tensor (it took only matrices, and failed with "too many
+    # values to unpack")
+    modelfile, _, ad_file, _ = write_modelfile(tmp_path / "ollama", out, str(path))
+    assert f"ADAPTER {ad_file}" in modelfile.read_text().splitlines()
     # a step trains the experts' pairs: their gradient reaches A and B
     x, y = _fixed_batch(ids)
     _, grads = nn.value_and_grad(model, lambda mm: nn.losses.cross_entropy(
