@@ -142,13 +142,18 @@ def check_adapter(adapter_file: Path, base: Path, fuse: bool = False) -> dict[st
             if weight not in g.tensors:
                 raise GGUFError(f"{adapter_file}: tensor {name!r}: expected a base weight "
                                 f"{weight!r} in {base}, found none (another base model?)")
-            out_dim, in_dim = g.tensors[weight].shape
+            # a matrix (out, in) and its (r, in), (out, r) pair; experts' 3-D (E, out, in) and
+            # a pair per expert, (E, r, in) and (E, out, r), as llama.cpp's loader takes them
+            *lead, out_dim, in_dim = g.tensors[weight].shape
+            *got_lead, rows, cols = info.shape
             want = in_dim if half == "lora_a" else out_dim
-            got = info.shape[1] if half == "lora_a" else info.shape[0]
-            if got != want:
+            got = cols if half == "lora_a" else rows
+            if got != want or got_lead != lead:
+                experts = f"{lead[0]} experts of " if lead else ""
                 raise GGUFError(f"{adapter_file}: tensor {name!r} shape: expected {want} "
-                                f"{'columns' if half == 'lora_a' else 'rows'} (the base "
-                                f"{weight} is {out_dim} x {in_dim}), found {info.shape}")
+                                f"{'columns' if half == 'lora_a' else 'rows'}"
+                                f"{f' for each of {lead[0]} experts' if lead else ''} (the base "
+                                f"{weight} is {experts}{out_dim} x {in_dim}), found {info.shape}")
             ad.load(name)  # GGUFError on a NaN or Inf: Ollama would serve it as it is
     return meta
 

@@ -177,10 +177,11 @@ class ExpertLoRA(LoRALinear):
         self.lora_a = mx.random.uniform(-bound, bound, (linear.n_experts, rank, n_in))
         self.lora_b = mx.zeros((linear.n_experts, n_out, rank))
 
-    def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
-        y = self.linear(x, idx)  # (N, k, 1, out)
-        z = expert_product(self.dropout(x), self.lora_a, idx) * self.scale  # (N, k, 1, r)
-        return y + expert_product(z, self.lora_b, idx).astype(y.dtype)
+    def __call__(self, x: mx.array, idx: mx.array, by_expert: bool = False) -> mx.array:
+        """`toymlx.models.moe.expert_product`'s shapes (`by_expert`: pairs sorted by expert)."""
+        y = self.linear(x, idx, by_expert)  # (N, k, 1, out)
+        z = expert_product(self.dropout(x), self.lora_a, idx, by_expert) * self.scale
+        return y + expert_product(z, self.lora_b, idx, by_expert).astype(y.dtype)
 
     def fuse(self) -> ExpertLinear:
         """A float expert tensor computing W + scale * B A per expert (float32)."""

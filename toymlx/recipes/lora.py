@@ -1,4 +1,4 @@
-"""Recipe `lora`: fine-tune a GGUF (llama, qwen2, qwen3, qwen35, gemma2, gemma3, gemma4, phi3, smollm3, granite, olmo2, mistral3) with chat/SFT data: LoRA, DoRA or every weight.
+"""Recipe `lora`: fine-tune a GGUF (llama, qwen2, qwen3, qwen35, gemma2, gemma3, gemma4, phi3, smollm3, granite, olmo2, mistral3; mixtures of experts: qwen3moe, qwen2moe, Mixtral's llama) with chat/SFT data: LoRA, DoRA or every weight.
 
 The base model and its tokenizer and chat template come from `--base` (any llama GGUF;
 quantized files are dequantized exactly, or kept quantized with `--base-dtype quantized`).
@@ -98,7 +98,8 @@ class LoRAOptions:
     targets: str = "q"
     """Comma list of projections to adapt: q, k, v, o, gate, up, down (phi3's fused ones:
     qkv, o, gate_up, down; qwen35's linear-attention blocks: qkv, z, beta, alpha, out, its
-    q, k, v, o being its full-attention blocks')."""
+    q, k, v, o being its full-attention blocks'; a mixture of experts: gate, up, down its
+    experts' (a pair per expert), router its ffn_gate_inp)."""
     layers: int | None = None
     """Adapt only the last N blocks (default: all; mlx-lm's --num-layers)."""
     init_adapter: str | None = None
