@@ -1570,3 +1570,20 @@ def test_an_adapter_for_other_weights_names_the_model_s_one_as_one(tmp_path):
     assert str(e.value).startswith(
         f"{path}: tensors: expected LoRA pairs for exactly the model's 1 adapted weight, found 1 "
         "(missing ['blk.1.attn_q.weight'], unexpected ['blk.1.attn_v.weight'])")
+
+
+def test_a_dense_run_s_adapter_names_its_mlp_targets_and_resume_says_them(tiny_gguf, tmp_path):
+    """The dense MLP's paths (mlp.gate_proj) map back to gate, up, down: the expert tensors'
+    names for the same targets replaced them when the two mappings were inverted as one, so the
+    file said toy.lora.targets "q,mlp.gate_proj,mlp.down_proj" and a resume with other targets
+    lost its hint."""
+    model = apply_lora(base(tiny_gguf), "q,gate,down", rank=4, alpha=8.0)
+    path = write_adapter(tmp_path / "a.gguf", model, {"general.architecture": "llama"})
+    assert GGUFFile(path).metadata["toy.lora.targets"] == "q,gate,down"
+    with pytest.raises(GGUFError) as e:
+        load_adapter_weights(apply_lora(base(tiny_gguf), "q,gate", rank=4, alpha=8.0), path)
+    assert str(e.value) == (
+        f"{path}: tensors: expected LoRA pairs for exactly the model's 6 adapted weights, found "
+        "9 (missing [], unexpected ['blk.0.ffn_down.weight', 'blk.1.ffn_down.weight']); the "
+        "adapter is this run's with --lora.targets q,gate,down --lora.layers 3")
+

@@ -43,6 +43,10 @@ LINEAR_ONLY = ("z", "beta", "alpha", "out")
 EXPERT_TARGETS = {"gate": "mlp.gate_exps", "up": "mlp.up_exps", "down": "mlp.down_exps"}
 """The MLP targets' paths in a mixture-of-experts block: its 3-D expert tensors (ffn_gate_exps,
 ffn_up_exps, ffn_down_exps), one A and B per expert (`ExpertLoRA`)."""
+TARGET_OF: dict[str, str] = {**{path: t for t, path in TARGETS.items()},
+                             **{path: t for t, path in EXPERT_TARGETS.items()}}
+"""A projection path inside a block, dense or expert (`mlp.gate_proj`, `mlp.gate_exps`) -> its
+--lora.targets name: each mapping inverted on its own, since both name gate, up and down."""
 
 
 def target_path(t: str, a: LlamaArgs) -> str:
@@ -331,8 +335,9 @@ def _order(path: str) -> tuple:
     parts = path.split(".")
     if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
         rest = ".".join(parts[2:])
-        kinds = list(TARGETS.values())
-        return (0, int(parts[1]), kinds.index(rest) if rest in kinds else len(kinds), rest)
+        kinds = list(TARGETS)  # an expert tensor in its target's place (gate_exps as gate)
+        return (0, int(parts[1]), kinds.index(TARGET_OF[rest]) if rest in TARGET_OF
+                else len(kinds), rest)
     return (1, 0, 0, path)
 
 
