@@ -1587,3 +1587,20 @@ def test_a_dense_run_s_adapter_names_its_mlp_targets_and_resume_says_them(tiny_g
         "9 (missing [], unexpected ['blk.0.ffn_down.weight', 'blk.1.ffn_down.weight']); the "
         "adapter is this run's with --lora.targets q,gate,down --lora.layers 3")
 
+
+def test_a_dora_adapter_with_expert_tensors_pairs_is_refused(tmp_path):
+    """DoRA adapts no 3-D expert tensor (apply_lora refuses it): a DoRA file holding one was
+    read, its magnitudes ignored, and applied as plain LoRA."""
+    e, r, n_in, n_out = 4, 2, 8, 6
+    path = write_gguf(tmp_path / "dora-exps.gguf", {
+        "general.type": "adapter", "general.architecture": "qwen3moe", "adapter.type": "dora",
+        "adapter.lora.alpha": 4.0}, {
+        "blk.0.ffn_up_exps.weight.lora_a": np.ones((e, r, n_in), np.float32),
+        "blk.0.ffn_up_exps.weight.lora_b": np.ones((e, n_out, r), np.float32),
+        "blk.0.ffn_up_exps.weight.dora_m": np.zeros((e,), np.float32)})
+    with pytest.raises(GGUFError) as err:
+        load_adapter(path)
+    assert str(err.value) == (
+        f"{path}: tensor 'blk.0.ffn_up_exps.weight.lora_a': expected 2 dimensions (a DoRA "
+        "adapter adapts no expert tensor; --fine-tune-type lora does), found shape (4, 2, 8)")
+

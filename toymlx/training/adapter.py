@@ -197,6 +197,10 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
         if half == "dora_m":
             halves.setdefault(base, {})[half] = arr.copy()
             continue
+        if kind == "dora" and arr.ndim != 2:  # DoRA's magnitudes are per row of a 2-D weight
+            raise GGUFError(f"{path}: tensor {name!r}: expected 2 dimensions (a DoRA adapter "
+                            f"adapts no expert tensor; --fine-tune-type lora does), found shape "
+                            f"{arr.shape}")
         if arr.ndim not in (2, 3):
             raise GGUFError(f"{path}: tensor {name!r}: expected 2 dimensions (3 for an "
                             f"expert tensor's), found shape {arr.shape}")
