@@ -1604,3 +1604,30 @@ def test_a_dora_adapter_with_expert_tensors_pairs_is_refused(tmp_path):
         f"{path}: tensor 'blk.0.ffn_up_exps.weight.lora_a': expected 2 dimensions (a DoRA "
         "adapter adapts no expert tensor; --fine-tune-type lora does), found shape (4, 2, 8)")
 
+
+def test_expert_lora_draws_one_a_and_fuses_in_the_base_s_dtype():
+    """ExpertLoRA makes its (E, r, in) A as the one draw of its init (a 2-D A was drawn and
+    thrown away first), and fuses a float base into its own dtype as LoRALinear does (it gave
+    float32): W + scale B A per expert against float64 numpy."""
+    from toymlx.models.lora import ExpertLoRA
+    from toymlx.models.moe import ExpertLinear
+
+    e, r, n_in, n_out = 3, 2, 16, 8
+    experts = ExpertLinear(e, n_out, n_in)
+    mx.random.seed(5)
+    experts.weight = mx.random.normal((e, n_out, n_in)).astype(mx.bfloat16)
+    mx.random.seed(7)
+    m = ExpertLoRA.from_base(experts, rank=r, alpha=4.0)
+    mx.random.seed(7)
+    bound = 1.0 / np.sqrt(n_in)
+    assert mx.array_equal(m.lora_a, mx.random.uniform(-bound, bound, (e, r, n_in))).item()
+    assert m.lora_b.shape == (e, n_out, r) and not mx.any(m.lora_b).item()
+    m.lora_b = mx.random.normal((e, n_out, r))
+    fused = m.fuse()
+    assert fused.weight.dtype == mx.bfloat16
+    w, a, b = (np.array(t.astype(mx.float32), np.float64) for t in (experts.weight, m.lora_a,
+                                                                     m.lora_b))
+    want = w + 2.0 * b @ a  # scale alpha / r = 2
+    got = np.array(fused.weight.astype(mx.float32), np.float64)
+    assert np.abs(got - want).max() <= 2.0 ** -8 * np.abs(want).max()  # bfloat16's rounding
+    assert np.abs(got - want).max() > 0  # rounded to bfloat16, not float32
