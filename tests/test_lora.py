@@ -1570,3 +1570,64 @@ def test_an_adapter_for_other_weights_names_the_model_s_one_as_one(tmp_path):
     assert str(e.value).startswith(
         f"{path}: tensors: expected LoRA pairs for exactly the model's 1 adapted weight, found 1 "
         "(missing ['blk.1.attn_q.weight'], unexpected ['blk.1.attn_v.weight'])")
+
+
+def test_a_dense_run_s_adapter_names_its_mlp_targets_and_resume_says_them(tiny_gguf, tmp_path):
+    """The dense MLP's paths (mlp.gate_proj) map back to gate, up, down: the expert tensors'
+    names for the same targets replaced them when the two mappings were inverted as one, so the
+    file said toy.lora.targets "q,mlp.gate_proj,mlp.down_proj" and a resume with other targets
+    lost its hint."""
+    model = apply_lora(base(tiny_gguf), "q,gate,down", rank=4, alpha=8.0)
+    path = write_adapter(tmp_path / "a.gguf", model, {"general.architecture": "llama"})
+    assert GGUFFile(path).metadata["toy.lora.targets"] == "q,gate,down"
+    with pytest.raises(GGUFError) as e:
+        load_adapter_weights(apply_lora(base(tiny_gguf), "q,gate", rank=4, alpha=8.0), path)
+    assert str(e.value) == (
+        f"{path}: tensors: expected LoRA pairs for exactly the model's 6 adapted weights, found "
+        "9 (missing [], unexpected ['blk.0.ffn_down.weight', 'blk.1.ffn_down.weight']); the "
+        "adapter is this run's with --lora.targets q,gate,down --lora.layers 3")
+
+
+def test_a_dora_adapter_with_expert_tensors_pairs_is_refused(tmp_path):
+    """DoRA adapts no 3-D expert tensor (apply_lora refuses it): a DoRA file holding one was
+    read, its magnitudes ignored, and applied as plain LoRA."""
+    e, r, n_in, n_out = 4, 2, 8, 6
+    path = write_gguf(tmp_path / "dora-exps.gguf", {
+        "general.type": "adapter", "general.architecture": "qwen3moe", "adapter.type": "dora",
+        "adapter.lora.alpha": 4.0}, {
+        "blk.0.ffn_up_exps.weight.lora_a": np.ones((e, r, n_in), np.float32),
+        "blk.0.ffn_up_exps.weight.lora_b": np.ones((e, n_out, r), np.float32),
+        "blk.0.ffn_up_exps.weight.dora_m": np.zeros((e,), np.float32)})
+    with pytest.raises(GGUFError) as err:
+        load_adapter(path)
+    assert str(err.value) == (
+        f"{path}: tensor 'blk.0.ffn_up_exps.weight.lora_a': expected 2 dimensions (a DoRA "
+        "adapter adapts no expert tensor; --fine-tune-type lora does), found shape (4, 2, 8)")
+
+
+def test_expert_lora_draws_one_a_and_fuses_in_the_base_s_dtype():
+    """ExpertLoRA makes its (E, r, in) A as the one draw of its init (a 2-D A was drawn and
+    thrown away first), and fuses a float base into its own dtype as LoRALinear does (it gave
+    float32): W + scale B A per expert against float64 numpy."""
+    from toymlx.models.lora import ExpertLoRA
+    from toymlx.models.moe import ExpertLinear
+
+    e, r, n_in, n_out = 3, 2, 16, 8
+    experts = ExpertLinear(e, n_out, n_in)
+    mx.random.seed(5)
+    experts.weight = mx.random.normal((e, n_out, n_in)).astype(mx.bfloat16)
+    mx.random.seed(7)
+    m = ExpertLoRA.from_base(experts, rank=r, alpha=4.0)
+    mx.random.seed(7)
+    bound = 1.0 / np.sqrt(n_in)
+    assert mx.array_equal(m.lora_a, mx.random.uniform(-bound, bound, (e, r, n_in))).item()
+    assert m.lora_b.shape == (e, n_out, r) and not mx.any(m.lora_b).item()
+    m.lora_b = mx.random.normal((e, n_out, r))
+    fused = m.fuse()
+    assert fused.weight.dtype == mx.bfloat16
+    w, a, b = (np.array(t.astype(mx.float32), np.float64) for t in (experts.weight, m.lora_a,
+                                                                     m.lora_b))
+    want = w + 2.0 * b @ a  # scale alpha / r = 2
+    got = np.array(fused.weight.astype(mx.float32), np.float64)
+    assert np.abs(got - want).max() <= 2.0 ** -8 * np.abs(want).max()  # bfloat16's rounding
+    assert np.abs(got - want).max() > 0  # rounded to bfloat16, not float32

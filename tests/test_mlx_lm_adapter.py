@@ -239,8 +239,9 @@ def test_bad_adapters_are_one_line_naming_file_and_key(stories_path, tmp_path):
         {"model.layers.4.self_attn.qkv_proj.lora_a": mx.zeros((64, 4))}))
     assert _error(fused, args) == (
         f"{fused}/{st}: key 'model.layers.4.self_attn.qkv_proj.lora_a': expected a projection "
-        "this llama base has (self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, "
-        "self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj), found self_attn.qkv_proj")
+        "block 4 of this llama base has (self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, "
+        "self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj), found self_attn.qkv_proj "
+        "(wrong base?)")
     full = ("key 'fine_tune_type': expected 'lora' or 'dora' (an adapter), found 'full' (a "
             "full fine-tune's weights, not an adapter)")
     no_scale = ("key 'lora_parameters.scale': expected a number > 0 (mlx-lm's scale, toymlx's "
@@ -266,6 +267,41 @@ def test_bad_adapters_are_one_line_naming_file_and_key(stories_path, tmp_path):
         f"adapters; convert them for their base: toymlx-export --adapter {folder} --base "
         "BASE.gguf --out adapter.gguf")
 
+
+def test_a_key_the_base_s_block_lacks_is_one_line(tmp_path):
+    """Whether a key's projection is the base's was asked of any block, then its shape looked
+    up in its own block: q_proj in a qwen35 linear-attention block (which has no self_attn),
+    or a dense gate_proj on a mixture of experts (whose gate is its experts' 3-D tensor), was a
+    bare KeyError naming a GGUF tensor."""
+    from toymlx.models.llama import LlamaArgs
+
+    qwen35 = LlamaArgs(arch="qwen35", attn_out_gate=True, qk_norm=True, rope_neox=True,
+                       linear_layers=(True, True, True, False), ssm_head_dim=8, ssm_k_heads=2,
+                       ssm_v_heads=4)
+    qwen3moe = LlamaArgs(arch="qwen3moe", n_experts=4, n_experts_used=2, qk_norm=True)
+    st = "adapters.safetensors"
+    mlp = "mlp.gate_proj, mlp.up_proj, mlp.down_proj"
+    attn = "self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj"
+    for a, key, has in ((qwen35, "model.layers.0.self_attn.q_proj", mlp),
+                        (qwen3moe, "model.layers.0.mlp.gate_proj", attn)):
+        folder = tmp_path / a.arch
+        folder.mkdir()
+        mx.save_safetensors(str(folder / st), {f"{key}.lora_a": mx.zeros((a.d_model, 4)),
+                                               f"{key}.lora_b": mx.zeros((4, a.d_model))})
+        (folder / "adapter_config.json").write_text(json.dumps(lora_config(a.n_layers, 4, 2.0)))
+        module = key.split(".", 3)[3]
+        assert _error(folder, a) == (
+            f"{folder}/{st}: key '{key}.lora_a': expected a projection block 0 of this {a.arch} "
+            f"base has ({has}), found {module} (wrong base?)")
+    # the same key in the block that has it reads
+    full = tmp_path / "full"
+    full.mkdir()
+    key = "model.layers.3.self_attn.o_proj"
+    q = qwen35.n_heads * qwen35.head_dim
+    mx.save_safetensors(str(full / st), {f"{key}.lora_a": mx.zeros((q, 4)),
+                                         f"{key}.lora_b": mx.zeros((4, qwen35.d_model))})
+    (full / "adapter_config.json").write_text(json.dumps(lora_config(4, 4, 2.0)))
+    assert list(read_mlx_lm_adapter(full, qwen35).pairs) == ["blk.3.attn_output.weight"]
 
 
 def test_a_folder_without_its_adapter_file_and_another_model_s_adapter_are_one_line(

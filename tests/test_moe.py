@@ -251,6 +251,7 @@ def test_expert_lora_loads_in_llamacpp(kind, tiny_hf, tiny_gguf, tmp_path):  # n
     want = logits(model, ids)
     out = write_adapter(tmp_path / "experts.gguf", model, meta)
     ad = load_adapter(out)
+    assert ad.metadata["toy.lora.targets"] == "q,gate,up,down"  # the experts' paths' names
     assert ad.pairs["blk.1.ffn_down_exps.weight"][0].shape == (8, 4, f)
     again = apply_adapter(load_llama(path)[0], out)
     assert np.array_equal(logits(again, ids), want)

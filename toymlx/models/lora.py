@@ -43,6 +43,10 @@ LINEAR_ONLY = ("z", "beta", "alpha", "out")
 EXPERT_TARGETS = {"gate": "mlp.gate_exps", "up": "mlp.up_exps", "down": "mlp.down_exps"}
 """The MLP targets' paths in a mixture-of-experts block: its 3-D expert tensors (ffn_gate_exps,
 ffn_up_exps, ffn_down_exps), one A and B per expert (`ExpertLoRA`)."""
+TARGET_OF: dict[str, str] = {**{path: t for t, path in TARGETS.items()},
+                             **{path: t for t, path in EXPERT_TARGETS.items()}}
+"""A projection path inside a block, dense or expert (`mlp.gate_proj`, `mlp.gate_exps`) -> its
+--lora.targets name: each mapping inverted on its own, since both name gate, up and down."""
 
 
 def target_path(t: str, a: LlamaArgs) -> str:
@@ -87,15 +91,25 @@ class LoRALinear(nn.Module):
             raise ValueError(f"--lora.rank: expected >= 1, found {rank}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"--lora.dropout: expected in [0, 1), found {dropout}")
-        n_out, n_in = base_dims(linear)
         self.linear = linear
         self.dropout = nn.Dropout(dropout)
         self.rank, self.alpha = int(rank), float(alpha)
         self.scale = self.scale_of(self.rank, self.alpha)
+        a_shape, b_shape = self.pair_shapes()
         # PEFT's init: A ~ U(-1/sqrt(n_in), 1/sqrt(n_in)), B = 0, so the update starts at zero.
-        bound = 1.0 / math.sqrt(n_in)
-        self.lora_a = mx.random.uniform(-bound, bound, (rank, n_in))  # (r, in)
-        self.lora_b = mx.zeros((n_out, rank))  # (out, r)
+        bound = 1.0 / math.sqrt(a_shape[-1])
+        self.lora_a = mx.random.uniform(-bound, bound, a_shape)  # (r, in); experts' (E, r, in)
+        self.lora_b = mx.zeros(b_shape)  # (out, r); experts' (E, out, r)
+
+    def pair_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of A and B: (r, n_in) and (n_out, r)."""
+        n_out, n_in = base_dims(self.linear)
+        return (self.rank, n_in), (n_out, self.rank)
+
+    def fused_dtype(self, w: mx.array) -> mx.Dtype:
+        """The dtype `fuse` writes W + scale B A in: the base's, `w`'s, where it holds a float
+        weight; float32 where it is block-held or quantized."""
+        return w.dtype if isinstance(self.linear, (nn.Linear, ExpertLinear)) else mx.float32
 
     @staticmethod
     def scale_of(rank: int, alpha: float) -> float:
@@ -115,11 +129,10 @@ class LoRALinear(nn.Module):
         """A plain linear (toymlx's `nn.Linear`) computing W + scale * B A (float32 when the base
         is block-held or quantized)."""
         w = base_weight(self.linear)
-        dtype = w.dtype if isinstance(self.linear, nn.Linear) else mx.float32
         n_out, n_in = base_dims(self.linear)
         has_bias = "bias" in self.linear
         fused = Linear(n_in, n_out, bias=has_bias, ops=getattr(self.linear, "ops", EXACT))
-        fused.weight = (w.astype(mx.float32) + self.delta()).astype(dtype)
+        fused.weight = (w.astype(mx.float32) + self.delta()).astype(self.fused_dtype(w))
         if has_bias:
             fused.bias = self.linear.bias
         return fused
@@ -169,13 +182,11 @@ class ExpertLoRA(LoRALinear):
     as llama.cpp's `build_lora_mm_id` applies an adapter's `*_exps` pair (GGUF ne {in, r, E}
     and {r, out, E})."""
 
-    def __init__(self, linear: nn.Module, rank: int = 8, alpha: float = 16.0,
-                 dropout: float = 0.0):
-        super().__init__(linear, rank, alpha, dropout)
-        n_out, n_in = base_dims(linear)
-        bound = 1.0 / math.sqrt(n_in)
-        self.lora_a = mx.random.uniform(-bound, bound, (linear.n_experts, rank, n_in))
-        self.lora_b = mx.zeros((linear.n_experts, n_out, rank))
+    def pair_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of A and B, one pair per expert: (E, r, n_in) and (E, n_out, r)."""
+        n_out, n_in = base_dims(self.linear)
+        e = self.linear.n_experts
+        return (e, self.rank, n_in), (e, n_out, self.rank)
 
     def __call__(self, x: mx.array, idx: mx.array, by_expert: bool = False) -> mx.array:
         """`toymlx.models.moe.expert_product`'s shapes (`by_expert`: pairs sorted by expert)."""
@@ -184,10 +195,12 @@ class ExpertLoRA(LoRALinear):
         return y + expert_product(z, self.lora_b, idx, by_expert).astype(y.dtype)
 
     def fuse(self) -> ExpertLinear:
-        """A float expert tensor computing W + scale * B A per expert (float32)."""
+        """A float expert tensor computing W + scale * B A per expert (float32 when the base is
+        block-held)."""
+        w = base_weight(self.linear)
         fused = ExpertLinear(self.linear.n_experts, self.linear.n_out, self.linear.n_in,
                              getattr(self.linear, "ops", EXACT))
-        fused.weight = base_weight(self.linear).astype(mx.float32) + self.delta()
+        fused.weight = (w.astype(mx.float32) + self.delta()).astype(self.fused_dtype(w))
         return fused
 
 
@@ -382,8 +395,9 @@ def _order(path: str) -> tuple:
     parts = path.split(".")
     if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
         rest = ".".join(parts[2:])
-        kinds = list(TARGETS.values())
-        return (0, int(parts[1]), kinds.index(rest) if rest in kinds else len(kinds), rest)
+        kinds = list(TARGETS)  # an expert tensor in its target's place (gate_exps as gate)
+        return (0, int(parts[1]), kinds.index(TARGET_OF[rest]) if rest in TARGET_OF
+                else len(kinds), rest)
     return (1, 0, 0, path)
 
 

@@ -39,8 +39,7 @@ from toymlx.models.layers import BlockLinear, replace_submodule, submodule
 from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.lora import (
     ADAPTER_KINDS,
-    EXPERT_TARGETS,
-    TARGETS,
+    TARGET_OF,
     ExpertLoRA,
     LoRALinear,
     base_dims,
@@ -69,7 +68,6 @@ def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str
         raise ValueError(f"write_adapter: expected one lora alpha for every layer (the file "
                          f"holds one adapter.lora.alpha), found {sorted(alphas)}")
     tensors: dict[str, np.ndarray] = {}
-    short = {v: k for k, v in {**TARGETS, **EXPERT_TARGETS}.items()}
     kinds, blocks = [], []
     for p, m in layers.items():
         name = toy_to_gguf(p + ".weight")
@@ -79,7 +77,7 @@ def write_adapter(path: str | os.PathLike, model: nn.Module, base_meta: dict[str
         if kind == "dora":
             tensors[name + ".dora_m"] = np.asarray(m.m.astype(mx.float32))  # (out,)
         _, i, rest = p.split(".", 2)
-        kinds.append(short.get(rest, rest))
+        kinds.append(TARGET_OF.get(rest, rest))
         blocks.append(int(i))
     arch = base_meta.get("general.architecture", "llama")
     meta = {
@@ -199,6 +197,10 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
         if half == "dora_m":
             halves.setdefault(base, {})[half] = arr.copy()
             continue
+        if kind == "dora" and arr.ndim != 2:  # DoRA's magnitudes are per row of a 2-D weight
+            raise GGUFError(f"{path}: tensor {name!r}: expected 2 dimensions (a DoRA adapter "
+                            f"adapts no expert tensor; --fine-tune-type lora does), found shape "
+                            f"{arr.shape}")
         if arr.ndim not in (2, 3):
             raise GGUFError(f"{path}: tensor {name!r}: expected 2 dimensions (3 for an "
                             f"expert tensor's), found shape {arr.shape}")
@@ -295,13 +297,12 @@ def apply_adapter(model: Llama, path_or_run_dir: str | os.PathLike) -> Llama:
 def _adapted_flags(names, a: LlamaArgs) -> str:
     """The --lora options that adapt exactly the GGUF tensors `names` of a model with args `a`
     (`lora_flags`); '' where no options do."""
-    target_of = {path: t for t, path in {**TARGETS, **EXPERT_TARGETS}.items()}
     found = set()
     for name in names:
         m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", gguf_to_toy(name, a.fused_gate_up) or "")
-        if m is None or m.group(2) not in target_of:
+        if m is None or m.group(2) not in TARGET_OF:
             return ""
-        found.add((int(m.group(1)), target_of[m.group(2)]))
+        found.add((int(m.group(1)), TARGET_OF[m.group(2)]))
     return lora_flags(found, a.n_layers, block_targets(a))
 
 

@@ -29,7 +29,7 @@ from toymlx.gguf.llama import (
     toy_to_gguf,
 )
 from toymlx.models.llama import LlamaArgs
-from toymlx.models.lora import HF_TARGETS, TARGETS, block_targets
+from toymlx.models.lora import HF_TARGETS, TARGETS, block_targets, target_path
 
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -96,6 +96,18 @@ def lora_flags(found: set[tuple[int, str]], n_layers: int, have: tuple[str, ...]
             blocks) * len(targets):
         return ""
     return f"--lora.targets {','.join(targets)} --lora.layers {len(blocks)}"
+
+
+def hf_modules(a: LlamaArgs, block: int) -> tuple[str, ...]:
+    """The module paths of an mlx-lm adapter's keys (`self_attn.q_proj`) that block `block` of a
+    base with args `a` has a weight for: its --lora.targets (`block_targets`) by Hugging Face's
+    names, less the ones Hugging Face's model holds elsewhere: a mixture of experts' gate, up
+    and down (its experts' 3-D tensors), a qwen35 linear-attention block's qkv (in its
+    `linear_attn`, which has no self_attn)."""
+    have = block_targets(a, block)
+    return tuple(m for m, t in HF_TARGETS.items()
+                 if t in have and target_path(t, a) == TARGETS[t]
+                 and not (a.is_linear(block) and m.startswith("self_attn.")))
 
 
 def _config(path: Path, weights: Path) -> tuple[str, int, float, int, str]:
@@ -170,10 +182,11 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
             raise MlxLmError(f"{weights}: key {key!r}: expected a block of the base's "
                              f"{a.n_layers} (0..{a.n_layers - 1}), found block {block} (wrong "
                              "base?)")
-        if target not in have:
-            raise MlxLmError(f"{weights}: key {key!r}: expected a projection this {a.arch} base "
-                             f"has ({', '.join(k for k, v in HF_TARGETS.items() if v in have)})"
-                             f", found {module}")
+        modules = hf_modules(a, block)
+        if module not in modules:
+            raise MlxLmError(f"{weights}: key {key!r}: expected a projection block {block} of "
+                             f"this {a.arch} base has ({', '.join(modules) or 'none'}), found "
+                             f"{module} (wrong base?)")
         name = toy_to_gguf(f"layers.{block}.{TARGETS[target]}.weight")
         n_out, n_in = shapes[name]
         want = {"lora_a": (n_in, rank), "lora_b": (rank, n_out), "m": (n_out,)}[leaf]
