@@ -420,8 +420,32 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     limited = (rows.words(r.rows, r.split_rows, "row") if rows is not None else
                subset(args.max_examples, r.examples, r.of, split, "example",
                       f"{counted(r.rows, 'row')} made of "))
+    if cfg is None:  # a model outside a run: its rows are eval's, which the user must know
+        print(f"{PROG}: {own_rows_note(args.seq_len, r, split)}", file=sys.stderr)
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
-            names[0]: r.loss, names[1]: math.exp(r.loss), **limited}
+            names[0]: r.loss, names[1]: math.exp(r.loss), "seq_len": r.seq_len,
+            "tokens_scored": r.tokens, **limited}
+
+
+def own_rows_note(seq_len: int | None, r: HeldOut, split: str) -> str:
+    """The line saying how chat/SFT rows were built for a model outside a run (a fused export,
+    a GGUF of its own): with eval's settings, not any run's, which the file does not record. A
+    run packs its examples into rows of its own --seq-len; eval's default of 256 packed a
+    --seq-len 64 run's 2 validation examples into 1 row (the second read after the first): the
+    same examples, weights and trained tokens, another loss, said nowhere. --seq-len gives the
+    run's rows where it kept --data.pack, --data.mask-prompt and --data.train-turns assistant
+    (the settings used here), with --max-examples for a run whose validation scores only its
+    first --eval-batches x --batch-size rows; else the run itself scores them."""
+    from toymlx.backend.files import counted
+
+    which = {"val": "validation ", "test": "test "}.get(split, "")
+    given = "" if seq_len is not None else "default; "
+    return (f"{counted(r.examples, which + 'example')} made {counted(r.rows, 'row')} of "
+            f"--seq-len {r.seq_len} ({given}packed, prompts masked, assistant turns trained): "
+            "eval's rows for a model outside a run, not a run's; to score a run's eval rows "
+            "give its --seq-len, and --max-examples its --eval-batches x --batch-size where "
+            "the split makes more rows (a run of other --data.pack, --data.mask-prompt or "
+            "--data.train-turns: toymlx-eval --model RUN)")
 
 
 class HeldOut(NamedTuple):
@@ -443,6 +467,10 @@ class HeldOut(NamedTuple):
     """With `per_row`: each scored row's summed loss (rows,) float64, in the scoring order"""
     row_n: Any = None
     """With `per_row`: each scored row's trained targets (rows,)"""
+    seq_len: int = 0
+    """Tokens a row (--seq-len: the run's, or eval's default)"""
+    tokens: int = 0
+    """Trained targets scored, over all the rows"""
 
 
 def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
@@ -534,8 +562,9 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
                 test_batches=batches)
     m = command_evaluator(task, progress, "row")(split="test")
     scored = sum(b["inputs"].shape[1] for b in batches)
+    tokens = int(sum(b["mask"].sum() for b in batches))
     return HeldOut(m["test_loss"], scored, source, tokenized, total, n, m.get("test_row_loss"),
-                   m.get("test_row_n"))
+                   m.get("test_row_n"), seq_len, tokens)
 
 
 def first_windows(batches: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:

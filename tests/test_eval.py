@@ -477,3 +477,60 @@ def test_a_vit_run_is_scored_on_its_own_eval_images_by_default(tmp_path, capsys)
     every = _json(capsys, run, "--json", "--eval-batches", "-1")
     assert (every["subset"], every["images"]) == ("all 6 validation images (--eval-batches -1)",
                                                   6)
+
+
+def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A LoRA run of --seq-len 64 on a data folder of 2 validation examples scores them as 2
+    packed rows; its fused export, scored without the run (a GGUF of its own: no --seq-len,
+    --data.pack of the run to read), was scored as 1 row of eval's default --seq-len 256 with
+    nothing said: every trained token, but the second example read after the first, so a loss
+    other than the run's. Now a line on stderr says the rows eval built with its own settings
+    and how to score the run's; the report gives --seq-len and the tokens scored; with the
+    run's --seq-len the rows and the loss are the run's last validation (F32 fuse: exact), and
+    of a run validating its first --eval-batches 2 x --batch-size 2 of 8 rows, with
+    --max-examples 4 too."""
+    from toymlx_cli.export import main as export_main
+
+    def fused_run(name: str, n_valid: int, *extra: str) -> tuple[Path, Path, dict]:
+        """(its data folder, its fused export, its last eval event) of a --seq-len 64 run."""
+        data = mlx_lm_folder(tmp_path / f"{name}-data", n_train=12, n_valid=n_valid, n_test=0)
+        assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                           str(tmp_path), "--run-id", name, "--steps", "4", "--batch-size", "2",
+                           "--seq-len", "64", "--lr", "1e-2", "--no-progress", "--data.path",
+                           str(data), *extra]) == 0
+        events = [json.loads(x) for x in (tmp_path / name / "events.jsonl").read_text()
+                  .splitlines()]
+        fused = tmp_path / f"{name}.gguf"
+        assert export_main(["--adapter", str(tmp_path / name), "--fuse", "--out",
+                            str(fused)]) == 0
+        return data, fused, [e for e in events if e["kind"] == "eval"][-1]
+
+    data, fused, last = fused_run("r", 2)
+    assert last["val_row_n"] == [9, 9]  # the run's 2 rows, 9 trained targets each
+    flags = ["--data.path", str(data), "--split", "val", "--no-progress"]
+
+    def scored(*extra: str) -> tuple[dict, str]:
+        capsys.readouterr()
+        assert eval_main(["--model", str(fused), *flags, *extra]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out), err.splitlines()[-1]
+
+    said = ("toymlx-eval: 2 validation examples made {} of --seq-len {}packed, prompts "
+            "masked, assistant turns trained): eval's rows for a model outside a run, not a "
+            "run's; to score a run's eval rows give its --seq-len, and --max-examples its "
+            "--eval-batches x --batch-size where the split makes more rows (a run of other "
+            "--data.pack, --data.mask-prompt or --data.train-turns: toymlx-eval --model RUN)")
+    got, line = scored()
+    assert line == said.format("1 row", "256 (default; ")
+    assert (got["rows"], got["seq_len"], got["tokens_scored"]) == (1, 256, 18)
+    assert abs(got["val_loss"] - last["val_loss"]) > 1e-5  # other rows: another figure
+    got, line = scored("--seq-len", "64")
+    assert line == said.format("2 rows", "64 (")
+    assert (got["rows"], got["seq_len"], got["tokens_scored"]) == (2, 64, 18)
+    assert abs(got["val_loss"] - last["val_loss"]) <= 1e-5
+    data, fused, last = fused_run("b", 10, "--eval-batches", "2")
+    assert len(last["val_row_n"]) == 4  # of the 8 rows the 10 examples make
+    flags = ["--data.path", str(data), "--split", "val", "--no-progress"]
+    got, _ = scored("--seq-len", "64", "--max-examples", "4")
+    assert (got["rows"], got["tokens_scored"]) == (4, sum(last["val_row_n"]))
+    assert abs(got["val_loss"] - last["val_loss"]) <= 1e-5
