@@ -322,7 +322,8 @@ def _reference_loss(a, weights: dict, tokens: np.ndarray, scale: float) -> float
           "attn_factor": 1.0, "attn_softcap": a.attn_softcap or 0.0,
           "embedding_scale": a.embedding_multiplier, "residual_scale": a.residual_multiplier,
           "attention_scale": a.attn_scale if a.arch == "granite" else 0.0,
-          "logit_scale": a.logits_scaling}
+          "logit_scale": a.logits_scaling, "temperature": a.attn_temperature,
+          "n_orig": a.rope_orig_context or a.context}
     losses = []
     for row in tokens:  # (T+1,)
         z = forward(hp, w, list(row[:-1]))  # (T, V)
