@@ -49,17 +49,30 @@ def logits(model, ids) -> np.ndarray:
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
-@pytest.mark.parametrize("chunk", [None, 4, 64])
-def test_gated_delta_rule_matches_a_float64_loop(chunk):
+@pytest.mark.parametrize("keys", ["random", "aligned"])
+@pytest.mark.parametrize("chunk", [None, 4, 16, 64])
+def test_gated_delta_rule_matches_a_float64_loop(chunk, keys):
     """The recurrence against numpy in float64, written from transformers'
     `torch_recurrent_gated_delta_rule` (state (dk, dv) per head, decay, delta update, read):
-    one step per token (chunk None) and by chunks (4: two chunks and a padded one; 64: one
-    padded chunk), from zeros and from a given state; and the chunked form's gradients are the
-    step form's."""
+    one step per token (chunk None) and by chunks (4: two chunks and a padded one; 16, the
+    default, and 64: one padded chunk), from zeros and from a given state; and the chunked
+    form's gradients are the step form's. Random keys, decays and betas over 11 tokens; and
+    64 tokens whose keys all point one way (unit length, as `l2_norm` leaves them: repeated
+    tokens, padding) with beta 0.999 and no decay, where the chunk's (I + A)^-1 has entries
+    near +-1 everywhere below the diagonal: summed as the series (I - A)(I + A^2)(I + A^4)
+    (I + A^8), whose binomial terms cancel in float32, chunks of 16 were 2.5e-4 off (64:
+    overflowed)."""
     rng = np.random.default_rng(0)
-    B, T, H, d = 2, 11, 3, 5
-    q, k, v = (rng.standard_normal((B, T, H, d)) * 0.5 for _ in range(3))
-    g, beta = -rng.random((B, T, H)), rng.random((B, T, H))
+    if keys == "random":
+        B, T, H, d = 2, 11, 3, 5
+        q, k, v = (rng.standard_normal((B, T, H, d)) * 0.5 for _ in range(3))
+        g, beta = -rng.random((B, T, H)), rng.random((B, T, H))
+    else:
+        B, T, H, d = 2, 64, 3, 8
+        q, v = (rng.standard_normal((B, T, H, d)) * 0.5 for _ in range(2))
+        k = rng.standard_normal((B, 1, H, d))
+        k = np.repeat(k / np.linalg.norm(k, axis=-1, keepdims=True), T, axis=1)
+        g, beta = np.zeros((B, T, H)), np.full((B, T, H), 0.999)
     s0 = rng.standard_normal((B, H, d, d)) * 0.3
     s = s0.copy()
     want = np.zeros((B, T, H, d))

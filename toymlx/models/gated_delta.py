@@ -98,7 +98,8 @@ CHUNK = 16
 """Tokens per chunk of `delta_chunks` (transformers' take 64; on a 2-core CPU, a forward and
 backward of a Qwen3.5-0.8B-shaped block over 256 tokens took 0.3-0.8 s by 16, 0.5-1.8 s by
 32, 4-7 s by 64, MLX's batched 64 x 64 products being slow there; at the default chat batch,
-4 x 160 tokens, 0.26-0.39 s by 16 against 0.7-1.4 s by 32, interleaved runs at load 5)."""
+4 x 160 tokens, 0.26-0.39 s by 16 against 0.7-1.4 s by 32, interleaved runs at load 5; measured
+with the power series for (I + A)^-1 that `unit_lower_inverse` replaced)."""
 
 
 def gated_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
@@ -106,7 +107,8 @@ def gated_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: m
     """The gated delta rule over T tokens: q, k (B, T, H, dk) (q already scaled), v (B, T, H,
     dv), g and beta (B, T, H), `state` (B, H, dk, dv) (zeros if None). Returns o (B, T, H, dv)
     and the final state, float32: one token a time (`delta_steps`), several a chunk at a time
-    (`delta_chunks`, the same values to float32 rounding)."""
+    (`delta_chunks`: as `delta_steps`, within about 1e-6 of the outputs' size of a float64
+    loop, with random keys and with keys that all point one way, beta near 1)."""
     if q.shape[1] == 1:
         return delta_steps(q, k, v, g, beta, state)
     return delta_chunks(q, k, v, g, beta, state)
@@ -132,6 +134,23 @@ def delta_steps(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
     return mx.stack(outs, axis=1), s
 
 
+def unit_lower_inverse(a: mx.array) -> mx.array:
+    """(I + A)^-1 for A (..., C, C) strictly lower triangular, by forward substitution one row
+    at a time (transformers' loop in `torch_chunk_gated_delta_rule`), vectorised over the
+    leading axes: row i is e_i - sum_{j<i} A_ij row_j. The series (I - A)(I + A^2)(I + A^4)...
+    gives the same matrix in exact arithmetic but sums binomial terms (up to 6435 at C = 16)
+    that cancel in float32 when a chunk's keys are aligned (repeated tokens): 2e-4 off at
+    C = 16 where this is 5e-7 (tests/test_qwen35.py's float64 loop). C - 1 dependent small
+    products, each over all chunks at once."""
+    C = a.shape[-1]
+    eye = mx.eye(C, dtype=a.dtype)
+    rows = [mx.broadcast_to(eye[0], (*a.shape[:-2], C))]
+    for i in range(1, C):
+        done = mx.stack(rows, axis=-2)  # (..., i, C): rows 0..i-1
+        rows.append(eye[i] - (a[..., i:i + 1, :i] @ done)[..., 0, :])
+    return mx.stack(rows, axis=-2)  # (..., C, C)
+
+
 def delta_chunks(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                  state: mx.array | None = None, chunk: int = CHUNK
                  ) -> tuple[mx.array, mx.array]:
@@ -139,10 +158,10 @@ def delta_chunks(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.ar
     the WY form): within a chunk, with G the cumulative sum of g and A the strictly lower
     (chunk, chunk) matrix beta_i k_i.k_j exp(G_i - G_j), the state's updates are the rows of
     (I + A)^-1 applied to beta v and to beta k exp(G); the chunk's outputs read the state it
-    starts from plus its own causal, decayed q k^T. (I + A)^-1 is the product (I - A)(I + A^2)
-    (I + A^4)... (A is nilpotent: A^chunk = 0), matrix products that run on any MLX device,
-    instead of transformers' row-by-row substitution. Its backward pass keeps a state per
-    chunk, not per token. T is padded to whole chunks with beta = g = 0 (no update, no decay)."""
+    starts from plus its own causal, decayed q k^T. (I + A)^-1 is `unit_lower_inverse`'s
+    forward substitution, plain MLX ops that run on any device. Its backward pass keeps a state
+    per chunk, not per token. T is padded to whole chunks with beta = g = 0 (no update, no
+    decay)."""
     B, T, H, dk = k.shape
     dv, C = v.shape[-1], chunk
     pad = -T % C
@@ -164,11 +183,7 @@ def delta_chunks(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.ar
     # exp(G_i - G_j) at j <= i (every exponent <= 0), 0 above the diagonal
     decay = mx.exp(mx.where(lower, g[..., :, None] - g[..., None, :], -mx.inf))
     a = (kb @ k.swapaxes(-1, -2)) * decay * mx.tril(mx.ones((C, C)), -1)  # (B,H,N,C,C)
-    inverse, power, n = mx.eye(C) - a, a, 2
-    while n < C:  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
-        power = power @ power
-        inverse = inverse + inverse @ power
-        n *= 2
+    inverse = unit_lower_inverse(a)
     value = inverse @ vb  # (B,H,N,C,dv)
     k_decayed = inverse @ (kb * mx.exp(g)[..., None])  # (B,H,N,C,dk)
     s = mx.zeros((B, H, dk, dv), mx.float32) if state is None else state

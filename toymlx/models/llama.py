@@ -172,11 +172,6 @@ class LlamaArgs:
     shared_expert_ffn_dim: int = 0
     """Width of a shared expert every token takes beside its routed ones
     (expert_shared_feed_forward_length, qwen2moe); 0: none."""
-
-    @property
-    def expert_width(self) -> int:
-        """An expert's SwiGLU width."""
-        return self.expert_ffn_dim or self.ffn_dim // max(self.n_experts_used, 1)
     attn_out_gate: bool = False
     """The q projection carries a second half per head, whose sigmoid gates that head's
     attention output before o_proj (qwen35's full-attention blocks)."""
@@ -234,6 +229,11 @@ class LlamaArgs:
     def layer_ffn(self, layer: int) -> int:
         """MLP hidden width of block `layer`."""
         return self.ffn_dims_per_block[layer] if self.ffn_dims_per_block else self.ffn_dim
+
+    @property
+    def expert_width(self) -> int:
+        """An expert's SwiGLU width."""
+        return self.expert_ffn_dim or self.ffn_dim // max(self.n_experts_used, 1)
 
     def kv_heads(self, layer: int) -> int:
         """Key/value heads of block `layer`."""
@@ -465,24 +465,38 @@ class Attention(nn.Module):
 
     # Training and scoring call it whole (__call__); generation in two parts, around its KV
     # cache (qkv, then attend); o_proj is Block.finish's.
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, kv: tuple[mx.array, mx.array] | None = None,
+                 hand_on: bool = False) -> Any:
         """(B,T,H*hd): attention of the normed x over its own T positions, before o_proj (no
         cache: training and scoring). From the projections on, the backward pass recomputes
         what it needs (`Ops.recomputed`: q/k norms, RoPE, the scores and their softmax), unless
-        that takes few enough values a token to keep (`Ops.keeps_attention`)."""
+        that takes few enough values a token to keep (`Ops.keeps_attention`). gemma4's shared-KV
+        tail: `kv`, an earlier block's keys and values (B,Hkv,T,hd), normed and rotated, for a
+        block that reads them; `hand_on`, a block whose readers take its own: it returns (o, k,
+        v), k and v computed outside the recomputation, arrays of the forward pass that its
+        readers' gradients flow back through."""
         q, k, v = self.project(x)
         q, gate = self.split_gate(q)
-        norms = {n: self[n].trainable_parameters() for n in ("q_norm", "k_norm") if n in self}
+        if hand_on:  # its q is unused here: MLX computes it inside attend alone
+            _, k, v = self.heads(q, k, v, 0)
+            kv = (k, v)
+        norm_names = ("q_norm",) if kv is not None else ("q_norm", "k_norm")
+        norms = {n: self[n].trainable_parameters() for n in norm_names if n in self}
 
         def attend(p: dict, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
             self.update(p)  # trainable norm weights as inputs, so their gradients flow
+            if kv is not None:  # k, v in heads already: q alone normed and rotated
+                return self.attend(self.heads(q, None, None, 0)[0], k, v)
             return self.attend(*self.heads(q, k, v, 0))
 
+        k, v = kv if kv is not None else (k, v)
         if self.ops.keeps_attention(attention_values(self.args, x.shape[1])):
-            return self.gated(attend(norms, q, k, v), gate)
-        o = self.ops.recomputed(attend, norms, q, k, v)
-        self.update(norms)  # the recomputation leaves its inner arrays in the module
-        return self.gated(o, gate)
+            o = attend(norms, q, k, v)
+        else:
+            o = self.ops.recomputed(attend, norms, q, k, v)
+            self.update(norms)  # the recomputation leaves its inner arrays in the module
+        o = self.gated(o, gate)
+        return (o, k, v) if hand_on else o
 
     def split_gate(self, q: mx.array) -> tuple[mx.array, mx.array | None]:
         """q (B,T,H*hd) and the output gate (B,T,H*hd) of the q projection (B,T,H*2hd), whose
@@ -638,13 +652,11 @@ class Block(nn.Module):
             return self.finish(x, self.attn.gated(o, gate), ple)
         if cache is not None:
             return self.finish(x, self.attn.attend(*self.start(x, cache.offset), cache), ple)
-        if self.kv_role is None:
-            return self.finish(x, self.attn(self.pre(x, "attn_norm")), ple)
-        q, k, v = self.start(x, 0)  # keys and values handed on: kept, not recomputed
-        if self.kv_role == "reader":
-            k, v = inputs[-2:]
-        h = self.finish(x, self.attn.attend(q, k, v), ple)
-        return (h, k, v) if self.kv_role == "source" else h
+        kv = tuple(inputs[-2:]) if self.kv_role == "reader" else None
+        out = self.attn(self.pre(x, "attn_norm"), kv, hand_on=self.kv_role == "source")
+        if self.kv_role == "source":
+            return self.finish(x, out[0], ple), out[1], out[2]
+        return self.finish(x, out, ple)
 
     # A block in three parts, so that a one-token decoding step can trace the two whose shapes
     # stay the same at every position (toymlx.generation.generate.CompiledDecode):
