@@ -117,7 +117,7 @@ def test_an_infinite_block_scale_is_named(tmp_path, stories_path, weights):
         load_llama(bad, weights=weights)
     info = GGUFFile(bad).tensors["blk.1.attn_q.weight"]
     rows, blocks = info.shape[0], info.shape[1] // 32
-    found = {"blocks": f"+Inf in 1 of {rows * blocks} (the first, inf, at (1, 1, 0, 0))",
+    found = {"blocks": f"+Inf in 1 of {rows * blocks} (the first, inf, at row 1, block 1)",
              "quantized": f"+Inf in 1 of {rows * blocks} (the first, inf, at (1, 1))"}
     what = {"float32": "values", "blocks": "block scales ('d')",
             "quantized": "block scales"}[weights]
@@ -125,6 +125,23 @@ def test_an_infinite_block_scale_is_named(tmp_path, stories_path, weights):
                                    f"expected finite {what}, found "), str(e.value)
     if weights in found:  # dequantized, the block's 32 values are inf, or NaN where q*d is 0*inf
         assert str(e.value) == _nan_line(bad, "blk.1.attn_q.weight", 1, what, found[weights])
+
+
+def test_an_expert_tensors_bad_scale_is_named_by_expert_row_and_block(tmp_path):
+    """A 3-D expert tensor's blocks are led by its E * out rows: the refusal says which expert,
+    row and block, not an index into the codec's arrays."""
+    from toymlx.gguf.reader import GGUFError, check_finite
+
+    E, n_out, n_blocks = 4, 6, 5
+    d = np.ones((E * n_out, n_blocks, 1), np.float32)  # one float16 scale per block, as split
+    d[2 * n_out + 3, 4, 0] = np.nan
+    with pytest.raises(GGUFError) as e:
+        check_finite("f.gguf", "blk.0.ffn_down_exps.weight", d, "block scales ('d')",
+                     rows=(E, n_out))
+    assert str(e.value) == _nan_line("f.gguf", "blk.0.ffn_down_exps.weight", 0,
+                                     "block scales ('d')",
+                                     f"NaN in 1 of {d.size} (the first, nan, at expert 2, "
+                                     "row 3, block 4)")
 
 
 # ---- nothing hangs ----------------------------------------------------------------------------

@@ -875,7 +875,7 @@ def _block_layer(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
     codec = CODECS[info.type]
     parts = split_rows(codec, g.raw(name), info.shape)
     for k, v in parts.items():  # the scales (float16 fields); the codes are integers
-        check_finite(g.path, name, v, f"block scales ({k!r})")
+        check_finite(g.path, name, v, f"block scales ({k!r})", rows=info.shape[:-1])
     blocks = {k: mx.array(v) for k, v in parts.items()}
     mx.eval(blocks)  # copied now, so the mapping's pages can go
     if len(info.shape) == 3:

@@ -93,10 +93,13 @@ def tensor_label(name: str) -> str:
     return f"{name!r}{block}"
 
 
-def check_finite(path: str, name: str, values: np.ndarray, what: str = "values") -> None:
+def check_finite(path: str, name: str, values: np.ndarray, what: str = "values",
+                 rows: tuple[int, ...] | None = None) -> None:
     """GGUFError (one line: the file, the tensor and its block, how many values are NaN or
-    infinite, and the first one's index) unless every one of `values` is finite: `values` are
-    tensor `name`'s decoded values or its blocks' scales (`what`). Integer arrays pass."""
+    infinite, and where the first one is) unless every one of `values` is finite: `values` are
+    tensor `name`'s decoded values (the first's index in them) or its blocks' scales (`what`),
+    led by (row, block) with `rows` the tensor's leading dimensions, (experts, out) or (out,):
+    the first's expert, row and block. Integer arrays pass."""
     if values.dtype.kind != "f" or np.isfinite(values).all():
         return
     bad = ~np.isfinite(values)
@@ -104,10 +107,16 @@ def check_finite(path: str, name: str, values: np.ndarray, what: str = "values")
     v = values[first]
     kinds = "/".join(k for k, m in (("NaN", np.isnan(values)), ("+Inf", values == np.inf),
                                     ("-Inf", values == -np.inf)) if m.any())
+    if rows is None:
+        at = str(tuple(int(i) for i in first))
+    else:  # (row, block, the codec's fields...): the row as the tensor's leading dimensions
+        lead = np.unravel_index(int(first[0]), rows)
+        names = ("expert", "row") if len(rows) == 2 else ("row",)
+        at = ", ".join(f"{n} {int(i)}" for n, i in zip(names, lead)) + f", block {int(first[1])}"
     raise GGUFError(f"{path}: tensor {tensor_label(name)}: expected finite {what}, found "
                     f"{kinds} in {int(bad.sum())} of {values.size} (the first, {v}, at "
-                    f"{tuple(int(i) for i in first)}); the file is damaged or was written from "
-                    "a model that diverged: use another copy of it")
+                    f"{at}); the file is damaged or was written from a model that diverged: "
+                    "use another copy of it")
 
 
 @dataclass(frozen=True)
