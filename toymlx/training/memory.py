@@ -11,9 +11,8 @@ The estimate adds, in bytes:
 - activations: what the backward pass keeps per token and per block (`_block_values`), times
   the blocks the gradient runs through: those from the first adapted or trained block up
   (--lora.layers, --full.layers) or all (full). With --grad-checkpoint, each block's input, plus one block recomputed.
-  Blocks of different widths (gemma4's head widths, kv heads and MLPs) are averaged; a
-  shared-KV tail's attention (gemma4) is counted as kept; a LoRA on `o` or a GeGLU `down`
-  keeps that projection's input.
+  Blocks of different widths (gemma4's head widths, kv heads and MLPs) are averaged; a LoRA
+  on `o` or a GeGLU `down` keeps that projection's input.
 - logits: a trained head's chunk of `toymlx.models.losses.logits_chunk` tokens x vocabulary,
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
   gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
@@ -59,14 +58,16 @@ EXPERT_DECODED_COPIES = 4
 whole where it is used (`toymlx.models.moe.BlockExperts`), with the decoding's temporaries
 (measured: Qwen3-30B-A3B's shape with 2 blocks, Q4_K_M, 1 x 256 tokens, LoRA q,k,v,o, peaked
 3.8 GB by MLX's count over 1.15 GB of blocks: about 3.1 copies of its 805 MB tensors)."""
-GEMMA4_BLOCK_D_VALUES = 5
+GEMMA4_BLOCK_D_VALUES = 6
 """d_model-wide arrays per token a gemma4 block keeps for the backward pass beyond a Llama
-block's 6 (its attention and MLP post-norms' inputs, the per-layer embedding branch's
-projection and norm, the layer scale's input). Measured: a 10-block Gemma 4 E2B shape
-(`benchmarks/shapes.py`'s E2B at 10 blocks, 5 in the shared-KV tail, 32,768 rows, Q4_K_M,
-base held in its blocks) LoRA q at 1 x 256 and 4 x 256 on AMD EPYC Zen 4 (2 cores): MLX's
-peak grew 52,180 float32 values a token and block (less the frozen head's), 6,970 (4.5 x 1,536)
-more than the other terms of `_block_values` count, rounded up."""
+block's 6: its attention and MLP post-norms' inputs, the per-layer embedding branch's
+projection and norm, the layer scale's input, and about one more not traced to an array (the
+backward pass's transients spread over the blocks). Measured: a 10-block Gemma 4 E2B shape
+(`benchmarks/shapes.py`'s E2B at 10 blocks, 5 in the shared-KV tail, which recomputes its
+attention as the other blocks do; 32,768 rows, Q4_K_M, base held in its blocks) LoRA q at
+1 x 256 and 4 x 256 on AMD EPYC Zen 4 (2 cores): MLX's peak grew 49,568 float32 values a token
+and block (less the frozen head's), 9,173 (5.97 x 1,536) more than the other terms of
+`_block_values` count, rounded up."""
 AVAILABLE_ENV = "TOYMLX_MEMORY_AVAILABLE"
 """Bytes to take as this machine's available memory instead of asking it (tests only)."""
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -130,11 +131,10 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
     output. Attention's own activations (q and k normed and rotated, each head's
     probabilities, its output: `attention_values`) are recomputed in the backward pass
     (`Ops.recomputed`), unless they are few enough to keep (`Ops.keeps_attention`), or the
-    block is the one `--grad-checkpoint` is recomputing, which keeps them all, or the block
-    hands its keys and values on or reads another's (gemma4's shared-KV tail: `Block` calls
-    its attention unrecomputed, `_shared_kv_attention`). A LoRA on `o` or (GeGLU) `down` keeps
-    that projection's input (`_target_inputs`); gemma4 blocks keep `GEMMA4_BLOCK_D_VALUES` more
-    d-wide arrays."""
+    block is the one `--grad-checkpoint` is recomputing, which keeps them all; gemma4's shared-KV
+    tail recomputes its attention too (`Attention.__call__` with an earlier block's keys and
+    values). A LoRA on `o` or (GeGLU) `down` keeps that projection's input (`_target_inputs`);
+    gemma4 blocks keep `GEMMA4_BLOCK_D_VALUES` more d-wide arrays."""
     n, d = a.n_layers, a.d_model
     q = sum(a.n_heads * a.layer_head_dim(i) for i in range(n)) // n  # gemma4's differ
     kv = sum(a.kv_heads(i) * a.layer_head_dim(i) for i in range(n) if a.kv_source(i) is None) // n
@@ -153,22 +153,7 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
         kept += a.ssm_v_heads * (16 * CHUNK + 2 * a.ssm_head_dim ** 2 // CHUNK)
     if ops.grad_checkpoint or ops.keeps_attention(attention):
         return kept + attention + _target_inputs(a, targets, f, q, attention_kept=True)
-    return (kept + _shared_kv_attention(a, seq_len)
-            + _target_inputs(a, targets, f, q, attention_kept=False))
-
-
-def _shared_kv_attention(a: LlamaArgs, seq_len: int) -> int:
-    """Values per token, averaged over the blocks, that attention keeps in the blocks of a
-    shared-KV tail (gemma4: its readers and the blocks they read), which `Block` runs
-    unrecomputed (`attention_values` at each block's own head width)."""
-    n, total = a.n_layers, 0
-    for i in range(n):
-        if a.kv_role(i) is None:
-            continue
-        hd = a.layer_head_dim(i)
-        kv = a.kv_heads(i if a.kv_source(i) is None else a.kv_source(i)) * hd
-        total += 2 * a.n_heads * hd + kv + (5 * a.n_heads * seq_len) // 8
-    return total // n
+    return kept + _target_inputs(a, targets, f, q, attention_kept=False)
 
 
 def _target_inputs(a: LlamaArgs, targets: tuple[str, ...], f: int, q: int,
@@ -177,7 +162,7 @@ def _target_inputs(a: LlamaArgs, targets: tuple[str, ...], f: int, q: int,
     keeps anyway: `o`'s input (the attention's output, kept already where attention is) and a
     GeGLU `down`'s input (the product; SwiGLU's is counted in its MLP). Measured on the
     10-block gemma4 shape of `GEMMA4_BLOCK_D_VALUES` at 4 x 256 (AMD EPYC Zen 4, 2 cores): LoRA
-    q,k,v,o,gate,up,down peaked 13,530 float32 values a token and block above LoRA q (MLX's
+    q,k,v,o,gate,up,down peaked 13,760 float32 values a token and block above LoRA q (MLX's
     count, less the adapters' own), of which these two count 11,673."""
     return ((q if "o" in targets and not attention_kept else 0)
             + (f if "down" in targets and a.activation == "gelu_tanh" and not a.n_experts
