@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +20,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from toymlx.bundle import model_store
 from toymlx.data.tokenizer import byte_tokenizer
-from toymlx.gguf.llama import expected_shapes, llama_metadata, write_llama
+from toymlx.gguf.llama import ARCHS, expected_shapes, llama_metadata, write_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.models.llama import Llama, LlamaArgs, tiny
 from toymlx.models.ops import Ops
@@ -34,10 +35,15 @@ def sparse_gguf(path: Path, a: LlamaArgs) -> Path:
     hole: the file's size is the real one's, its blocks are never written."""
     w = GGUFWriter(path, a.arch)
     for k, v in llama_metadata(a).items():
-        if k != "general.architecture":
-            w.add_key_value(k, v, GGUFValueType.STRING if isinstance(v, str) else
-                            GGUFValueType.FLOAT32 if isinstance(v, float) else
-                            GGUFValueType.UINT32)
+        if k == "general.architecture":
+            continue
+        if isinstance(v, list):  # gemma4's per-block pattern and widths
+            w.add_key_value(k, v, GGUFValueType.ARRAY, GGUFValueType.BOOL
+                            if isinstance(v[0], bool) else GGUFValueType.INT32)
+            continue
+        w.add_key_value(k, v, GGUFValueType.STRING if isinstance(v, str) else
+                        GGUFValueType.FLOAT32 if isinstance(v, float) else
+                        GGUFValueType.UINT32)
     total = 0
     for name, shape in expected_shapes(a).items():
         q = GGMLQuantizationType.F32 if len(shape) == 1 else GGMLQuantizationType.Q4_K
@@ -111,6 +117,45 @@ def test_estimate_of_an_8b_header(header_8b):
     # token (2 q + kv + 32 heads x 5/8 of 512 keys), here exactly the limit
     assert memory.attention_values(LLAMA_8B, 512) == 19_456
     assert keeping.activations == 32 * (kept + 19_456) * 512 * 4
+
+
+GEMMA4_10 = replace(
+    LlamaArgs(), arch="gemma4", **ARCHS["gemma4"].switches, vocab_size=32768, d_model=1536,
+    n_layers=10, n_heads=8, n_kv_heads=1, key_length=512, key_length_sliding=256, ffn_dim=6144,
+    ffn_dims_per_block=(6144,) * 5 + (12288,) * 5, context=131072, rope_base=1e6, norm_eps=1e-6,
+    tie_embeddings=True, sliding_window=512, sliding_layers=tuple(i % 5 < 4 for i in range(10)),
+    shared_kv_layers=5, per_layer_dim=256, layer_scales=True, final_softcap=30.0)
+"""Gemma 4 E2B's shape at 10 blocks (5 in the shared-KV tail, the tail's MLP doubled), the shape
+GEMMA4_BLOCK_D_VALUES was measured on (its 32,768-row file)."""
+
+
+def test_gemma4_blocks_are_counted_each_at_its_own_widths(tmp_path):
+    """The E2B-shaped step's estimate was 11.1 GB against 12.5 GB of RSS: a gemma4 block was
+    counted at the full blocks' head width, without its post-norms' and per-layer embedding's
+    arrays, or the inputs a LoRA on o and GeGLU down keep. Here each against a count of the
+    10-block shape's arrays; its shared-KV tail recomputes its attention as the other blocks do,
+    so none of it is counted."""
+    path = sparse_gguf(tmp_path / "gemma4-10.gguf", GEMMA4_10)
+    ops = Ops(kernels="vectorised", decode_slice=None, attention_keep_limit=4096)
+    with GGUFFile(path) as g:
+        assert g.tensors["per_layer_token_embd.weight"].shape == (32768, 10 * 256)
+        assert "blk.5.attn_k.weight" not in g.tensors  # a reader projects no keys
+        est = {t: memory.estimate(g, held="blocks", full=False, targets=t, rank=8, layers=None,
+                                  dora=False, batch_size=4, seq_len=256, ops=ops)
+               for t in (("q",), ("q", "o", "down"))}
+    # blocks 0-3, 5-8 slide (8 heads of 256), 4 and 9 are full (8 of 512); 0-4 project one kv
+    # head, 5-9 read 3's (sliding) or 4's (full); the MLP 6144 wide in 0-4, 12288 in 5-9
+    q = (8 * 8 * 256 + 2 * 8 * 512) // 10
+    kv = (4 * 256 + 512) // 10
+    f = (5 * 6144 + 5 * 12288) // 10
+    d = 1536
+    kept = 6 * d + q + 2 * kv + 3 * f + 3 * 256 + memory.GEMMA4_BLOCK_D_VALUES * d
+    assert (q, kv, f) == (2457, 153, 9216)
+    # 8 heads' probabilities over 256 tokens are more than the keep limit: attention recomputed
+    assert memory.attention_values(GEMMA4_10, 256) > 4096
+    assert est[("q",)].activations == 10 * kept * 4 * 256 * 4
+    # a LoRA on o keeps its input (q wide), on GeGLU's down the product (f wide)
+    assert est[("q", "o", "down")].activations == 10 * (kept + q + f) * 4 * 256 * 4
 
 
 def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, tmp_path,

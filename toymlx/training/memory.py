@@ -11,6 +11,8 @@ The estimate adds, in bytes:
 - activations: what the backward pass keeps per token and per block (`_block_values`), times
   the blocks the gradient runs through: those from the first adapted or trained block up
   (--lora.layers, --full.layers) or all (full). With --grad-checkpoint, each block's input, plus one block recomputed.
+  Blocks of different widths (gemma4's head widths, kv heads and MLPs) are averaged; a LoRA
+  on `o` or a GeGLU `down` keeps that projection's input.
 - logits: a trained head's chunk of `toymlx.models.losses.logits_chunk` tokens x vocabulary,
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
   gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
@@ -56,6 +58,16 @@ EXPERT_DECODED_COPIES = 4
 whole where it is used (`toymlx.models.moe.BlockExperts`), with the decoding's temporaries
 (measured: Qwen3-30B-A3B's shape with 2 blocks, Q4_K_M, 1 x 256 tokens, LoRA q,k,v,o, peaked
 3.8 GB by MLX's count over 1.15 GB of blocks: about 3.1 copies of its 805 MB tensors)."""
+GEMMA4_BLOCK_D_VALUES = 6
+"""d_model-wide arrays per token a gemma4 block keeps for the backward pass beyond a Llama
+block's 6: its attention and MLP post-norms' inputs, the per-layer embedding branch's
+projection and norm, the layer scale's input, and about one more not traced to an array (the
+backward pass's transients spread over the blocks). Measured: a 10-block Gemma 4 E2B shape
+(`benchmarks/shapes.py`'s E2B at 10 blocks, 5 in the shared-KV tail, which recomputes its
+attention as the other blocks do; 32,768 rows, Q4_K_M, base held in its blocks) LoRA q at
+1 x 256 and 4 x 256 on AMD EPYC Zen 4 (2 cores): MLX's peak grew 49,568 float32 values a token
+and block (less the frozen head's), 9,173 (5.97 x 1,536) more than the other terms of
+`_block_values` count, rounded up."""
 AVAILABLE_ENV = "TOYMLX_MEMORY_AVAILABLE"
 """Bytes to take as this machine's available memory instead of asking it (tests only)."""
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -111,29 +123,50 @@ def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
     return dims
 
 
-def _block_values(a: LlamaArgs, seq_len: int, ops: Ops) -> int:
-    """Values one block keeps per token for the backward pass: the norms' inputs and outputs,
-    q, k and v as projected, the MLP's gate, up, activation and product (GeGLU: gate, up and its
-    tanh, `Ops.gelu_mul`), and down's output. Attention's own activations (q and k normed and
-    rotated, each head's probabilities, its output: `attention_values`) are recomputed in the
-    backward pass (`Ops.recomputed`), unless they are few enough to keep
-    (`Ops.keeps_attention`), or the block is the one `--grad-checkpoint` is recomputing, which
-    keeps them all."""
-    q, kv, d = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model
-    f = sum(a.layer_ffn(i) for i in range(a.n_layers)) // a.n_layers  # gemma4's differ
+def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...] = ()) -> int:
+    """Values one block keeps per token for the backward pass, averaged over the blocks: the
+    norms' inputs and outputs, q, k and v as projected (each block at its own head width and
+    kv heads, a block reading an earlier one's keys and values projecting none), the MLP's gate,
+    up, activation and product (GeGLU: gate, up and its tanh, `Ops.gelu_mul`), and down's
+    output. Attention's own activations (q and k normed and rotated, each head's
+    probabilities, its output: `attention_values`) are recomputed in the backward pass
+    (`Ops.recomputed`), unless they are few enough to keep (`Ops.keeps_attention`), or the
+    block is the one `--grad-checkpoint` is recomputing, which keeps them all; gemma4's shared-KV
+    tail recomputes its attention too (`Attention.__call__` with an earlier block's keys and
+    values). A LoRA on `o` or (GeGLU) `down` keeps that projection's input (`_target_inputs`);
+    gemma4 blocks keep `GEMMA4_BLOCK_D_VALUES` more d-wide arrays."""
+    n, d = a.n_layers, a.d_model
+    q = sum(a.n_heads * a.layer_head_dim(i) for i in range(n)) // n  # gemma4's differ
+    kv = sum(a.kv_heads(i) * a.layer_head_dim(i) for i in range(n) if a.kv_source(i) is None) // n
+    f = sum(a.layer_ffn(i) for i in range(n)) // n  # gemma4's differ
     mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
     if a.n_experts:  # the router's probabilities; each chosen expert's gate, up, product, down
         mlp = (2 * a.n_experts + a.n_experts_used * (3 * a.expert_width + d)
                + 4 * a.shared_expert_ffn_dim)  # qwen2moe's shared expert: a dense MLP
     kept = 6 * d + q + 2 * kv + mlp + 3 * a.per_layer_dim  # gemma4's PLE: gate, GELU, product
+    if a.arch == "gemma4":
+        kept += GEMMA4_BLOCK_D_VALUES * d
     attention = attention_values(a, seq_len)
     if a.linear_layers:  # every block counted as a Gated DeltaNet one, the larger: by chunks
         # of CHUNK tokens its delta rule keeps about 16 (CHUNK, CHUNK) matrices (decays, the
         # inverse's powers and products) and 2 (dk, dv) states per chunk, per value head
         kept += a.ssm_v_heads * (16 * CHUNK + 2 * a.ssm_head_dim ** 2 // CHUNK)
     if ops.grad_checkpoint or ops.keeps_attention(attention):
-        return kept + attention
-    return kept
+        return kept + attention + _target_inputs(a, targets, f, q, attention_kept=True)
+    return kept + _target_inputs(a, targets, f, q, attention_kept=False)
+
+
+def _target_inputs(a: LlamaArgs, targets: tuple[str, ...], f: int, q: int,
+                   attention_kept: bool) -> int:
+    """Values per token a block keeps for its adapters' gradients beyond what its backward pass
+    keeps anyway: `o`'s input (the attention's output, kept already where attention is) and a
+    GeGLU `down`'s input (the product; SwiGLU's is counted in its MLP). Measured on the
+    10-block gemma4 shape of `GEMMA4_BLOCK_D_VALUES` at 4 x 256 (AMD EPYC Zen 4, 2 cores): LoRA
+    q,k,v,o,gate,up,down peaked 13,760 float32 values a token and block above LoRA q (MLX's
+    count, less the adapters' own), of which these two count 11,673."""
+    return ((q if "o" in targets and not attention_kept else 0)
+            + (f if "down" in targets and a.activation == "gelu_tanh" and not a.n_experts
+               else 0))
 
 
 def base_bytes(g: GGUFFile, held: str, trained: frozenset[str] = frozenset()) -> int:
@@ -180,7 +213,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         per_block = sum(rank * (dims[t][0] + dims[t][1]) + (dims[t][0] if dora else 0)
                         for t in targets)
         base, trained = base_bytes(g, held), per_block * blocks * 16
-    per_block = _block_values(a, seq_len, ops) * tokens * width
+    per_block = _block_values(a, seq_len, ops, () if full else targets) * tokens * width
     if ops.grad_checkpoint:
         acts = blocks * tokens * a.d_model * width + per_block
     else:
