@@ -398,3 +398,17 @@ def test_an_output_under_a_file_is_refused_before_the_work(tmp_path):
                                 f"{tmp_path / 'notes.txt'} is a file, not a folder; choose "
                                 "another --out")
     assert check_output(tmp_path / "new" / "x.gguf", [], "--out") == tmp_path / "new" / "x.gguf"
+
+
+def test_an_input_folder_named_as_the_output_is_called_a_folder(tmp_path):
+    """A run folder given both as --data.path and as the output (train --overwrite into the
+    data's folder): the line calls both folders, not files."""
+    from toymlx.bundle.outputs import OutputError, check_output
+
+    data = tmp_path / "victim"
+    data.mkdir()
+    with pytest.raises(OutputError) as e:
+        check_output(data, [("--data.path", data)], "--out-dir", folder=True)
+    assert str(e.value) == (f"{data}: --out-dir: expected a new folder, found the --data.path "
+                            f"folder {data} itself (the same folder); writing it would destroy "
+                            "the input: choose another --out-dir")

@@ -129,9 +129,10 @@ def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
             continue
         src_real = _real(src)
         if _same_file(out, src) or real == src_real:
-            raise OutputError(f"{out}: {flag}: expected a new file, found the {what} file "
-                              f"{src} itself (the same file); writing it would destroy the "
-                              f"input: choose another {flag}")
+            kind = "folder" if src_real.is_dir() else "file"
+            raise OutputError(f"{out}: {flag}: expected a new {'folder' if folder else 'file'}, "
+                              f"found the {what} {kind} {src} itself (the same {kind}); writing "
+                              f"it would destroy the input: choose another {flag}")
         if src_real.is_relative_to(real):
             raise OutputError(f"{out}: {flag}: expected a path that holds no input, found the "
                               f"{what} {src} inside it; choose another {flag}")
