@@ -325,7 +325,7 @@ def test_targets_per_block_kind():
 def test_all_linear_adapts_both_block_kinds_projections(tmp_path):
     """--lora.targets all-linear (PEFT's target_modules, mlx-lm's default without keys) on a
     qwen35 file: the 31 layers ALL names, the 3 linear-attention blocks' qkv, z, beta, alpha and
-    out among them (before: resolved to q,k,v,o,gate,up,down on every base, 19 layers, those 15
+    out among them (before: resolved to q,k,v,o,gate,up,down on every base, 16 layers, those 15
     left out and the reach line silent, the MLP reaching every block)."""
     from test_archs import qwen35_gguf
 
