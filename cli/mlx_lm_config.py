@@ -25,7 +25,7 @@ from toymlx_cli.config_file import ConfigFileError
 
 from toymlx.backend.files import counted
 from toymlx.bundle.model_store import is_hf_repo
-from toymlx.models.lora import HF_TARGETS
+from toymlx.models.lora import ALL_LINEAR, HF_TARGETS
 
 MLX_LM_ONLY = frozenset({
     "train", "iters", "learning_rate", "num_layers", "lora_parameters", "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
@@ -60,7 +60,6 @@ _NOTED = {
 _TARGETS = {k: v for k, v in HF_TARGETS.items() if v not in ("qkv", "gate_up")}
 """mlx-lm's module paths (lora_parameters.keys) of a llama block -> toymlx's --lora.targets
 (phi3's fused qkv and gate_up left out)."""
-ALL_TARGETS = ",".join(_TARGETS.values())
 _RENAMED = {"iters": "steps", "learning_rate": "lr",
             "grad_accumulation_steps": "grad_accum", "steps_per_eval": "eval_every",
             "steps_per_report": "report_every", "save_every": "checkpoint_every",
@@ -210,7 +209,10 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         if option not in out:
             put("(none)", option, value, "mlx-lm's, fixed")
     if "lora.targets" not in out and given["fine_tune_type"] != "full":
-        put("lora_parameters.keys", "lora.targets", ALL_TARGETS, "mlx-lm default")
+        # mlx-lm's every linear layer of a block, as the lora recipe resolves all-linear against
+        # the base (qwen35: its linear-attention blocks' qkv,z,beta,alpha,out too; a mixture of
+        # experts: not its router, which mlx-lm's default adapts: `all_linear` says why)
+        put("lora_parameters.keys", "lora.targets", ALL_LINEAR, "mlx-lm default")
     return out, rows, notes
 
 

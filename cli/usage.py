@@ -348,7 +348,8 @@ HF_FLAGS: PeerFlags = {
     "lora_dropout": (("lora.dropout", "PEFT's lora_dropout is toymlx's --lora.dropout"),),
     "target_modules": (("lora.targets", ("PEFT's target_modules is toymlx's --lora.targets, in "
                                          "short names (q_proj, ..., down_proj: "
-                                         "q,k,v,o,gate,up,down)")),),
+                                         "q,k,v,o,gate,up,down; all-linear as PEFT's: every "
+                                         "linear projection of the base's blocks)")),),
     "use_rslora": (("lora.alpha", ("PEFT's use_rslora has no toymlx option: the adapters are "
                                    "scaled by --lora.alpha / rank (rsLoRA's alpha / sqrt(rank): "
                                    "--lora.alpha alpha x sqrt(rank))")),),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,7 +24,15 @@ from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.writer import QuantTensor, write_gguf
 from toymlx.interop.merge import write_merged
 from toymlx.models.llama import Llama, tiny
-from toymlx.models.lora import DoRALinear, LoRALinear, apply_lora, fuse, lora_layers, parse_targets
+from toymlx.models.lora import (
+    DoRALinear,
+    LoRALinear,
+    apply_lora,
+    fuse,
+    lora_layers,
+    parse_targets,
+    resolve_targets,
+)
 from toymlx.models.losses import lm_loss
 from toymlx.models.ops import EXACT as EXACT_OPS
 from toymlx.recipes.lora import resolve_base_dtype
@@ -97,8 +106,8 @@ def test_targets_and_last_layers(tiny_gguf):
 def test_unknown_target_and_bad_layers_name_the_flag(tiny_gguf):
     model = base(tiny_gguf)
     with pytest.raises(ValueError, match=r"--lora\.targets: expected a comma list of q, k, v, qkv, o, "
-                                         r"gate, up, gate_up, down, z, beta, alpha, out, router; "
-                                         r"found unknown target 'qq'"):
+                                         r"gate, up, gate_up, down, z, beta, alpha, out, router, "
+                                         r"or all-linear; found unknown target 'qq'"):
         apply_lora(model, "q,qq")
     with pytest.raises(ValueError, match=r"--lora\.layers: expected 1\.\.3"):
         apply_lora(model, "q", layers=4)
@@ -108,7 +117,7 @@ def test_unknown_target_and_bad_layers_name_the_flag(tiny_gguf):
 @pytest.mark.parametrize("targets,said", [
     ("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "q,k,v,o,gate,up,down"),
     ("self_attn.q_proj,v", "q,v"),  # mlx-lm's keys, one of toymlx's among them
-    ("all-linear", "q,k,v,o,gate,up,down"),
+    ("q_proj,all-linear,router", "q,all-linear,router"),  # all-linear is toymlx's too
 ])
 def test_hugging_face_s_target_modules_are_named_as_toymlx_s(targets, said):
     """PEFT's (Unsloth's) target_modules given to --lora.targets: the error says the same list
@@ -118,8 +127,37 @@ def test_hugging_face_s_target_modules_are_named_as_toymlx_s(targets, said):
     first = targets.split(",")[0]
     assert str(e.value) == (
         "--lora.targets: expected a comma list of q, k, v, qkv, o, gate, up, gate_up, down, z, "
-        f"beta, alpha, out, router; found unknown target {first!r} (Hugging Face's names; toymlx's are "
+        f"beta, alpha, out, router, or all-linear; found unknown target {first!r} (Hugging Face's "
+        "names; toymlx's are "
         f"--lora.targets {said})")
+
+
+def test_all_linear_is_every_projection_the_base_s_blocks_have(tiny_gguf):
+    """--lora.targets all-linear (PEFT's target_modules, mlx-lm's default without keys) resolved
+    against the base: a dense llama's seven projections, phi3's fused four, qwen35's full- and
+    linear-attention blocks' (qkv, z, beta, alpha, out too), a mixture of experts' attention and
+    expert tensors without its router (added where named); applied to the tiny llama, the same
+    21 layers as the seven named (before: all-linear was refused, and its hint said the seven
+    on every base)."""
+    from toymlx.models.llama import LlamaArgs
+
+    seven = ("q", "k", "v", "o", "gate", "up", "down")
+    assert resolve_targets("all-linear", ARGS) == seven
+    phi3 = replace(ARGS, arch="phi3", fused_qkv=True, fused_gate_up=True)
+    assert resolve_targets("all-linear", phi3) == ("qkv", "o", "gate_up", "down")
+    qwen35 = LlamaArgs(arch="qwen35", attn_out_gate=True, qk_norm=True, rope_neox=True,
+                       linear_layers=(True, True, True, False), ssm_head_dim=8, ssm_k_heads=2,
+                       ssm_v_heads=4)
+    assert resolve_targets("all-linear", qwen35) == (
+        "q", "k", "v", "qkv", "o", "gate", "up", "down", "z", "beta", "alpha", "out")
+    moe = replace(ARGS, arch="qwen3moe", n_experts=4, n_experts_used=2)
+    assert resolve_targets("all-linear", moe) == seven
+    assert resolve_targets("all-linear,router", moe) == (*seven, "router")
+    assert resolve_targets(["v", "all-linear"], ARGS) == ("v", "q", "k", "o", "gate", "up", "down")
+    assert parse_targets("q,all-linear") == ("q", "all-linear")  # unresolved until the base
+    named = lora_layers(apply_lora(base(tiny_gguf), ",".join(seven)))
+    every = lora_layers(apply_lora(base(tiny_gguf), "all-linear"))
+    assert list(every) == list(named) and len(every) == 3 * 7
 
 
 def test_fuse_matches_lora_forward(tiny_gguf):

@@ -6,6 +6,7 @@ key toymlx cannot honour as one line, and toymlx's own files untouched."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,7 +21,6 @@ from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
 from mlx_lm.tuner.utils import build_schedule
 from toymlx_cli.config_file import ConfigFileError
 from toymlx_cli.mlx_lm_config import (
-    ALL_TARGETS,
     MLX_LM_DEFAULTS,
     is_mlx_lm_config,
     mlx_lm_options,
@@ -31,7 +31,7 @@ from toymlx.bundle.events import read_events
 from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import write_llama
 from toymlx.models.llama import Llama, tiny
-from toymlx.models.lora import LoRALinear
+from toymlx.models.lora import HF_TARGETS, LoRALinear
 from toymlx.recipes import lora
 from toymlx.training import optimizers
 
@@ -327,7 +327,7 @@ def test_the_optimizers_are_mlx_lm_s():
     assert (tuned.beta1, tuned.beta2, tuned.weight_decay) == (0.8, 0.9, 0.05)
     for name, cls in (("sgd", optim.SGD), ("adafactor", optim.Adafactor), ("muon", optim.Muon)):
         assert type(lora.make_optimizer(_cfg(optimizer=name))) is cls
-    assert _cfg().lora.targets == ALL_TARGETS and _cfg().lora.layers == 16
+    assert _cfg().lora.targets == "all-linear" and _cfg().lora.layers == 16
     assert _cfg(num_layers=-1).lora.layers is None
 
 
@@ -987,3 +987,108 @@ def test_a_hugging_face_model_the_hub_cannot_give_is_named_by_the_file_s_key(
         f"not in the Hugging Face cache {tmp_path / 'hub'} and HF_HUB_OFFLINE is set"), line
     assert line.endswith(f"or give the GGUF file itself: set model: PATH.gguf in {path} (or "
                          "pass --base PATH.gguf)"), line
+
+
+MLX_LM_NAMES = {**HF_TARGETS, "linear_attn.in_proj_qkv": "qkv",
+                "linear_attn.in_proj_z": "z", "linear_attn.in_proj_b": "beta",
+                "linear_attn.in_proj_a": "alpha", "linear_attn.out_proj": "out",
+                "mlp.gate": "router", "mlp.switch_mlp.gate_proj": "gate",
+                "mlp.switch_mlp.up_proj": "up", "mlp.switch_mlp.down_proj": "down"}
+"""mlx-lm's module paths in a llama, qwen3_5 or qwen3_moe block -> toymlx's --lora.targets."""
+
+
+def _mlx_lm_default(model) -> list[set[str]]:
+    """The projections mlx-lm's linear_to_lora_layers wraps in each block of `model` when its
+    config gives no keys, in toymlx's names."""
+    from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRA
+    from mlx_lm.tuner.lora import LoRASwitchLinear
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": 2, "scale": 1.0, "dropout": 0.0})
+    return [{MLX_LM_NAMES[p] for p, m in block.named_modules()
+             if isinstance(m, (MlxLmLoRA, LoRASwitchLinear))} for block in model.layers]
+
+
+def test_without_keys_every_linear_layer_is_adapted_as_mlx_lm_adapts_it(tmp_path):
+    """An mlx-lm config without lora_parameters.keys: --lora.targets all-linear, resolved
+    against the base, adapts in each block what mlx-lm's own linear_to_lora_layers wraps there,
+    built on the same architecture: a llama's seven projections; qwen3_5's linear-attention
+    blocks' in_proj_qkv, z, b, a and out_proj (before: q,k,v,o,gate,up,down on every base, so
+    those 15 projections of the 3 linear blocks were left out, and no line said so); on
+    qwen3_moe its experts and attention, its router (mlp.gate) being the one layer mlx-lm
+    adapts that all-linear leaves out (`toymlx.models.lora.all_linear` says why)."""
+    from mlx_lm.models import llama, qwen3_5, qwen3_moe
+    from test_archs import qwen35_gguf
+
+    from toymlx.gguf.llama import args_from_gguf
+    from toymlx.gguf.reader import GGUFFile
+    from toymlx.models.lora import block_targets, resolve_targets
+
+    options, _, _ = mlx_lm_options({"model": "m.gguf"}, "f.yaml")
+    assert options["lora.targets"] == "all-linear"
+
+    def ours(a) -> list[set[str]]:
+        want = resolve_targets(options["lora.targets"], a)
+        return [set(want) & set(block_targets(a, i)) for i in range(a.n_layers)]
+
+    dense = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+        num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=300, num_key_value_heads=2))
+    assert _mlx_lm_default(dense) == ours(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                               ffn_dim=96))
+    theirs = _mlx_lm_default(qwen3_5.TextModel(qwen3_5.TextModelArgs(
+        model_type="qwen3_5", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16)))
+    with GGUFFile(qwen35_gguf(tmp_path / "q.gguf")) as g:
+        a = args_from_gguf(g)
+    assert theirs == ours(a)
+    assert theirs[0] == {"qkv", "z", "beta", "alpha", "out", "gate", "up", "down"}
+    moe = _mlx_lm_default(qwen3_moe.Model(qwen3_moe.ModelArgs(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+        num_attention_heads=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=300,
+        num_key_value_heads=2, head_dim=16, rope_theta=1e6, tie_word_embeddings=True,
+        max_position_embeddings=256, norm_topk_prob=True)))
+    experts = replace(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96),
+                      arch="qwen3moe", n_experts=4, n_experts_used=2)
+    assert moe == [block | {"router"} for block in ours(experts)]
+
+
+def test_a_config_without_keys_on_qwen35_trains_its_linear_blocks_projections(tmp_path, capsys):
+    """An mlx-lm config without lora_parameters.keys on a qwen35 base: the table says
+    all-linear, config.json keeps it as given, run_start records what it resolved to on this
+    base (q,k,v,o of the full-attention block; qkv,z,beta,alpha,out of the 3 linear-attention
+    ones; the MLP's in all 4), and the adapter holds a pair for each of those 31 projections."""
+    from test_archs import qwen35_gguf
+
+    from toymlx.training.adapter import load_adapter
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n in (("train", 8), ("valid", 2)):
+        (data / f"{split}.jsonl").write_text("".join(
+            json.dumps({"text": f"row {i}: the number {i * 7 % 10} follows {i}"}) + "\n"
+            for i in range(n)))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(qwen35_gguf(tmp_path / "q.gguf")), "data": str(data), "iters": 1,
+        "batch_size": 2, "max_seq_length": 48, "val_batches": 1, "steps_per_eval": 1,
+        "adapter_path": str(tmp_path / "runs" / "r")}))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    rows = {tuple(x.split()[:2]): x.split()[2:] for x in capsys.readouterr().out.splitlines()}
+    assert rows[("lora_parameters.keys", "--lora.targets")] == ["all-linear", "mlx-lm", "default"]
+    run = tmp_path / "runs" / "r"
+    assert json.loads((run / "config.json").read_text())["config"]["lora"]["targets"] == (
+        "all-linear")
+    start = read_events(run)[0]
+    every = "q,k,v,qkv,o,gate,up,down,z,beta,alpha,out"
+    assert start["config"]["lora_targets_resolved"] == every
+    assert start["model"]["lora_targets"] == every and start["model"]["lora_blocks_reached"] == 4
+    pairs = load_adapter(run).pairs
+    assert len(pairs) == 3 * 8 + 7
+    assert {n for n in pairs if n.startswith("blk.0.")} == {
+        f"blk.0.{t}.weight" for t in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha",
+                                      "ssm_out", "ffn_gate", "ffn_up", "ffn_down")}

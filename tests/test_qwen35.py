@@ -322,6 +322,26 @@ def test_targets_per_block_kind():
     assert set(block_targets(a)) == set(block_targets(a, 0)) | set(block_targets(a, 3))
 
 
+def test_all_linear_adapts_both_block_kinds_projections(tmp_path):
+    """--lora.targets all-linear (PEFT's target_modules, mlx-lm's default without keys) on a
+    qwen35 file: the 31 layers ALL names, the 3 linear-attention blocks' qkv, z, beta, alpha and
+    out among them (before: resolved to q,k,v,o,gate,up,down on every base, 16 layers, those 15
+    left out and the reach line silent, the MLP reaching every block)."""
+    from test_archs import qwen35_gguf
+
+    path = qwen35_gguf(tmp_path / "q.gguf")
+
+    def adapted(targets: str) -> dict:
+        model, g = load_llama(path)
+        g.close()
+        return lora_layers(apply_lora(model, targets))
+
+    every, named = adapted("all-linear"), adapted(ALL)
+    assert list(every) == list(named) and len(every) == 3 * 8 + 7
+    assert {p.split(".", 2)[2] for p in every if p.startswith("layers.0.")} >= {
+        "attn.qkv_proj", "attn.z_proj", "attn.beta_proj", "attn.alpha_proj", "attn.out_proj"}
+
+
 def _chat_base(tiny_gguf, tmp_path):  # noqa: F811
     """The tiny converted file with a ChatML template (Qwen's turn markers; the tiny tokenizer
     has none), so that a data folder of chat records trains on it."""
@@ -425,7 +445,8 @@ def test_the_default_targets_say_the_blocks_they_miss(tiny_gguf, tmp_path, capsy
     """toymlx-train --recipe lora on qwen35 with the default --lora.targets (q): the console
     says in one line that q reaches 1 of the 4 blocks and which targets reach the 3
     linear-attention ones, and run_start records the count and the same line; on resume
-    (the same model) nothing is refused; all targets say nothing."""
+    (the same model) nothing is refused; all targets (all-linear: PEFT's, resolved against this
+    base, which run_start records) say nothing."""
     from test_lora import _train, mlx_lm_folder
 
     base = _chat_base(tiny_gguf, tmp_path)
@@ -444,7 +465,10 @@ def test_the_default_targets_say_the_blocks_they_miss(tiny_gguf, tmp_path, capsy
             start["model"]["lora_reach"]) == ("q", 1, line)
     assert _train(["--resume", str(tmp_path / "q"), "--no-progress"]) == 0
     assert capsys.readouterr().err.count(line) == 1
-    assert _train(common + ["--run-id", "all", "--lora.targets", ALL]) == 0
+    assert _train(common + ["--run-id", "all", "--lora.targets", "all-linear"]) == 0
     assert "reaches" not in capsys.readouterr().err
     start = json.loads((tmp_path / "all" / "events.jsonl").read_text().splitlines()[0])
     assert start["model"]["lora_blocks_reached"] == 4 and "lora_reach" not in start["model"]
+    resolved = start["config"]["lora_targets_resolved"]
+    assert sorted(resolved.split(",")) == sorted(ALL.split(","))
+    assert start["model"]["lora_targets"] == resolved

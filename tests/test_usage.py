@@ -213,7 +213,8 @@ def test_unsloths_notebook_settings_name_toymlxs_options(capsys, tmp_path, monke
         (f"lora_alpha: {unknown} PEFT's lora_alpha is toymlx's --lora.alpha (the adapters scaled "
          "by alpha / rank, as PEFT's)"),
         (f"target-modules: {unknown} PEFT's target_modules is toymlx's --lora.targets, in short "
-         "names (q_proj, ..., down_proj: q,k,v,o,gate,up,down)"),
+         "names (q_proj, ..., down_proj: q,k,v,o,gate,up,down; all-linear as PEFT's: every "
+         "linear projection of the base's blocks)"),
         (f"per_device_train_batch_size: {unknown} HF Trainer's per_device_train_batch_size is "
          "toymlx's --batch-size"),
         (f"gradient-accumulation-steps: {unknown} HF Trainer's gradient_accumulation_steps is "

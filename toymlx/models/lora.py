@@ -35,6 +35,10 @@ phi3's fused projections, which it has instead of q, k, v and gate, up; qkv, z, 
 and out: the projections of qwen35's linear-attention blocks, attn_qkv, attn_gate, ssm_beta,
 ssm_alpha and ssm_out, each of which llama.cpp's adapters adapt; router: a mixture of
 experts' `ffn_gate_inp`, which it has instead of gate, up and down)."""
+ALL_LINEAR = "all-linear"
+"""--lora.targets all-linear: PEFT's (Unsloth's) target_modules="all-linear", and what mlx-lm
+adapts when its config gives no lora_parameters.keys: every linear projection of the base's
+blocks, as `all_linear` lists them for that base."""
 LINEAR_TARGETS = ("qkv", "z", "beta", "alpha", "out", "gate", "up", "down")
 """The targets a qwen35 linear-attention block has (its full-attention blocks have q, k, v, o
 and the MLP's)."""
@@ -210,14 +214,15 @@ ADAPTER_KINDS: dict[str, type[LoRALinear]] = {"lora": LoRALinear, "dora": DoRALi
 
 # ---- applying, listing and fusing -------------------------------------------------------
 def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
-    """Short target names from "q,k,v" or a sequence; ValueError names --lora.targets."""
+    """Short target names from "q,k,v" or a sequence, `ALL_LINEAR` kept as given (`resolve_targets`
+    expands it against a base); ValueError names --lora.targets."""
     items = targets.split(",") if isinstance(targets, str) else list(targets)
     names = [t.strip() for t in items if t.strip()]
-    allowed = ", ".join(TARGETS)
+    allowed = ", ".join(TARGETS) + f", or {ALL_LINEAR}"
     if not names:
         raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
                          f"{targets!r}")
-    bad = [t for t in names if t not in TARGETS]
+    bad = [t for t in names if t not in TARGETS and t != ALL_LINEAR]
     if bad:
         said = hf_targets(names)
         raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
@@ -225,6 +230,29 @@ def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
                          + (f" (Hugging Face's names; toymlx's are --lora.targets {said})" if said
                             else ""))
     return tuple(dict.fromkeys(names))
+
+
+def all_linear(a: LlamaArgs) -> tuple[str, ...]:
+    """What --lora.targets all-linear adapts on a base with args `a`: every linear projection
+    its blocks have (`block_targets`), as PEFT's all-linear wraps every nn.Linear of every block
+    and mlx-lm's default without keys every linear layer of them. A dense base: q,k,v,o,gate,
+    up,down (phi3: its fused qkv,o,gate_up,down). qwen35: those of its full-attention blocks and
+    its linear-attention blocks' qkv,z,beta,alpha,out too (each block adapts those it has). A
+    mixture of experts: q,k,v,o and gate,up,down as its experts' tensors (a pair per expert),
+    not the router (ffn_gate_inp), which PEFT's all-linear and mlx-lm's default would also wrap
+    (an nn.Linear there): Unsloth leaves a MoE's router untrained by default, since adapting it
+    moves which experts each token picks; --lora.targets all-linear,router adds it."""
+    return tuple(t for t in block_targets(a) if t != "router")
+
+
+def resolve_targets(targets: str | Sequence[str], a: LlamaArgs) -> tuple[str, ...]:
+    """--lora.targets as the target names it adapts on a base with args `a` (`parse_targets`'s,
+    `ALL_LINEAR` expanded to `all_linear(a)` in its place): the one place all-linear meets the
+    base, so the run records (run_start's lora_targets_resolved) what it adapted."""
+    out: list[str] = []
+    for t in parse_targets(targets):
+        out += all_linear(a) if t == ALL_LINEAR else [t]
+    return tuple(dict.fromkeys(out))
 
 
 HF_TARGETS: dict[str, str] = {
@@ -236,16 +264,13 @@ HF_TARGETS: dict[str, str] = {
 
 
 def hf_targets(names: Sequence[str]) -> str | None:
-    """PEFT's (Unsloth's, mlx-lm's) target_modules as --lora.targets names: `q_proj`,
-    `self_attn.q_proj` or `all-linear` ("q,k,v,o,gate,up,down"); None where a name is neither
-    toymlx's nor Hugging Face's."""
+    """PEFT's (Unsloth's, mlx-lm's) target_modules as --lora.targets names: `q_proj` or
+    `self_attn.q_proj` ("q"; all-linear is toymlx's too); None where a name is neither toymlx's
+    nor Hugging Face's."""
     hf = {**HF_TARGETS, **{path.rpartition(".")[2]: t for path, t in HF_TARGETS.items()}}
     out: list[str] = []
     for n in names:
-        if n == "all-linear":  # PEFT's every linear layer of a block (phi3: its fused ones)
-            out += [t for t in TARGETS
-                    if t not in FUSED and t not in LINEAR_ONLY and t != "router"]
-        elif n in TARGETS or n in hf:
+        if n in TARGETS or n == ALL_LINEAR or n in hf:
             out.append(hf.get(n, n))
         else:
             return None
@@ -359,9 +384,9 @@ def apply_lora(model: Llama, targets: str | Sequence[str] = ("q",), layers: int 
                rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                kind: str = "lora") -> Llama:
     """Freeze `model` and wrap the chosen projections of the last `layers` blocks in LoRA
-    (`kind="dora"`: DoRA)."""
+    (`kind="dora"`: DoRA; `targets` all-linear: `all_linear(model.args)`)."""
     layer = ADAPTER_KINDS[kind]
-    names = parse_targets(targets)
+    names = resolve_targets(targets, model.args)
     blocks = target_blocks(len(model.layers), layers)
     check_targets(names, model.args, layers)
     experts = [t for t in names if model.args.n_experts and t in EXPERT_TARGETS]

@@ -57,6 +57,7 @@ from toymlx.models.lora import (
     apply_lora,
     check_targets,
     parse_targets,
+    resolve_targets,
     target_blocks,
     target_reach,
 )
@@ -99,7 +100,9 @@ class LoRAOptions:
     """Comma list of projections to adapt: q, k, v, o, gate, up, down (phi3's fused ones:
     qkv, o, gate_up, down; qwen35's linear-attention blocks: qkv, z, beta, alpha, out, its
     q, k, v, o being its full-attention blocks'; a mixture of experts: gate, up, down its
-    experts' (a pair per expert), router its ffn_gate_inp)."""
+    experts' (a pair per expert), router its ffn_gate_inp); or all-linear (PEFT's; mlx-lm's
+    default): every linear projection of this base's blocks, `toymlx.models.lora.all_linear`,
+    recorded as run_start's lora_targets_resolved."""
     layers: int | None = None
     """Adapt only the last N blocks (default: all; mlx-lm's --num-layers)."""
     init_adapter: str | None = None
@@ -369,14 +372,16 @@ def build(cfg: Config, ops: Ops) -> Task:
     with GGUFFile(src.path) as g:
         types = "/".join(sorted(set(projection_types(g).values())))
         a = args_from_gguf(g)
+        targets: tuple[str, ...] = ()
         if not full:  # before the memory estimate, which sizes each target's projection
-            check_targets(parse_targets(cfg.lora.targets), a, cfg.lora.layers)
+            targets = resolve_targets(cfg.lora.targets, a)  # all-linear as this base's
+            check_targets(targets, a, cfg.lora.layers)
         trained_blocks = target_blocks(a.n_layers, cfg.full.layers, "--full.layers")
         trained = block_tensors(g.tensors, trained_blocks) if some else frozenset()
 
         def step_estimate(held: str) -> memory.Estimate:
             return memory.estimate(
-                g, held=held, full=full, targets=parse_targets(cfg.lora.targets),
+                g, held=held, full=full, targets=targets,
                 rank=cfg.lora.rank, layers=cfg.full.layers if full else cfg.lora.layers,
                 dora=cfg.fine_tune_type == "dora", batch_size=cfg.batch_size,
                 seq_len=cfg.seq_len, ops=ops)
@@ -420,7 +425,6 @@ def build(cfg: Config, ops: Ops) -> Task:
         info.update(full_layers=len(trained_blocks))
     else:
         target_blocks(args.n_layers, cfg.lora.layers)  # --lora.layers checked against the base
-        targets = parse_targets(cfg.lora.targets)
         apply_lora(model, targets, cfg.lora.layers, cfg.lora.rank, cfg.lora.alpha,
                    cfg.lora.dropout, kind=cfg.fine_tune_type)
         if cfg.lora.init_adapter:
@@ -490,6 +494,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches, cfg.grad_checkpoint),
         save=save, load=load, model_info=info,
         config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,
+                     **({} if full else {"lora_targets_resolved": ",".join(targets)}),
                      "data_source": str(data.source),
                      **({"test_source": data.test_source,
                          "test_rows": len(data.test["inputs"])} if data.test is not None
