@@ -360,8 +360,8 @@ def check_targets(names: Sequence[str], a: LlamaArgs, layers: int | None = None)
     if layers is None:
         return
     blocks = target_blocks(a.n_layers, layers)
-    there = [t for t in TARGETS if any(t in block_targets(a, i) for i in blocks)]
-    if not any(t in there for t in names):  # else a block's absent ones are skipped, as in all
+    if target_reach(a, names, blocks)[0] == 0:  # else a block's absent ones are skipped, as all
+        there = [t for t in TARGETS if any(t in block_targets(a, i) for i in blocks)]
         which = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
         raise ValueError(f"--lora.targets: expected a projection that {which} (the last "
                          f"{layers} of this {a.arch} base, --lora.layers) have: "
