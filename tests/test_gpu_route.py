@@ -1,0 +1,76 @@
+"""The GPU route's math (`--device gpu`: bfloat16, MLX's fused kernels, the base held as on a
+GPU) for every architecture toymlx reads, computed on MLX's CPU against the exact float32
+forward: the logits of a forward pass and a LoRA step's gradients (tests/gpu_route.py). The same
+comparison on the GPU itself is test_gpu.py's (marker `gpu`). The training step is eager here:
+compiled, each architecture's bfloat16 kernels are first built by the C++ compiler (minutes on
+a cold cache); test_gpu.py compiles it as the trainer does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gpu_route import (
+    ALL_KINDS,
+    GRAD_COSINE,
+    LOGITS_TOL,
+    LOSS_TOL,
+    compare,
+    gpu_ops,
+    write_file,
+)
+
+from toymlx.models.moe import gather_product
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu_route")
+    return {k: write_file(k, d) for k in ALL_KINDS}
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_the_gpu_route_computes_the_exact_model(files, kind):
+    """bfloat16 logits within LOGITS_TOL of the exact float32 ones (relative to their largest),
+    all finite; the LoRA step's loss within LOSS_TOL and each gradient's cosine above
+    GRAD_COSINE. CUDA's Ops (attention kept for the backward pass; Metal's recompute it, the
+    same numbers here to the bit: test_gpu.py runs both where it can)."""
+    r = compare(files[kind], gpu_ops("cuda"), mx.cpu, compiled=False)
+    print(f"\n[gpu_route] {kind}: " + json.dumps(r, default=str))
+    assert r["dtype"] == "mlx.core.bfloat16" and r["finite"]
+    assert r["logits_error"] < LOGITS_TOL
+    assert r["fast_loss"] == pytest.approx(r["loss"], rel=LOSS_TOL)
+    assert r["grad_cosine"] > GRAD_COSINE, r["worst"]
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_the_gpu_route_in_float32_is_the_exact_model(files, kind):
+    """`--device gpu --dtype float32`: the GPU route's kernels (mx.fast's RoPE with its
+    frequencies, fused norms and attention, soft caps composed) in float32 compute the exact
+    model's logits to float32's rounding."""
+    r = compare(files[kind], replace(gpu_ops("cuda"), dtype="float32"), mx.cpu, grads=False)
+    assert r["dtype"] == "mlx.core.float32"
+    assert r["logits_error"] < 2e-5, r
+
+
+def test_half_precision_experts_on_the_cpu():
+    """MLX's CPU GatherMM computes float32 only: `gather_product` there takes bfloat16 operands
+    through float32 (the float32 product, rounded once), where MLX alone raised."""
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((6, 1, 1, 16)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.standard_normal((4, 16, 8)).astype(np.float32)).astype(mx.bfloat16)
+    idx = mx.array(rng.integers(0, 4, (6, 2)).astype(np.uint32))
+    with mx.stream(mx.cpu):
+        with pytest.raises(RuntimeError, match="GatherMM"):
+            mx.eval(mx.gather_mm(x, w, rhs_indices=idx))
+        got = gather_product(x, w, idx, False)
+    want = np.einsum("nd,nkdo->nko", np.array(x.astype(mx.float32))[:, 0, 0],
+                     np.array(w.astype(mx.float32))[np.array(idx)])
+    assert got.dtype == mx.bfloat16
+    assert np.array_equal(np.array(got.astype(mx.float32))[:, :, 0],
+                          np.array(mx.array(want.astype(np.float32)).astype(mx.bfloat16)
+                                   .astype(mx.float32)))
