@@ -25,6 +25,7 @@ from gpu_route import (
 )
 
 from toymlx.models.moe import gather_product
+from toymlx.models.ops import EXACT
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +75,43 @@ def test_half_precision_experts_on_the_cpu():
     assert np.array_equal(np.array(got.astype(mx.float32))[:, :, 0],
                           np.array(mx.array(want.astype(np.float32)).astype(mx.bfloat16)
                                    .astype(mx.float32)))
+
+
+def test_block_held_experts_in_bfloat16():
+    """A quantized base's experts stay in their GGUF blocks on a GPU too (`frozen_weights`: MLX's
+    quantized layers hold 2-D matrices only), decoded and applied in bfloat16: a block's output
+    and its input gradient against float32's, 80 tokens (160 pairs, sorted by expert) and 8
+    (16 pairs, in token order)."""
+    from toymlx.gguf.blocks import CODECS, random_blocks, split_rows
+    from toymlx.gguf.reader import GGMLQuantizationType as Q
+    from toymlx.models.moe import BlockExperts, MoE
+
+    e, d, f = 8, 64, 32
+    codec = CODECS[Q.Q8_0]
+    rng = np.random.default_rng(0)
+
+    def block(ops):
+        m = MoE(d, e, 2, f, ops=ops)
+        m.router.weight = mx.array(rng.standard_normal((e, d)).astype(np.float32))
+        for name, (o, i) in (("gate_exps", (f, d)), ("up_exps", (f, d)), ("down_exps", (d, f))):
+            raw = random_blocks(codec, e * o, i // codec.block_values, seed=3)
+            parts = {k: mx.array(v) for k, v in split_rows(codec, raw, (e, o, i)).items()}
+            setattr(m, name, BlockExperts(codec, parts, e, o, i, ops))
+        return m
+
+    exact, fast = block(EXACT), block(gpu_ops("cuda"))
+    fast.router.weight = exact.router.weight
+    for n in (80, 8):
+        x = mx.array(rng.standard_normal((1, n, d)).astype(np.float32))
+        probe = mx.array(rng.standard_normal((1, n, d)).astype(np.float32))
+        outs, grads = [], []
+        for m in (exact, fast):
+            xm = x.astype(m.ops.mx_dtype)
+            outs.append(np.array(m(xm).astype(mx.float32)))
+            g = mx.grad(lambda xx, m=m, p=probe: (m(xx).astype(mx.float32) * p).sum())(xm)
+            grads.append(np.array(g.astype(mx.float32)).ravel())
+        err = np.abs(outs[1] - outs[0]).max() / np.abs(outs[0]).max()
+        cos = grads[0] @ grads[1] / np.linalg.norm(grads[0]) / np.linalg.norm(grads[1])
+        print(f"\n[gpu_route] Q8_0 experts, {n} tokens: error {err:.3g}, input grad cosine "
+              f"{cos:.5f}")
+        assert err < LOGITS_TOL and cos > 0.999
