@@ -21,12 +21,14 @@ router probabilities nearly tie, bfloat16 may choose the other, as any other rou
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from arch_files import DRAWN_KINDS, KINDS, arch_gguf, drawn_gguf
 from mlx.utils import tree_flatten, tree_unflatten
 
@@ -56,6 +58,13 @@ def write_file(kind: str, folder: Path) -> Path:
     """The GGUF of `kind` (ALL_KINDS) in `folder`."""
     make = drawn_gguf if kind in DRAWN_KINDS else arch_gguf
     return make(kind, folder / f"{kind}.gguf")
+
+
+@pytest.fixture(scope="module")
+def route_files(tmp_path_factory) -> dict[str, Path]:
+    """Every kind's file (`write_file`), by kind: `from gpu_route import route_files`."""
+    d = tmp_path_factory.mktemp("gpu_route")
+    return {k: write_file(k, d) for k in ALL_KINDS}
 
 
 def gpu_ops(gpu: str) -> Ops:
@@ -167,3 +176,14 @@ def compare(path: Path, ops: Ops, stream: Any, grads: bool = True,
     res.update(loss=loss, fast_loss=fast_loss, grad_cosine=cos[worst], worst=worst,
                n_grads=len(cos))
     return res
+
+
+def check(r: dict[str, Any], what: str) -> None:
+    """`compare`'s figures (`what`: the file and device, printed with them) within the bounds:
+    bfloat16 logits, all finite, within LOGITS_TOL; the loss within LOSS_TOL; each gradient's
+    cosine above GRAD_COSINE."""
+    print(f"\n[gpu_route] {what}: " + json.dumps(r, default=str))
+    assert r["dtype"] == "mlx.core.bfloat16" and r["finite"]
+    assert r["logits_error"] < LOGITS_TOL
+    assert abs(r["fast_loss"] - r["loss"]) <= LOSS_TOL * abs(r["loss"])
+    assert r["grad_cosine"] > GRAD_COSINE, r["worst"]

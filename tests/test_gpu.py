@@ -9,21 +9,13 @@ the GPU against the exact float32 one on the CPU: `test_every_architecture_on_th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import gpu_route
 import mlx.core as mx
 import numpy as np
 import pytest
-from gpu_route import (
-    ALL_KINDS,
-    GRAD_COSINE,
-    LOGITS_TOL,
-    LOSS_TOL,
-    compare,
-    gpu_ops,
-    write_file,
-)
+from gpu_route import route_files  # noqa: F401  (module fixture)
 from toymlx_cli.train import main
 
 from toymlx.backend import fpenv
@@ -82,22 +74,12 @@ def test_float32_matmul_on_the_gpu_is_close_not_exact():
     assert err < 2e-3
 
 
-@pytest.fixture(scope="module")
-def route_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu_route")
-    return {k: write_file(k, d) for k in ALL_KINDS}
-
-
 @pytest.mark.parametrize("ops", ["cuda", "metal"])
-@pytest.mark.parametrize("kind", ALL_KINDS)
-def test_every_architecture_on_the_gpu(route_files, kind, ops):
+@pytest.mark.parametrize("kind", gpu_route.ALL_KINDS)
+def test_every_architecture_on_the_gpu(route_files, kind, ops):  # noqa: F811
     """The GPU route's model on mx.gpu (CUDA's Ops: attention kept for the backward pass;
     Metal's: recomputed, the CPU's logits slices), its LoRA step compiled as the trainer compiles
     it, against the exact float32 model on the CPU (tests/gpu_route.py): the bounds
     test_gpu_route.py holds on MLX's CPU."""
-    r = compare(route_files[kind], gpu_ops(ops), mx.gpu, compiled=True)
-    print(f"\n[gpu] {kind} ({ops} Ops): " + json.dumps(r, default=str))
-    assert r["dtype"] == "mlx.core.bfloat16" and r["finite"]
-    assert r["logits_error"] < LOGITS_TOL
-    assert r["fast_loss"] == pytest.approx(r["loss"], rel=LOSS_TOL)
-    assert r["grad_cosine"] > GRAD_COSINE, r["worst"]
+    r = gpu_route.compare(route_files[kind], gpu_route.gpu_ops(ops), mx.gpu, compiled=True)
+    gpu_route.check(r, f"{kind} on the GPU ({ops}'s Ops)")

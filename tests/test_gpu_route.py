@@ -8,52 +8,40 @@ a cold cache); test_gpu.py compiles it as the trainer does.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from arch_files import DRAWN_KINDS
 from gpu_route import (
     ALL_KINDS,
-    GRAD_COSINE,
     LOGITS_TOL,
-    LOSS_TOL,
+    check,
     compare,
     gpu_ops,
-    write_file,
+    route_files,  # noqa: F401  (module fixture)
 )
 
 from toymlx.models.moe import gather_product
 from toymlx.models.ops import EXACT
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu_route")
-    return {k: write_file(k, d) for k in ALL_KINDS}
-
-
 @pytest.mark.parametrize("kind", ALL_KINDS)
-def test_the_gpu_route_computes_the_exact_model(files, kind):
+def test_the_gpu_route_computes_the_exact_model(route_files, kind):  # noqa: F811
     """bfloat16 logits within LOGITS_TOL of the exact float32 ones (relative to their largest),
     all finite; the LoRA step's loss within LOSS_TOL and each gradient's cosine above
     GRAD_COSINE. CUDA's Ops (attention kept for the backward pass; Metal's recompute it, the
     same numbers here to the bit: test_gpu.py runs both where it can)."""
-    r = compare(files[kind], gpu_ops("cuda"), mx.cpu, compiled=False)
-    print(f"\n[gpu_route] {kind}: " + json.dumps(r, default=str))
-    assert r["dtype"] == "mlx.core.bfloat16" and r["finite"]
-    assert r["logits_error"] < LOGITS_TOL
-    assert r["fast_loss"] == pytest.approx(r["loss"], rel=LOSS_TOL)
-    assert r["grad_cosine"] > GRAD_COSINE, r["worst"]
+    check(compare(route_files[kind], gpu_ops("cuda"), mx.cpu, compiled=False), kind)
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
-def test_the_gpu_route_in_float32_is_the_exact_model(files, kind):
+@pytest.mark.parametrize("kind", DRAWN_KINDS)
+def test_the_gpu_route_in_float32_is_the_exact_model(route_files, kind):  # noqa: F811
     """`--device gpu --dtype float32`: the GPU route's kernels (mx.fast's RoPE with its
     frequencies, fused norms and attention, soft caps composed) in float32 compute the exact
-    model's logits to float32's rounding."""
-    r = compare(files[kind], replace(gpu_ops("cuda"), dtype="float32"), mx.cpu, grads=False)
+    model's logits to float32's rounding (test_archs.py checks arch_gguf's kinds so)."""
+    r = compare(route_files[kind], replace(gpu_ops("cuda"), dtype="float32"), mx.cpu, grads=False)
     assert r["dtype"] == "mlx.core.float32"
     assert r["logits_error"] < 2e-5, r
 
