@@ -43,10 +43,11 @@ from toymlx.training.step import micro_batch_grads
 ALL_KINDS = (*KINDS, *DRAWN_KINDS)
 LOGITS_TOL = 3e-2
 """Largest |fast - exact| / max |exact| of the logits: bfloat16's precision over a few blocks."""
-GRAD_COSINE = 0.97
-"""Smallest cosine between a LoRA parameter's fast and exact gradients: 0.9995-0.9999 on most
-files, 0.980 on gemma4's (6 blocks, a parameter's cosine 0.993 on average; rounding its weights
-alone gives 0.9976), where a gradient missing a term or a slope is far off."""
+GRAD_COSINE = 0.95
+"""Smallest cosine between a LoRA parameter's fast and exact gradients: 0.9988-0.9999 on most
+files, 0.977 on gemma4's (6 blocks; rounding its weights alone gives 0.9976), so bfloat16's
+own rounding, on a GPU in another order, has room; a gradient missing a term or a slope is far
+off."""
 LOSS_TOL = 3e-3
 """Largest relative difference of the fast and exact losses (measured: up to 1.1e-3)."""
 B, T = 2, 48
@@ -144,7 +145,8 @@ def compare(path: Path, ops: Ops, stream: Any, grads: bool = True,
             compiled: bool = True) -> dict[str, Any]:
     """The model computing with `ops` (`gpu_ops`), its base held as on a GPU, on `stream` against
     the exact float32 model on the CPU: the logits' relative error, their dtype and whether all
-    are finite, and with `grads` the losses and the smallest gradient cosine (and its
+    are finite, the final hidden states' dtype (a float32 weight met unconverted widens every
+    activation after it), and with `grads` the losses and the smallest gradient cosine (and its
     parameter) of a LoRA step."""
     data = batch(load_llama(path)[0].args.vocab_size)
     tokens = data["inputs"]
@@ -155,10 +157,11 @@ def compare(path: Path, ops: Ops, stream: Any, grads: bool = True,
     with mx.stream(stream):
         fast, _ = load_llama(path, ops, frozen_weights(True))
         pin_routes(fast, chosen)
-        out = fast(tokens)
+        h = fast.hidden(tokens)
+        out = fast.unembed(h)
         got = np.array(out.astype(mx.float32))
     res: dict[str, Any] = {"logits_error": relative(got, want), "dtype": str(out.dtype),
-                           "finite": bool(np.isfinite(got).all())}
+                           "hidden_dtype": str(h.dtype), "finite": bool(np.isfinite(got).all())}
     if not grads:
         return res
     with mx.stream(mx.cpu):
@@ -180,10 +183,10 @@ def compare(path: Path, ops: Ops, stream: Any, grads: bool = True,
 
 def check(r: dict[str, Any], what: str) -> None:
     """`compare`'s figures (`what`: the file and device, printed with them) within the bounds:
-    bfloat16 logits, all finite, within LOGITS_TOL; the loss within LOSS_TOL; each gradient's
+    bfloat16 hidden states and logits, all finite, within LOGITS_TOL; the loss within LOSS_TOL; each gradient's
     cosine above GRAD_COSINE."""
     print(f"\n[gpu_route] {what}: " + json.dumps(r, default=str))
-    assert r["dtype"] == "mlx.core.bfloat16" and r["finite"]
+    assert r["dtype"] == r["hidden_dtype"] == "mlx.core.bfloat16" and r["finite"]
     assert r["logits_error"] < LOGITS_TOL
     assert abs(r["fast_loss"] - r["loss"]) <= LOSS_TOL * abs(r["loss"])
     assert r["grad_cosine"] > GRAD_COSINE, r["worst"]
