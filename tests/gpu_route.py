@@ -190,3 +190,36 @@ def check(r: dict[str, Any], what: str) -> None:
     assert r["logits_error"] < LOGITS_TOL
     assert abs(r["fast_loss"] - r["loss"]) <= LOSS_TOL * abs(r["loss"])
     assert r["grad_cosine"] > GRAD_COSINE, r["worst"]
+
+
+ATTENTION_CASES = [(hd, mode) for hd in (64, 80, 128, 256, 512)
+                   for mode in ("causal", "window", "softcap")]
+"""Head widths of real models (SmolLM2 64, Phi-3 96's kin 80, Llama 128, Gemma 256, Gemma 4's
+full blocks 512) that MLX's fused attention may or may not take on each GPU, each causal, with
+a sliding window (gemma2/3/4's) and soft-capped (gemma2's, composed by toymlx)."""
+
+
+def attention_case(hd: int, mode: str, T: int, ops: Ops, stream: Any) -> tuple[float, float]:
+    """`ops.attention` on `stream` against the exact Ops' float32 one on the CPU, for 8 query
+    heads over 2 kv heads of width hd and T positions (`mode`: causal, window (16 back) or
+    softcap (at 1.0, which binds)): the output's relative error and the smallest cosine of the
+    q, k and v gradients for one random cotangent."""
+    rng = np.random.default_rng(hd + T)
+    q, k, v, c = (mx.array(rng.standard_normal(s).astype(np.float32))
+                  for s in ((1, 8, T, hd), (1, 2, T, hd), (1, 2, T, hd), (1, 8, T, hd)))
+    kw = {"window": 16 if mode == "window" else None,
+          "softcap": 1.0 if mode == "softcap" else None}
+
+    def run(o: Ops) -> tuple[np.ndarray, list[np.ndarray]]:
+        x = [a.astype(o.mx_dtype) for a in (q, k, v)]
+        out, grads = mx.vjp(lambda *a: [o.attention(*a, hd ** -0.5, causal=True, **kw)], x,
+                            [c.astype(o.mx_dtype)])
+        return (np.array(out[0].astype(mx.float32), np.float64),
+                [np.array(g.astype(mx.float32), np.float64).ravel() for g in grads])
+
+    with mx.stream(mx.cpu):
+        want, want_g = run(Ops())
+    with mx.stream(stream):
+        got, got_g = run(ops)
+    cos = min(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) for a, b in zip(want_g, got_g))
+    return relative(got, want), cos

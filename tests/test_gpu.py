@@ -19,6 +19,7 @@ from gpu_route import route_files  # noqa: F401  (module fixture)
 from toymlx_cli.train import main
 
 from toymlx.backend import fpenv
+from toymlx.backend.device import gpu_kind
 from toymlx.bundle.events import read_events
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.ops import CUDA_ATTENTION_KEEP_VALUES, CUDA_LOGITS_VALUES, EXACT, training_ops
@@ -83,3 +84,14 @@ def test_every_architecture_on_the_gpu(route_files, kind, ops):  # noqa: F811
     test_gpu_route.py holds on MLX's CPU."""
     r = gpu_route.compare(route_files[kind], gpu_route.gpu_ops(ops), mx.gpu, compiled=True)
     gpu_route.check(r, f"{kind} on the GPU ({ops}'s Ops)")
+
+
+@pytest.mark.parametrize("T", [48, 256])
+@pytest.mark.parametrize(("hd", "mode"), gpu_route.ATTENTION_CASES)
+def test_attention_of_every_head_width_on_the_gpu(hd, mode, T):
+    """The GPU route's attention on mx.gpu (its fused kernel where MLX takes the width, causal,
+    windowed or capped; 256 rows: a multiple of 128, cuDNN's fused backward) against float32's
+    on the CPU: output and q, k, v gradients (tests/gpu_route.py)."""
+    err, cos = gpu_route.attention_case(hd, mode, T, gpu_route.gpu_ops(gpu_kind()), mx.gpu)
+    print(f"\n[gpu] attention hd {hd} {mode} T {T}: error {err:.3g}, gradient cosine {cos:.5f}")
+    assert err < gpu_route.LOGITS_TOL and cos > 0.999

@@ -17,6 +17,7 @@ from arch_files import DRAWN_KINDS
 from gpu_route import (
     ALL_KINDS,
     LOGITS_TOL,
+    attention_case,
     check,
     compare,
     gpu_ops,
@@ -103,3 +104,15 @@ def test_block_held_experts_in_bfloat16():
         print(f"\n[gpu_route] Q8_0 experts, {n} tokens: error {err:.3g}, input grad cosine "
               f"{cos:.5f}")
         assert err < LOGITS_TOL and cos > 0.999
+
+
+@pytest.mark.parametrize(("hd", "mode"), [(64, "causal"), (128, "window"), (256, "softcap"),
+                                         (512, "window")])
+def test_attention_of_real_head_widths(hd, mode):
+    """The GPU route's attention (bfloat16, MLX's fused kernel or toymlx's capped one) against
+    float32's, output and gradients, at head widths real models have. On the CPU MLX composes
+    every one; which its fused kernels take differs by GPU: test_gpu.py runs all of
+    ATTENTION_CASES there."""
+    err, cos = attention_case(hd, mode, 48, gpu_ops("cuda"), mx.cpu)
+    print(f"\n[gpu_route] attention hd {hd} {mode}: error {err:.3g}, gradient cosine {cos:.5f}")
+    assert err < LOGITS_TOL and cos > 0.999
