@@ -160,28 +160,114 @@ def arch_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
     return write_gguf(path, meta, t, types=types)
 
 
+def gemma4_args():
+    """tests/hf_tiny.py's `gemma4` kind's shape (`gemma4_gguf`), the byte vocabulary."""
+    from toymlx.models.llama import LlamaArgs
+
+    big = float(np.float32(1e30))  # a proportional factor: the pair does not turn
+    return LlamaArgs(vocab_size=VOCAB, d_model=64, n_layers=6, n_heads=4, n_kv_heads=1,
+                     ffn_dim=128, context=256, rope_base=1e6, norm_eps=1e-6, key_length=32,
+                     arch="gemma4", rope_neox=True, rope_factors=(1.0,) * 4 + (big,) * 12,
+                     qk_norm=True, post_norms=True, embed_scale=True, activation="gelu_tanh",
+                     attn_scale=1.0, sliding_window=8, sliding_layers=(True, False) * 3,
+                     final_softcap=30.0, key_length_sliding=16,
+                     ffn_dims_per_block=(128,) * 4 + (256,) * 2, v_norm=True,
+                     shared_kv_layers=2, per_layer_dim=8, layer_scales=True)
+
+
 def gemma4_gguf(path: str | Path, seed: int = 0) -> Path:
     """A random-weight dense Gemma 4 GGUF at `path` with no converter (tests/hf_tiny.py's
     `gemma4` kind's shape: sliding blocks of head width 16 every other one from the first, full
     ones of 32 with proportional RoPE factors, a shared-KV tail of 2 without k/v and with
     double-wide MLPs, per-layer embeddings of width 8, layer scalars, logits capped at 30),
     written by toymlx's `write_llama`, which llama.cpp reads as the converter's files
-    (test_gemma4.py); the byte vocabulary."""
+    (test_gemma4.py); the byte vocabulary, MLX's initial weights."""
     import mlx.core as mx
 
     from toymlx.gguf.llama import write_llama
-    from toymlx.models.llama import Llama, LlamaArgs
+    from toymlx.models.llama import Llama
 
-    big = float(np.float32(1e30))  # a proportional factor: the pair does not turn
-    a = LlamaArgs(vocab_size=VOCAB, d_model=64, n_layers=6, n_heads=4, n_kv_heads=1,
-                  ffn_dim=128, context=256, rope_base=1e6, norm_eps=1e-6, key_length=32,
-                  arch="gemma4", rope_neox=True, rope_factors=(1.0,) * 4 + (big,) * 12,
-                  qk_norm=True, post_norms=True, embed_scale=True, activation="gelu_tanh",
-                  attn_scale=1.0, sliding_window=8, sliding_layers=(True, False) * 3,
-                  final_softcap=30.0, key_length_sliding=16,
-                  ffn_dims_per_block=(128,) * 4 + (256,) * 2, v_norm=True, shared_kv_layers=2,
-                  per_layer_dim=8, layer_scales=True)
     mx.random.seed(seed)
+    model = Llama(gemma4_args())
+    write_llama(path, model, byte_metadata())
+    return Path(path)
+
+
+def qwen35_args():
+    """A qwen35 shape: 3 Gated DeltaNet blocks and a gated full-attention one, 2 k heads serving
+    4 value heads, a quarter of each attention head rotated."""
+    from dataclasses import replace
+
+    from toymlx.gguf.llama import ARCHS
+    from toymlx.models.llama import LlamaArgs
+
+    return replace(LlamaArgs(), arch="qwen35", **ARCHS["qwen35"].switches, vocab_size=300,
+                   d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, context=256,
+                   key_length=32, rope_dims=8, linear_layers=(True, True, True, False),
+                   ssm_conv_kernel=4, ssm_head_dim=16, ssm_k_heads=2, ssm_v_heads=4)
+
+
+MOE_KINDS = ("qwen3moe", "mixtral", "qwen2moe")
+
+
+def moe_args(kind: str):
+    """A 2-block mixture of experts of 8 experts, 2 used per token, as tests/hf_tiny.py's kinds
+    of the same names lay them out: qwen3moe (q/k norms, head width 32, experts ffn / 2 wide),
+    mixtral (a llama file with experts ffn wide, untied) and qwen2moe (q/k/v biases, experts
+    ffn / 2 wide, weights not renormalized, a shared expert ffn wide, untied)."""
+    from toymlx.gguf.llama import ARCHS
+    from toymlx.models.llama import LlamaArgs
+
+    shape = {"vocab_size": VOCAB, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+             "ffn_dim": 96, "context": 256, "n_experts": 8, "n_experts_used": 2}
+    if kind == "qwen3moe":
+        return LlamaArgs(arch=kind, **ARCHS[kind].switches, key_length=32, expert_ffn_dim=48,
+                         **shape)
+    if kind == "qwen2moe":
+        return LlamaArgs(arch=kind, **ARCHS[kind].switches, expert_ffn_dim=48,
+                         shared_expert_ffn_dim=96, tie_embeddings=False, **shape)
+    if kind == "mixtral":
+        return LlamaArgs(arch="llama", expert_ffn_dim=96, tie_embeddings=False, **shape)
+    raise ValueError(f"kind: expected one of {MOE_KINDS}, found {kind!r}")
+
+
+DRAWN_KINDS = ("gemma4", "qwen35", *MOE_KINDS)
+"""The architectures `drawn_gguf` writes (those `arch_gguf` does not)."""
+
+
+def drawn_gguf(kind: str, path: str | Path, seed: int = 0) -> Path:
+    """A GGUF of `kind` (DRAWN_KINDS: `gemma4_args`, `qwen35_args`, `moe_args`) written by
+    toymlx's `write_llama`, its weights drawn as `arch_gguf` draws them: matrices N(0, 0.08),
+    token tables N(0, 0.5), norms and layer scalars 1 + 0.2 N, biases 0.1 N; qwen35's decays
+    -U(0.1, 2) and dt biases 0.2 N; routers N(0, 1); gemma4's q and k norm weights a quarter
+    of that: its scores are unscaled (attn_scale 1), and at full size they saturated the
+    softmax, a model in which rounding the weights alone to bfloat16 moved the logits by 9%
+    (1% quartered): too sensitive for the bfloat16 checks (test_gpu_route.py)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from toymlx.gguf.llama import write_llama
+    from toymlx.models.llama import Llama
+
+    if kind not in DRAWN_KINDS:
+        raise ValueError(f"kind: expected one of {DRAWN_KINDS}, found {kind!r}")
+    a = {"gemma4": gemma4_args, "qwen35": qwen35_args}.get(kind, lambda: moe_args(kind))()
     model = Llama(a)
+    rng = np.random.default_rng(seed)
+
+    def drawn(name: str, w: mx.array) -> mx.array:
+        z = rng.standard_normal(w.shape).astype(np.float32)
+        if name.endswith(".ssm_a"):
+            return mx.array(-rng.uniform(0.1, 2.0, w.shape).astype(np.float32))
+        if name.endswith(("q_norm.weight", "k_norm.weight")) and kind == "gemma4":
+            return mx.array(0.25 * (1.0 + 0.2 * z))
+        if name.endswith(("norm.weight", "out_scale.weight")):
+            return mx.array(1.0 + 0.2 * z)
+        scale = (0.2 if name.endswith(".dt_bias") else 0.1 if name.endswith(".bias")
+                 else 0.5 if name.endswith("embed.weight") else 1.0
+                 if name.endswith("router.weight") else 0.08)
+        return mx.array(scale * z)
+
+    model.update(tree_unflatten([(k, drawn(k, v)) for k, v in tree_flatten(model.parameters())]))
     write_llama(path, model, byte_metadata())
     return Path(path)

@@ -15,13 +15,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from arch_files import KINDS, arch_gguf
+from arch_files import KINDS, arch_gguf, qwen35_args
 from mlx.utils import tree_flatten, tree_unflatten
 from reference import forward, load_reference
 
 from toymlx.data.vocab import byte_metadata
 from toymlx.gguf.llama import (
-    ARCHS,
     SUPPORTED,
     args_from_gguf,
     llama_metadata,
@@ -132,12 +131,7 @@ def qwen35_gguf(path: Path, seed: int = 0) -> Path:
     """A random-weight qwen35 GGUF (3 Gated DeltaNet blocks and a gated full-attention one, 2 k
     heads serving 4 value heads) over the byte vocabulary, written by toymlx: decays, dt biases
     and convolutions drawn too, so the recurrence carries something from token to token."""
-    from toymlx.models.llama import LlamaArgs
-
-    args = replace(LlamaArgs(), arch="qwen35", **ARCHS["qwen35"].switches, vocab_size=300,
-                   d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, context=256,
-                   key_length=32, rope_dims=8, linear_layers=(True, True, True, False),
-                   ssm_conv_kernel=4, ssm_head_dim=16, ssm_k_heads=2, ssm_v_heads=4)
+    args = qwen35_args()
     mx.random.seed(seed)
     model = Llama(args)
     rng = np.random.default_rng(seed)

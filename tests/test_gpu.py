@@ -2,19 +2,24 @@
 
 What these check is what differs from the CPU: training in bfloat16 with MLX's fused kernels,
 the fast RoPE, quantized LoRA bases that stay quantized, and float32 matmuls that CUDA runs as
-TF32 (so exact interop comparisons belong on the CPU).
+TF32 (so exact interop comparisons belong on the CPU). Every architecture's GPU-route model on
+the GPU against the exact float32 one on the CPU: `test_every_architecture_on_the_gpu`
+(test_gpu_route.py runs the same math on MLX's CPU).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import gpu_route
 import mlx.core as mx
 import numpy as np
 import pytest
+from gpu_route import route_files  # noqa: F401  (module fixture)
 from toymlx_cli.train import main
 
 from toymlx.backend import fpenv
+from toymlx.backend.device import gpu_kind
 from toymlx.bundle.events import read_events
 from toymlx.models.llama import Llama, tiny
 from toymlx.models.ops import CUDA_ATTENTION_KEEP_VALUES, CUDA_LOGITS_VALUES, EXACT, training_ops
@@ -68,3 +73,25 @@ def test_float32_matmul_on_the_gpu_is_close_not_exact():
     err = np.abs(got - want).max() / np.abs(want).max()
     print(f"float32 512^3 matmul on the GPU: max rel err {err:.3g}")
     assert err < 2e-3
+
+
+@pytest.mark.parametrize("ops", ["cuda", "metal"])
+@pytest.mark.parametrize("kind", gpu_route.ALL_KINDS)
+def test_every_architecture_on_the_gpu(route_files, kind, ops):  # noqa: F811
+    """The GPU route's model on mx.gpu (CUDA's Ops: attention kept for the backward pass;
+    Metal's: recomputed, the CPU's logits slices), its LoRA step compiled as the trainer compiles
+    it, against the exact float32 model on the CPU (tests/gpu_route.py): the bounds
+    test_gpu_route.py holds on MLX's CPU."""
+    r = gpu_route.compare(route_files[kind], gpu_route.gpu_ops(ops), mx.gpu, compiled=True)
+    gpu_route.check(r, f"{kind} on the GPU ({ops}'s Ops)")
+
+
+@pytest.mark.parametrize("T", [48, 256])
+@pytest.mark.parametrize(("hd", "mode"), gpu_route.ATTENTION_CASES)
+def test_attention_of_every_head_width_on_the_gpu(hd, mode, T):
+    """The GPU route's attention on mx.gpu (its fused kernel where MLX takes the width, causal,
+    windowed or capped; 256 rows: a multiple of 128, cuDNN's fused backward) against float32's
+    on the CPU: output and q, k, v gradients (tests/gpu_route.py)."""
+    err, cos = gpu_route.attention_case(hd, mode, T, gpu_route.gpu_ops(gpu_kind()), mx.gpu)
+    print(f"\n[gpu] attention hd {hd} {mode} T {T}: error {err:.3g}, gradient cosine {cos:.5f}")
+    assert err < gpu_route.LOGITS_TOL and cos > 0.999

@@ -601,14 +601,15 @@ class MLP(nn.Module):
 
 
 class Scale(nn.Module):
-    """x times one trained scalar, `weight` (1,) (gemma4's layer_output_scale)."""
+    """x times one trained scalar, `weight` (1,) (gemma4's layer_output_scale), in x's dtype:
+    the float32 weight times a bfloat16 x made every later block's residual stream float32."""
 
     def __init__(self):
         super().__init__()
         self.weight = mx.ones((1,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x * self.weight
+        return x * self.weight.astype(x.dtype)
 
 
 class Block(nn.Module):

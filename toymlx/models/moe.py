@@ -10,7 +10,7 @@ in numpy order (experts as GGUF's last dimension): `ffn_gate_exps` and `ffn_up_e
 (E, F, D), `ffn_down_exps` (E, D, F), F the expert width (`expert_feed_forward_length`).
 
 Each token's experts are applied with `mx.gather_mm` (a matrix-level gather, the same on the
-CPU, Metal and CUDA), its (token, expert) pairs sorted by expert where there are `SORT_FROM` or
+CPU, Metal and CUDA; `gather_product`), its (token, expert) pairs sorted by expert where there are `SORT_FROM` or
 more (as mlx-lm's SwitchGLU): the gradient of an expert tensor (a LoRA pair's) is then a matmul
 per expert's run of pairs, where unsorted MLX forms an (r, in) product per pair and adds them
 up (the tiny Q4_K_M qwen3moe, 1024 tokens, LoRA on gate, up and down: a step's peak 108 MB
@@ -36,12 +36,25 @@ SORT_FROM = 64
 """(token, expert) pairs from which `MoE` sorts them by expert (mlx-lm's SwitchGLU's)."""
 
 
+def gather_product(a: mx.array, b: mx.array, idx: mx.array, by_expert: bool) -> mx.array:
+    """`mx.gather_mm(a, b, rhs_indices=idx, sorted_indices=by_expert)`, the one call of it. Where
+    MLX computes on the CPU and both operands are half precision, in float32 and the product
+    rounded back: MLX 0.32's CPU GatherMM has no half-precision kernel ("[GatherMM::eval]
+    Currently only supports float32", so a bfloat16 mixture of experts failed on its first
+    product there); Metal's and CUDA's have one, and take the operands as they are."""
+    half = a.dtype in (mx.bfloat16, mx.float16) and b.dtype == a.dtype
+    if half and mx.default_device() == mx.cpu:
+        return mx.gather_mm(a.astype(mx.float32), b.astype(mx.float32), rhs_indices=idx,
+                            sorted_indices=by_expert).astype(a.dtype)
+    return mx.gather_mm(a, b, rhs_indices=idx, sorted_indices=by_expert)
+
+
 def expert_product(x: mx.array, w: mx.array, idx: mx.array, by_expert: bool = False
                    ) -> mx.array:
     """x @ w[idx].T per token and chosen expert: x (N, 1 or k, 1, in), w (E, out, in), idx
     (N, k) -> (N, k, 1, out); `by_expert`: x (M, 1, in) pairs sorted by their experts idx
     (M,) -> (M, 1, out)."""
-    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=by_expert)
+    return gather_product(x, w.swapaxes(-1, -2), idx, by_expert)
 
 
 class ExpertLinear(nn.Module):
@@ -83,8 +96,7 @@ def decoded_experts(codec: BlockCodec, names: tuple[str, ...], n_experts: int, n
         w = w.astype(a.dtype)
         if idx is None:  # w (N, k, out, in) already gathered
             return a @ (w if transpose else w.swapaxes(-1, -2))
-        return mx.gather_mm(a, w if transpose else w.swapaxes(-1, -2), rhs_indices=idx,
-                            sorted_indices=by_expert)
+        return gather_product(a, w if transpose else w.swapaxes(-1, -2), idx, by_expert)
 
     @mx.custom_function
     def product(x: mx.array, idx: mx.array, *arrays: mx.array) -> mx.array:
@@ -150,13 +162,22 @@ class MoE(nn.Module):
 
     def route(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """h (N, D) -> the chosen experts (N, k) and their float32 weights (N, k)."""
-        probs = mx.softmax(self.router(h).astype(mx.float32), axis=-1)  # (N, E)
+        probs = self.probabilities(h)
         k = self.n_used
         idx = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k])
+        return idx, self.weights(probs, idx)
+
+    def probabilities(self, h: mx.array) -> mx.array:
+        """h (N, D) -> the router's float32 probabilities (N, E)."""
+        return mx.softmax(self.router(h).astype(mx.float32), axis=-1)
+
+    def weights(self, probs: mx.array, idx: mx.array) -> mx.array:
+        """The weights (N, k) of the experts idx (N, k) from the probabilities (N, E): theirs,
+        renormalized where the model says so (norm_topk)."""
         w = mx.take_along_axis(probs, idx, axis=-1)  # (N, k)
         if self.norm_topk:
             w = w / mx.maximum(w.sum(axis=-1, keepdims=True), WEIGHT_SUM_FLOOR)
-        return idx, w
+        return w
 
     def __call__(self, x: mx.array) -> mx.array:
         lead, d = x.shape[:-1], x.shape[-1]
