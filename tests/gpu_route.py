@@ -22,7 +22,6 @@ router probabilities nearly tie, bfloat16 may choose the other, as any other rou
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +70,7 @@ def route_files(tmp_path_factory) -> dict[str, Path]:
 def gpu_ops(gpu: str) -> Ops:
     """What `training_ops(on_gpu=True)` chooses on a CUDA machine (Linux) or on a Mac (metal):
     attention kept for the backward pass, larger logits slices / always recomputed."""
-    platform = sys.platform
-    sys.platform = "darwin" if gpu == "metal" else "linux"
-    try:
-        return training_ops(on_gpu=True)
-    finally:
-        sys.platform = platform
+    return training_ops(on_gpu=True, metal=gpu == "metal")
 
 
 def batch(vocab: int, seed: int = 0) -> dict[str, mx.array]:

@@ -549,9 +549,10 @@ def _checkpointed(layer: nn.Module) -> Callable:
 
 def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
                  grad_checkpoint: bool = False, subnormals: fpenv.Subnormals = "flush",
-                 compiled: bool = True) -> Ops:
+                 compiled: bool = True, metal: bool = sys.platform == "darwin") -> Ops:
     """The math of a training run: `--dtype`, `--kernels`, `--grad-checkpoint`,
-    `--subnormals` and `--no-compile` resolved.
+    `--subnormals` and `--no-compile` resolved. `metal`: whether the GPU is a Mac's (Metal;
+    else CUDA), this machine's by default (`device.gpu_kind`), passed to see the other's.
 
     dtype auto: bfloat16 on a GPU, float32 on the CPU (MLX's half-precision CPU kernels run
     ~25x slower than float32's). kernels auto: vectorised on the CPU in float32, else mlx.
@@ -582,7 +583,7 @@ def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",
                          f"forms are float32 only), found --dtype {dtype}")
     elif kernels not in ("mlx", "vectorised"):
         raise ValueError(f"--kernels: expected auto, mlx or vectorised, found {kernels!r}")
-    cuda = on_gpu and sys.platform != "darwin"  # a Mac's GPU is Metal (`device.gpu_kind`)
+    cuda = on_gpu and not metal
     return Ops(kernels=kernels, dtype=dtype, exact_rope=not on_gpu,
                kernel_forms=kernels == "vectorised" and compiled and device.kernel_forms(),
                grad_checkpoint=grad_checkpoint, subnormals=subnormals,
