@@ -99,7 +99,9 @@ def test_pips_openblas_is_bound_with_the_kernels_of_this_cpu():
     want = _avx2()
     if want is not None:
         assert b["blas_core_from"] == f"cpuid ({want[1]})"
-        assert b["blas_core"] == want[0]
+        # a build without a Zen set (pip's scipy-openblas32) runs its Haswell kernels for it:
+        # OpenBLAS's Zen set is the Haswell kernels with Zen's block sizes
+        assert b["blas_core"] == want[0] or (want[0], b["blas_core"]) == ("Zen", "Haswell")
 
 
 def test_the_users_coretype_wins_and_a_generic_one_is_one_line():
