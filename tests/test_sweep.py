@@ -1084,3 +1084,27 @@ def test_a_pending_sigkill_marks_a_dying_parent():
     if sys.platform.startswith("linux"):
         assert kill_pending(Path(f"/proc/{os.getpid()}/status").read_bytes()) is False
         assert _dying(os.getpid()) is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_a_parent_that_dies_within_the_wait_is_lost(monkeypatch):
+    """`lifeline.parent_lost(wait_s)` watches a parent that still looks alive for up to
+    `wait_s`: a killed parent whose main thread had not yet been marked exiting when its other
+    threads repeated the parent-death signal is seen dying then, so the repeat is not a second
+    request (a sweep's run once left without its final checkpoint so). A parent alive
+    throughout is not lost; once seen dead it stays lost."""
+    from toymlx.backend import lifeline
+
+    monkeypatch.setattr(lifeline, "_lost", False)
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        monkeypatch.setenv(lifeline.PARENT_ENV, str(parent.pid))
+        assert lifeline.parent_lost() is False  # alive, no wait
+        assert lifeline.parent_lost(30.0) is True  # exits (a zombie: not reaped) within it
+        parent.wait()  # reaped: gone, and lost still
+        assert lifeline.parent_lost() is True
+        monkeypatch.setattr(lifeline, "_lost", False)
+        monkeypatch.setenv(lifeline.PARENT_ENV, str(os.getpid()))
+        assert lifeline.parent_lost(0.1) is False  # alive throughout the wait
+    finally:
+        end_child(parent)

@@ -52,11 +52,31 @@ def _pdeathsig(sig: int) -> bool:
         return False
 
 
-def parent_lost() -> bool:
+DEATH_SEEN_S = 1.0
+"""How long `parent_lost` watches a parent that looks alive before it believes it: a SIGKILL'd
+parent's main thread can take the signal off its pending set and be preempted before it is
+marked exiting, while another of its threads exits and repeats the parent-death signal (seen
+once under a load of 12 on 2 cores: a killed sweep's run took the repeat for a second request
+and left without its checkpoint). A dying parent shows it within milliseconds."""
+
+_lost = False
+"""Whether `parent_lost` has seen the parent die (it does not come back)."""
+
+
+def parent_lost(wait_s: float = 0.0) -> bool:
     """Whether this process was started with `child_env()` and that parent has died (a
-    SIGTERM then is the parent-death signal, or a repeat of it)."""
+    SIGTERM then is the parent-death signal, or a repeat of it); `wait_s`: watch a parent that
+    looks alive that long before saying no (`DEATH_SEEN_S`)."""
+    global _lost
     text = os.environ.get(PARENT_ENV, "")
-    return text.isdigit() and (not alive(int(text)) or _dying(int(text)))
+    if _lost or not text.isdigit():
+        return _lost
+    deadline = time.monotonic() + wait_s
+    while not (_lost := not alive(int(text)) or _dying(int(text))):
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    return _lost
 
 
 _PF_EXITING = 0x4  # <linux/sched.h>: the task has begun to exit

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from toymlx.backend.lifeline import child_env, parent_lost
+from toymlx.backend.lifeline import DEATH_SEEN_S, child_env, parent_lost
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """The stop signals: Ctrl-C, `kill` (systemd, a job scheduler), a closed terminal or ssh session."""
@@ -414,7 +414,7 @@ class StopSignals:
     def _requests(self) -> int:
         """`count` of the signals counted so far."""
         own = dict(self._own)
-        if own[signal.SIGTERM] > 1 and parent_lost():
+        if own[signal.SIGTERM] > 1 and parent_lost(DEATH_SEEN_S):
             own[signal.SIGTERM] = 1
         # a console gone is a request only alone: a lost parent also closes its pipe, and that
         # closed pipe must not skip the final checkpoint as a second request would
