@@ -365,7 +365,10 @@ def test_fresh_install_on_the_system_python(tmp_path):
         else:
             assert backend["blas_source"].startswith("pip scipy-openblas32"), backend
             want = blas.core_for_cpu(vendor, flags)
-            assert want is None or backend["blas_core"] == want[0], backend
+            # pip's scipy-openblas32 has no Zen set: it runs its Haswell kernels for Zen (OpenBLAS's
+            # Zen set is the Haswell kernels with Zen's block sizes), as test_blas accepts
+            assert want is None or backend["blas_core"] == want[0] or (
+                (want[0], backend["blas_core"]) == ("Zen", "Haswell")), backend
     assert [e["step"] for e in evs if e["kind"] == "step"] == [1, 2, 3, 4, 5]
     assert evs[-1]["reason"] == "completed" and evs[0]["config"]["data_source"] == "uci-digits"
 
