@@ -5,7 +5,8 @@ split of its image data (the run's own data for a run directory; every image wit
 the run's --data.test-path with --split test; a PNG of the matrix with --plot); a llama
 checkpoint reports loss and perplexity on a text file (a from-scratch or warm-start run: its
 own data, and with --split test its data folder's test.jsonl); a lora run (any
---fine-tune-type) on its chat/SFT validation rows, and with --split test (a lora run or a llama
+--fine-tune-type) on its chat/SFT validation rows, as is its fused file outside the run (from
+the run's settings the file records, `FileRun`), and with --split test (a lora run or a llama
 GGUF of its own) on test.jsonl. --split test scores what `toymlx-train --test` scores.
 """
 
@@ -133,6 +134,9 @@ class RunRows(NamedTuple):
     batch_size: int
     batches: int | None
     own: bool
+    where: str = "its config.json"
+    """Where the run's own --eval-batches and --batch-size were read (a fused file's
+    toy.run_data)"""
 
     def words(self, scored: int, total: int, unit: str) -> dict:
         """The report's words on the rows scored (`scored` of the split's `total` `unit`s), as
@@ -146,13 +150,13 @@ class RunRows(NamedTuple):
             part = f"{scored} of {whole}" if scored < total else f"all {whole}"
             rule = f"--eval-batches {self.batches} x --batch-size {self.batch_size}"
             more = "; --eval-batches -1 scores all" if scored < total else ""
-            said = (f"the run's eval rows: {part} ({rule}, its config.json){more}" if self.own
+            said = (f"the run's eval rows: {part} ({rule}, {self.where}){more}" if self.own
                     else f"{part} ({rule}){more}")
         return {"subset": said, "scored": scored, "of": total}
 
 
 def run_rows(cfg: Any, eval_batches: int | None = None, batch_size: int | None = None,
-             seq_len: int | None = None) -> RunRows:
+             seq_len: int | None = None, where: str = "its config.json") -> RunRows:
     """The validation rows a pass against the run of config `cfg` scores: those of its own
     validation (--eval-batches x --batch-size of its config.json, the rows its eval events
     score), unless `eval_batches` (-1: every row) or `batch_size` (toymlx-eval's flags) say
@@ -162,7 +166,7 @@ def run_rows(cfg: Any, eval_batches: int | None = None, batch_size: int | None =
     batches = cfg.eval_batches if eval_batches is None else eval_batches
     own = (size, batches) == (cfg.batch_size, cfg.eval_batches) and seq_len in (
         None, getattr(cfg, "seq_len", None))
-    return RunRows(size, None if batches == -1 else batches, own)
+    return RunRows(size, None if batches == -1 else batches, own, where)
 
 
 def check_no_eval_batches(args: Args, found: str) -> None:
@@ -287,6 +291,118 @@ def reads_run_data(args: Args, bundle) -> bool:
         print(f"{PROG}: reads --data.path from {note}", file=sys.stderr)
         return True  # the run's own data, moved
     return False
+
+
+RUN_DATA_NAME = "toy.run_data.*"
+"""How a line names a fused file's record of its run (`toymlx.gguf.fuse.RUN_DATA`)."""
+
+
+class FileRun(NamedTuple):
+    """What a fused GGUF records of the LoRA run it was fused from (`RUN_DATA`,
+    `toymlx.training.fused.run_data_metadata`): the run's options that decide its held-out
+    rows, as a lora `Config` (its other options the defaults, which no row depends on)."""
+
+    config: Any
+    source: Path
+    """The fused file"""
+    given: dict[str, Any]
+    """The recorded options as nested dicts (`config_from_dict`'s input)"""
+    fingerprint: dict[str, Any]
+    """The run's data's `fingerprint`, as its config.json recorded it ({}: none recorded)"""
+
+    def reads(self, data_path: str | None) -> bool:
+        """Whether eval scores the run's own data: no --data.path (the recorded file, refused
+        in one line where it is gone or changed), or one holding the recorded contents."""
+        from toymlx.bundle.inputs import same_data
+
+        path = self.config.data.path
+        if data_path is None:
+            if path is not None:
+                self.check_data(Path(path))
+            return True
+        if path is not None and Path(path).resolve() == Path(data_path).resolve():
+            return not self.fingerprint or same_data(data_path, self.fingerprint)[0]
+        return (bool(self.fingerprint) and Path(data_path).exists()
+                and same_data(data_path, self.fingerprint)[0])
+
+    def check_data(self, path: Path) -> None:
+        """The run's data where the file says it was: ValueError naming the file and key, and
+        what to do, where it is gone or holds other contents than the run read."""
+        from toymlx.backend.files import nothing_there
+        from toymlx.bundle.inputs import fingerprint_note, same_data
+        from toymlx.gguf.fuse import RUN_DATA
+
+        fix = ("; give the run's data with --data.path (a copy of it: the run's rows), or "
+               "other data to score (scored whole)")
+        if not path.exists():
+            raise ValueError(f"{self.source}: metadata key '{RUN_DATA}data.path': expected the "
+                             f"data the run trained on at {path}, found {nothing_there(path)}"
+                             f"{fix}")
+        if self.fingerprint:
+            same, now = same_data(path, self.fingerprint)
+            if not same:
+                raise ValueError(f"{path}: expected the data the run of {self.source} trained "
+                                 f"on ({fingerprint_note(self.fingerprint)}, metadata key "
+                                 f"'{RUN_DATA}fingerprint.sha256'), found other contents "
+                                 f"({fingerprint_note(now)}){fix}")
+
+    def note(self, args: Args) -> str:
+        """The one line saying which settings came from the file, and which from the flags."""
+        from toymlx.runner.api import option_flags
+
+        flags = {"seq_len": "--seq-len", "batch_size": "--batch-size",
+                 "eval_batches": "--eval-batches"}
+        mine = [f for k, f in flags.items() if getattr(args, k) is not None]
+        given = {k: v for k, v in self.given.items() if k not in flags or
+                 getattr(args, k) is None}
+        data = dict(self.given.get("data", {}))
+        if args.data_path is not None:
+            data.pop("path", None)
+            mine.append("--data.path")
+        given["data"] = data
+        return (f"rows as the run built them, from {self.source}'s {RUN_DATA_NAME}: "
+                f"{' '.join(option_flags(given))}"
+                + ("" if "path" in data or args.data_path is not None else
+                   " (the default data)")
+                + (f"; from the flags here: {', '.join(mine)}" if mine else ""))
+
+
+def file_run(model: str) -> FileRun | None:
+    """The run a fused GGUF `model` records (`FileRun`); None for a GGUF without the record (an
+    older export, another tool's file), scored as before. A recorded option of the wrong type,
+    or one missing, is a ValueError naming the file and the key."""
+    from toymlx.bundle.checkpoint import checkpoint_file
+    from toymlx.bundle.options import config_from_dict, flag_name
+    from toymlx.gguf.fuse import RUN_DATA
+    from toymlx.gguf.reader import GGUFFile
+    from toymlx.recipes.lora import Config
+    from toymlx.training.fused import RUN_DATA_FINGERPRINT, RUN_DATA_OPTIONS
+
+    path = checkpoint_file(model, check_digest=False)
+    if not path.is_file():
+        return None
+    with GGUFFile(path) as g:
+        rec = {k.removeprefix(RUN_DATA): v for k, v in g.metadata.items()
+               if k.startswith(RUN_DATA)}
+    if not rec:
+        return None
+    given: dict[str, Any] = {}
+    for key in RUN_DATA_OPTIONS:
+        if key not in rec:
+            if key == "data.path":  # the shipped default data
+                continue
+            raise ValueError(f"{path}: metadata key '{RUN_DATA}{key}': expected the run's "
+                             f"{flag_name(key)} (the file records its run's other settings), "
+                             "found no key; export the fused file again from its run")
+        *parents, name = key.split(".")
+        holder = given
+        for part in parents:
+            holder = holder.setdefault(part, {})
+        holder[name] = rec[key]
+    cfg = config_from_dict(Config, given, str(path), prefix=RUN_DATA, complete=False)
+    found = {k: rec[f"fingerprint.{k}"] for k in RUN_DATA_FINGERPRINT
+             if f"fingerprint.{k}" in rec}
+    return FileRun(cfg, path, given, found)
 
 
 def default_split(args: Args, own: bool) -> str:
@@ -428,8 +544,9 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
 
 
 def own_rows_note(seq_len: int | None, r: HeldOut, split: str) -> str:
-    """The line saying how chat/SFT rows were built for a model outside a run (a fused export,
-    a GGUF of its own): with eval's settings, not any run's, which the file does not record. A
+    """The line saying how chat/SFT rows were built for a model outside a run (a fused export
+    from before toymlx recorded its run's settings, `FileRun`; a GGUF of its own): with eval's
+    settings, not any run's, which the file does not record. A
     run packs its examples into rows of its own --seq-len; eval's default of 256 packed a
     --seq-len 64 run's 2 validation examples into 1 row (the second read after the first): the
     same examples, weights and trained tokens, another loss, said nowhere. --seq-len gives the
@@ -445,7 +562,8 @@ def own_rows_note(seq_len: int | None, r: HeldOut, split: str) -> str:
             "eval's rows for a model outside a run, not a run's; to score a run's eval rows "
             "give its --seq-len, and --max-examples its --eval-batches x --batch-size where "
             "the split makes more rows (a run of other --data.pack, --data.mask-prompt or "
-            "--data.train-turns: toymlx-eval --model RUN)")
+            "--data.train-turns: toymlx-eval --model RUN, or its fused file exported again, "
+            "which records them)")
 
 
 class HeldOut(NamedTuple):
@@ -598,13 +716,25 @@ def evaluate(args: Args) -> dict:
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
                      "--plot")
     bundle = _run_bundle(args.model)
-    own = reads_run_data(args, bundle)
+    # a fused file outside its run: the run's rows, from the settings the file records
+    fused = file_run(args.model) if bundle is None else None
+    own = reads_run_data(args, bundle) if fused is None else fused.reads(args.data_path)
     args = dataclasses.replace(args, split=default_split(args, own))
     if bundle is not None and args.split == "test" and args.data_path is None:
         check_run_test_data(bundle)
     # a run's own validation split: the rows its eval events score (`run_rows`), unless
     # --max-examples asks for the first N of the whole split
     rows = None
+    if fused is not None:  # as a LoRA run's folder is scored, with the file's settings
+        check_no_plot(args, "a LoRA run's fused file")
+        if args.split == "val" and own and args.max_examples is None:
+            rows = run_rows(fused.config, args.eval_batches, args.batch_size, args.seq_len,
+                            f"{fused.source.name}'s {RUN_DATA_NAME}")
+        else:
+            check_no_eval_batches(args, f"--split {args.split}" if own else
+                                  f"--data.path {args.data_path}, data the run did not train on")
+        print(f"{PROG}: {fused.note(args)}", file=sys.stderr)
+        return evaluate_chat(args, fused.config, rows)
     if bundle is None:
         check_no_eval_batches(args, f"{args.model}, a model outside a run")
     elif not own:

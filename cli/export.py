@@ -198,6 +198,7 @@ def run(args: Args) -> int:
     from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
     from toymlx.interop.merge import fine_tune_base, write_fused_exact, write_merged
+    from toymlx.runner.bundle import fused_run_data
     from toymlx.training.adapter import apply_adapter, load_adapter
     from toymlx.training.fused import (
         KEPT_WARNING,
@@ -264,10 +265,13 @@ def run(args: Args) -> int:
                         "--exact-size, or run the base with the adapter)"
                         if share < KEPT_WARNING else ""))
         elif args.adapter and not args.dtype:
-            kept = write_fused_kept(out, base, args.adapter, progress=sys.stderr.isatty())
+            # the file records the run's data settings: toymlx-eval rebuilds its rows
+            kept = write_fused_kept(out, base, args.adapter, progress=sys.stderr.isatty(),
+                                    run_data=fused_run_data(args.adapter))
             what = f"{base_spec} + adapter {args.adapter} (fused): {kept.summary()}"
         elif not args.dtype and (trained_from := fine_tune_base(base_spec)) is not None:
-            kept = write_full_kept(out, trained_from, base, progress=sys.stderr.isatty())
+            kept = write_full_kept(out, trained_from, base, progress=sys.stderr.isatty(),
+                                   run_data=fused_run_data(base, "--base"))
             what = f"{base_spec} (a full fine-tune of {trained_from}): {kept.summary()}"
         else:
             write_merged(out, base, args.adapter, args.dtype, progress=sys.stderr.isatty())

@@ -481,8 +481,9 @@ def test_a_vit_run_is_scored_on_its_own_eval_images_by_default(tmp_path, capsys)
 
 def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_path, capsys):  # noqa: F811
     """A LoRA run of --seq-len 64 on a data folder of 2 validation examples scores them as 2
-    packed rows; its fused export, scored without the run (a GGUF of its own: no --seq-len,
-    --data.pack of the run to read), was scored as 1 row of eval's default --seq-len 256 with
+    packed rows; its fused export from before the file recorded the run's settings (here: the
+    export without its toy.run_data.* keys), scored without the run (a GGUF of its own: no
+    --seq-len, --data.pack of the run to read), was scored as 1 row of eval's default --seq-len 256 with
     nothing said: every trained token, but the second example read after the first, so a loss
     other than the run's. Now a line on stderr says the rows eval built with its own settings
     and how to score the run's; the report gives --seq-len and the tokens scored; with the
@@ -490,6 +491,9 @@ def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_pa
     of a run validating its first --eval-batches 2 x --batch-size 2 of 8 rows, with
     --max-examples 4 too."""
     from toymlx_cli.export import main as export_main
+
+    from toymlx.gguf.fuse import write_with_tensors
+    from toymlx.gguf.reader import GGUFFile
 
     def fused_run(name: str, n_valid: int, *extra: str) -> tuple[Path, Path, dict]:
         """(its data folder, its fused export, its last eval event) of a --seq-len 64 run."""
@@ -500,9 +504,12 @@ def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_pa
                            str(data), *extra]) == 0
         events = [json.loads(x) for x in (tmp_path / name / "events.jsonl").read_text()
                   .splitlines()]
-        fused = tmp_path / f"{name}.gguf"
+        made = tmp_path / f"{name}-now.gguf"
         assert export_main(["--adapter", str(tmp_path / name), "--fuse", "--out",
-                            str(fused)]) == 0
+                            str(made)]) == 0
+        fused = tmp_path / f"{name}.gguf"
+        with GGUFFile(made) as g:  # the base's metadata, not its toy.run_data.*: as before
+            write_with_tensors(fused, g, {})
         return data, fused, [e for e in events if e["kind"] == "eval"][-1]
 
     data, fused, last = fused_run("r", 2)
@@ -519,7 +526,8 @@ def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_pa
             "masked, assistant turns trained): eval's rows for a model outside a run, not a "
             "run's; to score a run's eval rows give its --seq-len, and --max-examples its "
             "--eval-batches x --batch-size where the split makes more rows (a run of other "
-            "--data.pack, --data.mask-prompt or --data.train-turns: toymlx-eval --model RUN)")
+            "--data.pack, --data.mask-prompt or --data.train-turns: toymlx-eval --model RUN, "
+            "or its fused file exported again, which records them)")
     got, line = scored()
     assert line == said.format("1 row", "256 (default; ")
     assert (got["rows"], got["seq_len"], got["tokens_scored"]) == (1, 256, 18)
@@ -534,3 +542,112 @@ def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_pa
     got, _ = scored("--seq-len", "64", "--max-examples", "4")
     assert (got["rows"], got["tokens_scored"]) == (4, sum(last["val_row_n"]))
     assert abs(got["val_loss"] - last["val_loss"]) <= 1e-5
+
+
+def two_exchange_folder(path: Path, n_train: int, n_valid: int) -> Path:
+    """`mlx_lm_folder`'s chat records with a second exchange, so that --data.train-turns last
+    (the last answer alone) trains other tokens than assistant (both answers)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train", n_train), ("valid", n_valid)):
+        (path / f"{name}.jsonl").write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": f"{name} question {i}?"},
+            {"role": "assistant", "content": f"answer {i * 7 % 10}"},
+            {"role": "user", "content": "and twice that?"},
+            {"role": "assistant", "content": f"twice is {i * 14 % 20}"}]}) + "\n"
+            for i in range(n)))
+    return path
+
+
+@pytest.mark.parametrize("settings,recorded", [
+    ((), {}),
+    (("--data.no-pack", "--data.train-turns", "last", "--seq-len", "128"),
+     {"data.pack": False, "data.train_turns": "last", "seq_len": 128}),
+    (("--data.no-mask-prompt", "--seq-len", "96"), {"data.mask_prompt": False, "seq_len": 96}),
+])
+def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, settings,  # noqa: F811
+                                                 recorded):
+    """The fused export records the run's data settings under toy.run_data.*, and toymlx-eval
+    on the file alone (no run folder, no flags) rebuilds the run's rows from them: the loss of
+    the run's last eval event (F32 fuse: within 1e-5, as the fused-eval test above holds) and
+    its trained tokens, for a run of the default settings and for runs of --data.no-pack,
+    --data.train-turns last, --data.no-mask-prompt and other --seq-len; one line says which
+    settings came from the file. The same file without those keys (an older export) scores
+    eval's own rows, as before: for a run of other settings, another loss and other tokens."""
+    from toymlx_cli.export import main as export_main
+
+    from toymlx.gguf.fuse import write_with_tensors
+    from toymlx.gguf.reader import GGUFFile
+
+    data = two_exchange_folder(tmp_path / "data", n_train=12, n_valid=12)
+    assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                       str(tmp_path), "--run-id", "r", "--steps", "4", "--batch-size", "2",
+                       "--eval-batches", "2", "--lr", "1e-2", "--no-progress", "--data.path",
+                       str(data), "--fuse-at-end", "base", *settings]) == 0
+    events = [json.loads(x) for x in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
+    last = [e for e in events if e["kind"] == "eval"][-1]
+    fused = tmp_path / "fused.gguf"
+    assert export_main(["--adapter", str(tmp_path / "r"), "--fuse", "--out", str(fused)]) == 0
+
+    def run_keys(path: Path) -> dict:
+        with GGUFFile(path) as g:
+            return {k: v for k, v in g.metadata.items() if k.startswith("toy.run_data.")}
+
+    rec = run_keys(fused)
+    assert run_keys(tmp_path / "r" / "fused-f32.gguf") == rec  # --fuse-at-end's file too
+    defaults = {"data.pack": True, "data.mask_prompt": True, "data.train_turns": "assistant",
+                "seq_len": 256}
+    assert rec == {
+        "toy.run_data.data.path": str(data.resolve()),
+        **{f"toy.run_data.{k}": v for k, v in {**defaults, **recorded}.items()},
+        "toy.run_data.data.val_fraction": 0.1,
+        "toy.run_data.batch_size": 2, "toy.run_data.eval_batches": 2,
+        "toy.run_data.grad_checkpoint": False,
+        "toy.run_data.fingerprint.bytes": sum(f.stat().st_size for f in data.iterdir()),
+        "toy.run_data.fingerprint.sha256": json.loads((tmp_path / "r" / "config.json")
+                                                      .read_text())["data_files"]["data.path"]
+        ["sha256"]}
+
+    def scored(path: Path, *flags: str) -> tuple[dict, list[str]]:
+        capsys.readouterr()
+        assert eval_main(["--model", str(path), "--no-progress", *flags]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out), err.splitlines()
+
+    got, err = scored(fused)
+    run_tokens = sum(last["val_row_n"])
+    assert abs(got["val_loss"] - last["val_loss"]) <= 1e-5
+    assert (got["split"], got["rows"], got["tokens_scored"]) == (
+        "val", len(last["val_row_n"]), run_tokens)
+    assert got["subset"].startswith("the run's eval rows: 4 of ") and got["subset"].endswith(
+        "(--eval-batches 2 x --batch-size 2, fused.gguf's toy.run_data.*); --eval-batches -1 "
+        "scores all")
+    flags = " ".join(f"--data.{'' if v else 'no-'}{k}" for k, v in (
+        ("pack", rec["toy.run_data.data.pack"]),
+        ("mask-prompt", rec["toy.run_data.data.mask_prompt"])))
+    said = [x for x in err if " rows as " in x]
+    assert said == [(
+        f"toymlx-eval: rows as the run built them, from {fused}'s toy.run_data.*: --data.path "
+        f"{data.resolve()} {flags} --data.train-turns "
+        f"{rec['toy.run_data.data.train_turns']} --data.val-fraction 0.1 --seq-len "
+        f"{rec['toy.run_data.seq_len']} --batch-size 2 --eval-batches 2 --no-grad-checkpoint")]
+    # a copy of the data elsewhere is the run's data (its fingerprint): the same rows
+    copy = shutil.copytree(data, tmp_path / "copy")
+    again, err = scored(fused, "--data.path", str(copy))
+    assert (again["val_loss"], again["tokens_scored"]) == (got["val_loss"], run_tokens)
+    assert next(x for x in err if " rows as " in x).endswith("; from the flags here: --data.path")
+    # a flag wins over the file: other windows, no longer the run's eval rows
+    other, err = scored(fused, "--seq-len", "200")
+    assert (other["seq_len"], other["subset"]) == (200, (
+        f"4 of {other['of']} validation rows (--eval-batches 2 x --batch-size 2); "
+        "--eval-batches -1 scores all"))
+    said = next(x for x in err if " rows as " in x)
+    assert said.endswith("; from the flags here: --seq-len") and " --seq-len " not in said
+    # the same file without the keys: eval's own rows (seq-len 256, packed, assistant turns)
+    old = tmp_path / "older.gguf"
+    with GGUFFile(fused) as g:
+        write_with_tensors(old, g, {})
+    before, err = scored(old, "--data.path", str(data), "--split", "val")
+    assert "eval's rows for a model outside a run, not a run's" in err[-1]
+    if settings:
+        assert abs(before["val_loss"] - last["val_loss"]) > 1e-4
+        assert before["tokens_scored"] != run_tokens

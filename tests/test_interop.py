@@ -347,6 +347,9 @@ def test_dora_fused_export_logits_match_llamacpp(stories_path, shared_file, tmp_
     merged = tmp_path / "merged.gguf"
     assert export(["--base", str(stories_path), "--adapter", str(tmp_path / "dora"), "--fuse",
                    "--out", str(merged)]) == 0
+    with GGUFFile(merged) as g:  # llama.cpp loads it with the run's data settings (ignored)
+        assert (g.metadata["toy.run_data.seq_len"], g.metadata["toy.run_data.data.pack"],
+                g.metadata["toy.run_data.data.val_fraction"]) == (64, True, 0.1)
     ids = tok.encode(TEXT)
     base_model, _ = load_for_generation(stories_path)
     assert np.abs(toy_logits(model, ids) - toy_logits(base_model, ids)).max() > 1e-2

@@ -621,12 +621,13 @@ def test_eval_of_a_run_with_no_validation_rows_says_why(tiny_gguf, tmp_path, cap
     assert capsys.readouterr().err.splitlines()[-1] == f"toymlx-eval: error: {want}"
 
 
-def _test_run(tiny_gguf: Path, root: Path, *extra: str) -> list[str]:
-    """The options of a 2-step lora run with --test (checkpoint at step 2, validated there)."""
+def _test_run(tiny_gguf: Path, root: Path, *extra: str, data: Path | None = None) -> list[str]:
+    """The options of a 2-step lora run with --test (checkpoint at step 2, validated there), on
+    `data` (default: a data folder made in `root`)."""
     return ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(root), "--run-id",
             "r", "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
-            "--no-progress", "--no-compile", "--data.path", str(mlx_lm_folder(root / "data")),
-            "--test", *extra]
+            "--no-progress", "--no-compile", "--data.path",
+            str(data if data is not None else mlx_lm_folder(root / "data")), "--test", *extra]
 
 
 
@@ -728,7 +729,9 @@ def test_a_stop_that_leaves_the_runs_end_undone_ends_it_interrupted(
 
     _stop_at_the_end(monkeypatch, where, signal.SIGTERM)
     run = tmp_path / "r"
-    assert _train(_test_run(tiny_gguf, tmp_path, "--fuse-at-end", "f32")) == 143
+    # the uninterrupted run's data: a fused file records the path of the data it trained on
+    assert _train(_test_run(tiny_gguf, tmp_path, "--fuse-at-end", "f32",
+                            data=uninterrupted.parent / "data")) == 143
     monkeypatch.undo()
     when, undone = END_STOPS[where]
     end = events_of(run)[-1]

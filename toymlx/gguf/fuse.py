@@ -56,6 +56,12 @@ MAX_SIZE = 1.10
 """The fused file is at most this many times the base's file, unless that loses the change."""
 GROW_BELOW = 0.5
 """A fused file that would keep less of the change than this within `MAX_SIZE` grows past it."""
+RUN_DATA = "toy.run_data."
+"""The GGUF metadata namespace in which a fused file records the settings of the LoRA run it
+was fused from that decide that run's held-out rows (`toymlx.training.fused.run_data_metadata`),
+so that toymlx-eval scores the file on the run's rows without the run folder; llama.cpp ignores
+keys it does not know. A base's own (a fused file fine-tuned again) are never inherited: they
+describe another run's weights."""
 
 
 def bits_per_weight(t: GGMLQuantizationType) -> float:
@@ -259,7 +265,7 @@ def write_with_tensors(out: str | os.PathLike, g: GGUFFile,
                        extra: dict[str, Any] | None = None, progress: bool = False) -> Path:
     """The base `g` with the tensors in `written` replaced (raw bytes of the base's own type, or
     `QuantTensor`s), atomically: every other tensor the base's own bytes (raw blocks), every
-    metadata key the base's (general.file_type included) plus `extra`."""
+    metadata key the base's (general.file_type included; not its `RUN_DATA`) plus `extra`."""
     from toymlx.backend import atomic
 
     out = Path(out)
@@ -270,7 +276,8 @@ def write_with_tensors(out: str | os.PathLike, g: GGUFFile,
             t = g.raw(name)
         tensors[name] = t if isinstance(t, QuantTensor) else QuantTensor(info.type, t,
                                                                          info.shape)
-    drop = ("general.alignment", DIGEST_KEY)
+    # the base's run record (`RUN_DATA`) is of other weights: `extra` records this file's
+    drop = {"general.alignment", DIGEST_KEY} | {k for k in g.metadata if k.startswith(RUN_DATA)}
     meta = {k: v for k, v in g.metadata.items() if k not in drop}
     types = {k: t for k, t in g.metadata_types.items() if k not in drop}
     meta.update(extra or {})

@@ -28,6 +28,7 @@ from toymlx.gguf.reader import (
     DEFAULT_ALIGNMENT,
     DIGEST_KEY,
     FLOAT32,
+    FLOAT64,
     INT32,
     INT64,
     SCALAR_DTYPES,
@@ -36,8 +37,11 @@ from toymlx.gguf.reader import (
     UINT64,
 )
 
-# Keys whose GGUF type llama.cpp checks and that Python values cannot express on their own.
+# Keys whose GGUF type llama.cpp checks and that Python values cannot express on their own,
+# and a fused file's --data.val-fraction (`toymlx.gguf.fuse.RUN_DATA`), read back exactly as
+# the run split its examples by (a float32 0.1 is 0.10000000149).
 KNOWN_TYPES: dict[str, tuple[int, int | None]] = {
+    "toy.run_data.data.val_fraction": (FLOAT64, None),
     "tokenizer.ggml.token_type": (ARRAY, INT32),
     "tokenizer.ggml.scores": (ARRAY, FLOAT32),
     "tokenizer.ggml.merges": (ARRAY, STRING),

@@ -33,14 +33,19 @@ def write_merged(out: str | os.PathLike, base: str | os.PathLike,
     (`toymlx.gguf.fuse.write_kept`): the base's tensors byte for byte, each adapted (changed) one in
     the smallest type that keeps its change, general.file_type the base's. Otherwise every
     tensor re-encoded in `dtype` (default: the base's own, `export_type`) through
-    `write_model_gguf`, byte for byte what llama-quantize writes from the fused F32 model."""
+    `write_model_gguf`, byte for byte what llama-quantize writes from the fused F32 model.
+    The file records the settings of the run `adapter` (else `base`) comes from
+    (`toymlx.runner.bundle.fused_run_data`), so that toymlx-eval scores it on the run's rows."""
+    from toymlx.runner.bundle import fused_run_data
+
+    run_data = fused_run_data(*(adapter, "--adapter") if adapter is not None else (base, "--base"))
     if dtype is None:
         if adapter is not None:
-            return write_fused_kept(out, base, adapter, progress).path
+            return write_fused_kept(out, base, adapter, progress, run_data).path
         trained_from = fine_tune_base(base)
         if trained_from is not None:
-            return write_full_kept(out, trained_from, base, progress).path
-    return write_reencoded(out, base, adapter, dtype, progress)
+            return write_full_kept(out, trained_from, base, progress, run_data).path
+    return write_reencoded(out, base, adapter, dtype, progress, run_data)
 
 
 class _Moments:
@@ -158,8 +163,8 @@ def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
                       file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
-        out = write_with_tensors(out, g, tensors, {"toy.merged_adapter": ad_path.name},
-                                 progress)
+        out = write_with_tensors(out, g, tensors, {"toy.merged_adapter": ad_path.name,
+                                                   **bundle.run_data()}, progress)
     return out, kept_from(err2, delta2)
 
 

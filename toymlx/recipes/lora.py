@@ -36,7 +36,8 @@ import numpy as np
 from toymlx.backend.device import on_gpu
 from toymlx.backend.files import counted, not_a_file
 from toymlx.bundle import model_store
-from toymlx.bundle.folder import refuse_run_folder
+from toymlx.bundle.folder import read_config, refuse_run_folder
+from toymlx.bundle.inputs import DATA_FILES_KEY
 from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
 from toymlx.data.chat import SFTData
@@ -70,6 +71,7 @@ from toymlx.training.fused import (
     KEPT_WARNING,
     adapter_retention,
     kept_note,
+    run_data_metadata,
     write_full_kept,
     write_fused_kept,
     write_like_base,
@@ -455,19 +457,22 @@ def build(cfg: Config, ops: Ops) -> Task:
         bars = cfg.progress and sys.stderr.isatty()  # as the run's own: none drawn into a log
         out = check_output(run_dir / f"fused-{dtype}.gguf", [("--base", src.path)],
                            "--fuse-at-end", owns=[run_dir])
+        # what the file records of this run, its data's fingerprint as config.json holds it
+        run = run_data_metadata(cfg, read_config(run_dir, "--fuse-at-end").get(
+            DATA_FILES_KEY, {}).get("data.path"))
         if full:
             if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.gguf.fuse)
-                kept = write_full_kept(out, src.path, run_dir, progress=bars).kept
+                kept = write_full_kept(out, src.path, run_dir, progress=bars, run_data=run).kept
             else:
-                write_reencoded(out, run_dir, None, dtype, progress=bars)
+                write_reencoded(out, run_dir, None, dtype, progress=bars, run_data=run)
                 kept = None
             return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                     "bytes": out.stat().st_size,
                     **({"fine_tune_kept": round(kept, 4)} if kept is not None else {})}
         if cfg.fuse_at_end == "base":  # the file that keeps the fine-tune (toymlx.gguf.fuse)
-            kept = write_fused_kept(out, src.path, run_dir, progress=bars).kept
+            kept = write_fused_kept(out, src.path, run_dir, progress=bars, run_data=run).kept
         else:
-            write_reencoded(out, src.path, run_dir, dtype, progress=bars)
+            write_reencoded(out, src.path, run_dir, dtype, progress=bars, run_data=run)
             retention = adapter_retention(out, src.path, run_dir)
             kept = retention.kept
             if kept < KEPT_WARNING:

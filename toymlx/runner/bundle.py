@@ -158,6 +158,16 @@ class Bundle:
                 return cls.open(run_dir, flag)
         return None
 
+    def run_data(self) -> dict[str, Any]:
+        """The `toy.run_data.*` keys a file fused from this run records
+        (`toymlx.training.fused.run_data_metadata`: the settings that decide its held-out
+        rows, its data's fingerprint); none for a run of another recipe."""
+        from toymlx.training.fused import run_data_metadata
+
+        if self.recipe != "lora":
+            return {}
+        return run_data_metadata(self.config, self.saved.get(DATA_FILES_KEY, {}).get("data.path"))
+
     def given_input(self, key: str, path: str) -> str | None:
         """What to say where a reader is given an input option (toymlx-eval's --data.path,
         toymlx-export's --base) that holds the run's recorded `key` from another place
@@ -508,6 +518,14 @@ class Bundle:
         weights.mkdir(exist_ok=True)
         resume.set_aside = ck.set_aside_after(weights, resume.step)
         ck.clean_temporaries(weights)
+
+
+def fused_run_data(path: str | os.PathLike, flag: str = "--adapter") -> dict[str, Any]:
+    """`Bundle.run_data` of the run `path` (a run folder, or a checkpoint in its weights/)
+    belongs to: what a file fused from it records; none for a file outside a run (mlx-lm's
+    adapter, a GGUF of its own)."""
+    bundle = Bundle.of(path, flag)
+    return bundle.run_data() if bundle is not None else {}
 
 
 def run_base(path: str | os.PathLike, flag: str = "--model") -> tuple[str, str] | None:

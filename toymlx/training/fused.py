@@ -16,6 +16,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from toymlx.bundle.checkpoint import checkpoint_file
+from toymlx.gguf.fuse import RUN_DATA
 from toymlx.gguf.llama import llama_tensor, llama_tensors, load_llama, parameter_names
 from toymlx.gguf.quantize import BASE_FILE_TYPE, export_type, quantizer, write_model_gguf
 from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile
@@ -26,6 +27,35 @@ from toymlx.training.adapter import apply_adapter, check_arch, load_adapter, sha
 
 KEPT_WARNING = 0.5
 """Below this share of the adapter's change kept, a fused export says so (see adapter_kept)."""
+RUN_DATA_OPTIONS = ("data.path", "data.pack", "data.mask_prompt", "data.train_turns",
+                    "data.val_fraction", "seq_len", "batch_size", "eval_batches",
+                    "grad_checkpoint")
+"""The run's options recorded under `RUN_DATA`, by their dotted config names: how its examples
+became rows and which were held out, and which of those rows its eval events scored in which
+batches (`--eval-batches` x `--batch-size`, calls of `held_out_call_rows`). The chat template
+is not among them: the run used its base's, which the fused file carries as its own."""
+RUN_DATA_FINGERPRINT = ("bytes", "sha256", "sample_sha256", "mtime_ns")
+"""The keys of the data's `fingerprint`, as the run's config.json recorded it, recorded under
+`RUN_DATA` + "fingerprint.": what tells the run's data from other data at eval time."""
+
+
+def run_data_metadata(cfg: Any, data_record: dict[str, Any] | None) -> dict[str, Any]:
+    """The `RUN_DATA` keys of a file fused from the LoRA run of config `cfg`: its
+    `RUN_DATA_OPTIONS` (data.path absolute where it is found; absent for the shipped default
+    data) and `data_record`, its data's `fingerprint` as config.json recorded it (None: none).
+    Not the run's id: a run and its copy under another id write the same file byte for byte.
+    The writers below take them as `run_data`; `toymlx.runner.bundle.fused_run_data` finds
+    them for a run folder or checkpoint."""
+    from toymlx.bundle.options import option
+
+    meta = {RUN_DATA + k: v for k in RUN_DATA_OPTIONS if (v := option(cfg, k)) is not None}
+    path = meta.get(RUN_DATA + "data.path")
+    if path is not None:  # as read here, else where the run read it
+        meta[RUN_DATA + "data.path"] = (os.path.abspath(path) if Path(path).exists() else
+                                        (data_record or {}).get("file", path))
+    meta.update({f"{RUN_DATA}fingerprint.{k}": data_record[k] for k in RUN_DATA_FINGERPRINT
+                 if k in (data_record or {})})
+    return meta
 
 
 def adapter_kept(fused: str | os.PathLike, base: str | os.PathLike,
@@ -113,11 +143,12 @@ def kept_note(kept: float | Retention, dtype: str, flag: str = "--dtype") -> str
 
 def write_reencoded(out: str | os.PathLike, base: str | os.PathLike,
                     adapter: str | os.PathLike | None = None, dtype: str | None = None,
-                    progress: bool = False) -> Path:
+                    progress: bool = False, run_data: dict[str, Any] | None = None) -> Path:
     """Write `base` (+ `adapter`, LoRA or DoRA, fused into its weights) as a full GGUF with
     every tensor re-encoded in `dtype` (default: the base's own, `export_type`) through
     `write_model_gguf`, byte for byte what llama-quantize writes from the fused F32 model;
-    `base` may be a full fine-tune's run folder (its latest checkpoint)."""
+    `base` may be a full fine-tune's run folder (its latest checkpoint); `run_data`: the run's
+    `run_data_metadata`."""
     base = checkpoint_file(base, "--base")
     with GGUFFile(base) as g:
         dtype = dtype or export_type(g)
@@ -129,8 +160,9 @@ def write_reencoded(out: str | os.PathLike, base: str | os.PathLike,
         apply_adapter(model, ad_path)
         fuse(model)
         extra["toy.merged_adapter"] = ad_path.name
-    try:
-        meta, types, weights = like_base(g, model, extra)
+    extra.update(run_data or {})
+    try:  # a file re-encoded alone keeps the run its weights came from
+        meta, types, weights = like_base(g, model, extra, keep_run=not extra)
     finally:
         g.close()
     del model
@@ -139,10 +171,12 @@ def write_reencoded(out: str | os.PathLike, base: str | os.PathLike,
 
 
 def write_fused_kept(out: str | os.PathLike, base: str | os.PathLike,
-                     adapter: str | os.PathLike, progress: bool = False):
+                     adapter: str | os.PathLike, progress: bool = False,
+                     run_data: dict[str, Any] | None = None):
     """`base` + `adapter` (LoRA or DoRA) fused by `toymlx.gguf.fuse.write_kept` (the file that keeps
-    the fine-tune); returns its `KeptFile`. The adapter is checked against the base first
-    (architecture, every adapted weight's name and shape), as `apply_adapter` checks it."""
+    the fine-tune; `run_data`: the run's `run_data_metadata`); returns its `KeptFile`. The
+    adapter is checked against the base first (architecture, every adapted weight's name and
+    shape), as `apply_adapter` checks it."""
     from toymlx.gguf.fuse import write_kept
 
     base = checkpoint_file(base, "--base")
@@ -166,16 +200,19 @@ def write_fused_kept(out: str | os.PathLike, base: str | os.PathLike,
     def fused(name: str, w: np.ndarray) -> np.ndarray:
         return (w.astype(np.float64) + ad.delta(name, w)).astype(np.float32)
 
-    return write_kept(out, base, ad.pairs, fused, {"toy.merged_adapter": ad_path.name},
+    return write_kept(out, base, ad.pairs, fused, {"toy.merged_adapter": ad_path.name,
+                                                   **(run_data or {})},
                       progress=progress)
 
 
 
 def write_full_kept(out: str | os.PathLike, base: str | os.PathLike,
-                    checkpoint: str | os.PathLike, progress: bool = False):
+                    checkpoint: str | os.PathLike, progress: bool = False,
+                    run_data: dict[str, Any] | None = None):
     """A full fine-tune's `checkpoint` as the file that keeps the fine-tune
     (`toymlx.gguf.fuse.write_kept` over the file `base` it was trained from): each tensor it changed
-    in a type that keeps the change, every other one the base's own bytes."""
+    in a type that keeps the change, every other one the base's own bytes; `run_data`: the
+    run's `run_data_metadata`."""
     from toymlx.gguf.fuse import write_kept
 
     checkpoint = checkpoint_file(checkpoint, "--base")
@@ -189,29 +226,34 @@ def write_full_kept(out: str | os.PathLike, base: str | os.PathLike,
     c = GGUFFile(checkpoint)
     try:
         return write_kept(out, base, changed, lambda name, w: c.load(name, np.float32),
-                          {"toy.fine_tuned": checkpoint.name}, progress=progress)
+                          {"toy.fine_tuned": checkpoint.name,
+                           **(run_data or {})}, progress=progress)
     finally:
         c.close()
 
 
-def like_base_metadata(g: GGUFFile, extra: dict[str, Any] | None = None
+def like_base_metadata(g: GGUFFile, extra: dict[str, Any] | None = None, keep_run: bool = False
                        ) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
     """(metadata, their GGUF types) of a file of the base `g`'s kind: every metadata key of the
-    base but its alignment and file types, with its original GGUF type, `extra` added."""
-    skip = ("general.alignment", "general.file_type", BASE_FILE_TYPE)
+    base but its alignment and file types, with its original GGUF type, `extra` added. The
+    base's `RUN_DATA` (a fused file's run) only with `keep_run`: the same weights re-encoded;
+    new weights are another run's, which `extra` records (or nothing does)."""
+    skip = {"general.alignment", "general.file_type", BASE_FILE_TYPE} | (
+        set() if keep_run else {k for k in g.metadata if k.startswith(RUN_DATA)})
     meta = {k: v for k, v in g.metadata.items() if k not in skip}
     types = {k: t for k, t in g.metadata_types.items() if k not in skip}
     meta.update(extra or {})
     return meta, types
 
 
-def like_base(g: GGUFFile, model: Llama, extra: dict[str, Any] | None = None
+def like_base(g: GGUFFile, model: Llama, extra: dict[str, Any] | None = None,
+              keep_run: bool = False
               ) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]], dict[str, np.ndarray]]:
     """(metadata, their GGUF types, float32 tensors) of `model` as a file of the base `g`'s kind:
     every metadata key of the base (tokenizer, chat template, hyperparameters) with its original
-    GGUF type, `extra` added, and the base's other tensors (RoPE constants: rope_freqs,
-    rope_factors_*); the writer sets general.file_type."""
-    meta, types = like_base_metadata(g, extra)
+    GGUF type, `extra` added (`keep_run`: as `like_base_metadata`), and the base's other tensors
+    (RoPE constants: rope_freqs, rope_factors_*); the writer sets general.file_type."""
+    meta, types = like_base_metadata(g, extra, keep_run)
     weights = llama_tensors(model)
     for name in g.tensors:  # RoPE constants as the base has them
         if name not in weights:
