@@ -39,15 +39,17 @@ from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
 from toymlx.models.ops import Ops
 
-RUNTIME_BYTES = 320 * 2**20
+RUNTIME_BYTES = 448 * 2**20
 """What a run's RSS holds beyond MLX's arrays at its peak: the interpreter and libraries, the
 tokenizer and data, MLX's buffer cache (32 MB) and the heap glibc keeps between steps (it grows
 with the step). Peak RSS minus MLX's peak measured (MiB, session 51, AMD EPYC, 2 cores, the
-recipe as users run it): 164-322 on a 10-block Gemma 4 E2B shape (32,768 rows, 1 x 256 to
-4 x 256 and 1 x 1024, held in blocks or float32), 186 and 216 on SmolLM2-135M at 4 x 256
-(float32, blocks); session 50's 339 with 7 LoRA targets and 425 with 262,144 rows (its
-tokenizer) are covered by the activations' margin. (It was 600 MiB, from 0.37-0.58 GiB measured
-on SmolLM2 LoRA runs when the estimate was written: 46% over the E2B shape's 1 x 256 step.)"""
+recipe as users run it): 164-345 on a 10-block Gemma 4 E2B shape (32,768 rows; 1 x 256 to
+4 x 256 and 1 x 1024; held in blocks or float32; LoRA q or 7 targets), 186 and 216 on
+SmolLM2-135M at 4 x 256, 246 on the Llama-3.2-1B shape (1 x 512, --grad-checkpoint, blocks);
+session 50's E2B shape with 262,144 rows (its tokenizer) 425 and session 33's Llama-3.2-3B shape
+(1 x 512, --grad-checkpoint) 0.54 GB, the most: this allowance keeps that step's estimate
+within 5% under its RSS and the E2B shape's 1 x 256 step 15% over. (It was 600 MiB, from 0.37-0.58
+GiB measured on SmolLM2 LoRA runs when the estimate was written: 46% over that 1 x 256 step.)"""
 HEAD_LOGITS_COPIES = 6
 """float32 copies of a frozen head's slice of logits alive at once in the loss
 (`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their exponentials, the
