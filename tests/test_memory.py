@@ -88,6 +88,9 @@ def test_estimate_of_an_8b_header(header_8b):
         floats = memory.estimate(g, held="float32", full=False, targets=("q", "v"), rank=8,
                                  layers=None, dora=False, batch_size=1, seq_len=512,
                                  ops=Ops(decode_slice=None))
+        two = memory.estimate(g, held="blocks", full=False, targets=("q", "v"), rank=8,
+                              layers=None, dora=False, batch_size=2, seq_len=512,
+                              ops=Ops(decode_slice=None), streams=2)
     shapes = expected_shapes(LLAMA_8B)
     n_matrix = sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2)
     n_norm = sum(s[0] for s in shapes.values() if len(s) == 1)
@@ -108,8 +111,11 @@ def test_estimate_of_an_8b_header(header_8b):
     assert est.logits == 1024 * (memory.HEAD_LOGITS_COPIES * 512 + 2 * 4096) * 4
     # decoded where used: 16 MB slices, or the largest weight of a block whole (ffn, 14336 x
     # 4096); a float-held base decodes nothing
-    assert est.decoded == memory.DECODED_COPIES * 2**22 * 4
-    assert whole.decoded == memory.DECODED_COPIES * 14336 * 4096 * 4
+    assert memory.DECODED_COPIES == 3
+    assert est.decoded == 3 * 2**22 * 4
+    assert whole.decoded == 3 * 14336 * 4096 * 4
+    # two CPU streams each decode their own: twice the floats
+    assert two.decoded == 2 * 3 * 14336 * 4096 * 4
     assert floats.decoded == 0
     assert floats.base == sum(t.n_elements for t in GGUFFile(header_8b).tensors.values()) * 4
     assert floats.activations == 32 * kept * 512 * 4 > est.activations
@@ -126,7 +132,7 @@ GEMMA4_10 = replace(
     tie_embeddings=True, sliding_window=512, sliding_layers=tuple(i % 5 < 4 for i in range(10)),
     shared_kv_layers=5, per_layer_dim=256, layer_scales=True, final_softcap=30.0)
 """Gemma 4 E2B's shape at 10 blocks (5 in the shared-KV tail, the tail's MLP doubled), the shape
-GEMMA4_BLOCK_D_VALUES was measured on (its 32,768-row file)."""
+GEMMA4_BLOCK_D_VALUES and DECODED_COPIES were measured on (its 32,768-row file)."""
 
 
 def test_gemma4_blocks_are_counted_each_at_its_own_widths(tmp_path):
@@ -134,28 +140,53 @@ def test_gemma4_blocks_are_counted_each_at_its_own_widths(tmp_path):
     counted at the full blocks' head width, without its post-norms' and per-layer embedding's
     arrays, or the inputs a LoRA on o and GeGLU down keep. Here each against a count of the
     10-block shape's arrays; its shared-KV tail recomputes its attention as the other blocks do,
-    so none of it is counted."""
+    so none of it is counted. Session 50's 6 gemma4 arrays (a 1 x 256 step 46% over its RSS)
+    were 3 and the second CPU stream's decoded weights spread over the tokens: 3 now, and the
+    decoded weights counted once a stream."""
     path = sparse_gguf(tmp_path / "gemma4-10.gguf", GEMMA4_10)
     ops = Ops(kernels="vectorised", decode_slice=None, attention_keep_limit=4096)
     with GGUFFile(path) as g:
         assert g.tensors["per_layer_token_embd.weight"].shape == (32768, 10 * 256)
         assert "blk.5.attn_k.weight" not in g.tensors  # a reader projects no keys
         est = {t: memory.estimate(g, held="blocks", full=False, targets=t, rank=8, layers=None,
-                                  dora=False, batch_size=4, seq_len=256, ops=ops)
+                                  dora=False, batch_size=4, seq_len=256, ops=ops, streams=2)
                for t in (("q",), ("q", "o", "down"))}
+        one = memory.estimate(g, held="blocks", full=False, targets=("q",), rank=8, layers=None,
+                              dora=False, batch_size=1, seq_len=256, ops=ops)
     # blocks 0-3, 5-8 slide (8 heads of 256), 4 and 9 are full (8 of 512); 0-4 project one kv
     # head, 5-9 read 3's (sliding) or 4's (full); the MLP 6144 wide in 0-4, 12288 in 5-9
     q = (8 * 8 * 256 + 2 * 8 * 512) // 10
     kv = (4 * 256 + 512) // 10
     f = (5 * 6144 + 5 * 12288) // 10
     d = 1536
-    kept = 6 * d + q + 2 * kv + 3 * f + 3 * 256 + memory.GEMMA4_BLOCK_D_VALUES * d
+    # a Llama block's 6 d-wide arrays, q, k, v, GeGLU's gate, up and tanh, the per-layer
+    # embedding's gate, input and tanh (256 wide), and the inputs of gemma4's 3 more RMSNorms:
+    # the attention's and MLP's post-norms and the per-layer branch's norm
+    kept = 6 * d + q + 2 * kv + 3 * f + 3 * 256 + 3 * d
     assert (q, kv, f) == (2457, 153, 9216)
     # 8 heads' probabilities over 256 tokens are more than the keep limit: attention recomputed
     assert memory.attention_values(GEMMA4_10, 256) > 4096
     assert est[("q",)].activations == 10 * kept * 4 * 256 * 4
     # a LoRA on o keeps its input (q wide), on GeGLU's down the product (f wide)
     assert est[("q", "o", "down")].activations == 10 * (kept + q + f) * 4 * 256 * 4
+    assert one.activations == 10 * kept * 256 * 4
+    # the largest block-held weight, the tail's 12288 x 1536 MLP, decoded whole: 3 float32
+    # copies a CPU stream (the per-layer token table is no block's)
+    assert one.decoded == 3 * 12288 * 1536 * 4
+    assert est[("q",)].decoded == 2 * 3 * 12288 * 1536 * 4
+    assert one.runtime == 448 * 2**20
+
+
+def test_a_batch_that_does_not_split_over_the_streams_runs_on_one():
+    """The decoded weights are counted once a stream the step runs on: --cpu-streams' count
+    where the batch splits evenly over them (cpu_streams.make_stream_step), else one."""
+    from toymlx.training import cpu_streams
+
+    assert memory.step_streams(2, 1) == 1
+    assert memory.step_streams(2, 3) == 1
+    assert memory.step_streams(3, 4) == 1
+    assert memory.step_streams(2, 4) == cpu_streams.stream_count(2)
+    assert memory.step_streams(1, 4) == 1
 
 
 def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, tmp_path,
@@ -177,7 +208,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, 
     # the base as this device's default holds it: 4.3 GB in its blocks (a GPU: Q4_K as MLX's
     # layers, 5.7 GB)
     m = re.search(r"needs about (\d+\.\d) GB \(base (4\.3|5\.7), trained 0\.1, activations "
-                  r"0\.5, logits 0\.0, decoded 0\.1, runtime 0\.6\) ", line)
+                  r"0\.5, logits 0\.0, decoded 0\.1, runtime 0\.5\) ", line)
     assert m is not None, line
     assert ("and 4.0 GB is available (TOYMLX_MEMORY_AVAILABLE); expected at most that: try "
             "--grad-checkpoint, a smaller --batch-size or --seq-len, fewer --lora.layers, or "
@@ -265,7 +296,7 @@ def test_a_run_that_fits_is_never_refused_and_records_its_memory(tiny_gguf, tmp_
     mem = start["memory"]
     assert mem["available_from"] == "MemAvailable" and mem["forced"] is False
     assert mem["estimate"]["total_mb"] < mem["available_mb"]
-    assert mem["estimate"]["runtime_mb"] == 600
+    assert mem["estimate"]["runtime_mb"] == 448
     step = mem["estimate"]["activations_mb"] + mem["estimate"]["logits_mb"]
     assert mem["kept"]["mlx_cache_limit_mb"] <= step
     if mem["kept"]["malloc"] == "glibc-retain":  # the freed heap kept: at most one step's

@@ -386,7 +386,8 @@ def build(cfg: Config, ops: Ops) -> Task:
                 g, held=held, full=full, targets=targets,
                 rank=cfg.lora.rank, layers=cfg.full.layers if full else cfg.lora.layers,
                 dora=cfg.fine_tune_type == "dora", batch_size=cfg.batch_size,
-                seq_len=cfg.seq_len, ops=ops)
+                seq_len=cfg.seq_len, ops=ops,
+                streams=memory.step_streams(cfg.cpu_streams, cfg.batch_size))
 
         dtype = "float32" if full and not some else resolve_base_dtype(
             cfg.base_dtype, on_gpu(), cfg.grad_checkpoint, lambda held: step_estimate(held).total)

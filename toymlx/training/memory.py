@@ -18,7 +18,8 @@ The estimate adds, in bytes:
   gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
 - decoded: a block-held base's float weights, decoded where used: the largest block-held
   matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies;
-  or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies.
+  or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies;
+  each CPU stream the step runs on decodes its own (`step_streams`).
 - runtime: Python, MLX and the tokenizer (`RUNTIME_BYTES`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
@@ -38,10 +39,17 @@ from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
 from toymlx.models.ops import Ops
 
-RUNTIME_BYTES = 600 * 2**20
-"""What a run's RSS holds beyond MLX's arrays: the interpreter and libraries (~60 MB), the
-tokenizer and data, the loader's temporaries and allocator slack; peak RSS minus MLX's peak
-measured 0.37-0.58 GiB on SmolLM2-135M LoRA runs (2-4 x 256, AMD EPYC, 2 cores)."""
+RUNTIME_BYTES = 448 * 2**20
+"""What a run's RSS holds beyond MLX's arrays at its peak: the interpreter and libraries, the
+tokenizer and data, MLX's buffer cache (32 MB) and the heap glibc keeps between steps (it grows
+with the step). Peak RSS minus MLX's peak measured (MiB, session 51, AMD EPYC, 2 cores, the
+recipe as users run it): 164-345 on a 10-block Gemma 4 E2B shape (32,768 rows; 1 x 256 to
+4 x 256 and 1 x 1024; held in blocks or float32; LoRA q or 7 targets), 186 and 216 on
+SmolLM2-135M at 4 x 256, 246 on the Llama-3.2-1B shape (1 x 512, --grad-checkpoint, blocks);
+session 50's E2B shape with 262,144 rows (its tokenizer) 425 and session 33's Llama-3.2-3B shape
+(1 x 512, --grad-checkpoint) 0.54 GB, the most: this allowance keeps that step's estimate
+within 5% under its RSS and the E2B shape's 1 x 256 step 15% over. (It was 600 MiB, from 0.37-0.58
+GiB measured on SmolLM2 LoRA runs when the estimate was written: 46% over that 1 x 256 step.)"""
 HEAD_LOGITS_COPIES = 6
 """float32 copies of a frozen head's slice of logits alive at once in the loss
 (`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their exponentials, the
@@ -49,25 +57,31 @@ soft-cap's slope, masks)."""
 LOGITS_COPIES = 16
 """float32 copies of a chunk's logits alive at the peak of its backward pass (measured: the
 vectorised CPU kernels compiled ~16, eager ~22; MLX's own ops ~8)."""
-DECODED_COPIES = 6
-"""float32 copies of the largest decoded slice of a block-held weight alive at once in a step
-(measured: the Llama-3.2-1B shape at 4 x 256 on two CPU streams peaked 254 MB higher by MLX's
-count with whole weights, the largest 64 MB, than with 16 MB slices: 5.3 copies of the 48 MB)."""
+DECODED_COPIES = 3
+"""float32 copies of the largest decoded slice of a block-held weight alive at once in a step,
+per CPU stream (`toymlx.training.cpu_streams`: each stream runs its slice of the batch through
+every block, decoding the weights itself). Measured, MLX's peak held in blocks less held as
+float32 (less the bases' difference): the 10-block Gemma 4 E2B shape's largest weight (the
+shared-KV tail's 12288 x 1536 MLP, 72 MiB) 3.4 copies at 1 x 256 (one stream), 6.0 at 2 x 256
+(two); the Llama-3.2-1B shape at 4 x 256 on two streams 5.3 copies of its 48 MB."""
 EXPERT_DECODED_COPIES = 4
-"""float32 copies of a block-held 3-D expert tensor alive at once in a step: it is decoded
+"""float32 copies of a block-held 3-D expert tensor alive at once in a step, per CPU stream (as
+`DECODED_COPIES`; measured on one): it is decoded
 whole where it is used (`toymlx.models.moe.BlockExperts`), with the decoding's temporaries
 (measured: Qwen3-30B-A3B's shape with 2 blocks, Q4_K_M, 1 x 256 tokens, LoRA q,k,v,o, peaked
 3.8 GB by MLX's count over 1.15 GB of blocks: about 3.1 copies of its 805 MB tensors)."""
-GEMMA4_BLOCK_D_VALUES = 6
+GEMMA4_BLOCK_D_VALUES = 3
 """d_model-wide arrays per token a gemma4 block keeps for the backward pass beyond a Llama
-block's 6: its attention and MLP post-norms' inputs, the per-layer embedding branch's
-projection and norm, the layer scale's input, and about one more not traced to an array (the
-backward pass's transients spread over the blocks). Measured: a 10-block Gemma 4 E2B shape
-(`benchmarks/shapes.py`'s E2B at 10 blocks, 5 in the shared-KV tail, which recomputes its
-attention as the other blocks do; 32,768 rows, Q4_K_M, base held in its blocks) LoRA q at
-1 x 256 and 4 x 256 on AMD EPYC Zen 4 (2 cores): MLX's peak grew 49,568 float32 values a token
-and block (less the frozen head's), 9,173 (5.97 x 1,536) more than the other terms of
-`_block_values` count, rounded up."""
+block's 6: the inputs of its three more RMSNorms, the attention's and the MLP's post-norms and
+the per-layer embedding branch's norm (`Block.close`), which their backward pass reads
+(`toymlx.backend.fastmath.rms_norm`'s vjp: x and its rstd). A bare compiled value_and_grad of a
+4-block E2B-width gemma4 (LoRA q, 256 -> 768 tokens) kept 1.2, 1.9 and 1.9 d-wide values a
+token and block fewer with each of the three made the identity. Measured through the recipe
+(`benchmarks/shapes.py`'s E2B at 10 blocks, 5 in the shared-KV tail; 32,768 rows, Q4_K_M, held
+in blocks, LoRA q, one stream: 1 x 256 -> 1 x 1024; AMD EPYC, 2 cores): MLX's peak grew
+45,225 float32 values a token and block less the frozen head's, 4,830 (3.1 x 1,536) above the
+other terms of `_block_values`. (Session 50's 6 came from 1 x 256 -> 4 x 256, where the second
+CPU stream's decoded weights, 204 MiB, `DECODED_COPIES`, were spread over the tokens.)"""
 AVAILABLE_ENV = "TOYMLX_MEMORY_AVAILABLE"
 """Bytes to take as this machine's available memory instead of asking it (tests only)."""
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -190,11 +204,11 @@ def base_bytes(g: GGUFFile, held: str, trained: frozenset[str] = frozenset()) ->
 
 
 def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], rank: int,
-             layers: int | None, dora: bool, batch_size: int, seq_len: int, ops: Ops
-             ) -> Estimate:
+             layers: int | None, dora: bool, batch_size: int, seq_len: int, ops: Ops,
+             streams: int = 1) -> Estimate:
     """The peak of one training step of the model in `g` with these options, computed with
     `ops` (the run's math: its dtype, `--grad-checkpoint`, decode slices and what attention
-    keeps; module docstring)."""
+    keeps) on `streams` CPU streams (`step_streams`; module docstring)."""
     a = args_from_gguf(g)
     tokens = batch_size * seq_len
     width = _WIDTH.get(ops.dtype, 4)
@@ -232,8 +246,18 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     experts = max((t.n_elements for name, t in g.tensors.items() if len(t.shape) == 3
                    and tensor_route(g, name, held, train) == "blocks"), default=0)
     decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
-                  experts * EXPERT_DECODED_COPIES) * 4
+                  experts * EXPERT_DECODED_COPIES) * 4 * streams
     return Estimate(base, trained, acts, logits, decoded)
+
+
+def step_streams(requested: int, batch_size: int) -> int:
+    """The CPU streams a step of `batch_size` rows runs on (`cpu_streams.stream_count` of
+    --cpu-streams; one where the batch does not split evenly over them, as
+    `cpu_streams.make_stream_step` runs it): each decodes a block-held base's weights itself."""
+    from toymlx.training import cpu_streams
+
+    n = cpu_streams.stream_count(requested)
+    return n if batch_size % n == 0 else 1
 
 
 def available_memory() -> tuple[int | None, str]:
