@@ -350,6 +350,33 @@ def test_a_sweep_cut_short_by_head_pipes_its_progress():
 """RUNS.md's "Common options": the flags every recipe takes, then the text recipes' own."""
 
 
+def test_a_random_sweep_shown_draws_every_value_of_its_lists():
+    """A `toymlx-sweep --random` a guide shows draws each value of each list it gives (SWEEPS.md's
+    `--random 4 --seed 0 ... --grid model.n_layers=2,4` drew 4 layers all four times, so the
+    example's second axis never varied): its draws computed here as the sweep makes them."""
+    from toymlx.sweeps.spec import parse_axis, random
+
+    shown = 0
+    for doc in DOCS:
+        for b in blocks(doc):
+            for argv in toymlx_commands(b) if b.lang == "sh" else []:
+                if argv[0] != "toymlx-sweep" or "--random" not in argv:
+                    continue
+                value = dict(itertools.pairwise(argv))
+                recipe = value["--recipe"]
+                space = dict(parse_axis(v, recipe) for k, v in itertools.pairwise(argv)
+                             if k == "--grid")
+                runs = random([], space, int(value["--random"]), int(value.get("--seed", 0)),
+                              recipe)
+                for key, values in space.items():
+                    if isinstance(values, list):
+                        drawn = {r.params[key] for r in runs}
+                        assert drawn == set(values), (
+                            f"{b.where()}: --random draws {key} = {sorted(drawn)} only, of "
+                            f"{values}: pick a --seed whose draws vary it")
+                shown += 1
+    assert shown, "no guide shows a toymlx-sweep --random"
+
 def test_the_common_options_are_every_recipes():
     """Each flag RUNS.md says every recipe takes is one of each recipe's flags, and those it
     names for the text recipes are theirs (vit-tiny has no --seq-len: the guide once listed
