@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import json
 import math
 import os
 import re
@@ -348,6 +349,33 @@ def test_a_sweep_cut_short_by_head_pipes_its_progress():
     assert n >= 1
 """RUNS.md's "Common options": the flags every recipe takes, then the text recipes' own."""
 
+
+def test_a_random_sweep_shown_draws_every_value_of_its_lists():
+    """A `toymlx-sweep --random` a guide shows draws each value of each list it gives (SWEEPS.md's
+    `--random 4 --seed 0 ... --grid model.n_layers=2,4` drew 4 layers all four times, so the
+    example's second axis never varied): its draws computed here as the sweep makes them."""
+    from toymlx.sweeps.spec import parse_axis, random
+
+    shown = 0
+    for doc in DOCS:
+        for b in blocks(doc):
+            for argv in toymlx_commands(b) if b.lang == "sh" else []:
+                if argv[0] != "toymlx-sweep" or "--random" not in argv:
+                    continue
+                value = dict(itertools.pairwise(argv))
+                recipe = value["--recipe"]
+                space = dict(parse_axis(v, recipe) for k, v in itertools.pairwise(argv)
+                             if k == "--grid")
+                runs = random([], space, int(value["--random"]), int(value.get("--seed", 0)),
+                              recipe)
+                for key, values in space.items():
+                    if isinstance(values, list):
+                        drawn = {r.params[key] for r in runs}
+                        assert drawn == set(values), (
+                            f"{b.where()}: --random draws {key} = {sorted(drawn)} only, of "
+                            f"{values}: pick a --seed whose draws vary it")
+                shown += 1
+    assert shown, "no guide shows a toymlx-sweep --random"
 
 def test_the_common_options_are_every_recipes():
     """Each flag RUNS.md says every recipe takes is one of each recipe's flags, and those it
@@ -879,6 +907,24 @@ def check_output_shown(block: Block, printed: str) -> None:
     for ln in missing_command_lines(block.text, printed, loose):
         raise AssertionError(f"{block.where()}: the docs show this command's lines but not "
                              f"this one, which it prints:\n{ln}")
+    printed_keys = [k for ln in printed.splitlines() if (k := json_keys(ln)) is not None]
+    for ln in block.text.splitlines():
+        keys = json_keys(ln)
+        assert keys is None or keys in printed_keys, (
+            f"{block.where()}: the docs show a JSON line whose keys no printed line has:\n{ln}\n"
+            f"printed: {[sorted(k) for k in printed_keys]}")
+
+
+def json_keys(line: str) -> frozenset[str] | None:
+    """The keys of a line that is one JSON object (`toymlx-eval`'s report), else None: a reader
+    looks a key up by the name the guide shows, so a key added or renamed since must show."""
+    if not line.startswith("{"):
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return frozenset(obj) if isinstance(obj, dict) else None
 
 
 def missing_command_lines(shown: str, printed: str, loose: bool = False) -> list[str]:
@@ -932,6 +978,21 @@ def test_an_output_block_printed_by_another_model_is_matched_by_its_first_words(
         check_output_shown(Block("d", 1, "text", renamed, "s"), printed)
     with pytest.raises(AssertionError, match="leaves out|not this one"):
         check_output_shown(Block("d", 1, "text", "# printed by S.gguf\n" + smollm, "s"), printed)
+
+
+def test_an_output_block_whose_json_keys_differ_from_the_printed_ones_fails():
+    """LORA.md showed `toymlx-eval --split test`'s JSON without the `seq_len` and `tokens_scored`
+    keys the command had printed for some sessions: a JSON line shown is checked for its keys
+    (not its values, which a shortened run changes), so a key left out or renamed fails."""
+    printed = ('toymlx-eval: model /tmp/x/S.gguf + adapter runs/t/weights/adapter_step_2.gguf\n'
+               '{"model": "runs/t", "split": "test", "rows": 3, "test_loss": 6.1, "seq_len": 256, '
+               '"tokens_scored": 51}\n')
+    first = "toymlx-eval: model /home/you/S.gguf + adapter runs/t/weights/adapter_step_20.gguf\n"
+    shown = first + '{"model": "runs/t", "split": "test", "rows": 3, "test_loss": 5.5}\n'
+    with pytest.raises(AssertionError, match="JSON line whose keys"):
+        check_output_shown(Block("d", 1, "text", shown, "s"), printed)
+    fixed = shown.replace('5.5}', '5.5, "seq_len": 256, "tokens_scored": 40}')
+    check_output_shown(Block("d", 1, "text", fixed, "s"), printed)
 
 
 def test_readme_blocks_run(tmp_path, stories_path):

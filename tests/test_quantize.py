@@ -319,12 +319,13 @@ def test_adapter_retention_tells_rounding_noise_from_an_erased_change(base_and_r
         r = adapter_retention(tmp_path / f"{name}.gguf", base, run)
         assert abs(r.along - share) < 1e-4 and abs(r.noise - max(noise, 1 - share)) < 1e-3
         assert abs(r.kept - max(0.0, 1 - r.noise)) < 1e-9
+    # closed like the warning: toymlx-export appends " in 29.6 s", which read as llama-cli's
     assert kept_note(Retention(0.0, 0.97, 34.9), "q4_k_m") == (
         "keeps 97% of the adapter's change in its weights, under q4_k_m's rounding noise 34.9x "
         "the change's size on the adapted layers' outputs (so 0% kept by that measure: the noise "
-        "of any file rounded to q4_k_m; the held-out gain measures what the fine-tune kept); to "
+        "of any file rounded to q4_k_m; the held-out gain measures what the fine-tune kept; to "
         "keep the change exact, export without --dtype (each adapted tensor in a type that keeps "
-        "its change), or --dtype q8_0 or f16, or run the base with the adapter: llama-cli --lora")
+        "its change), or --dtype q8_0 or f16, or run the base with the adapter: llama-cli --lora)")
     # a change the rounding erased is still called lost, with the same figure as a float gives
     assert kept_note(Retention(0.0, 0.2, 1.05), "q4_1") == kept_note(0.0, "q4_1")
     assert "the rest is lost to q4_1's rounding" in kept_note(0.0, "q4_1")

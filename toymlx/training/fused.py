@@ -136,8 +136,8 @@ def kept_note(kept: float | Retention, dtype: str, flag: str = "--dtype") -> str
         return (f"keeps {r.along:.0%} of the adapter's change in its weights, under {dtype}'s "
                 f"rounding noise {r.noise:.1f}x the change's size on the adapted layers' outputs "
                 f"(so {kept:.0%} kept by that measure: the noise of any file rounded to {dtype}; "
-                f"the held-out gain measures what the fine-tune kept); to keep the change "
-                f"exact, {fix}")
+                f"the held-out gain measures what the fine-tune kept; to keep the change "
+                f"exact, {fix})")
     return note + f" (warning: the rest is lost to {dtype}'s rounding; to keep the fine-tune, {fix})"
 
 
