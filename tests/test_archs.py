@@ -128,14 +128,17 @@ def test_generation_cache_matches_full_forward(files, kind):
     assert np.abs(np.stack(steps) - full).max() < 1e-4
 
 
-def qwen35_gguf(path: Path, seed: int = 0) -> Path:
+def qwen35_gguf(path: Path, seed: int = 0, norm_eps: float = 1e-5) -> Path:
     """A random-weight qwen35 GGUF (3 Gated DeltaNet blocks and a gated full-attention one, 2 k
     heads serving 4 value heads) over the byte vocabulary, written by toymlx: decays, dt biases
-    and convolutions drawn too, so the recurrence carries something from token to token."""
+    and convolutions drawn too, so the recurrence carries something from token to token.
+    `norm_eps` 1e-6 is Qwen3.5's own, and the q/k L2 norm's epsilon in transformers and mlx-lm
+    (llama.cpp and toymlx take the file's RMS epsilon for it)."""
     from toymlx.models.llama import LlamaArgs
 
     args = replace(LlamaArgs(), arch="qwen35", **ARCHS["qwen35"].switches, vocab_size=300,
                    d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, context=256,
+                   norm_eps=norm_eps,
                    key_length=32, rope_dims=8, linear_layers=(True, True, True, False),
                    ssm_conv_kernel=4, ssm_head_dim=16, ssm_k_heads=2, ssm_v_heads=4)
     mx.random.seed(seed)
