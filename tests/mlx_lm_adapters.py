@@ -238,6 +238,30 @@ def qwen3moe_gguf(path: str | Path, seed: int = 0) -> Path:
     return Path(path)
 
 
+def mlx_lm_folder(hf_dir: str | Path, out: Path) -> nn.Module:
+    """mlx-lm's own model loaded from a copy of transformers' checkpoint folder (tests/hf_tiny.py),
+    its config.json in the names mlx-lm 0.32 reads: a Qwen3_5ForCausalLM's `qwen3_5_text` as
+    `qwen3_5` (the model type of Qwen3.5's own checkpoints), and newer transformers'
+    `num_local_experts` and `rope_parameters.rope_theta` as qwen3_moe's `num_experts` and
+    `rope_theta`. Nothing of toymlx's converts its weights: mlx-lm's `sanitize` does."""
+    import json
+    import shutil
+
+    from mlx_lm.utils import load_model
+
+    shutil.copytree(hf_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    if config["model_type"] == "qwen3_5_text":
+        config["model_type"] = "qwen3_5"
+    if "num_local_experts" in config:
+        config.setdefault("num_experts", config["num_local_experts"])
+    if "rope_theta" not in config and "rope_parameters" in config:
+        config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    (out / "config.json").write_text(json.dumps(config))
+    model, _ = load_model(out)
+    return model
+
+
 def lora_config(num_layers: int, rank: int, scale: float, keys: list[str] | None = None,
                 kind: str = "lora") -> dict[str, Any]:
     """adapter_config.json as `mlx_lm.lora` writes it (its CONFIG_DEFAULTS, these set)."""

@@ -22,6 +22,12 @@ from mlx_lm_adapters import (
     make_adapter,
     qwen3moe_gguf,
 )
+from hf_tiny import (
+    tiny_gguf,  # noqa: F401  (session fixtures)
+    tiny_hf,  # noqa: F401
+    token_ids,
+)
+from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 from smollm import smollm_gguf  # noqa: F401  (session fixture)
 from test_archs import qwen35_gguf
 
@@ -160,6 +166,35 @@ def test_a_qwen35_or_qwen3moe_adapter_computes_what_mlx_lm_computes(qwen_bases, 
     if arch == "qwen35":
         monkeypatch.setattr(mlx_lm_adapter, "hf_v_heads", lambda a, name: None)
         assert np.abs(ref - logits(toy(path, folder), IDS300)).max() > 0.01
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", ["qwen35", "qwen3moe"])
+def test_adapters_on_transformers_checkpoints_read_for_llama_cpp_s_conversion(
+        kind, tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """The layouts toymlx assumes are llama.cpp's converter's: mlx-lm's own model of the tiny
+    transformers checkpoint (tests/hf_tiny.py; qwen3_5 with 2 k heads serving 4 value heads,
+    qwen3_moe with 8 experts), adapted by mlx-lm's default (every linear layer: the
+    linear-attention projections, the router and the experts' too), gives within TOL of the
+    logits toymlx gives with that adapter on the converter's GGUF of the same checkpoint."""
+    from mlx_lm_adapters import add_adapter, mlx_lm_folder, save_adapter
+
+    from toymlx.models.lora import MLX_LM_DEFAULT, apply_lora
+    from toymlx.training.adapter import load_adapter_weights
+
+    hf, path = tiny_hf(kind), tiny_gguf(kind)
+    ids = token_ids(hf, 24)
+    config = lora_config(-1, 4, 2.0)
+    model = mlx_lm_folder(hf, tmp_path / "mlx")
+    base = logits(model, ids)
+    folder = save_adapter(add_adapter(model, config), tmp_path / "adapters", config)
+    ref = logits(model, ids)
+    assert np.abs(ref - base).max() > 0.05
+    assert np.abs(logits(toy(path), ids) - base).max() < TOL
+    assert np.abs(logits(toy(path, folder), ids) - ref).max() < TOL
+    run = apply_lora(toy(path), MLX_LM_DEFAULT, rank=4, alpha=8.0)
+    load_adapter_weights(run, folder, "--lora.init-adapter")
+    assert np.abs(logits(run, ids) - ref).max() < TOL
 
 
 def _export(*argv: str) -> int:

@@ -338,8 +338,9 @@ HF_TARGETS: dict[str, str] = {
     "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
     "self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o", "mlp.gate_proj": "gate",
     "mlp.up_proj": "up", "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down"}
-"""Hugging Face's (and mlx-lm's) projection paths inside a decoder block -> toymlx's
---lora.targets names (`toymlx.models.lora.TARGETS` gives their paths)."""
+"""Hugging Face's projection paths inside a dense decoder block (PEFT's target_modules) ->
+toymlx's --lora.targets names (`TARGETS` gives their paths; mlx-lm's paths, MoE and qwen3_5's
+too, are `MLX_LM_KEYS`)."""
 
 
 def hf_targets(names: Sequence[str]) -> str | None:
