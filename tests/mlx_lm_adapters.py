@@ -44,6 +44,10 @@ _NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
+_GLOBALS = {"token_embd.weight": "model.embed_tokens.weight",
+            "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+"""A GGUF's tensors outside the blocks -> mlx-lm's names (qwen3_5's under `language_model.`)."""
+
 
 def hf_order(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
     """A GGUF's q (or k: n_head_kv) rows in Hugging Face's order, by mlx-lm's permutation."""
@@ -72,24 +76,26 @@ def hf_model(gguf: str | Path) -> nn.Module:
             return qwen35_model(g, a)
         if a.arch == "qwen3moe":
             return qwen3moe_model(g, a)
-        model = Model(ModelArgs.from_dict(hf_config(a)))
-        weights = {}
-        for name in g.tensors:
-            w = g.load(name, np.float32)
-            if name == "token_embd.weight":
-                key = "model.embed_tokens.weight"
-            elif name == "output_norm.weight":
-                key = "model.norm.weight"
-            elif name == "output.weight":
-                key = "lm_head.weight"
-            else:
-                _, i, leaf, kind = name.split(".")
-                key = f"model.layers.{i}.{_NAMES[leaf]}.{kind}"
-                if leaf == "attn_q":
-                    w = hf_order(w, a.n_heads)
-                elif leaf == "attn_k":
-                    w = hf_order(w, a.n_heads, a.n_kv_heads)
-            weights[key] = mx.array(w)
+
+        def block(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+            _, i, leaf, kind = name.split(".")
+            if leaf == "attn_q":
+                w = hf_order(w, a.n_heads)
+            elif leaf == "attn_k":
+                w = hf_order(w, a.n_heads, a.n_kv_heads)
+            return f"model.layers.{i}.{_NAMES[leaf]}.{kind}", w
+
+        return _filled(Model(ModelArgs.from_dict(hf_config(a))), g, block)
+
+
+def _filled(model: nn.Module, g: GGUFFile, block, prefix: str = "") -> nn.Module:
+    """`model` holding the GGUF's float32 tensors: those outside the blocks under `_GLOBALS`'
+    names, each block tensor as `block(name, w)` names and lays it out; `prefix` before each."""
+    weights = {}
+    for name in g.tensors:
+        w = g.load(name, np.float32)
+        key, w = (_GLOBALS[name], w) if name in _GLOBALS else block(name, w)
+        weights[prefix + key] = mx.array(w)
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     return model
@@ -142,36 +148,27 @@ def qwen35_model(g: GGUFFile, a: LlamaArgs) -> nn.Module:
              "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm",
              "ssm_conv1d": "linear_attn.conv1d", "ssm_dt": "linear_attn.dt_bias",
              "ssm_a": "linear_attn.A_log"}
-    weights = {}
-    for name in g.tensors:
-        w = g.load(name, np.float32)
-        if name == "token_embd.weight":
-            key = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            key = "model.norm.weight"
-        elif name == "output.weight":
-            key = "lm_head.weight"
-        else:
-            parts = name.split(".")
-            i, leaf = parts[1], parts[2]
-            key = f"model.layers.{i}.{names[leaf]}"
-            key += "" if leaf in ("ssm_a", "ssm_dt") else f".{parts[-1]}"
-            if leaf == "attn_qkv":
-                w = w[qkv]
-            elif leaf == "attn_gate":
-                w = w[v_rows]
-            elif leaf in ("ssm_beta", "ssm_alpha", "ssm_dt"):
-                w = w[one]
-            elif leaf == "ssm_a":
-                w = np.log(-w[one])
-            elif leaf == "ssm_out":
-                w = w[:, v_rows]
-            elif leaf == "ssm_conv1d":
-                w = w[qkv][:, :, None]  # (C, K) -> mlx-lm's Conv1d (C, K, 1)
-        weights["language_model." + key] = mx.array(w)
-    model.load_weights(list(weights.items()))
-    mx.eval(model.parameters())
-    return model
+
+    def block(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        parts = name.split(".")
+        i, leaf = parts[1], parts[2]
+        key = f"model.layers.{i}.{names[leaf]}"
+        key += "" if leaf in ("ssm_a", "ssm_dt") else f".{parts[-1]}"
+        if leaf == "attn_qkv":
+            w = w[qkv]
+        elif leaf == "attn_gate":
+            w = w[v_rows]
+        elif leaf in ("ssm_beta", "ssm_alpha", "ssm_dt"):
+            w = w[one]
+        elif leaf == "ssm_a":
+            w = np.log(-w[one])
+        elif leaf == "ssm_out":
+            w = w[:, v_rows]
+        elif leaf == "ssm_conv1d":
+            w = w[qkv][:, :, None]  # (C, K) -> mlx-lm's Conv1d (C, K, 1)
+        return key, w
+
+    return _filled(model, g, block, "language_model.")
 
 
 def qwen3moe_model(g: GGUFFile, a: LlamaArgs) -> nn.Module:
@@ -192,20 +189,12 @@ def qwen3moe_model(g: GGUFFile, a: LlamaArgs) -> nn.Module:
     names = {**_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
              "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
              "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj"}
-    weights = {}
-    for name in g.tensors:
-        w = g.load(name, np.float32)
-        if name in ("token_embd.weight", "output_norm.weight", "output.weight"):
-            key = {"token_embd.weight": "model.embed_tokens.weight",
-                   "output_norm.weight": "model.norm.weight",
-                   "output.weight": "lm_head.weight"}[name]
-        else:
-            _, i, leaf, kind = name.split(".")
-            key = f"model.layers.{i}.{names[leaf]}.{kind}"
-        weights[key] = mx.array(w)
-    model.load_weights(list(weights.items()))
-    mx.eval(model.parameters())
-    return model
+
+    def block(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        _, i, leaf, kind = name.split(".")
+        return f"model.layers.{i}.{names[leaf]}.{kind}", w
+
+    return _filled(model, g, block)
 
 
 def qwen3moe_gguf(path: str | Path, seed: int = 0) -> Path:

@@ -13,6 +13,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from hf_tiny import (
+    tiny_gguf,  # noqa: F401  (session fixtures)
+    tiny_hf,  # noqa: F401
+    token_ids,
+)
+from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 from mlx_lm.gguf import permute_weights
 from mlx_lm_adapters import (
     hf_model,
@@ -22,12 +28,6 @@ from mlx_lm_adapters import (
     make_adapter,
     qwen3moe_gguf,
 )
-from hf_tiny import (
-    tiny_gguf,  # noqa: F401  (session fixtures)
-    tiny_hf,  # noqa: F401
-    token_ids,
-)
-from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 from smollm import smollm_gguf  # noqa: F401  (session fixture)
 from test_archs import qwen35_gguf
 

@@ -1015,9 +1015,9 @@ def _mlx_lm_models() -> list[tuple[str, nn.Module, object]]:
 
     from toymlx.models.llama import LlamaArgs
 
-    small = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                 vocab_size=300)
+    small = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+             "vocab_size": 300}
     dense = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)
     moe = {"num_experts": 4, "num_experts_per_tok": 2}
     qwen35 = LlamaArgs(arch="qwen35", attn_out_gate=True, qk_norm=True, rope_neox=True,
@@ -1127,17 +1127,7 @@ def test_a_config_without_keys_on_qwen35_trains_its_linear_blocks_projections(tm
 
     from toymlx.training.adapter import load_adapter
 
-    data = tmp_path / "data"
-    data.mkdir()
-    for split, n in (("train", 8), ("valid", 2)):
-        (data / f"{split}.jsonl").write_text("".join(
-            json.dumps({"text": f"row {i}: the number {i * 7 % 10} follows {i}"}) + "\n"
-            for i in range(n)))
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": str(qwen35_gguf(tmp_path / "q.gguf")), "data": str(data), "iters": 1,
-        "batch_size": 2, "max_seq_length": 48, "val_batches": 1, "steps_per_eval": 1,
-        "adapter_path": str(tmp_path / "runs" / "r")}))
+    path = _one_step_config(tmp_path, qwen35_gguf(tmp_path / "q.gguf"))
     assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
     rows = {tuple(x.split()[:2]): x.split()[2:] for x in capsys.readouterr().out.splitlines()}
     assert rows[("lora_parameters.keys", "--lora.targets")][:3] == [
@@ -1156,10 +1146,8 @@ def test_a_config_without_keys_on_qwen35_trains_its_linear_blocks_projections(tm
                                       "ssm_out", "ffn_gate", "ffn_up", "ffn_down")}
 
 
-def _moe_config(tmp_path: Path, **extra) -> Path:
-    """An mlx-lm config on the tiny qwen3moe file (tests/mlx_lm_adapters.py), one iteration."""
-    from mlx_lm_adapters import qwen3moe_gguf
-
+def _one_step_config(tmp_path: Path, model: Path, **extra) -> Path:
+    """An mlx-lm config training `model` one iteration on 8 text rows (its run: runs/r)."""
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
     for split, n in (("train", 8), ("valid", 2)):
@@ -1168,10 +1156,17 @@ def _moe_config(tmp_path: Path, **extra) -> Path:
             for i in range(n)))
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({
-        "model": str(qwen3moe_gguf(tmp_path / "moe.gguf")), "data": str(data), "iters": 1,
+        "model": str(model), "data": str(data), "iters": 1,
         "batch_size": 2, "max_seq_length": 48, "val_batches": 1, "steps_per_eval": 1,
         "adapter_path": str(tmp_path / "runs" / "r"), **extra}))
     return path
+
+
+def _moe_config(tmp_path: Path, **extra) -> Path:
+    """`_one_step_config` on the tiny qwen3moe file (tests/mlx_lm_adapters.py)."""
+    from mlx_lm_adapters import qwen3moe_gguf
+
+    return _one_step_config(tmp_path, qwen3moe_gguf(tmp_path / "moe.gguf"), **extra)
 
 
 def test_a_config_without_keys_on_a_mixture_of_experts_trains_its_router(tmp_path, capsys):
