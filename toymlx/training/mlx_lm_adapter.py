@@ -226,8 +226,9 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
         if lost is not None:
             raise MlxLmError(f"{weights}: key '{module_of[name]}.{lost}': expected "
                             f"present (with {', '.join(sorted(h))}), found missing")
-        experts = h["lora_a"].ndim == 3  # LoRASwitchLinear's are toymlx's layout already
-        a_, b = (h["lora_a"], h["lora_b"]) if experts else (h["lora_a"].T, h["lora_b"].T)
+        # (r, n_in) and (n_out, r); LoRASwitchLinear's (E, r, n_in), (E, n_out, r) as they are
+        lora_a, b = ((h["lora_a"], h["lora_b"]) if h["lora_a"].ndim == 3
+                     else (h["lora_a"].T, h["lora_b"].T))
         heads = hf_permuted_heads(a, name)
         if heads is not None:  # mlx-lm's rows are HF's; the base's were permuted
             b = hf_rows_to_gguf(b, heads)
@@ -237,12 +238,12 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
             axis, start = v
             order = (a.ssm_k_heads, a.ssm_v_heads)
             if axis == 1:  # ssm_out's input columns: A's
-                a_ = hf_v_heads_to_gguf(a_, 1, start, *order)
+                lora_a = hf_v_heads_to_gguf(lora_a, 1, start, *order)
             else:
                 b = hf_v_heads_to_gguf(b, 0, start, *order)
                 if "m" in h:
                     h["m"] = hf_v_heads_to_gguf(h["m"], 0, start, *order)
-        pairs[name] = (np.ascontiguousarray(a_), np.ascontiguousarray(b))
+        pairs[name] = (np.ascontiguousarray(lora_a), np.ascontiguousarray(b))
         if kind == "dora":
             magnitudes[name] = h["m"]
     if not pairs:
