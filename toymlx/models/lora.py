@@ -295,7 +295,10 @@ def mlx_lm_modules(a: LlamaArgs, block: int) -> dict[str, str | None]:
     (every nn.Linear and SwitchLinear of it): qwen3_5's linear-attention blocks have
     `linear_attn`, its others `self_attn`; a mixture of experts' MLP is its router and its
     experts (mixtral's under `block_sparse_moe`), a dense MLP's `mlp.gate_proj` it has not. The
-    one place mlx-lm's names meet a base: an mlx-lm config's keys and adapters are read by it."""
+    one place mlx-lm's names meet a base: an mlx-lm config's keys and adapters are read by it.
+    Checked against mlx-lm's own llama, phi3, qwen3_5, qwen3_moe, mixtral and qwen2_moe
+    (tests/test_mlx_lm_config.py); gemma4's per-layer-input projections, which mlx-lm's default
+    wraps too, are not listed."""
     have = block_targets(a, block)
     attn = "linear_attn." if a.is_linear(block) else "self_attn."
     if a.n_experts:
