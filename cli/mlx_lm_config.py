@@ -7,7 +7,10 @@ and the keys it leaves out take mlx-lm's defaults (`MLX_LM_DEFAULTS`, as mlx_lm/
 CONFIG_DEFAULTS has them; mlx-lm 0.32), as do the settings mlx-lm fixes without a key
 (`MLX_LM_FIXED`: no gradient clipping, one example a row, LoRA on every linear layer, Adam's
 beta2 0.999, no warm-up, AdamW's decay on every trained array, a conversation's last message
-trained under mask_prompt, a validation pass before the first step). `mlx_lm_options` returns
+trained under mask_prompt, a validation pass before the first step). lora_parameters.keys, mlx-lm's
+module paths, are read by `toymlx.models.lora.MLX_LM_KEYS` and checked against the base by
+`mlx_lm_keys`; without keys, mlx-lm's default is --lora.targets mlx-lm-default (every linear
+layer of a block, a mixture of experts' router too). `mlx_lm_options` returns
 the options and the table printed at start (mlx-lm key, toymlx option, value, where it came
 from). A key toymlx cannot honour is one line
 naming it: refused where it changes what is trained, noted where it does not. toymlx's own
@@ -25,7 +28,7 @@ from toymlx_cli.config_file import ConfigFileError
 
 from toymlx.backend.files import counted
 from toymlx.bundle.model_store import is_hf_repo
-from toymlx.models.lora import ALL_LINEAR, HF_TARGETS
+from toymlx.models.lora import MLX_LM_DEFAULT, MLX_LM_KEYS, mlx_lm_modules
 
 MLX_LM_ONLY = frozenset({
     "train", "iters", "learning_rate", "num_layers", "lora_parameters", "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
@@ -57,9 +60,6 @@ _NOTED = {
     "config": "the file itself",
 }
 """Keys toymlx reads but does not honour, because they do not change what is trained."""
-_TARGETS = {k: v for k, v in HF_TARGETS.items() if v not in ("qkv", "gate_up")}
-"""mlx-lm's module paths (lora_parameters.keys) of a llama block -> toymlx's --lora.targets
-(phi3's fused qkv and gate_up left out)."""
 _RENAMED = {"iters": "steps", "learning_rate": "lr",
             "grad_accumulation_steps": "grad_accum", "steps_per_eval": "eval_every",
             "steps_per_report": "report_every", "save_every": "checkpoint_every",
@@ -209,10 +209,12 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         if option not in out:
             put("(none)", option, value, "mlx-lm's, fixed")
     if "lora.targets" not in out and given["fine_tune_type"] != "full":
-        # mlx-lm's every linear layer of a block, as the lora recipe resolves all-linear against
-        # the base (qwen35: its linear-attention blocks' qkv,z,beta,alpha,out too; a mixture of
-        # experts: not its router, which mlx-lm's default adapts: `all_linear` says why)
-        put("lora_parameters.keys", "lora.targets", ALL_LINEAR, "mlx-lm default")
+        # mlx-lm's every linear layer of a block, as the lora recipe resolves mlx-lm-default
+        # against the base (`toymlx.models.lora.mlx_lm_default`): qwen35's linear-attention
+        # blocks' qkv,z,beta,alpha,out too; a mixture of experts' router too, which toymlx's
+        # own all-linear leaves out
+        put("lora_parameters.keys", "lora.targets", MLX_LM_DEFAULT,
+            "mlx-lm default (every linear layer of a block, a mixture of experts' router too)")
     return out, rows, notes
 
 
@@ -303,6 +305,35 @@ def mlx_lm_layers(cfg: Any) -> tuple[Any, str | None]:
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, layers=None)), note
 
 
+def mlx_lm_keys(cfg: Any, keys: Any, source: str) -> None:
+    """ConfigFileError (one line naming lora_parameters.keys) for a key that no block of the base
+    has (`toymlx.models.lora.mlx_lm_modules`): mlx-lm matches keys to module paths and adapts
+    nothing for such a key, without a word, where toymlx's target of that name would adapt
+    another projection (mlp.gate_proj on a mixture of experts: its experts' tensors, mlx-lm's
+    mlp.switch_mlp.gate_proj) or be refused naming a flag the file does not have. Checked once
+    the base is known (a flag may give it); a base that cannot be read is left to the recipe."""
+    from toymlx.bundle.model_store import resolve_model
+    from toymlx.gguf.llama import args_from_gguf
+    from toymlx.gguf.reader import GGUFFile
+
+    if not isinstance(keys, list) or cfg.fine_tune_type == "full":
+        return
+    try:
+        with GGUFFile(resolve_model(cfg.base, "--base", check_digest=False)) as g:
+            a = args_from_gguf(g)
+    except (ValueError, OSError, KeyError):
+        return
+    have: dict[str, str | None] = {}
+    for i in range(a.n_layers):
+        have.update(mlx_lm_modules(a, i))
+    for k in keys:
+        if k not in have:
+            raise ConfigFileError(
+                f"{source}: key 'lora_parameters.keys': expected module paths this {a.arch} "
+                f"base's blocks have ({', '.join(m for m, t in have.items() if t is not None)}), "
+                f"found {json.dumps(k)}, which mlx-lm would adapt in none of them")
+
+
 def mlx_lm_rank_given(options: dict[str, Any], rows: list[tuple[str, str, Any, str]],
                       rank: Any) -> tuple[dict[str, Any], list[tuple[str, str, Any, str]]]:
     """(options, rows) with --lora.alpha following a --lora.rank the command line gives over the
@@ -347,12 +378,20 @@ def _lora(params: Any, source: str, put) -> None:
         keys = params["keys"]
         _want(source, "lora_parameters.keys", isinstance(keys, list) and keys, "a list of module "
               "paths such as self_attn.q_proj", keys)
+        can = [k for k, t in MLX_LM_KEYS.items() if t is not None]
         for k in keys:
-            if k not in _TARGETS:
+            if k in MLX_LM_KEYS and MLX_LM_KEYS[k] is None:
                 raise ConfigFileError(f"{source}: key 'lora_parameters.keys': expected module "
-                                      f"paths of a llama block ({', '.join(_TARGETS)}), found "
+                                      f"paths toymlx can adapt ({', '.join(can)}), found "
+                                      f"{json.dumps(k)}: qwen2_moe's shared expert, which no "
+                                      "--lora.targets adapts")
+            if k not in MLX_LM_KEYS:
+                raise ConfigFileError(f"{source}: key 'lora_parameters.keys': expected module "
+                                      f"paths of a block ({', '.join(can)}), found "
                                       f"{json.dumps(k)}")
-        put("lora_parameters.keys", "lora.targets", ",".join(_TARGETS[k] for k in keys))
+        # each path's own target; whether the base's blocks have it is `mlx_lm_keys`'s check
+        put("lora_parameters.keys", "lora.targets",
+            ",".join(dict.fromkeys(MLX_LM_KEYS[k] for k in keys)))
 
 
 def _schedule(sched: Any, source: str, put) -> None:

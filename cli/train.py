@@ -143,6 +143,7 @@ def _main(argv: list[str] | None) -> int:
     from toymlx_cli.mlx_lm_config import (
         is_mlx_lm_config,
         mlx_lm_error,
+        mlx_lm_keys,
         mlx_lm_layers,
         mlx_lm_layers_flag,
         mlx_lm_mask_prompt,
@@ -161,7 +162,7 @@ def _main(argv: list[str] | None) -> int:
     if "--version" in argv:
         print_version()
         return 0
-    default, bundle, mlx_lm = None, None, False
+    default, bundle, mlx_lm, keys = None, None, False, None
     try:
         config_path, argv = split_config(argv)
         recipe, resume, rest = _split_recipe(argv)
@@ -179,6 +180,8 @@ def _main(argv: list[str] | None) -> int:
             if recipe in (None, "lora") and is_mlx_lm_config(options, file_recipe is not None):
                 recipe, mlx_lm = "lora", True  # mlx-lm's lora config, with mlx-lm's meaning
                 flags = frozenset(a.partition("=")[0] for a in rest if a.startswith("--"))
+                lora_params = options.get("lora_parameters")
+                keys = lora_params.get("keys") if isinstance(lora_params, dict) else None
                 options, rows, notes = mlx_lm_options(options, config_path, flags)
                 given = _flags_given(rest)
                 options, rows = mlx_lm_rank_given(options, rows, None if "--lora.alpha"
@@ -224,13 +227,15 @@ def _main(argv: list[str] | None) -> int:
         cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; the flag keeps toymlx's
         if note:
             print(f"toymlx-train: {config_path}: {note}", file=sys.stderr)
-    if mlx_lm and not any(a.partition("=")[0] in ("--data.mask-prompt", "--data.no-mask-prompt")
-                          for a in rest):
-        try:
+    try:
+        if mlx_lm and not any(a.partition("=")[0] in ("--data.mask-prompt",
+                                                      "--data.no-mask-prompt") for a in rest):
             mlx_lm_mask_prompt(cfg, config_path)
-        except ValueError as e:
-            print(f"toymlx-train: error: {e}", file=sys.stderr)
-            return 2
+        if mlx_lm and "--lora.targets" not in _flags_given(rest):  # else the flag's meaning
+            mlx_lm_keys(cfg, keys, config_path)
+    except ValueError as e:
+        print(f"toymlx-train: error: {e}", file=sys.stderr)
+        return 2
     # an mlx-lm file's value refused by a later check is named by the file's key, not the flag
     return run_training(recipe, module, cfg, bundle, config_path, name_keys=(
         (lambda message: mlx_lm_error(message, rows, config_path)) if mlx_lm else None))

@@ -4,6 +4,9 @@
 head's halves) holding a llama GGUF's weights, q/k rows put back in Hugging Face's order with
 mlx-lm's own copy of llama.cpp's converter permutation (`mlx_lm.gguf.permute_weights`: the GGUF
 row r is the HF row `permute_weights(arange)[r]`), so nothing of toymlx's is used to build it.
+For a qwen35 GGUF it is mlx-lm's qwen3_5 (`qwen35_model`: the converter's value-head reorder,
+A_log and conv1d undone here, by index), for a qwen3moe one its qwen3_moe (`qwen3moe_model`);
+`qwen3moe_gguf` writes a tiny random qwen3moe file.
 `add_adapter` wraps it with mlx-lm's LoRA or DoRA layers (`linear_to_lora_layers`) holding
 random matrices; `save_adapter` writes them as `mlx_lm.lora` does (adapters.safetensors from
 `trainable_parameters`, adapter_config.json through `save_config`); `load_with_adapter` is
@@ -28,7 +31,7 @@ from mlx_lm import lora as mlx_lm_lora
 from mlx_lm.gguf import permute_weights
 from mlx_lm.models.llama import Model, ModelArgs
 from mlx_lm.tuner.dora import DoRALinear
-from mlx_lm.tuner.lora import LoRALinear
+from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
 from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
 from mlx_lm.utils import save_config, save_model
 
@@ -40,6 +43,10 @@ _NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+_GLOBALS = {"token_embd.weight": "model.embed_tokens.weight",
+            "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+"""A GGUF's tensors outside the blocks -> mlx-lm's names (qwen3_5's under `language_model.`)."""
 
 
 def hf_order(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
@@ -60,30 +67,187 @@ def hf_config(a: LlamaArgs) -> dict[str, Any]:
             "tie_word_embeddings": a.tie_embeddings, "max_position_embeddings": a.context}
 
 
-def hf_model(gguf: str | Path) -> Model:
-    """mlx-lm's llama Model (HF layout) with the GGUF's float32 weights."""
+def hf_model(gguf: str | Path) -> nn.Module:
+    """mlx-lm's Model (HF layout) with the GGUF's float32 weights: its llama, or its qwen3_5 or
+    qwen3_moe for those files."""
     with GGUFFile(gguf) as g:
         a = args_from_gguf(g)
-        model = Model(ModelArgs.from_dict(hf_config(a)))
-        weights = {}
-        for name in g.tensors:
-            w = g.load(name, np.float32)
-            if name == "token_embd.weight":
-                key = "model.embed_tokens.weight"
-            elif name == "output_norm.weight":
-                key = "model.norm.weight"
-            elif name == "output.weight":
-                key = "lm_head.weight"
-            else:
-                _, i, leaf, kind = name.split(".")
-                key = f"model.layers.{i}.{_NAMES[leaf]}.{kind}"
-                if leaf == "attn_q":
-                    w = hf_order(w, a.n_heads)
-                elif leaf == "attn_k":
-                    w = hf_order(w, a.n_heads, a.n_kv_heads)
-            weights[key] = mx.array(w)
+        if a.arch == "qwen35":
+            return qwen35_model(g, a)
+        if a.arch == "qwen3moe":
+            return qwen3moe_model(g, a)
+
+        def block(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+            _, i, leaf, kind = name.split(".")
+            if leaf == "attn_q":
+                w = hf_order(w, a.n_heads)
+            elif leaf == "attn_k":
+                w = hf_order(w, a.n_heads, a.n_kv_heads)
+            return f"model.layers.{i}.{_NAMES[leaf]}.{kind}", w
+
+        return _filled(Model(ModelArgs.from_dict(hf_config(a))), g, block)
+
+
+def _filled(model: nn.Module, g: GGUFFile, block, prefix: str = "") -> nn.Module:
+    """`model` holding the GGUF's float32 tensors: those outside the blocks under `_GLOBALS`'
+    names, each block tensor as `block(name, w)` names and lays it out; `prefix` before each."""
+    weights = {}
+    for name in g.tensors:
+        w = g.load(name, np.float32)
+        key, w = (_GLOBALS[name], w) if name in _GLOBALS else block(name, w)
+        weights[prefix + key] = mx.array(w)
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
+    return model
+
+
+def _tiled_to_grouped(n_k: int, n_v: int, width: int) -> np.ndarray:
+    """Index `idx` with hf[i] = gguf[idx[i]] over n_v value heads of `width`: llama.cpp's
+    converter put HF's value head g * r + j (grouped: k head g's j-th) at GGUF head j * n_k + g
+    (tiled), r = n_v / n_k (`_LinearAttentionVReorderBase`)."""
+    r = n_v // n_k
+    idx = np.empty(n_v * width, dtype=np.int64)
+    for g in range(n_k):
+        for j in range(r):
+            hf, gg = g * r + j, j * n_k + g
+            idx[hf * width:(hf + 1) * width] = np.arange(gg * width, (gg + 1) * width)
+    return idx
+
+
+def qwen35_model(g: GGUFFile, a: LlamaArgs) -> nn.Module:
+    """mlx-lm's qwen3_5 Model with a qwen35 GGUF's float32 weights, as mlx-lm's sanitize leaves
+    a Hugging Face checkpoint's (norms with their 1 already added, as the converter adds it):
+    value heads put back in HF's grouped order, A_log = log(-ssm_a), conv1d (C, K, 1)."""
+    from mlx_lm.models import qwen3_5
+
+    hd = a.head_dim
+    config = {"model_type": "qwen3_5", "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": a.d_model, "num_hidden_layers": a.n_layers,
+        "intermediate_size": a.ffn_dim, "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads, "head_dim": hd, "rms_norm_eps": a.norm_eps,
+        "vocab_size": a.vocab_size, "linear_num_value_heads": a.ssm_v_heads,
+        "linear_num_key_heads": a.ssm_k_heads, "linear_key_head_dim": a.ssm_head_dim,
+        "linear_value_head_dim": a.ssm_head_dim, "linear_conv_kernel_dim": a.ssm_conv_kernel,
+        "full_attention_interval": 4, "tie_word_embeddings": a.tie_embeddings,
+        "max_position_embeddings": a.context,
+        "rope_parameters": {"type": "default", "rope_theta": a.rope_base,
+                            "partial_rotary_factor": (a.rope_dims or hd) / hd}}}
+    assert list(a.linear_layers) == [(i + 1) % 4 != 0 for i in range(a.n_layers)]
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    nk, nv, dk = a.ssm_k_heads, a.ssm_v_heads, a.ssm_head_dim
+    v_rows = _tiled_to_grouped(nk, nv, dk)
+    one = _tiled_to_grouped(nk, nv, 1)
+    qkv = np.concatenate([np.arange(2 * nk * dk), 2 * nk * dk + v_rows])
+    names = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+             "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+             "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm",
+             "ssm_conv1d": "linear_attn.conv1d", "ssm_dt": "linear_attn.dt_bias",
+             "ssm_a": "linear_attn.A_log"}
+
+    def block(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        parts = name.split(".")
+        i, leaf = parts[1], parts[2]
+        key = f"model.layers.{i}.{names[leaf]}"
+        key += "" if leaf in ("ssm_a", "ssm_dt") else f".{parts[-1]}"
+        if leaf == "attn_qkv":
+            w = w[qkv]
+        elif leaf == "attn_gate":
+            w = w[v_rows]
+        elif leaf in ("ssm_beta", "ssm_alpha", "ssm_dt"):
+            w = w[one]
+        elif leaf == "ssm_a":
+            w = np.log(-w[one])
+        elif leaf == "ssm_out":
+            w = w[:, v_rows]
+        elif leaf == "ssm_conv1d":
+            w = w[qkv][:, :, None]  # (C, K) -> mlx-lm's Conv1d (C, K, 1)
+        return key, w
+
+    return _filled(model, g, block, "language_model.")
+
+
+def qwen3moe_model(g: GGUFFile, a: LlamaArgs) -> nn.Module:
+    """mlx-lm's qwen3_moe Model with a qwen3moe GGUF's float32 weights (NEOX RoPE: q and k rows
+    as HF's; the experts' 3-D tensors as mlx-lm's SwitchGLU holds them, (E, out, in))."""
+    from mlx_lm.models import qwen3_moe
+
+    config = {"model_type": "qwen3_moe", "hidden_size": a.d_model, "num_hidden_layers": a.n_layers,
+              "intermediate_size": a.ffn_dim, "num_attention_heads": a.n_heads,
+              "num_experts": a.n_experts, "num_experts_per_tok": a.n_experts_used,
+              "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "moe_intermediate_size": a.expert_width, "rms_norm_eps": a.norm_eps,
+              "vocab_size": a.vocab_size, "num_key_value_heads": a.n_kv_heads,
+              "head_dim": a.head_dim, "rope_theta": a.rope_base,
+              "tie_word_embeddings": a.tie_embeddings, "max_position_embeddings": a.context,
+              "norm_topk_prob": True}
+    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
+    names = {**_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+             "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+             "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj"}
+
+    def block(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        _, i, leaf, kind = name.split(".")
+        return f"model.layers.{i}.{names[leaf]}.{kind}", w
+
+    return _filled(model, g, block)
+
+
+def qwen3moe_gguf(path: str | Path, seed: int = 0) -> Path:
+    """A random-weight qwen3moe GGUF (2 blocks of 4 experts, 2 per token, 32 wide; q/k norms)
+    over the byte vocabulary, written by toymlx; its routers drawn wide (std 1), so that no token
+    sits near a tie between its 2nd and 3rd experts."""
+    from dataclasses import replace
+
+    from mlx.utils import tree_unflatten
+
+    from toymlx.data.vocab import byte_metadata
+    from toymlx.gguf.llama import ARCHS, write_llama
+    from toymlx.models.llama import Llama
+
+    args = replace(LlamaArgs(), arch="qwen3moe", **ARCHS["qwen3moe"].switches, vocab_size=300,
+                   d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, context=256,
+                   n_experts=4, n_experts_used=2, expert_ffn_dim=32)
+    mx.random.seed(seed)
+    model = Llama(args)
+    rng = np.random.default_rng(seed)
+
+    def drawn(name: str, w: mx.array) -> mx.array:
+        std = 1.0 if name.endswith("router.weight") else 0.08
+        if name.endswith("norm.weight"):
+            return w + mx.array(0.2 * rng.standard_normal(w.shape).astype(np.float32))
+        return mx.array(std * rng.standard_normal(w.shape).astype(np.float32))
+
+    model.update(tree_unflatten([(k, drawn(k, v)) for k, v in tree_flatten(model.parameters())]))
+    write_llama(path, model, byte_metadata())
+    return Path(path)
+
+
+def mlx_lm_folder(hf_dir: str | Path, out: Path) -> nn.Module:
+    """mlx-lm's own model loaded from a copy of transformers' checkpoint folder (tests/hf_tiny.py),
+    its config.json in the names mlx-lm 0.32 reads: a Qwen3_5ForCausalLM's `qwen3_5_text` as
+    `qwen3_5` (the model type of Qwen3.5's own checkpoints), and newer transformers'
+    `num_local_experts` and `rope_parameters.rope_theta` as qwen3_moe's `num_experts` and
+    `rope_theta`. Nothing of toymlx's converts its weights: mlx-lm's `sanitize` does."""
+    import json
+    import shutil
+
+    from mlx_lm.utils import load_model
+
+    shutil.copytree(hf_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    if config["model_type"] == "qwen3_5_text":
+        config["model_type"] = "qwen3_5"
+    if "num_local_experts" in config:
+        config.setdefault("num_experts", config["num_local_experts"])
+    if "rope_theta" not in config and "rope_parameters" in config:
+        config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    (out / "config.json").write_text(json.dumps(config))
+    model, _ = load_model(out)
     return model
 
 
@@ -99,13 +263,17 @@ def lora_config(num_layers: int, rank: int, scale: float, keys: list[str] | None
 
 def add_adapter(model: Model, config: dict[str, Any], seed: int = 0) -> Model:
     """mlx-lm's LoRA (or DoRA) layers on `model` as `mlx_lm.lora` makes them, with random A, B
-    (and DoRA's m moved off the base's row norms)."""
+    (each expert's too, and DoRA's m moved off the base's row norms)."""
     model.freeze()
     linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"],
                           use_dora=config["fine_tune_type"] == "dora")
     rng = np.random.default_rng(seed)
     for _, m in sorted(model.named_modules(), key=lambda pm: pm[0]):
-        if isinstance(m, (LoRALinear, DoRALinear)):
+        if isinstance(m, LoRASwitchLinear):  # a mixture of experts': A (E, r, in), B (E, out, r)
+            e, r, n_in = m.lora_a.shape
+            m.lora_a = mx.array(rng.uniform(-1, 1, (e, r, n_in)).astype(np.float32) / n_in ** 0.5)
+            m.lora_b = mx.array(rng.normal(0, 0.2, m.lora_b.shape).astype(np.float32))
+        elif isinstance(m, (LoRALinear, DoRALinear)):
             n_in, r = m.lora_a.shape
             m.lora_a = mx.array(rng.uniform(-1, 1, (n_in, r)).astype(np.float32) / n_in ** 0.5)
             m.lora_b = mx.array(rng.normal(0, 0.2, m.lora_b.shape).astype(np.float32))

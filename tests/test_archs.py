@@ -127,11 +127,13 @@ def test_generation_cache_matches_full_forward(files, kind):
     assert np.abs(np.stack(steps) - full).max() < 1e-4
 
 
-def qwen35_gguf(path: Path, seed: int = 0) -> Path:
+def qwen35_gguf(path: Path, seed: int = 0, norm_eps: float = 1e-5) -> Path:
     """A random-weight qwen35 GGUF (3 Gated DeltaNet blocks and a gated full-attention one, 2 k
     heads serving 4 value heads) over the byte vocabulary, written by toymlx: decays, dt biases
-    and convolutions drawn too, so the recurrence carries something from token to token."""
-    args = qwen35_args()
+    and convolutions drawn too, so the recurrence carries something from token to token.
+    `norm_eps` 1e-6 is Qwen3.5's own, and the q/k L2 norm's epsilon in transformers and mlx-lm
+    (llama.cpp and toymlx take the file's RMS epsilon for it)."""
+    args = replace(qwen35_args(), norm_eps=norm_eps)
     mx.random.seed(seed)
     model = Llama(args)
     rng = np.random.default_rng(seed)

@@ -107,7 +107,8 @@ def test_unknown_target_and_bad_layers_name_the_flag(tiny_gguf):
     model = base(tiny_gguf)
     with pytest.raises(ValueError, match=r"--lora\.targets: expected a comma list of q, k, v, qkv, o, "
                                          r"gate, up, gate_up, down, z, beta, alpha, out, router, "
-                                         r"or all-linear; found unknown target 'qq'"):
+                                         r"all-linear or mlx-lm-default; found unknown target "
+                                         r"'qq'"):
         apply_lora(model, "q,qq")
     with pytest.raises(ValueError, match=r"--lora\.layers: expected 1\.\.3"):
         apply_lora(model, "q", layers=4)
@@ -127,7 +128,8 @@ def test_hugging_face_s_target_modules_are_named_as_toymlx_s(targets, said):
     first = targets.split(",")[0]
     assert str(e.value) == (
         "--lora.targets: expected a comma list of q, k, v, qkv, o, gate, up, gate_up, down, z, "
-        f"beta, alpha, out, router, or all-linear; found unknown target {first!r} (Hugging Face's "
+        f"beta, alpha, out, router, all-linear or mlx-lm-default; found unknown target {first!r} "
+        "(Hugging Face's "
         "names; toymlx's are "
         f"--lora.targets {said})")
 
@@ -158,6 +160,39 @@ def test_all_linear_is_every_projection_the_base_s_blocks_have(tiny_gguf):
     named = lora_layers(apply_lora(base(tiny_gguf), ",".join(seven)))
     every = lora_layers(apply_lora(base(tiny_gguf), "all-linear"))
     assert list(every) == list(named) and len(every) == 3 * 7
+
+
+def test_mlx_lm_default_is_all_linear_and_a_mixture_of_experts_router():
+    """--lora.targets mlx-lm-default (an mlx-lm config without lora_parameters.keys; checked
+    against mlx-lm's own linear_to_lora_layers in tests/test_mlx_lm_config.py): all-linear on a
+    dense, phi3 or qwen35 base, and the router too on a mixture of experts (qwen3moe, mixtral's
+    llama), where all-linear keeps its meaning (router out); on qwen2moe, whose shared expert
+    mlx-lm would adapt too and toymlx cannot, one line naming those modules and what to give."""
+    from toymlx.models.llama import LlamaArgs
+
+    seven = ("q", "k", "v", "o", "gate", "up", "down")
+    phi3 = replace(ARGS, arch="phi3", fused_qkv=True, fused_gate_up=True)
+    qwen35 = LlamaArgs(arch="qwen35", attn_out_gate=True, qk_norm=True, rope_neox=True,
+                       linear_layers=(True, True, True, False), ssm_head_dim=8, ssm_k_heads=2,
+                       ssm_v_heads=4)
+    for a in (ARGS, phi3, qwen35):
+        assert resolve_targets("mlx-lm-default", a) == resolve_targets("all-linear", a)
+    for moe in (replace(ARGS, arch="qwen3moe", n_experts=4, n_experts_used=2),
+                replace(ARGS, n_experts=4, n_experts_used=2)):  # mixtral: a llama file
+        assert resolve_targets("mlx-lm-default", moe) == (*seven, "router")
+        assert resolve_targets("all-linear", moe) == seven
+    qwen2moe = replace(ARGS, arch="qwen2moe", n_experts=4, n_experts_used=2,
+                       shared_expert_ffn_dim=32)
+    with pytest.raises(ValueError) as e:
+        resolve_targets("mlx-lm-default", qwen2moe)
+    assert str(e.value) == (
+        "--lora.targets: mlx-lm-default (mlx-lm's default without lora_parameters.keys) adapts "
+        "every linear layer of this qwen2moe base's blocks, its shared expert's too "
+        "(mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj, mlp.shared_expert.down_proj, "
+        "mlp.shared_expert_gate), which toymlx cannot adapt; name the others instead: "
+        "--lora.targets all-linear,router (lora_parameters.keys self_attn.q_proj, "
+        "self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, mlp.gate, "
+        "mlp.switch_mlp.gate_proj, mlp.switch_mlp.up_proj, mlp.switch_mlp.down_proj)")
 
 
 def test_fuse_matches_lora_forward(tiny_gguf):

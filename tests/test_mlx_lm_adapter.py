@@ -13,9 +13,23 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from hf_tiny import (
+    tiny_gguf,  # noqa: F401  (session fixtures)
+    tiny_hf,  # noqa: F401
+    token_ids,
+)
+from llamacpp_source import llamacpp_source  # noqa: F401  (session fixture)
 from mlx_lm.gguf import permute_weights
-from mlx_lm_adapters import hf_model, load_with_adapter, logits, lora_config, make_adapter
+from mlx_lm_adapters import (
+    hf_model,
+    load_with_adapter,
+    logits,
+    lora_config,
+    make_adapter,
+    qwen3moe_gguf,
+)
 from smollm import smollm_gguf  # noqa: F401  (session fixture)
+from test_archs import qwen35_gguf
 
 from toymlx.gguf.llama import gguf_rows_to_hf, hf_rows_to_gguf, load_llama
 from toymlx.gguf.reader import GGUFFile
@@ -80,6 +94,107 @@ def test_an_mlx_lm_adapter_computes_what_mlx_lm_computes(stories_path, tmp_path,
     monkeypatch.setattr(mlx_lm_adapter, "hf_permuted_heads", lambda a, name: None)
     unpermuted = logits(toy(stories_path, folder), IDS)
     assert np.abs(ref - unpermuted).max() > 0.1
+
+
+# ---- qwen3_5 and qwen3_moe: mlx-lm's names for qwen35's linear-attention blocks and MoE blocks ----
+IDS300 = [1, 203, 207, 61, 178, 75, 60, 157, 218, 150, 177, 64, 73, 90, 219, 70]
+"""Token ids for the 300-token tiny qwen35 and qwen3moe files."""
+
+
+@pytest.fixture(scope="module")
+def qwen_bases(tmp_path_factory) -> dict[str, Path]:
+    """The tiny qwen35 (3 Gated DeltaNet blocks, 2 k heads serving 4 value heads; norm epsilon
+    1e-6, the q/k L2 norm's in mlx-lm) and qwen3moe (4 experts, 2 a token) GGUFs."""
+    d = tmp_path_factory.mktemp("qwen_bases")
+    return {"qwen35": qwen35_gguf(d / "q.gguf", norm_eps=1e-6),
+            "qwen3moe": qwen3moe_gguf(d / "m.gguf")}
+
+
+def test_mlx_lm_s_qwen3_5_and_qwen3_moe_on_the_gguf_s_weights_are_toymlx_s(qwen_bases):
+    """The references are sound: mlx-lm's qwen3_5 (value heads put back in Hugging Face's
+    grouped order by index, A_log and the convolution undone) and qwen3_moe (router and
+    SwitchGLU experts as stored) on the files' weights compute toymlx's logits."""
+    for path in qwen_bases.values():
+        ref, ours = logits(hf_model(path), IDS300), logits(toy(path), IDS300)
+        assert np.abs(ref - ours).max() < TOL
+
+
+LINEAR_BLOCKS = ("blk.0.", "blk.1.", "blk.2.")
+
+
+@pytest.mark.parametrize("arch,kind,keys,want", [
+    # mlx-lm's default: every linear layer (qwen35: 3 linear-attention blocks of 8, one of 7)
+    ("qwen35", "lora", None, 3 * 8 + 7),
+    ("qwen35", "dora", None, 3 * 8 + 7),
+    ("qwen35", "lora", ["linear_attn.in_proj_qkv", "linear_attn.in_proj_b",
+                        "linear_attn.out_proj", "self_attn.q_proj"],
+     {f"{b}{t}.weight" for b in LINEAR_BLOCKS for t in ("attn_qkv", "ssm_beta", "ssm_out")}
+     | {"blk.3.attn_q.weight"}),
+    ("qwen35", "dora", ["linear_attn.in_proj_z", "linear_attn.in_proj_a"],
+     {f"{b}{t}.weight" for b in LINEAR_BLOCKS for t in ("attn_gate", "ssm_alpha")}),
+    # qwen3_moe: its router (mlp.gate) is one of mlx-lm's default's, and its experts' tensors
+    ("qwen3moe", "lora", None, {f"blk.{i}.{t}.weight" for i in (0, 1) for t in (
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
+        "ffn_up_exps", "ffn_down_exps")}),
+    ("qwen3moe", "lora", ["mlp.gate"], {"blk.0.ffn_gate_inp.weight", "blk.1.ffn_gate_inp.weight"}),
+    ("qwen3moe", "lora", ["mlp.switch_mlp.up_proj", "mlp.switch_mlp.down_proj", "self_attn.k_proj"],
+     {f"blk.{i}.{t}.weight" for i in (0, 1) for t in ("ffn_up_exps", "ffn_down_exps", "attn_k")}),
+])
+def test_a_qwen35_or_qwen3moe_adapter_computes_what_mlx_lm_computes(qwen_bases, tmp_path,
+                                                                     monkeypatch, arch, kind,
+                                                                     keys, want):
+    """mlx-lm's adapters on qwen3_5 and qwen3_moe (its LoRASwitchLinear on the experts, A (E, r,
+    in) and B (E, out, r)) read for the GGUF: the same logits as mlx-lm's own model with them,
+    whether applied (`apply_adapter`) or copied into a run's LoRA layers for the targets the
+    config maps to (--lora.init-adapter, resume_adapter_file; mlx-lm-default without keys);
+    without the value-head reorder the qwen35 adapters compute something else."""
+    from toymlx.models.lora import MLX_LM_DEFAULT, MLX_LM_KEYS, apply_lora
+    from toymlx.training.adapter import load_adapter_weights
+
+    path = qwen_bases[arch]
+    folder = make_adapter(path, tmp_path / "adapters", lora_config(-1, 4, 2.0, keys, kind))
+    ref = logits(load_with_adapter(path, folder), IDS300)
+    assert np.abs(ref - logits(toy(path), IDS300)).max() > 0.05  # the adapter changes them
+    ours = logits(toy(path, folder), IDS300)
+    assert np.abs(ref - ours).max() < TOL
+    pairs = load_adapter(folder, toy(path).args).pairs
+    assert len(pairs) == want if isinstance(want, int) else set(pairs) == want
+    targets = MLX_LM_DEFAULT if keys is None else ",".join(MLX_LM_KEYS[k] for k in keys)
+    run = apply_lora(toy(path), targets, rank=4, alpha=8.0, kind=kind)
+    load_adapter_weights(run, folder, "--lora.init-adapter")
+    assert np.abs(ref - logits(run, IDS300)).max() < TOL
+    if arch == "qwen35":
+        monkeypatch.setattr(mlx_lm_adapter, "hf_v_heads", lambda a, name: None)
+        assert np.abs(ref - logits(toy(path, folder), IDS300)).max() > 0.01
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", ["qwen35", "qwen3moe"])
+def test_adapters_on_transformers_checkpoints_read_for_llama_cpp_s_conversion(
+        kind, tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
+    """The layouts toymlx assumes are llama.cpp's converter's: mlx-lm's own model of the tiny
+    transformers checkpoint (tests/hf_tiny.py; qwen3_5 with 2 k heads serving 4 value heads,
+    qwen3_moe with 8 experts), adapted by mlx-lm's default (every linear layer: the
+    linear-attention projections, the router and the experts' too), gives within TOL of the
+    logits toymlx gives with that adapter on the converter's GGUF of the same checkpoint."""
+    from mlx_lm_adapters import add_adapter, mlx_lm_folder, save_adapter
+
+    from toymlx.models.lora import MLX_LM_DEFAULT, apply_lora
+    from toymlx.training.adapter import load_adapter_weights
+
+    hf, path = tiny_hf(kind), tiny_gguf(kind)
+    ids = token_ids(hf, 24)
+    config = lora_config(-1, 4, 2.0)
+    model = mlx_lm_folder(hf, tmp_path / "mlx")
+    base = logits(model, ids)
+    folder = save_adapter(add_adapter(model, config), tmp_path / "adapters", config)
+    ref = logits(model, ids)
+    assert np.abs(ref - base).max() > 0.05
+    assert np.abs(logits(toy(path), ids) - base).max() < TOL
+    assert np.abs(logits(toy(path, folder), ids) - ref).max() < TOL
+    run = apply_lora(toy(path), MLX_LM_DEFAULT, rank=4, alpha=8.0)
+    load_adapter_weights(run, folder, "--lora.init-adapter")
+    assert np.abs(logits(run, ids) - ref).max() < TOL
 
 
 def _export(*argv: str) -> int:
@@ -232,9 +347,9 @@ def test_bad_adapters_are_one_line_naming_file_and_key(stories_path, tmp_path):
     other = _broken(folder, lambda w: w.update({"model.embed_tokens.lora_a": mx.zeros((2, 2))}))
     assert _error(other, args) == (
         f"{other}/{st}: key 'model.embed_tokens.lora_a': expected model.layers.N.<module>.lora_a, "
-        ".lora_b (or DoRA's .m) with <module> one of self_attn.q_proj, self_attn.k_proj, "
-        "self_attn.v_proj, self_attn.qkv_proj, self_attn.o_proj, mlp.gate_proj, mlp.up_proj, "
-        "mlp.gate_up_proj, mlp.down_proj, found another key")
+        ".lora_b (or DoRA's .m) with <module> a projection of this llama base's blocks "
+        "(self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, mlp.gate_proj, "
+        "mlp.up_proj, mlp.down_proj), found another key")
     fused = _broken(folder, lambda w: w.update(
         {"model.layers.4.self_attn.qkv_proj.lora_a": mx.zeros((64, 4))}))
     assert _error(fused, args) == (
@@ -282,8 +397,11 @@ def test_a_key_the_base_s_block_lacks_is_one_line(tmp_path):
     st = "adapters.safetensors"
     mlp = "mlp.gate_proj, mlp.up_proj, mlp.down_proj"
     attn = "self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj"
-    for a, key, has in ((qwen35, "model.layers.0.self_attn.q_proj", mlp),
-                        (qwen3moe, "model.layers.0.mlp.gate_proj", attn)):
+    linear = ("linear_attn.in_proj_qkv, linear_attn.in_proj_z, linear_attn.in_proj_b, "
+              "linear_attn.in_proj_a, linear_attn.out_proj")
+    experts = "mlp.gate, mlp.switch_mlp.gate_proj, mlp.switch_mlp.up_proj, mlp.switch_mlp.down_proj"
+    for a, key, has in ((qwen35, "model.layers.0.self_attn.q_proj", f"{linear}, {mlp}"),
+                        (qwen3moe, "model.layers.0.mlp.gate_proj", f"{attn}, {experts}")):
         folder = tmp_path / a.arch
         folder.mkdir()
         mx.save_safetensors(str(folder / st), {f"{key}.lora_a": mx.zeros((a.d_model, 4)),
@@ -302,6 +420,21 @@ def test_a_key_the_base_s_block_lacks_is_one_line(tmp_path):
                                          f"{key}.lora_b": mx.zeros((4, qwen35.d_model))})
     (full / "adapter_config.json").write_text(json.dumps(lora_config(4, 4, 2.0)))
     assert list(read_mlx_lm_adapter(full, qwen35).pairs) == ["blk.3.attn_output.weight"]
+    # qwen2_moe's shared expert, which no --lora.targets adapts: its key alone, named
+    import dataclasses
+
+    qwen2moe = dataclasses.replace(qwen3moe, arch="qwen2moe", qk_norm=False, attn_bias=True,
+                                   shared_expert_ffn_dim=32)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    key = "model.layers.1.mlp.shared_expert.up_proj"
+    mx.save_safetensors(str(shared / st), {f"{key}.lora_a": mx.zeros((qwen2moe.d_model, 4)),
+                                           f"{key}.lora_b": mx.zeros((4, 32))})
+    (shared / "adapter_config.json").write_text(json.dumps(lora_config(2, 4, 2.0)))
+    assert _error(shared, qwen2moe) == (
+        f"{shared}/{st}: key '{key}.lora_a': expected a projection toymlx can adapt (block 1 of "
+        f"this qwen2moe base: {attn}, {experts}), found mlp.shared_expert.up_proj, the shared "
+        "expert's, which no --lora.targets adapts")
 
 
 def test_a_folder_without_its_adapter_file_and_another_model_s_adapter_are_one_line(

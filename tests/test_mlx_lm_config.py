@@ -31,7 +31,7 @@ from toymlx.bundle.events import read_events
 from toymlx.data.tokenizer import byte_tokenizer
 from toymlx.gguf.llama import write_llama
 from toymlx.models.llama import Llama, tiny
-from toymlx.models.lora import HF_TARGETS, LoRALinear
+from toymlx.models.lora import LoRALinear
 from toymlx.recipes import lora
 from toymlx.training import optimizers
 
@@ -327,7 +327,7 @@ def test_the_optimizers_are_mlx_lm_s():
     assert (tuned.beta1, tuned.beta2, tuned.weight_decay) == (0.8, 0.9, 0.05)
     for name, cls in (("sgd", optim.SGD), ("adafactor", optim.Adafactor), ("muon", optim.Muon)):
         assert type(lora.make_optimizer(_cfg(optimizer=name))) is cls
-    assert _cfg().lora.targets == "all-linear" and _cfg().lora.layers == 16
+    assert _cfg().lora.targets == "mlx-lm-default" and _cfg().lora.layers == 16
     assert _cfg(num_layers=-1).lora.layers is None
 
 
@@ -349,9 +349,14 @@ def test_the_optimizers_are_mlx_lm_s():
       "found 'alpha'")),
     ({"lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0,
                           "keys": ["self_attn.q_proj", "lm_head"]}},
-     ("f.yaml: key 'lora_parameters.keys': expected module paths of a llama block "
-      "(self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, mlp.gate_proj, "
-      "mlp.up_proj, mlp.down_proj), found \"lm_head\"")),
+     ("f.yaml: key 'lora_parameters.keys': expected module paths of a block (self_attn.q_proj, "
+      "self_attn.k_proj, self_attn.v_proj, self_attn.qkv_proj, self_attn.o_proj, "
+      "linear_attn.in_proj_qkv, linear_attn.in_proj_z, linear_attn.in_proj_b, "
+      "linear_attn.in_proj_a, linear_attn.out_proj, mlp.gate_proj, mlp.up_proj, "
+      "mlp.gate_up_proj, mlp.down_proj, mlp.gate, mlp.switch_mlp.gate_proj, "
+      "mlp.switch_mlp.up_proj, mlp.switch_mlp.down_proj, block_sparse_moe.gate, "
+      "block_sparse_moe.switch_mlp.gate_proj, block_sparse_moe.switch_mlp.up_proj, "
+      "block_sparse_moe.switch_mlp.down_proj), found \"lm_head\"")),
     ({"optimizer": "sgd", "optimizer_config": {"sgd": {"momentum": 0.9}}},
      ("f.yaml: key 'optimizer_config.sgd.momentum': expected no arguments (what toymlx's sgd "
       "takes), found 'momentum'; remove it")),
@@ -989,100 +994,147 @@ def test_a_hugging_face_model_the_hub_cannot_give_is_named_by_the_file_s_key(
                          "pass --base PATH.gguf)"), line
 
 
-MLX_LM_NAMES = {**HF_TARGETS, "linear_attn.in_proj_qkv": "qkv",
-                "linear_attn.in_proj_z": "z", "linear_attn.in_proj_b": "beta",
-                "linear_attn.in_proj_a": "alpha", "linear_attn.out_proj": "out",
-                "mlp.gate": "router", "mlp.switch_mlp.gate_proj": "gate",
-                "mlp.switch_mlp.up_proj": "up", "mlp.switch_mlp.down_proj": "down"}
-"""mlx-lm's module paths in a llama, qwen3_5 or qwen3_moe block -> toymlx's --lora.targets."""
-
-
 def _mlx_lm_default(model) -> list[set[str]]:
-    """The projections mlx-lm's linear_to_lora_layers wraps in each block of `model` when its
-    config gives no keys, in toymlx's names."""
+    """The module paths mlx-lm's linear_to_lora_layers wraps in each block of `model` when its
+    config gives no keys."""
     from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRA
     from mlx_lm.tuner.lora import LoRASwitchLinear
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model.freeze()
     linear_to_lora_layers(model, len(model.layers), {"rank": 2, "scale": 1.0, "dropout": 0.0})
-    return [{MLX_LM_NAMES[p] for p, m in block.named_modules()
-             if isinstance(m, (MlxLmLoRA, LoRASwitchLinear))} for block in model.layers]
+    return [{p for p, m in block.named_modules() if isinstance(m, (MlxLmLoRA, LoRASwitchLinear))}
+            for block in model.layers]
 
 
-def test_without_keys_every_linear_layer_is_adapted_as_mlx_lm_adapts_it(tmp_path):
-    """An mlx-lm config without lora_parameters.keys: --lora.targets all-linear, resolved
-    against the base, adapts in each block what mlx-lm's own linear_to_lora_layers wraps there,
-    built on the same architecture: a llama's seven projections; qwen3_5's linear-attention
-    blocks' in_proj_qkv, z, b, a and out_proj (before: q,k,v,o,gate,up,down on every base, so
-    those 15 projections of the 3 linear blocks were left out, and no line said so); on
-    qwen3_moe its experts and attention, its router (mlp.gate) being the one layer mlx-lm
-    adapts that all-linear leaves out (`toymlx.models.lora.all_linear` says why)."""
-    from mlx_lm.models import llama, qwen3_5, qwen3_moe
-    from test_archs import qwen35_gguf
+def _mlx_lm_models() -> list[tuple[str, nn.Module, object]]:
+    """(name, mlx-lm's tiny model, toymlx's LlamaArgs of the same shape) for each architecture
+    whose mlx-lm names `toymlx.models.lora.MLX_LM_KEYS` reads: llama, phi3, qwen3_5 (its
+    linear-attention blocks and its full-attention one), qwen3_moe, mixtral and qwen2_moe."""
+    from mlx_lm.models import llama, mixtral, phi3, qwen2_moe, qwen3_5, qwen3_moe
 
-    from toymlx.gguf.llama import args_from_gguf
-    from toymlx.gguf.reader import GGUFFile
-    from toymlx.models.lora import block_targets, resolve_targets
+    from toymlx.models.llama import LlamaArgs
 
-    options, _, _ = mlx_lm_options({"model": "m.gguf"}, "f.yaml")
-    assert options["lora.targets"] == "all-linear"
+    small = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+             "vocab_size": 300}
+    dense = tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)
+    moe = {"num_experts": 4, "num_experts_per_tok": 2}
+    qwen35 = LlamaArgs(arch="qwen35", attn_out_gate=True, qk_norm=True, rope_neox=True,
+                       n_layers=4, linear_layers=(True, True, True, False), ssm_head_dim=16,
+                       ssm_k_heads=2, ssm_v_heads=4)
+    return [
+        ("llama", llama.Model(llama.ModelArgs(model_type="llama", **small)), dense),
+        ("phi3", phi3.Model(phi3.ModelArgs(model_type="phi3", **small)),
+         replace(dense, arch="phi3", fused_qkv=True, fused_gate_up=True)),
+        ("qwen3_5", qwen3_5.TextModel(qwen3_5.TextModelArgs(
+            model_type="qwen3_5", **{**small, "num_hidden_layers": 4}, head_dim=16,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16)), qwen35),
+        ("qwen3_moe", qwen3_moe.Model(qwen3_moe.ModelArgs(
+            model_type="qwen3_moe", **small, **moe, decoder_sparse_step=1, mlp_only_layers=[],
+            moe_intermediate_size=32, head_dim=16, rope_theta=1e6, tie_word_embeddings=True,
+            max_position_embeddings=256, norm_topk_prob=True)),
+         replace(dense, arch="qwen3moe", n_experts=4, n_experts_used=2)),
+        ("mixtral", mixtral.Model(mixtral.ModelArgs(
+            model_type="mixtral", **small, num_local_experts=4, num_experts_per_tok=2)),
+         replace(dense, n_experts=4, n_experts_used=2)),
+        ("qwen2_moe", qwen2_moe.Model(qwen2_moe.ModelArgs(
+            model_type="qwen2_moe", **small, **moe, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32)),
+         replace(dense, arch="qwen2moe", n_experts=4, n_experts_used=2,
+                 shared_expert_ffn_dim=32)),
+    ]
 
-    def ours(a) -> list[set[str]]:
-        want = resolve_targets(options["lora.targets"], a)
-        return [set(want) & set(block_targets(a, i)) for i in range(a.n_layers)]
 
-    dense = llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-        num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=300, num_key_value_heads=2))
-    assert _mlx_lm_default(dense) == ours(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                               ffn_dim=96))
-    theirs = _mlx_lm_default(qwen3_5.TextModel(qwen3_5.TextModelArgs(
-        model_type="qwen3_5", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-        linear_value_head_dim=16)))
-    with GGUFFile(qwen35_gguf(tmp_path / "q.gguf")) as g:
-        a = args_from_gguf(g)
-    assert theirs == ours(a)
-    assert theirs[0] == {"qkv", "z", "beta", "alpha", "out", "gate", "up", "down"}
-    moe = _mlx_lm_default(qwen3_moe.Model(qwen3_moe.ModelArgs(
-        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-        num_attention_heads=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-        mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=300,
-        num_key_value_heads=2, head_dim=16, rope_theta=1e6, tie_word_embeddings=True,
-        max_position_embeddings=256, norm_topk_prob=True)))
-    experts = replace(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96),
-                      arch="qwen3moe", n_experts=4, n_experts_used=2)
-    assert moe == [block | {"router"} for block in ours(experts)]
+def test_mlx_lm_s_module_paths_are_each_block_s_as_mlx_lm_builds_it():
+    """`mlx_lm_modules`, per block, is the set of modules mlx-lm's own linear_to_lora_layers
+    wraps in that block when its config gives no keys, on mlx-lm's own model of each
+    architecture (qwen3_5's linear_attn.* in its linear-attention blocks, self_attn.* in its
+    full-attention one; a mixture of experts' router and switch_mlp experts, mixtral's under
+    block_sparse_moe, qwen2_moe's shared expert too); every path MLX_LM_KEYS names is one of
+    them; and --lora.targets mlx-lm-default is what those paths map to (before: all-linear,
+    which leaves the router out, and qwen3_5's and MoE keys were refused)."""
+    from toymlx.models.lora import MLX_LM_KEYS, mlx_lm_modules, resolve_targets
+
+    seen: set[str] = set()
+    for name, model, a in _mlx_lm_models():
+        theirs = _mlx_lm_default(model)
+        ours = [mlx_lm_modules(a, i) for i in range(a.n_layers)]
+        assert theirs == [set(m) for m in ours], name
+        seen |= set().union(*theirs)
+        if name != "qwen2_moe":  # its shared expert: no --lora.targets name (refused)
+            mapped = {t for m in ours for t in m.values()}
+            assert set(resolve_targets("mlx-lm-default", a)) == mapped, name
+    assert seen == set(MLX_LM_KEYS)
+
+
+MLX_LM_MAPPING = {
+    "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
+    "self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o",
+    "linear_attn.in_proj_qkv": "qkv", "linear_attn.in_proj_z": "z",
+    "linear_attn.in_proj_b": "beta", "linear_attn.in_proj_a": "alpha",
+    "linear_attn.out_proj": "out", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
+    "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down", "mlp.gate": "router",
+    "mlp.switch_mlp.gate_proj": "gate", "mlp.switch_mlp.up_proj": "up",
+    "mlp.switch_mlp.down_proj": "down", "block_sparse_moe.gate": "router",
+    "block_sparse_moe.switch_mlp.gate_proj": "gate", "block_sparse_moe.switch_mlp.up_proj": "up",
+    "block_sparse_moe.switch_mlp.down_proj": "down"}
+"""Each mlx-lm module path toymlx adapts -> its --lora.targets name (qwen35's linear-attention
+projections: toymlx.models.gated_delta's qkv, z (attn_gate), beta, alpha, out (ssm_out); a MoE's
+router ffn_gate_inp, its experts' gate, up and down their 3-D tensors)."""
+
+
+@pytest.mark.parametrize("key,target", MLX_LM_MAPPING.items())
+def test_each_mlx_lm_key_maps_to_its_target(key, target):
+    options, rows, _ = mlx_lm_options({"model": "m.gguf", "lora_parameters": {
+        "rank": 8, "scale": 20.0, "dropout": 0.0, "keys": [key]}}, "f.yaml")
+    assert options["lora.targets"] == target
+    assert ("lora_parameters.keys", "--lora.targets", target, "file") in rows
+
+
+@pytest.mark.parametrize("key", ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                                 "mlp.shared_expert.down_proj", "mlp.shared_expert_gate"])
+def test_qwen2_moe_s_shared_expert_key_alone_is_refused(key):
+    """toymlx has no target for qwen2_moe's shared expert: that key is one line naming it and
+    the paths toymlx can adapt; the router and experts' keys beside it map."""
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({"lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0,
+                                            "keys": ["mlp.gate", key]}}, "f.yaml")
+    assert str(e.value) == (
+        f"f.yaml: key 'lora_parameters.keys': expected module paths toymlx can adapt "
+        f"({', '.join(MLX_LM_MAPPING)}), found \"{key}\": qwen2_moe's shared expert, which no "
+        "--lora.targets adapts")
+
+
+def test_without_keys_is_mlx_lm_default_and_the_table_says_the_router(tmp_path):
+    """An mlx-lm config without lora_parameters.keys: --lora.targets mlx-lm-default, its row
+    saying that a mixture of experts' router is adapted too; toymlx's own all-linear keeps its
+    meaning (router out) where the command line gives it."""
+    options, rows, _ = mlx_lm_options({"model": "m.gguf"}, "f.yaml")
+    assert options["lora.targets"] == "mlx-lm-default"
+    assert ("lora_parameters.keys", "--lora.targets", "mlx-lm-default",
+            "mlx-lm default (every linear layer of a block, a mixture of experts' router too)"
+            ) in rows
 
 
 def test_a_config_without_keys_on_qwen35_trains_its_linear_blocks_projections(tmp_path, capsys):
     """An mlx-lm config without lora_parameters.keys on a qwen35 base: the table says
-    all-linear, config.json keeps it as given, run_start records what it resolved to on this
+    mlx-lm-default, config.json keeps it as given, run_start records what it resolved to on this
     base (q,k,v,o of the full-attention block; qkv,z,beta,alpha,out of the 3 linear-attention
     ones; the MLP's in all 4), and the adapter holds a pair for each of those 31 projections."""
     from test_archs import qwen35_gguf
 
     from toymlx.training.adapter import load_adapter
 
-    data = tmp_path / "data"
-    data.mkdir()
-    for split, n in (("train", 8), ("valid", 2)):
-        (data / f"{split}.jsonl").write_text("".join(
-            json.dumps({"text": f"row {i}: the number {i * 7 % 10} follows {i}"}) + "\n"
-            for i in range(n)))
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": str(qwen35_gguf(tmp_path / "q.gguf")), "data": str(data), "iters": 1,
-        "batch_size": 2, "max_seq_length": 48, "val_batches": 1, "steps_per_eval": 1,
-        "adapter_path": str(tmp_path / "runs" / "r")}))
+    path = _one_step_config(tmp_path, qwen35_gguf(tmp_path / "q.gguf"))
     assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
     rows = {tuple(x.split()[:2]): x.split()[2:] for x in capsys.readouterr().out.splitlines()}
-    assert rows[("lora_parameters.keys", "--lora.targets")] == ["all-linear", "mlx-lm", "default"]
+    assert rows[("lora_parameters.keys", "--lora.targets")][:3] == [
+        "mlx-lm-default", "mlx-lm", "default"]
     run = tmp_path / "runs" / "r"
     assert json.loads((run / "config.json").read_text())["config"]["lora"]["targets"] == (
-        "all-linear")
+        "mlx-lm-default")
     start = read_events(run)[0]
     every = "q,k,v,qkv,o,gate,up,down,z,beta,alpha,out"
     assert start["config"]["lora_targets_resolved"] == every
@@ -1092,3 +1144,70 @@ def test_a_config_without_keys_on_qwen35_trains_its_linear_blocks_projections(tm
     assert {n for n in pairs if n.startswith("blk.0.")} == {
         f"blk.0.{t}.weight" for t in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha",
                                       "ssm_out", "ffn_gate", "ffn_up", "ffn_down")}
+
+
+def _one_step_config(tmp_path: Path, model: Path, **extra) -> Path:
+    """An mlx-lm config training `model` one iteration on 8 text rows (its run: runs/r)."""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    for split, n in (("train", 8), ("valid", 2)):
+        (data / f"{split}.jsonl").write_text("".join(
+            json.dumps({"text": f"row {i}: the number {i * 7 % 10} follows {i}"}) + "\n"
+            for i in range(n)))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(model), "data": str(data), "iters": 1,
+        "batch_size": 2, "max_seq_length": 48, "val_batches": 1, "steps_per_eval": 1,
+        "adapter_path": str(tmp_path / "runs" / "r"), **extra}))
+    return path
+
+
+def _moe_config(tmp_path: Path, **extra) -> Path:
+    """`_one_step_config` on the tiny qwen3moe file (tests/mlx_lm_adapters.py)."""
+    from mlx_lm_adapters import qwen3moe_gguf
+
+    return _one_step_config(tmp_path, qwen3moe_gguf(tmp_path / "moe.gguf"), **extra)
+
+
+def test_a_config_without_keys_on_a_mixture_of_experts_trains_its_router(tmp_path, capsys):
+    """An mlx-lm config without lora_parameters.keys on a qwen3moe base adapts what mlx-lm's
+    default does there, the router (ffn_gate_inp) among it: the table's row says so, run_start's
+    lora_targets_resolved lists router, and the adapter holds its pairs (before: all-linear,
+    the router left out, so such a file trained less than mlx-lm would)."""
+    from toymlx.training.adapter import load_adapter
+
+    path = _moe_config(tmp_path)
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    rows = {tuple(x.split()[:2]): " ".join(x.split()[2:])
+            for x in capsys.readouterr().out.splitlines()}
+    assert rows[("lora_parameters.keys", "--lora.targets")] == (
+        "mlx-lm-default mlx-lm default (every linear layer of a block, a mixture of experts' "
+        "router too)")
+    run = tmp_path / "runs" / "r"
+    start = read_events(run)[0]
+    assert start["config"]["lora_targets_resolved"] == "q,k,v,o,gate,up,down,router"
+    assert set(load_adapter(run).pairs) == {f"blk.{i}.{t}.weight" for i in (0, 1) for t in (
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
+        "ffn_up_exps", "ffn_down_exps")}
+
+
+@pytest.mark.parametrize("key", ["mlp.gate_proj", "block_sparse_moe.gate",
+                                 "linear_attn.in_proj_z"])
+def test_a_key_the_base_s_blocks_lack_is_one_line(tmp_path, capsys, key):
+    """A key naming a module no block of the base has, which mlx-lm would adapt nothing for
+    (its keys match module paths): a dense MLP's mlp.gate_proj on a mixture of experts (toymlx's
+    gate there is its experts' tensor), mixtral's router name on qwen3_moe, qwen3_5's
+    linear-attention z on another base: one line naming the file's key and the base's paths,
+    before any training."""
+    path = _moe_config(tmp_path, lora_parameters={"rank": 4, "scale": 2.0, "dropout": 0.0,
+                                                  "keys": ["self_attn.q_proj", key]})
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {path}: key 'lora_parameters.keys': expected module paths this "
+        "qwen3moe base's blocks have (self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, "
+        "self_attn.o_proj, mlp.gate, mlp.switch_mlp.gate_proj, mlp.switch_mlp.up_proj, "
+        f"mlp.switch_mlp.down_proj), found \"{key}\", which mlx-lm would adapt in none of them")
+    assert not (tmp_path / "runs" / "r").exists()
+    # --lora.targets on the command line replaces the file's keys, with toymlx's meaning
+    assert main(["-c", str(path), "--no-progress", "--no-compile", "--lora.targets", "q,router"]
+                ) == 0

@@ -3,8 +3,9 @@
 toymlx parameter paths (`layers.3.attn.q_proj.weight`) map one-to-one onto llama.cpp's tensor
 names (`blk.3.attn_q.weight`); both are stored `(out, in)`, and q/k keep GGUF's adjacent-pair
 RoPE layout, so no model tensor is ever permuted or split into heads. What comes from Hugging
-Face's layout (mlx-lm's adapters, their targets named by `toymlx.models.lora.HF_TARGETS`) is
-put into the GGUF's here, in one place: `hf_rows_to_gguf` permutes llama's q/k rows as llama.cpp's converter permuted the base's.
+Face's layout (mlx-lm's adapters, their targets named by `toymlx.models.lora.MLX_LM_KEYS`) is
+put into the GGUF's here, in one place: `hf_rows_to_gguf` permutes llama's q/k rows as
+llama.cpp's converter permuted the base's, `hf_v_heads_to_gguf` qwen35's value heads.
 """
 
 from __future__ import annotations
@@ -237,6 +238,31 @@ def hf_rows_to_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
     `permute`, each head's two rotary halves interleaved into adjacent pairs."""
     hd = w.shape[0] // n_heads
     return w.reshape(n_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_v_heads(a: LlamaArgs, name: str) -> tuple[int, int] | None:
+    """(axis, first index of its value heads) of tensor `name` where llama.cpp's converter
+    reordered a qwen35 linear-attention tensor's value heads from Hugging Face's grouped order
+    (v heads 0..r-1 read k head 0) to tiled (v head j reads k head j % Hk;
+    `_LinearAttentionVReorderBase`): attn_qkv's v rows, attn_gate's, ssm_beta's and ssm_alpha's
+    rows (one per head), ssm_out's columns. None for every other tensor, and where Hk == Hv."""
+    if not a.linear_layers or a.ssm_k_heads == a.ssm_v_heads:
+        return None
+    leaf = name.split(".")[-2] if name.startswith("blk.") else ""
+    return {"attn_qkv": (0, 2 * a.ssm_k_heads * a.ssm_head_dim), "attn_gate": (0, 0),
+            "ssm_beta": (0, 0), "ssm_alpha": (0, 0), "ssm_out": (1, 0)}.get(leaf)
+
+
+def hf_v_heads_to_gguf(w: np.ndarray, axis: int, start: int, k_heads: int, v_heads: int
+                       ) -> np.ndarray:
+    """`w` with the value heads along `axis` from index `start` on (v_heads of equal width)
+    put from Hugging Face's grouped order in llama.cpp's tiled one: the converter's
+    `_reorder_v_heads`, (Hk, r, width) -> (r, Hk, width)."""
+    w = np.moveaxis(w, axis, 0)
+    v = w[start:]
+    r = v_heads // k_heads
+    v = v.reshape(k_heads, r, -1, *v.shape[1:]).swapaxes(0, 1).reshape(v.shape)
+    return np.moveaxis(np.concatenate([w[:start], v]), 0, axis)
 
 
 def gguf_rows_to_hf(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -36,9 +36,12 @@ and out: the projections of qwen35's linear-attention blocks, attn_qkv, attn_gat
 ssm_alpha and ssm_out, each of which llama.cpp's adapters adapt; router: a mixture of
 experts' `ffn_gate_inp`, which it has instead of gate, up and down)."""
 ALL_LINEAR = "all-linear"
-"""--lora.targets all-linear: PEFT's (Unsloth's) target_modules="all-linear", and what mlx-lm
-adapts when its config gives no lora_parameters.keys: every linear projection of the base's
-blocks, as `all_linear` lists them for that base."""
+"""--lora.targets all-linear: Unsloth's target_modules="all-linear": every linear projection of
+the base's blocks but a mixture of experts' router, as `all_linear` lists them for that base."""
+MLX_LM_DEFAULT = "mlx-lm-default"
+"""--lora.targets mlx-lm-default: what mlx-lm adapts when its config gives no
+lora_parameters.keys, every linear layer of each block, a mixture of experts' router too
+(`mlx_lm_default`); what toymlx-train sets for an mlx-lm config file without keys."""
 LINEAR_TARGETS = ("qkv", "z", "beta", "alpha", "out", "gate", "up", "down")
 """The targets a qwen35 linear-attention block has (its full-attention blocks have q, k, v, o
 and the MLP's)."""
@@ -214,15 +217,15 @@ ADAPTER_KINDS: dict[str, type[LoRALinear]] = {"lora": LoRALinear, "dora": DoRALi
 
 # ---- applying, listing and fusing -------------------------------------------------------
 def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
-    """Short target names from "q,k,v" or a sequence, `ALL_LINEAR` kept as given (`resolve_targets`
-    expands it against a base); ValueError names --lora.targets."""
+    """Short target names from "q,k,v" or a sequence, `ALL_LINEAR` and `MLX_LM_DEFAULT` kept as
+    given (`resolve_targets` expands them against a base); ValueError names --lora.targets."""
     items = targets.split(",") if isinstance(targets, str) else list(targets)
     names = [t.strip() for t in items if t.strip()]
-    allowed = ", ".join(TARGETS) + f", or {ALL_LINEAR}"
+    allowed = ", ".join(TARGETS) + f", {ALL_LINEAR} or {MLX_LM_DEFAULT}"
     if not names:
         raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
                          f"{targets!r}")
-    bad = [t for t in names if t not in TARGETS and t != ALL_LINEAR]
+    bad = [t for t in names if t not in TARGETS and t not in (ALL_LINEAR, MLX_LM_DEFAULT)]
     if bad:
         said = hf_targets(names)
         raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
@@ -240,27 +243,107 @@ def all_linear(a: LlamaArgs) -> tuple[str, ...]:
     its linear-attention blocks' qkv,z,beta,alpha,out too (each block adapts those it has). A
     mixture of experts: q,k,v,o and gate,up,down as its experts' tensors (a pair per expert),
     not the router (ffn_gate_inp), which PEFT's all-linear and mlx-lm's default would also wrap
-    (an nn.Linear there): Unsloth leaves a MoE's router untrained by default, since adapting it
-    moves which experts each token picks; --lora.targets all-linear,router adds it."""
+    (an nn.Linear there; `mlx_lm_default` adds it): Unsloth leaves a MoE's router untrained by
+    default, since adapting it moves which experts each token picks; --lora.targets
+    all-linear,router adds it."""
     return tuple(t for t in block_targets(a) if t != "router")
 
 
 def resolve_targets(targets: str | Sequence[str], a: LlamaArgs) -> tuple[str, ...]:
     """--lora.targets as the target names it adapts on a base with args `a` (`parse_targets`'s,
-    `ALL_LINEAR` expanded to `all_linear(a)` in its place): the one place all-linear meets the
-    base, so the run records (run_start's lora_targets_resolved) what it adapted."""
+    `ALL_LINEAR` expanded to `all_linear(a)` and `MLX_LM_DEFAULT` to `mlx_lm_default(a)` in
+    their place): the one place those names meet the base, so the run records (run_start's
+    lora_targets_resolved) what it adapted."""
     out: list[str] = []
     for t in parse_targets(targets):
-        out += all_linear(a) if t == ALL_LINEAR else [t]
+        out += (all_linear(a) if t == ALL_LINEAR else mlx_lm_default(a) if t == MLX_LM_DEFAULT
+                else [t])
     return tuple(dict.fromkeys(out))
+
+
+# ---- mlx-lm's module paths (lora_parameters.keys, its adapters' keys) ---------------------
+MLX_LM_KEYS: dict[str, str | None] = {
+    # llama, qwen2/3, gemma, ... and qwen3_5's full-attention blocks; phi3's fused qkv_proj
+    "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
+    "self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o",
+    # qwen3_5's linear-attention blocks (mlx_lm/models/qwen3_5.py's GatedDeltaNet)
+    "linear_attn.in_proj_qkv": "qkv", "linear_attn.in_proj_z": "z",
+    "linear_attn.in_proj_b": "beta", "linear_attn.in_proj_a": "alpha",
+    "linear_attn.out_proj": "out",
+    # a dense MLP (phi3's fused gate_up_proj)
+    "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.gate_up_proj": "gate_up",
+    "mlp.down_proj": "down",
+    # qwen3_moe's and qwen2_moe's mixture of experts: the router and the experts' SwitchGLU
+    "mlp.gate": "router", "mlp.switch_mlp.gate_proj": "gate", "mlp.switch_mlp.up_proj": "up",
+    "mlp.switch_mlp.down_proj": "down",
+    # mixtral's
+    "block_sparse_moe.gate": "router", "block_sparse_moe.switch_mlp.gate_proj": "gate",
+    "block_sparse_moe.switch_mlp.up_proj": "up", "block_sparse_moe.switch_mlp.down_proj": "down",
+    # qwen2_moe's shared expert, which no --lora.targets name adapts
+    "mlp.shared_expert.gate_proj": None, "mlp.shared_expert.up_proj": None,
+    "mlp.shared_expert.down_proj": None, "mlp.shared_expert_gate": None}
+"""mlx-lm's module paths inside a block (as `mlx_lm.models.<arch>` names them: its config's
+lora_parameters.keys, its adapters' `model.layers.N.<path>.lora_a`) -> the --lora.targets name
+adapting the same projection; None: one toymlx cannot adapt. Which of them a block has is
+`mlx_lm_modules`'."""
+
+
+def mlx_lm_modules(a: LlamaArgs, block: int) -> dict[str, str | None]:
+    """The mlx-lm module paths block `block` of a base with args `a` has (`MLX_LM_KEYS`' names)
+    -> their --lora.targets name (None: qwen2moe's shared expert, which toymlx cannot adapt),
+    what mlx-lm's `linear_to_lora_layers` wraps in that block when its config gives no keys
+    (every nn.Linear and SwitchLinear of it): qwen3_5's linear-attention blocks have
+    `linear_attn`, its others `self_attn`; a mixture of experts' MLP is its router and its
+    experts (mixtral's under `block_sparse_moe`), a dense MLP's `mlp.gate_proj` it has not. The
+    one place mlx-lm's names meet a base: an mlx-lm config's keys and adapters are read by it.
+    Checked against mlx-lm's own llama, phi3, qwen3_5, qwen3_moe, mixtral and qwen2_moe
+    (tests/test_mlx_lm_config.py); gemma4's per-layer-input projections, which mlx-lm's default
+    wraps too, are not listed."""
+    have = block_targets(a, block)
+    attn = "linear_attn." if a.is_linear(block) else "self_attn."
+    if a.n_experts:
+        moe = "block_sparse_moe." if a.arch == "llama" else "mlp."
+        mlp = (moe + "gate", moe + "switch_mlp.gate_proj", moe + "switch_mlp.up_proj",
+               moe + "switch_mlp.down_proj")
+        if a.shared_expert_ffn_dim:
+            mlp += ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                    "mlp.shared_expert.down_proj", "mlp.shared_expert_gate")
+    else:
+        mlp = tuple(m for m, t in MLX_LM_KEYS.items()
+                    if m.startswith("mlp.") and m.count(".") == 1 and t in have and t != "router")
+    return {m: t for m, t in MLX_LM_KEYS.items()
+            if (m.startswith(attn) and t in have) or m in mlp}
+
+
+def mlx_lm_default(a: LlamaArgs) -> tuple[str, ...]:
+    """What mlx-lm adapts on a base with args `a` when its config gives no lora_parameters.keys,
+    as --lora.targets names: every module of every block `mlx_lm_modules` lists, which on a
+    mixture of experts is `all_linear`'s and its router (an nn.Linear mlx-lm wraps too;
+    tests/test_mlx_lm_config.py checks this against mlx-lm's own `linear_to_lora_layers`).
+    ValueError naming --lora.targets where that includes a projection toymlx cannot adapt
+    (qwen2moe's shared expert)."""
+    out: list[str | None] = []
+    for i in range(a.n_layers):
+        mods = mlx_lm_modules(a, i)
+        lost = [m for m, t in mods.items() if t is None]
+        if lost:
+            raise ValueError(
+                f"--lora.targets: {MLX_LM_DEFAULT} (mlx-lm's default without lora_parameters."
+                f"keys) adapts every linear layer of this {a.arch} base's blocks, its shared "
+                f"expert's too ({', '.join(lost)}), which toymlx cannot adapt; name the others "
+                f"instead: --lora.targets all-linear,router (lora_parameters.keys "
+                f"{', '.join(m for m, t in mods.items() if t is not None)})")
+        out += mods.values()
+    return tuple(t for t in TARGETS if t in out)
 
 
 HF_TARGETS: dict[str, str] = {
     "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
     "self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o", "mlp.gate_proj": "gate",
     "mlp.up_proj": "up", "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down"}
-"""Hugging Face's (and mlx-lm's) projection paths inside a decoder block -> toymlx's
---lora.targets names (`toymlx.models.lora.TARGETS` gives their paths)."""
+"""Hugging Face's projection paths inside a dense decoder block (PEFT's target_modules) ->
+toymlx's --lora.targets names (`TARGETS` gives their paths; mlx-lm's paths, MoE and qwen3_5's
+too, are `MLX_LM_KEYS`)."""
 
 
 def hf_targets(names: Sequence[str]) -> str | None:

@@ -102,9 +102,11 @@ class LoRAOptions:
     """Comma list of projections to adapt: q, k, v, o, gate, up, down (phi3's fused ones:
     qkv, o, gate_up, down; qwen35's linear-attention blocks: qkv, z, beta, alpha, out, its
     q, k, v, o being its full-attention blocks'; a mixture of experts: gate, up, down its
-    experts' (a pair per expert), router its ffn_gate_inp); or all-linear (PEFT's; mlx-lm's
-    default): every linear projection of this base's blocks, `toymlx.models.lora.all_linear`,
-    recorded as run_start's lora_targets_resolved."""
+    experts' (a pair per expert), router its ffn_gate_inp); or all-linear (Unsloth's): every
+    linear projection of this base's blocks but a mixture of experts' router,
+    `toymlx.models.lora.all_linear`; or mlx-lm-default (an mlx-lm config without keys): those
+    and the router, `toymlx.models.lora.mlx_lm_default`; recorded as run_start's
+    lora_targets_resolved."""
     layers: int | None = None
     """Adapt only the last N blocks (default: all; mlx-lm's --num-layers)."""
     init_adapter: str | None = None
@@ -376,7 +378,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         a = args_from_gguf(g)
         targets: tuple[str, ...] = ()
         if not full:  # before the memory estimate, which sizes each target's projection
-            targets = resolve_targets(cfg.lora.targets, a)  # all-linear as this base's
+            targets = resolve_targets(cfg.lora.targets, a)  # all-linear as this base's, ...
             check_targets(targets, a, cfg.lora.layers)
         trained_blocks = target_blocks(a.n_layers, cfg.full.layers, "--full.layers")
         trained = block_tensors(g.tensors, trained_blocks) if some else frozenset()

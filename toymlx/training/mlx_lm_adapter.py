@@ -2,13 +2,17 @@
 adapter_config.json) read for a GGUF base, in toymlx's adapter layout.
 
 mlx-lm's LoRALinear computes y = W x + scale (x A) B with A `lora_a` (n_in, r) and B `lora_b`
-(r, n_out), keyed by Hugging Face module paths (`model.layers.N.self_attn.q_proj.lora_a`); its
+(r, n_out), keyed by Hugging Face module paths (`model.layers.N.self_attn.q_proj.lora_a`; the
+paths are `toymlx.models.lora.MLX_LM_KEYS`', the ones each block has `mlx_lm_modules`'); its
 `scale` is adapter_config.json's `lora_parameters.scale`, its blocks the last `num_layers`. Its
 DoRALinear adds `m` (n_out,) and computes what toymlx's `DoRALinear` computes. As toymlx's
 (and llama.cpp's) adapter that is A^T (r, n_in) and B^T (n_out, r) under the base tensor's
-llama.cpp name, with alpha = scale * r (their scale is alpha / r). mlx-lm trains on Hugging
-Face's layout: llama's q and k rows (B's rows, m) are permuted as llama.cpp's converter
-permuted the base's (`toymlx.gguf.llama.hf_rows_to_gguf`).
+llama.cpp name, with alpha = scale * r (their scale is alpha / r). Its LoRASwitchLinear (a
+mixture of experts' `switch_mlp`) holds A (E, r, n_in) and B (E, n_out, r), toymlx's
+`ExpertLoRA` layout already. mlx-lm trains on Hugging Face's layout: llama's q and k rows (B's
+rows, m) are permuted as llama.cpp's converter permuted the base's
+(`toymlx.gguf.llama.hf_rows_to_gguf`), qwen35's value heads reordered as it reordered them
+(`hf_v_heads_to_gguf`: B's rows, m, or ssm_out's A columns).
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ from toymlx.gguf.llama import (
     expected_shapes,
     hf_permuted_heads,
     hf_rows_to_gguf,
+    hf_v_heads,
+    hf_v_heads_to_gguf,
     toy_to_gguf,
 )
 from toymlx.models.llama import LlamaArgs
-from toymlx.models.lora import HF_TARGETS, TARGETS, block_targets, target_path
+from toymlx.models.lora import MLX_LM_KEYS, block_targets, mlx_lm_modules, target_path
 
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
-_KEY = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.(\w+\.\w+)\.(lora_a|lora_b|m)")
+_KEY = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.([\w.]+)\.(lora_a|lora_b|m)")
 
 
 class MlxLmError(ValueError):
@@ -98,18 +104,6 @@ def lora_flags(found: set[tuple[int, str]], n_layers: int, have: tuple[str, ...]
     return f"--lora.targets {','.join(targets)} --lora.layers {len(blocks)}"
 
 
-def hf_modules(a: LlamaArgs, block: int) -> tuple[str, ...]:
-    """The module paths of an mlx-lm adapter's keys (`self_attn.q_proj`) that block `block` of a
-    base with args `a` has a weight for: its --lora.targets (`block_targets`) by Hugging Face's
-    names, less the ones Hugging Face's model holds elsewhere: a mixture of experts' gate, up
-    and down (its experts' 3-D tensors), a qwen35 linear-attention block's qkv (in its
-    `linear_attn`, which has no self_attn)."""
-    have = block_targets(a, block)
-    return tuple(m for m, t in HF_TARGETS.items()
-                 if t in have and target_path(t, a) == TARGETS[t]
-                 and not (a.is_linear(block) and m.startswith("self_attn.")))
-
-
 def _config(path: Path, weights: Path) -> tuple[str, int, float, int, str]:
     """(fine_tune_type, rank, scale, num_layers, model) from adapter_config.json, each
     checked (model: the Hugging Face model it was trained on, as given; '' when absent)."""
@@ -172,26 +166,38 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
     early: MlxLmError | None = None  # a block before the last num_layers
     for key in sorted(raw):
         m = _KEY.fullmatch(key)
-        if m is None or m.group(2) not in HF_TARGETS:
+        if m is None or m.group(2) not in MLX_LM_KEYS:
+            every = dict.fromkeys(x for i in range(a.n_layers)
+                                  for x, t in mlx_lm_modules(a, i).items() if t is not None)
             raise MlxLmError(f"{weights}: key {key!r}: expected model.layers.N.<module>.lora_a, "
-                            f".lora_b (or DoRA's .m) with <module> one of "
-                            f"{', '.join(HF_TARGETS)}, found another key")
+                            f".lora_b (or DoRA's .m) with <module> a projection of this "
+                            f"{a.arch} base's blocks ({', '.join(every)}), found another key")
         block, module, leaf = int(m.group(1)), m.group(2), m.group(3)
-        target = HF_TARGETS[module]
         if block >= a.n_layers:
             raise MlxLmError(f"{weights}: key {key!r}: expected a block of the base's "
                              f"{a.n_layers} (0..{a.n_layers - 1}), found block {block} (wrong "
                              "base?)")
-        modules = hf_modules(a, block)
+        modules = mlx_lm_modules(a, block)
+        can = [x for x, t in modules.items() if t is not None]
+        if modules.get(module, "") is None:
+            raise MlxLmError(f"{weights}: key {key!r}: expected a projection toymlx can adapt "
+                             f"(block {block} of this {a.arch} base: {', '.join(can)}), found "
+                             f"{module}, the shared expert's, which no --lora.targets adapts")
         if module not in modules:
             raise MlxLmError(f"{weights}: key {key!r}: expected a projection block {block} of "
-                             f"this {a.arch} base has ({', '.join(modules) or 'none'}), found "
+                             f"this {a.arch} base has ({', '.join(can) or 'none'}), found "
                              f"{module} (wrong base?)")
-        name = toy_to_gguf(f"layers.{block}.{TARGETS[target]}.weight")
-        n_out, n_in = shapes[name]
-        want = {"lora_a": (n_in, rank), "lora_b": (rank, n_out), "m": (n_out,)}[leaf]
+        target = modules[module]
+        name = toy_to_gguf(f"layers.{block}.{target_path(target, a)}.weight")
+        *lead, n_out, n_in = shapes[name]  # lead: an expert tensor's (E,)
+        lead = tuple(lead)
+        want = ({"lora_a": (*lead, rank, n_in), "lora_b": (*lead, n_out, rank), "m": (n_out,)}
+                if lead else
+                {"lora_a": (n_in, rank), "lora_b": (rank, n_out), "m": (n_out,)})[leaf]
         arr = np.array(raw[key].astype(mx.float32))
-        dims = {"lora_a": (0,), "lora_b": (1,), "m": (0,)}[leaf]  # the model's axes, not rank's
+        # the model's axes, not rank's (mlx-lm's LoRASwitchLinear: A (E, r, in), B (E, out, r))
+        dims = ({"lora_a": (0, 2), "lora_b": (0, 1), "m": (0,)} if lead else
+                {"lora_a": (0,), "lora_b": (1,), "m": (0,)})[leaf]
         if arr.ndim == len(want) and any(arr.shape[i] != want[i] for i in dims):
             raise MlxLmError(f"{weights}: key {key!r}: expected shape {want} (the base's {name} "
                             f"({n_out}, {n_in})), found {arr.shape}: an adapter for another "
@@ -220,13 +226,24 @@ def read_mlx_lm_adapter(path: str | os.PathLike, a: LlamaArgs) -> MlxLmAdapter:
         if lost is not None:
             raise MlxLmError(f"{weights}: key '{module_of[name]}.{lost}': expected "
                             f"present (with {', '.join(sorted(h))}), found missing")
-        b = h["lora_b"].T  # (n_out, r)
+        # (r, n_in) and (n_out, r); LoRASwitchLinear's (E, r, n_in), (E, n_out, r) as they are
+        lora_a, b = ((h["lora_a"], h["lora_b"]) if h["lora_a"].ndim == 3
+                     else (h["lora_a"].T, h["lora_b"].T))
         heads = hf_permuted_heads(a, name)
         if heads is not None:  # mlx-lm's rows are HF's; the base's were permuted
             b = hf_rows_to_gguf(b, heads)
             if "m" in h:
                 h["m"] = hf_rows_to_gguf(h["m"], heads)
-        pairs[name] = (np.ascontiguousarray(h["lora_a"].T), np.ascontiguousarray(b))
+        if (v := hf_v_heads(a, name)) is not None:  # qwen35's value heads, grouped -> tiled
+            axis, start = v
+            order = (a.ssm_k_heads, a.ssm_v_heads)
+            if axis == 1:  # ssm_out's input columns: A's
+                lora_a = hf_v_heads_to_gguf(lora_a, 1, start, *order)
+            else:
+                b = hf_v_heads_to_gguf(b, 0, start, *order)
+                if "m" in h:
+                    h["m"] = hf_v_heads_to_gguf(h["m"], 0, start, *order)
+        pairs[name] = (np.ascontiguousarray(lora_a), np.ascontiguousarray(b))
         if kind == "dora":
             magnitudes[name] = h["m"]
     if not pairs:
