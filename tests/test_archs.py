@@ -38,6 +38,14 @@ from toymlx.training.adapter import write_adapter
 IDS = [int(x) for x in np.random.default_rng(1).integers(3, 259, 20)]
 
 
+@pytest.fixture(autouse=True)
+def _same_draws():
+    """Every test draws the same LoRA matrices: MLX seeds its default key from the clock, and
+    gemma's adapters in llama.cpp (its float16 GELU table) are 3.1e-3 to 3.9e-3 off over 8
+    draws, so a rare draw crossed the 5e-3 margin in CI."""
+    mx.random.seed(0)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("archs")
