@@ -28,11 +28,12 @@
 #      time and peak memory)                                     -> lora_bf16.json  220 / 170
 #   2. ViT-Tiny 224 and from-scratch 360M, toymlx against PyTorch eager
 #      (bench.py)                                                -> vit_bf16.json   160 / 130
-#   3. memory with a Q4_K_M base: the Llama-3.2-1B-shaped file written (shapes.py, by the
+#   3. the `gpu`-marked tests (tests/test_gpu.py: every architecture kind and attention
+#      width, 69 tests), each test's line into the log                             150 / ?
+#   4. memory with a Q4_K_M base: the Llama-3.2-1B-shaped file written (shapes.py, by the
 #      llama.cpp and SmolLM2 tokenizer prepare carried; skipped without them), then
 #      toymlx-train's LoRA at 1 x 512 on it (memory.py's 1b-1x512 row: MLX's peak, step
 #      time, the adapter loaded by llama.cpp)                    -> memory.json  90+120 / 40+80
-#   4. the `gpu`-marked tests (tests/test_gpu.py), into the log                       90 / 70
 #   5. decoding token by token, toymlx eager and CompiledDecode against mlx-lm
 #      (gpu_decode.py, 135M)                                     -> decode.json      60 / 50
 #   6. with time left: float32 LoRA 135M against mlx-lm, then ViT-Tiny 224 against
@@ -82,6 +83,7 @@ step 220 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx
   --only lora-q-135m-8x512 lora-q-360m-8x512 --rounds 6 --json "$out/lora_bf16.json"
 step 160 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx torch \
   --only vit-tiny-224 scratch-360m-8x1024 --rounds 6 --json "$out/vit_bf16.json"
+step 150 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -v -rfE
 if bash benchmarks/gpu_machine.sh run python3 -c "import llama_cpp" 2>/dev/null; then
   step 90 python3 benchmarks/shapes.py llama-3.2-1b \
     && step 120 python3 benchmarks/memory.py --only 1b-1x512 --json "$out/memory.json"
@@ -89,7 +91,6 @@ else
   echo "== skipped: memory with a Q4_K_M base (prepare carried no llama-cpp-python)" \
     | tee -a "$log"
 fi
-step 90 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rA
 step 60 python3 benchmarks/gpu_decode.py --device gpu --only lora-q-135m-8x512 --tokens 128 \
   --rounds 3 --json "$out/decode.json"
 step 90 python3 benchmarks/bench.py --device gpu --dtype float32 --impl toymlx mlx-lm \
