@@ -377,6 +377,31 @@ def test_the_gradient_norm_is_the_left_to_right_float32_sum_with_no_chain_of_add
     assert np.isclose(np.array(out["grad_norm"]), np.sqrt(np.sum(squares)) / count, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cpu", [True, False])
+def test_sum_of_squares_is_a_dot_on_the_cpu_and_a_reduction_on_a_gpu(tmp_path, cpu):
+    """A gradient's sum of squares in float32 against float64 numpy's, from float32 and
+    bfloat16 gradients up to 2^16 values (the GPU's form runs here on the CPU, whose reduction
+    adds in order: at 2^16 values 1.2e-5 off, hence its wider margin; a GPU's adds as a tree); on the CPU one product (BLAS's dot), for a GPU MLX's
+    reduction and no product (MLX's GPU matmul gives a (1, n) x (n, 1) product one warp or
+    threadgroup: a from-scratch 360M step took 158 ms on an H200 against 90 ms without it)."""
+    import re
+
+    from toymlx.training.step import sum_of_squares
+
+    rng = np.random.default_rng(7)
+    for shape in [(3,), (64, 48), (256, 256)]:
+        for dtype in (mx.float32, mx.bfloat16):
+            g = mx.array(rng.standard_normal(shape).astype(np.float32) * 1e-3).astype(dtype)
+            q = sum_of_squares(g, cpu=cpu)
+            assert q.shape == (1, 1) and q.dtype == mx.float32
+            want = (np.array(g.astype(mx.float32), np.float64) ** 2).sum()
+            assert np.isclose(np.array(q).item(), want, rtol=1e-5 if cpu else 1e-4), (shape, dtype)
+    dot = tmp_path / "squares.dot"
+    mx.export_to_dot(str(dot), sum_of_squares(mx.ones((256, 8)), cpu=cpu))
+    labels = set(re.findall(r'label ="([^"]+)"', dot.read_text()))
+    assert ("Matmul" in labels) == cpu and ("Sum" in labels) != cpu
+
+
 def test_the_update_reads_each_gradient_in_one_product_and_one_fused_update(tmp_path):
     """Each parameter's gradient feeds two nodes of the update's graph: the product that sums
     its squares and AdamW's fused kernel, which applies the mean and the clip as one factor;
