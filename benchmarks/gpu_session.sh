@@ -2,8 +2,8 @@
 # A lent GPU's checks for issue 50 in one device call, in priority order, each step capped in
 # time and none past BUDGET seconds; the log ($OUT/session.log) and each step's JSON are written
 # under $OUT as they go (bench.py rewrites its JSON after every workload), so a call cut short
-# still brings back what finished. The device tool brings back at most 8 files: the 5 below and
-# up to 3 kernel-cache pieces.
+# still brings back what finished. The device tool brings back at most 8 files: the 6 below and
+# up to 2 kernel-cache pieces (session 53's: one, 11 MB).
 #
 # The plan for 15 minutes of device time (all calls together; a machine idle ~30 s goes back):
 #   status                                    free: is a machine lent to this task at all?
@@ -13,6 +13,9 @@
 #           bash benchmarks/gpu_session.sh .gpu/part2 540           carry [".gpu/part2"]
 #           timeout_s 600; ~20 s of transfer + 540 s + ~20 s for the kernel caches
 #   give_back at once (the idle wait counts).      Total ~12.5 of the 15 minutes.
+#   (Session 53: the machine started in 31 s, so ~4.5 minutes were left after call 2 on the
+#   still-warm machine: two more calls, each `gpu_machine.sh run ...` with no install, ran
+#   what call 2 had not reached. Have them typed too.)
 #   Where call 2 says "nothing installed" (the machine went back between the calls and a fresh
 #   one lacks part1), it ends at once: calls 1 and 2 again, with a smaller BUDGET to fit.
 # The working tree travels with each part: part1 55.0 MB, part2 56.6 MB (session 42's prepare)
@@ -21,24 +24,28 @@
 # and the last through this script.) Here, afterwards: the log and JSON into docs/, and the
 # kernel caches joined for the next machine (gpu_machine.sh's header).
 #
-# The steps (cap / expected seconds; expected from sessions 19 and 26 on an H200, whose first
-# compiled LoRA step took 96-120 s of MLX's CUDA kernel builds and ViT-Tiny's 40-75 s):
+# The steps (cap / expected seconds; expected from sessions 19, 26 and 53 on an H200, whose first
+# compiled LoRA step took 96-146 s of MLX's CUDA kernel builds, ViT-Tiny's 40-104 s and
+# from-scratch 360M's 32 s, none of them with a kernel cache carried):
 #   0. install (the last part completes the set), nvidia-smi                         - / 10
-#   1. LoRA in bfloat16, toymlx against mlx-lm, 135M and 360M at 8 x 512 (bench.py;
-#      time and peak memory)                                     -> lora_bf16.json  220 / 170
-#   2. ViT-Tiny 224 and from-scratch 360M, toymlx against PyTorch eager
-#      (bench.py)                                                -> vit_bf16.json   160 / 130
-#   3. the `gpu`-marked tests (tests/test_gpu.py: every architecture kind and attention
-#      width, 69 tests), each test's line into the log                             150 / ?
-#   4. memory with a Q4_K_M base: the Llama-3.2-1B-shaped file written (shapes.py, by the
+#   1. from-scratch 360M at 8 x 1024, toymlx against PyTorch eager (bench.py): the
+#      gradient norm's reduction (session 53: 158 ms with the product it replaced, 90 ms
+#      in session 26)                                        -> scratch_bf16.json  100 / 60
+#   2. LoRA in bfloat16, toymlx against mlx-lm, 135M and 360M at 8 x 512 (bench.py;
+#      time and peak memory)                                     -> lora_bf16.json  230 / 200
+#   3. ViT-Tiny 224 against PyTorch eager (bench.py)              -> vit_bf16.json   150 / 130
+#   4. the `gpu`-marked tests (tests/test_gpu.py: every architecture kind and attention
+#      width, 69 tests; session 53 ran 29 in ~250 s, most of it kernel builds), each
+#      test's line into the log                                                     200 / ?
+#   5. memory with a Q4_K_M base: the Llama-3.2-1B-shaped file written (shapes.py, by the
 #      llama.cpp and SmolLM2 tokenizer prepare carried; skipped without them), then
 #      toymlx-train's LoRA at 1 x 512 on it (memory.py's 1b-1x512 row: MLX's peak, step
 #      time, the adapter loaded by llama.cpp)                    -> memory.json  90+120 / 40+80
-#   5. decoding token by token, toymlx eager and CompiledDecode against mlx-lm
+#   6. decoding token by token, toymlx eager and CompiledDecode against mlx-lm
 #      (gpu_decode.py, 135M)                                     -> decode.json      60 / 50
-#   6. with time left: float32 LoRA 135M against mlx-lm, then ViT-Tiny 224 against
+#   7. with time left: float32 LoRA 135M against mlx-lm, then ViT-Tiny 224 against
 #      torch.compile (bench.py), their tables into the log                          rest
-#   7. MLX's and the driver's kernel caches packed into $OUT for the next machine   (20)
+#   8. MLX's and the driver's kernel caches packed into $OUT for the next machine   (20)
 # Not here: memory.py has no mlx-lm row on the 1B/3B/8B shapes, and the 3B and 8B files take
 # minutes to write; they need a session of their own.
 #
@@ -79,11 +86,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
   | tee -a "$log"
 echo "installed after $((SECONDS - t0)) s" | tee -a "$log"
 
-step 220 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx mlx-lm \
+step 100 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx torch \
+  --only scratch-360m-8x1024 --rounds 6 --json "$out/scratch_bf16.json"
+step 230 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx mlx-lm \
   --only lora-q-135m-8x512 lora-q-360m-8x512 --rounds 6 --json "$out/lora_bf16.json"
-step 160 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx torch \
-  --only vit-tiny-224 scratch-360m-8x1024 --rounds 6 --json "$out/vit_bf16.json"
-step 150 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -v -rfE
+step 150 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx torch \
+  --only vit-tiny-224 --rounds 6 --json "$out/vit_bf16.json"
+step 200 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -v -rfE
 if bash benchmarks/gpu_machine.sh run python3 -c "import llama_cpp" 2>/dev/null; then
   step 90 python3 benchmarks/shapes.py llama-3.2-1b \
     && step 120 python3 benchmarks/memory.py --only 1b-1x512 --json "$out/memory.json"
@@ -99,5 +108,5 @@ step 600 python3 benchmarks/bench.py --device gpu --dtype bfloat16 --impl toymlx
   torch-compile --only vit-tiny-224 --rounds 4  # its table in the log: $OUT holds 8 files
 echo "session done after $((SECONDS - t0)) s" | tee -a "$log"
 # MLX's and the driver's kernel caches for the next lent machine (gpu_machine.sh's header says
-# how to keep them here): up to 3 files, which with the 5 above is the device tool's 8
+# how to keep them here): up to 3 files (2 fit beside the 6 above in the device tool's 8)
 bash benchmarks/gpu_machine.sh kernel-cache "$out/gpu_kernels.tgz" 2>&1 | tee -a "$log" || true
