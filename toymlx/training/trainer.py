@@ -715,8 +715,8 @@ class _Loop:
         cfg = self.cfg
         cache = device.cuda_kernel_cache()
         if cache is not None and not any(cache.glob("*.ptx")):
-            self._say(f"step {self.start + 1}: MLX builds its CUDA kernels first, 1-2 minutes on a "
-                      f"fresh machine (kept in {cache} for later runs)", bar)
+            self._say(f"step {self.start + 1}: MLX builds its CUDA kernels first, up to 2.5 "
+                      f"minutes on a fresh machine (kept in {cache} for later runs)", bar)
         # the validation of the start step: --eval-at-start's at step 0; on a resume, the one
         # due there that a stop skipped or abandoned (an uninterrupted run has its figures)
         first = cfg.eval_at_start if self.start == 0 else self._eval_due(self.start)
