@@ -5,14 +5,17 @@
 
 A speed comparison needs the GPU; which operations each step asks MLX for does not. This
 builds the workload's model twice (the lora recipe's Task, computing with toymlx's `Ops` for a
-GPU in the given dtype; mlx-lm's llama with its LoRA layers, as the benchmark does), traces one
-step without compiling it, and counts the primitives in the lazy graph (`mx.export_to_dot`).
-Width does not change the graph, so the model is narrowed to a small vocabulary and a short
-batch; the count per transformer block is the difference between a 2-block and a 1-block model.
-Two graphs per side: the forward and backward pass alone (loss and gradients), and the whole
-step (with the optimizer update).
+GPU in the given dtype, its base held as a GPU run holds it (`frozen_weights`); mlx-lm's llama
+with its LoRA layers, as the benchmark does), traces one step without compiling it, and counts
+the primitives in the lazy graph (`mx.export_to_dot`). Width does not change the graph, so the
+model is narrowed to a small vocabulary and a short batch; the count per transformer block is
+the difference between a 2-block and a 1-block model. Three graphs per side: the forward and
+backward pass alone (loss and gradients), the whole step (with the optimizer update), and the
+whole step compiled as training compiles it, counted as kernels: each fused `Compiled` node one
+kernel, every other node that is not a view (reshape, broadcast, transpose, slice...) one.
 On a CPU, `mx.fast` kernels that have no CPU form show up as their fallback primitives, the
-same ones on both sides.
+same ones on both sides, and toymlx's update sums each gradient's squares as the CPU does, one
+Matmul (a Sum on a GPU: `toymlx.training.step.sum_of_squares`).
 """
 
 from __future__ import annotations
@@ -35,8 +38,13 @@ from mlx_lm_step import MlxLmVariant
 from toymlx_step import build_task, gpu_ops, recipe_inputs, weights_np
 from workloads import Workload, find, make_batch
 
+from toymlx.gguf.llama import frozen_weights
 from toymlx.training.step import make_step, micro_batch_grads
 from toymlx.training.task import make_optimizer
+
+VIEWS = frozenset({"Reshape", "Broadcast", "Transpose", "Slice", "Squeeze", "ExpandDims",
+                   "Flatten", "Unflatten", "AsStrided", "StopGradient", "Depends"})
+"""Primitives that launch no kernel: views of their input (and graph-only markers)."""
 
 
 def primitives(arrays: list[mx.array]) -> Counter:
@@ -45,6 +53,17 @@ def primitives(arrays: list[mx.array]) -> Counter:
         dot = Path(tmp) / "graph.dot"
         mx.export_to_dot(str(dot), *arrays)
         return Counter(re.findall(r'label ="([^"]+)"', dot.read_text()))
+
+
+def kernels(arrays: list[mx.array]) -> Counter:
+    """The kernels a compiled graph that computes `arrays` launches, by primitive: its nodes
+    that are not views, every fused node (`Compiled...`) counted under "Compiled"."""
+    counts = primitives(arrays)
+    out: Counter = Counter()
+    for name, n in counts.items():
+        if name not in VIEWS:
+            out["Compiled" if name.startswith("Compiled") else name] += n
+    return out
 
 
 def leaves(*trees: object) -> list[mx.array]:
@@ -58,10 +77,11 @@ def census(w: Workload, dtype: str) -> dict[str, Counter]:
     batch = make_batch(w)
     micro = {k: mx.array(v[0]) for k, v in batch.items()}
     out: dict[str, Counter] = {}
+    held = frozen_weights(gpu=True)
     mx.disable_compile()  # every graph below is traced lazily instead of compiled
     try:
         with recipe_inputs(w) as inputs:
-            task, cfg = build_task(w, gpu_ops(dtype), inputs, compile=False)
+            task, cfg = build_task(w, gpu_ops(dtype), inputs, compile=False, base_dtype=held)
         model = task.model
         weights = weights_np(model)
         loss, _, grads = micro_batch_grads(model, task.loss_fn)(micro)
@@ -83,6 +103,21 @@ def census(w: Workload, dtype: str) -> dict[str, Counter]:
                                                peer.optimizer.state))
     finally:
         mx.enable_compile()
+    # the compiled steps, as training runs them: the state evaluated first, so that each graph
+    # holds the step alone (not the lazy initialisation of the adapters and the moments)
+    with recipe_inputs(w) as inputs:
+        task, cfg = build_task(w, gpu_ops(dtype), inputs, compile=True, base_dtype=held)
+    model, optimizer = task.model, make_optimizer(cfg)
+    optimizer.init(model.trainable_parameters())
+    mx.eval(model.parameters(), optimizer.state)
+    res = make_step(model, task.loss_fn, optimizer, cfg.grad_clip, compile=True)(
+        {k: mx.array(v) for k, v in batch.items()})
+    out["toymlx/kernels"] = kernels(leaves(res, model.trainable_parameters(), optimizer.state))
+    peer = MlxLmVariant(w, weights_np(model), batch, dtype=dtype)
+    mx.eval(peer.model.parameters(), peer.optimizer.state)
+    loss, _, _ = peer.step_fn((mx.array(peer.tokens), mx.array(peer.lengths)), None, True)
+    out["mlx-lm/kernels"] = kernels(leaves(loss, peer.model.trainable_parameters(),
+                                           peer.optimizer.state))
     return out
 
 
@@ -99,11 +134,13 @@ def main() -> None:
              for n in (1, 2)}
     print(f"{args.only} in {args.dtype}: primitives in one step's graph "
           f"(per block: 2 blocks minus 1; total: 1 block)")
-    for graph in ("grad", "step"):
+    titles = {"grad": "forward + backward", "step": "whole step (+ update)",
+              "kernels": "kernels of the compiled step (fused nodes and non-views)"}
+    for graph, title in titles.items():
         ours = {n: small[n][f"toymlx/{graph}"] for n in (1, 2)}
         theirs = {n: small[n][f"mlx-lm/{graph}"] for n in (1, 2)}
         names = sorted(set(ours[2]) | set(theirs[2]), key=lambda k: -(ours[2][k] + theirs[2][k]))
-        print(f"\n{'forward + backward' if graph == 'grad' else 'whole step (+ update)'}")
+        print(f"\n{title}")
         print(f"{'primitive':20s} {'toymlx/block':>12s} {'mlx-lm/block':>12s} "
               f"{'toymlx':>7s} {'mlx-lm':>7s}")
         for d in (ours, theirs):

@@ -110,9 +110,11 @@ def llama_options(a: LlamaArgs) -> LlamaOptions:
     raise ValueError(f"the from-scratch recipe's --model options cannot build {a}")
 
 
-def recipe_config(w: Workload, ops: Ops, folder: Path, compile: bool = True) -> TrainConfig:
+def recipe_config(w: Workload, ops: Ops, folder: Path, compile: bool = True,
+                  base_dtype: str = "auto") -> TrainConfig:
     """The Config of `w`'s recipe (`recipe_of`) that trains the workload's shape with its
-    optimizer, reading the inputs `recipe_inputs` wrote into `folder`."""
+    optimizer, reading the inputs `recipe_inputs` wrote into `folder`; a LoRA base held as
+    `base_dtype` (--base-dtype; auto: as the lora recipe holds it on this device)."""
     train = training_options(w, ops, compile)
     recipe = recipe_of(w)
     if recipe == "vit-tiny":
@@ -129,7 +131,8 @@ def recipe_config(w: Workload, ops: Ops, folder: Path, compile: bool = True) -> 
         # base_dtype auto: the compute dtype for a float base, as the lora recipe holds it
         opts = lora.LoRAOptions(rank=w.lora_rank, alpha=w.lora_alpha, dropout=0.0,
                                 targets=",".join(w.lora_targets))
-        return lora.Config(**train, base=str(folder / BASE_GGUF), seq_len=w.seq, lora=opts)
+        return lora.Config(**train, base=str(folder / BASE_GGUF), seq_len=w.seq, lora=opts,
+                           base_dtype=base_dtype)
     return from_scratch.Config(**train, seq_len=w.seq, model=llama_options(w.llama))
 
 
@@ -139,12 +142,12 @@ def _stored(a: LlamaArgs | ViTArgs) -> LlamaArgs | ViTArgs:
                          if isinstance(v := getattr(a, f.name), float)})
 
 
-def build_task(w: Workload, ops: Ops, folder: Path, compile: bool = True
-               ) -> tuple[Task, TrainConfig]:
+def build_task(w: Workload, ops: Ops, folder: Path, compile: bool = True,
+               base_dtype: str = "auto") -> tuple[Task, TrainConfig]:
     """`w`'s Task as `toymlx-train` builds it (the Config checked, then the recipe's `build`),
     computing with `ops`, and its Config; ValueError when the built model's shape is not the
     workload's."""
-    cfg = recipe_config(w, ops, folder, compile)
+    cfg = recipe_config(w, ops, folder, compile, base_dtype)
     module = get_recipe(recipe_of(w))
     check_config(module, cfg)
     task = module.build(cfg, ops)
