@@ -381,9 +381,10 @@ def test_the_gradient_norm_is_the_left_to_right_float32_sum_with_no_chain_of_add
 def test_sum_of_squares_is_a_dot_on_the_cpu_and_a_reduction_on_a_gpu(tmp_path, cpu):
     """A gradient's sum of squares in float32 against float64 numpy's, from float32 and
     bfloat16 gradients up to 2^16 values (the GPU's form runs here on the CPU, whose reduction
-    adds in order: at 2^16 values 1.2e-5 off, hence its wider margin; a GPU's adds as a tree); on the CPU one product (BLAS's dot), for a GPU MLX's
-    reduction and no product (MLX's GPU matmul gives a (1, n) x (n, 1) product one warp or
-    threadgroup: a from-scratch 360M step took 158 ms on an H200 against 90 ms without it)."""
+    adds in order: at 2^16 values 1.2e-5 off, hence its wider margin; a GPU's adds as a tree).
+    On the CPU one product (BLAS's dot); for a GPU MLX's reduction and no product (MLX's GPU
+    matmul gives a (1, n) x (n, 1) product one warp or threadgroup: a from-scratch 360M step
+    took 158 ms on an H200 against 90 ms without it)."""
     import re
 
     from toymlx.training.step import sum_of_squares
@@ -395,7 +396,8 @@ def test_sum_of_squares_is_a_dot_on_the_cpu_and_a_reduction_on_a_gpu(tmp_path, c
             q = sum_of_squares(g, cpu=cpu)
             assert q.shape == (1, 1) and q.dtype == mx.float32
             want = (np.array(g.astype(mx.float32), np.float64) ** 2).sum()
-            assert np.isclose(np.array(q).item(), want, rtol=1e-5 if cpu else 1e-4), (shape, dtype)
+            rtol = 1e-5 if cpu else 1e-4
+            assert np.isclose(np.array(q).item(), want, rtol=rtol), (shape, dtype)
     dot = tmp_path / "squares.dot"
     mx.export_to_dot(str(dot), sum_of_squares(mx.ones((256, 8)), cpu=cpu))
     labels = set(re.findall(r'label ="([^"]+)"', dot.read_text()))

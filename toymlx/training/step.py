@@ -18,6 +18,8 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
+from toymlx.backend.device import on_gpu
+
 Part = tuple[mx.array, mx.array, Any]
 """One micro-batch's (loss * n, n, gradients * n): the summands of a count-weighted mean."""
 
@@ -126,8 +128,8 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, grad_clip: float, 
 
 
 def sum_of_squares(g: mx.array, cpu: bool | None = None) -> mx.array:
-    """g's sum of squares in float32, shape (1, 1), on the CPU (`cpu`; default: where MLX's
-    default device is) or a GPU.
+    """g's sum of squares in float32, shape (1, 1), in the CPU's form or a GPU's (`cpu`;
+    default: the form of MLX's default device).
 
     On the CPU one product of g with itself: BLAS's dot, one pass over g. On a GPU MLX's
     reduction over all of g, which spreads it over the whole chip: MLX's GPU matmul gives each
@@ -135,7 +137,7 @@ def sum_of_squares(g: mx.array, cpu: bool | None = None) -> mx.array:
     one warp read every gradient. A from-scratch 360M step at 8 x 1024 took 158 ms on an H200
     with the product against 90 ms before it (docs/RESULTS.md, session 53)."""
     g = g.astype(mx.float32)
-    if mx.default_device() == mx.cpu if cpu is None else cpu:
+    if not on_gpu() if cpu is None else cpu:
         return g.reshape(1, -1) @ g.reshape(-1, 1)
     return mx.sum(mx.square(g)).reshape(1, 1)
 
@@ -148,7 +150,7 @@ def sum_parts(parts: list[mx.array]) -> mx.array:
     many adds each held, compiled anew (g++) for each parameter count. On a GPU a tree of
     adds, which `mx.compile` fuses into kernels of up to 23 parts, where MLX's GPU
     concatenation launches a copy kernel for each part."""
-    if mx.default_device() == mx.cpu:
+    if not on_gpu():
         return mx.cumsum(mx.concatenate(parts), axis=0)[-1:]
     while len(parts) > 1:
         pairs = zip(parts[0::2], parts[1::2])
