@@ -16,7 +16,8 @@ Which library, the first found of:
    Rapids Xeon, docs/RESULTS.md#r-intel-gap). Its threads come from GNU OpenMP, the process's
    one OpenMP runtime (`mkl_threading`), soon asleep when idle (`load_libgomp`), and take the
    caller's floating-point mode at each call (so a flushing step's matmuls flush). Not on AMD
-   CPUs, where MKL does not choose its fastest kernels.
+   CPUs: on a Zen 3, MKL's AVX2 branch made ViT-Tiny's step 1.07x and a LoRA step ~1.14x
+   OpenBLAS's time (docs/RESULTS.md#r-mkl).
 3. OpenBLAS from pip, `scipy-openblas32` (toymlx[cpu] depends on it on Linux): current
    (0.3.34 when written), built for every x86-64 and arm64 core (DYNAMIC_ARCH), with LP64
    integers as MLX calls them and every symbol prefixed `scipy_`, so it clashes with no other
