@@ -297,6 +297,27 @@ def test_each_call_closes_the_pipe_it_read_the_child_from():
     assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
 
 
+def test_a_folder_named_toymlx_where_it_is_called_does_not_hide_the_package(tmp_path,
+                                                                            monkeypatch):
+    """Called from the folder that holds a clone (`toymlx/`, no `__init__.py` at that level),
+    the child imported that folder as a namespace package in place of an editable install's
+    toymlx (`python -m` puts the working folder first) and failed: "cannot import name
+    '__version__' from 'toymlx' (unknown location)". The child now runs without that entry
+    (`lifeline.module_command`), and a lock names it as `python -m` would."""
+    import toymlx
+    from toymlx.backend.lifeline import module_command, shown_command
+
+    (tmp_path / "toymlx" / "toymlx").mkdir(parents=True)
+    (tmp_path / "toymlx_cli").mkdir()
+    monkeypatch.chdir(tmp_path)
+    run = toymlx.train("from-scratch", **TINY, runs_root="runs", run_id="here", echo=False)
+    assert (run["status"], run["step"]) == ("completed", 2)
+    cmd = module_command("toymlx_cli.train", "--version")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert out.startswith(f"toymlx {toymlx.__version__} ")
+    assert shown_command(cmd) == [sys.executable, "-m", "toymlx_cli.train", "--version"]
+
+
 def test_numpy_scalars_are_numbers(tmp_path):
     """A hand sweep over `np.logspace`/`np.arange` values: numpy's int64 and float32 are numbers,
     spelled as numpy prints them (np.float32(1e-3) is --lr 0.001, not its float64 widening

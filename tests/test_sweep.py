@@ -317,6 +317,19 @@ def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
     assert "training split has" in log and log.count("start:") == 1
 
 
+def test_a_sweep_from_the_folder_holding_a_clone_runs(tmp_path, capsys, monkeypatch):
+    """A `toymlx/` folder where the sweep is started (the parent of a clone) shadowed an
+    editable install's package in every run's `python -m` child: each run FAILED with
+    "cannot import name '__version__' from 'toymlx'"."""
+    (tmp_path / "toymlx").mkdir()
+    monkeypatch.chdir(tmp_path)
+    argv = ["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root", "runs",
+            "--sweep-id", "here", "--no-progress", "--no-report", *TINY]
+    assert sweep_main(argv) == 0, capsys.readouterr().err
+    rows = _csv(tmp_path / "runs" / "here" / "summary.csv")
+    assert [r["status"] for r in rows] == ["completed"]
+
+
 def test_a_run_a_full_disk_failed_is_resumed_from_its_checkpoint(tmp_path, capsys,
                                                                    monkeypatch):
     """A run the disk filled under (ENOSPC at its 3rd checkpoint) is failed; the sweep says its

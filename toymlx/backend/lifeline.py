@@ -30,6 +30,27 @@ def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
 
 
+# `python -m` puts the working folder first on sys.path, where a folder named `toymlx` (the
+# parent of a clone, say) shadows an editable install's package: its finder comes after the path
+# entries. So the module runs from `-c`, without that entry (Python 3.10 has no `-P`).
+_RUN_MODULE = ("import runpy, sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
+               "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def module_command(module: str, *args: str, python: str | None = None) -> list[str]:
+    """The command line that runs `module` as `python -m module args` does (default: this
+    process's Python), importing toymlx from where this process does whatever folder the child
+    starts in (`_RUN_MODULE`)."""
+    return [python or sys.executable, "-c", _RUN_MODULE, module, *args]
+
+
+def shown_command(argv: list[str]) -> list[str]:
+    """`argv` as a person reads it: a `module_command` line as `python -m module args`."""
+    if argv[1:3] == ["-c", _RUN_MODULE]:
+        return [argv[0], "-m", *argv[3:]]
+    return argv
+
+
 def alive(pid: int) -> bool:
     """Whether process `pid` exists (a zombie counts; see `watch_parent`)."""
     try:

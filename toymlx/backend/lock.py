@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend.atomic import named
+from toymlx.backend.lifeline import shown_command
 
 LOCK_FILE = ".lock"
 """The lock file's name inside a run bundle."""
@@ -74,7 +75,8 @@ class Lock:
 
 def _me() -> dict[str, Any]:
     argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
-    return {"pid": os.getpid(), "host": socket.gethostname(), "command": shlex.join(argv),
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "command": shlex.join(shown_command(argv)),
             "since": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from toymlx.backend.lifeline import DEATH_SEEN_S, child_env, parent_lost
+from toymlx.backend.lifeline import DEATH_SEEN_S, child_env, module_command, parent_lost
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """The stop signals: Ctrl-C, `kill` (systemd, a job scheduler), a closed terminal or ssh session."""
@@ -170,7 +170,7 @@ def in_child(what: str, module: str, args: list[str], data: bytes | memoryview =
     progress bar), and then the child says why it failed on stdout. OSError naming `what` and
     the child's last line on that stream (else how it ended) if it fails."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
+        child = subprocess.Popen(module_command(module, *args), stdin=subprocess.PIPE,
                                  stdout=out, stderr=None if show_stderr else err,
                                  start_new_session=True, env=child_env())
         try:

@@ -41,6 +41,7 @@ from typing import Any
 import mlx.core as mx
 
 from toymlx.backend.device import blas_threads, on_gpu, use_blas_threads
+from toymlx.backend.lifeline import module_command
 from toymlx.bundle.checkpoint import checkpoint_file
 from toymlx.bundle.model_store import is_store_name, resolve, resolve_model
 from toymlx.data.tokenizer import Tokenizer
@@ -543,7 +544,7 @@ class LlamaCppDecoder:
         self.context = context
         self.decoded = False  # any token yet: a failure after one is not the engine's start
         self.child = subprocess.Popen(
-            [sys.executable, "-m", "toymlx.generation.llamacpp_decode"], stdin=subprocess.PIPE,
+            module_command("toymlx.generation.llamacpp_decode"), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         self._send({"model": str(gguf_path), "adapter": str(adapters[0]) if adapters else None,
                     "context": context, "seed": seed})

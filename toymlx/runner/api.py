@@ -40,7 +40,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-from toymlx.backend.lifeline import child_env
+from toymlx.backend.lifeline import child_env, module_command
 from toymlx.backend.stop import READER_GONE
 
 
@@ -110,8 +110,9 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
     # one its last line names
     run_dir = (Path(resume) if resume is not None else None if config is not None
                else Path(options.get("runs_root") or "runs") / options["run_id"])
-    cmd = [sys.executable, "-m", "toymlx_cli.train",
-           *(["--recipe", recipe] if recipe is not None else []), *option_flags(options)]
+    cmd = module_command("toymlx_cli.train",
+                         *(["--recipe", recipe] if recipe is not None else []),
+                         *option_flags(options))
     before = _stamp(run_dir / "events.jsonl") if run_dir is not None else None
     tail = _run_child(cmd, echo)
     if run_dir is None and (named := re.search(r"bundle: (.+)$", tail.last_line)):

@@ -50,7 +50,7 @@ from typing import TextIO
 
 from toymlx.backend import atomic
 from toymlx.backend.files import counted
-from toymlx.backend.lifeline import PARENT_ENV, alive, child_env, watch_parent
+from toymlx.backend.lifeline import PARENT_ENV, alive, child_env, module_command, watch_parent
 from toymlx.backend.stop import (
     CONSOLE_GONE,
     RANK_SIGNALS,
@@ -455,7 +455,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     if port is None and backend == "ring" and not hosts:
         port = _free_port_base(n)
     ranks = n * len(machines) if machines else n
-    cmd = [sys.executable, "-m", "toymlx.runner.launch", "--backend", backend, "-n", str(n),
+    cmd = [*module_command("toymlx.runner.launch"), "--backend", backend, "-n", str(n),
            *(["--hosts", hosts] if hosts else []), *(["-p", str(port)] if port else []),
            "--env", f"{STATUS_ENV}={folder}",
            *[a for e in env for a in ("--env", e)], "--", *command]

@@ -34,7 +34,7 @@ from typing import Any, TextIO
 
 from toymlx.backend import atomic
 from toymlx.backend.files import counted
-from toymlx.backend.lifeline import child_env
+from toymlx.backend.lifeline import child_env, module_command
 from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
 from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals
 from toymlx.bundle.checkpoint import resolve_latest
@@ -258,8 +258,8 @@ class _Runner:
         if r.action == "resume":
             r.absorb(read_events(r.dir))
         r.reason, r.message = None, None
-        r.proc = subprocess.Popen([self.python, "-m", "toymlx_cli.train", *cmd], stdout=r.log,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        r.proc = subprocess.Popen(module_command("toymlx_cli.train", *cmd, python=self.python),
+                                  stdout=r.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                   env=self.env, start_new_session=True)
         r.state, r.started = "running", time.time()
 
