@@ -452,7 +452,7 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
                        run.get("val_fraction", 0.1), val_path=val_path,
                        image_size=clf.image_size, channels=clf.channels, classes=clf.names)
     data.mean, data.std = clf.mean, clf.std  # the checkpoint's normalisation, not this data's
-    if not data.scale_fixed:  # arrays in the training set's own units (the digits: 0..16)
+    if not data.scale_fixed:  # a float set: in the units of the set the run trained on
         data.scale = clf.scale
     if not every and len(data.val_y) == 0:  # numpy's "need at least one array to concatenate"
         raise ValueError(f"{data.source}: --split val: expected validation images to score, "

@@ -199,6 +199,20 @@ def test_idx_missing_labels(tmp_path):
 
 # --- npz -----------------------------------------------------------------------------------
 
+def test_npz_of_8_bit_pixels_is_scaled_by_255_whatever_its_brightest_pixel(tmp_path):
+    """A dark uint8 set (nothing above 100) was divided by its own maximum, so its units were
+    not those of the same images as files (toymlx-classify and an ImageFolder divide by 255):
+    a model that scored 100% on the set called every bright-class PNG of it the dark class."""
+    rng = np.random.default_rng(0)
+    p = tmp_path / "dark.npz"
+    np.savez(p, x=rng.integers(0, 101, (20, 4, 4, 1)).astype(np.uint8), y=np.arange(20) % 2)
+    d = load_images(str(p), val_fraction=0.25)
+    assert (d.scale, d.scale_fixed) == (255.0, True)
+    x = np.asarray(d.train_x, np.float64) / 255.0
+    assert np.allclose(d.mean, x.mean(axis=(0, 1, 2)), atol=1e-6)
+    assert load_images(None).scale == 16.0  # the UCI digits: counts of 0..16
+
+
 def test_npz_adds_channel_axis_and_scales_by_max(tmp_path):
     rng = np.random.default_rng(0)
     p = tmp_path / "set.npz"
@@ -220,6 +234,29 @@ def test_npz_errors(tmp_path):
     with pytest.raises(ImageDataError, match="expected a folder of images or a data set file, "
                        "found nothing at that path"):
         load_images(str(tmp_path / "missing.npz"))
+
+
+CHANNELS = "x: expected 1 (grey) or 3 (RGB) channels last, found"
+
+
+@pytest.mark.parametrize("x, want", [
+    # a model of 4 channels trained, then no tool could feed it an image
+    (np.zeros((4, 8, 8, 4), np.uint8), f"{CHANNELS} 4: drop alpha with x[..., :3]"),
+    (np.zeros((4, 8, 8, 2), np.uint8), f"{CHANNELS} 2"),
+    # PyTorch's layout was told "expected square images, found 3x8"
+    (np.zeros((4, 3, 8, 8), np.uint8), ("x: expected (N,H,W,C) with channels last, found "
+                                        "(4, 3, 8, 8): channels first, as PyTorch stores them; "
+                                        "save x.transpose(0, 2, 3, 1)")),
+    # NaN pixels trained until the loss became nan at step 0
+    (np.where(np.arange(4 * 9).reshape(4, 3, 3) == 30, np.nan, 0.5),
+     "x: expected finite pixel values, found NaN or infinity in 1 image (the first: x[3])"),
+])
+def test_npz_pixels_no_tool_could_feed_are_one_line(tmp_path, x, want):
+    p = tmp_path / "set.npz"
+    np.savez(p, x=x, y=np.arange(4) % 2)
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(p))
+    assert str(e.value) == f"{p}: {want}"
 
 
 @pytest.mark.parametrize("content, why", [

@@ -218,6 +218,30 @@ def test_stochastic_depth_rates_scaling_and_eval_mode():
     assert mx.array_equal(model(x), plain(x)).item()  # no dropping outside training
 
 
+def test_a_dark_8_bit_set_is_classified_as_trained_from_its_images_as_files(tmp_path):
+    """A uint8 .npz whose brightest pixel is 100 was trained in units of x / 100, and
+    toymlx-classify, toymlx-eval on a folder and the timm export read the same images as
+    x / 255: a run at accuracy 1.0 called every image of its bright class the dark class."""
+    from PIL import Image
+
+    from toymlx.data.images import load_images
+
+    rng = np.random.default_rng(0)
+    x = np.where(np.arange(40)[:, None, None, None] % 2, rng.integers(60, 101, (40, 8, 8, 1)),
+                 rng.integers(0, 40, (40, 8, 8, 1))).astype(np.uint8)
+    np.savez(tmp_path / "dark.npz", x=x, y=np.arange(40) % 2)
+    run = _train(tmp_path, "dark", tmp_path / "dark.npz", "--steps", "2")
+    clf = Classifier.load(run)
+    assert clf.scale == 255.0
+    files = []
+    for i in range(4):
+        files.append(tmp_path / f"{i}.png")
+        Image.fromarray(x[i, :, :, 0], mode="L").save(files[-1])
+    data = load_images(str(tmp_path / "dark.npz"), val_fraction=0.0)
+    as_trained = ((x[:4].astype(np.float32) / data.scale - clf.mean) / clf.std)
+    assert np.allclose(clf.read(files), as_trained, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, folder):
     """A 2-step vit-tiny run on `folder` (what eval and classify read)."""

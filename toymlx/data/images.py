@@ -6,9 +6,11 @@ Design choices:
   memory, or for an ImageFolder too large for memory (`stream`) an `ImageFiles` list that
   decodes the images a batch asks for. The split and the batches are numpy, and the trainer
   turns them into `mx.array`s.
-- Pixels are scaled to [0, 1] by the set's maximum value (16 for the UCI digits, 255 for
-  MNIST and decoded image files), then standardised per channel with the mean/std of the
-  training split only.
+- Pixels are scaled to [0, 1] by their format's range: 255 for 8-bit pixels (image files,
+  CIFAR, MNIST's IDX, a uint8 .npz), 16 for the UCI digits (counts of 0..16); a float .npz by
+  its largest value. Then they are standardised per channel with the mean/std of the training
+  split only. (An 8-bit set scaled by its own maximum gave a dark set other units than the same
+  images as files, which toymlx-classify divides by 255.)
 - The train/validation split uses a fixed permutation (`SPLIT_SEED`), never the run's seed,
   so validation is identical across seeds. A directory holding both `train-*` and `t10k-*`
   IDX pairs, or CIFAR's batches, uses the official split instead (t10k / test_batch is
@@ -53,6 +55,8 @@ SPLIT_SEED = 20240601
 """Seed of the fixed train/validation permutation (independent of the run's seed)."""
 
 DIGITS_NPZ = fixture_path("digits", "digits.npz")
+DIGITS_SCALE = 16.0
+"""The UCI digits' pixels are counts of 0..16 (each of a 4x4 block of a 32x32 bitmap)."""
 
 _IDX_IMAGES, _IDX_LABELS = 0x00000803, 0x00000801  # ubyte data, 3 dims / 1 dim
 
@@ -112,6 +116,12 @@ def load_idx(images: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return x[..., None], y.astype(np.int64)  # (N, H, W, 1)
 
 
+def _pixel_scale(x: np.ndarray) -> float | None:
+    """What divides an array's pixels into [0, 1]: 255 for 8-bit ones (as image files), None
+    (the set's maximum) for floats."""
+    return 255.0 if x.dtype == np.uint8 else None
+
+
 def _idx_in_dir(folder: Path, prefix: str) -> Path | None:
     for suffix in ("", ".gz"):
         p = folder / f"{prefix}-images-idx3-ubyte{suffix}"
@@ -144,11 +154,24 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         x = x[..., None]  # (N, H, W, 1)
     if x.ndim != 4:
         raise ImageDataError(f"{path}: x: expected shape (N,H,W[,C]), found {x.shape}")
+    _, h, w, c = x.shape
+    if c not in (1, 3) and h in (1, 3, 4) and w == c:
+        raise ImageDataError(f"{path}: x: expected (N,H,W,C) with channels last, found "
+                             f"{x.shape}: channels first, as PyTorch stores them; save "
+                             "x.transpose(0, 2, 3, 1)")
+    if c not in (1, 3):
+        raise ImageDataError(f"{path}: x: expected 1 (grey) or 3 (RGB) channels last, found {c}"
+                             + (": drop alpha with x[..., :3]" if c == 4 else ""))
     if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
         raise ImageDataError(f"{path}: y: expected ({len(x)},) integer labels, found "
                              f"{y.shape} {y.dtype}")
     if x.dtype != np.uint8:
         x = x.astype(np.float32)
+        bad = np.flatnonzero(~np.isfinite(x).reshape(len(x), -1).all(axis=1))
+        if len(bad):
+            raise ImageDataError(f"{path}: x: expected finite pixel values, found NaN or "
+                                 f"infinity in {counted(len(bad), 'image')} (the first: "
+                                 f"x[{bad[0]}])")
     return x, y.astype(np.int64)
 
 
@@ -164,7 +187,8 @@ class Raw:
     class_names: list[str] = field(default_factory=list)
     """Names of the classes by index, where the source has them (folders, CIFAR meta)."""
     scale: float | None = None
-    """What divides the pixels into [0, 1] (None: the set's maximum)."""
+    """What divides the pixels into [0, 1]: the format's range (`_pixel_scale`,
+    `DIGITS_SCALE`); None for a float array: the set's maximum."""
     label_key: str = "labels"
     """What holds the labels, for messages (a .npz's array `y`)."""
 
@@ -180,19 +204,20 @@ def _load_arrays(p: Path) -> Raw:
             if xa.shape[1:] != xb.shape[1:]:
                 raise ImageDataError(f"{test}: image size mismatch: expected {xa.shape[1:3]} "
                                      f"as in {train.name}, found {xb.shape[1:3]}")
-            return Raw(np.concatenate([xa, xb]), np.concatenate([ya, yb]), str(p), len(xa))
+            x = np.concatenate([xa, xb])
+            return Raw(x, np.concatenate([ya, yb]), str(p), len(xa), scale=_pixel_scale(x))
         if train or test:
             x, y = load_idx(train or test)
-            return Raw(x, y, str(train or test))
+            return Raw(x, y, str(train or test), scale=_pixel_scale(x))
         raise ImageDataError(f"{p}: no images found: expected class subfolders of image files "
                              "(ImageFolder), CIFAR python batches, or IDX files "
                              "(train-/t10k-images-idx3-ubyte[.gz] with their labels)")
     if p.suffix == ".npz":
         x, y = load_npz(p)
-        return Raw(x, y, str(p), label_key="y")
+        return Raw(x, y, str(p), scale=_pixel_scale(x), label_key="y")
     if "idx3" in p.name:
         x, y = load_idx(p)
-        return Raw(x, y, str(p))
+        return Raw(x, y, str(p), scale=_pixel_scale(x))
     if p.suffix.lower() in IMAGE_EXTENSIONS:
         raise ImageDataError(f"{p}: a single image: expected a data set (a folder of class "
                              "subfolders, CIFAR batches, IDX or .npz); toymlx-classify "
@@ -225,7 +250,7 @@ def _load_raw(path: str | None, size: int | None, channels: int | None,
             raise ImageDataError(f"{DIGITS_NPZ}: the default digits data is missing from this "
                                  "toymlx installation; reinstall toymlx or pass --data.path")
         x, y = load_npz(DIGITS_NPZ)
-        return Raw(x, y, "uci-digits")
+        return Raw(x, y, "uci-digits", scale=DIGITS_SCALE)
     p = Path(path)
     if not p.exists():
         raise ImageDataError(f"{p}: expected a folder of images or a data set file, found "
@@ -321,7 +346,8 @@ class ImageSet:
     val_x: np.ndarray | ImageFiles
     val_y: np.ndarray
     scale: float
-    """Pixels are divided by this (the set's maximum) to land in [0, 1]"""
+    """Pixels are divided by this (the format's range, or a float set's maximum) to land in
+    [0, 1]"""
     mean: np.ndarray
     """Per-channel mean of the scaled training pixels, (C,)"""
     std: np.ndarray
@@ -333,8 +359,8 @@ class ImageSet:
     augment: Augment = field(default_factory=lambda: Augment())
     """Training-time augmentation (never on validation)"""
     scale_fixed: bool = False
-    """Whether `scale` is the format's (255 for decoded image files and CIFAR) rather than the
-    largest value found in the data"""
+    """Whether `scale` is the format's (255 for 8-bit pixels, 16 for the UCI digits) rather
+    than the largest value found in a float set"""
     test_x: np.ndarray | ImageFiles | None = None
     """Held-out test images (`test_path`), None without a test set"""
     test_y: np.ndarray | None = None
