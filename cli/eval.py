@@ -238,43 +238,55 @@ def _run_bundle(model: str):
     return Bundle.of(model)
 
 
-def check_run_test_data(bundle) -> None:
-    """`--split test` on a run's own test set: a ValueError naming the test file and both
-    digests unless it (a data folder's test.jsonl, a ViT's --data.test-path) still has the
-    fingerprint config.json recorded when the run started (a folder recorded without its
-    files' own: the whole folder's, named as the folder); the data given with --data.path
-    instead is scored as it is."""
+def check_run_data(bundle, split: str) -> None:
+    """The run's own `split` scored (no --data.path): a ValueError naming the file and both
+    digests unless what that split is read from still has the fingerprint config.json
+    recorded when the run started, as a resume checks its data (a held-out split of changed
+    data may hold rows the run trained on). Read from: for `test`, the run's test file (a
+    data folder's test.jsonl, a ViT's --data.test-path); for `val`, its validation file (a
+    data folder's valid.jsonl, --data.val-path), else the data whose seeded share it is; for
+    `all`, every data path. A folder recorded without its files' own is checked whole, and
+    the data given with --data.path instead is scored as it is."""
     from toymlx.bundle.inputs import DATA_FILES_KEY, same_data
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files
 
     data = getattr(bundle.config, "data", None)
-    key = "data.test_path" if getattr(data, "test_path", None) is not None else "data.path"
-    rec = bundle.saved.get(DATA_FILES_KEY, {}).get(key)
-    path = option(bundle.config, key)  # the file the bundle found for it (`resolve_inputs`)
-    if not isinstance(rec, dict) or not isinstance(path, str) or not Path(path).exists():
-        return  # not recorded (the default data), or gone: the reader names what it lacks
-    path = Path(path)
-    test = (data_files(path).test or path) if key == "data.path" and path.is_dir() else path
-    parts = rec.get("files")
-    # only the test file is scored: a folder's other files (train.jsonl) may change freely
-    if test != path and isinstance(parts, dict) and isinstance(parts.get(test.name), dict):
-        checked, rec = test, parts[test.name]
-        within = f" (in {path}, recorded as {key})"
-    else:
-        checked, within = path, f" ({key})"
-    same, now = same_data(checked, rec)
-    if same:
-        return
+    has = {k: getattr(data, k, None) is not None for k in ("test_path", "val_path")}
+    keys = {"test": ["data.test_path" if has["test_path"] else "data.path"],
+            "val": ["data.val_path" if has["val_path"] else "data.path"],
+            "all": ["data.path", *(["data.val_path"] if has["val_path"] else [])]}[split]
+    what = {"test": "test ", "val": "validation ", "all": ""}[split]
+    for key in keys:
+        rec = bundle.saved.get(DATA_FILES_KEY, {}).get(key)
+        path = option(bundle.config, key)  # the file the bundle found for it (`resolve_inputs`)
+        if not isinstance(rec, dict) or not isinstance(path, str) or not Path(path).exists():
+            continue  # not recorded (the default data), or gone: the reader names what it lacks
+        path = Path(path)
+        part = None  # only the split's own file of a text or chat folder is read
+        if key == "data.path" and path.is_dir() and bundle.recipe != "vit-tiny":
+            part = {"test": data_files(path).test, "val": data_files(path).valid}.get(split)
+        parts = rec.get("files")
+        # a folder's other files (train.jsonl) may change freely
+        if part is not None and isinstance(parts, dict) and isinstance(parts.get(part.name),
+                                                                        dict):
+            checked, rec = part, parts[part.name]
+            within = f" (in {path}, recorded as {key})"
+        else:
+            checked, within = path, f" ({key})"
+        same, now = same_data(checked, rec)
+        if not same:
+            raise ValueError(f"{checked}: --split {split}: expected the {what}data the run "
+                             f"recorded at its start{within}: {_digest(rec)}; found it "
+                             f"changed: {_digest(now)}; restore it, or score the data as it is "
+                             f"now with --data.path {path}")
 
-    def digest(fp: dict) -> str:
-        whole = fp.get("sha256")  # large data read by its samples alone: named so
-        return (f"{fp.get('bytes')} bytes, sha256 {whole}" if whole else
-                f"{fp.get('bytes')} bytes, samples' sha256 {fp.get('sample_sha256')}")
 
-    raise ValueError(f"{checked}: --split test: expected the test data the run recorded "
-                     f"at its start{within}: {digest(rec)}; found it changed: {digest(now)}; "
-                     f"restore it, or score the data as it is now with --data.path {path}")
+def _digest(fp: dict) -> str:
+    """A data `fingerprint` as a message names it."""
+    whole = fp.get("sha256")  # large data read by its samples alone: named so
+    return (f"{fp.get('bytes')} bytes, sha256 {whole}" if whole else
+            f"{fp.get('bytes')} bytes, samples' sha256 {fp.get('sample_sha256')}")
 
 
 def reads_run_data(args: Args, bundle) -> bool:
@@ -720,8 +732,8 @@ def evaluate(args: Args) -> dict:
     fused = file_run(args.model) if bundle is None else None
     own = reads_run_data(args, bundle) if fused is None else fused.reads(args.data_path)
     args = dataclasses.replace(args, split=default_split(args, own))
-    if bundle is not None and args.split == "test" and args.data_path is None:
-        check_run_test_data(bundle)
+    if bundle is not None and args.data_path is None:
+        check_run_data(bundle, args.split)
     # a run's own validation split: the rows its eval events score (`run_rows`), unless
     # --max-examples asks for the first N of the whole split
     rows = None

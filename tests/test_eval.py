@@ -407,6 +407,38 @@ def test_a_text_run_is_scored_on_its_own_eval_windows_by_default(tmp_path, capsy
     assert every["val_loss"] == pytest.approx(by_numpy(n, 1), abs=1e-5)
 
 
+def test_a_run_s_held_out_split_of_data_changed_since_is_refused(tmp_path, capsys):
+    """toymlx-eval RUN scored its text file as it was now: after a line was appended, the
+    seeded split held other windows (some the run trained on) and the figure moved (5.5018 to
+    5.5073) without a word, where a resume refuses the same file. Now the run's own split is
+    scored only from the data config.json recorded (exit 2, both digests named), --data.path
+    scores the file as it is, and a restored file is scored again."""
+    from toymlx.bundle.inputs import fingerprint
+
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 80)
+    assert train_main(["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers",
+                       "1", "--seq-len", "16", "--steps", "1", "--batch-size", "2",
+                       "--eval-batches", "1", "--data.path", str(text), "--runs-root",
+                       str(tmp_path), "--run-id", "t", "--no-progress", "--no-compile"]) == 0
+    run, was, kept = tmp_path / "t", fingerprint(text), text.read_text()
+    before = _json(capsys, run)["val_loss"]
+    text.write_text(kept + "and one line more.\n")
+    now = fingerprint(text)
+    for split in ("val", "all"):
+        assert eval_main(["--model", str(run), "--split", split]) == 2
+        out = capsys.readouterr()
+        assert (out.out, out.err) == ("", (
+            f"toymlx-eval: error: {text}: --split {split}: expected the "
+            f"{'validation ' if split == 'val' else ''}data the run recorded at its start "
+            f"(data.path): {was['bytes']} bytes, sha256 {was['sha256']}; found it changed: "
+            f"{now['bytes']} bytes, sha256 {now['sha256']}; restore it, or score the data as it "
+            f"is now with --data.path {text}\n"))
+    assert _json(capsys, run, "--data.path", text)["val_loss"] != before
+    text.write_text(kept)
+    assert _json(capsys, run)["val_loss"] == before
+
+
 def test_a_lora_run_is_scored_on_its_own_eval_rows_by_default(tmp_path, capsys, stories_path):
     """A LoRA run on ../shared's stories260K, 7 validation rows of which its eval events score
     the first --eval-batches 2 x --batch-size 2: toymlx-eval RUN scores those 4 in the run's

@@ -581,6 +581,16 @@ def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_
     assert eval_main(["--model", str(tmp_path / "r"), "--split", "test",
                       "--data.path", str(data)]) == 0
     assert json.loads(capsys.readouterr().out)["data"] == str(test)
+    # the validation split is read from valid.jsonl alone: scored after train.jsonl's edit,
+    # refused after its own
+    assert eval_main(["--model", str(tmp_path / "r")]) == 0
+    capsys.readouterr()
+    valid = data / "valid.jsonl"
+    valid.write_text(valid.read_text() + valid.read_text().splitlines()[0] + "\n")
+    assert eval_main(["--model", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"toymlx-eval: error: {valid}: --split val: expected the validation data the run "
+        f"recorded at its start (in {data}, recorded as data.path): ")
 
 
 def test_eval_split_val_tokenizes_the_validation_examples_alone(tiny_gguf, tmp_path, capsys,
