@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,6 +53,14 @@ SOLO_SIGNALS = (*SIGNALS, READER_GONE)
 
 STOP_CODES = frozenset(128 + s for s in SIGNALS)
 """The exit codes of a run stopped by a signal (`StopSignals.exit_code`)."""
+
+REPEAT_S = 0.2
+"""A stop signal of the kind this process counted last that comes within this many seconds of
+it is that request again, not a second one: `timeout` sends its signal to the command and then
+to the command's process group, which holds the command (microseconds apart), and a script's
+`kill PID; kill -- -PGID` does the same. Counted as two, they left half of `timeout 600
+toymlx-train ...` runs at once, without their final checkpoint. A person's second Ctrl-C comes
+later (or a third does: hammered every 0.15 s, the third counts)."""
 
 WAIT_SLICE = 0.05
 """Seconds `in_child` waits at a time: about how late a stop signal's handler runs at most."""
@@ -226,7 +235,9 @@ class StopSignals:
 
     The death of the parent that started this process (`toymlx.backend.lifeline`) is one request,
     however many SIGTERMs it brings: Linux sends the parent-death signal again as each thread of
-    a multi-threaded parent exits, and those repeats must not skip the final checkpoint.
+    a multi-threaded parent exits, and those repeats must not skip the final checkpoint. So is
+    one signal sent twice at once (`REPEAT_S`: `timeout` signals the command and its group):
+    a thread reads each number as it comes, from the start, so that when is known.
 
     The first signal names how the run ended: its exit code is 128 + its number, the shell's
     convention (`exit_code`: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
@@ -251,6 +262,9 @@ class StopSignals:
         self._console = 0
         self._first: int | None = None
         self._last: int | None = None
+        self._own_last: tuple[int, float] | None = None
+        """The own signal counted last and when (`time.monotonic`): a repeat within
+        `REPEAT_S` is the same request."""
         self._old: dict[int, Any] = {}
         self._raise = False
         """Inside `raising`: the next request raises `Stopped` as well as being counted."""
@@ -275,7 +289,12 @@ class StopSignals:
         elif signum in _SENT:
             self._relayed[_SENT[signum]] += 1
         else:
+            now = time.monotonic()
+            if self._own_last is not None and self._own_last[0] == signum \
+                    and now - self._own_last[1] < REPEAT_S:
+                return  # the same request sent twice at once
             self._own[signum] += 1
+            self._own_last = (signum, now)
         self._last = _named(signum)
         if self._first is None:
             self._first = self._last
@@ -344,10 +363,6 @@ class StopSignals:
         if self._wake is None:
             yield
             return
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name="toymlx-stop-watch",
-                                             daemon=True)
-            self._watcher.start()
         before = self.count
         with self._lock:
             self._on = (on_first, on_second)
@@ -362,8 +377,8 @@ class StopSignals:
                 self._on = None
 
     def _watch(self) -> None:
-        """`waiting`'s thread: counts each signal as its number arrives, and acts on it while
-        a `waiting` block runs."""
+        """The thread from `__enter__` on: counts each signal as its number arrives (so a
+        repeat's time is known: `REPEAT_S`), and acts on it while a `waiting` block runs."""
         wake = self._wake
         while wake is not None and wake.fileno() >= 0:
             try:
@@ -463,6 +478,9 @@ class StopSignals:
             wake_in.close()
         else:
             self._wake, self._wake_in = wake, wake_in
+            self._watcher = threading.Thread(target=self._watch, name="toymlx-stop-watch",
+                                             daemon=True)
+            self._watcher.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
