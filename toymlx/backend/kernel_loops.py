@@ -183,7 +183,11 @@ def install(cache: str | os.PathLike, compiler: str) -> str:
     folder of `cache` named after them: installs sharing a kernel cache each keep their own."""
     if os.environ.get("TOYMLX_KERNEL_LOOPS") == "off":
         return "off (TOYMLX_KERNEL_LOOPS=off)"
+    # MLX asks `g++ --version` once a process through system(), which ignores SIGINT in the
+    # caller while it runs: through Python that took ~80 ms, and a Ctrl-C then was lost (the
+    # run trained on to its end); the compiler itself answers in a few ms
     text = (f"#!/bin/sh\n{_MARK}\ntrap '' HUP INT PIPE TERM\n"
+            f"[ \"$*\" = --version ] && exec {shlex.quote(compiler)} --version\n"
             f"exec {shlex.quote(sys.executable)} -S -E {shlex.quote(str(Path(__file__)))} "
             f"{shlex.quote(compiler)} \"$@\"\n")
     shim = Path(cache) / f"bin-{hashlib.sha256(text.encode()).hexdigest()[:10]}" / "g++"
