@@ -1209,13 +1209,18 @@ def test_run_starts_from_an_adapter(tiny_gguf, tmp_path, capsys):
                    str(first)]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {first}: tensor 'blk.0.attn_q.weight.lora_a': expected rank 8 and "
-        "alpha 16.0 (this run's), found rank 4 and alpha 16.0; pass --lora.rank 4 --lora.alpha "
-        "16 to start from it")
+        "alpha 16.0 (this run's), found rank 4 and alpha 16.0; pass --lora.rank 4 to start from "
+        "it")
     assert _train([*args, "--run-id", "kq", "--lora.targets", "k,q", "--lora.init-adapter",
                    str(first)]) == 2
     line = error_line(capsys)  # the options that match the adapter, as for mlx-lm's adapters
     assert "tensors: expected LoRA pairs for exactly the model's 6 adapted weights" in line
     assert line.endswith("; the adapter is this run's with --lora.targets q,v --lora.layers 3")
+    assert _train([*args, "--run-id", "kq", "--lora.targets", "k,q", "--lora.rank", "2",
+                   "--lora.alpha", "3", "--lora.init-adapter", str(first)]) == 2
+    assert error_line(capsys).endswith(  # every option that differs, in one line
+        "; the adapter is this run's with --lora.targets q,v --lora.layers 3 --lora.rank 4 "
+        "--lora.alpha 16")
     assert _train([*args, "--run-id", "model", "--lora.init-adapter", str(tiny_gguf)]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {tiny_gguf}: --lora.init-adapter: expected {_ADAPTER_TAKES}, "
