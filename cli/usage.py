@@ -200,13 +200,16 @@ of the closest option by spelling, which misleads for these (block_size: --batch
 option of the commands it concerns is (`steps`: every toymlx-train recipe)."""
 
 LLAMA_CPP_FLAGS: PeerFlags = {
-    "-m": (("model", "did you mean --model?"),),
+    "-m": (("max_tokens", ("llama.cpp's -m is --model here, mlx_lm.generate's -m is "
+                           "--max-tokens")),
+           ("model", "did you mean --model?")),
     "-p": (("prompt", "did you mean --prompt?"),),
     "-n": (("max_tokens", "did you mean --max-tokens?"),),
     "--n-predict": (("max_tokens", "did you mean --max-tokens?"),),
     "-s": (("seed", "did you mean --seed?"),),
 }
-"""llama.cpp's short flags (llama-cli, llama-completion)."""
+"""llama.cpp's short flags (llama-cli, llama-completion); -m, which mlx_lm.generate spells for
+--max-tokens, is both where the command has both."""
 
 NANOGPT_FLAGS: PeerFlags = {
     "max_iters": (("steps", "nanoGPT's max_iters is toymlx's --steps"),),

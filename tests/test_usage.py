@@ -329,15 +329,25 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
      "toymlx-eval: error: --batch-size: expected an integer or None, got 'x'"),
     ("eval", ["--data-path"],
      "toymlx-eval: error: --data-path: expected a value or None after it, got nothing"),
-    ("generate", ["--model", "m", "--temp", "0.5"],
-     ("toymlx-generate: error: --temp: expected an option of toymlx-generate, got an unknown "
-     "one; did you mean --temperature?")),
+    ("generate", ["--model", "m", "--temperatur", "0.5"],
+     ("toymlx-generate: error: --temperatur: expected an option of toymlx-generate, got an "
+      "unknown one; did you mean --temperature?")),
+    ("generate", ["--model", "m", "--temp", "x"],  # mlx-lm's spelling, an alias: named as typed
+     "toymlx-generate: error: --temp: expected a number, got 'x'"),
     # llama.cpp's short flags: named with toymlx's, not "--model ... is required"
+    # (-m is mlx_lm.generate's --max-tokens: both named, neither taken)
     ("generate", ["-m", "m.gguf", "-p", "hi", "-n", "3"],
      ("toymlx-generate: error: -m: expected an option of toymlx-generate, got an unknown one; "
-      "did you mean --model?; -p: expected an option of toymlx-generate, got an unknown one; "
+      "llama.cpp's -m is --model here, mlx_lm.generate's -m is --max-tokens; -p: expected an "
+      "option of toymlx-generate, got an unknown one; "
       "did you mean --prompt?; -n: expected an option of toymlx-generate, got an unknown one; "
       "did you mean --max-tokens?")),
+    ("generate", ["--model", "m.gguf", "-m", "100"],
+     ("toymlx-generate: error: -m: expected an option of toymlx-generate, got an unknown one; "
+      "llama.cpp's -m is --model here, mlx_lm.generate's -m is --max-tokens")),
+    ("eval", ["-m", "m.gguf"],  # no --max-tokens: llama.cpp's meaning alone
+     ("toymlx-eval: error: -m: expected an option of toymlx-eval, got an unknown one; did you "
+      "mean --model?")),
     ("generate", ["--model", "m", "--n-predict", "3"],
      ("toymlx-generate: error: --n-predict: expected an option of toymlx-generate, got an "
       "unknown one; did you mean --max-tokens?")),
