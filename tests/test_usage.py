@@ -103,11 +103,12 @@ def test_a_file_named_like_an_option_after_a_flag_is_told_how_to_pass(capsys, tm
 
 
 def test_a_bad_bool_value_names_its_choices(capsys, tmp_path):
-    """A `bool | None` option takes True, False or None as a value."""
+    """A `bool | None` option takes True or False; its None, the default left unset, is not
+    listed as a value to type (toymlx-eval --split listed "val, all, test, None")."""
     assert main(["--recipe", "vit-tiny", "--runs-root", str(tmp_path),
                  "--data.augment", "maybe"]) == 2
     assert only_line(capsys) == ("toymlx-train: error: --data.augment: expected one of True, "
-                                 "False, None, got 'maybe'")
+                                 "False, got 'maybe'")
 
 
 def test_help_is_still_tyros_full_help(capsys):
@@ -327,6 +328,12 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
                       "--help lists every option)")),
     ("eval", ["--model", "m", "--batch-size", "x"],
      "toymlx-eval: error: --batch-size: expected an integer or None, got 'x'"),
+    # mlx-lm's words: --split valid is taken (val), --test named as --split test
+    ("eval", ["--model", "m", "--split", "validation"],
+     "toymlx-eval: error: --split: expected one of val, all, test, valid, got 'validation'"),
+    ("eval", ["--model", "m", "--test"],
+     ("toymlx-eval: error: --test: expected an option of toymlx-eval, got an unknown one; "
+      "mlx_lm.lora's --test is --split test here")),
     ("eval", ["--data-path"],
      "toymlx-eval: error: --data-path: expected a value or None after it, got nothing"),
     ("generate", ["--model", "m", "--temperatur", "0.5"],
