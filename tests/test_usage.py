@@ -102,6 +102,20 @@ def test_a_file_named_like_an_option_after_a_flag_is_told_how_to_pass(capsys, tm
     assert [p.name for p in tmp_path.iterdir()] == ["-m.gguf"]
 
 
+
+@pytest.mark.parametrize("recipe,hint", [
+    ("loraa", "; did you mean lora?"), ("LoRA", "; did you mean lora?"),
+    ("vit", "; did you mean vit-tiny?"), ("from_scratch", "; did you mean from-scratch?"),
+    ("zzz", ""),
+])
+def test_a_misspelt_recipe_names_the_closest(capsys, tmp_path, monkeypatch, recipe, hint):
+    """--recipe loraa listed the recipes without the one meant."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", recipe, "--steps", "1"]) == 2
+    assert only_line(capsys) == ("toymlx-train: error: --recipe: expected one of from-scratch, "
+                                 f"warm-start, lora, vit-tiny; found {recipe!r}{hint}")
+    assert list(tmp_path.iterdir()) == []
+
 def test_a_bad_bool_value_names_its_choices(capsys, tmp_path):
     """A `bool | None` option takes True or False; its None, the default left unset, is not
     listed as a value to type (toymlx-eval --split listed "val, all, test, None")."""
