@@ -38,12 +38,13 @@ class Args:
     default: the data of the run --model belongs to (the same held-out split its training
     evaluated), else the digits fixture or the Python docs. Data the run did not train on is
     scored whole (--split all) unless --split says otherwise."""
-    split: Literal["val", "all", "test"] | None = None
-    """Evaluate the validation split (the same fixed split training used), every example, or
-    the test set `toymlx-train --test` scores: a ViT run's --data.test-path, a text or LoRA
-    run's data folder's test.jsonl (--data.path here: every image of it, a data folder's
-    test.jsonl, or a JSONL file of chat examples). Default: val on the run's own data, all on
-    --data.path data the run did not train on."""
+    split: Literal["val", "all", "test", "valid"] | None = None
+    """Evaluate the validation split (the same fixed split training used; valid, mlx-lm's name
+    for it, is val), every example, or the test set `toymlx-train --test` scores (mlx_lm.lora's
+    --test): a ViT run's --data.test-path, a text or LoRA run's data folder's test.jsonl
+    (--data.path here: every image of it, a data folder's test.jsonl, or a JSONL file of chat
+    examples). Default: val on the run's own data, all on --data.path data the run did not
+    train on."""
     batch_size: int | None = None
     """Examples per forward pass (a text model's windows: this over 16). Default: on a run's
     own validation split, the run's --batch-size (config.json), so that the batches are those
@@ -418,11 +419,11 @@ def file_run(model: str) -> FileRun | None:
 
 
 def default_split(args: Args, own: bool) -> str:
-    """--split as given; else val on the run's own data (`own`: the held-out split its training
+    """--split as given (valid as val); else val on the run's own data (`own`: the held-out split its training
     evaluated), and all on --data.path data the run did not train on: no part of it was held
     out from training, so a 10% split of it would only score fewer examples."""
     if args.split is not None:
-        return args.split
+        return "val" if args.split == "valid" else args.split  # mlx-lm's valid.jsonl
     return "val" if args.data_path is None or own else "all"
 
 

@@ -10,8 +10,9 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
+import tyro
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
@@ -45,8 +46,9 @@ class Args:
     (--max-tokens, at most half the context), as Ollama and LM Studio do, and says so; a reply
     itself stops at the context. --no-context-shift: a conversation that fills the context stops
     (/reset)."""
-    temperature: float = 0.7
-    """Sampling temperature; 0 is greedy (always the most likely token)."""
+    temperature: Annotated[float, tyro.conf.arg(aliases=("--temp",))] = 0.7
+    """Sampling temperature (--temp: mlx_lm.generate's and llama.cpp's spelling); 0 is greedy
+    (always the most likely token), mlx_lm.generate's default."""
     top_p: float = 0.9
     """Nucleus sampling: draw only from the most likely tokens holding this much probability."""
     top_k: int = 0

@@ -101,6 +101,8 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
     flag = argv[at].partition("=")[0] if at is not None else arg.display_name()
     if kind == "InvalidChoice":  # in the type's order (tyro's order of a bool's may vary)
         choices = _choices(arg.field.type) or list(event.choices)
+        # an optional choice's None is "unset", its default, not a value anyone types
+        choices = [c for c in choices if c != "None"] or choices
         return f"{flag}: expected one of {', '.join(choices)}, got {event.value!r}"
     if kind == "BadValue" and event.reason == "fixed":
         return (f"{flag}: expected no value (it is fixed to {arg.field.default!r}), got "
@@ -200,13 +202,16 @@ of the closest option by spelling, which misleads for these (block_size: --batch
 option of the commands it concerns is (`steps`: every toymlx-train recipe)."""
 
 LLAMA_CPP_FLAGS: PeerFlags = {
-    "-m": (("model", "did you mean --model?"),),
+    "-m": (("max_tokens", ("llama.cpp's -m is --model here, mlx_lm.generate's -m is "
+                           "--max-tokens")),
+           ("model", "did you mean --model?")),
     "-p": (("prompt", "did you mean --prompt?"),),
     "-n": (("max_tokens", "did you mean --max-tokens?"),),
     "--n-predict": (("max_tokens", "did you mean --max-tokens?"),),
     "-s": (("seed", "did you mean --seed?"),),
 }
-"""llama.cpp's short flags (llama-cli, llama-completion)."""
+"""llama.cpp's short flags (llama-cli, llama-completion); -m, which mlx_lm.generate spells for
+--max-tokens, is both where the command has both."""
 
 NANOGPT_FLAGS: PeerFlags = {
     "max_iters": (("steps", "nanoGPT's max_iters is toymlx's --steps"),),
@@ -391,6 +396,13 @@ them as "unrecognized arguments" without naming -n); given to toymlx-train itsel
 `torchrun --nproc_per_node 2 train.py` reads), the launcher to run it under."""
 
 
+MLX_LM_FLAGS: PeerFlags = {
+    "--test": (("split", "mlx_lm.lora's --test is --split test here"),),
+}
+"""mlx_lm.lora's flags that a command without a --base takes in another form (one with a
+--base, toymlx-train's lora recipe, names them from `MLX_LM_KEYS`)."""
+
+
 OPTIMIZER_FLAGS: PeerFlags = {
     flag: (("optimizer", f"{whose} is --optimizer here{values}"),
            ("weight_decay", ("this recipe trains with AdamW only (--lr, --weight-decay, "
@@ -423,7 +435,8 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     if name in MLX_LM_KEYS and "base" in flags:  # mlx_lm.lora's flags, `--iters` as `iters`
         return mlx_lm_hint(flag)
     images = "data.image_size" in flags  # vit-tiny's option: the command trains images
-    tables = ((LLAMA_CPP_FLAGS, flag), (LAUNCHER_FLAGS, flag), (OPTIMIZER_FLAGS, flag),
+    tables = ((LLAMA_CPP_FLAGS, flag), (MLX_LM_FLAGS, flag), (LAUNCHER_FLAGS, flag),
+              (OPTIMIZER_FLAGS, flag),
               *(((TIMM_FLAGS, flag),) if images else ()),
               *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name))
     for table, key in tables:

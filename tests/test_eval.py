@@ -146,6 +146,18 @@ def test_text_scores_the_first_windows_of_the_split(tiny_gguf, tmp_path, capsys)
     assert every["val_loss"] == whole["val_loss"] and every["tokens_scored"] == 16 * n
 
 
+
+def test_split_valid_is_mlx_lm_s_name_for_val(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """--split valid (mlx-lm's valid.jsonl) was refused, "expected one of val, all, test, None":
+    it scores the validation split as --split val does, and is reported as val."""
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    flags = (tiny_gguf, "--data.path", text, "--seq-len", "16")
+    valid, val = _json(capsys, *flags, "--split", "valid"), _json(capsys, *flags, "--split", "val")
+    every = _json(capsys, *flags, "--split", "all")
+    assert valid == val and valid["split"] == "val"
+    assert valid["tokens_scored"] < every["tokens_scored"]
+
 def test_gguf_split_test_scores_the_first_packed_rows(tiny_gguf, tmp_path, capsys):  # noqa: F811
     """A Llama GGUF of its own, --split test on chat examples (packed rows): --max-examples 2
     scores the first 2 rows of all the examples' rows (the loss NumPy gives on them), and

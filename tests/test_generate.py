@@ -379,6 +379,21 @@ def test_run_directory_as_model(tmp_path, stories_path, capsys):
     assert "12 new tokens" in err
 
 
+
+def test_temp_is_mlx_lm_s_spelling_of_temperature(stories_path, capsys):
+    """--temp (mlx_lm.generate's and llama.cpp's flag) was refused, "did you mean
+    --temperature?": it is the same option; --temp 0 is greedy (mlx_lm.generate's default), a
+    sampled --temp the same tokens as --temperature with that value and seed."""
+    def text(*flags: str) -> str:
+        assert cli.main(["--model", str(stories_path), "--prompt", PROMPT, "--max-tokens", "12",
+                         *flags]) == 0
+        return capsys.readouterr().out
+
+    greedy = text("--temp", "0")
+    assert greedy.startswith(", there was a little girl") and greedy == text("--temperature", "0")
+    hot = text("--temp", "1.5", "--top-p", "1", "--seed", "3")
+    assert hot == text("--temperature", "1.5", "--top-p", "1", "--seed", "3") and hot != greedy
+
 def test_stream_prints_multibyte_characters_whole(monkeypatch):
     from toymlx.data.tokenizer import byte_tokenizer
     from toymlx.generation import generate as gen

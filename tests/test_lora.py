@@ -1023,6 +1023,23 @@ def step_losses(run: Path) -> list[float]:
     return [e["loss"] for e in events_of(run) if e["kind"] == "step"]
 
 
+def test_a_run_shorter_than_the_default_warmup_says_so_once(tiny_gguf, tmp_path, capsys):
+    """--steps 2 with lora's default --warmup 10: every update's lr below --lr (logged), and one
+    line at the start says so, naming the warm-up as the default."""
+    data = mlx_lm_folder(tmp_path / "data")
+    args = recipe_args(tiny_gguf, tmp_path, data, "--steps", "2", "--run-id", "r")
+    at = args.index("--warmup")
+    del args[at:at + 2]  # the default
+    capsys.readouterr()
+    assert _train(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("toymlx-train: --warmup 10 (the recipe's default) is longer than --steps 2: "
+                     "the learning rate is still warming up when the run ends (2/10 of the way) "
+                     "and never reaches --lr 0.01; lower --warmup to reach it\n") == 1
+    lrs = [e["lr"] for e in events_of(tmp_path / "r") if e["kind"] == "step"]
+    assert lrs == pytest.approx([1e-3, 2e-3])
+
+
 def test_dora_run_and_its_fused_export(tiny_gguf, tmp_path, capsys):
     from toymlx_cli.export import main as export
 
@@ -1219,13 +1236,18 @@ def test_run_starts_from_an_adapter(tiny_gguf, tmp_path, capsys):
                    str(first)]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {first}: tensor 'blk.0.attn_q.weight.lora_a': expected rank 8 and "
-        "alpha 16.0 (this run's), found rank 4 and alpha 16.0; pass --lora.rank 4 --lora.alpha "
-        "16 to start from it")
+        "alpha 16.0 (this run's), found rank 4 and alpha 16.0; pass --lora.rank 4 to start from "
+        "it")
     assert _train([*args, "--run-id", "kq", "--lora.targets", "k,q", "--lora.init-adapter",
                    str(first)]) == 2
     line = error_line(capsys)  # the options that match the adapter, as for mlx-lm's adapters
     assert "tensors: expected LoRA pairs for exactly the model's 6 adapted weights" in line
     assert line.endswith("; the adapter is this run's with --lora.targets q,v --lora.layers 3")
+    assert _train([*args, "--run-id", "kq", "--lora.targets", "k,q", "--lora.rank", "2",
+                   "--lora.alpha", "3", "--lora.init-adapter", str(first)]) == 2
+    assert error_line(capsys).endswith(  # every option that differs, in one line
+        "; the adapter is this run's with --lora.targets q,v --lora.layers 3 --lora.rank 4 "
+        "--lora.alpha 16")
     assert _train([*args, "--run-id", "model", "--lora.init-adapter", str(tiny_gguf)]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {tiny_gguf}: --lora.init-adapter: expected {_ADAPTER_TAKES}, "

@@ -288,8 +288,9 @@ def test_a_run_starts_from_an_mlx_lm_adapter(stories_path, tmp_path, capsys):
     assert main([*args, "--run-id", "a16"]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {folder}/adapters.safetensors: tensor 'blk.2.attn_q.weight.lora_a'"
-        ": expected rank 4 and alpha 16.0 (this run's), found rank 4 and alpha 8.0 (mlx-lm's "
-        "lora_parameters rank 4 and scale 2: --lora.alpha is scale x rank)")
+        ": expected rank 4 and alpha 16.0 (this run's), found rank 4 and alpha 8.0; pass "
+        "--lora.alpha 8 to start from it (mlx-lm's lora_parameters rank 4 and scale 2: "
+        "--lora.alpha is scale x rank)")
     assert not (tmp_path / "a16").exists()
 
 
@@ -503,6 +504,43 @@ def test_a_run_from_an_mlx_lm_adapter_of_another_kind_or_set_names_the_flags(sto
     assert error_line(capsys).endswith(
         "; mlx-lm's adapter is this run's with --lora.targets q,v --lora.layers 5")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_run_from_an_mlx_lm_adapter_names_every_option_that_differs_in_one_line(
+        stories_path, tmp_path, capsys):
+    """An mlx-lm adapter (rank 4, scale 20, q and v of the last 4 blocks) given to a run with
+    the default options took three tries: the first line named only --lora.targets and
+    --lora.layers, the next rank and alpha, and after --lora.rank 4 alpha again. One line names
+    all four, each that differs, and the run with them starts from the adapter."""
+    from cli_errors import error_line
+    from toymlx_cli.train import main
+
+    folder = make_adapter(stories_path, tmp_path / "mlxad",
+                          lora_config(4, 4, 20.0, ["self_attn.q_proj", "self_attn.v_proj"]))
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid"):
+        (data / f"{split}.jsonl").write_text(json.dumps({"text": "Once upon a time."}) + "\n")
+    args = ["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
+            "--data.path", str(data), "--steps", "1", "--batch-size", "1", "--seq-len", "16",
+            "--eval-every", "0", "--no-progress", "--no-compile", "--lora.init-adapter",
+            str(folder)]
+    assert main([*args, "--run-id", "r"]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"toymlx-train: error: {folder}/adapters.safetensors: tensors: "
+                           "expected LoRA pairs for exactly the model's 5 adapted weights, found 8")
+    assert line.endswith(
+        "; mlx-lm's adapter is this run's with --lora.targets q,v --lora.layers 4 --lora.rank 4 "
+        "--lora.alpha 80 (mlx-lm's lora_parameters rank 4 and scale 20: --lora.alpha is scale x "
+        "rank)")
+    matched = ["--lora.targets", "q,v", "--lora.layers", "4"]
+    assert main([*args, *matched, "--lora.rank", "4", "--run-id", "r"]) == 2
+    assert error_line(capsys).endswith(  # the targets match: the one option left, with why
+        "expected rank 4 and alpha 16.0 (this run's), found rank 4 and alpha 80.0; pass "
+        "--lora.alpha 80 to start from it (mlx-lm's "
+        "lora_parameters rank 4 and scale 20: --lora.alpha is scale x rank)")
+    assert not (tmp_path / "r").exists()
+    assert main([*args, *matched, "--lora.rank", "4", "--lora.alpha", "80", "--run-id", "r"]) == 0
 
 
 # ---- the real SmolLM2-135M-Instruct, trained by mlx-lm's own command ---------------------------

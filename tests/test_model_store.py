@@ -225,6 +225,31 @@ def test_plain_paths_pass_through(tmp_path, monkeypatch):
     assert resolve_model("ollama:odd.gguf") == Path("ollama:odd.gguf")
 
 
+
+def test_a_missing_user_repo_path_suggests_its_hf_name(tmp_path, monkeypatch, capsys):
+    """mlx-lm's habit, a Hugging Face repository as the model (`--base USER/REPO`), read "found
+    nothing at that path" alone: now it names hf:USER/REPO, in every command that takes a model;
+    not where the name is a path (a .gguf, or into a folder here such as runs/)."""
+    monkeypatch.chdir(tmp_path)
+    repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    hint = f"found nothing at that path; did you mean hf:{repo}?"
+    assert train_main(["--recipe", "lora", "--base", repo, "--steps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-train: error: {repo}: --base: expected an existing GGUF file, {hint}\n")
+    assert generate_cli.main(["--model", repo, "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-generate: error: {repo}: --model: expected a GGUF file or a run directory, "
+        f"{hint}\n")
+    assert export_cli.main(["--base", repo, "--adapter", "a.gguf", "--out", "o.gguf"]) == 2
+    assert capsys.readouterr().err.endswith(f"--base: expected a GGUF file or a run directory, "
+                                            f"{hint}\n")
+    Path("runs").mkdir()
+    for path in ("runs/mine", "models/x.gguf"):
+        with pytest.raises(FileNotFoundError) as e:
+            checkpoint_file(path)
+        assert str(e.value).endswith("found nothing at that path"), path
+    assert list(tmp_path.iterdir()) == [tmp_path / "runs"]
+
 def test_generate_from_ollama_equals_the_plain_path(ollama, stories_path, capsys):
     outs = []
     for model in (str(stories_path), "ollama:stories"):

@@ -42,18 +42,28 @@ def test_a_warmup_longer_than_the_run_is_said_and_kept():
         "run ends (6/10 of the way) and never reaches --lr 0.0002; lower --warmup to reach it")
     # kept as given (mlx-lm and nanoGPT do not rescale a warm-up): the last update's lr is 6/10
     assert lr_at(cfg.steps - 1, cfg.lr, cfg.warmup, cfg.steps) == pytest.approx(1.2e-4)
-    assert warmup_note(TrainConfig(steps=10, warmup=10)) is None  # the last step reaches --lr
+    # as long as the run: --lr at the last update only, never decayed; shorter: nothing to say
+    assert warmup_note(TrainConfig(steps=10, warmup=10, lr=2e-4)) == (
+        "--warmup 10 is as long as --steps 10: the learning rate reaches --lr 0.0002 only at "
+        "the last step and never decays; lower --warmup for a decay")
+    assert lr_at(9, 2e-4, 10, 10) == pytest.approx(2e-4) and lr_at(8, 2e-4, 10, 10) < 2e-4
+    assert warmup_note(TrainConfig(steps=11, warmup=10)) is None
 
 
-def test_a_recipe_s_default_warmup_longer_than_the_run_is_not_said():
-    """The guides' `toymlx-train --recipe vit-tiny --steps 20` (its default --warmup 60) printed
-    "--warmup 60 is longer than --steps 20" though the user gave no --warmup."""
+def test_a_recipe_s_default_warmup_longer_than_the_run_is_said_as_the_default():
+    """`--recipe lora --steps 4` (its default --warmup 10) trained at a rising lr throughout,
+    never reaching --lr, and said nothing: the user gave no --warmup to know of. The line names
+    the warm-up as the recipe's default."""
     from toymlx.recipes.lora import Config as LoraConfig
     from toymlx.recipes.vit_tiny import Config as VitConfig
 
-    assert warmup_note(VitConfig(steps=20)) is None
-    assert warmup_note(TrainConfig(steps=5)) is None  # from-scratch's default 20
-    assert warmup_note(LoraConfig(steps=4)) is None  # lora's default 10
+    assert warmup_note(LoraConfig(steps=4)) == (
+        "--warmup 10 (the recipe's default) is longer than --steps 4: the learning rate is still "
+        "warming up when the run ends (4/10 of the way) and never reaches --lr 0.0002; lower "
+        "--warmup to reach it")
+    assert warmup_note(TrainConfig(steps=5)).startswith(  # from-scratch's default 20
+        "--warmup 20 (the recipe's default) is longer than --steps 5:")
+    assert warmup_note(LoraConfig(steps=11)) is None
     assert warmup_note(VitConfig(steps=20, warmup=80)) == (
         "--warmup 80 is longer than --steps 20: the learning rate is still warming up when the "
         "run ends (20/80 of the way) and never reaches --lr 0.0003; lower --warmup to reach it")

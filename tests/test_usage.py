@@ -102,12 +102,27 @@ def test_a_file_named_like_an_option_after_a_flag_is_told_how_to_pass(capsys, tm
     assert [p.name for p in tmp_path.iterdir()] == ["-m.gguf"]
 
 
+
+@pytest.mark.parametrize("recipe,hint", [
+    ("loraa", "; did you mean lora?"), ("LoRA", "; did you mean lora?"),
+    ("vit", "; did you mean vit-tiny?"), ("from_scratch", "; did you mean from-scratch?"),
+    ("zzz", ""),
+])
+def test_a_misspelt_recipe_names_the_closest(capsys, tmp_path, monkeypatch, recipe, hint):
+    """--recipe loraa listed the recipes without the one meant."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", recipe, "--steps", "1"]) == 2
+    assert only_line(capsys) == ("toymlx-train: error: --recipe: expected one of from-scratch, "
+                                 f"warm-start, lora, vit-tiny; found {recipe!r}{hint}")
+    assert list(tmp_path.iterdir()) == []
+
 def test_a_bad_bool_value_names_its_choices(capsys, tmp_path):
-    """A `bool | None` option takes True, False or None as a value."""
+    """A `bool | None` option takes True or False; its None, the default left unset, is not
+    listed as a value to type (toymlx-eval --split listed "val, all, test, None")."""
     assert main(["--recipe", "vit-tiny", "--runs-root", str(tmp_path),
                  "--data.augment", "maybe"]) == 2
     assert only_line(capsys) == ("toymlx-train: error: --data.augment: expected one of True, "
-                                 "False, None, got 'maybe'")
+                                 "False, got 'maybe'")
 
 
 def test_help_is_still_tyros_full_help(capsys):
@@ -327,17 +342,33 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
                       "--help lists every option)")),
     ("eval", ["--model", "m", "--batch-size", "x"],
      "toymlx-eval: error: --batch-size: expected an integer or None, got 'x'"),
+    # mlx-lm's words: --split valid is taken (val), --test named as --split test
+    ("eval", ["--model", "m", "--split", "validation"],
+     "toymlx-eval: error: --split: expected one of val, all, test, valid, got 'validation'"),
+    ("eval", ["--model", "m", "--test"],
+     ("toymlx-eval: error: --test: expected an option of toymlx-eval, got an unknown one; "
+      "mlx_lm.lora's --test is --split test here")),
     ("eval", ["--data-path"],
      "toymlx-eval: error: --data-path: expected a value or None after it, got nothing"),
-    ("generate", ["--model", "m", "--temp", "0.5"],
-     ("toymlx-generate: error: --temp: expected an option of toymlx-generate, got an unknown "
-     "one; did you mean --temperature?")),
+    ("generate", ["--model", "m", "--temperatur", "0.5"],
+     ("toymlx-generate: error: --temperatur: expected an option of toymlx-generate, got an "
+      "unknown one; did you mean --temperature?")),
+    ("generate", ["--model", "m", "--temp", "x"],  # mlx-lm's spelling, an alias: named as typed
+     "toymlx-generate: error: --temp: expected a number, got 'x'"),
     # llama.cpp's short flags: named with toymlx's, not "--model ... is required"
+    # (-m is mlx_lm.generate's --max-tokens: both named, neither taken)
     ("generate", ["-m", "m.gguf", "-p", "hi", "-n", "3"],
      ("toymlx-generate: error: -m: expected an option of toymlx-generate, got an unknown one; "
-      "did you mean --model?; -p: expected an option of toymlx-generate, got an unknown one; "
+      "llama.cpp's -m is --model here, mlx_lm.generate's -m is --max-tokens; -p: expected an "
+      "option of toymlx-generate, got an unknown one; "
       "did you mean --prompt?; -n: expected an option of toymlx-generate, got an unknown one; "
       "did you mean --max-tokens?")),
+    ("generate", ["--model", "m.gguf", "-m", "100"],
+     ("toymlx-generate: error: -m: expected an option of toymlx-generate, got an unknown one; "
+      "llama.cpp's -m is --model here, mlx_lm.generate's -m is --max-tokens")),
+    ("eval", ["-m", "m.gguf"],  # no --max-tokens: llama.cpp's meaning alone
+     ("toymlx-eval: error: -m: expected an option of toymlx-eval, got an unknown one; did you "
+      "mean --model?")),
     ("generate", ["--model", "m", "--n-predict", "3"],
      ("toymlx-generate: error: --n-predict: expected an option of toymlx-generate, got an "
       "unknown one; did you mean --max-tokens?")),

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 from toymlx.backend import atomic
 from toymlx.backend.files import counted, empty_folder, nothing_there
 from toymlx.backend.lock import LOCK_FILE, held_by
-from toymlx.bundle.model_store import is_store_name, resolve_model
+from toymlx.bundle.model_store import hf_name_hint, is_store_name, resolve_model
 from toymlx.gguf.reader import GGUFError, GGUFFile
 
 LATEST = "latest"
@@ -233,7 +233,7 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model", check_digest
                 "run's latest (a run still training keeps only its last --keep-last "
                 "checkpoints); run the command again to read the run's new latest")
         raise FileNotFoundError(f"{p}: {flag}: expected a GGUF file or a run directory, found "
-                                f"{nothing_there(p)}")
+                                f"{nothing_there(p)}{hf_name_hint(path)}")
     check_name(p)
     check_own(p, flag)
     return p

@@ -22,7 +22,7 @@ from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
 from toymlx.bundle.inputs import DATA_FILES_KEY, MODEL_FILES_KEY, data_files, model_files
-from toymlx.bundle.model_store import is_store_name
+from toymlx.bundle.model_store import hf_name_hint, is_store_name
 from toymlx.bundle.options import RunError, flag_name, found_text, option
 
 CONFIG_FILE = "config.json"
@@ -352,7 +352,7 @@ def check_model_file(spec: str | os.PathLike, flag: str) -> None:
         return
     if not Path(spec).exists():
         raise ValueError(f"{spec}: {flag}: expected an existing GGUF file, found "
-                         f"{nothing_there(spec)}")
+                         f"{nothing_there(spec)}{hf_name_hint(spec)}")
     raise ValueError(f"{spec}: {flag}: expected a GGUF file, found {not_a_file(spec)}")
 
 

@@ -422,6 +422,17 @@ def is_hf_repo(name: str) -> bool:
     return _HF_REPO.fullmatch(name) is not None and ".." not in name
 
 
+def hf_name_hint(spec: str | os.PathLike) -> str:
+    """"; did you mean hf:USER/REPO?" for a model option that names nothing at a path spelt as a
+    Hugging Face repository (mlx-lm's --model habit): one '/', no .gguf suffix, no folder of its
+    first part here (`runs/NAME` is a path into runs/); else ''."""
+    text = str(spec)
+    if (not is_hf_repo(text) or text.lower().endswith(".gguf") or Path(text).exists()
+            or Path(text.split("/")[0]).is_dir()):
+        return ""
+    return f"; did you mean {HF}{text}?"
+
+
 def parse_hf_name(name: str) -> tuple[str, str | None, str | None, str | None]:
     """(repo, revision, quant, file) of `USER/REPO[@REV][:QUANT]` or `USER/REPO[@REV]/FILE.gguf`;
     ValueError saying what is expected."""

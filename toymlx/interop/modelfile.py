@@ -25,7 +25,13 @@ from typing import Any
 from toymlx.backend import atomic
 from toymlx.backend.files import not_a_file
 from toymlx.bundle.checkpoint import checkpoint_file
-from toymlx.bundle.model_store import Resolved, check_digests, is_store_name, resolve
+from toymlx.bundle.model_store import (
+    Resolved,
+    check_digests,
+    hf_name_hint,
+    is_store_name,
+    resolve,
+)
 from toymlx.bundle.outputs import check_output
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.data.vocab import K_TEMPLATE
@@ -234,7 +240,7 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     src = resolve(base, "--base", check_digest=False)
     if not src.path.is_file():
         raise FileNotFoundError(f"{base}: --base: expected an existing GGUF file, found "
-                                f"{not_a_file(src.path)}")
+                                f"{not_a_file(src.path)}{hf_name_hint(base)}")
     check_adapter(adapter_file, src.path, fuse)
     inputs = [("--adapter", adapter), ("--adapter", adapter_file), ("--base", src.path)]
     check_output(out_dir, inputs, folder=True)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from types import ModuleType
 
@@ -25,7 +26,12 @@ SUMMARIES: dict[str, str] = {
 
 
 def get_recipe(name: str) -> ModuleType:
-    """The recipe module for `name`, or a ValueError listing the known ones."""
+    """The recipe module for `name`, or a ValueError listing the known ones (and the closest,
+    by spelling or as the start of one: `loraa`, `LoRA`, `vit`)."""
     if name not in RECIPES:
-        raise ValueError(f"--recipe: expected one of {', '.join(RECIPES)}; found {name!r}")
+        key = str(name).lower()
+        close = [r for r in RECIPES if len(key) >= 3 and r.startswith(key)] or \
+            difflib.get_close_matches(key, RECIPES, n=1)
+        raise ValueError(f"--recipe: expected one of {', '.join(RECIPES)}; found {name!r}"
+                         + (f"; did you mean {close[0]}?" if close else ""))
     return importlib.import_module(RECIPES[name])

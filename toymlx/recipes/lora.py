@@ -234,7 +234,7 @@ def validate(cfg: Config) -> None:
                          "for it)")
     if not base.is_file():
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
-                         f"{not_a_file(base)}")
+                         f"{not_a_file(base)}{model_store.hf_name_hint(cfg.base)}")
     parse_targets(cfg.lora.targets)
     if cfg.fuse_at_end:  # the type is checked now, not after training
         with GGUFFile(base) as g:

@@ -306,6 +306,22 @@ def _adapted_flags(names, a: LlamaArgs) -> str:
     return lora_flags(found, a.n_layers, block_targets(a))
 
 
+def _size_options(ad: Adapter, m: nn.Module | None, mlx_lm: bool) -> tuple[list[str], str]:
+    """(the --lora.rank and --lora.alpha options that differ from the run's LoRA layer `m` and
+    match the adapter, where one rank is all of its tensors'; for mlx-lm's adapters, how its
+    scale gives that alpha), so one line names every option a start from it needs."""
+    ranks = {a.shape[-2] for a, _ in ad.pairs.values()}
+    if m is None or len(ranks) != 1:
+        return [], ""
+    r = ranks.pop()
+    alpha = ad.alpha or float(r)  # llama.cpp: alpha 0 (or absent) means scale 1
+    size = ([f"--lora.rank {r}"] if r != m.rank else []) + (
+        [f"--lora.alpha {alpha:g}"] if as_stored(alpha) != as_stored(m.alpha) else [])
+    fix = (f" (mlx-lm's lora_parameters rank {r} and scale {alpha / r:g}: --lora.alpha is "
+           "scale x rank)" if mlx_lm and size else "")
+    return size, fix
+
+
 def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
                          flag: str = "--adapter") -> None:
     """Copy an adapter file's A and B (and DoRA's m) into the model's existing LoRA layers:
@@ -325,6 +341,7 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
                  if mlx_lm else f"{ad.path}: metadata key 'adapter.type'")
         raise GGUFError(f"{where}: expected {kind!r} (this run's --fine-tune-type), found "
                         f"{ad.kind!r}; pass --fine-tune-type {ad.kind} to start from it")
+    size, fix = _size_options(ad, next(iter(have.values()), None), mlx_lm)
     if set(have) != set(ad.pairs):
         extra = sorted(set(ad.pairs) - set(have))
         missing = sorted(set(have) - set(ad.pairs))
@@ -334,19 +351,18 @@ def load_adapter_weights(model: nn.Module, path: str | os.PathLike,
         raise GGUFError(f"{ad.path}: tensors: expected LoRA pairs for exactly the model's "
                         f"{counted(len(have), 'adapted weight')}, found {len(ad.pairs)} (missing "
                         f"{missing[:2]}, unexpected {extra[:2]})"
-                        + (f"; {whose} is this run's with {flags}" if flags else ""))
+                        + (f"; {whose} is this run's with {' '.join([flags, *size])}{fix}"
+                           if flags else ""))
     targets = _adapter_targets(model, ad)
     for name, (_, a, b) in targets.items():
         m = have[name]
         r = a.shape[-2]
         if r != m.rank or as_stored(ad.alpha or r) != as_stored(m.alpha):
-            hint = (f" (mlx-lm's lora_parameters rank {r} and scale "
-                    f"{ad.alpha / r:g}: --lora.alpha is scale x rank)" if mlx_lm else
-                    f"; pass --lora.rank {r} --lora.alpha "
-                    f"{ad.alpha or r:g} to start from it")
+            hint = (f"; pass {' '.join(size)} to start from it{fix}" if size else
+                    " (the adapter's ranks differ between its tensors: no --lora.rank matches)")
             raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected rank {m.rank} and "
                             f"alpha {m.alpha} (this run's), found rank {r} and alpha "
-                            f"{ad.alpha}{hint}")
+                            f"{ad.alpha or float(r)}{hint}")
         m.lora_a, m.lora_b = mx.array(a), mx.array(b)
         if ad.magnitudes is not None:
             if ad.magnitudes[name].shape != m.m.shape:

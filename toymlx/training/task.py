@@ -238,18 +238,24 @@ def check_batch_fits(batch_size: int, info: dict[str, Any]) -> None:
 
 
 def warmup_note(cfg: TrainConfig) -> str | None:
-    """One line when --warmup outlasts --steps (the lr never reaches --lr) and is not the
-    recipe's default, None otherwise. The warm-up is kept as given, as mlx-lm's and nanoGPT's
-    schedules keep theirs (a pure function of the step that a longer run, or a resume with more
-    --steps, continues), and said. Not for the default (vit-tiny's 60 in the guides' `--steps
-    20` demos), where the user chose nothing to lower and the line was noise; the value is
-    compared, so a --warmup typed equal to the default is not noted either."""
-    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "warmup")
-    if cfg.warmup <= cfg.steps or cfg.warmup == default:
+    """One line when --warmup (given, or the recipe's default) is not shorter than --steps, None
+    otherwise: the lr never reaches --lr (longer), or reaches it at the last update and never
+    decays (as long). The warm-up is kept as given, as mlx-lm's and nanoGPT's schedules keep
+    theirs (a pure function of the step that a longer run, or a resume with more --steps,
+    continues), and said. A default is said as the recipe's (`--steps 4` of lora, whose default
+    --warmup 10 the user may not know, trained at a rising lr throughout, silently)."""
+    if cfg.warmup < cfg.steps:
         return None
-    return (f"--warmup {cfg.warmup} is longer than --steps {cfg.steps}: the learning rate is "
-            f"still warming up when the run ends ({cfg.steps}/{cfg.warmup} of the way) and "
-            f"never reaches --lr {cfg.lr:g}; lower --warmup to reach it")
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "warmup")
+    warmup = f"--warmup {cfg.warmup}" + (" (the recipe's default)" if cfg.warmup == default
+                                         else "")
+    if cfg.warmup == cfg.steps:
+        return (f"{warmup} is as long as --steps {cfg.steps}: the learning rate reaches --lr "
+                f"{cfg.lr:g} only at the last step and never decays; lower --warmup for a "
+                "decay")
+    return (f"{warmup} is longer than --steps {cfg.steps}: the learning rate is still warming "
+            f"up when the run ends ({cfg.steps}/{cfg.warmup} of the way) and never reaches --lr "
+            f"{cfg.lr:g}; lower --warmup to reach it")
 
 
 def half_precision_note(dtype: str, gpu: bool) -> str | None:
