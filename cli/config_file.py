@@ -49,17 +49,54 @@ MLX_LM_KEYS = {
     "steps_per_eval": "--eval-every", "val_batches": "--eval-batches",
     "save_every": "--checkpoint-every", "resume_adapter_file": "--lora.init-adapter",
     "adapter_path": "--runs-root and --run-id (the run folder holds the adapters)",
-    "mask_prompt": "--data.mask-prompt (with --data.train-turns last, as mlx-lm)", "train": "nothing (toymlx-train always trains)",
+    "mask_prompt": "--data.mask-prompt (with --data.train-turns last, as mlx-lm)",
+    "train": "toymlx-train always trains; drop it",
     "steps_per_report": "--report-every",
-    "test_batches": "nothing (--test scores all of test.jsonl)",
+    "test_batches": "--test scores all of test.jsonl; drop it",
     "optimizer": "--optimizer (the lora recipe)",
+    **{key: (f"toymlx reads a data row's {what} from its \"{name}\" key only; rename the "
+             "rows' key to it") for key, what, name in (
+        ("prompt_feature", "prompt", "prompt"), ("completion_feature", "completion", "completion"),
+        ("text_feature", "text", "text"), ("chat_feature", "messages", "messages"))},
 }
-"""mlx_lm.lora's config keys -> toymlx's flags, named when such a key is unknown here."""
+"""mlx_lm.lora's config keys -> toymlx-train's flags (a text not starting with `--`: what to do
+instead, there being none), named when such a key is unknown here."""
+MLX_LM_COMMAND_KEYS = {
+    "toymlx-export": {  # mlx_lm.fuse's
+        "adapter_path": "--adapter (the run folder; mlx-lm's adapter folder with --base)",
+        "save_path": "--out", "gguf_path": "--out (with --fuse, the fused GGUF)",
+        "export_gguf": "toymlx-export writes a GGUF (--fuse: the fused model); drop it"},
+    "toymlx-generate": {  # mlx_lm.generate's
+        "adapter_path": "--model (the run folder: its base with its adapter; --adapter RUN "
+                        "over another --model)",
+        "system_prompt": "--system"},
+    "toymlx-eval": {  # mlx_lm.lora --test's
+        "adapter_path": "--model (the run folder: its base with its adapter)",
+        "data": "--data.path", "test": "--split test", "max_seq_length": "--seq-len",
+        "test_batches": "--limit (examples: mlx-lm's batches x --batch-size; its -1, every "
+                        "batch, is the default)"},
+}
+"""mlx-lm's flags and keys whose toymlx counterpart depends on the command: the mlx-lm command
+it stands in for takes them with another meaning than mlx_lm.lora's (`adapter_path` is the
+adapters to read, not the folder training writes), or toymlx-train's flag is the command's own
+too (toymlx-eval's --data.path). Others are named as toymlx-train's (`MLX_LM_KEYS`)."""
 
 
-def mlx_lm_hint(key: str) -> str:
-    """toymlx's flag for mlx_lm.lora's `key` (`iters`, or its flag `--iters`)."""
-    return f"mlx-lm's {key} is toymlx's {MLX_LM_KEYS[key.lstrip('-').replace('-', '_')]}"
+def mlx_lm_hint(key: str, prog: str) -> str | None:
+    """What `prog` (toymlx-export, or toymlx-train --recipe lora) takes for mlx-lm's `key`
+    (`iters`, or its flag `--iters`): the command's own counterpart (`MLX_LM_COMMAND_KEYS`),
+    else toymlx-train's; None for a key mlx-lm does not have."""
+    name = _norm(key)
+    command = prog.split()[0]
+    own = MLX_LM_COMMAND_KEYS.get(command, {})
+    text = own.get(name) or MLX_LM_KEYS.get(name)
+    if text is None:
+        return None
+    whose = ("toymlx" if command == "toymlx-train" else command if name in own
+             else "toymlx-train")
+    if not text.startswith("--"):
+        return f"mlx-lm's {key} has no {whose} option: {text}"
+    return f"mlx-lm's {key} is {whose}'s {text}"
 
 
 class ConfigFileError(ValueError):
@@ -394,15 +431,22 @@ def _once(source: str, given: dict[Any, str], target: Any, key: str, flag: str) 
     given[target] = key
 
 
-def closest_option(key: str, keys: Iterable[str]) -> str | None:
-    """The flag (`--lora.rank`) of the key among `keys` (spelled as `option_table` spells them)
-    closest to a misspelt `key`, or None where none is close: a key that begins or ends one
-    (`rank`, `temp`) names it, as tyro's own suggestions do; else the closest by difflib."""
+def closest_key(key: str, keys: Iterable[str]) -> str | None:
+    """The key among `keys` (dotted, underscores) closest to a misspelt `key`, or None where
+    none is close: a key that begins or ends one (`rank`, `temp`) names it, as tyro's own
+    suggestions do; else the closest by difflib."""
     key, keys = _norm(key), list(keys)
     part = [k for k in keys if len(key) >= 3 and (k.endswith(key) or k.rpartition(".")[2]
                                                   .startswith(key))]
     close = difflib.get_close_matches(key, part or keys, n=1, cutoff=0 if part else 0.6)
-    return _flag(close[0]) if close else None
+    return close[0] if close else None
+
+
+def closest_option(key: str, keys: Iterable[str]) -> str | None:
+    """The flag (`--lora.rank`) of the option among `keys` (spelled as `option_table` spells
+    them) closest to a misspelt `key` (`closest_key`), or None where none is close."""
+    close = closest_key(key, keys)
+    return _flag(close) if close else None
 
 
 def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str) -> str:
@@ -416,9 +460,9 @@ def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str
         more = ", ..." if len(group) > 3 else ""
         hint = (f"; {key} is a group of options ({', '.join(_flag(k) for k in group[:3])}{more}):"
                 f" write it as a mapping, e.g. {key}: {{{group[0].split('.', 1)[1]}: ...}}")
-    if key in MLX_LM_KEYS and not group:  # a plain mlx-lm key; `model.n_layerz` in a recipe
-        # with --model.* options is a misspelt option of that group
-        hint = f"; {mlx_lm_hint(key)}"
+    if not group and (said := mlx_lm_hint(key, prog)):  # a plain mlx-lm key; `model.n_layerz`
+        # in a recipe with --model.* options is a misspelt option of that group
+        hint = f"; {said}"
     return f"{source}: key {key!r}: expected an option of {prog}, found an unknown key{hint}"
 
 

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from toymlx_cli.config_file import ConfigFileError
+from toymlx_cli.config_file import ConfigFileError, closest_key
 
 from toymlx.backend.files import counted
 from toymlx.bundle.model_store import is_hf_repo
@@ -33,7 +33,8 @@ from toymlx.models.lora import MLX_LM_DEFAULT, MLX_LM_KEYS, mlx_lm_modules
 MLX_LM_ONLY = frozenset({
     "train", "iters", "learning_rate", "num_layers", "lora_parameters", "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
     "save_every", "adapter_path", "resume_adapter_file", "max_seq_length", "hf_dataset",
-    "grad_accumulation_steps", "clear_cache_threshold", "project_name", "trust_remote_code"})
+    "grad_accumulation_steps", "clear_cache_threshold", "project_name", "trust_remote_code",
+    "prompt_feature", "completion_feature", "text_feature", "chat_feature"})
 """Keys that make a config file mlx-lm's: its lora command reads them, toymlx has none (its
 `model`, `data`, `seed`, ... are read as mlx-lm's in such a file, as toymlx's in another;
 `lr_schedule` and `optimizer` are toymlx's lora options too, so a toymlx config.json with
@@ -71,6 +72,14 @@ _RENAMED = {"iters": "steps", "learning_rate": "lr",
 
 _SHARED = {"model", "data", "report_to", "recipe", "lr_schedule"}
 """Keys an mlx-lm file may hold besides MLX_LM_ONLY, MLX_LM_DEFAULTS and _NOTED's."""
+_FEATURES = {"prompt_feature": "prompt", "completion_feature": "completion",
+             "text_feature": "text", "chat_feature": "messages"}
+"""mlx-lm's keys naming the key of a data row its prompt, completion, text or messages are
+read from (mlx_lm/tuner/datasets.py's create_dataset) -> the key toymlx's data reader reads
+for it (`toymlx.data.chat`), the only name taken: its keys are fixed."""
+_MLX_LM_MODEL = "Qwen/Qwen3-0.6b"
+"""mlx-lm's default `model` (mlx_lm/lora.py's CONFIG_DEFAULTS, mlx-lm 0.32): a Hugging Face
+repository of safetensors, which toymlx, reading GGUFs and no network, cannot take."""
 
 
 def is_mlx_lm_config(options: dict[str, Any], recipe_key: bool = False) -> bool:
@@ -82,6 +91,18 @@ def is_mlx_lm_config(options: dict[str, Any], recipe_key: bool = False) -> bool:
     mlx_lm = sum(k in MLX_LM_ONLY for k in options)
     toymlx = sum(_toymlx_only(k) for k in options) + recipe_key
     return mlx_lm > 0 and mlx_lm >= toymlx
+
+
+def mlx_lm_model(data: dict[str, Any], source: str, flags: frozenset[str]) -> None:
+    """ConfigFileError (one line naming the file's `model`) for an mlx-lm config without a
+    model, or with `model: null`, and no --base on the command line: mlx-lm's default in its
+    place is no GGUF (`_MLX_LM_MODEL`), and the base left unset failed later, unnamed."""
+    if data.get("model") is None and "--base" not in flags:
+        raise ConfigFileError(
+            f"{source}: key 'model': expected the path of a GGUF to adapter-train, found "
+            f"{'null' if 'model' in data else 'no key'} (mlx-lm's default, {_MLX_LM_MODEL}, "
+            f"is a Hugging Face model, not a GGUF); set model: PATH.gguf in {source} (or pass "
+            "--base PATH.gguf)")
 
 
 def _toymlx_only(key: str) -> bool:
@@ -120,9 +141,13 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
     unknown = sorted(k for k in keys if _toymlx_only(k))
     if unknown:
         why = min(keys & MLX_LM_ONLY, default="keys")
+        close = closest_key(unknown[0], (k for k in MLX_LM_ONLY | set(MLX_LM_DEFAULTS)
+                                         | set(_NOTED) | _SHARED if k != "config"))
         raise ConfigFileError(f"{source}: key {unknown[0]!r}: expected a key of mlx-lm's lora "
                               f"config (the file is read as mlx-lm's, for its {why!r}), found "
-                              "an unknown key")
+                              "an unknown key" + (f"; did you mean {close}?" if close else ""))
+    for key in _FEATURES.keys() & keys:
+        _feature(key, data[key], source)
     given = {**MLX_LM_DEFAULTS, **data}
     _want(source, "train", data.get("train", True) is True, "true (toymlx-train trains; a run's "
           "test.jsonl is scored by toymlx-eval --model RUN --split test)", data.get("train"))
@@ -443,6 +468,21 @@ def _optimizer_config(conf: Any, name: Any, source: str, put) -> None:
             None if "weight_decay" in conf else "MLX's AdamW default")
 
 
+def _feature(key: str, value: Any, source: str) -> None:
+    """prompt_feature, completion_feature, text_feature, chat_feature: taken when they name the
+    key toymlx reads (mlx-lm's default), else refused with the rename that makes the rows
+    toymlx's: the data reader's keys are fixed, and a run's rows are read again after it
+    (toymlx-eval, toymlx-export --exact-size), so a rename the run alone knew would not hold."""
+    name = _FEATURES[key]
+    if value == name:
+        return
+    rename = (f"; rename the rows' {json.dumps(value)} to {json.dumps(name)} and remove "
+              f"{key}" if isinstance(value, str) else "")
+    raise ConfigFileError(f"{source}: key {key!r}: expected {json.dumps(name)} (toymlx reads a "
+                          f"data row's {name} from that key only), found {json.dumps(value)}"
+                          + rename)
+
+
 def _model(model: Any, source: str) -> str:
     """model: a GGUF path, a store name (ollama:, lmstudio:, hf:), or USER/REPO (hf:USER/REPO:
     its Q4_K_M GGUF, as llama.cpp's -hf)."""
@@ -572,16 +612,26 @@ _FLAG_VALUE_LINE = re.compile(r"(?P<flag>--[a-z][a-z0-9.-]*) (?P<value>\S+?)(?P<
                               re.DOTALL)
 """A line refusing an option's value, named after the flag: `--base hf:USER/REPO: not in the
 Hugging Face cache ...` (a `model` the file gives as a Hugging Face repository)."""
+_RUN_FOLDER_ADVICE = re.compile(r"choose another (?:--run-id(?: or --runs-root)?|--runs-root/"
+                                r"--run-id)$")
+"""The advice closing a line that refuses the run's folder (`toymlx.bundle.folder`: `runs/x:
+run bundle already exists; ..., or choose another --run-id`): the flags adapter_path sets."""
 
 
 def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: str) -> str:
     """An error on a toymlx option an mlx-lm key of the file set, naming that key as the file
     has it: a config-file error (`key 'data.mask_prompt'` -> `key 'mask_prompt' (toymlx's
     --data.mask-prompt)`) or a later check's (`--steps: ...` -> `F: key 'iters' (toymlx's
-    --steps): ...`; a key the file leaves out is named as mlx-lm's default). Errors on options
-    no key set, or that the command line gives over the file, are unchanged."""
+    --steps): ...`; a key the file leaves out is named as mlx-lm's default; a run folder taken,
+    `adapter_path`'s, advised as that key, not as the flags). Errors on options no key set, or
+    that the command line gives over the file, are unchanged."""
     head = f"{source}: key '"
     path = None
+    folder = [r for r in rows if r[0] == "adapter_path" and r[3] == "file"]
+    if len(folder) == 2 and (m := _RUN_FOLDER_ADVICE.search(message)):
+        said = message[:m.start()].replace(": --runs-root/--run-id:", ":", 1)
+        return (f"{source}: key 'adapter_path' (toymlx's --runs-root and --run-id): {said}"
+                f"set another adapter_path in {source}")
     if message.startswith(head):
         option, _, rest = message[len(head):].partition("'")
         flag = _flag(option)

@@ -147,6 +147,7 @@ def _main(argv: list[str] | None) -> int:
         mlx_lm_layers,
         mlx_lm_layers_flag,
         mlx_lm_mask_prompt,
+        mlx_lm_model,
         mlx_lm_options,
         mlx_lm_rank_given,
         mlx_lm_table,
@@ -182,7 +183,10 @@ def _main(argv: list[str] | None) -> int:
                 flags = frozenset(a.partition("=")[0] for a in rest if a.startswith("--"))
                 lora_params = options.get("lora_parameters")
                 keys = lora_params.get("keys") if isinstance(lora_params, dict) else None
-                options, rows, notes = mlx_lm_options(options, config_path, flags)
+                in_file = options
+                options, rows, notes = mlx_lm_options(in_file, config_path, flags)
+                # after the keys' own checks: `modle` named as a misspelt key, not as no model
+                mlx_lm_model(in_file, config_path, flags)
                 given = _flags_given(rest)
                 options, rows = mlx_lm_rank_given(options, rows, None if "--lora.alpha"
                                                   in given else given.get("--lora.rank"))

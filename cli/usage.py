@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from toymlx_cli import readable_width
-from toymlx_cli.config_file import MLX_LM_KEYS, closest_option, mlx_lm_hint, option_table
+from toymlx_cli.config_file import (
+    MLX_LM_COMMAND_KEYS,
+    closest_option,
+    mlx_lm_hint,
+    option_table,
+)
 
 
 class UsageError(ValueError):
@@ -375,7 +380,7 @@ HF_FLAGS: PeerFlags = {
 """Hugging Face's (Trainer's, TRL's SFTConfig's, PEFT's LoraConfig's) and Unsloth's settings
 (Unsloth's notebooks: r, lora_alpha, target_modules, max_steps, ...), by name; a setting spelt
 as toymlx's option (seed, weight_decay, report_to) needs none, mlx-lm's (learning_rate,
-max_seq_length) is said by `MLX_LM_KEYS`."""
+max_seq_length) is said by `mlx_lm_hint`."""
 
 PEER_VALUES = {"--input-size": 3, "--scale": 2}
 """How many values those of the peers' flags that take more than one take (timm's
@@ -425,15 +430,19 @@ def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | Non
 def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     """What to say after an unknown flag: toymlx's name for llama.cpp's, another launcher's,
     another trainer's optimizer flag, timm's, mlx-lm's, Hugging Face's and Unsloth's or
-    nanoGPT's flag (`PeerFlags`, `MLX_LM_KEYS`), else the closest option by spelling. timm's are
+    nanoGPT's flag (`PeerFlags`, `mlx_lm_hint`), else the closest option by spelling. timm's are
     said only where `prog` trains images (its texts are vit-tiny's: "the training images",
-    "--model.preset vit-tiny"), mlx-lm's and Hugging Face's only where it takes a --base (lora,
-    toymlx-export). A peer's flag whose counterpart `prog` lacks (another recipe's or command's:
-    vit-tiny has no --seq-len, from-scratch no image flag) is named as that option, not matched
-    by spelling (block_size: --batch-size, --drop-path: --stop-at)."""
+    "--model.preset vit-tiny"), mlx-lm's only where it takes a --base (lora, toymlx-export) or
+    stands in for an mlx-lm command (toymlx-generate, toymlx-eval: `MLX_LM_COMMAND_KEYS`),
+    Hugging Face's only where it takes a --base. A peer's flag whose counterpart `prog` lacks
+    (another recipe's or command's: vit-tiny has no --seq-len, from-scratch no image flag) is
+    named as that option, not matched by spelling (block_size: --batch-size, --drop-path:
+    --stop-at)."""
     name = flag.lstrip("-").replace("-", "_")  # nanoGPT's `--NAME=VALUE`, hyphens taken too
-    if name in MLX_LM_KEYS and "base" in flags:  # mlx_lm.lora's flags, `--iters` as `iters`
-        return mlx_lm_hint(flag)
+    # mlx_lm.lora's flags where a --base is fine-tuned, mlx_lm.fuse's and generate's where a
+    # command stands in for them (`--iters` as `iters`)
+    if ("base" in flags or prog in MLX_LM_COMMAND_KEYS) and (said := mlx_lm_hint(flag, prog)):
+        return said
     images = "data.image_size" in flags  # vit-tiny's option: the command trains images
     tables = ((LLAMA_CPP_FLAGS, flag), (MLX_LM_FLAGS, flag), (LAUNCHER_FLAGS, flag),
               (OPTIMIZER_FLAGS, flag),

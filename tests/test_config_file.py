@@ -465,3 +465,28 @@ def test_the_mlx_lm_hint_only_where_it_applies(tmp_path, capsys, recipe, text, h
     p.write_text(f"recipe: {recipe}\n{text}")
     assert main(["-c", str(p), "--runs-root", str(tmp_path)]) == 2
     assert error_line(capsys) == f"toymlx-train: error: {p}: {hint}"
+
+
+@pytest.mark.parametrize("command,text,hint", [
+    ("export", "adapter: runs/x\nadapter_path: runs/x\n", ("mlx-lm's adapter_path is "
+     "toymlx-export's --adapter (the run folder; mlx-lm's adapter folder with --base)")),
+    ("eval", "model: runs/x\nadapter_path: runs/x\n", ("mlx-lm's adapter_path is toymlx-eval's "
+     "--model (the run folder: its base with its adapter)")),
+    ("eval", "model: runs/x\ntest_batches: 5\n", ("mlx-lm's test_batches is toymlx-eval's "
+     "--limit (examples: mlx-lm's batches x --batch-size; its -1, every batch, is the "
+     "default)")),
+])
+def test_an_mlx_lm_key_in_another_command_s_file_is_named_as_that_command_takes_it(
+        tmp_path, capsys, command, text, hint):
+    """`adapter_path` in a toymlx-export or toymlx-eval file was "toymlx's --runs-root and
+    --run-id", the folder training writes, where these commands read the adapters from it."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.export import main as export_main
+
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    key = text.splitlines()[1].partition(":")[0]
+    prog = f"toymlx-{command}"
+    assert {"export": export_main, "eval": eval_main}[command](["-c", str(p)]) == 2
+    assert error_line(capsys, prog) == (f"{prog}: error: {p}: key {key!r}: expected an option of "
+                                        f"{prog}, found an unknown key; {hint}")

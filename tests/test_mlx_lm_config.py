@@ -360,11 +360,88 @@ def test_the_optimizers_are_mlx_lm_s():
     ({"optimizer": "sgd", "optimizer_config": {"sgd": {"momentum": 0.9}}},
      ("f.yaml: key 'optimizer_config.sgd.momentum': expected no arguments (what toymlx's sgd "
       "takes), found 'momentum'; remove it")),
+    # a misspelt key names mlx-lm's closest, as toymlx's own files name the closest flag
+    ({"learning_rte": 1e-5}, ("f.yaml: key 'learning_rte': expected a key of mlx-lm's lora "
+     "config (the file is read as mlx-lm's, for its 'iters'), found an unknown key; did you "
+     "mean learning_rate?")),
+    ({"lora_paramters": {"rank": 8}}, ("f.yaml: key 'lora_paramters': expected a key of "
+     "mlx-lm's lora config (the file is read as mlx-lm's, for its 'iters'), found an unknown "
+     "key; did you mean lora_parameters?")),
+    # mlx-lm's data-key names: toymlx reads fixed keys (before: "not a key of mlx-lm's")
+    ({"prompt_feature": "question"}, ("f.yaml: key 'prompt_feature': expected \"prompt\" "
+     "(toymlx reads a data row's prompt from that key only), found \"question\"; rename the "
+     "rows' \"question\" to \"prompt\" and remove prompt_feature")),
+    ({"chat_feature": "conversation"}, ("f.yaml: key 'chat_feature': expected \"messages\" "
+     "(toymlx reads a data row's messages from that key only), found \"conversation\"; rename "
+     "the rows' \"conversation\" to \"messages\" and remove chat_feature")),
+    ({"text_feature": 3}, ("f.yaml: key 'text_feature': expected \"text\" (toymlx reads a data "
+     "row's text from that key only), found 3")),
 ])
 def test_a_key_toymlx_cannot_honour_is_one_line(extra, line):
     with pytest.raises(ConfigFileError) as e:
         mlx_lm_options({"iters": 10, **extra}, "f.yaml")
     assert str(e.value) == line
+
+
+def test_a_data_key_name_that_is_toymlx_s_own_changes_nothing():
+    """prompt_feature: prompt (mlx-lm's default, as its saved adapter_config.json may hold it)
+    names the key toymlx reads: the file maps as without it."""
+    names = {"prompt_feature": "prompt", "completion_feature": "completion",
+             "text_feature": "text", "chat_feature": "messages"}
+    assert mlx_lm_options({"iters": 5, **names}, "f.yaml") == mlx_lm_options({"iters": 5},
+                                                                             "f.yaml")
+
+
+@pytest.mark.parametrize("text,found", [("", "no key"), ("model: null\n", "null")])
+def test_a_file_without_a_model_is_one_line_naming_the_key(tmp_path, data, base, capsys, text,
+                                                           found):
+    """No `model` (or `model: null`, mlx-lm's default) and no --base: one line naming the file's
+    key; it was a TypeError traceback from the model store (`mlx_lm_layers`). --base on the
+    command line gives the base: the run goes on to its next check."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"train: true\ndata: {data}\niters: 1\n{text}")
+    assert main(["-c", str(path), "--runs-root", str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {path}: key 'model': expected the path of a GGUF to "
+        f"adapter-train, found {found} (mlx-lm's default, Qwen/Qwen3-0.6b, is a Hugging Face "
+        f"model, not a GGUF); set model: PATH.gguf in {path} (or pass --base PATH.gguf)")
+    assert main(["-c", str(path), "--base", str(base), "--steps", "0", "--runs-root",
+                 str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == "toymlx-train: error: --steps: expected >= 1, found 0"
+    path.write_text(f"{path.read_text()}modle: {base}\n")  # misspelt: named so, not as no model
+    assert main(["-c", str(path), "--runs-root", str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {path}: key 'modle': expected a key of mlx-lm's lora config (the "
+        "file is read as mlx-lm's, for its 'iters'), found an unknown key; did you mean model?")
+
+
+@pytest.mark.parametrize("taken,argv,line", [
+    ("others", [], ("{path}: key 'adapter_path' (toymlx's --runs-root and --run-id): {run}: "
+     "expected a new or empty folder for the run, found a folder that is not a run bundle, "
+     "holding notes.txt; set another adapter_path in {path}")),
+    ("file", [], ("{path}: key 'adapter_path' (toymlx's --runs-root and --run-id): {run}: "
+     "expected a folder (new or existing), found a file; set another adapter_path in {path}")),
+    # the folder the command line names: its flags, as without a file
+    ("others", ["--run-id", "r"], ("{run}: expected a new or empty folder for the run, found a "
+     "folder that is not a run bundle, holding notes.txt; choose another --run-id or "
+     "--runs-root")),
+])
+def test_an_adapter_path_already_taken_is_named_by_the_file_s_key(tmp_path, base, data, capsys,
+                                                                  taken, argv, line):
+    """adapter_path sets --runs-root and --run-id: a folder already taken was advised as
+    "choose another --run-id or --runs-root", flags the file does not have."""
+    run = tmp_path / "runs" / "r"
+    if taken == "file":
+        run.parent.mkdir()
+        run.write_text("")
+    else:
+        run.mkdir(parents=True)
+        (run / "notes.txt").write_text("mine")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 1,
+                                    "adapter_path": str(run)}))
+    assert main(["-c", str(path), "--no-progress", *argv]) == 2
+    assert error_line(capsys) == "toymlx-train: error: " + line.format(path=path, run=run)
 
 
 def test_toymlx_s_own_files_keep_their_meaning(tmp_path, capsys):

@@ -290,6 +290,35 @@ def test_unsloths_gguf_quantization_is_toymlx_export_s_dtype(capsys):
         "--dtype q4_k_m)")
 
 
+@pytest.mark.parametrize("command,flag,want", [
+    # mlx_lm.fuse's and mlx_lm.generate's --adapter-path reads adapters (before, toymlx-export:
+    # "is toymlx's --runs-root and --run-id", the training flags; toymlx-eval: "did you mean
+    # --data-path?")
+    ("export", "--adapter-path", ("mlx-lm's --adapter-path is toymlx-export's --adapter (the run "
+     "folder; mlx-lm's adapter folder with --base)")),
+    ("generate", "--adapter-path", ("mlx-lm's --adapter-path is toymlx-generate's --model (the "
+     "run folder: its base with its adapter; --adapter RUN over another --model)")),
+    ("eval", "--adapter-path", ("mlx-lm's --adapter-path is toymlx-eval's --model (the run "
+     "folder: its base with its adapter)")),
+    ("export", "--save-path", "mlx-lm's --save-path is toymlx-export's --out"),
+    ("generate", "--system-prompt", "mlx-lm's --system-prompt is toymlx-generate's --system"),
+    ("eval", "--test", "mlx-lm's --test is toymlx-eval's --split test"),
+    # a training flag elsewhere is toymlx-train's, not the command's
+    ("export", "--iters", "mlx-lm's --iters is toymlx-train's --steps"),
+    ("eval", "--learning-rate", "mlx-lm's --learning-rate is toymlx-train's --lr"),
+])
+def test_mlx_lm_s_flags_are_named_as_each_command_takes_them(capsys, command, flag, want):
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.export import main as export_main
+    from toymlx_cli.generate import main as generate_main
+
+    run = {"export": export_main, "generate": generate_main, "eval": eval_main}[command]
+    assert run(["--model", "runs/x", flag, "x"]) == 2
+    prog = f"toymlx-{command}"
+    assert only_line(capsys) == (f"{prog}: error: {flag}: expected an option of {prog}, got an "
+                                 f"unknown one; {want}")
+
+
 def test_a_peft_key_in_a_config_file_is_named_as_its_flag_is(capsys, tmp_path, monkeypatch):
     """PEFT's `r: 16` in a lora -c file (before: "did you mean --run-id?" or nothing)."""
     monkeypatch.chdir(tmp_path)
@@ -550,6 +579,9 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
     ("lora", "--model", "mlx-lm's --model is toymlx's --base"),
     ("lora", "--iters", "mlx-lm's --iters is toymlx's --steps"),
     ("lora", "--learning-rate", "mlx-lm's --learning-rate is toymlx's --lr"),
+    # before: "mlx-lm's --train is toymlx's nothing (toymlx-train always trains)"
+    ("lora", "--train", ("mlx-lm's --train has no toymlx option: toymlx-train always trains; "
+     "drop it")),
     # nanoGPT's, each recipe its own (before: vit-tiny's --dataset "a text file", --dropout
     # and --bias "its Llama")
     ("from-scratch", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "
