@@ -63,7 +63,8 @@ def run(args: Args) -> int:
         sys.stdout.flush()
     if unread and unread < len(files):
         rest = len(files) - unread
-        print(f"{PROG}: error: {unread} of {len(files)} images could not be read (named "
+        # the inputs named: files that are no image, missing paths and empty folders too
+        print(f"{PROG}: error: {unread} of {len(files)} inputs could not be read (named "
               f"above); the other {rest} {'is' if rest == 1 else 'are'} classified",
               file=sys.stderr)
     return 2 if unread else 0

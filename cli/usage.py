@@ -401,13 +401,6 @@ them as "unrecognized arguments" without naming -n); given to toymlx-train itsel
 `torchrun --nproc_per_node 2 train.py` reads), the launcher to run it under."""
 
 
-MLX_LM_FLAGS: PeerFlags = {
-    "--test": (("split", "mlx_lm.lora's --test is --split test here"),),
-}
-"""mlx_lm.lora's flags that a command without a --base takes in another form (one with a
---base, toymlx-train's lora recipe, names them from `MLX_LM_KEYS`)."""
-
-
 OPTIMIZER_FLAGS: PeerFlags = {
     flag: (("optimizer", f"{whose} is --optimizer here{values}"),
            ("weight_decay", ("this recipe trains with AdamW only (--lr, --weight-decay, "
@@ -444,8 +437,7 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     if ("base" in flags or prog in MLX_LM_COMMAND_KEYS) and (said := mlx_lm_hint(flag, prog)):
         return said
     images = "data.image_size" in flags  # vit-tiny's option: the command trains images
-    tables = ((LLAMA_CPP_FLAGS, flag), (MLX_LM_FLAGS, flag), (LAUNCHER_FLAGS, flag),
-              (OPTIMIZER_FLAGS, flag),
+    tables = ((LLAMA_CPP_FLAGS, flag), (LAUNCHER_FLAGS, flag), (OPTIMIZER_FLAGS, flag),
               *(((TIMM_FLAGS, flag),) if images else ()),
               *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name))
     for table, key in tables:

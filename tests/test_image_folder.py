@@ -3,6 +3,7 @@ and one-line errors naming the bad file."""
 
 from __future__ import annotations
 
+import io
 import pickle
 import tarfile
 
@@ -89,6 +90,20 @@ def test_bad_files_give_one_line_errors_naming_them(tmp_path):
     with pytest.raises(ImageDataError) as e:
         load_images(str(root), image_size=8)
     assert "cannot decode the image" in _one_line(e, png)
+
+    # a JPEG cut short in its header was "cannot open (Truncated File Read)", as if the OS
+    # could not open it
+    root = make_image_folder(tmp_path / "j", per_class=3)
+    jpg = root / "cat" / "cut.jpg"
+    out = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), 128, np.uint8)).save(out, "JPEG")
+    jpg.write_bytes(out.getvalue()[:300])
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8)
+    assert _one_line(e, jpg) == (
+        f"{jpg}: cannot decode the image (Truncated File Read): expected a whole image file, "
+        "found a JPEG file of 300 bytes whose header Pillow cannot read (cut short?); remove or "
+        "replace the file")
 
     root = make_image_folder(tmp_path / "g", per_class=3)
     fake = root / "frog" / "notes.jpg"
@@ -325,7 +340,8 @@ def test_timm_s_train_and_val_folders_are_splits_not_classes(tmp_path):
 
 def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):
     """Images behind a linked subfolder count, as torchvision's ImageFolder follows links (before:
-    skipped without a word); a link to nothing is refused by name (before: skipped)."""
+    skipped without a word); a link to nothing, or up to the folder of the classes, is refused
+    by name (before: skipped, and read as the class's)."""
     root = make_image_folder(tmp_path / "f", per_class=3)
     elsewhere = make_image_folder(tmp_path / "more", per_class=2, seed=2)
     (root / "cat" / "more").symlink_to(elsewhere / "cat")
@@ -333,6 +349,15 @@ def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):
     files, labels, _ = scan_image_folder(root)
     assert np.bincount(labels).tolist() == [3, 5, 3]
     assert sum(f.parent.name == "more" for f in files) == 2
+    # a link up to the folder holding the classes read them all as cat's, without a word
+    (root / "frog" / "up").symlink_to("..")
+    with pytest.raises(ImageDataError) as e:
+        scan_image_folder(root)
+    assert str(e.value) == (f"{root / 'frog' / 'up'}: expected a file or a folder within "
+                            f"{root / 'frog'}, found a link back up to {root.resolve()}, which "
+                            "holds it: the names beside it would be read as this folder's; "
+                            "remove the link")
+    (root / "frog" / "up").unlink()
     (root / "frog" / "gone.png").symlink_to(tmp_path / "nowhere.png")
     with pytest.raises(ImageDataError) as e:
         scan_image_folder(root)

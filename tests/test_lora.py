@@ -1341,7 +1341,9 @@ def _stop_in_pass(monkeypatch, step: int, at: int, sigs: tuple) -> list[int]:
     """Send `sigs` to this process while the validation pass after step `step` computes its
     micro-batch number `at` (1-based); returns the micro-batches each pass computed."""
     import os
+    import time
 
+    from toymlx.backend.stop import REPEAT_S
     from toymlx.training import trainer
     from toymlx.training.evaluate import Evaluator
 
@@ -1351,7 +1353,9 @@ def _stop_in_pass(monkeypatch, step: int, at: int, sigs: tuple) -> list[int]:
     def counted(self, micro):
         computed[-1] += 1
         if self.stop_after == (step, computed[-1]):
-            for sig in sigs:
+            for i, sig in enumerate(sigs):
+                if i:  # a second request, not the first sent again (`REPEAT_S`)
+                    time.sleep(2 * REPEAT_S)
                 os.kill(os.getpid(), sig)  # counted by the loop's StopSignals, not raised
         return sums(self, micro)
 

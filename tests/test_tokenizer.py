@@ -1208,3 +1208,15 @@ def test_encode_batch_holds_a_text_without_a_safe_cut_whole(gpt2, dna, monkeypat
         assert [i.tolist() for i in gpt2.encode_batch(texts, False)] == whole
     # "x", then the bases held to the first safe cut after them (a newline ends the run)
     assert counting.lengths[0] == 1 and 5000 <= counting.lengths[1] <= 5002
+
+
+def test_an_image_classifier_given_as_a_tokenizer_says_what_it_is():
+    """A vit-tiny checkpoint given as from-scratch's --tokenizer was "tokenizer.ggml.model:
+    expected one of [...], found missing key": now the line says the file is an image
+    classifier, which holds no tokenizer."""
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_metadata({"general.architecture": "vit", "vit.block_count": 12}, "v.gguf")
+    assert str(e.value) == (
+        "v.gguf: tokenizer.ggml.model: expected one of ['gpt2', 'llama', 'gemma4'], found "
+        "missing key: an image classifier (general.architecture 'vit') holds no tokenizer; give "
+        "a language model's GGUF")

@@ -376,7 +376,7 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
      "toymlx-eval: error: --split: expected one of val, all, test, valid, got 'validation'"),
     ("eval", ["--model", "m", "--test"],
      ("toymlx-eval: error: --test: expected an option of toymlx-eval, got an unknown one; "
-      "mlx_lm.lora's --test is --split test here")),
+      "mlx-lm's --test is toymlx-eval's --split test")),
     ("eval", ["--data-path"],
      "toymlx-eval: error: --data-path: expected a value or None after it, got nothing"),
     ("generate", ["--model", "m", "--temperatur", "0.5"],

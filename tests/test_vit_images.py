@@ -290,7 +290,7 @@ def test_classify_answers_every_readable_image_when_one_is_not(tmp_path, tiny_ru
         (f"toymlx-classify: error: {bad}: not an image Pillow can read: expected one of png, "
          "jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm, pbm, found a PNG file of 40 bytes "
          "whose header Pillow cannot read (cut short?); remove or replace the file"),
-        ("toymlx-classify: error: 1 of 6 images could not be read (named above); the other 5 "
+        ("toymlx-classify: error: 1 of 6 inputs could not be read (named above); the other 5 "
          "are classified")]
     assert classify_main(["--model", str(tiny_run), str(bad)]) == 2  # alone: its line only
     assert capsys.readouterr().err.splitlines() == err.splitlines()[:1]
@@ -410,7 +410,7 @@ def test_classify_goes_on_past_a_name_that_gives_no_image(tmp_path, folder, tiny
          ".gif, .webp, .tif, .tiff, .ppm, .pgm, .pbm) in the folder, found none"),
         (f"toymlx-classify: error: {fifo}: expected an image file or a folder, found a FIFO "
          "(named pipe); for one image sent on stdin, name it -"),
-        ("toymlx-classify: error: 3 of 5 images could not be read (named above); the other 2 "
+        ("toymlx-classify: error: 3 of 5 inputs could not be read (named above); the other 2 "
          "are classified")]
     assert classify_main(["--model", str(tiny_run), str(missing)]) == 2  # alone: its line only
     assert capsys.readouterr().err.splitlines() == err.splitlines()[:1]

@@ -113,14 +113,24 @@ def names_below(folder: str | os.PathLike) -> Iterator[Path]:
     caller decides), through linked subfolders as torchvision's ImageFolder walks them, each
     real folder once (a link back up the tree is not followed again); hidden names are kept.
     Data folders are read with it and fingerprinted with it, so a linked class folder is both
-    trained on and part of what a resume checks."""
+    trained on and part of what a resume checks. ValueError naming a linked subfolder that
+    holds `folder` (`cat/loop -> ..`): through it the walk read the folders beside `folder`, so
+    an ImageFolder's class took the other classes' images, without a word."""
     seen = set()
+    start = os.path.realpath(folder)
     for top, dirs, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(top)
         if real in seen:
             dirs[:] = []
             continue
         seen.add(real)
+        for d in dirs:
+            target = os.path.realpath(os.path.join(top, d))
+            if os.path.islink(os.path.join(top, d)) and start.startswith(
+                    target.rstrip(os.sep) + os.sep):  # to `folder` itself: read once, as above
+                raise ValueError(f"{Path(top, d)}: expected a file or a folder within {folder}, "
+                                 f"found a link back up to {target}, which holds it: the names "
+                                 "beside it would be read as this folder's; remove the link")
         dirs.sort()
         for name in sorted(names):
             yield Path(top, name)

@@ -86,6 +86,9 @@ def _open(path: Path | ImageBytes) -> Image.Image:
                              f"{', '.join(e[1:] for e in IMAGE_EXTENSIONS)}, found "
                              f"{_sniff(path)}; {_remedy(path)}") from None
     except OSError as e:
+        if e.errno is None:  # Pillow's decoder ("Truncated File Read"): the file, not the OS
+            raise ImageDataError(f"{path}: cannot decode the image ({e}): expected a whole "
+                                 f"image file, found {_sniff(path)}; {_remedy(path)}") from None
         raise ImageDataError(f"{path}: cannot open ({e.strerror or e})") from None
     except (ValueError, SyntaxError, Image.DecompressionBombError) as e:
         # a header Pillow cannot parse (a PPM's "Token too long"), or past its pixel limit
@@ -174,7 +177,11 @@ def images_below(folder: Path) -> list[Path]:
     ImageDataError naming one that is a FIFO, a device or a socket (opening it could wait
     forever) or a link to nothing: skipping either would drop an image without a word."""
     found = []
-    for p in names_below(folder):
+    try:
+        below = list(names_below(folder))
+    except ValueError as e:  # a link back up the tree
+        raise ImageDataError(str(e)) from None
+    for p in below:
         if p.suffix.lower() not in IMAGE_EXTENSIONS or p.name.startswith("."):
             continue
         if kind := special_kind(p):

@@ -222,6 +222,11 @@ class Tokenizer:
         self.source = str(source) if source is not None else "tokenizer metadata"
         self._meta = {k: plain_value(v) for k, v in meta.items()
                       if k.startswith("tokenizer.ggml.") or k == K_TEMPLATE}
+        arch = meta.get("general.architecture")
+        if K_MODEL not in self._meta and plain_value(arch) == "vit":  # a toymlx-classify model
+            self._fail(K_MODEL, f"one of {list(SUPPORTED_MODELS)}", "missing key: an image "
+                       "classifier (general.architecture 'vit') holds no tokenizer; give a "
+                       "language model's GGUF")
         model = self._get(K_MODEL, str, f"one of {list(SUPPORTED_MODELS)}")
         if model not in SUPPORTED_MODELS:
             self._fail(K_MODEL, f"one of {list(SUPPORTED_MODELS)}", repr(model))
