@@ -477,6 +477,17 @@ def test_a_folder_without_its_adapter_file_and_another_model_s_adapter_are_one_l
         "model's GGUF")
 
 
+def _one_step_args(stories_path, tmp_path) -> list[str]:
+    """A one-step LoRA run's flags on stories260K and a one-line text folder in `tmp_path`."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid"):
+        (data / f"{split}.jsonl").write_text(json.dumps({"text": "Once upon a time."}) + "\n")
+    return ["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
+            "--data.path", str(data), "--steps", "1", "--batch-size", "1", "--seq-len", "16",
+            "--eval-every", "0", "--no-progress", "--no-compile"]
+
+
 def test_a_run_from_an_mlx_lm_adapter_of_another_kind_or_set_names_the_flags(stories_path,
                                                                               tmp_path, capsys):
     """--lora.init-adapter of mlx-lm's DoRA folder in a LoRA run names adapter_config.json's
@@ -488,14 +499,8 @@ def test_a_run_from_an_mlx_lm_adapter_of_another_kind_or_set_names_the_flags(sto
     dora = make_adapter(stories_path, tmp_path / "dora", lora_config(3, 4, 2.0, kind="dora"))
     qv = make_adapter(stories_path, tmp_path / "qv",
                       lora_config(-1, 4, 2.0, ["self_attn.q_proj", "self_attn.v_proj"]))
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "valid"):
-        (data / f"{split}.jsonl").write_text(json.dumps({"text": "Once upon a time."}) + "\n")
-    args = ["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
-            "--data.path", str(data), "--steps", "1", "--batch-size", "1", "--seq-len", "16",
-            "--eval-every", "0", "--no-progress", "--no-compile", "--lora.layers", "3",
-            "--lora.rank", "4", "--lora.alpha", "8", "--run-id", "r"]
+    args = [*_one_step_args(stories_path, tmp_path), "--lora.layers", "3", "--lora.rank", "4",
+            "--lora.alpha", "8", "--run-id", "r"]
     assert main([*args, "--lora.init-adapter", str(dora)]) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {dora}/adapter_config.json: key 'fine_tune_type': expected 'lora' "
@@ -517,14 +522,7 @@ def test_a_run_from_an_mlx_lm_adapter_names_every_option_that_differs_in_one_lin
 
     folder = make_adapter(stories_path, tmp_path / "mlxad",
                           lora_config(4, 4, 20.0, ["self_attn.q_proj", "self_attn.v_proj"]))
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "valid"):
-        (data / f"{split}.jsonl").write_text(json.dumps({"text": "Once upon a time."}) + "\n")
-    args = ["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
-            "--data.path", str(data), "--steps", "1", "--batch-size", "1", "--seq-len", "16",
-            "--eval-every", "0", "--no-progress", "--no-compile", "--lora.init-adapter",
-            str(folder)]
+    args = [*_one_step_args(stories_path, tmp_path), "--lora.init-adapter", str(folder)]
     assert main([*args, "--run-id", "r"]) == 2
     line = error_line(capsys)
     assert line.startswith(f"toymlx-train: error: {folder}/adapters.safetensors: tensors: "
