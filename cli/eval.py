@@ -253,10 +253,13 @@ def check_run_data(bundle, split: str) -> None:
     from toymlx.data.chat import data_files
 
     data = getattr(bundle.config, "data", None)
-    has = {k: getattr(data, k, None) is not None for k in ("test_path", "val_path")}
-    keys = {"test": ["data.test_path" if has["test_path"] else "data.path"],
-            "val": ["data.val_path" if has["val_path"] else "data.path"],
-            "all": ["data.path", *(["data.val_path"] if has["val_path"] else [])]}[split]
+    def given(key: str) -> bool:  # --data.test-path or --data.val-path, where the run gave one
+        return getattr(data, key.removeprefix("data."), None) is not None
+
+    if split == "all":
+        keys = ["data.path", *(["data.val_path"] if given("data.val_path") else [])]
+    else:
+        keys = [f"data.{split}_path" if given(f"data.{split}_path") else "data.path"]
     what = {"test": "test ", "val": "validation ", "all": ""}[split]
     for key in keys:
         rec = bundle.saved.get(DATA_FILES_KEY, {}).get(key)
@@ -265,8 +268,9 @@ def check_run_data(bundle, split: str) -> None:
             continue  # not recorded (the default data), or gone: the reader names what it lacks
         path = Path(path)
         part = None  # only the split's own file of a text or chat folder is read
-        if key == "data.path" and path.is_dir() and bundle.recipe != "vit-tiny":
-            part = {"test": data_files(path).test, "val": data_files(path).valid}.get(split)
+        if key == "data.path" and path.is_dir() and bundle.recipe != "vit-tiny" \
+                and split != "all":
+            part = getattr(data_files(path), "test" if split == "test" else "valid")
         parts = rec.get("files")
         # a folder's other files (train.jsonl) may change freely
         if part is not None and isinstance(parts, dict) and isinstance(parts.get(part.name),

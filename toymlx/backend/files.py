@@ -124,11 +124,10 @@ def names_below(folder: str | os.PathLike) -> Iterator[Path]:
             dirs[:] = []
             continue
         seen.add(real)
-        for d in dirs:
-            target = os.path.realpath(os.path.join(top, d))
-            if os.path.islink(os.path.join(top, d)) and start.startswith(
-                    target.rstrip(os.sep) + os.sep):  # to `folder` itself: read once, as above
-                raise ValueError(f"{Path(top, d)}: expected a file or a folder within {folder}, "
+        for link in (os.path.join(top, d) for d in dirs if os.path.islink(os.path.join(top, d))):
+            target = os.path.realpath(link)
+            if start.startswith(target.rstrip(os.sep) + os.sep):  # `folder` itself: read once
+                raise ValueError(f"{link}: expected a file or a folder within {folder}, "
                                  f"found a link back up to {target}, which holds it: the names "
                                  "beside it would be read as this folder's; remove the link")
         dirs.sort()
