@@ -43,6 +43,43 @@ def test_a_bad_option_is_the_commands_one_line_error(tmp_path):
                                  'toymlx.train("from-scratch"), got an unknown one')
 
 
+def test_a_refused_option_is_told_once_in_the_keywords(tmp_path, capsys):
+    """Relayed (echo, the default), the command's refusal showed twice: its own line
+    (`--steps: expected >= 1, found 0`), then the exception's (`steps: ...`). Now the exception
+    alone tells it, and nothing was written."""
+    import toymlx
+
+    capsys.readouterr()
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("vit-tiny", steps=0, runs_root=str(tmp_path))
+    assert str(caught.value) == "toymlx-train: error: steps: expected >= 1, found 0"
+    assert capsys.readouterr().out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_relay_holds_back_only_a_refusal_at_the_end(capsys):
+    """The child's lines come through whole, an error line followed by more output too (it is
+    not the refusal raised) and an unterminated last line; only the trailing refusal is held,
+    for the exception to tell, and written where no exception does."""
+    said = ("print('a'); print('toymlx-train: error: not the last'); print('b'); "
+            "print('toymlx-train: error: --steps: expected >= 1, found 0'); "
+            "import sys; sys.exit(2)")
+    out = _run_child([sys.executable, "-c", said], echo=True)
+    assert capsys.readouterr().out == "a\ntoymlx-train: error: not the last\nb\n"
+    assert out.held == ["toymlx-train: error: --steps: expected >= 1, found 0\n"]
+    out.relay_held(out.message())  # what the OptionError tells: nothing more written
+    assert capsys.readouterr().out == ""
+    out = _run_child([sys.executable, "-c", said.replace("sys.exit(2)", "print('end', end='')")],
+                     echo=True)
+    assert (out.held, out.last_line) == ([], "end")
+    assert capsys.readouterr().out.endswith("b\ntoymlx-train: error: --steps: expected >= 1, "
+                                            "found 0\nend")
+    out = _run_child([sys.executable, "-c", said], echo=True)
+    capsys.readouterr()
+    out.relay_held("another message")  # one it does not tell: written, not lost
+    assert capsys.readouterr().out == "toymlx-train: error: --steps: expected >= 1, found 0\n"
+
+
 def _median_step(run: Path) -> float:
     times = [e["step_time_s"] for e in read_events(run) if e["kind"] == "step"][1:]
     return statistics.median(times)  # the first step (compiles) apart

@@ -121,18 +121,22 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
                and (run_dir / "events.jsonl").exists() else None)
     recipes = [recipe or (summary or {}).get("recipe")]
     if isinstance(tail.stopped, KeyboardInterrupt):
+        tail.relay_held(tail.last_line)
         # the run's own last line: the step it stopped at and how to resume it
         raise KeyboardInterrupt(keyword_message(tail.last_line or f"stopped; bundle: {run_dir}",
                                                 options, recipes))
     if tail.stopped is not None:
         raise tail.stopped
     if tail.returncode == 0:
+        tail.relay_held()  # not an exception's message: the command's own lines, as they were
         return summary if summary is not None else {"path": str(run_dir), "status": "empty"}
     last = tail.last_line or f"exit status {tail.returncode}"
     # exit 2 is a refusal of the options, or a run that diverged: only the latter writes the
     # bundle's record (a refused --run-id of an existing run leaves that run's as it was)
     if tail.returncode == 2 and (run_dir is None or _stamp(run_dir / "events.jsonl") == before):
+        tail.relay_held(tail.message())
         raise OptionError(keyword_message(tail.message(), options, recipes))
+    tail.relay_held(last)
     if not last.endswith(f"bundle: {run_dir}"):  # the run's own last line names it already
         last = f"{last} (bundle: {run_dir})"
     raise TrainError(keyword_message(last, options, recipes), tail.returncode, summary)
@@ -313,13 +317,44 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return st.st_size, st.st_mtime_ns
 
 
+REFUSAL = ("toymlx-train: error:", "╭", "│", "╰")
+"""How a line of the command's refusal starts: its one line, or tyro's own box."""
+
+
 class _Output:
-    """What `_run_child` keeps of the child's output: the exit status, the last line, and why
-    this process stopped it (None: it ran to its own end)."""
+    """What `_run_child` keeps of the child's output: the exit status, the last line, why
+    this process stopped it (None: it ran to its own end), and the refusal lines it has not
+    relayed yet (`relay`)."""
 
     def __init__(self) -> None:
         self.returncode, self.last_line, self._buf = -1, "", b""
         self.stopped: BaseException | None = None
+        self._partial, self.held = "", []
+
+    def relay(self, text: str, end: bool = False) -> None:
+        """Write `text` of the child's output to `sys.stdout`, line by line (`end`: the last
+        line too, unterminated), but hold back a refusal's lines (`REFUSAL`) until another
+        line follows: a call that ends refused raises them as its exception's message, in the
+        keywords `train` takes; relayed too, they showed twice (`--steps: expected >= 1,
+        found 0`, then the exception's `steps: ...`)."""
+        lines = (self._partial + text).splitlines(keepends=True)
+        self._partial = "" if end or not lines or lines[-1].endswith(("\n", "\r")) \
+            else lines.pop()
+        for line in lines:
+            if line.startswith(REFUSAL):
+                self.held.append(line)
+                continue
+            self.held, held = [], self.held
+            sys.stdout.write("".join(held) + line)
+        sys.stdout.flush()
+
+    def relay_held(self, told: str = "") -> None:
+        """Write the held lines but those the exception raised tells (`told`, the command's
+        text it is made from): nothing the child said is lost."""
+        self.held, held = [], self.held
+        if kept := [s for s in held if s.strip(" │╭╮╰╯─\r\n") not in told]:
+            sys.stdout.write("".join(kept))
+            sys.stdout.flush()
 
     def stop(self, child: subprocess.Popen, sig: int, why: BaseException) -> None:
         """Ask `child` to stop with `sig`, keeping the first reason to raise once it has."""
@@ -346,7 +381,8 @@ class _Output:
 
 def _run_child(cmd: list[str], echo: bool) -> _Output:
     """Run `cmd` tied to this process (it stops if this one dies), its stdout and stderr relayed
-    to `sys.stdout` (a notebook's cell output too) as they come, and return once it has ended.
+    to `sys.stdout` (a notebook's cell output too) a line as it comes (a refusal's held back:
+    `_Output.relay`), and return once it has ended.
     Ctrl-C here, wherever it lands (waiting for output, or in `sys.stdout.write`), is passed on
     as the child's own Ctrl-C, once: the child runs in a session of its own, where a terminal's
     Ctrl-C, sent to every process of its job, does not reach it too (two, they were a second
@@ -366,11 +402,12 @@ def _run_child(cmd: list[str], echo: bool) -> _Output:
             try:
                 chunk = os.read(fd, 65536)
                 if not chunk:
+                    if relaying:  # the last line, were it unterminated
+                        out.relay(text.decode(b"", final=True), end=True)
                     break
                 out.feed(chunk)
                 if relaying:
-                    sys.stdout.write(text.decode(chunk))
-                    sys.stdout.flush()
+                    out.relay(text.decode(chunk))
             except KeyboardInterrupt as e:
                 out.stop(child, signal.SIGINT, e)  # the run checkpoints and ends cleanly
             except BrokenPipeError as e:
