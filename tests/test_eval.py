@@ -50,6 +50,24 @@ def _mean_ce(model, inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -
     return float((ce * mask).sum() / mask.sum())
 
 
+def test_the_confusion_matrix_heads_each_column_with_its_whole_class_name():
+    """Cut to 6 characters, two classes sharing their first six (airplane_a, airplane_b)
+    headed two columns `airpla airpla`; each column is now as wide as its name (at least 4,
+    and its largest count), every row aligned under it."""
+    from toymlx.generation.classify import format_report
+
+    m = np.array([[3, 1, 0], [0, 2, 12], [0, 0, 4]])
+    text = format_report(m, ["airplane_a", "airplane_b", "cat"])
+    assert text.split("\n")[-5:] == [
+        "confusion matrix (rows: true class, columns: predicted)",
+        "           airplane_a airplane_b cat",
+        "airplane_a          3          1   0",
+        "airplane_b          0          2  12",
+        "cat                 0          0   4"]
+    assert format_report(np.array([[1234, 0], [5, 6]]), ["a", "b"]).split("\n")[-3:] == [
+        "         a   b", "a     1234   0", "b        5   6"]
+
+
 @pytest.mark.parametrize("flag", ["--max-examples", "--limit"])
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_a_count_below_one_is_one_line(flag, value, capsys):

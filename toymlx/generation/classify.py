@@ -241,11 +241,14 @@ def format_report(m: np.ndarray, names: list[str]) -> str:
     for n in names:
         a, c = r["per_class"][n]["accuracy"], r["per_class"][n]["images"]
         lines.append(f"{n:<{w}}  {c:>6}  {'-' if a is None else f'{a:.4f}':>8}")
-    cw = max(4, len(str(int(m.max()) if m.size else 0)) + 1, *(min(len(n), 6) + 1 for n in names))
+    # each column as wide as its whole class name: cut to 6 characters, two names sharing their
+    # first six (airplane_a, airplane_b) headed two columns alike
+    cws = [max(4, len(n) + 1, len(str(int(m[:, j].max()))) + 1)
+           for j, n in enumerate(names)]
     lines += ["", "confusion matrix (rows: true class, columns: predicted)",
-              " " * w + "".join(f"{n[:6]:>{cw}}" for n in names)]
+              " " * w + "".join(f"{n:>{cw}}" for n, cw in zip(names, cws))]
     for i, n in enumerate(names):
-        lines.append(f"{n:<{w}}" + "".join(f"{v:>{cw}}" for v in m[i]))
+        lines.append(f"{n:<{w}}" + "".join(f"{v:>{cw}}" for v, cw in zip(m[i], cws)))
     return "\n".join(lines)
 
 
