@@ -190,7 +190,7 @@ def test_a_log_not_a_terminal_gets_a_line_of_the_runs_in_flight_every_interval()
     view.update(runs)
     assert out.getvalue().splitlines() == [
         "sweep: lr=0.001  running  step 0/1000  loss -  -  -  -",
-        "sweep: lr=0.003  running  step 400/1000  loss 3  -  512 tokens/s  -"]
+        "sweep: lr=0.003  running (resuming)  step 400/1000  loss 3  -  512 tokens/s  -"]
     steps(a, 1, 30, 0.5, 3.25)
     steps(b, 401, 430, 0.25, 2.5)
     now[0] += 59.5
@@ -230,6 +230,48 @@ def test_a_log_not_a_terminal_gets_a_line_of_the_runs_in_flight_every_interval()
         now[0] = 120.0
         view.update(runs, force=True)
         assert "after" not in stream.getvalue()
+
+
+def test_the_live_line_says_what_a_running_run_does():
+    """A run's line said how the sweep started it for the whole run: "running (start) step
+    40/40" for a run that had ended, its process still exiting. Now: starting (resuming) until
+    its first step, plain running while it trains, "REASON, exiting" after its run_end; a
+    validation of an earlier step than the one shown names its step."""
+    import io
+
+    from toymlx.sweeps.live import LiveView, SweptRun
+
+    out = io.StringIO()
+    view = LiveView(out, True, heartbeat=60.0, clock=lambda: 0.0)
+    r = SweptRun(sweep.RunSpec("lr=0.001", {}, ()), Path("lr=0.001"))
+    r.state, r.action, r.phase = "running", "start", "starting"  # as the sweep starts it
+    r.absorb([{"kind": "run_start", "config": {"steps": 40}, "start_step": 0}])
+    view.update([r])
+    r.absorb([{"kind": "step", "step": s, "loss": 2.5} for s in range(1, 21)]
+             + [{"kind": "eval", "step": 20, "accuracy": 0.25}]
+             + [{"kind": "step", "step": s, "loss": 2.0} for s in range(21, 33)])
+    view.update([r])
+    r.absorb([{"kind": "step", "step": s, "loss": 1.5} for s in range(33, 41)]
+             + [{"kind": "eval", "step": 40, "accuracy": 0.5},
+                {"kind": "run_end", "reason": "completed"}])
+    view.update([r])
+    r.state = "done"  # its process exited
+    view.update([r])
+    assert out.getvalue().splitlines() == [
+        "sweep: lr=0.001  running (starting)  step 0/40  loss -  -  -  -",
+        "sweep: lr=0.001  running  step 32/40  loss 2  accuracy 0.25 (step 20)  -  -",
+        "sweep: lr=0.001  running (completed, exiting)  step 40/40  loss 1.5  accuracy 0.5  -  -",
+        "sweep: lr=0.001  done  step 40/40  loss 1.5  accuracy 0.5  -  -"]
+    # a resume's events.jsonl, cut back and read again from its start: its old steps first,
+    # then its new resume event; resuming until a step after that one
+    r = SweptRun(sweep.RunSpec("lr=0.003", {}, ()), Path("lr=0.003"))
+    r.state, r.phase = "running", "resuming"
+    r.absorb([{"kind": "run_start", "config": {"steps": 40}, "start_step": 0},
+              {"kind": "step", "step": 1, "loss": 3.0},
+              {"kind": "resume", "steps": 40, "from_step": 1}])
+    assert view.cells(r)[1:3] == ["running (resuming)", "1/40"]
+    r.absorb([{"kind": "step", "step": 2, "loss": 2.75}])
+    assert view.cells(r)[1:3] == ["running", "2/40"]
 
 
 # ---------------------------------------------------------------- real sweeps
@@ -527,18 +569,35 @@ def test_a_changed_sweep_under_the_same_id_is_refused_naming_the_changed_keys(tm
         p: v for p, v in kept.items() if p.name != "sweep.json"}
 
 
+def _live_states(stream) -> list[str]:
+    """The state column of each run's live line (not a terminal: `sweep: RUN  STATE  step`)."""
+    return re.findall(r"^sweep: \S+  (.+?)  step ", stream.getvalue(), re.MULTILINE)
+
+
 def test_torn_run_is_resumed_from_its_checkpoint(tmp_path):
+    import io
+
     specs = sweep.grid([*TINY, "--checkpoint-every", "5", "--stop-at", "5"], {"lr": [2e-3]})
-    first = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="t", progress=False,
+    live = io.StringIO()
+    first = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="t", stream=live,
                             report_png=False)
     assert first.states == {"lr=0.002": "stopped"}
+    # how the run was started only until its first step ("running (start)" was shown the
+    # whole run, "step 40/40" too); after its run_end, what the child is doing: exiting
+    states = _live_states(live)
+    assert states[0] == "running (starting)" and states[-1] == "stopped", states
+    assert set(states[1:-1]) <= {"running", "running (stopped, exiting)"}, states
     run = tmp_path / "t" / "lr=0.002"
     lines = (run / "events.jsonl").read_bytes().splitlines(keepends=True)
     assert json.loads(lines[-1])["kind"] == "run_end"
     (run / "events.jsonl").write_bytes(b"".join(lines[:-1]) + lines[-1][:20])  # torn, no end
-    second = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="t", progress=False,
+    live = io.StringIO()
+    second = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="t", stream=live,
                              report_png=False)
     assert second.states == {"lr=0.002": "done"}
+    states = _live_states(live)
+    assert states[0] == "running (resuming)" and states[-1] == "done", states
+    assert set(states[1:-1]) <= {"running", "running (completed, exiting)"}, states
     events = read_events(run)
     assert [e["kind"] for e in events].count("run_start") == 1
     assert [e["from_step"] for e in events if e["kind"] == "resume"] == [5]

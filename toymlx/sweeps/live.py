@@ -63,11 +63,18 @@ class SweptRun:
     log: Any = None
     tail: EventTail | None = None
     action: str = ""
+    """How this sweep started its child: start, restart or resume (its log says so)."""
+    phase: str = ""
+    """What a running run is doing that its steps do not show, for the live view: starting,
+    restarting or resuming until its first step, then "" (training), and after its run_end
+    "REASON, exiting" (`absorb`); the action alone, shown for the whole run, read "running
+    (start) step 40/40" for a run that had ended."""
     step: int = 0
     steps: int | None = None
     loss: float | None = None
     metric: str = "val_loss"
     val: float | None = None
+    val_step: int | None = None
     rate: float | None = None
     unit: str = ""
     timed_steps: int = 0
@@ -96,8 +103,10 @@ class SweptRun:
             elif kind == "resume":
                 self.steps = e.get("steps", self.steps)
                 self.step = int(e.get("from_step") or 0)
+                self.phase = "resuming"  # a resume's file read again: the old steps came first
             elif kind == "step":
                 self.step = e.get("step", self.step)
+                self.phase = ""
                 self.loss = report.number(e.get("loss"))
                 t = report.number(e.get("t"))
                 if (dt := report.number(e.get("step_time_s"))) is not None and (
@@ -112,8 +121,10 @@ class SweptRun:
                 if "accuracy" in e:
                     self.metric = "accuracy"
                 self.val = report.number(e.get(self.metric))
+                self.val_step = e.get("step")
             elif kind == "run_end":
                 self.reason, self.message = e.get("reason"), e.get("message")
+                self.phase = f"{self.reason or 'ended'}, exiting"
 
     def release(self) -> None:
         if self.lock is not None:
@@ -149,9 +160,12 @@ class LiveView:
     def cells(self, r: SweptRun) -> list[str]:
         steps = f"{r.step}/{r.steps}" if r.steps else str(r.step or "-")
         wall = r.wall if r.wall is not None else (time.time() - r.started if r.started else None)
-        state = r.state + (f" ({r.action})" if r.action and r.state == "running" else "")
+        state = r.state + (f" ({r.phase})" if r.phase and r.state == "running" else "")
+        # a validation of an earlier step than the one shown says which
+        val = f"{r.metric} {report.fmt(r.val)}" + (
+            f" (step {r.val_step})" if r.val_step not in (None, r.step) else "")
         return [r.spec.name, state, steps, report.fmt(r.loss),
-                f"{r.metric} {report.fmt(r.val)}" if r.val is not None else "-",
+                val if r.val is not None else "-",
                 f"{report.fmt(r.rate)} {r.unit}" if r.rate is not None else "-",
                 f"{wall:.0f}s" if wall is not None else "-"]
 

@@ -258,6 +258,7 @@ class _Runner:
         if r.action == "resume":
             r.absorb(read_events(r.dir))
         r.reason, r.message = None, None
+        r.phase = {"start": "starting", "restart": "restarting", "resume": "resuming"}[r.action]
         r.proc = subprocess.Popen(module_command("toymlx_cli.train", *cmd, python=self.python),
                                   stdout=r.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                   env=self.env, start_new_session=True)
