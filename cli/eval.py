@@ -66,6 +66,8 @@ class Args:
     plot: str | None = None
     """ViT only: also write the confusion matrix as a PNG to this path (needs matplotlib, the
     report extra)."""
+    overwrite: bool = False
+    """Replace an existing --plot file; without it, an existing one is refused."""
     json: bool = False
     """ViT only: print the report as JSON (per-class accuracy and the matrix) instead of text."""
     progress: bool = True
@@ -731,7 +733,7 @@ def evaluate(args: Args) -> dict:
         from toymlx.bundle.outputs import check_output
 
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
-                     "--plot")
+                     "--plot", overwrite=args.overwrite)
     bundle = _run_bundle(args.model)
     # a fused file outside its run: the run's rows, from the settings the file records
     fused = file_run(args.model) if bundle is None else None

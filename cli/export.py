@@ -77,6 +77,9 @@ class Args:
     """With --fuse and a LoRA or DoRA run: the base's own type for every tensor (its size, byte
     for byte), each adapted tensor rounded to keep its outputs on the inputs its layer sees
     over the run's training rows (GPTQ-style; Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors)."""
+    overwrite: bool = False
+    """Replace an existing --out file (a --out folder: the files written into it); without
+    it, an existing one is refused."""
     dtype: ExportType | None = None
     """File type of the written model, as llama-quantize names them (default: the base's own
     general.file_type; with --fuse, the base's tensors kept and each adapted one in a type that
@@ -94,10 +97,11 @@ def export_vit(args: Args) -> int:
     t0 = time.perf_counter()
     clf = Classifier.load(args.model)
     inputs = [("--model", args.model), ("--model", clf.path)]
-    check_output(args.out, inputs, folder=not args.out.endswith(".safetensors"))
+    check_output(args.out, inputs, folder=not args.out.endswith(".safetensors"),
+                 overwrite=args.overwrite)
     if not args.out.endswith(".safetensors"):  # a folder: the two files written into it
         for name in ("model.safetensors", "config.json"):
-            check_output(Path(args.out) / name, inputs)
+            check_output(Path(args.out) / name, inputs, overwrite=args.overwrite)
     norm = {"toy.pixel_scale": clf.scale, "toy.pixel_mean": clf.mean.tolist(),
             "toy.pixel_std": clf.std.tolist()}
     files = export_timm(args.out, clf.model, norm, clf.names)
@@ -125,7 +129,8 @@ def export_modelfile(args: Args) -> int:
     t0 = time.perf_counter()
     path, base, adapter, fused = write_modelfile(args.out, args.adapter, args.base,
                                                  fuse=args.fuse, dtype=args.dtype,
-                                                 progress=sys.stderr.isatty())
+                                                 progress=sys.stderr.isatty(),
+                                                 overwrite=args.overwrite)
     what = f"FROM {base.path}, ADAPTER {adapter}"
     if fused:
         from toymlx.training.fused import adapter_retention, kept_note
@@ -166,7 +171,7 @@ def export_mlx_lm(args: Args) -> int:
                          "--adapter); an adapter is written as F32")
     base = checkpoint_file(args.base, "--base", check_digest=False)
     out = check_output(args.out, [("--base", args.base), ("--base", base),
-                                  ("--adapter", args.adapter)])
+                                  ("--adapter", args.adapter)], overwrite=args.overwrite)
     base = checkpoint_file(args.base, "--base")  # an Ollama blob's SHA-256: the whole base read
     t0 = time.perf_counter()
     with (output_folder(out.parent),  # the folders --out needs, removed again if it fails
@@ -232,7 +237,8 @@ def run(args: Args) -> int:
     base = checkpoint_file(base_spec, "--base", check_digest=False)
     adapter = checkpoint_file(args.adapter, "--adapter") if args.adapter else None
     out = check_output(args.out, [("--base", base_spec), ("--base", base),
-                                  ("--adapter", args.adapter), ("--adapter", adapter)])
+                                  ("--adapter", args.adapter), ("--adapter", adapter)],
+                       overwrite=args.overwrite)
     if args.exact_size and (not args.fuse or args.dtype):
         raise ValueError("--exact-size: expected with --fuse and without --dtype (it writes the "
                          f"base's own types), found {'--dtype' if args.dtype else 'no --fuse'}")

@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="report.png",
                    help="report.png (curves + table panel) or report.html (self-contained); "
                         "default report.png")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out file (without it, an existing one is "
+                        "refused)")
     p.add_argument("--version", action=VersionAction)
     p.epilog = CONFIG_HELP
     return p
@@ -52,7 +55,8 @@ def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
                              f"here (toymlx-report alone reports it), found nothing at that "
                              f"path; name the runs: toymlx-report RUN_OR_SWEEP_DIR ...")
         dirs = report.expand_dirs(args.dirs or [DEFAULT_DIR])
-        check_output(args.out, [])  # a new file beside the runs, never inside one
+        # a new file beside the runs, never inside one; an existing one only with --overwrite
+        check_output(args.out, [], overwrite=args.overwrite)
         report.check_report_name(args.out)  # before the work, not after the table
         rows = report.sort_rows(recorded_states(report.summarize(dirs)))
         params = report.add_params(rows)

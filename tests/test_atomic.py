@@ -75,7 +75,8 @@ def write(version):
         write_adapter(d / "adapter.gguf", model, {"general.architecture": "llama"})
         os.replace = die
         from toymlx_cli.export import main
-        main(["--base", stories, "--adapter", str(d / "adapter.gguf"), "--out", str(target)])
+        main(["--base", stories, "--adapter", str(d / "adapter.gguf"), "--out", str(target),
+              "--overwrite"])
     elif kind == "events":
         if version == 1:
             log = events.EventLog(target)

@@ -550,7 +550,8 @@ def test_export_takes_the_runs_figures_only_for_its_base_from_a_zero_adapter(bas
 
     def said(*args: Path | str) -> tuple[str, ...]:
         capsys.readouterr()
-        assert main([*map(str, args), "--fuse", "--out", str(tmp_path / "f.gguf")]) == 0
+        assert main([*map(str, args), "--fuse", "--out", str(tmp_path / "f.gguf"),
+                     "--overwrite"]) == 0
         m = re.fullmatch(HELD_OUT_LINE, capsys.readouterr().err.strip().splitlines()[-1])
         assert m
         return m.group(5, 6, 7, 8)

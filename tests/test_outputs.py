@@ -152,6 +152,51 @@ def test_safetensors_refuses_its_own_checkpoint(tmp_path, capsys):
             str(ckpt), "found the --model file")
 
 
+def test_an_existing_output_is_refused_unless_overwrite(made, capsys, tmp_path):
+    """toymlx-report --out, toymlx-export --out (a file; the files it writes into a folder) and
+    toymlx-eval --plot wrote over an existing file without a word: an earlier output, or a
+    file of the user's own of that name. Each refuses it now, in one line naming it and
+    --overwrite (toymlx-train's way with an existing run), before any work; --overwrite
+    replaces it."""
+    from test_timm_export import ARGS as VIT_ARGS
+    from test_timm_export import NAMES, NORM
+    from toymlx_cli.eval import main as evaluate
+    from toymlx_cli.report import main as report
+
+    from toymlx.gguf.vit import write_vit
+    from toymlx.models.vit import ViT
+
+    mx.random.seed(3)
+    vit = tmp_path / "vit.gguf"
+    write_vit(vit, ViT(VIT_ARGS), NORM, class_names=NAMES)
+    run, base = made / "runs" / "r1", made / "base.gguf"
+    for name in ("r.png", "x.gguf", "w.safetensors", "timm/config.json", "ollama/Modelfile",
+                 "cm.png"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"the user's own " + name.encode())
+    # (command, its flags, --out or --plot, the existing file it names: a folder's own file)
+    cases = [("toymlx-report", report, [str(run), "--out"], "r.png", "r.png"),
+             ("toymlx-export", _export, ["--base", str(base), "--adapter", str(run), "--out"],
+              "x.gguf", "x.gguf"),
+             ("toymlx-export", _export, ["--model", str(vit), "--format", "safetensors",
+                                         "--out"], "w.safetensors", "w.safetensors"),
+             ("toymlx-export", _export, ["--model", str(vit), "--format", "safetensors",
+                                         "--out"], "timm", "timm/config.json"),
+             ("toymlx-export", _export, ["--adapter", str(run), "--format", "modelfile",
+                                         "--out"], "ollama", "ollama/Modelfile"),
+             ("toymlx-eval", evaluate, ["--model", str(vit), "--plot"], "cm.png", "cm.png")]
+    for prog, command, argv, out, victim in cases:
+        flag = argv[-1]
+        line = refused(capsys, tmp_path, prog, command, [*argv, str(tmp_path / out)])
+        assert line == (f"{prog}: error: {tmp_path / victim}: {flag}: expected a new file, found "
+                        f"an existing file; pass --overwrite to replace it, or choose another "
+                        f"{flag}")
+    for prog, command, argv, out, victim in cases[:-1]:  # eval's plot: test_vit_images
+        capsys.readouterr()
+        assert command([*argv, str(tmp_path / out), "--overwrite"]) == 0, capsys.readouterr()
+        assert b"the user's own" not in (tmp_path / victim).read_bytes()
+
+
 # ---- the other writers ----------------------------------------------------------------------
 def test_train_refuses_a_run_folder_inside_another_run(made, capsys):
     root = made / "runs" / "r1" / "weights"

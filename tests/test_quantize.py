@@ -362,7 +362,7 @@ def test_full_disk_leaves_nothing_under_the_final_name(base_and_run, tmp_path, d
     out = tmp_path / "fused.gguf"
     out.write_bytes(b"the previous export")
     r = export("--base", str(base), "--adapter", str(run), "--fuse", "--dtype", dtype,
-               "--out", str(out), preexec_fn=_limit_file_size(40_000))
+               "--out", str(out), "--overwrite", preexec_fn=_limit_file_size(40_000))
     assert r.returncode == 2, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith(f"toymlx-export: error: {out}: could not write the {dtype} model (")

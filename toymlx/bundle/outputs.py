@@ -16,6 +16,9 @@ path that
   renamed over it, which would replace /dev/null itself, run as root, with a regular file;
 - is a folder where a file is written (that rename fails, after the work), or a file where a
   folder is (`folder`);
+- exists already, where the command writes a file only with --overwrite (`overwrite` False:
+  toymlx-export's, toymlx-report's and toymlx-eval --plot's files, as toymlx-train's run
+  folder), so an earlier output or a file of the user's own is never replaced without a word.
 Nothing is written by the check, so a refused command leaves every file as it was.
 """
 
@@ -109,12 +112,13 @@ def _with_recorded(inputs: Iterable[tuple[str, str | os.PathLike | None]]
 
 def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]],
                  flag: str = "--out", owns: Iterable[str | os.PathLike] = (),
-                 folder: bool = False) -> Path:
+                 folder: bool = False, overwrite: bool = True) -> Path:
     """`out` as a Path, after refusing (OutputError, one line naming both paths) an output
     that is a FIFO, device or socket, a folder where a file is written (a file where a
     `folder` is), is or holds one of `inputs` ((flag, path) pairs; None and missing paths
     skipped; one in a run bundle brings the files that run records), lies in one of the input
-    folders, in a run bundle not in `owns`, or in a model store."""
+    folders, in a run bundle not in `owns`, or in a model store; and, unless `overwrite`, a
+    file that exists already (naming --overwrite, the command's flag to replace it)."""
     out = Path(out)
     if kind := special_kind(out):
         raise OutputError(f"{out}: {flag}: expected a regular file or a new name, found {kind} "
@@ -159,4 +163,7 @@ def check_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
     if folder and out.exists() and not out.is_dir():
         raise OutputError(f"{out}: {flag}: expected a folder (new or existing), found a file; "
                           f"choose another {flag}")
+    if not folder and not overwrite and os.path.lexists(out):  # a dangling link's too
+        raise OutputError(f"{out}: {flag}: expected a new file, found an existing file; pass "
+                          f"--overwrite to replace it, or choose another {flag}")
     return out

@@ -225,12 +225,14 @@ def modelfile_text(base: Resolved, adapter_file: Path, stops: list[str],
 
 def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
                     base: str | None = None, fuse: bool = False, dtype: str | None = None,
-                    progress: bool = False) -> tuple[Path, Resolved, Path, Path | None]:
+                    progress: bool = False, overwrite: bool = False
+                    ) -> tuple[Path, Resolved, Path, Path | None]:
     """Write `out_dir/Modelfile` for a LoRA run or adapter GGUF; (its path, the base, the
     adapter file, the fused GGUF or None). `base` defaults to the run's `--base`; with `fuse`,
     `out_dir/fused-TYPE.gguf` (`write_merged`: type `dtype`, default the file that keeps the
     fine-tune, named after the base's own type) is written first, and removed again if the
-    Modelfile then fails (nothing of a failed export stays in `out_dir`)."""
+    Modelfile then fails (nothing of a failed export stays in `out_dir`). Either file there
+    already is refused unless `overwrite` (toymlx-export --overwrite)."""
     adapter_file = checkpoint_file(adapter, "--adapter").resolve()
     base = base or lora_run_base(adapter, adapter_file)
     if not base:
@@ -244,18 +246,21 @@ def write_modelfile(out_dir: str | os.PathLike, adapter: str | os.PathLike,
     check_adapter(adapter_file, src.path, fuse)
     inputs = [("--adapter", adapter), ("--adapter", adapter_file), ("--base", src.path)]
     check_output(out_dir, inputs, folder=True)
-    path = check_output(Path(out_dir) / MODELFILE, inputs)
+    path = check_output(Path(out_dir) / MODELFILE, inputs, overwrite=overwrite)
+    fused_out = None
+    if fuse:  # both files checked before the work
+        with GGUFFile(src.path) as g:
+            name = dtype or export_type(g)
+        fused_out = check_output(Path(out_dir) / f"fused-{name}.gguf", inputs,
+                                 overwrite=overwrite)
     check_digests(src, "--base")
     fused = None
     with atomic.output_folder(out_dir):  # a failed write leaves no empty folder it made
         try:
-            if fuse:
+            if fused_out is not None:
                 from toymlx.interop.merge import write_merged  # MLX only when a model is fused
 
-                with GGUFFile(src.path) as g:
-                    name = dtype or export_type(g)
-                fused = write_merged(check_output(Path(out_dir) / f"fused-{name}.gguf", inputs),
-                                     src.path, adapter_file, dtype, progress)
+                fused = write_merged(fused_out, src.path, adapter_file, dtype, progress)
             text = modelfile_text(src, adapter_file, stop_tokens(src.path), fused,
                                   has_chat_template(src.path))
             atomic.write_text(path, text)
