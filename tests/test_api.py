@@ -57,6 +57,20 @@ def test_a_refused_option_is_told_once_in_the_keywords(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_runs_last_line_is_told_once_by_its_exception(tmp_path, capsys):
+    """A diverged run's last line showed twice too: relayed, then as the TrainError's message.
+    The relay shows the run's lines up to it; the exception tells it."""
+    import toymlx
+
+    capsys.readouterr()
+    with pytest.raises(toymlx.TrainError) as caught:
+        toymlx.train("from-scratch", **{**TINY, "steps": 20}, lr=1e4, runs_root=str(tmp_path),
+                     run_id="div")
+    out = capsys.readouterr().out
+    assert str(caught.value).startswith("toymlx: diverged at step ")
+    assert "diverged" not in out and out.count("\n") >= 1, out  # the warm-up note came through
+
+
 def test_the_relay_holds_back_only_a_refusal_at_the_end(capsys):
     """The child's lines come through whole, an error line followed by more output too (it is
     not the refusal raised) and an unterminated last line; only the trailing refusal is held,
@@ -150,6 +164,9 @@ def test_the_relay_passes_the_report_lines_through(tmp_path, capsys):
     assert [e["step"] for e in evals] == [2, 4]
     for e in evals:
         assert f"step {e['step']}: val_loss {e['val_loss']:.4f} ({e['seconds']:.2f} s)" in out
+    # its last line, held back until the call returns (an exception would tell it), is written
+    assert out.endswith(f"toymlx: completed at step 4. held-out: val_loss "
+                        f"{evals[-1]['val_loss']:.4f}. bundle: {tmp_path / 'r'}\n"), out
 
 
 TINY = {"model": {"d_model": 32, "n_layers": 1}, "seq_len": 32, "batch_size": 4, "steps": 2,

@@ -317,14 +317,16 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return st.st_size, st.st_mtime_ns
 
 
-REFUSAL = ("toymlx-train: error:", "╭", "│", "╰")
-"""How a line of the command's refusal starts: its one line, or tyro's own box."""
+HELD = re.compile(r"toymlx-train: error:|[╭│╰]|toymlx: \w+ at step \d")
+"""How a line an exception of `train` may tell starts: the command's refusal (its one line, or
+tyro's own box), or the run's last line (`toymlx: diverged at step 3: ...`, a TrainError's;
+`toymlx: interrupted at step 7: ...`, Ctrl-C's)."""
 
 
 class _Output:
     """What `_run_child` keeps of the child's output: the exit status, the last line, why
-    this process stopped it (None: it ran to its own end), and the refusal lines it has not
-    relayed yet (`relay`)."""
+    this process stopped it (None: it ran to its own end), and the lines it has held back
+    from the relay (`relay`)."""
 
     def __init__(self) -> None:
         self.returncode, self.last_line, self._buf = -1, "", b""
@@ -333,15 +335,16 @@ class _Output:
 
     def relay(self, text: str, end: bool = False) -> None:
         """Write `text` of the child's output to `sys.stdout`, line by line (`end`: the last
-        line too, unterminated), but hold back a refusal's lines (`REFUSAL`) until another
-        line follows: a call that ends refused raises them as its exception's message, in the
-        keywords `train` takes; relayed too, they showed twice (`--steps: expected >= 1,
-        found 0`, then the exception's `steps: ...`)."""
+        line too, unterminated), but hold back a refusal's lines and the run's last line
+        (`HELD`) until another line follows: a call that ends refused, failed or stopped
+        raises them as its exception's message, in the keywords `train` takes; relayed too,
+        they showed twice (`--steps: expected >= 1, found 0`, then the exception's
+        `steps: ...`)."""
         lines = (self._partial + text).splitlines(keepends=True)
         self._partial = "" if end or not lines or lines[-1].endswith(("\n", "\r")) \
             else lines.pop()
         for line in lines:
-            if line.startswith(REFUSAL):
+            if HELD.match(line):
                 self.held.append(line)
                 continue
             self.held, held = [], self.held
@@ -381,8 +384,8 @@ class _Output:
 
 def _run_child(cmd: list[str], echo: bool) -> _Output:
     """Run `cmd` tied to this process (it stops if this one dies), its stdout and stderr relayed
-    to `sys.stdout` (a notebook's cell output too) a line as it comes (a refusal's held back:
-    `_Output.relay`), and return once it has ended.
+    to `sys.stdout` (a notebook's cell output too) a line as it comes (a refusal and the run's
+    last line held back: `_Output.relay`), and return once it has ended.
     Ctrl-C here, wherever it lands (waiting for output, or in `sys.stdout.write`), is passed on
     as the child's own Ctrl-C, once: the child runs in a session of its own, where a terminal's
     Ctrl-C, sent to every process of its job, does not reach it too (two, they were a second
