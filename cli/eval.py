@@ -734,6 +734,9 @@ def evaluate(args: Args) -> dict:
 
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
                      "--plot", overwrite=args.overwrite)
+    elif args.overwrite:  # --plot is the only file eval writes
+        raise ValueError("--overwrite: expected with --plot FILE (it replaces an existing "
+                         "--plot file), found no --plot")
     bundle = _run_bundle(args.model)
     # a fused file outside its run: the run's rows, from the settings the file records
     fused = file_run(args.model) if bundle is None else None

@@ -77,6 +77,14 @@ def test_a_count_below_one_is_one_line(flag, value, capsys):
         f"the whole split), found {value}\n")
 
 
+def test_overwrite_without_a_plot_is_one_line(capsys):
+    """--overwrite replaces an existing --plot file, eval's only one: alone it did nothing."""
+    assert eval_main(["--model", "nowhere.gguf", "--overwrite"]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-eval: error: --overwrite: expected with --plot FILE (it replaces an existing "
+        "--plot file), found no --plot\n")
+
+
 def test_a_count_not_an_integer_is_one_line(capsys):
     assert eval_main(["--model", "nowhere.gguf", "--limit", "1.5"]) == 2
     assert capsys.readouterr().err == (
