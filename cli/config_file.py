@@ -54,10 +54,9 @@ MLX_LM_KEYS = {
     "steps_per_report": "--report-every",
     "test_batches": "--test scores all of test.jsonl; drop it",
     "optimizer": "--optimizer (the lora recipe)",
-    **{key: (f"toymlx reads a data row's {what} from its \"{name}\" key only; rename the "
-             "rows' key to it") for key, what, name in (
-        ("prompt_feature", "prompt", "prompt"), ("completion_feature", "completion", "completion"),
-        ("text_feature", "text", "text"), ("chat_feature", "messages", "messages"))},
+    **{f"{part}_feature": f"--data.keys {key}=NAME (a row's NAME read as its {key})"
+       for part, key in (("prompt", "prompt"), ("completion", "completion"), ("text", "text"),
+                         ("chat", "messages"))},
 }
 """mlx_lm.lora's config keys -> toymlx-train's flags (a text not starting with `--`: what to do
 instead, there being none), named when such a key is unknown here."""

@@ -630,6 +630,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         fitted_rows,
         held_out_call_rows,
         load_examples,
+        row_keys,
         sft_val_batches,
         test_file,
     )
@@ -652,6 +653,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     pick = pick if split == "val" else None
     mask, pack = data.get("mask_prompt", True), data.get("pack", True)
     turns = data.get("train_turns", "assistant")
+    keys = row_keys(data.get("keys", ()))
     bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
 
     def rows_of(examples: list, name: str, most: int | None) -> tuple[dict, Any]:
@@ -660,13 +662,13 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
 
     if split == "test":
         f = test_file(path)
-        examples = load_examples(f)
+        examples = load_examples(f, keys)
         rows, fit = rows_of(examples, "test", first)
         source = where = str(f)
         # trained: not said (a test file without examples is refused as it is read)
         trained, total, tokenized = None, len(examples), fit.examples
     else:  # the validation examples alone (val), or the training ones first (all)
-        ex = SplitExamples.of(path or DEFAULT_DATA, data.get("val_fraction", 0.1))
+        ex = SplitExamples.of(path or DEFAULT_DATA, data.get("val_fraction", 0.1), keys=keys)
         where, trained = ex.source.of("validation"), len(ex.train)
         # the file(s) the scored rows came from: valid.jsonl alone for --split val
         source = where if split == "val" else str(ex.source)

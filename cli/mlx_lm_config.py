@@ -75,8 +75,8 @@ _SHARED = {"model", "data", "report_to", "recipe", "lr_schedule"}
 _FEATURES = {"prompt_feature": "prompt", "completion_feature": "completion",
              "text_feature": "text", "chat_feature": "messages"}
 """mlx-lm's keys naming the key of a data row its prompt, completion, text or messages are
-read from (mlx_lm/tuner/datasets.py's create_dataset) -> the key toymlx's data reader reads
-for it (`toymlx.data.chat`), the only name taken: its keys are fixed."""
+read from (mlx_lm/tuner/datasets.py's create_dataset) -> the part of a row it names, as
+--data.keys names it (`toymlx.data.chat.row_keys`)."""
 _MLX_LM_MODEL = "Qwen/Qwen3-0.6b"
 """mlx-lm's default `model` (mlx_lm/lora.py's CONFIG_DEFAULTS, mlx-lm 0.32): a Hugging Face
 repository of safetensors, which toymlx, reading GGUFs and no network, cannot take."""
@@ -146,8 +146,6 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         raise ConfigFileError(f"{source}: key {unknown[0]!r}: expected a key of mlx-lm's lora "
                               f"config (the file is read as mlx-lm's, for its {why!r}), found "
                               "an unknown key" + (f"; did you mean {close}?" if close else ""))
-    for key in _FEATURES.keys() & keys:
-        _feature(key, data[key], source)
     given = {**MLX_LM_DEFAULTS, **data}
     _want(source, "train", data.get("train", True) is True, "true (toymlx-train trains; a run's "
           "test.jsonl is scored by toymlx-eval --model RUN --split test)", data.get("train"))
@@ -205,6 +203,9 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
                      "gives the data; mlx-lm would read the Hugging Face dataset instead)")
     elif "hf_dataset" in data:
         _hf_dataset(data["hf_dataset"], source)
+    renamed = _features(data, source)
+    if renamed:
+        put(", ".join(k for k in _FEATURES if k in data), "data.keys", list(renamed), "file")
     if "data" in data:
         put("data", "data.path", data["data"] if "--data.path" in flags
             else _data(data["data"], source))
@@ -468,19 +469,25 @@ def _optimizer_config(conf: Any, name: Any, source: str, put) -> None:
             None if "weight_decay" in conf else "MLX's AdamW default")
 
 
-def _feature(key: str, value: Any, source: str) -> None:
-    """prompt_feature, completion_feature, text_feature, chat_feature: taken when they name the
-    key toymlx reads (mlx-lm's default), else refused with the rename that makes the rows
-    toymlx's: the data reader's keys are fixed, and a run's rows are read again after it
-    (toymlx-eval, toymlx-export --exact-size), so a rename the run alone knew would not hold."""
-    name = _FEATURES[key]
-    if value == name:
-        return
-    rename = (f"; rename the rows' {json.dumps(value)} to {json.dumps(name)} and remove "
-              f"{key}" if isinstance(value, str) else "")
-    raise ConfigFileError(f"{source}: key {key!r}: expected {json.dumps(name)} (toymlx reads a "
-                          f"data row's {name} from that key only), found {json.dumps(value)}"
-                          + rename)
+def _features(data: dict[str, Any], source: str) -> tuple[str, ...]:
+    """prompt_feature, completion_feature, text_feature, chat_feature as --data.keys' KEY=NAME
+    pairs (the run's config keeps them, so toymlx-eval and toymlx-export read the rows as the
+    run did); one naming its own part (mlx-lm's default) gives none. ConfigFileError (one line)
+    for a value that is not a key name, or one row key named by two of them."""
+    pairs, by_name = [], {}
+    for key, part in _FEATURES.items():
+        if key not in data:
+            continue
+        value = data[key]
+        _want(source, key, isinstance(value, str) and value.strip() != "",
+              f"the name of the rows' key holding the {part}", value)
+        if value in by_name:
+            raise ConfigFileError(f"{source}: key {key!r}: expected a row key of its own, found "
+                                  f"{json.dumps(value)}, which {by_name[value]!r} names too")
+        by_name[value] = key
+        if value != part:
+            pairs.append(f"{part}={value}")
+    return tuple(pairs)
 
 
 def _model(model: Any, source: str) -> str:
@@ -571,13 +578,13 @@ def mlx_lm_mask_prompt(cfg: Any, source: str) -> None:
     plain-text file): mlx-lm refuses it ("Prompt masking not supported for text dataset"),
     where toymlx's lora recipe would train every token of it. The file's first example alone
     is read (`first_kind`): the recipe reads all of train.jsonl once, after this."""
-    from toymlx.data.chat import data_files, first_kind
+    from toymlx.data.chat import data_files, first_kind, row_keys
 
     if not cfg.data.mask_prompt or not cfg.data.path:
         return
     try:
         train = data_files(cfg.data.path).train
-        kind = first_kind(train)
+        kind = first_kind(train, row_keys(cfg.data.keys))
     except (ValueError, OSError):  # refused by the recipe, naming the file
         return
     if kind == "text":

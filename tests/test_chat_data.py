@@ -1555,3 +1555,41 @@ SMOL_DIGESTS = {  # mask_prompt-turns-pack; without mask_prompt `turns` changes 
     "True-last-False": "c87d9f82fe0c8da7", "True-last-True": "f4bff10e874d582c",
     "False-assistant-False": "a983430f6ef6076c", "False-assistant-True": "e09c5b0a0e210955",
     "False-last-False": "a983430f6ef6076c", "False-last-True": "e09c5b0a0e210955"}
+
+
+def test_renamed_row_keys_read_and_are_named_as_the_file_writes_them(tmp_path):
+    """`--data.keys` (mlx-lm's prompt_feature, ...): each row's NAME read as its KEY, and every
+    error names the key the file holds, not toymlx's name for it."""
+    keys = chat.row_keys(["prompt=question", "completion=answer", "messages=chat",
+                          "text=text"])
+    assert keys == {"prompt": "question", "completion": "answer", "messages": "chat"}
+    f = write(tmp_path, "qa.jsonl", json.dumps({"question": "2+2?", "answer": "4",
+                                                "prompt": "ignored"}) + "\n")
+    [ex] = load_examples(f, keys)
+    assert (ex.kind, ex.prompt, ex.completion) == ("completion", "2+2?", "4")
+    wants = [
+        ({"question": "q", "prompt": "p"},
+         "expected both \"question\" and \"answer\", found keys ['prompt', 'question']"),
+        ({"question": "q", "answer": " "}, "expected \"answer\" to be a non-empty string, found ' '"),
+        ({"chat": [{"role": "bot", "content": "x"}]},
+         'expected chat[0].role to be one of system, user, assistant, tool, found string "bot"'),
+        ({"chat": [{"role": "user", "content": 3}]},
+         'expected "chat[0].content" to be a string, found number 3'),
+        ({"body": "x"},
+         ('expected one of {"text": ...}, {"question": ..., "answer": ...} or {"chat": [...]}, '
+          "found keys ['body']"))]
+    for record, want in wants:
+        f.write_text(json.dumps(record) + "\n")
+        with pytest.raises(DataError) as e:
+            load_examples(f, keys)
+        assert str(e.value) == f"{f}:1: {want}"
+    refused = [
+        (["prompt"], ("--data.keys: expected KEY=NAME with KEY one of prompt, completion, text, "
+                      "messages (a row's NAME read as its KEY), found 'prompt'")),
+        (["prompt=a", "prompt=b"], "--data.keys: expected prompt once, found prompt=a and prompt=b"),
+        (["prompt=a", "completion=a"], ("--data.keys: expected each row key read once, found 'a' "
+                                        "read as prompt and as completion"))]
+    for pairs, want in refused:
+        with pytest.raises(ValueError) as e:
+            chat.row_keys(pairs)
+        assert str(e.value) == want

@@ -367,20 +367,27 @@ def test_the_optimizers_are_mlx_lm_s():
     ({"lora_paramters": {"rank": 8}}, ("f.yaml: key 'lora_paramters': expected a key of "
      "mlx-lm's lora config (the file is read as mlx-lm's, for its 'iters'), found an unknown "
      "key; did you mean lora_parameters?")),
-    # mlx-lm's data-key names: toymlx reads fixed keys (before: "not a key of mlx-lm's")
-    ({"prompt_feature": "question"}, ("f.yaml: key 'prompt_feature': expected \"prompt\" "
-     "(toymlx reads a data row's prompt from that key only), found \"question\"; rename the "
-     "rows' \"question\" to \"prompt\" and remove prompt_feature")),
-    ({"chat_feature": "conversation"}, ("f.yaml: key 'chat_feature': expected \"messages\" "
-     "(toymlx reads a data row's messages from that key only), found \"conversation\"; rename "
-     "the rows' \"conversation\" to \"messages\" and remove chat_feature")),
-    ({"text_feature": 3}, ("f.yaml: key 'text_feature': expected \"text\" (toymlx reads a data "
-     "row's text from that key only), found 3")),
+    # mlx-lm's data-key names: a key name each, one row key named once
+    ({"text_feature": 3}, ("f.yaml: key 'text_feature': expected the name of the rows' key "
+     "holding the text, found 3")),
+    ({"prompt_feature": "q", "completion_feature": "q"}, ("f.yaml: key 'completion_feature': "
+     "expected a row key of its own, found \"q\", which 'prompt_feature' names too")),
 ])
 def test_a_key_toymlx_cannot_honour_is_one_line(extra, line):
     with pytest.raises(ConfigFileError) as e:
         mlx_lm_options({"iters": 10, **extra}, "f.yaml")
     assert str(e.value) == line
+
+
+def test_data_key_names_are_the_run_s_data_keys():
+    """prompt_feature, completion_feature, text_feature and chat_feature name the rows' keys, as
+    mlx-lm reads them: --data.keys (they were refused, saying to rename the rows)."""
+    opts, rows, _ = mlx_lm_options({"iters": 5, "prompt_feature": "question",
+                                    "completion_feature": "answer", "chat_feature": "messages",
+                                    "text_feature": "body"}, "f.yaml")
+    assert opts["data.keys"] == ["prompt=question", "completion=answer", "text=body"]
+    assert ("prompt_feature, completion_feature, text_feature, chat_feature", "--data.keys",
+            ["prompt=question", "completion=answer", "text=body"], "file") in rows
 
 
 def test_a_data_key_name_that_is_toymlx_s_own_changes_nothing():
@@ -501,17 +508,26 @@ class _AsHuggingFace:
         return list(self.tok.encode(text, add_bos=False))
 
 
+@pytest.mark.parametrize("renamed", [False, True])
 @pytest.mark.parametrize("shape", ["text", "completions"])
-def test_a_data_folder_trains_mlx_lm_s_own_token_ids(tmp_path, shape):
+def test_a_data_folder_trains_mlx_lm_s_own_token_ids(tmp_path, shape, renamed):
     """The ids and trained targets toymlx's rows hold for an mlx-lm data folder equal those of
     mlx-lm's own dataset (mlx_lm.tuner.datasets.load_local_dataset: EOS appended to text rows,
     a completion's chat template with --mask-prompt's offset), row for row in file order; the
     one target mlx-lm's default_loss counts past a row's end (the pad id after EOS) is the only
-    difference, and it is left out (docs/RESULTS.md, session 16)."""
+    difference, and it is left out (docs/RESULTS.md, session 16). Rows under other keys, named
+    by mlx-lm's text_feature, prompt_feature and completion_feature (`--data.keys`), as
+    mlx-lm reads them; a row's own "prompt" beside them is not read, as mlx-lm does not."""
     from mlx_lm.tuner.datasets import load_local_dataset
 
-    from toymlx.data.chat import SFTData
+    from toymlx.data.chat import SFTData, row_keys
     from toymlx.data.tokenizer import Tokenizer, byte_metadata
+
+    features = ({"text_feature": "body", "prompt_feature": "question",
+                 "completion_feature": "answer"} if renamed else {})
+    keys = row_keys(mlx_lm_options({"iters": 1, **features}, "f.yaml")[0].get("data.keys", ()))
+    assert keys == ({"text": "body", "prompt": "question", "completion": "answer"}
+                    if renamed else {})
 
     meta = byte_metadata()
     meta["tokenizer.chat_template"] = CHATML
@@ -523,13 +539,17 @@ def test_a_data_folder_trains_mlx_lm_s_own_token_ids(tmp_path, shape):
     for split in ("train", "valid", "test"):
         recs = ([{"text": f"{p}\nA: {c}"} for p, c in rows] if shape == "text" else
                 [{"prompt": p, "completion": c} for p, c in rows])
+        if renamed:
+            recs = [{keys.get(k, k): v for k, v in r.items()} | {"prompt": "not read"}
+                    for r in recs]
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     mask_prompt = shape == "completions"
     import argparse
 
     theirs, _, _ = load_local_dataset(tmp_path, _AsHuggingFace(tok),
-                                      argparse.Namespace(mask_prompt=mask_prompt))
-    ours = SFTData.from_file(tmp_path, tok, 256, mask_prompt=mask_prompt, pack=False).train
+                                      argparse.Namespace(mask_prompt=mask_prompt, **features))
+    ours = SFTData.from_file(tmp_path, tok, 256, mask_prompt=mask_prompt, pack=False,
+                             keys=keys).train
     assert len(ours["inputs"]) == len(theirs) == len(rows)
     for r in range(len(rows)):
         ids, offset = theirs.process(theirs[r])
@@ -827,6 +847,45 @@ def test_a_config_run_validates_the_base_before_step_1_once(tmp_path, base, chat
     capsys.readouterr()
 
 
+def test_a_run_on_renamed_keys_is_scored_and_resumed_on_them(tmp_path, base, data, capsys):
+    """A file's prompt_feature and completion_feature ({"question", "answer"} rows) train the
+    rows mlx-lm reads: the run's step-0 val loss is the base's on the same rows under toymlx's
+    own keys, and toymlx-eval reads the run's rows again through the keys the run kept."""
+    from toymlx_cli.eval import Args, evaluate_chat
+
+    from toymlx.runner.bundle import Bundle
+
+    renamed = tmp_path / "qa"
+    renamed.mkdir()
+    for split in ("train", "valid"):
+        rows = [json.loads(x) for x in (data / f"{split}.jsonl").read_text().splitlines()]
+        (renamed / f"{split}.jsonl").write_text("".join(
+            json.dumps({"question": r["prompt"], "answer": r["completion"]}) + "\n"
+            for r in rows))
+    run = tmp_path / "runs" / "r"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(base), "data": str(renamed), "iters": 2, "batch_size": 2,
+        "mask_prompt": True, "num_layers": 1, "steps_per_eval": 2, "val_batches": -1,
+        "max_seq_length": 64, "adapter_path": str(run), "prompt_feature": "question",
+        "completion_feature": "answer"}))
+    assert main(["-c", str(path), "--no-progress"]) == 0
+    cfg = Bundle.open(run).config
+    assert cfg.data.keys == ("prompt=question", "completion=answer")
+    evals = [e for e in read_events(run) if e["kind"] == "eval"]
+    own = replace(cfg, data=replace(cfg.data, path=str(data), keys=()))
+    base_loss = evaluate_chat(Args(model=str(base), split="val"), own)["val_loss"]
+    assert evals[0]["val_loss"] == pytest.approx(base_loss, abs=1e-5)
+    assert evaluate_chat(Args(model=str(base), split="val"), cfg)["val_loss"] == pytest.approx(
+        base_loss, abs=1e-6)
+    capsys.readouterr()
+    assert main(["--recipe", "lora", "--base", str(base), "--data.path", str(renamed),
+                 "--data.keys", "answer=answer", "--runs-root", str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == (
+        "toymlx-train: error: --data.keys: expected KEY=NAME with KEY one of prompt, "
+        "completion, text, messages (a row's NAME read as its KEY), found 'answer=answer'")
+
+
 def test_the_val_loss_of_an_iteration_is_noted_as_one_update_apart():
     """mlx-lm validates at iteration N before that iteration's update, toymlx after step N: the
     same count is one update apart, said where the file sets steps_per_eval."""
@@ -1040,7 +1099,8 @@ def test_the_mask_prompt_check_reads_train_jsonl_s_first_example_only(tmp_path, 
     from toymlx.data import chat
 
     loaded, load = [], chat.load_examples
-    monkeypatch.setattr(chat, "load_examples", lambda p: loaded.append(Path(p)) or load(p))
+    monkeypatch.setattr(chat, "load_examples",
+                        lambda p, keys=None: loaded.append(Path(p)) or load(p, keys))
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({
         "model": str(base), "data": str(chats), "iters": 1, "batch_size": 2, "num_layers": 1,

@@ -20,6 +20,8 @@ File formats (`load_examples`):
 - a folder in mlx-lm's layout (`data_files`): `train.jsonl`, optional `valid.jsonl` and
   `test.jsonl`; each may be a `.json`, `.csv` or `.tsv` file instead (`train.csv`), read as
   that file alone is.
+- a record's `text`, `prompt`, `completion` and `messages` may be read from other keys
+  (`row_keys`: `--data.keys prompt=question`, mlx-lm's `prompt_feature` and the like).
 - any other file is plain UTF-8 text split into documents at blank lines (a line with only
   whitespace counts as blank). Each document becomes one `{"text": ...}` example, which is
   what the same paragraphs written as JSONL would give; to train on a whole file as one
@@ -45,7 +47,7 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -87,6 +89,40 @@ TURNS = ("assistant", "last")
 """Which messages of a conversation train under mask_prompt: every assistant turn (toymlx's),
 or the last message (mlx-lm's)."""
 SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
+ROW_KEYS = ("prompt", "completion", "text", "messages")
+"""The keys a record's parts are read from, unless `row_keys` renames them."""
+
+
+def row_keys(pairs: Sequence[str]) -> dict[str, str]:
+    """--data.keys's KEY=NAME pairs as {KEY: NAME}: each record's NAME is read as its KEY (one
+    of `ROW_KEYS`), as mlx-lm's prompt_feature, completion_feature, text_feature and
+    chat_feature say (`prompt=question`: a row's "question" is its prompt); a pair that names
+    its KEY again is left out. ValueError (one line) for a pair that is not KEY=NAME, a KEY not
+    in ROW_KEYS, a KEY given twice or a NAME given two KEYs."""
+    keys: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, name = pair.partition("=")
+        if not eq or not name or key not in ROW_KEYS:
+            raise ValueError(f"--data.keys: expected KEY=NAME with KEY one of "
+                             f"{', '.join(ROW_KEYS)} (a row's NAME read as its KEY), found "
+                             f"{pair!r}")
+        if key in keys:
+            raise ValueError(f"--data.keys: expected {key} once, found {key}={keys[key]} and "
+                             f"{pair}")
+        twice = next((k for k, n in keys.items() if n == name), None)
+        if twice is not None:
+            raise ValueError(f"--data.keys: expected each row key read once, found {name!r} "
+                             f"read as {twice} and as {key}")
+        keys[key] = name
+    return {k: n for k, n in keys.items() if k != n}
+
+
+def _renamed(obj: dict, keys: Mapping[str, str]) -> dict:
+    """A record with `row_keys`' renames made: each KEY's value the record's NAME's; a record's
+    own KEY that is renamed, and each NAME, left out (mlx-lm reads the named key alone)."""
+    out = {k: v for k, v in obj.items() if k not in keys and k not in keys.values()}
+    out.update({k: obj[n] for k, n in keys.items() if n in obj})
+    return out
 
 
 class ChatTokenizer(Protocol):
@@ -161,6 +197,24 @@ def _column(key: str) -> str:
     return f'column "{key}"'
 
 
+def _named_as(name: Callable[[str], str], keys: Mapping[str, str]) -> Callable[[str], str]:
+    """`name` (how errors name a key) for a record read through `row_keys`' renames: a KEY, or
+    a path into it (`messages[0].content`), named by the record's own key."""
+    def named(key: str) -> str:
+        head = key.split("[", 1)[0]
+        return name(keys[head] + key[len(head):]) if head in keys else name(key)
+    return named
+
+
+def _shapes(keys: Mapping[str, str] | None) -> str:
+    """`SHAPES`, with `row_keys`' renames."""
+    if not keys:
+        return SHAPES
+    k = {**{key: key for key in ROW_KEYS}, **keys}
+    return (f'{{"{k["text"]}": ...}}, {{"{k["prompt"]}": ..., "{k["completion"]}": ...}} or '
+            f'{{"{k["messages"]}": [...]}}')
+
+
 def _peer_record(obj: dict, where: str, name: Callable[[str], str] = _quoted) -> dict | None:
     """A record in one of the two layouts Hugging Face's chat datasets come in most, as the shape
     it means, where it has none of toymlx's keys: ShareGPT's {"conversations": [{"from",
@@ -207,20 +261,26 @@ def _peer_record(obj: dict, where: str, name: Callable[[str], str] = _quoted) ->
     return None
 
 
-def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted) -> Example:
+def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted,
+                  keys: Mapping[str, str] | None = None) -> Example:
     """A record (a JSON object, or a table's row keyed by its header) as its example; `name`:
-    how errors name a key (`_quoted`; a table's `_column`)."""
+    how errors name a key (`_quoted`; a table's `_column`); `keys`: `row_keys`' renames (the
+    errors name the record's own keys)."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object {SHAPES}, found {_found(obj)}")
+    given = obj  # as the file writes it, as errors name its keys
+    if keys:
+        obj = _renamed(obj, keys)
+        name = _named_as(name, keys)
     peer = _peer_record(obj, where, name)
     read_from = "conversations" if peer is not None and "messages" in peer else None
     obj = peer or obj
-    shapes = [s for s, keys in (("text", ("text",)), ("prompt/completion", ("prompt", "completion")),
-                                ("messages", ("messages",))) if any(k in obj for k in keys)]
+    shapes = [s for s, parts in (("text", ("text",)), ("prompt/completion", ("prompt", "completion")),
+                                 ("messages", ("messages",))) if any(k in obj for k in parts)]
     if len(shapes) != 1:
-        found = f"keys {sorted(obj)}" if obj else "an empty object"
+        found = f"keys {sorted(given)}" if given else "an empty object"
         qualifier = "one of" if not shapes else "only one of"
-        raise DataError(f"{where}: expected {qualifier} {SHAPES}, found {found}")
+        raise DataError(f"{where}: expected {qualifier} {_shapes(keys)}, found {found}")
 
     def string(key: str, value: Any, non_empty: bool) -> str:
         if not isinstance(value, str):
@@ -241,14 +301,13 @@ def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted) ->
     if shapes[0] == "prompt/completion":
         missing = [k for k in ("prompt", "completion") if k not in obj]
         if missing:
-            raise DataError(
-                f'{where}: expected both "prompt" and "completion", found keys {sorted(obj)}'
-            )
+            raise DataError(f"{where}: expected both {name('prompt')} and {name('completion')}, "
+                            f"found keys {sorted(given)}")
         return Example(where, prompt=string("prompt", obj["prompt"], non_empty=False),
                        completion=string("completion", obj["completion"], non_empty=True))
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
-        raise DataError(f'{where}: expected "messages" to be a non-empty array of '
+        raise DataError(f"{where}: expected {name('messages')} to be a non-empty array of "
                         f'{{"role", "content"}} objects, found {_found(messages)}')
     tools = obj.get("tools")
     if tools is not None and not (isinstance(tools, list)
@@ -256,14 +315,15 @@ def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted) ->
         raise DataError(f'{where}: expected "tools" to be an array of function objects, found '
                         f"{_found(tools)}")
     out = []
+    chat = (keys or {}).get("messages", "messages")  # the record's own key, as errors name it
     for j, m in enumerate(messages):
         # an assistant turn that only calls tools may leave its content out (mlx-lm's format)
         if not isinstance(m, dict) or "role" not in m or (
                 "content" not in m and "tool_calls" not in m):
-            raise DataError(f'{where}: expected messages[{j}] to be an object with "role" and '
+            raise DataError(f'{where}: expected {chat}[{j}] to be an object with "role" and '
                             f'"content", found {_found(m)}')
         if m["role"] not in ROLES:
-            raise DataError(f"{where}: expected messages[{j}].role to be one of "
+            raise DataError(f"{where}: expected {chat}[{j}].role to be one of "
                             f"{', '.join(ROLES)}, found {_found(m['role'])}")
         # OpenAI's exports write `"content": null` beside tool calls: no content, as left out
         content = m.get("content", "")
@@ -283,7 +343,8 @@ def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted) ->
                    read_from=read_from)
 
 
-def _json_array(path: Path, text: str) -> list[Example]:
+def _json_array(path: Path, text: str, keys: Mapping[str, str] | None = None
+                ) -> list[Example]:
     """Parse a top-level JSON array element by element, so errors can give line numbers."""
     decoder = json.JSONDecoder()
 
@@ -304,7 +365,7 @@ def _json_array(path: Path, text: str) -> list[Example]:
             raise _unreadable(f"{path}:{e.lineno}", e, "an array of objects") from None
         except RecursionError as e:
             raise _unreadable(f"{path}:{line(pos)}", e, "an array of objects") from None
-        examples.append(_parse_record(obj, f"{path}:{line(pos)}"))
+        examples.append(_parse_record(obj, f"{path}:{line(pos)}", keys=keys))
         pos = end
         while pos < len(text) and text[pos].isspace():
             pos += 1
@@ -339,9 +400,9 @@ def is_plain_text(path: Path) -> bool:
     return path.suffix.lower() not in (".jsonl", ".json", *TABLES)
 
 
-def load_examples(path: str | Path) -> list[Example]:
+def load_examples(path: str | Path, keys: Mapping[str, str] | None = None) -> list[Example]:
     """Read a `.jsonl`/`.json` example file, a `.csv`/`.tsv` table (`_table_examples`) or a
-    plain-text file (documents at blank lines). A JSONL, table or plain-text file is read a
+    plain-text file (documents at blank lines); `keys`: `row_keys`' renames. A JSONL, table or plain-text file is read a
     block at a time (`_lines`), each line parsed as it comes: a 100 MB train.jsonl never held
     whole, nor as a list of its lines, beside its examples (its text alone, as one string, took
     1 GB with a character past U+FFFF in it)."""
@@ -350,13 +411,13 @@ def load_examples(path: str | Path) -> list[Example]:
     try:
         head = _head(pieces)  # the text up to its first non-space character
         if path.suffix.lower() == ".json" and head.lstrip().startswith("["):
-            return _examples(path, _json_array(path, head + "".join(pieces)))
+            return _examples(path, _json_array(path, head + "".join(pieces), keys))
         lines = _lines(itertools.chain((head,), pieces))
         if path.suffix.lower() in TABLES:
-            return list(_table_examples(path, lines))
+            return list(_table_examples(path, lines, keys))
         if is_plain_text(path):
             return _documents(path, lines)
-        return _examples(path, [_jsonl_record(raw, path, lineno)
+        return _examples(path, [_jsonl_record(raw, path, lineno, keys)
                                 for lineno, raw in lines if raw.strip()])
     finally:
         pieces.close()
@@ -405,7 +466,8 @@ def _documents(path: Path, lines: Iterable[tuple[int, str]]) -> list[Example]:
     return examples
 
 
-def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Example]:
+def _table_examples(path: Path, lines: Iterable[tuple[int, str]],
+                    keys: Mapping[str, str] | None = None) -> Iterator[Example]:
     """A .csv or .tsv file's examples (`lines`: `_lines`'s), one a row after its header, each
     the example its JSONL record would give: the row's cells keyed by the header's columns
     (unnamed ones left out), through the same record reader (`_parse_record`). Rows are
@@ -421,7 +483,7 @@ def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Ex
     for row, cells in _table_rows(path, lines):
         if header is None:
             header, header_row = cells, row
-            _table_header(path, header, row, sep)
+            _table_header(path, header, row, sep, keys)
             continue
         if len(cells) != len(header):
             few = len(cells) < len(header)
@@ -434,7 +496,7 @@ def _table_examples(path: Path, lines: Iterable[tuple[int, str]]) -> Iterator[Ex
                             f"({columns}), found {len(cells)}: {extra}")
         count += 1
         yield _parse_record({k: v for k, v in zip(header, cells) if k}, f"{path}: row {row}",
-                            _column)
+                            _column, keys)
     if header is None:
         raise DataError(f"{path}: expected a {kind} header row ({TABLE_COLUMNS}), found only "
                         f"empty rows")
@@ -492,7 +554,8 @@ def _table_row(reader: Iterator[list[str]]) -> list[str] | None:
         csv.field_size_limit(limit)
 
 
-def _table_header(path: Path, header: list[str], row: int, sep: str) -> None:
+def _table_header(path: Path, header: list[str], row: int, sep: str,
+                  keys: Mapping[str, str] | None = None) -> None:
     """DataError (one line) where a table's header (its row `row`, fields separated by `sep`)
     names a column twice, gives chat turns, or makes no record: the record its columns would
     give, each cell filled, is what the reader refuses (a header of one column holding another
@@ -508,7 +571,7 @@ def _table_header(path: Path, header: list[str], row: int, sep: str) -> None:
                         f"write the examples as JSONL, one "
                         f'{{"messages": [{{"role": ..., "content": ...}}, ...]}} a line')
     try:
-        _parse_record({c: "x" for c in header if c}, where, _column)
+        _parse_record({c: "x" for c in header if c}, where, _column, keys)
     except DataError:
         other = next((c for c in (";", "\t", ",", "|") if c != sep and len(header) == 1
                       and c in header[0]), None)
@@ -528,13 +591,14 @@ def _examples(path: Path, examples: list[Example]) -> list[Example]:
     return examples
 
 
-def _jsonl_record(raw: str, path: Path, lineno: int) -> Example:
-    """Line `lineno` (not blank) of a JSONL example file as its example."""
+def _jsonl_record(raw: str, path: Path, lineno: int, keys: Mapping[str, str] | None = None
+                  ) -> Example:
+    """Line `lineno` (not blank) of a JSONL example file as its example (`keys`: `row_keys`')."""
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, RecursionError) as e:
         raise _unreadable(f"{path}:{lineno}", e, "one object per line") from None
-    return _parse_record(obj, f"{path}:{lineno}")
+    return _parse_record(obj, f"{path}:{lineno}", keys=keys)
 
 
 def _unreadable(where: str, e: json.JSONDecodeError | RecursionError, expected: str) -> DataError:
@@ -551,7 +615,7 @@ FIRST_BYTES = 1 << 16
 """How much of an example file `first_kind` reads at a time, until its first example ends."""
 
 
-def first_kind(path: str | Path) -> str:
+def first_kind(path: str | Path, keys: Mapping[str, str] | None = None) -> str:
     """The kind (`Example.kind`) of the first example of a file `load_examples` reads, which is
     the whole file's (`check_one_shape`: the first row sets it, as mlx-lm's `create_dataset`
     picks a file's dataset class), read no further than that example ends: a check made before
@@ -562,7 +626,7 @@ def first_kind(path: str | Path) -> str:
     if path.suffix.lower() in TABLES:  # the header sets every row's kind: the first row's
         pieces = open_text(path, FIRST_BYTES)[1]
         try:
-            return next(_table_examples(path, _lines(pieces))).kind
+            return next(_table_examples(path, _lines(pieces), keys)).kind
         finally:
             pieces.close()
     pieces = open_text(path, FIRST_BYTES)[1]
@@ -574,14 +638,15 @@ def first_kind(path: str | Path) -> str:
             size += len(piece)
             if size >= 2 * tried:  # each try on twice the text of the last: a long first
                 tried = size       # line costs its length, not its length squared
-                if (kind := _first_kind_in("".join(parts), path)) is not None:
+                if (kind := _first_kind_in("".join(parts), path, keys)) is not None:
                     return kind
     finally:
         pieces.close()
-    return load_examples(path)[0].kind  # its last line, or no example: the reader's answer
+    return load_examples(path, keys)[0].kind  # its last line, or no example: the reader's answer
 
 
-def _first_kind_in(text: str, path: Path) -> str | None:
+def _first_kind_in(text: str, path: Path, keys: Mapping[str, str] | None = None
+                   ) -> str | None:
     """The first example's kind in the start `text` of the file `path`, None until a whole
     example is there: a JSONL line with its newline, a JSON array's first item."""
     if is_plain_text(path):  # each document is {"text": ...}
@@ -593,10 +658,11 @@ def _first_kind_in(text: str, path: Path) -> str | None:
             obj = json.JSONDecoder().raw_decode(text, start)[0]
         except (json.JSONDecodeError, RecursionError):  # cut short, or left to _json_array
             return None
-        return _parse_record(obj, f"{path}:{text.count(chr(10), 0, start) + 1}").kind
+        return _parse_record(obj, f"{path}:{text.count(chr(10), 0, start) + 1}",
+                             keys=keys).kind
     for lineno, raw in enumerate(text.split("\n")[:-1], start=1):
         if raw.strip():
-            return _jsonl_record(raw, path, lineno).kind
+            return _jsonl_record(raw, path, lineno, keys).kind
     return None
 
 
@@ -1538,10 +1604,11 @@ class SplitExamples:
 
     @classmethod
     def of(cls, path: str | Path, val_fraction: float = 0.1,
-           val_path: str | Path | None = None) -> SplitExamples:
-        """`path`'s examples (a file, or an mlx-lm data folder: `data_files`); validation is
-        `val_path` or the folder's valid.jsonl if given, else the last `val_fraction` of the
-        training file."""
+           val_path: str | Path | None = None, keys: Mapping[str, str] | None = None
+           ) -> SplitExamples:
+        """`path`'s examples (a file, or an mlx-lm data folder: `data_files`), each record read
+        through `keys` (`row_keys`'); validation is `val_path` or the folder's valid.jsonl if
+        given, else the last `val_fraction` of the training file."""
         files = data_files(path)
         if val_path is None and files.valid is not None and files.valid.stat().st_size == 0:
             raise DataError(f"{files.valid}: empty file; expected one example a line {SHAPES}, "
@@ -1549,10 +1616,10 @@ class SplitExamples:
                             f"{val_fraction} of {files.train.name} then validates; mlx-lm would "
                             f"train without validation)")
         val_path = val_path if val_path is not None else files.valid
-        examples = load_examples(files.train)
+        examples = load_examples(files.train, keys)
         note = None
         if val_path is not None:
-            train, val = examples, load_examples(val_path)
+            train, val = examples, load_examples(val_path, keys)
         else:
             train, val = split_examples(examples, val_fraction)
             if not val and val_fraction > 0:  # too few examples: the run would validate nothing
@@ -1656,18 +1723,20 @@ class SFTData:
         val_path: str | Path | None = None,
         turns: str = "assistant",
         progress: bool = False,
+        keys: Mapping[str, str] | None = None,
     ) -> SFTData:
-        """Load `path` (a file, or an mlx-lm data folder: `data_files`); validation is
-        `val_path` or the folder's valid.jsonl if given, else the last `val_fraction` of the
-        training file; a folder's test.jsonl becomes `test`; every split's rows as `turns`
-        says (`TURNS`); `progress` as `from_examples`'s."""
-        ex = SplitExamples.of(path, val_fraction, val_path)
+        """Load `path` (a file, or an mlx-lm data folder: `data_files`), each record read
+        through `keys` (`row_keys`'); validation is `val_path` or the folder's valid.jsonl if
+        given, else the last `val_fraction` of the training file; a folder's test.jsonl becomes
+        `test`; every split's rows as `turns` says (`TURNS`); `progress` as
+        `from_examples`'s."""
+        ex = SplitExamples.of(path, val_fraction, val_path, keys)
         data = cls.from_examples(ex.train, ex.val, tokenizer, seq_len, mask_prompt, pack,
                                  ex.source, turns, progress)
         data = dataclasses.replace(data, val_note=ex.note)
         if ex.test is None:
             return data
-        test, fit = fitted_rows(load_examples(ex.test), tokenizer, seq_len, mask_prompt, pack,
+        test, fit = fitted_rows(load_examples(ex.test, keys), tokenizer, seq_len, mask_prompt, pack,
                                 turns, "test" if progress else None)
         return dataclasses.replace(data, test=test, test_source=str(ex.test),
                                    fits={**data.fits, "test": fit})

@@ -115,7 +115,7 @@ def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
     `toymlx.gguf.gptq` to keep its outputs on the inputs the layer sees over the run's own
     training rows (at most `MOMENT_ROWS`). Returns (the file, the share of the change kept on
     those inputs, `toymlx.gguf.fuse.kept_from` over the adapted layers)."""
-    from toymlx.data.chat import SFTData
+    from toymlx.data.chat import SFTData, row_keys
     from toymlx.data.tokenizer import Tokenizer
     from toymlx.gguf.fuse import kept_from, write_with_tensors
     from toymlx.gguf.gptq import GPTQ_TYPES, gptq_quantize
@@ -139,7 +139,8 @@ def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
     cfg = bundle.config
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
-                             turns=cfg.data.train_turns)
+                             turns=cfg.data.train_turns,
+                             keys=row_keys(getattr(cfg.data, "keys", ())))
     model, g = load_llama(base)
     g.close()
     apply_adapter(model, ad_path)

@@ -40,7 +40,7 @@ from toymlx.bundle.folder import read_config, refuse_run_folder
 from toymlx.bundle.inputs import DATA_FILES_KEY
 from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
-from toymlx.data.chat import SFTData
+from toymlx.data.chat import SFTData, row_keys
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import (
     CHECKPOINT_FORMAT,
@@ -150,6 +150,11 @@ class ChatDataOptions:
     val_fraction: float = 0.1
     """Fraction of the examples, from the end of the file, held out for validation (not used
     when a data folder has valid.jsonl)."""
+    keys: tuple[str, ...] = ()
+    """Row keys read under other names, as KEY=NAME (KEY: prompt, completion, text or
+    messages): `--data.keys prompt=question completion=answer` trains {"question", "answer"}
+    rows as prompt and completion (mlx-lm's prompt_feature, completion_feature, text_feature,
+    chat_feature)."""
 
 
 @dataclass
@@ -260,6 +265,7 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ValueError(f"--data.val-fraction: expected in [0, 1), found "
                          f"{cfg.data.val_fraction}")
+    row_keys(cfg.data.keys)
 
 
 def check_applies(cfg: Config) -> None:
@@ -407,7 +413,8 @@ def build(cfg: Config, ops: Ops) -> Task:
     tok = Tokenizer.from_metadata(meta, source=src.path)  # its errors name the GGUF
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
-                             turns=cfg.data.train_turns, progress=cfg.progress)
+                             turns=cfg.data.train_turns, progress=cfg.progress,
+                             keys=row_keys(cfg.data.keys))
     data.check_held_out(cfg.test)
     check_train_batch(cfg.batch_size, data)
     # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation
