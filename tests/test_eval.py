@@ -101,6 +101,24 @@ def test_vit_scores_the_first_images_as_a_folder_of_them_alone(tmp_path, capsys)
                                                          1, 1)
 
 
+def test_a_float_npz_scores_as_its_8_bit_images_do(tmp_path, capsys):
+    """A run trained on 8-bit files (pixels over 255), scored on a float .npz in [0, 1] of the
+    same images: divided by the checkpoint's 255 too, its pixels were near 0 (on MNIST 0.14
+    against 0.35 on the same images as PNGs or uint8). Scaled over its largest value, as the
+    guide says a float .npz is, it scores as the uint8 .npz does."""
+    run, _ = vit_run(tmp_path)
+    rng = np.random.default_rng(1)
+    x8 = rng.integers(0, 256, (12, 8, 8, 3), dtype=np.uint8)
+    x8[0, 0, 0, 0] = 255
+    y = np.arange(12) % 3
+    np.savez(tmp_path / "u8.npz", x=x8, y=y)
+    np.savez(tmp_path / "f1.npz", x=x8.astype(np.float32) / 255, y=y)
+    want = _json(capsys, run, "--data.path", tmp_path / "u8.npz", "--json")
+    got = _json(capsys, run, "--data.path", tmp_path / "f1.npz", "--json")
+    assert got["confusion"] == want["confusion"] and got["images"] == 12
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+
+
 def test_a_subset_of_one_reads_as_one():
     """The report's words on --max-examples where a count is 1: "all 1 validation examples" and
     "the first 1 of 1 windows" were said."""

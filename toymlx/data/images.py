@@ -365,6 +365,12 @@ class ImageSet:
     """Held-out test images (`test_path`), None without a test set"""
     test_y: np.ndarray | None = None
     test_source: str | None = None
+    val_scale: float | None = None
+    """What divides the validation pixels into [0, 1] where they are a set of their own
+    (`val_path`): its format's range, as `scale` is the training images' (8-bit files under
+    a float .npz are still over 255); None: `scale` (a split of the same set)"""
+    test_scale: float | None = None
+    """The same for the test set (`test_path`)"""
     notes: list[str] = field(default_factory=list)
     """Lines for the console about the data as loaded (classes with no training image)"""
     _perms: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
@@ -377,9 +383,11 @@ class ImageSet:
     def streamed(self) -> bool:
         return isinstance(self.train_x, ImageFiles)
 
-    def normalise(self, x: np.ndarray) -> np.ndarray:
-        """Stored pixels -> float32 standardised with the training statistics."""
-        return ((x.astype(np.float32) / self.scale - self.mean) / self.std).astype(np.float32)
+    def normalise(self, x: np.ndarray, scale: float | None = None) -> np.ndarray:
+        """Stored pixels -> float32 standardised with the training statistics (`scale`: what
+        divides these pixels into [0, 1]; default: the training images' `scale`)."""
+        return ((x.astype(np.float32) / (scale or self.scale) - self.mean) / self.std
+                ).astype(np.float32)
 
     def _epoch_perm(self, seed: int, epoch: int) -> np.ndarray:
         key = (seed, epoch)
@@ -419,17 +427,21 @@ class ImageSet:
         """The whole validation split in order, each batch (1, B, ...); the last may be smaller,
         or with `pad_last` be filled with zero images labelled -1 (padding to ignore). Batches
         are made when read (a streamed set decodes them then)."""
-        if batch_size < 1:
-            raise ImageDataError(f"batch_size: expected >= 1, found {batch_size}")
-        return _ValBatches(self, self.val_x, self.val_y, batch_size, pad_last)
+        return self.batches_of(self.val_x, self.val_y, batch_size, pad_last, self.val_scale)
 
     def test_batches(self, batch_size: int, pad_last: bool = False) -> Sequence[dict]:
         """The whole test set as `val_batches` gives the validation split ([] without one)."""
         if self.test_x is None or self.test_y is None:
             return []
+        return self.batches_of(self.test_x, self.test_y, batch_size, pad_last, self.test_scale)
+
+    def batches_of(self, x: np.ndarray | ImageFiles, y: np.ndarray, batch_size: int,
+                   pad_last: bool = False, scale: float | None = None) -> Sequence[dict]:
+        """Images `x` with labels `y` as `val_batches` gives the validation split, their pixels
+        divided by `scale` (default: the training images' `scale`)."""
         if batch_size < 1:
             raise ImageDataError(f"batch_size: expected >= 1, found {batch_size}")
-        return _ValBatches(self, self.test_x, self.test_y, batch_size, pad_last)
+        return _ValBatches(self, x, y, batch_size, pad_last, scale)
 
     def describe(self) -> dict[str, Any]:
         """Sizes for logging."""
@@ -445,8 +457,9 @@ class _ValBatches(Sequence):
     labels `y`, built on access and normalised with the training statistics."""
 
     def __init__(self, data: ImageSet, x: np.ndarray | ImageFiles, y: np.ndarray,
-                 batch_size: int, pad_last: bool):
+                 batch_size: int, pad_last: bool, scale: float | None = None):
         self.data, self.x, self.y, self.bs, self.pad = data, x, y, batch_size, pad_last
+        self.scale = scale
 
     def __len__(self) -> int:
         return (len(self.y) + self.bs - 1) // self.bs
@@ -458,7 +471,7 @@ class _ValBatches(Sequence):
             raise IndexError(i)
         i %= len(self)
         bs = self.bs
-        x = self.data.normalise(self.x[i * bs:(i + 1) * bs])
+        x = self.data.normalise(self.x[i * bs:(i + 1) * bs], self.scale)
         y = self.y[i * bs:(i + 1) * bs]
         if self.pad and len(y) < bs:
             x = np.concatenate([x, np.zeros((bs - len(y), *x.shape[1:]), x.dtype)])
@@ -529,16 +542,23 @@ def _channel_stats(x: np.ndarray | ImageFiles, scale: float) -> tuple[np.ndarray
 
 def _held_out(path: str, flag: str, like: np.ndarray | ImageFiles, names: list[str],
               stream: bool | None, workers: int) -> tuple[np.ndarray | ImageFiles, np.ndarray,
-                                                        str]:
-    """(images, labels, source) of a validation or test set of its own (`flag`: --data.val-path,
-    --data.test-path): every image in it, at the size and channels of the training images
-    `like`, labels mapped into the training classes `names` by name."""
+                                                        str, float]:
+    """(images, labels, source, scale) of a validation or test set of its own (`flag`:
+    --data.val-path, --data.test-path): every image in it, at the size and channels of the
+    training images `like`, labels mapped into the training classes `names` by name, and what
+    divides its pixels into [0, 1] (its own format's range: `_source_scale`)."""
     h, _, c = like.shape[1:]
     raw = _load_raw(path, h, c, stream, workers, min_classes=1)
     x = _conform(raw.x, h, c, raw.source)
     if len(x) == 0:
         raise ImageDataError(f"{raw.source}: {flag}: no images")
-    return x, _map_classes(raw, names, raw.source), raw.source
+    return x, _map_classes(raw, names, raw.source), raw.source, _source_scale(raw, x)
+
+
+def _source_scale(raw: Raw, x: np.ndarray | ImageFiles) -> float:
+    """What divides the pixels `x` of the source `raw` into [0, 1]: its format's range (255 for
+    8-bit pixels, 16 for the UCI digits), else (a float set) its largest value."""
+    return raw.scale or float(np.max(x)) or 1.0
 
 
 def load_images(path: str | None = None, val_fraction: float = 0.1,
@@ -583,7 +603,8 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
         check_classes(raw, y, names)
     if val_path is not None:
         train_idx, val_idx = np.arange(raw.n_train or len(raw.x)), None
-        val_x, val_y, _ = _held_out(val_path, "--data.val-path", raw.x, names, stream, workers)
+        val_x, val_y, _, val_scale = _held_out(val_path, "--data.val-path", raw.x, names,
+                                               stream, workers)
     else:
         if raw.n_train is None:
             perm = np.random.default_rng(SPLIT_SEED).permutation(len(raw.x))
@@ -591,18 +612,19 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
             val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
         else:
             train_idx, val_idx = np.arange(raw.n_train), np.arange(raw.n_train, len(raw.x))
-        val_x, val_y = _take(raw.x, val_idx), y[val_idx]
+        val_x, val_y, val_scale = _take(raw.x, val_idx), y[val_idx], None
     if len(train_idx) == 0:
         raise ImageDataError(f"{raw.source}: training split is empty "
                              f"({counted(len(raw.x), 'image')}, val_fraction={val_fraction})")
     train_x = _take(raw.x, train_idx)
-    scale = raw.scale or float(np.max(raw.x)) or 1.0
+    scale = _source_scale(raw, raw.x)
     mean, std = _channel_stats(train_x, scale)
-    test_x, test_y, test_source = (None, None, None) if test_path is None else _held_out(
-        test_path, "--data.test-path", raw.x, names, stream, workers)
+    test_x, test_y, test_source, test_scale = (None, None, None, None) if test_path is None \
+        else _held_out(test_path, "--data.test-path", raw.x, names, stream, workers)
     out = ImageSet(train_x, y[train_idx], val_x, val_y, scale, mean, std, len(names),
                    raw.source, list(names), augment, raw.scale is not None,
-                   test_x=test_x, test_y=test_y, test_source=test_source)
+                   test_x=test_x, test_y=test_y, test_source=test_source,
+                   val_scale=val_scale, test_scale=test_scale)
     if classes is None:
         out.notes = [n for n in [classes_note(raw, out.train_y, len(names))] if n]
     if layout is not None:
