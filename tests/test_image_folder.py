@@ -56,6 +56,21 @@ def test_folder_load_colour_names_split_and_stream(tmp_path):
     np.testing.assert_array_equal(va[1]["images"], vb[1]["images"])
 
 
+def test_a_class_whose_images_are_all_held_out_is_named(tmp_path):
+    """A class folder of one image that the seeded split held out for validation: the line
+    said "labels takes 3 values in 0..3 in the training split: 1 of the 4 classes have no
+    training image", naming neither the class nor why, of a folder that has no labels."""
+    root = make_image_folder(tmp_path / "f", per_class=4)
+    (root / "owl").mkdir()
+    Image.new("L", (9, 9), 200).save(root / "owl" / "only.png")
+    d = load_images(str(root), 0.55, image_size=8)  # 7 of 13 held out, owl/only.png among them
+    assert sorted(set(d.train_y.tolist())) == [0, 1, 2] and d.val_y.tolist().count(3) == 1
+    assert d.notes == [(f"{root}: 1 of the 4 classes has no training image: 'owl' (1 image, "
+                        "held out for validation); the model cannot learn it: add images, or "
+                        "lower --data.val-fraction")]
+    assert load_images(str(root), 0.1, image_size=8).notes == []
+
+
 def test_default_size_and_val_path_by_class_name(tmp_path):
     root = tmp_path / "same"
     for name in ("b", "a"):

@@ -676,8 +676,20 @@ def classes_note(raw: Raw, train_y: np.ndarray, num_classes: int) -> str | None:
     missing = num_classes - len(present)
     if not missing:
         return None
+    have = "has" if missing == 1 else "have"
+    if raw.class_names:  # folders or CIFAR's meta: the classes by name, and where their images are
+        count = np.bincount(raw.y, minlength=num_classes)
+        absent = [k for k in range(num_classes) if k not in set(present.tolist())]
+        named = ", ".join(f"{raw.class_names[k]!r} ("
+                          + (f"{counted(int(count[k]), 'image')}, held out for validation"
+                             if count[k] else "no image in the data") + ")"
+                          for k in absent[:5]) + (" ..." if len(absent) > 5 else "")
+        split = raw.n_train is None and any(count[k] for k in absent)  # the seeded split's
+        return (f"{raw.source}: {missing} of the {num_classes} classes {have} no training "
+                f"image: {named}; the model cannot learn {'it' if missing == 1 else 'them'}: "
+                f"add images{', or lower --data.val-fraction' if split else ''}")
     return (f"{raw.source}: {raw.label_key} takes {len(present)} values in 0..{num_classes - 1} "
-            f"in the training split: {missing} of the {num_classes} classes have no training "
+            f"in the training split: {missing} of the {num_classes} classes {have} no training "
             f"image")
 
 
