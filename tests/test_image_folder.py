@@ -79,6 +79,15 @@ def test_default_size_and_val_path_by_class_name(tmp_path):
             Image.fromarray(np.full((10, 10), 40 * i, np.uint8)).save(root / name / f"{i}.png")
     d = load_images(str(root), 0.0)
     assert d.image_shape == (10, 10, 1) and d.class_names == ["a", "b"]  # one square size: kept
+    assert d.notes == []
+    # mixed sizes go to 224 in one line: a run upscaling 10 px images 22x said nothing
+    Image.fromarray(np.zeros((12, 30), np.uint8)).save(root / "a" / "wide.png")
+    assert load_images(str(root), 0.0).notes == [
+        (f"{root}: 7 images of 2 sizes (shorter side 10 to 12 px): each resized and "
+         "centre-cropped to 224x224 (the default for images not all of one square size; "
+         "--data.image-size to choose)")]
+    assert load_images(str(root), 0.0, image_size=10).notes == []  # the size given
+    (root / "a" / "wide.png").unlink()
     val = tmp_path / "val" / "b"
     val.mkdir(parents=True)
     Image.fromarray(np.zeros((30, 20), np.uint8)).save(val / "x.png")

@@ -191,6 +191,8 @@ class Raw:
     `DIGITS_SCALE`); None for a float array: the set's maximum."""
     label_key: str = "labels"
     """What holds the labels, for messages (a .npz's array `y`)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines for the console about how the source was read (a folder's size chosen for it)."""
 
 
 def _load_arrays(p: Path) -> Raw:
@@ -259,13 +261,21 @@ def _load_raw(path: str | None, size: int | None, channels: int | None,
         return _load_arrays(p)
     files, y, names = scan_image_folder(p, min_classes)
     colour, sizes = probe(files, workers)
+    notes = []
     if size is None:
         (w, h), = sizes if len(sizes) == 1 else ((0, 1),)
         size = w if w == h and w <= DEFAULT_FOLDER_SIZE else DEFAULT_FOLDER_SIZE
+        if size != w or w != h:  # not their own size: a run decoding 10 px icons at 224 says so
+            side = sorted(min(s) for s in sizes)
+            notes.append(f"{p}: {counted(len(files), 'image')} of {counted(len(sizes), 'size')} "
+                         f"(shorter side {side[0]} to {side[-1]} px): each resized and "
+                         f"centre-cropped to {size}x{size} (the default for images not all of "
+                         "one square size; --data.image-size to choose)")
     lazy = ImageFiles(files, size, channels or (3 if colour else 1))
     if stream is None:
         stream = np.prod(lazy.shape) / 2**20 > STREAM_ABOVE_MB
-    return Raw(lazy if stream else lazy.decode_all(workers), y, str(p), None, names, 255.0)
+    return Raw(lazy if stream else lazy.decode_all(workers), y, str(p), None, names, 255.0,
+               notes=notes)
 
 
 def _conform(x: np.ndarray | ImageFiles, size: int | None, channels: int | None,
@@ -626,7 +636,7 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
                    test_x=test_x, test_y=test_y, test_source=test_source,
                    val_scale=val_scale, test_scale=test_scale)
     if classes is None:
-        out.notes = [n for n in [classes_note(raw, out.train_y, len(names))] if n]
+        out.notes = raw.notes + [n for n in [classes_note(raw, out.train_y, len(names))] if n]
     if layout is not None:
         out.notes.insert(0, layout_note)
     return out
