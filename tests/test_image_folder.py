@@ -388,6 +388,23 @@ def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):
     assert str(e.value) == (f"{root / 'frog' / 'gone.png'}: expected an image file, found a link "
                             f"to {tmp_path / 'nowhere.png'}, which does not exist; restore its "
                             "target or remove the link")
+    (root / "frog" / "gone.png").unlink()
+    # a class folder linked from a disk not mounted: the class dropped out without a word (2
+    # classes trained), in timm's layout too (no val/: validated on a split of train/)
+    (root / "owl").symlink_to(tmp_path / "unmounted" / "owl")
+    want = (f"{root / 'owl'}: expected a folder of images, found a link to "
+            f"{tmp_path / 'unmounted' / 'owl'}, which does not exist; restore its target or "
+            "remove the link")
+    for where in (root, tmp_path / "layout"):
+        if where != root:
+            (where / "train").mkdir(parents=True)
+            (where / "train" / "cat").symlink_to(root / "cat")
+            (where / "val").symlink_to(tmp_path / "unmounted" / "val")
+            want = want.replace(str(root / "owl"), str(where / "val")).replace(
+                str(tmp_path / "unmounted" / "owl"), str(tmp_path / "unmounted" / "val"))
+        with pytest.raises(ImageDataError) as e:
+            load_images(str(where), image_size=8)
+        assert str(e.value) == want
 
 
 def test_a_test_folder_beside_train_and_val_is_a_test_path_apart_from_training(tmp_path):
