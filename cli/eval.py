@@ -472,6 +472,8 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
     # format's range, as training scaled them (`ImageSet.scale`, `val_scale`): a float .npz
     # over its largest value, 8-bit pixels over 255 whatever the checkpoint trained on
     data.mean, data.std = clf.mean, clf.std
+    for note in data.notes:  # how the data was read (timm's layout, images in no class folder)
+        print(f"{PROG}: {note}", file=sys.stderr)
     if not every and len(data.val_y) == 0:  # numpy's "need at least one array to concatenate"
         raise ValueError(f"{data.source}: --split val: expected validation images to score, "
                          f"found none: --data.val-fraction {run.get('val_fraction', 0.1)} of "

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from image_files import make_image_folder
+from PIL import Image
 from test_lora import mlx_lm_folder, number_stories_folder, tiny_gguf  # noqa: F401  (fixture)
 from toymlx_cli.eval import main as eval_main
 from toymlx_cli.train import main as train_main
@@ -117,6 +118,21 @@ def test_a_float_npz_scores_as_its_8_bit_images_do(tmp_path, capsys):
     got = _json(capsys, run, "--data.path", tmp_path / "f1.npz", "--json")
     assert got["confusion"] == want["confusion"] and got["images"] == 12
     assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+
+
+def test_images_in_no_class_folder_are_named_on_stderr(tmp_path, capsys):
+    """toymlx-eval --data.path of a folder with an image beside its class folders: scored
+    without it, and a line on stderr says so (the report on stdout is unchanged)."""
+    run, folder = vit_run(tmp_path)
+    want = _json(capsys, run, "--data.path", folder, "--json")
+    Image.new("RGB", (8, 8)).save(folder / "stray.png")
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--data.path", str(folder), "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) == want
+    assert out.err == (f"toymlx-eval: {folder}: 1 image file directly in it, in no class folder "
+                       "(stray.png): not read (an image's class is the subfolder it is in); "
+                       "move it into one\n")
 
 
 def test_a_subset_of_one_reads_as_one():

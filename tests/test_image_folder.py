@@ -71,6 +71,29 @@ def test_a_class_whose_images_are_all_held_out_is_named(tmp_path):
     assert load_images(str(root), 0.1, image_size=8).notes == []
 
 
+def test_images_in_no_class_folder_are_named_not_dropped_without_a_word(tmp_path):
+    """Image files directly in the folder of classes belong to no class: they were left out of
+    training, validation and the counts without a word. One line names them, for --data.path
+    and --data.val-path alike; hidden names and other files say nothing."""
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    val = make_image_folder(tmp_path / "v", per_class=1, seed=1)
+    for name in ("b.png", "a.JPG", "c.png", "d.gif"):
+        Image.new("L", (9, 9)).save(root / name, format="PNG")
+    Image.new("L", (9, 9)).save(val / "x.png")
+    for name in (".hidden.png", "notes.txt", ".DS_Store"):
+        (root / name).write_bytes(b"\x00")
+    d = load_images(str(root), val_path=str(val), image_size=8)
+    assert (len(d.train_y), len(d.val_y)) == (9, 3)
+    assert d.notes == [
+        (f"{root}: 4 image files directly in it, in no class folder (a.JPG, b.png, c.png ...): "
+         "not read (an image's class is the subfolder it is in); move them into one"),
+        (f"{val}: 1 image file directly in it, in no class folder (x.png): not read (an "
+         "image's class is the subfolder it is in); move it into one")]
+    for name in ("b.png", "a.JPG", "c.png", "d.gif"):
+        (root / name).unlink()
+    assert load_images(str(root), image_size=8).notes == []
+
+
 def test_default_size_and_val_path_by_class_name(tmp_path):
     root = tmp_path / "same"
     for name in ("b", "a"):

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -262,6 +262,12 @@ def _load_raw(path: str | None, size: int | None, channels: int | None,
     files, y, names = scan_image_folder(p, min_classes)
     colour, sizes = probe(files, workers)
     notes = []
+    if loose := sorted(f.name for f in p.iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS
+                       and not f.name.startswith(".") and f.is_file()):
+        notes.append(f"{p}: {counted(len(loose), 'image file')} directly in it, in no class "
+                     f"folder ({', '.join(loose[:3])}{' ...' if len(loose) > 3 else ''}): not "
+                     "read (an image's class is the subfolder it is in); move "
+                     f"{'it' if len(loose) == 1 else 'them'} into one")
     if size is None:
         (w, h), = sizes if len(sizes) == 1 else ((0, 1),)
         size = w if w == h and w <= DEFAULT_FOLDER_SIZE else DEFAULT_FOLDER_SIZE
@@ -550,19 +556,30 @@ def _channel_stats(x: np.ndarray | ImageFiles, scale: float) -> tuple[np.ndarray
     return mean.astype(np.float32), np.where(std > 0, std, 1.0).astype(np.float32)
 
 
+class HeldOut(NamedTuple):
+    """A validation or test set of its own, as `_held_out` reads it."""
+
+    x: np.ndarray | ImageFiles
+    y: np.ndarray
+    source: str
+    scale: float
+    """What divides its pixels into [0, 1] (its own format's range: `_source_scale`)"""
+    notes: list[str]
+    """Lines about how it was read (`Raw.notes`)"""
+
+
 def _held_out(path: str, flag: str, like: np.ndarray | ImageFiles, names: list[str],
-              stream: bool | None, workers: int) -> tuple[np.ndarray | ImageFiles, np.ndarray,
-                                                        str, float]:
-    """(images, labels, source, scale) of a validation or test set of its own (`flag`:
-    --data.val-path, --data.test-path): every image in it, at the size and channels of the
-    training images `like`, labels mapped into the training classes `names` by name, and what
-    divides its pixels into [0, 1] (its own format's range: `_source_scale`)."""
+              stream: bool | None, workers: int) -> HeldOut:
+    """A validation or test set of its own (`flag`: --data.val-path, --data.test-path): every
+    image in it, at the size and channels of the training images `like`, labels mapped into
+    the training classes `names` by name."""
     h, _, c = like.shape[1:]
     raw = _load_raw(path, h, c, stream, workers, min_classes=1)
     x = _conform(raw.x, h, c, raw.source)
     if len(x) == 0:
         raise ImageDataError(f"{raw.source}: {flag}: no images")
-    return x, _map_classes(raw, names, raw.source), raw.source, _source_scale(raw, x)
+    return HeldOut(x, _map_classes(raw, names, raw.source), raw.source, _source_scale(raw, x),
+                   raw.notes)
 
 
 def _source_scale(raw: Raw, x: np.ndarray | ImageFiles) -> float:
@@ -613,8 +630,8 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
         check_classes(raw, y, names)
     if val_path is not None:
         train_idx, val_idx = np.arange(raw.n_train or len(raw.x)), None
-        val_x, val_y, _, val_scale = _held_out(val_path, "--data.val-path", raw.x, names,
-                                               stream, workers)
+        val = _held_out(val_path, "--data.val-path", raw.x, names, stream, workers)
+        val_x, val_y, val_scale, held_notes = val.x, val.y, val.scale, val.notes
     else:
         if raw.n_train is None:
             perm = np.random.default_rng(SPLIT_SEED).permutation(len(raw.x))
@@ -622,22 +639,24 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
             val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
         else:
             train_idx, val_idx = np.arange(raw.n_train), np.arange(raw.n_train, len(raw.x))
-        val_x, val_y, val_scale = _take(raw.x, val_idx), y[val_idx], None
+        val_x, val_y, val_scale, held_notes = _take(raw.x, val_idx), y[val_idx], None, []
     if len(train_idx) == 0:
         raise ImageDataError(f"{raw.source}: training split is empty "
                              f"({counted(len(raw.x), 'image')}, val_fraction={val_fraction})")
     train_x = _take(raw.x, train_idx)
     scale = _source_scale(raw, raw.x)
     mean, std = _channel_stats(train_x, scale)
-    test_x, test_y, test_source, test_scale = (None, None, None, None) if test_path is None \
-        else _held_out(test_path, "--data.test-path", raw.x, names, stream, workers)
+    test = None if test_path is None else _held_out(test_path, "--data.test-path", raw.x, names,
+                                                    stream, workers)
+    test_x, test_y, test_source, test_scale = (None,) * 4 if test is None else test[:4]
     out = ImageSet(train_x, y[train_idx], val_x, val_y, scale, mean, std, len(names),
                    raw.source, list(names), augment, raw.scale is not None,
                    test_x=test_x, test_y=test_y, test_source=test_source,
                    val_scale=val_scale, test_scale=test_scale)
     if classes is None:
-        out.notes = raw.notes + [n for n in [classes_note(raw, out.train_y, len(names))] if n]
-    if layout is not None:
+        out.notes = [n for n in [classes_note(raw, out.train_y, len(names))] if n]
+    out.notes[:0] = raw.notes + held_notes + (test.notes if test is not None else [])
+    if layout is not None and classes is None:  # training on it (an evaluation trains nothing)
         out.notes.insert(0, layout_note)
     return out
 
