@@ -107,10 +107,18 @@ def test_default_size_and_val_path_by_class_name(tmp_path):
     Image.fromarray(np.zeros((12, 30), np.uint8)).save(root / "a" / "wide.png")
     assert load_images(str(root), 0.0).notes == [
         (f"{root}: 7 images of 2 sizes (shorter side 10 to 12 px): each resized and "
-         "centre-cropped to 224x224 (the default for images not all of one square size; "
-         "--data.image-size to choose)")]
+         "centre-cropped to 224x224 (the default for images not all of one square size up to "
+         "224; --data.image-size to choose)")]
     assert load_images(str(root), 0.0, image_size=10).notes == []  # the size given
     (root / "a" / "wide.png").unlink()
+    big = tmp_path / "big"  # one square size above 224: timm's 224 too, said so
+    for name in ("a", "b"):
+        (big / name).mkdir(parents=True)
+        Image.new("L", (240, 240)).save(big / name / "0.png")
+    assert load_images(str(big), 0.0).notes == [
+        (f"{big}: 2 images, all 240x240: each resized and centre-cropped to 224x224 (the "
+         "default for images not all of one square size up to 224; --data.image-size to "
+         "choose)")]
     val = tmp_path / "val" / "b"
     val.mkdir(parents=True)
     Image.fromarray(np.zeros((30, 20), np.uint8)).save(val / "x.png")

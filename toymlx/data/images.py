@@ -273,10 +273,11 @@ def _load_raw(path: str | None, size: int | None, channels: int | None,
         size = w if w == h and w <= DEFAULT_FOLDER_SIZE else DEFAULT_FOLDER_SIZE
         if size != w or w != h:  # not their own size: a run decoding 10 px icons at 224 says so
             side = sorted(min(s) for s in sizes)
-            notes.append(f"{p}: {counted(len(files), 'image')} of {counted(len(sizes), 'size')} "
-                         f"(shorter side {side[0]} to {side[-1]} px): each resized and "
+            found = (f", all {w}x{h}" if len(sizes) == 1 else f" of {len(sizes)} sizes (shorter "
+                     f"side {side[0]} to {side[-1]} px)")
+            notes.append(f"{p}: {counted(len(files), 'image')}{found}: each resized and "
                          f"centre-cropped to {size}x{size} (the default for images not all of "
-                         "one square size; --data.image-size to choose)")
+                         "one square size up to 224; --data.image-size to choose)")
     lazy = ImageFiles(files, size, channels or (3 if colour else 1))
     if stream is None:
         stream = np.prod(lazy.shape) / 2**20 > STREAM_ABOVE_MB
