@@ -179,6 +179,24 @@ def test_auto_patch_size_on_8x8_and_explicit_choices_win():
     assert (c.steps, c.batch_size, c.label_smoothing) == (400, 64, 0.1)
 
 
+def test_images_not_square_name_the_flag_that_squares_them():
+    """A .npz of 13x20 images: refused for 13 having no patch divisor, the flag that would
+    square them not named; a 12x20 one: "expected square images" and no way out. Both say
+    --data.image-size with the shorter side."""
+    from types import SimpleNamespace
+
+    from toymlx.recipes.vit_tiny import ViTOptions, model_args
+
+    for h, w in ((13, 20), (12, 20), (20, 13)):
+        data = SimpleNamespace(image_shape=(h, w, 1), num_classes=2, source="set.npz")
+        with pytest.raises(ValueError) as e:
+            model_args(ViTOptions(), data)
+        side = min(h, w)
+        assert str(e.value) == (f"set.npz: images: expected square images, found {h}x{w} "
+                                f"(height x width); --data.image-size {side} resizes the "
+                                "shorter side to it and centre-crops, as a folder's images are")
+
+
 def test_the_vit_body_is_checked_before_any_image_is_read(tmp_path):
     """--model.n-heads 5 (192 wide) was refused only once the images were read, so a sweep
     with `--grid model.n_heads=3,5` started its runs before refusing them; now `validate`
