@@ -384,8 +384,8 @@ class ImageSet:
     test_source: str | None = None
     val_scale: float | None = None
     """What divides the validation pixels into [0, 1] where they are a set of their own
-    (`val_path`): its format's range, as `scale` is the training images' (8-bit files under
-    a float .npz are still over 255); None: `scale` (a split of the same set)"""
+    (`val_path`), by its own format as `scale` is the training images' (PNGs validating a run
+    on a float .npz are over 255 still); None: `scale` (a split of the same set)"""
     test_scale: float | None = None
     """The same for the test set (`test_path`)"""
     notes: list[str] = field(default_factory=list)
