@@ -135,6 +135,19 @@ def test_images_in_no_class_folder_are_named_on_stderr(tmp_path, capsys):
                        "move it into one\n")
 
 
+def test_plot_makes_its_folder(tmp_path, capsys):
+    """--plot out/cm.png where out/ does not exist: the whole evaluation ran, then ended in
+    "error: [Errno 2] No such file or directory: 'out/cm.png'" and no report. The folder is
+    made, as toymlx-export makes its --out's."""
+    pytest.importorskip("matplotlib", reason="the report extra: pip install 'toymlx[report]'")
+    run, _ = vit_run(tmp_path)
+    plot = tmp_path / "out" / "deeper" / "cm.png"
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.splitlines()[-1] == f"plot {plot}"
+
+
 def test_a_subset_of_one_reads_as_one():
     """The report's words on --max-examples where a count is 1: "all 1 validation examples" and
     "the first 1 of 1 windows" were said."""
