@@ -736,6 +736,11 @@ def evaluate(args: Args) -> dict:
 
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
                      "--plot")
+        try:  # before the work: the PNG is drawn after every image is scored
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--plot {args.plot}: drawing needs matplotlib; pip install "
+                             "'toymlx[report]', or drop --plot") from None
     bundle = _run_bundle(args.model)
     # a fused file outside its run: the run's rows, from the settings the file records
     fused = file_run(args.model) if bundle is None else None

@@ -148,6 +148,20 @@ def test_plot_makes_its_folder(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == f"plot {plot}"
 
 
+def test_plot_without_matplotlib_is_one_line_before_the_work(tmp_path, capsys, monkeypatch):
+    """--plot where matplotlib is not installed (it is the report extra): every image was
+    scored, then a traceback (ModuleNotFoundError) ended it. Refused first, in one line."""
+    run, _ = vit_run(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--plot", str(tmp_path / "cm.png")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (
+        f"toymlx-eval: error: --plot {tmp_path / 'cm.png'}: drawing needs matplotlib; pip "
+        "install 'toymlx[report]', or drop --plot\n")
+    assert not (tmp_path / "cm.png").exists()
+
+
 def test_a_subset_of_one_reads_as_one():
     """The report's words on --max-examples where a count is 1: "all 1 validation examples" and
     "the first 1 of 1 windows" were said."""
