@@ -94,6 +94,29 @@ def test_images_in_no_class_folder_are_named_not_dropped_without_a_word(tmp_path
     assert load_images(str(root), image_size=8).notes == []
 
 
+def test_a_palette_of_greys_is_grey(tmp_path):
+    """GIFs (and palette PNGs) of grey digits are mode P with a palette of greys: counted as
+    colour by their mode, one of them made a grey set train as RGB, with flips on (the default
+    for colour). A palette with a colour in it is colour, as before."""
+    root = tmp_path / "f"
+    rng = np.random.default_rng(0)
+    for k, name in enumerate(("a", "b")):
+        (root / name).mkdir(parents=True)
+        for i in range(3):
+            grey = Image.fromarray(rng.integers(0, 256, (8, 8)).astype(np.uint8))
+            grey.save(root / name / f"{i}.gif")  # mode P, a palette of greys
+            grey.save(root / name / f"{i}.png")  # mode L
+    assert Image.open(root / "a" / "0.gif").mode == "P"
+    d = load_images(str(root), 0.0)
+    assert d.image_shape == (8, 8, 1)
+    np.testing.assert_array_equal(d.train_x[0, ..., 0], np.asarray(Image.open(root / "a" / "0.gif")
+                                                                   .convert("L")))
+    red = np.zeros((8, 8, 3), np.uint8)
+    red[..., 0] = 200
+    Image.fromarray(red).convert("P", palette=Image.Palette.ADAPTIVE).save(root / "b" / "r.png")
+    assert load_images(str(root), 0.0).image_shape == (8, 8, 3)
+
+
 def test_default_size_and_val_path_by_class_name(tmp_path):
     root = tmp_path / "same"
     for name in ("b", "a"):

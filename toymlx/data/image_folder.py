@@ -131,9 +131,22 @@ def _sniff(path: Path | ImageBytes) -> str:
 
 
 def is_colour(path: Path) -> bool:
-    """Whether the file's stored mode has colour (reads the header only)."""
+    """Whether the file's stored pixels have colour (reads the header only: `has_colour`)."""
     with _open(path) as im:
-        return im.mode not in _GREY_MODES
+        return has_colour(im)
+
+
+def has_colour(im: Image.Image) -> bool:
+    """Whether an opened image's stored pixels can have colour: not a grey mode, nor a palette
+    of greys alone (a GIF or palette PNG of grey digits; read with the header, no pixel
+    decoded). Counted as colour, one such file made a grey set train as RGB, with flips."""
+    if im.mode in _GREY_MODES:
+        return False
+    if im.mode in ("P", "PA"):
+        pal = im.getpalette()  # [r, g, b, r, g, b, ...]
+        return pal is None or any(pal[i] != pal[i + 1] or pal[i] != pal[i + 2]
+                                  for i in range(0, len(pal) - 2, 3))
+    return True
 
 
 def image_size(path: Path) -> tuple[int, int]:
@@ -276,7 +289,7 @@ def probe(files: Sequence[Path], workers: int) -> tuple[bool, set[tuple[int, int
     """(any colour image, the set of image sizes) from the headers of `files`."""
     def one(p: Path) -> tuple[bool, tuple[int, int]]:
         with _open(p) as im:
-            return im.mode not in _GREY_MODES, im.size
+            return has_colour(im), im.size
 
     with ThreadPoolExecutor(max(workers, 1)) as pool:
         got = list(pool.map(one, files, chunksize=64))
