@@ -53,6 +53,27 @@ def test_vit_run_events_and_checkpoint(tmp_path):
     assert abs(g.metadata["vit.attention.layer_norm_epsilon"] - 1e-6) < 1e-12
 
 
+def test_a_resume_may_change_data_workers_and_trains_the_same(tmp_path, capsys):
+    """--data.workers (threads that make the batches, the same batches with any number) was
+    refused on --resume as a change of configuration ("expected the run's saved data.workers =
+    2, found 0"); it is run-local, as --cpu-streams is, and the resumed losses are the
+    uninterrupted run's. A setting that changes what is trained is still refused."""
+    whole = _run(tmp_path, "whole", "--steps", "6", "--eval-every", "3")
+    part = _run(tmp_path, "part", "--steps", "6", "--eval-every", "3", "--stop-at", "3")
+    assert main(["--resume", str(part), "--data.workers", "0", "--no-progress"]) == 0
+
+    def losses(run):
+        return [(e["kind"], e["step"], e.get("loss", e.get("val_loss")))
+                for e in read_events(run) if e["kind"] in ("step", "eval")]
+
+    assert losses(part) == losses(whole)
+    capsys.readouterr()
+    assert main(["--resume", str(part), "--steps", "9", "--data.mixup", "0"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"toymlx-train: error: {part}: --resume: --data.mixup: expected the run's saved "
+        "data.mixup = None, found 0.0;")
+
+
 def test_vit_round_trip_and_eager_equals_compiled(tmp_path):
     from toymlx.recipes import vit_tiny
     from toymlx.training.trainer import train
