@@ -470,28 +470,32 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
     data = load_images(data_path, 0.0 if every and not val_path else
                        run.get("val_fraction", 0.1), val_path=val_path,
                        image_size=clf.image_size, channels=clf.channels, classes=clf.names)
-    data.mean, data.std = clf.mean, clf.std  # the checkpoint's normalisation, not this data's
-    if not data.scale_fixed:  # a float set: in the units of the set the run trained on
-        data.scale = clf.scale
+    # the checkpoint's mean and std, not this data's; the pixels reach [0, 1] by their own
+    # format's range, as training scaled them (`ImageSet.scale`, `val_scale`): a float .npz
+    # over its largest value, 8-bit pixels over 255 whatever the checkpoint trained on
+    data.mean, data.std = clf.mean, clf.std
+    for note in data.notes:  # how the data was read (timm's layout, images in no class folder)
+        print(f"{PROG}: {note}", file=sys.stderr)
     if not every and len(data.val_y) == 0:  # numpy's "need at least one array to concatenate"
         raise ValueError(f"{data.source}: --split val: expected validation images to score, "
                          f"found none: --data.val-fraction {run.get('val_fraction', 0.1)} of "
                          f"{counted(len(data.train_y), 'image')} holds none out; score them "
                          "all with "
                          "--split all")
-    parts = [(data.val_x, data.val_y)] + [(data.train_x, data.train_y)] * bool(
-        every and len(data.train_y))  # in this order: the split's fixed order
-    total = sum(len(y) for _, y in parts)
+    # (images, labels, what divides their pixels) in this order: the split's fixed order
+    parts = [(data.val_x, data.val_y, data.val_scale)] + [
+        (data.train_x, data.train_y, None)] * bool(every and len(data.train_y))
+    total = sum(len(y) for _, y, _ in parts)
     size = rows.batch_size if rows is not None else args.batch_size or 256
     batches, left = [], total if args.max_examples is None else args.max_examples
     if rows is not None and rows.batches is not None:
         left = min(total, rows.batches * size)
-    for x, y in parts:
+    for x, y, scale in parts:
         take = min(left, len(y))
         if take:  # a streamed set's first images alone are decoded, each batch as it is scored
-            data.val_x, data.val_y = (x if take == len(y) else x.subset(np.arange(take)) if
-                                      hasattr(x, "subset") else x[:take]), y[:take]
-            batches.append(data.val_batches(size))
+            x = x if take == len(y) else x.subset(np.arange(take)) if hasattr(x, "subset") \
+                else x[:take]
+            batches.append(data.batches_of(x, y[:take], size, scale=scale))
         left -= take
     scored = total if args.max_examples is None else min(total, args.max_examples)
     if rows is not None and rows.batches is not None:
@@ -736,6 +740,11 @@ def evaluate(args: Args) -> dict:
 
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
                      "--plot", overwrite=args.overwrite)
+        try:  # before the work: the PNG is drawn after every image is scored
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--plot {args.plot}: drawing needs matplotlib; pip install "
+                             "'toymlx[report]', or drop --plot") from None
     elif args.overwrite:  # --plot is the only file eval writes
         raise ValueError("--overwrite: expected with --plot FILE (it replaces an existing "
                          "--plot file), found no --plot")

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from image_files import make_image_folder
+from PIL import Image
 from test_lora import mlx_lm_folder, number_stories_folder, tiny_gguf  # noqa: F401  (fixture)
 from toymlx_cli.eval import main as eval_main
 from toymlx_cli.train import main as train_main
@@ -125,6 +126,66 @@ def test_vit_scores_the_first_images_as_a_folder_of_them_alone(tmp_path, capsys)
     got = _json(capsys, run, "--data.path", one, "--split", "all", "--json", "--limit", "5")
     assert (got["subset"], got["scored"], got["of"]) == ("the only image (--max-examples 5)",
                                                          1, 1)
+
+
+def test_a_float_npz_scores_as_its_8_bit_images_do(tmp_path, capsys):
+    """A run trained on 8-bit files (pixels over 255), scored on a float .npz in [0, 1] of the
+    same images: divided by the checkpoint's 255 too, its pixels were near 0 (on MNIST 0.14
+    against 0.35 on the same images as PNGs or uint8). Scaled over its largest value, as the
+    guide says a float .npz is, it scores as the uint8 .npz does."""
+    run, _ = vit_run(tmp_path)
+    rng = np.random.default_rng(1)
+    x8 = rng.integers(0, 256, (12, 8, 8, 3), dtype=np.uint8)
+    x8[0, 0, 0, 0] = 255
+    y = np.arange(12) % 3
+    np.savez(tmp_path / "u8.npz", x=x8, y=y)
+    np.savez(tmp_path / "f1.npz", x=x8.astype(np.float32) / 255, y=y)
+    want = _json(capsys, run, "--data.path", tmp_path / "u8.npz", "--json")
+    got = _json(capsys, run, "--data.path", tmp_path / "f1.npz", "--json")
+    assert got["confusion"] == want["confusion"] and got["images"] == 12
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+
+
+def test_images_in_no_class_folder_are_named_on_stderr(tmp_path, capsys):
+    """toymlx-eval --data.path of a folder with an image beside its class folders: scored
+    without it, and a line on stderr says so (the report on stdout is unchanged)."""
+    run, folder = vit_run(tmp_path)
+    want = _json(capsys, run, "--data.path", folder, "--json")
+    Image.new("RGB", (8, 8)).save(folder / "stray.png")
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--data.path", str(folder), "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) == want
+    assert out.err == (f"toymlx-eval: {folder}: 1 image file directly in it, in no class folder "
+                       "(stray.png): not read (an image's class is the subfolder it is in); "
+                       "move it into one\n")
+
+
+def test_plot_makes_its_folder(tmp_path, capsys):
+    """--plot out/cm.png where out/ does not exist: the whole evaluation ran, then ended in
+    "error: [Errno 2] No such file or directory: 'out/cm.png'" and no report. The folder is
+    made, as toymlx-export makes its --out's."""
+    pytest.importorskip("matplotlib", reason="the report extra: pip install 'toymlx[report]'")
+    run, _ = vit_run(tmp_path)
+    plot = tmp_path / "out" / "deeper" / "cm.png"
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.splitlines()[-1] == f"plot {plot}"
+
+
+def test_plot_without_matplotlib_is_one_line_before_the_work(tmp_path, capsys, monkeypatch):
+    """--plot where matplotlib is not installed (it is the report extra): every image was
+    scored, then a traceback (ModuleNotFoundError) ended it. Refused first, in one line."""
+    run, _ = vit_run(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--plot", str(tmp_path / "cm.png")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (
+        f"toymlx-eval: error: --plot {tmp_path / 'cm.png'}: drawing needs matplotlib; pip "
+        "install 'toymlx[report]', or drop --plot\n")
+    assert not (tmp_path / "cm.png").exists()
 
 
 def test_a_subset_of_one_reads_as_one():

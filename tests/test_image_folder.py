@@ -56,6 +56,67 @@ def test_folder_load_colour_names_split_and_stream(tmp_path):
     np.testing.assert_array_equal(va[1]["images"], vb[1]["images"])
 
 
+def test_a_class_whose_images_are_all_held_out_is_named(tmp_path):
+    """A class folder of one image that the seeded split held out for validation: the line
+    said "labels takes 3 values in 0..3 in the training split: 1 of the 4 classes have no
+    training image", naming neither the class nor why, of a folder that has no labels."""
+    root = make_image_folder(tmp_path / "f", per_class=4)
+    (root / "owl").mkdir()
+    Image.new("L", (9, 9), 200).save(root / "owl" / "only.png")
+    d = load_images(str(root), 0.55, image_size=8)  # 7 of 13 held out, owl/only.png among them
+    assert sorted(set(d.train_y.tolist())) == [0, 1, 2] and d.val_y.tolist().count(3) == 1
+    assert d.notes == [(f"{root}: 1 of the 4 classes has no training image: 'owl' (1 image, "
+                        "held out for validation); the model cannot learn it: add images, or "
+                        "lower --data.val-fraction")]
+    assert load_images(str(root), 0.1, image_size=8).notes == []
+
+
+def test_images_in_no_class_folder_are_named_not_dropped_without_a_word(tmp_path):
+    """Image files directly in the folder of classes belong to no class: they were left out of
+    training, validation and the counts without a word. One line names them, for --data.path
+    and --data.val-path alike; hidden names and other files say nothing."""
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    val = make_image_folder(tmp_path / "v", per_class=1, seed=1)
+    for name in ("b.png", "a.JPG", "c.png", "d.gif"):
+        Image.new("L", (9, 9)).save(root / name, format="PNG")
+    Image.new("L", (9, 9)).save(val / "x.png")
+    for name in (".hidden.png", "notes.txt", ".DS_Store"):
+        (root / name).write_bytes(b"\x00")
+    d = load_images(str(root), val_path=str(val), image_size=8)
+    assert (len(d.train_y), len(d.val_y)) == (9, 3)
+    assert d.notes == [
+        (f"{root}: 4 image files directly in it, in no class folder (a.JPG, b.png, c.png ...): "
+         "not read (an image's class is the subfolder it is in); move them into one"),
+        (f"{val}: 1 image file directly in it, in no class folder (x.png): not read (an "
+         "image's class is the subfolder it is in); move it into one")]
+    for name in ("b.png", "a.JPG", "c.png", "d.gif"):
+        (root / name).unlink()
+    assert load_images(str(root), image_size=8).notes == []
+
+
+def test_a_palette_of_greys_is_grey(tmp_path):
+    """GIFs (and palette PNGs) of grey digits are mode P with a palette of greys: counted as
+    colour by their mode, one of them made a grey set train as RGB, with flips on (the default
+    for colour). A palette with a colour in it is colour, as before."""
+    root = tmp_path / "f"
+    rng = np.random.default_rng(0)
+    for k, name in enumerate(("a", "b")):
+        (root / name).mkdir(parents=True)
+        for i in range(3):
+            grey = Image.fromarray(rng.integers(0, 256, (8, 8)).astype(np.uint8))
+            grey.save(root / name / f"{i}.gif")  # mode P, a palette of greys
+            grey.save(root / name / f"{i}.png")  # mode L
+    assert Image.open(root / "a" / "0.gif").mode == "P"
+    d = load_images(str(root), 0.0)
+    assert d.image_shape == (8, 8, 1)
+    np.testing.assert_array_equal(d.train_x[0, ..., 0], np.asarray(Image.open(root / "a" / "0.gif")
+                                                                   .convert("L")))
+    red = np.zeros((8, 8, 3), np.uint8)
+    red[..., 0] = 200
+    Image.fromarray(red).convert("P", palette=Image.Palette.ADAPTIVE).save(root / "b" / "r.png")
+    assert load_images(str(root), 0.0).image_shape == (8, 8, 3)
+
+
 def test_default_size_and_val_path_by_class_name(tmp_path):
     root = tmp_path / "same"
     for name in ("b", "a"):
@@ -64,6 +125,23 @@ def test_default_size_and_val_path_by_class_name(tmp_path):
             Image.fromarray(np.full((10, 10), 40 * i, np.uint8)).save(root / name / f"{i}.png")
     d = load_images(str(root), 0.0)
     assert d.image_shape == (10, 10, 1) and d.class_names == ["a", "b"]  # one square size: kept
+    assert d.notes == []
+    # mixed sizes go to 224 in one line: a run upscaling 10 px images 22x said nothing
+    Image.fromarray(np.zeros((12, 30), np.uint8)).save(root / "a" / "wide.png")
+    assert load_images(str(root), 0.0).notes == [
+        (f"{root}: 7 images of 2 sizes (shorter side 10 to 12 px): each resized and "
+         "centre-cropped to 224x224 (the default for images not all of one square size up to "
+         "224; --data.image-size to choose)")]
+    assert load_images(str(root), 0.0, image_size=10).notes == []  # the size given
+    (root / "a" / "wide.png").unlink()
+    big = tmp_path / "big"  # one square size above 224: timm's 224 too, said so
+    for name in ("a", "b"):
+        (big / name).mkdir(parents=True)
+        Image.new("L", (240, 240)).save(big / name / "0.png")
+    assert load_images(str(big), 0.0).notes == [
+        (f"{big}: 2 images, all 240x240: each resized and centre-cropped to 224x224 (the "
+         "default for images not all of one square size up to 224; --data.image-size to "
+         "choose)")]
     val = tmp_path / "val" / "b"
     val.mkdir(parents=True)
     Image.fromarray(np.zeros((30, 20), np.uint8)).save(val / "x.png")
@@ -364,6 +442,23 @@ def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):
     assert str(e.value) == (f"{root / 'frog' / 'gone.png'}: expected an image file, found a link "
                             f"to {tmp_path / 'nowhere.png'}, which does not exist; restore its "
                             "target or remove the link")
+    (root / "frog" / "gone.png").unlink()
+    # a class folder linked from a disk not mounted: the class dropped out without a word (2
+    # classes trained), in timm's layout too (no val/: validated on a split of train/)
+    (root / "owl").symlink_to(tmp_path / "unmounted" / "owl")
+    want = (f"{root / 'owl'}: expected a folder of images, found a link to "
+            f"{tmp_path / 'unmounted' / 'owl'}, which does not exist; restore its target or "
+            "remove the link")
+    for where in (root, tmp_path / "layout"):
+        if where != root:
+            (where / "train").mkdir(parents=True)
+            (where / "train" / "cat").symlink_to(root / "cat")
+            (where / "val").symlink_to(tmp_path / "unmounted" / "val")
+            want = want.replace(str(root / "owl"), str(where / "val")).replace(
+                str(tmp_path / "unmounted" / "owl"), str(tmp_path / "unmounted" / "val"))
+        with pytest.raises(ImageDataError) as e:
+            load_images(str(where), image_size=8)
+        assert str(e.value) == want
 
 
 def test_a_test_folder_beside_train_and_val_is_a_test_path_apart_from_training(tmp_path):

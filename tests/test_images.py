@@ -236,6 +236,35 @@ def test_npz_errors(tmp_path):
         load_images(str(tmp_path / "missing.npz"))
 
 
+def test_a_held_out_set_of_its_own_is_scaled_by_its_own_format(tmp_path):
+    """--data.val-path and --data.test-path sets were divided by the training images' scale: a
+    float [0, 1] .npz validating a uint8 run scored pixels near 0 (a 0.30 model scored 0.14 on
+    the same images as floats), and PNGs validating a float [0, 1] run pixels up to 255. Each
+    set reaches [0, 1] by its own format, so the same images give the same batches."""
+    rng = np.random.default_rng(0)
+    x8 = rng.integers(0, 256, (20, 4, 4), dtype=np.uint8)
+    y = np.arange(20) % 2
+    u8, f1 = tmp_path / "u8.npz", tmp_path / "f1.npz"
+    np.savez(u8, x=x8, y=y)
+    np.savez(f1, x=x8.astype(np.float32) / x8.max(), y=y)  # the same images, over their maximum
+
+    def held_out(d):
+        return (np.concatenate([b["images"][0] for b in d.val_batches(8)]),
+                np.concatenate([b["images"][0] for b in d.test_batches(8)]))
+
+    for train in (u8, f1):
+        want = held_out(load_images(str(train), val_path=str(train), test_path=str(train)))
+        other = f1 if train == u8 else u8
+        d = load_images(str(train), val_path=str(other), test_path=str(other))
+        assert (d.val_scale, d.test_scale) == ((1.0, 1.0) if train == u8 else (255.0, 255.0))
+        got = held_out(d)
+        assert np.allclose(got[0], want[0], atol=1e-5) and np.allclose(got[1], want[1], atol=1e-5)
+    split = load_images(str(u8), val_fraction=0.25)  # a split of the set: its own scale
+    assert split.val_scale is None and split.test_batches(8) == []
+    assert np.allclose(split.val_batches(8)[0]["images"][0],
+                       split.normalise(split.val_x, 255.0))
+
+
 CHANNELS = "x: expected 1 (grey) or 3 (RGB) channels last, found"
 
 

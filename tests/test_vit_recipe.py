@@ -53,6 +53,27 @@ def test_vit_run_events_and_checkpoint(tmp_path):
     assert abs(g.metadata["vit.attention.layer_norm_epsilon"] - 1e-6) < 1e-12
 
 
+def test_a_resume_may_change_data_workers_and_trains_the_same(tmp_path, capsys):
+    """--data.workers (threads that make the batches, the same batches with any number) was
+    refused on --resume as a change of configuration ("expected the run's saved data.workers =
+    2, found 0"); it is run-local, as --cpu-streams is, and the resumed losses are the
+    uninterrupted run's. A setting that changes what is trained is still refused."""
+    whole = _run(tmp_path, "whole", "--steps", "6", "--eval-every", "3")
+    part = _run(tmp_path, "part", "--steps", "6", "--eval-every", "3", "--stop-at", "3")
+    assert main(["--resume", str(part), "--data.workers", "0", "--no-progress"]) == 0
+
+    def losses(run):
+        return [(e["kind"], e["step"], e.get("loss", e.get("val_loss")))
+                for e in read_events(run) if e["kind"] in ("step", "eval")]
+
+    assert losses(part) == losses(whole)
+    capsys.readouterr()
+    assert main(["--resume", str(part), "--steps", "9", "--data.mixup", "0"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"toymlx-train: error: {part}: --resume: --data.mixup: expected the run's saved "
+        "data.mixup = None, found 0.0;")
+
+
 def test_vit_round_trip_and_eager_equals_compiled(tmp_path):
     from toymlx.recipes import vit_tiny
     from toymlx.training.trainer import train
@@ -177,6 +198,24 @@ def test_auto_patch_size_on_8x8_and_explicit_choices_win():
     assert model_args(ViTOptions(), rgb224).patch_size == 16
     c = Config()
     assert (c.steps, c.batch_size, c.label_smoothing) == (400, 64, 0.1)
+
+
+def test_images_not_square_name_the_flag_that_squares_them():
+    """A .npz of 13x20 images: refused for 13 having no patch divisor, the flag that would
+    square them not named; a 12x20 one: "expected square images" and no way out. Both say
+    --data.image-size with the shorter side."""
+    from types import SimpleNamespace
+
+    from toymlx.recipes.vit_tiny import ViTOptions, model_args
+
+    for h, w in ((13, 20), (12, 20), (20, 13)):
+        data = SimpleNamespace(image_shape=(h, w, 1), num_classes=2, source="set.npz")
+        with pytest.raises(ValueError) as e:
+            model_args(ViTOptions(), data)
+        side = min(h, w)
+        assert str(e.value) == (f"set.npz: images: expected square images, found {h}x{w} "
+                                f"(height x width); --data.image-size {side} resizes the "
+                                "shorter side to it and centre-crops, as a folder's images are")
 
 
 def test_the_vit_body_is_checked_before_any_image_is_read(tmp_path):

@@ -80,6 +80,15 @@ class RunOptions:
 
 RUN_LOCAL = frozenset(f.name for f in dataclasses.fields(RunOptions))
 """The run-local option keys: the fields of `RunOptions` (the one list; do not repeat it)."""
+RECIPE_RUN_LOCAL = frozenset({"data.workers"})
+"""Recipe options (dotted keys) that are run-local too: how this process makes the batches,
+not what they hold (vit-tiny's --data.workers: the same batches with any number of threads)."""
+
+
+def is_run_local(key: str) -> bool:
+    """Whether the option `key` (dotted) is run-local: a `RunOptions` field (or one below it)
+    or one of `RECIPE_RUN_LOCAL`; a resume may change it, and a sweep's table leaves it out."""
+    return key.split(".")[0] in RUN_LOCAL or key in RECIPE_RUN_LOCAL
 BUNDLE_NAME = ("runs_root", "run_id")
 """The run-local options that name the bundle: on --resume they must be the bundle's own."""
 BUNDLE_PICK = ("runs_root", "run_id", "resume", "from_step", "overwrite")

@@ -131,9 +131,22 @@ def _sniff(path: Path | ImageBytes) -> str:
 
 
 def is_colour(path: Path) -> bool:
-    """Whether the file's stored mode has colour (reads the header only)."""
+    """Whether the file's stored pixels have colour (reads the header only: `has_colour`)."""
     with _open(path) as im:
-        return im.mode not in _GREY_MODES
+        return has_colour(im)
+
+
+def has_colour(im: Image.Image) -> bool:
+    """Whether an opened image's stored pixels can have colour: not a grey mode, nor a palette
+    of greys alone (a GIF or palette PNG of grey digits; read with the header, no pixel
+    decoded). Counted as colour, one such file made a grey set train as RGB, with flips."""
+    if im.mode in _GREY_MODES:
+        return False
+    if im.mode in ("P", "PA"):
+        pal = im.getpalette()  # [r, g, b, r, g, b, ...]
+        return pal is None or any(pal[i] != pal[i + 1] or pal[i] != pal[i + 2]
+                                  for i in range(0, len(pal) - 2, 3))
+    return True
 
 
 def image_size(path: Path) -> tuple[int, int]:
@@ -196,6 +209,23 @@ def images_below(folder: Path) -> list[Path]:
     return sorted(found)
 
 
+def subfolders(root: Path) -> list[Path]:
+    """The folders directly in `root` (linked ones too), hidden names skipped, sorted;
+    ImageDataError naming a link to nothing among its names: a class folder linked from a
+    disk not mounted dropped out of the classes without a word."""
+    found = []
+    for d in sorted(root.iterdir()):
+        if d.name.startswith("."):
+            continue
+        if d.is_symlink() and not d.exists():
+            raise ImageDataError(f"{d}: expected a folder of images, found a link to "
+                                 f"{os.readlink(d)}, which does not exist; restore its target "
+                                 "or remove the link")
+        if d.is_dir():
+            found.append(d)
+    return found
+
+
 SPLIT_NAMES = {"train": ("train", "training"),
                "val": ("val", "valid", "validation", "eval", "evaluation"), "test": ("test",)}
 """Subfolder names timm's `--data-dir` takes as splits rather than classes, by split."""
@@ -209,8 +239,8 @@ def split_folders(root: str | Path) -> dict[str, Path] | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    subs = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
-    split_of = {d: split for d in sorted(subs) for split, names in SPLIT_NAMES.items()
+    subs = subfolders(root)
+    split_of = {d: split for d in subs for split, names in SPLIT_NAMES.items()
                 if d.name in names}
     train = [d for d, split in split_of.items() if split == "train"]
     if len(split_of) != len(subs) or not train \
@@ -230,7 +260,7 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
     """(files, labels, class names) of an ImageFolder tree, in sorted order; a training set
     needs two classes, a validation or test set (`min_classes=1`) one."""
     root = Path(root)
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    classes = [d.name for d in subfolders(root)]
     if not classes:
         raise ImageDataError(f"{root}: expected one subfolder of images per class, found no "
                              "subfolders")
@@ -259,7 +289,7 @@ def probe(files: Sequence[Path], workers: int) -> tuple[bool, set[tuple[int, int
     """(any colour image, the set of image sizes) from the headers of `files`."""
     def one(p: Path) -> tuple[bool, tuple[int, int]]:
         with _open(p) as im:
-            return im.mode not in _GREY_MODES, im.size
+            return has_colour(im), im.size
 
     with ThreadPoolExecutor(max(workers, 1)) as pool:
         got = list(pool.map(one, files, chunksize=64))

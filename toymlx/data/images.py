@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -191,6 +191,8 @@ class Raw:
     `DIGITS_SCALE`); None for a float array: the set's maximum."""
     label_key: str = "labels"
     """What holds the labels, for messages (a .npz's array `y`)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines for the console about how the source was read (a folder's size chosen for it)."""
 
 
 def _load_arrays(p: Path) -> Raw:
@@ -259,13 +261,28 @@ def _load_raw(path: str | None, size: int | None, channels: int | None,
         return _load_arrays(p)
     files, y, names = scan_image_folder(p, min_classes)
     colour, sizes = probe(files, workers)
+    notes = []
+    if loose := sorted(f.name for f in p.iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS
+                       and not f.name.startswith(".") and f.is_file()):
+        notes.append(f"{p}: {counted(len(loose), 'image file')} directly in it, in no class "
+                     f"folder ({', '.join(loose[:3])}{' ...' if len(loose) > 3 else ''}): not "
+                     "read (an image's class is the subfolder it is in); move "
+                     f"{'it' if len(loose) == 1 else 'them'} into one")
     if size is None:
         (w, h), = sizes if len(sizes) == 1 else ((0, 1),)
         size = w if w == h and w <= DEFAULT_FOLDER_SIZE else DEFAULT_FOLDER_SIZE
+        if size != w or w != h:  # not their own size: a run decoding 10 px icons at 224 says so
+            side = sorted(min(s) for s in sizes)
+            found = (f", all {w}x{h}" if len(sizes) == 1 else f" of {len(sizes)} sizes (shorter "
+                     f"side {side[0]} to {side[-1]} px)")
+            notes.append(f"{p}: {counted(len(files), 'image')}{found}: each resized and "
+                         f"centre-cropped to {size}x{size} (the default for images not all of "
+                         "one square size up to 224; --data.image-size to choose)")
     lazy = ImageFiles(files, size, channels or (3 if colour else 1))
     if stream is None:
         stream = np.prod(lazy.shape) / 2**20 > STREAM_ABOVE_MB
-    return Raw(lazy if stream else lazy.decode_all(workers), y, str(p), None, names, 255.0)
+    return Raw(lazy if stream else lazy.decode_all(workers), y, str(p), None, names, 255.0,
+               notes=notes)
 
 
 def _conform(x: np.ndarray | ImageFiles, size: int | None, channels: int | None,
@@ -365,6 +382,12 @@ class ImageSet:
     """Held-out test images (`test_path`), None without a test set"""
     test_y: np.ndarray | None = None
     test_source: str | None = None
+    val_scale: float | None = None
+    """What divides the validation pixels into [0, 1] where they are a set of their own
+    (`val_path`), by its own format as `scale` is the training images' (PNGs validating a run
+    on a float .npz are over 255 still); None: `scale` (a split of the same set)"""
+    test_scale: float | None = None
+    """The same for the test set (`test_path`)"""
     notes: list[str] = field(default_factory=list)
     """Lines for the console about the data as loaded (classes with no training image)"""
     _perms: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
@@ -377,9 +400,11 @@ class ImageSet:
     def streamed(self) -> bool:
         return isinstance(self.train_x, ImageFiles)
 
-    def normalise(self, x: np.ndarray) -> np.ndarray:
-        """Stored pixels -> float32 standardised with the training statistics."""
-        return ((x.astype(np.float32) / self.scale - self.mean) / self.std).astype(np.float32)
+    def normalise(self, x: np.ndarray, scale: float | None = None) -> np.ndarray:
+        """Stored pixels -> float32 standardised with the training statistics (`scale`: what
+        divides these pixels into [0, 1]; default: the training images' `scale`)."""
+        return ((x.astype(np.float32) / (scale or self.scale) - self.mean) / self.std
+                ).astype(np.float32)
 
     def _epoch_perm(self, seed: int, epoch: int) -> np.ndarray:
         key = (seed, epoch)
@@ -419,17 +444,21 @@ class ImageSet:
         """The whole validation split in order, each batch (1, B, ...); the last may be smaller,
         or with `pad_last` be filled with zero images labelled -1 (padding to ignore). Batches
         are made when read (a streamed set decodes them then)."""
-        if batch_size < 1:
-            raise ImageDataError(f"batch_size: expected >= 1, found {batch_size}")
-        return _ValBatches(self, self.val_x, self.val_y, batch_size, pad_last)
+        return self.batches_of(self.val_x, self.val_y, batch_size, pad_last, self.val_scale)
 
     def test_batches(self, batch_size: int, pad_last: bool = False) -> Sequence[dict]:
         """The whole test set as `val_batches` gives the validation split ([] without one)."""
         if self.test_x is None or self.test_y is None:
             return []
+        return self.batches_of(self.test_x, self.test_y, batch_size, pad_last, self.test_scale)
+
+    def batches_of(self, x: np.ndarray | ImageFiles, y: np.ndarray, batch_size: int,
+                   pad_last: bool = False, scale: float | None = None) -> Sequence[dict]:
+        """Images `x` with labels `y` as `val_batches` gives the validation split, their pixels
+        divided by `scale` (default: the training images' `scale`)."""
         if batch_size < 1:
             raise ImageDataError(f"batch_size: expected >= 1, found {batch_size}")
-        return _ValBatches(self, self.test_x, self.test_y, batch_size, pad_last)
+        return _ValBatches(self, x, y, batch_size, pad_last, scale)
 
     def describe(self) -> dict[str, Any]:
         """Sizes for logging."""
@@ -445,8 +474,9 @@ class _ValBatches(Sequence):
     labels `y`, built on access and normalised with the training statistics."""
 
     def __init__(self, data: ImageSet, x: np.ndarray | ImageFiles, y: np.ndarray,
-                 batch_size: int, pad_last: bool):
+                 batch_size: int, pad_last: bool, scale: float | None = None):
         self.data, self.x, self.y, self.bs, self.pad = data, x, y, batch_size, pad_last
+        self.scale = scale
 
     def __len__(self) -> int:
         return (len(self.y) + self.bs - 1) // self.bs
@@ -458,7 +488,7 @@ class _ValBatches(Sequence):
             raise IndexError(i)
         i %= len(self)
         bs = self.bs
-        x = self.data.normalise(self.x[i * bs:(i + 1) * bs])
+        x = self.data.normalise(self.x[i * bs:(i + 1) * bs], self.scale)
         y = self.y[i * bs:(i + 1) * bs]
         if self.pad and len(y) < bs:
             x = np.concatenate([x, np.zeros((bs - len(y), *x.shape[1:]), x.dtype)])
@@ -527,18 +557,36 @@ def _channel_stats(x: np.ndarray | ImageFiles, scale: float) -> tuple[np.ndarray
     return mean.astype(np.float32), np.where(std > 0, std, 1.0).astype(np.float32)
 
 
+class HeldOut(NamedTuple):
+    """A validation or test set of its own, as `_held_out` reads it."""
+
+    x: np.ndarray | ImageFiles
+    y: np.ndarray
+    source: str
+    scale: float
+    """What divides its pixels into [0, 1] (its own format's range: `_source_scale`)"""
+    notes: list[str]
+    """Lines about how it was read (`Raw.notes`)"""
+
+
 def _held_out(path: str, flag: str, like: np.ndarray | ImageFiles, names: list[str],
-              stream: bool | None, workers: int) -> tuple[np.ndarray | ImageFiles, np.ndarray,
-                                                        str]:
-    """(images, labels, source) of a validation or test set of its own (`flag`: --data.val-path,
-    --data.test-path): every image in it, at the size and channels of the training images
-    `like`, labels mapped into the training classes `names` by name."""
+              stream: bool | None, workers: int) -> HeldOut:
+    """A validation or test set of its own (`flag`: --data.val-path, --data.test-path): every
+    image in it, at the size and channels of the training images `like`, labels mapped into
+    the training classes `names` by name."""
     h, _, c = like.shape[1:]
     raw = _load_raw(path, h, c, stream, workers, min_classes=1)
     x = _conform(raw.x, h, c, raw.source)
     if len(x) == 0:
         raise ImageDataError(f"{raw.source}: {flag}: no images")
-    return x, _map_classes(raw, names, raw.source), raw.source
+    return HeldOut(x, _map_classes(raw, names, raw.source), raw.source, _source_scale(raw, x),
+                   raw.notes)
+
+
+def _source_scale(raw: Raw, x: np.ndarray | ImageFiles) -> float:
+    """What divides the pixels `x` of the source `raw` into [0, 1]: its format's range (255 for
+    8-bit pixels, 16 for the UCI digits), else (a float set) its largest value."""
+    return raw.scale or float(np.max(x)) or 1.0
 
 
 def load_images(path: str | None = None, val_fraction: float = 0.1,
@@ -583,7 +631,8 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
         check_classes(raw, y, names)
     if val_path is not None:
         train_idx, val_idx = np.arange(raw.n_train or len(raw.x)), None
-        val_x, val_y, _ = _held_out(val_path, "--data.val-path", raw.x, names, stream, workers)
+        val = _held_out(val_path, "--data.val-path", raw.x, names, stream, workers)
+        val_x, val_y, val_scale, held_notes = val.x, val.y, val.scale, val.notes
     else:
         if raw.n_train is None:
             perm = np.random.default_rng(SPLIT_SEED).permutation(len(raw.x))
@@ -591,21 +640,24 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
             val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
         else:
             train_idx, val_idx = np.arange(raw.n_train), np.arange(raw.n_train, len(raw.x))
-        val_x, val_y = _take(raw.x, val_idx), y[val_idx]
+        val_x, val_y, val_scale, held_notes = _take(raw.x, val_idx), y[val_idx], None, []
     if len(train_idx) == 0:
         raise ImageDataError(f"{raw.source}: training split is empty "
                              f"({counted(len(raw.x), 'image')}, val_fraction={val_fraction})")
     train_x = _take(raw.x, train_idx)
-    scale = raw.scale or float(np.max(raw.x)) or 1.0
+    scale = _source_scale(raw, raw.x)
     mean, std = _channel_stats(train_x, scale)
-    test_x, test_y, test_source = (None, None, None) if test_path is None else _held_out(
-        test_path, "--data.test-path", raw.x, names, stream, workers)
+    test = None if test_path is None else _held_out(test_path, "--data.test-path", raw.x, names,
+                                                    stream, workers)
+    test_x, test_y, test_source, test_scale = (None,) * 4 if test is None else test[:4]
     out = ImageSet(train_x, y[train_idx], val_x, val_y, scale, mean, std, len(names),
                    raw.source, list(names), augment, raw.scale is not None,
-                   test_x=test_x, test_y=test_y, test_source=test_source)
+                   test_x=test_x, test_y=test_y, test_source=test_source,
+                   val_scale=val_scale, test_scale=test_scale)
     if classes is None:
         out.notes = [n for n in [classes_note(raw, out.train_y, len(names))] if n]
-    if layout is not None:
+    out.notes[:0] = raw.notes + held_notes + (test.notes if test is not None else [])
+    if layout is not None and classes is None:  # training on it (an evaluation trains nothing)
         out.notes.insert(0, layout_note)
     return out
 
@@ -654,8 +706,20 @@ def classes_note(raw: Raw, train_y: np.ndarray, num_classes: int) -> str | None:
     missing = num_classes - len(present)
     if not missing:
         return None
+    have = "has" if missing == 1 else "have"
+    if raw.class_names:  # folders or CIFAR's meta: the classes by name, and where their images are
+        count = np.bincount(raw.y, minlength=num_classes)
+        absent = [k for k in range(num_classes) if k not in set(present.tolist())]
+        named = ", ".join(f"{raw.class_names[k]!r} ("
+                          + (f"{counted(int(count[k]), 'image')}, held out for validation"
+                             if count[k] else "no image in the data") + ")"
+                          for k in absent[:5]) + (" ..." if len(absent) > 5 else "")
+        split = raw.n_train is None and any(count[k] for k in absent)  # the seeded split's
+        return (f"{raw.source}: {missing} of the {num_classes} classes {have} no training "
+                f"image: {named}; the model cannot learn {'it' if missing == 1 else 'them'}: "
+                f"add images{', or lower --data.val-fraction' if split else ''}")
     return (f"{raw.source}: {raw.label_key} takes {len(present)} values in 0..{num_classes - 1} "
-            f"in the training split: {missing} of the {num_classes} classes have no training "
+            f"in the training split: {missing} of the {num_classes} classes {have} no training "
             f"image")
 
 

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 import mlx.core as mx
 import numpy as np
 
-from toymlx.backend.atomic import atomic_open
+from toymlx.backend.atomic import atomic_open, output_folder
 from toymlx.backend.files import counted, nothing_there, special_kind
 from toymlx.backend.progress import pass_bar
 from toymlx.bundle.checkpoint import checkpoint_file
@@ -279,7 +279,8 @@ def plot_confusion(m: np.ndarray, names: list[str], out: str | Path) -> Path:
                  f"{counted(int(m.sum()), 'image')}")
     fig.tight_layout()
     out = Path(out)
-    with atomic_open(out) as f:
+    # its folder made as toymlx-export's --out is: a missing one was an errno line, after the work
+    with output_folder(out.parent), atomic_open(out) as f:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return out

@@ -234,6 +234,10 @@ def model_args(opts: ViTOptions, data: ImageSet, data_opts: ImageData | None = N
     (`data_opts`: the options given, which decide which flag of two a fault is told of)."""
     data_opts = data_opts or ImageData()
     h, w, c = data.image_shape
+    if h != w:  # before the patch is chosen from the side: a 13x20 set was told of 13's divisors
+        raise ValueError(f"{data.source}: images: expected square images, found {h}x{w} (height "
+                         f"x width); --data.image-size {min(h, w)} resizes the shorter side to "
+                         "it and centre-crops, as a folder's images are")
     preset = opts.preset
     if preset == "auto":
         preset = {8: "vit-tiny-8", 28: "vit-tiny-28", 224: "vit-tiny"}.get(h, "vit-tiny-28")
@@ -243,8 +247,6 @@ def model_args(opts: ViTOptions, data: ImageSet, data_opts: ImageData | None = N
             over["patch_size"] = AUTO_PATCH_8[1]
         elif h not in (28, 224):
             over["patch_size"] = auto_patch(h)
-    if h != w:
-        raise ValueError(f"{data.source}: images: expected square images, found {h}x{w}")
     args = replace(PRESETS[preset](), image_size=h, channels=c, num_classes=data.num_classes,
                    **over)
     return _checked(args, opts, data_opts)

@@ -60,11 +60,11 @@ from toymlx.bundle.inputs import (
 from toymlx.bundle.model_store import is_store_name
 from toymlx.bundle.options import (
     BUNDLE_NAME,
-    RUN_LOCAL,
     RunError,
     config_from_dict,
     flag_name,
     found_text,
+    is_run_local,
     option,
     option_items,
 )
@@ -318,7 +318,7 @@ class Bundle:
         was = dict(option_items(self.config))
         inputs = {*data_paths(given), *MODEL_OPTIONS}  # a path given again: the same file
         changed = [(k, was.get(k), v) for k, v in option_items(given)
-                   if k != "steps" and (k.split(".")[0] not in RUN_LOCAL or k in BUNDLE_NAME)
+                   if k != "steps" and (not is_run_local(k) or k in BUNDLE_NAME)
                    and was.get(k) != v
                    and not (k in inputs and _same_place(was.get(k), v))]
         if not changed:

@@ -25,7 +25,7 @@ from toymlx.backend.files import counted
 from toymlx.backend.notice import warn
 from toymlx.bundle.events import damage_note, moved_damage, read_events, read_log
 from toymlx.bundle.folder import CONFIG_FILE, saved_config
-from toymlx.bundle.options import RUN_LOCAL, RunError
+from toymlx.bundle.options import RunError, is_run_local
 from toymlx.runner.bundle import Bundle
 
 SWEEP_FILE = "sweep.json"
@@ -288,7 +288,7 @@ def all_options(rows: list[dict[str, Any]]) -> list[str]:
     first appearance."""
     keys: list[str] = []
     for r in rows:
-        keys += [k for k in r["config"] if k not in keys and k.split(".")[0] not in RUN_LOCAL]
+        keys += [k for k in r["config"] if k not in keys and not is_run_local(k)]
     return [k for k in keys if _differ(rows, k)]
 
 
