@@ -65,11 +65,17 @@ MLX_LM_COMMAND_KEYS = {
     "toymlx-export": {  # mlx_lm.fuse's
         "adapter_path": "--adapter (the run folder; mlx-lm's adapter folder with --base)",
         "save_path": "--out", "gguf_path": "--out (with --fuse, the fused GGUF)",
-        "export_gguf": "toymlx-export writes a GGUF (--fuse: the fused model); drop it"},
+        "export_gguf": "toymlx-export writes a GGUF (--fuse: the fused model); drop it",
+        # mlx_lm.fuse --dequantize writes every weight unquantized (F16 in its --export-gguf)
+        "dequantize": "--dtype f16 (every tensor written at F16; f32 for F32)",
+        "upload_repo": "toymlx-export writes local files only; upload them with hf upload "
+                       "REPO FILE"},
     "toymlx-generate": {  # mlx_lm.generate's
         "adapter_path": "--model (the run folder: its base with its adapter; --adapter RUN "
                         "over another --model)",
-        "system_prompt": "--system"},
+        "system_prompt": "--system",
+        "verbose": "toymlx-generate always prints its model and speed lines on stderr, the "
+                   "text alone on stdout; drop it"},
     "toymlx-eval": {  # mlx_lm.lora --test's
         "adapter_path": "--model (the run folder: its base with its adapter)",
         "data": "--data.path", "test": "--split test", "max_seq_length": "--seq-len",
