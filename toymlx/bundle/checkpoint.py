@@ -216,7 +216,8 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model", check_digest
         return resolve_model(path, flag, check_digest)
     p = Path(path)
     if (p / "adapters.safetensors").is_file() or (
-            p.suffix == ".safetensors" and (p.parent / "adapter_config.json").is_file()):
+            p.suffix == ".safetensors" and p.is_file()
+            and (p.parent / "adapter_config.json").is_file()):
         raise ValueError(f"{p}: {flag}: expected a GGUF file or a run directory, found mlx-lm's "
                          f"adapters; convert them for their base: toymlx-export --adapter {p} "
                          "--base BASE.gguf --out adapter.gguf")
