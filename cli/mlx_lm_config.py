@@ -216,10 +216,17 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         put("adapter_path", "run_id", Path(p).name)
         # mlx_lm.generate --adapter-path would fail on it: "No such file or directory:
         # 'adapters/adapter_config.json'"
-        notes.append(f"{source}: key 'adapter_path': {p} is the run's folder; its adapters are "
-                     "llama.cpp's GGUFs (weights/adapter_step_N.gguf), not mlx-lm's "
-                     f"adapters.safetensors: toymlx-generate --model {p}, or toymlx-export "
-                     f"--adapter {p} --fuse --out FILE.gguf (mlx_lm.fuse's)")
+        if given["fine_tune_type"] == "full":  # its checkpoints are whole models
+            notes.append(f"{source}: key 'adapter_path': {p} is the run's folder; its "
+                         "checkpoints are whole models in llama.cpp's GGUF "
+                         "(weights/step_N.gguf), not mlx-lm's adapters.safetensors: "
+                         f"toymlx-generate --model {p}, or toymlx-export --base {p} --out "
+                         "FILE.gguf (mlx_lm.fuse's)")
+        else:
+            notes.append(f"{source}: key 'adapter_path': {p} is the run's folder; its adapters "
+                         "are llama.cpp's GGUFs (weights/adapter_step_N.gguf), not mlx-lm's "
+                         f"adapters.safetensors: toymlx-generate --model {p}, or toymlx-export "
+                         f"--adapter {p} --fuse --out FILE.gguf (mlx_lm.fuse's)")
     if data.get("report_to"):
         put("report_to", "report_to", _report_to(data["report_to"], source))
     if "project_name" in data:

@@ -160,6 +160,14 @@ def test_adapter_path_says_what_the_folder_holds_and_what_reads_it():
                       "mlx-lm's adapters.safetensors: toymlx-generate --model out/adapters, or "
                       "toymlx-export --adapter out/adapters --fuse --out FILE.gguf "
                       "(mlx_lm.fuse's)")]
+    # a full fine-tune's checkpoints are whole models: toymlx-export --adapter RUN refuses
+    # them (before, the note sent the user there)
+    _, _, notes = mlx_lm_options({"model": "m.gguf", "iters": 1, "fine_tune_type": "full",
+                                  "adapter_path": "out/full"}, "f.yaml")
+    assert notes == [("f.yaml: key 'adapter_path': out/full is the run's folder; its checkpoints "
+                      "are whole models in llama.cpp's GGUF (weights/step_N.gguf), not mlx-lm's "
+                      "adapters.safetensors: toymlx-generate --model out/full, or toymlx-export "
+                      "--base out/full --out FILE.gguf (mlx_lm.fuse's)")]
 
 
 def test_a_relative_path_is_read_from_the_current_directory_and_named(tmp_path,
