@@ -197,6 +197,11 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         _lora(given["lora_parameters"], source, put)
     if "lr_schedule" in data:
         _schedule(data["lr_schedule"], source, put)
+        if "learning_rate" in data and data["learning_rate"] != out["lr"]:
+            # mlx-lm's optimizer takes the schedule over learning_rate, without a word
+            notes.append(f"{source}: key 'learning_rate': {data['learning_rate']} not used: "
+                         f"lr_schedule sets the lr (its first argument, {out['lr']:g}), as in "
+                         "mlx-lm")
     _optimizer_config(data.get("optimizer_config"), given["optimizer"], source, put)
     if "model" in data:
         put("model", "base", data["model"] if "--base" in flags else _model(data["model"], source))

@@ -323,6 +323,20 @@ def test_schedules_are_mlx_lm_s():
     assert [float(const(mx.array(s))) for s in (0, 99)] == [float(np.float32(3e-4))] * 2
 
 
+def test_a_learning_rate_beside_a_schedule_is_noted_as_unused():
+    """mlx-lm takes lr_schedule over learning_rate without a word; so did toymlx (its --lr row
+    replaced in the table): a note now names the key and the lr the schedule sets."""
+    sched = {"name": "cosine_decay", "arguments": [1e-4, 100]}
+    options, _, notes = mlx_lm_options({"model": "m.gguf", "iters": 1, "learning_rate": 1e-3,
+                                        "lr_schedule": sched}, "f.yaml")
+    assert options["lr"] == 1e-4
+    assert notes == [("f.yaml: key 'learning_rate': 0.001 not used: lr_schedule sets the lr "
+                      "(its first argument, 0.0001), as in mlx-lm")]
+    _, _, notes = mlx_lm_options({"model": "m.gguf", "iters": 1, "learning_rate": 1e-4,
+                                  "lr_schedule": sched}, "f.yaml")
+    assert notes == []  # the same lr: nothing lost
+
+
 def test_the_optimizers_are_mlx_lm_s():
     opt = lora.make_optimizer(_cfg())
     # MLX's Adam, its update computed as three one-output kernels (toymlx.training.optimizers)
