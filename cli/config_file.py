@@ -45,7 +45,10 @@ MLX_LM_KEYS = {
     "num_layers": "--lora.layers (--full.layers for a full fine-tune)",
     "lora_parameters": "--lora.rank, --lora.alpha (scale x rank), --lora.dropout and "
                        "--lora.targets (for keys)",
-    "max_seq_length": "--seq-len", "grad_accumulation_steps": "--grad-accum",
+    # --seq-len counts a row's targets, max_seq_length its tokens (`mlx_lm_options`)
+    "max_seq_length": "--seq-len at max_seq_length - 1 (it counts a row's targets, mlx-lm its "
+                      "tokens)",
+    "grad_accumulation_steps": "--grad-accum",
     "steps_per_eval": "--eval-every", "val_batches": "--eval-batches",
     "save_every": "--checkpoint-every", "resume_adapter_file": "--lora.init-adapter",
     "adapter_path": "--runs-root and --run-id (the run folder holds the adapters)",
@@ -78,7 +81,9 @@ MLX_LM_COMMAND_KEYS = {
                    "text alone on stdout; drop it"},
     "toymlx-eval": {  # mlx_lm.lora --test's
         "adapter_path": "--model (the run folder: its base with its adapter)",
-        "data": "--data.path", "test": "--split test", "max_seq_length": "--seq-len",
+        "data": "--data.path", "test": "--split test",
+        "max_seq_length": "--seq-len at max_seq_length - 1 (it counts a row's targets, mlx-lm "
+                          "its tokens)",
         "test_batches": "--limit (examples: mlx-lm's batches x --batch-size; its -1, every "
                         "batch, is the default)"},
 }

@@ -308,6 +308,12 @@ def test_unsloths_gguf_quantization_is_toymlx_export_s_dtype(capsys):
      "tensor written at F16; f32 for F32)")),
     ("export", "--upload-repo", ("mlx-lm's --upload-repo has no toymlx-export option: "
      "toymlx-export writes local files only; upload them with hf upload REPO FILE")),
+    # max_seq_length counts a row's tokens, --seq-len its targets (before: "is toymlx's
+    # --seq-len", one more target than mlx-lm's row holds)
+    ("eval", "--max-seq-length", ("mlx-lm's --max-seq-length is toymlx-eval's --seq-len at "
+     "max_seq_length - 1 (it counts a row's targets, mlx-lm its tokens)")),
+    ("export", "--max-seq-length", ("mlx-lm's --max-seq-length is toymlx-train's --seq-len at "
+     "max_seq_length - 1 (it counts a row's targets, mlx-lm its tokens)")),
     ("generate", "--verbose", ("mlx-lm's --verbose has no toymlx-generate option: "
      "toymlx-generate always prints its model and speed lines on stderr, the text alone on "
      "stdout; drop it")),
