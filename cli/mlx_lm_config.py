@@ -153,8 +153,9 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
           "test.jsonl is scored by toymlx-eval --model RUN --split test)", data.get("train"))
     out: dict[str, Any] = {}
     rows: list[tuple[str, str, Any, str]] = []
+    # trust_remote_code false is what toymlx does: noted only where the file asks for the code
     notes = [f"{source}: key {k!r}: not honoured ({why})" for k, why in _NOTED.items()
-             if k in data]
+             if k in data and not (k == "trust_remote_code" and data[k] is False)]
 
     def put(mlx_key: str, option: str, value: Any, origin: str | None = None) -> None:
         if option in out:  # set again by a key that overrides another (lr_schedule over lr)

@@ -337,6 +337,17 @@ def test_a_learning_rate_beside_a_schedule_is_noted_as_unused():
     assert notes == []  # the same lr: nothing lost
 
 
+def test_trust_remote_code_false_is_not_called_unhonoured():
+    """mlx-lm's adapter_config.json (and a file copied from CONFIG_DEFAULTS) says
+    trust_remote_code: false, which toymlx honours by running no repository code: it was noted
+    "not honoured" all the same; true still is."""
+    base = {"model": "m.gguf", "iters": 1}
+    assert mlx_lm_options({**base, "trust_remote_code": False}, "f.yaml")[2] == []
+    assert mlx_lm_options({**base, "trust_remote_code": True}, "f.yaml")[2] == [(
+        "f.yaml: key 'trust_remote_code': not honoured (toymlx runs no model code from a "
+        "repository)")]
+
+
 def test_the_optimizers_are_mlx_lm_s():
     opt = lora.make_optimizer(_cfg())
     # MLX's Adam, its update computed as three one-output kernels (toymlx.training.optimizers)
