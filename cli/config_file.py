@@ -70,7 +70,7 @@ MLX_LM_COMMAND_KEYS = {
         "save_path": "--out", "gguf_path": "--out (with --fuse, the fused GGUF)",
         "export_gguf": "toymlx-export writes a GGUF (--fuse: the fused model); drop it",
         # mlx_lm.fuse --dequantize writes every weight unquantized (F16 in its --export-gguf)
-        "dequantize": "--dtype f16 (every tensor written at F16; f32 for F32)",
+        "dequantize": "--dtype f16 (every weight matrix written at F16; f32 for F32)",
         "upload_repo": "toymlx-export writes local files only; upload them with hf upload "
                        "REPO FILE"},
     "toymlx-generate": {  # mlx_lm.generate's

@@ -305,7 +305,7 @@ def test_unsloths_gguf_quantization_is_toymlx_export_s_dtype(capsys):
     # mlx_lm.fuse's --dequantize (before: "did you mean --exact-size?", which keeps the base's
     # quantized size) and --upload-repo, mlx_lm.generate's --verbose (before: no hint)
     ("export", "--dequantize", ("mlx-lm's --dequantize is toymlx-export's --dtype f16 (every "
-     "tensor written at F16; f32 for F32)")),
+     "weight matrix written at F16; f32 for F32)")),
     ("export", "--upload-repo", ("mlx-lm's --upload-repo has no toymlx-export option: "
      "toymlx-export writes local files only; upload them with hf upload REPO FILE")),
     # max_seq_length counts a row's tokens, --seq-len its targets (before: "is toymlx's
