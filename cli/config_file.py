@@ -45,7 +45,10 @@ MLX_LM_KEYS = {
     "num_layers": "--lora.layers (--full.layers for a full fine-tune)",
     "lora_parameters": "--lora.rank, --lora.alpha (scale x rank), --lora.dropout and "
                        "--lora.targets (for keys)",
-    "max_seq_length": "--seq-len", "grad_accumulation_steps": "--grad-accum",
+    # --seq-len counts a row's targets, max_seq_length its tokens (`mlx_lm_options`)
+    "max_seq_length": "--seq-len at max_seq_length - 1 (it counts a row's targets, mlx-lm its "
+                      "tokens)",
+    "grad_accumulation_steps": "--grad-accum",
     "steps_per_eval": "--eval-every", "val_batches": "--eval-batches",
     "save_every": "--checkpoint-every", "resume_adapter_file": "--lora.init-adapter",
     "adapter_path": "--runs-root and --run-id (the run folder holds the adapters)",
@@ -64,14 +67,22 @@ MLX_LM_COMMAND_KEYS = {
     "toymlx-export": {  # mlx_lm.fuse's
         "adapter_path": "--adapter (the run folder; mlx-lm's adapter folder with --base)",
         "save_path": "--out", "gguf_path": "--out (with --fuse, the fused GGUF)",
-        "export_gguf": "toymlx-export writes a GGUF (--fuse: the fused model); drop it"},
+        "export_gguf": "toymlx-export writes a GGUF (--fuse: the fused model); drop it",
+        # mlx_lm.fuse --dequantize writes every weight unquantized (F16 in its --export-gguf)
+        "dequantize": "--dtype f16 (every weight matrix written at F16; f32 for F32)",
+        "upload_repo": "toymlx-export writes local files only; upload them with hf upload "
+                       "REPO FILE"},
     "toymlx-generate": {  # mlx_lm.generate's
         "adapter_path": "--model (the run folder: its base with its adapter; --adapter RUN "
                         "over another --model)",
-        "system_prompt": "--system"},
+        "system_prompt": "--system",
+        "verbose": "toymlx-generate always prints its model and speed lines on stderr, the "
+                   "text alone on stdout; drop it"},
     "toymlx-eval": {  # mlx_lm.lora --test's
         "adapter_path": "--model (the run folder: its base with its adapter)",
-        "data": "--data.path", "test": "--split test", "max_seq_length": "--seq-len",
+        "data": "--data.path", "test": "--split test",
+        "max_seq_length": "--seq-len at max_seq_length - 1 (it counts a row's targets, mlx-lm "
+                          "its tokens)",
         "test_batches": "--limit (examples: mlx-lm's batches x --batch-size; its -1, every "
                         "batch, is the default)"},
 }

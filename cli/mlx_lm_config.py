@@ -151,8 +151,9 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
           "test.jsonl is scored by toymlx-eval --model RUN --split test)", data.get("train"))
     out: dict[str, Any] = {}
     rows: list[tuple[str, str, Any, str]] = []
+    # trust_remote_code false is what toymlx does: noted only where the file asks for the code
     notes = [f"{source}: key {k!r}: not honoured ({why})" for k, why in _NOTED.items()
-             if k in data]
+             if k in data and not (k == "trust_remote_code" and data[k] is False)]
 
     def put(mlx_key: str, option: str, value: Any, origin: str | None = None) -> None:
         if option in out:  # set again by a key that overrides another (lr_schedule over lr)
@@ -195,6 +196,11 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         _lora(given["lora_parameters"], source, put)
     if "lr_schedule" in data:
         _schedule(data["lr_schedule"], source, put)
+        if "learning_rate" in data and data["learning_rate"] != out["lr"]:
+            # mlx-lm's optimizer takes the schedule over learning_rate, without a word
+            notes.append(f"{source}: key 'learning_rate': {data['learning_rate']} not used: "
+                         f"lr_schedule sets the lr (its first argument, {out['lr']:g}), as in "
+                         "mlx-lm")
     _optimizer_config(data.get("optimizer_config"), given["optimizer"], source, put)
     if "model" in data:
         put("model", "base", data["model"] if "--base" in flags else _model(data["model"], source))
@@ -217,10 +223,17 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         put("adapter_path", "run_id", Path(p).name)
         # mlx_lm.generate --adapter-path would fail on it: "No such file or directory:
         # 'adapters/adapter_config.json'"
-        notes.append(f"{source}: key 'adapter_path': {p} is the run's folder; its adapters are "
-                     "llama.cpp's GGUFs (weights/adapter_step_N.gguf), not mlx-lm's "
-                     f"adapters.safetensors: toymlx-generate --model {p}, or toymlx-export "
-                     f"--adapter {p} --fuse --out FILE.gguf (mlx_lm.fuse's)")
+        if given["fine_tune_type"] == "full":  # its checkpoints are whole models
+            notes.append(f"{source}: key 'adapter_path': {p} is the run's folder; its "
+                         "checkpoints are whole models in llama.cpp's GGUF "
+                         "(weights/step_N.gguf), not mlx-lm's adapters.safetensors: "
+                         f"toymlx-generate --model {p}, or toymlx-export --base {p} --out "
+                         "FILE.gguf (mlx_lm.fuse's)")
+        else:
+            notes.append(f"{source}: key 'adapter_path': {p} is the run's folder; its adapters "
+                         "are llama.cpp's GGUFs (weights/adapter_step_N.gguf), not mlx-lm's "
+                         f"adapters.safetensors: toymlx-generate --model {p}, or toymlx-export "
+                         f"--adapter {p} --fuse --out FILE.gguf (mlx_lm.fuse's)")
     if data.get("report_to"):
         put("report_to", "report_to", _report_to(data["report_to"], source))
     if "project_name" in data:

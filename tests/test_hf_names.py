@@ -129,6 +129,21 @@ def test_what_a_user_without_network_sees(offline, tiny_bytes):
                             "hf:USER/REPO:QUANT")
 
 
+def test_a_cached_safetensors_model_is_named_as_one(offline):
+    """mlx-lm's users hold mlx-community's (and transformers') models in the cache: one named
+    was told "found no GGUF files; name one as hf:USER/REPO/FILE.gguf", a GGUF it has not."""
+    put_in_hf_cache(offline, "mlx-community/tiny-4bit", {
+        "config.json": b"{}", "model.safetensors": b"x", "tokenizer.json": b"{}"})
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:mlx-community/tiny-4bit", "--base")
+    assert str(e.value) == (
+        f"--base hf:mlx-community/tiny-4bit: mlx-community/tiny-4bit: expected a model GGUF "
+        f"(Q4_K_M, Q8_0 or any) in its snapshot {COMMIT[:12]} in {offline}, found safetensors "
+        "and no GGUF files: a Hugging Face or MLX model's own weights, which toymlx does not read "
+        "(HF_HUB_OFFLINE is set); name a GGUF conversion of it (often USER/NAME-GGUF), or give "
+        "the GGUF file itself: --base PATH.gguf")
+
+
 def test_a_repository_of_many_ggufs_says_how_many_it_left_out(offline):
     """A snapshot of 23 GGUFs, none the quantization asked for: the line listed 20 of them as if
     they were all; now it says "and 3 more", as every such list does (`shortlist`)."""

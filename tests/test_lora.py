@@ -256,8 +256,8 @@ def test_an_alpha_float32_cannot_hold_exactly_goes_back_into_its_run(tiny_gguf, 
 
 
 def test_adapter_errors(tiny_gguf, tmp_path):
-    with pytest.raises(GGUFError, match=r"'general\.type': expected 'adapter' \(a LoRA adapter "
-                                        r"GGUF\), found None \(a model"):
+    with pytest.raises(GGUFError, match=r"--adapter: expected an adapter GGUF .*, found a llama "
+                                        r"model, not an adapter \(general\.type unset"):
         load_adapter(tiny_gguf)
     model = apply_lora(base(tiny_gguf), "q", rank=2)
     good = write_adapter(tmp_path / "good.gguf", model, {"general.architecture": "llama"})
@@ -509,7 +509,9 @@ def test_export_cli(tiny_gguf, tmp_path, capsys):
     assert "--fuse: expected --adapter" in capsys.readouterr().err
     assert export(["--base", str(tiny_gguf), "--adapter", str(tiny_gguf), "--fuse",
                    "--out", str(tmp_path / "x.gguf")]) == 2
-    assert "metadata key 'general.type': expected 'adapter'" in capsys.readouterr().err
+    assert (f"{tiny_gguf}: --adapter: expected an adapter GGUF (a lora run's adapter_step_N.gguf, "
+            "or llama.cpp's) or a lora run's folder, found a llama model, not an adapter"
+            ) in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
 
 
@@ -1258,6 +1260,33 @@ def test_run_starts_from_an_adapter(tiny_gguf, tmp_path, capsys):
 
 _ADAPTER_TAKES = ("an adapter GGUF (a lora run's adapter_step_N.gguf, or llama.cpp's) or a "
                   "lora run's folder")
+
+
+def test_a_full_fine_tune_given_as_the_adapter_to_merge_is_named_a_model(tiny_gguf, tmp_path,
+                                                                        capsys):
+    """toymlx-export --adapter RUN --fuse (and toymlx-generate --adapter) on a full fine-tune:
+    "metadata key 'general.type': expected 'adapter' ..., found 'model' (a model; pass it as the
+    base and the adapter separately)", naming no flag and no way to export it."""
+    from toymlx_cli.export import main as export_main
+    from toymlx_cli.generate import main as generate_main
+
+    data = mlx_lm_folder(tmp_path / "data")
+    assert _train(recipe_args(tiny_gguf, tmp_path, data, "--run-id", "full",
+                              "--fine-tune-type", "full")) == 0
+    capsys.readouterr()
+    ckpt = tmp_path / "full" / "weights" / "step_4.gguf"  # its latest
+    assert ckpt.is_file()
+    said = (f"{ckpt}: --adapter: expected {_ADAPTER_TAKES}, found a llama model, not an adapter "
+            "(general.type unset, no lora_a/lora_b tensors); a whole model has nothing to "
+            f"merge: give {ckpt} as one (toymlx-export --base {ckpt} --out FILE.gguf, "
+            f"toymlx-generate --model {ckpt})")
+    out = tmp_path / "fused.gguf"
+    assert export_main(["--adapter", str(tmp_path / "full"), "--fuse", "--out", str(out)]) == 2
+    assert error_line(capsys, "toymlx-export") == f"toymlx-export: error: {said}"
+    assert generate_main(["--model", str(tiny_gguf), "--adapter", str(tmp_path / "full"),
+                          "--prompt", "hi"]) == 2
+    assert error_line(capsys, "toymlx-generate") == f"toymlx-generate: error: {said}"
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("recipe, argv, what, instead", [

@@ -488,6 +488,30 @@ def _one_step_args(stories_path, tmp_path) -> list[str]:
             "--eval-every", "0", "--no-progress", "--no-compile"]
 
 
+def test_an_mlx_lm_adapter_file_that_is_not_there_is_named_as_not_found(stories_path, tmp_path,
+                                                                       capsys):
+    """A .safetensors path with nothing at it (a typo, or a toymlx run folder's never-written
+    adapters.safetensors) is named as not found; it was told that adapter_config.json was
+    missing beside it, and to copy that from the adapter's folder."""
+    from cli_errors import error_line
+    from toymlx_cli.export import main as export_main
+    from toymlx_cli.train import main
+
+    folder = make_adapter(stories_path, tmp_path / "adapters", lora_config(2, 4, 2.0))
+    args = [*_one_step_args(stories_path, tmp_path), "--run-id", "r"]
+    for gone in (tmp_path / "nope.safetensors", folder / "0000100_adapters.safetensors"):
+        assert main([*args, "--lora.init-adapter", str(gone)]) == 2
+        assert error_line(capsys) == (
+            f"toymlx-train: error: {gone}: --lora.init-adapter: expected a GGUF file or a run "
+            "directory, found nothing at that path")
+        assert export_main(["--adapter", str(gone), "--base", str(stories_path),
+                            "--out", str(tmp_path / "a.gguf")]) == 2
+        assert error_line(capsys, "toymlx-export") == (
+            f"toymlx-export: error: {gone}: --adapter: expected a GGUF file or a run "
+            "directory, found nothing at that path")
+    assert not (tmp_path / "r").exists() and not (tmp_path / "a.gguf").exists()
+
+
 def test_a_run_from_an_mlx_lm_adapter_of_another_kind_or_set_names_the_flags(stories_path,
                                                                               tmp_path, capsys):
     """--lora.init-adapter of mlx-lm's DoRA folder in a LoRA run names adapter_config.json's

@@ -160,6 +160,14 @@ def test_adapter_path_says_what_the_folder_holds_and_what_reads_it():
                       "mlx-lm's adapters.safetensors: toymlx-generate --model out/adapters, or "
                       "toymlx-export --adapter out/adapters --fuse --out FILE.gguf "
                       "(mlx_lm.fuse's)")]
+    # a full fine-tune's checkpoints are whole models: toymlx-export --adapter RUN refuses
+    # them (before, the note sent the user there)
+    _, _, notes = mlx_lm_options({"model": "m.gguf", "iters": 1, "fine_tune_type": "full",
+                                  "adapter_path": "out/full"}, "f.yaml")
+    assert notes == [("f.yaml: key 'adapter_path': out/full is the run's folder; its checkpoints "
+                      "are whole models in llama.cpp's GGUF (weights/step_N.gguf), not mlx-lm's "
+                      "adapters.safetensors: toymlx-generate --model out/full, or toymlx-export "
+                      "--base out/full --out FILE.gguf (mlx_lm.fuse's)")]
 
 
 def test_a_relative_path_is_read_from_the_current_directory_and_named(tmp_path,
@@ -313,6 +321,31 @@ def test_schedules_are_mlx_lm_s():
         assert float(ours(mx.array(step))) == float(theirs(mx.array(step))), step
     const = lora.schedule(_cfg(learning_rate=3e-4))
     assert [float(const(mx.array(s))) for s in (0, 99)] == [float(np.float32(3e-4))] * 2
+
+
+def test_a_learning_rate_beside_a_schedule_is_noted_as_unused():
+    """mlx-lm takes lr_schedule over learning_rate without a word; so did toymlx (its --lr row
+    replaced in the table): a note now names the key and the lr the schedule sets."""
+    sched = {"name": "cosine_decay", "arguments": [1e-4, 100]}
+    options, _, notes = mlx_lm_options({"model": "m.gguf", "iters": 1, "learning_rate": 1e-3,
+                                        "lr_schedule": sched}, "f.yaml")
+    assert options["lr"] == 1e-4
+    assert notes == [("f.yaml: key 'learning_rate': 0.001 not used: lr_schedule sets the lr "
+                      "(its first argument, 0.0001), as in mlx-lm")]
+    _, _, notes = mlx_lm_options({"model": "m.gguf", "iters": 1, "learning_rate": 1e-4,
+                                  "lr_schedule": sched}, "f.yaml")
+    assert notes == []  # the same lr: nothing lost
+
+
+def test_trust_remote_code_false_is_not_called_unhonoured():
+    """mlx-lm's adapter_config.json (and a file copied from CONFIG_DEFAULTS) says
+    trust_remote_code: false, which toymlx honours by running no repository code: it was noted
+    "not honoured" all the same; true still is."""
+    base = {"model": "m.gguf", "iters": 1}
+    assert mlx_lm_options({**base, "trust_remote_code": False}, "f.yaml")[2] == []
+    assert mlx_lm_options({**base, "trust_remote_code": True}, "f.yaml")[2] == [(
+        "f.yaml: key 'trust_remote_code': not honoured (toymlx runs no model code from a "
+        "repository)")]
 
 
 def test_the_optimizers_are_mlx_lm_s():

@@ -386,6 +386,34 @@ def test_a_resume_of_the_runs_root_or_a_runs_weights_names_the_run_to_pass(runs,
         f"the weights folder of the run {a}; name the run: {a}")
 
 
+def test_an_mlx_lm_model_folder_given_as_a_run_is_named_as_one(tmp_path, capsys):
+    """mlx-lm's --model folder (config.json and model.safetensors) read as a run: generate said
+    "found no checkpoint", eval, export and --resume "config.json: expected an object with
+    "recipe" and "config" keys, found {"model_type": "llama"}"."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.export import main as export_main
+    from toymlx_cli.generate import main as generate_main
+    from toymlx_cli.train import main as train_main
+
+    m = tmp_path / "SmolLM2-4bit"
+    m.mkdir()
+    (m / "config.json").write_text('{"model_type": "llama"}')
+    (m / "model.safetensors").write_bytes(b"x")
+    what = ("a Hugging Face model folder (config.json and model.safetensors, as mlx-lm's --model "
+            "takes; toymlx reads that model's GGUF file instead)")
+    assert generate_main(["--model", str(m), "--prompt", "hi"]) == 2
+    assert error_line(capsys, "toymlx-generate") == (
+        f"toymlx-generate: error: {m}: expected a run bundle with weights/latest, found {what}")
+    for prog, main, flags in (("toymlx-eval", eval_main, ["--model", str(m)]),
+                              ("toymlx-export", export_main, ["--adapter", str(m), "--fuse",
+                                                              "--out", str(tmp_path / "f.gguf")]),
+                              ("toymlx-train", train_main, ["--resume", str(m)])):
+        assert main(flags) == 2
+        assert error_line(capsys, prog) == (
+            f"{prog}: error: {m}: {flags[0]}: expected a run bundle folder, found {what}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SmolLM2-4bit"]
+
+
 def test_a_resume_refuses_another_runs_events_jsonl(runs, capsys):
     """Another run's events.jsonl copied in beside an untouched config.json: the two files are
     named as different runs' (both run ids), not config.json as edited; nothing changed."""

@@ -302,6 +302,21 @@ def test_unsloths_gguf_quantization_is_toymlx_export_s_dtype(capsys):
      "folder: its base with its adapter)")),
     ("export", "--save-path", "mlx-lm's --save-path is toymlx-export's --out"),
     ("generate", "--system-prompt", "mlx-lm's --system-prompt is toymlx-generate's --system"),
+    # mlx_lm.fuse's --dequantize (before: "did you mean --exact-size?", which keeps the base's
+    # quantized size) and --upload-repo, mlx_lm.generate's --verbose (before: no hint)
+    ("export", "--dequantize", ("mlx-lm's --dequantize is toymlx-export's --dtype f16 (every "
+     "weight matrix written at F16; f32 for F32)")),
+    ("export", "--upload-repo", ("mlx-lm's --upload-repo has no toymlx-export option: "
+     "toymlx-export writes local files only; upload them with hf upload REPO FILE")),
+    # max_seq_length counts a row's tokens, --seq-len its targets (before: "is toymlx's
+    # --seq-len", one more target than mlx-lm's row holds)
+    ("eval", "--max-seq-length", ("mlx-lm's --max-seq-length is toymlx-eval's --seq-len at "
+     "max_seq_length - 1 (it counts a row's targets, mlx-lm its tokens)")),
+    ("export", "--max-seq-length", ("mlx-lm's --max-seq-length is toymlx-train's --seq-len at "
+     "max_seq_length - 1 (it counts a row's targets, mlx-lm its tokens)")),
+    ("generate", "--verbose", ("mlx-lm's --verbose has no toymlx-generate option: "
+     "toymlx-generate always prints its model and speed lines on stderr, the text alone on "
+     "stdout; drop it")),
     ("eval", "--test", "mlx-lm's --test is toymlx-eval's --split test"),
     # a training flag elsewhere is toymlx-train's, not the command's
     ("export", "--iters", "mlx-lm's --iters is toymlx-train's --steps"),

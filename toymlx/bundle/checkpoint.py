@@ -30,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from toymlx.backend import atomic
-from toymlx.backend.files import counted, empty_folder, nothing_there
+from toymlx.backend.files import counted, empty_folder, nothing_there, shortlist
 from toymlx.backend.lock import LOCK_FILE, held_by
 from toymlx.bundle.model_store import hf_name_hint, is_store_name, resolve_model
 from toymlx.gguf.reader import GGUFError, GGUFFile
@@ -216,7 +216,8 @@ def checkpoint_file(path: str | os.PathLike, flag: str = "--model", check_digest
         return resolve_model(path, flag, check_digest)
     p = Path(path)
     if (p / "adapters.safetensors").is_file() or (
-            p.suffix == ".safetensors" and (p.parent / "adapter_config.json").is_file()):
+            p.suffix == ".safetensors" and p.is_file()
+            and (p.parent / "adapter_config.json").is_file()):
         raise ValueError(f"{p}: {flag}: expected a GGUF file or a run directory, found mlx-lm's "
                          f"adapters; convert them for their base: toymlx-export --adapter {p} "
                          "--base BASE.gguf --out adapter.gguf")
@@ -446,6 +447,13 @@ def not_one_run(folder: str | os.PathLike) -> str | None:
         return (p / "config.json").is_file() or (p / EVENTS_FILE).is_file()
 
     folder = Path(folder)
+    if (folder.is_dir() and (folder / "config.json").is_file()
+            and not (folder / EVENTS_FILE).is_file() and not (folder / "weights").exists()
+            and (st := sorted(p.name for p in folder.glob("*.safetensors")))):
+        # mlx-lm's --model (an mlx-community conversion, a transformers checkpoint): its
+        # config.json made it look like a run that had written no checkpoint yet
+        return (f"a Hugging Face model folder (config.json and {shortlist(st, 2)}, as mlx-lm's "
+                "--model takes; toymlx reads that model's GGUF file instead)")
     if not folder.is_dir() or bundle(folder):
         return None
     if folder.name == "weights" and bundle(folder.parent):

@@ -312,6 +312,8 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
         raise RunError(f"{p}: expected the run's saved config, found JSON nested too deeply "
                        "to read") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+        if other := ck.not_one_run(run_dir):  # a Hugging Face model's config.json
+            raise RunError(f"{run_dir}: {flag}: expected a run bundle folder, found {other}")
         raise RunError(f"{p}: expected an object with \"recipe\" and \"config\" keys, found "
                        f"{found_text(saved)}")
     if not isinstance(saved.get("recipe"), str):

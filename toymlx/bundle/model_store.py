@@ -618,6 +618,14 @@ def _no_file(spec: str, flag: str, repo: str, quant: str | None, file: str | Non
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
     want = file or (f"a GGUF of quantization {quant}" if quant else
                     f"a model GGUF ({', '.join(HF_DEFAULT_QUANTS)} or any)")
+    if not ggufs and any(f.lower().endswith(".safetensors") for f in files):
+        # a model's own weights (transformers', mlx-lm's mlx-community conversions): there is
+        # no GGUF in it to name, so "name one as hf:USER/REPO/FILE.gguf" would send the user
+        # looking for one
+        return (f"{flag} {spec}: {repo}: expected {want} in {where}, found safetensors and no "
+                "GGUF files: a Hugging Face or MLX model's own weights, which toymlx does not "
+                "read" + (f" ({why})" if why else "") + "; name a GGUF conversion of it (often "
+                f"USER/NAME-GGUF), or give the GGUF file itself: {flag} PATH.gguf")
     return (f"{flag} {spec}: {repo}: expected {want} in {where}, found "
             + (shortlist(ggufs, MAX_LISTED) or "no GGUF files")
             + (f" ({why})" if why else "")

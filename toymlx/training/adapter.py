@@ -146,8 +146,13 @@ def _a_model(given: str | os.PathLike, path: Path, meta: dict[str, Any], flag: s
         what = (f"{'a ' + recipe if isinstance(recipe, str) else 'a'} run whose checkpoint "
                 f"{path.relative_to(given) if path.is_relative_to(given) else path} is {what}")
         model = str(path)
-    instead = ("an image classifier cannot be adapted by the lora recipe" if arch == "vit"
-               else f"pass {model} as --base to fine-tune it")
+    if flag != INIT_ADAPTER:  # toymlx-export's or toymlx-generate's adapter to merge or apply
+        instead = (f"a whole model has nothing to merge: give {given} as one (toymlx-export "
+                   f"--base {given} --out FILE.gguf, toymlx-generate --model {given})")
+    elif arch == "vit":
+        instead = "an image classifier cannot be adapted by the lora recipe"
+    else:
+        instead = f"pass {model} as --base to fine-tune it"
     return f"{given}: {flag}: expected {takes}, found {what}; {instead}"
 
 
@@ -170,7 +175,7 @@ def load_adapter(path: str | os.PathLike, base: LlamaArgs | None = None,
     g = GGUFFile(path)
     meta = g.metadata
     kind = meta.get("general.type")
-    if kind in (None, "model") and flag == INIT_ADAPTER and isinstance(
+    if kind in (None, "model") and isinstance(
             meta.get("general.architecture"), str) and g.tensors and not any(
             n.endswith((".lora_a", ".lora_b")) for n in g.tensors):  # a model: what to pass
         raise GGUFError(_a_model(given, path, meta, flag))

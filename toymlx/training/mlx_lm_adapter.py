@@ -68,11 +68,13 @@ def mlx_lm_files(path: str | os.PathLike) -> tuple[Path, Path] | None:
     """(adapters.safetensors, adapter_config.json beside it) when `path` is mlx-lm's adapter
     folder (either file in it: a folder holding only checkpoints is refused by the reader,
     naming them) or a .safetensors file (mlx-lm's checkpoints are
-    `0000100_adapters.safetensors`); None for anything else (an adapter GGUF, a run folder)."""
+    `0000100_adapters.safetensors`); None for anything else (an adapter GGUF, a run folder;
+    a path with nothing at it, which the caller's resolver names as not found, not as a file
+    missing beside it)."""
     p = Path(path)
     if p.is_dir() and ((p / ADAPTER_FILE).is_file() or (p / CONFIG_FILE).is_file()):
         return p / ADAPTER_FILE, p / CONFIG_FILE
-    if p.suffix == ".safetensors":
+    if p.suffix == ".safetensors" and p.is_file():
         return p, p.parent / CONFIG_FILE
     return None
 
