@@ -152,6 +152,24 @@ from toymlx_cli.train import main
 sys.exit(main())
 """
 
+# rank 1 says it is setting up, then sleeps as it builds the task (after the ranks connected),
+# while rank 0 goes on into its loop and waits for it in the first step's all_sum
+SLOW_RANK1_BUILD = """
+import os, sys, time
+from pathlib import Path
+import toymlx
+import toymlx.runner.run as run
+build = run._build
+def _build(*args, **kwargs):
+    Path(f"setup{os.environ['MLX_RANK']}").touch()
+    if os.environ["MLX_RANK"] == "1":
+        time.sleep(1000)
+    return build(*args, **kwargs)
+run._build = _build
+from toymlx_cli.train import main
+sys.exit(main())
+"""
+
 
 class _World:
     def __init__(self, rank: int, size: int):
@@ -896,6 +914,40 @@ def test_a_rank_left_waiting_for_one_stopped_before_the_first_step_is_stopped_no
                      waited], err[-3000:]
     assert json.loads((status / "rank0.exit").read_text()) == {"code": 143, "error": None}
     assert not (tmp_path / "runs" / "w").exists()
+
+
+def test_a_rank_in_its_first_step_when_another_stops_before_it_ends_as_a_stop(tmp_path):
+    """SIGTERM to toymlx-launch while rank 1 builds the task and rank 0 already waits for it
+    in the first step's all_sum: rank 1 ends at once, MLX's ring fails rank 0's all_sum, and
+    rank 0 ends interrupted too (run_end naming the signal, 143, one line saying why), so the
+    launch exits 143 within seconds. Rank 0 ended with a RuntimeError traceback ("[ring]
+    connection to a peer was lost"), run_end "error", and "failed: 2 of 2 ranks"."""
+    script = tmp_path / "slow_rank1_build.py"
+    script.write_text(SLOW_RANK1_BUILD)
+    status, run = tmp_path / "status", tmp_path / "runs" / "b"
+    p = _start(tmp_path, [*LAUNCH[:-1], "--grace", "30", "--status-dir", str(status), "--",
+                          sys.executable, str(script), *STOP_ARGS, "--runs-root",
+                          str(run.parent), "--run-id", "b"])
+    try:
+        t0 = time.monotonic()
+        while not (all((tmp_path / f"setup{r}").exists() for r in range(2))
+                   and any(e["kind"] == "run_start" for e in read_events(run))):
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.05)
+        time.sleep(2)  # rank 0 in the first step's all_sum
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        end_child(p)
+    _every_rank_ended(p, err, status, 143)
+    end = read_events(run)[-1]
+    assert {k: end[k] for k in ("kind", "reason", "final_step", "exit_code", "signal")} == {
+        "kind": "run_end", "reason": "interrupted", "final_step": 0, "exit_code": 143,
+        "signal": "SIGTERM"}
+    assert end["message"].startswith("stopped by SIGTERM during step 1, where another rank had "
+                                     "stopped before its first step, so it could not be "
+                                     "trained; "), end["message"]
 
 
 def test_left_waiting_names_only_ranks_killed_waiting_for_a_stopped_one():
