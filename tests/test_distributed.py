@@ -32,7 +32,13 @@ from toymlx.backend.stop import (
 )
 from toymlx.bundle.checkpoint import list_checkpoints
 from toymlx.bundle.events import read_events
-from toymlx.runner.launch import SESSION_GRACE, _free_port_base, _terminate_unstopped
+from toymlx.runner.launch import (
+    _SILENT,
+    SESSION_GRACE,
+    _free_port_base,
+    _terminate_unstopped,
+    left_waiting,
+)
 from toymlx.training.trainer import _shard
 
 ARGS = ["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers", "2",
@@ -123,6 +129,43 @@ def _prepare(*args, **kwargs):
     time.sleep(1000)
     return prepare(*args, **kwargs)
 run._prepare = _prepare
+from toymlx_cli.train import main
+sys.exit(main())
+"""
+
+
+# rank 0 says it is setting up, then sleeps before connecting (in Python, where its handlers run),
+# while rank 1 waits for it in mx.distributed.init (in C++, holding the GIL: no handler runs)
+SLOW_RANK0_CONNECT = """
+import os, sys, time
+from pathlib import Path
+import toymlx
+import toymlx.runner.run as run
+connect = run.init_distributed
+def init_distributed(*args, **kwargs):
+    Path(f"setup{os.environ['MLX_RANK']}").touch()
+    if os.environ["MLX_RANK"] == "0":
+        time.sleep(1000)
+    return connect(*args, **kwargs)
+run.init_distributed = init_distributed
+from toymlx_cli.train import main
+sys.exit(main())
+"""
+
+# rank 1 says it is setting up, then sleeps as it builds the task (after the ranks connected),
+# while rank 0 goes on into its loop and waits for it in the first step's all_sum
+SLOW_RANK1_BUILD = """
+import os, sys, time
+from pathlib import Path
+import toymlx
+import toymlx.runner.run as run
+build = run._build
+def _build(*args, **kwargs):
+    Path(f"setup{os.environ['MLX_RANK']}").touch()
+    if os.environ["MLX_RANK"] == "1":
+        time.sleep(1000)
+    return build(*args, **kwargs)
+run._build = _build
 from toymlx_cli.train import main
 sys.exit(main())
 """
@@ -835,6 +878,89 @@ def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path,
     for r in range(2):
         assert json.loads((status / f"rank{r}.exit").read_text()) == {"code": 143,
                                                                       "error": None}
+
+
+def test_a_rank_left_waiting_for_one_stopped_before_the_first_step_is_stopped_not_failed(
+        tmp_path):
+    """SIGTERM to toymlx-launch while rank 0 sets up and rank 1 already waits to connect to it:
+    rank 0 ends at once (143, its line), rank 1 can never end by itself (it waits in C++), so
+    the launch kills it after --grace seconds and says so in one line; the launch exits 143, as
+    for a stop, with no "failed". It said "rank 1: ended without reporting: killed, crashed, or
+    stopped by mlx.launch after another rank failed" and "failed: 2 of 2 ranks did not finish
+    cleanly"."""
+    script = tmp_path / "slow_rank0_connect.py"
+    script.write_text(SLOW_RANK0_CONNECT)
+    status = tmp_path / "status"
+    p = _start(tmp_path, [*LAUNCH[:-1], "--grace", "2", "--status-dir", str(status), "--",
+                          sys.executable, str(script), *STOP_ARGS, "--runs-root",
+                          str(tmp_path / "runs"), "--run-id", "w"])
+    try:
+        t0 = time.monotonic()
+        while not all((tmp_path / f"setup{r}").exists() for r in range(2)):
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.05)
+        time.sleep(2)  # rank 1 in mx.distributed.init
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        end_child(p)
+    assert p.returncode == 143, err[-3000:]
+    assert "failed" not in err and "Traceback" not in err and "[WARN]" not in err, err[-3000:]
+    lines = [x for x in err.splitlines() if not x.startswith("toymlx-launch: SIGTERM passed")]
+    waited = ("toymlx-launch: rank 1: stopped: killed after --grace 2 s, still waiting for "
+              "rank 0, which had stopped (exit code 143) before it could meet it")
+    assert lines == ["toymlx-train: stopped by SIGTERM before the first step; nothing was trained",
+                     waited], err[-3000:]
+    assert json.loads((status / "rank0.exit").read_text()) == {"code": 143, "error": None}
+    assert not (tmp_path / "runs" / "w").exists()
+
+
+def test_a_rank_in_its_first_step_when_another_stops_before_it_ends_as_a_stop(tmp_path):
+    """SIGTERM to toymlx-launch while rank 1 builds the task and rank 0 already waits for it
+    in the first step's all_sum: rank 1 ends at once, MLX's ring fails rank 0's all_sum, and
+    rank 0 ends interrupted too (run_end naming the signal, 143, one line saying why), so the
+    launch exits 143 within seconds. Rank 0 ended with a RuntimeError traceback ("[ring]
+    connection to a peer was lost"), run_end "error", and "failed: 2 of 2 ranks"."""
+    script = tmp_path / "slow_rank1_build.py"
+    script.write_text(SLOW_RANK1_BUILD)
+    status, run = tmp_path / "status", tmp_path / "runs" / "b"
+    p = _start(tmp_path, [*LAUNCH[:-1], "--grace", "30", "--status-dir", str(status), "--",
+                          sys.executable, str(script), *STOP_ARGS, "--runs-root",
+                          str(run.parent), "--run-id", "b"])
+    try:
+        t0 = time.monotonic()
+        while not (all((tmp_path / f"setup{r}").exists() for r in range(2))
+                   and any(e["kind"] == "run_start" for e in read_events(run))):
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.05)
+        time.sleep(2)  # rank 0 in the first step's all_sum
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        end_child(p)
+    _every_rank_ended(p, err, status, 143)
+    end = read_events(run)[-1]
+    assert {k: end[k] for k in ("kind", "reason", "final_step", "exit_code", "signal")} == {
+        "kind": "run_end", "reason": "interrupted", "final_step": 0, "exit_code": 143,
+        "signal": "SIGTERM"}
+    assert end["message"].startswith("stopped by SIGTERM during step 1, where another rank had "
+                                     "stopped before its first step, so it could not be "
+                                     "trained; "), end["message"]
+
+
+def test_left_waiting_names_only_ranks_killed_waiting_for_a_stopped_one():
+    """A rank killed without a report, beside ranks a signal stopped, stopped as they did; a
+    rank that failed (exit code 1) leaves every outcome as it was."""
+    silent = (None, _SILENT)
+    waited = ("stopped: killed after --grace 10 s, still waiting for rank 0, which had stopped "
+              "(exit code 130) before it could meet it")
+    assert left_waiting({0: (130, "exit code 130"), 1: silent, 2: silent}, 10) == {
+        0: (130, "exit code 130"), 1: (130, waited), 2: (130, waited)}
+    failed = {0: (1, "exit code 1: RuntimeError: x"), 1: (130, "exit code 130"), 2: silent}
+    assert left_waiting(failed, 10) == failed
+    assert left_waiting({0: silent, 1: silent}, 10) == {0: silent, 1: silent}
 
 
 def test_a_command_left_out_after_the_dashes_is_named(capsys):

@@ -380,6 +380,25 @@ def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | Non
     return out
 
 
+def left_waiting(bad: dict[int, tuple[int | None, str]], grace: float
+                 ) -> dict[int, tuple[int | None, str]]:
+    """`bad` (`failures`) after a stop passed on to the ranks, where toymlx-launch killed those
+    still running after --grace seconds, once the others had stopped by the signal: a rank that
+    stops before its first step (Ctrl-C while the ranks set up) ends alone, and a rank already
+    waiting for it in a collective (connecting, in C++, where no signal handler runs) can never
+    end by itself. Those ranks stopped as the others did (their exit code, said in one line
+    naming the rank they waited for), not failed: the launch said "ended without reporting:
+    killed, crashed, ..." and "failed: 2 of 2 ranks did not finish cleanly" for a Ctrl-C."""
+    stopped = {r: code for r, (code, _) in bad.items() if code in STOP_CODES}
+    if not stopped or any(code is not None and code not in STOP_CODES
+                          for code, _ in bad.values()):
+        return bad
+    first, code = min(stopped.items())
+    why = (f"stopped: killed after --grace {grace:g} s, still waiting for rank {first}, which "
+           f"had stopped (exit code {code}) before it could meet it")
+    return {r: (code, why) if w == _SILENT else (c, w) for r, (c, w) in bad.items()}
+
+
 def failure_lines(bad: dict[int, tuple[int | None, str]], n: int) -> list[str]:
     """The launch's closing summary of its failed ranks (`failures`): one line per outcome,
     naming the ranks that share it ("ranks 0, 2-7: ended without reporting ..."), first the
@@ -460,7 +479,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
            "--env", f"{STATUS_ENV}={folder}",
            *[a for e in env for a in ("--env", e)], "--", *command]
     proc = subprocess.Popen(cmd, start_new_session=True, env=child_env())
-    failed_at, passed = None, 0
+    failed_at, passed, killed = None, 0, False
     try:
         with StopSignals(SOLO_SIGNALS) as stop:
             while proc.poll() is None:
@@ -477,6 +496,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
                         _say_failed(bad, grace, stream)
                 elif time.time() - failed_at > grace:
                     _kill(proc)
+                    killed = True
                     break
                 time.sleep(0.2)
     finally:
@@ -488,9 +508,15 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
         shutil.rmtree(folder, ignore_errors=True)
     if not bad:
         return 0
+    if passed and killed:
+        bad = left_waiting(bad, grace)
     if len(bad) == ranks and all(code in STOP_CODES for code, _ in bad.values()):
         # every rank stopped by a signal, as one process is: rank 0 said how, or, where the
         # reader went (passed on as Ctrl-C), as `toymlx-train ... | head` ends: 141
+        waited = {r: why for r, (_, why) in bad.items() if why.startswith("stopped: ")}
+        for line in failure_lines({r: (None, why) for r, why in waited.items()}, ranks)[:-1]:
+            stream.write(f"toymlx-launch: {line}\n")  # the ranks `left_waiting` names
+        stream.flush()
         return stop_outcome(READER_GONE)[1] if stop.first == READER_GONE else bad[0][0]
     for line in failure_lines(bad, ranks):
         stream.write(f"toymlx-launch: {line}\n")

@@ -454,13 +454,28 @@ class _Loop:
                 self._end("interrupted", code, f"{what} during step {self.step + 1}{cut}; "
                           f"{resume_from(self.run_dir, self.ckpt.last)}")
             except BaseException as e:
-                self._end("error", 1, f"{type(e).__name__}: {e}")
-                raise
+                if not self._peer_stopped(e, stop):
+                    self._end("error", 1, f"{type(e).__name__}: {e}")
+                    raise
+                what, code = stop_outcome(stop.first)
+                self.signal = stop.name
+                self._end("interrupted", code, f"{what} during step {self.step + 1}, where "
+                          "another rank had stopped before its first step, so it could not "
+                          f"be trained; {resume_from(self.run_dir, self.ckpt.last)}")
             finally:
                 end = self._run_end()
             if together and not self.solo:
                 end["exit_code"] = self._leave_together(stop)
         return end
+
+    def _peer_stopped(self, e: BaseException, stop: StopSignals) -> bool:
+        """Whether `e` is a data-parallel collective that lost its peer after this rank counted
+        a stop: a rank still setting up when the stop came ends at once, alone (`stops_raise`),
+        and MLX's ring then fails the step's all_sum on the ranks already in the loop
+        ("[ring] connection to a peer was lost"): a stop, not an error (a traceback, run_end
+        "error", exit 1, and toymlx-launch's "failed: 2 of 2 ranks")."""
+        return (not self.solo and stop.count > 0 and isinstance(e, RuntimeError)
+                and "connection to a peer was lost" in str(e))
 
     def _run_end(self) -> dict:
         """Write run_end (how the run ended: `_end`'s) and close the log; returns the event."""
