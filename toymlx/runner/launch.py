@@ -68,6 +68,9 @@ SESSION_GRACE = 60.0
 checkpoint) once the toymlx-launch that started it died, before it is killed."""
 _MKTEMP_NAME = re.compile(r"tmp\.[A-Za-z0-9]{10}")
 """The name `mktemp` gives a file it makes with no template."""
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_REPORT_NAME = re.compile(r"rank[0-9]+\.(start|exit)")
+"""The name of a rank's report in the status folder (`rank_status`)."""
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
            "rank failed")
 
@@ -433,6 +436,15 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     stream = stream or sys.stderr
     if n < 1:
         raise ValueError(f"-n: expected >= 1 ranks, found {n}")
+    if not grace >= 0:  # nan too: the other ranks of a failed one were never stopped
+        raise ValueError(f"--grace: expected seconds >= 0 (inf: wait for them), found {grace:g}")
+    if port is not None and not 1 <= port <= 65536 - n:  # the ring: a port a rank, from it
+        raise ValueError(f"--port: expected 1..{65536 - n} (the ring listens on {n} ports from "
+                         f"it), found {port}")
+    for e in env:  # mlx.launch sets KEY= for a bare KEY and only warns of a bad name
+        key, eq, _ = e.partition("=")
+        if not (eq and _ENV_NAME.fullmatch(key)):
+            raise ValueError(f"--env {e}: expected KEY=VALUE, KEY of letters, digits and _")
     if not command:
         raise ValueError("command: expected the command each rank runs, found none; e.g. "
                          "toymlx-launch -n 2 -- toymlx-train --recipe vit-tiny")
@@ -449,9 +461,18 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
                          f"there how it ended, and a temporary folder made here does not exist "
                          f"on {', '.join(away)}")
     folder = Path(tempfile.mkdtemp(prefix="toymlx-launch-") if own else status_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("rank*.*"):
-        old.unlink()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        found = ("a file" if isinstance(e, FileExistsError)
+                 else f"{e.strerror or e} at {e.filename or folder}")
+        raise ValueError(f"--status-dir {status_dir}: expected a folder the ranks can write "
+                         f"their reports in, found {found}") from None
+    for old in folder.glob("rank*"):
+        # only the reports of an earlier launch: a folder the user named may hold their files
+        # (rankings.csv was deleted with them)
+        if _REPORT_NAME.fullmatch(old.name):
+            old.unlink()
     if port is None and backend == "ring" and not hosts:
         port = _free_port_base(n)
     ranks = n * len(machines) if machines else n
