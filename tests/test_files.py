@@ -36,6 +36,10 @@ def test_not_a_file_names_what_stands_where_a_file_was_expected(tmp_path, monkey
     assert not_a_file("pipe") == "a FIFO (named pipe)"
     assert not_a_file("missing.gguf") == "nothing at that path"
     assert not_a_file("link.gguf") == "nothing at that path (a link to gone.gguf, which is missing)"
+    (tmp_path / "a.gguf").symlink_to("b.gguf")  # a loop was called a link to a missing file
+    (tmp_path / "b.gguf").symlink_to("a.gguf")
+    assert not_a_file("a.gguf") == ("nothing at that path (a link to b.gguf, a loop of links that "
+                                    "never reaches a file)")
 
 
 @pytest.mark.parametrize("prog,argv,flag", [

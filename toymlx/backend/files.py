@@ -4,6 +4,7 @@ be a regular file (or a folder where one is expected) first (`special_kind`)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -44,6 +45,12 @@ def nothing_there(path: str | os.PathLike) -> str:
     if empty_folder(p):
         return "an empty folder"
     if p.is_symlink():
+        try:
+            os.stat(p)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # not a missing file: no target is ever reached
+                return (f"nothing at that path (a link to {os.readlink(p)}, a loop of links "
+                        "that never reaches a file)")
         return f"nothing at that path (a link to {os.readlink(p)}, which is missing)"
     if text.startswith("~"):
         return (f"nothing at that path ({text.split(os.sep, 1)[0]} is expanded only by the "
