@@ -31,7 +31,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,23 @@ def check_bfs_width(text: str | None) -> None:
                          f"{BFS_MAX_WIDTH} as toymlx does")
 
 
+SWITCHES = {"TOYMLX_KERNEL_PCH": ("off", "on"), "TOYMLX_KERNEL_LOOPS": ("off", "on"),
+            "TOYMLX_GEMV_FORWARD": ("off", "on"), "TOYMLX_MALLOC": ("default", "glibc-retain")}
+"""The environment's switches of toymlx's own CPU code: (the value each reads, what it is
+unset: backend_info's word)."""
+
+
+def check_switches(env: Mapping[str, str] = os.environ) -> None:
+    """ValueError (one line) for a `SWITCHES` variable set to neither of its values (empty is
+    unset): each compares with its one value, so TOYMLX_KERNEL_PCH=0 or =OFF left the
+    precompiled header on, with no word."""
+    for name, (value, unset) in SWITCHES.items():
+        found = env.get(name)
+        if found not in (None, "", value, unset):
+            raise ValueError(f"{name}: expected {value} (or {unset}, as unset), found {found!r}, "
+                             f"which toymlx reads as {unset}; set {name}={value} or unset it")
+
+
 def setup_process(wide_evaluation: bool = True) -> None:
     """Tune this process for training: MLX's evaluation width (Linux) and glibc malloc.
 
@@ -232,6 +249,7 @@ def setup_process(wide_evaluation: bool = True) -> None:
     if p.set_up:
         return
     check_bfs_width(os.environ.get("MLX_BFS_MAX_WIDTH"))
+    check_switches()
     p.set_up = True
     if sys.platform.startswith("linux") and wide_evaluation:
         os.environ.setdefault("MLX_BFS_MAX_WIDTH", BFS_MAX_WIDTH)
