@@ -442,6 +442,7 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
     first images of a run's own validation split that `run_rows` picks)."""
     import numpy as np
 
+    from toymlx.backend import atomic
     from toymlx.backend.files import counted
     from toymlx.data.images import load_images
     from toymlx.generation.classify import (
@@ -500,7 +501,12 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
                subset(args.max_examples, len(true), total, args.split, "image"))
     m = confusion(pred, true, len(clf.names))
     if args.plot:
-        plot_confusion(m, clf.names, args.plot)
+        try:
+            plot_confusion(m, clf.names, args.plot)
+        except OSError as e:  # was the bare "[Errno 2] No such file or directory: ..."
+            raise OSError(f"{args.plot}: --plot: could not write the confusion matrix "
+                          f"({atomic.named(e, args.plot)}); nothing was written under this "
+                          "name") from e
     out = {"model": str(path), "data": data.source, "split": args.split, **report(m, clf.names),
            f"{'test' if args.split == 'test' else 'val'}_loss": loss / max(len(true), 1),
            **limited}
@@ -732,6 +738,9 @@ def evaluate(args: Args) -> dict:
 
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
                      "--plot")
+        if Path(args.plot).suffix.lower() != ".png":  # cm.pdf held a PNG
+            raise ValueError(f"--plot: expected a .png file name (the confusion matrix is "
+                             f"drawn as a PNG), found {Path(args.plot).name!r}")
     bundle = _run_bundle(args.model)
     # a fused file outside its run: the run's rows, from the settings the file records
     fused = file_run(args.model) if bundle is None else None

@@ -268,6 +268,37 @@ def test_eval_split_val_of_a_set_too_small_to_hold_one_out_is_one_line(tmp_path,
     assert "on 3 images" in capsys.readouterr().out
 
 
+def test_eval_plot_names_a_name_it_cannot_write_and_a_file_it_cannot_draw(tmp_path, tiny_run,
+                                                                          capsys, monkeypatch):
+    """`toymlx-eval --plot cm.pdf` wrote a PNG into cm.pdf (notes.txt too); a --plot it could
+    not write (a full disk; /proc/x/c.png) was a bare "[Errno ...]" line, no flag."""
+    import contextlib
+    import errno
+
+    from cli_errors import error_line
+
+    from toymlx.generation import classify
+
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_run), "--plot", str(tmp_path / "cm.pdf")]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        "toymlx-eval: error: --plot: expected a .png file name (the confusion matrix is drawn as "
+        "a PNG), found 'cm.pdf'")
+
+    @contextlib.contextmanager
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield
+
+    monkeypatch.setattr(classify, "atomic_open", full)
+    plot = tmp_path / "cm.png"
+    assert eval_main(["--model", str(tiny_run), "--plot", str(plot)]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {plot}: --plot: could not write the confusion matrix ([Errno 28] "
+        f"No space left on device: '{plot}'); nothing was written under this name")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_classify_answers_every_readable_image_when_one_is_not(tmp_path, tiny_run, capsys):
     """A folder of images with one corrupt file (a PNG cut short, named as one: it was "found
     bytes b'\\x89PNG...'", as for a file of no image kind): toymlx-classify printed one
