@@ -857,6 +857,9 @@ def test_a_command_left_out_after_the_dashes_is_named(capsys):
     (["--grace", "-1"], "--grace: expected seconds >= 0 (inf: wait for them), found -1"),
     (["-n", "2", "--port", "70000"],
      "--port: expected 1..65534 (the ring listens on 2 ports from it), found 70000"),
+    (["-n", "50000"], ("-n: expected at most 40000 ranks on this host (each listens on its own "
+                       "port, from a free run of 20000..60000; --port P chooses the first), "
+                       "found 50000")),
     (["--env", "NOEQUALS"], "--env NOEQUALS: expected KEY=VALUE, KEY of letters, digits and _"),
     (["--env", "A-B=1"], "--env A-B=1: expected KEY=VALUE, KEY of letters, digits and _"),
     (["--status-dir", "{file}"],
@@ -867,7 +870,7 @@ def test_a_command_left_out_after_the_dashes_is_named(capsys):
 ])
 def test_launch_options_out_of_range_are_one_line(tmp_path, capsys, monkeypatch, argv, want):
     """--grace nan never stopped the other ranks of a failed one (the wait compared with NaN);
-    --port past 65535 and a bad --env (mlx.launch set a bare KEY to "" and only warned of a bad
+    -n 50000 was random's "empty range for randrange()"; --port past 65535 and a bad --env (mlx.launch set a bare KEY to "" and only warned of a bad
     name) reached the ranks; a --status-dir that is a file was a FileExistsError traceback."""
     from toymlx_cli.launch import main as launch_main
 

@@ -68,6 +68,8 @@ SESSION_GRACE = 60.0
 checkpoint) once the toymlx-launch that started it died, before it is killed."""
 _MKTEMP_NAME = re.compile(r"tmp\.[A-Za-z0-9]{10}")
 """The name `mktemp` gives a file it makes with no template."""
+_PORTS = (20000, 60000)
+"""The ports `_free_port_base` chooses a ring's first port among."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _REPORT_NAME = re.compile(r"rank[0-9]+\.(start|exit)")
 """The name of a rank's report in the status folder (`rank_status`)."""
@@ -412,7 +414,7 @@ def _free_port_base(n: int) -> int:
     """A port P with P..P+n-1 free on this host (the ring backend listens on one per rank),
     so two launches on one machine do not collide on mlx.launch's fixed default."""
     for _ in range(50):
-        base = random.randint(20000, 60000 - n)
+        base = random.randint(_PORTS[0], _PORTS[1] - n)
         try:
             for p in range(base, base + n):
                 with socket.socket() as s:
@@ -441,6 +443,11 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     if port is not None and not 1 <= port <= 65536 - n:  # the ring: a port a rank, from it
         raise ValueError(f"--port: expected 1..{65536 - n} (the ring listens on {n} ports from "
                          f"it), found {port}")
+    if port is None and backend == "ring" and not hosts and n > _PORTS[1] - _PORTS[0]:
+        # was random's "empty range for randrange() (20000, 10001, -9999)"
+        raise ValueError(f"-n: expected at most {_PORTS[1] - _PORTS[0]} ranks on this host "
+                         f"(each listens on its own port, from a free run of "
+                         f"{_PORTS[0]}..{_PORTS[1]}; --port P chooses the first), found {n}")
     for e in env:  # mlx.launch sets KEY= for a bare KEY and only warns of a bad name
         key, eq, _ = e.partition("=")
         if not (eq and _ENV_NAME.fullmatch(key)):
