@@ -440,6 +440,14 @@ def _link_kernel_folder(mlx_dir: Path, kept: Path) -> str | None:
     it); return the folder MLX builds in."""
     try:
         kept.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if chosen := os.environ.get("TOYMLX_KERNEL_CACHE"):  # a file, a read-only place: it
+            # was passed over with no word, the kernels built where the benchmark did not look
+            notice.warn(f"TOYMLX_KERNEL_CACHE={chosen}: expected a folder toymlx can keep MLX's "
+                        f"kernels in, found {e.strerror or e} at {e.filename or kept}; MLX "
+                        f"builds them in its own folder {mlx_dir}, not kept", stacklevel=3)
+        return str(mlx_dir) if mlx_dir.is_dir() else None  # MLX makes its own folder
+    try:
         mlx_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = mlx_dir.with_name(f".cpu.{os.getpid()}")
         tmp.unlink(missing_ok=True)
