@@ -15,6 +15,12 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character de
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"),
+               (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+"""The first bytes of the image kinds toymlx reads (WEBP: RIFF....WEBP, in
+`toymlx.data.image_folder._sniff`); a text reader names them too (`toymlx.data.text.NOT_TEXT`)."""
+
+
 def special_kind(path: str | os.PathLike) -> str | None:
     """What `path` is (following links) when it is neither a regular file nor a folder: "a FIFO
     (named pipe)", "a character device", "a block device" or "a socket"; None for a regular
