@@ -783,6 +783,10 @@ def evaluate(args: Args) -> dict:
         check_model_kind(g)  # an adapter, a projector (mmproj): said before its architecture
         arch = g.architecture
     if arch == "vit":
+        if args.seq_len is not None:  # was taken and ignored, exit status 0
+            raise ValueError(f"--seq-len {args.seq_len}: expected a language model (it sets "
+                             f"the tokens of a window), found a ViT ({args.model}): an image "
+                             "is one window; drop --seq-len")
         return evaluate_images(args, checkpoint_file(args.model), rows)
     from toymlx.gguf.llama import ARCHS
 

@@ -299,6 +299,17 @@ def test_eval_plot_names_a_name_it_cannot_write_and_a_file_it_cannot_draw(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_eval_seq_len_of_a_vit_is_refused_not_ignored(tiny_run, capsys):
+    """--seq-len (a language model's window) given for a ViT was taken and ignored, exit 0."""
+    from cli_errors import error_line
+
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_run), "--seq-len", "32"]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        "toymlx-eval: error: --seq-len 32: expected a language model (it sets the tokens of a "
+        f"window), found a ViT ({tiny_run}): an image is one window; drop --seq-len")
+
+
 def test_classify_answers_every_readable_image_when_one_is_not(tmp_path, tiny_run, capsys):
     """A folder of images with one corrupt file (a PNG cut short, named as one: it was "found
     bytes b'\\x89PNG...'", as for a file of no image kind): toymlx-classify printed one
