@@ -860,6 +860,9 @@ def test_a_command_left_out_after_the_dashes_is_named(capsys):
     (["-n", "50000"], ("-n: expected at most 40000 ranks on this host (each listens on its own "
                        "port, from a free run of 20000..60000; --port P chooses the first), "
                        "found 50000")),
+    (["--hosts", "localhost,,localhost"], ("--hosts 'localhost,,localhost': expected a comma "
+                                           "list of host names, found an empty name")),
+    (["--backend", "bogus"], "--backend bogus: expected one of ring, mpi, nccl, jaccl, jaccl-ring"),
     (["--env", "NOEQUALS"], "--env NOEQUALS: expected KEY=VALUE, KEY of letters, digits and _"),
     (["--env", "A-B=1"], "--env A-B=1: expected KEY=VALUE, KEY of letters, digits and _"),
     (["--status-dir", "{file}"],
@@ -870,7 +873,9 @@ def test_a_command_left_out_after_the_dashes_is_named(capsys):
 ])
 def test_launch_options_out_of_range_are_one_line(tmp_path, capsys, monkeypatch, argv, want):
     """--grace nan never stopped the other ranks of a failed one (the wait compared with NaN);
-    -n 50000 was random's "empty range for randrange()"; --port past 65535 and a bad --env (mlx.launch set a bare KEY to "" and only warned of a bad
+    -n 50000 was random's "empty range for randrange()"; --hosts with an empty name was "does
+    not exist on , "; a bad --backend was mlx.launch's error and "ranks never reported
+    starting"; --port past 65535 and a bad --env (mlx.launch set a bare KEY to "" and only warned of a bad
     name) reached the ranks; a --status-dir that is a file was a FileExistsError traceback."""
     from toymlx_cli.launch import main as launch_main
 
@@ -879,6 +884,22 @@ def test_launch_options_out_of_range_are_one_line(tmp_path, capsys, monkeypatch,
     argv = [a.format(file=tmp_path / "f") for a in argv]
     assert launch_main([*argv, "--", sys.executable]) == 2
     assert capsys.readouterr().err == f"toymlx-launch: error: {want.format(file=tmp_path / 'f')}\n"
+
+
+def test_launch_with_mpi_and_no_mpirun_is_one_line(capsys, monkeypatch):
+    """--backend mpi where no mpirun is on PATH was mlx.launch's CalledProcessError traceback,
+    then "ranks 0-1: never reported starting"."""
+    import shutil
+
+    from toymlx_cli.launch import main as launch_main
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail(f"launched {a}"))
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "mpirun"
+                        else sys.executable)
+    assert launch_main(["--backend", "mpi", "--", sys.executable]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-launch: error: --backend mpi: expected mpirun on PATH (mlx.launch starts the "
+        "ranks with it), found none; install Open MPI, or use --backend ring\n")
 
 
 def test_launch_leaves_a_status_folders_other_files(tmp_path, monkeypatch):

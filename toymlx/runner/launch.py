@@ -68,6 +68,8 @@ SESSION_GRACE = 60.0
 checkpoint) once the toymlx-launch that started it died, before it is killed."""
 _MKTEMP_NAME = re.compile(r"tmp\.[A-Za-z0-9]{10}")
 """The name `mktemp` gives a file it makes with no template."""
+BACKENDS = ("ring", "mpi", "nccl", "jaccl", "jaccl-ring")
+"""mlx.launch's backends (its `main` refuses any other)."""
 _PORTS = (20000, 60000)
 """The ports `_free_port_base` chooses a ring's first port among."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -443,6 +445,15 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     if port is not None and not 1 <= port <= 65536 - n:  # the ring: a port a rank, from it
         raise ValueError(f"--port: expected 1..{65536 - n} (the ring listens on {n} ports from "
                          f"it), found {port}")
+    if backend not in BACKENDS:  # mlx.launch's own refusal came with "ranks never reported
+        # starting" after it
+        raise ValueError(f"--backend {backend}: expected one of {', '.join(BACKENDS)}")
+    if backend == "mpi" and shutil.which("mpirun") is None:  # was mlx.launch's traceback
+        raise ValueError("--backend mpi: expected mpirun on PATH (mlx.launch starts the ranks "
+                         "with it), found none; install Open MPI, or use --backend ring")
+    if hosts is not None and not all(h.strip() for h in hosts.split(",")):
+        raise ValueError(f"--hosts {hosts!r}: expected a comma list of host names, found an "
+                         "empty name")
     if port is None and backend == "ring" and not hosts and n > _PORTS[1] - _PORTS[0]:
         # was random's "empty range for randrange() (20000, 10001, -9999)"
         raise ValueError(f"-n: expected at most {_PORTS[1] - _PORTS[0]} ranks on this host "
