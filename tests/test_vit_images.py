@@ -175,6 +175,18 @@ def test_test_path_scored_at_the_end_as_eval_and_the_classifier_score_it(tmp_pat
     assert not (tmp_path / "runs" / "no").exists()
 
 
+def test_a_val_fraction_out_of_range_names_the_flag(tmp_path, capsys):
+    """vit-tiny --data.val-fraction 1 said "val_fraction: expected a value in [0, 1)", the
+    loader's argument, not the flag (lora's says --data.val-fraction)."""
+    from cli_errors import error_line
+
+    assert train_main(["--recipe", "vit-tiny", *TINY, "--data.val-fraction", "1", "--runs-root",
+                       str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == ("toymlx-train: error: --data.val-fraction: expected in [0, 1), "
+                                  "found 1.0")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("case", ["truncated", "text-as-jpg", "empty-class", "one-class"])
 def test_bad_image_data_one_line_error_and_nothing_left(tmp_path, capsys, case):
     root = make_image_folder(tmp_path / "d", per_class=3)
