@@ -300,13 +300,16 @@ def read_config_file(path: str) -> dict[str, Any]:
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-            raise ConfigFileError(f"{p}: expected YAML, found {getattr(e, 'problem', None) or e}"
-                                  f"{where}") from None
+            problem = str(getattr(e, "problem", None) or e)
+            problem = problem.removeprefix("found ")  # "found character '\t' that ..."
+            raise ConfigFileError(f"{p}: expected YAML, found {problem}{where}") from None
         except RecursionError:  # deeply nested flow collections
             raise ConfigFileError(f"{p}: expected YAML, found mappings or lists nested too "
                                   "deeply") from None
-    if data is None:
-        data = {}
+    if data is None or data == {}:  # with --recipe, the run went on with every default
+        found = ("an empty file" if not text.strip() else "only comments" if data is None
+                 else "an empty mapping")
+        raise ConfigFileError(f"{p}: expected a mapping of options, found {found}")
     if not isinstance(data, dict):
         raise ConfigFileError(f"{p}: expected a mapping of option: value, found "
                               f"{_plain_kind(data)}")

@@ -444,6 +444,7 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
     first images of a run's own validation split that `run_rows` picks)."""
     import numpy as np
 
+    from toymlx.backend import atomic
     from toymlx.backend.files import counted
     from toymlx.data.images import load_images
     from toymlx.generation.classify import (
@@ -506,7 +507,12 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
                subset(args.max_examples, len(true), total, args.split, "image"))
     m = confusion(pred, true, len(clf.names))
     if args.plot:
-        plot_confusion(m, clf.names, args.plot)
+        try:
+            plot_confusion(m, clf.names, args.plot)
+        except OSError as e:  # was the bare "[Errno 2] No such file or directory: ..."
+            raise OSError(f"{args.plot}: --plot: could not write the confusion matrix "
+                          f"({atomic.named(e, args.plot)}); nothing was written under this "
+                          "name") from e
     out = {"model": str(path), "data": data.source, "split": args.split, **report(m, clf.names),
            f"{'test' if args.split == 'test' else 'val'}_loss": loss / max(len(true), 1),
            **limited}
@@ -740,6 +746,9 @@ def evaluate(args: Args) -> dict:
 
         check_output(args.plot, [("--model", args.model), ("--data.path", args.data_path)],
                      "--plot", overwrite=args.overwrite)
+        if Path(args.plot).suffix.lower() != ".png":  # cm.pdf held a PNG
+            raise ValueError(f"--plot: expected a .png file name (the confusion matrix is "
+                             f"drawn as a PNG), found {Path(args.plot).name!r}")
         try:  # before the work: the PNG is drawn after every image is scored
             import matplotlib  # noqa: F401
         except ImportError:
@@ -790,6 +799,10 @@ def evaluate(args: Args) -> dict:
         check_model_kind(g)  # an adapter, a projector (mmproj): said before its architecture
         arch = g.architecture
     if arch == "vit":
+        if args.seq_len is not None:  # was taken and ignored, exit status 0
+            raise ValueError(f"--seq-len {args.seq_len}: expected a language model (it sets "
+                             f"the tokens of a window), found a ViT ({args.model}): an image "
+                             "is one window; drop --seq-len")
         return evaluate_images(args, checkpoint_file(args.model), rows)
     from toymlx.gguf.llama import ARCHS
 

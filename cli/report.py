@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    from toymlx.backend import atomic
     from toymlx.bundle.outputs import check_output
     from toymlx.runner import report
     from toymlx.sweeps.summary import recorded_states
@@ -66,7 +67,12 @@ def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
         except ImportError:
             raise ValueError("--out: drawing needs matplotlib; pip install 'toymlx[report]'") \
                 from None
-        out = report.render(dirs, args.out, rows, params)
+        try:
+            out = report.render(dirs, args.out, rows, params)
+        except OSError as e:  # was the bare "[Errno 2] No such file or directory: '/proc/x'"
+            raise OSError(f"{args.out}: --out: could not write the report "
+                          f"({atomic.named(e, args.out)}); nothing was written under this "
+                          "name") from e
     except (ValueError, OSError) as e:
         print(f"toymlx-report: error: {e}", file=sys.stderr)
         return 2

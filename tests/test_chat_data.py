@@ -242,6 +242,26 @@ def test_malformed_line_names_file_line_and_expectation(tmp_path, bad_line, expe
         assert part in msg
 
 
+@pytest.mark.parametrize("name,value,found", [
+    ("train.jsonl", [{"prompt": "a", "completion": "b"}],
+     ("'[' alone, the start of a pretty-printed JSON array; a file that is one array of "
+      "objects reads as such named .json")),
+    ("train.json", {"train": [{"prompt": "a", "completion": "b"}]},
+     "'{' alone, the start of a pretty-printed JSON object"),
+])
+def test_a_pretty_printed_file_is_named_as_one_not_as_cut_short(tmp_path, name, value, found):
+    """`json.dump(rows, f, indent=2)` saved as train.jsonl was "bad JSON (Expecting value at
+    column 2, where the text ends: cut short?)" at line 1: the file is whole, laid out over
+    lines."""
+    path = write(tmp_path, name, json.dumps(value, indent=2))
+    with pytest.raises(DataError) as err:
+        load_examples(path)
+    assert str(err.value) == (f"{path}:1: expected one object per line {chat.SHAPES}, found "
+                              f"{found}")
+    assert load_examples(write(tmp_path, "rows.json", json.dumps([{"prompt": "a", "completion":
+                                                                   "b"}], indent=2)))
+
+
 def test_a_null_value_is_named_once(tmp_path):
     """A null where a string belongs read "found null null" (its kind, then its JSON text)."""
     path = write(tmp_path, "train.jsonl", '{"text": null}\n')

@@ -80,6 +80,13 @@ def test_run_from_another_runs_config_equals_the_same_flags(tmp_path, data):
 @pytest.mark.parametrize("text,name,want", [
     ("lr: [1e-3\n", "bad.yaml",
      "{p}: expected YAML, found expected ',' or ']', but got '<stream end>' at line 2 column 1"),
+    # PyYAML's "found character ..." was "found found character ..."
+    ("\t steps: 1\n", "tab.yaml", ("{p}: expected YAML, found character '\\t' that cannot "
+                                    "start any token at line 1 column 1")),
+    # with --recipe, a file holding no option ran every default, the file said nothing of
+    ("", "empty.yaml", "{p}: expected a mapping of options, found an empty file"),
+    ("# lr: 1e-3\n\n", "commented.yaml", "{p}: expected a mapping of options, found only comments"),
+    ("{}", "empty.json", "{p}: expected a mapping of options, found an empty mapping"),
     ('{"lr": 1e-3,}', "bad.json", ("{p}: expected JSON, found Expecting property name enclosed in "
      "double quotes at line 1 column 13")),
     ("- lr\n", "list.yaml", "{p}: expected a mapping of option: value, found a list"),

@@ -202,6 +202,41 @@ def test_an_mlx_bfs_width_that_hangs_mlx_is_refused(value, ok):
                                        f"than 0, found {value!r} (MLX reads it as 0")
 
 
+@pytest.mark.parametrize("name,value,ok", [
+    ("TOYMLX_KERNEL_PCH", "off", True), ("TOYMLX_KERNEL_PCH", "", True),
+    ("TOYMLX_KERNEL_LOOPS", "on", True), ("TOYMLX_MALLOC", "default", True),
+    ("TOYMLX_KERNEL_PCH", "0", False), ("TOYMLX_GEMV_FORWARD", "OFF", False),
+    ("TOYMLX_KERNEL_LOOPS", "false", False), ("TOYMLX_MALLOC", "off", False),
+])
+def test_a_switch_set_to_what_it_does_not_read_is_refused(name, value, ok):
+    """TOYMLX_KERNEL_PCH=0, TOYMLX_GEMV_FORWARD=OFF, TOYMLX_MALLOC=off: each is compared with its
+    one value ("off", "default"), so these left toymlx's code on, with no word."""
+    from toymlx.backend.device import check_switches
+
+    if ok:
+        check_switches({name: value})
+        return
+    with pytest.raises(ValueError) as e:
+        check_switches({name: value})
+    off, unset = ("default", "glibc-retain") if name == "TOYMLX_MALLOC" else ("off", "on")
+    assert str(e.value) == (f"{name}: expected {off} (or {unset}, as unset), found {value!r}, "
+                            f"which toymlx reads as {unset}; set {name}={off} or unset it")
+
+
+def test_a_switch_set_wrong_is_one_line_from_a_command(stories_path, capsys, monkeypatch):
+    from cli_errors import error_line
+    from toymlx_cli.generate import main as generate_main
+
+    from toymlx.backend import device
+
+    monkeypatch.setenv("TOYMLX_GEMV_FORWARD", "0")
+    monkeypatch.setattr(device._PROCESS, "set_up", False)
+    assert generate_main(["--model", str(stories_path), "--prompt", "hi"]) == 2
+    assert error_line(capsys, "toymlx-generate") == (
+        "toymlx-generate: error: TOYMLX_GEMV_FORWARD: expected off (or on, as unset), found "
+        "'0', which toymlx reads as on; set TOYMLX_GEMV_FORWARD=off or unset it")
+
+
 @pytest.mark.parametrize("module", ["train", "generate"])
 def test_a_junk_mlx_bfs_width_is_one_line_not_a_hang(module, tmp_path, stories_path):
     """MLX_BFS_MAX_WIDTH=junk (or 0): MLX reads it as a width of 0 and never finishes its first

@@ -978,6 +978,77 @@ def test_a_command_left_out_after_the_dashes_is_named(capsys):
         "toymlx-launch -n 2 -- toymlx-train --recipe vit-tiny\n")
 
 
+@pytest.mark.parametrize("argv,want", [
+    (["--grace", "nan"], "--grace: expected seconds >= 0 (inf: wait for them), found nan"),
+    (["--grace", "-1"], "--grace: expected seconds >= 0 (inf: wait for them), found -1"),
+    (["-n", "2", "--port", "70000"],
+     "--port: expected 1..65534 (the ring listens on 2 ports from it), found 70000"),
+    (["-n", "50000"], ("-n: expected at most 40000 ranks on this host (each listens on its own "
+                       "port, from a free run of 20000..60000; --port P chooses the first), "
+                       "found 50000")),
+    (["--hosts", "localhost,,localhost"], ("--hosts 'localhost,,localhost': expected a comma "
+                                           "list of host names, found an empty name")),
+    (["--backend", "bogus"], "--backend bogus: expected one of ring, mpi, nccl, jaccl, jaccl-ring"),
+    (["--env", "NOEQUALS"], "--env NOEQUALS: expected KEY=VALUE, KEY of letters, digits and _"),
+    (["--env", "A-B=1"], "--env A-B=1: expected KEY=VALUE, KEY of letters, digits and _"),
+    (["--status-dir", "{file}"],
+     "--status-dir {file}: expected a folder the ranks can write their reports in, found a file"),
+    (["--status-dir", "{file}/sub"], ("--status-dir {file}/sub: expected a folder the ranks "
+                                      "can write their reports in, found Not a directory at "
+                                      "{file}/sub")),
+])
+def test_launch_options_out_of_range_are_one_line(tmp_path, capsys, monkeypatch, argv, want):
+    """--grace nan never stopped the other ranks of a failed one (the wait compared with NaN);
+    -n 50000 was random's "empty range for randrange()"; --hosts with an empty name was "does
+    not exist on , "; a bad --backend was mlx.launch's error and "ranks never reported
+    starting"; --port past 65535 and a bad --env (mlx.launch set a bare KEY to "" and only warned of a bad
+    name) reached the ranks; a --status-dir that is a file was a FileExistsError traceback."""
+    from toymlx_cli.launch import main as launch_main
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail(f"launched {a}"))
+    (tmp_path / "f").write_text("mine")
+    argv = [a.format(file=tmp_path / "f") for a in argv]
+    assert launch_main([*argv, "--", sys.executable]) == 2
+    assert capsys.readouterr().err == f"toymlx-launch: error: {want.format(file=tmp_path / 'f')}\n"
+
+
+def test_launch_with_mpi_and_no_mpirun_is_one_line(capsys, monkeypatch):
+    """--backend mpi where no mpirun is on PATH was mlx.launch's CalledProcessError traceback,
+    then "ranks 0-1: never reported starting"."""
+    import shutil
+
+    from toymlx_cli.launch import main as launch_main
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail(f"launched {a}"))
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "mpirun"
+                        else sys.executable)
+    assert launch_main(["--backend", "mpi", "--", sys.executable]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-launch: error: --backend mpi: expected mpirun on PATH (mlx.launch starts the "
+        "ranks with it), found none; install Open MPI, or use --backend ring\n")
+
+
+def test_launch_leaves_a_status_folders_other_files(tmp_path, monkeypatch):
+    """`--status-dir FOLDER` removes an earlier launch's rank reports there, and nothing else:
+    every `rank*.*` went, so `--status-dir .` deleted rankings.csv."""
+    from toymlx.runner.launch import launch
+
+    class Launched(Exception):
+        pass
+
+    def popen(*a, **k):
+        raise Launched
+
+    status = tmp_path / "status"
+    status.mkdir()
+    for name in ("rankings.csv", "rank0.start", "rank0.exit", "rank12.exit", "rank1.exit.txt"):
+        (status / name).write_text("x")
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(Launched):
+        launch(2, [sys.executable], status_dir=str(status))
+    assert sorted(p.name for p in status.iterdir()) == ["rank1.exit.txt", "rankings.csv"]
+
+
 def test_other_machines_without_a_shared_status_folder_are_refused(capsys, monkeypatch):
     """`toymlx-launch --hosts A,B` without --status-dir: each rank on another machine wrote its
     start report into a temporary folder made on this one, which does not exist there, and

@@ -36,6 +36,10 @@ def test_not_a_file_names_what_stands_where_a_file_was_expected(tmp_path, monkey
     assert not_a_file("pipe") == "a FIFO (named pipe)"
     assert not_a_file("missing.gguf") == "nothing at that path"
     assert not_a_file("link.gguf") == "nothing at that path (a link to gone.gguf, which is missing)"
+    (tmp_path / "a.gguf").symlink_to("b.gguf")  # a loop was called a link to a missing file
+    (tmp_path / "b.gguf").symlink_to("a.gguf")
+    assert not_a_file("a.gguf") == ("nothing at that path (a link to b.gguf, a loop of links that "
+                                    "never reaches a file)")
 
 
 @pytest.mark.parametrize("prog,argv,flag", [
@@ -142,7 +146,14 @@ def test_a_cut_chat_file_and_a_cut_config_json_say_the_text_ends(tmp_path, capsy
     ("train.jsonl.gz", b"\x1f\x8b\x08\x00", ("a gzip-compressed file: decompress it first "
                                              "(gunzip {file})")),
     ("data.zip", b"PK\x03\x04\x14\x00\x08\x08\xa4", ("a zip archive: extract its files first "
-                                                  "(unzip {file})"))])
+                                                  "(unzip {file})")),
+    # an image where the text goes was "re-save the file as UTF-8" too
+    ("cat.png", b"\x89PNG\r\n\x1a\n", ("a PNG image: images train a classifier, toymlx-train "
+                                       "--recipe vit-tiny --data.path FOLDER (a subfolder of "
+                                       "images per class)")),
+    ("cat.jpg", b"\xff\xd8\xff\xe0", ("a JPEG image: images train a classifier, toymlx-train "
+                                    "--recipe vit-tiny --data.path FOLDER (a subfolder of images "
+                                    "per class)"))])
 def test_data_files_that_are_not_text_are_named_with_what_to_do(tmp_path, capsys, name, head,
                                                                 want):
     """A dataset's Parquet or Arrow file, a .jsonl.gz, a zip: each read "not valid UTF-8 at byte

@@ -318,3 +318,26 @@ def test_u64_counts_and_lengths_are_bounded(tmp_path):
         with pytest.raises(GGUFError) as e:
             GGUFFile(p)
         assert clean(e.value, p)
+
+
+@pytest.mark.parametrize("prog,argv,expected", [
+    ("toymlx-generate", ["--prompt", "hi", "--model"], "expected present"),
+    ("toymlx-train", ["--recipe", "warm-start", "--steps", "1", "--no-progress", "--donor"],
+     "expected present (the donor's token table)"),
+])
+def test_a_tokenizer_only_gguf_given_as_a_model_says_so(tmp_path, shared_file, capsys, prog,
+                                                        argv, expected):
+    """llama.cpp's ggml-vocab-smollm2.gguf given as the model or donor was "tensor
+    'token_embd.weight': expected present, found missing": it holds no tensor at all."""
+    from cli_errors import error_line
+    from toymlx_cli import generate, train
+
+    vocab = shared_file("tokenizers/ggml-vocab-smollm2.gguf")
+    main = {"toymlx-generate": generate.main, "toymlx-train": train.main}[prog]
+    assert main([*argv, str(vocab), *(["--runs-root", str(tmp_path)]
+                                      if prog == "toymlx-train" else [])]) == 2
+    assert error_line(capsys, prog) == (
+        f"{prog}: error: {vocab}: tensor 'token_embd.weight': {expected}, found missing: the "
+        "file holds no tensors, a tokenizer-only GGUF (as llama.cpp's ggml-vocab-*.gguf), not a "
+        "model")
+    assert not any(tmp_path.iterdir())

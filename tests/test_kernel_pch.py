@@ -382,3 +382,24 @@ def test_a_process_building_through_the_link_keeps_it_from_another_build(tmp_pat
         assert a.wait(timeout=60) == 0
     finally:
         end_child(a)
+
+
+def test_a_kernel_cache_that_is_no_folder_is_named(tmp_path, monkeypatch):
+    """TOYMLX_KERNEL_CACHE naming a file (or a place it cannot write) was passed over with no
+    word: MLX built its kernels in its own folder, not where they were asked to be kept."""
+    import mlx.core as mx
+
+    from toymlx.backend import device
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setenv("TOYMLX_KERNEL_CACHE", str(tmp_path / "notes.txt"))
+    kept = device.kernel_cache_dir() / "cpu"
+    mlx_dir = tmp_path / "tmp" / "mlx" / mx.__version__ / "cpu"
+    with pytest.warns(UserWarning) as caught:
+        assert device.persist_kernels() is None  # MLX makes its own folder
+    assert [str(w.message) for w in caught] == [(
+        f"TOYMLX_KERNEL_CACHE={tmp_path / 'notes.txt'}: expected a folder toymlx can keep MLX's "
+        f"kernels in, found Not a directory at {kept}; MLX builds them in its own folder "
+        f"{mlx_dir}, not kept")]
+    assert (tmp_path / "notes.txt").read_text() == "mine"

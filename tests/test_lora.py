@@ -1199,6 +1199,26 @@ def test_full_fine_tune_of_the_last_block_keeps_the_rest_quantized(tiny_gguf, tm
     _assert_resume_repeats(args, run, tmp_path, b.tensors, c)
 
 
+@pytest.mark.parametrize("argv,want", [
+    (["--lr-schedule-args", "1", "2"], (
+        "--lr-schedule-args: expected none with --lr-schedule warmup-cosine (--lr, --warmup and "
+        "--min-lr-ratio shape it), found [1.0, 2.0]; give an MLX --lr-schedule to use them")),
+    (["--warmup-init", "0.5"], (
+        "--warmup-init: expected with an MLX --lr-schedule (warmup-cosine rises from --lr / "
+        "--warmup), found 0.5 with --lr-schedule warmup-cosine")),
+    (["--lr-schedule", "constant", "--min-lr-ratio", "0.5"], (
+        "--min-lr-ratio: expected with --lr-schedule warmup-cosine (the floor of its decay), "
+        "found 0.5 with --lr-schedule constant")),
+])
+def test_schedule_options_the_schedule_does_not_read_are_refused(tiny_gguf, tmp_path, capsys,
+                                                                 argv, want):
+    """Each was taken and ignored: the run trained on another schedule than the one asked."""
+    data = mlx_lm_folder(tmp_path / "data")
+    assert _train(recipe_args(tiny_gguf, tmp_path, data, *argv)) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {want}"
+    assert not any(p.name not in ("data",) for p in tmp_path.iterdir())
+
+
 def test_full_layers_apply_to_a_full_fine_tune_only(tiny_gguf, tmp_path, capsys):
     data = mlx_lm_folder(tmp_path / "data")
     assert _train(recipe_args(tiny_gguf, tmp_path, data, "--full.layers", "2")) == 2

@@ -402,6 +402,40 @@ def test_unwritable_runs_root_fails_before_training(tmp_path, capsys, data):
             _umount(ro)
 
 
+def test_unwritable_sweep_root_is_one_line(tmp_path, capsys, data, monkeypatch):
+    """`toymlx-sweep --runs-root` on a read-only disk said only "[Errno 30] Read-only file
+    system: '...'" (and "[Errno 2] No such file or directory: '/proc/x'"): no flag, nothing
+    expected. Now as toymlx-train's runs root says it (EROFS injected where nothing mounts)."""
+    import pathlib
+
+    from toymlx_cli.sweep import main as sweep_main
+
+    ro = tmp_path / "ro"
+    mounted = _mount_tmpfs(ro, "64k", ro=True)
+    if not mounted:  # not root: the read-only disk's answer, injected at the sweep's mkdir
+        real = pathlib.Path.mkdir
+
+        def mkdir(self, *a, **k):
+            if str(self).startswith(str(ro)) and self.name == ".locks":
+                raise OSError(errno.EROFS, "Read-only file system", str(ro / "sw"))
+            return real(self, *a, **k)
+
+        ro.mkdir()
+        monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    try:
+        assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=1e-3", "--sweep-id", "sw",
+                           "--runs-root", str(ro), "--no-report", *TINY, "--steps", "1",
+                           "--data.path", data]) == 2
+        assert error_line(capsys, "toymlx-sweep") == (
+            f"toymlx-sweep: error: {ro / 'sw'}: --sweep-id: expected a folder it can write (the "
+            f"sweep's record, logs and each run's bundle), found Read-only file system at "
+            f"{ro / 'sw'}; make room or make it writable, or choose another --runs-root")
+        assert not list(ro.iterdir())
+    finally:
+        if mounted:
+            _umount(ro)
+
+
 def test_a_full_disk_at_the_start_leaves_no_empty_run_folder(tmp_path, capsys, data,
                                                             monkeypatch):
     """Measured on a full tmpfs: the run failed at its lock file with one line, exit 2, and

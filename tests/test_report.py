@@ -226,6 +226,30 @@ def test_an_out_it_cannot_draw_is_refused_before_the_table(tmp_path, capsys):
                    "'rep.pdf'\n")
 
 
+def test_an_out_it_cannot_write_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """A full disk (or --out /proc/x/r.png) was the bare "[Errno 28] No space left on device"
+    ("[Errno 2] No such file or directory: '/proc/x'"): no flag, no file."""
+    import contextlib
+    import errno
+
+    from toymlx_cli.report import main
+
+    @contextlib.contextmanager
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield
+
+    run = _bundle(tmp_path / "a", [[("run_start", {"recipe": "from-scratch",
+                                                   "config": {"steps": 3}}), *_steps(1, 3)]])
+    monkeypatch.setattr(report.atomic, "atomic_open", full)
+    out = tmp_path / "rep.png"
+    assert main([str(run), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-report: error: {out}: --out: could not write the report ([Errno 28] No space "
+        f"left on device: '{out}'); nothing was written under this name\n")
+    assert not out.exists()
+
+
 def test_toymlx_report_alone_reports_the_runs_folder_here(tmp_path, capsys, monkeypatch):
     """`toymlx-report` with no folder was argparse's "the following arguments are required";
     alone it now reports ./runs (where toymlx-train and toymlx-sweep write), and where there is

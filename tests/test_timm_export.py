@@ -172,6 +172,21 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert len(err) == 1 and "nope" in err[0] and not (tmp_path / "x").exists()
 
 
+def test_a_vit_given_as_the_gguf_base_names_the_timm_export(tmp_path, capsys):
+    """`toymlx-export --base runs/<vit run> --out v.gguf` was "metadata key
+    'general.architecture': expected one of llama, qwen2, ..., found 'vit'"."""
+    from cli_errors import error_line
+
+    ckpt = tmp_path / "m.gguf"
+    write_vit(ckpt, ViT(ARGS), NORM, class_names=NAMES)
+    assert export_main(["--base", str(ckpt), "--out", str(tmp_path / "v.gguf")]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        f"toymlx-export: error: {ckpt}: --base: expected a language model, found 'vit', an "
+        "image classifier (its checkpoint is a GGUF already); for timm: toymlx-export --model "
+        f"{ckpt} --format safetensors --out DIR")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
 @pytest.mark.bench
 def test_timm_forward_equals_toymlx(exported):
     import timm  # the bench extra: torch, torchvision and timm

@@ -175,6 +175,18 @@ def test_test_path_scored_at_the_end_as_eval_and_the_classifier_score_it(tmp_pat
     assert not (tmp_path / "runs" / "no").exists()
 
 
+def test_a_val_fraction_out_of_range_names_the_flag(tmp_path, capsys):
+    """vit-tiny --data.val-fraction 1 said "val_fraction: expected a value in [0, 1)", the
+    loader's argument, not the flag (lora's says --data.val-fraction)."""
+    from cli_errors import error_line
+
+    assert train_main(["--recipe", "vit-tiny", *TINY, "--data.val-fraction", "1", "--runs-root",
+                       str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == ("toymlx-train: error: --data.val-fraction: expected in [0, 1), "
+                                  "found 1.0")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("case", ["truncated", "text-as-jpg", "empty-class", "one-class"])
 def test_bad_image_data_one_line_error_and_nothing_left(tmp_path, capsys, case):
     root = make_image_folder(tmp_path / "d", per_class=3)
@@ -266,6 +278,48 @@ def test_eval_split_val_of_a_set_too_small_to_hold_one_out_is_one_line(tmp_path,
         "--split all")
     assert eval_main(["--model", str(tiny_run), "--data.path", str(small)]) == 0  # all
     assert "on 3 images" in capsys.readouterr().out
+
+
+def test_eval_plot_names_a_name_it_cannot_write_and_a_file_it_cannot_draw(tmp_path, tiny_run,
+                                                                          capsys, monkeypatch):
+    """`toymlx-eval --plot cm.pdf` wrote a PNG into cm.pdf (notes.txt too); a --plot it could
+    not write (a full disk; /proc/x/c.png) was a bare "[Errno ...]" line, no flag."""
+    import contextlib
+    import errno
+
+    from cli_errors import error_line
+
+    from toymlx.generation import classify
+
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_run), "--plot", str(tmp_path / "cm.pdf")]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        "toymlx-eval: error: --plot: expected a .png file name (the confusion matrix is drawn as "
+        "a PNG), found 'cm.pdf'")
+
+    @contextlib.contextmanager
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield
+
+    monkeypatch.setattr(classify, "atomic_open", full)
+    plot = tmp_path / "cm.png"
+    assert eval_main(["--model", str(tiny_run), "--plot", str(plot)]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {plot}: --plot: could not write the confusion matrix ([Errno 28] "
+        f"No space left on device: '{plot}'); nothing was written under this name")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_seq_len_of_a_vit_is_refused_not_ignored(tiny_run, capsys):
+    """--seq-len (a language model's window) given for a ViT was taken and ignored, exit 0."""
+    from cli_errors import error_line
+
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_run), "--seq-len", "32"]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        "toymlx-eval: error: --seq-len 32: expected a language model (it sets the tokens of a "
+        f"window), found a ViT ({tiny_run}): an image is one window; drop --seq-len")
 
 
 def test_classify_answers_every_readable_image_when_one_is_not(tmp_path, tiny_run, capsys):

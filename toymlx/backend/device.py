@@ -31,7 +31,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,23 @@ def check_bfs_width(text: str | None) -> None:
                          f"{BFS_MAX_WIDTH} as toymlx does")
 
 
+SWITCHES = {"TOYMLX_KERNEL_PCH": ("off", "on"), "TOYMLX_KERNEL_LOOPS": ("off", "on"),
+            "TOYMLX_GEMV_FORWARD": ("off", "on"), "TOYMLX_MALLOC": ("default", "glibc-retain")}
+"""The environment's switches of toymlx's own CPU code: (the value each reads, what it is
+unset: backend_info's word)."""
+
+
+def check_switches(env: Mapping[str, str] = os.environ) -> None:
+    """ValueError (one line) for a `SWITCHES` variable set to neither of its values (empty is
+    unset): each compares with its one value, so TOYMLX_KERNEL_PCH=0 or =OFF left the
+    precompiled header on, with no word."""
+    for name, (value, unset) in SWITCHES.items():
+        found = env.get(name)
+        if found not in (None, "", value, unset):
+            raise ValueError(f"{name}: expected {value} (or {unset}, as unset), found {found!r}, "
+                             f"which toymlx reads as {unset}; set {name}={value} or unset it")
+
+
 def setup_process(wide_evaluation: bool = True) -> None:
     """Tune this process for training: MLX's evaluation width (Linux) and glibc malloc.
 
@@ -232,6 +249,7 @@ def setup_process(wide_evaluation: bool = True) -> None:
     if p.set_up:
         return
     check_bfs_width(os.environ.get("MLX_BFS_MAX_WIDTH"))
+    check_switches()
     p.set_up = True
     if sys.platform.startswith("linux") and wide_evaluation:
         os.environ.setdefault("MLX_BFS_MAX_WIDTH", BFS_MAX_WIDTH)
@@ -422,6 +440,14 @@ def _link_kernel_folder(mlx_dir: Path, kept: Path) -> str | None:
     it); return the folder MLX builds in."""
     try:
         kept.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if chosen := os.environ.get("TOYMLX_KERNEL_CACHE"):  # a file, a read-only place: it
+            # was passed over with no word, the kernels built where the benchmark did not look
+            notice.warn(f"TOYMLX_KERNEL_CACHE={chosen}: expected a folder toymlx can keep MLX's "
+                        f"kernels in, found {e.strerror or e} at {e.filename or kept}; MLX "
+                        f"builds them in its own folder {mlx_dir}, not kept", stacklevel=3)
+        return str(mlx_dir) if mlx_dir.is_dir() else None  # MLX makes its own folder
+    try:
         mlx_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = mlx_dir.with_name(f".cpu.{os.getpid()}")
         tmp.unlink(missing_ok=True)

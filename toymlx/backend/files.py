@@ -4,6 +4,7 @@ be a regular file (or a folder where one is expected) first (`special_kind`)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -12,6 +13,12 @@ from pathlib import Path
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"),
+               (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+"""The first bytes of the image kinds toymlx reads (WEBP: RIFF....WEBP, in
+`toymlx.data.image_folder._sniff`); a text reader names them too (`toymlx.data.text.NOT_TEXT`)."""
 
 
 def special_kind(path: str | os.PathLike) -> str | None:
@@ -44,6 +51,12 @@ def nothing_there(path: str | os.PathLike) -> str:
     if empty_folder(p):
         return "an empty folder"
     if p.is_symlink():
+        try:
+            os.stat(p)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # not a missing file: no target is ever reached
+                return (f"nothing at that path (a link to {os.readlink(p)}, a loop of links "
+                        "that never reaches a file)")
         return f"nothing at that path (a link to {os.readlink(p)}, which is missing)"
     if text.startswith("~"):
         return (f"nothing at that path ({text.split(os.sep, 1)[0]} is expanded only by the "

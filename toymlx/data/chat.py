@@ -597,6 +597,12 @@ def _jsonl_record(raw: str, path: Path, lineno: int, keys: Mapping[str, str] | N
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, RecursionError) as e:
+        if (first := raw.strip()) in ("[", "{"):  # json.dump(rows, f, indent=2): not "cut short?"
+            what = ("array; a file that is one array of objects reads as such named .json"
+                    if first == "[" else "object")
+            raise DataError(f"{path}:{lineno}: expected one object per line {SHAPES}, found "
+                            f"{first!r} alone, the start of a pretty-printed JSON {what}"
+                            ) from None
         raise _unreadable(f"{path}:{lineno}", e, "one object per line") from None
     return _parse_record(obj, f"{path}:{lineno}", keys=keys)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from toymlx.backend.files import names_below, not_utf8, special_kind
+from toymlx.backend.files import IMAGE_MAGIC, names_below, not_utf8, special_kind
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
                     ".pgm", ".pbm")
@@ -107,9 +107,6 @@ def _note_large(path: Path | ImageBytes, size: tuple[int, int]) -> None:
           f"limit of {limit:,} for untrusted files; decoded as it is", file=sys.stderr)
 
 
-IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"),
-               (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
-"""The first bytes of the image kinds toymlx reads (WEBP: RIFF....WEBP, in `_sniff`)."""
 
 
 def _sniff(path: Path | ImageBytes) -> str:

@@ -607,7 +607,7 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
     STREAM_ABOVE_MB). `workers`: threads that decode a folder.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ImageDataError(f"val_fraction: expected a value in [0, 1), found {val_fraction}")
+        raise ImageDataError(f"--data.val-fraction: expected in [0, 1), found {val_fraction}")
     if image_size is not None and image_size < 1:
         raise ImageDataError(f"image_size: expected >= 1, found {image_size}")
     if channels not in (None, 1, 3):

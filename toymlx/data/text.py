@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import counted, nothing_there, special_kind
+from toymlx.backend.files import IMAGE_MAGIC, counted, nothing_there, special_kind
 from toymlx.backend.progress import pass_bar
 
 
@@ -69,6 +69,10 @@ NOT_TEXT = {
                 "datasets.Dataset.from_file('{file}').to_json('train.jsonl')"),
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {file})",
     b"PK\x03\x04": "a zip archive: extract its files first (unzip {file})",
+    # a PNG or JPEG (the kinds not UTF-8 at their first byte) as text: "re-save it as UTF-8"
+    **{magic: (f"a {kind} image: images train a classifier, toymlx-train --recipe vit-tiny "
+               "--data.path FOLDER (a subfolder of images per class)")
+       for magic, kind in IMAGE_MAGIC},
 }
 """Files people give as data that are not text, by their first bytes (read where the text is
 not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" ({file}: the

@@ -378,7 +378,8 @@ def args_from_gguf(g: GGUFFile) -> LlamaArgs:
                         f"{head_dim} (full-head RoPE for {arch.name}), found {rope_dims}")
     moe = _moe_switches(g, arch)
     if "token_embd.weight" not in g.tensors:
-        raise GGUFError(f"{g.path}: tensor 'token_embd.weight': expected present, found missing")
+        raise GGUFError(f"{g.path}: tensor 'token_embd.weight': expected present, found "
+                        f"{g.missing()}")
     vocab = g.tensors["token_embd.weight"].shape[0]
     said = g.get(k + "vocab_size", int, vocab)  # llama.cpp sizes the table by it
     if said != vocab:

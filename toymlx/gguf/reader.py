@@ -417,8 +417,16 @@ class GGUFFile:
 
     def _info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
-            raise GGUFError(f"{self.path}: tensor {name!r}: expected present, found missing")
+            raise GGUFError(f"{self.path}: tensor {name!r}: expected present, found "
+                            f"{self.missing()}")
         return self.tensors[name]
+
+    def missing(self) -> str:
+        """What a tensor this file lacks is found as: "missing", or where the file holds no
+        tensors at all, that it is a vocabulary-only GGUF (as llama.cpp's ggml-vocab-*.gguf)."""
+        return ("missing" if self.tensors else
+                "missing: the file holds no tensors, a tokenizer-only GGUF (as llama.cpp's "
+                "ggml-vocab-*.gguf), not a model")
 
     def load(self, name: str, dtype=np.float32) -> np.ndarray:
         """Tensor `name` decoded to `dtype` in numpy (out, in) order; exact for float types."""

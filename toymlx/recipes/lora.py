@@ -271,7 +271,21 @@ def validate(cfg: Config) -> None:
 def check_applies(cfg: Config) -> None:
     """A new run's options checked for ones set where they do not apply: --lora.* with
     --fine-tune-type full (no adapters are trained), --full.* with lora or dora; ValueError
-    naming the first."""
+    naming the first; and --lr-schedule-args, --warmup-init and --min-lr-ratio where the
+    --lr-schedule does not read them (each was taken and ignored)."""
+    cosine = cfg.lr_schedule == "warmup-cosine"
+    if cosine and cfg.lr_schedule_args:  # constant's: refused by `schedule`
+        raise ValueError(f"--lr-schedule-args: expected none with --lr-schedule warmup-cosine "
+                         f"(--lr, --warmup and --min-lr-ratio shape it), found "
+                         f"{list(cfg.lr_schedule_args)}; give an MLX --lr-schedule to use them")
+    if cosine and cfg.warmup_init != Config.warmup_init:
+        raise ValueError(f"--warmup-init: expected with an MLX --lr-schedule (warmup-cosine "
+                         f"rises from --lr / --warmup), found {cfg.warmup_init} with "
+                         "--lr-schedule warmup-cosine")
+    if not cosine and cfg.min_lr_ratio != Config.min_lr_ratio:
+        raise ValueError(f"--min-lr-ratio: expected with --lr-schedule warmup-cosine (the floor "
+                         f"of its decay), found {cfg.min_lr_ratio} with --lr-schedule "
+                         f"{cfg.lr_schedule}")
     if cfg.fine_tune_type != "full":
         for f in fields(FullOptions):
             v = getattr(cfg.full, f.name)

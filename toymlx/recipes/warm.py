@@ -79,7 +79,7 @@ def read_donor(path: str | os.PathLike, vocab: int | None = None) -> Donor:
     name = "token_embd.weight"
     if name not in g.tensors:
         raise GGUFError(f"{g.path}: tensor {name!r}: expected present (the donor's token "
-                        "table), found missing")
+                        f"table), found {g.missing()}")
     info = g.tensors[name]
     if len(info.shape) != 2 or info.shape[1] != width:
         raise GGUFError(f"{g.path}: tensor {name!r} shape: expected (n_vocab, {width}) from "

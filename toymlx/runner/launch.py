@@ -68,6 +68,13 @@ SESSION_GRACE = 60.0
 checkpoint) once the toymlx-launch that started it died, before it is killed."""
 _MKTEMP_NAME = re.compile(r"tmp\.[A-Za-z0-9]{10}")
 """The name `mktemp` gives a file it makes with no template."""
+BACKENDS = ("ring", "mpi", "nccl", "jaccl", "jaccl-ring")
+"""mlx.launch's backends (its `main` refuses any other)."""
+_PORTS = (20000, 60000)
+"""The ports `_free_port_base` chooses a ring's first port among."""
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_REPORT_NAME = re.compile(r"rank[0-9]+\.(start|exit)")
+"""The name of a rank's report in the status folder (`rank_status`)."""
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
            "rank failed")
 
@@ -428,7 +435,7 @@ def _free_port_base(n: int) -> int:
     """A port P with P..P+n-1 free on this host (the ring backend listens on one per rank),
     so two launches on one machine do not collide on mlx.launch's fixed default."""
     for _ in range(50):
-        base = random.randint(20000, 60000 - n)
+        base = random.randint(_PORTS[0], _PORTS[1] - n)
         try:
             for p in range(base, base + n):
                 with socket.socket() as s:
@@ -452,6 +459,29 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     stream = stream or sys.stderr
     if n < 1:
         raise ValueError(f"-n: expected >= 1 ranks, found {n}")
+    if not grace >= 0:  # nan too: the other ranks of a failed one were never stopped
+        raise ValueError(f"--grace: expected seconds >= 0 (inf: wait for them), found {grace:g}")
+    if port is not None and not 1 <= port <= 65536 - n:  # the ring: a port a rank, from it
+        raise ValueError(f"--port: expected 1..{65536 - n} (the ring listens on {n} ports from "
+                         f"it), found {port}")
+    if backend not in BACKENDS:  # mlx.launch's own refusal came with "ranks never reported
+        # starting" after it
+        raise ValueError(f"--backend {backend}: expected one of {', '.join(BACKENDS)}")
+    if backend == "mpi" and shutil.which("mpirun") is None:  # was mlx.launch's traceback
+        raise ValueError("--backend mpi: expected mpirun on PATH (mlx.launch starts the ranks "
+                         "with it), found none; install Open MPI, or use --backend ring")
+    if hosts is not None and not all(h.strip() for h in hosts.split(",")):
+        raise ValueError(f"--hosts {hosts!r}: expected a comma list of host names, found an "
+                         "empty name")
+    if port is None and backend == "ring" and not hosts and n > _PORTS[1] - _PORTS[0]:
+        # was random's "empty range for randrange() (20000, 10001, -9999)"
+        raise ValueError(f"-n: expected at most {_PORTS[1] - _PORTS[0]} ranks on this host "
+                         f"(each listens on its own port, from a free run of "
+                         f"{_PORTS[0]}..{_PORTS[1]}; --port P chooses the first), found {n}")
+    for e in env:  # mlx.launch sets KEY= for a bare KEY and only warns of a bad name
+        key, eq, _ = e.partition("=")
+        if not (eq and _ENV_NAME.fullmatch(key)):
+            raise ValueError(f"--env {e}: expected KEY=VALUE, KEY of letters, digits and _")
     if not command:
         raise ValueError("command: expected the command each rank runs, found none; e.g. "
                          "toymlx-launch -n 2 -- toymlx-train --recipe vit-tiny")
@@ -468,9 +498,18 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
                          f"there how it ended, and a temporary folder made here does not exist "
                          f"on {', '.join(away)}")
     folder = Path(tempfile.mkdtemp(prefix="toymlx-launch-") if own else status_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("rank*.*"):
-        old.unlink()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        found = ("a file" if isinstance(e, FileExistsError)
+                 else f"{e.strerror or e} at {e.filename or folder}")
+        raise ValueError(f"--status-dir {status_dir}: expected a folder the ranks can write "
+                         f"their reports in, found {found}") from None
+    for old in folder.glob("rank*"):
+        # only the reports of an earlier launch: a folder the user named may hold their files
+        # (rankings.csv was deleted with them)
+        if _REPORT_NAME.fullmatch(old.name):
+            old.unlink()
     if port is None and backend == "ring" and not hosts:
         port = _free_port_base(n)
     ranks = n * len(machines) if machines else n

@@ -349,7 +349,14 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     check_output(Path(root), [], "--runs-root", folder=True)
     sweep_dir = check_output(Path(root) / sweep_id, [*inputs, ("-c/--config", config_file)],
                              "--sweep-id" if given else "--runs-root", folder=True)
-    (sweep_dir / ".locks").mkdir(parents=True, exist_ok=True)
+    try:
+        (sweep_dir / ".locks").mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # was the bare "[Errno 2] No such file or directory: '/proc/x'"
+        fix = "make room or make it writable, or " if e.errno in UNWRITABLE else ""
+        flag = "--sweep-id" if given else "--runs-root"
+        raise ValueError(f"{sweep_dir}: {flag}: expected a folder it can write (the sweep's "
+                         f"record, logs and each run's bundle), found {e.strerror or e} at "
+                         f"{e.filename or sweep_dir}; {fix}choose another --runs-root") from None
     # the check and the write under one lock: two sweeps of one id with other options, started
     # at once, both found no sweep.json, and both ran, each its own options
     with acquire(sweep_dir / ".locks" / RECORD_LOCK, str(sweep_dir / report.SWEEP_FILE),
