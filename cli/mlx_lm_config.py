@@ -240,7 +240,13 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         p = data["project_name"]
         _want(source, "project_name", isinstance(p, str) and p.strip() != "",
               "a W&B project name", p)
-        put("project_name", "wandb_project", p)
+        from toymlx.bundle.reporters import parse_report_to
+
+        if "--report-to" in flags or "wandb" in parse_report_to(out.get("report_to")):
+            put("project_name", "wandb_project", p)
+        else:  # mlx-lm reads it only for report_to wandb
+            notes.append(f"{source}: key 'project_name': not used (no report_to: wandb; "
+                         "mlx-lm reads it only for W&B)")
     notes += _test_batches(data, given["test"], source)
     if data.get("resume_adapter_file") is not None:
         _resume_adapter(data["resume_adapter_file"], source)

@@ -1085,15 +1085,26 @@ def test_test_batches_is_honoured_at_minus_one_and_refused_where_it_would_cap():
 
 
 def test_project_name_is_the_w_and_b_project_and_the_config_records_it(tmp_path, base, data,
-                                                                        capsys):
+                                                                        capsys, monkeypatch):
     """project_name was noted as not used (W&B's project came from WANDB_PROJECT only); it is
-    --wandb-project now, which the reporter passes to wandb.init and config.json records."""
-    options, rows, notes = mlx_lm_options({"iters": 5, "project_name": "sql-lora"}, "f.yaml")
+    --wandb-project now, which the reporter passes to wandb.init and config.json records.
+    Without report_to wandb, mlx-lm does not read it: a note, and no --wandb-project (which
+    toymlx-train refuses without --report-to wandb, where it would go unused unsaid)."""
+    pytest.importorskip("wandb", reason="the wandb extra (toymlx[wandb]) is not installed")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    options, rows, notes = mlx_lm_options({"iters": 5, "project_name": "sql-lora",
+                                           "report_to": "wandb"}, "f.yaml")
     assert options["wandb_project"] == "sql-lora"
     assert ("project_name", "--wandb-project", "sql-lora", "file") in rows and notes == []
+    options, rows, notes = mlx_lm_options({"iters": 5, "project_name": "sql-lora"}, "f.yaml")
+    assert "wandb_project" not in options and notes == [(
+        "f.yaml: key 'project_name': not used (no report_to: wandb; mlx-lm reads it only for "
+        "W&B)")]
+    assert mlx_lm_options({"iters": 5, "project_name": "p"}, "f.yaml", frozenset(
+        {"--report-to"}))[0]["wandb_project"] == "p"
     cfg = {"model": str(base), "data": str(data), "iters": 1, "batch_size": 2, "num_layers": 1,
            "max_seq_length": 64, "val_batches": 1, "project_name": "sql-lora",
-           "adapter_path": str(tmp_path / "runs" / "r")}
+           "report_to": "wandb", "adapter_path": str(tmp_path / "runs" / "r")}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0

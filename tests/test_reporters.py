@@ -550,3 +550,18 @@ def test_the_w_and_b_project_is_the_option_s_then_wandb_project(tmp_path, monkey
     assert capsys.readouterr().err.strip() == (
         f"toymlx: WANDB_DIR={tmp_path / 'elsewhere'} is not used: W&B's files for r go in its "
         f"run folder, {tmp_path / 'r' / 'wandb'}")
+
+
+def test_a_w_and_b_project_without_w_and_b_is_one_line(tmp_path, capsys):
+    """--wandb-project without --report-to wandb named a project no run went to, without a
+    word: refused before the run, naming both flags."""
+    from cli_errors import error_line
+
+    runs = tmp_path / "runs"
+    for report in ([], ["--report-to", "tensorboard"]):
+        assert main(["--recipe", "vit-tiny", "--wandb-project", "p", *report, "--runs-root",
+                     str(runs)]) == 2
+        assert error_line(capsys) == (
+            "toymlx-train: error: --wandb-project: expected with --report-to wandb (it names "
+            f"that run's W&B project), found --report-to {report[1] if report else 'none'}")
+    assert not runs.exists()

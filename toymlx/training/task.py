@@ -162,7 +162,10 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) ->
     if cfg.resume and cfg.overwrite:
         raise ValueError("--overwrite: replaces a bundle with a new run, so it cannot go with "
                          "--resume; give one of them")
-    parse_report_to(cfg.report_to)
+    reporters = parse_report_to(cfg.report_to)
+    if new_run and cfg.wandb_project and "wandb" not in reporters:  # else not used, unsaid
+        raise ValueError(f"--wandb-project: expected with --report-to wandb (it names that "
+                         f"run's W&B project), found --report-to {cfg.report_to or 'none'}")
     if hasattr(module, "validate"):
         module.validate(cfg)
     if new_run and hasattr(module, "check_applies"):
