@@ -254,3 +254,26 @@ def test_a_gguf_on_a_full_disk_says_what_it_takes_against_what_is_free(tmp_path,
     with pytest.raises(OSError) as e, atomic.room_for(10):
         raise OSError(errno.EACCES, "Permission denied", str(out))
     assert str(e.value) == f"[Errno 13] Permission denied: '{out}'"
+
+
+def test_a_killed_writers_temporaries_are_swept_with_a_temporarys_own(tmp_path):
+    """`remove_stale` sweeps every temporary a killed writer left beside the target, also the
+    temporary of llama.cpp's F32 input (`..q8.gguf.f32.tmp-P.tmp-P`: an export or
+    --fuse-at-end killed as it wrote that file), which it missed, leaving a model-sized F32
+    file (540 MB for SmolLM2-135M) behind every killed q8_0 export; a live writer's and another
+    target's stay."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tag, live = atomic.TMP_TAG, os.getppid()
+    names = [f".q8.gguf{tag}{dead.pid}", f".q8.gguf.f32{tag}{dead.pid}",
+             f"..q8.gguf.f32{tag}{dead.pid}{tag}{dead.pid}", f".q8.gguf{tag}{live}",
+             f".other.gguf{tag}{dead.pid}", "q8.gguf"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    swept = atomic.remove_stale(tmp_path / "q8.gguf")
+    assert sorted(p.name for p in swept) == sorted(names[:3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[3:])
+    assert atomic.remove_stale(tmp_path / "no-such-dir" / "q8.gguf") == []
