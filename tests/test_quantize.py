@@ -635,3 +635,35 @@ def test_llama_cpp_s_quantizer_on_a_full_disk_says_so(tmp_path, monkeypatch):
         f"q8_0 file were written as the disk filled): '{out}'); nothing was written under this "
         "name")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_at_llama_cpp_s_f32_input_says_which_file_takes_the_room(tmp_path,
+                                                                              monkeypatch):
+    """A full disk as the F32 input for llama.cpp is written (toymlx-export --dtype q8_0 of
+    SmolLM2-135M on a 100 MiB disk) said "the file takes 514.8 MiB" of the q8_0 file, which
+    takes 138 MiB: now it says the room is the F32 input's, the q8_0 file needing its own."""
+    import errno
+
+    from toymlx.backend import atomic
+    from toymlx.gguf import quantize as q
+
+    real_open = open
+
+    def full_disk(path, mode="r", *a, **k):
+        if "w" in mode and ".f32" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(q, "llama_cpp_module", lambda: object())
+    monkeypatch.setattr(atomic, "open", full_disk, raising=False)
+    monkeypatch.setattr(atomic, "free_bytes", lambda folder: 3 << 19)
+    tensors = {"token_embd.weight": np.zeros((1024, 256), np.float32)}  # 1 MiB
+    out = tmp_path / "q8.gguf"
+    with pytest.raises(OSError) as e:
+        write_model_gguf(out, {"general.architecture": "llama"}, {}, tensors, "q8_0")
+    assert str(e.value) == (
+        f"{out}: could not write the q8_0 model ([Errno 28] No space left on device (the file "
+        "takes 1.0 MiB; 1.5 MiB are free there); that file is llama.cpp's F32 input, written "
+        f"beside it first, and the q8_0 file then needs room beside it: '{out}'); nothing was "
+        "written under this name")
+    assert list(tmp_path.iterdir()) == []

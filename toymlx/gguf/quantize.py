@@ -242,8 +242,15 @@ def _write_with_llama_cpp(out: Path, meta: dict[str, Any],
     # llama.cpp quantizes from a file: the F32 export, beside the target
     f32 = out.with_name(f".{out.name}.f32{atomic.TMP_TAG}{os.getpid()}")
     try:
-        write_gguf(f32, meta, tensors, types=types, digest=False,
-                   progress="writing the F32 model for llama.cpp" if progress else None)
+        try:
+            write_gguf(f32, meta, tensors, types=types, digest=False,
+                       progress="writing the F32 model for llama.cpp" if progress else None)
+        except OSError as e:  # "the file" of room_for's message is not the one asked for
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise OSError(e.errno, f"{e.strerror}; that file is llama.cpp's F32 input, written "
+                          f"beside it first, and the {dtype} file then needs room beside it",
+                          str(out)) from None
         with atomic.atomic_path(out) as tmp:
             try:
                 llama_quantize(f32, tmp, dtype, progress)
