@@ -94,13 +94,17 @@ def remove_stale(path: str | os.PathLike) -> list[Path]:
     if not path.parent.is_dir():
         return stale
     for p in sorted(path.parent.iterdir()):
-        if not _is_temporary(p, path):
-            continue
-        pid = p.name.rpartition(TMP_TAG)[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
+        if _is_temporary(p, path) and is_stale(p):
             p.unlink(missing_ok=True)
             stale.append(p)
     return stale
+
+
+def is_stale(p: Path) -> bool:
+    """`p` is a temporary (`.<name>.tmp-<pid>`) whose writer process is gone: killed mid-write."""
+    pid = p.name.rpartition(TMP_TAG)[2]
+    return (p.name.startswith(".") and TMP_TAG in p.name and pid.isdigit()
+            and int(pid) != os.getpid() and not alive(int(pid)))
 
 
 def named(e: OSError, path: str | os.PathLike) -> OSError:
