@@ -560,6 +560,16 @@ def test_a_run_killed_as_it_started_leaves_a_folder_the_same_command_takes(tmp_p
     (run / "weights").mkdir(parents=True)
     (run / ".lock").write_text(json.dumps({"pid": dead.pid}))
     (run / f".config.json{TMP_TAG}{dead.pid}").write_text('{"recipe": "vit-ti')
+    with pytest.raises(RunError) as e:  # nothing to resume: the same command is the way on
+        folder.read_config(run, "--resume")
+    assert str(e.value) == (f"{run / 'config.json'}: --resume: expected the run's saved config, "
+                            "found no file: the run was killed as it started, before writing "
+                            "it, so nothing of it is left; start it again with its command, "
+                            "which takes this folder (without --resume)")
+    (tmp_path / "mine").mkdir()  # a folder of the user's: no word of a kill
+    with pytest.raises(RunError) as e:
+        folder.read_config(tmp_path / "mine", "--resume")
+    assert str(e.value).endswith("found no file (a run folder of toymlx-train has one)")
     run_dir, lock = folder.prepare_run_dir(str(tmp_path), "r", overwrite=False)
     lock.release()
     assert run_dir == run and sorted(p.name for p in run.iterdir()) == ["weights"]

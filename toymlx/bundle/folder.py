@@ -302,6 +302,13 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
         if other := ck.not_one_run(run_dir):  # the runs root, a sweep's folder, weights/
             raise RunError(f"{run_dir}: {flag}: expected a run bundle folder, found "
                            f"{other}") from None
+        held = [q for q in run_dir.iterdir() if q.name != LOCK_FILE]
+        if ((run_dir / LOCK_FILE).is_file() and (run_dir / "weights").is_dir()
+                and folder_kind(run_dir, held) == "empty"):  # what toymlx-train made, no more
+            raise RunError(f"{p}: {flag}: expected the run's saved config, found no file: the "
+                           "run was killed as it started, before writing it, so nothing of it "
+                           "is left; start it again with its command, which takes this folder "
+                           "(without --resume)") from None
         raise RunError(f"{p}: {flag}: expected the run's saved config, found no file (a run "
                        "folder of toymlx-train has one)") from None
     except (OSError, UnicodeDecodeError) as e:
