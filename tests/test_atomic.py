@@ -254,3 +254,57 @@ def test_a_gguf_on_a_full_disk_says_what_it_takes_against_what_is_free(tmp_path,
     with pytest.raises(OSError) as e, atomic.room_for(10):
         raise OSError(errno.EACCES, "Permission denied", str(out))
     assert str(e.value) == f"[Errno 13] Permission denied: '{out}'"
+
+
+def test_a_killed_writers_temporaries_are_swept_with_a_temporarys_own(tmp_path):
+    """`remove_stale` sweeps every temporary a killed writer left beside the target, also the
+    temporary of llama.cpp's F32 input (`..q8.gguf.f32.tmp-P.tmp-P`: an export or
+    --fuse-at-end killed as it wrote that file), which it missed, leaving a model-sized F32
+    file (540 MB for SmolLM2-135M) behind every killed q8_0 export; a live writer's and another
+    target's stay."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tag, live = atomic.TMP_TAG, os.getppid()
+    names = [f".q8.gguf{tag}{dead.pid}", f".q8.gguf.f32{tag}{dead.pid}",
+             f"..q8.gguf.f32{tag}{dead.pid}{tag}{dead.pid}", f".q8.gguf{tag}{live}",
+             f".other.gguf{tag}{dead.pid}", "q8.gguf"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    swept = atomic.remove_stale(tmp_path / "q8.gguf")
+    assert sorted(p.name for p in swept) == sorted(names[:3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[3:])
+    assert atomic.remove_stale(tmp_path / "no-such-dir" / "q8.gguf") == []
+
+
+def test_a_timm_export_on_a_full_disk_says_what_it_takes_against_what_is_free(tmp_path,
+                                                                               monkeypatch):
+    """toymlx-export --format safetensors onto a full disk said "No space left on device" alone
+    (a GGUF export says the room it takes and what is free): now the same, the size that of
+    the file once written (20.4 MiB for vit-tiny), nothing left behind."""
+    import numpy as np
+
+    from toymlx.interop.timm_export import write_safetensors
+
+    tensors = {"w": np.ones((700, 1000), np.float32), "b": np.ones(300, np.float32)}
+    whole = tmp_path / "whole.safetensors"
+    write_safetensors(whole, tensors, {"format": "pt"})
+    size = whole.stat().st_size
+    real_open = open
+
+    def full_disk(path, mode="r", *a, **k):
+        if "w" in mode and atomic.TMP_TAG in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(atomic, "open", full_disk, raising=False)
+    monkeypatch.setattr(atomic, "free_bytes", lambda folder: 1 << 20)
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    with pytest.raises(OSError) as e:
+        write_safetensors(out, tensors, {"format": "pt"})
+    assert str(e.value) == (f"[Errno 28] No space left on device (the file takes "
+                            f"{size / 2**20:.1f} MiB; 1.0 MiB are free there): '{out}'")
+    assert list(out.parent.iterdir()) == []

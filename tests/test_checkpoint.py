@@ -367,3 +367,27 @@ def test_from_takes_a_bare_step_number_and_a_checkpoint_file_name():
     with pytest.raises(ValueError) as e:
         ck.parse_from("latest")
     assert str(e.value) == "--from: expected a checkpoint such as step_20 (or 20), found 'latest'"
+
+
+def test_a_full_disk_names_the_room_superseded_checkpoints_hold(tmp_path, monkeypatch):
+    """A full disk after `--resume --from step_3` of a 6-step vit-tiny run on a 150 MiB disk:
+    weights/superseded/ held the set-aside step_6 (61.2 MiB, the room the next checkpoint
+    wanted), unnamed by the error, which said only "free space". Now it says that folder can
+    go and what it holds; without one, the note is as before."""
+    from toymlx.backend import atomic
+
+    weights = tmp_path / "weights"
+    (weights / ck.SUPERSEDED).mkdir(parents=True)
+    (weights / "step_3.gguf").write_bytes(b"\0" * (1 << 20))
+    (weights / "step_3.state.safetensors").write_bytes(b"\0" * (1 << 19))
+    (weights / ck.SUPERSEDED / "step_6.gguf").write_bytes(b"\0" * (1 << 20))
+    (weights / ck.SUPERSEDED / "step_6.state.safetensors").write_bytes(b"\0" * (3 << 19))
+    monkeypatch.setattr(atomic, "free_bytes", lambda folder: 1 << 18)
+    before = ("; a checkpoint takes 1.5 MiB here (step_3's files) and 0.2 MiB are free: free "
+              "space, or --runs-root on a larger disk (each checkpoint is written in full before "
+              "--keep-last removes an older one)")
+    assert ck.room_note(weights) == before + (
+        "; weights/superseded/ (the checkpoints a --from set aside) holds 2.5 MiB and can go "
+        "whole")
+    shutil.rmtree(weights / ck.SUPERSEDED)
+    assert ck.room_note(weights) == before

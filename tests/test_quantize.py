@@ -594,3 +594,76 @@ def test_quantize_tensor_hands_llama_cpp_whole_rows_a_chunk_at_a_time(qtype, mon
     got = qz.quantize_tensor(w, qtype)
     assert calls == [(0, 2048), (2048 * 512, 2048), (4096 * 512, 4)]
     assert got.tobytes() == whole.tobytes()
+
+
+def test_llama_cpp_s_quantizer_on_a_full_disk_says_so(tmp_path, monkeypatch):
+    """llama.cpp's quantizer stopped by a full disk says only "basic_ios::clear: iostream
+    error" (toymlx-export --dtype q8_0 of SmolLM2-135M on a 600 MiB tmpfs): now the export's
+    error is ENOSPC naming the file, with what its F32 input and the part written took; a
+    failure on a disk with room stays llama.cpp's own words. Nothing is left either way."""
+    import errno
+
+    from toymlx.backend import atomic
+    from toymlx.gguf import quantize as q
+
+    iostream = ("llama.cpp's quantizer (q8_0): its process (python -m toymlx.gguf.quantize) "
+                "failed: llama_model_quantize: failed to quantize: basic_ios::clear: iostream "
+                "error")
+
+    f32_sizes = []
+
+    def part_written(src, dst, dtype, progress=False):
+        f32_sizes.append(Path(src).stat().st_size)
+        Path(dst).write_bytes(b"\0" * (3 << 19))  # 1.5 MiB
+        raise OSError(iostream)
+
+    monkeypatch.setattr(q, "llama_cpp_module", lambda: object())
+    monkeypatch.setattr(q, "llama_quantize", part_written)
+    tensors = {"token_embd.weight": np.zeros((1024, 256), np.float32)}  # 1 MiB
+    out = tmp_path / "q8.gguf"
+    with pytest.raises(OSError) as e:
+        write_model_gguf(out, {"general.architecture": "llama"}, {}, tensors, "q8_0")
+    assert str(e.value) == f"{out}: could not write the q8_0 model ({iostream}); nothing was " \
+                           "written under this name"
+    monkeypatch.setattr(atomic, "free_bytes", lambda folder: 4096)
+    with pytest.raises(OSError) as e:
+        write_model_gguf(out, {"general.architecture": "llama"}, {}, tensors, "q8_0")
+    assert e.value.__cause__.errno == errno.ENOSPC
+    assert str(e.value) == (
+        f"{out}: could not write the q8_0 model ([Errno 28] No space left on device ({iostream};"
+        f" its F32 input beside the file takes {f32_sizes[-1] / 2**20:.1f} MiB, and 1.5 MiB of the "
+        f"q8_0 file were written as the disk filled): '{out}'); nothing was written under this "
+        "name")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_at_llama_cpp_s_f32_input_says_which_file_takes_the_room(tmp_path,
+                                                                              monkeypatch):
+    """A full disk as the F32 input for llama.cpp is written (toymlx-export --dtype q8_0 of
+    SmolLM2-135M on a 100 MiB disk) said "the file takes 514.8 MiB" of the q8_0 file, which
+    takes 138 MiB: now it says the room is the F32 input's, the q8_0 file needing its own."""
+    import errno
+
+    from toymlx.backend import atomic
+    from toymlx.gguf import quantize as q
+
+    real_open = open
+
+    def full_disk(path, mode="r", *a, **k):
+        if "w" in mode and ".f32" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(q, "llama_cpp_module", lambda: object())
+    monkeypatch.setattr(atomic, "open", full_disk, raising=False)
+    monkeypatch.setattr(atomic, "free_bytes", lambda folder: 3 << 19)
+    tensors = {"token_embd.weight": np.zeros((1024, 256), np.float32)}  # 1 MiB
+    out = tmp_path / "q8.gguf"
+    with pytest.raises(OSError) as e:
+        write_model_gguf(out, {"general.architecture": "llama"}, {}, tensors, "q8_0")
+    assert str(e.value) == (
+        f"{out}: could not write the q8_0 model ([Errno 28] No space left on device (the file "
+        "takes 1.0 MiB; 1.5 MiB are free there); that file is llama.cpp's F32 input, written "
+        f"beside it first, and the q8_0 file then needs room beside it: '{out}'); nothing was "
+        "written under this name")
+    assert list(tmp_path.iterdir()) == []

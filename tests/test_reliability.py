@@ -574,6 +574,48 @@ def test_a_folder_that_is_not_a_run_is_named_by_its_first_four_names(tmp_path):
                                                        "f.txt", "sub"]
 
 
+def test_a_run_killed_as_it_started_leaves_a_folder_the_same_command_takes(tmp_path):
+    """kill -9 while a run starts (building its model, hashing its base: seconds for
+    SmolLM2-135M) left runs/ID with its lock file and an empty weights/ (a killed config.json
+    write also `.config.json.tmp-PID`), and the same command again was refused: "found a
+    folder that is not a run bundle, holding weights/; choose another --run-id" (--resume:
+    no config.json). Now that folder is an empty one: taken, the dead writer's temporary
+    removed. A live writer's temporary, or a file of the user's, is still refused."""
+    import json
+    import os
+
+    from toymlx.backend.atomic import TMP_TAG
+    from toymlx.bundle import folder
+    from toymlx.bundle.options import RunError
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run = tmp_path / "r"
+    (run / "weights").mkdir(parents=True)
+    (run / ".lock").write_text(json.dumps({"pid": dead.pid}))
+    (run / f".config.json{TMP_TAG}{dead.pid}").write_text('{"recipe": "vit-ti')
+    with pytest.raises(RunError) as e:  # nothing to resume: the same command is the way on
+        folder.read_config(run, "--resume")
+    assert str(e.value) == (f"{run / 'config.json'}: --resume: expected the run's saved config, "
+                            "found no file: the run was killed as it started, before writing "
+                            "it, so nothing of it is left; start it again with its command, "
+                            "which takes this folder (without --resume)")
+    (tmp_path / "mine").mkdir()  # a folder of the user's: no word of a kill
+    with pytest.raises(RunError) as e:
+        folder.read_config(tmp_path / "mine", "--resume")
+    assert str(e.value).endswith("found no file (a run folder of toymlx-train has one)")
+    run_dir, lock = folder.prepare_run_dir(str(tmp_path), "r", overwrite=False)
+    lock.release()
+    assert run_dir == run and sorted(p.name for p in run.iterdir()) == ["weights"]
+    live = f".config.json{TMP_TAG}{os.getppid()}"
+    (run / live).write_text("{")
+    with pytest.raises(RunError) as e:
+        folder.prepare_run_dir(str(tmp_path), "r", overwrite=False)
+    assert str(e.value) == (f"{run}: expected a new or empty folder for the run, found a folder "
+                            f"that is not a run bundle, holding {live}, weights/; choose another "
+                            "--run-id or --runs-root")
+
+
 def test_overwrite_refuses_a_run_holding_files_toymlx_did_not_write(tmp_path, capsys, data):
     """--overwrite replaces what toymlx wrote in a run (TensorBoard and W&B files, superseded
     checkpoints, a fused export, temporaries included), never a user's own files beside it:

@@ -486,3 +486,22 @@ def test_a_folder_of_sweeps_is_named_and_a_run_named_twice_is_shown_once(tmp_pat
                             f"(s): name them, as in toymlx-report {sweep_dir}")
     assert report.expand_dirs([sweep_dir, sweep_dir / "b", sweep_dir / ".." / "s" / "a"]) == [
         sweep_dir / "a", sweep_dir / "b"]
+
+
+def test_a_run_training_now_is_running_not_torn(tmp_path):
+    """toymlx-report on a run whose process trains it now (its lock held) said "torn", the
+    status of a killed run; now "running". Once the lock is dropped (the process killed, the
+    system releases it), "torn" again."""
+    from toymlx.backend.lock import LOCK_FILE, acquire
+
+    start = ("run_start", {"recipe": "from-scratch", "config": {"steps": 8}, "world_size": 1,
+                           "start_step": 0})
+    run = _bundle(tmp_path / "live", [[start, *_steps(1, 3)]], config={"steps": 8})
+    lock = acquire(run / LOCK_FILE, "toymlx-train")
+    try:
+        (row,) = report.summarize([run])
+        assert (row["status"], row["step"]) == ("running", 3)
+    finally:
+        lock.release()
+    (row,) = report.summarize([run])
+    assert (row["status"], row["step"]) == ("torn", 3)

@@ -1180,3 +1180,23 @@ def test_a_parent_that_dies_within_the_wait_is_lost(monkeypatch):
         assert lifeline.parent_lost(0.1) is False  # alive throughout the wait
     finally:
         end_child(parent)
+
+
+def test_a_run_killed_by_a_signal_is_said_to_be(tmp_path):
+    """A sweep's run killed by SIGKILL (kill -9, the out-of-memory killer) was reported
+    "FAILED lr=0.003: step 4: checkpoint .../step_4.gguf", its log's last line, as if that
+    were the failure; now "killed by SIGKILL" with that line. A run that exits on its own is
+    told by its error line, as before."""
+    from toymlx.sweeps.supervisor import _why_failed
+
+    log = tmp_path / "lr=0.003.log"
+    log.write_text("step 3/12: train loss 2.6680\nstep 4: checkpoint w/step_4.gguf\n")
+    assert _why_failed(-signal.SIGKILL, log) == (
+        "killed by SIGKILL (its last line: step 4: checkpoint w/step_4.gguf)")
+    assert _why_failed(1, log) == "step 4: checkpoint w/step_4.gguf"
+    log.write_text("toymlx-train: error: x: expected y\n")
+    assert _why_failed(1, log) == "toymlx-train: error: x: expected y"
+    assert _why_failed(-signal.SIGSEGV, tmp_path / "none.log") == "killed by SIGSEGV"
+    log.write_text("# 2026-12-04 18:33:00 start: toymlx-train --recipe vit-tiny\n")
+    assert _why_failed(-signal.SIGKILL, log) == "killed by SIGKILL"  # before its first line
+    assert _why_failed(3, tmp_path / "none.log") == "exit code 3"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -84,16 +85,26 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb",
 
 
 def remove_stale(path: str | os.PathLike) -> list[Path]:
-    """Remove the temporaries of `path` (`.<name>*.tmp-<pid>`) whose writer process is gone
-    (killed mid-write); return them. Another live writer's temporaries are kept."""
+    """Remove the temporaries of `path` (`.<name>*.tmp-<pid>`, and a temporary's own,
+    `..<name>.f32.tmp-<pid>.tmp-<pid>`: llama.cpp's F32 input killed as it was written) whose
+    writer process is gone (killed mid-write); return them. Another live writer's temporaries
+    are kept."""
     path = Path(path)
     stale = []
-    for p in path.parent.glob(f".{path.name}*{TMP_TAG}*"):
-        pid = p.name.rpartition(TMP_TAG)[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
+    if not path.parent.is_dir():
+        return stale
+    for p in sorted(path.parent.iterdir()):
+        if _is_temporary(p, path) and is_stale(p):
             p.unlink(missing_ok=True)
             stale.append(p)
     return stale
+
+
+def is_stale(p: Path) -> bool:
+    """`p` is a temporary (`.<name>.tmp-<pid>`) whose writer process is gone: killed mid-write."""
+    pid = p.name.rpartition(TMP_TAG)[2]
+    return (p.name.startswith(".") and TMP_TAG in p.name and pid.isdigit()
+            and int(pid) != os.getpid() and not alive(int(pid)))
 
 
 def named(e: OSError, path: str | os.PathLike) -> OSError:
@@ -133,10 +144,11 @@ def room_for(size: int) -> Iterator[None]:
 
 
 def _is_temporary(name: str | os.PathLike, path: str | os.PathLike) -> bool:
-    """`name` is one of `path`'s temporaries (`.<name>*.tmp-<pid>` beside it)."""
+    """`name` is one of `path`'s temporaries (`.<name>*.tmp-<pid>` beside it, or a temporary's
+    temporary, `..<name>*.tmp-<pid>.tmp-<pid>`)."""
     name, path = Path(name), Path(path)
-    return (name.parent == path.parent and name.name.startswith(f".{path.name}")
-            and TMP_TAG in name.name)
+    return (name.parent == path.parent and TMP_TAG in name.name
+            and re.match(rf"\.+{re.escape(path.name)}", name.name) is not None)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -569,9 +569,13 @@ def room_note(weights: Path) -> str:
         return f"; {free / 2**20:.1f} MiB are free there: free space, or --runs-root on a larger disk"
     step, newest = found[-1]
     size = sum(f.stat().st_size for f in (newest, *companions(newest)) if f.exists())
+    aside = weights / SUPERSEDED
+    held = sum(p.stat().st_size for p in aside.iterdir() if p.is_file()) if aside.is_dir() else 0
     return (f"; a checkpoint takes {size / 2**20:.1f} MiB here (step_{step}'s files) and "
             f"{free / 2**20:.1f} MiB are free: free space, or --runs-root on a larger disk (each "
-            "checkpoint is written in full before --keep-last removes an older one)")
+            "checkpoint is written in full before --keep-last removes an older one)"
+            + (f"; weights/{SUPERSEDED}/ (the checkpoints a --from set aside) holds "
+               f"{held / 2**20:.1f} MiB and can go whole" if held else ""))
 
 
 def clean_temporaries(weights: Path) -> int:

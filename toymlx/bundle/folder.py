@@ -70,7 +70,7 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool,
     try:
         held = [p for p in run_dir.iterdir() if p.name != LOCK_FILE]
         what = folder_kind(run_dir, held)
-        if held and not overwrite:
+        if held and not overwrite and what != "empty":
             raise RunError(_taken_message(run_dir, what, held))
         if what == "other":  # --overwrite replaces a run, never a folder of someone's files
             raise RunError(f"{run_dir}: --overwrite: expected a run bundle (toymlx's "
@@ -82,7 +82,7 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool,
                            f"a run bundle, found others too: {shortlist(foreign, 4)}; nothing was "
                            "removed: move them out of the run folder, or choose another "
                            "--run-id or --runs-root")
-        for p in held:  # --overwrite: we own the folder, so nobody is writing into it
+        for p in held:  # --overwrite or "empty": we own the folder, so nobody writes into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (run_dir / "weights").mkdir(exist_ok=True)
         atomic.write_bytes(run_dir / WRITE_TEST, b"ok")
@@ -142,13 +142,13 @@ def claim_run_dir(root: Path, run_id: str) -> Path:
 
 
 def folder_kind(run_dir: Path, held: list[Path]) -> str:
-    """What a folder a fresh run would take holds: "empty" (nothing, or only an empty
-    weights/), "run" (toymlx's config.json and events.jsonl), "unstarted" (a run killed
+    """What a folder a fresh run would take holds: "empty" (nothing, or only what a run killed
+    as it started leaves: an empty weights/, a killed writer's temporaries), "run" (toymlx's config.json and events.jsonl), "unstarted" (a run killed
     before its first event: toymlx's config.json, no checkpoint, no events.jsonl) or
     "other" (anything else: not ours to replace)."""
     weights = run_dir / "weights"
-    if all(p == weights and p.is_dir() and not p.is_symlink() and not any(p.iterdir())
-           for p in held):
+    if all((p == weights and p.is_dir() and not p.is_symlink() and not any(p.iterdir()))
+           or (p.is_file() and not p.is_symlink() and atomic.is_stale(p)) for p in held):
         return "empty"
     config, events = run_dir / CONFIG_FILE, run_dir / EVENTS_FILE
     if not config.is_file() or config.is_symlink() or saved_config(run_dir) is None:
@@ -302,6 +302,13 @@ def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
         if other := ck.not_one_run(run_dir):  # the runs root, a sweep's folder, weights/
             raise RunError(f"{run_dir}: {flag}: expected a run bundle folder, found "
                            f"{other}") from None
+        held = [q for q in run_dir.iterdir() if q.name != LOCK_FILE]
+        if ((run_dir / LOCK_FILE).is_file() and (run_dir / "weights").is_dir()
+                and folder_kind(run_dir, held) == "empty"):  # what toymlx-train made, no more
+            raise RunError(f"{p}: {flag}: expected the run's saved config, found no file: the "
+                           "run was killed as it started, before writing it, so nothing of it "
+                           "is left; start it again with its command, which takes this folder "
+                           "(without --resume)") from None
         raise RunError(f"{p}: {flag}: expected the run's saved config, found no file (a run "
                        "folder of toymlx-train has one)") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -25,6 +25,7 @@ of the same name.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import re
 import sys
@@ -241,12 +242,39 @@ def _write_with_llama_cpp(out: Path, meta: dict[str, Any],
     # llama.cpp quantizes from a file: the F32 export, beside the target
     f32 = out.with_name(f".{out.name}.f32{atomic.TMP_TAG}{os.getpid()}")
     try:
-        write_gguf(f32, meta, tensors, types=types, digest=False,
-                   progress="writing the F32 model for llama.cpp" if progress else None)
+        try:
+            write_gguf(f32, meta, tensors, types=types, digest=False,
+                       progress="writing the F32 model for llama.cpp" if progress else None)
+        except OSError as e:  # "the file" of room_for's message is not the one asked for
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise OSError(e.errno, f"{e.strerror}; that file is llama.cpp's F32 input, written "
+                          f"beside it first, and the {dtype} file then needs room beside it",
+                          str(out)) from None
         with atomic.atomic_path(out) as tmp:
-            llama_quantize(f32, tmp, dtype, progress)
+            try:
+                llama_quantize(f32, tmp, dtype, progress)
+            except OSError as e:
+                raise _out_of_room(e, out, tmp, f32, dtype) from None
     finally:
         atomic.discard(f32)  # on a read-only disk, removing it fails too
+
+
+FULL = 1 << 20
+"""A disk with less than this free as llama.cpp's quantizer fails is taken as full."""
+
+
+def _out_of_room(e: OSError, out: Path, tmp: Path, f32: Path, dtype: str) -> OSError:
+    """llama.cpp's quantizer stopped by a full disk says only "basic_ios::clear: iostream
+    error": where the disk is full as it fails (its part-written file still there), an ENOSPC
+    naming `out` with what the export takes there; any other failure as it is."""
+    free = atomic.free_bytes(tmp.parent)
+    if free is None or free >= FULL or not tmp.is_file():
+        return e
+    return OSError(errno.ENOSPC, f"No space left on device ({e}; its F32 "
+                   f"input beside the file takes {f32.stat().st_size / 2**20:.1f} MiB, and "
+                   f"{tmp.stat().st_size / 2**20:.1f} MiB of the {dtype} file were written as "
+                   f"the disk filled)", str(out))
 
 
 def llama_quantize(src: Path, dst: Path, dtype: str, progress: bool = False) -> None:

@@ -36,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from toymlx.backend.atomic import atomic_open, discard, output_folder, write_text
+from toymlx.backend.atomic import atomic_open, discard, output_folder, room_for, write_text
 from toymlx.models.vit import ViT, ViTArgs
 
 TIMM_ARCH = "vit_tiny_patch16_224"
@@ -115,8 +115,9 @@ def timm_config(a: ViTArgs, norm: dict[str, Any], class_names: list[str]) -> dic
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray],
                       metadata: dict[str, str]) -> None:
-    """A safetensors file (F32 tensors, string metadata), written atomically."""
-    with atomic_open(path) as f:
+    """A safetensors file (F32 tensors, string metadata), written atomically; a full disk's
+    error says what its tensors take against what is free (`room_for`)."""
+    with room_for(sum(4 * np.size(v) for v in tensors.values())), atomic_open(path) as f:
         mx.save_safetensors(f, {k: mx.array(v, dtype=mx.float32) for k, v in tensors.items()},
                             metadata=metadata)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from toymlx.backend import atomic
 from toymlx.backend.files import counted
+from toymlx.backend.lock import LOCK_FILE, held_by
 from toymlx.backend.notice import warn
 from toymlx.bundle.events import damage_note, moved_damage, read_events, read_log
 from toymlx.bundle.folder import CONFIG_FILE, saved_config
@@ -75,7 +76,8 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def run_status(events: list[dict]) -> tuple[str, str | None]:
     """completed | error | diverged | interrupted | stopped | torn | empty, and its message,
-    of a bundle's events (`torn`: started or resumed, and no run_end since)."""
+    of a bundle's events (`torn`: started or resumed, and no run_end since: killed, or
+    `running` where `summarize_run` finds its process holding the run's lock)."""
     status, message = "empty", None
     for e in events:
         if e["kind"] in ("run_start", "resume"):
@@ -99,6 +101,8 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         log = read_log(run_dir) if run_dir.is_dir() else None
     events = log.events if log is not None else []
     status, message = run_status(events)
+    if status == "torn" and run_dir.is_dir() and held_by(run_dir / LOCK_FILE) is not None:
+        status = "running"  # its process holds the lock: training now, not killed
     if log is not None and (note := damage_note(log.path, log.damaged)):
         # a killed run's torn line is said by its status; a garbled line no kill leaves is not
         if status == "torn":

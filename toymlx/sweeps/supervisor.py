@@ -119,6 +119,21 @@ def _last_error(log: Path) -> str | None:
     return lines[-1] if lines else None
 
 
+def _why_failed(code: int, log: Path) -> str:
+    """Why a run failed that recorded no message of its own: killed by a signal (the system's
+    out-of-memory killer, a kill -9), which no line of its log tells (its last, a step or
+    checkpoint line, read as the failure), else its last error line, else its exit code."""
+    last = _last_error(log)
+    if code >= 0:
+        return last or f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    said = last and not last.startswith("# ")  # not the sweep's own header line
+    return f"killed by {name}" + (f" (its last line: {last})" if said else "")
+
+
 class _Runner:
     """One machine's share of a sweep in flight: runs started as `toymlx-train` children,
     `workers` at a time, watched until they end, and stopped on a stop request as a run is
@@ -280,8 +295,8 @@ class _Runner:
             r.state = "interrupted"
         else:
             r.state = "failed"
-            r.message = r.message or _last_error(self.sweep_dir / "logs" /
-                                                 f"{r.spec.name}.log") or f"exit code {code}"
+            r.message = r.message or _why_failed(code, self.sweep_dir / "logs" /
+                                                 f"{r.spec.name}.log")
         try:
             atomic.write_text(self.sweep_dir / ".status" / f"{r.spec.name}.json", json.dumps({
                 "state": r.state, "exit_code": code, "message": r.message, "wall_s": r.wall,
