@@ -235,3 +235,65 @@ def test_the_vit_body_is_checked_before_any_image_is_read(tmp_path):
                                                "--model.n-heads (3), found 100")
     assert refused(n_layers=0) == "--model.n-layers: expected > 0, found 0"
     vit_tiny.validate(vit_tiny.Config(model=vit_tiny.ViTOptions(n_heads=4, patch_size=5)))  # no image yet
+
+
+def test_an_image_that_fails_mid_run_keeps_the_steps_and_resume_goes_on_once_fixed(
+        tmp_path, capsys, monkeypatch):
+    """A streamed image corrupt past its header (its decode fails only when a batch holds it)
+    ended the run with exit 1, nothing checkpointed, and once the file was replaced --resume
+    refused the data's changed fingerprint. Now the steps before it are checkpointed, the last
+    line names the file, and the resume of the fixed data trains the uninterrupted run's losses
+    to the bit; a later resume checks the data against the fixed data, and another change is
+    still refused."""
+    from PIL import Image
+
+    from toymlx.data import images
+
+    # a streamed set over 2,000 images decodes a sample for its statistics; a fixed
+    # mean and std stands for it, so that no image is decoded before the steps read it
+    monkeypatch.setattr(images, "_channel_stats",
+                        lambda x, scale: (np.full(x.shape[-1], 0.5, np.float32),
+                                          np.full(x.shape[-1], 0.25, np.float32)))
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    for k, name in enumerate(("a", "b")):
+        (data / name).mkdir(parents=True)
+        for i in range(40):
+            Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
+                data / name / f"{i:02d}.png")
+    bad = data / "b" / "20.png"
+    good = bad.read_bytes()
+    bad.write_bytes(good[:60])  # the header whole, the pixels cut
+    opts = ["--data.path", str(data), "--data.stream", "True", "--steps", "12",
+            "--checkpoint-every", "100", "--eval-every", "100"]
+    whole = tmp_path / "whole"
+    part = tmp_path / "part"
+    assert main(["--recipe", "vit-tiny", *SMALL, "--runs-root", str(tmp_path), "--run-id",
+                 "part", *opts]) == 1
+    end = read_events(part)[-1]
+    s = end["final_step"]
+    assert 0 < s < 12 and (part / "weights" / f"step_{s}.gguf").is_file()
+    assert end["data_error"] == (f"{bad}: cannot decode the image (image file is truncated); "
+                                 "remove or replace the file")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx: error at step {s}: step {s + 1}'s batch cannot be read: {end['data_error']}; "
+        f"the steps before it are kept (step {s}): fix the data, then resume with --resume "
+        f"{part} (from step {s}). held-out: not measured yet (no validation before the stop). "
+        f"bundle: {part}")
+
+    bad.write_bytes(good)
+    assert main(["--resume", str(part), "--no-progress"]) == 0
+    resumed = [e for e in read_events(part) if e["kind"] == "resume"][-1]
+    assert "taken as the fix of the data error the run ended on" in resumed["note"]
+    assert main(["--recipe", "vit-tiny", *SMALL, "--runs-root", str(tmp_path), "--run-id",
+                 "whole", *opts]) == 0
+
+    def losses(run):
+        return [(e["step"], e["loss"]) for e in read_events(run) if e["kind"] == "step"]
+
+    assert losses(part) == losses(whole)
+    assert main(["--resume", str(part), "--steps", "13", "--no-progress"]) == 0
+    (data / "a" / "00.png").write_bytes(good)
+    capsys.readouterr()
+    assert main(["--resume", str(part), "--steps", "14", "--no-progress"]) == 2
+    assert "found its contents changed" in capsys.readouterr().err

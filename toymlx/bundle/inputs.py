@@ -19,6 +19,10 @@ DATA_FILES_KEY = "data_files"
 """config.json's top-level key (beside "recipe" and "config") with the fingerprint of each data
 file or folder the run read, taken when it started (`fingerprint`), and its absolute path with
 links resolved (`file`; `path` is the option as typed)."""
+DATA_ERROR_KEY = "data_error"
+"""run_end's field where a run ended on data it could not read mid-run (a streamed image that
+does not decode): the one-line error naming the file. The run's data may change after it (the
+file fixed), and `--resume` goes on from the checkpoint written before it."""
 MODEL_FILES_KEY = "model_files"
 """config.json's top-level key with each model file the run read (`MODEL_OPTIONS`): the option
 as typed (`path`), the file it named then, absolute (`file`; a path's links resolved), its size,
@@ -298,6 +302,25 @@ def moved_inputs(events: list[dict]) -> dict[str, dict[str, Any]]:
             rec = e.get(MOVED_KEY)
             out = {k: v for k, v in rec.items() if isinstance(v, dict)
                    and isinstance(v.get("file"), str)} if isinstance(rec, dict) else {}
+    return out
+
+
+DATA_FIXED_KEY = "data_fixed"
+"""A `resume` event's key: {option: the data's `fingerprint` as the resume found it} for data
+changed since the run started that the resume took as the fix of the data error the run had
+ended on (run_end's `DATA_ERROR_KEY`). As with `MOVED_KEY`, each resume records every fix in
+effect, and the latest resume event's record is what later resumes check the data against
+(`fixed_data`)."""
+
+
+def fixed_data(events: list[dict]) -> dict[str, dict[str, Any]]:
+    """{option: its `DATA_FIXED_KEY` record} from the latest `resume` event ({} before any)."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == "resume":
+            rec = e.get(DATA_FIXED_KEY)
+            out = {k: v for k, v in rec.items() if isinstance(v, dict)
+                   and isinstance(v.get("bytes"), int)} if isinstance(rec, dict) else {}
     return out
 
 

@@ -47,7 +47,7 @@ from toymlx.backend.stop import (
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import DAMAGED_KEY, EventLog, git_info, host_info, now_iso, run_start
 from toymlx.bundle.folder import config_digest, saved_config
-from toymlx.bundle.inputs import MOVED_KEY
+from toymlx.bundle.inputs import DATA_ERROR_KEY, DATA_FIXED_KEY, MOVED_KEY
 from toymlx.bundle.reporters import open_reporters
 from toymlx.bundle.resume import Resume
 from toymlx.gguf.reader import DIGEST_KEY
@@ -414,6 +414,8 @@ class _Loop:
         """Data parallel: the stop requests every rank knows of (`_stops`)."""
         self.reason, self.exit_code, self.message = "completed", 0, None
         self.signal: str | None = None
+        self.data_error: str | None = None
+        """The error of the data that ended the run (`_data_failed`), for run_end"""
         """The signal that stopped the run (run_end's `signal`), None if none did."""
         self.t_first: float | None = None
         self.recorded: list[dict] = []
@@ -468,6 +470,7 @@ class _Loop:
                             final_loss=self.log.loss_at(self.step), exit_code=self.exit_code,
                             message=self.message,
                             **({"signal": self.signal} if self.signal else {}),
+                            **({DATA_ERROR_KEY: self.data_error} if self.data_error else {}),
                             first_step_s=self.t_first, **device.peak_memory())
         self.log.close()
         return end
@@ -659,6 +662,7 @@ class _Loop:
                 **({"set_aside": r.set_aside} if r.set_aside else {}),
                 **({"exports_set_aside": r.exports_aside} if r.exports_aside else {}),
                 **({MOVED_KEY: r.moved} if r.moved else {}),
+                **({DATA_FIXED_KEY: r.data_fixed} if r.data_fixed else {}),
                 **({DAMAGED_KEY: r.damaged} if r.damaged else {}),
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
@@ -757,7 +761,13 @@ class _Loop:
         t0 = time.perf_counter()
         # the first step also traces the step for every other batch width the run will see
         traced = self._trace_widths(s) if s == self.start else None
-        global_batch = self.task.train_batch(s)
+        try:
+            global_batch = self.task.train_batch(s)
+        except ValueError as e:  # the data's own error (a file that decodes no more: one line)
+            if not self.solo:  # ranks agree on checkpoints at a step: end as any error does
+                raise
+            self._data_failed(s, e, bar)
+            return False
         n_items = self.count(global_batch)
         # unpacked rows: each step's width (its batch's last axis, `Task.batch_widths`), so a
         # step's time reads against its batch's size
@@ -920,6 +930,17 @@ class _Loop:
             self._left_undone(stop, None, "during" if self.abandoned == self.step else "before")
         else:
             self._end("interrupted", code, f"{what} after step {self.step}; {resume}")
+
+    def _data_failed(self, s: int, e: ValueError, bar: Any) -> None:
+        """End as an error when step `s`'s batch cannot be read (a streamed image that does not
+        decode, found only when its batch is read): the steps trained so far are checkpointed
+        first, so fixing the file loses nothing of them."""
+        if self._checkpoint(self.step, bar):
+            self.data_error = " ".join(str(e).split())
+            go_on, last = resume_from(self.run_dir, self.ckpt.last), self.ckpt.last
+            self._end("error", 1, f"step {s + 1}'s batch cannot be read: {self.data_error}; "
+                      + (f"the steps before it are kept (step {last}): fix the data, then "
+                         f"{go_on}" if last else f"fix the data; {go_on}"))
 
     def _diverged(self, what: str, good_step: int) -> None:
         """End as diverged with `good_step` the last step with good weights. Right after a
