@@ -297,3 +297,33 @@ def test_an_image_that_fails_mid_run_keeps_the_steps_and_resume_goes_on_once_fix
     capsys.readouterr()
     assert main(["--resume", str(part), "--steps", "14", "--no-progress"]) == 2
     assert "found its contents changed" in capsys.readouterr().err
+
+
+def test_a_stop_while_the_first_batch_is_read_stops_before_step_1(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A Ctrl-C while step 1's batch was read (a streamed set's first batches take seconds)
+    printed nothing, then trained step 1 and checkpointed it; the step is not begun then, so
+    the run stops at once, as before the first step, with its line and nothing trained."""
+    import os
+    import signal
+
+    from toymlx.data import images
+
+    read = images.ImageSet.train_batch
+
+    def interrupted(self, step, *a, **k):
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        return read(self, step, *a, **k)
+
+    monkeypatch.setattr(images.ImageSet, "train_batch", interrupted)
+    run = tmp_path / "s"
+    assert main(["--recipe", "vit-tiny", *SMALL, "--runs-root", str(tmp_path), "--run-id", "s",
+                 "--steps", "4", "--data.workers", "0"]) == 130
+    end = read_events(run)[-1]
+    assert (end["reason"], end["final_step"], end["signal"]) == ("interrupted", 0, "SIGINT")
+    assert not [e for e in read_events(run) if e["kind"] in ("step", "checkpoint")]
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx: interrupted at step 0: interrupted before step 1, nothing trained: start it "
+        f"over with toymlx-train --resume {run} --from step_0. held-out: not measured yet (no "
+        f"validation before the stop). bundle: {run}")

@@ -729,7 +729,7 @@ class _Loop:
         if note := self._schedule_note():
             self._say(note, bar)
         for s in range(self.start, cfg.steps):
-            if not self._step(s, bar, stop.count, self._waiting(stop, bar, s + 1, "step")):
+            if not self._step(s, bar, stop, self._waiting(stop, bar, s + 1, "step")):
                 return
             done = s + 1
             if cfg.report_every and (done % cfg.report_every == 0 or done == cfg.steps):
@@ -753,11 +753,13 @@ class _Loop:
                 break
         self._checkpoint(self.step, bar)
 
-    def _step(self, s: int, bar: Any, requests: int,
+    def _step(self, s: int, bar: Any, stop: StopSignals,
               waiting: Callable[[], Any] | None = None) -> bool:
-        """Optimizer step `s` (0-based) and its event (`requests`: this rank's requests to stop
-        so far, which the step shares with the others; `waiting`: the context of its evaluation,
-        `_waiting`); False if the run diverged in it."""
+        """Optimizer step `s` (0-based) and its event (`stop`: this rank's requests to stop so
+        far, which the step shares with the others; `waiting`: the context of its evaluation,
+        `_waiting`); False if the run ended before it (a stop while its batch was read, the data
+        failed) or diverged in it."""
+        requests = stop.count
         t0 = time.perf_counter()
         # the first step also traces the step for every other batch width the run will see
         traced = self._trace_widths(s) if s == self.start else None
@@ -767,6 +769,11 @@ class _Loop:
             if not self.solo:  # ranks agree on checkpoints at a step: end as any error does
                 raise
             self._data_failed(s, e, bar)
+            return False
+        if self.solo and stop.count > requests:
+            # a stop while the batch was read (a streamed set's first batches take seconds): the
+            # step is not begun, so the run stops at once, as before the first step, not after it
+            self._interrupted(stop, stop.count, bar)
             return False
         n_items = self.count(global_batch)
         # unpacked rows: each step's width (its batch's last axis, `Task.batch_widths`), so a
