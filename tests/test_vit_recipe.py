@@ -324,6 +324,6 @@ def test_a_stop_while_the_first_batch_is_read_stops_before_step_1(tmp_path, caps
     assert (end["reason"], end["final_step"], end["signal"]) == ("interrupted", 0, "SIGINT")
     assert not [e for e in read_events(run) if e["kind"] in ("step", "checkpoint")]
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"toymlx: interrupted at step 0: interrupted before step 1, nothing trained: start it "
+        f"toymlx: interrupted at step 0: by SIGINT (Ctrl-C) before step 1, nothing trained: start it "
         f"over with toymlx-train --resume {run} --from step_0. held-out: not measured yet (no "
         f"validation before the stop). bundle: {run}")

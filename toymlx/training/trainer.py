@@ -925,18 +925,20 @@ class _Loop:
         (`requests` > 1) came before that checkpoint began."""
         self.signal = stop.name
         (what, code), resume = stop_outcome(stop.first), f"resume with --resume {self.run_dir}"
-        if self.step == 0:  # during the step-0 validation (--eval-at-start)
-            self._end("interrupted", code, f"{what} before step 1, nothing trained: start it "
+        # the run's last line reads "interrupted at step N: <this>": neither word nor step again
+        how = "by SIGINT (Ctrl-C)" if what == "interrupted" else what
+        if self.step == 0:  # during the step-0 validation (--eval-at-start) or batch read
+            self._end("interrupted", code, f"{how} before step 1, nothing trained: start it "
                       f"over with toymlx-train --resume {self.run_dir} --from step_0")
         elif requests > 1 and self.ckpt.last != self.step:
-            self._end("interrupted", code, f"{what} after step {self.step}; a second signal "
-                      f"skipped its checkpoint: {resume_from(self.run_dir, self.ckpt.last)}")
+            self._end("interrupted", code, f"{how}; a second signal skipped its checkpoint: "
+                      f"{resume_from(self.run_dir, self.ckpt.last)}")
         elif not self._checkpoint(self.step, bar):
             return
         elif self.step == self.cfg.steps:  # trained to the end: what follows is left undone
             self._left_undone(stop, None, "during" if self.abandoned == self.step else "before")
         else:
-            self._end("interrupted", code, f"{what} after step {self.step}; {resume}")
+            self._end("interrupted", code, f"{how}; {resume}")
 
     def _data_failed(self, s: int, e: ValueError, bar: Any) -> None:
         """End as an error when step `s`'s batch cannot be read (a streamed image that does not
