@@ -327,3 +327,27 @@ def test_a_stop_while_the_first_batch_is_read_stops_before_step_1(tmp_path, caps
         f"toymlx: interrupted at step 0: by SIGINT (Ctrl-C) before step 1, nothing trained: start it "
         f"over with toymlx-train --resume {run} --from step_0. held-out: not measured yet (no "
         f"validation before the stop). bundle: {run}")
+
+
+def test_a_file_the_run_never_reads_does_not_block_its_resume(tmp_path, capsys):
+    """An edited notes.txt in a class folder (a file the loader never reads) made --resume
+    refuse the data ("its size changed"); the record of an ImageFolder covers its images
+    alone, and a changed image is still refused."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    for k, name in enumerate(("a", "b")):
+        (data / name).mkdir(parents=True)
+        for i in range(20):
+            Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
+                data / name / f"{i:02d}.png")
+    (data / "a" / "notes.txt").write_text("where these came from\n")
+    run = _run(tmp_path, "n", "--data.path", str(data), "--steps", "4", "--stop-at", "2")
+    (data / "a" / "notes.txt").write_text("where these came from, and more\n")
+    assert main(["--resume", str(run), "--no-progress"]) == 0
+    assert read_events(run)[-1]["final_step"] == 4
+    (data / "a" / "00.png").write_bytes((data / "a" / "01.png").read_bytes())
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
+    assert "--data.path: expected the data the run started on" in capsys.readouterr().err

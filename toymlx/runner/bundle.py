@@ -364,7 +364,7 @@ class Bundle:
                 # the run ended on a file of it that could not be read (`Trainer._data_failed`):
                 # no step trained on that file, so the data fixed since goes on from the
                 # checkpoint the run wrote before it, and later resumes check this data
-                self.data_fixed[key] = fingerprint(path)
+                self.data_fixed[key] = fingerprint(path, only=now.get("only"))
                 self.data_notes.append(f"{flag_name(key)} {path}: changed since "
                                        f"({rec.get('bytes')} -> {now['bytes']} bytes), taken "
                                        f"as the fix of the data error the run ended on "
