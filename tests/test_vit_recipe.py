@@ -351,3 +351,29 @@ def test_a_file_the_run_never_reads_does_not_block_its_resume(tmp_path, capsys):
     capsys.readouterr()
     assert main(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
     assert "--data.path: expected the data the run started on" in capsys.readouterr().err
+
+
+def test_a_resume_refused_for_changed_data_names_the_file_that_changed(tmp_path, capsys):
+    """--resume refused changed data by the folder's sizes and digests alone; a folder small
+    enough to record each file (16 or fewer) names the file that changed, was added or went."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    for k, name in enumerate(("a", "b")):
+        (data / name).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
+                data / name / f"{i:02d}.png")
+    run = _run(tmp_path, "n", "--data.path", str(data), "--steps", "4", "--stop-at", "2",
+               "--batch-size", "4")
+    was = (data / "b" / "03.png").stat().st_size
+    Image.fromarray(rng.integers(0, 250, (8, 8), np.uint8)).save(data / "b" / "03.png")
+    now = (data / "b" / "03.png").stat().st_size
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f": b/03.png changed ({was} -> {now} bytes)); a resumed run trains on its own" in err
+    (data / "b" / "03.png").unlink()
+    assert main(["--resume", str(run), "--no-progress"]) == 2
+    assert ": b/03.png gone); a resumed run" in capsys.readouterr().err

@@ -155,6 +155,27 @@ def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def changed_part(path: str | os.PathLike, rec: dict[str, Any]) -> str | None:
+    """Which file of the data folder at `path` differs from its record's "files" (a small
+    folder's, `FOLDER_PARTS`): "train.jsonl changed (100 -> 120 bytes)", "added", "gone";
+    None where the record has no files or none differs."""
+    parts = rec.get("files")
+    if not isinstance(parts, dict) or not Path(path).is_dir():
+        return None
+    only = rec.get("only") if isinstance(rec.get("only"), list) else None
+    now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)}
+    for name in sorted(set(parts) | set(now)):
+        if name not in now:
+            return f"{name} gone"
+        if name not in parts:
+            return f"{name} added"
+        was, found = parts[name], fingerprint(now[name])
+        if isinstance(was, dict) and (was.get("bytes"), was.get("sha256")) != (
+                found["bytes"], found.get("sha256")):
+            return f"{name} changed ({was.get('bytes')} -> {found['bytes']} bytes)"
+    return None
+
+
 FOLDER_PARTS = 16
 """A data folder of at most this many files (mlx-lm's train/valid/test.jsonl) also records
 each file's fingerprint (`data_files`' "files"), so a check that reads one of them (`toymlx-eval

@@ -51,6 +51,7 @@ from toymlx.bundle.inputs import (
     MODEL_FILES_KEY,
     MODEL_OPTIONS,
     adopt_input,
+    changed_part,
     data_paths,
     fingerprint,
     fingerprint_note,
@@ -372,10 +373,13 @@ class Bundle:
                 continue
             if not same:
                 what = ("its size" if now["bytes"] != rec.get("bytes") else "its contents")
+                part = changed_part(path, rec)
                 raise RunError(f"{path}: {flag_name(key)}: expected the {data} the run "
-                               f"started on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), found {what} changed "
-                               f"({now['bytes']} bytes, {fingerprint_note(now)}); a resumed run trains on "
-                               f"its own {data}: restore it, or start a new run on this {data}")
+                               f"started on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), "
+                               f"found {what} changed ({now['bytes']} bytes, "
+                               f"{fingerprint_note(now)}{f': {part}' if part else ''}); a resumed "
+                               f"run trains on its own {data}: restore it, or start a new run on "
+                               f"this {data}")
 
     def plan_resume(self, from_text: str | None, steps: int) -> Resume:
         """The checkpoint to continue from (`--from`, else the one `latest` names), verified;
