@@ -377,3 +377,35 @@ def test_a_resume_refused_for_changed_data_names_the_file_that_changed(tmp_path,
     (data / "b" / "03.png").unlink()
     assert main(["--resume", str(run), "--no-progress"]) == 2
     assert ": b/03.png gone); a resumed run" in capsys.readouterr().err
+
+
+def test_a_held_out_image_that_fails_keeps_the_trained_steps(tmp_path, capsys, monkeypatch):
+    """A streamed validation image that does not decode ended the run at its pass with no
+    checkpoint of the steps before it; they are now checkpointed and the line names the file."""
+    from PIL import Image
+
+    from toymlx.data import images
+
+    monkeypatch.setattr(images, "_channel_stats",
+                        lambda x, scale: (np.full(x.shape[-1], 0.5, np.float32),
+                                          np.full(x.shape[-1], 0.25, np.float32)))
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for k, name in enumerate(("a", "b")):
+            (tmp_path / "data" / split / name).mkdir(parents=True)
+            for i in range(20):
+                Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
+                    tmp_path / "data" / split / name / f"{i:02d}.png")
+    bad = tmp_path / "data" / "val" / "b" / "05.png"
+    bad.write_bytes(bad.read_bytes()[:60])
+    run = tmp_path / "v"
+    assert main(["--recipe", "vit-tiny", *SMALL, "--runs-root", str(tmp_path), "--run-id", "v",
+                 "--data.path", str(tmp_path / "data"), "--data.stream", "True",
+                 "--steps", "4", "--eval-every", "3"]) == 1
+    end = read_events(run)[-1]
+    assert (end["reason"], end["final_step"]) == ("error", 3)
+    assert (run / "weights" / "step_3.gguf").is_file()
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"toymlx: error at step 3: the validation pass after step 3 cannot read its data: {bad}: "
+        "cannot decode the image (image file is truncated); remove or replace the file; the "
+        f"steps before it are kept (step 3): fix the data, then resume with --resume {run}")

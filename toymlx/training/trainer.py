@@ -78,6 +78,11 @@ def step_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint64)[0] >> 1)
 
 
+class DataFailed(Exception):
+    """Leaves the loop from a held-out pass whose data failed (`Trainer._reading`): the run's
+    end is already set."""
+
+
 def _named(step: int | None) -> str:
     return "none" if step is None else f"step {step}"
 
@@ -443,6 +448,8 @@ class _Loop:
                 if self.reason == "completed":
                     self._wrap_up(stop, bar)
                 together = True
+            except DataFailed:  # ended by `_data_failed`, its steps checkpointed
+                pass
             except KeyboardInterrupt as e:  # raised by code (StopSignals counts the signals),
                 # or a stop that came while a step was evaluated, which then failed (`CutShort`)
                 what, code = how_stopped(e)
@@ -768,7 +775,7 @@ class _Loop:
         except ValueError as e:  # the data's own error (a file that decodes no more: one line)
             if not self.solo:  # ranks agree on checkpoints at a step: end as any error does
                 raise
-            self._data_failed(s, e, bar)
+            self._data_failed(f"step {s + 1}'s batch cannot be read", e, bar)
             return False
         if self.solo and stop.count > requests:
             # a stop while the batch was read (a streamed set's first batches take seconds): the
@@ -871,8 +878,9 @@ class _Loop:
         if not self.task.val_batches:  # nothing held out (--data.val-fraction 0): no figures
             return True
         t0 = time.perf_counter()
-        metrics = self.evaluator(self.cfg.eval_batches, stop=lambda: self._stops(stop),
-                                 waiting=self._waiting(stop, bar, step, "validation"))
+        with self._reading("validation", step, bar):
+            metrics = self.evaluator(self.cfg.eval_batches, stop=lambda: self._stops(stop),
+                                     waiting=self._waiting(stop, bar, step, "validation"))
         if metrics is None:
             self.abandoned = step
             self._say(f"step {step}: validation abandoned ({stop.name} came during its pass; "
@@ -893,7 +901,8 @@ class _Loop:
         False if a stop request (`stops`) came during the pass, which is then abandoned
         (`waiting`: the context of each batch's evaluation, `_waiting`)."""
         t0 = time.perf_counter()
-        metrics = self.evaluator(split="test", stop=stops, waiting=waiting)
+        with self._reading("--test", self.step, bar):
+            metrics = self.evaluator(split="test", stop=stops, waiting=waiting)
         if metrics is None:
             return False
         metrics = recorded_figures(metrics, "test")
@@ -940,14 +949,27 @@ class _Loop:
         else:
             self._end("interrupted", code, f"{how}; {resume}")
 
-    def _data_failed(self, s: int, e: ValueError, bar: Any) -> None:
-        """End as an error when step `s`'s batch cannot be read (a streamed image that does not
-        decode, found only when its batch is read): the steps trained so far are checkpointed
-        first, so fixing the file loses nothing of them."""
+    @contextlib.contextmanager
+    def _reading(self, part: str, step: int, bar: Any) -> Any:
+        """A held-out pass after step `step` (`part`: "validation", "--test") whose data fails
+        to read (a streamed image that does not decode): ended as `_data_failed` ends a
+        training batch, the trained steps checkpointed, and `DataFailed` raised to leave."""
+        try:
+            yield
+        except ValueError as e:
+            if not self.solo:
+                raise
+            self._data_failed(f"the {part} pass after step {step} cannot read its data", e, bar)
+            raise DataFailed from None
+
+    def _data_failed(self, what: str, e: ValueError, bar: Any) -> None:
+        """End as an error where the data cannot be read (`what`: step 5's batch, a validation
+        pass; a streamed image that does not decode, found only when a batch holds it): the
+        steps trained so far are checkpointed first, so fixing the file loses nothing of them."""
         if self._checkpoint(self.step, bar):
             self.data_error = " ".join(str(e).split())
             go_on, last = resume_from(self.run_dir, self.ckpt.last), self.ckpt.last
-            self._end("error", 1, f"step {s + 1}'s batch cannot be read: {self.data_error}; "
+            self._end("error", 1, f"{what}: {self.data_error}; "
                       + (f"the steps before it are kept (step {last}): fix the data, then "
                          f"{go_on}" if last else f"fix the data; {go_on}"))
 
