@@ -218,7 +218,7 @@ def test_a_reader_gone_stops_the_run_as_the_commands_own_and_is_raised_after(tmp
                                                   '"run_end"'), p.stderr
     end = read_events(tmp_path / "r")[-1]
     assert (end["kind"], end["signal"], end["exit_code"]) == ("run_end", "SIGPIPE", 141)
-    assert end["message"] == (f"stopped by SIGPIPE after step {end['final_step']}; resume "
+    assert end["message"] == ("stopped by SIGPIPE; resume "
                               f"with --resume {tmp_path / 'r'}")
     assert any(e["kind"] == "checkpoint" and e["step"] == end["final_step"]
                for e in read_events(tmp_path / "r"))
@@ -259,7 +259,7 @@ def test_ctrl_c_in_the_relays_write_stops_the_run_and_is_raised_after(tmp_path):
     assert (end["kind"], end["signal"], end["exit_code"]) == ("run_end", "SIGINT", 130), end
     n, run = end["final_step"], tmp_path / "r"
     assert p.stderr.strip().splitlines()[-1] == (
-        f"raised KeyboardInterrupt('toymlx: interrupted at step {n}: interrupted after step {n}; "
+        f"raised KeyboardInterrupt('toymlx: interrupted at step {n}: by SIGINT (Ctrl-C); "
         f"resume with resume=\"{run}\". held-out: not measured yet (no validation before the "
         f"stop). bundle: {run}') after "
         '{"kind": "run_end"'), p.stderr
@@ -303,7 +303,7 @@ def test_a_terminal_s_ctrl_c_reaches_the_run_once(tmp_path):
     end = read_events(run)[-1]
     n = end["final_step"]
     assert (end["kind"], end["signal"], end["exit_code"], end["message"]) == (
-        "run_end", "SIGINT", 130, f"interrupted after step {n}; resume with --resume {run}")
+        "run_end", "SIGINT", 130, f"by SIGINT (Ctrl-C); resume with --resume {run}")
     assert (run / "weights" / f"step_{n}.gguf").is_file()
 
 

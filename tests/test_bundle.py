@@ -548,7 +548,7 @@ def test_sighup_ends_a_run_like_sigterm(tmp_path, data):
     end = read_events(run)[-1]
     assert end["kind"] == "run_end" and end["reason"] == "interrupted", end
     assert (end["exit_code"], end["signal"]) == (129, "SIGHUP"), end
-    assert f"stopped by SIGHUP after step {end['final_step']}; resume with" in err
+    assert "stopped by SIGHUP; resume with" in err
     assert os.readlink(run / "weights" / "latest") == f"step_{end['final_step']}.gguf"
     assert main(["--resume", str(run), "--steps", str(end["final_step"] + 1)]) == 0
 
@@ -608,7 +608,7 @@ def test_a_closed_stdout_stops_the_run_as_a_signal_would(tmp_path, data, straigh
     stopped_at = end["final_step"]
     assert stopped_at in (3, 4, 5), end  # the step in flight when head closed its end
     assert (end["reason"], end["signal"], end["exit_code"]) == ("interrupted", "SIGPIPE", 141)
-    assert end["message"] == (f"stopped by SIGPIPE after step {stopped_at}; resume with "
+    assert end["message"] == ("stopped by SIGPIPE; resume with "
                               f"--resume {tmp_path / 'p'}")
     assert (tmp_path / "p" / "weights" / f"step_{stopped_at}.gguf").is_file()
     assert main(["--resume", str(tmp_path / "p")]) == 0

@@ -264,7 +264,7 @@ def test_one_signal_sent_to_the_run_and_its_group_at_once_keeps_the_final_checkp
             end_child(p)
         assert p.returncode == 143, err[-2000:]
         end = read_events(tmp_path / f"t{i}")[-1]
-        assert end["message"] == (f"stopped by SIGTERM after step {end['final_step']}; resume "
+        assert end["message"] == ("stopped by SIGTERM; resume "
                                   f"with --resume {tmp_path / f't{i}'}"), end
         assert [s for s, _ in list_checkpoints(tmp_path / f"t{i}" / "weights")] == [
             end["final_step"]]
@@ -521,7 +521,7 @@ def test_a_terminal_s_ctrl_c_in_a_cold_first_step_spares_mlx_s_kernel_build(tmp_
     end = read_events(run)[-1]
     assert (end["reason"], end["final_step"], end["exit_code"], end["signal"],
             end["message"]) == ("interrupted", 1, 130, "SIGINT",
-                                f"interrupted after step 1; resume with --resume {run}")
+                                f"by SIGINT (Ctrl-C); resume with --resume {run}")
     assert [s for s, _ in list_checkpoints(run / "weights")] == [1]
 
 

@@ -757,8 +757,8 @@ def test_a_stop_signal_stops_every_rank_after_one_step_with_its_checkpoint(tmp_p
         None if to == "rank 1" else sig.name), end  # rank 0 got no signal of its own
     s = end["final_step"]
     assert 5 <= s < 40, end
-    what = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
-    assert f"toymlx: interrupted at step {s}: {what} after step {s}; resume with " in err
+    what = "by SIGINT (Ctrl-C)" if sig == signal.SIGINT else f"stopped by {sig.name}"
+    assert f"toymlx: interrupted at step {s}: {what}; resume with " in err
     assert [e["step"] for e in ev if e["kind"] == "step"] == list(range(1, s + 1))
     assert [step for step, _ in list_checkpoints(run / "weights")] == [s]
 
@@ -1230,7 +1230,7 @@ def test_one_rank_trains_as_one_process_and_stops_with_its_checkpoint(tmp_path, 
     assert start["kind"] == "run_start" and start["world_size"] == 1
     s = end["final_step"]
     assert end["reason"] == "interrupted" and end["signal"] == "SIGINT" and 3 <= s < 40, end
-    assert end["message"] == f"interrupted after step {s}; resume with --resume {root / 'n1'}"
+    assert end["message"] == f"by SIGINT (Ctrl-C); resume with --resume {root / 'n1'}"
     assert [step for step, _ in list_checkpoints(root / "n1" / "weights")] == [s]
     assert train_main(["--resume", str(root / "n1"), "--no-progress"]) == 0
     assert _losses(root / "n1") == one_process  # bit for bit, 40 steps

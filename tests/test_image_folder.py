@@ -13,7 +13,13 @@ from image_files import CLASSES, cifar_batch, make_cifar10, make_image_folder, w
 from PIL import Image
 
 from toymlx.data.cifar import load_cifar
-from toymlx.data.image_folder import ImageDataError, ImageFiles, decode_image, scan_image_folder
+from toymlx.data.image_folder import (
+    ImageDataError,
+    ImageFiles,
+    decode_image,
+    probe,
+    scan_image_folder,
+)
 from toymlx.data.images import Augment, Prefetcher, load_images
 
 
@@ -474,3 +480,32 @@ def test_a_test_folder_beside_train_and_val_is_a_test_path_apart_from_training(t
         validate(Config(data=ImageData(path=str(root), test_path=str(root / "train" / "cat")),
                         test=True))
     assert str(e.value).startswith("--data.test-path: expected images apart from --data.path")
+
+
+def test_every_unreadable_image_is_named_in_one_line(tmp_path):
+    """Several images that do not decode were named one at a time (fix one, run again, meet
+    the next); one line names the first three, in file order, and counts the rest, at load
+    (a set decoded into memory, or a streamed set's headers) and in a streamed batch."""
+    root = make_image_folder(tmp_path / "f", per_class=6)
+    files, _, _ = scan_image_folder(root)
+    pngs = [f for f in files if f.suffix == ".png"]
+    for f in pngs[:5]:  # the header whole, the pixels cut
+        f.write_bytes(f.read_bytes()[:60])
+    cut = "cannot decode the image (image file is truncated)"
+    want = (f"5 images cannot be read: {pngs[0]}: {cut}; {pngs[1]}: {cut}; {pngs[2]}: {cut}; "
+            "and 2 more; remove or replace them")
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(root), image_size=8, workers=2)
+    assert str(e.value) == want
+    with pytest.raises(ImageDataError) as e:
+        ImageFiles(files, 8, 3)[np.arange(len(files))]
+    assert str(e.value) == want
+    with pytest.raises(ImageDataError) as e:  # one: its own line, as before
+        ImageFiles(pngs[4:], 8, 3)[:]
+    assert str(e.value) == f"{pngs[4]}: {cut}; remove or replace the file"
+    (tmp_path / "bad.png").write_bytes(b"nothing")
+    (tmp_path / "bad2.png").write_bytes(b"")
+    with pytest.raises(ImageDataError, match=r"^2 images cannot be read: .*bad\.png: not an image "
+                       r"Pillow can read: .*; .*bad2\.png: not an image .* an empty file; remove "
+                       r"or replace them$"):
+        probe([tmp_path / "bad.png", tmp_path / "bad2.png"], 2)

@@ -1445,12 +1445,12 @@ def test_a_stop_during_a_validation_pass_abandons_it_and_resume_redoes_it(
     end = events[-1]
     assert (end["reason"], end["final_step"], end["exit_code"], end["signal"]) == (
         "interrupted", 2, code, sigs[0])
-    what = "interrupted" if sigs[0] == "SIGINT" else "stopped by SIGTERM"
+    what = "by SIGINT (Ctrl-C)" if sigs[0] == "SIGINT" else "stopped by SIGTERM"
     if len(sigs) == 1:
-        assert end["message"] == f"{what} after step 2; resume with --resume {run}"
+        assert end["message"] == f"{what}; resume with --resume {run}"
         assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [1, 2]
     else:  # the second skipped step 2's checkpoint, periodic or final
-        assert end["message"] == (f"{what} after step 2; a second signal skipped its "
+        assert end["message"] == (f"{what}; a second signal skipped its "
                                   f"checkpoint: resume with --resume {run} (from step 1)")
         assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [1]
     monkeypatch.undo()
@@ -1594,7 +1594,7 @@ def test_the_final_line_names_the_step_of_an_earlier_validation(tiny_gguf, tmp_p
     val = [e["val_loss"] for e in events_of(run) if e["kind"] == "eval"]
     assert len(val) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"toymlx: interrupted at step 3: stopped by SIGTERM after step 3; resume with --resume "
+        f"toymlx: interrupted at step 3: stopped by SIGTERM; resume with --resume "
         f"{run}. held-out: val_loss {val[0]:.4f} (at step 2). bundle: {run}")
 
 
@@ -1658,7 +1658,7 @@ def test_a_second_signal_before_any_checkpoint_says_how_to_start_over(
     run = tmp_path / "r"
     assert _train(_val_run(tiny_gguf, tmp_path, "r", "--checkpoint-every", "4")) == 130
     end = events_of(run)[-1]
-    assert end["message"] == (f"interrupted after step 2; a second signal skipped its "
+    assert end["message"] == ("by SIGINT (Ctrl-C); a second signal skipped its "
                               f"checkpoint: no checkpoint was written: start it over with "
                               f"toymlx-train --resume {run} --from step_0")
     monkeypatch.undo()

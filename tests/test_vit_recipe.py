@@ -235,3 +235,177 @@ def test_the_vit_body_is_checked_before_any_image_is_read(tmp_path):
                                                "--model.n-heads (3), found 100")
     assert refused(n_layers=0) == "--model.n-layers: expected > 0, found 0"
     vit_tiny.validate(vit_tiny.Config(model=vit_tiny.ViTOptions(n_heads=4, patch_size=5)))  # no image yet
+
+
+def test_an_image_that_fails_mid_run_keeps_the_steps_and_resume_goes_on_once_fixed(
+        tmp_path, capsys, monkeypatch):
+    """A streamed image corrupt past its header (its decode fails only when a batch holds it)
+    ended the run with exit 1, nothing checkpointed, and once the file was replaced --resume
+    refused the data's changed fingerprint. Now the steps before it are checkpointed, the last
+    line names the file, and the resume of the fixed data trains the uninterrupted run's losses
+    to the bit; a later resume checks the data against the fixed data, and another change is
+    still refused."""
+    from PIL import Image
+
+    from toymlx.data import images
+
+    # a streamed set over 2,000 images decodes a sample for its statistics; a fixed
+    # mean and std stands for it, so that no image is decoded before the steps read it
+    monkeypatch.setattr(images, "_channel_stats",
+                        lambda x, scale: (np.full(x.shape[-1], 0.5, np.float32),
+                                          np.full(x.shape[-1], 0.25, np.float32)))
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    for k, name in enumerate(("a", "b")):
+        (data / name).mkdir(parents=True)
+        for i in range(40):
+            Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
+                data / name / f"{i:02d}.png")
+    bad = data / "b" / "20.png"
+    good = bad.read_bytes()
+    bad.write_bytes(good[:60])  # the header whole, the pixels cut
+    opts = ["--data.path", str(data), "--data.stream", "True", "--steps", "12",
+            "--checkpoint-every", "100", "--eval-every", "100"]
+    whole = tmp_path / "whole"
+    part = tmp_path / "part"
+    assert main(["--recipe", "vit-tiny", *SMALL, "--runs-root", str(tmp_path), "--run-id",
+                 "part", *opts]) == 1
+    end = read_events(part)[-1]
+    s = end["final_step"]
+    assert 0 < s < 12 and (part / "weights" / f"step_{s}.gguf").is_file()
+    assert end["data_error"] == (f"{bad}: cannot decode the image (image file is truncated); "
+                                 "remove or replace the file")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx: error at step {s}: step {s + 1}'s batch cannot be read: {end['data_error']}; "
+        f"the steps before it are kept (step {s}): fix the data, then resume with --resume "
+        f"{part} (from step {s}). held-out: not measured yet (no validation before the stop). "
+        f"bundle: {part}")
+
+    bad.write_bytes(good)
+    assert main(["--resume", str(part), "--no-progress"]) == 0
+    resumed = [e for e in read_events(part) if e["kind"] == "resume"][-1]
+    assert "taken as the fix of the data error the run ended on" in resumed["note"]
+    assert main(["--recipe", "vit-tiny", *SMALL, "--runs-root", str(tmp_path), "--run-id",
+                 "whole", *opts]) == 0
+
+    def losses(run):
+        return [(e["step"], e["loss"]) for e in read_events(run) if e["kind"] == "step"]
+
+    assert losses(part) == losses(whole)
+    assert main(["--resume", str(part), "--steps", "13", "--no-progress"]) == 0
+    (data / "a" / "00.png").write_bytes(good)
+    capsys.readouterr()
+    assert main(["--resume", str(part), "--steps", "14", "--no-progress"]) == 2
+    assert "found its contents changed" in capsys.readouterr().err
+
+
+def test_a_stop_while_the_first_batch_is_read_stops_before_step_1(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A Ctrl-C while step 1's batch was read (a streamed set's first batches take seconds)
+    printed nothing, then trained step 1 and checkpointed it; the step is not begun then, so
+    the run stops at once, as before the first step, with its line and nothing trained."""
+    import os
+    import signal
+
+    from toymlx.data import images
+
+    read = images.ImageSet.train_batch
+
+    def interrupted(self, step, *a, **k):
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        return read(self, step, *a, **k)
+
+    monkeypatch.setattr(images.ImageSet, "train_batch", interrupted)
+    run = tmp_path / "s"
+    assert main(["--recipe", "vit-tiny", *SMALL, "--runs-root", str(tmp_path), "--run-id", "s",
+                 "--steps", "4", "--data.workers", "0"]) == 130
+    end = read_events(run)[-1]
+    assert (end["reason"], end["final_step"], end["signal"]) == ("interrupted", 0, "SIGINT")
+    assert not [e for e in read_events(run) if e["kind"] in ("step", "checkpoint")]
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx: interrupted at step 0: by SIGINT (Ctrl-C) before step 1, nothing trained: start it "
+        f"over with toymlx-train --resume {run} --from step_0. held-out: not measured yet (no "
+        f"validation before the stop). bundle: {run}")
+
+
+def test_a_file_the_run_never_reads_does_not_block_its_resume(tmp_path, capsys):
+    """An edited notes.txt in a class folder (a file the loader never reads) made --resume
+    refuse the data ("its size changed"); the record of an ImageFolder covers its images
+    alone, and a changed image is still refused."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    for k, name in enumerate(("a", "b")):
+        (data / name).mkdir(parents=True)
+        for i in range(20):
+            Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
+                data / name / f"{i:02d}.png")
+    (data / "a" / "notes.txt").write_text("where these came from\n")
+    run = _run(tmp_path, "n", "--data.path", str(data), "--steps", "4", "--stop-at", "2")
+    (data / "a" / "notes.txt").write_text("where these came from, and more\n")
+    assert main(["--resume", str(run), "--no-progress"]) == 0
+    assert read_events(run)[-1]["final_step"] == 4
+    (data / "a" / "00.png").write_bytes((data / "a" / "01.png").read_bytes())
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
+    assert "--data.path: expected the data the run started on" in capsys.readouterr().err
+
+
+def test_a_resume_refused_for_changed_data_names_the_file_that_changed(tmp_path, capsys):
+    """--resume refused changed data by the folder's sizes and digests alone; a folder small
+    enough to record each file (16 or fewer) names the file that changed, was added or went."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    for k, name in enumerate(("a", "b")):
+        (data / name).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
+                data / name / f"{i:02d}.png")
+    run = _run(tmp_path, "n", "--data.path", str(data), "--steps", "4", "--stop-at", "2",
+               "--batch-size", "4")
+    was = (data / "b" / "03.png").stat().st_size
+    Image.fromarray(rng.integers(0, 250, (8, 8), np.uint8)).save(data / "b" / "03.png")
+    now = (data / "b" / "03.png").stat().st_size
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f": b/03.png changed ({was} -> {now} bytes)); a resumed run trains on its own" in err
+    (data / "b" / "03.png").unlink()
+    assert main(["--resume", str(run), "--no-progress"]) == 2
+    assert ": b/03.png gone); a resumed run" in capsys.readouterr().err
+
+
+def test_a_held_out_image_that_fails_keeps_the_trained_steps(tmp_path, capsys, monkeypatch):
+    """A streamed validation image that does not decode ended the run at its pass with no
+    checkpoint of the steps before it; they are now checkpointed and the line names the file."""
+    from PIL import Image
+
+    from toymlx.data import images
+
+    monkeypatch.setattr(images, "_channel_stats",
+                        lambda x, scale: (np.full(x.shape[-1], 0.5, np.float32),
+                                          np.full(x.shape[-1], 0.25, np.float32)))
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for k, name in enumerate(("a", "b")):
+            (tmp_path / "data" / split / name).mkdir(parents=True)
+            for i in range(20):
+                Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
+                    tmp_path / "data" / split / name / f"{i:02d}.png")
+    bad = tmp_path / "data" / "val" / "b" / "05.png"
+    bad.write_bytes(bad.read_bytes()[:60])
+    run = tmp_path / "v"
+    assert main(["--recipe", "vit-tiny", *SMALL, "--runs-root", str(tmp_path), "--run-id", "v",
+                 "--data.path", str(tmp_path / "data"), "--data.stream", "True",
+                 "--steps", "4", "--eval-every", "3"]) == 1
+    end = read_events(run)[-1]
+    assert (end["reason"], end["final_step"]) == ("error", 3)
+    assert (run / "weights" / "step_3.gguf").is_file()
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"toymlx: error at step 3: the validation pass after step 3 cannot read its data: {bad}: "
+        "cannot decode the image (image file is truncated); remove or replace the file; the "
+        f"steps before it are kept (step 3): fix the data, then resume with --resume {run}")

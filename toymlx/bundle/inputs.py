@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,10 @@ DATA_FILES_KEY = "data_files"
 """config.json's top-level key (beside "recipe" and "config") with the fingerprint of each data
 file or folder the run read, taken when it started (`fingerprint`), and its absolute path with
 links resolved (`file`; `path` is the option as typed)."""
+DATA_ERROR_KEY = "data_error"
+"""run_end's field where a run ended on data it could not read mid-run (a streamed image that
+does not decode): the one-line error naming the file. The run's data may change after it (the
+file fixed), and `--resume` goes on from the checkpoint written before it."""
 MODEL_FILES_KEY = "model_files"
 """config.json's top-level key with each model file the run read (`MODEL_OPTIONS`): the option
 as typed (`path`), the file it named then, absolute (`file`; a path's links resolved), its size,
@@ -53,27 +58,31 @@ def data_paths(cfg: Any) -> dict[str, str]:
     return {**out, **{k: v for k in FILE_OPTIONS if isinstance(v := option(cfg, k), str)}}
 
 
-def _files(path: Path) -> list[Path]:
+def _files(path: Path, only: Sequence[str] | None = None) -> list[Path]:
     if path.is_dir():
-        return sorted(p for p in names_below(path) if p.is_file() and not p.name.startswith("."))
+        return sorted(p for p in names_below(path) if p.is_file() and not p.name.startswith(".")
+                      and (only is None or p.suffix.lower() in only))
     return [path]
 
 
-def fingerprint(path: str | os.PathLike, whole: bool = True) -> dict[str, Any]:
+def fingerprint(path: str | os.PathLike, whole: bool = True,
+                only: Sequence[str] | None = None) -> dict[str, Any]:
     """What identifies a data file or folder's contents: {"bytes", "sha256"} (the SHA-256 of
     every name, size and byte), and for data over WHOLE_DIGEST_BYTES also "mtime_ns" (the
     newest) and "sample_sha256" (every name and size, and 16 samples spread over the files and
-    their bytes). `whole=False`: large data without "sha256" (nothing read but the samples)."""
+    their bytes). `whole=False`: large data without "sha256" (nothing read but the samples).
+    `only`: of a folder, the files with these extensions alone (those its recipe reads: an
+    ImageFolder's images, not a notes.txt beside them), recorded as "only"."""
     root = Path(path)
     if kind := special_kind(root):  # reading it would wait for a writer, or never end
         raise RunError(f"{root}: expected a data file or folder, found {kind}")
-    files = _files(root)
+    files = _files(root, only)
     sizes = [p.stat().st_size for p in files]
     # os.fsencode: a name's own bytes, also where they are not UTF-8 (a latin-1 file name)
     head = b"".join(os.fsencode(f"{p.relative_to(root) if p != root else ''}|{n}\n")
                     for p, n in zip(files, sizes))
     large = sum(sizes) > WHOLE_DIGEST_BYTES
-    out: dict[str, Any] = {"bytes": sum(sizes)}
+    out: dict[str, Any] = {"bytes": sum(sizes), **({"only": list(only)} if only else {})}
     if whole or not large:
         digest = hashlib.sha256(head)
         for p in files:
@@ -99,7 +108,8 @@ def same_data(path: str | os.PathLike, rec: dict[str, Any]) -> tuple[bool, dict[
     samples and modification time is taken as unchanged, unread; with another modification
     time (a copy, `cp` without -p) its bytes decide. RunError (one line) where they cannot: a
     record of large data without "sha256" (written before toymlx kept one) whose samples match."""
-    now = fingerprint(path, whole=False)
+    only = rec.get("only") if isinstance(rec.get("only"), list) else None
+    now = fingerprint(path, whole=False, only=only)
     if now["bytes"] != rec.get("bytes"):
         return False, now
     if "sample_sha256" not in now:  # small: all of it was read
@@ -117,7 +127,7 @@ def same_data(path: str | os.PathLike, rec: dict[str, Any]) -> tuple[bool, dict[
                        f"and samples with modification time {now['mtime_ns']}; the run's "
                        "record holds no SHA-256 of all of it (recorded before toymlx kept one), "
                        f"so whether the rest is the same cannot be told{when}")
-    now = fingerprint(path)
+    now = fingerprint(path, only=only)
     return now["sha256"] == rec["sha256"], now
 
 
@@ -132,14 +142,38 @@ def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
     files and folders; a recipe reports a missing one itself, when it loads it); a small folder
     (`FOLDER_PARTS`) also gets "files": {name: `fingerprint`} of each file in it."""
     out = {}
+    reads = getattr(getattr(cfg, "data", None), "reads_only", None)
     for key, path in data_paths(cfg).items():
         if Path(path).exists():
-            out[key] = {"path": path, "file": os.path.realpath(path), **fingerprint(path)}
-            files = _files(Path(path)) if Path(path).is_dir() else []
+            only = reads(path) if reads is not None and key.startswith("data.") else None
+            out[key] = {"path": path, "file": os.path.realpath(path),
+                        **fingerprint(path, only=only)}
+            files = _files(Path(path), only) if Path(path).is_dir() else []
             if 0 < len(files) <= FOLDER_PARTS:
                 out[key]["files"] = {_text_name(p.relative_to(path)): fingerprint(p)
                                      for p in files}
     return out
+
+
+def changed_part(path: str | os.PathLike, rec: dict[str, Any]) -> str | None:
+    """Which file of the data folder at `path` differs from its record's "files" (a small
+    folder's, `FOLDER_PARTS`): "train.jsonl changed (100 -> 120 bytes)", "added", "gone";
+    None where the record has no files or none differs."""
+    parts = rec.get("files")
+    if not isinstance(parts, dict) or not Path(path).is_dir():
+        return None
+    only = rec.get("only") if isinstance(rec.get("only"), list) else None
+    now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)}
+    for name in sorted(set(parts) | set(now)):
+        if name not in now:
+            return f"{name} gone"
+        if name not in parts:
+            return f"{name} added"
+        was, found = parts[name], fingerprint(now[name])
+        if isinstance(was, dict) and (was.get("bytes"), was.get("sha256")) != (
+                found["bytes"], found.get("sha256")):
+            return f"{name} changed ({was.get('bytes')} -> {found['bytes']} bytes)"
+    return None
 
 
 FOLDER_PARTS = 16
@@ -298,6 +332,25 @@ def moved_inputs(events: list[dict]) -> dict[str, dict[str, Any]]:
             rec = e.get(MOVED_KEY)
             out = {k: v for k, v in rec.items() if isinstance(v, dict)
                    and isinstance(v.get("file"), str)} if isinstance(rec, dict) else {}
+    return out
+
+
+DATA_FIXED_KEY = "data_fixed"
+"""A `resume` event's key: {option: the data's `fingerprint` as the resume found it} for data
+changed since the run started that the resume took as the fix of the data error the run had
+ended on (run_end's `DATA_ERROR_KEY`). As with `MOVED_KEY`, each resume records every fix in
+effect, and the latest resume event's record is what later resumes check the data against
+(`fixed_data`)."""
+
+
+def fixed_data(events: list[dict]) -> dict[str, dict[str, Any]]:
+    """{option: its `DATA_FIXED_KEY` record} from the latest `resume` event ({} before any)."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == "resume":
+            rec = e.get(DATA_FIXED_KEY)
+            out = {k: v for k, v in rec.items() if isinstance(v, dict)
+                   and isinstance(v.get("bytes"), int)} if isinstance(rec, dict) else {}
     return out
 
 

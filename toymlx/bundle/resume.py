@@ -38,6 +38,10 @@ class Resume:
     moved: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The inputs read from another place than config.json records (`Bundle.moved`): the resume
     event records them (`inputs.MOVED_KEY`)."""
+    data_fixed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The data changed since the run started taken as the fix of a data error (`Bundle.
+    check_data`), {option: fingerprint}: the resume event records them
+    (`inputs.DATA_FIXED_KEY`)."""
 
     def add_note(self, note: str) -> None:
         """Add `note` to what the resume says (`note`: one line, the notes joined by "; ")."""

@@ -15,9 +15,10 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -282,14 +283,47 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
     return files, np.asarray(labels, np.int64), classes
 
 
+NAMED_BAD = 3
+"""How many unreadable images one error line names in full (`each_image`); the rest counted."""
+
+
+def each_image(fn: Callable[[int], Any], n: int, workers: int = 0, chunksize: int = 32
+               ) -> list[Any]:
+    """[fn(0), ..., fn(n - 1)] (by `workers` threads; 0: in this one); ImageDataError naming
+    every index that failed, the first `NAMED_BAD` in full and the others counted: named one
+    at a time, a set with several bad files took a run per file to find them."""
+    errors: list[tuple[int, str]] = []
+
+    def one(i: int) -> Any:
+        try:
+            return fn(i)
+        except ImageDataError as e:
+            errors.append((i, str(e)))
+            return None
+
+    if workers:
+        with ThreadPoolExecutor(workers) as pool:
+            got = list(pool.map(one, range(n), chunksize=chunksize))
+    else:
+        got = [one(i) for i in range(n)]
+    if len(errors) == 1:
+        raise ImageDataError(errors[0][1])
+    if errors:
+        named = [e.removesuffix("; remove or replace the file") for _, e in sorted(errors)]
+        more = len(named) - NAMED_BAD
+        raise ImageDataError(f"{len(named)} images cannot be read: {'; '.join(named[:NAMED_BAD])}"
+                             + (f"; and {more} more" if more > 0 else "")
+                             + "; remove or replace them")
+    return got
+
+
 def probe(files: Sequence[Path], workers: int) -> tuple[bool, set[tuple[int, int]]]:
     """(any colour image, the set of image sizes) from the headers of `files`."""
-    def one(p: Path) -> tuple[bool, tuple[int, int]]:
-        with _open(p) as im:
+    def one(i: int) -> tuple[bool, tuple[int, int]]:
+        with _open(files[i]) as im:
             return has_colour(im), im.size
 
-    with ThreadPoolExecutor(max(workers, 1)) as pool:
-        got = list(pool.map(one, files, chunksize=64))
+    got = each_image(one, len(files), max(workers, 1), chunksize=64)
     return any(c for c, _ in got), {s for _, s in got}
 
 
@@ -313,8 +347,11 @@ class ImageFiles:
             idx = np.arange(len(self.files))[idx]
         idx = np.atleast_1d(np.asarray(idx))
         out = np.empty((len(idx), self.size, self.size, self.channels), np.uint8)
-        for j, i in enumerate(idx):
-            out[j] = decode_image(self.files[int(i)], self.size, self.channels)
+
+        def one(j: int) -> None:
+            out[j] = decode_image(self.files[int(idx[j])], self.size, self.channels)
+
+        each_image(one, len(idx))
         return out
 
     def subset(self, idx: np.ndarray) -> ImageFiles:
@@ -327,6 +364,5 @@ class ImageFiles:
         def one(i: int) -> None:
             out[i] = decode_image(self.files[i], self.size, self.channels)
 
-        with ThreadPoolExecutor(max(workers, 1)) as pool:
-            list(pool.map(one, range(len(self.files)), chunksize=32))
+        each_image(one, len(self.files), max(workers, 1))
         return out

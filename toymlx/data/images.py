@@ -242,6 +242,13 @@ def _is_image_folder(p: Path) -> bool:
         and not _idx_in_dir(p, "t10k") and any(d.is_dir() for d in p.iterdir())
 
 
+def files_read(path: str | Path) -> tuple[str, ...] | None:
+    """The extensions of the files `load_images` reads in the folder `path`: an ImageFolder's
+    images (not a notes.txt beside them, which a resume's data check then ignores); None for
+    other data (all of a CIFAR or IDX folder's files)."""
+    return IMAGE_EXTENSIONS if _is_image_folder(Path(path)) else None
+
+
 def _load_raw(path: str | None, size: int | None, channels: int | None,
               stream: bool | None, workers: int, min_classes: int = 2) -> Raw:
     """A source as images of one square size: arrays as stored, or a folder resized to `size`

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.data.image_folder import split_folders
-from toymlx.data.images import Augment, ImageSet, Prefetcher, load_images
+from toymlx.data.images import Augment, ImageSet, Prefetcher, files_read, load_images
 from toymlx.gguf.vit import RECORDED_CLASS_NAMES, class_names_sha256, load_vit, write_vit
 from toymlx.models.checks import ArgsError
 from toymlx.models.losses import classify_metrics
@@ -122,6 +122,12 @@ class ImageData:
     workers: int = 2
     """Background threads that decode and augment the next steps' batches while the step
     runs (0: in the training thread). Batches are the same either way."""
+
+    @staticmethod
+    def reads_only(path: str) -> tuple[str, ...] | None:
+        """The extensions of the files read in the data folder `path` (`images.files_read`):
+        what the run's record of its data (config.json's data_files) covers."""
+        return files_read(path)
 
 
 @dataclass

@@ -46,12 +46,16 @@ from toymlx.bundle.folder import (
     read_config,
 )
 from toymlx.bundle.inputs import (
+    DATA_ERROR_KEY,
     DATA_FILES_KEY,
     MODEL_FILES_KEY,
     MODEL_OPTIONS,
     adopt_input,
+    changed_part,
     data_paths,
+    fingerprint,
     fingerprint_note,
+    fixed_data,
     moved_inputs,
     read_as_recorded,
     resolve_inputs,
@@ -94,6 +98,12 @@ class Bundle:
         """Per input read from another place than config.json records (same contents): its
         `inputs.MOVED_KEY` record, which a resume writes in its `resume` event."""
         self.before: dict[str, str] = {}
+        self.data_notes: list[str] = []
+        self.data_fixed: dict[str, dict[str, Any]] = {}
+        """{option: fingerprint} of fixed data in effect (`inputs.DATA_FIXED_KEY`), which the
+        resume event records"""
+        """What `check_data` accepted of changed data (the fix of a data error), for the
+        resume event's note"""
         """The options an older config.json lacks that take the value its runs had then
         (`folder.as_before`): {dotted key: one line, for the readers to say}."""
 
@@ -247,8 +257,8 @@ class Bundle:
                            f"{resume.step}, where the run resumes, found {cfg.stop_at}; "
                            f"--stop-at counts the run's steps: --stop-at {resume.step + 1} or "
                            "more, or --from an earlier checkpoint")
-        resume.moved = self.moved
-        for note in self.before.values():
+        resume.moved, resume.data_fixed = self.moved, self.data_fixed
+        for note in [*self.before.values(), *self.data_notes]:
             resume.add_note(note)
         task = build()
         self.check_model(task.model_info, dtype)
@@ -346,13 +356,30 @@ class Bundle:
                                f"({rec.get('bytes')} bytes when it started), found nothing "
                                f"there; put it back, or give where it is now: {flag_name(key)} "
                                "PATH")
+            if key in (fixed := fixed_data(self.events)):  # a fix an earlier resume took
+                rec = self.data_fixed[key] = fixed[key]
             same, now = same_data(path, rec)
+            failed = next((e.get(DATA_ERROR_KEY) for e in reversed(self.events)
+                           if e["kind"] == "run_end"), None)
+            if not same and isinstance(failed, str):
+                # the run ended on a file of it that could not be read (`Trainer._data_failed`):
+                # no step trained on that file, so the data fixed since goes on from the
+                # checkpoint the run wrote before it, and later resumes check this data
+                self.data_fixed[key] = fingerprint(path, only=now.get("only"))
+                self.data_notes.append(f"{flag_name(key)} {path}: changed since "
+                                       f"({rec.get('bytes')} -> {now['bytes']} bytes), taken "
+                                       f"as the fix of the data error the run ended on "
+                                       f"({failed})")
+                continue
             if not same:
                 what = ("its size" if now["bytes"] != rec.get("bytes") else "its contents")
+                part = changed_part(path, rec)
                 raise RunError(f"{path}: {flag_name(key)}: expected the {data} the run "
-                               f"started on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), found {what} changed "
-                               f"({now['bytes']} bytes, {fingerprint_note(now)}); a resumed run trains on "
-                               f"its own {data}: restore it, or start a new run on this {data}")
+                               f"started on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), "
+                               f"found {what} changed ({now['bytes']} bytes, "
+                               f"{fingerprint_note(now)}{f': {part}' if part else ''}); a resumed "
+                               f"run trains on its own {data}: restore it, or start a new run on "
+                               f"this {data}")
 
     def plan_resume(self, from_text: str | None, steps: int) -> Resume:
         """The checkpoint to continue from (`--from`, else the one `latest` names), verified;

@@ -47,7 +47,7 @@ from toymlx.backend.stop import (
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import DAMAGED_KEY, EventLog, git_info, host_info, now_iso, run_start
 from toymlx.bundle.folder import config_digest, saved_config
-from toymlx.bundle.inputs import MOVED_KEY
+from toymlx.bundle.inputs import DATA_ERROR_KEY, DATA_FIXED_KEY, MOVED_KEY
 from toymlx.bundle.reporters import open_reporters
 from toymlx.bundle.resume import Resume
 from toymlx.gguf.reader import DIGEST_KEY
@@ -76,6 +76,11 @@ def _shard(batch: dict[str, np.ndarray], world: Any) -> dict[str, np.ndarray]:
 def step_seed(seed: int, step: int) -> int:
     """The random seed of optimizer step `step` (0-based) of a run seeded `seed`."""
     return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class DataFailed(Exception):
+    """Leaves the loop from a held-out pass whose data failed (`Trainer._reading`): the run's
+    end is already set."""
 
 
 def _named(step: int | None) -> str:
@@ -414,6 +419,8 @@ class _Loop:
         """Data parallel: the stop requests every rank knows of (`_stops`)."""
         self.reason, self.exit_code, self.message = "completed", 0, None
         self.signal: str | None = None
+        self.data_error: str | None = None
+        """The error of the data that ended the run (`_data_failed`), for run_end"""
         """The signal that stopped the run (run_end's `signal`), None if none did."""
         self.t_first: float | None = None
         self.recorded: list[dict] = []
@@ -441,6 +448,8 @@ class _Loop:
                 if self.reason == "completed":
                     self._wrap_up(stop, bar)
                 together = True
+            except DataFailed:  # ended by `_data_failed`, its steps checkpointed
+                pass
             except KeyboardInterrupt as e:  # raised by code (StopSignals counts the signals),
                 # or a stop that came while a step was evaluated, which then failed (`CutShort`)
                 what, code = how_stopped(e)
@@ -483,6 +492,7 @@ class _Loop:
                             final_loss=self.log.loss_at(self.step), exit_code=self.exit_code,
                             message=self.message,
                             **({"signal": self.signal} if self.signal else {}),
+                            **({DATA_ERROR_KEY: self.data_error} if self.data_error else {}),
                             first_step_s=self.t_first, **device.peak_memory())
         self.log.close()
         return end
@@ -674,6 +684,7 @@ class _Loop:
                 **({"set_aside": r.set_aside} if r.set_aside else {}),
                 **({"exports_set_aside": r.exports_aside} if r.exports_aside else {}),
                 **({MOVED_KEY: r.moved} if r.moved else {}),
+                **({DATA_FIXED_KEY: r.data_fixed} if r.data_fixed else {}),
                 **({DAMAGED_KEY: r.damaged} if r.damaged else {}),
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
@@ -740,7 +751,7 @@ class _Loop:
         if note := self._schedule_note():
             self._say(note, bar)
         for s in range(self.start, cfg.steps):
-            if not self._step(s, bar, stop.count, self._waiting(stop, bar, s + 1, "step")):
+            if not self._step(s, bar, stop, self._waiting(stop, bar, s + 1, "step")):
                 return
             done = s + 1
             if cfg.report_every and (done % cfg.report_every == 0 or done == cfg.steps):
@@ -764,15 +775,28 @@ class _Loop:
                 break
         self._checkpoint(self.step, bar)
 
-    def _step(self, s: int, bar: Any, requests: int,
+    def _step(self, s: int, bar: Any, stop: StopSignals,
               waiting: Callable[[], Any] | None = None) -> bool:
-        """Optimizer step `s` (0-based) and its event (`requests`: this rank's requests to stop
-        so far, which the step shares with the others; `waiting`: the context of its evaluation,
-        `_waiting`); False if the run diverged in it."""
+        """Optimizer step `s` (0-based) and its event (`stop`: this rank's requests to stop so
+        far, which the step shares with the others; `waiting`: the context of its evaluation,
+        `_waiting`); False if the run ended before it (a stop while its batch was read, the data
+        failed) or diverged in it."""
+        requests = stop.count
         t0 = time.perf_counter()
         # the first step also traces the step for every other batch width the run will see
         traced = self._trace_widths(s) if s == self.start else None
-        global_batch = self.task.train_batch(s)
+        try:
+            global_batch = self.task.train_batch(s)
+        except ValueError as e:  # the data's own error (a file that decodes no more: one line)
+            if not self.solo:  # ranks agree on checkpoints at a step: end as any error does
+                raise
+            self._data_failed(f"step {s + 1}'s batch cannot be read", e, bar)
+            return False
+        if self.solo and stop.count > requests:
+            # a stop while the batch was read (a streamed set's first batches take seconds): the
+            # step is not begun, so the run stops at once, as before the first step, not after it
+            self._interrupted(stop, stop.count, bar)
+            return False
         n_items = self.count(global_batch)
         # unpacked rows: each step's width (its batch's last axis, `Task.batch_widths`), so a
         # step's time reads against its batch's size
@@ -869,8 +893,9 @@ class _Loop:
         if not self.task.val_batches:  # nothing held out (--data.val-fraction 0): no figures
             return True
         t0 = time.perf_counter()
-        metrics = self.evaluator(self.cfg.eval_batches, stop=lambda: self._stops(stop),
-                                 waiting=self._waiting(stop, bar, step, "validation"))
+        with self._reading("validation", step, bar):
+            metrics = self.evaluator(self.cfg.eval_batches, stop=lambda: self._stops(stop),
+                                     waiting=self._waiting(stop, bar, step, "validation"))
         if metrics is None:
             self.abandoned = step
             self._say(f"step {step}: validation abandoned ({stop.name} came during its pass; "
@@ -891,7 +916,8 @@ class _Loop:
         False if a stop request (`stops`) came during the pass, which is then abandoned
         (`waiting`: the context of each batch's evaluation, `_waiting`)."""
         t0 = time.perf_counter()
-        metrics = self.evaluator(split="test", stop=stops, waiting=waiting)
+        with self._reading("--test", self.step, bar):
+            metrics = self.evaluator(split="test", stop=stops, waiting=waiting)
         if metrics is None:
             return False
         metrics = recorded_figures(metrics, "test")
@@ -923,18 +949,44 @@ class _Loop:
         (`requests` > 1) came before that checkpoint began."""
         self.signal = stop.name
         (what, code), resume = stop_outcome(stop.first), f"resume with --resume {self.run_dir}"
-        if self.step == 0:  # during the step-0 validation (--eval-at-start)
-            self._end("interrupted", code, f"{what} before step 1, nothing trained: start it "
+        # the run's last line reads "interrupted at step N: <this>": neither word nor step again
+        how = "by SIGINT (Ctrl-C)" if what == "interrupted" else what
+        if self.step == 0:  # during the step-0 validation (--eval-at-start) or batch read
+            self._end("interrupted", code, f"{how} before step 1, nothing trained: start it "
                       f"over with toymlx-train --resume {self.run_dir} --from step_0")
         elif requests > 1 and self.ckpt.last != self.step:
-            self._end("interrupted", code, f"{what} after step {self.step}; a second signal "
-                      f"skipped its checkpoint: {resume_from(self.run_dir, self.ckpt.last)}")
+            self._end("interrupted", code, f"{how}; a second signal skipped its checkpoint: "
+                      f"{resume_from(self.run_dir, self.ckpt.last)}")
         elif not self._checkpoint(self.step, bar):
             return
         elif self.step == self.cfg.steps:  # trained to the end: what follows is left undone
             self._left_undone(stop, None, "during" if self.abandoned == self.step else "before")
         else:
-            self._end("interrupted", code, f"{what} after step {self.step}; {resume}")
+            self._end("interrupted", code, f"{how}; {resume}")
+
+    @contextlib.contextmanager
+    def _reading(self, part: str, step: int, bar: Any) -> Any:
+        """A held-out pass after step `step` (`part`: "validation", "--test") whose data fails
+        to read (a streamed image that does not decode): ended as `_data_failed` ends a
+        training batch, the trained steps checkpointed, and `DataFailed` raised to leave."""
+        try:
+            yield
+        except ValueError as e:
+            if not self.solo:
+                raise
+            self._data_failed(f"the {part} pass after step {step} cannot read its data", e, bar)
+            raise DataFailed from None
+
+    def _data_failed(self, what: str, e: ValueError, bar: Any) -> None:
+        """End as an error where the data cannot be read (`what`: step 5's batch, a validation
+        pass; a streamed image that does not decode, found only when a batch holds it): the
+        steps trained so far are checkpointed first, so fixing the file loses nothing of them."""
+        if self._checkpoint(self.step, bar):
+            self.data_error = " ".join(str(e).split())
+            go_on, last = resume_from(self.run_dir, self.ckpt.last), self.ckpt.last
+            self._end("error", 1, f"{what}: {self.data_error}; "
+                      + (f"the steps before it are kept (step {last}): fix the data, then "
+                         f"{go_on}" if last else f"fix the data; {go_on}"))
 
     def _diverged(self, what: str, good_step: int) -> None:
         """End as diverged with `good_step` the last step with good weights. Right after a
