@@ -24,6 +24,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from toymlx.backend.files import IMAGE_MAGIC, names_below, not_utf8, special_kind
+from toymlx.data.text import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
                     ".pgm", ".pbm")
@@ -37,8 +38,9 @@ _OPENING = threading.Lock()
 the process's filters, which threads opening images at once would restore out of order."""
 
 
-class ImageDataError(ValueError):
-    """An image data file or setting cannot be used; the message is one line naming it."""
+class ImageDataError(DataError):
+    """An image data file or setting cannot be used; the message is one line naming it (a
+    `DataError`, as a text or example file's is)."""
 
 
 def read_file(path: Path) -> bytes:

@@ -50,6 +50,7 @@ from toymlx.bundle.folder import config_digest, saved_config
 from toymlx.bundle.inputs import DATA_ERROR_KEY, DATA_FIXED_KEY, MOVED_KEY
 from toymlx.bundle.reporters import open_reporters
 from toymlx.bundle.resume import Resume
+from toymlx.data.text import DataError
 from toymlx.gguf.reader import DIGEST_KEY
 from toymlx.training import cpu_streams
 from toymlx.training.evaluate import ROW_PREFIX, Evaluator
@@ -787,7 +788,7 @@ class _Loop:
         traced = self._trace_widths(s) if s == self.start else None
         try:
             global_batch = self.task.train_batch(s)
-        except ValueError as e:  # the data's own error (a file that decodes no more: one line)
+        except DataError as e:  # the data's own error (a file that decodes no more: one line)
             if not self.solo:  # ranks agree on checkpoints at a step: end as any error does
                 raise
             self._data_failed(f"step {s + 1}'s batch cannot be read", e, bar)
@@ -971,13 +972,13 @@ class _Loop:
         training batch, the trained steps checkpointed, and `DataFailed` raised to leave."""
         try:
             yield
-        except ValueError as e:
+        except DataError as e:
             if not self.solo:
                 raise
             self._data_failed(f"the {part} pass after step {step} cannot read its data", e, bar)
             raise DataFailed from None
 
-    def _data_failed(self, what: str, e: ValueError, bar: Any) -> None:
+    def _data_failed(self, what: str, e: DataError, bar: Any) -> None:
         """End as an error where the data cannot be read (`what`: step 5's batch, a validation
         pass; a streamed image that does not decode, found only when a batch holds it): the
         steps trained so far are checkpointed first, so fixing the file loses nothing of them."""
