@@ -390,6 +390,22 @@ def test_numpy_scalars_are_numbers(tmp_path):
         toymlx.train("from-scratch", lr=1j, runs_root=str(tmp_path), echo=False)
 
 
+def test_an_on_off_option_given_another_value_is_named_with_true_or_false(tmp_path):
+    """`compile="yes"` became `--compile yes`, which the command refused as "compile=True:
+    expected no value (a flag; compile=False sets it false), got 'yes'"; now the keyword and
+    what it takes, before anything starts."""
+    import toymlx
+
+    for options, want in [({"compile": "yes"}, "compile: expected True or False, found 'yes'"),
+                          ({"compile": 1}, "compile: expected True or False, found 1"),
+                          ({"data": {"flip": "no"}},
+                           'data={"flip": ...}: expected True or False, found \'no\'')]:
+        with pytest.raises(toymlx.OptionError) as e:
+            toymlx.train("vit-tiny", runs_root=str(tmp_path), echo=False, **options)
+        assert str(e.value) == want
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_refused_options_and_failed_runs_are_told_apart_by_type(tmp_path):
     """`except toymlx.OptionError` (a ValueError: nothing trained, no bundle) against
     `except toymlx.TrainError` (a RuntimeError: the run started and failed, its summary
