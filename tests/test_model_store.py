@@ -457,6 +457,21 @@ def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert rc == 0 and (f"--base from {copy} (moved; same contents as the run's ollama:tiny:1)"
                         in err), err
+    # a blob with the run's bytes under another digest's name: one line, the refusal (the
+    # "moved; same contents" line came first)
+    wrong = "b" * 64
+    shutil.copyfile(copy, root / "blobs" / f"sha256-{wrong}")
+    manifest = add_model(root, "bad:1", b"GGUF")
+    doc = json.loads(manifest.read_text())
+    doc["layers"][0]["digest"] = f"sha256:{wrong}"
+    manifest.write_text(json.dumps(doc))
+    rc = export_cli.main(["--adapter", str(run), "--base", "ollama:bad:1", "--out",
+                          str(tmp_path / "g.gguf")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == (
+        f"toymlx-export: error: --base ollama:bad:1: {root / 'blobs' / ('sha256-' + wrong)}: "
+        f"expected SHA-256 {wrong} (its name), found {blob.name[7:]}; the blob is damaged or "
+        "was replaced: `ollama rm` and `ollama pull` the model again\n"), err
 
 
 # ---- an Ollama model's ADAPTER layer, damaged blobs, DoRA in a fused Modelfile -------------

@@ -325,9 +325,9 @@ def adopt_input(key: str, rec: dict[str, Any], given: str) -> tuple[str, str] | 
     store = key in MODEL_OPTIONS and model_store.is_store_name(given)
     if (given == typed) if store else os.path.realpath(given) == file:
         return None
-    try:  # its contents compared with the record below; the blob's own SHA-256 when it loads
-        found = model_store.resolve_model(given, flag, check_digest=False) if store \
-            else Path(given)
+    try:  # its contents are hashed below anyway: a blob's SHA-256 against its name first, so
+        # a damaged one is not announced as "moved; same contents" before it is refused
+        found = model_store.resolve_model(given, flag) if store else Path(given)
     except model_store.ModelStoreError as e:
         raise RunError(str(e)) from None
     where = os.path.abspath(found)
