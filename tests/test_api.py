@@ -92,6 +92,15 @@ def test_the_relay_holds_back_only_a_refusal_at_the_end(capsys):
     capsys.readouterr()
     out.relay_held("another message")  # one it does not tell: written, not lost
     assert capsys.readouterr().out == "toymlx-train: error: --steps: expected >= 1, found 0\n"
+    # Ctrl-C before the run's first step (while it imports or parses): its line is what the
+    # KeyboardInterrupt tells, so it is held too (it showed twice: "toymlx-train: interrupted",
+    # then "KeyboardInterrupt: toymlx-train: interrupted")
+    for line in ("toymlx-train: interrupted",
+                 "toymlx-train: stopped by SIGTERM before the first step; nothing was trained"):
+        out = _run_child([sys.executable, "-c", f"print('a'); print({line!r})"], echo=True)
+        assert (capsys.readouterr().out, out.held) == ("a\n", [line + "\n"])
+        out.relay_held(out.last_line)
+        assert capsys.readouterr().out == ""
 
 
 def _median_step(run: Path) -> float:

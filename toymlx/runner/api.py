@@ -333,10 +333,12 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return st.st_size, st.st_mtime_ns
 
 
-HELD = re.compile(r"toymlx-train: error:|[╭│╰]|toymlx: \w+ at step \d")
+HELD = re.compile(r"toymlx-train: (?:error:|interrupted|stopped by SIG)|[╭│╰]"
+                  r"|toymlx: \w+ at step \d")
 """How a line an exception of `train` may tell starts: the command's refusal (its one line, or
 tyro's own box), or the run's last line (`toymlx: diverged at step 3: ...`, a TrainError's;
-`toymlx: interrupted at step 7: ...`, Ctrl-C's)."""
+`toymlx: interrupted at step 7: ...`, Ctrl-C's; `toymlx-train: interrupted` before there was a
+step, Ctrl-C's too)."""
 
 
 class _Output:
