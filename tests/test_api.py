@@ -381,6 +381,23 @@ def test_a_folder_named_toymlx_where_it_is_called_does_not_hide_the_package(tmp_
     assert shown_command(cmd) == [sys.executable, "-m", "toymlx_cli.train", "--version"]
 
 
+def test_a_ctrl_c_while_the_child_imports_is_the_command_s_one_line(tmp_path, monkeypatch):
+    """`toymlx.train` interrupted while its child still imported: the child printed a
+    traceback of the import, and the KeyboardInterrupt raised here said only
+    "KeyboardInterrupt". Now the child's one line and Ctrl-C's exit status (the module here
+    raises KeyboardInterrupt as it is imported, as a Ctrl-C passed on then did)."""
+    from toymlx.backend.lifeline import module_command
+
+    (tmp_path / "toymlx_cli_stub.py").write_text("raise KeyboardInterrupt\n")
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    out = subprocess.run(module_command("toymlx_cli_stub"), capture_output=True, text=True,
+                         check=False)
+    assert (out.returncode, out.stdout, out.stderr) == (130, "",
+                                                        "toymlx_cli_stub: interrupted\n")
+
+
 def test_numpy_scalars_are_numbers(tmp_path):
     """A hand sweep over `np.logspace`/`np.arange` values: numpy's int64 and float32 are numbers,
     spelled as numpy prints them (np.float32(1e-3) is --lr 0.001, not its float64 widening
