@@ -50,7 +50,8 @@ class Args:
                         A, the base's Ollama template and stop tokens); with --fuse, FROM the
                         fused model written beside it (DIR/fused-TYPE.gguf); then
                         `ollama create NAME -f DIR/Modelfile`.
-    A GGUF option also takes ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO[/FILE.gguf].
+    A GGUF option also takes ollama:NAME[:TAG], lmstudio:PUBLISHER/REPO[/FILE.gguf] or
+                        hf:USER/REPO[:QUANT].
     --model M --format safetensors: a ViT run or checkpoint in timm's vit_tiny_patch16_224
                         layout; --out DIR writes DIR/model.safetensors + DIR/config.json
                         (timm.create_model("local-dir:DIR", pretrained=True) loads it),

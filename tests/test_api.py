@@ -92,6 +92,15 @@ def test_the_relay_holds_back_only_a_refusal_at_the_end(capsys):
     capsys.readouterr()
     out.relay_held("another message")  # one it does not tell: written, not lost
     assert capsys.readouterr().out == "toymlx-train: error: --steps: expected >= 1, found 0\n"
+    # Ctrl-C before the run's first step (while it imports or parses): its line is what the
+    # KeyboardInterrupt tells, so it is held too (it showed twice: "toymlx-train: interrupted",
+    # then "KeyboardInterrupt: toymlx-train: interrupted")
+    for line in ("toymlx-train: interrupted",
+                 "toymlx-train: stopped by SIGTERM before the first step; nothing was trained"):
+        out = _run_child([sys.executable, "-c", f"print('a'); print({line!r})"], echo=True)
+        assert (capsys.readouterr().out, out.held) == ("a\n", [line + "\n"])
+        out.relay_held(out.last_line)
+        assert capsys.readouterr().out == ""
 
 
 def _median_step(run: Path) -> float:
@@ -372,6 +381,23 @@ def test_a_folder_named_toymlx_where_it_is_called_does_not_hide_the_package(tmp_
     assert shown_command(cmd) == [sys.executable, "-m", "toymlx_cli.train", "--version"]
 
 
+def test_a_ctrl_c_while_the_child_imports_is_the_command_s_one_line(tmp_path, monkeypatch):
+    """`toymlx.train` interrupted while its child still imported: the child printed a
+    traceback of the import, and the KeyboardInterrupt raised here said only
+    "KeyboardInterrupt". Now the child's one line and Ctrl-C's exit status (the module here
+    raises KeyboardInterrupt as it is imported, as a Ctrl-C passed on then did)."""
+    from toymlx.backend.lifeline import module_command
+
+    (tmp_path / "toymlx_cli_stub.py").write_text("raise KeyboardInterrupt\n")
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    out = subprocess.run(module_command("toymlx_cli_stub"), capture_output=True, text=True,
+                         check=False)
+    assert (out.returncode, out.stdout, out.stderr) == (130, "",
+                                                        "toymlx_cli_stub: interrupted\n")
+
+
 def test_numpy_scalars_are_numbers(tmp_path):
     """A hand sweep over `np.logspace`/`np.arange` values: numpy's int64 and float32 are numbers,
     spelled as numpy prints them (np.float32(1e-3) is --lr 0.001, not its float64 widening
@@ -388,6 +414,22 @@ def test_numpy_scalars_are_numbers(tmp_path):
                                                  r"dict \(a group of options\) or list, "
                                                  r"found complex$"):
         toymlx.train("from-scratch", lr=1j, runs_root=str(tmp_path), echo=False)
+
+
+def test_an_on_off_option_given_another_value_is_named_with_true_or_false(tmp_path):
+    """`compile="yes"` became `--compile yes`, which the command refused as "compile=True:
+    expected no value (a flag; compile=False sets it false), got 'yes'"; now the keyword and
+    what it takes, before anything starts."""
+    import toymlx
+
+    for options, want in [({"compile": "yes"}, "compile: expected True or False, found 'yes'"),
+                          ({"compile": 1}, "compile: expected True or False, found 1"),
+                          ({"data": {"flip": "no"}},
+                           'data={"flip": ...}: expected True or False, found \'no\'')]:
+        with pytest.raises(toymlx.OptionError) as e:
+            toymlx.train("vit-tiny", runs_root=str(tmp_path), echo=False, **options)
+        assert str(e.value) == want
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_refused_options_and_failed_runs_are_told_apart_by_type(tmp_path):

@@ -661,6 +661,28 @@ def test_generate_refuses_a_top_k_past_the_vocabulary_even_greedy(stories):
     assert len(list(generate(model, tok, tok.encode(PROMPT), 4, 0.8, top_k=511))) == 4
 
 
+def test_generate_checks_the_prompt_ids_a_script_gives(stories):
+    """From Python, `generate(model, tok, [10**9])` read past the token table (a segmentation
+    fault), a str prompt and numpy's ids (`np.array(tok.encode(...))`) failed in MLX
+    ("Invalid type int64 received in array initialization")."""
+    import numpy as np
+
+    model, tok = stories
+    ids = tok.encode(PROMPT)
+    assert list(generate(model, tok, np.array(ids), 4)) == list(generate(model, tok, ids, 4))
+    for bad, kind, want in [
+            (PROMPT, TypeError, ("prompt_ids: expected a list of token ids "
+                                 "(tokenizer.encode(text)), found a str")),
+            ([ids[0], 512], ValueError, ("prompt_ids[1]: expected a token id in 0..511 (the "
+                                         "model's vocabulary), found 512")),
+            ([-1], ValueError, ("prompt_ids[0]: expected a token id in 0..511 (the model's "
+                                "vocabulary), found -1")),
+            ([1.0], TypeError, "prompt_ids[0]: expected an int token id, found 1.0")]:
+        with pytest.raises(kind) as e:
+            next(generate(model, tok, bad, 4))
+        assert str(e.value) == want
+
+
 def test_a_chat_turn_that_is_not_utf8_is_refused_and_the_conversation_goes_on(chat_path,
                                                                              capsys):
     """A bad turn read from stdin crashed --chat and lost the conversation: now it is one line,

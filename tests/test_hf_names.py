@@ -129,6 +129,36 @@ def test_what_a_user_without_network_sees(offline, tiny_bytes):
                             "hf:USER/REPO:QUANT")
 
 
+def test_a_revision_or_copy_the_cache_does_not_hold_is_named(offline, tiny_bytes):
+    """`hf:REPO@REV` with REPO cached at another revision was "not in the Hugging Face cache ...
+    so its files are not known: expected a repository of GGUF files (a model's own safetensors
+    repository ...)", and its `hf download` fetched main; a copy whose blob was deleted, which
+    huggingface_hub leaves out of its scan, was "not in the cache" too."""
+    put_in_hf_cache(offline, "alice/tiny-GGUF", {"tiny-Q8_0.gguf": tiny_bytes})
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:alice/tiny-GGUF@v2", "--base")
+    assert str(e.value) == (f"--base hf:alice/tiny-GGUF@v2: not in the Hugging Face cache "
+                            f"{offline} nor {offline.parent.parent / 'llama.cpp'} ({offline}: it "
+                            f"holds alice/tiny-GGUF at main ({COMMIT[:12]}), not revision v2) and "
+                            "HF_HUB_OFFLINE is set; download it where there is a network: hf "
+                            "download alice/tiny-GGUF --revision v2 --include '*Q4_K_M*'; or give "
+                            "the GGUF file itself: --base PATH.gguf")
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:bob/other-GGUF@v3/o-Q8_0.gguf", "--base")
+    assert "hf download bob/other-GGUF --revision v3 o-Q8_0.gguf;" in str(e.value)
+    snap = put_in_hf_cache(offline, "carol/gone-GGUF", {"g-Q4_K_M.gguf": tiny_bytes})
+    blob = (snap / "g-Q4_K_M.gguf").resolve()
+    blob.unlink()
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:carol/gone-GGUF", "--base")
+    assert str(e.value) == (f"--base hf:carol/gone-GGUF: not in the Hugging Face cache {offline} "
+                            f"nor {offline.parent.parent / 'llama.cpp'} ({offline}: it holds a "
+                            "copy of carol/gone-GGUF huggingface_hub reads as damaged: Blob "
+                            f"missing (broken symlink): {blob}) and HF_HUB_OFFLINE is set; "
+                            "download it where there is a network: hf download carol/gone-GGUF "
+                            "--include '*Q4_K_M*'; or give the GGUF file itself: --base PATH.gguf")
+
+
 def test_a_cached_safetensors_model_is_named_as_one(offline):
     """mlx-lm's users hold mlx-community's (and transformers') models in the cache: one named
     was told "found no GGUF files; name one as hf:USER/REPO/FILE.gguf", a GGUF it has not."""

@@ -399,7 +399,7 @@ def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys
                                 context=256)), meta, name="tiny test llama")
     add_model(root, "tiny:1", src.read_bytes(), {"template": TEMPLATE.encode()})
     rc = train_main(["--recipe", "lora", "--base", "ollama:tiny:1", "--runs-root",
-                     str(tmp_path / "runs"), "--run-id", "r", "--steps", "2", "--batch-size",
+                     str(tmp_path / "runs"), "--run-id", "r", "--steps", "3", "--batch-size",
                      "2", "--seq-len", "64", "--warmup", "1", "--eval-every", "0",
                      "--checkpoint-every", "1", "--stop-at", "1", "--no-progress",
                      "--no-compile"])
@@ -425,16 +425,53 @@ def test_lora_run_on_an_ollama_base_then_modelfile(tmp_path, monkeypatch, capsys
     assert cmds[1] == ("ADAPTER", str((run / "weights" / "adapter_step_1.gguf").resolve()))
     assert ("TEMPLATE", TEMPLATE) in cmds
 
-    # the tag now names another model: the resume refuses it instead of training on it
+    # the tag now names another model, the run's blob still in the store (as Ollama keeps it
+    # until pruned): commands and the resume read the run's blob, and say so (they were
+    # refused: "put the run's base back", which was there)
     mx.random.seed(4)
     write_llama(src, Llama(tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
                                 context=256)), meta, name="tiny test llama")
     add_model(root, "tiny:1", src.read_bytes())
-    rc = train_main(["--resume", str(run), "--no-progress"])
+    told = (f"{blob} (the run's --base ollama:tiny:1, which now names another model; this "
+            "file, where it led, still has the recorded SHA-256)")
+    rc = generate_cli.main(["--model", str(run), "--prompt", "ab", "--max-tokens", "2",
+                            "--temperature", "0"])
+    err = capsys.readouterr().err
+    assert rc == 0 and err.splitlines()[0] == (
+        f"toymlx-generate: model {told} + adapter {run / 'weights' / 'adapter_step_1.gguf'}"), err
+    rc = train_main(["--resume", str(run), "--stop-at", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 0 and told in err, err
+    # pruned: refused, naming the new blob and the record
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(blob, copy)
+    blob.unlink()
+    rc = export_cli.main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "f.gguf")])
     err = capsys.readouterr().err
     assert rc == 2 and f"--base: expected the run's base, recorded as {blob} (sha256 " \
         f"{blob.name[7:19]}), found other contents" in err, err
     assert "the store name now names another model" in err, err
+    # the same GGUF given by its path: the resume reads it (it was refused: "model
+    # base_sha256: expected '...' (the run's), found None", the digest a store name records)
+    rc = train_main(["--resume", str(run), "--base", str(copy), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 0 and (f"--base from {copy} (moved; same contents as the run's ollama:tiny:1)"
+                        in err), err
+    # a blob with the run's bytes under another digest's name: one line, the refusal (the
+    # "moved; same contents" line came first)
+    wrong = "b" * 64
+    shutil.copyfile(copy, root / "blobs" / f"sha256-{wrong}")
+    manifest = add_model(root, "bad:1", b"GGUF")
+    doc = json.loads(manifest.read_text())
+    doc["layers"][0]["digest"] = f"sha256:{wrong}"
+    manifest.write_text(json.dumps(doc))
+    rc = export_cli.main(["--adapter", str(run), "--base", "ollama:bad:1", "--out",
+                          str(tmp_path / "g.gguf")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == (
+        f"toymlx-export: error: --base ollama:bad:1: {root / 'blobs' / ('sha256-' + wrong)}: "
+        f"expected SHA-256 {wrong} (its name), found {blob.name[7:]}; the blob is damaged or "
+        "was replaced: `ollama rm` and `ollama pull` the model again\n"), err
 
 
 # ---- an Ollama model's ADAPTER layer, damaged blobs, DoRA in a fused Modelfile -------------

@@ -261,6 +261,19 @@ def tiny_run(tmp_path_factory, folder):
     return _train(tmp, "tiny", folder, "--data.image-size", "8", "--steps", "2")
 
 
+def test_one_file_given_to_the_classifier_for_a_list_is_one_clear_error(tiny_run, tmp_path):
+    """`Classifier.top_k("cat.png")` read the str a character at a time and failed on "/" as
+    a directory ("/: cannot open (Is a directory)"); a Path failed in len()."""
+    clf = Classifier.load(tiny_run)
+    image = tmp_path / "cat.png"
+    for one in (str(image), image):
+        for call in (clf.top_k, clf.read, lambda f: list(clf.each_top_k(f))):
+            with pytest.raises(TypeError) as e:
+                call(one)
+            assert str(e.value) == (f"files: expected a list of image files, found one "
+                                    f"{type(one).__name__} ({one!r}); pass [{one!r}]")
+
+
 def test_eval_split_val_of_a_set_too_small_to_hold_one_out_is_one_line(tmp_path, tiny_run,
                                                                        capsys):
     """`toymlx-eval --data.path SMALL --split val` on 3 images (10% of 3 holds none out) ended

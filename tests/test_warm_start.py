@@ -90,7 +90,8 @@ def _cfg(donor, text_file: str, **kw) -> ws.Config:
                      **{**base, **kw})
 
 
-def test_the_donor_s_unread_tensors_are_said_in_one_line(tmp_path, text_file, capsys):
+def test_the_donor_s_unread_tensors_are_said_in_one_line(tmp_path, text_file, capsys,
+                                                        monkeypatch):
     """Warm start reads the donor's token table and tokenizer alone: its other tensors were left
     without a word; now one line names what is taken and how many tensors are not read."""
     donor = _donor(tmp_path / "d.gguf", qtype=Q.Q8_0)
@@ -99,6 +100,23 @@ def test_the_donor_s_unread_tensors_are_said_in_one_line(tmp_path, text_file, ca
         f"toymlx: --donor {donor}: takes token_embd.weight (259 x 32, Q8_0) and its tokenizer; "
         "its 1 other tensors (blocks, norm, head) are not read: the student's blocks start "
         "from random init\n")
+    # an Ollama name: the name, then its blob (the blob's sha256 name alone said nothing)
+    import hashlib
+    import json
+
+    root = tmp_path / "ollama"
+    digest = hashlib.sha256(donor.read_bytes()).hexdigest()
+    (root / "blobs").mkdir(parents=True)
+    blob = root / "blobs" / f"sha256-{digest}"
+    blob.write_bytes(donor.read_bytes())
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / "d" / "latest"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [{
+        "mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}"}]}))
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    _build(_cfg("ollama:d", text_file))
+    assert capsys.readouterr().err.startswith(
+        f"toymlx: --donor ollama:d ({blob}): takes token_embd.weight (259 x 32, Q8_0)")
 
 
 # ---- bad donors: one line each, naming file, key/tensor, expected and found ----------------

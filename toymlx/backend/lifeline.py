@@ -32,9 +32,16 @@ def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 # `python -m` puts the working folder first on sys.path, where a folder named `toymlx` (the
 # parent of a clone, say) shadows an editable install's package: its finder comes after the path
-# entries. So the module runs from `-c`, without that entry (Python 3.10 has no `-P`).
-_RUN_MODULE = ("import runpy, sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
-               "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+# entries. So the module runs from `-c`, without that entry (Python 3.10 has no `-P`). A Ctrl-C
+# passed on while it still imports, before the command's own handling, is the command's one line
+# and Ctrl-C's exit status, not a traceback of the import (`toymlx.train` interrupted early).
+_RUN_MODULE = (
+    "import runpy, sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]\n"
+    "m = sys.argv.pop(1)\n"
+    "try: runpy.run_module(m, run_name='__main__', alter_sys=True)\n"
+    "except KeyboardInterrupt:\n"
+    "    p = m.partition('toymlx_cli.')[2]\n"
+    "    sys.stderr.write(('toymlx-' + p if p else m) + ': interrupted\\n'); sys.exit(130)")
 
 
 def module_command(module: str, *args: str, python: str | None = None) -> list[str]:

@@ -277,9 +277,16 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
         other = model_store.resolve_model(typed, flag, check_digest=False) if model \
             else Path(typed)
     except model_store.ModelStoreError:
-        return gone
-    if not other.exists():  # nothing to mistake for it: whoever needs the file says it is gone
-        return gone
+        other = None
+    if store and (other is None or not same_contents(key, rec, other)[0]) \
+            and Path(file).exists() and _same_model(Path(file), rec)[0]:
+        # the name was pulled again, or removed, and the file the run recorded (an Ollama
+        # blob, a Hugging Face snapshot) is still there with the run's contents
+        now = "names another model" if other is not None else "is not in its store"
+        return file, (f"{file} (the run's {flag} {typed}, which now {now}; this file, where "
+                      "it led, still has the recorded SHA-256)")
+    if other is None or not other.exists():  # nothing to mistake for it: whoever needs the
+        return gone  # file says it is gone
     same, found, want = same_contents(key, rec, other)
     if not same:
         raise RunError(f"{os.path.abspath(other)}: {flag}: expected the run's {key}, "
@@ -371,9 +378,9 @@ def adopt_input(key: str, rec: dict[str, Any], given: str) -> tuple[str, str] | 
     store = key in MODEL_OPTIONS and model_store.is_store_name(given)
     if (given == typed) if store else os.path.realpath(given) == file:
         return None
-    try:  # its contents compared with the record below; the blob's own SHA-256 when it loads
-        found = model_store.resolve_model(given, flag, check_digest=False) if store \
-            else Path(given)
+    try:  # its contents are hashed below anyway: a blob's SHA-256 against its name first, so
+        # a damaged one is not announced as "moved; same contents" before it is refused
+        found = model_store.resolve_model(given, flag) if store else Path(given)
     except model_store.ModelStoreError as e:
         raise RunError(str(e)) from None
     where = os.path.abspath(found)

@@ -543,16 +543,18 @@ def hub_unreachable() -> str | None:
 
 
 def _cached_snapshot(cache: Path, repo: str, revision: str | None
-                     ) -> tuple[str, dict[str, Path]] | None:
-    """(commit, {file: path}) of a repository's snapshot in a Hugging Face-layout cache, as
-    huggingface_hub's `scan_cache_dir` sees it; None where the cache does not hold it."""
+                     ) -> tuple[tuple[str, dict[str, Path]] | None, str | None]:
+    """((commit, {file: path}) of a repository's snapshot in a Hugging Face-layout cache, as
+    huggingface_hub's `scan_cache_dir` sees it, or None where the cache does not hold it; and
+    then what it holds of the repository instead (other revisions, or a copy huggingface_hub
+    reads as damaged), or None."""
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
     try:
         info = scan_cache_dir(cache)
     except (CacheNotFound, OSError):
-        return None
+        return None, None
     for r in info.repos:
         if r.repo_type != "model" or r.repo_id.lower() != repo.lower():
             continue
@@ -560,9 +562,19 @@ def _cached_snapshot(cache: Path, repo: str, revision: str | None
         for rev in sorted(r.revisions, key=lambda x: x.last_modified, reverse=True):
             if want in rev.refs or rev.commit_hash == want or (
                     revision is None and not any("main" in x.refs for x in r.revisions)):
-                return rev.commit_hash, {f.file_path.relative_to(rev.snapshot_path).as_posix():
-                                         f.file_path for f in rev.files}
-    return None
+                return (rev.commit_hash, {f.file_path.relative_to(rev.snapshot_path).as_posix():
+                                          f.file_path for f in rev.files}), None
+        held = sorted(f"{', '.join(sorted(rev.refs))} ({rev.commit_hash[:12]})" if rev.refs
+                      else rev.commit_hash[:12] for rev in r.revisions)
+        return None, (f"it holds {r.repo_id} at {', '.join(held)}, not revision {want}"
+                      if held else f"it holds no snapshot of {r.repo_id}")
+    # a copy huggingface_hub cannot read (a blob deleted under its snapshot's link) is left out
+    # of `info.repos` and named in `info.warnings`
+    folder = re.compile(re.escape(f"models--{repo.replace('/', '--')}".lower()) + r"([/\\]|$)")
+    damaged = next((w for w in info.warnings if folder.search(str(w).lower())), None)
+    if damaged is not None:
+        return None, f"it holds a copy of {repo} huggingface_hub reads as damaged: {damaged}"
+    return None, None
 
 
 def _resolve_hf(spec: str, flag: str) -> Resolved:
@@ -578,9 +590,11 @@ def _resolve_hf(spec: str, flag: str) -> Resolved:
             raise
         except Exception as e:  # noqa: BLE001 -- no network, a refused token: try the caches
             why = f"the Hub could not be reached ({type(e).__name__}: {' '.join(str(e).split())})"
+    rev, held = f" --revision {revision}" if revision else "", []
     for cache in hf_cache_dirs():
-        found = _cached_snapshot(cache, repo, revision)
+        found, note = _cached_snapshot(cache, repo, revision)
         if found is None:
+            held += [(cache, note)] if note else []
             continue
         commit, files = found
         name = file or pick_hf_file(list(files), quant)
@@ -592,22 +606,25 @@ def _resolve_hf(spec: str, flag: str) -> Resolved:
         if missing:
             raise ModelStoreError(f"{flag} {spec}: {cache}: expected every part of {name}, found "
                                   f"{missing[0]} missing ({why}); download it with: hf download "
-                                  f"{repo} {' '.join(parts)}")
+                                  f"{repo}{rev} {' '.join(parts)}")
         return _hf_resolved(spec, repo, commit, name, [files[p] for p in parts])
     legacy = _legacy_llama_cpp(spec, repo, quant, file)
     if legacy is not None:
         return legacy
     where = " nor ".join(str(c) for c in hf_cache_dirs())
-    if file:
-        raise ModelStoreError(f"{flag} {spec}: not in the Hugging Face cache {where} and {why}; "
-                              f"download it where there is a network: hf download {repo} {file}"
-                              f"; or give the GGUF file itself: {flag} PATH.gguf")
+    fetch = file or f"--include '*{quant or 'Q4_K_M'}*'"
+    if file or held:  # what to download is known: the file, or a repository held otherwise
+        caches = len(hf_cache_dirs())
+        held_note = "".join(f" ({c}: {n})" if caches > 1 else f" ({n})" for c, n in held)
+        raise ModelStoreError(f"{flag} {spec}: not in the Hugging Face cache {where}{held_note} "
+                              f"and {why}; download it where there is a network: hf download "
+                              f"{repo}{rev} {fetch}; or give the GGUF file itself: {flag} PATH.gguf")
     # the repository's files are not known here: it may be a model's own safetensors one
     raise ModelStoreError(f"{flag} {spec}: not in the Hugging Face cache {where} and {why}, so "
                           f"its files are not known: expected a repository of GGUF files (a "
                           f"model's own safetensors repository has none; name a GGUF conversion "
                           f"of it, often USER/NAME-GGUF); for a GGUF one, download it where there "
-                          f"is a network: hf download {repo} --include '*{quant or 'Q4_K_M'}*'"
+                          f"is a network: hf download {repo}{rev} {fetch}"
                           f"; or give the GGUF file itself: {flag} PATH.gguf")
 
 

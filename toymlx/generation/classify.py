@@ -8,6 +8,7 @@ by 1/255 and standardised with the checkpoint's mean and std.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,15 @@ from toymlx.gguf.llama import ARCHS
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.gguf.vit import class_names, load_vit
 from toymlx.models.vit import ViT
+
+
+def listed(files: Any) -> Any:
+    """`files`, a list of images; TypeError naming `files` for one file given instead (a str
+    was read a character at a time: "/: cannot open (Is a directory)")."""
+    if isinstance(files, (str, bytes, os.PathLike)):
+        raise TypeError(f"files: expected a list of image files, found one {type(files).__name__}"
+                        f" ({files!r}); pass [{files!r}]")
+    return files
 
 
 @dataclass
@@ -72,7 +82,7 @@ class Classifier:
     def read(self, files: Sequence[Path]) -> np.ndarray:
         """Image files -> (N, S, S, C) float32, standardised as the model was trained."""
         return self._standardised(np.stack([decode_image(f, self.image_size, self.channels)
-                                            for f in files]))
+                                            for f in listed(files)]))
 
     def _standardised(self, x: np.ndarray) -> np.ndarray:
         return ((x.astype(np.float32) / 255.0 - self.mean) / self.std).astype(np.float32)
@@ -88,7 +98,7 @@ class Classifier:
     def top_k(self, files: Sequence[Path], k: int = 5, batch_size: int = 64
               ) -> list[list[tuple[str, float]]]:
         """For each file the k most probable (class name, probability), most probable first."""
-        res = []
+        res, files = [], listed(files)
         for i in range(0, len(files), batch_size):
             res += self._ranked(self.probabilities(self.read(files[i:i + batch_size]),
                                                    batch_size), k)
@@ -100,6 +110,7 @@ class Classifier:
         cannot be decoded comes with its ImageDataError instead (and an ImageDataError of
         `image_files` with itself), and the others are classified (one corrupt image in a
         folder of thousands no longer costs every answer)."""
+        files = listed(files)
         for i in range(0, len(files), batch_size):
             chunk, read, failed = files[i:i + batch_size], [], {}
             for f in chunk:

@@ -30,6 +30,7 @@ import functools
 import importlib.util
 import json
 import math
+import operator
 import os
 import subprocess
 import sys
@@ -81,6 +82,28 @@ def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float,
             raise ValueError(f"{flag}: expected {want}, found {found}")
 
 
+def prompt_token_ids(prompt_ids: Sequence[int], vocab: int) -> list[int]:
+    """`prompt_ids` as a list of ints (numpy's too), each a row of a `vocab`-token model: a
+    TypeError or ValueError naming `prompt_ids` otherwise (an id past the table was read out
+    of bounds: a segmentation fault)."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError(f"prompt_ids: expected a list of token ids (tokenizer.encode(text)), "
+                        f"found a {type(prompt_ids).__name__}")
+    ids = []
+    for i, given in enumerate(prompt_ids):
+        try:
+            t = operator.index(given) if not isinstance(given, bool) else None
+        except TypeError:
+            t = None
+        if t is None:
+            raise TypeError(f"prompt_ids[{i}]: expected an int token id, found {given!r}")
+        if not 0 <= t < vocab:
+            raise ValueError(f"prompt_ids[{i}]: expected a token id in 0..{vocab - 1} (the "
+                             f"model's vocabulary), found {t}")
+        ids.append(t)
+    return ids
+
+
 def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
              min_p: float = 0.0, repetition_penalty: float | None = None,
@@ -97,6 +120,7 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     cut so too), each prediction reading at most `window` tokens at positions 0..window-1.
     Where MLX computes on the CPU, OpenBLAS runs on `decoding_blas_threads` threads from the
     first token asked for until the last one is handed out or the caller stops reading."""
+    prompt_ids = prompt_token_ids(prompt_ids, model.args.vocab_size)
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
     check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
@@ -117,7 +141,7 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     penalty = _penalty(repetition_penalty)
     decoder = decoder_for(model) if decoder is None else decoder
     with use_blas_threads(decoding_blas_threads() if cpu else None):
-        for tok in decode(decoder, list(prompt_ids), budget, sampler, penalty, kept,
+        for tok in decode(decoder, prompt_ids, budget, sampler, penalty, kept,
                           window if shift else None):
             if tok in stop:
                 return

@@ -54,10 +54,12 @@ class Donor:
     """The donor's other tensors (its blocks, norm and head): not read, said in one line
     (`Donor.note`)."""
 
-    def note(self) -> str:
-        """What warm start takes from the donor and what it leaves, in one line."""
+    def note(self, given: str | None = None) -> str:
+        """What warm start takes from the donor and what it leaves, in one line; `given`: the
+        --donor as typed, named beside the file where it is a store name (`ollama:...`)."""
         rows, width = self.table.shape
-        return (f"--donor {self.path}: takes token_embd.weight ({rows} x {width}, "
+        shown = self.path if given in (None, self.path) else f"{given} ({self.path})"
+        return (f"--donor {shown}: takes token_embd.weight ({rows} x {width}, "
                 f"{self.tensor_type}) and its tokenizer; its {self.unread} other tensors (blocks, "
                 "norm, head) are not read: the student's blocks start from random init")
 

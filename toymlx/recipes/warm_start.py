@@ -158,7 +158,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     validate(cfg)
     w = cfg.warm
     donor = warm.read_donor(model_store.resolve_model(cfg.donor, "--donor"), w.vocab)
-    print(f"toymlx: {donor.note()}", file=sys.stderr)
+    print(f"toymlx: {donor.note(cfg.donor)}", file=sys.stderr)
     tok = donor_tokenizer(donor, donor.table.shape[0])
     vocab = tok.vocab_size
     table = donor.table[:vocab]

@@ -96,7 +96,7 @@ def train(recipe: str | None = None, *, echo: bool = True, **options: Any) -> di
 
 def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str, Any]:
     from toymlx.bundle.options import default_run_id
-    from toymlx.recipes import RECIPES
+    from toymlx.recipes import RECIPES, get_recipe
     from toymlx.runner.report import summarize_run
 
     options = _python_names(options)
@@ -104,6 +104,8 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
     # a str the command checks, naming the recipes; None only where the run or file names it
     if not isinstance(recipe, str) and not (recipe is None and (resume or config) is not None):
         raise OptionError(f"recipe: expected one of {', '.join(RECIPES)}, found {recipe!r}")
+    if recipe in RECIPES:
+        _check_switches(options, _config_kinds(get_recipe(recipe).Config))
     if resume is None and config is None and options.get("run_id") is None:
         options["run_id"] = default_run_id(recipe)  # known here, so the bundle can be read
     # a config file's runs_root and run_id are the child's to read: its bundle is then the
@@ -267,6 +269,20 @@ def _config_kinds(cls: type, prefix: str = "") -> dict[str, Any]:
     return kinds
 
 
+def _check_switches(options: dict[str, Any], kinds: dict[str, Any], group: str = "") -> None:
+    """OptionError for an on/off option given a value other than True or False
+    (`compile="yes"`, `data={"flip": 1}`): spelled as its flag and a stray word, the command
+    said "compile=True: expected no value"."""
+    for key, value in options.items():
+        name = f"{group}.{key}" if group else key
+        if isinstance(value, dict):
+            _check_switches(value, kinds, name)
+        elif kinds.get("--" + name.replace("_", "-")) is True and value is not None \
+                and not isinstance(value, bool):
+            shown = f'{group}={{"{key}": ...}}' if group else key
+            raise OptionError(f"{shown}: expected True or False, found {value!r}")
+
+
 def _leaves(options: dict[str, Any]) -> list[Any]:
     return [x for v in options.values() for x in (_leaves(v) if isinstance(v, dict) else [v])]
 
@@ -317,10 +333,12 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return st.st_size, st.st_mtime_ns
 
 
-HELD = re.compile(r"toymlx-train: error:|[╭│╰]|toymlx: \w+ at step \d")
+HELD = re.compile(r"toymlx-train: (?:error:|interrupted|stopped by SIG)|[╭│╰]"
+                  r"|toymlx: \w+ at step \d")
 """How a line an exception of `train` may tell starts: the command's refusal (its one line, or
 tyro's own box), or the run's last line (`toymlx: diverged at step 3: ...`, a TrainError's;
-`toymlx: interrupted at step 7: ...`, Ctrl-C's)."""
+`toymlx: interrupted at step 7: ...`, Ctrl-C's; `toymlx-train: interrupted` before there was a
+step, Ctrl-C's too)."""
 
 
 class _Output:
