@@ -210,11 +210,36 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, 
     m = re.search(r"needs about (\d+\.\d) GB \(base (4\.3|5\.7), trained 0\.1, activations "
                   r"0\.5, logits 0\.0, decoded 0\.1, runtime 0\.5\) ", line)
     assert m is not None, line
+    # --grad-checkpoint is on already: not advised again
     assert ("and 4.0 GB is available (TOYMLX_MEMORY_AVAILABLE); expected at most that: try "
-            "--grad-checkpoint, a smaller --batch-size or --seq-len, fewer --lora.layers, or "
+            "a smaller --batch-size or --seq-len, fewer --lora.layers, or "
             "--force to start anyway") in line
     assert list(tmp_path.iterdir()) == []  # no run folder left behind
     assert hashed == []  # nothing read past the header
+
+
+@pytest.mark.parametrize("dtype, advice", [
+    ("float32", "--grad-checkpoint, --base-dtype blocks, "),
+    ("blocks", "--grad-checkpoint, "),
+])
+def test_a_float_held_base_that_does_not_fit_is_advised_its_blocks(tmp_path, capsys,
+                                                                  monkeypatch, dtype, advice):
+    """A Q4_K base held as float32 (--base-dtype float32, or auto where memory looked ample)
+    that does not fit was advised --grad-checkpoint, a smaller batch and fewer layers, never
+    --base-dtype blocks, which holds it at about the file's size (a Llama-3.2-1B shape: base
+    4.3 GB as float32, 0.7 GB in blocks); held in blocks already, it is not advised again."""
+    a = LlamaArgs(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                  ffn_dim=512, context=256, tie_embeddings=True)
+    base = sparse_gguf(tmp_path / "tiny-q4k.gguf", a)
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "1000")
+    rc = _train(["--recipe", "lora", "--base", str(base), "--runs-root", str(tmp_path / "runs"),
+                 "--base-dtype", dtype, "--no-progress"])
+    assert rc == 2
+    line = error_line(capsys)
+    assert ("and 0.0 GB is available (TOYMLX_MEMORY_AVAILABLE); expected at most that: try "
+            f"{advice}a smaller --batch-size or --seq-len, fewer --lora.layers, or --force to "
+            "start anyway") in line, line
+    assert not (tmp_path / "runs").exists()
 
 
 def test_an_ollama_base_is_refused_before_its_blob_is_hashed(header_8b, tmp_path, capsys,

@@ -413,7 +413,13 @@ def build(cfg: Config, ops: Ops) -> Task:
 
         dtype = "float32" if full and not some else resolve_base_dtype(
             cfg.base_dtype, on_gpu(), cfg.grad_checkpoint, lambda held: step_estimate(held).total)
-        fits = memory.check_fits(step_estimate(dtype), f"--base {cfg.base}", cfg.force)
+        est = step_estimate(dtype)
+        # a float-held base (--base-dtype float32, or auto with memory to spare) its blocks
+        # would hold in less: the advice when the step does not fit
+        blocks_smaller = (not full and dtype in ("float32", "bfloat16", "float16")
+                          and step_estimate("blocks").total < est.total)
+        fits = memory.check_fits(est, f"--base {cfg.base}", cfg.force,
+                                 cfg.grad_checkpoint, blocks_smaller)
     model_store.check_digests(src, "--base")
     model, g = load_llama(src.path, ops, dtype, trained)
     if some:  # mlx-lm's full fine-tune: model.freeze(), then each trained block unfrozen
