@@ -376,3 +376,26 @@ def test_a_full_cuda_gpu_has_nothing_available(monkeypatch):
     assert memory.cuda_free_memory() == 0
     monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 2**37})  # an older MLX
     assert memory.cuda_free_memory() == 2**37
+
+
+def test_a_large_base_is_announced_before_it_loads(tiny_gguf, tmp_path, capsys, monkeypatch):
+    """A 1B base (Q4_K_M, 4.3 GB as float32) took 13 s to read and decode with nothing on
+    screen, and the step's estimate was in events.jsonl alone: a base held in
+    `LOADING_NOTE_BYTES` or more is now said before it loads, with how it is held and the
+    estimate against the memory available; a smaller one is not."""
+    from toymlx.recipes import lora
+
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(10 * 10**9))
+    common = ["--recipe", "lora", "--base", str(tiny_gguf), "--steps", "1", "--batch-size", "2",
+              "--seq-len", "64", "--eval-batches", "1", "--no-progress", "--base-dtype",
+              "float32"]
+    assert _train([*common, "--runs-root", str(tmp_path / "a")]) == 0
+    assert "toymlx: loading " not in capsys.readouterr().err
+    monkeypatch.setattr(lora, "LOADING_NOTE_BYTES", 0)
+    assert _train([*common, "--runs-root", str(tmp_path / "b")]) == 0
+    said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("toymlx: loading ")]
+    run, = (tmp_path / "b").iterdir()
+    est = _events(run)[0]["memory"]["estimate"]
+    assert said == [f"toymlx: loading tiny.gguf (0.0 GB, F32) held as float32 (--base-dtype): "
+                    f"about {est['base_mb'] * 2**20 / 1e9:.1f} GB; a training step needs about "
+                    f"{est['total_mb'] * 2**20 / 1e9:.1f} GB of the 10.0 GB available"]
