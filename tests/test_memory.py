@@ -396,6 +396,6 @@ def test_a_large_base_is_announced_before_it_loads(tiny_gguf, tmp_path, capsys, 
     said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("toymlx: loading ")]
     run, = (tmp_path / "b").iterdir()
     est = _events(run)[0]["memory"]["estimate"]
-    assert said == [f"toymlx: loading tiny.gguf (0.0 GB, F32) held as float32 (--base-dtype): "
-                    f"about {est['base_mb'] * 2**20 / 1e9:.1f} GB; a training step needs about "
-                    f"{est['total_mb'] * 2**20 / 1e9:.1f} GB of the 10.0 GB available"]
+    assert said == [("toymlx: loading tiny.gguf (0.0 GB, F32) held as float32 (--base-dtype): "
+                     f"about {est['base_mb'] * 2**20 / 1e9:.1f} GB; a training step needs about "
+                     f"{est['total_mb'] * 2**20 / 1e9:.1f} GB of the 10.0 GB available")]
