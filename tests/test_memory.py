@@ -302,7 +302,7 @@ def _events(run: Path) -> list[dict]:
 
 
 def test_a_run_that_fits_is_never_refused_and_records_its_memory(tiny_gguf, tmp_path,
-                                                                 monkeypatch):
+                                                                 monkeypatch, capsys):
     common = ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
               "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-batches", "1",
               "--no-progress"]
@@ -329,10 +329,17 @@ def test_a_run_that_fits_is_never_refused_and_records_its_memory(tiny_gguf, tmp_
     assert mem["kept"]["most_kept_mb"] == (mem["kept"].get("trim_threshold_mb", 0)
                                            + mem["kept"]["mlx_cache_limit_mb"])
     assert end["kind"] == "run_end" and end["peak_rss_mb"] > end["peak_memory_mb"] > 0
-    # too little memory, but --force: it starts, and says so
+    # too little memory, but --force: it starts, and says so (it said so in events.jsonl
+    # alone: the 1B shape forced over its 4.5 GB with 3.8 available printed nothing)
     monkeypatch.setenv(memory.AVAILABLE_ENV, "1")
+    capsys.readouterr()
     assert _train([*common, "--run-id", "forced", "--force"]) == 0
     assert _events(tmp_path / "forced")[0]["memory"]["forced"] is True
+    said = [x for x in capsys.readouterr().err.splitlines() if "starting anyway" in x]
+    assert len(said) == 1 and re.fullmatch(
+        rf"toymlx: --base {re.escape(str(tiny_gguf))}: a training step needs about \d+\.\d GB "
+        r"\(base .*\) and 0\.0 GB is available \(TOYMLX_MEMORY_AVAILABLE\); starting anyway "
+        r"\(--force\)", said[0]), said
 
 
 @pytest.mark.parametrize("value", ["junk", "-5", "1.5e9"])
