@@ -29,8 +29,14 @@ def test_tiny_gemma3_shape_written_quantized_and_reused(tmp_path):
     shape = shapes.Shape("tiny-gemma3", args, "synthetic")
     killed = tmp_path / ".tiny-gemma3.q4_k_m.gguf.f16.tmp-999999999"  # a writer long gone
     killed.write_bytes(b"half an F16")
-    path, took = shapes.shape_file(shape, tmp_path)
+    said: list[str] = []
+    path, took = shapes.shape_file(shape, tmp_path, progress=said.append)
     assert path == tmp_path / "tiny-gemma3.q4_k_m.gguf" and took["f16_bytes"] > path.stat().st_size
+    # the quantizer's wait is said (it was silent: 64 s for the 1B shape), and its peak RSS,
+    # a child's, is reported beside this process's (which never holds its tensors)
+    assert said[-1] == ("tiny-gemma3.q4_k_m.gguf: quantizing the F16 to Q4_K_M (llama.cpp's "
+                        "quantizer)")
+    assert took["quantizer_peak_rss_mb"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # the F16 is gone
     with GGUFFile(path) as g:
         # the file says the epsilon in float32, and the query scale is llama.cpp's gemma3 one

@@ -83,6 +83,10 @@ from toymlx.training.task import Task, TrainConfig
 from toymlx.training.task import make_optimizer as adamw
 
 DEFAULT_DATA = fixture_path("python_qa", "python_qa.jsonl")
+LOADING_NOTE_BYTES = 2**30
+"""A base held in this much or more is announced before it loads (`loading_note`): reading and
+decoding it takes seconds with nothing else on screen (the Llama-3.2-1B shape's Q4_K_M, 4.3 GB
+as float32: 13 s on 2 AMD EPYC cores)."""
 SCHEDULES = ("constant", "cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
 """--lr-schedule's MLX schedules (mlx.optimizers.schedulers, as mlx-lm's lr_schedule names
 them; constant: --lr)."""
@@ -365,6 +369,20 @@ def resolve_base_dtype(choice: str, gpu: bool, memory_first: bool,
     return "float32" if memory.within_half_available(step_bytes("float32"))[0] else "blocks"
 
 
+def loading_note(path: Path, types: str, dtype: str, est: memory.Estimate,
+                 fits: dict[str, Any]) -> str | None:
+    """The line said before a large base (`LOADING_NOTE_BYTES`) loads: the file, how it is held
+    and in how much, and the step's estimated peak against the memory available; None for a
+    small one."""
+    if est.base < LOADING_NOTE_BYTES:
+        return None
+    have = fits["available_mb"]
+    return (f"loading {path.name} ({path.stat().st_size / memory.GB:.1f} GB, {types}) held as "
+            f"{dtype} (--base-dtype): about {est.base / memory.GB:.1f} GB; a training step "
+            f"needs about {est.total / memory.GB:.1f} GB"
+            + ("" if have is None else f" of the {have * 2**20 / memory.GB:.1f} GB available"))
+
+
 def check_train_batch(batch_size: int, data: SFTData) -> None:
     """--batch-size against the training rows: ValueError naming the file they came from
     (train.jsonl alone; the run's general check, `runner.run.check_batch_fits`, covers the other
@@ -413,8 +431,16 @@ def build(cfg: Config, ops: Ops) -> Task:
 
         dtype = "float32" if full and not some else resolve_base_dtype(
             cfg.base_dtype, on_gpu(), cfg.grad_checkpoint, lambda held: step_estimate(held).total)
-        fits = memory.check_fits(step_estimate(dtype), f"--base {cfg.base}", cfg.force)
+        est = step_estimate(dtype)
+        # a float-held base (--base-dtype float32, or auto with memory to spare) its blocks
+        # would hold in less: the advice when the step does not fit
+        blocks_smaller = (not full and dtype in ("float32", "bfloat16", "float16")
+                          and step_estimate("blocks").total < est.total)
+        fits = memory.check_fits(est, f"--base {cfg.base}", cfg.force,
+                                 cfg.grad_checkpoint, blocks_smaller)
     model_store.check_digests(src, "--base")
+    if note := loading_note(src.path, types, dtype, est, fits):
+        print(f"toymlx: {note}", file=sys.stderr)
     model, g = load_llama(src.path, ops, dtype, trained)
     if some:  # mlx-lm's full fine-tune: model.freeze(), then each trained block unfrozen
         model.freeze()

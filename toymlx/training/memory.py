@@ -322,14 +322,24 @@ def within_half_available(need: int) -> tuple[bool, int | None]:
     return have is None or need <= have // 2, have
 
 
-def check_fits(est: Estimate, source: str, force: bool) -> dict[str, Any]:
-    """ValueError in one line when `est` exceeds the available memory (unless `force`);
-    else what run_start records: the estimate, what was available and from where."""
+def check_fits(est: Estimate, source: str, force: bool, grad_checkpoint: bool = False,
+               blocks_smaller: bool = False) -> dict[str, Any]:
+    """ValueError in one line when `est` exceeds the available memory (unless `force`), its
+    advice what the run does not do already: --grad-checkpoint unless on, --base-dtype blocks
+    where `blocks_smaller` (a float-held base its blocks would hold in less); with `force`, that
+    line on stderr, starting anyway; else what run_start records: the estimate, what was
+    available and from where."""
     avail, where = available_memory()
-    if avail is not None and est.total > avail and not force:
-        raise ValueError(
-            f"{source}: a training step needs about {est.describe()} and {avail / GB:.1f} GB "
-            f"is available ({where}); expected at most that: try --grad-checkpoint, a smaller "
-            "--batch-size or --seq-len, fewer --lora.layers, or --force to start anyway")
+    if avail is not None and est.total > avail:
+        over = (f"{source}: a training step needs about {est.describe()} and "
+                f"{avail / GB:.1f} GB is available ({where})")
+        if force:
+            print(f"toymlx: {over}; starting anyway (--force)", file=sys.stderr)
+        else:
+            tries = ([] if grad_checkpoint else ["--grad-checkpoint"]) + (
+                ["--base-dtype blocks"] if blocks_smaller else []) + [
+                "a smaller --batch-size or --seq-len", "fewer --lora.layers"]
+            raise ValueError(f"{over}; expected at most that: try {', '.join(tries)}, or "
+                             "--force to start anyway")
     return {"estimate": est.record(), "available_mb": None if avail is None
             else round(avail / 2**20), "available_from": where, "forced": bool(force)}
