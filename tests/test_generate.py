@@ -681,6 +681,13 @@ def test_generate_checks_the_prompt_ids_a_script_gives(stories):
         with pytest.raises(kind) as e:
             next(generate(model, tok, bad, 4))
         assert str(e.value) == want
+    # max_tokens -1 yielded nothing without a word, "3" failed in Python's comparison
+    for bad in (-1, "3", 2.0, True):
+        with pytest.raises(ValueError) as e:
+            next(generate(model, tok, ids, bad))
+        assert str(e.value) == f"max_tokens: expected an integer >= 0, found {bad!r}"
+    assert list(generate(model, tok, ids, 0)) == []
+    assert list(generate(model, tok, ids, np.int64(4))) == list(generate(model, tok, ids, 4))
 
 
 def test_a_chat_turn_that_is_not_utf8_is_refused_and_the_conversation_goes_on(chat_path,

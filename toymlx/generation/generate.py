@@ -123,6 +123,9 @@ def generate(model: Llama, tokenizer: Any, prompt_ids: Sequence[int], max_tokens
     prompt_ids = prompt_token_ids(prompt_ids, model.args.vocab_size)
     if len(prompt_ids) == 0:
         raise ValueError("prompt: expected at least one token, found an empty prompt")
+    if not hasattr(type(max_tokens), "__index__") or isinstance(max_tokens, bool) \
+            or operator.index(max_tokens) < 0:  # -1 yielded nothing, "3" failed comparing
+        raise ValueError(f"max_tokens: expected an integer >= 0, found {max_tokens!r}")
     check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
     check_top_k(top_k, model.args.vocab_size)  # greedy too: the flag is wrong either way
     window = model.args.context if window is None else window
