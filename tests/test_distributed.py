@@ -117,55 +117,28 @@ sys.exit(main())
 """
 
 # each rank says it is setting up (a file in the working folder), then sleeps there: the window
-# before the loop counts stop signals (loading a model, reading data)
-SLOW_SETUP = """
+def slow_script(name: str, rank: int | None = None) -> str:
+    """A toymlx-train whose `toymlx.runner.run.<name>` touches setup<RANK>, then sleeps on rank
+    `rank` (every rank: None) before doing its work:
+    - `_prepare`: set-up before the loop counts stop signals (loading a model, reading data);
+    - `init_distributed` on rank 0: it sleeps before connecting (in Python, where its handlers
+      run), while rank 1 waits for it in mx.distributed.init (in C++, holding the GIL: no
+      handler runs);
+    - `_build` on rank 1: it sleeps as it builds the task (after the ranks connected), while
+      rank 0 goes on into its loop and waits for it in the first step's all_sum."""
+    sleeps = "True" if rank is None else f'os.environ["MLX_RANK"] == "{rank}"'
+    return f"""
 import os, sys, time
 from pathlib import Path
 import toymlx
 import toymlx.runner.run as run
-prepare = run._prepare
-def _prepare(*args, **kwargs):
-    Path(f"setup{os.environ['MLX_RANK']}").touch()
-    time.sleep(1000)
-    return prepare(*args, **kwargs)
-run._prepare = _prepare
-from toymlx_cli.train import main
-sys.exit(main())
-"""
-
-
-# rank 0 says it is setting up, then sleeps before connecting (in Python, where its handlers run),
-# while rank 1 waits for it in mx.distributed.init (in C++, holding the GIL: no handler runs)
-SLOW_RANK0_CONNECT = """
-import os, sys, time
-from pathlib import Path
-import toymlx
-import toymlx.runner.run as run
-connect = run.init_distributed
-def init_distributed(*args, **kwargs):
-    Path(f"setup{os.environ['MLX_RANK']}").touch()
-    if os.environ["MLX_RANK"] == "0":
+done = run.{name}
+def slow(*args, **kwargs):
+    Path(f"setup{{os.environ['MLX_RANK']}}").touch()
+    if {sleeps}:
         time.sleep(1000)
-    return connect(*args, **kwargs)
-run.init_distributed = init_distributed
-from toymlx_cli.train import main
-sys.exit(main())
-"""
-
-# rank 1 says it is setting up, then sleeps as it builds the task (after the ranks connected),
-# while rank 0 goes on into its loop and waits for it in the first step's all_sum
-SLOW_RANK1_BUILD = """
-import os, sys, time
-from pathlib import Path
-import toymlx
-import toymlx.runner.run as run
-build = run._build
-def _build(*args, **kwargs):
-    Path(f"setup{os.environ['MLX_RANK']}").touch()
-    if os.environ["MLX_RANK"] == "1":
-        time.sleep(1000)
-    return build(*args, **kwargs)
-run._build = _build
+    return done(*args, **kwargs)
+run.{name} = slow
 from toymlx_cli.train import main
 sys.exit(main())
 """
@@ -852,7 +825,7 @@ def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path,
     and the launch failed: "2 of 2 ranks did not finish cleanly"; so were ranks that got it
     themselves (SIGTERM's default), and mlx.launch with them."""
     script = tmp_path / "slow_setup.py"
-    script.write_text(SLOW_SETUP)
+    script.write_text(slow_script("_prepare"))
     status = tmp_path / "status"
     p = _start(tmp_path, [*LAUNCH[:-1], "--status-dir", str(status), "--", sys.executable,
                           str(script), *STOP_ARGS, "--runs-root", str(tmp_path / "runs"),
@@ -889,7 +862,7 @@ def test_a_rank_left_waiting_for_one_stopped_before_the_first_step_is_stopped_no
     stopped by mlx.launch after another rank failed" and "failed: 2 of 2 ranks did not finish
     cleanly"."""
     script = tmp_path / "slow_rank0_connect.py"
-    script.write_text(SLOW_RANK0_CONNECT)
+    script.write_text(slow_script("init_distributed", 0))
     status = tmp_path / "status"
     p = _start(tmp_path, [*LAUNCH[:-1], "--grace", "2", "--status-dir", str(status), "--",
                           sys.executable, str(script), *STOP_ARGS, "--runs-root",
@@ -923,7 +896,7 @@ def test_a_rank_in_its_first_step_when_another_stops_before_it_ends_as_a_stop(tm
     launch exits 143 within seconds. Rank 0 ended with a RuntimeError traceback ("[ring]
     connection to a peer was lost"), run_end "error", and "failed: 2 of 2 ranks"."""
     script = tmp_path / "slow_rank1_build.py"
-    script.write_text(SLOW_RANK1_BUILD)
+    script.write_text(slow_script("_build", 1))
     status, run = tmp_path / "status", tmp_path / "runs" / "b"
     p = _start(tmp_path, [*LAUNCH[:-1], "--grace", "30", "--status-dir", str(status), "--",
                           sys.executable, str(script), *STOP_ARGS, "--runs-root",
