@@ -331,15 +331,22 @@ events; each resume records every move in effect, and the latest resume event's 
 readers look first (`moved_inputs`)."""
 
 
-def moved_inputs(events: list[dict]) -> dict[str, dict[str, Any]]:
-    """{option: its `MOVED_KEY` record} from the latest `resume` event ({} before any)."""
+def _latest_resume_record(events: list[dict], key: str, field: str, kind: type
+                          ) -> dict[str, dict[str, Any]]:
+    """{option: its record under `key`} from the latest `resume` event ({} before any), each
+    record an object whose `field` is a `kind` (others, from a hand-edited file, left out)."""
     out: dict[str, dict[str, Any]] = {}
     for e in events:
         if e["kind"] == "resume":
-            rec = e.get(MOVED_KEY)
+            rec = e.get(key)
             out = {k: v for k, v in rec.items() if isinstance(v, dict)
-                   and isinstance(v.get("file"), str)} if isinstance(rec, dict) else {}
+                   and isinstance(v.get(field), kind)} if isinstance(rec, dict) else {}
     return out
+
+
+def moved_inputs(events: list[dict]) -> dict[str, dict[str, Any]]:
+    """{option: its `MOVED_KEY` record} from the latest `resume` event ({} before any)."""
+    return _latest_resume_record(events, MOVED_KEY, "file", str)
 
 
 DATA_FIXED_KEY = "data_fixed"
@@ -352,13 +359,7 @@ effect, and the latest resume event's record is what later resumes check the dat
 
 def fixed_data(events: list[dict]) -> dict[str, dict[str, Any]]:
     """{option: its `DATA_FIXED_KEY` record} from the latest `resume` event ({} before any)."""
-    out: dict[str, dict[str, Any]] = {}
-    for e in events:
-        if e["kind"] == "resume":
-            rec = e.get(DATA_FIXED_KEY)
-            out = {k: v for k, v in rec.items() if isinstance(v, dict)
-                   and isinstance(v.get("bytes"), int)} if isinstance(rec, dict) else {}
-    return out
+    return _latest_resume_record(events, DATA_FIXED_KEY, "bytes", int)
 
 
 def _moved_record(key: str, typed: str, file: str, was: str) -> dict[str, Any]:
