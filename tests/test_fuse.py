@@ -371,10 +371,11 @@ def test_export_takes_the_rows_losses_from_the_run_and_scores_the_fused_file_alo
 def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_path, capsys,
                                                                       monkeypatch):
     """The held-out pass of the fused file (4 rows in one call of the run's held-out batches
-    here) and of the base (the run made no step-0 validation) each draws a tqdm bar naming it,
-    counting rows, where stderr is a terminal, and none where it is not (a log, a pipe); base
-    + adapter is not scored (the run's step-2 validation recorded its rows' losses). Either
-    way one line says first which passes run, on how many rows, and why."""
+    here) and of the base (the run made no step-0 validation) each draws a line naming it
+    ("scoring 4 rows in one pass": a bar would sit at 0% until the call ends) where stderr is a
+    terminal, and none where it is not (a log, a pipe); base + adapter is not scored (the
+    run's step-2 validation recorded its rows' losses). Either way one line says first which
+    passes run, on how many rows, and why."""
     import sys
 
     from toymlx_cli.export import main
@@ -392,9 +393,9 @@ def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_p
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "b.gguf")]) == 0
     err = capsys.readouterr().err
-    assert all(f"{bar}   0%" in err for bar in bars), err
-    assert "held-out loss, base + adapter" not in err
-    assert "0/4 [" in err and "row/s" in err  # the rows it scores
+    # 4 rows, one held-out call: each pass says so where a bar would sit at 0% until it ends
+    assert all(f"{bar} scoring 4 rows in one pass" in err for bar in bars), err
+    assert "held-out loss, base + adapter" not in err and "0/4 [" not in err
     assert err.rstrip().splitlines()[-1].startswith(
         "toymlx-export: held-out loss on the 4 validation rows the run scores (")
 
