@@ -238,7 +238,7 @@ def _run_bundle(model: str):
     of its own: its data is what eval reads unless told otherwise."""
     from toymlx.runner.bundle import Bundle
 
-    return Bundle.of(model)
+    return Bundle.of(model, "--model")
 
 
 def check_run_data(bundle, split: str) -> None:

@@ -356,6 +356,7 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
     from toymlx_cli.eval import chat_loss, run_rows
 
     from toymlx.backend.device import on_gpu
+    from toymlx.backend.files import counted
     from toymlx.bundle.checkpoint import checkpoint_file, checkpoint_step
     from toymlx.generation.generate import load_for_generation
     from toymlx.gguf.llama import frozen_weights
@@ -387,6 +388,15 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
         return chat_loss(*model, cfg, pick=pick, per_row=True,
                          progress=f"{PROG}: held-out loss, {what}")
 
+    recorded = next((len(r.n) for r in (tuned_rows, start_rows) if r is not None), None)
+    passes = ["the fused file", *(["the base"] if start_rows is None else []),
+              *(["base + adapter"] if tuned_rows is None else [])]
+    names = " and ".join([", ".join(passes[:-1]), passes[-1]] if len(passes) > 1 else passes)
+    print(f"{PROG}: scoring the held-out loss of {names} on the run's "
+          + (f"{counted(recorded, 'validation row')}" if recorded is not None else
+             f"validation rows (the first --eval-batches {cfg.eval_batches} x --batch-size "
+             f"{cfg.batch_size})")
+          + ", to say how much of the fine-tune the file keeps", file=sys.stderr, flush=True)
     try:
         held = loss("fused file", fused)
         # the run's rows are these rows where each holds the trained tokens the fused pass's

@@ -195,7 +195,7 @@ def _main(argv: list[str] | None) -> int:
                 for note in notes:
                     print(f"toymlx-train: {note}", file=sys.stderr)
         if resume:
-            bundle = Bundle.open(resume, given=_given_inputs(rest))
+            bundle = Bundle.open(resume, "--resume", given=_given_inputs(rest))
             if recipe and recipe != bundle.recipe:
                 raise RunError(f"{resume}: --resume: expected a run of recipe {recipe!r}, found "
                                f"a {bundle.recipe!r} run")

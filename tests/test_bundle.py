@@ -765,3 +765,22 @@ def test_a_console_that_fails_to_write_neither_stops_training_nor_loses_steps(tm
     end = read_events(tmp_path / "c")[-1]
     assert (end["kind"], end["reason"], end["final_step"]) == ("run_end", "completed", 12)
     assert os.readlink(tmp_path / "c" / "weights" / "latest") == "step_12.gguf"
+
+
+def test_a_bundle_opened_from_python_names_the_keyword_not_a_flag(tmp_path):
+    """`Bundle.open(path)` from Python names what was called (`path`), not toymlx-train's
+    --resume (nor `Bundle.of` eval's --model); a command passes its own flag and keeps it."""
+    from toymlx.bundle.options import RunError
+    from toymlx.runner.bundle import Bundle
+
+    assert Bundle.of(tmp_path) is None  # no config.json: a path outside any run
+    gone = tmp_path / "gone"
+    for call, said in ((lambda: Bundle.open(tmp_path), "path"),
+                       (lambda: Bundle.open(tmp_path, "--resume"), "--resume")):
+        with pytest.raises(RunError) as e:
+            call()
+        assert str(e.value) == (f"{tmp_path / 'config.json'}: {said}: expected the run's saved "
+                                "config, found no file (a run folder of toymlx-train has one)")
+    with pytest.raises(RunError) as e:
+        Bundle.open(gone)
+    assert str(e.value) == f"{gone}: path: expected a run bundle folder, found nothing"

@@ -371,9 +371,11 @@ def test_export_takes_the_rows_losses_from_the_run_and_scores_the_fused_file_alo
 def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_path, capsys,
                                                                       monkeypatch):
     """The held-out pass of the fused file (4 rows in one call of the run's held-out batches
-    here) and of the base (the run made no step-0 validation) each draws a tqdm bar naming it,
-    counting rows, where stderr is a terminal, and none where it is not (a log, a pipe); base
-    + adapter is not scored (the run's step-2 validation recorded its rows' losses)."""
+    here) and of the base (the run made no step-0 validation) each draws a line naming it
+    ("scoring 4 rows in one pass": a bar would sit at 0% until the call ends) where stderr is a
+    terminal, and none where it is not (a log, a pipe); base + adapter is not scored (the
+    run's step-2 validation recorded its rows' losses). Either way one line says first which
+    passes run, on how many rows, and why."""
     import sys
 
     from toymlx_cli.export import main
@@ -382,13 +384,18 @@ def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_p
     bars = [f"toymlx-export: held-out loss, {what}:" for what in ("base", "fused file")]
     capsys.readouterr()
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "a.gguf")]) == 0
-    assert "held-out loss, " not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "held-out loss, " not in err
+    # said before the passes start, in a log too: what the wait is for
+    assert err.splitlines()[-2] == (
+        "toymlx-export: scoring the held-out loss of the fused file and the base on the run's "
+        "4 validation rows, to say how much of the fine-tune the file keeps")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "b.gguf")]) == 0
     err = capsys.readouterr().err
-    assert all(f"{bar}   0%" in err for bar in bars), err
-    assert "held-out loss, base + adapter" not in err
-    assert "0/4 [" in err and "row/s" in err  # the rows it scores
+    # 4 rows, one held-out call: each pass says so where a bar would sit at 0% until it ends
+    assert all(f"{bar} scoring 4 rows in one pass" in err for bar in bars), err
+    assert "held-out loss, base + adapter" not in err and "0/4 [" not in err
     assert err.rstrip().splitlines()[-1].startswith(
         "toymlx-export: held-out loss on the 4 validation rows the run scores (")
 
@@ -412,7 +419,11 @@ def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_ste
     capsys.readouterr()
     out = tmp_path / "fused.gguf"
     assert main(["--base", str(base), "--adapter", str(run), "--fuse", "--out", str(out)]) == 0
-    lines = capsys.readouterr().err.strip().splitlines()[-2:]
+    lines = capsys.readouterr().err.strip().splitlines()[-3:]
+    assert lines.pop(1) == (  # the three passes, said before they start (no row count known)
+        "toymlx-export: scoring the held-out loss of the fused file, the base and base + adapter "
+        "on the run's validation rows (the first --eval-batches 1 x --batch-size 2), to say how "
+        "much of the fine-tune the file keeps")
     assert re.fullmatch(
         rf"toymlx-export: wrote {re.escape(str(out))} \([\d.]+ MiB\) from {re.escape(str(base))} "
         rf"\+ adapter {re.escape(str(run))} \(fused\): 4 changed tensors written as .+, the rest "

@@ -380,6 +380,26 @@ def test_run_directory_as_model(tmp_path, stories_path, capsys):
 
 
 
+def test_a_large_model_is_announced_before_it_loads(stories_path, capsys, monkeypatch):
+    """toymlx-generate --model of a 1B Q4_K_M (4.3 GB as float32) read and decoded it for ~16 s
+    with nothing said; a model held in `memory.LOADING_NOTE_BYTES` or more now says first what
+    it loads and how it is held, the line toymlx-train's lora recipe says of its base; a
+    smaller one says nothing. stories260K: 292,800 F32 values, 1,171,200 bytes as float32."""
+    from toymlx.training import memory
+
+    def err(threshold: int) -> list[str]:
+        monkeypatch.setattr(memory, "LOADING_NOTE_BYTES", threshold)
+        assert cli.main(["--model", str(stories_path), "--prompt", PROMPT, "--max-tokens", "2",
+                         "--temperature", "0", "--engine", "mlx"]) == 0
+        return capsys.readouterr().err.splitlines()
+
+    assert not any(x.startswith("toymlx: loading") for x in err(1_171_201))
+    said = err(1_171_200)
+    assert said[:2] == [
+        "toymlx: loading stories260K.gguf (0.0 GB, F32) held as float32: about 0.0 GB",
+        f"toymlx-generate: model {stories_path}"]
+
+
 def test_temp_is_mlx_lm_s_spelling_of_temperature(stories_path, capsys):
     """--temp (mlx_lm.generate's and llama.cpp's flag) was refused, "did you mean
     --temperature?": it is the same option; --temp 0 is greedy (mlx_lm.generate's default), a

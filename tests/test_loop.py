@@ -187,6 +187,36 @@ def test_a_commands_pass_draws_its_bar_on_a_terminal_only(tiny_gguf, monkeypatch
     assert len(set(losses.values())) == 1, losses
 
 
+def test_a_pass_of_one_call_says_so_instead_of_a_bar_at_0(tiny_gguf, monkeypatch):  # noqa: F811
+    """A split a held-out call takes whole (11 rows in one call of 16 here, as toymlx-eval
+    batches a small split) drew a bar that sat at 0/11 until the call ended, then jumped to
+    11/11; it now says what it is doing, "scoring 11 rows in one pass", with no percentage, and
+    the loss is the bar's (the batches, and so the numbers, are the same)."""
+    import io
+
+    from toymlx.data.chat import sft_val_batches
+    from toymlx.models.losses import lm_held_out_sums
+    from toymlx.training.evaluate import Evaluator
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    model = _lora_model(tiny_gguf)
+    rows = _held_out_rows(128)
+    losses = []
+    for per, said in ((16, "eval: scoring 11 rows in one pass"), (4, "eval: ")):
+        monkeypatch.setattr(sys, "stderr", Terminal())
+        cut = sft_val_batches(rows, 4, 10, per)
+        losses.append(Evaluator(_task(model, cut, metrics_fn=lm_held_out_sums), False, 1,
+                                progress="eval")()["val_loss"])
+        drawn = sys.stderr.getvalue()
+        assert said in drawn, drawn
+        assert ("%" in drawn) == (per == 4) and ("0/11" in drawn) == (per == 4), drawn
+    # the same rows in one call or in three: the same loss, to float32 sums' rounding
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+
+
 def test_validation_is_traced_once_per_batch_shape_and_reads_the_current_weights(
         tiny_gguf):  # noqa: F811
     import mlx.core as mx

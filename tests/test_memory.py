@@ -390,15 +390,13 @@ def test_a_large_base_is_announced_before_it_loads(tiny_gguf, tmp_path, capsys, 
     screen, and the step's estimate was in events.jsonl alone: a base held in
     `LOADING_NOTE_BYTES` or more is now said before it loads, with how it is held and the
     estimate against the memory available; a smaller one is not."""
-    from toymlx.recipes import lora
-
     monkeypatch.setenv(memory.AVAILABLE_ENV, str(10 * 10**9))
     common = ["--recipe", "lora", "--base", str(tiny_gguf), "--steps", "1", "--batch-size", "2",
               "--seq-len", "64", "--eval-batches", "1", "--no-progress", "--base-dtype",
               "float32"]
     assert _train([*common, "--runs-root", str(tmp_path / "a")]) == 0
     assert "toymlx: loading " not in capsys.readouterr().err
-    monkeypatch.setattr(lora, "LOADING_NOTE_BYTES", 0)
+    monkeypatch.setattr(memory, "LOADING_NOTE_BYTES", 0)
     assert _train([*common, "--runs-root", str(tmp_path / "b")]) == 0
     said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("toymlx: loading ")]
     run, = (tmp_path / "b").iterdir()

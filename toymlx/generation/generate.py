@@ -534,9 +534,19 @@ def check_one_adapter(path: str | os.PathLike, adapters: Sequence[Path]) -> None
 def load_model(gguf_path: Path, adapters: Sequence[Path], weights: str | None = None,
                ops: Ops = EXACT) -> Llama:
     """The MLX model of `model_files`' answer, its adapters applied (`load_for_generation`
-    after its header checks: a command that checked the header itself loads with this)."""
-    model, g = load_llama(gguf_path, ops,
-                          weights=weights or decoding_weights(gguf_path, on_gpu()))
+    after its header checks: a command that checked the header itself loads with this). A
+    large one is announced first (`memory.loading_note`): it reads, and as float32 decodes, every
+    weight before anything else is said."""
+    from toymlx.gguf.quant import projection_types
+    from toymlx.training.memory import base_bytes, loading_note
+
+    weights = weights or decoding_weights(gguf_path, on_gpu())
+    with GGUFFile(gguf_path) as g:
+        note = loading_note(gguf_path, "/".join(sorted(set(projection_types(g).values()))),
+                            weights, base_bytes(g, weights))
+    if note:
+        print(f"toymlx: {note}", file=sys.stderr, flush=True)
+    model, g = load_llama(gguf_path, ops, weights=weights)
     g.close()
     for a in adapters:
         apply_adapter(model, a)

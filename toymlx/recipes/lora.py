@@ -83,10 +83,6 @@ from toymlx.training.task import Task, TrainConfig
 from toymlx.training.task import make_optimizer as adamw
 
 DEFAULT_DATA = fixture_path("python_qa", "python_qa.jsonl")
-LOADING_NOTE_BYTES = 2**30
-"""A base held in this much or more is announced before it loads (`loading_note`): reading and
-decoding it takes seconds with nothing else on screen (the Llama-3.2-1B shape's Q4_K_M, 4.3 GB
-as float32: 13 s on 2 AMD EPYC cores)."""
 SCHEDULES = ("constant", "cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
 """--lr-schedule's MLX schedules (mlx.optimizers.schedulers, as mlx-lm's lr_schedule names
 them; constant: --lr)."""
@@ -371,15 +367,13 @@ def resolve_base_dtype(choice: str, gpu: bool, memory_first: bool,
 
 def loading_note(path: Path, types: str, dtype: str, est: memory.Estimate,
                  fits: dict[str, Any]) -> str | None:
-    """The line said before a large base (`LOADING_NOTE_BYTES`) loads: the file, how it is held
-    and in how much, and the step's estimated peak against the memory available; None for a
-    small one."""
-    if est.base < LOADING_NOTE_BYTES:
+    """The line said before a large base loads (`memory.loading_note`), with the step's
+    estimated peak against the memory available; None for a small one."""
+    note = memory.loading_note(path, types, f"{dtype} (--base-dtype)", est.base)
+    if note is None:
         return None
     have = fits["available_mb"]
-    return (f"loading {path.name} ({path.stat().st_size / memory.GB:.1f} GB, {types}) held as "
-            f"{dtype} (--base-dtype): about {est.base / memory.GB:.1f} GB; a training step "
-            f"needs about {est.total / memory.GB:.1f} GB"
+    return (f"{note}; a training step needs about {est.total / memory.GB:.1f} GB"
             + ("" if have is None else f" of the {have * 2**20 / memory.GB:.1f} GB available"))
 
 

@@ -108,10 +108,11 @@ class Bundle:
         (`folder.as_before`): {dotted key: one line, for the readers to say}."""
 
     @classmethod
-    def open(cls, path: str | os.PathLike, flag: str = "--resume",
+    def open(cls, path: str | os.PathLike, flag: str = "path",
              given: dict[str, str] | None = None) -> Bundle:
         """Read a run folder's config.json (strictly: RunError naming the file and the key, as
-        for command-line input; `flag` names the option that gave the folder) and its events.
+        for command-line input; `flag` names what gave the folder: a command's option such as
+        "--resume", or by default this keyword, for a caller from Python) and its events.
         `given`: input options given again ({"data.path": "data2"}), read from there when they
         hold the recorded contents (`inputs.adopt_input`; RunError where they hold others)."""
         from toymlx.recipes import get_recipe
@@ -159,9 +160,9 @@ class Bundle:
                 if not read_as_recorded(k, records[k], str(option(self.config, k)))}
 
     @classmethod
-    def of(cls, path: str | os.PathLike, flag: str = "--model") -> Bundle | None:
+    def of(cls, path: str | os.PathLike, flag: str = "path") -> Bundle | None:
         """The bundle a run folder, or a checkpoint file in its weights/, belongs to; None for
-        a path outside any run (a GGUF of its own)."""
+        a path outside any run (a GGUF of its own). `flag` as for `open`."""
         p = Path(path)
         for run_dir in (p, p.parent.parent) if p.parent.name == "weights" else (p,):
             if (run_dir / CONFIG_FILE).is_file():

@@ -266,7 +266,7 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
     ValueError/OSError with one line when something is off, leaving no new bundle behind."""
     check_config(module, cfg, new_run=bundle is None and not cfg.resume)
     if cfg.resume and bundle is None:
-        bundle = Bundle.open(cfg.resume)
+        bundle = Bundle.open(cfg.resume, "--resume")
     select_device(cfg.device)
     ops = run_ops(cfg)
     world = init_distributed()

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.backend import device
+from toymlx.backend.files import counted
 from toymlx.backend.progress import pass_bar
 from toymlx.backend.stop import CutShort
 from toymlx.training import cpu_streams
@@ -118,11 +119,18 @@ class Evaluator:
 
     def _bar(self, batches: list[dict[str, Any]]) -> Any:
         """The pass's progress bar over the rows `batches` hold (None: none drawn), where they
-        hold more than one (`pass_bar`)."""
+        hold more than one (`pass_bar`). A pass of one call (a split of no more rows than a
+        held-out call takes, `held_out_call_rows`) would sit at 0% until it ends, all its rows
+        scored at once (counting them one by one would take calls of other sizes, other
+        sums): it says so in place of the bar, "scoring 15 rows in one pass"."""
         if self.progress is None:
             return pass_bar(0, None, self.unit)
-        total = sum(scored_rows(micro_batch(b, i)) for b in batches
-                    for i in range(next(iter(b.values())).shape[0]))
+        calls = [scored_rows(micro_batch(b, i)) for b in batches
+                 for i in range(next(iter(b.values())).shape[0])]
+        total = sum(calls)
+        if len(calls) == 1:
+            return pass_bar(total, f"{self.progress}: scoring {counted(total, self.unit)} in "
+                            "one pass", self.unit, bar_format="{desc}")
         return pass_bar(total, self.progress, self.unit)
 
 
