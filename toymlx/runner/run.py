@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -149,11 +149,13 @@ def _stopped_before_the_first_step(e: KeyboardInterrupt) -> int:
 
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                  bundle: Bundle | None = None, config_file: str | None = None,
-                 name_keys: Callable[[str], str] | None = None) -> int:
+                 name_keys: Callable[[str], str] | None = None,
+                 notes: Sequence[str] = ()) -> int:
     """Run one recipe with a parsed config (with `bundle`, the opened run `--resume` continues;
     `config_file`: the -c file it was read from, an input the run folder must not replace);
     returns the process exit code. `name_keys` rewrites the line of an option refused before
-    the first step (an mlx-lm config's `--steps` named by the file's `iters`)."""
+    the first step (an mlx-lm config's `--steps` named by the file's `iters`); `notes` (an
+    mlx-lm config's) are said once the run is not refused, so a refusal stays its one line."""
     with contextlib.ExitStack() as owned:  # the bundle's lock, held until training has ended
         try:
             # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
@@ -170,7 +172,7 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             return _stopped_before_the_first_step(e)
         if run.resume is not None and run.resume.note:
             print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
-        for note in (warmup_note(cfg), half_precision_note(cfg.dtype, on_gpu())):
+        for note in (*notes, warmup_note(cfg), half_precision_note(cfg.dtype, on_gpu())):
             if note and (run.world is None or run.world.rank() == 0):
                 print(f"toymlx-train: {note}", file=sys.stderr)
         for key, note in run.used.items() if run.world is None or run.world.rank() == 0 else ():
