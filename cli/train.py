@@ -242,7 +242,7 @@ def _main(argv: list[str] | None) -> int:
     # an mlx-lm file's value refused by a later check is named by the file's key, not the flag
     return run_training(recipe, module, cfg, bundle, config_path, name_keys=(
         (lambda message: mlx_lm_error(message, rows, config_path)) if mlx_lm else None),
-        notes=notes)
+        notes=notes, given=frozenset(_flags_given(rest)))
 
 
 if __name__ == "__main__":
