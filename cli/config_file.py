@@ -76,6 +76,18 @@ MLX_LM_COMMAND_KEYS = {
         "adapter_path": "--model (the run folder: its base with its adapter; --adapter RUN "
                         "over another --model)",
         "system_prompt": "--system",
+        # mlx-lm's rotating cache keeps the newest max_kv_size tokens; toymlx's context shift
+        # keeps the newer half of the window, its size not set by a flag
+        "max_kv_size": "toymlx-generate's cache holds the model's whole window; where the text "
+                       "reaches it, --context-shift (the default) drops the older half and goes "
+                       "on, --no-context-shift stops; drop it",
+        "extra_eos_token": "toymlx-generate stops at the GGUF's end-of-generation tokens (eos "
+                           "and end-of-turn, as llama.cpp) or at --max-tokens, no other token "
+                           "or text; drop it and cut the printed text where you want",
+        "draft_model": "toymlx-generate has no speculative decoding (the one --model predicts "
+                       "every token); drop it",
+        "num_draft_tokens": "toymlx-generate has no speculative decoding (no --draft-model); "
+                            "drop it",
         "verbose": "toymlx-generate always prints its model and speed lines on stderr, the "
                    "text alone on stdout; drop it"},
     "toymlx-eval": {  # mlx_lm.lora --test's

@@ -134,7 +134,8 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
                    else None)
         try:
             cfg = parse_options(module.Config, list(spec.args), prog, default)
-            check_config(module, cfg, new_run=True)
+            check_config(module, cfg, new_run=True, given=frozenset(
+                a for a in spec.args if a.startswith("--")))
             # a data path that is not there, or an empty folder, failed each run that had it,
             # seconds into its start, the others running (a typo in one grid value found at the
             # end of the sweep); found as toymlx-train says it (`nothing_there`)

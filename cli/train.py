@@ -164,6 +164,7 @@ def _main(argv: list[str] | None) -> int:
         print_version()
         return 0
     default, bundle, mlx_lm, keys = None, None, False, None
+    notes: list[str] = []  # an mlx-lm file's, said once the run is not refused (`run_training`)
     try:
         config_path, argv = split_config(argv)
         recipe, resume, rest = _split_recipe(argv)
@@ -192,8 +193,6 @@ def _main(argv: list[str] | None) -> int:
                                                   in given else given.get("--lora.rank"))
                 rows = _over_the_file(rows, given)
                 print(f"{config_path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
-                for note in notes:
-                    print(f"toymlx-train: {note}", file=sys.stderr)
         if resume:
             bundle = Bundle.open(resume, "--resume", given=_given_inputs(rest))
             if recipe and recipe != bundle.recipe:
@@ -230,7 +229,7 @@ def _main(argv: list[str] | None) -> int:
     if mlx_lm and not any(a.partition("=")[0] == mlx_lm_layers_flag(cfg) for a in rest):
         cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; the flag keeps toymlx's
         if note:
-            print(f"toymlx-train: {config_path}: {note}", file=sys.stderr)
+            notes.append(f"{config_path}: {note}")
     try:
         if mlx_lm and not any(a.partition("=")[0] in ("--data.mask-prompt",
                                                       "--data.no-mask-prompt") for a in rest):
@@ -242,7 +241,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     # an mlx-lm file's value refused by a later check is named by the file's key, not the flag
     return run_training(recipe, module, cfg, bundle, config_path, name_keys=(
-        (lambda message: mlx_lm_error(message, rows, config_path)) if mlx_lm else None))
+        (lambda message: mlx_lm_error(message, rows, config_path)) if mlx_lm else None),
+        notes=notes, given=frozenset(_flags_given(rest)))
 
 
 if __name__ == "__main__":

@@ -376,6 +376,23 @@ def test_an_option_that_does_not_apply_is_named(tmp_path, capsys, stories_path):
     assert [x.name for x in tmp_path.iterdir()] == ["full.yaml"]
 
 
+@pytest.mark.parametrize("argv, flag, found", [
+    (["--lora.targets", "q"], "--lora.targets", "'q'"),
+    (["--lora.rank=8"], "--lora.rank", "8"),
+    (["--lora.init_adapter", "None"], "--lora.init-adapter", "None"),
+])
+def test_an_option_given_at_its_default_where_it_does_not_apply_is_named(
+        tmp_path, capsys, stories_path, argv, flag, found):
+    """Given on the command line at its default (`q`, rank 8, no adapter), it was taken: the
+    check compared values with the defaults, not the flags given."""
+    flags = ["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
+             "--stop-at", "1", "--no-compile", "--seq-len", "32", "--no-progress"]
+    assert main([*flags, "--fine-tune-type", "full", *argv]) == 2
+    assert error_line(capsys) == "toymlx-train: error: " + FULL_LORA.replace(
+        "--lora.rank", flag).replace("found 4", f"found {found}")
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("how", ["flag", "file"])
 @pytest.mark.parametrize("value,want", [
     ("inf", "--lr: expected a finite number, found inf"),

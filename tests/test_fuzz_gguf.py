@@ -320,24 +320,30 @@ def test_u64_counts_and_lengths_are_bounded(tmp_path):
         assert clean(e.value, p)
 
 
-@pytest.mark.parametrize("prog,argv,expected", [
-    ("toymlx-generate", ["--prompt", "hi", "--model"], "expected present"),
-    ("toymlx-train", ["--recipe", "warm-start", "--steps", "1", "--no-progress", "--donor"],
-     "expected present (the donor's token table)"),
+@pytest.mark.parametrize("vocab,arch", [("smollm2", "llama"), ("gpt-2", "gpt2")])
+@pytest.mark.parametrize("prog,argv", [
+    ("toymlx-generate", ["--prompt", "hi", "--model"]),
+    ("toymlx-train", ["--recipe", "warm-start", "--steps", "1", "--no-progress", "--donor"]),
+    ("toymlx-eval", ["--model"]),
+    ("toymlx-export", ["--out", "x.gguf", "--base"]),
 ])
 def test_a_tokenizer_only_gguf_given_as_a_model_says_so(tmp_path, shared_file, capsys, prog,
-                                                        argv, expected):
+                                                        argv, vocab, arch, monkeypatch):
     """llama.cpp's ggml-vocab-smollm2.gguf given as the model or donor was "tensor
-    'token_embd.weight': expected present, found missing": it holds no tensor at all."""
+    'token_embd.weight': expected present, found missing": it holds no tensor at all; its
+    ggml-vocab-gpt-2.gguf was "expected one of llama, ..., found 'gpt2'" (an architecture no
+    model of which was asked for)."""
     from cli_errors import error_line
-    from toymlx_cli import generate, train
+    from toymlx_cli import eval as eval_cli
+    from toymlx_cli import export, generate, train
 
-    vocab = shared_file("tokenizers/ggml-vocab-smollm2.gguf")
-    main = {"toymlx-generate": generate.main, "toymlx-train": train.main}[prog]
-    assert main([*argv, str(vocab), *(["--runs-root", str(tmp_path)]
-                                      if prog == "toymlx-train" else [])]) == 2
+    monkeypatch.chdir(tmp_path)
+    path = shared_file(f"tokenizers/ggml-vocab-{vocab}.gguf")
+    main = {"toymlx-generate": generate.main, "toymlx-train": train.main,
+            "toymlx-eval": eval_cli.main, "toymlx-export": export.main}[prog]
+    assert main([*argv, str(path), *(["--runs-root", str(tmp_path)]
+                                     if prog == "toymlx-train" else [])]) == 2
     assert error_line(capsys, prog) == (
-        f"{prog}: error: {vocab}: tensor 'token_embd.weight': {expected}, found missing: the "
-        "file holds no tensors, a tokenizer-only GGUF (as llama.cpp's ggml-vocab-*.gguf), not a "
-        "model")
+        f"{prog}: error: {path}: expected a model, found a '{arch}' vocabulary only: the file "
+        "holds no tensors, a tokenizer-only GGUF (as llama.cpp's ggml-vocab-*.gguf), not a model")
     assert not any(tmp_path.iterdir())

@@ -1146,7 +1146,7 @@ def test_a_chat_samples_the_idle_cores_at_its_first_turn_only(chat_path, monkeyp
 
 
 def test_a_model_of_the_other_kind_names_the_command_that_uses_it(tmp_path, stories_path,
-                                                                  capsys):
+                                                                  shared_file, capsys):
     """toymlx-generate given a vit-tiny checkpoint (or run) said only "expected one of llama,
     qwen2, ... found 'vit'", and toymlx-classify given a language model "expected 'vit', found
     'llama'". Each now names the command that uses the file."""
@@ -1174,6 +1174,15 @@ def test_a_model_of_the_other_kind_names_the_command_that_uses_it(tmp_path, stor
         f"toymlx-classify: error: {stories_path}: metadata key 'general.architecture': "
         "expected 'vit' (an image classifier), found 'llama', a language model: "
         f"toymlx-generate --model {stories_path} uses it")
+    # a vocabulary without weights: named as that, whatever its architecture (before: the
+    # llama ones sent to toymlx-generate, which refuses them: "holds no tensors")
+    for vocab, arch in (("smollm2", "llama"), ("gpt-2", "gpt2")):
+        path = shared_file(f"tokenizers/ggml-vocab-{vocab}.gguf")
+        assert classify_main(["--model", str(path), str(image)]) == 2
+        assert error_line(capsys, "toymlx-classify") == (
+            f"toymlx-classify: error: {path}: expected a ViT checkpoint (an image classifier), "
+            f"found a '{arch}' vocabulary only: the file holds no tensors, a tokenizer-only GGUF "
+            "(as llama.cpp's ggml-vocab-*.gguf), not a model")
 
 
 SAMPLED = ["--prompt", PROMPT, "--max-tokens", "20", "--temperature", "0.8", "--seed", "7"]

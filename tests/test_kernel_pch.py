@@ -403,3 +403,11 @@ def test_a_kernel_cache_that_is_no_folder_is_named(tmp_path, monkeypatch):
         f"kernels in, found Not a directory at {kept}; MLX builds them in its own folder "
         f"{mlx_dir}, not kept")]
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    # the next start, MLX's own folder made by the first: the same line (it said the kernels
+    # "are only copied to" a folder under the file, which cannot be made)
+    mlx_dir.mkdir(parents=True)
+    (mlx_dir / "libk.so").write_bytes(b"k")
+    with pytest.warns(UserWarning) as again:
+        assert device.persist_kernels() == str(mlx_dir)
+    assert [str(w.message) for w in again] == [str(w.message) for w in caught]
+    assert (tmp_path / "notes.txt").read_text() == "mine"

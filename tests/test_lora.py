@@ -1209,6 +1209,13 @@ def test_full_fine_tune_of_the_last_block_keeps_the_rest_quantized(tiny_gguf, tm
     (["--lr-schedule", "constant", "--min-lr-ratio", "0.5"], (
         "--min-lr-ratio: expected with --lr-schedule warmup-cosine (the floor of its decay), "
         "found 0.5 with --lr-schedule constant")),
+    # each given at its default (before: taken, compared with the default only)
+    (["--warmup-init", "0"], (
+        "--warmup-init: expected with an MLX --lr-schedule (warmup-cosine rises from --lr / "
+        "--warmup), found 0.0 with --lr-schedule warmup-cosine")),
+    (["--lr-schedule", "constant", "--min-lr-ratio", "0.1"], (
+        "--min-lr-ratio: expected with --lr-schedule warmup-cosine (the floor of its decay), "
+        "found 0.1 with --lr-schedule constant")),
 ])
 def test_schedule_options_the_schedule_does_not_read_are_refused(tiny_gguf, tmp_path, capsys,
                                                                  argv, want):

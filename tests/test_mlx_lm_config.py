@@ -1030,6 +1030,28 @@ def test_a_value_refused_after_the_file_is_read_is_named_by_the_file_s_key(
     assert not list((tmp_path / "runs").glob("*/config.json"))  # no run left behind
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--lr", "-1"], "--lr: expected > 0, found -1.0"),  # the command line's parse
+    (["--lora.rank", "0"], "--lora.rank: expected >= 1, found 0"),
+    (["--steps", "0"], "--steps: expected >= 1, found 0"),  # the run's preparation
+])
+def test_a_refused_mlx_lm_config_run_says_its_one_error_line_and_no_note(
+        tmp_path, base, data, capsys, argv, line):
+    """The file's notes (adapter_path's, num_layers') come once the run goes ahead: a refused
+    run's stderr is its one error line; the adapter_path and num_layers notes came before it."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 1,
+                                    "batch_size": 2, "max_seq_length": 32, "val_batches": 1,
+                                    "adapter_path": str(tmp_path / "runs" / "a")}))
+    assert main(["-c", str(path), "--no-progress", *argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"toymlx-train: error: {line}"]
+    assert not (tmp_path / "runs" / "a").exists()
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0  # said when it runs
+    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith(f"toymlx-train: "
+                                                                            f"{path}: ")]
+    assert [x.split(": ")[2] for x in notes] == ["key 'adapter_path'", "num_layers 16"]
+
+
 def test_data_given_on_the_command_line_wins_over_the_file_s_hf_dataset(tmp_path, base, data,
                                                                         capsys):
     """`hf_dataset` (mlx-lm's hub datasets) with `--data.path DIR`: the flag gives the data and

@@ -317,6 +317,21 @@ def test_unsloths_gguf_quantization_is_toymlx_export_s_dtype(capsys):
     ("generate", "--verbose", ("mlx-lm's --verbose has no toymlx-generate option: "
      "toymlx-generate always prints its model and speed lines on stderr, the text alone on "
      "stdout; drop it")),
+    # mlx_lm.generate's --max-kv-size, --extra-eos-token, --draft-model (before: no hint;
+    # --draft-model "did you mean --model?")
+    ("generate", "--max-kv-size", ("mlx-lm's --max-kv-size has no toymlx-generate option: "
+     "toymlx-generate's cache holds the model's whole window; where the text reaches it, "
+     "--context-shift (the default) drops the older half and goes on, --no-context-shift "
+     "stops; drop it")),
+    ("generate", "--extra-eos-token", ("mlx-lm's --extra-eos-token has no toymlx-generate "
+     "option: toymlx-generate stops at the GGUF's end-of-generation tokens (eos and end-of-turn, "
+     "as llama.cpp) or at --max-tokens, no other token or text; drop it and cut the printed "
+     "text where you want")),
+    ("generate", "--draft-model", ("mlx-lm's --draft-model has no toymlx-generate option: "
+     "toymlx-generate has no speculative decoding (the one --model predicts every token); drop "
+     "it")),
+    ("generate", "--num-draft-tokens", ("mlx-lm's --num-draft-tokens has no toymlx-generate "
+     "option: toymlx-generate has no speculative decoding (no --draft-model); drop it")),
     ("eval", "--test", "mlx-lm's --test is toymlx-eval's --split test"),
     # a training flag elsewhere is toymlx-train's, not the command's
     ("export", "--iters", "mlx-lm's --iters is toymlx-train's --steps"),

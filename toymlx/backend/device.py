@@ -57,6 +57,9 @@ _NOT_BOUND = ("MLX's CPU matmuls could not be pointed at {path} ({why}), so they
 _CACHE_NOT_USED = ("TOYMLX_KERNEL_CACHE={chosen}: MLX builds its CPU kernels in "
                    "{mlx_dir}, which is not a link toymlx made, so they are only copied to "
                    "{kept} at each start; remove {mlx_dir} to have them built there")
+_CACHE_NO_FOLDER = ("TOYMLX_KERNEL_CACHE={chosen}: expected a folder toymlx can keep MLX's "
+                    "kernels in, found {why} at {where}; MLX builds them in its own folder "
+                    "{mlx_dir}, not kept")
 _CACHE_IN_USE = ("TOYMLX_KERNEL_CACHE={chosen}: MLX builds its CPU kernels in {mlx_dir}, a "
                  "link to {folder} that another running toymlx process builds through, so "
                  "they are not kept in {kept}; give this process a TMPDIR of its own to keep "
@@ -315,13 +318,17 @@ def kernel_forms() -> bool:
     return _PROCESS.kernel_forms == "checked"
 
 
-def _keep_new_kernels(mlx_dir: Path, kept: Path) -> None:
+def _keep_new_kernels(mlx_dir: Path, kept: Path) -> OSError | None:
     """Copy the kernels MLX built in its own temporary folder that `kept` lacks (each through
     a temporary name, so a reader never sees half a library, removed where the copy fails: a
-    full disk is left no fuller)."""
-    tmp = kept / f".partial-{os.getpid()}"  # MLX's names fill NAME_MAX already
+    full disk is left no fuller); the error where `kept` cannot be made (a file on its path, a
+    read-only place), else None."""
     try:
         kept.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return e
+    tmp = kept / f".partial-{os.getpid()}"  # MLX's names fill NAME_MAX already
+    try:
         have = {p.name for p in kept.iterdir()}
         for lib in mlx_dir.glob("*.so"):
             if lib.name not in have:
@@ -329,6 +336,7 @@ def _keep_new_kernels(mlx_dir: Path, kept: Path) -> None:
                 os.replace(tmp, kept / lib.name)
     except OSError:
         atomic.discard(tmp)  # a cache: MLX compiles what it lacks
+    return None
 
 
 def _kernel_cache_root() -> Path:
@@ -407,7 +415,7 @@ def persist_kernels() -> str | None:
     into another build's folder). Not on macOS (Metal kernels are MLX's own);
     `TOYMLX_KERNEL_CACHE=off` leaves MLX's folder alone; where MLX's folder is not a link toymlx
     made, `TOYMLX_KERNEL_CACHE=<folder>` says in one line that the kernels are only copied
-    there."""
+    there (or, where it names no folder toymlx can make, that they are not kept)."""
     if sys.platform != "linux" or os.environ.get("TOYMLX_KERNEL_CACHE") == "off":
         return None
     mlx_dir = _mlx_kernel_dir()
@@ -418,8 +426,9 @@ def persist_kernels() -> str | None:
         in_use = why if why in ("another build's", "chosen") and not alone() else None
         if why is not None and in_use is None:
             return _link_kernel_folder(mlx_dir, kept)
+    unkept = None
     if not _made_by_toymlx(mlx_dir, kept) and mlx_dir.is_dir():
-        _keep_new_kernels(mlx_dir, kept)
+        unkept = _keep_new_kernels(mlx_dir, kept)
     folder = mlx_dir.resolve()
     chosen = os.environ.get("TOYMLX_KERNEL_CACHE")
     if in_use == "chosen":
@@ -427,6 +436,10 @@ def persist_kernels() -> str | None:
                     stacklevel=2)
     elif in_use is not None:
         notice.warn(_ANOTHER_BUILD_IN_USE.format(mlx_dir=mlx_dir, folder=folder, kept=kept),
+                    stacklevel=2)
+    elif chosen and unkept is not None:  # a file: "only copied to" it could not be
+        notice.warn(_CACHE_NO_FOLDER.format(chosen=chosen, why=unkept.strerror or unkept,
+                                            where=unkept.filename or kept, mlx_dir=mlx_dir),
                     stacklevel=2)
     elif chosen and folder != kept.resolve():
         notice.warn(_CACHE_NOT_USED.format(chosen=chosen, mlx_dir=mlx_dir, kept=kept),
@@ -443,9 +456,9 @@ def _link_kernel_folder(mlx_dir: Path, kept: Path) -> str | None:
     except OSError as e:
         if chosen := os.environ.get("TOYMLX_KERNEL_CACHE"):  # a file, a read-only place: it
             # was passed over with no word, the kernels built where the benchmark did not look
-            notice.warn(f"TOYMLX_KERNEL_CACHE={chosen}: expected a folder toymlx can keep MLX's "
-                        f"kernels in, found {e.strerror or e} at {e.filename or kept}; MLX "
-                        f"builds them in its own folder {mlx_dir}, not kept", stacklevel=3)
+            notice.warn(_CACHE_NO_FOLDER.format(chosen=chosen, why=e.strerror or e,
+                                                where=e.filename or kept, mlx_dir=mlx_dir),
+                        stacklevel=3)
         return str(mlx_dir) if mlx_dir.is_dir() else None  # MLX makes its own folder
     try:
         mlx_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from toymlx.data.image_folder import (
     images_below,
 )
 from toymlx.gguf.llama import ARCHS
-from toymlx.gguf.reader import GGUFError, GGUFFile
+from toymlx.gguf.reader import VOCAB_ONLY, GGUFError, GGUFFile
 from toymlx.gguf.vit import class_names, load_vit
 from toymlx.models.vit import ViT
 
@@ -58,7 +58,10 @@ class Classifier:
     def load(cls, model: str | Path) -> Classifier:
         path = checkpoint_file(model)
         with GGUFFile(path) as g:
-            arch = g.metadata.get("general.architecture")
+            arch, vocab_only = g.metadata.get("general.architecture"), not g.tensors
+        if vocab_only:  # whatever its architecture: no command runs it (not toymlx-generate)
+            raise GGUFError(f"{path}: expected a ViT checkpoint (an image classifier), found "
+                            f"a {arch!r} vocabulary only: {VOCAB_ONLY}")
         if arch in ARCHS:  # a language model's run or file
             raise GGUFError(f"{path}: metadata key 'general.architecture': expected 'vit' (an "
                             f"image classifier), found {arch!r}, a language model: "

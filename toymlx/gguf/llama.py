@@ -24,7 +24,14 @@ from mlx.utils import tree_flatten
 from toymlx.gguf import gemma4
 from toymlx.gguf.blocks import CODECS, split_rows
 from toymlx.gguf.quant import EXACT_QUANTS, GROUP_SIZE, gguf_to_mlx_quant
-from toymlx.gguf.reader import UINT32, GGUFError, GGUFFile, check_finite, refuse_adapter
+from toymlx.gguf.reader import (
+    UINT32,
+    VOCAB_ONLY,
+    GGUFError,
+    GGUFFile,
+    check_finite,
+    refuse_adapter,
+)
 from toymlx.gguf.writer import FILE_TYPE, encode_tensor, write_gguf
 from toymlx.models.layers import (
     BlockEmbedding,
@@ -329,7 +336,7 @@ def check_model_kind(g: GGUFFile, flag: str | None = None) -> None:
     """GGUFError, before any other key is read, where the file is not a model: a LoRA adapter
     (`refuse_adapter`; `flag` the option that gave it), a projector (mmproj; older ones say so
     by `general.architecture` 'clip' alone), an importance matrix or another `general.type`,
-    saying what to pass instead."""
+    saying what to pass instead; a file of no tensors (a vocabulary) says so."""
     refuse_adapter(g.path, g.metadata, flag)
     kind = g.metadata.get("general.type", "model")
     key = "general.type"
@@ -339,6 +346,10 @@ def check_model_kind(g: GGUFFile, flag: str | None = None) -> None:
         what = NOT_A_MODEL.get(kind, f"{kind!r}")
         raise GGUFError(f"{g.path}: metadata key {key!r}: expected a model (general.type "
                         f"'model' or absent), found {what}")
+    if not g.tensors:  # llama.cpp's ggml-vocab-*.gguf: its architecture ('gpt2') names no model
+        raise GGUFError(f"{g.path}: expected a model, found a "
+                        f"{g.metadata.get('general.architecture')!r} vocabulary only: "
+                        f"{VOCAB_ONLY}")
 
 
 def args_from_gguf(g: GGUFFile) -> LlamaArgs:

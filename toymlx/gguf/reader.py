@@ -54,6 +54,10 @@ TYPE_NAMES = {UINT8: "uint8", INT8: "int8", UINT16: "uint16", INT16: "int16", UI
               UINT64: "uint64", INT64: "int64", FLOAT64: "float64"}
 
 
+VOCAB_ONLY = ("the file holds no tensors, a tokenizer-only GGUF (as llama.cpp's ggml-vocab-*.gguf), "
+              "not a model")
+"""What a GGUF without tensors is: a vocabulary, no weights for any command to run."""
+
 class GGUFError(ValueError):
     """A GGUF file that cannot be used; the message is one line naming file, key and values."""
 
@@ -424,9 +428,7 @@ class GGUFFile:
     def missing(self) -> str:
         """What a tensor this file lacks is found as: "missing", or where the file holds no
         tensors at all, that it is a vocabulary-only GGUF (as llama.cpp's ggml-vocab-*.gguf)."""
-        return ("missing" if self.tensors else
-                "missing: the file holds no tensors, a tokenizer-only GGUF (as llama.cpp's "
-                "ggml-vocab-*.gguf), not a model")
+        return "missing" if self.tensors else f"missing: {VOCAB_ONLY}"
 
     def load(self, name: str, dtype=np.float32) -> np.ndarray:
         """Tensor `name` decoded to `dtype` in numpy (out, in) order; exact for float types."""

@@ -23,7 +23,7 @@ type that keeps its change), a type: every tensor re-quantized to it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -268,28 +268,34 @@ def validate(cfg: Config) -> None:
     row_keys(cfg.data.keys)
 
 
-def check_applies(cfg: Config) -> None:
+def check_applies(cfg: Config, given: Collection[str] = ()) -> None:
     """A new run's options checked for ones set where they do not apply: --lora.* with
     --fine-tune-type full (no adapters are trained), --full.* with lora or dora; ValueError
     naming the first; and --lr-schedule-args, --warmup-init and --min-lr-ratio where the
-    --lr-schedule does not read them (each was taken and ignored)."""
+    --lr-schedule does not read them (each was taken and ignored). Set: other than its default,
+    or among `given`, the command line's flags (`--lora.targets q`, the default, given)."""
+    flags = {f.partition("=")[0].replace("_", "-") for f in given}
+
+    def is_set(flag: str, value: Any, default: Any) -> bool:
+        return value != default or flag in flags
+
     cosine = cfg.lr_schedule == "warmup-cosine"
     if cosine and cfg.lr_schedule_args:  # constant's: refused by `schedule`
         raise ValueError(f"--lr-schedule-args: expected none with --lr-schedule warmup-cosine "
                          f"(--lr, --warmup and --min-lr-ratio shape it), found "
                          f"{list(cfg.lr_schedule_args)}; give an MLX --lr-schedule to use them")
-    if cosine and cfg.warmup_init != Config.warmup_init:
+    if cosine and is_set("--warmup-init", cfg.warmup_init, Config.warmup_init):
         raise ValueError(f"--warmup-init: expected with an MLX --lr-schedule (warmup-cosine "
                          f"rises from --lr / --warmup), found {cfg.warmup_init} with "
                          "--lr-schedule warmup-cosine")
-    if not cosine and cfg.min_lr_ratio != Config.min_lr_ratio:
+    if not cosine and is_set("--min-lr-ratio", cfg.min_lr_ratio, Config.min_lr_ratio):
         raise ValueError(f"--min-lr-ratio: expected with --lr-schedule warmup-cosine (the floor "
                          f"of its decay), found {cfg.min_lr_ratio} with --lr-schedule "
                          f"{cfg.lr_schedule}")
     if cfg.fine_tune_type != "full":
         for f in fields(FullOptions):
             v = getattr(cfg.full, f.name)
-            if v != getattr(FullOptions(), f.name):
+            if is_set(f"--full.{f.name.replace('_', '-')}", v, getattr(FullOptions(), f.name)):
                 raise ValueError(f"--full.{f.name.replace('_', '-')}: expected no value with "
                                  f"--fine-tune-type {cfg.fine_tune_type} (it steers a full "
                                  f"fine-tune), found {v!r}; remove it (--lora.{f.name} for "
@@ -297,7 +303,7 @@ def check_applies(cfg: Config) -> None:
         return
     for f in fields(LoRAOptions):
         v = getattr(cfg.lora, f.name)
-        if v != getattr(LoRAOptions(), f.name):
+        if is_set(f"--lora.{f.name.replace('_', '-')}", v, getattr(LoRAOptions(), f.name)):
             raise ValueError(f"--lora.{f.name.replace('_', '-')}: expected no value with "
                              f"--fine-tune-type full (every weight is trained, no adapters), "
                              f"found {v!r}; remove it, or train --fine-tune-type lora or dora")

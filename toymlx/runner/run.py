@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -149,16 +149,20 @@ def _stopped_before_the_first_step(e: KeyboardInterrupt) -> int:
 
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                  bundle: Bundle | None = None, config_file: str | None = None,
-                 name_keys: Callable[[str], str] | None = None) -> int:
+                 name_keys: Callable[[str], str] | None = None,
+                 notes: Sequence[str] = (), given: Collection[str] = ()) -> int:
     """Run one recipe with a parsed config (with `bundle`, the opened run `--resume` continues;
     `config_file`: the -c file it was read from, an input the run folder must not replace);
     returns the process exit code. `name_keys` rewrites the line of an option refused before
-    the first step (an mlx-lm config's `--steps` named by the file's `iters`)."""
+    the first step (an mlx-lm config's `--steps` named by the file's `iters`); `notes` (an
+    mlx-lm config's) are said once the run is not refused, so a refusal stays its one line;
+    `given`: the command line's flags, an option given where it does not apply refused even at
+    its default (`check_config`)."""
     with contextlib.ExitStack() as owned:  # the bundle's lock, held until training has ended
         try:
             # before MLX evaluates anything; activation checkpointing wants MLX's narrow order
             setup_process(wide_evaluation=not cfg.grad_checkpoint)
-            run = _prepare(recipe, module, cfg, bundle, owned, config_file)
+            run = _prepare(recipe, module, cfg, bundle, owned, config_file, given)
         except (ValueError, OSError, KeyError) as e:
             return _refused(f"toymlx-train: error: {name_keys(str(e)) if name_keys else e}",
                             e.world if isinstance(e, RanksAlike) else None)
@@ -170,7 +174,7 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             return _stopped_before_the_first_step(e)
         if run.resume is not None and run.resume.note:
             print(f"toymlx-train: {run.resume.note}", file=sys.stderr)
-        for note in (warmup_note(cfg), half_precision_note(cfg.dtype, on_gpu())):
+        for note in (*notes, warmup_note(cfg), half_precision_note(cfg.dtype, on_gpu())):
             if note and (run.world is None or run.world.rank() == 0):
                 print(f"toymlx-train: {note}", file=sys.stderr)
         for key, note in run.used.items() if run.world is None or run.world.rank() == 0 else ():
@@ -261,10 +265,11 @@ def _after_rank_0(world: Any) -> None:
 
 
 def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle | None,
-             owned: contextlib.ExitStack, config_file: str | None = None) -> _Prepared:
+             owned: contextlib.ExitStack, config_file: str | None = None,
+             given: Collection[str] = ()) -> _Prepared:
     """Everything before the first step, the bundle owned (locked) through `owned`; raises
     ValueError/OSError with one line when something is off, leaving no new bundle behind."""
-    check_config(module, cfg, new_run=bundle is None and not cfg.resume)
+    check_config(module, cfg, new_run=bundle is None and not cfg.resume, given=given)
     if cfg.resume and bundle is None:
         bundle = Bundle.open(cfg.resume, "--resume")
     select_device(cfg.device)

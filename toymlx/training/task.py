@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -121,11 +121,13 @@ def model_error(e: ArgsError, options: Any,
     return ValueError(e.text(lambda f: flags[f][0] if f in flags else field_name(f), given))
 
 
-def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) -> None:
+def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False,
+                 given: Collection[str] = ()) -> None:
     """Every option checked up front, the shared ones here and the rest by the recipe's
     `validate`: ValueError naming the flag (for command-line input and config.json alike).
     `new_run`: also the recipe's `check_applies`, which refuses an option set where it does not
-    apply (a saved run is opened as it was written)."""
+    apply (a saved run is opened as it was written), or given on the command line (`given`,
+    its flags) at its default."""
     for key, v in _numbers(cfg):
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"{flag_name(key)}: expected a finite number, found {v}")
@@ -169,7 +171,7 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False) ->
     if hasattr(module, "validate"):
         module.validate(cfg)
     if new_run and hasattr(module, "check_applies"):
-        module.check_applies(cfg)
+        module.check_applies(cfg, given)
 
 
 @dataclass
