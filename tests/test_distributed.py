@@ -918,8 +918,8 @@ def test_a_rank_in_its_first_step_when_another_stops_before_it_ends_as_a_stop(tm
     assert {k: end[k] for k in ("kind", "reason", "final_step", "exit_code", "signal")} == {
         "kind": "run_end", "reason": "interrupted", "final_step": 0, "exit_code": 143,
         "signal": "SIGTERM"}
-    assert end["message"].startswith("stopped by SIGTERM during step 1, where another rank had "
-                                     "stopped before its first step, so it could not be "
+    assert end["message"].startswith("stopped by SIGTERM during step 1, which lost another "
+                                     "rank (its own line says how), so it could not be "
                                      "trained; "), end["message"]
 
 

@@ -327,7 +327,7 @@ def known_flags() -> set[str]:
 
 
 OTHER_TOOLS = ("python", "pip", "llama-", "ollama", "benchmarks/", "mlx_lm", "unzip", "torchrun",
-               "accelerate")
+               "accelerate", "hf ")
 """Inline code that is another program's command line: its flags are not toymlx's."""
 
 

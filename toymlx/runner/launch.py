@@ -561,7 +561,10 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
         stream.write(f"toymlx-launch: {line}\n")
     stream.flush()
     codes = [c for c, _ in bad.values() if isinstance(c, int) and 0 < c < 256]
-    return codes[0] if codes else 1
+    # a rank's failure before the stops it brought on the others (rank 0, stopped when rank 1
+    # failed, ended 143: the launch's status was the stop's, not the failure's)
+    failed = [c for c in codes if c not in STOP_CODES]
+    return (failed or codes or [1])[0]
 
 
 def other_machines(hosts: Sequence[str]) -> list[str]:

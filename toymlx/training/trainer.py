@@ -469,9 +469,9 @@ class _Loop:
                     raise
                 what, code = stop_outcome(stop.first)
                 self.signal = stop.name
-                self._end("interrupted", code, f"{what} during step {self.step + 1}, where "
-                          "another rank had stopped before its first step, so it could not "
-                          f"be trained; {resume_from(self.run_dir, self.ckpt.last)}")
+                self._end("interrupted", code, f"{what} during step {self.step + 1}, which "
+                          "lost another rank (its own line says how), so it could not be "
+                          f"trained; {resume_from(self.run_dir, self.ckpt.last)}")
             finally:
                 end = self._run_end()
             if together and not self.solo:
@@ -483,7 +483,9 @@ class _Loop:
         a stop: a rank still setting up when the stop came ends at once, alone (`stops_raise`),
         and MLX's ring then fails the step's all_sum on the ranks already in the loop
         ("[ring] connection to a peer was lost"): a stop, not an error (a traceback, run_end
-        "error", exit 1, and toymlx-launch's "failed: 2 of 2 ranks")."""
+        "error", exit 1, and toymlx-launch's "failed: 2 of 2 ranks"). So too where the peer
+        failed and the launch stopped this rank: the failing rank's line and exit code say it
+        (toymlx-launch's status is the failure's)."""
         return (not self.solo and stop.count > 0 and isinstance(e, RuntimeError)
                 and "connection to a peer was lost" in str(e))
 
