@@ -212,13 +212,14 @@ def test_q4_k_m_twin_matches_llamacpp(tiny_hf, tiny_gguf, tmp_path, weights):  #
 
 
 def test_a_mixture_of_experts_file_is_one_line(llamacpp_source):  # noqa: F811
-    """llama.cpp's gemma4 vocabulary file carries the 26B-A4B's metadata (128 experts)."""
+    """llama.cpp's gemma4 vocabulary file carries the 26B-A4B's metadata (128 experts) and no
+    tensors: named first as what it is, a vocabulary only (`check_model_kind`), one line."""
     path = llamacpp_source / "models" / "ggml-vocab-gemma-4.gguf"
     with pytest.raises(GGUFError) as e:
         args_from_gguf(GGUFFile(path))
-    assert str(e.value) == (f"{path}: metadata key 'gemma4.expert_count': expected 0 (gemma4 is "
-                            "dense; mixtures of experts load as qwen3moe, qwen2moe, llama), "
-                            "found 128")
+    assert str(e.value) == (f"{path}: expected a model, found a 'gemma4' vocabulary only: the "
+                            "file holds no tensors, a tokenizer-only GGUF (as llama.cpp's "
+                            "ggml-vocab-*.gguf), not a model")
 
 
 def test_write_llama_round_trips_and_llamacpp_reads_it(tiny_hf, tiny_gguf, tmp_path):  # noqa: F811
