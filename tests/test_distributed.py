@@ -117,6 +117,15 @@ sys.exit(main())
 """
 
 # each rank says it is setting up (a file in the working folder), then sleeps there: the window
+def _wait_for_setups(p: subprocess.Popen, tmp_path: Path) -> None:
+    """Until both ranks of `slow_script`'s launch `p` have touched their setup<RANK> files."""
+    t0 = time.monotonic()
+    while not all((tmp_path / f"setup{r}").exists() for r in range(2)):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 300
+        time.sleep(0.05)
+
+
 def slow_script(name: str, rank: int | None = None) -> str:
     """A toymlx-train whose `toymlx.runner.run.<name>` touches setup<RANK>, then sleeps on rank
     `rank` (every rank: None) before doing its work:
@@ -831,11 +840,7 @@ def test_a_sigterm_before_the_first_step_ends_the_ranks_as_ctrl_c_does(tmp_path,
                           str(script), *STOP_ARGS, "--runs-root", str(tmp_path / "runs"),
                           "--run-id", "s"])
     try:
-        t0 = time.monotonic()
-        while not all((tmp_path / f"setup{r}").exists() for r in range(2)):
-            assert p.poll() is None, p.stderr.read()[-3000:]
-            assert time.monotonic() - t0 < 300
-            time.sleep(0.05)
+        _wait_for_setups(p, tmp_path)
         if to == "launcher":
             p.send_signal(signal.SIGTERM)
         else:
@@ -868,11 +873,7 @@ def test_a_rank_left_waiting_for_one_stopped_before_the_first_step_is_stopped_no
                           sys.executable, str(script), *STOP_ARGS, "--runs-root",
                           str(tmp_path / "runs"), "--run-id", "w"])
     try:
-        t0 = time.monotonic()
-        while not all((tmp_path / f"setup{r}").exists() for r in range(2)):
-            assert p.poll() is None, p.stderr.read()[-3000:]
-            assert time.monotonic() - t0 < 300
-            time.sleep(0.05)
+        _wait_for_setups(p, tmp_path)
         time.sleep(2)  # rank 1 in mx.distributed.init
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=120)

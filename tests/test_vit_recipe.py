@@ -25,6 +25,20 @@ def _run(tmp, rid, *extra):
     return tmp / rid
 
 
+def _two_classes(data, n: int):
+    """`data` holding classes a and b of `n` 8x8 grey PNGs each, a's pixels below 120 and b's
+    from 120 (seeded: the same files every call)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for k, name in enumerate(("a", "b")):
+        (data / name).mkdir(parents=True)
+        for i in range(n):
+            Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
+                data / name / f"{i:02d}.png")
+    return data
+
+
 def test_vit_run_events_and_checkpoint(tmp_path):
     run = _run(tmp_path, "v", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3")
     evs = read_events(run)
@@ -245,7 +259,6 @@ def test_an_image_that_fails_mid_run_keeps_the_steps_and_resume_goes_on_once_fix
     line names the file, and the resume of the fixed data trains the uninterrupted run's losses
     to the bit; a later resume checks the data against the fixed data, and another change is
     still refused."""
-    from PIL import Image
 
     from toymlx.data import images
 
@@ -254,13 +267,7 @@ def test_an_image_that_fails_mid_run_keeps_the_steps_and_resume_goes_on_once_fix
     monkeypatch.setattr(images, "_channel_stats",
                         lambda x, scale: (np.full(x.shape[-1], 0.5, np.float32),
                                           np.full(x.shape[-1], 0.25, np.float32)))
-    rng = np.random.default_rng(0)
-    data = tmp_path / "data"
-    for k, name in enumerate(("a", "b")):
-        (data / name).mkdir(parents=True)
-        for i in range(40):
-            Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
-                data / name / f"{i:02d}.png")
+    data = _two_classes(tmp_path / "data", 40)
     bad = data / "b" / "20.png"
     good = bad.read_bytes()
     bad.write_bytes(good[:60])  # the header whole, the pixels cut
@@ -333,15 +340,8 @@ def test_a_file_the_run_never_reads_does_not_block_its_resume(tmp_path, capsys):
     """An edited notes.txt in a class folder (a file the loader never reads) made --resume
     refuse the data ("its size changed"); the record of an ImageFolder covers its images
     alone, and a changed image is still refused."""
-    from PIL import Image
 
-    rng = np.random.default_rng(0)
-    data = tmp_path / "data"
-    for k, name in enumerate(("a", "b")):
-        (data / name).mkdir(parents=True)
-        for i in range(20):
-            Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
-                data / name / f"{i:02d}.png")
+    data = _two_classes(tmp_path / "data", 20)
     (data / "a" / "notes.txt").write_text("where these came from\n")
     run = _run(tmp_path, "n", "--data.path", str(data), "--steps", "4", "--stop-at", "2")
     (data / "a" / "notes.txt").write_text("where these came from, and more\n")
