@@ -156,18 +156,30 @@ def test_a_lora_step_lowers_the_loss(tiny_hf, tiny_gguf, grad_checkpoint):  # no
 def test_llamacpp_applies_the_adapter_and_loads_the_fused_export(tiny_hf, tiny_gguf,  # noqa: F811
                                                                 tmp_path):
     """The adapter toymlx writes, applied by llama.cpp (--lora), and the fused export: both
-    compute toymlx's adapted logits; the export keeps every key and tensor of the base."""
+    compute toymlx's adapted logits; the export keeps every key and tensor of the base. Every
+    projection mlx-lm's default adapts, the per-layer-input gate and projection (blk.N.inp_gate,
+    blk.N.proj: llama.cpp's build_lora_mm applies their pairs) too."""
     path = tiny_gguf("gemma4")
     ids = token_ids(tiny_hf("gemma4"), N)
     model, g = load_llama(path)
-    apply_lora(model, "q,k,v,o,gate,up,down", rank=4, alpha=8.0)
+    apply_lora(model, "mlx-lm-default", rank=4, alpha=8.0)
     rng = np.random.default_rng(3)
     for _, m in model.named_modules():
         if hasattr(m, "lora_b") and not isinstance(m.lora_b, dict):
             m.lora_b = mx.array(rng.standard_normal(m.lora_b.shape).astype(np.float32) * 0.05)
     mine = logits(model, ids)
     base = logits(load_llama(path)[0], ids)
+    pair = [m for b in model.layers for m in (b.ple_gate, b.ple_proj)]
+    kept_b = [m.lora_b for m in pair]
+    for m in pair:
+        m.lora_b = mx.zeros_like(m.lora_b)
+    without_pair = logits(model, ids)  # what llama.cpp would compute ignoring the pair
+    for m, b in zip(pair, kept_b):
+        m.lora_b = b
     ad = write_adapter(tmp_path / "adapter.gguf", model, dict(g.metadata))
+    assert {n for n in GGUFFile(ad).tensors if ".inp_gate." in n or ".proj." in n} == {
+        f"blk.{i}.{t}.weight.{h}" for i in range(6) for t in ("inp_gate", "proj")
+        for h in ("lora_a", "lora_b")}
     ref, _ = llamacpp_logits_lora(path, ad, ids)
     merged = write_merged(tmp_path / "merged.gguf", path, ad, "f32")
     fused_cpp, _ = llamacpp_logits_lora(merged, None, ids)
@@ -177,11 +189,12 @@ def test_llamacpp_applies_the_adapter_and_loads_the_fused_export(tiny_hf, tiny_g
     kept = {k: v for k, v in g.metadata.items() if k.startswith("gemma4.")}
     assert {k: m.metadata[k] for k in kept} == kept
     d = {"adapted_vs_base": float(np.abs(mine - base).max()),
+         "pair_alone": float(np.abs(mine - without_pair).max()),
          "llamacpp_lora_vs_toymlx": float(np.abs(ref - mine).max()),
          "llamacpp_fused_vs_toymlx": float(np.abs(fused_cpp - mine).max()),
          "toymlx_fused_vs_adapted": float(np.abs(fused_toy - mine).max())}
     report("adapter and fused export", **d)
-    assert d["adapted_vs_base"] > 0.05
+    assert d["adapted_vs_base"] > 0.05 and d["pair_alone"] > 4 * GELU_TOL
     assert d["llamacpp_lora_vs_toymlx"] < GELU_TOL and d["llamacpp_fused_vs_toymlx"] < GELU_TOL
     assert d["toymlx_fused_vs_adapted"] < 1e-4
 

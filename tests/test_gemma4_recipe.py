@@ -122,8 +122,8 @@ def test_targets_the_chosen_blocks_all_lack_are_one_line(base, tmp_path, capsys)
                   "--lora.layers", "2"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "--lora.targets: expected a projection that blocks 4-5 (the last 2 of this gemma4 "
-        "base, --lora.layers) have: q,o,gate,up,down; found k,v, none of which they have, so "
-        "nothing would train: add one of theirs or raise --lora.layers")
+        "base, --lora.layers) have: q,o,gate,up,down,ple_gate,ple_proj; found k,v, none of which "
+        "they have, so nothing would train: add one of theirs or raise --lora.layers")
     assert list(tmp_path.iterdir()) == []  # no run folder
     tail = lora_layers(apply_lora(load_llama(base)[0], "q,k,v", layers=2, rank=2))
     assert sorted(tail) == ["layers.4.attn.q_proj", "layers.5.attn.q_proj"]
@@ -145,3 +145,106 @@ def test_a_gemma4_key_that_is_not_finite_is_refused_by_name(base, tmp_path, key,
                                         rf"a finite value >(= 0 \(0: no cap\)| 0), found "
                                         rf"{value}$"):
         load_llama(bad)
+
+
+def _mlx_lm_gemma4():
+    """mlx-lm's own gemma4 text model of `gemma4_gguf`'s shape (E2B's layout: per-layer
+    embeddings of width 8, a shared-KV tail of 2 blocks without k and v)."""
+    from mlx_lm.models import gemma4_text
+
+    return gemma4_text.Model(gemma4_text.ModelArgs(
+        model_type="gemma4_text", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+        num_attention_heads=4, head_dim=16, global_head_dim=32, num_key_value_heads=1,
+        vocab_size=300, vocab_size_per_layer_input=300, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"] * 3))
+
+
+@pytest.mark.parametrize("keys", [None, ["per_layer_input_gate", "per_layer_projection"],
+                                  ["self_attn.k_proj", "per_layer_projection"]])
+def test_mlx_lm_s_keys_adapt_the_modules_mlx_lm_adapts(base, keys):
+    """An mlx-lm config's lora_parameters.keys (none: mlx-lm's default) adapts, block by block,
+    the modules mlx-lm's own linear_to_lora_layers wraps on mlx-lm's gemma4 of the same shape:
+    the per-layer-input gate and projection (blk.N.inp_gate, blk.N.proj) of every block
+    included (before: the default left them out and those keys were refused)."""
+    from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRA
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from toymlx_cli.mlx_lm_config import mlx_lm_options
+
+    from toymlx.models.lora import MLX_LM_KEYS, TARGETS, apply_lora, lora_layers
+
+    theirs = _mlx_lm_gemma4()
+    theirs.freeze()
+    linear_to_lora_layers(theirs, 6, {"rank": 2, "scale": 1.0, "dropout": 0.0, "keys": keys})
+    want = {f"layers.{i}.{TARGETS[MLX_LM_KEYS[p]]}" for i, block in enumerate(theirs.layers)
+            for p, m in block.named_modules() if isinstance(m, MlxLmLoRA)}
+    params = {"rank": 2, "scale": 1.0, "dropout": 0.0, **({"keys": keys} if keys else {})}
+    options, _, _ = mlx_lm_options({"lora_parameters": params}, "f.yaml")
+    ours = set(lora_layers(apply_lora(load_llama(base)[0], options["lora.targets"], rank=2)))
+    assert ours == want
+    assert {f"layers.{i}.ple_gate" for i in range(6)} <= ours or keys is not None
+    assert len(ours) == {None: 6 * 9 - 2 * 2, "per_layer_input_gate": 12,
+                         "self_attn.k_proj": 4 + 6}[keys[0] if keys else None]
+
+
+def test_the_per_layer_input_pair_s_adapters_are_in_the_block_s_forward(base):
+    """LoRA on ple_gate and ple_proj: the block's per-layer-input branch, from its own forward
+    (`close` with the per-layer input less without it, over its output scale), is numpy fp64's
+    norm((Wp + s Bp Ap) (gelu_tanh((Wg + s Bg Ag) h) * ple)) on the same h."""
+    import mlx.core as mx
+
+    from toymlx.models.lora import apply_lora
+
+    model = apply_lora(load_llama(base)[0], "ple_gate,ple_proj", rank=3, alpha=6.0)
+    rng = np.random.default_rng(0)
+    blk = model.layers[4]  # a shared-KV block: the pair is in every block
+    for m in (blk.ple_gate, blk.ple_proj):
+        m.lora_b = mx.array(rng.standard_normal(m.lora_b.shape).astype(np.float32) * 0.5)
+    x, a = (mx.array(rng.standard_normal((1, 5, 64)).astype(np.float32)) for _ in range(2))
+    ple = mx.array(rng.standard_normal((1, 5, 8)).astype(np.float32))
+    s_out = float(blk.out_scale.weight[0])
+    h = np.array(blk.close(x, a), np.float64) / s_out
+    got = np.array(blk.close(x, a, ple), np.float64) / s_out - h
+
+    def adapted(m):
+        w, b, a = (np.array(t, np.float64) for t in (m.linear.weight, m.lora_b, m.lora_a))
+        return w + m.scale * b @ a
+
+    g = h @ adapted(blk.ple_gate).T
+    g = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+    y = (g * np.array(ple, np.float64)) @ adapted(blk.ple_proj).T
+    want = (y / np.sqrt((y ** 2).mean(-1, keepdims=True) + blk.ple_norm.eps)
+            * np.array(blk.ple_norm.weight, np.float64))
+    base_branch = np.array(load_llama(base)[0].layers[4].close(x, a, ple), np.float64) / s_out - h
+    assert np.abs(want - base_branch).max() > 0.1  # the adapters move the branch
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_the_per_layer_input_pair_exports_as_llama_cpp_names_it(base, tmp_path):
+    """The adapter file names the pair's tensors as llama.cpp's gemma4 does (blk.N.inp_gate,
+    blk.N.proj, each built with build_lora_mm, so llama.cpp applies them: test_gemma4.py), reads
+    back onto a fresh base with the same logits, and the merged export (--fuse's) folds them
+    into the base's blk.N.inp_gate / blk.N.proj."""
+    import mlx.core as mx
+
+    from toymlx.interop.merge import write_merged
+    from toymlx.models.lora import apply_lora
+    from toymlx.training.adapter import apply_adapter, write_adapter
+
+    model, g = load_llama(base)
+    apply_lora(model, "ple_gate,ple_proj", rank=2, alpha=4.0, layers=2)
+    rng = np.random.default_rng(1)
+    for i in (4, 5):
+        for m in (model.layers[i].ple_gate, model.layers[i].ple_proj):
+            m.lora_b = mx.array(rng.standard_normal(m.lora_b.shape).astype(np.float32) * 0.5)
+    ad = write_adapter(tmp_path / "adapter.gguf", model, dict(g.metadata))
+    f = GGUFFile(ad)
+    assert sorted(f.tensors) == [f"blk.{i}.{t}.weight.{h}" for i in (4, 5)
+                                 for t in ("inp_gate", "proj") for h in ("lora_a", "lora_b")]
+    assert f.metadata["toy.lora.targets"] == "ple_gate,ple_proj"
+    ids = mx.array([[1, 5, 9, 14, 3, 7]])
+    mine = np.array(model(ids))
+    back = np.array(apply_adapter(load_llama(base)[0], ad)(ids))
+    merged = write_merged(tmp_path / "merged.gguf", base, ad, "f32")
+    fused = np.array(load_llama(merged)[0](ids))
+    assert np.abs(mine - np.array(load_llama(base)[0](ids))).max() > 1e-3
+    assert np.abs(back - mine).max() < 1e-5 and np.abs(fused - mine).max() < 1e-4

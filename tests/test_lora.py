@@ -107,8 +107,8 @@ def test_unknown_target_and_bad_layers_name_the_flag(tiny_gguf):
     model = base(tiny_gguf)
     with pytest.raises(ValueError, match=r"--lora\.targets: expected a comma list of q, k, v, qkv, o, "
                                          r"gate, up, gate_up, down, z, beta, alpha, out, router, "
-                                         r"all-linear or mlx-lm-default; found unknown target "
-                                         r"'qq'"):
+                                         r"ple_gate, ple_proj, all-linear or mlx-lm-default; "
+                                         r"found unknown target 'qq'"):
         apply_lora(model, "q,qq")
     with pytest.raises(ValueError, match=r"--lora\.layers: expected 1\.\.3"):
         apply_lora(model, "q", layers=4)
@@ -128,7 +128,8 @@ def test_hugging_face_s_target_modules_are_named_as_toymlx_s(targets, said):
     first = targets.split(",")[0]
     assert str(e.value) == (
         "--lora.targets: expected a comma list of q, k, v, qkv, o, gate, up, gate_up, down, z, "
-        f"beta, alpha, out, router, all-linear or mlx-lm-default; found unknown target {first!r} "
+        f"beta, alpha, out, router, ple_gate, ple_proj, all-linear or mlx-lm-default; found "
+        f"unknown target {first!r} "
         "(Hugging Face's "
         "names; toymlx's are "
         f"--lora.targets {said})")

@@ -1213,8 +1213,11 @@ def _mlx_lm_default(model) -> list[set[str]]:
 def _mlx_lm_models() -> list[tuple[str, nn.Module, object]]:
     """(name, mlx-lm's tiny model, toymlx's LlamaArgs of the same shape) for each architecture
     whose mlx-lm names `toymlx.models.lora.MLX_LM_KEYS` reads: llama, phi3, qwen3_5 (its
-    linear-attention blocks and its full-attention one), qwen3_moe, mixtral and qwen2_moe."""
-    from mlx_lm.models import llama, mixtral, phi3, qwen2_moe, qwen3_5, qwen3_moe
+    linear-attention blocks and its full-attention one), qwen3_moe, mixtral, qwen2_moe, and
+    gemma4 as E2B (per-layer embeddings, a shared-KV tail: arch_files.gemma4_args) and as 31B
+    (no per-layer embeddings, the full blocks' values their keys')."""
+    from arch_files import gemma4_args
+    from mlx_lm.models import gemma4_text, llama, mixtral, phi3, qwen2_moe, qwen3_5, qwen3_moe
 
     from toymlx.models.llama import LlamaArgs
 
@@ -1226,6 +1229,11 @@ def _mlx_lm_models() -> list[tuple[str, nn.Module, object]]:
     qwen35 = LlamaArgs(arch="qwen35", attn_out_gate=True, qk_norm=True, rope_neox=True,
                        n_layers=4, linear_layers=(True, True, True, False), ssm_head_dim=16,
                        ssm_k_heads=2, ssm_v_heads=4)
+    gemma4 = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 6,
+              "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 16,
+              "global_head_dim": 32, "num_key_value_heads": 1, "vocab_size": 300,
+              "vocab_size_per_layer_input": 300,
+              "layer_types": ["sliding_attention", "full_attention"] * 3}
     return [
         ("llama", llama.Model(llama.ModelArgs(model_type="llama", **small)), dense),
         ("phi3", phi3.Model(phi3.ModelArgs(model_type="phi3", **small)),
@@ -1247,6 +1255,13 @@ def _mlx_lm_models() -> list[tuple[str, nn.Module, object]]:
             shared_expert_intermediate_size=32)),
          replace(dense, arch="qwen2moe", n_experts=4, n_experts_used=2,
                  shared_expert_ffn_dim=32)),
+        ("gemma4 E2B", gemma4_text.Model(gemma4_text.ModelArgs(
+            **gemma4, num_kv_shared_layers=2, hidden_size_per_layer_input=8)), gemma4_args()),
+        ("gemma4 31B", gemma4_text.Model(gemma4_text.ModelArgs(
+            **gemma4, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+            attention_k_eq_v=True)),
+         replace(gemma4_args(), k_eq_v=True, shared_kv_layers=0, per_layer_dim=0,
+                 ffn_dims_per_block=None)),
     ]
 
 
@@ -1255,9 +1270,11 @@ def test_mlx_lm_s_module_paths_are_each_block_s_as_mlx_lm_builds_it():
     wraps in that block when its config gives no keys, on mlx-lm's own model of each
     architecture (qwen3_5's linear_attn.* in its linear-attention blocks, self_attn.* in its
     full-attention one; a mixture of experts' router and switch_mlp experts, mixtral's under
-    block_sparse_moe, qwen2_moe's shared expert too); every path MLX_LM_KEYS names is one of
-    them; and --lora.targets mlx-lm-default is what those paths map to (before: all-linear,
-    which leaves the router out, and qwen3_5's and MoE keys were refused)."""
+    block_sparse_moe, qwen2_moe's shared expert too; gemma4 E2B's per_layer_input_gate and
+    per_layer_projection in every block, its shared-KV tail without k and v, 31B's full blocks
+    without v); every path MLX_LM_KEYS names is one of them; and --lora.targets mlx-lm-default
+    is what those paths map to (before: all-linear, which leaves the router out, and qwen3_5's
+    and MoE keys were refused; gemma4's per-layer-input pair was left out)."""
     from toymlx.models.lora import MLX_LM_KEYS, mlx_lm_modules, resolve_targets
 
     seen: set[str] = set()
@@ -1282,10 +1299,12 @@ MLX_LM_MAPPING = {
     "mlp.switch_mlp.gate_proj": "gate", "mlp.switch_mlp.up_proj": "up",
     "mlp.switch_mlp.down_proj": "down", "block_sparse_moe.gate": "router",
     "block_sparse_moe.switch_mlp.gate_proj": "gate", "block_sparse_moe.switch_mlp.up_proj": "up",
-    "block_sparse_moe.switch_mlp.down_proj": "down"}
+    "block_sparse_moe.switch_mlp.down_proj": "down", "per_layer_input_gate": "ple_gate",
+    "per_layer_projection": "ple_proj"}
 """Each mlx-lm module path toymlx adapts -> its --lora.targets name (qwen35's linear-attention
 projections: toymlx.models.gated_delta's qkv, z (attn_gate), beta, alpha, out (ssm_out); a MoE's
-router ffn_gate_inp, its experts' gate, up and down their 3-D tensors)."""
+router ffn_gate_inp, its experts' gate, up and down their 3-D tensors; gemma4's per-layer-input
+gate and projection, blk.N.inp_gate and blk.N.proj)."""
 
 
 @pytest.mark.parametrize("key,target", MLX_LM_MAPPING.items())

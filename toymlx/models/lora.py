@@ -29,12 +29,14 @@ TARGETS: dict[str, str] = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_
                            "up": "mlp.up_proj", "gate_up": "mlp.gate_up_proj",
                            "down": "mlp.down_proj", "z": "attn.z_proj", "beta": "attn.beta_proj",
                            "alpha": "attn.alpha_proj", "out": "attn.out_proj",
-                           "router": "mlp.router"}
+                           "router": "mlp.router", "ple_gate": "ple_gate", "ple_proj": "ple_proj"}
 """--lora.targets short names -> projection paths inside a decoder block (qkv and gate_up:
 phi3's fused projections, which it has instead of q, k, v and gate, up; qkv, z, beta, alpha
 and out: the projections of qwen35's linear-attention blocks, attn_qkv, attn_gate, ssm_beta,
 ssm_alpha and ssm_out, each of which llama.cpp's adapters adapt; router: a mixture of
-experts' `ffn_gate_inp`, which it has instead of gate, up and down)."""
+experts' `ffn_gate_inp`, which it has instead of gate, up and down; ple_gate and ple_proj:
+gemma4's per-layer-input gate and projection, blk.N.inp_gate and blk.N.proj, which llama.cpp's
+adapters adapt too, in the E2B/E4B files that have per-layer embeddings)."""
 ALL_LINEAR = "all-linear"
 """--lora.targets all-linear: Unsloth's target_modules="all-linear": every linear projection of
 the base's blocks but a mixture of experts' router, as `all_linear` lists them for that base."""
@@ -47,6 +49,8 @@ LINEAR_TARGETS = ("qkv", "z", "beta", "alpha", "out", "gate", "up", "down")
 and the MLP's)."""
 LINEAR_ONLY = ("z", "beta", "alpha", "out")
 """The targets no block but a qwen35 linear-attention one has."""
+PLE_TARGETS = ("ple_gate", "ple_proj")
+"""The targets no block but one of a base with per-layer embeddings (gemma4 E2B/E4B) has."""
 EXPERT_TARGETS = {"gate": "mlp.gate_exps", "up": "mlp.up_exps", "down": "mlp.down_exps"}
 """The MLP targets' paths in a mixture-of-experts block: its 3-D expert tensors (ffn_gate_exps,
 ffn_up_exps, ffn_down_exps), one A and B per expert (`ExpertLoRA`)."""
@@ -245,7 +249,8 @@ def all_linear(a: LlamaArgs) -> tuple[str, ...]:
     not the router (ffn_gate_inp), which PEFT's all-linear and mlx-lm's default would also wrap
     (an nn.Linear there; `mlx_lm_default` adds it): Unsloth leaves a MoE's router untrained by
     default, since adapting it moves which experts each token picks; --lora.targets
-    all-linear,router adds it."""
+    all-linear,router adds it. gemma4 E2B/E4B: ple_gate and ple_proj too (nn.Linear in each
+    block, as PEFT's all-linear and mlx-lm's default wrap them)."""
     return tuple(t for t in block_targets(a) if t != "router")
 
 
@@ -279,6 +284,8 @@ MLX_LM_KEYS: dict[str, str | None] = {
     # mixtral's
     "block_sparse_moe.gate": "router", "block_sparse_moe.switch_mlp.gate_proj": "gate",
     "block_sparse_moe.switch_mlp.up_proj": "up", "block_sparse_moe.switch_mlp.down_proj": "down",
+    # gemma4's per-layer-input gate and projection (mlx_lm/models/gemma4_text.py's E2B/E4B)
+    "per_layer_input_gate": "ple_gate", "per_layer_projection": "ple_proj",
     # qwen2_moe's shared expert, which no --lora.targets name adapts
     "mlp.shared_expert.gate_proj": None, "mlp.shared_expert.up_proj": None,
     "mlp.shared_expert.down_proj": None, "mlp.shared_expert_gate": None}
@@ -294,11 +301,11 @@ def mlx_lm_modules(a: LlamaArgs, block: int) -> dict[str, str | None]:
     what mlx-lm's `linear_to_lora_layers` wraps in that block when its config gives no keys
     (every nn.Linear and SwitchLinear of it): qwen3_5's linear-attention blocks have
     `linear_attn`, its others `self_attn`; a mixture of experts' MLP is its router and its
-    experts (mixtral's under `block_sparse_moe`), a dense MLP's `mlp.gate_proj` it has not. The
-    one place mlx-lm's names meet a base: an mlx-lm config's keys and adapters are read by it.
-    Checked against mlx-lm's own llama, phi3, qwen3_5, qwen3_moe, mixtral and qwen2_moe
-    (tests/test_mlx_lm_config.py); gemma4's per-layer-input projections, which mlx-lm's default
-    wraps too, are not listed."""
+    experts (mixtral's under `block_sparse_moe`), a dense MLP's `mlp.gate_proj` it has not;
+    gemma4's blocks with per-layer embeddings their `per_layer_input_gate` and
+    `per_layer_projection` too. The one place mlx-lm's names meet a base: an mlx-lm config's
+    keys and adapters are read by it. Checked against mlx-lm's own llama, phi3, qwen3_5,
+    qwen3_moe, mixtral, qwen2_moe and gemma4 (tests/test_mlx_lm_config.py)."""
     have = block_targets(a, block)
     attn = "linear_attn." if a.is_linear(block) else "self_attn."
     if a.n_experts:
@@ -311,8 +318,9 @@ def mlx_lm_modules(a: LlamaArgs, block: int) -> dict[str, str | None]:
     else:
         mlp = tuple(m for m, t in MLX_LM_KEYS.items()
                     if m.startswith("mlp.") and m.count(".") == 1 and t in have and t != "router")
+    ple = tuple(m for m, t in MLX_LM_KEYS.items() if t in PLE_TARGETS and t in have)
     return {m: t for m, t in MLX_LM_KEYS.items()
-            if (m.startswith(attn) and t in have) or m in mlp}
+            if (m.startswith(attn) and t in have) or m in mlp or m in ple}
 
 
 def mlx_lm_default(a: LlamaArgs) -> tuple[str, ...]:
@@ -340,8 +348,10 @@ def mlx_lm_default(a: LlamaArgs) -> tuple[str, ...]:
 HF_TARGETS: dict[str, str] = {
     "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
     "self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o", "mlp.gate_proj": "gate",
-    "mlp.up_proj": "up", "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down"}
-"""Hugging Face's projection paths inside a dense decoder block (PEFT's target_modules) ->
+    "mlp.up_proj": "up", "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down",
+    "per_layer_input_gate": "ple_gate", "per_layer_projection": "ple_proj"}
+"""Hugging Face's projection paths inside a dense decoder block (PEFT's target_modules; gemma4's
+per-layer-input gate and projection too) ->
 toymlx's --lora.targets names (`TARGETS` gives their paths; mlx-lm's paths, MoE and qwen3_5's
 too, are `MLX_LM_KEYS`)."""
 
@@ -368,8 +378,10 @@ def block_targets(a: LlamaArgs, layer: int | None = None) -> tuple[str, ...]:
     """The --lora.targets names block `layer` of this architecture has (None: any of its
     blocks), in TARGETS' order: qwen35's linear-attention blocks have their own; a gemma4 block
     reading an earlier block's keys and values has no k or v, and one whose values are its keys'
-    projection no v."""
+    projection no v; only a base with per-layer embeddings (gemma4 E2B/E4B) has ple_gate and
+    ple_proj, in every block."""
     absent = set(FUSED["qkv"]) if a.fused_qkv else {"qkv"}
+    absent |= set() if a.per_layer_dim else set(PLE_TARGETS)
     absent |= set(FUSED["gate_up"]) if a.fused_gate_up else {"gate_up"}
     absent |= set(LINEAR_ONLY)
     absent |= {"gate_up"} if a.n_experts else {"router"}
@@ -401,7 +413,7 @@ def target_reach(a: LlamaArgs, names: Sequence[str], blocks: Sequence[int]
     others = []
     for have, where in missed.items():
         kind = "linear-attention " if a.is_linear(where[0]) else ""
-        have = sorted(have, key=lambda t: TARGETS[t].startswith("mlp."))  # attention's first
+        have = sorted(have, key=lambda t: not TARGETS[t].startswith("attn."))  # attention's first
         others.append(f"{len(where)} {kind}block{'s' if len(where) > 1 else ''} "
                       f"{_spans(where)}, which {', '.join(have)} reach")
     return len(reached), (
@@ -435,6 +447,12 @@ def check_targets(names: Sequence[str], a: LlamaArgs, layers: int | None = None)
         if t == "router":
             raise ValueError(f"--lora.targets: router is a mixture of experts' ffn_gate_inp; "
                              f"this {a.arch} base is dense and has {','.join(have)}")
+        if t in PLE_TARGETS:
+            raise ValueError(f"--lora.targets: {t} is the per-layer-input "
+                             f"{'gate' if t == 'ple_gate' else 'projection'} of a gemma4 base "
+                             f"with per-layer embeddings (E2B/E4B, blk.N."
+                             f"{'inp_gate' if t == 'ple_gate' else 'proj'}); this {a.arch} base "
+                             f"has {','.join(have)}")
         fused = next((f for f, parts in FUSED.items() if t in parts), None)
         what = (f"{t} is part of phi3's fused {fused}" if fused is not None
                 else f"{t} is phi3's fused projection" if t in FUSED

@@ -256,8 +256,8 @@ def _adapter_targets(model: nn.Module, ad: Adapter) -> dict[str, tuple[str, np.n
         if not (linear or experts) or key == "embed.weight":
             raise GGUFError(f"{ad.path}: tensor '{name}.lora_a': expected a projection weight "
                             f"of the base (blk.N.attn_q/k/v/qkv/output, ffn_gate/up/down, "
-                            f"ffn_gate_inp, ffn_*_exps), found no such weight in a "
-                            f"{len(model.layers)}-block base")
+                            f"ffn_gate_inp, ffn_*_exps, inp_gate, proj), found no such weight in "
+                            f"a {len(model.layers)}-block base")
         n_out, n_in = base_dims(module)
         lead = (module.n_experts,) if experts else ()
         if a.shape[:-2] != lead or a.shape[-1] != n_in or b.shape[-2] != n_out:
