@@ -76,6 +76,8 @@ def hf_model(gguf: str | Path) -> nn.Module:
             return qwen35_model(g, a)
         if a.arch == "qwen3moe":
             return qwen3moe_model(g, a)
+        if a.arch == "gemma4":
+            return gemma4_model(g, a)
 
         def block(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
             _, i, leaf, kind = name.split(".")
@@ -195,6 +197,60 @@ def qwen3moe_model(g: GGUFFile, a: LlamaArgs) -> nn.Module:
         return f"model.layers.{i}.{names[leaf]}.{kind}", w
 
     return _filled(model, g, block)
+
+
+def gemma4_model(g: GGUFFile, a: LlamaArgs) -> nn.Module:
+    """mlx-lm's gemma4 Model (its text model under `language_model.`, as mlx-lm loads a Gemma 4
+    checkpoint) with a gemma4 GGUF's float32 weights: sliding blocks every other one from the
+    first as `arch_files.gemma4_args` has them, proportional RoPE on a quarter of the full
+    blocks' heads (the file's rope_freqs), per-layer embeddings, the shared-KV tail."""
+    from mlx_lm.models import gemma4
+
+    text = {"hidden_size": a.d_model, "num_hidden_layers": a.n_layers,
+            "intermediate_size": a.ffn_dim, "num_attention_heads": a.n_heads,
+            "head_dim": a.key_length_sliding, "global_head_dim": a.head_dim,
+            "num_key_value_heads": a.n_kv_heads, "rms_norm_eps": a.norm_eps,
+            "vocab_size_per_layer_input": a.vocab_size,
+            "num_kv_shared_layers": a.shared_kv_layers,
+            "hidden_size_per_layer_input": a.per_layer_dim, "sliding_window": a.sliding_window,
+            "final_logit_softcapping": a.final_softcap, "use_double_wide_mlp": True,
+            "layer_types": ["sliding_attention" if a.is_sliding(i) else "full_attention"
+                            for i in range(a.n_layers)],
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": a.rope_base,
+                                   "rope_type": "proportional"},
+                "sliding_attention": {"partial_rotary_factor": 1.0,
+                                      "rope_theta": a.rope_base_sliding,
+                                      "rope_type": "default"}}}
+    model = gemma4.Model(gemma4.ModelArgs(model_type="gemma4", vocab_size=a.vocab_size,
+                                          text_config=text))
+    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+             "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
+             "post_norm": "post_per_layer_input_norm", "layer_output_scale": "layer_scalar"}
+    glob = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+            "per_layer_token_embd.weight": "embed_tokens_per_layer.weight",
+            "per_layer_model_proj.weight": "per_layer_model_projection.weight",
+            "per_layer_proj_norm.weight": "per_layer_projection_norm.weight"}
+    weights = {}
+    for name in g.tensors:
+        if name == "rope_freqs.weight":
+            continue
+        w = g.load(name, np.float32)
+        if name in glob:
+            key = glob[name]
+        else:
+            _, i, leaf, kind = name.split(".")
+            key = f"layers.{i}.{names[leaf]}" + ("" if leaf == "layer_output_scale"
+                                                 else f".{kind}")
+        weights["language_model.model." + key] = mx.array(w)
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    return model
 
 
 def qwen3moe_gguf(path: str | Path, seed: int = 0) -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from arch_files import gemma4_gguf
 from hf_tiny import (
     tiny_gguf,  # noqa: F401  (session fixtures)
     tiny_hf,  # noqa: F401
@@ -166,6 +167,48 @@ def test_a_qwen35_or_qwen3moe_adapter_computes_what_mlx_lm_computes(qwen_bases, 
     if arch == "qwen35":
         monkeypatch.setattr(mlx_lm_adapter, "hf_v_heads", lambda a, name: None)
         assert np.abs(ref - logits(toy(path, folder), IDS300)).max() > 0.01
+
+
+@pytest.fixture(scope="module")
+def gemma4_base(tmp_path_factory) -> Path:
+    """The converter-free tiny gemma4 GGUF (arch_files.gemma4_gguf: E2B's layout, per-layer
+    embeddings of width 8, a shared-KV tail of 2 blocks)."""
+    return gemma4_gguf(tmp_path_factory.mktemp("gemma4") / "g.gguf")
+
+
+IDS259 = [i % 259 for i in IDS300] + [3, 9, 12, 55]
+"""Token ids for the 259-token byte vocabulary, 20 of them: the sliding window (8) crossed."""
+
+
+@pytest.mark.parametrize("keys,want", [
+    # mlx-lm's default: every linear layer, the per-layer-input gate and projection included
+    (None, {f"blk.{i}.{t}.weight" for i in range(6) for t in (
+        "attn_q", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "inp_gate", "proj")}
+     | {f"blk.{i}.{t}.weight" for i in range(4) for t in ("attn_k", "attn_v")}),
+    (["per_layer_input_gate", "per_layer_projection"],
+     {f"blk.{i}.{t}.weight" for i in range(6) for t in ("inp_gate", "proj")}),
+])
+def test_a_gemma4_adapter_computes_what_mlx_lm_computes(gemma4_base, tmp_path, keys, want):
+    """mlx-lm's adapters on its gemma4 (keys under language_model.model.layers, the
+    per_layer_input_gate and per_layer_projection of every block among its default's) read for
+    the GGUF as blk.N.inp_gate and blk.N.proj pairs: the same logits as mlx-lm's own model with
+    them, applied or copied into a run's LoRA layers for the targets the config maps to (before:
+    the pair's keys were refused, and mlx-lm-default left the pair untrained)."""
+    from toymlx.models.lora import MLX_LM_DEFAULT, MLX_LM_KEYS, apply_lora
+    from toymlx.training.adapter import load_adapter_weights
+
+    path = gemma4_base
+    base = logits(toy(path), IDS259)
+    assert np.abs(logits(hf_model(path), IDS259) - base).max() < 1e-5  # the reference is sound
+    folder = make_adapter(path, tmp_path / "adapters", lora_config(-1, 4, 2.0, keys))
+    ref = logits(load_with_adapter(path, folder), IDS259)
+    assert np.abs(ref - base).max() > 0.05  # the adapter changes them
+    assert np.abs(ref - logits(toy(path, folder), IDS259)).max() < TOL
+    assert set(load_adapter(folder, toy(path).args).pairs) == want
+    targets = MLX_LM_DEFAULT if keys is None else ",".join(MLX_LM_KEYS[k] for k in keys)
+    run = apply_lora(toy(path), targets, rank=4, alpha=8.0)
+    load_adapter_weights(run, folder, "--lora.init-adapter")
+    assert np.abs(ref - logits(run, IDS259)).max() < TOL
 
 
 @pytest.mark.interop

@@ -389,7 +389,8 @@ def test_the_optimizers_are_mlx_lm_s():
       "mlp.gate_up_proj, mlp.down_proj, mlp.gate, mlp.switch_mlp.gate_proj, "
       "mlp.switch_mlp.up_proj, mlp.switch_mlp.down_proj, block_sparse_moe.gate, "
       "block_sparse_moe.switch_mlp.gate_proj, block_sparse_moe.switch_mlp.up_proj, "
-      "block_sparse_moe.switch_mlp.down_proj), found \"lm_head\"")),
+      "block_sparse_moe.switch_mlp.down_proj, per_layer_input_gate, per_layer_projection), "
+      "found \"lm_head\"")),
     ({"optimizer": "sgd", "optimizer_config": {"sgd": {"momentum": 0.9}}},
      ("f.yaml: key 'optimizer_config.sgd.momentum': expected no arguments (what toymlx's sgd "
       "takes), found 'momentum'; remove it")),

@@ -102,7 +102,8 @@ class LoRAOptions:
     """Comma list of projections to adapt: q, k, v, o, gate, up, down (phi3's fused ones:
     qkv, o, gate_up, down; qwen35's linear-attention blocks: qkv, z, beta, alpha, out, its
     q, k, v, o being its full-attention blocks'; a mixture of experts: gate, up, down its
-    experts' (a pair per expert), router its ffn_gate_inp); or all-linear (Unsloth's): every
+    experts' (a pair per expert), router its ffn_gate_inp; gemma4 E2B/E4B: also ple_gate,
+    ple_proj, each block's per-layer-input gate and projection); or all-linear (Unsloth's): every
     linear projection of this base's blocks but a mixture of experts' router,
     `toymlx.models.lora.all_linear`; or mlx-lm-default (an mlx-lm config without keys): those
     and the router, `toymlx.models.lora.mlx_lm_default`; recorded as run_start's
