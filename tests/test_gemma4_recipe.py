@@ -4,8 +4,10 @@
 bit for bit (LoRA and full fine-tune: the shared-KV tail, per-layer embeddings and layer
 scalars go through the resume state); a base with a NaN or infinity in one of gemma4's own
 tensors, or an infinite sliding RoPE base or logit cap, is refused at load, naming it; LoRA
-targets that none of the --lora.layers blocks has (k,v on the shared-KV tail) are one line.
-llama.cpp comparisons of gemma4 runs: test_gemma4.py and test_hf_tiny.py (interop).
+targets that none of the --lora.layers blocks has (k,v on the shared-KV tail) are one line;
+the per-layer-input gate and projection (ple_gate, ple_proj) are adapted where mlx-lm's keys
+adapt them, in the block's forward as numpy fp64 computes it, and exported under llama.cpp's
+names. llama.cpp comparisons of gemma4 runs: test_gemma4.py and test_hf_tiny.py (interop).
 """
 
 from __future__ import annotations
@@ -248,3 +250,28 @@ def test_the_per_layer_input_pair_exports_as_llama_cpp_names_it(base, tmp_path):
     fused = np.array(load_llama(merged)[0](ids))
     assert np.abs(mine - np.array(load_llama(base)[0](ids))).max() > 1e-3
     assert np.abs(back - mine).max() < 1e-5 and np.abs(fused - mine).max() < 1e-4
+
+
+def test_the_per_layer_input_pair_on_a_base_without_it_is_one_line():
+    """ple_gate or ple_proj on a base without per-layer embeddings (gemma4 31B's shape, a llama)
+    is one line naming the target, what it is and the base's targets (before the fix: an
+    unknown target)."""
+    from dataclasses import replace
+
+    from arch_files import gemma4_args
+
+    from toymlx.models.llama import LlamaArgs
+    from toymlx.models.lora import check_targets
+
+    big = replace(gemma4_args(), k_eq_v=True, shared_kv_layers=0, per_layer_dim=0,
+                  ffn_dims_per_block=None)
+    with pytest.raises(ValueError) as e:
+        check_targets(("q", "ple_proj"), big)
+    assert str(e.value) == ("--lora.targets: ple_proj is the per-layer-input projection of a "
+                            "gemma4 base with per-layer embeddings (E2B/E4B, blk.N.proj); this "
+                            "gemma4 base has q,k,v,o,gate,up,down")
+    with pytest.raises(ValueError) as e:
+        check_targets(("ple_gate",), LlamaArgs())
+    assert str(e.value) == ("--lora.targets: ple_gate is the per-layer-input gate of a gemma4 "
+                            "base with per-layer embeddings (E2B/E4B, blk.N.inp_gate); this llama "
+                            "base has q,k,v,o,gate,up,down")

@@ -1369,6 +1369,31 @@ def test_a_config_without_keys_on_qwen35_trains_its_linear_blocks_projections(tm
                                       "ssm_out", "ffn_gate", "ffn_up", "ffn_down")}
 
 
+def test_a_config_without_keys_on_gemma4_trains_its_per_layer_input_pair(tmp_path, capsys):
+    """An mlx-lm config without lora_parameters.keys on a gemma4 E2B-shaped base: run_start
+    records mlx-lm's default as it resolves there, the per-layer-input gate and projection of
+    every block included (before: left out, where mlx-lm adapts them; and the memory estimate
+    had no size for them), and the adapter holds their pairs under llama.cpp's names
+    (blk.N.inp_gate, blk.N.proj) beside the 7 projections of each of the 4 blocks with keys and
+    values and the 5 of the 2 shared-KV blocks."""
+    from arch_files import gemma4_gguf
+
+    from toymlx.training.adapter import load_adapter
+
+    path = _one_step_config(tmp_path, gemma4_gguf(tmp_path / "g.gguf"))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    capsys.readouterr()
+    start = read_events(tmp_path / "runs" / "r")[0]
+    every = "q,k,v,o,gate,up,down,ple_gate,ple_proj"
+    assert start["config"]["lora_targets_resolved"] == every
+    assert start["model"]["lora_targets"] == every and start["model"]["lora_blocks_reached"] == 6
+    pairs = load_adapter(tmp_path / "runs" / "r").pairs
+    assert len(pairs) == 4 * 9 + 2 * 7
+    assert {n for n in pairs if n.startswith("blk.5.")} == {
+        f"blk.5.{t}.weight" for t in ("attn_q", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                                      "inp_gate", "proj")}
+
+
 def _one_step_config(tmp_path: Path, model: Path, **extra) -> Path:
     """An mlx-lm config training `model` one iteration on 8 text rows (its run: runs/r)."""
     data = tmp_path / "data"

@@ -116,7 +116,8 @@ class Estimate:
 def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
     """(n_out, n_in) of each projection of a block, by --lora.targets name (qwen35: of either
     kind of block, its q carrying the output gate); a mixture of experts' gate, up and down
-    summed over its experts ((E * out, E * in): what a LoRA pair per expert holds)."""
+    summed over its experts ((E * out, E * in): what a LoRA pair per expert holds); gemma4
+    E2B/E4B's per-layer-input ple_gate and ple_proj."""
     q, kv, d, f = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.d_model, a.ffn_dim
     if a.fused_qkv:
         dims = {"qkv": (q + 2 * kv, d)}
@@ -130,6 +131,8 @@ def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
         return dims
     dims.update({"gate_up": (2 * f, d)} if a.fused_gate_up else {"gate": (f, d), "up": (f, d)})
     dims["down"] = (d, f)
+    if a.per_layer_dim:  # gemma4's per-layer-input gate and projection
+        dims.update({"ple_gate": (a.per_layer_dim, d), "ple_proj": (d, a.per_layer_dim)})
     if a.linear_layers:  # Gated DeltaNet's (toymlx.models.gated_delta)
         hv, dk = a.ssm_v_heads, a.ssm_head_dim
         dims.update({"qkv": (2 * a.ssm_k_heads * dk + hv * dk, d), "z": (hv * dk, d),
