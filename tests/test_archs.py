@@ -195,8 +195,9 @@ def test_lora_adapter_and_fused_export(files, kind, tmp_path):
     from toymlx.training.adapter import apply_adapter
 
     model, g = load_llama(files[kind])
-    names = [t for t, p in TARGETS.items()
-             if p.partition(".")[2] in model.layers[0][p.partition(".")[0]]]
+    block = model.layers[0]
+    names = [t for t, p in TARGETS.items()  # a block's own (gemma4's ple_gate) or its attn's, mlp's
+             if p.rpartition(".")[2] in (block[p.partition(".")[0]] if "." in p else block)]
     fused_arch = kind == "phi3"
     assert ("qkv" in names) == fused_arch and ("q" in names) != fused_arch
     apply_lora(model, ",".join(names), rank=4, alpha=8.0)
