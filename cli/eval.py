@@ -61,6 +61,17 @@ class Args:
     call), for a quick estimate: images (a ViT), windows of --seq-len tokens (a text run),
     chat/SFT rows (a LoRA run; a Llama GGUF's --split test); the report says N of how many.
     More than the split holds scores all of it. Default: the whole split."""
+    data_pack: Annotated[bool, tyro.conf.arg(name="data.pack"),
+                         tyro.conf.FlagCreatePairsOff] = False
+    """Chat/SFT examples: run them together into rows of --seq-len (attention crossing from one
+    example into the next), as a toymlx lora run trains and validates them by default (its
+    --data.pack). Default: a run's own rows (a run, or a fused file recording its run);
+    for a model outside a run, one example a row (--data.no-pack)."""
+    data_no_pack: Annotated[bool, tyro.conf.arg(name="data.no-pack"),
+                            tyro.conf.FlagCreatePairsOff] = False
+    """Chat/SFT examples: one example a row, cut at --seq-len, as mlx-lm's evaluate
+    (`mlx_lm.lora --test`) and a toymlx lora run of --data.no-pack score them: the default for
+    a model outside a run; for a run, its own (packed) rows scored so instead."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
@@ -103,6 +114,8 @@ def check_sizes(args: Args) -> None:
         raise ValueError(f"--eval-batches {args.eval_batches} --max-examples "
                          f"{args.max_examples}: expected one of them (--max-examples scores the "
                          "first N of the whole split); drop one")
+    if args.data_pack and args.data_no_pack:
+        raise ValueError("--data.pack, --data.no-pack: expected one of them, got both")
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
                          f"else 256), found {args.seq_len}")
@@ -179,6 +192,32 @@ def check_no_eval_batches(args: Args, found: str) -> None:
         raise ValueError(f"--eval-batches {args.eval_batches}: expected a run's own validation "
                          f"split to take batches of (--split val on its data), found {found}; "
                          "drop --eval-batches (that split is scored whole)")
+
+
+def pack_flag(args: Args) -> bool | None:
+    """--data.pack (True) or --data.no-pack (False) as given; None: neither (a run's own)."""
+    return True if args.data_pack else False if args.data_no_pack else None
+
+
+def chat_pack(cfg: Any, given: bool | None) -> bool:
+    """Whether chat/SFT rows are packed: as given (--data.pack, --data.no-pack), else as the
+    run of config `cfg` packed them (its --data.pack), else (a model outside a run) one example
+    a row, as mlx-lm's evaluate scores them: a loss of each example's own tokens, whatever
+    precedes it in the file."""
+    if given is not None:
+        return given
+    data = getattr(cfg, "data", None)
+    return bool(getattr(data, "pack", False))
+
+
+def check_no_pack(args: Args, found: str) -> None:
+    """--data.pack and --data.no-pack build chat/SFT rows: given where eval scores other data
+    (`found`: images, text windows), refused in one line, not ignored."""
+    if (flag := pack_flag(args)) is not None:
+        name = "--data.pack" if flag else "--data.no-pack"
+        raise ValueError(f"{name}: expected chat/SFT examples to build rows of (a JSONL file or "
+                         f"data folder of prompt/completion or messages), found {found}; drop "
+                         f"{name}")
 
 
 def bar_name(args: Args) -> str | None:
@@ -556,9 +595,12 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
         check_context(args.seq_len, model, args.model)
     print(f"{PROG}: {used_files(args.model)}", file=sys.stderr)
     split = args.split or "val"  # Args built in code skip `evaluate`'s `default_split`
+    pack = chat_pack(cfg, pack_flag(args))
+    if rows is not None and pack != chat_pack(cfg, None):  # other rows than the run's own
+        rows = rows._replace(own=False)
     r = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len,
                   args.batch_size or 256, first=args.max_examples, progress=bar_name(args),
-                  pick=rows)
+                  pick=rows, pack=pack)
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
@@ -566,32 +608,35 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
                subset(args.max_examples, r.examples, r.of, split, "example",
                       f"{counted(r.rows, 'row')} made of "))
     if cfg is None:  # a model outside a run: its rows are eval's, which the user must know
-        print(f"{PROG}: {own_rows_note(args.seq_len, r, split)}", file=sys.stderr)
+        print(f"{PROG}: {own_rows_note(args.seq_len, r, split, pack)}", file=sys.stderr)
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
-            names[0]: r.loss, names[1]: math.exp(r.loss), "seq_len": r.seq_len,
+            "packed": pack, names[0]: r.loss, names[1]: math.exp(r.loss), "seq_len": r.seq_len,
             "tokens_scored": r.tokens, **limited}
 
 
-def own_rows_note(seq_len: int | None, r: HeldOut, split: str) -> str:
+def own_rows_note(seq_len: int | None, r: HeldOut, split: str, pack: bool) -> str:
     """The line saying how chat/SFT rows were built for a model outside a run (a fused export
     from before toymlx recorded its run's settings, `FileRun`; a GGUF of its own): with eval's
-    settings, not any run's, which the file does not record. A
-    run packs its examples into rows of its own --seq-len; eval's default of 256 packed a
-    --seq-len 64 run's 2 validation examples into 1 row (the second read after the first): the
-    same examples, weights and trained tokens, another loss, said nowhere. --seq-len gives the
-    run's rows where it kept --data.pack, --data.mask-prompt and --data.train-turns assistant
-    (the settings used here), with --max-examples for a run whose validation scores only its
-    first --eval-batches x --batch-size rows; else the run itself scores them."""
+    settings, not any run's, which the file does not record. By default one example a row
+    (`pack` False), as mlx-lm's evaluate scores them: packed (a toymlx lora run's default,
+    --data.pack), SmolLM2-135M scored 4.52 on chat examples whose own loss is 5.69, each read
+    after the ones before it. --seq-len and --data.pack give a default run's rows (it kept
+    --data.mask-prompt and --data.train-turns assistant, the settings used here), with
+    --max-examples for a run whose validation scores only its first --eval-batches x
+    --batch-size rows; else the run itself scores them."""
     from toymlx.backend.files import counted
 
     which = {"val": "validation ", "test": "test "}.get(split, "")
     given = "" if seq_len is not None else "default; "
+    how = "packed" if pack else "one example a row, as mlx-lm's evaluate scores them"
+    other = ("--data.no-pack where it kept one example a row" if pack else
+             "--data.pack where it packed them (toymlx-train's default)")
     return (f"{counted(r.examples, which + 'example')} made {counted(r.rows, 'row')} of "
-            f"--seq-len {r.seq_len} ({given}packed, prompts masked, assistant turns trained): "
-            "eval's rows for a model outside a run, not a run's; to score a run's eval rows "
-            "give its --seq-len, and --max-examples its --eval-batches x --batch-size where "
-            "the split makes more rows (a run of other --data.pack, --data.mask-prompt or "
-            "--data.train-turns: toymlx-eval --model RUN, or its fused file exported again, "
+            f"--seq-len {r.seq_len} ({given}{how}; prompts masked, assistant turns trained): "
+            f"eval's rows for a model outside a run, not a run's; to score a run's eval rows "
+            f"give its --seq-len, {other}, and --max-examples its --eval-batches x "
+            "--batch-size where the split makes more rows (a run of other --data.mask-prompt "
+            "or --data.train-turns: toymlx-eval --model RUN, or its fused file exported again, "
             "which records them)")
 
 
@@ -623,14 +668,15 @@ class HeldOut(NamedTuple):
 def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
               seq_len: int | None = None, batch_size: int = 256, first: int | None = None,
               progress: str | None = PROG, pick: RunRows | None = None,
-              per_row: bool = False) -> HeldOut:
+              per_row: bool = False, pack: bool | None = None) -> HeldOut:
     """What `model` scores on a LoRA run's chat/SFT rows of `split` (see `evaluate_chat`), `cfg`
     the run's configuration (None: --data.path or the default); `first`: only the first that
     many rows (--max-examples), no example after them tokenized; `pick` (instead, on the
     validation split): the rows `run_rows` picks, batched as the run's validation batches
     them (`held_out_call_rows` a call), so that the loss is its eval events'; `per_row`: each
-    row's loss sum and count too (`lm_held_out_rows`); `progress`: the name of the pass's
-    progress bar (drawn on a terminal, `Evaluator`; None: none)."""
+    row's loss sum and count too (`lm_held_out_rows`); `pack`: --data.pack or --data.no-pack
+    as given (None: the run's own, else one example a row, `chat_pack`); `progress`: the name
+    of the pass's progress bar (drawn on a terminal, `Evaluator`; None: none)."""
     import numpy as np
 
     from toymlx.backend.files import counted
@@ -661,7 +707,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
                          "validation rows, no test set); give the test examples with --data.path")
     seq_len = seq_len or getattr(cfg, "seq_len", None) or 256
     pick = pick if split == "val" else None
-    mask, pack = data.get("mask_prompt", True), data.get("pack", True)
+    mask, pack = data.get("mask_prompt", True), chat_pack(cfg, pack)
     turns = data.get("train_turns", "assistant")
     keys = row_keys(data.get("keys", ()))
     bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
@@ -803,6 +849,7 @@ def evaluate(args: Args) -> dict:
             raise ValueError(f"--seq-len {args.seq_len}: expected a language model (it sets "
                              f"the tokens of a window), found a ViT ({args.model}): an image "
                              "is one window; drop --seq-len")
+        check_no_pack(args, f"a ViT ({args.model}), which scores images")
         return evaluate_images(args, checkpoint_file(args.model), rows)
     from toymlx.gguf.llama import ARCHS
 
@@ -824,6 +871,9 @@ def evaluate(args: Args) -> dict:
         if args.data_path is not None and args.split != "test" and not run_data \
                 and chat_records(args.data_path):
             return evaluate_chat(args, cfg)  # scored as rows of prompt and answer, as trained
+        text = args.data_path or (f"the text {args.model} trained on" if run_data else
+                                  "the default text")
+        check_no_pack(args, f"{text} (plain text, scored in windows of --seq-len tokens)")
         model, g = load_llama(path, scoring_ops(on_gpu()), weights=frozen_weights(on_gpu()))
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
         if not run_data:
