@@ -289,7 +289,7 @@ def check_run_data(bundle, split: str) -> None:
     data folder's valid.jsonl, --data.val-path), else the data whose seeded share it is; for
     `all`, every data path. A folder recorded without its files' own is checked whole, and
     the data given with --data.path instead is scored as it is."""
-    from toymlx.bundle.inputs import DATA_FILES_KEY, same_data
+    from toymlx.bundle.inputs import DATA_FILES_KEY, changed_part, same_data
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files
 
@@ -321,11 +321,13 @@ def check_run_data(bundle, split: str) -> None:
         else:
             checked, within = path, f" ({key})"
         same, now = same_data(checked, rec)
-        if not same:
+        if not same:  # a folder: its first file changed, added or gone, where recorded
+            part = changed_part(checked, rec, bundle.data_index(key, rec)) \
+                if checked == path else None
             raise ValueError(f"{checked}: --split {split}: expected the {what}data the run "
                              f"recorded at its start{within}: {_digest(rec)}; found it "
-                             f"changed: {_digest(now)}; restore it, or score the data as it is "
-                             f"now with --data.path {path}")
+                             f"changed: {_digest(now)}{f' ({part})' if part else ''}; restore "
+                             f"it, or score the data as it is now with --data.path {path}")
 
 
 def _digest(fp: dict) -> str:

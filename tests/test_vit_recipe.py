@@ -361,7 +361,8 @@ def test_a_resume_refused_for_changed_data_names_the_file_that_changed(tmp_path,
     added or went, a larger one only itself. Every folder now names it (the first by name):
     12 images from config.json's "files", 20 from data_index.json beside it, which config.json
     does not grow by; each image read once when the run starts (each file's SHA-256 taken in
-    the read that takes the folder's), a same-size edit found by its bytes."""
+    the read that takes the folder's), a same-size edit found by its bytes; toymlx-eval's
+    refusal of the run's validation split names it as well."""
     import hashlib
     import json
 
@@ -426,6 +427,11 @@ def test_a_resume_refused_for_changed_data_names_the_file_that_changed(tmp_path,
     (data / "a" / "new.png").write_bytes(one)
     # a/new.png comes first by name: the addition is named before b/05.png's edit
     assert ": a/new.png added); a resumed run" in refused()
+    from toymlx_cli.eval import main as eval_main  # its refusal of the run's split names it too
+
+    assert eval_main(["--model", str(run), "--no-progress"]) == 2
+    assert " (a/new.png added); restore it, or score the data as it is now with --data.path " \
+        in capsys.readouterr().err
 
 
 def test_a_held_out_image_that_fails_keeps_the_trained_steps(tmp_path, capsys, monkeypatch):
