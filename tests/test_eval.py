@@ -86,6 +86,26 @@ def test_overwrite_without_a_plot_is_one_line(capsys):
         "--plot file), found no --plot\n")
 
 
+def test_pack_where_no_chat_rows_are_built_is_one_line(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """--data.pack and --data.no-pack build chat/SFT rows: on plain text or images they would
+    be taken and ignored (exit status 0); each is refused in one line naming what was found."""
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(text), "--data.pack"]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-eval: error: --data.pack: expected chat/SFT examples to build rows of (a JSONL "
+        "file or data folder of prompt/completion or messages), found "
+        f"{text} (plain text, scored in windows of --seq-len tokens); drop --data.pack\n")
+    run, _ = vit_run(tmp_path)
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--data.no-pack"]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-eval: error: --data.no-pack: expected chat/SFT examples to build rows of (a "
+        f"JSONL file or data folder of prompt/completion or messages), found a ViT ({run}), "
+        "which scores images; drop --data.no-pack\n")
+
+
 def test_a_count_not_an_integer_is_one_line(capsys):
     assert eval_main(["--model", "nowhere.gguf", "--limit", "1.5"]) == 2
     assert capsys.readouterr().err == (
