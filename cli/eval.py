@@ -34,8 +34,9 @@ class Args:
     model: str
     """A checkpoint GGUF or a run directory (uses weights/latest)."""
     data_path: Annotated[str | None, tyro.conf.arg(aliases=("--data.path",))] = None
-    """Images (an ImageFolder, CIFAR batches, IDX, .npz) or a UTF-8 text file for a Llama;
-    default: the data of the run --model belongs to (the same held-out split its training
+    """Images (an ImageFolder, CIFAR batches, IDX, .npz); for a Llama, a UTF-8 text file or
+    chat/SFT examples (a .jsonl, .json, .csv or .tsv file, or a data folder in mlx-lm's layout:
+    train.jsonl, valid.jsonl, test.jsonl); default: the data of the run --model belongs to (the same held-out split its training
     evaluated), else the digits fixture or the Python docs. Data the run did not train on is
     scored whole (--split all) unless --split says otherwise."""
     split: Literal["val", "all", "test", "valid"] | None = None
@@ -59,16 +60,18 @@ class Args:
     max_examples: Annotated[int | None, tyro.conf.arg(aliases=("--limit",))] = None
     """Score only the first N examples of the split, in its fixed order (the same ones every
     call), for a quick estimate: images (a ViT), windows of --seq-len tokens (a text run),
-    chat/SFT rows (a LoRA run; a Llama GGUF's --split test); the report says N of how many.
+    chat/SFT rows (a LoRA run; a Llama GGUF on chat examples); the report says N of how many.
     More than the split holds scores all of it. Default: the whole split."""
-    data_pack: Annotated[bool, tyro.conf.arg(name="data.pack"),
-                         tyro.conf.FlagCreatePairsOff] = False
+    data_pack: Annotated[bool, tyro.conf.arg(
+        name="data.pack", help_behavior_hint="(default: a run's own, else off)"),
+        tyro.conf.FlagCreatePairsOff] = False
     """Chat/SFT examples: run them together into rows of --seq-len (attention crossing from one
     example into the next), as a toymlx lora run trains and validates them by default (its
     --data.pack). Default: a run's own rows (a run, or a fused file recording its run);
     for a model outside a run, one example a row (--data.no-pack)."""
-    data_no_pack: Annotated[bool, tyro.conf.arg(name="data.no-pack"),
-                            tyro.conf.FlagCreatePairsOff] = False
+    data_no_pack: Annotated[bool, tyro.conf.arg(
+        name="data.no-pack", help_behavior_hint="(default: a run's own, else on)"),
+        tyro.conf.FlagCreatePairsOff] = False
     """Chat/SFT examples: one example a row, cut at --seq-len, as mlx-lm's evaluate
     (`mlx_lm.lora --test`) and a toymlx lora run of --data.no-pack score them: the default for
     a model outside a run; for a run, its own (packed) rows scored so instead."""

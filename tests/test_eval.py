@@ -106,6 +106,30 @@ def test_pack_where_no_chat_rows_are_built_is_one_line(tiny_gguf, tmp_path, caps
         "which scores images; drop --data.no-pack\n")
 
 
+def test_an_empty_example_file_says_what_it_should_hold(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """An empty .jsonl (--data.path, or a data folder's test.jsonl with --split test) was
+    "empty file; expected UTF-8 text", a plain-text file's words; an mlx-lm user's file holds
+    JSON lines: the line now says which (a table: its header row), as an empty valid.jsonl's
+    does."""
+    empty = tmp_path / "none.jsonl"
+    empty.write_text("")
+    folder = mlx_lm_folder(tmp_path / "data", n_train=4, n_valid=0, n_test=0)
+    (folder / "test.jsonl").write_text("")
+    table = tmp_path / "none.csv"
+    table.write_text("")
+    lines = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
+    for given, extra, f, want in [
+            (empty, [], empty, f"one example a line {lines}"),
+            (folder, ["--split", "test"], folder / "test.jsonl", f"one example a line {lines}"),
+            (table, [], table, ("a header row (text; prompt and completion; or Alpaca's "
+                                "instruction, input (optional) and output) and one example "
+                                "a row"))]:
+        capsys.readouterr()
+        assert eval_main(["--model", str(tiny_gguf), "--data.path", str(given), *extra]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"toymlx-eval: error: {f}: empty file; expected {want}")
+
+
 def test_a_count_not_an_integer_is_one_line(capsys):
     assert eval_main(["--model", "nowhere.gguf", "--limit", "1.5"]) == 2
     assert capsys.readouterr().err == (
