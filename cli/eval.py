@@ -36,9 +36,9 @@ class Args:
     data_path: Annotated[str | None, tyro.conf.arg(aliases=("--data.path",))] = None
     """Images (an ImageFolder, CIFAR batches, IDX, .npz); for a Llama, a UTF-8 text file or
     chat/SFT examples (a .jsonl, .json, .csv or .tsv file, or a data folder in mlx-lm's layout:
-    train.jsonl, valid.jsonl, test.jsonl); default: the data of the run --model belongs to (the same held-out split its training
-    evaluated), else the digits fixture or the Python docs. Data the run did not train on is
-    scored whole (--split all) unless --split says otherwise."""
+    train.jsonl, valid.jsonl, test.jsonl); default: the data of the run --model belongs to (the
+    same held-out split its training evaluated), else the digits fixture or the Python docs.
+    Data the run did not train on is scored whole (--split all) unless --split says otherwise."""
     split: Literal["val", "all", "test", "valid"] | None = None
     """Evaluate the validation split (the same fixed split training used; valid, mlx-lm's name
     for it, is val), every example, or the test set `toymlx-train --test` scores (mlx_lm.lora's
@@ -613,6 +613,9 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
                subset(args.max_examples, r.examples, r.of, split, "example",
                       f"{counted(r.rows, 'row')} made of "))
     if cfg is None:  # a model outside a run: its rows are eval's, which the user must know
+        if r.held:  # mlx-lm's data folder without valid.jsonl validates nothing
+            print(f"{PROG}: --split val: {r.held}, as a run holds them out; --split all scores "
+                  "every example", file=sys.stderr)
         print(f"{PROG}: {own_rows_note(args.seq_len, r, split, pack)}", file=sys.stderr)
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
             "packed": pack, names[0]: r.loss, names[1]: math.exp(r.loss), "seq_len": r.seq_len,
@@ -668,6 +671,9 @@ class HeldOut(NamedTuple):
     """Tokens a row (--seq-len: the run's, or eval's default)"""
     tokens: int = 0
     """Trained targets scored, over all the rows"""
+    held: str = ""
+    """--split val of data without a validation file: which examples of its training file
+    were held out (its last --data.val-fraction), as a run would hold them out"""
 
 
 def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
@@ -712,6 +718,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
                          "validation rows, no test set); give the test examples with --data.path")
     seq_len = seq_len or getattr(cfg, "seq_len", None) or 256
     pick = pick if split == "val" else None
+    held = ""
     mask, pack = data.get("mask_prompt", True), chat_pack(cfg, pack)
     turns = data.get("train_turns", "assistant")
     keys = row_keys(data.get("keys", ()))
@@ -729,8 +736,12 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         # trained: not said (a test file without examples is refused as it is read)
         trained, total, tokenized = None, len(examples), fit.examples
     else:  # the validation examples alone (val), or the training ones first (all)
-        ex = SplitExamples.of(path or DEFAULT_DATA, data.get("val_fraction", 0.1), keys=keys)
+        fraction = data.get("val_fraction", 0.1)
+        ex = SplitExamples.of(path or DEFAULT_DATA, fraction, keys=keys)
         where, trained = ex.source.of("validation"), len(ex.train)
+        if split == "val" and ex.source.valid is None and ex.val:
+            held = (f"the last {len(ex.val)} of {where}'s {len(ex.train) + len(ex.val)} "
+                    f"examples (--data.val-fraction {fraction}, no validation file)")
         # the file(s) the scored rows came from: valid.jsonl alone for --split val
         source = where if split == "val" else str(ex.source)
         parts = [] if split == "val" else [rows_of(ex.train, "training", first)]
@@ -746,8 +757,9 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         if fit.examples:
             raise empty_split_error(where, "test" if split == "test" else "validation", fit,
                                     seq_len)
+        who = "the run held" if cfg is not None else "a run would hold"  # a GGUF of its own
         raise ValueError(f"{where}: --split val: expected validation rows to score, found "
-                         f"none: the run held out no examples (--data.val-fraction "
+                         f"none: {who} out no examples (--data.val-fraction "
                          f"{data.get('val_fraction', 0.1)} of {counted(trained, 'example')}, "
                          f"no valid.jsonl); score them all with --split all")
     if pick is None:
@@ -764,7 +776,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     scored = sum(b["inputs"].shape[1] for b in batches)
     tokens = int(sum(b["mask"].sum() for b in batches))
     return HeldOut(m["test_loss"], scored, source, tokenized, total, n, m.get("test_row_loss"),
-                   m.get("test_row_n"), seq_len, tokens)
+                   m.get("test_row_n"), seq_len, tokens, held)
 
 
 def first_windows(batches: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:

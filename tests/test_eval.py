@@ -401,6 +401,30 @@ def test_a_gguf_of_its_own_scores_chat_examples_one_a_row_as_mlx_lm_and_a_run_do
         "--data.pack, --data.no-pack: expected one of them, got both")
 
 
+def test_split_val_of_examples_without_a_validation_file_says_which(
+        tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A GGUF of its own, --split val on a data folder without valid.jsonl (mlx-lm validates
+    nothing there) scored the last 10% of train.jsonl with nothing said but "data":
+    "train.jsonl"; now a line says which examples, and where 10% holds none the refusal no
+    longer speaks of a run that is not there."""
+    folder = mlx_lm_folder(tmp_path / "data", n_train=12, n_valid=0, n_test=0)
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(folder), "--split", "val",
+                      "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["data"] == str(folder / "train.jsonl")
+    assert (f"toymlx-eval: --split val: the last 1 of {folder / 'train.jsonl'}'s 12 examples "
+            "(--data.val-fraction 0.1, no validation file), as a run holds them out; --split "
+            "all scores every example") in err.splitlines()
+    few = mlx_lm_folder(tmp_path / "few", n_train=5, n_valid=0, n_test=0)
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(few), "--split", "val",
+                      "--no-progress"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-eval: error: {few / 'train.jsonl'}: --split val: expected validation rows to "
+        "score, found none: a run would hold out no examples (--data.val-fraction 0.1 of 5 "
+        "examples, no valid.jsonl); score them all with --split all")
+
+
 def _reads_as_the_texts(path: Path, texts: list[str]):
     """`load_token_data` of --data.path `path`, checked to hold the ids a text file of `texts`
     (joined by blank lines, beside `path`) gives, split for split."""
@@ -890,7 +914,8 @@ def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, se
         "--eval-batches -1 scores all"))
     said = next(x for x in err if " rows as " in x)
     assert said.endswith("; from the flags here: --seq-len") and " --seq-len " not in said
-    # the same file without the keys: eval's own rows (seq-len 256, one example a row, assistant turns)
+    # the same file without the keys: eval's own rows (seq-len 256, one example a row,
+    # assistant turns)
     old = tmp_path / "older.gguf"
     with GGUFFile(fused) as g:
         write_with_tensors(old, g, {})
