@@ -616,6 +616,8 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
         if r.held:  # mlx-lm's data folder without valid.jsonl validates nothing
             print(f"{PROG}: --split val: {r.held}, as a run holds them out; --split all scores "
                   "every example", file=sys.stderr)
+        for note in r.notes:  # examples cut at --seq-len: their ends not scored
+            print(f"{PROG}: {note}", file=sys.stderr)
         print(f"{PROG}: {own_rows_note(args.seq_len, r, split, pack)}", file=sys.stderr)
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
             "packed": pack, names[0]: r.loss, names[1]: math.exp(r.loss), "seq_len": r.seq_len,
@@ -674,6 +676,9 @@ class HeldOut(NamedTuple):
     held: str = ""
     """--split val of data without a validation file: which examples of its training file
     were held out (its last --data.val-fraction), as a run would hold them out"""
+    notes: tuple[str, ...] = ()
+    """What of each split's examples was cut or left out at --seq-len (`Fit.note`), as a run
+    says it of its own"""
 
 
 def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
@@ -733,6 +738,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         examples = load_examples(f, keys)
         rows, fit = rows_of(examples, "test", first)
         source = where = str(f)
+        notes = [fit.note(where, "test", seq_len, scored=True)]
         # trained: not said (a test file without examples is refused as it is read)
         trained, total, tokenized = None, len(examples), fit.examples
     else:  # the validation examples alone (val), or the training ones first (all)
@@ -750,6 +756,10 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
             parts.append(rows_of(ex.val, "validation", None if first is None else first - made))
         rows = {k: np.concatenate([r[k] for r, _ in parts]) for k in parts[0][0]}
         fit = parts[-1][1]  # the validation examples' unless --max-examples rows came first
+        named = ([] if split == "val" else [(ex.source.of("train"), "training")]) + [
+            (where, "validation")]
+        notes = [f.note(src, name, seq_len, scored=True)
+                 for (_, f), (src, name) in zip(parts, named)]
         total = len(ex.val) + (0 if split == "val" else len(ex.train))
         tokenized = sum(f.examples for _, f in parts)
     n = len(rows["inputs"])
@@ -776,7 +786,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     scored = sum(b["inputs"].shape[1] for b in batches)
     tokens = int(sum(b["mask"].sum() for b in batches))
     return HeldOut(m["test_loss"], scored, source, tokenized, total, n, m.get("test_row_loss"),
-                   m.get("test_row_n"), seq_len, tokens, held)
+                   m.get("test_row_n"), seq_len, tokens, held,
+                   tuple(note for note in notes if note))
 
 
 def first_windows(batches: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:

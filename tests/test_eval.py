@@ -425,6 +425,30 @@ def test_split_val_of_examples_without_a_validation_file_says_which(
         "examples, no valid.jsonl); score them all with --split all")
 
 
+def test_examples_cut_at_seq_len_are_said(tmp_path, stories_path, capsys):
+    """A GGUF of its own, one example a row: examples longer than --seq-len were cut, their
+    ends left unscored, with nothing said (mlx-lm warns of sequences over its
+    max_seq_length); the line a run prints of its own rows now says how many, and the tokens
+    scored are those within the rows."""
+    folder = number_stories_folder(tmp_path / "data", {"train": 4, "test": 5})
+    capsys.readouterr()
+    assert eval_main(["--model", str(stories_path), "--data.path", str(folder), "--split",
+                      "test", "--seq-len", "20", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    f = folder / "test.jsonl"
+    assert (f"toymlx-eval: {f}: test: of 5 examples, 5 cut to their first 21 tokens "
+            "(--seq-len 20; what follows is not scored)") in err.splitlines()
+    model, g = load_llama(stories_path, weights="float32")
+    tok = Tokenizer.from_metadata(g.metadata)
+    g.close()
+    rows = chat.pack_or_pad([chat.tokenize_example(e, tok, True) for e in chat.load_examples(f)],
+                            20, tok.eos_id, pack=False)
+    got = json.loads(out)
+    assert got["tokens_scored"] == int(rows["mask"].sum())
+    assert got["test_loss"] == pytest.approx(
+        _mean_ce(model, rows["inputs"], rows["targets"], rows["mask"]), abs=1e-4)
+
+
 def _reads_as_the_texts(path: Path, texts: list[str]):
     """`load_token_data` of --data.path `path`, checked to hold the ids a text file of `texts`
     (joined by blank lines, beside `path`) gives, split for split."""

@@ -1539,13 +1539,14 @@ class Fit:
                    dropped=sum(t and not w for t, w in zip(trained, within)),
                    untrained=untrained)
 
-    def note(self, source: str, split: str, seq_len: int) -> str | None:
+    def note(self, source: str, split: str, seq_len: int, scored: bool = False) -> str | None:
         """One console line saying what of `split` (read from `source`) was cut or left out and
-        why, None when nothing was."""
+        why, None when nothing was; `scored`: of rows toymlx-eval scores (what follows a cut
+        is not scored), not a run's."""
         parts = []
         if self.truncated:
             parts.append(f"{self.truncated} cut to their first {seq_len + 1} tokens (--seq-len "
-                         f"{seq_len}; what follows is not trained)")
+                         f"{seq_len}; what follows is not {'scored' if scored else 'trained'})")
         if self.dropped:
             parts.append(f"{self.dropped} dropped (no trained token within the first "
                          f"{seq_len + 1}: prompts longer than --seq-len {seq_len})")
