@@ -73,8 +73,9 @@ class Args:
         name="data.no-pack", help_behavior_hint="(default: a run's own, else on)"),
         tyro.conf.FlagCreatePairsOff] = False
     """Chat/SFT examples: one example a row, cut at --seq-len, as mlx-lm's evaluate
-    (`mlx_lm.lora --test`) and a toymlx lora run of --data.no-pack score them: the default for
-    a model outside a run; for a run, its own (packed) rows scored so instead."""
+    (`mlx_lm.lora --test --mask-prompt`: toymlx scores the answers alone) and a toymlx lora run
+    of --data.no-pack score them: the default for a model outside a run; for a run, its own
+    (packed) rows scored so instead."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
