@@ -34,10 +34,11 @@ class Args:
     model: str
     """A checkpoint GGUF or a run directory (uses weights/latest)."""
     data_path: Annotated[str | None, tyro.conf.arg(aliases=("--data.path",))] = None
-    """Images (an ImageFolder, CIFAR batches, IDX, .npz) or a UTF-8 text file for a Llama;
-    default: the data of the run --model belongs to (the same held-out split its training
-    evaluated), else the digits fixture or the Python docs. Data the run did not train on is
-    scored whole (--split all) unless --split says otherwise."""
+    """Images (an ImageFolder, CIFAR batches, IDX, .npz); for a Llama, a UTF-8 text file or
+    chat/SFT examples (a .jsonl, .json, .csv or .tsv file, or a data folder in mlx-lm's layout:
+    train.jsonl, valid.jsonl, test.jsonl); default: the data of the run --model belongs to (the
+    same held-out split its training evaluated), else the digits fixture or the Python docs.
+    Data the run did not train on is scored whole (--split all) unless --split says otherwise."""
     split: Literal["val", "all", "test", "valid"] | None = None
     """Evaluate the validation split (the same fixed split training used; valid, mlx-lm's name
     for it, is val), every example, or the test set `toymlx-train --test` scores (mlx_lm.lora's
@@ -59,8 +60,22 @@ class Args:
     max_examples: Annotated[int | None, tyro.conf.arg(aliases=("--limit",))] = None
     """Score only the first N examples of the split, in its fixed order (the same ones every
     call), for a quick estimate: images (a ViT), windows of --seq-len tokens (a text run),
-    chat/SFT rows (a LoRA run; a Llama GGUF's --split test); the report says N of how many.
+    chat/SFT rows (a LoRA run; a Llama GGUF on chat examples); the report says N of how many.
     More than the split holds scores all of it. Default: the whole split."""
+    data_pack: Annotated[bool, tyro.conf.arg(
+        name="data.pack", help_behavior_hint="(default: a run's own, else off)"),
+        tyro.conf.FlagCreatePairsOff] = False
+    """Chat/SFT examples: run them together into rows of --seq-len (attention crossing from one
+    example into the next), as a toymlx lora run trains and validates them by default (its
+    --data.pack). Default: a run's own rows (a run, or a fused file recording its run);
+    for a model outside a run, one example a row (--data.no-pack)."""
+    data_no_pack: Annotated[bool, tyro.conf.arg(
+        name="data.no-pack", help_behavior_hint="(default: a run's own, else on)"),
+        tyro.conf.FlagCreatePairsOff] = False
+    """Chat/SFT examples: one example a row, cut at --seq-len, as mlx-lm's evaluate
+    (`mlx_lm.lora --test --mask-prompt`: toymlx scores the answers alone) and a toymlx lora run
+    of --data.no-pack score them: the default for a model outside a run; for a run, its own
+    (packed) rows scored so instead."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
@@ -103,6 +118,8 @@ def check_sizes(args: Args) -> None:
         raise ValueError(f"--eval-batches {args.eval_batches} --max-examples "
                          f"{args.max_examples}: expected one of them (--max-examples scores the "
                          "first N of the whole split); drop one")
+    if args.data_pack and args.data_no_pack:
+        raise ValueError("--data.pack, --data.no-pack: expected one of them, got both")
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
                          f"else 256), found {args.seq_len}")
@@ -181,6 +198,32 @@ def check_no_eval_batches(args: Args, found: str) -> None:
                          "drop --eval-batches (that split is scored whole)")
 
 
+def pack_flag(args: Args) -> bool | None:
+    """--data.pack (True) or --data.no-pack (False) as given; None: neither (a run's own)."""
+    return True if args.data_pack else False if args.data_no_pack else None
+
+
+def chat_pack(cfg: Any, given: bool | None) -> bool:
+    """Whether chat/SFT rows are packed: as given (--data.pack, --data.no-pack), else as the
+    run of config `cfg` packed them (its --data.pack), else (a model outside a run) one example
+    a row, as mlx-lm's evaluate scores them: a loss of each example's own tokens, whatever
+    precedes it in the file."""
+    if given is not None:
+        return given
+    data = getattr(cfg, "data", None)
+    return bool(getattr(data, "pack", False))
+
+
+def check_no_pack(args: Args, found: str) -> None:
+    """--data.pack and --data.no-pack build chat/SFT rows: given where eval scores other data
+    (`found`: images, text windows), refused in one line, not ignored."""
+    if (flag := pack_flag(args)) is not None:
+        name = "--data.pack" if flag else "--data.no-pack"
+        raise ValueError(f"{name}: expected chat/SFT examples to build rows of (a JSONL file or "
+                         f"data folder of prompt/completion or messages), found {found}; drop "
+                         f"{name}")
+
+
 def bar_name(args: Args) -> str | None:
     """The name of the scoring pass's progress bar, None where --no-progress hides it."""
     return PROG if args.progress else None
@@ -250,7 +293,7 @@ def check_run_data(bundle, split: str) -> None:
     data folder's valid.jsonl, --data.val-path), else the data whose seeded share it is; for
     `all`, every data path. A folder recorded without its files' own is checked whole, and
     the data given with --data.path instead is scored as it is."""
-    from toymlx.bundle.inputs import DATA_FILES_KEY, same_data
+    from toymlx.bundle.inputs import DATA_FILES_KEY, changed_part, same_data
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files
 
@@ -282,11 +325,13 @@ def check_run_data(bundle, split: str) -> None:
         else:
             checked, within = path, f" ({key})"
         same, now = same_data(checked, rec)
-        if not same:
+        if not same:  # a folder: its first file changed, added or gone, where recorded
+            part = changed_part(checked, rec, bundle.data_index(key, rec)) \
+                if checked == path else None
             raise ValueError(f"{checked}: --split {split}: expected the {what}data the run "
                              f"recorded at its start{within}: {_digest(rec)}; found it "
-                             f"changed: {_digest(now)}; restore it, or score the data as it is "
-                             f"now with --data.path {path}")
+                             f"changed: {_digest(now)}{f' ({part})' if part else ''}; restore "
+                             f"it, or score the data as it is now with --data.path {path}")
 
 
 def _digest(fp: dict) -> str:
@@ -556,9 +601,12 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
         check_context(args.seq_len, model, args.model)
     print(f"{PROG}: {used_files(args.model)}", file=sys.stderr)
     split = args.split or "val"  # Args built in code skip `evaluate`'s `default_split`
+    pack = chat_pack(cfg, pack_flag(args))
+    if rows is not None and pack != chat_pack(cfg, None):  # other rows than the run's own
+        rows = rows._replace(own=False)
     r = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len,
                   args.batch_size or 256, first=args.max_examples, progress=bar_name(args),
-                  pick=rows)
+                  pick=rows, pack=pack)
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
@@ -566,32 +614,40 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
                subset(args.max_examples, r.examples, r.of, split, "example",
                       f"{counted(r.rows, 'row')} made of "))
     if cfg is None:  # a model outside a run: its rows are eval's, which the user must know
-        print(f"{PROG}: {own_rows_note(args.seq_len, r, split)}", file=sys.stderr)
+        if r.held:  # mlx-lm's data folder without valid.jsonl validates nothing
+            print(f"{PROG}: --split val: {r.held}, as a run holds them out; --split all scores "
+                  "every example", file=sys.stderr)
+        for note in r.notes:  # examples cut at --seq-len: their ends not scored
+            print(f"{PROG}: {note}", file=sys.stderr)
+        print(f"{PROG}: {own_rows_note(args.seq_len, r, split, pack)}", file=sys.stderr)
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
-            names[0]: r.loss, names[1]: math.exp(r.loss), "seq_len": r.seq_len,
+            "packed": pack, names[0]: r.loss, names[1]: math.exp(r.loss), "seq_len": r.seq_len,
             "tokens_scored": r.tokens, **limited}
 
 
-def own_rows_note(seq_len: int | None, r: HeldOut, split: str) -> str:
+def own_rows_note(seq_len: int | None, r: HeldOut, split: str, pack: bool) -> str:
     """The line saying how chat/SFT rows were built for a model outside a run (a fused export
     from before toymlx recorded its run's settings, `FileRun`; a GGUF of its own): with eval's
-    settings, not any run's, which the file does not record. A
-    run packs its examples into rows of its own --seq-len; eval's default of 256 packed a
-    --seq-len 64 run's 2 validation examples into 1 row (the second read after the first): the
-    same examples, weights and trained tokens, another loss, said nowhere. --seq-len gives the
-    run's rows where it kept --data.pack, --data.mask-prompt and --data.train-turns assistant
-    (the settings used here), with --max-examples for a run whose validation scores only its
-    first --eval-batches x --batch-size rows; else the run itself scores them."""
+    settings, not any run's, which the file does not record. By default one example a row
+    (`pack` False), as mlx-lm's evaluate scores them: packed (a toymlx lora run's default,
+    --data.pack), SmolLM2-135M scored 4.52 on chat examples whose own loss is 5.69, each read
+    after the ones before it. --seq-len and --data.pack give a default run's rows (it kept
+    --data.mask-prompt and --data.train-turns assistant, the settings used here), with
+    --max-examples for a run whose validation scores only its first --eval-batches x
+    --batch-size rows; else the run itself scores them."""
     from toymlx.backend.files import counted
 
     which = {"val": "validation ", "test": "test "}.get(split, "")
     given = "" if seq_len is not None else "default; "
+    how = "packed" if pack else "one example a row, as mlx-lm's evaluate scores them"
+    other = ("--data.no-pack where it kept one example a row" if pack else
+             "--data.pack where it packed them (toymlx-train's default)")
     return (f"{counted(r.examples, which + 'example')} made {counted(r.rows, 'row')} of "
-            f"--seq-len {r.seq_len} ({given}packed, prompts masked, assistant turns trained): "
-            "eval's rows for a model outside a run, not a run's; to score a run's eval rows "
-            "give its --seq-len, and --max-examples its --eval-batches x --batch-size where "
-            "the split makes more rows (a run of other --data.pack, --data.mask-prompt or "
-            "--data.train-turns: toymlx-eval --model RUN, or its fused file exported again, "
+            f"--seq-len {r.seq_len} ({given}{how}; prompts masked, assistant turns trained): "
+            f"eval's rows for a model outside a run, not a run's; to score a run's eval rows "
+            f"give its --seq-len, {other}, and --max-examples its --eval-batches x "
+            "--batch-size where the split makes more rows (a run of other --data.mask-prompt "
+            "or --data.train-turns: toymlx-eval --model RUN, or its fused file exported again, "
             "which records them)")
 
 
@@ -618,19 +674,26 @@ class HeldOut(NamedTuple):
     """Tokens a row (--seq-len: the run's, or eval's default)"""
     tokens: int = 0
     """Trained targets scored, over all the rows"""
+    held: str = ""
+    """--split val of data without a validation file: which examples of its training file
+    were held out (its last --data.val-fraction), as a run would hold them out"""
+    notes: tuple[str, ...] = ()
+    """What of each split's examples was cut or left out at --seq-len (`Fit.note`), as a run
+    says it of its own"""
 
 
 def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
               seq_len: int | None = None, batch_size: int = 256, first: int | None = None,
               progress: str | None = PROG, pick: RunRows | None = None,
-              per_row: bool = False) -> HeldOut:
+              per_row: bool = False, pack: bool | None = None) -> HeldOut:
     """What `model` scores on a LoRA run's chat/SFT rows of `split` (see `evaluate_chat`), `cfg`
     the run's configuration (None: --data.path or the default); `first`: only the first that
     many rows (--max-examples), no example after them tokenized; `pick` (instead, on the
     validation split): the rows `run_rows` picks, batched as the run's validation batches
     them (`held_out_call_rows` a call), so that the loss is its eval events'; `per_row`: each
-    row's loss sum and count too (`lm_held_out_rows`); `progress`: the name of the pass's
-    progress bar (drawn on a terminal, `Evaluator`; None: none)."""
+    row's loss sum and count too (`lm_held_out_rows`); `pack`: --data.pack or --data.no-pack
+    as given (None: the run's own, else one example a row, `chat_pack`); `progress`: the name
+    of the pass's progress bar (drawn on a terminal, `Evaluator`; None: none)."""
     import numpy as np
 
     from toymlx.backend.files import counted
@@ -661,7 +724,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
                          "validation rows, no test set); give the test examples with --data.path")
     seq_len = seq_len or getattr(cfg, "seq_len", None) or 256
     pick = pick if split == "val" else None
-    mask, pack = data.get("mask_prompt", True), data.get("pack", True)
+    held = ""
+    mask, pack = data.get("mask_prompt", True), chat_pack(cfg, pack)
     turns = data.get("train_turns", "assistant")
     keys = row_keys(data.get("keys", ()))
     bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
@@ -675,11 +739,16 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         examples = load_examples(f, keys)
         rows, fit = rows_of(examples, "test", first)
         source = where = str(f)
+        notes = [fit.note(where, "test", seq_len, scored=True)]
         # trained: not said (a test file without examples is refused as it is read)
         trained, total, tokenized = None, len(examples), fit.examples
     else:  # the validation examples alone (val), or the training ones first (all)
-        ex = SplitExamples.of(path or DEFAULT_DATA, data.get("val_fraction", 0.1), keys=keys)
+        fraction = data.get("val_fraction", 0.1)
+        ex = SplitExamples.of(path or DEFAULT_DATA, fraction, keys=keys)
         where, trained = ex.source.of("validation"), len(ex.train)
+        if split == "val" and ex.source.valid is None and ex.val:
+            held = (f"the last {len(ex.val)} of {where}'s {len(ex.train) + len(ex.val)} "
+                    f"examples (--data.val-fraction {fraction}, no validation file)")
         # the file(s) the scored rows came from: valid.jsonl alone for --split val
         source = where if split == "val" else str(ex.source)
         parts = [] if split == "val" else [rows_of(ex.train, "training", first)]
@@ -688,6 +757,10 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
             parts.append(rows_of(ex.val, "validation", None if first is None else first - made))
         rows = {k: np.concatenate([r[k] for r, _ in parts]) for k in parts[0][0]}
         fit = parts[-1][1]  # the validation examples' unless --max-examples rows came first
+        named = ([] if split == "val" else [(ex.source.of("train"), "training")]) + [
+            (where, "validation")]
+        notes = [f.note(src, name, seq_len, scored=True)
+                 for (_, f), (src, name) in zip(parts, named)]
         total = len(ex.val) + (0 if split == "val" else len(ex.train))
         tokenized = sum(f.examples for _, f in parts)
     n = len(rows["inputs"])
@@ -695,8 +768,9 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         if fit.examples:
             raise empty_split_error(where, "test" if split == "test" else "validation", fit,
                                     seq_len)
+        who = "the run held" if cfg is not None else "a run would hold"  # a GGUF of its own
         raise ValueError(f"{where}: --split val: expected validation rows to score, found "
-                         f"none: the run held out no examples (--data.val-fraction "
+                         f"none: {who} out no examples (--data.val-fraction "
                          f"{data.get('val_fraction', 0.1)} of {counted(trained, 'example')}, "
                          f"no valid.jsonl); score them all with --split all")
     if pick is None:
@@ -713,7 +787,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     scored = sum(b["inputs"].shape[1] for b in batches)
     tokens = int(sum(b["mask"].sum() for b in batches))
     return HeldOut(m["test_loss"], scored, source, tokenized, total, n, m.get("test_row_loss"),
-                   m.get("test_row_n"), seq_len, tokens)
+                   m.get("test_row_n"), seq_len, tokens, held,
+                   tuple(note for note in notes if note))
 
 
 def first_windows(batches: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:
@@ -803,6 +878,7 @@ def evaluate(args: Args) -> dict:
             raise ValueError(f"--seq-len {args.seq_len}: expected a language model (it sets "
                              f"the tokens of a window), found a ViT ({args.model}): an image "
                              "is one window; drop --seq-len")
+        check_no_pack(args, f"a ViT ({args.model}), which scores images")
         return evaluate_images(args, checkpoint_file(args.model), rows)
     from toymlx.gguf.llama import ARCHS
 
@@ -824,6 +900,9 @@ def evaluate(args: Args) -> dict:
         if args.data_path is not None and args.split != "test" and not run_data \
                 and chat_records(args.data_path):
             return evaluate_chat(args, cfg)  # scored as rows of prompt and answer, as trained
+        text = args.data_path or (f"the text {args.model} trained on" if run_data else
+                                  "the default text")
+        check_no_pack(args, f"{text} (plain text, scored in windows of --seq-len tokens)")
         model, g = load_llama(path, scoring_ops(on_gpu()), weights=frozen_weights(on_gpu()))
         tok = Tokenizer.from_metadata(g.metadata, source=str(path))
         if not run_data:

@@ -86,6 +86,50 @@ def test_overwrite_without_a_plot_is_one_line(capsys):
         "--plot file), found no --plot\n")
 
 
+def test_pack_where_no_chat_rows_are_built_is_one_line(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """--data.pack and --data.no-pack build chat/SFT rows: on plain text or images they would
+    be taken and ignored (exit status 0); each is refused in one line naming what was found."""
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(text), "--data.pack"]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-eval: error: --data.pack: expected chat/SFT examples to build rows of (a JSONL "
+        "file or data folder of prompt/completion or messages), found "
+        f"{text} (plain text, scored in windows of --seq-len tokens); drop --data.pack\n")
+    run, _ = vit_run(tmp_path)
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--data.no-pack"]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-eval: error: --data.no-pack: expected chat/SFT examples to build rows of (a "
+        f"JSONL file or data folder of prompt/completion or messages), found a ViT ({run}), "
+        "which scores images; drop --data.no-pack\n")
+
+
+def test_an_empty_example_file_says_what_it_should_hold(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """An empty .jsonl (--data.path, or a data folder's test.jsonl with --split test) was
+    "empty file; expected UTF-8 text", a plain-text file's words; an mlx-lm user's file holds
+    JSON lines: the line now says which (a table: its header row), as an empty valid.jsonl's
+    does."""
+    empty = tmp_path / "none.jsonl"
+    empty.write_text("")
+    folder = mlx_lm_folder(tmp_path / "data", n_train=4, n_valid=0, n_test=0)
+    (folder / "test.jsonl").write_text("")
+    table = tmp_path / "none.csv"
+    table.write_text("")
+    lines = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
+    for given, extra, f, want in [
+            (empty, [], empty, f"one example a line {lines}"),
+            (folder, ["--split", "test"], folder / "test.jsonl", f"one example a line {lines}"),
+            (table, [], table, ("a header row (text; prompt and completion; or Alpaca's "
+                                "instruction, input (optional) and output) and one example "
+                                "a row"))]:
+        capsys.readouterr()
+        assert eval_main(["--model", str(tiny_gguf), "--data.path", str(given), *extra]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"toymlx-eval: error: {f}: empty file; expected {want}")
+
+
 def test_a_count_not_an_integer_is_one_line(capsys):
     assert eval_main(["--model", "nowhere.gguf", "--limit", "1.5"]) == 2
     assert capsys.readouterr().err == (
@@ -246,12 +290,12 @@ def test_split_valid_is_mlx_lm_s_name_for_val(tiny_gguf, tmp_path, capsys):  # n
     assert valid["tokens_scored"] < every["tokens_scored"]
 
 def test_gguf_split_test_scores_the_first_packed_rows(tiny_gguf, tmp_path, capsys):  # noqa: F811
-    """A Llama GGUF of its own, --split test on chat examples (packed rows): --max-examples 2
+    """A Llama GGUF of its own, --split test on chat examples (--data.pack): --max-examples 2
     scores the first 2 rows of all the examples' rows (the loss NumPy gives on them), and
     counts as scored the examples up to the one that completes them."""
     test = mlx_lm_folder(tmp_path / "data", n_train=0, n_valid=0, n_test=40) / "test.jsonl"
     got = _json(capsys, tiny_gguf, "--split", "test", "--data.path", test, "--seq-len", "32",
-                "--max-examples", "2")
+                "--max-examples", "2", "--data.pack")
     model, g = load_llama(tiny_gguf, weights="float32")
     tok = Tokenizer.from_metadata(g.metadata)
     g.close()
@@ -274,13 +318,13 @@ def test_gguf_split_test_scores_the_first_packed_rows(tiny_gguf, tmp_path, capsy
 def test_a_jsonl_file_of_chat_records_is_scored_as_rows_not_as_json_text(
         tiny_gguf, tmp_path, capsys):  # noqa: F811
     """A Llama GGUF of its own on a .jsonl file of prompt/completion records (no --split): its
-    packed rows (the training split's, then the held-out split's, as training built them), the
+    rows (--data.pack: the training split's, then the held-out split's, as training built them), the
     completions' tokens scored: the loss NumPy gives on them; not the text of the JSON, braces
     and keys and prompts, as it was scored before."""
     test = mlx_lm_folder(tmp_path / "data", n_train=0, n_valid=0, n_test=40) / "test.jsonl"
     one = tmp_path / "qa.jsonl"
     shutil.copyfile(test, one)
-    got = _json(capsys, tiny_gguf, "--data.path", one, "--seq-len", "32")
+    got = _json(capsys, tiny_gguf, "--data.path", one, "--seq-len", "32", "--data.pack")
     model, g = load_llama(tiny_gguf, weights="float32")
     tok = Tokenizer.from_metadata(g.metadata)
     g.close()
@@ -291,6 +335,118 @@ def test_a_jsonl_file_of_chat_records_is_scored_as_rows_not_as_json_text(
     want = _mean_ce(model, rows["inputs"], rows["targets"], rows["mask"])
     assert got["split"] == "all" and got["rows"] == len(rows["inputs"])
     assert got["val_loss"] == pytest.approx(want, rel=1e-4)
+
+
+def test_a_gguf_of_its_own_scores_chat_examples_one_a_row_as_mlx_lm_and_a_run_does(
+        tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A Llama GGUF of its own on chat examples was scored packed (SmolLM2-135M: 4.52 where
+    each example's own loss, mlx-lm's evaluate's, is 5.69), said in its line but another figure
+    than mlx_lm.lora's or a --data.no-pack run's. Now one example a row by default: the loss
+    float64 NumPy gives on the padded rows, and the step-0 validation loss of a lora run of
+    --data.no-pack on the same data; --data.pack scores the rows a default (packed) run
+    validates, its step-0 loss; each said in the line; both flags at once are refused."""
+    data = mlx_lm_folder(tmp_path / "data", n_train=8, n_valid=6, n_test=0)
+
+    def step0(name: str, *extra: str) -> float:
+        assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                           str(tmp_path), "--run-id", name, "--steps", "1", "--batch-size", "2",
+                           "--seq-len", "64", "--eval-at-start", "--eval-batches", "3",
+                           "--no-progress", "--data.path", str(data), *extra]) == 0
+        events = [json.loads(x) for x in (tmp_path / name / "events.jsonl").read_text()
+                  .splitlines()]
+        return next(e for e in events if e["kind"] == "eval" and e["step"] == 0)["val_loss"]
+
+    def scored(*extra: str) -> tuple[dict, str]:
+        capsys.readouterr()
+        assert eval_main(["--model", str(tiny_gguf), "--data.path", str(data), "--split",
+                          "val", "--seq-len", "64", "--no-progress", *extra]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out), err.splitlines()[-1]
+
+    model, g = load_llama(tiny_gguf, weights="float32")
+    tok = Tokenizer.from_metadata(g.metadata)
+    g.close()
+    seqs = [chat.tokenize_example(e, tok, True)
+            for e in chat.load_examples(data / "valid.jsonl")]
+    padded = chat.pack_or_pad(seqs, 64, tok.eos_id, pack=False)
+    packed = chat.pack_or_pad(seqs, 64, tok.eos_id, pack=True)
+    assert (len(padded["inputs"]), len(packed["inputs"])) == (6, 5)
+    one_a_row = _mean_ce(model, padded["inputs"], padded["targets"], padded["mask"])
+    run_together = _mean_ce(model, packed["inputs"], packed["targets"], packed["mask"])
+    assert abs(one_a_row - run_together) > 1e-3  # the two figures the user could get
+
+    got, line = scored()
+    assert (got["rows"], got["packed"]) == (6, False)
+    assert got["val_loss"] == pytest.approx(one_a_row, abs=1e-4)
+    assert got["val_loss"] == pytest.approx(step0("own", "--data.no-pack"), abs=1e-4)
+    assert got == scored("--data.no-pack")[0]
+    said = ("toymlx-eval: 6 validation examples made {} of --seq-len 64 ({}; prompts masked, "
+            "assistant turns trained): eval's rows for a model outside a run, not a run's; to "
+            "score a run's eval rows give its --seq-len, {}, and --max-examples its "
+            "--eval-batches x --batch-size where the split makes more rows (a run of other "
+            "--data.mask-prompt or --data.train-turns: toymlx-eval --model RUN, or its fused "
+            "file exported again, which records them)")
+    assert line == said.format("6 rows", "one example a row, as mlx-lm's evaluate scores them",
+                               "--data.pack where it packed them (toymlx-train's default)")
+    got, line = scored("--data.pack")
+    assert (got["rows"], got["packed"]) == (5, True)
+    assert got["val_loss"] == pytest.approx(run_together, abs=1e-4)
+    assert got["val_loss"] == pytest.approx(step0("packed"), abs=1e-4)
+    assert line == said.format("5 rows", "packed", "--data.no-pack where it kept one example "
+                               "a row")
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(data), "--data.pack",
+                      "--data.no-pack"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--data.pack, --data.no-pack: expected one of them, got both")
+
+
+def test_split_val_of_examples_without_a_validation_file_says_which(
+        tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A GGUF of its own, --split val on a data folder without valid.jsonl (mlx-lm validates
+    nothing there) scored the last 10% of train.jsonl with nothing said but "data":
+    "train.jsonl"; now a line says which examples, and where 10% holds none the refusal no
+    longer speaks of a run that is not there."""
+    folder = mlx_lm_folder(tmp_path / "data", n_train=12, n_valid=0, n_test=0)
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(folder), "--split", "val",
+                      "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["data"] == str(folder / "train.jsonl")
+    assert (f"toymlx-eval: --split val: the last 1 of {folder / 'train.jsonl'}'s 12 examples "
+            "(--data.val-fraction 0.1, no validation file), as a run holds them out; --split "
+            "all scores every example") in err.splitlines()
+    few = mlx_lm_folder(tmp_path / "few", n_train=5, n_valid=0, n_test=0)
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(few), "--split", "val",
+                      "--no-progress"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-eval: error: {few / 'train.jsonl'}: --split val: expected validation rows to "
+        "score, found none: a run would hold out no examples (--data.val-fraction 0.1 of 5 "
+        "examples, no valid.jsonl); score them all with --split all")
+
+
+def test_examples_cut_at_seq_len_are_said(tmp_path, stories_path, capsys):
+    """A GGUF of its own, one example a row: examples longer than --seq-len were cut, their
+    ends left unscored, with nothing said (mlx-lm warns of sequences over its
+    max_seq_length); the line a run prints of its own rows now says how many, and the tokens
+    scored are those within the rows."""
+    folder = number_stories_folder(tmp_path / "data", {"train": 4, "test": 5})
+    capsys.readouterr()
+    assert eval_main(["--model", str(stories_path), "--data.path", str(folder), "--split",
+                      "test", "--seq-len", "20", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    f = folder / "test.jsonl"
+    assert (f"toymlx-eval: {f}: test: of 5 examples, 5 cut to their first 21 tokens "
+            "(--seq-len 20; what follows is not scored)") in err.splitlines()
+    model, g = load_llama(stories_path, weights="float32")
+    tok = Tokenizer.from_metadata(g.metadata)
+    g.close()
+    rows = chat.pack_or_pad([chat.tokenize_example(e, tok, True) for e in chat.load_examples(f)],
+                            20, tok.eos_id, pack=False)
+    got = json.loads(out)
+    assert got["tokens_scored"] == int(rows["mask"].sum())
+    assert got["test_loss"] == pytest.approx(
+        _mean_ce(model, rows["inputs"], rows["targets"], rows["mask"]), abs=1e-4)
 
 
 def _reads_as_the_texts(path: Path, texts: list[str]):
@@ -454,7 +610,7 @@ def test_a_progress_bar_counts_what_eval_scores_and_leaves_the_report_alone(
     test = mlx_lm_folder(tmp_path / "data", n_train=0, n_valid=0, n_test=40) / "test.jsonl"
     out, bars, err = _with_bars(monkeypatch, capsys, "--model", str(tiny_gguf), "--split",
                                 "test", "--data.path", str(test), "--seq-len", "32",
-                                "--batch-size", "8")
+                                "--batch-size", "8", "--data.pack")
     rows = json.loads(out)["rows"]
     assert rows > 10 and bars == [("tokenizing test examples", "example", 40, 40),
                                   ("toymlx-eval", "row", rows, rows)]
@@ -620,8 +776,9 @@ def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_pa
     --seq-len, --data.pack of the run to read), was scored as 1 row of eval's default --seq-len 256 with
     nothing said: every trained token, but the second example read after the first, so a loss
     other than the run's. Now a line on stderr says the rows eval built with its own settings
-    and how to score the run's; the report gives --seq-len and the tokens scored; with the
-    run's --seq-len the rows and the loss are the run's last validation (F32 fuse: exact), and
+    (one example a row, as mlx-lm scores them) and how to score the run's; the report gives
+    --seq-len and the tokens scored; with the run's --seq-len and --data.pack the rows and the
+    loss are the run's last validation (F32 fuse: exact), and
     of a run validating its first --eval-batches 2 x --batch-size 2 of 8 rows, with
     --max-examples 4 too."""
     from toymlx_cli.export import main as export_main
@@ -656,24 +813,29 @@ def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_pa
         out, err = capsys.readouterr()
         return json.loads(out), err.splitlines()[-1]
 
-    said = ("toymlx-eval: 2 validation examples made {} of --seq-len {}packed, prompts "
+    said = ("toymlx-eval: 2 validation examples made 2 rows of --seq-len {} ({}; prompts "
             "masked, assistant turns trained): eval's rows for a model outside a run, not a "
-            "run's; to score a run's eval rows give its --seq-len, and --max-examples its "
+            "run's; to score a run's eval rows give its --seq-len, {}, and --max-examples its "
             "--eval-batches x --batch-size where the split makes more rows (a run of other "
-            "--data.pack, --data.mask-prompt or --data.train-turns: toymlx-eval --model RUN, "
-            "or its fused file exported again, which records them)")
+            "--data.mask-prompt or --data.train-turns: toymlx-eval --model RUN, or its fused "
+            "file exported again, which records them)")
+    one_a_row = ("one example a row, as mlx-lm's evaluate scores them",
+                 "--data.pack where it packed them (toymlx-train's default)")
     got, line = scored()
-    assert line == said.format("1 row", "256 (default; ")
-    assert (got["rows"], got["seq_len"], got["tokens_scored"]) == (1, 256, 18)
+    assert line == said.format("256", "default; " + one_a_row[0], one_a_row[1])
+    assert (got["rows"], got["seq_len"], got["tokens_scored"]) == (2, 256, 18)
     assert abs(got["val_loss"] - last["val_loss"]) > 1e-5  # other rows: another figure
     got, line = scored("--seq-len", "64")
-    assert line == said.format("2 rows", "64 (")
+    assert line == said.format("64", *one_a_row)
+    assert abs(got["val_loss"] - last["val_loss"]) > 1e-5  # still not the run's packed rows
+    got, line = scored("--seq-len", "64", "--data.pack")
+    assert line == said.format("64", "packed", "--data.no-pack where it kept one example a row")
     assert (got["rows"], got["seq_len"], got["tokens_scored"]) == (2, 64, 18)
     assert abs(got["val_loss"] - last["val_loss"]) <= 1e-5
     data, fused, last = fused_run("b", 10, "--eval-batches", "2")
     assert len(last["val_row_n"]) == 4  # of the 8 rows the 10 examples make
     flags = ["--data.path", str(data), "--split", "val", "--no-progress"]
-    got, _ = scored("--seq-len", "64", "--max-examples", "4")
+    got, _ = scored("--seq-len", "64", "--max-examples", "4", "--data.pack")
     assert (got["rows"], got["tokens_scored"]) == (4, sum(last["val_row_n"]))
     assert abs(got["val_loss"] - last["val_loss"]) <= 1e-5
 
@@ -776,7 +938,8 @@ def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, se
         "--eval-batches -1 scores all"))
     said = next(x for x in err if " rows as " in x)
     assert said.endswith("; from the flags here: --seq-len") and " --seq-len " not in said
-    # the same file without the keys: eval's own rows (seq-len 256, packed, assistant turns)
+    # the same file without the keys: eval's own rows (seq-len 256, one example a row,
+    # assistant turns)
     old = tmp_path / "older.gguf"
     with GGUFFile(fused) as g:
         write_with_tensors(old, g, {})

@@ -353,30 +353,85 @@ def test_a_file_the_run_never_reads_does_not_block_its_resume(tmp_path, capsys):
     assert "--data.path: expected the data the run started on" in capsys.readouterr().err
 
 
-def test_a_resume_refused_for_changed_data_names_the_file_that_changed(tmp_path, capsys):
+@pytest.mark.parametrize("per_class", [6, 10])
+def test_a_resume_refused_for_changed_data_names_the_file_that_changed(tmp_path, capsys,
+                                                                       monkeypatch, per_class):
     """--resume refused changed data by the folder's sizes and digests alone; a folder small
-    enough to record each file (16 or fewer) names the file that changed, was added or went."""
+    enough to record each file in config.json (16 or fewer) named the file that changed, was
+    added or went, a larger one only itself. Every folder now names it (the first by name):
+    12 images from config.json's "files", 20 from data_index.json beside it, which config.json
+    does not grow by; each image read once when the run starts (each file's SHA-256 taken in
+    the read that takes the folder's), a same-size edit found by its bytes; toymlx-eval's
+    refusal of the run's validation split names it as well."""
+    import hashlib
+    import json
+
     from PIL import Image
+
+    from toymlx.bundle import inputs
 
     rng = np.random.default_rng(0)
     data = tmp_path / "data"
     for k, name in enumerate(("a", "b")):
         (data / name).mkdir(parents=True)
-        for i in range(6):
+        for i in range(per_class):
             Image.fromarray(rng.integers(0, 120, (8, 8), np.uint8) + 120 * k).save(
                 data / name / f"{i:02d}.png")
-    run = _run(tmp_path, "n", "--data.path", str(data), "--steps", "4", "--stop-at", "2",
-               "--batch-size", "4")
-    was = (data / "b" / "03.png").stat().st_size
-    Image.fromarray(rng.integers(0, 250, (8, 8), np.uint8)).save(data / "b" / "03.png")
+    opened: list[str] = []
+
+    def counted_open(file, *args, **kwargs):
+        opened.append(str(file))
+        return open(file, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(inputs, "open", counted_open, raising=False)
+        run = _run(tmp_path, "n", "--data.path", str(data), "--steps", "4", "--stop-at", "2",
+                   "--batch-size", "4")
+    images = sorted(str(p) for p in data.rglob("*.png"))
+    assert len(images) == 2 * per_class and sorted(opened) == images  # each read once
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    index = run / "data_index.json"
+    if per_class == 6:
+        assert not index.exists()
+        parts = rec["files"]
+    else:
+        assert "files" not in rec
+        kept = json.loads(index.read_text())["data.path"]
+        assert kept["sha256"] == rec["sha256"]
+        parts = {k: {"bytes": n, "sha256": h} for k, (n, h) in kept["files"].items()}
+    one = (data / "b" / "03.png").read_bytes()  # as `fingerprint` names a file of its own
+    assert parts["b/03.png"] == {
+        "bytes": len(one), "sha256": hashlib.sha256(b"|%d\n" % len(one) + one).hexdigest()}
+    assert len(parts) == 2 * per_class
+
+    def refused() -> str:
+        capsys.readouterr()
+        assert main(["--resume", str(run), "--no-progress"]) == 2
+        return capsys.readouterr().err
+
+    was = len(one)
+    Image.fromarray(np.full((8, 8), 7, np.uint8)).save(data / "b" / "03.png")
     now = (data / "b" / "03.png").stat().st_size
-    capsys.readouterr()
-    assert main(["--resume", str(run), "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert f": b/03.png changed ({was} -> {now} bytes)); a resumed run trains on its own" in err
-    (data / "b" / "03.png").unlink()
-    assert main(["--resume", str(run), "--no-progress"]) == 2
-    assert ": b/03.png gone); a resumed run" in capsys.readouterr().err
+    assert now != was
+    assert f": b/03.png changed ({was} -> {now} bytes)); a resumed run trains on its own" in \
+        refused()
+    (data / "b" / "03.png").write_bytes(one)  # back; then one byte of a later image, same size
+    edited = bytearray((data / "b" / "05.png").read_bytes())
+    edited[len(edited) // 2] ^= 0xFF
+    (data / "b" / "05.png").write_bytes(bytes(edited))
+    size = len(edited)
+    assert f": b/05.png changed ({size} -> {size} bytes)); a resumed run" in refused()
+    (data / "b" / "05.png").unlink()
+    assert ": b/05.png gone); a resumed run" in refused()
+    (data / "b" / "05.png").write_bytes(bytes(edited))
+    (data / "a" / "new.png").write_bytes(one)
+    # a/new.png comes first by name: the addition is named before b/05.png's edit
+    assert ": a/new.png added); a resumed run" in refused()
+    from toymlx_cli.eval import main as eval_main  # its refusal of the run's split names it too
+
+    assert eval_main(["--model", str(run), "--no-progress"]) == 2
+    assert " (a/new.png added); restore it, or score the data as it is now with --data.path " \
+        in capsys.readouterr().err
 
 
 def test_a_held_out_image_that_fails_keeps_the_trained_steps(tmp_path, capsys, monkeypatch):

@@ -21,7 +21,13 @@ from toymlx.backend.files import json_fault, not_a_file, nothing_there, shortlis
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
-from toymlx.bundle.inputs import DATA_FILES_KEY, MODEL_FILES_KEY, data_files, model_files
+from toymlx.bundle.inputs import (
+    DATA_FILES_KEY,
+    DATA_INDEX_FILE,
+    MODEL_FILES_KEY,
+    data_files,
+    model_files,
+)
 from toymlx.bundle.model_store import hf_name_hint, is_store_name
 from toymlx.bundle.options import RunError, flag_name, found_text, option
 
@@ -280,10 +286,14 @@ def as_before(cfg: Any, saved_config: dict[str, Any], fmt: int, source: str,
 
 def save_config(run_dir: Path, recipe: str, cfg: Any) -> None:
     """Write config.json (once, when the run starts): the recipe, every option as given, and
-    the absolute file and fingerprint of each data and model file the options name."""
+    the absolute file and fingerprint of each data and model file the options name; a data
+    folder of many files, each file's beside it (`DATA_INDEX_FILE`), written first."""
+    data, index = data_files(cfg)
+    if index:
+        atomic.write_text(run_dir / DATA_INDEX_FILE, json.dumps(index, ensure_ascii=False))
     atomic.write_text(run_dir / CONFIG_FILE, json.dumps(
         {"format": CONFIG_FORMAT, "recipe": recipe, "config": dataclasses.asdict(cfg),
-         DATA_FILES_KEY: data_files(cfg), MODEL_FILES_KEY: model_files(cfg)}, indent=2,
+         DATA_FILES_KEY: data, MODEL_FILES_KEY: model_files(cfg)}, indent=2,
         ensure_ascii=False))
 
 

@@ -66,13 +66,16 @@ def _files(path: Path, only: Sequence[str] | None = None) -> list[Path]:
 
 
 def fingerprint(path: str | os.PathLike, whole: bool = True,
-                only: Sequence[str] | None = None) -> dict[str, Any]:
+                only: Sequence[str] | None = None, each: bool = False) -> dict[str, Any]:
     """What identifies a data file or folder's contents: {"bytes", "sha256"} (the SHA-256 of
     every name, size and byte), and for data over WHOLE_DIGEST_BYTES also "mtime_ns" (the
     newest) and "sample_sha256" (every name and size, and 16 samples spread over the files and
     their bytes). `whole=False`: large data without "sha256" (nothing read but the samples).
     `only`: of a folder, the files with these extensions alone (those its recipe reads: an
-    ImageFolder's images, not a notes.txt beside them), recorded as "only"."""
+    ImageFolder's images, not a notes.txt beside them), recorded as "only". `each` (with
+    `whole`, of a folder): also "files", {name: {"bytes", "sha256"}} of each file as its own
+    `fingerprint` names it, from the same read (each file read once, not once for the folder
+    and again for itself)."""
     root = Path(path)
     if kind := special_kind(root):  # reading it would wait for a writer, or never end
         raise RunError(f"{root}: expected a data file or folder, found {kind}")
@@ -83,13 +86,23 @@ def fingerprint(path: str | os.PathLike, whole: bool = True,
                     for p, n in zip(files, sizes))
     large = sum(sizes) > WHOLE_DIGEST_BYTES
     out: dict[str, Any] = {"bytes": sum(sizes), **({"only": list(only)} if only else {})}
+    parts: dict[str, Any] = {}
     if whole or not large:
         digest = hashlib.sha256(head)
-        for p in files:
+        for p, n in zip(files, sizes):
+            own = hashlib.sha256(os.fsencode(f"|{n}\n")) if each and p != root else None
             with open(p, "rb") as f:
                 for block in iter(lambda f=f: f.read(2**20), b""):
                     digest.update(block)
+                    if own is not None:
+                        own.update(block)
+            if own is not None:  # a large file's own samples too, as `fingerprint(p)` has
+                parts[_text_name(p.relative_to(root))] = {
+                    "bytes": n, "sha256": own.hexdigest(), **(
+                        fingerprint(p, whole=False) if n > WHOLE_DIGEST_BYTES else {})}
         out["sha256"] = digest.hexdigest()
+    if parts:
+        out["files"] = parts
     if not large:
         return out
     digest = hashlib.sha256(head)
@@ -137,49 +150,84 @@ def _text_name(name: Path) -> str:
     return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
-def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
-    """{dotted key: {"path", and its `fingerprint`}} of the data the options name (existing
-    files and folders; a recipe reports a missing one itself, when it loads it); a small folder
-    (`FOLDER_PARTS`) also gets "files": {name: `fingerprint`} of each file in it."""
-    out = {}
+def data_files(cfg: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """({dotted key: {"path", and its `fingerprint`}} of the data the options name (existing
+    files and folders; a recipe reports a missing one itself, when it loads it), {dotted key:
+    `data_index` entry}): each file of a folder fingerprinted in the read that fingerprints
+    the folder; a small folder's (`FOLDER_PARTS`) under its record's "files", a larger one's
+    in the index (`DATA_INDEX_FILE`), which config.json would not hold at a size it can be
+    read in at every command (60,000 images: some 5 MB)."""
+    out, index = {}, {}
     reads = getattr(getattr(cfg, "data", None), "reads_only", None)
     for key, path in data_paths(cfg).items():
         if Path(path).exists():
             only = reads(path) if reads is not None and key.startswith("data.") else None
-            out[key] = {"path": path, "file": os.path.realpath(path),
-                        **fingerprint(path, only=only)}
-            files = _files(Path(path), only) if Path(path).is_dir() else []
-            if 0 < len(files) <= FOLDER_PARTS:
-                out[key]["files"] = {_text_name(p.relative_to(path)): fingerprint(p)
-                                     for p in files}
-    return out
+            rec = fingerprint(path, only=only, each=True)
+            parts = rec.pop("files", {})
+            out[key] = {"path": path, "file": os.path.realpath(path), **rec}
+            if len(parts) > FOLDER_PARTS:
+                index[key] = {"sha256": rec["sha256"], "files": {
+                    name: [p["bytes"], p["sha256"]] for name, p in parts.items()}}
+            elif parts:
+                out[key]["files"] = parts
+    return out, index
 
 
-def changed_part(path: str | os.PathLike, rec: dict[str, Any]) -> str | None:
+DATA_INDEX_FILE = "data_index.json"
+"""Beside config.json, written with it where a data folder holds more than `FOLDER_PARTS`
+files: {dotted key: {"sha256": the folder's, "files": {name: [bytes, sha256]}}}, each file's
+size and SHA-256 as `fingerprint` names a file, read only to name the file a resume refuses
+(`changed_part`)."""
+
+
+def index_parts(index: Any, rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The files {name: {"bytes", "sha256"}} that a `DATA_INDEX_FILE` entry `index` records of
+    the folder whose config.json record is `rec`; None where there is none, or it is of other
+    contents than `rec` (a record a resume took as a fix since, `data_fixed`)."""
+    if not isinstance(index, dict) or not isinstance(index.get("files"), dict) or \
+            index.get("sha256") != rec.get("sha256"):
+        return None
+    return {name: {"bytes": p[0], "sha256": p[1]} for name, p in index["files"].items()
+            if isinstance(p, list) and len(p) == 2}
+
+
+def changed_part(path: str | os.PathLike, rec: dict[str, Any],
+                 parts: dict[str, Any] | None = None) -> str | None:
     """Which file of the data folder at `path` differs from its record's "files" (a small
-    folder's, `FOLDER_PARTS`): "train.jsonl changed (100 -> 120 bytes)", "added", "gone";
-    None where the record has no files or none differs."""
-    parts = rec.get("files")
+    folder's, `FOLDER_PARTS`; a larger one's `parts`, from `index_parts`): "a/03.png added",
+    "a/03.png gone", or "train.jsonl changed (100 -> 120 bytes)", the first by name; the
+    files' names and sizes first (no file read), then, where they all hold, each file's bytes
+    in name order up to the first that differs (each read once); None where the record has no
+    files or none differs."""
+    parts = rec.get("files") if isinstance(rec.get("files"), dict) else parts
     if not isinstance(parts, dict) or not Path(path).is_dir():
         return None
     only = rec.get("only") if isinstance(rec.get("only"), list) else None
     now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)}
+    sizes = {name: p.stat().st_size for name, p in now.items()}
+
+    def said(name: str, found: int) -> str:
+        return f"{name} changed ({parts[name].get('bytes')} -> {found} bytes)"
+
     for name in sorted(set(parts) | set(now)):
         if name not in now:
             return f"{name} gone"
         if name not in parts:
             return f"{name} added"
-        was, found = parts[name], fingerprint(now[name])
-        if isinstance(was, dict) and (was.get("bytes"), was.get("sha256")) != (
-                found["bytes"], found.get("sha256")):
-            return f"{name} changed ({was.get('bytes')} -> {found['bytes']} bytes)"
+        if isinstance(parts[name], dict) and parts[name].get("bytes") != sizes[name]:
+            return said(name, sizes[name])
+    for name in sorted(now):
+        was = parts[name]
+        if isinstance(was, dict) and was.get("sha256") != fingerprint(now[name]).get("sha256"):
+            return said(name, sizes[name])
     return None
 
 
 FOLDER_PARTS = 16
-"""A data folder of at most this many files (mlx-lm's train/valid/test.jsonl) also records
-each file's fingerprint (`data_files`' "files"), so a check that reads one of them (`toymlx-eval
---split test`: test.jsonl) compares that file alone and names it with its own sizes."""
+"""A data folder of at most this many files (mlx-lm's train/valid/test.jsonl) records each
+file's fingerprint in config.json (`data_files`' "files"), so a check that reads one of them
+(`toymlx-eval --split test`: test.jsonl) compares that file alone and names it with its own
+sizes; a larger folder's are in `DATA_INDEX_FILE`."""
 
 
 

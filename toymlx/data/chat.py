@@ -400,6 +400,16 @@ def is_plain_text(path: Path) -> bool:
     return path.suffix.lower() not in (".jsonl", ".json", *TABLES)
 
 
+def check_not_empty(path: Path) -> None:
+    """An empty example file (.jsonl, .json, .csv, .tsv): one line saying what it should hold,
+    not `open_text`'s "empty file; expected UTF-8 text" (a plain-text file keeps that)."""
+    if is_plain_text(path) or not path.is_file() or path.stat().st_size:
+        return
+    what = (f"a header row ({TABLE_COLUMNS}) and one example a row"
+            if path.suffix.lower() in TABLES else f"one example a line {SHAPES}")
+    raise DataError(f"{path}: empty file; expected {what}")
+
+
 def load_examples(path: str | Path, keys: Mapping[str, str] | None = None) -> list[Example]:
     """Read a `.jsonl`/`.json` example file, a `.csv`/`.tsv` table (`_table_examples`) or a
     plain-text file (documents at blank lines); `keys`: `row_keys`' renames. A JSONL, table or plain-text file is read a
@@ -407,6 +417,7 @@ def load_examples(path: str | Path, keys: Mapping[str, str] | None = None) -> li
     whole, nor as a list of its lines, beside its examples (its text alone, as one string, took
     1 GB with a character past U+FFFF in it)."""
     path = Path(path)
+    check_not_empty(path)
     pieces = open_text(path)[1]
     try:
         head = _head(pieces)  # the text up to its first non-space character
@@ -629,6 +640,7 @@ def first_kind(path: str | Path, keys: Mapping[str, str] | None = None) -> str:
     a second read of all of it. DataError as `load_examples` gives it for what is read; a file
     whose first example is not found before its end is `load_examples`'s to answer."""
     path = Path(path)
+    check_not_empty(path)
     if path.suffix.lower() in TABLES:  # the header sets every row's kind: the first row's
         pieces = open_text(path, FIRST_BYTES)[1]
         try:
@@ -1527,13 +1539,14 @@ class Fit:
                    dropped=sum(t and not w for t, w in zip(trained, within)),
                    untrained=untrained)
 
-    def note(self, source: str, split: str, seq_len: int) -> str | None:
+    def note(self, source: str, split: str, seq_len: int, scored: bool = False) -> str | None:
         """One console line saying what of `split` (read from `source`) was cut or left out and
-        why, None when nothing was."""
+        why, None when nothing was; `scored`: of rows toymlx-eval scores (what follows a cut
+        is not scored), not a run's."""
         parts = []
         if self.truncated:
             parts.append(f"{self.truncated} cut to their first {seq_len + 1} tokens (--seq-len "
-                         f"{seq_len}; what follows is not trained)")
+                         f"{seq_len}; what follows is not {'scored' if scored else 'trained'})")
         if self.dropped:
             parts.append(f"{self.dropped} dropped (no trained token within the first "
                          f"{seq_len + 1}: prompts longer than --seq-len {seq_len})")

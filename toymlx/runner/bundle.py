@@ -48,6 +48,7 @@ from toymlx.bundle.folder import (
 from toymlx.bundle.inputs import (
     DATA_ERROR_KEY,
     DATA_FILES_KEY,
+    DATA_INDEX_FILE,
     MODEL_FILES_KEY,
     MODEL_OPTIONS,
     adopt_input,
@@ -56,6 +57,7 @@ from toymlx.bundle.inputs import (
     fingerprint,
     fingerprint_note,
     fixed_data,
+    index_parts,
     moved_inputs,
     read_as_recorded,
     resolve_inputs,
@@ -374,13 +376,23 @@ class Bundle:
                 continue
             if not same:
                 what = ("its size" if now["bytes"] != rec.get("bytes") else "its contents")
-                part = changed_part(path, rec)
+                part = changed_part(path, rec, self.data_index(key, rec))
                 raise RunError(f"{path}: {flag_name(key)}: expected the {data} the run "
                                f"started on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), "
                                f"found {what} changed ({now['bytes']} bytes, "
                                f"{fingerprint_note(now)}{f': {part}' if part else ''}); a resumed "
                                f"run trains on its own {data}: restore it, or start a new run on "
                                f"this {data}")
+
+    def data_index(self, key: str, rec: dict[str, Any]) -> dict[str, Any] | None:
+        """The files of the data folder of option `key` (config.json's record `rec`) as
+        `DATA_INDEX_FILE` records them (`index_parts`); None where the run has none (a folder of
+        few files, a run from before toymlx wrote it, a file not JSON)."""
+        try:
+            index = json.loads((self.path / DATA_INDEX_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return index_parts(index.get(key) if isinstance(index, dict) else None, rec)
 
     def plan_resume(self, from_text: str | None, steps: int) -> Resume:
         """The checkpoint to continue from (`--from`, else the one `latest` names), verified;
