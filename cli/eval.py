@@ -630,8 +630,8 @@ def own_rows_note(seq_len: int | None, r: HeldOut, split: str, pack: bool) -> st
     from before toymlx recorded its run's settings, `FileRun`; a GGUF of its own): with eval's
     settings, not any run's, which the file does not record. By default one example a row
     (`pack` False), as mlx-lm's evaluate scores them: packed (a toymlx lora run's default,
-    --data.pack), SmolLM2-135M scored 4.52 on chat examples whose own loss is 5.69, each read
-    after the ones before it. --seq-len and --data.pack give a default run's rows (it kept
+    --data.pack), each example is read after the ones before it (SmolLM2-135M on python_qa's
+    53 validation examples: 2.8780 packed, 2.9515 one a row). --seq-len and --data.pack give a default run's rows (it kept
     --data.mask-prompt and --data.train-turns assistant, the settings used here), with
     --max-examples for a run whose validation scores only its first --eval-batches x
     --batch-size rows; else the run itself scores them."""
