@@ -452,6 +452,44 @@ def test_a_cut_back_killed_at_each_file_operation_reads_as_made_and_the_next_res
     assert at >= 10  # the record, latest, the checkpoints set aside, the events' copy and cut
 
 
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_stop_in_the_validation_at_step_0_leaves_no_new_run(tmp_path, shared_file, capsys,
+                                                               monkeypatch, resumed):
+    """A SIGTERM during --eval-at-start's pass (the loop has begun: run_start is written) kept
+    the new run's folder, its run_end "interrupted ... before step 1, nothing trained", where
+    docs/RUNS.md says a stop before the first step removes it: the same command then refused
+    the folder. Now it goes, with the line a stop before the loop gives; a resumed run (here
+    --from step_0) keeps its folder and record."""
+    from toymlx.training.evaluate import Evaluator
+
+    data = str(shared_file("text/tinystories_sample.txt"))
+    run = tmp_path / "r"
+    cmd = ["--recipe", "from-scratch", *TINY, "--steps", "2", "--data.path", data,
+           "--runs-root", str(tmp_path), "--run-id", "r", "--eval-at-start"]
+    if resumed:  # validated at step 0 by the resume alone
+        assert main(cmd[:-1]) == 0
+    evaluate = Evaluator.__call__
+
+    def stopped(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(self, *a, **k)
+
+    monkeypatch.setattr(Evaluator, "__call__", stopped)
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--from", "step_0", "--eval-at-start", "--no-progress"]
+                if resumed else cmd) == 143
+    err = capsys.readouterr().err.splitlines()[-1]
+    if resumed:
+        end = read_events(run)[-1]
+        assert (end["reason"], end["final_step"], end["signal"]) == ("interrupted", 0, "SIGTERM")
+        assert err.startswith("toymlx: interrupted at step 0: stopped by SIGTERM before step 1")
+        return
+    assert err == "toymlx-train: stopped by SIGTERM before the first step; nothing was trained"
+    assert not run.exists()
+    monkeypatch.setattr(Evaluator, "__call__", evaluate)
+    assert main(cmd) == 0  # the same command starts it
+
+
 def test_a_resume_that_changes_steps_says_the_schedule_moved(tmp_path, shared_file, capsys):
     """--steps extended on a completed run: the cosine schedule spans the new total, so the
     learning rate jumped back up (3.0e-05 at the old last step to 1.6e-04 on vit-tiny, 20 ->
