@@ -452,6 +452,63 @@ def test_a_cut_back_killed_at_each_file_operation_reads_as_made_and_the_next_res
     assert at >= 10  # the record, latest, the checkpoints set aside, the events' copy and cut
 
 
+def test_a_full_disk_in_the_cut_back_says_what_it_left_and_the_next_resume_ends_it(
+        tmp_path, shared_file, capsys, monkeypatch):
+    """A full disk while `--resume --from` cut the run back ended in a bare "[Errno 28] No
+    space left on device" (events.superseded.jsonl's append named no file), a half-written
+    line left in that file. Now the line names the file and what the bundle is (unchanged, or
+    read as cut), the append is cut off again, and once there is room the next resume ends
+    with the uninterrupted one's losses."""
+    import errno
+
+    from toymlx.runner import bundle as run_bundle
+
+    data = str(shared_file("text/tinystories_sample.txt"))
+    made = tmp_path / "made" / "r"
+    assert main(["--recipe", "from-scratch", *TINY, "--steps", "4", "--warmup", "0",
+                 "--checkpoint-every", "2", "--data.path", data, "--runs-root",
+                 str(made.parent), "--run-id", "r"]) == 0
+    (made / "events.superseded.jsonl").write_bytes(b'{"kind": "step"}\n')  # an earlier cut's
+    runs = {name: Path(shutil.copytree(made, tmp_path / name / "r", symlinks=True))
+            for name in ("whole", "record", "append")}
+    assert main(["--resume", str(runs["whole"]), "--from", "step_2", "--no-progress"]) == 0
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def no_room(path, text):
+        raise OSError(full.errno, full.strerror, str(path))
+
+    monkeypatch.setattr(run_bundle.atomic, "write_text", no_room)
+    capsys.readouterr()
+    run = runs["record"]
+    assert main(["--resume", str(run), "--from", "step_2", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-train: error: {run}: --resume: could not cut the run back to step_2 ([Errno 28] "
+        f"No space left on device: '{run / REWIND}'); nothing was changed: make room (or make it "
+        "writable) and run the same command again\n")
+    assert os.readlink(run / "weights" / "latest") == "step_4.gguf"
+    monkeypatch.undo()
+    write = os.write
+
+    def half(fd, data):  # the cut's append alone writes through os.write
+        write(fd, bytes(data[:10]))
+        raise full
+
+    monkeypatch.setattr(os, "write", half)
+    run = runs["append"]
+    assert main(["--resume", str(run), "--from", "step_2", "--no-progress"]) == 2
+    monkeypatch.undo()
+    aside = run / "events.superseded.jsonl"
+    assert capsys.readouterr().err == (
+        f"toymlx-train: error: {run}: --resume: could not cut the run back to step_2 ([Errno 28] "
+        f"No space left on device: '{aside}'); it reads as cut back (rewinding.json): make room "
+        f"(or make it writable), then toymlx-train --resume {run} finishes the cut\n")
+    assert aside.read_bytes() == b'{"kind": "step"}\n'  # its 10 bytes cut off again
+    assert resolve_latest(run) == run / "weights" / "step_2.gguf"
+    for name in ("record", "append"):
+        assert main(["--resume", str(runs[name]), "--from", "step_2", "--no-progress"]) == 0
+        assert _outcome(runs[name]) == _outcome(runs["whole"])
+
+
 @pytest.mark.parametrize("resumed", [False, True])
 def test_a_stop_in_the_validation_at_step_0_leaves_no_new_run(tmp_path, shared_file, capsys,
                                                                monkeypatch, resumed):

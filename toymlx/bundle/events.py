@@ -404,15 +404,31 @@ def cut_back(run_dir: str | os.PathLike, step: int, dry_run: bool = False) -> Cu
         moved = b"".join(gone)
         aside = path.with_name(SUPERSEDED)
         if not _ends_with(aside, moved):  # the copy a cut killed before its cut already made
-            with open(aside, "ab") as f:
-                f.write(moved)
-                f.flush()
-                os.fsync(f.fileno())
+            _append_whole(aside, moved)
         atomic.write_bytes(path, b"".join(line for line, d in zip(raw, drop) if not d))
     return Cut(dropped=len(gone), previous_end=ends[-1].get("reason", "unknown") if ends
                else "torn", damaged=[n for n, _, _, what in lines if what == "damaged"],
                t=max(times, default=0.0),
                kept=[ev for ev, d in zip(parsed, drop) if ev is not None and not d])
+
+
+def _append_whole(path: Path, data: bytes) -> None:
+    """`data` at the end of the file `path`, fsynced; a write that fails (a full disk) is cut
+    off again, so the file still ends as it did, and its OSError names `path`."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            rest = memoryview(data)
+            while rest:
+                rest = rest[os.write(fd, rest):]
+            os.fsync(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
 
 
 def _ends_with(path: Path, data: bytes) -> bool:

@@ -552,13 +552,24 @@ class Bundle:
         and recorded in `ck.REWIND` first, which the loop removes once the resume event holds
         what it did (`Resume.cut_record`): a kill at any point leaves a bundle that reads as
         cut, and the next resume finishes that cut, with the figures it recorded, first."""
-        (self.path / "weights").mkdir(exist_ok=True)
         cut = ck.read_rewind(self.path)
-        if cut is not None and cut["step"] != resume.step:  # an earlier step (`_from_with_cut`)
+        try:
+            (self.path / "weights").mkdir(exist_ok=True)
+            if cut is not None and cut["step"] != resume.step:  # an earlier step
+                self._cut_to(cut)                              # (`_from_with_cut`)
+            if cut is None or cut["step"] != resume.step:
+                cut = self._plan_cut(resume.step, steps, cut)
             self._cut_to(cut)
-        if cut is None or cut["step"] != resume.step:
-            cut = self._plan_cut(resume.step, steps, cut)
-        self._cut_to(cut)
+        except OSError as e:  # a full disk, or a folder made read-only since `own`
+            if e.errno not in UNWRITABLE:
+                raise
+            begun = ck.read_rewind(self.path) is not None
+            raise RunError(f"{self.path}: --resume: could not cut the run back to "
+                           f"step_{resume.step} ({e}); "
+                           + (f"it reads as cut back ({ck.REWIND}): make room (or make it "
+                              f"writable), then toymlx-train --resume {self.path} finishes the "
+                              "cut" if begun else "nothing was changed: make room (or make it "
+                              "writable) and run the same command again")) from None
         resume.cut_record = self.path / ck.REWIND
         resume.set_aside, resume.exports_aside = cut["set_aside"], cut["exports_set_aside"]
         resume.dropped, resume.previous_end = cut["dropped_events"], cut["previous_end"]
