@@ -504,6 +504,19 @@ def test_a_full_disk_in_the_cut_back_says_what_it_left_and_the_next_resume_ends_
         f"(or make it writable), then toymlx-train --resume {run} finishes the cut\n")
     assert aside.read_bytes() == b'{"kind": "step"}\n'  # its 10 bytes cut off again
     assert resolve_latest(run) == run / "weights" / "step_2.gguf"
+    assert main(["--resume", str(run), "--from", "step_4", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-train: error: {run / REWIND}: --from step_4: expected step_2 or an earlier "
+        "checkpoint: a resume --from step_2 was stopped while it cut the run back, part of what "
+        "followed step_2 is set aside; resume with --from step_2, or an earlier step\n")
+    record = (run / REWIND).read_bytes()
+    (run / REWIND).write_bytes(b"{}")  # not one toymlx wrote: named, not taken as no cut
+    with pytest.raises(ValueError, match=(
+            f"^{run / REWIND}: expected the cut-back of an interrupted resume --from .keys step, "
+            "set_aside, .*found b'{}'; remove it, then resume with --from the step that resume "
+            "went back to$")):
+        resolve_latest(run)
+    (run / REWIND).write_bytes(record)
     for name in ("record", "append"):
         assert main(["--resume", str(runs[name]), "--from", "step_2", "--no-progress"]) == 0
         assert _outcome(runs[name]) == _outcome(runs["whole"])

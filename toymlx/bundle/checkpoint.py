@@ -46,9 +46,9 @@ SUPERSEDED = "superseded"
 _STEP = re.compile(r"(?:\w+?_)?step_(\d+)\.gguf")
 REWIND = "rewinding.json"
 """At the top of a run folder while a resume cuts it back to a checkpoint (`Bundle.rewind`):
-the cut's step and what it sets aside, written before its first change and removed after its
-last, so that a cut a kill interrupted reads as made (`latest_checkpoint`) and the next resume
-finishes it."""
+the cut's step and what it sets aside and drops, written before its first change and removed
+once the resume event records them, so that a cut a kill interrupted reads as made
+(`latest_checkpoint`) and the next resume finishes it, with that account."""
 _REWIND_KEYS = {"step": int, "set_aside": list, "exports_set_aside": dict,
                 "dropped_events": int, "previous_end": str, "damaged_lines": list,
                 "t": (int, float)}

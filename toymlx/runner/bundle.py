@@ -196,9 +196,9 @@ class Bundle:
         return adopted[1] if adopted is not None else None
 
     def _exports_to_set_aside(self, step: int, steps: int) -> dict[str, str]:
-        """The renames of each export in the run folder (a lora run's --fuse-at-end `fused-TYPE.gguf`,
-        as its latest `export` event names it) that is not of the weights this resume ends
-        with to `fused-TYPE.step_T.gguf`, its step T, so that a run extended by --steps (or
+        """The renames of each export in the run folder (a lora run's --fuse-at-end
+        `fused-TYPE.gguf`, as its latest `export` event names it) that is not of the weights
+        this resume ends with to `fused-TYPE.step_T.gguf`, its step T, so that a run extended by --steps (or
         resumed --from an earlier step) never shows an older export under the name its own
         takes, while it trains and after a stop that leaves its own export undone; the file is
         kept, not removed: it may be the only copy of that step's model. Only a resume that
