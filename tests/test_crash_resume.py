@@ -504,6 +504,12 @@ def test_a_full_disk_in_the_cut_back_says_what_it_left_and_the_next_resume_ends_
         f"(or make it writable), then toymlx-train --resume {run} finishes the cut\n")
     assert aside.read_bytes() == b'{"kind": "step"}\n'  # its 10 bytes cut off again
     assert resolve_latest(run) == run / "weights" / "step_2.gguf"
+    with pytest.warns(UserWarning) as said:  # toymlx-report says the cut is under way
+        summarize([run])
+    assert [str(w.message) for w in said] == [(
+        f"{run / REWIND}: a resume --from step_2 was stopped while it cut the run back to "
+        "step_2 (its checkpoint, as every reader takes it): its row shows the record as the cut "
+        f"left it; toymlx-train --resume {run} finishes the cut")]
     assert main(["--resume", str(run), "--from", "step_4", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
         f"toymlx-train: error: {run / REWIND}: --from step_4: expected step_2 or an earlier "
