@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,9 +23,10 @@ from conftest import end_child
 from toymlx_cli.train import main
 
 from toymlx.backend.stop import REPEAT_S
-from toymlx.bundle.checkpoint import list_checkpoints, resolve_latest
+from toymlx.bundle.checkpoint import REWIND, list_checkpoints, resolve_latest
 from toymlx.bundle.events import read_events
 from toymlx.gguf.llama import load_llama
+from toymlx.runner.bundle import Bundle
 from toymlx.runner.report import summarize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -339,6 +341,229 @@ def test_a_second_ctrl_c_never_ends_in_a_traceback(tmp_path, shared_file, second
     assert not [f for f in (run / "weights").iterdir() if ".tmp-" in f.name]
     assert main(["--resume", str(run), "--steps", str(end["final_step"] + 1)]) == 0
     assert read_events(run)[-1]["final_step"] == end["final_step"] + 1
+
+
+class _Killed(BaseException):
+    """A kill -9 in place of one file operation (no handler runs for it but `finally`)."""
+
+
+_FILE_OPS = ("replace", "rename", "unlink", "symlink", "fsync")
+"""The calls that change a bundle on disk (an append is made durable by its fsync)."""
+
+
+def _outcome(run: Path) -> dict:
+    """What a resumed run ends with: its figures, its resume event's account of the cut, and
+    the files the cut set aside (bytes)."""
+    ev = read_events(run)
+    (res,) = [e for e in ev if e["kind"] == "resume"]
+    aside = run / "weights" / "superseded"
+    return {"losses": [(e["kind"], e["step"], e.get("loss", e.get("val_loss"))) for e in ev
+                       if e["kind"] in ("step", "eval")],
+            "end": {k: ev[-1][k] for k in ("kind", "reason", "final_step", "final_loss")},
+            "resume": {k: res.get(k) for k in ("from_step", "set_aside", "dropped_events",
+                                               "previous_end", "note")},
+            "superseded": (run / "events.superseded.jsonl").read_bytes(),
+            "weights": sorted(p.name for p in (run / "weights").iterdir()),
+            "aside": sorted(p.name for p in aside.iterdir()) if aside.is_dir() else []}
+
+
+@pytest.mark.parametrize("back_to", [2, 0])
+def test_a_cut_back_killed_at_each_file_operation_reads_as_made_and_the_next_resume_ends_it(
+        tmp_path, shared_file, monkeypatch, back_to):
+    """`--resume --from step_2` cuts the bundle back (latest, later checkpoints, events): a kill
+    after the events were cut and before `latest` moved left `latest` naming step_4, which
+    toymlx-eval RUN then scored, and a plain --resume refused the record. Killed at each file
+    operation of the cut now, the bundle reads as it was (no cut begun) or as cut (latest's
+    reader takes step_2; step_0: no checkpoint), and the next resume (the same command, or a
+    plain --resume) ends with the uninterrupted resume's losses, account and files."""
+    data = str(shared_file("text/tinystories_sample.txt"))
+    made = tmp_path / "made" / "r"
+    assert main(["--recipe", "from-scratch", *TINY, "--steps", "4", "--warmup", "0",
+                 "--checkpoint-every", "2", "--data.path", data, "--runs-root",
+                 str(made.parent), "--run-id", "r"]) == 0
+    events = (made / "events.jsonl").read_bytes()
+    again = ["--from", f"step_{back_to}", "--no-progress"]
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(made, tmp_path / name / "r", symlinks=True))
+
+    whole = copy("whole")
+    assert main(["--resume", str(whole), *again]) == 0
+    want = _outcome(whole)
+    assert want["resume"]["set_aside"] == [s for s in (2, 4) if s > back_to]
+
+    kill = {"armed": False, "left": 0}
+
+    def killing(name: str, op):
+        def call(*a, **k):
+            if kill["armed"]:
+                if kill["left"] == 0:
+                    raise _Killed(name)
+                kill["left"] -= 1
+            return op(*a, **k)
+        return call
+
+    for name in _FILE_OPS:
+        monkeypatch.setattr(os, name, killing(name, getattr(os, name)))
+    rewind = Bundle.rewind
+
+    def armed(self, *a):
+        kill["armed"] = True
+        try:
+            return rewind(self, *a)
+        finally:
+            kill["armed"] = False
+
+    monkeypatch.setattr(Bundle, "rewind", armed)
+    at = 0
+    while True:
+        run = copy(f"kill{at}")
+        kill["left"] = at
+        try:
+            assert main(["--resume", str(run), *again]) == 0
+            break  # the cut made all its operations: no kill left to try
+        except _Killed:
+            kill["left"] = -1  # the next process lives
+        if (run / REWIND).exists():  # begun: read as made
+            if back_to:
+                assert resolve_latest(run) == run / "weights" / f"step_{back_to}.gguf"
+            else:
+                with pytest.raises(FileNotFoundError, match=(
+                        "found no checkpoint: .*rewinding.json: a resume --from step_0 was "
+                        "stopped while it cut the run back to step_0 .the run starts over.; "
+                        f"toymlx-train --resume {run} finishes the cut$")):
+                    resolve_latest(run)
+        else:  # not begun (the record stays until the resume event holds the cut)
+            assert (run / "events.jsonl").read_bytes() == events
+            assert os.readlink(run / "weights" / "latest") == "step_4.gguf"
+        plain = (run / REWIND).exists() and at % 2
+        assert main(["--resume", str(run), *([] if plain else again)]) == 0
+        got = _outcome(run)
+        if plain:  # said once, before the first step
+            note = (f"{run / REWIND}: a resume --from step_{back_to} was stopped while it cut "
+                    f"the run back: finishing the cut, the run resumes from step_{back_to}")
+            assert got["resume"].pop("note") == note
+            assert got["resume"].pop("from_step") == want["resume"]["from_step"]
+            got["resume"] = {**got["resume"], "note": want["resume"]["note"],
+                             "from_step": want["resume"]["from_step"]}
+        assert got == want, at
+        assert not (run / REWIND).exists()
+        at += 1
+    assert at >= 10  # the record, latest, the checkpoints set aside, the events' copy and cut
+
+
+def test_a_full_disk_in_the_cut_back_says_what_it_left_and_the_next_resume_ends_it(
+        tmp_path, shared_file, capsys, monkeypatch):
+    """A full disk while `--resume --from` cut the run back ended in a bare "[Errno 28] No
+    space left on device" (events.superseded.jsonl's append named no file), a half-written
+    line left in that file. Now the line names the file and what the bundle is (unchanged, or
+    read as cut), the append is cut off again, and once there is room the next resume ends
+    with the uninterrupted one's losses."""
+    import errno
+
+    from toymlx.runner import bundle as run_bundle
+
+    data = str(shared_file("text/tinystories_sample.txt"))
+    made = tmp_path / "made" / "r"
+    assert main(["--recipe", "from-scratch", *TINY, "--steps", "4", "--warmup", "0",
+                 "--checkpoint-every", "2", "--data.path", data, "--runs-root",
+                 str(made.parent), "--run-id", "r"]) == 0
+    (made / "events.superseded.jsonl").write_bytes(b'{"kind": "step"}\n')  # an earlier cut's
+    runs = {name: Path(shutil.copytree(made, tmp_path / name / "r", symlinks=True))
+            for name in ("whole", "record", "append")}
+    assert main(["--resume", str(runs["whole"]), "--from", "step_2", "--no-progress"]) == 0
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def no_room(path, text):
+        raise OSError(full.errno, full.strerror, str(path))
+
+    monkeypatch.setattr(run_bundle.atomic, "write_text", no_room)
+    capsys.readouterr()
+    run = runs["record"]
+    assert main(["--resume", str(run), "--from", "step_2", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-train: error: {run}: --resume: could not cut the run back to step_2 ([Errno 28] "
+        f"No space left on device: '{run / REWIND}'); nothing was changed: make room (or make it "
+        "writable) and run the same command again\n")
+    assert os.readlink(run / "weights" / "latest") == "step_4.gguf"
+    monkeypatch.undo()
+    write = os.write
+
+    def half(fd, data):  # the cut's append alone writes through os.write
+        write(fd, bytes(data[:10]))
+        raise full
+
+    monkeypatch.setattr(os, "write", half)
+    run = runs["append"]
+    assert main(["--resume", str(run), "--from", "step_2", "--no-progress"]) == 2
+    monkeypatch.undo()
+    aside = run / "events.superseded.jsonl"
+    assert capsys.readouterr().err == (
+        f"toymlx-train: error: {run}: --resume: could not cut the run back to step_2 ([Errno 28] "
+        f"No space left on device: '{aside}'); it reads as cut back (rewinding.json): make room "
+        f"(or make it writable), then toymlx-train --resume {run} finishes the cut\n")
+    assert aside.read_bytes() == b'{"kind": "step"}\n'  # its 10 bytes cut off again
+    assert resolve_latest(run) == run / "weights" / "step_2.gguf"
+    with pytest.warns(UserWarning) as said:  # toymlx-report says the cut is under way
+        summarize([run])
+    assert [str(w.message) for w in said] == [(
+        f"{run / REWIND}: a resume --from step_2 was stopped while it cut the run back to "
+        "step_2 (its checkpoint, as every reader takes it): its row shows the record as the cut "
+        f"left it; toymlx-train --resume {run} finishes the cut")]
+    assert main(["--resume", str(run), "--from", "step_4", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-train: error: {run / REWIND}: --from step_4: expected step_2 or an earlier "
+        "checkpoint: a resume --from step_2 was stopped while it cut the run back, part of what "
+        "followed step_2 is set aside; resume with --from step_2, or an earlier step\n")
+    record = (run / REWIND).read_bytes()
+    (run / REWIND).write_bytes(b"{}")  # not one toymlx wrote: named, not taken as no cut
+    with pytest.raises(ValueError, match=(
+            f"^{run / REWIND}: expected the cut-back of an interrupted resume --from .keys step, "
+            "set_aside, .*found b'{}'; remove it, then resume with --from the step that resume "
+            "went back to$")):
+        resolve_latest(run)
+    (run / REWIND).write_bytes(record)
+    for name in ("record", "append"):
+        assert main(["--resume", str(runs[name]), "--from", "step_2", "--no-progress"]) == 0
+        assert _outcome(runs[name]) == _outcome(runs["whole"])
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_stop_in_the_validation_at_step_0_leaves_no_new_run(tmp_path, shared_file, capsys,
+                                                               monkeypatch, resumed):
+    """A SIGTERM during --eval-at-start's pass (the loop has begun: run_start is written) kept
+    the new run's folder, its run_end "interrupted ... before step 1, nothing trained", where
+    docs/RUNS.md says a stop before the first step removes it: the same command then refused
+    the folder. Now it goes, with the line a stop before the loop gives; a resumed run (here
+    --from step_0) keeps its folder and record."""
+    from toymlx.training.evaluate import Evaluator
+
+    data = str(shared_file("text/tinystories_sample.txt"))
+    run = tmp_path / "r"
+    cmd = ["--recipe", "from-scratch", *TINY, "--steps", "2", "--data.path", data,
+           "--runs-root", str(tmp_path), "--run-id", "r", "--eval-at-start"]
+    if resumed:  # validated at step 0 by the resume alone
+        assert main(cmd[:-1]) == 0
+    evaluate = Evaluator.__call__
+
+    def stopped(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(self, *a, **k)
+
+    monkeypatch.setattr(Evaluator, "__call__", stopped)
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--from", "step_0", "--eval-at-start", "--no-progress"]
+                if resumed else cmd) == 143
+    err = capsys.readouterr().err.splitlines()[-1]
+    if resumed:
+        end = read_events(run)[-1]
+        assert (end["reason"], end["final_step"], end["signal"]) == ("interrupted", 0, "SIGTERM")
+        assert err.startswith("toymlx: interrupted at step 0: stopped by SIGTERM before step 1")
+        return
+    assert err == "toymlx-train: stopped by SIGTERM before the first step; nothing was trained"
+    assert not run.exists()
+    monkeypatch.setattr(Evaluator, "__call__", evaluate)
+    assert main(cmd) == 0  # the same command starts it
 
 
 def test_a_resume_that_changes_steps_says_the_schedule_moved(tmp_path, shared_file, capsys):

@@ -622,8 +622,8 @@ def test_overwrite_refuses_a_run_holding_files_toymlx_did_not_write(tmp_path, ca
     those are named and nothing is removed."""
     assert train(tmp_path, "r", "--steps", "2", data=data) == 0
     run = tmp_path / "r"
-    ours = ["events.superseded.jsonl", "events.out.tfevents.1796058315.vm.17557.0",
-            "wandb/debug.log", "fused-f16.gguf", ".config.json.tmp-99999",
+    ours = ["events.superseded.jsonl", "rewinding.json",
+            "events.out.tfevents.1796058315.vm.17557.0", "wandb/debug.log", "fused-f16.gguf", ".config.json.tmp-99999",
             "weights/superseded/step_3.gguf", "weights/superseded/step_3.state.safetensors"]
     mine = ["my_notes.txt", "analysis/plot.csv", "weights/README"]
     for name in ours + mine:

@@ -44,6 +44,14 @@ run_start records it (a run folder's name alone is not unique across runs roots)
 SUPERSEDED = "superseded"
 """weights/ subfolder for checkpoints past the step a resume went back to."""
 _STEP = re.compile(r"(?:\w+?_)?step_(\d+)\.gguf")
+REWIND = "rewinding.json"
+"""At the top of a run folder while a resume cuts it back to a checkpoint (`Bundle.rewind`):
+the cut's step and what it sets aside and drops, written before its first change and removed
+once the resume event records them, so that a cut a kill interrupted reads as made
+(`latest_checkpoint`) and the next resume finishes it, with that account."""
+_REWIND_KEYS = {"step": int, "set_aside": list, "exports_set_aside": dict,
+                "dropped_events": int, "previous_end": str, "damaged_lines": list,
+                "t": (int, float)}
 
 
 class ResumeError(ValueError):
@@ -466,6 +474,32 @@ def not_one_run(folder: str | os.PathLike) -> str | None:
             f"e.g. {folder / runs[0]}")
 
 
+def read_rewind(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The cut-back `REWIND` records in `run_dir` (one a kill interrupted), None where there is
+    none; ResumeError (one line) for a file that is not one toymlx wrote."""
+    path = Path(run_dir) / REWIND
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        rec = json.loads(text)
+    except ValueError:
+        rec = None
+    ok = (isinstance(rec, dict)
+          and all(isinstance(rec.get(k), t) and not isinstance(rec.get(k), bool)
+                  for k, t in _REWIND_KEYS.items())
+          and rec["step"] >= 0 and all(isinstance(s, int) for s in rec["set_aside"])
+          and all(isinstance(n, int) for n in rec["damaged_lines"])
+          and all(isinstance(k, str) and isinstance(v, str) and "/" not in k + v
+                  for k, v in rec["exports_set_aside"].items()))
+    if not ok:
+        raise ResumeError(f"{path}: expected the cut-back of an interrupted resume --from "
+                          f"(keys {', '.join(_REWIND_KEYS)}), found {text[:80]!r}; remove it, "
+                          f"then resume with --from the step that resume went back to")
+    return rec
+
+
 def resolve_latest(run_dir: str | os.PathLike) -> Path:
     """The checkpoint a run folder continues from (`latest_checkpoint`, without the why)."""
     return latest_checkpoint(run_dir)[0]
@@ -482,6 +516,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
     run_dir = Path(run_dir)
     weights = run_dir / "weights"
     link = weights / LATEST
+    if (cut := read_rewind(run_dir)) is not None:  # read before the link: `Bundle.rewind`
+        return _rewound(run_dir, cut["step"])     # moves the link first, removes this last
     try:
         target = os.readlink(link)
     except FileNotFoundError:
@@ -526,6 +562,22 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
                           f"{intact_hint(run_dir, found[-1][0], True)}")
     return weights / found[-1][1].name, \
         f"{link} is missing: took the newest intact checkpoint, step_{step}"
+
+
+def _rewound(run_dir: Path, step: int) -> tuple[Path, str]:
+    """`latest_checkpoint` of a run whose cut-back to `step` a kill interrupted (`REWIND`): the
+    checkpoint it goes back to, as the finished cut leaves `latest`."""
+    said = (f"{run_dir / REWIND}: a resume --from step_{step} was stopped while it cut the run "
+            f"back to step_{step}")
+    finish = f"toymlx-train --resume {run_dir} finishes the cut"
+    if step == 0:
+        raise FileNotFoundError(f"{run_dir}: expected a run bundle with weights/latest, found no "
+                                f"checkpoint: {said} (the run starts over); {finish}")
+    ckpt = next((p for s, p in list_checkpoints(run_dir / "weights") if s == step), None)
+    if ckpt is None:
+        raise ResumeError(f"{said}, expected its checkpoint step_{step} in weights/, found "
+                          f"none; {intact_hint(run_dir, step, True)}")
+    return ckpt, f"{said}: took step_{step}, the checkpoint it goes back to; {finish}"
 
 
 def intact_hint(run_dir: Path, below: int | None, lost: bool = False) -> str:
@@ -639,7 +691,9 @@ def set_aside_after(weights: Path, step: int) -> list[int]:
         if s > step:
             aside = weights / SUPERSEDED
             aside.mkdir(exist_ok=True)
-            for f in (p, *companions(p)):
+            # its side files first: a kill before the GGUF leaves it in weights/ to move again,
+            # where side files left behind without it are a killed writer's (`clean_temporaries`)
+            for f in (*companions(p), p):
                 os.replace(f, aside / f.name)
             moved.append(s)
     if moved:

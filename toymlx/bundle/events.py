@@ -365,11 +365,12 @@ class Cut:
     """The events that remain."""
 
 
-def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
+def cut_back(run_dir: str | os.PathLike, step: int, dry_run: bool = False) -> Cut:
     """Rewrite a bundle's events.jsonl, atomically, as the run stood at the checkpoint of
     `step`: the `step`/`eval`/`checkpoint`/`export` events past it, `resume` events from past
     it, and the run_end go to events.superseded.jsonl. A resumed run then reads as one run: one
-    run_start, each step once, one run_end (toy/v1)."""
+    run_start, each step once, one run_end (toy/v1). `dry_run`: what the cut would do, with
+    nothing written."""
     path = Path(run_dir) / "events.jsonl"
     lines = list(_scan_file(path))
     raw = [line for _, line, _, _ in lines]
@@ -399,16 +400,48 @@ def cut_back(run_dir: str | os.PathLike, step: int) -> Cut:
     ends = [ev for ev, d in zip(parsed, drop) if ev is not None and d and ev["kind"] == "run_end"]
     times = [ev["t"] for ev in parsed if ev is not None and isinstance(ev.get("t"), (int, float))]
     gone = [line if line.endswith(b"\n") else line + b"\n" for line, d in zip(raw, drop) if d]
-    if gone:  # first the copy, then the cut: a crash in between duplicates, never loses
-        with open(path.with_name(SUPERSEDED), "ab") as f:
-            f.writelines(gone)
-            f.flush()
-            os.fsync(f.fileno())
+    if gone and not dry_run:  # first the copy, then the cut: a crash in between never loses
+        moved = b"".join(gone)
+        aside = path.with_name(SUPERSEDED)
+        if not _ends_with(aside, moved):  # the copy a cut killed before its cut already made
+            _append_whole(aside, moved)
         atomic.write_bytes(path, b"".join(line for line, d in zip(raw, drop) if not d))
     return Cut(dropped=len(gone), previous_end=ends[-1].get("reason", "unknown") if ends
                else "torn", damaged=[n for n, _, _, what in lines if what == "damaged"],
                t=max(times, default=0.0),
                kept=[ev for ev, d in zip(parsed, drop) if ev is not None and not d])
+
+
+def _append_whole(path: Path, data: bytes) -> None:
+    """`data` at the end of the file `path`, fsynced; a write that fails (a full disk) is cut
+    off again, so the file still ends as it did, and its OSError names `path`."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            rest = memoryview(data)
+            while rest:
+                rest = rest[os.write(fd, rest):]
+            os.fsync(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
+
+
+def _ends_with(path: Path, data: bytes) -> bool:
+    """Whether the file `path` ends with `data` (False where there is no such file)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < len(data):
+                return False
+            f.seek(size - len(data))
+            return f.read() == data
+    except FileNotFoundError:
+        return False
 
 
 def host_info() -> dict:

@@ -169,10 +169,12 @@ def folder_kind(run_dir: Path, held: list[Path]) -> str:
 
 RUN_FILES = re.compile(rf"{re.escape(CONFIG_FILE)}|{re.escape(EVENTS_FILE)}|"
                        rf"{re.escape(SUPERSEDED)}|{re.escape(LOCK_FILE)}|{re.escape(WRITE_TEST)}|"
+                       rf"{re.escape(ck.REWIND)}|"
                        r"events\.out\.tfevents\..+|fused-[^/]+\.gguf")
 """The files toymlx writes at the top of a run folder: config.json, events.jsonl and
-events.superseded.jsonl (a resume's cut), the lock and the write test, TensorBoard's event
-files (--report-to tensorboard) and a lora run's fused-TYPE.gguf (--fuse-at-end). Its folders:
+events.superseded.jsonl (a resume's cut), rewinding.json (a resume's cut under way), the
+lock and the write test, TensorBoard's event files (--report-to tensorboard) and a lora run's
+fused-TYPE.gguf (--fuse-at-end). Its folders:
 weights/ and W&B's wandb/ (--report-to wandb; W&B's own tree, taken whole)."""
 CHECKPOINT_FILES = re.compile(rf"{re.escape(ck.LATEST)}|(?:\w+?_)?step_\d+\..+")
 """What weights/ and weights/superseded/ hold: `latest`, and each checkpoint's GGUF, state

@@ -35,6 +35,10 @@ class Resume:
     exports_aside: dict[str, str] = field(default_factory=dict)
     """The recipe's exports of other steps renamed in the run folder, {old name: new name}
     (`Bundle.rewind`): the resume event records them."""
+    cut_record: Path | None = None
+    """The record of the cut-back that made this resume's bundle (`checkpoint.REWIND`): it stays
+    until the resume event holds what the cut did, so a kill before that finishes the same cut
+    again with the same account; the loop removes it once the event is written."""
     moved: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The inputs read from another place than config.json records (`Bundle.moved`): the resume
     event records them (`inputs.MOVED_KEY`)."""

@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from toymlx import __version__
+from toymlx.backend import atomic
 from toymlx.backend.files import counted, special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock
 from toymlx.bundle import checkpoint as ck
@@ -196,15 +197,15 @@ class Bundle:
             return None
         return adopted[1] if adopted is not None else None
 
-    def _set_aside_exports(self, step: int, steps: int) -> dict[str, str]:
-        """Rename each export in the run folder (a lora run's --fuse-at-end `fused-TYPE.gguf`,
-        as its latest `export` event names it) that is not of the weights this resume ends
-        with to `fused-TYPE.step_T.gguf`, its step T, so that a run extended by --steps (or
+    def _exports_to_set_aside(self, step: int, steps: int) -> dict[str, str]:
+        """The renames of each export in the run folder (a lora run's --fuse-at-end
+        `fused-TYPE.gguf`, as its latest `export` event names it) that is not of the weights
+        this resume ends with to `fused-TYPE.step_T.gguf`, its step T, so that a run extended by --steps (or
         resumed --from an earlier step) never shows an older export under the name its own
         takes, while it trains and after a stop that leaves its own export undone; the file is
         kept, not removed: it may be the only copy of that step's model. Only a resume that
         finishes a run trained to its end (`step` == `steps`) keeps the export of that step.
-        Returns {old name: new name}."""
+        Returns {old name: new name}; `rewind` renames them."""
         latest = {e["path"]: e for e in self.events if e["kind"] == "export"
                   and isinstance(e.get("path"), str) and isinstance(e.get("step"), int)}
         moved = {}
@@ -212,9 +213,7 @@ class Bundle:
             old = self.path / name
             if e["step"] == step == steps or "/" in name or not old.is_file():
                 continue
-            new = old.with_name(f"{old.stem}.step_{e['step']}{old.suffix}")
-            os.replace(old, new)
-            moved[name] = new.name
+            moved[name] = old.with_name(f"{old.stem}.step_{e['step']}{old.suffix}").name
         return moved
 
     # ---- owning it, for a resume
@@ -254,7 +253,12 @@ class Bundle:
         self.check_record(adopt=cfg.from_step is not None)
         self.check_options(recipe, cfg)
         self.check_data()
-        resume = self.plan_resume(cfg.from_step, cfg.steps)
+        cut = ck.read_rewind(self.path)  # a cut-back a kill interrupted: read before `latest`
+        resume = self.plan_resume(self._from_with_cut(cfg.from_step, cut), cfg.steps)
+        if cut is not None and cfg.from_step is None:
+            resume.add_note(f"{self.path / ck.REWIND}: a resume --from step_{cut['step']} was "
+                            f"stopped while it cut the run back: finishing the cut, the run "
+                            f"resumes from step_{cut['step']}")
         if cfg.stop_at is not None and cfg.stop_at <= resume.step:  # it trained a step past it
             raise RunError(f"{self.path}: --stop-at: expected a step past the checkpoint's step "
                            f"{resume.step}, where the run resumes, found {cfg.stop_at}; "
@@ -272,6 +276,22 @@ class Bundle:
         else:
             resume.kept = self.events
         return task, resume
+
+    def _from_with_cut(self, from_text: str | None, cut: dict[str, Any] | None) -> str | None:
+        """The --from a resume takes where a cut-back a kill interrupted (`cut`, `ck.REWIND`)
+        has begun: its step for none given, a step past it refused (its checkpoints may be set
+        aside, its events cut already)."""
+        if cut is None:
+            return from_text
+        if from_text is None:
+            return f"step_{cut['step']}"
+        if ck.parse_from(from_text) > cut["step"]:
+            raise RunError(f"{self.path / ck.REWIND}: --from {from_text}: expected "
+                           f"step_{cut['step']} or an earlier checkpoint: a resume --from "
+                           f"step_{cut['step']} was stopped while it cut the run back, part of "
+                           f"what followed step_{cut['step']} is set aside; resume with --from "
+                           f"step_{cut['step']}, or an earlier step")
+        return from_text
 
     def check_record(self, adopt: bool) -> None:
         """RunError unless the bundle is as the run wrote it: events.jsonl holds its run_start,
@@ -538,27 +558,74 @@ class Bundle:
 
     def rewind(self, resume: Resume, steps: int) -> None:
         """Cut the bundle back to `resume.step` (only while owning it, just before training
-        on to `steps`): the events past it to events.superseded.jsonl, later checkpoints to
-        weights/superseded/, `latest` to the checkpoint, temporaries of killed writers
-        removed, and the recipe's exports of other steps renamed (`_set_aside_exports`)."""
-        resume.exports_aside = self._set_aside_exports(resume.step, steps)
+        on to `steps`): `latest` to the checkpoint, later checkpoints to weights/superseded/,
+        the recipe's exports of other steps renamed (`_exports_to_set_aside`), the events past
+        it to events.superseded.jsonl, temporaries of killed writers removed. The cut is planned
+        and recorded in `ck.REWIND` first, which the loop removes once the resume event holds
+        what it did (`Resume.cut_record`): a kill at any point leaves a bundle that reads as
+        cut, and the next resume finishes that cut, with the figures it recorded, first."""
+        cut = ck.read_rewind(self.path)
+        try:
+            (self.path / "weights").mkdir(exist_ok=True)
+            if cut is not None and cut["step"] != resume.step:  # an earlier step
+                self._cut_to(cut)                              # (`_from_with_cut`)
+            if cut is None or cut["step"] != resume.step:
+                cut = self._plan_cut(resume.step, steps, cut)
+            self._cut_to(cut)
+        except OSError as e:  # a full disk, or a folder made read-only since `own`
+            if e.errno not in UNWRITABLE:
+                raise
+            begun = ck.read_rewind(self.path) is not None
+            raise RunError(f"{self.path}: --resume: could not cut the run back to "
+                           f"step_{resume.step} ({e}); "
+                           + (f"it reads as cut back ({ck.REWIND}): make room (or make it "
+                              f"writable), then toymlx-train --resume {self.path} finishes the "
+                              "cut" if begun else "nothing was changed: make room (or make it "
+                              "writable) and run the same command again")) from None
+        resume.cut_record = self.path / ck.REWIND
+        resume.set_aside, resume.exports_aside = cut["set_aside"], cut["exports_set_aside"]
+        resume.dropped, resume.previous_end = cut["dropped_events"], cut["previous_end"]
+        resume.t, resume.damaged = cut["t"], cut["damaged_lines"]
         for old, new in resume.exports_aside.items():
             note = (f"{self.path / old} is the export of {new.split('.')[-2]}, not of the "
                     f"weights this run ends with: renamed {new} (the run writes {old} when it "
                     "completes)")
             resume.add_note(note)
-        cut = ev.cut_back(self.path, resume.step)
-        resume.dropped, resume.previous_end, resume.t = cut.dropped, cut.previous_end, cut.t
-        resume.damaged = cut.damaged
-        damage = ev.damage_note(self.path / ev.EVENTS_FILE, cut.damaged)
+        damage = ev.damage_note(self.path / ev.EVENTS_FILE, resume.damaged)
         if damage:  # a torn line goes in silence: a kill leaves one, and this resume follows it
             note = f"{damage}; moved to {ev.SUPERSEDED}"
             resume.add_note(note)
-        resume.kept = cut.kept
-        self.events = cut.kept
+        resume.kept = self.events
+
+    def _plan_cut(self, step: int, steps: int, before: dict[str, Any] | None) -> dict[str, Any]:
+        """What a cut-back to `step` sets aside and drops, as the bundle stands (after `before`,
+        an interrupted cut to a later step just finished: its figures count too), recorded in
+        `ck.REWIND` before the cut changes anything (`rewind`)."""
+        cut = ev.cut_back(self.path, step, dry_run=True)
+        plan = {"step": step, "set_aside": [s for s, _ in ck.list_checkpoints(
+                    self.path / "weights") if s > step],
+                "exports_set_aside": self._exports_to_set_aside(step, steps),
+                "dropped_events": cut.dropped, "previous_end": cut.previous_end,
+                "damaged_lines": cut.damaged, "t": cut.t}
+        if before is not None:
+            plan.update(set_aside=sorted({*before["set_aside"], *plan["set_aside"]}),
+                        exports_set_aside={**before["exports_set_aside"],
+                                           **plan["exports_set_aside"]},
+                        dropped_events=before["dropped_events"] + cut.dropped,
+                        previous_end=before["previous_end"],
+                        damaged_lines=before["damaged_lines"], t=max(before["t"], cut.t))
+        atomic.write_text(self.path / ck.REWIND, json.dumps(plan))
+        return plan
+
+    def _cut_to(self, plan: dict[str, Any]) -> None:
+        """Make the cut-back `plan` records (`_plan_cut`); each change can be made again, so a
+        cut finishes from wherever a kill stopped it."""
         weights = self.path / "weights"
-        weights.mkdir(exist_ok=True)
-        resume.set_aside = ck.set_aside_after(weights, resume.step)
+        ck.set_aside_after(weights, plan["step"])
+        for old, new in plan["exports_set_aside"].items():
+            if (self.path / old).is_file():
+                os.replace(self.path / old, self.path / new)
+        self.events = ev.cut_back(self.path, plan["step"]).kept
         ck.clean_temporaries(weights)
 
 

@@ -24,6 +24,7 @@ from toymlx.backend import atomic
 from toymlx.backend.files import counted
 from toymlx.backend.lock import LOCK_FILE, held_by
 from toymlx.backend.notice import warn
+from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import damage_note, moved_damage, read_events, read_log
 from toymlx.bundle.folder import CONFIG_FILE, saved_config
 from toymlx.bundle.options import RunError, is_run_local
@@ -111,6 +112,17 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         warn(f"{note}; its row shows what the other lines tell")
     if log is not None and (moved := moved_damage(events)):
         warn(f"{log.path}: {moved}")  # cut out by a resume: no other trace of it is left
+    if run_dir.is_dir() and held_by(run_dir / LOCK_FILE) is None:  # not a resume cutting it now
+        try:
+            cut = ck.read_rewind(run_dir)
+        except ck.ResumeError as e:
+            warn(str(e))
+            cut = None
+        if cut is not None:
+            warn(f"{run_dir / ck.REWIND}: a resume --from step_{cut['step']} was stopped while "
+                 f"it cut the run back to step_{cut['step']} (its checkpoint, as every reader "
+                 "takes it): its row shows the record as the cut left it; toymlx-train --resume "
+                 f"{run_dir} finishes the cut")
     if not run_dir.exists():
         status = "missing"
     starts = [e for e in events if e["kind"] == "run_start"]

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -26,7 +27,7 @@ import mlx.core as mx
 
 from toymlx.backend.device import kernel_build_failure, on_gpu, select_device, setup_process
 from toymlx.backend.files import not_utf8, special_kind
-from toymlx.backend.stop import how_stopped, ignore_stop_signals
+from toymlx.backend.stop import how_stopped, ignore_stop_signals, stop_outcome
 from toymlx.bundle import checkpoint as ck
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import prepare_run_dir, save_config
@@ -147,6 +148,26 @@ def _stopped_before_the_first_step(e: KeyboardInterrupt) -> int:
     return code
 
 
+def _never_trained(run: _Prepared, end: dict) -> bool:
+    """Whether `end` (run_end) is a new run's, stopped before its first step once the loop
+    had begun (during the validation at step 0, or while step 1's batch was read): its folder
+    goes, as one stopped before the loop leaves none (rank 0 removes it)."""
+    return (run.resume is None and (run.world is None or run.world.rank() == 0)
+            and end.get("reason") == "interrupted" and end.get("final_step") == 0)
+
+
+def _ended(run: _Prepared, end: dict) -> int:
+    """The run's last line for `end` (run_end), and its exit code; a new run that never
+    trained (`_never_trained`) is removed, its line the one a stop before the loop gives."""
+    if not _never_trained(run, end):
+        _final_line(run.run_dir, end)
+        return int(end["exit_code"])
+    shutil.rmtree(run.run_dir, ignore_errors=True)
+    what, code = stop_outcome(signal.Signals[end.get("signal") or "SIGINT"])
+    print(f"toymlx-train: {what} before the first step; nothing was trained", file=sys.stderr)
+    return code
+
+
 def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                  bundle: Bundle | None = None, config_file: str | None = None,
                  name_keys: Callable[[str], str] | None = None,
@@ -183,7 +204,7 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
         try:
             end = train(run.task, cfg, run.run_dir, _public_config(cfg), world=run.world,
                         resume=run.resume, launched=launched_as_rank(),
-                        at_exit=lambda end: _final_line(run.run_dir, end))
+                        at_exit=lambda end: _ended(run, end))
         except (RunError, ck.ResumeError) as e:
             print(f"toymlx-train: error: {e}", file=sys.stderr)
             return 2
@@ -219,6 +240,8 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
                 raise
             print(f"toymlx-train: error: {why}; {_kept(run.run_dir)}", file=sys.stderr)
             return 1
+        if _never_trained(run, end):  # removed while the run still holds it
+            return _ended(run, end)
     if run.world is None or run.world.rank() == 0:
         _final_line(run.run_dir, end)
     return int(end["exit_code"])

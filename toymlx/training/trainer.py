@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from toymlx.backend import device
-from toymlx.backend.atomic import discard
+from toymlx.backend.atomic import discard, fsync_dir
 from toymlx.backend.device import backend_info
 from toymlx.backend.files import counted
 from toymlx.backend.stop import (
@@ -691,6 +691,9 @@ class _Loop:
                 **({DAMAGED_KEY: r.damaged} if r.damaged else {}),
                 host=host_info(), backend=backend_info(), git=git_info(),
                 world_size=1 if self.world is None else self.world.size())
+            if r.cut_record is not None:  # the cut is in the record now (`Bundle.rewind`)
+                r.cut_record.unlink(missing_ok=True)
+                fsync_dir(r.cut_record.parent)
 
     def _trained_before(self) -> int:
         """Tokens (images) trained on before this process's first step: what the kept step
