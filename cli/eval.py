@@ -250,7 +250,7 @@ def check_run_data(bundle, split: str) -> None:
     data folder's valid.jsonl, --data.val-path), else the data whose seeded share it is; for
     `all`, every data path. A folder recorded without its files' own is checked whole, and
     the data given with --data.path instead is scored as it is."""
-    from toymlx.bundle.inputs import DATA_FILES_KEY, same_data
+    from toymlx.bundle.inputs import DATA_FILES_KEY, data_reads, same_data
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files
 
@@ -281,7 +281,7 @@ def check_run_data(bundle, split: str) -> None:
             within = f" (in {path}, recorded as {key})"
         else:
             checked, within = path, f" ({key})"
-        same, now = same_data(checked, rec)
+        same, now = same_data(checked, rec, data_reads(bundle.config, key, checked))
         if not same:
             raise ValueError(f"{checked}: --split {split}: expected the {what}data the run "
                              f"recorded at its start{within}: {_digest(rec)}; found it "

@@ -633,3 +633,111 @@ def test_a_model_or_a_full_model_run_as_the_adapter_to_export_is_named(tmp_path,
         f"toymlx-export: error: {model}: --adapter: expected a LoRA adapter or a LoRA run, found "
         f"a model ({model}); export a model as --base {model}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def _folder_digest(folder: Path, names: list[str]) -> tuple[int, str]:
+    """(bytes, SHA-256) of the files `names` of `folder` as `fingerprint` defines them: each
+    "name|size" line, then their bytes, in name order (hashlib, apart from toymlx)."""
+    import hashlib
+
+    files = [folder / n for n in sorted(names)]
+    digest = hashlib.sha256(b"".join(f"{p.name}|{p.stat().st_size}\n".encode() for p in files))
+    for p in files:
+        digest.update(p.read_bytes())
+    return sum(p.stat().st_size for p in files), digest.hexdigest()
+
+
+def _stopped_lora_run(tmp_path: Path, data: Path) -> Path:
+    """A LoRA run on `data` stopped at step 2 of 4 (a checkpoint there)."""
+    base = tiny(tmp_path / "smol.gguf", 3)
+    assert _cli("train")(["--recipe", "lora", "--base", str(base), "--data.path", str(data),
+                          "--runs-root", str(tmp_path / "runs"), "--run-id", "r", *TRAIN[2:],
+                          "--steps", "4", "--stop-at", "2"]) == 0
+    return tmp_path / "runs" / "r"
+
+
+def _final_step(run: Path) -> int:
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()][-1][
+        "final_step"]
+
+
+SPLITS = ["test.jsonl", "train.jsonl", "valid.jsonl"]
+
+
+def test_an_mlx_lm_folder_s_record_covers_the_files_the_run_reads(tmp_path, capsys):
+    """An mlx-lm data folder's fingerprint covered every file in it, so an edited README.md
+    beside train/valid/test.jsonl (never read) blocked --resume; config.json now records the
+    split files alone (`only`: every name a split file may have), a README.md edit resumes,
+    and a train.jsonl edit is refused naming it."""
+    from toymlx.data.chat import SPLIT_NAMES
+
+    data = mlx_lm_folder(tmp_path / "data")
+    (data / "README.md").write_text("# my data\n")
+    run = _stopped_lora_run(tmp_path, data)
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    size, sha = _folder_digest(data, SPLITS)
+    assert (rec["bytes"], rec["sha256"], rec["only"]) == (size, sha, list(SPLIT_NAMES))
+    assert sorted(rec["files"]) == SPLITS
+    (data / "README.md").write_text("# my data, described at length\n")
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
+    assert _final_step(run) == 4
+    was = (data / "train.jsonl").stat().st_size
+    with open(data / "train.jsonl", "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    now_size, now_sha = _folder_digest(data, SPLITS)
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {data}: --data.path: expected the data the run started on "
+        f"({size} bytes, sha256 {sha[:12]}), found its size changed ({now_size} bytes, sha256 "
+        f"{now_sha[:12]}: train.jsonl changed ({was} -> {was + 21} bytes)); a resumed run "
+        "trains on its own data: restore it, or start a new run on this data")
+
+
+def test_an_older_record_of_every_file_in_the_folder_still_resumes(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A run recorded before toymlx kept `only` (its fingerprint of every file of the folder,
+    README.md included, and each file's own): a README.md edit resumes, decided by the
+    records of train/valid/test.jsonl; a train.jsonl edit is refused naming it, not the
+    README.md edited too. Without each file's record (a folder of over 16 files) the change
+    cannot be placed: one line says so, and what to do."""
+    from toymlx.recipes.lora import ChatDataOptions
+
+    data = mlx_lm_folder(tmp_path / "data")
+    (data / "README.md").write_text("# my data\n")
+    with monkeypatch.context() as m:  # the options without `reads_only`: toymlx before it
+        m.delattr(ChatDataOptions, "reads_only")
+        run = _stopped_lora_run(tmp_path, data)
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    assert "only" not in rec and sorted(rec["files"]) == ["README.md", *SPLITS]
+    assert (rec["bytes"], rec["sha256"]) == _folder_digest(data, ["README.md", *SPLITS])
+    (data / "README.md").write_text("# my data, described at length\n")
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
+    assert _final_step(run) == 4
+    was = (data / "valid.jsonl").stat().st_size
+    (data / "valid.jsonl").write_text((data / "valid.jsonl").read_text()[:-2] + "X\n")
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
+    line = error_line(capsys)
+    assert line.endswith(f": valid.jsonl changed ({was} -> {was} bytes)); a resumed run trains "
+                         "on its own data: restore it, or start a new run on this data"), line
+
+    many = mlx_lm_folder(tmp_path / "many" / "data")
+    for i in range(14):
+        (many / f"notes{i:02d}.md").write_text(f"note {i}\n")
+    with monkeypatch.context() as m:
+        m.delattr(ChatDataOptions, "reads_only")
+        run = _stopped_lora_run(tmp_path / "many", many)
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    assert "files" not in rec and "only" not in rec
+    (many / "notes03.md").write_text("note 3, longer\n")
+    size, sha = _folder_digest(many, sorted(p.name for p in many.iterdir()))
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {many}: expected the run's data ({rec['bytes']} bytes, sha256 "
+        f"{rec['sha256'][:12]}), found other contents ({size} bytes, sha256 {sha[:12]}); the "
+        "run's record (written before toymlx recorded which files of a folder a run reads) "
+        "covers every file in the folder, not each file's own, so whether a file the run "
+        "reads changed or only one beside them cannot be told: restore the folder as it was, "
+        "or start a new run on this data")

@@ -58,11 +58,31 @@ def data_paths(cfg: Any) -> dict[str, str]:
     return {**out, **{k: v for k in FILE_OPTIONS if isinstance(v := option(cfg, k), str)}}
 
 
+def data_reads(cfg: Any, key: str, path: str | os.PathLike) -> tuple[str, ...] | None:
+    """The files of the data folder `path` the option `key` of `cfg` reads, as `fingerprint`'s
+    `only` (its data options' `reads_only`: an ImageFolder's images, an mlx-lm folder's split
+    files); None: all of it."""
+    reads = getattr(getattr(cfg, "data", None), "reads_only", None)
+    return reads(str(path)) if reads is not None and key.startswith("data.") else None
+
+
+def _reads(name: str, only: Sequence[str] | None) -> bool:
+    """Whether a folder's file `name` (its path in the folder) is one `only` names: by its
+    extension (".png") or its name ("train.jsonl"); None: every file."""
+    return only is None or name in only or Path(name).suffix.lower() in only
+
+
 def _files(path: Path, only: Sequence[str] | None = None) -> list[Path]:
     if path.is_dir():
         return sorted(p for p in names_below(path) if p.is_file() and not p.name.startswith(".")
-                      and (only is None or p.suffix.lower() in only))
+                      and _reads(p.relative_to(path).as_posix(), only))
     return [path]
+
+
+def _recorded_only(rec: dict[str, Any]) -> list[str] | None:
+    """A record's `only` (None: every file of its folder, as records before it were taken)."""
+    only = rec.get("only")
+    return only if isinstance(only, list) else None
 
 
 def fingerprint(path: str | os.PathLike, whole: bool = True,
@@ -71,8 +91,9 @@ def fingerprint(path: str | os.PathLike, whole: bool = True,
     every name, size and byte), and for data over WHOLE_DIGEST_BYTES also "mtime_ns" (the
     newest) and "sample_sha256" (every name and size, and 16 samples spread over the files and
     their bytes). `whole=False`: large data without "sha256" (nothing read but the samples).
-    `only`: of a folder, the files with these extensions alone (those its recipe reads: an
-    ImageFolder's images, not a notes.txt beside them), recorded as "only"."""
+    `only`: of a folder, the files with these extensions or names alone (those its recipe
+    reads, `data_reads`: an ImageFolder's images, not a notes.txt beside them; an mlx-lm
+    folder's train.jsonl, valid.jsonl and test.jsonl, not its README.md), recorded as "only"."""
     root = Path(path)
     if kind := special_kind(root):  # reading it would wait for a writer, or never end
         raise RunError(f"{root}: expected a data file or folder, found {kind}")
@@ -102,13 +123,52 @@ def fingerprint(path: str | os.PathLike, whole: bool = True,
             "sample_sha256": digest.hexdigest()}
 
 
-def same_data(path: str | os.PathLike, rec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+def same_data(path: str | os.PathLike, rec: dict[str, Any],
+              reads: Sequence[str] | None = None) -> tuple[bool, dict[str, Any]]:
     """(whether the data file or folder at `path` holds the contents its recorded `fingerprint`
     `rec` names, what was read as `fingerprint` names it). Large data with the recorded size,
     samples and modification time is taken as unchanged, unread; with another modification
     time (a copy, `cp` without -p) its bytes decide. RunError (one line) where they cannot: a
-    record of large data without "sha256" (written before toymlx kept one) whose samples match."""
-    only = rec.get("only") if isinstance(rec.get("only"), list) else None
+    record of large data without "sha256" (written before toymlx kept one) whose samples match.
+    `reads`: the files of the folder its run reads (`data_reads`); a record without "only"
+    (written before toymlx recorded which: every file of the folder) that differs is then
+    decided by the records of those files alone (`_same_read_files`)."""
+    same, now = _same_whole(path, rec)
+    if same or not reads or _recorded_only(rec) is not None or not Path(path).is_dir():
+        return same, now
+    return _same_read_files(Path(path), rec, reads, now), now
+
+
+def _same_read_files(path: Path, rec: dict[str, Any], reads: Sequence[str],
+                     now: dict[str, Any]) -> bool:
+    """Whether the folder `path`, whose record `rec` covers every file in it (no "only") and
+    differs, holds the files its run reads (`reads`) as recorded: their names, sizes and
+    SHA-256s in the record's "files" (a folder of up to `FOLDER_PARTS` files); a file beside
+    them (a README.md) may have changed. RunError (one line) where the record has no "files"."""
+    parts = rec.get("files")
+    if not isinstance(parts, dict):
+        raise RunError(f"{path}: expected the run's data ({rec.get('bytes')} bytes, "
+                       f"{fingerprint_note(rec)}), found other contents ({now['bytes']} bytes, "
+                       f"{fingerprint_note(now)}); the run's record (written before toymlx "
+                       "recorded which files of a folder a run reads) covers every file in "
+                       "the folder, not each file's own, so whether a file the run reads "
+                       "changed or only one beside them cannot be told: restore the folder as "
+                       "it was, or start a new run on this data")
+    was = {name: part for name, part in parts.items() if _reads(name, reads)}
+    found = {_text_name(p.relative_to(path)): p for p in _files(path, reads)}
+    if set(was) != set(found):
+        return False
+    for name, p in found.items():
+        fp = fingerprint(p)
+        if not isinstance(was[name], dict) or (was[name].get("bytes"), was[name].get("sha256")) \
+                != (fp["bytes"], fp.get("sha256")):
+            return False
+    return True
+
+
+def _same_whole(path: str | os.PathLike, rec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """`same_data` by the record's own fingerprint."""
+    only = _recorded_only(rec)
     now = fingerprint(path, whole=False, only=only)
     if now["bytes"] != rec.get("bytes"):
         return False, now
@@ -142,10 +202,9 @@ def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
     files and folders; a recipe reports a missing one itself, when it loads it); a small folder
     (`FOLDER_PARTS`) also gets "files": {name: `fingerprint`} of each file in it."""
     out = {}
-    reads = getattr(getattr(cfg, "data", None), "reads_only", None)
     for key, path in data_paths(cfg).items():
         if Path(path).exists():
-            only = reads(path) if reads is not None and key.startswith("data.") else None
+            only = data_reads(cfg, key, path)
             out[key] = {"path": path, "file": os.path.realpath(path),
                         **fingerprint(path, only=only)}
             files = _files(Path(path), only) if Path(path).is_dir() else []
@@ -155,14 +214,18 @@ def data_files(cfg: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def changed_part(path: str | os.PathLike, rec: dict[str, Any]) -> str | None:
+def changed_part(path: str | os.PathLike, rec: dict[str, Any],
+                 reads: Sequence[str] | None = None) -> str | None:
     """Which file of the data folder at `path` differs from its record's "files" (a small
     folder's, `FOLDER_PARTS`): "train.jsonl changed (100 -> 120 bytes)", "added", "gone";
-    None where the record has no files or none differs."""
+    None where the record has no files or none differs. `reads`: as `same_data`'s, the files
+    compared where the record has no "only"."""
     parts = rec.get("files")
     if not isinstance(parts, dict) or not Path(path).is_dir():
         return None
-    only = rec.get("only") if isinstance(rec.get("only"), list) else None
+    only = _recorded_only(rec)
+    only = only if only is not None else reads
+    parts = {name: part for name, part in parts.items() if _reads(name, only)}
     now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)}
     for name in sorted(set(parts) | set(now)):
         if name not in now:

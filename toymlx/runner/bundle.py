@@ -53,6 +53,7 @@ from toymlx.bundle.inputs import (
     adopt_input,
     changed_part,
     data_paths,
+    data_reads,
     fingerprint,
     fingerprint_note,
     fixed_data,
@@ -359,14 +360,15 @@ class Bundle:
                                "PATH")
             if key in (fixed := fixed_data(self.events)):  # a fix an earlier resume took
                 rec = self.data_fixed[key] = fixed[key]
-            same, now = same_data(path, rec)
+            reads = data_reads(self.config, key, path)
+            same, now = same_data(path, rec, reads)
             failed = next((e.get(DATA_ERROR_KEY) for e in reversed(self.events)
                            if e["kind"] == "run_end"), None)
             if not same and isinstance(failed, str):
                 # the run ended on a file of it that could not be read (`Trainer._data_failed`):
                 # no step trained on that file, so the data fixed since goes on from the
                 # checkpoint the run wrote before it, and later resumes check this data
-                self.data_fixed[key] = fingerprint(path, only=now.get("only"))
+                self.data_fixed[key] = fingerprint(path, only=reads)
                 self.data_notes.append(f"{flag_name(key)} {path}: changed since "
                                        f"({rec.get('bytes')} -> {now['bytes']} bytes), taken "
                                        f"as the fix of the data error the run ended on "
@@ -374,7 +376,7 @@ class Bundle:
                 continue
             if not same:
                 what = ("its size" if now["bytes"] != rec.get("bytes") else "its contents")
-                part = changed_part(path, rec)
+                part = changed_part(path, rec, reads)
                 raise RunError(f"{path}: {flag_name(key)}: expected the {data} the run "
                                f"started on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), "
                                f"found {what} changed ({now['bytes']} bytes, "

@@ -34,9 +34,11 @@ RUN_DATA_OPTIONS = ("data.path", "data.pack", "data.mask_prompt", "data.train_tu
 became rows and which were held out, and which of those rows its eval events scored in which
 batches (`--eval-batches` x `--batch-size`, calls of `held_out_call_rows`). The chat template
 is not among them: the run used its base's, which the fused file carries as its own."""
-RUN_DATA_FINGERPRINT = ("bytes", "sha256", "sample_sha256", "mtime_ns")
+RUN_DATA_FINGERPRINT = ("bytes", "sha256", "sample_sha256", "mtime_ns", "only")
 """The keys of the data's `fingerprint`, as the run's config.json recorded it, recorded under
-`RUN_DATA` + "fingerprint.": what tells the run's data from other data at eval time."""
+`RUN_DATA` + "fingerprint.": what tells the run's data from other data at eval time ("only":
+the files of a data folder it covers, an mlx-lm folder's split files, so a README.md edited
+beside them is not other data)."""
 
 
 def run_data_metadata(cfg: Any, data_record: dict[str, Any] | None) -> dict[str, Any]:
