@@ -266,8 +266,17 @@ def check_run_data(bundle, split: str) -> None:
     for key in keys:
         rec = bundle.saved.get(DATA_FILES_KEY, {}).get(key)
         path = option(bundle.config, key)  # the file the bundle found for it (`resolve_inputs`)
-        if not isinstance(rec, dict) or not isinstance(path, str) or not Path(path).exists():
-            continue  # not recorded (the default data), or gone: the reader names what it lacks
+        if not isinstance(rec, dict) or not isinstance(path, str):
+            continue  # not recorded (the default data)
+        if not Path(path).exists():
+            if key != "data.path":  # another split's file: the reader names what it lacks
+                continue
+            # named where the run read it, as a resume names it (the path as typed may be
+            # relative to another folder): a reader would take a gone folder for a file
+            gone = rec.get("file") if isinstance(rec.get("file"), str) else path
+            raise ValueError(f"{gone}: --data.path: expected the run's data "
+                             f"({rec.get('bytes')} bytes when it started), found nothing there; "
+                             "put it back, or give where it is now: --data.path PATH")
         path = Path(path)
         part = None  # only the split's own file of a text or chat folder is read
         if key == "data.path" and path.is_dir() and bundle.recipe != "vit-tiny" \

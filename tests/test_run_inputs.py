@@ -593,7 +593,8 @@ def test_a_moved_init_adapter_given_on_resume_is_taken_by_its_contents(trained, 
     capsys.readouterr()
     assert _cli("train")(["--resume", str(cut), "--no-progress"]) == 2
     assert error_line(capsys) == (
-        "toymlx-train: error: ad1/adapters.safetensors: --lora.init-adapter: expected the run's "
+        f"toymlx-train: error: {tmp_path / 'ad1' / 'adapters.safetensors'}: "
+        "--lora.init-adapter: expected the run's "
         f"lora.init_adapter ({(tmp_path / 'ad2' / 'adapters.safetensors').stat().st_size} bytes when it "
         "started), found nothing there; put it back, or give where it is now: "
         "--lora.init-adapter PATH")
@@ -751,3 +752,29 @@ def test_an_older_record_of_every_file_in_the_folder_still_resumes(tmp_path, cap
         "covers every file in the folder, not each file's own, so whether a file the run "
         "reads changed or only one beside them cannot be told: restore the folder as it was, "
         "or start a new run on this data")
+
+
+def test_a_gone_data_folder_is_named_where_the_run_read_it(tmp_path, capsys, monkeypatch):
+    """A run on `--data.path data` (relative), the folder then renamed: --resume from another
+    folder named "data" (the path as typed, which means another folder there), and
+    toymlx-eval said "data: expected a UTF-8 text file, found nothing at that path" (a folder
+    taken for a file). Both now name the folder the run read, and what to give."""
+    (tmp_path / "here").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    mlx_lm_folder(tmp_path / "here" / "data")
+    monkeypatch.chdir(tmp_path / "here")
+    run = _stopped_lora_run(tmp_path, Path("data"))
+    size = json.loads((run / "config.json").read_text())["data_files"]["data.path"]["bytes"]
+    (tmp_path / "here" / "data").rename(tmp_path / "here" / "data2")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    want = (f"{tmp_path / 'here' / 'data'}: --data.path: expected the run's data ({size} bytes "
+            "when it started), found nothing there; put it back, or give where it is now: "
+            "--data.path PATH")
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {want}"
+    assert _cli("eval")(["--model", str(run), "--no-progress"]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {want}"
+    assert _cli("train")(["--resume", str(run), "--data.path", "../here/data2",
+                          "--no-progress"]) == 0
+    assert _final_step(run) == 4

@@ -353,8 +353,10 @@ class Bundle:
                 raise RunError(f"{self.path / CONFIG_FILE}: key '{DATA_FILES_KEY}.{key}': "
                                f"expected a path and its fingerprint, found {found_text(rec)}")
             data = "data" if key.startswith("data.") else key  # lora.init_adapter: an adapter
-            if not Path(path).exists():
-                raise RunError(f"{path}: {flag_name(key)}: expected the run's {data} "
+            if not Path(path).exists():  # named where the run read it: the path as typed
+                # may be relative to another folder than this one
+                gone = rec.get("file") if isinstance(rec.get("file"), str) else path
+                raise RunError(f"{gone}: {flag_name(key)}: expected the run's {data} "
                                f"({rec.get('bytes')} bytes when it started), found nothing "
                                f"there; put it back, or give where it is now: {flag_name(key)} "
                                "PATH")
