@@ -268,15 +268,10 @@ def check_run_data(bundle, split: str) -> None:
         path = option(bundle.config, key)  # the file the bundle found for it (`resolve_inputs`)
         if not isinstance(rec, dict) or not isinstance(path, str):
             continue  # not recorded (the default data)
-        if not Path(path).exists():
-            if key != "data.path":  # another split's file: the reader names what it lacks
-                continue
-            # named where the run read it, as a resume names it (the path as typed may be
-            # relative to another folder): a reader would take a gone folder for a file
-            gone = rec.get("file") if isinstance(rec.get("file"), str) else path
-            raise ValueError(f"{gone}: --data.path: expected the run's data "
-                             f"({rec.get('bytes')} bytes when it started), found nothing there; "
-                             "put it back, or give where it is now: --data.path PATH")
+        if not Path(path).exists():  # another split's file: the reader names what it lacks
+            if key == "data.path":
+                raise ValueError(gone_run_data(bundle))
+            continue
         path = Path(path)
         part = None  # only the split's own file of a text or chat folder is read
         if key == "data.path" and path.is_dir() and bundle.recipe != "vit-tiny" \
@@ -296,6 +291,24 @@ def check_run_data(bundle, split: str) -> None:
                              f"recorded at its start{within}: {_digest(rec)}; found it "
                              f"changed: {_digest(now)}; restore it, or score the data as it is "
                              f"now with --data.path {path}")
+
+
+def gone_run_data(bundle) -> str | None:
+    """Where the run's --data.path data is gone (`resolve_inputs` found it nowhere): one line
+    naming the folder or file the run read, as a resume names it (the path as typed may be
+    relative to another folder, and a reader would take a gone folder for a file), and what
+    to give; None where it is there, or not recorded (the default data)."""
+    from toymlx.bundle.inputs import DATA_FILES_KEY
+    from toymlx.bundle.options import option
+
+    rec = bundle.saved.get(DATA_FILES_KEY, {}).get("data.path")
+    path = option(bundle.config, "data.path")
+    if not isinstance(rec, dict) or not isinstance(path, str) or Path(path).exists():
+        return None
+    gone = rec.get("file") if isinstance(rec.get("file"), str) else path
+    return (f"{gone}: --data.path: expected the run's data ({rec.get('bytes')} bytes when it "
+            "started), found nothing there; put it back, or give where it is now: --data.path "
+            "PATH")
 
 
 def _digest(fp: dict) -> str:

@@ -758,7 +758,9 @@ def test_a_gone_data_folder_is_named_where_the_run_read_it(tmp_path, capsys, mon
     """A run on `--data.path data` (relative), the folder then renamed: --resume from another
     folder named "data" (the path as typed, which means another folder there), and
     toymlx-eval said "data: expected a UTF-8 text file, found nothing at that path" (a folder
-    taken for a file). Both now name the folder the run read, and what to give."""
+    taken for a file; toymlx-export --fuse's held-out line the same). All now name the folder
+    the run read, and what to give; once resumed with `--data.path data2`, a file fused from
+    the run records data2 (it recorded data)."""
     (tmp_path / "here").mkdir()
     (tmp_path / "elsewhere").mkdir()
     mlx_lm_folder(tmp_path / "here" / "data")
@@ -775,6 +777,40 @@ def test_a_gone_data_folder_is_named_where_the_run_read_it(tmp_path, capsys, mon
     assert error_line(capsys) == f"toymlx-train: error: {want}"
     assert _cli("eval")(["--model", str(run), "--no-progress"]) == 2
     assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {want}"
+    assert _cli("export")(["--adapter", str(run), "--fuse", "--out", "gone.gguf"]) == 0
+    assert f"toymlx-export: held-out loss not measured: {want} (toymlx-eval --model gone.gguf " \
+           "--data.path DATA measures it)\n" in capsys.readouterr().err
     assert _cli("train")(["--resume", str(run), "--data.path", "../here/data2",
                           "--no-progress"]) == 0
+    assert _final_step(run) == 4
+    # a file fused from it records where its data is now (it recorded the gone folder)
+    from toymlx.gguf.reader import GGUFFile
+
+    assert _cli("export")(["--adapter", str(run), "--fuse", "--out", "f.gguf"]) == 0
+    with GGUFFile("f.gguf") as g:
+        assert g.metadata["toy.run_data.data.path"] == str(tmp_path / "here" / "data2")
+
+
+def test_a_linked_data_folder_led_elsewhere_is_taken_by_the_files_the_run_reads(tmp_path,
+                                                                              capsys):
+    """`--data.path link` (link -> data), then `cp -r data copy`, a README.md edited in the
+    copy, `ln -sfn copy link` and data gone: --resume takes the copy (its split files are the
+    run's) and says so of the folder (it said "this file has its recorded SHA-256")."""
+    data = mlx_lm_folder(tmp_path / "data")
+    (data / "README.md").write_text("# my data\n")
+    link = tmp_path / "link"
+    link.symlink_to("data")
+    run = _stopped_lora_run(tmp_path, link)
+    assert json.loads((run / "config.json").read_text())["data_files"]["data.path"][
+        "file"] == str(data)
+    shutil.copytree(data, tmp_path / "copy")
+    (tmp_path / "copy" / "README.md").write_text("# my data, copied\n")
+    link.unlink()
+    link.symlink_to("copy")
+    shutil.rmtree(data)
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
+    assert f"toymlx-train: --resume reads --data.path from {link} (the run's --data.path " \
+           f"{link}: {data} is gone, this folder has its recorded contents)\n" in \
+           capsys.readouterr().err
     assert _final_step(run) == 4

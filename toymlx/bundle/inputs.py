@@ -359,8 +359,9 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
     used = typed if store else os.path.abspath(other)
     if store:
         return used, f"{other} ({typed}, the run's {flag}, with its recorded SHA-256)"
-    return used, (f"{used} (the run's {flag} {typed}: {file} is gone, this file has its "
-                  "recorded SHA-256)")
+    kept = ("this file has its recorded SHA-256" if model else
+            f"this {'folder' if other.is_dir() else 'file'} has its recorded contents")
+    return used, f"{used} (the run's {flag} {typed}: {file} is gone, {kept})"
 
 
 def read_as_recorded(key: str, rec: dict[str, Any], file: str) -> bool:
