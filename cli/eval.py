@@ -270,7 +270,8 @@ def check_run_data(bundle, split: str) -> None:
             continue  # not recorded (the default data)
         if not Path(path).exists():  # another split's file: the reader names what it lacks
             if key == "data.path":
-                raise ValueError(gone_run_data(bundle))
+                raise ValueError(f"{gone_run_data(bundle)}; put it back, or give where it is "
+                                 "now: --data.path PATH")
             continue
         path = Path(path)
         part = None  # only the split's own file of a text or chat folder is read
@@ -296,8 +297,8 @@ def check_run_data(bundle, split: str) -> None:
 def gone_run_data(bundle) -> str | None:
     """Where the run's --data.path data is gone (`resolve_inputs` found it nowhere): one line
     naming the folder or file the run read, as a resume names it (the path as typed may be
-    relative to another folder, and a reader would take a gone folder for a file), and what
-    to give; None where it is there, or not recorded (the default data)."""
+    relative to another folder, and a reader would take a gone folder for a file); None where
+    it is there, or not recorded (the default data)."""
     from toymlx.bundle.inputs import DATA_FILES_KEY
     from toymlx.bundle.options import option
 
@@ -307,8 +308,7 @@ def gone_run_data(bundle) -> str | None:
         return None
     gone = rec.get("file") if isinstance(rec.get("file"), str) else path
     return (f"{gone}: --data.path: expected the run's data ({rec.get('bytes')} bytes when it "
-            "started), found nothing there; put it back, or give where it is now: --data.path "
-            "PATH")
+            "started), found nothing there")
 
 
 def _digest(fp: dict) -> str:

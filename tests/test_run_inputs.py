@@ -769,16 +769,16 @@ def test_a_gone_data_folder_is_named_where_the_run_read_it(tmp_path, capsys, mon
     size = json.loads((run / "config.json").read_text())["data_files"]["data.path"]["bytes"]
     (tmp_path / "here" / "data").rename(tmp_path / "here" / "data2")
     monkeypatch.chdir(tmp_path / "elsewhere")
-    want = (f"{tmp_path / 'here' / 'data'}: --data.path: expected the run's data ({size} bytes "
-            "when it started), found nothing there; put it back, or give where it is now: "
-            "--data.path PATH")
+    gone = (f"{tmp_path / 'here' / 'data'}: --data.path: expected the run's data ({size} bytes "
+            "when it started), found nothing there")
+    want = f"{gone}; put it back, or give where it is now: --data.path PATH"
     capsys.readouterr()
     assert _cli("train")(["--resume", str(run), "--no-progress"]) == 2
     assert error_line(capsys) == f"toymlx-train: error: {want}"
     assert _cli("eval")(["--model", str(run), "--no-progress"]) == 2
     assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {want}"
     assert _cli("export")(["--adapter", str(run), "--fuse", "--out", "gone.gguf"]) == 0
-    assert f"toymlx-export: held-out loss not measured: {want} (toymlx-eval --model gone.gguf " \
+    assert f"toymlx-export: held-out loss not measured: {gone} (toymlx-eval --model gone.gguf " \
            "--data.path DATA measures it)\n" in capsys.readouterr().err
     assert _cli("train")(["--resume", str(run), "--data.path", "../here/data2",
                           "--no-progress"]) == 0
