@@ -814,3 +814,28 @@ def test_a_linked_data_folder_led_elsewhere_is_taken_by_the_files_the_run_reads(
            f"{link}: {data} is gone, this folder has its recorded contents)\n" in \
            capsys.readouterr().err
     assert _final_step(run) == 4
+
+
+@pytest.mark.parametrize("recipe", ["lora", "from_scratch", "warm_start"])
+def test_every_text_recipe_records_an_mlx_lm_folder_s_split_files(tmp_path, recipe):
+    """The text recipes read a data folder in mlx-lm's layout alike: each records its split
+    files alone (a train.csv in place of train.jsonl too), and a single file whole."""
+    import importlib
+
+    from toymlx.bundle.inputs import data_files
+    from toymlx.data.chat import SPLIT_NAMES
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.csv").write_text("text\nhello there\n")
+    (data / "valid.jsonl").write_text('{"text": "held out"}\n')
+    (data / "README.md").write_text("# notes\n")
+    (data / "dataset_info.json").write_text("{}\n")  # not a split's name: never read
+    cfg = importlib.import_module(f"toymlx.recipes.{recipe}").Config()
+    cfg.data.path = str(data)
+    rec = data_files(cfg)["data.path"]
+    assert (rec["only"], sorted(rec["files"])) == (list(SPLIT_NAMES), ["train.csv", "valid.jsonl"])
+    assert (rec["bytes"], rec["sha256"]) == _folder_digest(data, ["train.csv", "valid.jsonl"])
+    cfg.data.path = str(data / "valid.jsonl")
+    rec = data_files(cfg)["data.path"]
+    assert "only" not in rec and rec["bytes"] == 21
