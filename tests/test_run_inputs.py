@@ -709,8 +709,8 @@ def test_an_older_record_of_every_file_in_the_folder_still_resumes(tmp_path, cap
                                                                    monkeypatch):
     """A run recorded before toymlx kept `only` (its fingerprint of every file of the folder,
     README.md included, and each file's own): a README.md edit resumes, decided by the
-    records of train/valid/test.jsonl; a train.jsonl edit is refused naming it, not the
-    README.md edited too. Without each file's record (a folder of over 16 files) the change
+    records of train/valid/test.jsonl, also of the folder moved and given again; a
+    valid.jsonl edit is refused naming it, not the README.md edited too. Without each file's record (a folder of over 16 files) the change
     cannot be placed: one line says so, and what to do."""
     from toymlx.recipes.lora import ChatDataOptions
 
@@ -725,10 +725,18 @@ def test_an_older_record_of_every_file_in_the_folder_still_resumes(tmp_path, cap
     (data / "README.md").write_text("# my data, described at length\n")
     assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
     assert _final_step(run) == 4
+    data = data.rename(tmp_path / "data2")  # moved, given again: taken by the same files
+    (data / "README.md").write_text("# my data, moved\n")
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--steps", "5", "--data.path", str(data),
+                          "--no-progress"]) == 0
+    assert (f"toymlx-train: --resume reads --data.path from {data} (moved; same contents as "
+            f"the run's {tmp_path / 'data'})") in capsys.readouterr().err
+    assert _final_step(run) == 5
     was = (data / "valid.jsonl").stat().st_size
     (data / "valid.jsonl").write_text((data / "valid.jsonl").read_text()[:-2] + "X\n")
     capsys.readouterr()
-    assert _cli("train")(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
+    assert _cli("train")(["--resume", str(run), "--steps", "6", "--no-progress"]) == 2
     line = error_line(capsys)
     assert line.endswith(f": valid.jsonl changed ({was} -> {was} bytes)); a resumed run trains "
                          "on its own data: restore it, or start a new run on this data"), line

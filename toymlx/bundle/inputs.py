@@ -313,13 +313,15 @@ def _same_model(path: Path, rec: dict[str, Any]) -> tuple[bool, str]:
     return True, ""
 
 
-def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
+def locate_input(key: str, rec: dict[str, Any], source: str, cfg: Any = None
+                 ) -> tuple[str, str]:
     """(the file, what to say about it) a run's input `key` is read from now: the absolute file
     recorded at its start while it is there (a model file: with its recorded contents), else the
     option as typed (a store name resolved again; a path from the current folder) once it has
     the recorded contents; RunError (one line naming both files) if it has others. Where
     neither is there, the option as typed: a reader that needs the file says it is missing (an
-    eval of a full checkpoint needs no donor)."""
+    eval of a full checkpoint needs no donor). `cfg`: the run's configuration, whose data
+    options say which files of a data folder it reads (`same_contents`)."""
     flag, typed, file = flag_name(key), rec.get("path"), rec.get("file")
     if not isinstance(typed, str) or not isinstance(file, str):
         raise RunError(f"{source}: key {key!r}: expected the option as given and its absolute "
@@ -341,7 +343,7 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
             else Path(typed)
     except model_store.ModelStoreError:
         other = None
-    if store and (other is None or not same_contents(key, rec, other)[0]) \
+    if store and (other is None or not same_contents(key, rec, other, cfg)[0]) \
             and Path(file).exists() and _same_model(Path(file), rec)[0]:
         # the name was pulled again, or removed, and the file the run recorded (an Ollama
         # blob, a Hugging Face snapshot) is still there with the run's contents
@@ -350,7 +352,7 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
                       "it led, still has the recorded SHA-256)")
     if other is None or not other.exists():  # nothing to mistake for it: whoever needs the
         return gone  # file says it is gone
-    same, found, want = same_contents(key, rec, other)
+    same, found, want = same_contents(key, rec, other, cfg)
     if not same:
         raise RunError(f"{os.path.abspath(other)}: {flag}: expected the run's {key}, "
                        f"recorded as {file} ({want}), found other contents ({found}); "
@@ -374,14 +376,16 @@ def read_as_recorded(key: str, rec: dict[str, Any], file: str) -> bool:
             and file in (os.path.realpath(typed), os.path.abspath(typed)))
 
 
-def same_contents(key: str, rec: dict[str, Any], path: Path) -> tuple[bool, str, str]:
+def same_contents(key: str, rec: dict[str, Any], path: Path, cfg: Any = None
+                  ) -> tuple[bool, str, str]:
     """(whether `path` holds the contents recorded for the input `key`: a model file's SHA-256
-    (and its parts'), a data file or folder's `fingerprint`; what was found, what was
-    recorded, as a message names them)."""
+    (and its parts'), a data file or folder's `fingerprint` (`same_data`, with the files of it
+    the run of configuration `cfg` reads, `data_reads`); what was found, what was recorded, as
+    a message names them)."""
     if key in MODEL_OPTIONS:
         same, found = _same_model(path, {"sha256": rec.get("sha256"), "parts": rec.get("parts")})
         return same, found, f"sha256 {str(rec.get('sha256'))[:12]}{_parts_note(rec)}"
-    same, now = same_data(path, rec)
+    same, now = same_data(path, rec, data_reads(cfg, key, path))
     return (same, f"{now['bytes']} bytes, {fingerprint_note(now)}",
             f"{rec.get('bytes')} bytes, {fingerprint_note(rec)}")
 
@@ -434,11 +438,12 @@ def _moved_record(key: str, typed: str, file: str, was: str) -> dict[str, Any]:
     return rec
 
 
-def adopt_input(key: str, rec: dict[str, Any], given: str) -> tuple[str, str] | None:
+def adopt_input(key: str, rec: dict[str, Any], given: str, cfg: Any = None
+                ) -> tuple[str, str] | None:
     """An input option given again (`--data.path data2` on a resume): None where `given` is the
     recorded file (or its store name); else (its absolute file, what to say) where it holds the
-    recorded contents; RunError (one line naming both paths) where it is missing or holds other
-    contents."""
+    recorded contents (`same_contents`, of the run of configuration `cfg`); RunError (one line
+    naming both paths) where it is missing or holds other contents."""
     flag, typed, file = flag_name(key), rec.get("path"), rec.get("file")
     store = key in MODEL_OPTIONS and model_store.is_store_name(given)
     if (given == typed) if store else os.path.realpath(given) == file:
@@ -452,7 +457,7 @@ def adopt_input(key: str, rec: dict[str, Any], given: str) -> tuple[str, str] | 
     if not found.exists():
         raise RunError(f"{where}: {flag}: expected the run's {key} (recorded as {file}), found "
                        "nothing there")
-    same, now, want = same_contents(key, rec, found)
+    same, now, want = same_contents(key, rec, found, cfg)
     if not same:
         raise RunError(f"{where}: {flag}: expected the run's {key}, recorded as {file} ({want}), "
                        f"found other contents ({now}); a run keeps its inputs: give the path "
@@ -485,7 +490,7 @@ def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str,
                                f"{flag_name(key)} {option(cfg, key)!r}, found "
                                f"{found_text(rec.get('path'))}")
             file, used[key], typed = _locate(key, rec, given.get(key), moved.get(key),
-                                             f"{source}: {group}")
+                                             f"{source}: {group}", cfg)
             store = key in MODEL_OPTIONS and model_store.is_store_name(file)
             if file != rec["file"] and not store and os.path.exists(file):
                 moves[key] = _moved_record(key, typed, file, rec["file"])
@@ -498,11 +503,11 @@ def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str,
 
 
 def _locate(key: str, rec: dict[str, Any], given: str | None, moved: dict[str, Any] | None,
-            source: str) -> tuple[str, str, str]:
+            source: str, cfg: Any) -> tuple[str, str, str]:
     """(file, what to say, the path as given for it) for one recorded input: see
     `resolve_inputs`."""
     if given is not None:
-        if (adopted := adopt_input(key, rec, given)) is not None:
+        if (adopted := adopt_input(key, rec, given, cfg)) is not None:
             return (*adopted, given)
     elif moved is not None and Path(there := moved["file"]).exists():
         flag = flag_name(key)
@@ -515,7 +520,7 @@ def _locate(key: str, rec: dict[str, Any], given: str | None, moved: dict[str, A
                                f"found other contents ({found}); put the run's {key} back")
         return there, (f"{there} (the run's {flag} {rec.get('path')}, moved from "
                        f"{rec.get('file')}, as a resume recorded)"), str(moved.get("path", there))
-    return (*locate_input(key, rec, source), str(rec.get("path")))
+    return (*locate_input(key, rec, source, cfg), str(rec.get("path")))
 
 
 def _parts_note(rec: dict[str, Any]) -> str:

@@ -190,7 +190,7 @@ class Bundle:
         if not isinstance(rec, dict) or "file" not in rec:
             return None
         try:
-            adopted = adopt_input(key, rec, path)
+            adopted = adopt_input(key, rec, path, self.config)
         except (RunError, OSError):
             return None
         return adopted[1] if adopted is not None else None
