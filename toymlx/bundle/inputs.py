@@ -154,16 +154,7 @@ def _same_read_files(path: Path, rec: dict[str, Any], reads: Sequence[str],
                        "the folder, not each file's own, so whether a file the run reads "
                        "changed or only one beside them cannot be told: restore the folder as "
                        "it was, or start a new run on this data")
-    was = {name: part for name, part in parts.items() if _reads(name, reads)}
-    found = {_text_name(p.relative_to(path)): p for p in _files(path, reads)}
-    if set(was) != set(found):
-        return False
-    for name, p in found.items():
-        fp = fingerprint(p)
-        if not isinstance(was[name], dict) or (was[name].get("bytes"), was[name].get("sha256")) \
-                != (fp["bytes"], fp.get("sha256")):
-            return False
-    return True
+    return changed_part(path, rec, reads) is None
 
 
 def _same_whole(path: str | os.PathLike, rec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
