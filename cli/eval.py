@@ -293,7 +293,7 @@ def check_run_data(bundle, split: str) -> None:
     data folder's valid.jsonl, --data.val-path), else the data whose seeded share it is; for
     `all`, every data path. A folder recorded without its files' own is checked whole, and
     the data given with --data.path instead is scored as it is."""
-    from toymlx.bundle.inputs import DATA_FILES_KEY, changed_part, same_data
+    from toymlx.bundle.inputs import DATA_FILES_KEY, changed_part, data_reads, same_data
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files
 
@@ -309,8 +309,13 @@ def check_run_data(bundle, split: str) -> None:
     for key in keys:
         rec = bundle.saved.get(DATA_FILES_KEY, {}).get(key)
         path = option(bundle.config, key)  # the file the bundle found for it (`resolve_inputs`)
-        if not isinstance(rec, dict) or not isinstance(path, str) or not Path(path).exists():
-            continue  # not recorded (the default data), or gone: the reader names what it lacks
+        if not isinstance(rec, dict) or not isinstance(path, str):
+            continue  # not recorded (the default data)
+        if not Path(path).exists():  # another split's file: the reader names what it lacks
+            if key == "data.path":
+                raise ValueError(f"{gone_run_data(bundle)}; put it back, or give where it is "
+                                 "now: --data.path PATH")
+            continue
         path = Path(path)
         part = None  # only the split's own file of a text or chat folder is read
         if key == "data.path" and path.is_dir() and bundle.recipe != "vit-tiny" \
@@ -324,14 +329,32 @@ def check_run_data(bundle, split: str) -> None:
             within = f" (in {path}, recorded as {key})"
         else:
             checked, within = path, f" ({key})"
-        same, now = same_data(checked, rec)
+        reads = data_reads(bundle.config, key, checked)
+        same, now = same_data(checked, rec, reads)
         if not same:  # a folder: its first file changed, added or gone, where recorded
-            part = changed_part(checked, rec, bundle.data_index(key, rec)) \
+            part = changed_part(checked, rec, bundle.data_index(key, rec), reads) \
                 if checked == path else None
             raise ValueError(f"{checked}: --split {split}: expected the {what}data the run "
                              f"recorded at its start{within}: {_digest(rec)}; found it "
                              f"changed: {_digest(now)}{f' ({part})' if part else ''}; restore "
                              f"it, or score the data as it is now with --data.path {path}")
+
+
+def gone_run_data(bundle) -> str | None:
+    """Where the run's --data.path data is gone (`resolve_inputs` found it nowhere): one line
+    naming the folder or file the run read, as a resume names it (the path as typed may be
+    relative to another folder, and a reader would take a gone folder for a file); None where
+    it is there, or not recorded (the default data)."""
+    from toymlx.bundle.inputs import DATA_FILES_KEY
+    from toymlx.bundle.options import option
+
+    rec = bundle.saved.get(DATA_FILES_KEY, {}).get("data.path")
+    path = option(bundle.config, "data.path")
+    if not isinstance(rec, dict) or not isinstance(path, str) or Path(path).exists():
+        return None
+    gone = rec.get("file") if isinstance(rec.get("file"), str) else path
+    return (f"{gone}: --data.path: expected the run's data ({rec.get('bytes')} bytes when it "
+            "started), found nothing there")
 
 
 def _digest(fp: dict) -> str:

@@ -353,7 +353,7 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
     both. Or why it was not measured: an adapter outside a run, the run's data gone, no row
     held out. A progress bar on a terminal names each pass."""
     import numpy as np
-    from toymlx_cli.eval import chat_loss, run_rows
+    from toymlx_cli.eval import chat_loss, gone_run_data, run_rows
 
     from toymlx.backend.device import on_gpu
     from toymlx.backend.files import counted
@@ -368,6 +368,9 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
         return ("held-out loss not measured: the adapter is a file outside a run, so its "
                 "validation data is not known (toymlx-eval --model FUSED --data.path DATA "
                 "measures it)")
+    if gone := gone_run_data(bundle):
+        return (f"held-out loss not measured: {gone} (toymlx-eval --model {fused} --data.path "
+                "DATA measures it)")
     cfg = bundle.config
     pick = run_rows(cfg)
     step = checkpoint_step(checkpoint_file(adapter, "--adapter"))

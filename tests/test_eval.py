@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from cli_errors import error_line
 from image_files import make_image_folder
 from PIL import Image
 from test_lora import mlx_lm_folder, number_stories_folder, tiny_gguf  # noqa: F401  (fixture)
@@ -872,10 +873,12 @@ def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, se
     eval's own rows, as before: for a run of other settings, another loss and other tokens."""
     from toymlx_cli.export import main as export_main
 
+    from toymlx.data.chat import SPLIT_NAMES
     from toymlx.gguf.fuse import write_with_tensors
     from toymlx.gguf.reader import GGUFFile
 
     data = two_exchange_folder(tmp_path / "data", n_train=12, n_valid=12)
+    (data / "README.md").write_text("# two exchanges\n")  # beside the split files, never read
     assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
                        str(tmp_path), "--run-id", "r", "--steps", "4", "--batch-size", "2",
                        "--eval-batches", "2", "--lr", "1e-2", "--no-progress", "--data.path",
@@ -899,10 +902,12 @@ def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, se
         "toy.run_data.data.val_fraction": 0.1,
         "toy.run_data.batch_size": 2, "toy.run_data.eval_batches": 2,
         "toy.run_data.grad_checkpoint": False,
-        "toy.run_data.fingerprint.bytes": sum(f.stat().st_size for f in data.iterdir()),
+        "toy.run_data.fingerprint.bytes": sum(f.stat().st_size for f in data.iterdir()
+                                              if f.suffix == ".jsonl"),
         "toy.run_data.fingerprint.sha256": json.loads((tmp_path / "r" / "config.json")
                                                       .read_text())["data_files"]["data.path"]
-        ["sha256"]}
+        ["sha256"],
+        "toy.run_data.fingerprint.only": list(SPLIT_NAMES)}
 
     def scored(path: Path, *flags: str) -> tuple[dict, list[str]]:
         capsys.readouterr()
@@ -949,3 +954,15 @@ def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, se
     if settings:
         assert abs(before["val_loss"] - last["val_loss"]) > 1e-4
         assert before["tokens_scored"] != run_tokens
+    # the file's fingerprint covers the split files (`only`): a README.md edit is still the
+    # run's data, a train.jsonl edit is not
+    (data / "README.md").write_text("# two exchanges, described at length\n")
+    assert scored(fused)[0]["val_loss"] == got["val_loss"]
+    with open(data / "train.jsonl", "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    assert eval_main(["--model", str(fused), "--no-progress"]) == 2
+    line, sha = error_line(capsys, "toymlx-eval"), rec["toy.run_data.fingerprint.sha256"]
+    assert line.startswith(f"toymlx-eval: error: {data.resolve()}: expected the data the run of "
+                           f"{fused} trained on (sha256 {sha[:12]}, metadata key "
+                           "'toy.run_data.fingerprint.sha256'), found other contents (sha256 "
+                           ), line

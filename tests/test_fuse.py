@@ -597,14 +597,16 @@ def test_export_of_a_run_whose_data_is_gone_writes_the_file_and_says_why_no_loss
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"answer {i}"}) + "\n"
                             for i in range(24)))
     run = _train(tmp_path, bases["q4_1"], "lora", "--data.path", str(data))
+    size = data.stat().st_size
     data.unlink()
     capsys.readouterr()
     out = tmp_path / "fused.gguf"
     assert main(["--adapter", str(run), "--fuse", "--out", str(out)]) == 0
     assert GGUFFile(out).tensors
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"toymlx-export: held-out loss not measured: {data}: expected a UTF-8 text file, found "
-        f"nothing at that path (toymlx-eval --model {out} --data.path DATA measures it)")
+        f"toymlx-export: held-out loss not measured: {data}: --data.path: expected the run's "
+        f"data ({size} bytes when it started), found nothing there (toymlx-eval --model {out} "
+        "--data.path DATA measures it)")
 
 
 def test_export_of_a_run_that_held_out_no_rows_writes_the_file_and_says_why_no_loss(

@@ -247,7 +247,8 @@ def test_a_path_utf8_cannot_hold_is_named_and_a_file_name_inside_is_fingerprinte
     """A latin-1 file name (byte 0xe9) as --data.path, --base or --run-id failed writing
     config.json with "'utf-8' codec can't encode character '\\udce9' in position 1112",
     naming neither the flag nor the file: now the flag and the byte are named, and no run
-    folder is made. Inside a data folder such a name is fine: its bytes are fingerprinted."""
+    folder is made. Inside a data folder such a name is fine: its bytes are fingerprinted
+    where the folder is taken whole, and an mlx-lm folder's record leaves it out (not read)."""
     import os
 
     where = trained / "where"
@@ -272,7 +273,16 @@ def test_a_path_utf8_cannot_hold_is_named_and_a_file_name_inside_is_fingerprinte
                           str(folder), "--run-id", "b"]) == 0
     saved = json.loads((tmp_path / "runs" / "b" / "config.json").read_text())
     assert len(saved["data_files"]["data.path"]["sha256"]) == 64
-    assert "notes-\\xe9.txt" in saved["data_files"]["data.path"]["files"]
+    assert sorted(saved["data_files"]["data.path"]["files"]) == SPLITS
+    import hashlib
+
+    from toymlx.bundle.inputs import fingerprint
+
+    names = sorted(os.listdir(os.fsencode(folder)))  # the folder whole: the name's own bytes
+    head = b"".join(b"%s|%d\n" % (n, os.path.getsize(os.fsencode(folder) + b"/" + n))
+                    for n in names)
+    body = b"".join((folder / os.fsdecode(n)).read_bytes() for n in names)
+    assert fingerprint(folder)["sha256"] == hashlib.sha256(head + body).hexdigest()
 
 
 def test_a_base_given_as_a_link_is_the_file_it_named_then(trained, tmp_path, capsys):
@@ -583,7 +593,8 @@ def test_a_moved_init_adapter_given_on_resume_is_taken_by_its_contents(trained, 
     capsys.readouterr()
     assert _cli("train")(["--resume", str(cut), "--no-progress"]) == 2
     assert error_line(capsys) == (
-        "toymlx-train: error: ad1/adapters.safetensors: --lora.init-adapter: expected the run's "
+        f"toymlx-train: error: {tmp_path / 'ad1' / 'adapters.safetensors'}: "
+        "--lora.init-adapter: expected the run's "
         f"lora.init_adapter ({(tmp_path / 'ad2' / 'adapters.safetensors').stat().st_size} bytes when it "
         "started), found nothing there; put it back, or give where it is now: "
         "--lora.init-adapter PATH")
@@ -633,3 +644,206 @@ def test_a_model_or_a_full_model_run_as_the_adapter_to_export_is_named(tmp_path,
         f"toymlx-export: error: {model}: --adapter: expected a LoRA adapter or a LoRA run, found "
         f"a model ({model}); export a model as --base {model}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def _folder_digest(folder: Path, names: list[str]) -> tuple[int, str]:
+    """(bytes, SHA-256) of the files `names` of `folder` as `fingerprint` defines them: each
+    "name|size" line, then their bytes, in name order (hashlib, apart from toymlx)."""
+    import hashlib
+
+    files = [folder / n for n in sorted(names)]
+    digest = hashlib.sha256(b"".join(f"{p.name}|{p.stat().st_size}\n".encode() for p in files))
+    for p in files:
+        digest.update(p.read_bytes())
+    return sum(p.stat().st_size for p in files), digest.hexdigest()
+
+
+def _stopped_lora_run(tmp_path: Path, data: Path) -> Path:
+    """A LoRA run on `data` stopped at step 2 of 4 (a checkpoint there)."""
+    base = tiny(tmp_path / "smol.gguf", 3)
+    assert _cli("train")(["--recipe", "lora", "--base", str(base), "--data.path", str(data),
+                          "--runs-root", str(tmp_path / "runs"), "--run-id", "r", *TRAIN[2:],
+                          "--steps", "4", "--stop-at", "2"]) == 0
+    return tmp_path / "runs" / "r"
+
+
+def _final_step(run: Path) -> int:
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()][-1][
+        "final_step"]
+
+
+SPLITS = ["test.jsonl", "train.jsonl", "valid.jsonl"]
+
+
+def test_an_mlx_lm_folder_s_record_covers_the_files_the_run_reads(tmp_path, capsys):
+    """An mlx-lm data folder's fingerprint covered every file in it, so an edited README.md
+    beside train/valid/test.jsonl (never read) blocked --resume; config.json now records the
+    split files alone (`only`: every name a split file may have), a README.md edit resumes,
+    and a train.jsonl edit is refused naming it."""
+    from toymlx.data.chat import SPLIT_NAMES
+
+    data = mlx_lm_folder(tmp_path / "data")
+    (data / "README.md").write_text("# my data\n")
+    run = _stopped_lora_run(tmp_path, data)
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    size, sha = _folder_digest(data, SPLITS)
+    assert (rec["bytes"], rec["sha256"], rec["only"]) == (size, sha, list(SPLIT_NAMES))
+    assert sorted(rec["files"]) == SPLITS
+    (data / "README.md").write_text("# my data, described at length\n")
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
+    assert _final_step(run) == 4
+    was = (data / "train.jsonl").stat().st_size
+    with open(data / "train.jsonl", "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    now_size, now_sha = _folder_digest(data, SPLITS)
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {data}: --data.path: expected the data the run started on "
+        f"({size} bytes, sha256 {sha[:12]}), found its size changed ({now_size} bytes, sha256 "
+        f"{now_sha[:12]}: train.jsonl changed ({was} -> {was + 21} bytes)); a resumed run "
+        "trains on its own data: restore it, or start a new run on this data")
+
+
+def test_an_older_record_of_every_file_in_the_folder_still_resumes(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A run recorded before toymlx kept `only` (its fingerprint of every file of the folder,
+    README.md included, and each file's own): a README.md edit resumes, decided by the
+    records of train/valid/test.jsonl, also of the folder moved and given again; a
+    valid.jsonl edit is refused naming it, not the README.md edited too. Without each file's record (a folder of over 16 files) the change
+    cannot be placed: one line says so, and what to do."""
+    from toymlx.recipes.lora import ChatDataOptions
+
+    data = mlx_lm_folder(tmp_path / "data")
+    (data / "README.md").write_text("# my data\n")
+    with monkeypatch.context() as m:  # the options without `reads_only`: toymlx before it
+        m.delattr(ChatDataOptions, "reads_only")
+        run = _stopped_lora_run(tmp_path, data)
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    assert "only" not in rec and sorted(rec["files"]) == ["README.md", *SPLITS]
+    assert (rec["bytes"], rec["sha256"]) == _folder_digest(data, ["README.md", *SPLITS])
+    (data / "README.md").write_text("# my data, described at length\n")
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
+    assert _final_step(run) == 4
+    data = data.rename(tmp_path / "data2")  # moved, given again: taken by the same files
+    (data / "README.md").write_text("# my data, moved\n")
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--steps", "5", "--data.path", str(data),
+                          "--no-progress"]) == 0
+    assert (f"toymlx-train: --resume reads --data.path from {data} (moved; same contents as "
+            f"the run's {tmp_path / 'data'})") in capsys.readouterr().err
+    assert _final_step(run) == 5
+    was = (data / "valid.jsonl").stat().st_size
+    (data / "valid.jsonl").write_text((data / "valid.jsonl").read_text()[:-2] + "X\n")
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--steps", "6", "--no-progress"]) == 2
+    line = error_line(capsys)
+    assert line.endswith(f": valid.jsonl changed ({was} -> {was} bytes)); a resumed run trains "
+                         "on its own data: restore it, or start a new run on this data"), line
+
+    many = mlx_lm_folder(tmp_path / "many" / "data")
+    for i in range(14):
+        (many / f"notes{i:02d}.md").write_text(f"note {i}\n")
+    with monkeypatch.context() as m:
+        m.delattr(ChatDataOptions, "reads_only")
+        run = _stopped_lora_run(tmp_path / "many", many)
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    assert "files" not in rec and "only" not in rec
+    (many / "notes03.md").write_text("note 3, longer\n")
+    size, sha = _folder_digest(many, sorted(p.name for p in many.iterdir()))
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {many}: expected the run's data ({rec['bytes']} bytes, sha256 "
+        f"{rec['sha256'][:12]}), found other contents ({size} bytes, sha256 {sha[:12]}); the "
+        "run's record (written before toymlx recorded which files of a folder a run reads) "
+        "covers every file in the folder, not each file's own, so whether a file the run "
+        "reads changed or only one beside them cannot be told: restore the folder as it was, "
+        "or start a new run on this data")
+
+
+def test_a_gone_data_folder_is_named_where_the_run_read_it(tmp_path, capsys, monkeypatch):
+    """A run on `--data.path data` (relative), the folder then renamed: --resume from another
+    folder named "data" (the path as typed, which means another folder there), and
+    toymlx-eval said "data: expected a UTF-8 text file, found nothing at that path" (a folder
+    taken for a file; toymlx-export --fuse's held-out line the same). All now name the folder
+    the run read, and what to give; once resumed with `--data.path data2`, a file fused from
+    the run records data2 (it recorded data)."""
+    (tmp_path / "here").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    mlx_lm_folder(tmp_path / "here" / "data")
+    monkeypatch.chdir(tmp_path / "here")
+    run = _stopped_lora_run(tmp_path, Path("data"))
+    size = json.loads((run / "config.json").read_text())["data_files"]["data.path"]["bytes"]
+    (tmp_path / "here" / "data").rename(tmp_path / "here" / "data2")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    gone = (f"{tmp_path / 'here' / 'data'}: --data.path: expected the run's data ({size} bytes "
+            "when it started), found nothing there")
+    want = f"{gone}; put it back, or give where it is now: --data.path PATH"
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {want}"
+    assert _cli("eval")(["--model", str(run), "--no-progress"]) == 2
+    assert error_line(capsys, "toymlx-eval") == f"toymlx-eval: error: {want}"
+    assert _cli("export")(["--adapter", str(run), "--fuse", "--out", "gone.gguf"]) == 0
+    assert f"toymlx-export: held-out loss not measured: {gone} (toymlx-eval --model gone.gguf " \
+           "--data.path DATA measures it)\n" in capsys.readouterr().err
+    assert _cli("train")(["--resume", str(run), "--data.path", "../here/data2",
+                          "--no-progress"]) == 0
+    assert _final_step(run) == 4
+    # a file fused from it records where its data is now (it recorded the gone folder)
+    from toymlx.gguf.reader import GGUFFile
+
+    assert _cli("export")(["--adapter", str(run), "--fuse", "--out", "f.gguf"]) == 0
+    with GGUFFile("f.gguf") as g:
+        assert g.metadata["toy.run_data.data.path"] == str(tmp_path / "here" / "data2")
+
+
+def test_a_linked_data_folder_led_elsewhere_is_taken_by_the_files_the_run_reads(tmp_path,
+                                                                              capsys):
+    """`--data.path link` (link -> data), then `cp -r data copy`, a README.md edited in the
+    copy, `ln -sfn copy link` and data gone: --resume takes the copy (its split files are the
+    run's) and says so of the folder (it said "this file has its recorded SHA-256")."""
+    data = mlx_lm_folder(tmp_path / "data")
+    (data / "README.md").write_text("# my data\n")
+    link = tmp_path / "link"
+    link.symlink_to("data")
+    run = _stopped_lora_run(tmp_path, link)
+    assert json.loads((run / "config.json").read_text())["data_files"]["data.path"][
+        "file"] == str(data)
+    shutil.copytree(data, tmp_path / "copy")
+    (tmp_path / "copy" / "README.md").write_text("# my data, copied\n")
+    link.unlink()
+    link.symlink_to("copy")
+    shutil.rmtree(data)
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
+    assert f"toymlx-train: --resume reads --data.path from {link} (the run's --data.path " \
+           f"{link}: {data} is gone, this folder has its recorded contents)\n" in \
+           capsys.readouterr().err
+    assert _final_step(run) == 4
+
+
+@pytest.mark.parametrize("recipe", ["lora", "from_scratch", "warm_start"])
+def test_every_text_recipe_records_an_mlx_lm_folder_s_split_files(tmp_path, recipe):
+    """The text recipes read a data folder in mlx-lm's layout alike: each records its split
+    files alone (a train.csv in place of train.jsonl too), and a single file whole."""
+    import importlib
+
+    from toymlx.bundle.inputs import data_files
+    from toymlx.data.chat import SPLIT_NAMES
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.csv").write_text("text\nhello there\n")
+    (data / "valid.jsonl").write_text('{"text": "held out"}\n')
+    (data / "README.md").write_text("# notes\n")
+    (data / "dataset_info.json").write_text("{}\n")  # not a split's name: never read
+    cfg = importlib.import_module(f"toymlx.recipes.{recipe}").Config()
+    cfg.data.path = str(data)
+    rec = data_files(cfg)["data.path"]
+    assert (rec["only"], sorted(rec["files"])) == (list(SPLIT_NAMES), ["train.csv", "valid.jsonl"])
+    assert (rec["bytes"], rec["sha256"]) == _folder_digest(data, ["train.csv", "valid.jsonl"])
+    cfg.data.path = str(data / "valid.jsonl")
+    rec = data_files(cfg)["data.path"]
+    assert "only" not in rec and rec["bytes"] == 21

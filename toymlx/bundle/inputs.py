@@ -58,11 +58,31 @@ def data_paths(cfg: Any) -> dict[str, str]:
     return {**out, **{k: v for k in FILE_OPTIONS if isinstance(v := option(cfg, k), str)}}
 
 
+def data_reads(cfg: Any, key: str, path: str | os.PathLike) -> tuple[str, ...] | None:
+    """The files of the data folder `path` the option `key` of `cfg` reads, as `fingerprint`'s
+    `only` (its data options' `reads_only`: an ImageFolder's images, an mlx-lm folder's split
+    files); None: all of it."""
+    reads = getattr(getattr(cfg, "data", None), "reads_only", None)
+    return reads(str(path)) if reads is not None and key.startswith("data.") else None
+
+
+def _reads(name: str, only: Sequence[str] | None) -> bool:
+    """Whether a folder's file `name` (its path in the folder) is one `only` names: by its
+    extension (".png") or its name ("train.jsonl"); None: every file."""
+    return only is None or name in only or Path(name).suffix.lower() in only
+
+
 def _files(path: Path, only: Sequence[str] | None = None) -> list[Path]:
     if path.is_dir():
         return sorted(p for p in names_below(path) if p.is_file() and not p.name.startswith(".")
-                      and (only is None or p.suffix.lower() in only))
+                      and _reads(p.relative_to(path).as_posix(), only))
     return [path]
+
+
+def _recorded_only(rec: dict[str, Any]) -> list[str] | None:
+    """A record's `only` (None: every file of its folder, as records before it were taken)."""
+    only = rec.get("only")
+    return only if isinstance(only, list) else None
 
 
 def fingerprint(path: str | os.PathLike, whole: bool = True,
@@ -71,11 +91,12 @@ def fingerprint(path: str | os.PathLike, whole: bool = True,
     every name, size and byte), and for data over WHOLE_DIGEST_BYTES also "mtime_ns" (the
     newest) and "sample_sha256" (every name and size, and 16 samples spread over the files and
     their bytes). `whole=False`: large data without "sha256" (nothing read but the samples).
-    `only`: of a folder, the files with these extensions alone (those its recipe reads: an
-    ImageFolder's images, not a notes.txt beside them), recorded as "only". `each` (with
-    `whole`, of a folder): also "files", {name: {"bytes", "sha256"}} of each file as its own
-    `fingerprint` names it, from the same read (each file read once, not once for the folder
-    and again for itself)."""
+    `only`: of a folder, the files with these extensions or names alone (those its recipe
+    reads, `data_reads`: an ImageFolder's images, not a notes.txt beside them; an mlx-lm
+    folder's train.jsonl, valid.jsonl and test.jsonl, not its README.md), recorded as "only".
+    `each` (with `whole`, of a folder): also "files", {name: {"bytes", "sha256"}} of each file
+    as its own `fingerprint` names it, from the same read (each file read once, not once for
+    the folder and again for itself)."""
     root = Path(path)
     if kind := special_kind(root):  # reading it would wait for a writer, or never end
         raise RunError(f"{root}: expected a data file or folder, found {kind}")
@@ -115,13 +136,43 @@ def fingerprint(path: str | os.PathLike, whole: bool = True,
             "sample_sha256": digest.hexdigest()}
 
 
-def same_data(path: str | os.PathLike, rec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+def same_data(path: str | os.PathLike, rec: dict[str, Any],
+              reads: Sequence[str] | None = None) -> tuple[bool, dict[str, Any]]:
     """(whether the data file or folder at `path` holds the contents its recorded `fingerprint`
     `rec` names, what was read as `fingerprint` names it). Large data with the recorded size,
     samples and modification time is taken as unchanged, unread; with another modification
     time (a copy, `cp` without -p) its bytes decide. RunError (one line) where they cannot: a
-    record of large data without "sha256" (written before toymlx kept one) whose samples match."""
-    only = rec.get("only") if isinstance(rec.get("only"), list) else None
+    record of large data without "sha256" (written before toymlx kept one) whose samples match.
+    `reads`: the files of the folder its run reads (`data_reads`); a record without "only"
+    (written before toymlx recorded which: every file of the folder) that differs is then
+    decided by the records of those files alone (`_same_read_files`)."""
+    same, now = _same_whole(path, rec)
+    if same or not reads or _recorded_only(rec) is not None or not Path(path).is_dir():
+        return same, now
+    return _same_read_files(Path(path), rec, reads, now), now
+
+
+def _same_read_files(path: Path, rec: dict[str, Any], reads: Sequence[str],
+                     now: dict[str, Any]) -> bool:
+    """Whether the folder `path`, whose record `rec` covers every file in it (no "only") and
+    differs, holds the files its run reads (`reads`) as recorded: their names, sizes and
+    SHA-256s in the record's "files" (a folder of up to `FOLDER_PARTS` files); a file beside
+    them (a README.md) may have changed. RunError (one line) where the record has no "files"."""
+    parts = rec.get("files")
+    if not isinstance(parts, dict):
+        raise RunError(f"{path}: expected the run's data ({rec.get('bytes')} bytes, "
+                       f"{fingerprint_note(rec)}), found other contents ({now['bytes']} bytes, "
+                       f"{fingerprint_note(now)}); the run's record (written before toymlx "
+                       "recorded which files of a folder a run reads) covers every file in "
+                       "the folder, not each file's own, so whether a file the run reads "
+                       "changed or only one beside them cannot be told: restore the folder as "
+                       "it was, or start a new run on this data")
+    return changed_part(path, rec, reads) is None
+
+
+def _same_whole(path: str | os.PathLike, rec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """`same_data` by the record's own fingerprint."""
+    only = _recorded_only(rec)
     now = fingerprint(path, whole=False, only=only)
     if now["bytes"] != rec.get("bytes"):
         return False, now
@@ -158,10 +209,9 @@ def data_files(cfg: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str,
     in the index (`DATA_INDEX_FILE`), which config.json would not hold at a size it can be
     read in at every command (60,000 images: some 5 MB)."""
     out, index = {}, {}
-    reads = getattr(getattr(cfg, "data", None), "reads_only", None)
     for key, path in data_paths(cfg).items():
         if Path(path).exists():
-            only = reads(path) if reads is not None and key.startswith("data.") else None
+            only = data_reads(cfg, key, path)
             rec = fingerprint(path, only=only, each=True)
             parts = rec.pop("files", {})
             out[key] = {"path": path, "file": os.path.realpath(path), **rec}
@@ -192,17 +242,21 @@ def index_parts(index: Any, rec: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def changed_part(path: str | os.PathLike, rec: dict[str, Any],
-                 parts: dict[str, Any] | None = None) -> str | None:
+                 parts: dict[str, Any] | None = None,
+                 reads: Sequence[str] | None = None) -> str | None:
     """Which file of the data folder at `path` differs from its record's "files" (a small
     folder's, `FOLDER_PARTS`; a larger one's `parts`, from `index_parts`): "a/03.png added",
     "a/03.png gone", or "train.jsonl changed (100 -> 120 bytes)", the first by name; the
     files' names and sizes first (no file read), then, where they all hold, each file's bytes
     in name order up to the first that differs (each read once); None where the record has no
-    files or none differs."""
+    files or none differs. `reads`: as `same_data`'s, the files compared where the record has
+    no "only"."""
     parts = rec.get("files") if isinstance(rec.get("files"), dict) else parts
     if not isinstance(parts, dict) or not Path(path).is_dir():
         return None
-    only = rec.get("only") if isinstance(rec.get("only"), list) else None
+    only = _recorded_only(rec)
+    only = only if only is not None else reads
+    parts = {name: part for name, part in parts.items() if _reads(name, only)}
     now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)}
     sizes = {name: p.stat().st_size for name, p in now.items()}
 
@@ -298,13 +352,15 @@ def _same_model(path: Path, rec: dict[str, Any]) -> tuple[bool, str]:
     return True, ""
 
 
-def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
+def locate_input(key: str, rec: dict[str, Any], source: str, cfg: Any = None
+                 ) -> tuple[str, str]:
     """(the file, what to say about it) a run's input `key` is read from now: the absolute file
     recorded at its start while it is there (a model file: with its recorded contents), else the
     option as typed (a store name resolved again; a path from the current folder) once it has
     the recorded contents; RunError (one line naming both files) if it has others. Where
     neither is there, the option as typed: a reader that needs the file says it is missing (an
-    eval of a full checkpoint needs no donor)."""
+    eval of a full checkpoint needs no donor). `cfg`: the run's configuration, whose data
+    options say which files of a data folder it reads (`same_contents`)."""
     flag, typed, file = flag_name(key), rec.get("path"), rec.get("file")
     if not isinstance(typed, str) or not isinstance(file, str):
         raise RunError(f"{source}: key {key!r}: expected the option as given and its absolute "
@@ -326,7 +382,7 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
             else Path(typed)
     except model_store.ModelStoreError:
         other = None
-    if store and (other is None or not same_contents(key, rec, other)[0]) \
+    if store and (other is None or not same_contents(key, rec, other, cfg)[0]) \
             and Path(file).exists() and _same_model(Path(file), rec)[0]:
         # the name was pulled again, or removed, and the file the run recorded (an Ollama
         # blob, a Hugging Face snapshot) is still there with the run's contents
@@ -335,7 +391,7 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
                       "it led, still has the recorded SHA-256)")
     if other is None or not other.exists():  # nothing to mistake for it: whoever needs the
         return gone  # file says it is gone
-    same, found, want = same_contents(key, rec, other)
+    same, found, want = same_contents(key, rec, other, cfg)
     if not same:
         raise RunError(f"{os.path.abspath(other)}: {flag}: expected the run's {key}, "
                        f"recorded as {file} ({want}), found other contents ({found}); "
@@ -344,8 +400,9 @@ def locate_input(key: str, rec: dict[str, Any], source: str) -> tuple[str, str]:
     used = typed if store else os.path.abspath(other)
     if store:
         return used, f"{other} ({typed}, the run's {flag}, with its recorded SHA-256)"
-    return used, (f"{used} (the run's {flag} {typed}: {file} is gone, this file has its "
-                  "recorded SHA-256)")
+    kept = ("this file has its recorded SHA-256" if model else
+            f"this {'folder' if other.is_dir() else 'file'} has its recorded contents")
+    return used, f"{used} (the run's {flag} {typed}: {file} is gone, {kept})"
 
 
 def read_as_recorded(key: str, rec: dict[str, Any], file: str) -> bool:
@@ -358,14 +415,16 @@ def read_as_recorded(key: str, rec: dict[str, Any], file: str) -> bool:
             and file in (os.path.realpath(typed), os.path.abspath(typed)))
 
 
-def same_contents(key: str, rec: dict[str, Any], path: Path) -> tuple[bool, str, str]:
+def same_contents(key: str, rec: dict[str, Any], path: Path, cfg: Any = None
+                  ) -> tuple[bool, str, str]:
     """(whether `path` holds the contents recorded for the input `key`: a model file's SHA-256
-    (and its parts'), a data file or folder's `fingerprint`; what was found, what was
-    recorded, as a message names them)."""
+    (and its parts'), a data file or folder's `fingerprint` (`same_data`, with the files of it
+    the run of configuration `cfg` reads, `data_reads`); what was found, what was recorded, as
+    a message names them)."""
     if key in MODEL_OPTIONS:
         same, found = _same_model(path, {"sha256": rec.get("sha256"), "parts": rec.get("parts")})
         return same, found, f"sha256 {str(rec.get('sha256'))[:12]}{_parts_note(rec)}"
-    same, now = same_data(path, rec)
+    same, now = same_data(path, rec, data_reads(cfg, key, path))
     return (same, f"{now['bytes']} bytes, {fingerprint_note(now)}",
             f"{rec.get('bytes')} bytes, {fingerprint_note(rec)}")
 
@@ -418,11 +477,12 @@ def _moved_record(key: str, typed: str, file: str, was: str) -> dict[str, Any]:
     return rec
 
 
-def adopt_input(key: str, rec: dict[str, Any], given: str) -> tuple[str, str] | None:
+def adopt_input(key: str, rec: dict[str, Any], given: str, cfg: Any = None
+                ) -> tuple[str, str] | None:
     """An input option given again (`--data.path data2` on a resume): None where `given` is the
     recorded file (or its store name); else (its absolute file, what to say) where it holds the
-    recorded contents; RunError (one line naming both paths) where it is missing or holds other
-    contents."""
+    recorded contents (`same_contents`, of the run of configuration `cfg`); RunError (one line
+    naming both paths) where it is missing or holds other contents."""
     flag, typed, file = flag_name(key), rec.get("path"), rec.get("file")
     store = key in MODEL_OPTIONS and model_store.is_store_name(given)
     if (given == typed) if store else os.path.realpath(given) == file:
@@ -436,7 +496,7 @@ def adopt_input(key: str, rec: dict[str, Any], given: str) -> tuple[str, str] | 
     if not found.exists():
         raise RunError(f"{where}: {flag}: expected the run's {key} (recorded as {file}), found "
                        "nothing there")
-    same, now, want = same_contents(key, rec, found)
+    same, now, want = same_contents(key, rec, found, cfg)
     if not same:
         raise RunError(f"{where}: {flag}: expected the run's {key}, recorded as {file} ({want}), "
                        f"found other contents ({now}); a run keeps its inputs: give the path "
@@ -469,7 +529,7 @@ def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str,
                                f"{flag_name(key)} {option(cfg, key)!r}, found "
                                f"{found_text(rec.get('path'))}")
             file, used[key], typed = _locate(key, rec, given.get(key), moved.get(key),
-                                             f"{source}: {group}")
+                                             f"{source}: {group}", cfg)
             store = key in MODEL_OPTIONS and model_store.is_store_name(file)
             if file != rec["file"] and not store and os.path.exists(file):
                 moves[key] = _moved_record(key, typed, file, rec["file"])
@@ -482,11 +542,11 @@ def resolve_inputs(cfg: Any, saved: dict[str, Any], source: str,
 
 
 def _locate(key: str, rec: dict[str, Any], given: str | None, moved: dict[str, Any] | None,
-            source: str) -> tuple[str, str, str]:
+            source: str, cfg: Any) -> tuple[str, str, str]:
     """(file, what to say, the path as given for it) for one recorded input: see
     `resolve_inputs`."""
     if given is not None:
-        if (adopted := adopt_input(key, rec, given)) is not None:
+        if (adopted := adopt_input(key, rec, given, cfg)) is not None:
             return (*adopted, given)
     elif moved is not None and Path(there := moved["file"]).exists():
         flag = flag_name(key)
@@ -499,7 +559,7 @@ def _locate(key: str, rec: dict[str, Any], given: str | None, moved: dict[str, A
                                f"found other contents ({found}); put the run's {key} back")
         return there, (f"{there} (the run's {flag} {rec.get('path')}, moved from "
                        f"{rec.get('file')}, as a resume recorded)"), str(moved.get("path", there))
-    return (*locate_input(key, rec, source), str(rec.get("path")))
+    return (*locate_input(key, rec, source, cfg), str(rec.get("path")))
 
 
 def _parts_note(rec: dict[str, Any]) -> str:

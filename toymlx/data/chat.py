@@ -717,6 +717,16 @@ SPLIT_SUFFIXES = (".jsonl", ".json", *TABLES)
 """The suffixes a data folder's split files may have, read as a single file of that suffix is
 (`load_examples`): mlx-lm's .jsonl, or a .json, .csv or .tsv file in its place."""
 FOLDER_FILES = f"{FOLDER_LAYOUT} (mlx-lm's layout; .json, .csv or .tsv in place of .jsonl)"
+SPLIT_NAMES = tuple(f"{split}{suffix}" for split in ("train", "valid", "test")
+                    for suffix in SPLIT_SUFFIXES)
+"""Every name a data folder's split file may have (`data_files`): the files of the folder a run
+reads, so its record of its data covers these alone (not a README.md beside them)."""
+
+
+def split_files_read(path: str | Path) -> tuple[str, ...] | None:
+    """The names of the files a run reads in the data folder `path` (`SPLIT_NAMES`, as
+    `toymlx.bundle.inputs.fingerprint`'s `only`); None for a single file (all of it)."""
+    return SPLIT_NAMES if Path(path).is_dir() else None
 
 
 def data_files(path: str | Path) -> DataFiles:

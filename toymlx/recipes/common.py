@@ -13,6 +13,7 @@ from toymlx.data.chat import (
     data_files,
     is_plain_text,
     load_examples,
+    split_files_read,
     table_header,
     test_file,
 )
@@ -76,6 +77,12 @@ class TextData:
     or text (its characters as they are, JSON and all); default: records for a .jsonl, .json,
     .csv or .tsv file, text for any other. A data folder's files are always records. A run
     records the one it takes in config.json, so a resume reads its data as it started."""
+
+    @staticmethod
+    def reads_only(path: str) -> tuple[str, ...] | None:
+        """The names of the files read in the data folder `path` (`chat.split_files_read`):
+        what the run's record of its data (config.json's data_files) covers."""
+        return split_files_read(path)
 
 
 def file_reading(path: Path) -> Literal["records", "text"]:

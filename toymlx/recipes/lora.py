@@ -40,7 +40,7 @@ from toymlx.bundle.folder import read_config, refuse_run_folder
 from toymlx.bundle.inputs import DATA_FILES_KEY
 from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
-from toymlx.data.chat import SFTData, row_keys
+from toymlx.data.chat import SFTData, row_keys, split_files_read
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import (
     CHECKPOINT_FORMAT,
@@ -156,6 +156,12 @@ class ChatDataOptions:
     messages): `--data.keys prompt=question completion=answer` trains {"question", "answer"}
     rows as prompt and completion (mlx-lm's prompt_feature, completion_feature, text_feature,
     chat_feature)."""
+
+    @staticmethod
+    def reads_only(path: str) -> tuple[str, ...] | None:
+        """The names of the files read in the data folder `path` (`chat.split_files_read`):
+        what the run's record of its data (config.json's data_files) covers."""
+        return split_files_read(path)
 
 
 @dataclass

@@ -55,6 +55,7 @@ from toymlx.bundle.inputs import (
     adopt_input,
     changed_part,
     data_paths,
+    data_reads,
     fingerprint,
     fingerprint_note,
     fixed_data,
@@ -192,7 +193,7 @@ class Bundle:
         if not isinstance(rec, dict) or "file" not in rec:
             return None
         try:
-            adopted = adopt_input(key, rec, path)
+            adopted = adopt_input(key, rec, path, self.config)
         except (RunError, OSError):
             return None
         return adopted[1] if adopted is not None else None
@@ -374,21 +375,24 @@ class Bundle:
                 raise RunError(f"{self.path / CONFIG_FILE}: key '{DATA_FILES_KEY}.{key}': "
                                f"expected a path and its fingerprint, found {found_text(rec)}")
             data = "data" if key.startswith("data.") else key  # lora.init_adapter: an adapter
-            if not Path(path).exists():
-                raise RunError(f"{path}: {flag_name(key)}: expected the run's {data} "
+            if not Path(path).exists():  # named where the run read it: the path as typed
+                # may be relative to another folder than this one
+                gone = rec.get("file") if isinstance(rec.get("file"), str) else path
+                raise RunError(f"{gone}: {flag_name(key)}: expected the run's {data} "
                                f"({rec.get('bytes')} bytes when it started), found nothing "
                                f"there; put it back, or give where it is now: {flag_name(key)} "
                                "PATH")
             if key in (fixed := fixed_data(self.events)):  # a fix an earlier resume took
                 rec = self.data_fixed[key] = fixed[key]
-            same, now = same_data(path, rec)
+            reads = data_reads(self.config, key, path)
+            same, now = same_data(path, rec, reads)
             failed = next((e.get(DATA_ERROR_KEY) for e in reversed(self.events)
                            if e["kind"] == "run_end"), None)
             if not same and isinstance(failed, str):
                 # the run ended on a file of it that could not be read (`Trainer._data_failed`):
                 # no step trained on that file, so the data fixed since goes on from the
                 # checkpoint the run wrote before it, and later resumes check this data
-                self.data_fixed[key] = fingerprint(path, only=now.get("only"))
+                self.data_fixed[key] = fingerprint(path, only=reads)
                 self.data_notes.append(f"{flag_name(key)} {path}: changed since "
                                        f"({rec.get('bytes')} -> {now['bytes']} bytes), taken "
                                        f"as the fix of the data error the run ended on "
@@ -396,7 +400,7 @@ class Bundle:
                 continue
             if not same:
                 what = ("its size" if now["bytes"] != rec.get("bytes") else "its contents")
-                part = changed_part(path, rec, self.data_index(key, rec))
+                part = changed_part(path, rec, self.data_index(key, rec), reads)
                 raise RunError(f"{path}: {flag_name(key)}: expected the {data} the run "
                                f"started on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), "
                                f"found {what} changed ({now['bytes']} bytes, "

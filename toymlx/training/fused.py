@@ -34,15 +34,17 @@ RUN_DATA_OPTIONS = ("data.path", "data.pack", "data.mask_prompt", "data.train_tu
 became rows and which were held out, and which of those rows its eval events scored in which
 batches (`--eval-batches` x `--batch-size`, calls of `held_out_call_rows`). The chat template
 is not among them: the run used its base's, which the fused file carries as its own."""
-RUN_DATA_FINGERPRINT = ("bytes", "sha256", "sample_sha256", "mtime_ns")
+RUN_DATA_FINGERPRINT = ("bytes", "sha256", "sample_sha256", "mtime_ns", "only")
 """The keys of the data's `fingerprint`, as the run's config.json recorded it, recorded under
-`RUN_DATA` + "fingerprint.": what tells the run's data from other data at eval time."""
+`RUN_DATA` + "fingerprint.": what tells the run's data from other data at eval time ("only":
+the files of a data folder it covers, an mlx-lm folder's split files, so a README.md edited
+beside them is not other data)."""
 
 
 def run_data_metadata(cfg: Any, data_record: dict[str, Any] | None) -> dict[str, Any]:
     """The `RUN_DATA` keys of a file fused from the LoRA run of config `cfg`: its
-    `RUN_DATA_OPTIONS` (data.path as the file the run read, from `data_record`; absent for
-    the shipped default data) and `data_record`, its data's `fingerprint` as config.json recorded it (None: none).
+    `RUN_DATA_OPTIONS` (data.path as the file the run reads, absolute; absent for the
+    shipped default data) and `data_record`, its data's `fingerprint` as config.json recorded it (None: none).
     Not the run's id: a run and its copy under another id write the same file byte for byte.
     The writers below take them as `run_data`; `toymlx.runner.bundle.fused_run_data` finds
     them for a run folder or checkpoint."""
@@ -50,8 +52,11 @@ def run_data_metadata(cfg: Any, data_record: dict[str, Any] | None) -> dict[str,
 
     meta = {RUN_DATA + k: v for k in RUN_DATA_OPTIONS if (v := option(cfg, k)) is not None}
     path = meta.get(RUN_DATA + "data.path")
-    if path is not None:  # where the run read it, never resolved against this folder
-        meta[RUN_DATA + "data.path"] = (data_record or {}).get("file") or os.path.abspath(path)
+    if path is not None:  # where the run's data is: the folder a resume found it moved to
+        # (`cfg` as `runner.bundle.Bundle` resolved it, checked against its record), else
+        # where the run read it, never resolved against this folder
+        meta[RUN_DATA + "data.path"] = (os.path.realpath(path) if os.path.exists(path) else
+                                        (data_record or {}).get("file") or os.path.abspath(path))
     meta.update({f"{RUN_DATA}fingerprint.{k}": data_record[k] for k in RUN_DATA_FINGERPRINT
                  if k in (data_record or {})})
     return meta
