@@ -47,6 +47,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -705,6 +706,9 @@ SPLIT_SUFFIXES = (".jsonl", ".json", *TABLES)
 """The suffixes a data folder's split files may have, read as a single file of that suffix is
 (`load_examples`): mlx-lm's .jsonl, or a .json, .csv or .tsv file in its place."""
 FOLDER_FILES = f"{FOLDER_LAYOUT} (mlx-lm's layout; .json, .csv or .tsv in place of .jsonl)"
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".markdown", ".rst")
+"""Plain-text files that a data folder without a train file may hold (a user's notes, a
+book's chapters): its error says to join them into the one text file --data.path takes."""
 
 
 def data_files(path: str | Path) -> DataFiles:
@@ -718,8 +722,13 @@ def data_files(path: str | Path) -> DataFiles:
     found = sorted(p.name for p in path.iterdir())
     splits = {split: _split_file(path, split) for split in ("train", "valid", "test")}
     if splits["train"] is None:
+        texts = sorted({Path(n).suffix for n in found  # as written: a shell glob is exact
+                        if Path(n).suffix.lower() in TEXT_SUFFIXES and not n.startswith(".")})
+        globs = " ".join(f"{shlex.quote(str(path))}/*{suffix}" for suffix in texts)
+        join = ("" if not texts else "; a folder of text files is not read as one text: join "
+                f"them into one file (cat {globs} > all.txt) and give --data.path all.txt")
         raise DataError(f"{path}: data folder: expected {FOLDER_FILES}, found "
-                        f"{shortlist(found, 6) or 'an empty folder'}")
+                        f"{shortlist(found, 6) or 'an empty folder'}{join}")
 
     # a misnamed split (val.jsonl, Valid.csv) was left out without a word; a .json is often
     # something else (a dataset's dataset_info.json), so only a split's own name is read as one

@@ -67,6 +67,11 @@ NOT_TEXT = {
               "pandas.read_parquet('{file}').to_json('train.jsonl', orient='records', lines=True)"),
     b"ARROW1": ("an Arrow file (a Hugging Face datasets cache): save it as JSONL first, e.g. "
                 "datasets.Dataset.from_file('{file}').to_json('train.jsonl')"),
+    # UTF-16 text, which Windows Notepad ("Unicode") and PowerShell 5's `>` write, byte-order
+    # mark first; UTF-32's little-endian mark begins as UTF-16's does, so it is named first
+    **{mark: f"{code} text: re-save it as UTF-8 (iconv -f {code} -t UTF-8 {{file}} > utf8.txt)"
+       for mark, code in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                          (b"\xfe\xff", "UTF-16"))},
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {file})",
     b"PK\x03\x04": "a zip archive: extract its files first (unzip {file})",
     # a PNG or JPEG (the kinds not UTF-8 at their first byte) as text: "re-save it as UTF-8"
