@@ -497,6 +497,35 @@ def test_vocab_cut(stories_path, text_file):
     assert task.model.table.shape == (300, 64) and task.model.args.vocab_size == 300
 
 
+def test_a_vocab_cut_that_loses_byte_tokens_is_refused(stories_path, text_file, shared_file):
+    """`--warm.vocab 100` of stories260K (SentencePiece, byte tokens <0x00>..<0xFF> at ids
+    3-258) read every letter from "a" (<0x61>, id 100) up as the unknown token: 84% of the
+    Python docs' tokens were <unk>, and the run trained on them without a word. With a
+    byte-level BPE donor (SmolLM2) such letters were left out of the text ("naïve world" as
+    "naveworld")."""
+    from toymlx.gguf.reader import GGUFFile
+
+    for vocab in (100, 258):
+        with pytest.raises(ValueError) as e:
+            _build(_cfg(stories_path, text_file, vocab=vocab))
+        assert str(e.value) == (
+            "--warm.vocab: expected at least 259 (the donor's byte tokens, which spell any text, "
+            f"end at id 258), found {vocab}: a character whose bytes' tokens are cut would be "
+            "read as the unknown token")
+    assert _build(_cfg(stories_path, text_file, vocab=259)).model.args.vocab_size == 259
+    # byte-level BPE: SmolLM2's byte characters (235 of the 256: bytes never in UTF-8 text
+    # left out) are ids 17-251, after its 17 special tokens
+    meta = dict(GGUFFile(shared_file("tokenizers/ggml-vocab-smollm2.gguf")).metadata)
+    assert ws.byte_tokens_end(meta) == 252
+    with pytest.raises(ValueError) as e:
+        ws.check_bytes_kept(meta, 200)
+    assert str(e.value) == (
+        "--warm.vocab: expected at least 252 (the donor's byte tokens, which spell any text, end "
+        "at id 251), found 200: a character whose bytes' tokens are cut would be left out of "
+        "the text")
+    ws.check_bytes_kept(meta, 252)
+
+
 # ---- the learning figure -------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("student", ["pca32", "identity64"])
