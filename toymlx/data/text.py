@@ -169,6 +169,12 @@ def _need_window(n: int, seq_len: int, what: str, source: str, hint: str) -> Non
         )
 
 
+def _either(*ways: str | bool) -> str:
+    """The ways given (False: not one), as "a, b or c"."""
+    said = [w for w in ways if w]
+    return ", ".join(said[:-1]) + " or " + said[-1] if len(said) > 1 else said[0]
+
+
 def lm_batch(
     tokens: np.ndarray,
     step: int,
@@ -300,15 +306,28 @@ class TokenData:
         train, val = ids[: n - n_val], ids[n - n_val :]
         if not windows:
             return cls(train, val, source)
-        _need_window(
-            len(train), seq_len, "training split", source,
-            "use a longer text or a shorter seq_len",
-        )
-        if val_fraction > 0:
-            _need_window(
-                len(val), seq_len, f"validation split ({val_fraction:g} of {n})", source,
-                "use a longer text, a shorter seq_len or a larger val_fraction",
-            )
+        need = seq_len + 1
+        if len(train) < need:
+            fits = min(len(train), len(val) if val_fraction > 0 else len(train)) - 1  # both
+            most = math.floor((n - need) / n * 1000) / 1000 if n >= need else 0.0
+            raise DataError(
+                f"{source}: training split: expected at least {need} tokens (a window of "
+                f"--seq-len {seq_len} and the token after it), found {len(train)} (of the "
+                f"text's {n}); use " + _either(
+                    "a longer text",
+                    0 < most < val_fraction and n - round(n * most) >= need
+                    and f"--data.val-fraction {most:g} or less",
+                    fits > 0 and f"--seq-len {fits} or less"))
+        if val_fraction > 0 and len(val) < need:
+            # the least fraction whose split holds a window, where the rest still holds one
+            least = math.ceil(need / n * 1000) / 1000
+            raise DataError(
+                f"{source}: validation split (the last {val_fraction:g} of the text's {n} "
+                f"tokens): expected at least {need} tokens (a window of --seq-len {seq_len} and "
+                f"the token after it), found {len(val)}; use " + _either(
+                    "a longer text", len(val) > 1 and f"--seq-len {len(val) - 1} or less",
+                    n - round(n * least) >= need and f"--data.val-fraction {least:g} or more",
+                    "--data.val-fraction 0 (no validation)"))
         return cls(train, val, source)
 
     @classmethod
