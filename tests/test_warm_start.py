@@ -161,9 +161,22 @@ def test_a_run_folder_as_donor_names_its_checkpoint(tmp_path, text_file):
 
 
 def test_not_gguf(tmp_path, text_file):
+    """A donor that is not a GGUF said "found b'hell' (not a GGUF file)": now what it is, the
+    text given where the model goes, or Hugging Face's weights with the converter to a GGUF."""
+    import mlx.core as mx
+
     p = tmp_path / "donor.gguf"
-    p.write_text("hello, not a model\n")
-    _fails(_cfg(p, text_file), str(p), "magic", "expected b'GGUF'", "not a GGUF file")
+    p.write_text("hello, not a model\n" * 215 + "0123456789\u00e9")  # \u00e9 cut at byte 4,096
+    assert _fails(_cfg(p, text_file)) == (f"{p}: magic: expected b'GGUF', found b'hell' (not a "
+                                          "GGUF file: UTF-8 text)")
+    st = tmp_path / "model.safetensors"
+    mx.save_safetensors(str(st), {"w": mx.zeros((2, 2))})
+    assert _fails(_cfg(st, text_file)) == (
+        f"{st}: magic: expected b'GGUF', found b'M\\x00\\x00\\x00' (not a GGUF file: Hugging Face "
+        "safetensors weights; llama.cpp's convert_hf_to_gguf.py makes a GGUF of the model's "
+        "folder)")
+    p.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))
+    assert _fails(_cfg(p, text_file)).endswith("found b'\\x1f\\x8b\\x08\\x00' (not a GGUF file)")
 
 
 def test_non_llama_donor(tmp_path, text_file):
