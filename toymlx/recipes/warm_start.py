@@ -29,7 +29,7 @@ from toymlx.bundle.folder import check_model_file
 from toymlx.data.merges import BYTE_TO_UNICODE
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.data.vocab import K_MODEL, K_TOKENS, is_byte_token
-from toymlx.gguf.llama import write_llama
+from toymlx.gguf.llama import TRAINED_WINDOW, write_llama
 from toymlx.gguf.reader import GGUFError
 from toymlx.models.ops import Ops
 from toymlx.recipes import warm
@@ -212,7 +212,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     info = {"donor": donor.path, "donor_width": donor.width, "donor_tensor_type":
             donor.tensor_type, "lens": w.lens, "init": w.init,
             "freeze_embeddings": w.freeze_embeddings, "vocab": vocab}
-    meta = {"toy.warm.donor": donor.path, "toy.warm.donor_width": donor.width,
+    meta = {TRAINED_WINDOW: cfg.seq_len, "toy.warm.donor": donor.path, "toy.warm.donor_width": donor.width,
             "toy.warm.lens": w.lens, "toy.warm.init": w.init}
 
     def save(path: Path, m: warm.WarmLlama, extra: dict) -> None:
