@@ -69,7 +69,7 @@ NOT_TEXT = {
                 "datasets.Dataset.from_file('{file}').to_json('train.jsonl')"),
     # UTF-16 text, which Windows Notepad ("Unicode") and PowerShell 5's `>` write, byte-order
     # mark first; UTF-32's little-endian mark begins as UTF-16's does, so it is named first
-    **{mark: f"{code} text: re-save it as UTF-8 (iconv -f {code} -t UTF-8 {{file}} > utf8.txt)"
+    **{mark: f"{code} text: re-save it as UTF-8 (iconv -f {code} -t UTF-8 {{file}} > {{utf8}})"
        for mark, code in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\xff\xfe", "UTF-16"),
                           (b"\xfe\xff", "UTF-16"))},
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {file})",
@@ -81,7 +81,7 @@ NOT_TEXT = {
 }
 """Files people give as data that are not text, by their first bytes (read where the text is
 not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" ({file}: the
-file's path)."""
+file's path; {utf8}: FILE-utf8.SUFFIX beside it, its suffix kept, which decides how it is read)."""
 
 
 def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator[str]]:
@@ -129,8 +129,9 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
                 found = offset == 0 and next((what for magic, what in NOT_TEXT.items()
                                               if data.startswith(magic)), None)
                 if found:  # advice for the file it is, not "re-save it as UTF-8"
+                    utf8 = path.with_name(f"{path.stem}-utf8{path.suffix}")  # read as it is
                     raise DataError(f"{path}: expected UTF-8 text, found "
-                                    f"{found.format(file=path)}") from None
+                                    f"{found.format(file=path, utf8=utf8)}") from None
                 line = lines + data.count(b"\n", 0, e.start) + 1
                 raise DataError(
                     f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {line}, "
