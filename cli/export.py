@@ -221,8 +221,11 @@ def run(args: Args) -> int:
         return export_modelfile(args)
     if args.format == "safetensors" or args.model:
         if args.format != "safetensors":
-            raise ValueError("--model: expected with --format safetensors (a ViT for timm), "
-                             "found --format gguf; llama GGUFs are exported with --base")
+            raise ValueError(f"--model: expected with --format safetensors (a ViT for timm), "
+                             f"found --format gguf; a language model's run or GGUF is exported "
+                             f"with --base (toymlx-export --base {args.model} --out {args.out}"
+                             f"{' --dtype ' + args.dtype if args.dtype else ''}), and a run's "
+                             "checkpoints are GGUFs llama.cpp loads as they are")
         if not args.model:
             raise ValueError("--format safetensors: expected --model (a ViT run or checkpoint), "
                              "found none")

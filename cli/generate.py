@@ -445,16 +445,26 @@ def check_samples(args: Args) -> None:
 
 def trained_window(model: str) -> int | None:
     """The --seq-len of the from-scratch or warm-start run `model` lies in (the run folder, or a
-    checkpoint in its weights/), from its run_start; None for any other model or record."""
+    checkpoint in its weights/), from its run_start, or of a lone checkpoint (moved out of its
+    run, exported) from its `TRAINED_WINDOW` key; None for any other model or record."""
     from pathlib import Path
 
     from toymlx.bundle.events import iter_events, run_start
     from toymlx.bundle.model_store import is_store_name
     from toymlx.bundle.outputs import bundle_of
+    from toymlx.gguf.llama import TRAINED_WINDOW
+    from toymlx.gguf.reader import GGUFError, GGUFFile
 
-    run = None if is_store_name(model) else bundle_of(Path(model))
-    if run is None:
+    if is_store_name(model):
         return None
+    run = bundle_of(Path(model))
+    if run is None:
+        try:  # the model's own readers name what is wrong with it
+            seq_len = GGUFFile(model).metadata.get(TRAINED_WINDOW) if Path(model).is_file() \
+                else None
+        except (OSError, GGUFError):
+            return None
+        return seq_len if isinstance(seq_len, int) and seq_len > 0 else None
     try:
         start = run_start(iter_events(run))
     except (OSError, ValueError):  # the run's own readers name what is wrong with it

@@ -414,6 +414,22 @@ the recipe's one optimizer (the others: AdamW). Not in timm's table, which only 
 trains images reads: lora's --opt said "a flag for images" where it has --optimizer."""
 
 
+RECIPE_FLAGS: PeerFlags = {
+    "--tokenizer": (("donor", ("warm-start's tokenizer is its --donor's (the table's rows are "
+                               "its tokens); another GGUF's tokenizer from random init: "
+                               "--recipe from-scratch --tokenizer FILE")),),
+    "--donor": (("tokenizer", ("--donor is warm-start's (a GGUF's token table and tokenizer): "
+                               "--recipe warm-start --donor FILE; here --tokenizer FILE takes "
+                               "a GGUF's tokenizer alone")),),
+    "--base": tuple((option, ("--base is lora's (fine-tunes that GGUF): --recipe lora --base "
+                              f"FILE; {here}")) for option, here in (
+        ("tokenizer", "here --tokenizer FILE takes its tokenizer alone"),
+        ("donor", "here --donor FILE takes its token table and tokenizer"))),
+}
+"""The text recipes' model flags given to another of them (`toymlx-train --recipe warm-start
+--tokenizer FILE` said only "got an unknown one"): whose flag it is, and this recipe's own."""
+
+
 def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | None:
     """What `table` says of another tool's `flag` to a command with `options`: the text of its
     first pair whose option the command has; None for a flag the table lacks."""
@@ -437,7 +453,8 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     if ("base" in flags or prog in MLX_LM_COMMAND_KEYS) and (said := mlx_lm_hint(flag, prog)):
         return said
     images = "data.image_size" in flags  # vit-tiny's option: the command trains images
-    tables = ((LLAMA_CPP_FLAGS, flag), (LAUNCHER_FLAGS, flag), (OPTIMIZER_FLAGS, flag),
+    tables = ((RECIPE_FLAGS, flag), (LLAMA_CPP_FLAGS, flag), (LAUNCHER_FLAGS, flag),
+              (OPTIMIZER_FLAGS, flag),
               *(((TIMM_FLAGS, flag),) if images else ()),
               *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name))
     for table, key in tables:

@@ -1110,6 +1110,23 @@ def test_data_folder_without_train_jsonl_is_one_line(tmp_path):
         data_files(tmp_path / "empty")
 
 
+def test_data_folder_of_text_files_says_to_join_them(tmp_path):
+    """A folder of notes (.txt, .md) as --data.path read only "expected train.jsonl ...,
+    found a.txt, b.md": the one text file it takes, and the command that makes it, named."""
+    folder = tmp_path / "my notes"
+    folder.mkdir()
+    for name in ("b.md", "a.txt", "c.TXT", "d.png"):
+        write(folder, name, "text")
+    with pytest.raises(DataError) as e:
+        data_files(folder)
+    assert str(e.value) == (f"{folder}: data folder: expected train.jsonl (required), "
+                            "valid.jsonl and test.jsonl (optional) (mlx-lm's layout; .json, "
+                            ".csv or .tsv in place of .jsonl), found a.txt, b.md, c.TXT, d.png; "
+                            "a folder of text files is not read as one text: join them into one "
+                            f"file (cat '{folder}'/*.TXT '{folder}'/*.md '{folder}'/*.txt > all.txt) and give "
+                            "--data.path all.txt")
+
+
 def test_a_data_folder_s_files_are_named_up_to_six(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()

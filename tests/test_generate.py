@@ -1441,6 +1441,36 @@ def test_a_lora_runs_window_is_the_models_context(tmp_path, stories_path, capsys
     assert "context shift" not in err and "20 new tokens" in err
 
 
+def test_a_checkpoint_out_of_its_run_keeps_its_training_window(tmp_path, stories_path, capsys):
+    """A from-scratch checkpoint copied out of its run, or exported (`toymlx-export --base RUN`),
+    as llama.cpp users keep one, read up to its 1,024-token preset context in toymlx-generate:
+    a sample past the --seq-len it trained on fell apart, where the run's own did not. The
+    checkpoint now carries its --seq-len (toy.seq_len), and a lone copy keeps that window."""
+    from toymlx_cli.export import main as export_main
+    from toymlx_cli.train import main as train_main
+
+    from toymlx.gguf.reader import GGUFFile
+
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a cat who sat on a mat.\n" * 40)
+    assert train_main(["--recipe", "from-scratch", "--data.path", str(text), "--model.d-model",
+                       "32", "--model.n-layers", "1", "--model.n-heads", "4", "--seq-len", "16",
+                       "--batch-size", "2", "--steps", "1", "--warmup", "0", "--no-compile",
+                       "--runs-root", str(tmp_path), "--run-id", "r", "--no-progress"]) == 0
+    lone = tmp_path / "lone.gguf"
+    shutil.copyfile(tmp_path / "r" / "weights" / "step_1.gguf", lone)
+    assert GGUFFile(lone).metadata["toy.seq_len"] == 16
+    assert export_main(["--base", str(tmp_path / "r"), "--out", str(tmp_path / "x.gguf"),
+                        "--dtype", "f16"]) == 0
+    for model in (lone, tmp_path / "x.gguf"):
+        assert cli.reading_window(str(model), 1024) == cli.Window(16, trained=True)
+    assert cli.reading_window(str(stories_path), 2048) == cli.Window(2048)  # no such key
+    capsys.readouterr()
+    _, err = cli_tokens(["--model", str(lone), "--prompt", "Once", "--max-tokens", "20",
+                         "--temperature", "0"], capsys)
+    assert "context shift after new token 11: the text filled the 16-token window" in err, err
+
+
 @pytest.mark.parametrize("engine", ["mlx", pytest.param("llama.cpp", marks=pytest.mark.interop)])
 def test_a_prompt_filling_the_runs_window_is_cut_with_one_line(tmp_path, stories_path, capsys,
                                                                engine):

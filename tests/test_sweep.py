@@ -339,13 +339,16 @@ def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
     err = capsys.readouterr().err
     ok, short = "lr=0.001_data.val_fraction=0.1", "lr=0.001_data.val_fraction=0.999999"
     big, big_short = "lr=1e+08_data.val_fraction=0.1", "lr=1e+08_data.val_fraction=0.999999"
-    assert re.search(f"FAILED {re.escape(short)}: toymlx-train: error: .*training split has "
-                     r"\d+ tokens but one window needs seq_len\+1 = 33", err), err
+    assert re.search(f"FAILED {re.escape(short)}: toymlx-train: error: .*training split: "
+                     r"expected at least 33 tokens \(a window of --seq-len 32", err), err
     rows = {r["run"]: r for r in _csv(tmp_path / "bad" / "summary.csv")}
     assert rows[ok]["status"] == "completed"
     assert float(rows[ok]["final"]) == _evals(tmp_path / "bad" / ok)[-1]
     assert rows[short]["status"] == rows[big_short]["status"] == "failed"
-    assert "training split has" in rows[short]["message"]
+    assert rows[short]["message"].endswith(
+        "training split: expected at least 33 tokens (a window of --seq-len 32 and the token "
+        "after it), found 0 (of the text's 466195); use a longer text or --data.val-fraction "
+        "0.999 or less")
     # a diverged run is a result, reported as such (and not run again on a restart)
     assert rows[big]["status"] == "diverged"
     assert re.search(rf"DIVERGED {re.escape(big)}: (loss|gradient norm) became nan", err), err
@@ -356,7 +359,7 @@ def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
     assert result.states == {ok: "skipped", short: "failed", big: "skipped",
                              big_short: "failed"}
     log = (tmp_path / "bad" / "logs" / f"{short}.log").read_text()
-    assert "training split has" in log and log.count("start:") == 1
+    assert "training split: expected at least 33 tokens" in log and log.count("start:") == 1
 
 
 def test_a_sweep_from_the_folder_holding_a_clone_runs(tmp_path, capsys, monkeypatch):

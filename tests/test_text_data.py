@@ -164,14 +164,33 @@ def test_split_sizes_last_fraction_is_validation():
     assert no_val.val_batches(4, 8, 10) == []
 
 
-def test_split_too_short_errors_name_source_and_sizes():
+def test_split_too_short_errors_name_source_sizes_and_the_flags_that_fit():
+    """A 3-line file said "use a longer text, a shorter seq_len or a larger val_fraction": no
+    flag is spelt so (--seq-len, --data.val-fraction), and no value was named; the training
+    split's --seq-len fitted it alone, and the validation split then refused that too."""
     with pytest.raises(DataError) as err:
         TokenData.from_ids(np.arange(50), seq_len=8, source="tiny.txt")
-    msg = str(err.value)
-    assert msg.startswith("tiny.txt: validation split") and "has 5 tokens" in msg
-    assert "seq_len+1 = 9" in msg
-    with pytest.raises(DataError, match=r"tiny.txt: training split has 8 tokens .* = 9"):
+    assert str(err.value) == (
+        "tiny.txt: validation split (the last 0.1 of the text's 50 tokens): expected at least 9 "
+        "tokens (a window of --seq-len 8 and the token after it), found 5; use a longer text, "
+        "--seq-len 4 or less, --data.val-fraction 0.18 or more or --data.val-fraction 0 (no "
+        "validation)")
+    assert len(TokenData.from_ids(np.arange(50), 8, 0.18).val) == 9  # the least that fits
+    assert len(TokenData.from_ids(np.arange(50), 4, 0.1).val) == 5
+    with pytest.raises(DataError) as err:  # no fraction leaves both splits a window
+        TokenData.from_ids(np.arange(12), seq_len=8, source="tiny.txt")
+    assert str(err.value).endswith("found 1; use a longer text or --data.val-fraction 0 (no "
+                                   "validation)")
+    with pytest.raises(DataError) as err:
+        TokenData.from_ids(np.arange(36), seq_len=64, source="three.txt")
+    assert str(err.value) == (
+        "three.txt: training split: expected at least 65 tokens (a window of --seq-len 64 and "
+        "the token after it), found 32 (of the text's 36); use a longer text or --seq-len 3 or "
+        "less")  # 3, not 31: the validation split's 4 tokens hold no longer window
+    with pytest.raises(DataError) as err:
         TokenData.from_ids(np.arange(8), seq_len=8, val_fraction=0.0, source="tiny.txt")
+    assert str(err.value).endswith("found 8 (of the text's 8); use a longer text or --seq-len "
+                                   "7 or less")
     with pytest.raises(DataError, match="val_fraction"):
         TokenData.from_ids(np.arange(50), seq_len=8, val_fraction=1.0)
 
@@ -185,7 +204,7 @@ def test_from_file_encodes_and_names_file_in_errors(tmp_path):
     assert data.describe() == {"source": str(path), "train_tokens": 91, "val_tokens": 10}
     short = tmp_path / "short.txt"
     short.write_text("abc", encoding="utf-8")
-    with pytest.raises(DataError, match=r"short\.txt: training split has 3 tokens"):
+    with pytest.raises(DataError, match=r"short\.txt: training split: .*, found 3 \(of"):
         TokenData.from_file(short, ByteEncoder(), seq_len=8)
 
 

@@ -191,6 +191,20 @@ def test_a_vit_given_as_the_gguf_base_names_the_timm_export(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
+def test_a_language_model_given_to_model_names_the_base_command(tmp_path, capsys):
+    """`toymlx-export --model runs/lm --out lm.gguf` (a from-scratch run, as toymlx-generate and
+    toymlx-eval take it) said only "llama GGUFs are exported with --base": now the command."""
+    from cli_errors import error_line
+
+    run = tmp_path / "lm"
+    assert export_main(["--model", str(run), "--out", "lm.gguf", "--dtype", "q8_0"]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        "toymlx-export: error: --model: expected with --format safetensors (a ViT for timm), "
+        "found --format gguf; a language model's run or GGUF is exported with --base "
+        f"(toymlx-export --base {run} --out lm.gguf --dtype q8_0), and a run's checkpoints are "
+        "GGUFs llama.cpp loads as they are")
+
+
 @pytest.mark.bench
 def test_timm_forward_equals_toymlx(exported):
     import timm  # the bench extra: torch, torchvision and timm

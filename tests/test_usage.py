@@ -604,6 +604,16 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
      "--beta1, --beta2)")),
     ("warm-start", "--optim", ("this recipe trains with AdamW only (--lr, --weight-decay, "
      "--beta1, --beta2)")),
+    # one text recipe's model flag given to another (before: "got an unknown one", no more)
+    ("warm-start", "--tokenizer", ("warm-start's tokenizer is its --donor's (the table's rows "
+     "are its tokens); another GGUF's tokenizer from random init: --recipe from-scratch "
+     "--tokenizer FILE")),
+    ("from-scratch", "--donor", ("--donor is warm-start's (a GGUF's token table and tokenizer): "
+     "--recipe warm-start --donor FILE; here --tokenizer FILE takes a GGUF's tokenizer alone")),
+    ("from-scratch", "--base", ("--base is lora's (fine-tunes that GGUF): --recipe lora --base "
+     "FILE; here --tokenizer FILE takes its tokenizer alone")),
+    ("warm-start", "--base", ("--base is lora's (fine-tunes that GGUF): --recipe lora --base "
+     "FILE; here --donor FILE takes its token table and tokenizer")),
     # mlx_lm.lora's flags on the lora recipe (before: --model "is a flag for images", --iters
     # no hint)
     ("lora", "--model", "mlx-lm's --model is toymlx's --base"),

@@ -161,9 +161,22 @@ def test_a_run_folder_as_donor_names_its_checkpoint(tmp_path, text_file):
 
 
 def test_not_gguf(tmp_path, text_file):
+    """A donor that is not a GGUF said "found b'hell' (not a GGUF file)": now what it is, the
+    text given where the model goes, or Hugging Face's weights with the converter to a GGUF."""
+    import mlx.core as mx
+
     p = tmp_path / "donor.gguf"
-    p.write_text("hello, not a model\n")
-    _fails(_cfg(p, text_file), str(p), "magic", "expected b'GGUF'", "not a GGUF file")
+    p.write_text("hello, not a model\n" * 215 + "0123456789\u00e9")  # \u00e9 cut at byte 4,096
+    assert _fails(_cfg(p, text_file)) == (f"{p}: magic: expected b'GGUF', found b'hell' (not a "
+                                          "GGUF file: UTF-8 text)")
+    st = tmp_path / "model.safetensors"
+    mx.save_safetensors(str(st), {"w": mx.zeros((2, 2))})
+    assert _fails(_cfg(st, text_file)) == (
+        f"{st}: magic: expected b'GGUF', found b'M\\x00\\x00\\x00' (not a GGUF file: Hugging Face "
+        "safetensors weights; llama.cpp's convert_hf_to_gguf.py makes a GGUF of the model's "
+        "folder)")
+    p.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))
+    assert _fails(_cfg(p, text_file)).endswith("found b'\\x1f\\x8b\\x08\\x00' (not a GGUF file)")
 
 
 def test_non_llama_donor(tmp_path, text_file):
@@ -495,6 +508,35 @@ def test_resume_across_the_unfreeze_is_exact(tmp_path, stories_path, text_file):
 def test_vocab_cut(stories_path, text_file):
     task = _build(_cfg(stories_path, text_file, vocab=300))
     assert task.model.table.shape == (300, 64) and task.model.args.vocab_size == 300
+
+
+def test_a_vocab_cut_that_loses_byte_tokens_is_refused(stories_path, text_file, shared_file):
+    """`--warm.vocab 100` of stories260K (SentencePiece, byte tokens <0x00>..<0xFF> at ids
+    3-258) read every letter from "a" (<0x61>, id 100) up as the unknown token: 84% of the
+    Python docs' tokens were <unk>, and the run trained on them without a word. With a
+    byte-level BPE donor (SmolLM2) such letters were left out of the text ("naïve world" as
+    "naveworld")."""
+    from toymlx.gguf.reader import GGUFFile
+
+    for vocab in (100, 258):
+        with pytest.raises(ValueError) as e:
+            _build(_cfg(stories_path, text_file, vocab=vocab))
+        assert str(e.value) == (
+            "--warm.vocab: expected at least 259 (the donor's byte tokens, which spell any text, "
+            f"end at id 258), found {vocab}: a character whose bytes' tokens are cut would be "
+            "read as the unknown token")
+    assert _build(_cfg(stories_path, text_file, vocab=259)).model.args.vocab_size == 259
+    # byte-level BPE: SmolLM2's byte characters (235 of the 256: bytes never in UTF-8 text
+    # left out) are ids 17-251, after its 17 special tokens
+    meta = dict(GGUFFile(shared_file("tokenizers/ggml-vocab-smollm2.gguf")).metadata)
+    assert ws.byte_tokens_end(meta) == 252
+    with pytest.raises(ValueError) as e:
+        ws.check_bytes_kept(meta, 200)
+    assert str(e.value) == (
+        "--warm.vocab: expected at least 252 (the donor's byte tokens, which spell any text, end "
+        "at id 251), found 200: a character whose bytes' tokens are cut would be left out of "
+        "the text")
+    ws.check_bytes_kept(meta, 252)
 
 
 # ---- the learning figure -------------------------------------------------------------------

@@ -167,7 +167,7 @@ def _same_read_files(path: Path, rec: dict[str, Any], reads: Sequence[str],
                        "the folder, not each file's own, so whether a file the run reads "
                        "changed or only one beside them cannot be told: restore the folder as "
                        "it was, or start a new run on this data")
-    return changed_part(path, rec, reads) is None
+    return changed_part(path, rec, reads=reads) is None
 
 
 def _same_whole(path: str | os.PathLike, rec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:

@@ -47,6 +47,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -729,6 +730,11 @@ def split_files_read(path: str | Path) -> tuple[str, ...] | None:
     return SPLIT_NAMES if Path(path).is_dir() else None
 
 
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".markdown", ".rst")
+"""Plain-text files that a data folder without a train file may hold (a user's notes, a
+book's chapters): its error says to join them into the one text file --data.path takes."""
+
+
 def data_files(path: str | Path) -> DataFiles:
     """A file as itself, or an mlx-lm data folder (`FOLDER_LAYOUT`), each split's file with one
     of `SPLIT_SUFFIXES` (train.csv read as a train.csv given alone is); DataError names what a
@@ -740,8 +746,13 @@ def data_files(path: str | Path) -> DataFiles:
     found = sorted(p.name for p in path.iterdir())
     splits = {split: _split_file(path, split) for split in ("train", "valid", "test")}
     if splits["train"] is None:
+        texts = sorted({Path(n).suffix for n in found  # as written: a shell glob is exact
+                        if Path(n).suffix.lower() in TEXT_SUFFIXES and not n.startswith(".")})
+        globs = " ".join(f"{shlex.quote(str(path))}/*{suffix}" for suffix in texts)
+        join = ("" if not texts else "; a folder of text files is not read as one text: join "
+                f"them into one file (cat {globs} > all.txt) and give --data.path all.txt")
         raise DataError(f"{path}: data folder: expected {FOLDER_FILES}, found "
-                        f"{shortlist(found, 6) or 'an empty folder'}")
+                        f"{shortlist(found, 6) or 'an empty folder'}{join}")
 
     # a misnamed split (val.jsonl, Valid.csv) was left out without a word; a .json is often
     # something else (a dataset's dataset_info.json), so only a split's own name is read as one

@@ -67,6 +67,11 @@ NOT_TEXT = {
               "pandas.read_parquet('{file}').to_json('train.jsonl', orient='records', lines=True)"),
     b"ARROW1": ("an Arrow file (a Hugging Face datasets cache): save it as JSONL first, e.g. "
                 "datasets.Dataset.from_file('{file}').to_json('train.jsonl')"),
+    # UTF-16 text, which Windows Notepad ("Unicode") and PowerShell 5's `>` write, byte-order
+    # mark first; UTF-32's little-endian mark begins as UTF-16's does, so it is named first
+    **{mark: f"{code} text: re-save it as UTF-8 (iconv -f {code} -t UTF-8 {{file}} > {{utf8}})"
+       for mark, code in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                          (b"\xfe\xff", "UTF-16"))},
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {file})",
     b"PK\x03\x04": "a zip archive: extract its files first (unzip {file})",
     # a PNG or JPEG (the kinds not UTF-8 at their first byte) as text: "re-save it as UTF-8"
@@ -76,7 +81,7 @@ NOT_TEXT = {
 }
 """Files people give as data that are not text, by their first bytes (read where the text is
 not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" ({file}: the
-file's path)."""
+file's path; {utf8}: FILE-utf8.SUFFIX beside it, its suffix kept, which decides how it is read)."""
 
 
 def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator[str]]:
@@ -124,8 +129,9 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
                 found = offset == 0 and next((what for magic, what in NOT_TEXT.items()
                                               if data.startswith(magic)), None)
                 if found:  # advice for the file it is, not "re-save it as UTF-8"
+                    utf8 = path.with_name(f"{path.stem}-utf8{path.suffix}")  # read as it is
                     raise DataError(f"{path}: expected UTF-8 text, found "
-                                    f"{found.format(file=path)}") from None
+                                    f"{found.format(file=path, utf8=utf8)}") from None
                 line = lines + data.count(b"\n", 0, e.start) + 1
                 raise DataError(
                     f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {line}, "
@@ -162,6 +168,12 @@ def _need_window(n: int, seq_len: int, what: str, source: str, hint: str) -> Non
             f"{source}: {what} has {counted(n, 'token')} but one window needs seq_len+1 = "
             f"{seq_len + 1}; {hint}"
         )
+
+
+def _either(*ways: str | bool) -> str:
+    """The ways given (False: not one), as "a, b or c"."""
+    said = [w for w in ways if w]
+    return ", ".join(said[:-1]) + " or " + said[-1] if len(said) > 1 else said[0]
 
 
 def lm_batch(
@@ -295,15 +307,28 @@ class TokenData:
         train, val = ids[: n - n_val], ids[n - n_val :]
         if not windows:
             return cls(train, val, source)
-        _need_window(
-            len(train), seq_len, "training split", source,
-            "use a longer text or a shorter seq_len",
-        )
-        if val_fraction > 0:
-            _need_window(
-                len(val), seq_len, f"validation split ({val_fraction:g} of {n})", source,
-                "use a longer text, a shorter seq_len or a larger val_fraction",
-            )
+        need = seq_len + 1
+        if len(train) < need:
+            fits = min(len(train), len(val) if val_fraction > 0 else len(train)) - 1  # both
+            most = math.floor((n - need) / n * 1000) / 1000 if n >= need else 0.0
+            raise DataError(
+                f"{source}: training split: expected at least {need} tokens (a window of "
+                f"--seq-len {seq_len} and the token after it), found {len(train)} (of the "
+                f"text's {n}); use " + _either(
+                    "a longer text",
+                    0 < most < val_fraction and n - round(n * most) >= need
+                    and f"--data.val-fraction {most:g} or less",
+                    fits > 0 and f"--seq-len {fits} or less"))
+        if val_fraction > 0 and len(val) < need:
+            # the least fraction whose split holds a window, where the rest still holds one
+            least = math.ceil(need / n * 1000) / 1000
+            raise DataError(
+                f"{source}: validation split (the last {val_fraction:g} of the text's {n} "
+                f"tokens): expected at least {need} tokens (a window of --seq-len {seq_len} and "
+                f"the token after it), found {len(val)}; use " + _either(
+                    "a longer text", len(val) > 1 and f"--seq-len {len(val) - 1} or less",
+                    n - round(n * least) >= need and f"--data.val-fraction {least:g} or more",
+                    "--data.val-fraction 0 (no validation)"))
         return cls(train, val, source)
 
     @classmethod

@@ -46,6 +46,9 @@ from toymlx.models.moe import BlockExperts
 from toymlx.models.ops import DTYPES, EXACT, Ops
 
 CHECKPOINT_FORMAT = "toy/gguf-v1"
+TRAINED_WINDOW = "toy.seq_len"
+"""The --seq-len a from-scratch or warm-start checkpoint trained on: toymlx-generate keeps a
+lone copy of it (moved out of its run, exported) within that window, as it keeps its run's."""
 
 
 @dataclass(frozen=True)

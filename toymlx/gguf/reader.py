@@ -30,6 +30,23 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from toymlx.backend.files import counted, nothing_there, special_kind
 
 MAGIC = b"GGUF"
+
+
+def not_gguf_kind(head: bytes, size: int) -> str:
+    """What a file that is not a GGUF is, by its first bytes `head` (of `size`), as ": KIND"
+    after "not a GGUF file" ("" where unknown): Hugging Face's safetensors weights (an 8-byte
+    header length, then its JSON) with the converter that makes a GGUF of them, or text (a
+    data file given where a model goes)."""
+    n = int.from_bytes(head[:8], "little") if len(head) >= 9 else 0
+    if 2 <= n <= size - 8 and head[8:9] == b"{":
+        return (": Hugging Face safetensors weights; llama.cpp's convert_hf_to_gguf.py makes "
+                "a GGUF of the model's folder")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a character cut by the end of `head` is still text
+        if e.start < len(head) - 3 or e.reason != "unexpected end of data":
+            return ""
+    return ": UTF-8 text" if head and b"\0" not in head else ""
 DIGEST_KEY = "toy.tensor_sha256"
 """Metadata key: the SHA-256 of the file's tensor data section, written by toymlx's writer."""
 MAX_DIMS = 4
@@ -320,7 +337,8 @@ class GGUFFile:
                             "still being written: llama-quantize writes its header last; or "
                             "an incomplete copy): wait for its writer to finish")
         if magic != MAGIC:
-            raise GGUFError(f"{self.path}: magic: expected b'GGUF', found {magic!r} (not a GGUF file)")
+            raise GGUFError(f"{self.path}: magic: expected b'GGUF', found {magic!r} (not a GGUF "
+                            f"file{not_gguf_kind(bytes(self._mm[:4096]), len(self._mm))})")
         self.version = c.u32("version")
         if self.version not in (2, 3):
             raise c.fail("version", "2 or 3", str(self.version))

@@ -18,7 +18,7 @@ import mlx.core as mx
 from toymlx.bundle import model_store
 from toymlx.bundle.folder import check_model_file
 from toymlx.data.tokenizer import Tokenizer, byte_tokenizer
-from toymlx.gguf.llama import load_llama_into, write_llama
+from toymlx.gguf.llama import TRAINED_WINDOW, load_llama_into, write_llama
 from toymlx.gguf.reader import read_metadata, refuse_adapter
 from toymlx.models.llama import Llama
 from toymlx.models.ops import Ops
@@ -91,7 +91,8 @@ def build(cfg: Config, ops: Ops) -> Task:
     tok_meta = tok.to_metadata(chat_template=False)  # trained on plain text alone
 
     def save(path: Path, m: Llama, extra: dict) -> None:
-        write_llama(path, m, tok_meta, extra, name="toymlx from-scratch", dtype=cfg.save_dtype)
+        write_llama(path, m, tok_meta, {TRAINED_WINDOW: cfg.seq_len, **extra},
+                    name="toymlx from-scratch", dtype=cfg.save_dtype)
 
     return lm_task("from-scratch", cfg, cfg.seq_len, model, data, save, load_llama_into,
                    config_info={"tokenizer": "bytes" if cfg.tokenizer is None

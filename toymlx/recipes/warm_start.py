@@ -26,8 +26,10 @@ import numpy as np
 
 from toymlx.bundle import model_store
 from toymlx.bundle.folder import check_model_file
+from toymlx.data.merges import BYTE_TO_UNICODE
 from toymlx.data.tokenizer import Tokenizer
-from toymlx.gguf.llama import write_llama
+from toymlx.data.vocab import K_MODEL, K_TOKENS, is_byte_token
+from toymlx.gguf.llama import TRAINED_WINDOW, write_llama
 from toymlx.gguf.reader import GGUFError
 from toymlx.models.ops import Ops
 from toymlx.recipes import warm
@@ -113,6 +115,7 @@ def donor_tokenizer(donor: warm.Donor, vocab: int) -> Tokenizer:
                         f"least {vocab} tokens (rows of token_embd.weight), found {len(tokens)}")
     meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     if vocab < len(tokens):
+        check_bytes_kept(meta, vocab)
         for k in ("tokens", "scores", "token_type"):
             if isinstance(meta.get(f"tokenizer.ggml.{k}"), list):
                 meta[f"tokenizer.ggml.{k}"] = meta[f"tokenizer.ggml.{k}"][:vocab]
@@ -125,6 +128,29 @@ def donor_tokenizer(donor: warm.Donor, vocab: int) -> Tokenizer:
             if k.endswith("_token_id") and isinstance(v, int) and vocab <= v < 2**32 - 1:
                 raise ValueError(f"--warm.vocab: expected more than {k}={v} tokens, found {vocab}")
     return Tokenizer.from_metadata(meta)
+
+
+def byte_tokens_end(meta: dict) -> int:
+    """One past the last id of a vocabulary's byte tokens, which spell any text: SentencePiece's
+    `<0xXX>` (its byte fallback), byte-level BPE's 256 byte characters; 0 for none."""
+    tokens, model = meta.get(K_TOKENS) or [], meta.get(K_MODEL)
+    is_byte = (is_byte_token if model == "llama" else
+               frozenset(BYTE_TO_UNICODE.values()).__contains__ if model == "gpt2" else None)
+    return 1 + max((i for i, t in enumerate(tokens) if is_byte(t)), default=-1) if is_byte else 0
+
+
+def check_bytes_kept(meta: dict, vocab: int) -> None:
+    """ValueError (one line) for a `--warm.vocab` that cuts the donor's byte tokens: a text's
+    character whose bytes' tokens were cut became SentencePiece's unknown token, or with
+    byte-level BPE nothing at all (`--warm.vocab 100` of SmolLM2 read "naïve world" as
+    "naveworld"), and the run trained on that without a word."""
+    end = byte_tokens_end(meta)
+    if vocab < end:
+        lost = ("read as the unknown token" if meta.get(K_MODEL) == "llama" else
+                "left out of the text")
+        raise ValueError(f"--warm.vocab: expected at least {end} (the donor's byte tokens, "
+                         f"which spell any text, end at id {end - 1}), found {vocab}: a "
+                         f"character whose bytes' tokens are cut would be {lost}")
 
 
 def make_optimizer(cfg: Config):
@@ -186,7 +212,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     info = {"donor": donor.path, "donor_width": donor.width, "donor_tensor_type":
             donor.tensor_type, "lens": w.lens, "init": w.init,
             "freeze_embeddings": w.freeze_embeddings, "vocab": vocab}
-    meta = {"toy.warm.donor": donor.path, "toy.warm.donor_width": donor.width,
+    meta = {TRAINED_WINDOW: cfg.seq_len, "toy.warm.donor": donor.path, "toy.warm.donor_width": donor.width,
             "toy.warm.lens": w.lens, "toy.warm.init": w.init}
 
     def save(path: Path, m: warm.WarmLlama, extra: dict) -> None:
