@@ -841,9 +841,9 @@ def test_every_text_recipe_records_an_mlx_lm_folder_s_split_files(tmp_path, reci
     (data / "dataset_info.json").write_text("{}\n")  # not a split's name: never read
     cfg = importlib.import_module(f"toymlx.recipes.{recipe}").Config()
     cfg.data.path = str(data)
-    rec = data_files(cfg)["data.path"]
+    rec = data_files(cfg)[0]["data.path"]
     assert (rec["only"], sorted(rec["files"])) == (list(SPLIT_NAMES), ["train.csv", "valid.jsonl"])
     assert (rec["bytes"], rec["sha256"]) == _folder_digest(data, ["train.csv", "valid.jsonl"])
     cfg.data.path = str(data / "valid.jsonl")
-    rec = data_files(cfg)["data.path"]
+    rec = data_files(cfg)[0]["data.path"]
     assert "only" not in rec and rec["bytes"] == 21
