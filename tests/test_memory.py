@@ -143,8 +143,10 @@ def test_gemma4_blocks_are_counted_each_at_its_own_widths(tmp_path):
     arrays, or the inputs a LoRA on o and GeGLU down keep. Here each against a count of the
     10-block shape's arrays; its shared-KV tail recomputes its attention as the other blocks do,
     so none of it is counted. Session 50's 6 gemma4 arrays (a 1 x 256 step 46% over its RSS)
-    were 3 and the second CPU stream's decoded weights spread over the tokens: 3 now, and the
-    decoded weights counted once a stream."""
+    were 3 and the second CPU stream's decoded weights spread over the tokens: 3 then, and the
+    decoded weights counted once a stream; 5 now that a block's own are 3 d-wide, not 6 (the
+    same block 10 d-wide, one more than then: 1,314 values a token over its measured peak, where
+    9 were 222 under)."""
     path = sparse_gguf(tmp_path / "gemma4-10.gguf", GEMMA4_10)
     ops = Ops(kernels="vectorised", decode_slice=None, attention_keep_limit=4096)
     with GGUFFile(path) as g:
@@ -161,10 +163,11 @@ def test_gemma4_blocks_are_counted_each_at_its_own_widths(tmp_path):
     kv = (4 * 256 + 512) // 10
     f = (5 * 6144 + 5 * 12288) // 10
     d = 1536
-    # a Llama block's 3 d-wide arrays, the inputs of its 2 post-norms, q, k, v and q and k
-    # before their norms, GeGLU's gate, up and tanh, the per-layer embedding's gate, input and
-    # tanh (256 wide), and gemma4's 3 more d-wide (the per-layer branch's norm's input, ...)
-    kept = 3 * d + 2 * d + 2 * q + 3 * kv + 3 * f + 3 * 256 + 3 * d
+    # a Llama block's 3 d-wide arrays, the inputs of its 2 post-norms, q, k and v as projected
+    # (attention recomputed: its qk-norms too), GeGLU's gate, up and tanh, the per-layer
+    # embedding's gate, input and tanh (256 wide), and gemma4's 5 more d-wide (the per-layer
+    # branch's norm's input and what its measured peak held beyond the rest)
+    kept = 3 * d + 2 * d + q + 2 * kv + 3 * f + 3 * 256 + 5 * d
     assert (q, kv, f) == (2457, 153, 9216)
     # 8 heads' probabilities over 256 tokens are more than the keep limit: attention recomputed
     assert memory.attention_values(GEMMA4_10, 256) > 4096
@@ -223,8 +226,10 @@ def test_a_small_models_step_is_estimated_as_its_blocks_keep_it(tmp_path):
             == 30 * (kept + probs[256] + q + d + f) * 256 * 4)
     # a full fine-tune trains every projection: each keeps its input
     assert est(1, 256, full=True).activations == 30 * (kept + probs[256] + q + d + f) * 256 * 4
-    # qwen3's q and k normed before RoPE: their norms read q and k as projected
+    # qwen3's q and k normed before RoPE: where attention is kept, their norms' backward pass
+    # reads q and k as projected; recomputed, attention starts from them: nothing more
     assert est(1, 256, gguf=qwen3).activations == 30 * (kept + q + kv + probs[256]) * 256 * 4
+    assert est(1, 512, gguf=qwen3).activations == 30 * kept * 512 * 4
 
 
 def test_a_batch_that_does_not_split_over_the_streams_runs_on_one():

@@ -81,21 +81,21 @@ float32, the vectorised kernels; AMD EPYC, 2 cores): 7,290 float32 values a toke
 and 720 counted). Session 50's count (6 d-wide arrays, SwiGLU's product, and q, k rotated and
 attention's output on top of q, k as projected) was 13,344 at 1 x 256: SmolLM2's 4 x 256 LoRA
 step estimated 43% over its peak RSS."""
-GEMMA4_BLOCK_D_VALUES = 3
+GEMMA4_BLOCK_D_VALUES = 5
 """d_model-wide arrays per token a gemma4 block keeps for the backward pass beyond the other
-terms of `_block_values` (`BLOCK_D_VALUES`, its two post-norms' inputs, q and k before their
-norms): the per-layer embedding branch's norm's input (`Block.close`), and what the measurement
-below found beyond the rest. A bare compiled value_and_grad of a 4-block E2B-width gemma4 (LoRA
-q, 256 -> 768 tokens) kept 1.2, 1.9 and 1.9 d-wide values a token and block fewer with each of
-its post-norms and the per-layer branch's norm made the identity. Measured through the recipe
+terms of `_block_values` (`BLOCK_D_VALUES`, its two post-norms' inputs): the per-layer
+embedding branch's norm's input (`Block.close`), and what the measurement below found beyond
+the rest. A bare compiled value_and_grad of a 4-block E2B-width gemma4 (LoRA q, 256 -> 768
+tokens) kept 1.2, 1.9 and 1.9 d-wide values a token and block fewer with each of its
+post-norms and the per-layer branch's norm made the identity. Measured through the recipe
 (`benchmarks/shapes.py`'s E2B at 10 blocks, 5 in the shared-KV tail; 32,768 rows, Q4_K_M, held
 in blocks, LoRA q, one stream: 1 x 256 -> 1 x 1024; AMD EPYC, 2 cores): MLX's peak grew
-45,225 float32 values a token and block less the frozen head's, 4,830 above session 51's count
-(6 d-wide arrays, q, k and v as projected, GeGLU's 3 ffn-wide, the per-layer branch's 3). This
-count, 3 + 2 + 3 d-wide arrays and q and k before their norms too (2,610 values), is 5,682
-above that one: 852 values a token and block above the measured peak. (Session 50's 6 came from
-1 x 256 -> 4 x 256, where the second CPU stream's decoded weights, 204 MiB, `DECODED_COPIES`,
-were spread over the tokens.)"""
+45,225 float32 values a token and block less the frozen head's, 4,830 (3.1 x 1,536) above
+session 51's count (6 d-wide arrays, q, k and v as projected, GeGLU's 3 ffn-wide, the per-layer
+branch's 3, attention recomputed). Counted now as 3 + 2 + 5 d-wide arrays: 6,144 above that
+one, 1,314 values a token and block above the measured peak. (Session 50's 6 came from 1 x 256
+-> 4 x 256, where the second CPU stream's decoded weights, 204 MiB, `DECODED_COPIES`, were
+spread over the tokens.)"""
 AVAILABLE_ENV = "TOYMLX_MEMORY_AVAILABLE"
 """Bytes to take as this machine's available memory instead of asking it (tests only)."""
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -156,16 +156,18 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
     input, the attention norm's output (the q, k and v adapters' input) and the MLP norm's
     input (`BLOCK_D_VALUES`), the post-norms' inputs where the model has them; q, k and v as
     projected (each block at its own head width and kv heads, a block reading an earlier one's
-    keys and values projecting none; with qk_norm, q and k before their norms too); the MLP's
+    keys and values projecting none); the MLP's
     gate, up and activation (SwiGLU's silu, GeGLU's tanh, `Ops.gelu_mul`). A frozen
     projection's backward pass needs no input, so the MLP norm's output and down's input are
     kept only for adapters on them (`_target_inputs`). Attention's own activations (q and k
     rotated, each head's probabilities, its output: `attention_values`) are recomputed in the
     backward pass (`Ops.recomputed`), unless they are few enough to keep
     (`Ops.keeps_attention`): then the probabilities (q and k rotated stand in for them as
-    projected; RoPE's backward pass reads neither), or the block is the one `--grad-checkpoint`
-    is recomputing, which keeps them all; gemma4's shared-KV tail recomputes its attention too
-    (`Attention.__call__` with an earlier block's keys and values). Gemma4 blocks keep
+    projected; RoPE's backward pass reads neither), and with qk_norm q and k before their norms,
+    or the block is the one `--grad-checkpoint` is recomputing, which keeps them all; gemma4's
+    shared-KV tail recomputes its attention too (`Attention.__call__` with an earlier block's
+    keys and values). Recomputed, attention (qk_norm's norms, RoPE) starts from q, k and v as
+    projected: the SmolLM2 shape of `BLOCK_D_VALUES` kept 7,290 values with qk_norm too. Gemma4 blocks keep
     `GEMMA4_BLOCK_D_VALUES` more d-wide arrays."""
     n, d = a.n_layers, a.d_model
     q = sum(a.n_heads * a.layer_head_dim(i) for i in range(n)) // n  # gemma4's differ
@@ -176,8 +178,7 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
         mlp = (2 * a.n_experts + a.n_experts_used * (3 * a.expert_width + d)
                + 4 * a.shared_expert_ffn_dim)  # qwen2moe's shared expert: a dense MLP
     norms = BLOCK_D_VALUES + (2 if a.post_norms else 0)
-    kept = (norms * d + q + 2 * kv + (q + kv if a.qk_norm or a.qk_norm_whole else 0) + mlp
-            + 3 * a.per_layer_dim)  # gemma4's PLE: gate, GELU, product
+    kept = norms * d + q + 2 * kv + mlp + 3 * a.per_layer_dim  # gemma4's PLE: gate, GELU, product
     if a.arch == "gemma4":
         kept += GEMMA4_BLOCK_D_VALUES * d
     if a.linear_layers:  # every block counted as a Gated DeltaNet one, the larger: by chunks
@@ -186,10 +187,11 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
         kept += a.ssm_v_heads * (16 * CHUNK + 2 * a.ssm_head_dim ** 2 // CHUNK)
     kept += _target_inputs(a, targets, d, f, q)
     attention = attention_values(a, seq_len)
+    normed = q + kv if a.qk_norm or a.qk_norm_whole else 0  # q and k before their norms
     if ops.grad_checkpoint:
-        return kept + attention
+        return kept + attention + normed
     if ops.keeps_attention(attention):
-        return kept + attention_probabilities(a, seq_len)
+        return kept + attention_probabilities(a, seq_len) + normed
     return kept
 
 
