@@ -10,9 +10,10 @@ The estimate adds, in bytes:
   N, the last N blocks' tensors (held at 4 bytes a value), the rest held as frozen.
 - activations: what the backward pass keeps per token and per block (`_block_values`,
   `BLOCK_D_VALUES`), times the blocks the gradient runs through: those from the first adapted
-  or trained block up (--lora.layers, --full.layers) or all (full). With --grad-checkpoint, each block's input, plus one block recomputed.
-  Blocks of different widths (gemma4's head widths, kv heads and MLPs) are averaged; a LoRA
-  on `o`, `gate`/`up` or `down` keeps that projection's input.
+  or trained block up (--lora.layers, --full.layers) or all (full). With --grad-checkpoint,
+  each block's `CHECKPOINT_D_VALUES`, plus one block recomputed. Blocks of different widths
+  (gemma4's head widths, kv heads and MLPs) are averaged; a LoRA on `o`, `gate`/`up` or `down`
+  keeps that projection's input.
 - logits: a trained head's chunk of `toymlx.models.losses.logits_chunk` tokens x vocabulary,
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
   gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
@@ -81,6 +82,12 @@ float32, the vectorised kernels; AMD EPYC, 2 cores): 7,290 float32 values a toke
 and 720 counted). Session 50's count (6 d-wide arrays, SwiGLU's product, and q, k rotated and
 attention's output on top of q, k as projected) was 13,344 at 1 x 256: SmolLM2's 4 x 256 LoRA
 step estimated 43% over its peak RSS."""
+CHECKPOINT_D_VALUES = 2
+"""d_model-wide arrays per token a block keeps with --grad-checkpoint (`Ops.block`'s
+`mx.checkpoint`: its input and output, for the recomputation and its vjp). Measured as
+`BLOCK_D_VALUES` (1 x 512, LoRA q, 6 blocks less 2): 1,133 float32 values a token and block,
+2 x 576 = 1,152 counted. Counted as 1 until session 56: the Llama-3.2-3B shape's 1 x 512 step
+(28 blocks of 3,072) 176 MB fewer (its estimate was 5% under its peak RSS, `RUNTIME_BYTES`)."""
 GEMMA4_BLOCK_D_VALUES = 5
 """d_model-wide arrays per token a gemma4 block keeps for the backward pass beyond the other
 terms of `_block_values` (`BLOCK_D_VALUES`, its two post-norms' inputs): the per-layer
@@ -262,7 +269,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     per_block = (_block_values(a, seq_len, ops, tuple(projection_dims(a)) if full else targets)
                  * tokens * width)
     if ops.grad_checkpoint:
-        acts = blocks * tokens * a.d_model * width + per_block
+        acts = blocks * tokens * CHECKPOINT_D_VALUES * a.d_model * width + per_block
     else:
         acts = blocks * per_block
     if full and not layers:  # a trained head: a chunk of tokens' logits at a time
