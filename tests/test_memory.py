@@ -274,6 +274,53 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, 
     assert hashed == []  # nothing read past the header
 
 
+QWEN3_30B_A3B_2 = replace(
+    LlamaArgs(), arch="qwen3moe", **ARCHS["qwen3moe"].switches, vocab_size=4096, d_model=2048,
+    n_layers=2, n_heads=32, n_kv_heads=4, key_length=128, ffn_dim=6144, context=4096,
+    rope_base=1e6, tie_embeddings=False, n_experts=128, n_experts_used=8, expert_ffn_dim=768)
+"""Qwen3-30B-A3B's shape with 2 blocks (a 4,096-token vocabulary): 128 experts 768 wide."""
+
+
+def test_a_mixture_of_experts_that_fits_on_one_cpu_stream_is_advised_one(tmp_path, capsys,
+                                                                         monkeypatch):
+    """Each CPU stream decodes a block-held mixture of experts' 3-D tensors whole, for its own
+    slice of the batch (`moe.decoded_experts`, made to wait for that stream's input: the two
+    streams' decodings are alive at once): the Qwen3-30B-A3B shape's 805 MB gate, up and down
+    tensors, 4 float32 copies a stream, 6.4 GB on two. A run refused for them was advised
+    --grad-checkpoint, a smaller batch and fewer layers, none of which decodes less; one stream
+    decodes half as much, and is advised where the step then fits."""
+    from toymlx.training import cpu_streams
+
+    path = sparse_gguf(tmp_path / "qwen3-30b-a3b-2.gguf", QWEN3_30B_A3B_2)
+    experts = 128 * 768 * 2048
+    with GGUFFile(path) as g:
+        assert g.tensors["blk.0.ffn_gate_exps.weight"].shape == (128, 768, 2048)
+        two = memory.estimate(g, held="blocks", full=False, targets=("q",), rank=8, layers=None,
+                              dora=False, batch_size=2, seq_len=256,
+                              ops=Ops(decode_slice=None), streams=2)
+    assert two.decoded == 2 * memory.EXPERT_DECODED_COPIES * experts * 4 == 6_442_450_944
+    one_stream = two.total - two.decoded // 2
+    # on this machine's CPU streams (a GPU, or one core: one stream, nothing to advise)
+    n = cpu_streams.stream_count(2)
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(one_stream if n == 2 else two.total - 1))
+    rc = _train(["--recipe", "lora", "--base", str(path), "--runs-root", str(tmp_path / "runs"),
+                 "--base-dtype", "blocks", "--batch-size", "2", "--seq-len", "256",
+                 "--cpu-streams", "2", "--no-progress"])
+    assert rc == 2
+    line = error_line(capsys)
+    assert "decoded 6.4" in line if n == 2 else "decoded 3.2" in line, line
+    advice = "--cpu-streams 1, " if n == 2 else ""
+    assert (f"expected at most that: try --grad-checkpoint, {advice}a smaller --batch-size or "
+            "--seq-len, fewer --lora.layers, or --force to start anyway") in line, line
+    # where one stream would not fit either, it is not advised
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(one_stream - 1))
+    assert _train(["--recipe", "lora", "--base", str(path), "--runs-root", str(tmp_path / "runs"),
+                   "--base-dtype", "blocks", "--batch-size", "2", "--seq-len", "256",
+                   "--cpu-streams", "2", "--no-progress"]) == 2
+    assert "--cpu-streams 1" not in error_line(capsys)
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("dtype, advice", [
     ("float32", "--grad-checkpoint, --base-dtype blocks, "),
     ("blocks", "--grad-checkpoint, "),

@@ -379,10 +379,13 @@ def within_half_available(need: int) -> tuple[bool, int | None]:
 
 
 def check_fits(est: Estimate, source: str, force: bool, grad_checkpoint: bool = False,
-               blocks_smaller: bool = False) -> dict[str, Any]:
+               blocks_smaller: bool = False, streams: int = 1) -> dict[str, Any]:
     """ValueError in one line when `est` exceeds the available memory (unless `force`), its
     advice what the run does not do already: --grad-checkpoint unless on, --base-dtype blocks
-    where `blocks_smaller` (a float-held base its blocks would hold in less); with `force`, that
+    where `blocks_smaller` (a float-held base its blocks would hold in less), --cpu-streams 1
+    where the step fits on one stream: on `streams` CPU streams each decodes a block-held base's
+    weights itself (`est.decoded`; a mixture of experts' 3-D tensors whole, the Qwen3-30B-A3B
+    shape's 805 MB 4 copies a stream: 6.4 GB on two); with `force`, that
     line on stderr, starting anyway; else what run_start records: the estimate, what was
     available and from where."""
     avail, where = available_memory()
@@ -393,7 +396,9 @@ def check_fits(est: Estimate, source: str, force: bool, grad_checkpoint: bool = 
             print(f"toymlx: {over}; starting anyway (--force)", file=sys.stderr)
         else:
             tries = ([] if grad_checkpoint else ["--grad-checkpoint"]) + (
-                ["--base-dtype blocks"] if blocks_smaller else []) + [
+                ["--base-dtype blocks"] if blocks_smaller else []) + (
+                ["--cpu-streams 1"] if est.total - est.decoded + est.decoded // streams
+                <= avail else []) + [
                 "a smaller --batch-size or --seq-len", "fewer --lora.layers"]
             raise ValueError(f"{over}; expected at most that: try {', '.join(tries)}, or "
                              "--force to start anyway")
