@@ -219,6 +219,14 @@ def test_a_small_models_step_is_estimated_as_its_blocks_keep_it(tmp_path):
         assert est(b, t).activations == 30 * (kept + probs[t]) * b * t * 4
     mib = {(b, t): round(est(b, t).activations / 2**20) for b, t in ((1, 256), (4, 256), (8, 128))}
     assert mib == {(1, 256): 256, (4, 256): 1024, (8, 128): 939}
+    # the frozen head read 2^20 values at a time (HEAD_SLICE_VALUES) over the wider of the
+    # tokens and the 576-wide rows, in multiples of 256 rows: 1792 rows for 256 or a CPU
+    # stream's 512 of 4 x 256's tokens, 1024 for all 1024; each of the step's streams reads its
+    # own rows for its tokens
+    assert est(1, 256).logits == 1792 * (memory.HEAD_LOGITS_COPIES * 256 + 2 * d) * 4
+    n = memory.step_streams(0, 4)
+    rows = {1: 1024, 2: 1792}[n]
+    assert est(4, 256).logits == n * rows * (memory.HEAD_LOGITS_COPIES * 1024 // n + 2 * d) * 4
     # at 512 tokens the probabilities are over the limit: recomputed, nothing more kept
     assert est(1, 512).activations == 30 * kept * 512 * 4
     # adapters on o, gate, up and down keep their inputs: attention's output, the MLP norm's

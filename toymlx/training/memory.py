@@ -16,7 +16,8 @@ The estimate adds, in bytes:
   keeps that projection's input.
 - logits: a trained head's chunk of `toymlx.models.losses.logits_chunk` tokens x vocabulary,
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
-  gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
+  gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and
+  weights; each CPU stream the step runs on its own, for its share of the tokens.
 - decoded: a block-held base's float weights, decoded where used: the largest block-held
   matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies;
   or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies;
@@ -272,13 +273,14 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         acts = blocks * tokens * CHECKPOINT_D_VALUES * a.d_model * width + per_block
     else:
         acts = blocks * per_block
+    share = tokens // streams  # each CPU stream computes the loss of its share of the batch
     if full and not layers:  # a trained head: a chunk of tokens' logits at a time
         chunk = logits_chunk(a.vocab_size, ops.logits_values)
-        logits = min(tokens, chunk) * a.vocab_size * 4 * LOGITS_COPIES
+        logits = min(share, chunk) * a.vocab_size * 4 * LOGITS_COPIES * streams
     else:  # a frozen head: a slice of its rows at a time (`head_slices`): its logits, their
         # softmax and gradient (HEAD_LOGITS_COPIES), and its weights decoded (and cast)
-        (lo, hi), = head_slices(a.vocab_size, tokens, a.d_model, ops.logits_values)[:1]
-        logits = (hi - lo) * (HEAD_LOGITS_COPIES * tokens + 2 * a.d_model) * 4
+        (lo, hi), = head_slices(a.vocab_size, share, a.d_model, ops.logits_values)[:1]
+        logits = (hi - lo) * (HEAD_LOGITS_COPIES * share + 2 * a.d_model) * 4 * streams
     held_as_blocks = [t.n_elements for name, t in g.tensors.items()
                       if name.startswith("blk.") and len(t.shape) == 2
                       and tensor_route(g, name, held, train) == "blocks"]
