@@ -164,19 +164,18 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
     input, the attention norm's output (the q, k and v adapters' input) and the MLP norm's
     input (`BLOCK_D_VALUES`), the post-norms' inputs where the model has them; q, k and v as
     projected (each block at its own head width and kv heads, a block reading an earlier one's
-    keys and values projecting none); the MLP's
-    gate, up and activation (SwiGLU's silu, GeGLU's tanh, `Ops.gelu_mul`). A frozen
-    projection's backward pass needs no input, so the MLP norm's output and down's input are
-    kept only for adapters on them (`_target_inputs`). Attention's own activations (q and k
-    rotated, each head's probabilities, its output: `attention_values`) are recomputed in the
-    backward pass (`Ops.recomputed`), unless they are few enough to keep
-    (`Ops.keeps_attention`): then the probabilities (q and k rotated stand in for them as
-    projected; RoPE's backward pass reads neither), and with qk_norm q and k before their norms,
-    or the block is the one `--grad-checkpoint` is recomputing, which keeps them all; gemma4's
-    shared-KV tail recomputes its attention too (`Attention.__call__` with an earlier block's
-    keys and values). Recomputed, attention (qk_norm's norms, RoPE) starts from q, k and v as
-    projected: the SmolLM2 shape of `BLOCK_D_VALUES` kept 7,290 values with qk_norm too. Gemma4 blocks keep
-    `GEMMA4_BLOCK_D_VALUES` more d-wide arrays."""
+    keys and values projecting none); the MLP's gate, up and activation (SwiGLU's silu, GeGLU's
+    tanh, `Ops.gelu_mul`). A frozen projection's backward pass needs no input, so the MLP
+    norm's output and down's input are kept only for adapters on them (`_target_inputs`).
+    Attention's own activations (q and k rotated, each head's probabilities, its output:
+    `attention_values`) are recomputed in the backward pass (`Ops.recomputed`), starting from
+    q, k and v as projected (qk_norm's norms too: the SmolLM2 shape of `BLOCK_D_VALUES` kept
+    7,290 values with them), unless they are few enough to keep (`Ops.keeps_attention`): then
+    the probabilities (q and k rotated take the place of q and k as projected; RoPE's backward
+    pass reads neither) and with qk_norm q and k before their norms; or the block is the one
+    `--grad-checkpoint` is recomputing, which keeps them all. Gemma4's shared-KV tail
+    recomputes its attention too (`Attention.__call__` with an earlier block's keys and
+    values); its blocks keep `GEMMA4_BLOCK_D_VALUES` more d-wide arrays."""
     n, d = a.n_layers, a.d_model
     q = sum(a.n_heads * a.layer_head_dim(i) for i in range(n)) // n  # gemma4's differ
     kv = sum(a.kv_heads(i) * a.layer_head_dim(i) for i in range(n) if a.kv_source(i) is None) // n
@@ -385,11 +384,11 @@ def check_fits(est: Estimate, source: str, force: bool, grad_checkpoint: bool = 
     """ValueError in one line when `est` exceeds the available memory (unless `force`), its
     advice what the run does not do already: --grad-checkpoint unless on, --base-dtype blocks
     where `blocks_smaller` (a float-held base its blocks would hold in less), --cpu-streams 1
-    where the step fits on one stream: on `streams` CPU streams each decodes a block-held base's
-    weights itself (`est.decoded`; a mixture of experts' 3-D tensors whole, the Qwen3-30B-A3B
-    shape's 805 MB 4 copies a stream: 6.4 GB on two); with `force`, that
-    line on stderr, starting anyway; else what run_start records: the estimate, what was
-    available and from where."""
+    where the step fits with one stream's decoded floats: on `streams` CPU streams each decodes
+    a block-held base's weights itself (`est.decoded`; a mixture of experts' 3-D tensors whole,
+    the Qwen3-30B-A3B shape's 805 MB 4 copies a stream: 6.4 GB on two); with `force`, that line
+    on stderr, starting anyway; else what run_start records: the estimate, what was available
+    and from where."""
     avail, where = available_memory()
     if avail is not None and est.total > avail:
         over = (f"{source}: a training step needs about {est.describe()} and "
