@@ -76,11 +76,11 @@ BLOCK_D_VALUES = 3
 """d_model-wide arrays per token a block keeps for the backward pass: its input and the MLP
 norm's input, which their RMSNorms' backward pass reads (`toymlx.backend.fastmath.rms_norm`'s
 vjp: x and its rstd), and the attention norm's output, the q, k and v adapters' input. Measured
-(MLX's peak of a compiled value_and_grad, 6 blocks less 2, the SmolLM2-135M shape, LoRA q,
-float32, the vectorised kernels; AMD EPYC, 2 cores): 7,290 float32 values a token and block at
-1 x 512 (attention recomputed), counted 3 x 576 + q 576 + k, v 2 x 192 + gate, up, silu 3 x
-1,536 = 7,296; 8,833 at 1 x 256 and 8,170 at 1 x 128 (attention kept: its probabilities, 1,440
-and 720 counted). The count before session 56 (6 d-wide arrays, SwiGLU's product, q and k
+(`benchmarks/kept_values.py`: MLX's peak of a compiled value_and_grad, 6 blocks less 2, the
+SmolLM2-135M shape, LoRA q, float32, the vectorised kernels; AMD EPYC, 2 cores): 7,290-7,306
+float32 values a token and block at 1 x 512 (attention recomputed), counted 3 x 576 + q 576 +
+k, v 2 x 192 + gate, up, silu 3 x 1,536 = 7,296; 8,833 at 1 x 256 and 8,170 at 1 x 128
+(attention kept: its probabilities, 1,440 and 720 counted). The count before session 56 (6 d-wide arrays, SwiGLU's product, q and k
 rotated and attention's output on top of q and k as projected) was 13,344 at 1 x 256: SmolLM2's
 4 x 256 LoRA step estimated 43% over its peak RSS."""
 CHECKPOINT_D_VALUES = 2
