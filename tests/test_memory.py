@@ -30,8 +30,9 @@ LLAMA_8B = LlamaArgs(vocab_size=49152, d_model=4096, n_layers=32, n_heads=32, n_
                      ffn_dim=14336, context=8192, rope_base=500000.0, tie_embeddings=False)
 
 
-def sparse_gguf(path: Path, a: LlamaArgs) -> Path:
-    """A GGUF whose header says `a`'s tensors (matrices Q4_K, norms F32) and whose data is a
+def sparse_gguf(path: Path, a: LlamaArgs,
+                matrices: GGMLQuantizationType = GGMLQuantizationType.Q4_K) -> Path:
+    """A GGUF whose header says `a`'s tensors (`matrices`, norms F32) and whose data is a
     hole: the file's size is the real one's, its blocks are never written."""
     w = GGUFWriter(path, a.arch)
     for k, v in llama_metadata(a).items():
@@ -46,7 +47,7 @@ def sparse_gguf(path: Path, a: LlamaArgs) -> Path:
                         GGUFValueType.UINT32)
     total = 0
     for name, shape in expected_shapes(a).items():
-        q = GGMLQuantizationType.F32 if len(shape) == 1 else GGMLQuantizationType.Q4_K
+        q = GGMLQuantizationType.F32 if len(shape) == 1 else matrices
         block, size = GGML_QUANT_SIZES[q]
         nbytes = int(np.prod(shape)) // block * size
         w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=q)
@@ -101,12 +102,13 @@ def test_estimate_of_an_8b_header(header_8b):
     assert file_bytes == n_matrix * 144 // 256 + n_norm * 4
     assert est.base == n_matrix * 148 // 256 + n_norm * 4
     assert est.trained == 32 * 8 * ((4096 + 4096) + (1024 + 4096)) * 16
-    # a block keeps 6 d-wide arrays, q, k and v as projected and the SwiGLU's 4 ffn-wide ones;
+    # a block keeps 3 d-wide arrays, q, k and v as projected and the SwiGLU's 3 ffn-wide ones;
     # the block --grad-checkpoint recomputes keeps attention's too: q and k rotated, its output
     # and 32 heads' probabilities over 5/8 of 512 keys
-    kept = 6 * 4096 + 4096 + 2 * 1024 + 4 * 14336
+    kept = 3 * 4096 + 4096 + 2 * 1024 + 3 * 14336
     recomputing = kept + 2 * 4096 + 1024 + 32 * 512 * 5 // 8
-    assert est.activations == 32 * 512 * 4096 * 4 + recomputing * 512 * 4
+    # --grad-checkpoint's blocks each keep their input and output (CHECKPOINT_D_VALUES)
+    assert est.activations == 32 * 512 * 2 * 4096 * 4 + recomputing * 512 * 4
     # the frozen head read 1024 rows at a time (HEAD_SLICE_MIN_ROWS): logits and weights
     assert est.logits == 1024 * (memory.HEAD_LOGITS_COPIES * 512 + 2 * 4096) * 4
     # decoded where used: 16 MB slices, or the largest weight of a block whole (ffn, 14336 x
@@ -120,9 +122,10 @@ def test_estimate_of_an_8b_header(header_8b):
     assert floats.base == sum(t.n_elements for t in GGUFFile(header_8b).tensors.values()) * 4
     assert floats.activations == 32 * kept * 512 * 4 > est.activations
     # attention kept rather than recomputed where it takes at most the limit: 19,456 values a
-    # token (2 q + kv + 32 heads x 5/8 of 512 keys), here exactly the limit
+    # token (2 q + kv + 32 heads x 5/8 of 512 keys), here exactly the limit; kept, q and k
+    # rotated take the place of q and k as projected: the probabilities are what it adds
     assert memory.attention_values(LLAMA_8B, 512) == 19_456
-    assert keeping.activations == 32 * (kept + 19_456) * 512 * 4
+    assert keeping.activations == 32 * (kept + 32 * 512 * 5 // 8) * 512 * 4
 
 
 GEMMA4_10 = replace(
@@ -141,8 +144,10 @@ def test_gemma4_blocks_are_counted_each_at_its_own_widths(tmp_path):
     arrays, or the inputs a LoRA on o and GeGLU down keep. Here each against a count of the
     10-block shape's arrays; its shared-KV tail recomputes its attention as the other blocks do,
     so none of it is counted. Session 50's 6 gemma4 arrays (a 1 x 256 step 46% over its RSS)
-    were 3 and the second CPU stream's decoded weights spread over the tokens: 3 now, and the
-    decoded weights counted once a stream."""
+    were 3 and the second CPU stream's decoded weights spread over the tokens: 3 then, and the
+    decoded weights counted once a stream; 5 now that a block's own are 3 d-wide, not 6 (the
+    same block 10 d-wide, one more than then: 1,314 values a token over its measured peak, where
+    9 were 222 under)."""
     path = sparse_gguf(tmp_path / "gemma4-10.gguf", GEMMA4_10)
     ops = Ops(kernels="vectorised", decode_slice=None, attention_keep_limit=4096)
     with GGUFFile(path) as g:
@@ -159,10 +164,11 @@ def test_gemma4_blocks_are_counted_each_at_its_own_widths(tmp_path):
     kv = (4 * 256 + 512) // 10
     f = (5 * 6144 + 5 * 12288) // 10
     d = 1536
-    # a Llama block's 6 d-wide arrays, q, k, v, GeGLU's gate, up and tanh, the per-layer
-    # embedding's gate, input and tanh (256 wide), and the inputs of gemma4's 3 more RMSNorms:
-    # the attention's and MLP's post-norms and the per-layer branch's norm
-    kept = 6 * d + q + 2 * kv + 3 * f + 3 * 256 + 3 * d
+    # a Llama block's 3 d-wide arrays, the inputs of its 2 post-norms, q, k and v as projected
+    # (attention recomputed: its qk-norms too), GeGLU's gate, up and tanh, the per-layer
+    # embedding's gate, input and tanh (256 wide), and gemma4's 5 more d-wide (the per-layer
+    # branch's norm's input and what its measured peak held beyond the rest)
+    kept = 3 * d + 2 * d + q + 2 * kv + 3 * f + 3 * 256 + 5 * d
     assert (q, kv, f) == (2457, 153, 9216)
     # 8 heads' probabilities over 256 tokens are more than the keep limit: attention recomputed
     assert memory.attention_values(GEMMA4_10, 256) > 4096
@@ -175,6 +181,64 @@ def test_gemma4_blocks_are_counted_each_at_its_own_widths(tmp_path):
     assert one.decoded == 3 * 12288 * 1536 * 4
     assert est[("q",)].decoded == 2 * 3 * 12288 * 1536 * 4
     assert one.runtime == 448 * 2**20
+
+
+SMOLLM2 = LlamaArgs(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                    ffn_dim=1536, context=8192, rope_base=100000.0, tie_embeddings=True)
+
+
+def test_a_small_models_step_is_estimated_as_its_blocks_keep_it(tmp_path):
+    """SmolLM2-135M's LoRA step (q, float32-held, the CPU's ops) was estimated 43-47% over its
+    peak RSS (1 x 256: 1,375 MiB against 933; 4 x 256: 2,558 against 1,788; 8 x 128: 2,473
+    against 1,699): a block was counted 6 d-wide arrays, SwiGLU's product (a frozen down needs
+    no input) and, where attention is kept, q and k rotated and its output on top of q and k
+    as projected: 13,344 values a token and block where a compiled step keeps 8,833 (1 x 256;
+    `memory.BLOCK_D_VALUES`). Now 3 d-wide, q, k, v, gate, up and silu, the probabilities where
+    attention is kept, and the inputs of the projections adapted (or, a full fine-tune, all)."""
+    q4_1 = GGMLQuantizationType.Q4_1  # the real file's (576 is no multiple of Q4_K's 256)
+    path = sparse_gguf(tmp_path / "smollm2-shaped.gguf", SMOLLM2, q4_1)
+    qwen3 = sparse_gguf(tmp_path / "qwen3-shaped.gguf",
+                        replace(SMOLLM2, arch="qwen3", **ARCHS["qwen3"].switches), q4_1)
+    ops = Ops(kernels="vectorised", decode_slice=None, attention_keep_limit=4096)
+
+    def est(b: int, t: int, targets: tuple[str, ...] = ("q",), full: bool = False,
+            gguf: Path = path) -> memory.Estimate:
+        with GGUFFile(gguf) as g:
+            return memory.estimate(g, held="float32", full=full, targets=targets, rank=8,
+                                   layers=None, dora=False, batch_size=b, seq_len=t, ops=ops,
+                                   streams=memory.step_streams(0, b))
+
+    d, q, kv, f = 576, 576, 192, 1536
+    kept = 3 * d + q + 2 * kv + 3 * f
+    assert kept == 7296
+    # 2 q + kv + 9 heads x 5/8 of the keys are at most 4096 values a token: attention kept
+    assert memory.attention_values(SMOLLM2, 256) == 2784
+    probs = {256: 9 * 256 * 5 // 8, 128: 9 * 128 * 5 // 8}
+    assert probs == {256: 1440, 128: 720}
+    for b, t in ((1, 256), (4, 256), (8, 128)):
+        assert est(b, t).activations == 30 * (kept + probs[t]) * b * t * 4
+    mib = {(b, t): round(est(b, t).activations / 2**20) for b, t in ((1, 256), (4, 256), (8, 128))}
+    assert mib == {(1, 256): 256, (4, 256): 1024, (8, 128): 939}
+    # the frozen head read 2^20 values at a time (HEAD_SLICE_VALUES) over the wider of the
+    # tokens and the 576-wide rows, in multiples of 256 rows: 1792 rows for 256 or a CPU
+    # stream's 512 of 4 x 256's tokens, 1024 for all 1024; each of the step's streams reads its
+    # own rows for its tokens
+    assert est(1, 256).logits == 1792 * (memory.HEAD_LOGITS_COPIES * 256 + 2 * d) * 4
+    n = memory.step_streams(0, 4)
+    rows = {1: 1024, 2: 1792}[n]
+    assert est(4, 256).logits == n * rows * (memory.HEAD_LOGITS_COPIES * 1024 // n + 2 * d) * 4
+    # at 512 tokens the probabilities are over the limit: recomputed, nothing more kept
+    assert est(1, 512).activations == 30 * kept * 512 * 4
+    # adapters on o, gate, up and down keep their inputs: attention's output, the MLP norm's
+    # output and the activation times up
+    assert (est(1, 256, ("q", "k", "v", "o", "gate", "up", "down")).activations
+            == 30 * (kept + probs[256] + q + d + f) * 256 * 4)
+    # a full fine-tune trains every projection: each keeps its input
+    assert est(1, 256, full=True).activations == 30 * (kept + probs[256] + q + d + f) * 256 * 4
+    # qwen3's q and k normed before RoPE: where attention is kept, their norms' backward pass
+    # reads q and k as projected; recomputed, attention starts from them: nothing more
+    assert est(1, 256, gguf=qwen3).activations == 30 * (kept + q + kv + probs[256]) * 256 * 4
+    assert est(1, 512, gguf=qwen3).activations == 30 * kept * 512 * 4
 
 
 def test_a_batch_that_does_not_split_over_the_streams_runs_on_one():
@@ -208,7 +272,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, 
     # the base as this device's default holds it: 4.3 GB in its blocks (a GPU: Q4_K as MLX's
     # layers, 5.7 GB)
     m = re.search(r"needs about (\d+\.\d) GB \(base (4\.3|5\.7), trained 0\.1, activations "
-                  r"0\.5, logits 0\.0, decoded 0\.1, runtime 0\.5\) ", line)
+                  r"0\.7, logits 0\.0, decoded 0\.1, runtime 0\.5\) ", line)
     assert m is not None, line
     # --grad-checkpoint is on already: not advised again
     assert ("and 4.0 GB is available (TOYMLX_MEMORY_AVAILABLE); expected at most that: try "
@@ -216,6 +280,53 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(header_8b, 
             "--force to start anyway") in line
     assert list(tmp_path.iterdir()) == []  # no run folder left behind
     assert hashed == []  # nothing read past the header
+
+
+QWEN3_30B_A3B_2 = replace(
+    LlamaArgs(), arch="qwen3moe", **ARCHS["qwen3moe"].switches, vocab_size=4096, d_model=2048,
+    n_layers=2, n_heads=32, n_kv_heads=4, key_length=128, ffn_dim=6144, context=4096,
+    rope_base=1e6, tie_embeddings=False, n_experts=128, n_experts_used=8, expert_ffn_dim=768)
+"""Qwen3-30B-A3B's shape with 2 blocks (a 4,096-token vocabulary): 128 experts 768 wide."""
+
+
+def test_a_mixture_of_experts_that_fits_on_one_cpu_stream_is_advised_one(tmp_path, capsys,
+                                                                         monkeypatch):
+    """Each CPU stream decodes a block-held mixture of experts' 3-D tensors whole, for its own
+    slice of the batch (`moe.decoded_experts`, made to wait for that stream's input: the two
+    streams' decodings are alive at once): the Qwen3-30B-A3B shape's 805 MB gate, up and down
+    tensors, 4 float32 copies a stream, 6.4 GB on two. A run refused for them was advised
+    --grad-checkpoint, a smaller batch and fewer layers, none of which decodes less; one stream
+    decodes half as much, and is advised where the step then fits."""
+    from toymlx.training import cpu_streams
+
+    path = sparse_gguf(tmp_path / "qwen3-30b-a3b-2.gguf", QWEN3_30B_A3B_2)
+    experts = 128 * 768 * 2048
+    with GGUFFile(path) as g:
+        assert g.tensors["blk.0.ffn_gate_exps.weight"].shape == (128, 768, 2048)
+        two = memory.estimate(g, held="blocks", full=False, targets=("q",), rank=8, layers=None,
+                              dora=False, batch_size=2, seq_len=256,
+                              ops=Ops(decode_slice=None), streams=2)
+    assert two.decoded == 2 * memory.EXPERT_DECODED_COPIES * experts * 4 == 6_442_450_944
+    one_stream = two.total - two.decoded // 2
+    # on this machine's CPU streams (a GPU, or one core: one stream, nothing to advise)
+    n = cpu_streams.stream_count(2)
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(one_stream if n == 2 else two.total - 1))
+    rc = _train(["--recipe", "lora", "--base", str(path), "--runs-root", str(tmp_path / "runs"),
+                 "--base-dtype", "blocks", "--batch-size", "2", "--seq-len", "256",
+                 "--cpu-streams", "2", "--no-progress"])
+    assert rc == 2
+    line = error_line(capsys)
+    assert "decoded 6.4" in line if n == 2 else "decoded 3.2" in line, line
+    advice = "--cpu-streams 1, " if n == 2 else ""
+    assert (f"expected at most that: try --grad-checkpoint, {advice}a smaller --batch-size or "
+            "--seq-len, fewer --lora.layers, or --force to start anyway") in line, line
+    # where one stream would not fit either, it is not advised
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(one_stream - 1))
+    assert _train(["--recipe", "lora", "--base", str(path), "--runs-root", str(tmp_path / "runs"),
+                   "--base-dtype", "blocks", "--batch-size", "2", "--seq-len", "256",
+                   "--cpu-streams", "2", "--no-progress"]) == 2
+    assert "--cpu-streams 1" not in error_line(capsys)
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("dtype, advice", [

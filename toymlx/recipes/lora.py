@@ -428,13 +428,14 @@ def build(cfg: Config, ops: Ops) -> Task:
         trained_blocks = target_blocks(a.n_layers, cfg.full.layers, "--full.layers")
         trained = block_tensors(g.tensors, trained_blocks) if some else frozenset()
 
+        streams = memory.step_streams(cfg.cpu_streams, cfg.batch_size)
+
         def step_estimate(held: str) -> memory.Estimate:
             return memory.estimate(
                 g, held=held, full=full, targets=targets,
                 rank=cfg.lora.rank, layers=cfg.full.layers if full else cfg.lora.layers,
                 dora=cfg.fine_tune_type == "dora", batch_size=cfg.batch_size,
-                seq_len=cfg.seq_len, ops=ops,
-                streams=memory.step_streams(cfg.cpu_streams, cfg.batch_size))
+                seq_len=cfg.seq_len, ops=ops, streams=streams)
 
         dtype = "float32" if full and not some else resolve_base_dtype(
             cfg.base_dtype, on_gpu(), cfg.grad_checkpoint, lambda held: step_estimate(held).total)
@@ -444,7 +445,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         blocks_smaller = (not full and dtype in ("float32", "bfloat16", "float16")
                           and step_estimate("blocks").total < est.total)
         fits = memory.check_fits(est, f"--base {cfg.base}", cfg.force,
-                                 cfg.grad_checkpoint, blocks_smaller)
+                                 cfg.grad_checkpoint, blocks_smaller, streams)
     model_store.check_digests(src, "--base")
     if note := loading_note(src.path, types, dtype, est, fits):
         print(f"toymlx: {note}", file=sys.stderr)

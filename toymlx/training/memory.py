@@ -8,14 +8,16 @@ The estimate adds, in bytes:
 - trained: each trained value with its gradient and AdamW's two moments, float32 (16 bytes).
   A full fine-tune trains the whole base (and holds it at 4 bytes a value); with --full.layers
   N, the last N blocks' tensors (held at 4 bytes a value), the rest held as frozen.
-- activations: what the backward pass keeps per token and per block (`_block_values`), times
-  the blocks the gradient runs through: those from the first adapted or trained block up
-  (--lora.layers, --full.layers) or all (full). With --grad-checkpoint, each block's input, plus one block recomputed.
-  Blocks of different widths (gemma4's head widths, kv heads and MLPs) are averaged; a LoRA
-  on `o` or a GeGLU `down` keeps that projection's input.
+- activations: what the backward pass keeps per token and per block (`_block_values`,
+  `BLOCK_D_VALUES`), times the blocks the gradient runs through: those from the first adapted
+  or trained block up (--lora.layers, --full.layers) or all (full). With --grad-checkpoint,
+  each block's `CHECKPOINT_D_VALUES`, plus one block recomputed. Blocks of different widths
+  (gemma4's head widths, kv heads and MLPs) are averaged; a LoRA on `o`, `gate`/`up` or `down`
+  keeps that projection's input.
 - logits: a trained head's chunk of `toymlx.models.losses.logits_chunk` tokens x vocabulary,
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
-  gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and weights.
+  gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and
+  weights; each CPU stream the step runs on its own, for its share of the tokens.
 - decoded: a block-held base's float weights, decoded where used: the largest block-held
   matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies;
   or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies;
@@ -70,18 +72,38 @@ EXPERT_DECODED_COPIES = 4
 whole where it is used (`toymlx.models.moe.BlockExperts`), with the decoding's temporaries
 (measured: Qwen3-30B-A3B's shape with 2 blocks, Q4_K_M, 1 x 256 tokens, LoRA q,k,v,o, peaked
 3.8 GB by MLX's count over 1.15 GB of blocks: about 3.1 copies of its 805 MB tensors)."""
-GEMMA4_BLOCK_D_VALUES = 3
-"""d_model-wide arrays per token a gemma4 block keeps for the backward pass beyond a Llama
-block's 6: the inputs of its three more RMSNorms, the attention's and the MLP's post-norms and
-the per-layer embedding branch's norm (`Block.close`), which their backward pass reads
-(`toymlx.backend.fastmath.rms_norm`'s vjp: x and its rstd). A bare compiled value_and_grad of a
-4-block E2B-width gemma4 (LoRA q, 256 -> 768 tokens) kept 1.2, 1.9 and 1.9 d-wide values a
-token and block fewer with each of the three made the identity. Measured through the recipe
+BLOCK_D_VALUES = 3
+"""d_model-wide arrays per token a block keeps for the backward pass: its input and the MLP
+norm's input, which their RMSNorms' backward pass reads (`toymlx.backend.fastmath.rms_norm`'s
+vjp: x and its rstd), and the attention norm's output, the q, k and v adapters' input. Measured
+(`benchmarks/kept_values.py`: MLX's peak of a compiled value_and_grad, 6 blocks less 2, the
+SmolLM2-135M shape, LoRA q, float32, the vectorised kernels; AMD EPYC, 2 cores): 7,290-7,306
+float32 values a token and block at 1 x 512 (attention recomputed), counted 3 x 576 + q 576 +
+k, v 2 x 192 + gate, up, silu 3 x 1,536 = 7,296; 8,833 at 1 x 256 and 8,170 at 1 x 128
+(attention kept: its probabilities, 1,440 and 720 counted). The count before session 56 (6 d-wide arrays, SwiGLU's product, q and k
+rotated and attention's output on top of q and k as projected) was 13,344 at 1 x 256: SmolLM2's
+4 x 256 LoRA step estimated 43% over its peak RSS."""
+CHECKPOINT_D_VALUES = 2
+"""d_model-wide arrays per token a block keeps with --grad-checkpoint (`Ops.block`'s
+`mx.checkpoint`: its input and output, for the recomputation and its vjp). Measured as
+`BLOCK_D_VALUES` (1 x 512, LoRA q, 6 blocks less 2): 1,133 float32 values a token and block,
+2 x 576 = 1,152 counted. Counted as 1 until session 56: the Llama-3.2-3B shape's 1 x 512 step
+(28 blocks of 3,072) 176 MB fewer (its estimate was 5% under its peak RSS, `RUNTIME_BYTES`)."""
+GEMMA4_BLOCK_D_VALUES = 5
+"""d_model-wide arrays per token a gemma4 block keeps for the backward pass beyond the other
+terms of `_block_values` (`BLOCK_D_VALUES`, its two post-norms' inputs): the per-layer
+embedding branch's norm's input (`Block.close`), and what the measurement below found beyond
+the rest. A bare compiled value_and_grad of a 4-block E2B-width gemma4 (LoRA q, 256 -> 768
+tokens) kept 1.2, 1.9 and 1.9 d-wide values a token and block fewer with each of its
+post-norms and the per-layer branch's norm made the identity. Measured through the recipe
 (`benchmarks/shapes.py`'s E2B at 10 blocks, 5 in the shared-KV tail; 32,768 rows, Q4_K_M, held
 in blocks, LoRA q, one stream: 1 x 256 -> 1 x 1024; AMD EPYC, 2 cores): MLX's peak grew
-45,225 float32 values a token and block less the frozen head's, 4,830 (3.1 x 1,536) above the
-other terms of `_block_values`. (Session 50's 6 came from 1 x 256 -> 4 x 256, where the second
-CPU stream's decoded weights, 204 MiB, `DECODED_COPIES`, were spread over the tokens.)"""
+45,225 float32 values a token and block less the frozen head's, 4,830 (3.1 x 1,536) above
+session 51's count (6 d-wide arrays, q, k and v as projected, GeGLU's 3 ffn-wide, the per-layer
+branch's 3, attention recomputed). Counted now as 3 + 2 + 5 d-wide arrays: 6,144 above that
+one, 1,314 values a token and block above the measured peak. (Session 50's 6 came from 1 x 256
+-> 4 x 256, where the second CPU stream's decoded weights, 204 MiB, `DECODED_COPIES`, were
+spread over the tokens.)"""
 AVAILABLE_ENV = "TOYMLX_MEMORY_AVAILABLE"
 """Bytes to take as this machine's available memory instead of asking it (tests only)."""
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -141,49 +163,65 @@ def projection_dims(a: LlamaArgs) -> dict[str, tuple[int, int]]:
 
 
 def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...] = ()) -> int:
-    """Values one block keeps per token for the backward pass, averaged over the blocks: the
-    norms' inputs and outputs, q, k and v as projected (each block at its own head width and
-    kv heads, a block reading an earlier one's keys and values projecting none), the MLP's gate,
-    up, activation and product (GeGLU: gate, up and its tanh, `Ops.gelu_mul`), and down's
-    output. Attention's own activations (q and k normed and rotated, each head's
-    probabilities, its output: `attention_values`) are recomputed in the backward pass
-    (`Ops.recomputed`), unless they are few enough to keep (`Ops.keeps_attention`), or the
-    block is the one `--grad-checkpoint` is recomputing, which keeps them all; gemma4's shared-KV
-    tail recomputes its attention too (`Attention.__call__` with an earlier block's keys and
-    values). A LoRA on `o` or (GeGLU) `down` keeps that projection's input (`_target_inputs`);
-    gemma4 blocks keep `GEMMA4_BLOCK_D_VALUES` more d-wide arrays."""
+    """Values one block keeps per token for the backward pass, averaged over the blocks: its
+    input, the attention norm's output (the q, k and v adapters' input) and the MLP norm's
+    input (`BLOCK_D_VALUES`), the post-norms' inputs where the model has them; q, k and v as
+    projected (each block at its own head width and kv heads, a block reading an earlier one's
+    keys and values projecting none); the MLP's gate, up and activation (SwiGLU's silu, GeGLU's
+    tanh, `Ops.gelu_mul`). A frozen projection's backward pass needs no input, so the MLP
+    norm's output and down's input are kept only for adapters on them (`_target_inputs`).
+    Attention's own activations (q and k rotated, each head's probabilities, its output:
+    `attention_values`) are recomputed in the backward pass (`Ops.recomputed`), starting from
+    q, k and v as projected (qk_norm's norms too: the SmolLM2 shape of `BLOCK_D_VALUES` kept
+    7,290 values with them), unless they are few enough to keep (`Ops.keeps_attention`): then
+    the probabilities (q and k rotated take the place of q and k as projected; RoPE's backward
+    pass reads neither) and with qk_norm q and k before their norms; or the block is the one
+    `--grad-checkpoint` is recomputing, which keeps them all. Gemma4's shared-KV tail
+    recomputes its attention too (`Attention.__call__` with an earlier block's keys and
+    values); its blocks keep `GEMMA4_BLOCK_D_VALUES` more d-wide arrays."""
     n, d = a.n_layers, a.d_model
     q = sum(a.n_heads * a.layer_head_dim(i) for i in range(n)) // n  # gemma4's differ
     kv = sum(a.kv_heads(i) * a.layer_head_dim(i) for i in range(n) if a.kv_source(i) is None) // n
     f = sum(a.layer_ffn(i) for i in range(n)) // n  # gemma4's differ
-    mlp = 3 * f if a.activation == "gelu_tanh" else 4 * f
+    mlp = 3 * f
     if a.n_experts:  # the router's probabilities; each chosen expert's gate, up, product, down
         mlp = (2 * a.n_experts + a.n_experts_used * (3 * a.expert_width + d)
                + 4 * a.shared_expert_ffn_dim)  # qwen2moe's shared expert: a dense MLP
-    kept = 6 * d + q + 2 * kv + mlp + 3 * a.per_layer_dim  # gemma4's PLE: gate, GELU, product
+    norms = BLOCK_D_VALUES + (2 if a.post_norms else 0)
+    kept = norms * d + q + 2 * kv + mlp + 3 * a.per_layer_dim  # gemma4's PLE: gate, GELU, product
     if a.arch == "gemma4":
         kept += GEMMA4_BLOCK_D_VALUES * d
-    attention = attention_values(a, seq_len)
     if a.linear_layers:  # every block counted as a Gated DeltaNet one, the larger: by chunks
         # of CHUNK tokens its delta rule keeps about 16 (CHUNK, CHUNK) matrices (decays, the
         # inverse's powers and products) and 2 (dk, dv) states per chunk, per value head
         kept += a.ssm_v_heads * (16 * CHUNK + 2 * a.ssm_head_dim ** 2 // CHUNK)
-    if ops.grad_checkpoint or ops.keeps_attention(attention):
-        return kept + attention + _target_inputs(a, targets, f, q, attention_kept=True)
-    return kept + _target_inputs(a, targets, f, q, attention_kept=False)
+    kept += _target_inputs(a, targets, d, f, q)
+    attention = attention_values(a, seq_len)
+    normed = q + kv if a.qk_norm or a.qk_norm_whole else 0  # q and k before their norms
+    if ops.grad_checkpoint:
+        return kept + attention + normed
+    if ops.keeps_attention(attention):
+        return kept + attention_probabilities(a, seq_len) + normed
+    return kept
 
 
-def _target_inputs(a: LlamaArgs, targets: tuple[str, ...], f: int, q: int,
-                   attention_kept: bool) -> int:
+def attention_probabilities(a: LlamaArgs, seq_len: int) -> int:
+    """Of `attention_values`, the heads' probabilities: what a block that keeps its attention
+    keeps beyond q, k and v (their rotated forms take the place of the projected ones)."""
+    return attention_values(a, seq_len) - (2 * a.n_heads * a.head_dim + a.n_kv_heads * a.head_dim)
+
+
+def _target_inputs(a: LlamaArgs, targets: tuple[str, ...], d: int, f: int, q: int) -> int:
     """Values per token a block keeps for its adapters' gradients beyond what its backward pass
-    keeps anyway: `o`'s input (the attention's output, kept already where attention is) and a
-    GeGLU `down`'s input (the product; SwiGLU's is counted in its MLP). Measured on the
-    10-block gemma4 shape of `GEMMA4_BLOCK_D_VALUES` at 4 x 256 (AMD EPYC Zen 4, 2 cores): LoRA
-    q,k,v,o,gate,up,down peaked 13,760 float32 values a token and block above LoRA q (MLX's
-    count, less the adapters' own), of which these two count 11,673."""
-    return ((q if "o" in targets and not attention_kept else 0)
-            + (f if "down" in targets and a.activation == "gelu_tanh" and not a.n_experts
-               else 0))
+    keeps anyway: `o`'s input (the attention's output), the MLP norm's output (gate's and up's
+    input) and `down`'s input (the activation times up); a mixture of experts' are counted in
+    its MLP. LoRA q,k,v,o,gate,up,down kept, above LoRA q (MLX's count, less the adapters'
+    own), 2,453 float32 values a token and block on the SmolLM2-135M shape (as
+    `BLOCK_D_VALUES`, 1 x 256; these count 2,688), 13,760 on the 10-block gemma4 shape of
+    `GEMMA4_BLOCK_D_VALUES` at 4 x 256 (these count 13,209)."""
+    return ((q if "o" in targets else 0)
+            + (d if {"gate", "up", "gate_up"} & set(targets) and not a.n_experts else 0)
+            + (f if "down" in targets and not a.n_experts else 0))
 
 
 def base_bytes(g: GGUFFile, held: str, trained: frozenset[str] = frozenset()) -> int:
@@ -230,18 +268,21 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         per_block = sum(rank * (dims[t][0] + dims[t][1]) + (dims[t][0] if dora else 0)
                         for t in targets)
         base, trained = base_bytes(g, held), per_block * blocks * 16
-    per_block = _block_values(a, seq_len, ops, () if full else targets) * tokens * width
+    # a full fine-tune trains every projection: each keeps its input, as an adapter's does
+    per_block = (_block_values(a, seq_len, ops, tuple(projection_dims(a)) if full else targets)
+                 * tokens * width)
     if ops.grad_checkpoint:
-        acts = blocks * tokens * a.d_model * width + per_block
+        acts = blocks * tokens * CHECKPOINT_D_VALUES * a.d_model * width + per_block
     else:
         acts = blocks * per_block
+    share = tokens // streams  # each CPU stream computes the loss of its share of the batch
     if full and not layers:  # a trained head: a chunk of tokens' logits at a time
         chunk = logits_chunk(a.vocab_size, ops.logits_values)
-        logits = min(tokens, chunk) * a.vocab_size * 4 * LOGITS_COPIES
+        logits = min(share, chunk) * a.vocab_size * 4 * LOGITS_COPIES * streams
     else:  # a frozen head: a slice of its rows at a time (`head_slices`): its logits, their
         # softmax and gradient (HEAD_LOGITS_COPIES), and its weights decoded (and cast)
-        (lo, hi), = head_slices(a.vocab_size, tokens, a.d_model, ops.logits_values)[:1]
-        logits = (hi - lo) * (HEAD_LOGITS_COPIES * tokens + 2 * a.d_model) * 4
+        (lo, hi), = head_slices(a.vocab_size, share, a.d_model, ops.logits_values)[:1]
+        logits = (hi - lo) * (HEAD_LOGITS_COPIES * share + 2 * a.d_model) * 4 * streams
     held_as_blocks = [t.n_elements for name, t in g.tensors.items()
                       if name.startswith("blk.") and len(t.shape) == 2
                       and tensor_route(g, name, held, train) == "blocks"]
@@ -342,12 +383,15 @@ def within_half_available(need: int) -> tuple[bool, int | None]:
 
 
 def check_fits(est: Estimate, source: str, force: bool, grad_checkpoint: bool = False,
-               blocks_smaller: bool = False) -> dict[str, Any]:
+               blocks_smaller: bool = False, streams: int = 1) -> dict[str, Any]:
     """ValueError in one line when `est` exceeds the available memory (unless `force`), its
     advice what the run does not do already: --grad-checkpoint unless on, --base-dtype blocks
-    where `blocks_smaller` (a float-held base its blocks would hold in less); with `force`, that
-    line on stderr, starting anyway; else what run_start records: the estimate, what was
-    available and from where."""
+    where `blocks_smaller` (a float-held base its blocks would hold in less), --cpu-streams 1
+    where the step fits with one stream's decoded floats: on `streams` CPU streams each decodes
+    a block-held base's weights itself (`est.decoded`; a mixture of experts' 3-D tensors whole,
+    the Qwen3-30B-A3B shape's 805 MB 4 copies a stream: 6.4 GB on two); with `force`, that line
+    on stderr, starting anyway; else what run_start records: the estimate, what was available
+    and from where."""
     avail, where = available_memory()
     if avail is not None and est.total > avail:
         over = (f"{source}: a training step needs about {est.describe()} and "
@@ -356,7 +400,9 @@ def check_fits(est: Estimate, source: str, force: bool, grad_checkpoint: bool = 
             print(f"toymlx: {over}; starting anyway (--force)", file=sys.stderr)
         else:
             tries = ([] if grad_checkpoint else ["--grad-checkpoint"]) + (
-                ["--base-dtype blocks"] if blocks_smaller else []) + [
+                ["--base-dtype blocks"] if blocks_smaller else []) + (
+                ["--cpu-streams 1"] if est.total - est.decoded + est.decoded // streams
+                <= avail else []) + [
                 "a smaller --batch-size or --seq-len", "fewer --lora.layers"]
             raise ValueError(f"{over}; expected at most that: try {', '.join(tries)}, or "
                              "--force to start anyway")
