@@ -58,12 +58,11 @@ ABBREVIATIONS = {"tb": "tensorboard", "wb": "wandb", "wnb": "wandb"}
 """Short names people type for the services (not taken: the hint names the full one)."""
 
 
-def parse_report_to(value: str | None, where: str | None = None) -> tuple[str, ...]:
-    """--report-to's services, in order; `none` (HF Trainer's) is none and `all` is every one.
-    ValueError naming the flag (or `where`, a config file's key: mlx-lm's report_to is read by
-    this same parser) for an unknown name (with the close one, or the full name of an
-    abbreviation) or a package that is not installed or does not import (one line naming the
-    extra)."""
+def report_names(value: str | None, where: str | None = None) -> tuple[str, ...]:
+    """--report-to's services, in order, by name alone (no package looked for); `none` (HF
+    Trainer's) is none and `all` is every one. ValueError naming the flag (or `where`, a config
+    file's key: mlx-lm's report_to is read by this same parser) for an unknown name (with the
+    close one, or the full name of an abbreviation)."""
     if not value:
         return ()
     names = [n.strip().lower() for n in value.split(",") if n.strip()]
@@ -81,6 +80,13 @@ def parse_report_to(value: str | None, where: str | None = None) -> tuple[str, .
         raise ValueError(f"{where or '--report-to ' + value}: expected a comma list of "
                          f"{', '.join(REPORTERS)}, or all or none, found {unknown[0]!r}"
                          + (f" (did you mean {close[0]}?)" if close else ""))
+    return tuple(dict.fromkeys(names))
+
+
+def parse_report_to(value: str | None, where: str | None = None) -> tuple[str, ...]:
+    """`report_names`, each service's package found and imported: else ValueError, one line
+    naming the extra that installs it."""
+    names = report_names(value, where)
     for n in names:
         extra = f"toymlx's {REPORTERS[n]} extra: pip install 'toymlx[{REPORTERS[n]}]'"
         if importlib.util.find_spec(n) is None:
@@ -92,7 +98,7 @@ def parse_report_to(value: str | None, where: str | None = None) -> tuple[str, .
             raise ValueError(f"{where or '--report-to ' + n}: the {n} package does not import "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
                              f"reinstall {extra}") from None
-    return tuple(dict.fromkeys(names))
+    return names
 
 
 def _number(v: Any) -> bool:

@@ -22,7 +22,7 @@ from mlx import nn
 
 from toymlx.backend.files import counted
 from toymlx.bundle.options import RunOptions, flag_name
-from toymlx.bundle.reporters import parse_report_to
+from toymlx.bundle.reporters import parse_report_to, report_names
 from toymlx.models.checks import ArgsError, field_name
 from toymlx.training.optimizers import AdamW
 from toymlx.training.schedule import lr_at
@@ -164,10 +164,11 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False,
     if cfg.resume and cfg.overwrite:
         raise ValueError("--overwrite: replaces a bundle with a new run, so it cannot go with "
                          "--resume; give one of them")
-    reporters = parse_report_to(cfg.report_to)
-    if new_run and cfg.wandb_project and "wandb" not in reporters:  # else not used, unsaid
+    # the flags' meaning before the packages: a --wandb-project meant for W&B is said first
+    if new_run and cfg.wandb_project and "wandb" not in report_names(cfg.report_to):
         raise ValueError(f"--wandb-project: expected with --report-to wandb (it names that "
                          f"run's W&B project), found --report-to {cfg.report_to or 'none'}")
+    parse_report_to(cfg.report_to)
     if hasattr(module, "validate"):
         module.validate(cfg)
     if new_run and hasattr(module, "check_applies"):
