@@ -563,3 +563,23 @@ def test_an_mlx_lm_key_in_another_command_s_file_is_named_as_that_command_takes_
     assert {"export": export_main, "eval": eval_main}[command](["-c", str(p)]) == 2
     assert error_line(capsys, prog) == (f"{prog}: error: {p}: key {key!r}: expected an option of "
                                         f"{prog}, found an unknown key; {hint}")
+
+
+def test_file_key_error_names_the_key_a_flag_does_not_give_over_the_file():
+    """The line of a later check on a file's option is told by the file's key (a path the line
+    begins with kept after it); an option the command line gives over the file, or a line of
+    no option, is left as it is."""
+    from toymlx_cli.config_file import file_key_error, under_the_flags
+
+    keys = {"--base": "base", "--lora.rank": "lora: {rank}", "--compile": "compile",
+            "--lora.init-adapter": "lora.init_adapter"}
+    assert file_key_error("m.gguf: --base: expected an existing GGUF file, found nothing at "
+                          "that path", keys, "f.yaml") == (
+        "f.yaml: key 'base': m.gguf: expected an existing GGUF file, found nothing at that path")
+    assert file_key_error("--lora.rank: expected >= 1, found 0", keys, "f.yaml") == (
+        "f.yaml: key 'lora: {rank}': expected >= 1, found 0")
+    assert file_key_error("--steps: expected >= 1, found 0", keys, "f.yaml") == (
+        "--steps: expected >= 1, found 0")
+    assert file_key_error("out of memory", keys, "f.yaml") == "out of memory"
+    assert under_the_flags(keys, ["--no-compile", "--lora.rank=2", "--lora.init_adapter",
+                                  "x"]) == {"--base": "base"}
