@@ -427,6 +427,12 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
     """{dotted key with underscores: value} of a (nested) mapping; ConfigFileError naming both
     spellings where two give one key (`batch-size` and `batch_size`, `lora.rank` and
     `lora: {rank}`)."""
+    return _flatten_spelled(data, source)[0]
+
+
+def _flatten_spelled(data: dict[str, Any], source: str
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
+    """(`_flatten`'s mapping, {its key: the key as the file spells it (`_spelled`)})."""
     out: dict[str, Any] = {}
     spelling: dict[str, str] = {}
 
@@ -443,7 +449,49 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
                                       "one")
             out[key], spelling[key] = v, here
     walk(data, "", [])
-    return out
+    return out, spelling
+
+
+def file_flags(cls: type, options: dict[str, Any], source: str) -> dict[str, str]:
+    """{flag: the key as the file spells it} of the options a config file of options sets
+    (`--lora.rank`: `lora: {rank}`), for the options `cls` has: given, as the command line's
+    flags are, so an option set where it does not apply is refused even at its default (the
+    lora recipe's `check_applies`), and a later check's line on it names the file's key
+    (`file_key_error`). Not for a run's config.json, which lists every option of its run."""
+    from toymlx.bundle.options import flag_name
+
+    table = option_table(cls)
+    return {flag_name(".".join(table[key])): spelled
+            for key, spelled in _flatten_spelled(options, source)[1].items() if key in table}
+
+
+def under_the_flags(keys: dict[str, str], argv: list[str]) -> dict[str, str]:
+    """`keys` (`file_flags`) less the options the command line `argv` gives over the file
+    (`--lora.init_adapter` or `--lora.init-adapter`; `--no-compile` over `compile:`)."""
+    flags = set()
+    for a in argv:
+        flag = a.partition("=")[0].replace("_", "-")
+        if flag.startswith("--"):
+            group, dot, leaf = flag[2:].rpartition(".")
+            flags |= {flag, f"--{group}{dot}{leaf.removeprefix('no-')}"}
+    return {f: k for f, k in keys.items() if f not in flags}
+
+
+FLAG_LINE = re.compile(r"(?:(?P<path>.*?): )?(?P<flag>--[a-z][a-z0-9.-]*)(?P<rest>: .*)",
+                       re.DOTALL)
+"""A line refusing an option after the file was read: `--steps: expected >= 1, found 0`, or
+`PATH: --base: expected an existing GGUF file, ...` for an option that names a path."""
+
+
+def file_key_error(message: str, keys: dict[str, str], source: str) -> str:
+    """A later check's line on an option a config file set (`keys`: `file_flags`, less the flags
+    the command line gives over it) naming the file and its key, the one to change
+    (`--lr: expected > 0, found -0.001` -> `F: key 'lr': expected > 0, found -0.001`); any other
+    line unchanged."""
+    m = FLAG_LINE.fullmatch(message)
+    if m is None or m["flag"] not in keys:
+        return message
+    return f"{source}: key {keys[m['flag']]!r}{': ' + m['path'] if m['path'] else ''}{m['rest']}"
 
 
 def _once(source: str, given: dict[Any, str], target: Any, key: str, flag: str) -> None:

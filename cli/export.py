@@ -42,7 +42,7 @@ class Args:
                         fused F32 model (rounding may erase a small fine-tune: the export says
                         how much of it the file keeps). From a run, the held-out loss of the
                         fused file is printed beside the base's and base + adapter's, with the
-                        share of the fine-tune's gain it keeps.
+                        share of the fine-tune's gain it keeps (--no-held-out skips it).
     --adapter A alone:  the adapter GGUF itself, checked against the base; mlx-lm's adapter
                         folder converted to one (llama's q/k rows in the GGUF's order).
     no --adapter:       the base re-encoded at --dtype (--dtype f32: an F32 copy of a Q4_1 file).
@@ -81,6 +81,11 @@ class Args:
     overwrite: bool = False
     """Replace an existing --out file (a --out folder: the files written into it); without
     it, an existing one is refused."""
+    held_out: bool = True
+    """With --adapter RUN --fuse: score the fused file's held-out loss on the run's validation
+    rows (and the base's and base + adapter's where the run did not record them: up to three
+    passes, minutes each on a 1B model on a CPU) to say how much of the fine-tune it keeps;
+    --no-held-out writes the file without them, as mlx_lm.fuse does."""
     dtype: ExportType | None = None
     """File type of the written model, as llama-quantize names them (default: the base's own
     general.file_type; with --fuse, the base's tensors kept and each adapted one in a type that
@@ -143,7 +148,7 @@ def export_modelfile(args: Args) -> int:
     print(f"{PROG}: wrote {path} ({what}) in {time.perf_counter() - t0:.1f} s; create the "
           f"Ollama model with: ollama create NAME -f {shlex.quote(str(path))}", file=sys.stderr)
     if fused:
-        print(f"{PROG}: {heldout_note(base.path, args.adapter, fused, args.dtype)}",
+        print(f"{PROG}: {heldout_note(base.path, args.adapter, fused, args.dtype, args.held_out)}",
               file=sys.stderr)
     return 0
 
@@ -217,6 +222,10 @@ def run(args: Args) -> int:
     )
     from toymlx.training.mlx_lm_adapter import mlx_lm_files
 
+    if not args.held_out and not (args.adapter and args.fuse):
+        raise ValueError("--no-held-out: expected with --adapter and --fuse (it skips the fused "
+                         "file's held-out loss), found "
+                         + ("no --adapter" if not args.adapter else "no --fuse"))
     if args.format == "modelfile":
         return export_modelfile(args)
     if args.format == "safetensors" or args.model:
@@ -298,7 +307,8 @@ def run(args: Args) -> int:
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.adapter and args.fuse:
-        print(f"{PROG}: {heldout_note(base, args.adapter, out, args.dtype)}", file=sys.stderr)
+        print(f"{PROG}: {heldout_note(base, args.adapter, out, args.dtype, args.held_out)}",
+              file=sys.stderr)
     return 0
 
 
@@ -341,7 +351,8 @@ def run_base_of(adapter: str | None) -> str:
     return base
 
 
-def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None) -> str:
+def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None,
+                 score: bool = True) -> str:
     """The held-out loss of the fused file beside the base's and base + adapter's, on the
     validation rows the adapter's run scores at each evaluation (`run_rows`: the first
     --eval-batches x --batch-size, as toymlx-eval scores by default), and the share of the
@@ -354,7 +365,8 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
     recorded them (`run_val_rows`), else that model is scored here row by row all the same
     (a run from before the events held them): one pass, the fused file's, where the run has
     both. Or why it was not measured: an adapter outside a run, the run's data gone, no row
-    held out. A progress bar on a terminal names each pass."""
+    held out, or `score` False (--no-held-out). A progress bar on a terminal names each
+    pass."""
     import numpy as np
     from toymlx_cli.eval import chat_loss, gone_run_data, run_rows
 
@@ -371,6 +383,9 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
         return ("held-out loss not measured: the adapter is a file outside a run, so its "
                 "validation data is not known (toymlx-eval --model FUSED --data.path DATA "
                 "measures it)")
+    if not score:
+        return (f"held-out loss not measured (--no-held-out): toymlx-eval --model {fused} "
+                "scores it on the run's validation rows")
     if gone := gone_run_data(bundle):
         return (f"held-out loss not measured: {gone} (toymlx-eval --model {fused} --data.path "
                 "DATA measures it)")
@@ -402,7 +417,8 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
           + (f"{counted(recorded, 'validation row')}" if recorded is not None else
              f"validation rows (the first --eval-batches {cfg.eval_batches} x --batch-size "
              f"{cfg.batch_size})")
-          + ", to say how much of the fine-tune the file keeps", file=sys.stderr, flush=True)
+          + ", to say how much of the fine-tune the file keeps (--no-held-out skips it)",
+          file=sys.stderr, flush=True)
     try:
         held = loss("fused file", fused)
         # the run's rows are these rows where each holds the trained tokens the fused pass's

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from toymlx_cli.config_file import ConfigFileError, closest_key
+from toymlx_cli.config_file import FLAG_LINE, ConfigFileError, closest_key
 
 from toymlx.backend.files import counted
 from toymlx.bundle.model_store import is_hf_repo
@@ -630,10 +630,6 @@ def _hub_dataset(source: str, key: str, name: str) -> ConfigFileError:
         f"--local-dir DIR) and give data: DIR")
 
 
-_FLAG_LINE = re.compile(r"(?:(?P<path>.*?): )?(?P<flag>--[a-z][a-z0-9.-]*)(?P<rest>: .*)",
-                        re.DOTALL)
-"""A line refusing an option after the file was read: `--steps: expected >= 1, found 0`, or
-`PATH: --base: expected an existing GGUF file, ...` for an option that names a path."""
 _FLAG_VALUE_LINE = re.compile(r"(?P<flag>--[a-z][a-z0-9.-]*) (?P<value>\S+?)(?P<rest>: .*)",
                               re.DOTALL)
 """A line refusing an option's value, named after the flag: `--base hf:USER/REPO: not in the
@@ -661,7 +657,7 @@ def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: st
     if message.startswith(head):
         option, _, rest = message[len(head):].partition("'")
         flag = _flag(option)
-    elif m := _FLAG_LINE.fullmatch(message):
+    elif m := FLAG_LINE.fullmatch(message):
         option, flag, path, rest = "", m["flag"], m["path"], m["rest"]
     elif (m := _FLAG_VALUE_LINE.fullmatch(message)) and any(
             r[1] == m["flag"] and r[2] == m["value"] for r in rows):

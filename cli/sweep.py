@@ -110,13 +110,19 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
     return axes
 
 
-def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | None
-                ) -> list[tuple[str, str | None]]:
+def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | None,
+                run_config: bool = False) -> list[tuple[str, str | None]]:
     """Every run's options checked as toymlx-train checks a new run's (tyro's parse, then
-    `check_config`), and its data paths found, before any run starts: a bad grid value is one
-    line naming its run, not a failure of each run that has it. Returns (flag, path) of what
-    the runs read (`run_inputs`, as typed)."""
-    from toymlx_cli.config_file import defaults_from_file
+    `check_config`, the options of the -c file given as the command line's are unless it is a
+    run's config.json, `run_config`), and its data paths found, before any run starts: a bad
+    grid value is one line naming its run, not a failure of each run that has it. Returns
+    (flag, path) of what the runs read (`run_inputs`, as typed)."""
+    from toymlx_cli.config_file import (
+        defaults_from_file,
+        file_flags,
+        file_key_error,
+        under_the_flags,
+    )
     from toymlx_cli.usage import parse_options
 
     from toymlx.backend.files import empty_folder, nothing_there
@@ -134,8 +140,13 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
                    else None)
         try:
             cfg = parse_options(module.Config, list(spec.args), prog, default)
-            check_config(module, cfg, new_run=True, given=frozenset(
-                a for a in spec.args if a.startswith("--")))
+            keys = (under_the_flags(file_flags(module.Config, run_options, path), spec.args)
+                    if run_options and not run_config else {})
+            try:
+                check_config(module, cfg, new_run=True, given=frozenset(
+                    a for a in spec.args if a.startswith("--")) | set(keys))
+            except ValueError as e:  # as the run's toymlx-train names it: by the file's key
+                raise ValueError(file_key_error(str(e), keys, path)) from None
             # a data path that is not there, or an empty folder, failed each run that had it,
             # seconds into its start, the others running (a typo in one grid value found at the
             # end of the sweep); found as toymlx-train says it (`nothing_there`)
@@ -163,6 +174,7 @@ def _main(argv: list[str] | None) -> int:
     from toymlx_cli.config_file import (
         check_sweep_typos,
         defaults_from_file,
+        is_run_config,
         read_config_file,
         split_config,
         sweep_config,
@@ -182,11 +194,13 @@ def _main(argv: list[str] | None) -> int:
         argv, after = argv[:k], argv[k + 1:]
     parser = _parser()
     file_grid: dict = {}
-    run_options = None
+    run_options, run_config = None, False
     try:
         path, argv = split_config(argv)
         if path is not None:
-            file_grid, run_options = sweep_config(parser, read_config_file(path), path)
+            data = read_config_file(path)
+            run_config = is_run_config(data, path)
+            file_grid, run_options = sweep_config(parser, data, path)
             # argparse's "the following arguments are required: --recipe" said nothing of
             # the file that lacked it
             if parser.get_default("recipe") is None and not any(
@@ -228,12 +242,13 @@ def _main(argv: list[str] | None) -> int:
         else:
             specs = sweep.random(passthrough, axes, args.random, args.seed or 0,
                                  recipe=args.recipe)
-        inputs = _check_runs(args.recipe, specs, run_options, path)
+        inputs = _check_runs(args.recipe, specs, run_options, path, run_config)
         result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers,
                                  _shard(args.shard), args.sweep_id,
                                  retry_failed=not args.no_retry_failed,
                                  progress=not args.no_progress, report_png=not args.no_report,
-                                 run_options=run_options, inputs=inputs, config_file=path)
+                                 run_options=run_options, inputs=inputs, config_file=path,
+                                 run_config=run_config)
     except (ValueError, OSError) as e:
         print(f"toymlx-sweep: error: {e}", file=sys.stderr)
         return 2

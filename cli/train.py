@@ -133,12 +133,17 @@ def _over_the_file(rows: list[tuple], given: dict[str, Any]) -> list[tuple]:
             for k, o, v, f in rows]
 
 
+
 def _main(argv: list[str] | None) -> int:
     from toymlx_cli.config_file import (
         defaults_from_file,
+        file_flags,
+        file_key_error,
+        is_run_config,
         read_config_file,
         run_config,
         split_config,
+        under_the_flags,
     )
     from toymlx_cli.mlx_lm_config import (
         is_mlx_lm_config,
@@ -164,6 +169,10 @@ def _main(argv: list[str] | None) -> int:
         print_version()
         return 0
     default, bundle, mlx_lm, keys = None, None, False, None
+    # {flag: key} of the options a config file of options sets (not a run's config.json): given,
+    # as the command line's flags are, and named by the file's key where a check refuses them
+    file_keys: dict[str, str] = {}
+    run_file = False
     notes: list[str] = []  # an mlx-lm file's, said once the run is not refused (`run_training`)
     try:
         config_path, argv = split_config(argv)
@@ -177,7 +186,9 @@ def _main(argv: list[str] | None) -> int:
                 raise ValueError(f"-c/--config {config_path}: a resumed run keeps its saved "
                                  f"configuration (only --steps and run-local options may "
                                  f"change); give either --resume or -c")
-            file_recipe, options = run_config(read_config_file(config_path), config_path)
+            data = read_config_file(config_path)
+            run_file = is_run_config(data, config_path)
+            file_recipe, options = run_config(data, config_path)
             recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
             if recipe in (None, "lora") and is_mlx_lm_config(options, file_recipe is not None):
                 recipe, mlx_lm = "lora", True  # mlx-lm's lora config, with mlx-lm's meaning
@@ -216,6 +227,11 @@ def _main(argv: list[str] | None) -> int:
                 except ValueError as e:  # an mlx-lm file: named by its own key
                     raise ValueError(mlx_lm_error(str(e), rows, config_path) if mlx_lm
                                      else str(e)) from None
+                if mlx_lm:  # the rows of the file's own keys, its toymlx options
+                    file_keys = {o: k for k, o, _, f in rows if f.startswith("file")}
+                elif not run_file:
+                    file_keys = under_the_flags(file_flags(module.Config, options, config_path),
+                                                rest)
     except (ValueError, OSError) as e:  # RunError, LockHeld, an unknown --recipe; a path the
         # system refuses (a name too long)
         print(f"toymlx-train: error: {e}", file=sys.stderr)
@@ -239,10 +255,12 @@ def _main(argv: list[str] | None) -> int:
     except ValueError as e:
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
-    # an mlx-lm file's value refused by a later check is named by the file's key, not the flag
+    # a config file's value refused by a later check is named by the file's key, not the flag
+    # (an mlx-lm file's, as mlx-lm spells it)
     return run_training(recipe, module, cfg, bundle, config_path, name_keys=(
-        (lambda message: mlx_lm_error(message, rows, config_path)) if mlx_lm else None),
-        notes=notes, given=frozenset(_flags_given(rest)))
+        (lambda message: mlx_lm_error(message, rows, config_path)) if mlx_lm else
+        (lambda message: file_key_error(message, file_keys, config_path)) if file_keys
+        else None), notes=notes, given=frozenset(_flags_given(rest)) | set(file_keys))
 
 
 if __name__ == "__main__":

@@ -571,3 +571,39 @@ def test_a_model_shape_it_cannot_build_is_told_in_the_keywords_given(tmp_path):
     assert str(caught.value) == ('toymlx-train: error: model={"n_heads": ...}: expected a divisor '
                                  'of model={"d_model": ...} (256), found 5')
     assert not any(tmp_path.iterdir())
+
+
+def test_a_list_for_an_option_of_one_value_is_named_by_its_keyword(tmp_path):
+    """`lora={"targets": ["q", "v"]}` became `--lora.targets q v`, refused as the stray word
+    `'v'` ("expected an option of toymlx.train("lora"), got a value no option takes"), which
+    named neither the keyword nor the list; an option of several values takes a list."""
+    import toymlx
+    from toymlx.recipes import get_recipe
+    from toymlx.runner.api import _many_flags
+
+    for recipe, options, want in [
+            ("lora", {"base": "b.gguf", "lora": {"targets": ["q", "v"]}},
+             'lora={"targets": ...}: expected one value (a string), found a list [\'q\', \'v\']'),
+            ("from-scratch", {"steps": (1, 2)},
+             "steps: expected one value (an integer), found a tuple [1, 2]"),
+            ("from-scratch", {"lr": [1e-3]},
+             "lr: expected one value (a number), found a list [0.001]")]:
+        with pytest.raises(toymlx.OptionError) as e:
+            toymlx.train(recipe, runs_root=str(tmp_path), echo=False, **options)
+        assert str(e.value) == want
+    assert {"--data.keys", "--lr-schedule-args"} <= _many_flags(get_recipe("lora").Config)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_config_file_is_named_as_the_config_keyword(tmp_path):
+    """A -c file's own fault read `-c/config:` to a caller of `train(config=...)`."""
+    import toymlx
+
+    missing = tmp_path / "none.yaml"
+    with pytest.raises(toymlx.OptionError) as e:
+        toymlx.train("from-scratch", config=str(missing), runs_root=str(tmp_path), echo=False)
+    assert str(e.value) == (f"toymlx-train: error: {missing}: config: expected a readable UTF-8 "
+                            "YAML or JSON file, found No such file or directory")
+    assert keyword_message("toymlx-train: error: -c/--config: expected one config file, found "
+                           "a.yaml and b.yaml", {}, ["lora"]) == (
+        "toymlx-train: error: config: expected one config file, found a.yaml and b.yaml")

@@ -368,12 +368,59 @@ def test_an_option_that_does_not_apply_is_named(tmp_path, capsys, stories_path):
     p = tmp_path / "full.yaml"
     p.write_text("fine_tune_type: full\nlora: {rank: 4}\n")
     assert main([*flags, "-c", str(p)]) == 2
-    assert error_line(capsys) == f"toymlx-train: error: {FULL_LORA}"
-    p.write_text("fine_tune_type: full\nlora: {dropout: 0.1}\n")
+    # the file's key, the one to remove, with the file (it named the flag alone)
+    assert error_line(capsys) == f"toymlx-train: error: {FULL_LORA}".replace(
+        "--lora.rank", f"{p}: key 'lora: {{rank}}'")
+    p.write_text("fine_tune_type: full\nlora.dropout: 0.1\n")
     assert main([*flags, "-c", str(p)]) == 2
     assert error_line(capsys) == f"toymlx-train: error: {FULL_LORA}".replace(
-        "--lora.rank", "--lora.dropout").replace("found 4", "found 0.1")
+        "--lora.rank", f"{p}: key 'lora.dropout'").replace("found 4", "found 0.1")
+    p.write_text("fine_tune_type: full\nlora: {rank: 4}\n")  # the flag over the file's key
+    assert main([*flags, "-c", str(p), "--lora.rank", "2"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {FULL_LORA}".replace("4", "2")
     assert [x.name for x in tmp_path.iterdir()] == ["full.yaml"]
+
+
+@pytest.mark.parametrize("text, key, found", [
+    ("fine_tune_type: full\nlora: {rank: 8}\n", "lora: {rank}", "found 8"),
+    ("fine_tune_type: full\nlora:\n  targets: q\n", "lora: {targets}", "found 'q'"),
+    ('{"fine_tune_type": "full", "lora.init_adapter": null}', "lora.init_adapter", "found None"),
+])
+def test_a_file_key_at_its_default_where_it_does_not_apply_is_named(
+        tmp_path, capsys, stories_path, text, key, found):
+    """A -c file's key at its default (rank 8, `q`, no adapter) where it does not apply was
+    taken without a word, where the same flag on the command line is refused: a file's keys
+    count as given, as its flags do. A run's config.json lists every option of its run (these
+    among them, at their defaults), so its keys do not: the same options from one train."""
+    flags = ["--recipe", "lora", "--base", str(stories_path), "--runs-root", str(tmp_path),
+             "--stop-at", "1", "--no-compile", "--seq-len", "32", "--no-progress"]
+    p = tmp_path / ("options.json" if text.startswith("{") else "options.yaml")
+    p.write_text(text)
+    assert main([*flags, "-c", str(p)]) == 2
+    assert error_line(capsys) == "toymlx-train: error: " + FULL_LORA.replace(
+        "--lora.rank", f"{p}: key {key!r}").replace("found 4", found)
+    assert [x.name for x in tmp_path.iterdir()] == [p.name]
+    run = tmp_path / "config.json"
+    run.write_text(json.dumps({"recipe": "lora", "config": {
+        "fine_tune_type": "full", "lora": {"rank": 8, "targets": "q", "init_adapter": None},
+        "warmup_init": 0.0, "lr_schedule": "warmup-cosine", "min_lr_ratio": 0.1}}))
+    assert main([*flags, "-c", str(run), "--run-id", "r"]) == 0
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["config"]["fine_tune_type"] \
+        == "full"
+
+
+def test_a_file_key_a_later_check_refuses_names_the_file_and_key(tmp_path, capsys, data):
+    """A value of a -c file refused once the options are parsed (by `check_config`, not the
+    file's own type check) named the flag alone, though the value to change is the file's."""
+    p = tmp_path / "o.yaml"
+    p.write_text("recipe: from-scratch\nbatch-size: 0\n")
+    argv = ["-c", str(p), *TINY, "--data.path", data, "--runs-root", str(tmp_path),
+            "--stop-at", "1", "--no-compile"]
+    assert main(argv) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {p}: key 'batch-size': expected >= 1, found 0"
+    assert main([*argv, "--batch-size", "-1"]) == 2  # the flag's value, over the file's
+    assert error_line(capsys) == "toymlx-train: error: --batch-size: expected >= 1, found -1"
+    assert [x.name for x in tmp_path.iterdir()] == ["o.yaml"]
 
 
 @pytest.mark.parametrize("argv, flag, found", [
@@ -410,6 +457,8 @@ def test_a_learning_rate_that_is_not_a_finite_positive_number_fails_validation(
         argv = ["-c", str(p)]
     assert main([*argv, *TINY, "--data.path", data, "--runs-root", str(tmp_path), "--steps",
                  "1", "--no-compile"]) == 2
+    if how == "file":  # named by the file's key, the one to change
+        want = want.replace("--lr", f"{p}: key 'lr'")
     assert error_line(capsys) == f"toymlx-train: error: {want}"
     assert not any(x.is_dir() for x in tmp_path.iterdir())
 
@@ -514,3 +563,23 @@ def test_an_mlx_lm_key_in_another_command_s_file_is_named_as_that_command_takes_
     assert {"export": export_main, "eval": eval_main}[command](["-c", str(p)]) == 2
     assert error_line(capsys, prog) == (f"{prog}: error: {p}: key {key!r}: expected an option of "
                                         f"{prog}, found an unknown key; {hint}")
+
+
+def test_file_key_error_names_the_key_a_flag_does_not_give_over_the_file():
+    """The line of a later check on a file's option is told by the file's key (a path the line
+    begins with kept after it); an option the command line gives over the file, or a line of
+    no option, is left as it is."""
+    from toymlx_cli.config_file import file_key_error, under_the_flags
+
+    keys = {"--base": "base", "--lora.rank": "lora: {rank}", "--compile": "compile",
+            "--lora.init-adapter": "lora.init_adapter"}
+    assert file_key_error("m.gguf: --base: expected an existing GGUF file, found nothing at "
+                          "that path", keys, "f.yaml") == (
+        "f.yaml: key 'base': m.gguf: expected an existing GGUF file, found nothing at that path")
+    assert file_key_error("--lora.rank: expected >= 1, found 0", keys, "f.yaml") == (
+        "f.yaml: key 'lora: {rank}': expected >= 1, found 0")
+    assert file_key_error("--steps: expected >= 1, found 0", keys, "f.yaml") == (
+        "--steps: expected >= 1, found 0")
+    assert file_key_error("out of memory", keys, "f.yaml") == "out of memory"
+    assert under_the_flags(keys, ["--no-compile", "--lora.rank=2", "--lora.init_adapter",
+                                  "x"]) == {"--base": "base"}

@@ -389,7 +389,8 @@ def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_p
     # said before the passes start, in a log too: what the wait is for
     assert err.splitlines()[-2] == (
         "toymlx-export: scoring the held-out loss of the fused file and the base on the run's "
-        "4 validation rows, to say how much of the fine-tune the file keeps")
+        "4 validation rows, to say how much of the fine-tune the file keeps (--no-held-out "
+        "skips it)")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "b.gguf")]) == 0
     err = capsys.readouterr().err
@@ -398,6 +399,45 @@ def test_export_names_its_held_out_pass_in_a_bar_on_a_terminal_only(bases, tmp_p
     assert "held-out loss, base + adapter" not in err and "0/4 [" not in err
     assert err.rstrip().splitlines()[-1].startswith(
         "toymlx-export: held-out loss on the 4 validation rows the run scores (")
+
+
+def test_no_held_out_writes_the_fused_file_without_scoring_it(bases, tmp_path, capsys,
+                                                              monkeypatch):
+    """The held-out passes (up to three, minutes each on a 1B base on a CPU) could not be
+    skipped: --no-held-out writes the same fused file, scores nothing and says how to score it
+    later; without --fuse, where nothing is scored, it is refused."""
+    import toymlx_cli.eval
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.export import main
+
+    run = _train(tmp_path, bases["q4_1"], "lora", "--stop-at", "1")  # all three passes due
+    passes: list[str] = []
+    scorer = toymlx_cli.eval.chat_loss
+    monkeypatch.setattr(toymlx_cli.eval, "chat_loss",
+                        lambda *a, **k: passes.append(k["progress"]) or scorer(*a, **k))
+    capsys.readouterr()
+    assert main(["--adapter", str(run), "--fuse", "--out", str(tmp_path / "a.gguf")]) == 0
+    assert len(passes) == 3
+    fused_loss = float(re.fullmatch(HELD_OUT_LINE, capsys.readouterr().err.strip()
+                                    .splitlines()[-1]).group(9))
+    passes.clear()
+    skipped = tmp_path / "b.gguf"
+    assert main(["--adapter", str(run), "--fuse", "--no-held-out", "--out", str(skipped)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert passes == [] and not any("scoring the held-out" in line for line in err)
+    assert err[-1] == (f"toymlx-export: held-out loss not measured (--no-held-out): "
+                       f"toymlx-eval --model {skipped} scores it on the run's validation rows")
+    assert skipped.read_bytes() == (tmp_path / "a.gguf").read_bytes()
+    # the line's advice scores it later: the fused file's figure the full export printed
+    assert eval_main(["--model", str(skipped), "--json"]) == 0
+    assert round(json.loads(capsys.readouterr().out)["val_loss"], 4) == fused_loss
+    for flags, found in ((["--adapter", str(run)], "no --fuse"),
+                         (["--base", str(bases["q4_1"])], "no --adapter")):
+        assert main([*flags, "--no-held-out", "--out", str(tmp_path / "c.gguf")]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            "toymlx-export: error: --no-held-out: expected with --adapter and --fuse (it skips "
+            f"the fused file's held-out loss), found {found}")
+    assert not (tmp_path / "c.gguf").exists()
 
 
 def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_step(
@@ -423,7 +463,7 @@ def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_ste
     assert lines.pop(1) == (  # the three passes, said before they start (no row count known)
         "toymlx-export: scoring the held-out loss of the fused file, the base and base + adapter "
         "on the run's validation rows (the first --eval-batches 1 x --batch-size 2), to say how "
-        "much of the fine-tune the file keeps")
+        "much of the fine-tune the file keeps (--no-held-out skips it)")
     assert re.fullmatch(
         rf"toymlx-export: wrote {re.escape(str(out))} \([\d.]+ MiB\) from {re.escape(str(base))} "
         rf"\+ adapter {re.escape(str(run))} \(fused\): 4 changed tensors written as .+, the rest "

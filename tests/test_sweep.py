@@ -1203,3 +1203,33 @@ def test_a_run_killed_by_a_signal_is_said_to_be(tmp_path):
     log.write_text("# 2026-12-04 18:33:00 start: toymlx-train --recipe vit-tiny\n")
     assert _why_failed(-signal.SIGKILL, log) == "killed by SIGKILL"  # before its first line
     assert _why_failed(3, tmp_path / "none.log") == "exit code 3"
+
+
+def test_a_sweep_file_key_that_does_not_apply_is_refused_a_run_config_is_not(
+        tmp_path, capsys, stories_path):
+    """A sweep file's run key where it does not apply (`lora: {rank: 8}`, its default, with a
+    full fine-tune) is refused up front, named by the file's key, as toymlx-train -c refuses
+    it; a run's config.json, which lists every option of its run (these at their defaults),
+    sweeps: its runs take run-options.json as a run's config.json, not as options given."""
+    from cli_errors import error_line
+
+    options = {"base": str(stories_path), "fine_tune_type": "full", "lora": {"rank": 8},
+               "warmup_init": 0.0, "steps": 1, "seq_len": 32, "eval_batches": 1,
+               "compile": False}
+    plain = tmp_path / "sweep.json"
+    plain.write_text(json.dumps({"recipe": "lora", **{k: v for k, v in options.items()
+                                                      if k != "warmup_init"}}))
+    flags = ["--runs-root", str(tmp_path), "--no-progress", "--no-report", "--grid", "lr=1e-3"]
+    assert sweep_main(["-c", str(plain), *flags]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: run lr=0.001: {plain}: key 'lora: {{rank}}': expected no value "
+        "with --fine-tune-type full (every weight is trained, no adapters), found 8; remove it, "
+        "or train --fine-tune-type lora or dora; no run was started")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json"]
+    run = tmp_path / "config.json"
+    run.write_text(json.dumps({"recipe": "lora", "config": options}))
+    assert sweep_main(["-c", str(run), *flags, "--sweep-id", "s"]) == 0
+    assert json.loads((tmp_path / "s" / "run-options.json").read_text()) == {
+        "recipe": "lora", "config": options}
+    saved = json.loads((tmp_path / "s" / "lr=0.001" / "config.json").read_text())["config"]
+    assert (saved["fine_tune_type"], saved["lr"], saved["steps"]) == ("full", 1e-3, 1)

@@ -105,7 +105,8 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
     if not isinstance(recipe, str) and not (recipe is None and (resume or config) is not None):
         raise OptionError(f"recipe: expected one of {', '.join(RECIPES)}, found {recipe!r}")
     if recipe in RECIPES:
-        _check_switches(options, _config_kinds(get_recipe(recipe).Config))
+        cls = get_recipe(recipe).Config
+        _check_switches(options, _config_kinds(cls), many=frozenset(_many_flags(cls)))
     if resume is None and config is None and options.get("run_id") is None:
         options["run_id"] = default_run_id(recipe)  # known here, so the bundle can be read
     # a config file's runs_root and run_id are the child's to read: its bundle is then the
@@ -163,6 +164,7 @@ def keyword_message(message: str, options: dict[str, Any],
     where none is known) and those `options` gave are translated; another command's, quoted
     (`toymlx-export --base B`, mlx-lm's --iters), are its own."""
     kinds = _flag_kinds(recipes, options)
+    message = message.replace("-c/--config", "--config")  # the file is train's config=
     values = sorted({str(v) for v in _leaves(options) if isinstance(v, (str, os.PathLike))},
                     key=len, reverse=True)
     out, pos = [], 0
@@ -240,7 +242,7 @@ def _flag_kinds(recipes: list[str | None], options: dict[str, Any]) -> dict[str,
     from toymlx.recipes import RECIPES, get_recipe
 
     names = [r for r in recipes if r in RECIPES] or list(RECIPES)
-    kinds: dict[str, Any] = {"--recipe": tuple(RECIPES)}
+    kinds: dict[str, Any] = {"--recipe": tuple(RECIPES), "--config": str}
     for f in option_flags(options):
         if f.startswith("--"):
             kinds[f] = str
@@ -269,18 +271,41 @@ def _config_kinds(cls: type, prefix: str = "") -> dict[str, Any]:
     return kinds
 
 
-def _check_switches(options: dict[str, Any], kinds: dict[str, Any], group: str = "") -> None:
+def _many_flags(cls: type, prefix: str = "") -> set[str]:
+    """The flags of a (nested) config dataclass that take several values (a list or tuple
+    field: `--data.keys`, `--lr-schedule-args`)."""
+    hints, many = typing.get_type_hints(cls), set()
+    for f in dataclasses.fields(cls):
+        kind, key = hints[f.name], prefix + f.name
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if dataclasses.is_dataclass(kind):
+            many |= _many_flags(kind, key + ".")
+        elif typing.get_origin(kind) in (list, tuple):
+            many.add("--" + key.replace("_", "-"))
+    return many
+
+
+def _check_switches(options: dict[str, Any], kinds: dict[str, Any], group: str = "",
+                    many: frozenset[str] = frozenset()) -> None:
     """OptionError for an on/off option given a value other than True or False
     (`compile="yes"`, `data={"flip": 1}`): spelled as its flag and a stray word, the command
-    said "compile=True: expected no value"."""
+    said "compile=True: expected no value"; and for a list or tuple given to an option of one
+    value (not among `many`, `_many_flags`): its values after the first were flags' words the
+    command named as strays (`'v': expected an option of toymlx.train("lora"), got a value no
+    option takes`)."""
     for key, value in options.items():
         name = f"{group}.{key}" if group else key
+        flag = "--" + name.replace("_", "-")
+        shown = f'{group}={{"{key}": ...}}' if group else key
         if isinstance(value, dict):
-            _check_switches(value, kinds, name)
-        elif kinds.get("--" + name.replace("_", "-")) is True and value is not None \
-                and not isinstance(value, bool):
-            shown = f'{group}={{"{key}": ...}}' if group else key
+            _check_switches(value, kinds, name, many)
+        elif kinds.get(flag) is True and value is not None and not isinstance(value, bool):
             raise OptionError(f"{shown}: expected True or False, found {value!r}")
+        elif isinstance(value, (list, tuple)) and flag in kinds and flag not in many:
+            want = {int: "an integer", float: "a number"}.get(kinds[flag], "a string")
+            raise OptionError(f"{shown}: expected one value ({want}), found a "
+                              f"{type(value).__name__} {list(value)!r}")
 
 
 def _leaves(options: dict[str, Any]) -> list[Any]:

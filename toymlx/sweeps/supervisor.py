@@ -333,14 +333,17 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
               python: str | None = None, report_png: bool = True,
               busy_wait: float = 60.0, run_options: Mapping[str, Any] | None = None,
               inputs: Sequence[tuple[str, Any]] = (), config_file: str | None = None,
-              heartbeat: float = HEARTBEAT_S) -> SweepResult:
+              heartbeat: float = HEARTBEAT_S, run_config: bool = False) -> SweepResult:
     """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
     time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
     report.png). Completed (and diverged) runs are skipped, torn ones resumed, failed ones
     retried (`retry_failed`); a run whose bundle another process owns is waited for up to
     `busy_wait` seconds, then left to it. A failure is reported and does not stop the others.
     `run_options` (a config file's, as toymlx-train -c reads one) is written to the sweep
-    folder's RUN_OPTIONS_FILE and given to every new run as `-c`, the specs' flags over it.
+    folder's RUN_OPTIONS_FILE and given to every new run as `-c`, the specs' flags over it;
+    `run_config`: they are a run's config.json's (every option of that run), written as a run's
+    config.json, so that a run takes them as the settings of a run, not as options it was given
+    (an option where it does not apply, at its default, is then not refused: `check_applies`).
     `inputs` ((flag, path): the runs' data and model files, as typed) and `config_file` (the -c
     file): what the sweep's folder, written into, must not hold or lie in; sweep.json records
     the files `inputs` name, which a sweep continued from another folder must name again
@@ -387,7 +390,9 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         options_file = None
         if run_options:
             options_file = sweep_dir / RUN_OPTIONS_FILE
-            atomic.write_text(options_file, json.dumps(run_options, indent=1))
+            atomic.write_text(options_file, json.dumps(
+                {"recipe": recipe, "config": run_options} if run_config else run_options,
+                indent=1))
     # said up front: with --no-progress, a sweep run again printed the same table as the
     # first time, nothing telling that no run was run
     done = sum(run_state(sweep_dir / s.name) in ("completed", "diverged") for s in mine)
