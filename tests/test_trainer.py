@@ -576,10 +576,12 @@ def test_a_model_shape_it_cannot_build_names_the_flags_given(tmp_path, capsys, a
 
 
 def test_a_config_files_model_shape_is_named_by_its_key_spelled_as_the_flag(tmp_path, capsys):
-    """A -c file's keys are spelled as the flags, and a later check names them so (`--steps`)."""
+    """A -c file's keys are spelled as the flags, and a later check names the file and its key
+    (the flag it checks against as a flag)."""
     from cli_errors import error_line
 
     (tmp_path / "c.yaml").write_text("recipe: from-scratch\nmodel: {n_kv_heads: 3}\n")
     assert main(["-c", str(tmp_path / "c.yaml"), "--runs-root", str(tmp_path / "runs")]) == 2
-    assert error_line(capsys) == ("toymlx-train: error: --model.n-kv-heads: expected a divisor "
-                                  "of --model.n-heads (8), found 3")
+    assert error_line(capsys) == (f"toymlx-train: error: {tmp_path / 'c.yaml'}: key 'model: "
+                                  "{n_kv_heads}': expected a divisor of --model.n-heads (8), "
+                                  "found 3")
