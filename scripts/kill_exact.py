@@ -76,8 +76,19 @@ def wait_and_stop(p: subprocess.Popen, run: Path, mode: str, sig: int, eval_ever
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+    if completed(run):  # it came as the run ended, its run_end written: a stop no longer
+        # (the process then says "interrupted" and exits 130, the run complete)
+        return {"mode": mode, "exited": 0, "completed_before_the_stop": p.returncode}
     return {"mode": mode, "t": round(time.monotonic() - start, 2), "steps_logged": steps,
             "rc": p.returncode}
+
+
+def completed(run: Path) -> bool:
+    """Whether the run's last event is a run_end of a completed run."""
+    from toymlx.bundle.events import read_events
+
+    ev = read_events(run) if run.exists() else []
+    return bool(ev) and ev[-1].get("kind") == "run_end" and ev[-1].get("reason") == "completed"
 
 
 def outcome(run: Path) -> dict:
