@@ -816,3 +816,88 @@ def test_a_kernel_library_a_stop_left_half_written_is_removed(tmp_path, monkeypa
     assert other.exists()
     assert device.drop_unloadable_kernel(
         RuntimeError("[Compile::eval_cpu] Failed to compile function")) is None
+
+
+_KILLED_AT = {
+    "eval": "from toymlx.training.evaluate import Evaluator as At; name = '__call__'",
+    "step": "from toymlx.training.trainer import Stepper as At; name = 'step'",
+    "checkpoint": "from toymlx.training.trainer import Checkpointer as At; name = 'save'",
+}
+"""Where `_killed_run` kills toymlx-train: the --eval-at-start pass, the first step (its batch
+read, before its update), the first checkpoint (its step's event written)."""
+
+
+def _killed_run(cmd: list[str], at: str) -> None:
+    """Run toymlx-train `cmd` in a child that kills itself with SIGKILL (kill -9: no handler,
+    no `finally`) as it enters `_KILLED_AT[at]`."""
+    code = (f"import os, signal, sys\n{_KILLED_AT[at]}\n"
+            "setattr(At, name, lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))\n"
+            "from toymlx_cli.train import main\nsys.exit(main(sys.argv[1:]))")
+    p = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("at", ["eval", "step"])
+def test_a_new_run_killed_before_its_first_step_is_started_over_by_the_same_command(
+        tmp_path, shared_file, capsys, at):
+    """kill -9 (or a power cut) during a new run's --eval-at-start pass or its first step left
+    its folder (config.json, run_start, TensorBoard's file), and the same command was refused:
+    "run bundle already exists; pass --resume ... (--resume ... --from step_0 to start it
+    over)". The folder provably trained nothing, so the same command now starts it over, in
+    one line, to the losses of a run never killed; other options, a folder with a step
+    trained, or a file of the user's in it are refused as before, nothing removed."""
+    data = str(shared_file("text/tinystories_sample.txt"))
+    root = tmp_path / "runs"
+    run = root / "r"
+    cmd = ["--recipe", "from-scratch", *TINY, "--steps", "2", "--checkpoint-every", "1",
+           "--data.path", data, "--runs-root", str(root), "--run-id", "r", "--eval-at-start",
+           "--report-to", "tensorboard"]
+    _killed_run(cmd, at)
+    assert [e["kind"] for e in read_events(run)] == ["run_start", "eval"][:1 + (at == "step")]
+    left = sorted(p.name for p in run.iterdir() if p.name != ".lock")  # the dead one's lock
+    assert [n for n in left if not n.startswith("events.out.tfevents.")] == [
+        "config.json", "events.jsonl", "weights"], left
+    refused = (f"toymlx-train: error: {run}: run bundle already exists; pass --resume {run} to "
+               f"continue it (--resume {run} --from step_0 to start it over), --overwrite to "
+               "replace it, or choose another --run-id")
+    capsys.readouterr()
+    assert main([*cmd, "--steps", "3"]) == 2  # other options: not the same run
+    assert capsys.readouterr().err.strip() == refused
+    assert sorted(p.name for p in run.iterdir() if p.name != ".lock") == left
+    (run / "notes.txt").write_text("mine")  # a file of the user's: never removed
+    assert main(cmd) == 2
+    assert capsys.readouterr().err.strip() == refused
+    (run / "notes.txt").unlink()
+    assert main(cmd) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"toymlx-train: {run}: the run of these same options there was killed "
+                      "during its first step or the validation before it, before it trained a "
+                      "step (no step in events.jsonl, no checkpoint): starting it over")
+    events = read_events(run)
+    assert [e["kind"] for e in events].count("run_start") == 1
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1  # the killed run's went with it
+    assert main([*cmd, "--run-id", "never-killed"]) == 0
+    again = [(e["kind"], e.get("step"), e.get("loss", e.get("val_loss"))) for e in events
+             if e["kind"] in ("step", "eval")]
+    assert again == [(e["kind"], e.get("step"), e.get("loss", e.get("val_loss")))
+                     for e in read_events(root / "never-killed") if e["kind"] in ("step", "eval")]
+    assert len(again) == 4  # the validations at steps 0 and 2, two steps
+
+
+def test_a_new_run_killed_after_a_step_is_not_started_over(tmp_path, shared_file, capsys):
+    """A killed run with a step trained (here killed as its first checkpoint began) holds what
+    a resume goes on from or a user looks at: the same command is refused as before."""
+    data = str(shared_file("text/tinystories_sample.txt"))
+    run = tmp_path / "r"
+    cmd = ["--recipe", "from-scratch", *TINY, "--steps", "2", "--checkpoint-every", "1",
+           "--data.path", data, "--runs-root", str(tmp_path), "--run-id", "r"]
+    _killed_run(cmd, "checkpoint")
+    assert [e["kind"] for e in read_events(run)] == ["run_start", "step"]
+    capsys.readouterr()
+    assert main(cmd) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"toymlx-train: error: {run}: run bundle already exists; pass --resume {run} to continue "
+        f"it (--resume {run} --from step_0 to start it over), --overwrite to replace it, or "
+        "choose another --run-id")
+    assert [e["kind"] for e in read_events(run)] == ["run_start", "step"]

@@ -604,7 +604,7 @@ def test_a_run_killed_as_it_started_leaves_a_folder_the_same_command_takes(tmp_p
     with pytest.raises(RunError) as e:
         folder.read_config(tmp_path / "mine", "--resume")
     assert str(e.value).endswith("found no file (a run folder of toymlx-train has one)")
-    run_dir, lock = folder.prepare_run_dir(str(tmp_path), "r", overwrite=False)
+    run_dir, lock, _ = folder.prepare_run_dir(str(tmp_path), "r", overwrite=False)
     lock.release()
     assert run_dir == run and sorted(p.name for p in run.iterdir()) == ["weights"]
     live = f".config.json{TMP_TAG}{os.getppid()}"

@@ -316,6 +316,13 @@ def iter_events(path: str | os.PathLike) -> Iterator[dict]:
             yield ev
 
 
+def stopped_untrained(end: dict) -> bool:
+    """Whether run_end `end` is of a run stopped (a signal) before it trained its first step,
+    at step 0: a new run's folder then goes (`toymlx.runner.run`), and its W&B run is tagged
+    `NOTHING_TRAINED` (`toymlx.bundle.reporters`); a resumed run's stays."""
+    return end.get("reason") == "interrupted" and end.get("final_step") == 0
+
+
 def run_start(events: Iterable[dict]) -> dict | None:
     """The first run_start of `events` (a list, or `iter_events`, then read no further), None
     where there is none: the one lookup of what a run recorded when it started."""

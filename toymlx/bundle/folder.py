@@ -20,7 +20,7 @@ from toymlx.backend import atomic
 from toymlx.backend.files import json_fault, not_a_file, nothing_there, shortlist, special_kind
 from toymlx.backend.lock import LOCK_FILE, Lock, acquire
 from toymlx.bundle import checkpoint as ck
-from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED
+from toymlx.bundle.events import EVENTS_FILE, SUPERSEDED, read_log, run_start
 from toymlx.bundle.inputs import (
     DATA_FILES_KEY,
     DATA_INDEX_FILE,
@@ -30,6 +30,7 @@ from toymlx.bundle.inputs import (
 )
 from toymlx.bundle.model_store import hf_name_hint, is_store_name
 from toymlx.bundle.options import RunError, flag_name, found_text, option
+from toymlx.bundle.reporters import online_wandb
 
 CONFIG_FILE = "config.json"
 CONFIG_KEYS = frozenset({"format", "recipe", "config", DATA_FILES_KEY, MODEL_FILES_KEY})
@@ -53,12 +54,14 @@ def check_folder_name(name: str, flag: str) -> None:
         raise RunError(f"{flag}: expected a single folder name, found {name!r}")
 
 
-def prepare_run_dir(root: str, run_id: str, overwrite: bool,
-                    default_id: bool = False) -> tuple[Path, Lock]:
+def prepare_run_dir(root: str, run_id: str, overwrite: bool, default_id: bool = False,
+                    options: Any = None) -> tuple[Path, Lock, str | None]:
     """Create and own runs/<id> for a fresh start, failing before any training if another
-    process owns it, if it holds a run (unless `overwrite`), or if it cannot be written.
-    `default_id` (no --run-id given): the id is toymlx's, so a taken one gets a suffix
-    (`claim_run_dir`) instead of failing."""
+    process owns it, if it holds a run (unless `overwrite`, or the run is `options`'s and
+    trained nothing: `started_over`), or if it cannot be written. `default_id` (no --run-id
+    given): the id is toymlx's, so a taken one gets a suffix (`claim_run_dir`) instead of
+    failing. `options`: the new run's config (the recipe's settled), as config.json will record
+    it. Returns the folder, its lock, and the line saying a run was started over (else None)."""
     check_folder_name(run_id, "--run-id")
     run_dir = Path(root) / run_id
     created = False  # by this call: only then is the folder ours to remove on a failure
@@ -76,7 +79,9 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool,
     try:
         held = [p for p in run_dir.iterdir() if p.name != LOCK_FILE]
         what = folder_kind(run_dir, held)
-        if held and not overwrite and what != "empty":
+        again = (started_over(run_dir, options) if what in ("run", "unstarted")
+                 and not overwrite and options is not None else None)
+        if held and not overwrite and what != "empty" and again is None:
             raise RunError(_taken_message(run_dir, what, held))
         if what == "other":  # --overwrite replaces a run, never a folder of someone's files
             raise RunError(f"{run_dir}: --overwrite: expected a run bundle (toymlx's "
@@ -88,7 +93,8 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool,
                            f"a run bundle, found others too: {shortlist(foreign, 4)}; nothing was "
                            "removed: move them out of the run folder, or choose another "
                            "--run-id or --runs-root")
-        for p in held:  # --overwrite or "empty": we own the folder, so nobody writes into it
+        for p in held:  # --overwrite, "empty" or started over: we own the folder, so nobody
+            # writes into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (run_dir / "weights").mkdir(exist_ok=True)
         atomic.write_bytes(run_dir / WRITE_TEST, b"ok")
@@ -101,7 +107,7 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool,
     except BaseException:
         lock.release()
         raise
-    return run_dir, lock
+    return run_dir, lock, again
 
 
 def _cannot_take(run_dir: Path, e: OSError) -> str:
@@ -169,16 +175,56 @@ def folder_kind(run_dir: Path, held: list[Path]) -> str:
 
 RUN_FILES = re.compile(rf"{re.escape(CONFIG_FILE)}|{re.escape(EVENTS_FILE)}|"
                        rf"{re.escape(SUPERSEDED)}|{re.escape(LOCK_FILE)}|{re.escape(WRITE_TEST)}|"
-                       rf"{re.escape(ck.REWIND)}|"
+                       rf"{re.escape(ck.REWIND)}|{re.escape(DATA_INDEX_FILE)}|"
                        r"events\.out\.tfevents\..+|fused-[^/]+\.gguf")
-"""The files toymlx writes at the top of a run folder: config.json, events.jsonl and
-events.superseded.jsonl (a resume's cut), rewinding.json (a resume's cut under way), the
-lock and the write test, TensorBoard's event files (--report-to tensorboard) and a lora run's
+"""The files toymlx writes at the top of a run folder: config.json, data_index.json (a data
+folder's files), events.jsonl and events.superseded.jsonl (a resume's cut), rewinding.json (a
+resume's cut under way), the lock and the write test, TensorBoard's event files (--report-to tensorboard) and a lora run's
 fused-TYPE.gguf (--fuse-at-end). Its folders:
 weights/ and W&B's wandb/ (--report-to wandb; W&B's own tree, taken whole)."""
 CHECKPOINT_FILES = re.compile(rf"{re.escape(ck.LATEST)}|(?:\w+?_)?step_\d+\..+")
 """What weights/ and weights/superseded/ hold: `latest`, and each checkpoint's GGUF, state
 and side files (`<prefix><step>.*`, `toymlx.bundle.checkpoint`)."""
+
+
+UNTRAINED_EVENTS = frozenset({"run_start", "eval", "run_end"})
+"""The events a run writes before its first step: run_start, --eval-at-start's eval at step
+0, a run_end at step 0 (an error there); any other (a step, a checkpoint, a resume) means more."""
+CUT_FILES = (SUPERSEDED, ck.REWIND)
+"""What a resume's cut leaves at the top of a run folder (`RUN_FILES`): a run that has them was
+resumed, so it had a record before."""
+
+
+def started_over(run_dir: Path, options: Any) -> str | None:
+    """The line saying a fresh run of `options` starts `run_dir` over, where the folder
+    provably holds nothing trained of a run of the same options: its config.json records
+    `options` exactly (the same command), events.jsonl (if any) holds only what a run writes
+    before its first step (`UNTRAINED_EVENTS`, none past step 0, no garbled line), no
+    checkpoint (in weights/ or set aside), no resume's cut, no export, and only files toymlx
+    writes (`not_written_by_toymlx`, as --overwrite checks). What a kill -9 during the startup,
+    --eval-at-start or the first step leaves. None otherwise: the folder is refused as before."""
+    saved = saved_config(run_dir)
+    if saved is None or saved["config"] != json.loads(json.dumps(dataclasses.asdict(options))):
+        return None
+    weights, events = run_dir / "weights", []
+    if (run_dir / EVENTS_FILE).exists():
+        log = read_log(run_dir)
+        events = log.events
+        if log.damaged or any(e["kind"] not in UNTRAINED_EVENTS
+                              or e.get("step", e.get("final_step", 0)) != 0 for e in log.events):
+            return None
+    if (ck.list_checkpoints(weights) or (weights / ck.SUPERSEDED).exists()
+            or any((run_dir / name).exists() for name in CUT_FILES)
+            or any(run_dir.glob("fused-*.gguf")) or not_written_by_toymlx(run_dir)):
+        return None
+    ends = [e for e in events if e["kind"] == "run_end"]
+    when = (f"ended ({ends[-1].get('reason')}) at step 0" if ends else "was killed during its "
+            "first step or the validation before it" if run_start(events) else "was killed as "
+            "it started")
+    return (f"{run_dir}: the run of these same options there {when}, before it trained a step "
+            "(no step in events.jsonl, no checkpoint): starting it over"
+            + ("; its W&B run stays on W&B's server, which marks it crashed"
+               if online_wandb(run_dir) else ""))
 
 
 def not_written_by_toymlx(run_dir: Path) -> list[str]:

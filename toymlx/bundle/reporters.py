@@ -41,10 +41,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toymlx.bundle.events import iter_events, run_start
+from toymlx.bundle.events import iter_events, run_start, stopped_untrained
 
 REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 """--report-to's names -> the toymlx extra that installs each (`pip install 'toymlx[NAME]'`)."""
+NOTHING_TRAINED = "nothing-trained"
+"""The tag of a new run's W&B run where the run was stopped before its first step: toymlx
+removes the run's folder (offline, the W&B run's files with it); online, the W&B run stays on
+the server, finished with the run's exit code, this tag telling it from a run that trained."""
 _SKIP = frozenset({"step", "t", "final_step", "exit_code", "start_step"})
 _PREFIX = {"step": "train", "checkpoint": "checkpoint", "export": "export", "run_end": "run"}
 
@@ -215,6 +219,12 @@ def wandb_group(run_dir: Path) -> str | None:
     return parent.name if (parent / "sweep.json").is_file() else None
 
 
+def online_wandb(run_dir: Path) -> bool:
+    """Whether the run folder holds a W&B run made online (W&B's `wandb/run-*` folders; an
+    offline run's are `offline-run-*`): the W&B server keeps it when the folder goes."""
+    return any((Path(run_dir) / "wandb").glob("run-*"))
+
+
 class WandbReporter:
     """One W&B run named after the run id, its files under `<run>/wandb` (offline without a
     login: `wandb_mode`); run_start's config becomes the W&B run's config. A resume (its first
@@ -223,6 +233,8 @@ class WandbReporter:
 
     def __init__(self, run_dir: Path, run_uid: str | None = None, project: str | None = None):
         self.run_dir, self.run_uid, self._run = run_dir, run_uid, None
+        self.resumed = False
+        """The W&B run continues a resumed run (its first event a `resume`)."""
         self.project = project
         """--wandb-project (mlx-lm's project_name); None: WANDB_PROJECT, else toymlx."""
 
@@ -232,6 +244,7 @@ class WandbReporter:
         mode, name = wandb_mode(), self.run_dir.name
         wid, group = wandb_id(self.run_dir, self.run_uid), wandb_group(self.run_dir)
         k = ev.get("from_step") if ev.get("kind") == "resume" else None
+        self.resumed = ev.get("kind") == "resume"
         project = self.project or os.environ.get("WANDB_PROJECT") or "toymlx"
         common = {"project": project, "name": name,
                   "mode": mode, "dir": str(self.run_dir),
@@ -287,6 +300,8 @@ class WandbReporter:
         elif found is not None:
             self._run.log(found[1], step=found[0])
         if ev.get("kind") == "run_end":
+            if not self.resumed and stopped_untrained(ev):  # its run folder goes
+                self._run.tags = (*(self._run.tags or ()), NOTHING_TRAINED)
             self.close(int(ev.get("exit_code") or 0))
 
     def close(self, exit_code: int = 0) -> None:

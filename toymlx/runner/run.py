@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,11 +29,12 @@ from toymlx.backend.device import kernel_build_failure, on_gpu, select_device, s
 from toymlx.backend.files import not_utf8, special_kind
 from toymlx.backend.stop import how_stopped, ignore_stop_signals, stop_outcome
 from toymlx.bundle import checkpoint as ck
-from toymlx.bundle.events import read_events
+from toymlx.bundle.events import read_events, stopped_untrained
 from toymlx.bundle.folder import prepare_run_dir, save_config
 from toymlx.bundle.inputs import MODEL_OPTIONS, data_paths
 from toymlx.bundle.options import RunError, default_run_id, flag_name, option
 from toymlx.bundle.outputs import check_output
+from toymlx.bundle.reporters import NOTHING_TRAINED, online_wandb
 from toymlx.bundle.resume import Resume
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
@@ -138,6 +139,9 @@ class _Prepared:
     used: dict[str, str]
     """A resume's inputs read from elsewhere than recorded: the file read for each, and why that
     one (`Bundle.told`)."""
+    made: list[Path] = field(default_factory=list)
+    """A new run's --runs-root folders that rank 0 made (`missing_folders`): removed with the run
+    where it trained nothing (`remove_new_run`)."""
 
 
 def _stopped_before_the_first_step(e: KeyboardInterrupt) -> int:
@@ -153,7 +157,7 @@ def _never_trained(run: _Prepared, end: dict) -> bool:
     had begun (during the validation at step 0, or while step 1's batch was read): its folder
     goes, as one stopped before the loop leaves none (rank 0 removes it)."""
     return (run.resume is None and (run.world is None or run.world.rank() == 0)
-            and end.get("reason") == "interrupted" and end.get("final_step") == 0)
+            and stopped_untrained(end))
 
 
 def _ended(run: _Prepared, end: dict) -> int:
@@ -162,9 +166,12 @@ def _ended(run: _Prepared, end: dict) -> int:
     if not _never_trained(run, end):
         _final_line(run.run_dir, end)
         return int(end["exit_code"])
-    shutil.rmtree(run.run_dir, ignore_errors=True)
+    kept = (f"; its W&B run stays on W&B's server, tagged {NOTHING_TRAINED}"
+            if online_wandb(run.run_dir) else "")
+    remove_new_run(run.run_dir, run.made)
     what, code = stop_outcome(signal.Signals[end.get("signal") or "SIGINT"])
-    print(f"toymlx-train: {what} before the first step; nothing was trained", file=sys.stderr)
+    print(f"toymlx-train: {what} before the first step; nothing was trained{kept}",
+          file=sys.stderr)
     return code
 
 
@@ -213,7 +220,7 @@ def run_training(recipe: str, module: ModuleType, cfg: TrainConfig,
             # (`Stepper.build`); a new run's folder goes, as a stop in `_prepare` leaves none
             if run.resume is None and (run.world is None or run.world.rank() == 0) and not any(
                     ev["kind"] == "run_start" for ev in read_events(run.run_dir)):
-                shutil.rmtree(run.run_dir, ignore_errors=True)
+                remove_new_run(run.run_dir, run.made)
             return _stopped_before_the_first_step(e)
         except ValueError as e:  # bad input met mid-run (an image that fails to decode)
             print(f"toymlx-train: error: {e}", file=sys.stderr)
@@ -314,10 +321,17 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
                            [*run_inputs(cfg), ("-c/--config", config_file)],
                            "--runs-root/--run-id", owns=[Path(cfg.runs_root) / cfg.run_id],
                            folder=True)
+    if hasattr(module, "settle"):  # so config.json records what the run does, and a folder
+        # the same command left (`started_over`) is compared with the options it records
+        module.settle(cfg)
+    made: list[Path] = []
     if rank0:
         made = missing_folders(Path(cfg.runs_root))  # ours to remove again, left empty
-        run_dir, lock = prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite, default_id)
+        run_dir, lock, again = prepare_run_dir(cfg.runs_root, cfg.run_id, cfg.overwrite,
+                                               default_id, options=cfg)
         owned.enter_context(lock)
+        if again:
+            print(f"toymlx-train: {again}", file=sys.stderr)
     if default_id:  # the folder rank 0 claimed, maybe with a suffix
         run_dir = _shared_claim(run_dir, cfg.run_id, world)
         cfg.run_id = run_dir.name
@@ -325,21 +339,26 @@ def _prepare(recipe: str, module: ModuleType, cfg: TrainConfig, bundle: Bundle |
         # the task first: its refusals read headers (a base too large for memory, from its
         # GGUF header) and come before config.json's SHA-256 of every model file, a read of a
         # whole multi-GB base; the files are hashed once either way (`file_sha256`)
-        if hasattr(module, "settle"):  # so config.json records what the run does
-            module.settle(cfg)
         task = _build(module, cfg, ops)
         if rank0:
             save_config(run_dir, recipe, cfg)
     except BaseException:
-        if rank0:  # ours, and nothing of a run in it yet; so the --runs-root folders it made
-            shutil.rmtree(run_dir, ignore_errors=True)
-            for folder in made:
-                try:
-                    folder.rmdir()  # only where empty: another run may have started in it
-                except OSError:
-                    break
+        if rank0:  # ours, and nothing of a run in it yet
+            remove_new_run(run_dir, made)
         raise
-    return _Prepared(run_dir, task, world, None, {})
+    return _Prepared(run_dir, task, world, None, {}, made)
+
+
+def remove_new_run(run_dir: Path, made: list[Path]) -> None:
+    """Remove a new run's folder, which trained nothing, and the --runs-root folders the run
+    made (`missing_folders`, deepest first), each only where empty: another run may have
+    started in it. Rank 0's job: the other ranks' folder is rank 0's."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def missing_folders(path: Path) -> list[Path]:
