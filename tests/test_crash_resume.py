@@ -833,7 +833,7 @@ def _killed_run(cmd: list[str], at: str) -> None:
     code = (f"import os, signal, sys\n{_KILLED_AT[at]}\n"
             "setattr(At, name, lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))\n"
             "from toymlx_cli.train import main\nsys.exit(main(sys.argv[1:]))")
-    p = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, check=False,
                        timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
 
@@ -901,3 +901,32 @@ def test_a_new_run_killed_after_a_step_is_not_started_over(tmp_path, shared_file
         f"it (--resume {run} --from step_0 to start it over), --overwrite to replace it, or "
         "choose another --run-id")
     assert [e["kind"] for e in read_events(run)] == ["run_start", "step"]
+
+
+def test_a_new_run_stopped_before_its_first_step_removes_the_runs_root_folders_it_made(
+        tmp_path, shared_file, capsys, monkeypatch):
+    """--runs-root a/b/c, made by the run, stayed (empty) after the run stopped before its first
+    step was removed. Now the folders it made go too, each only where empty: a folder that was
+    there before, or that holds anything else since, stays."""
+    from toymlx.training.evaluate import Evaluator
+
+    data = str(shared_file("text/tinystories_sample.txt"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    cmd = ["--recipe", "from-scratch", *TINY, "--steps", "2", "--data.path", data,
+           "--runs-root", str(mine / "a" / "b" / "c"), "--run-id", "r", "--eval-at-start"]
+    evaluate = Evaluator.__call__
+
+    def stopped(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(self, *a, **k)
+
+    monkeypatch.setattr(Evaluator, "__call__", stopped)
+    assert main(cmd) == 143
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    (mine / "a").mkdir()
+    (mine / "a" / "other.txt").write_text("someone's")  # a/ is not the run's to remove now
+    assert main(cmd) == 143
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == [
+        "a", "a/other.txt", "notes.txt"]

@@ -622,7 +622,7 @@ def test_overwrite_refuses_a_run_holding_files_toymlx_did_not_write(tmp_path, ca
     those are named and nothing is removed."""
     assert train(tmp_path, "r", "--steps", "2", data=data) == 0
     run = tmp_path / "r"
-    ours = ["events.superseded.jsonl", "rewinding.json",
+    ours = ["events.superseded.jsonl", "rewinding.json", "data_index.json",
             "events.out.tfevents.1796058315.vm.17557.0", "wandb/debug.log", "fused-f16.gguf", ".config.json.tmp-99999",
             "weights/superseded/step_3.gguf", "weights/superseded/step_3.state.safetensors"]
     mine = ["my_notes.txt", "analysis/plot.csv", "weights/README"]
@@ -647,7 +647,8 @@ def test_overwrite_refuses_a_run_holding_files_toymlx_did_not_write(tmp_path, ca
 def test_overwrite_takes_an_empty_folder_and_a_run_killed_before_its_first_step(
         tmp_path, capsys, data):
     """An empty folder is taken; a run killed while building (config.json alone) is named as
-    such, and --overwrite replaces it."""
+    such to a command of other options, and --overwrite replaces it; the same command starts
+    it over, saying so."""
     (tmp_path / "e").mkdir()
     assert train(tmp_path, "e", "--steps", "1", data=data) == 0
     assert train(tmp_path, "k", "--steps", "1", data=data) == 0
@@ -656,12 +657,20 @@ def test_overwrite_takes_an_empty_folder_and_a_run_killed_before_its_first_step(
     for p in (run / "weights").iterdir():
         p.unlink()
     capsys.readouterr()
-    assert train(tmp_path, "k", "--steps", "1", data=data) == 2
+    assert train(tmp_path, "k", "--steps", "2", data=data) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {run}: a run bundle already exists but never reached its first "
         f"step (config.json, no events.jsonl); pass --overwrite to replace it, --resume {run} "
         "--from step_0 to start it over, or choose another --run-id")
-    assert train(tmp_path, "k", "--steps", "1", "--overwrite", data=data) == 0
+    assert train(tmp_path, "k", "--steps", "2", "--overwrite", data=data) == 0
+    (run / "events.jsonl").unlink()
+    for p in (run / "weights").iterdir():
+        p.unlink()
+    capsys.readouterr()
+    assert train(tmp_path, "k", "--steps", "2", data=data) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"toymlx-train: {run}: the run of these same options there was killed as it started, "
+        "before it trained a step (no step in events.jsonl, no checkpoint): starting it over")
     assert [e["kind"] for e in read_events(run)][:1] == ["run_start"]
 
 

@@ -565,3 +565,86 @@ def test_a_w_and_b_project_without_w_and_b_is_one_line(tmp_path, capsys):
             "toymlx-train: error: --wandb-project: expected with --report-to wandb (it names "
             f"that run's W&B project), found --report-to {report[1] if report else 'none'}")
     assert not runs.exists()
+
+
+def _stopped_in_the_validation_at_step_0(monkeypatch) -> None:
+    """A SIGTERM as --eval-at-start's pass begins: the loop has begun (run_start written, sent
+    to the reporters), no step trained."""
+    import os
+    import signal
+
+    from toymlx.training.evaluate import Evaluator
+
+    evaluate = Evaluator.__call__
+
+    def stopped(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(self, *a, **k)
+
+    monkeypatch.setattr(Evaluator, "__call__", stopped)
+
+
+def test_a_new_run_stopped_before_its_first_step_tags_its_w_and_b_run(tmp_path, monkeypatch):
+    """A new run stopped before its first step is removed, folder and all (its offline W&B run
+    in wandb/ with it), but an online W&B run stayed on the server, finished like any other,
+    nothing telling it from a run that trained. Now it is tagged nothing-trained (W&B's own
+    file records it); a resumed run's segment, or a run that trained a step, is not."""
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+    for var in ("WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    home_elsewhere(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    ends = {"new": ("run_start", 0), "resumed": ("resume", 0), "trained": ("run_start", 1)}
+    for name, (first, step) in ends.items():
+        run = tmp_path / name
+        log = EventLog(run / "events.jsonl",
+                       sinks=[reporters.WandbReporter(run, "0123456789abcdef")])
+        log.emit(first, **({"from_step": 0} if first == "resume" else {"config": {}}))
+        log.emit("run_end", reason="interrupted", final_step=step, exit_code=143,
+                 signal="SIGTERM")
+        log.close()
+    wandb.teardown()  # W&B's service has written every file out
+    found = {}
+    for name in ends:
+        (path,) = (tmp_path / name / "wandb").glob("offline-run-*/run-*.wandb")
+        records = list(_wandb_records(path))
+        found[name] = ([tuple(r.run.tags) for r in records if r.WhichOneof("record_type") == "run"],
+                       [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"])
+    assert found == {"new": ([(), ("nothing-trained",)], [143]), "resumed": ([()], [143]),
+                     "trained": ([()], [143])}
+
+
+def test_a_removed_run_names_its_online_w_and_b_run_and_takes_its_files(tmp_path, text_path,
+                                                                          monkeypatch, capsys):
+    """End to end: a new run with --report-to all stopped in --eval-at-start's pass goes with
+    its TensorBoard file and W&B files (all in the run folder); its W&B run, online, finishes
+    with the run's exit status and the tag, and the run's line says it stays on the server."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra")
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+    made = []
+
+    class Run:  # what an online wandb.init leaves locally: wandb/run-DATE-ID
+        def __init__(self, kw):
+            self.tags, self.finished, self.summary = (), None, {}
+            (Path(kw["dir"]) / "wandb" / f"run-20261205_000000-{kw['id']}").mkdir(parents=True)
+            made.append(self)
+
+        def log(self, row, step):
+            pass
+
+        def finish(self, exit_code=0):
+            self.finished = exit_code
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: Run(kw))
+    monkeypatch.setattr(reporters, "wandb_mode", lambda: "online")
+    _stopped_in_the_validation_at_step_0(monkeypatch)
+    runs = tmp_path / "runs"
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(text_path), "--runs-root",
+                 str(runs), "--run-id", "r", "--report-to", "all", "--eval-at-start"]) == 143
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "toymlx-train: stopped by SIGTERM before the first step; nothing was trained; its W&B "
+        "run stays on W&B's server, tagged nothing-trained")
+    assert not runs.exists()  # the run folder, TensorBoard's and W&B's files, the runs root
+    assert [(r.tags, r.finished) for r in made] == [(("nothing-trained",), 143)]

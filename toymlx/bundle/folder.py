@@ -198,13 +198,16 @@ resumed, so it had a record before."""
 def started_over(run_dir: Path, options: Any) -> str | None:
     """The line saying a fresh run of `options` starts `run_dir` over, where the folder
     provably holds nothing trained of a run of the same options: its config.json records
-    `options` exactly (the same command), events.jsonl (if any) holds only what a run writes
+    `options` (the same command; --overwrite aside, which says what to do with a folder, not
+    what the run is), events.jsonl (if any) holds only what a run writes
     before its first step (`UNTRAINED_EVENTS`, none past step 0, no garbled line), no
     checkpoint (in weights/ or set aside), no resume's cut, no export, and only files toymlx
     writes (`not_written_by_toymlx`, as --overwrite checks). What a kill -9 during the startup,
     --eval-at-start or the first step leaves. None otherwise: the folder is refused as before."""
     saved = saved_config(run_dir)
-    if saved is None or saved["config"] != json.loads(json.dumps(dataclasses.asdict(options))):
+    given = json.loads(json.dumps(dataclasses.asdict(options)))
+    if saved is None or ({k: v for k, v in saved["config"].items() if k != "overwrite"}
+                         != {k: v for k, v in given.items() if k != "overwrite"}):
         return None
     weights, events = run_dir / "weights", []
     if (run_dir / EVENTS_FILE).exists():
