@@ -93,8 +93,7 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool, default_id: bool = 
                            f"a run bundle, found others too: {shortlist(foreign, 4)}; nothing was "
                            "removed: move them out of the run folder, or choose another "
                            "--run-id or --runs-root")
-        for p in held:  # --overwrite, "empty" or started over: we own the folder, so nobody
-            # writes into it
+        for p in held:  # --overwrite, "empty" or started over: ours, nobody writes into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (run_dir / "weights").mkdir(exist_ok=True)
         atomic.write_bytes(run_dir / WRITE_TEST, b"ok")
@@ -179,9 +178,9 @@ RUN_FILES = re.compile(rf"{re.escape(CONFIG_FILE)}|{re.escape(EVENTS_FILE)}|"
                        r"events\.out\.tfevents\..+|fused-[^/]+\.gguf")
 """The files toymlx writes at the top of a run folder: config.json, data_index.json (a data
 folder's files), events.jsonl and events.superseded.jsonl (a resume's cut), rewinding.json (a
-resume's cut under way), the lock and the write test, TensorBoard's event files (--report-to tensorboard) and a lora run's
-fused-TYPE.gguf (--fuse-at-end). Its folders:
-weights/ and W&B's wandb/ (--report-to wandb; W&B's own tree, taken whole)."""
+resume's cut under way), the lock and the write test, TensorBoard's event files (--report-to
+tensorboard) and a lora run's fused-TYPE.gguf (--fuse-at-end). Its folders: weights/ and W&B's
+wandb/ (--report-to wandb; W&B's own tree, taken whole)."""
 CHECKPOINT_FILES = re.compile(rf"{re.escape(ck.LATEST)}|(?:\w+?_)?step_\d+\..+")
 """What weights/ and weights/superseded/ hold: `latest`, and each checkpoint's GGUF, state
 and side files (`<prefix><step>.*`, `toymlx.bundle.checkpoint`)."""
@@ -199,11 +198,11 @@ def started_over(run_dir: Path, options: Any) -> str | None:
     """The line saying a fresh run of `options` starts `run_dir` over, where the folder
     provably holds nothing trained of a run of the same options: its config.json records
     `options` (the same command; --overwrite aside, which says what to do with a folder, not
-    what the run is), events.jsonl (if any) holds only what a run writes
-    before its first step (`UNTRAINED_EVENTS`, none past step 0, no garbled line), no
-    checkpoint (in weights/ or set aside), no resume's cut, no export, and only files toymlx
-    writes (`not_written_by_toymlx`, as --overwrite checks). What a kill -9 during the startup,
-    --eval-at-start or the first step leaves. None otherwise: the folder is refused as before."""
+    what the run is), events.jsonl (if any) holds only what a run writes before its first step
+    (`UNTRAINED_EVENTS`, none past step 0, no garbled line), no checkpoint (in weights/ or set
+    aside), no resume's cut, no export, and only files toymlx writes (`not_written_by_toymlx`,
+    as --overwrite checks): what a kill -9 during the startup, --eval-at-start or the first
+    step leaves. None otherwise: the folder is refused as before."""
     saved = saved_config(run_dir)
     given = json.loads(json.dumps(dataclasses.asdict(options)))
     if saved is None or ({k: v for k, v in saved["config"].items() if k != "overwrite"}
