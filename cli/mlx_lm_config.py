@@ -220,8 +220,8 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         _want(source, "adapter_path", isinstance(p, str) and p.strip("/") != "",
               "a folder name", p)
     if "adapter_path" in data and {"--runs-root", "--run-id"} <= flags:  # a sweep's runs too
-        notes.append(f"{source}: key 'adapter_path': not used (--runs-root and --run-id on the "
-                     "command line give the run's folder)")
+        notes.append(f"{source}: key 'adapter_path': not used (--runs-root and --run-id, "
+                     "given, name the run's folder)")
     elif "adapter_path" in data:
         put("adapter_path", "runs_root", str(Path(p).parent))
         put("adapter_path", "run_id", Path(p).name)

@@ -22,7 +22,9 @@ its flags (recipe, grid, random, random_seed, workers, shard, sweep_id or sweep-
 no_retry_failed, no_report, no_progress), and every other key an option that each run takes
 as toymlx-train -c takes it (seed included: it seeds the runs' training; the --random draws'
 seed is random_seed). Flags given override the file, and a --grid KEY=... replaces the file's
-values of KEY only. A run's config.json works too: its recipe and options for every run.
+values of KEY only. A run's config.json works too: its recipe and options for every run;
+and so does mlx-lm's lora config (mlx_lm.lora -c's): each run is toymlx-train -c FILE with its
+grid values as flags (--grid lr=1e-5,3e-5; see docs/MLX_LM.md).
   # sweep.yaml                          toymlx-sweep -c sweep.yaml [--workers 4] [--grid lr=...]
   recipe: from-scratch
   grid: {lr: [1e-3, 3e-3], model.d_model: [64, 128]}   # or lr: "log:1e-4:1e-2" with random: N
@@ -88,16 +90,28 @@ def _shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
+def _axes(args: argparse.Namespace, file_grid: dict, path: str | None,
+          mlx_lm: bool = False) -> dict:
     """The sweep's axes: the file's grid, each key's values replaced by a --grid of that key
-    (keys compared as option names: model.d-model is model.d_model)."""
+    (keys compared as option names: model.d-model is model.d_model). `mlx_lm`: the runs' file
+    is mlx-lm's, and a grid key spelt as its key (learning_rate) is refused naming toymlx's
+    option (--lr)."""
+    from toymlx_cli.config_file import mlx_lm_hint
+
     from toymlx import sweeps as sweep
 
-    axes = {k: sweep.file_axis(k, v, args.recipe, f"{path}: key 'grid.{k}'")
+    def axis(key: str, parse):
+        try:
+            return parse()
+        except ValueError as e:
+            hint = mlx_lm and "found no option" in str(e) and mlx_lm_hint(key, "toymlx-train")
+            raise ValueError(f"{e}; {hint}" if hint else str(e)) from None
+
+    axes = {k: axis(k, partial(sweep.file_axis, k, v, args.recipe, f"{path}: key 'grid.{k}'"))
             for k, v in file_grid.items()}
     given: dict[str, str] = {}  # option name -> the --grid that gave it
     for g in args.grid:
-        key, values = sweep.parse_axis(g, args.recipe)
+        key, values = axis(g.partition("=")[0], partial(sweep.parse_axis, g, args.recipe))
         name = key.replace("-", "_")
         # a second --grid of one key replaced the first: `--grid lr=1e-3 --grid lr=3e-3` ran
         # 3e-3 alone, the 1e-3 run silently never made
@@ -284,7 +298,7 @@ def _main(argv: list[str] | None) -> int:
             check_sweep_typos(parser, get_recipe(args.recipe).Config, run_options, path)
             defaults_from_file(get_recipe(args.recipe).Config, run_options, path,
                                f"toymlx-train --recipe {args.recipe}")
-        axes = _axes(args, file_grid, path)
+        axes = _axes(args, file_grid, path, mlx_lm)
         if not axes:
             raise ValueError("--grid: expected at least one KEY=V1,V2 (e.g. --grid lr=1e-4,3e-4)"
                              + (f" or a grid in {path}" if path else ""))

@@ -1461,6 +1461,10 @@ def test_a_key_the_base_s_blocks_lack_is_one_line(tmp_path, capsys, key):
                 ) == 0
 
 
+def _evals(run: Path) -> list[float]:
+    return [e["val_loss"] for e in read_events(run) if e["kind"] == "eval"]
+
+
 def _said(err: str, prog: str) -> list[str]:
     """The notes `prog` printed (`prog: F: key ...`), less its name."""
     return [x.removeprefix(f"{prog}: ") for x in err.splitlines() if x.startswith(f"{prog}: ")
@@ -1509,10 +1513,6 @@ def test_a_sweep_over_an_mlx_lm_config_runs_what_toymlx_train_runs(tmp_path, bas
         assert _evals(run) == _evals(alone) and len(_evals(run)) == 2
 
 
-def _evals(run: Path) -> list[float]:
-    return [e["val_loss"] for e in read_events(run) if e["kind"] == "eval"]
-
-
 @pytest.mark.parametrize("key, value", [
     ("hf_dataset", {"path": "mlx-community/wikisql"}),  # refused: it changes what is trained
     ("train", False),
@@ -1531,3 +1531,17 @@ def test_an_mlx_lm_key_toymlx_cannot_honour_is_refused_by_the_sweep_as_by_toymlx
                        str(tmp_path / "s")]) == 2
     assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {trained}"
     assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
+
+
+def test_a_sweep_grid_key_spelt_as_mlx_lm_s_names_toymlx_s_option(tmp_path, base, data,
+                                                                   capsys):
+    from toymlx_cli.sweep import main as sweep_main
+
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 2,
+                                    "grid": {"learning_rate": [1e-4, 3e-4]}}))
+    assert sweep_main(["-c", str(path), "--runs-root", str(tmp_path / "s")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: {path}: key 'grid.learning_rate': expected an option of recipe "
+        "lora, found no option --learning-rate; mlx-lm's learning_rate is toymlx's --lr")
+    assert not (tmp_path / "s").exists()
