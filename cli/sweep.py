@@ -140,7 +140,8 @@ def _mlx_lm_table(run_options: dict, path: str, argv: list[str], file_grid: dict
     _, rows, _ = mlx_lm_read(run_options, path, [*argv, "--runs-root", args.runs_root,
                                                  "--run-id", "RUN"])
     rows = over_the_file(rows, grid, "the sweep's grid, over the file")
-    print(f"{path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
+    # on stderr with the sweep's other lines: stdout holds the final table alone
+    print(f"{path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows), file=sys.stderr)
 
 
 def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | None,

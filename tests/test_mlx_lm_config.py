@@ -1490,8 +1490,9 @@ def test_a_sweep_over_an_mlx_lm_config_runs_what_toymlx_train_runs(tmp_path, bas
                        "--runs-root", str(tmp_path / "sweeps"), "--sweep-id", "s",
                        "--no-progress", "--no-report", "--no-compile"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith(f"{path}: read as mlx-lm's lora config:\n")
-    rows = {tuple(x.split()[:2]): x.split()[2:] for x in out.splitlines()}
+    assert "mlx-lm" not in out  # stdout: the sweep's final table alone
+    assert err.startswith(f"{path}: read as mlx-lm's lora config:\n")
+    rows = {tuple(x.split()[:2]): x.split()[2:] for x in err.splitlines()}
     assert rows[("learning_rate", "--lr")] == ["1e-4", "the", "sweep's", "grid,", "over", "the",
                                                "file"]
     swept = _said(err, "toymlx-sweep")
