@@ -219,6 +219,10 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         p = data["adapter_path"]
         _want(source, "adapter_path", isinstance(p, str) and p.strip("/") != "",
               "a folder name", p)
+    if "adapter_path" in data and {"--runs-root", "--run-id"} <= flags:  # a sweep's runs too
+        notes.append(f"{source}: key 'adapter_path': not used (--runs-root and --run-id, "
+                     "given, name the run's folder)")
+    elif "adapter_path" in data:
         put("adapter_path", "runs_root", str(Path(p).parent))
         put("adapter_path", "run_id", Path(p).name)
         # mlx_lm.generate --adapter-path would fail on it: "No such file or directory:
@@ -638,6 +642,63 @@ _RUN_FOLDER_ADVICE = re.compile(r"choose another (?:--run-id(?: or --runs-root)?
                                 r"--run-id)$")
 """The advice closing a line that refuses the run's folder (`toymlx.bundle.folder`: `runs/x:
 run bundle already exists; ..., or choose another --run-id`): the flags adapter_path sets."""
+
+
+def flags_given(argv: list[str]) -> dict[str, Any]:
+    """The command line's flags and their values as text (`--steps 2`, `--steps=2`; True for
+    a flag without one)."""
+    given: dict[str, Any] = {}
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag.startswith("--"):
+            given[flag] = value if eq else (argv[i + 1] if i + 1 < len(argv)
+                                            and not argv[i + 1].startswith("--") else True)
+    return given
+
+
+def over_the_file(rows: list[tuple], given: dict[str, Any],
+                  origin: str = "command line, over the file") -> list[tuple]:
+    """The mlx-lm table's rows with the options the command line also gives (`given`) shown as
+    given there (`--base GGUF -c F`: the GGUF, not the file's `model:`), as tyro will apply
+    them; `origin`: what the table says gave them."""
+    return [(k, o, given[o], origin) if o in given else (k, o, v, f) for k, o, v, f in rows]
+
+
+def mlx_lm_read(in_file: dict[str, Any], source: str, argv: list[str]
+                ) -> tuple[dict[str, Any], list[tuple[str, str, Any, str]], list[str]]:
+    """What `toymlx-train -c SOURCE ARGV` reads from an mlx-lm file before it parses the
+    options: (toymlx options as dotted keys, the table's rows with ARGV's flags over the file,
+    the notes), as `mlx_lm_options`, `mlx_lm_model` and `mlx_lm_rank_given` give them. One
+    reading for toymlx-train and for each run of toymlx-sweep -c SOURCE (ARGV: the run's
+    flags, its grid values among them), so that a sweep's run is that command's."""
+    flags = frozenset(a.partition("=")[0] for a in argv if a.startswith("--"))
+    options, rows, notes = mlx_lm_options(in_file, source, flags)
+    # after the keys' own checks: `modle` named as a misspelt key, not as no model
+    mlx_lm_model(in_file, source, flags)
+    given = flags_given(argv)
+    options, rows = mlx_lm_rank_given(options, rows, None if "--lora.alpha" in given
+                                      else given.get("--lora.rank"))
+    return options, over_the_file(rows, given), notes
+
+
+def mlx_lm_parsed(cfg: Any, in_file: dict[str, Any], source: str, argv: list[str]
+                  ) -> tuple[Any, list[str]]:
+    """(cfg, notes) of an mlx-lm file's options once parsed with ARGV over them (`mlx_lm_read`):
+    num_layers with mlx-lm's meaning against the base (`mlx_lm_layers`; a --lora.layers or
+    --full.layers flag keeps toymlx's), then mask_prompt and lora_parameters.keys checked against
+    the data and the base (ConfigFileError), where ARGV does not give their options."""
+    notes = []
+    flags = flags_given(argv)
+    if mlx_lm_layers_flag(cfg) not in flags:
+        cfg, note = mlx_lm_layers(cfg)  # the file's num_layers
+        if note:
+            notes.append(f"{source}: {note}")
+    if not {"--data.mask-prompt", "--data.no-mask-prompt"} & set(flags):
+        mlx_lm_mask_prompt(cfg, source)
+    if "--lora.targets" not in flags:  # else the flag's meaning
+        params = in_file.get("lora_parameters")
+        mlx_lm_keys(cfg, params.get("keys") if isinstance(params, dict) else None, source)
+    return cfg, notes
 
 
 def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
 
@@ -21,7 +22,9 @@ its flags (recipe, grid, random, random_seed, workers, shard, sweep_id or sweep-
 no_retry_failed, no_report, no_progress), and every other key an option that each run takes
 as toymlx-train -c takes it (seed included: it seeds the runs' training; the --random draws'
 seed is random_seed). Flags given override the file, and a --grid KEY=... replaces the file's
-values of KEY only. A run's config.json works too: its recipe and options for every run.
+values of KEY only. A run's config.json works too: its recipe and options for every run;
+and so does mlx-lm's lora config (mlx_lm.lora -c's): each run is toymlx-train -c FILE with its
+grid values as flags (--grid lr=1e-5,3e-5; see docs/MLX_LM.md).
   # sweep.yaml                          toymlx-sweep -c sweep.yaml [--workers 4] [--grid lr=...]
   recipe: from-scratch
   grid: {lr: [1e-3, 3e-3], model.d_model: [64, 128]}   # or lr: "log:1e-4:1e-2" with random: N
@@ -87,16 +90,28 @@ def _shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
+def _axes(args: argparse.Namespace, file_grid: dict, path: str | None,
+          mlx_lm: bool = False) -> dict:
     """The sweep's axes: the file's grid, each key's values replaced by a --grid of that key
-    (keys compared as option names: model.d-model is model.d_model)."""
+    (keys compared as option names: model.d-model is model.d_model). `mlx_lm`: the runs' file
+    is mlx-lm's, and a grid key spelt as its key (learning_rate) is refused naming toymlx's
+    option (--lr)."""
+    from toymlx_cli.config_file import mlx_lm_hint
+
     from toymlx import sweeps as sweep
 
-    axes = {k: sweep.file_axis(k, v, args.recipe, f"{path}: key 'grid.{k}'")
+    def axis(key: str, parse):
+        try:
+            return parse()
+        except ValueError as e:
+            hint = mlx_lm and "found no option" in str(e) and mlx_lm_hint(key, "toymlx-train")
+            raise ValueError(f"{e}; {hint}" if hint else str(e)) from None
+
+    axes = {k: axis(k, partial(sweep.file_axis, k, v, args.recipe, f"{path}: key 'grid.{k}'"))
             for k, v in file_grid.items()}
     given: dict[str, str] = {}  # option name -> the --grid that gave it
     for g in args.grid:
-        key, values = sweep.parse_axis(g, args.recipe)
+        key, values = axis(g.partition("=")[0], partial(sweep.parse_axis, g, args.recipe))
         name = key.replace("-", "_")
         # a second --grid of one key replaced the first: `--grid lr=1e-3 --grid lr=3e-3` ran
         # 3e-3 alone, the 1e-3 run silently never made
@@ -110,18 +125,47 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None) -> dict:
     return axes
 
 
+def _mlx_lm_table(run_options: dict, path: str, argv: list[str], file_grid: dict,
+                  args: argparse.Namespace) -> None:
+    """An mlx-lm file's keys checked (ConfigFileError: one line naming the key, as toymlx-train
+    -c says it) and its table printed as toymlx-train prints it, the options every run's flags
+    (`argv`) and the grid give shown over the file's."""
+    from toymlx_cli.mlx_lm_config import mlx_lm_read, mlx_lm_table, over_the_file
+
+    from toymlx.bundle.options import flag_name
+
+    grid = {flag_name(a.partition("=")[0].replace("-", "_")): a.partition("=")[2]
+            for a in args.grid}
+    grid = {**{flag_name(k): v for k, v in file_grid.items()}, **grid}
+    _, rows, _ = mlx_lm_read(run_options, path, [*argv, "--runs-root", args.runs_root,
+                                                 "--run-id", "RUN"])
+    rows = over_the_file(rows, grid, "the sweep's grid, over the file")
+    # on stderr with the sweep's other lines: stdout holds the final table alone
+    print(f"{path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows), file=sys.stderr)
+
+
 def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | None,
-                run_config: bool = False) -> list[tuple[str, str | None]]:
+                run_config: bool = False, runs_root: str = "runs", mlx_lm: bool = False
+                ) -> tuple[list[tuple[str, str | None]], list[str]]:
     """Every run's options checked as toymlx-train checks a new run's (tyro's parse, then
     `check_config`, the options of the -c file given as the command line's are unless it is a
     run's config.json, `run_config`), and its data paths found, before any run starts: a bad
-    grid value is one line naming its run, not a failure of each run that has it. Returns
-    (flag, path) of what the runs read (`run_inputs`, as typed)."""
+    grid value is one line naming its run, not a failure of each run that has it. `mlx_lm`:
+    the file is mlx-lm's lora config, read as toymlx-train reads it (`mlx_lm_read`, then
+    `mlx_lm_parsed`) with each run's flags over it, the run's folder (`runs_root`, its name)
+    among them as the sweep gives it. Returns ((flag, path) of what the runs read
+    (`run_inputs`, as typed), the first run's notes of the mlx-lm file)."""
     from toymlx_cli.config_file import (
         defaults_from_file,
         file_flags,
         file_key_error,
         under_the_flags,
+    )
+    from toymlx_cli.mlx_lm_config import (
+        flags_given,
+        mlx_lm_error,
+        mlx_lm_parsed,
+        mlx_lm_read,
     )
     from toymlx_cli.usage import parse_options
 
@@ -135,18 +179,35 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
     module = get_recipe(recipe)
     prog = f"toymlx-train --recipe {recipe}"
     inputs: list[tuple[str, str | None]] = []
+    notes: list[str] = []
     for spec in specs:
-        default = (defaults_from_file(module.Config, run_options, path, prog) if run_options
-                   else None)
+        argv = list(spec.args)
         try:
-            cfg = parse_options(module.Config, list(spec.args), prog, default)
-            keys = (under_the_flags(file_flags(module.Config, run_options, path), spec.args)
-                    if run_options and not run_config else {})
+            if mlx_lm:  # the run's flags as its toymlx-train gets them (`_Runner._start`)
+                argv += ["--runs-root", str(runs_root), "--run-id", spec.name]
+                options, rows, said = mlx_lm_read(run_options, path, argv)
+                try:
+                    default = defaults_from_file(module.Config, options, path, prog)
+                    cfg, more = mlx_lm_parsed(parse_options(module.Config, argv, prog, default),
+                                              run_options, path, argv)
+                except ValueError as e:
+                    raise ValueError(mlx_lm_error(str(e), rows, path)) from None
+                notes = notes or said + more
+                keys = {o: k for k, o, _, f in rows if f.startswith("file")}
+                given = frozenset(flags_given(argv)) | set(keys)
+                name_keys = partial(mlx_lm_error, rows=rows, source=path)
+            else:
+                default = (defaults_from_file(module.Config, run_options, path, prog)
+                           if run_options else None)
+                cfg = parse_options(module.Config, argv, prog, default)
+                keys = (under_the_flags(file_flags(module.Config, run_options, path), argv)
+                        if run_options and not run_config else {})
+                given = frozenset(a for a in argv if a.startswith("--")) | set(keys)
+                name_keys = partial(file_key_error, keys=keys, source=path)
             try:
-                check_config(module, cfg, new_run=True, given=frozenset(
-                    a for a in spec.args if a.startswith("--")) | set(keys))
+                check_config(module, cfg, new_run=True, given=given)
             except ValueError as e:  # as the run's toymlx-train names it: by the file's key
-                raise ValueError(file_key_error(str(e), keys, path)) from None
+                raise ValueError(name_keys(str(e))) from None
             # a data path that is not there, or an empty folder, failed each run that had it,
             # seconds into its start, the others running (a typo in one grid value found at the
             # end of the sweep); found as toymlx-train says it (`nothing_there`)
@@ -157,7 +218,7 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
         except ValueError as e:
             raise ValueError(f"run {spec.name}: {e}; no run was started") from None
         inputs += [i for i in run_inputs(cfg) if i not in inputs]
-    return inputs
+    return inputs, notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +240,7 @@ def _main(argv: list[str] | None) -> int:
         split_config,
         sweep_config,
     )
+    from toymlx_cli.mlx_lm_config import is_mlx_lm_config
 
     from toymlx import sweeps as sweep
     from toymlx.backend.device import restart_with_huge_pages
@@ -194,16 +256,19 @@ def _main(argv: list[str] | None) -> int:
         argv, after = argv[:k], argv[k + 1:]
     parser = _parser()
     file_grid: dict = {}
-    run_options, run_config = None, False
+    run_options, run_config, mlx_lm = None, False, False
     try:
         path, argv = split_config(argv)
         if path is not None:
             data = read_config_file(path)
             run_config = is_run_config(data, path)
             file_grid, run_options = sweep_config(parser, data, path)
+            # mlx-lm's lora config (its runs' keys), read as toymlx-train -c reads it, unless a
+            # recipe other than lora is asked for (then refused as toymlx-train refuses it)
+            mlx_lm = not run_config and is_mlx_lm_config(run_options, "recipe" in data)
             # argparse's "the following arguments are required: --recipe" said nothing of
             # the file that lacked it
-            if parser.get_default("recipe") is None and not any(
+            if not mlx_lm and parser.get_default("recipe") is None and not any(
                     a == "--recipe" or a.startswith("--recipe=") for a in argv):
                 raise ValueError(f"{path}: key 'recipe': expected the runs' recipe (recipe: "
                                  "from-scratch, or --recipe NAME), found none")
@@ -213,6 +278,9 @@ def _main(argv: list[str] | None) -> int:
     with readable_width():
         args, rest = parser.parse_known_args(argv)
     passthrough = rest + after
+    mlx_lm = mlx_lm and args.recipe in (None, "lora")
+    if mlx_lm:
+        args.recipe = "lora"
     try:
         if args.recipe is None:  # argparse's "the following arguments are required: --recipe"
             raise ValueError(f"--recipe: expected the runs' recipe (one of "
@@ -225,11 +293,13 @@ def _main(argv: list[str] | None) -> int:
                              "random_seed in a -c file), found no --random; give runs a "
                              "training seed with --grid seed=S, after `--`, or as seed in a -c "
                              "file")
-        if run_options:  # checked now, as toymlx-train -c would check it in every run
+        if mlx_lm:  # its keys checked, and the table shown, as toymlx-train -c shows it
+            _mlx_lm_table(run_options, path, passthrough, file_grid, args)
+        elif run_options:  # checked now, as toymlx-train -c would check it in every run
             check_sweep_typos(parser, get_recipe(args.recipe).Config, run_options, path)
             defaults_from_file(get_recipe(args.recipe).Config, run_options, path,
                                f"toymlx-train --recipe {args.recipe}")
-        axes = _axes(args, file_grid, path)
+        axes = _axes(args, file_grid, path, mlx_lm)
         if not axes:
             raise ValueError("--grid: expected at least one KEY=V1,V2 (e.g. --grid lr=1e-4,3e-4)"
                              + (f" or a grid in {path}" if path else ""))
@@ -242,7 +312,10 @@ def _main(argv: list[str] | None) -> int:
         else:
             specs = sweep.random(passthrough, axes, args.random, args.seed or 0,
                                  recipe=args.recipe)
-        inputs = _check_runs(args.recipe, specs, run_options, path, run_config)
+        inputs, notes = _check_runs(args.recipe, specs, run_options, path, run_config,
+                                    args.runs_root, mlx_lm)
+        for note in notes:  # as each run's toymlx-train says them (its log, naming the copy)
+            print(f"toymlx-sweep: {note}", file=sys.stderr)
         result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers,
                                  _shard(args.shard), args.sweep_id,
                                  retry_failed=not args.no_retry_failed,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import sys
-from typing import Any
 
 from toymlx_cli import console_streams, output_may_close, print_version
 from toymlx_cli.config_file import CONFIG_HELP
@@ -113,27 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     return status.code
 
 
-def _flags_given(argv: list[str]) -> dict[str, Any]:
-    """The command line's flags and their values as text (`--steps 2`, `--steps=2`; True for
-    a flag without one)."""
-    given: dict[str, Any] = {}
-    for i, a in enumerate(argv):
-        flag, eq, value = a.partition("=")
-        if flag.startswith("--"):
-            given[flag] = value if eq else (argv[i + 1] if i + 1 < len(argv)
-                                            and not argv[i + 1].startswith("--") else True)
-    return given
-
-
-def _over_the_file(rows: list[tuple], given: dict[str, Any]) -> list[tuple]:
-    """The mlx-lm table's rows with the options the command line also gives (`given`) shown as
-    given there (`--base GGUF -c F`: the GGUF, not the file's `model:`), as tyro will apply
-    them."""
-    return [(k, o, given[o], "command line, over the file") if o in given else (k, o, v, f)
-            for k, o, v, f in rows]
-
-
-
 def _main(argv: list[str] | None) -> int:
     from toymlx_cli.config_file import (
         defaults_from_file,
@@ -146,15 +124,11 @@ def _main(argv: list[str] | None) -> int:
         under_the_flags,
     )
     from toymlx_cli.mlx_lm_config import (
+        flags_given,
         is_mlx_lm_config,
         mlx_lm_error,
-        mlx_lm_keys,
-        mlx_lm_layers,
-        mlx_lm_layers_flag,
-        mlx_lm_mask_prompt,
-        mlx_lm_model,
-        mlx_lm_options,
-        mlx_lm_rank_given,
+        mlx_lm_parsed,
+        mlx_lm_read,
         mlx_lm_table,
     )
     from toymlx_cli.usage import UsageError, parse_options
@@ -168,7 +142,7 @@ def _main(argv: list[str] | None) -> int:
     if "--version" in argv:
         print_version()
         return 0
-    default, bundle, mlx_lm, keys = None, None, False, None
+    default, bundle, mlx_lm, in_file = None, None, False, {}
     # {flag: key} of the options a config file of options sets (not a run's config.json): given,
     # as the command line's flags are, and named by the file's key where a check refuses them
     file_keys: dict[str, str] = {}
@@ -192,17 +166,8 @@ def _main(argv: list[str] | None) -> int:
             recipe = recipe or file_recipe  # --recipe on the command line wins, as flags do
             if recipe in (None, "lora") and is_mlx_lm_config(options, file_recipe is not None):
                 recipe, mlx_lm = "lora", True  # mlx-lm's lora config, with mlx-lm's meaning
-                flags = frozenset(a.partition("=")[0] for a in rest if a.startswith("--"))
-                lora_params = options.get("lora_parameters")
-                keys = lora_params.get("keys") if isinstance(lora_params, dict) else None
                 in_file = options
-                options, rows, notes = mlx_lm_options(in_file, config_path, flags)
-                # after the keys' own checks: `modle` named as a misspelt key, not as no model
-                mlx_lm_model(in_file, config_path, flags)
-                given = _flags_given(rest)
-                options, rows = mlx_lm_rank_given(options, rows, None if "--lora.alpha"
-                                                  in given else given.get("--lora.rank"))
-                rows = _over_the_file(rows, given)
+                options, rows, notes = mlx_lm_read(in_file, config_path, rest)
                 print(f"{config_path}: read as mlx-lm's lora config:\n" + mlx_lm_table(rows))
         if resume:
             bundle = Bundle.open(resume, "--resume", given=_given_inputs(rest))
@@ -242,16 +207,10 @@ def _main(argv: list[str] | None) -> int:
     except UsageError as e:
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
-    if mlx_lm and not any(a.partition("=")[0] == mlx_lm_layers_flag(cfg) for a in rest):
-        cfg, note = mlx_lm_layers(cfg)  # the file's num_layers; the flag keeps toymlx's
-        if note:
-            notes.append(f"{config_path}: {note}")
     try:
-        if mlx_lm and not any(a.partition("=")[0] in ("--data.mask-prompt",
-                                                      "--data.no-mask-prompt") for a in rest):
-            mlx_lm_mask_prompt(cfg, config_path)
-        if mlx_lm and "--lora.targets" not in _flags_given(rest):  # else the flag's meaning
-            mlx_lm_keys(cfg, keys, config_path)
+        if mlx_lm:
+            cfg, more = mlx_lm_parsed(cfg, in_file, config_path, rest)
+            notes += more
     except ValueError as e:
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
@@ -260,7 +219,7 @@ def _main(argv: list[str] | None) -> int:
     return run_training(recipe, module, cfg, bundle, config_path, name_keys=(
         (lambda message: mlx_lm_error(message, rows, config_path)) if mlx_lm else
         (lambda message: file_key_error(message, file_keys, config_path)) if file_keys
-        else None), notes=notes, given=frozenset(_flags_given(rest)) | set(file_keys))
+        else None), notes=notes, given=frozenset(flags_given(rest)) | set(file_keys))
 
 
 if __name__ == "__main__":

@@ -607,3 +607,49 @@ def test_the_config_file_is_named_as_the_config_keyword(tmp_path):
     assert keyword_message("toymlx-train: error: -c/--config: expected one config file, found "
                            "a.yaml and b.yaml", {}, ["lora"]) == (
         "toymlx-train: error: config: expected one config file, found a.yaml and b.yaml")
+
+
+def test_the_commands_notes_are_told_in_the_keywords_train_takes(tmp_path, capsys):
+    """A note the run says at start (a default it keeps, a key of an mlx-lm file it does not
+    use) names the keywords `train` takes, through the translation its refusals use, where the
+    same note from toymlx-train names the flags."""
+    from toymlx_cli.train import main
+
+    import toymlx
+
+    toymlx.train("from-scratch", **TINY, warmup=5, lr=1e-3, runs_root=str(tmp_path),
+                 run_id="api")
+    assert main(["--recipe", "from-scratch", *option_flags(TINY), "--warmup", "5", "--lr", "1e-3",
+                 "--runs-root", str(tmp_path), "--run-id", "cli", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    note = ("toymlx-train: {warmup} is longer than {steps}: the learning rate is still warming up "
+            "when the run ends (2/5 of the way) and never reaches {lr}; lower {w} to reach it")
+    assert note.format(warmup="warmup=5", steps="steps=2", lr="lr=0.001", w="warmup") in \
+        out.splitlines()
+    assert note.format(warmup="--warmup 5", steps="--steps 2", lr="--lr 0.001", w="--warmup") in \
+        err.splitlines()
+    assert "--warmup" not in out
+    # an mlx-lm config (mlx_lm.lora -c's) whose adapter_path the run's own folder replaces
+    from toymlx.data.tokenizer import byte_tokenizer
+    from toymlx.gguf.llama import write_llama
+    from toymlx.models.llama import Llama, tiny
+
+    write_llama(tmp_path / "b.gguf", Llama(tiny(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                ffn_dim=48, context=64)),
+                byte_tokenizer().to_metadata())
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(
+        "".join(json.dumps({"text": f"row {i} " * 8}) + "\n" for i in range(8)))
+    config = tmp_path / "lora.yaml"
+    config.write_text(json.dumps({"model": str(tmp_path / "b.gguf"),
+                                  "data": str(tmp_path / "data"),
+                                  "iters": 1, "batch_size": 2, "max_seq_length": 32,
+                                  "adapter_path": "adapters", "num_layers": 1}))
+    toymlx.train(config=str(config), runs_root=str(tmp_path), run_id="m", compile=False)
+    assert main(["-c", str(config), "--runs-root", str(tmp_path), "--run-id", "m2",
+                 "--no-compile"]) == 0
+    out, err = capsys.readouterr()
+    note = (f"toymlx-train: {config}: key 'adapter_path': not used ({{}}, given, name the run's "
+            "folder)")
+    assert note.format("runs_root and run_id") in out.splitlines()
+    assert note.format("--runs-root and --run-id") in err.splitlines()

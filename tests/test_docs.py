@@ -200,7 +200,8 @@ def parse_sweep(args: list[str], files: dict[str, str]) -> None:
     if "--recipe" not in args and _file_recipe(config, files):
         args = ["--recipe", _file_recipe(config, files), *args]
     ns, rest = _quiet(_parser().parse_known_args, args)
-    parse_train(["--recipe", ns.recipe, *rest, *after], {})
+    # an mlx-lm config file names no recipe (lora's): as toymlx-train -c with none
+    parse_train([*(["--recipe", ns.recipe] if ns.recipe else []), *rest, *after], {})
 
 
 def parse_forward(module: str, args: list[str]) -> None:

@@ -1459,3 +1459,90 @@ def test_a_key_the_base_s_blocks_lack_is_one_line(tmp_path, capsys, key):
     # --lora.targets on the command line replaces the file's keys, with toymlx's meaning
     assert main(["-c", str(path), "--no-progress", "--no-compile", "--lora.targets", "q,router"]
                 ) == 0
+
+
+def _evals(run: Path) -> list[float]:
+    return [e["val_loss"] for e in read_events(run) if e["kind"] == "eval"]
+
+
+def _said(err: str, prog: str) -> list[str]:
+    """The notes `prog` printed (`prog: F: key ...`), less its name."""
+    return [x.removeprefix(f"{prog}: ") for x in err.splitlines() if x.startswith(f"{prog}: ")
+            and ": key '" in x]
+
+
+def test_a_sweep_over_an_mlx_lm_config_runs_what_toymlx_train_runs(tmp_path, base, data,
+                                                                   capsys):
+    """`toymlx-sweep -c F --grid ...` over mlx-lm's lora config: each run is `toymlx-train -c F`
+    with its grid values as flags (the same resolved options, a --lora.rank over the file
+    keeping mlx-lm's scale, the same losses), and the keys toymlx does not honour are told in
+    the same words; adapter_path gives way to the sweep's folder for each run, as to
+    --runs-root and --run-id given to toymlx-train."""
+    from toymlx_cli.sweep import main as sweep_main
+
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(base), "data": str(data), "iters": 2, "batch_size": 2,
+        "learning_rate": 1e-3, "num_layers": 1, "steps_per_eval": 2, "val_batches": 1,
+        "max_seq_length": 64, "trust_remote_code": True, "adapter_path": "adapters",
+        "lora_parameters": {"rank": 4, "scale": 10.0, "dropout": 0.0}}))
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4", "--grid", "lora.rank=2,8",
+                       "--runs-root", str(tmp_path / "sweeps"), "--sweep-id", "s",
+                       "--no-progress", "--no-report", "--no-compile"]) == 0
+    out, err = capsys.readouterr()
+    assert "mlx-lm" not in out  # stdout: the sweep's final table alone
+    assert err.startswith(f"{path}: read as mlx-lm's lora config:\n")
+    rows = {tuple(x.split()[:2]): x.split()[2:] for x in err.splitlines()}
+    assert rows[("learning_rate", "--lr")] == ["1e-4", "the", "sweep's", "grid,", "over", "the",
+                                               "file"]
+    swept = _said(err, "toymlx-sweep")
+    assert f"{path}: key 'trust_remote_code': not honoured (toymlx runs no model code from a " \
+           "repository)" in swept
+    for rank in (2, 8):
+        run = tmp_path / "sweeps" / "s" / f"lr=0.0001_lora.rank={rank}"
+        assert main(["-c", str(path), "--lr", "0.0001", "--lora.rank", str(rank),
+                     "--no-progress", "--no-compile", "--runs-root", str(tmp_path / "runs"),
+                     "--run-id", f"r{rank}"]) == 0
+        trained = _said(capsys.readouterr().err, "toymlx-train")
+        assert trained == swept  # the notes, word for word
+        alone = tmp_path / "runs" / f"r{rank}"
+        got, want = (json.loads((d / "config.json").read_text()) for d in (run, alone))
+        for saved in (got, want):
+            del saved["config"]["runs_root"], saved["config"]["run_id"]
+        assert got == want
+        assert got["config"]["lora"]["alpha"] == 10.0 * rank  # mlx-lm's scale, at any rank
+        assert _evals(run) == _evals(alone) and len(_evals(run)) == 2
+
+
+@pytest.mark.parametrize("key, value", [
+    ("hf_dataset", {"path": "mlx-community/wikisql"}),  # refused: it changes what is trained
+    ("train", False),
+])
+def test_an_mlx_lm_key_toymlx_cannot_honour_is_refused_by_the_sweep_as_by_toymlx_train(
+        tmp_path, base, data, capsys, key, value):
+    from toymlx_cli.sweep import main as sweep_main
+
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 2,
+                                    "max_seq_length": 64, key: value}))
+    assert main(["-c", str(path), "--lr", "1e-4", "--runs-root", str(tmp_path / "r")]) == 2
+    trained = error_line(capsys).removeprefix("toymlx-train: error: ")
+    assert trained.startswith(f"{path}: key {key!r}: expected ")
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root",
+                       str(tmp_path / "s")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {trained}"
+    assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
+
+
+def test_a_sweep_grid_key_spelt_as_mlx_lm_s_names_toymlx_s_option(tmp_path, base, data,
+                                                                   capsys):
+    from toymlx_cli.sweep import main as sweep_main
+
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 2,
+                                    "grid": {"learning_rate": [1e-4, 3e-4]}}))
+    assert sweep_main(["-c", str(path), "--runs-root", str(tmp_path / "s")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: {path}: key 'grid.learning_rate': expected an option of recipe "
+        "lora, found no option --learning-rate; mlx-lm's learning_rate is toymlx's --lr")
+    assert not (tmp_path / "s").exists()

@@ -12,7 +12,8 @@ its flags (`seq_len=256` is `--seq-len 256`, `data={"path": p}` is `--data.path 
 (`toymlx.runner.report.summarize_run`). Bad options are the command's own one-line error, raised as
 `OptionError` (a `ValueError`); a run that fails raises `TrainError` (a `RuntimeError`), naming its
 bundle; both are `toymlx.OptionError` and `toymlx.TrainError` too. Their messages, and Ctrl-C's,
-name the keywords `train` takes where the command's name its flags (`keyword_message`).
+name the keywords `train` takes where the command's name its flags (`keyword_message`), and so
+do the notes the run says as it starts (`toymlx-train: warmup=5 is longer than steps=2: ...`).
 
 Why a child process and not this one: MLX fixes some of its CPU set-up once per process, before
 toymlx can act, and a script that imported `mlx.core` first (every mlx-lm script, most
@@ -37,6 +38,7 @@ import sys
 import types
 import typing
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -117,7 +119,8 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
                          *(["--recipe", recipe] if recipe is not None else []),
                          *option_flags(options))
     before = _stamp(run_dir / "events.jsonl") if run_dir is not None else None
-    tail = _run_child(cmd, echo)
+    # the command's notes relayed as its refusals are raised: in the keywords `train` takes
+    tail = _run_child(cmd, echo, lambda note: keyword_message(note, options, [recipe]))
     if run_dir is None and (named := re.search(r"bundle: (.+)$", tail.last_line)):
         run_dir = Path(named.group(1))  # new to this call: a record there is the run's own
     summary = (summarize_run(run_dir) if run_dir is not None
@@ -366,15 +369,32 @@ tyro's own box), or the run's last line (`toymlx: diverged at step 3: ...`, a Tr
 step, Ctrl-C's too)."""
 
 
+NOTE = re.compile(r"toymlx(?:-train)?: ")
+"""How a line the command says in its own name starts (`toymlx-train: --warmup 10 (the recipe's
+default) is longer than --steps 3: ...`, a recipe's `toymlx: ...`): relayed in the keywords
+`train` takes (`_Output.said`), as its refusals are raised; a step's or a table's line as it
+is."""
+
+
 class _Output:
     """What `_run_child` keeps of the child's output: the exit status, the last line, why
     this process stopped it (None: it ran to its own end), and the lines it has held back
-    from the relay (`relay`)."""
+    from the relay (`relay`). `say`: how a note of the command (`NOTE`) is relayed (None: as
+    it is)."""
 
-    def __init__(self) -> None:
+    def __init__(self, say: Callable[[str], str] | None = None) -> None:
         self.returncode, self.last_line, self._buf = -1, "", b""
         self.stopped: BaseException | None = None
         self._partial, self.held = "", []
+        self.say = say
+
+    def said(self, line: str) -> str:
+        """`line` as the relay writes it: a note of the command through `say`, its line end
+        kept."""
+        if self.say is None or not NOTE.match(line):
+            return line
+        text = line.rstrip("\r\n")
+        return self.say(text) + line[len(text):]
 
     def relay(self, text: str, end: bool = False) -> None:
         """Write `text` of the child's output to `sys.stdout`, line by line (`end`: the last
@@ -391,7 +411,7 @@ class _Output:
                 self.held.append(line)
                 continue
             self.held, held = [], self.held
-            sys.stdout.write("".join(held) + line)
+            sys.stdout.write("".join(map(self.said, [*held, line])))
         sys.stdout.flush()
 
     def relay_held(self, told: str = "") -> None:
@@ -399,7 +419,7 @@ class _Output:
         text it is made from): nothing the child said is lost."""
         self.held, held = [], self.held
         if kept := [s for s in held if s.strip(" │╭╮╰╯─\r\n") not in told]:
-            sys.stdout.write("".join(kept))
+            sys.stdout.write("".join(map(self.said, kept)))
             sys.stdout.flush()
 
     def stop(self, child: subprocess.Popen, sig: int, why: BaseException) -> None:
@@ -425,7 +445,8 @@ class _Output:
         return " ".join(kept) or self.last_line
 
 
-def _run_child(cmd: list[str], echo: bool) -> _Output:
+def _run_child(cmd: list[str], echo: bool, say: Callable[[str], str] | None = None
+               ) -> _Output:
     """Run `cmd` tied to this process (it stops if this one dies), its stdout and stderr relayed
     to `sys.stdout` (a notebook's cell output too) a line as it comes (a refusal and the run's
     last line held back: `_Output.relay`), and return once it has ended.
@@ -437,8 +458,9 @@ def _run_child(cmd: list[str], echo: bool) -> _Output:
     other failure to relay as a
     Ctrl-C: the run checkpoints and ends, its output still read (a child left writing into a
     pipe nobody reads would hang, holding its bundle's lock); `_Output.stopped` then holds what
-    `train` raises (KeyboardInterrupt, BrokenPipeError, the relay's error)."""
-    out, text = _Output(), codecs.getincrementaldecoder("utf-8")(errors="replace")
+    `train` raises (KeyboardInterrupt, BrokenPipeError, the relay's error). `say`: how the
+    command's notes are relayed (`_Output.said`)."""
+    out, text = _Output(say), codecs.getincrementaldecoder("utf-8")(errors="replace")
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env=child_env(), start_new_session=True)
     assert child.stdout is not None
