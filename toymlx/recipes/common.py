@@ -110,7 +110,7 @@ def settle_context(cfg: Any) -> None:
     """A text recipe's (from-scratch, warm-start) new run: give --model.context, where not
     given, the run's --seq-len. Its blocks start from random init, so no RoPE position past the
     window is ever trained, and its checkpoints' llama.context_length (llama.cpp's n_ctx_train,
-    the context Ollama and LM Studio offer) says so rather than the preset's 1,024. config.json
+    the context Ollama cuts num_ctx to) says so rather than the preset's 1,024. config.json
     records the value taken, so a resume, and a run recorded before it (the preset's then),
     keeps its own."""
     if cfg.model.context is None:
