@@ -324,7 +324,7 @@ def test_val_batches_targets_never_overlap(n, seq_len, batch_size, max_batches):
 # ---- a folder of text files: one text, each file a document ended by the tokenizer's EOS ----
 def _book(tmp_path):
     """A folder of a user's text files: two chapters, one in a subfolder, a suffix in capitals,
-    beside a hidden file and an image that are not text to train on."""
+    beside a hidden file, a hidden folder's copy and an image, none of them text to train on."""
     folder = tmp_path / "my book"
     (folder / "part 2").mkdir(parents=True)
     texts = {"b.txt": "Chapter two.\n", "a.md": "# Chapter one\n\nIt was a dark night.",
@@ -332,6 +332,8 @@ def _book(tmp_path):
     for name, text in texts.items():
         (folder / name).write_text(text, encoding="utf-8")
     (folder / ".notes.txt").write_text("hidden\n")
+    (folder / ".ipynb_checkpoints").mkdir()  # Jupyter's copy of a note it opened
+    (folder / ".ipynb_checkpoints" / "a-checkpoint.md").write_text("# Chapter one\n")
     (folder / "cover.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     return folder, texts
 

@@ -742,8 +742,10 @@ book's chapters): the text recipes read them as one text (`text_folder_files`)."
 def text_folder_files(path: str | Path) -> list[Path] | None:
     """The files a data folder without a train file is read as, one text (from-scratch,
     warm-start): every file below it (its subfolders too, as `names_below` walks them) whose
-    suffix is one of `TEXT_SUFFIXES`, hidden names skipped, sorted by path: the files
-    `fingerprint` covers with `split_files_read`'s `only`. None for a single file or an mlx-lm
+    suffix is one of `TEXT_SUFFIXES`, sorted by path, hidden names skipped, and what hidden
+    folders hold (Jupyter's .ipynb_checkpoints/ copies of the notes, .git/): the files
+    `fingerprint` covers with `split_files_read`'s `only`, less those in hidden folders (an
+    edit there stops a resume too, naming the file). None for a single file or an mlx-lm
     data folder (a train file there); DataError (one line) for a folder with no text file
     (`data_files`' error, naming what it holds) or with a .jsonl, .csv or .tsv file beside its
     text files, which would not be read."""
@@ -754,12 +756,12 @@ def text_folder_files(path: str | Path) -> list[Path] | None:
         below = list(names_below(path))
     except ValueError as e:  # a link back up the tree
         raise DataError(str(e)) from None
-    files = sorted(p for p in below if p.suffix.lower() in TEXT_SUFFIXES
-                   and not p.name.startswith("."))
+    shown = [p for p in below if not any(part.startswith(".")
+                                         for part in p.relative_to(path).parts)]
+    files = sorted(p for p in shown if p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
         data_files(path)  # raises, naming what the folder holds
-    unread = sorted(p for p in below if p.suffix.lower() in (".jsonl", *TABLES)
-                    and not p.name.startswith("."))
+    unread = sorted(p for p in shown if p.suffix.lower() in (".jsonl", *TABLES))
     if unread:
         raise DataError(f"{unread[0]}: data folder of text files: expected only text files "
                         f"({', '.join(TEXT_SUFFIXES)}) or {FOLDER_FILES}, found "
