@@ -295,7 +295,7 @@ def check_run_data(bundle, split: str) -> None:
     the data given with --data.path instead is scored as it is."""
     from toymlx.bundle.inputs import DATA_FILES_KEY, changed_part, data_reads, same_data
     from toymlx.bundle.options import option
-    from toymlx.data.chat import data_files
+    from toymlx.data.chat import data_files, text_folder_files
 
     data = getattr(bundle.config, "data", None)
     def given(key: str) -> bool:  # --data.test-path or --data.val-path, where the run gave one
@@ -317,9 +317,10 @@ def check_run_data(bundle, split: str) -> None:
                                  "now: --data.path PATH")
             continue
         path = Path(path)
-        part = None  # only the split's own file of a text or chat folder is read
+        part = None  # only the split's own file of a text or chat folder is read (a folder
+        # of text files is one text, whose validation split is its end)
         if key == "data.path" and path.is_dir() and bundle.recipe != "vit-tiny" \
-                and split != "all":
+                and split != "all" and text_folder_files(path) is None:
             part = getattr(data_files(path), "test" if split == "test" else "valid")
         parts = rec.get("files")
         # a folder's other files (train.jsonl) may change freely
@@ -594,11 +595,14 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
 
 
 def chat_records(path: str) -> bool:
-    """Whether --data.path (a file, or a data folder's train.jsonl) holds chat/SFT examples:
-    prompt/completion, messages, or their peers' layouts (ShareGPT, Alpaca, a table of them).
+    """Whether --data.path (a file, or a data folder's train.jsonl; a folder of text files
+    never) holds chat/SFT examples: prompt/completion, messages, or their peers' layouts
+    (ShareGPT, Alpaca, a table of them).
     A Llama scores those as `evaluate_chat` does, never as the text of their JSON."""
-    from toymlx.data.chat import data_files, first_kind, is_plain_text
+    from toymlx.data.chat import data_files, first_kind, is_plain_text, text_folder_files
 
+    if text_folder_files(path) is not None:  # one text
+        return False
     f = data_files(path).train
     return not is_plain_text(f) and first_kind(f) != "text"
 

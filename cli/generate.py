@@ -491,11 +491,13 @@ class Window:
 
 def reading_window(model: str, context: int) -> Window:
     """The window `samples` keeps the text within: the run's trained window where `model` is a
-    from-scratch or warm-start run that recorded one shorter than the context (its checkpoints
-    carry the preset's longer context, but past --seq-len tokens the model reads positions it
-    never trained on and the text falls apart), else the model's context."""
+    from-scratch or warm-start run that recorded one no longer than the context (a run's
+    checkpoints carry --seq-len as their context, an older run's the preset's longer one, but
+    past --seq-len tokens the model reads positions it never trained on and the text falls
+    apart), else the model's context."""
     trained = trained_window(model)
-    return Window(trained, True) if trained is not None and trained < context else Window(context)
+    return Window(trained, True) if trained is not None and trained <= context else \
+        Window(context)
 
 
 def prompt_cut_note(n_prompt: int, window: Window) -> str | None:

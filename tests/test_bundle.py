@@ -403,7 +403,7 @@ def test_an_older_run_read_otherwise_than_its_record_says_is_refused(tmp_path, r
 
 @pytest.mark.parametrize("given,want", [
     ("folder", ("--data.read-as: expected a single --data.path file, found {path}, a data "
-                "folder (its files are always read as records)")),
+                "folder (mlx-lm's files are always read as records, text files as text)")),
     ("txt", ("--data.read-as records: expected a .jsonl, .json, .csv or .tsv --data.path (a "
              "file of records), found {path}; any other file is read as text")),
 ])

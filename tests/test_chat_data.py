@@ -1112,7 +1112,8 @@ def test_data_folder_without_train_jsonl_is_one_line(tmp_path):
 
 def test_data_folder_of_text_files_says_to_join_them(tmp_path):
     """A folder of notes (.txt, .md) as --data.path read only "expected train.jsonl ...,
-    found a.txt, b.md": the one text file it takes, and the command that makes it, named."""
+    found a.txt, b.md": the one text file it takes, and the command that makes it, named (the
+    text recipes read such a folder as one text; a fine-tune's examples are a file's)."""
     folder = tmp_path / "my notes"
     folder.mkdir()
     for name in ("b.md", "a.txt", "c.TXT", "d.png"):
@@ -1122,9 +1123,10 @@ def test_data_folder_of_text_files_says_to_join_them(tmp_path):
     assert str(e.value) == (f"{folder}: data folder: expected train.jsonl (required), "
                             "valid.jsonl and test.jsonl (optional) (mlx-lm's layout; .json, "
                             ".csv or .tsv in place of .jsonl), found a.txt, b.md, c.TXT, d.png; "
-                            "a folder of text files is not read as one text: join them into one "
-                            f"file (cat '{folder}'/*.TXT '{folder}'/*.md '{folder}'/*.txt > all.txt) and give "
-                            "--data.path all.txt")
+                            "a folder of text files is one text to from-scratch and warm-start, "
+                            f"not examples: join them into one file (cat '{folder}'/*.TXT "
+                            f"'{folder}'/*.md '{folder}'/*.txt > all.txt) and give --data.path "
+                            "all.txt")
 
 
 def test_a_data_folder_s_files_are_named_up_to_six(tmp_path):

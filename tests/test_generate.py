@@ -1464,6 +1464,9 @@ def test_a_checkpoint_out_of_its_run_keeps_its_training_window(tmp_path, stories
                         "--dtype", "f16"]) == 0
     for model in (lone, tmp_path / "x.gguf"):
         assert cli.reading_window(str(model), 1024) == cli.Window(16, trained=True)
+        # llama.cpp's n_ctx_train, Ollama's and LM Studio's context: the window trained, not
+        # the tiny preset's 1,024 (no RoPE position past 16 was ever trained)
+        assert GGUFFile(model).metadata["llama.context_length"] == 16
     assert cli.reading_window(str(stories_path), 2048) == cli.Window(2048)  # no such key
     capsys.readouterr()
     _, err = cli_tokens(["--model", str(lone), "--prompt", "Once", "--max-tokens", "20",

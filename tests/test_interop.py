@@ -288,6 +288,7 @@ def test_warm_start_checkpoint_logits_match_llamacpp(stories_path, shared_file, 
     ckpt = resolve_latest(tmp_path / "warm")
     g = GGUFFile(ckpt)
     assert g.tensors["token_embd.weight"].shape == (512, 32)  # table @ lens, folded
+    assert g.metadata["llama.context_length"] == 64  # the window trained (n_ctx_train here)
     model, tok = load_for_generation(ckpt)
     ids = tok.encode(TEXT)
     assert compare_logits(ckpt, "warm-start (pca lens, width 64 -> 32) logits", ids,

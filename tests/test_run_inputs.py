@@ -847,3 +847,41 @@ def test_every_text_recipe_records_an_mlx_lm_folder_s_split_files(tmp_path, reci
     cfg.data.path = str(data / "valid.jsonl")
     rec = data_files(cfg)[0]["data.path"]
     assert "only" not in rec and rec["bytes"] == 21
+
+
+def test_a_folder_of_text_files_is_recorded_resumed_and_scored_as_the_run_read_it(tmp_path,
+                                                                                  capsys):
+    """A from-scratch run on a folder of text files records each file (`only`: the text
+    suffixes; a notes.png beside them is not read), toymlx-eval of the run scores the
+    validation windows it scored (the folder read as one text again), and an edited chapter
+    blocks --resume naming it."""
+    from toymlx.data.chat import TEXT_SUFFIXES
+
+    book = tmp_path / "book"
+    (book / "part2").mkdir(parents=True)
+    (book / "ch1.txt").write_text("It was the best of times, it was the worst of times.\n" * 12)
+    (book / "part2" / "ch2.md").write_text("# Two\n\nA tale of two cities, told again.\n" * 12)
+    (book / "cover.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    run = tmp_path / "runs" / "r"
+    assert _cli("train")(["--recipe", "from-scratch", "--data.path", str(book), "--runs-root",
+                          str(tmp_path / "runs"), "--run-id", "r", "--model.d-model", "32",
+                          "--model.n-layers", "1", "--model.n-heads", "4", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0",
+                          "--checkpoint-every", "2", "--no-progress", "--no-compile",
+                          "--steps", "4", "--stop-at", "2"]) == 0
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    assert (rec["only"], sorted(rec["files"])) == (list(TEXT_SUFFIXES),
+                                                   ["ch1.txt", "part2/ch2.md"])
+    (book / "cover.png").write_bytes(b"\x89PNG\r\n\x1a\n another cover")
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0  # not read: no matter
+    assert _final_step(run) == 4
+    capsys.readouterr()
+    assert _cli("eval")(["--model", str(run)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["data"] == str(book)
+    assert got["val_loss"] == pytest.approx(run_eval(run, "val")["val_loss"], rel=1e-5)
+    with open(book / "part2" / "ch2.md", "a") as f:
+        f.write("An epilogue.\n")
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--steps", "6", "--no-progress"]) == 2
+    assert "part2/ch2.md changed (492 -> 505 bytes)); a resumed run trains on its own data" in \
+        error_line(capsys)

@@ -319,3 +319,92 @@ def test_val_batches_targets_never_overlap(n, seq_len, batch_size, max_batches):
         np.concatenate([b["targets"] for b in batches])[..., :-1],
         np.concatenate([b["inputs"] for b in batches])[..., 1:],
     )
+
+
+# ---- a folder of text files: one text, each file a document ended by the tokenizer's EOS ----
+def _book(tmp_path):
+    """A folder of a user's text files: two chapters, one in a subfolder, a suffix in capitals,
+    beside a hidden file, a hidden folder's copy and an image, none of them text to train on."""
+    folder = tmp_path / "my book"
+    (folder / "part 2").mkdir(parents=True)
+    texts = {"b.txt": "Chapter two.\n", "a.md": "# Chapter one\n\nIt was a dark night.",
+             "part 2/c.TXT": "Épilogue: fin.\n"}
+    for name, text in texts.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    (folder / ".notes.txt").write_text("hidden\n")
+    (folder / ".ipynb_checkpoints").mkdir()  # Jupyter's copy of a note it opened
+    (folder / ".ipynb_checkpoints" / "a-checkpoint.md").write_text("# Chapter one\n")
+    (folder / "cover.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    return folder, texts
+
+
+def test_a_folder_of_text_files_is_one_text_each_file_ended_by_eos(tmp_path):
+    """nanoGPT users give a folder of text files; it was refused with a `cat ... > all.txt`
+    line. Its files (sorted by path, subfolders too) are read as one text: each file's ids as a
+    file's (the byte tokenizer's <s> first), then </s>, by hand: [1] + (byte + 3)... + [2]; the
+    last --data.val-fraction of those ids is validation, as of one file's."""
+    from toymlx.recipes.common import TextData, load_token_data
+
+    folder, texts = _book(tmp_path)
+    want = []
+    for name in ("a.md", "b.txt", "part 2/c.TXT"):  # path order
+        want += [1, *(b + 3 for b in texts[name].encode("utf-8")), 2]
+    td = load_token_data(TextData(str(folder), 0.25), byte_tokenizer(), 8)
+    assert np.concatenate([td.train, td.val]).tolist() == want
+    assert len(td.val) == round(len(want) * 0.25) and td.source == str(folder)
+
+
+def test_a_folder_read_with_a_gguf_tokenizer_ends_each_file_with_its_eos(tmp_path, shared_file):
+    """GPT-2's vocabulary adds no BOS: each file's ids, then <|endoftext|> (50256), as
+    nanoGPT's prepare.py writes them; no BPE merge crosses a file's end."""
+    from toymlx.recipes.common import TextData, load_token_data
+
+    tok = Tokenizer.from_gguf(shared_file("tokenizers/ggml-vocab-gpt-2.gguf"))
+    assert (tok.add_bos, tok.eos_id) == (False, 50256)
+    folder, texts = _book(tmp_path)
+    want = []
+    for name in ("a.md", "b.txt", "part 2/c.TXT"):
+        want += [*tok.encode(texts[name]), 50256]
+    td = load_token_data(TextData(str(folder), 0.0), tok, 4)
+    assert td.train.tolist() == want and td.val.size == 0
+
+
+def test_a_utf16_file_in_a_text_folder_is_named(tmp_path):
+    from toymlx.recipes.common import TextData, load_token_data
+
+    folder, _ = _book(tmp_path)
+    bad = folder / "part 2" / "d.txt"
+    bad.write_bytes("Notepad's Unicode\n".encode("utf-16"))
+    with pytest.raises(DataError) as e:
+        load_token_data(TextData(str(folder)), byte_tokenizer(), 8)
+    assert str(e.value) == (f"{bad}: expected UTF-8 text, found UTF-16 text: re-save it as UTF-8 "
+                            f"(iconv -f UTF-16 -t UTF-8 {bad} > {folder / 'part 2' / 'd-utf8.txt'})")
+
+
+def test_a_text_folder_with_records_beside_its_texts_names_the_file_not_read(tmp_path):
+    from toymlx.recipes.common import TextData, load_token_data
+
+    folder, _ = _book(tmp_path)
+    (folder / "valid.jsonl").write_text('{"text": "held out"}\n')
+    with pytest.raises(DataError) as e:
+        load_token_data(TextData(str(folder)), byte_tokenizer(), 8)
+    assert str(e.value) == (
+        f"{folder / 'valid.jsonl'}: data folder of text files: expected only text files (.txt, "
+        ".md, .text, .markdown, .rst) or train.jsonl (required), valid.jsonl and test.jsonl "
+        "(optional) (mlx-lm's layout; .json, .csv or .tsv in place of .jsonl), found "
+        "valid.jsonl too, which would not be read; move it out, or name the records "
+        "train.jsonl (mlx-lm's layout)")
+
+
+def test_test_of_a_text_folder_says_it_has_no_test_split(tmp_path):
+    """--test scores a data folder's test.jsonl: a folder of text files is one text, no test
+    split (it read "expected train.jsonl ..., found a.md, b.txt" instead)."""
+    from toymlx.recipes.common import check_test_folder
+
+    folder, _ = _book(tmp_path)
+    with pytest.raises(ValueError) as e:
+        check_test_folder(str(folder))
+    assert str(e.value) == (
+        f"--test: expected --data.path to be a data folder with test.jsonl, found {folder}, a "
+        "folder of text files, one text with no test split (give a folder with train.jsonl and "
+        "test.jsonl, mlx-lm's layout)")

@@ -3,6 +3,7 @@ and (slow) warm start beating the same student from a random table."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -404,6 +405,27 @@ def test_a_chat_donor_s_template_stays_out_of_the_checkpoint(tmp_path, text_file
     assert "tokenizer.chat_template" not in meta
     assert meta["tokenizer.ggml.tokens"] == byte_tokenizer().to_metadata()[
         "tokenizer.ggml.tokens"]
+
+
+@pytest.mark.parametrize("context", [None, 48])
+def test_the_checkpoint_s_context_is_the_trained_window_unless_given(tmp_path, stories_path,
+                                                                     text_file, context):
+    """The student's blocks start from random init (only the table is the donor's), so no
+    position past --seq-len is trained: its llama.context_length, llama.cpp's n_ctx_train, is
+    the window (it was the tiny preset's 1,024), and config.json records it as
+    --model.context; a --model.context given is written as given. stories260K's own context
+    (2,048) is no student's."""
+    from toymlx_cli.train import main
+
+    given = [] if context is None else ["--model.context", str(context)]
+    assert main(["--recipe", "warm-start", "--donor", str(stories_path), *W32_FLAGS,
+                 "--seq-len", "32", "--batch-size", "2", "--steps", "1", "--warmup", "0",
+                 "--data.path", text_file, "--runs-root", str(tmp_path), "--run-id", "w",
+                 "--no-compile", "--no-progress", *given]) == 0
+    want = context or 32
+    assert GGUFFile(resolve_latest(tmp_path / "w")).metadata["llama.context_length"] == want
+    saved = json.loads((tmp_path / "w" / "config.json").read_text())
+    assert saved["config"]["model"]["context"] == want
 
 
 @pytest.mark.parametrize("tied", [True, False])

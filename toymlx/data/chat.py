@@ -55,7 +55,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import counted, json_fault, shortlist
+from toymlx.backend.files import counted, json_fault, names_below, shortlist
 from toymlx.backend.progress import pass_bar
 from toymlx.data.chat_template import REASONING_FIELDS, system_in_user, system_refused
 from toymlx.data.text import DataError, open_text
@@ -725,14 +725,49 @@ reads, so its record of its data covers these alone (not a README.md beside them
 
 
 def split_files_read(path: str | Path) -> tuple[str, ...] | None:
-    """The names of the files a run reads in the data folder `path` (`SPLIT_NAMES`, as
-    `toymlx.bundle.inputs.fingerprint`'s `only`); None for a single file (all of it)."""
-    return SPLIT_NAMES if Path(path).is_dir() else None
+    """The names of the files a run reads in the data folder `path`, as
+    `toymlx.bundle.inputs.fingerprint`'s `only`: an mlx-lm folder's `SPLIT_NAMES`, a folder of
+    text files' `TEXT_SUFFIXES` (`text_folder_files`); None for a single file (all of it)."""
+    if not Path(path).is_dir():
+        return None
+    mlx_lm = any((Path(path) / f"train{suffix}").exists() for suffix in SPLIT_SUFFIXES)
+    return SPLIT_NAMES if mlx_lm else TEXT_SUFFIXES
 
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".markdown", ".rst")
-"""Plain-text files that a data folder without a train file may hold (a user's notes, a
-book's chapters): its error says to join them into the one text file --data.path takes."""
+"""Plain-text files (any case) that a data folder without a train file holds (a user's notes, a
+book's chapters): the text recipes read them as one text (`text_folder_files`)."""
+
+
+def text_folder_files(path: str | Path) -> list[Path] | None:
+    """The files a data folder without a train file is read as, one text (from-scratch,
+    warm-start): every file below it (its subfolders too, as `names_below` walks them) whose
+    suffix is one of `TEXT_SUFFIXES`, sorted by path, hidden names skipped, and what hidden
+    folders hold (Jupyter's .ipynb_checkpoints/ copies of the notes, .git/): the files
+    `fingerprint` covers with `split_files_read`'s `only`, less those in hidden folders (an
+    edit there stops a resume too, naming the file). None for a single file or an mlx-lm
+    data folder (a train file there); DataError (one line) for a folder with no text file
+    (`data_files`' error, naming what it holds) or with a .jsonl, .csv or .tsv file beside its
+    text files, which would not be read."""
+    path = Path(path)
+    if not path.is_dir() or _split_file(path, "train") is not None:
+        return None
+    try:
+        below = list(names_below(path))
+    except ValueError as e:  # a link back up the tree
+        raise DataError(str(e)) from None
+    shown = [p for p in below if not any(part.startswith(".")
+                                         for part in p.relative_to(path).parts)]
+    files = sorted(p for p in shown if p.suffix.lower() in TEXT_SUFFIXES)
+    if not files:
+        data_files(path)  # raises, naming what the folder holds
+    unread = sorted(p for p in shown if p.suffix.lower() in (".jsonl", *TABLES))
+    if unread:
+        raise DataError(f"{unread[0]}: data folder of text files: expected only text files "
+                        f"({', '.join(TEXT_SUFFIXES)}) or {FOLDER_FILES}, found "
+                        f"{unread[0].relative_to(path)} too, which would not be read; move it "
+                        "out, or name the records train.jsonl (mlx-lm's layout)")
+    return files
 
 
 def data_files(path: str | Path) -> DataFiles:
@@ -749,8 +784,9 @@ def data_files(path: str | Path) -> DataFiles:
         texts = sorted({Path(n).suffix for n in found  # as written: a shell glob is exact
                         if Path(n).suffix.lower() in TEXT_SUFFIXES and not n.startswith(".")})
         globs = " ".join(f"{shlex.quote(str(path))}/*{suffix}" for suffix in texts)
-        join = ("" if not texts else "; a folder of text files is not read as one text: join "
-                f"them into one file (cat {globs} > all.txt) and give --data.path all.txt")
+        join = ("" if not texts else "; a folder of text files is one text to from-scratch "
+                f"and warm-start, not examples: join them into one file (cat {globs} > "
+                "all.txt) and give --data.path all.txt")
         raise DataError(f"{path}: data folder: expected {FOLDER_FILES}, found "
                         f"{shortlist(found, 6) or 'an empty folder'}{join}")
 

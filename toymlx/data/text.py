@@ -34,10 +34,16 @@ class DataError(ValueError):
 class Encoder(Protocol):
     """The part of `toymlx.data.tokenizer.Tokenizer` this module needs."""
 
+    source: str
+    """What names the tokenizer (its GGUF file)"""
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]: ...
 
     def encode_stream(self, texts: Iterable[str], add_bos: bool | None = None, *,
                       size: int | None = None, source: str | None = None) -> np.ndarray: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
 
 
 READ_BYTES = 1 << 22
@@ -261,6 +267,25 @@ def _counted(texts: Iterable[str], bar: Any) -> Iterator[str]:
             bar.update(len(text.encode("utf-8")))
 
 
+def _size(path: Path) -> int:
+    """A file's size for a bar's total (0 where it cannot be read: `open_text` says why)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def document_ids(path: Path, tokenizer: Encoder, bar: Any = None) -> np.ndarray:
+    """One file of a folder read as one text: its ids as `TokenData.from_file` encodes a file
+    (the tokenizer's default BOS first), then the tokenizer's EOS. That is the boundary between
+    documents llama.cpp's tokenizers give (Llama's `<s> ... </s>`) and nanoGPT's prepare.py
+    writes (GPT-2's `<|endoftext|>` after each), and what llama.cpp ends a generation on; no
+    BPE merge crosses it. `bar`: `_counted`'s, of the folder."""
+    size, texts = open_text(path)
+    ids = tokenizer.encode_stream(_counted(texts, bar), size=size, source=str(path))
+    return np.append(ids, np.array([tokenizer.eos_id], ids.dtype))
+
+
 @dataclass(frozen=True)
 class TokenData:
     """Train and validation token ids split from one id sequence (or each from its own file),
@@ -343,6 +368,23 @@ class TokenData:
         with _bar(path, size, progress) as bar:
             ids = tokenizer.encode_stream(_counted(texts, bar), size=size, source=str(path))
         return cls.from_ids(ids, seq_len, val_fraction, source=str(path), windows=windows)
+
+    @classmethod
+    def from_files(
+        cls, folder: str | Path, files: Sequence[Path], tokenizer: Encoder, seq_len: int,
+        val_fraction: float = 0.1, windows: bool = True, progress: bool = True,
+    ) -> TokenData:
+        """The text files `files` of a data folder (`chat.text_folder_files`) as one text, split
+        as one file's ids are (`from_ids`): `document_ids` of each in turn, under one bar for
+        the folder (`_bar`); DataError naming the tokenizer where it has no EOS."""
+        if tokenizer.eos_id is None:
+            raise DataError(f"{folder}: a folder of text files is read as one text, each file "
+                            f"ended by the tokenizer's EOS, found {tokenizer.source} without "
+                            "one (tokenizer.ggml.eos_token_id); join the files into one text "
+                            "file and give --data.path that file")
+        with _bar(folder, sum(_size(f) for f in files), progress) as bar:
+            ids = np.concatenate([document_ids(f, tokenizer, bar) for f in files])
+        return cls.from_ids(ids, seq_len, val_fraction, source=str(folder), windows=windows)
 
     def batch(
         self, step: int, seed: int, batch_size: int, seq_len: int, accum: int = 1

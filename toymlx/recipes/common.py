@@ -16,6 +16,7 @@ from toymlx.data.chat import (
     split_files_read,
     table_header,
     test_file,
+    text_folder_files,
 )
 from toymlx.data.text import DataError, TokenData
 from toymlx.models.checks import ArgsError
@@ -43,7 +44,9 @@ class LlamaOptions:
     ffn_dim: int | None = None
     """SwiGLU width (default: the preset's)."""
     context: int | None = None
-    """Context length written into checkpoints (default: the preset's)."""
+    """Context length written into checkpoints (llama.context_length, what llama.cpp, Ollama
+    and LM Studio take as the model's; default: --seq-len, the window it trains on: no
+    position past it is ever trained)."""
     rope_base: float | None = None
     """RoPE base (default: the preset's)."""
     tie_embeddings: bool | None = None
@@ -66,9 +69,11 @@ class TextData:
 
     path: str | None = None
     """A UTF-8 text file, a .jsonl file of {"text": ...} records (a .csv or .tsv: its text
-    column), or a folder in mlx-lm's layout: train.jsonl, optional valid.jsonl and test.jsonl
+    column), a folder in mlx-lm's layout: train.jsonl, optional valid.jsonl and test.jsonl
     (--test) of such records (or .csv, .tsv files of those names), each file's texts joined by
-    blank lines; default: the Python documentation topics that CPython ships."""
+    blank lines, or a folder of text files (.txt, .md, .text, .markdown, .rst, its subfolders'
+    too) read as one text in path order, each file ended by the tokenizer's EOS; default: the
+    Python documentation topics that CPython ships."""
     val_fraction: float = 0.1
     """Fraction of the tokens, taken from the end, held out for validation (not used when a
     data folder has valid.jsonl)."""
@@ -99,6 +104,24 @@ def settle_reading(cfg: Any) -> None:
     data = cfg.data
     if data.read_as is None and data.path is not None and not Path(data.path).is_dir():
         data.read_as = file_reading(Path(data.path))
+
+
+def settle_context(cfg: Any) -> None:
+    """A text recipe's (from-scratch, warm-start) new run: give --model.context, where not
+    given, the run's --seq-len. Its blocks start from random init, so no RoPE position past the
+    window is ever trained, and its checkpoints' llama.context_length (llama.cpp's n_ctx_train,
+    the context Ollama cuts num_ctx to) says so rather than the preset's 1,024. config.json
+    records the value taken, so a resume, and a run recorded before it (the preset's then),
+    keeps its own."""
+    if cfg.model.context is None:
+        cfg.model.context = cfg.seq_len
+
+
+def settle_text_run(cfg: Any) -> None:
+    """A text recipe's `settle`: the reading of its file (`settle_reading`) and its model's
+    context (`settle_context`), as a new run starts."""
+    settle_reading(cfg)
+    settle_context(cfg)
 
 
 def default_corpus() -> tuple[str, str]:
@@ -148,7 +171,8 @@ def check_text_column(path: Path) -> None:
 def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
                     windows: bool = True, progress: bool = True) -> TokenData:
     """The token ids of --data.path: the default corpus or a file, its records' texts or its
-    text as `data.read_as` says (validation: the last val_fraction), or an mlx-lm data folder
+    text as `data.read_as` says (validation: the last val_fraction), a folder of text files as
+    one text (`TokenData.from_files`; validation: as a file's), or an mlx-lm data folder
     (validation: valid.jsonl, else the last val_fraction of train.jsonl; with `test`,
     test.jsonl as the test ids). `windows`: `TokenData.from_ids`'s
     (training's check that each split holds a window; toymlx-eval checks the one it scores);
@@ -164,6 +188,9 @@ def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
                                       data.val_fraction, str(data.path), windows)
         return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction, windows,
                                    progress)
+    if (texts := text_folder_files(data.path)) is not None:
+        return TokenData.from_files(data.path, texts, tokenizer, seq_len, data.val_fraction,
+                                    windows, progress)
     files = data_files(data.path)
     ids = tokenizer.encode(records_text(files.train))
     if files.valid is None:
@@ -186,7 +213,8 @@ def check_reading(data: TextData) -> None:
         return
     if data.path is None or Path(data.path).is_dir():
         found = "no --data.path (the default data)" if data.path is None else \
-            f"{data.path}, a data folder (its files are always read as records)"
+            f"{data.path}, a data folder (mlx-lm's files are always read as records, text " \
+            "files as text)"
         raise ValueError(f"--data.read-as: expected a single --data.path file, found {found}")
     if data.read_as == "records" and file_reading(Path(data.path)) == "text":
         raise ValueError(f"--data.read-as records: expected a .jsonl, .json, .csv or .tsv "
@@ -198,12 +226,15 @@ def check_test_folder(path: str | None, flag: str = "--test") -> None:
     """`flag` (--test, or toymlx-eval's --split test) scores a data folder's test.jsonl: a
     ValueError naming it unless `path` is such a folder (no test set is split off a single
     file or the default data)."""
-    if path is not None and Path(path).is_dir() and data_files(path).test is not None:
+    texts = path is not None and text_folder_files(path) is not None
+    if path is not None and Path(path).is_dir() and not texts and \
+            data_files(path).test is not None:
         return
     give = "give a folder with train.jsonl and test.jsonl, mlx-lm's layout"
     found = (f"no --data.path (the default data has no test split: {give})" if path is None else
              f"{path}, a single file with no test split ({give})" if Path(path).is_file() else
-             str(path))
+             f"{path}, a folder of text files, one text with no test split ({give})" if texts
+             else str(path))
     raise ValueError(f"{flag}: expected --data.path to be a data folder with test.jsonl, "
                      f"found {found}")
 

@@ -31,7 +31,7 @@ from toymlx.recipes.common import (
     llama_model_info,
     lm_task,
     load_token_data,
-    settle_reading,
+    settle_text_run,
 )
 from toymlx.training.task import Task, TrainConfig
 
@@ -55,7 +55,7 @@ class Config(TrainConfig):
     event with split "test" (later: `toymlx-eval --model RUN --split test`)."""
 
 
-settle = settle_reading
+settle = settle_text_run
 """A new run's options that its inputs decide, given their values."""
 
 
