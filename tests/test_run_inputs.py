@@ -686,12 +686,30 @@ def _names_read(test: bool) -> list[str]:
     return [f"{s}{x}" for s in splits for x in (".jsonl", ".json", ".csv", ".tsv")]
 
 
+def _grown(path: Path) -> int:
+    """`path`'s size before a row of 21 bytes is added to it."""
+    was = path.stat().st_size
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    return was
+
+
+def _refused_for(capsys, run: Path, name: str, was: int, *flags: str) -> None:
+    """A --resume of `run` is refused naming the split file `name`, grown from `was` bytes."""
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), *flags, "--no-progress"]) == 2
+    assert error_line(capsys).endswith(
+        f": {name} changed ({was} -> {was + 21} bytes)); a resumed run trains on its own "
+        "data: restore it, or start a new run on this data")
+
+
 def test_an_mlx_lm_folder_s_record_covers_the_files_the_run_reads(tmp_path, capsys):
     """An mlx-lm data folder's fingerprint covered every file in it, so an edited README.md
     beside train/valid/test.jsonl (never read) blocked --resume; config.json then recorded the
     split files alone, test.jsonl too, whose edit blocked a run that never reads it (no
     --test). It now records train's and valid's names (`only`): a README.md or test.jsonl
-    edit resumes, and a train.jsonl edit is refused naming it."""
+    edit resumes (and `toymlx-eval --split test` scores the test.jsonl as it is), and a
+    train.jsonl edit is refused naming it."""
     data = mlx_lm_folder(tmp_path / "data")
     (data / "README.md").write_text("# my data\n")
     run = _stopped_lora_run(tmp_path, data)
@@ -703,9 +721,10 @@ def test_an_mlx_lm_folder_s_record_covers_the_files_the_run_reads(tmp_path, caps
     (data / "test.jsonl").write_text(json.dumps({"text": "another test set"}) + "\n")
     assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
     assert _final_step(run) == 4
-    was = (data / "train.jsonl").stat().st_size
-    with open(data / "train.jsonl", "a") as f:
-        f.write(json.dumps({"text": "one more"}) + "\n")
+    capsys.readouterr()  # never read by the run: toymlx-eval --split test scores it as it is
+    assert _cli("eval")(["--model", str(run), "--split", "test", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 1
+    was = _grown(data / "train.jsonl")
     now_size, now_sha = _folder_digest(data, READ)
     capsys.readouterr()
     assert _cli("train")(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
@@ -734,14 +753,7 @@ def test_a_run_of_test_records_test_jsonl_and_an_older_record_of_it_still_resume
     rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
     assert (rec["only"], sorted(rec["files"])) == (_names_read(True), SPLITS)
     assert (rec["bytes"], rec["sha256"]) == _folder_digest(tested, SPLITS)
-    was = (tested / "test.jsonl").stat().st_size
-    with open(tested / "test.jsonl", "a") as f:
-        f.write(json.dumps({"text": "one more"}) + "\n")
-    capsys.readouterr()
-    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 2
-    assert error_line(capsys).endswith(
-        f": test.jsonl changed ({was} -> {was + 21} bytes)); a resumed run trains on its own "
-        "data: restore it, or start a new run on this data")
+    _refused_for(capsys, run, "test.jsonl", _grown(tested / "test.jsonl"))
 
     older = mlx_lm_folder(tmp_path / "older" / "data")
     with monkeypatch.context() as m:  # reads_only as session 56 had it: every split's names
@@ -753,14 +765,7 @@ def test_a_run_of_test_records_test_jsonl_and_an_older_record_of_it_still_resume
     (older / "test.jsonl").write_text(json.dumps({"text": "another test set"}) + "\n")
     assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
     assert _final_step(run) == 4
-    was = (older / "train.jsonl").stat().st_size
-    with open(older / "train.jsonl", "a") as f:
-        f.write(json.dumps({"text": "one more"}) + "\n")
-    capsys.readouterr()
-    assert _cli("train")(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
-    assert error_line(capsys).endswith(
-        f": train.jsonl changed ({was} -> {was + 21} bytes)); a resumed run trains on its own "
-        "data: restore it, or start a new run on this data")
+    _refused_for(capsys, run, "train.jsonl", _grown(older / "train.jsonl"), "--steps", "5")
 
 
 def test_an_older_record_of_every_file_in_the_folder_still_resumes(tmp_path, capsys,
